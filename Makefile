@@ -1,0 +1,52 @@
+# ddp.h build. `make` builds the tools, examples, tests and benchmarks against the generated ddp.h;
+# `make test` runs every test and ends with "N passed, N failed".
+#   make test SAN=address    AddressSanitizer + UndefinedBehaviorSanitizer (build-address/)
+#   make test SAN=thread     ThreadSanitizer (build-thread/)
+#   make GPU=1               also build ddp_cuda.cu and the GPU programs with nvcc
+CC      ?= cc
+CXX     ?= c++
+SAN     ?=
+BUILD   ?= build$(if $(SAN),-$(SAN))
+WARN    := -Wall -Wextra -Werror -pedantic
+OPT     ?= -O2 -g
+CFLAGS  := -std=c99 $(WARN) $(OPT) -pthread -I.
+CXXFLAGS:= -std=c++17 $(WARN) $(OPT) -pthread -I.
+LDLIBS  := -lm
+ifeq ($(SAN),address)
+  SANFLAGS := -fsanitize=address,undefined -fno-omit-frame-pointer -fno-sanitize-recover=all
+endif
+ifeq ($(SAN),thread)
+  SANFLAGS := -fsanitize=thread
+endif
+
+TESTS    := $(patsubst tests/%.c,$(BUILD)/%,$(wildcard tests/test_*.c))
+EXAMPLES := $(patsubst examples/%.c,$(BUILD)/%,$(wildcard examples/*.c))
+BENCHES  := $(patsubst bench/%.c,$(BUILD)/%,$(wildcard bench/*.c))
+TOOLS    := $(BUILD)/ddprun
+
+.PHONY: all test clean header check
+all: $(TOOLS) $(TESTS) $(EXAMPLES) $(BENCHES)
+
+# The header is generated from src/; CI also checks that the committed copy is fresh.
+ddp.h: amalgamate.py $(wildcard src/*)
+	python3 amalgamate.py
+header: ddp.h
+check:
+	python3 amalgamate.py --check
+
+$(BUILD):
+	mkdir -p $(BUILD)
+$(BUILD)/ddprun: tools/ddprun.c ddp.h | $(BUILD)
+	$(CC) $(CFLAGS) $(SANFLAGS) -o $@ $< $(LDLIBS)
+$(BUILD)/test_%: tests/test_%.c tests/testlib.h ddp.h | $(BUILD)
+	$(CC) $(CFLAGS) $(SANFLAGS) -o $@ $< $(LDLIBS)
+$(BUILD)/%: examples/%.c ddp.h | $(BUILD)
+	$(CC) $(CFLAGS) $(SANFLAGS) -o $@ $< $(LDLIBS)
+$(BUILD)/%: bench/%.c ddp.h | $(BUILD)
+	$(CC) $(CFLAGS) $(SANFLAGS) -o $@ $< $(LDLIBS)
+
+test: all
+	BUILD=$(BUILD) SAN=$(SAN) tests/run_tests.sh
+
+clean:
+	rm -rf build build-address build-thread

@@ -1,0 +1,217 @@
+/* [SECTION] api: version, results, dtypes, ops, logging, groups, collectives, store, launch */
+/* The implementation uses POSIX and Linux calls (sockets, poll, fork, futex, mmap). Feature macros work
+   only before the first system header, so the file that defines DDP_IMPLEMENTATION must include ddp.h
+   before any system header (or be compiled with -D_GNU_SOURCE). */
+#if defined(DDP_IMPLEMENTATION) && !defined(_GNU_SOURCE)
+#define _GNU_SOURCE
+#endif
+#include <stddef.h>
+#include <stdint.h>
+
+#define DDP_VERSION_MAJOR 0
+#define DDP_VERSION_MINOR 1
+#define DDP_VERSION_PATCH 0
+/* One number for compile-time checks: ddp_cuda.cu refuses to build against a header with another. */
+#define DDP_VERSION_NUMBER (DDP_VERSION_MAJOR * 10000 + DDP_VERSION_MINOR * 100 + DDP_VERSION_PATCH)
+
+#ifndef DDP_API
+#if defined(DDP_STATIC) && (defined(__GNUC__) || defined(__clang__))
+#define DDP_API static __attribute__((unused))
+#elif defined(DDP_STATIC)
+#define DDP_API static
+#else
+#define DDP_API extern
+#endif
+#endif
+
+/* Every fallible call returns a ddp_result. DDP_SUCCESS is 0; errors are negative. The detailed,
+   human-readable message (which rank, which operation, which sizes, what to do) is in
+   ddp_last_error(group), or ddp_last_error(NULL) for calls made without a group. */
+typedef enum ddp_result {
+    DDP_SUCCESS = 0,
+    DDP_ERR_INVALID_ARGUMENT = -1, /* a bad argument or descriptor field; the message names it */
+    DDP_ERR_UNSUPPORTED = -2,      /* a valid request that this build, backend or dtype cannot do */
+    DDP_ERR_OUT_OF_MEMORY = -3,
+    DDP_ERR_SYSTEM = -4,           /* an operating-system call failed; the message has errno's text */
+    DDP_ERR_TIMEOUT = -5,          /* a peer (or the store) did not answer within the group's timeout */
+    DDP_ERR_PEER_LOST = -6,        /* a peer process exited or its connection dropped; the message names it */
+    DDP_ERR_MISMATCH = -7,         /* ranks disagree: different collective, count, dtype, root, model, ... */
+    DDP_ERR_STATE = -8,            /* a call in the wrong state: broken group, reducer misuse, ... */
+    DDP_ERR_FORMAT = -9,           /* malformed file or message */
+    DDP_ERR_IO = -10,              /* a file could not be read, written or synced */
+    DDP_ERR_INIT = -11,            /* rendezvous failed: bad environment, unreachable master, port in use, ... */
+    DDP_ERR_WORKER_FAILED = -12    /* ddp_spawn / ddprun: a worker process failed; the message says how */
+} ddp_result;
+
+/* Element types. DDP_DTYPE_DEFAULT (0) exists so that zero-initialised descriptors mean "the natural
+   type" (for example, the reducer's comm_dtype); collectives reject it. */
+typedef enum ddp_dtype {
+    DDP_DTYPE_DEFAULT = 0,
+    DDP_F32,
+    DDP_F64,
+    DDP_F16,  /* IEEE binary16; reduced in f32, rounded to nearest even */
+    DDP_BF16, /* bfloat16; reduced in f32, rounded to nearest even */
+    DDP_I8,
+    DDP_U8,
+    DDP_I32,
+    DDP_I64,
+    DDP_DTYPE_COUNT
+} ddp_dtype;
+
+/* Reduction operators. On integer types SUM and PROD wrap around (two's complement), and AVG is the
+   wrapped SUM divided by the number of ranks, truncated toward zero (as NCCL's ncclAvg). */
+typedef enum ddp_op { DDP_SUM = 0, DDP_AVG, DDP_PROD, DDP_MIN, DDP_MAX, DDP_OP_COUNT } ddp_op;
+
+typedef enum ddp_log_level {
+    DDP_LOG_DEFAULT = 0, /* in descriptors: DDP_LOG_LEVEL from the environment, else DDP_LOG_WARN */
+    DDP_LOG_NONE,
+    DDP_LOG_ERROR,
+    DDP_LOG_WARN,
+    DDP_LOG_INFO,
+    DDP_LOG_DEBUG
+} ddp_log_level;
+
+/* A log callback receives each message that passes the level, without the "[ddp rank N]" prefix. */
+typedef void (*ddp_log_fn)(ddp_log_level level, int rank, const char *message, void *user);
+
+typedef struct ddp_group ddp_group; /* a set of ranks that run collectives together */
+typedef struct ddp_work ddp_work;   /* a handle on an asynchronous collective */
+typedef struct ddp_store ddp_store; /* the rendezvous key-value store (PyTorch's TCPStore) */
+
+/* ddp_init's descriptor. Zero-initialised (or a NULL pointer) means: everything from the launcher's
+   environment. Fields left 0 or NULL keep their default.
+
+   Where rank and world size come from, first match wins:
+     1. the descriptor, when world_size > 0
+     2. torchrun / ddprun:  RANK, WORLD_SIZE (LOCAL_RANK, LOCAL_WORLD_SIZE)
+     3. Open MPI:           OMPI_COMM_WORLD_RANK, OMPI_COMM_WORLD_SIZE (..._LOCAL_RANK, ..._LOCAL_SIZE)
+     4. MPICH / Hydra:      PMI_RANK, PMI_SIZE (MPI_LOCALRANKID)
+     5. SLURM (srun):       SLURM_PROCID, SLURM_NTASKS (SLURM_LOCALID)
+     6. nothing set:        a single process, rank 0 of world size 1
+   The master (rank 0's store) is init_method "tcp://host:port", else the descriptor's
+   master_addr/master_port, else MASTER_ADDR/MASTER_PORT, else (under mpirun/srun on one host)
+   127.0.0.1 with a port derived from the job id. Under SLURM, MASTER_ADDR defaults to the first host of
+   SLURM_NODELIST. init_method "file:///path" puts the store in a file on a shared filesystem instead. */
+typedef struct ddp_init_desc {
+    const char *backend;     /* NULL or "auto": the default backend (cpu); "cpu", "nccl", "mpi" */
+    const char *init_method; /* NULL or "env://"; "tcp://host:port"; "file:///path/to/store" */
+    int world_size;          /* > 0: use rank and world_size from here instead of the environment */
+    int rank;
+    const char *master_addr; /* NULL: MASTER_ADDR */
+    int master_port;         /* 0: MASTER_PORT */
+    double timeout_seconds;  /* 0: DDP_TIMEOUT from the environment, else 300 */
+    ddp_log_level log_level; /* DDP_LOG_DEFAULT: DDP_LOG_LEVEL from the environment, else warn */
+    ddp_log_fn log_fn;       /* NULL: stderr with a "[ddp rank N]" prefix */
+    void *log_user;
+} ddp_init_desc;
+
+/* ddp_init: join the process group. Collective: every rank of the world calls it.
+   Parameters: desc (NULL = all defaults), out (receives the group).
+   Return: DDP_SUCCESS, or DDP_ERR_INIT / DDP_ERR_TIMEOUT / DDP_ERR_MISMATCH /
+           DDP_ERR_INVALID_ARGUMENT with ddp_last_error(NULL) saying why.
+   Thread safety: call from one thread. */
+DDP_API ddp_result ddp_init(const ddp_init_desc *desc, ddp_group **out);
+
+/* ddp_destroy: finish outstanding async work, say goodbye to the peers, free the group.
+   Collective on the group (all ranks call it). Subgroups made from g must be destroyed first.
+   Returns the first error met while finishing, but always frees. NULL is a no-op. */
+DDP_API ddp_result ddp_destroy(ddp_group *g);
+
+/* ddp_new_group: a subgroup of g with the listed ranks of g (like torch.distributed.new_group).
+   Collective on g: every rank of g calls it with the same list. A rank not in the list gets
+   *out = NULL and DDP_SUCCESS. The subgroup's ranks are numbered in the order of `ranks`. */
+DDP_API ddp_result ddp_new_group(ddp_group *g, const int *ranks, int n, ddp_group **out);
+
+DDP_API int ddp_rank(const ddp_group *g);             /* this process's rank in g */
+DDP_API int ddp_world_size(const ddp_group *g);       /* number of ranks in g */
+DDP_API int ddp_local_rank(const ddp_group *g);       /* rank among g's ranks on this host */
+DDP_API int ddp_local_world_size(const ddp_group *g); /* number of g's ranks on this host */
+DDP_API const char *ddp_backend_name(const ddp_group *g);
+DDP_API double ddp_timeout(const ddp_group *g);       /* seconds a blocked operation waits */
+
+/* The message of the last failed call on g (on this thread when g is NULL). Never NULL. */
+DDP_API const char *ddp_last_error(const ddp_group *g);
+DDP_API const char *ddp_result_string(ddp_result r); /* "DDP_ERR_TIMEOUT: ..." */
+DDP_API const char *ddp_dtype_name(ddp_dtype t);     /* "f32", ...; "?" when out of range */
+DDP_API size_t ddp_dtype_size(ddp_dtype t);          /* bytes per element; 0 when out of range */
+DDP_API const char *ddp_op_name(ddp_op op);          /* "sum", ...; "?" when out of range */
+DDP_API int ddp_version(void);                       /* DDP_VERSION_NUMBER of the implementation */
+
+/* f16 and bf16 conversions, rounding to nearest even (NaN stays NaN, overflow gives infinity). */
+DDP_API float ddp_f16_to_f32(uint16_t h);
+DDP_API uint16_t ddp_f32_to_f16(float f);
+DDP_API float ddp_bf16_to_f32(uint16_t b);
+DDP_API uint16_t ddp_f32_to_bf16(float f);
+
+/* ---- Collectives (torch.distributed.*) -------------------------------------------------------
+   Every rank of the group calls the same collective, in the same order, with the same count, dtype,
+   op and root. A difference is DDP_ERR_MISMATCH on every rank, naming both sides. A peer that dies is
+   DDP_ERR_PEER_LOST (naming it) on every rank; a peer that stops answering is DDP_ERR_TIMEOUT.
+   After such an error the group is broken: later calls return DDP_ERR_STATE; destroy it.
+   count is in elements; count 0 is allowed and still synchronises. In-place: pass the same pointer
+   (all_gather / reduce_scatter: send may alias this rank's slice of recv, or recv itself).
+   Thread safety: a group's collectives must be issued from one thread at a time, in one order. */
+
+/* buf <- op over all ranks' buf */
+DDP_API ddp_result ddp_all_reduce(ddp_group *g, void *buf, size_t count, ddp_dtype t, ddp_op op);
+/* buf <- root's buf */
+DDP_API ddp_result ddp_broadcast(ddp_group *g, void *buf, size_t count, ddp_dtype t, int root);
+/* root's buf <- op over all ranks' buf; other ranks' buf is left unchanged */
+DDP_API ddp_result ddp_reduce(ddp_group *g, void *buf, size_t count, ddp_dtype t, ddp_op op, int root);
+/* recv[r*count_per_rank ...] <- rank r's send, for every r */
+DDP_API ddp_result ddp_all_gather(ddp_group *g, const void *send, void *recv, size_t count_per_rank,
+                                  ddp_dtype t);
+/* recv <- op over all ranks of send[rank*count_per_rank ...] */
+DDP_API ddp_result ddp_reduce_scatter(ddp_group *g, const void *send, void *recv, size_t count_per_rank,
+                                      ddp_dtype t, ddp_op op);
+/* returns when every rank has entered the barrier */
+DDP_API ddp_result ddp_barrier(ddp_group *g);
+
+/* Asynchronous variants: queue the collective and return at once. A progress thread runs queued
+   work in issue order. The buffers must stay valid and untouched until ddp_wait returns.
+   A synchronous collective issued after async ones runs after them. */
+DDP_API ddp_result ddp_all_reduce_async(ddp_group *g, void *buf, size_t count, ddp_dtype t, ddp_op op,
+                                        ddp_work **w);
+DDP_API ddp_result ddp_broadcast_async(ddp_group *g, void *buf, size_t count, ddp_dtype t, int root,
+                                       ddp_work **w);
+DDP_API ddp_result ddp_reduce_async(ddp_group *g, void *buf, size_t count, ddp_dtype t, ddp_op op, int root,
+                                    ddp_work **w);
+DDP_API ddp_result ddp_all_gather_async(ddp_group *g, const void *send, void *recv, size_t count_per_rank,
+                                        ddp_dtype t, ddp_work **w);
+DDP_API ddp_result ddp_reduce_scatter_async(ddp_group *g, const void *send, void *recv, size_t count_per_rank,
+                                            ddp_dtype t, ddp_op op, ddp_work **w);
+DDP_API ddp_result ddp_barrier_async(ddp_group *g, ddp_work **w);
+/* Block until w is complete; return its result and release w (its message is then in
+   ddp_last_error(group)). Call exactly once per handle. */
+DDP_API ddp_result ddp_wait(ddp_work *w);
+/* Nonzero when w is complete (ddp_wait will not block). Does not release w. */
+DDP_API int ddp_test(ddp_work *w);
+
+/* ---- Store (torch.distributed.TCPStore) ------------------------------------------------------
+   The key-value store every group rendezvouses through; programs may use it for their own keys
+   (keys starting with "ddp/" are the library's). Values are bytes. Blocking calls wait at most the
+   group's timeout. Thread safety: one thread at a time per store. */
+DDP_API ddp_store *ddp_group_store(ddp_group *g);
+DDP_API ddp_result ddp_store_set(ddp_store *s, const char *key, const void *value, size_t size);
+/* Waits until key exists; copies at most capacity bytes to value; *size = the value's full size. */
+DDP_API ddp_result ddp_store_get(ddp_store *s, const char *key, void *value, size_t capacity, size_t *size);
+/* Adds delta to the integer stored at key (created as 0) and returns the new value in *result. */
+DDP_API ddp_result ddp_store_add(ddp_store *s, const char *key, int64_t delta, int64_t *result);
+DDP_API ddp_result ddp_store_check(ddp_store *s, const char *key, int *exists);
+DDP_API ddp_result ddp_store_wait(ddp_store *s, const char *const *keys, int n, double timeout_seconds);
+DDP_API ddp_result ddp_store_delete(ddp_store *s, const char *key, int *deleted);
+DDP_API const char *ddp_store_last_error(const ddp_store *s);
+
+/* ---- Launching (torchrun, torch.multiprocessing.spawn) ---------------------------------------
+   ddp_spawn: fork nprocs processes on this host; each runs fn(rank, nprocs, arg) with RANK,
+   WORLD_SIZE, LOCAL_RANK, LOCAL_WORLD_SIZE, MASTER_ADDR and a free MASTER_PORT set, so ddp_init(NULL)
+   inside fn joins them. fn's return value is the process's exit code. When one fails (non-zero exit
+   or signal), the others get SIGTERM, then SIGKILL after a grace period.
+   Return: DDP_SUCCESS when every process exits 0, else DDP_ERR_WORKER_FAILED and
+   ddp_last_error(NULL) names the rank and how it failed. Call from a single-threaded parent. */
+DDP_API ddp_result ddp_spawn(int nprocs, int (*fn)(int rank, int world_size, void *arg), void *arg);
+
+/* ddp_launcher_main: the whole of ddprun (tools/ddprun.c is a main() around it). `ddprun --help`
+   lists the flags (torchrun's: --nproc-per-node, --nnodes, --node-rank, --master-addr,
+   --master-port, --standalone, --max-restarts). Returns the exit code for main. */
+DDP_API int ddp_launcher_main(int argc, char **argv);

@@ -1,0 +1,137 @@
+/* [SECTION] internal: includes, allocator hooks, private helpers and types shared by the pieces
+   Every private name starts with ddp__ and every private function is static: the implementation is
+   one translation unit. It compiles as C99 and as C++17, so casts from void * are explicit. */
+#include "ddp_api.h"
+
+#if defined(__GLIBC__) && !defined(__USE_GNU)
+#error "ddp.h: include ddp.h (with DDP_IMPLEMENTATION) before any system header, or compile with -D_GNU_SOURCE"
+#endif
+
+#include <arpa/inet.h>
+#include <assert.h>
+#include <errno.h>
+#include <fcntl.h>
+#include <float.h>
+#include <limits.h>
+#include <math.h>
+#include <netdb.h>
+#include <netinet/in.h>
+#include <netinet/tcp.h>
+#include <poll.h>
+#include <pthread.h>
+#include <signal.h>
+#include <stdarg.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/file.h>
+#include <sys/mman.h>
+#include <sys/socket.h>
+#include <sys/stat.h>
+#include <sys/syscall.h>
+#include <sys/time.h>
+#include <sys/types.h>
+#include <sys/wait.h>
+#include <time.h>
+#include <unistd.h>
+
+#if defined(DDP_MALLOC) && defined(DDP_REALLOC) && defined(DDP_FREE)
+/* all three given */
+#elif !defined(DDP_MALLOC) && !defined(DDP_REALLOC) && !defined(DDP_FREE)
+#define DDP_MALLOC(sz) malloc(sz)
+#define DDP_REALLOC(p, sz) realloc(p, sz)
+#define DDP_FREE(p) free(p)
+#else
+#error "ddp.h: define all of DDP_MALLOC, DDP_REALLOC and DDP_FREE, or none of them"
+#endif
+
+#ifndef DDP_ASSERT
+#define DDP_ASSERT(x) assert(x)
+#endif
+
+#ifdef __cplusplus
+#define DDP__THREAD_LOCAL thread_local
+#else
+#define DDP__THREAD_LOCAL __thread
+#endif
+
+#if defined(__GNUC__) || defined(__clang__)
+#define DDP__PRINTF(fmt_index, first_arg) __attribute__((format(printf, fmt_index, first_arg)))
+#define DDP__UNUSED __attribute__((unused))
+#else
+#define DDP__PRINTF(fmt_index, first_arg)
+#define DDP__UNUSED
+#endif
+
+#define DDP__ERR_MAX 1024 /* bytes of an error message, terminator included */
+#define DDP__MIN(a, b) ((a) < (b) ? (a) : (b))
+#define DDP__MAX(a, b) ((a) > (b) ? (a) : (b))
+
+/* ---- util.c: errors, logging, environment, time, memory ---- */
+/* Format a message into buf (DDP__ERR_MAX bytes) and return code: `return ddp__fail_to(...)`. */
+static DDP__UNUSED ddp_result ddp__fail_to(char *buf, ddp_result code, const char *fmt, ...) DDP__PRINTF(3, 4);
+/* The same, into g's last-error message (this thread's when g is NULL). */
+static DDP__UNUSED ddp_result ddp__fail(ddp_group *g, ddp_result code, const char *fmt, ...) DDP__PRINTF(3, 4);
+static DDP__UNUSED char *ddp__error_buffer(ddp_group *g); /* where ddp__fail(g, ...) writes */
+static DDP__UNUSED void ddp__log(const ddp_group *g, ddp_log_level level, const char *fmt, ...) DDP__PRINTF(3, 4);
+static DDP__UNUSED ddp_log_level ddp__env_log_level(void);
+/* Parse an environment variable as an integer in [lo, hi]. Returns 0 when unset (value untouched),
+   1 when set and valid, -1 when set but malformed (message in err). */
+static DDP__UNUSED int ddp__env_int(const char *name, long lo, long hi, long *value, char *err);
+static DDP__UNUSED const char *ddp__env(const char *name); /* NULL when unset or empty */
+static DDP__UNUSED double ddp__now(void);                  /* monotonic seconds */
+static DDP__UNUSED void *ddp__malloc(size_t size);         /* NULL on failure; size 0 allowed */
+static DDP__UNUSED void *ddp__calloc(size_t n, size_t size);
+static DDP__UNUSED void ddp__free(void *p);
+static DDP__UNUSED char *ddp__strdup(const char *s);
+static DDP__UNUSED void ddp__sleep(double seconds);
+
+/* ---- dtype.c ---- */
+static DDP__UNUSED int ddp__dtype_valid(ddp_dtype t);
+static DDP__UNUSED int ddp__op_valid(ddp_op op);
+static DDP__UNUSED int ddp__dtype_is_float(ddp_dtype t);
+/* dst[i] = dst[i] (op) src[i] for i < count; AVG reduces as SUM (the caller divides once at the end). */
+static DDP__UNUSED void ddp__reduce(void *dst, const void *src, size_t count, ddp_dtype t, ddp_op op);
+/* buf[i] /= n, the final step of AVG (truncating toward zero on integers). */
+static DDP__UNUSED void ddp__divide(void *buf, size_t count, ddp_dtype t, int n);
+
+/* ---- the group (group.c creates it, transport.c and collectives.c use it) ---- */
+
+/* One TCP connection to another member of the group. */
+typedef struct ddp__peer {
+    int fd;   /* -1 for this rank itself */
+    int gone; /* the connection was seen closed */
+} ddp__peer;
+
+struct ddp_group {
+    int rank, world_size;             /* this process in this group */
+    int local_rank, local_world_size; /* among this group's ranks on this host */
+    int *world_ranks;                 /* world_ranks[i]: member i's rank in the world group */
+    double timeout;                   /* seconds a blocked operation waits */
+    ddp_log_level log_level;
+    ddp_log_fn log_fn;
+    void *log_user;
+    const char *backend_name;
+    char error[DDP__ERR_MAX]; /* ddp_last_error(g) */
+
+    ddp_store *store;        /* shared with subgroups; the world group owns it */
+    int owns_store;
+    char prefix[96];         /* this group's store keys start with it */
+    ddp_group *parent;       /* NULL for the world group */
+    int live_subgroups;      /* subgroups not yet destroyed */
+    uint64_t subgroups_made; /* names the next subgroup's key prefix */
+
+    ddp__peer *peers;   /* world_size entries, indexed by rank in this group */
+    uint64_t seq;       /* collectives issued so far; carried in every message */
+    ddp_result broken;  /* set once a collective failed: every later call fails with it */
+    char broken_msg[DDP__ERR_MAX];
+    void *scratch;      /* staging memory for the algorithms, grown on demand */
+    size_t scratch_size;
+
+    /* async work: a FIFO run by one progress thread (collectives.c) */
+    pthread_mutex_t mu;
+    pthread_cond_t cv;
+    ddp_work *queue_head, *queue_tail;
+    int progress_running, progress_stop;
+    pthread_t progress;
+};

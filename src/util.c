@@ -1,0 +1,155 @@
+/* [SECTION] util: errors, logging, environment parsing, time, memory */
+#include "internal.h"
+
+static DDP__THREAD_LOCAL char ddp__thread_error[DDP__ERR_MAX];
+
+static ddp_result ddp__vfail_to(char *buf, ddp_result code, const char *fmt, va_list ap) {
+    vsnprintf(buf, DDP__ERR_MAX, fmt, ap);
+    return code;
+}
+
+static ddp_result ddp__fail_to(char *buf, ddp_result code, const char *fmt, ...) {
+    va_list ap;
+    va_start(ap, fmt);
+    ddp__vfail_to(buf, code, fmt, ap);
+    va_end(ap);
+    return code;
+}
+
+static ddp_result ddp__fail(ddp_group *g, ddp_result code, const char *fmt, ...) {
+    va_list ap;
+    va_start(ap, fmt);
+    ddp__vfail_to(ddp__error_buffer(g), code, fmt, ap);
+    va_end(ap);
+    ddp__log(g, DDP_LOG_DEBUG, "%s: %s", ddp_result_string(code), ddp__error_buffer(g));
+    return code;
+}
+
+DDP_API const char *ddp_result_string(ddp_result r) {
+    switch (r) {
+    case DDP_SUCCESS: return "DDP_SUCCESS";
+    case DDP_ERR_INVALID_ARGUMENT: return "DDP_ERR_INVALID_ARGUMENT: a bad argument";
+    case DDP_ERR_UNSUPPORTED: return "DDP_ERR_UNSUPPORTED: not supported by this build, backend or dtype";
+    case DDP_ERR_OUT_OF_MEMORY: return "DDP_ERR_OUT_OF_MEMORY: out of memory";
+    case DDP_ERR_SYSTEM: return "DDP_ERR_SYSTEM: an operating-system call failed";
+    case DDP_ERR_TIMEOUT: return "DDP_ERR_TIMEOUT: timed out";
+    case DDP_ERR_PEER_LOST: return "DDP_ERR_PEER_LOST: a peer process was lost";
+    case DDP_ERR_MISMATCH: return "DDP_ERR_MISMATCH: ranks disagree";
+    case DDP_ERR_STATE: return "DDP_ERR_STATE: called in the wrong state";
+    case DDP_ERR_FORMAT: return "DDP_ERR_FORMAT: malformed data";
+    case DDP_ERR_IO: return "DDP_ERR_IO: file input/output failed";
+    case DDP_ERR_INIT: return "DDP_ERR_INIT: process-group initialisation failed";
+    case DDP_ERR_WORKER_FAILED: return "DDP_ERR_WORKER_FAILED: a worker process failed";
+    }
+    return "unknown ddp_result";
+}
+
+DDP_API int ddp_version(void) { return DDP_VERSION_NUMBER; }
+
+/* ---- logging ---- */
+
+static ddp_log_level ddp__env_log_level(void) {
+    static const char *names[] = {"default", "none", "error", "warn", "info", "debug"};
+    const char *v = ddp__env("DDP_LOG_LEVEL");
+    int i;
+    if (!v) return DDP_LOG_WARN;
+    for (i = 1; i < (int)(sizeof names / sizeof names[0]); i++)
+        if (strcmp(v, names[i]) == 0) return (ddp_log_level)i;
+    if (strcmp(v, "warning") == 0) return DDP_LOG_WARN;
+    fprintf(stderr, "[ddp] DDP_LOG_LEVEL=%s is not one of none, error, warn, info, debug; using warn\n", v);
+    return DDP_LOG_WARN;
+}
+
+/* The group's logger decides; without a group, DDP_LOG_LEVEL and stderr. */
+static void ddp__log_emit(ddp_log_level threshold, ddp_log_fn fn, void *user, int rank, ddp_log_level level,
+                          const char *fmt, va_list ap) {
+    static const char *tags[] = {"", "", "error", "warning", "info", "debug"};
+    char msg[2 * DDP__ERR_MAX];
+    if (level > threshold || threshold == DDP_LOG_NONE) return;
+    vsnprintf(msg, sizeof msg, fmt, ap);
+    if (fn) {
+        fn(level, rank, msg, user);
+    } else if (rank >= 0) {
+        fprintf(stderr, "[ddp rank %d] %s: %s\n", rank, tags[level], msg);
+    } else {
+        fprintf(stderr, "[ddp] %s: %s\n", tags[level], msg);
+    }
+}
+
+static void ddp__log(const ddp_group *g, ddp_log_level level, const char *fmt, ...) {
+    va_list ap;
+    va_start(ap, fmt);
+    if (g)
+        ddp__log_emit(g->log_level, g->log_fn, g->log_user, g->rank, level, fmt, ap);
+    else
+        ddp__log_emit(ddp__env_log_level(), NULL, NULL, -1, level, fmt, ap);
+    va_end(ap);
+}
+
+static char *ddp__error_buffer(ddp_group *g) { return g ? g->error : ddp__thread_error; }
+
+DDP_API const char *ddp_last_error(const ddp_group *g) { return g ? g->error : ddp__thread_error; }
+
+/* ---- environment ---- */
+
+static const char *ddp__env(const char *name) {
+    const char *v = getenv(name);
+    return (v && *v) ? v : NULL;
+}
+
+static int ddp__env_int(const char *name, long lo, long hi, long *value, char *err) {
+    const char *v = ddp__env(name);
+    char *end = NULL;
+    long x;
+    if (!v) return 0;
+    errno = 0;
+    x = strtol(v, &end, 10);
+    while (end && (*end == ' ' || *end == '\n')) end++;
+    if (errno || end == v || *end != '\0' || x < lo || x > hi) {
+        ddp__fail_to(err, DDP_ERR_INIT, "environment variable %s=\"%s\" is not an integer in [%ld, %ld]; fix or unset it",
+                     name, v, lo, hi);
+        return -1;
+    }
+    *value = x;
+    return 1;
+}
+
+/* ---- time ---- */
+
+static double ddp__now(void) {
+    struct timespec ts;
+    clock_gettime(CLOCK_MONOTONIC, &ts);
+    return (double)ts.tv_sec + (double)ts.tv_nsec * 1e-9;
+}
+
+static void ddp__sleep(double seconds) {
+    struct timespec ts;
+    if (seconds <= 0) return;
+    ts.tv_sec = (time_t)seconds;
+    ts.tv_nsec = (long)((seconds - (double)ts.tv_sec) * 1e9);
+    while (nanosleep(&ts, &ts) != 0 && errno == EINTR) {
+    }
+}
+
+/* ---- memory ---- */
+
+static void *ddp__malloc(size_t size) { return DDP_MALLOC(size ? size : 1); }
+
+static void *ddp__calloc(size_t n, size_t size) {
+    void *p;
+    if (size && n > SIZE_MAX / size) return NULL;
+    p = ddp__malloc(n * size);
+    if (p && n * size > 0) memset(p, 0, n * size);
+    return p;
+}
+
+static void ddp__free(void *p) {
+    if (p) DDP_FREE(p);
+}
+
+static char *ddp__strdup(const char *s) {
+    size_t n = strlen(s) + 1;
+    char *d = (char *)ddp__malloc(n);
+    if (d) memcpy(d, s, n);
+    return d;
+}

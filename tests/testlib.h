@@ -1,0 +1,133 @@
+/* Test helpers. Include this first: it compiles the implementation of ddp.h into the test.
+   The multi-process runner here is the test's own (plain fork + environment), independent of the
+   library's launcher, so the library is never used to check itself. */
+#define DDP_IMPLEMENTATION
+#include "ddp.h"
+
+#include <errno.h>
+#include <math.h>
+#include <netinet/in.h>
+#include <signal.h>
+#include <stdint.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/socket.h>
+#include <sys/wait.h>
+#include <time.h>
+#include <unistd.h>
+
+/* CHECK(cond, "format", ...): on failure print where and why, and exit 1. */
+#define CHECK(cond, ...)                                                                      \
+    do {                                                                                      \
+        if (!(cond)) {                                                                        \
+            fprintf(stderr, "%s:%d: CHECK(%s) failed: ", __FILE__, __LINE__, #cond);          \
+            fprintf(stderr, __VA_ARGS__);                                                     \
+            fprintf(stderr, "\n");                                                            \
+            fflush(stderr);                                                                   \
+            exit(1);                                                                          \
+        }                                                                                     \
+    } while (0)
+
+/* CHECK_OK(call, group): the call must return DDP_SUCCESS; prints ddp_last_error(group) if not. */
+#define CHECK_OK(call, g)                                                                     \
+    do {                                                                                      \
+        ddp_result r_ = (call);                                                               \
+        CHECK(r_ == DDP_SUCCESS, "%s returned %d (%s): %s", #call, (int)r_, ddp_result_string(r_), \
+              ddp_last_error(g));                                                             \
+    } while (0)
+
+/* A TCP port that was free a moment ago (bind to port 0 and read what the kernel gave). */
+static int tl_free_port(void) {
+    struct sockaddr_in a;
+    socklen_t len = sizeof a;
+    int port, fd = socket(AF_INET, SOCK_STREAM, 0);
+    memset(&a, 0, sizeof a);
+    a.sin_family = AF_INET;
+    a.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+    if (fd < 0 || bind(fd, (struct sockaddr *)&a, sizeof a) != 0 || getsockname(fd, (struct sockaddr *)&a, &len) != 0) {
+        perror("tl_free_port");
+        exit(1);
+    }
+    port = ntohs(a.sin_port);
+    close(fd);
+    return port;
+}
+
+static double tl_now(void) {
+    struct timespec ts;
+    clock_gettime(CLOCK_MONOTONIC, &ts);
+    return (double)ts.tv_sec + (double)ts.tv_nsec * 1e-9;
+}
+
+/* Run fn(rank, n, arg) in n forked processes with torchrun's environment (RANK, WORLD_SIZE,
+   LOCAL_RANK, LOCAL_WORLD_SIZE, MASTER_ADDR=127.0.0.1, a free MASTER_PORT). Waits at most
+   timeout_s, then kills them all. Returns 0 when every process exited 0; otherwise prints which
+   did not and returns 1. fn's return value is the process's exit code. */
+static int tl_run_ranks(int n, int (*fn)(int rank, int n, void *arg), void *arg, double timeout_s) {
+    pid_t pids[256];
+    int status[256], done = 0, failed = 0, i;
+    char port[16];
+    double deadline = tl_now() + timeout_s;
+    if (n > 256) return 1;
+    snprintf(port, sizeof port, "%d", tl_free_port());
+    fflush(stdout);
+    fflush(stderr);
+    for (i = 0; i < n; i++) {
+        pids[i] = fork();
+        if (pids[i] == 0) {
+            char v[16];
+            snprintf(v, sizeof v, "%d", i);
+            setenv("RANK", v, 1);
+            setenv("LOCAL_RANK", v, 1);
+            snprintf(v, sizeof v, "%d", n);
+            setenv("WORLD_SIZE", v, 1);
+            setenv("LOCAL_WORLD_SIZE", v, 1);
+            setenv("MASTER_ADDR", "127.0.0.1", 1);
+            setenv("MASTER_PORT", port, 1);
+            fflush(stdout);
+            _exit(fn(i, n, arg));
+        }
+        status[i] = -1;
+    }
+    while (done < n) {
+        int st;
+        pid_t p = waitpid(-1, &st, WNOHANG);
+        if (p > 0) {
+            for (i = 0; i < n; i++)
+                if (pids[i] == p) status[i] = st;
+            done++;
+            continue;
+        }
+        if (tl_now() > deadline) {
+            fprintf(stderr, "tl_run_ranks: timed out after %.0f s; killing the ranks still running:", timeout_s);
+            for (i = 0; i < n; i++)
+                if (status[i] == -1) {
+                    fprintf(stderr, " %d", i);
+                    kill(pids[i], SIGKILL);
+                }
+            fprintf(stderr, "\n");
+            deadline = tl_now() + 1e9;
+            failed = 1;
+            continue;
+        }
+        usleep(2000);
+    }
+    for (i = 0; i < n; i++) {
+        if (WIFEXITED(status[i]) && WEXITSTATUS(status[i]) == 0) continue;
+        failed = 1;
+        if (WIFEXITED(status[i]))
+            fprintf(stderr, "tl_run_ranks: rank %d exited with code %d\n", i, WEXITSTATUS(status[i]));
+        else if (WIFSIGNALED(status[i]))
+            fprintf(stderr, "tl_run_ranks: rank %d killed by signal %d\n", i, WTERMSIG(status[i]));
+    }
+    return failed;
+}
+
+/* Deterministic pseudo-random numbers for test data (splitmix64). */
+static uint64_t tl_rand(uint64_t *state) {
+    uint64_t z = (*state += 0x9E3779B97F4A7C15ull);
+    z = (z ^ (z >> 30)) * 0xBF58476D1CE4E5B9ull;
+    z = (z ^ (z >> 27)) * 0x94D049BB133111EBull;
+    return z ^ (z >> 31);
+}
