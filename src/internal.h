@@ -135,3 +135,12 @@ struct ddp_group {
     int progress_running, progress_stop;
     pthread_t progress;
 };
+
+/* ---- net.c: TCP with deadlines (absolute ddp__now() seconds); messages go to err ---- */
+static DDP__UNUSED ddp_result ddp__net_listen(const char *host, int port, int *fd, int *bound_port, char *err);
+static DDP__UNUSED ddp_result ddp__net_connect(const char *host, int port, double deadline, int *fd, char *err);
+static DDP__UNUSED ddp_result ddp__net_accept(int listen_fd, double deadline, int *fd, char *err);
+static DDP__UNUSED ddp_result ddp__net_send(int fd, const void *buf, size_t n, double deadline, char *err);
+static DDP__UNUSED ddp_result ddp__net_recv(int fd, void *buf, size_t n, double deadline, char *err);
+static DDP__UNUSED ddp_result ddp__net_poll(int fd, short events, double deadline, char *err);
+static DDP__UNUSED void ddp__net_local_address(int fd, char *host, size_t cap);
