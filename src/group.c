@@ -203,10 +203,38 @@ static void ddp__key(const ddp_group *g, char *out, size_t cap, const char *name
 /* Fail this rank with code and message, and publish them so that every rank of the rendezvous fails too. */
 static ddp_result ddp__rdzv_abort(ddp_group *g, ddp_result code, const char *msg) {
     char key[256], value[DDP__ERR_MAX + 16];
+    int exists = 0;
     ddp__key(g, key, sizeof key, "abort", -1);
     snprintf(value, sizeof value, "%d|%.1000s", (int)code, msg);
     ddp_store_set(g->store, key, value, strlen(value));
+    ddp_store_check(g->store, key, &exists); /* a round trip: the set has reached the store before we go */
     return ddp__fail(g, code, "%s", msg);
+}
+
+/* A rendezvous failed on this rank: publish the error (unless another rank already published one),
+   and if this rank serves the store, keep serving until the ranks that joined have read it (at most
+   a few seconds), so that they fail with the reason instead of "lost the store". */
+static void ddp__rdzv_fail_all(ddp_group *g, ddp_result code) {
+    char key[256], msg[DDP__ERR_MAX];
+    int exists = 0;
+    int64_t joined = 0, seen = 0;
+    double until = ddp__now() + DDP__MIN(g->timeout, 5.0);
+    if (!g->store) return;
+    snprintf(msg, sizeof msg, "%s", g->error);
+    ddp__key(g, key, sizeof key, "abort", -1);
+    if (ddp_store_check(g->store, key, &exists) != DDP_SUCCESS) return;
+    if (!exists) ddp__rdzv_abort(g, code, msg);
+    ddp__fail(g, code, "%s", msg);
+    ddp__key(g, key, sizeof key, "abort_seen", -1);
+    if (!g->store_server) { /* done with the store: the rank serving it may stop waiting for us */
+        if (g->joined_rendezvous) ddp_store_add(g->store, key, 1, &seen);
+        return;
+    }
+    ddp__key(g, key, sizeof key, "joined", -1);
+    if (ddp_store_add(g->store, key, 0, &joined) != DDP_SUCCESS) return;
+    ddp__key(g, key, sizeof key, "abort_seen", -1);
+    while (ddp__now() < until && ddp_store_add(g->store, key, 0, &seen) == DDP_SUCCESS && seen < joined - 1) ddp__sleep(0.01);
+    ddp__fail(g, code, "%s", msg);
 }
 
 /* Another rank published an abort: fail with its code and message. */
@@ -334,6 +362,7 @@ static ddp_result ddp__rendezvous(ddp_group *g, const char *addr, int listen_fd,
     ddp__key(g, key, sizeof key, "joined", -1);
     if ((r = ddp_store_add(g->store, key, 1, &claims)) != DDP_SUCCESS)
         return ddp__fail(g, r, "rendezvous through %s: %s", where, ddp_store_last_error(g->store));
+    g->joined_rendezvous = 1;
     if ((r = ddp__rdzv_wait_all(g, where)) != DDP_SUCCESS) return r;
 
     rec = (ddp__record *)ddp__calloc((size_t)g->world_size, sizeof *rec);
@@ -521,6 +550,7 @@ DDP_API ddp_result ddp_init(const ddp_init_desc *desc, ddp_group **out) {
     g->owns_store = 1;
     ddp__log(g, DDP_LOG_INFO, "joining: rank %d of %d from %s, through %s", L.rank, L.world_size, L.source, where);
     if ((r = ddp__group_connect(g, where)) != DDP_SUCCESS) {
+        ddp__rdzv_fail_all(g, r);
         ddp__fail(NULL, r, "ddp_init (rank %d of %d, from %s): %s", L.rank, L.world_size, L.source, g->error);
         ddp__group_free(g);
         return r;

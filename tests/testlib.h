@@ -99,8 +99,12 @@ TL_FN int tl_run_ranks_status(int n, int (*fn)(int rank, int n, void *arg), void
             setenv("LOCAL_WORLD_SIZE", v, 1);
             setenv("MASTER_ADDR", "127.0.0.1", 1);
             setenv("MASTER_PORT", port, 1);
-            fflush(stdout);
-            _exit(fn(i, n, arg));
+            {
+                int code = fn(i, n, arg);
+                fflush(stdout); /* _exit does not flush stdio */
+                fflush(stderr);
+                _exit(code);
+            }
         }
         status[i] = -1;
     }
