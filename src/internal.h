@@ -144,3 +144,33 @@ static DDP__UNUSED ddp_result ddp__net_send(int fd, const void *buf, size_t n, d
 static DDP__UNUSED ddp_result ddp__net_recv(int fd, void *buf, size_t n, double deadline, char *err);
 static DDP__UNUSED ddp_result ddp__net_poll(int fd, short events, double deadline, char *err);
 static DDP__UNUSED void ddp__net_local_address(int fd, char *host, size_t cap);
+
+/* ---- store.c: the rendezvous key-value store (c10d TCPStore protocol of torch 1.13; file store) ---- */
+typedef struct ddp__store_server ddp__store_server;
+/* Start serving on host:port (host as MASTER_ADDR; NULL = all interfaces; port 0 = any free port) on a
+   background thread. Errors (port in use, address not on this host) come from ddp__net_listen with clear
+   messages. lvl DDP_LOG_DEFAULT means DDP_LOG_LEVEL from the environment. */
+static DDP__UNUSED ddp_result ddp__store_server_start(const char *host, int port, ddp_log_level lvl,
+                                                      ddp__store_server **out, char *err);
+static DDP__UNUSED int ddp__store_server_port(const ddp__store_server *s); /* the port it listens on */
+static DDP__UNUSED void ddp__store_server_stop(ddp__store_server *s);     /* joins the thread, closes everything */
+/* Connect a client (prefix may be NULL or "" for none), retrying until timeout seconds pass. Every key goes
+   on the wire as prefix + key. torch's TCPStore client puts "/" before each key, and PrefixStore(P) puts
+   P + "/" before that: to share keys with torch processes pass the prefix ddp__store_torch_prefix makes. */
+static DDP__UNUSED ddp_result ddp__store_connect(const char *host, int port, const char *prefix, double timeout,
+                                                 ddp_store **out, char *err);
+/* The key prefix that torch 1.13's TCPStore wrapped in PrefixStore(prefix_store) uses ("/" alone when
+   prefix_store is NULL or ""); "/worker/attempt_0" gives "//worker/attempt_0/". 0, or -1 if cap is short. */
+static DDP__UNUSED int ddp__store_torch_prefix(const char *prefix_store, char *buf, size_t cap);
+/* Open (creating it if needed) the file store at path, like torch's FileStore: every opener counts itself in
+   the file, and the last one to close it deletes the file. */
+static DDP__UNUSED ddp_result ddp__store_open_file(const char *path, double timeout, ddp_store **out, char *err);
+static DDP__UNUSED void ddp__store_free(ddp_store *s); /* closes the connection or the file; NULL is a no-op */
+static DDP__UNUSED void ddp__store_set_timeout(ddp_store *s, double timeout);
+/* torch's compare_set: when key holds expected (or is missing and expected_size is 0) it becomes desired.
+   Copies at most capacity bytes of the value the key holds afterwards to current; *size = its full size.
+   (When the key is missing and expected_size > 0, torch answers with expected: so does this.) */
+static DDP__UNUSED ddp_result ddp__store_compare_set(ddp_store *s, const char *key, const void *expected,
+                                                     size_t expected_size, const void *desired, size_t desired_size,
+                                                     void *current, size_t capacity, size_t *size);
+static DDP__UNUSED ddp_result ddp__store_num_keys(ddp_store *s, int64_t *n); /* keys in the whole store */
