@@ -33,7 +33,9 @@
    filesystem, read and written under flock(). Each handle replays the records it has not seen yet into a
    hash table; get and wait poll the file with backoff until the deadline; add reads and appends under the
    exclusive lock, so it is atomic. Each opener adds 1 to a reference key and takes 1 off when it closes:
-   the one that brings it to 0 deletes the file, as FileStore does. The format is ddp.h's own. */
+   the one that brings it to 0 deletes the file, as FileStore does, so every user must open it before any
+   closes it (a rendezvous guarantees that). A file left by a crashed run still holds that run's keys: use a
+   fresh path for each run, as with FileStore. The format is ddp.h's own. */
 #include "internal.h"
 
 #define DDP__STORE_MAX_KEY ((size_t)4096)           /* bytes in one key, prefix included */

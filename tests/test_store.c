@@ -106,6 +106,34 @@ static void m_str(msg *m, const char *s) {
     m->n += strlen(s);
 }
 
+/* ---- the server's request parser, on every prefix of every kind of request ---- */
+
+static void test_parse(void) {
+    msg reqs[8];
+    size_t i, cut, size;
+    char why[256];
+    for (i = 0; i < 8; i++) reqs[i].n = 0;
+    m_byte(&reqs[0], 0), m_str(&reqs[0], "key"), m_str(&reqs[0], "value");           /* SET */
+    m_byte(&reqs[1], 1), m_str(&reqs[1], "k"), m_str(&reqs[1], ""), m_str(&reqs[1], "d"); /* COMPARE_SET */
+    m_byte(&reqs[2], 2), m_str(&reqs[2], "key");                                        /* GET */
+    m_byte(&reqs[3], 3), m_str(&reqs[3], "key"), m_u64(&reqs[3], 5);                    /* ADD */
+    m_byte(&reqs[4], 4), m_u64(&reqs[4], 2), m_str(&reqs[4], "a"), m_str(&reqs[4], "bc"); /* CHECK */
+    m_byte(&reqs[5], 5), m_u64(&reqs[5], 0);                                            /* WAIT, no keys */
+    m_byte(&reqs[6], 6);                                                                /* GETNUMKEYS */
+    m_byte(&reqs[7], 8), m_str(&reqs[7], "");                                           /* DELETE_KEY */
+    for (i = 0; i < 8; i++) {
+        for (cut = 0; cut < reqs[i].n; cut++) {
+            int st = ddp__srv_parse(reqs[i].b, cut, &size, why, sizeof why);
+            CHECK(st == DDP__REQ_MORE && size > cut && size <= reqs[i].n,
+                  "request %zu cut at %zu: status %d, size %zu of %zu", i, cut, st, size, reqs[i].n);
+        }
+        /* complete, with the next request's first byte after it */
+        reqs[i].b[reqs[i].n] = 6;
+        CHECK(ddp__srv_parse(reqs[i].b, reqs[i].n + 1, &size, why, sizeof why) == DDP__REQ_DONE && size == reqs[i].n,
+              "request %zu: size %zu of %zu", i, size, reqs[i].n);
+    }
+}
+
 /* ---- in one process: the server on a thread, clients beside it ---- */
 
 static void test_single_process(void) {
@@ -218,6 +246,31 @@ static void test_single_process(void) {
     free(back);
     r = ddp_store_set(NULL, "k", "v", 1);
     CHECK(r == DDP_ERR_INVALID_ARGUMENT && contains(ddp_store_last_error(NULL), "NULL"), "NULL store");
+
+    /* many keys (the server's table grows several times), and a key shown escaped in a message */
+    {
+        char key[32];
+        int i;
+        int64_t before = 0, after = 0;
+        CHECK_STORE(ddp__store_num_keys(s, &before), s);
+        for (i = 0; i < 1000; i++) {
+            snprintf(key, sizeof key, "many/%d", i);
+            CHECK_STORE(ddp_store_set(s, key, &i, sizeof i), s);
+        }
+        for (i = 0; i < 1000; i++) {
+            int back = -1;
+            snprintf(key, sizeof key, "many/%d", (i * 7919) % 1000);
+            CHECK_STORE(ddp_store_get(s, key, &back, sizeof back, &size), s);
+            CHECK(size == sizeof back && back == (i * 7919) % 1000, "%s holds %d", key, back);
+        }
+        CHECK_STORE(ddp__store_num_keys(s, &after), s);
+        CHECK(after == before + 1000, "num_keys %lld after adding 1000 to %lld", (long long)after, (long long)before);
+        ddp__store_set_timeout(s, 0.1);
+        r = ddp_store_get(s, "odd\x01key", buf, sizeof buf, &size);
+        CHECK(r == DDP_ERR_TIMEOUT && contains(ddp_store_last_error(s), "'odd\\x01key'"), "escaped key: %s",
+              ddp_store_last_error(s));
+        ddp__store_set_timeout(s, 0.5);
+    }
 
     /* prefixes keep handles apart; the torch prefix is "/" + PrefixStore's prefix + "/" */
     CHECK(ddp__store_connect("127.0.0.1", port, "a/", 5, &a, err) == DDP_SUCCESS, "%s", err);
@@ -372,6 +425,32 @@ static void test_hostile(void) {
         CHECK(v >= 2, "GETNUMKEYS answered %lld", (long long)v);
     }
     close(fd);
+
+    /* a client that asks for 40 MiB of replies before reading any: the server stops reading its requests
+       while the replies pile up, keeps serving the others, and sends everything once it reads */
+    {
+        size_t mb = (size_t)1 << 20;
+        unsigned char *val = (unsigned char *)malloc(mb), *got = (unsigned char *)malloc(mb);
+        CHECK(val && got, "out of memory");
+        fill(val, mb, 77);
+        CHECK_STORE(ddp_store_set(good, "mb", val, mb), good);
+        fd = raw_connect(port);
+        m.n = 0;
+        m_byte(&m, 2);
+        m_str(&m, "mb");
+        for (i = 0; i < 40; i++) raw_send(fd, m.b, m.n);
+        good_client_works(good, "while replies pile up for another client");
+        for (i = 0; i < 40; i++) {
+            uint64_t len = 0;
+            raw_recv(fd, &len, 8);
+            CHECK(len == mb, "reply %d: length %llu", i, (unsigned long long)len);
+            raw_recv(fd, got, mb);
+            CHECK(memcmp(got, val, mb) == 0, "reply %d differs", i);
+        }
+        close(fd);
+        free(val);
+        free(got);
+    }
 
     /* a waiting client that goes away, and many that come and go */
     fd = raw_connect(port);
@@ -561,6 +640,15 @@ static void test_file_store_errors(const char *dir) {
     r = ddp__store_open_file(path, 1, &s, err);
     CHECK(r == DDP_ERR_FORMAT && contains(err, "not a ddp.h file store"), "foreign file: %d %s", (int)r, err);
     unlink(path);
+    /* a store whose file someone else deleted says so */
+    snprintf(path, sizeof path, "%s/deleted", dir);
+    CHECK(ddp__store_open_file(path, 1, &s, err) == DDP_SUCCESS, "%s", err);
+    unlink(path);
+    r = ddp_store_set(s, "k", "v", 1);
+    CHECK(r == DDP_ERR_STATE && contains(ddp_store_last_error(s), "deleted"), "deleted file: %d %s", (int)r,
+          ddp_store_last_error(s));
+    ddp__store_free(s);
+    CHECK(access(path, F_OK) != 0, "closing recreated %s", path);
     /* one user: the file goes when it closes */
     snprintf(path, sizeof path, "%s/single", dir);
     CHECK(ddp__store_open_file(path, 1, &s, err) == DDP_SUCCESS, "%s", err);
@@ -573,6 +661,7 @@ int main(void) {
     char dir[] = "/tmp/ddp_test_store_XXXXXX", path[512];
     int n;
     signal(SIGPIPE, SIG_IGN);
+    test_parse();
     test_single_process();
     fprintf(stderr, "single process: ok\n");
     test_hostile();
