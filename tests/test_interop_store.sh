@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # The store against PyTorch 1.13's c10d TCPStore, both ways: torch's client against ddp.h's server (compared
-# step by step with torch's own server) and ddp.h's client against torch's server, in torch's key layout.
+# step by step with torch's own server), ddp.h's client against torch's server in torch's key layout, and a
+# torch worker and ddp.h workers sharing torchrun's agent store.
 # Skips (exit 77) only when /usr/bin/python3 cannot import torch.
 set -eu
 cd "$(dirname "$0")/.."

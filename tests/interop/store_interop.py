@@ -6,10 +6,13 @@
     own server and against ddp.h's server; every observation must be the same, and match what is expected.
 (b) OUR client against torch's server: store_peer client does its steps, then this side checks the keys it
     left, in torch's layout ("/" + key, and PrefixStore("/worker/attempt_0")).
+(c) Under a real torchrun (its agent serves the store): rank 0 is a Python worker using the store torch's
+    env:// rendezvous builds, ranks 1 and 2 are ddp.h clients (store_torchrun_worker.py); they exchange keys.
 
 usage: store_interop.py PATH/TO/store_peer
 """
 import datetime
+import os
 import socket
 import struct
 import subprocess
@@ -226,6 +229,22 @@ def part_b(peer):
     return not failed
 
 
+def part_c(peer):
+    port = free_port()
+    worker = os.path.join(os.path.dirname(os.path.abspath(__file__)), "store_torchrun_worker.py")
+    # torch 1.13 on Python 3.11 needs --redirects/--tee (see REFERENCE.md); underscore spellings only
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "3", "--redirects", "1", "--tee", "1",
+           "--master_port", str(port), worker, os.path.abspath(peer)]
+    proc = subprocess.run(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, timeout=120)
+    lines = [l for l in proc.stdout.splitlines() if "exchanged keys" in l]
+    print("\n".join(lines))
+    ok = proc.returncode == 0 and len(lines) == 3
+    if not ok:
+        print(proc.stdout)
+        print("torchrun exited with %d; %d of 3 workers reported success" % (proc.returncode, len(lines)))
+    return ok
+
+
 def main():
     peer = sys.argv[1]
     print("torch", __import__("torch").__version__)
@@ -233,8 +252,11 @@ def main():
     ok_a = part_a(peer)
     print("== (b) ddp.h's client against torch's TCPStore server")
     ok_b = part_b(peer)
-    print("store interop:", "ok" if ok_a and ok_b else "FAILED")
-    return 0 if ok_a and ok_b else 1
+    print("== (c) torchrun's agent store shared by a torch worker and ddp.h workers")
+    ok_c = part_c(peer)
+    ok = ok_a and ok_b and ok_c
+    print("store interop:", "ok" if ok else "FAILED")
+    return 0 if ok else 1
 
 
 if __name__ == "__main__":

@@ -3,6 +3,8 @@
      store_peer client PORT   as a client of torch's TCPStore server on PORT: set, get, add, check, wait,
                               delete, compare_set and a timeout, with torch's key layout ("/" + key, and
                               PrefixStore("/worker/attempt_0")); the Python side then checks what it sees.
+     store_peer torchrun      a torchrun worker (rank > 0) beside store_torchrun_worker.py (rank 0): joins
+                              torchrun's agent store as torch's workers do and exchanges keys with rank 0.
    Exit 0 when every check here passed; a failed check prints what differed. */
 #define DDP_IMPLEMENTATION
 #include "ddp.h"
@@ -128,9 +130,56 @@ static int client(int port) {
     return failures != 0;
 }
 
+/* Under torchrun (TORCHELASTIC_USE_AGENT_STORE=True): the agent serves the store on MASTER_PORT, and torch's
+   workers use it through PrefixStore("/worker/attempt_<TORCHELASTIC_RESTART_COUNT>"). */
+static int torchrun_worker(void) {
+    const char *addr = getenv("MASTER_ADDR"), *port = getenv("MASTER_PORT"), *attempt = getenv("TORCHELASTIC_RESTART_COUNT");
+    const char *rank_s = getenv("RANK"), *world_s = getenv("WORLD_SIZE");
+    char err[DDP__ERR_MAX], prefix[128], ps[64], key[32], val[32], buf[64];
+    const char *keys[64];
+    char names[64][16];
+    size_t size = 0;
+    int64_t v = 0;
+    int rank, world, r;
+    ddp_store *s;
+    if (!addr || !port || !attempt || !rank_s || !world_s) {
+        fprintf(stderr, "store_peer torchrun: MASTER_ADDR, MASTER_PORT, TORCHELASTIC_RESTART_COUNT, RANK and WORLD_SIZE "
+                        "must be set (run it under torchrun)\n");
+        return 1;
+    }
+    rank = atoi(rank_s);
+    world = atoi(world_s);
+    if (world < 1 || world > 64) return 1;
+    snprintf(ps, sizeof ps, "/worker/attempt_%s", attempt);
+    if (ddp__store_torch_prefix(ps, prefix, sizeof prefix) != 0 ||
+        ddp__store_connect(addr, atoi(port), prefix, 60, &s, err) != DDP_SUCCESS) {
+        fprintf(stderr, "store_peer torchrun: %s\n", err);
+        return 1;
+    }
+    snprintf(key, sizeof key, "probe/%d", rank);
+    r = snprintf(val, sizeof val, "rank %d%cddp.h", rank, 0);
+    EXPECT_OK(ddp_store_set(s, key, val, (size_t)r), s);
+    EXPECT_OK(ddp_store_get(s, "probe/0", buf, sizeof buf, &size), s);
+    EXPECT(size == 13 && memcmp(buf, "rank 0\0python", 13) == 0, "probe/0 from the python worker: %zu bytes", size);
+    EXPECT_OK(ddp_store_add(s, "probe_count", 1, &v), s);
+    snprintf(key, sizeof key, "done/%d", rank);
+    EXPECT_OK(ddp_store_set(s, key, "1", 1), s);
+    for (r = 0; r < world; r++) {
+        snprintf(names[r], sizeof names[r], "done/%d", r);
+        keys[r] = names[r];
+    }
+    EXPECT_OK(ddp_store_wait(s, keys, world, 0), s);
+    EXPECT_OK(ddp_store_add(s, "probe_count", 0, &v), s);
+    EXPECT(v == world, "probe_count %lld, expected %d", (long long)v, world);
+    ddp__store_free(s);
+    if (!failures) printf("rank %d (ddp.h): exchanged keys with the python worker through torchrun's agent store\n", rank);
+    return failures != 0;
+}
+
 int main(int argc, char **argv) {
     if (argc == 3 && strcmp(argv[1], "serve") == 0) return serve(atoi(argv[2]));
     if (argc == 3 && strcmp(argv[1], "client") == 0) return client(atoi(argv[2]));
-    fprintf(stderr, "usage: store_peer serve|client PORT\n");
+    if (argc == 2 && strcmp(argv[1], "torchrun") == 0) return torchrun_worker();
+    fprintf(stderr, "usage: store_peer serve PORT | client PORT | torchrun\n");
     return 2;
 }
