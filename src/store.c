@@ -665,11 +665,14 @@ static void ddp__srv_process(ddp__store_server *s, ddp__store_conn *c) {
     if (c->in_len == 0) ddp__srv_trim(s, &c->in, &c->in_cap);
 }
 
-/* Read what c sent, at most a few MiB per round so that one busy client does not starve the others. */
+/* Read what c sent, at most a few MiB per round so that one busy client does not starve the others. The
+   buffer grows with what actually arrives (at most doubling), not with the lengths a request announces:
+   a client that only announces large values holds little. */
 static void ddp__srv_read(ddp__store_server *s, ddp__store_conn *c) {
     size_t total = 0;
     while (!c->dead && total < ((size_t)4 << 20)) {
-        size_t room = DDP__MAX(c->need > c->in_len ? c->need - c->in_len : 0, (size_t)4096);
+        size_t missing = c->need > c->in_len ? c->need - c->in_len : 0;
+        size_t room = DDP__MAX(DDP__MIN(missing, DDP__MAX(c->in_len, (size_t)65536)), (size_t)4096);
         ssize_t k;
         if (c->in_cap - c->in_len < room && ddp__srv_grow(s, c, &c->in, &c->in_cap, c->in_len + room) != 0) return;
         k = recv(c->fd, c->in + c->in_len, c->in_cap - c->in_len, 0);
@@ -803,6 +806,8 @@ static void *ddp__srv_main(void *arg) {
             s->conns[i--] = s->conns[--s->nconns];
         }
     }
+    for (i = 0; i < s->nconns; i++) /* replies already due still go out, as far as the sockets take them */
+        if (!s->conns[i]->dead) ddp__srv_flush(s, s->conns[i]);
     DDP_FREE(pf);
     return NULL;
 }

@@ -153,7 +153,7 @@ static void test_single_process(void) {
     port = ddp__store_server_port(srv);
     CHECK(port > 0, "bound port %d", port);
     snprintf(where, sizeof where, "127.0.0.1:%d", port);
-    r = ddp__store_connect("127.0.0.1", port, NULL, 0.5, &s, err);
+    r = ddp__store_connect("127.0.0.1", port, NULL, 30, &s, err);
     CHECK(r == DDP_SUCCESS, "connect: %s", err);
 
     /* binary values with zeros; a short buffer gets the start and the full size */
@@ -173,12 +173,14 @@ static void test_single_process(void) {
     }
 
     /* a missing key times out, names the key and the store; the next call works again */
+    ddp__store_set_timeout(s, 0.5);
     t0 = tl_now();
     r = ddp_store_get(s, "missing/key", buf, sizeof buf, &size);
     CHECK(r == DDP_ERR_TIMEOUT, "get of a missing key returned %d: %s", (int)r, ddp_store_last_error(s));
     CHECK(tl_now() - t0 >= 0.45, "the get gave up after %.3f s, before its 0.5 s timeout", tl_now() - t0);
     CHECK(contains(ddp_store_last_error(s), "'missing/key'") && contains(ddp_store_last_error(s), where),
           "message does not name the key and %s: %s", where, ddp_store_last_error(s));
+    ddp__store_set_timeout(s, 30);
     CHECK_STORE(ddp_store_set(s, "after", "ok", 2), s);
     CHECK_STORE(ddp_store_get(s, "after", buf, sizeof buf, &size), s);
     CHECK(size == 2 && memcmp(buf, "ok", 2) == 0, "get after a timeout");
@@ -269,7 +271,7 @@ static void test_single_process(void) {
         r = ddp_store_get(s, "odd\x01key", buf, sizeof buf, &size);
         CHECK(r == DDP_ERR_TIMEOUT && contains(ddp_store_last_error(s), "'odd\\x01key'"), "escaped key: %s",
               ddp_store_last_error(s));
-        ddp__store_set_timeout(s, 0.5);
+        ddp__store_set_timeout(s, 30);
     }
 
     /* prefixes keep handles apart; the torch prefix is "/" + PrefixStore's prefix + "/" */
@@ -375,6 +377,34 @@ static void test_hostile(void) {
     m_byte(&m, 2);
     m_str(&m, "never/set");
     expect_dropped(port, good, &m, "got a missing key without waiting");
+
+    /* clients that announce large values and send little of them hold no large buffers: 31 x 33 MiB announced
+       is all but the last MiB of the server's 1 GiB budget, yet a real 1 MiB value still goes through */
+    {
+        int fds[31];
+        size_t mb = (size_t)1 << 20;
+        unsigned char *val = (unsigned char *)malloc(mb), *got = (unsigned char *)malloc(mb);
+        size_t size = 0;
+        CHECK(val && got, "out of memory");
+        m.n = 0;
+        m_byte(&m, 0);
+        m_str(&m, "announced");
+        m_u64(&m, (uint64_t)33 << 20);
+        for (i = 0; i < 31; i++) {
+            fds[i] = raw_connect(port);
+            raw_send(fds[i], m.b, m.n);
+        }
+        good_client_works(good, "after 31 clients announced 33 MiB values"); /* a round trip: headers seen */
+        for (i = 0; i < 31; i++) raw_send(fds[i], "v", 1);                    /* and the first value bytes */
+        good_client_works(good, "after 31 clients sent a byte of 33 MiB values");
+        fill(val, mb, 5);
+        CHECK_STORE(ddp_store_set(good, "one_mib", val, mb), good);
+        CHECK_STORE(ddp_store_get(good, "one_mib", got, mb, &size), good);
+        CHECK(size == mb && memcmp(got, val, mb) == 0, "1 MiB value beside announced ones");
+        for (i = 0; i < 31; i++) close(fds[i]);
+        free(val);
+        free(got);
+    }
 
     /* a client holding half a request does not hold up the others */
     fd = raw_connect(port);
@@ -611,7 +641,18 @@ static int tcp_rank(int rank, int n, void *arg) {
     }
     s = open_store(rank, 0, NULL);
     exercise(s, rank, n);
-    store_barrier(s, "end", n); /* rank 0 serves until everyone is done */
+    /* Rank 0 serves until everyone is done: each other rank's last call is an add whose answer it has
+       received, and rank 0 stops only once it counts them all. (Stopping while a rank still has a request
+       on the way would lose it: a barrier's final WAIT is not enough.) */
+    if (rank == 0) {
+        int64_t left = 0;
+        while (left < n - 1) {
+            CHECK_STORE(ddp_store_add(s, "left", 0, &left), s);
+            if (left < n - 1) ddp__sleep(0.01);
+        }
+    } else {
+        CHECK_STORE(ddp_store_add(s, "left", 1, NULL), s);
+    }
     ddp__store_free(s);
     ddp__store_server_stop(srv);
     return 0;
