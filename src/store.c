@@ -20,8 +20,9 @@
    Server: one thread, poll() over the listening socket, a self-pipe (stop) and every client. Each client has
    an input buffer (requests are parsed once complete, so a slow or hostile client never blocks the others),
    an output buffer (sent as the socket drains) and at most one pending WAIT: the keys still missing. A SET,
-   ADD or COMPARE_SET that creates a key removes it from every pending WAIT, and a WAIT left with no missing
-   key gets its STOP_WAITING byte. Everything a client can make the server allocate is bounded (key length,
+   ADD or COMPARE_SET that creates a key removes it from every pending WAIT (torch's server forgets
+   COMPARE_SET here), and a WAIT left with no missing key gets its STOP_WAITING byte. A new WAIT from a
+   client replaces its pending one (torch's server would keep both and later send a stray byte). Everything a client can make the server allocate is bounded (key length,
    value length, keys per WAIT/CHECK, and one budget for stored data plus buffers); a client that breaks a
    limit or the protocol is disconnected and logged, and the server goes on serving the others.
 
