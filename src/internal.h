@@ -160,7 +160,10 @@ typedef struct ddp__store_server ddp__store_server;
 static DDP__UNUSED ddp_result ddp__store_server_start(const char *host, int port, ddp_log_level lvl,
                                                       ddp__store_server **out, char *err);
 static DDP__UNUSED int ddp__store_server_port(const ddp__store_server *s); /* the port it listens on */
-static DDP__UNUSED void ddp__store_server_stop(ddp__store_server *s);     /* joins the thread, closes everything */
+/* Joins the thread and closes everything. A request still on its way is lost (its client sees
+   DDP_ERR_PEER_LOST), so stop only once every client's last call has been answered: e.g. each rank's last
+   call is an add that rank 0 counts (a barrier's final WAIT is not enough). NULL is a no-op. */
+static DDP__UNUSED void ddp__store_server_stop(ddp__store_server *s);
 /* Connect a client (prefix may be NULL or "" for none), retrying until timeout seconds pass. Every key goes
    on the wire as prefix + key. torch's TCPStore client puts "/" before each key, and PrefixStore(P) puts
    P + "/" before that: to share keys with torch processes pass the prefix ddp__store_torch_prefix makes. */

@@ -95,7 +95,7 @@ static ddp_result ddp__group_break(ddp_group *g, ddp_result code, const char *ms
         size_t len = strlen(msg) + 1;
         if (p->fd < 0 || p->gone) continue;
         if (p->send_owed > 0 && p->send_owed <= ((uint64_t)256 << 20)) { /* finish the interrupted frame */
-            static const char zeros[4096];
+            static const char zeros[4096] = {0};
             while (p->send_owed > 0) {
                 size_t k = (size_t)DDP__MIN(p->send_owed, (uint64_t)sizeof zeros);
                 if (ddp__net_send(p->fd, zeros, k, ddp__now() + 0.5, err) != DDP_SUCCESS) break;
