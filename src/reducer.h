@@ -1,1 +1,165 @@
-/* placeholder: filled by its issue */
+/* [SECTION] reducer: DistributedDataParallel's gradient Reducer (bucketed, overlapped all-reduce) */
+/* Mirrors torch.nn.parallel.DistributedDataParallel and its C++ Reducer (torch/csrc/distributed/c10d/
+   reducer.cpp) as an explicit C API. PyTorch finds the parameters by walking the module and learns that a
+   gradient is ready from an autograd hook; here the program registers each parameter and calls
+   ddp_reducer_grad_ready(r, i) where the hook would fire: right after it has finished writing parameter
+   i's gradient in its backward pass.
+
+   A training step:
+       ddp_reducer_desc d = {0};                        // 25 MiB buckets, 1 MiB first bucket, no extras
+       ddp_reducer *red;
+       ddp_reducer_create(g, &d, &red);
+       ddp_reducer_add_param(red, "fc1.weight", w1, dw1, 64 * 32, DDP_F32, &i_w1);   // ... every parameter
+       ddp_reducer_add_buffer(red, "bn.running_mean", mean, 64, DDP_F32);           // optional
+       ddp_reducer_finalize(red);        // same model on every rank? then rank 0's weights everywhere
+       for (step = 0; step < steps; step++) {
+           forward(...);
+           ddp_reducer_begin_backward(red);
+           // backward, last layer first: write (or add to) each gradient, then say it is ready
+           backward_layer3(...);  ddp_reducer_grad_ready(red, i_w3);  ddp_reducer_grad_ready(red, i_b3);
+           ...
+           ddp_reducer_end_backward(red);   // every gradient is now the average over the ranks
+           sgd_step(...);  ddp_reducer_zero_grad(red);
+       }
+       ddp_reducer_destroy(red);
+
+   What happens, as in PyTorch:
+   - Buckets. Gradients are packed into flat buckets of one dtype each, in reverse registration order (the
+     order backward usually produces them). A bucket closes when its size reaches the limit; the parameter
+     that crosses the limit stays in it. The first bucket's limit is first_bucket_bytes (1 MiB), later ones
+     bucket_cap_bytes (25 MiB), so communication starts early and then runs in large messages.
+     After the first synchronised backward the buckets are rebuilt once, in the order the gradients were
+     actually ready on rank 0 (broadcast, so every rank rebuilds alike); not with find_unused_parameters.
+   - Overlap. grad_ready copies the gradient into its bucket, multiplied by 1/world_size (the average is
+     taken before the sum, as PyTorch does); when a bucket's last gradient arrives its asynchronous SUM
+     all-reduce starts, while backward continues. Buckets start strictly in order, so every rank issues
+     the same collectives in the same order. end_backward waits for the rest and copies the results back.
+   - no_sync: ddp_reducer_set_sync(r, 0) makes the following backward passes local: gradients accumulate
+     in the program's buffers (the program adds to them), and the next synchronised backward averages the
+     accumulated sum.
+   - find_unused_parameters: a parameter that got no gradient since the last synchronised backward counts
+     as zero on this rank; a "used" map is all-reduced after the buckets, and the gradient of a parameter
+     that no rank used is left exactly as it was. Without the option, a missing gradient is an error that
+     names the parameters (PyTorch's "Expected to have finished reduction in the prior iteration ...").
+   - gradient_as_bucket_view: the gradient memory is the bucket itself (no copy in or out, half the memory).
+     The program then writes gradients where ddp_reducer_grad(r, i) points.
+   - Compression: comm_dtype DDP_F16 / DDP_BF16 sends the buckets in half precision, like PyTorch's
+     fp16_compress_hook / bf16_compress_hook (cast, divide by the world size, all-reduce, cast back).
+
+   Differences from PyTorch 1.13, none of which changes the averaged gradients beyond rounding:
+   - The first iteration uses the 1 MiB / 25 MiB buckets in reverse registration order (torch 1.13 puts
+     everything in one bucket for that iteration unless find_unused_parameters is set, and with it cuts
+     buckets in forward order before reversing the list).
+   - Compression divides by the world size in f32 and then rounds once to f16/bf16 (the hooks round to
+     f16 first and divide in f16).
+   - With find_unused_parameters, the unused parameters are found when end_backward is called (torch walks
+     the autograd graph at the start of backward); their buckets start then.
+   - A gradient is "present" or not by whether grad_ready was called since the last synchronised backward
+     (the C counterpart of param.grad being None or not).
+
+   Errors: every call that can fail returns a ddp_result, and the message is in ddp_last_error(g) of the
+   group given to ddp_reducer_create (ddp_last_error(NULL) for ddp_reducer_create itself).
+   Thread safety: a reducer is used by one thread at a time (the thread that runs backward). Other
+   collectives on the same group may be issued during backward only at the same point on every rank. */
+
+typedef struct ddp_reducer ddp_reducer;
+
+/* ddp_reducer_create's descriptor; zero-initialised means PyTorch's defaults. */
+typedef struct ddp_reducer_desc {
+    size_t bucket_cap_bytes;      /* 0 = 25 MiB (DDP's bucket_cap_mb = 25) */
+    size_t first_bucket_bytes;    /* 0 = 1 MiB (dist._DEFAULT_FIRST_BUCKET_BYTES) */
+    int find_unused_parameters;   /* 1: a parameter may get no gradient on some ranks (see above) */
+    int gradient_as_bucket_view;  /* 1: gradients live in the buckets; ddp_reducer_grad() says where */
+    ddp_dtype comm_dtype;         /* DDP_DTYPE_DEFAULT: the gradients' dtype; DDP_F16 / DDP_BF16: compress */
+} ddp_reducer_desc;
+
+/* Per-iteration statistics, like DDP's logging data (DistributedDataParallel._get_ddp_logging_data()).
+   The timing fields describe the last synchronised backward pass. */
+typedef struct ddp_reducer_statistics {
+    uint64_t iterations;       /* synchronised backward passes completed (DDP's num_iterations) */
+    uint64_t local_iterations; /* backward passes run under no_sync */
+    int buckets;               /* buckets in the current layout */
+    int rebuilt;               /* 1 once the buckets were rebuilt in the observed ready order */
+    int unused_parameters;     /* last iteration: parameters without a gradient on this rank */
+    uint64_t bytes_reduced;    /* last iteration: bytes all-reduced (buckets in comm dtype + used map) */
+    double backward_seconds;   /* begin_backward to the end_backward call: compute, overlapped with comm */
+    double comm_seconds;       /* first bucket started to last bucket finished ("avg_backward_comm_time") */
+    double wait_seconds;       /* time spent inside end_backward: the communication backward did not hide */
+    double total_comm_seconds; /* sums over all synchronised iterations */
+    double total_wait_seconds;
+} ddp_reducer_statistics;
+
+/* ddp_reducer_create: a reducer for the gradients of one model replica on group g (every rank of g takes
+   part). Parameters: g, d (NULL = defaults), out. The reducer keeps g; destroy the reducer before g.
+   Return: DDP_SUCCESS; DDP_ERR_INVALID_ARGUMENT for a bad descriptor field; DDP_ERR_UNSUPPORTED for a
+   backend the reducer does not know. Not collective. */
+DDP_API ddp_result ddp_reducer_create(ddp_group *g, const ddp_reducer_desc *d, ddp_reducer **out);
+
+/* ddp_reducer_add_param: register a parameter (before ddp_reducer_finalize), in the order the model
+   defines them (forward order; the order must be the same on every rank).
+   Parameters: name (copied; e.g. "fc1.weight"), param (count values of dtype t, overwritten with rank 0's
+   at finalize), grad (the gradient buffer, count values of t; must be NULL with gradient_as_bucket_view,
+   where the reducer provides it), t (DDP_F32, DDP_F64, DDP_F16 or DDP_BF16), index (receives the
+   parameter's index: 0, 1, ... in registration order; may be NULL).
+   Return: DDP_SUCCESS; DDP_ERR_INVALID_ARGUMENT (names the problem); DDP_ERR_STATE after finalize. */
+DDP_API ddp_result ddp_reducer_add_param(ddp_reducer *r, const char *name, void *param, void *grad, size_t count,
+                                         ddp_dtype t, int *index);
+
+/* ddp_reducer_add_buffer: register a buffer (running statistics and the like, any dtype): broadcast from
+   rank 0 at finalize and by ddp_reducer_broadcast_buffers. Before finalize; name is copied. */
+DDP_API ddp_result ddp_reducer_add_buffer(ddp_reducer *r, const char *name, void *buf, size_t count, ddp_dtype t);
+
+/* ddp_reducer_finalize: collective. Checks that every rank registered the same parameters and buffers
+   (count, sizes, dtypes, names); a difference is DDP_ERR_MISMATCH on every rank, naming the first
+   parameter that differs and what each side has. Then broadcasts parameters and buffers from rank 0
+   (coalesced in chunks of up to 250 MiB, as DDP does) and builds the buckets. */
+DDP_API ddp_result ddp_reducer_finalize(ddp_reducer *r);
+
+/* ddp_reducer_grad: where parameter index's gradient is (what the program writes in backward): the grad
+   pointer it registered, or with gradient_as_bucket_view the parameter's slice of its bucket (zeroed at
+   finalize). With gradient_as_bucket_view the slice MOVES when the buckets are rebuilt, at the end of the
+   first synchronised end_backward (gradients are carried over): read it again after that call, as
+   PyTorch's param.grad becomes a different view. NULL for a bad index (or a view before finalize). */
+DDP_API void *ddp_reducer_grad(ddp_reducer *r, int index);
+
+/* ddp_reducer_begin_backward: a backward pass starts (synchronised, or local under set_sync(r, 0)).
+   DDP_ERR_STATE before finalize or when the previous backward has not ended. */
+DDP_API ddp_result ddp_reducer_begin_backward(ddp_reducer *r);
+
+/* ddp_reducer_grad_ready: parameter index's gradient is complete for this backward pass (the autograd
+   hook). In a synchronised pass its value is taken now (and its bucket's all-reduce may start): do not
+   write to it again until end_backward returns. DDP_ERR_STATE (naming the parameter) when called twice
+   in one backward or outside begin/end; DDP_ERR_INVALID_ARGUMENT for a bad index; an error of the
+   all-reduce it starts. */
+DDP_API ddp_result ddp_reducer_grad_ready(ddp_reducer *r, int index);
+
+/* ddp_reducer_end_backward: collective in a synchronised pass. Starts what is left, waits for every
+   bucket and writes the averaged gradients back: afterwards every rank holds the same gradients.
+   Errors: DDP_ERR_STATE without begin_backward, or when a gradient is missing without
+   find_unused_parameters (the message names the parameters; the group is then broken on every rank, as
+   the ranks no longer issue the same collectives); any error of the all-reduces. */
+DDP_API ddp_result ddp_reducer_end_backward(ddp_reducer *r);
+
+/* ddp_reducer_set_sync: 0 = DDP's no_sync(): the following backward passes only accumulate locally;
+   1 (the default) = synchronise. Between backward passes only (else DDP_ERR_STATE). */
+DDP_API ddp_result ddp_reducer_set_sync(ddp_reducer *r, int sync);
+
+/* ddp_reducer_zero_grad: set every parameter's gradient to zero (optimizer.zero_grad()). Not during a
+   backward pass (DDP_ERR_STATE). */
+DDP_API ddp_result ddp_reducer_zero_grad(ddp_reducer *r);
+
+/* ddp_reducer_broadcast_buffers: collective; copy rank 0's buffers to every rank (DDP's
+   broadcast_buffers=True does it before each forward). Not during a backward pass. */
+DDP_API ddp_result ddp_reducer_broadcast_buffers(ddp_reducer *r);
+
+/* ddp_reducer_stats: fill *out (see ddp_reducer_statistics). DDP_ERR_INVALID_ARGUMENT for NULL pointers. */
+DDP_API ddp_result ddp_reducer_stats(const ddp_reducer *r, ddp_reducer_statistics *out);
+
+/* ddp_reducer_param_bucket: the bucket that holds parameter index's gradient now (buckets are numbered in
+   the order they are all-reduced), and, when offset is not NULL, its element offset in the bucket.
+   -1 for a bad index or before finalize. For tests and for tuning bucket sizes. */
+DDP_API int ddp_reducer_param_bucket(const ddp_reducer *r, int index, size_t *offset);
+
+/* ddp_reducer_destroy: wait for any all-reduce in flight and free the reducer. Not collective. NULL is a
+   no-op. */
+DDP_API void ddp_reducer_destroy(ddp_reducer *r);
