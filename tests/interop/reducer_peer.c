@@ -1,0 +1,198 @@
+/* The ddp.h side of tests/test_interop_reducer.sh (driven by tests/interop/reducer_torch.py).
+
+   reducer_peer train DIR VARIANT R B STEPS ACCUM LR DIMS...
+       R ranks (forked, torchrun's environment) train the MLP Linear(d0,d1) Tanh ... Linear(dk-1,dk) with
+       ddp.h's reducer, from DIR/init.bin (torch's named_parameters order, f32) on DIR/data.bin (x then t,
+       f32, [STEPS][ACCUM][R*B][d]); rank r takes samples r*B .. r*B+B-1. Loss: MSELoss (mean). SGD.
+       VARIANT: plain | accum (no_sync on all but the last micro-batch, gradient_as_bucket_view) |
+       fp16 (comm_dtype DDP_F16). Rank 0 writes DIR/ddp_final.bin.
+   reducer_peer layout FIRST CAP N SIZE... ORDER...
+       One rank: N f32 parameters of SIZE elements; prints the initial bucket of each parameter, then runs
+       one backward pass reporting gradients in ORDER and prints the rebuilt buckets. */
+#include "testlib.h"
+
+#define MAXL 8
+
+typedef struct job {
+    const char *dir, *variant;
+    int R, B, steps, accum, layers, dims[MAXL + 1];
+    float lr;
+} job;
+
+static float *read_file(const char *dir, const char *name, size_t n) {
+    char path[1024];
+    float *buf = (float *)malloc(n * sizeof(float));
+    FILE *f;
+    snprintf(path, sizeof path, "%s/%s", dir, name);
+    f = fopen(path, "rb");
+    CHECK(f && buf && fread(buf, sizeof(float), n, f) == n, "cannot read %zu floats from %s", n, path);
+    fclose(f);
+    return buf;
+}
+
+/* y = x W^T + b per layer, tanh between; loss = mean((y - t)^2); gradients ADDED to G (2 per layer). */
+static void fwd_bwd(const job *J, float **P, float **G, const float *x, const float *t, int n, ddp_reducer *red) {
+    int L = J->layers, l, s, i, j;
+    float *h[MAXL + 1], *dz, *dh;
+    h[0] = (float *)x;
+    for (l = 0; l < L; l++) {
+        int in = J->dims[l], out = J->dims[l + 1];
+        h[l + 1] = (float *)malloc(sizeof(float) * (size_t)(n * out));
+        for (s = 0; s < n; s++)
+            for (j = 0; j < out; j++) {
+                float z = P[2 * l + 1][j];
+                for (i = 0; i < in; i++) z += h[l][s * in + i] * P[2 * l][j * in + i];
+                h[l + 1][s * out + j] = l < L - 1 ? tanhf(z) : z;
+            }
+    }
+    dz = (float *)malloc(sizeof(float) * (size_t)(n * J->dims[L]));
+    for (i = 0; i < n * J->dims[L]; i++) dz[i] = 2.0f * (h[L][i] - t[i]) / (float)(n * J->dims[L]);
+    for (l = L - 1; l >= 0; l--) {
+        int in = J->dims[l], out = J->dims[l + 1];
+        for (s = 0; s < n; s++)
+            for (j = 0; j < out; j++) {
+                G[2 * l + 1][j] += dz[s * out + j];
+                for (i = 0; i < in; i++) G[2 * l][j * in + i] += dz[s * out + j] * h[l][s * in + i];
+            }
+        CHECK_OK(ddp_reducer_grad_ready(red, 2 * l), NULL);
+        CHECK_OK(ddp_reducer_grad_ready(red, 2 * l + 1), NULL);
+        if (l == 0) break;
+        dh = (float *)calloc((size_t)(n * in), sizeof(float));
+        for (s = 0; s < n; s++)
+            for (i = 0; i < in; i++) {
+                float a = 0, hv = h[l][s * in + i];
+                for (j = 0; j < out; j++) a += dz[s * out + j] * P[2 * l][j * in + i];
+                dh[s * in + i] = a * (1.0f - hv * hv);
+            }
+        free(dz);
+        dz = dh;
+    }
+    free(dz);
+    for (l = 1; l <= L; l++) free(h[l]);
+}
+
+static int train_rank(int rank, int n, void *arg) {
+    const job *J = (const job *)arg;
+    int L = J->layers, k, step, micro, view = !strcmp(J->variant, "accum");
+    size_t cnt[2 * MAXL], total = 0, off = 0, nx, nt;
+    float *P[2 * MAXL], *G[2 * MAXL], *init, *data;
+    ddp_group *g;
+    ddp_reducer *red;
+    ddp_reducer_desc d;
+    (void)n;
+    for (k = 0; k < L; k++) {
+        cnt[2 * k] = (size_t)J->dims[k + 1] * (size_t)J->dims[k];
+        cnt[2 * k + 1] = (size_t)J->dims[k + 1];
+        total += cnt[2 * k] + cnt[2 * k + 1];
+    }
+    nx = (size_t)J->steps * (size_t)J->accum * (size_t)(J->R * J->B) * (size_t)J->dims[0];
+    nt = (size_t)J->steps * (size_t)J->accum * (size_t)(J->R * J->B) * (size_t)J->dims[L];
+    init = read_file(J->dir, "init.bin", total);
+    data = read_file(J->dir, "data.bin", nx + nt);
+    CHECK_OK(ddp_init(NULL, &g), NULL);
+    memset(&d, 0, sizeof d);
+    d.gradient_as_bucket_view = view;
+    if (view) d.bucket_cap_bytes = d.first_bucket_bytes = 1024; /* several buckets */
+    if (!strcmp(J->variant, "fp16")) d.comm_dtype = DDP_F16;
+    CHECK_OK(ddp_reducer_create(g, &d, &red), g);
+    for (k = 0; k < 2 * L; k++) {
+        char name[32];
+        snprintf(name, sizeof name, "%d.%s", 2 * (k / 2), k % 2 ? "bias" : "weight");
+        /* every rank but 0 starts from garbage: finalize broadcasts rank 0's weights */
+        P[k] = (float *)malloc(cnt[k] * sizeof(float));
+        if (rank == 0)
+            memcpy(P[k], init + off, cnt[k] * sizeof(float));
+        else
+            for (size_t i = 0; i < cnt[k]; i++) P[k][i] = (float)rank;
+        off += cnt[k];
+        G[k] = view ? NULL : (float *)calloc(cnt[k], sizeof(float));
+        CHECK_OK(ddp_reducer_add_param(red, name, P[k], G[k], cnt[k], DDP_F32, NULL), g);
+    }
+    CHECK_OK(ddp_reducer_finalize(red), g);
+    for (step = 0; step < J->steps; step++) {
+        float *grad[2 * MAXL];
+        for (k = 0; k < 2 * L; k++) grad[k] = (float *)ddp_reducer_grad(red, k);
+        for (micro = 0; micro < J->accum; micro++) {
+            size_t base = ((size_t)step * (size_t)J->accum + (size_t)micro) * (size_t)(J->R * J->B) + (size_t)(rank * J->B);
+            CHECK_OK(ddp_reducer_set_sync(red, micro == J->accum - 1), g);
+            CHECK_OK(ddp_reducer_begin_backward(red), g);
+            fwd_bwd(J, P, grad, data + base * (size_t)J->dims[0], data + nx + base * (size_t)J->dims[L], J->B, red);
+            CHECK_OK(ddp_reducer_end_backward(red), g);
+        }
+        for (k = 0; k < 2 * L; k++) { /* re-read: views move after the first step */
+            float *gk = (float *)ddp_reducer_grad(red, k);
+            for (size_t i = 0; i < cnt[k]; i++) P[k][i] -= J->lr * gk[i];
+        }
+        CHECK_OK(ddp_reducer_zero_grad(red), g);
+    }
+    if (rank == 0) {
+        char path[1024];
+        FILE *f;
+        snprintf(path, sizeof path, "%s/ddp_final.bin", J->dir);
+        f = fopen(path, "wb");
+        CHECK(f != NULL, "cannot write %s", path);
+        for (k = 0; k < 2 * L; k++) fwrite(P[k], sizeof(float), cnt[k], f);
+        fclose(f);
+    }
+    ddp_reducer_destroy(red);
+    CHECK_OK(ddp_destroy(g), NULL);
+    for (k = 0; k < 2 * L; k++) free(P[k]), free(G[k]);
+    free(init);
+    free(data);
+    return 0;
+}
+
+static int layout(int argc, char **argv) {
+    ddp_group *g;
+    ddp_reducer *red;
+    ddp_reducer_desc d;
+    int n = atoi(argv[4]), i;
+    float **p = (float **)calloc((size_t)n, sizeof *p);
+    CHECK(argc == 5 + 2 * n, "layout FIRST CAP N SIZE... ORDER...");
+    memset(&d, 0, sizeof d);
+    d.first_bucket_bytes = (size_t)atol(argv[2]);
+    d.bucket_cap_bytes = (size_t)atol(argv[3]);
+    d.gradient_as_bucket_view = 1;
+    CHECK_OK(ddp_init(NULL, &g), NULL);
+    CHECK_OK(ddp_reducer_create(g, &d, &red), g);
+    for (i = 0; i < n; i++) {
+        char name[16];
+        size_t c = (size_t)atol(argv[5 + i]);
+        snprintf(name, sizeof name, "p%d", i);
+        p[i] = (float *)calloc(c, sizeof(float));
+        CHECK_OK(ddp_reducer_add_param(red, name, p[i], NULL, c, DDP_F32, NULL), g);
+    }
+    CHECK_OK(ddp_reducer_finalize(red), g);
+    printf("initial");
+    for (i = 0; i < n; i++) printf(" %d", ddp_reducer_param_bucket(red, i, NULL));
+    CHECK_OK(ddp_reducer_begin_backward(red), g);
+    for (i = 0; i < n; i++) CHECK_OK(ddp_reducer_grad_ready(red, atoi(argv[5 + n + i])), g);
+    CHECK_OK(ddp_reducer_end_backward(red), g);
+    printf("\nrebuilt");
+    for (i = 0; i < n; i++) printf(" %d", ddp_reducer_param_bucket(red, i, NULL));
+    printf("\n");
+    ddp_reducer_destroy(red);
+    CHECK_OK(ddp_destroy(g), NULL);
+    for (i = 0; i < n; i++) free(p[i]);
+    free(p);
+    return 0;
+}
+
+int main(int argc, char **argv) {
+    job J;
+    int i;
+    if (argc >= 5 && !strcmp(argv[1], "layout")) return layout(argc, argv);
+    CHECK(argc >= 11 && !strcmp(argv[1], "train"), "usage: see the top of reducer_peer.c");
+    memset(&J, 0, sizeof J);
+    J.dir = argv[2];
+    J.variant = argv[3];
+    J.R = atoi(argv[4]);
+    J.B = atoi(argv[5]);
+    J.steps = atoi(argv[6]);
+    J.accum = atoi(argv[7]);
+    J.lr = (float)atof(argv[8]);
+    J.layers = argc - 10;
+    CHECK(J.layers >= 1 && J.layers <= MAXL, "1 to %d layers", MAXL);
+    for (i = 0; i <= J.layers; i++) J.dims[i] = atoi(argv[9 + i]);
+    return tl_run_ranks(J.R, train_rank, &J, 120);
+}

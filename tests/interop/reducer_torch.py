@@ -1,0 +1,168 @@
+"""ddp.h's reducer against torch DistributedDataParallel (torch 1.13, gloo).
+
+    /usr/bin/python3 tests/interop/reducer_torch.py PEER WORKDIR
+
+PEER is the compiled tests/interop/reducer_peer.c. For each variant, torch writes the MLP's initial weights
+and the data, trains 20 SGD steps with DDP on 2 ranks (gloo), and the peer trains the same with ddp.h
+from the same files; the final weights must agree within the variant's tolerance (max over elements of
+|ddp - torch| / max(|torch|, 0.01)). Variants:
+    plain   DDP defaults                                                                     1e-5
+    accum   2 micro-batches per step, the first under no_sync(); gradient_as_bucket_view;   1e-5
+            small buckets
+    fp16    fp16_compress_hook (torch) vs comm_dtype = DDP_F16 (ddp.h)                       1e-3
+            For 2 ranks both round x/2 to f16 and sum in f16, bit for bit (checked against torch's own
+            gradients while developing this), but the local f32 gradients differ in the last bits
+            (torch's BLAS sums in another order than the C loops), and now and then such a difference
+            falls on an f16 rounding boundary and moves one gradient element by one f16 unit (2^-11).
+Then the bucket layouts: torch's own dist._compute_bucket_assignment_by_size against the reducer's initial
+(reverse registration order) and rebuilt (ready order) buckets. Exit 0 when everything matches."""
+import os
+import socket
+import subprocess
+import sys
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
+from torch.nn.parallel import DistributedDataParallel as DDP
+
+DIMS = [16, 32, 24, 8]
+R, B, STEPS, LR = 2, 4, 20, 0.1
+TOL = {"plain": 1e-5, "accum": 1e-5, "fp16": 1e-3}
+
+
+def make_model():
+    layers = []
+    for i in range(len(DIMS) - 1):
+        layers.append(torch.nn.Linear(DIMS[i], DIMS[i + 1]))
+        if i < len(DIMS) - 2:
+            layers.append(torch.nn.Tanh())
+    return torch.nn.Sequential(*layers)
+
+
+def flat(model):
+    return torch.cat([p.detach().reshape(-1) for p in model.parameters()])
+
+
+def worker(rank, workdir, variant, accum, port):
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=R)
+    model = make_model()
+    init = torch.from_numpy(_read(workdir, "init.bin"))
+    off = 0
+    with torch.no_grad():
+        for p in model.parameters():
+            p.copy_(init[off:off + p.numel()].reshape(p.shape))
+            off += p.numel()
+    kwargs = {}
+    if variant == "accum":
+        kwargs = dict(gradient_as_bucket_view=True, bucket_cap_mb=1024 / 2**20)
+    ddp = DDP(model, **kwargs)
+    if variant == "fp16":
+        ddp.register_comm_hook(None, default_hooks.fp16_compress_hook)
+    data = torch.from_numpy(_read(workdir, "data.bin"))
+    n = STEPS * accum * R * B
+    x = data[: n * DIMS[0]].reshape(STEPS, accum, R * B, DIMS[0])
+    t = data[n * DIMS[0]:].reshape(STEPS, accum, R * B, DIMS[-1])
+    opt = torch.optim.SGD(ddp.parameters(), lr=LR)
+    loss_fn = torch.nn.MSELoss()
+    for step in range(STEPS):
+        opt.zero_grad(set_to_none=False)
+        for micro in range(accum):
+            xs = x[step, micro, rank * B:(rank + 1) * B]
+            ts = t[step, micro, rank * B:(rank + 1) * B]
+            if micro < accum - 1:
+                with ddp.no_sync():
+                    loss_fn(ddp(xs), ts).backward()
+            else:
+                loss_fn(ddp(xs), ts).backward()
+        opt.step()
+    if rank == 0:
+        flat(model).numpy().tofile(os.path.join(workdir, "torch_final.bin"))
+    dist.destroy_process_group()
+
+
+def _read(workdir, name):
+    import numpy as np
+    return np.fromfile(os.path.join(workdir, name), dtype="<f4")
+
+
+def free_port():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def run_variant(peer, workdir, variant):
+    import numpy as np
+    accum = 2 if variant == "accum" else 1
+    torch.manual_seed({"plain": 0, "accum": 1, "fp16": 2}[variant])
+    flat(make_model()).numpy().astype("<f4").tofile(os.path.join(workdir, "init.bin"))
+    x = torch.randn(STEPS, accum, R * B, DIMS[0])
+    t = torch.randn(STEPS, accum, R * B, DIMS[-1])
+    torch.cat([x.reshape(-1), t.reshape(-1)]).numpy().astype("<f4").tofile(os.path.join(workdir, "data.bin"))
+    mp.start_processes(worker, args=(workdir, variant, accum, free_port()), nprocs=R, start_method="spawn")
+    subprocess.run([peer, "train", workdir, variant, str(R), str(B), str(STEPS), str(accum), str(LR)]
+                   + [str(d) for d in DIMS], check=True)
+    a = _read(workdir, "ddp_final.bin").astype(np.float64)
+    b = _read(workdir, "torch_final.bin").astype(np.float64)
+    i0 = _read(workdir, "init.bin").astype(np.float64)
+    diff = float(np.max(np.abs(a - b) / np.maximum(np.abs(b), 0.01)))
+    moved = float(np.max(np.abs(b - i0)))
+    tol = TOL[variant]
+    print(f"{variant:6s} max rel diff ddp.h vs torch DDP: {diff:.2e} (tolerance {tol:.0e}); weights moved by up to {moved:.3f}")
+    return diff <= tol and moved > 1e-2
+
+
+def torch_layout(sizes, walk, first, cap):
+    """torch's assignment walking the parameters in `walk` order (as its rebuild does); bucket of each."""
+    tensors = [torch.empty(sizes[i]) for i in walk]
+    res = dist._compute_bucket_assignment_by_size(tensors, [first, cap], [False] * len(walk), list(walk))
+    buckets = res[0] if isinstance(res, tuple) else res
+    where = [None] * len(sizes)
+    for b, members in enumerate(buckets):
+        for i in members:
+            where[i] = b
+    return where
+
+
+def check_layouts(peer):
+    ok = True
+    g = torch.Generator().manual_seed(5)
+    cases = [
+        (0, 0, [300000, 1, 262143, 700000, 5000000, 6000000, 20, 262144, 9000000]),
+        (1000, 5000, [int(v) for v in torch.randint(1, 1500, (40,), generator=g)]),
+    ]
+    for first, cap, sizes in cases:
+        n = len(sizes)
+        order = [int(v) for v in torch.randperm(n, generator=g)]
+        out = subprocess.run([peer, "layout", str(first), str(cap), str(n)] + [str(s) for s in sizes] + [str(o) for o in order],
+                             check=True, capture_output=True, text=True).stdout.split("\n")
+        ours_initial = [int(v) for v in out[0].split()[1:]]
+        ours_rebuilt = [int(v) for v in out[1].split()[1:]]
+        f, c = first or 2**20, cap or 25 * 2**20
+        want_initial = torch_layout(sizes, list(reversed(range(n))), f, c)
+        want_rebuilt = torch_layout(sizes, order, f, c)
+        same = ours_initial == want_initial and ours_rebuilt == want_rebuilt
+        print(f"layout first={f} cap={c} {n} params: {max(want_rebuilt) + 1} buckets rebuilt, "
+              f"{'same as' if same else 'DIFFERENT from'} torch's _compute_bucket_assignment_by_size")
+        if not same:
+            print("  ours initial", ours_initial, "\n  torch       ", want_initial)
+            print("  ours rebuilt", ours_rebuilt, "\n  torch       ", want_rebuilt)
+        ok &= same
+    return ok
+
+
+def main():
+    peer, workdir = sys.argv[1], sys.argv[2]
+    ok = True
+    for variant in ("plain", "accum", "fp16"):
+        ok &= run_variant(peer, workdir, variant)
+    ok &= check_layouts(peer)
+    print("reducer interop:", "ok" if ok else "FAILED")
+    sys.exit(0 if ok else 1)
+
+
+if __name__ == "__main__":
+    main()

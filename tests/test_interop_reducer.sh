@@ -1,0 +1,25 @@
+#!/usr/bin/env bash
+# The reducer against torch 1.13's DistributedDataParallel (gloo, 2 ranks): the same MLP from the same
+# initial weights on the same data, 20 SGD steps, final weights within 1e-5 (plain DDP; no_sync accumulation
+# with gradient_as_bucket_view and small buckets) and 1e-3 (fp16_compress_hook vs comm_dtype DDP_F16: one f16
+# unit, see reducer_torch.py), and the bucket layouts against torch's own dist._compute_bucket_assignment_by_size.
+# Skips (exit 77) only when /usr/bin/python3 cannot import torch.
+set -eu
+cd "$(dirname "$0")/.."
+BUILD=${BUILD:-build}
+if ! /usr/bin/python3 -c "import torch.distributed, numpy" >/dev/null 2>&1; then
+  echo "skipped: /usr/bin/python3 cannot import torch and numpy (apt-get install python3-torch python3-numpy)"
+  exit 77
+fi
+case "${SAN:-}" in
+  address) SANFLAGS="-fsanitize=address,undefined -fno-omit-frame-pointer -fno-sanitize-recover=all" ;;
+  thread) SANFLAGS="-fsanitize=thread" ;;
+  *) SANFLAGS="" ;;
+esac
+mkdir -p "$BUILD/interop"
+# shellcheck disable=SC2086
+${CC:-cc} -std=c99 -Wall -Wextra -Werror -pedantic -O2 -g -pthread -I. -Itests tests/interop/reducer_peer.c \
+  -o "$BUILD/interop/reducer_peer" -lm $SANFLAGS
+work=$(mktemp -d)
+trap 'rm -rf "$work"' EXIT
+/usr/bin/python3 tests/interop/reducer_torch.py "$BUILD/interop/reducer_peer" "$work"
