@@ -604,17 +604,18 @@ DDP_API ddp_result ddp_reducer_finalize(ddp_reducer *r) {
     int i, n;
     if (!r) return ddp__fail(NULL, DDP_ERR_INVALID_ARGUMENT, "ddp_reducer_finalize: the reducer is NULL");
     if (r->finalized) return ddp__fail(r->g, DDP_ERR_STATE, "ddp_reducer_finalize: already finalized");
+    /* the check comes first, so that a rank with a wrong model still takes part and every rank learns */
+    if ((res = ddp__reducer_verify(r)) != DDP_SUCCESS) return res;
     if (r->nparams == 0)
         return ddp__fail(r->g, DDP_ERR_STATE, "ddp_reducer_finalize: no parameters were registered "
                          "(ddp_reducer_add_param); DDP needs at least one");
-    if ((res = ddp__reducer_verify(r)) != DDP_SUCCESS) return res;
     n = r->nparams;
-    r->ready = (unsigned char *)ddp__calloc((size_t)n, 1);
-    r->used = (unsigned char *)ddp__calloc((size_t)n, 1);
-    r->order = (int *)ddp__calloc((size_t)n, sizeof *r->order);
+    if (!r->ready) r->ready = (unsigned char *)ddp__calloc((size_t)n, 1); /* kept if an earlier finalize failed */
+    if (!r->used) r->used = (unsigned char *)ddp__calloc((size_t)n, 1);
+    if (!r->order) r->order = (int *)ddp__calloc((size_t)n, sizeof *r->order);
     r->bstage_bytes = ddp__stage_bytes(r->buffers, r->nbuffers);
-    r->bstage = r->bstage_bytes ? r->ops->alloc(r->g, r->bstage_bytes) : NULL;
-    if (r->desc.find_unused_parameters) r->used_comm = (unsigned char *)r->ops->alloc(r->g, (size_t)n);
+    if (!r->bstage && r->bstage_bytes) r->bstage = r->ops->alloc(r->g, r->bstage_bytes);
+    if (r->desc.find_unused_parameters && !r->used_comm) r->used_comm = (unsigned char *)r->ops->alloc(r->g, (size_t)n);
     if (!r->ready || !r->used || !r->order || (r->bstage_bytes && !r->bstage) || (r->desc.find_unused_parameters && !r->used_comm))
         return ddp__fail(r->g, DDP_ERR_OUT_OF_MEMORY, "ddp_reducer_finalize: out of memory");
     r->finalized = 1; /* broadcast_buffers needs it */

@@ -137,6 +137,7 @@ static const mm_case CASES[] = {
     {"dtype", 1, "buffer \"bn.running_mean\" (3 x f32)", "(3 x f64)"},
     {"extra", 2, "entry #4: rank 0 has buffer \"bn.running_mean\"", "rank 2 has parameter \"extra.bias\""},
     {"fewer", 0, "entry #4: rank 0 has nothing", "rank 1 has buffer \"bn.running_mean\""},
+    {"none", 1, "entry #0: rank 0 has parameter \"fc1.weight\" (32 x f32), rank 1 has nothing", ""},
 };
 
 static int mismatch_main(int rank, int n, void *arg) {
@@ -151,6 +152,11 @@ static int mismatch_main(int rank, int n, void *arg) {
         int bad = rank == k->bad_rank;
         ddp_reducer *r;
         CHECK_OK(ddp_reducer_create(g, NULL, &r), g);
+        if (bad && !strcmp(k->what, "none")) { /* registers nothing at all: still no hang */
+            CHECK_ERR(ddp_reducer_finalize(r), g, DDP_ERR_MISMATCH, k->needle1);
+            ddp_reducer_destroy(r);
+            continue;
+        }
         CHECK_OK(ddp_reducer_add_param(r, "fc1.weight", w1, gw1, 32, DDP_F32, NULL), g);
         CHECK_OK(ddp_reducer_add_param(r, bad && !strcmp(k->what, "name") ? "fc1.b" : "fc1.bias", b1, gb1, 4, DDP_F32, NULL), g);
         CHECK_OK(ddp_reducer_add_param(r, "fc2.weight", w2, gw2, bad && !strcmp(k->what, "count") ? 7 : 8, DDP_F32, NULL), g);

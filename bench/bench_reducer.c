@@ -1,0 +1,295 @@
+/* bench_reducer: DDP's per-step overhead on the cpu backend, the same shapes as
+   /work/shared/peers/torch_ddp_overhead.py (a 25M-parameter MLP: 5 x (Linear(2236, 2236), Tanh), MSELoss,
+   SGD lr 1e-3, one thread per rank). Step time of R ranks with the reducer minus step time of one process
+   without it, same per-rank batch; medians of the timed steps after 2 warm-up steps.
+
+       build/bench_reducer [ranks=2] [batch=32] [steps=10]
+
+   bench/bench_reducer.sh runs it beside torch DDP (gloo) and prints the ratio of the overheads.
+   Rows: "ddp.h (copy: DDP default)" (gradients in the program's buffers, copied into buckets and back, as DDP by default) and
+   "ddp.h gradient_as_bucket_view" (the gradients are the buckets). Columns: median step time of 1 rank
+   without DDP and of R ranks with it (rank 0's), their difference (the overhead) and ratio; buckets; the
+   reducer's stats averaged over the timed steps: comm (first bucket started to last one done) and exposed
+   (time inside end_backward); CPU overhead: rank 0's CPU time per step (all its threads) minus the
+   single process's, which is what the overhead is on an otherwise idle machine whose cores all compute,
+   and which other programs running on the machine do not inflate. */
+#define DDP_IMPLEMENTATION
+#include "ddp.h"
+
+#include <math.h>
+#include <netinet/in.h>
+#include <signal.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/socket.h>
+#include <sys/wait.h>
+#include <time.h>
+#include <unistd.h>
+
+#define WIDTH 2236
+#define LAYERS 5
+#define LR 1e-3f
+
+static double now(void) {
+    struct timespec ts;
+    clock_gettime(CLOCK_MONOTONIC, &ts);
+    return (double)ts.tv_sec + (double)ts.tv_nsec * 1e-9;
+}
+
+/* CPU seconds of this process, all threads (the progress thread's communication included). */
+static double cpu_now(void) {
+    struct timespec ts;
+    clock_gettime(CLOCK_PROCESS_CPUTIME_ID, &ts);
+    return (double)ts.tv_sec + (double)ts.tv_nsec * 1e-9;
+}
+
+static int cmp_double(const void *a, const void *b) {
+    double x = *(const double *)a, y = *(const double *)b;
+    return x < y ? -1 : x > y;
+}
+
+typedef struct net {
+    int batch;
+    float *W[LAYERS], *b[LAYERS], *dW[LAYERS], *db[LAYERS]; /* dW/db: the program's gradient buffers */
+    float *h[LAYERS + 1], *dh, *dz, *target;
+} net;
+
+static float frand(uint64_t *s) {
+    *s = *s * 6364136223846793005ull + 1442695040888963407ull;
+    return (float)((double)(*s >> 11) / 9007199254740992.0 * 2.0 - 1.0);
+}
+
+static void net_init(net *m, int batch) {
+    uint64_t s = 1;
+    size_t i, ww = (size_t)WIDTH * WIDTH, hb = (size_t)batch * WIDTH;
+    int l;
+    m->batch = batch;
+    for (l = 0; l < LAYERS; l++) {
+        m->W[l] = (float *)malloc(ww * sizeof(float));
+        m->b[l] = (float *)malloc(WIDTH * sizeof(float));
+        m->dW[l] = (float *)calloc(ww, sizeof(float));
+        m->db[l] = (float *)calloc(WIDTH, sizeof(float));
+        for (i = 0; i < ww; i++) m->W[l][i] = frand(&s) / sqrtf((float)WIDTH);
+        for (i = 0; i < WIDTH; i++) m->b[l][i] = frand(&s) / sqrtf((float)WIDTH);
+    }
+    for (l = 0; l <= LAYERS; l++) m->h[l] = (float *)malloc(hb * sizeof(float));
+    m->dh = (float *)malloc(hb * sizeof(float));
+    m->dz = (float *)malloc(hb * sizeof(float));
+    m->target = (float *)malloc(hb * sizeof(float));
+    for (i = 0; i < hb; i++) m->h[0][i] = frand(&s), m->target[i] = frand(&s);
+}
+
+/* Dot product with 8 independent sums, so the compiler can vectorise it without -ffast-math. */
+static float dot(const float *a, const float *b, int n) {
+    float acc[8] = {0, 0, 0, 0, 0, 0, 0, 0}, r;
+    int i, k;
+    for (i = 0; i + 8 <= n; i += 8)
+        for (k = 0; k < 8; k++) acc[k] += a[i + k] * b[i + k];
+    r = ((acc[0] + acc[1]) + (acc[2] + acc[3])) + ((acc[4] + acc[5]) + (acc[6] + acc[7]));
+    for (; i < n; i++) r += a[i] * b[i];
+    return r;
+}
+
+static void axpy(float *y, float a, const float *x, int n) {
+    int i;
+    for (i = 0; i < n; i++) y[i] += a * x[i];
+}
+
+/* Forward, MSE loss, backward; hook(ctx, k) after parameter k's gradient (W_l = 2l, b_l = 2l + 1). Every
+   loop walks W once (row by row) while the batch's activations stay in cache. */
+static void step(net *m, float **dW, float **db, void (*hook)(void *, int), void *ctx) {
+    int B = m->batch, l, j, s;
+    for (l = 0; l < LAYERS; l++)
+        for (j = 0; j < WIDTH; j++)
+            for (s = 0; s < B; s++)
+                m->h[l + 1][s * WIDTH + j] = tanhf(m->b[l][j] + dot(m->h[l] + (size_t)s * WIDTH, m->W[l] + (size_t)j * WIDTH, WIDTH));
+    for (s = 0; s < B * WIDTH; s++) m->dh[s] = 2.0f * (m->h[LAYERS][s] - m->target[s]) / (float)(B * WIDTH);
+    for (l = LAYERS - 1; l >= 0; l--) {
+        const float *x = m->h[l];
+        for (s = 0; s < B * WIDTH; s++) m->dz[s] = m->dh[s] * (1.0f - m->h[l + 1][s] * m->h[l + 1][s]);
+        if (l > 0) memset(m->dh, 0, sizeof(float) * (size_t)(B * WIDTH));
+        for (j = 0; j < WIDTH; j++) {
+            const float *w = m->W[l] + (size_t)j * WIDTH;
+            float *gw = dW[l] + (size_t)j * WIDTH;
+            for (s = 0; s < B; s++) {
+                float d = m->dz[s * WIDTH + j];
+                db[l][j] += d;
+                axpy(gw, d, x + (size_t)s * WIDTH, WIDTH);
+                if (l > 0) axpy(m->dh + (size_t)s * WIDTH, d, w, WIDTH);
+            }
+        }
+        if (hook) hook(ctx, 2 * l), hook(ctx, 2 * l + 1);
+    }
+}
+
+static void sgd(net *m, float **dW, float **db) {
+    size_t i, ww = (size_t)WIDTH * WIDTH;
+    int l;
+    for (l = 0; l < LAYERS; l++) {
+        for (i = 0; i < ww; i++) m->W[l][i] -= LR * dW[l][i];
+        for (i = 0; i < WIDTH; i++) m->b[l][i] -= LR * db[l][i];
+    }
+}
+
+static void zero(float **dW, float **db) {
+    int l;
+    for (l = 0; l < LAYERS; l++) {
+        memset(dW[l], 0, sizeof(float) * (size_t)WIDTH * WIDTH);
+        memset(db[l], 0, sizeof(float) * WIDTH);
+    }
+}
+
+/* One process, no reducer: the baseline. *cpu_ms: CPU time per timed step. */
+static double single_ms(int batch, int steps, double *cpu_ms) {
+    net m;
+    double *t = (double *)malloc(sizeof(double) * (size_t)steps), med, c0 = 0;
+    int i;
+    net_init(&m, batch);
+    for (i = -2; i < steps; i++) {
+        double t0 = now();
+        if (i == 0) c0 = cpu_now();
+        zero(m.dW, m.db);
+        step(&m, m.dW, m.db, NULL, NULL);
+        sgd(&m, m.dW, m.db);
+        if (i >= 0) t[i] = now() - t0;
+    }
+    *cpu_ms = (cpu_now() - c0) / steps * 1e3;
+    qsort(t, (size_t)steps, sizeof *t, cmp_double);
+    med = t[steps / 2] * 1e3;
+    free(t);
+    return med;
+}
+
+static void ready(void *ctx, int k) {
+    ddp_result r = ddp_reducer_grad_ready((ddp_reducer *)ctx, k);
+    if (r) fprintf(stderr, "grad_ready: %s\n", ddp_last_error(NULL)), exit(1);
+}
+
+typedef struct result {
+    double step_ms, cpu_ms, comm_ms, wait_ms;
+    int buckets;
+} result;
+
+/* One rank of the DDP run; rank 0 writes its result to fd. */
+static int ddp_rank_main(int batch, int steps, int view, int fd) {
+    ddp_group *g;
+    ddp_reducer *red;
+    ddp_reducer_desc d;
+    ddp_reducer_statistics st;
+    net m;
+    float *dW[LAYERS], *db[LAYERS];
+    double *t = (double *)malloc(sizeof(double) * (size_t)steps), comm = 0, wait = 0, c0 = 0;
+    result res;
+    int l, i;
+    memset(&st, 0, sizeof st);
+    if (ddp_init(NULL, &g) != DDP_SUCCESS) return fprintf(stderr, "ddp_init: %s\n", ddp_last_error(NULL)), 1;
+    net_init(&m, batch);
+    memset(&d, 0, sizeof d);
+    d.gradient_as_bucket_view = view;
+    if (ddp_reducer_create(g, &d, &red)) return fprintf(stderr, "%s\n", ddp_last_error(g)), 1;
+    for (l = 0; l < LAYERS; l++) {
+        char name[32];
+        snprintf(name, sizeof name, "%d.weight", 2 * l);
+        ddp_reducer_add_param(red, name, m.W[l], view ? NULL : m.dW[l], (size_t)WIDTH * WIDTH, DDP_F32, NULL);
+        snprintf(name, sizeof name, "%d.bias", 2 * l);
+        ddp_reducer_add_param(red, name, m.b[l], view ? NULL : m.db[l], WIDTH, DDP_F32, NULL);
+    }
+    if (ddp_reducer_finalize(red)) return fprintf(stderr, "finalize: %s\n", ddp_last_error(g)), 1;
+    for (i = -2; i < steps; i++) {
+        double t0 = now();
+        if (i == 0) c0 = cpu_now();
+        for (l = 0; l < LAYERS; l++) { /* views move after the first step: read them every step */
+            dW[l] = (float *)ddp_reducer_grad(red, 2 * l);
+            db[l] = (float *)ddp_reducer_grad(red, 2 * l + 1);
+        }
+        ddp_reducer_zero_grad(red);
+        ddp_reducer_begin_backward(red);
+        step(&m, dW, db, ready, red);
+        if (ddp_reducer_end_backward(red)) return fprintf(stderr, "end_backward: %s\n", ddp_last_error(g)), 1;
+        for (l = 0; l < LAYERS; l++) {
+            dW[l] = (float *)ddp_reducer_grad(red, 2 * l);
+            db[l] = (float *)ddp_reducer_grad(red, 2 * l + 1);
+        }
+        sgd(&m, dW, db);
+        if (i >= 0) {
+            t[i] = now() - t0;
+            ddp_reducer_stats(red, &st);
+            comm += st.comm_seconds;
+            wait += st.wait_seconds;
+        }
+    }
+    res.cpu_ms = (cpu_now() - c0) / steps * 1e3;
+    qsort(t, (size_t)steps, sizeof *t, cmp_double);
+    ddp_reducer_stats(red, &st);
+    res.step_ms = t[steps / 2] * 1e3;
+    res.comm_ms = comm / steps * 1e3;
+    res.wait_ms = wait / steps * 1e3;
+    res.buckets = st.buckets;
+    if (ddp_rank(g) == 0 && write(fd, &res, sizeof res) != (ssize_t)sizeof res) return 1;
+    ddp_reducer_destroy(red);
+    ddp_destroy(g);
+    free(t);
+    return 0;
+}
+
+static int free_port(void) {
+    struct sockaddr_in a;
+    socklen_t len = sizeof a;
+    int port = 0, fd = socket(AF_INET, SOCK_STREAM, 0);
+    memset(&a, 0, sizeof a);
+    a.sin_family = AF_INET;
+    a.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+    if (fd >= 0 && bind(fd, (struct sockaddr *)&a, sizeof a) == 0 && getsockname(fd, (struct sockaddr *)&a, &len) == 0)
+        port = ntohs(a.sin_port);
+    if (fd >= 0) close(fd);
+    return port;
+}
+
+/* Fork R ranks with torchrun's environment; returns rank 0's result. */
+static int run_ddp(int R, int batch, int steps, int view, result *out) {
+    int p[2], i, st, failed = 0;
+    char v[16];
+    pid_t pids[64];
+    if (pipe(p) != 0) return 1;
+    snprintf(v, sizeof v, "%d", free_port());
+    setenv("MASTER_PORT", v, 1);
+    setenv("MASTER_ADDR", "127.0.0.1", 1);
+    snprintf(v, sizeof v, "%d", R);
+    setenv("WORLD_SIZE", v, 1);
+    setenv("LOCAL_WORLD_SIZE", v, 1);
+    fflush(stdout);
+    for (i = 0; i < R; i++) {
+        if ((pids[i] = fork()) == 0) {
+            snprintf(v, sizeof v, "%d", i);
+            setenv("RANK", v, 1);
+            setenv("LOCAL_RANK", v, 1);
+            close(p[0]);
+            exit(ddp_rank_main(batch, steps, view, p[1]));
+        }
+    }
+    close(p[1]);
+    if (read(p[0], out, sizeof *out) != (ssize_t)sizeof *out) failed = 1;
+    close(p[0]);
+    for (i = 0; i < R; i++)
+        if (waitpid(pids[i], &st, 0) < 0 || !WIFEXITED(st) || WEXITSTATUS(st) != 0) failed = 1;
+    return failed;
+}
+
+int main(int argc, char **argv) {
+    int R = argc > 1 ? atoi(argv[1]) : 2, batch = argc > 2 ? atoi(argv[2]) : 32, steps = argc > 3 ? atoi(argv[3]) : 10, view;
+    double single, single_cpu;
+    if (R < 1 || R > 64 || batch < 1 || steps < 1) return fprintf(stderr, "usage: bench_reducer [ranks] [batch] [steps]\n"), 2;
+    printf("bench_reducer: %.1fM parameters (%d x Linear(%d, %d) + Tanh), per-rank batch %d, %d ranks, 1 thread each, "
+           "median of %d steps\n", LAYERS * ((double)WIDTH * WIDTH + WIDTH) / 1e6, LAYERS, WIDTH, WIDTH, batch, R, steps);
+    single = single_ms(batch, steps, &single_cpu);
+    printf("%-30s %12s %12s %13s %6s %8s %10s %12s %17s\n", "mode", "1 rank (ms)", "R ranks (ms)", "overhead (ms)", "ratio",
+           "buckets", "comm (ms)", "exposed (ms)", "CPU overhead (ms)");
+    for (view = 0; view <= 1; view++) {
+        result r;
+        if (run_ddp(R, batch, steps, view, &r)) return fprintf(stderr, "bench_reducer: a rank failed\n"), 1;
+        printf("%-30s %12.1f %12.1f %13.1f %6.2f %8d %10.1f %12.1f %17.1f\n", view ? "ddp.h gradient_as_bucket_view" : "ddp.h (copy: DDP default)",
+               single, r.step_ms, r.step_ms - single, r.step_ms / single, r.buckets, r.comm_ms, r.wait_ms, r.cpu_ms - single_cpu);
+    }
+    return 0;
+}
