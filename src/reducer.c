@@ -37,8 +37,11 @@
    Buffers are the backend's memory (host memory for cpu; device memory for nccl, where the copies run on
    the group's stream). copy_in_scaled: dst[i] = src[i] * scale converted from src_t to dst_t, computed in
    f32 (f64 for f64) and rounded once; dst may equal src when the dtypes do. copy_out: dst[i] = src[i]
-   converted (a plain copy when the dtypes are equal). To add a backend, write these functions and add a
-   row to ddp__reducer_backends. */
+   converted (a plain copy when the dtypes are equal); it also moves the used map between host memory and
+   the backend's (both directions). To add a backend, write these functions and add a row to
+   ddp__reducer_backends. Besides these, finalize and the rebuild pass small host arrays to ddp_all_gather
+   and ddp_broadcast (the model check, the ready order) and broadcast parameters and buffers where they
+   are: a backend whose collectives take device memory accepts host memory for those, or stages it. */
 typedef struct ddp__reducer_ops {
     const char *backend; /* ddp_backend_name(g) */
     void *(*alloc)(ddp_group *g, size_t bytes); /* zeroed; NULL when out of memory */
@@ -180,7 +183,8 @@ struct ddp_reducer {
     int next_bucket;   /* the next bucket to start */
     unsigned char *ready; /* per parameter: grad_ready in this backward pass */
     unsigned char *used;  /* per parameter: grad_ready since the last synchronised backward */
-    unsigned char *used_comm; /* find_unused: the all-reduced (MAX) used map, backend memory */
+    unsigned char *used_comm; /* find_unused: the used map as all-reduced (MAX), backend memory */
+    unsigned char *used_global; /* find_unused: its result, back in host memory */
     int *order;        /* ready order of the first synchronised pass, for the rebuild */
     int norder;
     int rebuild_pending;
@@ -616,7 +620,9 @@ DDP_API ddp_result ddp_reducer_finalize(ddp_reducer *r) {
     r->bstage_bytes = ddp__stage_bytes(r->buffers, r->nbuffers);
     if (!r->bstage && r->bstage_bytes) r->bstage = r->ops->alloc(r->g, r->bstage_bytes);
     if (r->desc.find_unused_parameters && !r->used_comm) r->used_comm = (unsigned char *)r->ops->alloc(r->g, (size_t)n);
-    if (!r->ready || !r->used || !r->order || (r->bstage_bytes && !r->bstage) || (r->desc.find_unused_parameters && !r->used_comm))
+    if (r->desc.find_unused_parameters && !r->used_global) r->used_global = (unsigned char *)ddp__calloc((size_t)n, 1);
+    if (!r->ready || !r->used || !r->order || (r->bstage_bytes && !r->bstage) ||
+        (r->desc.find_unused_parameters && (!r->used_comm || !r->used_global)))
         return ddp__fail(r->g, DDP_ERR_OUT_OF_MEMORY, "ddp_reducer_finalize: out of memory");
     r->finalized = 1; /* broadcast_buffers needs it */
     if ((res = ddp__reducer_sync_states(r)) != DDP_SUCCESS) {
@@ -731,7 +737,8 @@ static ddp_result ddp__reducer_missing(ddp_reducer *r) {
     if (len < sizeof msg)
         snprintf(msg + len, sizeof msg - len, ". Call ddp_reducer_grad_ready for every parameter in every synchronised "
                  "backward, or set find_unused_parameters = 1 (PyTorch: \"Expected to have finished reduction in the "
-                 "prior iteration\"). The group is broken; destroy it");
+                 "prior iteration\"). %s", ddp_world_size(r->g) > 1 ? "The group is broken; destroy it and the reducer"
+                 : "Destroy the reducer");
     for (b = 0; b < r->next_bucket; b++)
         if (r->L.buckets[b].work) {
             r->ops->wait(r->L.buckets[b].work);
@@ -800,7 +807,7 @@ static void ddp__reducer_finish_unused(ddp_reducer *r) {
     for (i = 0; i < r->nparams; i++) {
         ddp__bucket *k = &r->L.buckets[r->L.param_bucket[i]];
         if (r->used[i]) continue;
-        if (r->used_comm[i]) {
+        if (r->used_global[i]) {
             ddp__reducer_give_back(r, i);
         } else if (ddp__bucket_in_place(k)) {
             r->ops->copy_out(r->g, (char *)k->storage + r->L.param_offset[i] * ddp_dtype_size(k->dtype), r->params[i].dtype,
@@ -835,7 +842,10 @@ static ddp_result ddp__reducer_collect(ddp_reducer *r, ddp_work *used_work) {
             first = res;
             snprintf(why, sizeof why, "%s", ddp_last_error(r->g));
         }
-        if (!first) ddp__reducer_finish_unused(r);
+        if (!first) {
+            r->ops->copy_out(r->g, r->used_global, DDP_U8, r->used_comm, DDP_U8, ddp__reducer_n(r));
+            ddp__reducer_finish_unused(r);
+        }
     }
     /* the first failure says what happened; later ones only say that the group is broken */
     if (!first) return DDP_SUCCESS;
@@ -960,6 +970,7 @@ DDP_API void ddp_reducer_destroy(ddp_reducer *r) {
     ddp__free(r->ready);
     ddp__free(r->used);
     ddp__free(r->order);
+    ddp__free(r->used_global);
     if (r->used_comm) r->ops->release(r->g, r->used_comm);
     if (r->stash) r->ops->release(r->g, r->stash);
     if (r->bstage) r->ops->release(r->g, r->bstage);
