@@ -96,6 +96,18 @@ static void test_crc(void) {
             uint32_t want = ref_crc32c(buf + i, n);
             CHECK(ddp__ck_crc32c(buf + i, n, 1) == want && ddp__ck_crc32c(buf + i, n, 0) == want, "crc32c n=%zu off=%zu", n, i);
         }
+    { /* long inputs take the three-lane instruction path (lanes of 4 KiB) */
+        static const size_t lens[] = {12287, 12288, 12289, 12288 * 2 + 8, 100003};
+        size_t k;
+        unsigned char *big = (unsigned char *)malloc(100003 + 8);
+        for (i = 0; i < 100003 + 8; i++) big[i] = (unsigned char)tl_rand(&s);
+        for (k = 0; k < sizeof lens / sizeof lens[0]; k++)
+            for (i = 0; i < 3; i++) {
+                uint32_t want = ref_crc32c(big + i, lens[k]);
+                CHECK(ddp__ck_crc32c(big + i, lens[k], 1) == want && ddp__ck_crc32c(big + i, lens[k], 0) == want, "crc32c n=%zu", lens[k]);
+            }
+        free(big);
+    }
     printf("crc32c: ok\n");
 }
 
