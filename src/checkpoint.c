@@ -567,7 +567,7 @@ static ddp_result ddp__ck_uint(ddp__ck_json *j, uint64_t *v) {
     return DDP_SUCCESS;
 }
 
-/* '[' uint, ... ']' ; calls store(i, value) for each element; at most max elements (max < 0: any). */
+/* '[' uint, ... ']': the first keep values go to vals; *count is the number of elements. */
 static ddp_result ddp__ck_uint_array(ddp__ck_json *j, uint64_t *vals, int keep, int *count) {
     ddp_result r;
     int more;

@@ -161,9 +161,10 @@ DDP_API ddp_result ddp_checkpoint_load_ex(ddp_group *g, const char *path, ddp_te
    removes an old marker at path, so a save cut short is never taken for a complete one (use distinct
    paths, e.g. a step number with keep_last, to always keep a complete previous checkpoint).
    keep_last: rank 0 deletes old markers, then each rank its own old shards. Collective over g.
-   ddp_checkpoint_load_shard: check that the marker exists (else DDP_ERR_FORMAT: the save did not
-   finish), that it was written by a group of this size (else DDP_ERR_MISMATCH), then load this rank's
-   shard as ddp_checkpoint_load does and check that it belongs to that save (DDP_ERR_FORMAT if not).
+   ddp_checkpoint_load_shard: check that the marker exists (else DDP_ERR_IO: the save did not finish,
+   or the path is wrong), that it was written by a group of this size (else DDP_ERR_MISMATCH), then
+   load this rank's shard as ddp_checkpoint_load does and check that it belongs to that save
+   (DDP_ERR_FORMAT if not: a later save to the same path was cut short).
    Return and thread safety: as ddp_checkpoint_save / ddp_checkpoint_load. */
 DDP_API ddp_result ddp_checkpoint_save_shard(ddp_group *g, const char *path, const ddp_tensor *t, int n,
                                              const ddp_meta *meta, const ddp_checkpoint_save_desc *desc);
