@@ -14,6 +14,9 @@ mkdir -p "$BUILD"
 work=$(mktemp -d "${TMPDIR:-/tmp}/ckpt_interop_XXXXXX")
 trap 'rm -rf "$work"' EXIT
 helper="$BUILD/safetensors_helper"
+if [ "${SAN:-}" = address ] && [ -z "${SANFLAGS:-}" ]; then
+  SANFLAGS="-fsanitize=address,undefined -fno-omit-frame-pointer -fno-sanitize-recover=all"
+fi
 [ -f ddp.h ] || python3 amalgamate.py
 ${CC:-cc} -std=c99 -Wall -Wextra -Werror -pedantic -O2 -g -pthread -I. -Itests tests/interop/safetensors_helper.c \
   -o "$helper" -lm ${SANFLAGS:-}
