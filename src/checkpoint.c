@@ -1208,7 +1208,8 @@ static ddp_result ddp__ck_agree(ddp_group *g, ddp_result mine, const char *what)
         if (codes[i] != 0) bad = i;
     if (r != DDP_SUCCESS || bad < 0) {
         ddp__free(codes);
-        return r;
+        /* this rank's own failure says more than a collective that broke after it */
+        return (r != DDP_SUCCESS && mine != DDP_SUCCESS) ? ddp__fail(g, mine, "%s", own) : r;
     }
     msgs = (char *)ddp__calloc((size_t)w, DDP__ERR_MAX);
     r = msgs ? ddp_all_gather(g, own, msgs, DDP__ERR_MAX, DDP_U8) : DDP_ERR_OUT_OF_MEMORY;
