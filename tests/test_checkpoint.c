@@ -665,7 +665,6 @@ static void test_shards(void) {
 }
 
 int main(void) {
-    (void)tl_run_ranks; /* testlib.h helper this single-process test does not need */
     snprintf(dir, sizeof dir, "%s/ckpt_test_XXXXXX", getenv("TMPDIR") ? getenv("TMPDIR") : "/tmp");
     CHECK(mkdtemp(dir), "mkdtemp");
     test_crc();

@@ -166,7 +166,6 @@ int main(void) {
     long span_us;
     int trial, newer = 0, same = 0, caught = 0;
     int64_t step = 1, last, got, num;
-    (void)tl_run_ranks; /* testlib.h helper not needed here */
     snprintf(dir, sizeof dir, "%s/ckpt_fault_XXXXXX", getenv("TMPDIR") ? getenv("TMPDIR") : "/tmp");
     CHECK(mkdtemp(dir), "mkdtemp");
     printf("seed %llu (time)\n", (unsigned long long)rng);

@@ -1,11 +1,11 @@
 #!/usr/bin/env bash
 # Fuzzes the checkpoint reader (tests/fuzz/fuzz_checkpoint.c) with libFuzzer + ASan + UBSan for a
-# bounded time (FUZZ_SECONDS, default 20), starting from seeds written by the Python safetensors writer
+# bounded time (FUZZ_SECONDS, default 15), starting from seeds written by the Python safetensors writer
 # in tests/interop. Exit 0: no crash; 77: no libFuzzer here (says which package provides it).
 set -u
 cd "$(dirname "$0")/.."
 BUILD=${BUILD:-build}
-SECONDS_BUDGET=${FUZZ_SECONDS:-20}
+SECONDS_BUDGET=${FUZZ_SECONDS:-15}
 CLANG=${CLANG:-clang}
 out="$BUILD/fuzz_checkpoint"
 mkdir -p "$out/corpus"
@@ -18,7 +18,7 @@ if ! "$CLANG" -fsanitize=fuzzer,address,undefined "$probe" -o "$out/probe" >/dev
   echo "libFuzzer is not available to $CLANG: apt-get install -y libclang-rt-14-dev (it provides libclang_rt.fuzzer)"; exit 77
 fi
 python3 amalgamate.py >/dev/null || exit 1
-"$CLANG" -std=c99 -Wall -Wextra -Werror -pedantic -g -O1 -pthread -I. \
+"$CLANG" -std=c99 -Wall -Wextra -Werror -pedantic -gline-tables-only -O1 -pthread -I. \
   -fsanitize=fuzzer,address,undefined -fno-sanitize-recover=all \
   tests/fuzz/fuzz_checkpoint.c -o "$out/fuzz_checkpoint" -lm || exit 1
 python3 - "$out/corpus" <<'PY' || exit 1
