@@ -2,9 +2,10 @@
    Both start a group of worker processes on this host with torchrun's environment and watch them:
 
        fork N workers (each in its own process group, each told RANK, WORLD_SIZE, MASTER_ADDR, ...)
-       loop every few ms: waitpid(worker, WNOHANG) for each worker still running
+       loop: sleep until a worker ends (pidfd) or 5 ms pass; waitpid(worker, WNOHANG) for each
          all exited 0         -> success
-         one failed           -> say which rank and how (exit code or signal), then stop the others:
+         one failed           -> collect the failures of the next 0.25 s, name the likely cause
+                                 (which rank, exit code or signal), then stop the others:
                                  SIGTERM to every worker's process group, SIGKILL after a grace period
          ddprun got a signal  -> forward it to every worker, then stop them as above
 
@@ -23,6 +24,7 @@
 
 #define DDP__LAUNCH_GRACE 3.0      /* seconds between SIGTERM and SIGKILL when stopping workers */
 #define DDP__LAUNCH_POLL 0.005     /* seconds between two looks at the workers */
+#define DDP__LAUNCH_SETTLE 0.25    /* seconds to collect other failures after the first one */
 #define DDP__LAUNCH_MAX_PROCS 65536 /* per node; also the largest --nnodes */
 
 /* What every worker of one launch is told: torchrun's launch environment (REFERENCE.md). */
@@ -43,6 +45,8 @@ typedef struct ddp__launch_worker {
     int status; /* waitpid status, valid once reaped */
     int reaped;
     int lost;   /* reaped by someone else: its status is unknown, counted as a failure */
+    int pidfd;  /* readable once the process has ended (Linux 5.3+); -1 when unavailable */
+    int pass;   /* the look (ddp__launch_reap) that found it failed; 0 = not failed */
 } ddp__launch_worker;
 
 /* The workers of one attempt and how to report on them. */
@@ -51,6 +55,7 @@ typedef struct ddp__launch_group {
     int to_stderr;   /* 1: print to stderr (ddprun); 0: ddp__log at error level (ddp_spawn) */
     int signals;     /* 1: react to the signals ddprun caught (ddp__launch_signal_got) */
     int n;
+    int pass;        /* looks at the workers so far */
     ddp__launch_worker *w;
 } ddp__launch_group;
 
@@ -137,11 +142,19 @@ static int ddp__launch_running(const ddp__launch_group *lg) {
     return n;
 }
 
-/* One non-blocking look at every running worker. Returns the index of the first worker found to
-   have failed in this pass, or -1. Polling each pid (not waitpid(-1)) leaves the caller's other
-   children alone, which matters when ddp_spawn runs inside a user's program. */
+static void ddp__launch_mark_reaped(ddp__launch_worker *w, int status) {
+    w->status = status;
+    w->reaped = 1;
+    if (w->pidfd >= 0) close(w->pidfd);
+    w->pidfd = -1;
+}
+
+/* One non-blocking look at every running worker. Returns how many were found to have failed in
+   this look (marked with its pass number). Polling each pid (not waitpid(-1)) leaves the caller's
+   other children alone, which matters when ddp_spawn runs inside a user's program. */
 static int ddp__launch_reap(ddp__launch_group *lg) {
-    int i, failed = -1;
+    int i, failed = 0;
+    lg->pass++;
     for (i = 0; i < lg->n; i++) {
         ddp__launch_worker *w = &lg->w[i];
         int st = 0;
@@ -153,11 +166,75 @@ static int ddp__launch_reap(ddp__launch_group *lg) {
             w->lost = 1;
             st = 1 << 8; /* as "exited with code 1" for the exit code */
         }
-        w->status = st;
-        w->reaped = 1;
-        if (failed < 0 && ddp__launch_failed(st)) failed = i;
+        ddp__launch_mark_reaped(w, st);
+        if (ddp__launch_failed(st)) {
+            w->pass = lg->pass;
+            failed++;
+        }
     }
     return failed;
+}
+
+/* Sleep until a worker may have ended: poll() on the pidfds of (the first 64) running workers
+   wakes at once when one ends, and a signal to ddprun interrupts it; the DDP__LAUNCH_POLL timeout
+   covers the rest. Without pidfds (kernels before 5.3), a plain sleep of DDP__LAUNCH_POLL. */
+static void ddp__launch_nap(const ddp__launch_group *lg) {
+    struct pollfd fds[64];
+    int i, n = 0;
+    for (i = 0; i < lg->n && n < (int)(sizeof fds / sizeof fds[0]); i++) {
+        if (lg->w[i].reaped || lg->w[i].pidfd < 0) continue;
+        fds[n].fd = lg->w[i].pidfd;
+        fds[n].events = POLLIN;
+        fds[n].revents = 0;
+        n++;
+    }
+    if (n == 0) {
+        ddp__sleep(DDP__LAUNCH_POLL);
+        return;
+    }
+    poll(fds, (nfds_t)n, (int)(DDP__LAUNCH_POLL * 1000));
+}
+
+/* Of the workers that failed since look `since`, the one that most likely made the others fail.
+   When a rank dies, the others lose a peer and fail too, all in the same way (the same exit code),
+   and on a busy machine they may end before the dead rank can even be reaped. So: a failure unlike
+   every other one is the cause; among several such, or none, the earliest seen, then the lowest rank. */
+static int ddp__launch_culprit(const ddp__launch_group *lg, int since) {
+    int i, j, best = -1, best_unique = 0;
+    for (i = 0; i < lg->n; i++) {
+        const ddp__launch_worker *a = &lg->w[i];
+        int unique = 1;
+        if (a->pass < since) continue;
+        for (j = 0; j < lg->n; j++)
+            if (j != i && lg->w[j].pass >= since && lg->w[j].status == a->status && lg->w[j].lost == a->lost) unique = 0;
+        if (best < 0 || unique > best_unique || (unique == best_unique && a->pass < lg->w[best].pass)) {
+            best = i;
+            best_unique = unique;
+        }
+    }
+    return best;
+}
+
+/* "; at about the same time rank 0 (pid 11) exited with code 1, rank 3 (pid 14) exited with code 1":
+   the other failures since look `since`, so that nothing is hidden when the guess is wrong. */
+static void ddp__launch_also(const ddp__launch_group *lg, int culprit, int since, char *buf, size_t size) {
+    size_t len = 0;
+    int i, listed = 0, more = 0;
+    buf[0] = '\0';
+    for (i = 0; i < lg->n; i++) {
+        char name[96], how[128];
+        if (i == culprit || lg->w[i].pass < since) continue;
+        if (listed == 4) {
+            more++;
+            continue;
+        }
+        ddp__launch_name(&lg->w[i], name, sizeof name);
+        ddp__launch_describe(&lg->w[i], how, sizeof how);
+        snprintf(buf + len, size - len, "%s%s %s", listed ? ", " : "; at about the same time ", name, how);
+        len = strlen(buf);
+        listed++;
+    }
+    if (more) snprintf(buf + len, size - len, " and %d more", more);
 }
 
 static void ddp__launch_signal_all(const ddp__launch_group *lg, int sig) {
@@ -179,7 +256,7 @@ static void ddp__launch_stop(ddp__launch_group *lg, int sig) {
     ddp__launch_signal_all(lg, sig);
     while (ddp__launch_running(lg) > 0 && ddp__now() < deadline &&
            !(lg->signals && ddp__launch_signal_count != signals_before)) {
-        ddp__sleep(DDP__LAUNCH_POLL);
+        ddp__launch_nap(lg);
         ddp__launch_reap(lg);
     }
     for (i = 0; i < lg->n; i++) {
@@ -194,8 +271,9 @@ static void ddp__launch_stop(ddp__launch_group *lg, int sig) {
     for (i = 0; i < lg->n; i++) {
         ddp__launch_worker *w = &lg->w[i];
         while (!w->reaped) {
-            pid_t p = waitpid(w->pid, &w->status, 0);
-            if (p == w->pid || (p < 0 && errno != EINTR)) w->reaped = 1;
+            int st = 0;
+            pid_t p = waitpid(w->pid, &st, 0);
+            if (p == w->pid || (p < 0 && errno != EINTR)) ddp__launch_mark_reaped(w, st);
         }
     }
 }
@@ -207,19 +285,28 @@ static void ddp__launch_stop(ddp__launch_group *lg, int sig) {
 static int ddp__launch_monitor(ddp__launch_group *lg, char *msg) {
     for (;;) {
         int failed = ddp__launch_reap(lg), running, sig;
-        if (failed >= 0) {
-            char name[96], how[96];
-            const ddp__launch_worker *w = &lg->w[failed];
+        if (failed > 0) {
+            char name[96], how[128], also[512];
+            const ddp__launch_worker *w;
+            int since = lg->pass;
+            double settle = ddp__now() + DDP__LAUNCH_SETTLE;
+            while (ddp__launch_running(lg) > 0 && ddp__now() < settle) {
+                ddp__launch_nap(lg);
+                ddp__launch_reap(lg);
+            }
+            w = &lg->w[ddp__launch_culprit(lg, since)];
             running = ddp__launch_running(lg);
             ddp__launch_name(w, name, sizeof name);
             ddp__launch_describe(w, how, sizeof how);
+            ddp__launch_also(lg, (int)(w - lg->w), since, also, sizeof also);
             if (running > 0)
-                ddp__launch_say(lg, "%s %s; stopping the other %d worker%s", name, how, running, running == 1 ? "" : "s");
+                ddp__launch_say(lg, "%s %s%s; stopping the other %d worker%s", name, how, also, running,
+                                running == 1 ? "" : "s");
             else
-                ddp__launch_say(lg, "%s %s", name, how);
+                ddp__launch_say(lg, "%s %s%s", name, how, also);
             ddp__launch_stop(lg, SIGTERM);
-            snprintf(msg, DDP__ERR_MAX, "%s of %d %s; %d other running worker%s stopped", name, lg->n, how, running,
-                     running == 1 ? " was" : "s were");
+            snprintf(msg, DDP__ERR_MAX, "%s of %d %s%s; %d other running worker%s stopped", name, lg->n, how, also,
+                     running, running == 1 ? " was" : "s were");
             return ddp__launch_exit_code(w->status);
         }
         running = ddp__launch_running(lg);
@@ -233,7 +320,7 @@ static int ddp__launch_monitor(ddp__launch_group *lg, char *msg) {
                      ddp__launch_signame(sig), running, running == 1 ? "" : "s");
             return 128 + sig;
         }
-        ddp__sleep(DDP__LAUNCH_POLL);
+        ddp__launch_nap(lg);
     }
 }
 
@@ -292,6 +379,16 @@ static void ddp__launch_child_setup(pid_t launcher) {
     if (getppid() != launcher) _exit(1); /* the launcher died before prctl took effect */
 }
 
+/* A file descriptor that becomes readable when pid ends (pidfd_open, Linux 5.3+; close-on-exec), or -1. */
+static int ddp__launch_pidfd(pid_t pid) {
+#ifdef SYS_pidfd_open
+    return (int)syscall(SYS_pidfd_open, pid, 0);
+#else
+    (void)pid;
+    return -1;
+#endif
+}
+
 /* Start the workers: exec argv (ddprun) or run fn (ddp_spawn) in each. On failure the workers
    already started are stopped and the error is in err. */
 static ddp_result ddp__launch_start(ddp__launch_group *lg, const ddp__launch_env *e, char **argv,
@@ -310,6 +407,9 @@ static ddp_result ddp__launch_start(ddp__launch_group *lg, const ddp__launch_env
                                 lg->who, i, strerror(saved));
         }
         if (pid == 0) {
+            int k;
+            for (k = 0; k < i; k++) /* the earlier workers' pidfds are the launcher's business */
+                if (lg->w[k].pidfd >= 0) close(lg->w[k].pidfd);
             ddp__launch_child_setup(self);
             ddp__launch_export(e, i);
             if (argv) {
@@ -325,8 +425,7 @@ static ddp_result ddp__launch_start(ddp__launch_group *lg, const ddp__launch_env
         }
         setpgid(pid, pid); /* also here: the group must exist before anyone signals it */
         w->pid = pid;
-        w->reaped = 0;
-        w->status = 0;
+        w->pidfd = ddp__launch_pidfd(pid);
     }
     return DDP_SUCCESS;
 }
@@ -339,11 +438,13 @@ static ddp__launch_group ddp__launch_group_make(int is_ddprun, int n, int first_
     lg.to_stderr = is_ddprun;
     lg.signals = is_ddprun;
     lg.n = n;
+    lg.pass = 0;
     lg.w = w;
     for (i = 0; i < n; i++) {
         memset(&w[i], 0, sizeof w[i]);
         w[i].rank = first_rank + i;
         w[i].local_rank = i;
+        w[i].pidfd = -1;
     }
     return lg;
 }

@@ -11,11 +11,12 @@ BUILD=${BUILD:-build}
 DDPRUN=$BUILD/ddprun
 ulimit -c 0
 make -s BUILD="$BUILD" SAN="${SAN:-}" "$DDPRUN" || { echo "cannot build $DDPRUN"; exit 1; }
-for p in print_env sleeper exit_with; do
+for p in print_env sleeper exit_with allreduce; do
   ${CC:-cc} -std=c99 -Wall -Wextra -Werror -pedantic -O2 -g -pthread -I. -Itests -o "$BUILD/progs_$p" \
     "tests/progs/$p.c" -lm || { echo "cannot build tests/progs/$p.c"; exit 1; }
 done
 PRINT_ENV=$BUILD/progs_print_env SLEEPER=$BUILD/progs_sleeper EXIT_WITH=$BUILD/progs_exit_with
+ALLREDUCE=$BUILD/progs_allreduce
 T=$(mktemp -d /tmp/test_ddprun.XXXXXX)
 BG=""
 # on the way out, whatever the outcome: no launcher and no worker (or worker's child) left behind
@@ -51,14 +52,16 @@ wait_files() {
   done
   fail "only $(ls "$1" | grep -c "^$2\.[0-9]*$") of $3 $2 files appeared in $1"
 }
-# wait_bounded PID: wait for a background ddprun, SIGKILLing it after 30 s (a hang is a failure)
+# wait_bounded PID: wait for a background ddprun and return its exit code; SIGKILL it after 30 s (a
+# hang is a failure). Polls: bash reaps a finished background job at once, so kill -0 then fails.
 wait_bounded() {
-  local w rc
-  ( sleep 30; kill -9 "$1" 2>/dev/null ) &
-  w=$!
-  wait "$1"; rc=$?
-  kill "$w" 2>/dev/null; wait "$w" 2>/dev/null
-  return $rc
+  local i
+  for i in $(seq 3000); do
+    kill -0 "$1" 2>/dev/null || break
+    sleep 0.01
+  done
+  kill -9 "$1" 2>/dev/null
+  wait "$1"
 }
 # newdir NAME: D=$T/NAME, created
 newdir() { D=$T/$1; mkdir -p "$D"; }
@@ -225,6 +228,30 @@ for s in INT TERM; do
   for r in 0 1 2; do [ "$(cat "$D/sig.$r" 2>/dev/null)" = "$num" ] || fail "rank $r did not get SIG$s"; done
 done
 ok "SIGINT and SIGTERM to ddprun reach every worker; exit 130 / 143"
+
+# ---- a real distributed program: ddp_init from ddprun's environment, all_reduce checked exactly ----
+newdir allreduce
+timeout -s KILL 60 "$DDPRUN" --standalone --nproc-per-node 4 "$ALLREDUCE" >"$D/out" 2>"$D/err"; rc=$?
+[ $rc = 0 ] || fail "ddprun --nproc-per-node 4 allreduce exited $rc: $(cat "$D/out")"
+[ "$(sort "$D/out")" = "$(printf 'rank %d of 4: all_reduce ok\n' 0 1 2 3)" ] || fail "allreduce output: $(cat "$D/out")"
+newdir allreduce2
+port=$(python3 -c 'import socket; s = socket.socket(); s.bind(("", 0)); print(s.getsockname()[1])')
+for k in 0 1; do # two "nodes" on this host, static rendezvous
+  timeout -s KILL 60 "$DDPRUN" --nnodes 2 --node-rank $k --nproc-per-node 2 --master-port "$port" "$ALLREDUCE" \
+    >"$D/out.$k" 2>"$D/err.$k" & eval "n$k=\$!"; BG="$BG $!"
+done
+wait_bounded "$n0" && wait_bounded "$n1" || fail "ddprun --nnodes 2: $(cat "$D"/out.* "$D"/err.*)"
+[ "$(sort "$D"/out.*)" = "$(printf 'rank %d of 4: all_reduce ok\n' 0 1 2 3)" ] || fail "allreduce output: $(cat "$D"/out.*)"
+ok "ddprun --nproc-per-node 4 (and 2 nodes x 2) runs ddp_init + all_reduce with correct results"
+newdir allreduce_dies
+t0=$(now_ms)
+DIE_RANK=2 timeout -s KILL 60 "$DDPRUN" --standalone --nproc-per-node 4 "$ALLREDUCE" >"$D/out" 2>"$D/err"; rc=$?
+t1=$(now_ms)
+[ $rc = 137 ] || fail "rank 2 killed itself before all_reduce: ddprun exited $rc, want 137"
+grep -q "^ddprun: rank 2 (pid [0-9]*) was killed by signal 9 (SIGKILL)" "$D/err" ||
+  fail "rank 2 not named: $(cat "$D/err")"
+[ $((t1 - t0)) -lt 5000 ] || fail "ddprun took $((t1 - t0)) ms to stop ranks blocked in all_reduce (deadline 5 s)"
+ok "rank 2 dies while the others wait in all_reduce: ddprun stops them and exits 137 in $((t1 - t0)) ms"
 
 # ---- --max-restarts ----
 newdir restart
