@@ -230,8 +230,10 @@ DDP_API const char *ddp_store_last_error(const ddp_store *s);
    while workers run (an ignored SIGCHLD would discard their exit statuses) and restored afterwards.
    Parameters: nprocs in [1, 65536]; fn (not NULL); arg passed to fn unchanged.
    Return: DDP_SUCCESS when every process exits 0; DDP_ERR_WORKER_FAILED with ddp_last_error(NULL)
-   naming the first rank that failed and how ("rank 2 (pid 1234) of 4 exited with code 3; ..."), also
-   logged at error level; DDP_ERR_INVALID_ARGUMENT; DDP_ERR_SYSTEM (fork or socket failed).
+   naming the rank that failed and how ("rank 2 (pid 1234) of 4 exited with code 3; ..."), also
+   logged at error level. Ranks that lose a peer fail at once themselves, so the failures of the
+   0.25 s after the first are collected: the one unlike the rest is named as the cause, the others
+   are listed. DDP_ERR_INVALID_ARGUMENT; DDP_ERR_SYSTEM (fork or socket failed).
    Thread safety: call from a single-threaded parent (after fork, only the calling thread exists in
    the children, and fn may call anything); do not reap its children elsewhere (waitpid(-1)). */
 DDP_API ddp_result ddp_spawn(int nprocs, int (*fn)(int rank, int world_size, void *arg), void *arg);
