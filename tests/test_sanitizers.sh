@@ -11,7 +11,7 @@ tests="test_errors test_init test_collectives ${SANITIZER_EXTRA_TESTS:-}"
 for san in address thread; do
   targets=""
   for t in $tests; do targets="$targets build-$san/$t"; done
-  make -s SAN=$san $targets
+  make -s SAN=$san BUILD=build-$san $targets
   for t in $tests; do
     echo "== $t under $san sanitizer"
     if [ "$t" = test_collectives ]; then build-$san/$t 1 2 3 4; else build-$san/$t; fi
