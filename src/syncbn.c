@@ -2,11 +2,12 @@
    The algorithm is described with the declarations (src/syncbn.h). Here: how the passes are laid out.
 
    Every stage is one pass over its inputs: statistics (x), normalisation (x -> y), backward sums
-   (x, dy), input gradient (x, dy -> dx). The unit of work is a block of 8 "columns" by some rows:
-   in the channels-last layout (and channels-first with spatial 1, the same memory) the columns are 8
-   neighbouring channels and the rows step by C; rows are taken in tiles that stay in cache while each
-   group of 8 channels walks them. In the channels-first layout a (sample, channel) plane is one run of
-   `spatial` floats, cut into rows of 8 lanes that belong to the same channel and are summed at the end.
+   (x, dy), input gradient (x, dy -> dx). The unit of work is 8 "columns" by some rows. In the
+   channels-first layout a (sample, channel) plane is one run of `spatial` floats, cut into rows of 8
+   lanes that belong to the same channel (summed at the end). In the channels-last layout (and
+   channels-first with spatial 1: the same memory) x is read row by row in memory order, a row's C
+   channels 8 at a time, their per-channel accumulators staying in cache (walking a tile of rows one
+   group of channels at a time was slower: strided reads that the prefetchers do not follow).
    Fixed-width lanes with their own accumulators let compilers vectorise the loops at -O2 without
    -ffast-math (no sum is reassociated). Statistics are sums of (x - shift) and (x - shift)^2 in f64,
    shift being the channel's first value, so the one-pass variance does not cancel catastrophically. */
@@ -14,20 +15,16 @@
 #include "syncbn.h"
 
 #define DDP__BN_LANES 8
-#define DDP__BN_TILE_FLOATS 4096 /* channels-last rows per tile: about this many floats of each array */
 
-/* Compiler hints, none of them needed for correctness: inline the column kernels into the passes (so the
-   width 8 is a constant there), unroll the lanes (so their accumulators stay in registers: without it
-   GCC -O2 keeps them in memory and runs at half speed), prefetch the next channels-last tile (its rows
-   are read with a stride, which hardware prefetchers follow poorly). */
+/* Compiler hints, neither needed for correctness: inline the column kernels into the passes (so the
+   width 8 is a constant there), and unroll the lanes (so their accumulators stay in registers: without
+   it GCC -O2 keeps them in memory and runs at half speed). */
 #if defined(__GNUC__) || defined(__clang__)
 #define DDP__BN_INLINE static inline __attribute__((always_inline))
 #define DDP__BN_UNROLL _Pragma("GCC unroll 8")
-#define DDP__BN_PREFETCH(p) __builtin_prefetch(p)
 #else
 #define DDP__BN_INLINE static inline
 #define DDP__BN_UNROLL
-#define DDP__BN_PREFETCH(p) ((void)(p))
 #endif
 
 /* What the last forward saved for backward. */
@@ -53,14 +50,16 @@ struct ddp_syncbn {
     float *coef;     /* 3C: per-channel factors of the element-wise passes */
 };
 
-/* ---- the column kernels: w <= DDP__BN_LANES columns of `rows` rows, row r at x + r * stride ---- */
+/* ---- the column kernels: w columns of `rows` rows, row r at x + r * stride ----
+   w is always a constant at the call, DDP__BN_LANES or 1 (tails), so that after inlining every lane
+   loop has a fixed trip count: vectorised, and no false maybe-uninitialized warnings from GCC. */
 
 DDP__BN_INLINE void ddp__bn_cols_stats(const float *x, int64_t stride, int64_t rows, int w, const double *shift,
                                        double *s1, double *s2) {
     double a1[DDP__BN_LANES], a2[DDP__BN_LANES], k[DDP__BN_LANES];
     int64_t r;
     int j;
-    for (j = 0; j < w; j++) {
+    DDP__BN_UNROLL for (j = 0; j < w; j++) {
         a1[j] = s1[j];
         a2[j] = s2[j];
         k[j] = shift[j];
@@ -73,7 +72,7 @@ DDP__BN_INLINE void ddp__bn_cols_stats(const float *x, int64_t stride, int64_t r
             a2[j] += d * d;
         }
     }
-    for (j = 0; j < w; j++) {
+    DDP__BN_UNROLL for (j = 0; j < w; j++) {
         s1[j] = a1[j];
         s2[j] = a2[j];
     }
@@ -81,10 +80,10 @@ DDP__BN_INLINE void ddp__bn_cols_stats(const float *x, int64_t stride, int64_t r
 
 DDP__BN_INLINE void ddp__bn_cols_normalize(const float *x, float *y, int64_t stride, int64_t rows, int w,
                                            const float *mean, const float *scale, const float *shift) {
-    float m[DDP__BN_LANES], a[DDP__BN_LANES], b[DDP__BN_LANES], t[DDP__BN_LANES] = {0};
+    float m[DDP__BN_LANES], a[DDP__BN_LANES], b[DDP__BN_LANES], t[DDP__BN_LANES];
     int64_t r;
     int j;
-    for (j = 0; j < w; j++) {
+    DDP__BN_UNROLL for (j = 0; j < w; j++) {
         m[j] = mean[j];
         a[j] = scale[j];
         b[j] = shift[j];
@@ -100,7 +99,7 @@ DDP__BN_INLINE void ddp__bn_cols_backward_sums(const float *dy, const float *x, 
     double a1[DDP__BN_LANES], a2[DDP__BN_LANES], m[DDP__BN_LANES];
     int64_t r;
     int j;
-    for (j = 0; j < w; j++) {
+    DDP__BN_UNROLL for (j = 0; j < w; j++) {
         a1[j] = sum_dy[j];
         a2[j] = sum_dy_xmu[j];
         m[j] = mean[j];
@@ -113,7 +112,7 @@ DDP__BN_INLINE void ddp__bn_cols_backward_sums(const float *dy, const float *x, 
             a2[j] += d * ((double)v[j] - m[j]);
         }
     }
-    for (j = 0; j < w; j++) {
+    DDP__BN_UNROLL for (j = 0; j < w; j++) {
         sum_dy[j] = a1[j];
         sum_dy_xmu[j] = a2[j];
     }
@@ -123,10 +122,10 @@ DDP__BN_INLINE void ddp__bn_cols_grad_input(const float *dy, const float *x, flo
                                             int w, const float *mean, const float *mean_dy, const float *proj,
                                             const float *scale) {
     float m[DDP__BN_LANES], md[DDP__BN_LANES], p[DDP__BN_LANES], a[DDP__BN_LANES];
-    float g[DDP__BN_LANES] = {0}, v[DDP__BN_LANES] = {0}; /* zeroed: quiets GCC's maybe-uninitialized */
+    float g[DDP__BN_LANES], v[DDP__BN_LANES];
     int64_t r;
     int j;
-    for (j = 0; j < w; j++) {
+    DDP__BN_UNROLL for (j = 0; j < w; j++) {
         m[j] = mean[j];
         md[j] = mean_dy[j];
         p[j] = proj[j];
@@ -142,15 +141,38 @@ DDP__BN_INLINE void ddp__bn_cols_grad_input(const float *dy, const float *x, flo
     }
 }
 
+/* One row of w (DDP__BN_LANES or 1) channels into per-channel accumulators in memory (channels-last):
+   everything loaded before anything is stored, so the lanes vectorise. */
+DDP__BN_INLINE void ddp__bn_row_stats(const float *x, int w, const double *shift, double *s1, double *s2) {
+    double a1[DDP__BN_LANES], a2[DDP__BN_LANES], d[DDP__BN_LANES];
+    int j;
+    DDP__BN_UNROLL for (j = 0; j < w; j++) {
+        a1[j] = s1[j];
+        a2[j] = s2[j];
+        d[j] = (double)x[j] - shift[j];
+    }
+    DDP__BN_UNROLL for (j = 0; j < w; j++) s1[j] = a1[j] + d[j]; /* one array after the other: */
+    DDP__BN_UNROLL for (j = 0; j < w; j++) s2[j] = a2[j] + d[j] * d[j]; /* no store reordering needed */
+}
+
+DDP__BN_INLINE void ddp__bn_row_backward_sums(const float *dy, const float *x, int w, const double *mean,
+                                              double *sum_dy, double *sum_dy_xmu) {
+    double a1[DDP__BN_LANES], a2[DDP__BN_LANES], g[DDP__BN_LANES], v[DDP__BN_LANES];
+    int j;
+    DDP__BN_UNROLL for (j = 0; j < w; j++) {
+        a1[j] = sum_dy[j];
+        a2[j] = sum_dy_xmu[j];
+        g[j] = (double)dy[j];
+        v[j] = (double)x[j] - mean[j];
+    }
+    DDP__BN_UNROLL for (j = 0; j < w; j++) sum_dy[j] = a1[j] + g[j];
+    DDP__BN_UNROLL for (j = 0; j < w; j++) sum_dy_xmu[j] = a2[j] + g[j] * v[j];
+}
+
 /* ---- the passes over a whole batch, in either layout ---- */
 
 /* Channels-first with spatial > 1 is the only layout whose channel is not the fastest index. */
 static int ddp__bn_planar(const ddp_syncbn *bn, int64_t spatial) { return !bn->channels_last && spatial > 1; }
-
-static int64_t ddp__bn_tile_rows(int channels) {
-    int64_t rows = DDP__BN_TILE_FLOATS / channels;
-    return rows > 0 ? rows : 1;
-}
 
 static void ddp__bn_fill_f64(double *v, int n, double value) {
     int j;
@@ -160,16 +182,6 @@ static void ddp__bn_fill_f64(double *v, int n, double value) {
 static void ddp__bn_fill_f32(float *v, int n, float value) {
     int j;
     for (j = 0; j < n; j++) v[j] = value;
-}
-
-/* Prefetch the channels-last tile after the one at row r0 (of r rows of C floats) in each array given. */
-static void ddp__bn_prefetch_next_tile(int64_t r0, int64_t r, int channels, const float *a, const float *b) {
-    const int64_t next = r0 + ddp__bn_tile_rows(channels), rows = DDP__MIN(ddp__bn_tile_rows(channels), r - next);
-    int64_t i;
-    for (i = 0; rows > 0 && i < rows * channels; i += 16) { /* 16 floats: a 64-byte cache line */
-        DDP__BN_PREFETCH(a + next * channels + i);
-        if (b) DDP__BN_PREFETCH(b + next * channels + i);
-    }
 }
 
 /* Sum the first n lanes. */
@@ -197,20 +209,18 @@ static void ddp__bn_pass_stats(const ddp_syncbn *bn, const float *x, int64_t bat
                 double k[DDP__BN_LANES], a1[DDP__BN_LANES] = {0}, a2[DDP__BN_LANES] = {0};
                 ddp__bn_fill_f64(k, DDP__BN_LANES, shift[c]);
                 ddp__bn_cols_stats(run, DDP__BN_LANES, full, DDP__BN_LANES, k, a1, a2);
-                ddp__bn_cols_stats(run + full * DDP__BN_LANES, 0, 1, (int)tail, k, a1, a2);
+                ddp__bn_cols_stats(run + full * DDP__BN_LANES, 1, tail, 1, k, a1, a2); /* the tail: lane 0 */
                 s1[c] += ddp__bn_lanes_sum(a1, DDP__BN_LANES);
                 s2[c] += ddp__bn_lanes_sum(a2, DDP__BN_LANES);
             }
         return;
     }
-    r = batch * spatial;
-    for (r0 = 0; r0 < r; r0 += ddp__bn_tile_rows(C)) {
-        const int64_t rows = DDP__MIN(ddp__bn_tile_rows(C), r - r0);
-        const float *tile = x + r0 * C;
-        ddp__bn_prefetch_next_tile(r0, r, C, x, NULL);
+    r = batch * spatial; /* row by row in memory order, the accumulators of a row's channels in cache */
+    for (r0 = 0; r0 < r; r0++) {
+        const float *row = x + r0 * C;
         for (c = 0; c + DDP__BN_LANES <= C; c += DDP__BN_LANES)
-            ddp__bn_cols_stats(tile + c, C, rows, DDP__BN_LANES, shift + c, s1 + c, s2 + c);
-        if (c < C) ddp__bn_cols_stats(tile + c, C, rows, C - c, shift + c, s1 + c, s2 + c);
+            ddp__bn_row_stats(row + c, DDP__BN_LANES, shift + c, s1 + c, s2 + c);
+        for (; c < C; c++) ddp__bn_row_stats(row + c, 1, shift + c, s1 + c, s2 + c);
     }
 }
 
@@ -230,7 +240,7 @@ static void ddp__bn_pass_normalize(const ddp_syncbn *bn, const float *x, float *
                 ddp__bn_fill_f32(a, DDP__BN_LANES, scale[c]);
                 ddp__bn_fill_f32(b, DDP__BN_LANES, shift[c]);
                 ddp__bn_cols_normalize(x + off, y + off, DDP__BN_LANES, full, DDP__BN_LANES, m, a, b);
-                ddp__bn_cols_normalize(x + off + t, y + off + t, 0, 1, (int)tail, m, a, b);
+                ddp__bn_cols_normalize(x + off + t, y + off + t, 1, tail, 1, m, a, b);
             }
         return;
     }
@@ -239,7 +249,7 @@ static void ddp__bn_pass_normalize(const ddp_syncbn *bn, const float *x, float *
         const int64_t off = r0 * C;
         for (c = 0; c + DDP__BN_LANES <= C; c += DDP__BN_LANES)
             ddp__bn_cols_normalize(x + off + c, y + off + c, 0, 1, DDP__BN_LANES, mean + c, scale + c, shift + c);
-        if (c < C) ddp__bn_cols_normalize(x + off + c, y + off + c, 0, 1, C - c, mean + c, scale + c, shift + c);
+        for (; c < C; c++) ddp__bn_cols_normalize(x + off + c, y + off + c, 0, 1, 1, mean + c, scale + c, shift + c);
     }
 }
 
@@ -259,22 +269,18 @@ static void ddp__bn_pass_backward_sums(const ddp_syncbn *bn, const float *dy, co
                 double m[DDP__BN_LANES], a1[DDP__BN_LANES] = {0}, a2[DDP__BN_LANES] = {0};
                 ddp__bn_fill_f64(m, DDP__BN_LANES, mean[c]);
                 ddp__bn_cols_backward_sums(dy + off, x + off, DDP__BN_LANES, full, DDP__BN_LANES, m, a1, a2);
-                ddp__bn_cols_backward_sums(dy + off + t, x + off + t, 0, 1, (int)tail, m, a1, a2);
+                ddp__bn_cols_backward_sums(dy + off + t, x + off + t, 1, tail, 1, m, a1, a2);
                 sum_dy[c] += ddp__bn_lanes_sum(a1, DDP__BN_LANES);
                 sum_dy_xmu[c] += ddp__bn_lanes_sum(a2, DDP__BN_LANES);
             }
         return;
     }
-    r = batch * spatial;
-    for (r0 = 0; r0 < r; r0 += ddp__bn_tile_rows(C)) {
-        const int64_t rows = DDP__MIN(ddp__bn_tile_rows(C), r - r0), off = r0 * C;
-        ddp__bn_prefetch_next_tile(r0, r, C, x, dy);
+    r = batch * spatial; /* row by row in memory order, the accumulators of a row's channels in cache */
+    for (r0 = 0; r0 < r; r0++) {
+        const int64_t off = r0 * C;
         for (c = 0; c + DDP__BN_LANES <= C; c += DDP__BN_LANES)
-            ddp__bn_cols_backward_sums(dy + off + c, x + off + c, C, rows, DDP__BN_LANES, mean + c, sum_dy + c,
-                                       sum_dy_xmu + c);
-        if (c < C)
-            ddp__bn_cols_backward_sums(dy + off + c, x + off + c, C, rows, C - c, mean + c, sum_dy + c,
-                                       sum_dy_xmu + c);
+            ddp__bn_row_backward_sums(dy + off + c, x + off + c, DDP__BN_LANES, mean + c, sum_dy + c, sum_dy_xmu + c);
+        for (; c < C; c++) ddp__bn_row_backward_sums(dy + off + c, x + off + c, 1, mean + c, sum_dy + c, sum_dy_xmu + c);
     }
 }
 
@@ -296,7 +302,7 @@ static void ddp__bn_pass_grad_input(const ddp_syncbn *bn, const float *dy, const
                 ddp__bn_fill_f32(p, DDP__BN_LANES, proj[c]);
                 ddp__bn_fill_f32(a, DDP__BN_LANES, scale[c]);
                 ddp__bn_cols_grad_input(dy + off, x + off, dx + off, DDP__BN_LANES, full, DDP__BN_LANES, m, md, p, a);
-                ddp__bn_cols_grad_input(dy + off + t, x + off + t, dx + off + t, 0, 1, (int)tail, m, md, p, a);
+                ddp__bn_cols_grad_input(dy + off + t, x + off + t, dx + off + t, 1, tail, 1, m, md, p, a);
             }
         return;
     }
@@ -306,9 +312,9 @@ static void ddp__bn_pass_grad_input(const ddp_syncbn *bn, const float *dy, const
         for (c = 0; c + DDP__BN_LANES <= C; c += DDP__BN_LANES)
             ddp__bn_cols_grad_input(dy + off + c, x + off + c, dx + off + c, 0, 1, DDP__BN_LANES, mean + c,
                                     mean_dy + c, proj + c, scale + c);
-        if (c < C)
-            ddp__bn_cols_grad_input(dy + off + c, x + off + c, dx + off + c, 0, 1, C - c, mean + c, mean_dy + c,
-                                    proj + c, scale + c);
+        for (; c < C; c++)
+            ddp__bn_cols_grad_input(dy + off + c, x + off + c, dx + off + c, 0, 1, 1, mean + c, mean_dy + c, proj + c,
+                                    scale + c);
     }
 }
 
@@ -360,9 +366,10 @@ DDP_API ddp_result ddp_syncbn_create(ddp_group *g, const ddp_syncbn_desc *d, ddp
     if (bn->nranks >= 1 && (size_t)bn->nranks <= SIZE_MAX / sizeof(double) / (2 * C + 1))
         bn->records = (double *)ddp__calloc((size_t)bn->nranks * (2 * C + 1), sizeof(double));
     if (!bn->mean || !bn->invstd || !bn->coef || !bn->sums || !bn->shift || !bn->records) {
+        const int nranks = bn->nranks;
         ddp_syncbn_destroy(bn);
         return ddp__fail(g, DDP_ERR_OUT_OF_MEMORY, "ddp_syncbn_create: out of memory for %d channels on %d ranks",
-                         d->num_features, bn->nranks);
+                         d->num_features, nranks);
     }
     *out = bn;
     return DDP_SUCCESS;
@@ -478,7 +485,7 @@ DDP_API ddp_result ddp_syncbn_forward(ddp_syncbn *bn, const float *x, float *y, 
                                       int training) {
     const char *fn = "ddp_syncbn_forward";
     float *scale, *shift;
-    int64_t count;
+    int64_t count = 0;
     int c;
     ddp_result r;
     if (!bn) return ddp__fail(NULL, DDP_ERR_INVALID_ARGUMENT, "ddp_syncbn_forward: bn is NULL");
@@ -511,7 +518,7 @@ DDP_API ddp_result ddp_syncbn_backward(ddp_syncbn *bn, const float *x, const flo
                                        float *grad_bias, int64_t batch, int64_t spatial) {
     const char *fn = "ddp_syncbn_backward";
     double *sum_dy, *sum_dy_xmu, *mean64;
-    int64_t count;
+    int64_t count = 0;
     int C, c, eval;
     ddp_result r;
     if (!bn) return ddp__fail(NULL, DDP_ERR_INVALID_ARGUMENT, "ddp_syncbn_backward: bn is NULL");
