@@ -146,9 +146,54 @@ static unsigned ddp__cu_grid_1d(int64_t total) {
     return (unsigned)(blocks < 1 ? 1 : blocks > DDP__CU_MAX_GRID ? DDP__CU_MAX_GRID : blocks);
 }
 
-/* Channel of value i. */
-__device__ __forceinline__ int ddp__cu_channel(int64_t i, int64_t spatial, int channels, int planar) {
-    return planar ? (int)((i / spatial) % channels) : (int)(i % channels);
+/* Position (c, s) of value i = (q * C + c) * S + s (any q), kept up to date along a grid-stride loop
+   i += step with no division per step (64-bit division would dominate these memory-bound loops).
+   The channels-last layout (and spatial 1) is S = 1. */
+struct ddp__cu_channel_walk {
+    int64_t s, S, ds;
+    int c, C, dc;
+};
+
+__device__ __forceinline__ void ddp__cu_walk_init(ddp__cu_channel_walk *w, int64_t i, int64_t step, int64_t S, int C) {
+    w->S = S;
+    w->C = C;
+    w->s = i % S;
+    w->c = (int)((i / S) % C);
+    w->ds = step % S;
+    w->dc = (int)((step / S) % C);
+}
+
+__device__ __forceinline__ void ddp__cu_walk_next(ddp__cu_channel_walk *w) {
+    w->s += w->ds;
+    w->c += w->dc;
+    if (w->s >= w->S) {
+        w->s -= w->S;
+        w->c++;
+    }
+    if (w->c >= w->C) w->c -= w->C; /* c < 2C here */
+}
+
+/* Sample n (from 0) and position s of the j-th value of one channel in a channels-first batch
+   (j = n * S + s), along j += step with no division per step. */
+struct ddp__cu_plane_walk {
+    int64_t n, s, S, dn, ds;
+};
+
+__device__ __forceinline__ void ddp__cu_plane_init(ddp__cu_plane_walk *w, int64_t j, int64_t step, int64_t S) {
+    w->S = S;
+    w->n = j / S;
+    w->s = j % S;
+    w->dn = step / S;
+    w->ds = step % S;
+}
+
+__device__ __forceinline__ void ddp__cu_plane_next(ddp__cu_plane_walk *w) {
+    w->s += w->ds;
+    w->n += w->dn;
+    if (w->s >= w->S) {
+        w->s -= w->S;
+        w->n++;
+    }
 }
 
 /* ---- statistics ---- */
@@ -158,10 +203,10 @@ __global__ void ddp__cu_bn_stats_planar(const T *x, int64_t batch, int64_t spati
     const int c = blockIdx.x, split = blockIdx.y, splits = gridDim.y;
     const int64_t n0 = batch * split / splits, n1 = batch * (split + 1) / splits, m = (n1 - n0) * spatial;
     float n = 0.0f, mean = 0.0f, m2 = 0.0f;
-    for (int64_t j = threadIdx.x; j < m; j += blockDim.x) {
-        const int64_t i = n0 + j / spatial, s = j % spatial;
-        ddp__bn_welford_add(&n, &mean, &m2, ddp__cu_load(x + (i * channels + c) * spatial + s));
-    }
+    ddp__cu_plane_walk w;
+    ddp__cu_plane_init(&w, threadIdx.x, blockDim.x, spatial);
+    for (int64_t j = threadIdx.x; j < m; j += blockDim.x, ddp__cu_plane_next(&w))
+        ddp__bn_welford_add(&n, &mean, &m2, ddp__cu_load(x + ((n0 + w.n) * channels + c) * spatial + w.s));
     ddp__cu_block_merge(&n, &mean, &m2);
     if (threadIdx.x == 0) {
         float *w = work + ((int64_t)c * splits + split) * 3;
@@ -237,8 +282,11 @@ __global__ void ddp__cu_bn_eval_stats(const float *running_mean, const float *ru
 template <typename T>
 __global__ void ddp__cu_bn_elemt(const T *x, T *y, int64_t total, int64_t spatial, int channels, int planar,
                                  const float *weight, const float *bias, const float *mean, const float *invstd) {
-    for (int64_t i = (int64_t)blockIdx.x * blockDim.x + threadIdx.x; i < total; i += (int64_t)gridDim.x * blockDim.x) {
-        const int c = ddp__cu_channel(i, spatial, channels, planar);
+    const int64_t first = (int64_t)blockIdx.x * blockDim.x + threadIdx.x, step = (int64_t)gridDim.x * blockDim.x;
+    ddp__cu_channel_walk w;
+    ddp__cu_walk_init(&w, first, step, planar ? spatial : 1, channels);
+    for (int64_t i = first; i < total; i += step, ddp__cu_walk_next(&w)) {
+        const int c = w.c;
         const float scale = invstd[c] * (weight ? weight[c] : 1.0f), shift = bias ? bias[c] : 0.0f;
         ddp__cu_store(y + i, ddp__bn_normalize(ddp__cu_load(x + i), mean[c], scale, shift));
     }
@@ -253,8 +301,10 @@ __global__ void ddp__cu_bn_bwd_planar(const T *dy, const T *x, int64_t batch, in
     const int64_t n0 = batch * split / splits, n1 = batch * (split + 1) / splits, m = (n1 - n0) * spatial;
     const float mu = mean[c];
     float sum_dy = 0.0f, sum_dy_xmu = 0.0f;
-    for (int64_t j = threadIdx.x; j < m; j += blockDim.x) {
-        const int64_t k = ((n0 + j / spatial) * channels + c) * spatial + j % spatial;
+    ddp__cu_plane_walk w;
+    ddp__cu_plane_init(&w, threadIdx.x, blockDim.x, spatial);
+    for (int64_t j = threadIdx.x; j < m; j += blockDim.x, ddp__cu_plane_next(&w)) {
+        const int64_t k = ((n0 + w.n) * channels + c) * spatial + w.s;
         const float g = ddp__cu_load(dy + k);
         sum_dy += g;
         sum_dy_xmu += g * (ddp__cu_load(x + k) - mu);
@@ -332,8 +382,11 @@ __global__ void ddp__cu_bn_bwd_coeffs(const double *sums, const double *count, i
 template <typename T>
 __global__ void ddp__cu_bn_bwd_elemt(const T *dy, const T *x, T *dx, int64_t total, int64_t spatial, int channels,
                                      int planar, const float *mean, const float *coeffs) {
-    for (int64_t i = (int64_t)blockIdx.x * blockDim.x + threadIdx.x; i < total; i += (int64_t)gridDim.x * blockDim.x) {
-        const int c = ddp__cu_channel(i, spatial, channels, planar);
+    const int64_t first = (int64_t)blockIdx.x * blockDim.x + threadIdx.x, step = (int64_t)gridDim.x * blockDim.x;
+    ddp__cu_channel_walk w;
+    ddp__cu_walk_init(&w, first, step, planar ? spatial : 1, channels);
+    for (int64_t i = first; i < total; i += step, ddp__cu_walk_next(&w)) {
+        const int c = w.c;
         const float g = ddp__cu_load(dy + i), v = ddp__cu_load(x + i);
         ddp__cu_store(dx + i, ddp__bn_grad_input(g, v, mean[c], coeffs[c], coeffs[channels + c],
                                                  coeffs[2 * channels + c]));
