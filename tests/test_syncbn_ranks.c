@@ -192,6 +192,29 @@ static int run_counts(int rank, int R, void *arg) {
     return 0;
 }
 
+/* A peer that dies: the survivor's forward fails, naming the step, and does not hang. */
+static int run_lost(int rank, int R, void *arg) {
+    ddp_group *g;
+    ddp_syncbn *bn;
+    ddp_syncbn_desc d;
+    float x[4] = {1, 2, 3, 4}, y[4];
+    ddp_result res;
+    (void)arg;
+    (void)R;
+    CHECK_OK(ddp_init(NULL, &g), NULL);
+    if (rank == 1) _exit(0); /* gone without a word */
+    memset(&d, 0, sizeof d);
+    d.num_features = 2;
+    CHECK_OK(ddp_syncbn_create(g, &d, &bn), g);
+    res = ddp_syncbn_forward(bn, x, y, 2, 1, 1);
+    CHECK(res != DDP_SUCCESS && strstr(ddp_last_error(g), "all_gather of the batch statistics"),
+          "forward with a lost peer gave %s: %s", ddp_result_string(res), ddp_last_error(g));
+    printf("lost peer: %s: %s\n", ddp_result_string(res), ddp_last_error(g));
+    ddp_syncbn_destroy(bn);
+    ddp_destroy(g);
+    return 0;
+}
+
 int main(void) {
     static const scenario scenarios[] = {
         {3, 5, 0, 0, 7, {4, 0, 3}},         /* channels-first, lanes tail, an empty rank */
@@ -206,6 +229,8 @@ int main(void) {
     for (i = 0; i < sizeof scenarios / sizeof scenarios[0]; i++) run_scenario(&scenarios[i]);
     CHECK(tl_run_ranks(2, run_counts, NULL, 60) == 0, "count checks on 2 ranks");
     CHECK(tl_run_ranks(3, run_counts, NULL, 60) == 0, "count checks on 3 ranks");
+    setenv("DDP_TIMEOUT", "20", 1);
+    CHECK(tl_run_ranks(2, run_lost, NULL, 60) == 0, "lost peer");
     printf("test_syncbn_ranks: ok\n");
     return 0;
 }
