@@ -31,8 +31,8 @@ typedef struct ddp_syncbn_desc {
     int num_features;   /* C, the number of channels (> 0) */
     double eps;         /* added to the variance; 0 = 1e-5 */
     double momentum;    /* running-stats factor in (0, 1]; 0 = 0.1; < 0 = None: cumulative average
-                           with factor 1 / num_batches_tracked. (A momentum of exactly 0, which
-                           freezes the running stats, is spelled by evaluating with training = 0.) */
+                           with factor 1 / num_batches_tracked. torch's momentum=0 (batch statistics,
+                           running stats frozen) has no spelling here: 0 means the default. */
     int channels_last;  /* nonzero: x is (N, spatial..., C) instead of (N, C, spatial...) */
     float *weight;      /* C floats, caller-owned and read at every call; NULL = 1 (no affine) */
     float *bias;        /* C floats, caller-owned; NULL = 0 (no affine) */
@@ -65,7 +65,8 @@ DDP_API void ddp_syncbn_destroy(ddp_syncbn *bn);
    Counts: the batch statistics need n = the number of values per channel over all ranks of the group.
      n == 1: DDP_ERR_INVALID_ARGUMENT on every rank of the group together, nothing changed. torch's
              BatchNorm (and SyncBatchNorm on one rank) raise "Expected more than 1 value per channel when
-             training"; SyncBatchNorm on 2+ ranks does not check and puts NaN (0/0) in running_var.
+             training"; SyncBatchNorm on 2+ ranks does not check (its running_var update then divides
+             by n - 1 = 0).
      n == 0: success with nothing to normalise: running stats unchanged, num_batches_tracked += 1, as
              torch's BatchNorm does on an empty batch (torch's SyncBatchNorm has no defined result there).
    Return: DDP_SUCCESS; DDP_ERR_INVALID_ARGUMENT for bad arguments or n == 1; errors of the collective
@@ -88,8 +89,8 @@ DDP_API ddp_result ddp_syncbn_forward(ddp_syncbn *bn, const float *x, float *y, 
 DDP_API ddp_result ddp_syncbn_backward(ddp_syncbn *bn, const float *x, const float *dy, float *dx, float *grad_weight,
                                        float *grad_bias, int64_t batch, int64_t spatial);
 
-/* The number of training forwards that updated the running stats (torch's num_batches_tracked
-   buffer); 0 for a layer without running stats or NULL. */
+/* The number of training forwards of a layer with running stats, empty batches included (torch's
+   num_batches_tracked buffer); 0 for a layer without running stats, or NULL. */
 DDP_API int64_t ddp_syncbn_num_batches_tracked(const ddp_syncbn *bn);
 
 /* Restore num_batches_tracked, e.g. from a checkpoint (it sets the cumulative-average factor when
