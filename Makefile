@@ -38,7 +38,7 @@ $(BUILD):
 	mkdir -p $(BUILD)
 $(BUILD)/ddprun: tools/ddprun.c ddp.h | $(BUILD)
 	$(CC) $(CFLAGS) $(SANFLAGS) -o $@ $< $(LDLIBS)
-$(BUILD)/test_%: tests/test_%.c tests/testlib.h ddp.h | $(BUILD)
+$(BUILD)/test_%: tests/test_%.c $(wildcard tests/*.h) ddp.h | $(BUILD)
 	$(CC) $(CFLAGS) $(SANFLAGS) -o $@ $< $(LDLIBS)
 $(BUILD)/%: examples/%.c ddp.h | $(BUILD)
 	$(CC) $(CFLAGS) $(SANFLAGS) -o $@ $< $(LDLIBS)

@@ -44,7 +44,9 @@
 
    INDEX (search for the [SECTION] markers)
    [SECTION] api: version, results, dtypes, ops, logging, groups, collectives, store, launch src/ddp_api.h
+   [SECTION] syncbn: torch.nn.SyncBatchNorm (and plain BatchNorm1d/2d/3d) forward and backward src/syncbn.h
    [SECTION] checkpoint: safetensors save/load, resume state, per-rank shards (torch.save / load patterns) src/checkpoint.h
+   [SECTION] cuda: entry points implemented in ddp_cuda.cu (declared with DDP_CUDA) src/cuda_api.h
    [SECTION] internal: includes, allocator hooks, private helpers and types shared by the pieces src/internal.h
    [SECTION] util: errors, logging, environment parsing, time, memory   src/util.c
    [SECTION] dtype: sizes and names, f16/bf16 conversion, element-wise reduction src/dtype.c
@@ -55,6 +57,7 @@
    [SECTION] shm: shared-memory transport for the ranks of a group that share one host src/shm.c
    [SECTION] group: ddp_init (torch.distributed.init_process_group), launcher environments, src/group.c
    [SECTION] launcher: ddp_spawn (torch.multiprocessing.spawn) and ddprun (torchrun) src/launcher.c
+   [SECTION] syncbn (implementation): SyncBatchNorm on the CPU, f32 data, f64 statistics src/syncbn.c
    [SECTION] checkpoint: safetensors files, CRC32C, atomic save, load everywhere or broadcast, shards src/checkpoint.c
 */
 
@@ -331,7 +334,209 @@ DDP_API int ddp_launcher_main(int argc, char **argv);
 /* ==================== end src/sampler.h ==================== */
 
 /* ==================== begin src/syncbn.h ==================== */
-/* placeholder: filled by its issue */
+/* [SECTION] syncbn: torch.nn.SyncBatchNorm (and plain BatchNorm1d/2d/3d) forward and backward
+   Mirrors torch.nn.SyncBatchNorm (torch/nn/modules/_functions.py). Batch statistics are computed
+   over the batches of every rank of the group, as if BatchNorm saw the concatenated batch:
+
+     forward (training)   each rank: per channel count n_r, mean_r, M2_r = sum (x - mean_r)^2
+                          all_gather [mean_r(C), M2_r(C), n_r] (f64) from every rank
+                          Chan merge, rank by rank (ranks with n_r = 0 drop out):
+                              delta = mean_b - mean_a, n = n_a + n_b,
+                              mean = mean_a + delta * n_b / n, M2 = M2_a + M2_b + delta^2 n_a n_b / n
+                          invstd = 1 / sqrt(M2 / n + eps)
+                          running_mean += f * (mean - running_mean)
+                          running_var  += f * (M2 / (n - 1) - running_var)   (unbiased, global n)
+                          f = momentum, or 1 / num_batches_tracked when momentum is None (< 0 here)
+                          y = (x - mean) * invstd * weight + bias
+     backward             each rank: sum_dy = sum dy, sum_dy_xmu = sum dy (x - mean)
+                          all_reduce (SUM) [sum_dy, sum_dy_xmu]
+                          dx = (dy - sum_dy / n - (x - mean) invstd^2 sum_dy_xmu / n) invstd weight
+                          grad_weight += local sum dy (x - mean) invstd, grad_bias += local sum dy
+                          (local: the gradient reducer averages them like every other parameter)
+
+   Layouts: channels-first (N, C, spatial...) or channels-last (N, spatial..., C); `spatial` is the
+   product of the spatial sizes (1 for BatchNorm1d's (N, C) input). Data is f32; statistics are
+   accumulated in f64. The CPU code makes one pass over x per stage. The per-element and per-channel
+   formulas are the static inline DDP_HOST_DEVICE helpers at the end of this section, shared with
+   the CUDA kernels of ddp_cuda.cu. */
+
+typedef struct ddp_syncbn ddp_syncbn; /* a SyncBatchNorm layer's state (opaque) */
+
+/* ddp_syncbn_create's descriptor. Zero-initialised fields take torch.nn.BatchNorm's defaults. */
+typedef struct ddp_syncbn_desc {
+    int num_features;   /* C, the number of channels (> 0) */
+    double eps;         /* added to the variance; 0 = 1e-5 */
+    double momentum;    /* running-stats factor in (0, 1]; 0 = 0.1; < 0 = None: cumulative average
+                           with factor 1 / num_batches_tracked. torch's momentum=0 (batch statistics,
+                           running stats frozen) has no spelling here: 0 means the default. */
+    int channels_last;  /* nonzero: x is (N, spatial..., C) instead of (N, C, spatial...) */
+    float *weight;      /* C floats, caller-owned and read at every call; NULL = 1 (no affine) */
+    float *bias;        /* C floats, caller-owned; NULL = 0 (no affine) */
+    float *running_mean; /* C floats, caller-owned, updated by training forwards; with running_var, */
+    float *running_var;  /* both or neither; NULL = track_running_stats=False */
+    ddp_group *group;   /* statistics are merged over this (sub)group; NULL = the group given to create */
+} ddp_syncbn_desc;
+
+/* ddp_syncbn_create: make a SyncBatchNorm layer.
+   Parameters: g: the group whose ranks share batch statistics, or NULL for a plain single-process
+               BatchNorm (no communication); errors of this layer are reported in ddp_last_error(g).
+               d: the descriptor (copied; the arrays it points to are not). out: receives the layer.
+   Return: DDP_SUCCESS; DDP_ERR_INVALID_ARGUMENT for a bad descriptor (the message names the field);
+           DDP_ERR_OUT_OF_MEMORY.
+   Thread safety: any thread; no communication. */
+DDP_API ddp_result ddp_syncbn_create(ddp_group *g, const ddp_syncbn_desc *d, ddp_syncbn **out);
+
+/* ddp_syncbn_destroy: free the layer (not the caller's arrays). NULL is a no-op. */
+DDP_API void ddp_syncbn_destroy(ddp_syncbn *bn);
+
+/* ddp_syncbn_forward: y = BatchNorm(x), like SyncBatchNorm.forward.
+   Parameters: x, y: batch * spatial * C floats in the layer's layout (y may be x: in place; both
+               may be NULL when batch * spatial is 0). batch >= 0 (ranks may differ, 0 included),
+               spatial >= 0 (the product of the spatial sizes; 1 for (N, C) input).
+               training: nonzero = batch statistics merged over the group, running stats updated,
+               num_batches_tracked += 1; 0 = eval: normalise with the running stats, no communication
+               (a layer without running stats uses this rank's own batch statistics, as torch does).
+   Collective in training when the layer has a group: every rank of the group calls it, also with an
+   empty batch. Saves the mean and invstd used, for ddp_syncbn_backward.
+   Counts: the batch statistics need n = the number of values per channel over all ranks of the group.
+     n == 1: DDP_ERR_INVALID_ARGUMENT on every rank of the group together, nothing changed. torch's
+             BatchNorm (and SyncBatchNorm on one rank) raise "Expected more than 1 value per channel when
+             training"; SyncBatchNorm on 2+ ranks does not check (its running_var update then divides
+             by n - 1 = 0).
+     n == 0: success with nothing to normalise: running stats unchanged, num_batches_tracked += 1, as
+             torch's BatchNorm does on an empty batch (torch's SyncBatchNorm has no defined result there).
+   Return: DDP_SUCCESS; DDP_ERR_INVALID_ARGUMENT for bad arguments or n == 1; errors of the collective
+           (the group is then broken). Thread safety: one thread at a time per layer (and per group). */
+DDP_API ddp_result ddp_syncbn_forward(ddp_syncbn *bn, const float *x, float *y, int64_t batch, int64_t spatial,
+                                      int training);
+
+/* ddp_syncbn_backward: the gradients of the last ddp_syncbn_forward, like SyncBatchNorm.backward.
+   Parameters: x: that forward's input (batch and spatial must be the same); dy: the gradient of y;
+               dx: receives the gradient of x (may be dy: in place; NULL = not wanted);
+               grad_weight, grad_bias: C floats each that this rank's LOCAL gradients are ADDED to, as
+               PyTorch accumulates into .grad (zero them first; the reducer then averages them over
+               ranks like any parameter). NULL = not wanted; they are also computed for a layer
+               without affine parameters (the gradient with respect to an implicit weight 1, bias 0).
+   Collective after a training forward on a layer with a group: every rank calls it (one all_reduce
+   of sum_dy and sum_dy_xmu), whatever it passes for dx, also with an empty batch. After an eval
+   forward the statistics were constants: dx = dy * invstd * weight, with no communication.
+   Return: DDP_SUCCESS; DDP_ERR_INVALID_ARGUMENT; DDP_ERR_STATE when no forward preceded it;
+           errors of the collective. Thread safety: as ddp_syncbn_forward. */
+DDP_API ddp_result ddp_syncbn_backward(ddp_syncbn *bn, const float *x, const float *dy, float *dx, float *grad_weight,
+                                       float *grad_bias, int64_t batch, int64_t spatial);
+
+/* The number of training forwards of a layer with running stats, empty batches included (torch's
+   num_batches_tracked buffer); 0 for a layer without running stats, or NULL. */
+DDP_API int64_t ddp_syncbn_num_batches_tracked(const ddp_syncbn *bn);
+
+/* Restore num_batches_tracked, e.g. from a checkpoint (it sets the cumulative-average factor when
+   momentum is None). Return: DDP_SUCCESS, or DDP_ERR_INVALID_ARGUMENT for a negative value. */
+DDP_API ddp_result ddp_syncbn_set_num_batches_tracked(ddp_syncbn *bn, int64_t value);
+
+/* ---- math shared by the CPU code and the CUDA kernels --------------------------------------------
+   Private helpers (ddp__ names), here in the public part because ddp_cuda.cu compiles them for the
+   device. Per channel, statistics travel as a record per rank of 2C + 1 doubles:
+   [mean(C), M2(C), count], M2 being the sum of squared deviations from that rank's mean. */
+#ifndef DDP_HOST_DEVICE
+#if defined(__CUDACC__)
+#define DDP_HOST_DEVICE __host__ __device__
+#else
+#define DDP_HOST_DEVICE
+#endif
+#endif
+
+/* Chan et al.'s parallel merge: fold the statistics (nb, mean_b, m2_b) of one set into (n, mean, m2).
+   An empty set on either side leaves the other exactly as it was. */
+static inline DDP_HOST_DEVICE void ddp__bn_merge(double *n, double *mean, double *m2, double nb, double mean_b,
+                                                 double m2_b) {
+    double total, delta;
+    if (nb <= 0) return;
+    if (*n <= 0) {
+        *n = nb;
+        *mean = mean_b;
+        *m2 = m2_b;
+        return;
+    }
+    total = *n + nb;
+    delta = mean_b - *mean;
+    *mean += delta * (nb / total);
+    *m2 += m2_b + delta * delta * (*n * (nb / total));
+    *n = total;
+}
+
+/* The same in f32, for the CUDA kernels' reductions inside a block. */
+static inline DDP_HOST_DEVICE void ddp__bn_merge_f32(float *n, float *mean, float *m2, float nb, float mean_b,
+                                                     float m2_b) {
+    float total, delta;
+    if (nb <= 0) return;
+    if (*n <= 0) {
+        *n = nb;
+        *mean = mean_b;
+        *m2 = m2_b;
+        return;
+    }
+    total = *n + nb;
+    delta = mean_b - *mean;
+    *mean += delta * (nb / total);
+    *m2 += m2_b + delta * delta * (*n * (nb / total));
+    *n = total;
+}
+
+/* Welford's update with one value (the CUDA kernels' per-thread accumulation, as torch's). */
+static inline DDP_HOST_DEVICE void ddp__bn_welford_add(float *n, float *mean, float *m2, float x) {
+    float delta = x - *mean;
+    *n += 1.0f;
+    *mean += delta / *n;
+    *m2 += delta * (x - *mean);
+}
+
+/* Merge channel c of the gathered records of nranks ranks, in rank order, into (n, mean, m2). */
+static inline DDP_HOST_DEVICE void ddp__bn_merge_ranks(const double *records, int nranks, int channels, int c,
+                                                       double *n, double *mean, double *m2) {
+    int r;
+    const int64_t stride = 2 * (int64_t)channels + 1;
+    *n = 0;
+    *mean = 0;
+    *m2 = 0;
+    for (r = 0; r < nranks; r++) {
+        const double *rec = records + r * stride;
+        ddp__bn_merge(n, mean, m2, rec[2 * channels], rec[c], rec[channels + c]);
+    }
+}
+
+/* The running-stats factor of a training forward: momentum, or 1 / num_batches_tracked (already
+   incremented) for the cumulative average (momentum < 0, torch's momentum=None). */
+static inline DDP_HOST_DEVICE double ddp__bn_factor(double momentum, int64_t num_batches_tracked) {
+    return momentum < 0 ? 1.0 / (double)num_batches_tracked : momentum;
+}
+
+/* running <- (1 - f) running + f batch, with the unbiased variance M2 / (n - 1) over the global n (>= 2). */
+static inline DDP_HOST_DEVICE void ddp__bn_update_running(float *running_mean, float *running_var, double mean,
+                                                          double m2, double n, double f) {
+    *running_mean = (float)((1.0 - f) * (double)*running_mean + f * mean);
+    *running_var = (float)((1.0 - f) * (double)*running_var + f * (m2 / (n - 1.0)));
+}
+
+/* y = (x - mean) * scale + shift, with scale = invstd * weight and shift = bias. */
+static inline DDP_HOST_DEVICE float ddp__bn_normalize(float x, float mean, float scale, float shift) {
+    return (x - mean) * scale + shift;
+}
+
+/* Per-channel factors of the input gradient from the all-reduced sums and the global count n:
+   mean_dy = sum_dy / n, proj = invstd^2 sum_dy_xmu / n, scale = invstd * weight. */
+static inline DDP_HOST_DEVICE void ddp__bn_backward_coeffs(double sum_dy, double sum_dy_xmu, double n, float invstd,
+                                                           float weight, float *mean_dy, float *proj,
+                                                           float *scale) {
+    *mean_dy = (float)(sum_dy / n);
+    *proj = (float)((double)invstd * (double)invstd * sum_dy_xmu / n);
+    *scale = invstd * weight;
+}
+
+/* dx = (dy - mean_dy - (x - mean) * proj) * scale */
+static inline DDP_HOST_DEVICE float ddp__bn_grad_input(float dy, float x, float mean, float mean_dy, float proj,
+                                                       float scale) {
+    return (dy - mean_dy - (x - mean) * proj) * scale;
+}
 /* ==================== end src/syncbn.h ==================== */
 
 /* ==================== begin src/checkpoint.h ==================== */
@@ -521,7 +726,76 @@ DDP_API ddp_result ddp_checkpoint_latest(const char *pattern, char *out, size_t 
 /* ==================== end src/checkpoint.h ==================== */
 
 /* ==================== begin src/cuda_api.h ==================== */
-/* placeholder: filled by its issue */
+/* [SECTION] cuda: entry points implemented in ddp_cuda.cu (declared with DDP_CUDA)
+   ddp_cuda.cu is compiled by nvcc and linked beside the C program; these declarations need no CUDA
+   header: a cudaStream_t travels as void *. Device pointers are marked "device" below. Every call only
+   queues work on the stream (kernel launches): nothing waits for the device, so results are ready when
+   the stream reaches them. Return: DDP_SUCCESS, DDP_ERR_INVALID_ARGUMENT for bad arguments, or
+   DDP_ERR_SYSTEM when CUDA refuses a launch; the message goes to args->err when it is not NULL.
+   Thread safety: any thread; calls on one stream run in the order issued. */
+#ifdef DDP_CUDA
+
+/* ---- SyncBatchNorm kernels (torch's batch_norm_stats, batch_norm_gather_stats_with_counts,
+   batch_norm_elemt, batch_norm_backward_reduce, batch_norm_backward_elemt) --------------------------
+   One training step on the device, around the group's collectives (all on the same stream):
+     forward:  ddp_cuda_bn_stats -> all_gather(record, 2C+1 f64) -> ddp_cuda_bn_gather_stats -> ddp_cuda_bn_elemt
+     backward: ddp_cuda_bn_backward_reduce -> all_reduce(sums, 2C f64, SUM) -> ddp_cuda_bn_backward_elemt
+   Eval: ddp_cuda_bn_eval_stats -> ddp_cuda_bn_elemt; backward: ddp_cuda_bn_backward_reduce (for the
+   parameters' gradients) and ddp_cuda_bn_backward_elemt with sums = NULL.
+   Data (x, y, dy, dx) is f32, f16 or bf16; statistics, weight, bias and running stats are f32, the
+   exchanged records and sums f64, laid out as ddp_syncbn's CPU code lays them out (src/syncbn.h). */
+
+/* What every SyncBatchNorm entry point is told about the batch and the call. */
+typedef struct ddp_cuda_bn_args {
+    ddp_dtype dtype;          /* of x, y, dy, dx: DDP_F32, DDP_F16 or DDP_BF16 */
+    int64_t batch, spatial;   /* as ddp_syncbn_forward: N and the product of the spatial sizes */
+    int channels;             /* C */
+    int channels_last;        /* (N, spatial..., C) instead of (N, C, spatial...) */
+    void *stream;             /* cudaStream_t; NULL = the legacy default stream */
+    char *err;                /* receives a message on failure (NULL = none) */
+    size_t err_size;          /* bytes at err */
+} ddp_cuda_bn_args;
+
+/* Floats of device scratch the stats and backward calls need for C channels. */
+#define DDP_CUDA_BN_WORK_FLOATS(C) ((size_t)(C) * 96u)
+
+/* This rank's statistics: record (device, 2C + 1 doubles) <- [mean(C), M2(C), count].
+   x: device, batch * spatial * C values; work: device, DDP_CUDA_BN_WORK_FLOATS(C) floats. */
+DDP_API ddp_result ddp_cuda_bn_stats(const ddp_cuda_bn_args *a, const void *x, float *work, double *record);
+
+/* Merge the records of nranks ranks (device, nranks * (2C + 1) doubles, as all_gather leaves them; ranks
+   with count 0 drop out) into mean and invstd (device, C floats each) and the global count (device,
+   1 double). When running_mean/running_var (device, C floats each; NULL = none) are given and the global
+   count is at least 2, they move by `factor` (momentum, or 1 / num_batches_tracked for momentum=None)
+   with the unbiased variance. A global count of 1 (an error in ddp_syncbn_forward) leaves them unchanged:
+   the caller reads *count when it next synchronises. Uses a->channels, a->stream, a->err only. */
+DDP_API ddp_result ddp_cuda_bn_gather_stats(const ddp_cuda_bn_args *a, const double *records, int nranks, double eps,
+                                            double factor, float *running_mean, float *running_var, float *mean,
+                                            float *invstd, double *count);
+
+/* Eval statistics: mean = running_mean, invstd = 1 / sqrt(running_var + eps) (device, C floats each). */
+DDP_API ddp_result ddp_cuda_bn_eval_stats(const ddp_cuda_bn_args *a, const float *running_mean,
+                                          const float *running_var, double eps, float *mean, float *invstd);
+
+/* y = (x - mean) * invstd * weight + bias; weight, bias may be NULL (1 and 0). y may be x. */
+DDP_API ddp_result ddp_cuda_bn_elemt(const ddp_cuda_bn_args *a, const void *x, void *y, const float *weight,
+                                     const float *bias, const float *mean, const float *invstd);
+
+/* sums (device, 2C doubles) <- [sum dy, sum dy (x - mean)] over this rank's batch; grad_weight +=
+   sum dy (x - mean) invstd and grad_bias += sum dy (device, C floats each; NULL = not wanted).
+   work: device, DDP_CUDA_BN_WORK_FLOATS(C) floats. */
+DDP_API ddp_result ddp_cuda_bn_backward_reduce(const ddp_cuda_bn_args *a, const void *dy, const void *x,
+                                               const float *mean, const float *invstd, float *work, double *sums,
+                                               float *grad_weight, float *grad_bias);
+
+/* dx = (dy - sum_dy / n - (x - mean) invstd^2 sum_dy_xmu / n) * invstd * weight, with sums all-reduced
+   over the group and n = *count (device), both from the calls above; sums = NULL: eval, dx = dy * invstd
+   * weight. weight may be NULL (1). dx may be dy. work: device, DDP_CUDA_BN_WORK_FLOATS(C) floats. */
+DDP_API ddp_result ddp_cuda_bn_backward_elemt(const ddp_cuda_bn_args *a, const void *dy, const void *x, void *dx,
+                                              const float *weight, const float *mean, const float *invstd,
+                                              const double *sums, const double *count, float *work);
+
+#endif /* DDP_CUDA */
 /* ==================== end src/cuda_api.h ==================== */
 
 #ifdef __cplusplus
@@ -5764,7 +6038,574 @@ DDP_API int ddp_launcher_main(int argc, char **argv) {
 /* ==================== end src/sampler.c ==================== */
 
 /* ==================== begin src/syncbn.c ==================== */
-/* placeholder: filled by its issue */
+/* [SECTION] syncbn (implementation): SyncBatchNorm on the CPU, f32 data, f64 statistics
+   The algorithm is described with the declarations (src/syncbn.h). Here: how the passes are laid out.
+
+   Every stage is one pass over its inputs: statistics (x), normalisation (x -> y), backward sums
+   (x, dy), input gradient (x, dy -> dx). The unit of work is 8 "columns" by some rows. In the
+   channels-first layout a (sample, channel) plane is one run of `spatial` floats, cut into rows of 8
+   lanes that belong to the same channel (summed at the end). In the channels-last layout (and
+   channels-first with spatial 1: the same memory) x is read row by row in memory order, a row's C
+   channels 8 at a time, their per-channel accumulators staying in cache (walking a tile of rows one
+   group of channels at a time was slower: strided reads that the prefetchers do not follow).
+   Fixed-width lanes with their own accumulators let compilers vectorise the loops at -O2 without
+   -ffast-math (no sum is reassociated). Statistics are sums of (x - shift) and (x - shift)^2 in f64,
+   shift being the channel's first value, so the one-pass variance does not cancel catastrophically. */
+
+#define DDP__BN_LANES 8
+
+/* Compiler hints, neither needed for correctness: inline the column kernels into the passes (so the
+   width 8 is a constant there), and unroll the lanes (so their accumulators stay in registers: without
+   it GCC -O2 keeps them in memory and runs at half speed). */
+#if defined(__GNUC__) || defined(__clang__)
+#define DDP__BN_INLINE static inline __attribute__((always_inline))
+#define DDP__BN_UNROLL _Pragma("GCC unroll 8")
+#else
+#define DDP__BN_INLINE static inline
+#define DDP__BN_UNROLL
+#endif
+
+/* What the last forward saved for backward. */
+enum { DDP__BN_SAVED_NONE = 0, DDP__BN_SAVED_SYNCED, DDP__BN_SAVED_LOCAL, DDP__BN_SAVED_EVAL };
+
+struct ddp_syncbn {
+    ddp_group *errors; /* the group given to create: errors are reported there (NULL: thread-local) */
+    ddp_group *group;  /* statistics are merged over it; NULL = no communication */
+    int nranks, rank;  /* in group (1 and 0 without one) */
+    int channels, channels_last;
+    double eps, momentum; /* momentum < 0: cumulative average */
+    float *weight, *bias, *running_mean, *running_var;
+    int64_t num_batches_tracked;
+
+    int saved; /* DDP__BN_SAVED_*: what mean/invstd hold */
+    int64_t saved_batch, saved_spatial;
+    double saved_count; /* n of the saved statistics (over the group when synced) */
+    float *mean, *invstd; /* C each: what the last forward normalised with */
+
+    double *records; /* nranks * (2C + 1): the all-gathered [mean, M2, count] of every rank */
+    double *sums;    /* 2C: per-channel accumulators of the current pass */
+    double *shift;   /* C: per-channel shift of the statistics pass; then mean in f64 for backward */
+    float *coef;     /* 3C: per-channel factors of the element-wise passes */
+};
+
+/* ---- the column kernels: w columns of `rows` rows, row r at x + r * stride ----
+   w is always a constant at the call, DDP__BN_LANES or 1 (tails), so that after inlining every lane
+   loop has a fixed trip count: vectorised, and no false maybe-uninitialized warnings from GCC. */
+
+DDP__BN_INLINE void ddp__bn_cols_stats(const float *x, int64_t stride, int64_t rows, int w, const double *shift,
+                                       double *s1, double *s2) {
+    double a1[DDP__BN_LANES], a2[DDP__BN_LANES], k[DDP__BN_LANES];
+    int64_t r;
+    int j;
+    DDP__BN_UNROLL for (j = 0; j < w; j++) {
+        a1[j] = s1[j];
+        a2[j] = s2[j];
+        k[j] = shift[j];
+    }
+    for (r = 0; r < rows; r++) {
+        const float *row = x + r * stride;
+        DDP__BN_UNROLL for (j = 0; j < w; j++) {
+            double d = (double)row[j] - k[j];
+            a1[j] += d;
+            a2[j] += d * d;
+        }
+    }
+    DDP__BN_UNROLL for (j = 0; j < w; j++) {
+        s1[j] = a1[j];
+        s2[j] = a2[j];
+    }
+}
+
+DDP__BN_INLINE void ddp__bn_cols_normalize(const float *x, float *y, int64_t stride, int64_t rows, int w,
+                                           const float *mean, const float *scale, const float *shift) {
+    float m[DDP__BN_LANES], a[DDP__BN_LANES], b[DDP__BN_LANES], t[DDP__BN_LANES];
+    int64_t r;
+    int j;
+    DDP__BN_UNROLL for (j = 0; j < w; j++) {
+        m[j] = mean[j];
+        a[j] = scale[j];
+        b[j] = shift[j];
+    }
+    for (r = 0; r < rows; r++) {
+        DDP__BN_UNROLL for (j = 0; j < w; j++) t[j] = x[r * stride + j]; /* loaded first: y may be x */
+        DDP__BN_UNROLL for (j = 0; j < w; j++) y[r * stride + j] = ddp__bn_normalize(t[j], m[j], a[j], b[j]);
+    }
+}
+
+DDP__BN_INLINE void ddp__bn_cols_backward_sums(const float *dy, const float *x, int64_t stride, int64_t rows, int w,
+                                               const double *mean, double *sum_dy, double *sum_dy_xmu) {
+    double a1[DDP__BN_LANES], a2[DDP__BN_LANES], m[DDP__BN_LANES];
+    int64_t r;
+    int j;
+    DDP__BN_UNROLL for (j = 0; j < w; j++) {
+        a1[j] = sum_dy[j];
+        a2[j] = sum_dy_xmu[j];
+        m[j] = mean[j];
+    }
+    for (r = 0; r < rows; r++) {
+        const float *g = dy + r * stride, *v = x + r * stride;
+        DDP__BN_UNROLL for (j = 0; j < w; j++) {
+            double d = (double)g[j];
+            a1[j] += d;
+            a2[j] += d * ((double)v[j] - m[j]);
+        }
+    }
+    DDP__BN_UNROLL for (j = 0; j < w; j++) {
+        sum_dy[j] = a1[j];
+        sum_dy_xmu[j] = a2[j];
+    }
+}
+
+DDP__BN_INLINE void ddp__bn_cols_grad_input(const float *dy, const float *x, float *dx, int64_t stride, int64_t rows,
+                                            int w, const float *mean, const float *mean_dy, const float *proj,
+                                            const float *scale) {
+    float m[DDP__BN_LANES], md[DDP__BN_LANES], p[DDP__BN_LANES], a[DDP__BN_LANES];
+    float g[DDP__BN_LANES], v[DDP__BN_LANES];
+    int64_t r;
+    int j;
+    DDP__BN_UNROLL for (j = 0; j < w; j++) {
+        m[j] = mean[j];
+        md[j] = mean_dy[j];
+        p[j] = proj[j];
+        a[j] = scale[j];
+    }
+    for (r = 0; r < rows; r++) {
+        DDP__BN_UNROLL for (j = 0; j < w; j++) { /* loaded first: dx may be dy */
+            g[j] = dy[r * stride + j];
+            v[j] = x[r * stride + j];
+        }
+        DDP__BN_UNROLL for (j = 0; j < w; j++)
+            dx[r * stride + j] = ddp__bn_grad_input(g[j], v[j], m[j], md[j], p[j], a[j]);
+    }
+}
+
+/* One row of w (DDP__BN_LANES or 1) channels into per-channel accumulators in memory (channels-last):
+   everything loaded before anything is stored, so the lanes vectorise. */
+DDP__BN_INLINE void ddp__bn_row_stats(const float *x, int w, const double *shift, double *s1, double *s2) {
+    double a1[DDP__BN_LANES], a2[DDP__BN_LANES], d[DDP__BN_LANES];
+    int j;
+    DDP__BN_UNROLL for (j = 0; j < w; j++) {
+        a1[j] = s1[j];
+        a2[j] = s2[j];
+        d[j] = (double)x[j] - shift[j];
+    }
+    DDP__BN_UNROLL for (j = 0; j < w; j++) s1[j] = a1[j] + d[j]; /* one array after the other: */
+    DDP__BN_UNROLL for (j = 0; j < w; j++) s2[j] = a2[j] + d[j] * d[j]; /* no store reordering needed */
+}
+
+DDP__BN_INLINE void ddp__bn_row_backward_sums(const float *dy, const float *x, int w, const double *mean,
+                                              double *sum_dy, double *sum_dy_xmu) {
+    double a1[DDP__BN_LANES], a2[DDP__BN_LANES], g[DDP__BN_LANES], v[DDP__BN_LANES];
+    int j;
+    DDP__BN_UNROLL for (j = 0; j < w; j++) {
+        a1[j] = sum_dy[j];
+        a2[j] = sum_dy_xmu[j];
+        g[j] = (double)dy[j];
+        v[j] = (double)x[j] - mean[j];
+    }
+    DDP__BN_UNROLL for (j = 0; j < w; j++) sum_dy[j] = a1[j] + g[j];
+    DDP__BN_UNROLL for (j = 0; j < w; j++) sum_dy_xmu[j] = a2[j] + g[j] * v[j];
+}
+
+/* ---- the passes over a whole batch, in either layout ---- */
+
+/* Channels-first with spatial > 1 is the only layout whose channel is not the fastest index. */
+static int ddp__bn_planar(const ddp_syncbn *bn, int64_t spatial) { return !bn->channels_last && spatial > 1; }
+
+static void ddp__bn_fill_f64(double *v, int n, double value) {
+    int j;
+    for (j = 0; j < n; j++) v[j] = value;
+}
+
+static void ddp__bn_fill_f32(float *v, int n, float value) {
+    int j;
+    for (j = 0; j < n; j++) v[j] = value;
+}
+
+/* Sum the first n lanes. */
+static double ddp__bn_lanes_sum(const double *lanes, int n) {
+    double s = 0;
+    int j;
+    for (j = 0; j < n; j++) s += lanes[j];
+    return s;
+}
+
+/* Per channel c: s1[c] = sum (x - shift[c]), s2[c] = sum (x - shift[c])^2 over the batch. */
+static void ddp__bn_pass_stats(const ddp_syncbn *bn, const float *x, int64_t batch, int64_t spatial, double *s1,
+                               double *s2) {
+    const int C = bn->channels;
+    const double *shift = bn->shift;
+    int64_t n, r0, r;
+    int c;
+    memset(s1, 0, sizeof(double) * (size_t)C);
+    memset(s2, 0, sizeof(double) * (size_t)C);
+    if (ddp__bn_planar(bn, spatial)) {
+        const int64_t full = spatial / DDP__BN_LANES, tail = spatial % DDP__BN_LANES;
+        for (n = 0; n < batch; n++)
+            for (c = 0; c < C; c++) {
+                const float *run = x + (n * C + c) * spatial;
+                double k[DDP__BN_LANES], a1[DDP__BN_LANES] = {0}, a2[DDP__BN_LANES] = {0};
+                ddp__bn_fill_f64(k, DDP__BN_LANES, shift[c]);
+                ddp__bn_cols_stats(run, DDP__BN_LANES, full, DDP__BN_LANES, k, a1, a2);
+                ddp__bn_cols_stats(run + full * DDP__BN_LANES, 1, tail, 1, k, a1, a2); /* the tail: lane 0 */
+                s1[c] += ddp__bn_lanes_sum(a1, DDP__BN_LANES);
+                s2[c] += ddp__bn_lanes_sum(a2, DDP__BN_LANES);
+            }
+        return;
+    }
+    r = batch * spatial; /* row by row in memory order, the accumulators of a row's channels in cache */
+    for (r0 = 0; r0 < r; r0++) {
+        const float *row = x + r0 * C;
+        for (c = 0; c + DDP__BN_LANES <= C; c += DDP__BN_LANES)
+            ddp__bn_row_stats(row + c, DDP__BN_LANES, shift + c, s1 + c, s2 + c);
+        for (; c < C; c++) ddp__bn_row_stats(row + c, 1, shift + c, s1 + c, s2 + c);
+    }
+}
+
+/* y = (x - mean[c]) * scale[c] + shift[c] */
+static void ddp__bn_pass_normalize(const ddp_syncbn *bn, const float *x, float *y, int64_t batch, int64_t spatial,
+                                   const float *mean, const float *scale, const float *shift) {
+    const int C = bn->channels;
+    int64_t n, r0, r;
+    int c;
+    if (ddp__bn_planar(bn, spatial)) {
+        const int64_t full = spatial / DDP__BN_LANES, tail = spatial % DDP__BN_LANES;
+        for (n = 0; n < batch; n++)
+            for (c = 0; c < C; c++) {
+                const int64_t off = (n * C + c) * spatial, t = full * DDP__BN_LANES;
+                float m[DDP__BN_LANES], a[DDP__BN_LANES], b[DDP__BN_LANES];
+                ddp__bn_fill_f32(m, DDP__BN_LANES, mean[c]);
+                ddp__bn_fill_f32(a, DDP__BN_LANES, scale[c]);
+                ddp__bn_fill_f32(b, DDP__BN_LANES, shift[c]);
+                ddp__bn_cols_normalize(x + off, y + off, DDP__BN_LANES, full, DDP__BN_LANES, m, a, b);
+                ddp__bn_cols_normalize(x + off + t, y + off + t, 1, tail, 1, m, a, b);
+            }
+        return;
+    }
+    r = batch * spatial; /* element-wise: row by row, in memory order */
+    for (r0 = 0; r0 < r; r0++) {
+        const int64_t off = r0 * C;
+        for (c = 0; c + DDP__BN_LANES <= C; c += DDP__BN_LANES)
+            ddp__bn_cols_normalize(x + off + c, y + off + c, 0, 1, DDP__BN_LANES, mean + c, scale + c, shift + c);
+        for (; c < C; c++) ddp__bn_cols_normalize(x + off + c, y + off + c, 0, 1, 1, mean + c, scale + c, shift + c);
+    }
+}
+
+/* sum_dy[c] = sum dy, sum_dy_xmu[c] = sum dy * (x - mean[c]) (mean in f64) */
+static void ddp__bn_pass_backward_sums(const ddp_syncbn *bn, const float *dy, const float *x, int64_t batch,
+                                       int64_t spatial, const double *mean, double *sum_dy, double *sum_dy_xmu) {
+    const int C = bn->channels;
+    int64_t n, r0, r;
+    int c;
+    memset(sum_dy, 0, sizeof(double) * (size_t)C);
+    memset(sum_dy_xmu, 0, sizeof(double) * (size_t)C);
+    if (ddp__bn_planar(bn, spatial)) {
+        const int64_t full = spatial / DDP__BN_LANES, tail = spatial % DDP__BN_LANES;
+        for (n = 0; n < batch; n++)
+            for (c = 0; c < C; c++) {
+                const int64_t off = (n * C + c) * spatial, t = full * DDP__BN_LANES;
+                double m[DDP__BN_LANES], a1[DDP__BN_LANES] = {0}, a2[DDP__BN_LANES] = {0};
+                ddp__bn_fill_f64(m, DDP__BN_LANES, mean[c]);
+                ddp__bn_cols_backward_sums(dy + off, x + off, DDP__BN_LANES, full, DDP__BN_LANES, m, a1, a2);
+                ddp__bn_cols_backward_sums(dy + off + t, x + off + t, 1, tail, 1, m, a1, a2);
+                sum_dy[c] += ddp__bn_lanes_sum(a1, DDP__BN_LANES);
+                sum_dy_xmu[c] += ddp__bn_lanes_sum(a2, DDP__BN_LANES);
+            }
+        return;
+    }
+    r = batch * spatial; /* row by row in memory order, the accumulators of a row's channels in cache */
+    for (r0 = 0; r0 < r; r0++) {
+        const int64_t off = r0 * C;
+        for (c = 0; c + DDP__BN_LANES <= C; c += DDP__BN_LANES)
+            ddp__bn_row_backward_sums(dy + off + c, x + off + c, DDP__BN_LANES, mean + c, sum_dy + c, sum_dy_xmu + c);
+        for (; c < C; c++) ddp__bn_row_backward_sums(dy + off + c, x + off + c, 1, mean + c, sum_dy + c, sum_dy_xmu + c);
+    }
+}
+
+/* dx = (dy - mean_dy[c] - (x - mean[c]) * proj[c]) * scale[c] */
+static void ddp__bn_pass_grad_input(const ddp_syncbn *bn, const float *dy, const float *x, float *dx, int64_t batch,
+                                    int64_t spatial, const float *mean, const float *mean_dy, const float *proj,
+                                    const float *scale) {
+    const int C = bn->channels;
+    int64_t n, r0, r;
+    int c;
+    if (ddp__bn_planar(bn, spatial)) {
+        const int64_t full = spatial / DDP__BN_LANES, tail = spatial % DDP__BN_LANES;
+        for (n = 0; n < batch; n++)
+            for (c = 0; c < C; c++) {
+                const int64_t off = (n * C + c) * spatial, t = full * DDP__BN_LANES;
+                float m[DDP__BN_LANES], md[DDP__BN_LANES], p[DDP__BN_LANES], a[DDP__BN_LANES];
+                ddp__bn_fill_f32(m, DDP__BN_LANES, mean[c]);
+                ddp__bn_fill_f32(md, DDP__BN_LANES, mean_dy[c]);
+                ddp__bn_fill_f32(p, DDP__BN_LANES, proj[c]);
+                ddp__bn_fill_f32(a, DDP__BN_LANES, scale[c]);
+                ddp__bn_cols_grad_input(dy + off, x + off, dx + off, DDP__BN_LANES, full, DDP__BN_LANES, m, md, p, a);
+                ddp__bn_cols_grad_input(dy + off + t, x + off + t, dx + off + t, 1, tail, 1, m, md, p, a);
+            }
+        return;
+    }
+    r = batch * spatial; /* element-wise: row by row, in memory order */
+    for (r0 = 0; r0 < r; r0++) {
+        const int64_t off = r0 * C;
+        for (c = 0; c + DDP__BN_LANES <= C; c += DDP__BN_LANES)
+            ddp__bn_cols_grad_input(dy + off + c, x + off + c, dx + off + c, 0, 1, DDP__BN_LANES, mean + c,
+                                    mean_dy + c, proj + c, scale + c);
+        for (; c < C; c++)
+            ddp__bn_cols_grad_input(dy + off + c, x + off + c, dx + off + c, 0, 1, 1, mean + c, mean_dy + c, proj + c,
+                                    scale + c);
+    }
+}
+
+/* ---- the layer ---- */
+
+DDP_API ddp_result ddp_syncbn_create(ddp_group *g, const ddp_syncbn_desc *d, ddp_syncbn **out) {
+    ddp_syncbn *bn;
+    size_t C;
+    if (!out) return ddp__fail(g, DDP_ERR_INVALID_ARGUMENT, "ddp_syncbn_create: out is NULL");
+    *out = NULL;
+    if (!d) return ddp__fail(g, DDP_ERR_INVALID_ARGUMENT, "ddp_syncbn_create: the descriptor d is NULL");
+    if (d->num_features <= 0 || d->num_features > (INT_MAX - 1) / 2)
+        return ddp__fail(g, DDP_ERR_INVALID_ARGUMENT,
+                         "ddp_syncbn_create: num_features is %d; give the number of channels C (1 .. %d)",
+                         d->num_features, (INT_MAX - 1) / 2);
+    if (!(d->eps >= 0) || d->eps > 1e30)
+        return ddp__fail(g, DDP_ERR_INVALID_ARGUMENT,
+                         "ddp_syncbn_create: eps is %g; give a small positive number (0 = the default 1e-5)", d->eps);
+    if (d->momentum != d->momentum || d->momentum > 1)
+        return ddp__fail(g, DDP_ERR_INVALID_ARGUMENT,
+                         "ddp_syncbn_create: momentum is %g; give a factor in (0, 1], 0 for the default 0.1, or a "
+                         "negative number for the cumulative average (momentum=None)",
+                         d->momentum);
+    if ((d->running_mean == NULL) != (d->running_var == NULL))
+        return ddp__fail(g, DDP_ERR_INVALID_ARGUMENT,
+                         "ddp_syncbn_create: running_mean is %s but running_var is %s; give both (track running "
+                         "stats) or neither",
+                         d->running_mean ? "set" : "NULL", d->running_var ? "set" : "NULL");
+    bn = (ddp_syncbn *)ddp__calloc(1, sizeof *bn);
+    if (!bn) return ddp__fail(g, DDP_ERR_OUT_OF_MEMORY, "ddp_syncbn_create: out of memory");
+    bn->errors = g;
+    bn->group = d->group ? d->group : g;
+    bn->nranks = bn->group ? ddp_world_size(bn->group) : 1;
+    bn->rank = bn->group ? ddp_rank(bn->group) : 0;
+    bn->channels = d->num_features;
+    bn->channels_last = d->channels_last != 0;
+    bn->eps = d->eps > 0 ? d->eps : 1e-5;
+    bn->momentum = d->momentum == 0 ? 0.1 : d->momentum;
+    bn->weight = d->weight;
+    bn->bias = d->bias;
+    bn->running_mean = d->running_mean;
+    bn->running_var = d->running_var;
+    C = (size_t)bn->channels;
+    bn->mean = (float *)ddp__calloc(C, sizeof(float));
+    bn->invstd = (float *)ddp__calloc(C, sizeof(float));
+    bn->coef = (float *)ddp__calloc(3 * C, sizeof(float));
+    bn->sums = (double *)ddp__calloc(2 * C, sizeof(double));
+    bn->shift = (double *)ddp__calloc(C, sizeof(double));
+    if (bn->nranks >= 1 && (size_t)bn->nranks <= SIZE_MAX / sizeof(double) / (2 * C + 1))
+        bn->records = (double *)ddp__calloc((size_t)bn->nranks * (2 * C + 1), sizeof(double));
+    if (!bn->mean || !bn->invstd || !bn->coef || !bn->sums || !bn->shift || !bn->records) {
+        const int nranks = bn->nranks;
+        ddp_syncbn_destroy(bn);
+        return ddp__fail(g, DDP_ERR_OUT_OF_MEMORY, "ddp_syncbn_create: out of memory for %d channels on %d ranks",
+                         d->num_features, nranks);
+    }
+    *out = bn;
+    return DDP_SUCCESS;
+}
+
+DDP_API void ddp_syncbn_destroy(ddp_syncbn *bn) {
+    if (!bn) return;
+    ddp__free(bn->mean);
+    ddp__free(bn->invstd);
+    ddp__free(bn->coef);
+    ddp__free(bn->sums);
+    ddp__free(bn->shift);
+    ddp__free(bn->records);
+    ddp__free(bn);
+}
+
+DDP_API int64_t ddp_syncbn_num_batches_tracked(const ddp_syncbn *bn) { return bn ? bn->num_batches_tracked : 0; }
+
+DDP_API ddp_result ddp_syncbn_set_num_batches_tracked(ddp_syncbn *bn, int64_t value) {
+    if (!bn) return ddp__fail(NULL, DDP_ERR_INVALID_ARGUMENT, "ddp_syncbn_set_num_batches_tracked: bn is NULL");
+    if (value < 0)
+        return ddp__fail(bn->errors, DDP_ERR_INVALID_ARGUMENT,
+                         "ddp_syncbn_set_num_batches_tracked: value is %lld; it counts batches, so it is >= 0",
+                         (long long)value);
+    bn->num_batches_tracked = value;
+    return DDP_SUCCESS;
+}
+
+/* Shape and pointer checks shared by forward and backward; *count receives batch * spatial. */
+static ddp_result ddp__bn_check(const ddp_syncbn *bn, const char *fn, int64_t batch, int64_t spatial, const void *a,
+                                const char *a_name, const void *b, const char *b_name, int64_t *count) {
+    if (batch < 0 || spatial < 0)
+        return ddp__fail(bn->errors, DDP_ERR_INVALID_ARGUMENT,
+                         "%s: batch=%lld, spatial=%lld; both must be >= 0 (spatial is the product of the spatial "
+                         "sizes, 1 for (N, C) input)",
+                         fn, (long long)batch, (long long)spatial);
+    if (spatial > 0 && batch > INT64_MAX / spatial / bn->channels) {
+        return ddp__fail(bn->errors, DDP_ERR_INVALID_ARGUMENT,
+                         "%s: batch=%lld x spatial=%lld x C=%d elements overflow 64 bits", fn, (long long)batch,
+                         (long long)spatial, bn->channels);
+    }
+    *count = batch * spatial;
+    if (*count > 0 && (uint64_t)(*count * bn->channels) > SIZE_MAX / sizeof(float))
+        return ddp__fail(bn->errors, DDP_ERR_INVALID_ARGUMENT, "%s: %lld x %d floats do not fit in memory", fn,
+                         (long long)*count, bn->channels);
+    if (*count > 0 && (!a || !b))
+        return ddp__fail(bn->errors, DDP_ERR_INVALID_ARGUMENT, "%s: %s is NULL with batch=%lld, spatial=%lld", fn,
+                         !a ? a_name : b_name, (long long)batch, (long long)spatial);
+    return DDP_SUCCESS;
+}
+
+/* A collective on bn->group failed: report it in bn->errors' message, naming the step. */
+static ddp_result ddp__bn_comm_failed(ddp_syncbn *bn, ddp_result r, const char *what) {
+    char msg[DDP__ERR_MAX];
+    snprintf(msg, sizeof msg, "%s", ddp_last_error(bn->group)); /* copied first: it may be the same buffer */
+    return ddp__fail(bn->errors, r, "%s failed: %s", what, msg);
+}
+
+/* This rank's record [mean(C), M2(C), count] from one pass over x. */
+static void ddp__bn_local_stats(ddp_syncbn *bn, const float *x, int64_t batch, int64_t spatial, double *record) {
+    const int C = bn->channels;
+    const double n = (double)(batch * spatial);
+    double *s1 = bn->sums, *s2 = bn->sums + C;
+    int c;
+    for (c = 0; c < C; c++) /* the channel's first value: a shift close to the mean, so no cancellation */
+        bn->shift[c] = n > 0 ? (double)x[bn->channels_last || spatial <= 1 ? c : (int64_t)c * spatial] : 0.0;
+    if (n > 0) ddp__bn_pass_stats(bn, x, batch, spatial, s1, s2);
+    for (c = 0; c < C; c++) {
+        double m2 = n > 0 ? s2[c] - s1[c] * (s1[c] / n) : 0.0;
+        record[c] = n > 0 ? bn->shift[c] + s1[c] / n : 0.0;
+        record[C + c] = m2 > 0 ? m2 : 0.0;
+    }
+    record[2 * C] = n;
+}
+
+/* Training (or no running stats): batch statistics, merged over the group when synced. Sets bn->mean,
+   bn->invstd and what was saved; updates the running stats in training. */
+static ddp_result ddp__bn_batch_stats(ddp_syncbn *bn, const float *x, int64_t batch, int64_t spatial, int training) {
+    const int C = bn->channels, synced = training && bn->nranks > 1;
+    double *records = bn->records, *mine = bn->records + (int64_t)bn->rank * (2 * C + 1);
+    double n = 0, mean, m2, factor = 0;
+    int c;
+    ddp__bn_local_stats(bn, x, batch, spatial, mine);
+    if (synced) {
+        ddp_result r = ddp_all_gather(bn->group, mine, records, (size_t)(2 * C + 1), DDP_F64);
+        if (r != DDP_SUCCESS) return ddp__bn_comm_failed(bn, r, "ddp_syncbn_forward: all_gather of the batch statistics");
+    } else {
+        records = mine;
+    }
+    ddp__bn_merge_ranks(records, synced ? bn->nranks : 1, C, 0, &n, &mean, &m2); /* n: the same for every c */
+    if (n == 1) /* torch: "Expected more than 1 value per channel when training"; every rank sees the same n */
+        return ddp__fail(bn->errors, DDP_ERR_INVALID_ARGUMENT,
+                         "ddp_syncbn_forward: expected more than 1 value per channel when training, got 1 %s "
+                         "(batch=%lld, spatial=%lld on this rank); running stats left unchanged",
+                         synced ? "over all ranks of the group" : "in the batch", (long long)batch, (long long)spatial);
+    if (training && bn->running_mean) { /* counted even for an empty batch, as torch's module does */
+        bn->num_batches_tracked++;
+        factor = ddp__bn_factor(bn->momentum, bn->num_batches_tracked);
+    }
+    for (c = 0; c < C; c++) {
+        ddp__bn_merge_ranks(records, synced ? bn->nranks : 1, C, c, &n, &mean, &m2);
+        bn->mean[c] = (float)mean;
+        bn->invstd[c] = n > 0 ? (float)(1.0 / sqrt(m2 / n + bn->eps)) : 0.0f;
+        if (training && bn->running_mean && n > 0) /* an empty batch leaves them, as torch's CPU kernel */
+            ddp__bn_update_running(&bn->running_mean[c], &bn->running_var[c], mean, m2, n, factor);
+    }
+    bn->saved = synced ? DDP__BN_SAVED_SYNCED : DDP__BN_SAVED_LOCAL;
+    bn->saved_count = n;
+    return DDP_SUCCESS;
+}
+
+DDP_API ddp_result ddp_syncbn_forward(ddp_syncbn *bn, const float *x, float *y, int64_t batch, int64_t spatial,
+                                      int training) {
+    const char *fn = "ddp_syncbn_forward";
+    float *scale, *shift;
+    int64_t count = 0;
+    int c;
+    ddp_result r;
+    if (!bn) return ddp__fail(NULL, DDP_ERR_INVALID_ARGUMENT, "ddp_syncbn_forward: bn is NULL");
+    r = ddp__bn_check(bn, fn, batch, spatial, x, "x", y, "y", &count);
+    if (r != DDP_SUCCESS) return r;
+    bn->saved = DDP__BN_SAVED_NONE;
+    if (training || !bn->running_mean) {
+        r = ddp__bn_batch_stats(bn, x, batch, spatial, training);
+        if (r != DDP_SUCCESS) return r;
+    } else {
+        for (c = 0; c < bn->channels; c++) {
+            bn->mean[c] = bn->running_mean[c];
+            bn->invstd[c] = (float)(1.0 / sqrt((double)bn->running_var[c] + bn->eps));
+        }
+        bn->saved = DDP__BN_SAVED_EVAL;
+    }
+    bn->saved_batch = batch;
+    bn->saved_spatial = spatial;
+    scale = bn->coef;
+    shift = bn->coef + bn->channels;
+    for (c = 0; c < bn->channels; c++) {
+        scale[c] = bn->invstd[c] * (bn->weight ? bn->weight[c] : 1.0f);
+        shift[c] = bn->bias ? bn->bias[c] : 0.0f;
+    }
+    if (count > 0) ddp__bn_pass_normalize(bn, x, y, batch, spatial, bn->mean, scale, shift);
+    return DDP_SUCCESS;
+}
+
+DDP_API ddp_result ddp_syncbn_backward(ddp_syncbn *bn, const float *x, const float *dy, float *dx, float *grad_weight,
+                                       float *grad_bias, int64_t batch, int64_t spatial) {
+    const char *fn = "ddp_syncbn_backward";
+    double *sum_dy, *sum_dy_xmu, *mean64;
+    int64_t count = 0;
+    int C, c, eval;
+    ddp_result r;
+    if (!bn) return ddp__fail(NULL, DDP_ERR_INVALID_ARGUMENT, "ddp_syncbn_backward: bn is NULL");
+    r = ddp__bn_check(bn, fn, batch, spatial, x, "x", dy, "dy", &count);
+    if (r != DDP_SUCCESS) return r;
+    if (bn->saved == DDP__BN_SAVED_NONE)
+        return ddp__fail(bn->errors, DDP_ERR_STATE,
+                         "%s: no statistics to differentiate: call ddp_syncbn_forward first (a failed forward saves none)",
+                         fn);
+    if (batch != bn->saved_batch || spatial != bn->saved_spatial)
+        return ddp__fail(bn->errors, DDP_ERR_INVALID_ARGUMENT,
+                         "%s: batch=%lld, spatial=%lld, but the last forward had batch=%lld, spatial=%lld; pass that "
+                         "forward's input",
+                         fn, (long long)batch, (long long)spatial, (long long)bn->saved_batch,
+                         (long long)bn->saved_spatial);
+    C = bn->channels;
+    eval = bn->saved == DDP__BN_SAVED_EVAL;
+    sum_dy = bn->sums;
+    sum_dy_xmu = bn->sums + C;
+    mean64 = bn->shift;
+    for (c = 0; c < C; c++) mean64[c] = (double)bn->mean[c];
+    if (count > 0 && (!eval || grad_weight || grad_bias))
+        ddp__bn_pass_backward_sums(bn, dy, x, batch, spatial, mean64, sum_dy, sum_dy_xmu);
+    else
+        memset(bn->sums, 0, sizeof(double) * 2 * (size_t)C);
+    for (c = 0; c < C; c++) { /* local: the reducer averages parameters' gradients over ranks */
+        if (grad_weight) grad_weight[c] += (float)(sum_dy_xmu[c] * (double)bn->invstd[c]);
+        if (grad_bias) grad_bias[c] += (float)sum_dy[c];
+    }
+    if (bn->saved == DDP__BN_SAVED_SYNCED) { /* every rank, whether it wants dx or not */
+        r = ddp_all_reduce(bn->group, bn->sums, 2 * (size_t)C, DDP_F64, DDP_SUM);
+        if (r != DDP_SUCCESS) return ddp__bn_comm_failed(bn, r, "ddp_syncbn_backward: all_reduce of sum_dy and sum_dy_xmu");
+    }
+    if (!dx || count == 0) return DDP_SUCCESS;
+    for (c = 0; c < C; c++) {
+        float *mean_dy = bn->coef, *proj = bn->coef + C, *scale = bn->coef + 2 * C;
+        const float w = bn->weight ? bn->weight[c] : 1.0f;
+        if (eval) { /* the statistics were constants */
+            mean_dy[c] = 0;
+            proj[c] = 0;
+            scale[c] = bn->invstd[c] * w;
+        } else {
+            ddp__bn_backward_coeffs(sum_dy[c], sum_dy_xmu[c], bn->saved_count, bn->invstd[c], w, &mean_dy[c],
+                                    &proj[c], &scale[c]);
+        }
+    }
+    ddp__bn_pass_grad_input(bn, dy, x, dx, batch, spatial, bn->mean, bn->coef, bn->coef + C, bn->coef + 2 * C);
+    return DDP_SUCCESS;
+}
 /* ==================== end src/syncbn.c ==================== */
 
 /* ==================== begin src/checkpoint.c ==================== */
