@@ -131,7 +131,8 @@ DDP_API ddp_result ddp_sampler_indices(ddp_sampler *s, int64_t *out);
    the position moves past them. *got is batch_size, less for the last batch of the epoch, and 0 once the
    epoch is done (until ddp_sampler_set_epoch or ddp_sampler_set_position). Allocates nothing, except at
    the first call of a shuffled epoch with a torch permutation, which makes the permutation (the slow step:
-   about a second per 1e8 samples; later calls are copies).
+   about 3 s and 4 bytes per sample at N = 1e8 on a 2-core VM, where torch takes 28 s and 4.8 GiB; later
+   calls are copies).
    Parameters: batch_size (> 0), out (room for batch_size indices), got (receives the count).
    Return: DDP_SUCCESS; DDP_ERR_OUT_OF_MEMORY; DDP_ERR_INVALID_ARGUMENT (batch_size 0, NULL pointers, a
            sampler that is not initialised). On error *got is 0 and the position is unchanged. */
