@@ -21,6 +21,12 @@ fi
 mkdir -p "$BUILD/interop"
 W="$BUILD/interop"
 [ -f ddp.h ] || python3 amalgamate.py
+if [ -z "${SANFLAGS:-}" ]; then  # as the Makefile sets them, when only SAN is given
+  case "${SAN:-}" in
+    address) SANFLAGS="-fsanitize=address,undefined -fno-omit-frame-pointer -fno-sanitize-recover=all" ;;
+    thread) SANFLAGS="-fsanitize=thread" ;;
+  esac
+fi
 ${CC:-cc} -std=c99 -Wall -Wextra -Werror -pedantic -O2 -g -pthread -I. -Itests -o "$W/sampler_check" \
   tests/interop/sampler_check.c -lm ${SANFLAGS:-}
 
@@ -37,17 +43,17 @@ if [ "$avail_kib" -lt $((3 * 1024 * 1024)) ]; then
   exit 0
 fi
 ${CXX:-c++} -std=c++17 -O2 -Wall -Wextra -Werror -pedantic -o "$W/sampler_ref" tests/interop/sampler_ref.cpp
-N=214748364 R=1000 RANK=7 SEED=5 EPOCH=2
+N=214748364 R=1000 RANK=7 SEED=5 EPOCH=2 M=214748363
+# the reference runs beside ddp.h's two runs (N and one below the split)
 "$W/sampler_ref" $N $R $RANK $SEED $EPOCH current > "$W/sampler_ref_current.txt" &
 ref_pid=$!
 "$W/sampler_check" slice $N $R $RANK $SEED $EPOCH 0 > "$W/sampler_ddp_current.txt"
+"$W/sampler_check" slice $M $R 0 $SEED $EPOCH 0 > "$W/sampler_ddp_below.txt"
 wait $ref_pid
 cmp "$W/sampler_ddp_current.txt" "$W/sampler_ref_current.txt"
 echo "N=$N current randperm (inside-out, random64): $(wc -l < "$W/sampler_ddp_current.txt") indices of rank $RANK/$R equal the reference"
 
 # one below the split: still the swap loop, whose r[0] is its first draw % N (rank 0's first index)
-M=$((N - 1))
-"$W/sampler_check" slice $M $R 0 $SEED $EPOCH 0 > "$W/sampler_ddp_below.txt"
 first_ddp=$(head -n 1 "$W/sampler_ddp_below.txt")
 first_ref=$("$W/sampler_ref" $M first $SEED $EPOCH)
 [ "$first_ddp" = "$first_ref" ] || { echo "N=$M: first index $first_ddp, the swap loop gives $first_ref"; exit 1; }

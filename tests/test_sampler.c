@@ -1,9 +1,38 @@
 /* DistributedSampler tests that need no PyTorch (tests/test_interop_sampler.sh compares with torch 1.13).
    References: MT19937's published outputs; torch 1.13 outputs recorded here; DistributedSampler's padding
    and striding rewritten serially below; exhaustive and chi-square checks of the streaming permutation. */
+#include <stddef.h>
+
+/* The library's allocations go through these hooks, so the tests can see what the sampler holds. */
+static void *test_malloc(size_t size);
+static void *test_realloc(void *p, size_t size);
+static void test_free(void *p);
+#define DDP_MALLOC(sz) test_malloc(sz)
+#define DDP_REALLOC(p, sz) test_realloc(p, sz)
+#define DDP_FREE(p) test_free(p)
 #include "testlib.h"
 
 #include <sys/mman.h>
+
+static size_t live_bytes, peak_bytes; /* of the library's allocations */
+
+static void *test_realloc(void *p, size_t size) {
+    size_t *block = p ? (size_t *)p - 2 : NULL, old = block ? block[0] : 0;
+    block = (size_t *)realloc(block, size + 2 * sizeof(size_t));
+    if (!block) return NULL;
+    live_bytes = live_bytes - old + size;
+    peak_bytes = DDP__MAX(peak_bytes, live_bytes);
+    block[0] = size;
+    return block + 2;
+}
+
+static void *test_malloc(size_t size) { return test_realloc(NULL, size); }
+
+static void test_free(void *p) {
+    if (!p) return;
+    live_bytes -= ((size_t *)p - 2)[0];
+    free((size_t *)p - 2);
+}
 
 static ddp_sampler_desc desc_of(uint64_t n, int replicas, int rank, uint64_t seed) {
     ddp_sampler_desc d;
@@ -387,6 +416,64 @@ static void test_epochs_differ_and_legacy_equal_below_split(void) {
     free(c);
 }
 
+/* The torch permutation is made in 4 bytes per sample (N <= 2^32), then only this rank's share is kept;
+   the streaming permutation allocates nothing. */
+static void test_memory(void) {
+    ddp_sampler s;
+    ddp_sampler_desc d = desc_of(1000000, 8, 3, 1);
+    int64_t x;
+    size_t live0 = live_bytes;
+    peak_bytes = live_bytes;
+    CHECK_OK(ddp_sampler_init(&s, &d), NULL);
+    CHECK(live_bytes == live0, "init allocates nothing");
+    CHECK_OK(ddp_sampler_index_at(&s, 0, &x), NULL);
+    CHECK(peak_bytes - live0 == 4000000, "the shuffle needs 4 bytes per sample, took %zu", peak_bytes - live0);
+    CHECK(live_bytes - live0 == 125000 * 4, "afterwards only this rank's share is kept, not %zu bytes", live_bytes - live0);
+    ddp_sampler_set_epoch(&s, 1);
+    CHECK_OK(ddp_sampler_index_at(&s, 0, &x), NULL);
+    CHECK(peak_bytes - live0 == 4000000, "the old share is freed before the next shuffle");
+    ddp_sampler_set_epoch(&s, 1); /* the same epoch again, not finished: no warning, nothing redone */
+    ddp_sampler_free(&s);
+    CHECK(live_bytes == live0, "free releases everything");
+    d.permutation = DDP_PERMUTATION_STREAMING;
+    peak_bytes = live_bytes;
+    CHECK_OK(ddp_sampler_init(&s, &d), NULL);
+    CHECK_OK(ddp_sampler_index_at(&s, 124999, &x), NULL);
+    CHECK(peak_bytes == live0, "streaming allocates nothing");
+    ddp_sampler_free(&s);
+}
+
+/* Forgetting set_epoch: a finished epoch hands out nothing more, and setting the same epoch again after a
+   finished shuffled epoch warns (on stderr, captured here). */
+static void test_same_epoch_warning(void) {
+    ddp_sampler s;
+    ddp_sampler_desc d = desc_of(10, 2, 0, 0);
+    int64_t batch[8];
+    size_t got;
+    char text[512] = {0};
+    FILE *tmp = tmpfile();
+    int saved = dup(2);
+    CHECK(tmp && saved >= 0, "tmpfile");
+    setenv("DDP_LOG_LEVEL", "warn", 1); /* whatever the caller's environment says */
+    CHECK_OK(ddp_sampler_init(&s, &d), NULL);
+    ddp_sampler_set_epoch(&s, 4);
+    CHECK_OK(ddp_sampler_next_batch(&s, 8, batch, &got), NULL);
+    CHECK(got == 5, "5 of 10 for rank 0 of 2");
+    CHECK_OK(ddp_sampler_next_batch(&s, 8, batch, &got), NULL);
+    CHECK(got == 0, "the epoch is done");
+    fflush(stderr);
+    dup2(fileno(tmp), 2);
+    ddp_sampler_set_epoch(&s, 4);
+    fflush(stderr);
+    dup2(saved, 2);
+    close(saved);
+    rewind(tmp);
+    CHECK(fread(text, 1, sizeof text - 1, tmp) > 0 && strstr(text, "repeats the same order"),
+          "set_epoch(4) after epoch 4 should warn, stderr had \"%s\"", text);
+    fclose(tmp);
+    ddp_sampler_free(&s);
+}
+
 static void expect_error(ddp_result got, ddp_result want, const char *what, const char *needle) {
     CHECK(got == want, "%s: returned %d, expected %d", what, (int)got, (int)want);
     CHECK(strstr(ddp_last_error(NULL), needle) != NULL, "%s: message \"%s\" should mention \"%s\"", what,
@@ -502,6 +589,8 @@ int main(void) {
     test_streaming_huge();
     test_batches_and_resume();
     test_epochs_differ_and_legacy_equal_below_split();
+    test_memory();
+    test_same_epoch_warning();
     test_errors();
     test_ranks_in_processes();
     printf("test_sampler: all passed\n");
