@@ -24,7 +24,7 @@ EXAMPLES := $(patsubst examples/%.c,$(BUILD)/%,$(wildcard examples/*.c))
 BENCHES  := $(patsubst bench/%.c,$(BUILD)/%,$(wildcard bench/*.c))
 TOOLS    := $(BUILD)/ddprun
 
-.PHONY: all test clean header check
+.PHONY: all test clean header check demo
 all: $(TOOLS) $(TESTS) $(EXAMPLES) $(BENCHES)
 
 # The header is generated from src/; CI also checks that the committed copy is fresh.
@@ -44,6 +44,10 @@ $(BUILD)/%: examples/%.c ddp.h | $(BUILD)
 	$(CC) $(CFLAGS) $(SANFLAGS) -o $@ $< $(LDLIBS)
 $(BUILD)/%: bench/%.c ddp.h | $(BUILD)
 	$(CC) $(CFLAGS) $(SANFLAGS) -o $@ $< $(LDLIBS)
+
+# The README's main job: 4 CPU ranks launched by ddprun.
+demo: $(BUILD)/ddprun $(BUILD)/hello_collectives
+	$(BUILD)/ddprun --nproc-per-node 4 $(BUILD)/hello_collectives
 
 test: all
 	BUILD=$(BUILD) SAN=$(SAN) tests/run_tests.sh

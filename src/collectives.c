@@ -1,1 +1,494 @@
-/* placeholder: filled by its issue */
+/* [SECTION] collectives: ring algorithms, the public collectives, async work and the progress thread
+   (torch.distributed.all_reduce, broadcast, reduce, all_gather, reduce_scatter, barrier)
+
+   Every algorithm is built from ring steps: in each step a rank sends to its right neighbour
+   (rank + 1) and receives from its left (rank - 1) at the same time.
+
+       rank 0 --> rank 1 --> rank 2 --> rank 3 --+
+         ^                                       |
+         +---------------------------------------+
+
+   all_reduce = reduce-scatter then all-gather, with the buffer cut into n chunks. In the
+   reduce-scatter, chunk c starts at rank c+1 and travels once around the ring, each rank adding its
+   own part, and ends complete at rank c; the all-gather then passes each complete chunk around.
+   Cost for N bytes on n ranks: 2(n-1) steps, each rank sending 2(n-1)/n * N bytes (bandwidth-optimal).
+
+   Why a mismatch is an error on every rank: each rank checks the fingerprint of the first frame it
+   gets from its left neighbour, and every algorithm here is shaped so that a rank cannot finish unless
+   all but at most one neighbour pair have checked each other. If any rank differs, at least two
+   neighbour pairs around the ring differ, so no rank finishes; the rank that saw the difference breaks
+   the group and every rank fails with DDP_ERR_MISMATCH. Broadcast and reduce get the same guarantee
+   from a final token pass (broadcast) and from the reduce-scatter that precedes the gather (reduce). */
+#include "internal.h"
+
+static int ddp__mod(int a, int n) { return ((a % n) + n) % n; }
+
+/* Chunk i of `count` elements cut into n nearly equal parts (the first count % n get one more). */
+static void ddp__chunk(size_t count, int n, int i, size_t *off, size_t *len) {
+    size_t base = count / (size_t)n, rem = count % (size_t)n, ui = (size_t)i;
+    *off = ui * base + DDP__MIN(ui, rem);
+    *len = base + (ui < rem ? 1 : 0);
+}
+
+/* Staging memory owned by the group (one collective runs at a time on a group). */
+static void *ddp__scratch(ddp_group *g, size_t bytes) {
+    if (bytes > g->scratch_size) {
+        void *p = ddp__malloc(bytes);
+        if (!p) return NULL;
+        ddp__free(g->scratch);
+        g->scratch = p;
+        g->scratch_size = bytes;
+    }
+    return g->scratch;
+}
+
+static ddp_result ddp__no_memory(ddp_group *g, size_t bytes) {
+    return ddp__coll_fail(g, DDP_ERR_OUT_OF_MEMORY, "out of memory: could not allocate %zu bytes of staging memory", bytes);
+}
+
+/* Ring reduce-scatter in place: afterwards chunk `rank` of buf is reduced over all ranks (op AVG is
+   left as the sum). In step s, send chunk rank-s-1 and add the received chunk rank-s-2. */
+static ddp_result ddp__ring_reduce_scatter(ddp_group *g, const ddp__coll *c, char *buf, size_t count, ddp_dtype t,
+                                           ddp_op op) {
+    int n = g->world_size, r = g->rank, s;
+    size_t es = ddp_dtype_size(t), off, len, max_len = (count + (size_t)n - 1) / (size_t)n;
+    char *tmp = (char *)ddp__scratch(g, max_len * es);
+    if (!tmp && max_len) return ddp__no_memory(g, max_len * es);
+    for (s = 0; s < n - 1; s++) {
+        ddp__step st;
+        size_t roff, rlen;
+        ddp_result res;
+        ddp__chunk(count, n, ddp__mod(r - s - 1, n), &off, &len);
+        ddp__chunk(count, n, ddp__mod(r - s - 2, n), &roff, &rlen);
+        st.send_peer = ddp__mod(r + 1, n);
+        st.send_buf = buf + off * es;
+        st.send_bytes = len * es;
+        st.recv_peer = ddp__mod(r - 1, n);
+        st.recv_buf = tmp;
+        st.recv_bytes = rlen * es;
+        if ((res = ddp__exchange(g, c, &st)) != DDP_SUCCESS) return res;
+        ddp__reduce(buf + roff * es, tmp, rlen, t, op);
+    }
+    return DDP_SUCCESS;
+}
+
+/* Ring all-gather in place: chunk `rank` of buf is this rank's; afterwards every chunk is filled.
+   In step s, send chunk rank-s and receive chunk rank-s-1 straight into place. */
+static ddp_result ddp__ring_all_gather(ddp_group *g, const ddp__coll *c, char *buf, size_t count, size_t es) {
+    int n = g->world_size, r = g->rank, s;
+    for (s = 0; s < n - 1; s++) {
+        ddp__step st;
+        size_t off, len, roff, rlen;
+        ddp_result res;
+        ddp__chunk(count, n, ddp__mod(r - s, n), &off, &len);
+        ddp__chunk(count, n, ddp__mod(r - s - 1, n), &roff, &rlen);
+        st.send_peer = ddp__mod(r + 1, n);
+        st.send_buf = buf + off * es;
+        st.send_bytes = len * es;
+        st.recv_peer = ddp__mod(r - 1, n);
+        st.recv_buf = buf + roff * es;
+        st.recv_bytes = rlen * es;
+        if ((res = ddp__exchange(g, c, &st)) != DDP_SUCCESS) return res;
+    }
+    return DDP_SUCCESS;
+}
+
+/* This rank's chunk of an AVG: divide once, after the sum is complete. */
+static void ddp__finish_avg(ddp_group *g, char *buf, size_t count, ddp_dtype t, ddp_op op) {
+    size_t off, len;
+    if (op != DDP_AVG) return;
+    ddp__chunk(count, g->world_size, g->rank, &off, &len);
+    ddp__divide(buf + off * ddp_dtype_size(t), len, t, g->world_size);
+}
+
+static ddp_result ddp__do_all_reduce(ddp_group *g, const ddp__coll *c, void *buf, size_t count, ddp_dtype t, ddp_op op) {
+    ddp_result r = ddp__ring_reduce_scatter(g, c, (char *)buf, count, t, op);
+    if (r) return r;
+    ddp__finish_avg(g, (char *)buf, count, t, op);
+    return ddp__ring_all_gather(g, c, (char *)buf, count, ddp_dtype_size(t));
+}
+
+/* Reduce to root: reduce-scatter, then every rank sends its complete chunk to the root. Non-roots
+   work on a copy, since their buffer must stay unchanged. */
+static ddp_result ddp__do_reduce(ddp_group *g, const ddp__coll *c, void *buf, size_t count, ddp_dtype t, ddp_op op,
+                                 int root) {
+    int n = g->world_size, k;
+    size_t es = ddp_dtype_size(t), off, len;
+    char *work = (char *)buf;
+    ddp_result r;
+    if (g->rank != root) {
+        size_t bytes = count * es, max_len = (count + (size_t)n - 1) / (size_t)n;
+        char *mem = (char *)ddp__scratch(g, bytes + max_len * es);
+        if (!mem && bytes) return ddp__no_memory(g, bytes + max_len * es);
+        /* the reduce-scatter receives into the first max_len elements of the scratch; the copy follows */
+        work = mem + max_len * es;
+        if (bytes) memcpy(work, buf, bytes);
+    }
+    if ((r = ddp__ring_reduce_scatter(g, c, work, count, t, op)) != DDP_SUCCESS) return r;
+    ddp__finish_avg(g, work, count, t, op);
+    for (k = 0; k < n; k++) {
+        ddp__step st;
+        memset(&st, 0, sizeof st);
+        st.send_peer = st.recv_peer = -1;
+        if (k == root) continue;
+        ddp__chunk(count, n, k, &off, &len);
+        if (g->rank == root) {
+            st.recv_peer = k;
+            st.recv_buf = (char *)buf + off * es;
+            st.recv_bytes = len * es;
+        } else if (g->rank == k) {
+            st.send_peer = root;
+            st.send_buf = work + off * es;
+            st.send_bytes = len * es;
+        } else {
+            continue;
+        }
+        if ((r = ddp__exchange(g, c, &st)) != DDP_SUCCESS) return r;
+    }
+    return DDP_SUCCESS;
+}
+
+/* Broadcast: a pipelined chain root -> root+1 -> ... -> root-1 in slices, so every link carries the
+   data once and the slices overlap; then a token goes from the last rank through the root to the
+   others, so that no rank finishes before every rank has checked its neighbour's fingerprint. */
+#define DDP__BROADCAST_SLICE ((size_t)256 << 10)
+static ddp_result ddp__do_broadcast(ddp_group *g, const ddp__coll *c, void *buf, size_t count, ddp_dtype t, int root) {
+    int n = g->world_size, pos = ddp__mod(g->rank - root, n);
+    int left = ddp__mod(g->rank - 1, n), right = ddp__mod(g->rank + 1, n);
+    size_t bytes = count * ddp_dtype_size(t), i;
+    size_t slices = bytes ? (bytes + DDP__BROADCAST_SLICE - 1) / DDP__BROADCAST_SLICE : 1;
+    char *p = (char *)buf;
+    ddp__step st;
+    ddp_result r;
+    /* Step i: the root sends slice i; the others receive slice i and forward slice i-1. */
+    for (i = 0; i <= slices; i++) {
+        size_t send_slice = pos == 0 ? i : i - 1;
+        int sends = pos < n - 1 && (pos == 0 ? i < slices : i >= 1);
+        int receives = pos > 0 && i < slices;
+        memset(&st, 0, sizeof st);
+        st.send_peer = st.recv_peer = -1;
+        if (sends) {
+            size_t o = send_slice * DDP__BROADCAST_SLICE;
+            st.send_peer = right;
+            st.send_buf = p + o;
+            st.send_bytes = DDP__MIN(DDP__BROADCAST_SLICE, bytes - o);
+        }
+        if (receives) {
+            size_t o = i * DDP__BROADCAST_SLICE;
+            st.recv_peer = left;
+            st.recv_buf = p + o;
+            st.recv_bytes = DDP__MIN(DDP__BROADCAST_SLICE, bytes - o);
+        }
+        if ((sends || receives) && (r = ddp__exchange(g, c, &st)) != DDP_SUCCESS) return r;
+    }
+    /* The token: last -> root -> root+1 -> ... -> root-2; each rank passes it on after receiving it. */
+    memset(&st, 0, sizeof st);
+    st.send_peer = -1;
+    if (pos != n - 1) {
+        st.recv_peer = left;
+        if ((r = ddp__exchange(g, c, &st)) != DDP_SUCCESS) return r;
+    }
+    st.recv_peer = -1;
+    if (pos == n - 1 || pos < n - 2) {
+        st.send_peer = right;
+        if ((r = ddp__exchange(g, c, &st)) != DDP_SUCCESS) return r;
+    }
+    return DDP_SUCCESS;
+}
+
+/* all_gather: place our part in recv, then ring all-gather with chunks of count_per_rank. */
+static ddp_result ddp__do_all_gather(ddp_group *g, const ddp__coll *c, const void *send, void *recv, size_t cpr, ddp_dtype t) {
+    size_t es = ddp_dtype_size(t);
+    char *mine = (char *)recv + (size_t)g->rank * cpr * es;
+    if (cpr && (const char *)send != mine) memmove(mine, send, cpr * es);
+    return ddp__ring_all_gather(g, c, (char *)recv, cpr * (size_t)g->world_size, es);
+}
+
+/* reduce_scatter: reduce-scatter a copy of send (send is const and may alias recv), keep our chunk. */
+static ddp_result ddp__do_reduce_scatter(ddp_group *g, const ddp__coll *c, const void *send, void *recv, size_t cpr,
+                                         ddp_dtype t, ddp_op op) {
+    size_t es = ddp_dtype_size(t), total = cpr * (size_t)g->world_size;
+    char *mem = (char *)ddp__scratch(g, (cpr + total) * es), *work;
+    ddp_result r;
+    if (!mem && total) return ddp__no_memory(g, (cpr + total) * es);
+    work = mem + cpr * es; /* the reduce-scatter receives into the first cpr elements of the scratch */
+    if (total) memcpy(work, send, total * es);
+    if ((r = ddp__ring_reduce_scatter(g, c, work, total, t, op)) != DDP_SUCCESS) return r;
+    ddp__finish_avg(g, work, total, t, op);
+    if (cpr) memcpy(recv, work + (size_t)g->rank * cpr * es, cpr * es);
+    return DDP_SUCCESS;
+}
+
+/* barrier: a ring all-gather of nothing; each rank finishes only after hearing (through the ring)
+   from every other rank. */
+static ddp_result ddp__do_barrier(ddp_group *g, const ddp__coll *c) { return ddp__ring_all_gather(g, c, NULL, 0, 1); }
+
+/* ---- one description of a call, for the synchronous path and the async queue alike ---- */
+
+typedef struct ddp__call {
+    ddp__coll_kind kind;
+    const void *send;
+    void *buf; /* in-place buffer, or recv */
+    size_t count;
+    ddp_dtype dtype;
+    ddp_op op;
+    int root;
+} ddp__call;
+
+struct ddp_work {
+    ddp_group *g;
+    ddp__call call;
+    ddp__coll coll;
+    ddp_result result;
+    int done;
+    char error[DDP__ERR_MAX];
+    ddp_work *next;
+};
+
+/* A single rank has nobody to talk to: only the data movement of the collective remains. */
+static void ddp__run_alone(const ddp__call *k) {
+    size_t bytes = k->count * ddp_dtype_size(k->dtype);
+    if ((k->kind == DDP__ALL_GATHER || k->kind == DDP__REDUCE_SCATTER) && bytes && k->send != k->buf)
+        memmove(k->buf, k->send, bytes);
+}
+
+static ddp_result ddp__run(ddp_group *g, const ddp__call *k, const ddp__coll *c) {
+    if (g->broken) return DDP_ERR_STATE;
+    if (g->world_size == 1) {
+        ddp__run_alone(k);
+        return DDP_SUCCESS;
+    }
+    switch (k->kind) {
+    case DDP__ALL_REDUCE: return ddp__do_all_reduce(g, c, k->buf, k->count, k->dtype, k->op);
+    case DDP__BROADCAST: return ddp__do_broadcast(g, c, k->buf, k->count, k->dtype, k->root);
+    case DDP__REDUCE: return ddp__do_reduce(g, c, k->buf, k->count, k->dtype, k->op, k->root);
+    case DDP__ALL_GATHER: return ddp__do_all_gather(g, c, k->send, k->buf, k->count, k->dtype);
+    case DDP__REDUCE_SCATTER: return ddp__do_reduce_scatter(g, c, k->send, k->buf, k->count, k->dtype, k->op);
+    case DDP__BARRIER: return ddp__do_barrier(g, c);
+    default: return ddp__coll_fail(g, DDP_ERR_STATE, "internal error: unknown collective %d", (int)k->kind);
+    }
+}
+
+/* Check a call's arguments on the caller's thread; a bad call never reaches the wire. */
+static ddp_result ddp__validate(ddp_group *g, const ddp__call *k) {
+    const char *name = ddp__coll_name(k->kind);
+    size_t es, ranks;
+    if (!g) return ddp__fail(NULL, DDP_ERR_INVALID_ARGUMENT, "%s: the group is NULL (did ddp_init succeed?)", name);
+    if (k->kind == DDP__BARRIER) return DDP_SUCCESS;
+    if (!ddp__dtype_valid(k->dtype))
+        return ddp__fail(g, DDP_ERR_INVALID_ARGUMENT, "%s: dtype %d is not a ddp_dtype (DDP_F32 ... DDP_I64)", name, (int)k->dtype);
+    if ((k->kind == DDP__ALL_REDUCE || k->kind == DDP__REDUCE || k->kind == DDP__REDUCE_SCATTER) && !ddp__op_valid(k->op))
+        return ddp__fail(g, DDP_ERR_INVALID_ARGUMENT, "%s: op %d is not a ddp_op (DDP_SUM, DDP_AVG, DDP_PROD, DDP_MIN, DDP_MAX)",
+                         name, (int)k->op);
+    if ((k->kind == DDP__BROADCAST || k->kind == DDP__REDUCE) && (k->root < 0 || k->root >= g->world_size))
+        return ddp__fail(g, DDP_ERR_INVALID_ARGUMENT, "%s: root %d is not a rank of this group (world size %d)", name, k->root,
+                         g->world_size);
+    es = ddp_dtype_size(k->dtype);
+    ranks = (k->kind == DDP__ALL_GATHER || k->kind == DDP__REDUCE_SCATTER) ? (size_t)g->world_size : 1;
+    if (k->count > SIZE_MAX / es / ranks / 2)
+        return ddp__fail(g, DDP_ERR_INVALID_ARGUMENT, "%s: count %zu is too large", name, k->count);
+    if (k->count && !k->buf)
+        return ddp__fail(g, DDP_ERR_INVALID_ARGUMENT, "%s: the buffer is NULL with count %zu", name, k->count);
+    if (k->count && (k->kind == DDP__ALL_GATHER || k->kind == DDP__REDUCE_SCATTER) && !k->send)
+        return ddp__fail(g, DDP_ERR_INVALID_ARGUMENT, "%s: the send buffer is NULL with count %zu", name, k->count);
+    return DDP_SUCCESS;
+}
+
+static void ddp__fingerprint(ddp_group *g, const ddp__call *k, ddp__coll *c) {
+    int takes_op = k->kind == DDP__ALL_REDUCE || k->kind == DDP__REDUCE || k->kind == DDP__REDUCE_SCATTER;
+    c->seq = ++g->seq;
+    c->kind = (uint8_t)k->kind;
+    c->count = k->kind == DDP__BARRIER ? 0 : k->count;
+    c->dtype = (uint8_t)(k->kind == DDP__BARRIER ? 0 : k->dtype);
+    c->op = (uint8_t)(takes_op ? k->op : DDP__NO_OP);
+    c->root = (k->kind == DDP__BROADCAST || k->kind == DDP__REDUCE) ? k->root : -1;
+}
+
+/* The message for a call on a group that an earlier error broke; written to out (DDP__ERR_MAX). */
+static const char *ddp__broken_message(const ddp_group *g, const ddp__call *k, char *out) {
+    snprintf(out, DDP__ERR_MAX, "%s: the group is broken by an earlier error and cannot be used; destroy it. The "
+             "error was: %.800s", ddp__coll_name(k->kind), g->broken_msg);
+    return out;
+}
+
+/* ---- the progress thread: runs queued work in issue order ---- */
+
+static void *ddp__progress_main(void *arg) {
+    ddp_group *g = (ddp_group *)arg;
+    pthread_mutex_lock(&g->mu);
+    for (;;) {
+        ddp_work *w;
+        ddp_result r;
+        while (!g->queue_head && !g->progress_stop) pthread_cond_wait(&g->cv, &g->mu);
+        if (!g->queue_head) break;
+        w = g->queue_head;
+        pthread_mutex_unlock(&g->mu);
+        if (g->broken) {
+            r = DDP_ERR_STATE;
+            ddp__broken_message(g, &w->call, w->error);
+        } else if ((r = ddp__run(g, &w->call, &w->coll)) != DDP_SUCCESS) {
+            snprintf(w->error, sizeof w->error, "%s", g->broken_msg);
+        }
+        pthread_mutex_lock(&g->mu);
+        w->result = r;
+        w->done = 1;
+        g->queue_head = w->next; /* dequeued only when done: "queue empty" means "nothing in flight" */
+        if (!g->queue_head) g->queue_tail = NULL;
+        pthread_cond_broadcast(&g->cv);
+    }
+    pthread_mutex_unlock(&g->mu);
+    return NULL;
+}
+
+/* Wait until every queued async collective has finished (so a synchronous one runs after them). */
+static void ddp__drain(ddp_group *g) {
+    pthread_mutex_lock(&g->mu);
+    while (g->queue_head) pthread_cond_wait(&g->cv, &g->mu);
+    pthread_mutex_unlock(&g->mu);
+}
+
+/* Stop the progress thread (group teardown); queued work is finished first. */
+static void ddp__progress_stop(ddp_group *g) {
+    if (!g->progress_running) return;
+    pthread_mutex_lock(&g->mu);
+    g->progress_stop = 1;
+    pthread_cond_broadcast(&g->cv);
+    pthread_mutex_unlock(&g->mu);
+    pthread_join(g->progress, NULL);
+    g->progress_running = 0;
+}
+
+static ddp_result ddp__call_sync(ddp_group *g, const ddp__call *k) {
+    char c_msg[DDP__ERR_MAX];
+    ddp__coll c;
+    ddp_result r = ddp__validate(g, k);
+    if (r) return r;
+    ddp__drain(g);
+    if (g->broken) return ddp__fail_to(ddp__error_buffer(g), DDP_ERR_STATE, "%s", ddp__broken_message(g, k, c_msg));
+    ddp__fingerprint(g, k, &c);
+    r = ddp__run(g, k, &c);
+    if (r) return ddp__fail(g, r, "%s", g->broken_msg);
+    return DDP_SUCCESS;
+}
+
+static ddp_result ddp__call_async(ddp_group *g, const ddp__call *k, ddp_work **out) {
+    ddp_work *w;
+    ddp_result r;
+    if (!out) return ddp__fail(g, DDP_ERR_INVALID_ARGUMENT, "%s_async: the ddp_work **out argument is NULL", ddp__coll_name(k->kind));
+    *out = NULL;
+    if ((r = ddp__validate(g, k)) != DDP_SUCCESS) return r;
+    w = (ddp_work *)ddp__calloc(1, sizeof *w);
+    if (!w) return ddp__fail(g, DDP_ERR_OUT_OF_MEMORY, "out of memory allocating a ddp_work");
+    w->g = g;
+    w->call = *k;
+    pthread_mutex_lock(&g->mu);
+    if (!g->progress_running) {
+        if (pthread_create(&g->progress, NULL, ddp__progress_main, g) != 0) {
+            pthread_mutex_unlock(&g->mu);
+            ddp__free(w);
+            return ddp__fail(g, DDP_ERR_SYSTEM, "could not start the progress thread: %s", strerror(errno));
+        }
+        g->progress_running = 1;
+    }
+    ddp__fingerprint(g, k, &w->coll); /* under the lock: seq order is issue order */
+    if (g->queue_tail)
+        g->queue_tail->next = w;
+    else
+        g->queue_head = w;
+    g->queue_tail = w;
+    pthread_cond_broadcast(&g->cv);
+    pthread_mutex_unlock(&g->mu);
+    *out = w;
+    return DDP_SUCCESS;
+}
+
+DDP_API ddp_result ddp_wait(ddp_work *w) {
+    ddp_group *g;
+    ddp_result r;
+    if (!w) return ddp__fail(NULL, DDP_ERR_INVALID_ARGUMENT, "ddp_wait: the work handle is NULL");
+    g = w->g;
+    pthread_mutex_lock(&g->mu);
+    while (!w->done) pthread_cond_wait(&g->cv, &g->mu);
+    pthread_mutex_unlock(&g->mu);
+    r = w->result;
+    if (r) ddp__fail(g, r, "%s", w->error);
+    ddp__free(w);
+    return r;
+}
+
+DDP_API int ddp_test(ddp_work *w) {
+    int done;
+    if (!w) return 1;
+    pthread_mutex_lock(&w->g->mu);
+    done = w->done;
+    pthread_mutex_unlock(&w->g->mu);
+    return done;
+}
+
+/* ---- the public collectives: describe the call, then run it now or queue it ---- */
+
+static ddp__call ddp__make_call(ddp__coll_kind kind, const void *send, void *buf, size_t count, ddp_dtype t, ddp_op op,
+                                int root) {
+    ddp__call k;
+    k.kind = kind;
+    k.send = send;
+    k.buf = buf;
+    k.count = count;
+    k.dtype = t;
+    k.op = op;
+    k.root = root;
+    return k;
+}
+
+DDP_API ddp_result ddp_all_reduce(ddp_group *g, void *buf, size_t count, ddp_dtype t, ddp_op op) {
+    ddp__call k = ddp__make_call(DDP__ALL_REDUCE, NULL, buf, count, t, op, -1);
+    return ddp__call_sync(g, &k);
+}
+DDP_API ddp_result ddp_broadcast(ddp_group *g, void *buf, size_t count, ddp_dtype t, int root) {
+    ddp__call k = ddp__make_call(DDP__BROADCAST, NULL, buf, count, t, DDP_SUM, root);
+    return ddp__call_sync(g, &k);
+}
+DDP_API ddp_result ddp_reduce(ddp_group *g, void *buf, size_t count, ddp_dtype t, ddp_op op, int root) {
+    ddp__call k = ddp__make_call(DDP__REDUCE, NULL, buf, count, t, op, root);
+    return ddp__call_sync(g, &k);
+}
+DDP_API ddp_result ddp_all_gather(ddp_group *g, const void *send, void *recv, size_t count_per_rank, ddp_dtype t) {
+    ddp__call k = ddp__make_call(DDP__ALL_GATHER, send, recv, count_per_rank, t, DDP_SUM, -1);
+    return ddp__call_sync(g, &k);
+}
+DDP_API ddp_result ddp_reduce_scatter(ddp_group *g, const void *send, void *recv, size_t count_per_rank, ddp_dtype t,
+                                      ddp_op op) {
+    ddp__call k = ddp__make_call(DDP__REDUCE_SCATTER, send, recv, count_per_rank, t, op, -1);
+    return ddp__call_sync(g, &k);
+}
+DDP_API ddp_result ddp_barrier(ddp_group *g) {
+    ddp__call k = ddp__make_call(DDP__BARRIER, NULL, NULL, 0, DDP_U8, DDP_SUM, -1);
+    return ddp__call_sync(g, &k);
+}
+
+DDP_API ddp_result ddp_all_reduce_async(ddp_group *g, void *buf, size_t count, ddp_dtype t, ddp_op op, ddp_work **w) {
+    ddp__call k = ddp__make_call(DDP__ALL_REDUCE, NULL, buf, count, t, op, -1);
+    return ddp__call_async(g, &k, w);
+}
+DDP_API ddp_result ddp_broadcast_async(ddp_group *g, void *buf, size_t count, ddp_dtype t, int root, ddp_work **w) {
+    ddp__call k = ddp__make_call(DDP__BROADCAST, NULL, buf, count, t, DDP_SUM, root);
+    return ddp__call_async(g, &k, w);
+}
+DDP_API ddp_result ddp_reduce_async(ddp_group *g, void *buf, size_t count, ddp_dtype t, ddp_op op, int root, ddp_work **w) {
+    ddp__call k = ddp__make_call(DDP__REDUCE, NULL, buf, count, t, op, root);
+    return ddp__call_async(g, &k, w);
+}
+DDP_API ddp_result ddp_all_gather_async(ddp_group *g, const void *send, void *recv, size_t count_per_rank, ddp_dtype t,
+                                        ddp_work **w) {
+    ddp__call k = ddp__make_call(DDP__ALL_GATHER, send, recv, count_per_rank, t, DDP_SUM, -1);
+    return ddp__call_async(g, &k, w);
+}
+DDP_API ddp_result ddp_reduce_scatter_async(ddp_group *g, const void *send, void *recv, size_t count_per_rank, ddp_dtype t,
+                                            ddp_op op, ddp_work **w) {
+    ddp__call k = ddp__make_call(DDP__REDUCE_SCATTER, send, recv, count_per_rank, t, op, -1);
+    return ddp__call_async(g, &k, w);
+}
+DDP_API ddp_result ddp_barrier_async(ddp_group *g, ddp_work **w) {
+    ddp__call k = ddp__make_call(DDP__BARRIER, NULL, NULL, 0, DDP_U8, DDP_SUM, -1);
+    return ddp__call_async(g, &k, w);
+}

@@ -189,17 +189,32 @@ DDP_API int ddp_test(ddp_work *w);
 
 /* ---- Store (torch.distributed.TCPStore) ------------------------------------------------------
    The key-value store every group rendezvouses through; programs may use it for their own keys
-   (keys starting with "ddp/" are the library's). Values are bytes. Blocking calls wait at most the
-   group's timeout. Thread safety: one thread at a time per store. */
+   (keys starting with "ddp/" are the library's). Keys are C strings shorter than 4 KiB; values are
+   bytes (zeros allowed), at most 64 MiB each. Over TCP it speaks torch 1.13's TCPStore protocol, so
+   torch processes can share it. Blocking calls wait at most the store's timeout (the group's).
+   Every failure leaves a message in ddp_store_last_error(s) naming the store, the key and what to do;
+   DDP_ERR_TIMEOUT when the store did not answer or a key did not appear in time, DDP_ERR_PEER_LOST when
+   the connection to the store dropped (the next call reconnects), DDP_ERR_INVALID_ARGUMENT for bad
+   arguments. Thread safety: one thread at a time per store. */
 DDP_API ddp_store *ddp_group_store(ddp_group *g);
+/* Sets key to the size bytes at value (replacing any value; size 0 is allowed, value may then be NULL). */
 DDP_API ddp_result ddp_store_set(ddp_store *s, const char *key, const void *value, size_t size);
-/* Waits until key exists; copies at most capacity bytes to value; *size = the value's full size. */
+/* Waits until key exists (DDP_ERR_TIMEOUT after the store's timeout); copies at most capacity bytes to
+   value; *size (when size is not NULL) = the value's full size, which may exceed capacity. */
 DDP_API ddp_result ddp_store_get(ddp_store *s, const char *key, void *value, size_t capacity, size_t *size);
-/* Adds delta to the integer stored at key (created as 0) and returns the new value in *result. */
+/* Adds delta to the integer stored at key (created as 0) and returns the new value in *result (when
+   result is not NULL). Atomic across all clients. The value is kept as decimal text, as torch keeps it,
+   so ddp_store_get on the key returns e.g. "42"; adding to a value that is not a number fails. */
 DDP_API ddp_result ddp_store_add(ddp_store *s, const char *key, int64_t delta, int64_t *result);
+/* *exists = 1 when key exists now, else 0. Does not wait. */
 DDP_API ddp_result ddp_store_check(ddp_store *s, const char *key, int *exists);
+/* Waits until all n keys exist; timeout_seconds <= 0 means the store's timeout. DDP_ERR_TIMEOUT names
+   the keys when they do not all appear in time. */
 DDP_API ddp_result ddp_store_wait(ddp_store *s, const char *const *keys, int n, double timeout_seconds);
+/* Deletes key; *deleted (when not NULL) = 1 when it existed, else 0. */
 DDP_API ddp_result ddp_store_delete(ddp_store *s, const char *key, int *deleted);
+/* The message of the last failed call on s (on this thread, as ddp_last_error(NULL), when s is NULL).
+   Never NULL. */
 DDP_API const char *ddp_store_last_error(const ddp_store *s);
 
 /* ---- Launching (torchrun, torch.multiprocessing.spawn) ---------------------------------------

@@ -1,1 +1,644 @@
-/* placeholder: filled by its issue */
+/* [SECTION] group: ddp_init (torch.distributed.init_process_group), launcher environments,
+   rendezvous, the mesh of connections, subgroups (new_group), ddp_destroy
+
+   ddp_init in five steps:
+     1. who am I: rank and world size from the descriptor or the launcher's environment
+        (ddp__read_launch: torchrun/ddprun, Open MPI, MPICH/Hydra, SLURM, in that order);
+     2. where is the master: init_method, descriptor, MASTER_ADDR/MASTER_PORT, launcher defaults;
+     3. the store: rank 0 serves it (store.c) and every rank connects (or a file store);
+     4. rendezvous (ddp__rendezvous): each rank claims its rank, publishes "world size, address, port,
+        pid, host" and waits for all; any disagreement is written to an "abort" key that every waiting
+        rank reads, so a bad rank fails everyone quickly instead of leaving them to time out;
+     5. the mesh: one TCP connection per pair of ranks, then a barrier over it. */
+#include "internal.h"
+
+#define DDP__HELLO_MAGIC 0x48444450u /* "PDDH": first words on a mesh connection */
+
+typedef struct ddp__launch {
+    int rank, world_size;
+    int local_rank, local_world_size; /* -1 when the launcher did not say */
+    const char *source;               /* where rank and world size came from, for messages */
+    char master_addr[256];
+    int master_port;                  /* 0: none given */
+    const char *file_path;            /* init_method file:// */
+    int restart_count;
+} ddp__launch;
+
+/* Launchers, in the order they are consulted (the first whose rank variable is set wins). */
+static const struct {
+    const char *rank, *size, *local_rank, *local_size, *name;
+} ddp__launchers[] = {
+    {"RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "torchrun/ddprun (RANK, WORLD_SIZE)"},
+    {"OMPI_COMM_WORLD_RANK", "OMPI_COMM_WORLD_SIZE", "OMPI_COMM_WORLD_LOCAL_RANK", "OMPI_COMM_WORLD_LOCAL_SIZE",
+     "Open MPI (OMPI_COMM_WORLD_RANK, OMPI_COMM_WORLD_SIZE)"},
+    {"PMI_RANK", "PMI_SIZE", "MPI_LOCALRANKID", "MPI_LOCALNRANKS", "MPICH/Hydra (PMI_RANK, PMI_SIZE)"},
+    {"SLURM_PROCID", "SLURM_NTASKS", "SLURM_LOCALID", NULL, "SLURM (SLURM_PROCID, SLURM_NTASKS)"},
+};
+
+static uint64_t ddp__hash(const char *s) { /* FNV-1a */
+    uint64_t h = 1469598103934665603ull;
+    while (*s) h = (h ^ (unsigned char)*s++) * 1099511628211ull;
+    return h;
+}
+
+/* "node[01-04,07],gpu5" -> "node01": the first host of a SLURM node list. */
+static void ddp__slurm_first_host(const char *list, char *out, size_t cap) {
+    size_t i = 0, o = 0;
+    while (list[i] && list[i] != ',' && list[i] != '[' && o + 1 < cap) out[o++] = list[i++];
+    if (list[i] == '[')
+        for (i++; list[i] && list[i] != ',' && list[i] != '-' && list[i] != ']' && o + 1 < cap;) out[o++] = list[i++];
+    out[o] = '\0';
+}
+
+static ddp_result ddp__parse_tcp_url(const char *url, ddp__launch *L, char *err) {
+    const char *hp = url + strlen("tcp://"), *colon;
+    char *end;
+    long port;
+    size_t hl;
+    if (*hp == '[') { /* [ipv6]:port */
+        const char *close = strchr(hp, ']');
+        if (!close || close[1] != ':') goto bad;
+        hl = (size_t)(close - hp - 1);
+        hp++;
+        colon = close + 1;
+    } else {
+        colon = strrchr(hp, ':');
+        if (!colon) goto bad;
+        hl = (size_t)(colon - hp);
+    }
+    if (hl == 0 || hl >= sizeof L->master_addr) goto bad;
+    memcpy(L->master_addr, hp, hl);
+    L->master_addr[hl] = '\0';
+    errno = 0;
+    port = strtol(colon + 1, &end, 10);
+    if (errno || *end || port < 1 || port > 65535) goto bad;
+    L->master_port = (int)port;
+    return DDP_SUCCESS;
+bad:
+    return ddp__fail_to(err, DDP_ERR_INVALID_ARGUMENT, "init_method \"%s\" is not tcp://host:port with a port in 1..65535", url);
+}
+
+/* Step 1 and 2: rank, world size, local rank, master, from the descriptor and the environment. */
+static ddp_result ddp__read_launch(const ddp_init_desc *d, ddp__launch *L, char *err) {
+    long v = 0;
+    int i, found = 0;
+    memset(L, 0, sizeof *L);
+    L->local_rank = L->local_world_size = -1;
+    L->world_size = 1;
+    L->source = "no launcher (a single process)";
+    if (d->world_size > 0) {
+        L->rank = d->rank;
+        L->world_size = d->world_size;
+        L->source = "the descriptor (ddp_init_desc.rank, .world_size)";
+        found = 1;
+    } else if (d->world_size < 0) {
+        return ddp__fail_to(err, DDP_ERR_INVALID_ARGUMENT, "ddp_init_desc.world_size is %d; use 0 (from the environment) or a positive number",
+                            d->world_size);
+    }
+    for (i = 0; !found && i < (int)(sizeof ddp__launchers / sizeof ddp__launchers[0]); i++) {
+        int has_rank = ddp__env(ddp__launchers[i].rank) != NULL, has_size = ddp__env(ddp__launchers[i].size) != NULL;
+        if (!has_rank && !has_size) continue;
+        if (has_rank != has_size)
+            return ddp__fail_to(err, DDP_ERR_INIT, "%s is set but %s is not; the launcher (%s) must set both",
+                                has_rank ? ddp__launchers[i].rank : ddp__launchers[i].size,
+                                has_rank ? ddp__launchers[i].size : ddp__launchers[i].rank, ddp__launchers[i].name);
+        if (ddp__env_int(ddp__launchers[i].size, 1, 1 << 20, &v, err) < 0) return DDP_ERR_INIT;
+        L->world_size = (int)v;
+        if (ddp__env_int(ddp__launchers[i].rank, 0, INT_MAX, &v, err) < 0) return DDP_ERR_INIT;
+        L->rank = (int)v;
+        if (ddp__env_int(ddp__launchers[i].local_rank, 0, 1 << 20, &v, err) < 0) return DDP_ERR_INIT;
+        if (ddp__env(ddp__launchers[i].local_rank)) L->local_rank = (int)v;
+        if (ddp__launchers[i].local_size) {
+            if (ddp__env_int(ddp__launchers[i].local_size, 1, 1 << 20, &v, err) < 0) return DDP_ERR_INIT;
+            if (ddp__env(ddp__launchers[i].local_size)) L->local_world_size = (int)v;
+        }
+        L->source = ddp__launchers[i].name;
+        found = 1;
+    }
+    if (L->rank < 0 || L->rank >= L->world_size)
+        return ddp__fail_to(err, DDP_ERR_INIT, "rank %d is out of range for world size %d (from %s); ranks are 0..%d",
+                            L->rank, L->world_size, L->source, L->world_size - 1);
+    if (ddp__env_int("DDP_RESTART_COUNT", 0, INT_MAX, &v, err) < 0) return DDP_ERR_INIT;
+    if (ddp__env("DDP_RESTART_COUNT")) L->restart_count = (int)v;
+    else if (ddp__env("TORCHELASTIC_RESTART_COUNT")) {
+        if (ddp__env_int("TORCHELASTIC_RESTART_COUNT", 0, INT_MAX, &v, err) < 0) return DDP_ERR_INIT;
+        L->restart_count = (int)v;
+    }
+
+    /* the master */
+    if (d->init_method && strncmp(d->init_method, "tcp://", 6) == 0) return ddp__parse_tcp_url(d->init_method, L, err);
+    if (d->init_method && strncmp(d->init_method, "file://", 7) == 0) {
+        L->file_path = d->init_method + 7;
+        if (!*L->file_path)
+            return ddp__fail_to(err, DDP_ERR_INVALID_ARGUMENT, "init_method \"%s\" names no file; use file:///path/to/file", d->init_method);
+        return DDP_SUCCESS;
+    }
+    if (d->init_method && strcmp(d->init_method, "env://") != 0)
+        return ddp__fail_to(err, DDP_ERR_INVALID_ARGUMENT, "init_method \"%s\" is not env://, tcp://host:port or file:///path",
+                            d->init_method);
+    if (d->master_addr && *d->master_addr) snprintf(L->master_addr, sizeof L->master_addr, "%s", d->master_addr);
+    else if (ddp__env("MASTER_ADDR")) snprintf(L->master_addr, sizeof L->master_addr, "%s", ddp__env("MASTER_ADDR"));
+    if (d->master_port < 0 || d->master_port > 65535)
+        return ddp__fail_to(err, DDP_ERR_INVALID_ARGUMENT, "ddp_init_desc.master_port %d is not in 1..65535", d->master_port);
+    if (d->master_port) L->master_port = d->master_port;
+    else if (ddp__env_int("MASTER_PORT", 1, 65535, &v, err) < 0) return DDP_ERR_INIT;
+    else if (ddp__env("MASTER_PORT")) L->master_port = (int)v;
+    if (L->world_size == 1 && !L->master_addr[0] && !L->master_port) return DDP_SUCCESS; /* alone: no store */
+
+    /* Under mpirun / srun nobody sets MASTER_*: rank 0's host and a port derived from the job id. */
+    if (!L->master_addr[0] && strncmp(L->source, "torchrun", 8) != 0 && strncmp(L->source, "the desc", 8) != 0) {
+        if (ddp__env("SLURM_STEP_NODELIST") || ddp__env("SLURM_NODELIST"))
+            ddp__slurm_first_host(ddp__env("SLURM_STEP_NODELIST") ? ddp__env("SLURM_STEP_NODELIST") : ddp__env("SLURM_NODELIST"),
+                                  L->master_addr, sizeof L->master_addr);
+        else
+            snprintf(L->master_addr, sizeof L->master_addr, "127.0.0.1");
+    }
+    if (!L->master_port && strncmp(L->source, "torchrun", 8) != 0 && strncmp(L->source, "the desc", 8) != 0) {
+        static const char *job_ids[] = {"OMPI_MCA_ess_base_jobid", "PMIX_NAMESPACE", "SLURM_JOB_ID", "PMI_ID", "HYDI_CONTROL_FD"};
+        char id[256] = "";
+        for (i = 0; i < (int)(sizeof job_ids / sizeof job_ids[0]); i++)
+            if (ddp__env(job_ids[i])) {
+                snprintf(id, sizeof id, "%s%s", ddp__env(job_ids[i]), ddp__env("SLURM_STEP_ID") ? ddp__env("SLURM_STEP_ID") : "");
+                break;
+            }
+        L->master_port = id[0] ? 20000 + (int)(ddp__hash(id) % 20000u) : 29500;
+    }
+    if (!L->master_addr[0])
+        return ddp__fail_to(err, DDP_ERR_INIT, "MASTER_ADDR is not set: %s gave rank %d of %d, but not where rank 0 is. "
+                            "Set MASTER_ADDR (and MASTER_PORT), ddp_init_desc.master_addr, or init_method tcp://host:port",
+                            L->source, L->rank, L->world_size);
+    if (!L->master_port)
+        return ddp__fail_to(err, DDP_ERR_INIT, "MASTER_PORT is not set (MASTER_ADDR is %s); set MASTER_PORT, "
+                            "ddp_init_desc.master_port, or init_method tcp://host:port", L->master_addr);
+    return DDP_SUCCESS;
+}
+
+static double ddp__read_timeout(const ddp_init_desc *d, char *err, ddp_result *res) {
+    const char *v;
+    char *end;
+    double t;
+    *res = DDP_SUCCESS;
+    if (d->timeout_seconds > 0) return d->timeout_seconds;
+    if (d->timeout_seconds < 0) {
+        *res = ddp__fail_to(err, DDP_ERR_INVALID_ARGUMENT, "ddp_init_desc.timeout_seconds is %g; use 0 (default) or a positive number",
+                            d->timeout_seconds);
+        return 0;
+    }
+    if (!(v = ddp__env("DDP_TIMEOUT"))) return 300.0;
+    t = strtod(v, &end);
+    if (end == v || *end || !(t > 0) || t > 1e9) {
+        *res = ddp__fail_to(err, DDP_ERR_INIT, "DDP_TIMEOUT=\"%s\" is not a positive number of seconds", v);
+        return 0;
+    }
+    return t;
+}
+
+/* ---- rendezvous through the store ---- */
+
+static void ddp__key(const ddp_group *g, char *out, size_t cap, const char *name, int index) {
+    if (index >= 0) snprintf(out, cap, "%s%s/%d", g->prefix, name, index);
+    else snprintf(out, cap, "%s%s", g->prefix, name);
+}
+
+/* Fail this rank with code and message, and publish them so that every rank of the rendezvous fails too. */
+static ddp_result ddp__rdzv_abort(ddp_group *g, ddp_result code, const char *msg) {
+    char key[256], value[DDP__ERR_MAX + 16];
+    int exists = 0;
+    ddp__key(g, key, sizeof key, "abort", -1);
+    snprintf(value, sizeof value, "%d|%.1000s", (int)code, msg);
+    ddp_store_set(g->store, key, value, strlen(value));
+    ddp_store_check(g->store, key, &exists); /* a round trip: the set has reached the store before we go */
+    return ddp__fail(g, code, "%s", msg);
+}
+
+/* A rendezvous failed on this rank: publish the error (unless another rank already published one),
+   and if this rank serves the store, keep serving until the ranks that joined have read it (at most
+   a few seconds), so that they fail with the reason instead of "lost the store". */
+static void ddp__rdzv_fail_all(ddp_group *g, ddp_result code) {
+    char key[256], msg[DDP__ERR_MAX];
+    int exists = 0;
+    int64_t joined = 0, seen = 0;
+    double until = ddp__now() + DDP__MIN(g->timeout, 5.0);
+    if (!g->store) return;
+    snprintf(msg, sizeof msg, "%s", g->error);
+    ddp__key(g, key, sizeof key, "abort", -1);
+    if (ddp_store_check(g->store, key, &exists) != DDP_SUCCESS) return;
+    if (!exists) ddp__rdzv_abort(g, code, msg);
+    ddp__fail(g, code, "%s", msg);
+    ddp__key(g, key, sizeof key, "abort_seen", -1);
+    if (!g->store_server) { /* done with the store: the rank serving it may stop waiting for us */
+        if (g->joined_rendezvous) ddp_store_add(g->store, key, 1, &seen);
+        return;
+    }
+    ddp__key(g, key, sizeof key, "joined", -1);
+    if (ddp_store_add(g->store, key, 0, &joined) != DDP_SUCCESS) return;
+    ddp__key(g, key, sizeof key, "abort_seen", -1);
+    while (ddp__now() < until && ddp_store_add(g->store, key, 0, &seen) == DDP_SUCCESS && seen < joined - 1) ddp__sleep(0.01);
+    ddp__fail(g, code, "%s", msg);
+}
+
+/* Another rank published an abort: fail with its code and message. */
+static ddp_result ddp__rdzv_check_abort(ddp_group *g, int *aborted) {
+    char key[256], value[DDP__ERR_MAX + 16];
+    size_t n = 0;
+    int exists = 0, code = DDP_ERR_INIT;
+    ddp_result r;
+    *aborted = 0;
+    ddp__key(g, key, sizeof key, "abort", -1);
+    if ((r = ddp_store_check(g->store, key, &exists)) != DDP_SUCCESS)
+        return ddp__fail(g, r, "rendezvous: %s", ddp_store_last_error(g->store));
+    if (!exists) return DDP_SUCCESS;
+    *aborted = 1;
+    if ((r = ddp_store_get(g->store, key, value, sizeof value - 1, &n)) != DDP_SUCCESS)
+        return ddp__fail(g, r, "rendezvous: %s", ddp_store_last_error(g->store));
+    value[DDP__MIN(n, sizeof value - 1)] = '\0';
+    sscanf(value, "%d|", &code);
+    return ddp__fail(g, (ddp_result)code, "%s", strchr(value, '|') ? strchr(value, '|') + 1 : value);
+}
+
+/* What each rank publishes about itself. */
+typedef struct ddp__record {
+    int world, port, pid;
+    char addr[128], host[128];
+} ddp__record;
+
+/* Wait until `world_size` ranks have joined, watching for an abort; name the missing ranks on timeout. */
+static ddp_result ddp__rdzv_wait_all(ddp_group *g, const char *where) {
+    char key[256];
+    double start = ddp__now(), nap = 0.001;
+    int aborted;
+    for (;;) {
+        int64_t joined = 0;
+        ddp_result r;
+        if ((r = ddp__rdzv_check_abort(g, &aborted)) != DDP_SUCCESS || aborted) return r ? r : DDP_ERR_INIT;
+        ddp__key(g, key, sizeof key, "joined", -1);
+        if ((r = ddp_store_add(g->store, key, 0, &joined)) != DDP_SUCCESS)
+            return ddp__fail(g, r, "rendezvous: %s", ddp_store_last_error(g->store));
+        if (joined >= g->world_size) return DDP_SUCCESS;
+        if (ddp__now() - start > g->timeout) {
+            char missing[512] = "";
+            int i, exists, shown = 0;
+            for (i = 0; i < g->world_size && shown < 16; i++) {
+                ddp__key(g, key, sizeof key, "rank", i);
+                if (ddp_store_check(g->store, key, &exists) == DDP_SUCCESS && !exists) {
+                    snprintf(missing + strlen(missing), sizeof missing - strlen(missing), "%s%d", shown ? ", " : "", i);
+                    shown++;
+                }
+            }
+            return ddp__fail(g, DDP_ERR_TIMEOUT, "timed out after %.0f s waiting for every rank to join (%lld of %d "
+                             "joined through %s; missing: %s). Are they all started, with the same world size and master?",
+                             g->timeout, (long long)joined, g->world_size, where, missing[0] ? missing : "?");
+        }
+        ddp__sleep(nap);
+        nap = DDP__MIN(nap * 2, 0.05);
+    }
+}
+
+/* Mesh: rank j connects to every rank i < j and says hello; rank i accepts the higher ranks. */
+typedef struct ddp__hello {
+    uint32_t magic;
+    int32_t rank, world;
+    uint32_t pad;
+    uint64_t group; /* hash of the group's store prefix: a stray connection from another group is refused */
+} ddp__hello;
+
+static ddp_result ddp__mesh_connect(ddp_group *g, const ddp__record *rec, int listen_fd) {
+    char err[DDP__ERR_MAX];
+    double deadline = ddp__now() + g->timeout;
+    int i, accepted = 0;
+    ddp__hello me;
+    ddp_result r;
+    memset(&me, 0, sizeof me);
+    me.magic = DDP__HELLO_MAGIC;
+    me.rank = g->rank;
+    me.world = g->world_size;
+    me.group = ddp__hash(g->prefix);
+    for (i = 0; i < g->rank; i++) {
+        if ((r = ddp__net_connect(rec[i].addr, rec[i].port, deadline, &g->peers[i].fd, err)) != DDP_SUCCESS ||
+            (r = ddp__net_send(g->peers[i].fd, &me, sizeof me, deadline, err)) != DDP_SUCCESS)
+            return ddp__fail(g, r, "connecting to rank %d at %s:%d: %s", i, rec[i].addr, rec[i].port, err);
+    }
+    while (accepted < g->world_size - 1 - g->rank) {
+        ddp__hello h;
+        int fd;
+        if ((r = ddp__net_accept(listen_fd, deadline, &fd, err)) != DDP_SUCCESS)
+            return ddp__fail(g, r, "waiting for ranks above %d to connect: %s", g->rank, err);
+        if (ddp__net_recv(fd, &h, sizeof h, DDP__MIN(deadline, ddp__now() + 10.0), err) != DDP_SUCCESS ||
+            h.magic != DDP__HELLO_MAGIC || h.world != g->world_size || h.group != me.group || h.rank <= g->rank ||
+            h.rank >= g->world_size || g->peers[h.rank].fd >= 0) {
+            ddp__log(g, DDP_LOG_WARN, "refused a connection that is not a rank of this group");
+            close(fd);
+            continue;
+        }
+        g->peers[h.rank].fd = fd;
+        accepted++;
+    }
+    return DDP_SUCCESS;
+}
+
+static ddp_result ddp__rendezvous(ddp_group *g, const char *addr, int listen_fd, int port, const char *where) {
+    char key[256], value[512], msg[DDP__ERR_MAX], host[128];
+    ddp__record *rec;
+    int64_t claims = 0;
+    int i, same_host = 0, local_index = 0;
+    size_t n;
+    ddp_result r;
+
+    /* claim the rank: a second process with the same rank sees a count above 1 */
+    ddp__key(g, key, sizeof key, "claim", g->rank);
+    if ((r = ddp_store_add(g->store, key, 1, &claims)) != DDP_SUCCESS)
+        return ddp__fail(g, r, "rendezvous through %s: %s", where, ddp_store_last_error(g->store));
+    if (claims > 1) {
+        snprintf(msg, sizeof msg, "two processes claim rank %d (the second is pid %d); every process needs its own rank "
+                 "(check RANK or the launcher's settings)", g->rank, (int)getpid());
+        return ddp__rdzv_abort(g, DDP_ERR_INIT, msg);
+    }
+    if (gethostname(host, sizeof host) != 0) snprintf(host, sizeof host, "?");
+    host[sizeof host - 1] = '\0';
+    snprintf(value, sizeof value, "world=%d port=%d pid=%d addr=%s host=%s", g->world_size, port, (int)getpid(), addr, host);
+    ddp__key(g, key, sizeof key, "rank", g->rank);
+    if ((r = ddp_store_set(g->store, key, value, strlen(value))) != DDP_SUCCESS)
+        return ddp__fail(g, r, "rendezvous through %s: %s", where, ddp_store_last_error(g->store));
+    ddp__key(g, key, sizeof key, "joined", -1);
+    if ((r = ddp_store_add(g->store, key, 1, &claims)) != DDP_SUCCESS)
+        return ddp__fail(g, r, "rendezvous through %s: %s", where, ddp_store_last_error(g->store));
+    g->joined_rendezvous = 1;
+    if ((r = ddp__rdzv_wait_all(g, where)) != DDP_SUCCESS) return r;
+
+    rec = (ddp__record *)ddp__calloc((size_t)g->world_size, sizeof *rec);
+    if (!rec) return ddp__fail(g, DDP_ERR_OUT_OF_MEMORY, "out of memory in the rendezvous");
+    for (i = 0; i < g->world_size; i++) {
+        ddp__key(g, key, sizeof key, "rank", i);
+        if ((r = ddp_store_get(g->store, key, value, sizeof value - 1, &n)) != DDP_SUCCESS) {
+            ddp__free(rec);
+            return ddp__fail(g, r, "rendezvous: reading rank %d's address: %s", i, ddp_store_last_error(g->store));
+        }
+        value[DDP__MIN(n, sizeof value - 1)] = '\0';
+        if (sscanf(value, "world=%d port=%d pid=%d addr=%127s host=%127s", &rec[i].world, &rec[i].port, &rec[i].pid,
+                   rec[i].addr, rec[i].host) != 5) {
+            ddp__free(rec);
+            snprintf(msg, sizeof msg, "rank %d published a malformed rendezvous record \"%.200s\" (another program using the same store?)", i, value);
+            return ddp__rdzv_abort(g, DDP_ERR_INIT, msg);
+        }
+        if (rec[i].world != g->world_size) {
+            snprintf(msg, sizeof msg, "ranks disagree on the world size: rank %d (host %s, pid %d) was started with world "
+                     "size %d, rank %d with %d; start every rank with the same WORLD_SIZE", i, rec[i].host, rec[i].pid,
+                     rec[i].world, g->rank, g->world_size);
+            ddp__free(rec);
+            return ddp__rdzv_abort(g, DDP_ERR_MISMATCH, msg);
+        }
+        snprintf(g->peer_names[i], sizeof g->peer_names[i], "host %.40s, pid %d", rec[i].host, rec[i].pid);
+        if (strcmp(rec[i].host, host) == 0) {
+            if (i < g->rank) local_index++;
+            same_host++;
+        }
+    }
+    if (g->local_rank < 0 || g->local_world_size < 0) {
+        g->local_rank = local_index;
+        g->local_world_size = same_host;
+    }
+    r = ddp__mesh_connect(g, rec, listen_fd);
+    ddp__free(rec);
+    return r;
+}
+
+/* The address of this host's interface that routes to the master (a UDP "connect" sends nothing). */
+static void ddp__route_address(const char *master, int port, char *out, size_t cap) {
+    struct addrinfo hints, *res = NULL;
+    char service[16];
+    int fd;
+    snprintf(out, cap, "127.0.0.1");
+    memset(&hints, 0, sizeof hints);
+    hints.ai_socktype = SOCK_DGRAM;
+    snprintf(service, sizeof service, "%d", port);
+    if (!master || getaddrinfo(master, service, &hints, &res) != 0) return;
+    fd = socket(res->ai_family, SOCK_DGRAM, 0);
+    if (fd >= 0 && connect(fd, res->ai_addr, res->ai_addrlen) == 0) ddp__net_local_address(fd, out, cap);
+    if (fd >= 0) close(fd);
+    freeaddrinfo(res);
+}
+
+/* ---- group life cycle ---- */
+
+static ddp_group *ddp__group_alloc(int rank, int world_size) {
+    ddp_group *g = (ddp_group *)ddp__calloc(1, sizeof *g);
+    int i;
+    if (!g) return NULL;
+    g->rank = rank;
+    g->world_size = world_size;
+    g->local_rank = g->local_world_size = -1;
+    g->backend_name = "cpu";
+    g->timeout = 300.0;
+    g->peers = (ddp__peer *)ddp__calloc((size_t)world_size, sizeof *g->peers);
+    g->peer_names = (char(*)[80])ddp__calloc((size_t)world_size, sizeof *g->peer_names);
+    g->pollfds = (struct pollfd *)ddp__calloc((size_t)world_size, sizeof *g->pollfds);
+    g->poll_owner = (int *)ddp__calloc((size_t)world_size, sizeof *g->poll_owner);
+    g->world_ranks = (int *)ddp__calloc((size_t)world_size, sizeof *g->world_ranks);
+    if (!g->peers || !g->peer_names || !g->pollfds || !g->poll_owner || !g->world_ranks) {
+        ddp__free(g->peers);
+        ddp__free(g->peer_names);
+        ddp__free(g->pollfds);
+        ddp__free(g->poll_owner);
+        ddp__free(g->world_ranks);
+        ddp__free(g);
+        return NULL;
+    }
+    for (i = 0; i < world_size; i++) {
+        g->peers[i].fd = -1;
+        g->world_ranks[i] = i;
+        snprintf(g->peer_names[i], sizeof g->peer_names[i], "rank %d", i);
+    }
+    pthread_mutex_init(&g->mu, NULL);
+    pthread_cond_init(&g->cv, NULL);
+    return g;
+}
+
+/* Free everything g holds (connections closed without goodbye: for failed inits and after goodbye). */
+static void ddp__group_free(ddp_group *g) {
+    int i;
+    ddp__progress_stop(g);
+    if (g->broken) ddp__close_after_failure(g, 1.0);
+    for (i = 0; i < g->world_size; i++)
+        if (g->peers[i].fd >= 0) close(g->peers[i].fd);
+    if (g->owns_store && g->store) ddp__store_free(g->store);
+    if (g->store_server) ddp__store_server_stop(g->store_server);
+    if (g->parent) g->parent->live_subgroups--;
+    pthread_mutex_destroy(&g->mu);
+    pthread_cond_destroy(&g->cv);
+    ddp__free(g->scratch);
+    ddp__free(g->peers);
+    ddp__free(g->peer_names);
+    ddp__free(g->pollfds);
+    ddp__free(g->poll_owner);
+    ddp__free(g->world_ranks);
+    ddp__free(g);
+}
+
+/* Rendezvous and connect a freshly allocated group whose store and prefix are set. */
+static ddp_result ddp__group_connect(ddp_group *g, const char *where) {
+    char err[DDP__ERR_MAX];
+    int listen_fd = -1, port = 0, aborted = 0;
+    ddp_result r;
+    if ((r = ddp__net_listen(g->address, 0, &listen_fd, &port, err)) != DDP_SUCCESS)
+        return ddp__fail(g, r, "cannot listen for peer connections on %s: %s", g->address, err);
+    r = ddp__rendezvous(g, g->address, listen_fd, port, where);
+    close(listen_fd);
+    if (r) return r;
+    if ((r = ddp_barrier(g)) != DDP_SUCCESS) return r;
+    g->seq = 0; /* the user's first collective is #1 in messages */
+    if ((r = ddp__rdzv_check_abort(g, &aborted)) != DDP_SUCCESS || aborted) return r ? r : DDP_ERR_INIT;
+    return DDP_SUCCESS;
+}
+
+DDP_API ddp_result ddp_init(const ddp_init_desc *desc, ddp_group **out) {
+    ddp_init_desc zero;
+    ddp__launch L;
+    ddp_group *g;
+    char err[DDP__ERR_MAX], where[320];
+    const char *transport = ddp__env("DDP_TRANSPORT");
+    double timeout;
+    ddp_result r;
+    if (!out) return ddp__fail(NULL, DDP_ERR_INVALID_ARGUMENT, "ddp_init: the out argument is NULL");
+    *out = NULL;
+    if (!desc) {
+        memset(&zero, 0, sizeof zero);
+        desc = &zero;
+    }
+    if (desc->backend && *desc->backend && strcmp(desc->backend, "auto") != 0 && strcmp(desc->backend, "cpu") != 0) {
+        if (strcmp(desc->backend, "nccl") == 0 || strcmp(desc->backend, "mpi") == 0)
+            return ddp__fail(NULL, DDP_ERR_UNSUPPORTED, "backend \"%s\" is not available in this build: this build has the "
+                             "cpu backend only; use backend \"cpu\" (or NULL for the default)", desc->backend);
+        return ddp__fail(NULL, DDP_ERR_INVALID_ARGUMENT, "backend \"%s\" is not one of auto, cpu, nccl, mpi", desc->backend);
+    }
+    if (transport && strcmp(transport, "auto") != 0 && strcmp(transport, "tcp") != 0)
+        return ddp__fail(NULL, DDP_ERR_INIT, "DDP_TRANSPORT=\"%s\" is not one of auto, tcp", transport);
+    if ((r = ddp__read_launch(desc, &L, err)) != DDP_SUCCESS) return ddp__fail(NULL, r, "ddp_init: %s", err);
+    timeout = ddp__read_timeout(desc, err, &r);
+    if (r) return ddp__fail(NULL, r, "ddp_init: %s", err);
+
+    g = ddp__group_alloc(L.rank, L.world_size);
+    if (!g) return ddp__fail(NULL, DDP_ERR_OUT_OF_MEMORY, "ddp_init: out of memory");
+    g->timeout = timeout;
+    g->log_level = desc->log_level != DDP_LOG_DEFAULT ? desc->log_level : ddp__env_log_level();
+    g->log_fn = desc->log_fn;
+    g->log_user = desc->log_user;
+    g->local_rank = L.local_rank;
+    g->local_world_size = L.local_world_size;
+    snprintf(g->prefix, sizeof g->prefix, "ddp/%d/", L.restart_count);
+    if (L.world_size == 1 && !L.file_path && !L.master_port) { /* alone: nothing to connect */
+        g->local_rank = 0;
+        g->local_world_size = 1;
+        *out = g;
+        return DDP_SUCCESS;
+    }
+
+    if (L.file_path) {
+        snprintf(where, sizeof where, "the file store %s", L.file_path);
+        r = ddp__store_open_file(L.file_path, timeout, &g->store, err);
+        ddp__route_address(NULL, 0, g->address, sizeof g->address);
+    } else {
+        snprintf(where, sizeof where, "the store at %s:%d", L.master_addr, L.master_port);
+        r = DDP_SUCCESS;
+        if (L.rank == 0) r = ddp__store_server_start(L.master_addr, L.master_port, g->log_level, &g->store_server, err);
+        if (r == DDP_SUCCESS) r = ddp__store_connect(L.master_addr, L.master_port, NULL, timeout, &g->store, err);
+        ddp__route_address(L.master_addr, L.master_port, g->address, sizeof g->address);
+    }
+    if (r) {
+        ddp__group_free(g);
+        return ddp__fail(NULL, r, "ddp_init (rank %d of %d, from %s): %s", L.rank, L.world_size, L.source, err);
+    }
+    g->owns_store = 1;
+    ddp__log(g, DDP_LOG_INFO, "joining: rank %d of %d from %s, through %s", L.rank, L.world_size, L.source, where);
+    if ((r = ddp__group_connect(g, where)) != DDP_SUCCESS) {
+        ddp__rdzv_fail_all(g, r);
+        ddp__fail(NULL, r, "ddp_init (rank %d of %d, from %s): %s", L.rank, L.world_size, L.source, g->error);
+        ddp__group_free(g);
+        return r;
+    }
+    ddp__log(g, DDP_LOG_INFO, "joined: rank %d of %d (local rank %d of %d)", g->rank, g->world_size, g->local_rank,
+             g->local_world_size);
+    *out = g;
+    return DDP_SUCCESS;
+}
+
+DDP_API ddp_result ddp_destroy(ddp_group *g) {
+    ddp_result r = DDP_SUCCESS;
+    if (!g) return DDP_SUCCESS;
+    if (g->live_subgroups > 0)
+        return ddp__fail(g, DDP_ERR_STATE, "ddp_destroy: %d subgroup(s) made from this group are still alive; destroy them first",
+                         g->live_subgroups);
+    ddp__drain(g);
+    if (g->world_size > 1 && !g->broken) {
+        r = ddp_barrier(g); /* nobody closes a connection that a peer may still be waiting on */
+        if (r) ddp__fail(NULL, r, "ddp_destroy: %s", g->error);
+        else ddp__say_goodbye(g, DDP__MIN(g->timeout, 10.0));
+    }
+    ddp__group_free(g);
+    return r;
+}
+
+DDP_API ddp_result ddp_new_group(ddp_group *g, const int *ranks, int n, ddp_group **out) {
+    uint64_t mine = 0x9e3779b97f4a7c15ull, *all;
+    char where[160];
+    int i, j, me = -1, valid = ranks && n >= 1 && out;
+    ddp_group *sub;
+    ddp_result r;
+    if (!g) return ddp__fail(NULL, DDP_ERR_INVALID_ARGUMENT, "ddp_new_group: the parent group is NULL");
+    if (out) *out = NULL;
+    for (i = 0; valid && i < n; i++) {
+        if (ranks[i] < 0 || ranks[i] >= g->world_size) valid = 0;
+        for (j = 0; valid && j < i; j++)
+            if (ranks[j] == ranks[i]) valid = 0;
+        if (ranks[i] == g->rank) me = i;
+        mine = (mine ^ (uint64_t)(ranks[valid ? i : 0] + 1)) * 1099511628211ull;
+    }
+    if (!valid) mine = 0; /* still take part, so the other ranks fail too instead of waiting */
+    /* Every rank must pass the same list: compare the hashes of all ranks. */
+    all = (uint64_t *)ddp__calloc((size_t)g->world_size, sizeof *all);
+    if (!all) return ddp__fail(g, DDP_ERR_OUT_OF_MEMORY, "ddp_new_group: out of memory");
+    if ((r = ddp_all_gather(g, &mine, all, 1, DDP_I64)) != DDP_SUCCESS) {
+        ddp__free(all);
+        return r;
+    }
+    for (i = 0; i < g->world_size; i++)
+        if (all[i] != all[0] || all[i] == 0) {
+            int invalid = all[i] == 0 || all[0] == 0, bad = all[0] == 0 ? 0 : i;
+            ddp__free(all);
+            if (!valid) return ddp__fail(g, DDP_ERR_INVALID_ARGUMENT, "ddp_new_group: the rank list is invalid (need 1..%d distinct ranks in 0..%d)",
+                                         g->world_size, g->world_size - 1);
+            return ddp__fail(g, invalid ? DDP_ERR_INVALID_ARGUMENT : DDP_ERR_MISMATCH,
+                             "ddp_new_group: rank %d passed %s rank list %s; every rank must call ddp_new_group with the same list",
+                             bad, invalid ? "an invalid" : "a different", invalid ? "" : "than rank 0");
+        }
+    ddp__free(all);
+    g->subgroups_made++;
+    if (me < 0) return DDP_SUCCESS;
+    if (!(sub = ddp__group_alloc(me, n))) return ddp__fail(g, DDP_ERR_OUT_OF_MEMORY, "ddp_new_group: out of memory");
+    for (i = 0; i < n; i++) sub->world_ranks[i] = g->world_ranks[ranks[i]];
+    sub->timeout = g->timeout;
+    sub->log_level = g->log_level;
+    sub->log_fn = g->log_fn;
+    sub->log_user = g->log_user;
+    sub->store = g->store;
+    memcpy(sub->address, g->address, sizeof sub->address);
+    snprintf(sub->prefix, sizeof sub->prefix, "%.60ssub%llu/", g->prefix, (unsigned long long)g->subgroups_made);
+    snprintf(where, sizeof where, "the parent group's store (subgroup %llu)", (unsigned long long)g->subgroups_made);
+    if (n > 1 && (r = ddp__group_connect(sub, where)) != DDP_SUCCESS) {
+        ddp__fail(g, r, "ddp_new_group: %s", sub->error);
+        ddp__group_free(sub);
+        return r;
+    }
+    if (n == 1) sub->local_rank = 0, sub->local_world_size = 1;
+    sub->parent = g;
+    g->live_subgroups++;
+    *out = sub;
+    return DDP_SUCCESS;
+}
+
+DDP_API int ddp_rank(const ddp_group *g) { return g ? g->rank : 0; }
+DDP_API int ddp_world_size(const ddp_group *g) { return g ? g->world_size : 1; }
+DDP_API int ddp_local_rank(const ddp_group *g) { return g ? g->local_rank : 0; }
+DDP_API int ddp_local_world_size(const ddp_group *g) { return g ? g->local_world_size : 1; }
+DDP_API const char *ddp_backend_name(const ddp_group *g) { return g ? g->backend_name : "none"; }
+DDP_API double ddp_timeout(const ddp_group *g) { return g ? g->timeout : 0.0; }
+DDP_API ddp_store *ddp_group_store(ddp_group *g) { return g ? g->store : NULL; }

@@ -101,6 +101,7 @@ static DDP__UNUSED void ddp__divide(void *buf, size_t count, ddp_dtype t, int n)
 typedef struct ddp__peer {
     int fd;   /* -1 for this rank itself */
     int gone; /* the connection was seen closed */
+    uint64_t send_owed; /* bytes of a frame interrupted mid-send (padded before an ABORT) */
 } ddp__peer;
 
 struct ddp_group {
@@ -114,14 +115,20 @@ struct ddp_group {
     const char *backend_name;
     char error[DDP__ERR_MAX]; /* ddp_last_error(g) */
 
-    ddp_store *store;        /* shared with subgroups; the world group owns it */
+    ddp_store *store;        /* shared with subgroups; the world group owns it (NULL when alone) */
     int owns_store;
+    struct ddp__store_server *store_server; /* rank 0 of the world group serves the store */
+    char address[128];       /* this host's address that peers connect to */
     char prefix[96];         /* this group's store keys start with it */
+    int joined_rendezvous;   /* counted in the rendezvous' "joined" key */
     ddp_group *parent;       /* NULL for the world group */
     int live_subgroups;      /* subgroups not yet destroyed */
     uint64_t subgroups_made; /* names the next subgroup's key prefix */
 
     ddp__peer *peers;   /* world_size entries, indexed by rank in this group */
+    char (*peer_names)[80]; /* "host 10.0.0.2, pid 1234" for each rank, for messages */
+    struct pollfd *pollfds; /* world_size entries: what one exchange step waits on */
+    int *poll_owner;        /* the rank of each pollfds entry */
     uint64_t seq;       /* collectives issued so far; carried in every message */
     ddp_result broken;  /* set once a collective failed: every later call fails with it */
     char broken_msg[DDP__ERR_MAX];
@@ -135,3 +142,45 @@ struct ddp_group {
     int progress_running, progress_stop;
     pthread_t progress;
 };
+
+/* ---- net.c: TCP with deadlines (absolute ddp__now() seconds); messages go to err ---- */
+static DDP__UNUSED ddp_result ddp__net_listen(const char *host, int port, int *fd, int *bound_port, char *err);
+static DDP__UNUSED ddp_result ddp__net_connect(const char *host, int port, double deadline, int *fd, char *err);
+static DDP__UNUSED ddp_result ddp__net_accept(int listen_fd, double deadline, int *fd, char *err);
+static DDP__UNUSED ddp_result ddp__net_send(int fd, const void *buf, size_t n, double deadline, char *err);
+static DDP__UNUSED ddp_result ddp__net_recv(int fd, void *buf, size_t n, double deadline, char *err);
+static DDP__UNUSED ddp_result ddp__net_poll(int fd, short events, double deadline, char *err);
+static DDP__UNUSED void ddp__net_local_address(int fd, char *host, size_t cap);
+
+/* ---- store.c: the rendezvous key-value store (c10d TCPStore protocol of torch 1.13; file store) ---- */
+typedef struct ddp__store_server ddp__store_server;
+/* Start serving on host:port (host as MASTER_ADDR; NULL = all interfaces; port 0 = any free port) on a
+   background thread. Errors (port in use, address not on this host) come from ddp__net_listen with clear
+   messages. lvl DDP_LOG_DEFAULT means DDP_LOG_LEVEL from the environment. */
+static DDP__UNUSED ddp_result ddp__store_server_start(const char *host, int port, ddp_log_level lvl,
+                                                      ddp__store_server **out, char *err);
+static DDP__UNUSED int ddp__store_server_port(const ddp__store_server *s); /* the port it listens on */
+/* Joins the thread and closes everything. A request still on its way is lost (its client sees
+   DDP_ERR_PEER_LOST), so stop only once every client's last call has been answered: e.g. each rank's last
+   call is an add that rank 0 counts (a barrier's final WAIT is not enough). NULL is a no-op. */
+static DDP__UNUSED void ddp__store_server_stop(ddp__store_server *s);
+/* Connect a client (prefix may be NULL or "" for none), retrying until timeout seconds pass. Every key goes
+   on the wire as prefix + key. torch's TCPStore client puts "/" before each key, and PrefixStore(P) puts
+   P + "/" before that: to share keys with torch processes pass the prefix ddp__store_torch_prefix makes. */
+static DDP__UNUSED ddp_result ddp__store_connect(const char *host, int port, const char *prefix, double timeout,
+                                                 ddp_store **out, char *err);
+/* The key prefix that torch 1.13's TCPStore wrapped in PrefixStore(prefix_store) uses ("/" alone when
+   prefix_store is NULL or ""); "/worker/attempt_0" gives "//worker/attempt_0/". 0, or -1 if cap is short. */
+static DDP__UNUSED int ddp__store_torch_prefix(const char *prefix_store, char *buf, size_t cap);
+/* Open (creating it if needed) the file store at path, like torch's FileStore: every opener counts itself in
+   the file, and the last one to close it deletes the file. */
+static DDP__UNUSED ddp_result ddp__store_open_file(const char *path, double timeout, ddp_store **out, char *err);
+static DDP__UNUSED void ddp__store_free(ddp_store *s); /* closes the connection or the file; NULL is a no-op */
+static DDP__UNUSED void ddp__store_set_timeout(ddp_store *s, double timeout);
+/* torch's compare_set: when key holds expected (or is missing and expected_size is 0) it becomes desired.
+   Copies at most capacity bytes of the value the key holds afterwards to current; *size = its full size.
+   (When the key is missing and expected_size > 0, torch answers with expected: so does this.) */
+static DDP__UNUSED ddp_result ddp__store_compare_set(ddp_store *s, const char *key, const void *expected,
+                                                     size_t expected_size, const void *desired, size_t desired_size,
+                                                     void *current, size_t capacity, size_t *size);
+static DDP__UNUSED ddp_result ddp__store_num_keys(ddp_store *s, int64_t *n); /* keys in the whole store */

@@ -1,1 +1,190 @@
-/* placeholder: filled by its issue */
+/* [SECTION] net: TCP sockets with deadlines
+   Every socket is non-blocking and every wait is a poll() bounded by an absolute deadline
+   (ddp__now() seconds), so no call can block forever. send() uses MSG_NOSIGNAL: a peer that died
+   gives an error code, not SIGPIPE. Errors return a ddp_result and a short message in err
+   (DDP__ERR_MAX bytes); callers add who the peer was. */
+#include "internal.h"
+
+static void ddp__net_configure(int fd) {
+    int one = 1;
+    fcntl(fd, F_SETFL, fcntl(fd, F_GETFL) | O_NONBLOCK);
+    fcntl(fd, F_SETFD, FD_CLOEXEC);
+    setsockopt(fd, IPPROTO_TCP, TCP_NODELAY, &one, sizeof one);
+}
+
+/* Resolve host:port; host NULL means "any address" (for listening). */
+static ddp_result ddp__net_resolve(const char *host, int port, int passive, struct addrinfo **res, char *err) {
+    struct addrinfo hints;
+    char service[16];
+    int rc;
+    memset(&hints, 0, sizeof hints);
+    hints.ai_family = AF_UNSPEC;
+    hints.ai_socktype = SOCK_STREAM;
+    hints.ai_flags = passive ? AI_PASSIVE : 0;
+    snprintf(service, sizeof service, "%d", port);
+    rc = getaddrinfo(host, service, &hints, res);
+    if (rc != 0)
+        return ddp__fail_to(err, DDP_ERR_INIT, "cannot resolve host \"%s\": %s", host ? host : "*", gai_strerror(rc));
+    return DDP_SUCCESS;
+}
+
+/* Listen on host:port (host NULL: every interface; port 0: any free port). *bound_port gets the port. */
+static ddp_result ddp__net_listen(const char *host, int port, int *fd_out, int *bound_port, char *err) {
+    struct addrinfo *res = NULL, *ai;
+    int fd = -1, saved = 0, one = 1;
+    ddp_result r = ddp__net_resolve(host, port, 1, &res, err);
+    if (r) return r;
+    for (ai = res; ai; ai = ai->ai_next) {
+        fd = socket(ai->ai_family, ai->ai_socktype, ai->ai_protocol);
+        if (fd < 0) { saved = errno; continue; }
+        setsockopt(fd, SOL_SOCKET, SO_REUSEADDR, &one, sizeof one);
+        if (bind(fd, ai->ai_addr, ai->ai_addrlen) == 0 && listen(fd, 1024) == 0) break;
+        saved = errno;
+        close(fd);
+        fd = -1;
+    }
+    freeaddrinfo(res);
+    if (fd < 0) {
+        if (saved == EADDRINUSE)
+            return ddp__fail_to(err, DDP_ERR_INIT, "port %d on %s is already in use (another job, or a previous run still "
+                                "exiting); choose another MASTER_PORT or use ddprun --standalone", port, host ? host : "*");
+        if (saved == EADDRNOTAVAIL)
+            return ddp__fail_to(err, DDP_ERR_INIT, "cannot listen on %s:%d: that address is not on this host "
+                                "(MASTER_ADDR must name the host of rank 0)", host ? host : "*", port);
+        return ddp__fail_to(err, DDP_ERR_INIT, "cannot listen on %s:%d: %s", host ? host : "*", port, strerror(saved));
+    }
+    ddp__net_configure(fd);
+    if (bound_port) {
+        struct sockaddr_storage ss;
+        socklen_t len = sizeof ss;
+        getsockname(fd, (struct sockaddr *)&ss, &len);
+        *bound_port = ntohs(ss.ss_family == AF_INET6 ? ((struct sockaddr_in6 *)&ss)->sin6_port
+                                                     : ((struct sockaddr_in *)&ss)->sin_port);
+    }
+    *fd_out = fd;
+    return DDP_SUCCESS;
+}
+
+/* Wait for fd to be ready for `events`, until deadline. */
+static ddp_result ddp__net_poll(int fd, short events, double deadline, char *err) {
+    for (;;) {
+        struct pollfd p;
+        double left = deadline - ddp__now();
+        int rc;
+        if (left <= 0) return ddp__fail_to(err, DDP_ERR_TIMEOUT, "timed out");
+        p.fd = fd;
+        p.events = events;
+        p.revents = 0;
+        rc = poll(&p, 1, (int)DDP__MIN(left * 1000.0 + 1.0, 1000.0));
+        if (rc > 0) return DDP_SUCCESS;
+        if (rc < 0 && errno != EINTR) return ddp__fail_to(err, DDP_ERR_SYSTEM, "poll: %s", strerror(errno));
+    }
+}
+
+/* Connect to host:port, retrying with exponential backoff (10 ms .. 1 s) until the deadline while
+   the other side is not listening yet: ranks start in any order. */
+static ddp_result ddp__net_connect(const char *host, int port, double deadline, int *fd_out, char *err) {
+    double backoff = 0.01;
+    char last[128] = "no attempt";
+    for (;;) {
+        struct addrinfo *res = NULL, *ai;
+        ddp_result r = ddp__net_resolve(host, port, 0, &res, err);
+        if (r) return r;
+        for (ai = res; ai; ai = ai->ai_next) {
+            int fd = socket(ai->ai_family, ai->ai_socktype, ai->ai_protocol), soerr = 0;
+            socklen_t len = sizeof soerr;
+            if (fd < 0) continue;
+            ddp__net_configure(fd);
+            if (connect(fd, ai->ai_addr, ai->ai_addrlen) != 0 && errno != EINPROGRESS) {
+                snprintf(last, sizeof last, "%s", strerror(errno));
+                close(fd);
+                continue;
+            }
+            if (ddp__net_poll(fd, POLLOUT, DDP__MIN(deadline, ddp__now() + 5.0), err) != DDP_SUCCESS) {
+                snprintf(last, sizeof last, "connection attempt timed out");
+                close(fd);
+                continue;
+            }
+            getsockopt(fd, SOL_SOCKET, SO_ERROR, &soerr, &len);
+            if (soerr == 0) {
+                freeaddrinfo(res);
+                *fd_out = fd;
+                return DDP_SUCCESS;
+            }
+            snprintf(last, sizeof last, "%s", strerror(soerr));
+            close(fd);
+        }
+        freeaddrinfo(res);
+        if (ddp__now() + backoff > deadline)
+            return ddp__fail_to(err, DDP_ERR_TIMEOUT, "could not connect to %s:%d before the timeout (last error: %s)", host,
+                                port, last);
+        ddp__sleep(backoff);
+        backoff = DDP__MIN(backoff * 2, 1.0);
+    }
+}
+
+static ddp_result ddp__net_accept(int listen_fd, double deadline, int *fd_out, char *err) {
+    for (;;) {
+        int fd;
+        ddp_result r = ddp__net_poll(listen_fd, POLLIN, deadline, err);
+        if (r) return r;
+        fd = accept(listen_fd, NULL, NULL);
+        if (fd >= 0) {
+            ddp__net_configure(fd);
+            *fd_out = fd;
+            return DDP_SUCCESS;
+        }
+        if (errno != EAGAIN && errno != EWOULDBLOCK && errno != EINTR && errno != ECONNABORTED)
+            return ddp__fail_to(err, DDP_ERR_SYSTEM, "accept: %s", strerror(errno));
+    }
+}
+
+/* Send all n bytes before the deadline. */
+static ddp_result ddp__net_send(int fd, const void *buf, size_t n, double deadline, char *err) {
+    const char *p = (const char *)buf;
+    while (n > 0) {
+        ssize_t k = send(fd, p, n, MSG_NOSIGNAL);
+        if (k > 0) {
+            p += k;
+            n -= (size_t)k;
+            continue;
+        }
+        if (k < 0 && (errno == EAGAIN || errno == EWOULDBLOCK || errno == EINTR)) {
+            ddp_result r = ddp__net_poll(fd, POLLOUT, deadline, err);
+            if (r) return r;
+            continue;
+        }
+        return ddp__fail_to(err, DDP_ERR_PEER_LOST, "connection lost while sending (%s)", strerror(errno));
+    }
+    return DDP_SUCCESS;
+}
+
+/* Receive exactly n bytes before the deadline. The peer closing is DDP_ERR_PEER_LOST. */
+static ddp_result ddp__net_recv(int fd, void *buf, size_t n, double deadline, char *err) {
+    char *p = (char *)buf;
+    while (n > 0) {
+        ssize_t k = recv(fd, p, n, 0);
+        if (k > 0) {
+            p += k;
+            n -= (size_t)k;
+            continue;
+        }
+        if (k == 0) return ddp__fail_to(err, DDP_ERR_PEER_LOST, "connection closed by the other side");
+        if (errno == EAGAIN || errno == EWOULDBLOCK || errno == EINTR) {
+            ddp_result r = ddp__net_poll(fd, POLLIN, deadline, err);
+            if (r) return r;
+            continue;
+        }
+        return ddp__fail_to(err, DDP_ERR_PEER_LOST, "connection lost while receiving (%s)", strerror(errno));
+    }
+    return DDP_SUCCESS;
+}
+
+/* The numeric address of this end of a connected socket: the interface that reaches the peer. */
+static void ddp__net_local_address(int fd, char *host, size_t cap) {
+    struct sockaddr_storage ss;
+    socklen_t len = sizeof ss;
+    if (getsockname(fd, (struct sockaddr *)&ss, &len) != 0 ||
+        getnameinfo((struct sockaddr *)&ss, len, host, (socklen_t)cap, NULL, 0, NI_NUMERICHOST) != 0)
+        snprintf(host, cap, "127.0.0.1");
+}

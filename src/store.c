@@ -1,1 +1,1649 @@
-/* placeholder: filled by its issue */
+/* [SECTION] store: rendezvous key-value store (c10d TCPStore protocol of torch 1.13), file store
+   Mirrors torch.distributed.TCPStore (torch/csrc/distributed/c10d/TCPStore.cpp, torch 1.13) and
+   torch.distributed.FileStore. Every group rendezvouses through one store: rank 0 serves it on a background
+   thread, every rank (rank 0 too) is a client of it.
+
+   Wire protocol (torch 1.13; no handshake; integers native-endian; a "string" is a uint64 length + bytes):
+       SET         00 | key | value                      -> (no reply)
+       COMPARE_SET 01 | key | expected | desired         -> value the key holds afterwards (string)
+       GET         02 | key                              -> value (string); the key must exist
+       ADD         03 | key | int64 delta                -> int64 new value (stored as decimal text)
+       CHECK       04 | uint64 n | n keys                -> 1 byte: 0 all exist, 1 not all
+       WAIT        05 | uint64 n | n keys                -> 1 byte 0 (STOP_WAITING) once all exist
+       GETNUMKEYS  06                                    -> int64
+       DELETE_KEY  08 | key                              -> int64 keys deleted (0 or 1)
+   (07 is WATCH_KEY, torch's experimental callbacks: not supported, the client is disconnected.)
+   A client's get is WAIT then GET, as torch's is. torch's client puts "/" before every key, and the 1.13
+   client sends ADD("init/", 1) right after connecting when given a world size; it also opens a second,
+   idle connection for watch_key callbacks.
+
+   Server: one thread, poll() over the listening socket, a self-pipe (stop) and every client. Each client has
+   an input buffer (requests are parsed once complete, so a slow or hostile client never blocks the others),
+   an output buffer (sent as the socket drains) and at most one pending WAIT: the keys still missing. A SET,
+   ADD or COMPARE_SET that creates a key removes it from every pending WAIT (torch's server forgets
+   COMPARE_SET here), and a WAIT left with no missing key gets its STOP_WAITING byte. A new WAIT from a
+   client replaces its pending one (torch's server would keep both and later send a stray byte). Everything a client can make the server allocate is bounded (key length,
+   value length, keys per WAIT/CHECK, and one budget for stored data plus buffers); a client that breaks a
+   limit or the protocol is disconnected and logged, and the server goes on serving the others.
+
+   Client: blocking calls on one connection, each bounded by the store's timeout. A call that fails midway
+   (timeout, lost connection) leaves the stream in an unknown state, so the connection is closed and the next
+   call connects again.
+
+   File store (init_method "file:///path"): an append-only log of SET/DELETE records in one file on a shared
+   filesystem, read and written under flock(). Each handle replays the records it has not seen yet into a
+   hash table; get and wait poll the file with backoff until the deadline; add reads and appends under the
+   exclusive lock, so it is atomic. Each opener adds 1 to a reference key and takes 1 off when it closes:
+   the one that brings it to 0 deletes the file, as FileStore does, so every user must open it before any
+   closes it (a rendezvous guarantees that). A file left by a crashed run still holds that run's keys: use a
+   fresh path for each run, as with FileStore. The format is ddp.h's own. */
+#include "internal.h"
+
+#define DDP__STORE_MAX_KEY ((size_t)4096)           /* bytes in one key, prefix included */
+#define DDP__STORE_MAX_VALUE ((size_t)64 << 20)     /* bytes in one value */
+#define DDP__STORE_MAX_WAIT_KEYS ((uint64_t)16384)  /* keys in one WAIT or CHECK */
+#define DDP__STORE_MAX_HELD ((size_t)1 << 30)       /* server: stored keys and values plus every buffer */
+#define DDP__STORE_OUT_HIGH ((size_t)1 << 20)       /* server: replies piled up for a client that does not read */
+#define DDP__STORE_FILE_REFS "ddp/file_store_users" /* file store: how many handles have it open */
+#define DDP__STORE_FILE_MAGIC "DDPFS001"            /* file store: the first 8 bytes of the file */
+
+/* torch 1.13's c10d::QueryType, CheckResponseType and WaitResponseType. */
+#define DDP__Q_SET 0
+#define DDP__Q_COMPARE_SET 1
+#define DDP__Q_GET 2
+#define DDP__Q_ADD 3
+#define DDP__Q_CHECK 4
+#define DDP__Q_WAIT 5
+#define DDP__Q_GETNUMKEYS 6
+#define DDP__Q_WATCH_KEY 7
+#define DDP__Q_DELETE_KEY 8
+#define DDP__CHECK_READY 0
+#define DDP__CHECK_NOT_READY 1
+#define DDP__WAIT_STOP_WAITING 0
+
+/* ---- pieces shared by the server, the client and the file store ---- */
+
+/* A printable copy of a key for messages: other bytes as \xNN, long keys cut short with "...". */
+static const char *ddp__store_key_text(const void *key, size_t n, char *buf, size_t cap) {
+    const unsigned char *k = (const unsigned char *)key;
+    size_t i, o = 0;
+    for (i = 0; i < n; i++) {
+        if (o + 8 >= cap) {
+            memcpy(buf + o, "...", 3);
+            o += 3;
+            break;
+        }
+        if (k[i] >= 0x20 && k[i] < 0x7f && k[i] != '\\')
+            buf[o++] = (char)k[i];
+        else
+            o += (size_t)snprintf(buf + o, cap - o, "\\x%02x", k[i]);
+    }
+    buf[o] = '\0';
+    return buf;
+}
+
+/* FNV-1a: keys are short, and the table only needs an even spread. */
+static uint64_t ddp__store_hash(const void *p, size_t n) {
+    const unsigned char *b = (const unsigned char *)p;
+    uint64_t h = 1469598103934665603ull;
+    size_t i;
+    for (i = 0; i < n; i++) h = (h ^ b[i]) * 1099511628211ull;
+    return h;
+}
+
+/* ADD's reading of the value it adds to, as torch's std::stoll: optional space and sign, decimal digits,
+   anything after them ignored. Returns 0, or -1 when there is no number or it does not fit in int64. */
+static int ddp__store_parse_int(const unsigned char *v, size_t n, int64_t *out) {
+    size_t i = 0;
+    int neg = 0, digits = 0;
+    uint64_t x = 0, limit;
+    while (i < n && (v[i] == ' ' || (v[i] >= '\t' && v[i] <= '\r'))) i++;
+    if (i < n && (v[i] == '+' || v[i] == '-')) neg = v[i++] == '-';
+    limit = neg ? (uint64_t)INT64_MAX + 1 : (uint64_t)INT64_MAX;
+    for (; i < n && v[i] >= '0' && v[i] <= '9'; i++, digits++) {
+        uint64_t d = (uint64_t)(v[i] - '0');
+        if (x > (limit - d) / 10) return -1;
+        x = x * 10 + d;
+    }
+    if (!digits) return -1;
+    *out = neg ? (int64_t)(0 - x) : (int64_t)x;
+    return 0;
+}
+
+/* ---- a hash table of byte-string keys and values (the server's data, a file store's replayed state) ---- */
+
+typedef struct ddp__kv {
+    struct ddp__kv *next;
+    uint64_t hash;
+    size_t key_len, value_len;
+    unsigned char *value;
+    char *key; /* allocated with the entry, right after it */
+} ddp__kv;
+
+typedef struct ddp__kv_table {
+    ddp__kv **slots;
+    size_t nslots, count;
+    size_t bytes; /* entries, keys and values: what the server counts against its budget */
+} ddp__kv_table;
+
+#define DDP__KV_ENTRY_BYTES(klen, vlen) (sizeof(ddp__kv) + (klen) + (vlen))
+
+static ddp__kv *ddp__kv_find(const ddp__kv_table *t, const void *key, size_t n, uint64_t h) {
+    ddp__kv *e;
+    if (!t->nslots) return NULL;
+    for (e = t->slots[h & (t->nslots - 1)]; e; e = e->next)
+        if (e->hash == h && e->key_len == n && memcmp(e->key, key, n) == 0) return e;
+    return NULL;
+}
+
+static int ddp__kv_grow(ddp__kv_table *t) {
+    size_t n = t->nslots ? t->nslots * 2 : 64, i;
+    ddp__kv **slots = (ddp__kv **)ddp__calloc(n, sizeof *slots);
+    if (!slots) return -1;
+    for (i = 0; i < t->nslots; i++) {
+        ddp__kv *e = t->slots[i], *next;
+        for (; e; e = next) {
+            next = e->next;
+            e->next = slots[e->hash & (n - 1)];
+            slots[e->hash & (n - 1)] = e;
+        }
+    }
+    ddp__free(t->slots);
+    t->slots = slots;
+    t->nslots = n;
+    return 0;
+}
+
+/* Store value (malloc'd; the table takes it, and frees it on failure) under key.
+   Returns 1 when the key was created, 0 when replaced, -1 when out of memory. */
+static int ddp__kv_put(ddp__kv_table *t, const void *key, size_t n, uint64_t h, unsigned char *value, size_t vlen) {
+    ddp__kv *e = ddp__kv_find(t, key, n, h);
+    if (e) {
+        t->bytes = t->bytes - e->value_len + vlen;
+        ddp__free(e->value);
+        e->value = value;
+        e->value_len = vlen;
+        return 0;
+    }
+    if ((t->count >= t->nslots && ddp__kv_grow(t) != 0) ||
+        !(e = (ddp__kv *)ddp__malloc(sizeof *e + n))) {
+        ddp__free(value);
+        return -1;
+    }
+    e->hash = h;
+    e->key = (char *)(e + 1);
+    memcpy(e->key, key, n);
+    e->key_len = n;
+    e->value = value;
+    e->value_len = vlen;
+    e->next = t->slots[h & (t->nslots - 1)];
+    t->slots[h & (t->nslots - 1)] = e;
+    t->count++;
+    t->bytes += DDP__KV_ENTRY_BYTES(n, vlen);
+    return 1;
+}
+
+/* Returns 1 when the key was there. */
+static int ddp__kv_remove(ddp__kv_table *t, const void *key, size_t n, uint64_t h) {
+    ddp__kv **link, *e;
+    if (!t->nslots) return 0;
+    for (link = &t->slots[h & (t->nslots - 1)]; (e = *link) != NULL; link = &e->next) {
+        if (e->hash != h || e->key_len != n || memcmp(e->key, key, n) != 0) continue;
+        *link = e->next;
+        t->count--;
+        t->bytes -= DDP__KV_ENTRY_BYTES(e->key_len, e->value_len);
+        ddp__free(e->value);
+        ddp__free(e);
+        return 1;
+    }
+    return 0;
+}
+
+static void ddp__kv_clear(ddp__kv_table *t) {
+    size_t i;
+    for (i = 0; i < t->nslots; i++) {
+        ddp__kv *e = t->slots[i], *next;
+        for (; e; e = next) {
+            next = e->next;
+            ddp__free(e->value);
+            ddp__free(e);
+        }
+    }
+    ddp__free(t->slots);
+    memset(t, 0, sizeof *t);
+}
+
+/* A copy of n bytes (NULL when out of memory). */
+static unsigned char *ddp__store_dup(const void *p, size_t n) {
+    unsigned char *d = (unsigned char *)ddp__malloc(n);
+    if (d && n) memcpy(d, p, n);
+    return d;
+}
+
+/* ---- reading a request whose bytes are all there ---- */
+
+typedef struct ddp__rd {
+    const unsigned char *p;
+    size_t n, at;
+} ddp__rd;
+
+static uint64_t ddp__rd_u64(ddp__rd *r) {
+    uint64_t v;
+    memcpy(&v, r->p + r->at, 8);
+    r->at += 8;
+    return v;
+}
+
+static const unsigned char *ddp__rd_str(ddp__rd *r, size_t *len) {
+    *len = (size_t)ddp__rd_u64(r);
+    r->at += *len;
+    return r->p + r->at - *len;
+}
+
+/* ======================================== server ======================================== */
+
+typedef struct ddp__store_wait_key {
+    uint64_t hash;
+    size_t off, len; /* in the connection's wait_blob */
+} ddp__store_wait_key;
+
+typedef struct ddp__store_conn {
+    int fd, dead;
+    int ready;             /* requests may be waiting in `in` while replies pile up in `out` */
+    char peer[80];         /* address:port, for the log */
+    unsigned char *in;     /* received bytes not yet handled */
+    size_t in_len, in_cap, need;
+    unsigned char *out;    /* replies not yet sent: out[out_off .. out_len) */
+    size_t out_off, out_len, out_cap;
+    ddp__store_wait_key *waits; /* the pending WAIT's missing keys */
+    size_t nwaits, wait_bytes;
+    unsigned char *wait_blob;
+} ddp__store_conn;
+
+struct ddp__store_server {
+    int listen_fd, port;
+    int pipe_rd, pipe_wr; /* stop signal */
+    pthread_t thread;
+    ddp_log_level log_level;
+    char where[96];
+    ddp__kv_table kv;
+    ddp__store_conn **conns;
+    size_t nconns, cap_conns;
+    size_t buffers; /* bytes of connections, their buffers and pending waits */
+    double accept_paused_until;
+};
+
+static void ddp__srv_log(const ddp__store_server *s, ddp_log_level level, const char *fmt, ...) DDP__PRINTF(3, 4);
+static void ddp__srv_log(const ddp__store_server *s, ddp_log_level level, const char *fmt, ...) {
+    char msg[DDP__ERR_MAX];
+    va_list ap;
+    if (level > s->log_level || s->log_level == DDP_LOG_NONE) return;
+    va_start(ap, fmt);
+    vsnprintf(msg, sizeof msg, fmt, ap);
+    va_end(ap);
+    ddp__log(NULL, level, "store server on %s: %s", s->where, msg);
+}
+
+/* Stop serving c (it is closed at the end of the loop round); level WARN for clients that broke a limit or
+   the protocol, DEBUG for ordinary disconnects. */
+static void ddp__srv_drop(ddp__store_server *s, ddp__store_conn *c, ddp_log_level level, const char *fmt, ...)
+    DDP__PRINTF(4, 5);
+static void ddp__srv_drop(ddp__store_server *s, ddp__store_conn *c, ddp_log_level level, const char *fmt, ...) {
+    char why[DDP__ERR_MAX / 2];
+    va_list ap;
+    if (c->dead) return;
+    c->dead = 1;
+    va_start(ap, fmt);
+    vsnprintf(why, sizeof why, fmt, ap);
+    va_end(ap);
+    ddp__srv_log(s, level, "disconnecting the client at %s: %s", c->peer, why);
+}
+
+static int ddp__srv_over_budget(const ddp__store_server *s, size_t more) {
+    return s->kv.bytes + s->buffers + more > DDP__STORE_MAX_HELD;
+}
+
+/* Grow one of c's buffers to at least need bytes within the budget; on failure c is dropped and -1 returned. */
+static int ddp__srv_grow(ddp__store_server *s, ddp__store_conn *c, unsigned char **buf, size_t *cap, size_t need) {
+    size_t want = DDP__MAX(need, *cap + *cap / 2);
+    void *p;
+    if (need <= *cap) return 0;
+    if (ddp__srv_over_budget(s, want - *cap)) want = need;
+    if (ddp__srv_over_budget(s, want - *cap)) {
+        ddp__srv_drop(s, c, DDP_LOG_WARN, "the store would hold more than %zu MiB of data and buffers",
+                      DDP__STORE_MAX_HELD >> 20);
+        return -1;
+    }
+    p = DDP_REALLOC(*buf, want);
+    if (!p) {
+        ddp__srv_drop(s, c, DDP_LOG_WARN, "out of memory for a %zu-byte buffer", want);
+        return -1;
+    }
+    s->buffers += want - *cap;
+    *buf = (unsigned char *)p;
+    *cap = want;
+    return 0;
+}
+
+/* Give back a large buffer once it is empty, so an idle client holds little. */
+static void ddp__srv_trim(ddp__store_server *s, unsigned char **buf, size_t *cap) {
+    if (*cap <= 65536) return;
+    DDP_FREE(*buf);
+    *buf = NULL;
+    s->buffers -= *cap;
+    *cap = 0;
+}
+
+/* Queue a reply of two parts (b may be empty). */
+static void ddp__srv_reply(ddp__store_server *s, ddp__store_conn *c, const void *a, size_t an, const void *b,
+                           size_t bn) {
+    if (c->dead) return;
+    if (c->out_off > 0) {
+        memmove(c->out, c->out + c->out_off, c->out_len - c->out_off);
+        c->out_len -= c->out_off;
+        c->out_off = 0;
+    }
+    if (ddp__srv_grow(s, c, &c->out, &c->out_cap, c->out_len + an + bn) != 0) return;
+    memcpy(c->out + c->out_len, a, an);
+    if (bn) memcpy(c->out + c->out_len + an, b, bn);
+    c->out_len += an + bn;
+}
+
+static void ddp__srv_reply_u64(ddp__store_server *s, ddp__store_conn *c, uint64_t v) {
+    ddp__srv_reply(s, c, &v, 8, NULL, 0);
+}
+
+static void ddp__srv_reply_byte(ddp__store_server *s, ddp__store_conn *c, unsigned char v) {
+    ddp__srv_reply(s, c, &v, 1, NULL, 0);
+}
+
+static void ddp__srv_clear_wait(ddp__store_server *s, ddp__store_conn *c) {
+    s->buffers -= c->wait_bytes;
+    ddp__free(c->waits);
+    ddp__free(c->wait_blob);
+    c->waits = NULL;
+    c->wait_blob = NULL;
+    c->nwaits = c->wait_bytes = 0;
+}
+
+/* key was just created: take it off every pending WAIT, and answer those that have nothing left to wait for. */
+static void ddp__srv_wake(ddp__store_server *s, const void *key, size_t n, uint64_t h) {
+    size_t i, j;
+    for (i = 0; i < s->nconns; i++) {
+        ddp__store_conn *c = s->conns[i];
+        if (c->dead || !c->nwaits) continue;
+        for (j = 0; j < c->nwaits; j++) {
+            ddp__store_wait_key *w = &c->waits[j];
+            if (w->hash != h || w->len != n || memcmp(c->wait_blob + w->off, key, n) != 0) continue;
+            c->waits[j--] = c->waits[--c->nwaits];
+        }
+        if (c->nwaits) continue;
+        ddp__srv_clear_wait(s, c);
+        ddp__srv_reply_byte(s, c, DDP__WAIT_STOP_WAITING);
+    }
+}
+
+/* Store value under key for client c, within the budget. */
+static void ddp__srv_store(ddp__store_server *s, ddp__store_conn *c, const unsigned char *key, size_t klen,
+                           const unsigned char *value, size_t vlen) {
+    uint64_t h = ddp__store_hash(key, klen);
+    ddp__kv *old = ddp__kv_find(&s->kv, key, klen, h);
+    size_t before = old ? old->value_len : 0, after = old ? vlen : DDP__KV_ENTRY_BYTES(klen, vlen);
+    unsigned char *copy;
+    int created;
+    char text[64];
+    if (s->kv.bytes - before + after + s->buffers > DDP__STORE_MAX_HELD) {
+        ddp__srv_drop(s, c, DDP_LOG_WARN, "setting key '%s' (%zu bytes) would make the store hold more than %zu MiB",
+                      ddp__store_key_text(key, klen, text, sizeof text), vlen, DDP__STORE_MAX_HELD >> 20);
+        return;
+    }
+    copy = ddp__store_dup(value, vlen);
+    created = copy ? ddp__kv_put(&s->kv, key, klen, h, copy, vlen) : -1;
+    if (created < 0) {
+        ddp__srv_drop(s, c, DDP_LOG_WARN, "out of memory storing %zu bytes", vlen);
+        return;
+    }
+    if (created) ddp__srv_wake(s, key, klen, h);
+}
+
+/* ---- parsing: is a whole request there, and does it keep to the limits? ---- */
+
+#define DDP__REQ_BAD (-1)
+#define DDP__REQ_MORE 0
+#define DDP__REQ_DONE 1
+
+/* Step over a length-prefixed field of at most limit bytes. */
+static int ddp__srv_field(ddp__rd *r, size_t limit, const char *what, size_t *size, char *why, size_t why_cap) {
+    uint64_t len;
+    if (r->n - r->at < 8) {
+        *size = r->at + 8;
+        return DDP__REQ_MORE;
+    }
+    memcpy(&len, r->p + r->at, 8);
+    if (len > limit) {
+        snprintf(why, why_cap, "it sent a %s of %llu bytes (the limit is %zu)", what, (unsigned long long)len, limit);
+        return DDP__REQ_BAD;
+    }
+    if (r->n - r->at - 8 < len) {
+        *size = r->at + 8 + (size_t)len;
+        return DDP__REQ_MORE;
+    }
+    r->at += 8 + (size_t)len;
+    return DDP__REQ_DONE;
+}
+
+/* A count of keys (WAIT, CHECK) followed by the keys. */
+static int ddp__srv_keys(ddp__rd *r, size_t *size, char *why, size_t why_cap) {
+    uint64_t n, i;
+    int st;
+    if (r->n - r->at < 8) {
+        *size = r->at + 8;
+        return DDP__REQ_MORE;
+    }
+    memcpy(&n, r->p + r->at, 8);
+    if (n > DDP__STORE_MAX_WAIT_KEYS) {
+        snprintf(why, why_cap, "it asked about %llu keys at once (the limit is %llu)", (unsigned long long)n,
+                 (unsigned long long)DDP__STORE_MAX_WAIT_KEYS);
+        return DDP__REQ_BAD;
+    }
+    r->at += 8;
+    for (i = 0; i < n; i++)
+        if ((st = ddp__srv_field(r, DDP__STORE_MAX_KEY, "key", size, why, why_cap)) != DDP__REQ_DONE) return st;
+    return DDP__REQ_DONE;
+}
+
+/* How many bytes the request at p[0 .. n) takes. DDP__REQ_DONE: *size bytes, complete. DDP__REQ_MORE:
+   incomplete, and *size is how many bytes it takes at least. DDP__REQ_BAD: why says what is wrong. */
+static int ddp__srv_parse(const unsigned char *p, size_t n, size_t *size, char *why, size_t why_cap) {
+    ddp__rd r;
+    int st = DDP__REQ_DONE;
+    if (n < 1) {
+        *size = 1;
+        return DDP__REQ_MORE;
+    }
+    r.p = p;
+    r.n = n;
+    r.at = 1;
+    switch (p[0]) {
+    case DDP__Q_SET:
+        st = ddp__srv_field(&r, DDP__STORE_MAX_KEY, "key", size, why, why_cap);
+        if (st == DDP__REQ_DONE) st = ddp__srv_field(&r, DDP__STORE_MAX_VALUE, "value", size, why, why_cap);
+        break;
+    case DDP__Q_COMPARE_SET:
+        st = ddp__srv_field(&r, DDP__STORE_MAX_KEY, "key", size, why, why_cap);
+        if (st == DDP__REQ_DONE) st = ddp__srv_field(&r, DDP__STORE_MAX_VALUE, "value", size, why, why_cap);
+        if (st == DDP__REQ_DONE) st = ddp__srv_field(&r, DDP__STORE_MAX_VALUE, "value", size, why, why_cap);
+        break;
+    case DDP__Q_GET:
+    case DDP__Q_DELETE_KEY:
+        st = ddp__srv_field(&r, DDP__STORE_MAX_KEY, "key", size, why, why_cap);
+        break;
+    case DDP__Q_ADD:
+        st = ddp__srv_field(&r, DDP__STORE_MAX_KEY, "key", size, why, why_cap);
+        if (st == DDP__REQ_DONE && r.n - r.at < 8) {
+            *size = r.at + 8;
+            return DDP__REQ_MORE;
+        }
+        r.at += 8;
+        break;
+    case DDP__Q_CHECK:
+    case DDP__Q_WAIT:
+        st = ddp__srv_keys(&r, size, why, why_cap);
+        break;
+    case DDP__Q_GETNUMKEYS:
+        break;
+    case DDP__Q_WATCH_KEY:
+        snprintf(why, why_cap, "it asked for watch_key (torch's experimental key callbacks), which ddp.h's store "
+                               "does not serve");
+        return DDP__REQ_BAD;
+    default:
+        snprintf(why, why_cap, "it sent the unknown query type 0x%02x (a torch 1.13 TCPStore client speaks "
+                               "this protocol; newer torch clients and other programs do not)", p[0]);
+        return DDP__REQ_BAD;
+    }
+    if (st == DDP__REQ_DONE) *size = r.at;
+    return st;
+}
+
+/* ---- handling a complete request ---- */
+
+static int ddp__srv_have_all(const ddp__store_server *s, ddp__rd *r, uint64_t n) {
+    int all = 1;
+    uint64_t i;
+    for (i = 0; i < n; i++) {
+        size_t klen;
+        const unsigned char *k = ddp__rd_str(r, &klen);
+        if (all && !ddp__kv_find(&s->kv, k, klen, ddp__store_hash(k, klen))) all = 0;
+    }
+    return all;
+}
+
+/* WAIT: answer at once when every key exists, else remember the missing ones (replacing any earlier WAIT of
+   this client: a client has one request in flight). */
+static void ddp__srv_wait(ddp__store_server *s, ddp__store_conn *c, ddp__rd *r) {
+    uint64_t n = ddp__rd_u64(r), i;
+    size_t first = r->at, blob = 0, bytes;
+    ddp__srv_clear_wait(s, c);
+    if (ddp__srv_have_all(s, r, n)) {
+        ddp__srv_reply_byte(s, c, DDP__WAIT_STOP_WAITING);
+        return;
+    }
+    bytes = (size_t)n * sizeof(ddp__store_wait_key) + (r->at - first);
+    if (ddp__srv_over_budget(s, bytes)) {
+        ddp__srv_drop(s, c, DDP_LOG_WARN, "its WAIT would make the store hold more than %zu MiB",
+                      DDP__STORE_MAX_HELD >> 20);
+        return;
+    }
+    c->waits = (ddp__store_wait_key *)ddp__malloc((size_t)n * sizeof(ddp__store_wait_key));
+    c->wait_blob = (unsigned char *)ddp__malloc(r->at - first);
+    if (!c->waits || !c->wait_blob) {
+        ddp__srv_clear_wait(s, c);
+        ddp__srv_drop(s, c, DDP_LOG_WARN, "out of memory recording its WAIT");
+        return;
+    }
+    c->wait_bytes = bytes;
+    s->buffers += bytes;
+    r->at = first;
+    for (i = 0; i < n; i++) {
+        size_t klen;
+        const unsigned char *k = ddp__rd_str(r, &klen);
+        uint64_t h = ddp__store_hash(k, klen);
+        if (ddp__kv_find(&s->kv, k, klen, h)) continue;
+        memcpy(c->wait_blob + blob, k, klen);
+        c->waits[c->nwaits].hash = h;
+        c->waits[c->nwaits].off = blob;
+        c->waits[c->nwaits].len = klen;
+        c->nwaits++;
+        blob += klen;
+    }
+}
+
+/* COMPARE_SET with torch's semantics, including its answer for a missing key with a non-empty expected. */
+static void ddp__srv_compare_set(ddp__store_server *s, ddp__store_conn *c, ddp__rd *r) {
+    size_t klen, elen, dlen;
+    const unsigned char *k = ddp__rd_str(r, &klen), *e = ddp__rd_str(r, &elen), *d = ddp__rd_str(r, &dlen);
+    ddp__kv *kv = ddp__kv_find(&s->kv, k, klen, ddp__store_hash(k, klen));
+    uint64_t len;
+    if (!kv && elen != 0) {
+        len = elen;
+        ddp__srv_reply(s, c, &len, 8, e, elen);
+        return;
+    }
+    if (!kv || (kv->value_len == elen && memcmp(kv->value, e, elen) == 0)) ddp__srv_store(s, c, k, klen, d, dlen);
+    kv = ddp__kv_find(&s->kv, k, klen, ddp__store_hash(k, klen));
+    if (c->dead || !kv) return;
+    len = kv->value_len;
+    ddp__srv_reply(s, c, &len, 8, kv->value, kv->value_len);
+}
+
+/* ADD: the value is kept as decimal text, as torch keeps it; a value that is no number ends the client. */
+static void ddp__srv_add(ddp__store_server *s, ddp__store_conn *c, ddp__rd *r) {
+    size_t klen;
+    const unsigned char *k = ddp__rd_str(r, &klen);
+    ddp__kv *kv = ddp__kv_find(&s->kv, k, klen, ddp__store_hash(k, klen));
+    int64_t delta, old = 0, now;
+    char text[32], name[64];
+    int n;
+    memcpy(&delta, r->p + r->at, 8);
+    if (kv && ddp__store_parse_int(kv->value, kv->value_len, &old) != 0) {
+        ddp__srv_drop(s, c, DDP_LOG_WARN, "it added to key '%s', whose value is not an integer",
+                      ddp__store_key_text(k, klen, name, sizeof name));
+        return;
+    }
+    now = (int64_t)((uint64_t)old + (uint64_t)delta); /* wraps, like torch's int64 sum in practice */
+    n = snprintf(text, sizeof text, "%lld", (long long)now);
+    ddp__srv_store(s, c, k, klen, (const unsigned char *)text, (size_t)n);
+    ddp__srv_reply(s, c, &now, 8, NULL, 0);
+}
+
+static void ddp__srv_handle(ddp__store_server *s, ddp__store_conn *c, const unsigned char *req, size_t size) {
+    ddp__rd r;
+    size_t klen, vlen;
+    const unsigned char *k, *v;
+    ddp__kv *kv;
+    char name[64];
+    r.p = req;
+    r.n = size;
+    r.at = 1;
+    switch (req[0]) {
+    case DDP__Q_SET:
+        k = ddp__rd_str(&r, &klen);
+        v = ddp__rd_str(&r, &vlen);
+        ddp__srv_store(s, c, k, klen, v, vlen);
+        break;
+    case DDP__Q_COMPARE_SET: ddp__srv_compare_set(s, c, &r); break;
+    case DDP__Q_ADD: ddp__srv_add(s, c, &r); break;
+    case DDP__Q_GET:
+        k = ddp__rd_str(&r, &klen);
+        kv = ddp__kv_find(&s->kv, k, klen, ddp__store_hash(k, klen));
+        if (!kv) { /* torch's server drops such a client too: its get always waits for the key first */
+            ddp__srv_drop(s, c, DDP_LOG_WARN, "it asked for key '%s', which does not exist (a get must WAIT first)",
+                          ddp__store_key_text(k, klen, name, sizeof name));
+            break;
+        }
+        vlen = kv->value_len;
+        ddp__srv_reply(s, c, &vlen, 8, kv->value, kv->value_len);
+        break;
+    case DDP__Q_CHECK:
+        ddp__srv_reply_byte(s, c, ddp__srv_have_all(s, &r, ddp__rd_u64(&r)) ? DDP__CHECK_READY : DDP__CHECK_NOT_READY);
+        break;
+    case DDP__Q_WAIT: ddp__srv_wait(s, c, &r); break;
+    case DDP__Q_GETNUMKEYS: ddp__srv_reply_u64(s, c, (uint64_t)s->kv.count); break;
+    case DDP__Q_DELETE_KEY:
+        k = ddp__rd_str(&r, &klen);
+        ddp__srv_reply_u64(s, c, (uint64_t)ddp__kv_remove(&s->kv, k, klen, ddp__store_hash(k, klen)));
+        break;
+    }
+}
+
+/* Handle every complete request in c's input, while its replies do not pile up. */
+static void ddp__srv_process(ddp__store_server *s, ddp__store_conn *c) {
+    size_t pos = 0, size = 0;
+    char why[256];
+    c->ready = 0;
+    while (!c->dead && pos < c->in_len) {
+        int st;
+        if (c->out_len - c->out_off >= DDP__STORE_OUT_HIGH) {
+            c->ready = 1;
+            break;
+        }
+        st = ddp__srv_parse(c->in + pos, c->in_len - pos, &size, why, sizeof why);
+        if (st == DDP__REQ_BAD) {
+            ddp__srv_drop(s, c, DDP_LOG_WARN, "%s", why);
+            return;
+        }
+        if (st == DDP__REQ_MORE) {
+            c->need = size;
+            break;
+        }
+        ddp__srv_handle(s, c, c->in + pos, size);
+        pos += size;
+        c->need = 0;
+    }
+    if (c->dead || pos == 0) return;
+    memmove(c->in, c->in + pos, c->in_len - pos);
+    c->in_len -= pos;
+    if (c->in_len == 0) ddp__srv_trim(s, &c->in, &c->in_cap);
+}
+
+/* Read what c sent, at most a few MiB per round so that one busy client does not starve the others. The
+   buffer grows with what actually arrives (at most doubling), not with the lengths a request announces:
+   a client that only announces large values holds little. */
+static void ddp__srv_read(ddp__store_server *s, ddp__store_conn *c) {
+    size_t total = 0;
+    while (!c->dead && total < ((size_t)4 << 20)) {
+        size_t missing = c->need > c->in_len ? c->need - c->in_len : 0;
+        size_t room = DDP__MAX(DDP__MIN(missing, DDP__MAX(c->in_len, (size_t)65536)), (size_t)4096);
+        ssize_t k;
+        if (c->in_cap - c->in_len < room && ddp__srv_grow(s, c, &c->in, &c->in_cap, c->in_len + room) != 0) return;
+        k = recv(c->fd, c->in + c->in_len, c->in_cap - c->in_len, 0);
+        if (k > 0) {
+            c->in_len += (size_t)k;
+            total += (size_t)k;
+            continue;
+        }
+        if (k == 0) {
+            ddp__srv_drop(s, c, DDP_LOG_DEBUG, "it closed the connection");
+            return;
+        }
+        if (errno == EINTR) continue;
+        if (errno != EAGAIN && errno != EWOULDBLOCK)
+            ddp__srv_drop(s, c, DDP_LOG_DEBUG, "the connection failed (%s)", strerror(errno));
+        return;
+    }
+}
+
+static void ddp__srv_flush(ddp__store_server *s, ddp__store_conn *c) {
+    while (!c->dead && c->out_off < c->out_len) {
+        ssize_t k = send(c->fd, c->out + c->out_off, c->out_len - c->out_off, MSG_NOSIGNAL);
+        if (k > 0) {
+            c->out_off += (size_t)k;
+            continue;
+        }
+        if (k < 0 && errno == EINTR) continue;
+        if (k < 0 && (errno == EAGAIN || errno == EWOULDBLOCK)) return;
+        ddp__srv_drop(s, c, DDP_LOG_DEBUG, "the connection failed while sending a reply (%s)", strerror(errno));
+        return;
+    }
+    c->out_off = c->out_len = 0;
+    ddp__srv_trim(s, &c->out, &c->out_cap);
+}
+
+static void ddp__srv_free_conn(ddp__store_server *s, ddp__store_conn *c) {
+    ddp__srv_clear_wait(s, c);
+    s->buffers -= c->in_cap + c->out_cap + sizeof *c;
+    DDP_FREE(c->in);
+    DDP_FREE(c->out);
+    close(c->fd);
+    ddp__free(c);
+}
+
+static void ddp__srv_accept(ddp__store_server *s) {
+    char err[DDP__ERR_MAX], host[64] = "?", serv[16] = "?";
+    struct sockaddr_storage ss;
+    socklen_t len = sizeof ss;
+    ddp__store_conn *c;
+    int fd = -1;
+    ddp_result r = ddp__net_accept(s->listen_fd, ddp__now() + 0.01, &fd, err);
+    if (r == DDP_ERR_TIMEOUT) return; /* the client gave up between poll and accept */
+    if (r != DDP_SUCCESS) {           /* out of file descriptors, most likely: let some close first */
+        ddp__srv_log(s, DDP_LOG_WARN, "cannot accept a client (%s); not accepting for 0.1 s", err);
+        s->accept_paused_until = ddp__now() + 0.1;
+        return;
+    }
+    if (s->nconns == s->cap_conns) {
+        size_t cap = s->cap_conns ? s->cap_conns * 2 : 16;
+        ddp__store_conn **p = (ddp__store_conn **)DDP_REALLOC(s->conns, cap * sizeof *p);
+        if (!p) {
+            close(fd);
+            return;
+        }
+        s->conns = p;
+        s->cap_conns = cap;
+    }
+    if (ddp__srv_over_budget(s, sizeof *c) || !(c = (ddp__store_conn *)ddp__calloc(1, sizeof *c))) {
+        ddp__srv_log(s, DDP_LOG_WARN, "refusing a client: the store is at its memory budget");
+        close(fd);
+        return;
+    }
+    c->fd = fd;
+    if (getpeername(fd, (struct sockaddr *)&ss, &len) == 0)
+        getnameinfo((struct sockaddr *)&ss, len, host, sizeof host, serv, sizeof serv, NI_NUMERICHOST | NI_NUMERICSERV);
+    snprintf(c->peer, sizeof c->peer, "%s:%s", host, serv);
+    s->buffers += sizeof *c;
+    s->conns[s->nconns++] = c;
+    ddp__srv_log(s, DDP_LOG_DEBUG, "client %s connected", c->peer);
+}
+
+static void *ddp__srv_main(void *arg) {
+    ddp__store_server *s = (ddp__store_server *)arg;
+    struct pollfd *pf = NULL;
+    size_t pf_cap = 0, i;
+    for (;;) {
+        size_t npolled = s->nconns;
+        int timeout = -1, rc;
+        double now = ddp__now();
+        if (pf_cap < npolled + 2) {
+            struct pollfd *p = (struct pollfd *)DDP_REALLOC(pf, (npolled + 2) * 2 * sizeof *pf);
+            if (!p) {
+                ddp__srv_log(s, DDP_LOG_ERROR, "out of memory for %zu clients; the store stops", npolled);
+                break;
+            }
+            pf = p;
+            pf_cap = (npolled + 2) * 2;
+        }
+        pf[0].fd = s->pipe_rd;
+        pf[1].fd = now < s->accept_paused_until ? -1 : s->listen_fd;
+        pf[0].events = pf[1].events = POLLIN;
+        if (now < s->accept_paused_until) timeout = 100;
+        for (i = 0; i < npolled; i++) {
+            ddp__store_conn *c = s->conns[i];
+            int piled = c->out_len - c->out_off >= DDP__STORE_OUT_HIGH;
+            pf[i + 2].fd = c->fd;
+            pf[i + 2].events = (short)((c->out_off < c->out_len ? POLLOUT : 0) | (piled ? 0 : POLLIN));
+            if (c->ready && !piled) timeout = 0;
+        }
+        for (i = 0; i < npolled + 2; i++) pf[i].revents = 0;
+        rc = poll(pf, (nfds_t)(npolled + 2), timeout);
+        if (rc < 0 && errno != EINTR) {
+            ddp__srv_log(s, DDP_LOG_ERROR, "poll failed (%s); the store stops", strerror(errno));
+            break;
+        }
+        if (rc < 0) continue;
+        if (pf[0].revents) break;
+        for (i = 0; i < npolled; i++) {
+            ddp__store_conn *c = s->conns[i];
+            short re = pf[i + 2].revents;
+            if (re & POLLOUT) ddp__srv_flush(s, c);
+            if (re & (POLLIN | POLLHUP | POLLERR)) ddp__srv_read(s, c);
+            if (!c->dead && (re || c->ready)) ddp__srv_process(s, c);
+        }
+        if (pf[1].revents & POLLIN) ddp__srv_accept(s);
+        for (i = 0; i < s->nconns; i++)
+            if (s->conns[i]->out_off < s->conns[i]->out_len) ddp__srv_flush(s, s->conns[i]);
+        for (i = 0; i < s->nconns; i++) {
+            if (!s->conns[i]->dead) continue;
+            ddp__srv_free_conn(s, s->conns[i]);
+            s->conns[i--] = s->conns[--s->nconns];
+        }
+    }
+    for (i = 0; i < s->nconns; i++) /* replies already due still go out, as far as the sockets take them */
+        if (!s->conns[i]->dead) ddp__srv_flush(s, s->conns[i]);
+    DDP_FREE(pf);
+    return NULL;
+}
+
+static void ddp__store_server_close(ddp__store_server *s) {
+    size_t i;
+    for (i = 0; i < s->nconns; i++) ddp__srv_free_conn(s, s->conns[i]);
+    DDP_FREE(s->conns);
+    ddp__kv_clear(&s->kv);
+    if (s->listen_fd >= 0) close(s->listen_fd);
+    if (s->pipe_rd >= 0) close(s->pipe_rd);
+    if (s->pipe_wr >= 0) close(s->pipe_wr);
+    ddp__free(s);
+}
+
+static ddp_result ddp__store_server_start(const char *host, int port, ddp_log_level lvl, ddp__store_server **out,
+                                          char *err) {
+    ddp__store_server *s = (ddp__store_server *)ddp__calloc(1, sizeof *s);
+    char why[DDP__ERR_MAX];
+    int fds[2], rc;
+    ddp_result r;
+    *out = NULL;
+    if (!s) return ddp__fail_to(err, DDP_ERR_OUT_OF_MEMORY, "out of memory starting the store server");
+    s->listen_fd = s->pipe_rd = s->pipe_wr = -1;
+    s->log_level = lvl == DDP_LOG_DEFAULT ? ddp__env_log_level() : lvl;
+    r = ddp__net_listen(host, port, &s->listen_fd, &s->port, why);
+    if (r != DDP_SUCCESS) {
+        ddp__store_server_close(s);
+        return ddp__fail_to(err, r, "cannot start the rendezvous store server: %s", why);
+    }
+    snprintf(s->where, sizeof s->where, "%.80s:%d", host ? host : "*", s->port);
+    if (pipe2(fds, O_CLOEXEC | O_NONBLOCK) != 0) {
+        ddp__store_server_close(s);
+        return ddp__fail_to(err, DDP_ERR_SYSTEM, "cannot start the store server: pipe: %s", strerror(errno));
+    }
+    s->pipe_rd = fds[0];
+    s->pipe_wr = fds[1];
+    rc = pthread_create(&s->thread, NULL, ddp__srv_main, s);
+    if (rc != 0) {
+        ddp__store_server_close(s);
+        return ddp__fail_to(err, DDP_ERR_SYSTEM, "cannot start the store server thread: %s", strerror(rc));
+    }
+    ddp__srv_log(s, DDP_LOG_INFO, "serving");
+    *out = s;
+    return DDP_SUCCESS;
+}
+
+static int ddp__store_server_port(const ddp__store_server *s) { return s->port; }
+
+static void ddp__store_server_stop(ddp__store_server *s) {
+    char b = 1;
+    if (!s) return;
+    while (write(s->pipe_wr, &b, 1) < 0 && errno == EINTR) {
+    }
+    pthread_join(s->thread, NULL);
+    ddp__store_server_close(s);
+}
+
+/* ======================================== client ======================================== */
+
+typedef struct ddp__store_ops {
+    ddp_result (*set)(ddp_store *s, const char *key, const void *value, size_t size);
+    ddp_result (*get)(ddp_store *s, const char *key, void *value, size_t capacity, size_t *size);
+    ddp_result (*add)(ddp_store *s, const char *key, int64_t delta, int64_t *result);
+    ddp_result (*check)(ddp_store *s, const char *const *keys, int n, int *exists);
+    ddp_result (*wait)(ddp_store *s, const char *const *keys, int n, double timeout);
+    ddp_result (*del)(ddp_store *s, const char *key, int *deleted);
+    ddp_result (*compare_set)(ddp_store *s, const char *key, const void *expected, size_t expected_size,
+                              const void *desired, size_t desired_size, void *current, size_t capacity, size_t *size);
+    ddp_result (*num_keys)(ddp_store *s, int64_t *n);
+    void (*close)(ddp_store *s);
+} ddp__store_ops;
+
+struct ddp_store {
+    const ddp__store_ops *ops;
+    double timeout;
+    char where[320]; /* "the store at host:port", "the file store /path": for messages */
+    char error[DDP__ERR_MAX];
+    /* tcp */
+    char *host, *prefix;
+    int port, fd;
+    size_t prefix_len;
+    unsigned char *msg; /* the request being built */
+    size_t msg_len, msg_cap;
+    int msg_oom;
+    /* file */
+    char *path;
+    int file_fd;
+    ddp__kv_table kv; /* the file's records replayed up to file_off */
+    uint64_t file_off;
+    dev_t file_dev;
+    ino_t file_ino;
+};
+
+static ddp_result ddp__store_fail(ddp_store *s, ddp_result code, const char *fmt, ...) DDP__PRINTF(3, 4);
+static ddp_result ddp__store_fail(ddp_store *s, ddp_result code, const char *fmt, ...) {
+    va_list ap;
+    va_start(ap, fmt);
+    vsnprintf(s->error, sizeof s->error, fmt, ap);
+    va_end(ap);
+    ddp__log(NULL, DDP_LOG_DEBUG, "%s: %s", ddp_result_string(code), s->error);
+    return code;
+}
+
+/* "key 'a'" or "keys 'a', 'b' and 3 more", for messages. */
+static const char *ddp__store_keys_text(const char *const *keys, int n, char *buf, size_t cap) {
+    char one[96];
+    size_t o;
+    int i;
+    o = (size_t)snprintf(buf, cap, "%s", n == 1 ? "key " : "keys ");
+    for (i = 0; i < n && i < 3 && o < cap; i++)
+        o += (size_t)snprintf(buf + o, cap - o, "%s'%s'", i ? ", " : "",
+                              ddp__store_key_text(keys[i], strlen(keys[i]), one, sizeof one));
+    if (n > 3 && o < cap) snprintf(buf + o, cap - o, " and %d more", n - 3);
+    return buf;
+}
+
+/* ---- tcp client ---- */
+
+static void ddp__tcp_disconnect(ddp_store *s) {
+    if (s->fd >= 0) close(s->fd);
+    s->fd = -1;
+}
+
+static ddp_result ddp__tcp_connect(ddp_store *s, double deadline) {
+    char why[DDP__ERR_MAX];
+    ddp_result r;
+    if (s->fd >= 0) return DDP_SUCCESS;
+    r = ddp__net_connect(s->host, s->port, deadline, &s->fd, why);
+    if (r == DDP_SUCCESS) return r;
+    s->fd = -1;
+    return ddp__store_fail(s, r, "cannot reach %s: %s; is rank 0 (which serves the store) running, and do "
+                                 "MASTER_ADDR and MASTER_PORT name its host and a port it can listen on?",
+                           s->where, why);
+}
+
+static void ddp__msg_put(ddp_store *s, const void *p, size_t n) {
+    if (s->msg_len + n > s->msg_cap) {
+        size_t cap = DDP__MAX(s->msg_len + n, s->msg_cap * 2);
+        void *m = DDP_REALLOC(s->msg, cap);
+        if (!m) {
+            s->msg_oom = 1;
+            return;
+        }
+        s->msg = (unsigned char *)m;
+        s->msg_cap = cap;
+    }
+    if (n) memcpy(s->msg + s->msg_len, p, n);
+    s->msg_len += n;
+}
+
+static void ddp__msg_u64(ddp_store *s, uint64_t v) { ddp__msg_put(s, &v, 8); }
+
+static void ddp__msg_begin(ddp_store *s, unsigned char type) {
+    s->msg_len = 0;
+    s->msg_oom = 0;
+    ddp__msg_put(s, &type, 1);
+}
+
+/* A key goes on the wire as prefix + key. */
+static void ddp__msg_key(ddp_store *s, const char *key) {
+    size_t n = strlen(key);
+    ddp__msg_u64(s, s->prefix_len + n);
+    ddp__msg_put(s, s->prefix, s->prefix_len);
+    ddp__msg_put(s, key, n);
+}
+
+static void ddp__msg_keys(ddp_store *s, const char *const *keys, int n) {
+    int i;
+    ddp__msg_u64(s, (uint64_t)n);
+    for (i = 0; i < n; i++) ddp__msg_key(s, keys[i]);
+}
+
+/* A call failed midway: the stream is in an unknown state, so drop the connection (the next call connects
+   again) and say what happened. r and why come from net.c. */
+static ddp_result ddp__tcp_broken(ddp_store *s, ddp_result r, const char *why, const char *doing, double seconds) {
+    ddp__tcp_disconnect(s);
+    if (r == DDP_ERR_TIMEOUT)
+        return ddp__store_fail(s, DDP_ERR_TIMEOUT, "timed out after %.3g s %s in %s; is every rank running and "
+                                                   "doing the same steps? (DDP_TIMEOUT sets the timeout)",
+                               seconds, doing, s->where);
+    return ddp__store_fail(s, r == DDP_ERR_PEER_LOST ? DDP_ERR_PEER_LOST : r,
+                           "lost the connection to %s while %s (%s); did rank 0, which serves the store, exit?",
+                           s->where, doing, why);
+}
+
+/* Connect if needed and send the request built in s->msg, then tail (a large value, sent without a copy).
+   On failure the error is formatted (doing names the operation) and the connection dropped. */
+static ddp_result ddp__tcp_send(ddp_store *s, const void *tail, size_t tail_n, double deadline, double seconds,
+                                const char *doing) {
+    char why[DDP__ERR_MAX];
+    ddp_result r;
+    if (s->msg_oom) return ddp__store_fail(s, DDP_ERR_OUT_OF_MEMORY, "out of memory %s in %s", doing, s->where);
+    if ((r = ddp__tcp_connect(s, deadline)) != DDP_SUCCESS) return r;
+    r = ddp__net_send(s->fd, s->msg, s->msg_len, deadline, why);
+    if (r == DDP_SUCCESS && tail_n) r = ddp__net_send(s->fd, tail, tail_n, deadline, why);
+    return r == DDP_SUCCESS ? r : ddp__tcp_broken(s, r, why, doing, seconds);
+}
+
+static ddp_result ddp__tcp_recv(ddp_store *s, void *buf, size_t n, double deadline, double seconds,
+                                const char *doing) {
+    char why[DDP__ERR_MAX];
+    ddp_result r = ddp__net_recv(s->fd, buf, n, deadline, why);
+    return r == DDP_SUCCESS ? r : ddp__tcp_broken(s, r, why, doing, seconds);
+}
+
+/* Receive a length-prefixed value: at most capacity bytes into value, the rest read and dropped. */
+static ddp_result ddp__tcp_recv_value(ddp_store *s, void *value, size_t capacity, size_t *size, double deadline,
+                                      double seconds, const char *doing) {
+    uint64_t len;
+    unsigned char sink[4096];
+    size_t keep, left;
+    ddp_result r = ddp__tcp_recv(s, &len, 8, deadline, seconds, doing);
+    if (r) return r;
+    keep = (size_t)DDP__MIN(len, (uint64_t)capacity);
+    if (keep && (r = ddp__tcp_recv(s, value, keep, deadline, seconds, doing)) != DDP_SUCCESS) return r;
+    for (left = (size_t)len - keep; left > 0; left -= DDP__MIN(left, sizeof sink))
+        if ((r = ddp__tcp_recv(s, sink, DDP__MIN(left, sizeof sink), deadline, seconds, doing)) != DDP_SUCCESS)
+            return r;
+    if (size) *size = (size_t)len;
+    return DDP_SUCCESS;
+}
+
+/* WAIT for keys: the server answers one byte once they all exist. */
+static ddp_result ddp__tcp_wait(ddp_store *s, const char *const *keys, int n, double timeout) {
+    char doing[400], names[300];
+    unsigned char reply;
+    double deadline = ddp__now() + timeout;
+    ddp_result r;
+    snprintf(doing, sizeof doing, "waiting for %s", ddp__store_keys_text(keys, n, names, sizeof names));
+    ddp__msg_begin(s, DDP__Q_WAIT);
+    ddp__msg_keys(s, keys, n);
+    if ((r = ddp__tcp_send(s, NULL, 0, deadline, timeout, doing)) != DDP_SUCCESS) return r;
+    if ((r = ddp__tcp_recv(s, &reply, 1, deadline, timeout, doing)) != DDP_SUCCESS) return r;
+    if (reply != DDP__WAIT_STOP_WAITING) {
+        ddp__tcp_disconnect(s);
+        return ddp__store_fail(s, DDP_ERR_FORMAT, "%s answered %u to a WAIT (expected 0) while %s; is it a torch 1.13 "
+                                                  "or ddp.h store?", s->where, reply, doing);
+    }
+    return DDP_SUCCESS;
+}
+
+static ddp_result ddp__tcp_get(ddp_store *s, const char *key, void *value, size_t capacity, size_t *size) {
+    char doing[200], name[96];
+    ddp_result r = ddp__tcp_wait(s, &key, 1, s->timeout);
+    double deadline = ddp__now() + s->timeout; /* a fresh timeout for the answer, as torch's client has */
+    if (r) return r;
+    snprintf(doing, sizeof doing, "getting key '%s'", ddp__store_key_text(key, strlen(key), name, sizeof name));
+    ddp__msg_begin(s, DDP__Q_GET);
+    ddp__msg_key(s, key);
+    if ((r = ddp__tcp_send(s, NULL, 0, deadline, s->timeout, doing)) != DDP_SUCCESS) return r;
+    return ddp__tcp_recv_value(s, value, capacity, size, deadline, s->timeout, doing);
+}
+
+static ddp_result ddp__tcp_set(ddp_store *s, const char *key, const void *value, size_t size) {
+    char doing[200], name[96];
+    snprintf(doing, sizeof doing, "setting key '%s'", ddp__store_key_text(key, strlen(key), name, sizeof name));
+    ddp__msg_begin(s, DDP__Q_SET);
+    ddp__msg_key(s, key);
+    ddp__msg_u64(s, size);
+    return ddp__tcp_send(s, value, size, ddp__now() + s->timeout, s->timeout, doing);
+}
+
+static ddp_result ddp__tcp_add(ddp_store *s, const char *key, int64_t delta, int64_t *result) {
+    char doing[200], name[96];
+    double deadline = ddp__now() + s->timeout;
+    int64_t v;
+    ddp_result r;
+    snprintf(doing, sizeof doing, "adding to key '%s'", ddp__store_key_text(key, strlen(key), name, sizeof name));
+    ddp__msg_begin(s, DDP__Q_ADD);
+    ddp__msg_key(s, key);
+    ddp__msg_put(s, &delta, 8);
+    if ((r = ddp__tcp_send(s, NULL, 0, deadline, s->timeout, doing)) != DDP_SUCCESS) return r;
+    if ((r = ddp__tcp_recv(s, &v, 8, deadline, s->timeout, doing)) != DDP_SUCCESS) {
+        if (r == DDP_ERR_PEER_LOST) /* the server drops a client that adds to a value that is no number */
+            snprintf(s->error + strlen(s->error), sizeof s->error - strlen(s->error),
+                     " (or key '%s' holds a value that is not an integer)", name);
+        return r;
+    }
+    if (result) *result = v;
+    return DDP_SUCCESS;
+}
+
+static ddp_result ddp__tcp_check(ddp_store *s, const char *const *keys, int n, int *exists) {
+    char doing[400], names[300];
+    double deadline = ddp__now() + s->timeout;
+    unsigned char reply;
+    ddp_result r;
+    snprintf(doing, sizeof doing, "checking %s", ddp__store_keys_text(keys, n, names, sizeof names));
+    ddp__msg_begin(s, DDP__Q_CHECK);
+    ddp__msg_keys(s, keys, n);
+    if ((r = ddp__tcp_send(s, NULL, 0, deadline, s->timeout, doing)) != DDP_SUCCESS) return r;
+    if ((r = ddp__tcp_recv(s, &reply, 1, deadline, s->timeout, doing)) != DDP_SUCCESS) return r;
+    if (reply != DDP__CHECK_READY && reply != DDP__CHECK_NOT_READY) {
+        ddp__tcp_disconnect(s);
+        return ddp__store_fail(s, DDP_ERR_FORMAT, "%s answered %u to a CHECK (expected 0 or 1) while %s", s->where,
+                               reply, doing);
+    }
+    *exists = reply == DDP__CHECK_READY;
+    return DDP_SUCCESS;
+}
+
+static ddp_result ddp__tcp_delete(ddp_store *s, const char *key, int *deleted) {
+    char doing[200], name[96];
+    double deadline = ddp__now() + s->timeout;
+    int64_t n;
+    ddp_result r;
+    snprintf(doing, sizeof doing, "deleting key '%s'", ddp__store_key_text(key, strlen(key), name, sizeof name));
+    ddp__msg_begin(s, DDP__Q_DELETE_KEY);
+    ddp__msg_key(s, key);
+    if ((r = ddp__tcp_send(s, NULL, 0, deadline, s->timeout, doing)) != DDP_SUCCESS) return r;
+    if ((r = ddp__tcp_recv(s, &n, 8, deadline, s->timeout, doing)) != DDP_SUCCESS) return r;
+    if (deleted) *deleted = n == 1;
+    return DDP_SUCCESS;
+}
+
+static ddp_result ddp__tcp_compare_set(ddp_store *s, const char *key, const void *expected, size_t expected_size,
+                                       const void *desired, size_t desired_size, void *current, size_t capacity,
+                                       size_t *size) {
+    char doing[200], name[96];
+    double deadline = ddp__now() + s->timeout;
+    ddp_result r;
+    snprintf(doing, sizeof doing, "compare-setting key '%s'", ddp__store_key_text(key, strlen(key), name, sizeof name));
+    ddp__msg_begin(s, DDP__Q_COMPARE_SET);
+    ddp__msg_key(s, key);
+    ddp__msg_u64(s, expected_size);
+    ddp__msg_put(s, expected, expected_size);
+    ddp__msg_u64(s, desired_size);
+    ddp__msg_put(s, desired, desired_size);
+    if ((r = ddp__tcp_send(s, NULL, 0, deadline, s->timeout, doing)) != DDP_SUCCESS) return r;
+    return ddp__tcp_recv_value(s, current, capacity, size, deadline, s->timeout, doing);
+}
+
+static ddp_result ddp__tcp_num_keys(ddp_store *s, int64_t *n) {
+    double deadline = ddp__now() + s->timeout;
+    ddp_result r;
+    ddp__msg_begin(s, DDP__Q_GETNUMKEYS);
+    if ((r = ddp__tcp_send(s, NULL, 0, deadline, s->timeout, "counting keys")) != DDP_SUCCESS) return r;
+    return ddp__tcp_recv(s, n, 8, deadline, s->timeout, "counting keys");
+}
+
+static void ddp__tcp_close(ddp_store *s) {
+    ddp__tcp_disconnect(s);
+    ddp__free(s->host);
+    ddp__free(s->prefix);
+    DDP_FREE(s->msg);
+}
+
+static const ddp__store_ops ddp__tcp_ops = {ddp__tcp_set,    ddp__tcp_get,         ddp__tcp_add,
+                                            ddp__tcp_check,  ddp__tcp_wait,        ddp__tcp_delete,
+                                            ddp__tcp_compare_set, ddp__tcp_num_keys, ddp__tcp_close};
+
+static ddp_store *ddp__store_alloc(const ddp__store_ops *ops, double timeout) {
+    ddp_store *s = (ddp_store *)ddp__calloc(1, sizeof *s);
+    if (!s) return NULL;
+    s->ops = ops;
+    s->fd = s->file_fd = -1;
+    ddp__store_set_timeout(s, timeout);
+    return s;
+}
+
+static ddp_result ddp__store_connect(const char *host, int port, const char *prefix, double timeout, ddp_store **out,
+                                     char *err) {
+    ddp_store *s;
+    ddp_result r;
+    *out = NULL;
+    if (!host || !*host || port <= 0 || port > 65535)
+        return ddp__fail_to(err, DDP_ERR_INVALID_ARGUMENT, "the store address %s:%d is not a host and a port in "
+                                                           "1..65535", host ? host : "(null)", port);
+    if (prefix && strlen(prefix) >= DDP__STORE_MAX_KEY)
+        return ddp__fail_to(err, DDP_ERR_INVALID_ARGUMENT, "the store key prefix is %zu bytes long (the limit is %zu)",
+                            strlen(prefix), DDP__STORE_MAX_KEY - 1);
+    if (!(s = ddp__store_alloc(&ddp__tcp_ops, timeout)))
+        return ddp__fail_to(err, DDP_ERR_OUT_OF_MEMORY, "out of memory connecting to the store");
+    s->host = ddp__strdup(host);
+    s->prefix = ddp__strdup(prefix ? prefix : "");
+    s->port = port;
+    if (!s->host || !s->prefix) {
+        ddp__store_free(s);
+        return ddp__fail_to(err, DDP_ERR_OUT_OF_MEMORY, "out of memory connecting to the store");
+    }
+    s->prefix_len = strlen(s->prefix);
+    snprintf(s->where, sizeof s->where, "the store at %s:%d", host, port);
+    r = ddp__tcp_connect(s, ddp__now() + s->timeout);
+    if (r != DDP_SUCCESS) {
+        ddp__fail_to(err, r, "%s", s->error);
+        ddp__store_free(s);
+        return r;
+    }
+    *out = s;
+    return DDP_SUCCESS;
+}
+
+static int ddp__store_torch_prefix(const char *prefix_store, char *buf, size_t cap) {
+    int n = prefix_store && *prefix_store ? snprintf(buf, cap, "/%s/", prefix_store) : snprintf(buf, cap, "/");
+    return n >= 0 && (size_t)n < cap ? 0 : -1;
+}
+
+/* ---- file store ---- */
+
+/* Take the file's lock (LOCK_SH or LOCK_EX) before the deadline: a holder only keeps it for one operation. */
+static ddp_result ddp__file_lock(ddp_store *s, int how, double deadline, const char *doing) {
+    double backoff = 0.001;
+    for (;;) {
+        if (flock(s->file_fd, how | LOCK_NB) == 0) return DDP_SUCCESS;
+        if (errno != EWOULDBLOCK && errno != EINTR)
+            return ddp__store_fail(s, DDP_ERR_IO, "cannot lock %s while %s: %s", s->where, doing, strerror(errno));
+        if (ddp__now() + backoff > deadline)
+            return ddp__store_fail(s, DDP_ERR_TIMEOUT, "timed out after %.3g s waiting for the lock on %s while %s; "
+                                                       "is a process holding it stuck?", s->timeout, s->where, doing);
+        ddp__sleep(backoff);
+        backoff = DDP__MIN(backoff * 2, 0.05);
+    }
+}
+
+static void ddp__file_unlock(ddp_store *s) { flock(s->file_fd, LOCK_UN); }
+
+/* Apply the records in buf[0 .. n) (whole records only: written under the exclusive lock). */
+static ddp_result ddp__file_apply(ddp_store *s, const unsigned char *buf, size_t n) {
+    size_t at = 0;
+    while (at < n) {
+        unsigned char op = buf[at];
+        uint64_t klen, vlen = 0;
+        const unsigned char *key, *value = NULL;
+        if (n - at < 9 || (op != 'S' && op != 'D')) break;
+        memcpy(&klen, buf + at + 1, 8);
+        if (klen > DDP__STORE_MAX_KEY || n - at - 9 < klen) break;
+        key = buf + at + 9;
+        at += 9 + (size_t)klen;
+        if (op == 'S') {
+            unsigned char *copy;
+            if (n - at < 8) break;
+            memcpy(&vlen, buf + at, 8);
+            if (vlen > DDP__STORE_MAX_VALUE || n - at - 8 < vlen) break;
+            value = buf + at + 8;
+            at += 8 + (size_t)vlen;
+            copy = ddp__store_dup(value, (size_t)vlen);
+            if (!copy || ddp__kv_put(&s->kv, key, (size_t)klen, ddp__store_hash(key, (size_t)klen), copy, (size_t)vlen) < 0)
+                return ddp__store_fail(s, DDP_ERR_OUT_OF_MEMORY, "out of memory reading %s", s->where);
+        } else {
+            ddp__kv_remove(&s->kv, key, (size_t)klen, ddp__store_hash(key, (size_t)klen));
+        }
+    }
+    if (at == n) return DDP_SUCCESS;
+    return ddp__store_fail(s, DDP_ERR_FORMAT, "%s is damaged: a bad or cut-off record %llu bytes into it (was a "
+                                              "writer killed?); delete the file and start every rank again",
+                           s->where, (unsigned long long)(s->file_off + at));
+}
+
+/* Under the lock: check that the file is still the one at the path, and replay what this handle has not
+   seen yet. */
+static ddp_result ddp__file_sync(ddp_store *s) {
+    struct stat st, at_path;
+    unsigned char *buf;
+    size_t n, got = 0;
+    ddp_result r;
+    if (fstat(s->file_fd, &st) != 0)
+        return ddp__store_fail(s, DDP_ERR_IO, "cannot stat %s: %s", s->where, strerror(errno));
+    if (stat(s->path, &at_path) != 0 || at_path.st_ino != st.st_ino || at_path.st_dev != st.st_dev)
+        return ddp__store_fail(s, DDP_ERR_STATE, "%s was deleted or replaced (the last of its users closed it); "
+                                                 "every rank must open the store before any closes it", s->where);
+    if ((uint64_t)st.st_size == s->file_off) return DDP_SUCCESS;
+    if ((uint64_t)st.st_size < s->file_off)
+        return ddp__store_fail(s, DDP_ERR_FORMAT, "%s shrank from %llu to %llu bytes; something else writes to it",
+                               s->where, (unsigned long long)s->file_off, (unsigned long long)st.st_size);
+    n = (size_t)((uint64_t)st.st_size - s->file_off);
+    if (!(buf = (unsigned char *)ddp__malloc(n)))
+        return ddp__store_fail(s, DDP_ERR_OUT_OF_MEMORY, "out of memory reading %zu bytes of %s", n, s->where);
+    while (got < n) {
+        ssize_t k = pread(s->file_fd, buf + got, n - got, (off_t)(s->file_off + got));
+        if (k > 0) {
+            got += (size_t)k;
+            continue;
+        }
+        if (k < 0 && errno == EINTR) continue;
+        ddp__free(buf);
+        return ddp__store_fail(s, DDP_ERR_IO, "cannot read %s: %s", s->where, k < 0 ? strerror(errno) : "short read");
+    }
+    if (s->file_off == 0) { /* a new handle: the file must start with the magic */
+        if (n < 8 || memcmp(buf, DDP__STORE_FILE_MAGIC, 8) != 0) {
+            ddp__free(buf);
+            return ddp__store_fail(s, DDP_ERR_FORMAT, "%s is not a ddp.h file store (another program's file, or one "
+                                                      "left by another tool?); use a new path", s->where);
+        }
+        r = ddp__file_apply(s, buf + 8, n - 8);
+    } else {
+        r = ddp__file_apply(s, buf, n);
+    }
+    ddp__free(buf);
+    if (r == DDP_SUCCESS) s->file_off = (uint64_t)st.st_size;
+    return r;
+}
+
+static ddp_result ddp__file_write(ddp_store *s, const void *buf, size_t n) {
+    const char *p = (const char *)buf;
+    while (n > 0) {
+        ssize_t k = write(s->file_fd, p, n);
+        if (k > 0) {
+            p += k;
+            n -= (size_t)k;
+            continue;
+        }
+        if (k < 0 && errno == EINTR) continue;
+        return ddp__store_fail(s, DDP_ERR_IO, "cannot write to %s: %s", s->where, k < 0 ? strerror(errno) : "no space");
+    }
+    return DDP_SUCCESS;
+}
+
+/* Under the exclusive lock, after ddp__file_sync: append a record ('S' with a value, 'D' without) and apply it. */
+static ddp_result ddp__file_append(ddp_store *s, char op, const char *key, size_t klen, const void *value, size_t vlen) {
+    size_t n = 9 + klen + (op == 'S' ? 8 + vlen : 0);
+    unsigned char *rec = (unsigned char *)ddp__malloc(n);
+    uint64_t k64 = klen, v64 = vlen;
+    ddp_result r;
+    if (!rec) return ddp__store_fail(s, DDP_ERR_OUT_OF_MEMORY, "out of memory writing %s", s->where);
+    rec[0] = (unsigned char)op;
+    memcpy(rec + 1, &k64, 8);
+    memcpy(rec + 9, key, klen);
+    if (op == 'S') {
+        memcpy(rec + 9 + klen, &v64, 8);
+        if (vlen) memcpy(rec + 17 + klen, value, vlen);
+    }
+    r = ddp__file_write(s, rec, n);
+    if (r == DDP_SUCCESS) r = ddp__file_apply(s, rec, n);
+    if (r == DDP_SUCCESS) s->file_off += n;
+    ddp__free(rec);
+    return r;
+}
+
+/* Run body (one of the ddp__file_*_locked functions) under the lock, after catching up with the file. */
+#define DDP__FILE_LOCKED(s, how, doing, call)                                    \
+    do {                                                                         \
+        ddp_result r_ = ddp__file_lock(s, how, ddp__now() + (s)->timeout, doing); \
+        if (r_ != DDP_SUCCESS) return r_;                                        \
+        r_ = ddp__file_sync(s);                                                  \
+        if (r_ == DDP_SUCCESS) r_ = (call);                                      \
+        ddp__file_unlock(s);                                                     \
+        return r_;                                                               \
+    } while (0)
+
+static ddp__kv *ddp__file_find(ddp_store *s, const char *key) {
+    size_t n = strlen(key);
+    return ddp__kv_find(&s->kv, key, n, ddp__store_hash(key, n));
+}
+
+static ddp_result ddp__file_set(ddp_store *s, const char *key, const void *value, size_t size) {
+    DDP__FILE_LOCKED(s, LOCK_EX, "setting a key", ddp__file_append(s, 'S', key, strlen(key), value, size));
+}
+
+static ddp_result ddp__file_add_locked(ddp_store *s, const char *key, int64_t delta, int64_t *result) {
+    ddp__kv *kv = ddp__file_find(s, key);
+    int64_t old = 0, now;
+    char text[32], name[96];
+    int n;
+    if (kv && ddp__store_parse_int(kv->value, kv->value_len, &old) != 0)
+        return ddp__store_fail(s, DDP_ERR_STATE, "cannot add to key '%s' in %s: its value is not an integer",
+                               ddp__store_key_text(key, strlen(key), name, sizeof name), s->where);
+    now = (int64_t)((uint64_t)old + (uint64_t)delta);
+    n = snprintf(text, sizeof text, "%lld", (long long)now);
+    if (result) *result = now;
+    return ddp__file_append(s, 'S', key, strlen(key), text, (size_t)n);
+}
+
+static ddp_result ddp__file_add(ddp_store *s, const char *key, int64_t delta, int64_t *result) {
+    DDP__FILE_LOCKED(s, LOCK_EX, "adding to a key", ddp__file_add_locked(s, key, delta, result));
+}
+
+static ddp_result ddp__file_check_locked(ddp_store *s, const char *const *keys, int n, int *exists) {
+    int i;
+    *exists = 1;
+    for (i = 0; i < n; i++)
+        if (!ddp__file_find(s, keys[i])) *exists = 0;
+    return DDP_SUCCESS;
+}
+
+static ddp_result ddp__file_check(ddp_store *s, const char *const *keys, int n, int *exists) {
+    DDP__FILE_LOCKED(s, LOCK_SH, "checking keys", ddp__file_check_locked(s, keys, n, exists));
+}
+
+/* Poll until every key exists; with want_value, copy keys[0]'s value out while still holding the lock. */
+static ddp_result ddp__file_poll(ddp_store *s, const char *const *keys, int n, double timeout, int want_value,
+                                 void *value, size_t capacity, size_t *size) {
+    double deadline = ddp__now() + timeout, backoff = 0.001;
+    char names[300];
+    int first = 1;
+    for (;;) {
+        struct stat st;
+        /* nothing new in the file since the last look: no need to take the lock */
+        if (first || fstat(s->file_fd, &st) != 0 || (uint64_t)st.st_size != s->file_off) {
+            int all = 0;
+            ddp_result r = ddp__file_lock(s, LOCK_SH, deadline, "waiting for keys");
+            if (r) return r;
+            r = ddp__file_sync(s);
+            if (r == DDP_SUCCESS) ddp__file_check_locked(s, keys, n, &all);
+            if (r == DDP_SUCCESS && all && want_value) {
+                ddp__kv *kv = ddp__file_find(s, keys[0]);
+                if (capacity) memcpy(value, kv->value, DDP__MIN(capacity, kv->value_len));
+                if (size) *size = kv->value_len;
+            }
+            ddp__file_unlock(s);
+            if (r) return r;
+            if (all) return DDP_SUCCESS;
+            first = 0;
+        }
+        if (ddp__now() >= deadline)
+            return ddp__store_fail(s, DDP_ERR_TIMEOUT, "timed out after %.3g s waiting for %s in %s; is every rank "
+                                                       "running and doing the same steps? (DDP_TIMEOUT sets the timeout)",
+                                   timeout, ddp__store_keys_text(keys, n, names, sizeof names), s->where);
+        ddp__sleep(DDP__MIN(backoff, DDP__MAX(deadline - ddp__now(), 0.0)));
+        backoff = DDP__MIN(backoff * 1.5, 0.05);
+    }
+}
+
+static ddp_result ddp__file_get(ddp_store *s, const char *key, void *value, size_t capacity, size_t *size) {
+    return ddp__file_poll(s, &key, 1, s->timeout, 1, value, capacity, size);
+}
+
+static ddp_result ddp__file_wait(ddp_store *s, const char *const *keys, int n, double timeout) {
+    return ddp__file_poll(s, keys, n, timeout, 0, NULL, 0, NULL);
+}
+
+static ddp_result ddp__file_delete_locked(ddp_store *s, const char *key, int *deleted) {
+    int there = ddp__file_find(s, key) != NULL;
+    if (deleted) *deleted = there;
+    return there ? ddp__file_append(s, 'D', key, strlen(key), NULL, 0) : DDP_SUCCESS;
+}
+
+static ddp_result ddp__file_delete(ddp_store *s, const char *key, int *deleted) {
+    DDP__FILE_LOCKED(s, LOCK_EX, "deleting a key", ddp__file_delete_locked(s, key, deleted));
+}
+
+static ddp_result ddp__file_compare_set_locked(ddp_store *s, const char *key, const void *expected, size_t elen,
+                                               const void *desired, size_t dlen, void *current, size_t capacity,
+                                               size_t *size) {
+    ddp__kv *kv = ddp__file_find(s, key);
+    ddp_result r;
+    if (!kv && elen != 0) { /* torch answers with expected here */
+        if (current) memcpy(current, expected, DDP__MIN(capacity, elen));
+        if (size) *size = elen;
+        return DDP_SUCCESS;
+    }
+    if (!kv || (kv->value_len == elen && memcmp(kv->value, expected, elen) == 0)) {
+        if ((r = ddp__file_append(s, 'S', key, strlen(key), desired, dlen)) != DDP_SUCCESS) return r;
+        kv = ddp__file_find(s, key);
+    }
+    if (current) memcpy(current, kv->value, DDP__MIN(capacity, kv->value_len));
+    if (size) *size = kv->value_len;
+    return DDP_SUCCESS;
+}
+
+static ddp_result ddp__file_compare_set(ddp_store *s, const char *key, const void *expected, size_t expected_size,
+                                        const void *desired, size_t desired_size, void *current, size_t capacity,
+                                        size_t *size) {
+    DDP__FILE_LOCKED(s, LOCK_EX, "compare-setting a key",
+                     ddp__file_compare_set_locked(s, key, expected, expected_size, desired, desired_size, current,
+                                                  capacity, size));
+}
+
+static ddp_result ddp__file_num_keys_locked(ddp_store *s, int64_t *n) {
+    *n = (int64_t)s->kv.count - (ddp__file_find(s, DDP__STORE_FILE_REFS) ? 1 : 0);
+    return DDP_SUCCESS;
+}
+
+static ddp_result ddp__file_num_keys(ddp_store *s, int64_t *n) {
+    DDP__FILE_LOCKED(s, LOCK_SH, "counting keys", ddp__file_num_keys_locked(s, n));
+}
+
+/* The last user to leave deletes the file, as torch's FileStore does. */
+static void ddp__file_close(ddp_store *s) {
+    if (s->file_fd >= 0 && s->file_off > 0 &&
+        ddp__file_lock(s, LOCK_EX, ddp__now() + s->timeout, "closing") == DDP_SUCCESS) {
+        int64_t users = 1;
+        if (ddp__file_sync(s) == DDP_SUCCESS && ddp__file_add_locked(s, DDP__STORE_FILE_REFS, -1, &users) == DDP_SUCCESS &&
+            users <= 0)
+            unlink(s->path);
+        ddp__file_unlock(s);
+    }
+    if (s->file_fd >= 0) close(s->file_fd);
+    s->file_fd = -1;
+    ddp__kv_clear(&s->kv);
+    ddp__free(s->path);
+}
+
+static const ddp__store_ops ddp__file_ops = {ddp__file_set,    ddp__file_get,         ddp__file_add,
+                                             ddp__file_check,  ddp__file_wait,        ddp__file_delete,
+                                             ddp__file_compare_set, ddp__file_num_keys, ddp__file_close};
+
+/* Open the file and lock it, making sure the locked file is still the one at the path: the last user of an
+   old store may have deleted it between our open and our lock. */
+static ddp_result ddp__file_open_locked(ddp_store *s, double deadline) {
+    for (;;) {
+        struct stat st, at_path;
+        ddp_result r;
+        s->file_fd = open(s->path, O_RDWR | O_CREAT | O_APPEND | O_CLOEXEC, 0644);
+        if (s->file_fd < 0)
+            return ddp__store_fail(s, DDP_ERR_IO, "cannot open %s: %s (its directory must exist and be writable by "
+                                                  "every rank)", s->where, strerror(errno));
+        if ((r = ddp__file_lock(s, LOCK_EX, deadline, "opening it")) != DDP_SUCCESS) return r;
+        if (fstat(s->file_fd, &st) == 0 && stat(s->path, &at_path) == 0 && st.st_ino == at_path.st_ino &&
+            st.st_dev == at_path.st_dev)
+            return DDP_SUCCESS;
+        close(s->file_fd); /* closing drops the lock */
+        s->file_fd = -1;
+        if (ddp__now() > deadline)
+            return ddp__store_fail(s, DDP_ERR_TIMEOUT, "timed out opening %s: it keeps being replaced", s->where);
+    }
+}
+
+static ddp_result ddp__file_open_body(ddp_store *s) {
+    struct stat st;
+    ddp_result r;
+    if (fstat(s->file_fd, &st) != 0)
+        return ddp__store_fail(s, DDP_ERR_IO, "cannot stat %s: %s", s->where, strerror(errno));
+    if (st.st_size == 0 && (r = ddp__file_write(s, DDP__STORE_FILE_MAGIC, 8)) != DDP_SUCCESS) return r;
+    if ((r = ddp__file_sync(s)) != DDP_SUCCESS) return r;
+    return ddp__file_add_locked(s, DDP__STORE_FILE_REFS, 1, NULL);
+}
+
+static ddp_result ddp__store_open_file(const char *path, double timeout, ddp_store **out, char *err) {
+    ddp_store *s;
+    ddp_result r;
+    *out = NULL;
+    if (!path || !*path) return ddp__fail_to(err, DDP_ERR_INVALID_ARGUMENT, "the file store needs a path");
+    if (!(s = ddp__store_alloc(&ddp__file_ops, timeout)) || !(s->path = ddp__strdup(path))) {
+        ddp__free(s);
+        return ddp__fail_to(err, DDP_ERR_OUT_OF_MEMORY, "out of memory opening the file store");
+    }
+    snprintf(s->where, sizeof s->where, "the file store %s", path);
+    r = ddp__file_open_locked(s, ddp__now() + s->timeout);
+    if (r == DDP_SUCCESS) {
+        r = ddp__file_open_body(s);
+        ddp__file_unlock(s);
+    }
+    if (r != DDP_SUCCESS) {
+        ddp__fail_to(err, r, "%s", s->error);
+        s->file_off = 0; /* not counted as a user: leave the count alone when closing */
+        ddp__store_free(s);
+        return r;
+    }
+    *out = s;
+    return DDP_SUCCESS;
+}
+
+/* ---- both kinds ---- */
+
+static void ddp__store_free(ddp_store *s) {
+    if (!s) return;
+    s->ops->close(s);
+    ddp__free(s);
+}
+
+static void ddp__store_set_timeout(ddp_store *s, double timeout) { s->timeout = timeout > 0 ? timeout : 300.0; }
+
+/* Checks shared by the public calls; messages go to the store (or this thread's buffer without one). */
+static ddp_result ddp__store_check_key(ddp_store *s, const char *key, const char *call) {
+    if (!s) return ddp__fail(NULL, DDP_ERR_INVALID_ARGUMENT, "%s: the store is NULL", call);
+    if (!key) return ddp__store_fail(s, DDP_ERR_INVALID_ARGUMENT, "%s: the key is NULL", call);
+    if (strlen(key) + s->prefix_len >= DDP__STORE_MAX_KEY)
+        return ddp__store_fail(s, DDP_ERR_INVALID_ARGUMENT, "%s: the key is %zu bytes long; keys (with the store's "
+                                                            "prefix) must stay under %zu bytes",
+                               call, strlen(key), DDP__STORE_MAX_KEY);
+    return DDP_SUCCESS;
+}
+
+static ddp_result ddp__store_check_value(ddp_store *s, const void *value, size_t size, const char *call) {
+    if (!value && size) return ddp__store_fail(s, DDP_ERR_INVALID_ARGUMENT, "%s: the value is NULL but its size is %zu", call, size);
+    if (size > DDP__STORE_MAX_VALUE)
+        return ddp__store_fail(s, DDP_ERR_INVALID_ARGUMENT, "%s: a value of %zu bytes is over the store's limit of %zu "
+                                                            "MiB; send large data with collectives instead",
+                               call, size, DDP__STORE_MAX_VALUE >> 20);
+    return DDP_SUCCESS;
+}
+
+static ddp_result ddp__store_check_keys(ddp_store *s, const char *const *keys, int n, const char *call) {
+    int i;
+    ddp_result r;
+    if (!s) return ddp__fail(NULL, DDP_ERR_INVALID_ARGUMENT, "%s: the store is NULL", call);
+    if (n < 0 || (uint64_t)n > DDP__STORE_MAX_WAIT_KEYS || (n > 0 && !keys))
+        return ddp__store_fail(s, DDP_ERR_INVALID_ARGUMENT, "%s: %d keys%s (0 to %llu keys at once)", call, n,
+                               n > 0 && !keys ? " in a NULL array" : "", (unsigned long long)DDP__STORE_MAX_WAIT_KEYS);
+    for (i = 0; i < n; i++)
+        if ((r = ddp__store_check_key(s, keys[i], call)) != DDP_SUCCESS) return r;
+    return DDP_SUCCESS;
+}
+
+static ddp_result ddp__store_compare_set(ddp_store *s, const char *key, const void *expected, size_t expected_size,
+                                         const void *desired, size_t desired_size, void *current, size_t capacity,
+                                         size_t *size) {
+    ddp_result r = ddp__store_check_key(s, key, "ddp__store_compare_set");
+    if (r == DDP_SUCCESS) r = ddp__store_check_value(s, expected, expected_size, "ddp__store_compare_set");
+    if (r == DDP_SUCCESS) r = ddp__store_check_value(s, desired, desired_size, "ddp__store_compare_set");
+    if (r == DDP_SUCCESS && !current && capacity)
+        r = ddp__store_fail(s, DDP_ERR_INVALID_ARGUMENT, "ddp__store_compare_set: current is NULL but capacity is %zu",
+                            capacity);
+    if (r) return r;
+    return s->ops->compare_set(s, key, expected, expected_size, desired, desired_size, current, capacity, size);
+}
+
+static ddp_result ddp__store_num_keys(ddp_store *s, int64_t *n) {
+    if (!s || !n) return ddp__fail(NULL, DDP_ERR_INVALID_ARGUMENT, "ddp__store_num_keys: NULL store or result");
+    return s->ops->num_keys(s, n);
+}
+
+DDP_API ddp_result ddp_store_set(ddp_store *s, const char *key, const void *value, size_t size) {
+    ddp_result r = ddp__store_check_key(s, key, "ddp_store_set");
+    if (r == DDP_SUCCESS) r = ddp__store_check_value(s, value, size, "ddp_store_set");
+    return r ? r : s->ops->set(s, key, value, size);
+}
+
+DDP_API ddp_result ddp_store_get(ddp_store *s, const char *key, void *value, size_t capacity, size_t *size) {
+    ddp_result r = ddp__store_check_key(s, key, "ddp_store_get");
+    if (r == DDP_SUCCESS && !value && capacity)
+        r = ddp__store_fail(s, DDP_ERR_INVALID_ARGUMENT, "ddp_store_get: value is NULL but capacity is %zu", capacity);
+    return r ? r : s->ops->get(s, key, value, capacity, size);
+}
+
+DDP_API ddp_result ddp_store_add(ddp_store *s, const char *key, int64_t delta, int64_t *result) {
+    ddp_result r = ddp__store_check_key(s, key, "ddp_store_add");
+    return r ? r : s->ops->add(s, key, delta, result);
+}
+
+DDP_API ddp_result ddp_store_check(ddp_store *s, const char *key, int *exists) {
+    ddp_result r = ddp__store_check_key(s, key, "ddp_store_check");
+    if (r == DDP_SUCCESS && !exists) r = ddp__store_fail(s, DDP_ERR_INVALID_ARGUMENT, "ddp_store_check: exists is NULL");
+    return r ? r : s->ops->check(s, &key, 1, exists);
+}
+
+DDP_API ddp_result ddp_store_wait(ddp_store *s, const char *const *keys, int n, double timeout_seconds) {
+    ddp_result r = ddp__store_check_keys(s, keys, n, "ddp_store_wait");
+    return r ? r : s->ops->wait(s, keys, n, timeout_seconds > 0 ? timeout_seconds : s->timeout);
+}
+
+DDP_API ddp_result ddp_store_delete(ddp_store *s, const char *key, int *deleted) {
+    ddp_result r = ddp__store_check_key(s, key, "ddp_store_delete");
+    return r ? r : s->ops->del(s, key, deleted);
+}
+
+DDP_API const char *ddp_store_last_error(const ddp_store *s) { return s ? s->error : ddp_last_error(NULL); }

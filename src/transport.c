@@ -1,1 +1,378 @@
-/* placeholder: filled by its issue */
+/* [SECTION] transport: framed messages between the ranks of a group, failure detection, abort
+   Each pair of ranks shares one TCP connection (a full mesh, made by group.c). Everything sent is a
+   frame: a fixed header, then `bytes` of payload.
+
+       magic | kind | collective fingerprint (seq, coll, dtype, op, root, count) | sender | bytes | code
+
+   The fingerprint is what makes cross-rank mistakes errors instead of hangs (PyTorch offers this only
+   with TORCH_DISTRIBUTED_DEBUG=DETAIL): the receiver compares it with its own, and any difference is
+   DDP_ERR_MISMATCH with both sides named.
+
+   Failure handling. While a rank waits, it also watches every other connection of the group for a
+   hang-up. When a rank fails a collective (mismatch, timeout, lost peer) it "breaks" the group: it sends
+   an ABORT frame carrying the error to every peer and shuts its connections down. Every peer then sees
+   the hang-up within milliseconds, reads the ABORT frame, and fails with the same code and message.
+   A connection that closes without an ABORT frame means the process is gone: DDP_ERR_PEER_LOST.
+   A graceful ddp_destroy sends BYE after a final barrier and waits for the peers' BYE before closing,
+   so an orderly exit is never mistaken for a crash. */
+#include "internal.h"
+
+#define DDP__FRAME_MAGIC 0x44445031u /* "DDP1" */
+#define DDP__MAX_FRAME_BYTES ((uint64_t)1 << 40)
+
+enum { DDP__FRAME_DATA = 1, DDP__FRAME_ABORT = 2, DDP__FRAME_BYE = 3 };
+
+/* The fingerprint of one collective call; equal on every rank when the program is correct. */
+typedef struct ddp__coll {
+    uint64_t seq;   /* 1 for the group's first collective */
+    uint64_t count; /* the call's count (per rank for all_gather / reduce_scatter) */
+    uint8_t kind;   /* ddp__coll_kind */
+    uint8_t dtype;
+    uint8_t op;     /* DDP__NO_OP when the collective takes none */
+    int32_t root;   /* -1 when the collective has none */
+} ddp__coll;
+
+typedef enum ddp__coll_kind {
+    DDP__ALL_REDUCE = 1,
+    DDP__BROADCAST,
+    DDP__REDUCE,
+    DDP__ALL_GATHER,
+    DDP__REDUCE_SCATTER,
+    DDP__BARRIER,
+    DDP__COLL_KINDS
+} ddp__coll_kind;
+#define DDP__NO_OP 0xff
+
+typedef struct ddp__frame {
+    uint32_t magic;
+    uint8_t kind; /* DDP__FRAME_* */
+    uint8_t coll, dtype, op;
+    int32_t root;
+    int32_t src; /* sender's rank in the group */
+    uint64_t seq, count;
+    uint64_t bytes; /* payload that follows */
+    int32_t code;   /* ABORT: the ddp_result */
+    uint32_t reserved;
+} ddp__frame;
+
+static const char *ddp__coll_name(int kind) {
+    static const char *names[] = {"?", "all_reduce", "broadcast", "reduce", "all_gather", "reduce_scatter", "barrier"};
+    return (kind > 0 && kind < DDP__COLL_KINDS) ? names[kind] : "an unknown operation";
+}
+
+/* "all_reduce(count=1024, f32, sum) as collective #7" */
+static void ddp__coll_describe(const ddp__coll *c, char *out, size_t cap) {
+    char extra[48] = "";
+    if (c->kind == DDP__BARRIER) {
+        snprintf(out, cap, "barrier() as collective #%llu", (unsigned long long)c->seq);
+        return;
+    }
+    if (c->op != DDP__NO_OP) snprintf(extra, sizeof extra, ", %s", ddp_op_name((ddp_op)c->op));
+    if (c->root >= 0) snprintf(extra + strlen(extra), sizeof extra - strlen(extra), ", root=%d", (int)c->root);
+    snprintf(out, cap, "%s(count=%llu, %s%s) as collective #%llu", ddp__coll_name(c->kind), (unsigned long long)c->count,
+             ddp_dtype_name((ddp_dtype)c->dtype), extra, (unsigned long long)c->seq);
+}
+
+static int ddp__coll_equal(const ddp__coll *a, const ddp__frame *f) {
+    return a->seq == f->seq && a->count == f->count && a->kind == f->coll && a->dtype == f->dtype && a->op == f->op &&
+           a->root == f->root;
+}
+
+/* ---- breaking the group ---- */
+
+/* Record the first error that breaks g, tell every peer (ABORT frame with the message) and shut the
+   connections down so that peers waiting on anything notice at once. */
+static ddp_result ddp__group_break(ddp_group *g, ddp_result code, const char *msg) {
+    int i;
+    if (g->broken) return g->broken;
+    g->broken = code;
+    snprintf(g->broken_msg, sizeof g->broken_msg, "%s", msg);
+    ddp__log(g, DDP_LOG_ERROR, "%s", msg);
+    for (i = 0; i < g->world_size; i++) {
+        ddp__peer *p = &g->peers[i];
+        ddp__frame f;
+        char err[DDP__ERR_MAX];
+        size_t len = strlen(msg) + 1;
+        if (p->fd < 0 || p->gone) continue;
+        if (p->send_owed > 0 && p->send_owed <= ((uint64_t)256 << 20)) { /* finish the interrupted frame */
+            static const char zeros[4096] = {0};
+            while (p->send_owed > 0) {
+                size_t k = (size_t)DDP__MIN(p->send_owed, (uint64_t)sizeof zeros);
+                if (ddp__net_send(p->fd, zeros, k, ddp__now() + 0.5, err) != DDP_SUCCESS) break;
+                p->send_owed -= k;
+            }
+        }
+        if (p->send_owed > 0) { /* cannot resynchronise the stream: the peer will see a plain hang-up */
+            shutdown(p->fd, SHUT_WR);
+            continue;
+        }
+        memset(&f, 0, sizeof f);
+        f.magic = DDP__FRAME_MAGIC;
+        f.kind = DDP__FRAME_ABORT;
+        f.src = g->rank;
+        f.bytes = len;
+        f.code = code;
+        /* Best effort and brief: the peer may be the one that is stuck. */
+        if (ddp__net_send(p->fd, &f, sizeof f, ddp__now() + 0.5, err) == DDP_SUCCESS)
+            ddp__net_send(p->fd, msg, len, ddp__now() + 0.5, err);
+        /* Half-close only: a full close with unread data would make the kernel send a reset, which
+           throws away the ABORT frame queued at the peer before the peer reads it. */
+        shutdown(p->fd, SHUT_WR);
+    }
+    return code;
+}
+
+/* Fail the current operation: break the group with this message and copy it to the caller's buffer. */
+static ddp_result ddp__coll_fail(ddp_group *g, ddp_result code, const char *fmt, ...) DDP__PRINTF(3, 4);
+static ddp_result ddp__coll_fail(ddp_group *g, ddp_result code, const char *fmt, ...) {
+    char msg[DDP__ERR_MAX];
+    va_list ap;
+    va_start(ap, fmt);
+    vsnprintf(msg, sizeof msg, fmt, ap);
+    va_end(ap);
+    return ddp__group_break(g, code, msg);
+}
+
+/* A peer's connection closed or errored: read what it sent last. An ABORT frame carries the reason
+   (another rank's error, re-raised here); otherwise the process is gone. `first` is a frame header
+   already read from the peer (or NULL). */
+static ddp_result ddp__peer_failed_after(ddp_group *g, int peer, const ddp__coll *c, const ddp__frame *first) {
+    ddp__peer *p = &g->peers[peer];
+    char desc[160], err[DDP__ERR_MAX];
+    double deadline = ddp__now() + 1.0;
+    ddp__frame f;
+    ddp__coll_describe(c, desc, sizeof desc);
+    p->gone = 1;
+    for (;;) {
+        if (first) {
+            f = *first;
+            first = NULL;
+        } else if (ddp__net_recv(p->fd, &f, sizeof f, deadline, err) != DDP_SUCCESS) {
+            break;
+        }
+        if (f.magic != DDP__FRAME_MAGIC) break;
+        if (f.kind == DDP__FRAME_ABORT && f.bytes > 0 && f.bytes <= DDP__ERR_MAX) {
+            char reason[DDP__ERR_MAX];
+            if (ddp__net_recv(p->fd, reason, (size_t)f.bytes, deadline, err) != DDP_SUCCESS) break;
+            reason[f.bytes - 1] = '\0';
+            return ddp__coll_fail(g, (ddp_result)f.code, "%s (reported by rank %d; this rank was in %s)", reason, peer, desc);
+        }
+        if (f.kind == DDP__FRAME_BYE)
+            return ddp__coll_fail(g, DDP_ERR_PEER_LOST,
+                                  "rank %d left the group (called ddp_destroy) while this rank was in %s; every rank "
+                                  "must make the same collective calls", peer, desc);
+        { /* skip a data frame's payload */
+            char sink[4096];
+            uint64_t left = f.bytes;
+            while (left > 0) {
+                size_t k = (size_t)DDP__MIN(left, (uint64_t)sizeof sink);
+                if (ddp__net_recv(p->fd, sink, k, deadline, err) != DDP_SUCCESS) break;
+                left -= k;
+            }
+            if (left > 0) break;
+        }
+    }
+    return ddp__coll_fail(g, DDP_ERR_PEER_LOST, "lost rank %d (%s): its process exited or its connection dropped, while this rank was in %s",
+                          peer, g->peer_names[peer], desc);
+}
+
+static ddp_result ddp__peer_failed(ddp_group *g, int peer, const ddp__coll *c) { return ddp__peer_failed_after(g, peer, c, NULL); }
+
+/* ---- one step of an algorithm: send to one peer while receiving from another ---- */
+
+/* Either side may be absent (peer -1). Sizes must agree with what the peer computes for the same
+   step; the fingerprint makes sure both sides run the same collective. */
+typedef struct ddp__step {
+    int send_peer;
+    const void *send_buf;
+    size_t send_bytes;
+    int recv_peer;
+    void *recv_buf;
+    size_t recv_bytes;
+} ddp__step;
+
+static void ddp__frame_init(ddp__frame *f, const ddp_group *g, const ddp__coll *c, int kind, uint64_t bytes) {
+    memset(f, 0, sizeof *f);
+    f->magic = DDP__FRAME_MAGIC;
+    f->kind = (uint8_t)kind;
+    f->coll = c->kind;
+    f->dtype = c->dtype;
+    f->op = c->op;
+    f->root = c->root;
+    f->src = g->rank;
+    f->seq = c->seq;
+    f->count = c->count;
+    f->bytes = bytes;
+}
+
+/* The header just received from `peer` is complete: is it the frame this step expects? */
+static ddp_result ddp__check_frame(ddp_group *g, const ddp__coll *c, int peer, const ddp__frame *f, size_t expect) {
+    char ours[160], theirs[160];
+    if (f->magic != DDP__FRAME_MAGIC)
+        return ddp__coll_fail(g, DDP_ERR_FORMAT, "corrupt message from rank %d (bad magic 0x%08x): is something else "
+                              "connected to this rank's port?", peer, (unsigned)f->magic);
+    if (f->kind == DDP__FRAME_ABORT || f->kind == DDP__FRAME_BYE) return ddp__peer_failed_after(g, peer, c, f);
+    if (f->kind != DDP__FRAME_DATA) return ddp__coll_fail(g, DDP_ERR_FORMAT, "corrupt message from rank %d (kind %d)", peer, f->kind);
+    if (!ddp__coll_equal(c, f)) {
+        ddp__coll t;
+        t.seq = f->seq;
+        t.count = f->count;
+        t.kind = f->coll;
+        t.dtype = f->dtype;
+        t.op = f->op;
+        t.root = f->root;
+        ddp__coll_describe(c, ours, sizeof ours);
+        ddp__coll_describe(&t, theirs, sizeof theirs);
+        return ddp__coll_fail(g, DDP_ERR_MISMATCH, "collective mismatch: rank %d called %s while rank %d called %s; every "
+                              "rank must call the same collectives in the same order with the same count, dtype, op and root",
+                              peer, theirs, g->rank, ours);
+    }
+    if (f->bytes != expect)
+        return ddp__coll_fail(g, DDP_ERR_FORMAT, "rank %d sent %llu bytes where %llu were expected in %s",
+                              peer, (unsigned long long)f->bytes, (unsigned long long)expect, ddp__coll_name(c->kind));
+    return DDP_SUCCESS;
+}
+
+static ddp_result ddp__exchange(ddp_group *g, const ddp__coll *c, const ddp__step *s) {
+    ddp__frame out, in;
+    size_t sent = 0, received = 0;          /* bytes of header + payload so far */
+    size_t send_total = s->send_peer >= 0 ? sizeof out + s->send_bytes : 0;
+    size_t recv_total = s->recv_peer >= 0 ? sizeof in + s->recv_bytes : 0;
+    struct pollfd *fds = g->pollfds;
+    int *owner = g->poll_owner;
+    double deadline = ddp__now() + g->timeout;
+    if (g->broken) return g->broken;
+    if (s->send_peer >= 0) ddp__frame_init(&out, g, c, DDP__FRAME_DATA, s->send_bytes);
+    while (sent < send_total || received < recv_total) {
+        int n = 0, i, rc, progressed = 0;
+        for (i = 0; i < g->world_size; i++) {
+            short ev = POLLRDHUP;
+            if (i == g->rank || g->peers[i].fd < 0) continue;
+            if (i == s->send_peer && sent < send_total) ev |= POLLOUT;
+            if (i == s->recv_peer && received < recv_total) ev |= POLLIN;
+            fds[n].fd = g->peers[i].fd;
+            fds[n].events = ev;
+            fds[n].revents = 0;
+            owner[n++] = i;
+        }
+        rc = poll(fds, (nfds_t)n, (int)DDP__MAX(1.0, DDP__MIN(1000.0, (deadline - ddp__now()) * 1000.0)));
+        if (rc < 0 && errno != EINTR) return ddp__coll_fail(g, DDP_ERR_SYSTEM, "poll failed: %s", strerror(errno));
+        for (i = 0; i < n && rc > 0; i++) {
+            int peer = owner[i], fd = fds[i].fd;
+            short re = fds[i].revents;
+            if (!re) continue;
+            if (peer == s->recv_peer && received < recv_total && (re & (POLLIN | POLLRDHUP | POLLHUP | POLLERR))) {
+                ssize_t k;
+                if (received < sizeof in) {
+                    k = recv(fd, (char *)&in + received, sizeof in - received, 0);
+                } else {
+                    k = recv(fd, (char *)s->recv_buf + (received - sizeof in), recv_total - received, 0);
+                }
+                if (k == 0) return ddp__peer_failed(g, peer, c);
+                if (k < 0 && errno != EAGAIN && errno != EWOULDBLOCK && errno != EINTR) return ddp__peer_failed(g, peer, c);
+                if (k > 0) {
+                    received += (size_t)k;
+                    progressed = 1;
+                    if (received == sizeof in) {
+                        ddp_result r = ddp__check_frame(g, c, peer, &in, s->recv_bytes);
+                        if (r) return r;
+                    }
+                }
+                continue;
+            }
+            /* A send-only peer that hung up: read its ABORT before sending (data sent to a closed
+               socket draws a reset that would destroy the frame). */
+            if (peer == s->send_peer && sent < send_total && (re & POLLOUT) && !(re & (POLLHUP | POLLERR | POLLRDHUP))) {
+                struct iovec iov[2];
+                struct msghdr mh;
+                ssize_t k;
+                int nv = 0;
+                memset(&mh, 0, sizeof mh);
+                if (sent < sizeof out) {
+                    iov[nv].iov_base = (char *)&out + sent;
+                    iov[nv++].iov_len = sizeof out - sent;
+                    if (s->send_bytes) {
+                        iov[nv].iov_base = (void *)s->send_buf;
+                        iov[nv++].iov_len = s->send_bytes;
+                    }
+                } else {
+                    iov[nv].iov_base = (char *)s->send_buf + (sent - sizeof out);
+                    iov[nv++].iov_len = send_total - sent;
+                }
+                mh.msg_iov = iov;
+                mh.msg_iovlen = (size_t)nv;
+                k = sendmsg(fd, &mh, MSG_NOSIGNAL);
+                if (k < 0 && errno != EAGAIN && errno != EWOULDBLOCK && errno != EINTR) return ddp__peer_failed(g, peer, c);
+                if (k > 0) {
+                    sent += (size_t)k;
+                    progressed = 1;
+                    g->peers[peer].send_owed = send_total - sent; /* header and payload still owed */
+                }
+                continue;
+            }
+            if (re & (POLLRDHUP | POLLHUP | POLLERR)) return ddp__peer_failed(g, peer, c);
+        }
+        if (progressed) {
+            deadline = ddp__now() + g->timeout;
+        } else if (ddp__now() > deadline) {
+            char desc[160];
+            int waiting_for = received < recv_total ? s->recv_peer : s->send_peer;
+            ddp__coll_describe(c, desc, sizeof desc);
+            return ddp__coll_fail(g, DDP_ERR_TIMEOUT, "timed out after %.0f s in %s waiting for rank %d (%s), which is alive "
+                                  "but not taking part: is it stuck, stopped, or in a different collective? (DDP_TIMEOUT "
+                                  "sets the limit)", g->timeout, desc, waiting_for, g->peer_names[waiting_for]);
+        }
+    }
+    return DDP_SUCCESS;
+}
+
+/* ---- closing connections ---- */
+
+/* Close every connection of a group that failed: half-close, then read until each peer closes too
+   (at most `seconds` in all), so that the close never carries a reset that destroys the ABORT frame
+   a slower peer has yet to read. */
+static void ddp__close_after_failure(ddp_group *g, double seconds) {
+    double deadline = ddp__now() + seconds;
+    char sink[4096];
+    int i;
+    for (i = 0; i < g->world_size; i++)
+        if (g->peers[i].fd >= 0) shutdown(g->peers[i].fd, SHUT_WR);
+    for (i = 0; i < g->world_size; i++) {
+        ddp__peer *p = &g->peers[i];
+        if (p->fd < 0) continue;
+        while (ddp__now() < deadline) {
+            ssize_t k = recv(p->fd, sink, sizeof sink, 0);
+            if (k == 0 || (k < 0 && errno != EAGAIN && errno != EWOULDBLOCK && errno != EINTR)) break;
+            if (k < 0) {
+                struct pollfd pf;
+                pf.fd = p->fd;
+                pf.events = POLLIN;
+                poll(&pf, 1, (int)DDP__MAX(1.0, (deadline - ddp__now()) * 1000.0));
+            }
+        }
+        close(p->fd);
+        p->fd = -1;
+    }
+}
+
+/* ---- graceful goodbye (ddp_destroy, after a final barrier) ---- */
+
+/* Send BYE to every peer, then read each peer's BYE, so that no peer sees our close while it still
+   waits on anything: it has already passed the same barrier. */
+static void ddp__say_goodbye(ddp_group *g, double seconds) {
+    ddp__coll none;
+    ddp__frame f;
+    char err[DDP__ERR_MAX];
+    int i;
+    double deadline = ddp__now() + seconds;
+    memset(&none, 0, sizeof none);
+    ddp__frame_init(&f, g, &none, DDP__FRAME_BYE, 0);
+    for (i = 0; i < g->world_size; i++)
+        if (g->peers[i].fd >= 0 && !g->peers[i].gone) ddp__net_send(g->peers[i].fd, &f, sizeof f, deadline, err);
+    for (i = 0; i < g->world_size; i++) {
+        ddp__frame in;
+        if (g->peers[i].fd < 0 || g->peers[i].gone) continue;
+        if (ddp__net_recv(g->peers[i].fd, &in, sizeof in, deadline, err) != DDP_SUCCESS || in.kind != DDP__FRAME_BYE)
+            ddp__log(g, DDP_LOG_DEBUG, "rank %d did not say goodbye cleanly: %s", i, err);
+    }
+}

@@ -17,6 +17,13 @@
 #include <time.h>
 #include <unistd.h>
 
+/* Every helper is static and may go unused by a given test. */
+#if defined(__GNUC__)
+#define TL_FN static __attribute__((unused))
+#else
+#define TL_FN static
+#endif
+
 /* CHECK(cond, "format", ...): on failure print where and why, and exit 1. */
 #define CHECK(cond, ...)                                                                      \
     do {                                                                                      \
@@ -38,7 +45,7 @@
     } while (0)
 
 /* A TCP port that was free a moment ago (bind to port 0 and read what the kernel gave). */
-static int tl_free_port(void) {
+TL_FN int tl_free_port(void) {
     struct sockaddr_in a;
     socklen_t len = sizeof a;
     int port, fd = socket(AF_INET, SOCK_STREAM, 0);
@@ -54,7 +61,7 @@ static int tl_free_port(void) {
     return port;
 }
 
-static double tl_now(void) {
+TL_FN double tl_now(void) {
     struct timespec ts;
     clock_gettime(CLOCK_MONOTONIC, &ts);
     return (double)ts.tv_sec + (double)ts.tv_nsec * 1e-9;
@@ -64,7 +71,14 @@ static double tl_now(void) {
    LOCAL_RANK, LOCAL_WORLD_SIZE, MASTER_ADDR=127.0.0.1, a free MASTER_PORT). Waits at most
    timeout_s, then kills them all. Returns 0 when every process exited 0; otherwise prints which
    did not and returns 1. fn's return value is the process's exit code. */
-static int tl_run_ranks(int n, int (*fn)(int rank, int n, void *arg), void *arg, double timeout_s) {
+TL_FN int tl_run_ranks_status(int n, int (*fn)(int rank, int n, void *arg), void *arg, double timeout_s, int *codes);
+TL_FN int tl_run_ranks(int n, int (*fn)(int rank, int n, void *arg), void *arg, double timeout_s) {
+    return tl_run_ranks_status(n, fn, arg, timeout_s, NULL);
+}
+
+/* The same, and codes[i] (when codes is not NULL) gets rank i's exit code, or -signal when killed,
+   or -1000 when it was still running at the timeout. */
+TL_FN int tl_run_ranks_status(int n, int (*fn)(int rank, int n, void *arg), void *arg, double timeout_s, int *codes) {
     pid_t pids[256];
     int status[256], done = 0, failed = 0, i;
     char port[16];
@@ -85,8 +99,10 @@ static int tl_run_ranks(int n, int (*fn)(int rank, int n, void *arg), void *arg,
             setenv("LOCAL_WORLD_SIZE", v, 1);
             setenv("MASTER_ADDR", "127.0.0.1", 1);
             setenv("MASTER_PORT", port, 1);
-            fflush(stdout);
-            _exit(fn(i, n, arg));
+            {
+                int code = fn(i, n, arg);
+                exit(code); /* not _exit: LeakSanitizer checks at exit (stdio was flushed before fork) */
+            }
         }
         status[i] = -1;
     }
@@ -113,6 +129,8 @@ static int tl_run_ranks(int n, int (*fn)(int rank, int n, void *arg), void *arg,
         }
         usleep(2000);
     }
+    for (i = 0; i < n && codes; i++)
+        codes[i] = failed && status[i] == -1 ? -1000 : WIFEXITED(status[i]) ? WEXITSTATUS(status[i]) : -WTERMSIG(status[i]);
     for (i = 0; i < n; i++) {
         if (WIFEXITED(status[i]) && WEXITSTATUS(status[i]) == 0) continue;
         failed = 1;
@@ -125,9 +143,38 @@ static int tl_run_ranks(int n, int (*fn)(int rank, int n, void *arg), void *arg,
 }
 
 /* Deterministic pseudo-random numbers for test data (splitmix64). */
-static uint64_t tl_rand(uint64_t *state) {
+TL_FN uint64_t tl_rand(uint64_t *state) {
     uint64_t z = (*state += 0x9E3779B97F4A7C15ull);
     z = (z ^ (z >> 30)) * 0xBF58476D1CE4E5B9ull;
     z = (z ^ (z >> 27)) * 0x94D049BB133111EBull;
     return z ^ (z >> 31);
+}
+
+/* ---- reference f16 / bf16 rounding, written independently of the library's bit tricks ----
+   A finite float is rounded to the nearest value on the target format's grid by scaling it so
+   the grid becomes the integers and calling nearbyint (round half to even). */
+TL_FN double tl_round_to_format(double x, int mantissa_bits, int min_exp, double max_finite) {
+    int e;
+    double q, ulp;
+    if (x != x || x == 0.0) return x;
+    frexp(fabs(x), &e);             /* |x| = m * 2^e, m in [0.5, 1) */
+    if (e - 1 < min_exp) e = min_exp + 1; /* subnormal range: a fixed grid */
+    ulp = ldexp(1.0, e - 1 - mantissa_bits);
+    q = nearbyint(x / ulp) * ulp;
+    if (fabs(q) > max_finite) return x > 0 ? INFINITY : -INFINITY;
+    return q;
+}
+TL_FN float tl_ref_f16(float x) { return (float)tl_round_to_format(x, 10, -14, 65504.0); }
+TL_FN float tl_ref_bf16(float x) { return (float)tl_round_to_format(x, 7, -126, 3.3895313892515355e38); }
+/* decode binary16 bits with ldexp (independent of the library's decoder) */
+TL_FN float tl_decode_f16(uint16_t h) {
+    int e = (h >> 10) & 31, m = h & 1023;
+    double v = e == 0 ? ldexp(m, -24) : e == 31 ? (m ? NAN : INFINITY) : ldexp(1024 + m, e - 25);
+    return (float)((h & 0x8000) ? -v : v);
+}
+TL_FN float tl_decode_bf16(uint16_t b) {
+    uint32_t u = (uint32_t)b << 16;
+    float f;
+    memcpy(&f, &u, 4);
+    return f;
 }

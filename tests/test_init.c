@@ -1,0 +1,335 @@
+/* ddp_init: every launcher environment (torchrun, Open MPI, MPICH/Hydra, SLURM), the descriptor,
+   tcp:// and file:// init methods, a single process, timeouts from the environment and the
+   descriptor, subgroups, and every init error: unreachable master, port in use, ranks that disagree
+   on the world size, two processes claiming one rank, rank >= world size, malformed environment
+   values. Each process sets its own environment before ddp_init, as a launcher would. */
+#include "testlib.h"
+
+static int port;        /* a free port for the scenario */
+static char job_id[64]; /* for launchers that do not set MASTER_PORT */
+
+static void clear_env(void) {
+    static const char *vars[] = {"RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT",
+                                 "OMPI_COMM_WORLD_RANK", "OMPI_COMM_WORLD_SIZE", "OMPI_COMM_WORLD_LOCAL_RANK",
+                                 "OMPI_COMM_WORLD_LOCAL_SIZE", "OMPI_MCA_ess_base_jobid", "PMI_RANK", "PMI_SIZE",
+                                 "MPI_LOCALRANKID", "MPI_LOCALNRANKS", "PMIX_NAMESPACE", "SLURM_PROCID", "SLURM_NTASKS",
+                                 "SLURM_LOCALID", "SLURM_JOB_ID", "SLURM_NODELIST", "SLURM_STEP_NODELIST", "DDP_TIMEOUT",
+                                 "DDP_RESTART_COUNT", "TORCHELASTIC_RESTART_COUNT", "PMI_ID", "SLURM_STEP_ID"};
+    size_t i;
+    for (i = 0; i < sizeof vars / sizeof vars[0]; i++) unsetenv(vars[i]);
+    setenv("DDP_LOG_LEVEL", "none", 1);
+}
+
+static void setenv_int(const char *name, int v) {
+    char s[32];
+    snprintf(s, sizeof s, "%d", v);
+    setenv(name, s, 1);
+}
+
+/* A group is usable: an all_reduce of the ranks gives n(n-1)/2. */
+static void check_group(ddp_group *g, int rank, int n) {
+    int64_t x = ddp_rank(g);
+    CHECK(ddp_rank(g) == rank && ddp_world_size(g) == n, "group is rank %d of %d, expected %d of %d", ddp_rank(g), ddp_world_size(g), rank, n);
+    CHECK_OK(ddp_all_reduce(g, &x, 1, DDP_I64, DDP_SUM), g);
+    CHECK(x == (int64_t)n * (n - 1) / 2, "rank %d: sum of ranks %lld", rank, (long long)x);
+}
+
+static void expect_init_error(const ddp_init_desc *d, ddp_result want, const char *fragment, const char *what) {
+    ddp_group *g = NULL;
+    ddp_result r = ddp_init(d, &g);
+    CHECK(r == want, "%s: ddp_init returned %s (%s), expected %s", what, ddp_result_string(r), ddp_last_error(NULL), ddp_result_string(want));
+    CHECK(g == NULL, "%s: a group was returned with an error", what);
+    CHECK(strstr(ddp_last_error(NULL), fragment), "%s: message \"%s\" lacks \"%s\"", what, ddp_last_error(NULL), fragment);
+}
+
+/* ---- launchers ---- */
+
+static int alone(int rank, int n, void *arg) {
+    ddp_group *g;
+    float x[3] = {1.5f, -2, 4}, y[3];
+    (void)rank, (void)n, (void)arg;
+    clear_env();
+    CHECK_OK(ddp_init(NULL, &g), NULL);
+    CHECK(ddp_rank(g) == 0 && ddp_world_size(g) == 1 && ddp_local_rank(g) == 0 && ddp_local_world_size(g) == 1, "not a world of one");
+    CHECK(ddp_group_store(g) == NULL, "a single process needs no store");
+    CHECK(ddp_timeout(g) == 300.0, "default timeout %g", ddp_timeout(g));
+    CHECK_OK(ddp_all_reduce(g, x, 3, DDP_F32, DDP_AVG), g);
+    CHECK(x[0] == 1.5f && x[1] == -2 && x[2] == 4, "AVG over one rank changed the data");
+    CHECK_OK(ddp_all_gather(g, x, y, 3, DDP_F32), g);
+    CHECK(y[2] == 4, "all_gather over one rank");
+    CHECK_OK(ddp_barrier(g), g);
+    CHECK_OK(ddp_destroy(g), NULL);
+    return 0;
+}
+
+static int torchrun_env(int rank, int n, void *arg) {
+    ddp_group *g;
+    (void)arg;
+    setenv("DDP_TIMEOUT", "2.5", 1);
+    CHECK_OK(ddp_init(NULL, &g), NULL);
+    CHECK(ddp_timeout(g) == 2.5, "DDP_TIMEOUT=2.5 gave %g", ddp_timeout(g));
+    CHECK(ddp_local_rank(g) == rank && ddp_local_world_size(g) == n, "local rank %d/%d", ddp_local_rank(g), ddp_local_world_size(g));
+    check_group(g, rank, n);
+    CHECK_OK(ddp_destroy(g), NULL);
+    return 0;
+}
+
+static int descriptor_tcp(int rank, int n, void *arg) {
+    ddp_init_desc d;
+    ddp_group *g;
+    char url[64];
+    (void)arg;
+    clear_env();
+    setenv("DDP_TIMEOUT", "99", 1); /* the descriptor wins */
+    snprintf(url, sizeof url, "tcp://127.0.0.1:%d", port);
+    memset(&d, 0, sizeof d);
+    d.rank = rank;
+    d.world_size = n;
+    d.init_method = url;
+    d.timeout_seconds = 42;
+    CHECK_OK(ddp_init(&d, &g), NULL);
+    CHECK(ddp_timeout(g) == 42, "descriptor timeout 42 gave %g", ddp_timeout(g));
+    CHECK(ddp_local_rank(g) == rank && ddp_local_world_size(g) == n, "computed local rank %d/%d", ddp_local_rank(g), ddp_local_world_size(g));
+    check_group(g, rank, n);
+    CHECK_OK(ddp_destroy(g), NULL);
+    return 0;
+}
+
+static char file_url[256];
+static int descriptor_file(int rank, int n, void *arg) {
+    ddp_init_desc d;
+    ddp_group *g;
+    (void)arg;
+    clear_env();
+    memset(&d, 0, sizeof d);
+    d.rank = rank;
+    d.world_size = n;
+    d.init_method = file_url;
+    CHECK_OK(ddp_init(&d, &g), NULL);
+    check_group(g, rank, n);
+    CHECK_OK(ddp_destroy(g), NULL);
+    return 0;
+}
+
+static int open_mpi_env(int rank, int n, void *arg) {
+    ddp_group *g;
+    (void)arg;
+    clear_env();
+    setenv_int("OMPI_COMM_WORLD_RANK", rank);
+    setenv_int("OMPI_COMM_WORLD_SIZE", n);
+    setenv_int("OMPI_COMM_WORLD_LOCAL_RANK", n - 1 - rank); /* the launcher's word is taken */
+    setenv_int("OMPI_COMM_WORLD_LOCAL_SIZE", n);
+    setenv("OMPI_MCA_ess_base_jobid", job_id, 1);
+    CHECK_OK(ddp_init(NULL, &g), NULL);
+    CHECK(ddp_local_rank(g) == n - 1 - rank, "OMPI local rank not used: %d", ddp_local_rank(g));
+    check_group(g, rank, n);
+    CHECK_OK(ddp_destroy(g), NULL);
+    return 0;
+}
+
+static int hydra_env(int rank, int n, void *arg) {
+    ddp_group *g;
+    (void)arg;
+    clear_env();
+    setenv_int("PMI_RANK", rank);
+    setenv_int("PMI_SIZE", n);
+    setenv_int("MPI_LOCALRANKID", rank);
+    setenv("PMIX_NAMESPACE", job_id, 1);
+    CHECK_OK(ddp_init(NULL, &g), NULL);
+    check_group(g, rank, n);
+    CHECK_OK(ddp_destroy(g), NULL);
+    return 0;
+}
+
+static int slurm_env(int rank, int n, void *arg) {
+    ddp_group *g;
+    (void)arg;
+    clear_env();
+    setenv_int("SLURM_PROCID", rank);
+    setenv_int("SLURM_NTASKS", n);
+    setenv_int("SLURM_LOCALID", rank);
+    setenv("SLURM_JOB_ID", job_id, 1);
+    setenv("SLURM_NODELIST", "localhost", 1);
+    CHECK_OK(ddp_init(NULL, &g), NULL);
+    check_group(g, rank, n);
+    CHECK_OK(ddp_destroy(g), NULL);
+    return 0;
+}
+
+static int subgroups(int rank, int n, void *arg) {
+    ddp_group *g, *sub = NULL, *bad = NULL;
+    int members[2] = {3, 1}, other[2] = {0, 2}, invalid[2] = {1, 1};
+    int64_t x;
+    ddp_result r;
+    (void)arg;
+    CHECK_OK(ddp_init(NULL, &g), NULL);
+    CHECK_OK(ddp_new_group(g, members, 2, &sub), g);
+    if (rank == 3 || rank == 1) {
+        CHECK(sub && ddp_rank(sub) == (rank == 3 ? 0 : 1) && ddp_world_size(sub) == 2, "subgroup rank %d", sub ? ddp_rank(sub) : -1);
+        x = rank;
+        CHECK_OK(ddp_all_reduce(sub, &x, 1, DDP_I64, DDP_SUM), sub);
+        CHECK(x == 4, "subgroup all_reduce gave %lld", (long long)x);
+    } else {
+        CHECK(sub == NULL, "rank %d is not a member but got a subgroup", rank);
+    }
+    check_group(g, rank, n); /* the parent still works beside the subgroup */
+    if (sub) {
+        r = ddp_destroy(g);
+        CHECK(r == DDP_ERR_STATE, "destroying a parent with a live subgroup: %s", ddp_result_string(r));
+        CHECK_OK(ddp_destroy(sub), NULL);
+    }
+    /* a different list on rank 0: every rank fails, none waits */
+    r = ddp_new_group(g, rank == 0 ? other : members, 2, &bad);
+    CHECK(r == DDP_ERR_MISMATCH && bad == NULL, "rank %d: different lists gave %s: %s", rank, ddp_result_string(r), ddp_last_error(g));
+    r = ddp_new_group(g, rank == 2 ? invalid : members, 2, &bad);
+    CHECK(r == DDP_ERR_INVALID_ARGUMENT && bad == NULL, "rank %d: an invalid list on rank 2 gave %s: %s", rank, ddp_result_string(r), ddp_last_error(g));
+    CHECK_OK(ddp_destroy(g), NULL);
+    return 0;
+}
+
+/* ---- errors ---- */
+
+static int unreachable_master(int rank, int n, void *arg) {
+    ddp_init_desc d;
+    double t0 = tl_now();
+    char where[64];
+    (void)n, (void)arg;
+    if (rank != 1) return 0; /* rank 0 never starts */
+    setenv_int("MASTER_PORT", port);
+    memset(&d, 0, sizeof d);
+    d.timeout_seconds = 1.0;
+    snprintf(where, sizeof where, "127.0.0.1:%d", port);
+    expect_init_error(&d, DDP_ERR_TIMEOUT, where, "unreachable master");
+    CHECK(tl_now() - t0 < 4.0, "giving up on the master took %.1f s with a 1 s timeout", tl_now() - t0);
+    return 0;
+}
+
+static int port_in_use(int rank, int n, void *arg) {
+    int fd = socket(AF_INET, SOCK_STREAM, 0), one = 1;
+    struct sockaddr_in a;
+    (void)n, (void)arg;
+    if (rank != 0) return 0;
+    setenv_int("MASTER_PORT", port);
+    setenv("WORLD_SIZE", "2", 1);
+    memset(&a, 0, sizeof a);
+    a.sin_family = AF_INET;
+    a.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+    a.sin_port = htons((uint16_t)port);
+    setsockopt(fd, SOL_SOCKET, SO_REUSEADDR, &one, sizeof one);
+    CHECK(bind(fd, (struct sockaddr *)&a, sizeof a) == 0 && listen(fd, 1) == 0, "could not occupy the port");
+    expect_init_error(NULL, DDP_ERR_INIT, "already in use", "port in use");
+    close(fd);
+    return 0;
+}
+
+static int world_size_disagreement(int rank, int n, void *arg) {
+    ddp_init_desc d;
+    ddp_group *g = NULL;
+    ddp_result r;
+    (void)arg;
+    if (rank == n - 1) setenv_int("WORLD_SIZE", n + 1);
+    memset(&d, 0, sizeof d);
+    d.timeout_seconds = 20;
+    r = ddp_init(&d, &g);
+    CHECK(r == DDP_ERR_MISMATCH, "rank %d: disagreeing world sizes gave %s: %s", rank, ddp_result_string(r), ddp_last_error(NULL));
+    CHECK(strstr(ddp_last_error(NULL), "world size"), "rank %d: message \"%s\"", rank, ddp_last_error(NULL));
+    return 0;
+}
+
+static int duplicate_rank(int rank, int n, void *arg) {
+    ddp_init_desc d;
+    ddp_group *g = NULL;
+    ddp_result r;
+    (void)arg;
+    if (rank == n - 1) setenv_int("RANK", 1); /* ranks 0, 1, 1 of a world of 3 */
+    if (getenv("TEST_DEBUG")) setenv("DDP_LOG_LEVEL", "debug", 1);
+    memset(&d, 0, sizeof d);
+    d.timeout_seconds = 20;
+    r = ddp_init(&d, &g);
+    CHECK(r == DDP_ERR_INIT, "process %d: a duplicate rank gave %s: %s", rank, ddp_result_string(r), ddp_last_error(NULL));
+    CHECK(strstr(ddp_last_error(NULL), "two processes claim rank 1"), "process %d: message \"%s\"", rank, ddp_last_error(NULL));
+    return 0;
+}
+
+static int bad_environment(int rank, int n, void *arg) {
+    ddp_init_desc d;
+    (void)rank, (void)n, (void)arg;
+    clear_env();
+    memset(&d, 0, sizeof d);
+    setenv("RANK", "2", 1), setenv("WORLD_SIZE", "2", 1), setenv("MASTER_ADDR", "127.0.0.1", 1), setenv("MASTER_PORT", "29500", 1);
+    expect_init_error(NULL, DDP_ERR_INIT, "rank 2 is out of range for world size 2", "rank >= world size");
+    setenv("WORLD_SIZE", "abc", 1);
+    expect_init_error(NULL, DDP_ERR_INIT, "WORLD_SIZE=\"abc\"", "malformed WORLD_SIZE");
+    setenv("WORLD_SIZE", "2", 1), setenv("RANK", "-1", 1);
+    expect_init_error(NULL, DDP_ERR_INIT, "RANK=\"-1\"", "negative RANK");
+    unsetenv("RANK");
+    expect_init_error(NULL, DDP_ERR_INIT, "WORLD_SIZE is set but RANK is not", "RANK missing");
+    setenv("RANK", "0", 1), setenv("MASTER_PORT", "70000", 1);
+    expect_init_error(NULL, DDP_ERR_INIT, "MASTER_PORT=\"70000\"", "port out of range");
+    setenv("MASTER_PORT", "29500", 1), unsetenv("MASTER_ADDR");
+    expect_init_error(NULL, DDP_ERR_INIT, "MASTER_ADDR is not set", "MASTER_ADDR missing");
+    setenv("MASTER_ADDR", "127.0.0.1", 1), setenv("DDP_TIMEOUT", "soon", 1);
+    expect_init_error(NULL, DDP_ERR_INIT, "DDP_TIMEOUT=\"soon\"", "malformed DDP_TIMEOUT");
+    unsetenv("DDP_TIMEOUT");
+    d.init_method = "http://127.0.0.1:80";
+    expect_init_error(&d, DDP_ERR_INVALID_ARGUMENT, "http://127.0.0.1:80", "unknown init method");
+    d.init_method = "tcp://127.0.0.1";
+    expect_init_error(&d, DDP_ERR_INVALID_ARGUMENT, "tcp://host:port", "tcp:// without a port");
+    d.init_method = NULL;
+    d.backend = "gloo";
+    expect_init_error(&d, DDP_ERR_INVALID_ARGUMENT, "\"gloo\"", "unknown backend");
+    d.backend = "nccl";
+    expect_init_error(&d, DDP_ERR_UNSUPPORTED, "cpu", "nccl without a GPU build");
+    d.backend = NULL;
+    d.world_size = 2, d.rank = 5;
+    expect_init_error(&d, DDP_ERR_INIT, "rank 5 is out of range", "descriptor rank out of range");
+    d.world_size = -1;
+    expect_init_error(&d, DDP_ERR_INVALID_ARGUMENT, "world_size is -1", "negative descriptor world size");
+    CHECK(ddp_init(NULL, NULL) == DDP_ERR_INVALID_ARGUMENT, "ddp_init(NULL, NULL) must be rejected");
+    return 0;
+}
+
+typedef struct scenario {
+    const char *name;
+    int world;
+    int (*fn)(int, int, void *);
+} scenario;
+
+int main(int argc, char **argv) {
+    static const scenario scenarios[] = {
+        {"single process, nothing set", 1, alone},
+        {"torchrun environment + DDP_TIMEOUT", 3, torchrun_env},
+        {"descriptor + tcp:// + descriptor timeout", 3, descriptor_tcp},
+        {"descriptor + file://", 3, descriptor_file},
+        {"Open MPI environment", 3, open_mpi_env},
+        {"MPICH/Hydra environment", 2, hydra_env},
+        {"SLURM environment", 2, slurm_env},
+        {"subgroups", 4, subgroups},
+        {"unreachable master", 2, unreachable_master},
+        {"port in use", 1, port_in_use},
+        {"ranks disagree on world size", 3, world_size_disagreement},
+        {"two processes claim one rank", 3, duplicate_rank},
+        {"malformed environment and descriptor", 1, bad_environment},
+    };
+    size_t i;
+    int failed = 0;
+    for (i = 0; i < sizeof scenarios / sizeof scenarios[0]; i++) {
+        double t0 = tl_now();
+        int rc;
+        if (argc > 1 && !strstr(scenarios[i].name, argv[1])) continue; /* test_init NAME-FRAGMENT runs one */
+        port = tl_free_port();
+        snprintf(job_id, sizeof job_id, "job-%d-%zu-%d", (int)getpid(), i, port);
+        snprintf(file_url, sizeof file_url, "file:///tmp/ddp_test_init_%d_%zu", (int)getpid(), i);
+        rc = tl_run_ranks(scenarios[i].world, scenarios[i].fn, NULL, 60);
+        printf("%-44s world %d: %s (%.1f s)\n", scenarios[i].name, scenarios[i].world, rc ? "FAILED" : "ok", tl_now() - t0);
+        fflush(stdout);
+        failed |= rc;
+    }
+    if (argc < 2) {
+        struct stat st;
+        char path[256];
+        snprintf(path, sizeof path, "/tmp/ddp_test_init_%d_3", (int)getpid());
+        CHECK(stat(path, &st) != 0, "the file store %s was not removed by its last user", path);
+    }
+    return failed;
+}

@@ -1,0 +1,20 @@
+#!/usr/bin/env bash
+# The multi-process tests again, built with AddressSanitizer + UndefinedBehaviorSanitizer (and
+# LeakSanitizer, which runs at each rank's exit) and with ThreadSanitizer (the progress thread and
+# the store server thread). Any report fails the run (-fno-sanitize-recover, halt_on_error).
+# The large-count collective cases are skipped (TEST_QUICK): they run the same code as small ones.
+set -eu
+cd "$(dirname "$0")/.."
+export ASAN_OPTIONS=detect_leaks=1:halt_on_error=1 UBSAN_OPTIONS=halt_on_error=1:print_stacktrace=1
+export TSAN_OPTIONS=halt_on_error=1:second_deadlock_stack=1 TEST_QUICK=1
+tests="test_errors test_init test_collectives ${SANITIZER_EXTRA_TESTS:-}"
+for san in address thread; do
+  targets=""
+  for t in $tests; do targets="$targets build-$san/$t"; done
+  make -s SAN=$san $targets
+  for t in $tests; do
+    echo "== $t under $san sanitizer"
+    if [ "$t" = test_collectives ]; then build-$san/$t 1 2 3 4; else build-$san/$t; fi
+  done
+done
+echo "sanitizers: no reports"

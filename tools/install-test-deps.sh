@@ -1,0 +1,12 @@
+#!/usr/bin/env bash
+# Installs what `make test` needs on Debian/Ubuntu: compilers, Open MPI (the mpirun tests and the peer
+# benchmarks), PyTorch 1.13 + NumPy (the interop tests compare ddp.h with torch itself), clang's
+# sanitizer/fuzzer runtimes, and iproute2 (network-namespace tests). Uses sudo when not root.
+set -eu
+SUDO=""
+[ "$(id -u)" -eq 0 ] || SUDO=sudo
+export DEBIAN_FRONTEND=noninteractive
+$SUDO apt-get update -q
+$SUDO apt-get install -y -q --no-install-recommends \
+  build-essential clang libclang-rt-14-dev make python3 \
+  openmpi-bin libopenmpi-dev python3-torch python3-numpy iproute2 procps
