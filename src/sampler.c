@@ -155,14 +155,17 @@ static void ddp__randperm_inside_out(void *r, int wide, uint64_t n, ddp__mt19937
     }
 }
 
+/* Which of the two shuffles torch.randperm(n) runs: current torch switches at 214748364, legacy never. */
+static int ddp__randperm_is_inside_out(uint64_t n, int legacy) { return !legacy && n >= DDP__RANDPERM_SPLIT; }
+
 /* torch.randperm(n, generator=torch.Generator().manual_seed(seed)) into r. */
 static void ddp__randperm(void *r, int wide, uint64_t n, uint64_t seed, int legacy) {
     ddp__mt19937 g;
     ddp__mt_seed(&g, seed);
-    if (legacy || n < DDP__RANDPERM_SPLIT)
-        ddp__randperm_swap(r, wide, n, &g);
-    else
+    if (ddp__randperm_is_inside_out(n, legacy))
         ddp__randperm_inside_out(r, wide, n, &g);
+    else
+        ddp__randperm_swap(r, wide, n, &g);
 }
 
 /* ---- the streaming permutation: a keyed Feistel bijection with cycle walking ----

@@ -12,17 +12,19 @@ static void test_free(void *p);
 #define DDP_FREE(p) test_free(p)
 #include "testlib.h"
 
-#include <sys/mman.h>
-
-static size_t live_bytes, peak_bytes; /* of the library's allocations */
+/* Bytes the library holds, and the most it held; the group's threads allocate too, hence the lock. */
+static size_t live_bytes, peak_bytes;
+static pthread_mutex_t hook_mu = PTHREAD_MUTEX_INITIALIZER;
 
 static void *test_realloc(void *p, size_t size) {
     size_t *block = p ? (size_t *)p - 2 : NULL, old = block ? block[0] : 0;
     block = (size_t *)realloc(block, size + 2 * sizeof(size_t));
     if (!block) return NULL;
+    block[0] = size;
+    pthread_mutex_lock(&hook_mu);
     live_bytes = live_bytes - old + size;
     peak_bytes = DDP__MAX(peak_bytes, live_bytes);
-    block[0] = size;
+    pthread_mutex_unlock(&hook_mu);
     return block + 2;
 }
 
@@ -30,7 +32,9 @@ static void *test_malloc(size_t size) { return test_realloc(NULL, size); }
 
 static void test_free(void *p) {
     if (!p) return;
+    pthread_mutex_lock(&hook_mu);
     live_bytes -= ((size_t *)p - 2)[0];
+    pthread_mutex_unlock(&hook_mu);
     free((size_t *)p - 2);
 }
 
@@ -402,6 +406,17 @@ static void test_batches_and_resume(void) {
     }
 }
 
+/* The regime switch sits exactly where current torch has it: n < UINT32_MAX / 20 keeps the swap loop.
+   (Both regimes are compared with references at n = 214748364 in tests/test_interop_sampler.sh.) */
+static void test_randperm_split(void) {
+    CHECK(4294967295u / 20 == 214748364u, "the split");
+    CHECK(!ddp__randperm_is_inside_out(214748363u, 0), "214748363: the swap loop");
+    CHECK(ddp__randperm_is_inside_out(214748364u, 0), "214748364: inside-out");
+    CHECK(ddp__randperm_is_inside_out(5000000000ull, 0), "5e9: inside-out");
+    CHECK(!ddp__randperm_is_inside_out(214748364u, 1) && !ddp__randperm_is_inside_out(5000000000ull, 1),
+          "legacy: the swap loop at every n");
+}
+
 static void test_epochs_differ_and_legacy_equal_below_split(void) {
     ddp_sampler_desc d = desc_of(1000, 3, 1, 17);
     uint64_t c1, c2, c3, k, same = 0;
@@ -532,50 +547,64 @@ static void test_errors(void) {
     expect_error(ddp_sampler_indices(&s, out), DDP_ERR_INVALID_ARGUMENT, "freed sampler", "not initialised");
 }
 
-/* Each rank in its own process, sharing nothing: together they deal out the dataset as torch would. */
-typedef struct shared_result {
-    uint64_t n;
-    int64_t idx[64][40];
-    uint64_t count[64];
-} shared_result;
-
-static shared_result *g_shared;
+/* Real ranks (processes joined by ddp_init, collectives between them), each with its own sampler and no
+   shared state. Evaluation mode: all_gather of the shards is every index once, and the all-reduced sum of
+   the indices is exactly n(n-1)/2 (a metric computed this way counts every sample once). Torch mode: the
+   shards, interleaved by rank, are the padded list of the R = 1 permutation -- duplicates included. */
+#define RANKS_N 1003
 
 static int rank_main(int rank, int world, void *arg) {
+    ddp_group *g;
     ddp_sampler s;
-    ddp_sampler_desc d = desc_of(g_shared->n, world, rank, 1234);
+    ddp_sampler_desc d = desc_of(RANKS_N, world, rank, 1234);
+    int64_t mine[RANKS_N], all[RANKS_N + 8], sum = 0, perm[RANKS_N];
+    uint64_t count, k, cap = (RANKS_N + (uint64_t)world - 1) / (uint64_t)world, perm_count;
+    unsigned char seen[RANKS_N] = {0};
+    int mode;
     (void)arg;
-    d.mode = DDP_SAMPLER_EVAL;
-    if (ddp_sampler_init(&s, &d) != DDP_SUCCESS) return 2;
-    ddp_sampler_set_epoch(&s, 4);
-    g_shared->count[rank] = ddp_sampler_num_samples(&s);
-    if (g_shared->count[rank] > 40 || ddp_sampler_indices(&s, g_shared->idx[rank]) != DDP_SUCCESS) return 3;
-    ddp_sampler_free(&s);
+    CHECK_OK(ddp_init(NULL, &g), NULL);
+    CHECK(ddp_world_size(g) == world && ddp_rank(g) == rank, "group shape");
+    d.num_replicas = ddp_world_size(g);
+    d.rank = ddp_rank(g);
+    for (mode = 0; mode < 2; mode++) {
+        d.mode = mode ? DDP_SAMPLER_EVAL : DDP_SAMPLER_TORCH;
+        CHECK_OK(ddp_sampler_init(&s, &d), NULL);
+        ddp_sampler_set_epoch(&s, 4);
+        count = ddp_sampler_num_samples(&s);
+        for (k = 0; k < cap; k++) mine[k] = -1; /* eval shards may be one short: pad for the gather */
+        CHECK_OK(ddp_sampler_indices(&s, mine), NULL);
+        ddp_sampler_free(&s);
+        CHECK_OK(ddp_all_gather(g, mine, all, cap, DDP_I64), g);
+        for (k = 0, sum = 0; k < count; k++) sum += mine[k];
+        CHECK_OK(ddp_all_reduce(g, &sum, 1, DDP_I64, DDP_SUM), g);
+        if (mode) {
+            memset(seen, 0, sizeof seen);
+            for (k = 0; k < cap * (uint64_t)world; k++) {
+                if (all[k] < 0) continue;
+                CHECK(all[k] < RANKS_N && !seen[all[k]], "eval: %lld twice or out of range", (long long)all[k]);
+                seen[all[k]] = 1;
+            }
+            for (k = 0; k < RANKS_N; k++) CHECK(seen[k], "eval: index %llu missing", (unsigned long long)k);
+            CHECK(sum == (int64_t)RANKS_N * (RANKS_N - 1) / 2, "eval: sum of indices %lld", (long long)sum);
+        } else {
+            ddp_sampler_desc one = desc_of(RANKS_N, 1, 0, 1234);
+            int64_t *p = indices_of(&one, 4, &perm_count);
+            memcpy(perm, p, sizeof perm);
+            free(p);
+            for (k = 0; k < cap * (uint64_t)world; k++) { /* rank r's k-th index is position r + k*R */
+                uint64_t r = k / cap, i = k % cap;
+                CHECK(all[k] == perm[(r + i * (uint64_t)world) % RANKS_N], "torch mode: rank %llu index %llu",
+                      (unsigned long long)r, (unsigned long long)i);
+            }
+        }
+    }
+    CHECK_OK(ddp_destroy(g), NULL);
     return 0;
 }
 
-static void test_ranks_in_processes(void) {
-    int world = 5, r;
-    uint64_t k, total = 0, count;
-    unsigned char seen[150] = {0};
-    ddp_sampler_desc d = desc_of(150, 1, 0, 1234);
-    int64_t *perm = indices_of(&d, 4, &count);
-    g_shared = (shared_result *)mmap(NULL, sizeof *g_shared, PROT_READ | PROT_WRITE, MAP_SHARED | MAP_ANONYMOUS, -1, 0);
-    CHECK(g_shared != MAP_FAILED, "mmap");
-    g_shared->n = 150;
-    CHECK(tl_run_ranks(world, rank_main, NULL, 60) == 0, "ranks failed");
-    for (r = 0; r < world; r++) {
-        for (k = 0; k < g_shared->count[r]; k++) {
-            int64_t x = g_shared->idx[r][k];
-            CHECK(x >= 0 && x < 150 && !seen[x], "rank %d hands out %lld again", r, (long long)x);
-            CHECK(x == perm[(uint64_t)r + k * (uint64_t)world], "rank %d's order", r);
-            seen[x] = 1;
-        }
-        total += g_shared->count[r];
-    }
-    CHECK(total == 150, "the ranks together hand out every index once");
-    munmap(g_shared, sizeof *g_shared);
-    free(perm);
+static void test_ranks_with_collectives(void) {
+    int worlds[] = {3, 4}, i;
+    for (i = 0; i < 2; i++) CHECK(tl_run_ranks(worlds[i], rank_main, NULL, 120) == 0, "%d ranks failed", worlds[i]);
 }
 
 int main(void) {
@@ -588,11 +617,12 @@ int main(void) {
     test_streaming_chi_square_huge();
     test_streaming_huge();
     test_batches_and_resume();
+    test_randperm_split();
     test_epochs_differ_and_legacy_equal_below_split();
     test_memory();
     test_same_epoch_warning();
     test_errors();
-    test_ranks_in_processes();
+    test_ranks_with_collectives();
     printf("test_sampler: all passed\n");
     return 0;
 }

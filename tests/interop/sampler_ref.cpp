@@ -4,7 +4,6 @@
 // 32 bits). It shares no code with ddp.h. Prints one rank's DistributedSampler indices (drop_last=False),
 // one per line:
 //     sampler_ref N R RANK SEED EPOCH current|legacy
-//     sampler_ref N first SEED EPOCH      the swap loop's r[0] (its first draw % N; r[0] is final after step 0)
 // current: torch >= 2.7: the swap loop below N = 214748364 (UINT32_MAX / 20), inside-out with random64 above.
 // legacy:  torch <= 2.6 (1.13): the swap loop at every N.
 // The draws come first, a chunk at a time, so that the memory they will touch can be prefetched (without
@@ -23,11 +22,6 @@
 static const int64_t kChunk = 64;
 
 int main(int argc, char **argv) {
-    if (argc == 5 && std::strcmp(argv[2], "first") == 0) {
-        std::mt19937 engine(static_cast<uint32_t>(std::strtoull(argv[3], nullptr, 10) + std::strtoull(argv[4], nullptr, 10)));
-        std::printf("%llu\n", static_cast<unsigned long long>(engine() % std::strtoull(argv[1], nullptr, 10)));
-        return 0;
-    }
     if (argc != 7) {
         std::fprintf(stderr, "usage: sampler_ref N R RANK SEED EPOCH current|legacy\n");
         return 2;
