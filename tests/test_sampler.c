@@ -417,6 +417,71 @@ static void test_randperm_split(void) {
           "legacy: the swap loop at every n");
 }
 
+/* Above N = 2^32 the permutation is held in uint64 entries. No test machine has the 32 GiB that takes, so
+   the wide storage is forced (a private field) at small N: the indices must not change. */
+static void test_wide_entries(void) {
+    uint64_t rng = 77, trial;
+    for (trial = 0; trial < 40; trial++) {
+        ddp_sampler_desc d = desc_of(tl_rand(&rng) % 3000, 1 + (int)(tl_rand(&rng) % 9), 0, tl_rand(&rng));
+        ddp_sampler narrow, wide;
+        uint64_t count, k;
+        int64_t *a, *b;
+        d.rank = (int)(tl_rand(&rng) % (uint64_t)d.num_replicas);
+        d.drop_last = (int)(tl_rand(&rng) % 2);
+        d.permutation = (ddp_sampler_permutation)(tl_rand(&rng) % 2);
+        CHECK_OK(ddp_sampler_init(&narrow, &d), NULL);
+        CHECK_OK(ddp_sampler_init(&wide, &d), NULL);
+        CHECK(!narrow.shard_wide, "uint32 entries below 2^32");
+        wide.shard_wide = 1;
+        count = ddp_sampler_num_samples(&narrow);
+        a = (int64_t *)malloc((size_t)(count + 1) * sizeof *a);
+        b = (int64_t *)malloc((size_t)(count + 1) * sizeof *b);
+        CHECK_OK(ddp_sampler_indices(&narrow, a), NULL);
+        CHECK_OK(ddp_sampler_indices(&wide, b), NULL);
+        for (k = 0; k < count; k++) CHECK(a[k] == b[k], "wide entries change index %llu", (unsigned long long)k);
+        { /* and the inside-out shuffle, which the sampler only runs above 214748364, in both widths */
+            void *p32 = malloc((size_t)d.dataset_size * 4 + 4), *p64 = malloc((size_t)d.dataset_size * 8 + 8);
+            ddp__mt19937 g32, g64;
+            ddp__mt_seed(&g32, trial);
+            ddp__mt_seed(&g64, trial);
+            ddp__randperm_inside_out(p32, 0, d.dataset_size, &g32);
+            ddp__randperm_inside_out(p64, 1, d.dataset_size, &g64);
+            for (k = 0; k < d.dataset_size; k++)
+                CHECK(((uint32_t *)p32)[k] == ((uint64_t *)p64)[k], "inside-out in uint32 and uint64 entries");
+            free(p32);
+            free(p64);
+        }
+        ddp_sampler_free(&narrow);
+        ddp_sampler_free(&wide);
+        free(a);
+        free(b);
+    }
+}
+
+/* The inside-out shuffle (current torch above 214748364) written out plainly, at small N, against the
+   library's prefetching version: a permutation, and the same one. */
+static void test_inside_out_small(void) {
+    uint64_t n;
+    for (n = 0; n < 2000; n += 1 + n / 3) {
+        uint32_t *lib = (uint32_t *)malloc((size_t)n * 4 + 4), *plain = (uint32_t *)malloc((size_t)n * 4 + 4);
+        ddp__mt19937 g;
+        uint64_t i;
+        ddp__mt_seed(&g, n);
+        ddp__randperm_inside_out(lib, 0, n, &g);
+        ddp__mt_seed(&g, n);
+        for (i = 0; i < n; i++) { /* torch: r[i] = i; r[i] = r[z]; r[z] = i */
+            uint64_t hi = ddp__mt_random(&g), lo = ddp__mt_random(&g), z = ((hi << 32) | lo) % (i + 1);
+            plain[i] = (uint32_t)i;
+            plain[i] = plain[z];
+            plain[z] = (uint32_t)i;
+        }
+        for (i = 0; i < n; i++) CHECK(lib[i] == plain[i], "inside-out n=%llu position %llu", (unsigned long long)n,
+                                      (unsigned long long)i);
+        free(lib);
+        free(plain);
+    }
+}
+
 static void test_epochs_differ_and_legacy_equal_below_split(void) {
     ddp_sampler_desc d = desc_of(1000, 3, 1, 17);
     uint64_t c1, c2, c3, k, same = 0;
@@ -618,6 +683,8 @@ int main(void) {
     test_streaming_huge();
     test_batches_and_resume();
     test_randperm_split();
+    test_wide_entries();
+    test_inside_out_small();
     test_epochs_differ_and_legacy_equal_below_split();
     test_memory();
     test_same_epoch_warning();
