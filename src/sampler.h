@@ -139,7 +139,8 @@ DDP_API ddp_result ddp_sampler_indices(ddp_sampler *s, int64_t *out);
 DDP_API ddp_result ddp_sampler_next_batch(ddp_sampler *s, size_t batch_size, int64_t *out, size_t *got);
 
 /* ddp_sampler_position: how many of this epoch's indices next_batch has handed out (0 .. num_samples).
-   Save it with the epoch in a checkpoint to resume mid-epoch. 0 when s is not initialised. */
+   Save it with the epoch in a checkpoint to resume mid-epoch (ddp_resume_state's sampler_position and
+   epoch). 0 when s is not initialised. */
 DDP_API uint64_t ddp_sampler_position(const ddp_sampler *s);
 
 /* ddp_sampler_set_position: continue the current epoch from `position` (resume: set_epoch(saved epoch),
