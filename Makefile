@@ -50,7 +50,7 @@ demo: $(BUILD)/ddprun $(BUILD)/hello_collectives
 	$(BUILD)/ddprun --nproc-per-node 4 $(BUILD)/hello_collectives
 
 test: all
-	BUILD=$(BUILD) SAN=$(SAN) tests/run_tests.sh
+	BUILD=$(BUILD) SAN=$(SAN) SANFLAGS="$(SANFLAGS)" tests/run_tests.sh
 
 clean:
 	rm -rf build build-address build-thread

@@ -351,6 +351,7 @@ static ddp_result ddp__shm_setup(ddp_group *g) {
     if (r || !same) return r;
 
     half = DDP__MIN(DDP__MAX(((size_t)8 << 20) / (size_t)g->world_size, (size_t)256 << 10), (size_t)4 << 20);
+    half &= ~(size_t)63; /* every half starts on a cache line, so every dtype is aligned */
     bytes = sizeof(ddp__shm_header) + (size_t)g->world_size * (sizeof(ddp__shm_ctl) + 2 * half);
     memset(name, 0, sizeof name);
     if (g->rank == 0) {
