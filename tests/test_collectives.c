@@ -117,10 +117,12 @@ static int worker(int rank, int n, void *arg) {
         size_t es = ddp_dtype_size(t);
         for (ci = 0; ci < NCOUNTS; ci++) {
             size_t count = counts[ci];
-            unsigned char *a = xalloc(count * es * (size_t)n), *b = xalloc(count * es * (size_t)n);
+            unsigned char *a, *b;
             char what[128];
             int big = count > 1000;
             if (big && getenv("TEST_QUICK")) continue; /* sanitizer runs: small counts exercise the same code */
+            a = xalloc(count * es * (size_t)n);
+            b = xalloc(count * es * (size_t)n);
             for (oi = 0; oi < NOPS; oi++) {
                 ddp_op op = ops[oi];
                 if (big && op != DDP_SUM && op != DDP_AVG && (t != DDP_F32 || op != DDP_MAX) && t != DDP_I8) continue;
