@@ -4278,8 +4278,8 @@ DDP_API ddp_result ddp_barrier_async(ddp_group *g, ddp_work **w) {
    segment over all inputs, in place in its own half; publish `reduced = step`; wait; copy every
    segment out. Memory traffic for N bytes on p ranks: (5p+1)N, against 2pN for the floor.
 
-   Waiting: spin a little (the peer is usually a few hundred nanoseconds away), then yield, then sleep
-   on a futex in the header; posters wake sleepers only when someone sleeps, so the fast path makes no
+   Waiting: spin a little (the peer is usually a few hundred nanoseconds away), then yield for up to
+   a millisecond (a peer on the same core runs at once), then sleep on a futex in the header; posters wake sleepers only when someone sleeps, so the fast path makes no
    system call. While sleeping a rank wakes every millisecond to check the TCP mesh for a lost or
    aborting peer and its deadline. */
 
@@ -4396,14 +4396,18 @@ static ddp_result ddp__shm_wait_all(ddp_group *g, const ddp__coll *c, int which,
     for (j = 0; j < g->world_size; j++) {
         uint64_t *counter = which ? &s->ctl[j].reduced : &s->ctl[j].posted;
         unsigned spins = 0;
+        double yield_until = 0;
         while (DDP__LOAD(counter) < step) {
             ddp_result r;
             if ((spins & 255) == 255 && (r = ddp__shm_check_abort(g, c)) != DDP_SUCCESS) return r;
-            if (++spins < 2000) {
+            if (++spins < 256) { /* the peer is usually running on another core: a few hundred ns */
                 ddp__cpu_relax();
                 continue;
             }
-            if (spins < 2050) {
+            /* Then yield for up to a millisecond: if the peer shares this core (oversubscribed, or
+               the scheduler put both here) it runs at once, which a spinning rank would prevent. */
+            if (yield_until == 0) yield_until = ddp__now() + 1e-3;
+            if ((spins & 63) != 0 || ddp__now() < yield_until) {
                 sched_yield();
                 continue;
             }
