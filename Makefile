@@ -38,7 +38,7 @@ $(BUILD):
 	mkdir -p $(BUILD)
 $(BUILD)/ddprun: tools/ddprun.c ddp.h | $(BUILD)
 	$(CC) $(CFLAGS) $(SANFLAGS) -o $@ $< $(LDLIBS)
-$(BUILD)/test_%: tests/test_%.c tests/testlib.h ddp.h | $(BUILD)
+$(BUILD)/test_%: tests/test_%.c $(wildcard tests/*.h) ddp.h | $(BUILD)
 	$(CC) $(CFLAGS) $(SANFLAGS) -o $@ $< $(LDLIBS)
 $(BUILD)/%: examples/%.c ddp.h | $(BUILD)
 	$(CC) $(CFLAGS) $(SANFLAGS) -o $@ $< $(LDLIBS)
@@ -50,7 +50,7 @@ demo: $(BUILD)/ddprun $(BUILD)/hello_collectives
 	$(BUILD)/ddprun --nproc-per-node 4 $(BUILD)/hello_collectives
 
 test: all
-	BUILD=$(BUILD) SAN=$(SAN) tests/run_tests.sh
+	BUILD=$(BUILD) SAN=$(SAN) SANFLAGS="$(SANFLAGS)" tests/run_tests.sh
 
 clean:
 	rm -rf build build-address build-thread

@@ -33,6 +33,7 @@ IMPLEMENTATION = [
     "src/store.c",          # [SECTION] store: rendezvous key-value store (c10d TCPStore protocol), file store
     "src/transport.c",      # [SECTION] transport: framed messages between ranks, abort propagation
     "src/collectives.c",    # [SECTION] collectives: ring algorithms, async work, progress thread
+    "src/shm.c",            # [SECTION] shm: shared-memory transport within one host
     "src/group.c",          # [SECTION] group: ddp_init, launcher environments, rendezvous, subgroups
     "src/launcher.c",       # [SECTION] launcher: ddp_spawn, ddprun
     "src/reducer.c",

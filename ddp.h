@@ -44,6 +44,10 @@
 
    INDEX (search for the [SECTION] markers)
    [SECTION] api: version, results, dtypes, ops, logging, groups, collectives, store, launch src/ddp_api.h
+   [SECTION] sampler: torch.utils.data.distributed.DistributedSampler, bit-exact; eval and streaming modes src/sampler.h
+   [SECTION] syncbn: torch.nn.SyncBatchNorm (and plain BatchNorm1d/2d/3d) forward and backward src/syncbn.h
+   [SECTION] checkpoint: safetensors save/load, resume state, per-rank shards (torch.save / load patterns) src/checkpoint.h
+   [SECTION] cuda: entry points implemented in ddp_cuda.cu (declared with DDP_CUDA) src/cuda_api.h
    [SECTION] internal: includes, allocator hooks, private helpers and types shared by the pieces src/internal.h
    [SECTION] util: errors, logging, environment parsing, time, memory   src/util.c
    [SECTION] dtype: sizes and names, f16/bf16 conversion, element-wise reduction src/dtype.c
@@ -51,7 +55,13 @@
    [SECTION] store: rendezvous key-value store (c10d TCPStore protocol of torch 1.13), file store src/store.c
    [SECTION] transport: framed messages between the ranks of a group, failure detection, abort src/transport.c
    [SECTION] collectives: ring algorithms, the public collectives, async work and the progress thread src/collectives.c
+   [SECTION] shm: shared-memory transport for the ranks of a group that share one host src/shm.c
    [SECTION] group: ddp_init (torch.distributed.init_process_group), launcher environments, src/group.c
+   [SECTION] launcher: ddp_spawn (torch.multiprocessing.spawn) and ddprun (torchrun) src/launcher.c
+   [SECTION] sampler: DistributedSampler, MT19937 and torch.randperm, Feistel streaming permutation src/sampler.c
+   [SECTION] sampler comment of the header.                             src/sampler.c
+   [SECTION] syncbn (implementation): SyncBatchNorm on the CPU, f32 data, f64 statistics src/syncbn.c
+   [SECTION] checkpoint: safetensors files, CRC32C, atomic save, load everywhere or broadcast, shards src/checkpoint.c
 */
 
 #ifndef DDP_H_INCLUDED
@@ -282,17 +292,39 @@ DDP_API ddp_result ddp_store_delete(ddp_store *s, const char *key, int *deleted)
 DDP_API const char *ddp_store_last_error(const ddp_store *s);
 
 /* ---- Launching (torchrun, torch.multiprocessing.spawn) ---------------------------------------
-   ddp_spawn: fork nprocs processes on this host; each runs fn(rank, nprocs, arg) with RANK,
-   WORLD_SIZE, LOCAL_RANK, LOCAL_WORLD_SIZE, MASTER_ADDR and a free MASTER_PORT set, so ddp_init(NULL)
-   inside fn joins them. fn's return value is the process's exit code. When one fails (non-zero exit
-   or signal), the others get SIGTERM, then SIGKILL after a grace period.
-   Return: DDP_SUCCESS when every process exits 0, else DDP_ERR_WORKER_FAILED and
-   ddp_last_error(NULL) names the rank and how it failed. Call from a single-threaded parent. */
+   ddp_spawn: fork nprocs processes on this host; each runs fn(rank, nprocs, arg) with the variables
+   ddprun sets (RANK = LOCAL_RANK = rank, WORLD_SIZE = LOCAL_WORLD_SIZE = nprocs, MASTER_ADDR=127.0.0.1,
+   a free MASTER_PORT, GROUP_RANK=0, ..., OMP_NUM_THREADS=1 when unset and nprocs > 1), so ddp_init(NULL)
+   inside fn joins them. The parent's environment is not changed.
+   Each process exits with fn's return value after flushing stdio: 0 is success; any other value is a
+   failure (a value whose low 8 bits are 0, such as 256, exits 1). When one fails (non-zero exit or a
+   signal), the others get SIGTERM, then SIGKILL 3 s later; every worker runs in its own process group,
+   which is signalled, so a worker's own children are stopped too. Workers die with the calling thread
+   (Linux PR_SET_PDEATHSIG), so killing the parent leaves no orphans. SIGCHLD is set to its default
+   while workers run (an ignored SIGCHLD would discard their exit statuses) and restored afterwards.
+   Parameters: nprocs in [1, 65536]; fn (not NULL); arg passed to fn unchanged.
+   Return: DDP_SUCCESS when every process exits 0; DDP_ERR_WORKER_FAILED with ddp_last_error(NULL)
+   naming the rank that failed and how ("rank 2 (pid 1234) of 4 exited with code 3; ..."), also
+   logged at error level. Ranks that lose a peer fail at once themselves, so the failures of the
+   0.25 s after the first are collected: the one unlike the rest is named as the cause, the others
+   are listed. DDP_ERR_INVALID_ARGUMENT; DDP_ERR_SYSTEM (fork or socket failed).
+   Thread safety: call from a single-threaded parent (after fork, only the calling thread exists in
+   the children, and fn may call anything); do not reap its children elsewhere (waitpid(-1)). */
 DDP_API ddp_result ddp_spawn(int nprocs, int (*fn)(int rank, int world_size, void *arg), void *arg);
 
-/* ddp_launcher_main: the whole of ddprun (tools/ddprun.c is a main() around it). `ddprun --help`
-   lists the flags (torchrun's: --nproc-per-node, --nnodes, --node-rank, --master-addr,
-   --master-port, --standalone, --max-restarts). Returns the exit code for main. */
+/* ddp_launcher_main: the whole of ddprun (tools/ddprun.c is a main() around it); `ddprun --help`
+   lists the flags. torchrun's flags, with dashes or underscores, `--flag value` or `--flag=value`:
+   --nproc-per-node (a number, or "cpu"), --nnodes, --node-rank, --master-addr, --master-port,
+   --standalone, --max-restarts, --rdzv-id, --role, --no-python (ignored). Rendezvous is static (each
+   node runs ddprun with its own --node-rank); elastic rendezvous is refused with a clear message.
+   Each worker runs the program with torchrun's environment (TORCHELASTIC_USE_AGENT_STORE=False: rank 0
+   serves the store) plus DDP_RESTART_COUNT. When a worker fails, ddprun names the rank and how,
+   stops the others (SIGTERM, SIGKILL after 3 s) and, with --max-restarts, starts the group again.
+   It forwards SIGINT, SIGTERM, SIGHUP and SIGQUIT to the workers.
+   Return: the exit code for main: 0 when all workers exited 0; 2 for a bad command line; the failed
+   worker's exit code (128 + signal number when it was killed) after the last attempt; 128 + the
+   signal ddprun received when it was interrupted; 1 when it could not start the workers.
+   Thread safety: call from main; it installs signal handlers for its duration. */
 DDP_API int ddp_launcher_main(int argc, char **argv);
 /* ==================== end src/ddp_api.h ==================== */
 
@@ -301,19 +333,629 @@ DDP_API int ddp_launcher_main(int argc, char **argv);
 /* ==================== end src/reducer.h ==================== */
 
 /* ==================== begin src/sampler.h ==================== */
-/* placeholder: filled by its issue */
+/* [SECTION] sampler: torch.utils.data.distributed.DistributedSampler, bit-exact; eval and streaming modes */
+/* Mirrors torch.utils.data.distributed.DistributedSampler: each rank gets its share of a dataset's indices
+   for one epoch. No communication: every rank computes the same permutation from the same seed and takes
+   its own slice. A zero-initialised descriptor (plus dataset_size, num_replicas, rank) is PyTorch's default
+   DistributedSampler(shuffle=True, seed=0, drop_last=False), and the indices are identical to PyTorch's:
+
+       N = dataset_size, R = num_replicas
+       num_samples = drop_last ? floor(N / R) : ceil(N / R);    total_size = num_samples * R
+       perm        = shuffle ? torch.randperm(N, generator=torch.Generator().manual_seed(seed + epoch))
+                             : [0, 1, ..., N-1]
+       padded      = drop_last ? perm[:total_size] : perm repeated until it is total_size long
+       this rank   = padded[rank], padded[rank + R], padded[rank + 2R], ...      (strided, num_samples of them)
+
+   The generator is MT19937 seeded with the low 32 bits of seed + epoch (as torch's manual_seed does; a
+   negative Python seed is the same number as uint64_t: pass (uint64_t)(int64_t)seed). Only the low 32 bits
+   matter, so seed + epoch wrapping around 2^64 changes nothing.
+
+   Beyond PyTorch:
+   - DDP_SAMPLER_EVAL: every index exactly once across the ranks (no padding, no duplicates, nothing dropped);
+     shard sizes differ by at most one. Padding duplicates distort evaluation metrics; this mode does not.
+     Rank r gets perm[r], perm[r + R], ... below N: the same order as the default mode, without the padding.
+   - Resume mid-epoch: ddp_sampler_position / ddp_sampler_set_position (a checkpoint saves epoch + position).
+   - DDP_PERMUTATION_STREAMING: a keyed Feistel permutation with O(1) memory and random access to any
+     index, for datasets too large to shuffle in memory (>= 1e9 samples). NOT the same order as PyTorch's.
+   - The default permutation holds 4 bytes per sample while it shuffles (8 when N > 2^32; torch holds 8 in
+     its tensor plus a Python list), then keeps only this rank's share.
+
+   A training loop:
+       ddp_sampler_desc d = {0};
+       ddp_sampler s;
+       d.dataset_size = n; d.num_replicas = ddp_world_size(g); d.rank = ddp_rank(g);
+       if (ddp_sampler_init(&s, &d) != DDP_SUCCESS) { fprintf(stderr, "%s\n", ddp_last_error(NULL)); ... }
+       for (epoch = 0; epoch < epochs; epoch++) {
+           int64_t batch[64];
+           size_t got;
+           ddp_sampler_set_epoch(&s, epoch);                  // a new shuffle each epoch, as in PyTorch
+           while ((r = ddp_sampler_next_batch(&s, 64, batch, &got)) == DDP_SUCCESS && got > 0)
+               train_on(batch, got);
+           if (r != DDP_SUCCESS) ...                          // out of memory for the permutation
+       }
+       ddp_sampler_free(&s);
+
+   Thread safety: a sampler is used by one thread at a time; different samplers are independent (there is
+   no global state). Errors go to ddp_last_error(NULL), the calling thread's message. */
+
+/* How the indices are divided between the ranks. */
+typedef enum ddp_sampler_mode {
+    DDP_SAMPLER_TORCH = 0, /* PyTorch's: equal shards, padded by repeating indices (or cut with drop_last) */
+    DDP_SAMPLER_EVAL       /* evaluation: every index exactly once, shards differ by at most one; no drop_last */
+} ddp_sampler_mode;
+
+/* Which permutation shuffles the indices (when no_shuffle is 0). */
+typedef enum ddp_sampler_permutation {
+    /* torch.randperm of current PyTorch (2.7 and later): the 32-bit swap loop below N = 214748364
+       (UINT32_MAX / 20), a 64-bit inside-out Fisher-Yates shuffle from there on. */
+    DDP_PERMUTATION_TORCH = 0,
+    /* torch.randperm of PyTorch 2.6 and earlier (1.13 included): the 32-bit swap loop at every N. Equal to
+       DDP_PERMUTATION_TORCH below N = 214748364. */
+    DDP_PERMUTATION_TORCH_LEGACY,
+    /* A keyed Feistel bijection on [0, N) (8 rounds, cycle walking), keyed by all 64 bits of seed + epoch.
+       No memory, any index computable on its own. Uniform-looking but NOT PyTorch's order. */
+    DDP_PERMUTATION_STREAMING
+} ddp_sampler_permutation;
+
+/* ddp_sampler_init's descriptor. Zero-initialised fields mean PyTorch's defaults; dataset_size,
+   num_replicas (> 0) and rank (0 <= rank < num_replicas) must be set. */
+typedef struct ddp_sampler_desc {
+    uint64_t dataset_size; /* N: indices are 0 .. N-1 (at most INT64_MAX). 0 is allowed (empty epochs, as torch) */
+    int num_replicas;      /* R > 0: usually ddp_world_size(g) */
+    int rank;              /* this rank, 0 <= rank < R: usually ddp_rank(g) */
+    uint64_t seed;         /* 0 = torch's default seed */
+    int drop_last;         /* nonzero: drop the tail instead of padding (DDP_SAMPLER_TORCH only) */
+    int no_shuffle;        /* nonzero: indices in order (torch's shuffle=False); 0 = shuffle */
+    ddp_sampler_mode mode;               /* 0 = DDP_SAMPLER_TORCH */
+    ddp_sampler_permutation permutation; /* 0 = DDP_PERMUTATION_TORCH */
+} ddp_sampler_desc;
+
+/* A sampler: a plain struct the caller owns (on the stack, in a struct, ...). Every field is private: use
+   the functions below. Do not copy an initialised sampler (the copy would share its memory); init another. */
+typedef struct ddp_sampler {
+    uint32_t magic;             /* set by ddp_sampler_init, cleared by ddp_sampler_free */
+    ddp_sampler_desc desc;      /* the validated descriptor */
+    uint64_t epoch;             /* set by ddp_sampler_set_epoch */
+    uint64_t position;          /* indices handed out by ddp_sampler_next_batch this epoch */
+    uint64_t num_samples;       /* this rank's count per epoch */
+    uint64_t total_size;        /* positions dealt out: num_samples * R (eval: N) */
+    void *shard;                /* this rank's shuffled indices (uint32 or uint64 each), or NULL */
+    int shard_wide;             /* shard entries are uint64 (N > 2^32) */
+    int shard_valid;            /* shard holds the indices of shard_epoch */
+    uint64_t shard_epoch;
+    int epoch_done;             /* the current epoch was handed out to its end */
+    int feistel_bits;           /* streaming: the bijection's domain is [0, 2^feistel_bits) */
+    uint64_t feistel_keys[8];   /* streaming: one key per round, from seed + epoch */
+} ddp_sampler;
+
+/* ddp_sampler_init: check the descriptor and set up a sampler at epoch 0, position 0. Allocates nothing
+   (the permutation is made on first use in an epoch, see ddp_sampler_next_batch).
+   Parameters: s (caller-owned, overwritten; free an initialised one first), d (the descriptor).
+   Return: DDP_SUCCESS, or DDP_ERR_INVALID_ARGUMENT (num_replicas <= 0, rank outside [0, num_replicas),
+           dataset_size > INT64_MAX, drop_last in DDP_SAMPLER_EVAL, an unknown mode or permutation, NULL
+           pointers) with ddp_last_error(NULL) naming the field. s is then not initialised.
+   Thread safety: touches only s and this thread's error message. */
+DDP_API ddp_result ddp_sampler_init(ddp_sampler *s, const ddp_sampler_desc *d);
+
+/* ddp_sampler_free: release the sampler's memory; s is then not initialised. NULL, a zeroed or an already
+   freed sampler is a no-op. */
+DDP_API void ddp_sampler_free(ddp_sampler *s);
+
+/* ddp_sampler_set_epoch: start epoch `epoch` (torch's set_epoch): the shuffle uses seed + epoch, and the
+   position goes back to 0. Call it before every epoch with a new number: without it the order would
+   repeat, so next_batch hands out nothing once an epoch is done (and calling it again with the same epoch
+   after a finished, shuffled epoch logs a warning). Cheap: the permutation is made on first use.
+   Ignores a sampler that is not initialised. */
+DDP_API void ddp_sampler_set_epoch(ddp_sampler *s, uint64_t epoch);
+
+/* ddp_sampler_epoch: the epoch set last (0 after init). */
+DDP_API uint64_t ddp_sampler_epoch(const ddp_sampler *s);
+
+/* ddp_sampler_num_samples: how many indices this rank gets per epoch (torch's len(sampler)); the same
+   every epoch. In DDP_SAMPLER_EVAL it differs between ranks by at most one. 0 when s is not initialised. */
+DDP_API uint64_t ddp_sampler_num_samples(const ddp_sampler *s);
+
+/* ddp_sampler_indices: all of this rank's indices for the current epoch, in order (list(iter(sampler)) in
+   PyTorch). Does not move the position.
+   Parameters: out (room for ddp_sampler_num_samples(s) indices; may be NULL when that is 0).
+   Return: DDP_SUCCESS; DDP_ERR_OUT_OF_MEMORY when the permutation does not fit; DDP_ERR_INVALID_ARGUMENT
+           for a sampler that is not initialised or a NULL out. */
+DDP_API ddp_result ddp_sampler_indices(ddp_sampler *s, int64_t *out);
+
+/* ddp_sampler_next_batch: the next (up to) batch_size indices of this epoch, from the current position;
+   the position moves past them. *got is batch_size, less for the last batch of the epoch, and 0 once the
+   epoch is done (until ddp_sampler_set_epoch or ddp_sampler_set_position). Allocates nothing, except at
+   the first call of a shuffled epoch with a torch permutation, which makes the permutation (the slow step:
+   about 3 s and 4 bytes per sample at N = 1e8 on a 2-core VM, where torch takes 28 s and 4.8 GiB; later
+   calls are copies).
+   Parameters: batch_size (> 0), out (room for batch_size indices), got (receives the count).
+   Return: DDP_SUCCESS; DDP_ERR_OUT_OF_MEMORY; DDP_ERR_INVALID_ARGUMENT (batch_size 0, NULL pointers, a
+           sampler that is not initialised). On error *got is 0 and the position is unchanged. */
+DDP_API ddp_result ddp_sampler_next_batch(ddp_sampler *s, size_t batch_size, int64_t *out, size_t *got);
+
+/* ddp_sampler_position: how many of this epoch's indices next_batch has handed out (0 .. num_samples).
+   Save it with the epoch in a checkpoint to resume mid-epoch (ddp_resume_state's sampler_position and
+   epoch). 0 when s is not initialised. */
+DDP_API uint64_t ddp_sampler_position(const ddp_sampler *s);
+
+/* ddp_sampler_set_position: continue the current epoch from `position` (resume: set_epoch(saved epoch),
+   then set_position(saved position); the next batch is the one that came next before). The position
+   counts this rank's indices, so resume with the same num_replicas and rank.
+   Return: DDP_SUCCESS, or DDP_ERR_INVALID_ARGUMENT when position > num_samples or s is not initialised. */
+DDP_API ddp_result ddp_sampler_set_position(ddp_sampler *s, uint64_t position);
+
+/* ddp_sampler_index_at: this rank's k-th index of the current epoch (the k-th element of
+   ddp_sampler_indices), without moving the position. With DDP_PERMUTATION_STREAMING or no_shuffle it is
+   computed on its own in O(1) time and memory; with a torch permutation the first call of an epoch makes
+   the permutation, as next_batch does.
+   Return: DDP_SUCCESS; DDP_ERR_OUT_OF_MEMORY; DDP_ERR_INVALID_ARGUMENT when k >= num_samples, out is NULL
+           or s is not initialised. */
+DDP_API ddp_result ddp_sampler_index_at(ddp_sampler *s, uint64_t k, int64_t *out);
 /* ==================== end src/sampler.h ==================== */
 
 /* ==================== begin src/syncbn.h ==================== */
-/* placeholder: filled by its issue */
+/* [SECTION] syncbn: torch.nn.SyncBatchNorm (and plain BatchNorm1d/2d/3d) forward and backward
+   Mirrors torch.nn.SyncBatchNorm (torch/nn/modules/_functions.py). Batch statistics are computed
+   over the batches of every rank of the group, as if BatchNorm saw the concatenated batch:
+
+     forward (training)   each rank: per channel count n_r, mean_r, M2_r = sum (x - mean_r)^2
+                          all_gather [mean_r(C), M2_r(C), n_r] (f64) from every rank
+                          Chan merge, rank by rank (ranks with n_r = 0 drop out):
+                              delta = mean_b - mean_a, n = n_a + n_b,
+                              mean = mean_a + delta * n_b / n, M2 = M2_a + M2_b + delta^2 n_a n_b / n
+                          invstd = 1 / sqrt(M2 / n + eps)
+                          running_mean += f * (mean - running_mean)
+                          running_var  += f * (M2 / (n - 1) - running_var)   (unbiased, global n)
+                          f = momentum, or 1 / num_batches_tracked when momentum is None (< 0 here)
+                          y = (x - mean) * invstd * weight + bias
+     backward             each rank: sum_dy = sum dy, sum_dy_xmu = sum dy (x - mean)
+                          all_reduce (SUM) [sum_dy, sum_dy_xmu]
+                          dx = (dy - sum_dy / n - (x - mean) invstd^2 sum_dy_xmu / n) invstd weight
+                          grad_weight += local sum dy (x - mean) invstd, grad_bias += local sum dy
+                          (local: the gradient reducer averages them like every other parameter)
+
+   Layouts: channels-first (N, C, spatial...) or channels-last (N, spatial..., C); `spatial` is the
+   product of the spatial sizes (1 for BatchNorm1d's (N, C) input). Data is f32; statistics are
+   accumulated in f64. The CPU code makes one pass over x per stage. The per-element and per-channel
+   formulas are the static inline DDP_HOST_DEVICE helpers at the end of this section, shared with
+   the CUDA kernels of ddp_cuda.cu. */
+
+typedef struct ddp_syncbn ddp_syncbn; /* a SyncBatchNorm layer's state (opaque) */
+
+/* ddp_syncbn_create's descriptor. Zero-initialised fields take torch.nn.BatchNorm's defaults. */
+typedef struct ddp_syncbn_desc {
+    int num_features;   /* C, the number of channels (> 0) */
+    double eps;         /* added to the variance; 0 = 1e-5 */
+    double momentum;    /* running-stats factor in (0, 1]; 0 = 0.1; < 0 = None: cumulative average
+                           with factor 1 / num_batches_tracked. torch's momentum=0 (batch statistics,
+                           running stats frozen) has no spelling here: 0 means the default. */
+    int channels_last;  /* nonzero: x is (N, spatial..., C) instead of (N, C, spatial...) */
+    float *weight;      /* C floats, caller-owned and read at every call; NULL = 1 (no affine) */
+    float *bias;        /* C floats, caller-owned; NULL = 0 (no affine) */
+    float *running_mean; /* C floats, caller-owned, updated by training forwards; with running_var, */
+    float *running_var;  /* both or neither; NULL = track_running_stats=False */
+    ddp_group *group;   /* statistics are merged over this (sub)group; NULL = the group given to create */
+} ddp_syncbn_desc;
+
+/* ddp_syncbn_create: make a SyncBatchNorm layer.
+   Parameters: g: the group whose ranks share batch statistics, or NULL for a plain single-process
+               BatchNorm (no communication); errors of this layer are reported in ddp_last_error(g).
+               d: the descriptor (copied; the arrays it points to are not). out: receives the layer.
+   Return: DDP_SUCCESS; DDP_ERR_INVALID_ARGUMENT for a bad descriptor (the message names the field);
+           DDP_ERR_OUT_OF_MEMORY.
+   Thread safety: any thread; no communication. */
+DDP_API ddp_result ddp_syncbn_create(ddp_group *g, const ddp_syncbn_desc *d, ddp_syncbn **out);
+
+/* ddp_syncbn_destroy: free the layer (not the caller's arrays). NULL is a no-op. */
+DDP_API void ddp_syncbn_destroy(ddp_syncbn *bn);
+
+/* ddp_syncbn_forward: y = BatchNorm(x), like SyncBatchNorm.forward.
+   Parameters: x, y: batch * spatial * C floats in the layer's layout (y may be x: in place; both
+               may be NULL when batch * spatial is 0). batch >= 0 (ranks may differ, 0 included),
+               spatial >= 0 (the product of the spatial sizes; 1 for (N, C) input).
+               training: nonzero = batch statistics merged over the group, running stats updated,
+               num_batches_tracked += 1; 0 = eval: normalise with the running stats, no communication
+               (a layer without running stats uses this rank's own batch statistics, as torch does).
+   Collective in training when the layer has a group: every rank of the group calls it, also with an
+   empty batch. Saves the mean and invstd used, for ddp_syncbn_backward.
+   Counts: the batch statistics need n = the number of values per channel over all ranks of the group.
+     n == 1: DDP_ERR_INVALID_ARGUMENT on every rank of the group together, nothing changed. torch's
+             BatchNorm (and SyncBatchNorm on one rank) raise "Expected more than 1 value per channel when
+             training"; SyncBatchNorm on 2+ ranks does not check (its running_var update then divides
+             by n - 1 = 0).
+     n == 0: success with nothing to normalise: running stats unchanged, num_batches_tracked += 1, as
+             torch's BatchNorm does on an empty batch (torch's SyncBatchNorm has no defined result there).
+   Return: DDP_SUCCESS; DDP_ERR_INVALID_ARGUMENT for bad arguments or n == 1; errors of the collective
+           (the group is then broken). Thread safety: one thread at a time per layer (and per group). */
+DDP_API ddp_result ddp_syncbn_forward(ddp_syncbn *bn, const float *x, float *y, int64_t batch, int64_t spatial,
+                                      int training);
+
+/* ddp_syncbn_backward: the gradients of the last ddp_syncbn_forward, like SyncBatchNorm.backward.
+   Parameters: x: that forward's input (batch and spatial must be the same); dy: the gradient of y;
+               dx: receives the gradient of x (may be dy: in place; NULL = not wanted);
+               grad_weight, grad_bias: C floats each that this rank's LOCAL gradients are ADDED to, as
+               PyTorch accumulates into .grad (zero them first; the reducer then averages them over
+               ranks like any parameter). NULL = not wanted; they are also computed for a layer
+               without affine parameters (the gradient with respect to an implicit weight 1, bias 0).
+   Collective after a training forward on a layer with a group: every rank calls it (one all_reduce
+   of sum_dy and sum_dy_xmu), whatever it passes for dx, also with an empty batch. After an eval
+   forward the statistics were constants: dx = dy * invstd * weight, with no communication.
+   Return: DDP_SUCCESS; DDP_ERR_INVALID_ARGUMENT; DDP_ERR_STATE when no forward preceded it;
+           errors of the collective. Thread safety: as ddp_syncbn_forward. */
+DDP_API ddp_result ddp_syncbn_backward(ddp_syncbn *bn, const float *x, const float *dy, float *dx, float *grad_weight,
+                                       float *grad_bias, int64_t batch, int64_t spatial);
+
+/* The number of training forwards of a layer with running stats, empty batches included (torch's
+   num_batches_tracked buffer); 0 for a layer without running stats, or NULL. */
+DDP_API int64_t ddp_syncbn_num_batches_tracked(const ddp_syncbn *bn);
+
+/* Restore num_batches_tracked, e.g. from a checkpoint (it sets the cumulative-average factor when
+   momentum is None). Return: DDP_SUCCESS, or DDP_ERR_INVALID_ARGUMENT for a negative value. */
+DDP_API ddp_result ddp_syncbn_set_num_batches_tracked(ddp_syncbn *bn, int64_t value);
+
+/* ---- math shared by the CPU code and the CUDA kernels --------------------------------------------
+   Private helpers (ddp__ names), here in the public part because ddp_cuda.cu compiles them for the
+   device. Per channel, statistics travel as a record per rank of 2C + 1 doubles:
+   [mean(C), M2(C), count], M2 being the sum of squared deviations from that rank's mean. */
+#ifndef DDP_HOST_DEVICE
+#if defined(__CUDACC__)
+#define DDP_HOST_DEVICE __host__ __device__
+#else
+#define DDP_HOST_DEVICE
+#endif
+#endif
+
+/* Chan et al.'s parallel merge: fold the statistics (nb, mean_b, m2_b) of one set into (n, mean, m2).
+   An empty set on either side leaves the other exactly as it was. */
+static inline DDP_HOST_DEVICE void ddp__bn_merge(double *n, double *mean, double *m2, double nb, double mean_b,
+                                                 double m2_b) {
+    double total, delta;
+    if (nb <= 0) return;
+    if (*n <= 0) {
+        *n = nb;
+        *mean = mean_b;
+        *m2 = m2_b;
+        return;
+    }
+    total = *n + nb;
+    delta = mean_b - *mean;
+    *mean += delta * (nb / total);
+    *m2 += m2_b + delta * delta * (*n * (nb / total));
+    *n = total;
+}
+
+/* The same in f32, for the CUDA kernels' reductions inside a block. */
+static inline DDP_HOST_DEVICE void ddp__bn_merge_f32(float *n, float *mean, float *m2, float nb, float mean_b,
+                                                     float m2_b) {
+    float total, delta;
+    if (nb <= 0) return;
+    if (*n <= 0) {
+        *n = nb;
+        *mean = mean_b;
+        *m2 = m2_b;
+        return;
+    }
+    total = *n + nb;
+    delta = mean_b - *mean;
+    *mean += delta * (nb / total);
+    *m2 += m2_b + delta * delta * (*n * (nb / total));
+    *n = total;
+}
+
+/* Welford's update with one value (the CUDA kernels' per-thread accumulation, as torch's). */
+static inline DDP_HOST_DEVICE void ddp__bn_welford_add(float *n, float *mean, float *m2, float x) {
+    float delta = x - *mean;
+    *n += 1.0f;
+    *mean += delta / *n;
+    *m2 += delta * (x - *mean);
+}
+
+/* Merge channel c of the gathered records of nranks ranks, in rank order, into (n, mean, m2). */
+static inline DDP_HOST_DEVICE void ddp__bn_merge_ranks(const double *records, int nranks, int channels, int c,
+                                                       double *n, double *mean, double *m2) {
+    int r;
+    const int64_t stride = 2 * (int64_t)channels + 1;
+    *n = 0;
+    *mean = 0;
+    *m2 = 0;
+    for (r = 0; r < nranks; r++) {
+        const double *rec = records + r * stride;
+        ddp__bn_merge(n, mean, m2, rec[2 * channels], rec[c], rec[channels + c]);
+    }
+}
+
+/* The running-stats factor of a training forward: momentum, or 1 / num_batches_tracked (already
+   incremented) for the cumulative average (momentum < 0, torch's momentum=None). */
+static inline DDP_HOST_DEVICE double ddp__bn_factor(double momentum, int64_t num_batches_tracked) {
+    return momentum < 0 ? 1.0 / (double)num_batches_tracked : momentum;
+}
+
+/* running <- (1 - f) running + f batch, with the unbiased variance M2 / (n - 1) over the global n (>= 2). */
+static inline DDP_HOST_DEVICE void ddp__bn_update_running(float *running_mean, float *running_var, double mean,
+                                                          double m2, double n, double f) {
+    *running_mean = (float)((1.0 - f) * (double)*running_mean + f * mean);
+    *running_var = (float)((1.0 - f) * (double)*running_var + f * (m2 / (n - 1.0)));
+}
+
+/* y = (x - mean) * scale + shift, with scale = invstd * weight and shift = bias. */
+static inline DDP_HOST_DEVICE float ddp__bn_normalize(float x, float mean, float scale, float shift) {
+    return (x - mean) * scale + shift;
+}
+
+/* Per-channel factors of the input gradient from the all-reduced sums and the global count n:
+   mean_dy = sum_dy / n, proj = invstd^2 sum_dy_xmu / n, scale = invstd * weight. */
+static inline DDP_HOST_DEVICE void ddp__bn_backward_coeffs(double sum_dy, double sum_dy_xmu, double n, float invstd,
+                                                           float weight, float *mean_dy, float *proj,
+                                                           float *scale) {
+    *mean_dy = (float)(sum_dy / n);
+    *proj = (float)((double)invstd * (double)invstd * sum_dy_xmu / n);
+    *scale = invstd * weight;
+}
+
+/* dx = (dy - mean_dy - (x - mean) * proj) * scale */
+static inline DDP_HOST_DEVICE float ddp__bn_grad_input(float dy, float x, float mean, float mean_dy, float proj,
+                                                       float scale) {
+    return (dy - mean_dy - (x - mean) * proj) * scale;
+}
 /* ==================== end src/syncbn.h ==================== */
 
 /* ==================== begin src/checkpoint.h ==================== */
-/* placeholder: filled by its issue */
+/* [SECTION] checkpoint: safetensors save/load, resume state, per-rank shards (torch.save / load patterns)
+   Mirrors the usual PyTorch DDP checkpoint recipe: `if rank == 0: torch.save(...)`, `dist.barrier()`,
+   then `torch.load(..., map_location=...)` on every rank; the file format is safetensors, so Python tools
+   (safetensors, or twenty lines of json + numpy) read our files and we read theirs.
+
+   File layout (safetensors): an 8-byte little-endian header length N, N bytes of JSON, then the tensor
+   data, raw and little-endian, with no gaps:
+       {"__metadata__": {"ddp.step": "1200", "ddp.crc32c.w": "1c291ca3", ...},
+        "w": {"dtype": "F32", "shape": [1024, 512], "data_offsets": [0, 2097152]}, ...}
+   The header is padded with spaces so the data starts 8-byte aligned. Dtype names: F32 F64 F16 BF16 I8
+   U8 I32 I64. Every tensor's CRC32C (Castagnoli, as iSCSI and ext4 use) is kept in the metadata as
+   "ddp.crc32c.<name>" (8 lowercase hex digits) and verified on load. Metadata keys starting with
+   "ddp.crc32c." or "ddp.shard." are the library's; the rest belong to the caller.
+   The tensor data is host memory in the host's byte order, and safetensors is little-endian: on a
+   big-endian host every call here returns DDP_ERR_UNSUPPORTED.
+
+   Durability: a save writes "<path>.tmp" in the same directory, fsyncs it, renames it over path and
+   fsyncs the directory, so a crash at any moment leaves either the previous file or the new one at
+   path, never a torn one. */
+
+/* A named tensor: what to save, or where to load and what to expect. shape[0 .. ndim-1] are the
+   dimensions (row-major, as PyTorch's contiguous tensors); ndim 0 is a scalar (one element); a zero
+   dimension makes an empty tensor. data is host memory of prod(shape) * ddp_dtype_size(dtype) bytes
+   (may be NULL when that is 0). */
+typedef struct ddp_tensor {
+    const char *name;
+    ddp_dtype dtype;
+    int ndim; /* 0 .. 8 */
+    int64_t shape[8];
+    void *data;
+} ddp_tensor;
+
+/* ---- Metadata: a string key/value map (safetensors' "__metadata__") -------------------------
+   A plain struct the caller owns: `ddp_meta m = {0};` is an empty map; ddp_meta_free(&m) releases it.
+   Keys are unique, non-empty UTF-8 strings; values are UTF-8 strings. Read the entries directly
+   (entries[0 .. count-1]) or with ddp_meta_get; change them only through these functions.
+   Thread safety: a map may be used by one thread at a time. */
+typedef struct ddp_meta_entry {
+    char *key;
+    char *value;
+} ddp_meta_entry;
+typedef struct ddp_meta {
+    ddp_meta_entry *entries;
+    int count;
+    int capacity;
+} ddp_meta;
+
+/* ddp_meta_set: set key to value (a copy of both), replacing an existing value.
+   Return: DDP_SUCCESS; DDP_ERR_INVALID_ARGUMENT for a NULL/empty key, a NULL value or text that is not
+   UTF-8; DDP_ERR_OUT_OF_MEMORY. Message in ddp_last_error(NULL). */
+DDP_API ddp_result ddp_meta_set(ddp_meta *m, const char *key, const char *value);
+/* ddp_meta_get: the value of key, or NULL when the map has no such key. The pointer is valid until the
+   map is next changed. */
+DDP_API const char *ddp_meta_get(const ddp_meta *m, const char *key);
+/* ddp_meta_remove: delete key. Returns 1 when it was there, 0 when not. */
+DDP_API int ddp_meta_remove(ddp_meta *m, const char *key);
+/* ddp_meta_free: release every entry; the map is then empty (and may be reused). NULL is a no-op. */
+DDP_API void ddp_meta_free(ddp_meta *m);
+
+/* Typed values, stored as text so that any safetensors reader sees them.
+   ddp_meta_set_int: decimal. ddp_meta_set_bytes: lowercase hex, two digits a byte (e.g. an RNG state).
+   ddp_meta_get_int / ddp_meta_get_bytes: DDP_ERR_FORMAT naming the key when it is missing or its value
+   is not of that form. get_bytes copies at most capacity bytes and sets *size to the stored size; a
+   capacity too small is DDP_ERR_INVALID_ARGUMENT (with *size telling how much is needed). */
+DDP_API ddp_result ddp_meta_set_int(ddp_meta *m, const char *key, int64_t value);
+DDP_API ddp_result ddp_meta_get_int(const ddp_meta *m, const char *key, int64_t *value);
+DDP_API ddp_result ddp_meta_set_bytes(ddp_meta *m, const char *key, const void *data, size_t size);
+DDP_API ddp_result ddp_meta_get_bytes(const ddp_meta *m, const char *key, void *data, size_t capacity,
+                                      size_t *size);
+
+/* ---- Resume state: what a training loop needs to continue where it stopped ---------------------- */
+#define DDP_META_STEP "ddp.step"                         /* optimizer steps taken */
+#define DDP_META_EPOCH "ddp.epoch"                       /* the epoch given to ddp_sampler_set_epoch */
+#define DDP_META_SAMPLER_POSITION "ddp.sampler_position" /* samples of this epoch already consumed */
+#define DDP_META_WORLD_SIZE "ddp.world_size"             /* ranks that trained up to this point */
+#define DDP_META_RNG_STATE "ddp.rng_state"               /* the program's RNG state, as hex bytes */
+
+typedef struct ddp_resume_state {
+    int64_t step;
+    int64_t epoch;
+    /* how many of this epoch's ddp_sampler_indices() the rank has consumed: resume by skipping that
+       many. With another world size, sampler_position * world_size samples of the epoch were seen. */
+    int64_t sampler_position;
+    int world_size;
+    /* set: the rng_state_size bytes at rng_state are stored (none when rng_state_size is 0).
+       get: rng_state is a buffer of rng_state_size bytes; on return rng_state_size is the stored size
+       (0 when the checkpoint has none). */
+    void *rng_state;
+    size_t rng_state_size;
+} ddp_resume_state;
+
+/* ddp_meta_set_resume: store every field of s under the DDP_META_* keys above.
+   ddp_meta_get_resume: read them back; DDP_ERR_FORMAT names a missing or malformed key (the RNG state
+   alone is optional); DDP_ERR_INVALID_ARGUMENT when the RNG buffer is too small. */
+DDP_API ddp_result ddp_meta_set_resume(ddp_meta *m, const ddp_resume_state *s);
+DDP_API ddp_result ddp_meta_get_resume(const ddp_meta *m, ddp_resume_state *s);
+
+/* ---- Save and load -------------------------------------------------------------------------- */
+
+/* Save options; zero-initialised (or NULL) means the defaults. */
+typedef struct ddp_checkpoint_save_desc {
+    /* > 0: after a successful save, delete the older checkpoints of the same family, keeping the
+       keep_last newest (this one included). The family of ".../ckpt_000300.safetensors" is every file
+       of that directory whose name differs only in that last run of digits (ckpt_000100.safetensors,
+       ckpt_200.safetensors, ...), ordered by the number; path must have such a run of digits.
+       Leftover "<name>.tmp" files of older family members (from a crash) are deleted too.
+       0 (default): delete nothing. */
+    int keep_last;
+} ddp_checkpoint_save_desc;
+
+/* Load options; zero-initialised (or NULL) means the defaults. */
+typedef struct ddp_checkpoint_load_desc {
+    /* 0 (default): every rank reads path itself (a shared filesystem, or a copy on every host).
+       1: only rank 0 reads it; the header and the tensors go to the other ranks by ddp_broadcast
+       (no shared filesystem). The buffers are then handed to the group's collectives, so with the
+       nccl backend use 0 (or a cpu subgroup). Shards: rank 0 reads the completion marker and
+       broadcasts it; each rank still reads its own shard. */
+    int broadcast;
+    /* 1: tensors in the file that t[] does not list are skipped, as load_state_dict(strict=False).
+       0 (default): they are DDP_ERR_MISMATCH, naming one. Tensors listed in t[] must always be there. */
+    int allow_unexpected;
+    /* 1: accept tensors without a "ddp.crc32c.<name>" checksum (files from other safetensors writers);
+       checksums that are present are still verified. 0 (default): a missing checksum is DDP_ERR_FORMAT. */
+    int allow_missing_checksums;
+} ddp_checkpoint_load_desc;
+
+/* ddp_checkpoint_save: write the n tensors t[] and the metadata meta (may be NULL) to path, durably and
+   atomically (see above). Collective over g when g is not NULL: rank 0 writes, the others pass the same
+   arguments (which only rank 0 reads) and wait; when it returns DDP_SUCCESS on any rank, the file is
+   complete and durable. A failure on rank 0 is the same error on every rank, with rank 0's message.
+   g may be NULL: a single process.
+   Return: DDP_SUCCESS; DDP_ERR_INVALID_ARGUMENT (a bad tensor, a duplicate or reserved name, keep_last
+   without a number in path); DDP_ERR_IO (could not write, sync or rename: path is then unchanged);
+   DDP_ERR_UNSUPPORTED (big-endian host); the group's errors.
+   Thread safety: as the group's collectives; without a group, one call per path at a time. */
+DDP_API ddp_result ddp_checkpoint_save(ddp_group *g, const char *path, const ddp_tensor *t, int n,
+                                       const ddp_meta *meta);
+DDP_API ddp_result ddp_checkpoint_save_ex(ddp_group *g, const char *path, const ddp_tensor *t, int n,
+                                          const ddp_meta *meta, const ddp_checkpoint_save_desc *desc);
+
+/* ddp_checkpoint_load: read path into the n tensors t[] and (when meta is not NULL) replace meta's
+   contents with the file's metadata (the library's "ddp.crc32c.*"/"ddp.shard.*" keys left out).
+   Each t[i] says what the caller expects: name, dtype and shape must match the file exactly, or the
+   error names the tensor and both sides. Checksums are verified. Collective over g when g is not NULL
+   (see desc->broadcast); a failure on any rank is an error on every rank, naming that rank.
+   Return: DDP_SUCCESS; DDP_ERR_IO (cannot open or read); DDP_ERR_FORMAT (not a valid safetensors file,
+   or a checksum does not match: the message says what is wrong); DDP_ERR_MISMATCH (names, dtypes or
+   shapes differ from t[]); DDP_ERR_UNSUPPORTED (a dtype ddp.h lacks in a tensor you asked for, more
+   than 8 dimensions, big-endian host); DDP_ERR_INVALID_ARGUMENT; the group's errors. On an error the
+   contents of the tensors and of meta are unspecified.
+   Thread safety: as ddp_checkpoint_save. */
+DDP_API ddp_result ddp_checkpoint_load(ddp_group *g, const char *path, ddp_tensor *t, int n, ddp_meta *meta);
+DDP_API ddp_result ddp_checkpoint_load_ex(ddp_group *g, const char *path, ddp_tensor *t, int n, ddp_meta *meta,
+                                          const ddp_checkpoint_load_desc *desc);
+
+/* ---- Per-rank shards (e.g. ZeRO-style optimizer state) ---------------------------------------
+   ddp_checkpoint_save_shard: every rank saves its own t[] and meta to "<path>.rank<r>" (r in decimal),
+   durably; once every shard is durable, rank 0 writes the completion marker at path itself: a
+   safetensors file without tensors whose metadata holds "ddp.shard.world_size" and a random
+   "ddp.shard.save_id" that every shard of this save carries too. Before any shard is written, rank 0
+   removes an old marker at path, so a save cut short is never taken for a complete one (use distinct
+   paths, e.g. a step number with keep_last, to always keep a complete previous checkpoint).
+   keep_last: rank 0 deletes old markers, then each rank its own old shards. Collective over g.
+   ddp_checkpoint_load_shard: check that the marker exists (else DDP_ERR_IO: the save did not finish,
+   or the path is wrong), that it was written by a group of this size (else DDP_ERR_MISMATCH), then
+   load this rank's shard as ddp_checkpoint_load does and check that it belongs to that save
+   (DDP_ERR_FORMAT if not: a later save to the same path was cut short).
+   Return and thread safety: as ddp_checkpoint_save / ddp_checkpoint_load. */
+DDP_API ddp_result ddp_checkpoint_save_shard(ddp_group *g, const char *path, const ddp_tensor *t, int n,
+                                             const ddp_meta *meta, const ddp_checkpoint_save_desc *desc);
+DDP_API ddp_result ddp_checkpoint_load_shard(ddp_group *g, const char *path, ddp_tensor *t, int n,
+                                             ddp_meta *meta, const ddp_checkpoint_load_desc *desc);
+
+/* ddp_checkpoint_latest: find the newest checkpoint of a family, to resume from. pattern is a path
+   whose file name holds one '*' standing for a run of digits ("ckpt/model_*.safetensors"); the file
+   (or shard marker) with the largest number wins. A name with any other text in the place of the '*'
+   (such as "<name>.tmp" leftovers) never matches. Not collective; rank 0 may call it and broadcast.
+   Parameters: out receives the path (capacity bytes, terminator included); number (may be NULL)
+   receives its number.
+   Return: DDP_SUCCESS with out = "" and *number = -1 when there is none yet; DDP_ERR_INVALID_ARGUMENT
+   (no single '*' in the file name, or out too small); DDP_ERR_IO (the directory cannot be read).
+   Thread safety: any thread. */
+DDP_API ddp_result ddp_checkpoint_latest(const char *pattern, char *out, size_t capacity, int64_t *number);
 /* ==================== end src/checkpoint.h ==================== */
 
 /* ==================== begin src/cuda_api.h ==================== */
-/* placeholder: filled by its issue */
+/* [SECTION] cuda: entry points implemented in ddp_cuda.cu (declared with DDP_CUDA)
+   ddp_cuda.cu is compiled by nvcc and linked beside the C program; these declarations need no CUDA
+   header: a cudaStream_t travels as void *. Device pointers are marked "device" below. Every call only
+   queues work on the stream (kernel launches): nothing waits for the device, so results are ready when
+   the stream reaches them. Return: DDP_SUCCESS, DDP_ERR_INVALID_ARGUMENT for bad arguments, or
+   DDP_ERR_SYSTEM when CUDA refuses a launch; the message goes to args->err when it is not NULL.
+   Thread safety: any thread; calls on one stream run in the order issued. */
+#ifdef DDP_CUDA
+
+/* ---- SyncBatchNorm kernels (torch's batch_norm_stats, batch_norm_gather_stats_with_counts,
+   batch_norm_elemt, batch_norm_backward_reduce, batch_norm_backward_elemt) --------------------------
+   One training step on the device, around the group's collectives (all on the same stream):
+     forward:  ddp_cuda_bn_stats -> all_gather(record, 2C+1 f64) -> ddp_cuda_bn_gather_stats -> ddp_cuda_bn_elemt
+     backward: ddp_cuda_bn_backward_reduce -> all_reduce(sums, 2C f64, SUM) -> ddp_cuda_bn_backward_elemt
+   Eval: ddp_cuda_bn_eval_stats -> ddp_cuda_bn_elemt; backward: ddp_cuda_bn_backward_reduce (for the
+   parameters' gradients) and ddp_cuda_bn_backward_elemt with sums = NULL.
+   Data (x, y, dy, dx) is f32, f16 or bf16; statistics, weight, bias and running stats are f32, the
+   exchanged records and sums f64, laid out as ddp_syncbn's CPU code lays them out (src/syncbn.h). */
+
+/* What every SyncBatchNorm entry point is told about the batch and the call. */
+typedef struct ddp_cuda_bn_args {
+    ddp_dtype dtype;          /* of x, y, dy, dx: DDP_F32, DDP_F16 or DDP_BF16 */
+    int64_t batch, spatial;   /* as ddp_syncbn_forward: N and the product of the spatial sizes */
+    int channels;             /* C */
+    int channels_last;        /* (N, spatial..., C) instead of (N, C, spatial...) */
+    void *stream;             /* cudaStream_t; NULL = the legacy default stream */
+    char *err;                /* receives a message on failure (NULL = none) */
+    size_t err_size;          /* bytes at err */
+} ddp_cuda_bn_args;
+
+/* Floats of device scratch the stats and backward calls need for C channels. */
+#define DDP_CUDA_BN_WORK_FLOATS(C) ((size_t)(C) * 96u)
+
+/* This rank's statistics: record (device, 2C + 1 doubles) <- [mean(C), M2(C), count].
+   x: device, batch * spatial * C values; work: device, DDP_CUDA_BN_WORK_FLOATS(C) floats. */
+DDP_API ddp_result ddp_cuda_bn_stats(const ddp_cuda_bn_args *a, const void *x, float *work, double *record);
+
+/* Merge the records of nranks ranks (device, nranks * (2C + 1) doubles, as all_gather leaves them; ranks
+   with count 0 drop out) into mean and invstd (device, C floats each) and the global count (device,
+   1 double). When running_mean/running_var (device, C floats each; NULL = none) are given and the global
+   count is at least 2, they move by `factor` (momentum, or 1 / num_batches_tracked for momentum=None)
+   with the unbiased variance. A global count of 1 (an error in ddp_syncbn_forward) leaves them unchanged:
+   the caller reads *count when it next synchronises. Uses a->channels, a->stream, a->err only. */
+DDP_API ddp_result ddp_cuda_bn_gather_stats(const ddp_cuda_bn_args *a, const double *records, int nranks, double eps,
+                                            double factor, float *running_mean, float *running_var, float *mean,
+                                            float *invstd, double *count);
+
+/* Eval statistics: mean = running_mean, invstd = 1 / sqrt(running_var + eps) (device, C floats each). */
+DDP_API ddp_result ddp_cuda_bn_eval_stats(const ddp_cuda_bn_args *a, const float *running_mean,
+                                          const float *running_var, double eps, float *mean, float *invstd);
+
+/* y = (x - mean) * invstd * weight + bias; weight, bias may be NULL (1 and 0). y may be x. */
+DDP_API ddp_result ddp_cuda_bn_elemt(const ddp_cuda_bn_args *a, const void *x, void *y, const float *weight,
+                                     const float *bias, const float *mean, const float *invstd);
+
+/* sums (device, 2C doubles) <- [sum dy, sum dy (x - mean)] over this rank's batch; grad_weight +=
+   sum dy (x - mean) invstd and grad_bias += sum dy (device, C floats each; NULL = not wanted).
+   work: device, DDP_CUDA_BN_WORK_FLOATS(C) floats. */
+DDP_API ddp_result ddp_cuda_bn_backward_reduce(const ddp_cuda_bn_args *a, const void *dy, const void *x,
+                                               const float *mean, const float *invstd, float *work, double *sums,
+                                               float *grad_weight, float *grad_bias);
+
+/* dx = (dy - sum_dy / n - (x - mean) invstd^2 sum_dy_xmu / n) * invstd * weight, with sums all-reduced
+   over the group and n = *count (device), both from the calls above; sums = NULL: eval, dx = dy * invstd
+   * weight. weight may be NULL (1). dx may be dy. work: device, DDP_CUDA_BN_WORK_FLOATS(C) floats. */
+DDP_API ddp_result ddp_cuda_bn_backward_elemt(const ddp_cuda_bn_args *a, const void *dy, const void *x, void *dx,
+                                              const float *weight, const float *mean, const float *invstd,
+                                              const double *sums, const double *count, float *work);
+
+#endif /* DDP_CUDA */
 /* ==================== end src/cuda_api.h ==================== */
 
 #ifdef __cplusplus
@@ -412,6 +1054,7 @@ static DDP__UNUSED void *ddp__calloc(size_t n, size_t size);
 static DDP__UNUSED void ddp__free(void *p);
 static DDP__UNUSED char *ddp__strdup(const char *s);
 static DDP__UNUSED void ddp__sleep(double seconds);
+static DDP__UNUSED uint64_t ddp__hash(const char *s); /* FNV-1a of a string */
 
 /* ---- dtype.c ---- */
 static DDP__UNUSED int ddp__dtype_valid(ddp_dtype t);
@@ -421,6 +1064,8 @@ static DDP__UNUSED int ddp__dtype_is_float(ddp_dtype t);
 static DDP__UNUSED void ddp__reduce(void *dst, const void *src, size_t count, ddp_dtype t, ddp_op op);
 /* buf[i] /= n, the final step of AVG (truncating toward zero on integers). */
 static DDP__UNUSED void ddp__divide(void *buf, size_t count, ddp_dtype t, int n);
+
+typedef struct ddp__shm ddp__shm;
 
 /* ---- the group (group.c creates it, transport.c and collectives.c use it) ---- */
 
@@ -457,8 +1102,10 @@ struct ddp_group {
     struct pollfd *pollfds; /* world_size entries: what one exchange step waits on */
     int *poll_owner;        /* the rank of each pollfds entry */
     uint64_t seq;       /* collectives issued so far; carried in every message */
+    uint64_t running_seq; /* seq of the collective running now (0 between collectives) */
     ddp_result broken;  /* set once a collective failed: every later call fails with it */
     char broken_msg[DDP__ERR_MAX];
+    struct ddp__shm *shm; /* shared-memory transport when every rank is on this host (shm.c), else NULL */
     void *scratch;      /* staging memory for the algorithms, grown on demand */
     size_t scratch_size;
 
@@ -667,6 +1314,12 @@ static char *ddp__strdup(const char *s) {
     char *d = (char *)ddp__malloc(n);
     if (d) memcpy(d, s, n);
     return d;
+}
+
+static uint64_t ddp__hash(const char *s) { /* FNV-1a */
+    uint64_t h = 1469598103934665603ull;
+    while (*s) h = (h ^ (unsigned char)*s++) * 1099511628211ull;
+    return h;
 }
 /* ==================== end src/util.c ==================== */
 
@@ -2774,6 +3427,8 @@ static int ddp__coll_equal(const ddp__coll *a, const ddp__frame *f) {
 
 /* ---- breaking the group ---- */
 
+static void ddp__shm_abort(ddp_group *g); /* shm.c */
+
 /* Record the first error that breaks g, tell every peer (ABORT frame with the message) and shut the
    connections down so that peers waiting on anything notice at once. */
 static ddp_result ddp__group_break(ddp_group *g, ddp_result code, const char *msg) {
@@ -2782,6 +3437,7 @@ static ddp_result ddp__group_break(ddp_group *g, ddp_result code, const char *ms
     g->broken = code;
     snprintf(g->broken_msg, sizeof g->broken_msg, "%s", msg);
     ddp__log(g, DDP_LOG_ERROR, "%s", msg);
+    ddp__shm_abort(g);
     for (i = 0; i < g->world_size; i++) {
         ddp__peer *p = &g->peers[i];
         ddp__frame f;
@@ -2872,6 +3528,23 @@ static ddp_result ddp__peer_failed_after(ddp_group *g, int peer, const ddp__coll
 
 static ddp_result ddp__peer_failed(ddp_group *g, int peer, const ddp__coll *c) { return ddp__peer_failed_after(g, peer, c, NULL); }
 
+/* Look at every connection without waiting: a peer that hung up (exited, or aborted the group) fails
+   the current collective. For transports that wait elsewhere (shared memory). */
+static ddp_result ddp__check_peers(ddp_group *g, const ddp__coll *c) {
+    int i, n = 0;
+    for (i = 0; i < g->world_size; i++) {
+        if (i == g->rank || g->peers[i].fd < 0) continue;
+        g->pollfds[n].fd = g->peers[i].fd;
+        g->pollfds[n].events = POLLRDHUP;
+        g->pollfds[n].revents = 0;
+        g->poll_owner[n++] = i;
+    }
+    if (poll(g->pollfds, (nfds_t)n, 0) <= 0) return DDP_SUCCESS;
+    for (i = 0; i < n; i++)
+        if (g->pollfds[i].revents & (POLLRDHUP | POLLHUP | POLLERR)) return ddp__peer_failed(g, g->poll_owner[i], c);
+    return DDP_SUCCESS;
+}
+
 /* ---- one step of an algorithm: send to one peer while receiving from another ---- */
 
 /* Either side may be absent (peer -1). Sizes must agree with what the peer computes for the same
@@ -2951,6 +3624,9 @@ static ddp_result ddp__exchange(ddp_group *g, const ddp__coll *c, const ddp__ste
         }
         rc = poll(fds, (nfds_t)n, (int)DDP__MAX(1.0, DDP__MIN(1000.0, (deadline - ddp__now()) * 1000.0)));
         if (rc < 0 && errno != EINTR) return ddp__coll_fail(g, DDP_ERR_SYSTEM, "poll failed: %s", strerror(errno));
+        /* Progress first: a peer that broke the group after sending what this step needs (it moved
+           on to a later collective and failed there) must not fail this step; that error comes with
+           the next collective. */
         for (i = 0; i < n && rc > 0; i++) {
             int peer = owner[i], fd = fds[i].fd;
             short re = fds[i].revents;
@@ -2972,6 +3648,7 @@ static ddp_result ddp__exchange(ddp_group *g, const ddp__coll *c, const ddp__ste
                         if (r) return r;
                     }
                 }
+                fds[i].revents = 0;
                 continue;
             }
             /* A send-only peer that hung up: read its ABORT before sending (data sent to a closed
@@ -3002,10 +3679,12 @@ static ddp_result ddp__exchange(ddp_group *g, const ddp__coll *c, const ddp__ste
                     progressed = 1;
                     g->peers[peer].send_owed = send_total - sent; /* header and payload still owed */
                 }
-                continue;
+                fds[i].revents = 0;
             }
-            if (re & (POLLRDHUP | POLLHUP | POLLERR)) return ddp__peer_failed(g, peer, c);
         }
+        if (sent == send_total && received == recv_total) break;
+        for (i = 0; i < n && rc > 0; i++) /* then failures */
+            if (fds[i].revents & (POLLRDHUP | POLLHUP | POLLERR)) return ddp__peer_failed(g, owner[i], c);
         if (progressed) {
             deadline = ddp__now() + g->timeout;
         } else if (ddp__now() > deadline) {
@@ -3326,11 +4005,20 @@ static void ddp__run_alone(const ddp__call *k) {
         memmove(k->buf, k->send, bytes);
 }
 
+static ddp_result ddp__shm_run(ddp_group *g, const ddp__call *k, const ddp__coll *c); /* shm.c */
+
 static ddp_result ddp__run(ddp_group *g, const ddp__call *k, const ddp__coll *c) {
     if (g->broken) return DDP_ERR_STATE;
     if (g->world_size == 1) {
         ddp__run_alone(k);
         return DDP_SUCCESS;
+    }
+    if (g->shm) {
+        ddp_result r;
+        g->running_seq = c->seq;
+        r = ddp__shm_run(g, k, c);
+        g->running_seq = 0;
+        return r;
     }
     switch (k->kind) {
     case DDP__ALL_REDUCE: return ddp__do_all_reduce(g, c, k->buf, k->count, k->dtype, k->op);
@@ -3568,6 +4256,408 @@ DDP_API ddp_result ddp_barrier_async(ddp_group *g, ddp_work **w) {
 }
 /* ==================== end src/collectives.c ==================== */
 
+/* ==================== begin src/shm.c ==================== */
+/* [SECTION] shm: shared-memory transport for the ranks of a group that share one host
+   When every rank of a group runs on one host (same hostname, boot and network namespace), the ranks
+   map one shared segment and the collectives move data through it instead of TCP. The TCP mesh stays
+   up beside it: it carries the ABORT frames and shows a dead peer (its sockets close).
+
+   Segment: a header, one control block per rank, then per rank a staging area in two halves.
+
+       | header | ctl 0 | ctl 1 | ... | rank 0: half 0 | half 1 | rank 1: half 0 | half 1 | ...
+
+   Every algorithm is a sequence of steps numbered by the group (g->shm_step), the same on every rank.
+   A step: write my part into my half (step % 2), publish `posted = step`, wait until every rank has
+   posted step, read what I need. Two halves are enough: a rank starts writing half h for step t only
+   after all ranks posted t-1, and each rank posted t-1 only after it had finished reading step t-2,
+   the last user of half h. The first step of each collective also compares every rank's fingerprint
+   (seq, collective, dtype, op, root, count), so a mismatch fails every rank inside the same call.
+
+   all_reduce, small messages (one-shot): copy in, one step, every rank reduces all n inputs itself.
+   all_reduce, large (two-shot, in rounds of at most one half): copy in; each rank reduces its 1/n
+   segment over all inputs, in place in its own half; publish `reduced = step`; wait; copy every
+   segment out. Memory traffic for N bytes on p ranks: (5p+1)N, against 2pN for the floor.
+
+   Waiting: spin a little (the peer is usually a few hundred nanoseconds away), then yield for up to
+   a millisecond (a peer on the same core runs at once), then sleep on a futex in the header; posters wake sleepers only when someone sleeps, so the fast path makes no
+   system call. While sleeping a rank wakes every millisecond to check the TCP mesh for a lost or
+   aborting peer and its deadline. */
+
+#include <linux/futex.h>
+
+#define DDP__SHM_MAGIC 0x53504444u /* "DDPS" */
+
+typedef struct ddp__shm_header {
+    uint32_t magic;
+    int32_t world;
+    uint64_t half_bytes;
+    uint32_t wake;     /* futex word: bumped by every post */
+    uint32_t sleepers; /* ranks sleeping on wake */
+    uint32_t pad0;
+    uint64_t aborted;  /* seq of the collective in which a rank broke the group (0: none); its ABORT frame follows over TCP */
+    char pad[24];
+} ddp__shm_header;
+
+typedef struct ddp__shm_ctl {
+    uint64_t posted;  /* last step whose data this rank has placed */
+    uint64_t reduced; /* last step whose reduced segment this rank has placed (two-shot) */
+    struct {          /* the fingerprint of this rank's collective, by seq parity */
+        uint64_t seq, count;
+        int32_t root;
+        uint8_t kind, dtype, op, pad;
+    } fp[2];
+    char pad[64];
+} ddp__shm_ctl;
+
+struct ddp__shm {
+    void *base;
+    size_t bytes;
+    ddp__shm_header *hdr;
+    ddp__shm_ctl *ctl; /* world entries */
+    char *data;        /* world * 2 halves */
+    size_t half;       /* bytes of one half */
+    uint64_t step;     /* steps taken by this group */
+};
+
+#define DDP__LOAD(p) __atomic_load_n((p), __ATOMIC_ACQUIRE)
+#define DDP__STORE(p, v) __atomic_store_n((p), (v), __ATOMIC_RELEASE)
+
+static char *ddp__shm_half(const ddp__shm *s, int rank, uint64_t step) {
+    return s->data + ((size_t)rank * 2 + (size_t)(step & 1)) * s->half;
+}
+
+static void ddp__shm_publish(ddp__shm *s, uint64_t *counter, uint64_t step) {
+    DDP__STORE(counter, step);
+    __atomic_add_fetch(&s->hdr->wake, 1, __ATOMIC_SEQ_CST);
+    if (__atomic_load_n(&s->hdr->sleepers, __ATOMIC_SEQ_CST))
+        syscall(SYS_futex, &s->hdr->wake, FUTEX_WAKE, INT_MAX, NULL, NULL, 0);
+}
+
+static void ddp__cpu_relax(void) {
+#if defined(__x86_64__) || defined(__i386__)
+    __builtin_ia32_pause();
+#elif defined(__aarch64__)
+    __asm__ __volatile__("yield");
+#endif
+}
+
+/* Compare rank j's fingerprint with ours. A rank already past this collective (newer seq) has
+   itself checked ours before finishing, so it is skipped. */
+static ddp_result ddp__shm_check_fp(ddp_group *g, const ddp__coll *c, int j) {
+    const ddp__shm_ctl *k = &g->shm->ctl[j];
+    int par = (int)(c->seq & 1);
+    ddp__coll t;
+    char ours[160], theirs[160];
+    t.seq = DDP__LOAD(&k->fp[par].seq);
+    if (t.seq > c->seq) return DDP_SUCCESS;
+    t.count = k->fp[par].count;
+    t.root = k->fp[par].root;
+    t.kind = k->fp[par].kind;
+    t.dtype = k->fp[par].dtype;
+    t.op = k->fp[par].op;
+    if (t.seq == c->seq && t.count == c->count && t.root == c->root && t.kind == c->kind && t.dtype == c->dtype && t.op == c->op)
+        return DDP_SUCCESS;
+    ddp__coll_describe(c, ours, sizeof ours);
+    ddp__coll_describe(&t, theirs, sizeof theirs);
+    return ddp__coll_fail(g, DDP_ERR_MISMATCH, "collective mismatch: rank %d called %s while rank %d called %s; every "
+                          "rank must call the same collectives in the same order with the same count, dtype, op and root",
+                          j, theirs, g->rank, ours);
+}
+
+/* Called by ddp__group_break (transport.c): make every rank's next wait notice at once. */
+static void ddp__shm_abort(ddp_group *g) {
+    uint64_t seq = g->running_seq ? g->running_seq : 1, zero = 0; /* outside a collective: fail every one */
+    if (!g->shm) return;
+    __atomic_compare_exchange_n(&g->shm->hdr->aborted, &zero, seq, 0, __ATOMIC_SEQ_CST, __ATOMIC_SEQ_CST);
+    __atomic_add_fetch(&g->shm->hdr->wake, 1, __ATOMIC_SEQ_CST);
+    syscall(SYS_futex, &g->shm->hdr->wake, FUTEX_WAKE, INT_MAX, NULL, NULL, 0);
+}
+
+/* Another rank broke the group in this collective or an earlier one: fail with its reason, which
+   arrives as an ABORT frame over TCP. A break in a later collective (the others finished this one and
+   moved on) does not fail this one; the next collective sees it. */
+static ddp_result ddp__shm_check_abort(ddp_group *g, const ddp__coll *c) {
+    double deadline;
+    uint64_t at = __atomic_load_n(&g->shm->hdr->aborted, __ATOMIC_ACQUIRE);
+    if (!at || at > c->seq) return DDP_SUCCESS;
+    for (deadline = ddp__now() + 2.0; ddp__now() < deadline; ddp__sleep(0.001)) {
+        ddp_result r = ddp__check_peers(g, c);
+        if (r) return r;
+    }
+    return ddp__coll_fail(g, DDP_ERR_PEER_LOST, "another rank broke the group (its reason did not arrive); see the other ranks' errors");
+}
+
+/* Wait until every rank's counter (posted or reduced: `which`) reaches step; on a collective's first
+   step also check the fingerprints. */
+static ddp_result ddp__shm_wait_all(ddp_group *g, const ddp__coll *c, int which, uint64_t step, int check) {
+    ddp__shm *s = g->shm;
+    double deadline = 0;
+    int j;
+    for (j = 0; j < g->world_size; j++) {
+        uint64_t *counter = which ? &s->ctl[j].reduced : &s->ctl[j].posted;
+        unsigned spins = 0;
+        double yield_until = 0;
+        while (DDP__LOAD(counter) < step) {
+            ddp_result r;
+            if ((spins & 255) == 255 && (r = ddp__shm_check_abort(g, c)) != DDP_SUCCESS) return r;
+            if (++spins < 256) { /* the peer is usually running on another core: a few hundred ns */
+                ddp__cpu_relax();
+                continue;
+            }
+            /* Then yield for up to a millisecond: if the peer shares this core (oversubscribed, or
+               the scheduler put both here) it runs at once, which a spinning rank would prevent. */
+            if (yield_until == 0) yield_until = ddp__now() + 1e-3;
+            if ((spins & 63) != 0 || ddp__now() < yield_until) {
+                sched_yield();
+                continue;
+            }
+            { /* sleep until the next post, or 1 ms, then look at the peers and the clock */
+                uint32_t w = __atomic_load_n(&s->hdr->wake, __ATOMIC_SEQ_CST);
+                struct timespec ts = {0, 1000000};
+                __atomic_add_fetch(&s->hdr->sleepers, 1, __ATOMIC_SEQ_CST);
+                if (DDP__LOAD(counter) < step) syscall(SYS_futex, &s->hdr->wake, FUTEX_WAIT, w, &ts, NULL, 0);
+                __atomic_sub_fetch(&s->hdr->sleepers, 1, __ATOMIC_SEQ_CST);
+            }
+            if ((r = ddp__check_peers(g, c)) != DDP_SUCCESS) return r;
+            if (deadline == 0) deadline = ddp__now() + g->timeout;
+            if (ddp__now() > deadline) {
+                char desc[160];
+                ddp__coll_describe(c, desc, sizeof desc);
+                return ddp__coll_fail(g, DDP_ERR_TIMEOUT, "timed out after %.0f s in %s waiting for rank %d (%s), which is "
+                                      "alive but not taking part: is it stuck, stopped, or in a different collective? "
+                                      "(DDP_TIMEOUT sets the limit)", g->timeout, desc, j, g->peer_names[j]);
+            }
+        }
+        if (check) {
+            ddp_result r = ddp__shm_check_fp(g, c, j);
+            if (r) return r;
+        }
+    }
+    return ddp__shm_check_abort(g, c); /* a post made before its rank gave up does not count */
+}
+
+/* One step: (the caller has written its half) publish, wait for all, check fingerprints if first. */
+static ddp_result ddp__shm_step(ddp_group *g, const ddp__coll *c, uint64_t step, int first) {
+    ddp__shm *s = g->shm;
+    if (first) {
+        ddp__shm_ctl *me = &s->ctl[g->rank];
+        int par = (int)(c->seq & 1);
+        me->fp[par].count = c->count;
+        me->fp[par].root = c->root;
+        me->fp[par].kind = c->kind;
+        me->fp[par].dtype = c->dtype;
+        me->fp[par].op = c->op;
+        DDP__STORE(&me->fp[par].seq, c->seq);
+    }
+    ddp__shm_publish(s, &s->ctl[g->rank].posted, step);
+    return ddp__shm_wait_all(g, c, 0, step, first);
+}
+
+/* ---- the algorithms ---- */
+
+#define DDP__SHM_ONE_SHOT_BYTES ((size_t)64 << 10) /* below this, every rank reduces all inputs itself */
+
+/* all_reduce (root < 0) and reduce (only root copies the result out; the others' buffers stay as
+   they were, since only copies of them are reduced). */
+static ddp_result ddp__shm_reduce_impl(ddp_group *g, const ddp__coll *c, void *buf, size_t count, ddp_dtype t, ddp_op op,
+                                       int root) {
+    ddp__shm *s = g->shm;
+    size_t es = ddp_dtype_size(t), per = s->half / es, done = 0;
+    int n = g->world_size, r = g->rank, first = 1, j, gets = root < 0 || root == r;
+    char *out = (char *)buf;
+    ddp_result res;
+    do {
+        size_t m = DDP__MIN(count - done, per), bytes = m * es, off, len;
+        uint64_t step = ++s->step;
+        char *mine = ddp__shm_half(s, r, step), *dst = out + done * es;
+        if (bytes) memcpy(mine, dst, bytes);
+        if ((res = ddp__shm_step(g, c, step, first)) != DDP_SUCCESS) return res;
+        first = 0;
+        if (bytes <= DDP__SHM_ONE_SHOT_BYTES) { /* one-shot: inputs in rank order, the same on every rank */
+            if (gets && bytes) {
+                memcpy(dst, ddp__shm_half(s, 0, step), bytes);
+                for (j = 1; j < n; j++) ddp__reduce(dst, ddp__shm_half(s, j, step), m, t, op);
+                if (op == DDP_AVG) ddp__divide(dst, m, t, n);
+            }
+        } else { /* two-shot: reduce my segment in place, then gather every segment */
+            ddp__chunk(m, n, r, &off, &len);
+            for (j = 0; j < n; j++)
+                if (j != r) ddp__reduce(mine + off * es, ddp__shm_half(s, j, step) + off * es, len, t, op);
+            if (op == DDP_AVG) ddp__divide(mine + off * es, len, t, n);
+            ddp__shm_publish(s, &s->ctl[r].reduced, step);
+            if ((res = ddp__shm_wait_all(g, c, 1, step, 0)) != DDP_SUCCESS) return res;
+            for (j = 0; j < n && gets; j++) {
+                ddp__chunk(m, n, j, &off, &len);
+                memcpy(dst + off * es, ddp__shm_half(s, j, step) + off * es, len * es);
+            }
+        }
+        done += m;
+    } while (done < count);
+    return DDP_SUCCESS;
+}
+
+static ddp_result ddp__shm_broadcast(ddp_group *g, const ddp__coll *c, void *buf, size_t count, ddp_dtype t, int root) {
+    ddp__shm *s = g->shm;
+    size_t es = ddp_dtype_size(t), per = s->half / es, done = 0;
+    int first = 1;
+    ddp_result res;
+    do {
+        size_t m = DDP__MIN(count - done, per);
+        uint64_t step = ++s->step;
+        char *p = (char *)buf + done * es;
+        if (g->rank == root && m) memcpy(ddp__shm_half(s, root, step), p, m * es);
+        if ((res = ddp__shm_step(g, c, step, first)) != DDP_SUCCESS) return res;
+        first = 0;
+        if (g->rank != root && m) memcpy(p, ddp__shm_half(s, root, step), m * es);
+        done += m;
+    } while (done < count);
+    return DDP_SUCCESS;
+}
+
+static ddp_result ddp__shm_all_gather(ddp_group *g, const ddp__coll *c, const void *send, void *recv, size_t cpr, ddp_dtype t) {
+    ddp__shm *s = g->shm;
+    size_t es = ddp_dtype_size(t), per = s->half / es, done = 0;
+    int first = 1, k;
+    ddp_result res;
+    do {
+        size_t m = DDP__MIN(cpr - done, per);
+        uint64_t step = ++s->step;
+        if (m) memcpy(ddp__shm_half(s, g->rank, step), (const char *)send + done * es, m * es);
+        if ((res = ddp__shm_step(g, c, step, first)) != DDP_SUCCESS) return res;
+        first = 0;
+        for (k = 0; k < g->world_size && m; k++) /* memmove: in place, send is this rank's part of recv */
+            memmove((char *)recv + ((size_t)k * cpr + done) * es, ddp__shm_half(s, k, step), m * es);
+        done += m;
+    } while (done < cpr);
+    return DDP_SUCCESS;
+}
+
+static ddp_result ddp__shm_reduce_scatter(ddp_group *g, const ddp__coll *c, const void *send, void *recv, size_t cpr,
+                                          ddp_dtype t, ddp_op op) {
+    ddp__shm *s = g->shm;
+    int n = g->world_size, r = g->rank, first = 1, j, k;
+    size_t es = ddp_dtype_size(t), per = s->half / (es * (size_t)n), done = 0;
+    ddp_result res;
+    do {
+        size_t m = DDP__MIN(cpr - done, per);
+        uint64_t step = ++s->step;
+        char *mine = ddp__shm_half(s, r, step), *dst = (char *)recv + done * es;
+        for (k = 0; k < n && m; k++) memcpy(mine + (size_t)k * m * es, (const char *)send + ((size_t)k * cpr + done) * es, m * es);
+        if ((res = ddp__shm_step(g, c, step, first)) != DDP_SUCCESS) return res;
+        first = 0;
+        if (m) {
+            memcpy(dst, ddp__shm_half(s, 0, step) + (size_t)r * m * es, m * es);
+            for (j = 1; j < n; j++) ddp__reduce(dst, ddp__shm_half(s, j, step) + (size_t)r * m * es, m, t, op);
+            if (op == DDP_AVG) ddp__divide(dst, m, t, n);
+        }
+        done += m;
+    } while (done < cpr);
+    return DDP_SUCCESS;
+}
+
+static ddp_result ddp__shm_run(ddp_group *g, const ddp__call *k, const ddp__coll *c) {
+    switch (k->kind) {
+    case DDP__ALL_REDUCE: return ddp__shm_reduce_impl(g, c, k->buf, k->count, k->dtype, k->op, -1);
+    case DDP__REDUCE: return ddp__shm_reduce_impl(g, c, k->buf, k->count, k->dtype, k->op, k->root);
+    case DDP__BROADCAST: return ddp__shm_broadcast(g, c, k->buf, k->count, k->dtype, k->root);
+    case DDP__ALL_GATHER: return ddp__shm_all_gather(g, c, k->send, k->buf, k->count, k->dtype);
+    case DDP__REDUCE_SCATTER: return ddp__shm_reduce_scatter(g, c, k->send, k->buf, k->count, k->dtype, k->op);
+    default: return ddp__shm_step(g, c, ++g->shm->step, 1); /* barrier */
+    }
+}
+
+/* ---- setting up and tearing down ---- */
+
+/* Ranks share memory only within one host and one network namespace (tests put "hosts" in
+   namespaces on one machine; each namespace counts as a host). */
+static uint64_t ddp__host_key(void) {
+    char buf[512] = "", ns[128] = "";
+    FILE *f;
+    ssize_t k = readlink("/proc/self/ns/net", ns, sizeof ns - 1);
+    if (k > 0) ns[k] = '\0';
+    gethostname(buf, 200);
+    buf[200] = '\0';
+    snprintf(buf + strlen(buf), sizeof buf - strlen(buf), "|%s|", ns);
+    if ((f = fopen("/proc/sys/kernel/random/boot_id", "r")) != NULL) {
+        size_t len = strlen(buf);
+        if (fgets(buf + len, (int)(sizeof buf - len), f) == NULL) buf[len] = '\0';
+        fclose(f);
+    }
+    return ddp__hash(buf);
+}
+
+static void ddp__shm_free(ddp_group *g) {
+    if (!g->shm) return;
+    munmap(g->shm->base, g->shm->bytes);
+    ddp__free(g->shm);
+    g->shm = NULL;
+}
+
+/* Map one segment for the group when all its ranks share a host (and DDP_TRANSPORT allows it).
+   Collective over the group's TCP mesh; every rank reaches the same decision. Any failure to set up
+   shared memory (a full /dev/shm, say) is not an error: the group keeps using TCP. */
+static ddp_result ddp__shm_setup(ddp_group *g) {
+    const char *transport = ddp__env("DDP_TRANSPORT");
+    uint64_t key = ddp__host_key(), *keys;
+    int i, same = 1, ok = 1, fd = -1;
+    char name[64];
+    size_t half, bytes;
+    ddp__shm *s;
+    ddp_result r;
+    if (g->world_size < 2 || (transport && strcmp(transport, "tcp") == 0)) return DDP_SUCCESS;
+    keys = (uint64_t *)ddp__calloc((size_t)g->world_size, sizeof *keys);
+    if (!keys) return ddp__fail(g, DDP_ERR_OUT_OF_MEMORY, "out of memory setting up shared memory");
+    r = ddp_all_gather(g, &key, keys, 1, DDP_I64);
+    for (i = 0; i < g->world_size && r == DDP_SUCCESS; i++) same &= keys[i] == key;
+    ddp__free(keys);
+    if (r || !same) return r;
+
+    half = DDP__MIN(DDP__MAX(((size_t)8 << 20) / (size_t)g->world_size, (size_t)256 << 10), (size_t)4 << 20);
+    half &= ~(size_t)63; /* every half starts on a cache line, so every dtype is aligned */
+    bytes = sizeof(ddp__shm_header) + (size_t)g->world_size * (sizeof(ddp__shm_ctl) + 2 * half);
+    memset(name, 0, sizeof name);
+    if (g->rank == 0) {
+        snprintf(name, sizeof name, "/ddp.%d.%llx", (int)getpid(), (unsigned long long)(ddp__hash(g->prefix) ^ (uint64_t)ddp__now()));
+        fd = shm_open(name, O_CREAT | O_EXCL | O_RDWR, 0600);
+        if (fd < 0 || posix_fallocate(fd, 0, (off_t)bytes) != 0) { /* fallocate: a full /dev/shm fails here, not with SIGBUS later */
+            ddp__log(g, DDP_LOG_INFO, "shared memory unavailable (%s): using TCP", fd < 0 ? strerror(errno) : "cannot reserve the segment");
+            ok = 0;
+        }
+    }
+    if ((r = ddp_broadcast(g, name, sizeof name, DDP_U8, 0)) != DDP_SUCCESS) goto done;
+    if (g->rank != 0 && name[0]) fd = shm_open(name, O_RDWR, 0600);
+    s = (ddp__shm *)ddp__calloc(1, sizeof *s);
+    if (fd >= 0 && ok && s) {
+        s->base = mmap(NULL, bytes, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);
+        if (s->base == MAP_FAILED) s->base = NULL;
+    }
+    if (!s || !s->base) ok = 0;
+    if (fd >= 0) close(fd);
+    if ((r = ddp_all_reduce(g, &ok, 1, DDP_I32, DDP_MIN)) != DDP_SUCCESS || !ok) {
+        if (s && s->base) munmap(s->base, bytes);
+        ddp__free(s);
+        goto done;
+    }
+    s->bytes = bytes;
+    s->half = half;
+    s->hdr = (ddp__shm_header *)s->base;
+    s->ctl = (ddp__shm_ctl *)((char *)s->base + sizeof(ddp__shm_header));
+    s->data = (char *)(s->ctl + g->world_size);
+    /* Still over TCP: every rank has the segment mapped (so the name can go), and no collective has
+       run over it yet. The segment is zero-filled: steps and fingerprints start at 0, below any seq. */
+    if ((r = ddp_barrier(g)) != DDP_SUCCESS) {
+        munmap(s->base, bytes);
+        ddp__free(s);
+        goto done;
+    }
+    g->shm = s;
+    ddp__log(g, DDP_LOG_INFO, "shared memory: %zu bytes, %zu-byte halves", bytes, half);
+done:
+    if (g->rank == 0 && name[0]) shm_unlink(name);
+    return r;
+}
+/* ==================== end src/shm.c ==================== */
+
 /* ==================== begin src/group.c ==================== */
 /* [SECTION] group: ddp_init (torch.distributed.init_process_group), launcher environments,
    rendezvous, the mesh of connections, subgroups (new_group), ddp_destroy
@@ -3604,12 +4694,6 @@ static const struct {
     {"PMI_RANK", "PMI_SIZE", "MPI_LOCALRANKID", "MPI_LOCALNRANKS", "MPICH/Hydra (PMI_RANK, PMI_SIZE)"},
     {"SLURM_PROCID", "SLURM_NTASKS", "SLURM_LOCALID", NULL, "SLURM (SLURM_PROCID, SLURM_NTASKS)"},
 };
-
-static uint64_t ddp__hash(const char *s) { /* FNV-1a */
-    uint64_t h = 1469598103934665603ull;
-    while (*s) h = (h ^ (unsigned char)*s++) * 1099511628211ull;
-    return h;
-}
 
 /* "node[01-04,07],gpu5" -> "node01": the first host of a SLURM node list. */
 static void ddp__slurm_first_host(const char *list, char *out, size_t cap) {
@@ -4028,6 +5112,7 @@ static void ddp__group_free(ddp_group *g) {
     int i;
     ddp__progress_stop(g);
     if (g->broken) ddp__close_after_failure(g, 1.0);
+    ddp__shm_free(g);
     for (i = 0; i < g->world_size; i++)
         if (g->peers[i].fd >= 0) close(g->peers[i].fd);
     if (g->owns_store && g->store) ddp__store_free(g->store);
@@ -4055,7 +5140,8 @@ static ddp_result ddp__group_connect(ddp_group *g, const char *where) {
     close(listen_fd);
     if (r) return r;
     if ((r = ddp_barrier(g)) != DDP_SUCCESS) return r;
-    g->seq = 0; /* the user's first collective is #1 in messages */
+    if ((r = ddp__shm_setup(g)) != DDP_SUCCESS) return r;
+    g->seq = 0; /* the user's first collective is #1 in messages (shm.c relies on seq only growing from here) */
     if ((r = ddp__rdzv_check_abort(g, &aborted)) != DDP_SUCCESS || aborted) return r ? r : DDP_ERR_INIT;
     return DDP_SUCCESS;
 }
@@ -4215,7 +5301,897 @@ DDP_API ddp_store *ddp_group_store(ddp_group *g) { return g ? g->store : NULL; }
 /* ==================== end src/group.c ==================== */
 
 /* ==================== begin src/launcher.c ==================== */
-/* placeholder: filled by its issue */
+/* [SECTION] launcher: ddp_spawn (torch.multiprocessing.spawn) and ddprun (torchrun)
+   Both start a group of worker processes on this host with torchrun's environment and watch them:
+
+       fork N workers (each in its own process group, each told RANK, WORLD_SIZE, MASTER_ADDR, ...)
+       loop: sleep until a worker ends (pidfd) or 5 ms pass; waitpid(worker, WNOHANG) for each
+         all exited 0         -> success
+         one failed           -> collect the failures of the next 0.25 s, name the likely cause
+                                 (which rank, exit code or signal), then stop the others:
+                                 SIGTERM to every worker's process group, SIGKILL after a grace period
+         ddprun got a signal  -> forward it to every worker, then stop them as above
+
+   The fail-fast loop is what torchrun's agent does (torch/distributed/elastic/agent/server/api.py):
+   without it a dead rank leaves the others blocked in a collective until the 30-minute timeout.
+   ddprun adds torchrun's --max-restarts: stop everybody, start the whole group again with
+   TORCHELASTIC_RESTART_COUNT (and DDP_RESTART_COUNT) incremented, so the program resumes from its
+   checkpoint. Rendezvous is static: every node runs ddprun with the same --nproc-per-node,
+   --nnodes, --master-addr and --master-port and its own --node-rank; torchrun's elastic rendezvous
+   (--rdzv-backend, a range in --nnodes) is not supported. The workers' rank 0 serves the store
+   (TORCHELASTIC_USE_AGENT_STORE=False), as under torchrun --standalone. */
+#ifdef __linux__
+#include <sys/prctl.h>
+#endif
+
+#define DDP__LAUNCH_GRACE 3.0      /* seconds between SIGTERM and SIGKILL when stopping workers */
+#define DDP__LAUNCH_POLL 0.005     /* seconds between two looks at the workers */
+#define DDP__LAUNCH_SETTLE 0.25    /* seconds to collect other failures after the first one */
+#define DDP__LAUNCH_MAX_PROCS 65536 /* per node; also the largest --nnodes */
+
+/* What every worker of one launch is told: torchrun's launch environment (REFERENCE.md). */
+typedef struct ddp__launch_env {
+    int nproc, nnodes, node_rank;
+    char master_addr[256];
+    int master_port;
+    int restart_count, max_restarts;
+    char run_id[64];
+    char role[64];
+    int set_omp; /* OMP_NUM_THREADS=1, as torchrun does when it is unset and nproc > 1 */
+} ddp__launch_env;
+
+/* One worker process; rank is the global rank. */
+typedef struct ddp__launch_worker {
+    pid_t pid;
+    int rank, local_rank;
+    int status; /* waitpid status, valid once reaped */
+    int reaped;
+    int lost;   /* reaped by someone else: its status is unknown, counted as a failure */
+    int pidfd;  /* readable once the process has ended (Linux 5.3+); -1 when unavailable */
+    int pass;   /* the look (ddp__launch_reap) that found it failed; 0 = not failed */
+} ddp__launch_worker;
+
+/* The workers of one attempt and how to report on them. */
+typedef struct ddp__launch_group {
+    const char *who; /* "ddprun" or "ddp_spawn": starts every line it prints */
+    int to_stderr;   /* 1: print to stderr (ddprun); 0: ddp__log at error level (ddp_spawn) */
+    int signals;     /* 1: react to the signals ddprun caught (ddp__launch_signal_got) */
+    int n;
+    int pass;        /* looks at the workers so far */
+    ddp__launch_worker *w;
+} ddp__launch_group;
+
+/* ddprun's signal handlers write here. A handler can reach nothing but globals, so this is the one
+   mutable global of the library; ddp_spawn never touches it. */
+static volatile sig_atomic_t ddp__launch_signal_got;   /* the last signal received, 0 = none */
+static volatile sig_atomic_t ddp__launch_signal_count; /* how many were received */
+
+static void ddp__launch_say(const ddp__launch_group *lg, const char *fmt, ...) DDP__PRINTF(2, 3);
+
+static void ddp__launch_say(const ddp__launch_group *lg, const char *fmt, ...) {
+    char msg[DDP__ERR_MAX];
+    va_list ap;
+    va_start(ap, fmt);
+    vsnprintf(msg, sizeof msg, fmt, ap);
+    va_end(ap);
+    if (lg->to_stderr) {
+        fprintf(stderr, "%s: %s\n", lg->who, msg);
+        fflush(stderr);
+    } else {
+        ddp__log(NULL, DDP_LOG_ERROR, "%s: %s", lg->who, msg);
+    }
+}
+
+static const char *ddp__launch_signame(int sig) {
+    switch (sig) {
+    case SIGHUP: return "SIGHUP";
+    case SIGINT: return "SIGINT";
+    case SIGQUIT: return "SIGQUIT";
+    case SIGILL: return "SIGILL";
+    case SIGTRAP: return "SIGTRAP";
+    case SIGABRT: return "SIGABRT";
+    case SIGBUS: return "SIGBUS";
+    case SIGFPE: return "SIGFPE";
+    case SIGKILL: return "SIGKILL";
+    case SIGUSR1: return "SIGUSR1";
+    case SIGSEGV: return "SIGSEGV";
+    case SIGUSR2: return "SIGUSR2";
+    case SIGPIPE: return "SIGPIPE";
+    case SIGALRM: return "SIGALRM";
+    case SIGTERM: return "SIGTERM";
+    case SIGXCPU: return "SIGXCPU";
+    case SIGXFSZ: return "SIGXFSZ";
+    case SIGSYS: return "SIGSYS";
+    }
+    return "a signal without a short name";
+}
+
+/* "exited with code 3", "was killed by signal 9 (SIGKILL)" */
+static void ddp__launch_describe(const ddp__launch_worker *w, char *buf, size_t size) {
+    int status = w->status;
+    if (w->lost) {
+        snprintf(buf, size, "ended, but its exit status was collected elsewhere (a SIGCHLD handler calling wait?)");
+    } else if (WIFEXITED(status)) {
+        snprintf(buf, size, "exited with code %d", WEXITSTATUS(status));
+    } else if (WIFSIGNALED(status)) {
+        snprintf(buf, size, "was killed by signal %d (%s)%s", WTERMSIG(status), ddp__launch_signame(WTERMSIG(status)),
+                 WCOREDUMP(status) ? ", core dumped" : "");
+    } else {
+        snprintf(buf, size, "ended with wait status 0x%x", (unsigned)status);
+    }
+}
+
+/* The shell's convention: the exit code, or 128 + the signal number. Never 0 for a failure. */
+static int ddp__launch_exit_code(int status) {
+    if (WIFEXITED(status)) return WEXITSTATUS(status) ? WEXITSTATUS(status) : 1;
+    if (WIFSIGNALED(status)) return 128 + WTERMSIG(status);
+    return 1;
+}
+
+static int ddp__launch_failed(int status) { return !WIFEXITED(status) || WEXITSTATUS(status) != 0; }
+
+/* "rank 2 (pid 1234)", with the local rank when this node does not start at rank 0. */
+static void ddp__launch_name(const ddp__launch_worker *w, char *buf, size_t size) {
+    if (w->rank == w->local_rank)
+        snprintf(buf, size, "rank %d (pid %ld)", w->rank, (long)w->pid);
+    else
+        snprintf(buf, size, "rank %d (local rank %d, pid %ld)", w->rank, w->local_rank, (long)w->pid);
+}
+
+static int ddp__launch_running(const ddp__launch_group *lg) {
+    int i, n = 0;
+    for (i = 0; i < lg->n; i++) n += !lg->w[i].reaped;
+    return n;
+}
+
+static void ddp__launch_mark_reaped(ddp__launch_worker *w, int status) {
+    w->status = status;
+    w->reaped = 1;
+    if (w->pidfd >= 0) close(w->pidfd);
+    w->pidfd = -1;
+}
+
+/* One non-blocking look at every running worker. Returns how many were found to have failed in
+   this look (marked with its pass number). Polling each pid (not waitpid(-1)) leaves the caller's
+   other children alone, which matters when ddp_spawn runs inside a user's program. */
+static int ddp__launch_reap(ddp__launch_group *lg) {
+    int i, failed = 0;
+    lg->pass++;
+    for (i = 0; i < lg->n; i++) {
+        ddp__launch_worker *w = &lg->w[i];
+        int st = 0;
+        pid_t p;
+        if (w->reaped) continue;
+        p = waitpid(w->pid, &st, WNOHANG);
+        if (p == 0 || (p < 0 && errno == EINTR)) continue;
+        if (p < 0) { /* ECHILD: a waitpid(-1) elsewhere took it */
+            w->lost = 1;
+            st = 1 << 8; /* as "exited with code 1" for the exit code */
+        }
+        ddp__launch_mark_reaped(w, st);
+        if (ddp__launch_failed(st)) {
+            w->pass = lg->pass;
+            failed++;
+        }
+    }
+    return failed;
+}
+
+/* Sleep until a worker may have ended: poll() on the pidfds of (the first 64) running workers
+   wakes at once when one ends, and a signal to ddprun interrupts it; the DDP__LAUNCH_POLL timeout
+   covers the rest. Without pidfds (kernels before 5.3), a plain sleep of DDP__LAUNCH_POLL. */
+static void ddp__launch_nap(const ddp__launch_group *lg) {
+    struct pollfd fds[64];
+    int i, n = 0;
+    for (i = 0; i < lg->n && n < (int)(sizeof fds / sizeof fds[0]); i++) {
+        if (lg->w[i].reaped || lg->w[i].pidfd < 0) continue;
+        fds[n].fd = lg->w[i].pidfd;
+        fds[n].events = POLLIN;
+        fds[n].revents = 0;
+        n++;
+    }
+    if (n == 0) {
+        ddp__sleep(DDP__LAUNCH_POLL);
+        return;
+    }
+    poll(fds, (nfds_t)n, (int)(DDP__LAUNCH_POLL * 1000));
+}
+
+/* Of the workers that failed since look `since`, the one that most likely made the others fail.
+   When a rank dies, the others lose a peer and fail too, all in the same way (the same exit code),
+   and on a busy machine they may end before the dead rank can even be reaped. So: a failure unlike
+   every other one is the cause; among several such, or none, the earliest seen, then the lowest rank. */
+static int ddp__launch_culprit(const ddp__launch_group *lg, int since) {
+    int i, j, best = -1, best_unique = 0;
+    for (i = 0; i < lg->n; i++) {
+        const ddp__launch_worker *a = &lg->w[i];
+        int unique = 1;
+        if (a->pass < since) continue;
+        for (j = 0; j < lg->n; j++)
+            if (j != i && lg->w[j].pass >= since && lg->w[j].status == a->status && lg->w[j].lost == a->lost) unique = 0;
+        if (best < 0 || unique > best_unique || (unique == best_unique && a->pass < lg->w[best].pass)) {
+            best = i;
+            best_unique = unique;
+        }
+    }
+    return best;
+}
+
+/* "; at about the same time rank 0 (pid 11) exited with code 1, rank 3 (pid 14) exited with code 1":
+   the other failures since look `since`, so that nothing is hidden when the guess is wrong. */
+static void ddp__launch_also(const ddp__launch_group *lg, int culprit, int since, char *buf, size_t size) {
+    size_t len = 0;
+    int i, listed = 0, more = 0;
+    buf[0] = '\0';
+    for (i = 0; i < lg->n; i++) {
+        char name[96], how[128];
+        if (i == culprit || lg->w[i].pass < since) continue;
+        if (listed == 4) {
+            more++;
+            continue;
+        }
+        ddp__launch_name(&lg->w[i], name, sizeof name);
+        ddp__launch_describe(&lg->w[i], how, sizeof how);
+        snprintf(buf + len, size - len, "%s%s %s", listed ? ", " : "; at about the same time ", name, how);
+        len = strlen(buf);
+        listed++;
+    }
+    if (more) snprintf(buf + len, size - len, " and %d more", more);
+}
+
+static void ddp__launch_signal_all(const ddp__launch_group *lg, int sig) {
+    int i;
+    for (i = 0; i < lg->n; i++) {
+        /* the worker's whole process group (its own children too); the pid alone when the group
+           is already gone. Reaped workers' groups are signalled as well: their children may linger. */
+        if (kill(-lg->w[i].pid, sig) != 0 && !lg->w[i].reaped) kill(lg->w[i].pid, sig);
+    }
+}
+
+/* Stop every worker still running: sig (SIGTERM, or what ddprun received) to each process group,
+   then SIGKILL to those still there after the grace period (or at once on a second signal to
+   ddprun). Returns when every worker has been reaped. */
+static void ddp__launch_stop(ddp__launch_group *lg, int sig) {
+    double deadline = ddp__now() + DDP__LAUNCH_GRACE;
+    sig_atomic_t signals_before = ddp__launch_signal_count;
+    int i;
+    ddp__launch_signal_all(lg, sig);
+    while (ddp__launch_running(lg) > 0 && ddp__now() < deadline &&
+           !(lg->signals && ddp__launch_signal_count != signals_before)) {
+        ddp__launch_nap(lg);
+        ddp__launch_reap(lg);
+    }
+    for (i = 0; i < lg->n; i++) {
+        char name[96];
+        if (lg->w[i].reaped) continue;
+        ddp__launch_name(&lg->w[i], name, sizeof name);
+        ddp__launch_say(lg, "%s did not stop within %.0f s of %s; sending SIGKILL", name, DDP__LAUNCH_GRACE,
+                        ddp__launch_signame(sig));
+    }
+    /* also catches children of workers that ignored the first signal and exited without them */
+    ddp__launch_signal_all(lg, SIGKILL);
+    for (i = 0; i < lg->n; i++) {
+        ddp__launch_worker *w = &lg->w[i];
+        while (!w->reaped) {
+            int st = 0;
+            pid_t p = waitpid(w->pid, &st, 0);
+            if (p == w->pid || (p < 0 && errno != EINTR)) ddp__launch_mark_reaped(w, st);
+        }
+    }
+}
+
+/* Watch the workers until all exited 0 (returns 0), one failed, or ddprun received a signal; in the
+   last two cases stop the others, write what happened to msg (DDP__ERR_MAX bytes) and return the
+   exit code for ddprun: the failed worker's (128 + signal when it was killed), or 128 + the signal
+   ddprun received. */
+static int ddp__launch_monitor(ddp__launch_group *lg, char *msg) {
+    for (;;) {
+        int failed = ddp__launch_reap(lg), running, sig;
+        if (failed > 0) {
+            char name[96], how[128], also[512];
+            const ddp__launch_worker *w;
+            int since = lg->pass;
+            double settle = ddp__now() + DDP__LAUNCH_SETTLE;
+            while (ddp__launch_running(lg) > 0 && ddp__now() < settle) {
+                ddp__launch_nap(lg);
+                ddp__launch_reap(lg);
+            }
+            w = &lg->w[ddp__launch_culprit(lg, since)];
+            running = ddp__launch_running(lg);
+            ddp__launch_name(w, name, sizeof name);
+            ddp__launch_describe(w, how, sizeof how);
+            ddp__launch_also(lg, (int)(w - lg->w), since, also, sizeof also);
+            if (running > 0)
+                ddp__launch_say(lg, "%s %s%s; stopping the other %d worker%s", name, how, also, running,
+                                running == 1 ? "" : "s");
+            else
+                ddp__launch_say(lg, "%s %s%s", name, how, also);
+            ddp__launch_stop(lg, SIGTERM);
+            snprintf(msg, DDP__ERR_MAX, "%s of %d %s%s; %d other running worker%s stopped", name, lg->n, how, also,
+                     running, running == 1 ? " was" : "s were");
+            return ddp__launch_exit_code(w->status);
+        }
+        running = ddp__launch_running(lg);
+        if (running == 0) return 0;
+        sig = lg->signals ? (int)ddp__launch_signal_got : 0;
+        if (sig) {
+            ddp__launch_say(lg, "received %s; forwarding it to the %d running worker%s", ddp__launch_signame(sig),
+                            running, running == 1 ? "" : "s");
+            ddp__launch_stop(lg, sig);
+            snprintf(msg, DDP__ERR_MAX, "%s received %s and stopped its %d running worker%s", lg->who,
+                     ddp__launch_signame(sig), running, running == 1 ? "" : "s");
+            return 128 + sig;
+        }
+        ddp__launch_nap(lg);
+    }
+}
+
+/* Exit statuses are only kept while SIGCHLD is not ignored: with SIG_IGN (or SA_NOCLDWAIT) the
+   kernel reaps children at once. Restore the default for as long as workers run; old receives
+   the caller's action for ddp__launch_sigchld_restore. */
+static void ddp__launch_sigchld_default(struct sigaction *old) {
+    struct sigaction sa;
+    sigaction(SIGCHLD, NULL, old);
+    if (old->sa_handler != SIG_IGN && !(old->sa_flags & SA_NOCLDWAIT)) return;
+    memset(&sa, 0, sizeof sa);
+    sa.sa_handler = SIG_DFL;
+    sigemptyset(&sa.sa_mask);
+    sigaction(SIGCHLD, &sa, NULL);
+}
+
+static void ddp__launch_sigchld_restore(const struct sigaction *old) { sigaction(SIGCHLD, old, NULL); }
+
+/* ---- starting workers ---- */
+
+static void ddp__launch_setenv_int(const char *name, long value) {
+    char v[32];
+    snprintf(v, sizeof v, "%ld", value);
+    setenv(name, v, 1);
+}
+
+/* In the forked worker: the variables torchrun sets (see ddp_launcher_main's help for the list). */
+static void ddp__launch_export(const ddp__launch_env *e, int local_rank) {
+    long world = (long)e->nproc * e->nnodes, rank = (long)e->node_rank * e->nproc + local_rank;
+    ddp__launch_setenv_int("RANK", rank);
+    ddp__launch_setenv_int("LOCAL_RANK", local_rank);
+    ddp__launch_setenv_int("WORLD_SIZE", world);
+    ddp__launch_setenv_int("LOCAL_WORLD_SIZE", e->nproc);
+    ddp__launch_setenv_int("GROUP_RANK", e->node_rank);
+    ddp__launch_setenv_int("GROUP_WORLD_SIZE", e->nnodes);
+    ddp__launch_setenv_int("ROLE_RANK", rank);
+    ddp__launch_setenv_int("ROLE_WORLD_SIZE", world);
+    setenv("ROLE_NAME", e->role, 1);
+    setenv("MASTER_ADDR", e->master_addr, 1);
+    ddp__launch_setenv_int("MASTER_PORT", e->master_port);
+    ddp__launch_setenv_int("TORCHELASTIC_RESTART_COUNT", e->restart_count);
+    ddp__launch_setenv_int("TORCHELASTIC_MAX_RESTARTS", e->max_restarts);
+    setenv("TORCHELASTIC_RUN_ID", e->run_id, 1);
+    setenv("TORCHELASTIC_USE_AGENT_STORE", "False", 1);
+    ddp__launch_setenv_int("DDP_RESTART_COUNT", e->restart_count);
+    if (e->set_omp) setenv("OMP_NUM_THREADS", "1", 0);
+}
+
+/* In the forked worker: its own process group (so stopping it stops its children too), and death
+   with the launcher (so a launcher killed by SIGKILL leaves no orphans behind). */
+static void ddp__launch_child_setup(pid_t launcher) {
+    setpgid(0, 0);
+#ifdef __linux__
+    prctl(PR_SET_PDEATHSIG, SIGKILL);
+#endif
+    if (getppid() != launcher) _exit(1); /* the launcher died before prctl took effect */
+}
+
+/* A file descriptor that becomes readable when pid ends (pidfd_open, Linux 5.3+; close-on-exec), or -1. */
+static int ddp__launch_pidfd(pid_t pid) {
+#ifdef SYS_pidfd_open
+    return (int)syscall(SYS_pidfd_open, pid, 0);
+#else
+    (void)pid;
+    return -1;
+#endif
+}
+
+/* Start the workers: exec argv (ddprun) or run fn (ddp_spawn) in each. On failure the workers
+   already started are stopped and the error is in err. */
+static ddp_result ddp__launch_start(ddp__launch_group *lg, const ddp__launch_env *e, char **argv,
+                                    int (*fn)(int, int, void *), void *arg, char *err) {
+    pid_t self = getpid();
+    int i;
+    fflush(NULL); /* or buffered output would be written again by every worker */
+    for (i = 0; i < lg->n; i++) {
+        ddp__launch_worker *w = &lg->w[i];
+        pid_t pid = fork();
+        if (pid < 0) {
+            int saved = errno;
+            lg->n = i;
+            ddp__launch_stop(lg, SIGTERM);
+            return ddp__fail_to(err, DDP_ERR_SYSTEM, "%s: fork() for local rank %d failed: %s (process limit? see ulimit -u)",
+                                lg->who, i, strerror(saved));
+        }
+        if (pid == 0) {
+            int k;
+            for (k = 0; k < i; k++) /* the earlier workers' pidfds are the launcher's business */
+                if (lg->w[k].pidfd >= 0) close(lg->w[k].pidfd);
+            ddp__launch_child_setup(self);
+            ddp__launch_export(e, i);
+            if (argv) {
+                execvp(argv[0], argv);
+                fprintf(stderr, "%s: cannot run %s: %s\n", lg->who, argv[0], strerror(errno));
+                _exit(127);
+            } else {
+                int rc = fn(w->rank, lg->n, arg);
+                fflush(NULL);
+                /* exit codes are 8 bits: keep a failure a failure (256 would read as 0) */
+                _exit(rc == 0 ? 0 : ((rc & 0xff) ? (rc & 0xff) : 1));
+            }
+        }
+        setpgid(pid, pid); /* also here: the group must exist before anyone signals it */
+        w->pid = pid;
+        w->pidfd = ddp__launch_pidfd(pid);
+    }
+    return DDP_SUCCESS;
+}
+
+/* ddprun (is_ddprun = 1) prints to stderr and reacts to the signals it caught; ddp_spawn logs. */
+static ddp__launch_group ddp__launch_group_make(int is_ddprun, int n, int first_rank, ddp__launch_worker *w) {
+    ddp__launch_group lg;
+    int i;
+    lg.who = is_ddprun ? "ddprun" : "ddp_spawn";
+    lg.to_stderr = is_ddprun;
+    lg.signals = is_ddprun;
+    lg.n = n;
+    lg.pass = 0;
+    lg.w = w;
+    for (i = 0; i < n; i++) {
+        memset(&w[i], 0, sizeof w[i]);
+        w[i].rank = first_rank + i;
+        w[i].local_rank = i;
+        w[i].pidfd = -1;
+    }
+    return lg;
+}
+
+/* A TCP port that was free a moment ago: bind port 0 and read what the kernel chose (what torchrun
+   --standalone does; another process may still take it before rank 0 binds it). */
+static int ddp__launch_free_port(char *err) {
+    struct sockaddr_in a;
+    socklen_t len = sizeof a;
+    int port, fd = socket(AF_INET, SOCK_STREAM, 0);
+    if (fd < 0) {
+        ddp__fail_to(err, DDP_ERR_SYSTEM, "cannot find a free port: socket(): %s", strerror(errno));
+        return -1;
+    }
+    memset(&a, 0, sizeof a);
+    a.sin_family = AF_INET;
+    a.sin_addr.s_addr = htonl(INADDR_ANY);
+    if (bind(fd, (struct sockaddr *)&a, sizeof a) != 0 || getsockname(fd, (struct sockaddr *)&a, &len) != 0) {
+        ddp__fail_to(err, DDP_ERR_SYSTEM, "cannot find a free port: bind(port 0): %s", strerror(errno));
+        close(fd);
+        return -1;
+    }
+    port = ntohs(a.sin_port);
+    close(fd);
+    return port;
+}
+
+static void ddp__launch_env_defaults(ddp__launch_env *e) {
+    memset(e, 0, sizeof *e);
+    e->nproc = 1;
+    e->nnodes = 1;
+    snprintf(e->master_addr, sizeof e->master_addr, "127.0.0.1");
+    e->master_port = 29500;
+    snprintf(e->run_id, sizeof e->run_id, "none");
+    snprintf(e->role, sizeof e->role, "default");
+}
+
+/* ---- ddp_spawn ---- */
+
+DDP_API ddp_result ddp_spawn(int nprocs, int (*fn)(int rank, int world_size, void *arg), void *arg) {
+    ddp__launch_env e;
+    ddp__launch_group lg;
+    ddp__launch_worker *w;
+    ddp_result r;
+    struct sigaction old_chld;
+    char *err = ddp__error_buffer(NULL);
+    char msg[DDP__ERR_MAX];
+    if (nprocs < 1 || nprocs > DDP__LAUNCH_MAX_PROCS)
+        return ddp__fail(NULL, DDP_ERR_INVALID_ARGUMENT, "ddp_spawn: nprocs=%d must be in [1, %d]", nprocs,
+                         DDP__LAUNCH_MAX_PROCS);
+    if (!fn) return ddp__fail(NULL, DDP_ERR_INVALID_ARGUMENT, "ddp_spawn: fn is NULL; pass the function each process runs");
+    ddp__launch_env_defaults(&e);
+    e.nproc = nprocs;
+    e.set_omp = nprocs > 1;
+    e.master_port = ddp__launch_free_port(err);
+    if (e.master_port < 0) return DDP_ERR_SYSTEM;
+    w = (ddp__launch_worker *)ddp__calloc((size_t)nprocs, sizeof *w);
+    if (!w) return ddp__fail(NULL, DDP_ERR_OUT_OF_MEMORY, "ddp_spawn: cannot allocate %d worker records", nprocs);
+    lg = ddp__launch_group_make(0, nprocs, 0, w);
+    ddp__launch_sigchld_default(&old_chld);
+    r = ddp__launch_start(&lg, &e, NULL, fn, arg, err);
+    if (r == DDP_SUCCESS && ddp__launch_monitor(&lg, msg) != 0)
+        r = ddp__fail(NULL, DDP_ERR_WORKER_FAILED, "ddp_spawn: %s", msg);
+    ddp__launch_sigchld_restore(&old_chld);
+    ddp__free(w);
+    return r;
+}
+
+/* ---- ddprun ---- */
+
+/* The parsed command line. */
+typedef struct ddp__launch_args {
+    ddp__launch_env env;
+    int standalone, port_given, help, nnodes_given, node_rank_given, run_id_given;
+    char **program; /* NULL-terminated argv of the program */
+} ddp__launch_args;
+
+static const char ddp__launch_usage[] =
+    "usage: ddprun [flags] [--] PROGRAM [ARGS...]\n"
+    "Start PROGRAM once per worker with torchrun's environment, so that ddp_init(NULL) (or torch's\n"
+    "init_process_group(\"env://\")) in it joins the group. Flags take `--flag value` or `--flag=value`,\n"
+    "with dashes or underscores (--nproc-per-node or --nproc_per_node).\n"
+    "\n"
+    "  --nproc-per-node N    workers on this node (default 1); \"cpu\" = the number of online CPUs.\n"
+    "                        \"gpu\" and \"auto\" are not accepted: ddprun does not link CUDA; give the\n"
+    "                        number of GPUs (for example $(nvidia-smi -L | wc -l)).\n"
+    "  --nnodes M            nodes taking part (default 1); every node runs ddprun with the same\n"
+    "                        --nproc-per-node, --nnodes, --master-addr and --master-port\n"
+    "  --node-rank K         this node's index in [0, M) (default 0); it starts global ranks\n"
+    "                        K*N .. K*N+N-1\n"
+    "  --master-addr HOST    where rank 0 serves the rendezvous store (default 127.0.0.1)\n"
+    "  --master-port PORT    its TCP port (default 29500)\n"
+    "  --standalone          single node on a free port (found by binding port 0); a new one is picked\n"
+    "                        for each restart. Excludes --master-port and --nnodes/--node-rank other than 1/0\n"
+    "  --max-restarts R      when a worker fails, stop all and start the whole group again, at most R\n"
+    "                        times (default 0); TORCHELASTIC_RESTART_COUNT and DDP_RESTART_COUNT tell\n"
+    "                        the program which attempt it is, so it can resume from its checkpoint\n"
+    "  --rdzv-id ID          TORCHELASTIC_RUN_ID (default \"none\"; a random UUID with --standalone)\n"
+    "  --role NAME           ROLE_NAME (default \"default\")\n"
+    "  --no-python           accepted and ignored: ddprun always runs PROGRAM itself\n"
+    "  -h, --help            this text\n"
+    "\n"
+    "Each worker gets RANK, LOCAL_RANK, WORLD_SIZE, LOCAL_WORLD_SIZE, GROUP_RANK (= node rank),\n"
+    "GROUP_WORLD_SIZE (= nnodes), ROLE_RANK, ROLE_WORLD_SIZE, ROLE_NAME, MASTER_ADDR, MASTER_PORT,\n"
+    "TORCHELASTIC_RESTART_COUNT, TORCHELASTIC_MAX_RESTARTS, TORCHELASTIC_RUN_ID,\n"
+    "TORCHELASTIC_USE_AGENT_STORE=False (rank 0 serves the store), DDP_RESTART_COUNT, and\n"
+    "OMP_NUM_THREADS=1 when it is unset and N > 1. Each worker runs in its own process group.\n"
+    "\n"
+    "When a worker exits non-zero or is killed by a signal, ddprun says which rank and how, sends\n"
+    "SIGTERM to the other workers (SIGKILL after 3 s) and exits with the worker's code (128 + signal\n"
+    "number when it was killed). SIGINT, SIGTERM, SIGHUP and SIGQUIT sent to ddprun are forwarded to\n"
+    "the workers, which are then stopped the same way; ddprun then exits with 128 + that signal.\n"
+    "Rendezvous is static: torchrun's elastic rendezvous (--rdzv-backend, --rdzv-endpoint, a range\n"
+    "in --nnodes) is not supported.\n";
+
+/* Flags torchrun has that ddprun refuses, with the reason. */
+static const char *ddp__launch_refused(const char *name) {
+    static const char *elastic = "elastic rendezvous is not supported; use static rendezvous: the same --nnodes, "
+                                 "--master-addr and --master-port on every node, and each node's own --node-rank";
+    static const char *python = "ddprun runs a program, not a Python module or script path; give the interpreter "
+                                "as the program: ddprun ... python3 -m MODULE";
+    static const char *output = "ddprun does not redirect worker output: every worker writes to ddprun's own "
+                                "stdout and stderr";
+    if (!strcmp(name, "rdzv-backend") || !strcmp(name, "rdzv-endpoint") || !strcmp(name, "rdzv-conf") ||
+        !strcmp(name, "max-nodes") || !strcmp(name, "min-nodes"))
+        return elastic;
+    if (!strcmp(name, "module") || !strcmp(name, "run-path")) return python;
+    if (!strcmp(name, "redirects") || !strcmp(name, "tee") || !strcmp(name, "log-dir")) return output;
+    return NULL;
+}
+
+static ddp_result ddp__launch_parse_long(const char *flag, const char *v, long lo, long hi, long *out, char *err) {
+    char *end = NULL;
+    long x;
+    errno = 0;
+    x = strtol(v, &end, 10);
+    if (errno || end == v || *end != '\0' || x < lo || x > hi)
+        return ddp__fail_to(err, DDP_ERR_INVALID_ARGUMENT, "--%s \"%s\": expected an integer in [%ld, %ld]", flag, v, lo,
+                            hi);
+    *out = x;
+    return DDP_SUCCESS;
+}
+
+static ddp_result ddp__launch_parse_nproc(const char *v, int *out, char *err) {
+    long x;
+    if (!strcmp(v, "cpu")) {
+        x = sysconf(_SC_NPROCESSORS_ONLN);
+        *out = x > 0 ? (int)DDP__MIN(x, (long)DDP__LAUNCH_MAX_PROCS) : 1;
+        return DDP_SUCCESS;
+    }
+    if (!strcmp(v, "gpu") || !strcmp(v, "auto"))
+        return ddp__fail_to(err, DDP_ERR_INVALID_ARGUMENT, "--nproc-per-node %s: ddprun does not link CUDA and cannot "
+                            "count GPUs; give the number of workers, e.g. --nproc-per-node $(nvidia-smi -L | wc -l)", v);
+    if (ddp__launch_parse_long("nproc-per-node", v, 1, DDP__LAUNCH_MAX_PROCS, &x, err)) return DDP_ERR_INVALID_ARGUMENT;
+    *out = (int)x;
+    return DDP_SUCCESS;
+}
+
+/* torchrun writes a range "MIN:MAX" for elastic jobs; only MIN == MAX is a static job. */
+static ddp_result ddp__launch_parse_nnodes(const char *v, int *out, char *err) {
+    const char *colon = strchr(v, ':');
+    long lo, hi;
+    char first[32];
+    if (!colon) {
+        if (ddp__launch_parse_long("nnodes", v, 1, DDP__LAUNCH_MAX_PROCS, &lo, err)) return DDP_ERR_INVALID_ARGUMENT;
+        *out = (int)lo;
+        return DDP_SUCCESS;
+    }
+    if ((size_t)(colon - v) >= sizeof first) return ddp__launch_parse_long("nnodes", v, 1, 1, &lo, err);
+    memcpy(first, v, (size_t)(colon - v));
+    first[colon - v] = '\0';
+    if (ddp__launch_parse_long("nnodes", first, 1, DDP__LAUNCH_MAX_PROCS, &lo, err) ||
+        ddp__launch_parse_long("nnodes", colon + 1, 1, DDP__LAUNCH_MAX_PROCS, &hi, err))
+        return DDP_ERR_INVALID_ARGUMENT;
+    if (lo != hi)
+        return ddp__fail_to(err, DDP_ERR_UNSUPPORTED, "--nnodes %s: a range of nodes needs elastic rendezvous, which "
+                            "ddprun does not support; give one number", v);
+    *out = (int)lo;
+    return DDP_SUCCESS;
+}
+
+static ddp_result ddp__launch_copy(const char *flag, const char *v, char *dst, size_t size, char *err) {
+    if (!*v || strlen(v) >= size)
+        return ddp__fail_to(err, DDP_ERR_INVALID_ARGUMENT, "--%s \"%s\": expected a non-empty value shorter than %d "
+                            "characters", flag, v, (int)size);
+    memcpy(dst, v, strlen(v) + 1);
+    return DDP_SUCCESS;
+}
+
+/* Apply one flag that takes a value; name is normalised (dashes). The parsing functions below
+   return DDP_SUCCESS or an error with the message in err. */
+static ddp_result ddp__launch_apply(ddp__launch_args *a, const char *name, const char *v, char *err) {
+    long x;
+    if (!strcmp(name, "nproc-per-node")) return ddp__launch_parse_nproc(v, &a->env.nproc, err);
+    if (!strcmp(name, "nnodes")) {
+        a->nnodes_given = 1;
+        return ddp__launch_parse_nnodes(v, &a->env.nnodes, err);
+    }
+    if (!strcmp(name, "node-rank")) {
+        a->node_rank_given = 1;
+        if (ddp__launch_parse_long(name, v, 0, DDP__LAUNCH_MAX_PROCS - 1, &x, err)) return DDP_ERR_INVALID_ARGUMENT;
+        a->env.node_rank = (int)x;
+        return DDP_SUCCESS;
+    }
+    if (!strcmp(name, "master-addr")) return ddp__launch_copy(name, v, a->env.master_addr, sizeof a->env.master_addr, err);
+    if (!strcmp(name, "master-port")) {
+        a->port_given = 1;
+        if (ddp__launch_parse_long(name, v, 1, 65535, &x, err)) {
+            if (!strcmp(v, "0")) strncat(err, " (for a free port use --standalone)", DDP__ERR_MAX - strlen(err) - 1);
+            return DDP_ERR_INVALID_ARGUMENT;
+        }
+        a->env.master_port = (int)x;
+        return DDP_SUCCESS;
+    }
+    if (!strcmp(name, "max-restarts")) {
+        if (ddp__launch_parse_long(name, v, 0, 1000000, &x, err)) return DDP_ERR_INVALID_ARGUMENT;
+        a->env.max_restarts = (int)x;
+        return DDP_SUCCESS;
+    }
+    if (!strcmp(name, "rdzv-id")) {
+        a->run_id_given = 1;
+        return ddp__launch_copy(name, v, a->env.run_id, sizeof a->env.run_id, err);
+    }
+    if (!strcmp(name, "role")) return ddp__launch_copy(name, v, a->env.role, sizeof a->env.role, err);
+    return ddp__fail_to(err, DDP_ERR_INVALID_ARGUMENT, "unknown flag --%s", name);
+}
+
+static int ddp__launch_is_switch(const char *name) {
+    return !strcmp(name, "standalone") || !strcmp(name, "no-python") || !strcmp(name, "help");
+}
+
+static int ddp__launch_takes_value(const char *name) {
+    static const char *names[] = {"nproc-per-node", "nnodes", "node-rank", "master-addr", "master-port",
+                                  "max-restarts", "rdzv-id", "role"};
+    size_t i;
+    for (i = 0; i < sizeof names / sizeof names[0]; i++)
+        if (!strcmp(name, names[i])) return 1;
+    return 0;
+}
+
+/* One "--flag[=value]" at argv[*i]; may consume the next argument as its value. */
+static ddp_result ddp__launch_parse_flag(ddp__launch_args *a, int argc, char **argv, int *i, char *err) {
+    const char *arg = argv[*i] + 2, *eq = strchr(arg, '='), *value = eq ? eq + 1 : NULL;
+    const char *refused;
+    char name[64];
+    size_t len = eq ? (size_t)(eq - arg) : strlen(arg), k;
+    if (len == 0 || len >= sizeof name) return ddp__fail_to(err, DDP_ERR_INVALID_ARGUMENT, "unknown flag %s", argv[*i]);
+    for (k = 0; k < len; k++) name[k] = arg[k] == '_' ? '-' : arg[k];
+    name[len] = '\0';
+    if (ddp__launch_is_switch(name)) {
+        if (value) return ddp__fail_to(err, DDP_ERR_INVALID_ARGUMENT, "--%s takes no value (got \"%s\")", name, value);
+        if (!strcmp(name, "standalone")) a->standalone = 1;
+        if (!strcmp(name, "help")) a->help = 1;
+        return DDP_SUCCESS; /* --no-python: we always run the program itself */
+    }
+    refused = ddp__launch_refused(name);
+    if (refused) return ddp__fail_to(err, DDP_ERR_UNSUPPORTED, "--%s: %s", name, refused);
+    if (!ddp__launch_takes_value(name)) return ddp__fail_to(err, DDP_ERR_INVALID_ARGUMENT, "unknown flag --%s", name);
+    if (!value) {
+        if (*i + 1 >= argc) return ddp__fail_to(err, DDP_ERR_INVALID_ARGUMENT, "--%s needs a value", name);
+        value = argv[++*i];
+    }
+    return ddp__launch_apply(a, name, value, err);
+}
+
+/* The flags before the program; the first argument that is not a flag (or the one after "--")
+   is the program, and everything after it belongs to the program. */
+static ddp_result ddp__launch_parse(ddp__launch_args *a, int argc, char **argv, char *err) {
+    int i;
+    memset(a, 0, sizeof *a);
+    ddp__launch_env_defaults(&a->env);
+    for (i = 1; i < argc; i++) {
+        const char *arg = argv[i];
+        if (!strcmp(arg, "--")) {
+            i++;
+            break;
+        }
+        if (!strcmp(arg, "-h")) {
+            a->help = 1;
+            continue;
+        }
+        if (arg[0] != '-' || arg[1] == '\0') break;
+        if (arg[1] != '-') return ddp__fail_to(err, DDP_ERR_INVALID_ARGUMENT, "unknown flag %s", arg);
+        if (ddp__launch_parse_flag(a, argc, argv, &i, err)) return DDP_ERR_INVALID_ARGUMENT;
+    }
+    a->program = i < argc ? argv + i : NULL;
+    return DDP_SUCCESS;
+}
+
+/* Checks that need all the flags at once. */
+static ddp_result ddp__launch_validate(ddp__launch_args *a, char *err) {
+    ddp__launch_env *e = &a->env;
+    if (!a->program)
+        return ddp__fail_to(err, DDP_ERR_INVALID_ARGUMENT, "missing the program to run: ddprun [flags] [--] PROGRAM [ARGS...]");
+    if (a->standalone && (e->nnodes != 1 || e->node_rank != 0))
+        return ddp__fail_to(err, DDP_ERR_INVALID_ARGUMENT, "--standalone is for one node, but --nnodes %d --node-rank %d "
+                            "were given; drop --standalone or those flags", e->nnodes, e->node_rank);
+    if (a->standalone && a->port_given)
+        return ddp__fail_to(err, DDP_ERR_INVALID_ARGUMENT, "--standalone picks a free port itself; drop --master-port "
+                            "or --standalone");
+    if (e->node_rank >= e->nnodes)
+        return ddp__fail_to(err, DDP_ERR_INVALID_ARGUMENT, "--node-rank %d must be smaller than --nnodes %d (node ranks "
+                            "are 0 .. nnodes-1)", e->node_rank, e->nnodes);
+    if ((long long)e->nproc * e->nnodes > INT_MAX)
+        return ddp__fail_to(err, DDP_ERR_INVALID_ARGUMENT, "--nproc-per-node %d times --nnodes %d is too many ranks",
+                            e->nproc, e->nnodes);
+    return DDP_SUCCESS;
+}
+
+/* 1 when execvp would find prog: a path to an executable file, or one in PATH. */
+static int ddp__launch_executable(const char *path) {
+    struct stat st;
+    return stat(path, &st) == 0 && S_ISREG(st.st_mode) && access(path, X_OK) == 0;
+}
+
+static int ddp__launch_findable(const char *prog) {
+    const char *path = getenv("PATH"), *p;
+    char buf[4096];
+    if (strchr(prog, '/')) return ddp__launch_executable(prog);
+    if (!path) path = "/usr/local/bin:/usr/bin:/bin";
+    for (p = path;; p++) {
+        const char *end = strchr(p, ':');
+        size_t len = end ? (size_t)(end - p) : strlen(p);
+        int n = len ? snprintf(buf, sizeof buf, "%.*s/%s", (int)len, p, prog) : snprintf(buf, sizeof buf, "%s", prog);
+        if (n > 0 && (size_t)n < sizeof buf && ddp__launch_executable(buf)) return 1;
+        if (!end) return 0;
+        p = end;
+    }
+}
+
+/* torchrun --standalone names its run with a random UUID (version 4). */
+static void ddp__launch_uuid(char *out, size_t size) {
+    unsigned char b[16];
+    size_t i, got = 0;
+    FILE *f = fopen("/dev/urandom", "rb");
+    if (f) {
+        got = fread(b, 1, sizeof b, f);
+        fclose(f);
+    }
+    if (got != sizeof b) {
+        uint64_t s = (uint64_t)getpid() * 0x9E3779B97F4A7C15ull ^ (uint64_t)(ddp__now() * 1e9);
+        for (i = 0; i < sizeof b; i++) {
+            s = s * 6364136223846793005ull + 1442695040888963407ull;
+            b[i] = (unsigned char)(s >> 56);
+        }
+    }
+    b[6] = (unsigned char)((b[6] & 0x0f) | 0x40);
+    b[8] = (unsigned char)((b[8] & 0x3f) | 0x80);
+    snprintf(out, size, "%02x%02x%02x%02x-%02x%02x-%02x%02x-%02x%02x-%02x%02x%02x%02x%02x%02x", b[0], b[1], b[2], b[3],
+             b[4], b[5], b[6], b[7], b[8], b[9], b[10], b[11], b[12], b[13], b[14], b[15]);
+}
+
+static void ddp__launch_on_signal(int sig) {
+    ddp__launch_signal_got = sig;
+    ddp__launch_signal_count = ddp__launch_signal_count + 1;
+}
+
+static const int ddp__launch_forwarded[] = {SIGINT, SIGTERM, SIGHUP, SIGQUIT};
+#define DDP__LAUNCH_NFORWARDED ((int)(sizeof ddp__launch_forwarded / sizeof ddp__launch_forwarded[0]))
+
+/* Catch the signals ddprun forwards; one that was ignored when ddprun started (nohup, `&` in a
+   script) stays ignored, as shells expect. old[] receives the previous actions. */
+static void ddp__launch_catch(struct sigaction *old) {
+    struct sigaction sa;
+    int i;
+    memset(&sa, 0, sizeof sa);
+    sa.sa_handler = ddp__launch_on_signal;
+    sigemptyset(&sa.sa_mask);
+    ddp__launch_signal_got = 0;
+    ddp__launch_signal_count = 0;
+    for (i = 0; i < DDP__LAUNCH_NFORWARDED; i++) {
+        sigaction(ddp__launch_forwarded[i], NULL, &old[i]);
+        if (old[i].sa_handler != SIG_IGN) sigaction(ddp__launch_forwarded[i], &sa, NULL);
+    }
+}
+
+static void ddp__launch_uncatch(const struct sigaction *old) {
+    int i;
+    for (i = 0; i < DDP__LAUNCH_NFORWARDED; i++) sigaction(ddp__launch_forwarded[i], &old[i], NULL);
+}
+
+/* Start the group, restart it after failures while restarts are left; returns ddprun's exit code. */
+static int ddp__launch_run(ddp__launch_args *a, ddp__launch_group *lg) {
+    char err[DDP__ERR_MAX], msg[DDP__ERR_MAX];
+    int attempt, code = 1;
+    for (attempt = 0; attempt <= a->env.max_restarts; attempt++) {
+        a->env.restart_count = attempt;
+        if (a->standalone && (a->env.master_port = ddp__launch_free_port(err)) < 0) {
+            fprintf(stderr, "ddprun: %s\n", err);
+            return 1;
+        }
+        *lg = ddp__launch_group_make(1, a->env.nproc, a->env.node_rank * a->env.nproc, lg->w);
+        if (ddp__launch_start(lg, &a->env, a->program, NULL, NULL, err) != DDP_SUCCESS) {
+            fprintf(stderr, "%s\n", err);
+            return 1;
+        }
+        code = ddp__launch_monitor(lg, msg);
+        if (code == 0) return 0;
+        if (ddp__launch_signal_got) return code; /* the user asked to stop: no restart */
+        if (attempt < a->env.max_restarts)
+            fprintf(stderr, "ddprun: restarting the worker group (restart %d of at most %d)\n", attempt + 1,
+                    a->env.max_restarts);
+    }
+    fprintf(stderr, "ddprun: failed: %s%s\n", msg, a->env.max_restarts ? " (no restarts left)" : "");
+    return code;
+}
+
+DDP_API int ddp_launcher_main(int argc, char **argv) {
+    ddp__launch_args a;
+    ddp__launch_group lg;
+    struct sigaction old[DDP__LAUNCH_NFORWARDED], old_chld;
+    char err[DDP__ERR_MAX];
+    int code;
+    if (ddp__launch_parse(&a, argc, argv, err) != 0 || (!a.help && ddp__launch_validate(&a, err) != 0)) {
+        fprintf(stderr, "ddprun: %s\nTry 'ddprun --help'.\n", err);
+        return 2;
+    }
+    if (a.help) {
+        fputs(ddp__launch_usage, stdout);
+        return 0;
+    }
+    if (!ddp__launch_findable(a.program[0])) {
+        fprintf(stderr, "ddprun: cannot run %s: no executable file %s%s\n", a.program[0],
+                strchr(a.program[0], '/') ? "at that path" : "of that name in PATH",
+                strchr(a.program[0], '/') ? "" : " (for a program in this directory write ./NAME)");
+        return 2;
+    }
+    if (a.standalone && !a.run_id_given) ddp__launch_uuid(a.env.run_id, sizeof a.env.run_id);
+    a.env.set_omp = a.env.nproc > 1 && !ddp__env("OMP_NUM_THREADS");
+    if (a.env.set_omp)
+        fprintf(stderr, "ddprun: setting OMP_NUM_THREADS=1 for each worker (it is unset) so that %d workers do not "
+                        "overload the machine; set it yourself to tune\n", a.env.nproc);
+    lg.w = (ddp__launch_worker *)ddp__calloc((size_t)a.env.nproc, sizeof *lg.w);
+    if (!lg.w) {
+        fprintf(stderr, "ddprun: out of memory for %d worker records\n", a.env.nproc);
+        return 1;
+    }
+    ddp__launch_catch(old);
+    ddp__launch_sigchld_default(&old_chld);
+    code = ddp__launch_run(&a, &lg);
+    ddp__launch_sigchld_restore(&old_chld);
+    ddp__launch_uncatch(old);
+    ddp__free(lg.w);
+    return code;
+}
 /* ==================== end src/launcher.c ==================== */
 
 /* ==================== begin src/reducer.c ==================== */
@@ -4223,15 +6199,2937 @@ DDP_API ddp_store *ddp_group_store(ddp_group *g) { return g ? g->store : NULL; }
 /* ==================== end src/reducer.c ==================== */
 
 /* ==================== begin src/sampler.c ==================== */
-/* placeholder: filled by its issue */
+/* [SECTION] sampler: DistributedSampler, MT19937 and torch.randperm, Feistel streaming permutation */
+/* Mirrors torch.utils.data.distributed.DistributedSampler (torch/utils/data/distributed.py) and, for its
+   shuffle, torch.Generator (at::mt19937) and torch.randperm on the CPU (aten/src/ATen/native/
+   TensorFactories.cpp, randperm_cpu). The formulas are in the [SECTION] sampler comment of the header.
+
+   A rank's k-th index is the element at position j = rank + k*R of the dealt-out list; positions past
+   N wrap around (torch pads by repeating the list, so padded[j] = perm[j mod N]).
+   - no shuffle, or the streaming permutation: computed directly from j, no memory.
+   - torch's randperm: the whole permutation is made once per epoch, in place, in a buffer of N entries
+     (uint32 when N <= 2^32), then compacted to this rank's num_samples entries and shrunk: steady-state
+     memory is 4 * N / R bytes, the peak 4 * N. */
+
+#define DDP__SAMPLER_MAGIC 0x53414d50u /* "SAMP" */
+/* current torch uses the 64-bit inside-out shuffle from this N on (UINT32_MAX / 20) */
+#define DDP__RANDPERM_SPLIT 214748364ull
+/* how many steps ahead the shuffles draw (and prefetch) their targets; a power of two */
+#define DDP__RANDPERM_AHEAD 64
+#define DDP__FEISTEL_MIN_BITS 8 /* the streaming bijection's smallest domain: 2^8 */
+#define DDP__FEISTEL_ROUNDS ((int)(sizeof(((ddp_sampler *)0)->feistel_keys) / sizeof(uint64_t)))
+
+#if defined(__GNUC__) || defined(__clang__)
+#define DDP__PREFETCH(p) __builtin_prefetch((p), 1)
+#else
+#define DDP__PREFETCH(p) ((void)(p))
+#endif
+
+/* ---- MT19937: the generator behind torch.Generator on the CPU ----
+   manual_seed(s) runs Matsumoto and Nishimura's init_genrand on the low 32 bits of s (torch's at::mt19937,
+   the same stream as C++ std::mt19937(s32)). random() is one tempered 32-bit output; random64() is
+   (first << 32) | second. The 624-word state is regenerated ("twisted") 624 outputs at a time. */
+#define DDP__MT_N 624
+#define DDP__MT_M 397
+
+typedef struct ddp__mt19937 {
+    uint32_t state[DDP__MT_N];
+    int next; /* the next state word to temper; DDP__MT_N = twist first */
+} ddp__mt19937;
+
+static void ddp__mt_seed(ddp__mt19937 *g, uint64_t seed) {
+    int i;
+    g->state[0] = (uint32_t)seed;
+    for (i = 1; i < DDP__MT_N; i++)
+        g->state[i] = 1812433253u * (g->state[i - 1] ^ (g->state[i - 1] >> 30)) + (uint32_t)i;
+    g->next = DDP__MT_N;
+}
+
+static uint32_t ddp__mt_mix(uint32_t upper, uint32_t lower, uint32_t far) {
+    uint32_t y = (upper & 0x80000000u) | (lower & 0x7fffffffu);
+    return far ^ (y >> 1) ^ ((0u - (y & 1u)) & 0x9908b0dfu);
+}
+
+static void ddp__mt_twist(ddp__mt19937 *g) {
+    uint32_t *mt = g->state;
+    int i;
+    for (i = 0; i < DDP__MT_N - DDP__MT_M; i++) mt[i] = ddp__mt_mix(mt[i], mt[i + 1], mt[i + DDP__MT_M]);
+    for (; i < DDP__MT_N - 1; i++) mt[i] = ddp__mt_mix(mt[i], mt[i + 1], mt[i + DDP__MT_M - DDP__MT_N]);
+    mt[DDP__MT_N - 1] = ddp__mt_mix(mt[DDP__MT_N - 1], mt[0], mt[DDP__MT_M - 1]);
+    g->next = 0;
+}
+
+static uint32_t ddp__mt_random(ddp__mt19937 *g) {
+    uint32_t y;
+    if (g->next >= DDP__MT_N) ddp__mt_twist(g);
+    y = g->state[g->next++];
+    y ^= y >> 11;
+    y ^= (y << 7) & 0x9d2c5680u;
+    y ^= (y << 15) & 0xefc60000u;
+    return y ^ (y >> 18);
+}
+
+static uint64_t ddp__mt_random64(ddp__mt19937 *g) {
+    uint64_t hi = ddp__mt_random(g);
+    return (hi << 32) | ddp__mt_random(g);
+}
+
+/* ---- torch.randperm on the CPU ----
+   The permutation lives in a buffer of uint32 (N <= 2^32) or uint64 entries; these accessors hide which. */
+static uint64_t ddp__perm_get(const void *p, int wide, uint64_t i) {
+    return wide ? ((const uint64_t *)p)[i] : ((const uint32_t *)p)[i];
+}
+
+static void ddp__perm_put(void *p, int wide, uint64_t i, uint64_t v) {
+    if (wide)
+        ((uint64_t *)p)[i] = v;
+    else
+        ((uint32_t *)p)[i] = (uint32_t)v;
+}
+
+static void ddp__perm_prefetch(void *p, int wide, uint64_t i) {
+    if (wide)
+        DDP__PREFETCH((uint64_t *)p + i);
+    else
+        DDP__PREFETCH((uint32_t *)p + i);
+}
+
+/* Both shuffles below draw their targets DDP__RANDPERM_AHEAD steps early: a target depends only on the
+   random stream, not on r, so its cache line can be prefetched while earlier steps run. At large N every
+   step is a cache miss, and this overlaps them (about 1.6x faster at N = 1e8). */
+static void ddp__perm_identity(void *r, int wide, uint64_t n) {
+    uint64_t i;
+    if (wide)
+        for (i = 0; i < n; i++) ((uint64_t *)r)[i] = i;
+    else
+        for (i = 0; i < n; i++) ((uint32_t *)r)[i] = (uint32_t)i;
+}
+
+/* The swap loop's target for step i: i + random() % (N - i) */
+static uint64_t ddp__swap_target(ddp__mt19937 *g, uint64_t n, uint64_t i) {
+    uint64_t left = n - i;
+    uint32_t x = ddp__mt_random(g);
+    return i + (left <= UINT32_MAX ? x % (uint32_t)left : x); /* x < 2^32 <= left: x % left is x */
+}
+
+/* The swap loop: torch 2.6 and earlier at every N, current torch below 214748364.
+       r[i] = i;  for i in 0 .. N-2: z = random() % (N - i); swap(r[i], r[i + z]) */
+static void ddp__randperm_swap(void *r, int wide, uint64_t n, ddp__mt19937 *g) {
+    uint64_t ahead[DDP__RANDPERM_AHEAD], i, drawn;
+    ddp__perm_identity(r, wide, n);
+    for (drawn = 0; drawn + 1 < n && drawn < DDP__RANDPERM_AHEAD; drawn++) {
+        ahead[drawn] = ddp__swap_target(g, n, drawn);
+        ddp__perm_prefetch(r, wide, ahead[drawn]);
+    }
+    for (i = 0; i + 1 < n; i++) {
+        uint64_t t = ahead[i % DDP__RANDPERM_AHEAD], a = ddp__perm_get(r, wide, i);
+        if (drawn + 1 < n) { /* step drawn's target takes the slot step i's just freed */
+            ahead[drawn % DDP__RANDPERM_AHEAD] = ddp__swap_target(g, n, drawn);
+            ddp__perm_prefetch(r, wide, ahead[drawn % DDP__RANDPERM_AHEAD]);
+            drawn++;
+        }
+        ddp__perm_put(r, wide, i, ddp__perm_get(r, wide, t));
+        ddp__perm_put(r, wide, t, a);
+    }
+}
+
+/* Current torch from N = 214748364 on: the "inside-out" Fisher-Yates shuffle with 64-bit draws
+   (pytorch/pytorch#143682, relanded as #144735 in January 2025; torch 2.7 is the first release with it).
+       for i in 0 .. N-1: z = random64() % (i + 1); r[i] = r[z]; r[z] = i        (r[i] = i when z = i) */
+static void ddp__randperm_inside_out(void *r, int wide, uint64_t n, ddp__mt19937 *g) {
+    uint64_t ahead[DDP__RANDPERM_AHEAD], i, drawn;
+    for (drawn = 0; drawn < n && drawn < DDP__RANDPERM_AHEAD; drawn++) {
+        ahead[drawn] = ddp__mt_random64(g) % (drawn + 1);
+        ddp__perm_prefetch(r, wide, ahead[drawn]);
+    }
+    for (i = 0; i < n; i++) {
+        uint64_t z = ahead[i % DDP__RANDPERM_AHEAD];
+        if (drawn < n) {
+            ahead[drawn % DDP__RANDPERM_AHEAD] = ddp__mt_random64(g) % (drawn + 1);
+            ddp__perm_prefetch(r, wide, ahead[drawn % DDP__RANDPERM_AHEAD]);
+            drawn++;
+        }
+        ddp__perm_put(r, wide, i, z == i ? i : ddp__perm_get(r, wide, z)); /* r[i] is not yet written */
+        ddp__perm_put(r, wide, z, i);
+    }
+}
+
+/* Which of the two shuffles torch.randperm(n) runs: current torch switches at 214748364, legacy never. */
+static int ddp__randperm_is_inside_out(uint64_t n, int legacy) { return !legacy && n >= DDP__RANDPERM_SPLIT; }
+
+/* torch.randperm(n, generator=torch.Generator().manual_seed(seed)) into r. */
+static void ddp__randperm(void *r, int wide, uint64_t n, uint64_t seed, int legacy) {
+    ddp__mt19937 g;
+    ddp__mt_seed(&g, seed);
+    if (ddp__randperm_is_inside_out(n, legacy))
+        ddp__randperm_inside_out(r, wide, n, &g);
+    else
+        ddp__randperm_swap(r, wide, n, &g);
+}
+
+/* ---- the streaming permutation: a keyed Feistel bijection with cycle walking ----
+   The domain is [0, 2^b) with b = max(8, bits of N-1): less than 2N once N > 128. A value is split into a
+   high half L (b/2 bits) and a low half R (the other bits); each round maps (L, R) -> (R, L xor F_k(R)),
+   where F_k is a 64-bit mixer of R xor the round key, cut to L's width. The halves trade places (and
+   widths) every round; every round is invertible, so the whole is a bijection of the domain.
+   Cycle walking: apply it again until the value lands below N. That is a bijection of [0, N) (the cycle
+   through a start below N comes back to it, so it ends), at fewer than 2 steps on average for N > 128.
+   b is at least 8 because Feistel networks on very few bits reach only some permutations (even ones):
+   with 2- or 3-bit domains, where small N would land, the positions came out measurably uneven. */
+static uint64_t ddp__mix64(uint64_t z) { /* splitmix64's finaliser: a bijection with full avalanche */
+    z = (z ^ (z >> 30)) * 0xbf58476d1ce4e5b9ull;
+    z = (z ^ (z >> 27)) * 0x94d049bb133111ebull;
+    return z ^ (z >> 31);
+}
+
+static void ddp__feistel_setup(ddp_sampler *s) {
+    uint64_t n = s->desc.dataset_size, top = n > 1 ? n - 1 : 0, state = s->desc.seed + s->epoch;
+    int bits = 0, r;
+    while (bits < 64 && (top >> bits) != 0) bits++; /* top <= INT64_MAX: at most 63 */
+    s->feistel_bits = DDP__MAX(DDP__FEISTEL_MIN_BITS, bits);
+    for (r = 0; r < DDP__FEISTEL_ROUNDS; r++) { /* splitmix64's stream from seed + epoch */
+        state += 0x9e3779b97f4a7c15ull;
+        s->feistel_keys[r] = ddp__mix64(state);
+    }
+}
+
+static uint64_t ddp__feistel(const ddp_sampler *s, uint64_t x) {
+    int lbits = s->feistel_bits / 2, rbits = s->feistel_bits - lbits, r;
+    uint64_t left = x >> rbits, right = x & ((1ull << rbits) - 1);
+    for (r = 0; r < DDP__FEISTEL_ROUNDS; r++) {
+        uint64_t f = ddp__mix64(right ^ s->feistel_keys[r]) & ((1ull << lbits) - 1);
+        uint64_t new_left = right;
+        int w = lbits;
+        right = left ^ f;
+        left = new_left;
+        lbits = rbits; /* the halves trade places, and widths */
+        rbits = w;
+    }
+    return (left << rbits) | right;
+}
+
+static uint64_t ddp__streaming_index(const ddp_sampler *s, uint64_t j) {
+    uint64_t x = j;
+    do x = ddp__feistel(s, x);
+    while (x >= s->desc.dataset_size);
+    return x;
+}
+
+/* ---- the sampler ---- */
+
+static int ddp__sampler_ok(const ddp_sampler *s) { return s && s->magic == DDP__SAMPLER_MAGIC; }
+
+static ddp_result ddp__sampler_not_initialised(const char *fn) {
+    return ddp__fail(NULL, DDP_ERR_INVALID_ARGUMENT,
+                     "%s: the sampler is NULL or not initialised (call ddp_sampler_init first; after "
+                     "ddp_sampler_free it must be initialised again)",
+                     fn);
+}
+
+static ddp_result ddp__sampler_check_desc(const ddp_sampler_desc *d) {
+    if (d->num_replicas <= 0)
+        return ddp__fail(NULL, DDP_ERR_INVALID_ARGUMENT,
+                         "ddp_sampler_init: num_replicas is %d; it must be > 0 (usually ddp_world_size(g))",
+                         d->num_replicas);
+    if (d->rank < 0 || d->rank >= d->num_replicas)
+        return ddp__fail(NULL, DDP_ERR_INVALID_ARGUMENT,
+                         "ddp_sampler_init: rank is %d; it must be in [0, %d] for num_replicas %d "
+                         "(usually ddp_rank(g))",
+                         d->rank, d->num_replicas - 1, d->num_replicas);
+    if (d->dataset_size > (uint64_t)INT64_MAX)
+        return ddp__fail(NULL, DDP_ERR_INVALID_ARGUMENT,
+                         "ddp_sampler_init: dataset_size %llu does not fit the int64 indices (at most %lld)",
+                         (unsigned long long)d->dataset_size, (long long)INT64_MAX);
+    if (d->mode != DDP_SAMPLER_TORCH && d->mode != DDP_SAMPLER_EVAL)
+        return ddp__fail(NULL, DDP_ERR_INVALID_ARGUMENT,
+                         "ddp_sampler_init: mode %d is not DDP_SAMPLER_TORCH (0) or DDP_SAMPLER_EVAL (1)",
+                         (int)d->mode);
+    if (d->permutation != DDP_PERMUTATION_TORCH && d->permutation != DDP_PERMUTATION_TORCH_LEGACY &&
+        d->permutation != DDP_PERMUTATION_STREAMING)
+        return ddp__fail(NULL, DDP_ERR_INVALID_ARGUMENT,
+                         "ddp_sampler_init: permutation %d is not DDP_PERMUTATION_TORCH (0), "
+                         "DDP_PERMUTATION_TORCH_LEGACY (1) or DDP_PERMUTATION_STREAMING (2)",
+                         (int)d->permutation);
+    if (d->mode == DDP_SAMPLER_EVAL && d->drop_last)
+        return ddp__fail(NULL, DDP_ERR_INVALID_ARGUMENT,
+                         "ddp_sampler_init: drop_last is set in DDP_SAMPLER_EVAL mode, which hands out every "
+                         "index exactly once; clear drop_last, or use DDP_SAMPLER_TORCH to drop the tail");
+    return DDP_SUCCESS;
+}
+
+DDP_API ddp_result ddp_sampler_init(ddp_sampler *s, const ddp_sampler_desc *d) {
+    uint64_t n, r;
+    ddp_result res;
+    if (!s || !d)
+        return ddp__fail(NULL, DDP_ERR_INVALID_ARGUMENT, "ddp_sampler_init: %s is NULL", s ? "desc" : "sampler");
+    memset(s, 0, sizeof *s);
+    res = ddp__sampler_check_desc(d);
+    if (res != DDP_SUCCESS) return res;
+    s->desc = *d;
+    n = d->dataset_size;
+    r = (uint64_t)d->num_replicas;
+    if (d->mode == DDP_SAMPLER_EVAL) {
+        s->num_samples = n > (uint64_t)d->rank ? (n - 1 - (uint64_t)d->rank) / r + 1 : 0;
+        s->total_size = n;
+    } else {
+        s->num_samples = d->drop_last ? n / r : n / r + (n % r != 0);
+        s->total_size = s->num_samples * r;
+    }
+    s->shard_wide = n > (uint64_t)UINT32_MAX + 1; /* the values 0 .. N-1 need 64 bits */
+    ddp__feistel_setup(s);
+    s->magic = DDP__SAMPLER_MAGIC;
+    return DDP_SUCCESS;
+}
+
+DDP_API void ddp_sampler_free(ddp_sampler *s) {
+    if (!ddp__sampler_ok(s)) return;
+    ddp__free(s->shard);
+    memset(s, 0, sizeof *s);
+}
+
+static int ddp__sampler_shuffles(const ddp_sampler *s) { return !s->desc.no_shuffle && s->desc.dataset_size > 1; }
+
+DDP_API void ddp_sampler_set_epoch(ddp_sampler *s, uint64_t epoch) {
+    if (!ddp__sampler_ok(s)) return;
+    if (epoch == s->epoch && s->epoch_done && ddp__sampler_shuffles(s))
+        ddp__log(NULL, DDP_LOG_WARN,
+                 "ddp_sampler_set_epoch(%llu) again after that epoch was handed out: the next epoch repeats "
+                 "the same order; pass the new epoch's number",
+                 (unsigned long long)epoch);
+    s->epoch = epoch;
+    s->position = 0;
+    s->epoch_done = 0;
+    ddp__feistel_setup(s);
+}
+
+DDP_API uint64_t ddp_sampler_epoch(const ddp_sampler *s) { return ddp__sampler_ok(s) ? s->epoch : 0; }
+
+DDP_API uint64_t ddp_sampler_num_samples(const ddp_sampler *s) { return ddp__sampler_ok(s) ? s->num_samples : 0; }
+
+DDP_API uint64_t ddp_sampler_position(const ddp_sampler *s) { return ddp__sampler_ok(s) ? s->position : 0; }
+
+/* The torch permutation must be made (and kept) only when it shuffles and there is something to hand out. */
+static int ddp__sampler_materialises(const ddp_sampler *s) {
+    return ddp__sampler_shuffles(s) && s->desc.permutation != DDP_PERMUTATION_STREAMING && s->num_samples > 0;
+}
+
+/* Hint the kernel to back a large buffer with huge pages: the shuffle touches it at random, and 4 KiB pages
+   would make nearly every access a TLB miss as well as a cache miss. */
+static void ddp__advise_huge_pages(void *p, size_t bytes) {
+#ifdef MADV_HUGEPAGE
+    const uintptr_t huge = (uintptr_t)2 << 20;
+    uintptr_t begin = ((uintptr_t)p + huge - 1) & ~(huge - 1), end = ((uintptr_t)p + bytes) & ~(huge - 1);
+    if (bytes >= 16 * huge && end > begin) madvise((void *)begin, end - begin, MADV_HUGEPAGE);
+#else
+    (void)p;
+    (void)bytes;
+#endif
+}
+
+/* Keep only this rank's positions rank, rank + R, ... of the permutation, in order, at its start. A position
+   past N (padding) reads perm[j mod N], which the compaction may already have overwritten: there is at most
+   one such position per rank (total_size - N < R), the last, so its value is read first. */
+static void ddp__sampler_compact(const ddp_sampler *s, void *p) {
+    uint64_t n = s->desc.dataset_size, r = (uint64_t)s->desc.num_replicas, rank = (uint64_t)s->desc.rank;
+    uint64_t last = s->num_samples - 1, k, tail = 0;
+    int padded = rank + last * r >= n;
+    if (r == 1) return; /* every position is this rank's, none padded */
+    if (padded) tail = ddp__perm_get(p, s->shard_wide, (rank + last * r) % n);
+    for (k = 0; k < s->num_samples - (uint64_t)padded; k++) /* reads position rank + k*R >= k: still intact */
+        ddp__perm_put(p, s->shard_wide, k, ddp__perm_get(p, s->shard_wide, rank + k * r));
+    if (padded) ddp__perm_put(p, s->shard_wide, last, tail);
+}
+
+/* Make this epoch's shard if it is needed and not there yet. */
+static ddp_result ddp__sampler_prepare(ddp_sampler *s, const char *fn) {
+    uint64_t n = s->desc.dataset_size;
+    size_t elem = s->shard_wide ? sizeof(uint64_t) : sizeof(uint32_t);
+    double t0;
+    void *p, *small;
+    if (!ddp__sampler_materialises(s) || (s->shard_valid && s->shard_epoch == s->epoch)) return DDP_SUCCESS;
+    ddp__free(s->shard); /* before the big allocation, so the old shard does not add to the peak */
+    s->shard = NULL;
+    s->shard_valid = 0;
+    p = n <= SIZE_MAX / elem ? ddp__malloc((size_t)n * elem) : NULL;
+    if (!p)
+        return ddp__fail(NULL, DDP_ERR_OUT_OF_MEMORY,
+                         "%s: out of memory for the permutation of %llu samples (%.2f GiB; torch's randperm needs "
+                         "all of it). DDP_PERMUTATION_STREAMING shuffles without memory (not torch's order)",
+                         fn, (unsigned long long)n, (double)n * (double)elem / 1073741824.0);
+    ddp__advise_huge_pages(p, (size_t)n * elem);
+    t0 = ddp__now();
+    ddp__randperm(p, s->shard_wide, n, s->desc.seed + s->epoch, s->desc.permutation == DDP_PERMUTATION_TORCH_LEGACY);
+    ddp__sampler_compact(s, p);
+    small = DDP_REALLOC(p, (size_t)s->num_samples * elem); /* give the rest back; keep p if that fails */
+    s->shard = small ? small : p;
+    s->shard_valid = 1;
+    s->shard_epoch = s->epoch;
+    ddp__log(NULL, DDP_LOG_DEBUG, "sampler: epoch %llu shuffled %llu indices in %.3f s",
+             (unsigned long long)s->epoch, (unsigned long long)n, ddp__now() - t0);
+    return DDP_SUCCESS;
+}
+
+/* This rank's k-th index (k < num_samples), the shard made if it is needed. */
+static uint64_t ddp__sampler_index(const ddp_sampler *s, uint64_t k) {
+    uint64_t n = s->desc.dataset_size;
+    uint64_t j = (uint64_t)s->desc.rank + k * (uint64_t)s->desc.num_replicas;
+    if (ddp__sampler_materialises(s)) return ddp__perm_get(s->shard, s->shard_wide, k);
+    if (j >= n) j %= n; /* torch's padding repeats the list */
+    if (!ddp__sampler_shuffles(s)) return j;
+    return ddp__streaming_index(s, j);
+}
+
+static void ddp__sampler_fill(const ddp_sampler *s, uint64_t first, uint64_t count, int64_t *out) {
+    uint64_t k;
+    if (ddp__sampler_materialises(s) && !s->shard_wide) { /* the common case, as a plain widening copy */
+        const uint32_t *shard = (const uint32_t *)s->shard + first;
+        for (k = 0; k < count; k++) out[k] = (int64_t)shard[k];
+        return;
+    }
+    for (k = 0; k < count; k++) out[k] = (int64_t)ddp__sampler_index(s, first + k);
+}
+
+DDP_API ddp_result ddp_sampler_indices(ddp_sampler *s, int64_t *out) {
+    ddp_result res;
+    if (!ddp__sampler_ok(s)) return ddp__sampler_not_initialised("ddp_sampler_indices");
+    if (!out && s->num_samples > 0)
+        return ddp__fail(NULL, DDP_ERR_INVALID_ARGUMENT, "ddp_sampler_indices: out is NULL (it needs room for %llu "
+                         "indices, ddp_sampler_num_samples)", (unsigned long long)s->num_samples);
+    res = ddp__sampler_prepare(s, "ddp_sampler_indices");
+    if (res != DDP_SUCCESS) return res;
+    ddp__sampler_fill(s, 0, s->num_samples, out);
+    return DDP_SUCCESS;
+}
+
+DDP_API ddp_result ddp_sampler_next_batch(ddp_sampler *s, size_t batch_size, int64_t *out, size_t *got) {
+    uint64_t count;
+    ddp_result res;
+    if (got) *got = 0;
+    if (!ddp__sampler_ok(s)) return ddp__sampler_not_initialised("ddp_sampler_next_batch");
+    if (batch_size == 0 || !out || !got)
+        return ddp__fail(NULL, DDP_ERR_INVALID_ARGUMENT, "ddp_sampler_next_batch: %s",
+                         batch_size == 0 ? "batch_size is 0; it must be > 0" : !out ? "out is NULL" : "got is NULL");
+    count = DDP__MIN((uint64_t)batch_size, s->num_samples - s->position);
+    if (count == 0) {
+        s->epoch_done = 1;
+        return DDP_SUCCESS;
+    }
+    res = ddp__sampler_prepare(s, "ddp_sampler_next_batch");
+    if (res != DDP_SUCCESS) return res;
+    ddp__sampler_fill(s, s->position, count, out);
+    s->position += count;
+    if (s->position == s->num_samples) s->epoch_done = 1;
+    *got = (size_t)count;
+    return DDP_SUCCESS;
+}
+
+DDP_API ddp_result ddp_sampler_set_position(ddp_sampler *s, uint64_t position) {
+    if (!ddp__sampler_ok(s)) return ddp__sampler_not_initialised("ddp_sampler_set_position");
+    if (position > s->num_samples)
+        return ddp__fail(NULL, DDP_ERR_INVALID_ARGUMENT,
+                         "ddp_sampler_set_position: position %llu is past the end of the epoch (this rank has "
+                         "%llu indices per epoch); was the checkpoint saved with another num_replicas or "
+                         "dataset_size?",
+                         (unsigned long long)position, (unsigned long long)s->num_samples);
+    s->position = position;
+    s->epoch_done = position == s->num_samples;
+    return DDP_SUCCESS;
+}
+
+DDP_API ddp_result ddp_sampler_index_at(ddp_sampler *s, uint64_t k, int64_t *out) {
+    ddp_result res;
+    if (!ddp__sampler_ok(s)) return ddp__sampler_not_initialised("ddp_sampler_index_at");
+    if (!out) return ddp__fail(NULL, DDP_ERR_INVALID_ARGUMENT, "ddp_sampler_index_at: out is NULL");
+    if (k >= s->num_samples)
+        return ddp__fail(NULL, DDP_ERR_INVALID_ARGUMENT,
+                         "ddp_sampler_index_at: k = %llu, but this rank has %llu indices per epoch",
+                         (unsigned long long)k, (unsigned long long)s->num_samples);
+    res = ddp__sampler_prepare(s, "ddp_sampler_index_at");
+    if (res != DDP_SUCCESS) return res;
+    *out = (int64_t)ddp__sampler_index(s, k);
+    return DDP_SUCCESS;
+}
 /* ==================== end src/sampler.c ==================== */
 
 /* ==================== begin src/syncbn.c ==================== */
-/* placeholder: filled by its issue */
+/* [SECTION] syncbn (implementation): SyncBatchNorm on the CPU, f32 data, f64 statistics
+   The algorithm is described with the declarations (src/syncbn.h). Here: how the passes are laid out.
+
+   Every stage is one pass over its inputs: statistics (x), normalisation (x -> y), backward sums
+   (x, dy), input gradient (x, dy -> dx). The unit of work is 8 "columns" by some rows. In the
+   channels-first layout a (sample, channel) plane is one run of `spatial` floats, cut into rows of 8
+   lanes that belong to the same channel (summed at the end). In the channels-last layout (and
+   channels-first with spatial 1: the same memory) x is read row by row in memory order, a row's C
+   channels 8 at a time, their per-channel accumulators staying in cache (walking a tile of rows one
+   group of channels at a time was slower: strided reads that the prefetchers do not follow).
+   Fixed-width lanes with their own accumulators let compilers vectorise the loops at -O2 without
+   -ffast-math (no sum is reassociated). Statistics are sums of (x - shift) and (x - shift)^2 in f64,
+   shift being the channel's first value, so the one-pass variance does not cancel catastrophically. */
+
+#define DDP__BN_LANES 8
+
+/* Compiler hints, neither needed for correctness: inline the column kernels into the passes (so the
+   width 8 is a constant there), and unroll the lanes (so their accumulators stay in registers: without
+   it GCC -O2 keeps them in memory and runs at half speed). */
+#if defined(__GNUC__) || defined(__clang__)
+#define DDP__BN_INLINE static inline __attribute__((always_inline))
+#define DDP__BN_UNROLL _Pragma("GCC unroll 8")
+#else
+#define DDP__BN_INLINE static inline
+#define DDP__BN_UNROLL
+#endif
+
+/* What the last forward saved for backward. */
+enum { DDP__BN_SAVED_NONE = 0, DDP__BN_SAVED_SYNCED, DDP__BN_SAVED_LOCAL, DDP__BN_SAVED_EVAL };
+
+struct ddp_syncbn {
+    ddp_group *errors; /* the group given to create: errors are reported there (NULL: thread-local) */
+    ddp_group *group;  /* statistics are merged over it; NULL = no communication */
+    int nranks, rank;  /* in group (1 and 0 without one) */
+    int channels, channels_last;
+    double eps, momentum; /* momentum < 0: cumulative average */
+    float *weight, *bias, *running_mean, *running_var;
+    int64_t num_batches_tracked;
+
+    int saved; /* DDP__BN_SAVED_*: what mean/invstd hold */
+    int64_t saved_batch, saved_spatial;
+    double saved_count; /* n of the saved statistics (over the group when synced) */
+    float *mean, *invstd; /* C each: what the last forward normalised with */
+
+    double *records; /* nranks * (2C + 1): the all-gathered [mean, M2, count] of every rank */
+    double *sums;    /* 2C: per-channel accumulators of the current pass */
+    double *shift;   /* C: per-channel shift of the statistics pass; then mean in f64 for backward */
+    float *coef;     /* 3C: per-channel factors of the element-wise passes */
+};
+
+/* ---- the column kernels: w columns of `rows` rows, row r at x + r * stride ----
+   w is always a constant at the call, DDP__BN_LANES or 1 (tails), so that after inlining every lane
+   loop has a fixed trip count: vectorised, and no false maybe-uninitialized warnings from GCC. */
+
+DDP__BN_INLINE void ddp__bn_cols_stats(const float *x, int64_t stride, int64_t rows, int w, const double *shift,
+                                       double *s1, double *s2) {
+    double a1[DDP__BN_LANES], a2[DDP__BN_LANES], k[DDP__BN_LANES];
+    int64_t r;
+    int j;
+    DDP__BN_UNROLL for (j = 0; j < w; j++) {
+        a1[j] = s1[j];
+        a2[j] = s2[j];
+        k[j] = shift[j];
+    }
+    for (r = 0; r < rows; r++) {
+        const float *row = x + r * stride;
+        DDP__BN_UNROLL for (j = 0; j < w; j++) {
+            double d = (double)row[j] - k[j];
+            a1[j] += d;
+            a2[j] += d * d;
+        }
+    }
+    DDP__BN_UNROLL for (j = 0; j < w; j++) {
+        s1[j] = a1[j];
+        s2[j] = a2[j];
+    }
+}
+
+DDP__BN_INLINE void ddp__bn_cols_normalize(const float *x, float *y, int64_t stride, int64_t rows, int w,
+                                           const float *mean, const float *scale, const float *shift) {
+    float m[DDP__BN_LANES], a[DDP__BN_LANES], b[DDP__BN_LANES], t[DDP__BN_LANES];
+    int64_t r;
+    int j;
+    DDP__BN_UNROLL for (j = 0; j < w; j++) {
+        m[j] = mean[j];
+        a[j] = scale[j];
+        b[j] = shift[j];
+    }
+    for (r = 0; r < rows; r++) {
+        DDP__BN_UNROLL for (j = 0; j < w; j++) t[j] = x[r * stride + j]; /* loaded first: y may be x */
+        DDP__BN_UNROLL for (j = 0; j < w; j++) y[r * stride + j] = ddp__bn_normalize(t[j], m[j], a[j], b[j]);
+    }
+}
+
+DDP__BN_INLINE void ddp__bn_cols_backward_sums(const float *dy, const float *x, int64_t stride, int64_t rows, int w,
+                                               const double *mean, double *sum_dy, double *sum_dy_xmu) {
+    double a1[DDP__BN_LANES], a2[DDP__BN_LANES], m[DDP__BN_LANES];
+    int64_t r;
+    int j;
+    DDP__BN_UNROLL for (j = 0; j < w; j++) {
+        a1[j] = sum_dy[j];
+        a2[j] = sum_dy_xmu[j];
+        m[j] = mean[j];
+    }
+    for (r = 0; r < rows; r++) {
+        const float *g = dy + r * stride, *v = x + r * stride;
+        DDP__BN_UNROLL for (j = 0; j < w; j++) {
+            double d = (double)g[j];
+            a1[j] += d;
+            a2[j] += d * ((double)v[j] - m[j]);
+        }
+    }
+    DDP__BN_UNROLL for (j = 0; j < w; j++) {
+        sum_dy[j] = a1[j];
+        sum_dy_xmu[j] = a2[j];
+    }
+}
+
+DDP__BN_INLINE void ddp__bn_cols_grad_input(const float *dy, const float *x, float *dx, int64_t stride, int64_t rows,
+                                            int w, const float *mean, const float *mean_dy, const float *proj,
+                                            const float *scale) {
+    float m[DDP__BN_LANES], md[DDP__BN_LANES], p[DDP__BN_LANES], a[DDP__BN_LANES];
+    float g[DDP__BN_LANES], v[DDP__BN_LANES];
+    int64_t r;
+    int j;
+    DDP__BN_UNROLL for (j = 0; j < w; j++) {
+        m[j] = mean[j];
+        md[j] = mean_dy[j];
+        p[j] = proj[j];
+        a[j] = scale[j];
+    }
+    for (r = 0; r < rows; r++) {
+        DDP__BN_UNROLL for (j = 0; j < w; j++) { /* loaded first: dx may be dy */
+            g[j] = dy[r * stride + j];
+            v[j] = x[r * stride + j];
+        }
+        DDP__BN_UNROLL for (j = 0; j < w; j++)
+            dx[r * stride + j] = ddp__bn_grad_input(g[j], v[j], m[j], md[j], p[j], a[j]);
+    }
+}
+
+/* One row of w (DDP__BN_LANES or 1) channels into per-channel accumulators in memory (channels-last):
+   everything loaded before anything is stored, so the lanes vectorise. */
+DDP__BN_INLINE void ddp__bn_row_stats(const float *x, int w, const double *shift, double *s1, double *s2) {
+    double a1[DDP__BN_LANES], a2[DDP__BN_LANES], d[DDP__BN_LANES];
+    int j;
+    DDP__BN_UNROLL for (j = 0; j < w; j++) {
+        a1[j] = s1[j];
+        a2[j] = s2[j];
+        d[j] = (double)x[j] - shift[j];
+    }
+    DDP__BN_UNROLL for (j = 0; j < w; j++) s1[j] = a1[j] + d[j]; /* one array after the other: */
+    DDP__BN_UNROLL for (j = 0; j < w; j++) s2[j] = a2[j] + d[j] * d[j]; /* no store reordering needed */
+}
+
+DDP__BN_INLINE void ddp__bn_row_backward_sums(const float *dy, const float *x, int w, const double *mean,
+                                              double *sum_dy, double *sum_dy_xmu) {
+    double a1[DDP__BN_LANES], a2[DDP__BN_LANES], g[DDP__BN_LANES], v[DDP__BN_LANES];
+    int j;
+    DDP__BN_UNROLL for (j = 0; j < w; j++) {
+        a1[j] = sum_dy[j];
+        a2[j] = sum_dy_xmu[j];
+        g[j] = (double)dy[j];
+        v[j] = (double)x[j] - mean[j];
+    }
+    DDP__BN_UNROLL for (j = 0; j < w; j++) sum_dy[j] = a1[j] + g[j];
+    DDP__BN_UNROLL for (j = 0; j < w; j++) sum_dy_xmu[j] = a2[j] + g[j] * v[j];
+}
+
+/* ---- the passes over a whole batch, in either layout ---- */
+
+/* Channels-first with spatial > 1 is the only layout whose channel is not the fastest index. */
+static int ddp__bn_planar(const ddp_syncbn *bn, int64_t spatial) { return !bn->channels_last && spatial > 1; }
+
+static void ddp__bn_fill_f64(double *v, int n, double value) {
+    int j;
+    for (j = 0; j < n; j++) v[j] = value;
+}
+
+static void ddp__bn_fill_f32(float *v, int n, float value) {
+    int j;
+    for (j = 0; j < n; j++) v[j] = value;
+}
+
+/* Sum the first n lanes. */
+static double ddp__bn_lanes_sum(const double *lanes, int n) {
+    double s = 0;
+    int j;
+    for (j = 0; j < n; j++) s += lanes[j];
+    return s;
+}
+
+/* Per channel c: s1[c] = sum (x - shift[c]), s2[c] = sum (x - shift[c])^2 over the batch. */
+static void ddp__bn_pass_stats(const ddp_syncbn *bn, const float *x, int64_t batch, int64_t spatial, double *s1,
+                               double *s2) {
+    const int C = bn->channels;
+    const double *shift = bn->shift;
+    int64_t n, r0, r;
+    int c;
+    memset(s1, 0, sizeof(double) * (size_t)C);
+    memset(s2, 0, sizeof(double) * (size_t)C);
+    if (ddp__bn_planar(bn, spatial)) {
+        const int64_t full = spatial / DDP__BN_LANES, tail = spatial % DDP__BN_LANES;
+        for (n = 0; n < batch; n++)
+            for (c = 0; c < C; c++) {
+                const float *run = x + (n * C + c) * spatial;
+                double k[DDP__BN_LANES], a1[DDP__BN_LANES] = {0}, a2[DDP__BN_LANES] = {0};
+                ddp__bn_fill_f64(k, DDP__BN_LANES, shift[c]);
+                ddp__bn_cols_stats(run, DDP__BN_LANES, full, DDP__BN_LANES, k, a1, a2);
+                ddp__bn_cols_stats(run + full * DDP__BN_LANES, 1, tail, 1, k, a1, a2); /* the tail: lane 0 */
+                s1[c] += ddp__bn_lanes_sum(a1, DDP__BN_LANES);
+                s2[c] += ddp__bn_lanes_sum(a2, DDP__BN_LANES);
+            }
+        return;
+    }
+    r = batch * spatial; /* row by row in memory order, the accumulators of a row's channels in cache */
+    for (r0 = 0; r0 < r; r0++) {
+        const float *row = x + r0 * C;
+        for (c = 0; c + DDP__BN_LANES <= C; c += DDP__BN_LANES)
+            ddp__bn_row_stats(row + c, DDP__BN_LANES, shift + c, s1 + c, s2 + c);
+        for (; c < C; c++) ddp__bn_row_stats(row + c, 1, shift + c, s1 + c, s2 + c);
+    }
+}
+
+/* y = (x - mean[c]) * scale[c] + shift[c] */
+static void ddp__bn_pass_normalize(const ddp_syncbn *bn, const float *x, float *y, int64_t batch, int64_t spatial,
+                                   const float *mean, const float *scale, const float *shift) {
+    const int C = bn->channels;
+    int64_t n, r0, r;
+    int c;
+    if (ddp__bn_planar(bn, spatial)) {
+        const int64_t full = spatial / DDP__BN_LANES, tail = spatial % DDP__BN_LANES;
+        for (n = 0; n < batch; n++)
+            for (c = 0; c < C; c++) {
+                const int64_t off = (n * C + c) * spatial, t = full * DDP__BN_LANES;
+                float m[DDP__BN_LANES], a[DDP__BN_LANES], b[DDP__BN_LANES];
+                ddp__bn_fill_f32(m, DDP__BN_LANES, mean[c]);
+                ddp__bn_fill_f32(a, DDP__BN_LANES, scale[c]);
+                ddp__bn_fill_f32(b, DDP__BN_LANES, shift[c]);
+                ddp__bn_cols_normalize(x + off, y + off, DDP__BN_LANES, full, DDP__BN_LANES, m, a, b);
+                ddp__bn_cols_normalize(x + off + t, y + off + t, 1, tail, 1, m, a, b);
+            }
+        return;
+    }
+    r = batch * spatial; /* element-wise: row by row, in memory order */
+    for (r0 = 0; r0 < r; r0++) {
+        const int64_t off = r0 * C;
+        for (c = 0; c + DDP__BN_LANES <= C; c += DDP__BN_LANES)
+            ddp__bn_cols_normalize(x + off + c, y + off + c, 0, 1, DDP__BN_LANES, mean + c, scale + c, shift + c);
+        for (; c < C; c++) ddp__bn_cols_normalize(x + off + c, y + off + c, 0, 1, 1, mean + c, scale + c, shift + c);
+    }
+}
+
+/* sum_dy[c] = sum dy, sum_dy_xmu[c] = sum dy * (x - mean[c]) (mean in f64) */
+static void ddp__bn_pass_backward_sums(const ddp_syncbn *bn, const float *dy, const float *x, int64_t batch,
+                                       int64_t spatial, const double *mean, double *sum_dy, double *sum_dy_xmu) {
+    const int C = bn->channels;
+    int64_t n, r0, r;
+    int c;
+    memset(sum_dy, 0, sizeof(double) * (size_t)C);
+    memset(sum_dy_xmu, 0, sizeof(double) * (size_t)C);
+    if (ddp__bn_planar(bn, spatial)) {
+        const int64_t full = spatial / DDP__BN_LANES, tail = spatial % DDP__BN_LANES;
+        for (n = 0; n < batch; n++)
+            for (c = 0; c < C; c++) {
+                const int64_t off = (n * C + c) * spatial, t = full * DDP__BN_LANES;
+                double m[DDP__BN_LANES], a1[DDP__BN_LANES] = {0}, a2[DDP__BN_LANES] = {0};
+                ddp__bn_fill_f64(m, DDP__BN_LANES, mean[c]);
+                ddp__bn_cols_backward_sums(dy + off, x + off, DDP__BN_LANES, full, DDP__BN_LANES, m, a1, a2);
+                ddp__bn_cols_backward_sums(dy + off + t, x + off + t, 1, tail, 1, m, a1, a2);
+                sum_dy[c] += ddp__bn_lanes_sum(a1, DDP__BN_LANES);
+                sum_dy_xmu[c] += ddp__bn_lanes_sum(a2, DDP__BN_LANES);
+            }
+        return;
+    }
+    r = batch * spatial; /* row by row in memory order, the accumulators of a row's channels in cache */
+    for (r0 = 0; r0 < r; r0++) {
+        const int64_t off = r0 * C;
+        for (c = 0; c + DDP__BN_LANES <= C; c += DDP__BN_LANES)
+            ddp__bn_row_backward_sums(dy + off + c, x + off + c, DDP__BN_LANES, mean + c, sum_dy + c, sum_dy_xmu + c);
+        for (; c < C; c++) ddp__bn_row_backward_sums(dy + off + c, x + off + c, 1, mean + c, sum_dy + c, sum_dy_xmu + c);
+    }
+}
+
+/* dx = (dy - mean_dy[c] - (x - mean[c]) * proj[c]) * scale[c] */
+static void ddp__bn_pass_grad_input(const ddp_syncbn *bn, const float *dy, const float *x, float *dx, int64_t batch,
+                                    int64_t spatial, const float *mean, const float *mean_dy, const float *proj,
+                                    const float *scale) {
+    const int C = bn->channels;
+    int64_t n, r0, r;
+    int c;
+    if (ddp__bn_planar(bn, spatial)) {
+        const int64_t full = spatial / DDP__BN_LANES, tail = spatial % DDP__BN_LANES;
+        for (n = 0; n < batch; n++)
+            for (c = 0; c < C; c++) {
+                const int64_t off = (n * C + c) * spatial, t = full * DDP__BN_LANES;
+                float m[DDP__BN_LANES], md[DDP__BN_LANES], p[DDP__BN_LANES], a[DDP__BN_LANES];
+                ddp__bn_fill_f32(m, DDP__BN_LANES, mean[c]);
+                ddp__bn_fill_f32(md, DDP__BN_LANES, mean_dy[c]);
+                ddp__bn_fill_f32(p, DDP__BN_LANES, proj[c]);
+                ddp__bn_fill_f32(a, DDP__BN_LANES, scale[c]);
+                ddp__bn_cols_grad_input(dy + off, x + off, dx + off, DDP__BN_LANES, full, DDP__BN_LANES, m, md, p, a);
+                ddp__bn_cols_grad_input(dy + off + t, x + off + t, dx + off + t, 1, tail, 1, m, md, p, a);
+            }
+        return;
+    }
+    r = batch * spatial; /* element-wise: row by row, in memory order */
+    for (r0 = 0; r0 < r; r0++) {
+        const int64_t off = r0 * C;
+        for (c = 0; c + DDP__BN_LANES <= C; c += DDP__BN_LANES)
+            ddp__bn_cols_grad_input(dy + off + c, x + off + c, dx + off + c, 0, 1, DDP__BN_LANES, mean + c,
+                                    mean_dy + c, proj + c, scale + c);
+        for (; c < C; c++)
+            ddp__bn_cols_grad_input(dy + off + c, x + off + c, dx + off + c, 0, 1, 1, mean + c, mean_dy + c, proj + c,
+                                    scale + c);
+    }
+}
+
+/* ---- the layer ---- */
+
+DDP_API ddp_result ddp_syncbn_create(ddp_group *g, const ddp_syncbn_desc *d, ddp_syncbn **out) {
+    ddp_syncbn *bn;
+    size_t C;
+    if (!out) return ddp__fail(g, DDP_ERR_INVALID_ARGUMENT, "ddp_syncbn_create: out is NULL");
+    *out = NULL;
+    if (!d) return ddp__fail(g, DDP_ERR_INVALID_ARGUMENT, "ddp_syncbn_create: the descriptor d is NULL");
+    if (d->num_features <= 0 || d->num_features > (INT_MAX - 1) / 2)
+        return ddp__fail(g, DDP_ERR_INVALID_ARGUMENT,
+                         "ddp_syncbn_create: num_features is %d; give the number of channels C (1 .. %d)",
+                         d->num_features, (INT_MAX - 1) / 2);
+    if (!(d->eps >= 0) || d->eps > 1e30)
+        return ddp__fail(g, DDP_ERR_INVALID_ARGUMENT,
+                         "ddp_syncbn_create: eps is %g; give a small positive number (0 = the default 1e-5)", d->eps);
+    if (d->momentum != d->momentum || d->momentum > 1)
+        return ddp__fail(g, DDP_ERR_INVALID_ARGUMENT,
+                         "ddp_syncbn_create: momentum is %g; give a factor in (0, 1], 0 for the default 0.1, or a "
+                         "negative number for the cumulative average (momentum=None)",
+                         d->momentum);
+    if ((d->running_mean == NULL) != (d->running_var == NULL))
+        return ddp__fail(g, DDP_ERR_INVALID_ARGUMENT,
+                         "ddp_syncbn_create: running_mean is %s but running_var is %s; give both (track running "
+                         "stats) or neither",
+                         d->running_mean ? "set" : "NULL", d->running_var ? "set" : "NULL");
+    bn = (ddp_syncbn *)ddp__calloc(1, sizeof *bn);
+    if (!bn) return ddp__fail(g, DDP_ERR_OUT_OF_MEMORY, "ddp_syncbn_create: out of memory");
+    bn->errors = g;
+    bn->group = d->group ? d->group : g;
+    bn->nranks = bn->group ? ddp_world_size(bn->group) : 1;
+    bn->rank = bn->group ? ddp_rank(bn->group) : 0;
+    bn->channels = d->num_features;
+    bn->channels_last = d->channels_last != 0;
+    bn->eps = d->eps > 0 ? d->eps : 1e-5;
+    bn->momentum = d->momentum == 0 ? 0.1 : d->momentum;
+    bn->weight = d->weight;
+    bn->bias = d->bias;
+    bn->running_mean = d->running_mean;
+    bn->running_var = d->running_var;
+    C = (size_t)bn->channels;
+    bn->mean = (float *)ddp__calloc(C, sizeof(float));
+    bn->invstd = (float *)ddp__calloc(C, sizeof(float));
+    bn->coef = (float *)ddp__calloc(3 * C, sizeof(float));
+    bn->sums = (double *)ddp__calloc(2 * C, sizeof(double));
+    bn->shift = (double *)ddp__calloc(C, sizeof(double));
+    if (bn->nranks >= 1 && (size_t)bn->nranks <= SIZE_MAX / sizeof(double) / (2 * C + 1))
+        bn->records = (double *)ddp__calloc((size_t)bn->nranks * (2 * C + 1), sizeof(double));
+    if (!bn->mean || !bn->invstd || !bn->coef || !bn->sums || !bn->shift || !bn->records) {
+        const int nranks = bn->nranks;
+        ddp_syncbn_destroy(bn);
+        return ddp__fail(g, DDP_ERR_OUT_OF_MEMORY, "ddp_syncbn_create: out of memory for %d channels on %d ranks",
+                         d->num_features, nranks);
+    }
+    *out = bn;
+    return DDP_SUCCESS;
+}
+
+DDP_API void ddp_syncbn_destroy(ddp_syncbn *bn) {
+    if (!bn) return;
+    ddp__free(bn->mean);
+    ddp__free(bn->invstd);
+    ddp__free(bn->coef);
+    ddp__free(bn->sums);
+    ddp__free(bn->shift);
+    ddp__free(bn->records);
+    ddp__free(bn);
+}
+
+DDP_API int64_t ddp_syncbn_num_batches_tracked(const ddp_syncbn *bn) { return bn ? bn->num_batches_tracked : 0; }
+
+DDP_API ddp_result ddp_syncbn_set_num_batches_tracked(ddp_syncbn *bn, int64_t value) {
+    if (!bn) return ddp__fail(NULL, DDP_ERR_INVALID_ARGUMENT, "ddp_syncbn_set_num_batches_tracked: bn is NULL");
+    if (value < 0)
+        return ddp__fail(bn->errors, DDP_ERR_INVALID_ARGUMENT,
+                         "ddp_syncbn_set_num_batches_tracked: value is %lld; it counts batches, so it is >= 0",
+                         (long long)value);
+    bn->num_batches_tracked = value;
+    return DDP_SUCCESS;
+}
+
+/* Shape and pointer checks shared by forward and backward; *count receives batch * spatial. */
+static ddp_result ddp__bn_check(const ddp_syncbn *bn, const char *fn, int64_t batch, int64_t spatial, const void *a,
+                                const char *a_name, const void *b, const char *b_name, int64_t *count) {
+    if (batch < 0 || spatial < 0)
+        return ddp__fail(bn->errors, DDP_ERR_INVALID_ARGUMENT,
+                         "%s: batch=%lld, spatial=%lld; both must be >= 0 (spatial is the product of the spatial "
+                         "sizes, 1 for (N, C) input)",
+                         fn, (long long)batch, (long long)spatial);
+    if (spatial > 0 && batch > INT64_MAX / spatial / bn->channels) {
+        return ddp__fail(bn->errors, DDP_ERR_INVALID_ARGUMENT,
+                         "%s: batch=%lld x spatial=%lld x C=%d elements overflow 64 bits", fn, (long long)batch,
+                         (long long)spatial, bn->channels);
+    }
+    *count = batch * spatial;
+    if (*count > 0 && (uint64_t)(*count * bn->channels) > SIZE_MAX / sizeof(float))
+        return ddp__fail(bn->errors, DDP_ERR_INVALID_ARGUMENT, "%s: %lld x %d floats do not fit in memory", fn,
+                         (long long)*count, bn->channels);
+    if (*count > 0 && (!a || !b))
+        return ddp__fail(bn->errors, DDP_ERR_INVALID_ARGUMENT, "%s: %s is NULL with batch=%lld, spatial=%lld", fn,
+                         !a ? a_name : b_name, (long long)batch, (long long)spatial);
+    return DDP_SUCCESS;
+}
+
+/* A collective on bn->group failed: report it in bn->errors' message, naming the step. */
+static ddp_result ddp__bn_comm_failed(ddp_syncbn *bn, ddp_result r, const char *what) {
+    char msg[DDP__ERR_MAX];
+    snprintf(msg, sizeof msg, "%s", ddp_last_error(bn->group)); /* copied first: it may be the same buffer */
+    return ddp__fail(bn->errors, r, "%s failed: %s", what, msg);
+}
+
+/* This rank's record [mean(C), M2(C), count] from one pass over x. */
+static void ddp__bn_local_stats(ddp_syncbn *bn, const float *x, int64_t batch, int64_t spatial, double *record) {
+    const int C = bn->channels;
+    const double n = (double)(batch * spatial);
+    double *s1 = bn->sums, *s2 = bn->sums + C;
+    int c;
+    for (c = 0; c < C; c++) /* the channel's first value: a shift close to the mean, so no cancellation */
+        bn->shift[c] = n > 0 ? (double)x[bn->channels_last || spatial <= 1 ? c : (int64_t)c * spatial] : 0.0;
+    if (n > 0) ddp__bn_pass_stats(bn, x, batch, spatial, s1, s2);
+    for (c = 0; c < C; c++) {
+        double m2 = n > 0 ? s2[c] - s1[c] * (s1[c] / n) : 0.0;
+        record[c] = n > 0 ? bn->shift[c] + s1[c] / n : 0.0;
+        record[C + c] = m2 > 0 ? m2 : 0.0;
+    }
+    record[2 * C] = n;
+}
+
+/* Training (or no running stats): batch statistics, merged over the group when synced. Sets bn->mean,
+   bn->invstd and what was saved; updates the running stats in training. */
+static ddp_result ddp__bn_batch_stats(ddp_syncbn *bn, const float *x, int64_t batch, int64_t spatial, int training) {
+    const int C = bn->channels, synced = training && bn->nranks > 1;
+    double *records = bn->records, *mine = bn->records + (int64_t)bn->rank * (2 * C + 1);
+    double n = 0, mean, m2, factor = 0;
+    int c;
+    ddp__bn_local_stats(bn, x, batch, spatial, mine);
+    if (synced) {
+        ddp_result r = ddp_all_gather(bn->group, mine, records, (size_t)(2 * C + 1), DDP_F64);
+        if (r != DDP_SUCCESS) return ddp__bn_comm_failed(bn, r, "ddp_syncbn_forward: all_gather of the batch statistics");
+    } else {
+        records = mine;
+    }
+    ddp__bn_merge_ranks(records, synced ? bn->nranks : 1, C, 0, &n, &mean, &m2); /* n: the same for every c */
+    if (n == 1) /* torch: "Expected more than 1 value per channel when training"; every rank sees the same n */
+        return ddp__fail(bn->errors, DDP_ERR_INVALID_ARGUMENT,
+                         "ddp_syncbn_forward: expected more than 1 value per channel when training, got 1 %s "
+                         "(batch=%lld, spatial=%lld on this rank); running stats left unchanged",
+                         synced ? "over all ranks of the group" : "in the batch", (long long)batch, (long long)spatial);
+    if (training && bn->running_mean) { /* counted even for an empty batch, as torch's module does */
+        bn->num_batches_tracked++;
+        factor = ddp__bn_factor(bn->momentum, bn->num_batches_tracked);
+    }
+    for (c = 0; c < C; c++) {
+        ddp__bn_merge_ranks(records, synced ? bn->nranks : 1, C, c, &n, &mean, &m2);
+        bn->mean[c] = (float)mean;
+        bn->invstd[c] = n > 0 ? (float)(1.0 / sqrt(m2 / n + bn->eps)) : 0.0f;
+        if (training && bn->running_mean && n > 0) /* an empty batch leaves them, as torch's CPU kernel */
+            ddp__bn_update_running(&bn->running_mean[c], &bn->running_var[c], mean, m2, n, factor);
+    }
+    bn->saved = synced ? DDP__BN_SAVED_SYNCED : DDP__BN_SAVED_LOCAL;
+    bn->saved_count = n;
+    return DDP_SUCCESS;
+}
+
+DDP_API ddp_result ddp_syncbn_forward(ddp_syncbn *bn, const float *x, float *y, int64_t batch, int64_t spatial,
+                                      int training) {
+    const char *fn = "ddp_syncbn_forward";
+    float *scale, *shift;
+    int64_t count = 0;
+    int c;
+    ddp_result r;
+    if (!bn) return ddp__fail(NULL, DDP_ERR_INVALID_ARGUMENT, "ddp_syncbn_forward: bn is NULL");
+    r = ddp__bn_check(bn, fn, batch, spatial, x, "x", y, "y", &count);
+    if (r != DDP_SUCCESS) return r;
+    bn->saved = DDP__BN_SAVED_NONE;
+    if (training || !bn->running_mean) {
+        r = ddp__bn_batch_stats(bn, x, batch, spatial, training);
+        if (r != DDP_SUCCESS) return r;
+    } else {
+        for (c = 0; c < bn->channels; c++) {
+            bn->mean[c] = bn->running_mean[c];
+            bn->invstd[c] = (float)(1.0 / sqrt((double)bn->running_var[c] + bn->eps));
+        }
+        bn->saved = DDP__BN_SAVED_EVAL;
+    }
+    bn->saved_batch = batch;
+    bn->saved_spatial = spatial;
+    scale = bn->coef;
+    shift = bn->coef + bn->channels;
+    for (c = 0; c < bn->channels; c++) {
+        scale[c] = bn->invstd[c] * (bn->weight ? bn->weight[c] : 1.0f);
+        shift[c] = bn->bias ? bn->bias[c] : 0.0f;
+    }
+    if (count > 0) ddp__bn_pass_normalize(bn, x, y, batch, spatial, bn->mean, scale, shift);
+    return DDP_SUCCESS;
+}
+
+DDP_API ddp_result ddp_syncbn_backward(ddp_syncbn *bn, const float *x, const float *dy, float *dx, float *grad_weight,
+                                       float *grad_bias, int64_t batch, int64_t spatial) {
+    const char *fn = "ddp_syncbn_backward";
+    double *sum_dy, *sum_dy_xmu, *mean64;
+    int64_t count = 0;
+    int C, c, eval;
+    ddp_result r;
+    if (!bn) return ddp__fail(NULL, DDP_ERR_INVALID_ARGUMENT, "ddp_syncbn_backward: bn is NULL");
+    r = ddp__bn_check(bn, fn, batch, spatial, x, "x", dy, "dy", &count);
+    if (r != DDP_SUCCESS) return r;
+    if (bn->saved == DDP__BN_SAVED_NONE)
+        return ddp__fail(bn->errors, DDP_ERR_STATE,
+                         "%s: no statistics to differentiate: call ddp_syncbn_forward first (a failed forward saves none)",
+                         fn);
+    if (batch != bn->saved_batch || spatial != bn->saved_spatial)
+        return ddp__fail(bn->errors, DDP_ERR_INVALID_ARGUMENT,
+                         "%s: batch=%lld, spatial=%lld, but the last forward had batch=%lld, spatial=%lld; pass that "
+                         "forward's input",
+                         fn, (long long)batch, (long long)spatial, (long long)bn->saved_batch,
+                         (long long)bn->saved_spatial);
+    C = bn->channels;
+    eval = bn->saved == DDP__BN_SAVED_EVAL;
+    sum_dy = bn->sums;
+    sum_dy_xmu = bn->sums + C;
+    mean64 = bn->shift;
+    for (c = 0; c < C; c++) mean64[c] = (double)bn->mean[c];
+    if (count > 0 && (!eval || grad_weight || grad_bias))
+        ddp__bn_pass_backward_sums(bn, dy, x, batch, spatial, mean64, sum_dy, sum_dy_xmu);
+    else
+        memset(bn->sums, 0, sizeof(double) * 2 * (size_t)C);
+    for (c = 0; c < C; c++) { /* local: the reducer averages parameters' gradients over ranks */
+        if (grad_weight) grad_weight[c] += (float)(sum_dy_xmu[c] * (double)bn->invstd[c]);
+        if (grad_bias) grad_bias[c] += (float)sum_dy[c];
+    }
+    if (bn->saved == DDP__BN_SAVED_SYNCED) { /* every rank, whether it wants dx or not */
+        r = ddp_all_reduce(bn->group, bn->sums, 2 * (size_t)C, DDP_F64, DDP_SUM);
+        if (r != DDP_SUCCESS) return ddp__bn_comm_failed(bn, r, "ddp_syncbn_backward: all_reduce of sum_dy and sum_dy_xmu");
+    }
+    if (!dx || count == 0) return DDP_SUCCESS;
+    for (c = 0; c < C; c++) {
+        float *mean_dy = bn->coef, *proj = bn->coef + C, *scale = bn->coef + 2 * C;
+        const float w = bn->weight ? bn->weight[c] : 1.0f;
+        if (eval) { /* the statistics were constants */
+            mean_dy[c] = 0;
+            proj[c] = 0;
+            scale[c] = bn->invstd[c] * w;
+        } else {
+            ddp__bn_backward_coeffs(sum_dy[c], sum_dy_xmu[c], bn->saved_count, bn->invstd[c], w, &mean_dy[c],
+                                    &proj[c], &scale[c]);
+        }
+    }
+    ddp__bn_pass_grad_input(bn, dy, x, dx, batch, spatial, bn->mean, bn->coef, bn->coef + C, bn->coef + 2 * C);
+    return DDP_SUCCESS;
+}
 /* ==================== end src/syncbn.c ==================== */
 
 /* ==================== begin src/checkpoint.c ==================== */
-/* placeholder: filled by its issue */
+/* [SECTION] checkpoint: safetensors files, CRC32C, atomic save, load everywhere or broadcast, shards
+   Mirrors the PyTorch DDP checkpoint recipe (rank 0 torch.save + barrier; torch.load on every rank) with
+   safetensors as the format. Layout of this file:
+     crc32c        Castagnoli CRC, SSE4.2 instruction when the CPU has it, else slicing-by-8 tables
+     meta          the caller's key/value map and its typed helpers
+     parser        a strict, bounded parser for the safetensors JSON header (the only JSON we accept:
+                   one object of tensor entries and "__metadata__"; strings, non-negative integers,
+                   arrays of them); every offset is checked with overflow-safe arithmetic
+     writer        the JSON header, then tmp file -> fsync -> rename -> fsync(directory)
+     collectives   agreement on the outcome (every rank fails together), chunked broadcasts
+     rotation      keep_last and ddp_checkpoint_latest: files that differ in one run of digits */
+
+#include <dirent.h>
+
+#define DDP__CK_MAX_HEADER 100000000ull         /* bytes of JSON header, as the safetensors crate allows */
+#define DDP__CK_CHUNK ((size_t)4 << 20)         /* bytes per broadcast; the same on every rank */
+#define DDP__CK_MAX_INT ((uint64_t)INT64_MAX)   /* largest integer a header may hold */
+#define DDP__CK_CRC_PREFIX "ddp.crc32c."
+#define DDP__CK_SHARD_PREFIX "ddp.shard."
+#define DDP__CK_SHARD_WORLD "ddp.shard.world_size"
+#define DDP__CK_SHARD_RANK "ddp.shard.rank"
+#define DDP__CK_SHARD_ID "ddp.shard.save_id"
+
+static int ddp__ck_little_endian(void) {
+    const uint16_t one = 1;
+    unsigned char b;
+    memcpy(&b, &one, 1);
+    return b == 1;
+}
+
+/* ---- crc32c ----
+   CRC-32C, reflected polynomial 0x82F63B78, initial value and final xor 0xFFFFFFFF; "123456789" gives
+   0xE3069283. Portable path: slicing-by-8 (eight 256-entry tables, eight bytes per step). */
+
+static uint32_t ddp__ck_crc_table[8][256];
+static pthread_once_t ddp__ck_crc_once = PTHREAD_ONCE_INIT;
+
+static void ddp__ck_crc_init(void) {
+    uint32_t i, k;
+    for (i = 0; i < 256; i++) {
+        uint32_t c = i;
+        for (k = 0; k < 8; k++) c = (c >> 1) ^ (0x82F63B78u & (0u - (c & 1u)));
+        ddp__ck_crc_table[0][i] = c;
+    }
+    for (i = 0; i < 256; i++)
+        for (k = 1; k < 8; k++)
+            ddp__ck_crc_table[k][i] = (ddp__ck_crc_table[k - 1][i] >> 8) ^ ddp__ck_crc_table[0][ddp__ck_crc_table[k - 1][i] & 0xffu];
+}
+
+/* crc is the running value without the final xor (start with 0xFFFFFFFF). */
+static uint32_t ddp__ck_crc_soft(uint32_t crc, const unsigned char *p, size_t n) {
+    pthread_once(&ddp__ck_crc_once, ddp__ck_crc_init);
+    while (n >= 8) {
+        uint32_t lo, hi;
+        memcpy(&lo, p, 4);
+        memcpy(&hi, p + 4, 4);
+        lo ^= crc;
+        crc = ddp__ck_crc_table[7][lo & 0xffu] ^ ddp__ck_crc_table[6][(lo >> 8) & 0xffu] ^
+              ddp__ck_crc_table[5][(lo >> 16) & 0xffu] ^ ddp__ck_crc_table[4][lo >> 24] ^
+              ddp__ck_crc_table[3][hi & 0xffu] ^ ddp__ck_crc_table[2][(hi >> 8) & 0xffu] ^
+              ddp__ck_crc_table[1][(hi >> 16) & 0xffu] ^ ddp__ck_crc_table[0][hi >> 24];
+        p += 8;
+        n -= 8;
+    }
+    while (n--) crc = (crc >> 8) ^ ddp__ck_crc_table[0][(crc ^ *p++) & 0xffu];
+    return crc;
+}
+
+#if defined(__x86_64__) && (defined(__GNUC__) || defined(__clang__))
+#define DDP__CK_HAVE_HW_CRC 1
+/* The SSE4.2 crc32 instruction computes exactly this CRC, eight bytes at a time. It takes 3 cycles but
+   can start every cycle, so three independent streams run over three adjacent lanes of
+   DDP__CK_LANE bytes and are then joined: crc(A B) = shift(crc(A)) ^ crc0(B), where crc0 starts from
+   0 and shift appends DDP__CK_LANE zero bytes. shift is linear over GF(2): it is four table lookups,
+   built once from its values on the 32 unit vectors. */
+#define DDP__CK_LANE 4096
+static uint32_t ddp__ck_shift_table[4][256];
+static pthread_once_t ddp__ck_shift_once = PTHREAD_ONCE_INIT;
+
+__attribute__((target("sse4.2"))) static void ddp__ck_shift_init(void) {
+    uint32_t basis[32];
+    int b, k, i;
+    for (b = 0; b < 32; b++) {
+        unsigned long long c = 1ull << b;
+        for (i = 0; i < DDP__CK_LANE / 8; i++) c = __builtin_ia32_crc32di(c, 0);
+        basis[b] = (uint32_t)c;
+    }
+    for (k = 0; k < 4; k++)
+        for (i = 0; i < 256; i++) {
+            uint32_t v = 0;
+            for (b = 0; b < 8; b++)
+                if ((i >> b) & 1) v ^= basis[8 * k + b];
+            ddp__ck_shift_table[k][i] = v;
+        }
+}
+
+static uint32_t ddp__ck_shift(uint32_t c) {
+    return ddp__ck_shift_table[0][c & 0xffu] ^ ddp__ck_shift_table[1][(c >> 8) & 0xffu] ^ ddp__ck_shift_table[2][(c >> 16) & 0xffu] ^
+           ddp__ck_shift_table[3][c >> 24];
+}
+
+__attribute__((target("sse4.2"))) static uint32_t ddp__ck_crc_hw(uint32_t crc, const unsigned char *p, size_t n) {
+    unsigned long long c = crc;
+    if (n >= 3 * DDP__CK_LANE) pthread_once(&ddp__ck_shift_once, ddp__ck_shift_init);
+    while (n >= 3 * DDP__CK_LANE) {
+        unsigned long long c1 = 0, c2 = 0, v0, v1, v2;
+        size_t j;
+        for (j = 0; j < DDP__CK_LANE; j += 8) {
+            memcpy(&v0, p + j, 8);
+            memcpy(&v1, p + DDP__CK_LANE + j, 8);
+            memcpy(&v2, p + 2 * DDP__CK_LANE + j, 8);
+            c = __builtin_ia32_crc32di(c, v0);
+            c1 = __builtin_ia32_crc32di(c1, v1);
+            c2 = __builtin_ia32_crc32di(c2, v2);
+        }
+        c = ddp__ck_shift(ddp__ck_shift((uint32_t)c) ^ (uint32_t)c1) ^ (uint32_t)c2;
+        p += 3 * DDP__CK_LANE;
+        n -= 3 * DDP__CK_LANE;
+    }
+    while (n >= 8) {
+        unsigned long long v;
+        memcpy(&v, p, 8);
+        c = __builtin_ia32_crc32di(c, v);
+        p += 8;
+        n -= 8;
+    }
+    crc = (uint32_t)c;
+    while (n--) crc = __builtin_ia32_crc32qi(crc, *p++);
+    return crc;
+}
+#endif
+
+/* Running CRC32C register (start with 0xFFFFFFFF, finish with ~) over n more bytes. use_hw: 1 to take
+   the instruction when the CPU has it (0 is for the tests). */
+static uint32_t ddp__ck_crc_update(uint32_t reg, const void *data, size_t n, int use_hw) {
+    const unsigned char *p = (const unsigned char *)data;
+#ifdef DDP__CK_HAVE_HW_CRC
+    if (use_hw && __builtin_cpu_supports("sse4.2")) return ddp__ck_crc_hw(reg, p, n);
+#else
+    (void)use_hw;
+#endif
+    return ddp__ck_crc_soft(reg, p, n);
+}
+
+static uint32_t ddp__ck_crc32c(const void *data, size_t n, int use_hw) { return ~ddp__ck_crc_update(0xFFFFFFFFu, data, n, use_hw); }
+
+/* ---- UTF-8 ----
+   Strict RFC 3629: no overlong forms, no surrogates, nothing above U+10FFFF. Returns the length of the
+   sequence at p (1..4), or 0 when it is not valid. */
+static int ddp__ck_utf8_seq(const unsigned char *p, const unsigned char *end) {
+    unsigned c = p[0];
+    int len, i;
+    uint32_t cp;
+    if (c < 0x80) return 1;
+    if (c >= 0xC2 && c <= 0xDF) len = 2, cp = c & 0x1Fu;
+    else if (c >= 0xE0 && c <= 0xEF) len = 3, cp = c & 0x0Fu;
+    else if (c >= 0xF0 && c <= 0xF4) len = 4, cp = c & 0x07u;
+    else return 0;
+    if (end - p < len) return 0;
+    for (i = 1; i < len; i++) {
+        if ((p[i] & 0xC0u) != 0x80u) return 0;
+        cp = (cp << 6) | (p[i] & 0x3Fu);
+    }
+    if ((len == 3 && cp < 0x800) || (len == 4 && (cp < 0x10000 || cp > 0x10FFFF))) return 0;
+    if (cp >= 0xD800 && cp <= 0xDFFF) return 0;
+    return len;
+}
+
+static int ddp__ck_utf8_valid(const char *s) {
+    const unsigned char *p = (const unsigned char *)s, *end = p + strlen(s);
+    while (p < end) {
+        int k = ddp__ck_utf8_seq(p, end);
+        if (!k) return 0;
+        p += k;
+    }
+    return 1;
+}
+
+/* ---- meta ---- */
+
+static int ddp__ck_meta_find(const ddp_meta *m, const char *key) {
+    int i;
+    for (i = 0; m && i < m->count; i++)
+        if (strcmp(m->entries[i].key, key) == 0) return i;
+    return -1;
+}
+
+/* Append without looking for an existing key (the parser checks duplicates once, by sorting). */
+static ddp_result ddp__ck_meta_append(ddp_meta *m, char *key, char *value) {
+    if (m->count == m->capacity) {
+        int cap = m->capacity ? 2 * m->capacity : 8;
+        ddp_meta_entry *e;
+        if (cap > INT_MAX / 2) return DDP_ERR_OUT_OF_MEMORY;
+        e = (ddp_meta_entry *)DDP_REALLOC(m->entries, (size_t)cap * sizeof *e);
+        if (!e) return DDP_ERR_OUT_OF_MEMORY;
+        m->entries = e;
+        m->capacity = cap;
+    }
+    m->entries[m->count].key = key;
+    m->entries[m->count].value = value;
+    m->count++;
+    return DDP_SUCCESS;
+}
+
+DDP_API ddp_result ddp_meta_set(ddp_meta *m, const char *key, const char *value) {
+    char *k, *v;
+    int i;
+    if (!m || !key || !*key || !value)
+        return ddp__fail(NULL, DDP_ERR_INVALID_ARGUMENT, "ddp_meta_set: map, key and value must not be NULL and key not empty");
+    if (!ddp__ck_utf8_valid(key) || !ddp__ck_utf8_valid(value))
+        return ddp__fail(NULL, DDP_ERR_INVALID_ARGUMENT, "ddp_meta_set: key \"%.64s\" or its value is not valid UTF-8", key);
+    v = ddp__strdup(value);
+    if (!v) return ddp__fail(NULL, DDP_ERR_OUT_OF_MEMORY, "ddp_meta_set: out of memory copying the value of \"%.64s\"", key);
+    i = ddp__ck_meta_find(m, key);
+    if (i >= 0) {
+        ddp__free(m->entries[i].value);
+        m->entries[i].value = v;
+        return DDP_SUCCESS;
+    }
+    k = ddp__strdup(key);
+    if (!k || ddp__ck_meta_append(m, k, v) != DDP_SUCCESS) {
+        ddp__free(k);
+        ddp__free(v);
+        return ddp__fail(NULL, DDP_ERR_OUT_OF_MEMORY, "ddp_meta_set: out of memory adding \"%.64s\"", key);
+    }
+    return DDP_SUCCESS;
+}
+
+DDP_API const char *ddp_meta_get(const ddp_meta *m, const char *key) {
+    int i = key ? ddp__ck_meta_find(m, key) : -1;
+    return i >= 0 ? m->entries[i].value : NULL;
+}
+
+DDP_API int ddp_meta_remove(ddp_meta *m, const char *key) {
+    int i = key ? ddp__ck_meta_find(m, key) : -1;
+    if (i < 0) return 0;
+    ddp__free(m->entries[i].key);
+    ddp__free(m->entries[i].value);
+    memmove(m->entries + i, m->entries + i + 1, (size_t)(m->count - i - 1) * sizeof *m->entries);
+    m->count--;
+    return 1;
+}
+
+DDP_API void ddp_meta_free(ddp_meta *m) {
+    int i;
+    if (!m) return;
+    for (i = 0; i < m->count; i++) {
+        ddp__free(m->entries[i].key);
+        ddp__free(m->entries[i].value);
+    }
+    ddp__free(m->entries);
+    m->entries = NULL;
+    m->count = m->capacity = 0;
+}
+
+DDP_API ddp_result ddp_meta_set_int(ddp_meta *m, const char *key, int64_t value) {
+    char buf[32];
+    snprintf(buf, sizeof buf, "%lld", (long long)value);
+    return ddp_meta_set(m, key, buf);
+}
+
+DDP_API ddp_result ddp_meta_get_int(const ddp_meta *m, const char *key, int64_t *value) {
+    const char *s = ddp_meta_get(m, key), *p;
+    uint64_t mag = 0, limit;
+    int neg;
+    if (!s) return ddp__fail(NULL, DDP_ERR_FORMAT, "checkpoint metadata has no key \"%.64s\"", key ? key : "(null)");
+    p = s;
+    neg = (*p == '-');
+    if (neg) p++;
+    limit = neg ? (uint64_t)INT64_MAX + 1u : (uint64_t)INT64_MAX;
+    if (!*p) goto bad;
+    for (; *p; p++) {
+        if (*p < '0' || *p > '9' || mag > (limit - (uint64_t)(*p - '0')) / 10) goto bad;
+        mag = mag * 10 + (uint64_t)(*p - '0');
+    }
+    if (!value) return ddp__fail(NULL, DDP_ERR_INVALID_ARGUMENT, "ddp_meta_get_int: value must not be NULL");
+    *value = neg ? (int64_t)(0u - mag) : (int64_t)mag;
+    return DDP_SUCCESS;
+bad:
+    return ddp__fail(NULL, DDP_ERR_FORMAT, "checkpoint metadata \"%.64s\" = \"%.64s\" is not a 64-bit decimal integer", key, s);
+}
+
+DDP_API ddp_result ddp_meta_set_bytes(ddp_meta *m, const char *key, const void *data, size_t size) {
+    static const char hex[] = "0123456789abcdef";
+    const unsigned char *b = (const unsigned char *)data;
+    char *s;
+    size_t i;
+    ddp_result r;
+    if ((!data && size) || size > (SIZE_MAX - 1) / 2)
+        return ddp__fail(NULL, DDP_ERR_INVALID_ARGUMENT, "ddp_meta_set_bytes(\"%.64s\"): data is NULL or size too large", key ? key : "(null)");
+    s = (char *)ddp__malloc(2 * size + 1);
+    if (!s) return ddp__fail(NULL, DDP_ERR_OUT_OF_MEMORY, "ddp_meta_set_bytes: out of memory for %zu bytes", size);
+    for (i = 0; i < size; i++) {
+        s[2 * i] = hex[b[i] >> 4];
+        s[2 * i + 1] = hex[b[i] & 15];
+    }
+    s[2 * size] = '\0';
+    r = ddp_meta_set(m, key, s);
+    ddp__free(s);
+    return r;
+}
+
+static int ddp__ck_hexval(char c) {
+    if (c >= '0' && c <= '9') return c - '0';
+    if (c >= 'a' && c <= 'f') return c - 'a' + 10;
+    if (c >= 'A' && c <= 'F') return c - 'A' + 10;
+    return -1;
+}
+
+DDP_API ddp_result ddp_meta_get_bytes(const ddp_meta *m, const char *key, void *data, size_t capacity, size_t *size) {
+    const char *s = ddp_meta_get(m, key);
+    size_t len, i;
+    if (!s) return ddp__fail(NULL, DDP_ERR_FORMAT, "checkpoint metadata has no key \"%.64s\"", key ? key : "(null)");
+    len = strlen(s);
+    if (len % 2) return ddp__fail(NULL, DDP_ERR_FORMAT, "checkpoint metadata \"%.64s\" has an odd number of hex digits", key);
+    for (i = 0; i < len; i++)
+        if (ddp__ck_hexval(s[i]) < 0)
+            return ddp__fail(NULL, DDP_ERR_FORMAT, "checkpoint metadata \"%.64s\" is not hex (character %zu is '%c')", key, i, s[i]);
+    if (size) *size = len / 2;
+    if (len / 2 > capacity || (!data && len))
+        return ddp__fail(NULL, DDP_ERR_INVALID_ARGUMENT, "checkpoint metadata \"%.64s\" holds %zu bytes; the buffer has room for %zu",
+                         key, len / 2, data ? capacity : 0);
+    for (i = 0; i < len / 2; i++)
+        ((unsigned char *)data)[i] = (unsigned char)(ddp__ck_hexval(s[2 * i]) * 16 + ddp__ck_hexval(s[2 * i + 1]));
+    return DDP_SUCCESS;
+}
+
+DDP_API ddp_result ddp_meta_set_resume(ddp_meta *m, const ddp_resume_state *s) {
+    ddp_result r;
+    if (!s) return ddp__fail(NULL, DDP_ERR_INVALID_ARGUMENT, "ddp_meta_set_resume: state must not be NULL");
+    if ((r = ddp_meta_set_int(m, DDP_META_STEP, s->step)) != DDP_SUCCESS) return r;
+    if ((r = ddp_meta_set_int(m, DDP_META_EPOCH, s->epoch)) != DDP_SUCCESS) return r;
+    if ((r = ddp_meta_set_int(m, DDP_META_SAMPLER_POSITION, s->sampler_position)) != DDP_SUCCESS) return r;
+    if ((r = ddp_meta_set_int(m, DDP_META_WORLD_SIZE, s->world_size)) != DDP_SUCCESS) return r;
+    if (s->rng_state_size == 0) {
+        ddp_meta_remove(m, DDP_META_RNG_STATE);
+        return DDP_SUCCESS;
+    }
+    return ddp_meta_set_bytes(m, DDP_META_RNG_STATE, s->rng_state, s->rng_state_size);
+}
+
+DDP_API ddp_result ddp_meta_get_resume(const ddp_meta *m, ddp_resume_state *s) {
+    int64_t ws;
+    ddp_result r;
+    if (!s) return ddp__fail(NULL, DDP_ERR_INVALID_ARGUMENT, "ddp_meta_get_resume: state must not be NULL");
+    if ((r = ddp_meta_get_int(m, DDP_META_STEP, &s->step)) != DDP_SUCCESS) return r;
+    if ((r = ddp_meta_get_int(m, DDP_META_EPOCH, &s->epoch)) != DDP_SUCCESS) return r;
+    if ((r = ddp_meta_get_int(m, DDP_META_SAMPLER_POSITION, &s->sampler_position)) != DDP_SUCCESS) return r;
+    if ((r = ddp_meta_get_int(m, DDP_META_WORLD_SIZE, &ws)) != DDP_SUCCESS) return r;
+    if (ws < 0 || ws > INT_MAX) return ddp__fail(NULL, DDP_ERR_FORMAT, "checkpoint metadata " DDP_META_WORLD_SIZE " = %lld is out of range", (long long)ws);
+    s->world_size = (int)ws;
+    if (!ddp_meta_get(m, DDP_META_RNG_STATE)) {
+        s->rng_state_size = 0;
+        return DDP_SUCCESS;
+    }
+    return ddp_meta_get_bytes(m, DDP_META_RNG_STATE, s->rng_state, s->rng_state_size, &s->rng_state_size);
+}
+
+/* ---- parser ----
+   Grammar (JSON, restricted to what a safetensors header holds; whitespace allowed between tokens and
+   at the end, which is how writers pad the header):
+     header   = '{' [ member *( ',' member ) ] '}'
+     member   = string ':' ( tensor | metadata )      ; metadata when the key is "__metadata__"
+     tensor   = '{' "dtype": string, "shape": [uint...], "data_offsets": [uint, uint] '}' (any order)
+     metadata = '{' [ string ':' string *( ',' string ':' string ) ] '}'
+   Integers are plain decimal (no sign, fraction, exponent or leading zero), at most 2^63-1. Strings
+   are UTF-8 with JSON escapes; \u0000 is refused (C strings). Duplicate names and keys are errors. */
+
+/* safetensors dtypes of one byte or more; ddp.h loads the first eight, the rest are recognised so that
+   such a tensor can be skipped (allow_unexpected) or named in a mismatch. */
+static const struct {
+    const char *name;
+    ddp_dtype dtype;
+    unsigned size;
+} ddp__ck_dtypes[] = {
+    {"F32", DDP_F32, 4},          {"F64", DDP_F64, 8},          {"F16", DDP_F16, 2},      {"BF16", DDP_BF16, 2},
+    {"I8", DDP_I8, 1},            {"U8", DDP_U8, 1},            {"I32", DDP_I32, 4},      {"I64", DDP_I64, 8},
+    {"BOOL", DDP_DTYPE_DEFAULT, 1}, {"I16", DDP_DTYPE_DEFAULT, 2}, {"U16", DDP_DTYPE_DEFAULT, 2},
+    {"U32", DDP_DTYPE_DEFAULT, 4},  {"U64", DDP_DTYPE_DEFAULT, 8}, {"F8_E5M2", DDP_DTYPE_DEFAULT, 1},
+    {"F8_E4M3", DDP_DTYPE_DEFAULT, 1},
+};
+#define DDP__CK_NDTYPES ((int)(sizeof ddp__ck_dtypes / sizeof ddp__ck_dtypes[0]))
+
+static const char *ddp__ck_st_name(ddp_dtype t) {
+    int i;
+    for (i = 0; i < DDP__CK_NDTYPES; i++)
+        if (ddp__ck_dtypes[i].dtype == t && t != DDP_DTYPE_DEFAULT) return ddp__ck_dtypes[i].name;
+    return "?";
+}
+
+typedef struct ddp__ck_entry {
+    char *name;
+    int st;           /* index into ddp__ck_dtypes */
+    int ndim;         /* may exceed 8; then only the first 8 dimensions are kept */
+    int64_t shape[8];
+    uint64_t begin, end; /* byte offsets into the data section */
+} ddp__ck_entry;
+
+typedef struct ddp__ck_header {
+    ddp__ck_entry *e; /* sorted by (begin, end, name): the order of the data */
+    int n, cap;
+    ddp_meta meta;    /* "__metadata__", in file order */
+    ddp__ck_entry **by_name;
+    ddp_meta_entry **meta_sorted;
+} ddp__ck_header;
+
+typedef struct ddp__ck_json {
+    const unsigned char *start, *p, *end;
+    char *err; /* DDP__ERR_MAX bytes */
+} ddp__ck_json;
+
+static void ddp__ck_header_free(ddp__ck_header *h) {
+    int i;
+    for (i = 0; i < h->n; i++) ddp__free(h->e[i].name);
+    ddp__free(h->e);
+    ddp__free(h->by_name);
+    ddp__free(h->meta_sorted);
+    ddp_meta_free(&h->meta);
+    memset(h, 0, sizeof *h);
+}
+
+static ddp_result ddp__ck_bad(ddp__ck_json *j, const char *what) {
+    return ddp__fail_to(j->err, DDP_ERR_FORMAT, "safetensors header, byte %zu: %s", (size_t)(j->p - j->start), what);
+}
+
+static void ddp__ck_ws(ddp__ck_json *j) {
+    while (j->p < j->end && (*j->p == ' ' || *j->p == '\t' || *j->p == '\n' || *j->p == '\r')) j->p++;
+}
+
+/* Skip whitespace, then consume c or fail saying what was expected. */
+static ddp_result ddp__ck_expect(ddp__ck_json *j, char c, const char *what) {
+    ddp__ck_ws(j);
+    if (j->p >= j->end || *j->p != (unsigned char)c) return ddp__ck_bad(j, what);
+    j->p++;
+    return DDP_SUCCESS;
+}
+
+/* After a member or element: 1 when the container continues (','), 0 when it closed, -1 on error. */
+static int ddp__ck_next(ddp__ck_json *j, char close, const char *what) {
+    ddp__ck_ws(j);
+    if (j->p < j->end && *j->p == ',') return j->p++, 1;
+    if (j->p < j->end && *j->p == (unsigned char)close) return j->p++, 0;
+    ddp__ck_bad(j, what);
+    return -1;
+}
+
+static int ddp__ck_hex4(const unsigned char *p, const unsigned char *end, uint32_t *v) {
+    int i;
+    *v = 0;
+    if (end - p < 4) return 0;
+    for (i = 0; i < 4; i++) {
+        int d = ddp__ck_hexval((char)p[i]);
+        if (d < 0) return 0;
+        *v = *v * 16 + (uint32_t)d;
+    }
+    return 1;
+}
+
+static size_t ddp__ck_put_utf8(unsigned char *o, uint32_t cp) {
+    if (cp < 0x80) return o[0] = (unsigned char)cp, 1;
+    if (cp < 0x800) return o[0] = (unsigned char)(0xC0 | (cp >> 6)), o[1] = (unsigned char)(0x80 | (cp & 0x3F)), 2;
+    if (cp < 0x10000) {
+        o[0] = (unsigned char)(0xE0 | (cp >> 12));
+        o[1] = (unsigned char)(0x80 | ((cp >> 6) & 0x3F));
+        o[2] = (unsigned char)(0x80 | (cp & 0x3F));
+        return 3;
+    }
+    o[0] = (unsigned char)(0xF0 | (cp >> 18));
+    o[1] = (unsigned char)(0x80 | ((cp >> 12) & 0x3F));
+    o[2] = (unsigned char)(0x80 | ((cp >> 6) & 0x3F));
+    o[3] = (unsigned char)(0x80 | (cp & 0x3F));
+    return 4;
+}
+
+/* A \uXXXX escape (p after the 'u'), a surrogate pair included. Returns the code point, 0 on error. */
+static uint32_t ddp__ck_unicode_escape(ddp__ck_json *j) {
+    uint32_t hi, lo;
+    if (!ddp__ck_hex4(j->p, j->end, &hi)) return 0;
+    j->p += 4;
+    if (hi >= 0xDC00 && hi <= 0xDFFF) return 0;
+    if (hi < 0xD800 || hi > 0xDBFF) return hi;
+    if (j->end - j->p < 6 || j->p[0] != '\\' || j->p[1] != 'u' || !ddp__ck_hex4(j->p + 2, j->end, &lo) || lo < 0xDC00 ||
+        lo > 0xDFFF)
+        return 0;
+    j->p += 6;
+    return 0x10000 + ((hi - 0xD800) << 10) + (lo - 0xDC00);
+}
+
+/* A string token; *out is a new NUL-terminated UTF-8 copy (escapes only shrink, so the raw length
+   bounds the decoded one). */
+static ddp_result ddp__ck_string(ddp__ck_json *j, char **out) {
+    const unsigned char *q;
+    unsigned char *o, *buf;
+    ddp_result r = ddp__ck_expect(j, '"', "expected a string");
+    *out = NULL;
+    if (r != DDP_SUCCESS) return r;
+    for (q = j->p; q < j->end && *q != '"'; q++)
+        if (*q == '\\' && q + 1 < j->end) q++;
+    if (q >= j->end) return ddp__ck_bad(j, "unterminated string");
+    buf = o = (unsigned char *)ddp__malloc((size_t)(q - j->p) + 1);
+    if (!buf) return ddp__fail_to(j->err, DDP_ERR_OUT_OF_MEMORY, "out of memory parsing the safetensors header");
+    while (*j->p != '"') {
+        unsigned char c = *j->p;
+        if (c < 0x20) goto bad_control;
+        if (c >= 0x80) {
+            int k = ddp__ck_utf8_seq(j->p, j->end);
+            if (!k) goto bad_utf8;
+            memcpy(o, j->p, (size_t)k);
+            o += k;
+            j->p += k;
+            continue;
+        }
+        j->p++;
+        if (c != '\\') {
+            *o++ = c;
+            continue;
+        }
+        c = *j->p++;
+        switch (c) {
+        case '"': case '\\': case '/': *o++ = c; break;
+        case 'b': *o++ = '\b'; break;
+        case 'f': *o++ = '\f'; break;
+        case 'n': *o++ = '\n'; break;
+        case 'r': *o++ = '\r'; break;
+        case 't': *o++ = '\t'; break;
+        case 'u': {
+            uint32_t cp = ddp__ck_unicode_escape(j);
+            if (!cp) goto bad_escape;
+            o += ddp__ck_put_utf8(o, cp);
+            break;
+        }
+        default: j->p--; goto bad_escape;
+        }
+    }
+    j->p++;
+    *o = '\0';
+    *out = (char *)buf;
+    return DDP_SUCCESS;
+bad_control:
+    ddp__free(buf);
+    return ddp__ck_bad(j, "control character inside a string (must be escaped)");
+bad_utf8:
+    ddp__free(buf);
+    return ddp__ck_bad(j, "string is not valid UTF-8");
+bad_escape:
+    ddp__free(buf);
+    return ddp__ck_bad(j, "bad escape in a string (\\u0000 and lone surrogates are refused)");
+}
+
+static ddp_result ddp__ck_uint(ddp__ck_json *j, uint64_t *v) {
+    uint64_t x = 0;
+    const unsigned char *s;
+    ddp__ck_ws(j);
+    s = j->p;
+    if (j->p < j->end && *j->p == '-') return ddp__ck_bad(j, "negative number (shapes and offsets are >= 0)");
+    while (j->p < j->end && *j->p >= '0' && *j->p <= '9') {
+        unsigned d = (unsigned)(*j->p - '0');
+        if (x > (DDP__CK_MAX_INT - d) / 10) return ddp__ck_bad(j, "integer larger than 2^63-1");
+        x = x * 10 + d;
+        j->p++;
+    }
+    if (j->p == s) return ddp__ck_bad(j, "expected a non-negative integer");
+    if (*s == '0' && j->p - s > 1) return ddp__fail_to(j->err, DDP_ERR_FORMAT, "safetensors header, byte %zu: integer with a leading zero", (size_t)(s - j->start));
+    if (j->p < j->end && (*j->p == '.' || *j->p == 'e' || *j->p == 'E')) return ddp__ck_bad(j, "number is not an integer");
+    *v = x;
+    return DDP_SUCCESS;
+}
+
+/* '[' uint, ... ']': the first keep values go to vals; *count is the number of elements. */
+static ddp_result ddp__ck_uint_array(ddp__ck_json *j, uint64_t *vals, int keep, int *count) {
+    ddp_result r;
+    int more;
+    *count = 0;
+    if ((r = ddp__ck_expect(j, '[', "expected '['")) != DDP_SUCCESS) return r;
+    ddp__ck_ws(j);
+    if (j->p < j->end && *j->p == ']') return j->p++, DDP_SUCCESS;
+    do {
+        uint64_t v = 0;
+        if ((r = ddp__ck_uint(j, &v)) != DDP_SUCCESS) return r;
+        if (*count < keep) vals[*count] = v;
+        if (*count == INT_MAX) return ddp__ck_bad(j, "array too long");
+        (*count)++;
+        more = ddp__ck_next(j, ']', "expected ',' or ']' in an array");
+    } while (more == 1);
+    return more < 0 ? DDP_ERR_FORMAT : DDP_SUCCESS;
+}
+
+static ddp_result ddp__ck_dtype(ddp__ck_json *j, ddp__ck_entry *e) {
+    char *s;
+    int i;
+    ddp_result r = ddp__ck_string(j, &s);
+    if (r != DDP_SUCCESS) return r;
+    for (i = 0; i < DDP__CK_NDTYPES; i++)
+        if (strcmp(s, ddp__ck_dtypes[i].name) == 0) break;
+    if (i == DDP__CK_NDTYPES) {
+        r = ddp__fail_to(j->err, DDP_ERR_FORMAT, "safetensors header, byte %zu: tensor \"%.64s\" has unknown dtype \"%.32s\"",
+                         (size_t)(j->p - j->start), e->name, s);
+        ddp__free(s);
+        return r;
+    }
+    ddp__free(s);
+    e->st = i;
+    return DDP_SUCCESS;
+}
+
+/* Element count times element size, refusing overflow; a zero dimension makes 0 whatever the others. */
+static int ddp__ck_shape_bytes(const uint64_t *dims, int ndim, uint64_t elem, uint64_t *bytes) {
+    uint64_t n = 1;
+    int i, overflow = 0;
+    for (i = 0; i < ndim; i++) {
+        if (dims[i] == 0) return *bytes = 0, 1;
+        if (!overflow && n > DDP__CK_MAX_INT / dims[i]) overflow = 1;
+        if (!overflow) n *= dims[i];
+    }
+    if (overflow || n > DDP__CK_MAX_INT / elem) return 0;
+    *bytes = n * elem;
+    return 1;
+}
+
+static ddp_result ddp__ck_tensor(ddp__ck_json *j, ddp__ck_entry *e) {
+    uint64_t dims[8], offs[2], bytes;
+    int seen_dtype = 0, seen_shape = 0, seen_offsets = 0, more, count, i;
+    ddp_result r;
+    uint64_t *all_dims = NULL;
+    if ((r = ddp__ck_expect(j, '{', "a tensor entry must be an object")) != DDP_SUCCESS) return r;
+    ddp__ck_ws(j);
+    if (j->p < j->end && *j->p == '}') return ddp__ck_bad(j, "tensor entry without dtype, shape and data_offsets");
+    do {
+        char *key;
+        if ((r = ddp__ck_string(j, &key)) != DDP_SUCCESS) return r;
+        if ((r = ddp__ck_expect(j, ':', "expected ':'")) != DDP_SUCCESS) {
+            ddp__free(key);
+            return r;
+        }
+        if (strcmp(key, "dtype") == 0 && !seen_dtype++) {
+            r = ddp__ck_dtype(j, e);
+        } else if (strcmp(key, "shape") == 0 && !seen_shape++) {
+            const unsigned char *at = j->p;
+            r = ddp__ck_uint_array(j, dims, 8, &count);
+            if (r == DDP_SUCCESS && count > 8) {
+                /* more than 8 dimensions: parse again keeping them all, for the byte count */
+                all_dims = (uint64_t *)ddp__calloc((size_t)count, sizeof *all_dims);
+                j->p = at;
+                r = all_dims ? ddp__ck_uint_array(j, all_dims, count, &count)
+                             : ddp__fail_to(j->err, DDP_ERR_OUT_OF_MEMORY, "out of memory parsing a shape");
+            }
+            e->ndim = count;
+        } else if (strcmp(key, "data_offsets") == 0 && !seen_offsets++) {
+            r = ddp__ck_uint_array(j, offs, 2, &count);
+            if (r == DDP_SUCCESS && count != 2) r = ddp__ck_bad(j, "data_offsets must be [begin, end]");
+        } else {
+            r = ddp__fail_to(j->err, DDP_ERR_FORMAT, "safetensors header, byte %zu: tensor \"%.64s\" has %s key \"%.32s\"",
+                             (size_t)(j->p - j->start), e->name,
+                             (!strcmp(key, "dtype") || !strcmp(key, "shape") || !strcmp(key, "data_offsets")) ? "a repeated" : "an unknown",
+                             key);
+        }
+        ddp__free(key);
+        if (r != DDP_SUCCESS) break;
+        more = ddp__ck_next(j, '}', "expected ',' or '}' in a tensor entry");
+        if (more < 0) r = DDP_ERR_FORMAT;
+    } while (r == DDP_SUCCESS && more == 1);
+    if (r == DDP_SUCCESS && !(seen_dtype && seen_shape && seen_offsets))
+        r = ddp__fail_to(j->err, DDP_ERR_FORMAT, "safetensors header: tensor \"%.64s\" lacks %s", e->name,
+                         !seen_dtype ? "dtype" : !seen_shape ? "shape" : "data_offsets");
+    if (r == DDP_SUCCESS) {
+        for (i = 0; i < e->ndim && i < 8; i++) e->shape[i] = (int64_t)dims[i];
+        e->begin = offs[0];
+        e->end = offs[1];
+        if (!ddp__ck_shape_bytes(all_dims ? all_dims : dims, e->ndim, ddp__ck_dtypes[e->st].size, &bytes))
+            r = ddp__fail_to(j->err, DDP_ERR_FORMAT, "safetensors header: tensor \"%.64s\" has a shape too large to address", e->name);
+        else if (e->begin > e->end)
+            r = ddp__fail_to(j->err, DDP_ERR_FORMAT, "safetensors header: tensor \"%.64s\" has data_offsets [%llu, %llu] with begin > end",
+                             e->name, (unsigned long long)e->begin, (unsigned long long)e->end);
+        else if (e->end - e->begin != bytes)
+            r = ddp__fail_to(j->err, DDP_ERR_FORMAT,
+                             "safetensors header: tensor \"%.64s\" (%s, %d dims) needs %llu bytes but data_offsets [%llu, %llu] span %llu",
+                             e->name, ddp__ck_dtypes[e->st].name, e->ndim, (unsigned long long)bytes,
+                             (unsigned long long)e->begin, (unsigned long long)e->end, (unsigned long long)(e->end - e->begin));
+    }
+    ddp__free(all_dims);
+    return r;
+}
+
+static ddp_result ddp__ck_metadata(ddp__ck_json *j, ddp__ck_header *h) {
+    ddp_result r;
+    int more;
+    if ((r = ddp__ck_expect(j, '{', "__metadata__ must be an object of strings")) != DDP_SUCCESS) return r;
+    ddp__ck_ws(j);
+    if (j->p < j->end && *j->p == '}') return j->p++, DDP_SUCCESS;
+    do {
+        char *key, *value = NULL;
+        if ((r = ddp__ck_string(j, &key)) != DDP_SUCCESS) return r;
+        if ((r = ddp__ck_expect(j, ':', "expected ':'")) == DDP_SUCCESS) {
+            ddp__ck_ws(j);
+            if (j->p < j->end && *j->p != '"')
+                r = ddp__fail_to(j->err, DDP_ERR_FORMAT, "safetensors header, byte %zu: __metadata__ value of \"%.64s\" is not a string",
+                                 (size_t)(j->p - j->start), key);
+            else
+                r = ddp__ck_string(j, &value);
+        }
+        if (r == DDP_SUCCESS && !*key) r = ddp__ck_bad(j, "empty __metadata__ key");
+        if (r == DDP_SUCCESS && ddp__ck_meta_append(&h->meta, key, value) != DDP_SUCCESS)
+            r = ddp__fail_to(j->err, DDP_ERR_OUT_OF_MEMORY, "out of memory parsing the safetensors header");
+        if (r != DDP_SUCCESS) {
+            ddp__free(key);
+            ddp__free(value);
+            return r;
+        }
+        more = ddp__ck_next(j, '}', "expected ',' or '}' in __metadata__");
+    } while (more == 1);
+    return more < 0 ? DDP_ERR_FORMAT : DDP_SUCCESS;
+}
+
+static int ddp__ck_cmp_offsets(const void *a, const void *b) {
+    const ddp__ck_entry *x = (const ddp__ck_entry *)a, *y = (const ddp__ck_entry *)b;
+    if (x->begin != y->begin) return x->begin < y->begin ? -1 : 1;
+    if (x->end != y->end) return x->end < y->end ? -1 : 1;
+    return strcmp(x->name, y->name);
+}
+
+static int ddp__ck_cmp_names(const void *a, const void *b) {
+    return strcmp((*(ddp__ck_entry *const *)a)->name, (*(ddp__ck_entry *const *)b)->name);
+}
+
+static int ddp__ck_cmp_keys(const void *a, const void *b) {
+    return strcmp((*(ddp_meta_entry *const *)a)->key, (*(ddp_meta_entry *const *)b)->key);
+}
+
+/* Sort, then check what needs the whole header: unique names and keys, data laid out back to back
+   from offset 0 to the end of the file. */
+static ddp_result ddp__ck_layout(ddp__ck_header *h, uint64_t data_len, char *err) {
+    uint64_t at = 0;
+    int i;
+    h->by_name = (ddp__ck_entry **)ddp__calloc((size_t)h->n, sizeof *h->by_name);
+    h->meta_sorted = (ddp_meta_entry **)ddp__calloc((size_t)h->meta.count, sizeof *h->meta_sorted);
+    if (!h->by_name || !h->meta_sorted) return ddp__fail_to(err, DDP_ERR_OUT_OF_MEMORY, "out of memory indexing the safetensors header");
+    if (h->n) qsort(h->e, (size_t)h->n, sizeof *h->e, ddp__ck_cmp_offsets);
+    for (i = 0; i < h->n; i++) h->by_name[i] = &h->e[i];
+    for (i = 0; i < h->meta.count; i++) h->meta_sorted[i] = &h->meta.entries[i];
+    if (h->n) qsort(h->by_name, (size_t)h->n, sizeof *h->by_name, ddp__ck_cmp_names);
+    if (h->meta.count) qsort(h->meta_sorted, (size_t)h->meta.count, sizeof *h->meta_sorted, ddp__ck_cmp_keys);
+    for (i = 1; i < h->n; i++)
+        if (strcmp(h->by_name[i - 1]->name, h->by_name[i]->name) == 0)
+            return ddp__fail_to(err, DDP_ERR_FORMAT, "safetensors header: tensor \"%.64s\" appears twice", h->by_name[i]->name);
+    for (i = 1; i < h->meta.count; i++)
+        if (strcmp(h->meta_sorted[i - 1]->key, h->meta_sorted[i]->key) == 0)
+            return ddp__fail_to(err, DDP_ERR_FORMAT, "safetensors header: __metadata__ key \"%.64s\" appears twice", h->meta_sorted[i]->key);
+    for (i = 0; i < h->n; i++) {
+        const ddp__ck_entry *e = &h->e[i];
+        if (e->begin != at)
+            return ddp__fail_to(err, DDP_ERR_FORMAT, "safetensors header: tensor \"%.64s\" starts at data byte %llu, but the previous data ends at %llu (%s)",
+                                e->name, (unsigned long long)e->begin, (unsigned long long)at, e->begin > at ? "a gap" : "an overlap");
+        at = e->end;
+    }
+    if (at != data_len)
+        return ddp__fail_to(err, DDP_ERR_FORMAT, "safetensors file: the tensors cover %llu data bytes but the file holds %llu after the header (%s)",
+                            (unsigned long long)at, (unsigned long long)data_len, at > data_len ? "truncated" : "trailing bytes");
+    return DDP_SUCCESS;
+}
+
+/* Parse len bytes of header JSON for a file with data_len bytes after the header. On error h is freed
+   and err (DDP__ERR_MAX bytes) says what is wrong. */
+static ddp_result ddp__ck_parse(const char *json, size_t len, uint64_t data_len, ddp__ck_header *h, char *err) {
+    ddp__ck_json j;
+    ddp_result r;
+    int more, seen_meta = 0;
+    memset(h, 0, sizeof *h);
+    j.start = j.p = (const unsigned char *)json;
+    j.end = j.p + len;
+    j.err = err;
+    if (len == 0 || *j.p != '{') return ddp__fail_to(err, DDP_ERR_FORMAT, "safetensors header does not start with '{' (not a safetensors file?)");
+    j.p++;
+    ddp__ck_ws(&j);
+    if (j.p < j.end && *j.p == '}') {
+        j.p++;
+        more = 0;
+    } else {
+        do {
+            char *name;
+            if ((r = ddp__ck_string(&j, &name)) != DDP_SUCCESS) goto fail;
+            if ((r = ddp__ck_expect(&j, ':', "expected ':'")) != DDP_SUCCESS) {
+                ddp__free(name);
+                goto fail;
+            }
+            if (strcmp(name, "__metadata__") == 0) {
+                ddp__free(name);
+                r = seen_meta++ ? ddp__ck_bad(&j, "__metadata__ appears twice") : ddp__ck_metadata(&j, h);
+                if (r != DDP_SUCCESS) goto fail;
+            } else {
+                ddp__ck_entry *e;
+                if (h->n == h->cap) {
+                    int cap = h->cap ? 2 * h->cap : 16;
+                    ddp__ck_entry *ne = cap > INT_MAX / 2 ? NULL : (ddp__ck_entry *)DDP_REALLOC(h->e, (size_t)cap * sizeof *ne);
+                    if (!ne) {
+                        ddp__free(name);
+                        r = ddp__fail_to(err, DDP_ERR_OUT_OF_MEMORY, "out of memory parsing the safetensors header");
+                        goto fail;
+                    }
+                    h->e = ne;
+                    h->cap = cap;
+                }
+                e = &h->e[h->n++];
+                memset(e, 0, sizeof *e);
+                e->name = name;
+                if ((r = ddp__ck_tensor(&j, e)) != DDP_SUCCESS) goto fail;
+            }
+            more = ddp__ck_next(&j, '}', "expected ',' or '}' after a header member");
+            if (more < 0) {
+                r = DDP_ERR_FORMAT;
+                goto fail;
+            }
+        } while (more == 1);
+    }
+    ddp__ck_ws(&j);
+    if (j.p != j.end) {
+        r = ddp__ck_bad(&j, "bytes after the header object");
+        goto fail;
+    }
+    if ((r = ddp__ck_layout(h, data_len, err)) != DDP_SUCCESS) goto fail;
+    return DDP_SUCCESS;
+fail:
+    ddp__ck_header_free(h);
+    return r;
+}
+
+/* The 8-byte little-endian header length of a file of file_size bytes. */
+static ddp_result ddp__ck_prefix(const unsigned char *b, uint64_t file_size, uint64_t *hlen, char *err) {
+    uint64_t n = 0;
+    int i;
+    if (file_size < 8) return ddp__fail_to(err, DDP_ERR_FORMAT, "safetensors file of %llu bytes is shorter than its 8-byte header length (truncated?)", (unsigned long long)file_size);
+    for (i = 7; i >= 0; i--) n = (n << 8) | b[i];
+    if (n > DDP__CK_MAX_HEADER) return ddp__fail_to(err, DDP_ERR_FORMAT, "safetensors header length %llu exceeds the limit of %llu bytes (corrupt or not a safetensors file)",
+                                                    (unsigned long long)n, DDP__CK_MAX_HEADER);
+    if (n > file_size - 8) return ddp__fail_to(err, DDP_ERR_FORMAT, "safetensors header length %llu runs past the end of the %llu-byte file (truncated?)",
+                                               (unsigned long long)n, (unsigned long long)file_size);
+    *hlen = n;
+    return DDP_SUCCESS;
+}
+
+static ddp__ck_entry *ddp__ck_lookup(const ddp__ck_header *h, const char *name) {
+    int lo = 0, hi = h->n - 1;
+    while (lo <= hi) {
+        int mid = lo + (hi - lo) / 2, c = strcmp(name, h->by_name[mid]->name);
+        if (c == 0) return h->by_name[mid];
+        if (c < 0) hi = mid - 1;
+        else lo = mid + 1;
+    }
+    return NULL;
+}
+
+static const char *ddp__ck_header_meta(const ddp__ck_header *h, const char *key) {
+    int lo = 0, hi = h->meta.count - 1;
+    while (lo <= hi) {
+        int mid = lo + (hi - lo) / 2, c = strcmp(key, h->meta_sorted[mid]->key);
+        if (c == 0) return h->meta_sorted[mid]->value;
+        if (c < 0) hi = mid - 1;
+        else lo = mid + 1;
+    }
+    return NULL;
+}
+
+/* The stored checksum of tensor name: 1 found (in *crc), 0 absent, -1 malformed. */
+static int ddp__ck_stored_crc(const ddp__ck_header *h, const char *name, uint32_t *crc) {
+    size_t plen = strlen(DDP__CK_CRC_PREFIX), nlen = strlen(name);
+    char small[256], *key = nlen + plen < sizeof small ? small : (char *)ddp__malloc(plen + nlen + 1);
+    const char *v;
+    int i, found = -1;
+    if (!key) return -1;
+    memcpy(key, DDP__CK_CRC_PREFIX, plen);
+    memcpy(key + plen, name, nlen + 1);
+    v = ddp__ck_header_meta(h, key);
+    if (key != small) ddp__free(key);
+    if (!v) return 0;
+    *crc = 0;
+    for (i = 0; v[i]; i++) {
+        int d = ddp__ck_hexval(v[i]);
+        if (d < 0 || i >= 8) return -1;
+        *crc = *crc * 16 + (uint32_t)d;
+    }
+    if (i == 8) found = 1;
+    return found;
+}
+
+/* For the fuzz target and the tests: check a whole file image in memory (prefix, header, layout, and
+   every checksum that is present). */
+static DDP__UNUSED ddp_result ddp__ck_check_image(const unsigned char *buf, size_t size, char *err) {
+    ddp__ck_header h;
+    uint64_t hlen;
+    ddp_result r = ddp__ck_prefix(buf, size, &hlen, err);
+    int i;
+    if (r != DDP_SUCCESS) return r;
+    r = ddp__ck_parse((const char *)buf + 8, (size_t)hlen, size - 8 - hlen, &h, err);
+    if (r != DDP_SUCCESS) return r;
+    for (i = 0; i < h.n && r == DDP_SUCCESS; i++) {
+        uint32_t want = 0;
+        int s = ddp__ck_stored_crc(&h, h.e[i].name, &want);
+        const unsigned char *d = buf + 8 + hlen + h.e[i].begin;
+        if (s < 0) r = ddp__fail_to(err, DDP_ERR_FORMAT, "checksum of tensor \"%.64s\" is not 8 hex digits", h.e[i].name);
+        else if (s > 0 && ddp__ck_crc32c(d, (size_t)(h.e[i].end - h.e[i].begin), 1) != want)
+            r = ddp__fail_to(err, DDP_ERR_FORMAT, "tensor \"%.64s\": checksum mismatch", h.e[i].name);
+    }
+    ddp__ck_header_free(&h);
+    return r;
+}
+
+/* ---- writer ---- */
+
+static char *ddp__ck_cat(const char *a, const char *b);
+
+typedef struct ddp__ck_buf {
+    char *p;
+    size_t len, cap;
+    int oom;
+} ddp__ck_buf;
+
+static void ddp__ck_put(ddp__ck_buf *b, const char *s, size_t n) {
+    if (b->oom) return;
+    if (b->len + n + 1 > b->cap) {
+        size_t cap = b->cap ? b->cap : 1024;
+        char *p;
+        while (cap < b->len + n + 1) cap *= 2;
+        p = (char *)DDP_REALLOC(b->p, cap);
+        if (!p) {
+            b->oom = 1;
+            return;
+        }
+        b->p = p;
+        b->cap = cap;
+    }
+    memcpy(b->p + b->len, s, n);
+    b->len += n;
+    b->p[b->len] = '\0';
+}
+
+static void ddp__ck_puts(ddp__ck_buf *b, const char *s) { ddp__ck_put(b, s, strlen(s)); }
+
+/* A JSON string; s is valid UTF-8 (checked by the caller), so only quotes, backslashes and control
+   characters need escapes. */
+static void ddp__ck_put_json(ddp__ck_buf *b, const char *s) {
+    const char *run = s;
+    ddp__ck_put(b, "\"", 1);
+    for (; *s; s++) {
+        unsigned char c = (unsigned char)*s;
+        char esc[8];
+        if (c >= 0x20 && c != '"' && c != '\\') continue;
+        ddp__ck_put(b, run, (size_t)(s - run));
+        if (c == '"' || c == '\\') snprintf(esc, sizeof esc, "\\%c", c);
+        else snprintf(esc, sizeof esc, "\\u%04x", c);
+        ddp__ck_puts(b, esc);
+        run = s + 1;
+    }
+    ddp__ck_put(b, run, (size_t)(s - run));
+    ddp__ck_put(b, "\"", 1);
+}
+
+static void ddp__ck_put_kv(ddp__ck_buf *b, int *first, const char *key, const char *value) {
+    if (!*first) ddp__ck_put(b, ",", 1);
+    *first = 0;
+    ddp__ck_put_json(b, key);
+    ddp__ck_put(b, ":", 1);
+    ddp__ck_put_json(b, value);
+}
+
+/* Bytes of tensor t, refusing overflow. */
+static int ddp__ck_tensor_bytes(const ddp_tensor *t, uint64_t *bytes) {
+    uint64_t dims[8];
+    int i;
+    if (t->ndim < 0 || t->ndim > 8 || !ddp__dtype_valid(t->dtype)) return 0;
+    for (i = 0; i < t->ndim; i++) {
+        if (t->shape[i] < 0) return 0;
+        dims[i] = (uint64_t)t->shape[i];
+    }
+    return ddp__ck_shape_bytes(dims, t->ndim, ddp_dtype_size(t->dtype), bytes) && *bytes <= (uint64_t)SIZE_MAX;
+}
+
+static int ddp__ck_cmp_tensor_names(const void *a, const void *b) {
+    return strcmp((*(const ddp_tensor *const *)a)->name, (*(const ddp_tensor *const *)b)->name);
+}
+
+/* What save and load both require of the caller's tensors. */
+static ddp_result ddp__ck_check_tensors(ddp_group *g, const char *op, const ddp_tensor *t, int n) {
+    const ddp_tensor **sorted;
+    int i;
+    if (n < 0 || (n > 0 && !t)) return ddp__fail(g, DDP_ERR_INVALID_ARGUMENT, "%s: n = %d with t = %p", op, n, (const void *)t);
+    for (i = 0; i < n; i++) {
+        uint64_t bytes;
+        if (!t[i].name || !*t[i].name || !ddp__ck_utf8_valid(t[i].name) || strcmp(t[i].name, "__metadata__") == 0)
+            return ddp__fail(g, DDP_ERR_INVALID_ARGUMENT, "%s: tensor %d has a NULL, empty, non-UTF-8 or reserved (\"__metadata__\") name", op, i);
+        if (!ddp__dtype_valid(t[i].dtype))
+            return ddp__fail(g, DDP_ERR_INVALID_ARGUMENT, "%s: tensor \"%.64s\" has invalid dtype %d", op, t[i].name, (int)t[i].dtype);
+        if (!ddp__ck_tensor_bytes(&t[i], &bytes))
+            return ddp__fail(g, DDP_ERR_INVALID_ARGUMENT, "%s: tensor \"%.64s\" has ndim %d (0..8 allowed), a negative dimension or a size too large",
+                             op, t[i].name, t[i].ndim);
+        if (bytes && !t[i].data) return ddp__fail(g, DDP_ERR_INVALID_ARGUMENT, "%s: tensor \"%.64s\" has %llu bytes but data is NULL", op, t[i].name, (unsigned long long)bytes);
+    }
+    sorted = (const ddp_tensor **)ddp__calloc((size_t)n, sizeof *sorted);
+    if (!sorted) return ddp__fail(g, DDP_ERR_OUT_OF_MEMORY, "%s: out of memory", op);
+    for (i = 0; i < n; i++) sorted[i] = &t[i];
+    if (n) qsort((void *)sorted, (size_t)n, sizeof *sorted, ddp__ck_cmp_tensor_names);
+    for (i = 1; i < n; i++)
+        if (strcmp(sorted[i - 1]->name, sorted[i]->name) == 0) {
+            ddp_result r = ddp__fail(g, DDP_ERR_INVALID_ARGUMENT, "%s: tensor name \"%.64s\" is used twice", op, sorted[i]->name);
+            ddp__free((void *)sorted);
+            return r;
+        }
+    ddp__free((void *)sorted);
+    return DDP_SUCCESS;
+}
+
+static int ddp__ck_reserved(const char *key) {
+    return strncmp(key, DDP__CK_CRC_PREFIX, strlen(DDP__CK_CRC_PREFIX)) == 0 ||
+           strncmp(key, DDP__CK_SHARD_PREFIX, strlen(DDP__CK_SHARD_PREFIX)) == 0;
+}
+
+/* The JSON header: user metadata, the library's keys (extra), a checksum per tensor, then the tensor
+   entries in t[] order with their data back to back; padded with spaces to a multiple of 8. */
+static ddp_result ddp__ck_build_header(ddp_group *g, const char *path, const ddp_tensor *t, int n, const ddp_meta *user,
+                                       const ddp_meta *extra, ddp__ck_buf *b) {
+    uint64_t at = 0;
+    int i, first = 1;
+    char num[64];
+    for (i = 0; user && i < user->count; i++)
+        if (ddp__ck_reserved(user->entries[i].key))
+            return ddp__fail(g, DDP_ERR_INVALID_ARGUMENT, "checkpoint save of %s: metadata key \"%.64s\" is reserved (ddp.crc32c.* and ddp.shard.* are the library's)",
+                             path, user->entries[i].key);
+    ddp__ck_puts(b, "{\"__metadata__\":{");
+    for (i = 0; user && i < user->count; i++) ddp__ck_put_kv(b, &first, user->entries[i].key, user->entries[i].value);
+    for (i = 0; extra && i < extra->count; i++) ddp__ck_put_kv(b, &first, extra->entries[i].key, extra->entries[i].value);
+    for (i = 0; i < n; i++) {
+        uint64_t bytes;
+        char *key = ddp__ck_cat(DDP__CK_CRC_PREFIX, t[i].name);
+        if (!key) return ddp__fail(g, DDP_ERR_OUT_OF_MEMORY, "checkpoint save of %s: out of memory building the header", path);
+        ddp__ck_tensor_bytes(&t[i], &bytes);
+        snprintf(num, sizeof num, "%08x", (unsigned)ddp__ck_crc32c(t[i].data, (size_t)bytes, 1));
+        ddp__ck_put_kv(b, &first, key, num);
+        ddp__free(key);
+    }
+    ddp__ck_puts(b, "}");
+    for (i = 0; i < n; i++) {
+        uint64_t bytes;
+        int d;
+        ddp__ck_tensor_bytes(&t[i], &bytes);
+        ddp__ck_put(b, ",", 1);
+        ddp__ck_put_json(b, t[i].name);
+        ddp__ck_puts(b, ":{\"dtype\":\"");
+        ddp__ck_puts(b, ddp__ck_st_name(t[i].dtype));
+        ddp__ck_puts(b, "\",\"shape\":[");
+        for (d = 0; d < t[i].ndim; d++) {
+            snprintf(num, sizeof num, d ? ",%lld" : "%lld", (long long)t[i].shape[d]);
+            ddp__ck_puts(b, num);
+        }
+        snprintf(num, sizeof num, "],\"data_offsets\":[%llu,%llu]}", (unsigned long long)at, (unsigned long long)(at + bytes));
+        ddp__ck_puts(b, num);
+        at += bytes;
+    }
+    ddp__ck_puts(b, "}");
+    while (!b->oom && (8 + b->len) % 8) ddp__ck_put(b, " ", 1);
+    if (b->oom) return ddp__fail(g, DDP_ERR_OUT_OF_MEMORY, "checkpoint save of %s: out of memory building the header", path);
+    return DDP_SUCCESS;
+}
+
+static ddp_result ddp__ck_check_meta(ddp_group *g, const char *path, const ddp_meta *m) {
+    int i;
+    for (i = 0; m && i < m->count; i++)
+        if (!m->entries[i].key || !*m->entries[i].key || !m->entries[i].value || !ddp__ck_utf8_valid(m->entries[i].key) ||
+            !ddp__ck_utf8_valid(m->entries[i].value))
+            return ddp__fail(g, DDP_ERR_INVALID_ARGUMENT, "checkpoint save of %s: metadata entry %d is NULL, empty or not UTF-8", path, i);
+    return DDP_SUCCESS;
+}
+
+static ddp_result ddp__ck_write_all(ddp_group *g, int fd, const void *data, uint64_t n, const char *path) {
+    const char *p = (const char *)data;
+    while (n > 0) {
+        size_t chunk = n > ((size_t)1 << 30) ? ((size_t)1 << 30) : (size_t)n;
+        ssize_t w = write(fd, p, chunk);
+        if (w < 0 && errno == EINTR) continue;
+        if (w <= 0) return ddp__fail(g, DDP_ERR_IO, "checkpoint: writing %s failed: %s", path, w < 0 ? strerror(errno) : "no progress");
+        p += w;
+        n -= (uint64_t)w;
+    }
+    return DDP_SUCCESS;
+}
+
+/* Read n bytes at off into data. crc (may be NULL) is a running CRC32C register updated piece by piece,
+   each piece while it is still in the cache (one pass over memory instead of two). */
+static ddp_result ddp__ck_read_at(ddp_group *g, int fd, void *data, uint64_t n, uint64_t off, const char *path, uint32_t *crc) {
+    char *p = (char *)data;
+    while (n > 0) {
+        size_t chunk = n > ((size_t)256 << 10) ? ((size_t)256 << 10) : (size_t)n;
+        ssize_t r = pread(fd, p, chunk, (off_t)off);
+        if (r < 0 && errno == EINTR) continue;
+        if (r < 0) return ddp__fail(g, DDP_ERR_IO, "checkpoint: reading %s failed: %s", path, strerror(errno));
+        if (r == 0) return ddp__fail(g, DDP_ERR_FORMAT, "checkpoint %s: file ended early (truncated while being read?)", path);
+        if (crc) *crc = ddp__ck_crc_update(*crc, p, (size_t)r, 1);
+        p += r;
+        n -= (uint64_t)r;
+        off += (uint64_t)r;
+    }
+    return DDP_SUCCESS;
+}
+
+/* Concatenate a and b into a new string. */
+static char *ddp__ck_cat(const char *a, const char *b) {
+    size_t na = strlen(a), nb = strlen(b);
+    char *s = (char *)ddp__malloc(na + nb + 1);
+    if (!s) return NULL;
+    memcpy(s, a, na);
+    memcpy(s + na, b, nb + 1);
+    return s;
+}
+
+/* The directory part of path ("." when there is none), as a new string. */
+static char *ddp__ck_dirname(const char *path) {
+    const char *slash = strrchr(path, '/');
+    char *d;
+    size_t n;
+    if (!slash) return ddp__strdup(".");
+    n = slash == path ? 1 : (size_t)(slash - path);
+    d = (char *)ddp__malloc(n + 1);
+    if (!d) return NULL;
+    memcpy(d, path, n);
+    d[n] = '\0';
+    return d;
+}
+
+/* fsync the directory holding path, so that a rename or unlink in it is durable. */
+static ddp_result ddp__ck_sync_dir(ddp_group *g, const char *path) {
+    char *dir = ddp__ck_dirname(path);
+    int fd;
+    ddp_result r = DDP_SUCCESS;
+    if (!dir) return ddp__fail(g, DDP_ERR_OUT_OF_MEMORY, "checkpoint: out of memory");
+    fd = open(dir, O_RDONLY | O_DIRECTORY | O_CLOEXEC);
+    if (fd < 0 || (fsync(fd) != 0 && errno != EINVAL))
+        r = ddp__fail(g, DDP_ERR_IO, "checkpoint: cannot sync directory %s: %s", dir, strerror(errno));
+    if (fd >= 0) close(fd);
+    ddp__free(dir);
+    return r;
+}
+
+/* Write header + tensor data to "<path>.tmp", fsync, rename over path, fsync the directory. On any
+   failure the temporary file is removed and path is untouched. */
+static ddp_result ddp__ck_atomic_write(ddp_group *g, const char *path, const ddp__ck_buf *hdr, const ddp_tensor *t, int n) {
+    unsigned char prefix[8];
+    uint64_t hlen = hdr->len;
+    char *tmp = ddp__ck_cat(path, ".tmp");
+    int fd, i;
+    ddp_result r;
+    if (!tmp) return ddp__fail(g, DDP_ERR_OUT_OF_MEMORY, "checkpoint save of %s: out of memory", path);
+    fd = open(tmp, O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0666);
+    if (fd < 0) {
+        r = ddp__fail(g, DDP_ERR_IO, "checkpoint save: cannot create %s: %s (does the directory exist and is it writable?)", tmp, strerror(errno));
+        ddp__free(tmp);
+        return r;
+    }
+    for (i = 0; i < 8; i++) prefix[i] = (unsigned char)(hlen >> (8 * i));
+    r = ddp__ck_write_all(g, fd, prefix, 8, tmp);
+    if (r == DDP_SUCCESS) r = ddp__ck_write_all(g, fd, hdr->p, hlen, tmp);
+    for (i = 0; i < n && r == DDP_SUCCESS; i++) {
+        uint64_t bytes;
+        ddp__ck_tensor_bytes(&t[i], &bytes);
+        r = ddp__ck_write_all(g, fd, t[i].data, bytes, tmp);
+    }
+    if (r == DDP_SUCCESS && fsync(fd) != 0) r = ddp__fail(g, DDP_ERR_IO, "checkpoint save: fsync of %s failed: %s", tmp, strerror(errno));
+    if (close(fd) != 0 && r == DDP_SUCCESS) r = ddp__fail(g, DDP_ERR_IO, "checkpoint save: closing %s failed: %s", tmp, strerror(errno));
+    if (r == DDP_SUCCESS && rename(tmp, path) != 0)
+        r = ddp__fail(g, DDP_ERR_IO, "checkpoint save: renaming %s to %s failed: %s", tmp, path, strerror(errno));
+    if (r != DDP_SUCCESS) unlink(tmp);
+    else r = ddp__ck_sync_dir(g, path);
+    ddp__free(tmp);
+    return r;
+}
+
+/* One process writes one file: checks, header, atomic write. */
+static ddp_result ddp__ck_write_file(ddp_group *g, const char *path, const ddp_tensor *t, int n, const ddp_meta *meta,
+                                     const ddp_meta *extra) {
+    ddp__ck_buf hdr;
+    ddp_result r;
+    memset(&hdr, 0, sizeof hdr);
+    if (!ddp__ck_little_endian()) return ddp__fail(g, DDP_ERR_UNSUPPORTED, "checkpoint: safetensors is little-endian and this host is not");
+    if (!path || !*path) return ddp__fail(g, DDP_ERR_INVALID_ARGUMENT, "checkpoint save: path is NULL or empty");
+    if ((r = ddp__ck_check_tensors(g, "checkpoint save", t, n)) != DDP_SUCCESS) return r;
+    if ((r = ddp__ck_check_meta(g, path, meta)) != DDP_SUCCESS) return r;
+    r = ddp__ck_build_header(g, path, t, n, meta, extra, &hdr);
+    if (r == DDP_SUCCESS) r = ddp__ck_atomic_write(g, path, &hdr, t, n);
+    ddp__free(hdr.p);
+    return r;
+}
+
+/* ---- collectives ----
+   Every collective entry point ends with ddp__ck_agree: the ranks exchange their outcome, so an error
+   anywhere (rank 0 could not write, rank 3 could not read) is an error everywhere, carrying the
+   failing rank's message; nobody is left waiting in a later collective. */
+
+static ddp_result ddp__ck_agree(ddp_group *g, ddp_result mine, const char *what) {
+    int32_t code = (int32_t)mine, *codes;
+    char *msgs, own[DDP__ERR_MAX];
+    int w, i, bad = -1;
+    ddp_result r;
+    if (!g || g->world_size <= 1) return mine;
+    w = g->world_size;
+    memset(own, 0, sizeof own);
+    if (mine != DDP_SUCCESS) snprintf(own, sizeof own, "%s", ddp_last_error(g));
+    codes = (int32_t *)ddp__calloc((size_t)w, sizeof *codes);
+    if (!codes) return ddp__fail(g, DDP_ERR_OUT_OF_MEMORY, "%s: out of memory agreeing on the outcome", what);
+    r = ddp_all_gather(g, &code, codes, 1, DDP_I32);
+    for (i = 0; r == DDP_SUCCESS && i < w && bad < 0; i++)
+        if (codes[i] != 0) bad = i;
+    if (r != DDP_SUCCESS || bad < 0) {
+        ddp__free(codes);
+        /* this rank's own failure says more than a collective that broke after it */
+        return (r != DDP_SUCCESS && mine != DDP_SUCCESS) ? ddp__fail(g, mine, "%s", own) : r;
+    }
+    msgs = (char *)ddp__calloc((size_t)w, DDP__ERR_MAX);
+    r = msgs ? ddp_all_gather(g, own, msgs, DDP__ERR_MAX, DDP_U8) : DDP_ERR_OUT_OF_MEMORY;
+    if (mine != DDP_SUCCESS) r = ddp__fail(g, mine, "%s", own);
+    else if (r == DDP_SUCCESS) {
+        msgs[(size_t)bad * DDP__ERR_MAX + DDP__ERR_MAX - 1] = '\0';
+        r = ddp__fail(g, (ddp_result)codes[bad], "%s failed on rank %d: %s", what, bad, msgs + (size_t)bad * DDP__ERR_MAX);
+    } else if (!msgs) r = ddp__fail(g, DDP_ERR_OUT_OF_MEMORY, "%s failed on rank %d (out of memory fetching its message)", what, bad);
+    ddp__free(msgs);
+    ddp__free(codes);
+    return r;
+}
+
+/* Broadcast bytes from rank 0 in DDP__CK_CHUNK pieces (the same split on every rank). dst NULL: receive
+   and discard, through scratch (DDP__CK_CHUNK bytes). */
+static ddp_result ddp__ck_bcast(ddp_group *g, void *dst, uint64_t bytes, void *scratch) {
+    uint64_t off = 0;
+    while (off < bytes) {
+        size_t n = (size_t)DDP__MIN((uint64_t)DDP__CK_CHUNK, bytes - off);
+        ddp_result r = ddp_broadcast(g, dst ? (char *)dst + off : scratch, n, DDP_U8, 0);
+        if (r != DDP_SUCCESS) return r;
+        off += n;
+    }
+    return DDP_SUCCESS;
+}
+
+static int ddp__ck_rank(const ddp_group *g) { return g ? g->rank : 0; }
+static int ddp__ck_world(const ddp_group *g) { return g ? g->world_size : 1; }
+
+/* ---- rotation ----
+   A family is <dir>/<prefix><digits><suffix>; a member's number is its digits. keep_last keeps the K
+   largest numbers; files with smaller numbers go, together with their ".tmp" leftovers (and, for
+   shards, each rank's "<member>.rank<r>" files). */
+
+typedef struct ddp__ck_family {
+    char *dir, *prefix, *suffix;
+} ddp__ck_family;
+
+static void ddp__ck_family_free(ddp__ck_family *f) {
+    ddp__free(f->dir);
+    ddp__free(f->prefix);
+    ddp__free(f->suffix);
+    memset(f, 0, sizeof *f);
+}
+
+/* Split path's file name at [a, b) (offsets into the file name) into prefix and suffix. */
+static int ddp__ck_family_split(ddp__ck_family *f, const char *path, size_t a, size_t b) {
+    const char *slash = strrchr(path, '/'), *name = slash ? slash + 1 : path;
+    f->dir = ddp__ck_dirname(path);
+    f->prefix = (char *)ddp__malloc(a + 1);
+    f->suffix = ddp__strdup(name + b);
+    if (!f->dir || !f->prefix || !f->suffix) return ddp__ck_family_free(f), 0;
+    memcpy(f->prefix, name, a);
+    f->prefix[a] = '\0';
+    return 1;
+}
+
+/* The family of a concrete path: its file name's last run of digits is the number. 0 when there is
+   no digit in the file name, -1 out of memory. */
+static int ddp__ck_family_of_path(ddp__ck_family *f, const char *path, int64_t *number) {
+    const char *slash = strrchr(path, '/'), *name = slash ? slash + 1 : path;
+    size_t end = strlen(name), a, b;
+    memset(f, 0, sizeof *f);
+    while (end > 0 && !(name[end - 1] >= '0' && name[end - 1] <= '9')) end--;
+    if (end == 0) return 0;
+    b = end;
+    a = b;
+    while (a > 0 && name[a - 1] >= '0' && name[a - 1] <= '9') a--;
+    if (b - a > 18) return 0;
+    *number = 0;
+    for (end = a; end < b; end++) *number = *number * 10 + (name[end] - '0');
+    return ddp__ck_family_split(f, path, a, b) ? 1 : -1;
+}
+
+/* Does name belong to the family, followed by exactly tail? Sets *number (at most 18 digits). */
+static int ddp__ck_family_match(const ddp__ck_family *f, const char *name, const char *tail, int64_t *number) {
+    size_t np = strlen(f->prefix), ns = strlen(f->suffix), nt = strlen(tail), len = strlen(name), k = 0;
+    int64_t v = 0;
+    if (strncmp(name, f->prefix, np) != 0) return 0;
+    while (np + k < len && name[np + k] >= '0' && name[np + k] <= '9') {
+        v = v * 10 + (name[np + k] - '0');
+        if (++k > 18) return 0;
+    }
+    if (k == 0 || len != np + k + ns + nt) return 0;
+    if (strncmp(name + np + k, f->suffix, ns) != 0 || strcmp(name + np + k + ns, tail) != 0) return 0;
+    *number = v;
+    return 1;
+}
+
+static char *ddp__ck_join(const char *dir, const char *name) {
+    size_t nd = strlen(dir), nn = strlen(name);
+    char *s = (char *)ddp__malloc(nd + nn + 2);
+    if (!s) return NULL;
+    memcpy(s, dir, nd);
+    s[nd] = '/';
+    memcpy(s + nd + 1, name, nn + 1);
+    return s;
+}
+
+static int ddp__ck_cmp_i64_desc(const void *a, const void *b) {
+    int64_t x = *(const int64_t *)a, y = *(const int64_t *)b;
+    return x > y ? -1 : x < y ? 1 : 0;
+}
+
+/* Delete the family's files whose number is below cutoff and whose name ends (after the suffix) in
+   one of tails. Failures are logged, not returned: the new checkpoint is already safe. */
+static void ddp__ck_delete_below(ddp_group *g, const ddp__ck_family *f, int64_t cutoff, const char *const *tails, int ntails) {
+    DIR *d = opendir(f->dir);
+    struct dirent *de;
+    int deleted = 0;
+    if (!d) {
+        ddp__log(g, DDP_LOG_WARN, "checkpoint keep_last: cannot list %s: %s", f->dir, strerror(errno));
+        return;
+    }
+    while ((de = readdir(d)) != NULL) {
+        int64_t num;
+        int i;
+        for (i = 0; i < ntails; i++) {
+            char *full;
+            if (!ddp__ck_family_match(f, de->d_name, tails[i], &num) || num >= cutoff) continue;
+            full = ddp__ck_join(f->dir, de->d_name);
+            if (full && unlink(full) == 0) deleted++;
+            else ddp__log(g, DDP_LOG_WARN, "checkpoint keep_last: cannot delete %s: %s", full ? full : de->d_name, strerror(errno));
+            ddp__free(full);
+            break;
+        }
+    }
+    closedir(d);
+    if (deleted) {
+        char *any = ddp__ck_join(f->dir, "x");
+        if (any) ddp__ck_sync_dir(g, any);
+        ddp__free(any);
+    }
+}
+
+/* The number below which family members are deleted so that keep members remain (those with
+   exactly tail ""); INT64_MIN when nothing is to go. */
+static int64_t ddp__ck_cutoff(ddp_group *g, const ddp__ck_family *f, int keep, int64_t current) {
+    DIR *d = opendir(f->dir);
+    struct dirent *de;
+    int64_t *nums = NULL, cutoff = INT64_MIN;
+    size_t n = 0, cap = 0;
+    if (!d) {
+        ddp__log(g, DDP_LOG_WARN, "checkpoint keep_last: cannot list %s: %s", f->dir, strerror(errno));
+        return INT64_MIN;
+    }
+    while ((de = readdir(d)) != NULL) {
+        int64_t num;
+        if (!ddp__ck_family_match(f, de->d_name, "", &num)) continue;
+        if (n == cap) {
+            int64_t *p = (int64_t *)DDP_REALLOC(nums, (cap ? 2 * cap : 64) * sizeof *nums);
+            if (!p) break;
+            nums = p;
+            cap = cap ? 2 * cap : 64;
+        }
+        nums[n++] = num;
+    }
+    closedir(d);
+    if (n > (size_t)keep) {
+        qsort(nums, n, sizeof *nums, ddp__ck_cmp_i64_desc);
+        cutoff = nums[keep - 1];
+    }
+    ddp__free(nums);
+    return DDP__MIN(cutoff, current); /* never the checkpoint just written */
+}
+
+/* Check keep_last against path before anything is written. */
+static ddp_result ddp__ck_check_rotation(ddp_group *g, const char *path, const ddp_checkpoint_save_desc *d, ddp__ck_family *f,
+                                         int64_t *number) {
+    int k;
+    memset(f, 0, sizeof *f);
+    if (!d || d->keep_last == 0) return DDP_SUCCESS;
+    if (d->keep_last < 0) return ddp__fail(g, DDP_ERR_INVALID_ARGUMENT, "checkpoint save: keep_last = %d must be >= 0", d->keep_last);
+    k = ddp__ck_family_of_path(f, path, number);
+    if (k < 0) return ddp__fail(g, DDP_ERR_OUT_OF_MEMORY, "checkpoint save: out of memory");
+    if (k == 0)
+        return ddp__fail(g, DDP_ERR_INVALID_ARGUMENT, "checkpoint save: keep_last needs a number in the file name of %s (e.g. ckpt_000100.safetensors)", path);
+    return DDP_SUCCESS;
+}
+
+/* ---- save ---- */
+
+DDP_API ddp_result ddp_checkpoint_save_ex(ddp_group *g, const char *path, const ddp_tensor *t, int n, const ddp_meta *meta,
+                                          const ddp_checkpoint_save_desc *desc) {
+    ddp_result r = DDP_SUCCESS;
+    if (ddp__ck_rank(g) == 0) {
+        ddp__ck_family fam;
+        int64_t number = 0;
+        r = ddp__ck_check_rotation(g, path ? path : "", desc, &fam, &number);
+        if (r == DDP_SUCCESS) r = ddp__ck_write_file(g, path, t, n, meta, NULL);
+        if (r == DDP_SUCCESS && fam.dir) {
+            static const char *const tails[] = {"", ".tmp"};
+            int64_t cutoff = ddp__ck_cutoff(g, &fam, desc->keep_last, number);
+            if (cutoff != INT64_MIN) ddp__ck_delete_below(g, &fam, cutoff, tails, 2);
+        }
+        ddp__ck_family_free(&fam);
+    }
+    return ddp__ck_agree(g, r, "checkpoint save");
+}
+
+DDP_API ddp_result ddp_checkpoint_save(ddp_group *g, const char *path, const ddp_tensor *t, int n, const ddp_meta *meta) {
+    return ddp_checkpoint_save_ex(g, path, t, n, meta, NULL);
+}
+
+/* ---- load ---- */
+
+/* Open path and parse its header. On success the caller owns *fd, *raw (the header bytes) and h. */
+static ddp_result ddp__ck_open(ddp_group *g, const char *path, int *fd, char **raw, uint64_t *hlen, ddp__ck_header *h) {
+    unsigned char prefix[8];
+    char err[DDP__ERR_MAX];
+    struct stat st;
+    ddp_result r;
+    *raw = NULL;
+    *fd = open(path, O_RDONLY | O_CLOEXEC);
+    if (*fd < 0) return ddp__fail(g, DDP_ERR_IO, "checkpoint load: cannot open %s: %s", path, strerror(errno));
+    if (fstat(*fd, &st) != 0 || !S_ISREG(st.st_mode)) {
+        r = ddp__fail(g, DDP_ERR_IO, "checkpoint load: %s is not a regular file", path);
+        goto fail;
+    }
+    r = ddp__ck_read_at(g, *fd, prefix, DDP__MIN((uint64_t)8, (uint64_t)st.st_size), 0, path, NULL);
+    if (r == DDP_SUCCESS && (r = ddp__ck_prefix(prefix, (uint64_t)st.st_size, hlen, err)) != DDP_SUCCESS)
+        ddp__fail(g, r, "checkpoint %s: %s", path, err);
+    if (r != DDP_SUCCESS) goto fail;
+    *raw = (char *)ddp__malloc((size_t)*hlen + 1);
+    if (!*raw) {
+        r = ddp__fail(g, DDP_ERR_OUT_OF_MEMORY, "checkpoint %s: out of memory for a %llu-byte header", path, (unsigned long long)*hlen);
+        goto fail;
+    }
+    if ((r = ddp__ck_read_at(g, *fd, *raw, *hlen, 8, path, NULL)) != DDP_SUCCESS) goto fail;
+    if ((r = ddp__ck_parse(*raw, (size_t)*hlen, (uint64_t)st.st_size - 8 - *hlen, h, err)) != DDP_SUCCESS) {
+        ddp__fail(g, r, "checkpoint %s: %s", path, err);
+        goto fail;
+    }
+    return DDP_SUCCESS;
+fail:
+    ddp__free(*raw);
+    *raw = NULL;
+    close(*fd);
+    *fd = -1;
+    return r;
+}
+
+static void ddp__ck_describe(char *out, size_t cap, const char *dtype, int ndim, const int64_t *shape) {
+    size_t len;
+    int i;
+    snprintf(out, cap, "%s [", dtype);
+    for (i = 0; i < ndim && i < 8; i++) {
+        len = strlen(out);
+        snprintf(out + len, cap - len, i ? ", %lld" : "%lld", (long long)shape[i]);
+    }
+    len = strlen(out);
+    snprintf(out + len, cap - len, ndim > 8 ? ", ...]" : "]");
+}
+
+/* Match the caller's tensors with the file's: matched[i] is t[i]'s entry. */
+static ddp_result ddp__ck_match(ddp_group *g, const char *path, const ddp__ck_header *h, const ddp_tensor *t, int n,
+                                const ddp_checkpoint_load_desc *d, ddp__ck_entry **matched) {
+    int i, used = 0;
+    for (i = 0; i < n; i++) {
+        ddp__ck_entry *e = ddp__ck_lookup(h, t[i].name);
+        uint32_t crc;
+        int k, same;
+        if (!e)
+            return ddp__fail(g, DDP_ERR_MISMATCH, "checkpoint %s has no tensor \"%.64s\" (it has %d tensors%s%.64s%s)", path, t[i].name, h->n,
+                             h->n ? ", e.g. \"" : "", h->n ? h->e[0].name : "", h->n ? "\"" : "");
+        same = ddp__ck_dtypes[e->st].dtype == t[i].dtype && e->ndim == t[i].ndim;
+        for (k = 0; same && k < t[i].ndim; k++) same = e->shape[k] == t[i].shape[k];
+        if (!same) {
+            char want[160], have[160];
+            ddp__ck_describe(want, sizeof want, ddp__ck_st_name(t[i].dtype), t[i].ndim, t[i].shape);
+            ddp__ck_describe(have, sizeof have, ddp__ck_dtypes[e->st].name, e->ndim, e->shape);
+            return ddp__fail(g, DDP_ERR_MISMATCH, "checkpoint %s: tensor \"%.64s\" is %s in the file but %s in the caller's list", path, t[i].name, have, want);
+        }
+        k = ddp__ck_stored_crc(h, e->name, &crc);
+        if (k < 0) return ddp__fail(g, DDP_ERR_FORMAT, "checkpoint %s: the checksum of tensor \"%.64s\" is not 8 hex digits", path, e->name);
+        if (k == 0 && !(d && d->allow_missing_checksums))
+            return ddp__fail(g, DDP_ERR_FORMAT, "checkpoint %s: tensor \"%.64s\" has no " DDP__CK_CRC_PREFIX " checksum (a file from another writer? "
+                             "set allow_missing_checksums to load it)", path, e->name);
+        matched[i] = e;
+        used++;
+    }
+    if (used < h->n && !(d && d->allow_unexpected)) {
+        char *seen = (char *)ddp__calloc((size_t)h->n, 1);
+        int j;
+        if (!seen) return ddp__fail(g, DDP_ERR_OUT_OF_MEMORY, "checkpoint %s: out of memory", path);
+        for (i = 0; i < n; i++) seen[matched[i] - h->e] = 1;
+        for (j = 0; j < h->n && seen[j]; j++) {
+        }
+        ddp__free(seen);
+        return ddp__fail(g, DDP_ERR_MISMATCH, "checkpoint %s has %d tensors the caller did not list, e.g. \"%.64s\" (set allow_unexpected to skip them)",
+                         path, h->n - used, h->e[j].name);
+    }
+    return DDP_SUCCESS;
+}
+
+/* Read t[i]'s data from the file and verify its checksum. */
+static ddp_result ddp__ck_read_tensor(ddp_group *g, const char *path, int fd, uint64_t data_start, const ddp__ck_header *h,
+                                      const ddp__ck_entry *e, void *dst) {
+    uint64_t bytes = e->end - e->begin;
+    uint32_t want, got = 0xFFFFFFFFu;
+    ddp_result r = ddp__ck_read_at(g, fd, dst, bytes, data_start + e->begin, path, &got);
+    if (r != DDP_SUCCESS) return r;
+    got = ~got;
+    if (ddp__ck_stored_crc(h, e->name, &want) <= 0) return DDP_SUCCESS;
+    if (got != want)
+        return ddp__fail(g, DDP_ERR_FORMAT, "checkpoint %s: tensor \"%.64s\" is corrupt: its data has CRC32C %08x but the header records %08x",
+                         path, e->name, (unsigned)got, (unsigned)want);
+    return DDP_SUCCESS;
+}
+
+/* Replace meta with the header's metadata, the library's keys left out. */
+static ddp_result ddp__ck_copy_meta(ddp_group *g, const ddp__ck_header *h, ddp_meta *meta) {
+    int i;
+    if (!meta) return DDP_SUCCESS;
+    ddp_meta_free(meta);
+    for (i = 0; i < h->meta.count; i++) {
+        char *k, *v;
+        if (ddp__ck_reserved(h->meta.entries[i].key)) continue;
+        k = ddp__strdup(h->meta.entries[i].key);
+        v = ddp__strdup(h->meta.entries[i].value);
+        if (!k || !v || ddp__ck_meta_append(meta, k, v) != DDP_SUCCESS) {
+            ddp__free(k);
+            ddp__free(v);
+            return ddp__fail(g, DDP_ERR_OUT_OF_MEMORY, "checkpoint load: out of memory copying the metadata");
+        }
+    }
+    return DDP_SUCCESS;
+}
+
+/* What a shard must say about itself (load_shard); NULL for plain files. */
+typedef struct ddp__ck_shard_expect {
+    int rank, world;
+    const char *save_id;
+} ddp__ck_shard_expect;
+
+static ddp_result ddp__ck_check_shard(ddp_group *g, const char *path, const ddp__ck_header *h, const ddp__ck_shard_expect *x) {
+    const char *id = ddp__ck_header_meta(h, DDP__CK_SHARD_ID), *rk = ddp__ck_header_meta(h, DDP__CK_SHARD_RANK),
+               *ws = ddp__ck_header_meta(h, DDP__CK_SHARD_WORLD);
+    char want_rank[16], want_world[16];
+    snprintf(want_rank, sizeof want_rank, "%d", x->rank);
+    snprintf(want_world, sizeof want_world, "%d", x->world);
+    if (!id || !rk || !ws || strcmp(rk, want_rank) != 0 || strcmp(ws, want_world) != 0)
+        return ddp__fail(g, DDP_ERR_FORMAT, "checkpoint shard %s is not rank %d of %d's shard (it says rank %s of %s)", path, x->rank, x->world,
+                         rk ? rk : "?", ws ? ws : "?");
+    if (strcmp(id, x->save_id) != 0)
+        return ddp__fail(g, DDP_ERR_FORMAT, "checkpoint shard %s belongs to save %.32s, but the completion marker is for save %.32s "
+                         "(a later save was cut short): this shard set is incomplete", path, id, x->save_id);
+    return DDP_SUCCESS;
+}
+
+/* This rank reads path into t[] itself. With keep != NULL the parsed header, its raw bytes and the
+   matches stay with the caller (the broadcast path sends them on). */
+typedef struct ddp__ck_kept {
+    ddp__ck_header h;
+    char *raw;
+    uint64_t hlen;
+    ddp__ck_entry **matched;
+} ddp__ck_kept;
+
+static void ddp__ck_kept_free(ddp__ck_kept *k) {
+    ddp__ck_header_free(&k->h);
+    ddp__free(k->raw);
+    ddp__free(k->matched);
+    memset(k, 0, sizeof *k);
+}
+
+static ddp_result ddp__ck_load_local(ddp_group *g, const char *path, ddp_tensor *t, int n, ddp_meta *meta,
+                                     const ddp_checkpoint_load_desc *d, const ddp__ck_shard_expect *x, ddp__ck_kept *keep) {
+    ddp__ck_kept k;
+    int fd = -1, i;
+    ddp_result r;
+    memset(&k, 0, sizeof k);
+    if (!ddp__ck_little_endian()) return ddp__fail(g, DDP_ERR_UNSUPPORTED, "checkpoint: safetensors is little-endian and this host is not");
+    if (!path || !*path) return ddp__fail(g, DDP_ERR_INVALID_ARGUMENT, "checkpoint load: path is NULL or empty");
+    if ((r = ddp__ck_check_tensors(g, "checkpoint load", t, n)) != DDP_SUCCESS) return r;
+    if ((r = ddp__ck_open(g, path, &fd, &k.raw, &k.hlen, &k.h)) != DDP_SUCCESS) return r;
+    if (x) r = ddp__ck_check_shard(g, path, &k.h, x);
+    k.matched = (ddp__ck_entry **)ddp__calloc((size_t)n, sizeof *k.matched);
+    if (r == DDP_SUCCESS && !k.matched) r = ddp__fail(g, DDP_ERR_OUT_OF_MEMORY, "checkpoint load: out of memory");
+    if (r == DDP_SUCCESS) r = ddp__ck_match(g, path, &k.h, t, n, d, k.matched);
+    for (i = 0; i < n && r == DDP_SUCCESS; i++) r = ddp__ck_read_tensor(g, path, fd, 8 + k.hlen, &k.h, k.matched[i], t[i].data);
+    if (r == DDP_SUCCESS) r = ddp__ck_copy_meta(g, &k.h, meta);
+    close(fd);
+    if (r == DDP_SUCCESS && keep) *keep = k;
+    else ddp__ck_kept_free(&k);
+    return r;
+}
+
+/* A non-root rank of the broadcast path: parse rank 0's header, match its own list, and find where
+   each of rank 0's tensors (sel: entry index, bytes) goes in its memory (dest[j], NULL = discard). */
+static ddp_result ddp__ck_bcast_plan(ddp_group *g, const char *path, ddp_tensor *t, int n, const ddp_checkpoint_load_desc *d,
+                                     ddp__ck_kept *k, uint64_t data_len, const uint64_t *sel, uint64_t nsel, void **dest) {
+    char err[DDP__ERR_MAX];
+    int *pos, i;
+    uint64_t j;
+    ddp_result r = ddp__ck_parse(k->raw, (size_t)k->hlen, data_len, &k->h, err);
+    if (r != DDP_SUCCESS) return ddp__fail(g, r, "checkpoint %s (header from rank 0): %s", path, err);
+    if ((r = ddp__ck_check_tensors(g, "checkpoint load", t, n)) != DDP_SUCCESS) return r;
+    k->matched = (ddp__ck_entry **)ddp__calloc((size_t)n, sizeof *k->matched);
+    pos = (int *)ddp__malloc((size_t)k->h.n * sizeof *pos + 1);
+    if (!k->matched || !pos) {
+        ddp__free(pos);
+        return ddp__fail(g, DDP_ERR_OUT_OF_MEMORY, "checkpoint load: out of memory");
+    }
+    for (i = 0; i < k->h.n; i++) pos[i] = -1;
+    for (j = 0; j < nsel; j++)
+        if (sel[2 * j] < (uint64_t)k->h.n) pos[sel[2 * j]] = (int)j;
+    r = ddp__ck_match(g, path, &k->h, t, n, d, k->matched);
+    for (i = 0; i < n && r == DDP_SUCCESS; i++) {
+        int at = pos[k->matched[i] - k->h.e];
+        if (at < 0)
+            r = ddp__fail(g, DDP_ERR_MISMATCH, "checkpoint load of %s: this rank asks for tensor \"%.64s\", which rank 0 did not load "
+                          "(with broadcast, every rank must list the same tensors)", path, t[i].name);
+        else dest[at] = t[i].data;
+    }
+    ddp__free(pos);
+    return r;
+}
+
+/* Rank 0 reads; the header, the list of what it loaded and the data are broadcast:
+     1. rank 0 loads as usual (checksums verified); the others allocate their scratch; agree
+     2. bcast {header length, tensors loaded, data length}; bcast the header bytes and, per loaded
+        tensor, {entry index in data order, bytes} (every rank parses the same bytes, so indices agree)
+     3. the others parse and match their own lists; then each tensor's data is broadcast in pieces of
+        DDP__CK_CHUNK, straight into the destination tensor, and its checksum verified on arrival
+     4. agree
+   A rank whose own check failed still takes part in every broadcast (receiving into scratch), so a
+   failure anywhere never leaves a rank waiting. */
+static ddp_result ddp__ck_load_bcast(ddp_group *g, const char *path, ddp_tensor *t, int n, ddp_meta *meta,
+                                     const ddp_checkpoint_load_desc *d) {
+    static const char *what = "checkpoint load (rank 0 reads and broadcasts)";
+    ddp__ck_kept k;
+    char *scratch = NULL;
+    void **dest = NULL;
+    uint64_t info[3] = {0, 0, 0}, *sel = NULL, j;
+    int root = g->rank == 0;
+    ddp_result r, mine = DDP_SUCCESS;
+    memset(&k, 0, sizeof k);
+    if (root) r = ddp__ck_load_local(g, path, t, n, meta, d, NULL, &k);
+    else {
+        scratch = (char *)ddp__malloc(DDP__CK_CHUNK);
+        r = scratch ? DDP_SUCCESS : ddp__fail(g, DDP_ERR_OUT_OF_MEMORY, "checkpoint load: out of memory for a broadcast buffer");
+    }
+    if ((r = ddp__ck_agree(g, r, what)) != DDP_SUCCESS) goto done;
+    if (root) {
+        info[0] = k.hlen;
+        info[1] = (uint64_t)n;
+        info[2] = k.h.n ? k.h.e[k.h.n - 1].end : 0;
+    }
+    if ((r = ddp_broadcast(g, info, 3, DDP_I64, 0)) != DDP_SUCCESS) goto done;
+    /* info[1] is rank 0's n, an int; an allocation failure here cannot be agreed on (the others are
+       already in the next broadcast) and ends as their timeout */
+    sel = (uint64_t *)ddp__calloc((size_t)(2 * info[1] + 1), sizeof *sel);
+    dest = (void **)ddp__calloc((size_t)(info[1] + 1), sizeof *dest);
+    if (!sel || !dest) {
+        r = ddp__fail(g, DDP_ERR_OUT_OF_MEMORY, "checkpoint load: out of memory");
+        goto done;
+    }
+    if (!root) {
+        k.hlen = info[0];
+        k.raw = info[0] <= DDP__CK_MAX_HEADER ? (char *)ddp__malloc((size_t)info[0] + 1) : NULL;
+        if (!k.raw) mine = ddp__fail(g, DDP_ERR_OUT_OF_MEMORY, "checkpoint load: out of memory for a %llu-byte header", (unsigned long long)info[0]);
+    }
+    if ((r = ddp__ck_bcast(g, k.raw, info[0], scratch)) != DDP_SUCCESS) goto done;
+    for (j = 0; root && j < info[1]; j++) {
+        sel[2 * j] = (uint64_t)(k.matched[j] - k.h.e);
+        sel[2 * j + 1] = k.matched[j]->end - k.matched[j]->begin;
+        dest[j] = t[j].data;
+    }
+    if ((r = ddp_broadcast(g, sel, (size_t)(2 * info[1]), DDP_I64, 0)) != DDP_SUCCESS) goto done;
+    if (!root && mine == DDP_SUCCESS) mine = ddp__ck_bcast_plan(g, path, t, n, d, &k, info[2], sel, info[1], dest);
+    for (j = 0; j < info[1]; j++) {
+        void *to = (root || mine == DDP_SUCCESS) ? dest[j] : NULL;
+        uint32_t want;
+        if ((r = ddp__ck_bcast(g, to, sel[2 * j + 1], scratch)) != DDP_SUCCESS) goto done;
+        if (root || !to || sel[2 * j] >= (uint64_t)k.h.n) continue;
+        if (ddp__ck_stored_crc(&k.h, k.h.e[sel[2 * j]].name, &want) > 0 && ddp__ck_crc32c(to, (size_t)sel[2 * j + 1], 1) != want)
+            mine = ddp__fail(g, DDP_ERR_FORMAT, "checkpoint load of %s: tensor \"%.64s\" arrived from rank 0 with a wrong checksum", path,
+                             k.h.e[sel[2 * j]].name);
+    }
+    if (!root && mine == DDP_SUCCESS) mine = ddp__ck_copy_meta(g, &k.h, meta);
+    r = ddp__ck_agree(g, mine, what);
+done:
+    ddp__ck_kept_free(&k);
+    ddp__free(sel);
+    ddp__free((void *)dest);
+    ddp__free(scratch);
+    return r;
+}
+
+DDP_API ddp_result ddp_checkpoint_load_ex(ddp_group *g, const char *path, ddp_tensor *t, int n, ddp_meta *meta,
+                                          const ddp_checkpoint_load_desc *desc) {
+    if (desc && desc->broadcast && g && g->world_size > 1) return ddp__ck_load_bcast(g, path, t, n, meta, desc);
+    return ddp__ck_agree(g, ddp__ck_load_local(g, path, t, n, meta, desc, NULL, NULL), "checkpoint load");
+}
+
+DDP_API ddp_result ddp_checkpoint_load(ddp_group *g, const char *path, ddp_tensor *t, int n, ddp_meta *meta) {
+    return ddp_checkpoint_load_ex(g, path, t, n, meta, NULL);
+}
+
+/* ---- shards ---- */
+
+static uint64_t ddp__ck_new_save_id(void) {
+    struct timespec ts;
+    uint64_t z;
+    clock_gettime(CLOCK_REALTIME, &ts);
+    z = ((uint64_t)ts.tv_sec * 1000000000u + (uint64_t)ts.tv_nsec) ^ ((uint64_t)getpid() << 40) ^ (uint64_t)(uintptr_t)&ts;
+    z = (z ^ (z >> 30)) * 0xBF58476D1CE4E5B9ull; /* splitmix64 finaliser: spread the bits */
+    z = (z ^ (z >> 27)) * 0x94D049BB133111EBull;
+    return z ^ (z >> 31);
+}
+
+/* "<path>.rank<r>" */
+static char *ddp__ck_shard_path(const char *path, int rank) {
+    char tail[32];
+    snprintf(tail, sizeof tail, ".rank%d", rank);
+    return ddp__ck_cat(path, tail);
+}
+
+/* The library's keys of a shard (rank >= 0) or of the completion marker (rank < 0). */
+static ddp_result ddp__ck_shard_keys(ddp_meta *m, int rank, int world, uint64_t id) {
+    char v[32];
+    ddp_result r;
+    snprintf(v, sizeof v, "%016llx", (unsigned long long)id);
+    if ((r = ddp_meta_set(m, DDP__CK_SHARD_ID, v)) != DDP_SUCCESS) return r;
+    if ((r = ddp_meta_set_int(m, DDP__CK_SHARD_WORLD, world)) != DDP_SUCCESS) return r;
+    return rank < 0 ? DDP_SUCCESS : ddp_meta_set_int(m, DDP__CK_SHARD_RANK, rank);
+}
+
+/* Steps, each ended by an agreement (the barrier that tells everyone the step is done everywhere):
+     1. rank 0 deletes the old marker at path, durably, and draws a save id (broadcast)
+     2. every rank writes "<path>.rank<r>" durably, stamped with rank, world size and save id
+     3. rank 0 writes the marker durably (only now is the set complete), deletes old markers (keep_last)
+     4. with keep_last, rank 0 broadcasts the cutoff and every rank deletes its own old shards */
+DDP_API ddp_result ddp_checkpoint_save_shard(ddp_group *g, const char *path, const ddp_tensor *t, int n, const ddp_meta *meta,
+                                             const ddp_checkpoint_save_desc *desc) {
+    static const char *what = "checkpoint shard save";
+    int rank = ddp__ck_rank(g), world = ddp__ck_world(g);
+    ddp__ck_family fam;
+    ddp_meta extra;
+    int64_t number = 0, cutoff = INT64_MIN;
+    uint64_t id = 0;
+    char *shard = NULL;
+    ddp_result r = DDP_SUCCESS;
+    memset(&fam, 0, sizeof fam);
+    memset(&extra, 0, sizeof extra);
+    if (!path || !*path) r = ddp__fail(g, DDP_ERR_INVALID_ARGUMENT, "%s: path is NULL or empty", what);
+    else r = ddp__ck_check_rotation(g, path, desc, &fam, &number);
+    if (r == DDP_SUCCESS && rank == 0) {
+        id = ddp__ck_new_save_id();
+        if (unlink(path) != 0 && errno != ENOENT) r = ddp__fail(g, DDP_ERR_IO, "%s: cannot remove the old completion marker %s: %s", what, path, strerror(errno));
+        else r = ddp__ck_sync_dir(g, path);
+    }
+    if ((r = ddp__ck_agree(g, r, what)) != DDP_SUCCESS) goto done;
+    if (world > 1 && (r = ddp_broadcast(g, &id, 1, DDP_I64, 0)) != DDP_SUCCESS) goto done;
+    shard = ddp__ck_shard_path(path, rank);
+    if (!shard || ddp__ck_shard_keys(&extra, rank, world, id) != DDP_SUCCESS) r = ddp__fail(g, DDP_ERR_OUT_OF_MEMORY, "%s: out of memory", what);
+    else r = ddp__ck_write_file(g, shard, t, n, meta, &extra);
+    if ((r = ddp__ck_agree(g, r, what)) != DDP_SUCCESS) goto done;
+    if (rank == 0) {
+        ddp_meta_free(&extra);
+        if (ddp__ck_shard_keys(&extra, -1, world, id) != DDP_SUCCESS) r = ddp__fail(g, DDP_ERR_OUT_OF_MEMORY, "%s: out of memory", what);
+        else r = ddp__ck_write_file(g, path, NULL, 0, NULL, &extra);
+        if (r == DDP_SUCCESS && fam.dir) {
+            static const char *const tails[] = {"", ".tmp"};
+            cutoff = ddp__ck_cutoff(g, &fam, desc->keep_last, number);
+            if (cutoff != INT64_MIN) ddp__ck_delete_below(g, &fam, cutoff, tails, 2);
+        }
+    }
+    if ((r = ddp__ck_agree(g, r, what)) != DDP_SUCCESS || !fam.dir) goto done;
+    if (world > 1 && (r = ddp_broadcast(g, &cutoff, 1, DDP_I64, 0)) != DDP_SUCCESS) goto done;
+    if (cutoff != INT64_MIN) {
+        char own[32], own_tmp[40];
+        const char *tails[2];
+        snprintf(own, sizeof own, ".rank%d", rank);
+        snprintf(own_tmp, sizeof own_tmp, ".rank%d.tmp", rank);
+        tails[0] = own;
+        tails[1] = own_tmp;
+        ddp__ck_delete_below(g, &fam, cutoff, tails, 2);
+    }
+done:
+    ddp__free(shard);
+    ddp_meta_free(&extra);
+    ddp__ck_family_free(&fam);
+    return r;
+}
+
+/* Read the completion marker: the world size and save id of a finished shard save. */
+static ddp_result ddp__ck_read_marker(ddp_group *g, const char *path, int64_t *world, uint64_t *id) {
+    ddp__ck_header h;
+    const char *ws, *sid;
+    char *raw = NULL, *end = NULL;
+    uint64_t hlen;
+    int fd;
+    ddp_result r;
+    if (!ddp__ck_little_endian()) return ddp__fail(g, DDP_ERR_UNSUPPORTED, "checkpoint: safetensors is little-endian and this host is not");
+    if (!path || !*path) return ddp__fail(g, DDP_ERR_INVALID_ARGUMENT, "checkpoint shard load: path is NULL or empty");
+    if (access(path, F_OK) != 0 && errno == ENOENT)
+        return ddp__fail(g, DDP_ERR_IO, "checkpoint shard load: no completion marker %s: that shard save did not finish (or the path is wrong)", path);
+    if ((r = ddp__ck_open(g, path, &fd, &raw, &hlen, &h)) != DDP_SUCCESS) return r;
+    close(fd);
+    ws = ddp__ck_header_meta(&h, DDP__CK_SHARD_WORLD);
+    sid = ddp__ck_header_meta(&h, DDP__CK_SHARD_ID);
+    r = DDP_SUCCESS;
+    if (!ws || !sid || h.n != 0 || strlen(sid) != 16) {
+        r = ddp__fail(g, DDP_ERR_FORMAT, "checkpoint %s is not a shard completion marker (no %s / %s keys)", path, DDP__CK_SHARD_WORLD, DDP__CK_SHARD_ID);
+    } else {
+        errno = 0;
+        *world = (int64_t)strtoll(ws, &end, 10);
+        *id = (uint64_t)strtoull(sid, NULL, 16);
+        if (errno || *end || *world < 1 || *world > INT_MAX)
+            r = ddp__fail(g, DDP_ERR_FORMAT, "checkpoint marker %s: %s = \"%.32s\" is not a world size", path, DDP__CK_SHARD_WORLD, ws);
+    }
+    ddp__ck_header_free(&h);
+    ddp__free(raw);
+    return r;
+}
+
+DDP_API ddp_result ddp_checkpoint_load_shard(ddp_group *g, const char *path, ddp_tensor *t, int n, ddp_meta *meta,
+                                             const ddp_checkpoint_load_desc *desc) {
+    static const char *what = "checkpoint shard load";
+    int rank = ddp__ck_rank(g), world = ddp__ck_world(g), bcast = desc && desc->broadcast && world > 1;
+    int64_t info[2] = {0, 0};
+    uint64_t id = 0;
+    char id_text[32], *shard = NULL;
+    ddp__ck_shard_expect x;
+    ddp_result r = DDP_SUCCESS;
+    if (!bcast || rank == 0) r = ddp__ck_read_marker(g, path, &info[0], &id);
+    if (bcast) {
+        info[1] = (int64_t)id;
+        if ((r = ddp__ck_agree(g, r, what)) != DDP_SUCCESS) return r;
+        if ((r = ddp_broadcast(g, info, 2, DDP_I64, 0)) != DDP_SUCCESS) return r;
+        id = (uint64_t)info[1];
+    }
+    if (r == DDP_SUCCESS && info[0] != world)
+        r = ddp__fail(g, DDP_ERR_MISMATCH, "%s: %s was saved by %lld ranks but this group has %d (shards are per rank: load with the same world size)",
+                      what, path, (long long)info[0], world);
+    if (r == DDP_SUCCESS && !(shard = ddp__ck_shard_path(path, rank))) r = ddp__fail(g, DDP_ERR_OUT_OF_MEMORY, "%s: out of memory", what);
+    if (r == DDP_SUCCESS) {
+        snprintf(id_text, sizeof id_text, "%016llx", (unsigned long long)id);
+        x.rank = rank;
+        x.world = world;
+        x.save_id = id_text;
+        r = ddp__ck_load_local(g, shard, t, n, meta, desc, &x, NULL);
+    }
+    ddp__free(shard);
+    return ddp__ck_agree(g, r, what);
+}
+
+/* ---- latest ---- */
+
+DDP_API ddp_result ddp_checkpoint_latest(const char *pattern, char *out, size_t capacity, int64_t *number) {
+    const char *slash, *name, *star;
+    ddp__ck_family fam;
+    DIR *d;
+    struct dirent *de;
+    char best[1024];
+    int64_t best_num = -1;
+    size_t dirlen;
+    if (number) *number = -1;
+    if (!out || capacity == 0) return ddp__fail(NULL, DDP_ERR_INVALID_ARGUMENT, "ddp_checkpoint_latest: out is NULL or capacity 0");
+    out[0] = '\0';
+    if (!pattern) return ddp__fail(NULL, DDP_ERR_INVALID_ARGUMENT, "ddp_checkpoint_latest: pattern is NULL");
+    slash = strrchr(pattern, '/');
+    name = slash ? slash + 1 : pattern;
+    star = strchr(name, '*');
+    if (!star || strchr(star + 1, '*'))
+        return ddp__fail(NULL, DDP_ERR_INVALID_ARGUMENT, "ddp_checkpoint_latest: the file name in \"%.200s\" must hold exactly one '*' (e.g. ckpt/model_*.safetensors)", pattern);
+    memset(&fam, 0, sizeof fam);
+    if (!ddp__ck_family_split(&fam, pattern, (size_t)(star - name), (size_t)(star - name) + 1))
+        return ddp__fail(NULL, DDP_ERR_OUT_OF_MEMORY, "ddp_checkpoint_latest: out of memory");
+    d = opendir(fam.dir);
+    if (!d) {
+        ddp_result r = errno == ENOENT ? DDP_SUCCESS : ddp__fail(NULL, DDP_ERR_IO, "ddp_checkpoint_latest: cannot list %s: %s", fam.dir, strerror(errno));
+        ddp__ck_family_free(&fam);
+        return r;
+    }
+    best[0] = '\0';
+    while ((de = readdir(d)) != NULL) {
+        int64_t num;
+        if (ddp__ck_family_match(&fam, de->d_name, "", &num) && num > best_num && strlen(de->d_name) < sizeof best) {
+            best_num = num;
+            snprintf(best, sizeof best, "%s", de->d_name);
+        }
+    }
+    closedir(d);
+    ddp__ck_family_free(&fam);
+    if (best_num < 0) return DDP_SUCCESS;
+    dirlen = slash ? (size_t)(slash - pattern) + 1 : 0;
+    if (dirlen + strlen(best) + 1 > capacity)
+        return ddp__fail(NULL, DDP_ERR_INVALID_ARGUMENT, "ddp_checkpoint_latest: %zu bytes are too few for the path of %s", capacity, best);
+    memcpy(out, pattern, dirlen);
+    memcpy(out + dirlen, best, strlen(best) + 1);
+    if (number) *number = best_num;
+    return DDP_SUCCESS;
+}
 /* ==================== end src/checkpoint.c ==================== */
 
 #endif /* DDP_IMPLEMENTATION */

@@ -1,1 +1,183 @@
-/* placeholder: filled by its issue */
+/* [SECTION] checkpoint: safetensors save/load, resume state, per-rank shards (torch.save / load patterns)
+   Mirrors the usual PyTorch DDP checkpoint recipe: `if rank == 0: torch.save(...)`, `dist.barrier()`,
+   then `torch.load(..., map_location=...)` on every rank; the file format is safetensors, so Python tools
+   (safetensors, or twenty lines of json + numpy) read our files and we read theirs.
+
+   File layout (safetensors): an 8-byte little-endian header length N, N bytes of JSON, then the tensor
+   data, raw and little-endian, with no gaps:
+       {"__metadata__": {"ddp.step": "1200", "ddp.crc32c.w": "1c291ca3", ...},
+        "w": {"dtype": "F32", "shape": [1024, 512], "data_offsets": [0, 2097152]}, ...}
+   The header is padded with spaces so the data starts 8-byte aligned. Dtype names: F32 F64 F16 BF16 I8
+   U8 I32 I64. Every tensor's CRC32C (Castagnoli, as iSCSI and ext4 use) is kept in the metadata as
+   "ddp.crc32c.<name>" (8 lowercase hex digits) and verified on load. Metadata keys starting with
+   "ddp.crc32c." or "ddp.shard." are the library's; the rest belong to the caller.
+   The tensor data is host memory in the host's byte order, and safetensors is little-endian: on a
+   big-endian host every call here returns DDP_ERR_UNSUPPORTED.
+
+   Durability: a save writes "<path>.tmp" in the same directory, fsyncs it, renames it over path and
+   fsyncs the directory, so a crash at any moment leaves either the previous file or the new one at
+   path, never a torn one. */
+
+/* A named tensor: what to save, or where to load and what to expect. shape[0 .. ndim-1] are the
+   dimensions (row-major, as PyTorch's contiguous tensors); ndim 0 is a scalar (one element); a zero
+   dimension makes an empty tensor. data is host memory of prod(shape) * ddp_dtype_size(dtype) bytes
+   (may be NULL when that is 0). */
+typedef struct ddp_tensor {
+    const char *name;
+    ddp_dtype dtype;
+    int ndim; /* 0 .. 8 */
+    int64_t shape[8];
+    void *data;
+} ddp_tensor;
+
+/* ---- Metadata: a string key/value map (safetensors' "__metadata__") -------------------------
+   A plain struct the caller owns: `ddp_meta m = {0};` is an empty map; ddp_meta_free(&m) releases it.
+   Keys are unique, non-empty UTF-8 strings; values are UTF-8 strings. Read the entries directly
+   (entries[0 .. count-1]) or with ddp_meta_get; change them only through these functions.
+   Thread safety: a map may be used by one thread at a time. */
+typedef struct ddp_meta_entry {
+    char *key;
+    char *value;
+} ddp_meta_entry;
+typedef struct ddp_meta {
+    ddp_meta_entry *entries;
+    int count;
+    int capacity;
+} ddp_meta;
+
+/* ddp_meta_set: set key to value (a copy of both), replacing an existing value.
+   Return: DDP_SUCCESS; DDP_ERR_INVALID_ARGUMENT for a NULL/empty key, a NULL value or text that is not
+   UTF-8; DDP_ERR_OUT_OF_MEMORY. Message in ddp_last_error(NULL). */
+DDP_API ddp_result ddp_meta_set(ddp_meta *m, const char *key, const char *value);
+/* ddp_meta_get: the value of key, or NULL when the map has no such key. The pointer is valid until the
+   map is next changed. */
+DDP_API const char *ddp_meta_get(const ddp_meta *m, const char *key);
+/* ddp_meta_remove: delete key. Returns 1 when it was there, 0 when not. */
+DDP_API int ddp_meta_remove(ddp_meta *m, const char *key);
+/* ddp_meta_free: release every entry; the map is then empty (and may be reused). NULL is a no-op. */
+DDP_API void ddp_meta_free(ddp_meta *m);
+
+/* Typed values, stored as text so that any safetensors reader sees them.
+   ddp_meta_set_int: decimal. ddp_meta_set_bytes: lowercase hex, two digits a byte (e.g. an RNG state).
+   ddp_meta_get_int / ddp_meta_get_bytes: DDP_ERR_FORMAT naming the key when it is missing or its value
+   is not of that form. get_bytes copies at most capacity bytes and sets *size to the stored size; a
+   capacity too small is DDP_ERR_INVALID_ARGUMENT (with *size telling how much is needed). */
+DDP_API ddp_result ddp_meta_set_int(ddp_meta *m, const char *key, int64_t value);
+DDP_API ddp_result ddp_meta_get_int(const ddp_meta *m, const char *key, int64_t *value);
+DDP_API ddp_result ddp_meta_set_bytes(ddp_meta *m, const char *key, const void *data, size_t size);
+DDP_API ddp_result ddp_meta_get_bytes(const ddp_meta *m, const char *key, void *data, size_t capacity,
+                                      size_t *size);
+
+/* ---- Resume state: what a training loop needs to continue where it stopped ---------------------- */
+#define DDP_META_STEP "ddp.step"                         /* optimizer steps taken */
+#define DDP_META_EPOCH "ddp.epoch"                       /* the epoch given to ddp_sampler_set_epoch */
+#define DDP_META_SAMPLER_POSITION "ddp.sampler_position" /* samples of this epoch already consumed */
+#define DDP_META_WORLD_SIZE "ddp.world_size"             /* ranks that trained up to this point */
+#define DDP_META_RNG_STATE "ddp.rng_state"               /* the program's RNG state, as hex bytes */
+
+typedef struct ddp_resume_state {
+    int64_t step;
+    int64_t epoch;
+    /* how many of this epoch's ddp_sampler_indices() the rank has consumed: resume by skipping that
+       many. With another world size, sampler_position * world_size samples of the epoch were seen. */
+    int64_t sampler_position;
+    int world_size;
+    /* set: the rng_state_size bytes at rng_state are stored (none when rng_state_size is 0).
+       get: rng_state is a buffer of rng_state_size bytes; on return rng_state_size is the stored size
+       (0 when the checkpoint has none). */
+    void *rng_state;
+    size_t rng_state_size;
+} ddp_resume_state;
+
+/* ddp_meta_set_resume: store every field of s under the DDP_META_* keys above.
+   ddp_meta_get_resume: read them back; DDP_ERR_FORMAT names a missing or malformed key (the RNG state
+   alone is optional); DDP_ERR_INVALID_ARGUMENT when the RNG buffer is too small. */
+DDP_API ddp_result ddp_meta_set_resume(ddp_meta *m, const ddp_resume_state *s);
+DDP_API ddp_result ddp_meta_get_resume(const ddp_meta *m, ddp_resume_state *s);
+
+/* ---- Save and load -------------------------------------------------------------------------- */
+
+/* Save options; zero-initialised (or NULL) means the defaults. */
+typedef struct ddp_checkpoint_save_desc {
+    /* > 0: after a successful save, delete the older checkpoints of the same family, keeping the
+       keep_last newest (this one included). The family of ".../ckpt_000300.safetensors" is every file
+       of that directory whose name differs only in that last run of digits (ckpt_000100.safetensors,
+       ckpt_200.safetensors, ...), ordered by the number; path must have such a run of digits.
+       Leftover "<name>.tmp" files of older family members (from a crash) are deleted too.
+       0 (default): delete nothing. */
+    int keep_last;
+} ddp_checkpoint_save_desc;
+
+/* Load options; zero-initialised (or NULL) means the defaults. */
+typedef struct ddp_checkpoint_load_desc {
+    /* 0 (default): every rank reads path itself (a shared filesystem, or a copy on every host).
+       1: only rank 0 reads it; the header and the tensors go to the other ranks by ddp_broadcast
+       (no shared filesystem). The buffers are then handed to the group's collectives, so with the
+       nccl backend use 0 (or a cpu subgroup). Shards: rank 0 reads the completion marker and
+       broadcasts it; each rank still reads its own shard. */
+    int broadcast;
+    /* 1: tensors in the file that t[] does not list are skipped, as load_state_dict(strict=False).
+       0 (default): they are DDP_ERR_MISMATCH, naming one. Tensors listed in t[] must always be there. */
+    int allow_unexpected;
+    /* 1: accept tensors without a "ddp.crc32c.<name>" checksum (files from other safetensors writers);
+       checksums that are present are still verified. 0 (default): a missing checksum is DDP_ERR_FORMAT. */
+    int allow_missing_checksums;
+} ddp_checkpoint_load_desc;
+
+/* ddp_checkpoint_save: write the n tensors t[] and the metadata meta (may be NULL) to path, durably and
+   atomically (see above). Collective over g when g is not NULL: rank 0 writes, the others pass the same
+   arguments (which only rank 0 reads) and wait; when it returns DDP_SUCCESS on any rank, the file is
+   complete and durable. A failure on rank 0 is the same error on every rank, with rank 0's message.
+   g may be NULL: a single process.
+   Return: DDP_SUCCESS; DDP_ERR_INVALID_ARGUMENT (a bad tensor, a duplicate or reserved name, keep_last
+   without a number in path); DDP_ERR_IO (could not write, sync or rename: path is then unchanged);
+   DDP_ERR_UNSUPPORTED (big-endian host); the group's errors.
+   Thread safety: as the group's collectives; without a group, one call per path at a time. */
+DDP_API ddp_result ddp_checkpoint_save(ddp_group *g, const char *path, const ddp_tensor *t, int n,
+                                       const ddp_meta *meta);
+DDP_API ddp_result ddp_checkpoint_save_ex(ddp_group *g, const char *path, const ddp_tensor *t, int n,
+                                          const ddp_meta *meta, const ddp_checkpoint_save_desc *desc);
+
+/* ddp_checkpoint_load: read path into the n tensors t[] and (when meta is not NULL) replace meta's
+   contents with the file's metadata (the library's "ddp.crc32c.*"/"ddp.shard.*" keys left out).
+   Each t[i] says what the caller expects: name, dtype and shape must match the file exactly, or the
+   error names the tensor and both sides. Checksums are verified. Collective over g when g is not NULL
+   (see desc->broadcast); a failure on any rank is an error on every rank, naming that rank.
+   Return: DDP_SUCCESS; DDP_ERR_IO (cannot open or read); DDP_ERR_FORMAT (not a valid safetensors file,
+   or a checksum does not match: the message says what is wrong); DDP_ERR_MISMATCH (names, dtypes or
+   shapes differ from t[]); DDP_ERR_UNSUPPORTED (a dtype ddp.h lacks in a tensor you asked for, more
+   than 8 dimensions, big-endian host); DDP_ERR_INVALID_ARGUMENT; the group's errors. On an error the
+   contents of the tensors and of meta are unspecified.
+   Thread safety: as ddp_checkpoint_save. */
+DDP_API ddp_result ddp_checkpoint_load(ddp_group *g, const char *path, ddp_tensor *t, int n, ddp_meta *meta);
+DDP_API ddp_result ddp_checkpoint_load_ex(ddp_group *g, const char *path, ddp_tensor *t, int n, ddp_meta *meta,
+                                          const ddp_checkpoint_load_desc *desc);
+
+/* ---- Per-rank shards (e.g. ZeRO-style optimizer state) ---------------------------------------
+   ddp_checkpoint_save_shard: every rank saves its own t[] and meta to "<path>.rank<r>" (r in decimal),
+   durably; once every shard is durable, rank 0 writes the completion marker at path itself: a
+   safetensors file without tensors whose metadata holds "ddp.shard.world_size" and a random
+   "ddp.shard.save_id" that every shard of this save carries too. Before any shard is written, rank 0
+   removes an old marker at path, so a save cut short is never taken for a complete one (use distinct
+   paths, e.g. a step number with keep_last, to always keep a complete previous checkpoint).
+   keep_last: rank 0 deletes old markers, then each rank its own old shards. Collective over g.
+   ddp_checkpoint_load_shard: check that the marker exists (else DDP_ERR_IO: the save did not finish,
+   or the path is wrong), that it was written by a group of this size (else DDP_ERR_MISMATCH), then
+   load this rank's shard as ddp_checkpoint_load does and check that it belongs to that save
+   (DDP_ERR_FORMAT if not: a later save to the same path was cut short).
+   Return and thread safety: as ddp_checkpoint_save / ddp_checkpoint_load. */
+DDP_API ddp_result ddp_checkpoint_save_shard(ddp_group *g, const char *path, const ddp_tensor *t, int n,
+                                             const ddp_meta *meta, const ddp_checkpoint_save_desc *desc);
+DDP_API ddp_result ddp_checkpoint_load_shard(ddp_group *g, const char *path, ddp_tensor *t, int n,
+                                             ddp_meta *meta, const ddp_checkpoint_load_desc *desc);
+
+/* ddp_checkpoint_latest: find the newest checkpoint of a family, to resume from. pattern is a path
+   whose file name holds one '*' standing for a run of digits ("ckpt/model_*.safetensors"); the file
+   (or shard marker) with the largest number wins. A name with any other text in the place of the '*'
+   (such as "<name>.tmp" leftovers) never matches. Not collective; rank 0 may call it and broadcast.
+   Parameters: out receives the path (capacity bytes, terminator included); number (may be NULL)
+   receives its number.
+   Return: DDP_SUCCESS with out = "" and *number = -1 when there is none yet; DDP_ERR_INVALID_ARGUMENT
+   (no single '*' in the file name, or out too small); DDP_ERR_IO (the directory cannot be read).
+   Thread safety: any thread. */
+DDP_API ddp_result ddp_checkpoint_latest(const char *pattern, char *out, size_t capacity, int64_t *number);

@@ -252,11 +252,20 @@ static void ddp__run_alone(const ddp__call *k) {
         memmove(k->buf, k->send, bytes);
 }
 
+static ddp_result ddp__shm_run(ddp_group *g, const ddp__call *k, const ddp__coll *c); /* shm.c */
+
 static ddp_result ddp__run(ddp_group *g, const ddp__call *k, const ddp__coll *c) {
     if (g->broken) return DDP_ERR_STATE;
     if (g->world_size == 1) {
         ddp__run_alone(k);
         return DDP_SUCCESS;
+    }
+    if (g->shm) {
+        ddp_result r;
+        g->running_seq = c->seq;
+        r = ddp__shm_run(g, k, c);
+        g->running_seq = 0;
+        return r;
     }
     switch (k->kind) {
     case DDP__ALL_REDUCE: return ddp__do_all_reduce(g, c, k->buf, k->count, k->dtype, k->op);

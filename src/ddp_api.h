@@ -218,15 +218,37 @@ DDP_API ddp_result ddp_store_delete(ddp_store *s, const char *key, int *deleted)
 DDP_API const char *ddp_store_last_error(const ddp_store *s);
 
 /* ---- Launching (torchrun, torch.multiprocessing.spawn) ---------------------------------------
-   ddp_spawn: fork nprocs processes on this host; each runs fn(rank, nprocs, arg) with RANK,
-   WORLD_SIZE, LOCAL_RANK, LOCAL_WORLD_SIZE, MASTER_ADDR and a free MASTER_PORT set, so ddp_init(NULL)
-   inside fn joins them. fn's return value is the process's exit code. When one fails (non-zero exit
-   or signal), the others get SIGTERM, then SIGKILL after a grace period.
-   Return: DDP_SUCCESS when every process exits 0, else DDP_ERR_WORKER_FAILED and
-   ddp_last_error(NULL) names the rank and how it failed. Call from a single-threaded parent. */
+   ddp_spawn: fork nprocs processes on this host; each runs fn(rank, nprocs, arg) with the variables
+   ddprun sets (RANK = LOCAL_RANK = rank, WORLD_SIZE = LOCAL_WORLD_SIZE = nprocs, MASTER_ADDR=127.0.0.1,
+   a free MASTER_PORT, GROUP_RANK=0, ..., OMP_NUM_THREADS=1 when unset and nprocs > 1), so ddp_init(NULL)
+   inside fn joins them. The parent's environment is not changed.
+   Each process exits with fn's return value after flushing stdio: 0 is success; any other value is a
+   failure (a value whose low 8 bits are 0, such as 256, exits 1). When one fails (non-zero exit or a
+   signal), the others get SIGTERM, then SIGKILL 3 s later; every worker runs in its own process group,
+   which is signalled, so a worker's own children are stopped too. Workers die with the calling thread
+   (Linux PR_SET_PDEATHSIG), so killing the parent leaves no orphans. SIGCHLD is set to its default
+   while workers run (an ignored SIGCHLD would discard their exit statuses) and restored afterwards.
+   Parameters: nprocs in [1, 65536]; fn (not NULL); arg passed to fn unchanged.
+   Return: DDP_SUCCESS when every process exits 0; DDP_ERR_WORKER_FAILED with ddp_last_error(NULL)
+   naming the rank that failed and how ("rank 2 (pid 1234) of 4 exited with code 3; ..."), also
+   logged at error level. Ranks that lose a peer fail at once themselves, so the failures of the
+   0.25 s after the first are collected: the one unlike the rest is named as the cause, the others
+   are listed. DDP_ERR_INVALID_ARGUMENT; DDP_ERR_SYSTEM (fork or socket failed).
+   Thread safety: call from a single-threaded parent (after fork, only the calling thread exists in
+   the children, and fn may call anything); do not reap its children elsewhere (waitpid(-1)). */
 DDP_API ddp_result ddp_spawn(int nprocs, int (*fn)(int rank, int world_size, void *arg), void *arg);
 
-/* ddp_launcher_main: the whole of ddprun (tools/ddprun.c is a main() around it). `ddprun --help`
-   lists the flags (torchrun's: --nproc-per-node, --nnodes, --node-rank, --master-addr,
-   --master-port, --standalone, --max-restarts). Returns the exit code for main. */
+/* ddp_launcher_main: the whole of ddprun (tools/ddprun.c is a main() around it); `ddprun --help`
+   lists the flags. torchrun's flags, with dashes or underscores, `--flag value` or `--flag=value`:
+   --nproc-per-node (a number, or "cpu"), --nnodes, --node-rank, --master-addr, --master-port,
+   --standalone, --max-restarts, --rdzv-id, --role, --no-python (ignored). Rendezvous is static (each
+   node runs ddprun with its own --node-rank); elastic rendezvous is refused with a clear message.
+   Each worker runs the program with torchrun's environment (TORCHELASTIC_USE_AGENT_STORE=False: rank 0
+   serves the store) plus DDP_RESTART_COUNT. When a worker fails, ddprun names the rank and how,
+   stops the others (SIGTERM, SIGKILL after 3 s) and, with --max-restarts, starts the group again.
+   It forwards SIGINT, SIGTERM, SIGHUP and SIGQUIT to the workers.
+   Return: the exit code for main: 0 when all workers exited 0; 2 for a bad command line; the failed
+   worker's exit code (128 + signal number when it was killed) after the last attempt; 128 + the
+   signal ddprun received when it was interrupted; 1 when it could not start the workers.
+   Thread safety: call from main; it installs signal handlers for its duration. */
 DDP_API int ddp_launcher_main(int argc, char **argv);

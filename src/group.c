@@ -35,12 +35,6 @@ static const struct {
     {"SLURM_PROCID", "SLURM_NTASKS", "SLURM_LOCALID", NULL, "SLURM (SLURM_PROCID, SLURM_NTASKS)"},
 };
 
-static uint64_t ddp__hash(const char *s) { /* FNV-1a */
-    uint64_t h = 1469598103934665603ull;
-    while (*s) h = (h ^ (unsigned char)*s++) * 1099511628211ull;
-    return h;
-}
-
 /* "node[01-04,07],gpu5" -> "node01": the first host of a SLURM node list. */
 static void ddp__slurm_first_host(const char *list, char *out, size_t cap) {
     size_t i = 0, o = 0;
@@ -458,6 +452,7 @@ static void ddp__group_free(ddp_group *g) {
     int i;
     ddp__progress_stop(g);
     if (g->broken) ddp__close_after_failure(g, 1.0);
+    ddp__shm_free(g);
     for (i = 0; i < g->world_size; i++)
         if (g->peers[i].fd >= 0) close(g->peers[i].fd);
     if (g->owns_store && g->store) ddp__store_free(g->store);
@@ -485,7 +480,8 @@ static ddp_result ddp__group_connect(ddp_group *g, const char *where) {
     close(listen_fd);
     if (r) return r;
     if ((r = ddp_barrier(g)) != DDP_SUCCESS) return r;
-    g->seq = 0; /* the user's first collective is #1 in messages */
+    if ((r = ddp__shm_setup(g)) != DDP_SUCCESS) return r;
+    g->seq = 0; /* the user's first collective is #1 in messages (shm.c relies on seq only growing from here) */
     if ((r = ddp__rdzv_check_abort(g, &aborted)) != DDP_SUCCESS || aborted) return r ? r : DDP_ERR_INIT;
     return DDP_SUCCESS;
 }

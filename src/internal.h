@@ -85,6 +85,7 @@ static DDP__UNUSED void *ddp__calloc(size_t n, size_t size);
 static DDP__UNUSED void ddp__free(void *p);
 static DDP__UNUSED char *ddp__strdup(const char *s);
 static DDP__UNUSED void ddp__sleep(double seconds);
+static DDP__UNUSED uint64_t ddp__hash(const char *s); /* FNV-1a of a string */
 
 /* ---- dtype.c ---- */
 static DDP__UNUSED int ddp__dtype_valid(ddp_dtype t);
@@ -94,6 +95,8 @@ static DDP__UNUSED int ddp__dtype_is_float(ddp_dtype t);
 static DDP__UNUSED void ddp__reduce(void *dst, const void *src, size_t count, ddp_dtype t, ddp_op op);
 /* buf[i] /= n, the final step of AVG (truncating toward zero on integers). */
 static DDP__UNUSED void ddp__divide(void *buf, size_t count, ddp_dtype t, int n);
+
+typedef struct ddp__shm ddp__shm;
 
 /* ---- the group (group.c creates it, transport.c and collectives.c use it) ---- */
 
@@ -130,8 +133,10 @@ struct ddp_group {
     struct pollfd *pollfds; /* world_size entries: what one exchange step waits on */
     int *poll_owner;        /* the rank of each pollfds entry */
     uint64_t seq;       /* collectives issued so far; carried in every message */
+    uint64_t running_seq; /* seq of the collective running now (0 between collectives) */
     ddp_result broken;  /* set once a collective failed: every later call fails with it */
     char broken_msg[DDP__ERR_MAX];
+    struct ddp__shm *shm; /* shared-memory transport when every rank is on this host (shm.c), else NULL */
     void *scratch;      /* staging memory for the algorithms, grown on demand */
     size_t scratch_size;
 

@@ -1,1 +1,892 @@
-/* placeholder: filled by its issue */
+/* [SECTION] launcher: ddp_spawn (torch.multiprocessing.spawn) and ddprun (torchrun)
+   Both start a group of worker processes on this host with torchrun's environment and watch them:
+
+       fork N workers (each in its own process group, each told RANK, WORLD_SIZE, MASTER_ADDR, ...)
+       loop: sleep until a worker ends (pidfd) or 5 ms pass; waitpid(worker, WNOHANG) for each
+         all exited 0         -> success
+         one failed           -> collect the failures of the next 0.25 s, name the likely cause
+                                 (which rank, exit code or signal), then stop the others:
+                                 SIGTERM to every worker's process group, SIGKILL after a grace period
+         ddprun got a signal  -> forward it to every worker, then stop them as above
+
+   The fail-fast loop is what torchrun's agent does (torch/distributed/elastic/agent/server/api.py):
+   without it a dead rank leaves the others blocked in a collective until the 30-minute timeout.
+   ddprun adds torchrun's --max-restarts: stop everybody, start the whole group again with
+   TORCHELASTIC_RESTART_COUNT (and DDP_RESTART_COUNT) incremented, so the program resumes from its
+   checkpoint. Rendezvous is static: every node runs ddprun with the same --nproc-per-node,
+   --nnodes, --master-addr and --master-port and its own --node-rank; torchrun's elastic rendezvous
+   (--rdzv-backend, a range in --nnodes) is not supported. The workers' rank 0 serves the store
+   (TORCHELASTIC_USE_AGENT_STORE=False), as under torchrun --standalone. */
+#include "internal.h"
+#ifdef __linux__
+#include <sys/prctl.h>
+#endif
+
+#define DDP__LAUNCH_GRACE 3.0      /* seconds between SIGTERM and SIGKILL when stopping workers */
+#define DDP__LAUNCH_POLL 0.005     /* seconds between two looks at the workers */
+#define DDP__LAUNCH_SETTLE 0.25    /* seconds to collect other failures after the first one */
+#define DDP__LAUNCH_MAX_PROCS 65536 /* per node; also the largest --nnodes */
+
+/* What every worker of one launch is told: torchrun's launch environment (REFERENCE.md). */
+typedef struct ddp__launch_env {
+    int nproc, nnodes, node_rank;
+    char master_addr[256];
+    int master_port;
+    int restart_count, max_restarts;
+    char run_id[64];
+    char role[64];
+    int set_omp; /* OMP_NUM_THREADS=1, as torchrun does when it is unset and nproc > 1 */
+} ddp__launch_env;
+
+/* One worker process; rank is the global rank. */
+typedef struct ddp__launch_worker {
+    pid_t pid;
+    int rank, local_rank;
+    int status; /* waitpid status, valid once reaped */
+    int reaped;
+    int lost;   /* reaped by someone else: its status is unknown, counted as a failure */
+    int pidfd;  /* readable once the process has ended (Linux 5.3+); -1 when unavailable */
+    int pass;   /* the look (ddp__launch_reap) that found it failed; 0 = not failed */
+} ddp__launch_worker;
+
+/* The workers of one attempt and how to report on them. */
+typedef struct ddp__launch_group {
+    const char *who; /* "ddprun" or "ddp_spawn": starts every line it prints */
+    int to_stderr;   /* 1: print to stderr (ddprun); 0: ddp__log at error level (ddp_spawn) */
+    int signals;     /* 1: react to the signals ddprun caught (ddp__launch_signal_got) */
+    int n;
+    int pass;        /* looks at the workers so far */
+    ddp__launch_worker *w;
+} ddp__launch_group;
+
+/* ddprun's signal handlers write here. A handler can reach nothing but globals, so this is the one
+   mutable global of the library; ddp_spawn never touches it. */
+static volatile sig_atomic_t ddp__launch_signal_got;   /* the last signal received, 0 = none */
+static volatile sig_atomic_t ddp__launch_signal_count; /* how many were received */
+
+static void ddp__launch_say(const ddp__launch_group *lg, const char *fmt, ...) DDP__PRINTF(2, 3);
+
+static void ddp__launch_say(const ddp__launch_group *lg, const char *fmt, ...) {
+    char msg[DDP__ERR_MAX];
+    va_list ap;
+    va_start(ap, fmt);
+    vsnprintf(msg, sizeof msg, fmt, ap);
+    va_end(ap);
+    if (lg->to_stderr) {
+        fprintf(stderr, "%s: %s\n", lg->who, msg);
+        fflush(stderr);
+    } else {
+        ddp__log(NULL, DDP_LOG_ERROR, "%s: %s", lg->who, msg);
+    }
+}
+
+static const char *ddp__launch_signame(int sig) {
+    switch (sig) {
+    case SIGHUP: return "SIGHUP";
+    case SIGINT: return "SIGINT";
+    case SIGQUIT: return "SIGQUIT";
+    case SIGILL: return "SIGILL";
+    case SIGTRAP: return "SIGTRAP";
+    case SIGABRT: return "SIGABRT";
+    case SIGBUS: return "SIGBUS";
+    case SIGFPE: return "SIGFPE";
+    case SIGKILL: return "SIGKILL";
+    case SIGUSR1: return "SIGUSR1";
+    case SIGSEGV: return "SIGSEGV";
+    case SIGUSR2: return "SIGUSR2";
+    case SIGPIPE: return "SIGPIPE";
+    case SIGALRM: return "SIGALRM";
+    case SIGTERM: return "SIGTERM";
+    case SIGXCPU: return "SIGXCPU";
+    case SIGXFSZ: return "SIGXFSZ";
+    case SIGSYS: return "SIGSYS";
+    }
+    return "a signal without a short name";
+}
+
+/* "exited with code 3", "was killed by signal 9 (SIGKILL)" */
+static void ddp__launch_describe(const ddp__launch_worker *w, char *buf, size_t size) {
+    int status = w->status;
+    if (w->lost) {
+        snprintf(buf, size, "ended, but its exit status was collected elsewhere (a SIGCHLD handler calling wait?)");
+    } else if (WIFEXITED(status)) {
+        snprintf(buf, size, "exited with code %d", WEXITSTATUS(status));
+    } else if (WIFSIGNALED(status)) {
+        snprintf(buf, size, "was killed by signal %d (%s)%s", WTERMSIG(status), ddp__launch_signame(WTERMSIG(status)),
+                 WCOREDUMP(status) ? ", core dumped" : "");
+    } else {
+        snprintf(buf, size, "ended with wait status 0x%x", (unsigned)status);
+    }
+}
+
+/* The shell's convention: the exit code, or 128 + the signal number. Never 0 for a failure. */
+static int ddp__launch_exit_code(int status) {
+    if (WIFEXITED(status)) return WEXITSTATUS(status) ? WEXITSTATUS(status) : 1;
+    if (WIFSIGNALED(status)) return 128 + WTERMSIG(status);
+    return 1;
+}
+
+static int ddp__launch_failed(int status) { return !WIFEXITED(status) || WEXITSTATUS(status) != 0; }
+
+/* "rank 2 (pid 1234)", with the local rank when this node does not start at rank 0. */
+static void ddp__launch_name(const ddp__launch_worker *w, char *buf, size_t size) {
+    if (w->rank == w->local_rank)
+        snprintf(buf, size, "rank %d (pid %ld)", w->rank, (long)w->pid);
+    else
+        snprintf(buf, size, "rank %d (local rank %d, pid %ld)", w->rank, w->local_rank, (long)w->pid);
+}
+
+static int ddp__launch_running(const ddp__launch_group *lg) {
+    int i, n = 0;
+    for (i = 0; i < lg->n; i++) n += !lg->w[i].reaped;
+    return n;
+}
+
+static void ddp__launch_mark_reaped(ddp__launch_worker *w, int status) {
+    w->status = status;
+    w->reaped = 1;
+    if (w->pidfd >= 0) close(w->pidfd);
+    w->pidfd = -1;
+}
+
+/* One non-blocking look at every running worker. Returns how many were found to have failed in
+   this look (marked with its pass number). Polling each pid (not waitpid(-1)) leaves the caller's
+   other children alone, which matters when ddp_spawn runs inside a user's program. */
+static int ddp__launch_reap(ddp__launch_group *lg) {
+    int i, failed = 0;
+    lg->pass++;
+    for (i = 0; i < lg->n; i++) {
+        ddp__launch_worker *w = &lg->w[i];
+        int st = 0;
+        pid_t p;
+        if (w->reaped) continue;
+        p = waitpid(w->pid, &st, WNOHANG);
+        if (p == 0 || (p < 0 && errno == EINTR)) continue;
+        if (p < 0) { /* ECHILD: a waitpid(-1) elsewhere took it */
+            w->lost = 1;
+            st = 1 << 8; /* as "exited with code 1" for the exit code */
+        }
+        ddp__launch_mark_reaped(w, st);
+        if (ddp__launch_failed(st)) {
+            w->pass = lg->pass;
+            failed++;
+        }
+    }
+    return failed;
+}
+
+/* Sleep until a worker may have ended: poll() on the pidfds of (the first 64) running workers
+   wakes at once when one ends, and a signal to ddprun interrupts it; the DDP__LAUNCH_POLL timeout
+   covers the rest. Without pidfds (kernels before 5.3), a plain sleep of DDP__LAUNCH_POLL. */
+static void ddp__launch_nap(const ddp__launch_group *lg) {
+    struct pollfd fds[64];
+    int i, n = 0;
+    for (i = 0; i < lg->n && n < (int)(sizeof fds / sizeof fds[0]); i++) {
+        if (lg->w[i].reaped || lg->w[i].pidfd < 0) continue;
+        fds[n].fd = lg->w[i].pidfd;
+        fds[n].events = POLLIN;
+        fds[n].revents = 0;
+        n++;
+    }
+    if (n == 0) {
+        ddp__sleep(DDP__LAUNCH_POLL);
+        return;
+    }
+    poll(fds, (nfds_t)n, (int)(DDP__LAUNCH_POLL * 1000));
+}
+
+/* Of the workers that failed since look `since`, the one that most likely made the others fail.
+   When a rank dies, the others lose a peer and fail too, all in the same way (the same exit code),
+   and on a busy machine they may end before the dead rank can even be reaped. So: a failure unlike
+   every other one is the cause; among several such, or none, the earliest seen, then the lowest rank. */
+static int ddp__launch_culprit(const ddp__launch_group *lg, int since) {
+    int i, j, best = -1, best_unique = 0;
+    for (i = 0; i < lg->n; i++) {
+        const ddp__launch_worker *a = &lg->w[i];
+        int unique = 1;
+        if (a->pass < since) continue;
+        for (j = 0; j < lg->n; j++)
+            if (j != i && lg->w[j].pass >= since && lg->w[j].status == a->status && lg->w[j].lost == a->lost) unique = 0;
+        if (best < 0 || unique > best_unique || (unique == best_unique && a->pass < lg->w[best].pass)) {
+            best = i;
+            best_unique = unique;
+        }
+    }
+    return best;
+}
+
+/* "; at about the same time rank 0 (pid 11) exited with code 1, rank 3 (pid 14) exited with code 1":
+   the other failures since look `since`, so that nothing is hidden when the guess is wrong. */
+static void ddp__launch_also(const ddp__launch_group *lg, int culprit, int since, char *buf, size_t size) {
+    size_t len = 0;
+    int i, listed = 0, more = 0;
+    buf[0] = '\0';
+    for (i = 0; i < lg->n; i++) {
+        char name[96], how[128];
+        if (i == culprit || lg->w[i].pass < since) continue;
+        if (listed == 4) {
+            more++;
+            continue;
+        }
+        ddp__launch_name(&lg->w[i], name, sizeof name);
+        ddp__launch_describe(&lg->w[i], how, sizeof how);
+        snprintf(buf + len, size - len, "%s%s %s", listed ? ", " : "; at about the same time ", name, how);
+        len = strlen(buf);
+        listed++;
+    }
+    if (more) snprintf(buf + len, size - len, " and %d more", more);
+}
+
+static void ddp__launch_signal_all(const ddp__launch_group *lg, int sig) {
+    int i;
+    for (i = 0; i < lg->n; i++) {
+        /* the worker's whole process group (its own children too); the pid alone when the group
+           is already gone. Reaped workers' groups are signalled as well: their children may linger. */
+        if (kill(-lg->w[i].pid, sig) != 0 && !lg->w[i].reaped) kill(lg->w[i].pid, sig);
+    }
+}
+
+/* Stop every worker still running: sig (SIGTERM, or what ddprun received) to each process group,
+   then SIGKILL to those still there after the grace period (or at once on a second signal to
+   ddprun). Returns when every worker has been reaped. */
+static void ddp__launch_stop(ddp__launch_group *lg, int sig) {
+    double deadline = ddp__now() + DDP__LAUNCH_GRACE;
+    sig_atomic_t signals_before = ddp__launch_signal_count;
+    int i;
+    ddp__launch_signal_all(lg, sig);
+    while (ddp__launch_running(lg) > 0 && ddp__now() < deadline &&
+           !(lg->signals && ddp__launch_signal_count != signals_before)) {
+        ddp__launch_nap(lg);
+        ddp__launch_reap(lg);
+    }
+    for (i = 0; i < lg->n; i++) {
+        char name[96];
+        if (lg->w[i].reaped) continue;
+        ddp__launch_name(&lg->w[i], name, sizeof name);
+        ddp__launch_say(lg, "%s did not stop within %.0f s of %s; sending SIGKILL", name, DDP__LAUNCH_GRACE,
+                        ddp__launch_signame(sig));
+    }
+    /* also catches children of workers that ignored the first signal and exited without them */
+    ddp__launch_signal_all(lg, SIGKILL);
+    for (i = 0; i < lg->n; i++) {
+        ddp__launch_worker *w = &lg->w[i];
+        while (!w->reaped) {
+            int st = 0;
+            pid_t p = waitpid(w->pid, &st, 0);
+            if (p == w->pid || (p < 0 && errno != EINTR)) ddp__launch_mark_reaped(w, st);
+        }
+    }
+}
+
+/* Watch the workers until all exited 0 (returns 0), one failed, or ddprun received a signal; in the
+   last two cases stop the others, write what happened to msg (DDP__ERR_MAX bytes) and return the
+   exit code for ddprun: the failed worker's (128 + signal when it was killed), or 128 + the signal
+   ddprun received. */
+static int ddp__launch_monitor(ddp__launch_group *lg, char *msg) {
+    for (;;) {
+        int failed = ddp__launch_reap(lg), running, sig;
+        if (failed > 0) {
+            char name[96], how[128], also[512];
+            const ddp__launch_worker *w;
+            int since = lg->pass;
+            double settle = ddp__now() + DDP__LAUNCH_SETTLE;
+            while (ddp__launch_running(lg) > 0 && ddp__now() < settle) {
+                ddp__launch_nap(lg);
+                ddp__launch_reap(lg);
+            }
+            w = &lg->w[ddp__launch_culprit(lg, since)];
+            running = ddp__launch_running(lg);
+            ddp__launch_name(w, name, sizeof name);
+            ddp__launch_describe(w, how, sizeof how);
+            ddp__launch_also(lg, (int)(w - lg->w), since, also, sizeof also);
+            if (running > 0)
+                ddp__launch_say(lg, "%s %s%s; stopping the other %d worker%s", name, how, also, running,
+                                running == 1 ? "" : "s");
+            else
+                ddp__launch_say(lg, "%s %s%s", name, how, also);
+            ddp__launch_stop(lg, SIGTERM);
+            snprintf(msg, DDP__ERR_MAX, "%s of %d %s%s; %d other running worker%s stopped", name, lg->n, how, also,
+                     running, running == 1 ? " was" : "s were");
+            return ddp__launch_exit_code(w->status);
+        }
+        running = ddp__launch_running(lg);
+        if (running == 0) return 0;
+        sig = lg->signals ? (int)ddp__launch_signal_got : 0;
+        if (sig) {
+            ddp__launch_say(lg, "received %s; forwarding it to the %d running worker%s", ddp__launch_signame(sig),
+                            running, running == 1 ? "" : "s");
+            ddp__launch_stop(lg, sig);
+            snprintf(msg, DDP__ERR_MAX, "%s received %s and stopped its %d running worker%s", lg->who,
+                     ddp__launch_signame(sig), running, running == 1 ? "" : "s");
+            return 128 + sig;
+        }
+        ddp__launch_nap(lg);
+    }
+}
+
+/* Exit statuses are only kept while SIGCHLD is not ignored: with SIG_IGN (or SA_NOCLDWAIT) the
+   kernel reaps children at once. Restore the default for as long as workers run; old receives
+   the caller's action for ddp__launch_sigchld_restore. */
+static void ddp__launch_sigchld_default(struct sigaction *old) {
+    struct sigaction sa;
+    sigaction(SIGCHLD, NULL, old);
+    if (old->sa_handler != SIG_IGN && !(old->sa_flags & SA_NOCLDWAIT)) return;
+    memset(&sa, 0, sizeof sa);
+    sa.sa_handler = SIG_DFL;
+    sigemptyset(&sa.sa_mask);
+    sigaction(SIGCHLD, &sa, NULL);
+}
+
+static void ddp__launch_sigchld_restore(const struct sigaction *old) { sigaction(SIGCHLD, old, NULL); }
+
+/* ---- starting workers ---- */
+
+static void ddp__launch_setenv_int(const char *name, long value) {
+    char v[32];
+    snprintf(v, sizeof v, "%ld", value);
+    setenv(name, v, 1);
+}
+
+/* In the forked worker: the variables torchrun sets (see ddp_launcher_main's help for the list). */
+static void ddp__launch_export(const ddp__launch_env *e, int local_rank) {
+    long world = (long)e->nproc * e->nnodes, rank = (long)e->node_rank * e->nproc + local_rank;
+    ddp__launch_setenv_int("RANK", rank);
+    ddp__launch_setenv_int("LOCAL_RANK", local_rank);
+    ddp__launch_setenv_int("WORLD_SIZE", world);
+    ddp__launch_setenv_int("LOCAL_WORLD_SIZE", e->nproc);
+    ddp__launch_setenv_int("GROUP_RANK", e->node_rank);
+    ddp__launch_setenv_int("GROUP_WORLD_SIZE", e->nnodes);
+    ddp__launch_setenv_int("ROLE_RANK", rank);
+    ddp__launch_setenv_int("ROLE_WORLD_SIZE", world);
+    setenv("ROLE_NAME", e->role, 1);
+    setenv("MASTER_ADDR", e->master_addr, 1);
+    ddp__launch_setenv_int("MASTER_PORT", e->master_port);
+    ddp__launch_setenv_int("TORCHELASTIC_RESTART_COUNT", e->restart_count);
+    ddp__launch_setenv_int("TORCHELASTIC_MAX_RESTARTS", e->max_restarts);
+    setenv("TORCHELASTIC_RUN_ID", e->run_id, 1);
+    setenv("TORCHELASTIC_USE_AGENT_STORE", "False", 1);
+    ddp__launch_setenv_int("DDP_RESTART_COUNT", e->restart_count);
+    if (e->set_omp) setenv("OMP_NUM_THREADS", "1", 0);
+}
+
+/* In the forked worker: its own process group (so stopping it stops its children too), and death
+   with the launcher (so a launcher killed by SIGKILL leaves no orphans behind). */
+static void ddp__launch_child_setup(pid_t launcher) {
+    setpgid(0, 0);
+#ifdef __linux__
+    prctl(PR_SET_PDEATHSIG, SIGKILL);
+#endif
+    if (getppid() != launcher) _exit(1); /* the launcher died before prctl took effect */
+}
+
+/* A file descriptor that becomes readable when pid ends (pidfd_open, Linux 5.3+; close-on-exec), or -1. */
+static int ddp__launch_pidfd(pid_t pid) {
+#ifdef SYS_pidfd_open
+    return (int)syscall(SYS_pidfd_open, pid, 0);
+#else
+    (void)pid;
+    return -1;
+#endif
+}
+
+/* Start the workers: exec argv (ddprun) or run fn (ddp_spawn) in each. On failure the workers
+   already started are stopped and the error is in err. */
+static ddp_result ddp__launch_start(ddp__launch_group *lg, const ddp__launch_env *e, char **argv,
+                                    int (*fn)(int, int, void *), void *arg, char *err) {
+    pid_t self = getpid();
+    int i;
+    fflush(NULL); /* or buffered output would be written again by every worker */
+    for (i = 0; i < lg->n; i++) {
+        ddp__launch_worker *w = &lg->w[i];
+        pid_t pid = fork();
+        if (pid < 0) {
+            int saved = errno;
+            lg->n = i;
+            ddp__launch_stop(lg, SIGTERM);
+            return ddp__fail_to(err, DDP_ERR_SYSTEM, "%s: fork() for local rank %d failed: %s (process limit? see ulimit -u)",
+                                lg->who, i, strerror(saved));
+        }
+        if (pid == 0) {
+            int k;
+            for (k = 0; k < i; k++) /* the earlier workers' pidfds are the launcher's business */
+                if (lg->w[k].pidfd >= 0) close(lg->w[k].pidfd);
+            ddp__launch_child_setup(self);
+            ddp__launch_export(e, i);
+            if (argv) {
+                execvp(argv[0], argv);
+                fprintf(stderr, "%s: cannot run %s: %s\n", lg->who, argv[0], strerror(errno));
+                _exit(127);
+            } else {
+                int rc = fn(w->rank, lg->n, arg);
+                fflush(NULL);
+                /* exit codes are 8 bits: keep a failure a failure (256 would read as 0) */
+                _exit(rc == 0 ? 0 : ((rc & 0xff) ? (rc & 0xff) : 1));
+            }
+        }
+        setpgid(pid, pid); /* also here: the group must exist before anyone signals it */
+        w->pid = pid;
+        w->pidfd = ddp__launch_pidfd(pid);
+    }
+    return DDP_SUCCESS;
+}
+
+/* ddprun (is_ddprun = 1) prints to stderr and reacts to the signals it caught; ddp_spawn logs. */
+static ddp__launch_group ddp__launch_group_make(int is_ddprun, int n, int first_rank, ddp__launch_worker *w) {
+    ddp__launch_group lg;
+    int i;
+    lg.who = is_ddprun ? "ddprun" : "ddp_spawn";
+    lg.to_stderr = is_ddprun;
+    lg.signals = is_ddprun;
+    lg.n = n;
+    lg.pass = 0;
+    lg.w = w;
+    for (i = 0; i < n; i++) {
+        memset(&w[i], 0, sizeof w[i]);
+        w[i].rank = first_rank + i;
+        w[i].local_rank = i;
+        w[i].pidfd = -1;
+    }
+    return lg;
+}
+
+/* A TCP port that was free a moment ago: bind port 0 and read what the kernel chose (what torchrun
+   --standalone does; another process may still take it before rank 0 binds it). */
+static int ddp__launch_free_port(char *err) {
+    struct sockaddr_in a;
+    socklen_t len = sizeof a;
+    int port, fd = socket(AF_INET, SOCK_STREAM, 0);
+    if (fd < 0) {
+        ddp__fail_to(err, DDP_ERR_SYSTEM, "cannot find a free port: socket(): %s", strerror(errno));
+        return -1;
+    }
+    memset(&a, 0, sizeof a);
+    a.sin_family = AF_INET;
+    a.sin_addr.s_addr = htonl(INADDR_ANY);
+    if (bind(fd, (struct sockaddr *)&a, sizeof a) != 0 || getsockname(fd, (struct sockaddr *)&a, &len) != 0) {
+        ddp__fail_to(err, DDP_ERR_SYSTEM, "cannot find a free port: bind(port 0): %s", strerror(errno));
+        close(fd);
+        return -1;
+    }
+    port = ntohs(a.sin_port);
+    close(fd);
+    return port;
+}
+
+static void ddp__launch_env_defaults(ddp__launch_env *e) {
+    memset(e, 0, sizeof *e);
+    e->nproc = 1;
+    e->nnodes = 1;
+    snprintf(e->master_addr, sizeof e->master_addr, "127.0.0.1");
+    e->master_port = 29500;
+    snprintf(e->run_id, sizeof e->run_id, "none");
+    snprintf(e->role, sizeof e->role, "default");
+}
+
+/* ---- ddp_spawn ---- */
+
+DDP_API ddp_result ddp_spawn(int nprocs, int (*fn)(int rank, int world_size, void *arg), void *arg) {
+    ddp__launch_env e;
+    ddp__launch_group lg;
+    ddp__launch_worker *w;
+    ddp_result r;
+    struct sigaction old_chld;
+    char *err = ddp__error_buffer(NULL);
+    char msg[DDP__ERR_MAX];
+    if (nprocs < 1 || nprocs > DDP__LAUNCH_MAX_PROCS)
+        return ddp__fail(NULL, DDP_ERR_INVALID_ARGUMENT, "ddp_spawn: nprocs=%d must be in [1, %d]", nprocs,
+                         DDP__LAUNCH_MAX_PROCS);
+    if (!fn) return ddp__fail(NULL, DDP_ERR_INVALID_ARGUMENT, "ddp_spawn: fn is NULL; pass the function each process runs");
+    ddp__launch_env_defaults(&e);
+    e.nproc = nprocs;
+    e.set_omp = nprocs > 1;
+    e.master_port = ddp__launch_free_port(err);
+    if (e.master_port < 0) return DDP_ERR_SYSTEM;
+    w = (ddp__launch_worker *)ddp__calloc((size_t)nprocs, sizeof *w);
+    if (!w) return ddp__fail(NULL, DDP_ERR_OUT_OF_MEMORY, "ddp_spawn: cannot allocate %d worker records", nprocs);
+    lg = ddp__launch_group_make(0, nprocs, 0, w);
+    ddp__launch_sigchld_default(&old_chld);
+    r = ddp__launch_start(&lg, &e, NULL, fn, arg, err);
+    if (r == DDP_SUCCESS && ddp__launch_monitor(&lg, msg) != 0)
+        r = ddp__fail(NULL, DDP_ERR_WORKER_FAILED, "ddp_spawn: %s", msg);
+    ddp__launch_sigchld_restore(&old_chld);
+    ddp__free(w);
+    return r;
+}
+
+/* ---- ddprun ---- */
+
+/* The parsed command line. */
+typedef struct ddp__launch_args {
+    ddp__launch_env env;
+    int standalone, port_given, help, nnodes_given, node_rank_given, run_id_given;
+    char **program; /* NULL-terminated argv of the program */
+} ddp__launch_args;
+
+static const char ddp__launch_usage[] =
+    "usage: ddprun [flags] [--] PROGRAM [ARGS...]\n"
+    "Start PROGRAM once per worker with torchrun's environment, so that ddp_init(NULL) (or torch's\n"
+    "init_process_group(\"env://\")) in it joins the group. Flags take `--flag value` or `--flag=value`,\n"
+    "with dashes or underscores (--nproc-per-node or --nproc_per_node).\n"
+    "\n"
+    "  --nproc-per-node N    workers on this node (default 1); \"cpu\" = the number of online CPUs.\n"
+    "                        \"gpu\" and \"auto\" are not accepted: ddprun does not link CUDA; give the\n"
+    "                        number of GPUs (for example $(nvidia-smi -L | wc -l)).\n"
+    "  --nnodes M            nodes taking part (default 1); every node runs ddprun with the same\n"
+    "                        --nproc-per-node, --nnodes, --master-addr and --master-port\n"
+    "  --node-rank K         this node's index in [0, M) (default 0); it starts global ranks\n"
+    "                        K*N .. K*N+N-1\n"
+    "  --master-addr HOST    where rank 0 serves the rendezvous store (default 127.0.0.1)\n"
+    "  --master-port PORT    its TCP port (default 29500)\n"
+    "  --standalone          single node on a free port (found by binding port 0); a new one is picked\n"
+    "                        for each restart. Excludes --master-port and --nnodes/--node-rank other than 1/0\n"
+    "  --max-restarts R      when a worker fails, stop all and start the whole group again, at most R\n"
+    "                        times (default 0); TORCHELASTIC_RESTART_COUNT and DDP_RESTART_COUNT tell\n"
+    "                        the program which attempt it is, so it can resume from its checkpoint\n"
+    "  --rdzv-id ID          TORCHELASTIC_RUN_ID (default \"none\"; a random UUID with --standalone)\n"
+    "  --role NAME           ROLE_NAME (default \"default\")\n"
+    "  --no-python           accepted and ignored: ddprun always runs PROGRAM itself\n"
+    "  -h, --help            this text\n"
+    "\n"
+    "Each worker gets RANK, LOCAL_RANK, WORLD_SIZE, LOCAL_WORLD_SIZE, GROUP_RANK (= node rank),\n"
+    "GROUP_WORLD_SIZE (= nnodes), ROLE_RANK, ROLE_WORLD_SIZE, ROLE_NAME, MASTER_ADDR, MASTER_PORT,\n"
+    "TORCHELASTIC_RESTART_COUNT, TORCHELASTIC_MAX_RESTARTS, TORCHELASTIC_RUN_ID,\n"
+    "TORCHELASTIC_USE_AGENT_STORE=False (rank 0 serves the store), DDP_RESTART_COUNT, and\n"
+    "OMP_NUM_THREADS=1 when it is unset and N > 1. Each worker runs in its own process group.\n"
+    "\n"
+    "When a worker exits non-zero or is killed by a signal, ddprun says which rank and how, sends\n"
+    "SIGTERM to the other workers (SIGKILL after 3 s) and exits with the worker's code (128 + signal\n"
+    "number when it was killed). SIGINT, SIGTERM, SIGHUP and SIGQUIT sent to ddprun are forwarded to\n"
+    "the workers, which are then stopped the same way; ddprun then exits with 128 + that signal.\n"
+    "Rendezvous is static: torchrun's elastic rendezvous (--rdzv-backend, --rdzv-endpoint, a range\n"
+    "in --nnodes) is not supported.\n";
+
+/* Flags torchrun has that ddprun refuses, with the reason. */
+static const char *ddp__launch_refused(const char *name) {
+    static const char *elastic = "elastic rendezvous is not supported; use static rendezvous: the same --nnodes, "
+                                 "--master-addr and --master-port on every node, and each node's own --node-rank";
+    static const char *python = "ddprun runs a program, not a Python module or script path; give the interpreter "
+                                "as the program: ddprun ... python3 -m MODULE";
+    static const char *output = "ddprun does not redirect worker output: every worker writes to ddprun's own "
+                                "stdout and stderr";
+    if (!strcmp(name, "rdzv-backend") || !strcmp(name, "rdzv-endpoint") || !strcmp(name, "rdzv-conf") ||
+        !strcmp(name, "max-nodes") || !strcmp(name, "min-nodes"))
+        return elastic;
+    if (!strcmp(name, "module") || !strcmp(name, "run-path")) return python;
+    if (!strcmp(name, "redirects") || !strcmp(name, "tee") || !strcmp(name, "log-dir")) return output;
+    return NULL;
+}
+
+static ddp_result ddp__launch_parse_long(const char *flag, const char *v, long lo, long hi, long *out, char *err) {
+    char *end = NULL;
+    long x;
+    errno = 0;
+    x = strtol(v, &end, 10);
+    if (errno || end == v || *end != '\0' || x < lo || x > hi)
+        return ddp__fail_to(err, DDP_ERR_INVALID_ARGUMENT, "--%s \"%s\": expected an integer in [%ld, %ld]", flag, v, lo,
+                            hi);
+    *out = x;
+    return DDP_SUCCESS;
+}
+
+static ddp_result ddp__launch_parse_nproc(const char *v, int *out, char *err) {
+    long x;
+    if (!strcmp(v, "cpu")) {
+        x = sysconf(_SC_NPROCESSORS_ONLN);
+        *out = x > 0 ? (int)DDP__MIN(x, (long)DDP__LAUNCH_MAX_PROCS) : 1;
+        return DDP_SUCCESS;
+    }
+    if (!strcmp(v, "gpu") || !strcmp(v, "auto"))
+        return ddp__fail_to(err, DDP_ERR_INVALID_ARGUMENT, "--nproc-per-node %s: ddprun does not link CUDA and cannot "
+                            "count GPUs; give the number of workers, e.g. --nproc-per-node $(nvidia-smi -L | wc -l)", v);
+    if (ddp__launch_parse_long("nproc-per-node", v, 1, DDP__LAUNCH_MAX_PROCS, &x, err)) return DDP_ERR_INVALID_ARGUMENT;
+    *out = (int)x;
+    return DDP_SUCCESS;
+}
+
+/* torchrun writes a range "MIN:MAX" for elastic jobs; only MIN == MAX is a static job. */
+static ddp_result ddp__launch_parse_nnodes(const char *v, int *out, char *err) {
+    const char *colon = strchr(v, ':');
+    long lo, hi;
+    char first[32];
+    if (!colon) {
+        if (ddp__launch_parse_long("nnodes", v, 1, DDP__LAUNCH_MAX_PROCS, &lo, err)) return DDP_ERR_INVALID_ARGUMENT;
+        *out = (int)lo;
+        return DDP_SUCCESS;
+    }
+    if ((size_t)(colon - v) >= sizeof first) return ddp__launch_parse_long("nnodes", v, 1, 1, &lo, err);
+    memcpy(first, v, (size_t)(colon - v));
+    first[colon - v] = '\0';
+    if (ddp__launch_parse_long("nnodes", first, 1, DDP__LAUNCH_MAX_PROCS, &lo, err) ||
+        ddp__launch_parse_long("nnodes", colon + 1, 1, DDP__LAUNCH_MAX_PROCS, &hi, err))
+        return DDP_ERR_INVALID_ARGUMENT;
+    if (lo != hi)
+        return ddp__fail_to(err, DDP_ERR_UNSUPPORTED, "--nnodes %s: a range of nodes needs elastic rendezvous, which "
+                            "ddprun does not support; give one number", v);
+    *out = (int)lo;
+    return DDP_SUCCESS;
+}
+
+static ddp_result ddp__launch_copy(const char *flag, const char *v, char *dst, size_t size, char *err) {
+    if (!*v || strlen(v) >= size)
+        return ddp__fail_to(err, DDP_ERR_INVALID_ARGUMENT, "--%s \"%s\": expected a non-empty value shorter than %d "
+                            "characters", flag, v, (int)size);
+    memcpy(dst, v, strlen(v) + 1);
+    return DDP_SUCCESS;
+}
+
+/* Apply one flag that takes a value; name is normalised (dashes). The parsing functions below
+   return DDP_SUCCESS or an error with the message in err. */
+static ddp_result ddp__launch_apply(ddp__launch_args *a, const char *name, const char *v, char *err) {
+    long x;
+    if (!strcmp(name, "nproc-per-node")) return ddp__launch_parse_nproc(v, &a->env.nproc, err);
+    if (!strcmp(name, "nnodes")) {
+        a->nnodes_given = 1;
+        return ddp__launch_parse_nnodes(v, &a->env.nnodes, err);
+    }
+    if (!strcmp(name, "node-rank")) {
+        a->node_rank_given = 1;
+        if (ddp__launch_parse_long(name, v, 0, DDP__LAUNCH_MAX_PROCS - 1, &x, err)) return DDP_ERR_INVALID_ARGUMENT;
+        a->env.node_rank = (int)x;
+        return DDP_SUCCESS;
+    }
+    if (!strcmp(name, "master-addr")) return ddp__launch_copy(name, v, a->env.master_addr, sizeof a->env.master_addr, err);
+    if (!strcmp(name, "master-port")) {
+        a->port_given = 1;
+        if (ddp__launch_parse_long(name, v, 1, 65535, &x, err)) {
+            if (!strcmp(v, "0")) strncat(err, " (for a free port use --standalone)", DDP__ERR_MAX - strlen(err) - 1);
+            return DDP_ERR_INVALID_ARGUMENT;
+        }
+        a->env.master_port = (int)x;
+        return DDP_SUCCESS;
+    }
+    if (!strcmp(name, "max-restarts")) {
+        if (ddp__launch_parse_long(name, v, 0, 1000000, &x, err)) return DDP_ERR_INVALID_ARGUMENT;
+        a->env.max_restarts = (int)x;
+        return DDP_SUCCESS;
+    }
+    if (!strcmp(name, "rdzv-id")) {
+        a->run_id_given = 1;
+        return ddp__launch_copy(name, v, a->env.run_id, sizeof a->env.run_id, err);
+    }
+    if (!strcmp(name, "role")) return ddp__launch_copy(name, v, a->env.role, sizeof a->env.role, err);
+    return ddp__fail_to(err, DDP_ERR_INVALID_ARGUMENT, "unknown flag --%s", name);
+}
+
+static int ddp__launch_is_switch(const char *name) {
+    return !strcmp(name, "standalone") || !strcmp(name, "no-python") || !strcmp(name, "help");
+}
+
+static int ddp__launch_takes_value(const char *name) {
+    static const char *names[] = {"nproc-per-node", "nnodes", "node-rank", "master-addr", "master-port",
+                                  "max-restarts", "rdzv-id", "role"};
+    size_t i;
+    for (i = 0; i < sizeof names / sizeof names[0]; i++)
+        if (!strcmp(name, names[i])) return 1;
+    return 0;
+}
+
+/* One "--flag[=value]" at argv[*i]; may consume the next argument as its value. */
+static ddp_result ddp__launch_parse_flag(ddp__launch_args *a, int argc, char **argv, int *i, char *err) {
+    const char *arg = argv[*i] + 2, *eq = strchr(arg, '='), *value = eq ? eq + 1 : NULL;
+    const char *refused;
+    char name[64];
+    size_t len = eq ? (size_t)(eq - arg) : strlen(arg), k;
+    if (len == 0 || len >= sizeof name) return ddp__fail_to(err, DDP_ERR_INVALID_ARGUMENT, "unknown flag %s", argv[*i]);
+    for (k = 0; k < len; k++) name[k] = arg[k] == '_' ? '-' : arg[k];
+    name[len] = '\0';
+    if (ddp__launch_is_switch(name)) {
+        if (value) return ddp__fail_to(err, DDP_ERR_INVALID_ARGUMENT, "--%s takes no value (got \"%s\")", name, value);
+        if (!strcmp(name, "standalone")) a->standalone = 1;
+        if (!strcmp(name, "help")) a->help = 1;
+        return DDP_SUCCESS; /* --no-python: we always run the program itself */
+    }
+    refused = ddp__launch_refused(name);
+    if (refused) return ddp__fail_to(err, DDP_ERR_UNSUPPORTED, "--%s: %s", name, refused);
+    if (!ddp__launch_takes_value(name)) return ddp__fail_to(err, DDP_ERR_INVALID_ARGUMENT, "unknown flag --%s", name);
+    if (!value) {
+        if (*i + 1 >= argc) return ddp__fail_to(err, DDP_ERR_INVALID_ARGUMENT, "--%s needs a value", name);
+        value = argv[++*i];
+    }
+    return ddp__launch_apply(a, name, value, err);
+}
+
+/* The flags before the program; the first argument that is not a flag (or the one after "--")
+   is the program, and everything after it belongs to the program. */
+static ddp_result ddp__launch_parse(ddp__launch_args *a, int argc, char **argv, char *err) {
+    int i;
+    memset(a, 0, sizeof *a);
+    ddp__launch_env_defaults(&a->env);
+    for (i = 1; i < argc; i++) {
+        const char *arg = argv[i];
+        if (!strcmp(arg, "--")) {
+            i++;
+            break;
+        }
+        if (!strcmp(arg, "-h")) {
+            a->help = 1;
+            continue;
+        }
+        if (arg[0] != '-' || arg[1] == '\0') break;
+        if (arg[1] != '-') return ddp__fail_to(err, DDP_ERR_INVALID_ARGUMENT, "unknown flag %s", arg);
+        if (ddp__launch_parse_flag(a, argc, argv, &i, err)) return DDP_ERR_INVALID_ARGUMENT;
+    }
+    a->program = i < argc ? argv + i : NULL;
+    return DDP_SUCCESS;
+}
+
+/* Checks that need all the flags at once. */
+static ddp_result ddp__launch_validate(ddp__launch_args *a, char *err) {
+    ddp__launch_env *e = &a->env;
+    if (!a->program)
+        return ddp__fail_to(err, DDP_ERR_INVALID_ARGUMENT, "missing the program to run: ddprun [flags] [--] PROGRAM [ARGS...]");
+    if (a->standalone && (e->nnodes != 1 || e->node_rank != 0))
+        return ddp__fail_to(err, DDP_ERR_INVALID_ARGUMENT, "--standalone is for one node, but --nnodes %d --node-rank %d "
+                            "were given; drop --standalone or those flags", e->nnodes, e->node_rank);
+    if (a->standalone && a->port_given)
+        return ddp__fail_to(err, DDP_ERR_INVALID_ARGUMENT, "--standalone picks a free port itself; drop --master-port "
+                            "or --standalone");
+    if (e->node_rank >= e->nnodes)
+        return ddp__fail_to(err, DDP_ERR_INVALID_ARGUMENT, "--node-rank %d must be smaller than --nnodes %d (node ranks "
+                            "are 0 .. nnodes-1)", e->node_rank, e->nnodes);
+    if ((long long)e->nproc * e->nnodes > INT_MAX)
+        return ddp__fail_to(err, DDP_ERR_INVALID_ARGUMENT, "--nproc-per-node %d times --nnodes %d is too many ranks",
+                            e->nproc, e->nnodes);
+    return DDP_SUCCESS;
+}
+
+/* 1 when execvp would find prog: a path to an executable file, or one in PATH. */
+static int ddp__launch_executable(const char *path) {
+    struct stat st;
+    return stat(path, &st) == 0 && S_ISREG(st.st_mode) && access(path, X_OK) == 0;
+}
+
+static int ddp__launch_findable(const char *prog) {
+    const char *path = getenv("PATH"), *p;
+    char buf[4096];
+    if (strchr(prog, '/')) return ddp__launch_executable(prog);
+    if (!path) path = "/usr/local/bin:/usr/bin:/bin";
+    for (p = path;; p++) {
+        const char *end = strchr(p, ':');
+        size_t len = end ? (size_t)(end - p) : strlen(p);
+        int n = len ? snprintf(buf, sizeof buf, "%.*s/%s", (int)len, p, prog) : snprintf(buf, sizeof buf, "%s", prog);
+        if (n > 0 && (size_t)n < sizeof buf && ddp__launch_executable(buf)) return 1;
+        if (!end) return 0;
+        p = end;
+    }
+}
+
+/* torchrun --standalone names its run with a random UUID (version 4). */
+static void ddp__launch_uuid(char *out, size_t size) {
+    unsigned char b[16];
+    size_t i, got = 0;
+    FILE *f = fopen("/dev/urandom", "rb");
+    if (f) {
+        got = fread(b, 1, sizeof b, f);
+        fclose(f);
+    }
+    if (got != sizeof b) {
+        uint64_t s = (uint64_t)getpid() * 0x9E3779B97F4A7C15ull ^ (uint64_t)(ddp__now() * 1e9);
+        for (i = 0; i < sizeof b; i++) {
+            s = s * 6364136223846793005ull + 1442695040888963407ull;
+            b[i] = (unsigned char)(s >> 56);
+        }
+    }
+    b[6] = (unsigned char)((b[6] & 0x0f) | 0x40);
+    b[8] = (unsigned char)((b[8] & 0x3f) | 0x80);
+    snprintf(out, size, "%02x%02x%02x%02x-%02x%02x-%02x%02x-%02x%02x-%02x%02x%02x%02x%02x%02x", b[0], b[1], b[2], b[3],
+             b[4], b[5], b[6], b[7], b[8], b[9], b[10], b[11], b[12], b[13], b[14], b[15]);
+}
+
+static void ddp__launch_on_signal(int sig) {
+    ddp__launch_signal_got = sig;
+    ddp__launch_signal_count = ddp__launch_signal_count + 1;
+}
+
+static const int ddp__launch_forwarded[] = {SIGINT, SIGTERM, SIGHUP, SIGQUIT};
+#define DDP__LAUNCH_NFORWARDED ((int)(sizeof ddp__launch_forwarded / sizeof ddp__launch_forwarded[0]))
+
+/* Catch the signals ddprun forwards; one that was ignored when ddprun started (nohup, `&` in a
+   script) stays ignored, as shells expect. old[] receives the previous actions. */
+static void ddp__launch_catch(struct sigaction *old) {
+    struct sigaction sa;
+    int i;
+    memset(&sa, 0, sizeof sa);
+    sa.sa_handler = ddp__launch_on_signal;
+    sigemptyset(&sa.sa_mask);
+    ddp__launch_signal_got = 0;
+    ddp__launch_signal_count = 0;
+    for (i = 0; i < DDP__LAUNCH_NFORWARDED; i++) {
+        sigaction(ddp__launch_forwarded[i], NULL, &old[i]);
+        if (old[i].sa_handler != SIG_IGN) sigaction(ddp__launch_forwarded[i], &sa, NULL);
+    }
+}
+
+static void ddp__launch_uncatch(const struct sigaction *old) {
+    int i;
+    for (i = 0; i < DDP__LAUNCH_NFORWARDED; i++) sigaction(ddp__launch_forwarded[i], &old[i], NULL);
+}
+
+/* Start the group, restart it after failures while restarts are left; returns ddprun's exit code. */
+static int ddp__launch_run(ddp__launch_args *a, ddp__launch_group *lg) {
+    char err[DDP__ERR_MAX], msg[DDP__ERR_MAX];
+    int attempt, code = 1;
+    for (attempt = 0; attempt <= a->env.max_restarts; attempt++) {
+        a->env.restart_count = attempt;
+        if (a->standalone && (a->env.master_port = ddp__launch_free_port(err)) < 0) {
+            fprintf(stderr, "ddprun: %s\n", err);
+            return 1;
+        }
+        *lg = ddp__launch_group_make(1, a->env.nproc, a->env.node_rank * a->env.nproc, lg->w);
+        if (ddp__launch_start(lg, &a->env, a->program, NULL, NULL, err) != DDP_SUCCESS) {
+            fprintf(stderr, "%s\n", err);
+            return 1;
+        }
+        code = ddp__launch_monitor(lg, msg);
+        if (code == 0) return 0;
+        if (ddp__launch_signal_got) return code; /* the user asked to stop: no restart */
+        if (attempt < a->env.max_restarts)
+            fprintf(stderr, "ddprun: restarting the worker group (restart %d of at most %d)\n", attempt + 1,
+                    a->env.max_restarts);
+    }
+    fprintf(stderr, "ddprun: failed: %s%s\n", msg, a->env.max_restarts ? " (no restarts left)" : "");
+    return code;
+}
+
+DDP_API int ddp_launcher_main(int argc, char **argv) {
+    ddp__launch_args a;
+    ddp__launch_group lg;
+    struct sigaction old[DDP__LAUNCH_NFORWARDED], old_chld;
+    char err[DDP__ERR_MAX];
+    int code;
+    if (ddp__launch_parse(&a, argc, argv, err) != 0 || (!a.help && ddp__launch_validate(&a, err) != 0)) {
+        fprintf(stderr, "ddprun: %s\nTry 'ddprun --help'.\n", err);
+        return 2;
+    }
+    if (a.help) {
+        fputs(ddp__launch_usage, stdout);
+        return 0;
+    }
+    if (!ddp__launch_findable(a.program[0])) {
+        fprintf(stderr, "ddprun: cannot run %s: no executable file %s%s\n", a.program[0],
+                strchr(a.program[0], '/') ? "at that path" : "of that name in PATH",
+                strchr(a.program[0], '/') ? "" : " (for a program in this directory write ./NAME)");
+        return 2;
+    }
+    if (a.standalone && !a.run_id_given) ddp__launch_uuid(a.env.run_id, sizeof a.env.run_id);
+    a.env.set_omp = a.env.nproc > 1 && !ddp__env("OMP_NUM_THREADS");
+    if (a.env.set_omp)
+        fprintf(stderr, "ddprun: setting OMP_NUM_THREADS=1 for each worker (it is unset) so that %d workers do not "
+                        "overload the machine; set it yourself to tune\n", a.env.nproc);
+    lg.w = (ddp__launch_worker *)ddp__calloc((size_t)a.env.nproc, sizeof *lg.w);
+    if (!lg.w) {
+        fprintf(stderr, "ddprun: out of memory for %d worker records\n", a.env.nproc);
+        return 1;
+    }
+    ddp__launch_catch(old);
+    ddp__launch_sigchld_default(&old_chld);
+    code = ddp__launch_run(&a, &lg);
+    ddp__launch_sigchld_restore(&old_chld);
+    ddp__launch_uncatch(old);
+    ddp__free(lg.w);
+    return code;
+}

@@ -1,1 +1,203 @@
-/* placeholder: filled by its issue */
+/* [SECTION] syncbn: torch.nn.SyncBatchNorm (and plain BatchNorm1d/2d/3d) forward and backward
+   Mirrors torch.nn.SyncBatchNorm (torch/nn/modules/_functions.py). Batch statistics are computed
+   over the batches of every rank of the group, as if BatchNorm saw the concatenated batch:
+
+     forward (training)   each rank: per channel count n_r, mean_r, M2_r = sum (x - mean_r)^2
+                          all_gather [mean_r(C), M2_r(C), n_r] (f64) from every rank
+                          Chan merge, rank by rank (ranks with n_r = 0 drop out):
+                              delta = mean_b - mean_a, n = n_a + n_b,
+                              mean = mean_a + delta * n_b / n, M2 = M2_a + M2_b + delta^2 n_a n_b / n
+                          invstd = 1 / sqrt(M2 / n + eps)
+                          running_mean += f * (mean - running_mean)
+                          running_var  += f * (M2 / (n - 1) - running_var)   (unbiased, global n)
+                          f = momentum, or 1 / num_batches_tracked when momentum is None (< 0 here)
+                          y = (x - mean) * invstd * weight + bias
+     backward             each rank: sum_dy = sum dy, sum_dy_xmu = sum dy (x - mean)
+                          all_reduce (SUM) [sum_dy, sum_dy_xmu]
+                          dx = (dy - sum_dy / n - (x - mean) invstd^2 sum_dy_xmu / n) invstd weight
+                          grad_weight += local sum dy (x - mean) invstd, grad_bias += local sum dy
+                          (local: the gradient reducer averages them like every other parameter)
+
+   Layouts: channels-first (N, C, spatial...) or channels-last (N, spatial..., C); `spatial` is the
+   product of the spatial sizes (1 for BatchNorm1d's (N, C) input). Data is f32; statistics are
+   accumulated in f64. The CPU code makes one pass over x per stage. The per-element and per-channel
+   formulas are the static inline DDP_HOST_DEVICE helpers at the end of this section, shared with
+   the CUDA kernels of ddp_cuda.cu. */
+
+typedef struct ddp_syncbn ddp_syncbn; /* a SyncBatchNorm layer's state (opaque) */
+
+/* ddp_syncbn_create's descriptor. Zero-initialised fields take torch.nn.BatchNorm's defaults. */
+typedef struct ddp_syncbn_desc {
+    int num_features;   /* C, the number of channels (> 0) */
+    double eps;         /* added to the variance; 0 = 1e-5 */
+    double momentum;    /* running-stats factor in (0, 1]; 0 = 0.1; < 0 = None: cumulative average
+                           with factor 1 / num_batches_tracked. torch's momentum=0 (batch statistics,
+                           running stats frozen) has no spelling here: 0 means the default. */
+    int channels_last;  /* nonzero: x is (N, spatial..., C) instead of (N, C, spatial...) */
+    float *weight;      /* C floats, caller-owned and read at every call; NULL = 1 (no affine) */
+    float *bias;        /* C floats, caller-owned; NULL = 0 (no affine) */
+    float *running_mean; /* C floats, caller-owned, updated by training forwards; with running_var, */
+    float *running_var;  /* both or neither; NULL = track_running_stats=False */
+    ddp_group *group;   /* statistics are merged over this (sub)group; NULL = the group given to create */
+} ddp_syncbn_desc;
+
+/* ddp_syncbn_create: make a SyncBatchNorm layer.
+   Parameters: g: the group whose ranks share batch statistics, or NULL for a plain single-process
+               BatchNorm (no communication); errors of this layer are reported in ddp_last_error(g).
+               d: the descriptor (copied; the arrays it points to are not). out: receives the layer.
+   Return: DDP_SUCCESS; DDP_ERR_INVALID_ARGUMENT for a bad descriptor (the message names the field);
+           DDP_ERR_OUT_OF_MEMORY.
+   Thread safety: any thread; no communication. */
+DDP_API ddp_result ddp_syncbn_create(ddp_group *g, const ddp_syncbn_desc *d, ddp_syncbn **out);
+
+/* ddp_syncbn_destroy: free the layer (not the caller's arrays). NULL is a no-op. */
+DDP_API void ddp_syncbn_destroy(ddp_syncbn *bn);
+
+/* ddp_syncbn_forward: y = BatchNorm(x), like SyncBatchNorm.forward.
+   Parameters: x, y: batch * spatial * C floats in the layer's layout (y may be x: in place; both
+               may be NULL when batch * spatial is 0). batch >= 0 (ranks may differ, 0 included),
+               spatial >= 0 (the product of the spatial sizes; 1 for (N, C) input).
+               training: nonzero = batch statistics merged over the group, running stats updated,
+               num_batches_tracked += 1; 0 = eval: normalise with the running stats, no communication
+               (a layer without running stats uses this rank's own batch statistics, as torch does).
+   Collective in training when the layer has a group: every rank of the group calls it, also with an
+   empty batch. Saves the mean and invstd used, for ddp_syncbn_backward.
+   Counts: the batch statistics need n = the number of values per channel over all ranks of the group.
+     n == 1: DDP_ERR_INVALID_ARGUMENT on every rank of the group together, nothing changed. torch's
+             BatchNorm (and SyncBatchNorm on one rank) raise "Expected more than 1 value per channel when
+             training"; SyncBatchNorm on 2+ ranks does not check (its running_var update then divides
+             by n - 1 = 0).
+     n == 0: success with nothing to normalise: running stats unchanged, num_batches_tracked += 1, as
+             torch's BatchNorm does on an empty batch (torch's SyncBatchNorm has no defined result there).
+   Return: DDP_SUCCESS; DDP_ERR_INVALID_ARGUMENT for bad arguments or n == 1; errors of the collective
+           (the group is then broken). Thread safety: one thread at a time per layer (and per group). */
+DDP_API ddp_result ddp_syncbn_forward(ddp_syncbn *bn, const float *x, float *y, int64_t batch, int64_t spatial,
+                                      int training);
+
+/* ddp_syncbn_backward: the gradients of the last ddp_syncbn_forward, like SyncBatchNorm.backward.
+   Parameters: x: that forward's input (batch and spatial must be the same); dy: the gradient of y;
+               dx: receives the gradient of x (may be dy: in place; NULL = not wanted);
+               grad_weight, grad_bias: C floats each that this rank's LOCAL gradients are ADDED to, as
+               PyTorch accumulates into .grad (zero them first; the reducer then averages them over
+               ranks like any parameter). NULL = not wanted; they are also computed for a layer
+               without affine parameters (the gradient with respect to an implicit weight 1, bias 0).
+   Collective after a training forward on a layer with a group: every rank calls it (one all_reduce
+   of sum_dy and sum_dy_xmu), whatever it passes for dx, also with an empty batch. After an eval
+   forward the statistics were constants: dx = dy * invstd * weight, with no communication.
+   Return: DDP_SUCCESS; DDP_ERR_INVALID_ARGUMENT; DDP_ERR_STATE when no forward preceded it;
+           errors of the collective. Thread safety: as ddp_syncbn_forward. */
+DDP_API ddp_result ddp_syncbn_backward(ddp_syncbn *bn, const float *x, const float *dy, float *dx, float *grad_weight,
+                                       float *grad_bias, int64_t batch, int64_t spatial);
+
+/* The number of training forwards of a layer with running stats, empty batches included (torch's
+   num_batches_tracked buffer); 0 for a layer without running stats, or NULL. */
+DDP_API int64_t ddp_syncbn_num_batches_tracked(const ddp_syncbn *bn);
+
+/* Restore num_batches_tracked, e.g. from a checkpoint (it sets the cumulative-average factor when
+   momentum is None). Return: DDP_SUCCESS, or DDP_ERR_INVALID_ARGUMENT for a negative value. */
+DDP_API ddp_result ddp_syncbn_set_num_batches_tracked(ddp_syncbn *bn, int64_t value);
+
+/* ---- math shared by the CPU code and the CUDA kernels --------------------------------------------
+   Private helpers (ddp__ names), here in the public part because ddp_cuda.cu compiles them for the
+   device. Per channel, statistics travel as a record per rank of 2C + 1 doubles:
+   [mean(C), M2(C), count], M2 being the sum of squared deviations from that rank's mean. */
+#ifndef DDP_HOST_DEVICE
+#if defined(__CUDACC__)
+#define DDP_HOST_DEVICE __host__ __device__
+#else
+#define DDP_HOST_DEVICE
+#endif
+#endif
+
+/* Chan et al.'s parallel merge: fold the statistics (nb, mean_b, m2_b) of one set into (n, mean, m2).
+   An empty set on either side leaves the other exactly as it was. */
+static inline DDP_HOST_DEVICE void ddp__bn_merge(double *n, double *mean, double *m2, double nb, double mean_b,
+                                                 double m2_b) {
+    double total, delta;
+    if (nb <= 0) return;
+    if (*n <= 0) {
+        *n = nb;
+        *mean = mean_b;
+        *m2 = m2_b;
+        return;
+    }
+    total = *n + nb;
+    delta = mean_b - *mean;
+    *mean += delta * (nb / total);
+    *m2 += m2_b + delta * delta * (*n * (nb / total));
+    *n = total;
+}
+
+/* The same in f32, for the CUDA kernels' reductions inside a block. */
+static inline DDP_HOST_DEVICE void ddp__bn_merge_f32(float *n, float *mean, float *m2, float nb, float mean_b,
+                                                     float m2_b) {
+    float total, delta;
+    if (nb <= 0) return;
+    if (*n <= 0) {
+        *n = nb;
+        *mean = mean_b;
+        *m2 = m2_b;
+        return;
+    }
+    total = *n + nb;
+    delta = mean_b - *mean;
+    *mean += delta * (nb / total);
+    *m2 += m2_b + delta * delta * (*n * (nb / total));
+    *n = total;
+}
+
+/* Welford's update with one value (the CUDA kernels' per-thread accumulation, as torch's). */
+static inline DDP_HOST_DEVICE void ddp__bn_welford_add(float *n, float *mean, float *m2, float x) {
+    float delta = x - *mean;
+    *n += 1.0f;
+    *mean += delta / *n;
+    *m2 += delta * (x - *mean);
+}
+
+/* Merge channel c of the gathered records of nranks ranks, in rank order, into (n, mean, m2). */
+static inline DDP_HOST_DEVICE void ddp__bn_merge_ranks(const double *records, int nranks, int channels, int c,
+                                                       double *n, double *mean, double *m2) {
+    int r;
+    const int64_t stride = 2 * (int64_t)channels + 1;
+    *n = 0;
+    *mean = 0;
+    *m2 = 0;
+    for (r = 0; r < nranks; r++) {
+        const double *rec = records + r * stride;
+        ddp__bn_merge(n, mean, m2, rec[2 * channels], rec[c], rec[channels + c]);
+    }
+}
+
+/* The running-stats factor of a training forward: momentum, or 1 / num_batches_tracked (already
+   incremented) for the cumulative average (momentum < 0, torch's momentum=None). */
+static inline DDP_HOST_DEVICE double ddp__bn_factor(double momentum, int64_t num_batches_tracked) {
+    return momentum < 0 ? 1.0 / (double)num_batches_tracked : momentum;
+}
+
+/* running <- (1 - f) running + f batch, with the unbiased variance M2 / (n - 1) over the global n (>= 2). */
+static inline DDP_HOST_DEVICE void ddp__bn_update_running(float *running_mean, float *running_var, double mean,
+                                                          double m2, double n, double f) {
+    *running_mean = (float)((1.0 - f) * (double)*running_mean + f * mean);
+    *running_var = (float)((1.0 - f) * (double)*running_var + f * (m2 / (n - 1.0)));
+}
+
+/* y = (x - mean) * scale + shift, with scale = invstd * weight and shift = bias. */
+static inline DDP_HOST_DEVICE float ddp__bn_normalize(float x, float mean, float scale, float shift) {
+    return (x - mean) * scale + shift;
+}
+
+/* Per-channel factors of the input gradient from the all-reduced sums and the global count n:
+   mean_dy = sum_dy / n, proj = invstd^2 sum_dy_xmu / n, scale = invstd * weight. */
+static inline DDP_HOST_DEVICE void ddp__bn_backward_coeffs(double sum_dy, double sum_dy_xmu, double n, float invstd,
+                                                           float weight, float *mean_dy, float *proj,
+                                                           float *scale) {
+    *mean_dy = (float)(sum_dy / n);
+    *proj = (float)((double)invstd * (double)invstd * sum_dy_xmu / n);
+    *scale = invstd * weight;
+}
+
+/* dx = (dy - mean_dy - (x - mean) * proj) * scale */
+static inline DDP_HOST_DEVICE float ddp__bn_grad_input(float dy, float x, float mean, float mean_dy, float proj,
+                                                       float scale) {
+    return (dy - mean_dy - (x - mean) * proj) * scale;
+}

@@ -80,6 +80,8 @@ static int ddp__coll_equal(const ddp__coll *a, const ddp__frame *f) {
 
 /* ---- breaking the group ---- */
 
+static void ddp__shm_abort(ddp_group *g); /* shm.c */
+
 /* Record the first error that breaks g, tell every peer (ABORT frame with the message) and shut the
    connections down so that peers waiting on anything notice at once. */
 static ddp_result ddp__group_break(ddp_group *g, ddp_result code, const char *msg) {
@@ -88,6 +90,7 @@ static ddp_result ddp__group_break(ddp_group *g, ddp_result code, const char *ms
     g->broken = code;
     snprintf(g->broken_msg, sizeof g->broken_msg, "%s", msg);
     ddp__log(g, DDP_LOG_ERROR, "%s", msg);
+    ddp__shm_abort(g);
     for (i = 0; i < g->world_size; i++) {
         ddp__peer *p = &g->peers[i];
         ddp__frame f;
@@ -178,6 +181,23 @@ static ddp_result ddp__peer_failed_after(ddp_group *g, int peer, const ddp__coll
 
 static ddp_result ddp__peer_failed(ddp_group *g, int peer, const ddp__coll *c) { return ddp__peer_failed_after(g, peer, c, NULL); }
 
+/* Look at every connection without waiting: a peer that hung up (exited, or aborted the group) fails
+   the current collective. For transports that wait elsewhere (shared memory). */
+static ddp_result ddp__check_peers(ddp_group *g, const ddp__coll *c) {
+    int i, n = 0;
+    for (i = 0; i < g->world_size; i++) {
+        if (i == g->rank || g->peers[i].fd < 0) continue;
+        g->pollfds[n].fd = g->peers[i].fd;
+        g->pollfds[n].events = POLLRDHUP;
+        g->pollfds[n].revents = 0;
+        g->poll_owner[n++] = i;
+    }
+    if (poll(g->pollfds, (nfds_t)n, 0) <= 0) return DDP_SUCCESS;
+    for (i = 0; i < n; i++)
+        if (g->pollfds[i].revents & (POLLRDHUP | POLLHUP | POLLERR)) return ddp__peer_failed(g, g->poll_owner[i], c);
+    return DDP_SUCCESS;
+}
+
 /* ---- one step of an algorithm: send to one peer while receiving from another ---- */
 
 /* Either side may be absent (peer -1). Sizes must agree with what the peer computes for the same
@@ -257,6 +277,9 @@ static ddp_result ddp__exchange(ddp_group *g, const ddp__coll *c, const ddp__ste
         }
         rc = poll(fds, (nfds_t)n, (int)DDP__MAX(1.0, DDP__MIN(1000.0, (deadline - ddp__now()) * 1000.0)));
         if (rc < 0 && errno != EINTR) return ddp__coll_fail(g, DDP_ERR_SYSTEM, "poll failed: %s", strerror(errno));
+        /* Progress first: a peer that broke the group after sending what this step needs (it moved
+           on to a later collective and failed there) must not fail this step; that error comes with
+           the next collective. */
         for (i = 0; i < n && rc > 0; i++) {
             int peer = owner[i], fd = fds[i].fd;
             short re = fds[i].revents;
@@ -278,6 +301,7 @@ static ddp_result ddp__exchange(ddp_group *g, const ddp__coll *c, const ddp__ste
                         if (r) return r;
                     }
                 }
+                fds[i].revents = 0;
                 continue;
             }
             /* A send-only peer that hung up: read its ABORT before sending (data sent to a closed
@@ -308,10 +332,12 @@ static ddp_result ddp__exchange(ddp_group *g, const ddp__coll *c, const ddp__ste
                     progressed = 1;
                     g->peers[peer].send_owed = send_total - sent; /* header and payload still owed */
                 }
-                continue;
+                fds[i].revents = 0;
             }
-            if (re & (POLLRDHUP | POLLHUP | POLLERR)) return ddp__peer_failed(g, peer, c);
         }
+        if (sent == send_total && received == recv_total) break;
+        for (i = 0; i < n && rc > 0; i++) /* then failures */
+            if (fds[i].revents & (POLLRDHUP | POLLHUP | POLLERR)) return ddp__peer_failed(g, owner[i], c);
         if (progressed) {
             deadline = ddp__now() + g->timeout;
         } else if (ddp__now() > deadline) {

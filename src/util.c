@@ -153,3 +153,9 @@ static char *ddp__strdup(const char *s) {
     if (d) memcpy(d, s, n);
     return d;
 }
+
+static uint64_t ddp__hash(const char *s) { /* FNV-1a */
+    uint64_t h = 1469598103934665603ull;
+    while (*s) h = (h ^ (unsigned char)*s++) * 1099511628211ull;
+    return h;
+}

@@ -2,8 +2,9 @@
    1, 2, 3, 4 and 8 (real processes over real sockets), against a serial reference computed here.
    Each rank's data are small integers, so every reduction order gives an exact result and the
    reference must match bit for bit; AVG's one rounding is reproduced with the test's own f16/bf16
-   rounding. Usage: test_collectives [world sizes...] (default 1 2 3 4 8); TEST_QUICK=1 skips the
-   large count (for sanitizer builds). */
+   rounding. Every world size runs over shared memory (the default on one host) and over TCP
+   (DDP_TRANSPORT=tcp). Usage: test_collectives [world sizes...] (default 1 2 3 4 8);
+   TEST_QUICK=1 skips the large count (for sanitizer builds). */
 #include "testlib.h"
 
 static const ddp_dtype dtypes[] = {DDP_F32, DDP_F64, DDP_F16, DDP_BF16, DDP_I8, DDP_U8, DDP_I32, DDP_I64};
@@ -116,10 +117,12 @@ static int worker(int rank, int n, void *arg) {
         size_t es = ddp_dtype_size(t);
         for (ci = 0; ci < NCOUNTS; ci++) {
             size_t count = counts[ci];
-            unsigned char *a = xalloc(count * es * (size_t)n), *b = xalloc(count * es * (size_t)n);
+            unsigned char *a, *b;
             char what[128];
             int big = count > 1000;
             if (big && getenv("TEST_QUICK")) continue; /* sanitizer runs: small counts exercise the same code */
+            a = xalloc(count * es * (size_t)n);
+            b = xalloc(count * es * (size_t)n);
             for (oi = 0; oi < NOPS; oi++) {
                 ddp_op op = ops[oi];
                 if (big && op != DDP_SUM && op != DDP_AVG && (t != DDP_F32 || op != DDP_MAX) && t != DDP_I8) continue;
@@ -223,17 +226,25 @@ static int worker(int rank, int n, void *arg) {
 }
 
 int main(int argc, char **argv) {
-    int sizes[8] = {1, 2, 3, 4, 8}, nsizes = 5, i;
+    static const char *transports[2] = {"auto", "tcp"};
+    int sizes[8] = {1, 2, 3, 4, 8}, nsizes = 5, i, t;
     if (argc > 1) {
         nsizes = 0;
         for (i = 1; i < argc && nsizes < 8; i++) sizes[nsizes++] = atoi(argv[i]);
     }
     setenv("DDP_TIMEOUT", "120", 0);
-    for (i = 0; i < nsizes; i++) {
-        double t0 = tl_now();
-        CHECK(tl_run_ranks(sizes[i], worker, NULL, 600) == 0, "world size %d failed", sizes[i]);
-        printf("world size %d: every collective x dtype x op x count matches the serial reference (%.1f s)\n", sizes[i], tl_now() - t0);
-        fflush(stdout);
+    if (getenv("TEST_EXTERNAL_LAUNCH")) /* started by a launcher (tests/test_netns.sh): be one rank */
+        return worker(atoi(getenv("RANK")), atoi(getenv("WORLD_SIZE")), NULL);
+    for (t = 0; t < 2; t++) {
+        setenv("DDP_TRANSPORT", transports[t], 1);
+        for (i = 0; i < nsizes; i++) {
+            double t0 = tl_now();
+            if (sizes[i] == 1 && t == 1) continue; /* one rank uses no transport */
+            CHECK(tl_run_ranks(sizes[i], worker, NULL, 900) == 0, "world size %d over %s failed", sizes[i], transports[t]);
+            printf("world size %d over %s: every collective x dtype x op x count matches the serial reference (%.1f s)\n",
+                   sizes[i], t ? "tcp" : "shared memory", tl_now() - t0);
+            fflush(stdout);
+        }
     }
     return 0;
 }

@@ -1,5 +1,7 @@
 /* Allocator hooks: all three given (counted), and DDP_STATIC. */
-#define _GNU_SOURCE /* a system header comes before ddp.h here, so say it first */
+#ifndef _GNU_SOURCE /* a system header comes before ddp.h here, so say it first (g++ defines it already) */
+#define _GNU_SOURCE
+#endif
 #include <stdlib.h>
 static int allocations;
 static void *counting_malloc(size_t n) { allocations++; return malloc(n); }

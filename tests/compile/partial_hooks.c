@@ -1,5 +1,7 @@
 /* Only one allocator hook: must stop the build with a clear #error. */
-#define _GNU_SOURCE /* a system header comes before ddp.h here, so say it first */
+#ifndef _GNU_SOURCE /* a system header comes before ddp.h here, so say it first (g++ defines it already) */
+#define _GNU_SOURCE
+#endif
 #include <stdlib.h>
 #define DDP_MALLOC(n) malloc(n)
 #define DDP_IMPLEMENTATION

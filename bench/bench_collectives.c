@@ -1,0 +1,91 @@
+/* bench_collectives: nccl-tests style table for ddp.h's collectives.
+
+   Usage (under any launcher):  ddprun --nproc-per-node 2 build/bench_collectives [op] [max_bytes] [min_bytes]
+     op: all_reduce (default) | all_gather | reduce_scatter | broadcast
+   Sizes grow x4 from min_bytes (default 4) to max_bytes (default 256 MiB), f32, sum. Before every
+   iteration the buffer is rewritten (untimed); each collective call is timed on its own and the
+   table gives the mean; after the loop the last iteration's result is checked on every rank.
+   Columns as nccl-tests: algbw = bytes / time; busbw = algbw * 2(n-1)/n for all_reduce,
+   * (n-1)/n for all_gather and reduce_scatter (bytes = the whole gathered/scattered buffer), * 1 for broadcast. */
+#define DDP_IMPLEMENTATION
+#include "ddp.h"
+
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <time.h>
+
+static double now(void) {
+    struct timespec ts;
+    clock_gettime(CLOCK_MONOTONIC, &ts);
+    return (double)ts.tv_sec + (double)ts.tv_nsec * 1e-9;
+}
+
+int main(int argc, char **argv) {
+    const char *op = argc > 1 ? argv[1] : "all_reduce";
+    size_t max_bytes = argc > 2 ? strtoull(argv[2], NULL, 10) : (size_t)256 << 20;
+    size_t min_bytes = argc > 3 ? strtoull(argv[3], NULL, 10) : 4, bytes;
+    ddp_group *g;
+    float *a, *b;
+    int rank, n, bad = 0;
+    if (ddp_init(NULL, &g) != DDP_SUCCESS) {
+        fprintf(stderr, "ddp_init: %s\n", ddp_last_error(NULL));
+        return 1;
+    }
+    rank = ddp_rank(g);
+    n = ddp_world_size(g);
+    if (strcmp(op, "all_reduce") && strcmp(op, "all_gather") && strcmp(op, "reduce_scatter") && strcmp(op, "broadcast")) {
+        fprintf(stderr, "unknown op %s (all_reduce, all_gather, reduce_scatter, broadcast)\n", op);
+        return 2;
+    }
+    a = (float *)malloc(max_bytes + 64);
+    b = (float *)malloc(max_bytes + 64);
+    if (!a || !b) return 3;
+    memset(a, 0, max_bytes);
+    memset(b, 0, max_bytes);
+    if (rank == 0)
+        printf("# ddp.h %s, %d ranks, transport %s\n%12s %12s %6s %6s %10s %10s %10s\n", op, n,
+               getenv("DDP_TRANSPORT") ? getenv("DDP_TRANSPORT") : "auto", "size", "count", "type", "op", "time_us",
+               "algbw_GBs", "busbw_GBs");
+    for (bytes = min_bytes; bytes <= max_bytes; bytes *= 4) {
+        size_t count = bytes / 4, per = count / (size_t)n, i;
+        int iters = bytes < 65536 ? 200 : (bytes < (1u << 22) ? 20 : 5), it, warm = 2;
+        double total = 0, alg, bus;
+        for (it = -warm; it < iters; it++) {
+            double t0;
+            ddp_result r;
+            for (i = 0; i < count; i++) a[i] = (float)(rank + it + (int)(i & 7));
+            t0 = now();
+            if (!strcmp(op, "all_reduce")) r = ddp_all_reduce(g, a, count, DDP_F32, DDP_SUM);
+            else if (!strcmp(op, "broadcast")) r = ddp_broadcast(g, a, count, DDP_F32, 0);
+            else if (!strcmp(op, "all_gather")) r = ddp_all_gather(g, a + (size_t)rank * per, b, per, DDP_F32);
+            else r = ddp_reduce_scatter(g, a, b, per, DDP_F32, DDP_SUM);
+            if (it >= 0) total += now() - t0;
+            if (r != DDP_SUCCESS) {
+                fprintf(stderr, "rank %d: %s\n", rank, ddp_last_error(g));
+                return 1;
+            }
+        }
+        /* check the last iteration (it = iters - 1) */
+        for (i = 0; i < count && !bad; i++) {
+            int k = iters - 1 + (int)(i & 7), r = (int)(i / (per ? per : 1));
+            float want;
+            if (!strcmp(op, "all_reduce")) want = (float)(n * k + n * (n - 1) / 2);
+            else if (!strcmp(op, "broadcast")) want = (float)k;
+            else if (!strcmp(op, "all_gather")) { if (i >= per * (size_t)n) break; want = (float)(r + iters - 1 + (int)((i - (size_t)r * per + (size_t)r * per) & 7)); }
+            else { if (i >= per) break; want = (float)(n * (iters - 1 + (int)((i + (size_t)rank * per) & 7)) + n * (n - 1) / 2); }
+            if ((!strcmp(op, "all_reduce") || !strcmp(op, "broadcast") ? a[i] : b[i]) != want) {
+                fprintf(stderr, "rank %d: %s at %zu bytes: element %zu wrong\n", rank, op, bytes, i);
+                bad = 1;
+            }
+        }
+        alg = (double)bytes / (total / iters) / 1e9;
+        bus = alg * (!strcmp(op, "all_reduce") ? 2.0 * (n - 1) / n : !strcmp(op, "broadcast") ? 1.0 : (double)(n - 1) / n);
+        if (rank == 0) printf("%12zu %12zu %6s %6s %10.2f %10.3f %10.3f\n", bytes, count, "float", "sum", total / iters * 1e6, alg, bus);
+        fflush(stdout);
+    }
+    ddp_destroy(g);
+    free(a);
+    free(b);
+    return bad;
+}

@@ -1,0 +1,596 @@
+/* ddp_cuda.cu — the CUDA half of ddp.h: kernels (and, with the nccl backend, the NCCL glue) that need
+   nvcc. Compile it beside your program and link both; its C entry points are declared in ddp.h when
+   DDP_CUDA is defined (the [SECTION] cuda of the header):
+       nvcc -O2 -c ddp_cuda.cu -o ddp_cuda.o          (with -I the folder of ddp.h)
+   It includes ddp.h without DDP_IMPLEMENTATION: the library proper lives in your one implementation
+   file; this file adds device code only. It refuses to build against a ddp.h of another version.
+
+   INDEX
+   [SECTION] cuda-common: version check, errors, f32/f16/bf16 loads and stores, block reductions
+   [SECTION] cuda-syncbn: SyncBatchNorm kernels and their C entry points
+
+   The kernels are written so that a CPU execution harness can run their source too: blockDim,
+   threadIdx and blockIdx used plainly, __syncthreads and __shfl_down_sync only, static shared memory,
+   no cooperative groups and no atomics. */
+
+/* [SECTION] cuda-common: version check, errors, f32/f16/bf16 loads and stores, block reductions */
+#ifndef DDP_CUDA
+#define DDP_CUDA
+#endif
+#include "ddp.h"
+
+#if DDP_VERSION_NUMBER != 100
+#error "ddp_cuda.cu was written for ddp.h 0.1.0 (DDP_VERSION_NUMBER 100): use the ddp_cuda.cu from the same release as ddp.h"
+#endif
+
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+#include <cuda_runtime.h>
+#include <stdarg.h>
+#include <stdio.h>
+
+#define DDP__CU_THREADS 256  /* threads of 1-D blocks */
+#define DDP__CU_WARP 32
+#define DDP__CU_ROWS_Y 8     /* channels-last reductions: blocks of 32 channels x 8 rows */
+#define DDP__CU_MAX_SPLITS 32 /* blocks per channel in the reductions; DDP_CUDA_BN_WORK_FLOATS holds 3 each */
+#define DDP__CU_MAX_GRID 8192 /* element-wise kernels loop over the rest */
+
+static ddp_result ddp__cu_fail(const ddp_cuda_bn_args *a, ddp_result code, const char *fmt, ...) {
+    va_list ap;
+    if (!a || !a->err || a->err_size == 0) return code;
+    va_start(ap, fmt);
+    vsnprintf(a->err, a->err_size, fmt, ap);
+    va_end(ap);
+    return code;
+}
+
+/* After launches: report what CUDA said about them (the launch only; the kernels run later). */
+static ddp_result ddp__cu_launched(const ddp_cuda_bn_args *a, const char *fn) {
+    cudaError_t e = cudaGetLastError();
+    if (e == cudaSuccess) return DDP_SUCCESS;
+    return ddp__cu_fail(a, DDP_ERR_SYSTEM, "%s: kernel launch failed: %s (%s)", fn, cudaGetErrorString(e),
+                        cudaGetErrorName(e));
+}
+
+__device__ __forceinline__ float ddp__cu_load(const float *p) { return *p; }
+__device__ __forceinline__ float ddp__cu_load(const __half *p) { return __half2float(*p); }
+__device__ __forceinline__ float ddp__cu_load(const __nv_bfloat16 *p) { return __bfloat162float(*p); }
+__device__ __forceinline__ void ddp__cu_store(float *p, float v) { *p = v; }
+__device__ __forceinline__ void ddp__cu_store(__half *p, float v) { *p = __float2half_rn(v); }
+__device__ __forceinline__ void ddp__cu_store(__nv_bfloat16 *p, float v) { *p = __float2bfloat16_rn(v); }
+
+/* Welford triples (count, mean, M2) of a warp merged into lane 0 (tree order: lane 0 only ever reads
+   lanes that hold their own subtree). */
+__device__ __forceinline__ void ddp__cu_warp_merge(float *n, float *mean, float *m2) {
+    for (int offset = DDP__CU_WARP / 2; offset > 0; offset /= 2) {
+        float nb = __shfl_down_sync(0xffffffffu, *n, offset);
+        float mb = __shfl_down_sync(0xffffffffu, *mean, offset);
+        float m2b = __shfl_down_sync(0xffffffffu, *m2, offset);
+        ddp__bn_merge_f32(n, mean, m2, nb, mb, m2b);
+    }
+}
+
+/* The same for two plain sums. */
+__device__ __forceinline__ void ddp__cu_warp_sum2(float *a, float *b) {
+    for (int offset = DDP__CU_WARP / 2; offset > 0; offset /= 2) {
+        *a += __shfl_down_sync(0xffffffffu, *a, offset);
+        *b += __shfl_down_sync(0xffffffffu, *b, offset);
+    }
+}
+
+/* Welford triples of a 1-D block of DDP__CU_THREADS threads merged into thread 0. */
+__device__ void ddp__cu_block_merge(float *n, float *mean, float *m2) {
+    __shared__ float s_n[DDP__CU_THREADS / DDP__CU_WARP], s_mean[DDP__CU_THREADS / DDP__CU_WARP],
+        s_m2[DDP__CU_THREADS / DDP__CU_WARP];
+    const int lane = threadIdx.x % DDP__CU_WARP, warp = threadIdx.x / DDP__CU_WARP;
+    ddp__cu_warp_merge(n, mean, m2);
+    if (lane == 0) {
+        s_n[warp] = *n;
+        s_mean[warp] = *mean;
+        s_m2[warp] = *m2;
+    }
+    __syncthreads();
+    if (warp == 0) {
+        const bool has = lane < DDP__CU_THREADS / DDP__CU_WARP;
+        *n = has ? s_n[lane] : 0.0f;
+        *mean = has ? s_mean[lane] : 0.0f;
+        *m2 = has ? s_m2[lane] : 0.0f;
+        ddp__cu_warp_merge(n, mean, m2);
+    }
+}
+
+/* Two sums of a 1-D block of DDP__CU_THREADS threads into thread 0. */
+__device__ void ddp__cu_block_sum2(float *a, float *b) {
+    __shared__ float s_a[DDP__CU_THREADS / DDP__CU_WARP], s_b[DDP__CU_THREADS / DDP__CU_WARP];
+    const int lane = threadIdx.x % DDP__CU_WARP, warp = threadIdx.x / DDP__CU_WARP;
+    ddp__cu_warp_sum2(a, b);
+    if (lane == 0) {
+        s_a[warp] = *a;
+        s_b[warp] = *b;
+    }
+    __syncthreads();
+    if (warp == 0) {
+        const bool has = lane < DDP__CU_THREADS / DDP__CU_WARP;
+        *a = has ? s_a[lane] : 0.0f;
+        *b = has ? s_b[lane] : 0.0f;
+        ddp__cu_warp_sum2(a, b);
+    }
+}
+
+/* [SECTION] cuda-syncbn: SyncBatchNorm kernels and their C entry points
+   Mirrors torch's CUDA SyncBatchNorm (aten/src/ATen/native/cuda/Normalization.cuh); the formulas are the
+   DDP_HOST_DEVICE helpers of src/syncbn.h, shared with the CPU code.
+   Reductions (statistics, backward sums) run in two kernels with no atomics: a grid of
+   (channels, splits) blocks each reduces its share of a channel to a partial in `work`, then one thread
+   per channel merges that channel's partials in a fixed order (deterministic) and writes f64.
+     channels-first (spatial > 1): block (256) = one channel, a range of samples; thread j walks
+                                   the range's values of the channel j, j+256, ...
+     channels-last (or spatial 1): block (32 x 8) = 32 neighbouring channels (coalesced rows), rows
+                                   strided by 8 x splits; the 8 row-threads are merged through shared memory
+   Per-thread statistics are f32 Welford (as torch's); partials merge with Chan's formula in f64.
+   Element-wise kernels are grid-stride loops. */
+
+/* Channels-first with spatial > 1 is the only layout whose channel is not the fastest index. */
+static bool ddp__cu_planar(const ddp_cuda_bn_args *a) { return !a->channels_last && a->spatial > 1; }
+
+/* Blocks per channel of a reduction over `values` values of each channel, at most `limit` (>= 1). */
+static int ddp__cu_splits(int64_t values, int64_t limit) {
+    int64_t s = values / (16 * DDP__CU_THREADS); /* at least ~16 values per thread */
+    if (s > DDP__CU_MAX_SPLITS) s = DDP__CU_MAX_SPLITS;
+    if (s > limit) s = limit;
+    return s < 1 ? 1 : (int)s;
+}
+
+static unsigned ddp__cu_grid_1d(int64_t total) {
+    int64_t blocks = (total + DDP__CU_THREADS - 1) / DDP__CU_THREADS;
+    return (unsigned)(blocks < 1 ? 1 : blocks > DDP__CU_MAX_GRID ? DDP__CU_MAX_GRID : blocks);
+}
+
+/* Position (c, s) of value i = (q * C + c) * S + s (any q), kept up to date along a grid-stride loop
+   i += step with no division per step (64-bit division would dominate these memory-bound loops).
+   The channels-last layout (and spatial 1) is S = 1. */
+struct ddp__cu_channel_walk {
+    int64_t s, S, ds;
+    int c, C, dc;
+};
+
+__device__ __forceinline__ void ddp__cu_walk_init(ddp__cu_channel_walk *w, int64_t i, int64_t step, int64_t S, int C) {
+    w->S = S;
+    w->C = C;
+    w->s = i % S;
+    w->c = (int)((i / S) % C);
+    w->ds = step % S;
+    w->dc = (int)((step / S) % C);
+}
+
+__device__ __forceinline__ void ddp__cu_walk_next(ddp__cu_channel_walk *w) {
+    w->s += w->ds;
+    w->c += w->dc;
+    if (w->s >= w->S) {
+        w->s -= w->S;
+        w->c++;
+    }
+    if (w->c >= w->C) w->c -= w->C; /* c < 2C here */
+}
+
+/* Sample n (from 0) and position s of the j-th value of one channel in a channels-first batch
+   (j = n * S + s), along j += step with no division per step. */
+struct ddp__cu_plane_walk {
+    int64_t n, s, S, dn, ds;
+};
+
+__device__ __forceinline__ void ddp__cu_plane_init(ddp__cu_plane_walk *w, int64_t j, int64_t step, int64_t S) {
+    w->S = S;
+    w->n = j / S;
+    w->s = j % S;
+    w->dn = step / S;
+    w->ds = step % S;
+}
+
+__device__ __forceinline__ void ddp__cu_plane_next(ddp__cu_plane_walk *w) {
+    w->s += w->ds;
+    w->n += w->dn;
+    if (w->s >= w->S) {
+        w->s -= w->S;
+        w->n++;
+    }
+}
+
+/* ---- statistics ---- */
+
+template <typename T>
+__global__ void ddp__cu_bn_stats_planar(const T *x, int64_t batch, int64_t spatial, int channels, float *work) {
+    const int c = blockIdx.x, split = blockIdx.y, splits = gridDim.y;
+    const int64_t n0 = batch * split / splits, n1 = batch * (split + 1) / splits, m = (n1 - n0) * spatial;
+    float n = 0.0f, mean = 0.0f, m2 = 0.0f;
+    ddp__cu_plane_walk w;
+    ddp__cu_plane_init(&w, threadIdx.x, blockDim.x, spatial);
+    for (int64_t j = threadIdx.x; j < m; j += blockDim.x, ddp__cu_plane_next(&w))
+        ddp__bn_welford_add(&n, &mean, &m2, ddp__cu_load(x + ((n0 + w.n) * channels + c) * spatial + w.s));
+    ddp__cu_block_merge(&n, &mean, &m2);
+    if (threadIdx.x == 0) {
+        float *w = work + ((int64_t)c * splits + split) * 3;
+        w[0] = n;
+        w[1] = mean;
+        w[2] = m2;
+    }
+}
+
+template <typename T>
+__global__ void ddp__cu_bn_stats_rows(const T *x, int64_t rows, int channels, float *work) {
+    __shared__ float s_n[DDP__CU_ROWS_Y][DDP__CU_WARP], s_mean[DDP__CU_ROWS_Y][DDP__CU_WARP],
+        s_m2[DDP__CU_ROWS_Y][DDP__CU_WARP];
+    const int c = blockIdx.x * DDP__CU_WARP + threadIdx.x, split = blockIdx.y, splits = gridDim.y;
+    float n = 0.0f, mean = 0.0f, m2 = 0.0f;
+    if (c < channels)
+        for (int64_t r = (int64_t)split * DDP__CU_ROWS_Y + threadIdx.y; r < rows; r += (int64_t)splits * DDP__CU_ROWS_Y)
+            ddp__bn_welford_add(&n, &mean, &m2, ddp__cu_load(x + r * channels + c));
+    s_n[threadIdx.y][threadIdx.x] = n;
+    s_mean[threadIdx.y][threadIdx.x] = mean;
+    s_m2[threadIdx.y][threadIdx.x] = m2;
+    __syncthreads();
+    if (threadIdx.y == 0 && c < channels) {
+        float *w = work + ((int64_t)c * splits + split) * 3;
+        for (int k = 1; k < DDP__CU_ROWS_Y; k++)
+            ddp__bn_merge_f32(&n, &mean, &m2, s_n[k][threadIdx.x], s_mean[k][threadIdx.x], s_m2[k][threadIdx.x]);
+        w[0] = n;
+        w[1] = mean;
+        w[2] = m2;
+    }
+}
+
+/* record <- [mean(C), M2(C), count]: channel c's `splits` partials merged in order. */
+__global__ void ddp__cu_bn_stats_finish(const float *work, int splits, int channels, double count, double *record) {
+    const int c = blockIdx.x * blockDim.x + threadIdx.x;
+    double n = 0.0, mean = 0.0, m2 = 0.0;
+    if (c >= channels) return;
+    for (int s = 0; s < splits; s++) {
+        const float *w = work + ((int64_t)c * splits + s) * 3;
+        ddp__bn_merge(&n, &mean, &m2, (double)w[0], (double)w[1], (double)w[2]);
+    }
+    record[c] = mean;
+    record[channels + c] = m2;
+    if (c == 0) record[2 * channels] = count;
+}
+
+/* ---- merge over ranks, running stats, eval statistics ---- */
+
+__global__ void ddp__cu_bn_gather(const double *records, int nranks, int channels, double eps, double factor,
+                                  float *running_mean, float *running_var, float *mean_out, float *invstd_out,
+                                  double *count_out) {
+    const int c = blockIdx.x * blockDim.x + threadIdx.x;
+    double n, mean, m2;
+    if (c >= channels) return;
+    ddp__bn_merge_ranks(records, nranks, channels, c, &n, &mean, &m2);
+    mean_out[c] = (float)mean;
+    invstd_out[c] = n > 0 ? (float)(1.0 / sqrt(m2 / n + eps)) : 0.0f;
+    if (running_mean && running_var && n >= 2)
+        ddp__bn_update_running(&running_mean[c], &running_var[c], mean, m2, n, factor);
+    if (c == 0) *count_out = n;
+}
+
+__global__ void ddp__cu_bn_eval_stats(const float *running_mean, const float *running_var, int channels, double eps,
+                                      float *mean, float *invstd) {
+    const int c = blockIdx.x * blockDim.x + threadIdx.x;
+    if (c >= channels) return;
+    mean[c] = running_mean[c];
+    invstd[c] = (float)(1.0 / sqrt((double)running_var[c] + eps));
+}
+
+/* ---- element-wise ---- */
+
+template <typename T>
+__global__ void ddp__cu_bn_elemt(const T *x, T *y, int64_t total, int64_t spatial, int channels, int planar,
+                                 const float *weight, const float *bias, const float *mean, const float *invstd) {
+    const int64_t first = (int64_t)blockIdx.x * blockDim.x + threadIdx.x, step = (int64_t)gridDim.x * blockDim.x;
+    ddp__cu_channel_walk w;
+    ddp__cu_walk_init(&w, first, step, planar ? spatial : 1, channels);
+    for (int64_t i = first; i < total; i += step, ddp__cu_walk_next(&w)) {
+        const int c = w.c;
+        const float scale = invstd[c] * (weight ? weight[c] : 1.0f), shift = bias ? bias[c] : 0.0f;
+        ddp__cu_store(y + i, ddp__bn_normalize(ddp__cu_load(x + i), mean[c], scale, shift));
+    }
+}
+
+/* ---- backward ---- */
+
+template <typename T>
+__global__ void ddp__cu_bn_bwd_planar(const T *dy, const T *x, int64_t batch, int64_t spatial, int channels,
+                                      const float *mean, float *work) {
+    const int c = blockIdx.x, split = blockIdx.y, splits = gridDim.y;
+    const int64_t n0 = batch * split / splits, n1 = batch * (split + 1) / splits, m = (n1 - n0) * spatial;
+    const float mu = mean[c];
+    float sum_dy = 0.0f, sum_dy_xmu = 0.0f;
+    ddp__cu_plane_walk w;
+    ddp__cu_plane_init(&w, threadIdx.x, blockDim.x, spatial);
+    for (int64_t j = threadIdx.x; j < m; j += blockDim.x, ddp__cu_plane_next(&w)) {
+        const int64_t k = ((n0 + w.n) * channels + c) * spatial + w.s;
+        const float g = ddp__cu_load(dy + k);
+        sum_dy += g;
+        sum_dy_xmu += g * (ddp__cu_load(x + k) - mu);
+    }
+    ddp__cu_block_sum2(&sum_dy, &sum_dy_xmu);
+    if (threadIdx.x == 0) {
+        float *w = work + ((int64_t)c * splits + split) * 3;
+        w[0] = sum_dy;
+        w[1] = sum_dy_xmu;
+    }
+}
+
+template <typename T>
+__global__ void ddp__cu_bn_bwd_rows(const T *dy, const T *x, int64_t rows, int channels, const float *mean,
+                                    float *work) {
+    __shared__ float s_a[DDP__CU_ROWS_Y][DDP__CU_WARP], s_b[DDP__CU_ROWS_Y][DDP__CU_WARP];
+    const int c = blockIdx.x * DDP__CU_WARP + threadIdx.x, split = blockIdx.y, splits = gridDim.y;
+    float sum_dy = 0.0f, sum_dy_xmu = 0.0f;
+    if (c < channels) {
+        const float mu = mean[c];
+        for (int64_t r = (int64_t)split * DDP__CU_ROWS_Y + threadIdx.y; r < rows; r += (int64_t)splits * DDP__CU_ROWS_Y) {
+            const float g = ddp__cu_load(dy + r * channels + c);
+            sum_dy += g;
+            sum_dy_xmu += g * (ddp__cu_load(x + r * channels + c) - mu);
+        }
+    }
+    s_a[threadIdx.y][threadIdx.x] = sum_dy;
+    s_b[threadIdx.y][threadIdx.x] = sum_dy_xmu;
+    __syncthreads();
+    if (threadIdx.y == 0 && c < channels) {
+        float *w = work + ((int64_t)c * splits + split) * 3;
+        for (int k = 1; k < DDP__CU_ROWS_Y; k++) {
+            sum_dy += s_a[k][threadIdx.x];
+            sum_dy_xmu += s_b[k][threadIdx.x];
+        }
+        w[0] = sum_dy;
+        w[1] = sum_dy_xmu;
+    }
+}
+
+/* sums <- the partials' totals; the parameters' local gradients accumulate. */
+__global__ void ddp__cu_bn_bwd_finish(const float *work, int splits, int channels, const float *invstd, double *sums,
+                                      float *grad_weight, float *grad_bias) {
+    const int c = blockIdx.x * blockDim.x + threadIdx.x;
+    double sum_dy = 0.0, sum_dy_xmu = 0.0;
+    if (c >= channels) return;
+    for (int s = 0; s < splits; s++) {
+        const float *w = work + ((int64_t)c * splits + s) * 3;
+        sum_dy += (double)w[0];
+        sum_dy_xmu += (double)w[1];
+    }
+    sums[c] = sum_dy;
+    sums[channels + c] = sum_dy_xmu;
+    if (grad_weight) grad_weight[c] += (float)(sum_dy_xmu * (double)invstd[c]);
+    if (grad_bias) grad_bias[c] += (float)sum_dy;
+}
+
+/* work <- [mean_dy(C), proj(C), scale(C)]; sums NULL: eval (the statistics were constants). */
+__global__ void ddp__cu_bn_bwd_coeffs(const double *sums, const double *count, int channels, const float *weight,
+                                      const float *invstd, float *work) {
+    const int c = blockIdx.x * blockDim.x + threadIdx.x;
+    float w;
+    if (c >= channels) return;
+    w = weight ? weight[c] : 1.0f;
+    if (sums && *count > 0) {
+        ddp__bn_backward_coeffs(sums[c], sums[channels + c], *count, invstd[c], w, &work[c], &work[channels + c],
+                                &work[2 * channels + c]);
+    } else {
+        work[c] = 0.0f;
+        work[channels + c] = 0.0f;
+        work[2 * channels + c] = invstd[c] * w;
+    }
+}
+
+template <typename T>
+__global__ void ddp__cu_bn_bwd_elemt(const T *dy, const T *x, T *dx, int64_t total, int64_t spatial, int channels,
+                                     int planar, const float *mean, const float *coeffs) {
+    const int64_t first = (int64_t)blockIdx.x * blockDim.x + threadIdx.x, step = (int64_t)gridDim.x * blockDim.x;
+    ddp__cu_channel_walk w;
+    ddp__cu_walk_init(&w, first, step, planar ? spatial : 1, channels);
+    for (int64_t i = first; i < total; i += step, ddp__cu_walk_next(&w)) {
+        const int c = w.c;
+        const float g = ddp__cu_load(dy + i), v = ddp__cu_load(x + i);
+        ddp__cu_store(dx + i, ddp__bn_grad_input(g, v, mean[c], coeffs[c], coeffs[channels + c],
+                                                 coeffs[2 * channels + c]));
+    }
+}
+
+/* ---- host side ---- */
+
+/* Argument checks shared by the entry points; *total receives batch * spatial * C. */
+static ddp_result ddp__cu_check(const ddp_cuda_bn_args *a, const char *fn, bool data, int64_t *total) {
+    if (!a) return DDP_ERR_INVALID_ARGUMENT;
+    if (a->channels <= 0)
+        return ddp__cu_fail(a, DDP_ERR_INVALID_ARGUMENT, "%s: channels is %d; give C > 0", fn, a->channels);
+    *total = 0;
+    if (!data) return DDP_SUCCESS;
+    if (a->dtype != DDP_F32 && a->dtype != DDP_F16 && a->dtype != DDP_BF16)
+        return ddp__cu_fail(a, DDP_ERR_UNSUPPORTED, "%s: dtype %d; SyncBatchNorm data is DDP_F32, DDP_F16 or DDP_BF16",
+                            fn, (int)a->dtype);
+    if (a->batch < 0 || a->spatial < 0 ||
+        (a->spatial > 0 && a->batch > INT64_MAX / a->spatial / a->channels))
+        return ddp__cu_fail(a, DDP_ERR_INVALID_ARGUMENT, "%s: batch=%lld, spatial=%lld, C=%d: not a valid size", fn,
+                            (long long)a->batch, (long long)a->spatial, a->channels);
+    *total = a->batch * a->spatial * a->channels;
+    return DDP_SUCCESS;
+}
+
+static unsigned ddp__cu_channel_blocks(int channels) { return (unsigned)((channels + DDP__CU_THREADS - 1) / DDP__CU_THREADS); }
+
+template <typename T>
+static void ddp__cu_launch_stats(const ddp_cuda_bn_args *a, const T *x, float *work, double *record) {
+    cudaStream_t st = (cudaStream_t)a->stream;
+    const int64_t rows = a->batch * a->spatial;
+    int splits = 0;
+    if (rows > 0 && ddp__cu_planar(a)) {
+        splits = ddp__cu_splits(rows, a->batch);
+        ddp__cu_bn_stats_planar<T><<<dim3((unsigned)a->channels, (unsigned)splits), DDP__CU_THREADS, 0, st>>>(
+            x, a->batch, a->spatial, a->channels, work);
+    } else if (rows > 0) {
+        splits = ddp__cu_splits(rows, (rows + DDP__CU_ROWS_Y - 1) / DDP__CU_ROWS_Y);
+        ddp__cu_bn_stats_rows<T><<<dim3((unsigned)((a->channels + DDP__CU_WARP - 1) / DDP__CU_WARP), (unsigned)splits),
+                                   dim3(DDP__CU_WARP, DDP__CU_ROWS_Y), 0, st>>>(x, rows, a->channels, work);
+    }
+    ddp__cu_bn_stats_finish<<<ddp__cu_channel_blocks(a->channels), DDP__CU_THREADS, 0, st>>>(work, splits, a->channels,
+                                                                                           (double)rows, record);
+}
+
+template <typename T>
+static void ddp__cu_launch_elemt(const ddp_cuda_bn_args *a, int64_t total, const T *x, T *y, const float *weight,
+                                 const float *bias, const float *mean, const float *invstd) {
+    if (total == 0) return;
+    ddp__cu_bn_elemt<T><<<ddp__cu_grid_1d(total), DDP__CU_THREADS, 0, (cudaStream_t)a->stream>>>(
+        x, y, total, a->spatial, a->channels, ddp__cu_planar(a), weight, bias, mean, invstd);
+}
+
+template <typename T>
+static void ddp__cu_launch_backward_reduce(const ddp_cuda_bn_args *a, const T *dy, const T *x, const float *mean,
+                                           const float *invstd, float *work, double *sums, float *grad_weight,
+                                           float *grad_bias) {
+    cudaStream_t st = (cudaStream_t)a->stream;
+    const int64_t rows = a->batch * a->spatial;
+    int splits = 0;
+    if (rows > 0 && ddp__cu_planar(a)) {
+        splits = ddp__cu_splits(rows, a->batch);
+        ddp__cu_bn_bwd_planar<T><<<dim3((unsigned)a->channels, (unsigned)splits), DDP__CU_THREADS, 0, st>>>(
+            dy, x, a->batch, a->spatial, a->channels, mean, work);
+    } else if (rows > 0) {
+        splits = ddp__cu_splits(rows, (rows + DDP__CU_ROWS_Y - 1) / DDP__CU_ROWS_Y);
+        ddp__cu_bn_bwd_rows<T><<<dim3((unsigned)((a->channels + DDP__CU_WARP - 1) / DDP__CU_WARP), (unsigned)splits),
+                                 dim3(DDP__CU_WARP, DDP__CU_ROWS_Y), 0, st>>>(dy, x, rows, a->channels, mean, work);
+    }
+    ddp__cu_bn_bwd_finish<<<ddp__cu_channel_blocks(a->channels), DDP__CU_THREADS, 0, st>>>(
+        work, splits, a->channels, invstd, sums, grad_weight, grad_bias);
+}
+
+template <typename T>
+static void ddp__cu_launch_backward_elemt(const ddp_cuda_bn_args *a, int64_t total, const T *dy, const T *x, T *dx,
+                                          const float *weight, const float *mean, const float *invstd,
+                                          const double *sums, const double *count, float *work) {
+    cudaStream_t st = (cudaStream_t)a->stream;
+    if (total == 0) return;
+    ddp__cu_bn_bwd_coeffs<<<ddp__cu_channel_blocks(a->channels), DDP__CU_THREADS, 0, st>>>(sums, count, a->channels,
+                                                                                         weight, invstd, work);
+    ddp__cu_bn_bwd_elemt<T><<<ddp__cu_grid_1d(total), DDP__CU_THREADS, 0, st>>>(
+        dy, x, dx, total, a->spatial, a->channels, ddp__cu_planar(a), mean, work);
+}
+
+extern "C" {
+
+DDP_API ddp_result ddp_cuda_bn_stats(const ddp_cuda_bn_args *a, const void *x, float *work, double *record) {
+    const char *fn = "ddp_cuda_bn_stats";
+    int64_t total;
+    ddp_result r = ddp__cu_check(a, fn, true, &total);
+    if (r != DDP_SUCCESS) return r;
+    if ((total > 0 && !x) || !work || !record)
+        return ddp__cu_fail(a, DDP_ERR_INVALID_ARGUMENT, "%s: %s is NULL", fn, !record ? "record" : !work ? "work" : "x");
+    switch (a->dtype) {
+    case DDP_F16: ddp__cu_launch_stats(a, (const __half *)x, work, record); break;
+    case DDP_BF16: ddp__cu_launch_stats(a, (const __nv_bfloat16 *)x, work, record); break;
+    default: ddp__cu_launch_stats(a, (const float *)x, work, record); break;
+    }
+    return ddp__cu_launched(a, fn);
+}
+
+DDP_API ddp_result ddp_cuda_bn_gather_stats(const ddp_cuda_bn_args *a, const double *records, int nranks, double eps,
+                                            double factor, float *running_mean, float *running_var, float *mean,
+                                            float *invstd, double *count) {
+    const char *fn = "ddp_cuda_bn_gather_stats";
+    int64_t total;
+    ddp_result r = ddp__cu_check(a, fn, false, &total);
+    if (r != DDP_SUCCESS) return r;
+    if (!records || !mean || !invstd || !count || nranks < 1 || !(eps > 0) || !(factor >= 0 && factor <= 1) ||
+        (!running_mean) != (!running_var))
+        return ddp__cu_fail(a, DDP_ERR_INVALID_ARGUMENT,
+                            "%s: need records, mean, invstd and count, nranks >= 1 (%d), eps > 0 (%g), factor in "
+                            "[0, 1] (%g), and running_mean and running_var both or neither",
+                            fn, nranks, eps, factor);
+    ddp__cu_bn_gather<<<ddp__cu_channel_blocks(a->channels), DDP__CU_THREADS, 0, (cudaStream_t)a->stream>>>(
+        records, nranks, a->channels, eps, factor, running_mean, running_var, mean, invstd, count);
+    return ddp__cu_launched(a, fn);
+}
+
+DDP_API ddp_result ddp_cuda_bn_eval_stats(const ddp_cuda_bn_args *a, const float *running_mean,
+                                          const float *running_var, double eps, float *mean, float *invstd) {
+    const char *fn = "ddp_cuda_bn_eval_stats";
+    int64_t total;
+    ddp_result r = ddp__cu_check(a, fn, false, &total);
+    if (r != DDP_SUCCESS) return r;
+    if (!running_mean || !running_var || !mean || !invstd || !(eps > 0))
+        return ddp__cu_fail(a, DDP_ERR_INVALID_ARGUMENT,
+                            "%s: need running_mean, running_var, mean and invstd, and eps > 0 (%g)", fn, eps);
+    ddp__cu_bn_eval_stats<<<ddp__cu_channel_blocks(a->channels), DDP__CU_THREADS, 0, (cudaStream_t)a->stream>>>(
+        running_mean, running_var, a->channels, eps, mean, invstd);
+    return ddp__cu_launched(a, fn);
+}
+
+DDP_API ddp_result ddp_cuda_bn_elemt(const ddp_cuda_bn_args *a, const void *x, void *y, const float *weight,
+                                     const float *bias, const float *mean, const float *invstd) {
+    const char *fn = "ddp_cuda_bn_elemt";
+    int64_t total;
+    ddp_result r = ddp__cu_check(a, fn, true, &total);
+    if (r != DDP_SUCCESS) return r;
+    if (total > 0 && (!x || !y || !mean || !invstd))
+        return ddp__cu_fail(a, DDP_ERR_INVALID_ARGUMENT, "%s: x, y, mean and invstd are needed", fn);
+    switch (a->dtype) {
+    case DDP_F16: ddp__cu_launch_elemt(a, total, (const __half *)x, (__half *)y, weight, bias, mean, invstd); break;
+    case DDP_BF16:
+        ddp__cu_launch_elemt(a, total, (const __nv_bfloat16 *)x, (__nv_bfloat16 *)y, weight, bias, mean, invstd);
+        break;
+    default: ddp__cu_launch_elemt(a, total, (const float *)x, (float *)y, weight, bias, mean, invstd); break;
+    }
+    return ddp__cu_launched(a, fn);
+}
+
+DDP_API ddp_result ddp_cuda_bn_backward_reduce(const ddp_cuda_bn_args *a, const void *dy, const void *x,
+                                               const float *mean, const float *invstd, float *work, double *sums,
+                                               float *grad_weight, float *grad_bias) {
+    const char *fn = "ddp_cuda_bn_backward_reduce";
+    int64_t total;
+    ddp_result r = ddp__cu_check(a, fn, true, &total);
+    if (r != DDP_SUCCESS) return r;
+    if ((total > 0 && (!dy || !x)) || !mean || !invstd || !work || !sums)
+        return ddp__cu_fail(a, DDP_ERR_INVALID_ARGUMENT, "%s: dy, x, mean, invstd, work and sums are needed", fn);
+    switch (a->dtype) {
+    case DDP_F16:
+        ddp__cu_launch_backward_reduce(a, (const __half *)dy, (const __half *)x, mean, invstd, work, sums, grad_weight,
+                                       grad_bias);
+        break;
+    case DDP_BF16:
+        ddp__cu_launch_backward_reduce(a, (const __nv_bfloat16 *)dy, (const __nv_bfloat16 *)x, mean, invstd, work,
+                                       sums, grad_weight, grad_bias);
+        break;
+    default:
+        ddp__cu_launch_backward_reduce(a, (const float *)dy, (const float *)x, mean, invstd, work, sums, grad_weight,
+                                       grad_bias);
+        break;
+    }
+    return ddp__cu_launched(a, fn);
+}
+
+DDP_API ddp_result ddp_cuda_bn_backward_elemt(const ddp_cuda_bn_args *a, const void *dy, const void *x, void *dx,
+                                              const float *weight, const float *mean, const float *invstd,
+                                              const double *sums, const double *count, float *work) {
+    const char *fn = "ddp_cuda_bn_backward_elemt";
+    int64_t total;
+    ddp_result r = ddp__cu_check(a, fn, true, &total);
+    if (r != DDP_SUCCESS) return r;
+    if (total > 0 && (!dy || !x || !dx || !mean || !invstd || !work || (sums && !count)))
+        return ddp__cu_fail(a, DDP_ERR_INVALID_ARGUMENT,
+                            "%s: dy, x, dx, mean, invstd and work are needed (and count with sums)", fn);
+    switch (a->dtype) {
+    case DDP_F16:
+        ddp__cu_launch_backward_elemt(a, total, (const __half *)dy, (const __half *)x, (__half *)dx, weight, mean,
+                                      invstd, sums, count, work);
+        break;
+    case DDP_BF16:
+        ddp__cu_launch_backward_elemt(a, total, (const __nv_bfloat16 *)dy, (const __nv_bfloat16 *)x,
+                                      (__nv_bfloat16 *)dx, weight, mean, invstd, sums, count, work);
+        break;
+    default:
+        ddp__cu_launch_backward_elemt(a, total, (const float *)dy, (const float *)x, (float *)dx, weight, mean, invstd,
+                                      sums, count, work);
+        break;
+    }
+    return ddp__cu_launched(a, fn);
+}
+
+} /* extern "C" */

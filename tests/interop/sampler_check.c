@@ -1,0 +1,149 @@
+/* Checks ddp.h's sampler against the cases tests/interop/sampler_torch.py recorded from torch 1.13 (stdin).
+   Every case is read back through four paths: ddp_sampler_indices, ddp_sampler_next_batch over a whole
+   epoch, a resume from the middle (set_position), and ddp_sampler_index_at.
+   Also, for the large-N regime (tests/test_interop_sampler.sh):
+     sampler_check slice N R RANK SEED EPOCH PERMUTATION   prints that rank's indices, one per line */
+#include "testlib.h"
+
+static int failures;
+
+static void fail(const char *what, const char *line, uint64_t k, int64_t got, int64_t want) {
+    if (++failures <= 10)
+        fprintf(stderr, "MISMATCH (%s) case \"%s\": index %llu is %lld, torch has %lld\n", what, line,
+                (unsigned long long)k, (long long)got, (long long)want);
+}
+
+static void check_case(const ddp_sampler_desc *d, uint64_t epoch, const int64_t *want, uint64_t count,
+                       const char *line, size_t batch) {
+    ddp_sampler s;
+    int64_t *got = (int64_t *)malloc((size_t)(count + batch) * sizeof(int64_t)), x;
+    uint64_t k, pos = 0;
+    size_t n;
+    CHECK(got, "malloc");
+    CHECK_OK(ddp_sampler_init(&s, d), NULL);
+    ddp_sampler_set_epoch(&s, epoch);
+    if (ddp_sampler_num_samples(&s) != count) {
+        failures++;
+        fprintf(stderr, "MISMATCH case \"%s\": num_samples %llu, torch has %llu\n", line,
+                (unsigned long long)ddp_sampler_num_samples(&s), (unsigned long long)count);
+        ddp_sampler_free(&s);
+        free(got);
+        return;
+    }
+    CHECK_OK(ddp_sampler_indices(&s, got), NULL);
+    for (k = 0; k < count; k++)
+        if (got[k] != want[k]) { fail("indices", line, k, got[k], want[k]); break; }
+    do { /* the iterator, in batches */
+        CHECK_OK(ddp_sampler_next_batch(&s, batch, got + pos, &n), NULL);
+        pos += n;
+    } while (n > 0);
+    CHECK(pos == count, "next_batch handed out %llu of %llu", (unsigned long long)pos, (unsigned long long)count);
+    for (k = 0; k < count; k++)
+        if (got[k] != want[k]) { fail("next_batch", line, k, got[k], want[k]); break; }
+    ddp_sampler_free(&s);
+    CHECK_OK(ddp_sampler_init(&s, d), NULL); /* a resumed run: fresh sampler, same epoch, saved position */
+    ddp_sampler_set_epoch(&s, epoch);
+    CHECK_OK(ddp_sampler_set_position(&s, count / 2), NULL);
+    CHECK_OK(ddp_sampler_next_batch(&s, batch, got, &n), NULL);
+    for (k = 0; k < n; k++)
+        if (got[k] != want[count / 2 + k]) { fail("resume", line, count / 2 + k, got[k], want[count / 2 + k]); break; }
+    for (k = 0; k < count; k += 1 + count / 5) {
+        CHECK_OK(ddp_sampler_index_at(&s, k, &x), NULL);
+        if (x != want[k]) { fail("index_at", line, k, x, want[k]); break; }
+    }
+    ddp_sampler_free(&s);
+    free(got);
+}
+
+static int check_cases(void) {
+    char head[256];
+    int cases = 0, gens = 0;
+    while (fscanf(stdin, " %255[^\n]", head) == 1) {
+        if (head[0] == 'G') { /* torch's random64 */
+            unsigned long long seed, count, v, i;
+            int off = 0;
+            ddp__mt19937 g;
+            CHECK(sscanf(head, "G %llu %llu%n", &seed, &count, &off) == 2, "bad line %s", head);
+            ddp__mt_seed(&g, seed);
+            for (i = 0; i < count; i++) {
+                int used = 0;
+                uint64_t mine = ddp__mt_random64(&g) & ((1ull << 62) - 1);
+                CHECK(sscanf(head + off, "%llu%n", &v, &used) == 1, "bad G line");
+                off += used;
+                if (mine != v) {
+                    failures++;
+                    fprintf(stderr, "MISMATCH random64 seed %llu draw %llu: %llu, torch has %llu\n", seed, i,
+                            (unsigned long long)mine, v);
+                }
+            }
+            gens++;
+        } else {
+            unsigned long long n, seed, epoch, count, k;
+            int replicas, rank, shuffle, drop_last, mode;
+            ddp_sampler_desc d;
+            int64_t *want;
+            CHECK(sscanf(head, "C %llu %d %d %llu %llu %d %d %d %llu", &n, &replicas, &rank, &seed, &epoch, &shuffle,
+                         &drop_last, &mode, &count) == 9, "bad line %s", head);
+            want = (int64_t *)malloc((size_t)(count + 1) * sizeof(int64_t));
+            CHECK(want, "malloc");
+            for (k = 0; k < count; k++) {
+                long long v;
+                CHECK(scanf("%lld", &v) == 1, "short index list in case %s", head);
+                want[k] = v;
+            }
+            if (count == 0) {
+                char dash[2];
+                CHECK(scanf(" %1s", dash) == 1 && dash[0] == '-', "expected '-' after %s", head);
+            }
+            memset(&d, 0, sizeof d);
+            d.dataset_size = n;
+            d.num_replicas = replicas;
+            d.rank = rank;
+            d.seed = seed;
+            d.no_shuffle = !shuffle;
+            d.drop_last = drop_last;
+            d.mode = (ddp_sampler_mode)mode;
+            check_case(&d, epoch, want, count, head, 1 + (size_t)(cases % 37));
+            free(want);
+            cases++;
+        }
+    }
+    printf("%d cases and %d generator streams checked against torch: %d mismatches\n", cases, gens, failures);
+    return failures ? 1 : 0;
+}
+
+/* One rank's indices for a large N, one per line (compared by the script with the C++ reference). */
+static int print_slice(char **argv) {
+    ddp_sampler s;
+    ddp_sampler_desc d;
+    int64_t batch[4096];
+    size_t n, i;
+    double t0 = tl_now();
+    memset(&d, 0, sizeof d);
+    d.dataset_size = strtoull(argv[0], NULL, 10);
+    d.num_replicas = atoi(argv[1]);
+    d.rank = atoi(argv[2]);
+    d.seed = strtoull(argv[3], NULL, 10);
+    d.permutation = (ddp_sampler_permutation)atoi(argv[5]);
+    CHECK_OK(ddp_sampler_init(&s, &d), NULL);
+    ddp_sampler_set_epoch(&s, strtoull(argv[4], NULL, 10));
+    for (;;) {
+        CHECK_OK(ddp_sampler_next_batch(&s, 4096, batch, &n), NULL);
+        if (n == 0) break;
+        for (i = 0; i < n; i++) printf("%lld\n", (long long)batch[i]);
+    }
+    fprintf(stderr, "ddp.h: N=%s permutation %s: %.1f s\n", argv[0], argv[5], tl_now() - t0);
+    ddp_sampler_free(&s);
+    return 0;
+}
+
+int main(int argc, char **argv) {
+    if (argc == 8 && strcmp(argv[1], "slice") == 0) return print_slice(argv + 2);
+    if (argc != 1) {
+        fprintf(stderr, "usage: sampler_check < cases   |   sampler_check slice N R RANK SEED EPOCH PERMUTATION\n");
+        return 2;
+    }
+    (void)tl_run_ranks;
+    (void)tl_rand;
+    return check_cases();
+}

@@ -1,0 +1,200 @@
+/* Checkpoints with a group of 2, 3 and 4 real processes (tl_run_ranks + ddp_init):
+   - save: only rank 0's tensors are written, and the file is complete on every rank when save returns
+   - load: every rank reads; or rank 0 reads and broadcasts (the others pass a path that does not
+     exist, so success shows the data came by broadcast)
+   - failures anywhere are errors everywhere, naming the rank: rank 0 cannot read (broadcast), rank 1
+     cannot read (every rank reads), rank 0 has a bad argument (save), lists differ (broadcast)
+   - shards: each rank's own data round trips; a stale shard of rank 1 fails every rank; a shard set
+     saved by another world size is DDP_ERR_MISMATCH; keep_last removes every rank's old shards */
+#include "testlib.h"
+
+#include <dirent.h>
+#include <sys/stat.h>
+
+static char dir[256];
+
+#define N 1000
+
+typedef struct model {
+    float w[N];
+    int64_t step;
+    ddp_tensor t[2];
+} model;
+
+static void model_init(model *m, uint64_t seed) {
+    int i;
+    for (i = 0; i < N; i++) m->w[i] = (float)(tl_rand(&seed) % 1000) * 0.5f;
+    m->step = (int64_t)seed;
+    memset(m->t, 0, sizeof m->t);
+    m->t[0].name = "w";
+    m->t[0].dtype = DDP_F32;
+    m->t[0].ndim = 2;
+    m->t[0].shape[0] = 10;
+    m->t[0].shape[1] = N / 10;
+    m->t[0].data = m->w;
+    m->t[1].name = "step";
+    m->t[1].dtype = DDP_I64;
+    m->t[1].ndim = 0;
+    m->t[1].data = &m->step;
+}
+
+static const char *at(const char *name, char *buf, size_t cap) {
+    snprintf(buf, cap, "%s/%s", dir, name);
+    return buf;
+}
+
+static int same(const model *a, const model *b) { return memcmp(a->w, b->w, sizeof a->w) == 0 && a->step == b->step; }
+
+static void expect_fail(ddp_group *g, ddp_result r, ddp_result want, const char *needle, const char *what) {
+    CHECK(r == want, "rank %d, %s: got %s (%s)", ddp_rank(g), what, ddp_result_string(r), ddp_last_error(g));
+    CHECK(strstr(ddp_last_error(g), needle), "rank %d, %s: message \"%s\" lacks \"%s\"", ddp_rank(g), what, ddp_last_error(g), needle);
+}
+
+static void copy_file(const char *from, const char *to) {
+    char buf[65536];
+    size_t n;
+    FILE *a = fopen(from, "rb"), *b = fopen(to, "wb");
+    CHECK(a && b, "copy %s -> %s", from, to);
+    while ((n = fread(buf, 1, sizeof buf, a)) > 0) CHECK(fwrite(buf, 1, n, b) == n, "copy");
+    fclose(a);
+    fclose(b);
+}
+
+static int rank_main(int rank, int n, void *arg) {
+    ddp_group *g;
+    model mine, got, want;
+    ddp_meta meta = {0, 0, 0}, back = {0, 0, 0};
+    ddp_checkpoint_load_desc bd;
+    char p[512], q[512], name[64];
+    int64_t v;
+    (void)arg;
+    CHECK_OK(ddp_init(NULL, &g), NULL);
+    CHECK(ddp_rank(g) == rank && ddp_world_size(g) == n, "init");
+    memset(&bd, 0, sizeof bd);
+    bd.broadcast = 1;
+
+    /* save: rank 0's data is what lands; the file is whole as soon as save returns, on every rank */
+    model_init(&mine, 100 + (uint64_t)rank);
+    model_init(&want, 100);
+    CHECK_OK(ddp_meta_set_int(&meta, DDP_META_WORLD_SIZE, n), g);
+    snprintf(name, sizeof name, "model_w%d.safetensors", n);
+    CHECK_OK(ddp_checkpoint_save(g, at(name, p, sizeof p), mine.t, 2, &meta), g);
+    model_init(&got, 7);
+    CHECK_OK(ddp_checkpoint_load(g, p, got.t, 2, &back), g);
+    CHECK(same(&got, &want), "rank %d loaded something other than rank 0's tensors", rank);
+    CHECK_OK(ddp_meta_get_int(&back, DDP_META_WORLD_SIZE, &v), NULL);
+    CHECK(v == n, "metadata");
+
+    /* broadcast: only rank 0's path is used */
+    model_init(&got, 7);
+    CHECK_OK(ddp_checkpoint_load_ex(g, rank == 0 ? p : "/nonexistent/ckpt.safetensors", got.t, 2, &back, &bd), g);
+    CHECK(same(&got, &want), "rank %d: broadcast load", rank);
+    CHECK_OK(ddp_meta_get_int(&back, DDP_META_WORLD_SIZE, &v), NULL);
+    CHECK(v == n, "metadata by broadcast");
+
+    /* failures are everyone's */
+    expect_fail(g, ddp_checkpoint_load_ex(g, rank == 0 ? "/nonexistent/a.safetensors" : p, got.t, 2, NULL, &bd), DDP_ERR_IO,
+                rank == 0 ? "cannot open" : "rank 0", "rank 0 cannot read (broadcast)");
+    expect_fail(g, ddp_checkpoint_load(g, rank == 1 ? "/nonexistent/b.safetensors" : p, got.t, 2, NULL), DDP_ERR_IO,
+                rank == 1 ? "cannot open" : "rank 1", "rank 1 cannot read");
+    {
+        ddp_tensor bad = mine.t[0];
+        bad.dtype = rank == 0 ? (ddp_dtype)42 : DDP_F32;
+        expect_fail(g, ddp_checkpoint_save(g, at("bad.safetensors", q, sizeof q), &bad, 1, NULL), DDP_ERR_INVALID_ARGUMENT,
+                    rank == 0 ? "invalid dtype" : "rank 0", "bad argument on rank 0");
+    }
+    {
+        ddp_tensor one = got.t[rank == 0 ? 0 : 1];
+        ddp_checkpoint_load_desc sub = bd;
+        sub.allow_unexpected = 1;
+        expect_fail(g, ddp_checkpoint_load_ex(g, p, &one, 1, NULL, &sub), DDP_ERR_MISMATCH, rank == 0 ? "rank 1" : "step",
+                    "different lists with broadcast");
+    }
+    /* the group still works after all those errors */
+    model_init(&got, 7);
+    CHECK_OK(ddp_checkpoint_load(g, p, got.t, 2, NULL), g);
+    CHECK(same(&got, &want), "load after errors");
+
+    /* shards: each rank's own data */
+    {
+        ddp_checkpoint_save_desc sd;
+        char shard[600], old[620];
+        memset(&sd, 0, sizeof sd);
+        snprintf(name, sizeof name, "opt_w%d_%06d.safetensors", n, 1);
+        CHECK_OK(ddp_checkpoint_save_shard(g, at(name, p, sizeof p), mine.t, 2, &meta, NULL), g);
+        model_init(&got, 7);
+        CHECK_OK(ddp_checkpoint_load_shard(g, p, got.t, 2, &back, NULL), g);
+        CHECK(same(&got, &mine), "rank %d: own shard", rank);
+        model_init(&got, 7);
+        CHECK_OK(ddp_checkpoint_load_shard(g, p, got.t, 2, NULL, &bd), g);
+        CHECK(same(&got, &mine), "rank %d: own shard, marker broadcast", rank);
+
+        /* rank 1 puts back its shard of an earlier save: every rank must refuse the set */
+        snprintf(shard, sizeof shard, "%s.rank%d", p, rank);
+        snprintf(old, sizeof old, "%s.old", shard);
+        if (rank == 1) copy_file(shard, old);
+        CHECK_OK(ddp_checkpoint_save_shard(g, p, mine.t, 2, &meta, NULL), g);
+        if (rank == 1) CHECK(rename(old, shard) == 0, "rename");
+        CHECK_OK(ddp_barrier(g), g);
+        expect_fail(g, ddp_checkpoint_load_shard(g, p, got.t, 2, NULL, NULL), DDP_ERR_FORMAT, rank == 1 ? "incomplete" : "rank 1",
+                    "stale shard on rank 1");
+
+        /* saved by one process: another world size */
+        expect_fail(g, ddp_checkpoint_load_shard(g, at("single.safetensors", q, sizeof q), got.t, 2, NULL, NULL), DDP_ERR_MISMATCH,
+                    "saved by 1 ranks", "world size differs");
+
+        /* keep_last 1 over three saves: one marker and its n shards remain */
+        sd.keep_last = 1;
+        for (v = 2; v <= 4; v++) {
+            snprintf(name, sizeof name, "opt_w%d_%06lld.safetensors", n, (long long)v);
+            CHECK_OK(ddp_checkpoint_save_shard(g, at(name, p, sizeof p), mine.t, 2, NULL, &sd), g);
+        }
+        CHECK_OK(ddp_barrier(g), g);
+        if (rank == 0) {
+            DIR *d = opendir(dir);
+            struct dirent *e;
+            int count = 0;
+            char prefix[32];
+            snprintf(prefix, sizeof prefix, "opt_w%d_", n);
+            while ((e = readdir(d)) != NULL)
+                if (strncmp(e->d_name, prefix, strlen(prefix)) == 0) count++;
+            closedir(d);
+            CHECK(count == 1 + n, "keep_last 1 left %d files of opt_w%d (want %d)", count, n, 1 + n);
+        }
+        model_init(&got, 7);
+        CHECK_OK(ddp_checkpoint_load_shard(g, p, got.t, 2, NULL, NULL), g);
+        CHECK(same(&got, &mine), "after rotation");
+    }
+    ddp_meta_free(&meta);
+    ddp_meta_free(&back);
+    CHECK_OK(ddp_destroy(g), NULL);
+    return 0;
+}
+
+int main(void) {
+    static const int sizes[] = {2, 3, 4};
+    model m;
+    char p[512];
+    size_t i;
+    snprintf(dir, sizeof dir, "%s/ckpt_ranks_XXXXXX", getenv("TMPDIR") ? getenv("TMPDIR") : "/tmp");
+    CHECK(mkdtemp(dir), "mkdtemp");
+    model_init(&m, 5);
+    CHECK_OK(ddp_checkpoint_save_shard(NULL, at("single.safetensors", p, sizeof p), m.t, 2, NULL, NULL), NULL);
+    for (i = 0; i < sizeof sizes / sizeof sizes[0]; i++) {
+        CHECK(tl_run_ranks(sizes[i], rank_main, NULL, 120) == 0, "%d ranks failed", sizes[i]);
+        printf("%d ranks: ok\n", sizes[i]);
+    }
+    {
+        DIR *d = opendir(dir);
+        struct dirent *e;
+        while ((e = readdir(d)) != NULL) {
+            if (e->d_name[0] == '.') continue;
+            snprintf(p, sizeof p, "%s/%s", dir, e->d_name);
+            unlink(p);
+        }
+        closedir(d);
+        rmdir(dir);
+    }
+    printf("checkpoint ranks: ok\n");
+    return 0;
+}
