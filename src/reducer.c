@@ -54,6 +54,9 @@ typedef struct ddp__reducer_ops {
     ddp_result (*wait)(ddp_work *w);
 } ddp__reducer_ops;
 
+/* Bucket memory is plain heap memory: the shm transport stages through its own segment. When a transport
+   can reduce straight out of shared memory (the single-copy design, (3p-1)N bytes of memory traffic instead
+   of (5p+1)N), this is where buckets move into it. */
 static void *ddp__cpu_alloc(ddp_group *g, size_t bytes) {
     (void)g;
     return ddp__calloc(1, bytes);

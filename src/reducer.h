@@ -136,8 +136,9 @@ DDP_API ddp_result ddp_reducer_grad_ready(ddp_reducer *r, int index);
 /* ddp_reducer_end_backward: collective in a synchronised pass. Starts what is left, waits for every
    bucket and writes the averaged gradients back: afterwards every rank holds the same gradients.
    Errors: DDP_ERR_STATE without begin_backward, or when a gradient is missing without
-   find_unused_parameters (the message names the parameters; the group is then broken on every rank, as
-   the ranks no longer issue the same collectives); any error of the all-reduces. */
+   find_unused_parameters: the message names the parameters, and the group is then broken, as the ranks
+   no longer issue the same collectives; every other rank fails at once with the same message in the call
+   it is in (usually its end_backward). Any error of the all-reduces. */
 DDP_API ddp_result ddp_reducer_end_backward(ddp_reducer *r);
 
 /* ddp_reducer_set_sync: 0 = DDP's no_sync(): the following backward passes only accumulate locally;
