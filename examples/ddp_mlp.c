@@ -8,7 +8,7 @@
    Run it:
        make build/ddp_mlp build/ddprun
        build/ddprun --nproc-per-node 2 build/ddp_mlp          (or: torchrun --nproc_per_node 2 --no_python ...)
-       build/ddp_mlp                                            (one process: the same result, batch 2x) */
+       build/ddp_mlp                                            (one process: the same final weights) */
 #define DDP_IMPLEMENTATION
 #include "ddp.h"
 
@@ -17,7 +17,7 @@
 #include <stdlib.h>
 #include <string.h>
 
-enum { IN = 8, HID = 32, OUT = 2, GLOBAL_BATCH = 64, STEPS = 200, ACCUM = 2 };
+enum { IN = 8, HID = 32, OUT = 2, GLOBAL_BATCH = 96, STEPS = 200, ACCUM = 2 };
 
 static float W1[HID * IN], b1[HID], W2[OUT * HID], b2[OUT];     /* torch's Linear layout: W is out x in */
 static float gW1[HID * IN], gb1[HID], gW2[OUT * HID], gb2[OUT]; /* their gradients */
@@ -84,7 +84,7 @@ int main(void) {
     float x[GLOBAL_BATCH * IN], y[GLOBAL_BATCH * OUT], loss = 0;
     if (ddp_init(NULL, &g) != DDP_SUCCESS) return fprintf(stderr, "ddp_init: %s\n", ddp_last_error(NULL)), 1;
     rank = ddp_rank(g), world = ddp_world_size(g);
-    if (GLOBAL_BATCH % (world * ACCUM)) return fprintf(stderr, "the batch does not split over %d ranks\n", world), 1;
+    if (GLOBAL_BATCH % (world * ACCUM)) return fprintf(stderr, "the batch of %d does not split into %d ranks x %d micro-batches\n", GLOBAL_BATCH, world, ACCUM), 1;
     shard = GLOBAL_BATCH / world / ACCUM; /* samples per rank per micro-batch */
     for (i = 0; i < HID * IN; i++) W1[i] = frand(&seed) / sqrtf(IN);
     for (i = 0; i < OUT * HID; i++) W2[i] = frand(&seed) / sqrtf(HID);
