@@ -44,6 +44,7 @@
 
    INDEX (search for the [SECTION] markers)
    [SECTION] api: version, results, dtypes, ops, logging, groups, collectives, store, launch src/ddp_api.h
+   [SECTION] reducer: DistributedDataParallel's gradient Reducer (bucketed, overlapped all-reduce) src/reducer.h
    [SECTION] sampler: torch.utils.data.distributed.DistributedSampler, bit-exact; eval and streaming modes src/sampler.h
    [SECTION] syncbn: torch.nn.SyncBatchNorm (and plain BatchNorm1d/2d/3d) forward and backward src/syncbn.h
    [SECTION] checkpoint: safetensors save/load, resume state, per-rank shards (torch.save / load patterns) src/checkpoint.h
@@ -58,6 +59,7 @@
    [SECTION] shm: shared-memory transport for the ranks of a group that share one host src/shm.c
    [SECTION] group: ddp_init (torch.distributed.init_process_group), launcher environments, src/group.c
    [SECTION] launcher: ddp_spawn (torch.multiprocessing.spawn) and ddprun (torchrun) src/launcher.c
+   [SECTION] reducer: DistributedDataParallel's Reducer: model check, buckets, overlapped all-reduce src/reducer.c
    [SECTION] sampler: DistributedSampler, MT19937 and torch.randperm, Feistel streaming permutation src/sampler.c
    [SECTION] sampler comment of the header.                             src/sampler.c
    [SECTION] syncbn (implementation): SyncBatchNorm on the CPU, f32 data, f64 statistics src/syncbn.c
@@ -329,7 +331,172 @@ DDP_API int ddp_launcher_main(int argc, char **argv);
 /* ==================== end src/ddp_api.h ==================== */
 
 /* ==================== begin src/reducer.h ==================== */
-/* placeholder: filled by its issue */
+/* [SECTION] reducer: DistributedDataParallel's gradient Reducer (bucketed, overlapped all-reduce) */
+/* Mirrors torch.nn.parallel.DistributedDataParallel and its C++ Reducer (torch/csrc/distributed/c10d/
+   reducer.cpp) as an explicit C API. PyTorch finds the parameters by walking the module and learns that a
+   gradient is ready from an autograd hook; here the program registers each parameter and calls
+   ddp_reducer_grad_ready(r, i) where the hook would fire: right after it has finished writing parameter
+   i's gradient in its backward pass.
+
+   A training step:
+       ddp_reducer_desc d = {0};                        // 25 MiB buckets, 1 MiB first bucket, no extras
+       ddp_reducer *red;
+       ddp_reducer_create(g, &d, &red);
+       ddp_reducer_add_param(red, "fc1.weight", w1, dw1, 64 * 32, DDP_F32, &i_w1);   // ... every parameter
+       ddp_reducer_add_buffer(red, "bn.running_mean", mean, 64, DDP_F32);           // optional
+       ddp_reducer_finalize(red);        // same model on every rank? then rank 0's weights everywhere
+       for (step = 0; step < steps; step++) {
+           forward(...);
+           ddp_reducer_begin_backward(red);
+           // backward, last layer first: write (or add to) each gradient, then say it is ready
+           backward_layer3(...);  ddp_reducer_grad_ready(red, i_w3);  ddp_reducer_grad_ready(red, i_b3);
+           ...
+           ddp_reducer_end_backward(red);   // every gradient is now the average over the ranks
+           sgd_step(...);  ddp_reducer_zero_grad(red);
+       }
+       ddp_reducer_destroy(red);
+
+   What happens, as in PyTorch:
+   - Buckets. Gradients are packed into flat buckets of one dtype each, in reverse registration order (the
+     order backward usually produces them). A bucket closes when its size reaches the limit; the parameter
+     that crosses the limit stays in it. The first bucket's limit is first_bucket_bytes (1 MiB), later ones
+     bucket_cap_bytes (25 MiB), so communication starts early and then runs in large messages.
+     After the first synchronised backward the buckets are rebuilt once, in the order the gradients were
+     actually ready on rank 0 (broadcast, so every rank rebuilds alike); not with find_unused_parameters.
+   - Overlap. grad_ready copies the gradient into its bucket, multiplied by 1/world_size (the average is
+     taken before the sum, as PyTorch does); when a bucket's last gradient arrives its asynchronous SUM
+     all-reduce starts, while backward continues. Buckets start strictly in order, so every rank issues
+     the same collectives in the same order. end_backward waits for the rest and copies the results back.
+   - no_sync: ddp_reducer_set_sync(r, 0) makes the following backward passes local: gradients accumulate
+     in the program's buffers (the program adds to them), and the next synchronised backward averages the
+     accumulated sum.
+   - find_unused_parameters: a parameter that got no gradient since the last synchronised backward counts
+     as zero on this rank; a "used" map is all-reduced after the buckets, and the gradient of a parameter
+     that no rank used is left exactly as it was. Without the option, a missing gradient is an error that
+     names the parameters (PyTorch's "Expected to have finished reduction in the prior iteration ...").
+   - gradient_as_bucket_view: the gradient memory is the bucket itself (no copy in or out, half the memory).
+     The program then writes gradients where ddp_reducer_grad(r, i) points.
+   - Compression: comm_dtype DDP_F16 / DDP_BF16 sends the buckets in half precision, like PyTorch's
+     fp16_compress_hook / bf16_compress_hook (cast, divide by the world size, all-reduce, cast back).
+
+   Differences from PyTorch 1.13, none of which changes the averaged gradients beyond rounding:
+   - The first iteration uses the 1 MiB / 25 MiB buckets in reverse registration order (torch 1.13 puts
+     everything in one bucket for that iteration unless find_unused_parameters is set, and with it cuts
+     buckets in forward order before reversing the list).
+   - Compression divides by the world size in f32 and then rounds once to f16/bf16 (the hooks round to
+     f16 first and divide in f16).
+   - With find_unused_parameters, the unused parameters are found when end_backward is called (torch walks
+     the autograd graph at the start of backward); their buckets start then.
+   - A gradient is "present" or not by whether grad_ready was called since the last synchronised backward
+     (the C counterpart of param.grad being None or not).
+
+   Errors: every call that can fail returns a ddp_result, and the message is in ddp_last_error(g) of the
+   group given to ddp_reducer_create (ddp_last_error(NULL) for ddp_reducer_create itself).
+   Thread safety: a reducer is used by one thread at a time (the thread that runs backward). Other
+   collectives on the same group may be issued during backward only at the same point on every rank. */
+
+typedef struct ddp_reducer ddp_reducer;
+
+/* ddp_reducer_create's descriptor; zero-initialised means PyTorch's defaults. */
+typedef struct ddp_reducer_desc {
+    size_t bucket_cap_bytes;      /* 0 = 25 MiB (DDP's bucket_cap_mb = 25) */
+    size_t first_bucket_bytes;    /* 0 = 1 MiB (dist._DEFAULT_FIRST_BUCKET_BYTES) */
+    int find_unused_parameters;   /* 1: a parameter may get no gradient on some ranks (see above) */
+    int gradient_as_bucket_view;  /* 1: gradients live in the buckets; ddp_reducer_grad() says where */
+    ddp_dtype comm_dtype;         /* DDP_DTYPE_DEFAULT: the gradients' dtype; DDP_F16 / DDP_BF16: compress */
+} ddp_reducer_desc;
+
+/* Per-iteration statistics, like DDP's logging data (DistributedDataParallel._get_ddp_logging_data()).
+   The timing fields describe the last synchronised backward pass. */
+typedef struct ddp_reducer_statistics {
+    uint64_t iterations;       /* synchronised backward passes completed (DDP's num_iterations) */
+    uint64_t local_iterations; /* backward passes run under no_sync */
+    int buckets;               /* buckets in the current layout */
+    int rebuilt;               /* 1 once the buckets were rebuilt in the observed ready order */
+    int unused_parameters;     /* last iteration: parameters without a gradient on this rank */
+    uint64_t bytes_reduced;    /* last iteration: bytes all-reduced (buckets in comm dtype + used map) */
+    double backward_seconds;   /* begin_backward to the end_backward call: compute, overlapped with comm */
+    double comm_seconds;       /* first bucket started to last bucket finished ("avg_backward_comm_time") */
+    double wait_seconds;       /* time spent inside end_backward: the communication backward did not hide */
+    double total_comm_seconds; /* sums over all synchronised iterations */
+    double total_wait_seconds;
+} ddp_reducer_statistics;
+
+/* ddp_reducer_create: a reducer for the gradients of one model replica on group g (every rank of g takes
+   part). Parameters: g, d (NULL = defaults), out. The reducer keeps g; destroy the reducer before g.
+   Return: DDP_SUCCESS; DDP_ERR_INVALID_ARGUMENT for a bad descriptor field; DDP_ERR_UNSUPPORTED for a
+   backend the reducer does not know. Not collective. */
+DDP_API ddp_result ddp_reducer_create(ddp_group *g, const ddp_reducer_desc *d, ddp_reducer **out);
+
+/* ddp_reducer_add_param: register a parameter (before ddp_reducer_finalize), in the order the model
+   defines them (forward order; the order must be the same on every rank).
+   Parameters: name (copied; e.g. "fc1.weight"), param (count values of dtype t, overwritten with rank 0's
+   at finalize), grad (the gradient buffer, count values of t; must be NULL with gradient_as_bucket_view,
+   where the reducer provides it), t (DDP_F32, DDP_F64, DDP_F16 or DDP_BF16), index (receives the
+   parameter's index: 0, 1, ... in registration order; may be NULL).
+   Return: DDP_SUCCESS; DDP_ERR_INVALID_ARGUMENT (names the problem); DDP_ERR_STATE after finalize. */
+DDP_API ddp_result ddp_reducer_add_param(ddp_reducer *r, const char *name, void *param, void *grad, size_t count,
+                                         ddp_dtype t, int *index);
+
+/* ddp_reducer_add_buffer: register a buffer (running statistics and the like, any dtype): broadcast from
+   rank 0 at finalize and by ddp_reducer_broadcast_buffers. Before finalize; name is copied. */
+DDP_API ddp_result ddp_reducer_add_buffer(ddp_reducer *r, const char *name, void *buf, size_t count, ddp_dtype t);
+
+/* ddp_reducer_finalize: collective. Checks that every rank registered the same parameters and buffers
+   (count, sizes, dtypes, names); a difference is DDP_ERR_MISMATCH on every rank, naming the first
+   parameter that differs and what each side has. Then broadcasts parameters and buffers from rank 0
+   (coalesced in chunks of up to 250 MiB, as DDP does) and builds the buckets. */
+DDP_API ddp_result ddp_reducer_finalize(ddp_reducer *r);
+
+/* ddp_reducer_grad: where parameter index's gradient is (what the program writes in backward): the grad
+   pointer it registered, or with gradient_as_bucket_view the parameter's slice of its bucket (zeroed at
+   finalize). With gradient_as_bucket_view the slice MOVES when the buckets are rebuilt, at the end of the
+   first synchronised end_backward (gradients are carried over): read it again after that call, as
+   PyTorch's param.grad becomes a different view. NULL for a bad index (or a view before finalize). */
+DDP_API void *ddp_reducer_grad(ddp_reducer *r, int index);
+
+/* ddp_reducer_begin_backward: a backward pass starts (synchronised, or local under set_sync(r, 0)).
+   DDP_ERR_STATE before finalize or when the previous backward has not ended. */
+DDP_API ddp_result ddp_reducer_begin_backward(ddp_reducer *r);
+
+/* ddp_reducer_grad_ready: parameter index's gradient is complete for this backward pass (the autograd
+   hook). In a synchronised pass its value is taken now (and its bucket's all-reduce may start): do not
+   write to it again until end_backward returns. DDP_ERR_STATE (naming the parameter) when called twice
+   in one backward or outside begin/end; DDP_ERR_INVALID_ARGUMENT for a bad index; an error of the
+   all-reduce it starts. */
+DDP_API ddp_result ddp_reducer_grad_ready(ddp_reducer *r, int index);
+
+/* ddp_reducer_end_backward: collective in a synchronised pass. Starts what is left, waits for every
+   bucket and writes the averaged gradients back: afterwards every rank holds the same gradients.
+   Errors: DDP_ERR_STATE without begin_backward, or when a gradient is missing without
+   find_unused_parameters: the message names the parameters, and the group is then broken, as the ranks
+   no longer issue the same collectives; every other rank fails at once with the same message in the call
+   it is in (usually its end_backward). Any error of the all-reduces. */
+DDP_API ddp_result ddp_reducer_end_backward(ddp_reducer *r);
+
+/* ddp_reducer_set_sync: 0 = DDP's no_sync(): the following backward passes only accumulate locally;
+   1 (the default) = synchronise. Between backward passes only (else DDP_ERR_STATE). */
+DDP_API ddp_result ddp_reducer_set_sync(ddp_reducer *r, int sync);
+
+/* ddp_reducer_zero_grad: set every parameter's gradient to zero (optimizer.zero_grad()). Not during a
+   backward pass (DDP_ERR_STATE). */
+DDP_API ddp_result ddp_reducer_zero_grad(ddp_reducer *r);
+
+/* ddp_reducer_broadcast_buffers: collective; copy rank 0's buffers to every rank (DDP's
+   broadcast_buffers=True does it before each forward). Not during a backward pass. */
+DDP_API ddp_result ddp_reducer_broadcast_buffers(ddp_reducer *r);
+
+/* ddp_reducer_stats: fill *out (see ddp_reducer_statistics). DDP_ERR_INVALID_ARGUMENT for NULL pointers. */
+DDP_API ddp_result ddp_reducer_stats(const ddp_reducer *r, ddp_reducer_statistics *out);
+
+/* ddp_reducer_param_bucket: the bucket that holds parameter index's gradient now (buckets are numbered in
+   the order they are all-reduced), and, when offset is not NULL, its element offset in the bucket.
+   -1 for a bad index or before finalize. For tests and for tuning bucket sizes. */
+DDP_API int ddp_reducer_param_bucket(const ddp_reducer *r, int index, size_t *offset);
+
+/* ddp_reducer_destroy: wait for any all-reduce in flight and free the reducer. Not collective. NULL is a
+   no-op. */
+DDP_API void ddp_reducer_destroy(ddp_reducer *r);
 /* ==================== end src/reducer.h ==================== */
 
 /* ==================== begin src/sampler.h ==================== */
@@ -6195,7 +6362,986 @@ DDP_API int ddp_launcher_main(int argc, char **argv) {
 /* ==================== end src/launcher.c ==================== */
 
 /* ==================== begin src/reducer.c ==================== */
-/* placeholder: filled by its issue */
+/* [SECTION] reducer: DistributedDataParallel's Reducer: model check, buckets, overlapped all-reduce
+   (torch/csrc/distributed/c10d/reducer.cpp, torch/nn/parallel/distributed.py)
+
+   Life of a reducer:
+     add_param / add_buffer   the model, in registration (forward) order
+     finalize                 1. all_gather a fingerprint {params, buffers, hash of names, counts, dtypes};
+                                 if the ranks differ, all_gather fixed-size records of every entry and
+                                 name the first that differs (the same message on every rank)
+                              2. broadcast parameters and buffers from rank 0 (small ones coalesced)
+                              3. buckets in reverse registration order
+     begin_backward           every bucket waits for all of its gradients
+     grad_ready(i)            copy gradient i * (1/world) into its bucket slot; start every complete
+                              bucket that is next in line (buckets start strictly in order)
+     end_backward             (find_unused) zero the missing gradients' slots, start the rest, all-reduce
+                              the "used" map; wait for each bucket and copy it back; after the first
+                              synchronised pass, rebuild the buckets in rank 0's ready order once
+
+   Where gradients live (g = the gradients' dtype, c = the communication dtype):
+     plain                     program's grad --(x 1/world, g -> c)--> comm bucket --all-reduce--> grad
+     gradient_as_bucket_view   storage bucket (g) IS the grad; comm bucket = storage when c == g (the
+                              scaling is then in place), else a separate c-typed copy as above
+
+   Bucket assignment (PyTorch's compute_bucket_assignment_by_size): walk the parameters in a given order
+   (reverse registration at first, then the observed ready order); each dtype has one open bucket; add the
+   parameter to it; when the bucket's bytes reach its limit, close it; the first bucket of a dtype has
+   limit first_bucket_bytes, later ones bucket_cap_bytes. Buckets are numbered by the walk position of
+   their first parameter, which is the order they fill in, and so the order they are all-reduced in. */
+
+#define DDP__REDUCER_DEFAULT_CAP ((size_t)25 << 20)        /* DDP's bucket_cap_mb = 25 */
+#define DDP__REDUCER_DEFAULT_FIRST ((size_t)1 << 20)       /* dist._DEFAULT_FIRST_BUCKET_BYTES */
+#define DDP__REDUCER_BROADCAST_CHUNK ((size_t)250 << 20)   /* DDP's broadcast_bucket_size */
+#define DDP__REDUCER_SMALL_TENSOR ((size_t)1 << 20)        /* smaller tensors are coalesced for broadcast */
+#define DDP__REDUCER_NAME_RECORD 72                        /* name bytes in a mismatch record */
+
+/* ---- the group interface: everything the reducer asks of a backend ----
+   Buffers are the backend's memory (host memory for cpu; device memory for nccl, where the copies run on
+   the group's stream). copy_in_scaled: dst[i] = src[i] * scale converted from src_t to dst_t, computed in
+   f32 (f64 for f64) and rounded once; dst may equal src when the dtypes do. copy_out: dst[i] = src[i]
+   converted (a plain copy when the dtypes are equal); it also moves the used map between host memory and
+   the backend's (both directions). To add a backend, write these functions and add a row to
+   ddp__reducer_backends. Besides these, finalize and the rebuild pass small host arrays to ddp_all_gather
+   and ddp_broadcast (the model check, the ready order) and broadcast parameters and buffers where they
+   are: a backend whose collectives take device memory accepts host memory for those, or stages it. */
+typedef struct ddp__reducer_ops {
+    const char *backend; /* ddp_backend_name(g) */
+    void *(*alloc)(ddp_group *g, size_t bytes); /* zeroed; NULL when out of memory */
+    void (*release)(ddp_group *g, void *p);
+    void (*zero)(ddp_group *g, void *dst, size_t bytes);
+    void (*copy_in_scaled)(ddp_group *g, void *dst, ddp_dtype dst_t, const void *src, ddp_dtype src_t, size_t count,
+                           double scale);
+    void (*copy_out)(ddp_group *g, void *dst, ddp_dtype dst_t, const void *src, ddp_dtype src_t, size_t count);
+    ddp_result (*all_reduce_async)(ddp_group *g, void *buf, size_t count, ddp_dtype t, ddp_op op, ddp_work **w);
+    ddp_result (*wait)(ddp_work *w);
+} ddp__reducer_ops;
+
+/* Bucket memory is plain heap memory: the shm transport stages through its own segment. When a transport
+   can reduce straight out of shared memory (the single-copy design, (3p-1)N bytes of memory traffic instead
+   of (5p+1)N), this is where buckets move into it. */
+static void *ddp__cpu_alloc(ddp_group *g, size_t bytes) {
+    (void)g;
+    return ddp__calloc(1, bytes);
+}
+static void ddp__cpu_release(ddp_group *g, void *p) {
+    (void)g;
+    ddp__free(p);
+}
+static void ddp__cpu_zero(ddp_group *g, void *dst, size_t bytes) {
+    (void)g;
+    if (bytes) memset(dst, 0, bytes);
+}
+
+/* One element of a floating dtype, as f32 (f64 keeps its precision through ddp__load_f64). */
+static float ddp__get_f32(const void *p, ddp_dtype t, size_t i) {
+    switch (t) {
+    case DDP_F32: return ((const float *)p)[i];
+    case DDP_F64: return (float)((const double *)p)[i];
+    case DDP_F16: return ddp_f16_to_f32(((const uint16_t *)p)[i]);
+    default: return ddp_bf16_to_f32(((const uint16_t *)p)[i]);
+    }
+}
+static void ddp__put_f32(void *p, ddp_dtype t, size_t i, float v) {
+    switch (t) {
+    case DDP_F32: ((float *)p)[i] = v; break;
+    case DDP_F64: ((double *)p)[i] = (double)v; break;
+    case DDP_F16: ((uint16_t *)p)[i] = ddp_f32_to_f16(v); break;
+    default: ((uint16_t *)p)[i] = ddp_f32_to_bf16(v); break;
+    }
+}
+
+static void ddp__cpu_copy_in_scaled(ddp_group *g, void *dst, ddp_dtype dst_t, const void *src, ddp_dtype src_t,
+                                    size_t count, double scale) {
+    size_t i;
+    (void)g;
+    if (dst_t == src_t && scale == 1.0) {
+        if (dst != src && count) memcpy(dst, src, count * ddp_dtype_size(dst_t));
+        return;
+    }
+    if (dst_t == DDP_F32 && src_t == DDP_F32) { /* the common case, kept simple enough to vectorise */
+        float *d = (float *)dst, s = (float)scale;
+        const float *x = (const float *)src;
+        for (i = 0; i < count; i++) d[i] = x[i] * s;
+        return;
+    }
+    if (dst_t == DDP_F64 || src_t == DDP_F64) {
+        for (i = 0; i < count; i++) {
+            double v = (src_t == DDP_F64 ? ((const double *)src)[i] : (double)ddp__get_f32(src, src_t, i)) * scale;
+            if (dst_t == DDP_F64)
+                ((double *)dst)[i] = v;
+            else
+                ddp__put_f32(dst, dst_t, i, (float)v);
+        }
+        return;
+    }
+    {
+        float s = (float)scale;
+        for (i = 0; i < count; i++) ddp__put_f32(dst, dst_t, i, ddp__get_f32(src, src_t, i) * s);
+    }
+}
+
+static void ddp__cpu_copy_out(ddp_group *g, void *dst, ddp_dtype dst_t, const void *src, ddp_dtype src_t, size_t count) {
+    size_t i;
+    (void)g;
+    if (dst_t == src_t) {
+        if (dst != src && count) memcpy(dst, src, count * ddp_dtype_size(dst_t));
+        return;
+    }
+    if (dst_t == DDP_F64) {
+        for (i = 0; i < count; i++) ((double *)dst)[i] = (double)ddp__get_f32(src, src_t, i);
+        return;
+    }
+    for (i = 0; i < count; i++) ddp__put_f32(dst, dst_t, i, ddp__get_f32(src, src_t, i));
+}
+
+static ddp_result ddp__cpu_all_reduce_async(ddp_group *g, void *buf, size_t count, ddp_dtype t, ddp_op op, ddp_work **w) {
+    return ddp_all_reduce_async(g, buf, count, t, op, w);
+}
+
+static const ddp__reducer_ops ddp__reducer_backends[] = {
+    {"cpu", ddp__cpu_alloc, ddp__cpu_release, ddp__cpu_zero, ddp__cpu_copy_in_scaled, ddp__cpu_copy_out,
+     ddp__cpu_all_reduce_async, ddp_wait},
+};
+
+/* ---- the reducer's state ---- */
+
+typedef struct ddp__rtensor { /* a registered parameter or buffer */
+    char *name;
+    void *data;  /* the parameter's values, or the buffer */
+    void *grad;  /* the program's gradient (plain mode); NULL for views and buffers */
+    size_t count;
+    ddp_dtype dtype;
+} ddp__rtensor;
+
+typedef struct ddp__bucket {
+    ddp_dtype dtype;      /* the gradients' */
+    ddp_dtype comm_dtype; /* what travels */
+    int first, n;         /* its parameters are layout.params[first .. first + n) */
+    size_t count;         /* elements */
+    void *storage;        /* gradient_as_bucket_view: the gradients themselves; else NULL */
+    void *comm;           /* what is all-reduced; == storage for a view without compression */
+    int pending;          /* gradients still to come in this backward pass */
+    ddp_work *work;       /* its all-reduce, while in flight */
+} ddp__bucket;
+
+typedef struct ddp__layout {
+    ddp__bucket *buckets;
+    int nbuckets;
+    int *params;          /* parameter indices, grouped by bucket, in walk order */
+    int *param_bucket;    /* per parameter */
+    size_t *param_offset; /* per parameter: element offset in its bucket */
+} ddp__layout;
+
+struct ddp_reducer {
+    ddp_group *g;
+    const ddp__reducer_ops *ops;
+    ddp_reducer_desc desc; /* defaults filled in */
+    ddp__rtensor *params, *buffers;
+    int nparams, nbuffers, cap_params, cap_buffers;
+    int finalized;
+    ddp_result failed; /* an error that stopped the reducer (the group is broken); 0 when healthy */
+
+    ddp__layout L;
+    int in_backward;   /* between begin_backward and end_backward */
+    int sync;          /* set_sync: applies to the next backward pass */
+    int pass_sync;     /* the current pass is synchronised */
+    int next_bucket;   /* the next bucket to start */
+    unsigned char *ready; /* per parameter: grad_ready in this backward pass */
+    unsigned char *used;  /* per parameter: grad_ready since the last synchronised backward */
+    unsigned char *used_comm; /* find_unused: the used map as all-reduced (MAX), backend memory */
+    unsigned char *used_global; /* find_unused: its result, back in host memory */
+    int *order;        /* ready order of the first synchronised pass, for the rebuild */
+    int norder;
+    int rebuild_pending;
+    void *stash;       /* view without compression + find_unused: gradients of unused parameters */
+    size_t stash_bytes;
+    void *bstage;      /* staging for coalesced buffer broadcasts */
+    size_t bstage_bytes;
+
+    ddp_reducer_statistics stats;
+    double t_begin, t_first_start;
+};
+
+static size_t ddp__reducer_n(const ddp_reducer *r) { return (size_t)(unsigned)r->nparams; } /* never negative */
+static int ddp__reducer_is_view(const ddp_reducer *r) { return r->desc.gradient_as_bucket_view; }
+/* Gradients scaled and reduced in place in the bucket (a view without compression). */
+static int ddp__bucket_in_place(const ddp__bucket *b) { return b->storage != NULL && b->comm == b->storage; }
+static size_t ddp__tensor_bytes(const ddp__rtensor *t) { return t->count * ddp_dtype_size(t->dtype); }
+
+/* ---- creation and registration ---- */
+
+DDP_API ddp_result ddp_reducer_create(ddp_group *g, const ddp_reducer_desc *d, ddp_reducer **out) {
+    ddp_reducer_desc desc;
+    ddp_reducer *r;
+    size_t i;
+    const ddp__reducer_ops *ops = NULL;
+    if (!out) return ddp__fail(g, DDP_ERR_INVALID_ARGUMENT, "ddp_reducer_create: out is NULL");
+    *out = NULL;
+    if (!g) return ddp__fail(NULL, DDP_ERR_INVALID_ARGUMENT, "ddp_reducer_create: the group is NULL (did ddp_init succeed?)");
+    memset(&desc, 0, sizeof desc);
+    if (d) desc = *d;
+    if (!desc.bucket_cap_bytes) desc.bucket_cap_bytes = DDP__REDUCER_DEFAULT_CAP;
+    if (!desc.first_bucket_bytes) desc.first_bucket_bytes = DDP__REDUCER_DEFAULT_FIRST;
+    if (desc.comm_dtype != DDP_DTYPE_DEFAULT && !(ddp__dtype_valid(desc.comm_dtype) && ddp__dtype_is_float(desc.comm_dtype)))
+        return ddp__fail(g, DDP_ERR_INVALID_ARGUMENT, "ddp_reducer_create: comm_dtype %d is not DDP_DTYPE_DEFAULT or a "
+                         "floating dtype (DDP_F16 or DDP_BF16 to compress)", (int)desc.comm_dtype);
+    for (i = 0; i < sizeof ddp__reducer_backends / sizeof ddp__reducer_backends[0]; i++)
+        if (strcmp(ddp__reducer_backends[i].backend, ddp_backend_name(g)) == 0) ops = &ddp__reducer_backends[i];
+    if (!ops)
+        return ddp__fail(g, DDP_ERR_UNSUPPORTED, "ddp_reducer_create: the reducer has no functions for backend \"%s\" "
+                         "(it knows cpu)", ddp_backend_name(g));
+    r = (ddp_reducer *)ddp__calloc(1, sizeof *r);
+    if (!r) return ddp__fail(g, DDP_ERR_OUT_OF_MEMORY, "ddp_reducer_create: out of memory");
+    r->g = g;
+    r->ops = ops;
+    r->desc = desc;
+    r->sync = 1;
+    *out = r;
+    return DDP_SUCCESS;
+}
+
+/* Append a tensor to a growable array (registration happens once, before training). */
+static ddp_result ddp__reducer_append(ddp_reducer *r, ddp__rtensor **arr, int *n, int *cap, const char *name, void *data,
+                                      void *grad, size_t count, ddp_dtype t) {
+    ddp__rtensor *e;
+    if (*n == *cap) {
+        int nc = *cap ? *cap * 2 : 16;
+        ddp__rtensor *p = (ddp__rtensor *)DDP_REALLOC(*arr, (size_t)nc * sizeof *p);
+        if (!p) return ddp__fail(r->g, DDP_ERR_OUT_OF_MEMORY, "out of memory registering \"%s\"", name);
+        *arr = p;
+        *cap = nc;
+    }
+    e = &(*arr)[*n];
+    e->name = ddp__strdup(name);
+    if (!e->name) return ddp__fail(r->g, DDP_ERR_OUT_OF_MEMORY, "out of memory registering \"%s\"", name);
+    e->data = data;
+    e->grad = grad;
+    e->count = count;
+    e->dtype = t;
+    (*n)++;
+    return DDP_SUCCESS;
+}
+
+static ddp_result ddp__reducer_check_add(ddp_reducer *r, const char *what, const char *name, const void *data, size_t count,
+                                         ddp_dtype t) {
+    if (!r) return ddp__fail(NULL, DDP_ERR_INVALID_ARGUMENT, "ddp_reducer_add_%s: the reducer is NULL", what);
+    if (!name || !*name) return ddp__fail(r->g, DDP_ERR_INVALID_ARGUMENT, "ddp_reducer_add_%s: the name is NULL or empty", what);
+    if (r->finalized)
+        return ddp__fail(r->g, DDP_ERR_STATE, "ddp_reducer_add_%s(\"%s\"): the reducer is already finalized; register "
+                         "every %s before ddp_reducer_finalize", what, name, what);
+    if (!ddp__dtype_valid(t))
+        return ddp__fail(r->g, DDP_ERR_INVALID_ARGUMENT, "ddp_reducer_add_%s(\"%s\"): dtype %d is not a ddp_dtype", what, name, (int)t);
+    if (count == 0) return ddp__fail(r->g, DDP_ERR_INVALID_ARGUMENT, "ddp_reducer_add_%s(\"%s\"): count is 0", what, name);
+    if (count > SIZE_MAX / 16)
+        return ddp__fail(r->g, DDP_ERR_INVALID_ARGUMENT, "ddp_reducer_add_%s(\"%s\"): count %zu is too large", what, name, count);
+    if (!data) return ddp__fail(r->g, DDP_ERR_INVALID_ARGUMENT, "ddp_reducer_add_%s(\"%s\"): the data pointer is NULL", what, name);
+    return DDP_SUCCESS;
+}
+
+DDP_API ddp_result ddp_reducer_add_param(ddp_reducer *r, const char *name, void *param, void *grad, size_t count,
+                                         ddp_dtype t, int *index) {
+    ddp_result res = ddp__reducer_check_add(r, "param", name, param, count, t);
+    if (res) return res;
+    if (!ddp__dtype_is_float(t))
+        return ddp__fail(r->g, DDP_ERR_INVALID_ARGUMENT, "ddp_reducer_add_param(\"%s\"): dtype %s has no gradients; "
+                         "parameters are f32, f64, f16 or bf16 (register integer state with ddp_reducer_add_buffer)",
+                         name, ddp_dtype_name(t));
+    if (ddp__reducer_is_view(r) && grad)
+        return ddp__fail(r->g, DDP_ERR_INVALID_ARGUMENT, "ddp_reducer_add_param(\"%s\"): with gradient_as_bucket_view the "
+                         "gradient lives in the bucket: pass grad = NULL and write it where ddp_reducer_grad() points", name);
+    if (!ddp__reducer_is_view(r) && !grad)
+        return ddp__fail(r->g, DDP_ERR_INVALID_ARGUMENT, "ddp_reducer_add_param(\"%s\"): the gradient pointer is NULL "
+                         "(pass the gradient buffer, or set gradient_as_bucket_view)", name);
+    if (r->nparams == INT_MAX / 2) return ddp__fail(r->g, DDP_ERR_INVALID_ARGUMENT, "ddp_reducer_add_param: too many parameters");
+    if ((res = ddp__reducer_append(r, &r->params, &r->nparams, &r->cap_params, name, param, grad, count, t)) != DDP_SUCCESS)
+        return res;
+    if (index) *index = r->nparams - 1;
+    return DDP_SUCCESS;
+}
+
+DDP_API ddp_result ddp_reducer_add_buffer(ddp_reducer *r, const char *name, void *buf, size_t count, ddp_dtype t) {
+    ddp_result res = ddp__reducer_check_add(r, "buffer", name, buf, count, t);
+    if (res) return res;
+    if (r->nbuffers == INT_MAX / 2) return ddp__fail(r->g, DDP_ERR_INVALID_ARGUMENT, "ddp_reducer_add_buffer: too many buffers");
+    return ddp__reducer_append(r, &r->buffers, &r->nbuffers, &r->cap_buffers, name, buf, NULL, count, t);
+}
+
+/* ---- finalize, step 1: the same model on every rank ---- */
+
+static uint64_t ddp__fnv1a(uint64_t h, const void *data, size_t n) {
+    const unsigned char *p = (const unsigned char *)data;
+    size_t i;
+    for (i = 0; i < n; i++) h = (h ^ p[i]) * 1099511628211ull;
+    return h;
+}
+
+static uint64_t ddp__rtensor_hash(uint64_t h, const ddp__rtensor *t) {
+    uint64_t count = t->count, dtype = (uint64_t)t->dtype;
+    h = ddp__fnv1a(h, t->name, strlen(t->name) + 1);
+    h = ddp__fnv1a(h, &count, sizeof count);
+    return ddp__fnv1a(h, &dtype, sizeof dtype);
+}
+
+/* One entry of the model in fixed size, for naming the first difference. */
+typedef struct ddp__model_record {
+    uint64_t count;
+    uint64_t name_hash;
+    uint32_t dtype;
+    uint32_t kind; /* 0: this rank has no entry here, 1: parameter, 2: buffer */
+    char name[DDP__REDUCER_NAME_RECORD];
+} ddp__model_record;
+
+static void ddp__record_fill(ddp__model_record *rec, const ddp__rtensor *t, uint32_t kind) {
+    memset(rec, 0, sizeof *rec);
+    if (!t) return;
+    rec->count = t->count;
+    rec->name_hash = ddp__fnv1a(14695981039346656037ull, t->name, strlen(t->name));
+    rec->dtype = (uint32_t)t->dtype;
+    rec->kind = kind;
+    snprintf(rec->name, sizeof rec->name, "%s", t->name);
+}
+
+static int ddp__record_equal(const ddp__model_record *a, const ddp__model_record *b) {
+    return a->count == b->count && a->name_hash == b->name_hash && a->dtype == b->dtype && a->kind == b->kind;
+}
+
+static void ddp__record_describe(const ddp__model_record *rec, char *out, size_t cap) {
+    static const char *kinds[] = {"nothing", "parameter", "buffer"};
+    if (rec->kind == 0) {
+        snprintf(out, cap, "nothing (fewer entries)");
+        return;
+    }
+    snprintf(out, cap, "%s \"%s\" (%llu x %s)", kinds[rec->kind <= 2 ? rec->kind : 0], rec->name,
+             (unsigned long long)rec->count, ddp_dtype_name((ddp_dtype)rec->dtype));
+}
+
+/* The ranks disagree: every rank sends `n` records (n = the largest model) and each names the first entry
+   that differs from rank 0's, so every rank reports the same thing. */
+static ddp_result ddp__reducer_name_mismatch(ddp_reducer *r, const uint64_t *prints) {
+    ddp_group *g = r->g;
+    int world = ddp_world_size(g), k, j, n = 0;
+    ddp__model_record *mine, *all;
+    ddp_result res;
+    char msg[DDP__ERR_MAX], a[160], b[160];
+    for (k = 0; k < world; k++) n = DDP__MAX(n, (int)(prints[4 * k + 1] + prints[4 * k + 2]));
+    mine = (ddp__model_record *)ddp__calloc((size_t)n + 1, sizeof *mine);
+    all = (ddp__model_record *)ddp__calloc(((size_t)n + 1) * (size_t)world, sizeof *all);
+    if (!mine || !all) {
+        ddp__free(mine);
+        ddp__free(all);
+        return ddp__fail(g, DDP_ERR_OUT_OF_MEMORY, "ddp_reducer_finalize: the model differs between ranks, and there is "
+                         "no memory to say where");
+    }
+    for (j = 0; j < n; j++) {
+        if (j < r->nparams)
+            ddp__record_fill(&mine[j], &r->params[j], 1);
+        else if (j - r->nparams < r->nbuffers)
+            ddp__record_fill(&mine[j], &r->buffers[j - r->nparams], 2);
+        else
+            ddp__record_fill(&mine[j], NULL, 0);
+    }
+    res = ddp_all_gather(g, mine, all, ((size_t)n + 1) * sizeof *mine, DDP_U8);
+    if (res) {
+        ddp__free(mine);
+        ddp__free(all);
+        return res;
+    }
+    snprintf(msg, sizeof msg, "ddp_reducer_finalize: the ranks registered different models (rank 0: %llu parameters and "
+             "%llu buffers, this rank %d: %d and %d), and the order of entries differs nowhere that a record shows; "
+             "register the same parameters and buffers (names, counts, dtypes) in the same order on every rank",
+             (unsigned long long)prints[1], (unsigned long long)prints[2], ddp_rank(g), r->nparams, r->nbuffers);
+    for (j = 0; j < n; j++) {
+        const ddp__model_record *ref = &all[j];
+        for (k = 1; k < world; k++) {
+            const ddp__model_record *other = &all[(size_t)k * ((size_t)n + 1) + (size_t)j];
+            if (ddp__record_equal(ref, other)) continue;
+            ddp__record_describe(ref, a, sizeof a);
+            ddp__record_describe(other, b, sizeof b);
+            snprintf(msg, sizeof msg, "ddp_reducer_finalize: the ranks registered different models; the first difference "
+                     "is entry #%d: rank 0 has %s, rank %d has %s%s. Every rank must register the same parameters and "
+                     "buffers (names, counts, dtypes) in the same order", j, a, k, b,
+                     strcmp(ref->name, other->name) == 0 && ref->name_hash != other->name_hash ? " (the names differ after "
+                     "the characters shown)" : "");
+            j = n;
+            break;
+        }
+    }
+    ddp__free(mine);
+    ddp__free(all);
+    return ddp__fail(g, DDP_ERR_MISMATCH, "%s", msg);
+}
+
+/* PyTorch's _verify_param_shape_across_processes, hang-free: a fixed-size all_gather first. */
+static ddp_result ddp__reducer_verify(ddp_reducer *r) {
+    ddp_group *g = r->g;
+    int world = ddp_world_size(g), i, k;
+    uint64_t mine[4], *all;
+    ddp_result res;
+    mine[0] = 0x4444505245445543ull; /* "DDPREDUC": a reducer's record */
+    mine[1] = (uint64_t)r->nparams;
+    mine[2] = (uint64_t)r->nbuffers;
+    mine[3] = 14695981039346656037ull;
+    for (i = 0; i < r->nparams; i++) mine[3] = ddp__rtensor_hash(mine[3], &r->params[i]);
+    for (i = 0; i < r->nbuffers; i++) mine[3] = ddp__rtensor_hash(mine[3] ^ 0x9e3779b97f4a7c15ull, &r->buffers[i]);
+    all = (uint64_t *)ddp__calloc((size_t)world * 4, sizeof *all);
+    if (!all) return ddp__fail(g, DDP_ERR_OUT_OF_MEMORY, "ddp_reducer_finalize: out of memory");
+    if ((res = ddp_all_gather(g, mine, all, 4, DDP_I64)) != DDP_SUCCESS) {
+        ddp__free(all);
+        return res;
+    }
+    for (k = 0; k < world; k++)
+        if (memcmp(&all[4 * k], &all[0], sizeof mine) != 0) break;
+    res = k == world ? DDP_SUCCESS : ddp__reducer_name_mismatch(r, all);
+    ddp__free(all);
+    return res;
+}
+
+/* ---- finalize, step 2: rank 0's values everywhere (DDP's _sync_module_states) ---- */
+
+/* Broadcast tensors from rank 0: a large tensor in place, runs of small ones packed into `stage`. */
+static ddp_result ddp__reducer_broadcast(ddp_reducer *r, ddp__rtensor *ts, int n, void *stage, size_t stage_bytes) {
+    ddp_group *g = r->g;
+    int i = 0, j, k;
+    ddp_result res;
+    if (ddp_world_size(g) == 1) return DDP_SUCCESS;
+    while (i < n) {
+        size_t bytes = ddp__tensor_bytes(&ts[i]), off = 0;
+        if (bytes >= DDP__REDUCER_SMALL_TENSOR || bytes > stage_bytes || !stage) {
+            if ((res = ddp_broadcast(g, ts[i].data, bytes, DDP_U8, 0)) != DDP_SUCCESS) return res;
+            i++;
+            continue;
+        }
+        for (j = i; j < n; j++) {
+            size_t b = ddp__tensor_bytes(&ts[j]);
+            if (b >= DDP__REDUCER_SMALL_TENSOR || off + b > stage_bytes) break;
+            if (ddp_rank(g) == 0) r->ops->copy_out(g, (char *)stage + off, ts[j].dtype, ts[j].data, ts[j].dtype, ts[j].count);
+            off += b;
+        }
+        if ((res = ddp_broadcast(g, stage, off, DDP_U8, 0)) != DDP_SUCCESS) return res;
+        for (off = 0, k = i; k < j; k++) {
+            if (ddp_rank(g) != 0) r->ops->copy_out(g, ts[k].data, ts[k].dtype, (char *)stage + off, ts[k].dtype, ts[k].count);
+            off += ddp__tensor_bytes(&ts[k]);
+        }
+        i = j;
+    }
+    return DDP_SUCCESS;
+}
+
+/* Staging big enough for the small tensors of a list, at most one broadcast chunk. */
+static size_t ddp__stage_bytes(const ddp__rtensor *ts, int n) {
+    size_t total = 0;
+    int i;
+    for (i = 0; i < n; i++)
+        if (ddp__tensor_bytes(&ts[i]) < DDP__REDUCER_SMALL_TENSOR) total += ddp__tensor_bytes(&ts[i]);
+    return DDP__MIN(total, DDP__REDUCER_BROADCAST_CHUNK);
+}
+
+static ddp_result ddp__reducer_sync_states(ddp_reducer *r) {
+    size_t bytes = ddp__stage_bytes(r->params, r->nparams);
+    void *stage = bytes ? r->ops->alloc(r->g, bytes) : NULL;
+    ddp_result res;
+    if (bytes && !stage) return ddp__fail(r->g, DDP_ERR_OUT_OF_MEMORY, "ddp_reducer_finalize: out of memory (%zu bytes)", bytes);
+    res = ddp__reducer_broadcast(r, r->params, r->nparams, stage, bytes);
+    if (stage) r->ops->release(r->g, stage);
+    if (res) return res;
+    return ddp_reducer_broadcast_buffers(r);
+}
+
+/* ---- finalize, step 3 (and the rebuild): bucket layout ---- */
+
+static void ddp__layout_free(ddp_reducer *r, ddp__layout *L) {
+    int b;
+    for (b = 0; b < L->nbuckets && L->buckets; b++) {
+        ddp__bucket *k = &L->buckets[b];
+        if (k->comm && k->comm != k->storage) r->ops->release(r->g, k->comm);
+        if (k->storage) r->ops->release(r->g, k->storage);
+    }
+    ddp__free(L->buckets);
+    ddp__free(L->params);
+    ddp__free(L->param_bucket);
+    ddp__free(L->param_offset);
+    memset(L, 0, sizeof *L);
+}
+
+/* Assign parameters to buckets walking them in `walk` order (see the top of this section). */
+static ddp_result ddp__layout_assign(ddp_reducer *r, const int *walk, ddp__layout *L) {
+    int open[DDP_DTYPE_COUNT], seen[DDP_DTYPE_COUNT], i, b, n = r->nparams;
+    size_t filled[DDP_DTYPE_COUNT];
+    int *next;
+    memset(L, 0, sizeof *L);
+    L->buckets = (ddp__bucket *)ddp__calloc((size_t)n, sizeof *L->buckets);
+    L->params = (int *)ddp__calloc((size_t)n, sizeof *L->params);
+    L->param_bucket = (int *)ddp__calloc((size_t)n, sizeof *L->param_bucket);
+    L->param_offset = (size_t *)ddp__calloc((size_t)n, sizeof *L->param_offset);
+    next = (int *)ddp__calloc((size_t)n, sizeof *next);
+    if (!L->buckets || !L->params || !L->param_bucket || !L->param_offset || !next) {
+        ddp__free(next);
+        ddp__layout_free(r, L);
+        return ddp__fail(r->g, DDP_ERR_OUT_OF_MEMORY, "out of memory building the gradient buckets");
+    }
+    for (i = 0; i < DDP_DTYPE_COUNT; i++) open[i] = -1, seen[i] = 0, filled[i] = 0;
+    for (i = 0; i < n; i++) {
+        const ddp__rtensor *p = &r->params[walk[i]];
+        int t = (int)p->dtype;
+        size_t limit = seen[t] ? r->desc.bucket_cap_bytes : r->desc.first_bucket_bytes;
+        ddp__bucket *k;
+        if (open[t] < 0) {
+            open[t] = L->nbuckets++;
+            filled[t] = 0;
+            k = &L->buckets[open[t]];
+            k->dtype = p->dtype;
+            k->comm_dtype = r->desc.comm_dtype == DDP_DTYPE_DEFAULT ? p->dtype : r->desc.comm_dtype;
+        }
+        k = &L->buckets[open[t]];
+        L->param_bucket[walk[i]] = open[t];
+        L->param_offset[walk[i]] = k->count;
+        k->count += p->count;
+        k->n++;
+        filled[t] += ddp__tensor_bytes(p);
+        if (filled[t] >= limit) { /* the parameter that crosses the limit stays in the bucket */
+            open[t] = -1;
+            seen[t] = 1;
+        }
+    }
+    /* group the parameters by bucket, keeping the walk order inside each */
+    for (b = 0, i = 0; b < L->nbuckets; b++) {
+        L->buckets[b].first = i;
+        next[b] = i;
+        i += L->buckets[b].n;
+    }
+    for (i = 0; i < n; i++) L->params[next[L->param_bucket[walk[i]]]++] = walk[i];
+    ddp__free(next);
+    return DDP_SUCCESS;
+}
+
+static int ddp__layout_same(const ddp_reducer *r, const ddp__layout *a, const ddp__layout *b) {
+    int i;
+    if (a->nbuckets != b->nbuckets) return 0;
+    for (i = 0; i < r->nparams; i++)
+        if (a->param_bucket[i] != b->param_bucket[i] || a->param_offset[i] != b->param_offset[i]) return 0;
+    return 1;
+}
+
+/* Give a layout its memory: the comm buckets, and the gradient storage for views. */
+static ddp_result ddp__layout_alloc(ddp_reducer *r, ddp__layout *L) {
+    int b;
+    for (b = 0; b < L->nbuckets; b++) {
+        ddp__bucket *k = &L->buckets[b];
+        size_t gbytes = k->count * ddp_dtype_size(k->dtype), cbytes = k->count * ddp_dtype_size(k->comm_dtype);
+        if (ddp__reducer_is_view(r) && !(k->storage = r->ops->alloc(r->g, gbytes)))
+            return ddp__fail(r->g, DDP_ERR_OUT_OF_MEMORY, "out of memory for gradient bucket %d (%zu bytes)", b, gbytes);
+        if (k->storage && k->comm_dtype == k->dtype)
+            k->comm = k->storage;
+        else if (!(k->comm = r->ops->alloc(r->g, cbytes)))
+            return ddp__fail(r->g, DDP_ERR_OUT_OF_MEMORY, "out of memory for gradient bucket %d (%zu bytes)", b, cbytes);
+    }
+    return DDP_SUCCESS;
+}
+
+/* Where parameter i's gradient is in a layout's storage (views only). */
+static void *ddp__layout_view(const ddp_reducer *r, const ddp__layout *L, int i) {
+    const ddp__bucket *k = &L->buckets[L->param_bucket[i]];
+    return (char *)k->storage + L->param_offset[i] * ddp_dtype_size(r->params[i].dtype);
+}
+
+/* Build the layout for `walk` and switch to it; views carry their gradients over. */
+static ddp_result ddp__reducer_relayout(ddp_reducer *r, const int *walk) {
+    ddp__layout L;
+    ddp_result res = ddp__layout_assign(r, walk, &L);
+    int i;
+    if (res) return res;
+    if (r->L.buckets && ddp__layout_same(r, &r->L, &L)) {
+        ddp__layout_free(r, &L);
+        return DDP_SUCCESS;
+    }
+    if ((res = ddp__layout_alloc(r, &L)) != DDP_SUCCESS) {
+        ddp__layout_free(r, &L);
+        return res;
+    }
+    if (r->L.buckets && ddp__reducer_is_view(r))
+        for (i = 0; i < r->nparams; i++)
+            r->ops->copy_out(r->g, ddp__layout_view(r, &L, i), r->params[i].dtype, ddp__layout_view(r, &r->L, i),
+                             r->params[i].dtype, r->params[i].count);
+    ddp__layout_free(r, &r->L);
+    r->L = L;
+    r->stats.buckets = L.nbuckets;
+    return DDP_SUCCESS;
+}
+
+DDP_API ddp_result ddp_reducer_finalize(ddp_reducer *r) {
+    ddp_result res;
+    int i, n;
+    if (!r) return ddp__fail(NULL, DDP_ERR_INVALID_ARGUMENT, "ddp_reducer_finalize: the reducer is NULL");
+    if (r->finalized) return ddp__fail(r->g, DDP_ERR_STATE, "ddp_reducer_finalize: already finalized");
+    /* the check comes first, so that a rank with a wrong model still takes part and every rank learns */
+    if ((res = ddp__reducer_verify(r)) != DDP_SUCCESS) return res;
+    if (r->nparams == 0)
+        return ddp__fail(r->g, DDP_ERR_STATE, "ddp_reducer_finalize: no parameters were registered "
+                         "(ddp_reducer_add_param); DDP needs at least one");
+    n = r->nparams;
+    if (!r->ready) r->ready = (unsigned char *)ddp__calloc((size_t)n, 1); /* kept if an earlier finalize failed */
+    if (!r->used) r->used = (unsigned char *)ddp__calloc((size_t)n, 1);
+    if (!r->order) r->order = (int *)ddp__calloc((size_t)n, sizeof *r->order);
+    r->bstage_bytes = ddp__stage_bytes(r->buffers, r->nbuffers);
+    if (!r->bstage && r->bstage_bytes) r->bstage = r->ops->alloc(r->g, r->bstage_bytes);
+    if (r->desc.find_unused_parameters && !r->used_comm) r->used_comm = (unsigned char *)r->ops->alloc(r->g, (size_t)n);
+    if (r->desc.find_unused_parameters && !r->used_global) r->used_global = (unsigned char *)ddp__calloc((size_t)n, 1);
+    if (!r->ready || !r->used || !r->order || (r->bstage_bytes && !r->bstage) ||
+        (r->desc.find_unused_parameters && (!r->used_comm || !r->used_global)))
+        return ddp__fail(r->g, DDP_ERR_OUT_OF_MEMORY, "ddp_reducer_finalize: out of memory");
+    r->finalized = 1; /* broadcast_buffers needs it */
+    if ((res = ddp__reducer_sync_states(r)) != DDP_SUCCESS) {
+        r->finalized = 0;
+        return res;
+    }
+    for (i = 0; i < n; i++) r->order[i] = n - 1 - i; /* reverse registration order */
+    if ((res = ddp__reducer_relayout(r, r->order)) != DDP_SUCCESS) {
+        r->finalized = 0;
+        return res;
+    }
+    r->rebuild_pending = !r->desc.find_unused_parameters;
+    return DDP_SUCCESS;
+}
+
+/* ---- backward ---- */
+
+DDP_API void *ddp_reducer_grad(ddp_reducer *r, int index) {
+    if (!r || index < 0 || index >= r->nparams) return NULL;
+    if (!ddp__reducer_is_view(r)) return r->params[index].grad;
+    return r->L.buckets ? ddp__layout_view(r, &r->L, index) : NULL;
+}
+
+static ddp_result ddp__reducer_usable(ddp_reducer *r, const char *fn) {
+    if (!r) return ddp__fail(NULL, DDP_ERR_INVALID_ARGUMENT, "%s: the reducer is NULL", fn);
+    if (!r->finalized) return ddp__fail(r->g, DDP_ERR_STATE, "%s: call ddp_reducer_finalize first", fn);
+    if (r->failed)
+        return ddp__fail(r->g, DDP_ERR_STATE, "%s: the reducer stopped after an earlier error (%s); destroy it and the "
+                         "group", fn, ddp_result_string(r->failed));
+    return DDP_SUCCESS;
+}
+
+DDP_API ddp_result ddp_reducer_begin_backward(ddp_reducer *r) {
+    ddp_result res = ddp__reducer_usable(r, "ddp_reducer_begin_backward");
+    int b;
+    if (res) return res;
+    if (r->in_backward)
+        return ddp__fail(r->g, DDP_ERR_STATE, "ddp_reducer_begin_backward: the previous backward pass has not ended; call "
+                         "ddp_reducer_end_backward after each backward pass");
+    r->in_backward = 1;
+    r->pass_sync = r->sync;
+    r->next_bucket = 0;
+    r->norder = 0;
+    memset(r->ready, 0, ddp__reducer_n(r));
+    for (b = 0; b < r->L.nbuckets; b++) r->L.buckets[b].pending = r->L.buckets[b].n;
+    r->t_begin = ddp__now();
+    r->t_first_start = 0;
+    return DDP_SUCCESS;
+}
+
+/* Start every complete bucket that is next in line. */
+static ddp_result ddp__reducer_start_ready(ddp_reducer *r) {
+    while (r->next_bucket < r->L.nbuckets && r->L.buckets[r->next_bucket].pending == 0) {
+        ddp__bucket *k = &r->L.buckets[r->next_bucket];
+        ddp_result res = r->ops->all_reduce_async(r->g, k->comm, k->count, k->comm_dtype, DDP_SUM, &k->work);
+        if (res) return r->failed = res;
+        if (!r->t_first_start) r->t_first_start = ddp__now();
+        r->next_bucket++;
+    }
+    return DDP_SUCCESS;
+}
+
+/* Copy parameter i's gradient into its bucket slot, times 1/world (in place for views). */
+static void ddp__reducer_take(ddp_reducer *r, int i) {
+    ddp__bucket *k = &r->L.buckets[r->L.param_bucket[i]];
+    const ddp__rtensor *p = &r->params[i];
+    size_t off = r->L.param_offset[i];
+    const void *src = k->storage ? (const void *)((char *)k->storage + off * ddp_dtype_size(k->dtype)) : p->grad;
+    r->ops->copy_in_scaled(r->g, (char *)k->comm + off * ddp_dtype_size(k->comm_dtype), k->comm_dtype, src, p->dtype,
+                           p->count, 1.0 / (double)ddp_world_size(r->g));
+    k->pending--;
+}
+
+DDP_API ddp_result ddp_reducer_grad_ready(ddp_reducer *r, int index) {
+    ddp_result res = ddp__reducer_usable(r, "ddp_reducer_grad_ready");
+    if (res) return res;
+    if (index < 0 || index >= r->nparams)
+        return ddp__fail(r->g, DDP_ERR_INVALID_ARGUMENT, "ddp_reducer_grad_ready: index %d is not a parameter (0 .. %d)",
+                         index, r->nparams - 1);
+    if (!r->in_backward)
+        return ddp__fail(r->g, DDP_ERR_STATE, "ddp_reducer_grad_ready(\"%s\"): not in a backward pass; call "
+                         "ddp_reducer_begin_backward first", r->params[index].name);
+    if (r->ready[index])
+        return ddp__fail(r->g, DDP_ERR_STATE, "ddp_reducer_grad_ready(\"%s\"): called twice in one backward pass; a "
+                         "gradient is reduced once per pass (PyTorch: \"Expected to mark a variable ready only once\"). "
+                         "A parameter used twice in forward gets one gradient: add both parts, then call it once",
+                         r->params[index].name);
+    r->ready[index] = 1;
+    r->used[index] = 1;
+    if (!r->pass_sync) return DDP_SUCCESS;
+    if (r->rebuild_pending) r->order[r->norder++] = index;
+    ddp__reducer_take(r, index);
+    return ddp__reducer_start_ready(r);
+}
+
+/* A gradient is missing without find_unused_parameters. The ranks may now have started different
+   buckets, so they cannot agree on later collectives: finish what this rank started (every rank either
+   completes those or fails), then break the group so every rank fails at once with this message. */
+static ddp_result ddp__reducer_missing(ddp_reducer *r) {
+    char msg[DDP__ERR_MAX];
+    size_t len;
+    int i, missing = 0, listed = 0, b;
+    for (i = 0; i < r->nparams; i++) missing += !r->ready[i];
+    len = (size_t)snprintf(msg, sizeof msg, "ddp_reducer_end_backward: rank %d: %d parameter%s got no gradient in this "
+                           "backward pass:", ddp_rank(r->g), missing, missing == 1 ? "" : "s");
+    for (i = 0; i < r->nparams && len < 600; i++)
+        if (!r->ready[i]) {
+            len += (size_t)snprintf(msg + len, sizeof msg - len, "%s \"%s\"", listed ? "," : "", r->params[i].name);
+            listed++;
+        }
+    if (listed < missing && len < sizeof msg) len += (size_t)snprintf(msg + len, sizeof msg - len, " and %d more", missing - listed);
+    if (len < sizeof msg)
+        snprintf(msg + len, sizeof msg - len, ". Call ddp_reducer_grad_ready for every parameter in every synchronised "
+                 "backward, or set find_unused_parameters = 1 (PyTorch: \"Expected to have finished reduction in the "
+                 "prior iteration\"). %s", ddp_world_size(r->g) > 1 ? "The group is broken; destroy it and the reducer"
+                 : "Destroy the reducer");
+    for (b = 0; b < r->next_bucket; b++)
+        if (r->L.buckets[b].work) {
+            r->ops->wait(r->L.buckets[b].work);
+            r->L.buckets[b].work = NULL;
+        }
+    if (ddp_world_size(r->g) > 1) {
+        ddp__drain(r->g);
+        ddp__group_break(r->g, DDP_ERR_STATE, msg);
+    }
+    r->failed = DDP_ERR_STATE;
+    r->in_backward = 0;
+    return ddp__fail(r->g, DDP_ERR_STATE, "%s", msg);
+}
+
+/* find_unused_parameters: fill the slots of the parameters not ready in this pass. One that got a gradient
+   in an earlier no_sync pass contributes what it accumulated; the others contribute zero (views without
+   compression first save their gradient, which is restored if no rank used the parameter). */
+static ddp_result ddp__reducer_fill_unused(ddp_reducer *r) {
+    size_t need = 0, off = 0;
+    int i;
+    r->stats.unused_parameters = 0;
+    for (i = 0; i < r->nparams; i++)
+        if (!r->used[i] && ddp__bucket_in_place(&r->L.buckets[r->L.param_bucket[i]])) need += ddp__tensor_bytes(&r->params[i]);
+    if (need > r->stash_bytes) { /* grows only when more parameters go unused than ever before */
+        if (r->stash) r->ops->release(r->g, r->stash);
+        r->stash_bytes = 0;
+        if (!(r->stash = r->ops->alloc(r->g, need)))
+            return ddp__fail(r->g, DDP_ERR_OUT_OF_MEMORY, "ddp_reducer_end_backward: out of memory (%zu bytes)", need);
+        r->stash_bytes = need;
+    }
+    for (i = 0; i < r->nparams; i++) {
+        ddp__bucket *k = &r->L.buckets[r->L.param_bucket[i]];
+        size_t cs = ddp_dtype_size(k->comm_dtype);
+        char *slot = (char *)k->comm + r->L.param_offset[i] * cs;
+        if (r->ready[i]) continue;
+        if (r->used[i]) {
+            ddp__reducer_take(r, i);
+            continue;
+        }
+        r->stats.unused_parameters++;
+        if (ddp__bucket_in_place(k)) {
+            r->ops->copy_out(r->g, (char *)r->stash + off, r->params[i].dtype, slot, k->comm_dtype, r->params[i].count);
+            off += ddp__tensor_bytes(&r->params[i]);
+        }
+        r->ops->zero(r->g, slot, r->params[i].count * cs);
+        k->pending--;
+    }
+    return DDP_SUCCESS;
+}
+
+/* The reduced value of parameter i goes back to where the program reads its gradient. */
+static void ddp__reducer_give_back(ddp_reducer *r, int i) {
+    ddp__bucket *k = &r->L.buckets[r->L.param_bucket[i]];
+    size_t off = r->L.param_offset[i];
+    const void *src = (char *)k->comm + off * ddp_dtype_size(k->comm_dtype);
+    if (ddp__bucket_in_place(k)) return;
+    r->ops->copy_out(r->g, k->storage ? (void *)((char *)k->storage + off * ddp_dtype_size(k->dtype)) : r->params[i].grad,
+                     r->params[i].dtype, src, k->comm_dtype, r->params[i].count);
+}
+
+/* After the used map: gradients of parameters unused here but used elsewhere come back; those no rank
+   used keep their old value. */
+static void ddp__reducer_finish_unused(ddp_reducer *r) {
+    size_t off = 0;
+    int i;
+    for (i = 0; i < r->nparams; i++) {
+        ddp__bucket *k = &r->L.buckets[r->L.param_bucket[i]];
+        if (r->used[i]) continue;
+        if (r->used_global[i]) {
+            ddp__reducer_give_back(r, i);
+        } else if (ddp__bucket_in_place(k)) {
+            r->ops->copy_out(r->g, (char *)k->storage + r->L.param_offset[i] * ddp_dtype_size(k->dtype), r->params[i].dtype,
+                             (char *)r->stash + off, r->params[i].dtype, r->params[i].count);
+        }
+        if (ddp__bucket_in_place(k)) off += ddp__tensor_bytes(&r->params[i]);
+    }
+}
+
+/* Wait for every bucket in order, giving each back as soon as it is done (the gradients of unused
+   parameters wait for the used map). Returns the first error; every handle is released. */
+static ddp_result ddp__reducer_collect(ddp_reducer *r, ddp_work *used_work) {
+    ddp_result first = DDP_SUCCESS, res;
+    char why[DDP__ERR_MAX];
+    int b, j, find_unused = r->desc.find_unused_parameters;
+    for (b = 0; b < r->L.nbuckets; b++) {
+        ddp__bucket *k = &r->L.buckets[b];
+        if (!k->work) continue;
+        res = r->ops->wait(k->work);
+        k->work = NULL;
+        if (res && !first) {
+            first = res;
+            snprintf(why, sizeof why, "%s", ddp_last_error(r->g));
+        }
+        if (first) continue;
+        for (j = k->first; j < k->first + k->n; j++)
+            if (!find_unused || r->used[r->L.params[j]]) ddp__reducer_give_back(r, r->L.params[j]);
+    }
+    if (used_work) {
+        res = r->ops->wait(used_work);
+        if (res && !first) {
+            first = res;
+            snprintf(why, sizeof why, "%s", ddp_last_error(r->g));
+        }
+        if (!first) {
+            r->ops->copy_out(r->g, r->used_global, DDP_U8, r->used_comm, DDP_U8, ddp__reducer_n(r));
+            ddp__reducer_finish_unused(r);
+        }
+    }
+    /* the first failure says what happened; later ones only say that the group is broken */
+    if (!first) return DDP_SUCCESS;
+    return ddp__fail(r->g, first, "%s%s", strncmp(why, "ddp_reducer_", 12) ? "ddp_reducer_end_backward: " : "", why);
+}
+
+/* Once, after the first synchronised pass: buckets in the order rank 0 saw the gradients ready. */
+static ddp_result ddp__reducer_rebuild(ddp_reducer *r) {
+    ddp_result res;
+    r->rebuild_pending = 0;
+    if ((res = ddp_broadcast(r->g, r->order, ddp__reducer_n(r), DDP_I32, 0)) != DDP_SUCCESS) return r->failed = res;
+    if ((res = ddp__reducer_relayout(r, r->order)) != DDP_SUCCESS) return r->failed = res;
+    r->stats.rebuilt = 1;
+    return DDP_SUCCESS;
+}
+
+DDP_API ddp_result ddp_reducer_end_backward(ddp_reducer *r) {
+    ddp_result res = ddp__reducer_usable(r, "ddp_reducer_end_backward");
+    ddp_work *used_work = NULL;
+    double t_enter = ddp__now(), t_done;
+    int i;
+    if (res) return res;
+    if (!r->in_backward)
+        return ddp__fail(r->g, DDP_ERR_STATE, "ddp_reducer_end_backward: no backward pass to end; call "
+                         "ddp_reducer_begin_backward before the backward pass");
+    if (!r->pass_sync) {
+        r->in_backward = 0;
+        r->stats.local_iterations++;
+        return DDP_SUCCESS;
+    }
+    if (r->desc.find_unused_parameters) {
+        if ((res = ddp__reducer_fill_unused(r)) != DDP_SUCCESS) r->failed = res;
+    } else {
+        for (i = 0; i < r->nparams; i++)
+            if (!r->ready[i]) return ddp__reducer_missing(r);
+        r->stats.unused_parameters = 0;
+    }
+    if (!res) res = ddp__reducer_start_ready(r);
+    if (!res && r->desc.find_unused_parameters) { /* PyTorch's local_used_map, reduced after the buckets */
+        r->ops->copy_out(r->g, r->used_comm, DDP_U8, r->used, DDP_U8, ddp__reducer_n(r));
+        if ((res = r->ops->all_reduce_async(r->g, r->used_comm, ddp__reducer_n(r), DDP_U8, DDP_MAX, &used_work)) != DDP_SUCCESS)
+            r->failed = res;
+    }
+    {
+        ddp_result waited = ddp__reducer_collect(r, used_work);
+        if (!res) res = waited;
+    }
+    r->in_backward = 0;
+    memset(r->used, 0, ddp__reducer_n(r));
+    if (res) return r->failed = res;
+    t_done = ddp__now();
+    r->stats.iterations++;
+    r->stats.bytes_reduced = r->desc.find_unused_parameters ? (uint64_t)r->nparams : 0;
+    for (i = 0; i < r->L.nbuckets; i++)
+        r->stats.bytes_reduced += r->L.buckets[i].count * ddp_dtype_size(r->L.buckets[i].comm_dtype);
+    r->stats.backward_seconds = t_enter - r->t_begin;
+    r->stats.comm_seconds = r->t_first_start ? t_done - r->t_first_start : 0;
+    r->stats.wait_seconds = t_done - t_enter;
+    r->stats.total_comm_seconds += r->stats.comm_seconds;
+    r->stats.total_wait_seconds += r->stats.wait_seconds;
+    if (r->rebuild_pending) return ddp__reducer_rebuild(r);
+    return DDP_SUCCESS;
+}
+
+/* ---- between backward passes ---- */
+
+DDP_API ddp_result ddp_reducer_set_sync(ddp_reducer *r, int sync) {
+    if (!r) return ddp__fail(NULL, DDP_ERR_INVALID_ARGUMENT, "ddp_reducer_set_sync: the reducer is NULL");
+    if (r->in_backward)
+        return ddp__fail(r->g, DDP_ERR_STATE, "ddp_reducer_set_sync(%d): called during a backward pass; set it before "
+                         "ddp_reducer_begin_backward (as DDP's no_sync() wraps forward and backward)", sync);
+    r->sync = sync != 0;
+    return DDP_SUCCESS;
+}
+
+DDP_API ddp_result ddp_reducer_zero_grad(ddp_reducer *r) {
+    int i;
+    if (!r) return ddp__fail(NULL, DDP_ERR_INVALID_ARGUMENT, "ddp_reducer_zero_grad: the reducer is NULL");
+    if (r->in_backward)
+        return ddp__fail(r->g, DDP_ERR_STATE, "ddp_reducer_zero_grad: called during a backward pass; zero the "
+                         "gradients after end_backward (after the optimizer step)");
+    if (ddp__reducer_is_view(r)) {
+        for (i = 0; i < r->L.nbuckets; i++)
+            r->ops->zero(r->g, r->L.buckets[i].storage, r->L.buckets[i].count * ddp_dtype_size(r->L.buckets[i].dtype));
+        return DDP_SUCCESS;
+    }
+    for (i = 0; i < r->nparams; i++) r->ops->zero(r->g, r->params[i].grad, ddp__tensor_bytes(&r->params[i]));
+    return DDP_SUCCESS;
+}
+
+DDP_API ddp_result ddp_reducer_broadcast_buffers(ddp_reducer *r) {
+    ddp_result res = ddp__reducer_usable(r, "ddp_reducer_broadcast_buffers");
+    if (res) return res;
+    if (r->in_backward)
+        return ddp__fail(r->g, DDP_ERR_STATE, "ddp_reducer_broadcast_buffers: called during a backward pass; call it "
+                         "before the forward pass");
+    return ddp__reducer_broadcast(r, r->buffers, r->nbuffers, r->bstage, r->bstage_bytes);
+}
+
+DDP_API ddp_result ddp_reducer_stats(const ddp_reducer *r, ddp_reducer_statistics *out) {
+    if (!r || !out) return ddp__fail(r ? r->g : NULL, DDP_ERR_INVALID_ARGUMENT, "ddp_reducer_stats: NULL argument");
+    *out = r->stats;
+    return DDP_SUCCESS;
+}
+
+DDP_API int ddp_reducer_param_bucket(const ddp_reducer *r, int index, size_t *offset) {
+    if (!r || !r->L.buckets || index < 0 || index >= r->nparams) return -1;
+    if (offset) *offset = r->L.param_offset[index];
+    return r->L.param_bucket[index];
+}
+
+DDP_API void ddp_reducer_destroy(ddp_reducer *r) {
+    int i;
+    if (!r) return;
+    for (i = 0; r->L.buckets && i < r->L.nbuckets; i++)
+        if (r->L.buckets[i].work) r->ops->wait(r->L.buckets[i].work);
+    ddp__layout_free(r, &r->L);
+    for (i = 0; i < r->nparams; i++) ddp__free(r->params[i].name);
+    for (i = 0; i < r->nbuffers; i++) ddp__free(r->buffers[i].name);
+    ddp__free(r->params);
+    ddp__free(r->buffers);
+    ddp__free(r->ready);
+    ddp__free(r->used);
+    ddp__free(r->order);
+    ddp__free(r->used_global);
+    if (r->used_comm) r->ops->release(r->g, r->used_comm);
+    if (r->stash) r->ops->release(r->g, r->stash);
+    if (r->bstage) r->ops->release(r->g, r->bstage);
+    ddp__free(r);
+}
 /* ==================== end src/reducer.c ==================== */
 
 /* ==================== begin src/sampler.c ==================== */
