@@ -5241,10 +5241,14 @@ static void ddp__route_address(const char *master, int port, char *out, size_t c
 
 /* ---- group life cycle ---- */
 
+static void ddp__group_free(ddp_group *g);
+
 static ddp_group *ddp__group_alloc(int rank, int world_size) {
     ddp_group *g = (ddp_group *)ddp__calloc(1, sizeof *g);
     int i;
     if (!g) return NULL;
+    pthread_mutex_init(&g->mu, NULL);
+    pthread_cond_init(&g->cv, NULL);
     g->rank = rank;
     g->world_size = world_size;
     g->local_rank = g->local_world_size = -1;
@@ -5256,12 +5260,7 @@ static ddp_group *ddp__group_alloc(int rank, int world_size) {
     g->poll_owner = (int *)ddp__calloc((size_t)world_size, sizeof *g->poll_owner);
     g->world_ranks = (int *)ddp__calloc((size_t)world_size, sizeof *g->world_ranks);
     if (!g->peers || !g->peer_names || !g->pollfds || !g->poll_owner || !g->world_ranks) {
-        ddp__free(g->peers);
-        ddp__free(g->peer_names);
-        ddp__free(g->pollfds);
-        ddp__free(g->poll_owner);
-        ddp__free(g->world_ranks);
-        ddp__free(g);
+        ddp__group_free(g);
         return NULL;
     }
     for (i = 0; i < world_size; i++) {
@@ -5269,18 +5268,17 @@ static ddp_group *ddp__group_alloc(int rank, int world_size) {
         g->world_ranks[i] = i;
         snprintf(g->peer_names[i], sizeof g->peer_names[i], "rank %d", i);
     }
-    pthread_mutex_init(&g->mu, NULL);
-    pthread_cond_init(&g->cv, NULL);
     return g;
 }
 
-/* Free everything g holds (connections closed without goodbye: for failed inits and after goodbye). */
+/* Free everything g holds (connections closed without goodbye: for failed inits and after goodbye).
+   Also frees a group whose allocation stopped half way (its arrays may be NULL). */
 static void ddp__group_free(ddp_group *g) {
     int i;
     ddp__progress_stop(g);
     if (g->broken) ddp__close_after_failure(g, 1.0);
     ddp__shm_free(g);
-    for (i = 0; i < g->world_size; i++)
+    for (i = 0; g->peers && i < g->world_size; i++)
         if (g->peers[i].fd >= 0) close(g->peers[i].fd);
     if (g->owns_store && g->store) ddp__store_free(g->store);
     if (g->store_server) ddp__store_server_stop(g->store_server);
