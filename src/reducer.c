@@ -427,6 +427,12 @@ static ddp_result ddp__reducer_verify(ddp_reducer *r) {
         ddp__free(all);
         return res;
     }
+    for (k = 0; k < world; k++) /* another all_gather of 4 x i64 would pass the collective's fingerprint */
+        if (all[4 * k] != mine[0] || all[4 * k + 1] > INT_MAX / 4 || all[4 * k + 2] > INT_MAX / 4) {
+            ddp__free(all);
+            return ddp__fail(g, DDP_ERR_MISMATCH, "ddp_reducer_finalize: rank %d is not in ddp_reducer_finalize (its "
+                             "all_gather carries something else); every rank must call it at the same point", k);
+        }
     for (k = 0; k < world; k++)
         if (memcmp(&all[4 * k], &all[0], sizeof mine) != 0) break;
     res = k == world ? DDP_SUCCESS : ddp__reducer_name_mismatch(r, all);

@@ -128,7 +128,8 @@ DDP_API ddp_result ddp_reducer_begin_backward(ddp_reducer *r);
 
 /* ddp_reducer_grad_ready: parameter index's gradient is complete for this backward pass (the autograd
    hook). In a synchronised pass its value is taken now (and its bucket's all-reduce may start): do not
-   write to it again until end_backward returns. DDP_ERR_STATE (naming the parameter) when called twice
+   write to it again until end_backward returns (with gradient_as_bucket_view it is scaled by 1/world_size
+   in place now, as PyTorch does, and holds the sum of the ranks' shares once end_backward returns). DDP_ERR_STATE (naming the parameter) when called twice
    in one backward or outside begin/end; DDP_ERR_INVALID_ARGUMENT for a bad index; an error of the
    all-reduce it starts. */
 DDP_API ddp_result ddp_reducer_grad_ready(ddp_reducer *r, int index);

@@ -179,6 +179,19 @@ static int mismatch_main(int rank, int n, void *arg) {
         CHECK(strstr(ddp_last_error(g), k->needle2) != NULL, "case %s, rank %d: %s", k->what, rank, ddp_last_error(g));
         ddp_reducer_destroy(r);
     }
+    /* rank 2 runs a look-alike all_gather (4 x i64) instead of finalize: the others say so */
+    {
+        ddp_reducer *r;
+        int64_t mine[4] = {1, 2, 3, 4}, all[12];
+        if (rank == 2) {
+            CHECK_OK(ddp_all_gather(g, mine, all, 4, DDP_I64), g);
+        } else {
+            CHECK_OK(ddp_reducer_create(g, NULL, &r), g);
+            CHECK_OK(ddp_reducer_add_param(r, "fc1.weight", w1, gw1, 32, DDP_F32, NULL), g);
+            CHECK_ERR(ddp_reducer_finalize(r), g, DDP_ERR_MISMATCH, "rank 2 is not in ddp_reducer_finalize");
+            ddp_reducer_destroy(r);
+        }
+    }
     /* the group is still healthy after those errors */
     CHECK_OK(ddp_barrier(g), g);
     CHECK_OK(ddp_destroy(g), NULL);
