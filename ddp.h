@@ -461,7 +461,8 @@ DDP_API ddp_result ddp_reducer_begin_backward(ddp_reducer *r);
 
 /* ddp_reducer_grad_ready: parameter index's gradient is complete for this backward pass (the autograd
    hook). In a synchronised pass its value is taken now (and its bucket's all-reduce may start): do not
-   write to it again until end_backward returns. DDP_ERR_STATE (naming the parameter) when called twice
+   write to it again until end_backward returns (with gradient_as_bucket_view it is scaled by 1/world_size
+   in place now, as PyTorch does, and holds the sum of the ranks' shares once end_backward returns). DDP_ERR_STATE (naming the parameter) when called twice
    in one backward or outside begin/end; DDP_ERR_INVALID_ARGUMENT for a bad index; an error of the
    all-reduce it starts. */
 DDP_API ddp_result ddp_reducer_grad_ready(ddp_reducer *r, int index);
@@ -6788,6 +6789,12 @@ static ddp_result ddp__reducer_verify(ddp_reducer *r) {
         ddp__free(all);
         return res;
     }
+    for (k = 0; k < world; k++) /* another all_gather of 4 x i64 would pass the collective's fingerprint */
+        if (all[4 * k] != mine[0] || all[4 * k + 1] > INT_MAX / 4 || all[4 * k + 2] > INT_MAX / 4) {
+            ddp__free(all);
+            return ddp__fail(g, DDP_ERR_MISMATCH, "ddp_reducer_finalize: rank %d is not in ddp_reducer_finalize (its "
+                             "all_gather carries something else); every rank must call it at the same point", k);
+        }
     for (k = 0; k < world; k++)
         if (memcmp(&all[4 * k], &all[0], sizeof mine) != 0) break;
     res = k == world ? DDP_SUCCESS : ddp__reducer_name_mismatch(r, all);
