@@ -628,10 +628,10 @@ static ddp_result ddp__ck_tensor(ddp__ck_json *j, ddp__ck_entry *e) {
     if (j->p < j->end && *j->p == '}') return ddp__ck_bad(j, "tensor entry without dtype, shape and data_offsets");
     do {
         char *key;
-        if ((r = ddp__ck_string(j, &key)) != DDP_SUCCESS) return r;
+        if ((r = ddp__ck_string(j, &key)) != DDP_SUCCESS) break; /* break, not return: all_dims may be held */
         if ((r = ddp__ck_expect(j, ':', "expected ':'")) != DDP_SUCCESS) {
             ddp__free(key);
-            return r;
+            break;
         }
         if (strcmp(key, "dtype") == 0 && !seen_dtype++) {
             r = ddp__ck_dtype(j, e);

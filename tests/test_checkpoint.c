@@ -459,6 +459,9 @@ static void test_malformed(void) {
         {"{\"z\":{\"dtype\":\"I8\",\"shape\":[0],\"data_offsets\":[0,0]},\"y\":{\"dtype\":\"I8\",\"shape\":[0],\"data_offsets\":[0,0]},"
          "\"x\":{\"dtype\":\"I8\",\"shape\":[2],\"data_offsets\":[0,2]}}", 2, NULL},
         {"{\"__metadata__\":{\"\":\"x\"}}", 0, "empty __metadata__ key"},
+        /* a long shape then a broken key: the fuzzer found the >8-dims buffer leaked on this path */
+        {"{\"b\":{\"shape\":[1,1,1,1,1,1,1,1,1,2],\"dtype", 8, "unterminated string"},
+        {"{\"b\":{\"shape\":[1,1,1,1,1,1,1,1,1,2],\"dtype\" \"F32\"}}", 8, "expected ':'"},
     };
     char data[64];
     size_t i;
