@@ -5486,6 +5486,7 @@ DDP_API ddp_store *ddp_group_store(ddp_group *g) { return g ? g->store : NULL; }
    --nnodes, --master-addr and --master-port and its own --node-rank; torchrun's elastic rendezvous
    (--rdzv-backend, a range in --nnodes) is not supported. The workers' rank 0 serves the store
    (TORCHELASTIC_USE_AGENT_STORE=False), as under torchrun --standalone. */
+#include <sched.h>
 #ifdef __linux__
 #include <sys/prctl.h>
 #endif
@@ -5504,6 +5505,7 @@ typedef struct ddp__launch_env {
     char run_id[64];
     char role[64];
     int set_omp; /* OMP_NUM_THREADS=1, as torchrun does when it is unset and nproc > 1 */
+    int cpu_bind; /* 1: give each worker its own slice of the launcher's CPUs (ddp__launch_bind) */
 } ddp__launch_env;
 
 /* One worker process; rank is the global rank. */
@@ -5837,6 +5839,35 @@ static void ddp__launch_export(const ddp__launch_env *e, int local_rank) {
     if (e->set_omp) setenv("OMP_NUM_THREADS", "1", 0);
 }
 
+/* In the forked worker: bind local_rank to its slice of the CPUs the launcher may use (inherited
+   through fork). The allowed CPUs, in increasing order, are cut into nproc contiguous slices of
+   equal size (the first `extra` slices get one more); neighbouring ids are usually distinct physical
+   cores, and a slice of them keeps a worker's memory traffic and cache on its own core(s). Why: an
+   unbound worker that waits by spinning is migrated across cores by the scheduler, and every
+   migration costs microseconds (measured: 2-rank 4-byte all_reduce 3.8 us unbound, 0.4 us bound).
+   With more workers than CPUs nothing is bound: oversubscribed workers must be free to move (Open
+   MPI does the same). Failure to bind is not an error: the worker runs unbound. */
+static void ddp__launch_bind(const ddp__launch_env *e, int local_rank) {
+#ifdef __linux__
+    cpu_set_t allowed, mine;
+    int cpus[CPU_SETSIZE], n = 0, c, per, extra, first, count, k;
+    if (!e->cpu_bind || sched_getaffinity(0, sizeof allowed, &allowed) != 0) return;
+    for (c = 0; c < CPU_SETSIZE; c++)
+        if (CPU_ISSET(c, &allowed)) cpus[n++] = c;
+    if (e->nproc > n) return;
+    per = n / e->nproc;
+    extra = n % e->nproc;
+    first = local_rank * per + (local_rank < extra ? local_rank : extra);
+    count = per + (local_rank < extra);
+    CPU_ZERO(&mine);
+    for (k = 0; k < count; k++) CPU_SET(cpus[first + k], &mine);
+    sched_setaffinity(0, sizeof mine, &mine);
+#else
+    (void)e;
+    (void)local_rank;
+#endif
+}
+
 /* In the forked worker: its own process group (so stopping it stops its children too), and death
    with the launcher (so a launcher killed by SIGKILL leaves no orphans behind). */
 static void ddp__launch_child_setup(pid_t launcher) {
@@ -5880,6 +5911,7 @@ static ddp_result ddp__launch_start(ddp__launch_group *lg, const ddp__launch_env
                 if (lg->w[k].pidfd >= 0) close(lg->w[k].pidfd);
             ddp__launch_child_setup(self);
             ddp__launch_export(e, i);
+            ddp__launch_bind(e, i);
             if (argv) {
                 execvp(argv[0], argv);
                 fprintf(stderr, "%s: cannot run %s: %s\n", lg->who, argv[0], strerror(errno));
@@ -6012,6 +6044,10 @@ static const char ddp__launch_usage[] =
     "                        the program which attempt it is, so it can resume from its checkpoint\n"
     "  --rdzv-id ID          TORCHELASTIC_RUN_ID (default \"none\"; a random UUID with --standalone)\n"
     "  --role NAME           ROLE_NAME (default \"default\")\n"
+    "  --cpu-bind MODE       \"auto\" (default): when there are at least N CPUs that ddprun may run on,\n"
+    "                        each worker is bound to its own contiguous slice of them (as mpirun binds);\n"
+    "                        with more workers than CPUs nothing is bound. \"none\": never bind (use\n"
+    "                        this when the program sets its own affinity or several jobs share the CPUs)\n"
     "  --no-python           accepted and ignored: ddprun always runs PROGRAM itself\n"
     "  -h, --help            this text\n"
     "\n"
@@ -6137,6 +6173,12 @@ static ddp_result ddp__launch_apply(ddp__launch_args *a, const char *name, const
         return ddp__launch_copy(name, v, a->env.run_id, sizeof a->env.run_id, err);
     }
     if (!strcmp(name, "role")) return ddp__launch_copy(name, v, a->env.role, sizeof a->env.role, err);
+    if (!strcmp(name, "cpu-bind")) {
+        if (strcmp(v, "auto") && strcmp(v, "none"))
+            return ddp__fail_to(err, DDP_ERR_INVALID_ARGUMENT, "--cpu-bind \"%s\": expected auto or none", v);
+        a->env.cpu_bind = !strcmp(v, "auto");
+        return DDP_SUCCESS;
+    }
     return ddp__fail_to(err, DDP_ERR_INVALID_ARGUMENT, "unknown flag --%s", name);
 }
 
@@ -6146,7 +6188,7 @@ static int ddp__launch_is_switch(const char *name) {
 
 static int ddp__launch_takes_value(const char *name) {
     static const char *names[] = {"nproc-per-node", "nnodes", "node-rank", "master-addr", "master-port",
-                                  "max-restarts", "rdzv-id", "role"};
+                                  "max-restarts", "rdzv-id", "role", "cpu-bind"};
     size_t i;
     for (i = 0; i < sizeof names / sizeof names[0]; i++)
         if (!strcmp(name, names[i])) return 1;
@@ -6184,6 +6226,7 @@ static ddp_result ddp__launch_parse(ddp__launch_args *a, int argc, char **argv, 
     int i;
     memset(a, 0, sizeof *a);
     ddp__launch_env_defaults(&a->env);
+    a->env.cpu_bind = 1; /* ddprun binds unless told not to; ddp_spawn never does (the caller's process) */
     for (i = 1; i < argc; i++) {
         const char *arg = argv[i];
         if (!strcmp(arg, "--")) {

@@ -129,6 +129,19 @@ newdir cpu
 check_env "$D/env.0.0" LOCAL_WORLD_SIZE="$(getconf _NPROCESSORS_ONLN)"
 ok "--nproc-per-node cpu = $(getconf _NPROCESSORS_ONLN) online CPUs"
 
+# ---- --cpu-bind: each worker gets its own slice of ddprun's CPUs, unless oversubscribed or "none" ----
+# (the CPUs are read from /proc/self/status as the worker sees them; taskset gives ddprun a known set)
+if command -v taskset >/dev/null && [ "$(getconf _NPROCESSORS_ONLN)" -ge 2 ]; then
+  binds() { taskset -c 0,1 "$DDPRUN" "$@" sh -c 'echo "$LOCAL_RANK $(grep Cpus_allowed_list /proc/self/status | cut -f2)"' | sort; }
+  [ "$(binds --nproc-per-node 2)" = "$(printf '0 0\n1 1')" ] || fail "2 workers on CPUs 0,1: $(binds --nproc-per-node 2)"
+  [ "$(binds --nproc-per-node 1)" = "0 0-1" ] || fail "1 worker on CPUs 0,1: $(binds --nproc-per-node 1)"
+  [ "$(binds --nproc-per-node 3)" = "$(printf '0 0-1\n1 0-1\n2 0-1')" ] || fail "3 workers, 2 CPUs: $(binds --nproc-per-node 3)"
+  [ "$(binds --nproc-per-node 2 --cpu-bind none)" = "$(printf '0 0-1\n1 0-1')" ] || fail "--cpu-bind none: $(binds --nproc-per-node 2 --cpu-bind none)"
+  ok "--cpu-bind auto: one CPU each for 2 workers on 2 CPUs; unbound when oversubscribed or with none"
+else
+  echo "note: --cpu-bind not checked (needs taskset and 2 CPUs)"
+fi
+
 # ---- bad command lines: exit 2 and a message that says what is wrong ----
 bad() {
   local want=$1 out rc; shift
@@ -138,6 +151,7 @@ bad() {
 }
 bad 'expected an integer in [1, 65536]' --nproc-per-node abc "$PRINT_ENV" "$T"
 bad 'expected an integer in [1, 65536]' --nproc-per-node 0 "$PRINT_ENV" "$T"
+bad '--cpu-bind "cores": expected auto or none' --cpu-bind cores "$PRINT_ENV" "$T"
 bad 'cannot count GPUs' --nproc-per-node gpu "$PRINT_ENV" "$T"
 bad 'cannot count GPUs' --nproc_per_node=auto "$PRINT_ENV" "$T"
 bad 'needs a value' --nproc-per-node
