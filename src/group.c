@@ -22,6 +22,7 @@ typedef struct ddp__launch {
     int master_port;                  /* 0: none given */
     const char *file_path;            /* init_method file:// */
     int restart_count;
+    int agent_store;                  /* TORCHELASTIC_USE_AGENT_STORE=True: torchrun's agent serves the store */
 } ddp__launch;
 
 /* Launchers, in the order they are consulted (the first whose rank variable is set wins). */
@@ -118,6 +119,10 @@ static ddp_result ddp__read_launch(const ddp_init_desc *d, ddp__launch *L, char 
         if (ddp__env_int("TORCHELASTIC_RESTART_COUNT", 0, INT_MAX, &v, err) < 0) return DDP_ERR_INIT;
         L->restart_count = (int)v;
     }
+    /* Plain torchrun (static rendezvous, no --standalone) serves a TCPStore from its agent on
+       MASTER_ADDR:MASTER_PORT and says so; then every rank, rank 0 too, is a client (as torch's
+       _create_c10d_store does, for tcp:// and env:// alike). */
+    L->agent_store = ddp__env("TORCHELASTIC_USE_AGENT_STORE") && strcmp(ddp__env("TORCHELASTIC_USE_AGENT_STORE"), "True") == 0;
 
     /* the master */
     if (d->init_method && strncmp(d->init_method, "tcp://", 6) == 0) return ddp__parse_tcp_url(d->init_method, L, err);
@@ -484,6 +489,24 @@ static ddp_result ddp__group_connect(ddp_group *g, const char *where) {
     return DDP_SUCCESS;
 }
 
+/* Join the store that torchrun's agent serves (TORCHELASTIC_USE_AGENT_STORE=True). Keys go under the
+   prefix torch's workers use in it, PrefixStore("/worker/attempt_<restart>"), so the agent's own keys
+   and an earlier attempt's are never seen. */
+static ddp_result ddp__connect_agent_store(const ddp__launch *L, double timeout, ddp_store **out, char *where,
+                                           size_t where_size, char *err) {
+    char attempt[64], prefix[96];
+    ddp_result r;
+    snprintf(attempt, sizeof attempt, "/worker/attempt_%d", L->restart_count);
+    ddp__store_torch_prefix(attempt, prefix, sizeof prefix);
+    snprintf(where, where_size, "torchrun's agent store at %s:%d", L->master_addr, L->master_port);
+    r = ddp__store_connect(L->master_addr, L->master_port, prefix, timeout, out, err);
+    if (r != DDP_SUCCESS && strlen(err) < DDP__ERR_MAX - 1)
+        snprintf(err + strlen(err), DDP__ERR_MAX - strlen(err),
+                 " (TORCHELASTIC_USE_AGENT_STORE=True says torchrun's agent serves it: is torchrun still running, "
+                 "and are MASTER_ADDR/MASTER_PORT the ones it was given?)");
+    return r;
+}
+
 DDP_API ddp_result ddp_init(const ddp_init_desc *desc, ddp_group **out) {
     ddp_init_desc zero;
     ddp__launch L;
@@ -530,6 +553,9 @@ DDP_API ddp_result ddp_init(const ddp_init_desc *desc, ddp_group **out) {
         snprintf(where, sizeof where, "the file store %s", L.file_path);
         r = ddp__store_open_file(L.file_path, timeout, &g->store, err);
         ddp__route_address(NULL, 0, g->address, sizeof g->address);
+    } else if (L.agent_store) {
+        r = ddp__connect_agent_store(&L, timeout, &g->store, where, sizeof where, err);
+        ddp__route_address(L.master_addr, L.master_port, g->address, sizeof g->address);
     } else {
         snprintf(where, sizeof where, "the store at %s:%d", L.master_addr, L.master_port);
         r = DDP_SUCCESS;

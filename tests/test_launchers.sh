@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The same unmodified binary (examples/hello_collectives.c, every result verified in the program)
-# runs under Open MPI's mpirun and under torchrun --standalone --no_python; ddp_init reads each
-# launcher's environment. Skips (77) only when neither launcher is installed.
+# runs under Open MPI's mpirun, under torchrun --standalone --no_python, and under plain torchrun
+# (whose agent serves the store: one node, and two nodes); ddp_init reads each launcher's environment. Skips (77) only when neither launcher is installed.
 set -u
 cd "$(dirname "$0")/.."
 BUILD=${BUILD:-build}
@@ -22,6 +22,29 @@ if [ -n "$torchrun" ] && /usr/bin/python3 -c "import torch" 2>/dev/null; then
   echo "$out"
   echo "$out" | grep -q "2 ranks on the cpu backend" || { echo "FAIL: torchrun did not form 2 ranks"; exit 1; }
   echo "$out" | grep -q "all collectives verified" || { echo "FAIL: torchrun run not verified"; exit 1; }
+  # Plain torchrun (static rendezvous): its agent serves the store on MASTER_PORT and every rank joins
+  # it as a client (TORCHELASTIC_USE_AGENT_STORE=True). One node of 2 workers, then 2 nodes of 1.
+  port=$(/usr/bin/python3 -c 'import socket; s=socket.socket(); s.bind(("127.0.0.1",0)); print(s.getsockname()[1])')
+  out=$(cd /tmp && DDP_LOG_LEVEL=info timeout 180 "$torchrun" --nproc_per_node 2 --master_port "$port" --redirects 1 --tee 1 \
+        --no_python "$OLDPWD/$prog" 2>&1)
+  echo "$out" | grep -q "all collectives verified" || { echo "$out"; echo "FAIL: plain torchrun run not verified"; exit 1; }
+  echo "$out" | grep -q "through torchrun's agent store at 127.0.0.1:$port" ||
+    { echo "$out"; echo "FAIL: plain torchrun: ranks did not join the agent's store"; exit 1; }
+  echo "ok: plain torchrun --nproc_per_node 2: ranks joined the agent's store on port $port"
+  port=$(/usr/bin/python3 -c 'import socket; s=socket.socket(); s.bind(("127.0.0.1",0)); print(s.getsockname()[1])')
+  node() {
+    cd /tmp && timeout 180 "$torchrun" --nnodes 2 --node_rank "$1" --nproc_per_node 1 --master_addr 127.0.0.1 \
+      --master_port "$port" --redirects 1 --tee 1 --no_python "$OLDPWD/$prog"
+  }
+  node 1 >/tmp/test_launchers_node1.$$ 2>&1 &
+  node1=$!
+  out=$(node 0 2>&1); rc0=$?
+  wait $node1; rc1=$?
+  cat /tmp/test_launchers_node1.$$; rm -f /tmp/test_launchers_node1.$$
+  [ $rc0 = 0 ] && [ $rc1 = 0 ] || { echo "$out"; echo "FAIL: plain torchrun, 2 nodes: exit codes $rc0 and $rc1"; exit 1; }
+  echo "$out" | grep -q "2 ranks on the cpu backend" && echo "$out" | grep -q "all collectives verified" ||
+    { echo "$out"; echo "FAIL: plain torchrun, 2 nodes: not verified"; exit 1; }
+  echo "ok: plain torchrun --nnodes 2 (two agents, static rendezvous)"
   ran=$((ran + 1))
 fi
 [ $ran -gt 0 ] || { echo "neither mpirun (openmpi-bin) nor torchrun (python3-torch) is installed"; exit 77; }
