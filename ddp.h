@@ -57,6 +57,7 @@
    [SECTION] transport: framed messages between the ranks of a group, failure detection, abort src/transport.c
    [SECTION] collectives: ring algorithms, the public collectives, async work and the progress thread src/collectives.c
    [SECTION] shm: shared-memory transport for the ranks of a group that share one host src/shm.c
+   [SECTION] mpi: the mpi backend, collectives through the MPI library (built with -DDDP_MPI) src/mpi.c
    [SECTION] group: ddp_init (torch.distributed.init_process_group), launcher environments, src/group.c
    [SECTION] launcher: ddp_spawn (torch.multiprocessing.spawn) and ddprun (torchrun) src/launcher.c
    [SECTION] reducer: DistributedDataParallel's Reducer: model check, buckets, overlapped all-reduce src/reducer.c
@@ -169,7 +170,7 @@ typedef struct ddp_store ddp_store; /* the rendezvous key-value store (PyTorch's
    127.0.0.1 with a port derived from the job id. Under SLURM, MASTER_ADDR defaults to the first host of
    SLURM_NODELIST. init_method "file:///path" puts the store in a file on a shared filesystem instead. */
 typedef struct ddp_init_desc {
-    const char *backend;     /* NULL or "auto": the default backend (cpu); "cpu", "nccl", "mpi" */
+    const char *backend;     /* NULL: DDP_BACKEND, else "auto" = cpu; "cpu"; "mpi" (a build with -DDDP_MPI, under mpirun); "nccl" */
     const char *init_method; /* NULL or "env://"; "tcp://host:port"; "file:///path/to/store" */
     int world_size;          /* > 0: use rank and world_size from here instead of the environment */
     int rank;
@@ -1274,6 +1275,7 @@ struct ddp_group {
     ddp_result broken;  /* set once a collective failed: every later call fails with it */
     char broken_msg[DDP__ERR_MAX];
     struct ddp__shm *shm; /* shared-memory transport when every rank is on this host (shm.c), else NULL */
+    struct ddp__mpi *mpi; /* the mpi backend's communicator (mpi.c); NULL on the cpu backend */
     void *scratch;      /* staging memory for the algorithms, grown on demand */
     size_t scratch_size;
 
@@ -4174,6 +4176,7 @@ static void ddp__run_alone(const ddp__call *k) {
 }
 
 static ddp_result ddp__shm_run(ddp_group *g, const ddp__call *k, const ddp__coll *c); /* shm.c */
+static ddp_result ddp__mpi_run(ddp_group *g, const ddp__call *k, const ddp__coll *c); /* mpi.c */
 
 static ddp_result ddp__run(ddp_group *g, const ddp__call *k, const ddp__coll *c) {
     if (g->broken) return DDP_ERR_STATE;
@@ -4181,6 +4184,7 @@ static ddp_result ddp__run(ddp_group *g, const ddp__call *k, const ddp__coll *c)
         ddp__run_alone(k);
         return DDP_SUCCESS;
     }
+    if (g->mpi) return ddp__mpi_run(g, k, c);
     if (g->shm) {
         ddp_result r;
         g->running_seq = c->seq;
@@ -4826,6 +4830,329 @@ done:
 }
 /* ==================== end src/shm.c ==================== */
 
+/* ==================== begin src/mpi.c ==================== */
+/* [SECTION] mpi: the mpi backend, collectives through the MPI library (built with -DDDP_MPI)
+   (torch.distributed's "mpi" backend, ProcessGroupMPI)
+
+   A program compiled with mpicc -DDDP_MPI and started by mpirun can ask for backend "mpi" (in
+   ddp_init_desc.backend or DDP_BACKEND=mpi). Rank and world size then come from MPI_COMM_WORLD, no
+   store or sockets are made, and every collective is the MPI call of the same name on a duplicate of
+   MPI_COMM_WORLD (subgroups: MPI_Comm_split of their parent's communicator):
+
+       all_reduce -> MPI_Allreduce (MPI_IN_PLACE)     reduce         -> MPI_Reduce
+       broadcast  -> MPI_Bcast                        all_gather     -> MPI_Allgather
+       barrier    -> MPI_Barrier                      reduce_scatter -> MPI_Reduce_scatter_block
+
+   f16 and bf16 are reduced by user-defined MPI operations that add in f32 and round to nearest even
+   (MPI has no 16-bit floats); AVG is SUM followed by a division, as on the cpu backend. Counts above
+   INT_MAX are cut into pieces for all_reduce, broadcast and reduce.
+
+   What MPI does not do, this file adds: before each collective every rank contributes its call's
+   fingerprint (kind, count, dtype, op, root, sequence number) to one small MPI_Allreduce, so a rank
+   that calls a different collective gets DDP_ERR_MISMATCH on every rank (naming the rank that differs)
+   instead of a hang or corrupt data; it costs one 16-byte all-reduce per call. A lost rank or a hang is
+   the MPI library's business: mpirun stops the job when a rank dies, and MPI calls have no timeout.
+
+   Async work runs on the group's progress thread, so MPI must be initialised with MPI_THREAD_MULTIPLE
+   (ddp_init does that when MPI is not initialised yet, and finalises MPI at exit; a program that
+   initialised MPI itself with a lower thread level gets a clear error). */
+
+#ifdef DDP_MPI
+#ifndef OMPI_SKIP_MPICXX
+#define OMPI_SKIP_MPICXX 1 /* the deprecated C++ bindings do not compile warning-free; the C API is all we use */
+#endif
+#ifndef MPICH_SKIP_MPICXX
+#define MPICH_SKIP_MPICXX 1
+#endif
+#include <mpi.h>
+
+struct ddp__mpi {
+    MPI_Comm comm;
+    int local_rank, local_world_size; /* among the communicator's ranks that share this node's memory */
+};
+
+static MPI_Datatype ddp__mpi_f16_type = MPI_DATATYPE_NULL, ddp__mpi_bf16_type = MPI_DATATYPE_NULL;
+static MPI_Op ddp__mpi_half_ops[DDP_OP_COUNT];
+static pthread_mutex_t ddp__mpi_once_mu = PTHREAD_MUTEX_INITIALIZER;
+static int ddp__mpi_ready; /* the types and operations above exist */
+
+static void ddp__mpi_finalize_at_exit(void) {
+    int finalized = 0;
+    MPI_Finalized(&finalized);
+    if (!finalized) MPI_Finalize();
+}
+
+/* An MPI error code as text, for messages. */
+static const char *ddp__mpi_error_string(int code, char *buf) {
+    int len = 0;
+    if (MPI_Error_string(code, buf, &len) != MPI_SUCCESS) snprintf(buf, MPI_MAX_ERROR_STRING, "MPI error %d", code);
+    return buf;
+}
+
+/* The user-defined reduction for f16 and bf16: inout[i] = inout[i] (op) in[i], in f32, rounded once. */
+#define DDP__MPI_HALF_OP(name, op)                                                                   \
+    static void name(void *in, void *inout, int *len, MPI_Datatype *type) {                          \
+        ddp__reduce(inout, in, (size_t)*len, *type == ddp__mpi_bf16_type ? DDP_BF16 : DDP_F16, op); \
+    }
+DDP__MPI_HALF_OP(ddp__mpi_half_sum, DDP_SUM)
+DDP__MPI_HALF_OP(ddp__mpi_half_prod, DDP_PROD)
+DDP__MPI_HALF_OP(ddp__mpi_half_min, DDP_MIN)
+DDP__MPI_HALF_OP(ddp__mpi_half_max, DDP_MAX)
+
+/* Initialise MPI if nobody has (MPI_THREAD_MULTIPLE), check the thread level, and make the 16-bit
+   float types and their operations once per process. */
+static ddp_result ddp__mpi_start(char *err) {
+    int initialized = 0, finalized = 0, provided = 0, rc;
+    char msg[MPI_MAX_ERROR_STRING];
+    ddp_result r = DDP_SUCCESS;
+    pthread_mutex_lock(&ddp__mpi_once_mu);
+    MPI_Finalized(&finalized);
+    MPI_Initialized(&initialized);
+    if (finalized) {
+        r = ddp__fail_to(err, DDP_ERR_STATE, "backend mpi: MPI is already finalised in this process and cannot start again; "
+                         "call ddp_init before MPI_Finalize");
+    } else if (!initialized) {
+        rc = MPI_Init_thread(NULL, NULL, MPI_THREAD_MULTIPLE, &provided);
+        if (rc != MPI_SUCCESS)
+            r = ddp__fail_to(err, DDP_ERR_INIT, "backend mpi: MPI_Init_thread failed: %s (was the program started by mpirun?)",
+                             ddp__mpi_error_string(rc, msg));
+        else
+            atexit(ddp__mpi_finalize_at_exit);
+    } else {
+        MPI_Query_thread(&provided);
+    }
+    if (r == DDP_SUCCESS && provided < MPI_THREAD_MULTIPLE)
+        r = ddp__fail_to(err, DDP_ERR_UNSUPPORTED, "backend mpi: MPI provides thread level %d, but ddp.h needs "
+                         "MPI_THREAD_MULTIPLE (%d): async collectives run on a progress thread. Initialise MPI with "
+                         "MPI_Init_thread(..., MPI_THREAD_MULTIPLE, ...) or let ddp_init do it",
+                         provided, MPI_THREAD_MULTIPLE);
+    if (r == DDP_SUCCESS && !ddp__mpi_ready) {
+        MPI_Type_contiguous(2, MPI_BYTE, &ddp__mpi_f16_type);
+        MPI_Type_commit(&ddp__mpi_f16_type);
+        MPI_Type_contiguous(2, MPI_BYTE, &ddp__mpi_bf16_type);
+        MPI_Type_commit(&ddp__mpi_bf16_type);
+        MPI_Op_create(ddp__mpi_half_sum, 1, &ddp__mpi_half_ops[DDP_SUM]);
+        ddp__mpi_half_ops[DDP_AVG] = ddp__mpi_half_ops[DDP_SUM];
+        MPI_Op_create(ddp__mpi_half_prod, 1, &ddp__mpi_half_ops[DDP_PROD]);
+        MPI_Op_create(ddp__mpi_half_min, 1, &ddp__mpi_half_ops[DDP_MIN]);
+        MPI_Op_create(ddp__mpi_half_max, 1, &ddp__mpi_half_ops[DDP_MAX]);
+        ddp__mpi_ready = 1;
+    }
+    pthread_mutex_unlock(&ddp__mpi_once_mu);
+    return r;
+}
+
+/* A communicator of our own (errors returned, not fatal) wrapped for the group. */
+static ddp_result ddp__mpi_wrap(MPI_Comm comm, struct ddp__mpi **out, char *err) {
+    struct ddp__mpi *m = (struct ddp__mpi *)ddp__calloc(1, sizeof *m);
+    if (!m) {
+        MPI_Comm_free(&comm);
+        return ddp__fail_to(err, DDP_ERR_OUT_OF_MEMORY, "backend mpi: out of memory");
+    }
+    MPI_Comm node;
+    MPI_Comm_set_errhandler(comm, MPI_ERRORS_RETURN);
+    m->comm = comm;
+    m->local_rank = m->local_world_size = -1;
+    if (MPI_Comm_split_type(comm, MPI_COMM_TYPE_SHARED, 0, MPI_INFO_NULL, &node) == MPI_SUCCESS) {
+        MPI_Comm_rank(node, &m->local_rank);
+        MPI_Comm_size(node, &m->local_world_size);
+        MPI_Comm_free(&node);
+    }
+    *out = m;
+    return DDP_SUCCESS;
+}
+
+/* This rank's place in MPI_COMM_WORLD, and a communicator for the world group. */
+static ddp_result ddp__mpi_world(int *rank, int *world_size, struct ddp__mpi **out, char *err) {
+    MPI_Comm world;
+    ddp_result r;
+    int rc;
+    char msg[MPI_MAX_ERROR_STRING];
+    if ((r = ddp__mpi_start(err)) != DDP_SUCCESS) return r;
+    if ((rc = MPI_Comm_dup(MPI_COMM_WORLD, &world)) != MPI_SUCCESS)
+        return ddp__fail_to(err, DDP_ERR_INIT, "backend mpi: MPI_Comm_dup(MPI_COMM_WORLD) failed: %s",
+                            ddp__mpi_error_string(rc, msg));
+    MPI_Comm_rank(world, rank);
+    MPI_Comm_size(world, world_size);
+    return ddp__mpi_wrap(world, out, err);
+}
+
+/* Members (me >= 0) get a communicator of the parent's members in the order of the rank list; every
+   rank of the parent must call this (MPI_Comm_split is collective), non-members with me = -1. */
+static ddp_result ddp__mpi_split(ddp_group *parent, int me, struct ddp__mpi **out) {
+    MPI_Comm comm = MPI_COMM_NULL;
+    char msg[MPI_MAX_ERROR_STRING];
+    int rc = MPI_Comm_split(parent->mpi->comm, me >= 0 ? 0 : MPI_UNDEFINED, me, &comm);
+    *out = NULL;
+    if (rc != MPI_SUCCESS)
+        return ddp__fail(parent, DDP_ERR_SYSTEM, "ddp_new_group: MPI_Comm_split failed: %s", ddp__mpi_error_string(rc, msg));
+    if (me < 0) return DDP_SUCCESS;
+    return ddp__mpi_wrap(comm, out, ddp__error_buffer(parent)) == DDP_SUCCESS ? DDP_SUCCESS : DDP_ERR_OUT_OF_MEMORY;
+}
+
+/* The local rank and local world size (-1 when MPI could not tell) of a member of m. */
+static void ddp__mpi_local(const struct ddp__mpi *m, int *local_rank, int *local_world_size) {
+    *local_rank = m->local_rank;
+    *local_world_size = m->local_world_size;
+}
+
+static void ddp__mpi_free(struct ddp__mpi *m) {
+    int finalized = 0;
+    if (!m) return;
+    MPI_Finalized(&finalized);
+    if (!finalized) MPI_Comm_free(&m->comm);
+    ddp__free(m);
+}
+
+static MPI_Datatype ddp__mpi_type(ddp_dtype t) {
+    switch (t) {
+    case DDP_F32: return MPI_FLOAT;
+    case DDP_F64: return MPI_DOUBLE;
+    case DDP_F16: return ddp__mpi_f16_type;
+    case DDP_BF16: return ddp__mpi_bf16_type;
+    case DDP_I8: return MPI_INT8_T;
+    case DDP_U8: return MPI_UINT8_T;
+    case DDP_I32: return MPI_INT32_T;
+    case DDP_I64: return MPI_INT64_T;
+    default: return MPI_DATATYPE_NULL;
+    }
+}
+
+static MPI_Op ddp__mpi_op(ddp_dtype t, ddp_op op) {
+    if (t == DDP_F16 || t == DDP_BF16) return ddp__mpi_half_ops[op];
+    switch (op) {
+    case DDP_SUM:
+    case DDP_AVG: return MPI_SUM;
+    case DDP_PROD: return MPI_PROD;
+    case DDP_MIN: return MPI_MIN;
+    default: return MPI_MAX;
+    }
+}
+
+/* Every rank's fingerprint, compared by one all-reduce of (h, -h) with MAX: max == min iff all agree.
+   On a difference (seen by every rank alike) an all-gather of the fingerprints names the rank. */
+static ddp_result ddp__mpi_check(ddp_group *g, const ddp__coll *c) {
+    MPI_Comm comm = g->mpi->comm;
+    int64_t pair[2], i;
+    uint64_t h = 1469598103934665603ull;
+    ddp__coll *all;
+    char ours[200], theirs[200], msg[MPI_MAX_ERROR_STRING];
+    int rc, bad = -1;
+    const unsigned char *p;
+    ddp__coll mine;
+    memset(&mine, 0, sizeof mine); /* padding bytes are hashed and sent: make them equal */
+    mine.seq = c->seq;
+    mine.count = c->count;
+    mine.kind = c->kind;
+    mine.dtype = c->dtype;
+    mine.op = c->op;
+    mine.root = c->root;
+    p = (const unsigned char *)&mine;
+    for (i = 0; i < (int64_t)sizeof mine; i++) h = (h ^ p[i]) * 1099511628211ull;
+    pair[0] = (int64_t)(h >> 1);
+    pair[1] = -pair[0];
+    if ((rc = MPI_Allreduce(MPI_IN_PLACE, pair, 2, MPI_INT64_T, MPI_MAX, comm)) != MPI_SUCCESS)
+        return ddp__coll_fail(g, DDP_ERR_SYSTEM, "%s: MPI_Allreduce (the call check) failed: %s", ddp__coll_name(c->kind),
+                              ddp__mpi_error_string(rc, msg));
+    if (pair[0] == -pair[1]) return DDP_SUCCESS;
+    all = (ddp__coll *)ddp__calloc((size_t)g->world_size, sizeof *all);
+    if (!all) return ddp__coll_fail(g, DDP_ERR_OUT_OF_MEMORY, "%s: out of memory naming a mismatch", ddp__coll_name(c->kind));
+    rc = MPI_Allgather(&mine, (int)sizeof mine, MPI_BYTE, all, (int)sizeof mine, MPI_BYTE, comm);
+    for (i = 0; rc == MPI_SUCCESS && i < g->world_size && bad < 0; i++)
+        if (memcmp(&all[i], &all[0], sizeof mine) != 0) bad = (int)i;
+    ddp__coll_describe(&all[0], ours, sizeof ours);
+    if (bad >= 0) ddp__coll_describe(&all[bad], theirs, sizeof theirs);
+    ddp__free(all);
+    if (bad < 0) return ddp__coll_fail(g, DDP_ERR_MISMATCH, "collective mismatch between ranks (this rank called %s)", ours);
+    return ddp__coll_fail(g, DDP_ERR_MISMATCH, "collective mismatch: rank 0 called %s while rank %d called %s; every "
+                          "rank must call the same collectives in the same order with the same count, dtype, op and root",
+                          ours, bad, theirs);
+}
+
+/* MPI takes int counts: all_reduce, broadcast and reduce go in pieces of at most 2^30 elements. */
+#define DDP__MPI_PIECE ((size_t)1 << 30)
+
+static ddp_result ddp__mpi_run(ddp_group *g, const ddp__call *k, const ddp__coll *c) {
+    MPI_Comm comm = g->mpi->comm;
+    MPI_Datatype type = ddp__mpi_type(k->dtype);
+    size_t es = ddp_dtype_size(k->dtype), done = 0;
+    char *buf = (char *)k->buf, msg[MPI_MAX_ERROR_STRING];
+    int rc = MPI_SUCCESS, root = k->root;
+    ddp_result r;
+    if ((r = ddp__mpi_check(g, c)) != DDP_SUCCESS) return r;
+    if ((k->kind == DDP__ALL_GATHER || k->kind == DDP__REDUCE_SCATTER) && k->count > (size_t)INT_MAX)
+        return ddp__coll_fail(g, DDP_ERR_UNSUPPORTED, "%s: %zu elements per rank is more than MPI's int count allows "
+                              "(%d); split the call", ddp__coll_name(k->kind), k->count, INT_MAX);
+    switch (k->kind) {
+    case DDP__BARRIER: rc = MPI_Barrier(comm); break;
+    case DDP__ALL_GATHER:
+        if (k->send == buf + (size_t)g->rank * k->count * es)
+            rc = MPI_Allgather(MPI_IN_PLACE, 0, type, buf, (int)k->count, type, comm);
+        else
+            rc = MPI_Allgather(k->send, (int)k->count, type, buf, (int)k->count, type, comm);
+        break;
+    case DDP__REDUCE_SCATTER:
+        if (k->send == buf)
+            rc = MPI_Reduce_scatter_block(MPI_IN_PLACE, buf, (int)k->count, type, ddp__mpi_op(k->dtype, k->op), comm);
+        else
+            rc = MPI_Reduce_scatter_block(k->send, buf, (int)k->count, type, ddp__mpi_op(k->dtype, k->op), comm);
+        break;
+    default:
+        for (done = 0; rc == MPI_SUCCESS && done < k->count; done += DDP__MPI_PIECE) {
+            int n = (int)DDP__MIN(k->count - done, DDP__MPI_PIECE);
+            char *at = buf + done * es;
+            if (k->kind == DDP__ALL_REDUCE)
+                rc = MPI_Allreduce(MPI_IN_PLACE, at, n, type, ddp__mpi_op(k->dtype, k->op), comm);
+            else if (k->kind == DDP__BROADCAST)
+                rc = MPI_Bcast(at, n, type, root, comm);
+            else
+                rc = MPI_Reduce(g->rank == root ? MPI_IN_PLACE : at, g->rank == root ? at : NULL, n, type,
+                                ddp__mpi_op(k->dtype, k->op), root, comm);
+        }
+    }
+    if (rc != MPI_SUCCESS)
+        return ddp__coll_fail(g, DDP_ERR_SYSTEM, "%s: the MPI call failed: %s", ddp__coll_name(k->kind),
+                              ddp__mpi_error_string(rc, msg));
+    if (k->op == DDP_AVG && (k->kind == DDP__ALL_REDUCE || k->kind == DDP__REDUCE_SCATTER ||
+                             (k->kind == DDP__REDUCE && g->rank == root)))
+        ddp__divide(buf, k->count, k->dtype, g->world_size);
+    return DDP_SUCCESS;
+}
+
+#else /* !DDP_MPI: the backend is not in this build */
+
+struct ddp__mpi {
+    int unused;
+};
+
+static ddp_result ddp__mpi_world(int *rank, int *world_size, struct ddp__mpi **out, char *err) {
+    (void)rank, (void)world_size;
+    *out = NULL;
+    return ddp__fail_to(err, DDP_ERR_UNSUPPORTED, "backend \"mpi\" is not in this build: compile the file that defines "
+                        "DDP_IMPLEMENTATION with mpicc and -DDDP_MPI, or use backend \"cpu\"");
+}
+
+static ddp_result ddp__mpi_split(ddp_group *parent, int me, struct ddp__mpi **out) {
+    (void)me;
+    *out = NULL;
+    return ddp__fail(parent, DDP_ERR_STATE, "internal error: an mpi group in a build without DDP_MPI");
+}
+
+static void ddp__mpi_local(const struct ddp__mpi *m, int *local_rank, int *local_world_size) {
+    (void)m;
+    *local_rank = *local_world_size = -1;
+}
+
+static void ddp__mpi_free(struct ddp__mpi *m) { ddp__free(m); }
+
+static ddp_result ddp__mpi_run(ddp_group *g, const ddp__call *k, const ddp__coll *c) {
+    (void)k, (void)c;
+    return ddp__coll_fail(g, DDP_ERR_STATE, "internal error: an mpi group in a build without DDP_MPI");
+}
+
+#endif /* DDP_MPI */
+/* ==================== end src/mpi.c ==================== */
+
 /* ==================== begin src/group.c ==================== */
 /* [SECTION] group: ddp_init (torch.distributed.init_process_group), launcher environments,
    rendezvous, the mesh of connections, subgroups (new_group), ddp_destroy
@@ -5284,6 +5611,7 @@ static void ddp__group_free(ddp_group *g) {
     ddp__progress_stop(g);
     if (g->broken) ddp__close_after_failure(g, 1.0);
     ddp__shm_free(g);
+    ddp__mpi_free(g->mpi);
     for (i = 0; g->peers && i < g->world_size; i++)
         if (g->peers[i].fd >= 0) close(g->peers[i].fd);
     if (g->owns_store && g->store) ddp__store_free(g->store);
@@ -5317,6 +5645,34 @@ static ddp_result ddp__group_connect(ddp_group *g, const char *where) {
     return DDP_SUCCESS;
 }
 
+/* ddp_init for backend "mpi": everything comes from MPI_COMM_WORLD (mpi.c); no store, no sockets. */
+static ddp_result ddp__init_mpi(const ddp_init_desc *desc, ddp_group **out) {
+    char err[DDP__ERR_MAX];
+    int rank = 0, world = 1;
+    struct ddp__mpi *m = NULL;
+    ddp_group *g;
+    ddp_result r;
+    double timeout = ddp__read_timeout(desc, err, &r);
+    if (r) return ddp__fail(NULL, r, "ddp_init: %s", err);
+    if ((r = ddp__mpi_world(&rank, &world, &m, err)) != DDP_SUCCESS)
+        return ddp__fail(NULL, r, "ddp_init: %s", err);
+    if (!(g = ddp__group_alloc(rank, world))) {
+        ddp__mpi_free(m);
+        return ddp__fail(NULL, DDP_ERR_OUT_OF_MEMORY, "ddp_init: out of memory");
+    }
+    g->mpi = m;
+    g->backend_name = "mpi";
+    g->timeout = timeout;
+    g->log_level = desc->log_level != DDP_LOG_DEFAULT ? desc->log_level : ddp__env_log_level();
+    g->log_fn = desc->log_fn;
+    g->log_user = desc->log_user;
+    ddp__mpi_local(m, &g->local_rank, &g->local_world_size);
+    ddp__log(g, DDP_LOG_INFO, "joined: rank %d of %d on the mpi backend (local rank %d of %d)", rank, world, g->local_rank,
+             g->local_world_size);
+    *out = g;
+    return DDP_SUCCESS;
+}
+
 /* Join the store that torchrun's agent serves (TORCHELASTIC_USE_AGENT_STORE=True). Keys go under the
    prefix torch's workers use in it, PrefixStore("/worker/attempt_<restart>"), so the agent's own keys
    and an earlier attempt's are never seen. */
@@ -5340,7 +5696,7 @@ DDP_API ddp_result ddp_init(const ddp_init_desc *desc, ddp_group **out) {
     ddp__launch L;
     ddp_group *g;
     char err[DDP__ERR_MAX], where[320];
-    const char *transport = ddp__env("DDP_TRANSPORT");
+    const char *transport = ddp__env("DDP_TRANSPORT"), *backend;
     double timeout;
     ddp_result r;
     if (!out) return ddp__fail(NULL, DDP_ERR_INVALID_ARGUMENT, "ddp_init: the out argument is NULL");
@@ -5349,12 +5705,15 @@ DDP_API ddp_result ddp_init(const ddp_init_desc *desc, ddp_group **out) {
         memset(&zero, 0, sizeof zero);
         desc = &zero;
     }
-    if (desc->backend && *desc->backend && strcmp(desc->backend, "auto") != 0 && strcmp(desc->backend, "cpu") != 0) {
-        if (strcmp(desc->backend, "nccl") == 0 || strcmp(desc->backend, "mpi") == 0)
-            return ddp__fail(NULL, DDP_ERR_UNSUPPORTED, "backend \"%s\" is not available in this build: this build has the "
-                             "cpu backend only; use backend \"cpu\" (or NULL for the default)", desc->backend);
-        return ddp__fail(NULL, DDP_ERR_INVALID_ARGUMENT, "backend \"%s\" is not one of auto, cpu, nccl, mpi", desc->backend);
+    backend = desc->backend && *desc->backend ? desc->backend : ddp__env("DDP_BACKEND") ? ddp__env("DDP_BACKEND") : "auto";
+    if (strcmp(backend, "auto") != 0 && strcmp(backend, "cpu") != 0 && strcmp(backend, "mpi") != 0) {
+        if (strcmp(backend, "nccl") == 0)
+            return ddp__fail(NULL, DDP_ERR_UNSUPPORTED, "backend \"nccl\" is not available in this build: this build has the "
+                             "cpu backend (and mpi with -DDDP_MPI); use backend \"cpu\" (or NULL for the default)");
+        return ddp__fail(NULL, DDP_ERR_INVALID_ARGUMENT, "backend \"%s\"%s is not one of auto, cpu, nccl, mpi", backend,
+                         desc->backend && *desc->backend ? "" : " (from DDP_BACKEND)");
     }
+    if (strcmp(backend, "mpi") == 0) return ddp__init_mpi(desc, out);
     if (transport && strcmp(transport, "auto") != 0 && strcmp(transport, "tcp") != 0)
         return ddp__fail(NULL, DDP_ERR_INIT, "DDP_TRANSPORT=\"%s\" is not one of auto, tcp", transport);
     if ((r = ddp__read_launch(desc, &L, err)) != DDP_SUCCESS) return ddp__fail(NULL, r, "ddp_init: %s", err);
@@ -5429,6 +5788,7 @@ DDP_API ddp_result ddp_new_group(ddp_group *g, const int *ranks, int n, ddp_grou
     uint64_t mine = 0x9e3779b97f4a7c15ull, *all;
     char where[160];
     int i, j, me = -1, valid = ranks && n >= 1 && out;
+    struct ddp__mpi *comm = NULL;
     ddp_group *sub;
     ddp_result r;
     if (!g) return ddp__fail(NULL, DDP_ERR_INVALID_ARGUMENT, "ddp_new_group: the parent group is NULL");
@@ -5460,8 +5820,15 @@ DDP_API ddp_result ddp_new_group(ddp_group *g, const int *ranks, int n, ddp_grou
         }
     ddp__free(all);
     g->subgroups_made++;
+    if (g->mpi && (r = ddp__mpi_split(g, me, &comm)) != DDP_SUCCESS) return r;
     if (me < 0) return DDP_SUCCESS;
-    if (!(sub = ddp__group_alloc(me, n))) return ddp__fail(g, DDP_ERR_OUT_OF_MEMORY, "ddp_new_group: out of memory");
+    if (!(sub = ddp__group_alloc(me, n))) {
+        ddp__mpi_free(comm);
+        return ddp__fail(g, DDP_ERR_OUT_OF_MEMORY, "ddp_new_group: out of memory");
+    }
+    sub->mpi = comm;
+    sub->backend_name = g->backend_name;
+    if (comm) ddp__mpi_local(comm, &sub->local_rank, &sub->local_world_size);
     for (i = 0; i < n; i++) sub->world_ranks[i] = g->world_ranks[ranks[i]];
     sub->timeout = g->timeout;
     sub->log_level = g->log_level;
@@ -5471,7 +5838,7 @@ DDP_API ddp_result ddp_new_group(ddp_group *g, const int *ranks, int n, ddp_grou
     memcpy(sub->address, g->address, sizeof sub->address);
     snprintf(sub->prefix, sizeof sub->prefix, "%.60ssub%llu/", g->prefix, (unsigned long long)g->subgroups_made);
     snprintf(where, sizeof where, "the parent group's store (subgroup %llu)", (unsigned long long)g->subgroups_made);
-    if (n > 1 && (r = ddp__group_connect(sub, where)) != DDP_SUCCESS) {
+    if (n > 1 && !sub->mpi && (r = ddp__group_connect(sub, where)) != DDP_SUCCESS) {
         ddp__fail(g, r, "ddp_new_group: %s", sub->error);
         ddp__group_free(sub);
         return r;
@@ -6570,6 +6937,9 @@ static ddp_result ddp__cpu_all_reduce_async(ddp_group *g, void *buf, size_t coun
 static const ddp__reducer_ops ddp__reducer_backends[] = {
     {"cpu", ddp__cpu_alloc, ddp__cpu_release, ddp__cpu_zero, ddp__cpu_copy_in_scaled, ddp__cpu_copy_out,
      ddp__cpu_all_reduce_async, ddp_wait},
+    /* the mpi backend's collectives take host memory too */
+    {"mpi", ddp__cpu_alloc, ddp__cpu_release, ddp__cpu_zero, ddp__cpu_copy_in_scaled, ddp__cpu_copy_out,
+     ddp__cpu_all_reduce_async, ddp_wait},
 };
 
 /* ---- the reducer's state ---- */
@@ -6658,7 +7028,7 @@ DDP_API ddp_result ddp_reducer_create(ddp_group *g, const ddp_reducer_desc *d, d
         if (strcmp(ddp__reducer_backends[i].backend, ddp_backend_name(g)) == 0) ops = &ddp__reducer_backends[i];
     if (!ops)
         return ddp__fail(g, DDP_ERR_UNSUPPORTED, "ddp_reducer_create: the reducer has no functions for backend \"%s\" "
-                         "(it knows cpu)", ddp_backend_name(g));
+                         "(it knows cpu and mpi)", ddp_backend_name(g));
     r = (ddp_reducer *)ddp__calloc(1, sizeof *r);
     if (!r) return ddp__fail(g, DDP_ERR_OUT_OF_MEMORY, "ddp_reducer_create: out of memory");
     r->g = g;

@@ -253,6 +253,7 @@ static void ddp__run_alone(const ddp__call *k) {
 }
 
 static ddp_result ddp__shm_run(ddp_group *g, const ddp__call *k, const ddp__coll *c); /* shm.c */
+static ddp_result ddp__mpi_run(ddp_group *g, const ddp__call *k, const ddp__coll *c); /* mpi.c */
 
 static ddp_result ddp__run(ddp_group *g, const ddp__call *k, const ddp__coll *c) {
     if (g->broken) return DDP_ERR_STATE;
@@ -260,6 +261,7 @@ static ddp_result ddp__run(ddp_group *g, const ddp__call *k, const ddp__coll *c)
         ddp__run_alone(k);
         return DDP_SUCCESS;
     }
+    if (g->mpi) return ddp__mpi_run(g, k, c);
     if (g->shm) {
         ddp_result r;
         g->running_seq = c->seq;

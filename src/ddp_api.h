@@ -93,7 +93,7 @@ typedef struct ddp_store ddp_store; /* the rendezvous key-value store (PyTorch's
    127.0.0.1 with a port derived from the job id. Under SLURM, MASTER_ADDR defaults to the first host of
    SLURM_NODELIST. init_method "file:///path" puts the store in a file on a shared filesystem instead. */
 typedef struct ddp_init_desc {
-    const char *backend;     /* NULL or "auto": the default backend (cpu); "cpu", "nccl", "mpi" */
+    const char *backend;     /* NULL: DDP_BACKEND, else "auto" = cpu; "cpu"; "mpi" (a build with -DDDP_MPI, under mpirun); "nccl" */
     const char *init_method; /* NULL or "env://"; "tcp://host:port"; "file:///path/to/store" */
     int world_size;          /* > 0: use rank and world_size from here instead of the environment */
     int rank;

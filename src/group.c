@@ -456,6 +456,7 @@ static void ddp__group_free(ddp_group *g) {
     ddp__progress_stop(g);
     if (g->broken) ddp__close_after_failure(g, 1.0);
     ddp__shm_free(g);
+    ddp__mpi_free(g->mpi);
     for (i = 0; g->peers && i < g->world_size; i++)
         if (g->peers[i].fd >= 0) close(g->peers[i].fd);
     if (g->owns_store && g->store) ddp__store_free(g->store);
@@ -489,6 +490,34 @@ static ddp_result ddp__group_connect(ddp_group *g, const char *where) {
     return DDP_SUCCESS;
 }
 
+/* ddp_init for backend "mpi": everything comes from MPI_COMM_WORLD (mpi.c); no store, no sockets. */
+static ddp_result ddp__init_mpi(const ddp_init_desc *desc, ddp_group **out) {
+    char err[DDP__ERR_MAX];
+    int rank = 0, world = 1;
+    struct ddp__mpi *m = NULL;
+    ddp_group *g;
+    ddp_result r;
+    double timeout = ddp__read_timeout(desc, err, &r);
+    if (r) return ddp__fail(NULL, r, "ddp_init: %s", err);
+    if ((r = ddp__mpi_world(&rank, &world, &m, err)) != DDP_SUCCESS)
+        return ddp__fail(NULL, r, "ddp_init: %s", err);
+    if (!(g = ddp__group_alloc(rank, world))) {
+        ddp__mpi_free(m);
+        return ddp__fail(NULL, DDP_ERR_OUT_OF_MEMORY, "ddp_init: out of memory");
+    }
+    g->mpi = m;
+    g->backend_name = "mpi";
+    g->timeout = timeout;
+    g->log_level = desc->log_level != DDP_LOG_DEFAULT ? desc->log_level : ddp__env_log_level();
+    g->log_fn = desc->log_fn;
+    g->log_user = desc->log_user;
+    ddp__mpi_local(m, &g->local_rank, &g->local_world_size);
+    ddp__log(g, DDP_LOG_INFO, "joined: rank %d of %d on the mpi backend (local rank %d of %d)", rank, world, g->local_rank,
+             g->local_world_size);
+    *out = g;
+    return DDP_SUCCESS;
+}
+
 /* Join the store that torchrun's agent serves (TORCHELASTIC_USE_AGENT_STORE=True). Keys go under the
    prefix torch's workers use in it, PrefixStore("/worker/attempt_<restart>"), so the agent's own keys
    and an earlier attempt's are never seen. */
@@ -512,7 +541,7 @@ DDP_API ddp_result ddp_init(const ddp_init_desc *desc, ddp_group **out) {
     ddp__launch L;
     ddp_group *g;
     char err[DDP__ERR_MAX], where[320];
-    const char *transport = ddp__env("DDP_TRANSPORT");
+    const char *transport = ddp__env("DDP_TRANSPORT"), *backend;
     double timeout;
     ddp_result r;
     if (!out) return ddp__fail(NULL, DDP_ERR_INVALID_ARGUMENT, "ddp_init: the out argument is NULL");
@@ -521,12 +550,15 @@ DDP_API ddp_result ddp_init(const ddp_init_desc *desc, ddp_group **out) {
         memset(&zero, 0, sizeof zero);
         desc = &zero;
     }
-    if (desc->backend && *desc->backend && strcmp(desc->backend, "auto") != 0 && strcmp(desc->backend, "cpu") != 0) {
-        if (strcmp(desc->backend, "nccl") == 0 || strcmp(desc->backend, "mpi") == 0)
-            return ddp__fail(NULL, DDP_ERR_UNSUPPORTED, "backend \"%s\" is not available in this build: this build has the "
-                             "cpu backend only; use backend \"cpu\" (or NULL for the default)", desc->backend);
-        return ddp__fail(NULL, DDP_ERR_INVALID_ARGUMENT, "backend \"%s\" is not one of auto, cpu, nccl, mpi", desc->backend);
+    backend = desc->backend && *desc->backend ? desc->backend : ddp__env("DDP_BACKEND") ? ddp__env("DDP_BACKEND") : "auto";
+    if (strcmp(backend, "auto") != 0 && strcmp(backend, "cpu") != 0 && strcmp(backend, "mpi") != 0) {
+        if (strcmp(backend, "nccl") == 0)
+            return ddp__fail(NULL, DDP_ERR_UNSUPPORTED, "backend \"nccl\" is not available in this build: this build has the "
+                             "cpu backend (and mpi with -DDDP_MPI); use backend \"cpu\" (or NULL for the default)");
+        return ddp__fail(NULL, DDP_ERR_INVALID_ARGUMENT, "backend \"%s\"%s is not one of auto, cpu, nccl, mpi", backend,
+                         desc->backend && *desc->backend ? "" : " (from DDP_BACKEND)");
     }
+    if (strcmp(backend, "mpi") == 0) return ddp__init_mpi(desc, out);
     if (transport && strcmp(transport, "auto") != 0 && strcmp(transport, "tcp") != 0)
         return ddp__fail(NULL, DDP_ERR_INIT, "DDP_TRANSPORT=\"%s\" is not one of auto, tcp", transport);
     if ((r = ddp__read_launch(desc, &L, err)) != DDP_SUCCESS) return ddp__fail(NULL, r, "ddp_init: %s", err);
@@ -601,6 +633,7 @@ DDP_API ddp_result ddp_new_group(ddp_group *g, const int *ranks, int n, ddp_grou
     uint64_t mine = 0x9e3779b97f4a7c15ull, *all;
     char where[160];
     int i, j, me = -1, valid = ranks && n >= 1 && out;
+    struct ddp__mpi *comm = NULL;
     ddp_group *sub;
     ddp_result r;
     if (!g) return ddp__fail(NULL, DDP_ERR_INVALID_ARGUMENT, "ddp_new_group: the parent group is NULL");
@@ -632,8 +665,15 @@ DDP_API ddp_result ddp_new_group(ddp_group *g, const int *ranks, int n, ddp_grou
         }
     ddp__free(all);
     g->subgroups_made++;
+    if (g->mpi && (r = ddp__mpi_split(g, me, &comm)) != DDP_SUCCESS) return r;
     if (me < 0) return DDP_SUCCESS;
-    if (!(sub = ddp__group_alloc(me, n))) return ddp__fail(g, DDP_ERR_OUT_OF_MEMORY, "ddp_new_group: out of memory");
+    if (!(sub = ddp__group_alloc(me, n))) {
+        ddp__mpi_free(comm);
+        return ddp__fail(g, DDP_ERR_OUT_OF_MEMORY, "ddp_new_group: out of memory");
+    }
+    sub->mpi = comm;
+    sub->backend_name = g->backend_name;
+    if (comm) ddp__mpi_local(comm, &sub->local_rank, &sub->local_world_size);
     for (i = 0; i < n; i++) sub->world_ranks[i] = g->world_ranks[ranks[i]];
     sub->timeout = g->timeout;
     sub->log_level = g->log_level;
@@ -643,7 +683,7 @@ DDP_API ddp_result ddp_new_group(ddp_group *g, const int *ranks, int n, ddp_grou
     memcpy(sub->address, g->address, sizeof sub->address);
     snprintf(sub->prefix, sizeof sub->prefix, "%.60ssub%llu/", g->prefix, (unsigned long long)g->subgroups_made);
     snprintf(where, sizeof where, "the parent group's store (subgroup %llu)", (unsigned long long)g->subgroups_made);
-    if (n > 1 && (r = ddp__group_connect(sub, where)) != DDP_SUCCESS) {
+    if (n > 1 && !sub->mpi && (r = ddp__group_connect(sub, where)) != DDP_SUCCESS) {
         ddp__fail(g, r, "ddp_new_group: %s", sub->error);
         ddp__group_free(sub);
         return r;

@@ -137,6 +137,7 @@ struct ddp_group {
     ddp_result broken;  /* set once a collective failed: every later call fails with it */
     char broken_msg[DDP__ERR_MAX];
     struct ddp__shm *shm; /* shared-memory transport when every rank is on this host (shm.c), else NULL */
+    struct ddp__mpi *mpi; /* the mpi backend's communicator (mpi.c); NULL on the cpu backend */
     void *scratch;      /* staging memory for the algorithms, grown on demand */
     size_t scratch_size;
 

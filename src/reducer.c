@@ -139,6 +139,9 @@ static ddp_result ddp__cpu_all_reduce_async(ddp_group *g, void *buf, size_t coun
 static const ddp__reducer_ops ddp__reducer_backends[] = {
     {"cpu", ddp__cpu_alloc, ddp__cpu_release, ddp__cpu_zero, ddp__cpu_copy_in_scaled, ddp__cpu_copy_out,
      ddp__cpu_all_reduce_async, ddp_wait},
+    /* the mpi backend's collectives take host memory too */
+    {"mpi", ddp__cpu_alloc, ddp__cpu_release, ddp__cpu_zero, ddp__cpu_copy_in_scaled, ddp__cpu_copy_out,
+     ddp__cpu_all_reduce_async, ddp_wait},
 };
 
 /* ---- the reducer's state ---- */
@@ -227,7 +230,7 @@ DDP_API ddp_result ddp_reducer_create(ddp_group *g, const ddp_reducer_desc *d, d
         if (strcmp(ddp__reducer_backends[i].backend, ddp_backend_name(g)) == 0) ops = &ddp__reducer_backends[i];
     if (!ops)
         return ddp__fail(g, DDP_ERR_UNSUPPORTED, "ddp_reducer_create: the reducer has no functions for backend \"%s\" "
-                         "(it knows cpu)", ddp_backend_name(g));
+                         "(it knows cpu and mpi)", ddp_backend_name(g));
     r = (ddp_reducer *)ddp__calloc(1, sizeof *r);
     if (!r) return ddp__fail(g, DDP_ERR_OUT_OF_MEMORY, "ddp_reducer_create: out of memory");
     r->g = g;
