@@ -1224,6 +1224,9 @@ static DDP__UNUSED void ddp__free(void *p);
 static DDP__UNUSED char *ddp__strdup(const char *s);
 static DDP__UNUSED void ddp__sleep(double seconds);
 static DDP__UNUSED uint64_t ddp__hash(const char *s); /* FNV-1a of a string */
+/* An error code that came from another process (an ABORT frame, the store): itself when it is one of
+   ddp_result's errors, else fallback -- a corrupt or hostile 0 must never read as success. */
+static DDP__UNUSED ddp_result ddp__peer_code(long code, ddp_result fallback);
 
 /* ---- dtype.c ---- */
 static DDP__UNUSED int ddp__dtype_valid(ddp_dtype t);
@@ -1490,6 +1493,10 @@ static uint64_t ddp__hash(const char *s) { /* FNV-1a */
     uint64_t h = 1469598103934665603ull;
     while (*s) h = (h ^ (unsigned char)*s++) * 1099511628211ull;
     return h;
+}
+
+static ddp_result ddp__peer_code(long code, ddp_result fallback) {
+    return code <= DDP_ERR_INVALID_ARGUMENT && code >= DDP_ERR_WORKER_FAILED ? (ddp_result)code : fallback;
 }
 /* ==================== end src/util.c ==================== */
 
@@ -3675,7 +3682,8 @@ static ddp_result ddp__peer_failed_after(ddp_group *g, int peer, const ddp__coll
             char reason[DDP__ERR_MAX];
             if (ddp__net_recv(p->fd, reason, (size_t)f.bytes, deadline, err) != DDP_SUCCESS) break;
             reason[f.bytes - 1] = '\0';
-            return ddp__coll_fail(g, (ddp_result)f.code, "%s (reported by rank %d; this rank was in %s)", reason, peer, desc);
+            return ddp__coll_fail(g, ddp__peer_code(f.code, DDP_ERR_FORMAT), "%s (reported by rank %d; this rank was in %s)",
+                                  reason, peer, desc);
         }
         if (f.kind == DDP__FRAME_BYE)
             return ddp__coll_fail(g, DDP_ERR_PEER_LOST,
@@ -5407,7 +5415,7 @@ static ddp_result ddp__rdzv_check_abort(ddp_group *g, int *aborted) {
         return ddp__fail(g, r, "rendezvous: %s", ddp_store_last_error(g->store));
     value[DDP__MIN(n, sizeof value - 1)] = '\0';
     sscanf(value, "%d|", &code);
-    return ddp__fail(g, (ddp_result)code, "%s", strchr(value, '|') ? strchr(value, '|') + 1 : value);
+    return ddp__fail(g, ddp__peer_code(code, DDP_ERR_INIT), "%s", strchr(value, '|') ? strchr(value, '|') + 1 : value);
 }
 
 /* What each rank publishes about itself. */

@@ -252,7 +252,7 @@ static ddp_result ddp__rdzv_check_abort(ddp_group *g, int *aborted) {
         return ddp__fail(g, r, "rendezvous: %s", ddp_store_last_error(g->store));
     value[DDP__MIN(n, sizeof value - 1)] = '\0';
     sscanf(value, "%d|", &code);
-    return ddp__fail(g, (ddp_result)code, "%s", strchr(value, '|') ? strchr(value, '|') + 1 : value);
+    return ddp__fail(g, ddp__peer_code(code, DDP_ERR_INIT), "%s", strchr(value, '|') ? strchr(value, '|') + 1 : value);
 }
 
 /* What each rank publishes about itself. */

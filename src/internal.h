@@ -86,6 +86,9 @@ static DDP__UNUSED void ddp__free(void *p);
 static DDP__UNUSED char *ddp__strdup(const char *s);
 static DDP__UNUSED void ddp__sleep(double seconds);
 static DDP__UNUSED uint64_t ddp__hash(const char *s); /* FNV-1a of a string */
+/* An error code that came from another process (an ABORT frame, the store): itself when it is one of
+   ddp_result's errors, else fallback -- a corrupt or hostile 0 must never read as success. */
+static DDP__UNUSED ddp_result ddp__peer_code(long code, ddp_result fallback);
 
 /* ---- dtype.c ---- */
 static DDP__UNUSED int ddp__dtype_valid(ddp_dtype t);

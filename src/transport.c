@@ -158,7 +158,8 @@ static ddp_result ddp__peer_failed_after(ddp_group *g, int peer, const ddp__coll
             char reason[DDP__ERR_MAX];
             if (ddp__net_recv(p->fd, reason, (size_t)f.bytes, deadline, err) != DDP_SUCCESS) break;
             reason[f.bytes - 1] = '\0';
-            return ddp__coll_fail(g, (ddp_result)f.code, "%s (reported by rank %d; this rank was in %s)", reason, peer, desc);
+            return ddp__coll_fail(g, ddp__peer_code(f.code, DDP_ERR_FORMAT), "%s (reported by rank %d; this rank was in %s)",
+                                  reason, peer, desc);
         }
         if (f.kind == DDP__FRAME_BYE)
             return ddp__coll_fail(g, DDP_ERR_PEER_LOST,

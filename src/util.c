@@ -159,3 +159,7 @@ static uint64_t ddp__hash(const char *s) { /* FNV-1a */
     while (*s) h = (h ^ (unsigned char)*s++) * 1099511628211ull;
     return h;
 }
+
+static ddp_result ddp__peer_code(long code, ddp_result fallback) {
+    return code <= DDP_ERR_INVALID_ARGUMENT && code >= DDP_ERR_WORKER_FAILED ? (ddp_result)code : fallback;
+}
