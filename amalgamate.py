@@ -30,6 +30,7 @@ IMPLEMENTATION = [
     "src/util.c",           # [SECTION] util: errors, logging, environment parsing, time
     "src/dtype.c",          # [SECTION] dtype: sizes, f16/bf16 conversion, element-wise reduction
     "src/net.c",            # [SECTION] net: sockets with deadlines
+    "src/auth.c",           # [SECTION] auth: DDP_AUTH_TOKEN, HMAC-SHA256 challenge on every connection
     "src/store.c",          # [SECTION] store: rendezvous key-value store (c10d TCPStore protocol), file store
     "src/transport.c",      # [SECTION] transport: framed messages between ranks, abort propagation
     "src/collectives.c",    # [SECTION] collectives: ring algorithms, async work, progress thread

@@ -53,6 +53,7 @@
    [SECTION] util: errors, logging, environment parsing, time, memory   src/util.c
    [SECTION] dtype: sizes and names, f16/bf16 conversion, element-wise reduction src/dtype.c
    [SECTION] net: TCP sockets with deadlines                            src/net.c
+   [SECTION] auth: DDP_AUTH_TOKEN, a shared secret that every connection proves (HMAC-SHA256) src/auth.c
    [SECTION] store: rendezvous key-value store (c10d TCPStore protocol of torch 1.13), file store src/store.c
    [SECTION] transport: framed messages between the ranks of a group, failure detection, abort src/transport.c
    [SECTION] collectives: ring algorithms, the public collectives, async work and the progress thread src/collectives.c
@@ -1871,6 +1872,231 @@ static void ddp__net_local_address(int fd, char *host, size_t cap) {
 }
 /* ==================== end src/net.c ==================== */
 
+/* ==================== begin src/auth.c ==================== */
+/* [SECTION] auth: DDP_AUTH_TOKEN, a shared secret that every connection proves (HMAC-SHA256)
+
+   ddp.h assumes a trusted cluster network, as NCCL and Gloo do (docs/RELIABILITY.md). Setting
+   DDP_AUTH_TOKEN to the same secret on every rank makes the store and the rank-to-rank mesh refuse
+   connections from processes that do not know it. Both ends prove knowledge of the token without
+   sending it, with fresh random nonces so that a recorded exchange cannot be replayed:
+
+       client -> server   "DDPAUTH1" | cn                         (cn: 16 random bytes)
+       server -> client   sn | HMAC(token, "server" | cn | sn)     (sn: 16 random bytes)
+       client -> server   HMAC(token, "client" | cn | sn)          (only if the server's proof is right)
+       server -> client   1 byte: 1 accepted, 0 refused
+
+   A client whose token differs fails at once saying so, and so does the server's side (the store
+   logs the refusal and serves the others; a rank's mesh listener refuses the connection). The
+   exchange authenticates; it does not encrypt: anyone on the path still sees the traffic. With a token
+   set, torch processes cannot join ddp.h's store (torch has no such handshake).
+
+   SHA-256 is FIPS 180-4, HMAC is RFC 2104; tests/test_auth.c checks them against the RFC 4231 vectors. */
+
+#define DDP__AUTH_MAGIC "DDPAUTH1"
+#define DDP__AUTH_NONCE 16
+#define DDP__AUTH_MAC 32
+
+/* ---- SHA-256 ---- */
+
+typedef struct ddp__sha256 {
+    uint32_t h[8];
+    uint64_t bytes;
+    unsigned char block[64];
+} ddp__sha256;
+
+static uint32_t ddp__rotr(uint32_t x, int n) { return (x >> n) | (x << (32 - n)); }
+
+static void ddp__sha256_block(ddp__sha256 *c, const unsigned char *p) {
+    static const uint32_t k[64] = {
+        0x428a2f98, 0x71374491, 0xb5c0fbcf, 0xe9b5dba5, 0x3956c25b, 0x59f111f1, 0x923f82a4, 0xab1c5ed5, 0xd807aa98, 0x12835b01,
+        0x243185be, 0x550c7dc3, 0x72be5d74, 0x80deb1fe, 0x9bdc06a7, 0xc19bf174, 0xe49b69c1, 0xefbe4786, 0x0fc19dc6, 0x240ca1cc,
+        0x2de92c6f, 0x4a7484aa, 0x5cb0a9dc, 0x76f988da, 0x983e5152, 0xa831c66d, 0xb00327c8, 0xbf597fc7, 0xc6e00bf3, 0xd5a79147,
+        0x06ca6351, 0x14292967, 0x27b70a85, 0x2e1b2138, 0x4d2c6dfc, 0x53380d13, 0x650a7354, 0x766a0abb, 0x81c2c92e, 0x92722c85,
+        0xa2bfe8a1, 0xa81a664b, 0xc24b8b70, 0xc76c51a3, 0xd192e819, 0xd6990624, 0xf40e3585, 0x106aa070, 0x19a4c116, 0x1e376c08,
+        0x2748774c, 0x34b0bcb5, 0x391c0cb3, 0x4ed8aa4a, 0x5b9cca4f, 0x682e6ff3, 0x748f82ee, 0x78a5636f, 0x84c87814, 0x8cc70208,
+        0x90befffa, 0xa4506ceb, 0xbef9a3f7, 0xc67178f2};
+    uint32_t w[64], v[8], t1, t2;
+    int i;
+    for (i = 0; i < 16; i++)
+        w[i] = (uint32_t)p[4 * i] << 24 | (uint32_t)p[4 * i + 1] << 16 | (uint32_t)p[4 * i + 2] << 8 | p[4 * i + 3];
+    for (i = 16; i < 64; i++) {
+        uint32_t s0 = ddp__rotr(w[i - 15], 7) ^ ddp__rotr(w[i - 15], 18) ^ (w[i - 15] >> 3);
+        uint32_t s1 = ddp__rotr(w[i - 2], 17) ^ ddp__rotr(w[i - 2], 19) ^ (w[i - 2] >> 10);
+        w[i] = w[i - 16] + s0 + w[i - 7] + s1;
+    }
+    memcpy(v, c->h, sizeof v);
+    for (i = 0; i < 64; i++) {
+        t1 = v[7] + (ddp__rotr(v[4], 6) ^ ddp__rotr(v[4], 11) ^ ddp__rotr(v[4], 25)) + ((v[4] & v[5]) ^ (~v[4] & v[6])) + k[i] + w[i];
+        t2 = (ddp__rotr(v[0], 2) ^ ddp__rotr(v[0], 13) ^ ddp__rotr(v[0], 22)) + ((v[0] & v[1]) ^ (v[0] & v[2]) ^ (v[1] & v[2]));
+        memmove(v + 1, v, 7 * sizeof v[0]);
+        v[4] += t1;
+        v[0] = t1 + t2;
+    }
+    for (i = 0; i < 8; i++) c->h[i] += v[i];
+}
+
+static void ddp__sha256_init(ddp__sha256 *c) {
+    static const uint32_t h0[8] = {0x6a09e667, 0xbb67ae85, 0x3c6ef372, 0xa54ff53a, 0x510e527f, 0x9b05688c, 0x1f83d9ab, 0x5be0cd19};
+    memcpy(c->h, h0, sizeof h0);
+    c->bytes = 0;
+}
+
+static void ddp__sha256_add(ddp__sha256 *c, const void *data, size_t n) {
+    const unsigned char *p = (const unsigned char *)data;
+    while (n > 0) {
+        size_t at = (size_t)(c->bytes % 64), k = DDP__MIN(n, 64 - at);
+        memcpy(c->block + at, p, k);
+        c->bytes += k;
+        p += k;
+        n -= k;
+        if (at + k == 64) ddp__sha256_block(c, c->block);
+    }
+}
+
+static void ddp__sha256_end(ddp__sha256 *c, unsigned char out[32]) {
+    unsigned char pad[72];
+    uint64_t bits = c->bytes * 8;
+    size_t padlen = (size_t)((c->bytes % 64) < 56 ? 56 - c->bytes % 64 : 120 - c->bytes % 64), i;
+    memset(pad, 0, sizeof pad);
+    pad[0] = 0x80;
+    for (i = 0; i < 8; i++) pad[padlen + i] = (unsigned char)(bits >> (56 - 8 * i));
+    ddp__sha256_add(c, pad, padlen + 8);
+    for (i = 0; i < 8; i++) {
+        out[4 * i] = (unsigned char)(c->h[i] >> 24);
+        out[4 * i + 1] = (unsigned char)(c->h[i] >> 16);
+        out[4 * i + 2] = (unsigned char)(c->h[i] >> 8);
+        out[4 * i + 3] = (unsigned char)c->h[i];
+    }
+}
+
+/* HMAC-SHA256 (RFC 2104) of the concatenation of up to three parts (NULL parts are skipped). */
+static void ddp__hmac_sha256(const void *key, size_t key_len, const void *a, size_t an, const void *b, size_t bn,
+                             const void *c, size_t cn, unsigned char out[32]) {
+    unsigned char k[64], pad[64], inner[32];
+    ddp__sha256 h;
+    int i;
+    memset(k, 0, sizeof k);
+    if (key_len > 64) {
+        ddp__sha256_init(&h);
+        ddp__sha256_add(&h, key, key_len);
+        ddp__sha256_end(&h, k);
+    } else if (key_len) {
+        memcpy(k, key, key_len);
+    }
+    for (i = 0; i < 64; i++) pad[i] = (unsigned char)(k[i] ^ 0x36);
+    ddp__sha256_init(&h);
+    ddp__sha256_add(&h, pad, 64);
+    if (a) ddp__sha256_add(&h, a, an);
+    if (b) ddp__sha256_add(&h, b, bn);
+    if (c) ddp__sha256_add(&h, c, cn);
+    ddp__sha256_end(&h, inner);
+    for (i = 0; i < 64; i++) pad[i] = (unsigned char)(k[i] ^ 0x5c);
+    ddp__sha256_init(&h);
+    ddp__sha256_add(&h, pad, 64);
+    ddp__sha256_add(&h, inner, 32);
+    ddp__sha256_end(&h, out);
+}
+
+/* ---- the handshake ---- */
+
+/* DDP_AUTH_TOKEN, or NULL when authentication is off. */
+static const char *ddp__auth_token(void) { return ddp__env("DDP_AUTH_TOKEN"); }
+
+static void ddp__auth_nonce(unsigned char out[DDP__AUTH_NONCE]) {
+    static unsigned counter;
+    size_t got = 0;
+    int fd = open("/dev/urandom", O_RDONLY | O_CLOEXEC);
+    if (fd >= 0) {
+        ssize_t k = read(fd, out, DDP__AUTH_NONCE);
+        got = k > 0 ? (size_t)k : 0;
+        close(fd);
+    }
+    if (got < DDP__AUTH_NONCE) { /* no urandom: time, pid and a counter, hashed (unique, if not secret) */
+        unsigned char mac[32];
+        double t = ddp__now();
+        long pid = (long)getpid();
+        counter++;
+        ddp__hmac_sha256(&t, sizeof t, &pid, sizeof pid, &counter, sizeof counter, NULL, 0, mac);
+        memcpy(out, mac, DDP__AUTH_NONCE);
+    }
+}
+
+/* The proof one side gives: HMAC(token, label | cn | sn). */
+static void ddp__auth_proof(const char *token, const char *label, const unsigned char *cn, const unsigned char *sn,
+                            unsigned char out[DDP__AUTH_MAC]) {
+    ddp__hmac_sha256(token, strlen(token), label, strlen(label), cn, DDP__AUTH_NONCE, sn, DDP__AUTH_NONCE, out);
+}
+
+/* Compare without an early exit, so the time taken says nothing about where the bytes differ. */
+static int ddp__auth_equal(const unsigned char *a, const unsigned char *b, size_t n) {
+    unsigned char d = 0;
+    size_t i;
+    for (i = 0; i < n; i++) d = (unsigned char)(d | (a[i] ^ b[i]));
+    return d == 0;
+}
+
+/* Client side, blocking, on a fresh connection to `who` ("the store at h:p", "rank 3 at h:p"). */
+static ddp_result ddp__auth_client(int fd, const char *token, const char *who, double deadline, char *err) {
+    unsigned char hello[8 + DDP__AUTH_NONCE], reply[DDP__AUTH_NONCE + DDP__AUTH_MAC], want[DDP__AUTH_MAC], verdict = 0;
+    char why[DDP__ERR_MAX];
+    memcpy(hello, DDP__AUTH_MAGIC, 8);
+    ddp__auth_nonce(hello + 8);
+    if (ddp__net_send(fd, hello, sizeof hello, deadline, why) != DDP_SUCCESS ||
+        ddp__net_recv(fd, reply, sizeof reply, deadline, why) != DDP_SUCCESS)
+        return ddp__fail_to(err, DDP_ERR_INIT, "DDP_AUTH_TOKEN is set, but %s did not answer the authentication (%s): "
+                            "does its process run without DDP_AUTH_TOKEN? Every rank needs the same token", who, why);
+    ddp__auth_proof(token, "server", hello + 8, reply, want);
+    if (!ddp__auth_equal(want, reply + DDP__AUTH_NONCE, DDP__AUTH_MAC))
+        return ddp__fail_to(err, DDP_ERR_INIT, "%s does not know this process's DDP_AUTH_TOKEN (its proof is wrong): every "
+                            "rank needs the same token; refusing to talk to it", who);
+    ddp__auth_proof(token, "client", hello + 8, reply, want);
+    if (ddp__net_send(fd, want, sizeof want, deadline, why) != DDP_SUCCESS ||
+        ddp__net_recv(fd, &verdict, 1, deadline, why) != DDP_SUCCESS || verdict != 1)
+        return ddp__fail_to(err, DDP_ERR_INIT, "%s refused this process's DDP_AUTH_TOKEN: every rank needs the same token", who);
+    return DDP_SUCCESS;
+}
+
+/* Server side, step 1: hello (8 + 16 bytes) -> reply (16 + 32 bytes); keeps cn and sn for step 2.
+   0, or -1 when hello is not an authentication hello. */
+static int ddp__auth_answer(const char *token, const unsigned char *hello, unsigned char *cn, unsigned char *sn,
+                            unsigned char *reply) {
+    if (memcmp(hello, DDP__AUTH_MAGIC, 8) != 0) return -1;
+    memcpy(cn, hello + 8, DDP__AUTH_NONCE);
+    ddp__auth_nonce(sn);
+    memcpy(reply, sn, DDP__AUTH_NONCE);
+    ddp__auth_proof(token, "server", cn, sn, reply + DDP__AUTH_NONCE);
+    return 0;
+}
+
+/* Server side, step 2: is the client's proof right? */
+static int ddp__auth_check(const char *token, const unsigned char *cn, const unsigned char *sn, const unsigned char *proof) {
+    unsigned char want[DDP__AUTH_MAC];
+    ddp__auth_proof(token, "client", cn, sn, want);
+    return ddp__auth_equal(want, proof, DDP__AUTH_MAC);
+}
+
+/* Server side, blocking (a rank's mesh listener): 0 when the client proved the token, else -1 with
+   the reason in err. */
+static int ddp__auth_server(int fd, const char *token, double deadline, char *err) {
+    unsigned char hello[8 + DDP__AUTH_NONCE], reply[DDP__AUTH_NONCE + DDP__AUTH_MAC], proof[DDP__AUTH_MAC];
+    unsigned char cn[DDP__AUTH_NONCE], sn[DDP__AUTH_NONCE], verdict;
+    char why[DDP__ERR_MAX];
+    if (ddp__net_recv(fd, hello, sizeof hello, deadline, why) != DDP_SUCCESS || ddp__auth_answer(token, hello, cn, sn, reply) != 0) {
+        snprintf(err, DDP__ERR_MAX, "it did not authenticate (no DDP_AUTH_TOKEN on its side?)");
+        return -1;
+    }
+    if (ddp__net_send(fd, reply, sizeof reply, deadline, why) != DDP_SUCCESS ||
+        ddp__net_recv(fd, proof, sizeof proof, deadline, why) != DDP_SUCCESS) {
+        snprintf(err, DDP__ERR_MAX, "it broke off the authentication (%.900s)", why);
+        return -1;
+    }
+    verdict = (unsigned char)ddp__auth_check(token, cn, sn, proof);
+    ddp__net_send(fd, &verdict, 1, deadline, why);
+    if (!verdict) snprintf(err, DDP__ERR_MAX, "its DDP_AUTH_TOKEN is different");
+    return verdict ? 0 : -1;
+}
+/* ==================== end src/auth.c ==================== */
+
 /* ==================== begin src/store.c ==================== */
 /* [SECTION] store: rendezvous key-value store (c10d TCPStore protocol of torch 1.13), file store
    Mirrors torch.distributed.TCPStore (torch/csrc/distributed/c10d/TCPStore.cpp, torch 1.13) and
@@ -2128,6 +2354,8 @@ typedef struct ddp__store_conn {
     size_t in_len, in_cap, need;
     unsigned char *out;    /* replies not yet sent: out[out_off .. out_len) */
     size_t out_off, out_len, out_cap;
+    int auth;              /* DDP_AUTH_TOKEN: 1 awaiting the hello, 2 awaiting the proof, 0 authenticated/off */
+    unsigned char auth_cn[16], auth_sn[16];
     ddp__store_wait_key *waits; /* the pending WAIT's missing keys */
     size_t nwaits, wait_bytes;
     unsigned char *wait_blob;
@@ -2144,6 +2372,7 @@ struct ddp__store_server {
     size_t nconns, cap_conns;
     size_t buffers; /* bytes of connections, their buffers and pending waits */
     double accept_paused_until;
+    char *token; /* DDP_AUTH_TOKEN when the server started; NULL = no authentication */
 };
 
 static void ddp__srv_log(const ddp__store_server *s, ddp_log_level level, const char *fmt, ...) DDP__PRINTF(3, 4);
@@ -2509,11 +2738,45 @@ static void ddp__srv_handle(ddp__store_server *s, ddp__store_conn *c, const unsi
     }
 }
 
+/* With DDP_AUTH_TOKEN: the handshake of src/auth.c, before any request. Returns the input bytes it
+   used (0 while they are incomplete; c->need says how many it waits for); drops a client that fails. */
+static size_t ddp__srv_authenticate(ddp__store_server *s, ddp__store_conn *c) {
+    unsigned char reply[DDP__AUTH_NONCE + DDP__AUTH_MAC], verdict;
+    if (c->auth == 1) {
+        if (c->in_len < 8 + DDP__AUTH_NONCE) return c->need = 8 + DDP__AUTH_NONCE, 0;
+        if (ddp__auth_answer(s->token, c->in, c->auth_cn, c->auth_sn, reply) != 0) {
+            ddp__srv_drop(s, c, DDP_LOG_WARN, "it did not authenticate: this store requires DDP_AUTH_TOKEN (set the same "
+                                              "token on every rank)");
+            return 0;
+        }
+        ddp__srv_reply(s, c, reply, sizeof reply, NULL, 0);
+        c->auth = 2;
+        return 8 + DDP__AUTH_NONCE;
+    }
+    if (c->in_len < DDP__AUTH_MAC) return c->need = DDP__AUTH_MAC, 0;
+    verdict = (unsigned char)ddp__auth_check(s->token, c->auth_cn, c->auth_sn, c->in);
+    if (!verdict) { /* say so before hanging up (best effort: the socket is non-blocking) */
+        if (send(c->fd, &verdict, 1, MSG_NOSIGNAL | MSG_DONTWAIT) < 0) verdict = 0;
+        ddp__srv_drop(s, c, DDP_LOG_WARN, "its DDP_AUTH_TOKEN is different from this store's");
+        return 0;
+    }
+    ddp__srv_reply(s, c, &verdict, 1, NULL, 0);
+    c->auth = 0;
+    return DDP__AUTH_MAC;
+}
+
 /* Handle every complete request in c's input, while its replies do not pile up. */
 static void ddp__srv_process(ddp__store_server *s, ddp__store_conn *c) {
     size_t pos = 0, size = 0;
     char why[256];
     c->ready = 0;
+    while (c->auth && !c->dead) {
+        size_t used = ddp__srv_authenticate(s, c);
+        if (!used) return;
+        memmove(c->in, c->in + used, c->in_len - used);
+        c->in_len -= used;
+        c->need = 0;
+    }
     while (!c->dead && pos < c->in_len) {
         int st;
         if (c->out_len - c->out_off >= DDP__STORE_OUT_HIGH) {
@@ -2620,6 +2883,7 @@ static void ddp__srv_accept(ddp__store_server *s) {
         return;
     }
     c->fd = fd;
+    c->auth = s->token ? 1 : 0;
     if (getpeername(fd, (struct sockaddr *)&ss, &len) == 0)
         getnameinfo((struct sockaddr *)&ss, len, host, sizeof host, serv, sizeof serv, NI_NUMERICHOST | NI_NUMERICSERV);
     snprintf(c->peer, sizeof c->peer, "%s:%s", host, serv);
@@ -2691,6 +2955,7 @@ static void ddp__store_server_close(ddp__store_server *s) {
     for (i = 0; i < s->nconns; i++) ddp__srv_free_conn(s, s->conns[i]);
     DDP_FREE(s->conns);
     ddp__kv_clear(&s->kv);
+    ddp__free(s->token);
     if (s->listen_fd >= 0) close(s->listen_fd);
     if (s->pipe_rd >= 0) close(s->pipe_rd);
     if (s->pipe_wr >= 0) close(s->pipe_wr);
@@ -2707,6 +2972,10 @@ static ddp_result ddp__store_server_start(const char *host, int port, ddp_log_le
     if (!s) return ddp__fail_to(err, DDP_ERR_OUT_OF_MEMORY, "out of memory starting the store server");
     s->listen_fd = s->pipe_rd = s->pipe_wr = -1;
     s->log_level = lvl == DDP_LOG_DEFAULT ? ddp__env_log_level() : lvl;
+    if (ddp__auth_token() && !(s->token = ddp__strdup(ddp__auth_token()))) {
+        ddp__store_server_close(s);
+        return ddp__fail_to(err, DDP_ERR_OUT_OF_MEMORY, "out of memory starting the store server");
+    }
     r = ddp__net_listen(host, port, &s->listen_fd, &s->port, why);
     if (r != DDP_SUCCESS) {
         ddp__store_server_close(s);
@@ -2811,6 +3080,13 @@ static ddp_result ddp__tcp_connect(ddp_store *s, double deadline) {
     ddp_result r;
     if (s->fd >= 0) return DDP_SUCCESS;
     r = ddp__net_connect(s->host, s->port, deadline, &s->fd, why);
+    if (r == DDP_SUCCESS && ddp__auth_token()) {
+        r = ddp__auth_client(s->fd, ddp__auth_token(), s->where, deadline, why);
+        if (r != DDP_SUCCESS) {
+            ddp__tcp_disconnect(s);
+            return ddp__store_fail(s, r, "%s", why);
+        }
+    }
     if (r == DDP_SUCCESS) return r;
     s->fd = -1;
     return ddp__store_fail(s, r, "cannot reach %s: %s; is rank 0 (which serves the store) running, and do "
@@ -2864,8 +3140,10 @@ static ddp_result ddp__tcp_broken(ddp_store *s, ddp_result r, const char *why, c
                                                    "doing the same steps? (DDP_TIMEOUT sets the timeout)",
                                seconds, doing, s->where);
     return ddp__store_fail(s, r == DDP_ERR_PEER_LOST ? DDP_ERR_PEER_LOST : r,
-                           "lost the connection to %s while %s (%s); did rank 0, which serves the store, exit?",
-                           s->where, doing, why);
+                           "lost the connection to %s while %s (%s); did rank 0, which serves the store, exit?%s",
+                           s->where, doing, why,
+                           ddp__auth_token() ? "" : " (a store started with DDP_AUTH_TOKEN also hangs up on a process "
+                                                    "without it: every rank needs the same token)");
 }
 
 /* Connect if needed and send the request built in s->msg, then tail (a large value, sent without a copy).
@@ -5476,15 +5754,23 @@ static ddp_result ddp__mesh_connect(ddp_group *g, const ddp__record *rec, int li
     me.world = g->world_size;
     me.group = ddp__hash(g->prefix);
     for (i = 0; i < g->rank; i++) {
+        char who[320];
+        snprintf(who, sizeof who, "rank %d at %s:%d", i, rec[i].addr, rec[i].port);
         if ((r = ddp__net_connect(rec[i].addr, rec[i].port, deadline, &g->peers[i].fd, err)) != DDP_SUCCESS ||
+            (ddp__auth_token() && (r = ddp__auth_client(g->peers[i].fd, ddp__auth_token(), who, deadline, err)) != DDP_SUCCESS) ||
             (r = ddp__net_send(g->peers[i].fd, &me, sizeof me, deadline, err)) != DDP_SUCCESS)
-            return ddp__fail(g, r, "connecting to rank %d at %s:%d: %s", i, rec[i].addr, rec[i].port, err);
+            return ddp__fail(g, r, "connecting to %s: %s", who, err);
     }
     while (accepted < g->world_size - 1 - g->rank) {
         ddp__hello h;
         int fd;
         if ((r = ddp__net_accept(listen_fd, deadline, &fd, err)) != DDP_SUCCESS)
             return ddp__fail(g, r, "waiting for ranks above %d to connect: %s", g->rank, err);
+        if (ddp__auth_token() && ddp__auth_server(fd, ddp__auth_token(), DDP__MIN(deadline, ddp__now() + 10.0), err) != 0) {
+            ddp__log(g, DDP_LOG_WARN, "refused a connection to this rank's mesh port: %s", err);
+            close(fd);
+            continue;
+        }
         if (ddp__net_recv(fd, &h, sizeof h, DDP__MIN(deadline, ddp__now() + 10.0), err) != DDP_SUCCESS ||
             h.magic != DDP__HELLO_MAGIC || h.world != g->world_size || h.group != me.group || h.rank <= g->rank ||
             h.rank >= g->world_size || g->peers[h.rank].fd >= 0) {

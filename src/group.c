@@ -313,15 +313,23 @@ static ddp_result ddp__mesh_connect(ddp_group *g, const ddp__record *rec, int li
     me.world = g->world_size;
     me.group = ddp__hash(g->prefix);
     for (i = 0; i < g->rank; i++) {
+        char who[320];
+        snprintf(who, sizeof who, "rank %d at %s:%d", i, rec[i].addr, rec[i].port);
         if ((r = ddp__net_connect(rec[i].addr, rec[i].port, deadline, &g->peers[i].fd, err)) != DDP_SUCCESS ||
+            (ddp__auth_token() && (r = ddp__auth_client(g->peers[i].fd, ddp__auth_token(), who, deadline, err)) != DDP_SUCCESS) ||
             (r = ddp__net_send(g->peers[i].fd, &me, sizeof me, deadline, err)) != DDP_SUCCESS)
-            return ddp__fail(g, r, "connecting to rank %d at %s:%d: %s", i, rec[i].addr, rec[i].port, err);
+            return ddp__fail(g, r, "connecting to %s: %s", who, err);
     }
     while (accepted < g->world_size - 1 - g->rank) {
         ddp__hello h;
         int fd;
         if ((r = ddp__net_accept(listen_fd, deadline, &fd, err)) != DDP_SUCCESS)
             return ddp__fail(g, r, "waiting for ranks above %d to connect: %s", g->rank, err);
+        if (ddp__auth_token() && ddp__auth_server(fd, ddp__auth_token(), DDP__MIN(deadline, ddp__now() + 10.0), err) != 0) {
+            ddp__log(g, DDP_LOG_WARN, "refused a connection to this rank's mesh port: %s", err);
+            close(fd);
+            continue;
+        }
         if (ddp__net_recv(fd, &h, sizeof h, DDP__MIN(deadline, ddp__now() + 10.0), err) != DDP_SUCCESS ||
             h.magic != DDP__HELLO_MAGIC || h.world != g->world_size || h.group != me.group || h.rank <= g->rank ||
             h.rank >= g->world_size || g->peers[h.rank].fd >= 0) {

@@ -255,6 +255,8 @@ typedef struct ddp__store_conn {
     size_t in_len, in_cap, need;
     unsigned char *out;    /* replies not yet sent: out[out_off .. out_len) */
     size_t out_off, out_len, out_cap;
+    int auth;              /* DDP_AUTH_TOKEN: 1 awaiting the hello, 2 awaiting the proof, 0 authenticated/off */
+    unsigned char auth_cn[16], auth_sn[16];
     ddp__store_wait_key *waits; /* the pending WAIT's missing keys */
     size_t nwaits, wait_bytes;
     unsigned char *wait_blob;
@@ -271,6 +273,7 @@ struct ddp__store_server {
     size_t nconns, cap_conns;
     size_t buffers; /* bytes of connections, their buffers and pending waits */
     double accept_paused_until;
+    char *token; /* DDP_AUTH_TOKEN when the server started; NULL = no authentication */
 };
 
 static void ddp__srv_log(const ddp__store_server *s, ddp_log_level level, const char *fmt, ...) DDP__PRINTF(3, 4);
@@ -636,11 +639,45 @@ static void ddp__srv_handle(ddp__store_server *s, ddp__store_conn *c, const unsi
     }
 }
 
+/* With DDP_AUTH_TOKEN: the handshake of src/auth.c, before any request. Returns the input bytes it
+   used (0 while they are incomplete; c->need says how many it waits for); drops a client that fails. */
+static size_t ddp__srv_authenticate(ddp__store_server *s, ddp__store_conn *c) {
+    unsigned char reply[DDP__AUTH_NONCE + DDP__AUTH_MAC], verdict;
+    if (c->auth == 1) {
+        if (c->in_len < 8 + DDP__AUTH_NONCE) return c->need = 8 + DDP__AUTH_NONCE, 0;
+        if (ddp__auth_answer(s->token, c->in, c->auth_cn, c->auth_sn, reply) != 0) {
+            ddp__srv_drop(s, c, DDP_LOG_WARN, "it did not authenticate: this store requires DDP_AUTH_TOKEN (set the same "
+                                              "token on every rank)");
+            return 0;
+        }
+        ddp__srv_reply(s, c, reply, sizeof reply, NULL, 0);
+        c->auth = 2;
+        return 8 + DDP__AUTH_NONCE;
+    }
+    if (c->in_len < DDP__AUTH_MAC) return c->need = DDP__AUTH_MAC, 0;
+    verdict = (unsigned char)ddp__auth_check(s->token, c->auth_cn, c->auth_sn, c->in);
+    if (!verdict) { /* say so before hanging up (best effort: the socket is non-blocking) */
+        if (send(c->fd, &verdict, 1, MSG_NOSIGNAL | MSG_DONTWAIT) < 0) verdict = 0;
+        ddp__srv_drop(s, c, DDP_LOG_WARN, "its DDP_AUTH_TOKEN is different from this store's");
+        return 0;
+    }
+    ddp__srv_reply(s, c, &verdict, 1, NULL, 0);
+    c->auth = 0;
+    return DDP__AUTH_MAC;
+}
+
 /* Handle every complete request in c's input, while its replies do not pile up. */
 static void ddp__srv_process(ddp__store_server *s, ddp__store_conn *c) {
     size_t pos = 0, size = 0;
     char why[256];
     c->ready = 0;
+    while (c->auth && !c->dead) {
+        size_t used = ddp__srv_authenticate(s, c);
+        if (!used) return;
+        memmove(c->in, c->in + used, c->in_len - used);
+        c->in_len -= used;
+        c->need = 0;
+    }
     while (!c->dead && pos < c->in_len) {
         int st;
         if (c->out_len - c->out_off >= DDP__STORE_OUT_HIGH) {
@@ -747,6 +784,7 @@ static void ddp__srv_accept(ddp__store_server *s) {
         return;
     }
     c->fd = fd;
+    c->auth = s->token ? 1 : 0;
     if (getpeername(fd, (struct sockaddr *)&ss, &len) == 0)
         getnameinfo((struct sockaddr *)&ss, len, host, sizeof host, serv, sizeof serv, NI_NUMERICHOST | NI_NUMERICSERV);
     snprintf(c->peer, sizeof c->peer, "%s:%s", host, serv);
@@ -818,6 +856,7 @@ static void ddp__store_server_close(ddp__store_server *s) {
     for (i = 0; i < s->nconns; i++) ddp__srv_free_conn(s, s->conns[i]);
     DDP_FREE(s->conns);
     ddp__kv_clear(&s->kv);
+    ddp__free(s->token);
     if (s->listen_fd >= 0) close(s->listen_fd);
     if (s->pipe_rd >= 0) close(s->pipe_rd);
     if (s->pipe_wr >= 0) close(s->pipe_wr);
@@ -834,6 +873,10 @@ static ddp_result ddp__store_server_start(const char *host, int port, ddp_log_le
     if (!s) return ddp__fail_to(err, DDP_ERR_OUT_OF_MEMORY, "out of memory starting the store server");
     s->listen_fd = s->pipe_rd = s->pipe_wr = -1;
     s->log_level = lvl == DDP_LOG_DEFAULT ? ddp__env_log_level() : lvl;
+    if (ddp__auth_token() && !(s->token = ddp__strdup(ddp__auth_token()))) {
+        ddp__store_server_close(s);
+        return ddp__fail_to(err, DDP_ERR_OUT_OF_MEMORY, "out of memory starting the store server");
+    }
     r = ddp__net_listen(host, port, &s->listen_fd, &s->port, why);
     if (r != DDP_SUCCESS) {
         ddp__store_server_close(s);
@@ -938,6 +981,13 @@ static ddp_result ddp__tcp_connect(ddp_store *s, double deadline) {
     ddp_result r;
     if (s->fd >= 0) return DDP_SUCCESS;
     r = ddp__net_connect(s->host, s->port, deadline, &s->fd, why);
+    if (r == DDP_SUCCESS && ddp__auth_token()) {
+        r = ddp__auth_client(s->fd, ddp__auth_token(), s->where, deadline, why);
+        if (r != DDP_SUCCESS) {
+            ddp__tcp_disconnect(s);
+            return ddp__store_fail(s, r, "%s", why);
+        }
+    }
     if (r == DDP_SUCCESS) return r;
     s->fd = -1;
     return ddp__store_fail(s, r, "cannot reach %s: %s; is rank 0 (which serves the store) running, and do "
@@ -991,8 +1041,10 @@ static ddp_result ddp__tcp_broken(ddp_store *s, ddp_result r, const char *why, c
                                                    "doing the same steps? (DDP_TIMEOUT sets the timeout)",
                                seconds, doing, s->where);
     return ddp__store_fail(s, r == DDP_ERR_PEER_LOST ? DDP_ERR_PEER_LOST : r,
-                           "lost the connection to %s while %s (%s); did rank 0, which serves the store, exit?",
-                           s->where, doing, why);
+                           "lost the connection to %s while %s (%s); did rank 0, which serves the store, exit?%s",
+                           s->where, doing, why,
+                           ddp__auth_token() ? "" : " (a store started with DDP_AUTH_TOKEN also hangs up on a process "
+                                                    "without it: every rank needs the same token)");
 }
 
 /* Connect if needed and send the request built in s->msg, then tail (a large value, sent without a copy).
