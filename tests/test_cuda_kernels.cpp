@@ -348,6 +348,8 @@ static void test_shuffles() {
 
 static void test_misuse() {
     std::vector<int> out(2048);
+    printf("harness: misuse on purpose; the 10 \"cuda harness:\" reports on stderr are expected\n");
+    fflush(stdout);
     H_LAUNCH(hk_returns_before_sync, 1, 64)(out.data());
     expect_harness_error(cudaErrorLaunchFailure, "have returned");
     H_LAUNCH(hk_deadlock, 2, 64)(out.data());

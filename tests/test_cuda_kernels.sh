@@ -11,7 +11,7 @@ BUILD=${BUILD:-build}
 CXX=${CXX:-g++}
 out="$BUILD/cuda_harness"
 mkdir -p "$out"
-[ -f ddp.h ] || python3 amalgamate.py >/dev/null
+make -s ddp.h >/dev/null || { echo "FAIL: cannot generate ddp.h"; exit 1; } # regenerated only when src/ changed
 flags=(-std=c++17 -Wall -Wextra -Werror -pedantic -I. -Itests/cuda_harness)
 
 # build NAME "KERNEL FLAGS" "TEST FLAGS" [LINK FLAGS]: the two translation units at once (the test's
