@@ -6,14 +6,16 @@
    file; this file adds device code only. It refuses to build against a ddp.h of another version.
 
    INDEX
-   [SECTION] cuda-common: version check, errors, f32/f16/bf16 loads and stores, block reductions
+   [SECTION] cuda-common: version check, launches, errors, loads and stores, block reductions
    [SECTION] cuda-syncbn: SyncBatchNorm kernels and their C entry points
+   [SECTION] cuda-reducer: gradient bucket copies and the inf/nan check (multi-tensor kernels)
 
-   The kernels are written so that a CPU execution harness can run their source too: blockDim,
-   threadIdx and blockIdx used plainly, __syncthreads and __shfl_down_sync only, static shared memory,
-   no cooperative groups and no atomics. */
+   The kernels are written so that the CPU execution harness of the tests (tests/cuda_harness) runs
+   their source too: every launch goes through DDP__CU_LAUNCH; blockDim, threadIdx and blockIdx are
+   used plainly; __syncthreads and __shfl_down_sync only, reached by every thread of the block (warp);
+   static shared memory; no cooperative groups and no atomics. */
 
-/* [SECTION] cuda-common: version check, errors, f32/f16/bf16 loads and stores, block reductions */
+/* [SECTION] cuda-common: version check, launches, errors, loads and stores, block reductions */
 #ifndef DDP_CUDA
 #define DDP_CUDA
 #endif
@@ -26,16 +28,35 @@
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 #include <cuda_runtime.h>
+#include <float.h>
+#include <math.h>
 #include <stdarg.h>
 #include <stdio.h>
+#include <string.h>
+
+/* DDP__CU_LAUNCH(kernel, grid, block, shmem, stream)(args...) launches a kernel: <<<>>> under nvcc;
+   under a host C++ compiler with the tests' CPU harness on the include path (tests/cuda_harness), the
+   harness runs it on the CPU. A template kernel of several parameters (a comma in its name) is launched
+   through a function pointer. */
+#if defined(__CUDACC__)
+#define DDP__CU_LAUNCH(kernel, grid, block, shmem, stream) kernel<<<grid, block, shmem, stream>>>
+#elif defined(DDP_CUDA_HARNESS)
+#define DDP__CU_LAUNCH(kernel, grid, block, shmem, stream) ddp_harness::launch(kernel, grid, block, shmem, stream)
+#else
+#error "ddp_cuda.cu is compiled by nvcc (or, in the tests, by a host compiler with -Itests/cuda_harness)"
+#endif
 
 #define DDP__CU_THREADS 256  /* threads of 1-D blocks */
 #define DDP__CU_WARP 32
 #define DDP__CU_ROWS_Y 8     /* channels-last reductions: blocks of 32 channels x 8 rows */
 #define DDP__CU_MAX_SPLITS 32 /* blocks per channel in the reductions; DDP_CUDA_BN_WORK_FLOATS holds 3 each */
-#define DDP__CU_MAX_GRID 8192 /* element-wise kernels loop over the rest */
+#ifndef DDP__CU_MAX_GRID
+#define DDP__CU_MAX_GRID 8192 /* blocks of the grid-stride loops (the harness tests lower it to make them loop) */
+#endif
 
-static ddp_result ddp__cu_fail(const ddp_cuda_bn_args *a, ddp_result code, const char *fmt, ...) {
+/* Errors go to the caller's buffer: a->err (a: ddp_cuda_bn_args or ddp_cuda_grads_args). */
+template <typename Args>
+static ddp_result ddp__cu_fail(const Args *a, ddp_result code, const char *fmt, ...) {
     va_list ap;
     if (!a || !a->err || a->err_size == 0) return code;
     va_start(ap, fmt);
@@ -45,19 +66,33 @@ static ddp_result ddp__cu_fail(const ddp_cuda_bn_args *a, ddp_result code, const
 }
 
 /* After launches: report what CUDA said about them (the launch only; the kernels run later). */
-static ddp_result ddp__cu_launched(const ddp_cuda_bn_args *a, const char *fn) {
+template <typename Args>
+static ddp_result ddp__cu_launched(const Args *a, const char *fn) {
     cudaError_t e = cudaGetLastError();
     if (e == cudaSuccess) return DDP_SUCCESS;
     return ddp__cu_fail(a, DDP_ERR_SYSTEM, "%s: kernel launch failed: %s (%s)", fn, cudaGetErrorString(e),
                         cudaGetErrorName(e));
 }
 
+/* Elements are computed in f32 (f64 for f64 data); loads widen, stores round to nearest even. */
 __device__ __forceinline__ float ddp__cu_load(const float *p) { return *p; }
+__device__ __forceinline__ double ddp__cu_load(const double *p) { return *p; }
 __device__ __forceinline__ float ddp__cu_load(const __half *p) { return __half2float(*p); }
 __device__ __forceinline__ float ddp__cu_load(const __nv_bfloat16 *p) { return __bfloat162float(*p); }
 __device__ __forceinline__ void ddp__cu_store(float *p, float v) { *p = v; }
+__device__ __forceinline__ void ddp__cu_store(double *p, double v) { *p = v; }
 __device__ __forceinline__ void ddp__cu_store(__half *p, float v) { *p = __float2half_rn(v); }
 __device__ __forceinline__ void ddp__cu_store(__nv_bfloat16 *p, float v) { *p = __float2bfloat16_rn(v); }
+
+/* The value type of loads and stores of T: float, or double for double. */
+template <typename T>
+struct ddp__cu_value {
+    typedef float type;
+};
+template <>
+struct ddp__cu_value<double> {
+    typedef double type;
+};
 
 /* Welford triples (count, mean, M2) of a warp merged into lane 0 (tree order: lane 0 only ever reads
    lanes that hold their own subtree). */
@@ -402,7 +437,7 @@ static ddp_result ddp__cu_check(const ddp_cuda_bn_args *a, const char *fn, bool 
         return ddp__cu_fail(a, DDP_ERR_INVALID_ARGUMENT, "%s: channels is %d; give C > 0", fn, a->channels);
     *total = 0;
     if (!data) return DDP_SUCCESS;
-    if (a->dtype != DDP_F32 && a->dtype != DDP_F16 && a->dtype != DDP_BF16)
+    if (a->dtype != DDP_DTYPE_DEFAULT && a->dtype != DDP_F32 && a->dtype != DDP_F16 && a->dtype != DDP_BF16)
         return ddp__cu_fail(a, DDP_ERR_UNSUPPORTED, "%s: dtype %d; SyncBatchNorm data is DDP_F32, DDP_F16 or DDP_BF16",
                             fn, (int)a->dtype);
     if (a->batch < 0 || a->spatial < 0 ||
@@ -415,6 +450,11 @@ static ddp_result ddp__cu_check(const ddp_cuda_bn_args *a, const char *fn, bool 
 
 static unsigned ddp__cu_channel_blocks(int channels) { return (unsigned)((channels + DDP__CU_THREADS - 1) / DDP__CU_THREADS); }
 
+/* The channels-last reductions' grid: blocks of 32 channels x splits. */
+static dim3 ddp__cu_rows_grid(int channels, int splits) {
+    return dim3((unsigned)((channels + DDP__CU_WARP - 1) / DDP__CU_WARP), (unsigned)splits);
+}
+
 template <typename T>
 static void ddp__cu_launch_stats(const ddp_cuda_bn_args *a, const T *x, float *work, double *record) {
     cudaStream_t st = (cudaStream_t)a->stream;
@@ -422,22 +462,22 @@ static void ddp__cu_launch_stats(const ddp_cuda_bn_args *a, const T *x, float *w
     int splits = 0;
     if (rows > 0 && ddp__cu_planar(a)) {
         splits = ddp__cu_splits(rows, a->batch);
-        ddp__cu_bn_stats_planar<T><<<dim3((unsigned)a->channels, (unsigned)splits), DDP__CU_THREADS, 0, st>>>(
+        DDP__CU_LAUNCH(ddp__cu_bn_stats_planar<T>, dim3((unsigned)a->channels, (unsigned)splits), DDP__CU_THREADS, 0, st)(
             x, a->batch, a->spatial, a->channels, work);
     } else if (rows > 0) {
         splits = ddp__cu_splits(rows, (rows + DDP__CU_ROWS_Y - 1) / DDP__CU_ROWS_Y);
-        ddp__cu_bn_stats_rows<T><<<dim3((unsigned)((a->channels + DDP__CU_WARP - 1) / DDP__CU_WARP), (unsigned)splits),
-                                   dim3(DDP__CU_WARP, DDP__CU_ROWS_Y), 0, st>>>(x, rows, a->channels, work);
+        DDP__CU_LAUNCH(ddp__cu_bn_stats_rows<T>, ddp__cu_rows_grid(a->channels, splits), dim3(DDP__CU_WARP, DDP__CU_ROWS_Y),
+                       0, st)(x, rows, a->channels, work);
     }
-    ddp__cu_bn_stats_finish<<<ddp__cu_channel_blocks(a->channels), DDP__CU_THREADS, 0, st>>>(work, splits, a->channels,
-                                                                                           (double)rows, record);
+    DDP__CU_LAUNCH(ddp__cu_bn_stats_finish, ddp__cu_channel_blocks(a->channels), DDP__CU_THREADS, 0, st)(
+        work, splits, a->channels, (double)rows, record);
 }
 
 template <typename T>
 static void ddp__cu_launch_elemt(const ddp_cuda_bn_args *a, int64_t total, const T *x, T *y, const float *weight,
                                  const float *bias, const float *mean, const float *invstd) {
     if (total == 0) return;
-    ddp__cu_bn_elemt<T><<<ddp__cu_grid_1d(total), DDP__CU_THREADS, 0, (cudaStream_t)a->stream>>>(
+    DDP__CU_LAUNCH(ddp__cu_bn_elemt<T>, ddp__cu_grid_1d(total), DDP__CU_THREADS, 0, (cudaStream_t)a->stream)(
         x, y, total, a->spatial, a->channels, ddp__cu_planar(a), weight, bias, mean, invstd);
 }
 
@@ -450,14 +490,14 @@ static void ddp__cu_launch_backward_reduce(const ddp_cuda_bn_args *a, const T *d
     int splits = 0;
     if (rows > 0 && ddp__cu_planar(a)) {
         splits = ddp__cu_splits(rows, a->batch);
-        ddp__cu_bn_bwd_planar<T><<<dim3((unsigned)a->channels, (unsigned)splits), DDP__CU_THREADS, 0, st>>>(
+        DDP__CU_LAUNCH(ddp__cu_bn_bwd_planar<T>, dim3((unsigned)a->channels, (unsigned)splits), DDP__CU_THREADS, 0, st)(
             dy, x, a->batch, a->spatial, a->channels, mean, work);
     } else if (rows > 0) {
         splits = ddp__cu_splits(rows, (rows + DDP__CU_ROWS_Y - 1) / DDP__CU_ROWS_Y);
-        ddp__cu_bn_bwd_rows<T><<<dim3((unsigned)((a->channels + DDP__CU_WARP - 1) / DDP__CU_WARP), (unsigned)splits),
-                                 dim3(DDP__CU_WARP, DDP__CU_ROWS_Y), 0, st>>>(dy, x, rows, a->channels, mean, work);
+        DDP__CU_LAUNCH(ddp__cu_bn_bwd_rows<T>, ddp__cu_rows_grid(a->channels, splits), dim3(DDP__CU_WARP, DDP__CU_ROWS_Y), 0,
+                       st)(dy, x, rows, a->channels, mean, work);
     }
-    ddp__cu_bn_bwd_finish<<<ddp__cu_channel_blocks(a->channels), DDP__CU_THREADS, 0, st>>>(
+    DDP__CU_LAUNCH(ddp__cu_bn_bwd_finish, ddp__cu_channel_blocks(a->channels), DDP__CU_THREADS, 0, st)(
         work, splits, a->channels, invstd, sums, grad_weight, grad_bias);
 }
 
@@ -467,9 +507,9 @@ static void ddp__cu_launch_backward_elemt(const ddp_cuda_bn_args *a, int64_t tot
                                           const double *sums, const double *count, float *work) {
     cudaStream_t st = (cudaStream_t)a->stream;
     if (total == 0) return;
-    ddp__cu_bn_bwd_coeffs<<<ddp__cu_channel_blocks(a->channels), DDP__CU_THREADS, 0, st>>>(sums, count, a->channels,
-                                                                                         weight, invstd, work);
-    ddp__cu_bn_bwd_elemt<T><<<ddp__cu_grid_1d(total), DDP__CU_THREADS, 0, st>>>(
+    DDP__CU_LAUNCH(ddp__cu_bn_bwd_coeffs, ddp__cu_channel_blocks(a->channels), DDP__CU_THREADS, 0, st)(
+        sums, count, a->channels, weight, invstd, work);
+    DDP__CU_LAUNCH(ddp__cu_bn_bwd_elemt<T>, ddp__cu_grid_1d(total), DDP__CU_THREADS, 0, st)(
         dy, x, dx, total, a->spatial, a->channels, ddp__cu_planar(a), mean, work);
 }
 
@@ -503,7 +543,7 @@ DDP_API ddp_result ddp_cuda_bn_gather_stats(const ddp_cuda_bn_args *a, const dou
                             "%s: need records, mean, invstd and count, nranks >= 1 (%d), eps > 0 (%g), factor in "
                             "[0, 1] (%g), and running_mean and running_var both or neither",
                             fn, nranks, eps, factor);
-    ddp__cu_bn_gather<<<ddp__cu_channel_blocks(a->channels), DDP__CU_THREADS, 0, (cudaStream_t)a->stream>>>(
+    DDP__CU_LAUNCH(ddp__cu_bn_gather, ddp__cu_channel_blocks(a->channels), DDP__CU_THREADS, 0, (cudaStream_t)a->stream)(
         records, nranks, a->channels, eps, factor, running_mean, running_var, mean, invstd, count);
     return ddp__cu_launched(a, fn);
 }
@@ -517,7 +557,7 @@ DDP_API ddp_result ddp_cuda_bn_eval_stats(const ddp_cuda_bn_args *a, const float
     if (!running_mean || !running_var || !mean || !invstd || !(eps > 0))
         return ddp__cu_fail(a, DDP_ERR_INVALID_ARGUMENT,
                             "%s: need running_mean, running_var, mean and invstd, and eps > 0 (%g)", fn, eps);
-    ddp__cu_bn_eval_stats<<<ddp__cu_channel_blocks(a->channels), DDP__CU_THREADS, 0, (cudaStream_t)a->stream>>>(
+    DDP__CU_LAUNCH(ddp__cu_bn_eval_stats, ddp__cu_channel_blocks(a->channels), DDP__CU_THREADS, 0, (cudaStream_t)a->stream)(
         running_mean, running_var, a->channels, eps, mean, invstd);
     return ddp__cu_launched(a, fn);
 }
@@ -589,6 +629,287 @@ DDP_API ddp_result ddp_cuda_bn_backward_elemt(const ddp_cuda_bn_args *a, const v
         ddp__cu_launch_backward_elemt(a, total, (const float *)dy, (const float *)x, (float *)dx, weight, mean, invstd,
                                       sums, count, work);
         break;
+    }
+    return ddp__cu_launched(a, fn);
+}
+
+} /* extern "C" */
+
+/* [SECTION] cuda-reducer: gradient bucket copies and the inf/nan check (multi-tensor kernels)
+   Mirrors the device side of torch's DDP Reducer (torch/csrc/distributed/c10d/reducer.cpp: a ready
+   gradient is copied into its bucket view and divided by the world size, the bucket is copied back
+   after the all-reduce), its fp16/bf16 compression hooks (cast the bucket, all-reduce, cast back) and
+   the GradScaler's _amp_foreach_non_finite_check_and_unscale_ (aten/src/ATen/native/cuda/AmpKernels.cu).
+
+   Multi-tensor launches, as torch's multi_tensor_apply: the caller's list of tensors is cut into
+   launches of up to DDP__CU_MT_TENSORS tensors, each described by a table passed by value as the
+   kernel argument (1.5 KiB, under the 4 KiB limit of kernel arguments): no device memory, no copy to
+   the device, no synchronisation. Each tensor is cut into chunks of DDP__CU_MT_CHUNK elements; the table
+   holds the prefix sums of the chunk counts, so a block finds its tensor by binary search and walks the
+   chunk with its threads (a grid-stride loop over chunks when there are more than DDP__CU_MAX_GRID).
+
+       tensors   [ g0: 3 chunks ][ g1: 1 ][ g2: 2 ]        first_chunk = {0, 3, 4}, chunks = 6
+       blocks      0  1  2         3       4  5            block 4: largest k with first_chunk[k] <= 4: g2 */
+
+#define DDP__CU_MT_TENSORS 48
+#define DDP__CU_MT_CHUNK 4096
+
+struct ddp__cu_mt_table {
+    int count;                               /* tensors, all of them non-empty */
+    int64_t chunks;                          /* in all */
+    void *ptr[DDP__CU_MT_TENSORS];           /* device; NULL: a parameter without gradient */
+    int64_t numel[DDP__CU_MT_TENSORS];
+    int64_t offset[DDP__CU_MT_TENSORS];      /* of the tensor in the bucket, in elements */
+    int64_t first_chunk[DDP__CU_MT_TENSORS]; /* chunks of the tensors before it */
+};
+
+/* The tensor of a chunk: the last whose first chunk is <= chunk. */
+__device__ __forceinline__ int ddp__cu_mt_find(const ddp__cu_mt_table &t, int64_t chunk) {
+    int lo = 0, hi = t.count - 1;
+    while (lo < hi) {
+        const int mid = (lo + hi + 1) / 2;
+        if (t.first_chunk[mid] <= chunk)
+            lo = mid;
+        else
+            hi = mid - 1;
+    }
+    return lo;
+}
+
+/* The arithmetic of a copy between dtypes G and B: f32, or f64 when either is f64 (as the CPU reducer). */
+template <typename G, typename B>
+struct ddp__cu_acc {
+    typedef float type;
+};
+template <typename B>
+struct ddp__cu_acc<double, B> {
+    typedef double type;
+};
+template <typename G>
+struct ddp__cu_acc<G, double> {
+    typedef double type;
+};
+template <>
+struct ddp__cu_acc<double, double> {
+    typedef double type;
+};
+
+/* Rounded to B (through f32 for f16/bf16, as the CPU reducer), then stored. */
+template <typename B, typename A>
+__device__ __forceinline__ void ddp__cu_put(B *p, A v) {
+    ddp__cu_store(p, (typename ddp__cu_value<B>::type)v);
+}
+
+/* bucket[offset + i] = grad[i] * scale (0 for a tensor without gradient). */
+template <typename G, typename B>
+__global__ void ddp__cu_bucket_in(ddp__cu_mt_table t, B *bucket, double scale) {
+    typedef typename ddp__cu_acc<G, B>::type A;
+    const A s = (A)scale;
+    for (int64_t chunk = blockIdx.x; chunk < t.chunks; chunk += gridDim.x) {
+        const int k = ddp__cu_mt_find(t, chunk);
+        const int64_t begin = (chunk - t.first_chunk[k]) * DDP__CU_MT_CHUNK;
+        const int64_t end = t.numel[k] - begin < DDP__CU_MT_CHUNK ? t.numel[k] : begin + DDP__CU_MT_CHUNK;
+        const G *g = (const G *)t.ptr[k];
+        B *dst = bucket + t.offset[k];
+        for (int64_t i = begin + threadIdx.x; i < end; i += blockDim.x)
+            ddp__cu_put(dst + i, g ? (A)ddp__cu_load(g + i) * s : (A)0);
+    }
+}
+
+/* grad[i] = bucket[offset + i] * scale (tensors without gradient are skipped). */
+template <typename G, typename B>
+__global__ void ddp__cu_bucket_out(ddp__cu_mt_table t, const B *bucket, double scale) {
+    typedef typename ddp__cu_acc<G, B>::type A;
+    const A s = (A)scale;
+    for (int64_t chunk = blockIdx.x; chunk < t.chunks; chunk += gridDim.x) {
+        const int k = ddp__cu_mt_find(t, chunk);
+        const int64_t begin = (chunk - t.first_chunk[k]) * DDP__CU_MT_CHUNK;
+        const int64_t end = t.numel[k] - begin < DDP__CU_MT_CHUNK ? t.numel[k] : begin + DDP__CU_MT_CHUNK;
+        G *g = (G *)t.ptr[k];
+        const B *src = bucket + t.offset[k];
+        if (!g) continue;
+        for (int64_t i = begin + threadIdx.x; i < end; i += blockDim.x) ddp__cu_put(g + i, (A)ddp__cu_load(src + i) * s);
+    }
+}
+
+/* NaN compares false, infinities exceed the largest finite value. */
+__device__ __forceinline__ bool ddp__cu_finite(float v) { return fabsf(v) <= FLT_MAX; }
+__device__ __forceinline__ bool ddp__cu_finite(double v) { return fabs(v) <= DBL_MAX; }
+
+/* grad *= inv_scale in place; *found_inf = 1 when some element is not finite (torch's functor: every
+   thread that sees one writes the same 1.0, so the race is harmless; the flag is never cleared here). */
+template <typename G>
+__global__ void ddp__cu_unscale(ddp__cu_mt_table t, float *found_inf, const float *inv_scale) {
+    typedef typename ddp__cu_value<G>::type A;
+    const float s = *inv_scale;
+    for (int64_t chunk = blockIdx.x; chunk < t.chunks; chunk += gridDim.x) {
+        const int k = ddp__cu_mt_find(t, chunk);
+        const int64_t begin = (chunk - t.first_chunk[k]) * DDP__CU_MT_CHUNK;
+        const int64_t end = t.numel[k] - begin < DDP__CU_MT_CHUNK ? t.numel[k] : begin + DDP__CU_MT_CHUNK;
+        G *g = (G *)t.ptr[k];
+        if (!g) continue;
+        for (int64_t i = begin + threadIdx.x; i < end; i += blockDim.x) {
+            const A v = ddp__cu_load(g + i);
+            if (!ddp__cu_finite(v)) *found_inf = 1.0f;
+            ddp__cu_store(g + i, s == 1.0f ? v : v * (A)s);
+        }
+    }
+}
+
+/* ---- host side ---- */
+
+/* DDP_DTYPE_DEFAULT (a zeroed field) is DDP_F32, which the switches below handle as their default case. */
+static bool ddp__cu_float_dtype(ddp_dtype t) {
+    return t == DDP_DTYPE_DEFAULT || t == DDP_F32 || t == DDP_F64 || t == DDP_F16 || t == DDP_BF16;
+}
+
+/* Argument checks of the tensor list; *packed receives the sum of the counts (checked against overflow). */
+static ddp_result ddp__cu_check_grads(const ddp_cuda_grads_args *a, const char *fn, int64_t *packed) {
+    if (!a) return DDP_ERR_INVALID_ARGUMENT;
+    *packed = 0;
+    if (a->count < 0) return ddp__cu_fail(a, DDP_ERR_INVALID_ARGUMENT, "%s: count is %d; give count >= 0", fn, a->count);
+    if (a->count > 0 && (!a->grads || !a->numels))
+        return ddp__cu_fail(a, DDP_ERR_INVALID_ARGUMENT, "%s: %s is NULL with count %d", fn, !a->grads ? "grads" : "numels",
+                            a->count);
+    if (!ddp__cu_float_dtype(a->dtype))
+        return ddp__cu_fail(a, DDP_ERR_UNSUPPORTED, "%s: dtype %d; gradients are DDP_F32, DDP_F64, DDP_F16 or DDP_BF16", fn,
+                            (int)a->dtype);
+    for (int i = 0; i < a->count; i++) {
+        if (a->numels[i] < 0 || a->numels[i] > INT64_MAX - *packed)
+            return ddp__cu_fail(a, DDP_ERR_INVALID_ARGUMENT, "%s: numels[%d] is %lld; give counts >= 0", fn, i,
+                                (long long)a->numels[i]);
+        *packed += a->numels[i];
+    }
+    return DDP_SUCCESS;
+}
+
+/* The checks of the bucket side of a copy: every tensor's slot lies inside the bucket. */
+static ddp_result ddp__cu_check_bucket(const ddp_cuda_grads_args *a, const char *fn, const void *bucket,
+                                       ddp_dtype bucket_dtype, int64_t bucket_numel, const int64_t *offsets,
+                                       double scale, int64_t packed) {
+    if (!ddp__cu_float_dtype(bucket_dtype))
+        return ddp__cu_fail(a, DDP_ERR_UNSUPPORTED, "%s: bucket_dtype %d; buckets are DDP_F32, DDP_F64, DDP_F16 or DDP_BF16",
+                            fn, (int)bucket_dtype);
+    if (!(fabs(scale) <= DBL_MAX))
+        return ddp__cu_fail(a, DDP_ERR_INVALID_ARGUMENT, "%s: scale is %g; give a finite factor", fn, scale);
+    if (bucket_numel < 0)
+        return ddp__cu_fail(a, DDP_ERR_INVALID_ARGUMENT, "%s: bucket_numel is %lld; give the bucket's size", fn,
+                            (long long)bucket_numel);
+    if (packed > 0 && !bucket) return ddp__cu_fail(a, DDP_ERR_INVALID_ARGUMENT, "%s: bucket is NULL", fn);
+    if (!offsets && packed > bucket_numel)
+        return ddp__cu_fail(a, DDP_ERR_INVALID_ARGUMENT, "%s: the tensors hold %lld elements, the bucket %lld", fn,
+                            (long long)packed, (long long)bucket_numel);
+    for (int i = 0; offsets && i < a->count; i++)
+        if (offsets[i] < 0 || bucket_numel < a->numels[i] || offsets[i] > bucket_numel - a->numels[i])
+            return ddp__cu_fail(a, DDP_ERR_INVALID_ARGUMENT,
+                                "%s: tensor %d (%lld elements at offset %lld) does not fit in the bucket of %lld elements",
+                                fn, i, (long long)a->numels[i], (long long)offsets[i], (long long)bucket_numel);
+    return DDP_SUCCESS;
+}
+
+/* Call launch(table) for each launch's share of the non-empty tensors (offsets NULL: packed in order). */
+template <typename Launch>
+static void ddp__cu_mt_launches(const ddp_cuda_grads_args *a, const int64_t *offsets, Launch launch) {
+    ddp__cu_mt_table t;
+    int64_t packed = 0;
+    memset(&t, 0, sizeof t);
+    for (int i = 0; i < a->count; i++) {
+        const int64_t n = a->numels[i], offset = offsets ? offsets[i] : packed;
+        packed += n;
+        if (n == 0) continue;
+        t.ptr[t.count] = a->grads[i];
+        t.numel[t.count] = n;
+        t.offset[t.count] = offset;
+        t.first_chunk[t.count] = t.chunks;
+        t.chunks += (n + DDP__CU_MT_CHUNK - 1) / DDP__CU_MT_CHUNK;
+        if (++t.count < DDP__CU_MT_TENSORS) continue;
+        launch(t);
+        memset(&t, 0, sizeof t);
+    }
+    if (t.count) launch(t);
+}
+
+static unsigned ddp__cu_mt_grid(const ddp__cu_mt_table &t) {
+    return (unsigned)(t.chunks < DDP__CU_MAX_GRID ? t.chunks : DDP__CU_MAX_GRID);
+}
+
+template <typename G, typename B>
+static void ddp__cu_launch_bucket(const ddp_cuda_grads_args *a, const int64_t *offsets, void *bucket, double scale,
+                                  bool in) {
+    cudaStream_t st = (cudaStream_t)a->stream;
+    void (*const copy_in)(ddp__cu_mt_table, B *, double) = ddp__cu_bucket_in<G, B>;
+    void (*const copy_out)(ddp__cu_mt_table, const B *, double) = ddp__cu_bucket_out<G, B>;
+    ddp__cu_mt_launches(a, offsets, [&](const ddp__cu_mt_table &t) {
+        if (in)
+            DDP__CU_LAUNCH(copy_in, ddp__cu_mt_grid(t), DDP__CU_THREADS, 0, st)(t, (B *)bucket, scale);
+        else
+            DDP__CU_LAUNCH(copy_out, ddp__cu_mt_grid(t), DDP__CU_THREADS, 0, st)(t, (const B *)bucket, scale);
+    });
+}
+
+template <typename G>
+static void ddp__cu_launch_bucket_to(const ddp_cuda_grads_args *a, const int64_t *offsets, void *bucket,
+                                     ddp_dtype bucket_dtype, double scale, bool in) {
+    switch (bucket_dtype) {
+    case DDP_F64: ddp__cu_launch_bucket<G, double>(a, offsets, bucket, scale, in); break;
+    case DDP_F16: ddp__cu_launch_bucket<G, __half>(a, offsets, bucket, scale, in); break;
+    case DDP_BF16: ddp__cu_launch_bucket<G, __nv_bfloat16>(a, offsets, bucket, scale, in); break;
+    default: ddp__cu_launch_bucket<G, float>(a, offsets, bucket, scale, in); break;
+    }
+}
+
+/* Both directions of the bucket copy: checks, then the launches for the gradients' dtype. */
+static ddp_result ddp__cu_bucket_copy(const ddp_cuda_grads_args *a, const char *fn, void *bucket, ddp_dtype bucket_dtype,
+                                      int64_t bucket_numel, const int64_t *offsets, double scale, bool in) {
+    int64_t packed;
+    ddp_result r = ddp__cu_check_grads(a, fn, &packed);
+    if (r != DDP_SUCCESS) return r;
+    r = ddp__cu_check_bucket(a, fn, bucket, bucket_dtype, bucket_numel, offsets, scale, packed);
+    if (r != DDP_SUCCESS) return r;
+    if (bucket_dtype == DDP_DTYPE_DEFAULT) bucket_dtype = a->dtype;
+    switch (a->dtype) {
+    case DDP_F64: ddp__cu_launch_bucket_to<double>(a, offsets, bucket, bucket_dtype, scale, in); break;
+    case DDP_F16: ddp__cu_launch_bucket_to<__half>(a, offsets, bucket, bucket_dtype, scale, in); break;
+    case DDP_BF16: ddp__cu_launch_bucket_to<__nv_bfloat16>(a, offsets, bucket, bucket_dtype, scale, in); break;
+    default: ddp__cu_launch_bucket_to<float>(a, offsets, bucket, bucket_dtype, scale, in); break;
+    }
+    return ddp__cu_launched(a, fn);
+}
+
+template <typename G>
+static void ddp__cu_launch_unscale(const ddp_cuda_grads_args *a, float *found_inf, const float *inv_scale) {
+    cudaStream_t st = (cudaStream_t)a->stream;
+    ddp__cu_mt_launches(a, NULL, [&](const ddp__cu_mt_table &t) {
+        DDP__CU_LAUNCH(ddp__cu_unscale<G>, ddp__cu_mt_grid(t), DDP__CU_THREADS, 0, st)(t, found_inf, inv_scale);
+    });
+}
+
+extern "C" {
+
+DDP_API ddp_result ddp_cuda_bucket_copy_in(const ddp_cuda_grads_args *a, void *bucket, ddp_dtype bucket_dtype,
+                                           int64_t bucket_numel, const int64_t *offsets, double scale) {
+    return ddp__cu_bucket_copy(a, "ddp_cuda_bucket_copy_in", bucket, bucket_dtype, bucket_numel, offsets, scale, true);
+}
+
+DDP_API ddp_result ddp_cuda_bucket_copy_out(const ddp_cuda_grads_args *a, const void *bucket, ddp_dtype bucket_dtype,
+                                            int64_t bucket_numel, const int64_t *offsets, double scale) {
+    return ddp__cu_bucket_copy(a, "ddp_cuda_bucket_copy_out", (void *)bucket, bucket_dtype, bucket_numel, offsets, scale,
+                               false);
+}
+
+DDP_API ddp_result ddp_cuda_non_finite_check_and_unscale(const ddp_cuda_grads_args *a, float *found_inf,
+                                                         const float *inv_scale) {
+    const char *fn = "ddp_cuda_non_finite_check_and_unscale";
+    int64_t packed;
+    ddp_result r = ddp__cu_check_grads(a, fn, &packed);
+    if (r != DDP_SUCCESS) return r;
+    if (!found_inf || !inv_scale)
+        return ddp__cu_fail(a, DDP_ERR_INVALID_ARGUMENT, "%s: %s is NULL", fn, !found_inf ? "found_inf" : "inv_scale");
+    switch (a->dtype) {
+    case DDP_F64: ddp__cu_launch_unscale<double>(a, found_inf, inv_scale); break;
+    case DDP_F16: ddp__cu_launch_unscale<__half>(a, found_inf, inv_scale); break;
+    case DDP_BF16: ddp__cu_launch_unscale<__nv_bfloat16>(a, found_inf, inv_scale); break;
+    default: ddp__cu_launch_unscale<float>(a, found_inf, inv_scale); break;
     }
     return ddp__cu_launched(a, fn);
 }

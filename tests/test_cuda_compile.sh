@@ -2,8 +2,9 @@
 # ddp_cuda.cu compiles with nvcc, every warning an error (nvcc's, the host compiler's -Wall -Wextra, ptxas'),
 # for each of sm_70, sm_75, sm_80, sm_90 that this nvcc supports (CUDA 13 dropped sm_70: the script says
 # which were built and which skipped). Then: a C99 program that includes ddp.h with DDP_CUDA links
-# against it (the C declarations match the definitions) and gets argument errors without touching a
-# GPU; and ddp_cuda.cu refuses a ddp.h of another version. Skips (77) when nvcc is absent.
+# against it (the C declarations match the definitions) and gets argument errors from the SyncBN and
+# the reducer entry points without touching a GPU; and ddp_cuda.cu refuses a ddp.h of another version.
+# Skips (77) when nvcc is absent. (The kernels themselves run on the CPU in test_cuda_kernels.sh.)
 set -u
 cd "$(dirname "$0")/.."
 BUILD=${BUILD:-build}
@@ -40,8 +41,11 @@ cat >"$BUILD/cuda_link_check.c" <<'EOF'
 int main(void) {
     char err[256] = "";
     ddp_cuda_bn_args a;
+    ddp_cuda_grads_args g;
     float work[96], mean[1], invstd[1];
     double record[3];
+    int64_t numel = 4, offset = 2;
+    void *grad = work;
     memset(&a, 0, sizeof a);
     a.dtype = DDP_F32;
     a.err = err;
@@ -65,6 +69,18 @@ int main(void) {
     if (ddp_cuda_bn_gather_stats(&a, record, 0, 1e-5, 0.1, NULL, NULL, mean, invstd, record) != DDP_ERR_INVALID_ARGUMENT ||
         !strstr(err, "nranks")) {
         printf("gather_stats with 0 ranks: \"%s\"\n", err);
+        return 1;
+    }
+    memset(&g, 0, sizeof g);
+    g.count = 1;
+    g.grads = &grad;
+    g.numels = &numel;
+    g.dtype = DDP_F32;
+    g.err = err;
+    g.err_size = sizeof err;
+    if (ddp_cuda_bucket_copy_in(&g, work, DDP_F16, 5, &offset, 0.5) != DDP_ERR_INVALID_ARGUMENT ||
+        !strstr(err, "does not fit in the bucket of 5 elements")) {
+        printf("bucket_copy_in past the bucket: \"%s\"\n", err);
         return 1;
     }
     printf("C program linked against ddp_cuda.o; argument errors reported\n");

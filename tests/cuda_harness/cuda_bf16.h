@@ -1,0 +1,3 @@
+/* tests/cuda_harness/cuda_bf16.h — the CPU harness's stand-in for CUDA's <cuda_bf16.h>: the half types and their
+   conversions are in cuda_runtime.h. */
+#include "cuda_runtime.h"
