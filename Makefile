@@ -40,8 +40,22 @@ $(BUILD)/ddprun: tools/ddprun.c ddp.h | $(BUILD)
 	$(CC) $(CFLAGS) $(SANFLAGS) -o $@ $< $(LDLIBS)
 $(BUILD)/test_%: tests/test_%.c $(wildcard tests/*.h) ddp.h | $(BUILD)
 	$(CC) $(CFLAGS) $(SANFLAGS) -o $@ $< $(LDLIBS)
+# make GPU=1: ddp_cuda.cu is compiled by nvcc; the examples are compiled by $(CC) with DDP_CUDA (ddp.h then
+# declares the ddp_cuda_* entry points) and linked by nvcc with ddp_cuda.o and the CUDA runtime.
+NVCC    ?= $(or $(shell command -v nvcc 2>/dev/null),/usr/local/cuda/bin/nvcc)
+NVARCH  ?= -gencode arch=compute_75,code=sm_75 -gencode arch=compute_80,code=sm_80 -gencode arch=compute_90,code=sm_90
+NVFLAGS := -std=c++17 -O2 $(NVARCH) -Xcompiler -Wall,-Wextra -I.
+$(BUILD)/ddp_cuda.o: ddp_cuda.cu ddp.h | $(BUILD)
+	$(NVCC) $(NVFLAGS) -c $< -o $@
+ifeq ($(GPU),1)
+all: $(BUILD)/ddp_cuda.o
+$(BUILD)/%: examples/%.c ddp.h $(BUILD)/ddp_cuda.o | $(BUILD)
+	$(CC) $(CFLAGS) -DDDP_CUDA -c -o $@.o $<
+	$(NVCC) $(NVARCH) -Xcompiler -pthread -o $@ $@.o $(BUILD)/ddp_cuda.o $(LDLIBS)
+else
 $(BUILD)/%: examples/%.c ddp.h | $(BUILD)
 	$(CC) $(CFLAGS) $(SANFLAGS) -o $@ $< $(LDLIBS)
+endif
 $(BUILD)/%: bench/%.c ddp.h | $(BUILD)
 	$(CC) $(CFLAGS) $(SANFLAGS) -o $@ $< $(LDLIBS)
 

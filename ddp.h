@@ -1077,7 +1077,7 @@ DDP_API ddp_result ddp_checkpoint_latest(const char *pattern, char *out, size_t 
 
 /* What every SyncBatchNorm entry point is told about the batch and the call. */
 typedef struct ddp_cuda_bn_args {
-    ddp_dtype dtype;          /* of x, y, dy, dx: DDP_F32, DDP_F16 or DDP_BF16 */
+    ddp_dtype dtype;          /* of x, y, dy, dx: DDP_F32 (or DDP_DTYPE_DEFAULT), DDP_F16 or DDP_BF16 */
     int64_t batch, spatial;   /* as ddp_syncbn_forward: N and the product of the spatial sizes */
     int channels;             /* C */
     int channels_last;        /* (N, spatial..., C) instead of (N, C, spatial...) */
@@ -1124,6 +1124,66 @@ DDP_API ddp_result ddp_cuda_bn_backward_reduce(const ddp_cuda_bn_args *a, const 
 DDP_API ddp_result ddp_cuda_bn_backward_elemt(const ddp_cuda_bn_args *a, const void *dy, const void *x, void *dx,
                                               const float *weight, const float *mean, const float *invstd,
                                               const double *sums, const double *count, float *work);
+
+/* ---- Reducer kernels: gradient buckets (torch's Reducer copies and fp16/bf16 compression hooks) and the
+   GradScaler's inf/nan check (torch._amp_foreach_non_finite_check_and_unscale_) -------------------------
+   One training step of the GPU reducer, per bucket, on the stream that produced the gradients:
+       ddp_cuda_bucket_copy_in(grads, bucket, scale = 1 / world_size) -> all_reduce(bucket, SUM)
+       -> ddp_cuda_bucket_copy_out(grads, bucket, scale = 1)
+   With compression the bucket is DDP_F16 or DDP_BF16 and the copies cast (fp16_compress_hook: cast,
+   divide by the world size, all-reduce, cast back; here the division happens in f32 before the single
+   rounding to f16, as the CPU reducer does). torch's gradient_predivide_factor p splits the scale:
+   copy_in with 1 / p, copy_out with p / world_size. Mixed precision: before the optimizer step,
+   ddp_cuda_non_finite_check_and_unscale over every gradient, then read found_inf.
+   Multi-tensor: each call takes a list of tensors, described by host arrays that are read before the
+   call returns (nothing to keep alive or copy to the device); kernels take up to 48 tensors per launch,
+   in a table passed by value as the kernel argument, so a list of n tensors costs ceil(n / 48) launches.
+   Arithmetic: f32 (f64 when a side is DDP_F64), rounded to nearest even into the destination dtype
+   (through f32 for f16/bf16), exactly as the CPU reducer's copies. */
+
+/* The tensors of a multi-tensor call and the call's settings. Zero-initialised: an empty f32 list. */
+typedef struct ddp_cuda_grads_args {
+    int count;               /* number of tensors (>= 0) */
+    void *const *grads;      /* host array of count device pointers; NULL entries: see each call */
+    const int64_t *numels;   /* host array of count element counts (>= 0; 0 = nothing to do) */
+    ddp_dtype dtype;         /* of every tensor: DDP_F32 (or DDP_DTYPE_DEFAULT), DDP_F64, DDP_F16 or DDP_BF16 */
+    void *stream;            /* cudaStream_t; NULL = the legacy default stream */
+    char *err;               /* receives a message on failure (NULL = none) */
+    size_t err_size;         /* bytes at err */
+} ddp_cuda_grads_args;
+
+/* ddp_cuda_bucket_copy_in: bucket[offsets[i] + j] = grads[i][j] * scale for every tensor i, converted to
+   bucket_dtype: the reducer's copy of ready gradients into their bucket, scaled by 1 / world_size (or
+   1 / gradient_predivide_factor), and the compression hooks' cast when bucket_dtype is DDP_F16/DDP_BF16.
+   Parameters: a: the gradients (a->dtype); a NULL gradient fills its slot with zeros (a parameter
+               that got no gradient, as torch's find_unused_parameters). bucket: device, bucket_numel
+               elements of bucket_dtype (DDP_F32, DDP_F64, DDP_F16 or DDP_BF16; DDP_DTYPE_DEFAULT: the
+               gradients' dtype). offsets: host array of
+               count element offsets into the bucket, or NULL: the tensors packed in order from 0.
+               Every slot must lie inside the bucket; slots must not overlap, except that a gradient
+               may be its own slot (same dtype: gradient_as_bucket_view, scaled in place). scale: finite.
+   Return: DDP_SUCCESS; DDP_ERR_INVALID_ARGUMENT (a count, offset or pointer that does not fit; the
+           message names it); DDP_ERR_UNSUPPORTED for another dtype; DDP_ERR_SYSTEM when CUDA refuses a
+           launch. Queued on a->stream only. */
+DDP_API ddp_result ddp_cuda_bucket_copy_in(const ddp_cuda_grads_args *a, void *bucket, ddp_dtype bucket_dtype,
+                                           int64_t bucket_numel, const int64_t *offsets, double scale);
+
+/* ddp_cuda_bucket_copy_out: grads[i][j] = bucket[offsets[i] + j] * scale, converted to a->dtype: the
+   averaged bucket back into the gradients after the all-reduce (scale 1, or p / world_size with a
+   gradient_predivide_factor p), casting back from a compressed bucket. NULL gradients are skipped.
+   Parameters and return as ddp_cuda_bucket_copy_in (the bucket is only read). */
+DDP_API ddp_result ddp_cuda_bucket_copy_out(const ddp_cuda_grads_args *a, const void *bucket, ddp_dtype bucket_dtype,
+                                            int64_t bucket_numel, const int64_t *offsets, double scale);
+
+/* ddp_cuda_non_finite_check_and_unscale: torch._amp_foreach_non_finite_check_and_unscale_(grads,
+   found_inf, inv_scale): every element of every gradient is multiplied in place by *inv_scale (left as
+   it is when *inv_scale is 1; in f32, or f64 for DDP_F64 gradients), and *found_inf is set to 1.0 when
+   some element was an infinity or a NaN. *found_inf is never cleared: zero it before the first call of
+   a step, and read it (after synchronising) to decide whether the optimizer step runs.
+   Parameters: a: the gradients (NULL entries skipped); found_inf, inv_scale: device, one float each.
+   Return: DDP_SUCCESS, DDP_ERR_INVALID_ARGUMENT, DDP_ERR_UNSUPPORTED or DDP_ERR_SYSTEM, as above. */
+DDP_API ddp_result ddp_cuda_non_finite_check_and_unscale(const ddp_cuda_grads_args *a, float *found_inf,
+                                                         const float *inv_scale);
 
 #endif /* DDP_CUDA */
 /* ==================== end src/cuda_api.h ==================== */

@@ -103,4 +103,10 @@ if "$NVCC" -std=c++17 -I"$other" "${gencode[@]:0:2}" -c "$other/ddp_cuda.cu" -o 
 fi
 grep -q "ddp_cuda.cu was written for ddp.h" "$other/log" || { cat "$other/log"; echo "FAIL: unclear version error"; exit 1; }
 echo "version guard: refused a ddp.h with DDP_VERSION_PATCH 99"
+# make GPU=1: an example compiled with DDP_CUDA and linked by nvcc with ddp_cuda.o runs (cpu backend, 1 rank)
+if ! make -s GPU=1 BUILD="$BUILD/gpu" NVCC="$NVCC" "$BUILD/gpu/hello_collectives" >"$BUILD/gpu_make.log" 2>&1; then
+  cat "$BUILD/gpu_make.log"; echo "FAIL: make GPU=1 could not build an example"; exit 1
+fi
+"$BUILD/gpu/hello_collectives" >/dev/null || { echo "FAIL: the GPU=1 build of hello_collectives does not run"; exit 1; }
+echo "make GPU=1: hello_collectives built with nvcc and ran"
 echo "ok"
