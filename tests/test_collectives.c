@@ -26,34 +26,6 @@ static int64_t value(int r, size_t i, ddp_dtype t, ddp_op op, int salt) {
     return (int64_t)(h % 7) - 3;
 }
 
-static void store_value(void *buf, size_t i, ddp_dtype t, double v) {
-    switch (t) {
-    case DDP_F32: ((float *)buf)[i] = (float)v; break;
-    case DDP_F64: ((double *)buf)[i] = v; break;
-    case DDP_F16: ((uint16_t *)buf)[i] = ddp_f32_to_f16((float)v); break; /* exact for these small integers */
-    case DDP_BF16: ((uint16_t *)buf)[i] = ddp_f32_to_bf16((float)v); break;
-    case DDP_I8: ((int8_t *)buf)[i] = (int8_t)(int64_t)v; break;
-    case DDP_U8: ((uint8_t *)buf)[i] = (uint8_t)(int64_t)v; break;
-    case DDP_I32: ((int32_t *)buf)[i] = (int32_t)(int64_t)v; break;
-    case DDP_I64: ((int64_t *)buf)[i] = (int64_t)v; break;
-    default: break;
-    }
-}
-
-static double load_value(const void *buf, size_t i, ddp_dtype t) {
-    switch (t) {
-    case DDP_F32: return ((const float *)buf)[i];
-    case DDP_F64: return ((const double *)buf)[i];
-    case DDP_F16: return tl_decode_f16(((const uint16_t *)buf)[i]);
-    case DDP_BF16: return tl_decode_bf16(((const uint16_t *)buf)[i]);
-    case DDP_I8: return ((const int8_t *)buf)[i];
-    case DDP_U8: return ((const uint8_t *)buf)[i];
-    case DDP_I32: return ((const int32_t *)buf)[i];
-    case DDP_I64: return (double)((const int64_t *)buf)[i];
-    default: return 0;
-    }
-}
-
 static int is_float(ddp_dtype t) { return t == DDP_F32 || t == DDP_F64 || t == DDP_F16 || t == DDP_BF16; }
 
 /* Wrap an exact integer to the dtype's range, as two's complement hardware does. */
@@ -90,11 +62,11 @@ static double expected(int n, size_t i, ddp_dtype t, ddp_op op, int salt) {
 
 static void fill(void *buf, size_t count, int r, ddp_dtype t, ddp_op op, int salt) {
     size_t i;
-    for (i = 0; i < count; i++) store_value(buf, i, t, (double)value(r, i, t, op, salt));
+    for (i = 0; i < count; i++) tl_store_value(buf, i, t, (double)value(r, i, t, op, salt));
 }
 
 static void check_equal(const void *buf, size_t i, ddp_dtype t, double want, const char *what, int rank) {
-    double got = load_value(buf, i, t);
+    double got = tl_load_value(buf, i, t);
     CHECK(got == want, "rank %d: %s: element %zu is %g, expected %g", rank, what, i, got, want);
 }
 

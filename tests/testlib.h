@@ -178,3 +178,33 @@ TL_FN float tl_decode_bf16(uint16_t b) {
     memcpy(&f, &u, 4);
     return f;
 }
+
+/* Element i of a buffer of dtype t, as a double / written from a double (integers truncate; f16 and
+   bf16 round to nearest even: exact for the small integers the tests use). */
+TL_FN void tl_store_value(void *buf, size_t i, ddp_dtype t, double v) {
+    switch (t) {
+    case DDP_F32: ((float *)buf)[i] = (float)v; break;
+    case DDP_F64: ((double *)buf)[i] = v; break;
+    case DDP_F16: ((uint16_t *)buf)[i] = ddp_f32_to_f16((float)v); break; /* exact for these small integers */
+    case DDP_BF16: ((uint16_t *)buf)[i] = ddp_f32_to_bf16((float)v); break;
+    case DDP_I8: ((int8_t *)buf)[i] = (int8_t)(int64_t)v; break;
+    case DDP_U8: ((uint8_t *)buf)[i] = (uint8_t)(int64_t)v; break;
+    case DDP_I32: ((int32_t *)buf)[i] = (int32_t)(int64_t)v; break;
+    case DDP_I64: ((int64_t *)buf)[i] = (int64_t)v; break;
+    default: break;
+    }
+}
+
+TL_FN double tl_load_value(const void *buf, size_t i, ddp_dtype t) {
+    switch (t) {
+    case DDP_F32: return ((const float *)buf)[i];
+    case DDP_F64: return ((const double *)buf)[i];
+    case DDP_F16: return tl_decode_f16(((const uint16_t *)buf)[i]);
+    case DDP_BF16: return tl_decode_bf16(((const uint16_t *)buf)[i]);
+    case DDP_I8: return ((const int8_t *)buf)[i];
+    case DDP_U8: return ((const uint8_t *)buf)[i];
+    case DDP_I32: return ((const int32_t *)buf)[i];
+    case DDP_I64: return (double)((const int64_t *)buf)[i];
+    default: return 0;
+    }
+}

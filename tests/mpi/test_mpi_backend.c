@@ -16,32 +16,6 @@ static double input(int rank, size_t i, ddp_op op) {
     return (double)(1 + (rank * 7 + (int)(i * 3)) % 5);
 }
 
-static void store(void *buf, ddp_dtype t, size_t i, double v) {
-    switch (t) {
-    case DDP_F32: ((float *)buf)[i] = (float)v; break;
-    case DDP_F64: ((double *)buf)[i] = v; break;
-    case DDP_F16: ((uint16_t *)buf)[i] = ddp_f32_to_f16((float)v); break;
-    case DDP_BF16: ((uint16_t *)buf)[i] = ddp_f32_to_bf16((float)v); break;
-    case DDP_I8: ((int8_t *)buf)[i] = (int8_t)v; break;
-    case DDP_U8: ((uint8_t *)buf)[i] = (uint8_t)v; break;
-    case DDP_I32: ((int32_t *)buf)[i] = (int32_t)v; break;
-    default: ((int64_t *)buf)[i] = (int64_t)v; break;
-    }
-}
-
-static double load(const void *buf, ddp_dtype t, size_t i) {
-    switch (t) {
-    case DDP_F32: return ((const float *)buf)[i];
-    case DDP_F64: return ((const double *)buf)[i];
-    case DDP_F16: return tl_decode_f16(((const uint16_t *)buf)[i]);
-    case DDP_BF16: return tl_decode_bf16(((const uint16_t *)buf)[i]);
-    case DDP_I8: return ((const int8_t *)buf)[i];
-    case DDP_U8: return ((const uint8_t *)buf)[i];
-    case DDP_I32: return ((const int32_t *)buf)[i];
-    default: return (double)((const int64_t *)buf)[i];
-    }
-}
-
 /* The reduction of every rank's input at index i, by serial math. */
 static double expected(ddp_dtype t, ddp_op op, size_t i) {
     double acc = input(0, i, op);
@@ -66,7 +40,7 @@ static void *filled(ddp_dtype t, size_t count, int rank, ddp_op op) {
     void *b = malloc(count * ddp_dtype_size(t) + 1);
     size_t i;
     CHECK(b, "malloc");
-    for (i = 0; i < count; i++) store(b, t, i, input(rank, i, op));
+    for (i = 0; i < count; i++) tl_store_value(b, i, t, input(rank, i, op));
     return b;
 }
 
@@ -83,26 +57,26 @@ static void check_reductions(ddp_group *g) {
                 int root = g_n - 1;
                 CHECK_OK(ddp_all_reduce(g, a, count, dt, (ddp_op)op), g);
                 for (i = 0; i < count; i++)
-                    CHECK(close_enough(load(a, dt, i), expected(dt, (ddp_op)op, i), dt),
+                    CHECK(close_enough(tl_load_value(a, i, dt), expected(dt, (ddp_op)op, i), dt),
                           "all_reduce %s %s count %zu [%zu]: got %g want %g", ddp_dtype_name(dt), ddp_op_name((ddp_op)op), count,
-                          i, load(a, dt, i), expected(dt, (ddp_op)op, i));
+                          i, tl_load_value(a, i, dt), expected(dt, (ddp_op)op, i));
                 CHECK_OK(ddp_reduce(g, red, count, dt, (ddp_op)op, root), g);
                 for (i = 0; g_rank == root && i < count; i++)
-                    CHECK(close_enough(load(red, dt, i), expected(dt, (ddp_op)op, i), dt), "reduce %s %s [%zu]: got %g want %g",
-                          ddp_dtype_name(dt), ddp_op_name((ddp_op)op), i, load(red, dt, i), expected(dt, (ddp_op)op, i));
+                    CHECK(close_enough(tl_load_value(red, i, dt), expected(dt, (ddp_op)op, i), dt), "reduce %s %s [%zu]: got %g want %g",
+                          ddp_dtype_name(dt), ddp_op_name((ddp_op)op), i, tl_load_value(red, i, dt), expected(dt, (ddp_op)op, i));
                 /* reduce_scatter: rank r gets chunk r of the reduction of every rank's count*n inputs */
                 CHECK_OK(ddp_reduce_scatter(g, send, recv, count, dt, (ddp_op)op), g);
                 for (i = 0; i < count; i++) {
                     double want = expected(dt, (ddp_op)op, (size_t)g_rank * count + i);
-                    CHECK(close_enough(load(recv, dt, i), want, dt), "reduce_scatter %s %s [%zu]: got %g want %g",
-                          ddp_dtype_name(dt), ddp_op_name((ddp_op)op), i, load(recv, dt, i), want);
+                    CHECK(close_enough(tl_load_value(recv, i, dt), want, dt), "reduce_scatter %s %s [%zu]: got %g want %g",
+                          ddp_dtype_name(dt), ddp_op_name((ddp_op)op), i, tl_load_value(recv, i, dt), want);
                 }
                 /* in place: the input is the whole buffer, the result its first count elements */
                 free(send);
                 send = filled(dt, count * (size_t)g_n, g_rank, (ddp_op)op);
                 CHECK_OK(ddp_reduce_scatter(g, send, send, count, dt, (ddp_op)op), g);
                 for (i = 0; i < count; i++)
-                    CHECK(close_enough(load(send, dt, i), expected(dt, (ddp_op)op, (size_t)g_rank * count + i), dt),
+                    CHECK(close_enough(tl_load_value(send, i, dt), expected(dt, (ddp_op)op, (size_t)g_rank * count + i), dt),
                           "reduce_scatter in place %s [%zu]", ddp_dtype_name(dt), i);
                 free(a);
                 free(red);
@@ -122,18 +96,18 @@ static void check_movement(ddp_group *g) {
         char *all = (char *)malloc(count * es * (size_t)g_n);
         CHECK(all, "malloc");
         CHECK_OK(ddp_broadcast(g, b, count, dt, root), g);
-        for (i = 0; i < count; i++) CHECK(load(b, dt, i) == input(root, i, DDP_SUM), "broadcast %s [%zu]", ddp_dtype_name(dt), i);
+        for (i = 0; i < count; i++) CHECK(tl_load_value(b, i, dt) == input(root, i, DDP_SUM), "broadcast %s [%zu]", ddp_dtype_name(dt), i);
         CHECK_OK(ddp_all_gather(g, mine, all, count, dt), g);
         for (r = 0; r < g_n; r++)
             for (i = 0; i < count; i++)
-                CHECK(load(all + (size_t)r * count * es, dt, i) == input(r, i, DDP_SUM), "all_gather %s rank %d [%zu]",
+                CHECK(tl_load_value(all + (size_t)r * count * es, i, dt) == input(r, i, DDP_SUM), "all_gather %s rank %d [%zu]",
                       ddp_dtype_name(dt), r, i);
         memset(all, 0, count * es * (size_t)g_n); /* in place: this rank's part already where it goes */
-        for (i = 0; i < count; i++) store(all + (size_t)g_rank * count * es, dt, i, input(g_rank, i, DDP_SUM));
+        for (i = 0; i < count; i++) tl_store_value(all + (size_t)g_rank * count * es, i, dt, input(g_rank, i, DDP_SUM));
         CHECK_OK(ddp_all_gather(g, all + (size_t)g_rank * count * es, all, count, dt), g);
         for (r = 0; r < g_n; r++)
             for (i = 0; i < count; i++)
-                CHECK(load(all + (size_t)r * count * es, dt, i) == input(r, i, DDP_SUM), "all_gather in place %s", ddp_dtype_name(dt));
+                CHECK(tl_load_value(all + (size_t)r * count * es, i, dt) == input(r, i, DDP_SUM), "all_gather in place %s", ddp_dtype_name(dt));
         free(b);
         free(mine);
         free(all);
