@@ -144,6 +144,7 @@ int main(void) {
         sgd(&m);
         TRY(ddp_reducer_zero_grad(red));
     }
+    memset(&st, 0, sizeof st);
     TRY(ddp_reducer_stats(red, &st));
     if (rank == 0)
         printf("%d ranks: %llu optimizer steps, %llu backward passes under no_sync, %d bucket(s) of %llu bytes "
