@@ -126,8 +126,10 @@ static int load(ddp_group *g, const char *dir, int64_t latest, state *s, ddp_res
     if (r == DDP_SUCCESS) r = ddp_meta_get_resume(&meta, rs);
     ddp_meta_free(&meta);
     TRY(r);
-    if (rs->world_size != ddp_world_size(g)) /* sampler positions are per rank */
-        return fprintf(stderr, "%s was written by %d ranks: run %d\n", path, rs->world_size, rs->world_size), 1;
+    if (rs->world_size != ddp_world_size(g)) { /* sampler positions are per rank */
+        fprintf(stderr, "%s was written by %d ranks: run %d\n", path, rs->world_size, rs->world_size);
+        return 1;
+    }
     if (ddp_rank(g) == 0)
         printf("resuming from %s (epoch %lld, step %lld, %lld samples into the epoch)\n", path, (long long)rs->epoch,
                (long long)rs->step, (long long)rs->sampler_position);
@@ -151,7 +153,10 @@ int main(int argc, char **argv) {
         if (!strcmp(argv[i], "--crash-at") && i + 1 < argc) crash_at = atoi(argv[++i]);
     }
     resume |= attempt > 0; /* a restart by the launcher continues; a new launch starts over */
-    if (ddp_init(NULL, &g) != DDP_SUCCESS) return fprintf(stderr, "ddp_init: %s\n", ddp_last_error(NULL)), 1;
+    if (ddp_init(NULL, &g) != DDP_SUCCESS) {
+        fprintf(stderr, "ddp_init failed: %s\n", ddp_last_error(NULL));
+        return 1;
+    }
     rank = ddp_rank(g), world = ddp_world_size(g);
     memset(&s, 0, sizeof s);
     memset(&rs, 0, sizeof rs);

@@ -114,7 +114,10 @@ int main(void) {
     ddp_reducer_statistics st;
     int p, i, step, micro, rank, world, shard;
     double worst = 0;
-    if (ddp_init(NULL, &g) != DDP_SUCCESS) return fprintf(stderr, "ddp_init: %s\n", ddp_last_error(NULL)), 1;
+    if (ddp_init(NULL, &g) != DDP_SUCCESS) {
+        fprintf(stderr, "ddp_init failed: %s\n", ddp_last_error(NULL));
+        return 1;
+    }
     rank = ddp_rank(g), world = ddp_world_size(g);
     if (GLOBAL_BATCH % (world * ACCUM)) {
         fprintf(stderr, "a batch of %d does not split into %d ranks x %d micro-batches\n", GLOBAL_BATCH, world, ACCUM);

@@ -425,9 +425,11 @@ static int load_checkpoint(ddp_group *g, net *m, const config *c, resume_point *
     int k, n = state_tensors(m, 1, t, names), rank = ddp_rank(g);
     const char *sums;
     snprintf(pattern, sizeof pattern, "%s/ckpt_*.safetensors", c->dir);
-    /* rank 0 looks, everyone uses its answer (the ranks might not share a filesystem view) */
-    if (rank == 0 && ddp_checkpoint_latest(pattern, rp->path, sizeof rp->path, &number) != DDP_SUCCESS)
-        fprintf(stderr, "train_demo: %s\n", ddp_last_error(NULL)), number = -2;
+    /* rank 0 looks and everyone loads what it found: the ranks must agree on one file */
+    if (rank == 0 && ddp_checkpoint_latest(pattern, rp->path, sizeof rp->path, &number) != DDP_SUCCESS) {
+        fprintf(stderr, "train_demo: %s\n", ddp_last_error(NULL));
+        number = -2;
+    }
     if (ddp_broadcast(g, &number, 1, DDP_I64, 0) != DDP_SUCCESS) return fail(rank, "broadcast", ddp_last_error(g));
     if (number == -2) return 1;
     if (number < 0) return fail(rank, "--resume", "there is no checkpoint in --dir to resume from");
@@ -464,6 +466,7 @@ static int make_dirs(const char *dir) {
     char path[4096];
     size_t i;
     snprintf(path, sizeof path, "%s", dir);
+    if (!path[0]) return -1;
     for (i = 1; path[i]; i++) {
         if (path[i] != '/') continue;
         path[i] = 0;

@@ -109,10 +109,11 @@ check_run "$T/subdir" "$T/subdir/b/ddp/ddprun"
 ok "add_subdirectory: ddp::ddp and ddprun; no examples"
 
 project "$T/fetch_dir" "include(FetchContent)
+set(DDP_BUILD_TOOLS OFF CACHE BOOL \"\" FORCE)
 FetchContent_Declare(ddp SOURCE_DIR \"$REPO\")
 FetchContent_MakeAvailable(ddp)"
 build "$T/fetch_dir"
-check_run "$T/fetch_dir" "$T/fetch_dir/b/_deps/ddp-build/ddprun"
+check_run "$T/fetch_dir" "$T/subdir/b/ddp/ddprun"
 ok "FetchContent SOURCE_DIR"
 
 tar -czf "$T/ddp.tar.gz" -C "$REPO" CMakeLists.txt cmake ddp.h ddp_cuda.cu tools/ddprun.c LICENSE

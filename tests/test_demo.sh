@@ -6,7 +6,10 @@
 #  2. SIGKILL a rank mid-epoch once the 2nd epoch checkpoint exists, then --resume: the final weights
 #     file is byte-identical (cmp) to the uninterrupted run's;
 #  3. the same with checkpoints inside the epoch (--save-every): resume from a mid-epoch sampler position;
-#  4. --resume with another world size is refused with a message that says what to do.
+#  4. --resume with another world size is refused with a message that says what to do;
+#  5. when /usr/bin/python3 has torch: the final weights file loads into the same model written in torch
+#     (load_state_dict(strict=True): torch's names and shapes), whose accuracy on the held-out points
+#     (regenerated here in Python) is the demo's own last "eval acc".
 set -u
 cd "$(dirname "$0")/.."
 BUILD=${BUILD:-build}
@@ -107,3 +110,56 @@ if "$DDPRUN" --nproc-per-node 2 "$DEMO" $ARGS --dir "$T/mid" --resume >"$T/two.l
 fi
 grep -q "on 4 ranks; resume with the same" "$T/two.log" || { cat "$T/two.log"; fail "no clear message for the world size"; }
 ok "--resume with another world size is refused"
+
+# 5. the weights in torch
+if /usr/bin/python3 -c "import torch, numpy" 2>/dev/null; then
+  want=$(grep "^epoch   6/6" "$T/full.log" | sed 's/.*eval acc *\([0-9.]*\)%.*/\1/')
+  /usr/bin/python3 - "$T/full/final.safetensors" "$want" <<'PY' || fail "the weights in torch"
+import json, math, struct, sys
+import numpy as np, torch, torch.nn as nn
+raw = open(sys.argv[1], "rb").read()
+n = struct.unpack("<Q", raw[:8])[0]
+header, data = json.loads(raw[8:8 + n]), raw[8 + n:]
+dtypes = {"F32": np.float32, "I64": np.int64}
+state = {k: torch.from_numpy(np.frombuffer(data[v["data_offsets"][0]:v["data_offsets"][1]],
+                                           dtype=dtypes[v["dtype"]]).reshape(v["shape"]).copy())
+         for k, v in header.items() if k != "__metadata__"}
+class Net(nn.Module):  # examples/train_demo.c's model, as a PyTorch user would write it
+    def __init__(self, h=128):
+        super().__init__()
+        self.fc1, self.bn1 = nn.Linear(2, h, bias=False), nn.BatchNorm1d(h)
+        self.fc2, self.bn2 = nn.Linear(h, h, bias=False), nn.BatchNorm1d(h)
+        self.fc3 = nn.Linear(h, 4)
+    def forward(self, x):
+        return self.fc3(torch.relu(self.bn2(self.fc2(torch.relu(self.bn1(self.fc1(x)))))))
+model = Net()
+model.load_state_dict(state, strict=True)
+model.eval()
+# the held-out set of make_spirals(5678, 1000): splitmix64, Box-Muller, four arms
+M, s = (1 << 64) - 1, [5678]
+def nxt():
+    s[0] = (s[0] + 0x9E3779B97F4A7C15) & M
+    z = s[0]
+    z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & M
+    z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & M
+    return z ^ (z >> 31)
+uni = lambda: (nxt() >> 11) / 9007199254740992.0
+def normal():
+    u, v = uni(), uni()
+    return math.sqrt(-2.0 * math.log(1.0 - u)) * math.cos(6.283185307179586 * v)
+xs, ys = [], []
+for i in range(1000):
+    t, c = uni(), i % 4
+    r = 0.1 + 0.9 * t
+    a = 6.283185307179586 * c / 4 + 1.75 * 3.141592653589793 * t + 0.3 * normal()
+    xs.append([r * math.cos(a) + 0.02 * normal(), r * math.sin(a) + 0.02 * normal()])
+    ys.append(c)
+with torch.no_grad():
+    acc = 100.0 * (model(torch.tensor(xs, dtype=torch.float32)).argmax(1) == torch.tensor(ys)).float().mean().item()
+print("torch: strict load_state_dict ok; held-out accuracy %.1f%%, the demo printed %s%%" % (acc, sys.argv[2]))
+sys.exit(0 if abs(acc - float(sys.argv[2])) <= 0.25 else 1)
+PY
+  ok "the final weights load into the torch model and score the same accuracy"
+else
+  echo "(torch not installed for /usr/bin/python3: the torch check was not run)"
+fi
