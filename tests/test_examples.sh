@@ -1,0 +1,109 @@
+#!/usr/bin/env bash
+# Every teaching example under examples/ runs briefly on 2 (some also 3) ranks under build/ddprun and
+# prints what it must; each example also verifies its own results and exits non-zero when one is wrong.
+# The sampler's shards are compared with torch 1.13's DistributedSampler (values below, produced by
+#   /usr/bin/python3 -c "from torch.utils.data.distributed import DistributedSampler as S; ..."
+# for 10 samples on 3 replicas). launchers runs under ddprun, alone, under a hand-made SLURM environment
+# and, when installed, Open MPI's mpirun. Every example also compiles as C++17.
+# (train_demo has its own test, tests/test_demo.sh.)
+set -u
+cd "$(dirname "$0")/.."
+BUILD=${BUILD:-build}
+DDPRUN=$BUILD/ddprun
+EXAMPLES="hello_allreduce hello_collectives sampler grad_accumulation checkpoint_resume launchers"
+make -s BUILD="$BUILD" SAN="${SAN:-}" "$DDPRUN" $(for e in $EXAMPLES; do echo "$BUILD/$e"; done) ||
+  { echo "cannot build the examples"; exit 1; }
+T=$(mktemp -d /tmp/test_examples.XXXXXX)
+trap 'rm -rf "$T"' EXIT
+fail() { echo "FAIL: $*"; exit 1; }
+ok() { echo "ok: $*"; }
+
+# run NAME NPROC ARGS...: ddprun NPROC ranks of build/NAME; its output in $OUT; fails on a non-zero exit
+run() {
+  local name=$1 n=$2; shift 2
+  OUT=$(timeout 120 "$DDPRUN" --nproc-per-node "$n" "$BUILD/$name" "$@" 2>&1)
+  local rc=$?
+  echo "--- $name on $n ranks $*"
+  echo "$OUT"
+  [ $rc -eq 0 ] || fail "$name on $n ranks exited $rc"
+}
+# has TEXT...: every TEXT is a line of $OUT (fixed strings)
+has() {
+  local s
+  for s in "$@"; do echo "$OUT" | grep -qxF -- "$s" || fail "missing the line: $s"; done
+}
+
+run hello_allreduce 2
+has "rank 0 of 2: 1 + ... + 2 = 3 (right)" "rank 1 of 2: 1 + ... + 2 = 3 (right)"
+OUT=$(env -u RANK -u WORLD_SIZE -u MASTER_ADDR -u MASTER_PORT "$BUILD/hello_allreduce" 2>&1) || fail "hello_allreduce alone: $OUT"
+has "rank 0 of 1: 1 + ... + 1 = 1 (right)"
+ok hello_allreduce
+
+run hello_collectives 2
+has "ddp.h $(sed -n 's/^#define DDP_VERSION_MAJOR \([0-9]*\).*/\1/p' ddp.h).$(sed -n 's/^#define DDP_VERSION_MINOR \([0-9]*\).*/\1/p' ddp.h).$(sed -n 's/^#define DDP_VERSION_PATCH \([0-9]*\).*/\1/p' ddp.h): 2 ranks on the cpu backend" \
+  "all collectives verified"
+ok hello_collectives
+
+run sampler 3
+has "epoch 0 (4 each, 2 padded):" "  rank 0: 4 5 0 2" "  rank 1: 1 3 8 4" "  rank 2: 7 9 6 1" \
+  "epoch 1 (4 each, 2 padded):" "  rank 0: 5 2 9 4" "  rank 1: 6 0 3 5" "  rank 2: 1 8 7 6" \
+  "drop_last, epoch 0 (the same shuffle, the tail cut):" "  rank 0: 4 5 0" "  rank 1: 1 3 8" "  rank 2: 7 9 6" \
+  "sampler: every check passed"
+run sampler 2
+has "sampler: every check passed"
+ok "sampler (3 ranks: torch 1.13's shards)"
+
+for n in 2 3; do
+  run grad_accumulation $n
+  has "$n ranks: 150 optimizer steps, 150 backward passes under no_sync, 1 bucket(s) of 1416 bytes all-reduced once per step"
+  echo "$OUT" | grep -q "^largest difference from one process on the whole batch: .* (rounding only)$" ||
+    fail "grad_accumulation: no agreement with one process"
+done
+ok grad_accumulation
+
+# a crash at step 23, restarted by ddprun: resumes from step 20 and ends as a run that never crashed
+run checkpoint_resume 2 "$T/ck" --crash-at 0
+has "attempt 0 (DDP_RESTART_COUNT=0)"
+final=$(echo "$OUT" | grep "^final weights after 72 steps:") || fail "checkpoint_resume: no final weights"
+OUT=$(timeout 120 "$DDPRUN" --nproc-per-node 2 --max-restarts 1 "$BUILD/checkpoint_resume" "$T/ck" 2>&1) ||
+  { echo "$OUT"; fail "checkpoint_resume with a restart exited $?"; }
+echo "$OUT"
+has "rank 1: crashing on purpose at step 23" "attempt 1 (DDP_RESTART_COUNT=1)" \
+  "resuming from $T/ck/ckpt_000020.safetensors (epoch 1, step 20, 32 samples into the epoch)" "$final"
+# without --max-restarts the launch fails; a new launch with --resume continues by hand
+if OUT=$(timeout 120 "$DDPRUN" --nproc-per-node 2 "$BUILD/checkpoint_resume" "$T/ck" 2>&1); then
+  echo "$OUT"; fail "checkpoint_resume: the crash did not fail the launch"
+fi
+run checkpoint_resume 2 "$T/ck" --resume
+has "resuming from $T/ck/ckpt_000020.safetensors (epoch 1, step 20, 32 samples into the epoch)" "$final"
+ok "checkpoint_resume: restarted and resumed runs end with the uninterrupted run's weights"
+
+run launchers 2
+echo "$OUT" | grep -q "^rank 0 of 2, local rank 0 of 2, host .*, started by ddprun$" || fail "launchers: rank 0 under ddprun"
+echo "$OUT" | grep -q "^rank 1 of 2, local rank 1 of 2, host .*, started by ddprun$" || fail "launchers: rank 1 under ddprun"
+OUT=$(env -u RANK -u WORLD_SIZE -u MASTER_ADDR -u MASTER_PORT "$BUILD/launchers" 2>&1) || fail "launchers alone: $OUT"
+echo "$OUT" | grep -q "^rank 0 of 1, local rank 0 of 1, .*, started by no launcher$" || fail "launchers alone: $OUT"
+# srun's variables, set by hand (two processes of one job step on this host)
+for r in 0 1; do
+  env -u RANK -u WORLD_SIZE -u MASTER_ADDR -u MASTER_PORT SLURM_PROCID=$r SLURM_NTASKS=2 SLURM_LOCALID=$r \
+    SLURM_JOB_ID=$$ SLURM_STEP_ID=0 SLURM_NODELIST=localhost timeout 60 "$BUILD/launchers" >"$T/slurm.$r" 2>&1 &
+done
+wait
+OUT=$(cat "$T/slurm.0" "$T/slurm.1")
+echo "$OUT"
+echo "$OUT" | grep -q "^rank 1 of 2, local rank 1 of 2, .*, started by SLURM's srun$" || fail "launchers under SLURM's variables"
+if command -v mpirun >/dev/null; then
+  OUT=$(timeout 120 mpirun --allow-run-as-root --oversubscribe -np 2 "$BUILD/launchers" 2>&1) || { echo "$OUT"; fail "mpirun"; }
+  echo "$OUT"
+  echo "$OUT" | grep -q "^rank 1 of 2, local rank 1 of 2, .*, started by Open MPI's mpirun$" || fail "launchers under mpirun"
+  ok "launchers: ddprun, alone, SLURM variables, mpirun"
+else
+  ok "launchers: ddprun, alone, SLURM variables (mpirun not installed)"
+fi
+
+# the examples are C99 (the Makefile builds them with -Werror); users may compile them as C++ too
+for e in $EXAMPLES train_demo; do
+  ${CXX:-c++} -std=c++17 -Wall -Wextra -Werror -pedantic -pthread -I. -x c++ -fsyntax-only "examples/$e.c" ||
+    fail "examples/$e.c does not compile as C++17"
+done
+ok "every example compiles as C++17"
