@@ -59,9 +59,10 @@ endif
 $(BUILD)/%: bench/%.c ddp.h | $(BUILD)
 	$(CC) $(CFLAGS) $(SANFLAGS) -o $@ $< $(LDLIBS)
 
-# The README's main job: 4 CPU ranks launched by ddprun.
-demo: $(BUILD)/ddprun $(BUILD)/hello_collectives
-	$(BUILD)/ddprun --nproc-per-node 4 $(BUILD)/hello_collectives
+# The README's main job: train examples/train_demo.c on 4 CPU ranks launched by ddprun.
+# DEMO_FLAGS=--check also checks every step against one process; DEMO_FLAGS=--resume continues.
+demo: $(BUILD)/ddprun $(BUILD)/train_demo
+	$(BUILD)/ddprun --nproc-per-node 4 $(BUILD)/train_demo --dir $(BUILD)/demo_ckpt $(DEMO_FLAGS)
 
 test: all
 	BUILD=$(BUILD) SAN=$(SAN) SANFLAGS="$(SANFLAGS)" tests/run_tests.sh

@@ -6829,7 +6829,7 @@ static const char *ddp__launch_refused(const char *name) {
 
 static ddp_result ddp__launch_parse_long(const char *flag, const char *v, long lo, long hi, long *out, char *err) {
     char *end = NULL;
-    long x;
+    long x = 0;
     errno = 0;
     x = strtol(v, &end, 10);
     if (errno || end == v || *end != '\0' || x < lo || x > hi)
@@ -6840,7 +6840,7 @@ static ddp_result ddp__launch_parse_long(const char *flag, const char *v, long l
 }
 
 static ddp_result ddp__launch_parse_nproc(const char *v, int *out, char *err) {
-    long x;
+    long x = 0;
     if (!strcmp(v, "cpu")) {
         x = sysconf(_SC_NPROCESSORS_ONLN);
         *out = x > 0 ? (int)DDP__MIN(x, (long)DDP__LAUNCH_MAX_PROCS) : 1;
@@ -6857,7 +6857,7 @@ static ddp_result ddp__launch_parse_nproc(const char *v, int *out, char *err) {
 /* torchrun writes a range "MIN:MAX" for elastic jobs; only MIN == MAX is a static job. */
 static ddp_result ddp__launch_parse_nnodes(const char *v, int *out, char *err) {
     const char *colon = strchr(v, ':');
-    long lo, hi;
+    long lo = 0, hi = 0;
     char first[32];
     if (!colon) {
         if (ddp__launch_parse_long("nnodes", v, 1, DDP__LAUNCH_MAX_PROCS, &lo, err)) return DDP_ERR_INVALID_ARGUMENT;
@@ -6888,7 +6888,7 @@ static ddp_result ddp__launch_copy(const char *flag, const char *v, char *dst, s
 /* Apply one flag that takes a value; name is normalised (dashes). The parsing functions below
    return DDP_SUCCESS or an error with the message in err. */
 static ddp_result ddp__launch_apply(ddp__launch_args *a, const char *name, const char *v, char *err) {
-    long x;
+    long x = 0;
     if (!strcmp(name, "nproc-per-node")) return ddp__launch_parse_nproc(v, &a->env.nproc, err);
     if (!strcmp(name, "nnodes")) {
         a->nnodes_given = 1;

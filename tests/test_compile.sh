@@ -11,7 +11,7 @@ flags="-Wall -Wextra -Werror -pedantic -pthread -I."
 for cc in gcc clang; do
   command -v $cc >/dev/null || { echo "skip $cc: not installed"; continue; }
   cxx=$([ $cc = gcc ] && echo g++ || echo clang++)
-  for opt in -O0 -O2; do
+  for opt in -O0 -O2 -O3; do
     $cc -std=c99 $opt $flags -c tests/compile/user.c -o "$out/user.o"
     $cc -std=c99 $opt $flags -c tests/compile/impl.c -o "$out/impl.o"
     $cc -pthread "$out/user.o" "$out/impl.o" -lm -o "$out/prog_c"
@@ -31,7 +31,7 @@ for cc in gcc clang; do
     echo "FAIL: defining only DDP_MALLOC compiled"; exit 1
   fi
   grep -q "define all of DDP_MALLOC, DDP_REALLOC and DDP_FREE" "$out/err.txt" || { cat "$out/err.txt"; exit 1; }
-  echo "$cc: C99 and C++17, -O0 and -O2, two translation units, hooks, DDP_STATIC: ok"
+  echo "$cc: C99 and C++17, -O0, -O2 and -O3, two translation units, hooks, DDP_STATIC: ok"
 done
 nvcc=$(command -v nvcc || echo /usr/local/cuda/bin/nvcc)
 if [ -x "$nvcc" ]; then
