@@ -2,7 +2,7 @@
 # `make test` runs every test and ends with "N passed, N failed".
 #   make test SAN=address    AddressSanitizer + UndefinedBehaviorSanitizer (build-address/)
 #   make test SAN=thread     ThreadSanitizer (build-thread/)
-#   make GPU=1               also build ddp_cuda.cu and the GPU programs with nvcc
+#   make GPU=1               also build ddp_cuda.cu and the GPU programs with nvcc (needs CUDA and NCCL)
 CC      ?= cc
 CXX     ?= c++
 SAN     ?=
@@ -48,10 +48,15 @@ NVFLAGS := -std=c++17 -O2 $(NVARCH) -Xcompiler -Wall,-Wextra -I.
 $(BUILD)/ddp_cuda.o: ddp_cuda.cu ddp.h | $(BUILD)
 	$(NVCC) $(NVFLAGS) -c $< -o $@
 ifeq ($(GPU),1)
-all: $(BUILD)/ddp_cuda.o
+all: $(BUILD)/ddp_cuda.o $(BUILD)/train_gpu
 $(BUILD)/%: examples/%.c ddp.h $(BUILD)/ddp_cuda.o | $(BUILD)
 	$(CC) $(CFLAGS) -DDDP_CUDA -c -o $@.o $<
-	$(NVCC) $(NVARCH) -Xcompiler -pthread -o $@ $@.o $(BUILD)/ddp_cuda.o $(LDLIBS)
+	$(NVCC) $(NVARCH) -Xcompiler -pthread -o $@ $@.o $(BUILD)/ddp_cuda.o -lnccl $(LDLIBS)
+# examples/gpu: CUDA programs (nccl backend, ddp.h's implementation compiled by nvcc as C++), built only
+# with GPU=1. 1675: nvcc's front end does not know `#pragma GCC unroll` (src/syncbn.c's DDP__BN_UNROLL).
+$(BUILD)/%: examples/gpu/%.cu ddp.h $(BUILD)/ddp_cuda.o | $(BUILD)
+	$(NVCC) $(NVFLAGS) -Werror all-warnings -diag-suppress 1675 -Xcompiler -Werror,-pthread -o $@ $< \
+	    $(BUILD)/ddp_cuda.o -lnccl $(LDLIBS)
 else
 $(BUILD)/%: examples/%.c ddp.h | $(BUILD)
 	$(CC) $(CFLAGS) $(SANFLAGS) -o $@ $< $(LDLIBS)

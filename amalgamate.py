@@ -36,6 +36,7 @@ IMPLEMENTATION = [
     "src/collectives.c",    # [SECTION] collectives: ring algorithms, async work, progress thread
     "src/shm.c",            # [SECTION] shm: shared-memory transport within one host
     "src/mpi.c",            # [SECTION] mpi: the mpi backend (collectives through MPI, with -DDDP_MPI)
+    "src/nccl.c",           # [SECTION] nccl: the nccl backend (NCCL on device memory, with -DDDP_CUDA)
     "src/group.c",          # [SECTION] group: ddp_init, launcher environments, rendezvous, subgroups
     "src/launcher.c",       # [SECTION] launcher: ddp_spawn, ddprun
     "src/reducer.c",

@@ -9,6 +9,7 @@
    [SECTION] cuda-common: version check, launches, errors, loads and stores, block reductions
    [SECTION] cuda-syncbn: SyncBatchNorm kernels and their C entry points
    [SECTION] cuda-reducer: gradient bucket copies and the inf/nan check (multi-tensor kernels)
+   [SECTION] cuda-nccl: the nccl backend's communicator, collectives on a stream, events, the watchdog
 
    The kernels are written so that the CPU execution harness of the tests (tests/cuda_harness) runs
    their source too: every launch goes through DDP__CU_LAUNCH; blockDim, threadIdx and blockIdx are
@@ -33,6 +34,7 @@
 #include <stdarg.h>
 #include <stdio.h>
 #include <string.h>
+#include <new>
 
 /* DDP__CU_LAUNCH(kernel, grid, block, shmem, stream)(args...) launches a kernel: <<<>>> under nvcc;
    under a host C++ compiler with the tests' CPU harness on the include path (tests/cuda_harness), the
@@ -915,3 +917,404 @@ DDP_API ddp_result ddp_cuda_non_finite_check_and_unscale(const ddp_cuda_grads_ar
 }
 
 } /* extern "C" */
+
+/* [SECTION] cuda-nccl: the nccl backend's communicator, collectives on a stream, events, the watchdog
+   (torch's ProcessGroupNCCL: one communicator per group, work ordered on a CUDA stream, completion seen
+   through CUDA events, a watchdog that aborts the communicator on an error or a timeout).
+
+   A collective is queued on the group's stream (ncclAllReduce ... ) and a CUDA event is recorded after
+   it; waiting polls the event. NCCL calls on a healthy communicator return as soon as the work is queued,
+   so a rank whose peers never make the matching call would wait for ever: while it polls, the waiting
+   thread checks ncclCommGetAsyncError (network failures, a peer's abort), the deadline, and the other
+   ranks' TCP connections (ddp.h's watch callback: a peer that failed tells everyone); any of these
+   aborts the communicator (ncclCommAbort kills its kernels, so the stream moves on) and the error names
+   the operation and its sequence number. Blocking communicators (NCCL's default mode); the other
+   ranks' readiness is agreed over ddp.h's TCP connections before ncclCommInitRank, so a rank without a
+   GPU fails every rank quickly instead of leaving them in ncclCommInitRank. */
+#if !defined(DDP_CUDA_HARNESS) /* the CPU harness of the tests runs kernels only */
+#include <nccl.h>
+#include <time.h>
+
+#if !defined(NCCL_VERSION_CODE) || NCCL_VERSION_CODE < NCCL_VERSION(2, 10, 0)
+#error "ddp_cuda.cu needs NCCL 2.10 or newer (ncclAvg, ncclBfloat16)"
+#endif
+
+struct ddp_cuda_nccl {
+    ncclComm_t comm; /* NULL once aborted */
+    int device, rank, nranks;
+    cudaStream_t stream;
+    float *one; /* the barrier's element */
+};
+
+/* The event of one queued operation and when it was queued (the watchdog's deadline counts from it). */
+struct ddp__cu_event {
+    cudaEvent_t ev;
+    double queued;
+};
+
+/* Where messages go: ddp__cu_fail writes to any struct with err and err_size. */
+struct ddp__cu_msg {
+    char *err;
+    size_t err_size;
+};
+
+static double ddp__cu_now(void) {
+    struct timespec ts;
+    clock_gettime(CLOCK_MONOTONIC, &ts);
+    return (double)ts.tv_sec + (double)ts.tv_nsec * 1e-9;
+}
+
+static void ddp__cu_sleep(double seconds) {
+    struct timespec ts;
+    ts.tv_sec = (time_t)seconds;
+    ts.tv_nsec = (long)((seconds - (double)ts.tv_sec) * 1e9);
+    nanosleep(&ts, NULL);
+}
+
+/* Makes c's device current for the scope of a call and gives the caller's back afterwards. */
+struct ddp__cu_device_scope {
+    int saved;
+    bool changed;
+    explicit ddp__cu_device_scope(int device) : saved(-1), changed(false) {
+        if (cudaGetDevice(&saved) == cudaSuccess && saved != device) changed = cudaSetDevice(device) == cudaSuccess;
+    }
+    ~ddp__cu_device_scope() {
+        if (changed) cudaSetDevice(saved);
+    }
+};
+
+static ncclDataType_t ddp__cu_nccl_type(ddp_dtype t, bool *ok) {
+    *ok = true;
+    switch (t) {
+    case DDP_F32: return ncclFloat32;
+    case DDP_F64: return ncclFloat64;
+    case DDP_F16: return ncclFloat16;
+    case DDP_BF16: return ncclBfloat16;
+    case DDP_I8: return ncclInt8;
+    case DDP_U8: return ncclUint8;
+    case DDP_I32: return ncclInt32;
+    case DDP_I64: return ncclInt64;
+    default: *ok = false; return ncclFloat32;
+    }
+}
+
+/* Bytes per element (ddp_dtype_size lives in the program's implementation file: not linked here). */
+static size_t ddp__cu_dtype_size(ddp_dtype t) {
+    switch (t) {
+    case DDP_F64:
+    case DDP_I64: return 8;
+    case DDP_F32:
+    case DDP_I32: return 4;
+    case DDP_F16:
+    case DDP_BF16: return 2;
+    default: return 1;
+    }
+}
+
+static ncclRedOp_t ddp__cu_nccl_op(ddp_op op, bool *ok) {
+    *ok = true;
+    switch (op) {
+    case DDP_SUM: return ncclSum;
+    case DDP_AVG: return ncclAvg;
+    case DDP_PROD: return ncclProd;
+    case DDP_MIN: return ncclMin;
+    case DDP_MAX: return ncclMax;
+    default: *ok = false; return ncclSum;
+    }
+}
+
+/* After an error: abort the communicator so that no operation of it can block anyone again. */
+static void ddp__cu_nccl_abort(ddp_cuda_nccl *c) {
+    if (!c->comm) return;
+    ncclCommAbort(c->comm);
+    c->comm = NULL;
+}
+
+/* An NCCL call failed: the message (with NCCL's last error text) and the abort. */
+static ddp_result ddp__cu_nccl_failed(ddp_cuda_nccl *c, const ddp__cu_msg *m, ncclResult_t rc, const char *call) {
+    const char *detail = c->comm ? ncclGetLastError(c->comm) : "";
+    ddp__cu_fail(m, DDP_ERR_SYSTEM, "%s failed: %s%s%s; the NCCL communicator was aborted", call, ncclGetErrorString(rc),
+                 detail && *detail ? ": " : "", detail ? detail : "");
+    ddp__cu_nccl_abort(c);
+    return DDP_ERR_SYSTEM;
+}
+
+/* Queue the collective itself. */
+static ncclResult_t ddp__cu_nccl_call(ddp_cuda_nccl *c, ddp_cuda_coll kind, const void *send, void *recv, size_t count,
+                                      ncclDataType_t type, ncclRedOp_t op, int root, size_t es) {
+    char *mine;
+    switch (kind) {
+    case DDP_CUDA_ALL_REDUCE: return ncclAllReduce(recv, recv, count, type, op, c->comm, c->stream);
+    case DDP_CUDA_BROADCAST: return ncclBroadcast(recv, recv, count, type, root, c->comm, c->stream);
+    case DDP_CUDA_REDUCE: return ncclReduce(recv, recv, count, type, op, root, c->comm, c->stream);
+    case DDP_CUDA_ALL_GATHER:
+        /* NCCL's in-place form is send == this rank's slice of recv; any other send is copied there first
+           (send == recv, allowed by ddp.h, does not overlap the slice of a rank other than 0) */
+        mine = (char *)recv + (size_t)c->rank * count * es;
+        if (send != mine && count &&
+            cudaMemcpyAsync(mine, send, count * es, cudaMemcpyDeviceToDevice, c->stream) != cudaSuccess)
+            return ncclUnhandledCudaError;
+        return ncclAllGather(mine, recv, count, type, c->comm, c->stream);
+    case DDP_CUDA_REDUCE_SCATTER:
+        /* recv == send (allowed by ddp.h) would overlap the ranks' input: reduce into this rank's slice of
+           send (NCCL's in-place form), then move it to the front */
+        if (send == recv && c->rank > 0) {
+            ncclResult_t rc;
+            mine = (char *)recv + (size_t)c->rank * count * es;
+            rc = ncclReduceScatter(send, mine, count, type, op, c->comm, c->stream);
+            if (rc == ncclSuccess && count &&
+                cudaMemcpyAsync(recv, mine, count * es, cudaMemcpyDeviceToDevice, c->stream) != cudaSuccess)
+                return ncclUnhandledCudaError;
+            return rc;
+        }
+        return ncclReduceScatter(send, recv, count, type, op, c->comm, c->stream);
+    default: return ncclAllReduce(c->one, c->one, 1, ncclFloat32, ncclSum, c->comm, c->stream);
+    }
+}
+
+/* An event recorded on c's stream now. */
+static ddp_result ddp__cu_record(ddp_cuda_nccl *c, const ddp__cu_msg *m, void **event) {
+    ddp__cu_event *e = new (std::nothrow) ddp__cu_event;
+    cudaError_t ce;
+    if (!e) return ddp__cu_fail(m, DDP_ERR_OUT_OF_MEMORY, "out of memory for a CUDA event");
+    if ((ce = cudaEventCreateWithFlags(&e->ev, cudaEventDisableTiming)) != cudaSuccess) {
+        delete e;
+        return ddp__cu_fail(m, DDP_ERR_SYSTEM, "cudaEventCreateWithFlags failed: %s", cudaGetErrorString(ce));
+    }
+    if ((ce = cudaEventRecord(e->ev, c->stream)) != cudaSuccess) {
+        cudaEventDestroy(e->ev);
+        delete e;
+        return ddp__cu_fail(m, DDP_ERR_SYSTEM, "cudaEventRecord failed: %s", cudaGetErrorString(ce));
+    }
+    e->queued = ddp__cu_now();
+    *event = e;
+    return DDP_SUCCESS;
+}
+
+extern "C" {
+
+DDP_API ddp_result ddp_cuda_nccl_device(int local_rank, int *device, char *err, size_t err_size) {
+    ddp__cu_msg m = {err, err_size};
+    int n = 0, d;
+    cudaError_t ce = cudaGetDeviceCount(&n);
+    if (ce != cudaSuccess || n <= 0) {
+        cudaGetLastError(); /* not sticky: clear it */
+        return ddp__cu_fail(&m, DDP_ERR_UNSUPPORTED, "no CUDA device visible (cudaGetDeviceCount = 0): use the cpu backend "
+                            "(backend \"cpu\" or DDP_BACKEND=cpu). CUDA said: %s (%s); check the driver and "
+                            "CUDA_VISIBLE_DEVICES", cudaGetErrorName(ce), cudaGetErrorString(ce));
+    }
+    if (local_rank < 0) local_rank = 0;
+    if (local_rank < n) d = local_rank;
+    else if (n == 1) d = 0;
+    else
+        return ddp__cu_fail(&m, DDP_ERR_UNSUPPORTED, "local rank %d has no GPU of its own: %d CUDA devices are visible "
+                            "(cudaGetDeviceCount = %d); start at most %d ranks per host, or give each rank one device "
+                            "with CUDA_VISIBLE_DEVICES", local_rank, n, n, n);
+    if ((ce = cudaSetDevice(d)) != cudaSuccess)
+        return ddp__cu_fail(&m, DDP_ERR_SYSTEM, "cudaSetDevice(%d) failed: %s (%s)", d, cudaGetErrorName(ce),
+                            cudaGetErrorString(ce));
+    *device = d;
+    return DDP_SUCCESS;
+}
+
+DDP_API ddp_result ddp_cuda_nccl_unique_id(unsigned char *id, char *err, size_t err_size) {
+    ddp__cu_msg m = {err, err_size};
+    ncclUniqueId u;
+    ncclResult_t rc;
+    static_assert(sizeof(ncclUniqueId) == DDP_CUDA_NCCL_ID_BYTES, "ncclUniqueId is not DDP_CUDA_NCCL_ID_BYTES bytes");
+    if (!id) return ddp__cu_fail(&m, DDP_ERR_INVALID_ARGUMENT, "ddp_cuda_nccl_unique_id: id is NULL");
+    if ((rc = ncclGetUniqueId(&u)) != ncclSuccess)
+        return ddp__cu_fail(&m, DDP_ERR_SYSTEM, "ncclGetUniqueId failed: %s", ncclGetErrorString(rc));
+    memcpy(id, &u, sizeof u);
+    return DDP_SUCCESS;
+}
+
+DDP_API ddp_result ddp_cuda_nccl_create(const unsigned char *id, int rank, int nranks, int device, ddp_cuda_nccl **out,
+                                        char *err, size_t err_size) {
+    ddp__cu_msg m = {err, err_size};
+    ncclUniqueId u;
+    ncclResult_t rc;
+    cudaError_t ce;
+    ddp_cuda_nccl *c;
+    if (!id || !out || nranks < 1 || rank < 0 || rank >= nranks || device < 0)
+        return ddp__cu_fail(&m, DDP_ERR_INVALID_ARGUMENT, "ddp_cuda_nccl_create: bad arguments (rank %d of %d, device %d)",
+                            rank, nranks, device);
+    *out = NULL;
+    ddp__cu_device_scope scope(device);
+    if (!(c = new (std::nothrow) ddp_cuda_nccl))
+        return ddp__cu_fail(&m, DDP_ERR_OUT_OF_MEMORY, "out of memory for an NCCL communicator");
+    c->comm = NULL;
+    c->device = device;
+    c->rank = rank;
+    c->nranks = nranks;
+    c->stream = NULL;
+    c->one = NULL;
+    if ((ce = cudaMalloc((void **)&c->one, sizeof(float))) != cudaSuccess ||
+        (ce = cudaMemset(c->one, 0, sizeof(float))) != cudaSuccess) {
+        cudaFree(c->one);
+        delete c;
+        return ddp__cu_fail(&m, DDP_ERR_SYSTEM, "cudaMalloc of 4 bytes on device %d failed: %s", device, cudaGetErrorString(ce));
+    }
+    memcpy(&u, id, sizeof u);
+    if ((rc = ncclCommInitRank(&c->comm, nranks, u, rank)) != ncclSuccess) {
+        cudaFree(c->one);
+        delete c;
+        return ddp__cu_fail(&m, DDP_ERR_SYSTEM, "ncclCommInitRank(rank %d of %d, device %d) failed: %s", rank, nranks,
+                            device, ncclGetErrorString(rc));
+    }
+    *out = c;
+    return DDP_SUCCESS;
+}
+
+DDP_API void ddp_cuda_nccl_destroy(ddp_cuda_nccl *c, int abort) {
+    if (!c) return;
+    {
+        ddp__cu_device_scope scope(c->device);
+        if (abort) ddp__cu_nccl_abort(c);
+        if (c->comm) ncclCommDestroy(c->comm);
+        cudaFree(c->one);
+    }
+    delete c;
+}
+
+DDP_API void ddp_cuda_nccl_set_stream(ddp_cuda_nccl *c, void *stream) {
+    if (c) c->stream = (cudaStream_t)stream;
+}
+DDP_API void *ddp_cuda_nccl_stream(const ddp_cuda_nccl *c) { return c ? (void *)c->stream : NULL; }
+DDP_API int ddp_cuda_nccl_device_of(const ddp_cuda_nccl *c) { return c ? c->device : -1; }
+
+DDP_API int ddp_cuda_is_device_pointer(const void *p) {
+    cudaPointerAttributes at;
+    if (!p) return 0;
+    if (cudaPointerGetAttributes(&at, p) != cudaSuccess) {
+        cudaGetLastError(); /* older runtimes fail on plain host memory; not sticky */
+        return 0;
+    }
+    return at.type == cudaMemoryTypeDevice || at.type == cudaMemoryTypeManaged;
+}
+
+DDP_API ddp_result ddp_cuda_nccl_enqueue(ddp_cuda_nccl *c, ddp_cuda_coll kind, const void *send, void *recv, size_t count,
+                                         ddp_dtype dtype, ddp_op op, int root, void **event, char *err, size_t err_size) {
+    ddp__cu_msg m = {err, err_size};
+    bool type_ok = true, op_ok = true;
+    ncclDataType_t type = ddp__cu_nccl_type(dtype, &type_ok);
+    ncclRedOp_t nop = ddp__cu_nccl_op(op, &op_ok);
+    ncclResult_t rc;
+    if (!c || !event) return ddp__cu_fail(&m, DDP_ERR_INVALID_ARGUMENT, "ddp_cuda_nccl_enqueue: c or event is NULL");
+    *event = NULL;
+    if (!c->comm) return ddp__cu_fail(&m, DDP_ERR_STATE, "the NCCL communicator was aborted by an earlier error");
+    if (kind != DDP_CUDA_BARRIER && !type_ok)
+        return ddp__cu_fail(&m, DDP_ERR_UNSUPPORTED, "dtype %d has no NCCL type", (int)dtype);
+    if ((kind == DDP_CUDA_ALL_REDUCE || kind == DDP_CUDA_REDUCE || kind == DDP_CUDA_REDUCE_SCATTER) && !op_ok)
+        return ddp__cu_fail(&m, DDP_ERR_UNSUPPORTED, "op %d has no NCCL operation", (int)op);
+    ddp__cu_device_scope scope(c->device);
+    rc = ddp__cu_nccl_call(c, kind, send, recv, count, type, nop, root, ddp__cu_dtype_size(dtype));
+    if (rc != ncclSuccess) return ddp__cu_nccl_failed(c, &m, rc, "queueing the NCCL collective");
+    if (ddp__cu_record(c, &m, event) != DDP_SUCCESS) {
+        ddp__cu_nccl_abort(c); /* the collective is queued but cannot be waited for: nobody may rely on it */
+        return DDP_ERR_SYSTEM;
+    }
+    return DDP_SUCCESS;
+}
+
+DDP_API ddp_result ddp_cuda_nccl_copy(ddp_cuda_nccl *c, void *dst, const void *src, size_t bytes, void **event, char *err,
+                                      size_t err_size) {
+    ddp__cu_msg m = {err, err_size};
+    cudaError_t ce;
+    *event = NULL;
+    if (!bytes || dst == src) return DDP_SUCCESS;
+    ddp__cu_device_scope scope(c->device);
+    if ((ce = cudaMemcpyAsync(dst, src, bytes, cudaMemcpyDefault, c->stream)) != cudaSuccess)
+        return ddp__cu_fail(&m, DDP_ERR_SYSTEM, "cudaMemcpyAsync of %zu bytes failed: %s", bytes, cudaGetErrorString(ce));
+    if (ddp_cuda_is_device_pointer(dst) && ddp_cuda_is_device_pointer(src)) return DDP_SUCCESS;
+    return ddp__cu_record(c, &m, event);
+}
+
+DDP_API ddp_result ddp_cuda_nccl_alloc(ddp_cuda_nccl *c, size_t bytes, void **out, char *err, size_t err_size) {
+    ddp__cu_msg m = {err, err_size};
+    cudaError_t ce;
+    void *p = NULL;
+    *out = NULL;
+    if (!bytes) return DDP_SUCCESS;
+    ddp__cu_device_scope scope(c->device);
+    if ((ce = cudaMalloc(&p, bytes)) != cudaSuccess)
+        return ddp__cu_fail(&m, DDP_ERR_OUT_OF_MEMORY, "cudaMalloc(%zu bytes) on device %d failed: %s", bytes, c->device,
+                            cudaGetErrorString(ce));
+    if ((ce = cudaMemset(p, 0, bytes)) != cudaSuccess) {
+        cudaFree(p);
+        return ddp__cu_fail(&m, DDP_ERR_SYSTEM, "cudaMemset failed: %s", cudaGetErrorString(ce));
+    }
+    *out = p;
+    return DDP_SUCCESS;
+}
+
+DDP_API ddp_result ddp_cuda_nccl_zero(ddp_cuda_nccl *c, void *dst, size_t bytes, char *err, size_t err_size) {
+    ddp__cu_msg m = {err, err_size};
+    cudaError_t ce;
+    if (!bytes) return DDP_SUCCESS;
+    ddp__cu_device_scope scope(c->device);
+    if ((ce = cudaMemsetAsync(dst, 0, bytes, c->stream)) != cudaSuccess)
+        return ddp__cu_fail(&m, DDP_ERR_SYSTEM, "cudaMemsetAsync of %zu bytes failed: %s", bytes, cudaGetErrorString(ce));
+    return DDP_SUCCESS;
+}
+
+DDP_API void ddp_cuda_nccl_free(ddp_cuda_nccl *c, void *p) {
+    if (!c || !p) return;
+    ddp__cu_device_scope scope(c->device);
+    cudaFree(p);
+}
+
+DDP_API ddp_result ddp_cuda_nccl_wait(ddp_cuda_nccl *c, void *event, double timeout, const char *what,
+                                      ddp_result (*watch)(void *user), void *user, char *err, size_t err_size) {
+    ddp__cu_msg m = {err, err_size};
+    ddp__cu_event *e = (ddp__cu_event *)event;
+    ddp_result r = DDP_SUCCESS;
+    double nap = 1e-6;
+    if (!c || !e) return ddp__cu_fail(&m, DDP_ERR_INVALID_ARGUMENT, "ddp_cuda_nccl_wait: c or event is NULL");
+    ddp__cu_device_scope scope(c->device);
+    for (;;) {
+        cudaError_t ce = cudaEventQuery(e->ev);
+        ncclResult_t async = ncclSuccess;
+        if (ce == cudaSuccess) break;
+        if (ce != cudaErrorNotReady) {
+            r = ddp__cu_fail(&m, DDP_ERR_SYSTEM, "%s: CUDA error while waiting for it: %s (%s); the NCCL communicator "
+                             "was aborted", what, cudaGetErrorName(ce), cudaGetErrorString(ce));
+            break;
+        }
+        if (!c->comm) {
+            r = ddp__cu_fail(&m, DDP_ERR_STATE, "%s: the NCCL communicator was aborted by an earlier error", what);
+            break;
+        }
+        if (ncclCommGetAsyncError(c->comm, &async) != ncclSuccess || (async != ncclSuccess && async != ncclInProgress)) {
+            const char *detail = ncclGetLastError(c->comm);
+            r = ddp__cu_fail(&m, DDP_ERR_SYSTEM, "%s: NCCL reported an error: %s%s%s; the NCCL communicator was aborted",
+                             what, ncclGetErrorString(async), detail && *detail ? ": " : "", detail ? detail : "");
+            break;
+        }
+        if (ddp__cu_now() - e->queued > timeout) {
+            r = ddp__cu_fail(&m, DDP_ERR_TIMEOUT, "%s did not complete within %.0f s (watchdog): a rank did not make the "
+                             "same call, or is stuck or gone; the NCCL communicator was aborted", what, timeout);
+            break;
+        }
+        if (watch && (r = watch(user)) != DDP_SUCCESS) {
+            ddp__cu_fail(&m, r, "%s: another rank failed; the NCCL communicator was aborted", what);
+            break;
+        }
+        ddp__cu_sleep(nap);
+        nap = nap < 1e-3 ? nap * 2 : 1e-3;
+    }
+    if (r != DDP_SUCCESS) ddp__cu_nccl_abort(c);
+    cudaEventDestroy(e->ev);
+    delete e;
+    return r;
+}
+
+DDP_API int ddp_cuda_nccl_test(ddp_cuda_nccl *c, void *event) {
+    ddp__cu_event *e = (ddp__cu_event *)event;
+    if (!c || !e || !c->comm) return 1;
+    ddp__cu_device_scope scope(c->device);
+    return cudaEventQuery(e->ev) != cudaErrorNotReady;
+}
+
+} /* extern "C" */
+#endif /* !DDP_CUDA_HARNESS */

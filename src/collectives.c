@@ -243,6 +243,7 @@ struct ddp_work {
     int done;
     char error[DDP__ERR_MAX];
     ddp_work *next;
+    void *nccl_event; /* nccl backend, device memory: the CUDA event after the queued call (nccl.c) */
 };
 
 /* A single rank has nobody to talk to: only the data movement of the collective remains. */
@@ -254,9 +255,19 @@ static void ddp__run_alone(const ddp__call *k) {
 
 static ddp_result ddp__shm_run(ddp_group *g, const ddp__call *k, const ddp__coll *c); /* shm.c */
 static ddp_result ddp__mpi_run(ddp_group *g, const ddp__call *k, const ddp__coll *c); /* mpi.c */
+/* nccl.c: device calls run on NCCL (*host = 0); checked host calls go on to the cpu path (*host = 1) */
+static ddp_result ddp__nccl_run(ddp_group *g, const ddp__call *k, const ddp__coll *c, int *host);
+static int ddp__nccl_async(ddp_group *g, const ddp__call *k, ddp_work **out, ddp_result *res);
+static ddp_result ddp__nccl_wait_work(ddp_work *w);
+static int ddp__nccl_test_work(ddp_work *w);
 
 static ddp_result ddp__run(ddp_group *g, const ddp__call *k, const ddp__coll *c) {
     if (g->broken) return DDP_ERR_STATE;
+    if (g->nccl) {
+        int host = 0;
+        ddp_result r = ddp__nccl_run(g, k, c, &host);
+        if (r || !host) return r;
+    }
     if (g->world_size == 1) {
         ddp__run_alone(k);
         return DDP_SUCCESS;
@@ -388,6 +399,7 @@ static ddp_result ddp__call_async(ddp_group *g, const ddp__call *k, ddp_work **o
     if (!out) return ddp__fail(g, DDP_ERR_INVALID_ARGUMENT, "%s_async: the ddp_work **out argument is NULL", ddp__coll_name(k->kind));
     *out = NULL;
     if ((r = ddp__validate(g, k)) != DDP_SUCCESS) return r;
+    if (g->nccl && ddp__nccl_async(g, k, out, &r)) return r; /* device memory: queued on the stream now */
     w = (ddp_work *)ddp__calloc(1, sizeof *w);
     if (!w) return ddp__fail(g, DDP_ERR_OUT_OF_MEMORY, "out of memory allocating a ddp_work");
     w->g = g;
@@ -417,6 +429,7 @@ DDP_API ddp_result ddp_wait(ddp_work *w) {
     ddp_group *g;
     ddp_result r;
     if (!w) return ddp__fail(NULL, DDP_ERR_INVALID_ARGUMENT, "ddp_wait: the work handle is NULL");
+    if (w->nccl_event) return ddp__nccl_wait_work(w);
     g = w->g;
     pthread_mutex_lock(&g->mu);
     while (!w->done) pthread_cond_wait(&g->cv, &g->mu);
@@ -430,6 +443,7 @@ DDP_API ddp_result ddp_wait(ddp_work *w) {
 DDP_API int ddp_test(ddp_work *w) {
     int done;
     if (!w) return 1;
+    if (w->nccl_event) return ddp__nccl_test_work(w);
     pthread_mutex_lock(&w->g->mu);
     done = w->done;
     pthread_mutex_unlock(&w->g->mu);

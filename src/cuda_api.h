@@ -127,4 +127,95 @@ DDP_API ddp_result ddp_cuda_bucket_copy_out(const ddp_cuda_grads_args *a, const 
 DDP_API ddp_result ddp_cuda_non_finite_check_and_unscale(const ddp_cuda_grads_args *a, float *found_inf,
                                                          const float *inv_scale);
 
+/* ---- NCCL glue: the nccl backend's communicator (torch's ProcessGroupNCCL) -------------------------
+   ddp.h's implementation calls these when a program asks for backend "nccl" (ddp_init): programs use
+   the group's collectives, not these. Link with -lcudart -lnccl (NCCL >= 2.10: ncclAvg, ncclBfloat16).
+   Every call makes the communicator's device current for its duration and restores the caller's.
+   Errors go to err (err_size bytes; NULL = none). Thread safety: one thread at a time per communicator. */
+
+#define DDP_CUDA_NCCL_ID_BYTES 128 /* sizeof(ncclUniqueId) */
+typedef struct ddp_cuda_nccl ddp_cuda_nccl;
+
+/* The collectives, numbered as ddp.h numbers them internally. */
+typedef enum ddp_cuda_coll {
+    DDP_CUDA_ALL_REDUCE = 1,
+    DDP_CUDA_BROADCAST,
+    DDP_CUDA_REDUCE,
+    DDP_CUDA_ALL_GATHER,
+    DDP_CUDA_REDUCE_SCATTER,
+    DDP_CUDA_BARRIER /* a 1-element all-reduce, as torch's barrier on NCCL */
+} ddp_cuda_coll;
+
+/* ddp_cuda_nccl_device: choose this rank's GPU and make it the calling thread's current device
+   (cudaSetDevice): local_rank when local_rank < the number of visible devices; device 0 when exactly
+   one is visible (each rank given its own GPU, e.g. srun --gpus-per-task=1). *device receives it.
+   Return: DDP_SUCCESS; DDP_ERR_UNSUPPORTED when no device is visible ("no CUDA device visible
+   (cudaGetDeviceCount = 0): use the cpu backend") or when local_rank has no device of its own;
+   DDP_ERR_SYSTEM when cudaSetDevice fails. */
+DDP_API ddp_result ddp_cuda_nccl_device(int local_rank, int *device, char *err, size_t err_size);
+
+/* ddp_cuda_nccl_unique_id: ncclGetUniqueId into id (DDP_CUDA_NCCL_ID_BYTES opaque bytes), made by one rank
+   and handed to the others (ddp.h passes it through the store). DDP_ERR_SYSTEM when NCCL fails. */
+DDP_API ddp_result ddp_cuda_nccl_unique_id(unsigned char *id, char *err, size_t err_size);
+
+/* ddp_cuda_nccl_create: ncclCommInitRank(nranks, id, rank) on device; collective over the nranks ranks
+   that share id (it returns once all have joined). The stream starts as NULL (the legacy default
+   stream). Return: DDP_SUCCESS; DDP_ERR_SYSTEM (CUDA or NCCL failed: the message has their text);
+   DDP_ERR_OUT_OF_MEMORY; DDP_ERR_INVALID_ARGUMENT. */
+DDP_API ddp_result ddp_cuda_nccl_create(const unsigned char *id, int rank, int nranks, int device,
+                                        ddp_cuda_nccl **out, char *err, size_t err_size);
+
+/* ddp_cuda_nccl_destroy: ncclCommDestroy (which first completes the communicator's operations), or
+   ncclCommAbort when abort is nonzero (after an error: nothing is waited for); frees c. NULL: no-op. */
+DDP_API void ddp_cuda_nccl_destroy(ddp_cuda_nccl *c, int abort);
+
+/* The stream (cudaStream_t; NULL = the legacy default stream) that collectives and copies are queued
+   on, and the device of c. */
+DDP_API void ddp_cuda_nccl_set_stream(ddp_cuda_nccl *c, void *stream);
+DDP_API void *ddp_cuda_nccl_stream(const ddp_cuda_nccl *c);
+DDP_API int ddp_cuda_nccl_device_of(const ddp_cuda_nccl *c);
+
+/* ddp_cuda_is_device_pointer: 1 when p is memory a GPU kernel can use as device memory (cudaMalloc'd,
+   or managed), 0 for host memory (pageable or pinned), NULL, or when CUDA cannot tell. */
+DDP_API int ddp_cuda_is_device_pointer(const void *p);
+
+/* ddp_cuda_nccl_enqueue: queue one collective on c's stream, then record a CUDA event after it.
+   send/recv as ddp.h's collectives (all_reduce, broadcast, reduce: recv is the in-place buffer and send
+   is ignored; all_gather / reduce_scatter: count per rank, send may be recv's own slice or recv
+   itself). op AVG is ncclAvg. *event receives the event, for ddp_cuda_nccl_wait / _test (exactly one
+   ddp_cuda_nccl_wait per event releases it). Return: DDP_SUCCESS; DDP_ERR_UNSUPPORTED (dtype or op);
+   DDP_ERR_SYSTEM when NCCL or CUDA refuses (the communicator is then aborted); DDP_ERR_STATE when an
+   earlier error aborted it. */
+DDP_API ddp_result ddp_cuda_nccl_enqueue(ddp_cuda_nccl *c, ddp_cuda_coll kind, const void *send, void *recv,
+                                         size_t count, ddp_dtype dtype, ddp_op op, int root, void **event,
+                                         char *err, size_t err_size);
+
+/* ddp_cuda_nccl_copy: bytes from src to dst (device or host memory, either side) queued on c's stream.
+   When either side is host memory, *event receives an event to wait for before the host memory is
+   used again (else *event = NULL). Return: DDP_SUCCESS or DDP_ERR_SYSTEM. */
+DDP_API ddp_result ddp_cuda_nccl_copy(ddp_cuda_nccl *c, void *dst, const void *src, size_t bytes, void **event,
+                                      char *err, size_t err_size);
+
+/* Device memory on c's device: ddp_cuda_nccl_alloc gives bytes of zeroed memory (NULL for 0 bytes);
+   ddp_cuda_nccl_zero queues a memset on c's stream; ddp_cuda_nccl_free releases (NULL: no-op; it waits
+   for the device, as cudaFree does). */
+DDP_API ddp_result ddp_cuda_nccl_alloc(ddp_cuda_nccl *c, size_t bytes, void **out, char *err, size_t err_size);
+DDP_API ddp_result ddp_cuda_nccl_zero(ddp_cuda_nccl *c, void *dst, size_t bytes, char *err, size_t err_size);
+DDP_API void ddp_cuda_nccl_free(ddp_cuda_nccl *c, void *p);
+
+/* ddp_cuda_nccl_wait: the watchdog (torch's ProcessGroupNCCL watchdog, on the waiting thread). Polls the
+   event (cudaEventQuery) until the work before it is complete; meanwhile checks ncclCommGetAsyncError,
+   the deadline (timeout seconds after the event was recorded) and, when watch is not NULL,
+   watch(user) (ddp.h looks at the other ranks' connections there). On an NCCL error, a CUDA error, the
+   deadline or a failed watch, the communicator is aborted (ncclCommAbort), so that no rank hangs.
+   what names the operation in messages ("all_reduce(count=4, f32, sum) as collective #7"). Releases
+   the event in every case. Return: DDP_SUCCESS; DDP_ERR_TIMEOUT; DDP_ERR_SYSTEM (NCCL or CUDA error);
+   watch's error; DDP_ERR_STATE when an earlier error had aborted the communicator. */
+DDP_API ddp_result ddp_cuda_nccl_wait(ddp_cuda_nccl *c, void *event, double timeout, const char *what,
+                                      ddp_result (*watch)(void *user), void *user, char *err, size_t err_size);
+
+/* ddp_cuda_nccl_test: nonzero when the work before event is complete (or failed: then
+   ddp_cuda_nccl_wait returns at once with the error). Does not release the event. */
+DDP_API int ddp_cuda_nccl_test(ddp_cuda_nccl *c, void *event);
+
 #endif /* DDP_CUDA */

@@ -93,7 +93,8 @@ typedef struct ddp_store ddp_store; /* the rendezvous key-value store (PyTorch's
    127.0.0.1 with a port derived from the job id. Under SLURM, MASTER_ADDR defaults to the first host of
    SLURM_NODELIST. init_method "file:///path" puts the store in a file on a shared filesystem instead. */
 typedef struct ddp_init_desc {
-    const char *backend;     /* NULL: DDP_BACKEND, else "auto" = cpu; "cpu"; "mpi" (a build with -DDDP_MPI, under mpirun); "nccl" */
+    const char *backend;     /* NULL: DDP_BACKEND, else "auto" = cpu; "cpu"; "mpi" (a build with -DDDP_MPI, under mpirun);
+                                "nccl" (a build with -DDDP_CUDA linked with ddp_cuda.o, -lcudart, -lnccl) */
     const char *init_method; /* NULL or "env://"; "tcp://host:port"; "file:///path/to/store" */
     int world_size;          /* > 0: use rank and world_size from here instead of the environment */
     int rank;
@@ -186,6 +187,15 @@ DDP_API ddp_result ddp_barrier_async(ddp_group *g, ddp_work **w);
 DDP_API ddp_result ddp_wait(ddp_work *w);
 /* Nonzero when w is complete (ddp_wait will not block). Does not release w. */
 DDP_API int ddp_test(ddp_work *w);
+
+/* ddp_set_stream: the CUDA stream (a cudaStream_t) that the nccl backend queues g's collectives on
+   (torch orders NCCL work after the current stream). NULL = the legacy default stream, the initial
+   setting. On the nccl backend, buffers in device memory go to NCCL: a collective is queued on the
+   stream after the caller's earlier work there, and the synchronous call returns once it has completed
+   (ddp_wait, for the async variants); buffers in host memory run on the cpu path. Subgroups made later
+   start with g's stream. Return: DDP_SUCCESS; DDP_ERR_UNSUPPORTED on a group of another backend;
+   DDP_ERR_INVALID_ARGUMENT for a NULL group. Thread safety: as the collectives. */
+DDP_API ddp_result ddp_set_stream(ddp_group *g, void *cuda_stream);
 
 /* ---- Store (torch.distributed.TCPStore) ------------------------------------------------------
    The key-value store every group rendezvouses through; programs may use it for their own keys

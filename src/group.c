@@ -465,6 +465,7 @@ static void ddp__group_free(ddp_group *g) {
     if (g->broken) ddp__close_after_failure(g, 1.0);
     ddp__shm_free(g);
     ddp__mpi_free(g->mpi);
+    ddp__nccl_free(g);
     for (i = 0; g->peers && i < g->world_size; i++)
         if (g->peers[i].fd >= 0) close(g->peers[i].fd);
     if (g->owns_store && g->store) ddp__store_free(g->store);
@@ -544,6 +545,21 @@ static ddp_result ddp__connect_agent_store(const ddp__launch *L, double timeout,
     return r;
 }
 
+/* The last step of ddp_init. Backend "nccl": the connected group gets its communicator (nccl.c); when
+   that fails (on every rank alike: the ranks agree on each step), the group is taken down in order. */
+static ddp_result ddp__init_done(ddp_group *g, int nccl, ddp_group **out) {
+    char msg[DDP__ERR_MAX];
+    int rank = g->rank, world = g->world_size;
+    ddp_result r;
+    if (nccl && (r = ddp__nccl_attach(g, NULL)) != DDP_SUCCESS) {
+        snprintf(msg, sizeof msg, "%s", g->error);
+        ddp_destroy(g);
+        return ddp__fail(NULL, r, "ddp_init (rank %d of %d): %s", rank, world, msg);
+    }
+    *out = g;
+    return DDP_SUCCESS;
+}
+
 DDP_API ddp_result ddp_init(const ddp_init_desc *desc, ddp_group **out) {
     ddp_init_desc zero;
     ddp__launch L;
@@ -551,6 +567,7 @@ DDP_API ddp_result ddp_init(const ddp_init_desc *desc, ddp_group **out) {
     char err[DDP__ERR_MAX], where[320];
     const char *transport = ddp__env("DDP_TRANSPORT"), *backend;
     double timeout;
+    int nccl;
     ddp_result r;
     if (!out) return ddp__fail(NULL, DDP_ERR_INVALID_ARGUMENT, "ddp_init: the out argument is NULL");
     *out = NULL;
@@ -559,10 +576,9 @@ DDP_API ddp_result ddp_init(const ddp_init_desc *desc, ddp_group **out) {
         desc = &zero;
     }
     backend = desc->backend && *desc->backend ? desc->backend : ddp__env("DDP_BACKEND") ? ddp__env("DDP_BACKEND") : "auto";
-    if (strcmp(backend, "auto") != 0 && strcmp(backend, "cpu") != 0 && strcmp(backend, "mpi") != 0) {
-        if (strcmp(backend, "nccl") == 0)
-            return ddp__fail(NULL, DDP_ERR_UNSUPPORTED, "backend \"nccl\" is not available in this build: this build has the "
-                             "cpu backend (and mpi with -DDDP_MPI); use backend \"cpu\" (or NULL for the default)");
+    nccl = strcmp(backend, "nccl") == 0;
+    if (nccl && (r = ddp__nccl_built(err)) != DDP_SUCCESS) return ddp__fail(NULL, r, "%s", err);
+    if (strcmp(backend, "auto") != 0 && strcmp(backend, "cpu") != 0 && strcmp(backend, "mpi") != 0 && !nccl) {
         return ddp__fail(NULL, DDP_ERR_INVALID_ARGUMENT, "backend \"%s\"%s is not one of auto, cpu, nccl, mpi", backend,
                          desc->backend && *desc->backend ? "" : " (from DDP_BACKEND)");
     }
@@ -585,8 +601,7 @@ DDP_API ddp_result ddp_init(const ddp_init_desc *desc, ddp_group **out) {
     if (L.world_size == 1 && !L.file_path && !L.master_port) { /* alone: nothing to connect */
         g->local_rank = 0;
         g->local_world_size = 1;
-        *out = g;
-        return DDP_SUCCESS;
+        return ddp__init_done(g, nccl, out);
     }
 
     if (L.file_path) {
@@ -617,8 +632,7 @@ DDP_API ddp_result ddp_init(const ddp_init_desc *desc, ddp_group **out) {
     }
     ddp__log(g, DDP_LOG_INFO, "joined: rank %d of %d (local rank %d of %d)", g->rank, g->world_size, g->local_rank,
              g->local_world_size);
-    *out = g;
-    return DDP_SUCCESS;
+    return ddp__init_done(g, nccl, out);
 }
 
 DDP_API ddp_result ddp_destroy(ddp_group *g) {
@@ -697,6 +711,11 @@ DDP_API ddp_result ddp_new_group(ddp_group *g, const int *ranks, int n, ddp_grou
         return r;
     }
     if (n == 1) sub->local_rank = 0, sub->local_world_size = 1;
+    if (g->nccl && (r = ddp__nccl_attach(sub, g->nccl)) != DDP_SUCCESS) { /* its own communicator */
+        ddp__fail(g, r, "ddp_new_group: %s", sub->error);
+        ddp_destroy(sub);
+        return r;
+    }
     sub->parent = g;
     g->live_subgroups++;
     *out = sub;

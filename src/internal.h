@@ -141,6 +141,7 @@ struct ddp_group {
     char broken_msg[DDP__ERR_MAX];
     struct ddp__shm *shm; /* shared-memory transport when every rank is on this host (shm.c), else NULL */
     struct ddp__mpi *mpi; /* the mpi backend's communicator (mpi.c); NULL on the cpu backend */
+    struct ddp__nccl *nccl; /* the nccl backend's communicator (nccl.c); NULL on the other backends */
     void *scratch;      /* staging memory for the algorithms, grown on demand */
     size_t scratch_size;
 

@@ -142,6 +142,12 @@ static const ddp__reducer_ops ddp__reducer_backends[] = {
     /* the mpi backend's collectives take host memory too */
     {"mpi", ddp__cpu_alloc, ddp__cpu_release, ddp__cpu_zero, ddp__cpu_copy_in_scaled, ddp__cpu_copy_out,
      ddp__cpu_all_reduce_async, ddp_wait},
+#ifdef DDP_CUDA
+    /* buckets in device memory, copied by ddp_cuda.cu's bucket kernels on the group's stream (nccl.c);
+       the all-reduce of device memory goes to NCCL */
+    {"nccl", ddp__nccl_alloc, ddp__nccl_release, ddp__nccl_zero, ddp__nccl_copy_in_scaled, ddp__nccl_copy_out,
+     ddp__cpu_all_reduce_async, ddp_wait},
+#endif
 };
 
 /* ---- the reducer's state ---- */
@@ -230,7 +236,7 @@ DDP_API ddp_result ddp_reducer_create(ddp_group *g, const ddp_reducer_desc *d, d
         if (strcmp(ddp__reducer_backends[i].backend, ddp_backend_name(g)) == 0) ops = &ddp__reducer_backends[i];
     if (!ops)
         return ddp__fail(g, DDP_ERR_UNSUPPORTED, "ddp_reducer_create: the reducer has no functions for backend \"%s\" "
-                         "(it knows cpu and mpi)", ddp_backend_name(g));
+                         "(it knows cpu, mpi and nccl)", ddp_backend_name(g));
     r = (ddp_reducer *)ddp__calloc(1, sizeof *r);
     if (!r) return ddp__fail(g, DDP_ERR_OUT_OF_MEMORY, "ddp_reducer_create: out of memory");
     r->g = g;

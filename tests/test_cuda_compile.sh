@@ -88,7 +88,7 @@ int main(void) {
 }
 EOF
 if ! ${CC:-cc} -std=c99 -Wall -Wextra -Werror -pedantic -I. -c "$BUILD/cuda_link_check.c" -o "$BUILD/cuda_link_check.o" ||
-   ! "$NVCC" "$BUILD/cuda_link_check.o" "$BUILD/ddp_cuda.o" -o "$BUILD/cuda_link_check"; then
+   ! "$NVCC" "$BUILD/cuda_link_check.o" "$BUILD/ddp_cuda.o" -lnccl -o "$BUILD/cuda_link_check"; then
   echo "FAIL: a C program cannot use ddp_cuda.o through ddp.h's declarations"; exit 1
 fi
 "$BUILD/cuda_link_check" || { echo "FAIL: argument checks"; exit 1; }

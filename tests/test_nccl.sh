@@ -1,0 +1,71 @@
+#!/usr/bin/env bash
+# The nccl backend (tests/nccl/test_nccl.c). (1) ddp_cuda.cu (with its NCCL glue) compiles with nvcc for
+# sm_75, sm_80 and sm_90 (those this nvcc supports), every warning an error; the test program, which
+# compiles ddp.h's implementation with -DDDP_CUDA, compiles warning-free as C99 and as C++17 and is linked
+# by nvcc with ddp_cuda.o and -lnccl; the GPU example builds with make GPU=1. (2) Without a GPU: backend
+# "nccl" fails on both ranks with "no CUDA device visible ... use the cpu backend" (from the descriptor
+# and from DDP_BACKEND), also under AddressSanitizer + UBSan; the default backend is cpu. (3) With a CUDA
+# device visible: every collective and dtype through NCCL at world size 1, and 2 when there are 2 GPUs,
+# checked against host math; without one that part says "skipped: no GPU".
+# Skips (77) when nvcc or nccl.h is absent.
+set -u
+cd "$(dirname "$0")/.."
+BUILD=${BUILD:-build}
+NVCC=${NVCC:-nvcc}
+CC=${CC:-cc}
+CXX=${CXX:-g++}
+if ! command -v "$NVCC" >/dev/null 2>&1; then
+  if [ -x /usr/local/cuda/bin/nvcc ]; then NVCC=/usr/local/cuda/bin/nvcc; else
+    echo "skipped: nvcc not found (set NVCC or install the CUDA toolkit)"; exit 77
+  fi
+fi
+CUDA_HOME=${CUDA_HOME:-$(dirname "$(dirname "$(command -v "$NVCC")")")}
+[ -f "$CUDA_HOME/include/nccl.h" ] || [ -f /usr/include/nccl.h ] || { echo "skipped: nccl.h not found"; exit 77; }
+out="$BUILD/nccl"
+mkdir -p "$out"
+make -s ddp.h >/dev/null || { echo "FAIL: cannot generate ddp.h"; exit 1; }
+
+listed=$("$NVCC" --list-gpu-arch 2>/dev/null)
+gencode=() built=""
+for sm in 75 80 90; do
+  if grep -qx "compute_$sm" <<<"$listed"; then gencode+=(-gencode "arch=compute_$sm,code=sm_$sm"); built="$built sm_$sm"; fi
+done
+[ ${#gencode[@]} -gt 0 ] || { echo "FAIL: this nvcc supports none of sm_75/80/90"; exit 1; }
+echo "== (1) build for:$built"
+strict=(-std=c++17 -O2 -Werror all-warnings -Xcompiler -Wall,-Wextra,-Werror -Xptxas -Werror -I.)
+"$NVCC" "${strict[@]}" "${gencode[@]}" -c ddp_cuda.cu -o "$out/ddp_cuda.o" || { echo "FAIL: ddp_cuda.cu"; exit 1; }
+inc=(-I. -isystem "$CUDA_HOME/include") # CUDA's headers are not -pedantic C99: system headers
+"$CC" -std=c99 -Wall -Wextra -Werror -pedantic -O2 -pthread "${inc[@]}" -DDDP_CUDA -c tests/nccl/test_nccl.c -o "$out/test_nccl.o" ||
+  { echo "FAIL: tests/nccl/test_nccl.c as C99 with -DDDP_CUDA"; exit 1; }
+"$CXX" -std=c++17 -Wall -Wextra -Werror -pedantic -O2 -pthread "${inc[@]}" -DDDP_CUDA -x c++ -c tests/nccl/test_nccl.c \
+  -o "$out/test_nccl_cpp.o" || { echo "FAIL: tests/nccl/test_nccl.c as C++17 with -DDDP_CUDA"; exit 1; }
+"$NVCC" "${gencode[@]}" -Xcompiler -pthread -o "$out/test_nccl" "$out/test_nccl.o" "$out/ddp_cuda.o" -lnccl -lm ||
+  { echo "FAIL: linking with nvcc, ddp_cuda.o and -lnccl"; exit 1; }
+echo "test program: C99 and C++17 with -DDDP_CUDA, linked by nvcc with ddp_cuda.o -lnccl"
+if ! make -s GPU=1 BUILD="$BUILD/gpu" NVCC="$NVCC" "$BUILD/gpu/train_gpu" >"$out/make_gpu.log" 2>&1; then
+  cat "$out/make_gpu.log"; echo "FAIL: make GPU=1 cannot build examples/gpu/train_gpu.cu"; exit 1
+fi
+echo "make GPU=1: examples/gpu/train_gpu.cu built"
+
+devices=$("$out/test_nccl" devices) || { echo "FAIL: cannot count CUDA devices"; exit 1; }
+echo "== (2) CUDA devices visible: $devices"
+if [ "$devices" = 0 ]; then
+  "$out/test_nccl" nogpu || { echo "FAIL: backend nccl without a GPU"; exit 1; }
+  san=(-fsanitize=address,undefined -fno-omit-frame-pointer -fno-sanitize-recover=all)
+  "$CC" -std=c99 -Wall -Wextra -Werror -pedantic -O1 -g "${san[@]}" -pthread "${inc[@]}" -DDDP_CUDA -c tests/nccl/test_nccl.c \
+    -o "$out/test_nccl_san.o" &&
+    "$CXX" "${san[@]}" -o "$out/test_nccl_san" "$out/test_nccl_san.o" "$out/ddp_cuda.o" -L"$CUDA_HOME/lib64" -lcudart -lnccl \
+      -lm -pthread || { echo "FAIL: the sanitizer build"; exit 1; }
+  "$out/test_nccl_san" nogpu >/dev/null || { echo "FAIL: backend nccl without a GPU, under ASan + UBSan"; exit 1; }
+  echo "the same under AddressSanitizer + UBSan: ok"
+  echo "== (3) skipped: no GPU (NCCL collectives on device memory not run)"
+  echo "ok"
+  exit 0
+fi
+"$out/test_nccl" gpu 1 || { echo "FAIL: nccl with 1 rank"; exit 1; }
+if [ "$devices" -ge 2 ]; then
+  "$out/test_nccl" gpu 2 || { echo "FAIL: nccl with 2 ranks"; exit 1; }
+else
+  echo "2 ranks: skipped (one GPU)"
+fi
+echo "ok"
