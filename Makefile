@@ -55,7 +55,7 @@ $(BUILD)/%: examples/%.c ddp.h $(BUILD)/ddp_cuda.o | $(BUILD)
 # examples/gpu: CUDA programs (nccl backend, ddp.h's implementation compiled by nvcc as C++), built only
 # with GPU=1. 1675: nvcc's front end does not know `#pragma GCC unroll` (src/syncbn.c's DDP__BN_UNROLL).
 $(BUILD)/%: examples/gpu/%.cu ddp.h $(BUILD)/ddp_cuda.o | $(BUILD)
-	$(NVCC) $(NVFLAGS) -Werror all-warnings -diag-suppress 1675 -Xcompiler -Werror,-pthread -o $@ $< \
+	$(NVCC) $(NVFLAGS) -Werror all-warnings -Xcompiler -Werror,-pthread -o $@ $< \
 	    $(BUILD)/ddp_cuda.o -lnccl $(LDLIBS)
 else
 $(BUILD)/%: examples/%.c ddp.h | $(BUILD)

@@ -59,6 +59,7 @@
    [SECTION] collectives: ring algorithms, the public collectives, async work and the progress thread src/collectives.c
    [SECTION] shm: shared-memory transport for the ranks of a group that share one host src/shm.c
    [SECTION] mpi: the mpi backend, collectives through the MPI library (built with -DDDP_MPI) src/mpi.c
+   [SECTION] nccl: the nccl backend, collectives on device memory through NCCL (built with -DDDP_CUDA) src/nccl.c
    [SECTION] group: ddp_init (torch.distributed.init_process_group), launcher environments, src/group.c
    [SECTION] launcher: ddp_spawn (torch.multiprocessing.spawn) and ddprun (torchrun) src/launcher.c
    [SECTION] reducer: DistributedDataParallel's Reducer: model check, buckets, overlapped all-reduce src/reducer.c
@@ -171,7 +172,8 @@ typedef struct ddp_store ddp_store; /* the rendezvous key-value store (PyTorch's
    127.0.0.1 with a port derived from the job id. Under SLURM, MASTER_ADDR defaults to the first host of
    SLURM_NODELIST. init_method "file:///path" puts the store in a file on a shared filesystem instead. */
 typedef struct ddp_init_desc {
-    const char *backend;     /* NULL: DDP_BACKEND, else "auto" = cpu; "cpu"; "mpi" (a build with -DDDP_MPI, under mpirun); "nccl" */
+    const char *backend;     /* NULL: DDP_BACKEND, else "auto" = cpu; "cpu"; "mpi" (a build with -DDDP_MPI, under mpirun);
+                                "nccl" (a build with -DDDP_CUDA linked with ddp_cuda.o, -lcudart, -lnccl) */
     const char *init_method; /* NULL or "env://"; "tcp://host:port"; "file:///path/to/store" */
     int world_size;          /* > 0: use rank and world_size from here instead of the environment */
     int rank;
@@ -264,6 +266,15 @@ DDP_API ddp_result ddp_barrier_async(ddp_group *g, ddp_work **w);
 DDP_API ddp_result ddp_wait(ddp_work *w);
 /* Nonzero when w is complete (ddp_wait will not block). Does not release w. */
 DDP_API int ddp_test(ddp_work *w);
+
+/* ddp_set_stream: the CUDA stream (a cudaStream_t) that the nccl backend queues g's collectives on
+   (torch orders NCCL work after the current stream). NULL = the legacy default stream, the initial
+   setting. On the nccl backend, buffers in device memory go to NCCL: a collective is queued on the
+   stream after the caller's earlier work there, and the synchronous call returns once it has completed
+   (ddp_wait, for the async variants); buffers in host memory run on the cpu path. Subgroups made later
+   start with g's stream. Return: DDP_SUCCESS; DDP_ERR_UNSUPPORTED on a group of another backend;
+   DDP_ERR_INVALID_ARGUMENT for a NULL group. Thread safety: as the collectives. */
+DDP_API ddp_result ddp_set_stream(ddp_group *g, void *cuda_stream);
 
 /* ---- Store (torch.distributed.TCPStore) ------------------------------------------------------
    The key-value store every group rendezvouses through; programs may use it for their own keys
@@ -1185,6 +1196,97 @@ DDP_API ddp_result ddp_cuda_bucket_copy_out(const ddp_cuda_grads_args *a, const 
 DDP_API ddp_result ddp_cuda_non_finite_check_and_unscale(const ddp_cuda_grads_args *a, float *found_inf,
                                                          const float *inv_scale);
 
+/* ---- NCCL glue: the nccl backend's communicator (torch's ProcessGroupNCCL) -------------------------
+   ddp.h's implementation calls these when a program asks for backend "nccl" (ddp_init): programs use
+   the group's collectives, not these. Link with -lcudart -lnccl (NCCL >= 2.10: ncclAvg, ncclBfloat16).
+   Every call makes the communicator's device current for its duration and restores the caller's.
+   Errors go to err (err_size bytes; NULL = none). Thread safety: one thread at a time per communicator. */
+
+#define DDP_CUDA_NCCL_ID_BYTES 128 /* sizeof(ncclUniqueId) */
+typedef struct ddp_cuda_nccl ddp_cuda_nccl;
+
+/* The collectives, numbered as ddp.h numbers them internally. */
+typedef enum ddp_cuda_coll {
+    DDP_CUDA_ALL_REDUCE = 1,
+    DDP_CUDA_BROADCAST,
+    DDP_CUDA_REDUCE,
+    DDP_CUDA_ALL_GATHER,
+    DDP_CUDA_REDUCE_SCATTER,
+    DDP_CUDA_BARRIER /* a 1-element all-reduce, as torch's barrier on NCCL */
+} ddp_cuda_coll;
+
+/* ddp_cuda_nccl_device: choose this rank's GPU and make it the calling thread's current device
+   (cudaSetDevice): local_rank when local_rank < the number of visible devices; device 0 when exactly
+   one is visible (each rank given its own GPU, e.g. srun --gpus-per-task=1). *device receives it.
+   Return: DDP_SUCCESS; DDP_ERR_UNSUPPORTED when no device is visible ("no CUDA device visible
+   (cudaGetDeviceCount = 0): use the cpu backend") or when local_rank has no device of its own;
+   DDP_ERR_SYSTEM when cudaSetDevice fails. */
+DDP_API ddp_result ddp_cuda_nccl_device(int local_rank, int *device, char *err, size_t err_size);
+
+/* ddp_cuda_nccl_unique_id: ncclGetUniqueId into id (DDP_CUDA_NCCL_ID_BYTES opaque bytes), made by one rank
+   and handed to the others (ddp.h passes it through the store). DDP_ERR_SYSTEM when NCCL fails. */
+DDP_API ddp_result ddp_cuda_nccl_unique_id(unsigned char *id, char *err, size_t err_size);
+
+/* ddp_cuda_nccl_create: ncclCommInitRank(nranks, id, rank) on device; collective over the nranks ranks
+   that share id (it returns once all have joined). The stream starts as NULL (the legacy default
+   stream). Return: DDP_SUCCESS; DDP_ERR_SYSTEM (CUDA or NCCL failed: the message has their text);
+   DDP_ERR_OUT_OF_MEMORY; DDP_ERR_INVALID_ARGUMENT. */
+DDP_API ddp_result ddp_cuda_nccl_create(const unsigned char *id, int rank, int nranks, int device,
+                                        ddp_cuda_nccl **out, char *err, size_t err_size);
+
+/* ddp_cuda_nccl_destroy: ncclCommDestroy (which first completes the communicator's operations), or
+   ncclCommAbort when abort is nonzero (after an error: nothing is waited for); frees c. NULL: no-op. */
+DDP_API void ddp_cuda_nccl_destroy(ddp_cuda_nccl *c, int abort);
+
+/* The stream (cudaStream_t; NULL = the legacy default stream) that collectives and copies are queued
+   on, and the device of c. */
+DDP_API void ddp_cuda_nccl_set_stream(ddp_cuda_nccl *c, void *stream);
+DDP_API void *ddp_cuda_nccl_stream(const ddp_cuda_nccl *c);
+DDP_API int ddp_cuda_nccl_device_of(const ddp_cuda_nccl *c);
+
+/* ddp_cuda_is_device_pointer: 1 when p is memory a GPU kernel can use as device memory (cudaMalloc'd,
+   or managed), 0 for host memory (pageable or pinned), NULL, or when CUDA cannot tell. */
+DDP_API int ddp_cuda_is_device_pointer(const void *p);
+
+/* ddp_cuda_nccl_enqueue: queue one collective on c's stream, then record a CUDA event after it.
+   send/recv as ddp.h's collectives (all_reduce, broadcast, reduce: recv is the in-place buffer and send
+   is ignored; all_gather / reduce_scatter: count per rank, send may be recv's own slice or recv
+   itself). op AVG is ncclAvg. *event receives the event, for ddp_cuda_nccl_wait / _test (exactly one
+   ddp_cuda_nccl_wait per event releases it). Return: DDP_SUCCESS; DDP_ERR_UNSUPPORTED (dtype or op);
+   DDP_ERR_SYSTEM when NCCL or CUDA refuses (the communicator is then aborted); DDP_ERR_STATE when an
+   earlier error aborted it. */
+DDP_API ddp_result ddp_cuda_nccl_enqueue(ddp_cuda_nccl *c, ddp_cuda_coll kind, const void *send, void *recv,
+                                         size_t count, ddp_dtype dtype, ddp_op op, int root, void **event,
+                                         char *err, size_t err_size);
+
+/* ddp_cuda_nccl_copy: bytes from src to dst (device or host memory, either side) queued on c's stream.
+   When either side is host memory, *event receives an event to wait for before the host memory is
+   used again (else *event = NULL). Return: DDP_SUCCESS or DDP_ERR_SYSTEM. */
+DDP_API ddp_result ddp_cuda_nccl_copy(ddp_cuda_nccl *c, void *dst, const void *src, size_t bytes, void **event,
+                                      char *err, size_t err_size);
+
+/* Device memory on c's device: ddp_cuda_nccl_alloc gives bytes of zeroed memory (NULL for 0 bytes);
+   ddp_cuda_nccl_zero queues a memset on c's stream; ddp_cuda_nccl_free releases (NULL: no-op; it waits
+   for the device, as cudaFree does). */
+DDP_API ddp_result ddp_cuda_nccl_alloc(ddp_cuda_nccl *c, size_t bytes, void **out, char *err, size_t err_size);
+DDP_API ddp_result ddp_cuda_nccl_zero(ddp_cuda_nccl *c, void *dst, size_t bytes, char *err, size_t err_size);
+DDP_API void ddp_cuda_nccl_free(ddp_cuda_nccl *c, void *p);
+
+/* ddp_cuda_nccl_wait: the watchdog (torch's ProcessGroupNCCL watchdog, on the waiting thread). Polls the
+   event (cudaEventQuery) until the work before it is complete; meanwhile checks ncclCommGetAsyncError,
+   the deadline (timeout seconds after the event was recorded) and, when watch is not NULL,
+   watch(user) (ddp.h looks at the other ranks' connections there). On an NCCL error, a CUDA error, the
+   deadline or a failed watch, the communicator is aborted (ncclCommAbort), so that no rank hangs.
+   what names the operation in messages ("all_reduce(count=4, f32, sum) as collective #7"). Releases
+   the event in every case. Return: DDP_SUCCESS; DDP_ERR_TIMEOUT; DDP_ERR_SYSTEM (NCCL or CUDA error);
+   watch's error; DDP_ERR_STATE when an earlier error had aborted the communicator. */
+DDP_API ddp_result ddp_cuda_nccl_wait(ddp_cuda_nccl *c, void *event, double timeout, const char *what,
+                                      ddp_result (*watch)(void *user), void *user, char *err, size_t err_size);
+
+/* ddp_cuda_nccl_test: nonzero when the work before event is complete (or failed: then
+   ddp_cuda_nccl_wait returns at once with the error). Does not release the event. */
+DDP_API int ddp_cuda_nccl_test(ddp_cuda_nccl *c, void *event);
+
 #endif /* DDP_CUDA */
 /* ==================== end src/cuda_api.h ==================== */
 
@@ -1340,6 +1442,7 @@ struct ddp_group {
     char broken_msg[DDP__ERR_MAX];
     struct ddp__shm *shm; /* shared-memory transport when every rank is on this host (shm.c), else NULL */
     struct ddp__mpi *mpi; /* the mpi backend's communicator (mpi.c); NULL on the cpu backend */
+    struct ddp__nccl *nccl; /* the nccl backend's communicator (nccl.c); NULL on the other backends */
     void *scratch;      /* staging memory for the algorithms, grown on demand */
     size_t scratch_size;
 
@@ -4512,6 +4615,7 @@ struct ddp_work {
     int done;
     char error[DDP__ERR_MAX];
     ddp_work *next;
+    void *nccl_event; /* nccl backend, device memory: the CUDA event after the queued call (nccl.c) */
 };
 
 /* A single rank has nobody to talk to: only the data movement of the collective remains. */
@@ -4523,9 +4627,19 @@ static void ddp__run_alone(const ddp__call *k) {
 
 static ddp_result ddp__shm_run(ddp_group *g, const ddp__call *k, const ddp__coll *c); /* shm.c */
 static ddp_result ddp__mpi_run(ddp_group *g, const ddp__call *k, const ddp__coll *c); /* mpi.c */
+/* nccl.c: device calls run on NCCL (*host = 0); checked host calls go on to the cpu path (*host = 1) */
+static ddp_result ddp__nccl_run(ddp_group *g, const ddp__call *k, const ddp__coll *c, int *host);
+static int ddp__nccl_async(ddp_group *g, const ddp__call *k, ddp_work **out, ddp_result *res);
+static ddp_result ddp__nccl_wait_work(ddp_work *w);
+static int ddp__nccl_test_work(ddp_work *w);
 
 static ddp_result ddp__run(ddp_group *g, const ddp__call *k, const ddp__coll *c) {
     if (g->broken) return DDP_ERR_STATE;
+    if (g->nccl) {
+        int host = 0;
+        ddp_result r = ddp__nccl_run(g, k, c, &host);
+        if (r || !host) return r;
+    }
     if (g->world_size == 1) {
         ddp__run_alone(k);
         return DDP_SUCCESS;
@@ -4657,6 +4771,7 @@ static ddp_result ddp__call_async(ddp_group *g, const ddp__call *k, ddp_work **o
     if (!out) return ddp__fail(g, DDP_ERR_INVALID_ARGUMENT, "%s_async: the ddp_work **out argument is NULL", ddp__coll_name(k->kind));
     *out = NULL;
     if ((r = ddp__validate(g, k)) != DDP_SUCCESS) return r;
+    if (g->nccl && ddp__nccl_async(g, k, out, &r)) return r; /* device memory: queued on the stream now */
     w = (ddp_work *)ddp__calloc(1, sizeof *w);
     if (!w) return ddp__fail(g, DDP_ERR_OUT_OF_MEMORY, "out of memory allocating a ddp_work");
     w->g = g;
@@ -4686,6 +4801,7 @@ DDP_API ddp_result ddp_wait(ddp_work *w) {
     ddp_group *g;
     ddp_result r;
     if (!w) return ddp__fail(NULL, DDP_ERR_INVALID_ARGUMENT, "ddp_wait: the work handle is NULL");
+    if (w->nccl_event) return ddp__nccl_wait_work(w);
     g = w->g;
     pthread_mutex_lock(&g->mu);
     while (!w->done) pthread_cond_wait(&g->cv, &g->mu);
@@ -4699,6 +4815,7 @@ DDP_API ddp_result ddp_wait(ddp_work *w) {
 DDP_API int ddp_test(ddp_work *w) {
     int done;
     if (!w) return 1;
+    if (w->nccl_event) return ddp__nccl_test_work(w);
     pthread_mutex_lock(&w->g->mu);
     done = w->done;
     pthread_mutex_unlock(&w->g->mu);
@@ -5499,6 +5616,445 @@ static ddp_result ddp__mpi_run(ddp_group *g, const ddp__call *k, const ddp__coll
 #endif /* DDP_MPI */
 /* ==================== end src/mpi.c ==================== */
 
+/* ==================== begin src/nccl.c ==================== */
+/* [SECTION] nccl: the nccl backend, collectives on device memory through NCCL (built with -DDDP_CUDA)
+   (torch.distributed's "nccl" backend, ProcessGroupNCCL)
+
+   A program compiled with -DDDP_CUDA and linked with ddp_cuda.o (nvcc -c ddp_cuda.cu), -lcudart and
+   -lnccl can ask for backend "nccl" (ddp_init_desc.backend or DDP_BACKEND=nccl). ddp_init first does
+   what the cpu backend does (store, rendezvous, the TCP mesh), then ddp__nccl_attach:
+     1. every rank picks its GPU (cudaSetDevice(local_rank)); the ranks agree over the mesh that all
+        have one, so a rank without a GPU fails every rank with its reason instead of a hang;
+     2. rank 0 makes an ncclUniqueId and puts it in the store under the group's prefix; all get it;
+     3. ncclCommInitRank on every rank (subgroups: their own id and communicator, on the same device).
+
+   Dispatch by memory: a collective whose buffers are device memory runs on NCCL, queued on the group's
+   stream (ddp_set_stream; NULL = the legacy default stream); one whose buffers are host memory (the
+   library's own small agreements: the reducer's model check, ddp_new_group, ...) runs on the cpu path.
+   A barrier is a 1-element NCCL all-reduce (torch's barrier on NCCL), so it also waits for the GPUs.
+
+   The call check. NCCL trusts its callers: ranks that call different collectives hang or corrupt
+   memory. So before each collective the ranks all-gather one byte (host or device memory) around the
+   TCP ring with the call's fingerprint in every frame, as the cpu backend's algorithms do: a rank that
+   calls something else (kind, count, dtype, op, root, sequence number) or passes the other kind of
+   memory gets DDP_ERR_MISMATCH on every rank. Cost: world_size - 1 small TCP steps per collective, on
+   the calling thread (tens of microseconds per step within a host), paid before the GPU work is queued.
+
+   Completion. A synchronous collective queues its NCCL call, records a CUDA event and waits for it; an
+   async one returns a ddp_work holding the event, and ddp_wait waits for it. Waiting is the watchdog
+   (ddp_cuda_nccl_wait): it polls the event, ncclCommGetAsyncError, the group's timeout (counted from
+   the queueing) and the other ranks' TCP connections; on any failure the communicator is aborted, the
+   group breaks (the other ranks hear of it over TCP and abort theirs) and the error names the
+   operation and its sequence number. Waiting happens on the calling thread: ddp_wait for nccl work
+   must come from the thread that issues the group's collectives. */
+
+#ifdef DDP_CUDA
+
+struct ddp__nccl {
+    ddp_cuda_nccl *comm;
+    int device;
+};
+
+enum { DDP__NCCL_HOST = 0, DDP__NCCL_DEVICE = 1, DDP__NCCL_MIXED = 2 };
+
+/* Backend "nccl" can be asked for (the message when not: the !DDP_CUDA branch below). */
+static ddp_result ddp__nccl_built(char *err) {
+    (void)err;
+    return DDP_SUCCESS;
+}
+
+/* One rank's outcome of an init step, for ddp__nccl_agree. */
+typedef struct ddp__nccl_status {
+    int32_t code;
+    char msg[508];
+} ddp__nccl_status;
+
+/* Every rank learns every rank's outcome of a step (over the TCP mesh: g->nccl is not set yet), so
+   all fail together with the first failing rank's reason. */
+static ddp_result ddp__nccl_agree(ddp_group *g, ddp_result mine, const char *msg, const char *step) {
+    ddp__nccl_status me, *all;
+    ddp_result r;
+    int i;
+    memset(&me, 0, sizeof me);
+    me.code = (int32_t)mine;
+    snprintf(me.msg, sizeof me.msg, "%s", mine ? msg : "");
+    if (g->world_size == 1) return mine ? ddp__fail(g, mine, "backend nccl: %s", msg) : DDP_SUCCESS;
+    all = (ddp__nccl_status *)ddp__calloc((size_t)g->world_size, sizeof *all);
+    if (!all) return ddp__fail(g, DDP_ERR_OUT_OF_MEMORY, "backend nccl: out of memory");
+    if ((r = ddp_all_gather(g, &me, all, sizeof me, DDP_U8)) != DDP_SUCCESS) {
+        ddp__free(all);
+        return r;
+    }
+    for (i = 0; i < g->world_size && r == DDP_SUCCESS; i++) {
+        if (all[i].code == DDP_SUCCESS) continue;
+        all[i].msg[sizeof all[i].msg - 1] = '\0';
+        if (i == g->rank) r = ddp__fail(g, mine, "backend nccl: %s", msg);
+        else r = ddp__fail(g, ddp__peer_code(all[i].code, DDP_ERR_INIT), "backend nccl: rank %d could not %s: %s", i, step,
+                           all[i].msg);
+    }
+    ddp__free(all);
+    return r;
+}
+
+/* Step 2: rank 0's unique id, through the store (a group of one needs no store). */
+static ddp_result ddp__nccl_share_id(ddp_group *g, unsigned char *id) {
+    char err[DDP__ERR_MAX] = "", key[160];
+    size_t size = 0;
+    ddp_result r = DDP_SUCCESS;
+    if (g->rank == 0) r = ddp_cuda_nccl_unique_id(id, err, sizeof err);
+    if ((r = ddp__nccl_agree(g, r, err, "make the NCCL unique id")) != DDP_SUCCESS || g->world_size == 1) return r;
+    snprintf(key, sizeof key, "%snccl_id", g->prefix);
+    if (g->rank == 0) r = ddp_store_set(g->store, key, id, DDP_CUDA_NCCL_ID_BYTES);
+    else r = ddp_store_get(g->store, key, id, DDP_CUDA_NCCL_ID_BYTES, &size);
+    if (r) snprintf(err, sizeof err, "the NCCL unique id through the store: %.900s", ddp_store_last_error(g->store));
+    else if (g->rank != 0 && size != DDP_CUDA_NCCL_ID_BYTES)
+        r = ddp__fail_to(err, DDP_ERR_FORMAT, "the store's %s holds %zu bytes, not an NCCL unique id (%d bytes)", key, size,
+                         DDP_CUDA_NCCL_ID_BYTES);
+    return ddp__nccl_agree(g, r, err, "receive the NCCL unique id");
+}
+
+/* Give g an NCCL communicator: on the device chosen by local rank for the world group (parent NULL),
+   on the parent's device and stream for a subgroup. Collective over g, which must be connected (mesh
+   and store) and not have one yet. */
+static ddp_result ddp__nccl_attach(ddp_group *g, const struct ddp__nccl *parent) {
+    char err[DDP__ERR_MAX] = "", key[160];
+    unsigned char id[DDP_CUDA_NCCL_ID_BYTES];
+    ddp_cuda_nccl *comm = NULL;
+    struct ddp__nccl *n;
+    ddp_result r = DDP_SUCCESS;
+    int device = parent ? parent->device : -1;
+    if (!parent) r = ddp_cuda_nccl_device(g->local_rank, &device, err, sizeof err);
+    if ((r = ddp__nccl_agree(g, r, err, "use a GPU")) != DDP_SUCCESS) return r;
+    if ((r = ddp__nccl_share_id(g, id)) != DDP_SUCCESS) return r;
+    r = ddp_cuda_nccl_create(id, g->rank, g->world_size, device, &comm, err, sizeof err);
+    if ((r = ddp__nccl_agree(g, r, err, "create its NCCL communicator")) != DDP_SUCCESS) {
+        ddp_cuda_nccl_destroy(comm, 1);
+        return r;
+    }
+    if (g->rank == 0 && g->world_size > 1) { /* everyone has read it */
+        snprintf(key, sizeof key, "%snccl_id", g->prefix);
+        ddp_store_delete(g->store, key, NULL);
+    }
+    if (!(n = (struct ddp__nccl *)ddp__calloc(1, sizeof *n))) {
+        ddp_cuda_nccl_destroy(comm, 1);
+        return ddp__fail(g, DDP_ERR_OUT_OF_MEMORY, "backend nccl: out of memory");
+    }
+    n->comm = comm;
+    n->device = device;
+    if (parent) ddp_cuda_nccl_set_stream(comm, ddp_cuda_nccl_stream(parent->comm));
+    g->nccl = n;
+    g->backend_name = "nccl";
+    ddp__log(g, DDP_LOG_INFO, "nccl: rank %d of %d on CUDA device %d", g->rank, g->world_size, device);
+    return DDP_SUCCESS;
+}
+
+static void ddp__nccl_free(ddp_group *g) {
+    if (!g->nccl) return;
+    ddp_cuda_nccl_destroy(g->nccl->comm, g->broken != DDP_SUCCESS);
+    ddp__free(g->nccl);
+    g->nccl = NULL;
+}
+
+/* Where a call's buffers are. A barrier is always NCCL's; a call of 0 elements always the cpu path's
+   (no memory to look at, and the same choice on every rank). */
+static int ddp__nccl_where(const ddp__call *k) {
+    int buf, send;
+    if (k->kind == DDP__BARRIER) return DDP__NCCL_DEVICE;
+    if (k->count == 0) return DDP__NCCL_HOST;
+    buf = ddp_cuda_is_device_pointer(k->buf);
+    if (k->kind != DDP__ALL_GATHER && k->kind != DDP__REDUCE_SCATTER) return buf;
+    send = ddp_cuda_is_device_pointer(k->send);
+    return send == buf ? buf : DDP__NCCL_MIXED;
+}
+
+/* The call check (see the top): one byte per rank around the TCP ring, under the call's fingerprint. */
+static ddp_result ddp__nccl_check(ddp_group *g, const ddp__coll *c, int where) {
+    static const char *names[] = {"host", "device", "host and device"};
+    char desc[160];
+    unsigned char *all;
+    int i, bad = -1;
+    ddp_result r;
+    ddp__coll_describe(c, desc, sizeof desc);
+    if (g->world_size > 1) {
+        if (!(all = (unsigned char *)ddp__calloc((size_t)g->world_size, 1)))
+            return ddp__coll_fail(g, DDP_ERR_OUT_OF_MEMORY, "%s: out of memory", desc);
+        all[g->rank] = (unsigned char)where;
+        if ((r = ddp__ring_all_gather(g, c, (char *)all, (size_t)g->world_size, 1)) != DDP_SUCCESS) {
+            ddp__free(all);
+            return r;
+        }
+        for (i = 0; i < g->world_size && bad < 0; i++)
+            if (all[i] != all[0] || all[i] > DDP__NCCL_DEVICE) bad = i;
+        where = bad >= 0 ? all[bad] : where;
+        i = all[0];
+        ddp__free(all);
+    } else {
+        bad = where > DDP__NCCL_DEVICE ? 0 : -1;
+        i = where;
+    }
+    if (bad < 0) return DDP_SUCCESS;
+    if (where > DDP__NCCL_DEVICE)
+        return ddp__coll_fail(g, DDP_ERR_INVALID_ARGUMENT, "%s: rank %d passed one buffer in device memory and one in host "
+                              "memory; on the nccl backend both are device memory (NCCL) or both host memory",
+                              desc, bad);
+    return ddp__coll_fail(g, DDP_ERR_MISMATCH, "%s: rank %d passed %s memory while rank 0 passed %s memory; on the nccl "
+                          "backend every rank passes device memory (NCCL) or every rank host memory", desc, bad,
+                          names[where], names[i > DDP__NCCL_DEVICE ? 2 : i]);
+}
+
+static ddp_cuda_coll ddp__nccl_kind(int kind) {
+    switch (kind) {
+    case DDP__ALL_REDUCE: return DDP_CUDA_ALL_REDUCE;
+    case DDP__BROADCAST: return DDP_CUDA_BROADCAST;
+    case DDP__REDUCE: return DDP_CUDA_REDUCE;
+    case DDP__ALL_GATHER: return DDP_CUDA_ALL_GATHER;
+    case DDP__REDUCE_SCATTER: return DDP_CUDA_REDUCE_SCATTER;
+    default: return DDP_CUDA_BARRIER;
+    }
+}
+
+/* Queue the NCCL call and its event (after the call check). */
+static ddp_result ddp__nccl_enqueue(ddp_group *g, const ddp__call *k, const ddp__coll *c, void **event) {
+    char err[DDP__ERR_MAX] = "", desc[160];
+    ddp_result r = ddp_cuda_nccl_enqueue(g->nccl->comm, ddp__nccl_kind(k->kind), k->send, k->buf, k->count, k->dtype, k->op,
+                                         k->root, event, err, sizeof err);
+    if (r == DDP_SUCCESS) return r;
+    ddp__coll_describe(c, desc, sizeof desc);
+    return ddp__coll_fail(g, r, "%s on rank %d: %s", desc, g->rank, err);
+}
+
+/* What the watchdog looks at besides NCCL: the other ranks' connections (a failed rank says why). */
+typedef struct ddp__nccl_watching {
+    ddp_group *g;
+    const ddp__coll *c;
+} ddp__nccl_watching;
+
+static ddp_result ddp__nccl_watch(void *user) {
+    ddp__nccl_watching *w = (ddp__nccl_watching *)user;
+    return ddp__check_peers(w->g, w->c);
+}
+
+/* Wait for an event under the watchdog; on failure the group is broken with the message. */
+static ddp_result ddp__nccl_wait_event(ddp_group *g, const ddp__coll *c, void *event) {
+    char err[DDP__ERR_MAX] = "", desc[160];
+    ddp__nccl_watching w;
+    ddp_result r;
+    w.g = g;
+    w.c = c;
+    ddp__coll_describe(c, desc, sizeof desc);
+    r = ddp_cuda_nccl_wait(g->nccl->comm, event, g->timeout, desc, ddp__nccl_watch, &w, err, sizeof err);
+    if (r == DDP_SUCCESS) return r;
+    if (g->broken) return g->broken; /* the watch broke the group with the other rank's reason */
+    return ddp__coll_fail(g, r, "rank %d: %s", g->rank, err);
+}
+
+/* ddp__run's hook: device calls run here; *host = 1 sends a checked host call on to the cpu path. */
+static ddp_result ddp__nccl_run(ddp_group *g, const ddp__call *k, const ddp__coll *c, int *host) {
+    int where = ddp__nccl_where(k);
+    void *event = NULL;
+    ddp_result r;
+    *host = 0;
+    if ((r = ddp__nccl_check(g, c, where)) != DDP_SUCCESS) return r;
+    if (where == DDP__NCCL_HOST) {
+        *host = 1;
+        return DDP_SUCCESS;
+    }
+    if ((r = ddp__nccl_enqueue(g, k, c, &event)) != DDP_SUCCESS) return r;
+    return ddp__nccl_wait_event(g, c, event);
+}
+
+/* ddp__call_async's hook: a device call is checked and queued on the stream now, on the calling thread
+   (so it is ordered after the caller's kernels), and its ddp_work holds the event. Returns 0 for a host
+   call, which the progress thread runs as on the cpu backend. */
+static int ddp__nccl_async(ddp_group *g, const ddp__call *k, ddp_work **out, ddp_result *res) {
+    char msg[DDP__ERR_MAX];
+    ddp_work *w;
+    ddp_result r;
+    if (ddp__nccl_where(k) == DDP__NCCL_HOST) return 0;
+    ddp__drain(g); /* queued host work uses the mesh: let it finish first */
+    if (g->broken) {
+        *res = ddp__fail_to(ddp__error_buffer(g), DDP_ERR_STATE, "%s", ddp__broken_message(g, k, msg));
+        return 1;
+    }
+    if (!(w = (ddp_work *)ddp__calloc(1, sizeof *w))) {
+        *res = ddp__fail(g, DDP_ERR_OUT_OF_MEMORY, "out of memory allocating a ddp_work");
+        return 1;
+    }
+    w->g = g;
+    w->call = *k;
+    pthread_mutex_lock(&g->mu);
+    ddp__fingerprint(g, k, &w->coll);
+    pthread_mutex_unlock(&g->mu);
+    r = ddp__nccl_check(g, &w->coll, ddp__nccl_where(k));
+    if (r == DDP_SUCCESS) r = ddp__nccl_enqueue(g, k, &w->coll, &w->nccl_event);
+    if (r != DDP_SUCCESS) {
+        ddp__free(w);
+        *res = ddp__fail(g, r, "%s", g->broken_msg);
+        return 1;
+    }
+    *out = w;
+    *res = DDP_SUCCESS;
+    return 1;
+}
+
+/* ddp_wait's hook for a work with an event: wait under the watchdog, release w. */
+static ddp_result ddp__nccl_wait_work(ddp_work *w) {
+    ddp_group *g = w->g;
+    ddp_result r;
+    if (g->broken) { /* release the event; the communicator is aborted if its work is not done */
+        char msg[DDP__ERR_MAX];
+        ddp_cuda_nccl_wait(g->nccl->comm, w->nccl_event, 0, "", NULL, NULL, NULL, 0);
+        r = ddp__fail_to(ddp__error_buffer(g), DDP_ERR_STATE, "%s", ddp__broken_message(g, &w->call, msg));
+    } else if ((r = ddp__nccl_wait_event(g, &w->coll, w->nccl_event)) != DDP_SUCCESS) {
+        ddp__fail(g, r, "%s", g->broken_msg);
+    }
+    ddp__free(w);
+    return r;
+}
+
+static int ddp__nccl_test_work(ddp_work *w) { return ddp_cuda_nccl_test(w->g->nccl->comm, w->nccl_event); }
+
+DDP_API ddp_result ddp_set_stream(ddp_group *g, void *cuda_stream) {
+    if (!g) return ddp__fail(NULL, DDP_ERR_INVALID_ARGUMENT, "ddp_set_stream: the group is NULL");
+    if (!g->nccl)
+        return ddp__fail(g, DDP_ERR_UNSUPPORTED, "ddp_set_stream: the group's backend is \"%s\"; CUDA streams belong to "
+                         "the nccl backend", g->backend_name);
+    ddp_cuda_nccl_set_stream(g->nccl->comm, cuda_stream);
+    return DDP_SUCCESS;
+}
+
+/* ---- the reducer's functions for the nccl backend (src/reducer.c's ddp__reducer_ops): buckets in
+   device memory; the copies are ddp_cuda.cu's bucket kernels on the group's stream. The reducer calls
+   them on the thread that issues the group's collectives, whose current device ddp_init set. ---- */
+
+static void ddp__nccl_report(ddp_group *g, ddp_result r, const char *err) {
+    if (r) ddp__coll_fail(g, r, "reducer (nccl): %s", err); /* breaks the group: the next collective fails */
+}
+
+static void *ddp__nccl_alloc(ddp_group *g, size_t bytes) {
+    char err[DDP__ERR_MAX] = "";
+    void *p = NULL;
+    if (ddp_cuda_nccl_alloc(g->nccl->comm, bytes ? bytes : 1, &p, err, sizeof err) != DDP_SUCCESS)
+        ddp__log(g, DDP_LOG_ERROR, "reducer (nccl): %s", err);
+    return p;
+}
+
+static void ddp__nccl_release(ddp_group *g, void *p) { ddp_cuda_nccl_free(g->nccl->comm, p); }
+
+static void ddp__nccl_zero(ddp_group *g, void *dst, size_t bytes) {
+    char err[DDP__ERR_MAX] = "";
+    ddp__nccl_report(g, ddp_cuda_nccl_zero(g->nccl->comm, dst, bytes, err, sizeof err), err);
+}
+
+/* dst = src * scale converted, by the bucket kernel: one tensor, dst as a bucket of count elements. */
+static void ddp__nccl_copy_in_scaled(ddp_group *g, void *dst, ddp_dtype dst_t, const void *src, ddp_dtype src_t,
+                                     size_t count, double scale) {
+    char err[DDP__ERR_MAX] = "";
+    void *grads[1];
+    int64_t numel = (int64_t)count;
+    ddp_cuda_grads_args a;
+    memset(&a, 0, sizeof a);
+    grads[0] = (void *)src;
+    a.count = 1;
+    a.grads = grads;
+    a.numels = &numel;
+    a.dtype = src_t;
+    a.stream = ddp_cuda_nccl_stream(g->nccl->comm);
+    a.err = err;
+    a.err_size = sizeof err;
+    ddp__nccl_report(g, ddp_cuda_bucket_copy_in(&a, dst, dst_t, numel, NULL, scale), err);
+}
+
+/* dst = src converted. Equal dtypes are a plain copy, which also moves the used map between host and
+   device memory: then it waits for the copy under the watchdog before the host memory is touched. */
+static void ddp__nccl_copy_out(ddp_group *g, void *dst, ddp_dtype dst_t, const void *src, ddp_dtype src_t, size_t count) {
+    char err[DDP__ERR_MAX] = "";
+    ddp_result r;
+    if (dst_t == src_t) {
+        void *event = NULL;
+        ddp__coll c;
+        r = ddp_cuda_nccl_copy(g->nccl->comm, dst, src, count * ddp_dtype_size(dst_t), &event, err, sizeof err);
+        if (r || !event) {
+            ddp__nccl_report(g, r, err);
+            return;
+        }
+        memset(&c, 0, sizeof c);
+        c.seq = g->seq;
+        c.kind = DDP__BARRIER; /* names the last collective's number in a message, should the copy fail */
+        ddp__nccl_wait_event(g, &c, event);
+        return;
+    }
+    {
+        void *grads[1];
+        int64_t numel = (int64_t)count;
+        ddp_cuda_grads_args a;
+        memset(&a, 0, sizeof a);
+        grads[0] = dst;
+        a.count = 1;
+        a.grads = grads;
+        a.numels = &numel;
+        a.dtype = dst_t;
+        a.stream = ddp_cuda_nccl_stream(g->nccl->comm);
+        a.err = err;
+        a.err_size = sizeof err;
+        ddp__nccl_report(g, ddp_cuda_bucket_copy_out(&a, src, src_t, numel, NULL, 1.0), err);
+    }
+}
+
+#else /* !DDP_CUDA: the backend is not in this build */
+
+struct ddp__nccl {
+    int unused;
+};
+
+static ddp_result ddp__nccl_built(char *err) {
+    return ddp__fail_to(err, DDP_ERR_UNSUPPORTED, "backend \"nccl\" is not available in this build: compile the file that "
+                        "defines DDP_IMPLEMENTATION with -DDDP_CUDA and link it with ddp_cuda.o (nvcc -c ddp_cuda.cu), "
+                        "-lcudart and -lnccl; or use backend \"cpu\" (or NULL for the default)");
+}
+
+static ddp_result ddp__nccl_attach(ddp_group *g, const struct ddp__nccl *parent) {
+    (void)parent;
+    return ddp__fail(g, DDP_ERR_STATE, "internal error: an nccl group in a build without DDP_CUDA");
+}
+
+static void ddp__nccl_free(ddp_group *g) {
+    ddp__free(g->nccl);
+    g->nccl = NULL;
+}
+
+static ddp_result ddp__nccl_run(ddp_group *g, const ddp__call *k, const ddp__coll *c, int *host) {
+    (void)k, (void)c;
+    *host = 0;
+    return ddp__coll_fail(g, DDP_ERR_STATE, "internal error: an nccl group in a build without DDP_CUDA");
+}
+
+static int ddp__nccl_async(ddp_group *g, const ddp__call *k, ddp_work **out, ddp_result *res) {
+    (void)g, (void)k, (void)out, (void)res;
+    return 0;
+}
+
+static ddp_result ddp__nccl_wait_work(ddp_work *w) {
+    ddp_group *g = w->g;
+    ddp__free(w);
+    return ddp__fail(g, DDP_ERR_STATE, "internal error: an nccl work in a build without DDP_CUDA");
+}
+
+static int ddp__nccl_test_work(ddp_work *w) {
+    (void)w;
+    return 1;
+}
+
+DDP_API ddp_result ddp_set_stream(ddp_group *g, void *cuda_stream) {
+    (void)cuda_stream;
+    if (!g) return ddp__fail(NULL, DDP_ERR_INVALID_ARGUMENT, "ddp_set_stream: the group is NULL");
+    return ddp__fail(g, DDP_ERR_UNSUPPORTED, "ddp_set_stream: the group's backend is \"%s\"; CUDA streams belong to the "
+                     "nccl backend (a build with -DDDP_CUDA)", g->backend_name);
+}
+
+#endif /* DDP_CUDA */
+/* ==================== end src/nccl.c ==================== */
+
 /* ==================== begin src/group.c ==================== */
 /* [SECTION] group: ddp_init (torch.distributed.init_process_group), launcher environments,
    rendezvous, the mesh of connections, subgroups (new_group), ddp_destroy
@@ -5966,6 +6522,7 @@ static void ddp__group_free(ddp_group *g) {
     if (g->broken) ddp__close_after_failure(g, 1.0);
     ddp__shm_free(g);
     ddp__mpi_free(g->mpi);
+    ddp__nccl_free(g);
     for (i = 0; g->peers && i < g->world_size; i++)
         if (g->peers[i].fd >= 0) close(g->peers[i].fd);
     if (g->owns_store && g->store) ddp__store_free(g->store);
@@ -6045,6 +6602,21 @@ static ddp_result ddp__connect_agent_store(const ddp__launch *L, double timeout,
     return r;
 }
 
+/* The last step of ddp_init. Backend "nccl": the connected group gets its communicator (nccl.c); when
+   that fails (on every rank alike: the ranks agree on each step), the group is taken down in order. */
+static ddp_result ddp__init_done(ddp_group *g, int nccl, ddp_group **out) {
+    char msg[DDP__ERR_MAX];
+    int rank = g->rank, world = g->world_size;
+    ddp_result r;
+    if (nccl && (r = ddp__nccl_attach(g, NULL)) != DDP_SUCCESS) {
+        snprintf(msg, sizeof msg, "%s", g->error);
+        ddp_destroy(g);
+        return ddp__fail(NULL, r, "ddp_init (rank %d of %d): %s", rank, world, msg);
+    }
+    *out = g;
+    return DDP_SUCCESS;
+}
+
 DDP_API ddp_result ddp_init(const ddp_init_desc *desc, ddp_group **out) {
     ddp_init_desc zero;
     ddp__launch L;
@@ -6052,6 +6624,7 @@ DDP_API ddp_result ddp_init(const ddp_init_desc *desc, ddp_group **out) {
     char err[DDP__ERR_MAX], where[320];
     const char *transport = ddp__env("DDP_TRANSPORT"), *backend;
     double timeout;
+    int nccl;
     ddp_result r;
     if (!out) return ddp__fail(NULL, DDP_ERR_INVALID_ARGUMENT, "ddp_init: the out argument is NULL");
     *out = NULL;
@@ -6060,10 +6633,9 @@ DDP_API ddp_result ddp_init(const ddp_init_desc *desc, ddp_group **out) {
         desc = &zero;
     }
     backend = desc->backend && *desc->backend ? desc->backend : ddp__env("DDP_BACKEND") ? ddp__env("DDP_BACKEND") : "auto";
-    if (strcmp(backend, "auto") != 0 && strcmp(backend, "cpu") != 0 && strcmp(backend, "mpi") != 0) {
-        if (strcmp(backend, "nccl") == 0)
-            return ddp__fail(NULL, DDP_ERR_UNSUPPORTED, "backend \"nccl\" is not available in this build: this build has the "
-                             "cpu backend (and mpi with -DDDP_MPI); use backend \"cpu\" (or NULL for the default)");
+    nccl = strcmp(backend, "nccl") == 0;
+    if (nccl && (r = ddp__nccl_built(err)) != DDP_SUCCESS) return ddp__fail(NULL, r, "%s", err);
+    if (strcmp(backend, "auto") != 0 && strcmp(backend, "cpu") != 0 && strcmp(backend, "mpi") != 0 && !nccl) {
         return ddp__fail(NULL, DDP_ERR_INVALID_ARGUMENT, "backend \"%s\"%s is not one of auto, cpu, nccl, mpi", backend,
                          desc->backend && *desc->backend ? "" : " (from DDP_BACKEND)");
     }
@@ -6086,8 +6658,7 @@ DDP_API ddp_result ddp_init(const ddp_init_desc *desc, ddp_group **out) {
     if (L.world_size == 1 && !L.file_path && !L.master_port) { /* alone: nothing to connect */
         g->local_rank = 0;
         g->local_world_size = 1;
-        *out = g;
-        return DDP_SUCCESS;
+        return ddp__init_done(g, nccl, out);
     }
 
     if (L.file_path) {
@@ -6118,8 +6689,7 @@ DDP_API ddp_result ddp_init(const ddp_init_desc *desc, ddp_group **out) {
     }
     ddp__log(g, DDP_LOG_INFO, "joined: rank %d of %d (local rank %d of %d)", g->rank, g->world_size, g->local_rank,
              g->local_world_size);
-    *out = g;
-    return DDP_SUCCESS;
+    return ddp__init_done(g, nccl, out);
 }
 
 DDP_API ddp_result ddp_destroy(ddp_group *g) {
@@ -6198,6 +6768,11 @@ DDP_API ddp_result ddp_new_group(ddp_group *g, const int *ranks, int n, ddp_grou
         return r;
     }
     if (n == 1) sub->local_rank = 0, sub->local_world_size = 1;
+    if (g->nccl && (r = ddp__nccl_attach(sub, g->nccl)) != DDP_SUCCESS) { /* its own communicator */
+        ddp__fail(g, r, "ddp_new_group: %s", sub->error);
+        ddp_destroy(sub);
+        return r;
+    }
     sub->parent = g;
     g->live_subgroups++;
     *out = sub;
@@ -7294,6 +7869,12 @@ static const ddp__reducer_ops ddp__reducer_backends[] = {
     /* the mpi backend's collectives take host memory too */
     {"mpi", ddp__cpu_alloc, ddp__cpu_release, ddp__cpu_zero, ddp__cpu_copy_in_scaled, ddp__cpu_copy_out,
      ddp__cpu_all_reduce_async, ddp_wait},
+#ifdef DDP_CUDA
+    /* buckets in device memory, copied by ddp_cuda.cu's bucket kernels on the group's stream (nccl.c);
+       the all-reduce of device memory goes to NCCL */
+    {"nccl", ddp__nccl_alloc, ddp__nccl_release, ddp__nccl_zero, ddp__nccl_copy_in_scaled, ddp__nccl_copy_out,
+     ddp__cpu_all_reduce_async, ddp_wait},
+#endif
 };
 
 /* ---- the reducer's state ---- */
@@ -7382,7 +7963,7 @@ DDP_API ddp_result ddp_reducer_create(ddp_group *g, const ddp_reducer_desc *d, d
         if (strcmp(ddp__reducer_backends[i].backend, ddp_backend_name(g)) == 0) ops = &ddp__reducer_backends[i];
     if (!ops)
         return ddp__fail(g, DDP_ERR_UNSUPPORTED, "ddp_reducer_create: the reducer has no functions for backend \"%s\" "
-                         "(it knows cpu and mpi)", ddp_backend_name(g));
+                         "(it knows cpu, mpi and nccl)", ddp_backend_name(g));
     r = (ddp_reducer *)ddp__calloc(1, sizeof *r);
     if (!r) return ddp__fail(g, DDP_ERR_OUT_OF_MEMORY, "ddp_reducer_create: out of memory");
     r->g = g;
@@ -8617,9 +9198,12 @@ DDP_API ddp_result ddp_sampler_index_at(ddp_sampler *s, uint64_t k, int64_t *out
    it GCC -O2 keeps them in memory and runs at half speed). */
 #if defined(__GNUC__) || defined(__clang__)
 #define DDP__BN_INLINE static inline __attribute__((always_inline))
-#define DDP__BN_UNROLL _Pragma("GCC unroll 8")
 #else
 #define DDP__BN_INLINE static inline
+#endif
+#if (defined(__GNUC__) || defined(__clang__)) && !defined(__CUDACC__) /* nvcc warns on the GCC pragma (#1675) */
+#define DDP__BN_UNROLL _Pragma("GCC unroll 8")
+#else
 #define DDP__BN_UNROLL
 #endif
 

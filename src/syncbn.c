@@ -21,9 +21,12 @@
    it GCC -O2 keeps them in memory and runs at half speed). */
 #if defined(__GNUC__) || defined(__clang__)
 #define DDP__BN_INLINE static inline __attribute__((always_inline))
-#define DDP__BN_UNROLL _Pragma("GCC unroll 8")
 #else
 #define DDP__BN_INLINE static inline
+#endif
+#if (defined(__GNUC__) || defined(__clang__)) && !defined(__CUDACC__) /* nvcc warns on the GCC pragma (#1675) */
+#define DDP__BN_UNROLL _Pragma("GCC unroll 8")
+#else
 #define DDP__BN_UNROLL
 #endif
 
