@@ -69,7 +69,7 @@ for round in $(seq "$ROUNDS"); do
       [ -f "$D/ckpt/final.safetensors" ] && { echo "round $round: the run ended before the kill; not counted"; continue 2; }
       fail "round $round: rank $r exited 0 after rank $victim was killed"
     fi
-    [ $dt -le 5000 ] || fail "round $round: rank $r took $dt ms to exit after rank $victim was killed"
+    [ $dt -le 5000 ] || { tail -n 3 "$D/out.$r"; fail "round $round: rank $r took $dt ms to exit after rank $victim was killed (load: $(cut -d' ' -f1-3 /proc/loadavg))"; }
     grep -Eq "(lost|reported by) rank $victim|rank $victim (left|\\()" "$D/out.$r" ||
       { cat "$D/out.$r"; fail "round $round: rank $r's message does not name rank $victim"; }
   done
