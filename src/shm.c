@@ -233,8 +233,8 @@ static ddp_result ddp__shm_step(ddp_group *g, const ddp__coll *c, uint64_t step,
     return ddp__shm_wait_all(g, c, 0, step, first);
 }
 
-/* The end of a single-copy collective: nobody returns (and lets its program write its buffer) while
-   a peer may still be reading that buffer. */
+/* The end of a single-copy collective: nobody returns (and lets its program at its buffer) while a
+   peer may still be reading from or writing into that buffer. */
 static ddp_result ddp__shm_finish(ddp_group *g, const ddp__coll *c) { return ddp__shm_step(g, c, ++g->shm->step, 0, 0); }
 
 /* ---- library buffers: where they are ---- */
@@ -250,7 +250,10 @@ static long ddp__block_find(const ddp__shm *s, size_t off) {
     if (off >= s->top) return -1;
     while (hi - lo > 1) { /* the last block whose start is <= off */
         size_t mid = lo + (hi - lo) / 2;
-        if (s->blocks[mid].off <= off) lo = mid; else hi = mid;
+        if (s->blocks[mid].off <= off)
+            lo = mid;
+        else
+            hi = mid;
     }
     return (long)lo;
 }
