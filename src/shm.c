@@ -36,8 +36,8 @@
 
    Waiting: spin a little (the peer is usually a few hundred nanoseconds away), then yield for up to
    a millisecond (a peer on the same core runs at once), then sleep on a futex in the header; posters
-   wake sleepers only when someone sleeps, so the fast path makes no system call. While sleeping a rank wakes every millisecond to check the TCP mesh for a lost or
-   aborting peer and its deadline. */
+   wake sleepers only when someone sleeps, so the fast path makes no system call. While sleeping a
+   rank wakes every millisecond to check the TCP mesh for a lost or aborting peer and its deadline. */
 #include "internal.h"
 
 #include <linux/futex.h>
@@ -233,7 +233,7 @@ static ddp_result ddp__shm_step(ddp_group *g, const ddp__coll *c, uint64_t step,
     return ddp__shm_wait_all(g, c, 0, step, first);
 }
 
-/* The end of a single-copy collective: nobody returns (and lets its program at its buffer) while a
+/* The end of a single-copy collective: nobody returns (giving its program the buffer back) while a
    peer may still be reading from or writing into that buffer. */
 static ddp_result ddp__shm_finish(ddp_group *g, const ddp__coll *c) { return ddp__shm_step(g, c, ++g->shm->step, 0, 0); }
 
@@ -740,6 +740,7 @@ static void *ddp__arena_alloc(ddp_group *g, size_t bytes) {
 static int ddp__arena_free(ddp_group *g, void *p) {
     ddp__shm *s = g->shm;
     size_t at, size;
+    off_t file_at;
     long i;
     if (!s || !s->arenas || (uintptr_t)p < (uintptr_t)(s->arenas + (size_t)g->rank * s->arena_bytes)) return 0;
     at = (size_t)((uintptr_t)p - (uintptr_t)(s->arenas + (size_t)g->rank * s->arena_bytes));
@@ -754,9 +755,8 @@ static int ddp__arena_free(ddp_group *g, void *p) {
     size = s->blocks[i].size;
     ddp__lib_unlock(g);
     /* give the pages back; should the file system refuse, zero them so the next block starts zero-filled */
-    if (fallocate(s->fd, FALLOC_FL_PUNCH_HOLE | FALLOC_FL_KEEP_SIZE, s->arena_file_off + (off_t)((size_t)g->rank * s->arena_bytes + at),
-                  (off_t)size) != 0)
-        memset(p, 0, size);
+    file_at = s->arena_file_off + (off_t)((size_t)g->rank * s->arena_bytes + at);
+    if (fallocate(s->fd, FALLOC_FL_PUNCH_HOLE | FALLOC_FL_KEEP_SIZE, file_at, (off_t)size) != 0) memset(p, 0, size);
     ddp__lib_lock(g);
     ddp__block_release(s, (size_t)ddp__block_find(s, at));
     ddp__lib_unlock(g);

@@ -456,7 +456,6 @@ static int alloc_worker(int rank, int n, void *arg) {
     big = buf_get(g, 0, count * 4, 0);
     for (i = 0; i < count * 4; i++) CHECK(((unsigned char *)big.p)[i] == 0, "a reused block is not zero at byte %zu", i);
     /* big, z0 and z1 are left for ddp_destroy to release */
-    (void)big;
     CHECK_OK(ddp_destroy(g), NULL);
     free(all);
     return 0;
