@@ -1,7 +1,8 @@
 /* bench_collectives: nccl-tests style table for ddp.h's collectives.
 
-   Usage (under any launcher):  ddprun --nproc-per-node 2 build/bench_collectives [op] [max_bytes] [min_bytes]
+   Usage (under any launcher):  ddprun --nproc-per-node 2 build/bench_collectives [--lib] [op] [max_bytes] [min_bytes]
      op: all_reduce (default) | all_gather | reduce_scatter | broadcast
+     --lib: the buffers come from ddp_alloc (library buffers: single-copy over shared memory), not malloc
    Sizes grow x4 from min_bytes (default 4) to max_bytes (default 256 MiB), f32, sum. Before every
    iteration the buffer is rewritten (untimed); each collective call is timed on its own and the
    table gives the mean; after the loop the last iteration's result is checked on every rank.
@@ -22,7 +23,10 @@ static double now(void) {
 }
 
 int main(int argc, char **argv) {
-    const char *op = argc > 1 ? argv[1] : "all_reduce";
+    int lib = argc > 1 && strcmp(argv[1], "--lib") == 0;
+    const char *op;
+    if (lib) argc--, argv++;
+    op = argc > 1 ? argv[1] : "all_reduce";
     size_t max_bytes = argc > 2 ? strtoull(argv[2], NULL, 10) : (size_t)256 << 20;
     size_t min_bytes = argc > 3 ? strtoull(argv[3], NULL, 10) : 4, bytes;
     ddp_group *g;
@@ -38,14 +42,17 @@ int main(int argc, char **argv) {
         fprintf(stderr, "unknown op %s (all_reduce, all_gather, reduce_scatter, broadcast)\n", op);
         return 2;
     }
-    a = (float *)malloc(max_bytes + 64);
-    b = (float *)malloc(max_bytes + 64);
-    if (!a || !b) return 3;
+    a = (float *)(lib ? ddp_alloc(g, max_bytes + 64) : malloc(max_bytes + 64));
+    b = (float *)(lib ? ddp_alloc(g, max_bytes + 64) : malloc(max_bytes + 64));
+    if (!a || !b) {
+        fprintf(stderr, "rank %d: out of memory: %s\n", rank, ddp_last_error(g));
+        return 3;
+    }
     memset(a, 0, max_bytes);
     memset(b, 0, max_bytes);
     if (rank == 0)
-        printf("# ddp.h %s, %d ranks, transport %s\n%12s %12s %6s %6s %10s %10s %10s\n", op, n,
-               getenv("DDP_TRANSPORT") ? getenv("DDP_TRANSPORT") : "auto", "size", "count", "type", "op", "time_us",
+        printf("# ddp.h %s, %d ranks, transport %s, %s buffers\n%12s %12s %6s %6s %10s %10s %10s\n", op, n,
+               getenv("DDP_TRANSPORT") ? getenv("DDP_TRANSPORT") : "auto", lib ? "ddp_alloc" : "malloc", "size", "count", "type", "op", "time_us",
                "algbw_GBs", "busbw_GBs");
     for (bytes = min_bytes; bytes <= max_bytes; bytes *= 4) {
         size_t count = bytes / 4, per = count / (size_t)n, i;
@@ -84,8 +91,13 @@ int main(int argc, char **argv) {
         if (rank == 0) printf("%12zu %12zu %6s %6s %10.2f %10.3f %10.3f\n", bytes, count, "float", "sum", total / iters * 1e6, alg, bus);
         fflush(stdout);
     }
+    if (lib) {
+        ddp_free(g, a);
+        ddp_free(g, b);
+    } else {
+        free(a);
+        free(b);
+    }
     ddp_destroy(g);
-    free(a);
-    free(b);
     return bad;
 }

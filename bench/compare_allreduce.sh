@@ -3,29 +3,75 @@
 #   bench/compare_allreduce.sh [ranks=2] [max_bytes=268435456] [rounds=3]
 # Each round runs every contender once (interleaved, so load changes hit all of them alike); the
 # table shows each one's median busbw (GB/s) per size and the ratios ddp.h / peer.
-# Contenders: ddp.h (shared memory), ddp.h with DDP_TRANSPORT=tcp, Open MPI (default = its shared
-# memory), Open MPI with --mca btl tcp,self, and torch.distributed gloo. Needs openmpi-bin,
+# Contenders: ddp.h over shared memory on ddp_alloc buffers (ddp_shm_lib: single-copy) and on malloc
+# buffers (ddp_shm: staged through the segment), ddp.h with DDP_TRANSPORT=tcp, Open MPI (default = its
+# shared memory), Open MPI with --mca btl tcp,self, and torch.distributed gloo. Needs openmpi-bin,
 # libopenmpi-dev and python3-torch (tools/install-test-deps.sh); missing peers are left out.
 set -eu
 cd "$(dirname "$0")/.."
 n=${1:-2} max=${2:-268435456} rounds=${3:-3}
 BUILD=${BUILD:-build}
-peers=../shared/peers
+# the peers: PEERS, else ../shared/peers from the repository root (or from a worktree under ../wt/)
+peers=${PEERS:-}
+for p in ../shared/peers ../../shared/peers; do [ -z "$peers" ] && [ -d "$p" ] && peers=$p; done
+peers=${peers:-../shared/peers}
+[ -d "$peers" ] && peers=$(cd "$peers" && pwd)
 out=$(mktemp -d)
 trap 'rm -rf "$out"' EXIT
 make -s "$BUILD/bench_collectives" "$BUILD/ddprun"
 have_mpi=0; have_gloo=0
 if command -v mpicc >/dev/null && [ -f $peers/mpi_allreduce.c ]; then mpicc -O2 -o "$out/mpi_allreduce" $peers/mpi_allreduce.c && have_mpi=1; fi
 /usr/bin/python3 -c "import torch" 2>/dev/null && [ -f $peers/gloo_allreduce.py ] && have_gloo=1
+[ $have_mpi = 1 ] || echo "Open MPI left out: needs mpicc and $peers/mpi_allreduce.c" >&2
+[ $have_gloo = 1 ] || echo "Gloo left out: needs torch at /usr/bin/python3 and $peers/gloo_allreduce.py" >&2
+export OMP_NUM_THREADS=${OMP_NUM_THREADS:-1} # what ddprun would set for its workers anyway
 mpirun="mpirun --allow-run-as-root --oversubscribe -np $n"
+# The memory floor (../shared/REFERENCE.md): an all_reduce of N bytes on p ranks must read every input
+# and write every output, 2pN bytes. This machine's rate for such traffic: p processes at once, each
+# running a[i] += b[i] over 256 MiB (reads and writes counted), best of 5 passes, once per round.
+cat > "$out/membw.c" <<'C'
+#include <stdio.h>
+#include <stdlib.h>
+#include <time.h>
+#include <unistd.h>
+#include <sys/wait.h>
+static double now(void) { struct timespec t; clock_gettime(CLOCK_MONOTONIC, &t); return t.tv_sec + t.tv_nsec * 1e-9; }
+int main(int argc, char **argv) {
+    int p, k, np = atoi(argv[1]), fd[2];
+    size_t n = ((size_t)256 << 20) / 4, i;
+    double sum = 0, r;
+    if (pipe(fd)) return 1;
+    for (p = 0; p < np; p++)
+        if (fork() == 0) {
+            float *a = malloc(n * 4), *b = malloc(n * 4);
+            double best = 1e9;
+            for (i = 0; i < n; i++) a[i] = 1, b[i] = 2;
+            for (k = 0; k < 5; k++) {
+                double t0 = now(), t;
+                for (i = 0; i < n; i++) a[i] += b[i];
+                t = now() - t0;
+                best = t < best ? t : best;
+            }
+            r = 3.0 * n * 4 / best / 1e9 + (a[7] == 0);
+            _exit(write(fd[1], &r, sizeof r) != sizeof r);
+        }
+    for (p = 0; p < np; p++) sum += read(fd[0], &r, sizeof r) == sizeof r ? r : 0;
+    while (wait(NULL) > 0) {}
+    printf("%.3f\n", sum);
+    return 0;
+}
+C
+cc -O3 -march=native -o "$out/membw" "$out/membw.c"
 for r in $(seq 1 "$rounds"); do
+  "$BUILD/ddprun" --nproc-per-node "$n" --standalone "$BUILD/bench_collectives" --lib all_reduce "$max" > "$out/ddp_shm_lib.$r"
   "$BUILD/ddprun" --nproc-per-node "$n" --standalone "$BUILD/bench_collectives" all_reduce "$max" > "$out/ddp_shm.$r"
   DDP_TRANSPORT=tcp "$BUILD/ddprun" --nproc-per-node "$n" --standalone "$BUILD/bench_collectives" all_reduce "$max" > "$out/ddp_tcp.$r"
   if [ $have_mpi = 1 ]; then
     $mpirun "$out/mpi_allreduce" "$max" > "$out/mpi.$r"
     $mpirun --mca btl tcp,self "$out/mpi_allreduce" "$max" > "$out/mpi_tcp.$r"
   fi
-  [ $have_gloo = 1 ] && (cd "$out" && /usr/bin/python3 "$OLDPWD/$peers/gloo_allreduce.py" "$n" "$max" > "$out/gloo.$r" 2>/dev/null)
+  [ $have_gloo = 1 ] && (cd "$out" && /usr/bin/python3 "$peers/gloo_allreduce.py" "$n" "$max" > "$out/gloo.$r" 2>/dev/null)
+  "$out/membw" "$n" > "$out/membw.$r"
 done
 python3 - "$out" "$rounds" "$n" <<'PY'
 import sys, statistics, glob, os
@@ -40,17 +86,26 @@ def table(name):  # {bytes: [busbw per round]}
             if not f or not f[0].isdigit(): continue
             t.setdefault(int(f[0]), []).append(float(f[-1]))
     return {b: statistics.median(v) for b, v in t.items()}
-cols = [(k, table(k)) for k in ("ddp_shm", "ddp_tcp", "mpi", "mpi_tcp", "gloo")]
+cols = [(k, table(k)) for k in ("ddp_shm_lib", "ddp_shm", "ddp_tcp", "mpi", "mpi_tcp", "gloo")]
 cols = [(k, t) for k, t in cols if t]
 print(f"all_reduce f32 sum, {n} ranks, busbw GB/s (median of {rounds} rounds)")
-hdr = f"{'bytes':>11} " + " ".join(f"{k:>9}" for k, _ in cols)
-ratios = [(a, b) for a, b in (("ddp_shm", "mpi"), ("ddp_shm", "gloo"), ("ddp_tcp", "mpi_tcp")) if a in dict(cols) and b in dict(cols)]
-hdr += "".join(f" {a.replace('ddp_','')+'/'+b:>13}" for a, b in ratios)
+hdr = f"{'bytes':>11} " + " ".join(f"{k:>11}" for k, _ in cols)
+pairs = (("ddp_shm_lib", "mpi"), ("ddp_shm", "mpi"), ("ddp_shm_lib", "gloo"), ("ddp_shm", "gloo"), ("ddp_tcp", "mpi_tcp"))
+ratios = [(a, b) for a, b in pairs if a in dict(cols) and b in dict(cols)]
+hdr += "".join(f" {a.replace('ddp_','')+'/'+b:>12}" for a, b in ratios)
 print(hdr)
 d = dict(cols)
 for b in sorted(d["ddp_shm"]):
-    row = f"{b:>11} " + " ".join(f"{t.get(b, float('nan')):>9.3f}" for _, t in cols)
+    row = f"{b:>11} " + " ".join(f"{t.get(b, float('nan')):>11.3f}" for _, t in cols)
     for x, y in ratios:
-        row += f" {d[x].get(b, float('nan')) / d[y].get(b, float('nan')):>13.2f}" if d[y].get(b) else f" {'-':>13}"
+        row += f" {d[x].get(b, float('nan')) / d[y].get(b, float('nan')):>12.2f}" if d[y].get(b) else f" {'-':>12}"
     print(row)
+bw = statistics.median(float(open(os.path.join(out, f"membw.{r}")).read()) for r in range(1, rounds + 1))
+top = max(d["ddp_shm"])
+print(f"memory: {n} processes of a[i] += b[i] move {bw:.1f} GB/s (median of {rounds}); at {top} bytes the floor "
+      f"(2pN bytes of traffic) is busbw {bw / (2 * int(n)) * 2 * (int(n) - 1) / int(n):.2f} GB/s", end="")
+for k in ("ddp_shm_lib", "ddp_shm", "mpi"):
+    if k in d and top in d[k]:
+        print(f"; {k} {100 * d[k][top] / (bw / (2 * int(n)) * 2 * (int(n) - 1) / int(n)):.0f}%", end="")
+print(" of it")
 PY

@@ -197,6 +197,33 @@ DDP_API int ddp_test(ddp_work *w);
    DDP_ERR_INVALID_ARGUMENT for a NULL group. Thread safety: as the collectives. */
 DDP_API ddp_result ddp_set_stream(ddp_group *g, void *cuda_stream);
 
+/* ---- Library buffers (single-copy collectives) ----------------------------------------------
+   ddp_alloc: bytes of memory from the library, 64-byte aligned and zero-filled, usable as any buffer.
+   On a group whose ranks share one host (the shared-memory transport) the memory lives in this rank's
+   arena inside the group's shared segment, which every rank of the group has mapped: when every rank
+   passes such memory (all_reduce: buf; broadcast: the root's buf; all_gather: send) and the message
+   is larger than 64 KiB, the collective works on the peers' buffers directly instead of staging
+   copies through the segment (all_reduce: each rank reduces its 1/n slice out of every rank's buffer
+   and writes the result into every rank's buffer: each input read once, each output written once,
+   2pN bytes of memory traffic for N bytes on p ranks instead of (5p-1)N). Any subrange of one block
+   counts. If any rank passes other memory, every rank stages: results are the same either way.
+   The arenas are left out of core dumps.
+   Elsewhere (TCP groups, DDP_TRANSPORT=tcp, a single rank, a full /dev/shm, or an arena that is
+   exhausted) the memory is plain aligned host memory. Memory from g is single-copy for collectives on
+   g only (not on its subgroups or parent). DDP_SHM_ARENA_BYTES (read by rank 0 when the group is made)
+   sets each rank's arena size; the default reserves as much address space as /dev/shm can hold, capped
+   at 64 GiB, and takes memory only as blocks are allocated.
+   Parameters: g, the group the memory is for; bytes (0 gives a valid, unique block).
+   Return: the memory, or NULL with ddp_last_error(g) saying why (out of memory; g NULL).
+   Thread safety: ddp_alloc and ddp_free may be called from any thread, also while collectives run
+   (on other buffers). */
+DDP_API void *ddp_alloc(ddp_group *g, size_t bytes);
+/* ddp_free: give back memory from ddp_alloc(g, ...) (its block is released to the system). NULL is a
+   no-op. A pointer that is not a live block of g (freed twice, from another group, from malloc) is
+   left alone: the call logs an error and leaves the message in ddp_last_error(g). Free every block
+   before ddp_destroy(g), or let ddp_destroy release them; no collective may be using the block. */
+DDP_API void ddp_free(ddp_group *g, void *p);
+
 /* ---- Store (torch.distributed.TCPStore) ------------------------------------------------------
    The key-value store every group rendezvouses through; programs may use it for their own keys
    (keys starting with "ddp/" are the library's). Keys are C strings shorter than 4 KiB; values are

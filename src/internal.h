@@ -145,6 +145,13 @@ struct ddp_group {
     void *scratch;      /* staging memory for the algorithms, grown on demand */
     size_t scratch_size;
 
+    /* ddp_alloc / ddp_free (shm.c). Blocks in this rank's shared-memory arena are listed in g->shm;
+       the rest (no shared memory, arena full) are heap blocks listed here. lib_lock guards both lists:
+       a spin lock (0 = free), so a zero-filled group needs no set-up. */
+    int lib_lock;
+    struct ddp__heap_block *lib_heap;
+    size_t lib_heap_n, lib_heap_cap;
+
     /* async work: a FIFO run by one progress thread (collectives.c) */
     pthread_mutex_t mu;
     pthread_cond_t cv;

@@ -54,17 +54,11 @@ typedef struct ddp__reducer_ops {
     ddp_result (*wait)(ddp_work *w);
 } ddp__reducer_ops;
 
-/* Bucket memory is plain heap memory: the shm transport stages through its own segment. When a transport
-   can reduce straight out of shared memory (the single-copy design, (3p-1)N bytes of memory traffic instead
-   of (5p+1)N), this is where buckets move into it. */
-static void *ddp__cpu_alloc(ddp_group *g, size_t bytes) {
-    (void)g;
-    return ddp__calloc(1, bytes);
-}
-static void ddp__cpu_release(ddp_group *g, void *p) {
-    (void)g;
-    ddp__free(p);
-}
+/* Bucket memory comes from ddp_alloc (zero-filled): on a group that shares one host it lives in this
+   rank's arena of the shared segment, so the buckets' all-reduces read the peers' buckets directly (the
+   single-copy design, (3p-1)N bytes of memory traffic instead of (5p+1)N); elsewhere it is heap memory. */
+static void *ddp__cpu_alloc(ddp_group *g, size_t bytes) { return ddp_alloc(g, bytes); }
+static void ddp__cpu_release(ddp_group *g, void *p) { ddp_free(g, p); }
 static void ddp__cpu_zero(ddp_group *g, void *dst, size_t bytes) {
     (void)g;
     if (bytes) memset(dst, 0, bytes);
