@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Installs what `make test` needs on Debian/Ubuntu: compilers, Open MPI (the mpirun tests and the peer
 # benchmarks), PyTorch 1.13 + NumPy (the interop tests compare ddp.h with torch itself), clang's
-# sanitizer/fuzzer runtimes, iproute2 (network-namespace tests) and cmake (the CMake target's test).
+# sanitizer/fuzzer runtimes, iproute2 (network-namespace tests), cmake (the CMake target's test) and valgrind.
 # The CUDA toolkit and NCCL are not Debian packages: the GPU build tests use them where they are
 # installed (/usr/local/cuda) and skip otherwise. Uses sudo when not root.
 set -eu
@@ -11,4 +11,4 @@ export DEBIAN_FRONTEND=noninteractive
 $SUDO apt-get update -q
 $SUDO apt-get install -y -q --no-install-recommends \
   build-essential clang libclang-rt-14-dev make python3 \
-  openmpi-bin libopenmpi-dev python3-torch python3-numpy iproute2 procps cmake
+  openmpi-bin libopenmpi-dev python3-torch python3-numpy iproute2 procps cmake valgrind
