@@ -15,7 +15,7 @@ for san in address thread; do
   if [ $san = address ]; then tests="$tests $single"; fi
   targets=""
   for t in $tests; do targets="$targets build-$san/$t"; done
-  make -s SAN=$san BUILD=build-$san $targets
+  make -s -j"$(nproc)" SAN=$san BUILD=build-$san $targets
   for t in $tests; do
     echo "== $t under $san sanitizer"
     if [ "$t" = test_collectives ]; then build-$san/$t 1 2 3 4; else build-$san/$t; fi
