@@ -39,32 +39,6 @@ static int64_t value(int r, size_t i, ddp_dtype t, ddp_op op, int salt) {
     return (int64_t)((h >> 7) % 9) - 4;
 }
 
-static void store_value(void *buf, size_t i, ddp_dtype t, int64_t v) {
-    switch (t) {
-    case DDP_F32: ((float *)buf)[i] = (float)v; break;
-    case DDP_F64: ((double *)buf)[i] = (double)v; break;
-    case DDP_F16: ((uint16_t *)buf)[i] = ddp_f32_to_f16((float)v); break; /* exact for small integers */
-    case DDP_BF16: ((uint16_t *)buf)[i] = ddp_f32_to_bf16((float)v); break;
-    case DDP_I8: ((int8_t *)buf)[i] = (int8_t)v; break;
-    case DDP_U8: ((uint8_t *)buf)[i] = (uint8_t)v; break;
-    case DDP_I32: ((int32_t *)buf)[i] = (int32_t)v; break;
-    default: ((int64_t *)buf)[i] = v; break;
-    }
-}
-
-static double load_value(const void *buf, size_t i, ddp_dtype t) {
-    switch (t) {
-    case DDP_F32: return ((const float *)buf)[i];
-    case DDP_F64: return ((const double *)buf)[i];
-    case DDP_F16: return tl_decode_f16(((const uint16_t *)buf)[i]);
-    case DDP_BF16: return tl_decode_bf16(((const uint16_t *)buf)[i]);
-    case DDP_I8: return ((const int8_t *)buf)[i];
-    case DDP_U8: return ((const uint8_t *)buf)[i];
-    case DDP_I32: return ((const int32_t *)buf)[i];
-    default: return (double)((const int64_t *)buf)[i];
-    }
-}
-
 static int64_t wrap(int64_t v, ddp_dtype t) { /* to the dtype's range, as two's complement does */
     switch (t) {
     case DDP_I8: return (int8_t)(uint8_t)(uint64_t)v;
@@ -96,13 +70,13 @@ static double expected(int n, size_t i, ddp_dtype t, ddp_op op, int salt) {
 
 static void fill(void *buf, size_t count, int r, ddp_dtype t, ddp_op op, int salt) {
     size_t i;
-    for (i = 0; i < count; i++) store_value(buf, i, t, value(r, i, t, op, salt));
+    for (i = 0; i < count; i++) tl_store_value(buf, i, t, (double)value(r, i, t, op, salt));
 }
 
 static void check_all(const void *buf, size_t count, ddp_dtype t, int n, ddp_op op, int salt, const char *what, int rank) {
     size_t i;
     for (i = 0; i < count; i++) {
-        double got = load_value(buf, i, t), want = expected(n, i, t, op, salt);
+        double got = tl_load_value(buf, i, t), want = expected(n, i, t, op, salt);
         CHECK(got == want, "rank %d: %s: element %zu is %g, expected %g", rank, what, i, got, want);
     }
 }
@@ -202,7 +176,7 @@ static int broadcast_gather(ddp_group *g, const coll_arg *a, ddp_dtype t, size_t
         before = copies();
         CHECK_OK(ddp_broadcast(g, b.p, count, t, root), g);
         for (i = 0; i < count; i++)
-            CHECK(load_value(b.p, i, t) == (double)value(root, i, t, DDP_SUM, salt), "rank %d: %s: element %zu", rank, what, i);
+            CHECK(tl_load_value(b.p, i, t) == (double)value(root, i, t, DDP_SUM, salt), "rank %d: %s: element %zu", rank, what, i);
         /* single-copy needs only the root's buffer in its arena */
         if (big) CHECK((copies() > before) == (!(a->mixed && root % 2 == 1) && !a->tcp), "rank %d: %s: single-copy or not, wrongly", rank, what);
         buf_put(g, &b);
@@ -225,7 +199,7 @@ static int broadcast_gather(ddp_group *g, const coll_arg *a, ddp_dtype t, size_t
         CHECK_OK(ddp_all_gather(g, send, recv.p, count, t), g);
         for (r = 0; r < (size_t)n; r++)
             for (i = 0; i < count; i++)
-                CHECK(load_value(recv.p, r * count + i, t) == (double)value((int)r, i, t, DDP_SUM, salt),
+                CHECK(tl_load_value(recv.p, r * count + i, t) == (double)value((int)r, i, t, DDP_SUM, salt),
                       "rank %d: %s: rank %zu's element %zu", rank, what, r, i);
         if (big) CHECK((copies() > before) == (!a->mixed && !a->tcp), "rank %d: %s: single-copy or not, wrongly", rank, what);
         if (b.block) buf_put(g, &b);
@@ -243,12 +217,12 @@ static int reduce_scatter(ddp_group *g, const coll_arg *a, ddp_dtype t, size_t c
     CHECK_OK(ddp_reduce(g, b.p, count, t, DDP_MAX, n - 1), g);
     for (i = 0; i < count; i++) {
         double want = rank == n - 1 ? expected(n, i, t, DDP_MAX, salt) : (double)value(rank, i, t, DDP_MAX, salt);
-        CHECK(load_value(b.p, i, t) == want, "rank %d: reduce(%s, count %zu): element %zu", rank, ddp_dtype_name(t), count, i);
+        CHECK(tl_load_value(b.p, i, t) == want, "rank %d: reduce(%s, count %zu): element %zu", rank, ddp_dtype_name(t), count, i);
     }
     fill(b.p, count * (size_t)n, rank, t, DDP_SUM, ++salt);
     CHECK_OK(ddp_reduce_scatter(g, b.p, recv.p, count, t, DDP_SUM), g);
     for (i = 0; i < count; i++)
-        CHECK(load_value(recv.p, i, t) == expected(n, (size_t)rank * count + i, t, DDP_SUM, salt),
+        CHECK(tl_load_value(recv.p, i, t) == expected(n, (size_t)rank * count + i, t, DDP_SUM, salt),
               "rank %d: reduce_scatter(%s, count %zu): element %zu", rank, ddp_dtype_name(t), count, i);
     buf_put(g, &b);
     buf_put(g, &recv);
@@ -289,7 +263,7 @@ static int coll_worker(int rank, int n, void *arg) {
         }
         for (k = Q - 1; k >= 0; k--) CHECK_OK(ddp_wait(w[k]), g);
         for (k = 0; k < Q; k++) {
-            for (i = 0; i < count; i += 97) CHECK(load_value(b[k].p, i, DDP_F32) == expected(n, i, DDP_F32, DDP_SUM, salt + k), "async %d", k);
+            for (i = 0; i < count; i += 97) CHECK(tl_load_value(b[k].p, i, DDP_F32) == expected(n, i, DDP_F32, DDP_SUM, salt + k), "async %d", k);
             buf_put(g, &b[k]);
         }
     }
