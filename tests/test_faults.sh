@@ -15,7 +15,8 @@ BUILD=${BUILD:-build}
 DDPRUN=$BUILD/ddprun DEMO=$BUILD/train_demo
 ROUNDS=${FAULT_ROUNDS:-3}
 make -s BUILD="$BUILD" SAN="${SAN:-}" "$DDPRUN" "$DEMO" || { echo "cannot build $DEMO"; exit 1; }
-ARGS="--epochs 3 --samples 4000 --save-every 8"
+ARGS="--epochs 3 --samples 4000 --save-every 8"   # section 4: a whole run, then one restarted
+LONG="--epochs 100 --samples 4000 --save-every 8"  # sections 1-3: still training when the fault comes
 T=$(mktemp -d /tmp/test_faults.XXXXXX)
 PIDS=""
 cleanup() {
@@ -41,7 +42,7 @@ start_ranks() {
   mkdir -p "$dir"
   for r in $(seq 0 $((n - 1))); do
     RANK=$r WORLD_SIZE=$n LOCAL_RANK=$r LOCAL_WORLD_SIZE=$n MASTER_ADDR=127.0.0.1 MASTER_PORT=$p \
-      "$DEMO" $ARGS --dir "$dir/ckpt" >"$dir/out.$r" 2>&1 &
+      "$DEMO" $LONG --dir "$dir/ckpt" >"$dir/out.$r" 2>&1 &
     echo $! >"$dir/pid.$r"
     PIDS="$PIDS $!"
   done
@@ -82,7 +83,7 @@ worst=0
 for round in $(seq "$ROUNDS"); do
   D=$T/ddprun$round
   mkdir -p "$D"
-  "$DDPRUN" --nproc-per-node 4 "$DEMO" $ARGS --dir "$D/ckpt" >"$D/out" 2>"$D/err" &
+  "$DDPRUN" --nproc-per-node 4 "$DEMO" $LONG --dir "$D/ckpt" >"$D/out" 2>"$D/err" &
   launcher=$!
   PIDS="$PIDS $launcher"
   wait_training "$D/ckpt" || fail "round $round: the run never wrote a checkpoint: $(cat "$D/err")"
