@@ -217,17 +217,24 @@ static ddp_result ddp__nccl_watch(void *user) {
 }
 
 /* Wait for an event under the watchdog; on failure the group is broken with the message. */
-static ddp_result ddp__nccl_wait_event(ddp_group *g, const ddp__coll *c, void *event) {
-    char err[DDP__ERR_MAX] = "", desc[160];
+/* Wait for event under the watchdog; desc names the work in messages, c is what the watch checks
+   the peers against. */
+static ddp_result ddp__nccl_wait_described(ddp_group *g, const ddp__coll *c, const char *desc, void *event) {
+    char err[DDP__ERR_MAX] = "";
     ddp__nccl_watching w;
     ddp_result r;
     w.g = g;
     w.c = c;
-    ddp__coll_describe(c, desc, sizeof desc);
     r = ddp_cuda_nccl_wait(g->nccl->comm, event, g->timeout, desc, ddp__nccl_watch, &w, err, sizeof err);
     if (r == DDP_SUCCESS) return r;
     if (g->broken) return g->broken; /* the watch broke the group with the other rank's reason */
     return ddp__coll_fail(g, r, "rank %d: %s", g->rank, err);
+}
+
+static ddp_result ddp__nccl_wait_event(ddp_group *g, const ddp__coll *c, void *event) {
+    char desc[160];
+    ddp__coll_describe(c, desc, sizeof desc);
+    return ddp__nccl_wait_described(g, c, desc, event);
 }
 
 /* ddp__run's hook: device calls run here; *host = 1 sends a checked host call on to the cpu path. */
@@ -328,22 +335,27 @@ static void ddp__nccl_zero(ddp_group *g, void *dst, size_t bytes) {
     ddp__nccl_report(g, ddp_cuda_nccl_zero(g->nccl->comm, dst, bytes, err, sizeof err), err);
 }
 
+/* The bucket kernels' table for one tensor of *numel elements of t at *slot, on g's stream. */
+static void ddp__nccl_one_tensor(ddp_group *g, ddp_cuda_grads_args *a, void **slot, const int64_t *numel, ddp_dtype t,
+                                 char *err) {
+    memset(a, 0, sizeof *a);
+    a->count = 1;
+    a->grads = slot;
+    a->numels = numel;
+    a->dtype = t;
+    a->stream = ddp_cuda_nccl_stream(g->nccl->comm);
+    a->err = err;
+    a->err_size = DDP__ERR_MAX;
+}
+
 /* dst = src * scale converted, by the bucket kernel: one tensor, dst as a bucket of count elements. */
 static void ddp__nccl_copy_in_scaled(ddp_group *g, void *dst, ddp_dtype dst_t, const void *src, ddp_dtype src_t,
                                      size_t count, double scale) {
     char err[DDP__ERR_MAX] = "";
-    void *grads[1];
+    void *slot = (void *)src;
     int64_t numel = (int64_t)count;
     ddp_cuda_grads_args a;
-    memset(&a, 0, sizeof a);
-    grads[0] = (void *)src;
-    a.count = 1;
-    a.grads = grads;
-    a.numels = &numel;
-    a.dtype = src_t;
-    a.stream = ddp_cuda_nccl_stream(g->nccl->comm);
-    a.err = err;
-    a.err_size = sizeof err;
+    ddp__nccl_one_tensor(g, &a, &slot, &numel, src_t, err);
     ddp__nccl_report(g, ddp_cuda_bucket_copy_in(&a, dst, dst_t, numel, NULL, scale), err);
 }
 
@@ -355,30 +367,26 @@ static void ddp__nccl_copy_out(ddp_group *g, void *dst, ddp_dtype dst_t, const v
     if (dst_t == src_t) {
         void *event = NULL;
         ddp__coll c;
-        r = ddp_cuda_nccl_copy(g->nccl->comm, dst, src, count * ddp_dtype_size(dst_t), &event, err, sizeof err);
+        char desc[160];
+        size_t bytes = count * ddp_dtype_size(dst_t);
+        r = ddp_cuda_nccl_copy(g->nccl->comm, dst, src, bytes, &event, err, sizeof err);
         if (r || !event) {
             ddp__nccl_report(g, r, err);
             return;
         }
-        memset(&c, 0, sizeof c);
+        memset(&c, 0, sizeof c); /* the watch only needs the peers' state; no collective is running */
         c.seq = g->seq;
-        c.kind = DDP__BARRIER; /* names the last collective's number in a message, should the copy fail */
-        ddp__nccl_wait_event(g, &c, event);
+        c.kind = DDP__BARRIER;
+        snprintf(desc, sizeof desc, "the reducer's copy of %zu bytes (after collective #%llu)", bytes,
+                 (unsigned long long)g->seq);
+        ddp__nccl_wait_described(g, &c, desc, event);
         return;
     }
     {
-        void *grads[1];
+        void *slot = dst;
         int64_t numel = (int64_t)count;
         ddp_cuda_grads_args a;
-        memset(&a, 0, sizeof a);
-        grads[0] = dst;
-        a.count = 1;
-        a.grads = grads;
-        a.numels = &numel;
-        a.dtype = dst_t;
-        a.stream = ddp_cuda_nccl_stream(g->nccl->comm);
-        a.err = err;
-        a.err_size = sizeof err;
+        ddp__nccl_one_tensor(g, &a, &slot, &numel, dst_t, err);
         ddp__nccl_report(g, ddp_cuda_bucket_copy_out(&a, src, src_t, numel, NULL, 1.0), err);
     }
 }
