@@ -1,45 +1,144 @@
 #!/usr/bin/env bash
-# Several hosts on one machine: two network namespaces joined by a veth pair, two ranks in each.
-# Ranks in different namespaces count as different hosts, so the group talks TCP across the veth
-# link. The full collectives test (every collective x dtype x op x count) must pass, first on a
-# plain link, then with `tc netem` adding 5 ms of delay (skipped where netem is unavailable).
-# Needs root and iproute2; skips (77) otherwise. Traffic stays inside the namespaces made here.
+# Several hosts on one machine: two network namespaces, two ranks in each. Ranks in different namespaces
+# count as different hosts, so the group talks TCP across the link between them. Three runs:
+#  1. a plain veth link: the full collectives test (every collective x dtype x op x count) passes;
+#  2. an impaired link, 5 ms delay each way + 1% loss + 10% of packets reordered (held 1-2 ms longer):
+#     the collectives test (small counts) still matches the serial reference;
+#  3. a cut link: 4 ranks run all_reduce + barrier in a loop (tests/netem/collective_loop.c, DDP_TIMEOUT
+#     10 s); the link is cut mid-run and every rank must exit non-zero within DDP_TIMEOUT + 20 s with a
+#     timeout or lost-peer message naming a rank. The times to detect are printed.
+# Runs 2 and 3 use `tc netem` (and `ip link set down` for the cut) where the kernel has sch_netem; else
+# each namespace gets a TUN device instead of the veth end, and tests/netem/netem_relay.py forwards the
+# packets between the two with the same impairments (seeded) and cuts the link on SIGUSR1.
+# Needs root, iproute2 and /dev/net/tun (or netem); skips (77) otherwise. Traffic stays inside the
+# namespaces made here, which are deleted on exit together with the relay and any rank still running.
 set -u
 cd "$(dirname "$0")/.."
 BUILD=${BUILD:-build}
-prog=$BUILD/test_collectives
+prog=$BUILD/test_collectives loop=$BUILD/netem_collective_loop
+PY=/usr/bin/python3; [ -x "$PY" ] || PY=python3
 [ "$(id -u)" -eq 0 ] || { echo "needs root for ip netns"; exit 77; }
 command -v ip >/dev/null || { echo "needs iproute2 (ip)"; exit 77; }
+make -s BUILD="$BUILD" "$prog" || { echo "FAIL: cannot build $prog"; exit 1; }
+${CC:-cc} -std=c99 -Wall -Wextra -Werror -pedantic -O2 -g -pthread -I. -o "$loop" tests/netem/collective_loop.c -lm ||
+  { echo "FAIL: cannot build tests/netem/collective_loop.c"; exit 1; }
 tag=ddp$$
 a=${tag}a b=${tag}b
-cleanup() { ip netns del "$a" 2>/dev/null; ip netns del "$b" 2>/dev/null; }
+T=$(mktemp -d /tmp/test_netns.XXXXXX)
+RELAY="" PIDS=""
+cleanup() {
+  local p
+  for p in $PIDS; do kill -KILL "$p" 2>/dev/null; done
+  [ -n "$RELAY" ] && kill -KILL "$RELAY" 2>/dev/null
+  wait 2>/dev/null
+  ip netns del "$a" 2>/dev/null; ip netns del "$b" 2>/dev/null
+  rm -rf "$T"
+}
 trap cleanup EXIT
+trap 'exit 1' INT TERM
+fail() { echo "FAIL: $*"; exit 1; }
+ok() { echo "ok: $*"; }
+now_ms() { echo $(( $(date +%s%N) / 1000000 )); }
+# tcp_counters: "retransmitted reordered" TCP segments so far, summed over both namespaces (the kernel's
+# own counters, independent of the relay: they show the impairments really reached TCP)
+tcp_counters() {
+  local ns
+  for ns in "$a" "$b"; do ip netns exec "$ns" cat /proc/net/snmp /proc/net/netstat; done | awk '
+    $1 == "Tcp:" || $1 == "TcpExt:" { if (!($1 in hdr)) { for (i = 2; i <= NF; i++) name[$1, i] = $i; hdr[$1] = 1; next }
+                                      for (i = 2; i <= NF; i++) v[name[$1, i]] += $i; delete hdr[$1] }
+    END { print v["RetransSegs"] + 0, v["TCPSACKReorder"] + v["TCPTSReorder"] + v["TCPRenoReorder"] }'
+}
 ip netns add "$a" && ip netns add "$b" || { echo "cannot create network namespaces here"; exit 77; }
+for ns in "$a" "$b"; do ip -n "$ns" link set lo up; done
 ip link add "v$tag" type veth peer name "w$tag" || { echo "cannot create a veth pair here"; exit 77; }
 ip link set "v$tag" netns "$a" && ip link set "w$tag" netns "$b"
 ip -n "$a" addr add 10.77.0.1/24 dev "v$tag" && ip -n "$b" addr add 10.77.0.2/24 dev "w$tag"
-for ns in "$a" "$b"; do ip -n "$ns" link set lo up; done
 ip -n "$a" link set "v$tag" up && ip -n "$b" link set "w$tag" up
 
-run_hosts() { # run 4 ranks: 0,1 on host a (the master), 2,3 on host b
-  local port=$((20000 + RANDOM % 20000)) pids=() rc=0 r ns
+# start_hosts OUT PROGRAM ARGS...: 4 ranks, 0,1 on host a (the master), 2,3 on host b, in the background;
+# rank r's output goes to OUT.r and its pid to PIDS. Extra variables for the ranks come from $RANK_ENV.
+start_hosts() {
+  local out=$1 port=$((20000 + RANDOM % 20000)) r ns
+  shift
+  PIDS=""
   for r in 0 1 2 3; do
     ns=$a; [ $r -ge 2 ] && ns=$b
     ip netns exec "$ns" env RANK=$r WORLD_SIZE=4 LOCAL_RANK=$((r % 2)) LOCAL_WORLD_SIZE=2 MASTER_ADDR=10.77.0.1 \
-      MASTER_PORT=$port TEST_EXTERNAL_LAUNCH=1 DDP_TIMEOUT=120 ${TEST_QUICK:+TEST_QUICK=1} "$prog" &
-    pids+=($!)
+      MASTER_PORT=$port TEST_EXTERNAL_LAUNCH=1 ${RANK_ENV:-} "$@" >"$out.$r" 2>&1 &
+    PIDS="$PIDS $!"
   done
-  for p in "${pids[@]}"; do wait "$p" || rc=1; done
-  return $rc
+}
+# run_hosts NAME: the collectives test on 4 ranks; fails with the ranks' output if one fails
+run_hosts() {
+  local p rc=0 start
+  start=$(date +%s)
+  RANK_ENV="DDP_TIMEOUT=120 ${TEST_QUICK:+TEST_QUICK=1}" start_hosts "$T/coll" "$prog"
+  for p in $PIDS; do wait "$p" || rc=1; done
+  PIDS=""
+  [ $rc = 0 ] || { tail -n 5 "$T"/coll.*; fail "collectives across two namespace hosts, $1"; }
+  ok "every collective${TEST_QUICK:+ (small counts)} across 2 hosts x 2 ranks over TCP, $1 ($(( $(date +%s) - start )) s)"
 }
 
-start=$(date +%s)
-run_hosts || { echo "FAIL: collectives across two namespace hosts"; exit 1; }
-echo "ok: every collective across 2 hosts x 2 ranks over TCP ($(( $(date +%s) - start )) s)"
-if ip netns exec "$a" tc qdisc add dev "v$tag" root netem delay 5ms 2>/dev/null; then
-  start=$(date +%s)
-  TEST_QUICK=1 run_hosts || { echo "FAIL: collectives across hosts with 5 ms netem delay"; exit 1; }
-  echo "ok: every collective (small counts) with 5 ms netem delay ($(( $(date +%s) - start )) s)"
+run_hosts "plain veth link"
+
+# ---- the impaired link: real netem, or the relay over TUN ----
+IMPAIR="delay 5 ms each way, 1% loss, 10% reordered by 1-2 ms"
+if ip netns exec "$a" tc qdisc add dev "v$tag" root netem delay 5ms loss 1% reorder 10% 2>/dev/null &&
+   ip netns exec "$b" tc qdisc add dev "w$tag" root netem delay 5ms loss 1% reorder 10% 2>/dev/null; then
+  how="tc netem"
+  IMPAIR="delay 5 ms each way, 1% loss, 10% reordered (sent at once)"
+  cut_link() { ip -n "$a" link set "v$tag" down; ip -n "$b" link set "w$tag" down; }
 else
-  echo "note: tc netem is unavailable here (sch_netem); the delayed-link run was skipped"
+  how="userspace netem relay over TUN (the kernel has no sch_netem)"
+  [ -c /dev/net/tun ] || { echo "no sch_netem and no /dev/net/tun: the impaired and cut-link runs cannot run here (plain link ok)"; exit 77; }
+  ip -n "$a" link del "v$tag"
+  ip -n "$a" tuntap add dev "t$tag" mode tun && ip -n "$b" tuntap add dev "u$tag" mode tun ||
+    { echo "cannot create TUN devices here (ip tuntap): the impaired and cut-link runs cannot run (plain link ok)"; exit 77; }
+  ip -n "$a" addr add 10.77.0.1/24 dev "t$tag" && ip -n "$b" addr add 10.77.0.2/24 dev "u$tag"
+  ip -n "$a" link set "t$tag" up && ip -n "$b" link set "u$tag" up
+  "$PY" tests/netem/netem_relay.py --delay 5 --loss 1 --reorder 10 --extra 1,2 --seed "${NETEM_SEED:-1}" \
+    "$a" "t$tag" "$b" "u$tag" >"$T/relay.out" 2>"$T/relay.err" &
+  RELAY=$!
+  for i in $(seq 500); do grep -q ready "$T/relay.out" 2>/dev/null && break; kill -0 $RELAY 2>/dev/null || break; sleep 0.01; done
+  grep -q ready "$T/relay.out" || fail "the relay did not start: $(cat "$T/relay.err")"
+  cut_link() { kill -USR1 "$RELAY"; }
 fi
+echo "impaired link: $how; $IMPAIR"
+read -r re0 ro0 < <(tcp_counters)
+TEST_QUICK=1 run_hosts "$IMPAIR"
+read -r re1 ro1 < <(tcp_counters)
+echo "  TCP in the namespaces during that run: $((re1 - re0)) segments retransmitted, $((ro1 - ro0)) reorderings detected"
+[ $((re1 - re0)) -gt 0 ] || fail "no TCP segment was retransmitted over a link that loses 1% of its packets: is the link impaired?"
+
+# ---- the cut link ----
+TIMEOUT=10 MARGIN=20
+RANK_ENV="DDP_TIMEOUT=$TIMEOUT" start_hosts "$T/loop" "$loop" 120
+for i in $(seq 6000); do
+  [ "$(cat "$T"/loop.* 2>/dev/null | grep -c looping)" = 4 ] && break
+  for p in $PIDS; do kill -0 "$p" 2>/dev/null || { cat "$T"/loop.*; fail "a rank ended before the link was cut"; }; done
+  sleep 0.01
+done
+[ "$(cat "$T"/loop.* | grep -c looping)" = 4 ] || { cat "$T"/loop.*; fail "the ranks never all started looping"; }
+sleep 1 # well inside the loop
+cut_link
+t0=$(now_ms)
+r=0 worst=0
+for p in $PIDS; do
+  while kill -0 "$p" 2>/dev/null && [ $(( $(now_ms) - t0 )) -le $(( (TIMEOUT + MARGIN) * 1000 )) ]; do sleep 0.05; done
+  kill -0 "$p" 2>/dev/null && { cat "$T"/loop.*; fail "rank $r still running $((TIMEOUT + MARGIN)) s after the link was cut"; }
+  wait "$p"; rc=$?
+  dt=$(( $(now_ms) - t0 ))
+  [ $dt -gt $worst ] && worst=$dt
+  [ $rc != 0 ] || { cat "$T"/loop.*; fail "rank $r exited 0 although the link was cut"; }
+  grep -Eq "FAILED.*(DDP_ERR_TIMEOUT|DDP_ERR_PEER_LOST|timed out|lost).*rank [0-9]" "$T/loop.$r" ||
+    { cat "$T/loop.$r"; fail "rank $r's message does not name a peer it lost or timed out on"; }
+  echo "  rank $r (exited $rc after $dt ms): $(grep FAILED "$T/loop.$r")"
+  r=$((r + 1))
+done
+PIDS=""
+ok "cut link ($how): every rank exited non-zero naming a peer; slowest $worst ms after the cut (DDP_TIMEOUT=$TIMEOUT)"
+if [ -n "$RELAY" ]; then
+  kill -TERM "$RELAY"; wait "$RELAY" 2>/dev/null; RELAY=""
+  sed 's/^/  /' "$T/relay.err"
+fi
+exit 0
