@@ -19,8 +19,9 @@ prog=$BUILD/test_collectives loop=$BUILD/netem_collective_loop
 PY=/usr/bin/python3; [ -x "$PY" ] || PY=python3
 [ "$(id -u)" -eq 0 ] || { echo "needs root for ip netns"; exit 77; }
 command -v ip >/dev/null || { echo "needs iproute2 (ip)"; exit 77; }
-make -s BUILD="$BUILD" "$prog" || { echo "FAIL: cannot build $prog"; exit 1; }
-${CC:-cc} -std=c99 -Wall -Wextra -Werror -pedantic -O2 -g -pthread -I. -o "$loop" tests/netem/collective_loop.c -lm ||
+SANFLAGS=""; [ "${SAN:-}" = address ] && SANFLAGS="-fsanitize=address,undefined -fno-omit-frame-pointer -fno-sanitize-recover=all"
+make -s BUILD="$BUILD" SAN="${SAN:-}" "$prog" || { echo "FAIL: cannot build $prog"; exit 1; }
+${CC:-cc} -std=c99 -Wall -Wextra -Werror -pedantic -O2 -g -pthread $SANFLAGS -I. -o "$loop" tests/netem/collective_loop.c -lm ||
   { echo "FAIL: cannot build tests/netem/collective_loop.c"; exit 1; }
 tag=ddp$$
 a=${tag}a b=${tag}b
@@ -39,14 +40,17 @@ trap 'exit 1' INT TERM
 fail() { echo "FAIL: $*"; exit 1; }
 ok() { echo "ok: $*"; }
 now_ms() { echo $(( $(date +%s%N) / 1000000 )); }
-# tcp_counters: "retransmitted reordered" TCP segments so far, summed over both namespaces (the kernel's
-# own counters, independent of the relay: they show the impairments really reached TCP)
+# tcp_counters: "retransmitted probes reordered": TCP segments retransmitted so far besides tail-loss probes
+# (TLPs fire every few round trips on a delayed link even without loss), TLPs, and reorderings the kernel
+# detected, summed over both namespaces: the kernel's own counters, independent of the relay, that show
+# the impairments really reached TCP
 tcp_counters() {
   local ns
   for ns in "$a" "$b"; do ip netns exec "$ns" cat /proc/net/snmp /proc/net/netstat; done | awk '
     $1 == "Tcp:" || $1 == "TcpExt:" { if (!($1 in hdr)) { for (i = 2; i <= NF; i++) name[$1, i] = $i; hdr[$1] = 1; next }
                                       for (i = 2; i <= NF; i++) v[name[$1, i]] += $i; delete hdr[$1] }
-    END { print v["RetransSegs"] + 0, v["TCPSACKReorder"] + v["TCPTSReorder"] + v["TCPRenoReorder"] }'
+    END { print v["RetransSegs"] - v["TCPLossProbes"], v["TCPLossProbes"] + 0,
+                v["TCPSACKReorder"] + v["TCPTSReorder"] + v["TCPRenoReorder"] }'
 }
 ip netns add "$a" && ip netns add "$b" || { echo "cannot create network namespaces here"; exit 77; }
 for ns in "$a" "$b"; do ip -n "$ns" link set lo up; done
@@ -82,11 +86,13 @@ run_hosts() {
 run_hosts "plain veth link"
 
 # ---- the impaired link: real netem, or the relay over TUN ----
-IMPAIR="delay 5 ms each way, 1% loss, 10% reordered by 1-2 ms"
-if ip netns exec "$a" tc qdisc add dev "v$tag" root netem delay 5ms loss 1% reorder 10% 2>/dev/null &&
-   ip netns exec "$b" tc qdisc add dev "w$tag" root netem delay 5ms loss 1% reorder 10% 2>/dev/null; then
+# NETEM_DELAY (ms), NETEM_LOSS and NETEM_REORDER (%) and NETEM_SEED change the impairments, for experiments
+D=${NETEM_DELAY:-5} L=${NETEM_LOSS:-1} R=${NETEM_REORDER:-10}
+IMPAIR="delay $D ms each way, $L% loss, $R% reordered by 1-2 ms"
+if ip netns exec "$a" tc qdisc add dev "v$tag" root netem delay ${D}ms loss $L% reorder $R% 2>/dev/null &&
+   ip netns exec "$b" tc qdisc add dev "w$tag" root netem delay ${D}ms loss $L% reorder $R% 2>/dev/null; then
   how="tc netem"
-  IMPAIR="delay 5 ms each way, 1% loss, 10% reordered (sent at once)"
+  IMPAIR="delay $D ms each way, $L% loss, $R% reordered (sent at once)"
   cut_link() { ip -n "$a" link set "v$tag" down; ip -n "$b" link set "w$tag" down; }
 else
   how="userspace netem relay over TUN (the kernel has no sch_netem)"
@@ -96,7 +102,7 @@ else
     { echo "cannot create TUN devices here (ip tuntap): the impaired and cut-link runs cannot run (plain link ok)"; exit 77; }
   ip -n "$a" addr add 10.77.0.1/24 dev "t$tag" && ip -n "$b" addr add 10.77.0.2/24 dev "u$tag"
   ip -n "$a" link set "t$tag" up && ip -n "$b" link set "u$tag" up
-  "$PY" tests/netem/netem_relay.py --delay 5 --loss 1 --reorder 10 --extra 1,2 --seed "${NETEM_SEED:-1}" \
+  "$PY" tests/netem/netem_relay.py --delay "$D" --loss "$L" --reorder "$R" --extra 1,2 --seed "${NETEM_SEED:-1}" \
     "$a" "t$tag" "$b" "u$tag" >"$T/relay.out" 2>"$T/relay.err" &
   RELAY=$!
   for i in $(seq 500); do grep -q ready "$T/relay.out" 2>/dev/null && break; kill -0 $RELAY 2>/dev/null || break; sleep 0.01; done
@@ -104,11 +110,14 @@ else
   cut_link() { kill -USR1 "$RELAY"; }
 fi
 echo "impaired link: $how; $IMPAIR"
-read -r re0 ro0 < <(tcp_counters)
+read -r re0 lp0 ro0 < <(tcp_counters)
 TEST_QUICK=1 run_hosts "$IMPAIR"
-read -r re1 ro1 < <(tcp_counters)
-echo "  TCP in the namespaces during that run: $((re1 - re0)) segments retransmitted, $((ro1 - ro0)) reorderings detected"
-[ $((re1 - re0)) -gt 0 ] || fail "no TCP segment was retransmitted over a link that loses 1% of its packets: is the link impaired?"
+read -r re1 lp1 ro1 < <(tcp_counters)
+echo "  TCP in the namespaces during that run: $((re1 - re0)) segments retransmitted (besides $((lp1 - lp0)) tail-loss" \
+  "probes), $((ro1 - ro0)) reorderings detected"
+[ $((re1 - re0)) -gt 0 ] || [ "$L" = 0 ] || fail "TCP retransmitted nothing over a link that loses $L% of its packets"
+[ $((ro1 - ro0)) -gt 0 ] || [ "$R" = 0 ] || fail "TCP saw no reordering over a link that reorders $R% of its packets"
+[ -z "$RELAY" ] || kill -0 "$RELAY" 2>/dev/null || fail "the relay died during the run: $(cat "$T/relay.err")"
 
 # ---- the cut link ----
 TIMEOUT=10 MARGIN=20
