@@ -1454,7 +1454,6 @@ struct ddp_group {
     struct ddp__store_server *store_server; /* rank 0 of the world group serves the store */
     char address[128];       /* this host's address that peers connect to */
     char prefix[96];         /* this group's store keys start with it */
-    int joined_rendezvous;   /* counted in the rendezvous' "joined" key */
     ddp_group *parent;       /* NULL for the world group */
     int live_subgroups;      /* subgroups not yet destroyed */
     uint64_t subgroups_made; /* names the next subgroup's key prefix */
@@ -6756,12 +6755,15 @@ static ddp_result ddp__rdzv_abort(ddp_group *g, ddp_result code, const char *msg
 }
 
 /* A rendezvous failed on this rank: publish the error (unless another rank already published one),
-   and if this rank serves the store, keep serving until the ranks that joined have read it (at most
-   a few seconds), so that they fail with the reason instead of "lost the store". */
+   and if this rank serves the store, keep serving until every other process has read it (at most a
+   few seconds, for ranks that never started), so that they fail with the reason instead of "lost the
+   store". Every other process counts itself in abort_seen, whether or not it had joined: one that was
+   still claiming its rank when the error came (a slow start, the second of two processes with one
+   rank) must find the store still there. */
 static void ddp__rdzv_fail_all(ddp_group *g, ddp_result code) {
     char key[256], msg[DDP__ERR_MAX];
     int exists = 0;
-    int64_t joined = 0, seen = 0;
+    int64_t seen = 0;
     double until = ddp__now() + DDP__MIN(g->timeout, 5.0);
     if (!g->store) return;
     snprintf(msg, sizeof msg, "%s", g->error);
@@ -6771,13 +6773,11 @@ static void ddp__rdzv_fail_all(ddp_group *g, ddp_result code) {
     ddp__fail(g, code, "%s", msg);
     ddp__key(g, key, sizeof key, "abort_seen", -1);
     if (!g->store_server) { /* done with the store: the rank serving it may stop waiting for us */
-        if (g->joined_rendezvous) ddp_store_add(g->store, key, 1, &seen);
+        ddp_store_add(g->store, key, 1, &seen);
         return;
     }
-    ddp__key(g, key, sizeof key, "joined", -1);
-    if (ddp_store_add(g->store, key, 0, &joined) != DDP_SUCCESS) return;
-    ddp__key(g, key, sizeof key, "abort_seen", -1);
-    while (ddp__now() < until && ddp_store_add(g->store, key, 0, &seen) == DDP_SUCCESS && seen < joined - 1) ddp__sleep(0.01);
+    while (ddp__now() < until && ddp_store_add(g->store, key, 0, &seen) == DDP_SUCCESS && seen < g->world_size - 1)
+        ddp__sleep(0.01);
     ddp__fail(g, code, "%s", msg);
 }
 
@@ -6914,7 +6914,6 @@ static ddp_result ddp__rendezvous(ddp_group *g, const char *addr, int listen_fd,
     ddp__key(g, key, sizeof key, "joined", -1);
     if ((r = ddp_store_add(g->store, key, 1, &claims)) != DDP_SUCCESS)
         return ddp__fail(g, r, "rendezvous through %s: %s", where, ddp_store_last_error(g->store));
-    g->joined_rendezvous = 1;
     if ((r = ddp__rdzv_wait_all(g, where)) != DDP_SUCCESS) return r;
 
     rec = (ddp__record *)ddp__calloc((size_t)g->world_size, sizeof *rec);

@@ -126,7 +126,6 @@ struct ddp_group {
     struct ddp__store_server *store_server; /* rank 0 of the world group serves the store */
     char address[128];       /* this host's address that peers connect to */
     char prefix[96];         /* this group's store keys start with it */
-    int joined_rendezvous;   /* counted in the rendezvous' "joined" key */
     ddp_group *parent;       /* NULL for the world group */
     int live_subgroups;      /* subgroups not yet destroyed */
     uint64_t subgroups_made; /* names the next subgroup's key prefix */

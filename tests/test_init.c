@@ -241,7 +241,8 @@ static int duplicate_rank(int rank, int n, void *arg) {
     ddp_group *g = NULL;
     ddp_result r;
     (void)arg;
-    if (rank == n - 1) setenv_int("RANK", 1); /* ranks 0, 1, 1 of a world of 3 */
+    if (rank == n - 1) setenv_int("RANK", 1); /* ranks 0, 1, 2, 1 of a world of 4 */
+    if (rank == 2) usleep(700 * 1000);        /* rank 2 starts late: the store must still be there to tell it */
     if (getenv("TEST_DEBUG")) setenv("DDP_LOG_LEVEL", "debug", 1);
     memset(&d, 0, sizeof d);
     d.timeout_seconds = 20;
@@ -308,7 +309,7 @@ int main(int argc, char **argv) {
         {"unreachable master", 2, unreachable_master},
         {"port in use", 1, port_in_use},
         {"ranks disagree on world size", 3, world_size_disagreement},
-        {"two processes claim one rank", 3, duplicate_rank},
+        {"two processes claim one rank", 4, duplicate_rank},
         {"malformed environment and descriptor", 1, bad_environment},
     };
     size_t i;

@@ -9,7 +9,10 @@ export ASAN_OPTIONS=detect_leaks=1:halt_on_error=1 UBSAN_OPTIONS=halt_on_error=1
 export TSAN_OPTIONS=halt_on_error=1:second_deadlock_stack=1 TEST_QUICK=1
 threaded="test_errors test_init test_collectives test_shm_alloc test_store test_auth test_spawn test_checkpoint_ranks test_syncbn_ranks test_reducer test_reducer_errors ${SANITIZER_EXTRA_TESTS:-}"
 # single-process tests: no threads for ThreadSanitizer to watch, but parsers and allocation paths for ASan
-single="test_checkpoint test_checkpoint_fault test_sampler test_syncbn test_reducer_buckets"
+single="test_checkpoint test_checkpoint_fault test_sampler test_syncbn test_reducer_buckets test_dtype"
+# script tests whose programs (ddprun, the examples) are built with the sanitizer through BUILD/SAN; the
+# rest of the scripts pass too (`make test SAN=address|thread`, see docs/RELIABILITY.md) but take longer
+scripts="test_ddprun test_examples"
 for san in address thread; do
   tests=$threaded
   if [ $san = address ]; then tests="$tests $single"; fi
@@ -19,6 +22,10 @@ for san in address thread; do
   for t in $tests; do
     echo "== $t under $san sanitizer"
     if [ "$t" = test_collectives ]; then build-$san/$t 1 2 3 4; else build-$san/$t; fi
+  done
+  for t in $scripts; do
+    echo "== $t (its programs under $san sanitizer)"
+    BUILD=build-$san SAN=$san bash tests/$t.sh
   done
 done
 echo "sanitizers: no reports"
