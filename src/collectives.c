@@ -101,9 +101,83 @@ static void ddp__finish_avg(ddp_group *g, char *buf, size_t count, ddp_dtype t, 
     ddp__divide(buf + off * ddp_dtype_size(t), len, t, g->world_size);
 }
 
+/* ---- recursive doubling (MPICH's small-message allreduce), for all_reduce up to DDP__RD_MAX_BYTES ----
+
+   p = the largest power of two <= n; the first 2(n - p) ranks pair up (2i, 2i+1) and fold:
+
+       fold:    2i --data--> 2i+1   (2i+1 answers with an empty frame, so that every rank sends first)
+       rounds:  the p ranks left (new rank i = 2i+1 for i < n - p, else rank - (n - p)) exchange the
+                whole buffer with new rank ^ 1, ^ 2, ^ 4 ... and combine: log2(p) rounds
+       unfold:  2i+1 --result--> 2i
+
+   Cost for N bytes: log2(p) + 2 [fold] steps, each sending N bytes (the ring: 2(n-1) steps of N/n).
+   Every combine computes (lower rank's block) op (higher rank's block), so partners compute the same
+   bits and every rank ends with the same result, floats included (MIN/MAX of -0.0 and +0.0 and
+   NaN payloads depend on the order). AVG divides once, at the end, as the ring does. */
+#define DDP__RD_MAX_BYTES ((size_t)16 << 10)
+
+/* One step of the algorithm: send `sbytes` of `sbuf` to `to` while receiving `rbytes` into `rbuf`
+   from `from` (-1: no such side). */
+static ddp_result ddp__send_recv(ddp_group *g, const ddp__coll *c, int to, const void *sbuf, size_t sbytes, int from,
+                                 void *rbuf, size_t rbytes) {
+    ddp__step st;
+    st.send_peer = to;
+    st.send_buf = sbuf;
+    st.send_bytes = sbytes;
+    st.recv_peer = from;
+    st.recv_buf = rbuf;
+    st.recv_bytes = rbytes;
+    return ddp__exchange(g, c, &st);
+}
+
+/* buf = (the lower rank's block) op (the higher rank's block), where the other block is `other`
+   from rank `peer`; tmp (holding `other`) is clobbered. */
+static void ddp__combine_ordered(ddp_group *g, int peer, char *buf, char *tmp, size_t count, ddp_dtype t, ddp_op op) {
+    if (peer > g->rank) {
+        ddp__reduce(buf, tmp, count, t, op);
+        return;
+    }
+    ddp__reduce(tmp, buf, count, t, op);
+    if (count) memcpy(buf, tmp, count * ddp_dtype_size(t));
+}
+
+static int ddp__rd_old_rank(int new_rank, int extra) { return new_rank < extra ? 2 * new_rank + 1 : new_rank + extra; }
+
+static ddp_result ddp__rd_all_reduce(ddp_group *g, const ddp__coll *c, char *buf, size_t count, ddp_dtype t, ddp_op op) {
+    int n = g->world_size, r = g->rank, p = 1, extra, me, mask;
+    size_t bytes = count * ddp_dtype_size(t);
+    char *tmp = (char *)ddp__scratch(g, bytes);
+    ddp_result res;
+    if (!tmp && bytes) return ddp__no_memory(g, bytes);
+    while (p * 2 <= n) p *= 2;
+    extra = n - p;
+    if (r < 2 * extra && r % 2 == 0) { /* folded away: hand the data over, wait for the result */
+        if ((res = ddp__send_recv(g, c, r + 1, buf, bytes, r + 1, NULL, 0)) != DDP_SUCCESS) return res;
+        return ddp__send_recv(g, c, -1, NULL, 0, r + 1, buf, bytes);
+    }
+    if (r < 2 * extra) {
+        if ((res = ddp__send_recv(g, c, r - 1, NULL, 0, r - 1, tmp, bytes)) != DDP_SUCCESS) return res;
+        ddp__combine_ordered(g, r - 1, buf, tmp, count, t, op);
+    }
+    me = r < 2 * extra ? r / 2 : r - extra;
+    for (mask = 1; mask < p; mask <<= 1) {
+        int peer = ddp__rd_old_rank(me ^ mask, extra);
+        if ((res = ddp__send_recv(g, c, peer, buf, bytes, peer, tmp, bytes)) != DDP_SUCCESS) return res;
+        ddp__combine_ordered(g, peer, buf, tmp, count, t, op);
+    }
+    if (op == DDP_AVG) ddp__divide(buf, count, t, n);
+    if (r < 2 * extra) return ddp__send_recv(g, c, r - 1, buf, bytes, -1, NULL, 0);
+    return DDP_SUCCESS;
+}
+
+/* all_reduce over TCP: recursive doubling for small messages (latency-bound: log2(n) steps), the ring
+   above for the rest (bandwidth-bound). The choice depends only on the fingerprint (count, dtype) and
+   the world size, so ranks that agree on the call run the same algorithm; ranks that disagree are
+   caught as the comment at the top explains. */
 static ddp_result ddp__do_all_reduce(ddp_group *g, const ddp__coll *c, void *buf, size_t count, ddp_dtype t, ddp_op op) {
-    ddp_result r = ddp__ring_reduce_scatter(g, c, (char *)buf, count, t, op);
-    if (r) return r;
+    ddp_result r;
+    if (count * ddp_dtype_size(t) <= DDP__RD_MAX_BYTES) return ddp__rd_all_reduce(g, c, (char *)buf, count, t, op);
+    if ((r = ddp__ring_reduce_scatter(g, c, (char *)buf, count, t, op)) != DDP_SUCCESS) return r;
     ddp__finish_avg(g, (char *)buf, count, t, op);
     return ddp__ring_all_gather(g, c, (char *)buf, count, ddp_dtype_size(t));
 }

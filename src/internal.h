@@ -108,6 +108,8 @@ typedef struct ddp__peer {
     int fd;   /* -1 for this rank itself */
     int gone; /* the connection was seen closed */
     uint64_t send_owed; /* bytes of a frame interrupted mid-send (padded before an ABORT) */
+    uint64_t quiet_seq; /* transport.c: in this collective, the peer's waiting frame was looked at and is fine */
+    int peek_later;     /* transport.c: only part of a frame header was there; look again shortly */
 } ddp__peer;
 
 struct ddp_group {
