@@ -12,13 +12,30 @@
    reduce-scatter, chunk c starts at rank c+1 and travels once around the ring, each rank adding its
    own part, and ends complete at rank c; the all-gather then passes each complete chunk around.
    Cost for N bytes on n ranks: 2(n-1) steps, each rank sending 2(n-1)/n * N bytes (bandwidth-optimal).
+   Up to DDP__RD_MAX_BYTES all_reduce uses recursive doubling instead (log2(n) steps; see below).
 
-   Why a mismatch is an error on every rank: each rank checks the fingerprint of the first frame it
-   gets from its left neighbour, and every algorithm here is shaped so that a rank cannot finish unless
-   all but at most one neighbour pair have checked each other. If any rank differs, at least two
-   neighbour pairs around the ring differ, so no rank finishes; the rank that saw the difference breaks
-   the group and every rank fails with DDP_ERR_MISMATCH. Broadcast and reduce get the same guarantee
-   from a final token pass (broadcast) and from the reduce-scatter that precedes the gather (reduce). */
+   Why a mismatch is an error on every rank (the program is wrong at collective #X: two ranks call
+   something different there; transport.c explains how each rank checks what it receives):
+   1. No rank finishes #X. Every algorithm here makes each rank's finish depend, through a chain of
+      received frames, on every other rank having sent in #X (the ring passes data from every rank to
+      every rank; recursive doubling too; broadcast ends with a token pass and reduce starts with a
+      reduce-scatter for this). Each frame on the chain was checked by its receiver, so a rank that
+      finishes proves that every rank called the same #X.
+   2. Some rank sees the difference. Group the ranks by the call they make at #X. A group in which some
+      rank sends without receiving first is "active": every rank of a ring algorithm (all_reduce,
+      all_gather, reduce_scatter, reduce, barrier), the root of a broadcast, and every rank of
+      recursive doubling (the folded pair 2i+1 -> 2i answers at once for this reason). An active group
+      that is not every rank sends to a rank outside it before it can get stuck: the ring's first step
+      goes to rank+1; a broadcast chain passes every rank; recursive doubling's partners cover ever
+      larger blocks and so leave the group. That frame reaches a rank waiting in #X, which checks every
+      frame that reaches it, whichever peer it waits on (transport.c), and fails with
+      DDP_ERR_MISMATCH. Every rank sends or receives something at #X unless every group is a broadcast
+      whose root is outside it (every rank calls broadcast and none names itself root): that case
+      alone ends in DDP_ERR_TIMEOUT.
+   3. The rank that saw it breaks the group (an ABORT frame to every peer), and every rank, all stuck
+      in #X by (1), fails with that code and message. A rank still finishing #X-1 when a faster rank
+      finds the mismatch at #X fails there (or in ddp_init, whose own barrier comes first): the group
+      is broken at once, so its last call is the one that reports it. */
 #include "internal.h"
 
 static int ddp__mod(int a, int n) { return ((a % n) + n) % n; }
@@ -102,6 +119,7 @@ static void ddp__finish_avg(ddp_group *g, char *buf, size_t count, ddp_dtype t, 
 }
 
 /* ---- recursive doubling (MPICH's small-message allreduce), for all_reduce up to DDP__RD_MAX_BYTES ----
+   (Gloo and NCCL's tree do the same job: few steps for latency-bound sizes.)
 
    p = the largest power of two <= n; the first 2(n - p) ranks pair up (2i, 2i+1) and fold:
 
@@ -113,8 +131,12 @@ static void ddp__finish_avg(ddp_group *g, char *buf, size_t count, ddp_dtype t, 
    Cost for N bytes: log2(p) + 2 [fold] steps, each sending N bytes (the ring: 2(n-1) steps of N/n).
    Every combine computes (lower rank's block) op (higher rank's block), so partners compute the same
    bits and every rank ends with the same result, floats included (MIN/MAX of -0.0 and +0.0 and
-   NaN payloads depend on the order). AVG divides once, at the end, as the ring does. */
-#define DDP__RD_MAX_BYTES ((size_t)16 << 10)
+   NaN payloads depend on the order). AVG divides once, at the end, as the ring does.
+   The threshold is measured (bench/README.md, DDP_TRANSPORT=tcp on loopback): recursive doubling took
+   0.5x the ring's time up to 8 KiB and 0.85x at 32 KiB on 2 ranks, 0.4-0.6x up to 32 KiB and 0.9x at
+   256 KiB on 4; the ring won from 64 KiB on 2 ranks. It is no setting: ranks that disagreed on it would
+   run different algorithms for the same call, which no fingerprint catches. */
+#define DDP__RD_MAX_BYTES ((size_t)32 << 10)
 
 /* One step of the algorithm: send `sbytes` of `sbuf` to `to` while receiving `rbytes` into `rbuf`
    from `from` (-1: no such side). */
@@ -130,8 +152,8 @@ static ddp_result ddp__send_recv(ddp_group *g, const ddp__coll *c, int to, const
     return ddp__exchange(g, c, &st);
 }
 
-/* buf = (the lower rank's block) op (the higher rank's block), where the other block is `other`
-   from rank `peer`; tmp (holding `other`) is clobbered. */
+/* Combine this rank's block (buf) with the block just received from `peer` (tmp) as (lower rank's
+   block) op (higher rank's block), into buf; tmp is clobbered. Both partners compute the same bits. */
 static void ddp__combine_ordered(ddp_group *g, int peer, char *buf, char *tmp, size_t count, ddp_dtype t, ddp_op op) {
     if (peer > g->rank) {
         ddp__reduce(buf, tmp, count, t, op);

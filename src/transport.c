@@ -8,6 +8,19 @@
    with TORCH_DISTRIBUTED_DEBUG=DETAIL): the receiver compares it with its own, and any difference is
    DDP_ERR_MISMATCH with both sides named.
 
+   Every frame that reaches a waiting rank is checked, not only the one it waits for. Ranks that
+   disagree about a call may run different algorithms (all_reduce picks one by size), and then a
+   mismatched frame can sit in a connection its receiver is not reading while every rank waits on
+   another: 4 ranks, 0 and 1 in the ring, 2 and 3 in recursive doubling, 0 waits on 3, 3 on 1, 1 on 0.
+   So a step also polls the other connections for input, and looks at a frame header that arrives
+   there with MSG_PEEK, without taking it (connections are at a frame boundary between steps: frames
+   are read whole within one). An ABORT fails the step; a frame of the same collective number with a
+   different fingerprint is DDP_ERR_MISMATCH. A frame of this collective, of another number (a peer
+   already past this one, or past ddp_init's own collectives, whose count restarts) or a BYE is early
+   data: the peer is marked quiet until the next collective, so poll does not wake for it again. Nothing extra happens when nothing
+   unexpected arrives: the same poll call watches one more event per connection. collectives.c says
+   why this makes every mismatch an error on every rank.
+
    Failure handling. While a rank waits, it also watches every other connection of the group for a
    hang-up. When a rank fails a collective (mismatch, timeout, lost peer) it "breaks" the group: it sends
    an ABORT frame carrying the error to every peer and shuts its connections down. Every peer then sees
@@ -254,15 +267,18 @@ static ddp_result ddp__check_frame(ddp_group *g, const ddp__coll *c, int peer, c
     return DDP_SUCCESS;
 }
 
-/* Is a frame from a peer that this step does not read a sign of trouble in collective c? A frame of
-   c (same fingerprint), of a later collective, or a BYE (the peer passed ddp_destroy's barrier, which
-   is then ours too) is early data, legitimate. In the group's own connect barrier (#1, group.c) a peer
-   may already send the user's collective #1 (the count restarts after it): early data too there. */
+/* Is a frame from a peer that this step does not read fine in collective c? Only a frame with c's
+   number and another fingerprint shows a mismatch: when ranks disagree about #X, no rank gets past
+   #X, so every frame in flight has number X. A frame of c, of another number or a BYE (the peer
+   passed ddp_destroy's barrier, which is then ours too) is early data: a later number is a peer past
+   c; an earlier one is a peer in the user's first calls while this rank is still in ddp_init's own
+   (#1 the connect barrier, then the shared-memory set-up's, group.c and shm.c: the count restarts at 0
+   after them). The user's #1 can meet ddp_init's barrier #1 itself: exempt too. */
 static int ddp__frame_is_early(const ddp__coll *c, const ddp__frame *f) {
     if (f->magic != DDP__FRAME_MAGIC) return 0;
     if (f->kind == DDP__FRAME_BYE) return 1;
     if (f->kind != DDP__FRAME_DATA) return 0;
-    return f->seq > c->seq || ddp__coll_equal(c, f) || (c->seq == 1 && c->kind == DDP__BARRIER);
+    return f->seq != c->seq || ddp__coll_equal(c, f) || (c->seq == 1 && c->kind == DDP__BARRIER);
 }
 
 /* A peer this step does not read from has something for us: look at its frame header without taking

@@ -11,6 +11,8 @@
    Usage: test_tcp_algorithms [world sizes...] (default 2 3 4 5 6 7 8 for results). */
 #include "testlib.h"
 
+#include <sched.h>
+
 static const ddp_dtype dtypes[] = {DDP_F32, DDP_F64, DDP_F16, DDP_BF16, DDP_I8, DDP_U8, DDP_I32, DDP_I64};
 static const ddp_op ops[] = {DDP_SUM, DDP_AVG, DDP_PROD, DDP_MIN, DDP_MAX};
 #define NDT (sizeof dtypes / sizeof dtypes[0])
@@ -233,18 +235,46 @@ static int run_mismatches(void) {
     return failed;
 }
 
-/* ddp_init ends with the group's own barrier (collective #1, before the count restarts), so a fast
-   rank's first user call (#1 too) can reach a slow rank still in that barrier: early data, not a
-   mismatch. Several short runs, as the timing decides whether it happens. */
+/* ddp_init runs collectives of its own (the connect barrier #1; on mixed hosts also the shared-memory
+   set-up's all_gather #2) and then restarts the count, so a fast rank's first user calls (#1, #2) can
+   reach a slow rank still in ddp_init's: early data, not a mismatch. Several short runs, as the
+   timing decides whether it happens. arg non-NULL: the last rank plays another host (its own UTS
+   namespace and host name), so that the set-up finds mixed hosts and everything goes over TCP. */
 static int first_call_worker(int rank, int n, void *arg) {
     ddp_group *g;
     float x[4] = {1, 2, 3, 4};
-    (void)arg;
+    if (arg && rank == n - 1)
+        CHECK(unshare(CLONE_NEWUTS) == 0 && sethostname("ddp-other-host", 14) == 0, "rank %d: cannot play another host: %s",
+              rank, strerror(errno));
     CHECK_OK(ddp_init(NULL, &g), NULL);
     CHECK_OK(ddp_all_reduce(g, x, 4, DDP_F32, DDP_SUM), g);
-    CHECK(x[3] == 4.0f * (float)n, "rank %d: the first all_reduce gave %g, expected %g", rank, x[3], 4.0 * n);
+    CHECK_OK(ddp_all_reduce(g, x, 4, DDP_F32, DDP_SUM), g);
+    CHECK(x[3] == 4.0f * (float)(n * n), "rank %d: two all_reduces gave %g, expected %g", rank, x[3], 4.0 * n * n);
     CHECK_OK(ddp_destroy(g), NULL);
     return 0;
+}
+
+/* Can this process make a UTS namespace (root, or CAP_SYS_ADMIN)? Tried in a child. */
+static int can_play_hosts(void) {
+    int st;
+    pid_t p = fork();
+    if (p == 0) _exit(unshare(CLONE_NEWUTS) == 0 ? 0 : 1);
+    return p > 0 && waitpid(p, &st, 0) == p && WIFEXITED(st) && WEXITSTATUS(st) == 0;
+}
+
+static int run_first_calls(void) {
+    int i, failed = 0, mixed = 1;
+    for (i = 0; i < 20; i++) failed |= tl_run_ranks(8, first_call_worker, NULL, 60);
+    printf("first calls right after ddp_init, 8 ranks, 20 runs: %s\n", failed ? "FAILED" : "ok");
+    if (!can_play_hosts()) {
+        printf("first calls on mixed hosts: skipped (needs root for a UTS namespace)\n");
+        return failed;
+    }
+    unsetenv("DDP_TRANSPORT"); /* the set-up must look for shared memory and find mixed hosts */
+    for (i = 0; i < 20; i++) failed |= tl_run_ranks(8, first_call_worker, &mixed, 60);
+    setenv("DDP_TRANSPORT", "tcp", 1);
+    printf("first calls on mixed hosts (7 + 1), 8 ranks, 20 runs: %s\n", failed ? "FAILED" : "ok");
+    return failed;
 }
 
 int main(int argc, char **argv) {
@@ -264,8 +294,7 @@ int main(int argc, char **argv) {
         fflush(stdout);
         failed |= rc;
     }
-    for (i = 0; i < 20; i++) failed |= tl_run_ranks(8, first_call_worker, NULL, 60);
-    printf("first call right after ddp_init, 8 ranks, 20 runs: %s\n", failed ? "FAILED" : "ok");
+    failed |= run_first_calls();
     failed |= run_mismatches();
     return failed;
 }
