@@ -17,9 +17,9 @@
    are read whole within one). An ABORT fails the step; a frame of the same collective number with a
    different fingerprint is DDP_ERR_MISMATCH. A frame of this collective, of another number (a peer
    already past this one, or past ddp_init's own collectives, whose count restarts) or a BYE is early
-   data: the peer is marked quiet until the next collective, so poll does not wake for it again. Nothing extra happens when nothing
-   unexpected arrives: the same poll call watches one more event per connection. collectives.c says
-   why this makes every mismatch an error on every rank.
+   data: the peer is marked quiet until the next collective, so poll does not wake for it again.
+   Nothing extra happens when nothing unexpected arrives: the same poll call watches one more event
+   per connection. collectives.c says why this makes every mismatch an error on every rank.
 
    Failure handling. While a rank waits, it also watches every other connection of the group for a
    hang-up. When a rank fails a collective (mismatch, timeout, lost peer) it "breaks" the group: it sends
