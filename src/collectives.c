@@ -376,6 +376,7 @@ static ddp_result ddp__run(ddp_group *g, const ddp__call *k, const ddp__coll *c)
         g->running_seq = 0;
         return r;
     }
+    g->tcp_runs++;
     switch (k->kind) {
     case DDP__ALL_REDUCE: return ddp__do_all_reduce(g, c, k->buf, k->count, k->dtype, k->op);
     case DDP__BROADCAST: return ddp__do_broadcast(g, c, k->buf, k->count, k->dtype, k->root);

@@ -17,7 +17,8 @@
    are read whole within one). An ABORT fails the step; a frame of the same collective number with a
    different fingerprint is DDP_ERR_MISMATCH. A frame of this collective, of another number (a peer
    already past this one, or past ddp_init's own collectives, whose count restarts) or a BYE is early
-   data: the peer is marked quiet until the next collective, so poll does not wake for it again.
+   data: the peer is marked quiet until the next collective (g->tcp_runs counts them: seq restarts
+   after ddp_init's own), so poll does not wake for it again.
    Nothing extra happens when nothing unexpected arrives: the same poll call watches one more event
    per connection. collectives.c says why this makes every mismatch an error on every rank.
 
@@ -296,7 +297,7 @@ static ddp_result ddp__peek_peer(ddp_group *g, const ddp__coll *c, int peer) {
         return DDP_SUCCESS;
     }
     if (ddp__frame_is_early(c, &f)) {
-        p->quiet_seq = c->seq;
+        p->quiet_run = g->tcp_runs;
         return DDP_SUCCESS;
     }
     if (f.magic == DDP__FRAME_MAGIC && f.kind == DDP__FRAME_ABORT) { /* take the header: the reason follows it */
@@ -309,8 +310,7 @@ static ddp_result ddp__peek_peer(ddp_group *g, const ddp__coll *c, int peer) {
 /* What to wait for on peer i in this step: hang-ups always; POLLOUT while sending to it; POLLIN while
    receiving from it, and also from any other peer not yet seen quiet in this collective (a frame there
    may show a mismatch: see the top of the file). *soon: look again within a millisecond. */
-static short ddp__poll_events(ddp_group *g, const ddp__coll *c, const ddp__step *s, int i, int sending, int receiving,
-                              int *soon) {
+static short ddp__poll_events(ddp_group *g, const ddp__step *s, int i, int sending, int receiving, int *soon) {
     ddp__peer *p = &g->peers[i];
     short ev = POLLRDHUP;
     if (i == s->send_peer && sending) ev |= POLLOUT;
@@ -318,7 +318,7 @@ static short ddp__poll_events(ddp_group *g, const ddp__coll *c, const ddp__step 
     if (p->peek_later) {
         p->peek_later = 0;
         *soon = 1;
-    } else if (p->quiet_seq != c->seq) {
+    } else if (p->quiet_run != g->tcp_runs) {
         ev |= POLLIN;
     }
     return ev;
@@ -339,7 +339,7 @@ static ddp_result ddp__exchange(ddp_group *g, const ddp__coll *c, const ddp__ste
         for (i = 0; i < g->world_size; i++) {
             if (i == g->rank || g->peers[i].fd < 0) continue;
             fds[n].fd = g->peers[i].fd;
-            fds[n].events = ddp__poll_events(g, c, s, i, sent < send_total, received < recv_total, &soon);
+            fds[n].events = ddp__poll_events(g, s, i, sent < send_total, received < recv_total, &soon);
             fds[n].revents = 0;
             owner[n++] = i;
         }
