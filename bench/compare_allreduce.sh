@@ -1,6 +1,9 @@
 #!/usr/bin/env bash
 # ddp.h beside Open MPI and Gloo: all_reduce (f32 sum) bus bandwidth, in one run, medians of R rounds.
 #   bench/compare_allreduce.sh [ranks=2] [max_bytes=268435456] [rounds=3]
+#   METRIC=time: the table shows median time per call (us) instead, ratios as peer time / ddp.h time
+#   (above 1 = ddp.h faster): the column for latency, where busbw rounds to 0.000.
+#   ONLY="ddp_tcp mpi_tcp": run only the contenders named (ddp_shm_lib ddp_shm ddp_tcp mpi mpi_tcp gloo).
 # Each round runs every contender once (interleaved, so load changes hit all of them alike); the
 # table shows each one's median busbw (GB/s) per size and the ratios ddp.h / peer.
 # Contenders: ddp.h over shared memory on ddp_alloc buffers (ddp_shm_lib: single-copy) and on malloc
@@ -10,6 +13,9 @@
 set -eu
 cd "$(dirname "$0")/.."
 n=${1:-2} max=${2:-268435456} rounds=${3:-3}
+METRIC=${METRIC:-busbw}
+ONLY=${ONLY:-ddp_shm_lib ddp_shm ddp_tcp mpi mpi_tcp gloo}
+want() { case " $ONLY " in *" $1 "*) return 0 ;; *) return 1 ;; esac; }
 BUILD=${BUILD:-build}
 # the peers: PEERS, else ../shared/peers from the repository root (or from a worktree under ../wt/)
 peers=${PEERS:-}
@@ -63,19 +69,20 @@ int main(int argc, char **argv) {
 C
 cc -O3 -march=native -o "$out/membw" "$out/membw.c"
 for r in $(seq 1 "$rounds"); do
-  "$BUILD/ddprun" --nproc-per-node "$n" --standalone "$BUILD/bench_collectives" --lib all_reduce "$max" > "$out/ddp_shm_lib.$r"
-  "$BUILD/ddprun" --nproc-per-node "$n" --standalone "$BUILD/bench_collectives" all_reduce "$max" > "$out/ddp_shm.$r"
-  DDP_TRANSPORT=tcp "$BUILD/ddprun" --nproc-per-node "$n" --standalone "$BUILD/bench_collectives" all_reduce "$max" > "$out/ddp_tcp.$r"
+  want ddp_shm_lib && "$BUILD/ddprun" --nproc-per-node "$n" --standalone "$BUILD/bench_collectives" --lib all_reduce "$max" > "$out/ddp_shm_lib.$r"
+  want ddp_shm && "$BUILD/ddprun" --nproc-per-node "$n" --standalone "$BUILD/bench_collectives" all_reduce "$max" > "$out/ddp_shm.$r"
+  want ddp_tcp && DDP_TRANSPORT=tcp "$BUILD/ddprun" --nproc-per-node "$n" --standalone "$BUILD/bench_collectives" all_reduce "$max" > "$out/ddp_tcp.$r"
   if [ $have_mpi = 1 ]; then
-    $mpirun "$out/mpi_allreduce" "$max" > "$out/mpi.$r"
-    $mpirun --mca btl tcp,self "$out/mpi_allreduce" "$max" > "$out/mpi_tcp.$r"
+    want mpi && $mpirun "$out/mpi_allreduce" "$max" > "$out/mpi.$r"
+    want mpi_tcp && $mpirun --mca btl tcp,self "$out/mpi_allreduce" "$max" > "$out/mpi_tcp.$r"
   fi
-  [ $have_gloo = 1 ] && (cd "$out" && /usr/bin/python3 "$peers/gloo_allreduce.py" "$n" "$max" > "$out/gloo.$r" 2>/dev/null)
-  "$out/membw" "$n" > "$out/membw.$r"
+  want gloo && [ $have_gloo = 1 ] && (cd "$out" && /usr/bin/python3 "$peers/gloo_allreduce.py" "$n" "$max" > "$out/gloo.$r" 2>/dev/null)
+  [ "$METRIC" = busbw ] && "$out/membw" "$n" > "$out/membw.$r"
 done
-python3 - "$out" "$rounds" "$n" <<'PY'
+python3 - "$out" "$rounds" "$n" "$METRIC" <<'PY'
 import sys, statistics, glob, os
-out, rounds, n = sys.argv[1], int(sys.argv[2]), sys.argv[3]
+out, rounds, n, metric = sys.argv[1], int(sys.argv[2]), sys.argv[3], sys.argv[4]
+col = -3 if metric == "time" else -1  # every contender prints ... time_us algbw busbw
 def table(name):  # {bytes: [busbw per round]}
     t = {}
     for r in range(1, rounds + 1):
@@ -84,22 +91,25 @@ def table(name):  # {bytes: [busbw per round]}
         for line in open(path):
             f = line.split()
             if not f or not f[0].isdigit(): continue
-            t.setdefault(int(f[0]), []).append(float(f[-1]))
+            t.setdefault(int(f[0]), []).append(float(f[col]))
     return {b: statistics.median(v) for b, v in t.items()}
 cols = [(k, table(k)) for k in ("ddp_shm_lib", "ddp_shm", "ddp_tcp", "mpi", "mpi_tcp", "gloo")]
 cols = [(k, t) for k, t in cols if t]
-print(f"all_reduce f32 sum, {n} ranks, busbw GB/s (median of {rounds} rounds)")
+print(f"all_reduce f32 sum, {n} ranks, " + ("time per call in us, ratios peer time / ddp.h time" if metric == "time" else "busbw GB/s")
+      + f" (median of {rounds} rounds)")
 hdr = f"{'bytes':>11} " + " ".join(f"{k:>11}" for k, _ in cols)
 pairs = (("ddp_shm_lib", "mpi"), ("ddp_shm", "mpi"), ("ddp_shm_lib", "gloo"), ("ddp_shm", "gloo"), ("ddp_tcp", "mpi_tcp"))
 ratios = [(a, b) for a, b in pairs if a in dict(cols) and b in dict(cols)]
 hdr += "".join(f" {a.replace('ddp_','')+'/'+b:>12}" for a, b in ratios)
 print(hdr)
 d = dict(cols)
-for b in sorted(d["ddp_shm"]):
+for b in sorted(cols[0][1]):
     row = f"{b:>11} " + " ".join(f"{t.get(b, float('nan')):>11.3f}" for _, t in cols)
     for x, y in ratios:
-        row += f" {d[x].get(b, float('nan')) / d[y].get(b, float('nan')):>12.2f}" if d[y].get(b) else f" {'-':>12}"
+        num, den = (d[y].get(b), d[x].get(b)) if metric == "time" else (d[x].get(b), d[y].get(b))
+        row += f" {num / den:>12.2f}" if num and den else f" {'-':>12}"
     print(row)
+if metric == "time" or "ddp_shm" not in d: sys.exit(0)
 bw = statistics.median(float(open(os.path.join(out, f"membw.{r}")).read()) for r in range(1, rounds + 1))
 top = max(d["ddp_shm"])
 print(f"memory: {n} processes of a[i] += b[i] move {bw:.1f} GB/s (median of {rounds}); at {top} bytes the floor "

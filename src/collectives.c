@@ -12,13 +12,30 @@
    reduce-scatter, chunk c starts at rank c+1 and travels once around the ring, each rank adding its
    own part, and ends complete at rank c; the all-gather then passes each complete chunk around.
    Cost for N bytes on n ranks: 2(n-1) steps, each rank sending 2(n-1)/n * N bytes (bandwidth-optimal).
+   Up to DDP__RD_MAX_BYTES all_reduce uses recursive doubling instead (log2(n) steps; see below).
 
-   Why a mismatch is an error on every rank: each rank checks the fingerprint of the first frame it
-   gets from its left neighbour, and every algorithm here is shaped so that a rank cannot finish unless
-   all but at most one neighbour pair have checked each other. If any rank differs, at least two
-   neighbour pairs around the ring differ, so no rank finishes; the rank that saw the difference breaks
-   the group and every rank fails with DDP_ERR_MISMATCH. Broadcast and reduce get the same guarantee
-   from a final token pass (broadcast) and from the reduce-scatter that precedes the gather (reduce). */
+   Why a mismatch is an error on every rank (the program is wrong at collective #X: two ranks call
+   something different there; transport.c explains how each rank checks what it receives):
+   1. No rank finishes #X. Every algorithm here makes each rank's finish depend, through a chain of
+      received frames, on every other rank having sent in #X (the ring passes data from every rank to
+      every rank; recursive doubling too; broadcast ends with a token pass and reduce starts with a
+      reduce-scatter for this). Each frame on the chain was checked by its receiver, so a rank that
+      finishes proves that every rank called the same #X.
+   2. Some rank sees the difference. Group the ranks by the call they make at #X. A group in which some
+      rank sends without receiving first is "active": every rank of a ring algorithm (all_reduce,
+      all_gather, reduce_scatter, reduce, barrier), the root of a broadcast, and every rank of
+      recursive doubling (the folded pair 2i+1 -> 2i answers at once for this reason). An active group
+      that is not every rank sends to a rank outside it before it can get stuck: the ring's first step
+      goes to rank+1; a broadcast chain passes every rank; recursive doubling's partners cover ever
+      larger blocks and so leave the group. That frame reaches a rank waiting in #X, which checks every
+      frame that reaches it, whichever peer it waits on (transport.c), and fails with
+      DDP_ERR_MISMATCH. Every rank sends or receives something at #X unless every group is a broadcast
+      whose root is outside it (every rank calls broadcast and none names itself root): that case
+      alone ends in DDP_ERR_TIMEOUT.
+   3. The rank that saw it breaks the group (an ABORT frame to every peer), and every rank, all stuck
+      in #X by (1), fails with that code and message. A rank still finishing #X-1 when a faster rank
+      finds the mismatch at #X fails there (or in ddp_init, whose own barrier comes first): the group
+      is broken at once, so its last call is the one that reports it. */
 #include "internal.h"
 
 static int ddp__mod(int a, int n) { return ((a % n) + n) % n; }
@@ -101,9 +118,88 @@ static void ddp__finish_avg(ddp_group *g, char *buf, size_t count, ddp_dtype t, 
     ddp__divide(buf + off * ddp_dtype_size(t), len, t, g->world_size);
 }
 
+/* ---- recursive doubling (MPICH's small-message allreduce), for all_reduce up to DDP__RD_MAX_BYTES ----
+   (Gloo and NCCL's tree do the same job: few steps for latency-bound sizes.)
+
+   p = the largest power of two <= n; the first 2(n - p) ranks pair up (2i, 2i+1) and fold:
+
+       fold:    2i --data--> 2i+1   (2i+1 answers with an empty frame, so that every rank sends first)
+       rounds:  the p ranks left (new rank i = 2i+1 for i < n - p, else rank - (n - p)) exchange the
+                whole buffer with new rank ^ 1, ^ 2, ^ 4 ... and combine: log2(p) rounds
+       unfold:  2i+1 --result--> 2i
+
+   Cost for N bytes: log2(p) + 2 [fold] steps, each sending N bytes (the ring: 2(n-1) steps of N/n).
+   Every combine computes (lower rank's block) op (higher rank's block), so partners compute the same
+   bits and every rank ends with the same result, floats included (MIN/MAX of -0.0 and +0.0 and
+   NaN payloads depend on the order). AVG divides once, at the end, as the ring does.
+   The threshold is measured (bench/README.md, DDP_TRANSPORT=tcp on loopback): recursive doubling took
+   0.5x the ring's time up to 8 KiB and 0.85x at 32 KiB on 2 ranks, 0.4-0.6x up to 32 KiB and 0.9x at
+   256 KiB on 4; the ring won from 64 KiB on 2 ranks. It is no setting: ranks that disagreed on it would
+   run different algorithms for the same call, which no fingerprint catches. */
+#define DDP__RD_MAX_BYTES ((size_t)32 << 10)
+
+/* One step of the algorithm: send `sbytes` of `sbuf` to `to` while receiving `rbytes` into `rbuf`
+   from `from` (-1: no such side). */
+static ddp_result ddp__send_recv(ddp_group *g, const ddp__coll *c, int to, const void *sbuf, size_t sbytes, int from,
+                                 void *rbuf, size_t rbytes) {
+    ddp__step st;
+    st.send_peer = to;
+    st.send_buf = sbuf;
+    st.send_bytes = sbytes;
+    st.recv_peer = from;
+    st.recv_buf = rbuf;
+    st.recv_bytes = rbytes;
+    return ddp__exchange(g, c, &st);
+}
+
+/* Combine this rank's block (buf) with the block just received from `peer` (tmp) as (lower rank's
+   block) op (higher rank's block), into buf; tmp is clobbered. Both partners compute the same bits. */
+static void ddp__combine_ordered(ddp_group *g, int peer, char *buf, char *tmp, size_t count, ddp_dtype t, ddp_op op) {
+    if (peer > g->rank) {
+        ddp__reduce(buf, tmp, count, t, op);
+        return;
+    }
+    ddp__reduce(tmp, buf, count, t, op);
+    if (count) memcpy(buf, tmp, count * ddp_dtype_size(t));
+}
+
+static int ddp__rd_old_rank(int new_rank, int extra) { return new_rank < extra ? 2 * new_rank + 1 : new_rank + extra; }
+
+static ddp_result ddp__rd_all_reduce(ddp_group *g, const ddp__coll *c, char *buf, size_t count, ddp_dtype t, ddp_op op) {
+    int n = g->world_size, r = g->rank, p = 1, extra, me, mask;
+    size_t bytes = count * ddp_dtype_size(t);
+    char *tmp = (char *)ddp__scratch(g, bytes);
+    ddp_result res;
+    if (!tmp && bytes) return ddp__no_memory(g, bytes);
+    while (p * 2 <= n) p *= 2;
+    extra = n - p;
+    if (r < 2 * extra && r % 2 == 0) { /* folded away: hand the data over, wait for the result */
+        if ((res = ddp__send_recv(g, c, r + 1, buf, bytes, r + 1, NULL, 0)) != DDP_SUCCESS) return res;
+        return ddp__send_recv(g, c, -1, NULL, 0, r + 1, buf, bytes);
+    }
+    if (r < 2 * extra) {
+        if ((res = ddp__send_recv(g, c, r - 1, NULL, 0, r - 1, tmp, bytes)) != DDP_SUCCESS) return res;
+        ddp__combine_ordered(g, r - 1, buf, tmp, count, t, op);
+    }
+    me = r < 2 * extra ? r / 2 : r - extra;
+    for (mask = 1; mask < p; mask <<= 1) {
+        int peer = ddp__rd_old_rank(me ^ mask, extra);
+        if ((res = ddp__send_recv(g, c, peer, buf, bytes, peer, tmp, bytes)) != DDP_SUCCESS) return res;
+        ddp__combine_ordered(g, peer, buf, tmp, count, t, op);
+    }
+    if (op == DDP_AVG) ddp__divide(buf, count, t, n);
+    if (r < 2 * extra) return ddp__send_recv(g, c, r - 1, buf, bytes, -1, NULL, 0);
+    return DDP_SUCCESS;
+}
+
+/* all_reduce over TCP: recursive doubling for small messages (latency-bound: log2(n) steps), the ring
+   above for the rest (bandwidth-bound). The choice depends only on the fingerprint (count, dtype) and
+   the world size, so ranks that agree on the call run the same algorithm; ranks that disagree are
+   caught as the comment at the top explains. */
 static ddp_result ddp__do_all_reduce(ddp_group *g, const ddp__coll *c, void *buf, size_t count, ddp_dtype t, ddp_op op) {
-    ddp_result r = ddp__ring_reduce_scatter(g, c, (char *)buf, count, t, op);
-    if (r) return r;
+    ddp_result r;
+    if (count * ddp_dtype_size(t) <= DDP__RD_MAX_BYTES) return ddp__rd_all_reduce(g, c, (char *)buf, count, t, op);
+    if ((r = ddp__ring_reduce_scatter(g, c, (char *)buf, count, t, op)) != DDP_SUCCESS) return r;
     ddp__finish_avg(g, (char *)buf, count, t, op);
     return ddp__ring_all_gather(g, c, (char *)buf, count, ddp_dtype_size(t));
 }
@@ -280,6 +376,7 @@ static ddp_result ddp__run(ddp_group *g, const ddp__call *k, const ddp__coll *c)
         g->running_seq = 0;
         return r;
     }
+    g->tcp_runs++;
     switch (k->kind) {
     case DDP__ALL_REDUCE: return ddp__do_all_reduce(g, c, k->buf, k->count, k->dtype, k->op);
     case DDP__BROADCAST: return ddp__do_broadcast(g, c, k->buf, k->count, k->dtype, k->root);

@@ -108,6 +108,8 @@ typedef struct ddp__peer {
     int fd;   /* -1 for this rank itself */
     int gone; /* the connection was seen closed */
     uint64_t send_owed; /* bytes of a frame interrupted mid-send (padded before an ABORT) */
+    uint64_t quiet_run; /* transport.c: in run #quiet_run, the peer's waiting frame was looked at and is fine */
+    int peek_later;     /* transport.c: only part of a frame header was there; look again shortly */
 } ddp__peer;
 
 struct ddp_group {
@@ -136,6 +138,7 @@ struct ddp_group {
     int *poll_owner;        /* the rank of each pollfds entry */
     uint64_t seq;       /* collectives issued so far; carried in every message */
     uint64_t running_seq; /* seq of the collective running now (0 between collectives) */
+    uint64_t tcp_runs;    /* collectives run over TCP so far; unlike seq, never restarts (transport.c) */
     ddp_result broken;  /* set once a collective failed: every later call fails with it */
     char broken_msg[DDP__ERR_MAX];
     struct ddp__shm *shm; /* shared-memory transport when every rank is on this host (shm.c), else NULL */

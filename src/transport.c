@@ -8,6 +8,20 @@
    with TORCH_DISTRIBUTED_DEBUG=DETAIL): the receiver compares it with its own, and any difference is
    DDP_ERR_MISMATCH with both sides named.
 
+   Every frame that reaches a waiting rank is checked, not only the one it waits for. Ranks that
+   disagree about a call may run different algorithms (all_reduce picks one by size), and then a
+   mismatched frame can sit in a connection its receiver is not reading while every rank waits on
+   another: 4 ranks, 0 and 1 in the ring, 2 and 3 in recursive doubling, 0 waits on 3, 3 on 1, 1 on 0.
+   So a step also polls the other connections for input, and looks at a frame header that arrives
+   there with MSG_PEEK, without taking it (connections are at a frame boundary between steps: frames
+   are read whole within one). An ABORT fails the step; a frame of the same collective number with a
+   different fingerprint is DDP_ERR_MISMATCH. A frame of this collective, of another number (a peer
+   already past this one, or past ddp_init's own collectives, whose count restarts) or a BYE is early
+   data: the peer is marked quiet until the next collective (g->tcp_runs counts them: seq restarts
+   after ddp_init's own), so poll does not wake for it again.
+   Nothing extra happens when nothing unexpected arrives: the same poll call watches one more event
+   per connection. collectives.c says why this makes every mismatch an error on every rank.
+
    Failure handling. While a rank waits, it also watches every other connection of the group for a
    hang-up. When a rank fails a collective (mismatch, timeout, lost peer) it "breaks" the group: it sends
    an ABORT frame carrying the error to every peer and shuts its connections down. Every peer then sees
@@ -254,6 +268,62 @@ static ddp_result ddp__check_frame(ddp_group *g, const ddp__coll *c, int peer, c
     return DDP_SUCCESS;
 }
 
+/* Is a frame from a peer that this step does not read fine in collective c? Only a frame with c's
+   number and another fingerprint shows a mismatch: when ranks disagree about #X, no rank gets past
+   #X, so every frame in flight has number X. A frame of c, of another number or a BYE (the peer
+   passed ddp_destroy's barrier, which is then ours too) is early data: a later number is a peer past
+   c; an earlier one is a peer in the user's first calls while this rank is still in ddp_init's own
+   (#1 the connect barrier, then the shared-memory set-up's, group.c and shm.c: the count restarts at 0
+   after them). The user's #1 can meet ddp_init's barrier #1 itself: exempt too. */
+static int ddp__frame_is_early(const ddp__coll *c, const ddp__frame *f) {
+    if (f->magic != DDP__FRAME_MAGIC) return 0;
+    if (f->kind == DDP__FRAME_BYE) return 1;
+    if (f->kind != DDP__FRAME_DATA) return 0;
+    return f->seq != c->seq || ddp__coll_equal(c, f) || (c->seq == 1 && c->kind == DDP__BARRIER);
+}
+
+/* A peer this step does not read from has something for us: look at its frame header without taking
+   it (the connection is at a frame boundary: frames are read whole within a step). Early data marks
+   the peer quiet for the rest of c, so poll does not wake for it again; an ABORT, a corrupt frame or a
+   different collective fails c as ddp__check_frame does. Only part of a header: look again shortly. */
+static ddp_result ddp__peek_peer(ddp_group *g, const ddp__coll *c, int peer) {
+    ddp__peer *p = &g->peers[peer];
+    ddp__frame f;
+    ssize_t k = recv(p->fd, &f, sizeof f, MSG_PEEK | MSG_DONTWAIT);
+    if (k < 0 && (errno == EAGAIN || errno == EWOULDBLOCK || errno == EINTR)) return DDP_SUCCESS;
+    if (k <= 0) return ddp__peer_failed(g, peer, c);
+    if ((size_t)k < sizeof f) {
+        p->peek_later = 1;
+        return DDP_SUCCESS;
+    }
+    if (ddp__frame_is_early(c, &f)) {
+        p->quiet_run = g->tcp_runs;
+        return DDP_SUCCESS;
+    }
+    if (f.magic == DDP__FRAME_MAGIC && f.kind == DDP__FRAME_ABORT) { /* take the header: the reason follows it */
+        if (recv(p->fd, &f, sizeof f, MSG_DONTWAIT) != (ssize_t)sizeof f) return ddp__peer_failed(g, peer, c);
+        return ddp__peer_failed_after(g, peer, c, &f);
+    }
+    return ddp__check_frame(g, c, peer, &f, (size_t)f.bytes);
+}
+
+/* What to wait for on peer i in this step: hang-ups always; POLLOUT while sending to it; POLLIN while
+   receiving from it, and also from any other peer not yet seen quiet in this collective (a frame there
+   may show a mismatch: see the top of the file). *soon: look again within a millisecond. */
+static short ddp__poll_events(ddp_group *g, const ddp__step *s, int i, int sending, int receiving, int *soon) {
+    ddp__peer *p = &g->peers[i];
+    short ev = POLLRDHUP;
+    if (i == s->send_peer && sending) ev |= POLLOUT;
+    if (i == s->recv_peer && receiving) return ev | POLLIN;
+    if (p->peek_later) {
+        p->peek_later = 0;
+        *soon = 1;
+    } else if (p->quiet_run != g->tcp_runs) {
+        ev |= POLLIN;
+    }
+    return ev;
+}
+
 static ddp_result ddp__exchange(ddp_group *g, const ddp__coll *c, const ddp__step *s) {
     ddp__frame out, in;
     size_t sent = 0, received = 0;          /* bytes of header + payload so far */
@@ -265,18 +335,15 @@ static ddp_result ddp__exchange(ddp_group *g, const ddp__coll *c, const ddp__ste
     if (g->broken) return g->broken;
     if (s->send_peer >= 0) ddp__frame_init(&out, g, c, DDP__FRAME_DATA, s->send_bytes);
     while (sent < send_total || received < recv_total) {
-        int n = 0, i, rc, progressed = 0;
+        int n = 0, i, rc, progressed = 0, soon = 0;
         for (i = 0; i < g->world_size; i++) {
-            short ev = POLLRDHUP;
             if (i == g->rank || g->peers[i].fd < 0) continue;
-            if (i == s->send_peer && sent < send_total) ev |= POLLOUT;
-            if (i == s->recv_peer && received < recv_total) ev |= POLLIN;
             fds[n].fd = g->peers[i].fd;
-            fds[n].events = ev;
+            fds[n].events = ddp__poll_events(g, s, i, sent < send_total, received < recv_total, &soon);
             fds[n].revents = 0;
             owner[n++] = i;
         }
-        rc = poll(fds, (nfds_t)n, (int)DDP__MAX(1.0, DDP__MIN(1000.0, (deadline - ddp__now()) * 1000.0)));
+        rc = poll(fds, (nfds_t)n, soon ? 1 : (int)DDP__MAX(1.0, DDP__MIN(1000.0, (deadline - ddp__now()) * 1000.0)));
         if (rc < 0 && errno != EINTR) return ddp__coll_fail(g, DDP_ERR_SYSTEM, "poll failed: %s", strerror(errno));
         /* Progress first: a peer that broke the group after sending what this step needs (it moved
            on to a later collective and failed there) must not fail this step; that error comes with
@@ -339,6 +406,10 @@ static ddp_result ddp__exchange(ddp_group *g, const ddp__coll *c, const ddp__ste
         if (sent == send_total && received == recv_total) break;
         for (i = 0; i < n && rc > 0; i++) /* then failures */
             if (fds[i].revents & (POLLRDHUP | POLLHUP | POLLERR)) return ddp__peer_failed(g, owner[i], c);
+        for (i = 0; i < n && rc > 0; i++) { /* then frames from peers this step does not read */
+            ddp_result r;
+            if ((fds[i].revents & POLLIN) && (r = ddp__peek_peer(g, c, owner[i])) != DDP_SUCCESS) return r;
+        }
         if (progressed) {
             deadline = ddp__now() + g->timeout;
         } else if (ddp__now() > deadline) {

@@ -1,0 +1,311 @@
+/* all_reduce over TCP picks its algorithm by size: recursive doubling up to DDP__RD_MAX_BYTES, the ring
+   above. This test runs both sides of that line (DDP_TRANSPORT=tcp):
+   - results: counts 1, 2, 3, 7, threshold-1, threshold, threshold+1 elements and a large one, every
+     dtype x op, worlds 2..8 (3, 5, 6, 7 fold ranks away); each result is compared with a serial
+     reference computed here from the stored inputs (exact for integers, MIN and MAX; within a bound
+     for float sums and products of random values), and every rank's result bytes are compared with
+     every other rank's (all_gather): recursive doubling must give bitwise identical floats everywhere.
+   - mismatches that straddle the two algorithms (one rank above the threshold, one rank in a
+     broadcast or a barrier, a skipped collective), worlds 3, 4, 5, 8, DDP_TIMEOUT=20: every rank must
+     fail with DDP_ERR_MISMATCH, not DDP_ERR_TIMEOUT (which is what a hang would end in).
+   - no false alarm: the first calls right after ddp_init (whose own collectives restart the count),
+     on one host and on mixed hosts (one rank in its own UTS namespace; skipped without root).
+   Usage: test_tcp_algorithms [world sizes...] (default 2 3 4 5 6 7 8 for results); TEST_QUICK=1 skips
+   the large count (for sanitizer builds). */
+#include "testlib.h"
+
+#include <sched.h>
+
+static const ddp_dtype dtypes[] = {DDP_F32, DDP_F64, DDP_F16, DDP_BF16, DDP_I8, DDP_U8, DDP_I32, DDP_I64};
+static const ddp_op ops[] = {DDP_SUM, DDP_AVG, DDP_PROD, DDP_MIN, DDP_MAX};
+#define NDT (sizeof dtypes / sizeof dtypes[0])
+#define NOPS (sizeof ops / sizeof ops[0])
+#define NCOUNTS 8
+
+/* The element counts to try for a dtype of es bytes: small ones, the threshold's neighbours, large. */
+static void counts_for(size_t es, size_t *out) {
+    size_t t = DDP__RD_MAX_BYTES / es;
+    out[0] = 1, out[1] = 2, out[2] = 3, out[3] = 7;
+    out[4] = t - 1, out[5] = t, out[6] = t + 1;
+    out[7] = 4 * DDP__RD_MAX_BYTES + 1001; /* the ring for every dtype, with a ragged last chunk */
+}
+
+static int is_float(ddp_dtype t) { return t == DDP_F32 || t == DDP_F64 || t == DDP_F16 || t == DDP_BF16; }
+
+/* The value rank r puts at element i: random floats (so that the order of additions shows in the
+   low bits), zeros of both signs among them for MIN / MAX, factors near 1 for PROD; small integers
+   for the integer types. */
+static double value(int r, size_t i, ddp_dtype t, ddp_op op, int salt) {
+    uint64_t st = ((uint64_t)i << 20) ^ ((uint64_t)r << 8) ^ (uint64_t)salt, h = tl_rand(&st);
+    double u = (double)(h >> 11) / 9007199254740992.0; /* [0, 1) */
+    if (!is_float(t)) {
+        if (op == DDP_PROD) return t == DDP_U8 ? (double)(h % 2 + 1) : (h % 3 == 0 ? -1.0 : (double)(h % 3));
+        return t == DDP_U8 ? (double)(h % 4) : (double)(h % 7) - 3.0;
+    }
+    if (op == DDP_PROD) return 0.5 + u;
+    if ((op == DDP_MIN || op == DDP_MAX) && h % 4 == 0) return (h & 16) ? -0.0 : 0.0;
+    return 2.0 * u - 1.0;
+}
+
+static int64_t wrap(int64_t v, ddp_dtype t) {
+    switch (t) {
+    case DDP_I8: return (int8_t)(uint8_t)(uint64_t)v;
+    case DDP_U8: return (uint8_t)(uint64_t)v;
+    case DDP_I32: return (int32_t)(uint32_t)(uint64_t)v;
+    default: return v;
+    }
+}
+
+/* Unit roundoff of a float dtype. */
+static double eps_of(ddp_dtype t) {
+    switch (t) {
+    case DDP_F64: return 1.0 / 9007199254740992.0;
+    case DDP_F32: return 1.0 / 16777216.0;
+    case DDP_F16: return 1.0 / 2048.0;
+    default: return 1.0 / 256.0;
+    }
+}
+
+/* The reference for element i from every rank's stored input (stored as the dtype, read back with the
+   test's own decoders), and how far a correct float result may be from it. */
+static double reference(int n, size_t i, ddp_dtype t, ddp_op op, int salt, double *tol) {
+    unsigned char cell[8];
+    double acc = 0, mag = 0;
+    int64_t iacc = 0;
+    int r;
+    for (r = 0; r < n; r++) {
+        double v;
+        tl_store_value(cell, 0, t, value(r, i, t, op, salt));
+        v = tl_load_value(cell, 0, t);
+        mag += fabs(v);
+        if (r == 0) {
+            acc = v, iacc = (int64_t)v;
+            continue;
+        }
+        switch (op) {
+        case DDP_SUM: case DDP_AVG: acc += v, iacc += (int64_t)v; break;
+        case DDP_PROD: acc *= v, iacc *= (int64_t)v; break;
+        case DDP_MIN: acc = v < acc ? v : acc, iacc = (int64_t)acc; break;
+        case DDP_MAX: acc = v > acc ? v : acc, iacc = (int64_t)acc; break;
+        default: break;
+        }
+    }
+    *tol = 0;
+    if (!is_float(t)) return op == DDP_AVG ? (double)(wrap(iacc, t) / n) : (double)wrap(iacc, t);
+    if (op == DDP_SUM || op == DDP_AVG) /* + f16's subnormal spacing, for sums of tiny values */
+        *tol = 2.0 * n * mag * eps_of(t) / (op == DDP_AVG ? n : 1) + eps_of(t) * (op == DDP_AVG) + n / 16777216.0;
+    if (op == DDP_PROD) *tol = 2.0 * n * fabs(acc) * eps_of(t);
+    return op == DDP_AVG ? acc / n : acc;
+}
+
+static unsigned char *xalloc(size_t n) {
+    unsigned char *p = (unsigned char *)malloc(n ? n : 1);
+    CHECK(p != NULL, "out of memory");
+    return p;
+}
+
+/* One all_reduce: against the reference, then byte for byte against every other rank. */
+static void check_one(ddp_group *g, int rank, int n, ddp_dtype t, ddp_op op, size_t count, int salt) {
+    size_t es = ddp_dtype_size(t), bytes = count * es, i;
+    unsigned char *buf = xalloc(bytes), *all = xalloc(bytes * (size_t)n);
+    int r;
+    for (i = 0; i < count; i++) tl_store_value(buf, i, t, value(rank, i, t, op, salt));
+    CHECK_OK(ddp_all_reduce(g, buf, count, t, op), g);
+    for (i = 0; i < count; i++) {
+        double tol, want = reference(n, i, t, op, salt, &tol), got = tl_load_value(buf, i, t);
+        CHECK(fabs(got - want) <= tol, "rank %d: all_reduce(count=%zu, %s, %s) on %d ranks: element %zu is %.17g, expected "
+              "%.17g (+- %.3g)", rank, count, ddp_dtype_name(t), ddp_op_name(op), n, i, got, want, tol);
+    }
+    CHECK_OK(ddp_all_gather(g, buf, all, bytes, DDP_U8), g);
+    for (r = 0; r < n; r++)
+        CHECK(memcmp(all + (size_t)r * bytes, buf, bytes) == 0, "rank %d: all_reduce(count=%zu, %s, %s) on %d ranks: rank %d's "
+              "result differs from this rank's in its bits", rank, count, ddp_dtype_name(t), ddp_op_name(op), n, r);
+    free(buf);
+    free(all);
+}
+
+static int results_worker(int rank, int n, void *arg) {
+    ddp_group *g;
+    size_t d, o, k, counts[NCOUNTS];
+    (void)arg;
+    CHECK_OK(ddp_init(NULL, &g), NULL);
+    for (d = 0; d < NDT; d++) {
+        counts_for(ddp_dtype_size(dtypes[d]), counts);
+        for (o = 0; o < NOPS; o++)
+            for (k = 0; k < NCOUNTS; k++) {
+                if (k == NCOUNTS - 1 && getenv("TEST_QUICK")) continue; /* sanitizer runs: threshold+1 runs the ring too */
+                check_one(g, rank, n, dtypes[d], ops[o], counts[k], (int)(d * 100 + o * 10 + k));
+            }
+    }
+    CHECK_OK(ddp_destroy(g), NULL);
+    return 0;
+}
+
+/* ---- mismatches across the two algorithms ---- */
+
+#define SMALL 16                          /* f32 elements: recursive doubling */
+#define LARGE (2 * DDP__RD_MAX_BYTES / 4) /* f32 elements: the ring */
+static float mismatch_buf[LARGE];
+
+static ddp_result small_all_reduce(ddp_group *g) { return ddp_all_reduce(g, mismatch_buf, SMALL, DDP_F32, DDP_SUM); }
+static ddp_result large_all_reduce(ddp_group *g) { return ddp_all_reduce(g, mismatch_buf, LARGE, DDP_F32, DDP_SUM); }
+
+/* the last rank's count is above the threshold (the ring), the others' below (recursive doubling) */
+static ddp_result count_straddles(ddp_group *g, int rank, int n) {
+    return rank == n - 1 ? large_all_reduce(g) : small_all_reduce(g);
+}
+
+/* the lower half of the ranks above the threshold, the upper half below: on 4 ranks 0 and 1 run the
+   ring (0 -> 1 -> 2) while 2 and 3 exchange, then 2 sends to 0 and 3 to 1; 0 waits on 3, 3 on 1, 1 on
+   0, and the mismatched frames sit in connections nobody reads from */
+static ddp_result half_straddles(ddp_group *g, int rank, int n) {
+    return rank < n / 2 ? large_all_reduce(g) : small_all_reduce(g);
+}
+
+/* rank 1 broadcasts (as the root: it sends first) while the others all_reduce a few elements */
+static ddp_result broadcast_as_root(ddp_group *g, int rank, int n) {
+    (void)n;
+    return rank == 1 ? ddp_broadcast(g, mismatch_buf, SMALL, DDP_F32, 1) : small_all_reduce(g);
+}
+
+/* the last rank waits in a broadcast from rank 0 (it sends nothing) while the others all_reduce */
+static ddp_result broadcast_waiting(ddp_group *g, int rank, int n) {
+    return rank == n - 1 ? ddp_broadcast(g, mismatch_buf, SMALL, DDP_F32, 0) : small_all_reduce(g);
+}
+
+/* rank 1 all_reduces while the others wait in a broadcast from rank 1: only rank 1 can send first. On
+   3 and 5 ranks recursive doubling folds rank 1 into rank 0, so this needs the fold's answer
+   (2i+1 -> 2i) to go out at once, or nobody would send anything and every rank would time out. */
+static ddp_result broadcast_from_reducer(ddp_group *g, int rank, int n) {
+    (void)n;
+    return rank == 1 ? small_all_reduce(g) : ddp_broadcast(g, mismatch_buf, SMALL, DDP_F32, 1);
+}
+
+/* rank 0 skips the small all_reduce: its large one (the ring) meets the others' small one */
+static ddp_result skipped_small(ddp_group *g, int rank, int n) {
+    ddp_result r = rank == 0 ? DDP_SUCCESS : small_all_reduce(g);
+    (void)n;
+    return r ? r : large_all_reduce(g);
+}
+
+/* rank 0 calls barrier (a ring) while the others all_reduce */
+static ddp_result barrier_vs_small(ddp_group *g, int rank, int n) {
+    (void)n;
+    return rank == 0 ? ddp_barrier(g) : small_all_reduce(g);
+}
+
+typedef struct scenario {
+    const char *name;
+    ddp_result (*fn)(ddp_group *g, int rank, int n);
+    int warm_up; /* a matching small all_reduce first, so that the mismatch is not the first call */
+} scenario;
+
+static const scenario scenarios[] = {
+    {"one count above the threshold", count_straddles, 1},
+    {"half the counts above the threshold", half_straddles, 1},
+    {"broadcast (root) vs all_reduce", broadcast_as_root, 1},
+    {"broadcast (waiting) vs all_reduce", broadcast_waiting, 1},
+    {"broadcast from a rank in all_reduce", broadcast_from_reducer, 1},
+    {"skipped small all_reduce", skipped_small, 0},
+    {"barrier vs all_reduce, first call", barrier_vs_small, 0},
+    {"barrier vs all_reduce, later call", barrier_vs_small, 1},
+};
+
+/* Every rank must fail with DDP_ERR_MISMATCH. A rank still finishing the call before (ddp_init's own
+   barrier, or the warm-up) when a faster rank, already in the next call, finds the mismatch gets the
+   error there: the group breaks at once, and that rank's last call is the one that fails. */
+static int mismatch_worker(int rank, int n, void *arg) {
+    const scenario *s = (const scenario *)arg;
+    ddp_group *g = NULL;
+    double t0 = tl_now();
+    ddp_result r = ddp_init(NULL, &g);
+    if (r == DDP_SUCCESS && s->warm_up) r = small_all_reduce(g);
+    if (r == DDP_SUCCESS) r = s->fn(g, rank, n);
+    CHECK(r == DDP_ERR_MISMATCH, "rank %d of %d: %s returned %s (%s) after %.1f s, expected DDP_ERR_MISMATCH", rank, n, s->name,
+          ddp_result_string(r), ddp_last_error(g), tl_now() - t0);
+    CHECK(strstr(ddp_last_error(g), "collective mismatch") != NULL, "rank %d of %d: %s: message \"%s\"", rank, n, s->name,
+          ddp_last_error(g));
+    ddp_destroy(g);
+    return 0;
+}
+
+static int run_mismatches(void) {
+    static const int worlds[] = {3, 4, 5, 8};
+    size_t s, w;
+    int failed = 0;
+    for (w = 0; w < sizeof worlds / sizeof worlds[0]; w++)
+        for (s = 0; s < sizeof scenarios / sizeof scenarios[0]; s++) {
+            double t0 = tl_now();
+            int rc = tl_run_ranks(worlds[w], mismatch_worker, (void *)&scenarios[s], 60);
+            printf("mismatch: %-36s world %d: %s (%.1f s)\n", scenarios[s].name, worlds[w], rc == 0 ? "ok" : "FAILED",
+                   tl_now() - t0);
+            fflush(stdout);
+            failed |= rc;
+        }
+    return failed;
+}
+
+/* ddp_init runs collectives of its own (the connect barrier #1; on mixed hosts also the shared-memory
+   set-up's all_gather #2) and then restarts the count, so a fast rank's first user calls (#1, #2) can
+   reach a slow rank still in ddp_init's: early data, not a mismatch. Several short runs, as the
+   timing decides whether it happens. arg non-NULL: the last rank plays another host (its own UTS
+   namespace and host name), so that the set-up finds mixed hosts and everything goes over TCP. */
+static int first_call_worker(int rank, int n, void *arg) {
+    ddp_group *g;
+    float x[4] = {1, 2, 3, 4};
+    if (arg && rank == n - 1)
+        CHECK(unshare(CLONE_NEWUTS) == 0 && sethostname("ddp-other-host", 14) == 0, "rank %d: cannot play another host: %s",
+              rank, strerror(errno));
+    CHECK_OK(ddp_init(NULL, &g), NULL);
+    CHECK_OK(ddp_all_reduce(g, x, 4, DDP_F32, DDP_SUM), g);
+    CHECK_OK(ddp_all_reduce(g, x, 4, DDP_F32, DDP_SUM), g);
+    CHECK(x[3] == 4.0f * (float)(n * n), "rank %d: two all_reduces gave %g, expected %g", rank, x[3], 4.0 * n * n);
+    CHECK_OK(ddp_destroy(g), NULL);
+    return 0;
+}
+
+/* Can this process make a UTS namespace (root, or CAP_SYS_ADMIN)? Tried in a child. */
+static int can_play_hosts(void) {
+    int st;
+    pid_t p = fork();
+    if (p == 0) _exit(unshare(CLONE_NEWUTS) == 0 ? 0 : 1);
+    return p > 0 && waitpid(p, &st, 0) == p && WIFEXITED(st) && WEXITSTATUS(st) == 0;
+}
+
+static int run_first_calls(void) {
+    int i, failed = 0, mixed = 1;
+    for (i = 0; i < 20; i++) failed |= tl_run_ranks(8, first_call_worker, NULL, 60);
+    printf("first calls right after ddp_init, 8 ranks, 20 runs: %s\n", failed ? "FAILED" : "ok");
+    fflush(stdout);
+    if (!can_play_hosts()) {
+        printf("first calls on mixed hosts: skipped (needs root for a UTS namespace)\n");
+        return failed;
+    }
+    unsetenv("DDP_TRANSPORT"); /* the set-up must look for shared memory and find mixed hosts */
+    for (i = 0; i < 20; i++) failed |= tl_run_ranks(8, first_call_worker, &mixed, 60);
+    setenv("DDP_TRANSPORT", "tcp", 1);
+    printf("first calls on mixed hosts (7 + 1), 8 ranks, 20 runs: %s\n", failed ? "FAILED" : "ok");
+    return failed;
+}
+
+int main(int argc, char **argv) {
+    int sizes[8] = {2, 3, 4, 5, 6, 7, 8}, nsizes = 7, i, failed = 0;
+    if (argc > 1) {
+        nsizes = 0;
+        for (i = 1; i < argc && nsizes < 8; i++) sizes[nsizes++] = atoi(argv[i]);
+    }
+    setenv("DDP_TRANSPORT", "tcp", 1);
+    setenv("DDP_LOG_LEVEL", "none", 0);
+    setenv("DDP_TIMEOUT", "20", 1);
+    for (i = 0; i < nsizes; i++) {
+        double t0 = tl_now();
+        int rc = tl_run_ranks(sizes[i], results_worker, NULL, 300);
+        printf("results: world %d over tcp, %zu dtypes x %zu ops x %d counts: %s (%.1f s)\n", sizes[i], NDT, NOPS, NCOUNTS,
+               rc == 0 ? "ok" : "FAILED", tl_now() - t0);
+        fflush(stdout);
+        failed |= rc;
+    }
+    failed |= run_first_calls();
+    failed |= run_mismatches();
+    return failed;
+}
