@@ -1436,6 +1436,8 @@ typedef struct ddp__peer {
     int fd;   /* -1 for this rank itself */
     int gone; /* the connection was seen closed */
     uint64_t send_owed; /* bytes of a frame interrupted mid-send (padded before an ABORT) */
+    uint64_t quiet_run; /* transport.c: in run #quiet_run, the peer's waiting frame was looked at and is fine */
+    int peek_later;     /* transport.c: only part of a frame header was there; look again shortly */
 } ddp__peer;
 
 struct ddp_group {
@@ -1464,6 +1466,8 @@ struct ddp_group {
     int *poll_owner;        /* the rank of each pollfds entry */
     uint64_t seq;       /* collectives issued so far; carried in every message */
     uint64_t running_seq; /* seq of the collective running now (0 between collectives) */
+    int waiting_for;      /* the rank this one waits for in the current step, -1 if none (for messages) */
+    uint64_t tcp_runs;    /* collectives run over TCP so far; unlike seq, never restarts (transport.c) */
     ddp_result broken;  /* set once a collective failed: every later call fails with it */
     char broken_msg[DDP__ERR_MAX];
     struct ddp__shm *shm; /* shared-memory transport when every rank is on this host (shm.c), else NULL */
@@ -4017,6 +4021,20 @@ DDP_API const char *ddp_store_last_error(const ddp_store *s) { return s ? s->err
    with TORCH_DISTRIBUTED_DEBUG=DETAIL): the receiver compares it with its own, and any difference is
    DDP_ERR_MISMATCH with both sides named.
 
+   Every frame that reaches a waiting rank is checked, not only the one it waits for. Ranks that
+   disagree about a call may run different algorithms (all_reduce picks one by size), and then a
+   mismatched frame can sit in a connection its receiver is not reading while every rank waits on
+   another: 4 ranks, 0 and 1 in the ring, 2 and 3 in recursive doubling, 0 waits on 3, 3 on 1, 1 on 0.
+   So a step also polls the other connections for input, and looks at a frame header that arrives
+   there with MSG_PEEK, without taking it (connections are at a frame boundary between steps: frames
+   are read whole within one). An ABORT fails the step; a frame of the same collective number with a
+   different fingerprint is DDP_ERR_MISMATCH. A frame of this collective, of another number (a peer
+   already past this one, or past ddp_init's own collectives, whose count restarts) or a BYE is early
+   data: the peer is marked quiet until the next collective (g->tcp_runs counts them: seq restarts
+   after ddp_init's own), so poll does not wake for it again.
+   Nothing extra happens when nothing unexpected arrives: the same poll call watches one more event
+   per connection. collectives.c says why this makes every mismatch an error on every rank.
+
    Failure handling. While a rank waits, it also watches every other connection of the group for a
    hang-up. When a rank fails a collective (mismatch, timeout, lost peer) it "breaks" the group: it sends
    an ABORT frame carrying the error to every peer and shuts its connections down. Every peer then sees
@@ -4166,6 +4184,10 @@ static ddp_result ddp__peer_failed_after(ddp_group *g, int peer, const ddp__coll
             char reason[DDP__ERR_MAX];
             if (ddp__net_recv(p->fd, reason, (size_t)f.bytes, deadline, err) != DDP_SUCCESS) break;
             reason[f.bytes - 1] = '\0';
+            if (g->waiting_for >= 0 && g->waiting_for != peer) /* the reporter may have waited for us: say whom we waited for */
+                return ddp__coll_fail(g, ddp__peer_code(f.code, DDP_ERR_FORMAT), "%s (reported by rank %d; this rank was "
+                                      "in %s, waiting for rank %d (%s))", reason, peer, desc, g->waiting_for,
+                                      g->peer_names[g->waiting_for]);
             return ddp__coll_fail(g, ddp__peer_code(f.code, DDP_ERR_FORMAT), "%s (reported by rank %d; this rank was in %s)",
                                   reason, peer, desc);
         }
@@ -4189,6 +4211,16 @@ static ddp_result ddp__peer_failed_after(ddp_group *g, int peer, const ddp__coll
 }
 
 static ddp_result ddp__peer_failed(ddp_group *g, int peer, const ddp__coll *c) { return ddp__peer_failed_after(g, peer, c, NULL); }
+
+/* A peer that is alive (its connection is open) made no progress for the group's timeout. Across hosts
+   a cut link looks just like this: TCP sees no error until its own, much longer, retransmission limit. */
+static ddp_result ddp__peer_timed_out(ddp_group *g, int peer, const ddp__coll *c) {
+    char desc[160];
+    ddp__coll_describe(c, desc, sizeof desc);
+    return ddp__coll_fail(g, DDP_ERR_TIMEOUT, "timed out after %.0f s in %s waiting for rank %d (%s), which is alive but "
+                          "not taking part: is it stuck, stopped, in a different collective, or is the network to it "
+                          "down? (DDP_TIMEOUT sets the limit)", g->timeout, desc, peer, g->peer_names[peer]);
+}
 
 /* Look at every connection without waiting: a peer that hung up (exited, or aborted the group) fails
    the current collective. For transports that wait elsewhere (shared memory). */
@@ -4262,6 +4294,62 @@ static ddp_result ddp__check_frame(ddp_group *g, const ddp__coll *c, int peer, c
     return DDP_SUCCESS;
 }
 
+/* Is a frame from a peer that this step does not read fine in collective c? Only a frame with c's
+   number and another fingerprint shows a mismatch: when ranks disagree about #X, no rank gets past
+   #X, so every frame in flight has number X. A frame of c, of another number or a BYE (the peer
+   passed ddp_destroy's barrier, which is then ours too) is early data: a later number is a peer past
+   c; an earlier one is a peer in the user's first calls while this rank is still in ddp_init's own
+   (#1 the connect barrier, then the shared-memory set-up's, group.c and shm.c: the count restarts at 0
+   after them). The user's #1 can meet ddp_init's barrier #1 itself: exempt too. */
+static int ddp__frame_is_early(const ddp__coll *c, const ddp__frame *f) {
+    if (f->magic != DDP__FRAME_MAGIC) return 0;
+    if (f->kind == DDP__FRAME_BYE) return 1;
+    if (f->kind != DDP__FRAME_DATA) return 0;
+    return f->seq != c->seq || ddp__coll_equal(c, f) || (c->seq == 1 && c->kind == DDP__BARRIER);
+}
+
+/* A peer this step does not read from has something for us: look at its frame header without taking
+   it (the connection is at a frame boundary: frames are read whole within a step). Early data marks
+   the peer quiet for the rest of c, so poll does not wake for it again; an ABORT, a corrupt frame or a
+   different collective fails c as ddp__check_frame does. Only part of a header: look again shortly. */
+static ddp_result ddp__peek_peer(ddp_group *g, const ddp__coll *c, int peer) {
+    ddp__peer *p = &g->peers[peer];
+    ddp__frame f;
+    ssize_t k = recv(p->fd, &f, sizeof f, MSG_PEEK | MSG_DONTWAIT);
+    if (k < 0 && (errno == EAGAIN || errno == EWOULDBLOCK || errno == EINTR)) return DDP_SUCCESS;
+    if (k <= 0) return ddp__peer_failed(g, peer, c);
+    if ((size_t)k < sizeof f) {
+        p->peek_later = 1;
+        return DDP_SUCCESS;
+    }
+    if (ddp__frame_is_early(c, &f)) {
+        p->quiet_run = g->tcp_runs;
+        return DDP_SUCCESS;
+    }
+    if (f.magic == DDP__FRAME_MAGIC && f.kind == DDP__FRAME_ABORT) { /* take the header: the reason follows it */
+        if (recv(p->fd, &f, sizeof f, MSG_DONTWAIT) != (ssize_t)sizeof f) return ddp__peer_failed(g, peer, c);
+        return ddp__peer_failed_after(g, peer, c, &f);
+    }
+    return ddp__check_frame(g, c, peer, &f, (size_t)f.bytes);
+}
+
+/* What to wait for on peer i in this step: hang-ups always; POLLOUT while sending to it; POLLIN while
+   receiving from it, and also from any other peer not yet seen quiet in this collective (a frame there
+   may show a mismatch: see the top of the file). *soon: look again within a millisecond. */
+static short ddp__poll_events(ddp_group *g, const ddp__step *s, int i, int sending, int receiving, int *soon) {
+    ddp__peer *p = &g->peers[i];
+    short ev = POLLRDHUP;
+    if (i == s->send_peer && sending) ev |= POLLOUT;
+    if (i == s->recv_peer && receiving) return ev | POLLIN;
+    if (p->peek_later) {
+        p->peek_later = 0;
+        *soon = 1;
+    } else if (p->quiet_run != g->tcp_runs) {
+        ev |= POLLIN;
+    }
+    return ev;
+}
+
 static ddp_result ddp__exchange(ddp_group *g, const ddp__coll *c, const ddp__step *s) {
     ddp__frame out, in;
     size_t sent = 0, received = 0;          /* bytes of header + payload so far */
@@ -4273,18 +4361,16 @@ static ddp_result ddp__exchange(ddp_group *g, const ddp__coll *c, const ddp__ste
     if (g->broken) return g->broken;
     if (s->send_peer >= 0) ddp__frame_init(&out, g, c, DDP__FRAME_DATA, s->send_bytes);
     while (sent < send_total || received < recv_total) {
-        int n = 0, i, rc, progressed = 0;
+        int n = 0, i, rc, progressed = 0, soon = 0;
+        g->waiting_for = received < recv_total ? s->recv_peer : s->send_peer;
         for (i = 0; i < g->world_size; i++) {
-            short ev = POLLRDHUP;
             if (i == g->rank || g->peers[i].fd < 0) continue;
-            if (i == s->send_peer && sent < send_total) ev |= POLLOUT;
-            if (i == s->recv_peer && received < recv_total) ev |= POLLIN;
             fds[n].fd = g->peers[i].fd;
-            fds[n].events = ev;
+            fds[n].events = ddp__poll_events(g, s, i, sent < send_total, received < recv_total, &soon);
             fds[n].revents = 0;
             owner[n++] = i;
         }
-        rc = poll(fds, (nfds_t)n, (int)DDP__MAX(1.0, DDP__MIN(1000.0, (deadline - ddp__now()) * 1000.0)));
+        rc = poll(fds, (nfds_t)n, soon ? 1 : (int)DDP__MAX(1.0, DDP__MIN(1000.0, (deadline - ddp__now()) * 1000.0)));
         if (rc < 0 && errno != EINTR) return ddp__coll_fail(g, DDP_ERR_SYSTEM, "poll failed: %s", strerror(errno));
         /* Progress first: a peer that broke the group after sending what this step needs (it moved
            on to a later collective and failed there) must not fail this step; that error comes with
@@ -4347,15 +4433,14 @@ static ddp_result ddp__exchange(ddp_group *g, const ddp__coll *c, const ddp__ste
         if (sent == send_total && received == recv_total) break;
         for (i = 0; i < n && rc > 0; i++) /* then failures */
             if (fds[i].revents & (POLLRDHUP | POLLHUP | POLLERR)) return ddp__peer_failed(g, owner[i], c);
+        for (i = 0; i < n && rc > 0; i++) { /* then frames from peers this step does not read */
+            ddp_result r;
+            if ((fds[i].revents & POLLIN) && (r = ddp__peek_peer(g, c, owner[i])) != DDP_SUCCESS) return r;
+        }
         if (progressed) {
             deadline = ddp__now() + g->timeout;
         } else if (ddp__now() > deadline) {
-            char desc[160];
-            int waiting_for = received < recv_total ? s->recv_peer : s->send_peer;
-            ddp__coll_describe(c, desc, sizeof desc);
-            return ddp__coll_fail(g, DDP_ERR_TIMEOUT, "timed out after %.0f s in %s waiting for rank %d (%s), which is alive "
-                                  "but not taking part: is it stuck, stopped, or in a different collective? (DDP_TIMEOUT "
-                                  "sets the limit)", g->timeout, desc, waiting_for, g->peer_names[waiting_for]);
+            return ddp__peer_timed_out(g, g->waiting_for, c);
         }
     }
     return DDP_SUCCESS;
@@ -4428,13 +4513,30 @@ static void ddp__say_goodbye(ddp_group *g, double seconds) {
    reduce-scatter, chunk c starts at rank c+1 and travels once around the ring, each rank adding its
    own part, and ends complete at rank c; the all-gather then passes each complete chunk around.
    Cost for N bytes on n ranks: 2(n-1) steps, each rank sending 2(n-1)/n * N bytes (bandwidth-optimal).
+   Up to DDP__RD_MAX_BYTES all_reduce uses recursive doubling instead (log2(n) steps; see below).
 
-   Why a mismatch is an error on every rank: each rank checks the fingerprint of the first frame it
-   gets from its left neighbour, and every algorithm here is shaped so that a rank cannot finish unless
-   all but at most one neighbour pair have checked each other. If any rank differs, at least two
-   neighbour pairs around the ring differ, so no rank finishes; the rank that saw the difference breaks
-   the group and every rank fails with DDP_ERR_MISMATCH. Broadcast and reduce get the same guarantee
-   from a final token pass (broadcast) and from the reduce-scatter that precedes the gather (reduce). */
+   Why a mismatch is an error on every rank (the program is wrong at collective #X: two ranks call
+   something different there; transport.c explains how each rank checks what it receives):
+   1. No rank finishes #X. Every algorithm here makes each rank's finish depend, through a chain of
+      received frames, on every other rank having sent in #X (the ring passes data from every rank to
+      every rank; recursive doubling too; broadcast ends with a token pass and reduce starts with a
+      reduce-scatter for this). Each frame on the chain was checked by its receiver, so a rank that
+      finishes proves that every rank called the same #X.
+   2. Some rank sees the difference. Group the ranks by the call they make at #X. A group in which some
+      rank sends without receiving first is "active": every rank of a ring algorithm (all_reduce,
+      all_gather, reduce_scatter, reduce, barrier), the root of a broadcast, and every rank of
+      recursive doubling (the folded pair 2i+1 -> 2i answers at once for this reason). An active group
+      that is not every rank sends to a rank outside it before it can get stuck: the ring's first step
+      goes to rank+1; a broadcast chain passes every rank; recursive doubling's partners cover ever
+      larger blocks and so leave the group. That frame reaches a rank waiting in #X, which checks every
+      frame that reaches it, whichever peer it waits on (transport.c), and fails with
+      DDP_ERR_MISMATCH. Every rank sends or receives something at #X unless every group is a broadcast
+      whose root is outside it (every rank calls broadcast and none names itself root): that case
+      alone ends in DDP_ERR_TIMEOUT.
+   3. The rank that saw it breaks the group (an ABORT frame to every peer), and every rank, all stuck
+      in #X by (1), fails with that code and message. A rank still finishing #X-1 when a faster rank
+      finds the mismatch at #X fails there (or in ddp_init, whose own barrier comes first): the group
+      is broken at once, so its last call is the one that reports it. */
 
 static int ddp__mod(int a, int n) { return ((a % n) + n) % n; }
 
@@ -4516,9 +4618,88 @@ static void ddp__finish_avg(ddp_group *g, char *buf, size_t count, ddp_dtype t, 
     ddp__divide(buf + off * ddp_dtype_size(t), len, t, g->world_size);
 }
 
+/* ---- recursive doubling (MPICH's small-message allreduce), for all_reduce up to DDP__RD_MAX_BYTES ----
+   (Gloo and NCCL's tree do the same job: few steps for latency-bound sizes.)
+
+   p = the largest power of two <= n; the first 2(n - p) ranks pair up (2i, 2i+1) and fold:
+
+       fold:    2i --data--> 2i+1   (2i+1 answers with an empty frame, so that every rank sends first)
+       rounds:  the p ranks left (new rank i = 2i+1 for i < n - p, else rank - (n - p)) exchange the
+                whole buffer with new rank ^ 1, ^ 2, ^ 4 ... and combine: log2(p) rounds
+       unfold:  2i+1 --result--> 2i
+
+   Cost for N bytes: log2(p) + 2 [fold] steps, each sending N bytes (the ring: 2(n-1) steps of N/n).
+   Every combine computes (lower rank's block) op (higher rank's block), so partners compute the same
+   bits and every rank ends with the same result, floats included (MIN/MAX of -0.0 and +0.0 and
+   NaN payloads depend on the order). AVG divides once, at the end, as the ring does.
+   The threshold is measured (bench/README.md, DDP_TRANSPORT=tcp on loopback): recursive doubling took
+   0.5x the ring's time up to 8 KiB and 0.85x at 32 KiB on 2 ranks, 0.4-0.6x up to 32 KiB and 0.9x at
+   256 KiB on 4; the ring won from 64 KiB on 2 ranks. It is no setting: ranks that disagreed on it would
+   run different algorithms for the same call, which no fingerprint catches. */
+#define DDP__RD_MAX_BYTES ((size_t)32 << 10)
+
+/* One step of the algorithm: send `sbytes` of `sbuf` to `to` while receiving `rbytes` into `rbuf`
+   from `from` (-1: no such side). */
+static ddp_result ddp__send_recv(ddp_group *g, const ddp__coll *c, int to, const void *sbuf, size_t sbytes, int from,
+                                 void *rbuf, size_t rbytes) {
+    ddp__step st;
+    st.send_peer = to;
+    st.send_buf = sbuf;
+    st.send_bytes = sbytes;
+    st.recv_peer = from;
+    st.recv_buf = rbuf;
+    st.recv_bytes = rbytes;
+    return ddp__exchange(g, c, &st);
+}
+
+/* Combine this rank's block (buf) with the block just received from `peer` (tmp) as (lower rank's
+   block) op (higher rank's block), into buf; tmp is clobbered. Both partners compute the same bits. */
+static void ddp__combine_ordered(ddp_group *g, int peer, char *buf, char *tmp, size_t count, ddp_dtype t, ddp_op op) {
+    if (peer > g->rank) {
+        ddp__reduce(buf, tmp, count, t, op);
+        return;
+    }
+    ddp__reduce(tmp, buf, count, t, op);
+    if (count) memcpy(buf, tmp, count * ddp_dtype_size(t));
+}
+
+static int ddp__rd_old_rank(int new_rank, int extra) { return new_rank < extra ? 2 * new_rank + 1 : new_rank + extra; }
+
+static ddp_result ddp__rd_all_reduce(ddp_group *g, const ddp__coll *c, char *buf, size_t count, ddp_dtype t, ddp_op op) {
+    int n = g->world_size, r = g->rank, p = 1, extra, me, mask;
+    size_t bytes = count * ddp_dtype_size(t);
+    char *tmp = (char *)ddp__scratch(g, bytes);
+    ddp_result res;
+    if (!tmp && bytes) return ddp__no_memory(g, bytes);
+    while (p * 2 <= n) p *= 2;
+    extra = n - p;
+    if (r < 2 * extra && r % 2 == 0) { /* folded away: hand the data over, wait for the result */
+        if ((res = ddp__send_recv(g, c, r + 1, buf, bytes, r + 1, NULL, 0)) != DDP_SUCCESS) return res;
+        return ddp__send_recv(g, c, -1, NULL, 0, r + 1, buf, bytes);
+    }
+    if (r < 2 * extra) {
+        if ((res = ddp__send_recv(g, c, r - 1, NULL, 0, r - 1, tmp, bytes)) != DDP_SUCCESS) return res;
+        ddp__combine_ordered(g, r - 1, buf, tmp, count, t, op);
+    }
+    me = r < 2 * extra ? r / 2 : r - extra;
+    for (mask = 1; mask < p; mask <<= 1) {
+        int peer = ddp__rd_old_rank(me ^ mask, extra);
+        if ((res = ddp__send_recv(g, c, peer, buf, bytes, peer, tmp, bytes)) != DDP_SUCCESS) return res;
+        ddp__combine_ordered(g, peer, buf, tmp, count, t, op);
+    }
+    if (op == DDP_AVG) ddp__divide(buf, count, t, n);
+    if (r < 2 * extra) return ddp__send_recv(g, c, r - 1, buf, bytes, -1, NULL, 0);
+    return DDP_SUCCESS;
+}
+
+/* all_reduce over TCP: recursive doubling for small messages (latency-bound: log2(n) steps), the ring
+   above for the rest (bandwidth-bound). The choice depends only on the fingerprint (count, dtype) and
+   the world size, so ranks that agree on the call run the same algorithm; ranks that disagree are
+   caught as the comment at the top explains. */
 static ddp_result ddp__do_all_reduce(ddp_group *g, const ddp__coll *c, void *buf, size_t count, ddp_dtype t, ddp_op op) {
-    ddp_result r = ddp__ring_reduce_scatter(g, c, (char *)buf, count, t, op);
-    if (r) return r;
+    ddp_result r;
+    if (count * ddp_dtype_size(t) <= DDP__RD_MAX_BYTES) return ddp__rd_all_reduce(g, c, (char *)buf, count, t, op);
+    if ((r = ddp__ring_reduce_scatter(g, c, (char *)buf, count, t, op)) != DDP_SUCCESS) return r;
     ddp__finish_avg(g, (char *)buf, count, t, op);
     return ddp__ring_all_gather(g, c, (char *)buf, count, ddp_dtype_size(t));
 }
@@ -4678,6 +4859,7 @@ static int ddp__nccl_test_work(ddp_work *w);
 
 static ddp_result ddp__run(ddp_group *g, const ddp__call *k, const ddp__coll *c) {
     if (g->broken) return DDP_ERR_STATE;
+    g->waiting_for = -1;
     if (g->nccl) {
         int host = 0;
         ddp_result r = ddp__nccl_run(g, k, c, &host);
@@ -4695,6 +4877,7 @@ static ddp_result ddp__run(ddp_group *g, const ddp__call *k, const ddp__coll *c)
         g->running_seq = 0;
         return r;
     }
+    g->tcp_runs++;
     switch (k->kind) {
     case DDP__ALL_REDUCE: return ddp__do_all_reduce(g, c, k->buf, k->count, k->dtype, k->op);
     case DDP__BROADCAST: return ddp__do_broadcast(g, c, k->buf, k->count, k->dtype, k->root);
@@ -5132,15 +5315,10 @@ static ddp_result ddp__shm_wait_all(ddp_group *g, const ddp__coll *c, int which,
                 if (DDP__LOAD(counter) < step) syscall(SYS_futex, &s->hdr->wake, FUTEX_WAIT, w, &ts, NULL, 0);
                 __atomic_sub_fetch(&s->hdr->sleepers, 1, __ATOMIC_SEQ_CST);
             }
+            g->waiting_for = j;
             if ((r = ddp__check_peers(g, c)) != DDP_SUCCESS) return r;
             if (deadline == 0) deadline = ddp__now() + g->timeout;
-            if (ddp__now() > deadline) {
-                char desc[160];
-                ddp__coll_describe(c, desc, sizeof desc);
-                return ddp__coll_fail(g, DDP_ERR_TIMEOUT, "timed out after %.0f s in %s waiting for rank %d (%s), which is "
-                                      "alive but not taking part: is it stuck, stopped, or in a different collective? "
-                                      "(DDP_TIMEOUT sets the limit)", g->timeout, desc, j, g->peer_names[j]);
-            }
+            if (ddp__now() > deadline) return ddp__peer_timed_out(g, j, c);
         }
         if (check) {
             ddp_result r = ddp__shm_check_fp(g, c, j);
@@ -6980,6 +7158,7 @@ static ddp_group *ddp__group_alloc(int rank, int world_size) {
     pthread_mutex_init(&g->mu, NULL);
     pthread_cond_init(&g->cv, NULL);
     g->rank = rank;
+    g->waiting_for = -1;
     g->world_size = world_size;
     g->local_rank = g->local_world_size = -1;
     g->backend_name = "cpu";

@@ -359,6 +359,7 @@ static int ddp__nccl_test_work(ddp_work *w);
 
 static ddp_result ddp__run(ddp_group *g, const ddp__call *k, const ddp__coll *c) {
     if (g->broken) return DDP_ERR_STATE;
+    g->waiting_for = -1;
     if (g->nccl) {
         int host = 0;
         ddp_result r = ddp__nccl_run(g, k, c, &host);

@@ -436,6 +436,7 @@ static ddp_group *ddp__group_alloc(int rank, int world_size) {
     pthread_mutex_init(&g->mu, NULL);
     pthread_cond_init(&g->cv, NULL);
     g->rank = rank;
+    g->waiting_for = -1;
     g->world_size = world_size;
     g->local_rank = g->local_world_size = -1;
     g->backend_name = "cpu";

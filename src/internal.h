@@ -138,6 +138,7 @@ struct ddp_group {
     int *poll_owner;        /* the rank of each pollfds entry */
     uint64_t seq;       /* collectives issued so far; carried in every message */
     uint64_t running_seq; /* seq of the collective running now (0 between collectives) */
+    int waiting_for;      /* the rank this one waits for in the current step, -1 if none (for messages) */
     uint64_t tcp_runs;    /* collectives run over TCP so far; unlike seq, never restarts (transport.c) */
     ddp_result broken;  /* set once a collective failed: every later call fails with it */
     char broken_msg[DDP__ERR_MAX];

@@ -196,15 +196,10 @@ static ddp_result ddp__shm_wait_all(ddp_group *g, const ddp__coll *c, int which,
                 if (DDP__LOAD(counter) < step) syscall(SYS_futex, &s->hdr->wake, FUTEX_WAIT, w, &ts, NULL, 0);
                 __atomic_sub_fetch(&s->hdr->sleepers, 1, __ATOMIC_SEQ_CST);
             }
+            g->waiting_for = j;
             if ((r = ddp__check_peers(g, c)) != DDP_SUCCESS) return r;
             if (deadline == 0) deadline = ddp__now() + g->timeout;
-            if (ddp__now() > deadline) {
-                char desc[160];
-                ddp__coll_describe(c, desc, sizeof desc);
-                return ddp__coll_fail(g, DDP_ERR_TIMEOUT, "timed out after %.0f s in %s waiting for rank %d (%s), which is "
-                                      "alive but not taking part: is it stuck, stopped, or in a different collective? "
-                                      "(DDP_TIMEOUT sets the limit)", g->timeout, desc, j, g->peer_names[j]);
-            }
+            if (ddp__now() > deadline) return ddp__peer_timed_out(g, j, c);
         }
         if (check) {
             ddp_result r = ddp__shm_check_fp(g, c, j);

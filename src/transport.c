@@ -172,6 +172,10 @@ static ddp_result ddp__peer_failed_after(ddp_group *g, int peer, const ddp__coll
             char reason[DDP__ERR_MAX];
             if (ddp__net_recv(p->fd, reason, (size_t)f.bytes, deadline, err) != DDP_SUCCESS) break;
             reason[f.bytes - 1] = '\0';
+            if (g->waiting_for >= 0 && g->waiting_for != peer) /* the reporter may have waited for us: say whom we waited for */
+                return ddp__coll_fail(g, ddp__peer_code(f.code, DDP_ERR_FORMAT), "%s (reported by rank %d; this rank was "
+                                      "in %s, waiting for rank %d (%s))", reason, peer, desc, g->waiting_for,
+                                      g->peer_names[g->waiting_for]);
             return ddp__coll_fail(g, ddp__peer_code(f.code, DDP_ERR_FORMAT), "%s (reported by rank %d; this rank was in %s)",
                                   reason, peer, desc);
         }
@@ -195,6 +199,16 @@ static ddp_result ddp__peer_failed_after(ddp_group *g, int peer, const ddp__coll
 }
 
 static ddp_result ddp__peer_failed(ddp_group *g, int peer, const ddp__coll *c) { return ddp__peer_failed_after(g, peer, c, NULL); }
+
+/* A peer that is alive (its connection is open) made no progress for the group's timeout. Across hosts
+   a cut link looks just like this: TCP sees no error until its own, much longer, retransmission limit. */
+static ddp_result ddp__peer_timed_out(ddp_group *g, int peer, const ddp__coll *c) {
+    char desc[160];
+    ddp__coll_describe(c, desc, sizeof desc);
+    return ddp__coll_fail(g, DDP_ERR_TIMEOUT, "timed out after %.0f s in %s waiting for rank %d (%s), which is alive but "
+                          "not taking part: is it stuck, stopped, in a different collective, or is the network to it "
+                          "down? (DDP_TIMEOUT sets the limit)", g->timeout, desc, peer, g->peer_names[peer]);
+}
 
 /* Look at every connection without waiting: a peer that hung up (exited, or aborted the group) fails
    the current collective. For transports that wait elsewhere (shared memory). */
@@ -336,6 +350,7 @@ static ddp_result ddp__exchange(ddp_group *g, const ddp__coll *c, const ddp__ste
     if (s->send_peer >= 0) ddp__frame_init(&out, g, c, DDP__FRAME_DATA, s->send_bytes);
     while (sent < send_total || received < recv_total) {
         int n = 0, i, rc, progressed = 0, soon = 0;
+        g->waiting_for = received < recv_total ? s->recv_peer : s->send_peer;
         for (i = 0; i < g->world_size; i++) {
             if (i == g->rank || g->peers[i].fd < 0) continue;
             fds[n].fd = g->peers[i].fd;
@@ -413,12 +428,7 @@ static ddp_result ddp__exchange(ddp_group *g, const ddp__coll *c, const ddp__ste
         if (progressed) {
             deadline = ddp__now() + g->timeout;
         } else if (ddp__now() > deadline) {
-            char desc[160];
-            int waiting_for = received < recv_total ? s->recv_peer : s->send_peer;
-            ddp__coll_describe(c, desc, sizeof desc);
-            return ddp__coll_fail(g, DDP_ERR_TIMEOUT, "timed out after %.0f s in %s waiting for rank %d (%s), which is alive "
-                                  "but not taking part: is it stuck, stopped, or in a different collective? (DDP_TIMEOUT "
-                                  "sets the limit)", g->timeout, desc, waiting_for, g->peer_names[waiting_for]);
+            return ddp__peer_timed_out(g, g->waiting_for, c);
         }
     }
     return DDP_SUCCESS;
