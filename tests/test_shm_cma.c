@@ -9,12 +9,21 @@
    - library buffers on odd ranks and malloc on even ranks: CMA for the plain ones, the arena for the others;
    - async all-reduces of malloc buffers, several in flight;
    - DDP_SHM_CMA=0 on one rank only: the whole group stages (no "cross-memory attach"), same results;
+   - one rank under a seccomp filter that refuses process_vm_readv/writev with EPERM (as Docker's default
+     profile does): the set-up probe fails there, the whole group stages, same results;
+   - a rank whose CMA calls start failing (the seccomp filter installed after set-up): the next all_reduce
+     fails on every rank with a clear error, no hang, no crash;
    - a rank killed (SIGKILL) in the middle of CMA all-reduces: the others fail with DDP_ERR_PEER_LOST.
    Where the machine refuses CMA (seccomp, Yama ptrace_scope >= 1), the results are still checked
    (staged), and the test then exits 77 saying so. TEST_QUICK=1 (sanitizer runs): fewer worlds and ops. */
 #include "testlib.h"
 
+#include <linux/filter.h>
+#include <linux/seccomp.h>
 #include <signal.h>
+#include <stddef.h>
+#include <sys/prctl.h>
+#include <sys/syscall.h>
 
 static const ddp_dtype dtypes[] = {DDP_F32, DDP_F64, DDP_F16, DDP_BF16, DDP_I8, DDP_U8, DDP_I32, DDP_I64};
 static const ddp_op ops[] = {DDP_SUM, DDP_AVG, DDP_PROD, DDP_MIN, DDP_MAX};
@@ -107,6 +116,7 @@ static ddp_group *init_watched(void) {
 typedef struct case_arg {
     int mixed;    /* odd ranks pass ddp_alloc memory */
     int off_rank; /* this rank sets DDP_SHM_CMA=0 (-1: none) */
+    int seccomp_rank; /* this rank refuses itself process_vm_readv/writev (-1: none) */
     int expect;   /* CMA expected for the large calls */
 } case_arg;
 
@@ -131,12 +141,29 @@ static int one(ddp_group *g, const case_arg *a, ddp_dtype t, ddp_op op, size_t c
     return salt;
 }
 
+/* A seccomp filter on this process: process_vm_readv/writev fail with EPERM, everything else runs. */
+static void refuse_cma(void) {
+    struct sock_filter f[5] = {
+        BPF_STMT(BPF_LD | BPF_W | BPF_ABS, offsetof(struct seccomp_data, nr)),
+        BPF_JUMP(BPF_JMP | BPF_JEQ | BPF_K, SYS_process_vm_readv, 2, 0),
+        BPF_JUMP(BPF_JMP | BPF_JEQ | BPF_K, SYS_process_vm_writev, 1, 0),
+        BPF_STMT(BPF_RET | BPF_K, SECCOMP_RET_ALLOW),
+        BPF_STMT(BPF_RET | BPF_K, SECCOMP_RET_ERRNO | EPERM),
+    };
+    struct sock_fprog prog;
+    prog.len = 5;
+    prog.filter = f;
+    CHECK(prctl(PR_SET_NO_NEW_PRIVS, 1, 0, 0, 0) == 0, "PR_SET_NO_NEW_PRIVS: %s", strerror(errno));
+    CHECK(prctl(PR_SET_SECCOMP, SECCOMP_MODE_FILTER, &prog) == 0, "seccomp filter: %s", strerror(errno));
+}
+
 static int worker(int rank, int n, void *arg) {
     const case_arg *a = (const case_arg *)arg;
     int quick = getenv("TEST_QUICK") != NULL, salt = 0, k;
     ddp_group *g;
     size_t di, oi;
     if (rank == a->off_rank) setenv("DDP_SHM_CMA", "0", 1);
+    if (rank == a->seccomp_rank) refuse_cma();
     g = init_watched();
     (void)n;
     for (di = 0; di < NDT; di++) {
@@ -187,6 +214,28 @@ static int probe_worker(int rank, int n, void *arg) {
     return rank == 0 && !cma_on ? 3 : 0;
 }
 
+/* ---- CMA refused after set-up: a clean error on every rank ---- */
+
+static int refused_worker(int rank, int n, void *arg) {
+    ddp_group *g = init_watched();
+    size_t count = ((size_t)1 << 20) / 4 + 1;
+    float *b = (float *)malloc(count * 4);
+    ddp_result r;
+    (void)n;
+    (void)arg;
+    CHECK(b != NULL, "out of memory");
+    fill(b, count, rank, DDP_F32, DDP_SUM, 5);
+    CHECK_OK(ddp_all_reduce(g, b, count, DDP_F32, DDP_SUM), g);
+    check_all(b, count, DDP_F32, n, DDP_SUM, 5, "all_reduce before the filter", rank);
+    if (rank == 1) refuse_cma();
+    r = ddp_all_reduce(g, b, count, DDP_F32, DDP_SUM);
+    CHECK(r == DDP_ERR_SYSTEM, "rank %d: got %s (%s), expected DDP_ERR_SYSTEM", rank, ddp_result_string(r), ddp_last_error(g));
+    CHECK(strstr(ddp_last_error(g), "process_vm_") != NULL, "rank %d: the error does not say what failed: %s", rank, ddp_last_error(g));
+    ddp_destroy(g); /* broken: its result is the error */
+    free(b);
+    return 0;
+}
+
 /* ---- a rank killed in the middle of CMA all-reduces ---- */
 
 static int crash_worker(int rank, int n, void *arg) {
@@ -232,7 +281,7 @@ static void run(int n, case_arg *a, const char *what) {
 int main(void) {
     static const int worlds[] = {2, 3, 4, 8};
     int i, quick = getenv("TEST_QUICK") != NULL, codes[2];
-    case_arg plain, mixed, off;
+    case_arg plain, mixed, off, sec;
     setenv("DDP_TIMEOUT", "120", 0);
     unsetenv("DDP_TRANSPORT");
     unsetenv("DDP_SHM_CMA");
@@ -241,19 +290,26 @@ int main(void) {
     cma_works = codes[0] == 0;
     plain.mixed = 0;
     plain.off_rank = -1;
+    plain.seccomp_rank = -1;
     plain.expect = cma_works;
     mixed = plain;
     mixed.mixed = 1;
     off = plain;
     off.off_rank = 1;
     off.expect = 0;
+    sec = plain;
+    sec.seccomp_rank = 2;
+    sec.expect = 0;
     for (i = 0; i < (quick ? 2 : 4); i++) run(worlds[i], &plain, "malloc buffers: every dtype x op around CMA_MIN matches the serial reference");
     run(quick ? 3 : 4, &mixed, "ddp_alloc on odd ranks, malloc on even: same results");
     run(3, &off, "DDP_SHM_CMA=0 on rank 1: the whole group stages, same results");
+    run(3, &sec, "rank 2 under seccomp refusing process_vm_readv/writev: the whole group stages, same results");
     if (!cma_works) {
         printf("cross-memory attach is refused on this machine (seccomp or Yama ptrace_scope): only the staged path was tested\n");
         return 77;
     }
+    CHECK(tl_run_ranks(3, refused_worker, NULL, 120) == 0, "CMA refused after set-up: failed");
+    printf("rank 1 refuses CMA after set-up: the next all_reduce fails on every rank with DDP_ERR_SYSTEM\n");
     crash_case(2, 1);
     crash_case(3, 0);
     return 0;
