@@ -5154,6 +5154,19 @@ DDP_API ddp_result ddp_barrier_async(ddp_group *g, ddp_work **w) {
    decision everywhere, read from the same published offsets). broadcast needs only the root's buffer
    in its arena; all_gather needs every rank's send buffer there.
 
+   Single-copy on plain memory (all_reduce from DDP__SHM_CMA_MIN_BYTES up): Linux Cross-Memory Attach
+   (process_vm_readv/writev, as Open MPI's shared-memory BTL uses) reaches a peer's own address space.
+   The first step then publishes every rank's buffer address too, and the same slice-ownership
+   algorithm runs: rank i reads slice i of a peer's buffer in L2-sized chunks into a scratch chunk
+   (one system call moves a chunk), reduces it into its own buffer and writes the finished chunk into
+   every peer's buffer; peers whose buffer is a library buffer are reached through the arena as above.
+   Traffic: 2pN plus the scratch chunk, which stays in cache. Availability is probed once at set-up
+   (each rank reads a word from every peer and checks its value); seccomp filters (Docker's default
+   profile) or Yama ptrace_scope >= 1 refuse it, and then the group stages as before. This library does
+   not call prctl(PR_SET_PTRACER) to get around Yama: that would let any process of the same user
+   ptrace the program. DDP_SHM_CMA=0 on any rank turns it off for the group. A transfer that fails in
+   the middle of a collective (the peer died: ESRCH) fails the collective with DDP_ERR_PEER_LOST.
+
    Waiting: spin a little (the peer is usually a few hundred nanoseconds away), then yield for up to
    a millisecond (a peer on the same core runs at once), then sleep on a futex in the header; posters
    wake sleepers only when someone sleeps, so the fast path makes no system call. While sleeping a
@@ -5161,6 +5174,7 @@ DDP_API ddp_result ddp_barrier_async(ddp_group *g, ddp_work **w) {
 
 #include <linux/futex.h>
 #include <sys/statvfs.h>
+#include <sys/uio.h>
 
 #define DDP__SHM_MAGIC 0x53504444u /* "DDPS" */
 
@@ -5180,11 +5194,12 @@ typedef struct ddp__shm_ctl {
     uint64_t reduced; /* last step whose reduced segment this rank has placed (two-shot) */
     struct {          /* the fingerprint of this rank's collective, by seq parity */
         uint64_t seq, count;
-        uint64_t lib; /* arena offset of this rank's buffer, or DDP__SHM_NOT_LIB */
+        uint64_t lib;  /* arena offset of this rank's buffer, or DDP__SHM_NOT_LIB */
+        uint64_t addr; /* its address in this rank's own address space, for CMA (0: not published) */
         int32_t root;
         uint8_t kind, dtype, op, pad;
     } fp[2];
-    char pad[48];
+    char pad[32];
 } ddp__shm_ctl;
 
 #define DDP__SHM_NOT_LIB UINT64_MAX
@@ -5214,6 +5229,8 @@ struct ddp__shm {
     off_t arena_file_off; /* where arena 0 starts in the segment */
     ddp__block *blocks;   /* this rank's arena, under g->lib_lock */
     size_t nblocks, cap_blocks, top;
+    int cma;     /* every rank can reach every other with process_vm_readv/writev (probed at set-up) */
+    pid_t *pids; /* world entries: each rank's process id, for CMA (NULL when cma is 0) */
 };
 
 #define DDP__LOAD(p) __atomic_load_n((p), __ATOMIC_ACQUIRE)
@@ -5329,14 +5346,16 @@ static ddp_result ddp__shm_wait_all(ddp_group *g, const ddp__coll *c, int which,
 }
 
 /* One step: (the caller has written its half) publish, wait for all, check fingerprints if first.
-   The first step also publishes lib, where this rank's buffer is in its arena (DDP__SHM_NOT_LIB: not). */
-static ddp_result ddp__shm_step(ddp_group *g, const ddp__coll *c, uint64_t step, int first, uint64_t lib) {
+   The first step also publishes lib, where this rank's buffer is in its arena (DDP__SHM_NOT_LIB: not).
+   A first step for CMA also publishes addr, where the buffer is in this process (0: not published). */
+static ddp_result ddp__shm_step_at(ddp_group *g, const ddp__coll *c, uint64_t step, int first, uint64_t lib, uint64_t addr) {
     ddp__shm *s = g->shm;
     if (first) {
         ddp__shm_ctl *me = &s->ctl[g->rank];
         int par = (int)(c->seq & 1);
         me->fp[par].count = c->count;
         me->fp[par].lib = lib;
+        me->fp[par].addr = addr;
         me->fp[par].root = c->root;
         me->fp[par].kind = c->kind;
         me->fp[par].dtype = c->dtype;
@@ -5345,6 +5364,10 @@ static ddp_result ddp__shm_step(ddp_group *g, const ddp__coll *c, uint64_t step,
     }
     ddp__shm_publish(s, &s->ctl[g->rank].posted, step);
     return ddp__shm_wait_all(g, c, 0, step, first);
+}
+
+static ddp_result ddp__shm_step(ddp_group *g, const ddp__coll *c, uint64_t step, int first, uint64_t lib) {
+    return ddp__shm_step_at(g, c, step, first, lib, 0);
 }
 
 /* The end of a single-copy collective: nobody returns (giving its program the buffer back) while a
@@ -5418,23 +5441,85 @@ static void ddp__lib_note(ddp_group *g, const ddp__coll *c) {
 #define DDP__SHM_STAGE_ROUND ((size_t)256 << 10)
 #define DDP__SHM_DIRECT_CHUNK ((size_t)16 << 10) /* single-copy: reduce then copy out a chunk while it is in L1 */
 
-/* Single-copy all_reduce (every rank's buffer in its arena; the first step is done): my slice, reduced
-   chunk by chunk out of every buffer into mine, then copied into every peer's buffer. */
+#define DDP__SHM_CMA_CHUNK ((size_t)64 << 10)  /* CMA: one system call per chunk, the chunk still in L2 */
+#define DDP__SHM_CMA_MIN_BYTES ((size_t)256 << 10) /* CMA all_reduce on plain memory from this size up */
+
+/* Move bytes between local memory and rank j's address space at remote (write: to it). A failure
+   means the peer is gone or unreachable: give its reason (over TCP) a moment to arrive, else fail. */
+static ddp_result ddp__cma_move(ddp_group *g, const ddp__coll *c, int j, char *local, uint64_t remote, size_t bytes,
+                                int write) {
+    pid_t pid = g->shm->pids[j];
+    while (bytes) {
+        struct iovec l, rm;
+        ssize_t k;
+        double deadline;
+        int e;
+        l.iov_base = local;
+        l.iov_len = bytes;
+        rm.iov_base = (void *)(uintptr_t)remote;
+        rm.iov_len = bytes;
+        k = write ? process_vm_writev(pid, &l, 1, &rm, 1, 0) : process_vm_readv(pid, &l, 1, &rm, 1, 0);
+        if (k > 0) {
+            local += k;
+            remote += (uint64_t)k;
+            bytes -= (size_t)k;
+            continue;
+        }
+        e = k < 0 ? errno : EIO;
+        if (e == EINTR) continue;
+        for (deadline = ddp__now() + 1.0; ddp__now() < deadline; ddp__sleep(0.001)) { /* a dying peer's sockets close last */
+            ddp_result r = ddp__check_peers(g, c);
+            if (r) return r;
+        }
+        return ddp__coll_fail(g, e == ESRCH ? DDP_ERR_PEER_LOST : DDP_ERR_SYSTEM, "process_vm_%s on rank %d (%s) failed: %s%s",
+                              write ? "writev" : "readv", j, g->peer_names[j], strerror(e),
+                              e == ESRCH ? ": the process is gone" : " (DDP_SHM_CMA=0 stages through shared memory instead)");
+    }
+    return DDP_SUCCESS;
+}
+
+/* Single-copy all_reduce (the first step is done; every rank's buffer is a library buffer, or, with
+   cma, any rank's may be plain memory reached by CMA): my slice, reduced chunk by chunk out of every
+   buffer into mine, then copied into every peer's buffer. How a peer's slice is reached: through its
+   arena when it published a library buffer, else with process_vm_readv/writev through scratch. */
 static ddp_result ddp__shm_all_reduce_direct(ddp_group *g, const ddp__coll *c, void *buf, size_t count, ddp_dtype t,
-                                             ddp_op op) {
-    int n = g->world_size, r = g->rank, j;
-    size_t es = ddp_dtype_size(t), per = DDP__SHM_DIRECT_CHUNK / es, off, len, k, m;
-    char *mine;
-    ddp__lib_note(g, c);
+                                             ddp_op op, int cma) {
+    int n = g->world_size, r = g->rank, par = (int)(c->seq & 1), j;
+    size_t es = ddp_dtype_size(t), per = (cma ? DDP__SHM_CMA_CHUNK : DDP__SHM_DIRECT_CHUNK) / es, off, len, k, m;
+    char *mine, *tmp = NULL;
+    ddp_result res;
+    if (cma) {
+        char desc[160];
+        if (!(tmp = (char *)ddp__scratch(g, per * es))) return ddp__no_memory(g, per * es);
+        if (g->log_level >= DDP_LOG_DEBUG) {
+            ddp__coll_describe(c, desc, sizeof desc);
+            ddp__log(g, DDP_LOG_DEBUG, "%s: cross-memory attach (process_vm_readv/writev) on the ranks' own buffers", desc);
+        }
+    } else {
+        ddp__lib_note(g, c);
+    }
     ddp__chunk(count, n, r, &off, &len);
     for (k = 0; k < len; k += m) {
+        size_t at = (off + k) * es;
         m = DDP__MIN(len - k, per);
-        mine = (char *)buf + (off + k) * es;
-        for (j = 0; j < n; j++)
-            if (j != r) ddp__reduce(mine, ddp__lib_peer(g, c, j) + (off + k) * es, m, t, op);
+        mine = (char *)buf + at;
+        for (j = 0; j < n; j++) {
+            if (j == r) continue;
+            if (g->shm->ctl[j].fp[par].lib != DDP__SHM_NOT_LIB) {
+                ddp__reduce(mine, ddp__lib_peer(g, c, j) + at, m, t, op);
+                continue;
+            }
+            if ((res = ddp__cma_move(g, c, j, tmp, g->shm->ctl[j].fp[par].addr + at, m * es, 0)) != DDP_SUCCESS) return res;
+            ddp__reduce(mine, tmp, m, t, op);
+        }
         if (op == DDP_AVG) ddp__divide(mine, m, t, n);
-        for (j = 0; j < n; j++)
-            if (j != r) memcpy(ddp__lib_peer(g, c, j) + (off + k) * es, mine, m * es);
+        for (j = 0; j < n; j++) {
+            if (j == r) continue;
+            if (g->shm->ctl[j].fp[par].lib != DDP__SHM_NOT_LIB)
+                memcpy(ddp__lib_peer(g, c, j) + at, mine, m * es);
+            else if ((res = ddp__cma_move(g, c, j, mine, g->shm->ctl[j].fp[par].addr + at, m * es, 1)) != DDP_SUCCESS)
+                return res;
+        }
     }
     return ddp__shm_finish(g, c);
 }
@@ -5447,12 +5532,14 @@ static ddp_result ddp__shm_reduce_impl(ddp_group *g, const ddp__coll *c, void *b
     size_t es = ddp_dtype_size(t), per = DDP__MIN(s->half, DDP__SHM_STAGE_ROUND) / es, done = 0;
     int n = g->world_size, r = g->rank, first = 1, j, gets = root < 0 || root == r;
     int may_lib = root < 0 && count * es > DDP__SHM_ONE_SHOT_BYTES; /* every rank computes the same */
+    int may_cma = may_lib && s->cma && count * es >= DDP__SHM_CMA_MIN_BYTES; /* the same too (cma: agreed at set-up) */
     uint64_t lib = may_lib ? ddp__lib_offset(g, buf, count * es) : DDP__SHM_NOT_LIB;
     char *out = (char *)buf;
     ddp_result res;
-    if (lib != DDP__SHM_NOT_LIB) { /* a first step without data: where my buffer is */
-        if ((res = ddp__shm_step(g, c, ++s->step, 1, lib)) != DDP_SUCCESS) return res;
-        if (ddp__lib_count(g, c) == n) return ddp__shm_all_reduce_direct(g, c, buf, count, t, op);
+    if (lib != DDP__SHM_NOT_LIB || may_cma) { /* a first step without data: where my buffer is */
+        if ((res = ddp__shm_step_at(g, c, ++s->step, 1, lib, may_cma ? (uint64_t)(uintptr_t)buf : 0)) != DDP_SUCCESS) return res;
+        if (ddp__lib_count(g, c) == n) return ddp__shm_all_reduce_direct(g, c, buf, count, t, op, 0);
+        if (may_cma) return ddp__shm_all_reduce_direct(g, c, buf, count, t, op, 1);
         first = 0; /* some rank's buffer is not a library buffer: stage, from the next step */
     }
     for (;;) {
@@ -5644,6 +5731,7 @@ static void ddp__shm_free(ddp_group *g) {
     munmap(g->shm->base, g->shm->bytes);
     if (g->shm->fd >= 0) close(g->shm->fd);
     ddp__free(g->shm->blocks);
+    ddp__free(g->shm->pids);
     ddp__free(g->shm);
     g->shm = NULL;
 }
@@ -5669,6 +5757,28 @@ static size_t ddp__arena_size(ddp_group *g, int fd) {
     return (size_t)(want & ~(uint64_t)(DDP__ARENA_ALIGN - 1));
 }
 
+/* Can this rank read every peer's memory with process_vm_readv? pub holds, per rank, its pid, the
+   address of a word in its process and the word's value; each peer's word must read back as published
+   (a pid from another pid namespace names another process, or none). */
+static int ddp__cma_probe(ddp_group *g, const uint64_t *pub) {
+    int j;
+    for (j = 0; j < g->world_size; j++) {
+        uint64_t got = 0;
+        struct iovec l, rm;
+        if (j == g->rank) continue;
+        l.iov_base = &got;
+        l.iov_len = sizeof got;
+        rm.iov_base = (void *)(uintptr_t)pub[3 * j + 1];
+        rm.iov_len = sizeof got;
+        if (process_vm_readv((pid_t)pub[3 * j], &l, 1, &rm, 1, 0) != (ssize_t)sizeof got || got != pub[3 * j + 2]) {
+            ddp__log(g, DDP_LOG_DEBUG, "cross-memory attach to rank %d unavailable (%s): all_reduce stages plain memory through "
+                     "the segment", j, strerror(errno));
+            return 0;
+        }
+    }
+    return 1;
+}
+
 /* Map one segment for the group when all its ranks share a host (and DDP_TRANSPORT allows it).
    Collective over the group's TCP mesh; every rank reaches the same decision. Any failure to set up
    shared memory (a full /dev/shm, say) is not an error: the group keeps using TCP; a failure to map
@@ -5677,7 +5787,10 @@ static size_t ddp__arena_size(ddp_group *g, int fd) {
 static ddp_result ddp__shm_setup(ddp_group *g) {
     const char *transport = ddp__env("DDP_TRANSPORT");
     uint64_t key = ddp__host_key(), *keys;
-    int i, same = 1, ok[2] = {1, 1}, fd = -1; /* ok: the segment, the arenas */
+    int i, same = 1, ok[3] = {1, 1, 1}, fd = -1; /* ok: the segment, the arenas, cross-memory attach */
+    uint64_t word, mine[3], *pub = NULL; /* the CMA probe: my pid, &word, word; every rank's */
+    long cma_env = 1;
+    char err[DDP__ERR_MAX];
     struct {
         char name[64];
         uint64_t arena_bytes;
@@ -5724,11 +5837,31 @@ static ddp_result ddp__shm_setup(ddp_group *g) {
     }
     if (!s || !s->base) ok[0] = 0;
     if (!info.arena_bytes || bytes == head) ok[1] = 0;
-    if ((r = ddp_all_reduce(g, ok, 2, DDP_I32, DDP_MIN)) != DDP_SUCCESS || !ok[0]) {
+    /* Cross-memory attach: publish a word, read every peer's (the all_reduce below keeps every word
+       alive until all have read). Every rank takes part even when it will not use it. */
+    word = ddp__hash(g->prefix) ^ ((uint64_t)getpid() << 20) ^ (uint64_t)(ddp__now() * 1e9);
+    mine[0] = (uint64_t)getpid();
+    mine[1] = (uint64_t)(uintptr_t)&word;
+    mine[2] = word;
+    if (ddp__env_int("DDP_SHM_CMA", 0, 1, &cma_env, err) < 0) ddp__log(g, DDP_LOG_WARN, "%s; cross-memory attach stays on", err);
+    if (!(pub = (uint64_t *)ddp__calloc((size_t)g->world_size * 3, sizeof *pub))) {
+        r = ddp__fail(g, DDP_ERR_OUT_OF_MEMORY, "out of memory setting up shared memory");
+    } else if ((r = ddp_all_gather(g, mine, pub, 3, DDP_I64)) == DDP_SUCCESS) {
+        if (s && cma_env && (s->pids = (pid_t *)ddp__calloc((size_t)g->world_size, sizeof *s->pids)) != NULL)
+            for (i = 0; i < g->world_size; i++) s->pids[i] = (pid_t)pub[3 * i];
+        ok[2] = s && s->pids && ddp__cma_probe(g, pub);
+        r = ddp_all_reduce(g, ok, 3, DDP_I32, DDP_MIN);
+    }
+    if (s && (r || !ok[2])) {
+        ddp__free(s->pids);
+        s->pids = NULL;
+    }
+    if (r || !ok[0]) {
         if (s && s->base) munmap(s->base, bytes);
         ddp__free(s);
         goto done;
     }
+    s->cma = ok[2]; /* the same on every rank */
     s->bytes = bytes;
     s->half = half;
     s->hdr = (ddp__shm_header *)s->base;
@@ -5751,12 +5884,15 @@ static ddp_result ddp__shm_setup(ddp_group *g) {
     if ((r = ddp_barrier(g)) != DDP_SUCCESS) {
         munmap(s->base, bytes);
         if (s->fd >= 0) close(s->fd);
+        ddp__free(s->pids);
         ddp__free(s);
         goto done;
     }
     g->shm = s;
-    ddp__log(g, DDP_LOG_INFO, "shared memory: %zu-byte halves, %zu-byte arenas for ddp_alloc", half, s->arena_bytes);
+    ddp__log(g, DDP_LOG_INFO, "shared memory: %zu-byte halves, %zu-byte arenas for ddp_alloc, cross-memory attach %s", half,
+             s->arena_bytes, s->cma ? "on" : "off");
 done:
+    ddp__free(pub);
     if (fd >= 0) close(fd);
     if (g->rank == 0 && info.name[0]) shm_unlink(info.name);
     return r;

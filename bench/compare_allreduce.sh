@@ -3,18 +3,20 @@
 #   bench/compare_allreduce.sh [ranks=2] [max_bytes=268435456] [rounds=3]
 #   METRIC=time: the table shows median time per call (us) instead, ratios as peer time / ddp.h time
 #   (above 1 = ddp.h faster): the column for latency, where busbw rounds to 0.000.
-#   ONLY="ddp_tcp mpi_tcp": run only the contenders named (ddp_shm_lib ddp_shm ddp_tcp mpi mpi_tcp gloo).
+#   ONLY="ddp_tcp mpi_tcp": run only the contenders named (ddp_shm_lib ddp_shm ddp_shm_staged ddp_tcp mpi
+#   mpi_tcp gloo).
 # Each round runs every contender once (interleaved, so load changes hit all of them alike); the
 # table shows each one's median busbw (GB/s) per size and the ratios ddp.h / peer.
 # Contenders: ddp.h over shared memory on ddp_alloc buffers (ddp_shm_lib: single-copy) and on malloc
-# buffers (ddp_shm: staged through the segment), ddp.h with DDP_TRANSPORT=tcp, Open MPI (default = its
+# buffers (ddp_shm: cross-memory attach from 256 KiB, staged through the segment below; ddp_shm_staged:
+# DDP_SHM_CMA=0, always staged), ddp.h with DDP_TRANSPORT=tcp, Open MPI (default = its
 # shared memory), Open MPI with --mca btl tcp,self, and torch.distributed gloo. Needs openmpi-bin,
 # libopenmpi-dev and python3-torch (tools/install-test-deps.sh); missing peers are left out.
 set -eu
 cd "$(dirname "$0")/.."
 n=${1:-2} max=${2:-268435456} rounds=${3:-3}
 METRIC=${METRIC:-busbw}
-ONLY=${ONLY:-ddp_shm_lib ddp_shm ddp_tcp mpi mpi_tcp gloo}
+ONLY=${ONLY:-ddp_shm_lib ddp_shm ddp_shm_staged ddp_tcp mpi mpi_tcp gloo}
 want() { case " $ONLY " in *" $1 "*) return 0 ;; *) return 1 ;; esac; }
 BUILD=${BUILD:-build}
 # the peers: PEERS, else ../shared/peers from the repository root (or from a worktree under ../wt/)
@@ -71,6 +73,7 @@ cc -O3 -march=native -o "$out/membw" "$out/membw.c"
 for r in $(seq 1 "$rounds"); do
   want ddp_shm_lib && "$BUILD/ddprun" --nproc-per-node "$n" --standalone "$BUILD/bench_collectives" --lib all_reduce "$max" > "$out/ddp_shm_lib.$r"
   want ddp_shm && "$BUILD/ddprun" --nproc-per-node "$n" --standalone "$BUILD/bench_collectives" all_reduce "$max" > "$out/ddp_shm.$r"
+  want ddp_shm_staged && DDP_SHM_CMA=0 "$BUILD/ddprun" --nproc-per-node "$n" --standalone "$BUILD/bench_collectives" all_reduce "$max" > "$out/ddp_shm_staged.$r"
   want ddp_tcp && DDP_TRANSPORT=tcp "$BUILD/ddprun" --nproc-per-node "$n" --standalone "$BUILD/bench_collectives" all_reduce "$max" > "$out/ddp_tcp.$r"
   if [ $have_mpi = 1 ]; then
     want mpi && $mpirun "$out/mpi_allreduce" "$max" > "$out/mpi.$r"
@@ -93,12 +96,12 @@ def table(name):  # {bytes: [busbw per round]}
             if not f or not f[0].isdigit(): continue
             t.setdefault(int(f[0]), []).append(float(f[col]))
     return {b: statistics.median(v) for b, v in t.items()}
-cols = [(k, table(k)) for k in ("ddp_shm_lib", "ddp_shm", "ddp_tcp", "mpi", "mpi_tcp", "gloo")]
+cols = [(k, table(k)) for k in ("ddp_shm_lib", "ddp_shm", "ddp_shm_staged", "ddp_tcp", "mpi", "mpi_tcp", "gloo")]
 cols = [(k, t) for k, t in cols if t]
 print(f"all_reduce f32 sum, {n} ranks, " + ("time per call in us, ratios peer time / ddp.h time" if metric == "time" else "busbw GB/s")
       + f" (median of {rounds} rounds)")
 hdr = f"{'bytes':>11} " + " ".join(f"{k:>11}" for k, _ in cols)
-pairs = (("ddp_shm_lib", "mpi"), ("ddp_shm", "mpi"), ("ddp_shm_lib", "gloo"), ("ddp_shm", "gloo"), ("ddp_tcp", "mpi_tcp"))
+pairs = (("ddp_shm_lib", "mpi"), ("ddp_shm", "mpi"), ("ddp_shm_staged", "mpi"), ("ddp_shm_lib", "gloo"), ("ddp_shm", "gloo"), ("ddp_tcp", "mpi_tcp"))
 ratios = [(a, b) for a, b in pairs if a in dict(cols) and b in dict(cols)]
 hdr += "".join(f" {a.replace('ddp_','')+'/'+b:>12}" for a, b in ratios)
 print(hdr)
