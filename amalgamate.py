@@ -38,6 +38,7 @@ IMPLEMENTATION = [
     "src/mpi.c",            # [SECTION] mpi: the mpi backend (collectives through MPI, with -DDDP_MPI)
     "src/nccl.c",           # [SECTION] nccl: the nccl backend (NCCL on device memory, with -DDDP_CUDA)
     "src/group.c",          # [SECTION] group: ddp_init, launcher environments, rendezvous, subgroups
+    "src/hier.c",           # [SECTION] hier: hierarchical all_reduce for groups spanning hosts
     "src/launcher.c",       # [SECTION] launcher: ddp_spawn, ddprun
     "src/reducer.c",
     "src/sampler.c",

@@ -196,9 +196,12 @@ static ddp_result ddp__rd_all_reduce(ddp_group *g, const ddp__coll *c, char *buf
    above for the rest (bandwidth-bound). The choice depends only on the fingerprint (count, dtype) and
    the world size, so ranks that agree on the call run the same algorithm; ranks that disagree are
    caught as the comment at the top explains. */
+static ddp_result ddp__hier_all_reduce(ddp_group *g, const ddp__coll *c, void *buf, size_t count, ddp_dtype t, ddp_op op);
+
 static ddp_result ddp__do_all_reduce(ddp_group *g, const ddp__coll *c, void *buf, size_t count, ddp_dtype t, ddp_op op) {
     ddp_result r;
     if (count * ddp_dtype_size(t) <= DDP__RD_MAX_BYTES) return ddp__rd_all_reduce(g, c, (char *)buf, count, t, op);
+    if (g->hier) return ddp__hier_all_reduce(g, c, buf, count, t, op); /* hier.c: ranks on several hosts */
     if ((r = ddp__ring_reduce_scatter(g, c, (char *)buf, count, t, op)) != DDP_SUCCESS) return r;
     ddp__finish_avg(g, (char *)buf, count, t, op);
     return ddp__ring_all_gather(g, c, (char *)buf, count, ddp_dtype_size(t));

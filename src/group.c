@@ -428,6 +428,7 @@ static void ddp__route_address(const char *master, int port, char *out, size_t c
 /* ---- group life cycle ---- */
 
 static void ddp__group_free(ddp_group *g);
+static void ddp__hier_close(ddp_group *g, int orderly); /* hier.c */
 
 static ddp_group *ddp__group_alloc(int rank, int world_size) {
     ddp_group *g = (ddp_group *)ddp__calloc(1, sizeof *g);
@@ -463,6 +464,7 @@ static ddp_group *ddp__group_alloc(int rank, int world_size) {
 static void ddp__group_free(ddp_group *g) {
     int i;
     ddp__progress_stop(g);
+    ddp__hier_close(g, 0);
     if (g->broken) ddp__close_after_failure(g, 1.0);
     ddp__shm_free(g);
     ddp__mpi_free(g->mpi);
@@ -645,16 +647,57 @@ DDP_API ddp_result ddp_destroy(ddp_group *g) {
     ddp__drain(g);
     if (g->world_size > 1 && !g->broken) {
         r = ddp_barrier(g); /* nobody closes a connection that a peer may still be waiting on */
-        if (r) ddp__fail(NULL, r, "ddp_destroy: %s", g->error);
-        else ddp__say_goodbye(g, DDP__MIN(g->timeout, 10.0));
+        if (r) {
+            ddp__fail(NULL, r, "ddp_destroy: %s", g->error);
+        } else {
+            ddp__hier_close(g, 1);
+            ddp__say_goodbye(g, DDP__MIN(g->timeout, 10.0));
+        }
     }
     ddp__group_free(g);
     return r;
 }
 
+/* Make and connect the group of the parent's ranks `ranks` (n of them; this rank is ranks[me]) through
+   the parent's store, under the key prefix <parent's prefix><name>/. comm: the subgroup's MPI
+   communicator (mpi backend: no sockets), else NULL. On failure the parent carries the error, prefixed
+   by `what`. Used by ddp_new_group and by the hierarchical all_reduce's host and leader groups (hier.c). */
+static ddp_result ddp__subgroup_open(ddp_group *g, const int *ranks, int n, int me, const char *name, struct ddp__mpi *comm,
+                                     const char *what, ddp_group **out) {
+    char where[160];
+    ddp_group *sub;
+    ddp_result r;
+    int i;
+    *out = NULL;
+    if (!(sub = ddp__group_alloc(me, n))) {
+        ddp__mpi_free(comm);
+        return ddp__fail(g, DDP_ERR_OUT_OF_MEMORY, "%s: out of memory", what);
+    }
+    sub->mpi = comm;
+    sub->backend_name = g->backend_name;
+    if (comm) ddp__mpi_local(comm, &sub->local_rank, &sub->local_world_size);
+    for (i = 0; i < n; i++) sub->world_ranks[i] = g->world_ranks[ranks[i]];
+    sub->timeout = g->timeout;
+    sub->log_level = g->log_level;
+    sub->log_fn = g->log_fn;
+    sub->log_user = g->log_user;
+    sub->store = g->store;
+    memcpy(sub->address, g->address, sizeof sub->address);
+    snprintf(sub->prefix, sizeof sub->prefix, "%.60s%.30s/", g->prefix, name);
+    snprintf(where, sizeof where, "the parent group's store (%s)", name);
+    if (n > 1 && !sub->mpi && (r = ddp__group_connect(sub, where)) != DDP_SUCCESS) {
+        ddp__fail(g, r, "%s: %s", what, sub->error);
+        ddp__group_free(sub);
+        return r;
+    }
+    if (n == 1) sub->local_rank = 0, sub->local_world_size = 1;
+    *out = sub;
+    return DDP_SUCCESS;
+}
+
 DDP_API ddp_result ddp_new_group(ddp_group *g, const int *ranks, int n, ddp_group **out) {
     uint64_t mine = 0x9e3779b97f4a7c15ull, *all;
-    char where[160];
+    char name[32];
     int i, j, me = -1, valid = ranks && n >= 1 && out;
     struct ddp__mpi *comm = NULL;
     ddp_group *sub;
@@ -690,28 +733,8 @@ DDP_API ddp_result ddp_new_group(ddp_group *g, const int *ranks, int n, ddp_grou
     g->subgroups_made++;
     if (g->mpi && (r = ddp__mpi_split(g, me, &comm)) != DDP_SUCCESS) return r;
     if (me < 0) return DDP_SUCCESS;
-    if (!(sub = ddp__group_alloc(me, n))) {
-        ddp__mpi_free(comm);
-        return ddp__fail(g, DDP_ERR_OUT_OF_MEMORY, "ddp_new_group: out of memory");
-    }
-    sub->mpi = comm;
-    sub->backend_name = g->backend_name;
-    if (comm) ddp__mpi_local(comm, &sub->local_rank, &sub->local_world_size);
-    for (i = 0; i < n; i++) sub->world_ranks[i] = g->world_ranks[ranks[i]];
-    sub->timeout = g->timeout;
-    sub->log_level = g->log_level;
-    sub->log_fn = g->log_fn;
-    sub->log_user = g->log_user;
-    sub->store = g->store;
-    memcpy(sub->address, g->address, sizeof sub->address);
-    snprintf(sub->prefix, sizeof sub->prefix, "%.60ssub%llu/", g->prefix, (unsigned long long)g->subgroups_made);
-    snprintf(where, sizeof where, "the parent group's store (subgroup %llu)", (unsigned long long)g->subgroups_made);
-    if (n > 1 && !sub->mpi && (r = ddp__group_connect(sub, where)) != DDP_SUCCESS) {
-        ddp__fail(g, r, "ddp_new_group: %s", sub->error);
-        ddp__group_free(sub);
-        return r;
-    }
-    if (n == 1) sub->local_rank = 0, sub->local_world_size = 1;
+    snprintf(name, sizeof name, "sub%llu", (unsigned long long)g->subgroups_made);
+    if ((r = ddp__subgroup_open(g, ranks, n, me, name, comm, "ddp_new_group", &sub)) != DDP_SUCCESS) return r;
     if (g->nccl && (r = ddp__nccl_attach(sub, g->nccl)) != DDP_SUCCESS) { /* its own communicator */
         ddp__fail(g, r, "ddp_new_group: %s", sub->error);
         ddp_destroy(sub);

@@ -142,6 +142,9 @@ struct ddp_group {
     uint64_t tcp_runs;    /* collectives run over TCP so far; unlike seq, never restarts (transport.c) */
     ddp_result broken;  /* set once a collective failed: every later call fails with it */
     char broken_msg[DDP__ERR_MAX];
+    ddp_group *hier_host;    /* hier.c, a group spanning hosts: the ranks of this host (NULL if only this one) */
+    ddp_group *hier_leaders; /* hier.c: the first rank of every host, on those ranks (else NULL) */
+    int hier;                /* hier.c: large all_reduces run hierarchically (same on every rank) */
     struct ddp__shm *shm; /* shared-memory transport when every rank is on this host (shm.c), else NULL */
     struct ddp__mpi *mpi; /* the mpi backend's communicator (mpi.c); NULL on the cpu backend */
     struct ddp__nccl *nccl; /* the nccl backend's communicator (nccl.c); NULL on the other backends */

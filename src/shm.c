@@ -660,6 +660,8 @@ static int ddp__cma_probe(ddp_group *g, const uint64_t *pub) {
     return 1;
 }
 
+static ddp_result ddp__hier_setup(ddp_group *g, const uint64_t *keys); /* hier.c */
+
 /* Map one segment for the group when all its ranks share a host (and DDP_TRANSPORT allows it).
    Collective over the group's TCP mesh; every rank reaches the same decision. Any failure to set up
    shared memory (a full /dev/shm, say) is not an error: the group keeps using TCP; a failure to map
@@ -684,6 +686,7 @@ static ddp_result ddp__shm_setup(ddp_group *g) {
     if (!keys) return ddp__fail(g, DDP_ERR_OUT_OF_MEMORY, "out of memory setting up shared memory");
     r = ddp_all_gather(g, &key, keys, 1, DDP_I64);
     for (i = 0; i < g->world_size && r == DDP_SUCCESS; i++) same &= keys[i] == key;
+    if (r == DDP_SUCCESS && !same) r = ddp__hier_setup(g, keys); /* several hosts: shared memory within each */
     ddp__free(keys);
     if (r || !same) return r;
 
