@@ -82,9 +82,13 @@ static void ddp__hier_close(ddp_group *g, int orderly) {
    same message, so ranks waiting anywhere in this all_reduce fail too. */
 static ddp_result ddp__hier_fail(ddp_group *g, ddp_group *stage, const char *stage_name, ddp_result r) {
     char msg[DDP__ERR_MAX];
+    const char *why = stage->broken ? stage->broken_msg : stage->error;
     ddp_result code = stage->broken ? stage->broken : r;
-    snprintf(msg, sizeof msg, "hierarchical all_reduce, %s stage (rank numbers there count within the stage): %.900s",
-             stage_name, stage->broken ? stage->broken_msg : stage->error);
+    if (strncmp(why, "hierarchical all_reduce", 23) == 0) /* another rank's, already saying where */
+        snprintf(msg, sizeof msg, "%s", why);
+    else
+        snprintf(msg, sizeof msg, "hierarchical all_reduce, %s stage (rank numbers there count within the stage): %.900s",
+                 stage_name, why);
     if (g->hier_host && g->hier_host != stage) ddp__group_break(g->hier_host, code, msg);
     if (g->hier_leaders && g->hier_leaders != stage) ddp__group_break(g->hier_leaders, code, msg);
     return ddp__coll_fail(g, code, "%s", msg);
