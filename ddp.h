@@ -61,6 +61,7 @@
    [SECTION] mpi: the mpi backend, collectives through the MPI library (built with -DDDP_MPI) src/mpi.c
    [SECTION] nccl: the nccl backend, collectives on device memory through NCCL (built with -DDDP_CUDA) src/nccl.c
    [SECTION] group: ddp_init (torch.distributed.init_process_group), launcher environments, src/group.c
+   [SECTION] hier: hierarchical all_reduce for a group that spans hosts with several ranks on a host src/hier.c
    [SECTION] launcher: ddp_spawn (torch.multiprocessing.spawn) and ddprun (torchrun) src/launcher.c
    [SECTION] reducer: DistributedDataParallel's Reducer: model check, buckets, overlapped all-reduce src/reducer.c
    [SECTION] sampler: DistributedSampler, MT19937 and torch.randperm, Feistel streaming permutation src/sampler.c
@@ -1470,6 +1471,9 @@ struct ddp_group {
     uint64_t tcp_runs;    /* collectives run over TCP so far; unlike seq, never restarts (transport.c) */
     ddp_result broken;  /* set once a collective failed: every later call fails with it */
     char broken_msg[DDP__ERR_MAX];
+    ddp_group *hier_host;    /* hier.c, a group spanning hosts: the ranks of this host (NULL if only this one) */
+    ddp_group *hier_leaders; /* hier.c: the first rank of every host, on those ranks (else NULL) */
+    int hier;                /* hier.c: large all_reduces run hierarchically (same on every rank) */
     struct ddp__shm *shm; /* shared-memory transport when every rank is on this host (shm.c), else NULL */
     struct ddp__mpi *mpi; /* the mpi backend's communicator (mpi.c); NULL on the cpu backend */
     struct ddp__nccl *nccl; /* the nccl backend's communicator (nccl.c); NULL on the other backends */
@@ -4696,9 +4700,12 @@ static ddp_result ddp__rd_all_reduce(ddp_group *g, const ddp__coll *c, char *buf
    above for the rest (bandwidth-bound). The choice depends only on the fingerprint (count, dtype) and
    the world size, so ranks that agree on the call run the same algorithm; ranks that disagree are
    caught as the comment at the top explains. */
+static ddp_result ddp__hier_all_reduce(ddp_group *g, const ddp__coll *c, void *buf, size_t count, ddp_dtype t, ddp_op op);
+
 static ddp_result ddp__do_all_reduce(ddp_group *g, const ddp__coll *c, void *buf, size_t count, ddp_dtype t, ddp_op op) {
     ddp_result r;
     if (count * ddp_dtype_size(t) <= DDP__RD_MAX_BYTES) return ddp__rd_all_reduce(g, c, (char *)buf, count, t, op);
+    if (g->hier) return ddp__hier_all_reduce(g, c, buf, count, t, op); /* hier.c: ranks on several hosts */
     if ((r = ddp__ring_reduce_scatter(g, c, (char *)buf, count, t, op)) != DDP_SUCCESS) return r;
     ddp__finish_avg(g, (char *)buf, count, t, op);
     return ddp__ring_all_gather(g, c, (char *)buf, count, ddp_dtype_size(t));
@@ -5779,6 +5786,8 @@ static int ddp__cma_probe(ddp_group *g, const uint64_t *pub) {
     return 1;
 }
 
+static ddp_result ddp__hier_setup(ddp_group *g, const uint64_t *keys); /* hier.c */
+
 /* Map one segment for the group when all its ranks share a host (and DDP_TRANSPORT allows it).
    Collective over the group's TCP mesh; every rank reaches the same decision. Any failure to set up
    shared memory (a full /dev/shm, say) is not an error: the group keeps using TCP; a failure to map
@@ -5803,6 +5812,7 @@ static ddp_result ddp__shm_setup(ddp_group *g) {
     if (!keys) return ddp__fail(g, DDP_ERR_OUT_OF_MEMORY, "out of memory setting up shared memory");
     r = ddp_all_gather(g, &key, keys, 1, DDP_I64);
     for (i = 0; i < g->world_size && r == DDP_SUCCESS; i++) same &= keys[i] == key;
+    if (r == DDP_SUCCESS && !same) r = ddp__hier_setup(g, keys); /* several hosts: shared memory within each */
     ddp__free(keys);
     if (r || !same) return r;
 
@@ -7286,6 +7296,7 @@ static void ddp__route_address(const char *master, int port, char *out, size_t c
 /* ---- group life cycle ---- */
 
 static void ddp__group_free(ddp_group *g);
+static void ddp__hier_close(ddp_group *g, int orderly); /* hier.c */
 
 static ddp_group *ddp__group_alloc(int rank, int world_size) {
     ddp_group *g = (ddp_group *)ddp__calloc(1, sizeof *g);
@@ -7321,6 +7332,7 @@ static ddp_group *ddp__group_alloc(int rank, int world_size) {
 static void ddp__group_free(ddp_group *g) {
     int i;
     ddp__progress_stop(g);
+    ddp__hier_close(g, 0);
     if (g->broken) ddp__close_after_failure(g, 1.0);
     ddp__shm_free(g);
     ddp__mpi_free(g->mpi);
@@ -7503,16 +7515,57 @@ DDP_API ddp_result ddp_destroy(ddp_group *g) {
     ddp__drain(g);
     if (g->world_size > 1 && !g->broken) {
         r = ddp_barrier(g); /* nobody closes a connection that a peer may still be waiting on */
-        if (r) ddp__fail(NULL, r, "ddp_destroy: %s", g->error);
-        else ddp__say_goodbye(g, DDP__MIN(g->timeout, 10.0));
+        if (r) {
+            ddp__fail(NULL, r, "ddp_destroy: %s", g->error);
+        } else {
+            ddp__hier_close(g, 1);
+            ddp__say_goodbye(g, DDP__MIN(g->timeout, 10.0));
+        }
     }
     ddp__group_free(g);
     return r;
 }
 
+/* Make and connect the group of the parent's ranks `ranks` (n of them; this rank is ranks[me]) through
+   the parent's store, under the key prefix <parent's prefix><name>/. comm: the subgroup's MPI
+   communicator (mpi backend: no sockets), else NULL. On failure the parent carries the error, prefixed
+   by `what`. Used by ddp_new_group and by the hierarchical all_reduce's host and leader groups (hier.c). */
+static ddp_result ddp__subgroup_open(ddp_group *g, const int *ranks, int n, int me, const char *name, struct ddp__mpi *comm,
+                                     const char *what, ddp_group **out) {
+    char where[160];
+    ddp_group *sub;
+    ddp_result r;
+    int i;
+    *out = NULL;
+    if (!(sub = ddp__group_alloc(me, n))) {
+        ddp__mpi_free(comm);
+        return ddp__fail(g, DDP_ERR_OUT_OF_MEMORY, "%s: out of memory", what);
+    }
+    sub->mpi = comm;
+    sub->backend_name = g->backend_name;
+    if (comm) ddp__mpi_local(comm, &sub->local_rank, &sub->local_world_size);
+    for (i = 0; i < n; i++) sub->world_ranks[i] = g->world_ranks[ranks[i]];
+    sub->timeout = g->timeout;
+    sub->log_level = g->log_level;
+    sub->log_fn = g->log_fn;
+    sub->log_user = g->log_user;
+    sub->store = g->store;
+    memcpy(sub->address, g->address, sizeof sub->address);
+    snprintf(sub->prefix, sizeof sub->prefix, "%.60s%.30s/", g->prefix, name);
+    snprintf(where, sizeof where, "the parent group's store (%s)", name);
+    if (n > 1 && !sub->mpi && (r = ddp__group_connect(sub, where)) != DDP_SUCCESS) {
+        ddp__fail(g, r, "%s: %s", what, sub->error);
+        ddp__group_free(sub);
+        return r;
+    }
+    if (n == 1) sub->local_rank = 0, sub->local_world_size = 1;
+    *out = sub;
+    return DDP_SUCCESS;
+}
+
 DDP_API ddp_result ddp_new_group(ddp_group *g, const int *ranks, int n, ddp_group **out) {
     uint64_t mine = 0x9e3779b97f4a7c15ull, *all;
-    char where[160];
+    char name[32];
     int i, j, me = -1, valid = ranks && n >= 1 && out;
     struct ddp__mpi *comm = NULL;
     ddp_group *sub;
@@ -7548,28 +7601,8 @@ DDP_API ddp_result ddp_new_group(ddp_group *g, const int *ranks, int n, ddp_grou
     g->subgroups_made++;
     if (g->mpi && (r = ddp__mpi_split(g, me, &comm)) != DDP_SUCCESS) return r;
     if (me < 0) return DDP_SUCCESS;
-    if (!(sub = ddp__group_alloc(me, n))) {
-        ddp__mpi_free(comm);
-        return ddp__fail(g, DDP_ERR_OUT_OF_MEMORY, "ddp_new_group: out of memory");
-    }
-    sub->mpi = comm;
-    sub->backend_name = g->backend_name;
-    if (comm) ddp__mpi_local(comm, &sub->local_rank, &sub->local_world_size);
-    for (i = 0; i < n; i++) sub->world_ranks[i] = g->world_ranks[ranks[i]];
-    sub->timeout = g->timeout;
-    sub->log_level = g->log_level;
-    sub->log_fn = g->log_fn;
-    sub->log_user = g->log_user;
-    sub->store = g->store;
-    memcpy(sub->address, g->address, sizeof sub->address);
-    snprintf(sub->prefix, sizeof sub->prefix, "%.60ssub%llu/", g->prefix, (unsigned long long)g->subgroups_made);
-    snprintf(where, sizeof where, "the parent group's store (subgroup %llu)", (unsigned long long)g->subgroups_made);
-    if (n > 1 && !sub->mpi && (r = ddp__group_connect(sub, where)) != DDP_SUCCESS) {
-        ddp__fail(g, r, "ddp_new_group: %s", sub->error);
-        ddp__group_free(sub);
-        return r;
-    }
-    if (n == 1) sub->local_rank = 0, sub->local_world_size = 1;
+    snprintf(name, sizeof name, "sub%llu", (unsigned long long)g->subgroups_made);
+    if ((r = ddp__subgroup_open(g, ranks, n, me, name, comm, "ddp_new_group", &sub)) != DDP_SUCCESS) return r;
     if (g->nccl && (r = ddp__nccl_attach(sub, g->nccl)) != DDP_SUCCESS) { /* its own communicator */
         ddp__fail(g, r, "ddp_new_group: %s", sub->error);
         ddp_destroy(sub);
@@ -7589,6 +7622,122 @@ DDP_API const char *ddp_backend_name(const ddp_group *g) { return g ? g->backend
 DDP_API double ddp_timeout(const ddp_group *g) { return g ? g->timeout : 0.0; }
 DDP_API ddp_store *ddp_group_store(ddp_group *g) { return g ? g->store : NULL; }
 /* ==================== end src/group.c ==================== */
+
+/* ==================== begin src/hier.c ==================== */
+/* [SECTION] hier: hierarchical all_reduce for a group that spans hosts with several ranks on a host
+   (NCCL's and Gloo's two-level all-reduce; torch.distributed gets it from its backends)
+
+   A group whose ranks are not all on one host runs its collectives over the TCP mesh, and a ring over
+   all ranks crosses the loopback device once for every pair of neighbours on the same host. Large
+   all_reduces (above the recursive-doubling size, collectives.c) in such a group run three stages:
+
+       host:     all_reduce among the ranks of each host, over shared memory    (g->hier_host)
+       leaders:  all_reduce among the first rank of every host, over TCP        (g->hier_leaders)
+       host:     broadcast from that first rank to the rest of its host         (g->hier_host)
+
+   Only the leaders' stage crosses hosts, with what a ring over the H hosts needs: 2(H-1)/H of the
+   buffer each way per host; the host stages run at memory speed. Both groups are made when the group
+   is set up (every rank computes the same host map from the host keys that shm.c gathers) and live as
+   long as it. A host with one rank has no host group; a group with one rank per host has neither, and
+   neither does a group under DDP_TRANSPORT=tcp (shm.c then gathers no host keys).
+
+   Mismatches: each stage is a collective of its own group and can only check calls within it. So a
+   hierarchical all_reduce first agrees on the call in the group itself: recursive doubling with no
+   data (log2(n) exchanges of a frame header carrying the call's fingerprint), which fails every rank
+   on any difference exactly as a small all_reduce does (collectives.c). Past it every rank runs the
+   same stages. A failure in a stage (a lost rank, a timeout) breaks the other stage's group and the
+   group itself with the same message, so every rank fails, whichever stage it waits in.
+   Op AVG runs as SUM in the stages and divides once at the end, as the ring does. */
+
+/* Called by shm.c's set-up when the group's ranks are not all on one host; keys holds every rank's
+   host key. Collective: every rank derives the same host map, so all decide alike. */
+static ddp_result ddp__hier_setup(ddp_group *g, const uint64_t *keys) {
+    int n = g->world_size, i, j, nhost = 0, nlead = 0, my_index = 0, lead_index = 0, shared = 0;
+    int *host = (int *)ddp__calloc((size_t)n, sizeof *host), *leaders = (int *)ddp__calloc((size_t)n, sizeof *leaders);
+    char name[32];
+    ddp_result r = DDP_SUCCESS;
+    if (!host || !leaders) {
+        ddp__free(host);
+        ddp__free(leaders);
+        return ddp__fail(g, DDP_ERR_OUT_OF_MEMORY, "out of memory mapping the group's hosts");
+    }
+    for (i = 0; i < n; i++) { /* a host's leader is its lowest rank */
+        for (j = 0; j < i && keys[j] != keys[i]; j++) continue;
+        if (j == i) leaders[nlead++] = i;
+        else shared = 1;
+        if (i == g->rank) lead_index = nlead - 1; /* used only when this rank leads its host */
+        if (keys[i] != keys[g->rank]) continue;
+        if (i == g->rank) my_index = nhost;
+        host[nhost++] = i;
+    }
+    if (shared) {
+        snprintf(name, sizeof name, "host%d", host[0]);
+        if (nhost > 1) r = ddp__subgroup_open(g, host, nhost, my_index, name, NULL, "setting up the hierarchical all_reduce", &g->hier_host);
+        if (r == DDP_SUCCESS && host[0] == g->rank)
+            r = ddp__subgroup_open(g, leaders, nlead, lead_index, "leaders", NULL, "setting up the hierarchical all_reduce",
+                                   &g->hier_leaders);
+        if (r == DDP_SUCCESS) {
+            g->hier = 1;
+            ddp__log(g, DDP_LOG_INFO, "%d ranks on %d hosts: large all_reduces run hierarchically (shared memory within a "
+                     "host, TCP between hosts)", n, nlead);
+        }
+    }
+    ddp__free(host);
+    ddp__free(leaders);
+    return r;
+}
+
+/* The end of a group: its stage groups go first (ddp_destroy after the group's own barrier: every rank
+   is there, so their barriers meet), or are just freed when the group is failing. */
+static void ddp__hier_close(ddp_group *g, int orderly) {
+    ddp_group *stages[2];
+    int i;
+    stages[0] = g->hier_host;
+    stages[1] = g->hier_leaders;
+    g->hier_host = g->hier_leaders = NULL;
+    g->hier = 0;
+    for (i = 0; i < 2; i++) {
+        if (!stages[i]) continue;
+        if (orderly) ddp_destroy(stages[i]);
+        else ddp__group_free(stages[i]);
+    }
+}
+
+/* A stage failed and its group is broken: break the other stage's group and the group itself with the
+   same message, so ranks waiting anywhere in this all_reduce fail too. */
+static ddp_result ddp__hier_fail(ddp_group *g, ddp_group *stage, const char *stage_name, ddp_result r) {
+    char msg[DDP__ERR_MAX];
+    const char *why = stage->broken ? stage->broken_msg : stage->error;
+    ddp_result code = stage->broken ? stage->broken : r;
+    if (strncmp(why, "hierarchical all_reduce", 23) == 0) /* another rank's, already saying where */
+        snprintf(msg, sizeof msg, "%s", why);
+    else
+        snprintf(msg, sizeof msg, "hierarchical all_reduce, %s stage (rank numbers there count within the stage): %.900s",
+                 stage_name, why);
+    if (g->hier_host && g->hier_host != stage) ddp__group_break(g->hier_host, code, msg);
+    if (g->hier_leaders && g->hier_leaders != stage) ddp__group_break(g->hier_leaders, code, msg);
+    return ddp__coll_fail(g, code, "%s", msg);
+}
+
+static ddp_result ddp__hier_all_reduce(ddp_group *g, const ddp__coll *c, void *buf, size_t count, ddp_dtype t, ddp_op op) {
+    ddp_op stage_op = op == DDP_AVG ? DDP_SUM : op;
+    ddp_result r;
+    if ((r = ddp__rd_all_reduce(g, c, NULL, 0, t, op)) != DDP_SUCCESS) return r; /* the agreement: fingerprints only */
+    if (g->log_level >= DDP_LOG_DEBUG) {
+        char desc[160];
+        ddp__coll_describe(c, desc, sizeof desc);
+        ddp__log(g, DDP_LOG_DEBUG, "%s: hierarchical (host, between hosts, host broadcast)", desc);
+    }
+    if (g->hier_host && (r = ddp_all_reduce(g->hier_host, buf, count, t, stage_op)) != DDP_SUCCESS)
+        return ddp__hier_fail(g, g->hier_host, "host (shared memory)", r);
+    if (g->hier_leaders && (r = ddp_all_reduce(g->hier_leaders, buf, count, t, stage_op)) != DDP_SUCCESS)
+        return ddp__hier_fail(g, g->hier_leaders, "between hosts", r);
+    if (g->hier_host && (r = ddp_broadcast(g->hier_host, buf, count, t, 0)) != DDP_SUCCESS)
+        return ddp__hier_fail(g, g->hier_host, "host broadcast", r);
+    if (op == DDP_AVG) ddp__divide(buf, count, t, g->world_size);
+    return DDP_SUCCESS;
+}
+/* ==================== end src/hier.c ==================== */
 
 /* ==================== begin src/launcher.c ==================== */
 /* [SECTION] launcher: ddp_spawn (torch.multiprocessing.spawn) and ddprun (torchrun)

@@ -3,6 +3,8 @@
 # LeakSanitizer, which runs at each rank's exit) and with ThreadSanitizer (the progress thread and
 # the store server thread). Any report fails the run (-fno-sanitize-recover, halt_on_error).
 # The large-count collective cases are skipped (TEST_QUICK): they run the same code as small ones.
+# SANITIZERS="address thread" picks which; this script runs ASan+UBSan by default, and
+# tests/test_sanitizers_thread.sh runs it for TSan (two tests, so each gets run_tests.sh's time limit).
 set -eu
 cd "$(dirname "$0")/.."
 export ASAN_OPTIONS=detect_leaks=1:halt_on_error=1 UBSAN_OPTIONS=halt_on_error=1:print_stacktrace=1
@@ -13,7 +15,7 @@ single="test_checkpoint test_checkpoint_fault test_sampler test_syncbn test_redu
 # script tests whose programs (ddprun, the examples) are built with the sanitizer through BUILD/SAN; the
 # rest of the scripts pass too (`make test SAN=address|thread`, see docs/RELIABILITY.md) but take longer
 scripts="test_ddprun test_examples"
-for san in address thread; do
+for san in ${SANITIZERS:-address}; do
   tests=$threaded
   if [ $san = address ]; then tests="$tests $single"; fi
   targets=""
@@ -28,4 +30,4 @@ for san in address thread; do
     BUILD=build-$san SAN=$san bash tests/$t.sh
   done
 done
-echo "sanitizers: no reports"
+echo "sanitizers (${SANITIZERS:-address}): no reports"

@@ -273,18 +273,18 @@ static int can_play_hosts(void) {
 }
 
 static int run_first_calls(void) {
-    int i, failed = 0, mixed = 1;
-    for (i = 0; i < 20; i++) failed |= tl_run_ranks(8, first_call_worker, NULL, 60);
-    printf("first calls right after ddp_init, 8 ranks, 20 runs: %s\n", failed ? "FAILED" : "ok");
+    int i, failed = 0, mixed = 1, runs = getenv("TEST_QUICK") ? 5 : 20; /* sanitizer builds: fewer */
+    for (i = 0; i < runs; i++) failed |= tl_run_ranks(8, first_call_worker, NULL, 60);
+    printf("first calls right after ddp_init, 8 ranks, %d runs: %s\n", runs, failed ? "FAILED" : "ok");
     fflush(stdout);
     if (!can_play_hosts()) {
         printf("first calls on mixed hosts: skipped (needs root for a UTS namespace)\n");
         return failed;
     }
     unsetenv("DDP_TRANSPORT"); /* the set-up must look for shared memory and find mixed hosts */
-    for (i = 0; i < 20; i++) failed |= tl_run_ranks(8, first_call_worker, &mixed, 60);
+    for (i = 0; i < runs; i++) failed |= tl_run_ranks(8, first_call_worker, &mixed, 60);
     setenv("DDP_TRANSPORT", "tcp", 1);
-    printf("first calls on mixed hosts (7 + 1), 8 ranks, 20 runs: %s\n", failed ? "FAILED" : "ok");
+    printf("first calls on mixed hosts (7 + 1), 8 ranks, %d runs: %s\n", runs, failed ? "FAILED" : "ok");
     return failed;
 }
 
