@@ -19,6 +19,7 @@ Then the bucket layouts: torch's own dist._compute_bucket_assignment_by_size aga
 import os
 import socket
 import subprocess
+import time
 import sys
 
 import torch
@@ -94,6 +95,26 @@ def free_port():
         return s.getsockname()[1]
 
 
+def run_torch(workdir, variant, accum, seconds=180):
+    """torch's side, the reference. torch 1.13's gloo has been seen (once in many runs, in CI) to leave a worker
+    spinning after its peer finished: such a run is killed after `seconds` and tried once more on a new port.
+    The reference only ever waits on torch itself; ddp.h's side runs afterwards in its own process."""
+    for attempt in (1, 2):
+        ctx = mp.start_processes(worker, args=(workdir, variant, accum, free_port()), nprocs=R, start_method="spawn",
+                                 join=False)
+        deadline = time.time() + seconds
+        while not ctx.join(timeout=1):
+            if time.time() > deadline:
+                break
+        else:
+            return
+        for p in ctx.processes:
+            if p.is_alive():
+                p.kill()
+        print(f"torch reference ({variant}) did not finish within {seconds} s (attempt {attempt}); killed it", flush=True)
+    raise RuntimeError(f"torch reference ({variant}) hung twice")
+
+
 def run_variant(peer, workdir, variant):
     import numpy as np
     accum = 2 if variant == "accum" else 1
@@ -102,7 +123,7 @@ def run_variant(peer, workdir, variant):
     x = torch.randn(STEPS, accum, R * B, DIMS[0])
     t = torch.randn(STEPS, accum, R * B, DIMS[-1])
     torch.cat([x.reshape(-1), t.reshape(-1)]).numpy().astype("<f4").tofile(os.path.join(workdir, "data.bin"))
-    mp.start_processes(worker, args=(workdir, variant, accum, free_port()), nprocs=R, start_method="spawn")
+    run_torch(workdir, variant, accum)
     subprocess.run([peer, "train", workdir, variant, str(R), str(B), str(STEPS), str(accum), str(LR)]
                    + [str(d) for d in DIMS], check=True)
     a = _read(workdir, "ddp_final.bin").astype(np.float64)
