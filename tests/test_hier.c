@@ -55,18 +55,10 @@ static double value(int r, size_t i, ddp_dtype t, ddp_op op) {
 }
 
 static double reference(int n, size_t i, ddp_dtype t, ddp_op op) {
-    double acc = value(0, i, t, op);
+    int64_t vals[64] = {0};
     int r;
-    for (r = 1; r < n; r++) {
-        double v = value(r, i, t, op);
-        if (op == DDP_SUM || op == DDP_AVG) acc += v;
-        if (op == DDP_PROD) acc *= v;
-        if (op == DDP_MIN) acc = v < acc ? v : acc;
-        if (op == DDP_MAX) acc = v > acc ? v : acc;
-    }
-    if (op != DDP_AVG) return acc;
-    if (t == DDP_F32 || t == DDP_F64 || t == DDP_F16 || t == DDP_BF16) return acc / n;
-    return (double)((long long)acc / n); /* integers: the sum divided, truncated toward zero (ncclAvg) */
+    for (r = 0; r < n && r < 64; r++) vals[r] = (int64_t)value(r, i, t, op);
+    return tl_reduce_small(vals, n, t, op);
 }
 
 static int results_worker(int rank, int n, void *arg) {
@@ -157,19 +149,12 @@ static int kill_worker(int rank, int n, void *arg) {
     return 0;
 }
 
-static int can_play_hosts(void) {
-    int st;
-    pid_t p = fork();
-    if (p == 0) _exit(unshare(CLONE_NEWUTS) == 0 ? 0 : 1);
-    return p > 0 && waitpid(p, &st, 0) == p && WIFEXITED(st) && WEXITSTATUS(st) == 0;
-}
-
 int main(void) {
     static const int worlds[][2] = {{3, 1}, {4, 2}, {5, 2}, {6, 3}};
     static const char *kinds[] = {"another count", "broadcast instead", "skipped call"};
     size_t w;
     int failed = 0, kind, odd, codes[8];
-    if (!can_play_hosts()) {
+    if (!tl_can_play_hosts()) {
         printf("needs root (a UTS namespace per played host)\n");
         return 77;
     }

@@ -264,20 +264,12 @@ static int first_call_worker(int rank, int n, void *arg) {
     return 0;
 }
 
-/* Can this process make a UTS namespace (root, or CAP_SYS_ADMIN)? Tried in a child. */
-static int can_play_hosts(void) {
-    int st;
-    pid_t p = fork();
-    if (p == 0) _exit(unshare(CLONE_NEWUTS) == 0 ? 0 : 1);
-    return p > 0 && waitpid(p, &st, 0) == p && WIFEXITED(st) && WEXITSTATUS(st) == 0;
-}
-
 static int run_first_calls(void) {
     int i, failed = 0, mixed = 1, runs = getenv("TEST_QUICK") ? 5 : 20; /* sanitizer builds: fewer */
     for (i = 0; i < runs; i++) failed |= tl_run_ranks(8, first_call_worker, NULL, 60);
     printf("first calls right after ddp_init, 8 ranks, %d runs: %s\n", runs, failed ? "FAILED" : "ok");
     fflush(stdout);
-    if (!can_play_hosts()) {
+    if (!tl_can_play_hosts()) {
         printf("first calls on mixed hosts: skipped (needs root for a UTS namespace)\n");
         return failed;
     }

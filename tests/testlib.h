@@ -7,6 +7,7 @@
 #include <errno.h>
 #include <math.h>
 #include <netinet/in.h>
+#include <sched.h>
 #include <signal.h>
 #include <stdint.h>
 #include <stdio.h>
@@ -207,4 +208,45 @@ TL_FN double tl_load_value(const void *buf, size_t i, ddp_dtype t) {
     case DDP_I64: return (double)((const int64_t *)buf)[i];
     default: return 0;
     }
+}
+
+/* v wrapped to dtype t's range as two's complement does (i8, u8, i32; other dtypes unchanged). */
+TL_FN int64_t tl_wrap(int64_t v, ddp_dtype t) {
+    if (t == DDP_I8) return (int8_t)(uint8_t)(uint64_t)v;
+    if (t == DDP_U8) return (uint8_t)(uint64_t)v;
+    if (t == DDP_I32) return (int32_t)(uint32_t)(uint64_t)v;
+    return v;
+}
+
+/* The serial reference for reducing small integers, one per rank (vals[0..n-1]), with op, as dtype t
+   holds the result: integer sums and products wrap; AVG divides once at the end, the wrapped sum
+   truncated toward zero for integers (as ncclAvg), in the format for floats. The values must be small
+   enough for every float format to hold every partial result exactly. */
+TL_FN double tl_reduce_small(const int64_t *vals, int n, ddp_dtype t, ddp_op op) {
+    int64_t acc = vals[0];
+    int r;
+    for (r = 1; r < n; r++) {
+        int64_t v = vals[r];
+        if (op == DDP_SUM || op == DDP_AVG) acc += v;
+        else if (op == DDP_PROD) acc *= v;
+        else if (op == DDP_MIN) acc = v < acc ? v : acc;
+        else acc = v > acc ? v : acc;
+    }
+    if (op != DDP_AVG) return (double)tl_wrap(acc, t);
+    switch (t) {
+    case DDP_F64: return (double)acc / n;
+    case DDP_F32: return (float)acc / (float)n;
+    case DDP_F16: return tl_ref_f16((float)acc / (float)n);
+    case DDP_BF16: return tl_ref_bf16((float)acc / (float)n);
+    default: return (double)(tl_wrap(acc, t) / n);
+    }
+}
+
+/* Can this process play another host (a UTS namespace of its own: root or CAP_SYS_ADMIN)? Tried in a
+   child. Tests that need several hosts on one machine put ranks in such namespaces with another name. */
+TL_FN int tl_can_play_hosts(void) {
+    int st;
+    pid_t p = fork();
+    if (p == 0) _exit(unshare(CLONE_NEWUTS) == 0 ? 0 : 1);
+    return p > 0 && waitpid(p, &st, 0) == p && WIFEXITED(st) && WEXITSTATUS(st) == 0;
 }
