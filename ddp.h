@@ -4354,6 +4354,14 @@ static short ddp__poll_events(ddp_group *g, const ddp__step *s, int i, int sendi
     return ev;
 }
 
+/* Before a small step (at most DDP__TCP_SPIN_MAX_BYTES each way) blocks in poll(), it polls without
+   blocking for DDP__TCP_SPIN_SECONDS after its last progress, yielding the core between looks: on
+   loopback (and fast networks) the answer often comes within a few microseconds, and waking a rank
+   blocked in poll() costs more than that (Open MPI's TCP transport spins the same way). Large steps
+   block at once: there a wake-up is small beside the transfer, and spinning took CPU from it. */
+#define DDP__TCP_SPIN_SECONDS 50e-6
+#define DDP__TCP_SPIN_MAX_BYTES ((size_t)64 << 10)
+
 static ddp_result ddp__exchange(ddp_group *g, const ddp__coll *c, const ddp__step *s) {
     ddp__frame out, in;
     size_t sent = 0, received = 0;          /* bytes of header + payload so far */
@@ -4361,7 +4369,8 @@ static ddp_result ddp__exchange(ddp_group *g, const ddp__coll *c, const ddp__ste
     size_t recv_total = s->recv_peer >= 0 ? sizeof in + s->recv_bytes : 0;
     struct pollfd *fds = g->pollfds;
     int *owner = g->poll_owner;
-    double deadline = ddp__now() + g->timeout;
+    int spin = s->send_bytes <= DDP__TCP_SPIN_MAX_BYTES && s->recv_bytes <= DDP__TCP_SPIN_MAX_BYTES;
+    double deadline = ddp__now() + g->timeout, spin_until = spin ? ddp__now() + DDP__TCP_SPIN_SECONDS : 0;
     if (g->broken) return g->broken;
     if (s->send_peer >= 0) ddp__frame_init(&out, g, c, DDP__FRAME_DATA, s->send_bytes);
     while (sent < send_total || received < recv_total) {
@@ -4374,7 +4383,9 @@ static ddp_result ddp__exchange(ddp_group *g, const ddp__coll *c, const ddp__ste
             fds[n].revents = 0;
             owner[n++] = i;
         }
-        rc = poll(fds, (nfds_t)n, soon ? 1 : (int)DDP__MAX(1.0, DDP__MIN(1000.0, (deadline - ddp__now()) * 1000.0)));
+        while ((rc = poll(fds, (nfds_t)n, 0)) == 0 && ddp__now() < spin_until) sched_yield();
+        if (rc == 0)
+            rc = poll(fds, (nfds_t)n, soon ? 1 : (int)DDP__MAX(1.0, DDP__MIN(1000.0, (deadline - ddp__now()) * 1000.0)));
         if (rc < 0 && errno != EINTR) return ddp__coll_fail(g, DDP_ERR_SYSTEM, "poll failed: %s", strerror(errno));
         /* Progress first: a peer that broke the group after sending what this step needs (it moved
            on to a later collective and failed there) must not fail this step; that error comes with
@@ -4443,6 +4454,7 @@ static ddp_result ddp__exchange(ddp_group *g, const ddp__coll *c, const ddp__ste
         }
         if (progressed) {
             deadline = ddp__now() + g->timeout;
+            if (spin) spin_until = ddp__now() + DDP__TCP_SPIN_SECONDS;
         } else if (ddp__now() > deadline) {
             return ddp__peer_timed_out(g, g->waiting_for, c);
         }
