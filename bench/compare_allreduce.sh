@@ -8,7 +8,7 @@
 # Each round runs every contender once (interleaved, so load changes hit all of them alike); the
 # table shows each one's median busbw (GB/s) per size and the ratios ddp.h / peer.
 # Contenders: ddp.h over shared memory on ddp_alloc buffers (ddp_shm_lib: single-copy) and on malloc
-# buffers (ddp_shm: cross-memory attach from 256 KiB, staged through the segment below; ddp_shm_staged:
+# buffers (ddp_shm: cross-memory attach from 1 MiB, staged through the segment below; ddp_shm_staged:
 # DDP_SHM_CMA=0, always staged), ddp.h with DDP_TRANSPORT=tcp, Open MPI (default = its
 # shared memory), Open MPI with --mca btl tcp,self, and torch.distributed gloo. Needs openmpi-bin,
 # libopenmpi-dev and python3-torch (tools/install-test-deps.sh); missing peers are left out.

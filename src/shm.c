@@ -326,7 +326,7 @@ static void ddp__lib_note(ddp_group *g, const ddp__coll *c) {
 #define DDP__SHM_DIRECT_CHUNK ((size_t)16 << 10) /* single-copy: reduce then copy out a chunk while it is in L1 */
 
 #define DDP__SHM_CMA_CHUNK ((size_t)64 << 10)  /* CMA: one system call per chunk, the chunk still in L2 */
-#define DDP__SHM_CMA_MIN_BYTES ((size_t)256 << 10) /* CMA all_reduce on plain memory from this size up */
+#define DDP__SHM_CMA_MIN_BYTES ((size_t)1 << 20) /* CMA all_reduce on plain memory from this size up: below it staging was faster (bench/README.md) */
 
 /* Move bytes between local memory and rank j's address space at remote (write: to it). A failure
    means the peer is gone or unreachable: give its reason (over TCP) a moment to arrive, else fail. */

@@ -29,7 +29,7 @@ static const ddp_dtype dtypes[] = {DDP_F32, DDP_F64, DDP_F16, DDP_BF16, DDP_I8, 
 static const ddp_op ops[] = {DDP_SUM, DDP_AVG, DDP_PROD, DDP_MIN, DDP_MAX};
 #define NDT (sizeof dtypes / sizeof dtypes[0])
 #define NOPS (sizeof ops / sizeof ops[0])
-#define CMA_MIN ((size_t)256 << 10) /* bytes per rank from which a plain-buffer all_reduce goes through CMA */
+#define CMA_MIN ((size_t)1 << 20) /* bytes per rank from which a plain-buffer all_reduce goes through CMA */
 
 static int cma_works = 1; /* in main: whether the machine allows CMA (the first group said so) */
 
