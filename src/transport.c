@@ -367,7 +367,9 @@ static ddp_result ddp__exchange(ddp_group *g, const ddp__coll *c, const ddp__ste
             fds[n].revents = 0;
             owner[n++] = i;
         }
-        while ((rc = poll(fds, (nfds_t)n, 0)) == 0 && ddp__now() < spin_until) sched_yield();
+        rc = 0;
+        if (spin)
+            while ((rc = poll(fds, (nfds_t)n, 0)) == 0 && ddp__now() < spin_until) sched_yield();
         if (rc == 0)
             rc = poll(fds, (nfds_t)n, soon ? 1 : (int)DDP__MAX(1.0, DDP__MIN(1000.0, (deadline - ddp__now()) * 1000.0)));
         if (rc < 0 && errno != EINTR) return ddp__coll_fail(g, DDP_ERR_SYSTEM, "poll failed: %s", strerror(errno));
