@@ -342,7 +342,7 @@ static short ddp__poll_events(ddp_group *g, const ddp__step *s, int i, int sendi
    blocking for DDP__TCP_SPIN_SECONDS after its last progress, yielding the core between looks: on
    loopback (and fast networks) the answer often comes within a few microseconds, and waking a rank
    blocked in poll() costs more than that (Open MPI's TCP transport spins the same way). Large steps
-   block at once: there a wake-up is small beside the transfer, and spinning took CPU from it. */
+   block at once: there a wake-up is small beside the transfer, and spinning would only burn a core. */
 #define DDP__TCP_SPIN_SECONDS 50e-6
 #define DDP__TCP_SPIN_MAX_BYTES ((size_t)64 << 10)
 
