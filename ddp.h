@@ -4226,21 +4226,27 @@ static ddp_result ddp__peer_timed_out(ddp_group *g, int peer, const ddp__coll *c
                           "down? (DDP_TIMEOUT sets the limit)", g->timeout, desc, peer, g->peer_names[peer]);
 }
 
-/* Look at every connection without waiting: a peer that hung up (exited, or aborted the group) fails
-   the current collective. For transports that wait elsewhere (shared memory). */
-static ddp_result ddp__check_peers(ddp_group *g, const ddp__coll *c) {
+/* The first peer whose connection hung up (exited, or aborted the group), looking only at peer `only`
+   (-1: at every peer), without waiting; -1 when none. Nothing else happens: the caller decides. */
+static int ddp__hung_up_peer(ddp_group *g, int only) {
     int i, n = 0;
     for (i = 0; i < g->world_size; i++) {
-        if (i == g->rank || g->peers[i].fd < 0) continue;
+        if (i == g->rank || g->peers[i].fd < 0 || (only >= 0 && i != only)) continue;
         g->pollfds[n].fd = g->peers[i].fd;
         g->pollfds[n].events = POLLRDHUP;
         g->pollfds[n].revents = 0;
         g->poll_owner[n++] = i;
     }
-    if (poll(g->pollfds, (nfds_t)n, 0) <= 0) return DDP_SUCCESS;
+    if (poll(g->pollfds, (nfds_t)n, 0) <= 0) return -1;
     for (i = 0; i < n; i++)
-        if (g->pollfds[i].revents & (POLLRDHUP | POLLHUP | POLLERR)) return ddp__peer_failed(g, g->poll_owner[i], c);
-    return DDP_SUCCESS;
+        if (g->pollfds[i].revents & (POLLRDHUP | POLLHUP | POLLERR)) return g->poll_owner[i];
+    return -1;
+}
+
+/* A peer that hung up fails the current collective. For transports that wait elsewhere (shared memory). */
+static ddp_result ddp__check_peers(ddp_group *g, const ddp__coll *c) {
+    int peer = ddp__hung_up_peer(g, -1);
+    return peer < 0 ? DDP_SUCCESS : ddp__peer_failed(g, peer, c);
 }
 
 /* ---- one step of an algorithm: send to one peer while receiving from another ---- */
@@ -5335,6 +5341,7 @@ static ddp_result ddp__shm_wait_all(ddp_group *g, const ddp__coll *c, int which,
         uint64_t *counter = which ? &s->ctl[j].reduced : &s->ctl[j].posted;
         unsigned spins = 0;
         double yield_until = 0;
+        int lost;
         while (DDP__LOAD(counter) < step) {
             ddp_result r;
             if ((spins & 255) == 255 && (r = ddp__shm_check_abort(g, c)) != DDP_SUCCESS) return r;
@@ -5356,8 +5363,13 @@ static ddp_result ddp__shm_wait_all(ddp_group *g, const ddp__coll *c, int which,
                 if (DDP__LOAD(counter) < step) syscall(SYS_futex, &s->hdr->wake, FUTEX_WAIT, w, &ts, NULL, 0);
                 __atomic_sub_fetch(&s->hdr->sleepers, 1, __ATOMIC_SEQ_CST);
             }
+            /* Only the rank waited for, and only if it has still not posted: a rank that posted this
+               step and then left (it went on, found an error in a later collective and closed the
+               group, or exited) has done its part here. A rank that broke the group in this collective
+               says so in the header (ddp__shm_check_abort). It posts before it closes, so reading the
+               counter after seeing the hang-up is enough. */
             g->waiting_for = j;
-            if ((r = ddp__check_peers(g, c)) != DDP_SUCCESS) return r;
+            if ((lost = ddp__hung_up_peer(g, j)) >= 0 && DDP__LOAD(counter) < step) return ddp__peer_failed(g, lost, c);
             if (deadline == 0) deadline = ddp__now() + g->timeout;
             if (ddp__now() > deadline) return ddp__peer_timed_out(g, j, c);
         }

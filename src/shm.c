@@ -195,6 +195,7 @@ static ddp_result ddp__shm_wait_all(ddp_group *g, const ddp__coll *c, int which,
         uint64_t *counter = which ? &s->ctl[j].reduced : &s->ctl[j].posted;
         unsigned spins = 0;
         double yield_until = 0;
+        int lost;
         while (DDP__LOAD(counter) < step) {
             ddp_result r;
             if ((spins & 255) == 255 && (r = ddp__shm_check_abort(g, c)) != DDP_SUCCESS) return r;
@@ -216,8 +217,13 @@ static ddp_result ddp__shm_wait_all(ddp_group *g, const ddp__coll *c, int which,
                 if (DDP__LOAD(counter) < step) syscall(SYS_futex, &s->hdr->wake, FUTEX_WAIT, w, &ts, NULL, 0);
                 __atomic_sub_fetch(&s->hdr->sleepers, 1, __ATOMIC_SEQ_CST);
             }
+            /* Only the rank waited for, and only if it has still not posted: a rank that posted this
+               step and then left (it went on, found an error in a later collective and closed the
+               group, or exited) has done its part here. A rank that broke the group in this collective
+               says so in the header (ddp__shm_check_abort). It posts before it closes, so reading the
+               counter after seeing the hang-up is enough. */
             g->waiting_for = j;
-            if ((r = ddp__check_peers(g, c)) != DDP_SUCCESS) return r;
+            if ((lost = ddp__hung_up_peer(g, j)) >= 0 && DDP__LOAD(counter) < step) return ddp__peer_failed(g, lost, c);
             if (deadline == 0) deadline = ddp__now() + g->timeout;
             if (ddp__now() > deadline) return ddp__peer_timed_out(g, j, c);
         }

@@ -210,21 +210,27 @@ static ddp_result ddp__peer_timed_out(ddp_group *g, int peer, const ddp__coll *c
                           "down? (DDP_TIMEOUT sets the limit)", g->timeout, desc, peer, g->peer_names[peer]);
 }
 
-/* Look at every connection without waiting: a peer that hung up (exited, or aborted the group) fails
-   the current collective. For transports that wait elsewhere (shared memory). */
-static ddp_result ddp__check_peers(ddp_group *g, const ddp__coll *c) {
+/* The first peer whose connection hung up (exited, or aborted the group), looking only at peer `only`
+   (-1: at every peer), without waiting; -1 when none. Nothing else happens: the caller decides. */
+static int ddp__hung_up_peer(ddp_group *g, int only) {
     int i, n = 0;
     for (i = 0; i < g->world_size; i++) {
-        if (i == g->rank || g->peers[i].fd < 0) continue;
+        if (i == g->rank || g->peers[i].fd < 0 || (only >= 0 && i != only)) continue;
         g->pollfds[n].fd = g->peers[i].fd;
         g->pollfds[n].events = POLLRDHUP;
         g->pollfds[n].revents = 0;
         g->poll_owner[n++] = i;
     }
-    if (poll(g->pollfds, (nfds_t)n, 0) <= 0) return DDP_SUCCESS;
+    if (poll(g->pollfds, (nfds_t)n, 0) <= 0) return -1;
     for (i = 0; i < n; i++)
-        if (g->pollfds[i].revents & (POLLRDHUP | POLLHUP | POLLERR)) return ddp__peer_failed(g, g->poll_owner[i], c);
-    return DDP_SUCCESS;
+        if (g->pollfds[i].revents & (POLLRDHUP | POLLHUP | POLLERR)) return g->poll_owner[i];
+    return -1;
+}
+
+/* A peer that hung up fails the current collective. For transports that wait elsewhere (shared memory). */
+static ddp_result ddp__check_peers(ddp_group *g, const ddp__coll *c) {
+    int peer = ddp__hung_up_peer(g, -1);
+    return peer < 0 ? DDP_SUCCESS : ddp__peer_failed(g, peer, c);
 }
 
 /* ---- one step of an algorithm: send to one peer while receiving from another ---- */
