@@ -756,7 +756,7 @@ static ddp_result ddp__shm_setup(ddp_group *g) {
     }
     s->cma = ok[2]; /* the same on every rank */
     /* Oversubscribed (more ranks here than CPUs): spinning only delays the rank being waited for. Measured
-       on 2 cores (bench/README.md): 4 B all_reduce on 4 ranks 2.4-4.7 us against 5.5-8.7 with 256 pauses;
+       on 2 cores (bench/README.md): 4 B all_reduce on 4 ranks 2.0-3.8 us against 3.7-6.0 with 256 pauses;
        2 ranks unchanged. A local policy only: ranks need not agree on it. */
     s->spins = (long)g->world_size > sysconf(_SC_NPROCESSORS_ONLN) ? 16 : 256;
     s->bytes = bytes;
