@@ -1331,6 +1331,12 @@ DDP_API int ddp_cuda_nccl_test(ddp_cuda_nccl *c, void *event);
 /* [SECTION] internal: includes, allocator hooks, private helpers and types shared by the pieces
    Every private name starts with ddp__ and every private function is static: the implementation is
    one translation unit. It compiles as C99 and as C++17, so casts from void * are explicit. */
+/* A piece compiled on its own (`cc -std=c99 -fsyntax-only -Isrc src/X.c`, as CI checks every piece) sees
+   what it sees inside ddp.h: the whole public part, as the implementation. In ddp.h these lines are
+   inert (DDP_IMPLEMENTATION is defined there, and amalgamate.py drops the local includes). */
+#ifndef DDP_IMPLEMENTATION
+#define DDP_IMPLEMENTATION
+#endif
 
 #if defined(__GLIBC__) && !defined(__USE_GNU)
 #error "ddp.h: include ddp.h (with DDP_IMPLEMENTATION) before any system header, or compile with -D_GNU_SOURCE"

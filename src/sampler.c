@@ -10,7 +10,6 @@
      (uint32 when N <= 2^32), then compacted to this rank's num_samples entries and shrunk: steady-state
      memory is 4 * N / R bytes, the peak 4 * N. */
 #include "internal.h"
-#include "sampler.h"
 
 #define DDP__SAMPLER_MAGIC 0x53414d50u /* "SAMP" */
 /* current torch uses the 64-bit inside-out shuffle from this N on (UINT32_MAX / 20) */

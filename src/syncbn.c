@@ -12,7 +12,6 @@
    -ffast-math (no sum is reassociated). Statistics are sums of (x - shift) and (x - shift)^2 in f64,
    shift being the channel's first value, so the one-pass variance does not cancel catastrophically. */
 #include "internal.h"
-#include "syncbn.h"
 
 #define DDP__BN_LANES 8
 
