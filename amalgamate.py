@@ -33,12 +33,14 @@ IMPLEMENTATION = [
     "src/auth.c",           # [SECTION] auth: DDP_AUTH_TOKEN, HMAC-SHA256 challenge on every connection
     "src/store.c",          # [SECTION] store: rendezvous key-value store (c10d TCPStore protocol), file store
     "src/transport.c",      # [SECTION] transport: framed messages between ranks, abort propagation
-    "src/collectives.c",    # [SECTION] collectives: ring algorithms, async work, progress thread
-    "src/shm.c",            # [SECTION] shm: shared-memory transport within one host
+    "src/collectives.c",    # [SECTION] collectives: validation, fingerprints, dispatch, async work
+    "src/tcp.c",            # [SECTION] tcp: the tcp backend, ring and recursive doubling over the mesh
+    "src/alloc.c",          # [SECTION] alloc: ddp_alloc, library buffers in shared-memory arenas
+    "src/shm.c",            # [SECTION] shm: the shared-memory backend within one host
+    "src/hier.c",           # [SECTION] hier: the hierarchical backend for groups spanning hosts
     "src/mpi.c",            # [SECTION] mpi: the mpi backend (collectives through MPI, with -DDDP_MPI)
     "src/nccl.c",           # [SECTION] nccl: the nccl backend (NCCL on device memory, with -DDDP_CUDA)
-    "src/group.c",          # [SECTION] group: ddp_init, launcher environments, rendezvous, subgroups
-    "src/hier.c",           # [SECTION] hier: hierarchical all_reduce for groups spanning hosts
+    "src/group.c",          # [SECTION] group: ddp_init, rendezvous, the mesh, the backend, subgroups
     "src/launcher.c",       # [SECTION] launcher: ddp_spawn, ddprun
     "src/reducer.c",
     "src/sampler.c",

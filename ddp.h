@@ -56,12 +56,14 @@
    [SECTION] auth: DDP_AUTH_TOKEN, a shared secret that every connection proves (HMAC-SHA256) src/auth.c
    [SECTION] store: rendezvous key-value store (c10d TCPStore protocol of torch 1.13), file store src/store.c
    [SECTION] transport: framed messages between the ranks of a group, failure detection, abort src/transport.c
-   [SECTION] collectives: ring algorithms, the public collectives, async work and the progress thread src/collectives.c
+   [SECTION] collectives: the public collectives, their fingerprints, dispatch to the backend, async work src/collectives.c
+   [SECTION] tcp: the tcp backend, collective algorithms over the TCP mesh (Gloo's and MPI's ring and src/tcp.c
+   [SECTION] alloc: ddp_alloc / ddp_free, library buffers that collectives use in place src/alloc.c
    [SECTION] shm: shared-memory transport for the ranks of a group that share one host src/shm.c
+   [SECTION] hier: hierarchical all_reduce for a group that spans hosts with several ranks on a host src/hier.c
    [SECTION] mpi: the mpi backend, collectives through the MPI library (built with -DDDP_MPI) src/mpi.c
    [SECTION] nccl: the nccl backend, collectives on device memory through NCCL (built with -DDDP_CUDA) src/nccl.c
    [SECTION] group: ddp_init (torch.distributed.init_process_group), launcher environments, src/group.c
-   [SECTION] hier: hierarchical all_reduce for a group that spans hosts with several ranks on a host src/hier.c
    [SECTION] launcher: ddp_spawn (torch.multiprocessing.spawn) and ddprun (torchrun) src/launcher.c
    [SECTION] reducer: DistributedDataParallel's Reducer: model check, buckets, overlapped all-reduce src/reducer.c
    [SECTION] sampler: DistributedSampler, MT19937 and torch.randperm, Feistel streaming permutation src/sampler.c
@@ -1330,7 +1332,28 @@ DDP_API int ddp_cuda_nccl_test(ddp_cuda_nccl *c, void *event);
 /* ==================== begin src/internal.h ==================== */
 /* [SECTION] internal: includes, allocator hooks, private helpers and types shared by the pieces
    Every private name starts with ddp__ and every private function is static: the implementation is
-   one translation unit. It compiles as C99 and as C++17, so casts from void * are explicit. */
+   one translation unit. It compiles as C99 and as C++17, so casts from void * are explicit.
+
+   The layers, bottom up (each piece calls only pieces above it in this list, never a public
+   collective below the collectives layer; this file declares every cross-file function and type,
+   grouped by the piece that defines it):
+
+       util, dtype              errors, logging, environment, time; element types and reduction
+       net, auth, store         sockets with deadlines; DDP_AUTH_TOKEN; the rendezvous key-value store
+       transport                framed messages over the TCP mesh, failure detection, abort
+       collectives              the public collectives: validate, fingerprint, dispatch, async work
+       backends                 each fills a ddp__backend table, the only way calls reach it:
+         tcp                      ring and recursive-doubling algorithms over the mesh (also set-up)
+         alloc                    ddp_alloc: library buffers in the shared segment's arenas
+         shm                      shared memory among the ranks of one host
+         hier                     hierarchical all_reduce for groups that span hosts
+         mpi, nccl                MPI and NCCL libraries
+       group                    ddp_init, rendezvous, the mesh, which backend a group gets, subgroups
+       launcher                 ddp_spawn, ddprun
+       reducer, sampler, syncbn, safetensors, checkpoint    built on the public API
+
+   A new collective is one ddp__coll_kind, one public function (collectives.c) and one case in each
+   backend's run function. */
 /* A piece compiled on its own (`cc -std=c99 -fsyntax-only -Isrc src/X.c`, as CI checks every piece) sees
    what it sees inside ddp.h: the whole public part, as the implementation. In ddp.h these lines are
    inert (DDP_IMPLEMENTATION is defined there, and amalgamate.py drops the local includes). */
@@ -1408,6 +1431,7 @@ static DDP__UNUSED ddp_result ddp__fail_to(char *buf, ddp_result code, const cha
 /* The same, into g's last-error message (this thread's when g is NULL). */
 static DDP__UNUSED ddp_result ddp__fail(ddp_group *g, ddp_result code, const char *fmt, ...) DDP__PRINTF(3, 4);
 static DDP__UNUSED char *ddp__error_buffer(ddp_group *g); /* where ddp__fail(g, ...) writes */
+static DDP__UNUSED void ddp__note_thread_error(const char *msg); /* copy msg to this thread's last error */
 static DDP__UNUSED void ddp__log(const ddp_group *g, ddp_log_level level, const char *fmt, ...) DDP__PRINTF(3, 4);
 static DDP__UNUSED ddp_log_level ddp__env_log_level(void);
 /* Parse an environment variable as an integer in [lo, hi]. Returns 0 when unset (value untouched),
@@ -1433,73 +1457,6 @@ static DDP__UNUSED int ddp__dtype_is_float(ddp_dtype t);
 static DDP__UNUSED void ddp__reduce(void *dst, const void *src, size_t count, ddp_dtype t, ddp_op op);
 /* buf[i] /= n, the final step of AVG (truncating toward zero on integers). */
 static DDP__UNUSED void ddp__divide(void *buf, size_t count, ddp_dtype t, int n);
-
-typedef struct ddp__shm ddp__shm;
-
-/* ---- the group (group.c creates it, transport.c and collectives.c use it) ---- */
-
-/* One TCP connection to another member of the group. */
-typedef struct ddp__peer {
-    int fd;   /* -1 for this rank itself */
-    int gone; /* the connection was seen closed */
-    uint64_t send_owed; /* bytes of a frame interrupted mid-send (padded before an ABORT) */
-    uint64_t quiet_run; /* transport.c: in run #quiet_run, the peer's waiting frame was looked at and is fine */
-    int peek_later;     /* transport.c: only part of a frame header was there; look again shortly */
-} ddp__peer;
-
-struct ddp_group {
-    int rank, world_size;             /* this process in this group */
-    int local_rank, local_world_size; /* among this group's ranks on this host */
-    int *world_ranks;                 /* world_ranks[i]: member i's rank in the world group */
-    double timeout;                   /* seconds a blocked operation waits */
-    ddp_log_level log_level;
-    ddp_log_fn log_fn;
-    void *log_user;
-    const char *backend_name;
-    char error[DDP__ERR_MAX]; /* ddp_last_error(g) */
-
-    ddp_store *store;        /* shared with subgroups; the world group owns it (NULL when alone) */
-    int owns_store;
-    struct ddp__store_server *store_server; /* rank 0 of the world group serves the store */
-    char address[128];       /* this host's address that peers connect to */
-    char prefix[96];         /* this group's store keys start with it */
-    ddp_group *parent;       /* NULL for the world group */
-    int live_subgroups;      /* subgroups not yet destroyed */
-    uint64_t subgroups_made; /* names the next subgroup's key prefix */
-
-    ddp__peer *peers;   /* world_size entries, indexed by rank in this group */
-    char (*peer_names)[80]; /* "host 10.0.0.2, pid 1234" for each rank, for messages */
-    struct pollfd *pollfds; /* world_size entries: what one exchange step waits on */
-    int *poll_owner;        /* the rank of each pollfds entry */
-    uint64_t seq;       /* collectives issued so far; carried in every message */
-    uint64_t running_seq; /* seq of the collective running now (0 between collectives) */
-    int waiting_for;      /* the rank this one waits for in the current step, -1 if none (for messages) */
-    uint64_t tcp_runs;    /* collectives run over TCP so far; unlike seq, never restarts (transport.c) */
-    ddp_result broken;  /* set once a collective failed: every later call fails with it */
-    char broken_msg[DDP__ERR_MAX];
-    ddp_group *hier_host;    /* hier.c, a group spanning hosts: the ranks of this host (NULL if only this one) */
-    ddp_group *hier_leaders; /* hier.c: the first rank of every host, on those ranks (else NULL) */
-    int hier;                /* hier.c: large all_reduces run hierarchically (same on every rank) */
-    struct ddp__shm *shm; /* shared-memory transport when every rank is on this host (shm.c), else NULL */
-    struct ddp__mpi *mpi; /* the mpi backend's communicator (mpi.c); NULL on the cpu backend */
-    struct ddp__nccl *nccl; /* the nccl backend's communicator (nccl.c); NULL on the other backends */
-    void *scratch;      /* staging memory for the algorithms, grown on demand */
-    size_t scratch_size;
-
-    /* ddp_alloc / ddp_free (shm.c). Blocks in this rank's shared-memory arena are listed in g->shm;
-       the rest (no shared memory, arena full) are heap blocks listed here. lib_lock guards both lists:
-       a spin lock (0 = free), so a zero-filled group needs no set-up. */
-    int lib_lock;
-    struct ddp__heap_block *lib_heap;
-    size_t lib_heap_n, lib_heap_cap;
-
-    /* async work: a FIFO run by one progress thread (collectives.c) */
-    pthread_mutex_t mu;
-    pthread_cond_t cv;
-    ddp_work *queue_head, *queue_tail;
-    int progress_running, progress_stop;
-    pthread_t progress;
-};
 
 /* ---- net.c: TCP with deadlines (absolute ddp__now() seconds); messages go to err ---- */
 static DDP__UNUSED ddp_result ddp__net_listen(const char *host, int port, int *fd, int *bound_port, char *err);
@@ -1542,6 +1499,320 @@ static DDP__UNUSED ddp_result ddp__store_compare_set(ddp_store *s, const char *k
                                                      size_t expected_size, const void *desired, size_t desired_size,
                                                      void *current, size_t capacity, size_t *size);
 static DDP__UNUSED ddp_result ddp__store_num_keys(ddp_store *s, int64_t *n); /* keys in the whole store */
+
+/* ---- auth.c: DDP_AUTH_TOKEN, an HMAC-SHA256 challenge in both directions on every connection ---- */
+#define DDP__AUTH_MAGIC "DDPAUTH1" /* the client's first 8 bytes */
+#define DDP__AUTH_NONCE 16
+#define DDP__AUTH_MAC 32
+static DDP__UNUSED const char *ddp__auth_token(void); /* NULL when unset */
+/* Prove the token to the server at fd and check its proof (who names it in messages). */
+static DDP__UNUSED ddp_result ddp__auth_client(int fd, const char *token, const char *who, double deadline, char *err);
+/* The server's half: 0 when the client proved the token, else -1 with the reason in err. */
+static DDP__UNUSED int ddp__auth_server(int fd, const char *token, double deadline, char *err);
+/* The server's half in two non-blocking steps (the store's event loop): answer the client's hello
+   (8 + NONCE bytes) with reply (NONCE + MAC bytes; -1 for a bad hello), then check its proof (1: right). */
+static DDP__UNUSED int ddp__auth_answer(const char *token, const unsigned char *hello, unsigned char *cn, unsigned char *sn,
+                                        unsigned char *reply);
+static DDP__UNUSED int ddp__auth_check(const char *token, const unsigned char *cn, const unsigned char *sn,
+                                       const unsigned char *proof);
+
+/* ==== the group: the types every layer above the store shares ==== */
+
+/* The collectives. A fingerprint (ddp__coll) names one call: equal on every rank when the program is
+   correct, and carried in every message, so a difference is an error (transport.c). */
+typedef enum ddp__coll_kind {
+    DDP__ALL_REDUCE = 1,
+    DDP__BROADCAST,
+    DDP__REDUCE,
+    DDP__ALL_GATHER,
+    DDP__REDUCE_SCATTER,
+    DDP__BARRIER,
+    DDP__COLL_KINDS
+} ddp__coll_kind;
+#define DDP__NO_OP 0xff
+
+typedef struct ddp__coll {
+    uint64_t seq;   /* the group's collective number: 1 for its first (its own set-up included), never restarts */
+    uint64_t count; /* the call's count (per rank for all_gather / reduce_scatter) */
+    uint8_t kind;   /* ddp__coll_kind */
+    uint8_t dtype;
+    uint8_t op;     /* DDP__NO_OP when the collective takes none */
+    int32_t root;   /* -1 when the collective has none */
+} ddp__coll;
+
+/* One call's arguments, for the synchronous path and the async queue alike. */
+typedef struct ddp__call {
+    ddp__coll_kind kind;
+    const void *send;
+    void *buf; /* in-place buffer, or recv */
+    size_t count;
+    ddp_dtype dtype;
+    ddp_op op;
+    int root;
+} ddp__call;
+
+/* A backend: the only way a call reaches a transport. Each backend file fills one table (its set-up
+   installs it in g->backend); collectives.c dispatches every call through it and knows no backend.
+     run          run call k (fingerprint c, already validated) to completion on the calling thread;
+                  a failure breaks the group (ddp__coll_fail) and returns its code
+     enqueue      optional: take an async call now, on the calling thread (nccl queues device work on
+                  its stream); returns 0 to leave it to the progress thread, which calls run
+     wait, test   for the work that enqueue took (ddp_work.owner)
+     close        release the backend's state (orderly: in ddp_destroy, every rank there); idempotent
+   and what the reducer asks of a backend's memory (reducer.c), buffers in the backend's memory
+   (host for cpu and mpi, device for nccl): alloc (zeroed; NULL when out of memory), release, zero,
+   copy_in_scaled (dst = src * scale, converted from src_t to dst_t in f32 (f64 for f64), rounded
+   once; dst may equal src when the dtypes do) and copy_out (dst = src converted; it also moves the
+   reducer's used map between host memory and the backend's). */
+typedef struct ddp__backend {
+    const char *name;   /* the transport, for messages: "tcp", "shm", "hier", "mpi", "nccl", "alone" */
+    const char *family; /* ddp_backend_name(): "cpu", "mpi" or "nccl" */
+    ddp_result (*run)(ddp_group *g, const ddp__call *k, const ddp__coll *c);
+    int (*enqueue)(ddp_group *g, const ddp__call *k, ddp_work **out, ddp_result *res);
+    ddp_result (*wait)(ddp_work *w);
+    int (*test)(ddp_work *w);
+    void (*close)(ddp_group *g, int orderly);
+    void *(*alloc)(ddp_group *g, size_t bytes);
+    void (*release)(ddp_group *g, void *p);
+    void (*zero)(ddp_group *g, void *dst, size_t bytes);
+    void (*copy_in_scaled)(ddp_group *g, void *dst, ddp_dtype dst_t, const void *src, ddp_dtype src_t, size_t count,
+                           double scale);
+    void (*copy_out)(ddp_group *g, void *dst, ddp_dtype dst_t, const void *src, ddp_dtype src_t, size_t count);
+} ddp__backend;
+
+/* One TCP connection to another member of the group. */
+typedef struct ddp__peer {
+    int fd;   /* -1 for this rank itself */
+    int gone; /* the connection was seen closed */
+    uint64_t send_owed;  /* bytes of a frame interrupted mid-send (padded before an ABORT) */
+    uint64_t quiet_seq;  /* transport.c: in collective #quiet_seq, the peer's waiting frame was looked at and is fine */
+    int peek_later;      /* transport.c: only part of a frame header was there; look again shortly */
+} ddp__peer;
+
+/* The mesh: a TCP connection to every other rank (group.c makes it, transport.c moves frames on it). */
+typedef struct ddp__mesh {
+    ddp__peer *peers;        /* world_size entries, indexed by rank in this group */
+    char (*peer_names)[80];  /* "host 10.0.0.2, pid 1234" for each rank, for messages */
+    struct pollfd *pollfds;  /* world_size entries: what one exchange step waits on */
+    int *poll_owner;         /* the rank of each pollfds entry */
+    int waiting_for;         /* the rank this one waits for in the current step, -1 if none (for messages) */
+} ddp__mesh;
+
+/* Membership: the store, this group's keys in it, its place among groups (group.c). */
+typedef struct ddp__membership {
+    ddp_store *store;        /* shared with subgroups; the world group owns it (NULL when alone) */
+    int owns_store;
+    struct ddp__store_server *store_server; /* rank 0 of the world group serves the store */
+    char address[128];       /* this host's address that peers connect to */
+    char prefix[96];         /* this group's store keys start with it */
+    ddp_group *parent;       /* NULL for the world group */
+    int live_subgroups;      /* subgroups not yet destroyed */
+    uint64_t subgroups_made; /* names the next subgroup's key prefix */
+} ddp__membership;
+
+/* Async work: a FIFO run by one progress thread (collectives.c). */
+typedef struct ddp__async {
+    pthread_mutex_t mu;
+    pthread_cond_t cv;
+    ddp_work *head, *tail;
+    int running, stop;
+    pthread_t thread;
+} ddp__async;
+
+/* ddp_alloc's bookkeeping (alloc.c). Blocks in this rank's arena of the shared segment are listed in
+   arena; the rest (no shared memory, arena full) are heap blocks listed here. lock guards both lists:
+   a spin lock (0 = free), so a zero-filled group needs no set-up. */
+typedef struct ddp__block { /* one extent of this rank's arena; the list is sorted and covers [0, top) */
+    size_t off, size;
+    int state; /* 0 free, 1 in use, 2 being freed */
+} ddp__block;
+typedef struct ddp__arena {
+    char *base;      /* every rank's arena, world_size of them, each `bytes` long (mapped by every rank) */
+    size_t bytes;
+    int fd;          /* the segment, kept open: blocks' pages are reserved with fallocate */
+    off_t file_off;  /* where the first arena starts in the segment */
+    ddp__block *blocks; /* this rank's arena */
+    size_t nblocks, cap, top;
+} ddp__arena;
+typedef struct ddp__heap_block { /* a ddp_alloc block on the heap */
+    void *user, *raw;
+} ddp__heap_block;
+typedef struct ddp__lib {
+    int lock;
+    ddp__arena *arena; /* in the shared segment (shm.c sets it); NULL: plain memory only */
+    ddp__heap_block *heap;
+    size_t heap_n, heap_cap;
+} ddp__lib;
+
+/* hier.c: the stage groups of a group that spans hosts with several ranks on a host. */
+typedef struct ddp__hier {
+    ddp_group *host;    /* the ranks of this host (NULL if only this one) */
+    ddp_group *leaders; /* the first rank of every host, on those ranks (else NULL) */
+} ddp__hier;
+
+typedef struct ddp__shm ddp__shm;
+struct ddp__mpi;
+struct ddp__nccl;
+
+struct ddp_group {
+    int rank, world_size;             /* this process in this group */
+    int local_rank, local_world_size; /* among this group's ranks on this host */
+    int *world_ranks;                 /* world_ranks[i]: member i's rank in the world group */
+    double timeout;                   /* seconds a blocked operation waits */
+    ddp_log_level log_level;
+    ddp_log_fn log_fn;
+    void *log_user;
+    char error[DDP__ERR_MAX]; /* ddp_last_error(g) */
+
+    const ddp__backend *backend;      /* where every collective goes */
+    const ddp__backend *host_backend; /* where calls on host memory go: backend itself, except under nccl */
+    uint64_t seq;        /* collectives issued so far (set-up included); carried in every message */
+    uint64_t seq_base;   /* seq when ddp_init (or ddp_new_group) returned: messages number calls from it */
+    uint64_t running_seq; /* seq of the collective running now (0 between collectives) */
+    ddp_result broken;   /* set once a collective failed: every later call fails with it */
+    char broken_msg[DDP__ERR_MAX];
+    void *scratch;       /* staging memory for the algorithms, grown on demand (one call runs at a time) */
+    size_t scratch_size;
+
+    ddp__membership member;
+    ddp__mesh mesh;
+    ddp__async async;
+    ddp__lib lib;
+    ddp__hier hier;
+    ddp__shm *shm;         /* shm.c's segment, when the group's ranks share one host */
+    struct ddp__mpi *mpi;  /* mpi.c's communicator on the mpi backend */
+    struct ddp__nccl *nccl; /* nccl.c's communicator on the nccl backend */
+};
+
+struct ddp_work {
+    ddp_group *g;
+    ddp__call call;
+    ddp__coll coll;
+    ddp_result result;
+    int done;
+    char error[DDP__ERR_MAX];
+    ddp_work *next;
+    const ddp__backend *owner; /* the backend that took it (enqueue), which waits for it; NULL: the progress thread */
+    void *handle;              /* the owner's: nccl's CUDA event */
+};
+
+/* ---- transport.c: framed messages on the mesh, failure detection, breaking the group ---- */
+static DDP__UNUSED const char *ddp__coll_name(int kind); /* "all_reduce", ... */
+/* "all_reduce(count=1024, f32, sum) as collective #7", numbered from g's seq_base */
+static DDP__UNUSED void ddp__coll_describe(const ddp_group *g, const ddp__coll *c, char *out, size_t cap);
+/* Record the first error that breaks g and tell every peer (ABORT frames, a half-close, the shared
+   segment's abort word): every rank waiting on anything fails at once with the same message. */
+static DDP__UNUSED ddp_result ddp__group_break(ddp_group *g, ddp_result code, const char *msg);
+/* Fail the current operation: break the group with this message (the caller returns the code). */
+static DDP__UNUSED ddp_result ddp__coll_fail(ddp_group *g, ddp_result code, const char *fmt, ...) DDP__PRINTF(3, 4);
+/* Peer `peer` hung up: fail with the reason it sent (ABORT) or as lost. */
+static DDP__UNUSED ddp_result ddp__peer_failed(ddp_group *g, int peer, const ddp__coll *c);
+/* Peer `peer` is alive but made no progress for the group's timeout. */
+static DDP__UNUSED ddp_result ddp__peer_timed_out(ddp_group *g, int peer, const ddp__coll *c);
+/* The first peer (only `only`, or any when -1) whose connection hung up, without waiting; -1: none. */
+static DDP__UNUSED int ddp__hung_up_peer(ddp_group *g, int only);
+/* A peer that hung up fails c (for transports that wait elsewhere: shared memory, NCCL). */
+static DDP__UNUSED ddp_result ddp__check_peers(ddp_group *g, const ddp__coll *c);
+/* One step of an algorithm: send to one peer while receiving from another (either may be -1). */
+typedef struct ddp__step {
+    int send_peer;
+    const void *send_buf;
+    size_t send_bytes;
+    int recv_peer;
+    void *recv_buf;
+    size_t recv_bytes;
+} ddp__step;
+static DDP__UNUSED ddp_result ddp__exchange(ddp_group *g, const ddp__coll *c, const ddp__step *s);
+static DDP__UNUSED void ddp__close_after_failure(ddp_group *g, double seconds);
+static DDP__UNUSED void ddp__say_goodbye(ddp_group *g, double seconds);
+
+/* ---- collectives.c: the public collectives' machinery ---- */
+/* Chunk i of `count` elements cut into n nearly equal parts (the first count % n get one more). */
+static DDP__UNUSED void ddp__chunk(size_t count, int n, int i, size_t *off, size_t *len);
+static DDP__UNUSED void *ddp__scratch(ddp_group *g, size_t bytes); /* g's staging memory; NULL when out of memory */
+static DDP__UNUSED ddp_result ddp__no_memory(ddp_group *g, size_t bytes); /* fails the collective */
+static DDP__UNUSED ddp__call ddp__make_call(ddp__coll_kind kind, const void *send, void *buf, size_t count, ddp_dtype t,
+                                            ddp_op op, int root);
+/* A synchronous collective on g, as the public calls make it (validated, after queued async work,
+   through g's backend); for pieces that run collectives of their own groups (hier.c's stages). */
+static DDP__UNUSED ddp_result ddp__collective(ddp_group *g, const ddp__call *k);
+/* Run k now on backend b, fingerprinted as g's next collective, on the calling thread: set-up code
+   uses the TCP mesh this way before (or beside) the group's own backend. */
+static DDP__UNUSED ddp_result ddp__collective_on(ddp_group *g, const ddp__backend *b, const ddp__call *k);
+static DDP__UNUSED void ddp__fingerprint(ddp_group *g, const ddp__call *k, ddp__coll *c); /* takes the next seq */
+/* The message for a call on a group that an earlier error broke; written to out (DDP__ERR_MAX). */
+static DDP__UNUSED const char *ddp__broken_message(const ddp_group *g, const ddp__call *k, char *out);
+static DDP__UNUSED void ddp__drain(ddp_group *g);         /* wait until no async work is queued */
+static DDP__UNUSED void ddp__progress_stop(ddp_group *g); /* finish queued work, stop the thread */
+/* A failure outside any collective that leaves the ranks unable to agree (the reducer's missing
+   gradient): finish queued work, then break the group so every rank fails with msg. */
+static DDP__UNUSED ddp_result ddp__group_abort(ddp_group *g, ddp_result code, const char *msg);
+
+/* ---- tcp.c: the algorithms over the mesh ---- */
+static DDP__UNUSED ddp_result ddp__tcp_run(ddp_group *g, const ddp__call *k, const ddp__coll *c);
+static DDP__UNUSED ddp_result ddp__ring_all_gather(ddp_group *g, const ddp__coll *c, char *buf, size_t count, size_t es);
+/* Recursive doubling all_reduce (with count 0: an agreement on c alone, log2(n) header exchanges). */
+static DDP__UNUSED ddp_result ddp__rd_all_reduce(ddp_group *g, const ddp__coll *c, char *buf, size_t count, ddp_dtype t,
+                                                 ddp_op op);
+#define DDP__RD_MAX_BYTES ((size_t)32 << 10) /* all_reduce up to this size runs recursive doubling (tcp.c) */
+/* The backend a new group starts with: its set-up runs on the mesh (alone: no mesh, nothing to run). */
+static DDP__UNUSED const ddp__backend *ddp__initial_backend(int world_size);
+/* Set-up collectives over the mesh, whatever g's backend (shm, hier, nccl set themselves up with them). */
+static DDP__UNUSED ddp_result ddp__mesh_all_gather(ddp_group *g, const void *send, void *recv, size_t count, ddp_dtype t);
+static DDP__UNUSED ddp_result ddp__mesh_broadcast(ddp_group *g, void *buf, size_t count, ddp_dtype t, int root);
+static DDP__UNUSED ddp_result ddp__mesh_all_reduce(ddp_group *g, void *buf, size_t count, ddp_dtype t, ddp_op op);
+static DDP__UNUSED ddp_result ddp__mesh_barrier(ddp_group *g);
+
+/* ---- alloc.c: ddp_alloc's arenas and heap blocks ---- */
+#define DDP__ARENA_ALIGN ((size_t)2 << 20) /* arenas start on 2 MiB boundaries (huge pages, if enabled) */
+#define DDP__LIB_PAGE ((size_t)4096)      /* arena blocks are whole pages: fallocate and hole punching work on pages */
+#define DDP__SHM_NOT_LIB UINT64_MAX
+/* The arena offset of [p, p + bytes) when it lies inside one live block of this rank's arena, else
+   DDP__SHM_NOT_LIB. */
+static DDP__UNUSED uint64_t ddp__lib_offset(ddp_group *g, const void *p, size_t bytes);
+/* Each rank's arena size for a segment on fd (rank 0 decides): DDP_SHM_ARENA_BYTES, else what the file
+   system can hold, capped. */
+static DDP__UNUSED size_t ddp__arena_size(ddp_group *g, int fd);
+static DDP__UNUSED void ddp__lib_free_all(ddp_group *g); /* the group is going away: every heap block */
+
+/* ---- shm.c: the shared-memory backend ---- */
+/* Map one segment for a group whose ranks all share this host and install the shm backend. Collective
+   over the mesh; a failure to set up shared memory is not an error (the group stays on TCP). */
+static DDP__UNUSED ddp_result ddp__shm_setup(ddp_group *g);
+static DDP__UNUSED void ddp__shm_abort(ddp_group *g); /* ddp__group_break: wake every waiting rank */
+
+/* ---- hier.c: the hierarchical backend ---- */
+/* keys: every rank's host key. Makes the stage groups when some host has several ranks, and installs the
+   hier backend. Collective over the mesh. */
+static DDP__UNUSED ddp_result ddp__hier_setup(ddp_group *g, const uint64_t *keys);
+
+/* ---- mpi.c: the mpi backend ---- */
+static DDP__UNUSED ddp_result ddp__mpi_world(int *rank, int *world_size, struct ddp__mpi **out, char *err);
+static DDP__UNUSED ddp_result ddp__mpi_split(ddp_group *parent, int me, struct ddp__mpi **out);
+static DDP__UNUSED void ddp__mpi_attach(ddp_group *g, struct ddp__mpi *m); /* g's communicator and backend */
+static DDP__UNUSED void ddp__mpi_free(struct ddp__mpi *m);
+
+/* ---- nccl.c: the nccl backend ---- */
+static DDP__UNUSED ddp_result ddp__nccl_built(char *err); /* can backend "nccl" be asked for? */
+/* Give the connected group g an NCCL communicator (a subgroup: parent's device and stream) and install
+   the nccl backend; host-memory calls keep going to the backend g had. Collective over g. */
+static DDP__UNUSED ddp_result ddp__nccl_attach(ddp_group *g, const struct ddp__nccl *parent);
+
+/* ---- group.c ---- */
+static DDP__UNUSED ddp_group *ddp__group_alloc(int rank, int world_size);
+static DDP__UNUSED void ddp__group_free(ddp_group *g); /* connections closed without goodbye */
+/* Make and connect the group of the parent's ranks `ranks` (see group.c); hier.c's stages use it too. */
+static DDP__UNUSED ddp_result ddp__subgroup_open(ddp_group *g, const int *ranks, int n, int me, const char *name,
+                                                 struct ddp__mpi *comm, const char *what, ddp_group **out);
+
+/* ---- reducer.c: host memory for the reducer's buckets (every backend but nccl uses these) ---- */
+static DDP__UNUSED void *ddp__host_alloc(ddp_group *g, size_t bytes);
+static DDP__UNUSED void ddp__host_release(ddp_group *g, void *p);
+static DDP__UNUSED void ddp__host_zero(ddp_group *g, void *dst, size_t bytes);
+static DDP__UNUSED void ddp__host_copy_in_scaled(ddp_group *g, void *dst, ddp_dtype dst_t, const void *src, ddp_dtype src_t,
+                                                 size_t count, double scale);
+static DDP__UNUSED void ddp__host_copy_out(ddp_group *g, void *dst, ddp_dtype dst_t, const void *src, ddp_dtype src_t,
+                                           size_t count);
 /* ==================== end src/internal.h ==================== */
 
 /* ==================== begin src/util.c ==================== */
@@ -1562,11 +1833,18 @@ static ddp_result ddp__fail_to(char *buf, ddp_result code, const char *fmt, ...)
     return code;
 }
 
+/* Every failure lands in this thread's buffer too, so ddp_last_error(NULL) is always this thread's last
+   failure, whatever the call (as stb_image's stbi_failure_reason). */
+static void ddp__note_thread_error(const char *msg) {
+    if (msg != ddp__thread_error) snprintf(ddp__thread_error, sizeof ddp__thread_error, "%s", msg);
+}
+
 static ddp_result ddp__fail(ddp_group *g, ddp_result code, const char *fmt, ...) {
     va_list ap;
     va_start(ap, fmt);
     ddp__vfail_to(ddp__error_buffer(g), code, fmt, ap);
     va_end(ap);
+    ddp__note_thread_error(ddp__error_buffer(g));
     ddp__log(g, DDP_LOG_DEBUG, "%s: %s", ddp_result_string(code), ddp__error_buffer(g));
     return code;
 }
@@ -2112,9 +2390,6 @@ static void ddp__net_local_address(int fd, char *host, size_t cap) {
 
    SHA-256 is FIPS 180-4, HMAC is RFC 2104; tests/test_auth.c checks them against the RFC 4231 vectors. */
 
-#define DDP__AUTH_MAGIC "DDPAUTH1"
-#define DDP__AUTH_NONCE 16
-#define DDP__AUTH_MAC 32
 
 /* ---- SHA-256 ---- */
 
@@ -3271,6 +3546,7 @@ static ddp_result ddp__store_fail(ddp_store *s, ddp_result code, const char *fmt
     va_start(ap, fmt);
     vsnprintf(s->error, sizeof s->error, fmt, ap);
     va_end(ap);
+    ddp__note_thread_error(s->error);
     ddp__log(NULL, DDP_LOG_DEBUG, "%s: %s", ddp_result_string(code), s->error);
     return code;
 }
@@ -4039,11 +4315,10 @@ DDP_API const char *ddp_store_last_error(const ddp_store *s) { return s ? s->err
    there with MSG_PEEK, without taking it (connections are at a frame boundary between steps: frames
    are read whole within one). An ABORT fails the step; a frame of the same collective number with a
    different fingerprint is DDP_ERR_MISMATCH. A frame of this collective, of another number (a peer
-   already past this one, or past ddp_init's own collectives, whose count restarts) or a BYE is early
-   data: the peer is marked quiet until the next collective (g->tcp_runs counts them: seq restarts
-   after ddp_init's own), so poll does not wake for it again.
+   already past this one) or a BYE is early data: the peer is marked quiet until the next collective (by its number), so poll does not wake for
+   it again.
    Nothing extra happens when nothing unexpected arrives: the same poll call watches one more event
-   per connection. collectives.c says why this makes every mismatch an error on every rank.
+   per connection. tcp.c says why this makes every mismatch an error on every rank.
 
    Failure handling. While a rank waits, it also watches every other connection of the group for a
    hang-up. When a rank fails a collective (mismatch, timeout, lost peer) it "breaks" the group: it sends
@@ -4057,27 +4332,6 @@ DDP_API const char *ddp_store_last_error(const ddp_store *s) { return s ? s->err
 #define DDP__MAX_FRAME_BYTES ((uint64_t)1 << 40)
 
 enum { DDP__FRAME_DATA = 1, DDP__FRAME_ABORT = 2, DDP__FRAME_BYE = 3 };
-
-/* The fingerprint of one collective call; equal on every rank when the program is correct. */
-typedef struct ddp__coll {
-    uint64_t seq;   /* 1 for the group's first collective */
-    uint64_t count; /* the call's count (per rank for all_gather / reduce_scatter) */
-    uint8_t kind;   /* ddp__coll_kind */
-    uint8_t dtype;
-    uint8_t op;     /* DDP__NO_OP when the collective takes none */
-    int32_t root;   /* -1 when the collective has none */
-} ddp__coll;
-
-typedef enum ddp__coll_kind {
-    DDP__ALL_REDUCE = 1,
-    DDP__BROADCAST,
-    DDP__REDUCE,
-    DDP__ALL_GATHER,
-    DDP__REDUCE_SCATTER,
-    DDP__BARRIER,
-    DDP__COLL_KINDS
-} ddp__coll_kind;
-#define DDP__NO_OP 0xff
 
 typedef struct ddp__frame {
     uint32_t magic;
@@ -4096,17 +4350,20 @@ static const char *ddp__coll_name(int kind) {
     return (kind > 0 && kind < DDP__COLL_KINDS) ? names[kind] : "an unknown operation";
 }
 
-/* "all_reduce(count=1024, f32, sum) as collective #7" */
-static void ddp__coll_describe(const ddp__coll *c, char *out, size_t cap) {
+/* "all_reduce(count=1024, f32, sum) as collective #7". Numbers count from the end of the group's own
+   set-up (g->seq_base, the same on every rank), so the program's first call is #1; a call of the set-up
+   itself, in a failing ddp_init, shows its number within the set-up. */
+static void ddp__coll_describe(const ddp_group *g, const ddp__coll *c, char *out, size_t cap) {
     char extra[48] = "";
+    unsigned long long number = (unsigned long long)(c->seq - g->seq_base);
     if (c->kind == DDP__BARRIER) {
-        snprintf(out, cap, "barrier() as collective #%llu", (unsigned long long)c->seq);
+        snprintf(out, cap, "barrier() as collective #%llu", number);
         return;
     }
     if (c->op != DDP__NO_OP) snprintf(extra, sizeof extra, ", %s", ddp_op_name((ddp_op)c->op));
     if (c->root >= 0) snprintf(extra + strlen(extra), sizeof extra - strlen(extra), ", root=%d", (int)c->root);
     snprintf(out, cap, "%s(count=%llu, %s%s) as collective #%llu", ddp__coll_name(c->kind), (unsigned long long)c->count,
-             ddp_dtype_name((ddp_dtype)c->dtype), extra, (unsigned long long)c->seq);
+             ddp_dtype_name((ddp_dtype)c->dtype), extra, number);
 }
 
 static int ddp__coll_equal(const ddp__coll *a, const ddp__frame *f) {
@@ -4115,8 +4372,6 @@ static int ddp__coll_equal(const ddp__coll *a, const ddp__frame *f) {
 }
 
 /* ---- breaking the group ---- */
-
-static void ddp__shm_abort(ddp_group *g); /* shm.c */
 
 /* Record the first error that breaks g, tell every peer (ABORT frame with the message) and shut the
    connections down so that peers waiting on anything notice at once. */
@@ -4128,7 +4383,7 @@ static ddp_result ddp__group_break(ddp_group *g, ddp_result code, const char *ms
     ddp__log(g, DDP_LOG_ERROR, "%s", msg);
     ddp__shm_abort(g);
     for (i = 0; i < g->world_size; i++) {
-        ddp__peer *p = &g->peers[i];
+        ddp__peer *p = &g->mesh.peers[i];
         ddp__frame f;
         char err[DDP__ERR_MAX];
         size_t len = strlen(msg) + 1;
@@ -4162,7 +4417,6 @@ static ddp_result ddp__group_break(ddp_group *g, ddp_result code, const char *ms
 }
 
 /* Fail the current operation: break the group with this message and copy it to the caller's buffer. */
-static ddp_result ddp__coll_fail(ddp_group *g, ddp_result code, const char *fmt, ...) DDP__PRINTF(3, 4);
 static ddp_result ddp__coll_fail(ddp_group *g, ddp_result code, const char *fmt, ...) {
     char msg[DDP__ERR_MAX];
     va_list ap;
@@ -4176,11 +4430,11 @@ static ddp_result ddp__coll_fail(ddp_group *g, ddp_result code, const char *fmt,
    (another rank's error, re-raised here); otherwise the process is gone. `first` is a frame header
    already read from the peer (or NULL). */
 static ddp_result ddp__peer_failed_after(ddp_group *g, int peer, const ddp__coll *c, const ddp__frame *first) {
-    ddp__peer *p = &g->peers[peer];
+    ddp__peer *p = &g->mesh.peers[peer];
     char desc[160], err[DDP__ERR_MAX];
     double deadline = ddp__now() + 1.0;
     ddp__frame f;
-    ddp__coll_describe(c, desc, sizeof desc);
+    ddp__coll_describe(g, c, desc, sizeof desc);
     p->gone = 1;
     for (;;) {
         if (first) {
@@ -4194,10 +4448,10 @@ static ddp_result ddp__peer_failed_after(ddp_group *g, int peer, const ddp__coll
             char reason[DDP__ERR_MAX];
             if (ddp__net_recv(p->fd, reason, (size_t)f.bytes, deadline, err) != DDP_SUCCESS) break;
             reason[f.bytes - 1] = '\0';
-            if (g->waiting_for >= 0 && g->waiting_for != peer) /* the reporter may have waited for us: say whom we waited for */
+            if (g->mesh.waiting_for >= 0 && g->mesh.waiting_for != peer) /* the reporter may have waited for us: say whom we waited for */
                 return ddp__coll_fail(g, ddp__peer_code(f.code, DDP_ERR_FORMAT), "%s (reported by rank %d; this rank was "
-                                      "in %s, waiting for rank %d (%s))", reason, peer, desc, g->waiting_for,
-                                      g->peer_names[g->waiting_for]);
+                                      "in %s, waiting for rank %d (%s))", reason, peer, desc, g->mesh.waiting_for,
+                                      g->mesh.peer_names[g->mesh.waiting_for]);
             return ddp__coll_fail(g, ddp__peer_code(f.code, DDP_ERR_FORMAT), "%s (reported by rank %d; this rank was in %s)",
                                   reason, peer, desc);
         }
@@ -4217,7 +4471,7 @@ static ddp_result ddp__peer_failed_after(ddp_group *g, int peer, const ddp__coll
         }
     }
     return ddp__coll_fail(g, DDP_ERR_PEER_LOST, "lost rank %d (%s): its process exited or its connection dropped, while this rank was in %s",
-                          peer, g->peer_names[peer], desc);
+                          peer, g->mesh.peer_names[peer], desc);
 }
 
 static ddp_result ddp__peer_failed(ddp_group *g, int peer, const ddp__coll *c) { return ddp__peer_failed_after(g, peer, c, NULL); }
@@ -4226,10 +4480,10 @@ static ddp_result ddp__peer_failed(ddp_group *g, int peer, const ddp__coll *c) {
    a cut link looks just like this: TCP sees no error until its own, much longer, retransmission limit. */
 static ddp_result ddp__peer_timed_out(ddp_group *g, int peer, const ddp__coll *c) {
     char desc[160];
-    ddp__coll_describe(c, desc, sizeof desc);
+    ddp__coll_describe(g, c, desc, sizeof desc);
     return ddp__coll_fail(g, DDP_ERR_TIMEOUT, "timed out after %.0f s in %s waiting for rank %d (%s), which is alive but "
                           "not taking part: is it stuck, stopped, in a different collective, or is the network to it "
-                          "down? (DDP_TIMEOUT sets the limit)", g->timeout, desc, peer, g->peer_names[peer]);
+                          "down? (DDP_TIMEOUT sets the limit)", g->timeout, desc, peer, g->mesh.peer_names[peer]);
 }
 
 /* The first peer whose connection hung up (exited, or aborted the group), looking only at peer `only`
@@ -4237,15 +4491,15 @@ static ddp_result ddp__peer_timed_out(ddp_group *g, int peer, const ddp__coll *c
 static int ddp__hung_up_peer(ddp_group *g, int only) {
     int i, n = 0;
     for (i = 0; i < g->world_size; i++) {
-        if (i == g->rank || g->peers[i].fd < 0 || (only >= 0 && i != only)) continue;
-        g->pollfds[n].fd = g->peers[i].fd;
-        g->pollfds[n].events = POLLRDHUP;
-        g->pollfds[n].revents = 0;
-        g->poll_owner[n++] = i;
+        if (i == g->rank || g->mesh.peers[i].fd < 0 || (only >= 0 && i != only)) continue;
+        g->mesh.pollfds[n].fd = g->mesh.peers[i].fd;
+        g->mesh.pollfds[n].events = POLLRDHUP;
+        g->mesh.pollfds[n].revents = 0;
+        g->mesh.poll_owner[n++] = i;
     }
-    if (poll(g->pollfds, (nfds_t)n, 0) <= 0) return -1;
+    if (poll(g->mesh.pollfds, (nfds_t)n, 0) <= 0) return -1;
     for (i = 0; i < n; i++)
-        if (g->pollfds[i].revents & (POLLRDHUP | POLLHUP | POLLERR)) return g->poll_owner[i];
+        if (g->mesh.pollfds[i].revents & (POLLRDHUP | POLLHUP | POLLERR)) return g->mesh.poll_owner[i];
     return -1;
 }
 
@@ -4256,17 +4510,6 @@ static ddp_result ddp__check_peers(ddp_group *g, const ddp__coll *c) {
 }
 
 /* ---- one step of an algorithm: send to one peer while receiving from another ---- */
-
-/* Either side may be absent (peer -1). Sizes must agree with what the peer computes for the same
-   step; the fingerprint makes sure both sides run the same collective. */
-typedef struct ddp__step {
-    int send_peer;
-    const void *send_buf;
-    size_t send_bytes;
-    int recv_peer;
-    void *recv_buf;
-    size_t recv_bytes;
-} ddp__step;
 
 static void ddp__frame_init(ddp__frame *f, const ddp_group *g, const ddp__coll *c, int kind, uint64_t bytes) {
     memset(f, 0, sizeof *f);
@@ -4298,8 +4541,8 @@ static ddp_result ddp__check_frame(ddp_group *g, const ddp__coll *c, int peer, c
         t.dtype = f->dtype;
         t.op = f->op;
         t.root = f->root;
-        ddp__coll_describe(c, ours, sizeof ours);
-        ddp__coll_describe(&t, theirs, sizeof theirs);
+        ddp__coll_describe(g, c, ours, sizeof ours);
+        ddp__coll_describe(g, &t, theirs, sizeof theirs);
         return ddp__coll_fail(g, DDP_ERR_MISMATCH, "collective mismatch: rank %d called %s while rank %d called %s; every "
                               "rank must call the same collectives in the same order with the same count, dtype, op and root",
                               peer, theirs, g->rank, ours);
@@ -4312,16 +4555,14 @@ static ddp_result ddp__check_frame(ddp_group *g, const ddp__coll *c, int peer, c
 
 /* Is a frame from a peer that this step does not read fine in collective c? Only a frame with c's
    number and another fingerprint shows a mismatch: when ranks disagree about #X, no rank gets past
-   #X, so every frame in flight has number X. A frame of c, of another number or a BYE (the peer
-   passed ddp_destroy's barrier, which is then ours too) is early data: a later number is a peer past
-   c; an earlier one is a peer in the user's first calls while this rank is still in ddp_init's own
-   (#1 the connect barrier, then the shared-memory set-up's, group.c and shm.c: the count restarts at 0
-   after them). The user's #1 can meet ddp_init's barrier #1 itself: exempt too. */
+   #X, so every frame in flight has number X. A frame of c, of another number (a peer already past c:
+   numbers never restart, ddp_init's own collectives included) or a BYE (the peer passed ddp_destroy's
+   barrier, which is then ours too) is early data. */
 static int ddp__frame_is_early(const ddp__coll *c, const ddp__frame *f) {
     if (f->magic != DDP__FRAME_MAGIC) return 0;
     if (f->kind == DDP__FRAME_BYE) return 1;
     if (f->kind != DDP__FRAME_DATA) return 0;
-    return f->seq != c->seq || ddp__coll_equal(c, f) || (c->seq == 1 && c->kind == DDP__BARRIER);
+    return f->seq != c->seq || ddp__coll_equal(c, f);
 }
 
 /* A peer this step does not read from has something for us: look at its frame header without taking
@@ -4329,7 +4570,7 @@ static int ddp__frame_is_early(const ddp__coll *c, const ddp__frame *f) {
    the peer quiet for the rest of c, so poll does not wake for it again; an ABORT, a corrupt frame or a
    different collective fails c as ddp__check_frame does. Only part of a header: look again shortly. */
 static ddp_result ddp__peek_peer(ddp_group *g, const ddp__coll *c, int peer) {
-    ddp__peer *p = &g->peers[peer];
+    ddp__peer *p = &g->mesh.peers[peer];
     ddp__frame f;
     ssize_t k = recv(p->fd, &f, sizeof f, MSG_PEEK | MSG_DONTWAIT);
     if (k < 0 && (errno == EAGAIN || errno == EWOULDBLOCK || errno == EINTR)) return DDP_SUCCESS;
@@ -4339,7 +4580,7 @@ static ddp_result ddp__peek_peer(ddp_group *g, const ddp__coll *c, int peer) {
         return DDP_SUCCESS;
     }
     if (ddp__frame_is_early(c, &f)) {
-        p->quiet_run = g->tcp_runs;
+        p->quiet_seq = c->seq;
         return DDP_SUCCESS;
     }
     if (f.magic == DDP__FRAME_MAGIC && f.kind == DDP__FRAME_ABORT) { /* take the header: the reason follows it */
@@ -4352,15 +4593,15 @@ static ddp_result ddp__peek_peer(ddp_group *g, const ddp__coll *c, int peer) {
 /* What to wait for on peer i in this step: hang-ups always; POLLOUT while sending to it; POLLIN while
    receiving from it, and also from any other peer not yet seen quiet in this collective (a frame there
    may show a mismatch: see the top of the file). *soon: look again within a millisecond. */
-static short ddp__poll_events(ddp_group *g, const ddp__step *s, int i, int sending, int receiving, int *soon) {
-    ddp__peer *p = &g->peers[i];
+static short ddp__poll_events(ddp_group *g, const ddp__coll *c, const ddp__step *s, int i, int sending, int receiving, int *soon) {
+    ddp__peer *p = &g->mesh.peers[i];
     short ev = POLLRDHUP;
     if (i == s->send_peer && sending) ev |= POLLOUT;
     if (i == s->recv_peer && receiving) return ev | POLLIN;
     if (p->peek_later) {
         p->peek_later = 0;
         *soon = 1;
-    } else if (p->quiet_run != g->tcp_runs) {
+    } else if (p->quiet_seq != c->seq) {
         ev |= POLLIN;
     }
     return ev;
@@ -4379,19 +4620,19 @@ static ddp_result ddp__exchange(ddp_group *g, const ddp__coll *c, const ddp__ste
     size_t sent = 0, received = 0;          /* bytes of header + payload so far */
     size_t send_total = s->send_peer >= 0 ? sizeof out + s->send_bytes : 0;
     size_t recv_total = s->recv_peer >= 0 ? sizeof in + s->recv_bytes : 0;
-    struct pollfd *fds = g->pollfds;
-    int *owner = g->poll_owner;
+    struct pollfd *fds = g->mesh.pollfds;
+    int *owner = g->mesh.poll_owner;
     int spin = s->send_bytes <= DDP__TCP_SPIN_MAX_BYTES && s->recv_bytes <= DDP__TCP_SPIN_MAX_BYTES;
     double deadline = ddp__now() + g->timeout, spin_until = spin ? ddp__now() + DDP__TCP_SPIN_SECONDS : 0;
     if (g->broken) return g->broken;
     if (s->send_peer >= 0) ddp__frame_init(&out, g, c, DDP__FRAME_DATA, s->send_bytes);
     while (sent < send_total || received < recv_total) {
         int n = 0, i, rc, progressed = 0, soon = 0;
-        g->waiting_for = received < recv_total ? s->recv_peer : s->send_peer;
+        g->mesh.waiting_for = received < recv_total ? s->recv_peer : s->send_peer;
         for (i = 0; i < g->world_size; i++) {
-            if (i == g->rank || g->peers[i].fd < 0) continue;
-            fds[n].fd = g->peers[i].fd;
-            fds[n].events = ddp__poll_events(g, s, i, sent < send_total, received < recv_total, &soon);
+            if (i == g->rank || g->mesh.peers[i].fd < 0) continue;
+            fds[n].fd = g->mesh.peers[i].fd;
+            fds[n].events = ddp__poll_events(g, c, s, i, sent < send_total, received < recv_total, &soon);
             fds[n].revents = 0;
             owner[n++] = i;
         }
@@ -4454,7 +4695,7 @@ static ddp_result ddp__exchange(ddp_group *g, const ddp__coll *c, const ddp__ste
                 if (k > 0) {
                     sent += (size_t)k;
                     progressed = 1;
-                    g->peers[peer].send_owed = send_total - sent; /* header and payload still owed */
+                    g->mesh.peers[peer].send_owed = send_total - sent; /* header and payload still owed */
                 }
                 fds[i].revents = 0;
             }
@@ -4470,7 +4711,7 @@ static ddp_result ddp__exchange(ddp_group *g, const ddp__coll *c, const ddp__ste
             deadline = ddp__now() + g->timeout;
             if (spin) spin_until = ddp__now() + DDP__TCP_SPIN_SECONDS;
         } else if (ddp__now() > deadline) {
-            return ddp__peer_timed_out(g, g->waiting_for, c);
+            return ddp__peer_timed_out(g, g->mesh.waiting_for, c);
         }
     }
     return DDP_SUCCESS;
@@ -4486,9 +4727,9 @@ static void ddp__close_after_failure(ddp_group *g, double seconds) {
     char sink[4096];
     int i;
     for (i = 0; i < g->world_size; i++)
-        if (g->peers[i].fd >= 0) shutdown(g->peers[i].fd, SHUT_WR);
+        if (g->mesh.peers[i].fd >= 0) shutdown(g->mesh.peers[i].fd, SHUT_WR);
     for (i = 0; i < g->world_size; i++) {
-        ddp__peer *p = &g->peers[i];
+        ddp__peer *p = &g->mesh.peers[i];
         if (p->fd < 0) continue;
         while (ddp__now() < deadline) {
             ssize_t k = recv(p->fd, sink, sizeof sink, 0);
@@ -4518,19 +4759,303 @@ static void ddp__say_goodbye(ddp_group *g, double seconds) {
     memset(&none, 0, sizeof none);
     ddp__frame_init(&f, g, &none, DDP__FRAME_BYE, 0);
     for (i = 0; i < g->world_size; i++)
-        if (g->peers[i].fd >= 0 && !g->peers[i].gone) ddp__net_send(g->peers[i].fd, &f, sizeof f, deadline, err);
+        if (g->mesh.peers[i].fd >= 0 && !g->mesh.peers[i].gone) ddp__net_send(g->mesh.peers[i].fd, &f, sizeof f, deadline, err);
     for (i = 0; i < g->world_size; i++) {
         ddp__frame in;
-        if (g->peers[i].fd < 0 || g->peers[i].gone) continue;
-        if (ddp__net_recv(g->peers[i].fd, &in, sizeof in, deadline, err) != DDP_SUCCESS || in.kind != DDP__FRAME_BYE)
+        if (g->mesh.peers[i].fd < 0 || g->mesh.peers[i].gone) continue;
+        if (ddp__net_recv(g->mesh.peers[i].fd, &in, sizeof in, deadline, err) != DDP_SUCCESS || in.kind != DDP__FRAME_BYE)
             ddp__log(g, DDP_LOG_DEBUG, "rank %d did not say goodbye cleanly: %s", i, err);
     }
 }
 /* ==================== end src/transport.c ==================== */
 
 /* ==================== begin src/collectives.c ==================== */
-/* [SECTION] collectives: ring algorithms, the public collectives, async work and the progress thread
+/* [SECTION] collectives: the public collectives, their fingerprints, dispatch to the backend, async work
    (torch.distributed.all_reduce, broadcast, reduce, all_gather, reduce_scatter, barrier)
+
+   A call goes through four steps, the same for every collective and every backend:
+     1. validate the arguments on the caller's thread (a bad call never reaches the wire);
+     2. take the group's next sequence number: the fingerprint (seq, collective, count, dtype, op,
+        root) that every message of the call carries (transport.c, shm.c) and that ranks compare;
+     3. synchronous: wait for queued async work, then run it on the calling thread through
+        g->backend->run; asynchronous: queue it for the group's progress thread (or give it to the
+        backend's enqueue, which nccl uses to queue device work on its stream at once);
+     4. on failure the group is broken (every rank fails; later calls return DDP_ERR_STATE) and the
+        message lands in ddp_last_error(g) and in this thread's ddp_last_error(NULL).
+   The algorithms live in the backends (tcp.c, shm.c, hier.c, mpi.c, nccl.c); tcp.c explains why a
+   mismatch is an error on every rank. */
+
+/* Chunk i of `count` elements cut into n nearly equal parts (the first count % n get one more). */
+static void ddp__chunk(size_t count, int n, int i, size_t *off, size_t *len) {
+    size_t base = count / (size_t)n, rem = count % (size_t)n, ui = (size_t)i;
+    *off = ui * base + DDP__MIN(ui, rem);
+    *len = base + (ui < rem ? 1 : 0);
+}
+
+/* Staging memory owned by the group (one collective runs at a time on a group). */
+static void *ddp__scratch(ddp_group *g, size_t bytes) {
+    if (bytes > g->scratch_size) {
+        void *p = ddp__malloc(bytes);
+        if (!p) return NULL;
+        ddp__free(g->scratch);
+        g->scratch = p;
+        g->scratch_size = bytes;
+    }
+    return g->scratch;
+}
+
+static ddp_result ddp__no_memory(ddp_group *g, size_t bytes) {
+    return ddp__coll_fail(g, DDP_ERR_OUT_OF_MEMORY, "out of memory: could not allocate %zu bytes of staging memory", bytes);
+}
+
+static ddp__call ddp__make_call(ddp__coll_kind kind, const void *send, void *buf, size_t count, ddp_dtype t, ddp_op op,
+                                int root) {
+    ddp__call k;
+    k.kind = kind;
+    k.send = send;
+    k.buf = buf;
+    k.count = count;
+    k.dtype = t;
+    k.op = op;
+    k.root = root;
+    return k;
+}
+
+/* ---- running a call ---- */
+
+static ddp_result ddp__run(ddp_group *g, const ddp__backend *b, const ddp__call *k, const ddp__coll *c) {
+    if (g->broken) return DDP_ERR_STATE;
+    g->mesh.waiting_for = -1;
+    return b->run(g, k, c);
+}
+
+/* Check a call's arguments on the caller's thread; a bad call never reaches the wire. */
+static ddp_result ddp__validate(ddp_group *g, const ddp__call *k) {
+    const char *name = ddp__coll_name(k->kind);
+    size_t es, ranks;
+    if (!g) return ddp__fail(NULL, DDP_ERR_INVALID_ARGUMENT, "%s: the group is NULL (did ddp_init succeed?)", name);
+    if (k->kind == DDP__BARRIER) return DDP_SUCCESS;
+    if (!ddp__dtype_valid(k->dtype))
+        return ddp__fail(g, DDP_ERR_INVALID_ARGUMENT, "%s: dtype %d is not a ddp_dtype (DDP_F32 ... DDP_I64)", name, (int)k->dtype);
+    if ((k->kind == DDP__ALL_REDUCE || k->kind == DDP__REDUCE || k->kind == DDP__REDUCE_SCATTER) && !ddp__op_valid(k->op))
+        return ddp__fail(g, DDP_ERR_INVALID_ARGUMENT, "%s: op %d is not a ddp_op (DDP_SUM, DDP_AVG, DDP_PROD, DDP_MIN, DDP_MAX)",
+                         name, (int)k->op);
+    if ((k->kind == DDP__BROADCAST || k->kind == DDP__REDUCE) && (k->root < 0 || k->root >= g->world_size))
+        return ddp__fail(g, DDP_ERR_INVALID_ARGUMENT, "%s: root %d is not a rank of this group (world size %d)", name, k->root,
+                         g->world_size);
+    es = ddp_dtype_size(k->dtype);
+    ranks = (k->kind == DDP__ALL_GATHER || k->kind == DDP__REDUCE_SCATTER) ? (size_t)g->world_size : 1;
+    if (k->count > SIZE_MAX / es / ranks / 2)
+        return ddp__fail(g, DDP_ERR_INVALID_ARGUMENT, "%s: count %zu is too large", name, k->count);
+    if (k->count && !k->buf)
+        return ddp__fail(g, DDP_ERR_INVALID_ARGUMENT, "%s: the buffer is NULL with count %zu", name, k->count);
+    if (k->count && (k->kind == DDP__ALL_GATHER || k->kind == DDP__REDUCE_SCATTER) && !k->send)
+        return ddp__fail(g, DDP_ERR_INVALID_ARGUMENT, "%s: the send buffer is NULL with count %zu", name, k->count);
+    return DDP_SUCCESS;
+}
+
+static void ddp__fingerprint(ddp_group *g, const ddp__call *k, ddp__coll *c) {
+    int takes_op = k->kind == DDP__ALL_REDUCE || k->kind == DDP__REDUCE || k->kind == DDP__REDUCE_SCATTER;
+    c->seq = ++g->seq;
+    c->kind = (uint8_t)k->kind;
+    c->count = k->kind == DDP__BARRIER ? 0 : k->count;
+    c->dtype = (uint8_t)(k->kind == DDP__BARRIER ? 0 : k->dtype);
+    c->op = (uint8_t)(takes_op ? k->op : DDP__NO_OP);
+    c->root = (k->kind == DDP__BROADCAST || k->kind == DDP__REDUCE) ? k->root : -1;
+}
+
+/* The message for a call on a group that an earlier error broke; written to out (DDP__ERR_MAX). */
+static const char *ddp__broken_message(const ddp_group *g, const ddp__call *k, char *out) {
+    snprintf(out, DDP__ERR_MAX, "%s: the group is broken by an earlier error and cannot be used; destroy it. The "
+             "error was: %.800s", ddp__coll_name(k->kind), g->broken_msg);
+    return out;
+}
+
+/* ---- the progress thread: runs queued work in issue order ---- */
+
+static void *ddp__progress_main(void *arg) {
+    ddp_group *g = (ddp_group *)arg;
+    pthread_mutex_lock(&g->async.mu);
+    for (;;) {
+        ddp_work *w;
+        ddp_result r;
+        while (!g->async.head && !g->async.stop) pthread_cond_wait(&g->async.cv, &g->async.mu);
+        if (!g->async.head) break;
+        w = g->async.head;
+        pthread_mutex_unlock(&g->async.mu);
+        if (g->broken) {
+            r = DDP_ERR_STATE;
+            ddp__broken_message(g, &w->call, w->error);
+        } else if ((r = ddp__run(g, g->backend, &w->call, &w->coll)) != DDP_SUCCESS) {
+            snprintf(w->error, sizeof w->error, "%s", g->broken_msg);
+        }
+        pthread_mutex_lock(&g->async.mu);
+        w->result = r;
+        w->done = 1;
+        g->async.head = w->next; /* dequeued only when done: "queue empty" means "nothing in flight" */
+        if (!g->async.head) g->async.tail = NULL;
+        pthread_cond_broadcast(&g->async.cv);
+    }
+    pthread_mutex_unlock(&g->async.mu);
+    return NULL;
+}
+
+/* Wait until every queued async collective has finished (so a synchronous one runs after them). */
+static void ddp__drain(ddp_group *g) {
+    pthread_mutex_lock(&g->async.mu);
+    while (g->async.head) pthread_cond_wait(&g->async.cv, &g->async.mu);
+    pthread_mutex_unlock(&g->async.mu);
+}
+
+/* Stop the progress thread (group teardown); queued work is finished first. */
+static void ddp__progress_stop(ddp_group *g) {
+    if (!g->async.running) return;
+    pthread_mutex_lock(&g->async.mu);
+    g->async.stop = 1;
+    pthread_cond_broadcast(&g->async.cv);
+    pthread_mutex_unlock(&g->async.mu);
+    pthread_join(g->async.thread, NULL);
+    g->async.running = 0;
+}
+
+static ddp_result ddp__collective_on(ddp_group *g, const ddp__backend *b, const ddp__call *k) {
+    char c_msg[DDP__ERR_MAX];
+    ddp__coll c;
+    ddp_result r = ddp__validate(g, k);
+    if (r) return r;
+    ddp__drain(g);
+    if (g->broken) return ddp__fail(g, DDP_ERR_STATE, "%s", ddp__broken_message(g, k, c_msg));
+    ddp__fingerprint(g, k, &c);
+    r = ddp__run(g, b, k, &c);
+    if (r) return ddp__fail(g, r, "%s", g->broken_msg);
+    return DDP_SUCCESS;
+}
+
+static ddp_result ddp__collective(ddp_group *g, const ddp__call *k) {
+    return ddp__collective_on(g, g ? g->backend : NULL, k);
+}
+
+static ddp_result ddp__collective_async(ddp_group *g, const ddp__call *k, ddp_work **out) {
+    ddp_work *w;
+    ddp_result r;
+    if (!out) return ddp__fail(g, DDP_ERR_INVALID_ARGUMENT, "%s_async: the ddp_work **out argument is NULL", ddp__coll_name(k->kind));
+    *out = NULL;
+    if ((r = ddp__validate(g, k)) != DDP_SUCCESS) return r;
+    if (g->backend->enqueue && g->backend->enqueue(g, k, out, &r)) return r; /* the backend took it (nccl: device work) */
+    w = (ddp_work *)ddp__calloc(1, sizeof *w);
+    if (!w) return ddp__fail(g, DDP_ERR_OUT_OF_MEMORY, "out of memory allocating a ddp_work");
+    w->g = g;
+    w->call = *k;
+    pthread_mutex_lock(&g->async.mu);
+    if (!g->async.running) {
+        if (pthread_create(&g->async.thread, NULL, ddp__progress_main, g) != 0) {
+            pthread_mutex_unlock(&g->async.mu);
+            ddp__free(w);
+            return ddp__fail(g, DDP_ERR_SYSTEM, "could not start the progress thread: %s", strerror(errno));
+        }
+        g->async.running = 1;
+    }
+    ddp__fingerprint(g, k, &w->coll); /* under the lock: seq order is issue order */
+    if (g->async.tail)
+        g->async.tail->next = w;
+    else
+        g->async.head = w;
+    g->async.tail = w;
+    pthread_cond_broadcast(&g->async.cv);
+    pthread_mutex_unlock(&g->async.mu);
+    *out = w;
+    return DDP_SUCCESS;
+}
+
+static ddp_result ddp__group_abort(ddp_group *g, ddp_result code, const char *msg) {
+    ddp__drain(g);
+    return ddp__group_break(g, code, msg);
+}
+
+DDP_API ddp_result ddp_wait(ddp_work *w) {
+    ddp_group *g;
+    ddp_result r;
+    if (!w) return ddp__fail(NULL, DDP_ERR_INVALID_ARGUMENT, "ddp_wait: the work handle is NULL");
+    if (w->owner) return w->owner->wait(w);
+    g = w->g;
+    pthread_mutex_lock(&g->async.mu);
+    while (!w->done) pthread_cond_wait(&g->async.cv, &g->async.mu);
+    pthread_mutex_unlock(&g->async.mu);
+    r = w->result;
+    if (r) ddp__fail(g, r, "%s", w->error);
+    ddp__free(w);
+    return r;
+}
+
+DDP_API int ddp_test(ddp_work *w) {
+    int done;
+    if (!w) return 1;
+    if (w->owner) return w->owner->test(w);
+    pthread_mutex_lock(&w->g->async.mu);
+    done = w->done;
+    pthread_mutex_unlock(&w->g->async.mu);
+    return done;
+}
+
+/* ---- the public collectives: describe the call, then run it now or queue it ---- */
+
+DDP_API ddp_result ddp_all_reduce(ddp_group *g, void *buf, size_t count, ddp_dtype t, ddp_op op) {
+    ddp__call k = ddp__make_call(DDP__ALL_REDUCE, NULL, buf, count, t, op, -1);
+    return ddp__collective(g, &k);
+}
+DDP_API ddp_result ddp_broadcast(ddp_group *g, void *buf, size_t count, ddp_dtype t, int root) {
+    ddp__call k = ddp__make_call(DDP__BROADCAST, NULL, buf, count, t, DDP_SUM, root);
+    return ddp__collective(g, &k);
+}
+DDP_API ddp_result ddp_reduce(ddp_group *g, void *buf, size_t count, ddp_dtype t, ddp_op op, int root) {
+    ddp__call k = ddp__make_call(DDP__REDUCE, NULL, buf, count, t, op, root);
+    return ddp__collective(g, &k);
+}
+DDP_API ddp_result ddp_all_gather(ddp_group *g, const void *send, void *recv, size_t count_per_rank, ddp_dtype t) {
+    ddp__call k = ddp__make_call(DDP__ALL_GATHER, send, recv, count_per_rank, t, DDP_SUM, -1);
+    return ddp__collective(g, &k);
+}
+DDP_API ddp_result ddp_reduce_scatter(ddp_group *g, const void *send, void *recv, size_t count_per_rank, ddp_dtype t,
+                                      ddp_op op) {
+    ddp__call k = ddp__make_call(DDP__REDUCE_SCATTER, send, recv, count_per_rank, t, op, -1);
+    return ddp__collective(g, &k);
+}
+DDP_API ddp_result ddp_barrier(ddp_group *g) {
+    ddp__call k = ddp__make_call(DDP__BARRIER, NULL, NULL, 0, DDP_U8, DDP_SUM, -1);
+    return ddp__collective(g, &k);
+}
+
+DDP_API ddp_result ddp_all_reduce_async(ddp_group *g, void *buf, size_t count, ddp_dtype t, ddp_op op, ddp_work **w) {
+    ddp__call k = ddp__make_call(DDP__ALL_REDUCE, NULL, buf, count, t, op, -1);
+    return ddp__collective_async(g, &k, w);
+}
+DDP_API ddp_result ddp_broadcast_async(ddp_group *g, void *buf, size_t count, ddp_dtype t, int root, ddp_work **w) {
+    ddp__call k = ddp__make_call(DDP__BROADCAST, NULL, buf, count, t, DDP_SUM, root);
+    return ddp__collective_async(g, &k, w);
+}
+DDP_API ddp_result ddp_reduce_async(ddp_group *g, void *buf, size_t count, ddp_dtype t, ddp_op op, int root, ddp_work **w) {
+    ddp__call k = ddp__make_call(DDP__REDUCE, NULL, buf, count, t, op, root);
+    return ddp__collective_async(g, &k, w);
+}
+DDP_API ddp_result ddp_all_gather_async(ddp_group *g, const void *send, void *recv, size_t count_per_rank, ddp_dtype t,
+                                        ddp_work **w) {
+    ddp__call k = ddp__make_call(DDP__ALL_GATHER, send, recv, count_per_rank, t, DDP_SUM, -1);
+    return ddp__collective_async(g, &k, w);
+}
+DDP_API ddp_result ddp_reduce_scatter_async(ddp_group *g, const void *send, void *recv, size_t count_per_rank, ddp_dtype t,
+                                            ddp_op op, ddp_work **w) {
+    ddp__call k = ddp__make_call(DDP__REDUCE_SCATTER, send, recv, count_per_rank, t, op, -1);
+    return ddp__collective_async(g, &k, w);
+}
+DDP_API ddp_result ddp_barrier_async(ddp_group *g, ddp_work **w) {
+    ddp__call k = ddp__make_call(DDP__BARRIER, NULL, NULL, 0, DDP_U8, DDP_SUM, -1);
+    return ddp__collective_async(g, &k, w);
+}
+/* ==================== end src/collectives.c ==================== */
+
+/* ==================== begin src/tcp.c ==================== */
+/* [SECTION] tcp: the tcp backend, collective algorithms over the TCP mesh (Gloo's and MPI's ring and
+   recursive-doubling algorithms)
 
    Every algorithm is built from ring steps: in each step a rank sends to its right neighbour
    (rank + 1) and receives from its left (rank - 1) at the same time.
@@ -4569,29 +5094,6 @@ static void ddp__say_goodbye(ddp_group *g, double seconds) {
       is broken at once, so its last call is the one that reports it. */
 
 static int ddp__mod(int a, int n) { return ((a % n) + n) % n; }
-
-/* Chunk i of `count` elements cut into n nearly equal parts (the first count % n get one more). */
-static void ddp__chunk(size_t count, int n, int i, size_t *off, size_t *len) {
-    size_t base = count / (size_t)n, rem = count % (size_t)n, ui = (size_t)i;
-    *off = ui * base + DDP__MIN(ui, rem);
-    *len = base + (ui < rem ? 1 : 0);
-}
-
-/* Staging memory owned by the group (one collective runs at a time on a group). */
-static void *ddp__scratch(ddp_group *g, size_t bytes) {
-    if (bytes > g->scratch_size) {
-        void *p = ddp__malloc(bytes);
-        if (!p) return NULL;
-        ddp__free(g->scratch);
-        g->scratch = p;
-        g->scratch_size = bytes;
-    }
-    return g->scratch;
-}
-
-static ddp_result ddp__no_memory(ddp_group *g, size_t bytes) {
-    return ddp__coll_fail(g, DDP_ERR_OUT_OF_MEMORY, "out of memory: could not allocate %zu bytes of staging memory", bytes);
-}
 
 /* Ring reduce-scatter in place: afterwards chunk `rank` of buf is reduced over all ranks (op AVG is
    left as the sum). In step s, send chunk rank-s-1 and add the received chunk rank-s-2. */
@@ -4666,7 +5168,6 @@ static void ddp__finish_avg(ddp_group *g, char *buf, size_t count, ddp_dtype t, 
    0.5x the ring's time up to 8 KiB and 0.85x at 32 KiB on 2 ranks, 0.4-0.6x up to 32 KiB and 0.9x at
    256 KiB on 4; the ring won from 64 KiB on 2 ranks. It is no setting: ranks that disagreed on it would
    run different algorithms for the same call, which no fingerprint catches. */
-#define DDP__RD_MAX_BYTES ((size_t)32 << 10)
 
 /* One step of the algorithm: send `sbytes` of `sbuf` to `to` while receiving `rbytes` into `rbuf`
    from `from` (-1: no such side). */
@@ -4726,12 +5227,9 @@ static ddp_result ddp__rd_all_reduce(ddp_group *g, const ddp__coll *c, char *buf
    above for the rest (bandwidth-bound). The choice depends only on the fingerprint (count, dtype) and
    the world size, so ranks that agree on the call run the same algorithm; ranks that disagree are
    caught as the comment at the top explains. */
-static ddp_result ddp__hier_all_reduce(ddp_group *g, const ddp__coll *c, void *buf, size_t count, ddp_dtype t, ddp_op op);
-
 static ddp_result ddp__do_all_reduce(ddp_group *g, const ddp__coll *c, void *buf, size_t count, ddp_dtype t, ddp_op op) {
     ddp_result r;
     if (count * ddp_dtype_size(t) <= DDP__RD_MAX_BYTES) return ddp__rd_all_reduce(g, c, (char *)buf, count, t, op);
-    if (g->hier) return ddp__hier_all_reduce(g, c, buf, count, t, op); /* hier.c: ranks on several hosts */
     if ((r = ddp__ring_reduce_scatter(g, c, (char *)buf, count, t, op)) != DDP_SUCCESS) return r;
     ddp__finish_avg(g, (char *)buf, count, t, op);
     return ddp__ring_all_gather(g, c, (char *)buf, count, ddp_dtype_size(t));
@@ -4852,65 +5350,9 @@ static ddp_result ddp__do_reduce_scatter(ddp_group *g, const ddp__coll *c, const
    from every other rank. */
 static ddp_result ddp__do_barrier(ddp_group *g, const ddp__coll *c) { return ddp__ring_all_gather(g, c, NULL, 0, 1); }
 
-/* ---- one description of a call, for the synchronous path and the async queue alike ---- */
+/* ---- the backend ---- */
 
-typedef struct ddp__call {
-    ddp__coll_kind kind;
-    const void *send;
-    void *buf; /* in-place buffer, or recv */
-    size_t count;
-    ddp_dtype dtype;
-    ddp_op op;
-    int root;
-} ddp__call;
-
-struct ddp_work {
-    ddp_group *g;
-    ddp__call call;
-    ddp__coll coll;
-    ddp_result result;
-    int done;
-    char error[DDP__ERR_MAX];
-    ddp_work *next;
-    void *nccl_event; /* nccl backend, device memory: the CUDA event after the queued call (nccl.c) */
-};
-
-/* A single rank has nobody to talk to: only the data movement of the collective remains. */
-static void ddp__run_alone(const ddp__call *k) {
-    size_t bytes = k->count * ddp_dtype_size(k->dtype);
-    if ((k->kind == DDP__ALL_GATHER || k->kind == DDP__REDUCE_SCATTER) && bytes && k->send != k->buf)
-        memmove(k->buf, k->send, bytes);
-}
-
-static ddp_result ddp__shm_run(ddp_group *g, const ddp__call *k, const ddp__coll *c); /* shm.c */
-static ddp_result ddp__mpi_run(ddp_group *g, const ddp__call *k, const ddp__coll *c); /* mpi.c */
-/* nccl.c: device calls run on NCCL (*host = 0); checked host calls go on to the cpu path (*host = 1) */
-static ddp_result ddp__nccl_run(ddp_group *g, const ddp__call *k, const ddp__coll *c, int *host);
-static int ddp__nccl_async(ddp_group *g, const ddp__call *k, ddp_work **out, ddp_result *res);
-static ddp_result ddp__nccl_wait_work(ddp_work *w);
-static int ddp__nccl_test_work(ddp_work *w);
-
-static ddp_result ddp__run(ddp_group *g, const ddp__call *k, const ddp__coll *c) {
-    if (g->broken) return DDP_ERR_STATE;
-    g->waiting_for = -1;
-    if (g->nccl) {
-        int host = 0;
-        ddp_result r = ddp__nccl_run(g, k, c, &host);
-        if (r || !host) return r;
-    }
-    if (g->world_size == 1) {
-        ddp__run_alone(k);
-        return DDP_SUCCESS;
-    }
-    if (g->mpi) return ddp__mpi_run(g, k, c);
-    if (g->shm) {
-        ddp_result r;
-        g->running_seq = c->seq;
-        r = ddp__shm_run(g, k, c);
-        g->running_seq = 0;
-        return r;
-    }
-    g->tcp_runs++;
+static ddp_result ddp__tcp_run(ddp_group *g, const ddp__call *k, const ddp__coll *c) {
     switch (k->kind) {
     case DDP__ALL_REDUCE: return ddp__do_all_reduce(g, c, k->buf, k->count, k->dtype, k->op);
     case DDP__BROADCAST: return ddp__do_broadcast(g, c, k->buf, k->count, k->dtype, k->root);
@@ -4922,233 +5364,314 @@ static ddp_result ddp__run(ddp_group *g, const ddp__call *k, const ddp__coll *c)
     }
 }
 
-/* Check a call's arguments on the caller's thread; a bad call never reaches the wire. */
-static ddp_result ddp__validate(ddp_group *g, const ddp__call *k) {
-    const char *name = ddp__coll_name(k->kind);
-    size_t es, ranks;
-    if (!g) return ddp__fail(NULL, DDP_ERR_INVALID_ARGUMENT, "%s: the group is NULL (did ddp_init succeed?)", name);
-    if (k->kind == DDP__BARRIER) return DDP_SUCCESS;
-    if (!ddp__dtype_valid(k->dtype))
-        return ddp__fail(g, DDP_ERR_INVALID_ARGUMENT, "%s: dtype %d is not a ddp_dtype (DDP_F32 ... DDP_I64)", name, (int)k->dtype);
-    if ((k->kind == DDP__ALL_REDUCE || k->kind == DDP__REDUCE || k->kind == DDP__REDUCE_SCATTER) && !ddp__op_valid(k->op))
-        return ddp__fail(g, DDP_ERR_INVALID_ARGUMENT, "%s: op %d is not a ddp_op (DDP_SUM, DDP_AVG, DDP_PROD, DDP_MIN, DDP_MAX)",
-                         name, (int)k->op);
-    if ((k->kind == DDP__BROADCAST || k->kind == DDP__REDUCE) && (k->root < 0 || k->root >= g->world_size))
-        return ddp__fail(g, DDP_ERR_INVALID_ARGUMENT, "%s: root %d is not a rank of this group (world size %d)", name, k->root,
-                         g->world_size);
-    es = ddp_dtype_size(k->dtype);
-    ranks = (k->kind == DDP__ALL_GATHER || k->kind == DDP__REDUCE_SCATTER) ? (size_t)g->world_size : 1;
-    if (k->count > SIZE_MAX / es / ranks / 2)
-        return ddp__fail(g, DDP_ERR_INVALID_ARGUMENT, "%s: count %zu is too large", name, k->count);
-    if (k->count && !k->buf)
-        return ddp__fail(g, DDP_ERR_INVALID_ARGUMENT, "%s: the buffer is NULL with count %zu", name, k->count);
-    if (k->count && (k->kind == DDP__ALL_GATHER || k->kind == DDP__REDUCE_SCATTER) && !k->send)
-        return ddp__fail(g, DDP_ERR_INVALID_ARGUMENT, "%s: the send buffer is NULL with count %zu", name, k->count);
+static void ddp__tcp_backend_close(ddp_group *g, int orderly) { (void)g, (void)orderly; } /* the mesh is group.c's */
+
+/* Every group starts on it (set-up runs over the mesh) and keeps it when its ranks share no host. */
+static const ddp__backend ddp__backend_tcp = {
+    "tcp", "cpu", ddp__tcp_run, NULL, NULL, NULL, ddp__tcp_backend_close,
+    ddp__host_alloc, ddp__host_release, ddp__host_zero, ddp__host_copy_in_scaled, ddp__host_copy_out};
+
+/* A single rank has nobody to talk to: only the data movement of the collective remains. */
+static ddp_result ddp__alone_run(ddp_group *g, const ddp__call *k, const ddp__coll *c) {
+    size_t bytes = k->count * ddp_dtype_size(k->dtype);
+    (void)g, (void)c;
+    if ((k->kind == DDP__ALL_GATHER || k->kind == DDP__REDUCE_SCATTER) && bytes && k->send != k->buf)
+        memmove(k->buf, k->send, bytes);
     return DDP_SUCCESS;
 }
 
-static void ddp__fingerprint(ddp_group *g, const ddp__call *k, ddp__coll *c) {
-    int takes_op = k->kind == DDP__ALL_REDUCE || k->kind == DDP__REDUCE || k->kind == DDP__REDUCE_SCATTER;
-    c->seq = ++g->seq;
-    c->kind = (uint8_t)k->kind;
-    c->count = k->kind == DDP__BARRIER ? 0 : k->count;
-    c->dtype = (uint8_t)(k->kind == DDP__BARRIER ? 0 : k->dtype);
-    c->op = (uint8_t)(takes_op ? k->op : DDP__NO_OP);
-    c->root = (k->kind == DDP__BROADCAST || k->kind == DDP__REDUCE) ? k->root : -1;
+static void ddp__alone_close(ddp_group *g, int orderly) { (void)g, (void)orderly; }
+
+/* A group of one rank: no mesh. */
+static const ddp__backend ddp__backend_alone = {
+    "alone", "cpu", ddp__alone_run, NULL, NULL, NULL, ddp__alone_close,
+    ddp__host_alloc, ddp__host_release, ddp__host_zero, ddp__host_copy_in_scaled, ddp__host_copy_out};
+
+static const ddp__backend *ddp__initial_backend(int world_size) {
+    return world_size > 1 ? &ddp__backend_tcp : &ddp__backend_alone;
 }
 
-/* The message for a call on a group that an earlier error broke; written to out (DDP__ERR_MAX). */
-static const char *ddp__broken_message(const ddp_group *g, const ddp__call *k, char *out) {
-    snprintf(out, DDP__ERR_MAX, "%s: the group is broken by an earlier error and cannot be used; destroy it. The "
-             "error was: %.800s", ddp__coll_name(k->kind), g->broken_msg);
-    return out;
+/* ---- set-up collectives over the mesh (ddp__collective_on with this backend) ---- */
+
+static ddp_result ddp__mesh_all_gather(ddp_group *g, const void *send, void *recv, size_t count, ddp_dtype t) {
+    ddp__call k = ddp__make_call(DDP__ALL_GATHER, send, recv, count, t, DDP_SUM, -1);
+    return ddp__collective_on(g, &ddp__backend_tcp, &k);
 }
-
-/* ---- the progress thread: runs queued work in issue order ---- */
-
-static void *ddp__progress_main(void *arg) {
-    ddp_group *g = (ddp_group *)arg;
-    pthread_mutex_lock(&g->mu);
-    for (;;) {
-        ddp_work *w;
-        ddp_result r;
-        while (!g->queue_head && !g->progress_stop) pthread_cond_wait(&g->cv, &g->mu);
-        if (!g->queue_head) break;
-        w = g->queue_head;
-        pthread_mutex_unlock(&g->mu);
-        if (g->broken) {
-            r = DDP_ERR_STATE;
-            ddp__broken_message(g, &w->call, w->error);
-        } else if ((r = ddp__run(g, &w->call, &w->coll)) != DDP_SUCCESS) {
-            snprintf(w->error, sizeof w->error, "%s", g->broken_msg);
-        }
-        pthread_mutex_lock(&g->mu);
-        w->result = r;
-        w->done = 1;
-        g->queue_head = w->next; /* dequeued only when done: "queue empty" means "nothing in flight" */
-        if (!g->queue_head) g->queue_tail = NULL;
-        pthread_cond_broadcast(&g->cv);
-    }
-    pthread_mutex_unlock(&g->mu);
-    return NULL;
-}
-
-/* Wait until every queued async collective has finished (so a synchronous one runs after them). */
-static void ddp__drain(ddp_group *g) {
-    pthread_mutex_lock(&g->mu);
-    while (g->queue_head) pthread_cond_wait(&g->cv, &g->mu);
-    pthread_mutex_unlock(&g->mu);
-}
-
-/* Stop the progress thread (group teardown); queued work is finished first. */
-static void ddp__progress_stop(ddp_group *g) {
-    if (!g->progress_running) return;
-    pthread_mutex_lock(&g->mu);
-    g->progress_stop = 1;
-    pthread_cond_broadcast(&g->cv);
-    pthread_mutex_unlock(&g->mu);
-    pthread_join(g->progress, NULL);
-    g->progress_running = 0;
-}
-
-static ddp_result ddp__call_sync(ddp_group *g, const ddp__call *k) {
-    char c_msg[DDP__ERR_MAX];
-    ddp__coll c;
-    ddp_result r = ddp__validate(g, k);
-    if (r) return r;
-    ddp__drain(g);
-    if (g->broken) return ddp__fail_to(ddp__error_buffer(g), DDP_ERR_STATE, "%s", ddp__broken_message(g, k, c_msg));
-    ddp__fingerprint(g, k, &c);
-    r = ddp__run(g, k, &c);
-    if (r) return ddp__fail(g, r, "%s", g->broken_msg);
-    return DDP_SUCCESS;
-}
-
-static ddp_result ddp__call_async(ddp_group *g, const ddp__call *k, ddp_work **out) {
-    ddp_work *w;
-    ddp_result r;
-    if (!out) return ddp__fail(g, DDP_ERR_INVALID_ARGUMENT, "%s_async: the ddp_work **out argument is NULL", ddp__coll_name(k->kind));
-    *out = NULL;
-    if ((r = ddp__validate(g, k)) != DDP_SUCCESS) return r;
-    if (g->nccl && ddp__nccl_async(g, k, out, &r)) return r; /* device memory: queued on the stream now */
-    w = (ddp_work *)ddp__calloc(1, sizeof *w);
-    if (!w) return ddp__fail(g, DDP_ERR_OUT_OF_MEMORY, "out of memory allocating a ddp_work");
-    w->g = g;
-    w->call = *k;
-    pthread_mutex_lock(&g->mu);
-    if (!g->progress_running) {
-        if (pthread_create(&g->progress, NULL, ddp__progress_main, g) != 0) {
-            pthread_mutex_unlock(&g->mu);
-            ddp__free(w);
-            return ddp__fail(g, DDP_ERR_SYSTEM, "could not start the progress thread: %s", strerror(errno));
-        }
-        g->progress_running = 1;
-    }
-    ddp__fingerprint(g, k, &w->coll); /* under the lock: seq order is issue order */
-    if (g->queue_tail)
-        g->queue_tail->next = w;
-    else
-        g->queue_head = w;
-    g->queue_tail = w;
-    pthread_cond_broadcast(&g->cv);
-    pthread_mutex_unlock(&g->mu);
-    *out = w;
-    return DDP_SUCCESS;
-}
-
-DDP_API ddp_result ddp_wait(ddp_work *w) {
-    ddp_group *g;
-    ddp_result r;
-    if (!w) return ddp__fail(NULL, DDP_ERR_INVALID_ARGUMENT, "ddp_wait: the work handle is NULL");
-    if (w->nccl_event) return ddp__nccl_wait_work(w);
-    g = w->g;
-    pthread_mutex_lock(&g->mu);
-    while (!w->done) pthread_cond_wait(&g->cv, &g->mu);
-    pthread_mutex_unlock(&g->mu);
-    r = w->result;
-    if (r) ddp__fail(g, r, "%s", w->error);
-    ddp__free(w);
-    return r;
-}
-
-DDP_API int ddp_test(ddp_work *w) {
-    int done;
-    if (!w) return 1;
-    if (w->nccl_event) return ddp__nccl_test_work(w);
-    pthread_mutex_lock(&w->g->mu);
-    done = w->done;
-    pthread_mutex_unlock(&w->g->mu);
-    return done;
-}
-
-/* ---- the public collectives: describe the call, then run it now or queue it ---- */
-
-static ddp__call ddp__make_call(ddp__coll_kind kind, const void *send, void *buf, size_t count, ddp_dtype t, ddp_op op,
-                                int root) {
-    ddp__call k;
-    k.kind = kind;
-    k.send = send;
-    k.buf = buf;
-    k.count = count;
-    k.dtype = t;
-    k.op = op;
-    k.root = root;
-    return k;
-}
-
-DDP_API ddp_result ddp_all_reduce(ddp_group *g, void *buf, size_t count, ddp_dtype t, ddp_op op) {
-    ddp__call k = ddp__make_call(DDP__ALL_REDUCE, NULL, buf, count, t, op, -1);
-    return ddp__call_sync(g, &k);
-}
-DDP_API ddp_result ddp_broadcast(ddp_group *g, void *buf, size_t count, ddp_dtype t, int root) {
+static ddp_result ddp__mesh_broadcast(ddp_group *g, void *buf, size_t count, ddp_dtype t, int root) {
     ddp__call k = ddp__make_call(DDP__BROADCAST, NULL, buf, count, t, DDP_SUM, root);
-    return ddp__call_sync(g, &k);
+    return ddp__collective_on(g, &ddp__backend_tcp, &k);
 }
-DDP_API ddp_result ddp_reduce(ddp_group *g, void *buf, size_t count, ddp_dtype t, ddp_op op, int root) {
-    ddp__call k = ddp__make_call(DDP__REDUCE, NULL, buf, count, t, op, root);
-    return ddp__call_sync(g, &k);
+static ddp_result ddp__mesh_all_reduce(ddp_group *g, void *buf, size_t count, ddp_dtype t, ddp_op op) {
+    ddp__call k = ddp__make_call(DDP__ALL_REDUCE, NULL, buf, count, t, op, -1);
+    return ddp__collective_on(g, &ddp__backend_tcp, &k);
 }
-DDP_API ddp_result ddp_all_gather(ddp_group *g, const void *send, void *recv, size_t count_per_rank, ddp_dtype t) {
-    ddp__call k = ddp__make_call(DDP__ALL_GATHER, send, recv, count_per_rank, t, DDP_SUM, -1);
-    return ddp__call_sync(g, &k);
-}
-DDP_API ddp_result ddp_reduce_scatter(ddp_group *g, const void *send, void *recv, size_t count_per_rank, ddp_dtype t,
-                                      ddp_op op) {
-    ddp__call k = ddp__make_call(DDP__REDUCE_SCATTER, send, recv, count_per_rank, t, op, -1);
-    return ddp__call_sync(g, &k);
-}
-DDP_API ddp_result ddp_barrier(ddp_group *g) {
+static ddp_result ddp__mesh_barrier(ddp_group *g) {
     ddp__call k = ddp__make_call(DDP__BARRIER, NULL, NULL, 0, DDP_U8, DDP_SUM, -1);
-    return ddp__call_sync(g, &k);
+    return ddp__collective_on(g, &ddp__backend_tcp, &k);
+}
+/* ==================== end src/tcp.c ==================== */
+
+/* ==================== begin src/alloc.c ==================== */
+/* [SECTION] alloc: ddp_alloc / ddp_free, library buffers that collectives use in place
+   On a group whose ranks share one host, every rank maps one shared segment (shm.c), which ends with
+   an arena per rank: address space reserved for ddp_alloc, taking memory only where blocks are handed
+   out. A buffer in an arena can be read and written by every rank of the group, so collectives on it
+   need no staging copies (shm.c's single-copy algorithms ask ddp__lib_offset whether a buffer is one).
+   Elsewhere, or when the arena is full, ddp_alloc gives plain aligned heap memory.
+
+   This rank's arena is carved into page-multiple blocks, listed in offset order: first fit, else the
+   top grows. A block's pages are reserved with fallocate when it is handed out (a full /dev/shm then
+   means plain memory instead of SIGBUS later) and punched out when it is freed, so a block always
+   starts zero-filled and freed memory goes back to the system. One spin lock (g->lib.lock) guards the
+   block list and the heap list: ddp_alloc and ddp_free may be called from any thread. */
+
+#include <sys/statvfs.h>
+
+static void ddp__lib_lock(ddp_group *g) {
+    while (__atomic_exchange_n(&g->lib.lock, 1, __ATOMIC_ACQUIRE)) sched_yield();
+}
+static void ddp__lib_unlock(ddp_group *g) { __atomic_store_n(&g->lib.lock, 0, __ATOMIC_RELEASE); }
+
+/* The index of the arena block holding offset off (the blocks cover [0, top)); -1 when off >= top. */
+static long ddp__block_find(const ddp__arena *a, size_t off) {
+    size_t lo = 0, hi = a->nblocks;
+    if (off >= a->top) return -1;
+    while (hi - lo > 1) { /* the last block whose start is <= off */
+        size_t mid = lo + (hi - lo) / 2;
+        if (a->blocks[mid].off <= off)
+            lo = mid;
+        else
+            hi = mid;
+    }
+    return (long)lo;
 }
 
-DDP_API ddp_result ddp_all_reduce_async(ddp_group *g, void *buf, size_t count, ddp_dtype t, ddp_op op, ddp_work **w) {
-    ddp__call k = ddp__make_call(DDP__ALL_REDUCE, NULL, buf, count, t, op, -1);
-    return ddp__call_async(g, &k, w);
+/* The arena offset of [p, p + bytes) when it lies inside one live block of this rank's arena. */
+static uint64_t ddp__lib_offset(ddp_group *g, const void *p, size_t bytes) {
+    ddp__arena *a = g->lib.arena;
+    uint64_t off = DDP__SHM_NOT_LIB;
+    long i;
+    size_t at;
+    if (!a || !a->base) return off;
+    at = (size_t)((uintptr_t)p - (uintptr_t)(a->base + (size_t)g->rank * a->bytes));
+    if ((uintptr_t)p < (uintptr_t)a->base || at >= a->bytes) return off;
+    ddp__lib_lock(g);
+    i = ddp__block_find(a, at);
+    if (i >= 0 && a->blocks[i].state == 1 && bytes <= a->blocks[i].off + a->blocks[i].size - at) off = at;
+    ddp__lib_unlock(g);
+    return off;
 }
-DDP_API ddp_result ddp_broadcast_async(ddp_group *g, void *buf, size_t count, ddp_dtype t, int root, ddp_work **w) {
-    ddp__call k = ddp__make_call(DDP__BROADCAST, NULL, buf, count, t, DDP_SUM, root);
-    return ddp__call_async(g, &k, w);
+
+/* Each rank's arena (rank 0 decides): DDP_SHM_ARENA_BYTES, else what /dev/shm can hold (the machine's
+   memory when /dev/shm is unlimited), at most 64 GiB, and at most 8 TiB of address space over all ranks
+   (every rank maps every arena). Only address space: pages are taken as blocks are allocated. */
+static size_t ddp__arena_size(ddp_group *g, int fd) {
+    char err[DDP__ERR_MAX];
+    long v = 0;
+    struct statvfs st;
+    uint64_t want = 0, cap = DDP__MIN((uint64_t)64 << 30, ((uint64_t)8 << 40) / (uint64_t)g->world_size);
+    int k = ddp__env_int("DDP_SHM_ARENA_BYTES", 0, (long)((uint64_t)1 << 46), &v, err);
+    if (k < 0) ddp__log(g, DDP_LOG_WARN, "%s; using the default arena size", err);
+    if (k > 0) return (size_t)((uint64_t)v & ~(uint64_t)(DDP__LIB_PAGE - 1));
+    if (fstatvfs(fd, &st) == 0) want = (uint64_t)st.f_blocks * (uint64_t)st.f_frsize;
+    if (want == 0) want = (uint64_t)sysconf(_SC_PHYS_PAGES) * (uint64_t)sysconf(_SC_PAGESIZE);
+    want = DDP__MIN(want, cap);
+    if (want > (uint64_t)(SIZE_MAX / 4)) want = (uint64_t)(SIZE_MAX / 4);
+    return (size_t)(want & ~(uint64_t)(DDP__ARENA_ALIGN - 1));
 }
-DDP_API ddp_result ddp_reduce_async(ddp_group *g, void *buf, size_t count, ddp_dtype t, ddp_op op, int root, ddp_work **w) {
-    ddp__call k = ddp__make_call(DDP__REDUCE, NULL, buf, count, t, op, root);
-    return ddp__call_async(g, &k, w);
+
+
+/* ---- the arena's block list ---- */
+
+/* Insert a block before index i of this rank's list. 0 when out of memory. */
+static int ddp__block_insert(ddp__arena *a, size_t i, size_t off, size_t size, int state) {
+    if (a->nblocks == a->cap) {
+        size_t cap = a->cap ? 2 * a->cap : 16;
+        ddp__block *b = (ddp__block *)ddp__malloc(cap * sizeof *b);
+        if (!b) return 0;
+        if (a->nblocks) memcpy(b, a->blocks, a->nblocks * sizeof *b);
+        ddp__free(a->blocks);
+        a->blocks = b;
+        a->cap = cap;
+    }
+    memmove(a->blocks + i + 1, a->blocks + i, (a->nblocks - i) * sizeof *a->blocks);
+    a->blocks[i].off = off;
+    a->blocks[i].size = size;
+    a->blocks[i].state = state;
+    a->nblocks++;
+    return 1;
 }
-DDP_API ddp_result ddp_all_gather_async(ddp_group *g, const void *send, void *recv, size_t count_per_rank, ddp_dtype t,
-                                        ddp_work **w) {
-    ddp__call k = ddp__make_call(DDP__ALL_GATHER, send, recv, count_per_rank, t, DDP_SUM, -1);
-    return ddp__call_async(g, &k, w);
+
+static void ddp__block_remove(ddp__arena *a, size_t i) {
+    memmove(a->blocks + i, a->blocks + i + 1, (a->nblocks - i - 1) * sizeof *a->blocks);
+    a->nblocks--;
 }
-DDP_API ddp_result ddp_reduce_scatter_async(ddp_group *g, const void *send, void *recv, size_t count_per_rank, ddp_dtype t,
-                                            ddp_op op, ddp_work **w) {
-    ddp__call k = ddp__make_call(DDP__REDUCE_SCATTER, send, recv, count_per_rank, t, op, -1);
-    return ddp__call_async(g, &k, w);
+
+/* Mark block i free and merge it with free neighbours; a free block at the end goes back above top. */
+static void ddp__block_release(ddp__arena *a, size_t i) {
+    a->blocks[i].state = 0;
+    if (i + 1 < a->nblocks && a->blocks[i + 1].state == 0) {
+        a->blocks[i].size += a->blocks[i + 1].size;
+        ddp__block_remove(a, i + 1);
+    }
+    if (i > 0 && a->blocks[i - 1].state == 0) {
+        a->blocks[i - 1].size += a->blocks[i].size;
+        ddp__block_remove(a, i--);
+    }
+    if (i + 1 == a->nblocks) {
+        a->top = a->blocks[i].off;
+        ddp__block_remove(a, i);
+    }
 }
-DDP_API ddp_result ddp_barrier_async(ddp_group *g, ddp_work **w) {
-    ddp__call k = ddp__make_call(DDP__BARRIER, NULL, NULL, 0, DDP_U8, DDP_SUM, -1);
-    return ddp__call_async(g, &k, w);
+
+/* Take need bytes (whole pages) of this rank's arena: the block's offset, or -1 when there is no room. */
+static long ddp__block_take(ddp__arena *a, size_t need) {
+    size_t i, off;
+    for (i = 0; i < a->nblocks; i++) {
+        if (a->blocks[i].state != 0 || a->blocks[i].size < need) continue;
+        if (a->blocks[i].size > need && !ddp__block_insert(a, i + 1, a->blocks[i].off + need, a->blocks[i].size - need, 0))
+            return -1;
+        a->blocks[i].size = need;
+        a->blocks[i].state = 1;
+        return (long)a->blocks[i].off;
+    }
+    if (need > a->bytes - a->top || !ddp__block_insert(a, a->nblocks, a->top, need, 1)) return -1;
+    off = a->top;
+    a->top += need;
+    return (long)off;
 }
-/* ==================== end src/collectives.c ==================== */
+
+static void *ddp__arena_alloc(ddp_group *g, size_t bytes) {
+    ddp__arena *a = g->lib.arena;
+    size_t need = (DDP__MAX(bytes, (size_t)1) + DDP__LIB_PAGE - 1) & ~(DDP__LIB_PAGE - 1);
+    char *mine;
+    long off;
+    int err;
+    if (!a || !a->base) return NULL;
+    mine = a->base + (size_t)g->rank * a->bytes;
+    ddp__lib_lock(g);
+    off = ddp__block_take(a, need);
+    ddp__lib_unlock(g);
+    if (off < 0) return NULL;
+    err = posix_fallocate(a->fd, a->file_off + (off_t)((size_t)g->rank * a->bytes + (size_t)off), (off_t)need);
+    if (err != 0) {
+        ddp__log(g, DDP_LOG_INFO, "ddp_alloc: cannot reserve %zu bytes of shared memory (%s): plain memory instead, "
+                 "which collectives stage through the segment", need, strerror(err));
+        ddp__lib_lock(g);
+        ddp__block_release(a, (size_t)ddp__block_find(a, (size_t)off));
+        ddp__lib_unlock(g);
+        return NULL;
+    }
+    return mine + off;
+}
+
+/* 1 when p was a live block of this rank's arena (now freed), 0 when it is not one. */
+static int ddp__arena_free(ddp_group *g, void *p) {
+    ddp__arena *a = g->lib.arena;
+    size_t at, size;
+    off_t file_at;
+    long i;
+    if (!a || !a->base || (uintptr_t)p < (uintptr_t)(a->base + (size_t)g->rank * a->bytes)) return 0;
+    at = (size_t)((uintptr_t)p - (uintptr_t)(a->base + (size_t)g->rank * a->bytes));
+    if (at >= a->bytes) return 0;
+    ddp__lib_lock(g);
+    i = ddp__block_find(a, at);
+    if (i < 0 || a->blocks[i].off != at || a->blocks[i].state != 1) {
+        ddp__lib_unlock(g);
+        return 0;
+    }
+    a->blocks[i].state = 2; /* being freed: neither handed out again nor freed twice meanwhile */
+    size = a->blocks[i].size;
+    ddp__lib_unlock(g);
+    /* give the pages back; should the file system refuse, zero them so the next block starts zero-filled */
+    file_at = a->file_off + (off_t)((size_t)g->rank * a->bytes + at);
+    if (fallocate(a->fd, FALLOC_FL_PUNCH_HOLE | FALLOC_FL_KEEP_SIZE, file_at, (off_t)size) != 0) memset(p, 0, size);
+    ddp__lib_lock(g);
+    ddp__block_release(a, (size_t)ddp__block_find(a, at));
+    ddp__lib_unlock(g);
+    return 1;
+}
+
+static void *ddp__heap_alloc(ddp_group *g, size_t bytes) {
+    char *raw = (char *)ddp__malloc(bytes + 63), *user;
+    int ok = 1;
+    if (!raw) return NULL;
+    user = (char *)(((uintptr_t)raw + 63) & ~(uintptr_t)63);
+    if (bytes) memset(user, 0, bytes);
+    ddp__lib_lock(g);
+    if (g->lib.heap_n == g->lib.heap_cap) {
+        size_t cap = g->lib.heap_cap ? 2 * g->lib.heap_cap : 16;
+        ddp__heap_block *b = (ddp__heap_block *)ddp__malloc(cap * sizeof *b);
+        if (b) {
+            if (g->lib.heap_n) memcpy(b, g->lib.heap, g->lib.heap_n * sizeof *b);
+            ddp__free(g->lib.heap);
+            g->lib.heap = b;
+            g->lib.heap_cap = cap;
+        } else {
+            ok = 0;
+        }
+    }
+    if (ok) {
+        g->lib.heap[g->lib.heap_n].user = user;
+        g->lib.heap[g->lib.heap_n++].raw = raw;
+    }
+    ddp__lib_unlock(g);
+    if (!ok) ddp__free(raw);
+    return ok ? user : NULL;
+}
+
+/* 1 when p was a live heap block (now freed), 0 when it is not one. */
+static int ddp__heap_free(ddp_group *g, void *p) {
+    void *raw = NULL;
+    size_t i;
+    ddp__lib_lock(g);
+    for (i = 0; i < g->lib.heap_n && !raw; i++)
+        if (g->lib.heap[i].user == p) {
+            raw = g->lib.heap[i].raw;
+            g->lib.heap[i] = g->lib.heap[--g->lib.heap_n];
+        }
+    ddp__lib_unlock(g);
+    ddp__free(raw);
+    return raw != NULL;
+}
+
+DDP_API void *ddp_alloc(ddp_group *g, size_t bytes) {
+    void *p;
+    if (!g) {
+        ddp__fail(NULL, DDP_ERR_INVALID_ARGUMENT, "ddp_alloc: the group is NULL (did ddp_init succeed?)");
+        return NULL;
+    }
+    if (bytes > SIZE_MAX / 4) {
+        ddp__fail(g, DDP_ERR_INVALID_ARGUMENT, "ddp_alloc: %zu bytes is more than any machine can hold", bytes);
+        return NULL;
+    }
+    if ((p = ddp__arena_alloc(g, bytes)) == NULL && (p = ddp__heap_alloc(g, bytes)) == NULL)
+        ddp__fail(g, DDP_ERR_OUT_OF_MEMORY, "ddp_alloc: out of memory for %zu bytes", bytes);
+    return p;
+}
+
+DDP_API void ddp_free(ddp_group *g, void *p) {
+    char msg[DDP__ERR_MAX];
+    if (!p) return;
+    if (!g) {
+        ddp__fail(NULL, DDP_ERR_INVALID_ARGUMENT, "ddp_free: the group is NULL; pass the group the memory came from");
+        return;
+    }
+    if (ddp__arena_free(g, p) || ddp__heap_free(g, p)) return;
+    snprintf(msg, sizeof msg, "ddp_free: %p is not a live block from ddp_alloc on this group (rank %d): freed already, "
+             "allocated on another group, or not from ddp_alloc; it was left alone", p, g->rank);
+    ddp__log(g, DDP_LOG_ERROR, "%s", msg);
+    ddp__fail(g, DDP_ERR_INVALID_ARGUMENT, "%s", msg);
+}
+
+static void ddp__lib_free_all(ddp_group *g) {
+    size_t i;
+    for (i = 0; i < g->lib.heap_n; i++) ddp__free(g->lib.heap[i].raw);
+    ddp__free(g->lib.heap);
+    g->lib.heap = NULL;
+    g->lib.heap_n = g->lib.heap_cap = 0;
+}
+/* ==================== end src/alloc.c ==================== */
 
 /* ==================== begin src/shm.c ==================== */
 /* [SECTION] shm: shared-memory transport for the ranks of a group that share one host
@@ -5208,7 +5731,6 @@ DDP_API ddp_result ddp_barrier_async(ddp_group *g, ddp_work **w) {
    rank wakes every millisecond to check the TCP mesh for a lost or aborting peer and its deadline. */
 
 #include <linux/futex.h>
-#include <sys/statvfs.h>
 #include <sys/uio.h>
 
 #define DDP__SHM_MAGIC 0x53504444u /* "DDPS" */
@@ -5237,18 +5759,6 @@ typedef struct ddp__shm_ctl {
     char pad[32];
 } ddp__shm_ctl;
 
-#define DDP__SHM_NOT_LIB UINT64_MAX
-
-/* One extent of this rank's arena; the list is sorted and covers [0, top) without gaps. */
-typedef struct ddp__block {
-    size_t off, size;
-    int state; /* 0 free, 1 in use, 2 being freed */
-} ddp__block;
-
-/* A ddp_alloc block that lives on the heap (no arena, or no room in it). */
-typedef struct ddp__heap_block {
-    void *user, *raw;
-} ddp__heap_block;
 
 struct ddp__shm {
     void *base;
@@ -5258,12 +5768,7 @@ struct ddp__shm {
     char *data;        /* world * 2 halves */
     size_t half;       /* bytes of one half */
     uint64_t step;     /* steps taken by this group */
-    int fd;            /* the segment, kept open: ddp_alloc reserves its blocks' pages with fallocate */
-    char *arenas;      /* world arenas of arena_bytes each (NULL when there are none) */
-    size_t arena_bytes;
-    off_t arena_file_off; /* where arena 0 starts in the segment */
-    ddp__block *blocks;   /* this rank's arena, under g->lib_lock */
-    size_t nblocks, cap_blocks, top;
+    ddp__arena arena;  /* ddp_alloc's arenas (alloc.c): base NULL when there are none */
     int cma;     /* every rank can reach every other with process_vm_readv/writev (probed at set-up) */
     unsigned spins; /* pauses before a waiting rank starts to yield its core */
     pid_t *pids; /* world entries: each rank's process id, for CMA (NULL when cma is 0) */
@@ -5307,8 +5812,8 @@ static ddp_result ddp__shm_check_fp(ddp_group *g, const ddp__coll *c, int j) {
     t.op = k->fp[par].op;
     if (t.seq == c->seq && t.count == c->count && t.root == c->root && t.kind == c->kind && t.dtype == c->dtype && t.op == c->op)
         return DDP_SUCCESS;
-    ddp__coll_describe(c, ours, sizeof ours);
-    ddp__coll_describe(&t, theirs, sizeof theirs);
+    ddp__coll_describe(g, c, ours, sizeof ours);
+    ddp__coll_describe(g, &t, theirs, sizeof theirs);
     return ddp__coll_fail(g, DDP_ERR_MISMATCH, "collective mismatch: rank %d called %s while rank %d called %s; every "
                           "rank must call the same collectives in the same order with the same count, dtype, op and root",
                           j, theirs, g->rank, ours);
@@ -5374,7 +5879,7 @@ static ddp_result ddp__shm_wait_all(ddp_group *g, const ddp__coll *c, int which,
                group, or exited) has done its part here. A rank that broke the group in this collective
                says so in the header (ddp__shm_check_abort). It posts before it closes, so reading the
                counter after seeing the hang-up is enough. */
-            g->waiting_for = j;
+            g->mesh.waiting_for = j;
             if ((lost = ddp__hung_up_peer(g, j)) >= 0 && DDP__LOAD(counter) < step) return ddp__peer_failed(g, lost, c);
             if (deadline == 0) deadline = ddp__now() + g->timeout;
             if (ddp__now() > deadline) return ddp__peer_timed_out(g, j, c);
@@ -5418,45 +5923,10 @@ static ddp_result ddp__shm_finish(ddp_group *g, const ddp__coll *c) { return ddp
 
 /* ---- library buffers: where they are ---- */
 
-static void ddp__lib_lock(ddp_group *g) {
-    while (__atomic_exchange_n(&g->lib_lock, 1, __ATOMIC_ACQUIRE)) sched_yield();
-}
-static void ddp__lib_unlock(ddp_group *g) { __atomic_store_n(&g->lib_lock, 0, __ATOMIC_RELEASE); }
-
-/* The index of the arena block holding offset off (the blocks cover [0, top)); -1 when off >= top. */
-static long ddp__block_find(const ddp__shm *s, size_t off) {
-    size_t lo = 0, hi = s->nblocks;
-    if (off >= s->top) return -1;
-    while (hi - lo > 1) { /* the last block whose start is <= off */
-        size_t mid = lo + (hi - lo) / 2;
-        if (s->blocks[mid].off <= off)
-            lo = mid;
-        else
-            hi = mid;
-    }
-    return (long)lo;
-}
-
-/* The arena offset of [p, p + bytes) when it lies inside one live block of this rank's arena. */
-static uint64_t ddp__lib_offset(ddp_group *g, const void *p, size_t bytes) {
-    ddp__shm *s = g->shm;
-    uint64_t off = DDP__SHM_NOT_LIB;
-    long i;
-    size_t at;
-    if (!s->arenas) return off;
-    at = (size_t)((uintptr_t)p - (uintptr_t)(s->arenas + (size_t)g->rank * s->arena_bytes));
-    if ((uintptr_t)p < (uintptr_t)s->arenas || at >= s->arena_bytes) return off;
-    ddp__lib_lock(g);
-    i = ddp__block_find(s, at);
-    if (i >= 0 && s->blocks[i].state == 1 && bytes <= s->blocks[i].off + s->blocks[i].size - at) off = at;
-    ddp__lib_unlock(g);
-    return off;
-}
-
 /* Rank j's buffer as published in this collective's first step (it stays put until the collective ends). */
 static char *ddp__lib_peer(ddp_group *g, const ddp__coll *c, int j) {
     ddp__shm *s = g->shm;
-    return s->arenas + (size_t)j * s->arena_bytes + (size_t)s->ctl[j].fp[c->seq & 1].lib;
+    return s->arena.base + (size_t)j * s->arena.bytes + (size_t)s->ctl[j].fp[c->seq & 1].lib;
 }
 
 /* How many ranks published a library buffer in this collective's first step (read after that step,
@@ -5471,7 +5941,7 @@ static int ddp__lib_count(ddp_group *g, const ddp__coll *c) {
 static void ddp__lib_note(ddp_group *g, const ddp__coll *c) {
     char desc[160];
     if (g->log_level < DDP_LOG_DEBUG) return;
-    ddp__coll_describe(c, desc, sizeof desc);
+    ddp__coll_describe(g, c, desc, sizeof desc);
     ddp__log(g, DDP_LOG_DEBUG, "%s: single-copy, straight from the ranks' library buffers", desc);
 }
 
@@ -5514,7 +5984,7 @@ static ddp_result ddp__cma_move(ddp_group *g, const ddp__coll *c, int j, char *l
             if (r) return r;
         }
         return ddp__coll_fail(g, e == ESRCH ? DDP_ERR_PEER_LOST : DDP_ERR_SYSTEM, "process_vm_%s on rank %d (%s) failed: %s%s",
-                              write ? "writev" : "readv", j, g->peer_names[j], strerror(e),
+                              write ? "writev" : "readv", j, g->mesh.peer_names[j], strerror(e),
                               e == ESRCH ? ": the process is gone" : " (DDP_SHM_CMA=0 stages through shared memory instead)");
     }
     return DDP_SUCCESS;
@@ -5534,7 +6004,7 @@ static ddp_result ddp__shm_all_reduce_direct(ddp_group *g, const ddp__coll *c, v
         char desc[160];
         if (!(tmp = (char *)ddp__scratch(g, per * es))) return ddp__no_memory(g, per * es);
         if (g->log_level >= DDP_LOG_DEBUG) {
-            ddp__coll_describe(c, desc, sizeof desc);
+            ddp__coll_describe(g, c, desc, sizeof desc);
             ddp__log(g, DDP_LOG_DEBUG, "%s: cross-memory attach (process_vm_readv/writev) on the ranks' own buffers", desc);
         }
     } else {
@@ -5731,7 +6201,7 @@ static ddp_result ddp__shm_reduce_scatter(ddp_group *g, const ddp__coll *c, cons
     return DDP_SUCCESS;
 }
 
-static ddp_result ddp__shm_run(ddp_group *g, const ddp__call *k, const ddp__coll *c) {
+static ddp_result ddp__shm_call(ddp_group *g, const ddp__call *k, const ddp__coll *c) {
     switch (k->kind) {
     case DDP__ALL_REDUCE: return ddp__shm_reduce_impl(g, c, k->buf, k->count, k->dtype, k->op, -1);
     case DDP__REDUCE: return ddp__shm_reduce_impl(g, c, k->buf, k->count, k->dtype, k->op, k->root);
@@ -5744,60 +6214,32 @@ static ddp_result ddp__shm_run(ddp_group *g, const ddp__call *k, const ddp__coll
 
 /* ---- setting up and tearing down ---- */
 
-/* Ranks share memory only within one host and one network namespace (tests put "hosts" in
-   namespaces on one machine; each namespace counts as a host). */
-static uint64_t ddp__host_key(void) {
-    char buf[512] = "", ns[128] = "";
-    FILE *f;
-    ssize_t k = readlink("/proc/self/ns/net", ns, sizeof ns - 1);
-    if (k > 0) ns[k] = '\0';
-    gethostname(buf, 200);
-    buf[200] = '\0';
-    snprintf(buf + strlen(buf), sizeof buf - strlen(buf), "|%s|", ns);
-    if ((f = fopen("/proc/sys/kernel/random/boot_id", "r")) != NULL) {
-        size_t len = strlen(buf);
-        if (fgets(buf + len, (int)(sizeof buf - len), f) == NULL) buf[len] = '\0';
-        fclose(f);
-    }
-    return ddp__hash(buf);
+/* The running collective's number is what ddp__shm_abort publishes when this rank breaks the group. */
+static ddp_result ddp__shm_run(ddp_group *g, const ddp__call *k, const ddp__coll *c) {
+    ddp_result r;
+    g->running_seq = c->seq;
+    r = ddp__shm_call(g, k, c);
+    g->running_seq = 0;
+    return r;
 }
 
-/* Release the transport and every block ddp_alloc handed out (the group is going away). */
-static void ddp__shm_free(ddp_group *g) {
-    size_t i;
-    for (i = 0; i < g->lib_heap_n; i++) ddp__free(g->lib_heap[i].raw);
-    ddp__free(g->lib_heap);
-    g->lib_heap = NULL;
-    g->lib_heap_n = g->lib_heap_cap = 0;
+/* Unmap the segment (its arenas' blocks go with it). */
+static void ddp__shm_close(ddp_group *g, int orderly) {
+    (void)orderly;
     if (!g->shm) return;
+    g->lib.arena = NULL;
     munmap(g->shm->base, g->shm->bytes);
-    if (g->shm->fd >= 0) close(g->shm->fd);
-    ddp__free(g->shm->blocks);
+    if (g->shm->arena.fd >= 0) close(g->shm->arena.fd);
+    ddp__free(g->shm->arena.blocks);
     ddp__free(g->shm->pids);
     ddp__free(g->shm);
     g->shm = NULL;
 }
 
-#define DDP__ARENA_ALIGN ((size_t)2 << 20) /* arenas start on 2 MiB boundaries (huge pages, if enabled) */
-#define DDP__LIB_PAGE ((size_t)4096)      /* arena blocks are whole pages: fallocate and hole punching work on pages */
-
-/* Each rank's arena (rank 0 decides): DDP_SHM_ARENA_BYTES, else what /dev/shm can hold (the machine's
-   memory when /dev/shm is unlimited), at most 64 GiB, and at most 8 TiB of address space over all ranks
-   (every rank maps every arena). Only address space: pages are taken as blocks are allocated. */
-static size_t ddp__arena_size(ddp_group *g, int fd) {
-    char err[DDP__ERR_MAX];
-    long v = 0;
-    struct statvfs st;
-    uint64_t want = 0, cap = DDP__MIN((uint64_t)64 << 30, ((uint64_t)8 << 40) / (uint64_t)g->world_size);
-    int k = ddp__env_int("DDP_SHM_ARENA_BYTES", 0, (long)((uint64_t)1 << 46), &v, err);
-    if (k < 0) ddp__log(g, DDP_LOG_WARN, "%s; using the default arena size", err);
-    if (k > 0) return (size_t)((uint64_t)v & ~(uint64_t)(DDP__LIB_PAGE - 1));
-    if (fstatvfs(fd, &st) == 0) want = (uint64_t)st.f_blocks * (uint64_t)st.f_frsize;
-    if (want == 0) want = (uint64_t)sysconf(_SC_PHYS_PAGES) * (uint64_t)sysconf(_SC_PAGESIZE);
-    want = DDP__MIN(want, cap);
-    if (want > (uint64_t)(SIZE_MAX / 4)) want = (uint64_t)(SIZE_MAX / 4);
-    return (size_t)(want & ~(uint64_t)(DDP__ARENA_ALIGN - 1));
-}
+/* Every rank of the group on this host. Library buffers (ddp_alloc) live in the segment's arenas. */
+static const ddp__backend ddp__backend_shm = {
+    "shm", "cpu", ddp__shm_run, NULL, NULL, NULL, ddp__shm_close,
+    ddp__host_alloc, ddp__host_release, ddp__host_zero, ddp__host_copy_in_scaled, ddp__host_copy_out};
 
 /* Can this rank read every peer's memory with process_vm_readv? pub holds, per rank, its pid, the
    address of a word in its process and the word's value; each peer's word must read back as published
@@ -5821,17 +6263,13 @@ static int ddp__cma_probe(ddp_group *g, const uint64_t *pub) {
     return 1;
 }
 
-static ddp_result ddp__hier_setup(ddp_group *g, const uint64_t *keys); /* hier.c */
-
-/* Map one segment for the group when all its ranks share a host (and DDP_TRANSPORT allows it).
-   Collective over the group's TCP mesh; every rank reaches the same decision. Any failure to set up
-   shared memory (a full /dev/shm, say) is not an error: the group keeps using TCP; a failure to map
-   the arenas only turns library buffers into plain memory. The name is unlinked as soon as every
-   rank has the segment mapped, so no exit (a crash included) leaves it behind in /dev/shm. */
+/* Map one segment for a group whose ranks all share this host (group.c decides that). Collective over
+   the group's TCP mesh; every rank reaches the same decision. Any failure to set up shared memory (a
+   full /dev/shm, say) is not an error: the group keeps using TCP; a failure to map the arenas only
+   turns library buffers into plain memory. The name is unlinked as soon as every rank has the segment
+   mapped, so no exit (a crash included) leaves it behind in /dev/shm. */
 static ddp_result ddp__shm_setup(ddp_group *g) {
-    const char *transport = ddp__env("DDP_TRANSPORT");
-    uint64_t key = ddp__host_key(), *keys;
-    int i, same = 1, ok[3] = {1, 1, 1}, fd = -1; /* ok: the segment, the arenas, cross-memory attach */
+    int i, ok[3] = {1, 1, 1}, fd = -1; /* ok: the segment, the arenas, cross-memory attach */
     uint64_t word, mine[3], *pub = NULL; /* the CMA probe: my pid, &word, word; every rank's */
     long cma_env = 1;
     char err[DDP__ERR_MAX];
@@ -5842,22 +6280,13 @@ static ddp_result ddp__shm_setup(ddp_group *g) {
     size_t half, head, arenas_at, bytes;
     ddp__shm *s;
     ddp_result r;
-    if (g->world_size < 2 || (transport && strcmp(transport, "tcp") == 0)) return DDP_SUCCESS;
-    keys = (uint64_t *)ddp__calloc((size_t)g->world_size, sizeof *keys);
-    if (!keys) return ddp__fail(g, DDP_ERR_OUT_OF_MEMORY, "out of memory setting up shared memory");
-    r = ddp_all_gather(g, &key, keys, 1, DDP_I64);
-    for (i = 0; i < g->world_size && r == DDP_SUCCESS; i++) same &= keys[i] == key;
-    if (r == DDP_SUCCESS && !same) r = ddp__hier_setup(g, keys); /* several hosts: shared memory within each */
-    ddp__free(keys);
-    if (r || !same) return r;
-
     half = DDP__MIN(DDP__MAX(((size_t)8 << 20) / (size_t)g->world_size, (size_t)256 << 10), (size_t)4 << 20);
     half &= ~(size_t)63; /* every half starts on a cache line, so every dtype is aligned */
     head = sizeof(ddp__shm_header) + (size_t)g->world_size * (sizeof(ddp__shm_ctl) + 2 * half);
     arenas_at = (head + DDP__ARENA_ALIGN - 1) & ~(DDP__ARENA_ALIGN - 1);
     memset(&info, 0, sizeof info);
     if (g->rank == 0) {
-        snprintf(info.name, sizeof info.name, "/ddp.%d.%llx", (int)getpid(), (unsigned long long)(ddp__hash(g->prefix) ^ (uint64_t)ddp__now()));
+        snprintf(info.name, sizeof info.name, "/ddp.%d.%llx", (int)getpid(), (unsigned long long)(ddp__hash(g->member.prefix) ^ (uint64_t)ddp__now()));
         fd = shm_open(info.name, O_CREAT | O_EXCL | O_RDWR, 0600);
         if (fd >= 0) info.arena_bytes = ddp__arena_size(g, fd);
         /* the arenas are a sparse tail; a file system that refuses the size gets none */
@@ -5868,7 +6297,7 @@ static ddp_result ddp__shm_setup(ddp_group *g) {
             ok[0] = 0;
         }
     }
-    if ((r = ddp_broadcast(g, &info, sizeof info, DDP_U8, 0)) != DDP_SUCCESS) goto done;
+    if ((r = ddp__mesh_broadcast(g, &info, sizeof info, DDP_U8, 0)) != DDP_SUCCESS) goto done;
     if (g->rank != 0 && info.name[0]) fd = shm_open(info.name, O_RDWR, 0600);
     s = (ddp__shm *)ddp__calloc(1, sizeof *s);
     bytes = info.arena_bytes ? arenas_at + (size_t)g->world_size * (size_t)info.arena_bytes : head;
@@ -5884,18 +6313,18 @@ static ddp_result ddp__shm_setup(ddp_group *g) {
     if (!info.arena_bytes || bytes == head) ok[1] = 0;
     /* Cross-memory attach: publish a word, read every peer's (the all_reduce below keeps every word
        alive until all have read). Every rank takes part even when it will not use it. */
-    word = ddp__hash(g->prefix) ^ ((uint64_t)getpid() << 20) ^ (uint64_t)(ddp__now() * 1e9);
+    word = ddp__hash(g->member.prefix) ^ ((uint64_t)getpid() << 20) ^ (uint64_t)(ddp__now() * 1e9);
     mine[0] = (uint64_t)getpid();
     mine[1] = (uint64_t)(uintptr_t)&word;
     mine[2] = word;
     if (ddp__env_int("DDP_SHM_CMA", 0, 1, &cma_env, err) < 0) ddp__log(g, DDP_LOG_WARN, "%s; cross-memory attach stays on", err);
     if (!(pub = (uint64_t *)ddp__calloc((size_t)g->world_size * 3, sizeof *pub))) {
         r = ddp__fail(g, DDP_ERR_OUT_OF_MEMORY, "out of memory setting up shared memory");
-    } else if ((r = ddp_all_gather(g, mine, pub, 3, DDP_I64)) == DDP_SUCCESS) {
+    } else if ((r = ddp__mesh_all_gather(g, mine, pub, 3, DDP_I64)) == DDP_SUCCESS) {
         if (s && cma_env && (s->pids = (pid_t *)ddp__calloc((size_t)g->world_size, sizeof *s->pids)) != NULL)
             for (i = 0; i < g->world_size; i++) s->pids[i] = (pid_t)pub[3 * i];
         ok[2] = s && s->pids && ddp__cma_probe(g, pub);
-        r = ddp_all_reduce(g, ok, 3, DDP_I32, DDP_MIN);
+        r = ddp__mesh_all_reduce(g, ok, 3, DDP_I32, DDP_MIN);
     }
     if (s && (r || !ok[2])) {
         ddp__free(s->pids);
@@ -5916,224 +6345,170 @@ static ddp_result ddp__shm_setup(ddp_group *g) {
     s->hdr = (ddp__shm_header *)s->base;
     s->ctl = (ddp__shm_ctl *)((char *)s->base + sizeof(ddp__shm_header));
     s->data = (char *)(s->ctl + g->world_size);
-    s->fd = -1;
+    s->arena.fd = -1;
     if (ok[1]) { /* every rank mapped every arena */
-        s->arenas = (char *)s->base + arenas_at;
-        s->arena_bytes = (size_t)info.arena_bytes;
-        s->arena_file_off = (off_t)arenas_at;
-        s->fd = fd;
+        s->arena.base = (char *)s->base + arenas_at;
+        s->arena.bytes = (size_t)info.arena_bytes;
+        s->arena.file_off = (off_t)arenas_at;
+        s->arena.fd = fd;
         fd = -1;
 #ifdef MADV_DONTDUMP
         /* a core dump would read the arenas' holes, and reading a hole of shared memory allocates it */
-        madvise(s->arenas, (size_t)g->world_size * s->arena_bytes, MADV_DONTDUMP);
+        madvise(s->arena.base, (size_t)g->world_size * s->arena.bytes, MADV_DONTDUMP);
 #endif
     }
     /* Still over TCP: every rank has the segment mapped (so the name can go), and no collective has
        run over it yet. The segment is zero-filled: steps and fingerprints start at 0, below any seq. */
-    if ((r = ddp_barrier(g)) != DDP_SUCCESS) {
+    if ((r = ddp__mesh_barrier(g)) != DDP_SUCCESS) {
         munmap(s->base, bytes);
-        if (s->fd >= 0) close(s->fd);
+        if (s->arena.fd >= 0) close(s->arena.fd);
         ddp__free(s->pids);
         ddp__free(s);
         goto done;
     }
     g->shm = s;
+    if (s->arena.base) g->lib.arena = &s->arena;
+    g->backend = g->host_backend = &ddp__backend_shm;
     ddp__log(g, DDP_LOG_INFO, "shared memory: %zu-byte halves, %zu-byte arenas for ddp_alloc, cross-memory attach %s", half,
-             s->arena_bytes, s->cma ? "on" : "off");
+             s->arena.bytes, s->cma ? "on" : "off");
 done:
     ddp__free(pub);
     if (fd >= 0) close(fd);
     if (g->rank == 0 && info.name[0]) shm_unlink(info.name);
     return r;
 }
-
-/* ---- ddp_alloc / ddp_free ----
-   This rank's arena is carved into page-multiple blocks, listed in offset order: first fit, else the
-   top grows. A block's pages are reserved with fallocate when it is handed out (a full /dev/shm then
-   means plain memory instead of SIGBUS later) and punched out when it is freed, so a block always
-   starts zero-filled and freed memory goes back to the system. */
-
-/* Insert a block before index i of this rank's list. 0 when out of memory. */
-static int ddp__block_insert(ddp__shm *s, size_t i, size_t off, size_t size, int state) {
-    if (s->nblocks == s->cap_blocks) {
-        size_t cap = s->cap_blocks ? 2 * s->cap_blocks : 16;
-        ddp__block *b = (ddp__block *)ddp__malloc(cap * sizeof *b);
-        if (!b) return 0;
-        if (s->nblocks) memcpy(b, s->blocks, s->nblocks * sizeof *b);
-        ddp__free(s->blocks);
-        s->blocks = b;
-        s->cap_blocks = cap;
-    }
-    memmove(s->blocks + i + 1, s->blocks + i, (s->nblocks - i) * sizeof *s->blocks);
-    s->blocks[i].off = off;
-    s->blocks[i].size = size;
-    s->blocks[i].state = state;
-    s->nblocks++;
-    return 1;
-}
-
-static void ddp__block_remove(ddp__shm *s, size_t i) {
-    memmove(s->blocks + i, s->blocks + i + 1, (s->nblocks - i - 1) * sizeof *s->blocks);
-    s->nblocks--;
-}
-
-/* Mark block i free and merge it with free neighbours; a free block at the end goes back above top. */
-static void ddp__block_release(ddp__shm *s, size_t i) {
-    s->blocks[i].state = 0;
-    if (i + 1 < s->nblocks && s->blocks[i + 1].state == 0) {
-        s->blocks[i].size += s->blocks[i + 1].size;
-        ddp__block_remove(s, i + 1);
-    }
-    if (i > 0 && s->blocks[i - 1].state == 0) {
-        s->blocks[i - 1].size += s->blocks[i].size;
-        ddp__block_remove(s, i--);
-    }
-    if (i + 1 == s->nblocks) {
-        s->top = s->blocks[i].off;
-        ddp__block_remove(s, i);
-    }
-}
-
-/* Take need bytes (whole pages) of this rank's arena: the block's offset, or -1 when there is no room. */
-static long ddp__block_take(ddp__shm *s, size_t need) {
-    size_t i, off;
-    for (i = 0; i < s->nblocks; i++) {
-        if (s->blocks[i].state != 0 || s->blocks[i].size < need) continue;
-        if (s->blocks[i].size > need && !ddp__block_insert(s, i + 1, s->blocks[i].off + need, s->blocks[i].size - need, 0))
-            return -1;
-        s->blocks[i].size = need;
-        s->blocks[i].state = 1;
-        return (long)s->blocks[i].off;
-    }
-    if (need > s->arena_bytes - s->top || !ddp__block_insert(s, s->nblocks, s->top, need, 1)) return -1;
-    off = s->top;
-    s->top += need;
-    return (long)off;
-}
-
-static void *ddp__arena_alloc(ddp_group *g, size_t bytes) {
-    ddp__shm *s = g->shm;
-    size_t need = (DDP__MAX(bytes, (size_t)1) + DDP__LIB_PAGE - 1) & ~(DDP__LIB_PAGE - 1);
-    char *mine;
-    long off;
-    int err;
-    if (!s || !s->arenas) return NULL;
-    mine = s->arenas + (size_t)g->rank * s->arena_bytes;
-    ddp__lib_lock(g);
-    off = ddp__block_take(s, need);
-    ddp__lib_unlock(g);
-    if (off < 0) return NULL;
-    err = posix_fallocate(s->fd, s->arena_file_off + (off_t)((size_t)g->rank * s->arena_bytes + (size_t)off), (off_t)need);
-    if (err != 0) {
-        ddp__log(g, DDP_LOG_INFO, "ddp_alloc: cannot reserve %zu bytes of shared memory (%s): plain memory instead, "
-                 "which collectives stage through the segment", need, strerror(err));
-        ddp__lib_lock(g);
-        ddp__block_release(s, (size_t)ddp__block_find(s, (size_t)off));
-        ddp__lib_unlock(g);
-        return NULL;
-    }
-    return mine + off;
-}
-
-/* 1 when p was a live block of this rank's arena (now freed), 0 when it is not one. */
-static int ddp__arena_free(ddp_group *g, void *p) {
-    ddp__shm *s = g->shm;
-    size_t at, size;
-    off_t file_at;
-    long i;
-    if (!s || !s->arenas || (uintptr_t)p < (uintptr_t)(s->arenas + (size_t)g->rank * s->arena_bytes)) return 0;
-    at = (size_t)((uintptr_t)p - (uintptr_t)(s->arenas + (size_t)g->rank * s->arena_bytes));
-    if (at >= s->arena_bytes) return 0;
-    ddp__lib_lock(g);
-    i = ddp__block_find(s, at);
-    if (i < 0 || s->blocks[i].off != at || s->blocks[i].state != 1) {
-        ddp__lib_unlock(g);
-        return 0;
-    }
-    s->blocks[i].state = 2; /* being freed: neither handed out again nor freed twice meanwhile */
-    size = s->blocks[i].size;
-    ddp__lib_unlock(g);
-    /* give the pages back; should the file system refuse, zero them so the next block starts zero-filled */
-    file_at = s->arena_file_off + (off_t)((size_t)g->rank * s->arena_bytes + at);
-    if (fallocate(s->fd, FALLOC_FL_PUNCH_HOLE | FALLOC_FL_KEEP_SIZE, file_at, (off_t)size) != 0) memset(p, 0, size);
-    ddp__lib_lock(g);
-    ddp__block_release(s, (size_t)ddp__block_find(s, at));
-    ddp__lib_unlock(g);
-    return 1;
-}
-
-static void *ddp__heap_alloc(ddp_group *g, size_t bytes) {
-    char *raw = (char *)ddp__malloc(bytes + 63), *user;
-    int ok = 1;
-    if (!raw) return NULL;
-    user = (char *)(((uintptr_t)raw + 63) & ~(uintptr_t)63);
-    if (bytes) memset(user, 0, bytes);
-    ddp__lib_lock(g);
-    if (g->lib_heap_n == g->lib_heap_cap) {
-        size_t cap = g->lib_heap_cap ? 2 * g->lib_heap_cap : 16;
-        ddp__heap_block *b = (ddp__heap_block *)ddp__malloc(cap * sizeof *b);
-        if (b) {
-            if (g->lib_heap_n) memcpy(b, g->lib_heap, g->lib_heap_n * sizeof *b);
-            ddp__free(g->lib_heap);
-            g->lib_heap = b;
-            g->lib_heap_cap = cap;
-        } else {
-            ok = 0;
-        }
-    }
-    if (ok) {
-        g->lib_heap[g->lib_heap_n].user = user;
-        g->lib_heap[g->lib_heap_n++].raw = raw;
-    }
-    ddp__lib_unlock(g);
-    if (!ok) ddp__free(raw);
-    return ok ? user : NULL;
-}
-
-/* 1 when p was a live heap block (now freed), 0 when it is not one. */
-static int ddp__heap_free(ddp_group *g, void *p) {
-    void *raw = NULL;
-    size_t i;
-    ddp__lib_lock(g);
-    for (i = 0; i < g->lib_heap_n && !raw; i++)
-        if (g->lib_heap[i].user == p) {
-            raw = g->lib_heap[i].raw;
-            g->lib_heap[i] = g->lib_heap[--g->lib_heap_n];
-        }
-    ddp__lib_unlock(g);
-    ddp__free(raw);
-    return raw != NULL;
-}
-
-DDP_API void *ddp_alloc(ddp_group *g, size_t bytes) {
-    void *p;
-    if (!g) {
-        ddp__fail(NULL, DDP_ERR_INVALID_ARGUMENT, "ddp_alloc: the group is NULL (did ddp_init succeed?)");
-        return NULL;
-    }
-    if (bytes > SIZE_MAX / 4) {
-        ddp__fail(g, DDP_ERR_INVALID_ARGUMENT, "ddp_alloc: %zu bytes is more than any machine can hold", bytes);
-        return NULL;
-    }
-    if ((p = ddp__arena_alloc(g, bytes)) == NULL && (p = ddp__heap_alloc(g, bytes)) == NULL)
-        ddp__fail(g, DDP_ERR_OUT_OF_MEMORY, "ddp_alloc: out of memory for %zu bytes", bytes);
-    return p;
-}
-
-DDP_API void ddp_free(ddp_group *g, void *p) {
-    char msg[DDP__ERR_MAX];
-    if (!p) return;
-    if (!g) {
-        ddp__fail(NULL, DDP_ERR_INVALID_ARGUMENT, "ddp_free: the group is NULL; pass the group the memory came from");
-        return;
-    }
-    if (ddp__arena_free(g, p) || ddp__heap_free(g, p)) return;
-    snprintf(msg, sizeof msg, "ddp_free: %p is not a live block from ddp_alloc on this group (rank %d): freed already, "
-             "allocated on another group, or not from ddp_alloc; it was left alone", p, g->rank);
-    ddp__log(g, DDP_LOG_ERROR, "%s", msg);
-    ddp__fail(g, DDP_ERR_INVALID_ARGUMENT, "%s", msg);
-}
 /* ==================== end src/shm.c ==================== */
+
+/* ==================== begin src/hier.c ==================== */
+/* [SECTION] hier: hierarchical all_reduce for a group that spans hosts with several ranks on a host
+   (NCCL's and Gloo's two-level all-reduce; torch.distributed gets it from its backends)
+
+   A group whose ranks are not all on one host runs its collectives over the TCP mesh, and a ring over
+   all ranks crosses the loopback device once for every pair of neighbours on the same host. Large
+   all_reduces (above the recursive-doubling size, tcp.c) in such a group run three stages:
+
+       host:     all_reduce among the ranks of each host, over shared memory    (g->hier.host)
+       leaders:  all_reduce among the first rank of every host, over TCP        (g->hier.leaders)
+       host:     broadcast from that first rank to the rest of its host         (g->hier.host)
+
+   Only the leaders' stage crosses hosts, with what a ring over the H hosts needs: 2(H-1)/H of the
+   buffer each way per host; the host stages run at memory speed. Both groups are made when the group
+   is set up (every rank computes the same host map from the host keys that group.c gathers) and live
+   as long as it. A host with one rank has no host group; a group with one rank per host has neither
+   and stays on the tcp backend, and so does a group under DDP_TRANSPORT=tcp (no host keys then).
+   Everything else (small all_reduces, the other collectives) runs on the tcp backend's algorithms.
+
+   Mismatches: each stage is a collective of its own group and can only check calls within it. So a
+   hierarchical all_reduce first agrees on the call in the group itself: recursive doubling with no
+   data (log2(n) exchanges of a frame header carrying the call's fingerprint), which fails every rank
+   on any difference exactly as a small all_reduce does (tcp.c). Past it every rank runs the
+   same stages. A failure in a stage (a lost rank, a timeout) breaks the other stage's group and the
+   group itself with the same message, so every rank fails, whichever stage it waits in.
+   Op AVG runs as SUM in the stages and divides once at the end, as the ring does. */
+
+/* The end of a group: its stage groups go first (ddp_destroy after the group's own barrier: every rank
+   is there, so their barriers meet), or are just freed when the group is failing. */
+static void ddp__hier_close(ddp_group *g, int orderly) {
+    ddp_group *stages[2];
+    int i;
+    stages[0] = g->hier.host;
+    stages[1] = g->hier.leaders;
+    g->hier.host = g->hier.leaders = NULL;
+    for (i = 0; i < 2; i++) {
+        if (!stages[i]) continue;
+        if (orderly) ddp_destroy(stages[i]);
+        else ddp__group_free(stages[i]);
+    }
+}
+
+/* A stage failed and its group is broken: break the other stage's group and the group itself with the
+   same message, so ranks waiting anywhere in this all_reduce fail too. */
+static ddp_result ddp__hier_fail(ddp_group *g, ddp_group *stage, const char *stage_name, ddp_result r) {
+    char msg[DDP__ERR_MAX];
+    const char *why = stage->broken ? stage->broken_msg : stage->error;
+    ddp_result code = stage->broken ? stage->broken : r;
+    if (strncmp(why, "hierarchical all_reduce", 23) == 0) /* another rank's, already saying where */
+        snprintf(msg, sizeof msg, "%s", why);
+    else
+        snprintf(msg, sizeof msg, "hierarchical all_reduce, %s stage (rank numbers there count within the stage): %.900s",
+                 stage_name, why);
+    if (g->hier.host && g->hier.host != stage) ddp__group_break(g->hier.host, code, msg);
+    if (g->hier.leaders && g->hier.leaders != stage) ddp__group_break(g->hier.leaders, code, msg);
+    return ddp__coll_fail(g, code, "%s", msg);
+}
+
+static ddp_result ddp__hier_all_reduce(ddp_group *g, const ddp__coll *c, void *buf, size_t count, ddp_dtype t, ddp_op op) {
+    ddp_op stage_op = op == DDP_AVG ? DDP_SUM : op;
+    ddp__call reduce, bcast;
+    ddp_result r;
+    if ((r = ddp__rd_all_reduce(g, c, NULL, 0, t, op)) != DDP_SUCCESS) return r; /* the agreement: fingerprints only */
+    if (g->log_level >= DDP_LOG_DEBUG) {
+        char desc[160];
+        ddp__coll_describe(g, c, desc, sizeof desc);
+        ddp__log(g, DDP_LOG_DEBUG, "%s: hierarchical (host, between hosts, host broadcast)", desc);
+    }
+    reduce = ddp__make_call(DDP__ALL_REDUCE, NULL, buf, count, t, stage_op, -1);
+    bcast = ddp__make_call(DDP__BROADCAST, NULL, buf, count, t, DDP_SUM, 0);
+    if (g->hier.host && (r = ddp__collective(g->hier.host, &reduce)) != DDP_SUCCESS)
+        return ddp__hier_fail(g, g->hier.host, "host (shared memory)", r);
+    if (g->hier.leaders && (r = ddp__collective(g->hier.leaders, &reduce)) != DDP_SUCCESS)
+        return ddp__hier_fail(g, g->hier.leaders, "between hosts", r);
+    if (g->hier.host && (r = ddp__collective(g->hier.host, &bcast)) != DDP_SUCCESS)
+        return ddp__hier_fail(g, g->hier.host, "host broadcast", r);
+    if (op == DDP_AVG) ddp__divide(buf, count, t, g->world_size);
+    return DDP_SUCCESS;
+}
+
+/* Large all_reduces in three stages; everything else on the tcp backend. The choice depends only on the
+   call (count, dtype), so every rank that agrees on the call makes the same one. */
+static ddp_result ddp__hier_run(ddp_group *g, const ddp__call *k, const ddp__coll *c) {
+    if (k->kind == DDP__ALL_REDUCE && k->count * ddp_dtype_size(k->dtype) > DDP__RD_MAX_BYTES)
+        return ddp__hier_all_reduce(g, c, k->buf, k->count, k->dtype, k->op);
+    return ddp__tcp_run(g, k, c);
+}
+
+static const ddp__backend ddp__backend_hier = {
+    "hier", "cpu", ddp__hier_run, NULL, NULL, NULL, ddp__hier_close,
+    ddp__host_alloc, ddp__host_release, ddp__host_zero, ddp__host_copy_in_scaled, ddp__host_copy_out};
+
+/* Called by group.c's set-up when the group's ranks are not all on one host; keys holds every rank's
+   host key. Collective: every rank derives the same host map, so all decide alike. */
+static ddp_result ddp__hier_setup(ddp_group *g, const uint64_t *keys) {
+    int n = g->world_size, i, j, nhost = 0, nlead = 0, my_index = 0, lead_index = 0, shared = 0;
+    int *host = (int *)ddp__calloc((size_t)n, sizeof *host), *leaders = (int *)ddp__calloc((size_t)n, sizeof *leaders);
+    char name[32];
+    ddp_result r = DDP_SUCCESS;
+    if (!host || !leaders) {
+        ddp__free(host);
+        ddp__free(leaders);
+        return ddp__fail(g, DDP_ERR_OUT_OF_MEMORY, "out of memory mapping the group's hosts");
+    }
+    for (i = 0; i < n; i++) { /* a host's leader is its lowest rank */
+        for (j = 0; j < i && keys[j] != keys[i]; j++) continue;
+        if (j == i) leaders[nlead++] = i;
+        else shared = 1;
+        if (i == g->rank) lead_index = nlead - 1; /* used only when this rank leads its host */
+        if (keys[i] != keys[g->rank]) continue;
+        if (i == g->rank) my_index = nhost;
+        host[nhost++] = i;
+    }
+    if (shared) {
+        snprintf(name, sizeof name, "host%d", host[0]);
+        if (nhost > 1) r = ddp__subgroup_open(g, host, nhost, my_index, name, NULL, "setting up the hierarchical all_reduce", &g->hier.host);
+        if (r == DDP_SUCCESS && host[0] == g->rank)
+            r = ddp__subgroup_open(g, leaders, nlead, lead_index, "leaders", NULL, "setting up the hierarchical all_reduce",
+                                   &g->hier.leaders);
+        if (r == DDP_SUCCESS) {
+            g->backend = g->host_backend = &ddp__backend_hier;
+            ddp__log(g, DDP_LOG_INFO, "%d ranks on %d hosts: large all_reduces run hierarchically (shared memory within a "
+                     "host, TCP between hosts)", n, nlead);
+        }
+    }
+    ddp__free(host);
+    ddp__free(leaders);
+    return r;
+}
+/* ==================== end src/hier.c ==================== */
 
 /* ==================== begin src/mpi.c ==================== */
 /* [SECTION] mpi: the mpi backend, collectives through the MPI library (built with -DDDP_MPI)
@@ -6292,13 +6667,8 @@ static ddp_result ddp__mpi_split(ddp_group *parent, int me, struct ddp__mpi **ou
     if (rc != MPI_SUCCESS)
         return ddp__fail(parent, DDP_ERR_SYSTEM, "ddp_new_group: MPI_Comm_split failed: %s", ddp__mpi_error_string(rc, msg));
     if (me < 0) return DDP_SUCCESS;
-    return ddp__mpi_wrap(comm, out, ddp__error_buffer(parent)) == DDP_SUCCESS ? DDP_SUCCESS : DDP_ERR_OUT_OF_MEMORY;
-}
-
-/* The local rank and local world size (-1 when MPI could not tell) of a member of m. */
-static void ddp__mpi_local(const struct ddp__mpi *m, int *local_rank, int *local_world_size) {
-    *local_rank = m->local_rank;
-    *local_world_size = m->local_world_size;
+    if (ddp__mpi_wrap(comm, out, msg) != DDP_SUCCESS) return ddp__fail(parent, DDP_ERR_OUT_OF_MEMORY, "ddp_new_group: %s", msg);
+    return DDP_SUCCESS;
 }
 
 static void ddp__mpi_free(struct ddp__mpi *m) {
@@ -6365,8 +6735,8 @@ static ddp_result ddp__mpi_check(ddp_group *g, const ddp__coll *c) {
     rc = MPI_Allgather(&mine, (int)sizeof mine, MPI_BYTE, all, (int)sizeof mine, MPI_BYTE, comm);
     for (i = 0; rc == MPI_SUCCESS && i < g->world_size && bad < 0; i++)
         if (memcmp(&all[i], &all[0], sizeof mine) != 0) bad = (int)i;
-    ddp__coll_describe(&all[0], ours, sizeof ours);
-    if (bad >= 0) ddp__coll_describe(&all[bad], theirs, sizeof theirs);
+    ddp__coll_describe(g, &all[0], ours, sizeof ours);
+    if (bad >= 0) ddp__coll_describe(g, &all[bad], theirs, sizeof theirs);
     ddp__free(all);
     if (bad < 0) return ddp__coll_fail(g, DDP_ERR_MISMATCH, "collective mismatch between ranks (this rank called %s)", ours);
     return ddp__coll_fail(g, DDP_ERR_MISMATCH, "collective mismatch: rank 0 called %s while rank %d called %s; every "
@@ -6427,7 +6797,7 @@ static ddp_result ddp__mpi_run(ddp_group *g, const ddp__call *k, const ddp__coll
 #else /* !DDP_MPI: the backend is not in this build */
 
 struct ddp__mpi {
-    int unused;
+    int local_rank, local_world_size;
 };
 
 static ddp_result ddp__mpi_world(int *rank, int *world_size, struct ddp__mpi **out, char *err) {
@@ -6443,11 +6813,6 @@ static ddp_result ddp__mpi_split(ddp_group *parent, int me, struct ddp__mpi **ou
     return ddp__fail(parent, DDP_ERR_STATE, "internal error: an mpi group in a build without DDP_MPI");
 }
 
-static void ddp__mpi_local(const struct ddp__mpi *m, int *local_rank, int *local_world_size) {
-    (void)m;
-    *local_rank = *local_world_size = -1;
-}
-
 static void ddp__mpi_free(struct ddp__mpi *m) { ddp__free(m); }
 
 static ddp_result ddp__mpi_run(ddp_group *g, const ddp__call *k, const ddp__coll *c) {
@@ -6456,6 +6821,24 @@ static ddp_result ddp__mpi_run(ddp_group *g, const ddp__call *k, const ddp__coll
 }
 
 #endif /* DDP_MPI */
+
+static void ddp__mpi_close(ddp_group *g, int orderly) {
+    (void)orderly;
+    ddp__mpi_free(g->mpi);
+    g->mpi = NULL;
+}
+
+static const ddp__backend ddp__backend_mpi = {
+    "mpi", "mpi", ddp__mpi_run, NULL, NULL, NULL, ddp__mpi_close,
+    ddp__host_alloc, ddp__host_release, ddp__host_zero, ddp__host_copy_in_scaled, ddp__host_copy_out};
+
+/* g runs on communicator m from now on; its local rank and size are MPI's (-1 when MPI could not tell). */
+static void ddp__mpi_attach(ddp_group *g, struct ddp__mpi *m) {
+    g->mpi = m;
+    g->backend = g->host_backend = &ddp__backend_mpi;
+    g->local_rank = m->local_rank;
+    g->local_world_size = m->local_world_size;
+}
 /* ==================== end src/mpi.c ==================== */
 
 /* ==================== begin src/nccl.c ==================== */
@@ -6523,7 +6906,7 @@ static ddp_result ddp__nccl_agree(ddp_group *g, ddp_result mine, const char *msg
     if (g->world_size == 1) return mine ? ddp__fail(g, mine, "backend nccl: %s", msg) : DDP_SUCCESS;
     all = (ddp__nccl_status *)ddp__calloc((size_t)g->world_size, sizeof *all);
     if (!all) return ddp__fail(g, DDP_ERR_OUT_OF_MEMORY, "backend nccl: out of memory");
-    if ((r = ddp_all_gather(g, &me, all, sizeof me, DDP_U8)) != DDP_SUCCESS) {
+    if ((r = ddp__mesh_all_gather(g, &me, all, sizeof me, DDP_U8)) != DDP_SUCCESS) {
         ddp__free(all);
         return r;
     }
@@ -6545,56 +6928,23 @@ static ddp_result ddp__nccl_share_id(ddp_group *g, unsigned char *id) {
     ddp_result r = DDP_SUCCESS;
     if (g->rank == 0) r = ddp_cuda_nccl_unique_id(id, err, sizeof err);
     if ((r = ddp__nccl_agree(g, r, err, "make the NCCL unique id")) != DDP_SUCCESS || g->world_size == 1) return r;
-    snprintf(key, sizeof key, "%snccl_id", g->prefix);
-    if (g->rank == 0) r = ddp_store_set(g->store, key, id, DDP_CUDA_NCCL_ID_BYTES);
-    else r = ddp_store_get(g->store, key, id, DDP_CUDA_NCCL_ID_BYTES, &size);
-    if (r) snprintf(err, sizeof err, "the NCCL unique id through the store: %.900s", ddp_store_last_error(g->store));
+    snprintf(key, sizeof key, "%snccl_id", g->member.prefix);
+    if (g->rank == 0) r = ddp_store_set(g->member.store, key, id, DDP_CUDA_NCCL_ID_BYTES);
+    else r = ddp_store_get(g->member.store, key, id, DDP_CUDA_NCCL_ID_BYTES, &size);
+    if (r) snprintf(err, sizeof err, "the NCCL unique id through the store: %.900s", ddp_store_last_error(g->member.store));
     else if (g->rank != 0 && size != DDP_CUDA_NCCL_ID_BYTES)
         r = ddp__fail_to(err, DDP_ERR_FORMAT, "the store's %s holds %zu bytes, not an NCCL unique id (%d bytes)", key, size,
                          DDP_CUDA_NCCL_ID_BYTES);
     return ddp__nccl_agree(g, r, err, "receive the NCCL unique id");
 }
 
-/* Give g an NCCL communicator: on the device chosen by local rank for the world group (parent NULL),
-   on the parent's device and stream for a subgroup. Collective over g, which must be connected (mesh
-   and store) and not have one yet. */
-static ddp_result ddp__nccl_attach(ddp_group *g, const struct ddp__nccl *parent) {
-    char err[DDP__ERR_MAX] = "", key[160];
-    unsigned char id[DDP_CUDA_NCCL_ID_BYTES];
-    ddp_cuda_nccl *comm = NULL;
-    struct ddp__nccl *n;
-    ddp_result r = DDP_SUCCESS;
-    int device = parent ? parent->device : -1;
-    if (!parent) r = ddp_cuda_nccl_device(g->local_rank, &device, err, sizeof err);
-    if ((r = ddp__nccl_agree(g, r, err, "use a GPU")) != DDP_SUCCESS) return r;
-    if ((r = ddp__nccl_share_id(g, id)) != DDP_SUCCESS) return r;
-    r = ddp_cuda_nccl_create(id, g->rank, g->world_size, device, &comm, err, sizeof err);
-    if ((r = ddp__nccl_agree(g, r, err, "create its NCCL communicator")) != DDP_SUCCESS) {
-        ddp_cuda_nccl_destroy(comm, 1);
-        return r;
-    }
-    if (g->rank == 0 && g->world_size > 1) { /* everyone has read it */
-        snprintf(key, sizeof key, "%snccl_id", g->prefix);
-        ddp_store_delete(g->store, key, NULL);
-    }
-    if (!(n = (struct ddp__nccl *)ddp__calloc(1, sizeof *n))) {
-        ddp_cuda_nccl_destroy(comm, 1);
-        return ddp__fail(g, DDP_ERR_OUT_OF_MEMORY, "backend nccl: out of memory");
-    }
-    n->comm = comm;
-    n->device = device;
-    if (parent) ddp_cuda_nccl_set_stream(comm, ddp_cuda_nccl_stream(parent->comm));
-    g->nccl = n;
-    g->backend_name = "nccl";
-    ddp__log(g, DDP_LOG_INFO, "nccl: rank %d of %d on CUDA device %d", g->rank, g->world_size, device);
-    return DDP_SUCCESS;
-}
-
-static void ddp__nccl_free(ddp_group *g) {
+static void ddp__nccl_close(ddp_group *g, int orderly) {
+    (void)orderly;
     if (!g->nccl) return;
     ddp_cuda_nccl_destroy(g->nccl->comm, g->broken != DDP_SUCCESS);
     ddp__free(g->nccl);
     g->nccl = NULL;
+    if (g->host_backend->close) g->host_backend->close(g, orderly); /* the transport under it */
 }
 
 /* Where a call's buffers are. A barrier is always NCCL's; a call of 0 elements always the cpu path's
@@ -6616,7 +6966,7 @@ static ddp_result ddp__nccl_check(ddp_group *g, const ddp__coll *c, int where) {
     unsigned char *all;
     int i, bad = -1;
     ddp_result r;
-    ddp__coll_describe(c, desc, sizeof desc);
+    ddp__coll_describe(g, c, desc, sizeof desc);
     if (g->world_size > 1) {
         if (!(all = (unsigned char *)ddp__calloc((size_t)g->world_size, 1)))
             return ddp__coll_fail(g, DDP_ERR_OUT_OF_MEMORY, "%s: out of memory", desc);
@@ -6661,7 +7011,7 @@ static ddp_result ddp__nccl_enqueue(ddp_group *g, const ddp__call *k, const ddp_
     ddp_result r = ddp_cuda_nccl_enqueue(g->nccl->comm, ddp__nccl_kind(k->kind), k->send, k->buf, k->count, k->dtype, k->op,
                                          k->root, event, err, sizeof err);
     if (r == DDP_SUCCESS) return r;
-    ddp__coll_describe(c, desc, sizeof desc);
+    ddp__coll_describe(g, c, desc, sizeof desc);
     return ddp__coll_fail(g, r, "%s on rank %d: %s", desc, g->rank, err);
 }
 
@@ -6693,36 +7043,32 @@ static ddp_result ddp__nccl_wait_described(ddp_group *g, const ddp__coll *c, con
 
 static ddp_result ddp__nccl_wait_event(ddp_group *g, const ddp__coll *c, void *event) {
     char desc[160];
-    ddp__coll_describe(c, desc, sizeof desc);
+    ddp__coll_describe(g, c, desc, sizeof desc);
     return ddp__nccl_wait_described(g, c, desc, event);
 }
 
-/* ddp__run's hook: device calls run here; *host = 1 sends a checked host call on to the cpu path. */
-static ddp_result ddp__nccl_run(ddp_group *g, const ddp__call *k, const ddp__coll *c, int *host) {
+/* Device calls run on NCCL; host calls, once checked, on the transport the group had before NCCL. */
+static ddp_result ddp__nccl_run(ddp_group *g, const ddp__call *k, const ddp__coll *c) {
     int where = ddp__nccl_where(k);
     void *event = NULL;
     ddp_result r;
-    *host = 0;
     if ((r = ddp__nccl_check(g, c, where)) != DDP_SUCCESS) return r;
-    if (where == DDP__NCCL_HOST) {
-        *host = 1;
-        return DDP_SUCCESS;
-    }
+    if (where == DDP__NCCL_HOST) return g->host_backend->run(g, k, c);
     if ((r = ddp__nccl_enqueue(g, k, c, &event)) != DDP_SUCCESS) return r;
     return ddp__nccl_wait_event(g, c, event);
 }
 
-/* ddp__call_async's hook: a device call is checked and queued on the stream now, on the calling thread
+/* The backend's enqueue: a device call is checked and queued on the stream now, on the calling thread
    (so it is ordered after the caller's kernels), and its ddp_work holds the event. Returns 0 for a host
    call, which the progress thread runs as on the cpu backend. */
-static int ddp__nccl_async(ddp_group *g, const ddp__call *k, ddp_work **out, ddp_result *res) {
+static int ddp__nccl_enqueue_async(ddp_group *g, const ddp__call *k, ddp_work **out, ddp_result *res) {
     char msg[DDP__ERR_MAX];
     ddp_work *w;
     ddp_result r;
     if (ddp__nccl_where(k) == DDP__NCCL_HOST) return 0;
     ddp__drain(g); /* queued host work uses the mesh: let it finish first */
     if (g->broken) {
-        *res = ddp__fail_to(ddp__error_buffer(g), DDP_ERR_STATE, "%s", ddp__broken_message(g, k, msg));
+        *res = ddp__fail(g, DDP_ERR_STATE, "%s", ddp__broken_message(g, k, msg));
         return 1;
     }
     if (!(w = (ddp_work *)ddp__calloc(1, sizeof *w))) {
@@ -6731,11 +7077,12 @@ static int ddp__nccl_async(ddp_group *g, const ddp__call *k, ddp_work **out, ddp
     }
     w->g = g;
     w->call = *k;
-    pthread_mutex_lock(&g->mu);
+    w->owner = g->backend;
+    pthread_mutex_lock(&g->async.mu);
     ddp__fingerprint(g, k, &w->coll);
-    pthread_mutex_unlock(&g->mu);
+    pthread_mutex_unlock(&g->async.mu);
     r = ddp__nccl_check(g, &w->coll, ddp__nccl_where(k));
-    if (r == DDP_SUCCESS) r = ddp__nccl_enqueue(g, k, &w->coll, &w->nccl_event);
+    if (r == DDP_SUCCESS) r = ddp__nccl_enqueue(g, k, &w->coll, &w->handle);
     if (r != DDP_SUCCESS) {
         ddp__free(w);
         *res = ddp__fail(g, r, "%s", g->broken_msg);
@@ -6746,33 +7093,33 @@ static int ddp__nccl_async(ddp_group *g, const ddp__call *k, ddp_work **out, ddp
     return 1;
 }
 
-/* ddp_wait's hook for a work with an event: wait under the watchdog, release w. */
+/* The backend's wait for the work enqueue took: wait for its event under the watchdog, release w. */
 static ddp_result ddp__nccl_wait_work(ddp_work *w) {
     ddp_group *g = w->g;
     ddp_result r;
     if (g->broken) { /* release the event; the communicator is aborted if its work is not done */
         char msg[DDP__ERR_MAX];
-        ddp_cuda_nccl_wait(g->nccl->comm, w->nccl_event, 0, "", NULL, NULL, NULL, 0);
-        r = ddp__fail_to(ddp__error_buffer(g), DDP_ERR_STATE, "%s", ddp__broken_message(g, &w->call, msg));
-    } else if ((r = ddp__nccl_wait_event(g, &w->coll, w->nccl_event)) != DDP_SUCCESS) {
+        ddp_cuda_nccl_wait(g->nccl->comm, w->handle, 0, "", NULL, NULL, NULL, 0);
+        r = ddp__fail(g, DDP_ERR_STATE, "%s", ddp__broken_message(g, &w->call, msg));
+    } else if ((r = ddp__nccl_wait_event(g, &w->coll, w->handle)) != DDP_SUCCESS) {
         ddp__fail(g, r, "%s", g->broken_msg);
     }
     ddp__free(w);
     return r;
 }
 
-static int ddp__nccl_test_work(ddp_work *w) { return ddp_cuda_nccl_test(w->g->nccl->comm, w->nccl_event); }
+static int ddp__nccl_test_work(ddp_work *w) { return ddp_cuda_nccl_test(w->g->nccl->comm, w->handle); }
 
 DDP_API ddp_result ddp_set_stream(ddp_group *g, void *cuda_stream) {
     if (!g) return ddp__fail(NULL, DDP_ERR_INVALID_ARGUMENT, "ddp_set_stream: the group is NULL");
     if (!g->nccl)
         return ddp__fail(g, DDP_ERR_UNSUPPORTED, "ddp_set_stream: the group's backend is \"%s\"; CUDA streams belong to "
-                         "the nccl backend", g->backend_name);
+                         "the nccl backend", g->backend->family);
     ddp_cuda_nccl_set_stream(g->nccl->comm, cuda_stream);
     return DDP_SUCCESS;
 }
 
-/* ---- the reducer's functions for the nccl backend (src/reducer.c's ddp__reducer_ops): buckets in
+/* ---- what the reducer asks of the nccl backend (ddp__backend's memory functions): buckets in
    device memory; the copies are ddp_cuda.cu's bucket kernels on the group's stream. The reducer calls
    them on the thread that issues the group's collectives, whose current device ddp_init set. ---- */
 
@@ -6838,7 +7185,7 @@ static void ddp__nccl_copy_out(ddp_group *g, void *dst, ddp_dtype dst_t, const v
         c.seq = g->seq;
         c.kind = DDP__BARRIER;
         snprintf(desc, sizeof desc, "the reducer's copy of %zu bytes (after collective #%llu)", bytes,
-                 (unsigned long long)g->seq);
+                 (unsigned long long)(g->seq - g->seq_base));
         ddp__nccl_wait_described(g, &c, desc, event);
         return;
     }
@@ -6849,6 +7196,46 @@ static void ddp__nccl_copy_out(ddp_group *g, void *dst, ddp_dtype dst_t, const v
         ddp__nccl_one_tensor(g, &a, &slot, &numel, dst_t, err);
         ddp__nccl_report(g, ddp_cuda_bucket_copy_out(&a, src, src_t, numel, NULL, 1.0), err);
     }
+}
+
+/* Collectives on device memory through NCCL, on host memory through the group's transport. */
+static const ddp__backend ddp__backend_nccl = {
+    "nccl", "nccl", ddp__nccl_run, ddp__nccl_enqueue_async, ddp__nccl_wait_work, ddp__nccl_test_work, ddp__nccl_close,
+    ddp__nccl_alloc, ddp__nccl_release, ddp__nccl_zero, ddp__nccl_copy_in_scaled, ddp__nccl_copy_out};
+
+/* Give g an NCCL communicator: on the device chosen by local rank for the world group (parent NULL),
+   on the parent's device and stream for a subgroup. Collective over g, which must be connected (mesh
+   and store) and not have one yet. Then the nccl backend takes g's calls. */
+static ddp_result ddp__nccl_attach(ddp_group *g, const struct ddp__nccl *parent) {
+    char err[DDP__ERR_MAX] = "", key[160];
+    unsigned char id[DDP_CUDA_NCCL_ID_BYTES];
+    ddp_cuda_nccl *comm = NULL;
+    struct ddp__nccl *n;
+    ddp_result r = DDP_SUCCESS;
+    int device = parent ? parent->device : -1;
+    if (!parent) r = ddp_cuda_nccl_device(g->local_rank, &device, err, sizeof err);
+    if ((r = ddp__nccl_agree(g, r, err, "use a GPU")) != DDP_SUCCESS) return r;
+    if ((r = ddp__nccl_share_id(g, id)) != DDP_SUCCESS) return r;
+    r = ddp_cuda_nccl_create(id, g->rank, g->world_size, device, &comm, err, sizeof err);
+    if ((r = ddp__nccl_agree(g, r, err, "create its NCCL communicator")) != DDP_SUCCESS) {
+        ddp_cuda_nccl_destroy(comm, 1);
+        return r;
+    }
+    if (g->rank == 0 && g->world_size > 1) { /* everyone has read it */
+        snprintf(key, sizeof key, "%snccl_id", g->member.prefix);
+        ddp_store_delete(g->member.store, key, NULL);
+    }
+    if (!(n = (struct ddp__nccl *)ddp__calloc(1, sizeof *n))) {
+        ddp_cuda_nccl_destroy(comm, 1);
+        return ddp__fail(g, DDP_ERR_OUT_OF_MEMORY, "backend nccl: out of memory");
+    }
+    n->comm = comm;
+    n->device = device;
+    if (parent) ddp_cuda_nccl_set_stream(comm, ddp_cuda_nccl_stream(parent->comm));
+    g->nccl = n;
+    g->backend = &ddp__backend_nccl; /* host_backend stays: host-memory calls keep their transport */
+    ddp__log(g, DDP_LOG_INFO, "nccl: rank %d of %d on CUDA device %d", g->rank, g->world_size, device);
+    return DDP_SUCCESS;
 }
 
 #else /* !DDP_CUDA: the backend is not in this build */
@@ -6868,38 +7255,11 @@ static ddp_result ddp__nccl_attach(ddp_group *g, const struct ddp__nccl *parent)
     return ddp__fail(g, DDP_ERR_STATE, "internal error: an nccl group in a build without DDP_CUDA");
 }
 
-static void ddp__nccl_free(ddp_group *g) {
-    ddp__free(g->nccl);
-    g->nccl = NULL;
-}
-
-static ddp_result ddp__nccl_run(ddp_group *g, const ddp__call *k, const ddp__coll *c, int *host) {
-    (void)k, (void)c;
-    *host = 0;
-    return ddp__coll_fail(g, DDP_ERR_STATE, "internal error: an nccl group in a build without DDP_CUDA");
-}
-
-static int ddp__nccl_async(ddp_group *g, const ddp__call *k, ddp_work **out, ddp_result *res) {
-    (void)g, (void)k, (void)out, (void)res;
-    return 0;
-}
-
-static ddp_result ddp__nccl_wait_work(ddp_work *w) {
-    ddp_group *g = w->g;
-    ddp__free(w);
-    return ddp__fail(g, DDP_ERR_STATE, "internal error: an nccl work in a build without DDP_CUDA");
-}
-
-static int ddp__nccl_test_work(ddp_work *w) {
-    (void)w;
-    return 1;
-}
-
 DDP_API ddp_result ddp_set_stream(ddp_group *g, void *cuda_stream) {
     (void)cuda_stream;
     if (!g) return ddp__fail(NULL, DDP_ERR_INVALID_ARGUMENT, "ddp_set_stream: the group is NULL");
     return ddp__fail(g, DDP_ERR_UNSUPPORTED, "ddp_set_stream: the group's backend is \"%s\"; CUDA streams belong to the "
-                     "nccl backend (a build with -DDDP_CUDA)", g->backend_name);
+                     "nccl backend (a build with -DDDP_CUDA)", g->backend->family);
 }
 
 #endif /* DDP_CUDA */
@@ -7102,8 +7462,8 @@ static double ddp__read_timeout(const ddp_init_desc *d, char *err, ddp_result *r
 /* ---- rendezvous through the store ---- */
 
 static void ddp__key(const ddp_group *g, char *out, size_t cap, const char *name, int index) {
-    if (index >= 0) snprintf(out, cap, "%s%s/%d", g->prefix, name, index);
-    else snprintf(out, cap, "%s%s", g->prefix, name);
+    if (index >= 0) snprintf(out, cap, "%s%s/%d", g->member.prefix, name, index);
+    else snprintf(out, cap, "%s%s", g->member.prefix, name);
 }
 
 /* Fail this rank with code and message, and publish them so that every rank of the rendezvous fails too. */
@@ -7112,8 +7472,8 @@ static ddp_result ddp__rdzv_abort(ddp_group *g, ddp_result code, const char *msg
     int exists = 0;
     ddp__key(g, key, sizeof key, "abort", -1);
     snprintf(value, sizeof value, "%d|%.1000s", (int)code, msg);
-    ddp_store_set(g->store, key, value, strlen(value));
-    ddp_store_check(g->store, key, &exists); /* a round trip: the set has reached the store before we go */
+    ddp_store_set(g->member.store, key, value, strlen(value));
+    ddp_store_check(g->member.store, key, &exists); /* a round trip: the set has reached the store before we go */
     return ddp__fail(g, code, "%s", msg);
 }
 
@@ -7128,18 +7488,18 @@ static void ddp__rdzv_fail_all(ddp_group *g, ddp_result code) {
     int exists = 0;
     int64_t seen = 0;
     double until = ddp__now() + DDP__MIN(g->timeout, 5.0);
-    if (!g->store) return;
+    if (!g->member.store) return;
     snprintf(msg, sizeof msg, "%s", g->error);
     ddp__key(g, key, sizeof key, "abort", -1);
-    if (ddp_store_check(g->store, key, &exists) != DDP_SUCCESS) return;
+    if (ddp_store_check(g->member.store, key, &exists) != DDP_SUCCESS) return;
     if (!exists) ddp__rdzv_abort(g, code, msg);
     ddp__fail(g, code, "%s", msg);
     ddp__key(g, key, sizeof key, "abort_seen", -1);
-    if (!g->store_server) { /* done with the store: the rank serving it may stop waiting for us */
-        ddp_store_add(g->store, key, 1, &seen);
+    if (!g->member.store_server) { /* done with the store: the rank serving it may stop waiting for us */
+        ddp_store_add(g->member.store, key, 1, &seen);
         return;
     }
-    while (ddp__now() < until && ddp_store_add(g->store, key, 0, &seen) == DDP_SUCCESS && seen < g->world_size - 1)
+    while (ddp__now() < until && ddp_store_add(g->member.store, key, 0, &seen) == DDP_SUCCESS && seen < g->world_size - 1)
         ddp__sleep(0.01);
     ddp__fail(g, code, "%s", msg);
 }
@@ -7152,12 +7512,12 @@ static ddp_result ddp__rdzv_check_abort(ddp_group *g, int *aborted) {
     ddp_result r;
     *aborted = 0;
     ddp__key(g, key, sizeof key, "abort", -1);
-    if ((r = ddp_store_check(g->store, key, &exists)) != DDP_SUCCESS)
-        return ddp__fail(g, r, "rendezvous: %s", ddp_store_last_error(g->store));
+    if ((r = ddp_store_check(g->member.store, key, &exists)) != DDP_SUCCESS)
+        return ddp__fail(g, r, "rendezvous: %s", ddp_store_last_error(g->member.store));
     if (!exists) return DDP_SUCCESS;
     *aborted = 1;
-    if ((r = ddp_store_get(g->store, key, value, sizeof value - 1, &n)) != DDP_SUCCESS)
-        return ddp__fail(g, r, "rendezvous: %s", ddp_store_last_error(g->store));
+    if ((r = ddp_store_get(g->member.store, key, value, sizeof value - 1, &n)) != DDP_SUCCESS)
+        return ddp__fail(g, r, "rendezvous: %s", ddp_store_last_error(g->member.store));
     value[DDP__MIN(n, sizeof value - 1)] = '\0';
     sscanf(value, "%d|", &code);
     return ddp__fail(g, ddp__peer_code(code, DDP_ERR_INIT), "%s", strchr(value, '|') ? strchr(value, '|') + 1 : value);
@@ -7179,15 +7539,15 @@ static ddp_result ddp__rdzv_wait_all(ddp_group *g, const char *where) {
         ddp_result r;
         if ((r = ddp__rdzv_check_abort(g, &aborted)) != DDP_SUCCESS || aborted) return r ? r : DDP_ERR_INIT;
         ddp__key(g, key, sizeof key, "joined", -1);
-        if ((r = ddp_store_add(g->store, key, 0, &joined)) != DDP_SUCCESS)
-            return ddp__fail(g, r, "rendezvous: %s", ddp_store_last_error(g->store));
+        if ((r = ddp_store_add(g->member.store, key, 0, &joined)) != DDP_SUCCESS)
+            return ddp__fail(g, r, "rendezvous: %s", ddp_store_last_error(g->member.store));
         if (joined >= g->world_size) return DDP_SUCCESS;
         if (ddp__now() - start > g->timeout) {
             char missing[512] = "";
             int i, exists, shown = 0;
             for (i = 0; i < g->world_size && shown < 16; i++) {
                 ddp__key(g, key, sizeof key, "rank", i);
-                if (ddp_store_check(g->store, key, &exists) == DDP_SUCCESS && !exists) {
+                if (ddp_store_check(g->member.store, key, &exists) == DDP_SUCCESS && !exists) {
                     snprintf(missing + strlen(missing), sizeof missing - strlen(missing), "%s%d", shown ? ", " : "", i);
                     shown++;
                 }
@@ -7219,13 +7579,13 @@ static ddp_result ddp__mesh_connect(ddp_group *g, const ddp__record *rec, int li
     me.magic = DDP__HELLO_MAGIC;
     me.rank = g->rank;
     me.world = g->world_size;
-    me.group = ddp__hash(g->prefix);
+    me.group = ddp__hash(g->member.prefix);
     for (i = 0; i < g->rank; i++) {
         char who[320];
         snprintf(who, sizeof who, "rank %d at %s:%d", i, rec[i].addr, rec[i].port);
-        if ((r = ddp__net_connect(rec[i].addr, rec[i].port, deadline, &g->peers[i].fd, err)) != DDP_SUCCESS ||
-            (ddp__auth_token() && (r = ddp__auth_client(g->peers[i].fd, ddp__auth_token(), who, deadline, err)) != DDP_SUCCESS) ||
-            (r = ddp__net_send(g->peers[i].fd, &me, sizeof me, deadline, err)) != DDP_SUCCESS)
+        if ((r = ddp__net_connect(rec[i].addr, rec[i].port, deadline, &g->mesh.peers[i].fd, err)) != DDP_SUCCESS ||
+            (ddp__auth_token() && (r = ddp__auth_client(g->mesh.peers[i].fd, ddp__auth_token(), who, deadline, err)) != DDP_SUCCESS) ||
+            (r = ddp__net_send(g->mesh.peers[i].fd, &me, sizeof me, deadline, err)) != DDP_SUCCESS)
             return ddp__fail(g, r, "connecting to %s: %s", who, err);
     }
     while (accepted < g->world_size - 1 - g->rank) {
@@ -7240,12 +7600,12 @@ static ddp_result ddp__mesh_connect(ddp_group *g, const ddp__record *rec, int li
         }
         if (ddp__net_recv(fd, &h, sizeof h, DDP__MIN(deadline, ddp__now() + 10.0), err) != DDP_SUCCESS ||
             h.magic != DDP__HELLO_MAGIC || h.world != g->world_size || h.group != me.group || h.rank <= g->rank ||
-            h.rank >= g->world_size || g->peers[h.rank].fd >= 0) {
+            h.rank >= g->world_size || g->mesh.peers[h.rank].fd >= 0) {
             ddp__log(g, DDP_LOG_WARN, "refused a connection that is not a rank of this group");
             close(fd);
             continue;
         }
-        g->peers[h.rank].fd = fd;
+        g->mesh.peers[h.rank].fd = fd;
         accepted++;
     }
     return DDP_SUCCESS;
@@ -7261,8 +7621,8 @@ static ddp_result ddp__rendezvous(ddp_group *g, const char *addr, int listen_fd,
 
     /* claim the rank: a second process with the same rank sees a count above 1 */
     ddp__key(g, key, sizeof key, "claim", g->rank);
-    if ((r = ddp_store_add(g->store, key, 1, &claims)) != DDP_SUCCESS)
-        return ddp__fail(g, r, "rendezvous through %s: %s", where, ddp_store_last_error(g->store));
+    if ((r = ddp_store_add(g->member.store, key, 1, &claims)) != DDP_SUCCESS)
+        return ddp__fail(g, r, "rendezvous through %s: %s", where, ddp_store_last_error(g->member.store));
     if (claims > 1) {
         snprintf(msg, sizeof msg, "two processes claim rank %d (the second is pid %d); every process needs its own rank "
                  "(check RANK or the launcher's settings)", g->rank, (int)getpid());
@@ -7272,20 +7632,20 @@ static ddp_result ddp__rendezvous(ddp_group *g, const char *addr, int listen_fd,
     host[sizeof host - 1] = '\0';
     snprintf(value, sizeof value, "world=%d port=%d pid=%d addr=%s host=%s", g->world_size, port, (int)getpid(), addr, host);
     ddp__key(g, key, sizeof key, "rank", g->rank);
-    if ((r = ddp_store_set(g->store, key, value, strlen(value))) != DDP_SUCCESS)
-        return ddp__fail(g, r, "rendezvous through %s: %s", where, ddp_store_last_error(g->store));
+    if ((r = ddp_store_set(g->member.store, key, value, strlen(value))) != DDP_SUCCESS)
+        return ddp__fail(g, r, "rendezvous through %s: %s", where, ddp_store_last_error(g->member.store));
     ddp__key(g, key, sizeof key, "joined", -1);
-    if ((r = ddp_store_add(g->store, key, 1, &claims)) != DDP_SUCCESS)
-        return ddp__fail(g, r, "rendezvous through %s: %s", where, ddp_store_last_error(g->store));
+    if ((r = ddp_store_add(g->member.store, key, 1, &claims)) != DDP_SUCCESS)
+        return ddp__fail(g, r, "rendezvous through %s: %s", where, ddp_store_last_error(g->member.store));
     if ((r = ddp__rdzv_wait_all(g, where)) != DDP_SUCCESS) return r;
 
     rec = (ddp__record *)ddp__calloc((size_t)g->world_size, sizeof *rec);
     if (!rec) return ddp__fail(g, DDP_ERR_OUT_OF_MEMORY, "out of memory in the rendezvous");
     for (i = 0; i < g->world_size; i++) {
         ddp__key(g, key, sizeof key, "rank", i);
-        if ((r = ddp_store_get(g->store, key, value, sizeof value - 1, &n)) != DDP_SUCCESS) {
+        if ((r = ddp_store_get(g->member.store, key, value, sizeof value - 1, &n)) != DDP_SUCCESS) {
             ddp__free(rec);
-            return ddp__fail(g, r, "rendezvous: reading rank %d's address: %s", i, ddp_store_last_error(g->store));
+            return ddp__fail(g, r, "rendezvous: reading rank %d's address: %s", i, ddp_store_last_error(g->member.store));
         }
         value[DDP__MIN(n, sizeof value - 1)] = '\0';
         if (sscanf(value, "world=%d port=%d pid=%d addr=%127s host=%127s", &rec[i].world, &rec[i].port, &rec[i].pid,
@@ -7301,7 +7661,7 @@ static ddp_result ddp__rendezvous(ddp_group *g, const char *addr, int listen_fd,
             ddp__free(rec);
             return ddp__rdzv_abort(g, DDP_ERR_MISMATCH, msg);
         }
-        snprintf(g->peer_names[i], sizeof g->peer_names[i], "host %.40s, pid %d", rec[i].host, rec[i].pid);
+        snprintf(g->mesh.peer_names[i], sizeof g->mesh.peer_names[i], "host %.40s, pid %d", rec[i].host, rec[i].pid);
         if (strcmp(rec[i].host, host) == 0) {
             if (i < g->rank) local_index++;
             same_host++;
@@ -7334,34 +7694,31 @@ static void ddp__route_address(const char *master, int port, char *out, size_t c
 
 /* ---- group life cycle ---- */
 
-static void ddp__group_free(ddp_group *g);
-static void ddp__hier_close(ddp_group *g, int orderly); /* hier.c */
-
 static ddp_group *ddp__group_alloc(int rank, int world_size) {
     ddp_group *g = (ddp_group *)ddp__calloc(1, sizeof *g);
     int i;
     if (!g) return NULL;
-    pthread_mutex_init(&g->mu, NULL);
-    pthread_cond_init(&g->cv, NULL);
+    pthread_mutex_init(&g->async.mu, NULL);
+    pthread_cond_init(&g->async.cv, NULL);
     g->rank = rank;
-    g->waiting_for = -1;
+    g->mesh.waiting_for = -1;
     g->world_size = world_size;
     g->local_rank = g->local_world_size = -1;
-    g->backend_name = "cpu";
+    g->backend = g->host_backend = ddp__initial_backend(world_size);
     g->timeout = 300.0;
-    g->peers = (ddp__peer *)ddp__calloc((size_t)world_size, sizeof *g->peers);
-    g->peer_names = (char(*)[80])ddp__calloc((size_t)world_size, sizeof *g->peer_names);
-    g->pollfds = (struct pollfd *)ddp__calloc((size_t)world_size, sizeof *g->pollfds);
-    g->poll_owner = (int *)ddp__calloc((size_t)world_size, sizeof *g->poll_owner);
+    g->mesh.peers = (ddp__peer *)ddp__calloc((size_t)world_size, sizeof *g->mesh.peers);
+    g->mesh.peer_names = (char(*)[80])ddp__calloc((size_t)world_size, sizeof *g->mesh.peer_names);
+    g->mesh.pollfds = (struct pollfd *)ddp__calloc((size_t)world_size, sizeof *g->mesh.pollfds);
+    g->mesh.poll_owner = (int *)ddp__calloc((size_t)world_size, sizeof *g->mesh.poll_owner);
     g->world_ranks = (int *)ddp__calloc((size_t)world_size, sizeof *g->world_ranks);
-    if (!g->peers || !g->peer_names || !g->pollfds || !g->poll_owner || !g->world_ranks) {
+    if (!g->mesh.peers || !g->mesh.peer_names || !g->mesh.pollfds || !g->mesh.poll_owner || !g->world_ranks) {
         ddp__group_free(g);
         return NULL;
     }
     for (i = 0; i < world_size; i++) {
-        g->peers[i].fd = -1;
+        g->mesh.peers[i].fd = -1;
         g->world_ranks[i] = i;
-        snprintf(g->peer_names[i], sizeof g->peer_names[i], "rank %d", i);
+        snprintf(g->mesh.peer_names[i], sizeof g->mesh.peer_names[i], "rank %d", i);
     }
     return g;
 }
@@ -7371,25 +7728,60 @@ static ddp_group *ddp__group_alloc(int rank, int world_size) {
 static void ddp__group_free(ddp_group *g) {
     int i;
     ddp__progress_stop(g);
-    ddp__hier_close(g, 0);
+    if (g->backend) g->backend->close(g, 0);
     if (g->broken) ddp__close_after_failure(g, 1.0);
-    ddp__shm_free(g);
-    ddp__mpi_free(g->mpi);
-    ddp__nccl_free(g);
-    for (i = 0; g->peers && i < g->world_size; i++)
-        if (g->peers[i].fd >= 0) close(g->peers[i].fd);
-    if (g->owns_store && g->store) ddp__store_free(g->store);
-    if (g->store_server) ddp__store_server_stop(g->store_server);
-    if (g->parent) g->parent->live_subgroups--;
-    pthread_mutex_destroy(&g->mu);
-    pthread_cond_destroy(&g->cv);
+    ddp__lib_free_all(g);
+    for (i = 0; g->mesh.peers && i < g->world_size; i++)
+        if (g->mesh.peers[i].fd >= 0) close(g->mesh.peers[i].fd);
+    if (g->member.owns_store && g->member.store) ddp__store_free(g->member.store);
+    if (g->member.store_server) ddp__store_server_stop(g->member.store_server);
+    if (g->member.parent) g->member.parent->member.live_subgroups--;
+    pthread_mutex_destroy(&g->async.mu);
+    pthread_cond_destroy(&g->async.cv);
     ddp__free(g->scratch);
-    ddp__free(g->peers);
-    ddp__free(g->peer_names);
-    ddp__free(g->pollfds);
-    ddp__free(g->poll_owner);
+    ddp__free(g->mesh.peers);
+    ddp__free(g->mesh.peer_names);
+    ddp__free(g->mesh.pollfds);
+    ddp__free(g->mesh.poll_owner);
     ddp__free(g->world_ranks);
     ddp__free(g);
+}
+
+/* Ranks share memory only within one host and one network namespace (tests put "hosts" in
+   namespaces on one machine; each namespace counts as a host). */
+static uint64_t ddp__host_key(void) {
+    char buf[512] = "", ns[128] = "";
+    FILE *f;
+    ssize_t k = readlink("/proc/self/ns/net", ns, sizeof ns - 1);
+    if (k > 0) ns[k] = '\0';
+    gethostname(buf, 200);
+    buf[200] = '\0';
+    snprintf(buf + strlen(buf), sizeof buf - strlen(buf), "|%s|", ns);
+    if ((f = fopen("/proc/sys/kernel/random/boot_id", "r")) != NULL) {
+        size_t len = strlen(buf);
+        if (fgets(buf + len, (int)(sizeof buf - len), f) == NULL) buf[len] = '\0';
+        fclose(f);
+    }
+    return ddp__hash(buf);
+}
+
+/* Which transport carries the group's collectives, decided alike on every rank from every rank's host
+   key (one all_gather over the mesh): all ranks on one host -> shared memory (shm.c); several hosts
+   with several ranks on some -> the hierarchical all_reduce (hier.c); else the mesh itself (tcp.c).
+   DDP_TRANSPORT=tcp keeps the mesh for everything. */
+static ddp_result ddp__choose_transport(ddp_group *g) {
+    const char *transport = ddp__env("DDP_TRANSPORT");
+    uint64_t key = ddp__host_key(), *keys;
+    int i, same = 1;
+    ddp_result r;
+    if (g->world_size < 2 || (transport && strcmp(transport, "tcp") == 0)) return DDP_SUCCESS;
+    keys = (uint64_t *)ddp__calloc((size_t)g->world_size, sizeof *keys);
+    if (!keys) return ddp__fail(g, DDP_ERR_OUT_OF_MEMORY, "out of memory mapping the group's hosts");
+    r = ddp__mesh_all_gather(g, &key, keys, 1, DDP_I64);
+    for (i = 0; i < g->world_size && r == DDP_SUCCESS; i++) same &= keys[i] == key;
+    if (r == DDP_SUCCESS) r = same ? ddp__shm_setup(g) : ddp__hier_setup(g, keys);
+    ddp__free(keys);
+    return r;
 }
 
 /* Rendezvous and connect a freshly allocated group whose store and prefix are set. */
@@ -7397,14 +7789,13 @@ static ddp_result ddp__group_connect(ddp_group *g, const char *where) {
     char err[DDP__ERR_MAX];
     int listen_fd = -1, port = 0, aborted = 0;
     ddp_result r;
-    if ((r = ddp__net_listen(g->address, 0, &listen_fd, &port, err)) != DDP_SUCCESS)
-        return ddp__fail(g, r, "cannot listen for peer connections on %s: %s", g->address, err);
-    r = ddp__rendezvous(g, g->address, listen_fd, port, where);
+    if ((r = ddp__net_listen(g->member.address, 0, &listen_fd, &port, err)) != DDP_SUCCESS)
+        return ddp__fail(g, r, "cannot listen for peer connections on %s: %s", g->member.address, err);
+    r = ddp__rendezvous(g, g->member.address, listen_fd, port, where);
     close(listen_fd);
     if (r) return r;
-    if ((r = ddp_barrier(g)) != DDP_SUCCESS) return r;
-    if ((r = ddp__shm_setup(g)) != DDP_SUCCESS) return r;
-    g->seq = 0; /* the user's first collective is #1 in messages (shm.c relies on seq only growing from here) */
+    if ((r = ddp__mesh_barrier(g)) != DDP_SUCCESS) return r;
+    if ((r = ddp__choose_transport(g)) != DDP_SUCCESS) return r;
     if ((r = ddp__rdzv_check_abort(g, &aborted)) != DDP_SUCCESS || aborted) return r ? r : DDP_ERR_INIT;
     return DDP_SUCCESS;
 }
@@ -7424,13 +7815,11 @@ static ddp_result ddp__init_mpi(const ddp_init_desc *desc, ddp_group **out) {
         ddp__mpi_free(m);
         return ddp__fail(NULL, DDP_ERR_OUT_OF_MEMORY, "ddp_init: out of memory");
     }
-    g->mpi = m;
-    g->backend_name = "mpi";
+    ddp__mpi_attach(g, m);
     g->timeout = timeout;
     g->log_level = desc->log_level != DDP_LOG_DEFAULT ? desc->log_level : ddp__env_log_level();
     g->log_fn = desc->log_fn;
     g->log_user = desc->log_user;
-    ddp__mpi_local(m, &g->local_rank, &g->local_world_size);
     ddp__log(g, DDP_LOG_INFO, "joined: rank %d of %d on the mpi backend (local rank %d of %d)", rank, world, g->local_rank,
              g->local_world_size);
     *out = g;
@@ -7466,6 +7855,7 @@ static ddp_result ddp__init_done(ddp_group *g, int nccl, ddp_group **out) {
         ddp_destroy(g);
         return ddp__fail(NULL, r, "ddp_init (rank %d of %d): %s", rank, world, msg);
     }
+    g->seq_base = g->seq; /* the program's first collective is #1 in messages */
     *out = g;
     return DDP_SUCCESS;
 }
@@ -7507,7 +7897,7 @@ DDP_API ddp_result ddp_init(const ddp_init_desc *desc, ddp_group **out) {
     g->log_user = desc->log_user;
     g->local_rank = L.local_rank;
     g->local_world_size = L.local_world_size;
-    snprintf(g->prefix, sizeof g->prefix, "ddp/%d/", L.restart_count);
+    snprintf(g->member.prefix, sizeof g->member.prefix, "ddp/%d/", L.restart_count);
     if (L.world_size == 1 && !L.file_path && !L.master_port) { /* alone: nothing to connect */
         g->local_rank = 0;
         g->local_world_size = 1;
@@ -7516,23 +7906,23 @@ DDP_API ddp_result ddp_init(const ddp_init_desc *desc, ddp_group **out) {
 
     if (L.file_path) {
         snprintf(where, sizeof where, "the file store %s", L.file_path);
-        r = ddp__store_open_file(L.file_path, timeout, &g->store, err);
-        ddp__route_address(NULL, 0, g->address, sizeof g->address);
+        r = ddp__store_open_file(L.file_path, timeout, &g->member.store, err);
+        ddp__route_address(NULL, 0, g->member.address, sizeof g->member.address);
     } else if (L.agent_store) {
-        r = ddp__connect_agent_store(&L, timeout, &g->store, where, sizeof where, err);
-        ddp__route_address(L.master_addr, L.master_port, g->address, sizeof g->address);
+        r = ddp__connect_agent_store(&L, timeout, &g->member.store, where, sizeof where, err);
+        ddp__route_address(L.master_addr, L.master_port, g->member.address, sizeof g->member.address);
     } else {
         snprintf(where, sizeof where, "the store at %s:%d", L.master_addr, L.master_port);
         r = DDP_SUCCESS;
-        if (L.rank == 0) r = ddp__store_server_start(L.master_addr, L.master_port, g->log_level, &g->store_server, err);
-        if (r == DDP_SUCCESS) r = ddp__store_connect(L.master_addr, L.master_port, NULL, timeout, &g->store, err);
-        ddp__route_address(L.master_addr, L.master_port, g->address, sizeof g->address);
+        if (L.rank == 0) r = ddp__store_server_start(L.master_addr, L.master_port, g->log_level, &g->member.store_server, err);
+        if (r == DDP_SUCCESS) r = ddp__store_connect(L.master_addr, L.master_port, NULL, timeout, &g->member.store, err);
+        ddp__route_address(L.master_addr, L.master_port, g->member.address, sizeof g->member.address);
     }
     if (r) {
         ddp__group_free(g);
         return ddp__fail(NULL, r, "ddp_init (rank %d of %d, from %s): %s", L.rank, L.world_size, L.source, err);
     }
-    g->owns_store = 1;
+    g->member.owns_store = 1;
     ddp__log(g, DDP_LOG_INFO, "joining: rank %d of %d from %s, through %s", L.rank, L.world_size, L.source, where);
     if ((r = ddp__group_connect(g, where)) != DDP_SUCCESS) {
         ddp__rdzv_fail_all(g, r);
@@ -7548,16 +7938,16 @@ DDP_API ddp_result ddp_init(const ddp_init_desc *desc, ddp_group **out) {
 DDP_API ddp_result ddp_destroy(ddp_group *g) {
     ddp_result r = DDP_SUCCESS;
     if (!g) return DDP_SUCCESS;
-    if (g->live_subgroups > 0)
+    if (g->member.live_subgroups > 0)
         return ddp__fail(g, DDP_ERR_STATE, "ddp_destroy: %d subgroup(s) made from this group are still alive; destroy them first",
-                         g->live_subgroups);
+                         g->member.live_subgroups);
     ddp__drain(g);
     if (g->world_size > 1 && !g->broken) {
         r = ddp_barrier(g); /* nobody closes a connection that a peer may still be waiting on */
         if (r) {
             ddp__fail(NULL, r, "ddp_destroy: %s", g->error);
         } else {
-            ddp__hier_close(g, 1);
+            g->backend->close(g, 1); /* hier.c's stage groups say goodbye among themselves first */
             ddp__say_goodbye(g, DDP__MIN(g->timeout, 10.0));
         }
     }
@@ -7580,17 +7970,15 @@ static ddp_result ddp__subgroup_open(ddp_group *g, const int *ranks, int n, int 
         ddp__mpi_free(comm);
         return ddp__fail(g, DDP_ERR_OUT_OF_MEMORY, "%s: out of memory", what);
     }
-    sub->mpi = comm;
-    sub->backend_name = g->backend_name;
-    if (comm) ddp__mpi_local(comm, &sub->local_rank, &sub->local_world_size);
+    if (comm) ddp__mpi_attach(sub, comm);
     for (i = 0; i < n; i++) sub->world_ranks[i] = g->world_ranks[ranks[i]];
     sub->timeout = g->timeout;
     sub->log_level = g->log_level;
     sub->log_fn = g->log_fn;
     sub->log_user = g->log_user;
-    sub->store = g->store;
-    memcpy(sub->address, g->address, sizeof sub->address);
-    snprintf(sub->prefix, sizeof sub->prefix, "%.60s%.30s/", g->prefix, name);
+    sub->member.store = g->member.store;
+    memcpy(sub->member.address, g->member.address, sizeof sub->member.address);
+    snprintf(sub->member.prefix, sizeof sub->member.prefix, "%.60s%.30s/", g->member.prefix, name);
     snprintf(where, sizeof where, "the parent group's store (%s)", name);
     if (n > 1 && !sub->mpi && (r = ddp__group_connect(sub, where)) != DDP_SUCCESS) {
         ddp__fail(g, r, "%s: %s", what, sub->error);
@@ -7598,6 +7986,7 @@ static ddp_result ddp__subgroup_open(ddp_group *g, const int *ranks, int n, int 
         return r;
     }
     if (n == 1) sub->local_rank = 0, sub->local_world_size = 1;
+    sub->seq_base = sub->seq;
     *out = sub;
     return DDP_SUCCESS;
 }
@@ -7637,18 +8026,19 @@ DDP_API ddp_result ddp_new_group(ddp_group *g, const int *ranks, int n, ddp_grou
                              bad, invalid ? "an invalid" : "a different", invalid ? "" : "than rank 0");
         }
     ddp__free(all);
-    g->subgroups_made++;
+    g->member.subgroups_made++;
     if (g->mpi && (r = ddp__mpi_split(g, me, &comm)) != DDP_SUCCESS) return r;
     if (me < 0) return DDP_SUCCESS;
-    snprintf(name, sizeof name, "sub%llu", (unsigned long long)g->subgroups_made);
+    snprintf(name, sizeof name, "sub%llu", (unsigned long long)g->member.subgroups_made);
     if ((r = ddp__subgroup_open(g, ranks, n, me, name, comm, "ddp_new_group", &sub)) != DDP_SUCCESS) return r;
     if (g->nccl && (r = ddp__nccl_attach(sub, g->nccl)) != DDP_SUCCESS) { /* its own communicator */
         ddp__fail(g, r, "ddp_new_group: %s", sub->error);
         ddp_destroy(sub);
         return r;
     }
-    sub->parent = g;
-    g->live_subgroups++;
+    sub->seq_base = sub->seq;
+    sub->member.parent = g;
+    g->member.live_subgroups++;
     *out = sub;
     return DDP_SUCCESS;
 }
@@ -7657,126 +8047,10 @@ DDP_API int ddp_rank(const ddp_group *g) { return g ? g->rank : 0; }
 DDP_API int ddp_world_size(const ddp_group *g) { return g ? g->world_size : 1; }
 DDP_API int ddp_local_rank(const ddp_group *g) { return g ? g->local_rank : 0; }
 DDP_API int ddp_local_world_size(const ddp_group *g) { return g ? g->local_world_size : 1; }
-DDP_API const char *ddp_backend_name(const ddp_group *g) { return g ? g->backend_name : "none"; }
+DDP_API const char *ddp_backend_name(const ddp_group *g) { return g ? g->backend->family : "none"; }
 DDP_API double ddp_timeout(const ddp_group *g) { return g ? g->timeout : 0.0; }
-DDP_API ddp_store *ddp_group_store(ddp_group *g) { return g ? g->store : NULL; }
+DDP_API ddp_store *ddp_group_store(ddp_group *g) { return g ? g->member.store : NULL; }
 /* ==================== end src/group.c ==================== */
-
-/* ==================== begin src/hier.c ==================== */
-/* [SECTION] hier: hierarchical all_reduce for a group that spans hosts with several ranks on a host
-   (NCCL's and Gloo's two-level all-reduce; torch.distributed gets it from its backends)
-
-   A group whose ranks are not all on one host runs its collectives over the TCP mesh, and a ring over
-   all ranks crosses the loopback device once for every pair of neighbours on the same host. Large
-   all_reduces (above the recursive-doubling size, collectives.c) in such a group run three stages:
-
-       host:     all_reduce among the ranks of each host, over shared memory    (g->hier_host)
-       leaders:  all_reduce among the first rank of every host, over TCP        (g->hier_leaders)
-       host:     broadcast from that first rank to the rest of its host         (g->hier_host)
-
-   Only the leaders' stage crosses hosts, with what a ring over the H hosts needs: 2(H-1)/H of the
-   buffer each way per host; the host stages run at memory speed. Both groups are made when the group
-   is set up (every rank computes the same host map from the host keys that shm.c gathers) and live as
-   long as it. A host with one rank has no host group; a group with one rank per host has neither, and
-   neither does a group under DDP_TRANSPORT=tcp (shm.c then gathers no host keys).
-
-   Mismatches: each stage is a collective of its own group and can only check calls within it. So a
-   hierarchical all_reduce first agrees on the call in the group itself: recursive doubling with no
-   data (log2(n) exchanges of a frame header carrying the call's fingerprint), which fails every rank
-   on any difference exactly as a small all_reduce does (collectives.c). Past it every rank runs the
-   same stages. A failure in a stage (a lost rank, a timeout) breaks the other stage's group and the
-   group itself with the same message, so every rank fails, whichever stage it waits in.
-   Op AVG runs as SUM in the stages and divides once at the end, as the ring does. */
-
-/* Called by shm.c's set-up when the group's ranks are not all on one host; keys holds every rank's
-   host key. Collective: every rank derives the same host map, so all decide alike. */
-static ddp_result ddp__hier_setup(ddp_group *g, const uint64_t *keys) {
-    int n = g->world_size, i, j, nhost = 0, nlead = 0, my_index = 0, lead_index = 0, shared = 0;
-    int *host = (int *)ddp__calloc((size_t)n, sizeof *host), *leaders = (int *)ddp__calloc((size_t)n, sizeof *leaders);
-    char name[32];
-    ddp_result r = DDP_SUCCESS;
-    if (!host || !leaders) {
-        ddp__free(host);
-        ddp__free(leaders);
-        return ddp__fail(g, DDP_ERR_OUT_OF_MEMORY, "out of memory mapping the group's hosts");
-    }
-    for (i = 0; i < n; i++) { /* a host's leader is its lowest rank */
-        for (j = 0; j < i && keys[j] != keys[i]; j++) continue;
-        if (j == i) leaders[nlead++] = i;
-        else shared = 1;
-        if (i == g->rank) lead_index = nlead - 1; /* used only when this rank leads its host */
-        if (keys[i] != keys[g->rank]) continue;
-        if (i == g->rank) my_index = nhost;
-        host[nhost++] = i;
-    }
-    if (shared) {
-        snprintf(name, sizeof name, "host%d", host[0]);
-        if (nhost > 1) r = ddp__subgroup_open(g, host, nhost, my_index, name, NULL, "setting up the hierarchical all_reduce", &g->hier_host);
-        if (r == DDP_SUCCESS && host[0] == g->rank)
-            r = ddp__subgroup_open(g, leaders, nlead, lead_index, "leaders", NULL, "setting up the hierarchical all_reduce",
-                                   &g->hier_leaders);
-        if (r == DDP_SUCCESS) {
-            g->hier = 1;
-            ddp__log(g, DDP_LOG_INFO, "%d ranks on %d hosts: large all_reduces run hierarchically (shared memory within a "
-                     "host, TCP between hosts)", n, nlead);
-        }
-    }
-    ddp__free(host);
-    ddp__free(leaders);
-    return r;
-}
-
-/* The end of a group: its stage groups go first (ddp_destroy after the group's own barrier: every rank
-   is there, so their barriers meet), or are just freed when the group is failing. */
-static void ddp__hier_close(ddp_group *g, int orderly) {
-    ddp_group *stages[2];
-    int i;
-    stages[0] = g->hier_host;
-    stages[1] = g->hier_leaders;
-    g->hier_host = g->hier_leaders = NULL;
-    g->hier = 0;
-    for (i = 0; i < 2; i++) {
-        if (!stages[i]) continue;
-        if (orderly) ddp_destroy(stages[i]);
-        else ddp__group_free(stages[i]);
-    }
-}
-
-/* A stage failed and its group is broken: break the other stage's group and the group itself with the
-   same message, so ranks waiting anywhere in this all_reduce fail too. */
-static ddp_result ddp__hier_fail(ddp_group *g, ddp_group *stage, const char *stage_name, ddp_result r) {
-    char msg[DDP__ERR_MAX];
-    const char *why = stage->broken ? stage->broken_msg : stage->error;
-    ddp_result code = stage->broken ? stage->broken : r;
-    if (strncmp(why, "hierarchical all_reduce", 23) == 0) /* another rank's, already saying where */
-        snprintf(msg, sizeof msg, "%s", why);
-    else
-        snprintf(msg, sizeof msg, "hierarchical all_reduce, %s stage (rank numbers there count within the stage): %.900s",
-                 stage_name, why);
-    if (g->hier_host && g->hier_host != stage) ddp__group_break(g->hier_host, code, msg);
-    if (g->hier_leaders && g->hier_leaders != stage) ddp__group_break(g->hier_leaders, code, msg);
-    return ddp__coll_fail(g, code, "%s", msg);
-}
-
-static ddp_result ddp__hier_all_reduce(ddp_group *g, const ddp__coll *c, void *buf, size_t count, ddp_dtype t, ddp_op op) {
-    ddp_op stage_op = op == DDP_AVG ? DDP_SUM : op;
-    ddp_result r;
-    if ((r = ddp__rd_all_reduce(g, c, NULL, 0, t, op)) != DDP_SUCCESS) return r; /* the agreement: fingerprints only */
-    if (g->log_level >= DDP_LOG_DEBUG) {
-        char desc[160];
-        ddp__coll_describe(c, desc, sizeof desc);
-        ddp__log(g, DDP_LOG_DEBUG, "%s: hierarchical (host, between hosts, host broadcast)", desc);
-    }
-    if (g->hier_host && (r = ddp_all_reduce(g->hier_host, buf, count, t, stage_op)) != DDP_SUCCESS)
-        return ddp__hier_fail(g, g->hier_host, "host (shared memory)", r);
-    if (g->hier_leaders && (r = ddp_all_reduce(g->hier_leaders, buf, count, t, stage_op)) != DDP_SUCCESS)
-        return ddp__hier_fail(g, g->hier_leaders, "between hosts", r);
-    if (g->hier_host && (r = ddp_broadcast(g->hier_host, buf, count, t, 0)) != DDP_SUCCESS)
-        return ddp__hier_fail(g, g->hier_host, "host broadcast", r);
-    if (op == DDP_AVG) ddp__divide(buf, count, t, g->world_size);
-    return DDP_SUCCESS;
-}
-/* ==================== end src/hier.c ==================== */
 
 /* ==================== begin src/launcher.c ==================== */
 /* [SECTION] launcher: ddp_spawn (torch.multiprocessing.spawn) and ddprun (torchrun)
@@ -8750,33 +9024,20 @@ DDP_API int ddp_launcher_main(int argc, char **argv) {
 #define DDP__REDUCER_SMALL_TENSOR ((size_t)1 << 20)        /* smaller tensors are coalesced for broadcast */
 #define DDP__REDUCER_NAME_RECORD 72                        /* name bytes in a mismatch record */
 
-/* ---- the group interface: everything the reducer asks of a backend ----
-   Buffers are the backend's memory (host memory for cpu; device memory for nccl, where the copies run on
-   the group's stream). copy_in_scaled: dst[i] = src[i] * scale converted from src_t to dst_t, computed in
-   f32 (f64 for f64) and rounded once; dst may equal src when the dtypes do. copy_out: dst[i] = src[i]
-   converted (a plain copy when the dtypes are equal); it also moves the used map between host memory and
-   the backend's (both directions). To add a backend, write these functions and add a row to
-   ddp__reducer_backends. Besides these, finalize and the rebuild pass small host arrays to ddp_all_gather
-   and ddp_broadcast (the model check, the ready order) and broadcast parameters and buffers where they
-   are: a backend whose collectives take device memory accepts host memory for those, or stages it. */
-typedef struct ddp__reducer_ops {
-    const char *backend; /* ddp_backend_name(g) */
-    void *(*alloc)(ddp_group *g, size_t bytes); /* zeroed; NULL when out of memory */
-    void (*release)(ddp_group *g, void *p);
-    void (*zero)(ddp_group *g, void *dst, size_t bytes);
-    void (*copy_in_scaled)(ddp_group *g, void *dst, ddp_dtype dst_t, const void *src, ddp_dtype src_t, size_t count,
-                           double scale);
-    void (*copy_out)(ddp_group *g, void *dst, ddp_dtype dst_t, const void *src, ddp_dtype src_t, size_t count);
-    ddp_result (*all_reduce_async)(ddp_group *g, void *buf, size_t count, ddp_dtype t, ddp_op op, ddp_work **w);
-    ddp_result (*wait)(ddp_work *w);
-} ddp__reducer_ops;
+/* ---- the backend's memory: what the reducer asks of a backend (ddp__backend in internal.h) ----
+   Buckets are in the backend's memory (host memory for cpu and mpi; device memory for nccl, where the
+   copies run on the group's stream). Besides these, finalize and the rebuild pass small host arrays to
+   ddp_all_gather and ddp_broadcast (the model check, the ready order) and broadcast parameters and
+   buffers where they are: a backend whose collectives take device memory accepts host memory for
+   those (nccl runs them on its host transport). The functions below are the host versions, which every
+   backend but nccl uses. */
 
 /* Bucket memory comes from ddp_alloc (zero-filled): on a group that shares one host it lives in this
    rank's arena of the shared segment, so the buckets' all-reduces read the peers' buckets directly (the
    single-copy design, (3p-1)N bytes of memory traffic instead of (5p+1)N); elsewhere it is heap memory. */
-static void *ddp__cpu_alloc(ddp_group *g, size_t bytes) { return ddp_alloc(g, bytes); }
-static void ddp__cpu_release(ddp_group *g, void *p) { ddp_free(g, p); }
-static void ddp__cpu_zero(ddp_group *g, void *dst, size_t bytes) {
+static void *ddp__host_alloc(ddp_group *g, size_t bytes) { return ddp_alloc(g, bytes); }
+static void ddp__host_release(ddp_group *g, void *p) { ddp_free(g, p); }
+static void ddp__host_zero(ddp_group *g, void *dst, size_t bytes) {
     (void)g;
     if (bytes) memset(dst, 0, bytes);
 }
@@ -8799,7 +9060,7 @@ static void ddp__put_f32(void *p, ddp_dtype t, size_t i, float v) {
     }
 }
 
-static void ddp__cpu_copy_in_scaled(ddp_group *g, void *dst, ddp_dtype dst_t, const void *src, ddp_dtype src_t,
+static void ddp__host_copy_in_scaled(ddp_group *g, void *dst, ddp_dtype dst_t, const void *src, ddp_dtype src_t,
                                     size_t count, double scale) {
     size_t i;
     (void)g;
@@ -8829,7 +9090,7 @@ static void ddp__cpu_copy_in_scaled(ddp_group *g, void *dst, ddp_dtype dst_t, co
     }
 }
 
-static void ddp__cpu_copy_out(ddp_group *g, void *dst, ddp_dtype dst_t, const void *src, ddp_dtype src_t, size_t count) {
+static void ddp__host_copy_out(ddp_group *g, void *dst, ddp_dtype dst_t, const void *src, ddp_dtype src_t, size_t count) {
     size_t i;
     (void)g;
     if (dst_t == src_t) {
@@ -8842,24 +9103,6 @@ static void ddp__cpu_copy_out(ddp_group *g, void *dst, ddp_dtype dst_t, const vo
     }
     for (i = 0; i < count; i++) ddp__put_f32(dst, dst_t, i, ddp__get_f32(src, src_t, i));
 }
-
-static ddp_result ddp__cpu_all_reduce_async(ddp_group *g, void *buf, size_t count, ddp_dtype t, ddp_op op, ddp_work **w) {
-    return ddp_all_reduce_async(g, buf, count, t, op, w);
-}
-
-static const ddp__reducer_ops ddp__reducer_backends[] = {
-    {"cpu", ddp__cpu_alloc, ddp__cpu_release, ddp__cpu_zero, ddp__cpu_copy_in_scaled, ddp__cpu_copy_out,
-     ddp__cpu_all_reduce_async, ddp_wait},
-    /* the mpi backend's collectives take host memory too */
-    {"mpi", ddp__cpu_alloc, ddp__cpu_release, ddp__cpu_zero, ddp__cpu_copy_in_scaled, ddp__cpu_copy_out,
-     ddp__cpu_all_reduce_async, ddp_wait},
-#ifdef DDP_CUDA
-    /* buckets in device memory, copied by ddp_cuda.cu's bucket kernels on the group's stream (nccl.c);
-       the all-reduce of device memory goes to NCCL */
-    {"nccl", ddp__nccl_alloc, ddp__nccl_release, ddp__nccl_zero, ddp__nccl_copy_in_scaled, ddp__nccl_copy_out,
-     ddp__cpu_all_reduce_async, ddp_wait},
-#endif
-};
 
 /* ---- the reducer's state ---- */
 
@@ -8892,7 +9135,7 @@ typedef struct ddp__layout {
 
 struct ddp_reducer {
     ddp_group *g;
-    const ddp__reducer_ops *ops;
+    const ddp__backend *ops; /* its group's backend: bucket memory and copies */
     ddp_reducer_desc desc; /* defaults filled in */
     ddp__rtensor *params, *buffers;
     int nparams, nbuffers, cap_params, cap_buffers;
@@ -8931,8 +9174,6 @@ static size_t ddp__tensor_bytes(const ddp__rtensor *t) { return t->count * ddp_d
 DDP_API ddp_result ddp_reducer_create(ddp_group *g, const ddp_reducer_desc *d, ddp_reducer **out) {
     ddp_reducer_desc desc;
     ddp_reducer *r;
-    size_t i;
-    const ddp__reducer_ops *ops = NULL;
     if (!out) return ddp__fail(g, DDP_ERR_INVALID_ARGUMENT, "ddp_reducer_create: out is NULL");
     *out = NULL;
     if (!g) return ddp__fail(NULL, DDP_ERR_INVALID_ARGUMENT, "ddp_reducer_create: the group is NULL (did ddp_init succeed?)");
@@ -8943,15 +9184,10 @@ DDP_API ddp_result ddp_reducer_create(ddp_group *g, const ddp_reducer_desc *d, d
     if (desc.comm_dtype != DDP_DTYPE_DEFAULT && !(ddp__dtype_valid(desc.comm_dtype) && ddp__dtype_is_float(desc.comm_dtype)))
         return ddp__fail(g, DDP_ERR_INVALID_ARGUMENT, "ddp_reducer_create: comm_dtype %d is not DDP_DTYPE_DEFAULT or a "
                          "floating dtype (DDP_F16 or DDP_BF16 to compress)", (int)desc.comm_dtype);
-    for (i = 0; i < sizeof ddp__reducer_backends / sizeof ddp__reducer_backends[0]; i++)
-        if (strcmp(ddp__reducer_backends[i].backend, ddp_backend_name(g)) == 0) ops = &ddp__reducer_backends[i];
-    if (!ops)
-        return ddp__fail(g, DDP_ERR_UNSUPPORTED, "ddp_reducer_create: the reducer has no functions for backend \"%s\" "
-                         "(it knows cpu, mpi and nccl)", ddp_backend_name(g));
     r = (ddp_reducer *)ddp__calloc(1, sizeof *r);
     if (!r) return ddp__fail(g, DDP_ERR_OUT_OF_MEMORY, "ddp_reducer_create: out of memory");
     r->g = g;
-    r->ops = ops;
+    r->ops = g->backend;
     r->desc = desc;
     r->sync = 1;
     *out = r;
@@ -9406,7 +9642,7 @@ DDP_API ddp_result ddp_reducer_begin_backward(ddp_reducer *r) {
 static ddp_result ddp__reducer_start_ready(ddp_reducer *r) {
     while (r->next_bucket < r->L.nbuckets && r->L.buckets[r->next_bucket].pending == 0) {
         ddp__bucket *k = &r->L.buckets[r->next_bucket];
-        ddp_result res = r->ops->all_reduce_async(r->g, k->comm, k->count, k->comm_dtype, DDP_SUM, &k->work);
+        ddp_result res = ddp_all_reduce_async(r->g, k->comm, k->count, k->comm_dtype, DDP_SUM, &k->work);
         if (res) return r->failed = res;
         if (!r->t_first_start) r->t_first_start = ddp__now();
         r->next_bucket++;
@@ -9470,13 +9706,10 @@ static ddp_result ddp__reducer_missing(ddp_reducer *r) {
                  : "Destroy the reducer");
     for (b = 0; b < r->next_bucket; b++)
         if (r->L.buckets[b].work) {
-            r->ops->wait(r->L.buckets[b].work);
+            ddp_wait(r->L.buckets[b].work);
             r->L.buckets[b].work = NULL;
         }
-    if (ddp_world_size(r->g) > 1) {
-        ddp__drain(r->g);
-        ddp__group_break(r->g, DDP_ERR_STATE, msg);
-    }
+    if (ddp_world_size(r->g) > 1) ddp__group_abort(r->g, DDP_ERR_STATE, msg);
     r->failed = DDP_ERR_STATE;
     r->in_backward = 0;
     return ddp__fail(r->g, DDP_ERR_STATE, "%s", msg);
@@ -9555,7 +9788,7 @@ static ddp_result ddp__reducer_collect(ddp_reducer *r, ddp_work *used_work) {
     for (b = 0; b < r->L.nbuckets; b++) {
         ddp__bucket *k = &r->L.buckets[b];
         if (!k->work) continue;
-        res = r->ops->wait(k->work);
+        res = ddp_wait(k->work);
         k->work = NULL;
         if (res && !first) {
             first = res;
@@ -9566,7 +9799,7 @@ static ddp_result ddp__reducer_collect(ddp_reducer *r, ddp_work *used_work) {
             if (!find_unused || r->used[r->L.params[j]]) ddp__reducer_give_back(r, r->L.params[j]);
     }
     if (used_work) {
-        res = r->ops->wait(used_work);
+        res = ddp_wait(used_work);
         if (res && !first) {
             first = res;
             snprintf(why, sizeof why, "%s", ddp_last_error(r->g));
@@ -9615,7 +9848,7 @@ DDP_API ddp_result ddp_reducer_end_backward(ddp_reducer *r) {
     if (!res) res = ddp__reducer_start_ready(r);
     if (!res && r->desc.find_unused_parameters) { /* PyTorch's local_used_map, reduced after the buckets */
         r->ops->copy_out(r->g, r->used_comm, DDP_U8, r->used, DDP_U8, ddp__reducer_n(r));
-        if ((res = r->ops->all_reduce_async(r->g, r->used_comm, ddp__reducer_n(r), DDP_U8, DDP_MAX, &used_work)) != DDP_SUCCESS)
+        if ((res = ddp_all_reduce_async(r->g, r->used_comm, ddp__reducer_n(r), DDP_U8, DDP_MAX, &used_work)) != DDP_SUCCESS)
             r->failed = res;
     }
     {
@@ -9690,7 +9923,7 @@ DDP_API void ddp_reducer_destroy(ddp_reducer *r) {
     int i;
     if (!r) return;
     for (i = 0; r->L.buckets && i < r->L.nbuckets; i++)
-        if (r->L.buckets[i].work) r->ops->wait(r->L.buckets[i].work);
+        if (r->L.buckets[i].work) ddp_wait(r->L.buckets[i].work);
     ddp__layout_free(r, &r->L);
     for (i = 0; i < r->nparams; i++) ddp__free(r->params[i].name);
     for (i = 0; i < r->nbuffers; i++) ddp__free(r->buffers[i].name);

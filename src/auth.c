@@ -18,9 +18,6 @@
    SHA-256 is FIPS 180-4, HMAC is RFC 2104; tests/test_auth.c checks them against the RFC 4231 vectors. */
 #include "internal.h"
 
-#define DDP__AUTH_MAGIC "DDPAUTH1"
-#define DDP__AUTH_NONCE 16
-#define DDP__AUTH_MAC 32
 
 /* ---- SHA-256 ---- */
 

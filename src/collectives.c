@@ -1,44 +1,18 @@
-/* [SECTION] collectives: ring algorithms, the public collectives, async work and the progress thread
+/* [SECTION] collectives: the public collectives, their fingerprints, dispatch to the backend, async work
    (torch.distributed.all_reduce, broadcast, reduce, all_gather, reduce_scatter, barrier)
 
-   Every algorithm is built from ring steps: in each step a rank sends to its right neighbour
-   (rank + 1) and receives from its left (rank - 1) at the same time.
-
-       rank 0 --> rank 1 --> rank 2 --> rank 3 --+
-         ^                                       |
-         +---------------------------------------+
-
-   all_reduce = reduce-scatter then all-gather, with the buffer cut into n chunks. In the
-   reduce-scatter, chunk c starts at rank c+1 and travels once around the ring, each rank adding its
-   own part, and ends complete at rank c; the all-gather then passes each complete chunk around.
-   Cost for N bytes on n ranks: 2(n-1) steps, each rank sending 2(n-1)/n * N bytes (bandwidth-optimal).
-   Up to DDP__RD_MAX_BYTES all_reduce uses recursive doubling instead (log2(n) steps; see below).
-
-   Why a mismatch is an error on every rank (the program is wrong at collective #X: two ranks call
-   something different there; transport.c explains how each rank checks what it receives):
-   1. No rank finishes #X. Every algorithm here makes each rank's finish depend, through a chain of
-      received frames, on every other rank having sent in #X (the ring passes data from every rank to
-      every rank; recursive doubling too; broadcast ends with a token pass and reduce starts with a
-      reduce-scatter for this). Each frame on the chain was checked by its receiver, so a rank that
-      finishes proves that every rank called the same #X.
-   2. Some rank sees the difference. Group the ranks by the call they make at #X. A group in which some
-      rank sends without receiving first is "active": every rank of a ring algorithm (all_reduce,
-      all_gather, reduce_scatter, reduce, barrier), the root of a broadcast, and every rank of
-      recursive doubling (the folded pair 2i+1 -> 2i answers at once for this reason). An active group
-      that is not every rank sends to a rank outside it before it can get stuck: the ring's first step
-      goes to rank+1; a broadcast chain passes every rank; recursive doubling's partners cover ever
-      larger blocks and so leave the group. That frame reaches a rank waiting in #X, which checks every
-      frame that reaches it, whichever peer it waits on (transport.c), and fails with
-      DDP_ERR_MISMATCH. Every rank sends or receives something at #X unless every group is a broadcast
-      whose root is outside it (every rank calls broadcast and none names itself root): that case
-      alone ends in DDP_ERR_TIMEOUT.
-   3. The rank that saw it breaks the group (an ABORT frame to every peer), and every rank, all stuck
-      in #X by (1), fails with that code and message. A rank still finishing #X-1 when a faster rank
-      finds the mismatch at #X fails there (or in ddp_init, whose own barrier comes first): the group
-      is broken at once, so its last call is the one that reports it. */
+   A call goes through four steps, the same for every collective and every backend:
+     1. validate the arguments on the caller's thread (a bad call never reaches the wire);
+     2. take the group's next sequence number: the fingerprint (seq, collective, count, dtype, op,
+        root) that every message of the call carries (transport.c, shm.c) and that ranks compare;
+     3. synchronous: wait for queued async work, then run it on the calling thread through
+        g->backend->run; asynchronous: queue it for the group's progress thread (or give it to the
+        backend's enqueue, which nccl uses to queue device work on its stream at once);
+     4. on failure the group is broken (every rank fails; later calls return DDP_ERR_STATE) and the
+        message lands in ddp_last_error(g) and in this thread's ddp_last_error(NULL).
+   The algorithms live in the backends (tcp.c, shm.c, hier.c, mpi.c, nccl.c); tcp.c explains why a
+   mismatch is an error on every rank. */
 #include "internal.h"
-
-static int ddp__mod(int a, int n) { return ((a % n) + n) % n; }
 
 /* Chunk i of `count` elements cut into n nearly equal parts (the first count % n get one more). */
 static void ddp__chunk(size_t count, int n, int i, size_t *off, size_t *len) {
@@ -63,333 +37,25 @@ static ddp_result ddp__no_memory(ddp_group *g, size_t bytes) {
     return ddp__coll_fail(g, DDP_ERR_OUT_OF_MEMORY, "out of memory: could not allocate %zu bytes of staging memory", bytes);
 }
 
-/* Ring reduce-scatter in place: afterwards chunk `rank` of buf is reduced over all ranks (op AVG is
-   left as the sum). In step s, send chunk rank-s-1 and add the received chunk rank-s-2. */
-static ddp_result ddp__ring_reduce_scatter(ddp_group *g, const ddp__coll *c, char *buf, size_t count, ddp_dtype t,
-                                           ddp_op op) {
-    int n = g->world_size, r = g->rank, s;
-    size_t es = ddp_dtype_size(t), off, len, max_len = (count + (size_t)n - 1) / (size_t)n;
-    char *tmp = (char *)ddp__scratch(g, max_len * es);
-    if (!tmp && max_len) return ddp__no_memory(g, max_len * es);
-    for (s = 0; s < n - 1; s++) {
-        ddp__step st;
-        size_t roff, rlen;
-        ddp_result res;
-        ddp__chunk(count, n, ddp__mod(r - s - 1, n), &off, &len);
-        ddp__chunk(count, n, ddp__mod(r - s - 2, n), &roff, &rlen);
-        st.send_peer = ddp__mod(r + 1, n);
-        st.send_buf = buf + off * es;
-        st.send_bytes = len * es;
-        st.recv_peer = ddp__mod(r - 1, n);
-        st.recv_buf = tmp;
-        st.recv_bytes = rlen * es;
-        if ((res = ddp__exchange(g, c, &st)) != DDP_SUCCESS) return res;
-        ddp__reduce(buf + roff * es, tmp, rlen, t, op);
-    }
-    return DDP_SUCCESS;
+static ddp__call ddp__make_call(ddp__coll_kind kind, const void *send, void *buf, size_t count, ddp_dtype t, ddp_op op,
+                                int root) {
+    ddp__call k;
+    k.kind = kind;
+    k.send = send;
+    k.buf = buf;
+    k.count = count;
+    k.dtype = t;
+    k.op = op;
+    k.root = root;
+    return k;
 }
 
-/* Ring all-gather in place: chunk `rank` of buf is this rank's; afterwards every chunk is filled.
-   In step s, send chunk rank-s and receive chunk rank-s-1 straight into place. */
-static ddp_result ddp__ring_all_gather(ddp_group *g, const ddp__coll *c, char *buf, size_t count, size_t es) {
-    int n = g->world_size, r = g->rank, s;
-    for (s = 0; s < n - 1; s++) {
-        ddp__step st;
-        size_t off, len, roff, rlen;
-        ddp_result res;
-        ddp__chunk(count, n, ddp__mod(r - s, n), &off, &len);
-        ddp__chunk(count, n, ddp__mod(r - s - 1, n), &roff, &rlen);
-        st.send_peer = ddp__mod(r + 1, n);
-        st.send_buf = buf + off * es;
-        st.send_bytes = len * es;
-        st.recv_peer = ddp__mod(r - 1, n);
-        st.recv_buf = buf + roff * es;
-        st.recv_bytes = rlen * es;
-        if ((res = ddp__exchange(g, c, &st)) != DDP_SUCCESS) return res;
-    }
-    return DDP_SUCCESS;
-}
+/* ---- running a call ---- */
 
-/* This rank's chunk of an AVG: divide once, after the sum is complete. */
-static void ddp__finish_avg(ddp_group *g, char *buf, size_t count, ddp_dtype t, ddp_op op) {
-    size_t off, len;
-    if (op != DDP_AVG) return;
-    ddp__chunk(count, g->world_size, g->rank, &off, &len);
-    ddp__divide(buf + off * ddp_dtype_size(t), len, t, g->world_size);
-}
-
-/* ---- recursive doubling (MPICH's small-message allreduce), for all_reduce up to DDP__RD_MAX_BYTES ----
-   (Gloo and NCCL's tree do the same job: few steps for latency-bound sizes.)
-
-   p = the largest power of two <= n; the first 2(n - p) ranks pair up (2i, 2i+1) and fold:
-
-       fold:    2i --data--> 2i+1   (2i+1 answers with an empty frame, so that every rank sends first)
-       rounds:  the p ranks left (new rank i = 2i+1 for i < n - p, else rank - (n - p)) exchange the
-                whole buffer with new rank ^ 1, ^ 2, ^ 4 ... and combine: log2(p) rounds
-       unfold:  2i+1 --result--> 2i
-
-   Cost for N bytes: log2(p) + 2 [fold] steps, each sending N bytes (the ring: 2(n-1) steps of N/n).
-   Every combine computes (lower rank's block) op (higher rank's block), so partners compute the same
-   bits and every rank ends with the same result, floats included (MIN/MAX of -0.0 and +0.0 and
-   NaN payloads depend on the order). AVG divides once, at the end, as the ring does.
-   The threshold is measured (bench/README.md, DDP_TRANSPORT=tcp on loopback): recursive doubling took
-   0.5x the ring's time up to 8 KiB and 0.85x at 32 KiB on 2 ranks, 0.4-0.6x up to 32 KiB and 0.9x at
-   256 KiB on 4; the ring won from 64 KiB on 2 ranks. It is no setting: ranks that disagreed on it would
-   run different algorithms for the same call, which no fingerprint catches. */
-#define DDP__RD_MAX_BYTES ((size_t)32 << 10)
-
-/* One step of the algorithm: send `sbytes` of `sbuf` to `to` while receiving `rbytes` into `rbuf`
-   from `from` (-1: no such side). */
-static ddp_result ddp__send_recv(ddp_group *g, const ddp__coll *c, int to, const void *sbuf, size_t sbytes, int from,
-                                 void *rbuf, size_t rbytes) {
-    ddp__step st;
-    st.send_peer = to;
-    st.send_buf = sbuf;
-    st.send_bytes = sbytes;
-    st.recv_peer = from;
-    st.recv_buf = rbuf;
-    st.recv_bytes = rbytes;
-    return ddp__exchange(g, c, &st);
-}
-
-/* Combine this rank's block (buf) with the block just received from `peer` (tmp) as (lower rank's
-   block) op (higher rank's block), into buf; tmp is clobbered. Both partners compute the same bits. */
-static void ddp__combine_ordered(ddp_group *g, int peer, char *buf, char *tmp, size_t count, ddp_dtype t, ddp_op op) {
-    if (peer > g->rank) {
-        ddp__reduce(buf, tmp, count, t, op);
-        return;
-    }
-    ddp__reduce(tmp, buf, count, t, op);
-    if (count) memcpy(buf, tmp, count * ddp_dtype_size(t));
-}
-
-static int ddp__rd_old_rank(int new_rank, int extra) { return new_rank < extra ? 2 * new_rank + 1 : new_rank + extra; }
-
-static ddp_result ddp__rd_all_reduce(ddp_group *g, const ddp__coll *c, char *buf, size_t count, ddp_dtype t, ddp_op op) {
-    int n = g->world_size, r = g->rank, p = 1, extra, me, mask;
-    size_t bytes = count * ddp_dtype_size(t);
-    char *tmp = (char *)ddp__scratch(g, bytes);
-    ddp_result res;
-    if (!tmp && bytes) return ddp__no_memory(g, bytes);
-    while (p * 2 <= n) p *= 2;
-    extra = n - p;
-    if (r < 2 * extra && r % 2 == 0) { /* folded away: hand the data over, wait for the result */
-        if ((res = ddp__send_recv(g, c, r + 1, buf, bytes, r + 1, NULL, 0)) != DDP_SUCCESS) return res;
-        return ddp__send_recv(g, c, -1, NULL, 0, r + 1, buf, bytes);
-    }
-    if (r < 2 * extra) {
-        if ((res = ddp__send_recv(g, c, r - 1, NULL, 0, r - 1, tmp, bytes)) != DDP_SUCCESS) return res;
-        ddp__combine_ordered(g, r - 1, buf, tmp, count, t, op);
-    }
-    me = r < 2 * extra ? r / 2 : r - extra;
-    for (mask = 1; mask < p; mask <<= 1) {
-        int peer = ddp__rd_old_rank(me ^ mask, extra);
-        if ((res = ddp__send_recv(g, c, peer, buf, bytes, peer, tmp, bytes)) != DDP_SUCCESS) return res;
-        ddp__combine_ordered(g, peer, buf, tmp, count, t, op);
-    }
-    if (op == DDP_AVG) ddp__divide(buf, count, t, n);
-    if (r < 2 * extra) return ddp__send_recv(g, c, r - 1, buf, bytes, -1, NULL, 0);
-    return DDP_SUCCESS;
-}
-
-/* all_reduce over TCP: recursive doubling for small messages (latency-bound: log2(n) steps), the ring
-   above for the rest (bandwidth-bound). The choice depends only on the fingerprint (count, dtype) and
-   the world size, so ranks that agree on the call run the same algorithm; ranks that disagree are
-   caught as the comment at the top explains. */
-static ddp_result ddp__hier_all_reduce(ddp_group *g, const ddp__coll *c, void *buf, size_t count, ddp_dtype t, ddp_op op);
-
-static ddp_result ddp__do_all_reduce(ddp_group *g, const ddp__coll *c, void *buf, size_t count, ddp_dtype t, ddp_op op) {
-    ddp_result r;
-    if (count * ddp_dtype_size(t) <= DDP__RD_MAX_BYTES) return ddp__rd_all_reduce(g, c, (char *)buf, count, t, op);
-    if (g->hier) return ddp__hier_all_reduce(g, c, buf, count, t, op); /* hier.c: ranks on several hosts */
-    if ((r = ddp__ring_reduce_scatter(g, c, (char *)buf, count, t, op)) != DDP_SUCCESS) return r;
-    ddp__finish_avg(g, (char *)buf, count, t, op);
-    return ddp__ring_all_gather(g, c, (char *)buf, count, ddp_dtype_size(t));
-}
-
-/* Reduce to root: reduce-scatter, then every rank sends its complete chunk to the root. Non-roots
-   work on a copy, since their buffer must stay unchanged. */
-static ddp_result ddp__do_reduce(ddp_group *g, const ddp__coll *c, void *buf, size_t count, ddp_dtype t, ddp_op op,
-                                 int root) {
-    int n = g->world_size, k;
-    size_t es = ddp_dtype_size(t), off, len;
-    char *work = (char *)buf;
-    ddp_result r;
-    if (g->rank != root) {
-        size_t bytes = count * es, max_len = (count + (size_t)n - 1) / (size_t)n;
-        char *mem = (char *)ddp__scratch(g, bytes + max_len * es);
-        if (!mem && bytes) return ddp__no_memory(g, bytes + max_len * es);
-        /* the reduce-scatter receives into the first max_len elements of the scratch; the copy follows */
-        work = mem + max_len * es;
-        if (bytes) memcpy(work, buf, bytes);
-    }
-    if ((r = ddp__ring_reduce_scatter(g, c, work, count, t, op)) != DDP_SUCCESS) return r;
-    ddp__finish_avg(g, work, count, t, op);
-    for (k = 0; k < n; k++) {
-        ddp__step st;
-        memset(&st, 0, sizeof st);
-        st.send_peer = st.recv_peer = -1;
-        if (k == root) continue;
-        ddp__chunk(count, n, k, &off, &len);
-        if (g->rank == root) {
-            st.recv_peer = k;
-            st.recv_buf = (char *)buf + off * es;
-            st.recv_bytes = len * es;
-        } else if (g->rank == k) {
-            st.send_peer = root;
-            st.send_buf = work + off * es;
-            st.send_bytes = len * es;
-        } else {
-            continue;
-        }
-        if ((r = ddp__exchange(g, c, &st)) != DDP_SUCCESS) return r;
-    }
-    return DDP_SUCCESS;
-}
-
-/* Broadcast: a pipelined chain root -> root+1 -> ... -> root-1 in slices, so every link carries the
-   data once and the slices overlap; then a token goes from the last rank through the root to the
-   others, so that no rank finishes before every rank has checked its neighbour's fingerprint. */
-#define DDP__BROADCAST_SLICE ((size_t)256 << 10)
-static ddp_result ddp__do_broadcast(ddp_group *g, const ddp__coll *c, void *buf, size_t count, ddp_dtype t, int root) {
-    int n = g->world_size, pos = ddp__mod(g->rank - root, n);
-    int left = ddp__mod(g->rank - 1, n), right = ddp__mod(g->rank + 1, n);
-    size_t bytes = count * ddp_dtype_size(t), i;
-    size_t slices = bytes ? (bytes + DDP__BROADCAST_SLICE - 1) / DDP__BROADCAST_SLICE : 1;
-    char *p = (char *)buf;
-    ddp__step st;
-    ddp_result r;
-    /* Step i: the root sends slice i; the others receive slice i and forward slice i-1. */
-    for (i = 0; i <= slices; i++) {
-        size_t send_slice = pos == 0 ? i : i - 1;
-        int sends = pos < n - 1 && (pos == 0 ? i < slices : i >= 1);
-        int receives = pos > 0 && i < slices;
-        memset(&st, 0, sizeof st);
-        st.send_peer = st.recv_peer = -1;
-        if (sends) {
-            size_t o = send_slice * DDP__BROADCAST_SLICE;
-            st.send_peer = right;
-            st.send_buf = p + o;
-            st.send_bytes = DDP__MIN(DDP__BROADCAST_SLICE, bytes - o);
-        }
-        if (receives) {
-            size_t o = i * DDP__BROADCAST_SLICE;
-            st.recv_peer = left;
-            st.recv_buf = p + o;
-            st.recv_bytes = DDP__MIN(DDP__BROADCAST_SLICE, bytes - o);
-        }
-        if ((sends || receives) && (r = ddp__exchange(g, c, &st)) != DDP_SUCCESS) return r;
-    }
-    /* The token: last -> root -> root+1 -> ... -> root-2; each rank passes it on after receiving it. */
-    memset(&st, 0, sizeof st);
-    st.send_peer = -1;
-    if (pos != n - 1) {
-        st.recv_peer = left;
-        if ((r = ddp__exchange(g, c, &st)) != DDP_SUCCESS) return r;
-    }
-    st.recv_peer = -1;
-    if (pos == n - 1 || pos < n - 2) {
-        st.send_peer = right;
-        if ((r = ddp__exchange(g, c, &st)) != DDP_SUCCESS) return r;
-    }
-    return DDP_SUCCESS;
-}
-
-/* all_gather: place our part in recv, then ring all-gather with chunks of count_per_rank. */
-static ddp_result ddp__do_all_gather(ddp_group *g, const ddp__coll *c, const void *send, void *recv, size_t cpr, ddp_dtype t) {
-    size_t es = ddp_dtype_size(t);
-    char *mine = (char *)recv + (size_t)g->rank * cpr * es;
-    if (cpr && (const char *)send != mine) memmove(mine, send, cpr * es);
-    return ddp__ring_all_gather(g, c, (char *)recv, cpr * (size_t)g->world_size, es);
-}
-
-/* reduce_scatter: reduce-scatter a copy of send (send is const and may alias recv), keep our chunk. */
-static ddp_result ddp__do_reduce_scatter(ddp_group *g, const ddp__coll *c, const void *send, void *recv, size_t cpr,
-                                         ddp_dtype t, ddp_op op) {
-    size_t es = ddp_dtype_size(t), total = cpr * (size_t)g->world_size;
-    char *mem = (char *)ddp__scratch(g, (cpr + total) * es), *work;
-    ddp_result r;
-    if (!mem && total) return ddp__no_memory(g, (cpr + total) * es);
-    work = mem + cpr * es; /* the reduce-scatter receives into the first cpr elements of the scratch */
-    if (total) memcpy(work, send, total * es);
-    if ((r = ddp__ring_reduce_scatter(g, c, work, total, t, op)) != DDP_SUCCESS) return r;
-    ddp__finish_avg(g, work, total, t, op);
-    if (cpr) memcpy(recv, work + (size_t)g->rank * cpr * es, cpr * es);
-    return DDP_SUCCESS;
-}
-
-/* barrier: a ring all-gather of nothing; each rank finishes only after hearing (through the ring)
-   from every other rank. */
-static ddp_result ddp__do_barrier(ddp_group *g, const ddp__coll *c) { return ddp__ring_all_gather(g, c, NULL, 0, 1); }
-
-/* ---- one description of a call, for the synchronous path and the async queue alike ---- */
-
-typedef struct ddp__call {
-    ddp__coll_kind kind;
-    const void *send;
-    void *buf; /* in-place buffer, or recv */
-    size_t count;
-    ddp_dtype dtype;
-    ddp_op op;
-    int root;
-} ddp__call;
-
-struct ddp_work {
-    ddp_group *g;
-    ddp__call call;
-    ddp__coll coll;
-    ddp_result result;
-    int done;
-    char error[DDP__ERR_MAX];
-    ddp_work *next;
-    void *nccl_event; /* nccl backend, device memory: the CUDA event after the queued call (nccl.c) */
-};
-
-/* A single rank has nobody to talk to: only the data movement of the collective remains. */
-static void ddp__run_alone(const ddp__call *k) {
-    size_t bytes = k->count * ddp_dtype_size(k->dtype);
-    if ((k->kind == DDP__ALL_GATHER || k->kind == DDP__REDUCE_SCATTER) && bytes && k->send != k->buf)
-        memmove(k->buf, k->send, bytes);
-}
-
-static ddp_result ddp__shm_run(ddp_group *g, const ddp__call *k, const ddp__coll *c); /* shm.c */
-static ddp_result ddp__mpi_run(ddp_group *g, const ddp__call *k, const ddp__coll *c); /* mpi.c */
-/* nccl.c: device calls run on NCCL (*host = 0); checked host calls go on to the cpu path (*host = 1) */
-static ddp_result ddp__nccl_run(ddp_group *g, const ddp__call *k, const ddp__coll *c, int *host);
-static int ddp__nccl_async(ddp_group *g, const ddp__call *k, ddp_work **out, ddp_result *res);
-static ddp_result ddp__nccl_wait_work(ddp_work *w);
-static int ddp__nccl_test_work(ddp_work *w);
-
-static ddp_result ddp__run(ddp_group *g, const ddp__call *k, const ddp__coll *c) {
+static ddp_result ddp__run(ddp_group *g, const ddp__backend *b, const ddp__call *k, const ddp__coll *c) {
     if (g->broken) return DDP_ERR_STATE;
-    g->waiting_for = -1;
-    if (g->nccl) {
-        int host = 0;
-        ddp_result r = ddp__nccl_run(g, k, c, &host);
-        if (r || !host) return r;
-    }
-    if (g->world_size == 1) {
-        ddp__run_alone(k);
-        return DDP_SUCCESS;
-    }
-    if (g->mpi) return ddp__mpi_run(g, k, c);
-    if (g->shm) {
-        ddp_result r;
-        g->running_seq = c->seq;
-        r = ddp__shm_run(g, k, c);
-        g->running_seq = 0;
-        return r;
-    }
-    g->tcp_runs++;
-    switch (k->kind) {
-    case DDP__ALL_REDUCE: return ddp__do_all_reduce(g, c, k->buf, k->count, k->dtype, k->op);
-    case DDP__BROADCAST: return ddp__do_broadcast(g, c, k->buf, k->count, k->dtype, k->root);
-    case DDP__REDUCE: return ddp__do_reduce(g, c, k->buf, k->count, k->dtype, k->op, k->root);
-    case DDP__ALL_GATHER: return ddp__do_all_gather(g, c, k->send, k->buf, k->count, k->dtype);
-    case DDP__REDUCE_SCATTER: return ddp__do_reduce_scatter(g, c, k->send, k->buf, k->count, k->dtype, k->op);
-    case DDP__BARRIER: return ddp__do_barrier(g, c);
-    default: return ddp__coll_fail(g, DDP_ERR_STATE, "internal error: unknown collective %d", (int)k->kind);
-    }
+    g->mesh.waiting_for = -1;
+    return b->run(g, k, c);
 }
 
 /* Check a call's arguments on the caller's thread; a bad call never reaches the wire. */
@@ -438,103 +104,112 @@ static const char *ddp__broken_message(const ddp_group *g, const ddp__call *k, c
 
 static void *ddp__progress_main(void *arg) {
     ddp_group *g = (ddp_group *)arg;
-    pthread_mutex_lock(&g->mu);
+    pthread_mutex_lock(&g->async.mu);
     for (;;) {
         ddp_work *w;
         ddp_result r;
-        while (!g->queue_head && !g->progress_stop) pthread_cond_wait(&g->cv, &g->mu);
-        if (!g->queue_head) break;
-        w = g->queue_head;
-        pthread_mutex_unlock(&g->mu);
+        while (!g->async.head && !g->async.stop) pthread_cond_wait(&g->async.cv, &g->async.mu);
+        if (!g->async.head) break;
+        w = g->async.head;
+        pthread_mutex_unlock(&g->async.mu);
         if (g->broken) {
             r = DDP_ERR_STATE;
             ddp__broken_message(g, &w->call, w->error);
-        } else if ((r = ddp__run(g, &w->call, &w->coll)) != DDP_SUCCESS) {
+        } else if ((r = ddp__run(g, g->backend, &w->call, &w->coll)) != DDP_SUCCESS) {
             snprintf(w->error, sizeof w->error, "%s", g->broken_msg);
         }
-        pthread_mutex_lock(&g->mu);
+        pthread_mutex_lock(&g->async.mu);
         w->result = r;
         w->done = 1;
-        g->queue_head = w->next; /* dequeued only when done: "queue empty" means "nothing in flight" */
-        if (!g->queue_head) g->queue_tail = NULL;
-        pthread_cond_broadcast(&g->cv);
+        g->async.head = w->next; /* dequeued only when done: "queue empty" means "nothing in flight" */
+        if (!g->async.head) g->async.tail = NULL;
+        pthread_cond_broadcast(&g->async.cv);
     }
-    pthread_mutex_unlock(&g->mu);
+    pthread_mutex_unlock(&g->async.mu);
     return NULL;
 }
 
 /* Wait until every queued async collective has finished (so a synchronous one runs after them). */
 static void ddp__drain(ddp_group *g) {
-    pthread_mutex_lock(&g->mu);
-    while (g->queue_head) pthread_cond_wait(&g->cv, &g->mu);
-    pthread_mutex_unlock(&g->mu);
+    pthread_mutex_lock(&g->async.mu);
+    while (g->async.head) pthread_cond_wait(&g->async.cv, &g->async.mu);
+    pthread_mutex_unlock(&g->async.mu);
 }
 
 /* Stop the progress thread (group teardown); queued work is finished first. */
 static void ddp__progress_stop(ddp_group *g) {
-    if (!g->progress_running) return;
-    pthread_mutex_lock(&g->mu);
-    g->progress_stop = 1;
-    pthread_cond_broadcast(&g->cv);
-    pthread_mutex_unlock(&g->mu);
-    pthread_join(g->progress, NULL);
-    g->progress_running = 0;
+    if (!g->async.running) return;
+    pthread_mutex_lock(&g->async.mu);
+    g->async.stop = 1;
+    pthread_cond_broadcast(&g->async.cv);
+    pthread_mutex_unlock(&g->async.mu);
+    pthread_join(g->async.thread, NULL);
+    g->async.running = 0;
 }
 
-static ddp_result ddp__call_sync(ddp_group *g, const ddp__call *k) {
+static ddp_result ddp__collective_on(ddp_group *g, const ddp__backend *b, const ddp__call *k) {
     char c_msg[DDP__ERR_MAX];
     ddp__coll c;
     ddp_result r = ddp__validate(g, k);
     if (r) return r;
     ddp__drain(g);
-    if (g->broken) return ddp__fail_to(ddp__error_buffer(g), DDP_ERR_STATE, "%s", ddp__broken_message(g, k, c_msg));
+    if (g->broken) return ddp__fail(g, DDP_ERR_STATE, "%s", ddp__broken_message(g, k, c_msg));
     ddp__fingerprint(g, k, &c);
-    r = ddp__run(g, k, &c);
+    r = ddp__run(g, b, k, &c);
     if (r) return ddp__fail(g, r, "%s", g->broken_msg);
     return DDP_SUCCESS;
 }
 
-static ddp_result ddp__call_async(ddp_group *g, const ddp__call *k, ddp_work **out) {
+static ddp_result ddp__collective(ddp_group *g, const ddp__call *k) {
+    return ddp__collective_on(g, g ? g->backend : NULL, k);
+}
+
+static ddp_result ddp__collective_async(ddp_group *g, const ddp__call *k, ddp_work **out) {
     ddp_work *w;
     ddp_result r;
     if (!out) return ddp__fail(g, DDP_ERR_INVALID_ARGUMENT, "%s_async: the ddp_work **out argument is NULL", ddp__coll_name(k->kind));
     *out = NULL;
     if ((r = ddp__validate(g, k)) != DDP_SUCCESS) return r;
-    if (g->nccl && ddp__nccl_async(g, k, out, &r)) return r; /* device memory: queued on the stream now */
+    if (g->backend->enqueue && g->backend->enqueue(g, k, out, &r)) return r; /* the backend took it (nccl: device work) */
     w = (ddp_work *)ddp__calloc(1, sizeof *w);
     if (!w) return ddp__fail(g, DDP_ERR_OUT_OF_MEMORY, "out of memory allocating a ddp_work");
     w->g = g;
     w->call = *k;
-    pthread_mutex_lock(&g->mu);
-    if (!g->progress_running) {
-        if (pthread_create(&g->progress, NULL, ddp__progress_main, g) != 0) {
-            pthread_mutex_unlock(&g->mu);
+    pthread_mutex_lock(&g->async.mu);
+    if (!g->async.running) {
+        if (pthread_create(&g->async.thread, NULL, ddp__progress_main, g) != 0) {
+            pthread_mutex_unlock(&g->async.mu);
             ddp__free(w);
             return ddp__fail(g, DDP_ERR_SYSTEM, "could not start the progress thread: %s", strerror(errno));
         }
-        g->progress_running = 1;
+        g->async.running = 1;
     }
     ddp__fingerprint(g, k, &w->coll); /* under the lock: seq order is issue order */
-    if (g->queue_tail)
-        g->queue_tail->next = w;
+    if (g->async.tail)
+        g->async.tail->next = w;
     else
-        g->queue_head = w;
-    g->queue_tail = w;
-    pthread_cond_broadcast(&g->cv);
-    pthread_mutex_unlock(&g->mu);
+        g->async.head = w;
+    g->async.tail = w;
+    pthread_cond_broadcast(&g->async.cv);
+    pthread_mutex_unlock(&g->async.mu);
     *out = w;
     return DDP_SUCCESS;
+}
+
+static ddp_result ddp__group_abort(ddp_group *g, ddp_result code, const char *msg) {
+    ddp__drain(g);
+    return ddp__group_break(g, code, msg);
 }
 
 DDP_API ddp_result ddp_wait(ddp_work *w) {
     ddp_group *g;
     ddp_result r;
     if (!w) return ddp__fail(NULL, DDP_ERR_INVALID_ARGUMENT, "ddp_wait: the work handle is NULL");
-    if (w->nccl_event) return ddp__nccl_wait_work(w);
+    if (w->owner) return w->owner->wait(w);
     g = w->g;
-    pthread_mutex_lock(&g->mu);
-    while (!w->done) pthread_cond_wait(&g->cv, &g->mu);
-    pthread_mutex_unlock(&g->mu);
+    pthread_mutex_lock(&g->async.mu);
+    while (!w->done) pthread_cond_wait(&g->async.cv, &g->async.mu);
+    pthread_mutex_unlock(&g->async.mu);
     r = w->result;
     if (r) ddp__fail(g, r, "%s", w->error);
     ddp__free(w);
@@ -544,77 +219,64 @@ DDP_API ddp_result ddp_wait(ddp_work *w) {
 DDP_API int ddp_test(ddp_work *w) {
     int done;
     if (!w) return 1;
-    if (w->nccl_event) return ddp__nccl_test_work(w);
-    pthread_mutex_lock(&w->g->mu);
+    if (w->owner) return w->owner->test(w);
+    pthread_mutex_lock(&w->g->async.mu);
     done = w->done;
-    pthread_mutex_unlock(&w->g->mu);
+    pthread_mutex_unlock(&w->g->async.mu);
     return done;
 }
 
 /* ---- the public collectives: describe the call, then run it now or queue it ---- */
 
-static ddp__call ddp__make_call(ddp__coll_kind kind, const void *send, void *buf, size_t count, ddp_dtype t, ddp_op op,
-                                int root) {
-    ddp__call k;
-    k.kind = kind;
-    k.send = send;
-    k.buf = buf;
-    k.count = count;
-    k.dtype = t;
-    k.op = op;
-    k.root = root;
-    return k;
-}
-
 DDP_API ddp_result ddp_all_reduce(ddp_group *g, void *buf, size_t count, ddp_dtype t, ddp_op op) {
     ddp__call k = ddp__make_call(DDP__ALL_REDUCE, NULL, buf, count, t, op, -1);
-    return ddp__call_sync(g, &k);
+    return ddp__collective(g, &k);
 }
 DDP_API ddp_result ddp_broadcast(ddp_group *g, void *buf, size_t count, ddp_dtype t, int root) {
     ddp__call k = ddp__make_call(DDP__BROADCAST, NULL, buf, count, t, DDP_SUM, root);
-    return ddp__call_sync(g, &k);
+    return ddp__collective(g, &k);
 }
 DDP_API ddp_result ddp_reduce(ddp_group *g, void *buf, size_t count, ddp_dtype t, ddp_op op, int root) {
     ddp__call k = ddp__make_call(DDP__REDUCE, NULL, buf, count, t, op, root);
-    return ddp__call_sync(g, &k);
+    return ddp__collective(g, &k);
 }
 DDP_API ddp_result ddp_all_gather(ddp_group *g, const void *send, void *recv, size_t count_per_rank, ddp_dtype t) {
     ddp__call k = ddp__make_call(DDP__ALL_GATHER, send, recv, count_per_rank, t, DDP_SUM, -1);
-    return ddp__call_sync(g, &k);
+    return ddp__collective(g, &k);
 }
 DDP_API ddp_result ddp_reduce_scatter(ddp_group *g, const void *send, void *recv, size_t count_per_rank, ddp_dtype t,
                                       ddp_op op) {
     ddp__call k = ddp__make_call(DDP__REDUCE_SCATTER, send, recv, count_per_rank, t, op, -1);
-    return ddp__call_sync(g, &k);
+    return ddp__collective(g, &k);
 }
 DDP_API ddp_result ddp_barrier(ddp_group *g) {
     ddp__call k = ddp__make_call(DDP__BARRIER, NULL, NULL, 0, DDP_U8, DDP_SUM, -1);
-    return ddp__call_sync(g, &k);
+    return ddp__collective(g, &k);
 }
 
 DDP_API ddp_result ddp_all_reduce_async(ddp_group *g, void *buf, size_t count, ddp_dtype t, ddp_op op, ddp_work **w) {
     ddp__call k = ddp__make_call(DDP__ALL_REDUCE, NULL, buf, count, t, op, -1);
-    return ddp__call_async(g, &k, w);
+    return ddp__collective_async(g, &k, w);
 }
 DDP_API ddp_result ddp_broadcast_async(ddp_group *g, void *buf, size_t count, ddp_dtype t, int root, ddp_work **w) {
     ddp__call k = ddp__make_call(DDP__BROADCAST, NULL, buf, count, t, DDP_SUM, root);
-    return ddp__call_async(g, &k, w);
+    return ddp__collective_async(g, &k, w);
 }
 DDP_API ddp_result ddp_reduce_async(ddp_group *g, void *buf, size_t count, ddp_dtype t, ddp_op op, int root, ddp_work **w) {
     ddp__call k = ddp__make_call(DDP__REDUCE, NULL, buf, count, t, op, root);
-    return ddp__call_async(g, &k, w);
+    return ddp__collective_async(g, &k, w);
 }
 DDP_API ddp_result ddp_all_gather_async(ddp_group *g, const void *send, void *recv, size_t count_per_rank, ddp_dtype t,
                                         ddp_work **w) {
     ddp__call k = ddp__make_call(DDP__ALL_GATHER, send, recv, count_per_rank, t, DDP_SUM, -1);
-    return ddp__call_async(g, &k, w);
+    return ddp__collective_async(g, &k, w);
 }
 DDP_API ddp_result ddp_reduce_scatter_async(ddp_group *g, const void *send, void *recv, size_t count_per_rank, ddp_dtype t,
                                             ddp_op op, ddp_work **w) {
     ddp__call k = ddp__make_call(DDP__REDUCE_SCATTER, send, recv, count_per_rank, t, op, -1);
-    return ddp__call_async(g, &k, w);
+    return ddp__collective_async(g, &k, w);
 }
 DDP_API ddp_result ddp_barrier_async(ddp_group *g, ddp_work **w) {
     ddp__call k = ddp__make_call(DDP__BARRIER, NULL, NULL, 0, DDP_U8, DDP_SUM, -1);
-    return ddp__call_async(g, &k, w);
+    return ddp__collective_async(g, &k, w);
 }

@@ -195,8 +195,8 @@ static double ddp__read_timeout(const ddp_init_desc *d, char *err, ddp_result *r
 /* ---- rendezvous through the store ---- */
 
 static void ddp__key(const ddp_group *g, char *out, size_t cap, const char *name, int index) {
-    if (index >= 0) snprintf(out, cap, "%s%s/%d", g->prefix, name, index);
-    else snprintf(out, cap, "%s%s", g->prefix, name);
+    if (index >= 0) snprintf(out, cap, "%s%s/%d", g->member.prefix, name, index);
+    else snprintf(out, cap, "%s%s", g->member.prefix, name);
 }
 
 /* Fail this rank with code and message, and publish them so that every rank of the rendezvous fails too. */
@@ -205,8 +205,8 @@ static ddp_result ddp__rdzv_abort(ddp_group *g, ddp_result code, const char *msg
     int exists = 0;
     ddp__key(g, key, sizeof key, "abort", -1);
     snprintf(value, sizeof value, "%d|%.1000s", (int)code, msg);
-    ddp_store_set(g->store, key, value, strlen(value));
-    ddp_store_check(g->store, key, &exists); /* a round trip: the set has reached the store before we go */
+    ddp_store_set(g->member.store, key, value, strlen(value));
+    ddp_store_check(g->member.store, key, &exists); /* a round trip: the set has reached the store before we go */
     return ddp__fail(g, code, "%s", msg);
 }
 
@@ -221,18 +221,18 @@ static void ddp__rdzv_fail_all(ddp_group *g, ddp_result code) {
     int exists = 0;
     int64_t seen = 0;
     double until = ddp__now() + DDP__MIN(g->timeout, 5.0);
-    if (!g->store) return;
+    if (!g->member.store) return;
     snprintf(msg, sizeof msg, "%s", g->error);
     ddp__key(g, key, sizeof key, "abort", -1);
-    if (ddp_store_check(g->store, key, &exists) != DDP_SUCCESS) return;
+    if (ddp_store_check(g->member.store, key, &exists) != DDP_SUCCESS) return;
     if (!exists) ddp__rdzv_abort(g, code, msg);
     ddp__fail(g, code, "%s", msg);
     ddp__key(g, key, sizeof key, "abort_seen", -1);
-    if (!g->store_server) { /* done with the store: the rank serving it may stop waiting for us */
-        ddp_store_add(g->store, key, 1, &seen);
+    if (!g->member.store_server) { /* done with the store: the rank serving it may stop waiting for us */
+        ddp_store_add(g->member.store, key, 1, &seen);
         return;
     }
-    while (ddp__now() < until && ddp_store_add(g->store, key, 0, &seen) == DDP_SUCCESS && seen < g->world_size - 1)
+    while (ddp__now() < until && ddp_store_add(g->member.store, key, 0, &seen) == DDP_SUCCESS && seen < g->world_size - 1)
         ddp__sleep(0.01);
     ddp__fail(g, code, "%s", msg);
 }
@@ -245,12 +245,12 @@ static ddp_result ddp__rdzv_check_abort(ddp_group *g, int *aborted) {
     ddp_result r;
     *aborted = 0;
     ddp__key(g, key, sizeof key, "abort", -1);
-    if ((r = ddp_store_check(g->store, key, &exists)) != DDP_SUCCESS)
-        return ddp__fail(g, r, "rendezvous: %s", ddp_store_last_error(g->store));
+    if ((r = ddp_store_check(g->member.store, key, &exists)) != DDP_SUCCESS)
+        return ddp__fail(g, r, "rendezvous: %s", ddp_store_last_error(g->member.store));
     if (!exists) return DDP_SUCCESS;
     *aborted = 1;
-    if ((r = ddp_store_get(g->store, key, value, sizeof value - 1, &n)) != DDP_SUCCESS)
-        return ddp__fail(g, r, "rendezvous: %s", ddp_store_last_error(g->store));
+    if ((r = ddp_store_get(g->member.store, key, value, sizeof value - 1, &n)) != DDP_SUCCESS)
+        return ddp__fail(g, r, "rendezvous: %s", ddp_store_last_error(g->member.store));
     value[DDP__MIN(n, sizeof value - 1)] = '\0';
     sscanf(value, "%d|", &code);
     return ddp__fail(g, ddp__peer_code(code, DDP_ERR_INIT), "%s", strchr(value, '|') ? strchr(value, '|') + 1 : value);
@@ -272,15 +272,15 @@ static ddp_result ddp__rdzv_wait_all(ddp_group *g, const char *where) {
         ddp_result r;
         if ((r = ddp__rdzv_check_abort(g, &aborted)) != DDP_SUCCESS || aborted) return r ? r : DDP_ERR_INIT;
         ddp__key(g, key, sizeof key, "joined", -1);
-        if ((r = ddp_store_add(g->store, key, 0, &joined)) != DDP_SUCCESS)
-            return ddp__fail(g, r, "rendezvous: %s", ddp_store_last_error(g->store));
+        if ((r = ddp_store_add(g->member.store, key, 0, &joined)) != DDP_SUCCESS)
+            return ddp__fail(g, r, "rendezvous: %s", ddp_store_last_error(g->member.store));
         if (joined >= g->world_size) return DDP_SUCCESS;
         if (ddp__now() - start > g->timeout) {
             char missing[512] = "";
             int i, exists, shown = 0;
             for (i = 0; i < g->world_size && shown < 16; i++) {
                 ddp__key(g, key, sizeof key, "rank", i);
-                if (ddp_store_check(g->store, key, &exists) == DDP_SUCCESS && !exists) {
+                if (ddp_store_check(g->member.store, key, &exists) == DDP_SUCCESS && !exists) {
                     snprintf(missing + strlen(missing), sizeof missing - strlen(missing), "%s%d", shown ? ", " : "", i);
                     shown++;
                 }
@@ -312,13 +312,13 @@ static ddp_result ddp__mesh_connect(ddp_group *g, const ddp__record *rec, int li
     me.magic = DDP__HELLO_MAGIC;
     me.rank = g->rank;
     me.world = g->world_size;
-    me.group = ddp__hash(g->prefix);
+    me.group = ddp__hash(g->member.prefix);
     for (i = 0; i < g->rank; i++) {
         char who[320];
         snprintf(who, sizeof who, "rank %d at %s:%d", i, rec[i].addr, rec[i].port);
-        if ((r = ddp__net_connect(rec[i].addr, rec[i].port, deadline, &g->peers[i].fd, err)) != DDP_SUCCESS ||
-            (ddp__auth_token() && (r = ddp__auth_client(g->peers[i].fd, ddp__auth_token(), who, deadline, err)) != DDP_SUCCESS) ||
-            (r = ddp__net_send(g->peers[i].fd, &me, sizeof me, deadline, err)) != DDP_SUCCESS)
+        if ((r = ddp__net_connect(rec[i].addr, rec[i].port, deadline, &g->mesh.peers[i].fd, err)) != DDP_SUCCESS ||
+            (ddp__auth_token() && (r = ddp__auth_client(g->mesh.peers[i].fd, ddp__auth_token(), who, deadline, err)) != DDP_SUCCESS) ||
+            (r = ddp__net_send(g->mesh.peers[i].fd, &me, sizeof me, deadline, err)) != DDP_SUCCESS)
             return ddp__fail(g, r, "connecting to %s: %s", who, err);
     }
     while (accepted < g->world_size - 1 - g->rank) {
@@ -333,12 +333,12 @@ static ddp_result ddp__mesh_connect(ddp_group *g, const ddp__record *rec, int li
         }
         if (ddp__net_recv(fd, &h, sizeof h, DDP__MIN(deadline, ddp__now() + 10.0), err) != DDP_SUCCESS ||
             h.magic != DDP__HELLO_MAGIC || h.world != g->world_size || h.group != me.group || h.rank <= g->rank ||
-            h.rank >= g->world_size || g->peers[h.rank].fd >= 0) {
+            h.rank >= g->world_size || g->mesh.peers[h.rank].fd >= 0) {
             ddp__log(g, DDP_LOG_WARN, "refused a connection that is not a rank of this group");
             close(fd);
             continue;
         }
-        g->peers[h.rank].fd = fd;
+        g->mesh.peers[h.rank].fd = fd;
         accepted++;
     }
     return DDP_SUCCESS;
@@ -354,8 +354,8 @@ static ddp_result ddp__rendezvous(ddp_group *g, const char *addr, int listen_fd,
 
     /* claim the rank: a second process with the same rank sees a count above 1 */
     ddp__key(g, key, sizeof key, "claim", g->rank);
-    if ((r = ddp_store_add(g->store, key, 1, &claims)) != DDP_SUCCESS)
-        return ddp__fail(g, r, "rendezvous through %s: %s", where, ddp_store_last_error(g->store));
+    if ((r = ddp_store_add(g->member.store, key, 1, &claims)) != DDP_SUCCESS)
+        return ddp__fail(g, r, "rendezvous through %s: %s", where, ddp_store_last_error(g->member.store));
     if (claims > 1) {
         snprintf(msg, sizeof msg, "two processes claim rank %d (the second is pid %d); every process needs its own rank "
                  "(check RANK or the launcher's settings)", g->rank, (int)getpid());
@@ -365,20 +365,20 @@ static ddp_result ddp__rendezvous(ddp_group *g, const char *addr, int listen_fd,
     host[sizeof host - 1] = '\0';
     snprintf(value, sizeof value, "world=%d port=%d pid=%d addr=%s host=%s", g->world_size, port, (int)getpid(), addr, host);
     ddp__key(g, key, sizeof key, "rank", g->rank);
-    if ((r = ddp_store_set(g->store, key, value, strlen(value))) != DDP_SUCCESS)
-        return ddp__fail(g, r, "rendezvous through %s: %s", where, ddp_store_last_error(g->store));
+    if ((r = ddp_store_set(g->member.store, key, value, strlen(value))) != DDP_SUCCESS)
+        return ddp__fail(g, r, "rendezvous through %s: %s", where, ddp_store_last_error(g->member.store));
     ddp__key(g, key, sizeof key, "joined", -1);
-    if ((r = ddp_store_add(g->store, key, 1, &claims)) != DDP_SUCCESS)
-        return ddp__fail(g, r, "rendezvous through %s: %s", where, ddp_store_last_error(g->store));
+    if ((r = ddp_store_add(g->member.store, key, 1, &claims)) != DDP_SUCCESS)
+        return ddp__fail(g, r, "rendezvous through %s: %s", where, ddp_store_last_error(g->member.store));
     if ((r = ddp__rdzv_wait_all(g, where)) != DDP_SUCCESS) return r;
 
     rec = (ddp__record *)ddp__calloc((size_t)g->world_size, sizeof *rec);
     if (!rec) return ddp__fail(g, DDP_ERR_OUT_OF_MEMORY, "out of memory in the rendezvous");
     for (i = 0; i < g->world_size; i++) {
         ddp__key(g, key, sizeof key, "rank", i);
-        if ((r = ddp_store_get(g->store, key, value, sizeof value - 1, &n)) != DDP_SUCCESS) {
+        if ((r = ddp_store_get(g->member.store, key, value, sizeof value - 1, &n)) != DDP_SUCCESS) {
             ddp__free(rec);
-            return ddp__fail(g, r, "rendezvous: reading rank %d's address: %s", i, ddp_store_last_error(g->store));
+            return ddp__fail(g, r, "rendezvous: reading rank %d's address: %s", i, ddp_store_last_error(g->member.store));
         }
         value[DDP__MIN(n, sizeof value - 1)] = '\0';
         if (sscanf(value, "world=%d port=%d pid=%d addr=%127s host=%127s", &rec[i].world, &rec[i].port, &rec[i].pid,
@@ -394,7 +394,7 @@ static ddp_result ddp__rendezvous(ddp_group *g, const char *addr, int listen_fd,
             ddp__free(rec);
             return ddp__rdzv_abort(g, DDP_ERR_MISMATCH, msg);
         }
-        snprintf(g->peer_names[i], sizeof g->peer_names[i], "host %.40s, pid %d", rec[i].host, rec[i].pid);
+        snprintf(g->mesh.peer_names[i], sizeof g->mesh.peer_names[i], "host %.40s, pid %d", rec[i].host, rec[i].pid);
         if (strcmp(rec[i].host, host) == 0) {
             if (i < g->rank) local_index++;
             same_host++;
@@ -427,34 +427,31 @@ static void ddp__route_address(const char *master, int port, char *out, size_t c
 
 /* ---- group life cycle ---- */
 
-static void ddp__group_free(ddp_group *g);
-static void ddp__hier_close(ddp_group *g, int orderly); /* hier.c */
-
 static ddp_group *ddp__group_alloc(int rank, int world_size) {
     ddp_group *g = (ddp_group *)ddp__calloc(1, sizeof *g);
     int i;
     if (!g) return NULL;
-    pthread_mutex_init(&g->mu, NULL);
-    pthread_cond_init(&g->cv, NULL);
+    pthread_mutex_init(&g->async.mu, NULL);
+    pthread_cond_init(&g->async.cv, NULL);
     g->rank = rank;
-    g->waiting_for = -1;
+    g->mesh.waiting_for = -1;
     g->world_size = world_size;
     g->local_rank = g->local_world_size = -1;
-    g->backend_name = "cpu";
+    g->backend = g->host_backend = ddp__initial_backend(world_size);
     g->timeout = 300.0;
-    g->peers = (ddp__peer *)ddp__calloc((size_t)world_size, sizeof *g->peers);
-    g->peer_names = (char(*)[80])ddp__calloc((size_t)world_size, sizeof *g->peer_names);
-    g->pollfds = (struct pollfd *)ddp__calloc((size_t)world_size, sizeof *g->pollfds);
-    g->poll_owner = (int *)ddp__calloc((size_t)world_size, sizeof *g->poll_owner);
+    g->mesh.peers = (ddp__peer *)ddp__calloc((size_t)world_size, sizeof *g->mesh.peers);
+    g->mesh.peer_names = (char(*)[80])ddp__calloc((size_t)world_size, sizeof *g->mesh.peer_names);
+    g->mesh.pollfds = (struct pollfd *)ddp__calloc((size_t)world_size, sizeof *g->mesh.pollfds);
+    g->mesh.poll_owner = (int *)ddp__calloc((size_t)world_size, sizeof *g->mesh.poll_owner);
     g->world_ranks = (int *)ddp__calloc((size_t)world_size, sizeof *g->world_ranks);
-    if (!g->peers || !g->peer_names || !g->pollfds || !g->poll_owner || !g->world_ranks) {
+    if (!g->mesh.peers || !g->mesh.peer_names || !g->mesh.pollfds || !g->mesh.poll_owner || !g->world_ranks) {
         ddp__group_free(g);
         return NULL;
     }
     for (i = 0; i < world_size; i++) {
-        g->peers[i].fd = -1;
+        g->mesh.peers[i].fd = -1;
         g->world_ranks[i] = i;
-        snprintf(g->peer_names[i], sizeof g->peer_names[i], "rank %d", i);
+        snprintf(g->mesh.peer_names[i], sizeof g->mesh.peer_names[i], "rank %d", i);
     }
     return g;
 }
@@ -464,25 +461,60 @@ static ddp_group *ddp__group_alloc(int rank, int world_size) {
 static void ddp__group_free(ddp_group *g) {
     int i;
     ddp__progress_stop(g);
-    ddp__hier_close(g, 0);
+    if (g->backend) g->backend->close(g, 0);
     if (g->broken) ddp__close_after_failure(g, 1.0);
-    ddp__shm_free(g);
-    ddp__mpi_free(g->mpi);
-    ddp__nccl_free(g);
-    for (i = 0; g->peers && i < g->world_size; i++)
-        if (g->peers[i].fd >= 0) close(g->peers[i].fd);
-    if (g->owns_store && g->store) ddp__store_free(g->store);
-    if (g->store_server) ddp__store_server_stop(g->store_server);
-    if (g->parent) g->parent->live_subgroups--;
-    pthread_mutex_destroy(&g->mu);
-    pthread_cond_destroy(&g->cv);
+    ddp__lib_free_all(g);
+    for (i = 0; g->mesh.peers && i < g->world_size; i++)
+        if (g->mesh.peers[i].fd >= 0) close(g->mesh.peers[i].fd);
+    if (g->member.owns_store && g->member.store) ddp__store_free(g->member.store);
+    if (g->member.store_server) ddp__store_server_stop(g->member.store_server);
+    if (g->member.parent) g->member.parent->member.live_subgroups--;
+    pthread_mutex_destroy(&g->async.mu);
+    pthread_cond_destroy(&g->async.cv);
     ddp__free(g->scratch);
-    ddp__free(g->peers);
-    ddp__free(g->peer_names);
-    ddp__free(g->pollfds);
-    ddp__free(g->poll_owner);
+    ddp__free(g->mesh.peers);
+    ddp__free(g->mesh.peer_names);
+    ddp__free(g->mesh.pollfds);
+    ddp__free(g->mesh.poll_owner);
     ddp__free(g->world_ranks);
     ddp__free(g);
+}
+
+/* Ranks share memory only within one host and one network namespace (tests put "hosts" in
+   namespaces on one machine; each namespace counts as a host). */
+static uint64_t ddp__host_key(void) {
+    char buf[512] = "", ns[128] = "";
+    FILE *f;
+    ssize_t k = readlink("/proc/self/ns/net", ns, sizeof ns - 1);
+    if (k > 0) ns[k] = '\0';
+    gethostname(buf, 200);
+    buf[200] = '\0';
+    snprintf(buf + strlen(buf), sizeof buf - strlen(buf), "|%s|", ns);
+    if ((f = fopen("/proc/sys/kernel/random/boot_id", "r")) != NULL) {
+        size_t len = strlen(buf);
+        if (fgets(buf + len, (int)(sizeof buf - len), f) == NULL) buf[len] = '\0';
+        fclose(f);
+    }
+    return ddp__hash(buf);
+}
+
+/* Which transport carries the group's collectives, decided alike on every rank from every rank's host
+   key (one all_gather over the mesh): all ranks on one host -> shared memory (shm.c); several hosts
+   with several ranks on some -> the hierarchical all_reduce (hier.c); else the mesh itself (tcp.c).
+   DDP_TRANSPORT=tcp keeps the mesh for everything. */
+static ddp_result ddp__choose_transport(ddp_group *g) {
+    const char *transport = ddp__env("DDP_TRANSPORT");
+    uint64_t key = ddp__host_key(), *keys;
+    int i, same = 1;
+    ddp_result r;
+    if (g->world_size < 2 || (transport && strcmp(transport, "tcp") == 0)) return DDP_SUCCESS;
+    keys = (uint64_t *)ddp__calloc((size_t)g->world_size, sizeof *keys);
+    if (!keys) return ddp__fail(g, DDP_ERR_OUT_OF_MEMORY, "out of memory mapping the group's hosts");
+    r = ddp__mesh_all_gather(g, &key, keys, 1, DDP_I64);
+    for (i = 0; i < g->world_size && r == DDP_SUCCESS; i++) same &= keys[i] == key;
+    if (r == DDP_SUCCESS) r = same ? ddp__shm_setup(g) : ddp__hier_setup(g, keys);
+    ddp__free(keys);
+    return r;
 }
 
 /* Rendezvous and connect a freshly allocated group whose store and prefix are set. */
@@ -490,14 +522,13 @@ static ddp_result ddp__group_connect(ddp_group *g, const char *where) {
     char err[DDP__ERR_MAX];
     int listen_fd = -1, port = 0, aborted = 0;
     ddp_result r;
-    if ((r = ddp__net_listen(g->address, 0, &listen_fd, &port, err)) != DDP_SUCCESS)
-        return ddp__fail(g, r, "cannot listen for peer connections on %s: %s", g->address, err);
-    r = ddp__rendezvous(g, g->address, listen_fd, port, where);
+    if ((r = ddp__net_listen(g->member.address, 0, &listen_fd, &port, err)) != DDP_SUCCESS)
+        return ddp__fail(g, r, "cannot listen for peer connections on %s: %s", g->member.address, err);
+    r = ddp__rendezvous(g, g->member.address, listen_fd, port, where);
     close(listen_fd);
     if (r) return r;
-    if ((r = ddp_barrier(g)) != DDP_SUCCESS) return r;
-    if ((r = ddp__shm_setup(g)) != DDP_SUCCESS) return r;
-    g->seq = 0; /* the user's first collective is #1 in messages (shm.c relies on seq only growing from here) */
+    if ((r = ddp__mesh_barrier(g)) != DDP_SUCCESS) return r;
+    if ((r = ddp__choose_transport(g)) != DDP_SUCCESS) return r;
     if ((r = ddp__rdzv_check_abort(g, &aborted)) != DDP_SUCCESS || aborted) return r ? r : DDP_ERR_INIT;
     return DDP_SUCCESS;
 }
@@ -517,13 +548,11 @@ static ddp_result ddp__init_mpi(const ddp_init_desc *desc, ddp_group **out) {
         ddp__mpi_free(m);
         return ddp__fail(NULL, DDP_ERR_OUT_OF_MEMORY, "ddp_init: out of memory");
     }
-    g->mpi = m;
-    g->backend_name = "mpi";
+    ddp__mpi_attach(g, m);
     g->timeout = timeout;
     g->log_level = desc->log_level != DDP_LOG_DEFAULT ? desc->log_level : ddp__env_log_level();
     g->log_fn = desc->log_fn;
     g->log_user = desc->log_user;
-    ddp__mpi_local(m, &g->local_rank, &g->local_world_size);
     ddp__log(g, DDP_LOG_INFO, "joined: rank %d of %d on the mpi backend (local rank %d of %d)", rank, world, g->local_rank,
              g->local_world_size);
     *out = g;
@@ -559,6 +588,7 @@ static ddp_result ddp__init_done(ddp_group *g, int nccl, ddp_group **out) {
         ddp_destroy(g);
         return ddp__fail(NULL, r, "ddp_init (rank %d of %d): %s", rank, world, msg);
     }
+    g->seq_base = g->seq; /* the program's first collective is #1 in messages */
     *out = g;
     return DDP_SUCCESS;
 }
@@ -600,7 +630,7 @@ DDP_API ddp_result ddp_init(const ddp_init_desc *desc, ddp_group **out) {
     g->log_user = desc->log_user;
     g->local_rank = L.local_rank;
     g->local_world_size = L.local_world_size;
-    snprintf(g->prefix, sizeof g->prefix, "ddp/%d/", L.restart_count);
+    snprintf(g->member.prefix, sizeof g->member.prefix, "ddp/%d/", L.restart_count);
     if (L.world_size == 1 && !L.file_path && !L.master_port) { /* alone: nothing to connect */
         g->local_rank = 0;
         g->local_world_size = 1;
@@ -609,23 +639,23 @@ DDP_API ddp_result ddp_init(const ddp_init_desc *desc, ddp_group **out) {
 
     if (L.file_path) {
         snprintf(where, sizeof where, "the file store %s", L.file_path);
-        r = ddp__store_open_file(L.file_path, timeout, &g->store, err);
-        ddp__route_address(NULL, 0, g->address, sizeof g->address);
+        r = ddp__store_open_file(L.file_path, timeout, &g->member.store, err);
+        ddp__route_address(NULL, 0, g->member.address, sizeof g->member.address);
     } else if (L.agent_store) {
-        r = ddp__connect_agent_store(&L, timeout, &g->store, where, sizeof where, err);
-        ddp__route_address(L.master_addr, L.master_port, g->address, sizeof g->address);
+        r = ddp__connect_agent_store(&L, timeout, &g->member.store, where, sizeof where, err);
+        ddp__route_address(L.master_addr, L.master_port, g->member.address, sizeof g->member.address);
     } else {
         snprintf(where, sizeof where, "the store at %s:%d", L.master_addr, L.master_port);
         r = DDP_SUCCESS;
-        if (L.rank == 0) r = ddp__store_server_start(L.master_addr, L.master_port, g->log_level, &g->store_server, err);
-        if (r == DDP_SUCCESS) r = ddp__store_connect(L.master_addr, L.master_port, NULL, timeout, &g->store, err);
-        ddp__route_address(L.master_addr, L.master_port, g->address, sizeof g->address);
+        if (L.rank == 0) r = ddp__store_server_start(L.master_addr, L.master_port, g->log_level, &g->member.store_server, err);
+        if (r == DDP_SUCCESS) r = ddp__store_connect(L.master_addr, L.master_port, NULL, timeout, &g->member.store, err);
+        ddp__route_address(L.master_addr, L.master_port, g->member.address, sizeof g->member.address);
     }
     if (r) {
         ddp__group_free(g);
         return ddp__fail(NULL, r, "ddp_init (rank %d of %d, from %s): %s", L.rank, L.world_size, L.source, err);
     }
-    g->owns_store = 1;
+    g->member.owns_store = 1;
     ddp__log(g, DDP_LOG_INFO, "joining: rank %d of %d from %s, through %s", L.rank, L.world_size, L.source, where);
     if ((r = ddp__group_connect(g, where)) != DDP_SUCCESS) {
         ddp__rdzv_fail_all(g, r);
@@ -641,16 +671,16 @@ DDP_API ddp_result ddp_init(const ddp_init_desc *desc, ddp_group **out) {
 DDP_API ddp_result ddp_destroy(ddp_group *g) {
     ddp_result r = DDP_SUCCESS;
     if (!g) return DDP_SUCCESS;
-    if (g->live_subgroups > 0)
+    if (g->member.live_subgroups > 0)
         return ddp__fail(g, DDP_ERR_STATE, "ddp_destroy: %d subgroup(s) made from this group are still alive; destroy them first",
-                         g->live_subgroups);
+                         g->member.live_subgroups);
     ddp__drain(g);
     if (g->world_size > 1 && !g->broken) {
         r = ddp_barrier(g); /* nobody closes a connection that a peer may still be waiting on */
         if (r) {
             ddp__fail(NULL, r, "ddp_destroy: %s", g->error);
         } else {
-            ddp__hier_close(g, 1);
+            g->backend->close(g, 1); /* hier.c's stage groups say goodbye among themselves first */
             ddp__say_goodbye(g, DDP__MIN(g->timeout, 10.0));
         }
     }
@@ -673,17 +703,15 @@ static ddp_result ddp__subgroup_open(ddp_group *g, const int *ranks, int n, int 
         ddp__mpi_free(comm);
         return ddp__fail(g, DDP_ERR_OUT_OF_MEMORY, "%s: out of memory", what);
     }
-    sub->mpi = comm;
-    sub->backend_name = g->backend_name;
-    if (comm) ddp__mpi_local(comm, &sub->local_rank, &sub->local_world_size);
+    if (comm) ddp__mpi_attach(sub, comm);
     for (i = 0; i < n; i++) sub->world_ranks[i] = g->world_ranks[ranks[i]];
     sub->timeout = g->timeout;
     sub->log_level = g->log_level;
     sub->log_fn = g->log_fn;
     sub->log_user = g->log_user;
-    sub->store = g->store;
-    memcpy(sub->address, g->address, sizeof sub->address);
-    snprintf(sub->prefix, sizeof sub->prefix, "%.60s%.30s/", g->prefix, name);
+    sub->member.store = g->member.store;
+    memcpy(sub->member.address, g->member.address, sizeof sub->member.address);
+    snprintf(sub->member.prefix, sizeof sub->member.prefix, "%.60s%.30s/", g->member.prefix, name);
     snprintf(where, sizeof where, "the parent group's store (%s)", name);
     if (n > 1 && !sub->mpi && (r = ddp__group_connect(sub, where)) != DDP_SUCCESS) {
         ddp__fail(g, r, "%s: %s", what, sub->error);
@@ -691,6 +719,7 @@ static ddp_result ddp__subgroup_open(ddp_group *g, const int *ranks, int n, int 
         return r;
     }
     if (n == 1) sub->local_rank = 0, sub->local_world_size = 1;
+    sub->seq_base = sub->seq;
     *out = sub;
     return DDP_SUCCESS;
 }
@@ -730,18 +759,19 @@ DDP_API ddp_result ddp_new_group(ddp_group *g, const int *ranks, int n, ddp_grou
                              bad, invalid ? "an invalid" : "a different", invalid ? "" : "than rank 0");
         }
     ddp__free(all);
-    g->subgroups_made++;
+    g->member.subgroups_made++;
     if (g->mpi && (r = ddp__mpi_split(g, me, &comm)) != DDP_SUCCESS) return r;
     if (me < 0) return DDP_SUCCESS;
-    snprintf(name, sizeof name, "sub%llu", (unsigned long long)g->subgroups_made);
+    snprintf(name, sizeof name, "sub%llu", (unsigned long long)g->member.subgroups_made);
     if ((r = ddp__subgroup_open(g, ranks, n, me, name, comm, "ddp_new_group", &sub)) != DDP_SUCCESS) return r;
     if (g->nccl && (r = ddp__nccl_attach(sub, g->nccl)) != DDP_SUCCESS) { /* its own communicator */
         ddp__fail(g, r, "ddp_new_group: %s", sub->error);
         ddp_destroy(sub);
         return r;
     }
-    sub->parent = g;
-    g->live_subgroups++;
+    sub->seq_base = sub->seq;
+    sub->member.parent = g;
+    g->member.live_subgroups++;
     *out = sub;
     return DDP_SUCCESS;
 }
@@ -750,6 +780,6 @@ DDP_API int ddp_rank(const ddp_group *g) { return g ? g->rank : 0; }
 DDP_API int ddp_world_size(const ddp_group *g) { return g ? g->world_size : 1; }
 DDP_API int ddp_local_rank(const ddp_group *g) { return g ? g->local_rank : 0; }
 DDP_API int ddp_local_world_size(const ddp_group *g) { return g ? g->local_world_size : 1; }
-DDP_API const char *ddp_backend_name(const ddp_group *g) { return g ? g->backend_name : "none"; }
+DDP_API const char *ddp_backend_name(const ddp_group *g) { return g ? g->backend->family : "none"; }
 DDP_API double ddp_timeout(const ddp_group *g) { return g ? g->timeout : 0.0; }
-DDP_API ddp_store *ddp_group_store(ddp_group *g) { return g ? g->store : NULL; }
+DDP_API ddp_store *ddp_group_store(ddp_group *g) { return g ? g->member.store : NULL; }

@@ -3,28 +3,94 @@
 
    A group whose ranks are not all on one host runs its collectives over the TCP mesh, and a ring over
    all ranks crosses the loopback device once for every pair of neighbours on the same host. Large
-   all_reduces (above the recursive-doubling size, collectives.c) in such a group run three stages:
+   all_reduces (above the recursive-doubling size, tcp.c) in such a group run three stages:
 
-       host:     all_reduce among the ranks of each host, over shared memory    (g->hier_host)
-       leaders:  all_reduce among the first rank of every host, over TCP        (g->hier_leaders)
-       host:     broadcast from that first rank to the rest of its host         (g->hier_host)
+       host:     all_reduce among the ranks of each host, over shared memory    (g->hier.host)
+       leaders:  all_reduce among the first rank of every host, over TCP        (g->hier.leaders)
+       host:     broadcast from that first rank to the rest of its host         (g->hier.host)
 
    Only the leaders' stage crosses hosts, with what a ring over the H hosts needs: 2(H-1)/H of the
    buffer each way per host; the host stages run at memory speed. Both groups are made when the group
-   is set up (every rank computes the same host map from the host keys that shm.c gathers) and live as
-   long as it. A host with one rank has no host group; a group with one rank per host has neither, and
-   neither does a group under DDP_TRANSPORT=tcp (shm.c then gathers no host keys).
+   is set up (every rank computes the same host map from the host keys that group.c gathers) and live
+   as long as it. A host with one rank has no host group; a group with one rank per host has neither
+   and stays on the tcp backend, and so does a group under DDP_TRANSPORT=tcp (no host keys then).
+   Everything else (small all_reduces, the other collectives) runs on the tcp backend's algorithms.
 
    Mismatches: each stage is a collective of its own group and can only check calls within it. So a
    hierarchical all_reduce first agrees on the call in the group itself: recursive doubling with no
    data (log2(n) exchanges of a frame header carrying the call's fingerprint), which fails every rank
-   on any difference exactly as a small all_reduce does (collectives.c). Past it every rank runs the
+   on any difference exactly as a small all_reduce does (tcp.c). Past it every rank runs the
    same stages. A failure in a stage (a lost rank, a timeout) breaks the other stage's group and the
    group itself with the same message, so every rank fails, whichever stage it waits in.
    Op AVG runs as SUM in the stages and divides once at the end, as the ring does. */
 #include "internal.h"
 
-/* Called by shm.c's set-up when the group's ranks are not all on one host; keys holds every rank's
+/* The end of a group: its stage groups go first (ddp_destroy after the group's own barrier: every rank
+   is there, so their barriers meet), or are just freed when the group is failing. */
+static void ddp__hier_close(ddp_group *g, int orderly) {
+    ddp_group *stages[2];
+    int i;
+    stages[0] = g->hier.host;
+    stages[1] = g->hier.leaders;
+    g->hier.host = g->hier.leaders = NULL;
+    for (i = 0; i < 2; i++) {
+        if (!stages[i]) continue;
+        if (orderly) ddp_destroy(stages[i]);
+        else ddp__group_free(stages[i]);
+    }
+}
+
+/* A stage failed and its group is broken: break the other stage's group and the group itself with the
+   same message, so ranks waiting anywhere in this all_reduce fail too. */
+static ddp_result ddp__hier_fail(ddp_group *g, ddp_group *stage, const char *stage_name, ddp_result r) {
+    char msg[DDP__ERR_MAX];
+    const char *why = stage->broken ? stage->broken_msg : stage->error;
+    ddp_result code = stage->broken ? stage->broken : r;
+    if (strncmp(why, "hierarchical all_reduce", 23) == 0) /* another rank's, already saying where */
+        snprintf(msg, sizeof msg, "%s", why);
+    else
+        snprintf(msg, sizeof msg, "hierarchical all_reduce, %s stage (rank numbers there count within the stage): %.900s",
+                 stage_name, why);
+    if (g->hier.host && g->hier.host != stage) ddp__group_break(g->hier.host, code, msg);
+    if (g->hier.leaders && g->hier.leaders != stage) ddp__group_break(g->hier.leaders, code, msg);
+    return ddp__coll_fail(g, code, "%s", msg);
+}
+
+static ddp_result ddp__hier_all_reduce(ddp_group *g, const ddp__coll *c, void *buf, size_t count, ddp_dtype t, ddp_op op) {
+    ddp_op stage_op = op == DDP_AVG ? DDP_SUM : op;
+    ddp__call reduce, bcast;
+    ddp_result r;
+    if ((r = ddp__rd_all_reduce(g, c, NULL, 0, t, op)) != DDP_SUCCESS) return r; /* the agreement: fingerprints only */
+    if (g->log_level >= DDP_LOG_DEBUG) {
+        char desc[160];
+        ddp__coll_describe(g, c, desc, sizeof desc);
+        ddp__log(g, DDP_LOG_DEBUG, "%s: hierarchical (host, between hosts, host broadcast)", desc);
+    }
+    reduce = ddp__make_call(DDP__ALL_REDUCE, NULL, buf, count, t, stage_op, -1);
+    bcast = ddp__make_call(DDP__BROADCAST, NULL, buf, count, t, DDP_SUM, 0);
+    if (g->hier.host && (r = ddp__collective(g->hier.host, &reduce)) != DDP_SUCCESS)
+        return ddp__hier_fail(g, g->hier.host, "host (shared memory)", r);
+    if (g->hier.leaders && (r = ddp__collective(g->hier.leaders, &reduce)) != DDP_SUCCESS)
+        return ddp__hier_fail(g, g->hier.leaders, "between hosts", r);
+    if (g->hier.host && (r = ddp__collective(g->hier.host, &bcast)) != DDP_SUCCESS)
+        return ddp__hier_fail(g, g->hier.host, "host broadcast", r);
+    if (op == DDP_AVG) ddp__divide(buf, count, t, g->world_size);
+    return DDP_SUCCESS;
+}
+
+/* Large all_reduces in three stages; everything else on the tcp backend. The choice depends only on the
+   call (count, dtype), so every rank that agrees on the call makes the same one. */
+static ddp_result ddp__hier_run(ddp_group *g, const ddp__call *k, const ddp__coll *c) {
+    if (k->kind == DDP__ALL_REDUCE && k->count * ddp_dtype_size(k->dtype) > DDP__RD_MAX_BYTES)
+        return ddp__hier_all_reduce(g, c, k->buf, k->count, k->dtype, k->op);
+    return ddp__tcp_run(g, k, c);
+}
+
+static const ddp__backend ddp__backend_hier = {
+    "hier", "cpu", ddp__hier_run, NULL, NULL, NULL, ddp__hier_close,
+    ddp__host_alloc, ddp__host_release, ddp__host_zero, ddp__host_copy_in_scaled, ddp__host_copy_out};
+
+/* Called by group.c's set-up when the group's ranks are not all on one host; keys holds every rank's
    host key. Collective: every rank derives the same host map, so all decide alike. */
 static ddp_result ddp__hier_setup(ddp_group *g, const uint64_t *keys) {
     int n = g->world_size, i, j, nhost = 0, nlead = 0, my_index = 0, lead_index = 0, shared = 0;
@@ -47,12 +113,12 @@ static ddp_result ddp__hier_setup(ddp_group *g, const uint64_t *keys) {
     }
     if (shared) {
         snprintf(name, sizeof name, "host%d", host[0]);
-        if (nhost > 1) r = ddp__subgroup_open(g, host, nhost, my_index, name, NULL, "setting up the hierarchical all_reduce", &g->hier_host);
+        if (nhost > 1) r = ddp__subgroup_open(g, host, nhost, my_index, name, NULL, "setting up the hierarchical all_reduce", &g->hier.host);
         if (r == DDP_SUCCESS && host[0] == g->rank)
             r = ddp__subgroup_open(g, leaders, nlead, lead_index, "leaders", NULL, "setting up the hierarchical all_reduce",
-                                   &g->hier_leaders);
+                                   &g->hier.leaders);
         if (r == DDP_SUCCESS) {
-            g->hier = 1;
+            g->backend = g->host_backend = &ddp__backend_hier;
             ddp__log(g, DDP_LOG_INFO, "%d ranks on %d hosts: large all_reduces run hierarchically (shared memory within a "
                      "host, TCP between hosts)", n, nlead);
         }
@@ -60,55 +126,4 @@ static ddp_result ddp__hier_setup(ddp_group *g, const uint64_t *keys) {
     ddp__free(host);
     ddp__free(leaders);
     return r;
-}
-
-/* The end of a group: its stage groups go first (ddp_destroy after the group's own barrier: every rank
-   is there, so their barriers meet), or are just freed when the group is failing. */
-static void ddp__hier_close(ddp_group *g, int orderly) {
-    ddp_group *stages[2];
-    int i;
-    stages[0] = g->hier_host;
-    stages[1] = g->hier_leaders;
-    g->hier_host = g->hier_leaders = NULL;
-    g->hier = 0;
-    for (i = 0; i < 2; i++) {
-        if (!stages[i]) continue;
-        if (orderly) ddp_destroy(stages[i]);
-        else ddp__group_free(stages[i]);
-    }
-}
-
-/* A stage failed and its group is broken: break the other stage's group and the group itself with the
-   same message, so ranks waiting anywhere in this all_reduce fail too. */
-static ddp_result ddp__hier_fail(ddp_group *g, ddp_group *stage, const char *stage_name, ddp_result r) {
-    char msg[DDP__ERR_MAX];
-    const char *why = stage->broken ? stage->broken_msg : stage->error;
-    ddp_result code = stage->broken ? stage->broken : r;
-    if (strncmp(why, "hierarchical all_reduce", 23) == 0) /* another rank's, already saying where */
-        snprintf(msg, sizeof msg, "%s", why);
-    else
-        snprintf(msg, sizeof msg, "hierarchical all_reduce, %s stage (rank numbers there count within the stage): %.900s",
-                 stage_name, why);
-    if (g->hier_host && g->hier_host != stage) ddp__group_break(g->hier_host, code, msg);
-    if (g->hier_leaders && g->hier_leaders != stage) ddp__group_break(g->hier_leaders, code, msg);
-    return ddp__coll_fail(g, code, "%s", msg);
-}
-
-static ddp_result ddp__hier_all_reduce(ddp_group *g, const ddp__coll *c, void *buf, size_t count, ddp_dtype t, ddp_op op) {
-    ddp_op stage_op = op == DDP_AVG ? DDP_SUM : op;
-    ddp_result r;
-    if ((r = ddp__rd_all_reduce(g, c, NULL, 0, t, op)) != DDP_SUCCESS) return r; /* the agreement: fingerprints only */
-    if (g->log_level >= DDP_LOG_DEBUG) {
-        char desc[160];
-        ddp__coll_describe(c, desc, sizeof desc);
-        ddp__log(g, DDP_LOG_DEBUG, "%s: hierarchical (host, between hosts, host broadcast)", desc);
-    }
-    if (g->hier_host && (r = ddp_all_reduce(g->hier_host, buf, count, t, stage_op)) != DDP_SUCCESS)
-        return ddp__hier_fail(g, g->hier_host, "host (shared memory)", r);
-    if (g->hier_leaders && (r = ddp_all_reduce(g->hier_leaders, buf, count, t, stage_op)) != DDP_SUCCESS)
-        return ddp__hier_fail(g, g->hier_leaders, "between hosts", r);
-    if (g->hier_host && (r = ddp_broadcast(g->hier_host, buf, count, t, 0)) != DDP_SUCCESS)
-        return ddp__hier_fail(g, g->hier_host, "host broadcast", r);
-    if (op == DDP_AVG) ddp__divide(buf, count, t, g->world_size);
-    return DDP_SUCCESS;
 }

@@ -1,6 +1,27 @@
 /* [SECTION] internal: includes, allocator hooks, private helpers and types shared by the pieces
    Every private name starts with ddp__ and every private function is static: the implementation is
-   one translation unit. It compiles as C99 and as C++17, so casts from void * are explicit. */
+   one translation unit. It compiles as C99 and as C++17, so casts from void * are explicit.
+
+   The layers, bottom up (each piece calls only pieces above it in this list, never a public
+   collective below the collectives layer; this file declares every cross-file function and type,
+   grouped by the piece that defines it):
+
+       util, dtype              errors, logging, environment, time; element types and reduction
+       net, auth, store         sockets with deadlines; DDP_AUTH_TOKEN; the rendezvous key-value store
+       transport                framed messages over the TCP mesh, failure detection, abort
+       collectives              the public collectives: validate, fingerprint, dispatch, async work
+       backends                 each fills a ddp__backend table, the only way calls reach it:
+         tcp                      ring and recursive-doubling algorithms over the mesh (also set-up)
+         alloc                    ddp_alloc: library buffers in the shared segment's arenas
+         shm                      shared memory among the ranks of one host
+         hier                     hierarchical all_reduce for groups that span hosts
+         mpi, nccl                MPI and NCCL libraries
+       group                    ddp_init, rendezvous, the mesh, which backend a group gets, subgroups
+       launcher                 ddp_spawn, ddprun
+       reducer, sampler, syncbn, safetensors, checkpoint    built on the public API
+
+   A new collective is one ddp__coll_kind, one public function (collectives.c) and one case in each
+   backend's run function. */
 /* A piece compiled on its own (`cc -std=c99 -fsyntax-only -Isrc src/X.c`, as CI checks every piece) sees
    what it sees inside ddp.h: the whole public part, as the implementation. In ddp.h these lines are
    inert (DDP_IMPLEMENTATION is defined there, and amalgamate.py drops the local includes). */
@@ -84,6 +105,7 @@ static DDP__UNUSED ddp_result ddp__fail_to(char *buf, ddp_result code, const cha
 /* The same, into g's last-error message (this thread's when g is NULL). */
 static DDP__UNUSED ddp_result ddp__fail(ddp_group *g, ddp_result code, const char *fmt, ...) DDP__PRINTF(3, 4);
 static DDP__UNUSED char *ddp__error_buffer(ddp_group *g); /* where ddp__fail(g, ...) writes */
+static DDP__UNUSED void ddp__note_thread_error(const char *msg); /* copy msg to this thread's last error */
 static DDP__UNUSED void ddp__log(const ddp_group *g, ddp_log_level level, const char *fmt, ...) DDP__PRINTF(3, 4);
 static DDP__UNUSED ddp_log_level ddp__env_log_level(void);
 /* Parse an environment variable as an integer in [lo, hi]. Returns 0 when unset (value untouched),
@@ -109,73 +131,6 @@ static DDP__UNUSED int ddp__dtype_is_float(ddp_dtype t);
 static DDP__UNUSED void ddp__reduce(void *dst, const void *src, size_t count, ddp_dtype t, ddp_op op);
 /* buf[i] /= n, the final step of AVG (truncating toward zero on integers). */
 static DDP__UNUSED void ddp__divide(void *buf, size_t count, ddp_dtype t, int n);
-
-typedef struct ddp__shm ddp__shm;
-
-/* ---- the group (group.c creates it, transport.c and collectives.c use it) ---- */
-
-/* One TCP connection to another member of the group. */
-typedef struct ddp__peer {
-    int fd;   /* -1 for this rank itself */
-    int gone; /* the connection was seen closed */
-    uint64_t send_owed; /* bytes of a frame interrupted mid-send (padded before an ABORT) */
-    uint64_t quiet_run; /* transport.c: in run #quiet_run, the peer's waiting frame was looked at and is fine */
-    int peek_later;     /* transport.c: only part of a frame header was there; look again shortly */
-} ddp__peer;
-
-struct ddp_group {
-    int rank, world_size;             /* this process in this group */
-    int local_rank, local_world_size; /* among this group's ranks on this host */
-    int *world_ranks;                 /* world_ranks[i]: member i's rank in the world group */
-    double timeout;                   /* seconds a blocked operation waits */
-    ddp_log_level log_level;
-    ddp_log_fn log_fn;
-    void *log_user;
-    const char *backend_name;
-    char error[DDP__ERR_MAX]; /* ddp_last_error(g) */
-
-    ddp_store *store;        /* shared with subgroups; the world group owns it (NULL when alone) */
-    int owns_store;
-    struct ddp__store_server *store_server; /* rank 0 of the world group serves the store */
-    char address[128];       /* this host's address that peers connect to */
-    char prefix[96];         /* this group's store keys start with it */
-    ddp_group *parent;       /* NULL for the world group */
-    int live_subgroups;      /* subgroups not yet destroyed */
-    uint64_t subgroups_made; /* names the next subgroup's key prefix */
-
-    ddp__peer *peers;   /* world_size entries, indexed by rank in this group */
-    char (*peer_names)[80]; /* "host 10.0.0.2, pid 1234" for each rank, for messages */
-    struct pollfd *pollfds; /* world_size entries: what one exchange step waits on */
-    int *poll_owner;        /* the rank of each pollfds entry */
-    uint64_t seq;       /* collectives issued so far; carried in every message */
-    uint64_t running_seq; /* seq of the collective running now (0 between collectives) */
-    int waiting_for;      /* the rank this one waits for in the current step, -1 if none (for messages) */
-    uint64_t tcp_runs;    /* collectives run over TCP so far; unlike seq, never restarts (transport.c) */
-    ddp_result broken;  /* set once a collective failed: every later call fails with it */
-    char broken_msg[DDP__ERR_MAX];
-    ddp_group *hier_host;    /* hier.c, a group spanning hosts: the ranks of this host (NULL if only this one) */
-    ddp_group *hier_leaders; /* hier.c: the first rank of every host, on those ranks (else NULL) */
-    int hier;                /* hier.c: large all_reduces run hierarchically (same on every rank) */
-    struct ddp__shm *shm; /* shared-memory transport when every rank is on this host (shm.c), else NULL */
-    struct ddp__mpi *mpi; /* the mpi backend's communicator (mpi.c); NULL on the cpu backend */
-    struct ddp__nccl *nccl; /* the nccl backend's communicator (nccl.c); NULL on the other backends */
-    void *scratch;      /* staging memory for the algorithms, grown on demand */
-    size_t scratch_size;
-
-    /* ddp_alloc / ddp_free (shm.c). Blocks in this rank's shared-memory arena are listed in g->shm;
-       the rest (no shared memory, arena full) are heap blocks listed here. lib_lock guards both lists:
-       a spin lock (0 = free), so a zero-filled group needs no set-up. */
-    int lib_lock;
-    struct ddp__heap_block *lib_heap;
-    size_t lib_heap_n, lib_heap_cap;
-
-    /* async work: a FIFO run by one progress thread (collectives.c) */
-    pthread_mutex_t mu;
-    pthread_cond_t cv;
-    ddp_work *queue_head, *queue_tail;
-    int progress_running, progress_stop;
-    pthread_t progress;
-};
 
 /* ---- net.c: TCP with deadlines (absolute ddp__now() seconds); messages go to err ---- */
 static DDP__UNUSED ddp_result ddp__net_listen(const char *host, int port, int *fd, int *bound_port, char *err);
@@ -218,3 +173,317 @@ static DDP__UNUSED ddp_result ddp__store_compare_set(ddp_store *s, const char *k
                                                      size_t expected_size, const void *desired, size_t desired_size,
                                                      void *current, size_t capacity, size_t *size);
 static DDP__UNUSED ddp_result ddp__store_num_keys(ddp_store *s, int64_t *n); /* keys in the whole store */
+
+/* ---- auth.c: DDP_AUTH_TOKEN, an HMAC-SHA256 challenge in both directions on every connection ---- */
+#define DDP__AUTH_MAGIC "DDPAUTH1" /* the client's first 8 bytes */
+#define DDP__AUTH_NONCE 16
+#define DDP__AUTH_MAC 32
+static DDP__UNUSED const char *ddp__auth_token(void); /* NULL when unset */
+/* Prove the token to the server at fd and check its proof (who names it in messages). */
+static DDP__UNUSED ddp_result ddp__auth_client(int fd, const char *token, const char *who, double deadline, char *err);
+/* The server's half: 0 when the client proved the token, else -1 with the reason in err. */
+static DDP__UNUSED int ddp__auth_server(int fd, const char *token, double deadline, char *err);
+/* The server's half in two non-blocking steps (the store's event loop): answer the client's hello
+   (8 + NONCE bytes) with reply (NONCE + MAC bytes; -1 for a bad hello), then check its proof (1: right). */
+static DDP__UNUSED int ddp__auth_answer(const char *token, const unsigned char *hello, unsigned char *cn, unsigned char *sn,
+                                        unsigned char *reply);
+static DDP__UNUSED int ddp__auth_check(const char *token, const unsigned char *cn, const unsigned char *sn,
+                                       const unsigned char *proof);
+
+/* ==== the group: the types every layer above the store shares ==== */
+
+/* The collectives. A fingerprint (ddp__coll) names one call: equal on every rank when the program is
+   correct, and carried in every message, so a difference is an error (transport.c). */
+typedef enum ddp__coll_kind {
+    DDP__ALL_REDUCE = 1,
+    DDP__BROADCAST,
+    DDP__REDUCE,
+    DDP__ALL_GATHER,
+    DDP__REDUCE_SCATTER,
+    DDP__BARRIER,
+    DDP__COLL_KINDS
+} ddp__coll_kind;
+#define DDP__NO_OP 0xff
+
+typedef struct ddp__coll {
+    uint64_t seq;   /* the group's collective number: 1 for its first (its own set-up included), never restarts */
+    uint64_t count; /* the call's count (per rank for all_gather / reduce_scatter) */
+    uint8_t kind;   /* ddp__coll_kind */
+    uint8_t dtype;
+    uint8_t op;     /* DDP__NO_OP when the collective takes none */
+    int32_t root;   /* -1 when the collective has none */
+} ddp__coll;
+
+/* One call's arguments, for the synchronous path and the async queue alike. */
+typedef struct ddp__call {
+    ddp__coll_kind kind;
+    const void *send;
+    void *buf; /* in-place buffer, or recv */
+    size_t count;
+    ddp_dtype dtype;
+    ddp_op op;
+    int root;
+} ddp__call;
+
+/* A backend: the only way a call reaches a transport. Each backend file fills one table (its set-up
+   installs it in g->backend); collectives.c dispatches every call through it and knows no backend.
+     run          run call k (fingerprint c, already validated) to completion on the calling thread;
+                  a failure breaks the group (ddp__coll_fail) and returns its code
+     enqueue      optional: take an async call now, on the calling thread (nccl queues device work on
+                  its stream); returns 0 to leave it to the progress thread, which calls run
+     wait, test   for the work that enqueue took (ddp_work.owner)
+     close        release the backend's state (orderly: in ddp_destroy, every rank there); idempotent
+   and what the reducer asks of a backend's memory (reducer.c), buffers in the backend's memory
+   (host for cpu and mpi, device for nccl): alloc (zeroed; NULL when out of memory), release, zero,
+   copy_in_scaled (dst = src * scale, converted from src_t to dst_t in f32 (f64 for f64), rounded
+   once; dst may equal src when the dtypes do) and copy_out (dst = src converted; it also moves the
+   reducer's used map between host memory and the backend's). */
+typedef struct ddp__backend {
+    const char *name;   /* the transport, for messages: "tcp", "shm", "hier", "mpi", "nccl", "alone" */
+    const char *family; /* ddp_backend_name(): "cpu", "mpi" or "nccl" */
+    ddp_result (*run)(ddp_group *g, const ddp__call *k, const ddp__coll *c);
+    int (*enqueue)(ddp_group *g, const ddp__call *k, ddp_work **out, ddp_result *res);
+    ddp_result (*wait)(ddp_work *w);
+    int (*test)(ddp_work *w);
+    void (*close)(ddp_group *g, int orderly);
+    void *(*alloc)(ddp_group *g, size_t bytes);
+    void (*release)(ddp_group *g, void *p);
+    void (*zero)(ddp_group *g, void *dst, size_t bytes);
+    void (*copy_in_scaled)(ddp_group *g, void *dst, ddp_dtype dst_t, const void *src, ddp_dtype src_t, size_t count,
+                           double scale);
+    void (*copy_out)(ddp_group *g, void *dst, ddp_dtype dst_t, const void *src, ddp_dtype src_t, size_t count);
+} ddp__backend;
+
+/* One TCP connection to another member of the group. */
+typedef struct ddp__peer {
+    int fd;   /* -1 for this rank itself */
+    int gone; /* the connection was seen closed */
+    uint64_t send_owed;  /* bytes of a frame interrupted mid-send (padded before an ABORT) */
+    uint64_t quiet_seq;  /* transport.c: in collective #quiet_seq, the peer's waiting frame was looked at and is fine */
+    int peek_later;      /* transport.c: only part of a frame header was there; look again shortly */
+} ddp__peer;
+
+/* The mesh: a TCP connection to every other rank (group.c makes it, transport.c moves frames on it). */
+typedef struct ddp__mesh {
+    ddp__peer *peers;        /* world_size entries, indexed by rank in this group */
+    char (*peer_names)[80];  /* "host 10.0.0.2, pid 1234" for each rank, for messages */
+    struct pollfd *pollfds;  /* world_size entries: what one exchange step waits on */
+    int *poll_owner;         /* the rank of each pollfds entry */
+    int waiting_for;         /* the rank this one waits for in the current step, -1 if none (for messages) */
+} ddp__mesh;
+
+/* Membership: the store, this group's keys in it, its place among groups (group.c). */
+typedef struct ddp__membership {
+    ddp_store *store;        /* shared with subgroups; the world group owns it (NULL when alone) */
+    int owns_store;
+    struct ddp__store_server *store_server; /* rank 0 of the world group serves the store */
+    char address[128];       /* this host's address that peers connect to */
+    char prefix[96];         /* this group's store keys start with it */
+    ddp_group *parent;       /* NULL for the world group */
+    int live_subgroups;      /* subgroups not yet destroyed */
+    uint64_t subgroups_made; /* names the next subgroup's key prefix */
+} ddp__membership;
+
+/* Async work: a FIFO run by one progress thread (collectives.c). */
+typedef struct ddp__async {
+    pthread_mutex_t mu;
+    pthread_cond_t cv;
+    ddp_work *head, *tail;
+    int running, stop;
+    pthread_t thread;
+} ddp__async;
+
+/* ddp_alloc's bookkeeping (alloc.c). Blocks in this rank's arena of the shared segment are listed in
+   arena; the rest (no shared memory, arena full) are heap blocks listed here. lock guards both lists:
+   a spin lock (0 = free), so a zero-filled group needs no set-up. */
+typedef struct ddp__block { /* one extent of this rank's arena; the list is sorted and covers [0, top) */
+    size_t off, size;
+    int state; /* 0 free, 1 in use, 2 being freed */
+} ddp__block;
+typedef struct ddp__arena {
+    char *base;      /* every rank's arena, world_size of them, each `bytes` long (mapped by every rank) */
+    size_t bytes;
+    int fd;          /* the segment, kept open: blocks' pages are reserved with fallocate */
+    off_t file_off;  /* where the first arena starts in the segment */
+    ddp__block *blocks; /* this rank's arena */
+    size_t nblocks, cap, top;
+} ddp__arena;
+typedef struct ddp__heap_block { /* a ddp_alloc block on the heap */
+    void *user, *raw;
+} ddp__heap_block;
+typedef struct ddp__lib {
+    int lock;
+    ddp__arena *arena; /* in the shared segment (shm.c sets it); NULL: plain memory only */
+    ddp__heap_block *heap;
+    size_t heap_n, heap_cap;
+} ddp__lib;
+
+/* hier.c: the stage groups of a group that spans hosts with several ranks on a host. */
+typedef struct ddp__hier {
+    ddp_group *host;    /* the ranks of this host (NULL if only this one) */
+    ddp_group *leaders; /* the first rank of every host, on those ranks (else NULL) */
+} ddp__hier;
+
+typedef struct ddp__shm ddp__shm;
+struct ddp__mpi;
+struct ddp__nccl;
+
+struct ddp_group {
+    int rank, world_size;             /* this process in this group */
+    int local_rank, local_world_size; /* among this group's ranks on this host */
+    int *world_ranks;                 /* world_ranks[i]: member i's rank in the world group */
+    double timeout;                   /* seconds a blocked operation waits */
+    ddp_log_level log_level;
+    ddp_log_fn log_fn;
+    void *log_user;
+    char error[DDP__ERR_MAX]; /* ddp_last_error(g) */
+
+    const ddp__backend *backend;      /* where every collective goes */
+    const ddp__backend *host_backend; /* where calls on host memory go: backend itself, except under nccl */
+    uint64_t seq;        /* collectives issued so far (set-up included); carried in every message */
+    uint64_t seq_base;   /* seq when ddp_init (or ddp_new_group) returned: messages number calls from it */
+    uint64_t running_seq; /* seq of the collective running now (0 between collectives) */
+    ddp_result broken;   /* set once a collective failed: every later call fails with it */
+    char broken_msg[DDP__ERR_MAX];
+    void *scratch;       /* staging memory for the algorithms, grown on demand (one call runs at a time) */
+    size_t scratch_size;
+
+    ddp__membership member;
+    ddp__mesh mesh;
+    ddp__async async;
+    ddp__lib lib;
+    ddp__hier hier;
+    ddp__shm *shm;         /* shm.c's segment, when the group's ranks share one host */
+    struct ddp__mpi *mpi;  /* mpi.c's communicator on the mpi backend */
+    struct ddp__nccl *nccl; /* nccl.c's communicator on the nccl backend */
+};
+
+struct ddp_work {
+    ddp_group *g;
+    ddp__call call;
+    ddp__coll coll;
+    ddp_result result;
+    int done;
+    char error[DDP__ERR_MAX];
+    ddp_work *next;
+    const ddp__backend *owner; /* the backend that took it (enqueue), which waits for it; NULL: the progress thread */
+    void *handle;              /* the owner's: nccl's CUDA event */
+};
+
+/* ---- transport.c: framed messages on the mesh, failure detection, breaking the group ---- */
+static DDP__UNUSED const char *ddp__coll_name(int kind); /* "all_reduce", ... */
+/* "all_reduce(count=1024, f32, sum) as collective #7", numbered from g's seq_base */
+static DDP__UNUSED void ddp__coll_describe(const ddp_group *g, const ddp__coll *c, char *out, size_t cap);
+/* Record the first error that breaks g and tell every peer (ABORT frames, a half-close, the shared
+   segment's abort word): every rank waiting on anything fails at once with the same message. */
+static DDP__UNUSED ddp_result ddp__group_break(ddp_group *g, ddp_result code, const char *msg);
+/* Fail the current operation: break the group with this message (the caller returns the code). */
+static DDP__UNUSED ddp_result ddp__coll_fail(ddp_group *g, ddp_result code, const char *fmt, ...) DDP__PRINTF(3, 4);
+/* Peer `peer` hung up: fail with the reason it sent (ABORT) or as lost. */
+static DDP__UNUSED ddp_result ddp__peer_failed(ddp_group *g, int peer, const ddp__coll *c);
+/* Peer `peer` is alive but made no progress for the group's timeout. */
+static DDP__UNUSED ddp_result ddp__peer_timed_out(ddp_group *g, int peer, const ddp__coll *c);
+/* The first peer (only `only`, or any when -1) whose connection hung up, without waiting; -1: none. */
+static DDP__UNUSED int ddp__hung_up_peer(ddp_group *g, int only);
+/* A peer that hung up fails c (for transports that wait elsewhere: shared memory, NCCL). */
+static DDP__UNUSED ddp_result ddp__check_peers(ddp_group *g, const ddp__coll *c);
+/* One step of an algorithm: send to one peer while receiving from another (either may be -1). */
+typedef struct ddp__step {
+    int send_peer;
+    const void *send_buf;
+    size_t send_bytes;
+    int recv_peer;
+    void *recv_buf;
+    size_t recv_bytes;
+} ddp__step;
+static DDP__UNUSED ddp_result ddp__exchange(ddp_group *g, const ddp__coll *c, const ddp__step *s);
+static DDP__UNUSED void ddp__close_after_failure(ddp_group *g, double seconds);
+static DDP__UNUSED void ddp__say_goodbye(ddp_group *g, double seconds);
+
+/* ---- collectives.c: the public collectives' machinery ---- */
+/* Chunk i of `count` elements cut into n nearly equal parts (the first count % n get one more). */
+static DDP__UNUSED void ddp__chunk(size_t count, int n, int i, size_t *off, size_t *len);
+static DDP__UNUSED void *ddp__scratch(ddp_group *g, size_t bytes); /* g's staging memory; NULL when out of memory */
+static DDP__UNUSED ddp_result ddp__no_memory(ddp_group *g, size_t bytes); /* fails the collective */
+static DDP__UNUSED ddp__call ddp__make_call(ddp__coll_kind kind, const void *send, void *buf, size_t count, ddp_dtype t,
+                                            ddp_op op, int root);
+/* A synchronous collective on g, as the public calls make it (validated, after queued async work,
+   through g's backend); for pieces that run collectives of their own groups (hier.c's stages). */
+static DDP__UNUSED ddp_result ddp__collective(ddp_group *g, const ddp__call *k);
+/* Run k now on backend b, fingerprinted as g's next collective, on the calling thread: set-up code
+   uses the TCP mesh this way before (or beside) the group's own backend. */
+static DDP__UNUSED ddp_result ddp__collective_on(ddp_group *g, const ddp__backend *b, const ddp__call *k);
+static DDP__UNUSED void ddp__fingerprint(ddp_group *g, const ddp__call *k, ddp__coll *c); /* takes the next seq */
+/* The message for a call on a group that an earlier error broke; written to out (DDP__ERR_MAX). */
+static DDP__UNUSED const char *ddp__broken_message(const ddp_group *g, const ddp__call *k, char *out);
+static DDP__UNUSED void ddp__drain(ddp_group *g);         /* wait until no async work is queued */
+static DDP__UNUSED void ddp__progress_stop(ddp_group *g); /* finish queued work, stop the thread */
+/* A failure outside any collective that leaves the ranks unable to agree (the reducer's missing
+   gradient): finish queued work, then break the group so every rank fails with msg. */
+static DDP__UNUSED ddp_result ddp__group_abort(ddp_group *g, ddp_result code, const char *msg);
+
+/* ---- tcp.c: the algorithms over the mesh ---- */
+static DDP__UNUSED ddp_result ddp__tcp_run(ddp_group *g, const ddp__call *k, const ddp__coll *c);
+static DDP__UNUSED ddp_result ddp__ring_all_gather(ddp_group *g, const ddp__coll *c, char *buf, size_t count, size_t es);
+/* Recursive doubling all_reduce (with count 0: an agreement on c alone, log2(n) header exchanges). */
+static DDP__UNUSED ddp_result ddp__rd_all_reduce(ddp_group *g, const ddp__coll *c, char *buf, size_t count, ddp_dtype t,
+                                                 ddp_op op);
+#define DDP__RD_MAX_BYTES ((size_t)32 << 10) /* all_reduce up to this size runs recursive doubling (tcp.c) */
+/* The backend a new group starts with: its set-up runs on the mesh (alone: no mesh, nothing to run). */
+static DDP__UNUSED const ddp__backend *ddp__initial_backend(int world_size);
+/* Set-up collectives over the mesh, whatever g's backend (shm, hier, nccl set themselves up with them). */
+static DDP__UNUSED ddp_result ddp__mesh_all_gather(ddp_group *g, const void *send, void *recv, size_t count, ddp_dtype t);
+static DDP__UNUSED ddp_result ddp__mesh_broadcast(ddp_group *g, void *buf, size_t count, ddp_dtype t, int root);
+static DDP__UNUSED ddp_result ddp__mesh_all_reduce(ddp_group *g, void *buf, size_t count, ddp_dtype t, ddp_op op);
+static DDP__UNUSED ddp_result ddp__mesh_barrier(ddp_group *g);
+
+/* ---- alloc.c: ddp_alloc's arenas and heap blocks ---- */
+#define DDP__ARENA_ALIGN ((size_t)2 << 20) /* arenas start on 2 MiB boundaries (huge pages, if enabled) */
+#define DDP__LIB_PAGE ((size_t)4096)      /* arena blocks are whole pages: fallocate and hole punching work on pages */
+#define DDP__SHM_NOT_LIB UINT64_MAX
+/* The arena offset of [p, p + bytes) when it lies inside one live block of this rank's arena, else
+   DDP__SHM_NOT_LIB. */
+static DDP__UNUSED uint64_t ddp__lib_offset(ddp_group *g, const void *p, size_t bytes);
+/* Each rank's arena size for a segment on fd (rank 0 decides): DDP_SHM_ARENA_BYTES, else what the file
+   system can hold, capped. */
+static DDP__UNUSED size_t ddp__arena_size(ddp_group *g, int fd);
+static DDP__UNUSED void ddp__lib_free_all(ddp_group *g); /* the group is going away: every heap block */
+
+/* ---- shm.c: the shared-memory backend ---- */
+/* Map one segment for a group whose ranks all share this host and install the shm backend. Collective
+   over the mesh; a failure to set up shared memory is not an error (the group stays on TCP). */
+static DDP__UNUSED ddp_result ddp__shm_setup(ddp_group *g);
+static DDP__UNUSED void ddp__shm_abort(ddp_group *g); /* ddp__group_break: wake every waiting rank */
+
+/* ---- hier.c: the hierarchical backend ---- */
+/* keys: every rank's host key. Makes the stage groups when some host has several ranks, and installs the
+   hier backend. Collective over the mesh. */
+static DDP__UNUSED ddp_result ddp__hier_setup(ddp_group *g, const uint64_t *keys);
+
+/* ---- mpi.c: the mpi backend ---- */
+static DDP__UNUSED ddp_result ddp__mpi_world(int *rank, int *world_size, struct ddp__mpi **out, char *err);
+static DDP__UNUSED ddp_result ddp__mpi_split(ddp_group *parent, int me, struct ddp__mpi **out);
+static DDP__UNUSED void ddp__mpi_attach(ddp_group *g, struct ddp__mpi *m); /* g's communicator and backend */
+static DDP__UNUSED void ddp__mpi_free(struct ddp__mpi *m);
+
+/* ---- nccl.c: the nccl backend ---- */
+static DDP__UNUSED ddp_result ddp__nccl_built(char *err); /* can backend "nccl" be asked for? */
+/* Give the connected group g an NCCL communicator (a subgroup: parent's device and stream) and install
+   the nccl backend; host-memory calls keep going to the backend g had. Collective over g. */
+static DDP__UNUSED ddp_result ddp__nccl_attach(ddp_group *g, const struct ddp__nccl *parent);
+
+/* ---- group.c ---- */
+static DDP__UNUSED ddp_group *ddp__group_alloc(int rank, int world_size);
+static DDP__UNUSED void ddp__group_free(ddp_group *g); /* connections closed without goodbye */
+/* Make and connect the group of the parent's ranks `ranks` (see group.c); hier.c's stages use it too. */
+static DDP__UNUSED ddp_result ddp__subgroup_open(ddp_group *g, const int *ranks, int n, int me, const char *name,
+                                                 struct ddp__mpi *comm, const char *what, ddp_group **out);
+
+/* ---- reducer.c: host memory for the reducer's buckets (every backend but nccl uses these) ---- */
+static DDP__UNUSED void *ddp__host_alloc(ddp_group *g, size_t bytes);
+static DDP__UNUSED void ddp__host_release(ddp_group *g, void *p);
+static DDP__UNUSED void ddp__host_zero(ddp_group *g, void *dst, size_t bytes);
+static DDP__UNUSED void ddp__host_copy_in_scaled(ddp_group *g, void *dst, ddp_dtype dst_t, const void *src, ddp_dtype src_t,
+                                                 size_t count, double scale);
+static DDP__UNUSED void ddp__host_copy_out(ddp_group *g, void *dst, ddp_dtype dst_t, const void *src, ddp_dtype src_t,
+                                           size_t count);

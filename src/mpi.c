@@ -155,13 +155,8 @@ static ddp_result ddp__mpi_split(ddp_group *parent, int me, struct ddp__mpi **ou
     if (rc != MPI_SUCCESS)
         return ddp__fail(parent, DDP_ERR_SYSTEM, "ddp_new_group: MPI_Comm_split failed: %s", ddp__mpi_error_string(rc, msg));
     if (me < 0) return DDP_SUCCESS;
-    return ddp__mpi_wrap(comm, out, ddp__error_buffer(parent)) == DDP_SUCCESS ? DDP_SUCCESS : DDP_ERR_OUT_OF_MEMORY;
-}
-
-/* The local rank and local world size (-1 when MPI could not tell) of a member of m. */
-static void ddp__mpi_local(const struct ddp__mpi *m, int *local_rank, int *local_world_size) {
-    *local_rank = m->local_rank;
-    *local_world_size = m->local_world_size;
+    if (ddp__mpi_wrap(comm, out, msg) != DDP_SUCCESS) return ddp__fail(parent, DDP_ERR_OUT_OF_MEMORY, "ddp_new_group: %s", msg);
+    return DDP_SUCCESS;
 }
 
 static void ddp__mpi_free(struct ddp__mpi *m) {
@@ -228,8 +223,8 @@ static ddp_result ddp__mpi_check(ddp_group *g, const ddp__coll *c) {
     rc = MPI_Allgather(&mine, (int)sizeof mine, MPI_BYTE, all, (int)sizeof mine, MPI_BYTE, comm);
     for (i = 0; rc == MPI_SUCCESS && i < g->world_size && bad < 0; i++)
         if (memcmp(&all[i], &all[0], sizeof mine) != 0) bad = (int)i;
-    ddp__coll_describe(&all[0], ours, sizeof ours);
-    if (bad >= 0) ddp__coll_describe(&all[bad], theirs, sizeof theirs);
+    ddp__coll_describe(g, &all[0], ours, sizeof ours);
+    if (bad >= 0) ddp__coll_describe(g, &all[bad], theirs, sizeof theirs);
     ddp__free(all);
     if (bad < 0) return ddp__coll_fail(g, DDP_ERR_MISMATCH, "collective mismatch between ranks (this rank called %s)", ours);
     return ddp__coll_fail(g, DDP_ERR_MISMATCH, "collective mismatch: rank 0 called %s while rank %d called %s; every "
@@ -290,7 +285,7 @@ static ddp_result ddp__mpi_run(ddp_group *g, const ddp__call *k, const ddp__coll
 #else /* !DDP_MPI: the backend is not in this build */
 
 struct ddp__mpi {
-    int unused;
+    int local_rank, local_world_size;
 };
 
 static ddp_result ddp__mpi_world(int *rank, int *world_size, struct ddp__mpi **out, char *err) {
@@ -306,11 +301,6 @@ static ddp_result ddp__mpi_split(ddp_group *parent, int me, struct ddp__mpi **ou
     return ddp__fail(parent, DDP_ERR_STATE, "internal error: an mpi group in a build without DDP_MPI");
 }
 
-static void ddp__mpi_local(const struct ddp__mpi *m, int *local_rank, int *local_world_size) {
-    (void)m;
-    *local_rank = *local_world_size = -1;
-}
-
 static void ddp__mpi_free(struct ddp__mpi *m) { ddp__free(m); }
 
 static ddp_result ddp__mpi_run(ddp_group *g, const ddp__call *k, const ddp__coll *c) {
@@ -319,3 +309,21 @@ static ddp_result ddp__mpi_run(ddp_group *g, const ddp__call *k, const ddp__coll
 }
 
 #endif /* DDP_MPI */
+
+static void ddp__mpi_close(ddp_group *g, int orderly) {
+    (void)orderly;
+    ddp__mpi_free(g->mpi);
+    g->mpi = NULL;
+}
+
+static const ddp__backend ddp__backend_mpi = {
+    "mpi", "mpi", ddp__mpi_run, NULL, NULL, NULL, ddp__mpi_close,
+    ddp__host_alloc, ddp__host_release, ddp__host_zero, ddp__host_copy_in_scaled, ddp__host_copy_out};
+
+/* g runs on communicator m from now on; its local rank and size are MPI's (-1 when MPI could not tell). */
+static void ddp__mpi_attach(ddp_group *g, struct ddp__mpi *m) {
+    g->mpi = m;
+    g->backend = g->host_backend = &ddp__backend_mpi;
+    g->local_rank = m->local_rank;
+    g->local_world_size = m->local_world_size;
+}

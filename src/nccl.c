@@ -63,7 +63,7 @@ static ddp_result ddp__nccl_agree(ddp_group *g, ddp_result mine, const char *msg
     if (g->world_size == 1) return mine ? ddp__fail(g, mine, "backend nccl: %s", msg) : DDP_SUCCESS;
     all = (ddp__nccl_status *)ddp__calloc((size_t)g->world_size, sizeof *all);
     if (!all) return ddp__fail(g, DDP_ERR_OUT_OF_MEMORY, "backend nccl: out of memory");
-    if ((r = ddp_all_gather(g, &me, all, sizeof me, DDP_U8)) != DDP_SUCCESS) {
+    if ((r = ddp__mesh_all_gather(g, &me, all, sizeof me, DDP_U8)) != DDP_SUCCESS) {
         ddp__free(all);
         return r;
     }
@@ -85,56 +85,23 @@ static ddp_result ddp__nccl_share_id(ddp_group *g, unsigned char *id) {
     ddp_result r = DDP_SUCCESS;
     if (g->rank == 0) r = ddp_cuda_nccl_unique_id(id, err, sizeof err);
     if ((r = ddp__nccl_agree(g, r, err, "make the NCCL unique id")) != DDP_SUCCESS || g->world_size == 1) return r;
-    snprintf(key, sizeof key, "%snccl_id", g->prefix);
-    if (g->rank == 0) r = ddp_store_set(g->store, key, id, DDP_CUDA_NCCL_ID_BYTES);
-    else r = ddp_store_get(g->store, key, id, DDP_CUDA_NCCL_ID_BYTES, &size);
-    if (r) snprintf(err, sizeof err, "the NCCL unique id through the store: %.900s", ddp_store_last_error(g->store));
+    snprintf(key, sizeof key, "%snccl_id", g->member.prefix);
+    if (g->rank == 0) r = ddp_store_set(g->member.store, key, id, DDP_CUDA_NCCL_ID_BYTES);
+    else r = ddp_store_get(g->member.store, key, id, DDP_CUDA_NCCL_ID_BYTES, &size);
+    if (r) snprintf(err, sizeof err, "the NCCL unique id through the store: %.900s", ddp_store_last_error(g->member.store));
     else if (g->rank != 0 && size != DDP_CUDA_NCCL_ID_BYTES)
         r = ddp__fail_to(err, DDP_ERR_FORMAT, "the store's %s holds %zu bytes, not an NCCL unique id (%d bytes)", key, size,
                          DDP_CUDA_NCCL_ID_BYTES);
     return ddp__nccl_agree(g, r, err, "receive the NCCL unique id");
 }
 
-/* Give g an NCCL communicator: on the device chosen by local rank for the world group (parent NULL),
-   on the parent's device and stream for a subgroup. Collective over g, which must be connected (mesh
-   and store) and not have one yet. */
-static ddp_result ddp__nccl_attach(ddp_group *g, const struct ddp__nccl *parent) {
-    char err[DDP__ERR_MAX] = "", key[160];
-    unsigned char id[DDP_CUDA_NCCL_ID_BYTES];
-    ddp_cuda_nccl *comm = NULL;
-    struct ddp__nccl *n;
-    ddp_result r = DDP_SUCCESS;
-    int device = parent ? parent->device : -1;
-    if (!parent) r = ddp_cuda_nccl_device(g->local_rank, &device, err, sizeof err);
-    if ((r = ddp__nccl_agree(g, r, err, "use a GPU")) != DDP_SUCCESS) return r;
-    if ((r = ddp__nccl_share_id(g, id)) != DDP_SUCCESS) return r;
-    r = ddp_cuda_nccl_create(id, g->rank, g->world_size, device, &comm, err, sizeof err);
-    if ((r = ddp__nccl_agree(g, r, err, "create its NCCL communicator")) != DDP_SUCCESS) {
-        ddp_cuda_nccl_destroy(comm, 1);
-        return r;
-    }
-    if (g->rank == 0 && g->world_size > 1) { /* everyone has read it */
-        snprintf(key, sizeof key, "%snccl_id", g->prefix);
-        ddp_store_delete(g->store, key, NULL);
-    }
-    if (!(n = (struct ddp__nccl *)ddp__calloc(1, sizeof *n))) {
-        ddp_cuda_nccl_destroy(comm, 1);
-        return ddp__fail(g, DDP_ERR_OUT_OF_MEMORY, "backend nccl: out of memory");
-    }
-    n->comm = comm;
-    n->device = device;
-    if (parent) ddp_cuda_nccl_set_stream(comm, ddp_cuda_nccl_stream(parent->comm));
-    g->nccl = n;
-    g->backend_name = "nccl";
-    ddp__log(g, DDP_LOG_INFO, "nccl: rank %d of %d on CUDA device %d", g->rank, g->world_size, device);
-    return DDP_SUCCESS;
-}
-
-static void ddp__nccl_free(ddp_group *g) {
+static void ddp__nccl_close(ddp_group *g, int orderly) {
+    (void)orderly;
     if (!g->nccl) return;
     ddp_cuda_nccl_destroy(g->nccl->comm, g->broken != DDP_SUCCESS);
     ddp__free(g->nccl);
     g->nccl = NULL;
+    if (g->host_backend->close) g->host_backend->close(g, orderly); /* the transport under it */
 }
 
 /* Where a call's buffers are. A barrier is always NCCL's; a call of 0 elements always the cpu path's
@@ -156,7 +123,7 @@ static ddp_result ddp__nccl_check(ddp_group *g, const ddp__coll *c, int where) {
     unsigned char *all;
     int i, bad = -1;
     ddp_result r;
-    ddp__coll_describe(c, desc, sizeof desc);
+    ddp__coll_describe(g, c, desc, sizeof desc);
     if (g->world_size > 1) {
         if (!(all = (unsigned char *)ddp__calloc((size_t)g->world_size, 1)))
             return ddp__coll_fail(g, DDP_ERR_OUT_OF_MEMORY, "%s: out of memory", desc);
@@ -201,7 +168,7 @@ static ddp_result ddp__nccl_enqueue(ddp_group *g, const ddp__call *k, const ddp_
     ddp_result r = ddp_cuda_nccl_enqueue(g->nccl->comm, ddp__nccl_kind(k->kind), k->send, k->buf, k->count, k->dtype, k->op,
                                          k->root, event, err, sizeof err);
     if (r == DDP_SUCCESS) return r;
-    ddp__coll_describe(c, desc, sizeof desc);
+    ddp__coll_describe(g, c, desc, sizeof desc);
     return ddp__coll_fail(g, r, "%s on rank %d: %s", desc, g->rank, err);
 }
 
@@ -233,36 +200,32 @@ static ddp_result ddp__nccl_wait_described(ddp_group *g, const ddp__coll *c, con
 
 static ddp_result ddp__nccl_wait_event(ddp_group *g, const ddp__coll *c, void *event) {
     char desc[160];
-    ddp__coll_describe(c, desc, sizeof desc);
+    ddp__coll_describe(g, c, desc, sizeof desc);
     return ddp__nccl_wait_described(g, c, desc, event);
 }
 
-/* ddp__run's hook: device calls run here; *host = 1 sends a checked host call on to the cpu path. */
-static ddp_result ddp__nccl_run(ddp_group *g, const ddp__call *k, const ddp__coll *c, int *host) {
+/* Device calls run on NCCL; host calls, once checked, on the transport the group had before NCCL. */
+static ddp_result ddp__nccl_run(ddp_group *g, const ddp__call *k, const ddp__coll *c) {
     int where = ddp__nccl_where(k);
     void *event = NULL;
     ddp_result r;
-    *host = 0;
     if ((r = ddp__nccl_check(g, c, where)) != DDP_SUCCESS) return r;
-    if (where == DDP__NCCL_HOST) {
-        *host = 1;
-        return DDP_SUCCESS;
-    }
+    if (where == DDP__NCCL_HOST) return g->host_backend->run(g, k, c);
     if ((r = ddp__nccl_enqueue(g, k, c, &event)) != DDP_SUCCESS) return r;
     return ddp__nccl_wait_event(g, c, event);
 }
 
-/* ddp__call_async's hook: a device call is checked and queued on the stream now, on the calling thread
+/* The backend's enqueue: a device call is checked and queued on the stream now, on the calling thread
    (so it is ordered after the caller's kernels), and its ddp_work holds the event. Returns 0 for a host
    call, which the progress thread runs as on the cpu backend. */
-static int ddp__nccl_async(ddp_group *g, const ddp__call *k, ddp_work **out, ddp_result *res) {
+static int ddp__nccl_enqueue_async(ddp_group *g, const ddp__call *k, ddp_work **out, ddp_result *res) {
     char msg[DDP__ERR_MAX];
     ddp_work *w;
     ddp_result r;
     if (ddp__nccl_where(k) == DDP__NCCL_HOST) return 0;
     ddp__drain(g); /* queued host work uses the mesh: let it finish first */
     if (g->broken) {
-        *res = ddp__fail_to(ddp__error_buffer(g), DDP_ERR_STATE, "%s", ddp__broken_message(g, k, msg));
+        *res = ddp__fail(g, DDP_ERR_STATE, "%s", ddp__broken_message(g, k, msg));
         return 1;
     }
     if (!(w = (ddp_work *)ddp__calloc(1, sizeof *w))) {
@@ -271,11 +234,12 @@ static int ddp__nccl_async(ddp_group *g, const ddp__call *k, ddp_work **out, ddp
     }
     w->g = g;
     w->call = *k;
-    pthread_mutex_lock(&g->mu);
+    w->owner = g->backend;
+    pthread_mutex_lock(&g->async.mu);
     ddp__fingerprint(g, k, &w->coll);
-    pthread_mutex_unlock(&g->mu);
+    pthread_mutex_unlock(&g->async.mu);
     r = ddp__nccl_check(g, &w->coll, ddp__nccl_where(k));
-    if (r == DDP_SUCCESS) r = ddp__nccl_enqueue(g, k, &w->coll, &w->nccl_event);
+    if (r == DDP_SUCCESS) r = ddp__nccl_enqueue(g, k, &w->coll, &w->handle);
     if (r != DDP_SUCCESS) {
         ddp__free(w);
         *res = ddp__fail(g, r, "%s", g->broken_msg);
@@ -286,33 +250,33 @@ static int ddp__nccl_async(ddp_group *g, const ddp__call *k, ddp_work **out, ddp
     return 1;
 }
 
-/* ddp_wait's hook for a work with an event: wait under the watchdog, release w. */
+/* The backend's wait for the work enqueue took: wait for its event under the watchdog, release w. */
 static ddp_result ddp__nccl_wait_work(ddp_work *w) {
     ddp_group *g = w->g;
     ddp_result r;
     if (g->broken) { /* release the event; the communicator is aborted if its work is not done */
         char msg[DDP__ERR_MAX];
-        ddp_cuda_nccl_wait(g->nccl->comm, w->nccl_event, 0, "", NULL, NULL, NULL, 0);
-        r = ddp__fail_to(ddp__error_buffer(g), DDP_ERR_STATE, "%s", ddp__broken_message(g, &w->call, msg));
-    } else if ((r = ddp__nccl_wait_event(g, &w->coll, w->nccl_event)) != DDP_SUCCESS) {
+        ddp_cuda_nccl_wait(g->nccl->comm, w->handle, 0, "", NULL, NULL, NULL, 0);
+        r = ddp__fail(g, DDP_ERR_STATE, "%s", ddp__broken_message(g, &w->call, msg));
+    } else if ((r = ddp__nccl_wait_event(g, &w->coll, w->handle)) != DDP_SUCCESS) {
         ddp__fail(g, r, "%s", g->broken_msg);
     }
     ddp__free(w);
     return r;
 }
 
-static int ddp__nccl_test_work(ddp_work *w) { return ddp_cuda_nccl_test(w->g->nccl->comm, w->nccl_event); }
+static int ddp__nccl_test_work(ddp_work *w) { return ddp_cuda_nccl_test(w->g->nccl->comm, w->handle); }
 
 DDP_API ddp_result ddp_set_stream(ddp_group *g, void *cuda_stream) {
     if (!g) return ddp__fail(NULL, DDP_ERR_INVALID_ARGUMENT, "ddp_set_stream: the group is NULL");
     if (!g->nccl)
         return ddp__fail(g, DDP_ERR_UNSUPPORTED, "ddp_set_stream: the group's backend is \"%s\"; CUDA streams belong to "
-                         "the nccl backend", g->backend_name);
+                         "the nccl backend", g->backend->family);
     ddp_cuda_nccl_set_stream(g->nccl->comm, cuda_stream);
     return DDP_SUCCESS;
 }
 
-/* ---- the reducer's functions for the nccl backend (src/reducer.c's ddp__reducer_ops): buckets in
+/* ---- what the reducer asks of the nccl backend (ddp__backend's memory functions): buckets in
    device memory; the copies are ddp_cuda.cu's bucket kernels on the group's stream. The reducer calls
    them on the thread that issues the group's collectives, whose current device ddp_init set. ---- */
 
@@ -378,7 +342,7 @@ static void ddp__nccl_copy_out(ddp_group *g, void *dst, ddp_dtype dst_t, const v
         c.seq = g->seq;
         c.kind = DDP__BARRIER;
         snprintf(desc, sizeof desc, "the reducer's copy of %zu bytes (after collective #%llu)", bytes,
-                 (unsigned long long)g->seq);
+                 (unsigned long long)(g->seq - g->seq_base));
         ddp__nccl_wait_described(g, &c, desc, event);
         return;
     }
@@ -389,6 +353,46 @@ static void ddp__nccl_copy_out(ddp_group *g, void *dst, ddp_dtype dst_t, const v
         ddp__nccl_one_tensor(g, &a, &slot, &numel, dst_t, err);
         ddp__nccl_report(g, ddp_cuda_bucket_copy_out(&a, src, src_t, numel, NULL, 1.0), err);
     }
+}
+
+/* Collectives on device memory through NCCL, on host memory through the group's transport. */
+static const ddp__backend ddp__backend_nccl = {
+    "nccl", "nccl", ddp__nccl_run, ddp__nccl_enqueue_async, ddp__nccl_wait_work, ddp__nccl_test_work, ddp__nccl_close,
+    ddp__nccl_alloc, ddp__nccl_release, ddp__nccl_zero, ddp__nccl_copy_in_scaled, ddp__nccl_copy_out};
+
+/* Give g an NCCL communicator: on the device chosen by local rank for the world group (parent NULL),
+   on the parent's device and stream for a subgroup. Collective over g, which must be connected (mesh
+   and store) and not have one yet. Then the nccl backend takes g's calls. */
+static ddp_result ddp__nccl_attach(ddp_group *g, const struct ddp__nccl *parent) {
+    char err[DDP__ERR_MAX] = "", key[160];
+    unsigned char id[DDP_CUDA_NCCL_ID_BYTES];
+    ddp_cuda_nccl *comm = NULL;
+    struct ddp__nccl *n;
+    ddp_result r = DDP_SUCCESS;
+    int device = parent ? parent->device : -1;
+    if (!parent) r = ddp_cuda_nccl_device(g->local_rank, &device, err, sizeof err);
+    if ((r = ddp__nccl_agree(g, r, err, "use a GPU")) != DDP_SUCCESS) return r;
+    if ((r = ddp__nccl_share_id(g, id)) != DDP_SUCCESS) return r;
+    r = ddp_cuda_nccl_create(id, g->rank, g->world_size, device, &comm, err, sizeof err);
+    if ((r = ddp__nccl_agree(g, r, err, "create its NCCL communicator")) != DDP_SUCCESS) {
+        ddp_cuda_nccl_destroy(comm, 1);
+        return r;
+    }
+    if (g->rank == 0 && g->world_size > 1) { /* everyone has read it */
+        snprintf(key, sizeof key, "%snccl_id", g->member.prefix);
+        ddp_store_delete(g->member.store, key, NULL);
+    }
+    if (!(n = (struct ddp__nccl *)ddp__calloc(1, sizeof *n))) {
+        ddp_cuda_nccl_destroy(comm, 1);
+        return ddp__fail(g, DDP_ERR_OUT_OF_MEMORY, "backend nccl: out of memory");
+    }
+    n->comm = comm;
+    n->device = device;
+    if (parent) ddp_cuda_nccl_set_stream(comm, ddp_cuda_nccl_stream(parent->comm));
+    g->nccl = n;
+    g->backend = &ddp__backend_nccl; /* host_backend stays: host-memory calls keep their transport */
+    ddp__log(g, DDP_LOG_INFO, "nccl: rank %d of %d on CUDA device %d", g->rank, g->world_size, device);
+    return DDP_SUCCESS;
 }
 
 #else /* !DDP_CUDA: the backend is not in this build */
@@ -408,38 +412,11 @@ static ddp_result ddp__nccl_attach(ddp_group *g, const struct ddp__nccl *parent)
     return ddp__fail(g, DDP_ERR_STATE, "internal error: an nccl group in a build without DDP_CUDA");
 }
 
-static void ddp__nccl_free(ddp_group *g) {
-    ddp__free(g->nccl);
-    g->nccl = NULL;
-}
-
-static ddp_result ddp__nccl_run(ddp_group *g, const ddp__call *k, const ddp__coll *c, int *host) {
-    (void)k, (void)c;
-    *host = 0;
-    return ddp__coll_fail(g, DDP_ERR_STATE, "internal error: an nccl group in a build without DDP_CUDA");
-}
-
-static int ddp__nccl_async(ddp_group *g, const ddp__call *k, ddp_work **out, ddp_result *res) {
-    (void)g, (void)k, (void)out, (void)res;
-    return 0;
-}
-
-static ddp_result ddp__nccl_wait_work(ddp_work *w) {
-    ddp_group *g = w->g;
-    ddp__free(w);
-    return ddp__fail(g, DDP_ERR_STATE, "internal error: an nccl work in a build without DDP_CUDA");
-}
-
-static int ddp__nccl_test_work(ddp_work *w) {
-    (void)w;
-    return 1;
-}
-
 DDP_API ddp_result ddp_set_stream(ddp_group *g, void *cuda_stream) {
     (void)cuda_stream;
     if (!g) return ddp__fail(NULL, DDP_ERR_INVALID_ARGUMENT, "ddp_set_stream: the group is NULL");
     return ddp__fail(g, DDP_ERR_UNSUPPORTED, "ddp_set_stream: the group's backend is \"%s\"; CUDA streams belong to the "
-                     "nccl backend (a build with -DDDP_CUDA)", g->backend_name);
+                     "nccl backend (a build with -DDDP_CUDA)", g->backend->family);
 }
 
 #endif /* DDP_CUDA */

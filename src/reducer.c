@@ -33,33 +33,20 @@
 #define DDP__REDUCER_SMALL_TENSOR ((size_t)1 << 20)        /* smaller tensors are coalesced for broadcast */
 #define DDP__REDUCER_NAME_RECORD 72                        /* name bytes in a mismatch record */
 
-/* ---- the group interface: everything the reducer asks of a backend ----
-   Buffers are the backend's memory (host memory for cpu; device memory for nccl, where the copies run on
-   the group's stream). copy_in_scaled: dst[i] = src[i] * scale converted from src_t to dst_t, computed in
-   f32 (f64 for f64) and rounded once; dst may equal src when the dtypes do. copy_out: dst[i] = src[i]
-   converted (a plain copy when the dtypes are equal); it also moves the used map between host memory and
-   the backend's (both directions). To add a backend, write these functions and add a row to
-   ddp__reducer_backends. Besides these, finalize and the rebuild pass small host arrays to ddp_all_gather
-   and ddp_broadcast (the model check, the ready order) and broadcast parameters and buffers where they
-   are: a backend whose collectives take device memory accepts host memory for those, or stages it. */
-typedef struct ddp__reducer_ops {
-    const char *backend; /* ddp_backend_name(g) */
-    void *(*alloc)(ddp_group *g, size_t bytes); /* zeroed; NULL when out of memory */
-    void (*release)(ddp_group *g, void *p);
-    void (*zero)(ddp_group *g, void *dst, size_t bytes);
-    void (*copy_in_scaled)(ddp_group *g, void *dst, ddp_dtype dst_t, const void *src, ddp_dtype src_t, size_t count,
-                           double scale);
-    void (*copy_out)(ddp_group *g, void *dst, ddp_dtype dst_t, const void *src, ddp_dtype src_t, size_t count);
-    ddp_result (*all_reduce_async)(ddp_group *g, void *buf, size_t count, ddp_dtype t, ddp_op op, ddp_work **w);
-    ddp_result (*wait)(ddp_work *w);
-} ddp__reducer_ops;
+/* ---- the backend's memory: what the reducer asks of a backend (ddp__backend in internal.h) ----
+   Buckets are in the backend's memory (host memory for cpu and mpi; device memory for nccl, where the
+   copies run on the group's stream). Besides these, finalize and the rebuild pass small host arrays to
+   ddp_all_gather and ddp_broadcast (the model check, the ready order) and broadcast parameters and
+   buffers where they are: a backend whose collectives take device memory accepts host memory for
+   those (nccl runs them on its host transport). The functions below are the host versions, which every
+   backend but nccl uses. */
 
 /* Bucket memory comes from ddp_alloc (zero-filled): on a group that shares one host it lives in this
    rank's arena of the shared segment, so the buckets' all-reduces read the peers' buckets directly (the
    single-copy design, (3p-1)N bytes of memory traffic instead of (5p+1)N); elsewhere it is heap memory. */
-static void *ddp__cpu_alloc(ddp_group *g, size_t bytes) { return ddp_alloc(g, bytes); }
-static void ddp__cpu_release(ddp_group *g, void *p) { ddp_free(g, p); }
-static void ddp__cpu_zero(ddp_group *g, void *dst, size_t bytes) {
+static void *ddp__host_alloc(ddp_group *g, size_t bytes) { return ddp_alloc(g, bytes); }
+static void ddp__host_release(ddp_group *g, void *p) { ddp_free(g, p); }
+static void ddp__host_zero(ddp_group *g, void *dst, size_t bytes) {
     (void)g;
     if (bytes) memset(dst, 0, bytes);
 }
@@ -82,7 +69,7 @@ static void ddp__put_f32(void *p, ddp_dtype t, size_t i, float v) {
     }
 }
 
-static void ddp__cpu_copy_in_scaled(ddp_group *g, void *dst, ddp_dtype dst_t, const void *src, ddp_dtype src_t,
+static void ddp__host_copy_in_scaled(ddp_group *g, void *dst, ddp_dtype dst_t, const void *src, ddp_dtype src_t,
                                     size_t count, double scale) {
     size_t i;
     (void)g;
@@ -112,7 +99,7 @@ static void ddp__cpu_copy_in_scaled(ddp_group *g, void *dst, ddp_dtype dst_t, co
     }
 }
 
-static void ddp__cpu_copy_out(ddp_group *g, void *dst, ddp_dtype dst_t, const void *src, ddp_dtype src_t, size_t count) {
+static void ddp__host_copy_out(ddp_group *g, void *dst, ddp_dtype dst_t, const void *src, ddp_dtype src_t, size_t count) {
     size_t i;
     (void)g;
     if (dst_t == src_t) {
@@ -125,24 +112,6 @@ static void ddp__cpu_copy_out(ddp_group *g, void *dst, ddp_dtype dst_t, const vo
     }
     for (i = 0; i < count; i++) ddp__put_f32(dst, dst_t, i, ddp__get_f32(src, src_t, i));
 }
-
-static ddp_result ddp__cpu_all_reduce_async(ddp_group *g, void *buf, size_t count, ddp_dtype t, ddp_op op, ddp_work **w) {
-    return ddp_all_reduce_async(g, buf, count, t, op, w);
-}
-
-static const ddp__reducer_ops ddp__reducer_backends[] = {
-    {"cpu", ddp__cpu_alloc, ddp__cpu_release, ddp__cpu_zero, ddp__cpu_copy_in_scaled, ddp__cpu_copy_out,
-     ddp__cpu_all_reduce_async, ddp_wait},
-    /* the mpi backend's collectives take host memory too */
-    {"mpi", ddp__cpu_alloc, ddp__cpu_release, ddp__cpu_zero, ddp__cpu_copy_in_scaled, ddp__cpu_copy_out,
-     ddp__cpu_all_reduce_async, ddp_wait},
-#ifdef DDP_CUDA
-    /* buckets in device memory, copied by ddp_cuda.cu's bucket kernels on the group's stream (nccl.c);
-       the all-reduce of device memory goes to NCCL */
-    {"nccl", ddp__nccl_alloc, ddp__nccl_release, ddp__nccl_zero, ddp__nccl_copy_in_scaled, ddp__nccl_copy_out,
-     ddp__cpu_all_reduce_async, ddp_wait},
-#endif
-};
 
 /* ---- the reducer's state ---- */
 
@@ -175,7 +144,7 @@ typedef struct ddp__layout {
 
 struct ddp_reducer {
     ddp_group *g;
-    const ddp__reducer_ops *ops;
+    const ddp__backend *ops; /* its group's backend: bucket memory and copies */
     ddp_reducer_desc desc; /* defaults filled in */
     ddp__rtensor *params, *buffers;
     int nparams, nbuffers, cap_params, cap_buffers;
@@ -214,8 +183,6 @@ static size_t ddp__tensor_bytes(const ddp__rtensor *t) { return t->count * ddp_d
 DDP_API ddp_result ddp_reducer_create(ddp_group *g, const ddp_reducer_desc *d, ddp_reducer **out) {
     ddp_reducer_desc desc;
     ddp_reducer *r;
-    size_t i;
-    const ddp__reducer_ops *ops = NULL;
     if (!out) return ddp__fail(g, DDP_ERR_INVALID_ARGUMENT, "ddp_reducer_create: out is NULL");
     *out = NULL;
     if (!g) return ddp__fail(NULL, DDP_ERR_INVALID_ARGUMENT, "ddp_reducer_create: the group is NULL (did ddp_init succeed?)");
@@ -226,15 +193,10 @@ DDP_API ddp_result ddp_reducer_create(ddp_group *g, const ddp_reducer_desc *d, d
     if (desc.comm_dtype != DDP_DTYPE_DEFAULT && !(ddp__dtype_valid(desc.comm_dtype) && ddp__dtype_is_float(desc.comm_dtype)))
         return ddp__fail(g, DDP_ERR_INVALID_ARGUMENT, "ddp_reducer_create: comm_dtype %d is not DDP_DTYPE_DEFAULT or a "
                          "floating dtype (DDP_F16 or DDP_BF16 to compress)", (int)desc.comm_dtype);
-    for (i = 0; i < sizeof ddp__reducer_backends / sizeof ddp__reducer_backends[0]; i++)
-        if (strcmp(ddp__reducer_backends[i].backend, ddp_backend_name(g)) == 0) ops = &ddp__reducer_backends[i];
-    if (!ops)
-        return ddp__fail(g, DDP_ERR_UNSUPPORTED, "ddp_reducer_create: the reducer has no functions for backend \"%s\" "
-                         "(it knows cpu, mpi and nccl)", ddp_backend_name(g));
     r = (ddp_reducer *)ddp__calloc(1, sizeof *r);
     if (!r) return ddp__fail(g, DDP_ERR_OUT_OF_MEMORY, "ddp_reducer_create: out of memory");
     r->g = g;
-    r->ops = ops;
+    r->ops = g->backend;
     r->desc = desc;
     r->sync = 1;
     *out = r;
@@ -689,7 +651,7 @@ DDP_API ddp_result ddp_reducer_begin_backward(ddp_reducer *r) {
 static ddp_result ddp__reducer_start_ready(ddp_reducer *r) {
     while (r->next_bucket < r->L.nbuckets && r->L.buckets[r->next_bucket].pending == 0) {
         ddp__bucket *k = &r->L.buckets[r->next_bucket];
-        ddp_result res = r->ops->all_reduce_async(r->g, k->comm, k->count, k->comm_dtype, DDP_SUM, &k->work);
+        ddp_result res = ddp_all_reduce_async(r->g, k->comm, k->count, k->comm_dtype, DDP_SUM, &k->work);
         if (res) return r->failed = res;
         if (!r->t_first_start) r->t_first_start = ddp__now();
         r->next_bucket++;
@@ -753,13 +715,10 @@ static ddp_result ddp__reducer_missing(ddp_reducer *r) {
                  : "Destroy the reducer");
     for (b = 0; b < r->next_bucket; b++)
         if (r->L.buckets[b].work) {
-            r->ops->wait(r->L.buckets[b].work);
+            ddp_wait(r->L.buckets[b].work);
             r->L.buckets[b].work = NULL;
         }
-    if (ddp_world_size(r->g) > 1) {
-        ddp__drain(r->g);
-        ddp__group_break(r->g, DDP_ERR_STATE, msg);
-    }
+    if (ddp_world_size(r->g) > 1) ddp__group_abort(r->g, DDP_ERR_STATE, msg);
     r->failed = DDP_ERR_STATE;
     r->in_backward = 0;
     return ddp__fail(r->g, DDP_ERR_STATE, "%s", msg);
@@ -838,7 +797,7 @@ static ddp_result ddp__reducer_collect(ddp_reducer *r, ddp_work *used_work) {
     for (b = 0; b < r->L.nbuckets; b++) {
         ddp__bucket *k = &r->L.buckets[b];
         if (!k->work) continue;
-        res = r->ops->wait(k->work);
+        res = ddp_wait(k->work);
         k->work = NULL;
         if (res && !first) {
             first = res;
@@ -849,7 +808,7 @@ static ddp_result ddp__reducer_collect(ddp_reducer *r, ddp_work *used_work) {
             if (!find_unused || r->used[r->L.params[j]]) ddp__reducer_give_back(r, r->L.params[j]);
     }
     if (used_work) {
-        res = r->ops->wait(used_work);
+        res = ddp_wait(used_work);
         if (res && !first) {
             first = res;
             snprintf(why, sizeof why, "%s", ddp_last_error(r->g));
@@ -898,7 +857,7 @@ DDP_API ddp_result ddp_reducer_end_backward(ddp_reducer *r) {
     if (!res) res = ddp__reducer_start_ready(r);
     if (!res && r->desc.find_unused_parameters) { /* PyTorch's local_used_map, reduced after the buckets */
         r->ops->copy_out(r->g, r->used_comm, DDP_U8, r->used, DDP_U8, ddp__reducer_n(r));
-        if ((res = r->ops->all_reduce_async(r->g, r->used_comm, ddp__reducer_n(r), DDP_U8, DDP_MAX, &used_work)) != DDP_SUCCESS)
+        if ((res = ddp_all_reduce_async(r->g, r->used_comm, ddp__reducer_n(r), DDP_U8, DDP_MAX, &used_work)) != DDP_SUCCESS)
             r->failed = res;
     }
     {
@@ -973,7 +932,7 @@ DDP_API void ddp_reducer_destroy(ddp_reducer *r) {
     int i;
     if (!r) return;
     for (i = 0; r->L.buckets && i < r->L.nbuckets; i++)
-        if (r->L.buckets[i].work) r->ops->wait(r->L.buckets[i].work);
+        if (r->L.buckets[i].work) ddp_wait(r->L.buckets[i].work);
     ddp__layout_free(r, &r->L);
     for (i = 0; i < r->nparams; i++) ddp__free(r->params[i].name);
     for (i = 0; i < r->nbuffers; i++) ddp__free(r->buffers[i].name);

@@ -56,7 +56,6 @@
 #include "internal.h"
 
 #include <linux/futex.h>
-#include <sys/statvfs.h>
 #include <sys/uio.h>
 
 #define DDP__SHM_MAGIC 0x53504444u /* "DDPS" */
@@ -85,18 +84,6 @@ typedef struct ddp__shm_ctl {
     char pad[32];
 } ddp__shm_ctl;
 
-#define DDP__SHM_NOT_LIB UINT64_MAX
-
-/* One extent of this rank's arena; the list is sorted and covers [0, top) without gaps. */
-typedef struct ddp__block {
-    size_t off, size;
-    int state; /* 0 free, 1 in use, 2 being freed */
-} ddp__block;
-
-/* A ddp_alloc block that lives on the heap (no arena, or no room in it). */
-typedef struct ddp__heap_block {
-    void *user, *raw;
-} ddp__heap_block;
 
 struct ddp__shm {
     void *base;
@@ -106,12 +93,7 @@ struct ddp__shm {
     char *data;        /* world * 2 halves */
     size_t half;       /* bytes of one half */
     uint64_t step;     /* steps taken by this group */
-    int fd;            /* the segment, kept open: ddp_alloc reserves its blocks' pages with fallocate */
-    char *arenas;      /* world arenas of arena_bytes each (NULL when there are none) */
-    size_t arena_bytes;
-    off_t arena_file_off; /* where arena 0 starts in the segment */
-    ddp__block *blocks;   /* this rank's arena, under g->lib_lock */
-    size_t nblocks, cap_blocks, top;
+    ddp__arena arena;  /* ddp_alloc's arenas (alloc.c): base NULL when there are none */
     int cma;     /* every rank can reach every other with process_vm_readv/writev (probed at set-up) */
     unsigned spins; /* pauses before a waiting rank starts to yield its core */
     pid_t *pids; /* world entries: each rank's process id, for CMA (NULL when cma is 0) */
@@ -155,8 +137,8 @@ static ddp_result ddp__shm_check_fp(ddp_group *g, const ddp__coll *c, int j) {
     t.op = k->fp[par].op;
     if (t.seq == c->seq && t.count == c->count && t.root == c->root && t.kind == c->kind && t.dtype == c->dtype && t.op == c->op)
         return DDP_SUCCESS;
-    ddp__coll_describe(c, ours, sizeof ours);
-    ddp__coll_describe(&t, theirs, sizeof theirs);
+    ddp__coll_describe(g, c, ours, sizeof ours);
+    ddp__coll_describe(g, &t, theirs, sizeof theirs);
     return ddp__coll_fail(g, DDP_ERR_MISMATCH, "collective mismatch: rank %d called %s while rank %d called %s; every "
                           "rank must call the same collectives in the same order with the same count, dtype, op and root",
                           j, theirs, g->rank, ours);
@@ -222,7 +204,7 @@ static ddp_result ddp__shm_wait_all(ddp_group *g, const ddp__coll *c, int which,
                group, or exited) has done its part here. A rank that broke the group in this collective
                says so in the header (ddp__shm_check_abort). It posts before it closes, so reading the
                counter after seeing the hang-up is enough. */
-            g->waiting_for = j;
+            g->mesh.waiting_for = j;
             if ((lost = ddp__hung_up_peer(g, j)) >= 0 && DDP__LOAD(counter) < step) return ddp__peer_failed(g, lost, c);
             if (deadline == 0) deadline = ddp__now() + g->timeout;
             if (ddp__now() > deadline) return ddp__peer_timed_out(g, j, c);
@@ -266,45 +248,10 @@ static ddp_result ddp__shm_finish(ddp_group *g, const ddp__coll *c) { return ddp
 
 /* ---- library buffers: where they are ---- */
 
-static void ddp__lib_lock(ddp_group *g) {
-    while (__atomic_exchange_n(&g->lib_lock, 1, __ATOMIC_ACQUIRE)) sched_yield();
-}
-static void ddp__lib_unlock(ddp_group *g) { __atomic_store_n(&g->lib_lock, 0, __ATOMIC_RELEASE); }
-
-/* The index of the arena block holding offset off (the blocks cover [0, top)); -1 when off >= top. */
-static long ddp__block_find(const ddp__shm *s, size_t off) {
-    size_t lo = 0, hi = s->nblocks;
-    if (off >= s->top) return -1;
-    while (hi - lo > 1) { /* the last block whose start is <= off */
-        size_t mid = lo + (hi - lo) / 2;
-        if (s->blocks[mid].off <= off)
-            lo = mid;
-        else
-            hi = mid;
-    }
-    return (long)lo;
-}
-
-/* The arena offset of [p, p + bytes) when it lies inside one live block of this rank's arena. */
-static uint64_t ddp__lib_offset(ddp_group *g, const void *p, size_t bytes) {
-    ddp__shm *s = g->shm;
-    uint64_t off = DDP__SHM_NOT_LIB;
-    long i;
-    size_t at;
-    if (!s->arenas) return off;
-    at = (size_t)((uintptr_t)p - (uintptr_t)(s->arenas + (size_t)g->rank * s->arena_bytes));
-    if ((uintptr_t)p < (uintptr_t)s->arenas || at >= s->arena_bytes) return off;
-    ddp__lib_lock(g);
-    i = ddp__block_find(s, at);
-    if (i >= 0 && s->blocks[i].state == 1 && bytes <= s->blocks[i].off + s->blocks[i].size - at) off = at;
-    ddp__lib_unlock(g);
-    return off;
-}
-
 /* Rank j's buffer as published in this collective's first step (it stays put until the collective ends). */
 static char *ddp__lib_peer(ddp_group *g, const ddp__coll *c, int j) {
     ddp__shm *s = g->shm;
-    return s->arenas + (size_t)j * s->arena_bytes + (size_t)s->ctl[j].fp[c->seq & 1].lib;
+    return s->arena.base + (size_t)j * s->arena.bytes + (size_t)s->ctl[j].fp[c->seq & 1].lib;
 }
 
 /* How many ranks published a library buffer in this collective's first step (read after that step,
@@ -319,7 +266,7 @@ static int ddp__lib_count(ddp_group *g, const ddp__coll *c) {
 static void ddp__lib_note(ddp_group *g, const ddp__coll *c) {
     char desc[160];
     if (g->log_level < DDP_LOG_DEBUG) return;
-    ddp__coll_describe(c, desc, sizeof desc);
+    ddp__coll_describe(g, c, desc, sizeof desc);
     ddp__log(g, DDP_LOG_DEBUG, "%s: single-copy, straight from the ranks' library buffers", desc);
 }
 
@@ -362,7 +309,7 @@ static ddp_result ddp__cma_move(ddp_group *g, const ddp__coll *c, int j, char *l
             if (r) return r;
         }
         return ddp__coll_fail(g, e == ESRCH ? DDP_ERR_PEER_LOST : DDP_ERR_SYSTEM, "process_vm_%s on rank %d (%s) failed: %s%s",
-                              write ? "writev" : "readv", j, g->peer_names[j], strerror(e),
+                              write ? "writev" : "readv", j, g->mesh.peer_names[j], strerror(e),
                               e == ESRCH ? ": the process is gone" : " (DDP_SHM_CMA=0 stages through shared memory instead)");
     }
     return DDP_SUCCESS;
@@ -382,7 +329,7 @@ static ddp_result ddp__shm_all_reduce_direct(ddp_group *g, const ddp__coll *c, v
         char desc[160];
         if (!(tmp = (char *)ddp__scratch(g, per * es))) return ddp__no_memory(g, per * es);
         if (g->log_level >= DDP_LOG_DEBUG) {
-            ddp__coll_describe(c, desc, sizeof desc);
+            ddp__coll_describe(g, c, desc, sizeof desc);
             ddp__log(g, DDP_LOG_DEBUG, "%s: cross-memory attach (process_vm_readv/writev) on the ranks' own buffers", desc);
         }
     } else {
@@ -579,7 +526,7 @@ static ddp_result ddp__shm_reduce_scatter(ddp_group *g, const ddp__coll *c, cons
     return DDP_SUCCESS;
 }
 
-static ddp_result ddp__shm_run(ddp_group *g, const ddp__call *k, const ddp__coll *c) {
+static ddp_result ddp__shm_call(ddp_group *g, const ddp__call *k, const ddp__coll *c) {
     switch (k->kind) {
     case DDP__ALL_REDUCE: return ddp__shm_reduce_impl(g, c, k->buf, k->count, k->dtype, k->op, -1);
     case DDP__REDUCE: return ddp__shm_reduce_impl(g, c, k->buf, k->count, k->dtype, k->op, k->root);
@@ -592,60 +539,32 @@ static ddp_result ddp__shm_run(ddp_group *g, const ddp__call *k, const ddp__coll
 
 /* ---- setting up and tearing down ---- */
 
-/* Ranks share memory only within one host and one network namespace (tests put "hosts" in
-   namespaces on one machine; each namespace counts as a host). */
-static uint64_t ddp__host_key(void) {
-    char buf[512] = "", ns[128] = "";
-    FILE *f;
-    ssize_t k = readlink("/proc/self/ns/net", ns, sizeof ns - 1);
-    if (k > 0) ns[k] = '\0';
-    gethostname(buf, 200);
-    buf[200] = '\0';
-    snprintf(buf + strlen(buf), sizeof buf - strlen(buf), "|%s|", ns);
-    if ((f = fopen("/proc/sys/kernel/random/boot_id", "r")) != NULL) {
-        size_t len = strlen(buf);
-        if (fgets(buf + len, (int)(sizeof buf - len), f) == NULL) buf[len] = '\0';
-        fclose(f);
-    }
-    return ddp__hash(buf);
+/* The running collective's number is what ddp__shm_abort publishes when this rank breaks the group. */
+static ddp_result ddp__shm_run(ddp_group *g, const ddp__call *k, const ddp__coll *c) {
+    ddp_result r;
+    g->running_seq = c->seq;
+    r = ddp__shm_call(g, k, c);
+    g->running_seq = 0;
+    return r;
 }
 
-/* Release the transport and every block ddp_alloc handed out (the group is going away). */
-static void ddp__shm_free(ddp_group *g) {
-    size_t i;
-    for (i = 0; i < g->lib_heap_n; i++) ddp__free(g->lib_heap[i].raw);
-    ddp__free(g->lib_heap);
-    g->lib_heap = NULL;
-    g->lib_heap_n = g->lib_heap_cap = 0;
+/* Unmap the segment (its arenas' blocks go with it). */
+static void ddp__shm_close(ddp_group *g, int orderly) {
+    (void)orderly;
     if (!g->shm) return;
+    g->lib.arena = NULL;
     munmap(g->shm->base, g->shm->bytes);
-    if (g->shm->fd >= 0) close(g->shm->fd);
-    ddp__free(g->shm->blocks);
+    if (g->shm->arena.fd >= 0) close(g->shm->arena.fd);
+    ddp__free(g->shm->arena.blocks);
     ddp__free(g->shm->pids);
     ddp__free(g->shm);
     g->shm = NULL;
 }
 
-#define DDP__ARENA_ALIGN ((size_t)2 << 20) /* arenas start on 2 MiB boundaries (huge pages, if enabled) */
-#define DDP__LIB_PAGE ((size_t)4096)      /* arena blocks are whole pages: fallocate and hole punching work on pages */
-
-/* Each rank's arena (rank 0 decides): DDP_SHM_ARENA_BYTES, else what /dev/shm can hold (the machine's
-   memory when /dev/shm is unlimited), at most 64 GiB, and at most 8 TiB of address space over all ranks
-   (every rank maps every arena). Only address space: pages are taken as blocks are allocated. */
-static size_t ddp__arena_size(ddp_group *g, int fd) {
-    char err[DDP__ERR_MAX];
-    long v = 0;
-    struct statvfs st;
-    uint64_t want = 0, cap = DDP__MIN((uint64_t)64 << 30, ((uint64_t)8 << 40) / (uint64_t)g->world_size);
-    int k = ddp__env_int("DDP_SHM_ARENA_BYTES", 0, (long)((uint64_t)1 << 46), &v, err);
-    if (k < 0) ddp__log(g, DDP_LOG_WARN, "%s; using the default arena size", err);
-    if (k > 0) return (size_t)((uint64_t)v & ~(uint64_t)(DDP__LIB_PAGE - 1));
-    if (fstatvfs(fd, &st) == 0) want = (uint64_t)st.f_blocks * (uint64_t)st.f_frsize;
-    if (want == 0) want = (uint64_t)sysconf(_SC_PHYS_PAGES) * (uint64_t)sysconf(_SC_PAGESIZE);
-    want = DDP__MIN(want, cap);
-    if (want > (uint64_t)(SIZE_MAX / 4)) want = (uint64_t)(SIZE_MAX / 4);
-    return (size_t)(want & ~(uint64_t)(DDP__ARENA_ALIGN - 1));
-}
+/* Every rank of the group on this host. Library buffers (ddp_alloc) live in the segment's arenas. */
+static const ddp__backend ddp__backend_shm = {
+    "shm", "cpu", ddp__shm_run, NULL, NULL, NULL, ddp__shm_close,
+    ddp__host_alloc, ddp__host_release, ddp__host_zero, ddp__host_copy_in_scaled, ddp__host_copy_out};
 
 /* Can this rank read every peer's memory with process_vm_readv? pub holds, per rank, its pid, the
    address of a word in its process and the word's value; each peer's word must read back as published
@@ -669,17 +588,13 @@ static int ddp__cma_probe(ddp_group *g, const uint64_t *pub) {
     return 1;
 }
 
-static ddp_result ddp__hier_setup(ddp_group *g, const uint64_t *keys); /* hier.c */
-
-/* Map one segment for the group when all its ranks share a host (and DDP_TRANSPORT allows it).
-   Collective over the group's TCP mesh; every rank reaches the same decision. Any failure to set up
-   shared memory (a full /dev/shm, say) is not an error: the group keeps using TCP; a failure to map
-   the arenas only turns library buffers into plain memory. The name is unlinked as soon as every
-   rank has the segment mapped, so no exit (a crash included) leaves it behind in /dev/shm. */
+/* Map one segment for a group whose ranks all share this host (group.c decides that). Collective over
+   the group's TCP mesh; every rank reaches the same decision. Any failure to set up shared memory (a
+   full /dev/shm, say) is not an error: the group keeps using TCP; a failure to map the arenas only
+   turns library buffers into plain memory. The name is unlinked as soon as every rank has the segment
+   mapped, so no exit (a crash included) leaves it behind in /dev/shm. */
 static ddp_result ddp__shm_setup(ddp_group *g) {
-    const char *transport = ddp__env("DDP_TRANSPORT");
-    uint64_t key = ddp__host_key(), *keys;
-    int i, same = 1, ok[3] = {1, 1, 1}, fd = -1; /* ok: the segment, the arenas, cross-memory attach */
+    int i, ok[3] = {1, 1, 1}, fd = -1; /* ok: the segment, the arenas, cross-memory attach */
     uint64_t word, mine[3], *pub = NULL; /* the CMA probe: my pid, &word, word; every rank's */
     long cma_env = 1;
     char err[DDP__ERR_MAX];
@@ -690,22 +605,13 @@ static ddp_result ddp__shm_setup(ddp_group *g) {
     size_t half, head, arenas_at, bytes;
     ddp__shm *s;
     ddp_result r;
-    if (g->world_size < 2 || (transport && strcmp(transport, "tcp") == 0)) return DDP_SUCCESS;
-    keys = (uint64_t *)ddp__calloc((size_t)g->world_size, sizeof *keys);
-    if (!keys) return ddp__fail(g, DDP_ERR_OUT_OF_MEMORY, "out of memory setting up shared memory");
-    r = ddp_all_gather(g, &key, keys, 1, DDP_I64);
-    for (i = 0; i < g->world_size && r == DDP_SUCCESS; i++) same &= keys[i] == key;
-    if (r == DDP_SUCCESS && !same) r = ddp__hier_setup(g, keys); /* several hosts: shared memory within each */
-    ddp__free(keys);
-    if (r || !same) return r;
-
     half = DDP__MIN(DDP__MAX(((size_t)8 << 20) / (size_t)g->world_size, (size_t)256 << 10), (size_t)4 << 20);
     half &= ~(size_t)63; /* every half starts on a cache line, so every dtype is aligned */
     head = sizeof(ddp__shm_header) + (size_t)g->world_size * (sizeof(ddp__shm_ctl) + 2 * half);
     arenas_at = (head + DDP__ARENA_ALIGN - 1) & ~(DDP__ARENA_ALIGN - 1);
     memset(&info, 0, sizeof info);
     if (g->rank == 0) {
-        snprintf(info.name, sizeof info.name, "/ddp.%d.%llx", (int)getpid(), (unsigned long long)(ddp__hash(g->prefix) ^ (uint64_t)ddp__now()));
+        snprintf(info.name, sizeof info.name, "/ddp.%d.%llx", (int)getpid(), (unsigned long long)(ddp__hash(g->member.prefix) ^ (uint64_t)ddp__now()));
         fd = shm_open(info.name, O_CREAT | O_EXCL | O_RDWR, 0600);
         if (fd >= 0) info.arena_bytes = ddp__arena_size(g, fd);
         /* the arenas are a sparse tail; a file system that refuses the size gets none */
@@ -716,7 +622,7 @@ static ddp_result ddp__shm_setup(ddp_group *g) {
             ok[0] = 0;
         }
     }
-    if ((r = ddp_broadcast(g, &info, sizeof info, DDP_U8, 0)) != DDP_SUCCESS) goto done;
+    if ((r = ddp__mesh_broadcast(g, &info, sizeof info, DDP_U8, 0)) != DDP_SUCCESS) goto done;
     if (g->rank != 0 && info.name[0]) fd = shm_open(info.name, O_RDWR, 0600);
     s = (ddp__shm *)ddp__calloc(1, sizeof *s);
     bytes = info.arena_bytes ? arenas_at + (size_t)g->world_size * (size_t)info.arena_bytes : head;
@@ -732,18 +638,18 @@ static ddp_result ddp__shm_setup(ddp_group *g) {
     if (!info.arena_bytes || bytes == head) ok[1] = 0;
     /* Cross-memory attach: publish a word, read every peer's (the all_reduce below keeps every word
        alive until all have read). Every rank takes part even when it will not use it. */
-    word = ddp__hash(g->prefix) ^ ((uint64_t)getpid() << 20) ^ (uint64_t)(ddp__now() * 1e9);
+    word = ddp__hash(g->member.prefix) ^ ((uint64_t)getpid() << 20) ^ (uint64_t)(ddp__now() * 1e9);
     mine[0] = (uint64_t)getpid();
     mine[1] = (uint64_t)(uintptr_t)&word;
     mine[2] = word;
     if (ddp__env_int("DDP_SHM_CMA", 0, 1, &cma_env, err) < 0) ddp__log(g, DDP_LOG_WARN, "%s; cross-memory attach stays on", err);
     if (!(pub = (uint64_t *)ddp__calloc((size_t)g->world_size * 3, sizeof *pub))) {
         r = ddp__fail(g, DDP_ERR_OUT_OF_MEMORY, "out of memory setting up shared memory");
-    } else if ((r = ddp_all_gather(g, mine, pub, 3, DDP_I64)) == DDP_SUCCESS) {
+    } else if ((r = ddp__mesh_all_gather(g, mine, pub, 3, DDP_I64)) == DDP_SUCCESS) {
         if (s && cma_env && (s->pids = (pid_t *)ddp__calloc((size_t)g->world_size, sizeof *s->pids)) != NULL)
             for (i = 0; i < g->world_size; i++) s->pids[i] = (pid_t)pub[3 * i];
         ok[2] = s && s->pids && ddp__cma_probe(g, pub);
-        r = ddp_all_reduce(g, ok, 3, DDP_I32, DDP_MIN);
+        r = ddp__mesh_all_reduce(g, ok, 3, DDP_I32, DDP_MIN);
     }
     if (s && (r || !ok[2])) {
         ddp__free(s->pids);
@@ -764,30 +670,32 @@ static ddp_result ddp__shm_setup(ddp_group *g) {
     s->hdr = (ddp__shm_header *)s->base;
     s->ctl = (ddp__shm_ctl *)((char *)s->base + sizeof(ddp__shm_header));
     s->data = (char *)(s->ctl + g->world_size);
-    s->fd = -1;
+    s->arena.fd = -1;
     if (ok[1]) { /* every rank mapped every arena */
-        s->arenas = (char *)s->base + arenas_at;
-        s->arena_bytes = (size_t)info.arena_bytes;
-        s->arena_file_off = (off_t)arenas_at;
-        s->fd = fd;
+        s->arena.base = (char *)s->base + arenas_at;
+        s->arena.bytes = (size_t)info.arena_bytes;
+        s->arena.file_off = (off_t)arenas_at;
+        s->arena.fd = fd;
         fd = -1;
 #ifdef MADV_DONTDUMP
         /* a core dump would read the arenas' holes, and reading a hole of shared memory allocates it */
-        madvise(s->arenas, (size_t)g->world_size * s->arena_bytes, MADV_DONTDUMP);
+        madvise(s->arena.base, (size_t)g->world_size * s->arena.bytes, MADV_DONTDUMP);
 #endif
     }
     /* Still over TCP: every rank has the segment mapped (so the name can go), and no collective has
        run over it yet. The segment is zero-filled: steps and fingerprints start at 0, below any seq. */
-    if ((r = ddp_barrier(g)) != DDP_SUCCESS) {
+    if ((r = ddp__mesh_barrier(g)) != DDP_SUCCESS) {
         munmap(s->base, bytes);
-        if (s->fd >= 0) close(s->fd);
+        if (s->arena.fd >= 0) close(s->arena.fd);
         ddp__free(s->pids);
         ddp__free(s);
         goto done;
     }
     g->shm = s;
+    if (s->arena.base) g->lib.arena = &s->arena;
+    g->backend = g->host_backend = &ddp__backend_shm;
     ddp__log(g, DDP_LOG_INFO, "shared memory: %zu-byte halves, %zu-byte arenas for ddp_alloc, cross-memory attach %s", half,
-             s->arena_bytes, s->cma ? "on" : "off");
+             s->arena.bytes, s->cma ? "on" : "off");
 done:
     ddp__free(pub);
     if (fd >= 0) close(fd);
@@ -795,189 +703,3 @@ done:
     return r;
 }
 
-/* ---- ddp_alloc / ddp_free ----
-   This rank's arena is carved into page-multiple blocks, listed in offset order: first fit, else the
-   top grows. A block's pages are reserved with fallocate when it is handed out (a full /dev/shm then
-   means plain memory instead of SIGBUS later) and punched out when it is freed, so a block always
-   starts zero-filled and freed memory goes back to the system. */
-
-/* Insert a block before index i of this rank's list. 0 when out of memory. */
-static int ddp__block_insert(ddp__shm *s, size_t i, size_t off, size_t size, int state) {
-    if (s->nblocks == s->cap_blocks) {
-        size_t cap = s->cap_blocks ? 2 * s->cap_blocks : 16;
-        ddp__block *b = (ddp__block *)ddp__malloc(cap * sizeof *b);
-        if (!b) return 0;
-        if (s->nblocks) memcpy(b, s->blocks, s->nblocks * sizeof *b);
-        ddp__free(s->blocks);
-        s->blocks = b;
-        s->cap_blocks = cap;
-    }
-    memmove(s->blocks + i + 1, s->blocks + i, (s->nblocks - i) * sizeof *s->blocks);
-    s->blocks[i].off = off;
-    s->blocks[i].size = size;
-    s->blocks[i].state = state;
-    s->nblocks++;
-    return 1;
-}
-
-static void ddp__block_remove(ddp__shm *s, size_t i) {
-    memmove(s->blocks + i, s->blocks + i + 1, (s->nblocks - i - 1) * sizeof *s->blocks);
-    s->nblocks--;
-}
-
-/* Mark block i free and merge it with free neighbours; a free block at the end goes back above top. */
-static void ddp__block_release(ddp__shm *s, size_t i) {
-    s->blocks[i].state = 0;
-    if (i + 1 < s->nblocks && s->blocks[i + 1].state == 0) {
-        s->blocks[i].size += s->blocks[i + 1].size;
-        ddp__block_remove(s, i + 1);
-    }
-    if (i > 0 && s->blocks[i - 1].state == 0) {
-        s->blocks[i - 1].size += s->blocks[i].size;
-        ddp__block_remove(s, i--);
-    }
-    if (i + 1 == s->nblocks) {
-        s->top = s->blocks[i].off;
-        ddp__block_remove(s, i);
-    }
-}
-
-/* Take need bytes (whole pages) of this rank's arena: the block's offset, or -1 when there is no room. */
-static long ddp__block_take(ddp__shm *s, size_t need) {
-    size_t i, off;
-    for (i = 0; i < s->nblocks; i++) {
-        if (s->blocks[i].state != 0 || s->blocks[i].size < need) continue;
-        if (s->blocks[i].size > need && !ddp__block_insert(s, i + 1, s->blocks[i].off + need, s->blocks[i].size - need, 0))
-            return -1;
-        s->blocks[i].size = need;
-        s->blocks[i].state = 1;
-        return (long)s->blocks[i].off;
-    }
-    if (need > s->arena_bytes - s->top || !ddp__block_insert(s, s->nblocks, s->top, need, 1)) return -1;
-    off = s->top;
-    s->top += need;
-    return (long)off;
-}
-
-static void *ddp__arena_alloc(ddp_group *g, size_t bytes) {
-    ddp__shm *s = g->shm;
-    size_t need = (DDP__MAX(bytes, (size_t)1) + DDP__LIB_PAGE - 1) & ~(DDP__LIB_PAGE - 1);
-    char *mine;
-    long off;
-    int err;
-    if (!s || !s->arenas) return NULL;
-    mine = s->arenas + (size_t)g->rank * s->arena_bytes;
-    ddp__lib_lock(g);
-    off = ddp__block_take(s, need);
-    ddp__lib_unlock(g);
-    if (off < 0) return NULL;
-    err = posix_fallocate(s->fd, s->arena_file_off + (off_t)((size_t)g->rank * s->arena_bytes + (size_t)off), (off_t)need);
-    if (err != 0) {
-        ddp__log(g, DDP_LOG_INFO, "ddp_alloc: cannot reserve %zu bytes of shared memory (%s): plain memory instead, "
-                 "which collectives stage through the segment", need, strerror(err));
-        ddp__lib_lock(g);
-        ddp__block_release(s, (size_t)ddp__block_find(s, (size_t)off));
-        ddp__lib_unlock(g);
-        return NULL;
-    }
-    return mine + off;
-}
-
-/* 1 when p was a live block of this rank's arena (now freed), 0 when it is not one. */
-static int ddp__arena_free(ddp_group *g, void *p) {
-    ddp__shm *s = g->shm;
-    size_t at, size;
-    off_t file_at;
-    long i;
-    if (!s || !s->arenas || (uintptr_t)p < (uintptr_t)(s->arenas + (size_t)g->rank * s->arena_bytes)) return 0;
-    at = (size_t)((uintptr_t)p - (uintptr_t)(s->arenas + (size_t)g->rank * s->arena_bytes));
-    if (at >= s->arena_bytes) return 0;
-    ddp__lib_lock(g);
-    i = ddp__block_find(s, at);
-    if (i < 0 || s->blocks[i].off != at || s->blocks[i].state != 1) {
-        ddp__lib_unlock(g);
-        return 0;
-    }
-    s->blocks[i].state = 2; /* being freed: neither handed out again nor freed twice meanwhile */
-    size = s->blocks[i].size;
-    ddp__lib_unlock(g);
-    /* give the pages back; should the file system refuse, zero them so the next block starts zero-filled */
-    file_at = s->arena_file_off + (off_t)((size_t)g->rank * s->arena_bytes + at);
-    if (fallocate(s->fd, FALLOC_FL_PUNCH_HOLE | FALLOC_FL_KEEP_SIZE, file_at, (off_t)size) != 0) memset(p, 0, size);
-    ddp__lib_lock(g);
-    ddp__block_release(s, (size_t)ddp__block_find(s, at));
-    ddp__lib_unlock(g);
-    return 1;
-}
-
-static void *ddp__heap_alloc(ddp_group *g, size_t bytes) {
-    char *raw = (char *)ddp__malloc(bytes + 63), *user;
-    int ok = 1;
-    if (!raw) return NULL;
-    user = (char *)(((uintptr_t)raw + 63) & ~(uintptr_t)63);
-    if (bytes) memset(user, 0, bytes);
-    ddp__lib_lock(g);
-    if (g->lib_heap_n == g->lib_heap_cap) {
-        size_t cap = g->lib_heap_cap ? 2 * g->lib_heap_cap : 16;
-        ddp__heap_block *b = (ddp__heap_block *)ddp__malloc(cap * sizeof *b);
-        if (b) {
-            if (g->lib_heap_n) memcpy(b, g->lib_heap, g->lib_heap_n * sizeof *b);
-            ddp__free(g->lib_heap);
-            g->lib_heap = b;
-            g->lib_heap_cap = cap;
-        } else {
-            ok = 0;
-        }
-    }
-    if (ok) {
-        g->lib_heap[g->lib_heap_n].user = user;
-        g->lib_heap[g->lib_heap_n++].raw = raw;
-    }
-    ddp__lib_unlock(g);
-    if (!ok) ddp__free(raw);
-    return ok ? user : NULL;
-}
-
-/* 1 when p was a live heap block (now freed), 0 when it is not one. */
-static int ddp__heap_free(ddp_group *g, void *p) {
-    void *raw = NULL;
-    size_t i;
-    ddp__lib_lock(g);
-    for (i = 0; i < g->lib_heap_n && !raw; i++)
-        if (g->lib_heap[i].user == p) {
-            raw = g->lib_heap[i].raw;
-            g->lib_heap[i] = g->lib_heap[--g->lib_heap_n];
-        }
-    ddp__lib_unlock(g);
-    ddp__free(raw);
-    return raw != NULL;
-}
-
-DDP_API void *ddp_alloc(ddp_group *g, size_t bytes) {
-    void *p;
-    if (!g) {
-        ddp__fail(NULL, DDP_ERR_INVALID_ARGUMENT, "ddp_alloc: the group is NULL (did ddp_init succeed?)");
-        return NULL;
-    }
-    if (bytes > SIZE_MAX / 4) {
-        ddp__fail(g, DDP_ERR_INVALID_ARGUMENT, "ddp_alloc: %zu bytes is more than any machine can hold", bytes);
-        return NULL;
-    }
-    if ((p = ddp__arena_alloc(g, bytes)) == NULL && (p = ddp__heap_alloc(g, bytes)) == NULL)
-        ddp__fail(g, DDP_ERR_OUT_OF_MEMORY, "ddp_alloc: out of memory for %zu bytes", bytes);
-    return p;
-}
-
-DDP_API void ddp_free(ddp_group *g, void *p) {
-    char msg[DDP__ERR_MAX];
-    if (!p) return;
-    if (!g) {
-        ddp__fail(NULL, DDP_ERR_INVALID_ARGUMENT, "ddp_free: the group is NULL; pass the group the memory came from");
-        return;
-    }
-    if (ddp__arena_free(g, p) || ddp__heap_free(g, p)) return;
-    snprintf(msg, sizeof msg, "ddp_free: %p is not a live block from ddp_alloc on this group (rank %d): freed already, "
-             "allocated on another group, or not from ddp_alloc; it was left alone", p, g->rank);
-    ddp__log(g, DDP_LOG_ERROR, "%s", msg);
-    ddp__fail(g, DDP_ERR_INVALID_ARGUMENT, "%s", msg);
-}

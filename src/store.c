@@ -952,6 +952,7 @@ static ddp_result ddp__store_fail(ddp_store *s, ddp_result code, const char *fmt
     va_start(ap, fmt);
     vsnprintf(s->error, sizeof s->error, fmt, ap);
     va_end(ap);
+    ddp__note_thread_error(s->error);
     ddp__log(NULL, DDP_LOG_DEBUG, "%s: %s", ddp_result_string(code), s->error);
     return code;
 }

@@ -16,11 +16,10 @@
    there with MSG_PEEK, without taking it (connections are at a frame boundary between steps: frames
    are read whole within one). An ABORT fails the step; a frame of the same collective number with a
    different fingerprint is DDP_ERR_MISMATCH. A frame of this collective, of another number (a peer
-   already past this one, or past ddp_init's own collectives, whose count restarts) or a BYE is early
-   data: the peer is marked quiet until the next collective (g->tcp_runs counts them: seq restarts
-   after ddp_init's own), so poll does not wake for it again.
+   already past this one) or a BYE is early data: the peer is marked quiet until the next collective (by its number), so poll does not wake for
+   it again.
    Nothing extra happens when nothing unexpected arrives: the same poll call watches one more event
-   per connection. collectives.c says why this makes every mismatch an error on every rank.
+   per connection. tcp.c says why this makes every mismatch an error on every rank.
 
    Failure handling. While a rank waits, it also watches every other connection of the group for a
    hang-up. When a rank fails a collective (mismatch, timeout, lost peer) it "breaks" the group: it sends
@@ -35,27 +34,6 @@
 #define DDP__MAX_FRAME_BYTES ((uint64_t)1 << 40)
 
 enum { DDP__FRAME_DATA = 1, DDP__FRAME_ABORT = 2, DDP__FRAME_BYE = 3 };
-
-/* The fingerprint of one collective call; equal on every rank when the program is correct. */
-typedef struct ddp__coll {
-    uint64_t seq;   /* 1 for the group's first collective */
-    uint64_t count; /* the call's count (per rank for all_gather / reduce_scatter) */
-    uint8_t kind;   /* ddp__coll_kind */
-    uint8_t dtype;
-    uint8_t op;     /* DDP__NO_OP when the collective takes none */
-    int32_t root;   /* -1 when the collective has none */
-} ddp__coll;
-
-typedef enum ddp__coll_kind {
-    DDP__ALL_REDUCE = 1,
-    DDP__BROADCAST,
-    DDP__REDUCE,
-    DDP__ALL_GATHER,
-    DDP__REDUCE_SCATTER,
-    DDP__BARRIER,
-    DDP__COLL_KINDS
-} ddp__coll_kind;
-#define DDP__NO_OP 0xff
 
 typedef struct ddp__frame {
     uint32_t magic;
@@ -74,17 +52,20 @@ static const char *ddp__coll_name(int kind) {
     return (kind > 0 && kind < DDP__COLL_KINDS) ? names[kind] : "an unknown operation";
 }
 
-/* "all_reduce(count=1024, f32, sum) as collective #7" */
-static void ddp__coll_describe(const ddp__coll *c, char *out, size_t cap) {
+/* "all_reduce(count=1024, f32, sum) as collective #7". Numbers count from the end of the group's own
+   set-up (g->seq_base, the same on every rank), so the program's first call is #1; a call of the set-up
+   itself, in a failing ddp_init, shows its number within the set-up. */
+static void ddp__coll_describe(const ddp_group *g, const ddp__coll *c, char *out, size_t cap) {
     char extra[48] = "";
+    unsigned long long number = (unsigned long long)(c->seq - g->seq_base);
     if (c->kind == DDP__BARRIER) {
-        snprintf(out, cap, "barrier() as collective #%llu", (unsigned long long)c->seq);
+        snprintf(out, cap, "barrier() as collective #%llu", number);
         return;
     }
     if (c->op != DDP__NO_OP) snprintf(extra, sizeof extra, ", %s", ddp_op_name((ddp_op)c->op));
     if (c->root >= 0) snprintf(extra + strlen(extra), sizeof extra - strlen(extra), ", root=%d", (int)c->root);
     snprintf(out, cap, "%s(count=%llu, %s%s) as collective #%llu", ddp__coll_name(c->kind), (unsigned long long)c->count,
-             ddp_dtype_name((ddp_dtype)c->dtype), extra, (unsigned long long)c->seq);
+             ddp_dtype_name((ddp_dtype)c->dtype), extra, number);
 }
 
 static int ddp__coll_equal(const ddp__coll *a, const ddp__frame *f) {
@@ -93,8 +74,6 @@ static int ddp__coll_equal(const ddp__coll *a, const ddp__frame *f) {
 }
 
 /* ---- breaking the group ---- */
-
-static void ddp__shm_abort(ddp_group *g); /* shm.c */
 
 /* Record the first error that breaks g, tell every peer (ABORT frame with the message) and shut the
    connections down so that peers waiting on anything notice at once. */
@@ -106,7 +85,7 @@ static ddp_result ddp__group_break(ddp_group *g, ddp_result code, const char *ms
     ddp__log(g, DDP_LOG_ERROR, "%s", msg);
     ddp__shm_abort(g);
     for (i = 0; i < g->world_size; i++) {
-        ddp__peer *p = &g->peers[i];
+        ddp__peer *p = &g->mesh.peers[i];
         ddp__frame f;
         char err[DDP__ERR_MAX];
         size_t len = strlen(msg) + 1;
@@ -140,7 +119,6 @@ static ddp_result ddp__group_break(ddp_group *g, ddp_result code, const char *ms
 }
 
 /* Fail the current operation: break the group with this message and copy it to the caller's buffer. */
-static ddp_result ddp__coll_fail(ddp_group *g, ddp_result code, const char *fmt, ...) DDP__PRINTF(3, 4);
 static ddp_result ddp__coll_fail(ddp_group *g, ddp_result code, const char *fmt, ...) {
     char msg[DDP__ERR_MAX];
     va_list ap;
@@ -154,11 +132,11 @@ static ddp_result ddp__coll_fail(ddp_group *g, ddp_result code, const char *fmt,
    (another rank's error, re-raised here); otherwise the process is gone. `first` is a frame header
    already read from the peer (or NULL). */
 static ddp_result ddp__peer_failed_after(ddp_group *g, int peer, const ddp__coll *c, const ddp__frame *first) {
-    ddp__peer *p = &g->peers[peer];
+    ddp__peer *p = &g->mesh.peers[peer];
     char desc[160], err[DDP__ERR_MAX];
     double deadline = ddp__now() + 1.0;
     ddp__frame f;
-    ddp__coll_describe(c, desc, sizeof desc);
+    ddp__coll_describe(g, c, desc, sizeof desc);
     p->gone = 1;
     for (;;) {
         if (first) {
@@ -172,10 +150,10 @@ static ddp_result ddp__peer_failed_after(ddp_group *g, int peer, const ddp__coll
             char reason[DDP__ERR_MAX];
             if (ddp__net_recv(p->fd, reason, (size_t)f.bytes, deadline, err) != DDP_SUCCESS) break;
             reason[f.bytes - 1] = '\0';
-            if (g->waiting_for >= 0 && g->waiting_for != peer) /* the reporter may have waited for us: say whom we waited for */
+            if (g->mesh.waiting_for >= 0 && g->mesh.waiting_for != peer) /* the reporter may have waited for us: say whom we waited for */
                 return ddp__coll_fail(g, ddp__peer_code(f.code, DDP_ERR_FORMAT), "%s (reported by rank %d; this rank was "
-                                      "in %s, waiting for rank %d (%s))", reason, peer, desc, g->waiting_for,
-                                      g->peer_names[g->waiting_for]);
+                                      "in %s, waiting for rank %d (%s))", reason, peer, desc, g->mesh.waiting_for,
+                                      g->mesh.peer_names[g->mesh.waiting_for]);
             return ddp__coll_fail(g, ddp__peer_code(f.code, DDP_ERR_FORMAT), "%s (reported by rank %d; this rank was in %s)",
                                   reason, peer, desc);
         }
@@ -195,7 +173,7 @@ static ddp_result ddp__peer_failed_after(ddp_group *g, int peer, const ddp__coll
         }
     }
     return ddp__coll_fail(g, DDP_ERR_PEER_LOST, "lost rank %d (%s): its process exited or its connection dropped, while this rank was in %s",
-                          peer, g->peer_names[peer], desc);
+                          peer, g->mesh.peer_names[peer], desc);
 }
 
 static ddp_result ddp__peer_failed(ddp_group *g, int peer, const ddp__coll *c) { return ddp__peer_failed_after(g, peer, c, NULL); }
@@ -204,10 +182,10 @@ static ddp_result ddp__peer_failed(ddp_group *g, int peer, const ddp__coll *c) {
    a cut link looks just like this: TCP sees no error until its own, much longer, retransmission limit. */
 static ddp_result ddp__peer_timed_out(ddp_group *g, int peer, const ddp__coll *c) {
     char desc[160];
-    ddp__coll_describe(c, desc, sizeof desc);
+    ddp__coll_describe(g, c, desc, sizeof desc);
     return ddp__coll_fail(g, DDP_ERR_TIMEOUT, "timed out after %.0f s in %s waiting for rank %d (%s), which is alive but "
                           "not taking part: is it stuck, stopped, in a different collective, or is the network to it "
-                          "down? (DDP_TIMEOUT sets the limit)", g->timeout, desc, peer, g->peer_names[peer]);
+                          "down? (DDP_TIMEOUT sets the limit)", g->timeout, desc, peer, g->mesh.peer_names[peer]);
 }
 
 /* The first peer whose connection hung up (exited, or aborted the group), looking only at peer `only`
@@ -215,15 +193,15 @@ static ddp_result ddp__peer_timed_out(ddp_group *g, int peer, const ddp__coll *c
 static int ddp__hung_up_peer(ddp_group *g, int only) {
     int i, n = 0;
     for (i = 0; i < g->world_size; i++) {
-        if (i == g->rank || g->peers[i].fd < 0 || (only >= 0 && i != only)) continue;
-        g->pollfds[n].fd = g->peers[i].fd;
-        g->pollfds[n].events = POLLRDHUP;
-        g->pollfds[n].revents = 0;
-        g->poll_owner[n++] = i;
+        if (i == g->rank || g->mesh.peers[i].fd < 0 || (only >= 0 && i != only)) continue;
+        g->mesh.pollfds[n].fd = g->mesh.peers[i].fd;
+        g->mesh.pollfds[n].events = POLLRDHUP;
+        g->mesh.pollfds[n].revents = 0;
+        g->mesh.poll_owner[n++] = i;
     }
-    if (poll(g->pollfds, (nfds_t)n, 0) <= 0) return -1;
+    if (poll(g->mesh.pollfds, (nfds_t)n, 0) <= 0) return -1;
     for (i = 0; i < n; i++)
-        if (g->pollfds[i].revents & (POLLRDHUP | POLLHUP | POLLERR)) return g->poll_owner[i];
+        if (g->mesh.pollfds[i].revents & (POLLRDHUP | POLLHUP | POLLERR)) return g->mesh.poll_owner[i];
     return -1;
 }
 
@@ -234,17 +212,6 @@ static ddp_result ddp__check_peers(ddp_group *g, const ddp__coll *c) {
 }
 
 /* ---- one step of an algorithm: send to one peer while receiving from another ---- */
-
-/* Either side may be absent (peer -1). Sizes must agree with what the peer computes for the same
-   step; the fingerprint makes sure both sides run the same collective. */
-typedef struct ddp__step {
-    int send_peer;
-    const void *send_buf;
-    size_t send_bytes;
-    int recv_peer;
-    void *recv_buf;
-    size_t recv_bytes;
-} ddp__step;
 
 static void ddp__frame_init(ddp__frame *f, const ddp_group *g, const ddp__coll *c, int kind, uint64_t bytes) {
     memset(f, 0, sizeof *f);
@@ -276,8 +243,8 @@ static ddp_result ddp__check_frame(ddp_group *g, const ddp__coll *c, int peer, c
         t.dtype = f->dtype;
         t.op = f->op;
         t.root = f->root;
-        ddp__coll_describe(c, ours, sizeof ours);
-        ddp__coll_describe(&t, theirs, sizeof theirs);
+        ddp__coll_describe(g, c, ours, sizeof ours);
+        ddp__coll_describe(g, &t, theirs, sizeof theirs);
         return ddp__coll_fail(g, DDP_ERR_MISMATCH, "collective mismatch: rank %d called %s while rank %d called %s; every "
                               "rank must call the same collectives in the same order with the same count, dtype, op and root",
                               peer, theirs, g->rank, ours);
@@ -290,16 +257,14 @@ static ddp_result ddp__check_frame(ddp_group *g, const ddp__coll *c, int peer, c
 
 /* Is a frame from a peer that this step does not read fine in collective c? Only a frame with c's
    number and another fingerprint shows a mismatch: when ranks disagree about #X, no rank gets past
-   #X, so every frame in flight has number X. A frame of c, of another number or a BYE (the peer
-   passed ddp_destroy's barrier, which is then ours too) is early data: a later number is a peer past
-   c; an earlier one is a peer in the user's first calls while this rank is still in ddp_init's own
-   (#1 the connect barrier, then the shared-memory set-up's, group.c and shm.c: the count restarts at 0
-   after them). The user's #1 can meet ddp_init's barrier #1 itself: exempt too. */
+   #X, so every frame in flight has number X. A frame of c, of another number (a peer already past c:
+   numbers never restart, ddp_init's own collectives included) or a BYE (the peer passed ddp_destroy's
+   barrier, which is then ours too) is early data. */
 static int ddp__frame_is_early(const ddp__coll *c, const ddp__frame *f) {
     if (f->magic != DDP__FRAME_MAGIC) return 0;
     if (f->kind == DDP__FRAME_BYE) return 1;
     if (f->kind != DDP__FRAME_DATA) return 0;
-    return f->seq != c->seq || ddp__coll_equal(c, f) || (c->seq == 1 && c->kind == DDP__BARRIER);
+    return f->seq != c->seq || ddp__coll_equal(c, f);
 }
 
 /* A peer this step does not read from has something for us: look at its frame header without taking
@@ -307,7 +272,7 @@ static int ddp__frame_is_early(const ddp__coll *c, const ddp__frame *f) {
    the peer quiet for the rest of c, so poll does not wake for it again; an ABORT, a corrupt frame or a
    different collective fails c as ddp__check_frame does. Only part of a header: look again shortly. */
 static ddp_result ddp__peek_peer(ddp_group *g, const ddp__coll *c, int peer) {
-    ddp__peer *p = &g->peers[peer];
+    ddp__peer *p = &g->mesh.peers[peer];
     ddp__frame f;
     ssize_t k = recv(p->fd, &f, sizeof f, MSG_PEEK | MSG_DONTWAIT);
     if (k < 0 && (errno == EAGAIN || errno == EWOULDBLOCK || errno == EINTR)) return DDP_SUCCESS;
@@ -317,7 +282,7 @@ static ddp_result ddp__peek_peer(ddp_group *g, const ddp__coll *c, int peer) {
         return DDP_SUCCESS;
     }
     if (ddp__frame_is_early(c, &f)) {
-        p->quiet_run = g->tcp_runs;
+        p->quiet_seq = c->seq;
         return DDP_SUCCESS;
     }
     if (f.magic == DDP__FRAME_MAGIC && f.kind == DDP__FRAME_ABORT) { /* take the header: the reason follows it */
@@ -330,15 +295,15 @@ static ddp_result ddp__peek_peer(ddp_group *g, const ddp__coll *c, int peer) {
 /* What to wait for on peer i in this step: hang-ups always; POLLOUT while sending to it; POLLIN while
    receiving from it, and also from any other peer not yet seen quiet in this collective (a frame there
    may show a mismatch: see the top of the file). *soon: look again within a millisecond. */
-static short ddp__poll_events(ddp_group *g, const ddp__step *s, int i, int sending, int receiving, int *soon) {
-    ddp__peer *p = &g->peers[i];
+static short ddp__poll_events(ddp_group *g, const ddp__coll *c, const ddp__step *s, int i, int sending, int receiving, int *soon) {
+    ddp__peer *p = &g->mesh.peers[i];
     short ev = POLLRDHUP;
     if (i == s->send_peer && sending) ev |= POLLOUT;
     if (i == s->recv_peer && receiving) return ev | POLLIN;
     if (p->peek_later) {
         p->peek_later = 0;
         *soon = 1;
-    } else if (p->quiet_run != g->tcp_runs) {
+    } else if (p->quiet_seq != c->seq) {
         ev |= POLLIN;
     }
     return ev;
@@ -357,19 +322,19 @@ static ddp_result ddp__exchange(ddp_group *g, const ddp__coll *c, const ddp__ste
     size_t sent = 0, received = 0;          /* bytes of header + payload so far */
     size_t send_total = s->send_peer >= 0 ? sizeof out + s->send_bytes : 0;
     size_t recv_total = s->recv_peer >= 0 ? sizeof in + s->recv_bytes : 0;
-    struct pollfd *fds = g->pollfds;
-    int *owner = g->poll_owner;
+    struct pollfd *fds = g->mesh.pollfds;
+    int *owner = g->mesh.poll_owner;
     int spin = s->send_bytes <= DDP__TCP_SPIN_MAX_BYTES && s->recv_bytes <= DDP__TCP_SPIN_MAX_BYTES;
     double deadline = ddp__now() + g->timeout, spin_until = spin ? ddp__now() + DDP__TCP_SPIN_SECONDS : 0;
     if (g->broken) return g->broken;
     if (s->send_peer >= 0) ddp__frame_init(&out, g, c, DDP__FRAME_DATA, s->send_bytes);
     while (sent < send_total || received < recv_total) {
         int n = 0, i, rc, progressed = 0, soon = 0;
-        g->waiting_for = received < recv_total ? s->recv_peer : s->send_peer;
+        g->mesh.waiting_for = received < recv_total ? s->recv_peer : s->send_peer;
         for (i = 0; i < g->world_size; i++) {
-            if (i == g->rank || g->peers[i].fd < 0) continue;
-            fds[n].fd = g->peers[i].fd;
-            fds[n].events = ddp__poll_events(g, s, i, sent < send_total, received < recv_total, &soon);
+            if (i == g->rank || g->mesh.peers[i].fd < 0) continue;
+            fds[n].fd = g->mesh.peers[i].fd;
+            fds[n].events = ddp__poll_events(g, c, s, i, sent < send_total, received < recv_total, &soon);
             fds[n].revents = 0;
             owner[n++] = i;
         }
@@ -432,7 +397,7 @@ static ddp_result ddp__exchange(ddp_group *g, const ddp__coll *c, const ddp__ste
                 if (k > 0) {
                     sent += (size_t)k;
                     progressed = 1;
-                    g->peers[peer].send_owed = send_total - sent; /* header and payload still owed */
+                    g->mesh.peers[peer].send_owed = send_total - sent; /* header and payload still owed */
                 }
                 fds[i].revents = 0;
             }
@@ -448,7 +413,7 @@ static ddp_result ddp__exchange(ddp_group *g, const ddp__coll *c, const ddp__ste
             deadline = ddp__now() + g->timeout;
             if (spin) spin_until = ddp__now() + DDP__TCP_SPIN_SECONDS;
         } else if (ddp__now() > deadline) {
-            return ddp__peer_timed_out(g, g->waiting_for, c);
+            return ddp__peer_timed_out(g, g->mesh.waiting_for, c);
         }
     }
     return DDP_SUCCESS;
@@ -464,9 +429,9 @@ static void ddp__close_after_failure(ddp_group *g, double seconds) {
     char sink[4096];
     int i;
     for (i = 0; i < g->world_size; i++)
-        if (g->peers[i].fd >= 0) shutdown(g->peers[i].fd, SHUT_WR);
+        if (g->mesh.peers[i].fd >= 0) shutdown(g->mesh.peers[i].fd, SHUT_WR);
     for (i = 0; i < g->world_size; i++) {
-        ddp__peer *p = &g->peers[i];
+        ddp__peer *p = &g->mesh.peers[i];
         if (p->fd < 0) continue;
         while (ddp__now() < deadline) {
             ssize_t k = recv(p->fd, sink, sizeof sink, 0);
@@ -496,11 +461,11 @@ static void ddp__say_goodbye(ddp_group *g, double seconds) {
     memset(&none, 0, sizeof none);
     ddp__frame_init(&f, g, &none, DDP__FRAME_BYE, 0);
     for (i = 0; i < g->world_size; i++)
-        if (g->peers[i].fd >= 0 && !g->peers[i].gone) ddp__net_send(g->peers[i].fd, &f, sizeof f, deadline, err);
+        if (g->mesh.peers[i].fd >= 0 && !g->mesh.peers[i].gone) ddp__net_send(g->mesh.peers[i].fd, &f, sizeof f, deadline, err);
     for (i = 0; i < g->world_size; i++) {
         ddp__frame in;
-        if (g->peers[i].fd < 0 || g->peers[i].gone) continue;
-        if (ddp__net_recv(g->peers[i].fd, &in, sizeof in, deadline, err) != DDP_SUCCESS || in.kind != DDP__FRAME_BYE)
+        if (g->mesh.peers[i].fd < 0 || g->mesh.peers[i].gone) continue;
+        if (ddp__net_recv(g->mesh.peers[i].fd, &in, sizeof in, deadline, err) != DDP_SUCCESS || in.kind != DDP__FRAME_BYE)
             ddp__log(g, DDP_LOG_DEBUG, "rank %d did not say goodbye cleanly: %s", i, err);
     }
 }

@@ -16,11 +16,18 @@ static ddp_result ddp__fail_to(char *buf, ddp_result code, const char *fmt, ...)
     return code;
 }
 
+/* Every failure lands in this thread's buffer too, so ddp_last_error(NULL) is always this thread's last
+   failure, whatever the call (as stb_image's stbi_failure_reason). */
+static void ddp__note_thread_error(const char *msg) {
+    if (msg != ddp__thread_error) snprintf(ddp__thread_error, sizeof ddp__thread_error, "%s", msg);
+}
+
 static ddp_result ddp__fail(ddp_group *g, ddp_result code, const char *fmt, ...) {
     va_list ap;
     va_start(ap, fmt);
     ddp__vfail_to(ddp__error_buffer(g), code, fmt, ap);
     va_end(ap);
+    ddp__note_thread_error(ddp__error_buffer(g));
     ddp__log(g, DDP_LOG_DEBUG, "%s: %s", ddp_result_string(code), ddp__error_buffer(g));
     return code;
 }

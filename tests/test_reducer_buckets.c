@@ -250,7 +250,7 @@ static void rounding_unit(void) {
     float third = (float)(1.0 / 3.0);
     for (i = 0; i < N; i++) /* finite normal f16 values of both signs across the range */
         x[i] = (uint16_t)((1024 + (i * 7) % 29696) | (i & 1 ? 0x8000 : 0));
-    ddp__cpu_copy_in_scaled(NULL, y, DDP_F16, x, DDP_F16, N, 1.0 / 3.0);
+    ddp__host_copy_in_scaled(NULL, y, DDP_F16, x, DDP_F16, N, 1.0 / 3.0);
     for (i = 0; i < N; i++) {
         float v = tl_decode_f16(x[i]);
         float want = tl_ref_f16(v * third);
@@ -259,7 +259,7 @@ static void rounding_unit(void) {
         naive_differs += naive != want;
     }
     CHECK(naive_differs > 0, "the check cannot tell f32 scaling from f16 arithmetic");
-    ddp__cpu_copy_in_scaled(NULL, y, DDP_BF16, x, DDP_BF16, N, 0.25); /* bf16 in place-style, any bits */
+    ddp__host_copy_in_scaled(NULL, y, DDP_BF16, x, DDP_BF16, N, 0.25); /* bf16 in place-style, any bits */
     for (i = 0; i < N; i++)
         CHECK(tl_decode_bf16(y[i]) == tl_ref_bf16(tl_decode_bf16(x[i]) * 0.25f) || tl_decode_bf16(x[i]) != tl_decode_bf16(x[i]),
               "bf16 scaling at %d", i);

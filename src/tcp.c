@@ -1,0 +1,356 @@
+/* [SECTION] tcp: the tcp backend, collective algorithms over the TCP mesh (Gloo's and MPI's ring and
+   recursive-doubling algorithms)
+
+   Every algorithm is built from ring steps: in each step a rank sends to its right neighbour
+   (rank + 1) and receives from its left (rank - 1) at the same time.
+
+       rank 0 --> rank 1 --> rank 2 --> rank 3 --+
+         ^                                       |
+         +---------------------------------------+
+
+   all_reduce = reduce-scatter then all-gather, with the buffer cut into n chunks. In the
+   reduce-scatter, chunk c starts at rank c+1 and travels once around the ring, each rank adding its
+   own part, and ends complete at rank c; the all-gather then passes each complete chunk around.
+   Cost for N bytes on n ranks: 2(n-1) steps, each rank sending 2(n-1)/n * N bytes (bandwidth-optimal).
+   Up to DDP__RD_MAX_BYTES all_reduce uses recursive doubling instead (log2(n) steps; see below).
+
+   Why a mismatch is an error on every rank (the program is wrong at collective #X: two ranks call
+   something different there; transport.c explains how each rank checks what it receives):
+   1. No rank finishes #X. Every algorithm here makes each rank's finish depend, through a chain of
+      received frames, on every other rank having sent in #X (the ring passes data from every rank to
+      every rank; recursive doubling too; broadcast ends with a token pass and reduce starts with a
+      reduce-scatter for this). Each frame on the chain was checked by its receiver, so a rank that
+      finishes proves that every rank called the same #X.
+   2. Some rank sees the difference. Group the ranks by the call they make at #X. A group in which some
+      rank sends without receiving first is "active": every rank of a ring algorithm (all_reduce,
+      all_gather, reduce_scatter, reduce, barrier), the root of a broadcast, and every rank of
+      recursive doubling (the folded pair 2i+1 -> 2i answers at once for this reason). An active group
+      that is not every rank sends to a rank outside it before it can get stuck: the ring's first step
+      goes to rank+1; a broadcast chain passes every rank; recursive doubling's partners cover ever
+      larger blocks and so leave the group. That frame reaches a rank waiting in #X, which checks every
+      frame that reaches it, whichever peer it waits on (transport.c), and fails with
+      DDP_ERR_MISMATCH. Every rank sends or receives something at #X unless every group is a broadcast
+      whose root is outside it (every rank calls broadcast and none names itself root): that case
+      alone ends in DDP_ERR_TIMEOUT.
+   3. The rank that saw it breaks the group (an ABORT frame to every peer), and every rank, all stuck
+      in #X by (1), fails with that code and message. A rank still finishing #X-1 when a faster rank
+      finds the mismatch at #X fails there (or in ddp_init, whose own barrier comes first): the group
+      is broken at once, so its last call is the one that reports it. */
+#include "internal.h"
+
+static int ddp__mod(int a, int n) { return ((a % n) + n) % n; }
+
+/* Ring reduce-scatter in place: afterwards chunk `rank` of buf is reduced over all ranks (op AVG is
+   left as the sum). In step s, send chunk rank-s-1 and add the received chunk rank-s-2. */
+static ddp_result ddp__ring_reduce_scatter(ddp_group *g, const ddp__coll *c, char *buf, size_t count, ddp_dtype t,
+                                           ddp_op op) {
+    int n = g->world_size, r = g->rank, s;
+    size_t es = ddp_dtype_size(t), off, len, max_len = (count + (size_t)n - 1) / (size_t)n;
+    char *tmp = (char *)ddp__scratch(g, max_len * es);
+    if (!tmp && max_len) return ddp__no_memory(g, max_len * es);
+    for (s = 0; s < n - 1; s++) {
+        ddp__step st;
+        size_t roff, rlen;
+        ddp_result res;
+        ddp__chunk(count, n, ddp__mod(r - s - 1, n), &off, &len);
+        ddp__chunk(count, n, ddp__mod(r - s - 2, n), &roff, &rlen);
+        st.send_peer = ddp__mod(r + 1, n);
+        st.send_buf = buf + off * es;
+        st.send_bytes = len * es;
+        st.recv_peer = ddp__mod(r - 1, n);
+        st.recv_buf = tmp;
+        st.recv_bytes = rlen * es;
+        if ((res = ddp__exchange(g, c, &st)) != DDP_SUCCESS) return res;
+        ddp__reduce(buf + roff * es, tmp, rlen, t, op);
+    }
+    return DDP_SUCCESS;
+}
+
+/* Ring all-gather in place: chunk `rank` of buf is this rank's; afterwards every chunk is filled.
+   In step s, send chunk rank-s and receive chunk rank-s-1 straight into place. */
+static ddp_result ddp__ring_all_gather(ddp_group *g, const ddp__coll *c, char *buf, size_t count, size_t es) {
+    int n = g->world_size, r = g->rank, s;
+    for (s = 0; s < n - 1; s++) {
+        ddp__step st;
+        size_t off, len, roff, rlen;
+        ddp_result res;
+        ddp__chunk(count, n, ddp__mod(r - s, n), &off, &len);
+        ddp__chunk(count, n, ddp__mod(r - s - 1, n), &roff, &rlen);
+        st.send_peer = ddp__mod(r + 1, n);
+        st.send_buf = buf + off * es;
+        st.send_bytes = len * es;
+        st.recv_peer = ddp__mod(r - 1, n);
+        st.recv_buf = buf + roff * es;
+        st.recv_bytes = rlen * es;
+        if ((res = ddp__exchange(g, c, &st)) != DDP_SUCCESS) return res;
+    }
+    return DDP_SUCCESS;
+}
+
+/* This rank's chunk of an AVG: divide once, after the sum is complete. */
+static void ddp__finish_avg(ddp_group *g, char *buf, size_t count, ddp_dtype t, ddp_op op) {
+    size_t off, len;
+    if (op != DDP_AVG) return;
+    ddp__chunk(count, g->world_size, g->rank, &off, &len);
+    ddp__divide(buf + off * ddp_dtype_size(t), len, t, g->world_size);
+}
+
+/* ---- recursive doubling (MPICH's small-message allreduce), for all_reduce up to DDP__RD_MAX_BYTES ----
+   (Gloo and NCCL's tree do the same job: few steps for latency-bound sizes.)
+
+   p = the largest power of two <= n; the first 2(n - p) ranks pair up (2i, 2i+1) and fold:
+
+       fold:    2i --data--> 2i+1   (2i+1 answers with an empty frame, so that every rank sends first)
+       rounds:  the p ranks left (new rank i = 2i+1 for i < n - p, else rank - (n - p)) exchange the
+                whole buffer with new rank ^ 1, ^ 2, ^ 4 ... and combine: log2(p) rounds
+       unfold:  2i+1 --result--> 2i
+
+   Cost for N bytes: log2(p) + 2 [fold] steps, each sending N bytes (the ring: 2(n-1) steps of N/n).
+   Every combine computes (lower rank's block) op (higher rank's block), so partners compute the same
+   bits and every rank ends with the same result, floats included (MIN/MAX of -0.0 and +0.0 and
+   NaN payloads depend on the order). AVG divides once, at the end, as the ring does.
+   The threshold is measured (bench/README.md, DDP_TRANSPORT=tcp on loopback): recursive doubling took
+   0.5x the ring's time up to 8 KiB and 0.85x at 32 KiB on 2 ranks, 0.4-0.6x up to 32 KiB and 0.9x at
+   256 KiB on 4; the ring won from 64 KiB on 2 ranks. It is no setting: ranks that disagreed on it would
+   run different algorithms for the same call, which no fingerprint catches. */
+
+/* One step of the algorithm: send `sbytes` of `sbuf` to `to` while receiving `rbytes` into `rbuf`
+   from `from` (-1: no such side). */
+static ddp_result ddp__send_recv(ddp_group *g, const ddp__coll *c, int to, const void *sbuf, size_t sbytes, int from,
+                                 void *rbuf, size_t rbytes) {
+    ddp__step st;
+    st.send_peer = to;
+    st.send_buf = sbuf;
+    st.send_bytes = sbytes;
+    st.recv_peer = from;
+    st.recv_buf = rbuf;
+    st.recv_bytes = rbytes;
+    return ddp__exchange(g, c, &st);
+}
+
+/* Combine this rank's block (buf) with the block just received from `peer` (tmp) as (lower rank's
+   block) op (higher rank's block), into buf; tmp is clobbered. Both partners compute the same bits. */
+static void ddp__combine_ordered(ddp_group *g, int peer, char *buf, char *tmp, size_t count, ddp_dtype t, ddp_op op) {
+    if (peer > g->rank) {
+        ddp__reduce(buf, tmp, count, t, op);
+        return;
+    }
+    ddp__reduce(tmp, buf, count, t, op);
+    if (count) memcpy(buf, tmp, count * ddp_dtype_size(t));
+}
+
+static int ddp__rd_old_rank(int new_rank, int extra) { return new_rank < extra ? 2 * new_rank + 1 : new_rank + extra; }
+
+static ddp_result ddp__rd_all_reduce(ddp_group *g, const ddp__coll *c, char *buf, size_t count, ddp_dtype t, ddp_op op) {
+    int n = g->world_size, r = g->rank, p = 1, extra, me, mask;
+    size_t bytes = count * ddp_dtype_size(t);
+    char *tmp = (char *)ddp__scratch(g, bytes);
+    ddp_result res;
+    if (!tmp && bytes) return ddp__no_memory(g, bytes);
+    while (p * 2 <= n) p *= 2;
+    extra = n - p;
+    if (r < 2 * extra && r % 2 == 0) { /* folded away: hand the data over, wait for the result */
+        if ((res = ddp__send_recv(g, c, r + 1, buf, bytes, r + 1, NULL, 0)) != DDP_SUCCESS) return res;
+        return ddp__send_recv(g, c, -1, NULL, 0, r + 1, buf, bytes);
+    }
+    if (r < 2 * extra) {
+        if ((res = ddp__send_recv(g, c, r - 1, NULL, 0, r - 1, tmp, bytes)) != DDP_SUCCESS) return res;
+        ddp__combine_ordered(g, r - 1, buf, tmp, count, t, op);
+    }
+    me = r < 2 * extra ? r / 2 : r - extra;
+    for (mask = 1; mask < p; mask <<= 1) {
+        int peer = ddp__rd_old_rank(me ^ mask, extra);
+        if ((res = ddp__send_recv(g, c, peer, buf, bytes, peer, tmp, bytes)) != DDP_SUCCESS) return res;
+        ddp__combine_ordered(g, peer, buf, tmp, count, t, op);
+    }
+    if (op == DDP_AVG) ddp__divide(buf, count, t, n);
+    if (r < 2 * extra) return ddp__send_recv(g, c, r - 1, buf, bytes, -1, NULL, 0);
+    return DDP_SUCCESS;
+}
+
+/* all_reduce over TCP: recursive doubling for small messages (latency-bound: log2(n) steps), the ring
+   above for the rest (bandwidth-bound). The choice depends only on the fingerprint (count, dtype) and
+   the world size, so ranks that agree on the call run the same algorithm; ranks that disagree are
+   caught as the comment at the top explains. */
+static ddp_result ddp__do_all_reduce(ddp_group *g, const ddp__coll *c, void *buf, size_t count, ddp_dtype t, ddp_op op) {
+    ddp_result r;
+    if (count * ddp_dtype_size(t) <= DDP__RD_MAX_BYTES) return ddp__rd_all_reduce(g, c, (char *)buf, count, t, op);
+    if ((r = ddp__ring_reduce_scatter(g, c, (char *)buf, count, t, op)) != DDP_SUCCESS) return r;
+    ddp__finish_avg(g, (char *)buf, count, t, op);
+    return ddp__ring_all_gather(g, c, (char *)buf, count, ddp_dtype_size(t));
+}
+
+/* Reduce to root: reduce-scatter, then every rank sends its complete chunk to the root. Non-roots
+   work on a copy, since their buffer must stay unchanged. */
+static ddp_result ddp__do_reduce(ddp_group *g, const ddp__coll *c, void *buf, size_t count, ddp_dtype t, ddp_op op,
+                                 int root) {
+    int n = g->world_size, k;
+    size_t es = ddp_dtype_size(t), off, len;
+    char *work = (char *)buf;
+    ddp_result r;
+    if (g->rank != root) {
+        size_t bytes = count * es, max_len = (count + (size_t)n - 1) / (size_t)n;
+        char *mem = (char *)ddp__scratch(g, bytes + max_len * es);
+        if (!mem && bytes) return ddp__no_memory(g, bytes + max_len * es);
+        /* the reduce-scatter receives into the first max_len elements of the scratch; the copy follows */
+        work = mem + max_len * es;
+        if (bytes) memcpy(work, buf, bytes);
+    }
+    if ((r = ddp__ring_reduce_scatter(g, c, work, count, t, op)) != DDP_SUCCESS) return r;
+    ddp__finish_avg(g, work, count, t, op);
+    for (k = 0; k < n; k++) {
+        ddp__step st;
+        memset(&st, 0, sizeof st);
+        st.send_peer = st.recv_peer = -1;
+        if (k == root) continue;
+        ddp__chunk(count, n, k, &off, &len);
+        if (g->rank == root) {
+            st.recv_peer = k;
+            st.recv_buf = (char *)buf + off * es;
+            st.recv_bytes = len * es;
+        } else if (g->rank == k) {
+            st.send_peer = root;
+            st.send_buf = work + off * es;
+            st.send_bytes = len * es;
+        } else {
+            continue;
+        }
+        if ((r = ddp__exchange(g, c, &st)) != DDP_SUCCESS) return r;
+    }
+    return DDP_SUCCESS;
+}
+
+/* Broadcast: a pipelined chain root -> root+1 -> ... -> root-1 in slices, so every link carries the
+   data once and the slices overlap; then a token goes from the last rank through the root to the
+   others, so that no rank finishes before every rank has checked its neighbour's fingerprint. */
+#define DDP__BROADCAST_SLICE ((size_t)256 << 10)
+static ddp_result ddp__do_broadcast(ddp_group *g, const ddp__coll *c, void *buf, size_t count, ddp_dtype t, int root) {
+    int n = g->world_size, pos = ddp__mod(g->rank - root, n);
+    int left = ddp__mod(g->rank - 1, n), right = ddp__mod(g->rank + 1, n);
+    size_t bytes = count * ddp_dtype_size(t), i;
+    size_t slices = bytes ? (bytes + DDP__BROADCAST_SLICE - 1) / DDP__BROADCAST_SLICE : 1;
+    char *p = (char *)buf;
+    ddp__step st;
+    ddp_result r;
+    /* Step i: the root sends slice i; the others receive slice i and forward slice i-1. */
+    for (i = 0; i <= slices; i++) {
+        size_t send_slice = pos == 0 ? i : i - 1;
+        int sends = pos < n - 1 && (pos == 0 ? i < slices : i >= 1);
+        int receives = pos > 0 && i < slices;
+        memset(&st, 0, sizeof st);
+        st.send_peer = st.recv_peer = -1;
+        if (sends) {
+            size_t o = send_slice * DDP__BROADCAST_SLICE;
+            st.send_peer = right;
+            st.send_buf = p + o;
+            st.send_bytes = DDP__MIN(DDP__BROADCAST_SLICE, bytes - o);
+        }
+        if (receives) {
+            size_t o = i * DDP__BROADCAST_SLICE;
+            st.recv_peer = left;
+            st.recv_buf = p + o;
+            st.recv_bytes = DDP__MIN(DDP__BROADCAST_SLICE, bytes - o);
+        }
+        if ((sends || receives) && (r = ddp__exchange(g, c, &st)) != DDP_SUCCESS) return r;
+    }
+    /* The token: last -> root -> root+1 -> ... -> root-2; each rank passes it on after receiving it. */
+    memset(&st, 0, sizeof st);
+    st.send_peer = -1;
+    if (pos != n - 1) {
+        st.recv_peer = left;
+        if ((r = ddp__exchange(g, c, &st)) != DDP_SUCCESS) return r;
+    }
+    st.recv_peer = -1;
+    if (pos == n - 1 || pos < n - 2) {
+        st.send_peer = right;
+        if ((r = ddp__exchange(g, c, &st)) != DDP_SUCCESS) return r;
+    }
+    return DDP_SUCCESS;
+}
+
+/* all_gather: place our part in recv, then ring all-gather with chunks of count_per_rank. */
+static ddp_result ddp__do_all_gather(ddp_group *g, const ddp__coll *c, const void *send, void *recv, size_t cpr, ddp_dtype t) {
+    size_t es = ddp_dtype_size(t);
+    char *mine = (char *)recv + (size_t)g->rank * cpr * es;
+    if (cpr && (const char *)send != mine) memmove(mine, send, cpr * es);
+    return ddp__ring_all_gather(g, c, (char *)recv, cpr * (size_t)g->world_size, es);
+}
+
+/* reduce_scatter: reduce-scatter a copy of send (send is const and may alias recv), keep our chunk. */
+static ddp_result ddp__do_reduce_scatter(ddp_group *g, const ddp__coll *c, const void *send, void *recv, size_t cpr,
+                                         ddp_dtype t, ddp_op op) {
+    size_t es = ddp_dtype_size(t), total = cpr * (size_t)g->world_size;
+    char *mem = (char *)ddp__scratch(g, (cpr + total) * es), *work;
+    ddp_result r;
+    if (!mem && total) return ddp__no_memory(g, (cpr + total) * es);
+    work = mem + cpr * es; /* the reduce-scatter receives into the first cpr elements of the scratch */
+    if (total) memcpy(work, send, total * es);
+    if ((r = ddp__ring_reduce_scatter(g, c, work, total, t, op)) != DDP_SUCCESS) return r;
+    ddp__finish_avg(g, work, total, t, op);
+    if (cpr) memcpy(recv, work + (size_t)g->rank * cpr * es, cpr * es);
+    return DDP_SUCCESS;
+}
+
+/* barrier: a ring all-gather of nothing; each rank finishes only after hearing (through the ring)
+   from every other rank. */
+static ddp_result ddp__do_barrier(ddp_group *g, const ddp__coll *c) { return ddp__ring_all_gather(g, c, NULL, 0, 1); }
+
+/* ---- the backend ---- */
+
+static ddp_result ddp__tcp_run(ddp_group *g, const ddp__call *k, const ddp__coll *c) {
+    switch (k->kind) {
+    case DDP__ALL_REDUCE: return ddp__do_all_reduce(g, c, k->buf, k->count, k->dtype, k->op);
+    case DDP__BROADCAST: return ddp__do_broadcast(g, c, k->buf, k->count, k->dtype, k->root);
+    case DDP__REDUCE: return ddp__do_reduce(g, c, k->buf, k->count, k->dtype, k->op, k->root);
+    case DDP__ALL_GATHER: return ddp__do_all_gather(g, c, k->send, k->buf, k->count, k->dtype);
+    case DDP__REDUCE_SCATTER: return ddp__do_reduce_scatter(g, c, k->send, k->buf, k->count, k->dtype, k->op);
+    case DDP__BARRIER: return ddp__do_barrier(g, c);
+    default: return ddp__coll_fail(g, DDP_ERR_STATE, "internal error: unknown collective %d", (int)k->kind);
+    }
+}
+
+static void ddp__tcp_backend_close(ddp_group *g, int orderly) { (void)g, (void)orderly; } /* the mesh is group.c's */
+
+/* Every group starts on it (set-up runs over the mesh) and keeps it when its ranks share no host. */
+static const ddp__backend ddp__backend_tcp = {
+    "tcp", "cpu", ddp__tcp_run, NULL, NULL, NULL, ddp__tcp_backend_close,
+    ddp__host_alloc, ddp__host_release, ddp__host_zero, ddp__host_copy_in_scaled, ddp__host_copy_out};
+
+/* A single rank has nobody to talk to: only the data movement of the collective remains. */
+static ddp_result ddp__alone_run(ddp_group *g, const ddp__call *k, const ddp__coll *c) {
+    size_t bytes = k->count * ddp_dtype_size(k->dtype);
+    (void)g, (void)c;
+    if ((k->kind == DDP__ALL_GATHER || k->kind == DDP__REDUCE_SCATTER) && bytes && k->send != k->buf)
+        memmove(k->buf, k->send, bytes);
+    return DDP_SUCCESS;
+}
+
+static void ddp__alone_close(ddp_group *g, int orderly) { (void)g, (void)orderly; }
+
+/* A group of one rank: no mesh. */
+static const ddp__backend ddp__backend_alone = {
+    "alone", "cpu", ddp__alone_run, NULL, NULL, NULL, ddp__alone_close,
+    ddp__host_alloc, ddp__host_release, ddp__host_zero, ddp__host_copy_in_scaled, ddp__host_copy_out};
+
+static const ddp__backend *ddp__initial_backend(int world_size) {
+    return world_size > 1 ? &ddp__backend_tcp : &ddp__backend_alone;
+}
+
+/* ---- set-up collectives over the mesh (ddp__collective_on with this backend) ---- */
+
+static ddp_result ddp__mesh_all_gather(ddp_group *g, const void *send, void *recv, size_t count, ddp_dtype t) {
+    ddp__call k = ddp__make_call(DDP__ALL_GATHER, send, recv, count, t, DDP_SUM, -1);
+    return ddp__collective_on(g, &ddp__backend_tcp, &k);
+}
+static ddp_result ddp__mesh_broadcast(ddp_group *g, void *buf, size_t count, ddp_dtype t, int root) {
+    ddp__call k = ddp__make_call(DDP__BROADCAST, NULL, buf, count, t, DDP_SUM, root);
+    return ddp__collective_on(g, &ddp__backend_tcp, &k);
+}
+static ddp_result ddp__mesh_all_reduce(ddp_group *g, void *buf, size_t count, ddp_dtype t, ddp_op op) {
+    ddp__call k = ddp__make_call(DDP__ALL_REDUCE, NULL, buf, count, t, op, -1);
+    return ddp__collective_on(g, &ddp__backend_tcp, &k);
+}
+static ddp_result ddp__mesh_barrier(ddp_group *g) {
+    ddp__call k = ddp__make_call(DDP__BARRIER, NULL, NULL, 0, DDP_U8, DDP_SUM, -1);
+    return ddp__collective_on(g, &ddp__backend_tcp, &k);
+}
