@@ -27,6 +27,7 @@ PUBLIC = [
 # Implementation: compiled once, in the file that defines DDP_IMPLEMENTATION.
 IMPLEMENTATION = [
     "src/internal.h",       # includes, allocator hooks, private types shared by the pieces
+    "src/internal_safetensors.h",  # private types and functions shared by safetensors.c and checkpoint.c
     "src/util.c",           # [SECTION] util: errors, logging, environment parsing, time
     "src/dtype.c",          # [SECTION] dtype: sizes, f16/bf16 conversion, element-wise reduction
     "src/net.c",            # [SECTION] net: sockets with deadlines
@@ -45,6 +46,7 @@ IMPLEMENTATION = [
     "src/reducer.c",
     "src/sampler.c",
     "src/syncbn.c",
+    "src/safetensors.c",    # [SECTION] safetensors: the file format, CRC32C, UTF-8, header parser and writer, ddp_meta
     "src/checkpoint.c",
 ]
 

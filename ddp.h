@@ -69,7 +69,8 @@
    [SECTION] sampler: DistributedSampler, MT19937 and torch.randperm, Feistel streaming permutation src/sampler.c
    [SECTION] sampler comment of the header.                             src/sampler.c
    [SECTION] syncbn (implementation): SyncBatchNorm on the CPU, f32 data, f64 statistics src/syncbn.c
-   [SECTION] checkpoint: safetensors files, CRC32C, atomic save, load everywhere or broadcast, shards src/checkpoint.c
+   [SECTION] safetensors: the file format (Hugging Face safetensors), CRC32C, UTF-8, ddp_meta src/safetensors.c
+   [SECTION] checkpoint: atomic save on rank 0, load everywhere or broadcast, shards, keep_last, latest src/checkpoint.c
 */
 
 #ifndef DDP_H_INCLUDED
@@ -1814,6 +1815,84 @@ static DDP__UNUSED void ddp__host_copy_in_scaled(ddp_group *g, void *dst, ddp_dt
 static DDP__UNUSED void ddp__host_copy_out(ddp_group *g, void *dst, ddp_dtype dst_t, const void *src, ddp_dtype src_t,
                                            size_t count);
 /* ==================== end src/internal.h ==================== */
+
+/* ==================== begin src/internal_safetensors.h ==================== */
+/* Private names shared by safetensors.c (the format) and checkpoint.c (the policy), after internal.h:
+   the limits and reserved key prefixes of the format, the dtype table, the parsed header, the writer's
+   buffer, and what checkpoint.c calls in safetensors.c. (To be folded into internal.h.) */
+
+#define DDP__CK_MAX_HEADER 100000000ull         /* bytes of JSON header, as the safetensors crate allows */
+#define DDP__CK_CRC_PREFIX "ddp.crc32c."        /* __metadata__ keys that are the library's */
+#define DDP__CK_SHARD_PREFIX "ddp.shard."
+
+/* safetensors dtypes of one byte or more; ddp.h loads the first eight, the rest are recognised so that
+   such a tensor can be skipped (allow_unexpected) or named in a mismatch. */
+static const struct {
+    const char *name;
+    ddp_dtype dtype;
+    unsigned size;
+} ddp__ck_dtypes[] = {
+    {"F32", DDP_F32, 4},          {"F64", DDP_F64, 8},          {"F16", DDP_F16, 2},      {"BF16", DDP_BF16, 2},
+    {"I8", DDP_I8, 1},            {"U8", DDP_U8, 1},            {"I32", DDP_I32, 4},      {"I64", DDP_I64, 8},
+    {"BOOL", DDP_DTYPE_DEFAULT, 1}, {"I16", DDP_DTYPE_DEFAULT, 2}, {"U16", DDP_DTYPE_DEFAULT, 2},
+    {"U32", DDP_DTYPE_DEFAULT, 4},  {"U64", DDP_DTYPE_DEFAULT, 8}, {"F8_E5M2", DDP_DTYPE_DEFAULT, 1},
+    {"F8_E4M3", DDP_DTYPE_DEFAULT, 1},
+};
+#define DDP__CK_NDTYPES ((int)(sizeof ddp__ck_dtypes / sizeof ddp__ck_dtypes[0]))
+
+/* A parsed header (ddp__ck_parse); the caller frees it with ddp__ck_header_free. */
+typedef struct ddp__ck_entry {
+    char *name;
+    int st;           /* index into ddp__ck_dtypes */
+    int ndim;         /* may exceed 8; then only the first 8 dimensions are kept */
+    int64_t shape[8];
+    uint64_t begin, end; /* byte offsets into the data section */
+} ddp__ck_entry;
+
+typedef struct ddp__ck_header {
+    ddp__ck_entry *e; /* sorted by (begin, end, name): the order of the data */
+    int n, cap;
+    ddp_meta meta;    /* "__metadata__", in file order */
+    ddp__ck_entry **by_name;
+    ddp_meta_entry **meta_sorted;
+} ddp__ck_header;
+
+/* A growing string: the JSON header being written. oom is set once an allocation failed. */
+typedef struct ddp__ck_buf {
+    char *p;
+    size_t len, cap;
+    int oom;
+} ddp__ck_buf;
+
+/* ---- safetensors.c ---- */
+static DDP__UNUSED int ddp__ck_little_endian(void);
+/* Running CRC32C register (start with 0xFFFFFFFF, finish with ~) over n more bytes. use_hw: 1 to take
+   the instruction when the CPU has it (0 is for the tests). */
+static DDP__UNUSED uint32_t ddp__ck_crc_update(uint32_t reg, const void *data, size_t n, int use_hw);
+static DDP__UNUSED uint32_t ddp__ck_crc32c(const void *data, size_t n, int use_hw);
+static DDP__UNUSED int ddp__ck_utf8_valid(const char *s); /* strict RFC 3629 */
+/* Append key and value (taken over) to m without looking for an existing key. */
+static DDP__UNUSED ddp_result ddp__ck_meta_append(ddp_meta *m, char *key, char *value);
+static DDP__UNUSED const char *ddp__ck_st_name(ddp_dtype t); /* "F32", ...; "?" for none */
+static DDP__UNUSED void ddp__ck_header_free(ddp__ck_header *h);
+/* Parse len bytes of header JSON for a file with data_len bytes after the header. On error h is freed
+   and err (DDP__ERR_MAX bytes) says what is wrong. */
+static DDP__UNUSED ddp_result ddp__ck_parse(const char *json, size_t len, uint64_t data_len, ddp__ck_header *h, char *err);
+/* The 8-byte little-endian header length of a file of file_size bytes. */
+static DDP__UNUSED ddp_result ddp__ck_prefix(const unsigned char *b, uint64_t file_size, uint64_t *hlen, char *err);
+static DDP__UNUSED ddp__ck_entry *ddp__ck_lookup(const ddp__ck_header *h, const char *name); /* NULL if absent */
+static DDP__UNUSED const char *ddp__ck_header_meta(const ddp__ck_header *h, const char *key); /* NULL if absent */
+/* The stored checksum of tensor name: 1 found (in *crc), 0 absent, -1 malformed. */
+static DDP__UNUSED int ddp__ck_stored_crc(const ddp__ck_header *h, const char *name, uint32_t *crc);
+/* For the fuzz target and the tests: check a whole file image in memory. */
+static DDP__UNUSED ddp_result ddp__ck_check_image(const unsigned char *buf, size_t size, char *err);
+static DDP__UNUSED char *ddp__ck_cat(const char *a, const char *b); /* a new string a + b; NULL out of memory */
+static DDP__UNUSED int ddp__ck_tensor_bytes(const ddp_tensor *t, uint64_t *bytes); /* 0: invalid or overflow */
+static DDP__UNUSED int ddp__ck_reserved(const char *key); /* a key of the library's (ddp.crc32c.*, ddp.shard.*) */
+/* The JSON header of t[0..n) with metadata user and extra, into b; on error err (DDP__ERR_MAX bytes). */
+static DDP__UNUSED ddp_result ddp__ck_build_header(const char *path, const ddp_tensor *t, int n, const ddp_meta *user,
+                                                   const ddp_meta *extra, ddp__ck_buf *b, char *err);
+/* ==================== end src/internal_safetensors.h ==================== */
 
 /* ==================== begin src/util.c ==================== */
 /* [SECTION] util: errors, logging, environment parsing, time, memory */
@@ -10967,29 +11046,27 @@ DDP_API ddp_result ddp_syncbn_backward(ddp_syncbn *bn, const float *x, const flo
 }
 /* ==================== end src/syncbn.c ==================== */
 
-/* ==================== begin src/checkpoint.c ==================== */
-/* [SECTION] checkpoint: safetensors files, CRC32C, atomic save, load everywhere or broadcast, shards
-   Mirrors the PyTorch DDP checkpoint recipe (rank 0 torch.save + barrier; torch.load on every rank) with
-   safetensors as the format. Layout of this file:
+/* ==================== begin src/safetensors.c ==================== */
+/* [SECTION] safetensors: the file format (Hugging Face safetensors), CRC32C, UTF-8, ddp_meta
+   The format of the safetensors crate, which torch users read with safetensors.torch.load_file:
+       | N: uint64 little-endian | N bytes of JSON header | data: the tensors' bytes, back to back |
+       {"__metadata__": {"key": "value", ...},
+        "name": {"dtype": "F32", "shape": [2, 3], "data_offsets": [begin, end]}, ...}
+   Offsets count from the start of the data section. ddp.h's writer adds a CRC32C of every tensor's
+   bytes to __metadata__ ("ddp.crc32c.<name>": 8 hex digits) and pads the header with spaces so that the
+   data starts at a multiple of 8; "ddp.crc32c." and "ddp.shard." keys are the library's. This file is
+   the format only, with no group: errors go to a char buffer of DDP__ERR_MAX bytes (the public
+   ddp_meta_* functions to this thread's last error); saving and loading it across ranks is
+   checkpoint.c's. Layout of this file:
      crc32c        Castagnoli CRC, SSE4.2 instruction when the CPU has it, else slicing-by-8 tables
+     UTF-8         strict RFC 3629 validation (names, keys and values must be UTF-8)
      meta          the caller's key/value map and its typed helpers
      parser        a strict, bounded parser for the safetensors JSON header (the only JSON we accept:
                    one object of tensor entries and "__metadata__"; strings, non-negative integers,
                    arrays of them); every offset is checked with overflow-safe arithmetic
-     writer        the JSON header, then tmp file -> fsync -> rename -> fsync(directory)
-     collectives   agreement on the outcome (every rank fails together), chunked broadcasts
-     rotation      keep_last and ddp_checkpoint_latest: files that differ in one run of digits */
+     writer        the JSON header (checkpoint.c writes it and the data to disk) */
 
-#include <dirent.h>
-
-#define DDP__CK_MAX_HEADER 100000000ull         /* bytes of JSON header, as the safetensors crate allows */
-#define DDP__CK_CHUNK ((size_t)4 << 20)         /* bytes per broadcast; the same on every rank */
 #define DDP__CK_MAX_INT ((uint64_t)INT64_MAX)   /* largest integer a header may hold */
-#define DDP__CK_CRC_PREFIX "ddp.crc32c."
-#define DDP__CK_SHARD_PREFIX "ddp.shard."
-#define DDP__CK_SHARD_WORLD "ddp.shard.world_size"
-#define DDP__CK_SHARD_RANK "ddp.shard.rank"
-#define DDP__CK_SHARD_ID "ddp.shard.save_id"
 
 static int ddp__ck_little_endian(void) {
     const uint16_t one = 1;
@@ -11336,20 +11413,8 @@ DDP_API ddp_result ddp_meta_get_resume(const ddp_meta *m, ddp_resume_state *s) {
    Integers are plain decimal (no sign, fraction, exponent or leading zero), at most 2^63-1. Strings
    are UTF-8 with JSON escapes; \u0000 is refused (C strings). Duplicate names and keys are errors. */
 
-/* safetensors dtypes of one byte or more; ddp.h loads the first eight, the rest are recognised so that
-   such a tensor can be skipped (allow_unexpected) or named in a mismatch. */
-static const struct {
-    const char *name;
-    ddp_dtype dtype;
-    unsigned size;
-} ddp__ck_dtypes[] = {
-    {"F32", DDP_F32, 4},          {"F64", DDP_F64, 8},          {"F16", DDP_F16, 2},      {"BF16", DDP_BF16, 2},
-    {"I8", DDP_I8, 1},            {"U8", DDP_U8, 1},            {"I32", DDP_I32, 4},      {"I64", DDP_I64, 8},
-    {"BOOL", DDP_DTYPE_DEFAULT, 1}, {"I16", DDP_DTYPE_DEFAULT, 2}, {"U16", DDP_DTYPE_DEFAULT, 2},
-    {"U32", DDP_DTYPE_DEFAULT, 4},  {"U64", DDP_DTYPE_DEFAULT, 8}, {"F8_E5M2", DDP_DTYPE_DEFAULT, 1},
-    {"F8_E4M3", DDP_DTYPE_DEFAULT, 1},
-};
-#define DDP__CK_NDTYPES ((int)(sizeof ddp__ck_dtypes / sizeof ddp__ck_dtypes[0]))
+/* The dtype table (ddp__ck_dtypes) and the parsed header's types are in internal_safetensors.h:
+   checkpoint.c uses them too. */
 
 static const char *ddp__ck_st_name(ddp_dtype t) {
     int i;
@@ -11357,22 +11422,6 @@ static const char *ddp__ck_st_name(ddp_dtype t) {
         if (ddp__ck_dtypes[i].dtype == t && t != DDP_DTYPE_DEFAULT) return ddp__ck_dtypes[i].name;
     return "?";
 }
-
-typedef struct ddp__ck_entry {
-    char *name;
-    int st;           /* index into ddp__ck_dtypes */
-    int ndim;         /* may exceed 8; then only the first 8 dimensions are kept */
-    int64_t shape[8];
-    uint64_t begin, end; /* byte offsets into the data section */
-} ddp__ck_entry;
-
-typedef struct ddp__ck_header {
-    ddp__ck_entry *e; /* sorted by (begin, end, name): the order of the data */
-    int n, cap;
-    ddp_meta meta;    /* "__metadata__", in file order */
-    ddp__ck_entry **by_name;
-    ddp_meta_entry **meta_sorted;
-} ddp__ck_header;
 
 typedef struct ddp__ck_json {
     const unsigned char *start, *p, *end;
@@ -11875,13 +11924,15 @@ static DDP__UNUSED ddp_result ddp__ck_check_image(const unsigned char *buf, size
 
 /* ---- writer ---- */
 
-static char *ddp__ck_cat(const char *a, const char *b);
-
-typedef struct ddp__ck_buf {
-    char *p;
-    size_t len, cap;
-    int oom;
-} ddp__ck_buf;
+/* Concatenate a and b into a new string. */
+static char *ddp__ck_cat(const char *a, const char *b) {
+    size_t na = strlen(a), nb = strlen(b);
+    char *s = (char *)ddp__malloc(na + nb + 1);
+    if (!s) return NULL;
+    memcpy(s, a, na);
+    memcpy(s + na, b, nb + 1);
+    return s;
+}
 
 static void ddp__ck_put(ddp__ck_buf *b, const char *s, size_t n) {
     if (b->oom) return;
@@ -11943,6 +11994,81 @@ static int ddp__ck_tensor_bytes(const ddp_tensor *t, uint64_t *bytes) {
     return ddp__ck_shape_bytes(dims, t->ndim, ddp_dtype_size(t->dtype), bytes) && *bytes <= (uint64_t)SIZE_MAX;
 }
 
+static int ddp__ck_reserved(const char *key) {
+    return strncmp(key, DDP__CK_CRC_PREFIX, strlen(DDP__CK_CRC_PREFIX)) == 0 ||
+           strncmp(key, DDP__CK_SHARD_PREFIX, strlen(DDP__CK_SHARD_PREFIX)) == 0;
+}
+
+/* The JSON header: user metadata, the library's keys (extra), a checksum per tensor, then the tensor
+   entries in t[] order with their data back to back; padded with spaces to a multiple of 8. path is for
+   messages; on error err (DDP__ERR_MAX bytes) says what is wrong. */
+static ddp_result ddp__ck_build_header(const char *path, const ddp_tensor *t, int n, const ddp_meta *user, const ddp_meta *extra,
+                                       ddp__ck_buf *b, char *err) {
+    uint64_t at = 0;
+    int i, first = 1;
+    char num[64];
+    for (i = 0; user && i < user->count; i++)
+        if (ddp__ck_reserved(user->entries[i].key))
+            return ddp__fail_to(err, DDP_ERR_INVALID_ARGUMENT, "checkpoint save of %s: metadata key \"%.64s\" is reserved (ddp.crc32c.* and ddp.shard.* are the library's)",
+                             path, user->entries[i].key);
+    ddp__ck_puts(b, "{\"__metadata__\":{");
+    for (i = 0; user && i < user->count; i++) ddp__ck_put_kv(b, &first, user->entries[i].key, user->entries[i].value);
+    for (i = 0; extra && i < extra->count; i++) ddp__ck_put_kv(b, &first, extra->entries[i].key, extra->entries[i].value);
+    for (i = 0; i < n; i++) {
+        uint64_t bytes;
+        char *key = ddp__ck_cat(DDP__CK_CRC_PREFIX, t[i].name);
+        if (!key) return ddp__fail_to(err, DDP_ERR_OUT_OF_MEMORY, "checkpoint save of %s: out of memory building the header", path);
+        ddp__ck_tensor_bytes(&t[i], &bytes);
+        snprintf(num, sizeof num, "%08x", (unsigned)ddp__ck_crc32c(t[i].data, (size_t)bytes, 1));
+        ddp__ck_put_kv(b, &first, key, num);
+        ddp__free(key);
+    }
+    ddp__ck_puts(b, "}");
+    for (i = 0; i < n; i++) {
+        uint64_t bytes;
+        int d;
+        ddp__ck_tensor_bytes(&t[i], &bytes);
+        ddp__ck_put(b, ",", 1);
+        ddp__ck_put_json(b, t[i].name);
+        ddp__ck_puts(b, ":{\"dtype\":\"");
+        ddp__ck_puts(b, ddp__ck_st_name(t[i].dtype));
+        ddp__ck_puts(b, "\",\"shape\":[");
+        for (d = 0; d < t[i].ndim; d++) {
+            snprintf(num, sizeof num, d ? ",%lld" : "%lld", (long long)t[i].shape[d]);
+            ddp__ck_puts(b, num);
+        }
+        snprintf(num, sizeof num, "],\"data_offsets\":[%llu,%llu]}", (unsigned long long)at, (unsigned long long)(at + bytes));
+        ddp__ck_puts(b, num);
+        at += bytes;
+    }
+    ddp__ck_puts(b, "}");
+    while (!b->oom && (8 + b->len) % 8) ddp__ck_put(b, " ", 1);
+    if (b->oom) return ddp__fail_to(err, DDP_ERR_OUT_OF_MEMORY, "checkpoint save of %s: out of memory building the header", path);
+    return DDP_SUCCESS;
+}
+/* ==================== end src/safetensors.c ==================== */
+
+/* ==================== begin src/checkpoint.c ==================== */
+/* [SECTION] checkpoint: atomic save on rank 0, load everywhere or broadcast, shards, keep_last, latest
+   Mirrors the PyTorch DDP checkpoint recipe (rank 0 torch.save + barrier; torch.load on every rank) with
+   safetensors as the format (safetensors.c: CRC32C, the header parser and writer, ddp_meta). Layout of
+   this file:
+     files         argument checks, then tmp file -> fsync -> rename -> fsync(directory); reads at an
+                   offset with the checksum computed on the way
+     collectives   agreement on the outcome (every rank fails together), chunked broadcasts
+     rotation      keep_last and ddp_checkpoint_latest: files that differ in one run of digits
+     save, load    rank 0 writes; every rank reads, or rank 0 reads and broadcasts
+     shards        one file per rank, then a completion marker written last */
+
+#include <dirent.h>
+
+#define DDP__CK_CHUNK ((size_t)4 << 20)         /* bytes per broadcast; the same on every rank */
+#define DDP__CK_SHARD_WORLD "ddp.shard.world_size"
+#define DDP__CK_SHARD_RANK "ddp.shard.rank"
+#define DDP__CK_SHARD_ID "ddp.shard.save_id"
+
+/* ---- files ---- */
+
 static int ddp__ck_cmp_tensor_names(const void *a, const void *b) {
     return strcmp((*(const ddp_tensor *const *)a)->name, (*(const ddp_tensor *const *)b)->name);
 }
@@ -11974,58 +12100,6 @@ static ddp_result ddp__ck_check_tensors(ddp_group *g, const char *op, const ddp_
             return r;
         }
     ddp__free((void *)sorted);
-    return DDP_SUCCESS;
-}
-
-static int ddp__ck_reserved(const char *key) {
-    return strncmp(key, DDP__CK_CRC_PREFIX, strlen(DDP__CK_CRC_PREFIX)) == 0 ||
-           strncmp(key, DDP__CK_SHARD_PREFIX, strlen(DDP__CK_SHARD_PREFIX)) == 0;
-}
-
-/* The JSON header: user metadata, the library's keys (extra), a checksum per tensor, then the tensor
-   entries in t[] order with their data back to back; padded with spaces to a multiple of 8. */
-static ddp_result ddp__ck_build_header(ddp_group *g, const char *path, const ddp_tensor *t, int n, const ddp_meta *user,
-                                       const ddp_meta *extra, ddp__ck_buf *b) {
-    uint64_t at = 0;
-    int i, first = 1;
-    char num[64];
-    for (i = 0; user && i < user->count; i++)
-        if (ddp__ck_reserved(user->entries[i].key))
-            return ddp__fail(g, DDP_ERR_INVALID_ARGUMENT, "checkpoint save of %s: metadata key \"%.64s\" is reserved (ddp.crc32c.* and ddp.shard.* are the library's)",
-                             path, user->entries[i].key);
-    ddp__ck_puts(b, "{\"__metadata__\":{");
-    for (i = 0; user && i < user->count; i++) ddp__ck_put_kv(b, &first, user->entries[i].key, user->entries[i].value);
-    for (i = 0; extra && i < extra->count; i++) ddp__ck_put_kv(b, &first, extra->entries[i].key, extra->entries[i].value);
-    for (i = 0; i < n; i++) {
-        uint64_t bytes;
-        char *key = ddp__ck_cat(DDP__CK_CRC_PREFIX, t[i].name);
-        if (!key) return ddp__fail(g, DDP_ERR_OUT_OF_MEMORY, "checkpoint save of %s: out of memory building the header", path);
-        ddp__ck_tensor_bytes(&t[i], &bytes);
-        snprintf(num, sizeof num, "%08x", (unsigned)ddp__ck_crc32c(t[i].data, (size_t)bytes, 1));
-        ddp__ck_put_kv(b, &first, key, num);
-        ddp__free(key);
-    }
-    ddp__ck_puts(b, "}");
-    for (i = 0; i < n; i++) {
-        uint64_t bytes;
-        int d;
-        ddp__ck_tensor_bytes(&t[i], &bytes);
-        ddp__ck_put(b, ",", 1);
-        ddp__ck_put_json(b, t[i].name);
-        ddp__ck_puts(b, ":{\"dtype\":\"");
-        ddp__ck_puts(b, ddp__ck_st_name(t[i].dtype));
-        ddp__ck_puts(b, "\",\"shape\":[");
-        for (d = 0; d < t[i].ndim; d++) {
-            snprintf(num, sizeof num, d ? ",%lld" : "%lld", (long long)t[i].shape[d]);
-            ddp__ck_puts(b, num);
-        }
-        snprintf(num, sizeof num, "],\"data_offsets\":[%llu,%llu]}", (unsigned long long)at, (unsigned long long)(at + bytes));
-        ddp__ck_puts(b, num);
-        at += bytes;
-    }
-    ddp__ck_puts(b, "}");
-    while (!b->oom && (8 + b->len) % 8) ddp__ck_put(b, " ", 1);
-    if (b->oom) return ddp__fail(g, DDP_ERR_OUT_OF_MEMORY, "checkpoint save of %s: out of memory building the header", path);
     return DDP_SUCCESS;
 }
 
@@ -12067,16 +12141,6 @@ static ddp_result ddp__ck_read_at(ddp_group *g, int fd, void *data, uint64_t n, 
         off += (uint64_t)r;
     }
     return DDP_SUCCESS;
-}
-
-/* Concatenate a and b into a new string. */
-static char *ddp__ck_cat(const char *a, const char *b) {
-    size_t na = strlen(a), nb = strlen(b);
-    char *s = (char *)ddp__malloc(na + nb + 1);
-    if (!s) return NULL;
-    memcpy(s, a, na);
-    memcpy(s + na, b, nb + 1);
-    return s;
 }
 
 /* The directory part of path ("." when there is none), as a new string. */
@@ -12144,13 +12208,15 @@ static ddp_result ddp__ck_atomic_write(ddp_group *g, const char *path, const ddp
 static ddp_result ddp__ck_write_file(ddp_group *g, const char *path, const ddp_tensor *t, int n, const ddp_meta *meta,
                                      const ddp_meta *extra) {
     ddp__ck_buf hdr;
+    char err[DDP__ERR_MAX];
     ddp_result r;
     memset(&hdr, 0, sizeof hdr);
     if (!ddp__ck_little_endian()) return ddp__fail(g, DDP_ERR_UNSUPPORTED, "checkpoint: safetensors is little-endian and this host is not");
     if (!path || !*path) return ddp__fail(g, DDP_ERR_INVALID_ARGUMENT, "checkpoint save: path is NULL or empty");
     if ((r = ddp__ck_check_tensors(g, "checkpoint save", t, n)) != DDP_SUCCESS) return r;
     if ((r = ddp__ck_check_meta(g, path, meta)) != DDP_SUCCESS) return r;
-    r = ddp__ck_build_header(g, path, t, n, meta, extra, &hdr);
+    r = ddp__ck_build_header(path, t, n, meta, extra, &hdr, err);
+    if (r != DDP_SUCCESS) ddp__fail(g, r, "%s", err);
     if (r == DDP_SUCCESS) r = ddp__ck_atomic_write(g, path, &hdr, t, n);
     ddp__free(hdr.p);
     return r;
