@@ -27,7 +27,6 @@ PUBLIC = [
 # Implementation: compiled once, in the file that defines DDP_IMPLEMENTATION.
 IMPLEMENTATION = [
     "src/internal.h",       # includes, allocator hooks, private types shared by the pieces
-    "src/internal_safetensors.h",  # private types and functions shared by safetensors.c and checkpoint.c
     "src/util.c",           # [SECTION] util: errors, logging, environment parsing, time
     "src/dtype.c",          # [SECTION] dtype: sizes, f16/bf16 conversion, element-wise reduction
     "src/net.c",            # [SECTION] net: sockets with deadlines

@@ -1806,20 +1806,8 @@ static DDP__UNUSED void ddp__group_free(ddp_group *g); /* connections closed wit
 static DDP__UNUSED ddp_result ddp__subgroup_open(ddp_group *g, const int *ranks, int n, int me, const char *name,
                                                  struct ddp__mpi *comm, const char *what, ddp_group **out);
 
-/* ---- reducer.c: host memory for the reducer's buckets (every backend but nccl uses these) ---- */
-static DDP__UNUSED void *ddp__host_alloc(ddp_group *g, size_t bytes);
-static DDP__UNUSED void ddp__host_release(ddp_group *g, void *p);
-static DDP__UNUSED void ddp__host_zero(ddp_group *g, void *dst, size_t bytes);
-static DDP__UNUSED void ddp__host_copy_in_scaled(ddp_group *g, void *dst, ddp_dtype dst_t, const void *src, ddp_dtype src_t,
-                                                 size_t count, double scale);
-static DDP__UNUSED void ddp__host_copy_out(ddp_group *g, void *dst, ddp_dtype dst_t, const void *src, ddp_dtype src_t,
-                                           size_t count);
-/* ==================== end src/internal.h ==================== */
-
-/* ==================== begin src/internal_safetensors.h ==================== */
-/* Private names shared by safetensors.c (the format) and checkpoint.c (the policy), after internal.h:
-   the limits and reserved key prefixes of the format, the dtype table, the parsed header, the writer's
-   buffer, and what checkpoint.c calls in safetensors.c. (To be folded into internal.h.) */
+/* ---- safetensors.c: the format that checkpoint.c's policy reads and writes: its limits and reserved
+   key prefixes, the dtype table, the parsed header, the writer's buffer ---- */
 
 #define DDP__CK_MAX_HEADER 100000000ull         /* bytes of JSON header, as the safetensors crate allows */
 #define DDP__CK_CRC_PREFIX "ddp.crc32c."        /* __metadata__ keys that are the library's */
@@ -1892,7 +1880,16 @@ static DDP__UNUSED int ddp__ck_reserved(const char *key); /* a key of the librar
 /* The JSON header of t[0..n) with metadata user and extra, into b; on error err (DDP__ERR_MAX bytes). */
 static DDP__UNUSED ddp_result ddp__ck_build_header(const char *path, const ddp_tensor *t, int n, const ddp_meta *user,
                                                    const ddp_meta *extra, ddp__ck_buf *b, char *err);
-/* ==================== end src/internal_safetensors.h ==================== */
+
+/* ---- reducer.c: host memory for the reducer's buckets (every backend but nccl uses these) ---- */
+static DDP__UNUSED void *ddp__host_alloc(ddp_group *g, size_t bytes);
+static DDP__UNUSED void ddp__host_release(ddp_group *g, void *p);
+static DDP__UNUSED void ddp__host_zero(ddp_group *g, void *dst, size_t bytes);
+static DDP__UNUSED void ddp__host_copy_in_scaled(ddp_group *g, void *dst, ddp_dtype dst_t, const void *src, ddp_dtype src_t,
+                                                 size_t count, double scale);
+static DDP__UNUSED void ddp__host_copy_out(ddp_group *g, void *dst, ddp_dtype dst_t, const void *src, ddp_dtype src_t,
+                                           size_t count);
+/* ==================== end src/internal.h ==================== */
 
 /* ==================== begin src/util.c ==================== */
 /* [SECTION] util: errors, logging, environment parsing, time, memory */
@@ -11413,7 +11410,7 @@ DDP_API ddp_result ddp_meta_get_resume(const ddp_meta *m, ddp_resume_state *s) {
    Integers are plain decimal (no sign, fraction, exponent or leading zero), at most 2^63-1. Strings
    are UTF-8 with JSON escapes; \u0000 is refused (C strings). Duplicate names and keys are errors. */
 
-/* The dtype table (ddp__ck_dtypes) and the parsed header's types are in internal_safetensors.h:
+/* The dtype table (ddp__ck_dtypes) and the parsed header's types are in internal.h:
    checkpoint.c uses them too. */
 
 static const char *ddp__ck_st_name(ddp_dtype t) {

@@ -9,7 +9,6 @@
      save, load    rank 0 writes; every rank reads, or rank 0 reads and broadcasts
      shards        one file per rank, then a completion marker written last */
 #include "internal.h"
-#include "internal_safetensors.h"
 
 #include <dirent.h>
 

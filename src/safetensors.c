@@ -17,7 +17,6 @@
                    arrays of them); every offset is checked with overflow-safe arithmetic
      writer        the JSON header (checkpoint.c writes it and the data to disk) */
 #include "internal.h"
-#include "internal_safetensors.h"
 
 #define DDP__CK_MAX_INT ((uint64_t)INT64_MAX)   /* largest integer a header may hold */
 
@@ -366,7 +365,7 @@ DDP_API ddp_result ddp_meta_get_resume(const ddp_meta *m, ddp_resume_state *s) {
    Integers are plain decimal (no sign, fraction, exponent or leading zero), at most 2^63-1. Strings
    are UTF-8 with JSON escapes; \u0000 is refused (C strings). Duplicate names and keys are errors. */
 
-/* The dtype table (ddp__ck_dtypes) and the parsed header's types are in internal_safetensors.h:
+/* The dtype table (ddp__ck_dtypes) and the parsed header's types are in internal.h:
    checkpoint.c uses them too. */
 
 static const char *ddp__ck_st_name(ddp_dtype t) {
