@@ -65,7 +65,6 @@
    [SECTION] launcher: ddp_spawn (torch.multiprocessing.spawn) and ddprun (torchrun) src/launcher.c
    [SECTION] reducer: DistributedDataParallel's Reducer: model check, buckets, overlapped all-reduce src/reducer.c
    [SECTION] sampler: DistributedSampler, MT19937 and torch.randperm, Feistel streaming permutation src/sampler.c
-   [SECTION] sampler comment of the header.                             src/sampler.c
    [SECTION] syncbn (implementation): SyncBatchNorm on the CPU, f32 data, f64 statistics src/syncbn.c
    [SECTION] checkpoint: safetensors files, CRC32C, atomic save, load everywhere or broadcast, shards src/checkpoint.c
 */
@@ -7808,7 +7807,8 @@ static ddp_result ddp__hier_all_reduce(ddp_group *g, const ddp__coll *c, void *b
 #define DDP__LAUNCH_SETTLE 0.25    /* seconds to collect other failures after the first one */
 #define DDP__LAUNCH_MAX_PROCS 65536 /* per node; also the largest --nnodes */
 
-/* What every worker of one launch is told: torchrun's launch environment (REFERENCE.md). */
+/* What every worker of one launch is told: torchrun's launch environment (torch 1.13's
+   torch/distributed/elastic/agent/server/local_elastic_agent.py, _start_workers). */
 typedef struct ddp__launch_env {
     int nproc, nnodes, node_rank;
     char master_addr[256];
@@ -9711,7 +9711,7 @@ DDP_API void ddp_reducer_destroy(ddp_reducer *r) {
 /* [SECTION] sampler: DistributedSampler, MT19937 and torch.randperm, Feistel streaming permutation */
 /* Mirrors torch.utils.data.distributed.DistributedSampler (torch/utils/data/distributed.py) and, for its
    shuffle, torch.Generator (at::mt19937) and torch.randperm on the CPU (aten/src/ATen/native/
-   TensorFactories.cpp, randperm_cpu). The formulas are in the [SECTION] sampler comment of the header.
+   TensorFactories.cpp, randperm_cpu). The formulas are in the sampler section of the header (src/sampler.h).
 
    A rank's k-th index is the element at position j = rank + k*R of the dealt-out list; positions past
    N wrap around (torch pads by repeating the list, so padded[j] = perm[j mod N]).
