@@ -1,4 +1,4 @@
-/* ddp.h — DistributedDataParallel for C and CUDA training programs. MIT license (end of file's LICENSE).
+/* ddp.h — DistributedDataParallel for C and CUDA training programs. MIT license (at the end of this file).
 
    GENERATED from src/ by amalgamate.py: edit src/, then run `python3 amalgamate.py`.
 
@@ -34,13 +34,28 @@
        DDP_CUDA                declare the ddp_cuda.cu entry points (build ddp_cuda.cu with nvcc)
        DDP_MPI                 add the MPI backend (compile with mpicc)
 
-   ENVIRONMENT
+   ENVIRONMENT (what the library reads; where ddp_init_desc has a field for one, the field wins)
        RANK WORLD_SIZE LOCAL_RANK LOCAL_WORLD_SIZE MASTER_ADDR MASTER_PORT   (torchrun, ddprun)
        OMPI_COMM_WORLD_*, PMI_RANK/PMI_SIZE, SLURM_PROCID/SLURM_NTASKS      (mpirun, Hydra, srun)
+                         consulted in that order after torchrun's; local rank and size from
+                         MPI_LOCALRANKID/MPI_LOCALNRANKS (Hydra), SLURM_LOCALID (srun)
+       without MASTER_*  the master is 127.0.0.1, or under srun the first host of SLURM_STEP_NODELIST
+                         (else SLURM_NODELIST); the port is derived from the first job id set among
+                         OMPI_MCA_ess_base_jobid, PMIX_NAMESPACE, SLURM_JOB_ID (+ SLURM_STEP_ID),
+                         PMI_ID, HYDI_CONTROL_FD (none: 29500)
+       TORCHELASTIC_USE_AGENT_STORE  True (plain torchrun): the agent serves the store, rank 0 joins it
+       DDP_BACKEND       auto | cpu (default), mpi (built with -DDDP_MPI), nccl (built with -DDDP_CUDA)
        DDP_TIMEOUT       seconds before a blocked operation fails (default 300)
        DDP_LOG_LEVEL     none | error | warn | info | debug   (default warn)
-       DDP_TRANSPORT     cpu backend transport: auto | tcp
+       DDP_TRANSPORT     cpu backend transport: auto (shared memory within a host, TCP between) | tcp
+       DDP_AUTH_TOKEN    a shared secret: the store and every rank-to-rank connection require proof of
+                         it (HMAC-SHA256 challenge); unset: no authentication
+       DDP_SHM_CMA       0 turns off cross-memory attach (process_vm_readv/writev) for shared-memory
+                         all_reduce of plain buffers of 1 MiB and more (default 1)
+       DDP_SHM_ARENA_BYTES  address space reserved per rank for ddp_alloc buffers in the shared segment
+                         (default: what /dev/shm can hold, at most 64 GiB)
        DDP_RESTART_COUNT set by ddprun --max-restarts (also TORCHELASTIC_RESTART_COUNT)
+       OMP_NUM_THREADS   unset: ddprun sets it to 1 for its workers when nproc > 1 (as torchrun does)
 
    INDEX (search for the [SECTION] markers)
    [SECTION] api: version, results, dtypes, ops, logging, groups, collectives, store, launch src/ddp_api.h
@@ -12645,3 +12660,31 @@ DDP_API ddp_result ddp_checkpoint_latest(const char *pattern, char *out, size_t 
 /* ==================== end src/checkpoint.c ==================== */
 
 #endif /* DDP_IMPLEMENTATION */
+
+/*
+------------------------------------------------------------------------------
+ddp.h is available under the MIT License (the file LICENSE):
+
+MIT License
+
+Copyright (c) 2026 the ddp.h authors
+
+Permission is hereby granted, free of charge, to any person obtaining a copy
+of this software and associated documentation files (the "Software"), to deal
+in the Software without restriction, including without limitation the rights
+to use, copy, modify, merge, publish, distribute, sublicense, and/or sell
+copies of the Software, and to permit persons to whom the Software is
+furnished to do so, subject to the following conditions:
+
+The above copyright notice and this permission notice shall be included in all
+copies or substantial portions of the Software.
+
+THE SOFTWARE IS PROVIDED "AS IS", WITHOUT WARRANTY OF ANY KIND, EXPRESS OR
+IMPLIED, INCLUDING BUT NOT LIMITED TO THE WARRANTIES OF MERCHANTABILITY,
+FITNESS FOR A PARTICULAR PURPOSE AND NONINFRINGEMENT. IN NO EVENT SHALL THE
+AUTHORS OR COPYRIGHT HOLDERS BE LIABLE FOR ANY CLAIM, DAMAGES OR OTHER
+LIABILITY, WHETHER IN AN ACTION OF CONTRACT, TORT OR OTHERWISE, ARISING FROM,
+OUT OF OR IN CONNECTION WITH THE SOFTWARE OR THE USE OR OTHER DEALINGS IN THE
+SOFTWARE.
+------------------------------------------------------------------------------
+*/
