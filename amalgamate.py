@@ -6,10 +6,11 @@
                                     # an environment variable that the header's ENVIRONMENT block omits
 
 The manifest below is the order of the header. Public declarations come first, inside the
-include guard; the implementation follows under DDP_IMPLEMENTATION; the licence (LICENSE) ends
-the file. A piece may say
-`#include "internal.h"` (or any other src/ file) so that editors and linters understand it on
-its own; such local includes are dropped here, since the manifest already orders the pieces.
+include guard; then private declarations that the implementation and ddp_cuda.cu see (a user's
+program does not); the implementation follows under DDP_IMPLEMENTATION; the licence (LICENSE) ends
+the file. A piece may say `#include "internal.h"` (or any other src/ file) so that editors and
+linters understand it on its own; such local includes are dropped here, since the manifest already
+orders the pieces.
 """
 import re
 import sys
@@ -25,6 +26,12 @@ PUBLIC = [
     "src/syncbn.h",         # [SECTION] syncbn: torch.nn.SyncBatchNorm
     "src/checkpoint.h",     # [SECTION] checkpoint: safetensors save/load, resume state
     "src/cuda_api.h",       # [SECTION] cuda: entry points implemented in ddp_cuda.cu
+]
+# Private declarations, for the implementation (DDP_IMPLEMENTATION) and ddp_cuda.cu (DDP__CUDA_GLUE);
+# each piece guards itself, so a user's program sees none of it.
+PRIVATE = [
+    "src/bn_math.h",        # [SECTION] bn-math: SyncBatchNorm formulas shared by the CPU code and the kernels
+    "src/cuda_glue.h",      # [SECTION] cuda-glue: the nccl backend's calls into ddp_cuda.cu (with DDP_CUDA)
 ]
 # Implementation: compiled once, in the file that defines DDP_IMPLEMENTATION.
 IMPLEMENTATION = [
@@ -63,7 +70,7 @@ def sections():
     """The [SECTION] index at the top of ddp.h, read from the banners in the pieces: a line that opens
     a comment with [SECTION] (a mention of a section inside a comment's text is no banner)."""
     found = []
-    for path in PUBLIC + IMPLEMENTATION:
+    for path in PUBLIC + PRIVATE + IMPLEMENTATION:
         for line in (ROOT / path).read_text().splitlines():
             m = re.match(r"/\*\s*\[SECTION\]\s*(.+?)\s*(\*/)?$", line)
             if m:
@@ -79,6 +86,9 @@ def build():
     out += [piece(p) for p in PUBLIC]
     out.append("#ifdef __cplusplus\n} /* extern \"C\" */\n#endif\n")
     out.append("#endif /* DDP_H_INCLUDED */\n")
+    out.append("#ifdef __cplusplus\nextern \"C\" {\n#endif\n")
+    out += [piece(p) for p in PRIVATE]
+    out.append("#ifdef __cplusplus\n} /* extern \"C\" */\n#endif\n")
     out.append("#if defined(DDP_IMPLEMENTATION) && !defined(DDP__IMPLEMENTATION_DONE)\n"
                "#define DDP__IMPLEMENTATION_DONE\n")
     out += [piece(p) for p in IMPLEMENTATION]
