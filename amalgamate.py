@@ -2,12 +2,15 @@
 """Pack the pieces under src/ into the single header ddp.h.
 
     python3 amalgamate.py           # write ddp.h
-    python3 amalgamate.py --check   # exit 1 if ddp.h differs from a fresh build
+    python3 amalgamate.py --check   # exit 1 if ddp.h differs from a fresh build, or if the code reads
+                                    # an environment variable that the header's ENVIRONMENT block omits
 
 The manifest below is the order of the header. Public declarations come first, inside the
-include guard; the implementation follows under DDP_IMPLEMENTATION. A piece may say
-`#include "internal.h"` (or any other src/ file) so that editors and linters understand it on
-its own; such local includes are dropped here, since the manifest already orders the pieces.
+include guard; then private declarations that the implementation and ddp_cuda.cu see (a user's
+program does not); the implementation follows under DDP_IMPLEMENTATION; the licence (LICENSE) ends
+the file. A piece may say `#include "internal.h"` (or any other src/ file) so that editors and
+linters understand it on its own; such local includes are dropped here, since the manifest already
+orders the pieces.
 """
 import re
 import sys
@@ -23,6 +26,12 @@ PUBLIC = [
     "src/syncbn.h",         # [SECTION] syncbn: torch.nn.SyncBatchNorm
     "src/checkpoint.h",     # [SECTION] checkpoint: safetensors save/load, resume state
     "src/cuda_api.h",       # [SECTION] cuda: entry points implemented in ddp_cuda.cu
+]
+# Private declarations, for the implementation (DDP_IMPLEMENTATION) and ddp_cuda.cu (DDP__CUDA_GLUE);
+# each piece guards itself, so a user's program sees none of it.
+PRIVATE = [
+    "src/bn_math.h",        # [SECTION] bn-math: SyncBatchNorm formulas shared by the CPU code and the kernels
+    "src/cuda_glue.h",      # [SECTION] cuda-glue: the nccl backend's calls into ddp_cuda.cu (with DDP_CUDA)
 ]
 # Implementation: compiled once, in the file that defines DDP_IMPLEMENTATION.
 IMPLEMENTATION = [
@@ -61,11 +70,12 @@ def piece(path):
 
 
 def sections():
-    """The [SECTION] index at the top of ddp.h, read from the banners in the pieces."""
+    """The [SECTION] index at the top of ddp.h, read from the banners in the pieces: a line that opens
+    a comment with [SECTION] (a mention of a section inside a comment's text is no banner)."""
     found = []
-    for path in PUBLIC + IMPLEMENTATION:
+    for path in PUBLIC + PRIVATE + IMPLEMENTATION:
         for line in (ROOT / path).read_text().splitlines():
-            m = re.search(r"\[SECTION\]\s*(.+?)\s*(\*/)?$", line)
+            m = re.match(r"/\*\s*\[SECTION\]\s*(.+?)\s*(\*/)?$", line)
             if m:
                 found.append(f"   [SECTION] {m.group(1):<58} {path}")
     return "\n".join(found)
@@ -79,21 +89,87 @@ def build():
     out += [piece(p) for p in PUBLIC]
     out.append("#ifdef __cplusplus\n} /* extern \"C\" */\n#endif\n")
     out.append("#endif /* DDP_H_INCLUDED */\n")
+    out.append("#ifdef __cplusplus\nextern \"C\" {\n#endif\n")
+    out += [piece(p) for p in PRIVATE]
+    out.append("#ifdef __cplusplus\n} /* extern \"C\" */\n#endif\n")
     out.append("#if defined(DDP_IMPLEMENTATION) && !defined(DDP__IMPLEMENTATION_DONE)\n"
                "#define DDP__IMPLEMENTATION_DONE\n")
     out += [piece(p) for p in IMPLEMENTATION]
     out.append("#endif /* DDP_IMPLEMENTATION */\n")
+    out.append(licence())
     return "\n".join(out)
+
+
+def licence():
+    """LICENSE as the closing comment of ddp.h (line 1 of the header points there)."""
+    text = (ROOT / "LICENSE").read_text().strip("\n")
+    if "*/" in text:
+        sys.exit("LICENSE contains */, which would end the comment it is written into")
+    rule = "-" * 78
+    return f"/*\n{rule}\nddp.h is available under the MIT License (the file LICENSE):\n\n{text}\n{rule}\n*/\n"
+
+
+# The environment: every variable the library reads must be listed in the ENVIRONMENT block of
+# src/preamble.txt. "Reads" means: a string literal passed to getenv / ddp__env / ddp__env_int, or
+# an all-capitals string in one of the tables of names that the code passes to them (ENV_TABLES).
+# Variables the library only sets for its workers (launcher.c's setenv) are not read and need no
+# entry. NOT_SETTINGS are read but are no setting of the library.
+ENV_CALL = re.compile(r'\b(?:getenv|ddp__env|ddp__env_int)\s*\(\s*"([^"]+)"')
+ENV_TABLES = ["ddp__launchers", "job_ids"]  # group.c: launchers' rank/size variables, job ids for the port
+ENV_NAME = re.compile(r'"([A-Z][A-Za-z0-9_]*)"')  # OMPI_MCA_ess_base_jobid; not "SLURM (SLURM_PROCID, ...)"
+NOT_SETTINGS = {"PATH"}  # launcher.c looks a worker program up in PATH, as execvp does
+
+
+def env_read():
+    """{variable: first src/ file that reads it}."""
+    found = {}
+    for path in sorted((ROOT / "src").glob("*.[ch]")):
+        text = path.read_text()
+        names = ENV_CALL.findall(text)
+        for table in ENV_TABLES:
+            m = re.search(r"\b" + table + r"\s*\[\s*\]\s*=\s*\{(.*?)\};", text, re.S)
+            if m:
+                names += ENV_NAME.findall(m.group(1))
+        for name in names:
+            found.setdefault(name, f"src/{path.name}")
+    return found
+
+
+def env_listed():
+    """The words of the ENVIRONMENT block of src/preamble.txt (up to its first blank line); a word
+    ending in _* (OMPI_COMM_WORLD_*) stands for every name it starts."""
+    block = (ROOT / "src" / "preamble.txt").read_text().split("ENVIRONMENT", 1)[1].split("\n\n", 1)[0]
+    return set(re.findall(r"[A-Z][A-Za-z0-9_]*\*?", block))
+
+
+def env_missing():
+    listed = env_listed()
+    prefixes = [w[:-1] for w in listed if w.endswith("*")]
+    return {name: path for name, path in env_read().items()
+            if name not in listed and name not in NOT_SETTINGS and not any(name.startswith(p) for p in prefixes)}
 
 
 def main():
     fresh = build()
     target = ROOT / "ddp.h"
     if "--check" in sys.argv[1:]:
+        ok = True
+        missing = env_missing()
+        for name, path in sorted(missing.items()):
+            print(f"environment variable {name} (read in {path}) is missing from the ENVIRONMENT block "
+                  f"of src/preamble.txt: add a line saying what it does", file=sys.stderr)
+            ok = False
+        for table in ENV_TABLES:
+            if not any(re.search(r"\b" + table + r"\s*\[\s*\]\s*=", p.read_text()) for p in (ROOT / "src").glob("*.[ch]")):
+                print(f"amalgamate.py: the table {table} (ENV_TABLES) is not in src/ any more: update ENV_TABLES",
+                      file=sys.stderr)
+                ok = False
         if not target.exists() or target.read_text() != fresh:
             print("ddp.h is stale: run `python3 amalgamate.py` and commit ddp.h", file=sys.stderr)
+            ok = False
+        if not ok:
             return 1
-        print("ddp.h is up to date")
+        print("ddp.h is up to date; its ENVIRONMENT block lists every variable the code reads")
         return 0
     target.write_text(fresh)
     print(f"wrote ddp.h ({fresh.count(chr(10))} lines)")

@@ -1,4 +1,4 @@
-/* ddp.h — DistributedDataParallel for C and CUDA training programs. MIT license (end of file's LICENSE).
+/* ddp.h — DistributedDataParallel for C and CUDA training programs. MIT license (at the end of this file).
 
    GENERATED from src/ by amalgamate.py: edit src/, then run `python3 amalgamate.py`.
 
@@ -34,13 +34,36 @@
        DDP_CUDA                declare the ddp_cuda.cu entry points (build ddp_cuda.cu with nvcc)
        DDP_MPI                 add the MPI backend (compile with mpicc)
 
-   ENVIRONMENT
+   ENVIRONMENT (what the library reads; where ddp_init_desc has a field for one, the field wins)
        RANK WORLD_SIZE LOCAL_RANK LOCAL_WORLD_SIZE MASTER_ADDR MASTER_PORT   (torchrun, ddprun)
        OMPI_COMM_WORLD_*, PMI_RANK/PMI_SIZE, SLURM_PROCID/SLURM_NTASKS      (mpirun, Hydra, srun)
+                         consulted in that order after torchrun's; local rank and size from
+                         MPI_LOCALRANKID/MPI_LOCALNRANKS (Hydra), SLURM_LOCALID (srun)
+       without MASTER_*  the master is 127.0.0.1, or under srun the first host of SLURM_STEP_NODELIST
+                         (else SLURM_NODELIST); the port is derived from the first job id set among
+                         OMPI_MCA_ess_base_jobid, PMIX_NAMESPACE, SLURM_JOB_ID (+ SLURM_STEP_ID),
+                         PMI_ID, HYDI_CONTROL_FD (none: 29500)
+       TORCHELASTIC_USE_AGENT_STORE  True (plain torchrun): the agent serves the store, rank 0 joins it
+       DDP_BACKEND       auto | cpu (default), mpi (built with -DDDP_MPI), nccl (built with -DDDP_CUDA)
        DDP_TIMEOUT       seconds before a blocked operation fails (default 300)
        DDP_LOG_LEVEL     none | error | warn | info | debug   (default warn)
-       DDP_TRANSPORT     cpu backend transport: auto | tcp
+       DDP_TRANSPORT     cpu backend transport: auto (shared memory within a host, TCP between) | tcp
+       DDP_AUTH_TOKEN    a shared secret: the store and every rank-to-rank connection require proof of
+                         it (HMAC-SHA256 challenge); unset: no authentication
+       DDP_SHM_CMA       0 turns off cross-memory attach (process_vm_readv/writev) for shared-memory
+                         all_reduce of plain buffers of 1 MiB and more (default 1)
+       DDP_SHM_ARENA_BYTES  address space reserved per rank for ddp_alloc buffers in the shared segment
+                         (default: what /dev/shm can hold, at most 64 GiB)
        DDP_RESTART_COUNT set by ddprun --max-restarts (also TORCHELASTIC_RESTART_COUNT)
+       OMP_NUM_THREADS   unset: ddprun sets it to 1 for its workers when nproc > 1 (as torchrun does)
+
+   API CHANGES (programs written for an older ddp.h may need these edits)
+       2026-11-24 (0.1.0): ddp_reducer_stats(r, &s) is now ddp_reducer_get_statistics(r, &s); the old name
+                           stays as a deprecated alias.
+       2026-11-24 (0.1.0): the nccl backend's glue (ddp_cuda_nccl_*, ddp_cuda_is_device_pointer, ddp_cuda_nccl,
+                           ddp_cuda_coll, DDP_CUDA_ALL_REDUCE..., DDP_CUDA_NCCL_ID_BYTES) is private: renamed
+                           ddp__cuda_* / DDP__CUDA_* and no longer declared for programs (use the group's
+                           collectives). The private ddp__bn_* helpers left the public part too.
 
    INDEX (search for the [SECTION] markers)
    [SECTION] api: version, results, dtypes, ops, logging, groups, collectives, store, launch src/ddp_api.h
@@ -49,6 +72,8 @@
    [SECTION] syncbn: torch.nn.SyncBatchNorm (and plain BatchNorm1d/2d/3d) forward and backward src/syncbn.h
    [SECTION] checkpoint: safetensors save/load, resume state, per-rank shards (torch.save / load patterns) src/checkpoint.h
    [SECTION] cuda: entry points implemented in ddp_cuda.cu (declared with DDP_CUDA) src/cuda_api.h
+   [SECTION] bn-math: SyncBatchNorm formulas shared by the CPU code (src/syncbn.c) and the CUDA kernels src/bn_math.h
+   [SECTION] cuda-glue: the nccl backend's communicator, implemented in ddp_cuda.cu (with DDP_CUDA) src/cuda_glue.h
    [SECTION] internal: includes, allocator hooks, private helpers and types shared by the pieces src/internal.h
    [SECTION] util: errors, logging, environment parsing, time, memory   src/util.c
    [SECTION] dtype: sizes and names, f16/bf16 conversion, element-wise reduction src/dtype.c
@@ -67,7 +92,6 @@
    [SECTION] launcher: ddp_spawn (torch.multiprocessing.spawn) and ddprun (torchrun) src/launcher.c
    [SECTION] reducer: DistributedDataParallel's Reducer: model check, buckets, overlapped all-reduce src/reducer.c
    [SECTION] sampler: DistributedSampler, MT19937 and torch.randperm, Feistel streaming permutation src/sampler.c
-   [SECTION] sampler comment of the header.                             src/sampler.c
    [SECTION] syncbn (implementation): SyncBatchNorm on the CPU, f32 data, f64 statistics src/syncbn.c
    [SECTION] safetensors: the file format (Hugging Face safetensors), CRC32C, UTF-8, ddp_meta src/safetensors.c
    [SECTION] checkpoint: atomic save on rank 0, load everywhere or broadcast, shards, keep_last, latest src/checkpoint.c
@@ -531,7 +555,12 @@ DDP_API ddp_result ddp_reducer_zero_grad(ddp_reducer *r);
    broadcast_buffers=True does it before each forward). Not during a backward pass. */
 DDP_API ddp_result ddp_reducer_broadcast_buffers(ddp_reducer *r);
 
-/* ddp_reducer_stats: fill *out (see ddp_reducer_statistics). DDP_ERR_INVALID_ARGUMENT for NULL pointers. */
+/* ddp_reducer_get_statistics: fill *out (see ddp_reducer_statistics). DDP_ERR_INVALID_ARGUMENT for NULL
+   pointers. */
+DDP_API ddp_result ddp_reducer_get_statistics(const ddp_reducer *r, ddp_reducer_statistics *out);
+
+/* ddp_reducer_stats: DEPRECATED (2026-11-24), the old name of ddp_reducer_get_statistics; it does the
+   same and will be removed in a later version. */
 DDP_API ddp_result ddp_reducer_stats(const ddp_reducer *r, ddp_reducer_statistics *out);
 
 /* ddp_reducer_param_bucket: the bucket that holds parameter index's gradient now (buckets are numbered in
@@ -805,110 +834,8 @@ DDP_API int64_t ddp_syncbn_num_batches_tracked(const ddp_syncbn *bn);
    momentum is None). Return: DDP_SUCCESS, or DDP_ERR_INVALID_ARGUMENT for a negative value. */
 DDP_API ddp_result ddp_syncbn_set_num_batches_tracked(ddp_syncbn *bn, int64_t value);
 
-/* ---- math shared by the CPU code and the CUDA kernels --------------------------------------------
-   Private helpers (ddp__ names), here in the public part because ddp_cuda.cu compiles them for the
-   device. Per channel, statistics travel as a record per rank of 2C + 1 doubles:
-   [mean(C), M2(C), count], M2 being the sum of squared deviations from that rank's mean. */
-#ifndef DDP_HOST_DEVICE
-#if defined(__CUDACC__)
-#define DDP_HOST_DEVICE __host__ __device__
-#else
-#define DDP_HOST_DEVICE
-#endif
-#endif
-
-/* Chan et al.'s parallel merge: fold the statistics (nb, mean_b, m2_b) of one set into (n, mean, m2).
-   An empty set on either side leaves the other exactly as it was. */
-static inline DDP_HOST_DEVICE void ddp__bn_merge(double *n, double *mean, double *m2, double nb, double mean_b,
-                                                 double m2_b) {
-    double total, delta;
-    if (nb <= 0) return;
-    if (*n <= 0) {
-        *n = nb;
-        *mean = mean_b;
-        *m2 = m2_b;
-        return;
-    }
-    total = *n + nb;
-    delta = mean_b - *mean;
-    *mean += delta * (nb / total);
-    *m2 += m2_b + delta * delta * (*n * (nb / total));
-    *n = total;
-}
-
-/* The same in f32, for the CUDA kernels' reductions inside a block. */
-static inline DDP_HOST_DEVICE void ddp__bn_merge_f32(float *n, float *mean, float *m2, float nb, float mean_b,
-                                                     float m2_b) {
-    float total, delta;
-    if (nb <= 0) return;
-    if (*n <= 0) {
-        *n = nb;
-        *mean = mean_b;
-        *m2 = m2_b;
-        return;
-    }
-    total = *n + nb;
-    delta = mean_b - *mean;
-    *mean += delta * (nb / total);
-    *m2 += m2_b + delta * delta * (*n * (nb / total));
-    *n = total;
-}
-
-/* Welford's update with one value (the CUDA kernels' per-thread accumulation, as torch's). */
-static inline DDP_HOST_DEVICE void ddp__bn_welford_add(float *n, float *mean, float *m2, float x) {
-    float delta = x - *mean;
-    *n += 1.0f;
-    *mean += delta / *n;
-    *m2 += delta * (x - *mean);
-}
-
-/* Merge channel c of the gathered records of nranks ranks, in rank order, into (n, mean, m2). */
-static inline DDP_HOST_DEVICE void ddp__bn_merge_ranks(const double *records, int nranks, int channels, int c,
-                                                       double *n, double *mean, double *m2) {
-    int r;
-    const int64_t stride = 2 * (int64_t)channels + 1;
-    *n = 0;
-    *mean = 0;
-    *m2 = 0;
-    for (r = 0; r < nranks; r++) {
-        const double *rec = records + r * stride;
-        ddp__bn_merge(n, mean, m2, rec[2 * channels], rec[c], rec[channels + c]);
-    }
-}
-
-/* The running-stats factor of a training forward: momentum, or 1 / num_batches_tracked (already
-   incremented) for the cumulative average (momentum < 0, torch's momentum=None). */
-static inline DDP_HOST_DEVICE double ddp__bn_factor(double momentum, int64_t num_batches_tracked) {
-    return momentum < 0 ? 1.0 / (double)num_batches_tracked : momentum;
-}
-
-/* running <- (1 - f) running + f batch, with the unbiased variance M2 / (n - 1) over the global n (>= 2). */
-static inline DDP_HOST_DEVICE void ddp__bn_update_running(float *running_mean, float *running_var, double mean,
-                                                          double m2, double n, double f) {
-    *running_mean = (float)((1.0 - f) * (double)*running_mean + f * mean);
-    *running_var = (float)((1.0 - f) * (double)*running_var + f * (m2 / (n - 1.0)));
-}
-
-/* y = (x - mean) * scale + shift, with scale = invstd * weight and shift = bias. */
-static inline DDP_HOST_DEVICE float ddp__bn_normalize(float x, float mean, float scale, float shift) {
-    return (x - mean) * scale + shift;
-}
-
-/* Per-channel factors of the input gradient from the all-reduced sums and the global count n:
-   mean_dy = sum_dy / n, proj = invstd^2 sum_dy_xmu / n, scale = invstd * weight. */
-static inline DDP_HOST_DEVICE void ddp__bn_backward_coeffs(double sum_dy, double sum_dy_xmu, double n, float invstd,
-                                                           float weight, float *mean_dy, float *proj,
-                                                           float *scale) {
-    *mean_dy = (float)(sum_dy / n);
-    *proj = (float)((double)invstd * (double)invstd * sum_dy_xmu / n);
-    *scale = invstd * weight;
-}
-
-/* dx = (dy - mean_dy - (x - mean) * proj) * scale */
-static inline DDP_HOST_DEVICE float ddp__bn_grad_input(float dy, float x, float mean, float mean_dy, float proj,
-                                                       float scale) {
-    return (dy - mean_dy - (x - mean) * proj) * scale;
-}
+/* The private formulas that the CPU code and the CUDA kernels share are in src/bn_math.h (in ddp.h,
+   after the public part, for the implementation and ddp_cuda.cu only). */
 /* ==================== end src/syncbn.h ==================== */
 
 /* ==================== begin src/checkpoint.h ==================== */
@@ -1227,98 +1154,9 @@ DDP_API ddp_result ddp_cuda_bucket_copy_out(const ddp_cuda_grads_args *a, const 
 DDP_API ddp_result ddp_cuda_non_finite_check_and_unscale(const ddp_cuda_grads_args *a, float *found_inf,
                                                          const float *inv_scale);
 
-/* ---- NCCL glue: the nccl backend's communicator (torch's ProcessGroupNCCL) -------------------------
-   ddp.h's implementation calls these when a program asks for backend "nccl" (ddp_init): programs use
-   the group's collectives, not these. Link with -lcudart -lnccl (NCCL >= 2.10: ncclAvg, ncclBfloat16).
-   Every call makes the communicator's device current for its duration and restores the caller's.
-   Errors go to err (err_size bytes; NULL = none). Thread safety: one thread at a time per communicator. */
-
-#define DDP_CUDA_NCCL_ID_BYTES 128 /* sizeof(ncclUniqueId) */
-typedef struct ddp_cuda_nccl ddp_cuda_nccl;
-
-/* The collectives, numbered as ddp.h numbers them internally. */
-typedef enum ddp_cuda_coll {
-    DDP_CUDA_ALL_REDUCE = 1,
-    DDP_CUDA_BROADCAST,
-    DDP_CUDA_REDUCE,
-    DDP_CUDA_ALL_GATHER,
-    DDP_CUDA_REDUCE_SCATTER,
-    DDP_CUDA_BARRIER /* a 1-element all-reduce, as torch's barrier on NCCL */
-} ddp_cuda_coll;
-
-/* ddp_cuda_nccl_device: choose this rank's GPU and make it the calling thread's current device
-   (cudaSetDevice): local_rank when local_rank < the number of visible devices; device 0 when exactly
-   one is visible (each rank given its own GPU, e.g. srun --gpus-per-task=1). *device receives it.
-   Return: DDP_SUCCESS; DDP_ERR_UNSUPPORTED when no device is visible ("no CUDA device visible
-   (cudaGetDeviceCount = 0): use the cpu backend") or when local_rank has no device of its own;
-   DDP_ERR_SYSTEM when cudaSetDevice fails. */
-DDP_API ddp_result ddp_cuda_nccl_device(int local_rank, int *device, char *err, size_t err_size);
-
-/* ddp_cuda_nccl_unique_id: ncclGetUniqueId into id (DDP_CUDA_NCCL_ID_BYTES opaque bytes), made by one rank
-   and handed to the others (ddp.h passes it through the store). DDP_ERR_SYSTEM when NCCL fails. */
-DDP_API ddp_result ddp_cuda_nccl_unique_id(unsigned char *id, char *err, size_t err_size);
-
-/* ddp_cuda_nccl_create: ncclCommInitRank(nranks, id, rank) on device; collective over the nranks ranks
-   that share id (it returns once all have joined). The stream starts as NULL (the legacy default
-   stream). Return: DDP_SUCCESS; DDP_ERR_SYSTEM (CUDA or NCCL failed: the message has their text);
-   DDP_ERR_OUT_OF_MEMORY; DDP_ERR_INVALID_ARGUMENT. */
-DDP_API ddp_result ddp_cuda_nccl_create(const unsigned char *id, int rank, int nranks, int device,
-                                        ddp_cuda_nccl **out, char *err, size_t err_size);
-
-/* ddp_cuda_nccl_destroy: ncclCommDestroy (which first completes the communicator's operations), or
-   ncclCommAbort when abort is nonzero (after an error: nothing is waited for); frees c. NULL: no-op. */
-DDP_API void ddp_cuda_nccl_destroy(ddp_cuda_nccl *c, int abort);
-
-/* The stream (cudaStream_t; NULL = the legacy default stream) that collectives and copies are queued
-   on, and the device of c. */
-DDP_API void ddp_cuda_nccl_set_stream(ddp_cuda_nccl *c, void *stream);
-DDP_API void *ddp_cuda_nccl_stream(const ddp_cuda_nccl *c);
-DDP_API int ddp_cuda_nccl_device_of(const ddp_cuda_nccl *c);
-
-/* ddp_cuda_is_device_pointer: 1 when p is memory a GPU kernel can use as device memory (cudaMalloc'd,
-   or managed), 0 for host memory (pageable or pinned), NULL, or when CUDA cannot tell. */
-DDP_API int ddp_cuda_is_device_pointer(const void *p);
-
-/* ddp_cuda_nccl_enqueue: queue one collective on c's stream, then record a CUDA event after it.
-   send/recv as ddp.h's collectives (all_reduce, broadcast, reduce: recv is the in-place buffer and send
-   is ignored; all_gather / reduce_scatter: count per rank, send may be recv's own slice or recv
-   itself). op AVG is ncclAvg. *event receives the event, for ddp_cuda_nccl_wait / _test (exactly one
-   ddp_cuda_nccl_wait per event releases it). Return: DDP_SUCCESS; DDP_ERR_UNSUPPORTED (dtype or op);
-   DDP_ERR_SYSTEM when NCCL or CUDA refuses (the communicator is then aborted); DDP_ERR_STATE when an
-   earlier error aborted it. */
-DDP_API ddp_result ddp_cuda_nccl_enqueue(ddp_cuda_nccl *c, ddp_cuda_coll kind, const void *send, void *recv,
-                                         size_t count, ddp_dtype dtype, ddp_op op, int root, void **event,
-                                         char *err, size_t err_size);
-
-/* ddp_cuda_nccl_copy: bytes from src to dst (device or host memory, either side) queued on c's stream.
-   When either side is host memory, *event receives an event to wait for before the host memory is
-   used again (else *event = NULL). Return: DDP_SUCCESS or DDP_ERR_SYSTEM. */
-DDP_API ddp_result ddp_cuda_nccl_copy(ddp_cuda_nccl *c, void *dst, const void *src, size_t bytes, void **event,
-                                      char *err, size_t err_size);
-
-/* Device memory on c's device: ddp_cuda_nccl_alloc gives bytes of zeroed memory (NULL for 0 bytes);
-   ddp_cuda_nccl_zero queues a memset on c's stream; ddp_cuda_nccl_free releases (NULL: no-op; it waits
-   for the device, as cudaFree does). */
-DDP_API ddp_result ddp_cuda_nccl_alloc(ddp_cuda_nccl *c, size_t bytes, void **out, char *err, size_t err_size);
-DDP_API ddp_result ddp_cuda_nccl_zero(ddp_cuda_nccl *c, void *dst, size_t bytes, char *err, size_t err_size);
-DDP_API void ddp_cuda_nccl_free(ddp_cuda_nccl *c, void *p);
-
-/* ddp_cuda_nccl_wait: the watchdog (torch's ProcessGroupNCCL watchdog, on the waiting thread). Polls the
-   event (cudaEventQuery) until the work before it is complete; meanwhile checks ncclCommGetAsyncError,
-   the deadline (timeout seconds after the event was recorded) and, when watch is not NULL,
-   watch(user) (ddp.h looks at the other ranks' connections there). On an NCCL error, a CUDA error, the
-   deadline or a failed watch, the communicator is aborted (ncclCommAbort), so that no rank hangs.
-   what names the operation in messages ("all_reduce(count=4, f32, sum) as collective #7"). Releases
-   the event in every case. Return: DDP_SUCCESS; DDP_ERR_TIMEOUT; DDP_ERR_SYSTEM (NCCL or CUDA error);
-   watch's error; DDP_ERR_STATE when an earlier error had aborted the communicator. */
-DDP_API ddp_result ddp_cuda_nccl_wait(ddp_cuda_nccl *c, void *event, double timeout, const char *what,
-                                      ddp_result (*watch)(void *user), void *user, char *err, size_t err_size);
-
-/* ddp_cuda_nccl_test: nonzero when the work before event is complete (or failed: then
-   ddp_cuda_nccl_wait returns at once with the error). Does not release the event. */
-DDP_API int ddp_cuda_nccl_test(ddp_cuda_nccl *c, void *event);
-
 #endif /* DDP_CUDA */
+
+/* The nccl backend's glue, also in ddp_cuda.cu, is private: src/cuda_glue.h. */
 /* ==================== end src/cuda_api.h ==================== */
 
 #ifdef __cplusplus
@@ -1326,6 +1164,227 @@ DDP_API int ddp_cuda_nccl_test(ddp_cuda_nccl *c, void *event);
 #endif
 
 #endif /* DDP_H_INCLUDED */
+
+#ifdef __cplusplus
+extern "C" {
+#endif
+
+/* ==================== begin src/bn_math.h ==================== */
+/* [SECTION] bn-math: SyncBatchNorm formulas shared by the CPU code (src/syncbn.c) and the CUDA kernels
+   Private (ddp__ names): the implementation (DDP_IMPLEMENTATION) and ddp_cuda.cu, which compiles them
+   for the device (it defines DDP__CUDA_GLUE), see them; a user's program does not. Per channel,
+   statistics travel as a record per rank of 2C + 1 doubles: [mean(C), M2(C), count], M2 being the sum
+   of squared deviations from that rank's mean. */
+#if (defined(DDP_IMPLEMENTATION) || defined(DDP__CUDA_GLUE)) && !defined(DDP__BN_MATH_INCLUDED)
+#define DDP__BN_MATH_INCLUDED
+
+#ifndef DDP_HOST_DEVICE
+#if defined(__CUDACC__)
+#define DDP_HOST_DEVICE __host__ __device__
+#else
+#define DDP_HOST_DEVICE
+#endif
+#endif
+
+/* Chan et al.'s parallel merge: fold the statistics (nb, mean_b, m2_b) of one set into (n, mean, m2).
+   An empty set on either side leaves the other exactly as it was. */
+static inline DDP_HOST_DEVICE void ddp__bn_merge(double *n, double *mean, double *m2, double nb, double mean_b,
+                                                 double m2_b) {
+    double total, delta;
+    if (nb <= 0) return;
+    if (*n <= 0) {
+        *n = nb;
+        *mean = mean_b;
+        *m2 = m2_b;
+        return;
+    }
+    total = *n + nb;
+    delta = mean_b - *mean;
+    *mean += delta * (nb / total);
+    *m2 += m2_b + delta * delta * (*n * (nb / total));
+    *n = total;
+}
+
+/* The same in f32, for the CUDA kernels' reductions inside a block. */
+static inline DDP_HOST_DEVICE void ddp__bn_merge_f32(float *n, float *mean, float *m2, float nb, float mean_b,
+                                                     float m2_b) {
+    float total, delta;
+    if (nb <= 0) return;
+    if (*n <= 0) {
+        *n = nb;
+        *mean = mean_b;
+        *m2 = m2_b;
+        return;
+    }
+    total = *n + nb;
+    delta = mean_b - *mean;
+    *mean += delta * (nb / total);
+    *m2 += m2_b + delta * delta * (*n * (nb / total));
+    *n = total;
+}
+
+/* Welford's update with one value (the CUDA kernels' per-thread accumulation, as torch's). */
+static inline DDP_HOST_DEVICE void ddp__bn_welford_add(float *n, float *mean, float *m2, float x) {
+    float delta = x - *mean;
+    *n += 1.0f;
+    *mean += delta / *n;
+    *m2 += delta * (x - *mean);
+}
+
+/* Merge channel c of the gathered records of nranks ranks, in rank order, into (n, mean, m2). */
+static inline DDP_HOST_DEVICE void ddp__bn_merge_ranks(const double *records, int nranks, int channels, int c,
+                                                       double *n, double *mean, double *m2) {
+    int r;
+    const int64_t stride = 2 * (int64_t)channels + 1;
+    *n = 0;
+    *mean = 0;
+    *m2 = 0;
+    for (r = 0; r < nranks; r++) {
+        const double *rec = records + r * stride;
+        ddp__bn_merge(n, mean, m2, rec[2 * channels], rec[c], rec[channels + c]);
+    }
+}
+
+/* The running-stats factor of a training forward: momentum, or 1 / num_batches_tracked (already
+   incremented) for the cumulative average (momentum < 0, torch's momentum=None). */
+static inline DDP_HOST_DEVICE double ddp__bn_factor(double momentum, int64_t num_batches_tracked) {
+    return momentum < 0 ? 1.0 / (double)num_batches_tracked : momentum;
+}
+
+/* running <- (1 - f) running + f batch, with the unbiased variance M2 / (n - 1) over the global n (>= 2). */
+static inline DDP_HOST_DEVICE void ddp__bn_update_running(float *running_mean, float *running_var, double mean,
+                                                          double m2, double n, double f) {
+    *running_mean = (float)((1.0 - f) * (double)*running_mean + f * mean);
+    *running_var = (float)((1.0 - f) * (double)*running_var + f * (m2 / (n - 1.0)));
+}
+
+/* y = (x - mean) * scale + shift, with scale = invstd * weight and shift = bias. */
+static inline DDP_HOST_DEVICE float ddp__bn_normalize(float x, float mean, float scale, float shift) {
+    return (x - mean) * scale + shift;
+}
+
+/* Per-channel factors of the input gradient from the all-reduced sums and the global count n:
+   mean_dy = sum_dy / n, proj = invstd^2 sum_dy_xmu / n, scale = invstd * weight. */
+static inline DDP_HOST_DEVICE void ddp__bn_backward_coeffs(double sum_dy, double sum_dy_xmu, double n, float invstd,
+                                                           float weight, float *mean_dy, float *proj,
+                                                           float *scale) {
+    *mean_dy = (float)(sum_dy / n);
+    *proj = (float)((double)invstd * (double)invstd * sum_dy_xmu / n);
+    *scale = invstd * weight;
+}
+
+/* dx = (dy - mean_dy - (x - mean) * proj) * scale */
+static inline DDP_HOST_DEVICE float ddp__bn_grad_input(float dy, float x, float mean, float mean_dy, float proj,
+                                                       float scale) {
+    return (dy - mean_dy - (x - mean) * proj) * scale;
+}
+
+#endif /* DDP__BN_MATH_INCLUDED */
+/* ==================== end src/bn_math.h ==================== */
+
+/* ==================== begin src/cuda_glue.h ==================== */
+/* [SECTION] cuda-glue: the nccl backend's communicator, implemented in ddp_cuda.cu (with DDP_CUDA)
+   torch's ProcessGroupNCCL. Private: ddp.h's implementation (src/nccl.c) calls these when a program
+   asks for backend "nccl" (ddp_init), and ddp_cuda.cu (which defines DDP__CUDA_GLUE before including
+   ddp.h) defines them; a user's program sees none of it and uses the group's collectives. Unlike the
+   other private functions they are not static: ddp_cuda.cu defines them and the linker joins the two.
+   Link with -lcudart -lnccl (NCCL >= 2.10: ncclAvg, ncclBfloat16). Every call makes the communicator's
+   device current for its duration and restores the caller's. Errors go to err (err_size bytes;
+   NULL = none). Thread safety: one thread at a time per communicator. */
+#if defined(DDP_CUDA) && (defined(DDP_IMPLEMENTATION) || defined(DDP__CUDA_GLUE)) && !defined(DDP__CUDA_GLUE_INCLUDED)
+#define DDP__CUDA_GLUE_INCLUDED
+
+#define DDP__CUDA_NCCL_ID_BYTES 128 /* sizeof(ncclUniqueId) */
+typedef struct ddp__cuda_nccl ddp__cuda_nccl;
+
+/* The collectives, numbered as ddp.h numbers them internally. */
+typedef enum ddp__cuda_coll {
+    DDP__CUDA_ALL_REDUCE = 1,
+    DDP__CUDA_BROADCAST,
+    DDP__CUDA_REDUCE,
+    DDP__CUDA_ALL_GATHER,
+    DDP__CUDA_REDUCE_SCATTER,
+    DDP__CUDA_BARRIER /* a 1-element all-reduce, as torch's barrier on NCCL */
+} ddp__cuda_coll;
+
+/* ddp__cuda_nccl_device: choose this rank's GPU and make it the calling thread's current device
+   (cudaSetDevice): local_rank when local_rank < the number of visible devices; device 0 when exactly
+   one is visible (each rank given its own GPU, e.g. srun --gpus-per-task=1). *device receives it.
+   Return: DDP_SUCCESS; DDP_ERR_UNSUPPORTED when no device is visible ("no CUDA device visible
+   (cudaGetDeviceCount = 0): use the cpu backend") or when local_rank has no device of its own;
+   DDP_ERR_SYSTEM when cudaSetDevice fails. */
+DDP_API ddp_result ddp__cuda_nccl_device(int local_rank, int *device, char *err, size_t err_size);
+
+/* ddp__cuda_nccl_unique_id: ncclGetUniqueId into id (DDP__CUDA_NCCL_ID_BYTES opaque bytes), made by one rank
+   and handed to the others (ddp.h passes it through the store). DDP_ERR_SYSTEM when NCCL fails. */
+DDP_API ddp_result ddp__cuda_nccl_unique_id(unsigned char *id, char *err, size_t err_size);
+
+/* ddp__cuda_nccl_create: ncclCommInitRank(nranks, id, rank) on device; collective over the nranks ranks
+   that share id (it returns once all have joined). The stream starts as NULL (the legacy default
+   stream). Return: DDP_SUCCESS; DDP_ERR_SYSTEM (CUDA or NCCL failed: the message has their text);
+   DDP_ERR_OUT_OF_MEMORY; DDP_ERR_INVALID_ARGUMENT. */
+DDP_API ddp_result ddp__cuda_nccl_create(const unsigned char *id, int rank, int nranks, int device,
+                                        ddp__cuda_nccl **out, char *err, size_t err_size);
+
+/* ddp__cuda_nccl_destroy: ncclCommDestroy (which first completes the communicator's operations), or
+   ncclCommAbort when abort is nonzero (after an error: nothing is waited for); frees c. NULL: no-op. */
+DDP_API void ddp__cuda_nccl_destroy(ddp__cuda_nccl *c, int abort);
+
+/* The stream (cudaStream_t; NULL = the legacy default stream) that collectives and copies are queued
+   on, and the device of c. */
+DDP_API void ddp__cuda_nccl_set_stream(ddp__cuda_nccl *c, void *stream);
+DDP_API void *ddp__cuda_nccl_stream(const ddp__cuda_nccl *c);
+DDP_API int ddp__cuda_nccl_device_of(const ddp__cuda_nccl *c);
+
+/* ddp__cuda_is_device_pointer: 1 when p is memory a GPU kernel can use as device memory (cudaMalloc'd,
+   or managed), 0 for host memory (pageable or pinned), NULL, or when CUDA cannot tell. */
+DDP_API int ddp__cuda_is_device_pointer(const void *p);
+
+/* ddp__cuda_nccl_enqueue: queue one collective on c's stream, then record a CUDA event after it.
+   send/recv as ddp.h's collectives (all_reduce, broadcast, reduce: recv is the in-place buffer and send
+   is ignored; all_gather / reduce_scatter: count per rank, send may be recv's own slice or recv
+   itself). op AVG is ncclAvg. *event receives the event, for ddp__cuda_nccl_wait / _test (exactly one
+   ddp__cuda_nccl_wait per event releases it). Return: DDP_SUCCESS; DDP_ERR_UNSUPPORTED (dtype or op);
+   DDP_ERR_SYSTEM when NCCL or CUDA refuses (the communicator is then aborted); DDP_ERR_STATE when an
+   earlier error aborted it. */
+DDP_API ddp_result ddp__cuda_nccl_enqueue(ddp__cuda_nccl *c, ddp__cuda_coll kind, const void *send, void *recv,
+                                         size_t count, ddp_dtype dtype, ddp_op op, int root, void **event,
+                                         char *err, size_t err_size);
+
+/* ddp__cuda_nccl_copy: bytes from src to dst (device or host memory, either side) queued on c's stream.
+   When either side is host memory, *event receives an event to wait for before the host memory is
+   used again (else *event = NULL). Return: DDP_SUCCESS or DDP_ERR_SYSTEM. */
+DDP_API ddp_result ddp__cuda_nccl_copy(ddp__cuda_nccl *c, void *dst, const void *src, size_t bytes, void **event,
+                                      char *err, size_t err_size);
+
+/* Device memory on c's device: ddp__cuda_nccl_alloc gives bytes of zeroed memory (NULL for 0 bytes);
+   ddp__cuda_nccl_zero queues a memset on c's stream; ddp__cuda_nccl_free releases (NULL: no-op; it waits
+   for the device, as cudaFree does). */
+DDP_API ddp_result ddp__cuda_nccl_alloc(ddp__cuda_nccl *c, size_t bytes, void **out, char *err, size_t err_size);
+DDP_API ddp_result ddp__cuda_nccl_zero(ddp__cuda_nccl *c, void *dst, size_t bytes, char *err, size_t err_size);
+DDP_API void ddp__cuda_nccl_free(ddp__cuda_nccl *c, void *p);
+
+/* ddp__cuda_nccl_wait: the watchdog (torch's ProcessGroupNCCL watchdog, on the waiting thread). Polls the
+   event (cudaEventQuery) until the work before it is complete; meanwhile checks ncclCommGetAsyncError,
+   the deadline (timeout seconds after the event was recorded) and, when watch is not NULL,
+   watch(user) (ddp.h looks at the other ranks' connections there). On an NCCL error, a CUDA error, the
+   deadline or a failed watch, the communicator is aborted (ncclCommAbort), so that no rank hangs.
+   what names the operation in messages ("all_reduce(count=4, f32, sum) as collective #7"). Releases
+   the event in every case. Return: DDP_SUCCESS; DDP_ERR_TIMEOUT; DDP_ERR_SYSTEM (NCCL or CUDA error);
+   watch's error; DDP_ERR_STATE when an earlier error had aborted the communicator. */
+DDP_API ddp_result ddp__cuda_nccl_wait(ddp__cuda_nccl *c, void *event, double timeout, const char *what,
+                                      ddp_result (*watch)(void *user), void *user, char *err, size_t err_size);
+
+/* ddp__cuda_nccl_test: nonzero when the work before event is complete (or failed: then
+   ddp__cuda_nccl_wait returns at once with the error). Does not release the event. */
+DDP_API int ddp__cuda_nccl_test(ddp__cuda_nccl *c, void *event);
+
+#endif /* DDP__CUDA_GLUE_INCLUDED */
+/* ==================== end src/cuda_glue.h ==================== */
+
+#ifdef __cplusplus
+} /* extern "C" */
+#endif
 
 #if defined(DDP_IMPLEMENTATION) && !defined(DDP__IMPLEMENTATION_DONE)
 #define DDP__IMPLEMENTATION_DONE
@@ -6943,7 +7002,7 @@ static void ddp__mpi_attach(ddp_group *g, struct ddp__mpi *m) {
 
    Completion. A synchronous collective queues its NCCL call, records a CUDA event and waits for it; an
    async one returns a ddp_work holding the event, and ddp_wait waits for it. Waiting is the watchdog
-   (ddp_cuda_nccl_wait): it polls the event, ncclCommGetAsyncError, the group's timeout (counted from
+   (ddp__cuda_nccl_wait): it polls the event, ncclCommGetAsyncError, the group's timeout (counted from
    the queueing) and the other ranks' TCP connections; on any failure the communicator is aborted, the
    group breaks (the other ranks hear of it over TCP and abort theirs) and the error names the
    operation and its sequence number. Waiting happens on the calling thread: ddp_wait for nccl work
@@ -6952,7 +7011,7 @@ static void ddp__mpi_attach(ddp_group *g, struct ddp__mpi *m) {
 #ifdef DDP_CUDA
 
 struct ddp__nccl {
-    ddp_cuda_nccl *comm;
+    ddp__cuda_nccl *comm;
     int device;
 };
 
@@ -7002,22 +7061,22 @@ static ddp_result ddp__nccl_share_id(ddp_group *g, unsigned char *id) {
     char err[DDP__ERR_MAX] = "", key[160];
     size_t size = 0;
     ddp_result r = DDP_SUCCESS;
-    if (g->rank == 0) r = ddp_cuda_nccl_unique_id(id, err, sizeof err);
+    if (g->rank == 0) r = ddp__cuda_nccl_unique_id(id, err, sizeof err);
     if ((r = ddp__nccl_agree(g, r, err, "make the NCCL unique id")) != DDP_SUCCESS || g->world_size == 1) return r;
     snprintf(key, sizeof key, "%snccl_id", g->member.prefix);
-    if (g->rank == 0) r = ddp_store_set(g->member.store, key, id, DDP_CUDA_NCCL_ID_BYTES);
-    else r = ddp_store_get(g->member.store, key, id, DDP_CUDA_NCCL_ID_BYTES, &size);
+    if (g->rank == 0) r = ddp_store_set(g->member.store, key, id, DDP__CUDA_NCCL_ID_BYTES);
+    else r = ddp_store_get(g->member.store, key, id, DDP__CUDA_NCCL_ID_BYTES, &size);
     if (r) snprintf(err, sizeof err, "the NCCL unique id through the store: %.900s", ddp_store_last_error(g->member.store));
-    else if (g->rank != 0 && size != DDP_CUDA_NCCL_ID_BYTES)
+    else if (g->rank != 0 && size != DDP__CUDA_NCCL_ID_BYTES)
         r = ddp__fail_to(err, DDP_ERR_FORMAT, "the store's %s holds %zu bytes, not an NCCL unique id (%d bytes)", key, size,
-                         DDP_CUDA_NCCL_ID_BYTES);
+                         DDP__CUDA_NCCL_ID_BYTES);
     return ddp__nccl_agree(g, r, err, "receive the NCCL unique id");
 }
 
 static void ddp__nccl_close(ddp_group *g, int orderly) {
     (void)orderly;
     if (!g->nccl) return;
-    ddp_cuda_nccl_destroy(g->nccl->comm, g->broken != DDP_SUCCESS);
+    ddp__cuda_nccl_destroy(g->nccl->comm, g->broken != DDP_SUCCESS);
     ddp__free(g->nccl);
     g->nccl = NULL;
     if (g->host_backend->close) g->host_backend->close(g, orderly); /* the transport under it */
@@ -7029,9 +7088,9 @@ static int ddp__nccl_where(const ddp__call *k) {
     int buf, send;
     if (k->kind == DDP__BARRIER) return DDP__NCCL_DEVICE;
     if (k->count == 0) return DDP__NCCL_HOST;
-    buf = ddp_cuda_is_device_pointer(k->buf);
+    buf = ddp__cuda_is_device_pointer(k->buf);
     if (k->kind != DDP__ALL_GATHER && k->kind != DDP__REDUCE_SCATTER) return buf;
-    send = ddp_cuda_is_device_pointer(k->send);
+    send = ddp__cuda_is_device_pointer(k->send);
     return send == buf ? buf : DDP__NCCL_MIXED;
 }
 
@@ -7070,21 +7129,21 @@ static ddp_result ddp__nccl_check(ddp_group *g, const ddp__coll *c, int where) {
                           names[where], names[i > DDP__NCCL_DEVICE ? 2 : i]);
 }
 
-static ddp_cuda_coll ddp__nccl_kind(int kind) {
+static ddp__cuda_coll ddp__nccl_kind(int kind) {
     switch (kind) {
-    case DDP__ALL_REDUCE: return DDP_CUDA_ALL_REDUCE;
-    case DDP__BROADCAST: return DDP_CUDA_BROADCAST;
-    case DDP__REDUCE: return DDP_CUDA_REDUCE;
-    case DDP__ALL_GATHER: return DDP_CUDA_ALL_GATHER;
-    case DDP__REDUCE_SCATTER: return DDP_CUDA_REDUCE_SCATTER;
-    default: return DDP_CUDA_BARRIER;
+    case DDP__ALL_REDUCE: return DDP__CUDA_ALL_REDUCE;
+    case DDP__BROADCAST: return DDP__CUDA_BROADCAST;
+    case DDP__REDUCE: return DDP__CUDA_REDUCE;
+    case DDP__ALL_GATHER: return DDP__CUDA_ALL_GATHER;
+    case DDP__REDUCE_SCATTER: return DDP__CUDA_REDUCE_SCATTER;
+    default: return DDP__CUDA_BARRIER;
     }
 }
 
 /* Queue the NCCL call and its event (after the call check). */
 static ddp_result ddp__nccl_enqueue(ddp_group *g, const ddp__call *k, const ddp__coll *c, void **event) {
     char err[DDP__ERR_MAX] = "", desc[160];
-    ddp_result r = ddp_cuda_nccl_enqueue(g->nccl->comm, ddp__nccl_kind(k->kind), k->send, k->buf, k->count, k->dtype, k->op,
+    ddp_result r = ddp__cuda_nccl_enqueue(g->nccl->comm, ddp__nccl_kind(k->kind), k->send, k->buf, k->count, k->dtype, k->op,
                                          k->root, event, err, sizeof err);
     if (r == DDP_SUCCESS) return r;
     ddp__coll_describe(g, c, desc, sizeof desc);
@@ -7111,7 +7170,7 @@ static ddp_result ddp__nccl_wait_described(ddp_group *g, const ddp__coll *c, con
     ddp_result r;
     w.g = g;
     w.c = c;
-    r = ddp_cuda_nccl_wait(g->nccl->comm, event, g->timeout, desc, ddp__nccl_watch, &w, err, sizeof err);
+    r = ddp__cuda_nccl_wait(g->nccl->comm, event, g->timeout, desc, ddp__nccl_watch, &w, err, sizeof err);
     if (r == DDP_SUCCESS) return r;
     if (g->broken) return g->broken; /* the watch broke the group with the other rank's reason */
     return ddp__coll_fail(g, r, "rank %d: %s", g->rank, err);
@@ -7175,7 +7234,7 @@ static ddp_result ddp__nccl_wait_work(ddp_work *w) {
     ddp_result r;
     if (g->broken) { /* release the event; the communicator is aborted if its work is not done */
         char msg[DDP__ERR_MAX];
-        ddp_cuda_nccl_wait(g->nccl->comm, w->handle, 0, "", NULL, NULL, NULL, 0);
+        ddp__cuda_nccl_wait(g->nccl->comm, w->handle, 0, "", NULL, NULL, NULL, 0);
         r = ddp__fail(g, DDP_ERR_STATE, "%s", ddp__broken_message(g, &w->call, msg));
     } else if ((r = ddp__nccl_wait_event(g, &w->coll, w->handle)) != DDP_SUCCESS) {
         ddp__fail(g, r, "%s", g->broken_msg);
@@ -7184,14 +7243,14 @@ static ddp_result ddp__nccl_wait_work(ddp_work *w) {
     return r;
 }
 
-static int ddp__nccl_test_work(ddp_work *w) { return ddp_cuda_nccl_test(w->g->nccl->comm, w->handle); }
+static int ddp__nccl_test_work(ddp_work *w) { return ddp__cuda_nccl_test(w->g->nccl->comm, w->handle); }
 
 DDP_API ddp_result ddp_set_stream(ddp_group *g, void *cuda_stream) {
     if (!g) return ddp__fail(NULL, DDP_ERR_INVALID_ARGUMENT, "ddp_set_stream: the group is NULL");
     if (!g->nccl)
         return ddp__fail(g, DDP_ERR_UNSUPPORTED, "ddp_set_stream: the group's backend is \"%s\"; CUDA streams belong to "
                          "the nccl backend", g->backend->family);
-    ddp_cuda_nccl_set_stream(g->nccl->comm, cuda_stream);
+    ddp__cuda_nccl_set_stream(g->nccl->comm, cuda_stream);
     return DDP_SUCCESS;
 }
 
@@ -7206,16 +7265,16 @@ static void ddp__nccl_report(ddp_group *g, ddp_result r, const char *err) {
 static void *ddp__nccl_alloc(ddp_group *g, size_t bytes) {
     char err[DDP__ERR_MAX] = "";
     void *p = NULL;
-    if (ddp_cuda_nccl_alloc(g->nccl->comm, bytes ? bytes : 1, &p, err, sizeof err) != DDP_SUCCESS)
+    if (ddp__cuda_nccl_alloc(g->nccl->comm, bytes ? bytes : 1, &p, err, sizeof err) != DDP_SUCCESS)
         ddp__log(g, DDP_LOG_ERROR, "reducer (nccl): %s", err);
     return p;
 }
 
-static void ddp__nccl_release(ddp_group *g, void *p) { ddp_cuda_nccl_free(g->nccl->comm, p); }
+static void ddp__nccl_release(ddp_group *g, void *p) { ddp__cuda_nccl_free(g->nccl->comm, p); }
 
 static void ddp__nccl_zero(ddp_group *g, void *dst, size_t bytes) {
     char err[DDP__ERR_MAX] = "";
-    ddp__nccl_report(g, ddp_cuda_nccl_zero(g->nccl->comm, dst, bytes, err, sizeof err), err);
+    ddp__nccl_report(g, ddp__cuda_nccl_zero(g->nccl->comm, dst, bytes, err, sizeof err), err);
 }
 
 /* The bucket kernels' table for one tensor of *numel elements of t at *slot, on g's stream. */
@@ -7226,7 +7285,7 @@ static void ddp__nccl_one_tensor(ddp_group *g, ddp_cuda_grads_args *a, void **sl
     a->grads = slot;
     a->numels = numel;
     a->dtype = t;
-    a->stream = ddp_cuda_nccl_stream(g->nccl->comm);
+    a->stream = ddp__cuda_nccl_stream(g->nccl->comm);
     a->err = err;
     a->err_size = DDP__ERR_MAX;
 }
@@ -7252,7 +7311,7 @@ static void ddp__nccl_copy_out(ddp_group *g, void *dst, ddp_dtype dst_t, const v
         ddp__coll c;
         char desc[160];
         size_t bytes = count * ddp_dtype_size(dst_t);
-        r = ddp_cuda_nccl_copy(g->nccl->comm, dst, src, bytes, &event, err, sizeof err);
+        r = ddp__cuda_nccl_copy(g->nccl->comm, dst, src, bytes, &event, err, sizeof err);
         if (r || !event) {
             ddp__nccl_report(g, r, err);
             return;
@@ -7284,17 +7343,17 @@ static const ddp__backend ddp__backend_nccl = {
    and store) and not have one yet. Then the nccl backend takes g's calls. */
 static ddp_result ddp__nccl_attach(ddp_group *g, const struct ddp__nccl *parent) {
     char err[DDP__ERR_MAX] = "", key[160];
-    unsigned char id[DDP_CUDA_NCCL_ID_BYTES];
-    ddp_cuda_nccl *comm = NULL;
+    unsigned char id[DDP__CUDA_NCCL_ID_BYTES];
+    ddp__cuda_nccl *comm = NULL;
     struct ddp__nccl *n;
     ddp_result r = DDP_SUCCESS;
     int device = parent ? parent->device : -1;
-    if (!parent) r = ddp_cuda_nccl_device(g->local_rank, &device, err, sizeof err);
+    if (!parent) r = ddp__cuda_nccl_device(g->local_rank, &device, err, sizeof err);
     if ((r = ddp__nccl_agree(g, r, err, "use a GPU")) != DDP_SUCCESS) return r;
     if ((r = ddp__nccl_share_id(g, id)) != DDP_SUCCESS) return r;
-    r = ddp_cuda_nccl_create(id, g->rank, g->world_size, device, &comm, err, sizeof err);
+    r = ddp__cuda_nccl_create(id, g->rank, g->world_size, device, &comm, err, sizeof err);
     if ((r = ddp__nccl_agree(g, r, err, "create its NCCL communicator")) != DDP_SUCCESS) {
-        ddp_cuda_nccl_destroy(comm, 1);
+        ddp__cuda_nccl_destroy(comm, 1);
         return r;
     }
     if (g->rank == 0 && g->world_size > 1) { /* everyone has read it */
@@ -7302,12 +7361,12 @@ static ddp_result ddp__nccl_attach(ddp_group *g, const struct ddp__nccl *parent)
         ddp_store_delete(g->member.store, key, NULL);
     }
     if (!(n = (struct ddp__nccl *)ddp__calloc(1, sizeof *n))) {
-        ddp_cuda_nccl_destroy(comm, 1);
+        ddp__cuda_nccl_destroy(comm, 1);
         return ddp__fail(g, DDP_ERR_OUT_OF_MEMORY, "backend nccl: out of memory");
     }
     n->comm = comm;
     n->device = device;
-    if (parent) ddp_cuda_nccl_set_stream(comm, ddp_cuda_nccl_stream(parent->comm));
+    if (parent) ddp__cuda_nccl_set_stream(comm, ddp__cuda_nccl_stream(parent->comm));
     g->nccl = n;
     g->backend = &ddp__backend_nccl; /* host_backend stays: host-memory calls keep their transport */
     ddp__log(g, DDP_LOG_INFO, "nccl: rank %d of %d on CUDA device %d", g->rank, g->world_size, device);
@@ -8158,7 +8217,8 @@ DDP_API ddp_store *ddp_group_store(ddp_group *g) { return g ? g->member.store : 
 #define DDP__LAUNCH_SETTLE 0.25    /* seconds to collect other failures after the first one */
 #define DDP__LAUNCH_MAX_PROCS 65536 /* per node; also the largest --nnodes */
 
-/* What every worker of one launch is told: torchrun's launch environment (REFERENCE.md). */
+/* What every worker of one launch is told: torchrun's launch environment (torch 1.13's
+   torch/distributed/elastic/agent/server/local_elastic_agent.py, _start_workers). */
 typedef struct ddp__launch_env {
     int nproc, nnodes, node_rank;
     char master_addr[256];
@@ -10014,13 +10074,22 @@ DDP_API void ddp_reducer_destroy(ddp_reducer *r) {
     if (r->bstage) r->ops->release(r->g, r->bstage);
     ddp__free(r);
 }
+
+/* ddp_reducer_get_statistics: the documented name (2026-11-24) of ddp_reducer_stats, which stays as its
+   deprecated alias. */
+DDP_API ddp_result ddp_reducer_get_statistics(const ddp_reducer *r, ddp_reducer_statistics *out) {
+    if (!r || !out)
+        return ddp__fail(r ? r->g : NULL, DDP_ERR_INVALID_ARGUMENT, "ddp_reducer_get_statistics: NULL argument");
+    *out = r->stats;
+    return DDP_SUCCESS;
+}
 /* ==================== end src/reducer.c ==================== */
 
 /* ==================== begin src/sampler.c ==================== */
 /* [SECTION] sampler: DistributedSampler, MT19937 and torch.randperm, Feistel streaming permutation */
 /* Mirrors torch.utils.data.distributed.DistributedSampler (torch/utils/data/distributed.py) and, for its
    shuffle, torch.Generator (at::mt19937) and torch.randperm on the CPU (aten/src/ATen/native/
-   TensorFactories.cpp, randperm_cpu). The formulas are in the [SECTION] sampler comment of the header.
+   TensorFactories.cpp, randperm_cpu). The formulas are in the sampler section of the header (src/sampler.h).
 
    A rank's k-th index is the element at position j = rank + k*R of the dealt-out list; positions past
    N wrap around (torch pads by repeating the list, so padded[j] = perm[j mod N]).
@@ -12941,3 +13010,31 @@ DDP_API ddp_result ddp_checkpoint_latest(const char *pattern, char *out, size_t 
 /* ==================== end src/checkpoint.c ==================== */
 
 #endif /* DDP_IMPLEMENTATION */
+
+/*
+------------------------------------------------------------------------------
+ddp.h is available under the MIT License (the file LICENSE):
+
+MIT License
+
+Copyright (c) 2026 the ddp.h authors
+
+Permission is hereby granted, free of charge, to any person obtaining a copy
+of this software and associated documentation files (the "Software"), to deal
+in the Software without restriction, including without limitation the rights
+to use, copy, modify, merge, publish, distribute, sublicense, and/or sell
+copies of the Software, and to permit persons to whom the Software is
+furnished to do so, subject to the following conditions:
+
+The above copyright notice and this permission notice shall be included in all
+copies or substantial portions of the Software.
+
+THE SOFTWARE IS PROVIDED "AS IS", WITHOUT WARRANTY OF ANY KIND, EXPRESS OR
+IMPLIED, INCLUDING BUT NOT LIMITED TO THE WARRANTIES OF MERCHANTABILITY,
+FITNESS FOR A PARTICULAR PURPOSE AND NONINFRINGEMENT. IN NO EVENT SHALL THE
+AUTHORS OR COPYRIGHT HOLDERS BE LIABLE FOR ANY CLAIM, DAMAGES OR OTHER
+LIABILITY, WHETHER IN AN ACTION OF CONTRACT, TORT OR OTHERWISE, ARISING FROM,
+OUT OF OR IN CONNECTION WITH THE SOFTWARE OR THE USE OR OTHER DEALINGS IN THE
+SOFTWARE.
+------------------------------------------------------------------------------
+*/

@@ -1,6 +1,7 @@
 /* ddp_cuda.cu — the CUDA half of ddp.h: kernels (and, with the nccl backend, the NCCL glue) that need
    nvcc. Compile it beside your program and link both; its C entry points are declared in ddp.h when
-   DDP_CUDA is defined (the [SECTION] cuda of the header):
+   DDP_CUDA is defined (the [SECTION] cuda of the header; the nccl backend's private glue, which only
+   the library calls, in [SECTION] cuda-glue, seen here because this file defines DDP__CUDA_GLUE):
        nvcc -O2 -c ddp_cuda.cu -o ddp_cuda.o          (with -I the folder of ddp.h)
    It includes ddp.h without DDP_IMPLEMENTATION: the library proper lives in your one implementation
    file; this file adds device code only. It refuses to build against a ddp.h of another version.
@@ -20,6 +21,7 @@
 #ifndef DDP_CUDA
 #define DDP_CUDA
 #endif
+#define DDP__CUDA_GLUE /* ddp.h's private parts this file needs: the ddp__bn_* formulas, the nccl glue */
 #include "ddp.h"
 
 #if DDP_VERSION_NUMBER != 100
@@ -156,7 +158,7 @@ __device__ void ddp__cu_block_sum2(float *a, float *b) {
 
 /* [SECTION] cuda-syncbn: SyncBatchNorm kernels and their C entry points
    Mirrors torch's CUDA SyncBatchNorm (aten/src/ATen/native/cuda/Normalization.cuh); the formulas are the
-   DDP_HOST_DEVICE helpers of src/syncbn.h, shared with the CPU code.
+   DDP_HOST_DEVICE helpers of src/bn_math.h, shared with the CPU code.
    Reductions (statistics, backward sums) run in two kernels with no atomics: a grid of
    (channels, splits) blocks each reduces its share of a channel to a partial in `work`, then one thread
    per channel merges that channel's partials in a fixed order (deterministic) and writes f64.
@@ -939,7 +941,7 @@ DDP_API ddp_result ddp_cuda_non_finite_check_and_unscale(const ddp_cuda_grads_ar
 #error "ddp_cuda.cu needs NCCL 2.10 or newer (ncclAvg, ncclBfloat16)"
 #endif
 
-struct ddp_cuda_nccl {
+struct ddp__cuda_nccl {
     ncclComm_t comm; /* NULL once aborted */
     int device, rank, nranks;
     cudaStream_t stream;
@@ -1024,14 +1026,14 @@ static ncclRedOp_t ddp__cu_nccl_op(ddp_op op, bool *ok) {
 }
 
 /* After an error: abort the communicator so that no operation of it can block anyone again. */
-static void ddp__cu_nccl_abort(ddp_cuda_nccl *c) {
+static void ddp__cu_nccl_abort(ddp__cuda_nccl *c) {
     if (!c->comm) return;
     ncclCommAbort(c->comm);
     c->comm = NULL;
 }
 
 /* An NCCL call failed: the message (with NCCL's last error text) and the abort. */
-static ddp_result ddp__cu_nccl_failed(ddp_cuda_nccl *c, const ddp__cu_msg *m, ncclResult_t rc, const char *call) {
+static ddp_result ddp__cu_nccl_failed(ddp__cuda_nccl *c, const ddp__cu_msg *m, ncclResult_t rc, const char *call) {
     const char *detail = c->comm ? ncclGetLastError(c->comm) : "";
     ddp__cu_fail(m, DDP_ERR_SYSTEM, "%s failed: %s%s%s; the NCCL communicator was aborted", call, ncclGetErrorString(rc),
                  detail && *detail ? ": " : "", detail ? detail : "");
@@ -1040,14 +1042,14 @@ static ddp_result ddp__cu_nccl_failed(ddp_cuda_nccl *c, const ddp__cu_msg *m, nc
 }
 
 /* Queue the collective itself. */
-static ncclResult_t ddp__cu_nccl_call(ddp_cuda_nccl *c, ddp_cuda_coll kind, const void *send, void *recv, size_t count,
+static ncclResult_t ddp__cu_nccl_call(ddp__cuda_nccl *c, ddp__cuda_coll kind, const void *send, void *recv, size_t count,
                                       ncclDataType_t type, ncclRedOp_t op, int root, size_t es) {
     char *mine;
     switch (kind) {
-    case DDP_CUDA_ALL_REDUCE: return ncclAllReduce(recv, recv, count, type, op, c->comm, c->stream);
-    case DDP_CUDA_BROADCAST: return ncclBroadcast(recv, recv, count, type, root, c->comm, c->stream);
-    case DDP_CUDA_REDUCE: return ncclReduce(recv, recv, count, type, op, root, c->comm, c->stream);
-    case DDP_CUDA_ALL_GATHER:
+    case DDP__CUDA_ALL_REDUCE: return ncclAllReduce(recv, recv, count, type, op, c->comm, c->stream);
+    case DDP__CUDA_BROADCAST: return ncclBroadcast(recv, recv, count, type, root, c->comm, c->stream);
+    case DDP__CUDA_REDUCE: return ncclReduce(recv, recv, count, type, op, root, c->comm, c->stream);
+    case DDP__CUDA_ALL_GATHER:
         /* NCCL's in-place form is send == this rank's slice of recv; any other send is copied there first
            (send == recv, allowed by ddp.h, does not overlap the slice of a rank other than 0) */
         mine = (char *)recv + (size_t)c->rank * count * es;
@@ -1055,7 +1057,7 @@ static ncclResult_t ddp__cu_nccl_call(ddp_cuda_nccl *c, ddp_cuda_coll kind, cons
             cudaMemcpyAsync(mine, send, count * es, cudaMemcpyDeviceToDevice, c->stream) != cudaSuccess)
             return ncclUnhandledCudaError;
         return ncclAllGather(mine, recv, count, type, c->comm, c->stream);
-    case DDP_CUDA_REDUCE_SCATTER:
+    case DDP__CUDA_REDUCE_SCATTER:
         /* recv == send (allowed by ddp.h) would overlap the ranks' input: reduce into this rank's slice of
            send (NCCL's in-place form), then move it to the front */
         if (send == recv && c->rank > 0) {
@@ -1073,7 +1075,7 @@ static ncclResult_t ddp__cu_nccl_call(ddp_cuda_nccl *c, ddp_cuda_coll kind, cons
 }
 
 /* An event recorded on c's stream now. */
-static ddp_result ddp__cu_record(ddp_cuda_nccl *c, const ddp__cu_msg *m, void **event) {
+static ddp_result ddp__cu_record(ddp__cuda_nccl *c, const ddp__cu_msg *m, void **event) {
     ddp__cu_event *e = new (std::nothrow) ddp__cu_event;
     cudaError_t ce;
     if (!e) return ddp__cu_fail(m, DDP_ERR_OUT_OF_MEMORY, "out of memory for a CUDA event");
@@ -1093,7 +1095,7 @@ static ddp_result ddp__cu_record(ddp_cuda_nccl *c, const ddp__cu_msg *m, void **
 
 extern "C" {
 
-DDP_API ddp_result ddp_cuda_nccl_device(int local_rank, int *device, char *err, size_t err_size) {
+DDP_API ddp_result ddp__cuda_nccl_device(int local_rank, int *device, char *err, size_t err_size) {
     ddp__cu_msg m = {err, err_size};
     int n = 0, d;
     cudaError_t ce = cudaGetDeviceCount(&n);
@@ -1117,31 +1119,31 @@ DDP_API ddp_result ddp_cuda_nccl_device(int local_rank, int *device, char *err, 
     return DDP_SUCCESS;
 }
 
-DDP_API ddp_result ddp_cuda_nccl_unique_id(unsigned char *id, char *err, size_t err_size) {
+DDP_API ddp_result ddp__cuda_nccl_unique_id(unsigned char *id, char *err, size_t err_size) {
     ddp__cu_msg m = {err, err_size};
     ncclUniqueId u;
     ncclResult_t rc;
-    static_assert(sizeof(ncclUniqueId) == DDP_CUDA_NCCL_ID_BYTES, "ncclUniqueId is not DDP_CUDA_NCCL_ID_BYTES bytes");
-    if (!id) return ddp__cu_fail(&m, DDP_ERR_INVALID_ARGUMENT, "ddp_cuda_nccl_unique_id: id is NULL");
+    static_assert(sizeof(ncclUniqueId) == DDP__CUDA_NCCL_ID_BYTES, "ncclUniqueId is not DDP__CUDA_NCCL_ID_BYTES bytes");
+    if (!id) return ddp__cu_fail(&m, DDP_ERR_INVALID_ARGUMENT, "ddp__cuda_nccl_unique_id: id is NULL");
     if ((rc = ncclGetUniqueId(&u)) != ncclSuccess)
         return ddp__cu_fail(&m, DDP_ERR_SYSTEM, "ncclGetUniqueId failed: %s", ncclGetErrorString(rc));
     memcpy(id, &u, sizeof u);
     return DDP_SUCCESS;
 }
 
-DDP_API ddp_result ddp_cuda_nccl_create(const unsigned char *id, int rank, int nranks, int device, ddp_cuda_nccl **out,
+DDP_API ddp_result ddp__cuda_nccl_create(const unsigned char *id, int rank, int nranks, int device, ddp__cuda_nccl **out,
                                         char *err, size_t err_size) {
     ddp__cu_msg m = {err, err_size};
     ncclUniqueId u;
     ncclResult_t rc;
     cudaError_t ce;
-    ddp_cuda_nccl *c;
+    ddp__cuda_nccl *c;
     if (!id || !out || nranks < 1 || rank < 0 || rank >= nranks || device < 0)
-        return ddp__cu_fail(&m, DDP_ERR_INVALID_ARGUMENT, "ddp_cuda_nccl_create: bad arguments (rank %d of %d, device %d)",
+        return ddp__cu_fail(&m, DDP_ERR_INVALID_ARGUMENT, "ddp__cuda_nccl_create: bad arguments (rank %d of %d, device %d)",
                             rank, nranks, device);
     *out = NULL;
     ddp__cu_device_scope scope(device);
-    if (!(c = new (std::nothrow) ddp_cuda_nccl))
+    if (!(c = new (std::nothrow) ddp__cuda_nccl))
         return ddp__cu_fail(&m, DDP_ERR_OUT_OF_MEMORY, "out of memory for an NCCL communicator");
     c->comm = NULL;
     c->device = device;
@@ -1166,7 +1168,7 @@ DDP_API ddp_result ddp_cuda_nccl_create(const unsigned char *id, int rank, int n
     return DDP_SUCCESS;
 }
 
-DDP_API void ddp_cuda_nccl_destroy(ddp_cuda_nccl *c, int abort) {
+DDP_API void ddp__cuda_nccl_destroy(ddp__cuda_nccl *c, int abort) {
     if (!c) return;
     {
         ddp__cu_device_scope scope(c->device);
@@ -1177,13 +1179,13 @@ DDP_API void ddp_cuda_nccl_destroy(ddp_cuda_nccl *c, int abort) {
     delete c;
 }
 
-DDP_API void ddp_cuda_nccl_set_stream(ddp_cuda_nccl *c, void *stream) {
+DDP_API void ddp__cuda_nccl_set_stream(ddp__cuda_nccl *c, void *stream) {
     if (c) c->stream = (cudaStream_t)stream;
 }
-DDP_API void *ddp_cuda_nccl_stream(const ddp_cuda_nccl *c) { return c ? (void *)c->stream : NULL; }
-DDP_API int ddp_cuda_nccl_device_of(const ddp_cuda_nccl *c) { return c ? c->device : -1; }
+DDP_API void *ddp__cuda_nccl_stream(const ddp__cuda_nccl *c) { return c ? (void *)c->stream : NULL; }
+DDP_API int ddp__cuda_nccl_device_of(const ddp__cuda_nccl *c) { return c ? c->device : -1; }
 
-DDP_API int ddp_cuda_is_device_pointer(const void *p) {
+DDP_API int ddp__cuda_is_device_pointer(const void *p) {
     cudaPointerAttributes at;
     if (!p) return 0;
     if (cudaPointerGetAttributes(&at, p) != cudaSuccess) {
@@ -1193,19 +1195,19 @@ DDP_API int ddp_cuda_is_device_pointer(const void *p) {
     return at.type == cudaMemoryTypeDevice || at.type == cudaMemoryTypeManaged;
 }
 
-DDP_API ddp_result ddp_cuda_nccl_enqueue(ddp_cuda_nccl *c, ddp_cuda_coll kind, const void *send, void *recv, size_t count,
+DDP_API ddp_result ddp__cuda_nccl_enqueue(ddp__cuda_nccl *c, ddp__cuda_coll kind, const void *send, void *recv, size_t count,
                                          ddp_dtype dtype, ddp_op op, int root, void **event, char *err, size_t err_size) {
     ddp__cu_msg m = {err, err_size};
     bool type_ok = true, op_ok = true;
     ncclDataType_t type = ddp__cu_nccl_type(dtype, &type_ok);
     ncclRedOp_t nop = ddp__cu_nccl_op(op, &op_ok);
     ncclResult_t rc;
-    if (!c || !event) return ddp__cu_fail(&m, DDP_ERR_INVALID_ARGUMENT, "ddp_cuda_nccl_enqueue: c or event is NULL");
+    if (!c || !event) return ddp__cu_fail(&m, DDP_ERR_INVALID_ARGUMENT, "ddp__cuda_nccl_enqueue: c or event is NULL");
     *event = NULL;
     if (!c->comm) return ddp__cu_fail(&m, DDP_ERR_STATE, "the NCCL communicator was aborted by an earlier error");
-    if (kind != DDP_CUDA_BARRIER && !type_ok)
+    if (kind != DDP__CUDA_BARRIER && !type_ok)
         return ddp__cu_fail(&m, DDP_ERR_UNSUPPORTED, "dtype %d has no NCCL type", (int)dtype);
-    if ((kind == DDP_CUDA_ALL_REDUCE || kind == DDP_CUDA_REDUCE || kind == DDP_CUDA_REDUCE_SCATTER) && !op_ok)
+    if ((kind == DDP__CUDA_ALL_REDUCE || kind == DDP__CUDA_REDUCE || kind == DDP__CUDA_REDUCE_SCATTER) && !op_ok)
         return ddp__cu_fail(&m, DDP_ERR_UNSUPPORTED, "op %d has no NCCL operation", (int)op);
     ddp__cu_device_scope scope(c->device);
     rc = ddp__cu_nccl_call(c, kind, send, recv, count, type, nop, root, ddp__cu_dtype_size(dtype));
@@ -1217,7 +1219,7 @@ DDP_API ddp_result ddp_cuda_nccl_enqueue(ddp_cuda_nccl *c, ddp_cuda_coll kind, c
     return DDP_SUCCESS;
 }
 
-DDP_API ddp_result ddp_cuda_nccl_copy(ddp_cuda_nccl *c, void *dst, const void *src, size_t bytes, void **event, char *err,
+DDP_API ddp_result ddp__cuda_nccl_copy(ddp__cuda_nccl *c, void *dst, const void *src, size_t bytes, void **event, char *err,
                                       size_t err_size) {
     ddp__cu_msg m = {err, err_size};
     cudaError_t ce;
@@ -1226,11 +1228,11 @@ DDP_API ddp_result ddp_cuda_nccl_copy(ddp_cuda_nccl *c, void *dst, const void *s
     ddp__cu_device_scope scope(c->device);
     if ((ce = cudaMemcpyAsync(dst, src, bytes, cudaMemcpyDefault, c->stream)) != cudaSuccess)
         return ddp__cu_fail(&m, DDP_ERR_SYSTEM, "cudaMemcpyAsync of %zu bytes failed: %s", bytes, cudaGetErrorString(ce));
-    if (ddp_cuda_is_device_pointer(dst) && ddp_cuda_is_device_pointer(src)) return DDP_SUCCESS;
+    if (ddp__cuda_is_device_pointer(dst) && ddp__cuda_is_device_pointer(src)) return DDP_SUCCESS;
     return ddp__cu_record(c, &m, event);
 }
 
-DDP_API ddp_result ddp_cuda_nccl_alloc(ddp_cuda_nccl *c, size_t bytes, void **out, char *err, size_t err_size) {
+DDP_API ddp_result ddp__cuda_nccl_alloc(ddp__cuda_nccl *c, size_t bytes, void **out, char *err, size_t err_size) {
     ddp__cu_msg m = {err, err_size};
     cudaError_t ce;
     void *p = NULL;
@@ -1248,7 +1250,7 @@ DDP_API ddp_result ddp_cuda_nccl_alloc(ddp_cuda_nccl *c, size_t bytes, void **ou
     return DDP_SUCCESS;
 }
 
-DDP_API ddp_result ddp_cuda_nccl_zero(ddp_cuda_nccl *c, void *dst, size_t bytes, char *err, size_t err_size) {
+DDP_API ddp_result ddp__cuda_nccl_zero(ddp__cuda_nccl *c, void *dst, size_t bytes, char *err, size_t err_size) {
     ddp__cu_msg m = {err, err_size};
     cudaError_t ce;
     if (!bytes) return DDP_SUCCESS;
@@ -1258,19 +1260,19 @@ DDP_API ddp_result ddp_cuda_nccl_zero(ddp_cuda_nccl *c, void *dst, size_t bytes,
     return DDP_SUCCESS;
 }
 
-DDP_API void ddp_cuda_nccl_free(ddp_cuda_nccl *c, void *p) {
+DDP_API void ddp__cuda_nccl_free(ddp__cuda_nccl *c, void *p) {
     if (!c || !p) return;
     ddp__cu_device_scope scope(c->device);
     cudaFree(p);
 }
 
-DDP_API ddp_result ddp_cuda_nccl_wait(ddp_cuda_nccl *c, void *event, double timeout, const char *what,
+DDP_API ddp_result ddp__cuda_nccl_wait(ddp__cuda_nccl *c, void *event, double timeout, const char *what,
                                       ddp_result (*watch)(void *user), void *user, char *err, size_t err_size) {
     ddp__cu_msg m = {err, err_size};
     ddp__cu_event *e = (ddp__cu_event *)event;
     ddp_result r = DDP_SUCCESS;
     double nap = 1e-6;
-    if (!c || !e) return ddp__cu_fail(&m, DDP_ERR_INVALID_ARGUMENT, "ddp_cuda_nccl_wait: c or event is NULL");
+    if (!c || !e) return ddp__cu_fail(&m, DDP_ERR_INVALID_ARGUMENT, "ddp__cuda_nccl_wait: c or event is NULL");
     ddp__cu_device_scope scope(c->device);
     for (;;) {
         cudaError_t ce = cudaEventQuery(e->ev);
@@ -1309,7 +1311,7 @@ DDP_API ddp_result ddp_cuda_nccl_wait(ddp_cuda_nccl *c, void *event, double time
     return r;
 }
 
-DDP_API int ddp_cuda_nccl_test(ddp_cuda_nccl *c, void *event) {
+DDP_API int ddp__cuda_nccl_test(ddp__cuda_nccl *c, void *event) {
     ddp__cu_event *e = (ddp__cu_event *)event;
     if (!c || !e || !c->comm) return 1;
     ddp__cu_device_scope scope(c->device);

@@ -214,14 +214,14 @@ static int ddp_rank_main(int batch, int steps, int view, int fd) {
         sgd(&m, dW, db);
         if (i >= 0) {
             t[i] = now() - t0;
-            ddp_reducer_stats(red, &st);
+            ddp_reducer_get_statistics(red, &st);
             comm += st.comm_seconds;
             wait += st.wait_seconds;
         }
     }
     res.cpu_ms = (cpu_now() - c0) / steps * 1e3;
     qsort(t, (size_t)steps, sizeof *t, cmp_double);
-    ddp_reducer_stats(red, &st);
+    ddp_reducer_get_statistics(red, &st);
     res.step_ms = t[steps / 2] * 1e3;
     res.comm_ms = comm / steps * 1e3;
     res.wait_ms = wait / steps * 1e3;

@@ -34,8 +34,9 @@ if command -v mpicc >/dev/null && [ -f $peers/mpi_allreduce.c ]; then mpicc -O2 
 [ $have_gloo = 1 ] || echo "Gloo left out: needs torch at /usr/bin/python3 and $peers/gloo_allreduce.py" >&2
 export OMP_NUM_THREADS=${OMP_NUM_THREADS:-1} # what ddprun would set for its workers anyway
 mpirun="mpirun --allow-run-as-root --oversubscribe -np $n"
-# The memory floor (../shared/REFERENCE.md): an all_reduce of N bytes on p ranks must read every input
-# and write every output, 2pN bytes. This machine's rate for such traffic: p processes at once, each
+# The memory floor: whatever the algorithm, an all_reduce of N bytes on p ranks of one host must at least
+# read every rank's input and write every rank's output through the host's memory, 2pN bytes, so no
+# run can beat 2pN bytes / the host's memory bandwidth. This machine's rate for such traffic: p processes at once, each
 # running a[i] += b[i] over 256 MiB (reads and writes counted), best of 5 passes, once per round.
 cat > "$out/membw.c" <<'C'
 #include <stdio.h>

@@ -148,7 +148,7 @@ int main(void) {
         TRY(ddp_reducer_zero_grad(red));
     }
     memset(&st, 0, sizeof st);
-    TRY(ddp_reducer_stats(red, &st));
+    TRY(ddp_reducer_get_statistics(red, &st));
     if (rank == 0)
         printf("%d ranks: %llu optimizer steps, %llu backward passes under no_sync, %d bucket(s) of %llu bytes "
                "all-reduced once per step\n", world, (unsigned long long)st.iterations,

@@ -785,7 +785,7 @@ static int finish(run *R, double seconds) {
     snprintf(path, sizeof path, "%s/final.safetensors", R->c.dir);
     TRY(g, ddp_checkpoint_save(g, path, t, n, NULL));
     memset(&st, 0, sizeof st);
-    TRY(g, ddp_reducer_stats(R->red, &st));
+    TRY(g, ddp_reducer_get_statistics(R->red, &st));
     if (rank == 0) {
         printf("done: %.0f samples/s over %d ranks; weights in %s\n", R->samples_seen / seconds, R->world, path);
         printf("gradient all-reduce: %d bucket(s), %llu bytes a step; %.0f%% of its time hidden behind backward\n",

@@ -28,7 +28,8 @@
 #define DDP__LAUNCH_SETTLE 0.25    /* seconds to collect other failures after the first one */
 #define DDP__LAUNCH_MAX_PROCS 65536 /* per node; also the largest --nnodes */
 
-/* What every worker of one launch is told: torchrun's launch environment (REFERENCE.md). */
+/* What every worker of one launch is told: torchrun's launch environment (torch 1.13's
+   torch/distributed/elastic/agent/server/local_elastic_agent.py, _start_workers). */
 typedef struct ddp__launch_env {
     int nproc, nnodes, node_rank;
     char master_addr[256];

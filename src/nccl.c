@@ -23,7 +23,7 @@
 
    Completion. A synchronous collective queues its NCCL call, records a CUDA event and waits for it; an
    async one returns a ddp_work holding the event, and ddp_wait waits for it. Waiting is the watchdog
-   (ddp_cuda_nccl_wait): it polls the event, ncclCommGetAsyncError, the group's timeout (counted from
+   (ddp__cuda_nccl_wait): it polls the event, ncclCommGetAsyncError, the group's timeout (counted from
    the queueing) and the other ranks' TCP connections; on any failure the communicator is aborted, the
    group breaks (the other ranks hear of it over TCP and abort theirs) and the error names the
    operation and its sequence number. Waiting happens on the calling thread: ddp_wait for nccl work
@@ -33,7 +33,7 @@
 #ifdef DDP_CUDA
 
 struct ddp__nccl {
-    ddp_cuda_nccl *comm;
+    ddp__cuda_nccl *comm;
     int device;
 };
 
@@ -83,22 +83,22 @@ static ddp_result ddp__nccl_share_id(ddp_group *g, unsigned char *id) {
     char err[DDP__ERR_MAX] = "", key[160];
     size_t size = 0;
     ddp_result r = DDP_SUCCESS;
-    if (g->rank == 0) r = ddp_cuda_nccl_unique_id(id, err, sizeof err);
+    if (g->rank == 0) r = ddp__cuda_nccl_unique_id(id, err, sizeof err);
     if ((r = ddp__nccl_agree(g, r, err, "make the NCCL unique id")) != DDP_SUCCESS || g->world_size == 1) return r;
     snprintf(key, sizeof key, "%snccl_id", g->member.prefix);
-    if (g->rank == 0) r = ddp_store_set(g->member.store, key, id, DDP_CUDA_NCCL_ID_BYTES);
-    else r = ddp_store_get(g->member.store, key, id, DDP_CUDA_NCCL_ID_BYTES, &size);
+    if (g->rank == 0) r = ddp_store_set(g->member.store, key, id, DDP__CUDA_NCCL_ID_BYTES);
+    else r = ddp_store_get(g->member.store, key, id, DDP__CUDA_NCCL_ID_BYTES, &size);
     if (r) snprintf(err, sizeof err, "the NCCL unique id through the store: %.900s", ddp_store_last_error(g->member.store));
-    else if (g->rank != 0 && size != DDP_CUDA_NCCL_ID_BYTES)
+    else if (g->rank != 0 && size != DDP__CUDA_NCCL_ID_BYTES)
         r = ddp__fail_to(err, DDP_ERR_FORMAT, "the store's %s holds %zu bytes, not an NCCL unique id (%d bytes)", key, size,
-                         DDP_CUDA_NCCL_ID_BYTES);
+                         DDP__CUDA_NCCL_ID_BYTES);
     return ddp__nccl_agree(g, r, err, "receive the NCCL unique id");
 }
 
 static void ddp__nccl_close(ddp_group *g, int orderly) {
     (void)orderly;
     if (!g->nccl) return;
-    ddp_cuda_nccl_destroy(g->nccl->comm, g->broken != DDP_SUCCESS);
+    ddp__cuda_nccl_destroy(g->nccl->comm, g->broken != DDP_SUCCESS);
     ddp__free(g->nccl);
     g->nccl = NULL;
     if (g->host_backend->close) g->host_backend->close(g, orderly); /* the transport under it */
@@ -110,9 +110,9 @@ static int ddp__nccl_where(const ddp__call *k) {
     int buf, send;
     if (k->kind == DDP__BARRIER) return DDP__NCCL_DEVICE;
     if (k->count == 0) return DDP__NCCL_HOST;
-    buf = ddp_cuda_is_device_pointer(k->buf);
+    buf = ddp__cuda_is_device_pointer(k->buf);
     if (k->kind != DDP__ALL_GATHER && k->kind != DDP__REDUCE_SCATTER) return buf;
-    send = ddp_cuda_is_device_pointer(k->send);
+    send = ddp__cuda_is_device_pointer(k->send);
     return send == buf ? buf : DDP__NCCL_MIXED;
 }
 
@@ -151,21 +151,21 @@ static ddp_result ddp__nccl_check(ddp_group *g, const ddp__coll *c, int where) {
                           names[where], names[i > DDP__NCCL_DEVICE ? 2 : i]);
 }
 
-static ddp_cuda_coll ddp__nccl_kind(int kind) {
+static ddp__cuda_coll ddp__nccl_kind(int kind) {
     switch (kind) {
-    case DDP__ALL_REDUCE: return DDP_CUDA_ALL_REDUCE;
-    case DDP__BROADCAST: return DDP_CUDA_BROADCAST;
-    case DDP__REDUCE: return DDP_CUDA_REDUCE;
-    case DDP__ALL_GATHER: return DDP_CUDA_ALL_GATHER;
-    case DDP__REDUCE_SCATTER: return DDP_CUDA_REDUCE_SCATTER;
-    default: return DDP_CUDA_BARRIER;
+    case DDP__ALL_REDUCE: return DDP__CUDA_ALL_REDUCE;
+    case DDP__BROADCAST: return DDP__CUDA_BROADCAST;
+    case DDP__REDUCE: return DDP__CUDA_REDUCE;
+    case DDP__ALL_GATHER: return DDP__CUDA_ALL_GATHER;
+    case DDP__REDUCE_SCATTER: return DDP__CUDA_REDUCE_SCATTER;
+    default: return DDP__CUDA_BARRIER;
     }
 }
 
 /* Queue the NCCL call and its event (after the call check). */
 static ddp_result ddp__nccl_enqueue(ddp_group *g, const ddp__call *k, const ddp__coll *c, void **event) {
     char err[DDP__ERR_MAX] = "", desc[160];
-    ddp_result r = ddp_cuda_nccl_enqueue(g->nccl->comm, ddp__nccl_kind(k->kind), k->send, k->buf, k->count, k->dtype, k->op,
+    ddp_result r = ddp__cuda_nccl_enqueue(g->nccl->comm, ddp__nccl_kind(k->kind), k->send, k->buf, k->count, k->dtype, k->op,
                                          k->root, event, err, sizeof err);
     if (r == DDP_SUCCESS) return r;
     ddp__coll_describe(g, c, desc, sizeof desc);
@@ -192,7 +192,7 @@ static ddp_result ddp__nccl_wait_described(ddp_group *g, const ddp__coll *c, con
     ddp_result r;
     w.g = g;
     w.c = c;
-    r = ddp_cuda_nccl_wait(g->nccl->comm, event, g->timeout, desc, ddp__nccl_watch, &w, err, sizeof err);
+    r = ddp__cuda_nccl_wait(g->nccl->comm, event, g->timeout, desc, ddp__nccl_watch, &w, err, sizeof err);
     if (r == DDP_SUCCESS) return r;
     if (g->broken) return g->broken; /* the watch broke the group with the other rank's reason */
     return ddp__coll_fail(g, r, "rank %d: %s", g->rank, err);
@@ -256,7 +256,7 @@ static ddp_result ddp__nccl_wait_work(ddp_work *w) {
     ddp_result r;
     if (g->broken) { /* release the event; the communicator is aborted if its work is not done */
         char msg[DDP__ERR_MAX];
-        ddp_cuda_nccl_wait(g->nccl->comm, w->handle, 0, "", NULL, NULL, NULL, 0);
+        ddp__cuda_nccl_wait(g->nccl->comm, w->handle, 0, "", NULL, NULL, NULL, 0);
         r = ddp__fail(g, DDP_ERR_STATE, "%s", ddp__broken_message(g, &w->call, msg));
     } else if ((r = ddp__nccl_wait_event(g, &w->coll, w->handle)) != DDP_SUCCESS) {
         ddp__fail(g, r, "%s", g->broken_msg);
@@ -265,14 +265,14 @@ static ddp_result ddp__nccl_wait_work(ddp_work *w) {
     return r;
 }
 
-static int ddp__nccl_test_work(ddp_work *w) { return ddp_cuda_nccl_test(w->g->nccl->comm, w->handle); }
+static int ddp__nccl_test_work(ddp_work *w) { return ddp__cuda_nccl_test(w->g->nccl->comm, w->handle); }
 
 DDP_API ddp_result ddp_set_stream(ddp_group *g, void *cuda_stream) {
     if (!g) return ddp__fail(NULL, DDP_ERR_INVALID_ARGUMENT, "ddp_set_stream: the group is NULL");
     if (!g->nccl)
         return ddp__fail(g, DDP_ERR_UNSUPPORTED, "ddp_set_stream: the group's backend is \"%s\"; CUDA streams belong to "
                          "the nccl backend", g->backend->family);
-    ddp_cuda_nccl_set_stream(g->nccl->comm, cuda_stream);
+    ddp__cuda_nccl_set_stream(g->nccl->comm, cuda_stream);
     return DDP_SUCCESS;
 }
 
@@ -287,16 +287,16 @@ static void ddp__nccl_report(ddp_group *g, ddp_result r, const char *err) {
 static void *ddp__nccl_alloc(ddp_group *g, size_t bytes) {
     char err[DDP__ERR_MAX] = "";
     void *p = NULL;
-    if (ddp_cuda_nccl_alloc(g->nccl->comm, bytes ? bytes : 1, &p, err, sizeof err) != DDP_SUCCESS)
+    if (ddp__cuda_nccl_alloc(g->nccl->comm, bytes ? bytes : 1, &p, err, sizeof err) != DDP_SUCCESS)
         ddp__log(g, DDP_LOG_ERROR, "reducer (nccl): %s", err);
     return p;
 }
 
-static void ddp__nccl_release(ddp_group *g, void *p) { ddp_cuda_nccl_free(g->nccl->comm, p); }
+static void ddp__nccl_release(ddp_group *g, void *p) { ddp__cuda_nccl_free(g->nccl->comm, p); }
 
 static void ddp__nccl_zero(ddp_group *g, void *dst, size_t bytes) {
     char err[DDP__ERR_MAX] = "";
-    ddp__nccl_report(g, ddp_cuda_nccl_zero(g->nccl->comm, dst, bytes, err, sizeof err), err);
+    ddp__nccl_report(g, ddp__cuda_nccl_zero(g->nccl->comm, dst, bytes, err, sizeof err), err);
 }
 
 /* The bucket kernels' table for one tensor of *numel elements of t at *slot, on g's stream. */
@@ -307,7 +307,7 @@ static void ddp__nccl_one_tensor(ddp_group *g, ddp_cuda_grads_args *a, void **sl
     a->grads = slot;
     a->numels = numel;
     a->dtype = t;
-    a->stream = ddp_cuda_nccl_stream(g->nccl->comm);
+    a->stream = ddp__cuda_nccl_stream(g->nccl->comm);
     a->err = err;
     a->err_size = DDP__ERR_MAX;
 }
@@ -333,7 +333,7 @@ static void ddp__nccl_copy_out(ddp_group *g, void *dst, ddp_dtype dst_t, const v
         ddp__coll c;
         char desc[160];
         size_t bytes = count * ddp_dtype_size(dst_t);
-        r = ddp_cuda_nccl_copy(g->nccl->comm, dst, src, bytes, &event, err, sizeof err);
+        r = ddp__cuda_nccl_copy(g->nccl->comm, dst, src, bytes, &event, err, sizeof err);
         if (r || !event) {
             ddp__nccl_report(g, r, err);
             return;
@@ -365,17 +365,17 @@ static const ddp__backend ddp__backend_nccl = {
    and store) and not have one yet. Then the nccl backend takes g's calls. */
 static ddp_result ddp__nccl_attach(ddp_group *g, const struct ddp__nccl *parent) {
     char err[DDP__ERR_MAX] = "", key[160];
-    unsigned char id[DDP_CUDA_NCCL_ID_BYTES];
-    ddp_cuda_nccl *comm = NULL;
+    unsigned char id[DDP__CUDA_NCCL_ID_BYTES];
+    ddp__cuda_nccl *comm = NULL;
     struct ddp__nccl *n;
     ddp_result r = DDP_SUCCESS;
     int device = parent ? parent->device : -1;
-    if (!parent) r = ddp_cuda_nccl_device(g->local_rank, &device, err, sizeof err);
+    if (!parent) r = ddp__cuda_nccl_device(g->local_rank, &device, err, sizeof err);
     if ((r = ddp__nccl_agree(g, r, err, "use a GPU")) != DDP_SUCCESS) return r;
     if ((r = ddp__nccl_share_id(g, id)) != DDP_SUCCESS) return r;
-    r = ddp_cuda_nccl_create(id, g->rank, g->world_size, device, &comm, err, sizeof err);
+    r = ddp__cuda_nccl_create(id, g->rank, g->world_size, device, &comm, err, sizeof err);
     if ((r = ddp__nccl_agree(g, r, err, "create its NCCL communicator")) != DDP_SUCCESS) {
-        ddp_cuda_nccl_destroy(comm, 1);
+        ddp__cuda_nccl_destroy(comm, 1);
         return r;
     }
     if (g->rank == 0 && g->world_size > 1) { /* everyone has read it */
@@ -383,12 +383,12 @@ static ddp_result ddp__nccl_attach(ddp_group *g, const struct ddp__nccl *parent)
         ddp_store_delete(g->member.store, key, NULL);
     }
     if (!(n = (struct ddp__nccl *)ddp__calloc(1, sizeof *n))) {
-        ddp_cuda_nccl_destroy(comm, 1);
+        ddp__cuda_nccl_destroy(comm, 1);
         return ddp__fail(g, DDP_ERR_OUT_OF_MEMORY, "backend nccl: out of memory");
     }
     n->comm = comm;
     n->device = device;
-    if (parent) ddp_cuda_nccl_set_stream(comm, ddp_cuda_nccl_stream(parent->comm));
+    if (parent) ddp__cuda_nccl_set_stream(comm, ddp__cuda_nccl_stream(parent->comm));
     g->nccl = n;
     g->backend = &ddp__backend_nccl; /* host_backend stays: host-memory calls keep their transport */
     ddp__log(g, DDP_LOG_INFO, "nccl: rank %d of %d on CUDA device %d", g->rank, g->world_size, device);

@@ -947,3 +947,12 @@ DDP_API void ddp_reducer_destroy(ddp_reducer *r) {
     if (r->bstage) r->ops->release(r->g, r->bstage);
     ddp__free(r);
 }
+
+/* ddp_reducer_get_statistics: the documented name (2026-11-24) of ddp_reducer_stats, which stays as its
+   deprecated alias. */
+DDP_API ddp_result ddp_reducer_get_statistics(const ddp_reducer *r, ddp_reducer_statistics *out) {
+    if (!r || !out)
+        return ddp__fail(r ? r->g : NULL, DDP_ERR_INVALID_ARGUMENT, "ddp_reducer_get_statistics: NULL argument");
+    *out = r->stats;
+    return DDP_SUCCESS;
+}

@@ -154,7 +154,12 @@ DDP_API ddp_result ddp_reducer_zero_grad(ddp_reducer *r);
    broadcast_buffers=True does it before each forward). Not during a backward pass. */
 DDP_API ddp_result ddp_reducer_broadcast_buffers(ddp_reducer *r);
 
-/* ddp_reducer_stats: fill *out (see ddp_reducer_statistics). DDP_ERR_INVALID_ARGUMENT for NULL pointers. */
+/* ddp_reducer_get_statistics: fill *out (see ddp_reducer_statistics). DDP_ERR_INVALID_ARGUMENT for NULL
+   pointers. */
+DDP_API ddp_result ddp_reducer_get_statistics(const ddp_reducer *r, ddp_reducer_statistics *out);
+
+/* ddp_reducer_stats: DEPRECATED (2026-11-24), the old name of ddp_reducer_get_statistics; it does the
+   same and will be removed in a later version. */
 DDP_API ddp_result ddp_reducer_stats(const ddp_reducer *r, ddp_reducer_statistics *out);
 
 /* ddp_reducer_param_bucket: the bucket that holds parameter index's gradient now (buckets are numbered in

@@ -1,7 +1,7 @@
 /* [SECTION] sampler: DistributedSampler, MT19937 and torch.randperm, Feistel streaming permutation */
 /* Mirrors torch.utils.data.distributed.DistributedSampler (torch/utils/data/distributed.py) and, for its
    shuffle, torch.Generator (at::mt19937) and torch.randperm on the CPU (aten/src/ATen/native/
-   TensorFactories.cpp, randperm_cpu). The formulas are in the [SECTION] sampler comment of the header.
+   TensorFactories.cpp, randperm_cpu). The formulas are in the sampler section of the header (src/sampler.h).
 
    A rank's k-th index is the element at position j = rank + k*R of the dealt-out list; positions past
    N wrap around (torch pads by repeating the list, so padded[j] = perm[j mod N]).

@@ -30,7 +30,9 @@ T=$(mktemp -d /tmp/test_interop_ddprun.XXXXXX)
 trap 'rm -rf "$T"' EXIT
 fail() { echo "FAIL: $*"; exit 1; }
 unset OMP_NUM_THREADS # both launchers then set it to 1
-# torch 1.13 takes only the underscore spellings and needs --redirects/--tee (REFERENCE.md)
+# torch 1.13 takes only the underscore spellings (torch/distributed/run.py of 1.13: --nproc_per_node ...) and,
+# on Python 3.11, --redirects/--tee other than 0 (torch/distributed/elastic/multiprocessing/api.py: Std.from_str("0")
+# returns None there, since 3.11 no longer iterates the 0 flag Std.NONE)
 TORCHRUN="$PY -m torch.distributed.run --redirects 1 --tee 1 --monitor_interval 0.2 --no_python"
 free_port() { "$PY" -c 'import socket; s = socket.socket(); s.bind(("", 0)); print(s.getsockname()[1])'; }
 

@@ -325,13 +325,13 @@ static void run_variant(ddp_group *g, const variant *v) {
         if (step == 5 + 9) {
             long allocs = __atomic_load_n(&tc_allocs, __ATOMIC_RELAXED) - allocs_before;
             long frees = __atomic_load_n(&tc_frees, __ATOMIC_RELAXED) - frees_before;
-            CHECK_OK(ddp_reducer_stats(cx.red, &st), g);
+            CHECK_OK(ddp_reducer_get_statistics(cx.red, &st), g);
             /* the only allocations are the collectives' own work handles, one per all-reduce, freed by the wait */
             CHECK(allocs <= 10L * (st.buckets + v->find_unused) && allocs == frees,
                   "%s: %ld allocations and %ld frees in 10 steady-state steps (%d buckets)", v->name, allocs, frees, st.buckets);
         }
     }
-    CHECK_OK(ddp_reducer_stats(cx.red, &st), g);
+    CHECK_OK(ddp_reducer_get_statistics(cx.red, &st), g);
     CHECK(st.iterations == STEPS && st.local_iterations == (uint64_t)(STEPS * (v->accum - 1)),
           "%s: stats count %llu synchronised and %llu local passes", v->name, (unsigned long long)st.iterations,
           (unsigned long long)st.local_iterations);

@@ -34,7 +34,7 @@ static void check_layout(ddp_group *g, const char *what, const ddp_reducer_desc 
         CHECK((char *)ddp_reducer_grad(r, i) == (char *)r->L.buckets[b].storage + off * ddp_dtype_size(dtype[i]),
               "%s: the view of p%d is not its bucket slice", what, i);
     }
-    CHECK_OK(ddp_reducer_stats(r, &st), g);
+    CHECK_OK(ddp_reducer_get_statistics(r, &st), g);
     CHECK(st.buckets == nbuckets, "%s: %d buckets, expected %d", what, st.buckets, nbuckets);
     ddp_reducer_destroy(r);
     for (i = 0; i < n; i++) free(p[i]);
@@ -157,13 +157,13 @@ static void rebuild_tests(ddp_group *g, int rank) {
         r = six(g, view, 0, P, G);
         check_expect(r, INITIAL, what, rank);
         pass(r, rank, 0, what); /* a no_sync pass: records nothing */
-        CHECK_OK(ddp_reducer_stats(r, &st), g);
+        CHECK_OK(ddp_reducer_get_statistics(r, &st), g);
         CHECK(!st.rebuilt, "%s: rebuilt after a no_sync pass", what);
         check_expect(r, INITIAL, what, rank);
         before = ddp_reducer_grad(r, 5);
         pass(r, rank, 1, what); /* checks the values at the (moved) gradients */
         check_expect(r, REBUILT, what, rank);
-        CHECK_OK(ddp_reducer_stats(r, &st), g);
+        CHECK_OK(ddp_reducer_get_statistics(r, &st), g);
         CHECK(st.rebuilt && st.buckets == 3, "%s: rebuilt %d, %d buckets", what, st.rebuilt, st.buckets);
         CHECK(view ? ddp_reducer_grad(r, 5) != before : ddp_reducer_grad(r, 5) == (void *)G[5], "%s: gradient pointer", what);
         pass(r, rank, 1, what);
@@ -175,7 +175,7 @@ static void rebuild_tests(ddp_group *g, int rank) {
     pass(r, rank, 1, "find_unused");
     pass(r, rank, 1, "find_unused");
     check_expect(r, INITIAL, "find_unused", rank);
-    CHECK_OK(ddp_reducer_stats(r, &st), g);
+    CHECK_OK(ddp_reducer_get_statistics(r, &st), g);
     CHECK(!st.rebuilt, "find_unused: rebuilt");
     six_free(r, P, G);
 }

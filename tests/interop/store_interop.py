@@ -232,7 +232,9 @@ def part_b(peer):
 def part_c(peer):
     port = free_port()
     worker = os.path.join(os.path.dirname(os.path.abspath(__file__)), "store_torchrun_worker.py")
-    # torch 1.13 on Python 3.11 needs --redirects/--tee (see REFERENCE.md); underscore spellings only
+    # torch 1.13 on Python 3.11 needs --redirects/--tee: their default "0" makes Std.from_str return None
+    # (torch/distributed/elastic/multiprocessing/api.py: 3.11 no longer iterates the 0 flag Std.NONE);
+    # underscore spellings only (torch/distributed/run.py of 1.13: --nproc_per_node, --master_port)
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "3", "--redirects", "1", "--tee", "1",
            "--master_port", str(port), worker, os.path.abspath(peer)]
     proc = subprocess.run(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, timeout=120)

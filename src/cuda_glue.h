@@ -1,0 +1,97 @@
+/* [SECTION] cuda-glue: the nccl backend's communicator, implemented in ddp_cuda.cu (with DDP_CUDA)
+   torch's ProcessGroupNCCL. Private: ddp.h's implementation (src/nccl.c) calls these when a program
+   asks for backend "nccl" (ddp_init), and ddp_cuda.cu (which defines DDP__CUDA_GLUE before including
+   ddp.h) defines them; a user's program sees none of it and uses the group's collectives. Unlike the
+   other private functions they are not static: ddp_cuda.cu defines them and the linker joins the two.
+   Link with -lcudart -lnccl (NCCL >= 2.10: ncclAvg, ncclBfloat16). Every call makes the communicator's
+   device current for its duration and restores the caller's. Errors go to err (err_size bytes;
+   NULL = none). Thread safety: one thread at a time per communicator. */
+#if defined(DDP_CUDA) && (defined(DDP_IMPLEMENTATION) || defined(DDP__CUDA_GLUE)) && !defined(DDP__CUDA_GLUE_INCLUDED)
+#define DDP__CUDA_GLUE_INCLUDED
+
+#define DDP__CUDA_NCCL_ID_BYTES 128 /* sizeof(ncclUniqueId) */
+typedef struct ddp__cuda_nccl ddp__cuda_nccl;
+
+/* The collectives, numbered as ddp.h numbers them internally. */
+typedef enum ddp__cuda_coll {
+    DDP__CUDA_ALL_REDUCE = 1,
+    DDP__CUDA_BROADCAST,
+    DDP__CUDA_REDUCE,
+    DDP__CUDA_ALL_GATHER,
+    DDP__CUDA_REDUCE_SCATTER,
+    DDP__CUDA_BARRIER /* a 1-element all-reduce, as torch's barrier on NCCL */
+} ddp__cuda_coll;
+
+/* ddp__cuda_nccl_device: choose this rank's GPU and make it the calling thread's current device
+   (cudaSetDevice): local_rank when local_rank < the number of visible devices; device 0 when exactly
+   one is visible (each rank given its own GPU, e.g. srun --gpus-per-task=1). *device receives it.
+   Return: DDP_SUCCESS; DDP_ERR_UNSUPPORTED when no device is visible ("no CUDA device visible
+   (cudaGetDeviceCount = 0): use the cpu backend") or when local_rank has no device of its own;
+   DDP_ERR_SYSTEM when cudaSetDevice fails. */
+DDP_API ddp_result ddp__cuda_nccl_device(int local_rank, int *device, char *err, size_t err_size);
+
+/* ddp__cuda_nccl_unique_id: ncclGetUniqueId into id (DDP__CUDA_NCCL_ID_BYTES opaque bytes), made by one rank
+   and handed to the others (ddp.h passes it through the store). DDP_ERR_SYSTEM when NCCL fails. */
+DDP_API ddp_result ddp__cuda_nccl_unique_id(unsigned char *id, char *err, size_t err_size);
+
+/* ddp__cuda_nccl_create: ncclCommInitRank(nranks, id, rank) on device; collective over the nranks ranks
+   that share id (it returns once all have joined). The stream starts as NULL (the legacy default
+   stream). Return: DDP_SUCCESS; DDP_ERR_SYSTEM (CUDA or NCCL failed: the message has their text);
+   DDP_ERR_OUT_OF_MEMORY; DDP_ERR_INVALID_ARGUMENT. */
+DDP_API ddp_result ddp__cuda_nccl_create(const unsigned char *id, int rank, int nranks, int device,
+                                        ddp__cuda_nccl **out, char *err, size_t err_size);
+
+/* ddp__cuda_nccl_destroy: ncclCommDestroy (which first completes the communicator's operations), or
+   ncclCommAbort when abort is nonzero (after an error: nothing is waited for); frees c. NULL: no-op. */
+DDP_API void ddp__cuda_nccl_destroy(ddp__cuda_nccl *c, int abort);
+
+/* The stream (cudaStream_t; NULL = the legacy default stream) that collectives and copies are queued
+   on, and the device of c. */
+DDP_API void ddp__cuda_nccl_set_stream(ddp__cuda_nccl *c, void *stream);
+DDP_API void *ddp__cuda_nccl_stream(const ddp__cuda_nccl *c);
+DDP_API int ddp__cuda_nccl_device_of(const ddp__cuda_nccl *c);
+
+/* ddp__cuda_is_device_pointer: 1 when p is memory a GPU kernel can use as device memory (cudaMalloc'd,
+   or managed), 0 for host memory (pageable or pinned), NULL, or when CUDA cannot tell. */
+DDP_API int ddp__cuda_is_device_pointer(const void *p);
+
+/* ddp__cuda_nccl_enqueue: queue one collective on c's stream, then record a CUDA event after it.
+   send/recv as ddp.h's collectives (all_reduce, broadcast, reduce: recv is the in-place buffer and send
+   is ignored; all_gather / reduce_scatter: count per rank, send may be recv's own slice or recv
+   itself). op AVG is ncclAvg. *event receives the event, for ddp__cuda_nccl_wait / _test (exactly one
+   ddp__cuda_nccl_wait per event releases it). Return: DDP_SUCCESS; DDP_ERR_UNSUPPORTED (dtype or op);
+   DDP_ERR_SYSTEM when NCCL or CUDA refuses (the communicator is then aborted); DDP_ERR_STATE when an
+   earlier error aborted it. */
+DDP_API ddp_result ddp__cuda_nccl_enqueue(ddp__cuda_nccl *c, ddp__cuda_coll kind, const void *send, void *recv,
+                                         size_t count, ddp_dtype dtype, ddp_op op, int root, void **event,
+                                         char *err, size_t err_size);
+
+/* ddp__cuda_nccl_copy: bytes from src to dst (device or host memory, either side) queued on c's stream.
+   When either side is host memory, *event receives an event to wait for before the host memory is
+   used again (else *event = NULL). Return: DDP_SUCCESS or DDP_ERR_SYSTEM. */
+DDP_API ddp_result ddp__cuda_nccl_copy(ddp__cuda_nccl *c, void *dst, const void *src, size_t bytes, void **event,
+                                      char *err, size_t err_size);
+
+/* Device memory on c's device: ddp__cuda_nccl_alloc gives bytes of zeroed memory (NULL for 0 bytes);
+   ddp__cuda_nccl_zero queues a memset on c's stream; ddp__cuda_nccl_free releases (NULL: no-op; it waits
+   for the device, as cudaFree does). */
+DDP_API ddp_result ddp__cuda_nccl_alloc(ddp__cuda_nccl *c, size_t bytes, void **out, char *err, size_t err_size);
+DDP_API ddp_result ddp__cuda_nccl_zero(ddp__cuda_nccl *c, void *dst, size_t bytes, char *err, size_t err_size);
+DDP_API void ddp__cuda_nccl_free(ddp__cuda_nccl *c, void *p);
+
+/* ddp__cuda_nccl_wait: the watchdog (torch's ProcessGroupNCCL watchdog, on the waiting thread). Polls the
+   event (cudaEventQuery) until the work before it is complete; meanwhile checks ncclCommGetAsyncError,
+   the deadline (timeout seconds after the event was recorded) and, when watch is not NULL,
+   watch(user) (ddp.h looks at the other ranks' connections there). On an NCCL error, a CUDA error, the
+   deadline or a failed watch, the communicator is aborted (ncclCommAbort), so that no rank hangs.
+   what names the operation in messages ("all_reduce(count=4, f32, sum) as collective #7"). Releases
+   the event in every case. Return: DDP_SUCCESS; DDP_ERR_TIMEOUT; DDP_ERR_SYSTEM (NCCL or CUDA error);
+   watch's error; DDP_ERR_STATE when an earlier error had aborted the communicator. */
+DDP_API ddp_result ddp__cuda_nccl_wait(ddp__cuda_nccl *c, void *event, double timeout, const char *what,
+                                      ddp_result (*watch)(void *user), void *user, char *err, size_t err_size);
+
+/* ddp__cuda_nccl_test: nonzero when the work before event is complete (or failed: then
+   ddp__cuda_nccl_wait returns at once with the error). Does not release the event. */
+DDP_API int ddp__cuda_nccl_test(ddp__cuda_nccl *c, void *event);
+
+#endif /* DDP__CUDA_GLUE_INCLUDED */
