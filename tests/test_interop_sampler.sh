@@ -20,7 +20,7 @@ if ! "$PY" -c "import torch" 2>/dev/null; then
 fi
 mkdir -p "$BUILD/interop"
 W="$BUILD/interop"
-[ -f ddp.h ] || python3 amalgamate.py
+[ -f ddp.h ] || { echo "no ddp.h (make header writes it)"; exit 1; }
 if [ -z "${SANFLAGS:-}" ]; then  # as the Makefile sets them, when only SAN is given
   case "${SAN:-}" in
     address) SANFLAGS="-fsanitize=address,undefined -fno-omit-frame-pointer -fno-sanitize-recover=all" ;;
