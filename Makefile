@@ -1,5 +1,5 @@
 # ddp.h build. `make` builds the tools, examples, tests and benchmarks against the generated ddp.h;
-# `make test` runs every test and ends with "N passed, N failed".
+# `make test` runs every test and ends with "N passed, N failed, N skipped"; `make test-quick` runs the quick tier.
 #   make test SAN=address    AddressSanitizer + UndefinedBehaviorSanitizer (build-address/)
 #   make test SAN=thread     ThreadSanitizer (build-thread/)
 #   make GPU=1               also build ddp_cuda.cu and the GPU programs with nvcc (needs CUDA and NCCL)
@@ -19,18 +19,19 @@ ifeq ($(SAN),thread)
   SANFLAGS := -fsanitize=thread
 endif
 
-TESTS    := $(patsubst tests/%.c,$(BUILD)/%,$(wildcard tests/test_*.c))
+TEST_PROGS := $(patsubst tests/%.c,$(BUILD)/%,$(wildcard tests/test_*.c))
 EXAMPLES := $(patsubst examples/%.c,$(BUILD)/%,$(wildcard examples/*.c))
 BENCHES  := $(patsubst bench/%.c,$(BUILD)/%,$(wildcard bench/*.c))
 TOOLS    := $(BUILD)/ddprun
 
-.PHONY: all test clean header check demo
-all: $(TOOLS) $(TESTS) $(EXAMPLES) $(BENCHES)
+.PHONY: all test test-quick clean header check demo
+all: $(TOOLS) $(TEST_PROGS) $(EXAMPLES) $(BENCHES)
 
-# The header is generated from src/; CI also checks that the committed copy is fresh.
-ddp.h: amalgamate.py $(wildcard src/*)
+# ddp.h is generated from src/ and committed. Building and testing use the committed copy and never
+# regenerate it: `make header` is the one way to write it (python3 amalgamate.py), and `make check`
+# (CI's first step) fails when it differs from what src/ gives.
+header:
 	python3 amalgamate.py
-header: ddp.h
 check:
 	python3 amalgamate.py --check
 
@@ -69,8 +70,12 @@ $(BUILD)/%: bench/%.c ddp.h | $(BUILD)
 demo: $(BUILD)/ddprun $(BUILD)/train_demo
 	$(BUILD)/ddprun --nproc-per-node 4 $(BUILD)/train_demo --dir $(BUILD)/demo_ckpt $(DEMO_FLAGS)
 
+# make test: every test (the full tier). make test-quick: the unit and multi-process correctness tests
+# that need only a C compiler (a few minutes). tests/README.md lists the tests and their tiers.
 test: all
-	BUILD=$(BUILD) SAN=$(SAN) SANFLAGS="$(SANFLAGS)" tests/run_tests.sh
+	BUILD=$(BUILD) SAN=$(SAN) SANFLAGS="$(SANFLAGS)" TIER=full tests/run_tests.sh
+test-quick: $(TOOLS) $(TEST_PROGS) $(EXAMPLES)
+	BUILD=$(BUILD) SAN=$(SAN) SANFLAGS="$(SANFLAGS)" TIER=quick tests/run_tests.sh
 
 clean:
 	rm -rf build build-address build-thread

@@ -1,20 +1,57 @@
 #!/usr/bin/env bash
-# Runs every test: the programs $BUILD/test_* and the scripts tests/test_*.sh.
-# A test passes with exit 0, is skipped with exit 77 (it says why), and fails otherwise.
+# Runs the tests: the programs $BUILD/test_* (built from tests/test_*.c) and the scripts tests/test_*.sh.
+#   TIER=quick   the unit and multi-process correctness tests that need only a C compiler (`make test-quick`)
+#   TIER=full    everything (the default; `make test`): quick + sanitizers, valgrind, fuzzing, torch/MPI
+#                interop, CUDA/NCCL builds, CMake, network namespaces
+#   TESTS="name1 name2"  runs only those, whatever their tier (a name that is no test fails)
+# A test passes with exit 0, is skipped with exit 77 (its last line says why), and fails otherwise. A test
+# that passes may also report a part of itself that could not run here (no GPU, too little memory): it
+# prints a line "SKIP-PART <part>: <why>", and each such line counts as one more skipped entry
+# ("SKIP name (<part>): <why>"), so what did not run is never counted as passed.
 # Each test's output goes to $BUILD/logs/NAME.log and is printed when it fails. Each test may run
 # TEST_TIMEOUT seconds (default 900; twice that for the sanitizer runs).
-# Ends with the summary line "N passed, N failed, N skipped"; exits 1 when any failed.
-# TESTS="name1 name2" runs only those.
+# Ends with the ten slowest tests, the suite's wall time and, as the last line,
+# "N passed, N failed, N skipped"; exits 1 when any failed. tests/README.md lists every test.
 set -u
 cd "$(dirname "$0")/.."
+
+# The tier of every test, in this one place (tests/README.md describes each). A test missing here runs
+# only in the full tier, and the runner says so.
+QUICK="
+  test_auth test_checkpoint test_checkpoint_fault test_checkpoint_ranks test_collectives test_dtype
+  test_errors test_hier test_init test_reducer test_reducer_buckets test_reducer_errors test_sampler
+  test_shm_alloc test_shm_cma test_spawn test_store test_syncbn test_syncbn_ranks test_tcp_algorithms
+  test_ddprun test_examples test_demo
+"
+FULL="
+  test_compile test_faults test_cuda_kernels test_sanitizers test_sanitizers_thread test_valgrind test_fuzz
+  test_interop_checkpoint test_interop_ddprun test_interop_reducer test_interop_sampler test_interop_store
+  test_interop_syncbn test_launchers test_mpi test_cmake test_cuda_compile test_nccl test_netns
+"
+
 BUILD=${BUILD:-build}
 export BUILD
+TIER=${TIER:-full}
+case $TIER in quick|full) ;; *) echo "TIER must be quick or full, not '$TIER'"; exit 2 ;; esac
 TIMEOUT=${TEST_TIMEOUT:-900}
 mkdir -p "$BUILD/logs"
-passed=0 failed=0 skipped=0 failures=""
+passed=0 failed=0 skipped=0 failures="" times="" seen=" "
+suite_start=$(date +%s%N)
+tier_of() {
+  if [[ " $(echo $QUICK) " == *" $1 "* ]]; then echo quick
+  elif [[ " $(echo $FULL) " == *" $1 "* ]]; then echo full
+  else echo unknown; fi
+}
 run_one() {
   local name=$1; shift
-  if [ -n "${TESTS:-}" ] && ! [[ " $TESTS " == *" $name "* ]]; then return; fi
+  seen="$seen$name "
+  local tier; tier=$(tier_of "$name")
+  if [ -n "${TESTS:-}" ]; then
+    [[ " $TESTS " == *" $name "* ]] || return
+  else
+    [ "$tier" = unknown ] && echo "note: $name is in no tier in tests/run_tests.sh: it runs in the full tier only"
+    [ "$TIER" = quick ] && [ "$tier" != quick ] && return
+  fi
   local log="$BUILD/logs/$name.log" start end rc limit=$TIMEOUT
   # the sanitizer runs build ~20 instrumented programs first: 6-12 minutes seen on a 2-core machine
   case $name in test_sanitizers*) limit=$((TIMEOUT * 2)) ;; esac
@@ -24,8 +61,13 @@ run_one() {
   end=$(date +%s%N)
   local ms=$(( (end - start) / 1000000 )) secs
   secs=$(printf '%d.%d' $((ms / 1000)) $(((ms % 1000) / 100)))
+  times="$times$secs $name"$'\n'
   if [ $rc -eq 0 ]; then
     passed=$((passed + 1)); echo "PASS $name (${secs}s)"
+    local part
+    while IFS= read -r part; do
+      skipped=$((skipped + 1)); echo "SKIP $name (${part%%:*}):${part#*:}"
+    done < <(sed -n 's/^SKIP-PART //p' "$log")
   elif [ $rc -eq 77 ]; then
     skipped=$((skipped + 1)); echo "SKIP $name: $(tail -n 1 "$log")"
   else
@@ -35,13 +77,26 @@ run_one() {
   fi
 }
 for t in "$BUILD"/test_*; do
-  [ -x "$t" ] || continue
+  [ -x "$t" ] && [ -f "$t" ] || continue
   run_one "$(basename "$t")" "$t"
 done
 for s in tests/test_*.sh; do
   [ -f "$s" ] || continue
   run_one "$(basename "$s" .sh)" bash "$s"
 done
+for n in ${TESTS:-}; do
+  [[ "$seen" == *" $n "* ]] && continue
+  failed=$((failed + 1)); failures="$failures $n"
+  echo "FAIL $n: no such test (no $BUILD/$n program -- run make first -- and no tests/$n.sh)"
+done
+if [ -n "$times" ]; then
+  echo "slowest:"
+  printf '%s' "$times" | sort -rn | head -n 10 | awk '{ printf "  %8.1fs  %s\n", $1, $2 }'
+fi
+suite_end=$(date +%s%N)
+wall=$(( (suite_end - suite_start) / 1000000000 ))
+if [ -n "${TESTS:-}" ]; then what="TESTS=\"$TESTS\""; else what="TIER=$TIER"; fi
+echo "wall time: $((wall / 60))m$((wall % 60))s ($what)"
 [ -n "$failures" ] && echo "failed:$failures"
 echo "$passed passed, $failed failed, $skipped skipped"
 [ $failed -eq 0 ]

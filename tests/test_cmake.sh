@@ -155,5 +155,5 @@ target_link_libraries(cuda_consumer PRIVATE ddp::cuda)"
   echo "$out" | grep -q "^cuda consumer: .*channels is 0" || fail "ddp::cuda: unexpected output"
   ok "DDP_WITH_CUDA: ddp::cuda built with $("$NVCC" --version | tail -n 1 | sed 's/^Build //'), linked into a C program"
 else
-  echo "(nvcc not found: DDP_WITH_CUDA not tried)"
+  echo "SKIP-PART DDP_WITH_CUDA part: nvcc not found"
 fi

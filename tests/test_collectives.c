@@ -26,54 +26,12 @@ static int64_t value(int r, size_t i, ddp_dtype t, ddp_op op, int salt) {
     return (int64_t)(h % 7) - 3;
 }
 
-static int is_float(ddp_dtype t) { return t == DDP_F32 || t == DDP_F64 || t == DDP_F16 || t == DDP_BF16; }
-
-/* Wrap an exact integer to the dtype's range, as two's complement hardware does. */
-static int64_t wrap(int64_t v, ddp_dtype t) {
-    switch (t) {
-    case DDP_I8: return (int8_t)(uint8_t)(uint64_t)v;
-    case DDP_U8: return (uint8_t)(uint64_t)v;
-    case DDP_I32: return (int32_t)(uint32_t)(uint64_t)v;
-    default: return v;
-    }
-}
-
-/* The serial reference for element i of op over ranks 0..n-1. */
+/* The serial reference for element i of op over ranks 0..n-1 (testlib.h's tl_reduce_small). */
 static double expected(int n, size_t i, ddp_dtype t, ddp_op op, int salt) {
-    int64_t acc = value(0, i, t, op, salt);
-    int r;
-    for (r = 1; r < n; r++) {
-        int64_t v = value(r, i, t, op, salt);
-        switch (op) {
-        case DDP_SUM: case DDP_AVG: acc += v; break;
-        case DDP_PROD: acc *= v; break;
-        case DDP_MIN: acc = v < acc ? v : acc; break;
-        case DDP_MAX: acc = v > acc ? v : acc; break;
-        default: break;
-        }
-    }
-    if (op != DDP_AVG) return (double)wrap(acc, t);
-    if (!is_float(t)) return (double)(wrap(acc, t) / n); /* wrapped sum, truncated toward zero */
-    if (t == DDP_F64) return (double)acc / n;
-    if (t == DDP_F32) return (float)acc / (float)n;
-    if (t == DDP_F16) return tl_ref_f16((float)acc / (float)n);
-    return tl_ref_bf16((float)acc / (float)n);
+    return tl_expected(value, n, i, t, op, salt);
 }
-
 static void fill(void *buf, size_t count, int r, ddp_dtype t, ddp_op op, int salt) {
-    size_t i;
-    for (i = 0; i < count; i++) tl_store_value(buf, i, t, (double)value(r, i, t, op, salt));
-}
-
-static void check_equal(const void *buf, size_t i, ddp_dtype t, double want, const char *what, int rank) {
-    double got = tl_load_value(buf, i, t);
-    CHECK(got == want, "rank %d: %s: element %zu is %g, expected %g", rank, what, i, got, want);
-}
-
-static unsigned char *xalloc(size_t n) {
-    unsigned char *p = (unsigned char *)malloc(n ? n : 1);
-    CHECK(p != NULL, "out of memory");
-    return p;
+    tl_fill(value, buf, count, r, t, op, salt);
 }
 
 static int worker(int rank, int n, void *arg) {
@@ -93,8 +51,8 @@ static int worker(int rank, int n, void *arg) {
             char what[128];
             int big = count > 1000;
             if (big && getenv("TEST_QUICK")) continue; /* sanitizer runs: small counts exercise the same code */
-            a = xalloc(count * es * (size_t)n);
-            b = xalloc(count * es * (size_t)n);
+            a = tl_xalloc(count * es * (size_t)n);
+            b = tl_xalloc(count * es * (size_t)n);
             for (oi = 0; oi < NOPS; oi++) {
                 ddp_op op = ops[oi];
                 if (big && op != DDP_SUM && op != DDP_AVG && (t != DDP_F32 || op != DDP_MAX) && t != DDP_I8) continue;
@@ -103,14 +61,14 @@ static int worker(int rank, int n, void *arg) {
                 fill(a, count, rank, t, op, salt);
                 snprintf(what, sizeof what, "all_reduce(%s, %s, count %zu)", ddp_dtype_name(t), ddp_op_name(op), count);
                 CHECK_OK(ddp_all_reduce(g, a, count, t, op), g);
-                for (i = 0; i < count; i++) check_equal(a, i, t, expected(n, i, t, op, salt), what, rank);
+                for (i = 0; i < count; i++) tl_check_equal(a, i, t, expected(n, i, t, op, salt), what, rank);
                 /* reduce to each root in turn (a few roots for the big count) */
                 for (root = 0; root < n; root += big ? (n > 1 ? n - 1 : 1) : 1) {
                     fill(a, count, rank, t, op, salt);
                     snprintf(what, sizeof what, "reduce(%s, %s, count %zu, root %d)", ddp_dtype_name(t), ddp_op_name(op), count, root);
                     CHECK_OK(ddp_reduce(g, a, count, t, op, root), g);
                     for (i = 0; i < count; i++)
-                        check_equal(a, i, t, rank == root ? expected(n, i, t, op, salt) : (double)value(rank, i, t, op, salt), what, rank);
+                        tl_check_equal(a, i, t, rank == root ? expected(n, i, t, op, salt) : (double)value(rank, i, t, op, salt), what, rank);
                 }
                 /* reduce_scatter: out of place, then in place (send + rank * count == recv) */
                 {
@@ -122,7 +80,7 @@ static int worker(int rank, int n, void *arg) {
                                  count, k ? "in place" : "out of place");
                         CHECK_OK(ddp_reduce_scatter(g, a, recv, count, t, op), g);
                         for (i = 0; i < count; i++)
-                            check_equal(recv, i, t, expected(n, (size_t)rank * count + i, t, op, salt), what, rank);
+                            tl_check_equal(recv, i, t, expected(n, (size_t)rank * count + i, t, op, salt), what, rank);
                     }
                 }
             }
@@ -132,7 +90,7 @@ static int worker(int rank, int n, void *arg) {
                 fill(a, count, rank, t, DDP_SUM, salt);
                 snprintf(what, sizeof what, "broadcast(%s, count %zu, root %d)", ddp_dtype_name(t), count, root);
                 CHECK_OK(ddp_broadcast(g, a, count, t, root), g);
-                for (i = 0; i < count; i++) check_equal(a, i, t, (double)value(root, i, t, DDP_SUM, salt), what, rank);
+                for (i = 0; i < count; i++) tl_check_equal(a, i, t, (double)value(root, i, t, DDP_SUM, salt), what, rank);
             }
             for (i = 0; i < 2; i++) {
                 size_t k, r;
@@ -142,7 +100,7 @@ static int worker(int rank, int n, void *arg) {
                 snprintf(what, sizeof what, "all_gather(%s, count %zu, %s)", ddp_dtype_name(t), count, i ? "in place" : "out of place");
                 CHECK_OK(ddp_all_gather(g, send, a, count, t), g);
                 for (r = 0; r < (size_t)n; r++)
-                    for (k = 0; k < count; k++) check_equal(a, r * count + k, t, (double)value((int)r, k, t, DDP_SUM, salt), what, rank);
+                    for (k = 0; k < count; k++) tl_check_equal(a, r * count + k, t, (double)value((int)r, k, t, DDP_SUM, salt), what, rank);
             }
             free(a);
             free(b);

@@ -9,7 +9,7 @@ out=$(mktemp -d)
 trap 'rm -rf "$out"' EXIT
 flags="-Wall -Wextra -Werror -pedantic -pthread -I."
 for cc in gcc clang; do
-  command -v $cc >/dev/null || { echo "skip $cc: not installed"; continue; }
+  command -v $cc >/dev/null || { echo "SKIP-PART $cc part: $cc is not installed"; continue; }
   cxx=$([ $cc = gcc ] && echo g++ || echo clang++)
   for opt in -O0 -O2 -O3; do
     $cc -std=c99 $opt $flags -c tests/compile/user.c -o "$out/user.o"
@@ -39,5 +39,5 @@ if [ -x "$nvcc" ]; then
   "$nvcc" -std=c++17 -I. -Xcompiler -Wall,-Wextra,-Werror -c "$out/api.cu" -o "$out/api_cu.o"
   echo "nvcc: the header compiles as CUDA C++: ok"
 else
-  echo "nvcc not installed: the CUDA C++ compile of the header was not checked"
+  echo "SKIP-PART nvcc part: nvcc is not installed (the header's CUDA C++ compile was not checked)"
 fi

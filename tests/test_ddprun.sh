@@ -139,7 +139,7 @@ if command -v taskset >/dev/null && [ "$(getconf _NPROCESSORS_ONLN)" -ge 2 ]; th
   [ "$(binds --nproc-per-node 2 --cpu-bind none)" = "$(printf '0 0-1\n1 0-1')" ] || fail "--cpu-bind none: $(binds --nproc-per-node 2 --cpu-bind none)"
   ok "--cpu-bind auto: one CPU each for 2 workers on 2 CPUs; unbound when oversubscribed or with none"
 else
-  echo "note: --cpu-bind not checked (needs taskset and 2 CPUs)"
+  echo "SKIP-PART --cpu-bind part: needs taskset and 2 CPUs"
 fi
 
 # ---- bad command lines: exit 2 and a message that says what is wrong ----

@@ -41,23 +41,13 @@ static int64_t value(int r, size_t i, ddp_dtype t, ddp_op op, int salt) {
 }
 
 static double expected(int n, size_t i, ddp_dtype t, ddp_op op, int salt) {
-    int64_t vals[256] = {0};
-    int r;
-    for (r = 0; r < n && r < 256; r++) vals[r] = value(r, i, t, op, salt);
-    return tl_reduce_small(vals, n, t, op);
+    return tl_expected(value, n, i, t, op, salt);
 }
-
 static void fill(void *buf, size_t count, int r, ddp_dtype t, ddp_op op, int salt) {
-    size_t i;
-    for (i = 0; i < count; i++) tl_store_value(buf, i, t, (double)value(r, i, t, op, salt));
+    tl_fill(value, buf, count, r, t, op, salt);
 }
-
 static void check_all(const void *buf, size_t count, ddp_dtype t, int n, ddp_op op, int salt, const char *what, int rank) {
-    size_t i;
-    for (i = 0; i < count; i++) {
-        double got = tl_load_value(buf, i, t), want = expected(n, i, t, op, salt);
-        CHECK(got == want, "rank %d: %s: element %zu is %g, expected %g", rank, what, i, got, want);
-    }
+    tl_check_reduced(value, buf, count, t, n, op, salt, what, rank);
 }
 
 /* ---- groups whose debug log is watched for "single-copy" ---- */
@@ -72,15 +62,7 @@ static void watch_log(ddp_log_level level, int rank, const char *msg, void *user
 }
 static int copies(void) { return __atomic_load_n(&single_copies, __ATOMIC_RELAXED); }
 
-static ddp_group *init_watched(void) {
-    ddp_init_desc d;
-    ddp_group *g;
-    memset(&d, 0, sizeof d);
-    d.log_level = DDP_LOG_DEBUG;
-    d.log_fn = watch_log;
-    CHECK_OK(ddp_init(&d, &g), NULL);
-    return g;
-}
+static ddp_group *init_watched(void) { return tl_init_logged(watch_log); }
 
 /* A buffer of bytes: library memory (a sub-range shift bytes into a block) or malloc memory. */
 typedef struct buffer {

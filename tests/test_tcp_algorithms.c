@@ -30,7 +30,6 @@ static void counts_for(size_t es, size_t *out) {
     out[7] = 4 * DDP__RD_MAX_BYTES + 1001; /* the ring for every dtype, with a ragged last chunk */
 }
 
-static int is_float(ddp_dtype t) { return t == DDP_F32 || t == DDP_F64 || t == DDP_F16 || t == DDP_BF16; }
 
 /* The value rank r puts at element i: random floats (so that the order of additions shows in the
    low bits), zeros of both signs among them for MIN / MAX, factors near 1 for PROD; small integers
@@ -38,22 +37,13 @@ static int is_float(ddp_dtype t) { return t == DDP_F32 || t == DDP_F64 || t == D
 static double value(int r, size_t i, ddp_dtype t, ddp_op op, int salt) {
     uint64_t st = ((uint64_t)i << 20) ^ ((uint64_t)r << 8) ^ (uint64_t)salt, h = tl_rand(&st);
     double u = (double)(h >> 11) / 9007199254740992.0; /* [0, 1) */
-    if (!is_float(t)) {
+    if (!tl_is_float(t)) {
         if (op == DDP_PROD) return t == DDP_U8 ? (double)(h % 2 + 1) : (h % 3 == 0 ? -1.0 : (double)(h % 3));
         return t == DDP_U8 ? (double)(h % 4) : (double)(h % 7) - 3.0;
     }
     if (op == DDP_PROD) return 0.5 + u;
     if ((op == DDP_MIN || op == DDP_MAX) && h % 4 == 0) return (h & 16) ? -0.0 : 0.0;
     return 2.0 * u - 1.0;
-}
-
-static int64_t wrap(int64_t v, ddp_dtype t) {
-    switch (t) {
-    case DDP_I8: return (int8_t)(uint8_t)(uint64_t)v;
-    case DDP_U8: return (uint8_t)(uint64_t)v;
-    case DDP_I32: return (int32_t)(uint32_t)(uint64_t)v;
-    default: return v;
-    }
 }
 
 /* Unit roundoff of a float dtype. */
@@ -91,23 +81,18 @@ static double reference(int n, size_t i, ddp_dtype t, ddp_op op, int salt, doubl
         }
     }
     *tol = 0;
-    if (!is_float(t)) return op == DDP_AVG ? (double)(wrap(iacc, t) / n) : (double)wrap(iacc, t);
+    if (!tl_is_float(t)) return op == DDP_AVG ? (double)(tl_wrap(iacc, t) / n) : (double)tl_wrap(iacc, t);
     if (op == DDP_SUM || op == DDP_AVG) /* + f16's subnormal spacing, for sums of tiny values */
         *tol = 2.0 * n * mag * eps_of(t) / (op == DDP_AVG ? n : 1) + eps_of(t) * (op == DDP_AVG) + n / 16777216.0;
     if (op == DDP_PROD) *tol = 2.0 * n * fabs(acc) * eps_of(t);
     return op == DDP_AVG ? acc / n : acc;
 }
 
-static unsigned char *xalloc(size_t n) {
-    unsigned char *p = (unsigned char *)malloc(n ? n : 1);
-    CHECK(p != NULL, "out of memory");
-    return p;
-}
 
 /* One all_reduce: against the reference, then byte for byte against every other rank. */
 static void check_one(ddp_group *g, int rank, int n, ddp_dtype t, ddp_op op, size_t count, int salt) {
     size_t es = ddp_dtype_size(t), bytes = count * es, i;
-    unsigned char *buf = xalloc(bytes), *all = xalloc(bytes * (size_t)n);
+    unsigned char *buf = tl_xalloc(bytes), *all = tl_xalloc(bytes * (size_t)n);
     int r;
     for (i = 0; i < count; i++) tl_store_value(buf, i, t, value(rank, i, t, op, salt));
     CHECK_OK(ddp_all_reduce(g, buf, count, t, op), g);

@@ -242,6 +242,60 @@ TL_FN double tl_reduce_small(const int64_t *vals, int n, ddp_dtype t, ddp_op op)
     }
 }
 
+TL_FN int tl_is_float(ddp_dtype t) { return t == DDP_F32 || t == DDP_F64 || t == DDP_F16 || t == DDP_BF16; }
+
+/* malloc that never returns NULL (a test fails instead); 0 bytes gives a valid pointer. */
+TL_FN unsigned char *tl_xalloc(size_t n) {
+    unsigned char *p = (unsigned char *)malloc(n ? n : 1);
+    CHECK(p != NULL, "out of memory for %zu bytes", n);
+    return p;
+}
+
+/* ---- the collective tests' serial reference: every rank contributes small integers ----
+   A test defines its data by a tl_value_fn: the small integer rank r puts at element i (every dtype
+   must hold it, and every partial result of the reduction, exactly). */
+typedef int64_t (*tl_value_fn)(int r, size_t i, ddp_dtype t, ddp_op op, int salt);
+
+/* What element i must be after reducing ranks 0..n-1's values with op, as dtype t holds it. */
+TL_FN double tl_expected(tl_value_fn value, int n, size_t i, ddp_dtype t, ddp_op op, int salt) {
+    int64_t vals[256];
+    int r;
+    CHECK(n >= 1 && n <= 256, "tl_expected: %d ranks", n);
+    for (r = 0; r < n; r++) vals[r] = value(r, i, t, op, salt);
+    return tl_reduce_small(vals, n, t, op);
+}
+
+/* Rank r's contribution: buf[0..count-1] = value(r, i, ...). */
+TL_FN void tl_fill(tl_value_fn value, void *buf, size_t count, int r, ddp_dtype t, ddp_op op, int salt) {
+    size_t i;
+    for (i = 0; i < count; i++) tl_store_value(buf, i, t, (double)value(r, i, t, op, salt));
+}
+
+/* Element i of buf must be want, exactly ("rank R: WHAT: element I is X, expected Y" otherwise). */
+TL_FN void tl_check_equal(const void *buf, size_t i, ddp_dtype t, double want, const char *what, int rank) {
+    double got = tl_load_value(buf, i, t);
+    CHECK(got == want, "rank %d: %s: element %zu is %g, expected %g", rank, what, i, got, want);
+}
+
+/* Every element of buf must be the reduction of n ranks' values with op. */
+TL_FN void tl_check_reduced(tl_value_fn value, const void *buf, size_t count, ddp_dtype t, int n, ddp_op op, int salt,
+                            const char *what, int rank) {
+    size_t i;
+    for (i = 0; i < count; i++) tl_check_equal(buf, i, t, tl_expected(value, n, i, t, op, salt), what, rank);
+}
+
+/* ddp_init from the environment with the debug log going to log_fn (which the test uses to watch
+   what path a collective took). */
+TL_FN ddp_group *tl_init_logged(ddp_log_fn log_fn) {
+    ddp_init_desc d;
+    ddp_group *g;
+    memset(&d, 0, sizeof d);
+    d.log_level = DDP_LOG_DEBUG;
+    d.log_fn = log_fn;
+    CHECK_OK(ddp_init(&d, &g), NULL);
+    return g;
+}
+
 /* Can this process play another host (a UTS namespace of its own: root or CAP_SYS_ADMIN)? Tried in a
    child. Tests that need several hosts on one machine put ranks in such namespaces with another name. */
 TL_FN int tl_can_play_hosts(void) {
