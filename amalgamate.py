@@ -2,8 +2,9 @@
 """Pack the pieces under src/ into the single header ddp.h.
 
     python3 amalgamate.py           # write ddp.h
-    python3 amalgamate.py --check   # exit 1 if ddp.h differs from a fresh build, or if the code reads
-                                    # an environment variable that the header's ENVIRONMENT block omits
+    python3 amalgamate.py --check   # exit 1 if ddp.h differs from a fresh build, if the code reads an
+                                    # environment variable that the header's ENVIRONMENT block omits,
+                                    # or if a piece of src/ does not compile on its own
 
 The manifest below is the order of the header. Public declarations come first, inside the
 include guard; then private declarations that the implementation and ddp_cuda.cu see (a user's
@@ -149,6 +150,28 @@ def env_missing():
             if name not in listed and name not in NOT_SETTINGS and not any(name.startswith(p) for p in prefixes)}
 
 
+def pieces_alone():
+    """Each implementation piece must compile on its own, as a reader or an editor sees it
+    (`cc -std=c99 -fsyntax-only -Isrc src/X.c`; internal.h gives it the whole public part and every
+    cross-file declaration). The compiler's error lines, by piece; empty when all compile or no cc."""
+    import shutil
+    import subprocess
+    cc = shutil.which("cc") or shutil.which("gcc") or shutil.which("clang")
+    if not cc:
+        print("amalgamate.py: no C compiler found; the pieces were not compiled one by one", file=sys.stderr)
+        return {}
+    failed = {}
+    for path in IMPLEMENTATION:
+        if not path.endswith(".c"):
+            continue
+        run = subprocess.run([cc, "-std=c99", "-fsyntax-only", "-Werror=implicit-function-declaration", "-Isrc", path], cwd=ROOT,
+                             capture_output=True, text=True)
+        errors = [l for l in run.stderr.splitlines() if " error: " in l]
+        if run.returncode != 0 or errors:
+            failed[path] = errors or run.stderr.splitlines()[-3:]
+    return failed
+
+
 def main():
     fresh = build()
     target = ROOT / "ddp.h"
@@ -164,12 +187,19 @@ def main():
                 print(f"amalgamate.py: the table {table} (ENV_TABLES) is not in src/ any more: update ENV_TABLES",
                       file=sys.stderr)
                 ok = False
+        for path, errors in pieces_alone().items():
+            print(f"{path} does not compile on its own (cc -std=c99 -fsyntax-only -Isrc {path}): declare what it "
+                  f"uses from other pieces in src/internal.h", file=sys.stderr)
+            for line in errors[:5]:
+                print(f"    {line}", file=sys.stderr)
+            ok = False
         if not target.exists() or target.read_text() != fresh:
             print("ddp.h is stale: run `python3 amalgamate.py` and commit ddp.h", file=sys.stderr)
             ok = False
         if not ok:
             return 1
-        print("ddp.h is up to date; its ENVIRONMENT block lists every variable the code reads")
+        print("ddp.h is up to date; its ENVIRONMENT block lists every variable the code reads; every piece "
+              "compiles on its own")
         return 0
     target.write_text(fresh)
     print(f"wrote ddp.h ({fresh.count(chr(10))} lines)")

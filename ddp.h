@@ -133,7 +133,8 @@ extern "C" {
 
 /* Every fallible call returns a ddp_result. DDP_SUCCESS is 0; errors are negative. The detailed,
    human-readable message (which rank, which operation, which sizes, what to do) is in
-   ddp_last_error(group), or ddp_last_error(NULL) for calls made without a group. */
+   ddp_last_error(NULL): this thread's last failure, whatever the call (group, store, reducer, sampler,
+   checkpoint, ...). A failure on a group is also kept in ddp_last_error(group). */
 typedef enum ddp_result {
     DDP_SUCCESS = 0,
     DDP_ERR_INVALID_ARGUMENT = -1, /* a bad argument or descriptor field; the message names it */
@@ -237,7 +238,9 @@ DDP_API int ddp_local_world_size(const ddp_group *g); /* number of g's ranks on 
 DDP_API const char *ddp_backend_name(const ddp_group *g);
 DDP_API double ddp_timeout(const ddp_group *g);       /* seconds a blocked operation waits */
 
-/* The message of the last failed call on g (on this thread when g is NULL). Never NULL. */
+/* ddp_last_error(NULL): the message of this thread's last failed call, whatever it was (every failure
+   lands there, as stb_image's stbi_failure_reason). ddp_last_error(g): the last failure of a call on g,
+   whichever thread made it. Never NULL. */
 DDP_API const char *ddp_last_error(const ddp_group *g);
 DDP_API const char *ddp_result_string(ddp_result r); /* "DDP_ERR_TIMEOUT: ..." */
 DDP_API const char *ddp_dtype_name(ddp_dtype t);     /* "f32", ...; "?" when out of range */
@@ -10043,10 +10046,16 @@ DDP_API ddp_result ddp_reducer_broadcast_buffers(ddp_reducer *r) {
     return ddp__reducer_broadcast(r, r->buffers, r->nbuffers, r->bstage, r->bstage_bytes);
 }
 
-DDP_API ddp_result ddp_reducer_stats(const ddp_reducer *r, ddp_reducer_statistics *out) {
-    if (!r || !out) return ddp__fail(r ? r->g : NULL, DDP_ERR_INVALID_ARGUMENT, "ddp_reducer_stats: NULL argument");
+DDP_API ddp_result ddp_reducer_get_statistics(const ddp_reducer *r, ddp_reducer_statistics *out) {
+    if (!r || !out)
+        return ddp__fail(r ? r->g : NULL, DDP_ERR_INVALID_ARGUMENT, "ddp_reducer_get_statistics: NULL argument");
     *out = r->stats;
     return DDP_SUCCESS;
+}
+
+/* The deprecated name (until 2026-11-24) of ddp_reducer_get_statistics. */
+DDP_API ddp_result ddp_reducer_stats(const ddp_reducer *r, ddp_reducer_statistics *out) {
+    return ddp_reducer_get_statistics(r, out);
 }
 
 DDP_API int ddp_reducer_param_bucket(const ddp_reducer *r, int index, size_t *offset) {
@@ -10073,15 +10082,6 @@ DDP_API void ddp_reducer_destroy(ddp_reducer *r) {
     if (r->stash) r->ops->release(r->g, r->stash);
     if (r->bstage) r->ops->release(r->g, r->bstage);
     ddp__free(r);
-}
-
-/* ddp_reducer_get_statistics: the documented name (2026-11-24) of ddp_reducer_stats, which stays as its
-   deprecated alias. */
-DDP_API ddp_result ddp_reducer_get_statistics(const ddp_reducer *r, ddp_reducer_statistics *out) {
-    if (!r || !out)
-        return ddp__fail(r ? r->g : NULL, DDP_ERR_INVALID_ARGUMENT, "ddp_reducer_get_statistics: NULL argument");
-    *out = r->stats;
-    return DDP_SUCCESS;
 }
 /* ==================== end src/reducer.c ==================== */
 

@@ -58,7 +58,7 @@ static void tensors(state *s, ddp_tensor t[2]) {
 #define TRY(call)                                                                              \
     do {                                                                                       \
         if ((call) != DDP_SUCCESS) {                                                           \
-            fprintf(stderr, "rank %d: %s failed: %s\n", ddp_rank(g), #call, ddp_last_error(g)); \
+            fprintf(stderr, "rank %d: %s failed: %s\n", ddp_rank(g), #call, ddp_last_error(NULL)); \
             return 1;                                                                          \
         }                                                                                      \
     } while (0)

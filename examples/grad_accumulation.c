@@ -101,7 +101,7 @@ static void sgd(mlp *m) {
 #define TRY(call)                                                                              \
     do {                                                                                       \
         if ((call) != DDP_SUCCESS) {                                                           \
-            fprintf(stderr, "rank %d: %s failed: %s\n", ddp_rank(g), #call, ddp_last_error(g)); \
+            fprintf(stderr, "rank %d: %s failed: %s\n", ddp_rank(g), #call, ddp_last_error(NULL)); \
             return 1;                                                                          \
         }                                                                                      \
     } while (0)

@@ -24,7 +24,7 @@ static int report(ddp_group *g, const char *what, int ok) {
     do {                                                                                         \
         ddp_result r_ = (call);                                                                  \
         if (r_ != DDP_SUCCESS) {                                                                 \
-            fprintf(stderr, "rank %d: %s failed: %s\n", ddp_rank(g), #call, ddp_last_error(g)); \
+            fprintf(stderr, "rank %d: %s failed: %s\n", ddp_rank(g), #call, ddp_last_error(NULL)); \
             return 1;                                                                            \
         }                                                                                        \
     } while (0)

@@ -64,7 +64,7 @@ static ddp_result make(ddp_group *g, ddp_sampler *s, ddp_sampler_mode mode, int 
 #define TRY(call)                                                                              \
     do {                                                                                       \
         if ((call) != DDP_SUCCESS) {                                                           \
-            fprintf(stderr, "rank %d: %s failed: %s\n", ddp_rank(g), #call, ddp_last_error(g)); \
+            fprintf(stderr, "rank %d: %s failed: %s\n", ddp_rank(g), #call, ddp_last_error(NULL)); \
             return 1;                                                                          \
         }                                                                                      \
     } while (0)

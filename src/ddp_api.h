@@ -26,7 +26,8 @@
 
 /* Every fallible call returns a ddp_result. DDP_SUCCESS is 0; errors are negative. The detailed,
    human-readable message (which rank, which operation, which sizes, what to do) is in
-   ddp_last_error(group), or ddp_last_error(NULL) for calls made without a group. */
+   ddp_last_error(NULL): this thread's last failure, whatever the call (group, store, reducer, sampler,
+   checkpoint, ...). A failure on a group is also kept in ddp_last_error(group). */
 typedef enum ddp_result {
     DDP_SUCCESS = 0,
     DDP_ERR_INVALID_ARGUMENT = -1, /* a bad argument or descriptor field; the message names it */
@@ -130,7 +131,9 @@ DDP_API int ddp_local_world_size(const ddp_group *g); /* number of g's ranks on 
 DDP_API const char *ddp_backend_name(const ddp_group *g);
 DDP_API double ddp_timeout(const ddp_group *g);       /* seconds a blocked operation waits */
 
-/* The message of the last failed call on g (on this thread when g is NULL). Never NULL. */
+/* ddp_last_error(NULL): the message of this thread's last failed call, whatever it was (every failure
+   lands there, as stb_image's stbi_failure_reason). ddp_last_error(g): the last failure of a call on g,
+   whichever thread made it. Never NULL. */
 DDP_API const char *ddp_last_error(const ddp_group *g);
 DDP_API const char *ddp_result_string(ddp_result r); /* "DDP_ERR_TIMEOUT: ..." */
 DDP_API const char *ddp_dtype_name(ddp_dtype t);     /* "f32", ...; "?" when out of range */

@@ -916,10 +916,16 @@ DDP_API ddp_result ddp_reducer_broadcast_buffers(ddp_reducer *r) {
     return ddp__reducer_broadcast(r, r->buffers, r->nbuffers, r->bstage, r->bstage_bytes);
 }
 
-DDP_API ddp_result ddp_reducer_stats(const ddp_reducer *r, ddp_reducer_statistics *out) {
-    if (!r || !out) return ddp__fail(r ? r->g : NULL, DDP_ERR_INVALID_ARGUMENT, "ddp_reducer_stats: NULL argument");
+DDP_API ddp_result ddp_reducer_get_statistics(const ddp_reducer *r, ddp_reducer_statistics *out) {
+    if (!r || !out)
+        return ddp__fail(r ? r->g : NULL, DDP_ERR_INVALID_ARGUMENT, "ddp_reducer_get_statistics: NULL argument");
     *out = r->stats;
     return DDP_SUCCESS;
+}
+
+/* The deprecated name (until 2026-11-24) of ddp_reducer_get_statistics. */
+DDP_API ddp_result ddp_reducer_stats(const ddp_reducer *r, ddp_reducer_statistics *out) {
+    return ddp_reducer_get_statistics(r, out);
 }
 
 DDP_API int ddp_reducer_param_bucket(const ddp_reducer *r, int index, size_t *offset) {
@@ -946,13 +952,4 @@ DDP_API void ddp_reducer_destroy(ddp_reducer *r) {
     if (r->stash) r->ops->release(r->g, r->stash);
     if (r->bstage) r->ops->release(r->g, r->bstage);
     ddp__free(r);
-}
-
-/* ddp_reducer_get_statistics: the documented name (2026-11-24) of ddp_reducer_stats, which stays as its
-   deprecated alias. */
-DDP_API ddp_result ddp_reducer_get_statistics(const ddp_reducer *r, ddp_reducer_statistics *out) {
-    if (!r || !out)
-        return ddp__fail(r ? r->g : NULL, DDP_ERR_INVALID_ARGUMENT, "ddp_reducer_get_statistics: NULL argument");
-    *out = r->stats;
-    return DDP_SUCCESS;
 }

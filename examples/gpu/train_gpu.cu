@@ -39,7 +39,7 @@ static const char *CHECKPOINT = "train_gpu.safetensors";
     do {                                                                                              \
         ddp_result r_ = (call);                                                                       \
         if (r_ != DDP_SUCCESS) {                                                                      \
-            fprintf(stderr, "%s:%d: %s: %s\n", __FILE__, __LINE__, #call, ddp_last_error(g));         \
+            fprintf(stderr, "%s:%d: %s: %s\n", __FILE__, __LINE__, #call, ddp_last_error(NULL));      \
             exit(1);                                                                                  \
         }                                                                                             \
     } while (0)
