@@ -65,6 +65,17 @@
                            ddp__cuda_* / DDP__CUDA_* and no longer declared for programs (use the group's
                            collectives). The private ddp__bn_* helpers left the public part too.
 
+   HOW IT IS BUILT (the implementation's layers, bottom up; the [SECTION] internal block lists them too)
+       util, dtype, net, auth, store    errors and logging; element types; sockets; the key-value store
+       transport                        framed messages between ranks over a TCP mesh, abort propagation
+       collectives                      the public collectives: validate, fingerprint, dispatch, async work
+       backends: tcp, shm, hier, mpi, nccl   each fills one ddp__backend table (run, enqueue, wait, test,
+                                        close, and the reducer's memory functions); collectives.c reaches
+                                        a backend only through it, and backends set up through internal
+                                        mesh calls, never through the public collectives
+       group                            ddp_init: launcher environment, rendezvous, mesh, which backend
+       launcher, reducer, sampler, syncbn, safetensors, checkpoint   built on the public API
+
    INDEX (search for the [SECTION] markers)
    [SECTION] api: version, results, dtypes, ops, logging, groups, collectives, store, launch src/ddp_api.h
    [SECTION] reducer: DistributedDataParallel's gradient Reducer (bucketed, overlapped all-reduce) src/reducer.h
