@@ -12,10 +12,16 @@
        #define DDP_IMPLEMENTATION
        #include "ddp.h"
 
-   Link with -pthread. Run the program under any launcher:
-       ddprun --nproc-per-node 4 ./train       (tools/ddprun.c, torchrun-compatible flags)
-       torchrun --standalone --nproc_per_node 4 --no_python ./train
-       mpirun -np 4 ./train
+   Build (it needs only libc, pthreads and libm):
+       cc -O2 -pthread train.c -o train -lm
+   and the launcher, from this file alone (the same as tools/ddprun.c):
+       printf '#define DDP_IMPLEMENTATION\n#include "ddp.h"\nint main(int c, char **v) { return ddp_launcher_main(c, v); }\n' \
+           | cc -O2 -pthread -I. -x c - -o ddprun -lm
+   Run the program under any launcher:
+       ./ddprun --nproc-per-node 4 ./train     (torchrun-compatible flags; ddprun --help)
+       torchrun --standalone --nproc_per_node 4 --no_python ./train    (torch 1.13 on Python 3.11: add
+                                                                        --redirects 1 --tee 1)
+       mpirun -np 4 ./train                    (as root or oversubscribed: --allow-run-as-root --oversubscribe)
        srun -n 4 ./train
    or with no launcher at all (a single process, world size 1).
 
