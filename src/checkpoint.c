@@ -182,8 +182,8 @@ static ddp_result ddp__ck_agree(ddp_group *g, ddp_result mine, const char *what)
     char *msgs, own[DDP__ERR_MAX];
     int w, i, bad = -1;
     ddp_result r;
-    if (!g || g->world_size <= 1) return mine;
-    w = g->world_size;
+    if (ddp_world_size(g) <= 1) return mine;
+    w = ddp_world_size(g);
     memset(own, 0, sizeof own);
     if (mine != DDP_SUCCESS) snprintf(own, sizeof own, "%s", ddp_last_error(g));
     codes = (int32_t *)ddp__calloc((size_t)w, sizeof *codes);
@@ -221,8 +221,8 @@ static ddp_result ddp__ck_bcast(ddp_group *g, void *dst, uint64_t bytes, void *s
     return DDP_SUCCESS;
 }
 
-static int ddp__ck_rank(const ddp_group *g) { return g ? g->rank : 0; }
-static int ddp__ck_world(const ddp_group *g) { return g ? g->world_size : 1; }
+static int ddp__ck_rank(const ddp_group *g) { return ddp_rank(g); }
+static int ddp__ck_world(const ddp_group *g) { return ddp_world_size(g); }
 
 /* ---- rotation ----
    A family is <dir>/<prefix><digits><suffix>; a member's number is its digits. keep_last keeps the K
@@ -630,7 +630,7 @@ static ddp_result ddp__ck_load_bcast(ddp_group *g, const char *path, ddp_tensor 
     char *scratch = NULL;
     void **dest = NULL;
     uint64_t info[3] = {0, 0, 0}, *sel = NULL, j;
-    int root = g->rank == 0;
+    int root = ddp_rank(g) == 0;
     ddp_result r, mine = DDP_SUCCESS;
     memset(&k, 0, sizeof k);
     if (root) r = ddp__ck_load_local(g, path, t, n, meta, d, NULL, &k);
@@ -687,7 +687,7 @@ done:
 
 DDP_API ddp_result ddp_checkpoint_load_ex(ddp_group *g, const char *path, ddp_tensor *t, int n, ddp_meta *meta,
                                           const ddp_checkpoint_load_desc *desc) {
-    if (desc && desc->broadcast && g && g->world_size > 1) return ddp__ck_load_bcast(g, path, t, n, meta, desc);
+    if (desc && desc->broadcast && ddp_world_size(g) > 1) return ddp__ck_load_bcast(g, path, t, n, meta, desc);
     return ddp__ck_agree(g, ddp__ck_load_local(g, path, t, n, meta, desc, NULL, NULL), "checkpoint load");
 }
 
