@@ -24,8 +24,8 @@ EXAMPLES := $(patsubst examples/%.c,$(BUILD)/%,$(wildcard examples/*.c))
 BENCHES  := $(patsubst bench/%.c,$(BUILD)/%,$(wildcard bench/*.c))
 TOOLS    := $(BUILD)/ddprun
 
-.PHONY: all test test-quick clean header check demo
-all: $(TOOLS) $(TEST_PROGS) $(EXAMPLES) $(BENCHES)
+.PHONY: all test test-quick clean header check demo demo-check
+all: $(TOOLS) $(TEST_PROGS) $(EXAMPLES) $(BENCHES) $(BUILD)/demo_check
 
 # ddp.h is generated from src/ and committed. Building and testing use the committed copy and never
 # regenerate it: `make header` is the one way to write it (python3 amalgamate.py), and `make check`
@@ -40,6 +40,9 @@ $(BUILD):
 $(BUILD)/ddprun: tools/ddprun.c ddp.h | $(BUILD)
 	$(CC) $(CFLAGS) $(SANFLAGS) -o $@ $< $(LDLIBS)
 $(BUILD)/test_%: tests/test_%.c $(wildcard tests/*.h) ddp.h | $(BUILD)
+	$(CC) $(CFLAGS) $(SANFLAGS) -o $@ $< $(LDLIBS)
+# the demo's step-by-step checker: includes examples/train_demo.c (its main renamed)
+$(BUILD)/demo_check: tests/demo_check.c examples/train_demo.c ddp.h | $(BUILD)
 	$(CC) $(CFLAGS) $(SANFLAGS) -o $@ $< $(LDLIBS)
 # make GPU=1: ddp_cuda.cu is compiled by nvcc; the examples are compiled by $(CC) with DDP_CUDA (ddp.h then
 # declares the ddp_cuda_* entry points) and linked by nvcc with ddp_cuda.o and the CUDA runtime.
@@ -65,16 +68,22 @@ endif
 $(BUILD)/%: bench/%.c ddp.h | $(BUILD)
 	$(CC) $(CFLAGS) $(SANFLAGS) -o $@ $< $(LDLIBS)
 
-# The README's main job: train examples/train_demo.c on 4 CPU ranks launched by ddprun.
-# DEMO_FLAGS=--check also checks every step against one process; DEMO_FLAGS=--resume continues.
+# The README's main job: train examples/train_demo.c on 4 CPU ranks launched by ddprun, on a free port
+# (--standalone). DEMO_FLAGS=--resume continues from the last checkpoint. make demo-check: a short run
+# (--quick) keeping a checkpoint after every step, then tests/demo_check.c retakes each step as one
+# process and prints the largest difference (DEMO_FLAGS go to both).
 demo: $(BUILD)/ddprun $(BUILD)/train_demo
-	$(BUILD)/ddprun --nproc-per-node 4 $(BUILD)/train_demo --dir $(BUILD)/demo_ckpt $(DEMO_FLAGS)
+	$(BUILD)/ddprun --standalone --nproc-per-node 4 $(BUILD)/train_demo --dir $(BUILD)/demo_ckpt $(DEMO_FLAGS)
+demo-check: $(BUILD)/ddprun $(BUILD)/train_demo $(BUILD)/demo_check
+	$(BUILD)/ddprun --standalone --nproc-per-node 4 $(BUILD)/train_demo --quick --save-every 1 --keep 0 \
+	    --dir $(BUILD)/demo_check_ckpt $(DEMO_FLAGS)
+	$(BUILD)/demo_check --quick --dir $(BUILD)/demo_check_ckpt $(DEMO_FLAGS)
 
 # make test: every test (the full tier). make test-quick: the unit and multi-process correctness tests
 # that need only a C compiler (a few minutes). tests/README.md lists the tests and their tiers.
 test: all
 	BUILD=$(BUILD) SAN=$(SAN) SANFLAGS="$(SANFLAGS)" TIER=full tests/run_tests.sh
-test-quick: $(TOOLS) $(TEST_PROGS) $(EXAMPLES)
+test-quick: $(TOOLS) $(TEST_PROGS) $(EXAMPLES) $(BUILD)/demo_check
 	BUILD=$(BUILD) SAN=$(SAN) SANFLAGS="$(SANFLAGS)" TIER=quick tests/run_tests.sh
 
 clean:

@@ -18,33 +18,23 @@
      DDP_SAMPLER_EVAL            evaluation on a held-out set, every sample exactly once over the ranks
 
    Run it:
-       make build/train_demo build/ddprun
-       build/ddprun --nproc-per-node 4 build/train_demo                (about 20-60 s on 2 cores)
-       build/ddprun --nproc-per-node 4 build/train_demo --quick --check
-   Kill it (Ctrl-C, or SIGKILL a rank) and start it again with --resume: it continues from the last
-   checkpoint in --dir and ends with exactly the weights an uninterrupted run ends with.
+       make demo          (= build/ddprun --standalone --nproc-per-node 4 build/train_demo; 20-60 s on 2 cores)
+       build/ddprun --standalone --nproc-per-node 4 build/train_demo --quick --stop-at-step 50
+       build/ddprun --standalone --nproc-per-node 4 build/train_demo --quick --resume
+   Stop it (Ctrl-C, SIGKILL a rank, or --stop-at-step N) and start it again with --resume: it continues
+   from the newest checkpoint in --dir and ends with exactly the weights an uninterrupted run ends with.
 
    Flags: --epochs N (20)  --samples N (16000 training points)  --batch N (32 per rank)
-          --hidden N (128)  --lr X (0.1)  --dir DIR (build/demo_ckpt)  --save-every N (also checkpoint
-          every N steps inside an epoch; 0 = only at the end of each epoch)  --resume  --check
-          --quick (4 epochs of 4000 points)
-   Output: DIR/ckpt_<step>.safetensors (the last two) and DIR/final.safetensors, the trained weights
+          --hidden N (128)  --lr X (0.1)  --dir DIR (build/demo_ckpt)  --resume  --quick (4 epochs of
+          4000 points)  --save-every N (also checkpoint every N steps inside an epoch; 0 = only at the end
+          of each epoch)  --keep N (the newest N checkpoints are kept, 2; 0 = all)  --stop-at-step N (after
+          step N, save its checkpoint and exit 0, as if stopped there: a resume test that needs no timing)
+   Output: DIR/ckpt_<step>.safetensors (the newest --keep) and DIR/final.safetensors, the trained weights
    under torch's state_dict names (fc1.weight, bn1.running_mean, ...): safetensors loads them in Python.
 
-   --check: rank 0 also takes every step as ONE process would, from the same state, and compares the
-   states after the step; it prints the largest difference over the run (<= 1e-5, else it exits 1). The
-   one-process step is exactly what DDP promises to equal:
-     - its batch is the union of the ranks' batches (rank 0's, then rank 1's, ...), from DistributedSampler
-       shards of every rank, padding duplicates included: the ranks' batches always have equal sizes (every
-       shard has ceil(N / R) samples), so the mean loss over the union is the average over the ranks of
-       each rank's mean loss, which is what averaging the gradients computes;
-     - plain BatchNorm over the whole union: SyncBatchNorm's statistics are those of the union, and its
-       backward gives each rank the gradient of the sum of all ranks' losses;
-     - the same learning rate and optimizer.
-   Why step by step, not two whole runs side by side: the two compute the same sums in different orders,
-   and training amplifies those 1e-8 roundings step after step (two whole runs of this demo, DDP and one
-   process, end 1e-2 apart after 2500 steps at learning rates 0.01 to 0.1; both are equally good models).
-   A step-by-step comparison separates DDP's semantics from that chaos. */
+   Is every DDP step the step ONE process would take on the union of the ranks' batches, with plain
+   BatchNorm? `make demo-check` runs this demo with --save-every 1 --keep 0 and then tests/demo_check.c,
+   which retakes each step from its checkpoints and prints the largest difference (at most 1e-5). */
 #define DDP_IMPLEMENTATION
 #include "ddp.h"
 
@@ -61,10 +51,9 @@ enum { IN = 2, CLASSES = 4, NPARAM = 8, NBN = 2 };
 enum { FC1_W, BN1_W, BN1_B, FC2_W, BN2_W, BN2_B, FC3_W, FC3_B }; /* registration (forward) order */
 static const char *const param_names[NPARAM] = {"fc1.weight", "bn1.weight", "bn1.bias", "fc2.weight",
                                                 "bn2.weight", "bn2.bias",   "fc3.weight", "fc3.bias"};
-static const double CHECK_TOLERANCE = 1e-5;
 
 typedef struct config {
-    int epochs, samples, batch, hidden, save_every, resume, check;
+    int epochs, samples, batch, hidden, save_every, keep, stop_at_step, resume;
     double lr, momentum, weight_decay;
     const char *dir;
 } config;
@@ -379,8 +368,8 @@ static ddp_result make_meta(ddp_meta *meta, const config *c, int64_t step, int64
     return ddp_meta_set(meta, "demo.epoch_sums", text);
 }
 
-/* Rank 0 writes DIR/ckpt_<step>.safetensors atomically; every rank returns once it is durable. The two
-   newest are kept. The loss sums so far are summed over the ranks first (collective). */
+/* Rank 0 writes DIR/ckpt_<step>.safetensors atomically; every rank returns once it is durable. The
+   --keep newest are kept. The loss sums so far are summed over the ranks first (collective). */
 static ddp_result save_checkpoint(ddp_group *g, net *m, const config *c, int64_t step, int64_t epoch,
                                   uint64_t position, const double sums[3]) {
     ddp_tensor t[2 * NPARAM + 3 * NBN];
@@ -394,7 +383,7 @@ static ddp_result save_checkpoint(ddp_group *g, net *m, const config *c, int64_t
     CHECK_R(ddp_all_reduce(g, total, 3, DDP_F64, DDP_SUM));
     memset(&meta, 0, sizeof meta);
     memset(&sd, 0, sizeof sd);
-    sd.keep_last = 2;
+    sd.keep_last = c->keep; /* 0: keep them all */
     snprintf(path, sizeof path, "%s/ckpt_%08lld.safetensors", c->dir, (long long)step);
     r = make_meta(&meta, c, step, epoch, position, ddp_world_size(g), total);
     if (r == DDP_SUCCESS) r = ddp_checkpoint_save_ex(g, path, t, n, &meta, &sd);
@@ -402,11 +391,12 @@ static ddp_result save_checkpoint(ddp_group *g, net *m, const config *c, int64_t
     return r;
 }
 
-/* Where training continues from: filled from a checkpoint by load_checkpoint. */
+/* Where training continues from: filled from a checkpoint by read_checkpoint. */
 typedef struct resume_point {
     int64_t step, epoch;
     uint64_t position;
-    double sums[3]; /* rank 0 carries the epoch's loss sums over all ranks; the others start at 0 */
+    int world;      /* the number of ranks that wrote it */
+    double sums[3]; /* the epoch's loss sums over all ranks */
     char path[4096];
 } resume_point;
 
@@ -415,25 +405,16 @@ static int fail(int rank, const char *what, const char *message) {
     return 1;
 }
 
-/* Load the newest checkpoint of DIR into m and *rp (collective). Returns 0, or 1 after printing why. */
-static int load_checkpoint(ddp_group *g, net *m, const config *c, resume_point *rp) {
+/* Read the checkpoint rp->path into m and *rp: collective over g (every rank reads the file); g NULL: one
+   process. Returns 0, or 1 after printing why. */
+static int read_checkpoint(ddp_group *g, net *m, const config *c, resume_point *rp) {
     ddp_tensor t[2 * NPARAM + 3 * NBN];
-    char names[NPARAM][64], pattern[4096];
+    char names[NPARAM][64];
     ddp_meta meta;
     ddp_resume_state rs;
-    int64_t number = -1, samples = 0, batch = 0, hidden = 0;
-    int k, n = state_tensors(m, 1, t, names), rank = ddp_rank(g);
+    int64_t samples = 0, batch = 0, hidden = 0;
+    int k, n = state_tensors(m, 1, t, names), rank = g ? ddp_rank(g) : 0;
     const char *sums;
-    snprintf(pattern, sizeof pattern, "%s/ckpt_*.safetensors", c->dir);
-    /* rank 0 looks and everyone loads what it found: the ranks must agree on one file */
-    if (rank == 0 && ddp_checkpoint_latest(pattern, rp->path, sizeof rp->path, &number) != DDP_SUCCESS) {
-        fprintf(stderr, "train_demo: %s\n", ddp_last_error(NULL));
-        number = -2;
-    }
-    if (ddp_broadcast(g, &number, 1, DDP_I64, 0) != DDP_SUCCESS) return fail(rank, "broadcast", ddp_last_error(g));
-    if (number == -2) return 1;
-    if (number < 0) return fail(rank, "--resume", "there is no checkpoint in --dir to resume from");
-    snprintf(rp->path, sizeof rp->path, "%s/ckpt_%08lld.safetensors", c->dir, (long long)number);
     memset(&meta, 0, sizeof meta);
     memset(&rs, 0, sizeof rs);
     if (ddp_checkpoint_load(g, rp->path, t, n, &meta) != DDP_SUCCESS) {
@@ -448,16 +429,40 @@ static int load_checkpoint(ddp_group *g, net *m, const config *c, resume_point *
         return fail(rank, rp->path, "not a train_demo checkpoint (metadata missing)");
     }
     ddp_meta_free(&meta);
-    if (samples != c->samples || batch != c->batch || hidden != c->hidden || rs.world_size != ddp_world_size(g)) {
-        fprintf(stderr, "train_demo rank %d: %s was written by a run with --samples %lld --batch %lld --hidden %lld "
-                "on %d ranks; resume with the same (this run: --samples %d --batch %d --hidden %d, %d ranks)\n",
-                rank, rp->path, (long long)samples, (long long)batch, (long long)hidden, rs.world_size, c->samples,
-                c->batch, c->hidden, ddp_world_size(g));
+    if (samples != c->samples || batch != c->batch || hidden != c->hidden) {
+        fprintf(stderr, "train_demo rank %d: %s was written by a run with --samples %lld --batch %lld --hidden %lld; "
+                "use the same (this run: --samples %d --batch %d --hidden %d)\n", rank, rp->path, (long long)samples,
+                (long long)batch, (long long)hidden, c->samples, c->batch, c->hidden);
         return 1;
     }
     for (k = 0; k < NBN; k++) ddp_syncbn_set_num_batches_tracked(m->bn[k], m->batches_tracked[k]);
     rp->step = rs.step, rp->epoch = rs.epoch, rp->position = (uint64_t)rs.sampler_position;
-    if (rank != 0) rp->sums[0] = rp->sums[1] = rp->sums[2] = 0.0;
+    rp->world = rs.world_size;
+    return 0;
+}
+
+/* Load the newest checkpoint of DIR into m and *rp (collective). Returns 0, or 1 after printing why. */
+static int load_checkpoint(ddp_group *g, net *m, const config *c, resume_point *rp) {
+    char pattern[4096];
+    int64_t number = -1;
+    int rank = ddp_rank(g);
+    snprintf(pattern, sizeof pattern, "%s/ckpt_*.safetensors", c->dir);
+    /* rank 0 looks and everyone loads what it found: the ranks must agree on one file */
+    if (rank == 0 && ddp_checkpoint_latest(pattern, rp->path, sizeof rp->path, &number) != DDP_SUCCESS) {
+        fprintf(stderr, "train_demo: %s\n", ddp_last_error(NULL));
+        number = -2;
+    }
+    if (ddp_broadcast(g, &number, 1, DDP_I64, 0) != DDP_SUCCESS) return fail(rank, "broadcast", ddp_last_error(g));
+    if (number == -2) return 1;
+    if (number < 0) return fail(rank, "--resume", "there is no checkpoint in --dir to resume from");
+    snprintf(rp->path, sizeof rp->path, "%s/ckpt_%08lld.safetensors", c->dir, (long long)number);
+    if (read_checkpoint(g, m, c, rp)) return 1;
+    if (rp->world != ddp_world_size(g)) {
+        fprintf(stderr, "train_demo rank %d: %s was written on %d ranks; resume with the same (this run: %d ranks)\n",
+                rank, rp->path, rp->world, ddp_world_size(g));
+        return 1;
+    }
+    if (rank != 0) rp->sums[0] = rp->sums[1] = rp->sums[2] = 0.0; /* rank 0 carries the sums so far */
     return 0;
 }
 
@@ -493,109 +498,6 @@ static int clear_checkpoints(ddp_group *g, const config *c) {
     return ok ? 0 : 1;
 }
 
-/* ---- the single-process reference (--check) ------------------------------------------------------ */
-
-/* Rank 0's checker: before every DDP step it copies the model's state (weights, momentum, running
-   statistics) into a second model with plain BatchNorm, takes the step that one process would take on
-   the union of all ranks' batches, and after the DDP step compares the two states. The union is rebuilt
-   from a DistributedSampler per rank (it needs no communication: every rank's shard is computable). */
-typedef struct checker {
-    net ref;
-    int world;
-    ddp_sampler *samplers;  /* one per rank, mirroring each rank's own sampler */
-    int64_t *idx;           /* the union of the ranks' batch indices */
-    float *bx;
-    int *by;
-    double worst[3];        /* the largest difference so far: weights, momentum, running statistics */
-    int64_t steps;
-} checker;
-
-static ddp_result checker_create(checker *k, const config *c, int world) {
-    int r;
-    memset(k, 0, sizeof *k);
-    k->world = world;
-    k->samplers = (ddp_sampler *)calloc((size_t)world, sizeof(ddp_sampler));
-    k->idx = (int64_t *)malloc(sizeof(int64_t) * (size_t)c->batch * (size_t)world);
-    k->bx = alloc_floats((size_t)c->batch * (size_t)world * IN);
-    k->by = (int *)malloc(sizeof(int) * (size_t)c->batch * (size_t)world);
-    if (!k->samplers || !k->idx || !k->bx || !k->by) return DDP_ERR_OUT_OF_MEMORY;
-    for (r = 0; r < world; r++) {
-        ddp_sampler_desc d; /* the same descriptor every rank gives its own sampler, with that rank's number */
-        memset(&d, 0, sizeof d);
-        d.dataset_size = (uint64_t)c->samples, d.num_replicas = world, d.rank = r;
-        CHECK_R(ddp_sampler_init(&k->samplers[r], &d));
-    }
-    return net_create(&k->ref, c->hidden, c->batch * world, NULL); /* NULL: plain BatchNorm */
-}
-
-static void checker_free(checker *k) {
-    int r;
-    for (r = 0; k->samplers && r < k->world; r++) ddp_sampler_free(&k->samplers[r]);
-    free(k->samplers), free(k->idx), free(k->bx), free(k->by);
-    net_free(&k->ref);
-}
-
-/* Start (or resume) an epoch on every rank's sampler, as each rank does on its own. */
-static ddp_result checker_epoch(checker *k, int epoch, uint64_t position) {
-    int r;
-    for (r = 0; r < k->world; r++) {
-        ddp_sampler_set_epoch(&k->samplers[r], (uint64_t)epoch);
-        CHECK_R(ddp_sampler_set_position(&k->samplers[r], position));
-    }
-    return DDP_SUCCESS;
-}
-
-static void copy_state(net *to, const net *from) {
-    int k;
-    for (k = 0; k < NPARAM; k++) {
-        memcpy(to->p[k].w, from->p[k].w, sizeof(float) * param_size(&from->p[k]));
-        memcpy(to->p[k].momentum, from->p[k].momentum, sizeof(float) * param_size(&from->p[k]));
-    }
-    for (k = 0; k < NBN; k++) {
-        memcpy(to->running_mean[k], from->running_mean[k], sizeof(float) * (size_t)from->hidden);
-        memcpy(to->running_var[k], from->running_var[k], sizeof(float) * (size_t)from->hidden);
-        ddp_syncbn_set_num_batches_tracked(to->bn[k], ddp_syncbn_num_batches_tracked(from->bn[k]));
-    }
-}
-
-/* Before rank 0's DDP step on its batch `mine` (n indices): the single-process step from the same state,
-   on rank 0's batch, then rank 1's, ... (every rank's batch has n samples). */
-static ddp_result checker_before(checker *k, const net *m, const int64_t *mine, int n, const float *x,
-                                 const int *y, double lr, const config *c) {
-    double sums[2] = {0, 0};
-    size_t got = 0, got_r;
-    int r;
-    for (r = 0; r < k->world; r++) {
-        CHECK_R(ddp_sampler_next_batch(&k->samplers[r], (size_t)c->batch, k->idx + got, &got_r));
-        if (got_r != (size_t)n) return DDP_ERR_STATE; /* cannot be: every shard has the same length */
-        got += got_r;
-    }
-    if (memcmp(k->idx, mine, sizeof(int64_t) * (size_t)n)) return DDP_ERR_STATE; /* rank 0's own, mirrored */
-    copy_state(&k->ref, m);
-    gather(x, y, k->idx, (int)got, k->bx, k->by);
-    return train_step(&k->ref, NULL, k->bx, k->by, (int)got, lr, c, sums);
-}
-
-static double max_abs_diff(const float *a, const float *b, size_t n, double worst) {
-    size_t i;
-    for (i = 0; i < n; i++) worst = fmax(worst, fabs((double)a[i] - (double)b[i]));
-    return worst;
-}
-
-/* After the DDP step: how far it landed from the single-process step. */
-static void checker_after(checker *k, const net *m) {
-    int j;
-    for (j = 0; j < NPARAM; j++) {
-        k->worst[0] = max_abs_diff(m->p[j].w, k->ref.p[j].w, param_size(&m->p[j]), k->worst[0]);
-        k->worst[1] = max_abs_diff(m->p[j].momentum, k->ref.p[j].momentum, param_size(&m->p[j]), k->worst[1]);
-    }
-    for (j = 0; j < NBN; j++) {
-        k->worst[2] = max_abs_diff(m->running_mean[j], k->ref.running_mean[j], (size_t)m->hidden, k->worst[2]);
-        k->worst[2] = max_abs_diff(m->running_var[j], k->ref.running_var[j], (size_t)m->hidden, k->worst[2]);
-    }
-    k->steps++;
-}
-
 /* FNV-1a over every parameter's bytes: equal on every rank when DDP kept the replicas identical. */
 static int64_t weights_hash(const net *m) {
     uint64_t h = 1469598103934665603ull;
@@ -619,28 +521,31 @@ static double now(void) {
 static int parse_args(int argc, char **argv, config *c) {
     int i;
     memset(c, 0, sizeof *c);
-    c->epochs = 20, c->samples = 16000, c->batch = 32, c->hidden = 128, c->dir = "build/demo_ckpt";
+    c->epochs = 20, c->samples = 16000, c->batch = 32, c->hidden = 128, c->keep = 2, c->dir = "build/demo_ckpt";
     c->lr = 0.1, c->momentum = 0.9, c->weight_decay = 5e-4;
     for (i = 1; i < argc; i++) {
         const char *a = argv[i], *v = i + 1 < argc ? argv[i + 1] : NULL;
         if (!strcmp(a, "--resume")) c->resume = 1;
-        else if (!strcmp(a, "--check")) c->check = 1;
         else if (!strcmp(a, "--quick")) c->epochs = 4, c->samples = 4000;
         else if (v && !strcmp(a, "--epochs")) c->epochs = atoi(v), i++;
         else if (v && !strcmp(a, "--samples")) c->samples = atoi(v), i++;
         else if (v && !strcmp(a, "--batch")) c->batch = atoi(v), i++;
         else if (v && !strcmp(a, "--hidden")) c->hidden = atoi(v), i++;
         else if (v && !strcmp(a, "--save-every")) c->save_every = atoi(v), i++;
+        else if (v && !strcmp(a, "--keep")) c->keep = atoi(v), i++;
+        else if (v && !strcmp(a, "--stop-at-step")) c->stop_at_step = atoi(v), i++;
         else if (v && !strcmp(a, "--lr")) c->lr = atof(v), i++;
         else if (v && !strcmp(a, "--dir")) c->dir = v, i++;
         else {
             fprintf(stderr, "train_demo: unknown flag or missing value: %s\nflags: --epochs N --samples N --batch N "
-                    "--hidden N --lr X --dir DIR --save-every N --resume --check --quick\n", a);
+                    "--hidden N --lr X --dir DIR --save-every N --keep N --stop-at-step N --resume --quick\n", a);
             return 1;
         }
     }
-    if (c->epochs < 1 || c->samples < 2 || c->batch < 1 || c->hidden < 1 || c->save_every < 0 || !(c->lr > 0)) {
-        fprintf(stderr, "train_demo: --epochs, --samples (>= 2), --batch, --hidden and --lr must be positive\n");
+    if (c->epochs < 1 || c->samples < 2 || c->batch < 1 || c->hidden < 1 || !(c->lr > 0) || c->save_every < 0 ||
+        c->keep < 0 || c->stop_at_step < 0) {
+        fprintf(stderr, "train_demo: --epochs, --samples (>= 2), --batch, --hidden and --lr must be positive; "
+                "--save-every, --keep and --stop-at-step at least 0\n");
         return 1;
     }
     return 0;
@@ -693,7 +598,6 @@ typedef struct run {
     ddp_reducer *red;
     ddp_sampler sampler;
     net m;
-    checker *chk;            /* rank 0 with --check, else NULL */
     float *x, *ex, *bx;      /* training set, held-out set, this rank's batch */
     int *y, *ey, *by, n_eval;
     int64_t *idx, step;      /* the batch's indices; optimizer steps taken */
@@ -742,7 +646,10 @@ static int make_model(run *R) {
     return 0;
 }
 
-/* One epoch from sampler position `position`; sums starts as the epoch's loss sums so far. */
+enum { STOPPED = 2 }; /* train_epoch's return value when --stop-at-step was reached */
+
+/* One epoch from sampler position `position`; sums starts as the epoch's loss sums so far. Returns 0, 1
+   after printing an error, or STOPPED: --stop-at-step's step is taken and its checkpoint saved. */
 static int train_epoch(run *R, int epoch, uint64_t position, double sums[3]) {
     ddp_group *g = R->g;
     const config *c = &R->c;
@@ -752,16 +659,15 @@ static int train_epoch(run *R, int epoch, uint64_t position, double sums[3]) {
     int rank = R->rank;
     ddp_sampler_set_epoch(&R->sampler, (uint64_t)epoch); /* a new shuffle every epoch */
     TRY(NULL, ddp_sampler_set_position(&R->sampler, position));
-    if (R->chk) TRY(NULL, checker_epoch(R->chk, epoch, position));
     while (ddp_sampler_next_batch(&R->sampler, (size_t)c->batch, R->idx, &got) == DDP_SUCCESS && got) {
         gather(R->x, R->y, R->idx, (int)got, R->bx, R->by);
-        if (R->chk) TRY(NULL, checker_before(R->chk, &R->m, R->idx, (int)got, R->x, R->y, lr, c));
         TRY(g, train_step(&R->m, R->red, R->bx, R->by, (int)got, lr, c, sums));
-        if (R->chk) checker_after(R->chk, &R->m);
         sums[2] += (double)got, R->samples_seen += (double)got * R->world, R->step++;
         if (rank == 0 && R->tty && R->step % 8 == 0) progress(epoch, c, ddp_sampler_position(&R->sampler), total, sums);
-        if (c->save_every && R->step % c->save_every == 0 && ddp_sampler_position(&R->sampler) < total)
+        if (ddp_sampler_position(&R->sampler) == total) break; /* the epoch's end: its checkpoint follows */
+        if ((c->save_every && R->step % c->save_every == 0) || R->step == c->stop_at_step)
             TRY(g, save_checkpoint(g, &R->m, c, R->step, epoch, ddp_sampler_position(&R->sampler), sums));
+        if (R->step == c->stop_at_step) return STOPPED;
     }
     TRY(g, ddp_all_reduce(g, sums, 3, DDP_F64, DDP_SUM)); /* the epoch's loss over every rank */
     TRY(g, evaluate(g, &R->m, c, R->ex, R->ey, R->n_eval, &accuracy));
@@ -772,7 +678,7 @@ static int train_epoch(run *R, int epoch, uint64_t position, double sums[3]) {
                100.0 * accuracy, lr, now() - t0);
         fflush(stdout);
     }
-    return 0;
+    return R->step == c->stop_at_step ? STOPPED : 0;
 }
 
 /* Save the trained weights (torch state_dict names) for cmp and for Python, and report. */
@@ -792,33 +698,21 @@ static int finish(run *R, double seconds) {
                st.buckets, (unsigned long long)st.bytes_reduced,
                st.total_comm_seconds > 0 ? 100.0 * (1.0 - st.total_wait_seconds / st.total_comm_seconds) : 0.0);
     }
-    if (R->c.check) { /* DDP keeps the replicas identical: every rank's weights hash alike */
+    { /* DDP's promise: the replicas never drift apart, so every rank's weights hash alike */
         int64_t mine = weights_hash(&R->m), *all = (int64_t *)malloc(sizeof(int64_t) * (size_t)R->world);
         int k, same = 1;
         if (!all) return fail(rank, "malloc", "out of memory");
         TRY(g, ddp_all_gather(g, &mine, all, 1, DDP_I64));
         for (k = 0; k < R->world; k++) same &= all[k] == mine;
         free(all);
-        if (rank == 0) printf("check: the weights are %s on every rank\n", same ? "identical" : "NOT identical");
+        if (rank == 0) printf("the weights are %s on every rank\n", same ? "identical" : "NOT identical");
         if (!same) return 1;
     }
     fflush(stdout);
     return 0;
 }
 
-/* --check's verdict (rank 0). Returns 0 when every step was within the tolerance. */
-static int check_report(const checker *k) {
-    int ok = k->worst[0] <= CHECK_TOLERANCE && k->worst[1] <= CHECK_TOLERANCE && k->worst[2] <= CHECK_TOLERANCE;
-    printf("check: each of the %lld DDP steps against one process stepping on the union of the %d ranks' batches "
-           "(plain BatchNorm):\n", (long long)k->steps, k->world);
-    printf("check: largest difference: weights %.3g, momentum %.3g, running statistics %.3g: %s (tolerance %g)\n",
-           k->worst[0], k->worst[1], k->worst[2], ok ? "OK" : "TOO LARGE", CHECK_TOLERANCE);
-    fflush(stdout);
-    return ok ? 0 : 1;
-}
-
 static void free_run(run *R) {
-    if (R->chk) checker_free(R->chk), free(R->chk);
     ddp_reducer_destroy(R->red);
     ddp_sampler_free(&R->sampler);
     net_free(&R->m);
@@ -831,7 +725,7 @@ int main(int argc, char **argv) {
     resume_point rp;
     ddp_group *g;
     double start;
-    int rank, epoch, status;
+    int rank, epoch, status = 0;
     memset(&R, 0, sizeof R);
     if (parse_args(argc, argv, &R.c)) return 2;
     if (ddp_init(NULL, &R.g) != DDP_SUCCESS) return fail(-1, "ddp_init", ddp_last_error(NULL));
@@ -844,11 +738,6 @@ int main(int argc, char **argv) {
     memset(&sd, 0, sizeof sd);           /* DistributedSampler(shuffle=True, seed=0, drop_last=False) */
     sd.dataset_size = (uint64_t)R.c.samples, sd.num_replicas = R.world, sd.rank = rank;
     TRY(NULL, ddp_sampler_init(&R.sampler, &sd));
-    if (R.c.check && rank == 0) {
-        R.chk = (checker *)calloc(1, sizeof(checker));
-        if (!R.chk) return fail(rank, "malloc", "out of memory");
-        TRY(NULL, checker_create(R.chk, &R.c, R.world));
-    }
     R.step = rp.step, epoch = (int)rp.epoch;
     if (R.c.resume && rp.position >= ddp_sampler_num_samples(&R.sampler)) /* saved at the end of an epoch */
         epoch++, rp.position = 0, rp.sums[0] = rp.sums[1] = rp.sums[2] = 0.0;
@@ -863,11 +752,15 @@ int main(int argc, char **argv) {
     }
 
     start = now();
-    for (; epoch < R.c.epochs; epoch++, rp.position = 0, memset(rp.sums, 0, sizeof rp.sums))
-        if (train_epoch(&R, epoch, rp.position, rp.sums)) return 1;
-    if (finish(&R, now() - start)) return 1;
-    status = R.chk ? check_report(R.chk) : 0;
+    for (; epoch < R.c.epochs && !status; epoch++, rp.position = 0, memset(rp.sums, 0, sizeof rp.sums))
+        if ((status = train_epoch(&R, epoch, rp.position, rp.sums)) == 1) return 1;
+    if (status == STOPPED) { /* as if killed there, but on purpose: the checkpoint is the one to resume from */
+        if (rank == 0)
+            printf("stopped after step %lld (--stop-at-step), saved in %s/ckpt_%08lld.safetensors: run again with "
+                   "--resume to continue\n", (long long)R.step, R.c.dir, (long long)R.step);
+    } else if (finish(&R, now() - start))
+        return 1;
     free_run(&R);
     if (ddp_destroy(g) != DDP_SUCCESS) return fail(rank, "ddp_destroy", ddp_last_error(NULL));
-    return status;
+    return 0;
 }

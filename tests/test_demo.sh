@@ -1,11 +1,13 @@
 #!/usr/bin/env bash
-# The training demo (examples/train_demo.c), shortened, on ranks launched by build/ddprun:
-#  1. --check on 4 ranks: every DDP step equals one process stepping on the union of the ranks' batches
-#     (plain BatchNorm) within 1e-5, and the weights are identical on every rank; again on 3 ranks,
-#     where DistributedSampler pads the shards and the gradients are averaged by 1/3;
-#  2. SIGKILL a rank mid-epoch once the 2nd epoch checkpoint exists, then --resume: the final weights
-#     file is byte-identical (cmp) to the uninterrupted run's;
-#  3. the same with checkpoints inside the epoch (--save-every): resume from a mid-epoch sampler position;
+# The training demo (examples/train_demo.c), shortened, on ranks launched by build/ddprun --standalone:
+#  1. with a checkpoint after every step (--save-every 1 --keep 0) on 4 ranks, then tests/demo_check.c:
+#     every DDP step equals one process stepping on the union of the ranks' batches (plain BatchNorm)
+#     within 1e-5, and the demo finds the weights identical on every rank; again on 3 ranks, where
+#     DistributedSampler pads the shards and the gradients are averaged by 1/3. The checker must also
+#     fail: given another learning rate (0.1% off) it finds the steps too far from its own;
+#  2. --stop-at-step 64 (the end of epoch 2) stops the run there by itself (no kill, no timing), then
+#     --resume: the final weights file is byte-identical (cmp) to the uninterrupted run's;
+#  3. the same inside an epoch (--save-every 5 --stop-at-step 47): resume from a mid-epoch sampler position;
 #  4. --resume with another world size is refused with a message that says what to do;
 #  5. when /usr/bin/python3 has torch: the final weights file loads into the same model written in torch
 #     (load_state_dict(strict=True): torch's names and shapes), whose accuracy on the held-out points
@@ -13,99 +15,93 @@
 set -u
 cd "$(dirname "$0")/.."
 BUILD=${BUILD:-build}
-DDPRUN=$BUILD/ddprun DEMO=$BUILD/train_demo
-make -s BUILD="$BUILD" SAN="${SAN:-}" "$DDPRUN" "$DEMO" || { echo "cannot build $DEMO"; exit 1; }
+DDPRUN=$BUILD/ddprun DEMO=$BUILD/train_demo CHECK=$BUILD/demo_check
+make -s BUILD="$BUILD" SAN="${SAN:-}" "$DDPRUN" "$DEMO" "$CHECK" || { echo "cannot build $DEMO and $CHECK"; exit 1; }
 ARGS="--epochs 6 --samples 4000"   # 32 steps an epoch on 4 ranks of batch 32
 T=$(mktemp -d /tmp/test_demo.XXXXXX)
-BG=""
-cleanup() {
-  local p
-  for p in $BG; do
-    for c in $(pgrep -P "$p" 2>/dev/null); do kill -9 "$c" 2>/dev/null; done
-    kill -9 "$p" 2>/dev/null
-  done
-  rm -rf "$T"
-}
-trap cleanup EXIT
+trap 'rm -rf "$T"' EXIT
 fail() { echo "FAIL: $*"; exit 1; }
 ok() { echo "ok: $*"; }
 
-# check_ok LOG: the --check lines say OK, and each printed difference is <= 1e-5
-check_ok() {
-  grep -q "check: the weights are identical on every rank" "$1" || fail "$1: weights differ between ranks"
-  local line
-  line=$(grep "check: largest difference" "$1") || fail "$1: no check result"
-  echo "$line"
-  echo "$line" | grep -oE "(weights|momentum|statistics) [0-9.e+-]+" | awk '$2 + 0 <= 1e-5 { n++ } END { exit n != 3 }' ||
-    fail "$1: a difference is above 1e-5 (or missing)"
-  echo "$line" | grep -q ": OK" || fail "$1: the program did not say OK"
-}
-
-# 1. --check, 4 ranks: also the uninterrupted reference for the resume tests
-"$DDPRUN" --nproc-per-node 4 "$DEMO" $ARGS --check --dir "$T/full" >"$T/full.log" 2>&1
-rc=$?
-[ $rc -eq 0 ] || { cat "$T/full.log"; fail "demo --check exited $rc"; }
-cat "$T/full.log"
-check_ok "$T/full.log"
-[ -f "$T/full/final.safetensors" ] || fail "no final weights"
-ok "4 ranks: DDP steps equal the single-process steps"
-"$DDPRUN" --nproc-per-node 3 "$DEMO" --epochs 1 --samples 1000 --check --dir "$T/three" >"$T/three.log" 2>&1
-rc=$?
-[ $rc -eq 0 ] || { cat "$T/three.log"; fail "3 ranks: demo --check exited $rc"; }
-check_ok "$T/three.log"
-ok "3 ranks (padded shards): DDP steps equal the single-process steps"
-
-# run_and_kill NAME WAIT_FOR EXTRA...: start the demo in the background, SIGKILL one rank as soon as
-# the file WAIT_FOR (a shell glob under $T/NAME) exists, and check that the run did not finish.
-run_and_kill() {
-  local name=$1 want=$2 pid victim i; shift 2
-  "$DDPRUN" --nproc-per-node 4 "$DEMO" $ARGS --dir "$T/$name" "$@" >"$T/$name.log" 2>&1 &
-  pid=$!
-  BG="$BG $pid"
-  for i in $(seq 6000); do
-    compgen -G "$T/$name/$want" >/dev/null && break
-    kill -0 "$pid" 2>/dev/null || break
-    sleep 0.01
-  done
-  compgen -G "$T/$name/$want" >/dev/null || { cat "$T/$name.log"; fail "$name: $want never appeared"; }
-  victim=$(pgrep -P "$pid" | tail -n 1)
-  [ -n "$victim" ] || fail "$name: no worker to kill (the run ended too soon)"
-  kill -KILL "$victim"
-  wait "$pid"
+# demo NAME NPROC EXTRA...: run the demo on NPROC ranks with --dir $T/NAME, output in $T/NAME.log; must exit 0
+demo() {
+  local name=$1 n=$2; shift 2
+  "$DDPRUN" --standalone --nproc-per-node "$n" "$DEMO" --dir "$T/$name" "$@" >"$T/$name.log" 2>&1
   rc=$?
   cat "$T/$name.log"
-  [ $rc -ne 0 ] || fail "$name: ddprun exited 0 after a rank was killed"
-  [ ! -f "$T/$name/final.safetensors" ] || fail "$name: the run finished before the kill; nothing was tested"
-  echo "killed rank pid $victim; ddprun exited $rc; checkpoints: $(cd "$T/$name" && echo ckpt_*)"
+  [ $rc -eq 0 ] || fail "$name: the demo exited $rc"
+}
+
+# check NAME STEPS EXTRA...: demo_check on $T/NAME (EXTRA: the demo's flags) checks STEPS steps, each within 1e-5
+check() {
+  local name=$1 steps=$2 line; shift 2
+  grep -q "^the weights are identical on every rank" "$T/$name.log" || fail "$name: weights differ between ranks"
+  "$CHECK" --dir "$T/$name" "$@" >"$T/$name.check" 2>&1
+  rc=$?
+  cat "$T/$name.check"
+  [ $rc -eq 0 ] || fail "$name: demo_check exited $rc"
+  grep -q "^check: each of the $steps DDP steps " "$T/$name.check" || fail "$name: not $steps steps checked"
+  line=$(grep "check: largest difference" "$T/$name.check") || fail "$name: no check result"
+  echo "$line" | grep -oE "(weights|momentum|statistics) [0-9.e+-]+" | awk '$2 + 0 <= 1e-5 { n++ } END { exit n != 3 }' ||
+    fail "$name: a difference is above 1e-5 (or missing)"
+  echo "$line" | grep -q ": OK" || fail "$name: the checker did not say OK"
+}
+
+# 1. every step checked, 4 ranks: also the uninterrupted reference for the resume tests
+demo full 4 $ARGS --save-every 1 --keep 0
+[ -f "$T/full/final.safetensors" ] || fail "no final weights"
+check full 192 $ARGS
+ok "4 ranks: the 192 DDP steps equal the single-process steps"
+demo three 3 --epochs 1 --samples 1000 --save-every 1 --keep 0
+check three 11 --epochs 1 --samples 1000
+ok "3 ranks (padded shards): DDP steps equal the single-process steps"
+if "$CHECK" --dir "$T/full" $ARGS --lr 0.1001 >"$T/wrong.check" 2>&1; then
+  cat "$T/wrong.check"; fail "demo_check passed steps taken with another learning rate"
+fi
+cat "$T/wrong.check"
+grep -q ": TOO LARGE" "$T/wrong.check" || fail "demo_check failed, but not for the differences"
+ok "demo_check fails when the steps differ (--lr 0.1001 instead of the run's 0.1)"
+
+# stopped NAME STEP: the run stopped by itself after STEP (exit 0, said so), left no final weights, and
+# its newest checkpoint is STEP's
+stopped() {
+  local name=$1 step; step=$(printf %08d "$2")
+  grep -q "^stopped after step $2 (--stop-at-step)" "$T/$name.log" || fail "$name: no stop after step $2"
+  [ ! -f "$T/$name/final.safetensors" ] || fail "$name: the run went on to the end"
+  [ "$(cd "$T/$name" && ls ckpt_*.safetensors | tail -n 1)" = "ckpt_$step.safetensors" ] ||
+    fail "$name: the newest checkpoint is not step $2's: $(cd "$T/$name" && echo ckpt_*)"
+  echo "stopped after step $2; checkpoints: $(cd "$T/$name" && echo ckpt_*)"
 }
 
 # resume NAME EXTRA...: --resume, then the final weights must be byte-identical to the full run's
 resume() {
   local name=$1; shift
-  "$DDPRUN" --nproc-per-node 4 "$DEMO" $ARGS --dir "$T/$name" --resume "$@" >"$T/$name.resume.log" 2>&1
+  "$DDPRUN" --standalone --nproc-per-node 4 "$DEMO" $ARGS --dir "$T/$name" --resume "$@" >"$T/$name.resume.log" 2>&1
   rc=$?
-  [ $rc -eq 0 ] || { cat "$T/$name.resume.log"; fail "$name: --resume exited $rc"; }
   cat "$T/$name.resume.log"
+  [ $rc -eq 0 ] || fail "$name: --resume exited $rc"
   cmp "$T/full/final.safetensors" "$T/$name/final.safetensors" || fail "$name: resumed weights differ from the uninterrupted run's"
 }
 
-# 2. killed after the 2nd epoch's checkpoint (steps 32 and 64 exist: epoch 3 is under way)
-run_and_kill epoch "ckpt_00000064.safetensors"
+# 2. stopped at the end of epoch 2 (step 64): the resume starts epoch 3
+demo epoch 4 $ARGS --stop-at-step 64
+stopped epoch 64
 resume epoch
 grep -q "resumed from .*ckpt_00000064.safetensors: epoch 3, step 64, 0 samples" "$T/epoch.resume.log" ||
   fail "epoch: did not resume at the start of epoch 3"
-ok "SIGKILL mid-epoch 3, --resume: final weights bit-identical"
+ok "stopped after epoch 2, --resume: final weights bit-identical"
 
-# 3. checkpoints every 5 steps too; killed once step 40 (inside epoch 2) is saved: the newest is one of
-# 40..60, all inside epoch 2 (its end, step 64, is 24 steps away)
-run_and_kill mid "ckpt_00000040.safetensors" --save-every 5
+# 3. checkpoints every 5 steps too; stopped after step 47, the 15th step of epoch 2 (15 x 32 = 480 samples
+# of each rank's shard done), which is not a multiple of 5: the stop saves its own checkpoint
+demo mid 4 $ARGS --save-every 5 --stop-at-step 47
+stopped mid 47
 resume mid --save-every 5
-grep -Eq "resumed from .*: epoch 2, step (40|45|50|55|60), (256|416|576|736|896) samples of the epoch" "$T/mid.resume.log" ||
+grep -q "resumed from .*ckpt_00000047.safetensors: epoch 2, step 47, 480 samples of the epoch" "$T/mid.resume.log" ||
   fail "mid: did not resume from inside epoch 2"
-ok "SIGKILL after a mid-epoch checkpoint, --resume from that sampler position: final weights bit-identical"
+ok "stopped inside epoch 2, --resume from that sampler position: final weights bit-identical"
 
 # 4. another world size cannot continue these per-rank sampler positions
-if "$DDPRUN" --nproc-per-node 2 "$DEMO" $ARGS --dir "$T/mid" --resume >"$T/two.log" 2>&1; then
+if "$DDPRUN" --standalone --nproc-per-node 2 "$DEMO" $ARGS --dir "$T/mid" --resume >"$T/two.log" 2>&1; then
   cat "$T/two.log"; fail "--resume on 2 ranks of a 4-rank checkpoint succeeded"
 fi
 grep -q "on 4 ranks; resume with the same" "$T/two.log" || { cat "$T/two.log"; fail "no clear message for the world size"; }
