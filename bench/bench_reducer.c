@@ -1,5 +1,5 @@
 /* bench_reducer: DDP's per-step overhead on the cpu backend, the same shapes as
-   /work/shared/peers/torch_ddp_overhead.py (a 25M-parameter MLP: 5 x (Linear(2236, 2236), Tanh), MSELoss,
+   bench/peers/torch_ddp_overhead.py (a 25M-parameter MLP: 5 x (Linear(2236, 2236), Tanh), MSELoss,
    SGD lr 1e-3, one thread per rank). Step time of R ranks with the reducer minus step time of one process
    without it, same per-rank batch; medians of the timed steps after 2 warm-up steps.
 

@@ -2,15 +2,15 @@
 # DDP per-step overhead, ddp.h's reducer against torch DDP (gloo) on the same shapes, in one run:
 # a 25M-parameter MLP (5 x Linear(2236, 2236) + Tanh), R ranks against 1 rank at the same per-rank batch,
 # one thread per rank. Each round runs bench_reducer (ddp.h: single process, then R ranks in both modes)
-# and then the peer ../shared/peers/torch_ddp_overhead.py (path relative to the repository root; PEERS=dir
-# overrides); the summary is the median over the rounds of each overhead, and the ratio to torch's
+# and then the peer bench/peers/torch_ddp_overhead.py (PEERS=dir takes it from another folder, relative to
+# the repository root or absolute); the summary is the median over the rounds of each overhead, and the ratio to torch's
 # (the target is <= 0.5). The machine's load is printed before each program: other work running on the
 # machine inflates every R-rank number (the R ranks need R free cores), so compare runs at low load.
 #     bench/bench_reducer.sh [ranks=2] [batch=32] [steps=10] [rounds=3]
 set -eu
 cd "$(dirname "$0")/.."
 BUILD=${BUILD:-build}
-PEERS=${PEERS:-../shared/peers}
+PEERS=${PEERS:-bench/peers}
 R=${1:-2} BATCH=${2:-32} STEPS=${3:-10} ROUNDS=${4:-3}
 make -s "$BUILD/bench_reducer" >/dev/null
 load() { echo "load average: $(cut -d' ' -f1-3 /proc/loadavg)"; }

@@ -1,5 +1,5 @@
 /* Benchmark: one rank's DistributedSampler indices at large N -- time and peak memory.
-   Same setting as the peer /work/shared/peers/torch_sampler.py: num_replicas 8, rank 3, seed 0, epoch 1.
+   Same setting as the peer bench/peers/torch_sampler.py: num_replicas 8, rank 3, seed 0, epoch 1.
 
        bench_sampler [N [REPS]]          table of every configuration (each run in its own process,
                                          so that its peak RSS is its own); medians of REPS runs

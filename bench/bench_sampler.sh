@@ -1,15 +1,17 @@
 #!/usr/bin/env bash
-# ddp.h's DistributedSampler beside torch's (the peer ../shared/peers/torch_sampler.py, torch 1.13 at
+# ddp.h's DistributedSampler beside torch's (the peer bench/peers/torch_sampler.py, torch 1.13 at
 # /usr/bin/python3), in the same run and interleaved; medians of REPS runs, ratios torch / ddp.h.
 #   bench/bench_sampler.sh [N [REPS]]        default N = 1e8, REPS = 3
 # Setting of both: num_replicas 8, rank 3, seed 0, epoch 1; one process per run, so peak RSS is the run's own.
-# SAMPLER_PEER overrides the peer's path (default ../shared/peers/torch_sampler.py from the repository root).
+# SAMPLER_PEER overrides the peer's path (default $PEERS/torch_sampler.py, PEERS defaulting to bench/peers;
+# paths relative to the repository root or absolute).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 BUILD=${BUILD:-build}
 N=${1:-1e8}
 REPS=${2:-3}
-PEER=${SAMPLER_PEER:-../shared/peers/torch_sampler.py}
+PEERS=${PEERS:-bench/peers}
+PEER=${SAMPLER_PEER:-$PEERS/torch_sampler.py}
 make -s "$BUILD/bench_sampler" >/dev/null
 out=$(mktemp)
 trap 'rm -f "$out"' EXIT

@@ -1,6 +1,6 @@
 /* bench_syncbn: SyncBatchNorm forward (training) + backward throughput on the CPU, both layouts.
    Shape: the global batch N x C x H x W (default 32 x 64 x 56 x 56, the shape of the peer
-   /work/shared/peers/torch_bn.py), split over R ranks (1 = plain BatchNorm without a group, 2+ =
+   bench/peers/torch_bn.py), split over R ranks (1 = plain BatchNorm without a group, 2+ =
    forked ranks in a group: statistics all_gather + gradient all_reduce every step). Prints one row per
    layout and rank count: the median step time over the slowest rank and GB/s of x processed.
    Usage: bench_syncbn [ranks...]   (default: 1 2); BENCH_SHAPE="N C H W" overrides the shape.

@@ -1,25 +1,23 @@
 #!/usr/bin/env bash
 # SyncBatchNorm forward(train)+backward on the CPU against torch's BatchNorm2d, same shape, same run.
 # Runs $BUILD/bench_syncbn (1 rank = plain BatchNorm, 2 ranks = the global batch split over 2 processes
-# with the statistics all_gather and gradient all_reduce) and the peer ../shared/peers/torch_bn.py
+# with the statistics all_gather and gradient all_reduce) and the peer bench/peers/torch_bn.py
 # (torch.nn.BatchNorm2d, one process, one thread, N=32 C=64 56x56), alternately RUNS times (default 3),
 # and prints the median of each with the ratio torch / ddp.h (> 1: ddp.h is faster).
 # torch 1.13's SyncBatchNorm runs on CUDA only, so the 2-rank row is compared with torch's 1-process time.
-# Env: BUILD (default build), RUNS, TORCH_BN (path of torch_bn.py), PYTHON (default /usr/bin/python3).
+# Env: BUILD (default build), RUNS, PEERS (the peers' folder, default bench/peers), TORCH_BN (path of
+# torch_bn.py, default $PEERS/torch_bn.py), PYTHON (default /usr/bin/python3); paths relative to the
+# repository root or absolute.
 set -eu
 cd "$(dirname "$0")/.."
 BUILD=${BUILD:-build}
 RUNS=${RUNS:-3}
 PYTHON=${PYTHON:-/usr/bin/python3}
-PEER=${TORCH_BN:-}
-if [ -z "$PEER" ]; then
-  for p in ../shared/peers/torch_bn.py shared/peers/torch_bn.py /work/shared/peers/torch_bn.py; do
-    if [ -f "$p" ]; then PEER=$p; break; fi
-  done
-fi
+PEERS=${PEERS:-bench/peers}
+PEER=${TORCH_BN:-$PEERS/torch_bn.py}
 make -s BUILD="$BUILD" "$BUILD/bench_syncbn" >/dev/null
 have_torch=0
-if [ -n "$PEER" ] && "$PYTHON" -c "import torch" 2>/dev/null; then have_torch=1; fi
+if [ -f "$PEER" ] && "$PYTHON" -c "import torch" 2>/dev/null; then have_torch=1; fi
 out=$(mktemp -d)
 trap 'rm -rf "$out"' EXIT
 for i in $(seq "$RUNS"); do

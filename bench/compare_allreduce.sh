@@ -11,7 +11,9 @@
 # buffers (ddp_shm: cross-memory attach from 1 MiB, staged through the segment below; ddp_shm_staged:
 # DDP_SHM_CMA=0, always staged), ddp.h with DDP_TRANSPORT=tcp, Open MPI (default = its
 # shared memory), Open MPI with --mca btl tcp,self, and torch.distributed gloo. Needs openmpi-bin,
-# libopenmpi-dev and python3-torch (tools/install-test-deps.sh); missing peers are left out.
+# libopenmpi-dev and python3-torch (tools/install-test-deps.sh); missing peers are left out. The peers
+# are bench/peers/mpi_allreduce.c (built here with mpicc) and bench/peers/gloo_allreduce.py; PEERS=dir
+# takes them from another folder.
 set -eu
 cd "$(dirname "$0")/.."
 n=${1:-2} max=${2:-268435456} rounds=${3:-3}
@@ -19,17 +21,15 @@ METRIC=${METRIC:-busbw}
 ONLY=${ONLY:-ddp_shm_lib ddp_shm ddp_shm_staged ddp_tcp mpi mpi_tcp gloo}
 want() { case " $ONLY " in *" $1 "*) return 0 ;; *) return 1 ;; esac; }
 BUILD=${BUILD:-build}
-# the peers: PEERS, else ../shared/peers from the repository root (or from a worktree under ../wt/)
-peers=${PEERS:-}
-for p in ../shared/peers ../../shared/peers; do [ -z "$peers" ] && [ -d "$p" ] && peers=$p; done
-peers=${peers:-../shared/peers}
-[ -d "$peers" ] && peers=$(cd "$peers" && pwd)
+# the peers (mpi_allreduce.c, gloo_allreduce.py): bench/peers/, or the folder PEERS names
+peers=${PEERS:-bench/peers}
+[ -d "$peers" ] && peers=$(cd "$peers" && pwd) # absolute: Gloo's peer runs from the temporary folder
 out=$(mktemp -d)
 trap 'rm -rf "$out"' EXIT
 make -s "$BUILD/bench_collectives" "$BUILD/ddprun"
 have_mpi=0; have_gloo=0
-if command -v mpicc >/dev/null && [ -f $peers/mpi_allreduce.c ]; then mpicc -O2 -o "$out/mpi_allreduce" $peers/mpi_allreduce.c && have_mpi=1; fi
-/usr/bin/python3 -c "import torch" 2>/dev/null && [ -f $peers/gloo_allreduce.py ] && have_gloo=1
+if command -v mpicc >/dev/null && [ -f "$peers/mpi_allreduce.c" ]; then mpicc -O2 -o "$out/mpi_allreduce" "$peers/mpi_allreduce.c" && have_mpi=1; fi
+/usr/bin/python3 -c "import torch" 2>/dev/null && [ -f "$peers/gloo_allreduce.py" ] && have_gloo=1
 [ $have_mpi = 1 ] || echo "Open MPI left out: needs mpicc and $peers/mpi_allreduce.c" >&2
 [ $have_gloo = 1 ] || echo "Gloo left out: needs torch at /usr/bin/python3 and $peers/gloo_allreduce.py" >&2
 export OMP_NUM_THREADS=${OMP_NUM_THREADS:-1} # what ddprun would set for its workers anyway
