@@ -1,8 +1,45 @@
-/* Test helpers. Include this first: it compiles the implementation of ddp.h into the test.
+/* Test helpers. Include this first: it compiles the implementation of ddp.h into the test, unless the
+   Makefile builds the implementation once for every test that uses only the public API
+   (DDP_TEST_SHARED_IMPLEMENTATION: linked from $(BUILD)/ddp_impl.o; same code, compiled once per build).
    The multi-process runner here is the test's own (plain fork + environment), independent of the
    library's launcher, so the library is never used to check itself. */
+#ifndef _GNU_SOURCE
+#define _GNU_SOURCE /* the tests themselves use POSIX and Linux calls (setenv, unshare, ...) under -std=c99 */
+#endif
+#ifndef DDP_TEST_SHARED_IMPLEMENTATION
 #define DDP_IMPLEMENTATION
+#endif
 #include "ddp.h"
+
+/* The system headers the implementation includes, which the tests rely on too (with the shared
+   implementation they do not come with ddp.h). */
+#include <arpa/inet.h>
+#include <assert.h>
+#include <errno.h>
+#include <fcntl.h>
+#include <float.h>
+#include <limits.h>
+#include <math.h>
+#include <netdb.h>
+#include <netinet/in.h>
+#include <netinet/tcp.h>
+#include <poll.h>
+#include <pthread.h>
+#include <signal.h>
+#include <stdarg.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/file.h>
+#include <sys/mman.h>
+#include <sys/socket.h>
+#include <sys/stat.h>
+#include <sys/syscall.h>
+#include <sys/time.h>
+#include <sys/types.h>
+#include <sys/wait.h>
+#include <time.h>
+#include <unistd.h>
 
 #include <errno.h>
 #include <math.h>
