@@ -98,7 +98,7 @@
    [SECTION] dtype: sizes and names, f16/bf16 conversion, element-wise reduction src/dtype.c
    [SECTION] net: TCP sockets with deadlines                            src/net.c
    [SECTION] auth: DDP_AUTH_TOKEN, a shared secret that every connection proves (HMAC-SHA256) src/auth.c
-   [SECTION] store: rendezvous key-value store (c10d TCPStore protocol of torch 1.13), file store src/store.c
+   [SECTION] store: rendezvous key-value store (c10d TCPStore protocols of torch 1.13 and 2.x), file store src/store.c
    [SECTION] transport: framed messages between the ranks of a group, failure detection, abort src/transport.c
    [SECTION] collectives: the public collectives, their fingerprints, dispatch to the backend, async work src/collectives.c
    [SECTION] tcp: the tcp backend, collective algorithms over the TCP mesh (Gloo's and MPI's ring and src/tcp.c
@@ -1549,7 +1549,7 @@ static DDP__UNUSED ddp_result ddp__net_recv(int fd, void *buf, size_t n, double 
 static DDP__UNUSED ddp_result ddp__net_poll(int fd, short events, double deadline, char *err);
 static DDP__UNUSED void ddp__net_local_address(int fd, char *host, size_t cap);
 
-/* ---- store.c: the rendezvous key-value store (c10d TCPStore protocol of torch 1.13; file store) ---- */
+/* ---- store.c: the rendezvous key-value store (c10d TCPStore protocols of torch 1.13 and 2.x; file store) ---- */
 typedef struct ddp__store_server ddp__store_server;
 /* Start serving on host:port (host as MASTER_ADDR; NULL = all interfaces; port 0 = any free port) on a
    background thread. Errors (port in use, address not on this host) come from ddp__net_listen with clear
@@ -2750,9 +2750,13 @@ static int ddp__auth_server(int fd, const char *token, double deadline, char *er
 /* ==================== end src/auth.c ==================== */
 
 /* ==================== begin src/store.c ==================== */
-/* [SECTION] store: rendezvous key-value store (c10d TCPStore protocol of torch 1.13), file store
-   Mirrors torch.distributed.TCPStore (torch/csrc/distributed/c10d/TCPStore.cpp, torch 1.13) and
-   torch.distributed.FileStore. Every group rendezvouses through one store: rank 0 serves it on a background
+/* [SECTION] store: rendezvous key-value store (c10d TCPStore protocols of torch 1.13 and 2.x), file store
+   Mirrors torch.distributed.TCPStore (torch/csrc/distributed/c10d/TCPStore.cpp, torch 1.13; torch 2.x's
+   TCPStoreBackend.cpp and TCPStoreLibUvBackend.cpp) and torch.distributed.FileStore. torch 2.x's protocol
+   is the one below with VALIDATE (00 + uint32 0x3C85F7CE, no reply) first on every connection, the query
+   numbers moved (see DDP__V2_* and ddp__store_wire_type) and APPEND, MULTI_GET, MULTI_SET, CANCEL_WAIT and
+   PING added; its replies are the same. The server tells the two apart by each connection's first query;
+   the client finds out which one the server speaks on connecting (ddp__tcp_detect). Every group rendezvouses through one store: rank 0 serves it on a background
    thread, every rank (rank 0 too) is a client of it.
 
    Wire protocol (torch 1.13; no handshake; integers native-endian; a "string" is a uint64 length + bytes):

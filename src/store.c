@@ -1,6 +1,10 @@
-/* [SECTION] store: rendezvous key-value store (c10d TCPStore protocol of torch 1.13), file store
-   Mirrors torch.distributed.TCPStore (torch/csrc/distributed/c10d/TCPStore.cpp, torch 1.13) and
-   torch.distributed.FileStore. Every group rendezvouses through one store: rank 0 serves it on a background
+/* [SECTION] store: rendezvous key-value store (c10d TCPStore protocols of torch 1.13 and 2.x), file store
+   Mirrors torch.distributed.TCPStore (torch/csrc/distributed/c10d/TCPStore.cpp, torch 1.13; torch 2.x's
+   TCPStoreBackend.cpp and TCPStoreLibUvBackend.cpp) and torch.distributed.FileStore. torch 2.x's protocol
+   is the one below with VALIDATE (00 + uint32 0x3C85F7CE, no reply) first on every connection, the query
+   numbers moved (see DDP__V2_* and ddp__store_wire_type) and APPEND, MULTI_GET, MULTI_SET, CANCEL_WAIT and
+   PING added; its replies are the same. The server tells the two apart by each connection's first query;
+   the client finds out which one the server speaks on connecting (ddp__tcp_detect). Every group rendezvouses through one store: rank 0 serves it on a background
    thread, every rank (rank 0 too) is a client of it.
 
    Wire protocol (torch 1.13; no handshake; integers native-endian; a "string" is a uint64 length + bytes):
