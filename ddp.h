@@ -54,6 +54,8 @@
        DDP_TIMEOUT       seconds before a blocked operation fails (default 300)
        DDP_LOG_LEVEL     none | error | warn | info | debug   (default warn)
        DDP_TRANSPORT     cpu backend transport: auto (shared memory within a host, TCP between) | tcp
+       DDP_STORE_PROTOCOL  auto (default: found out on connecting) | 1.13 | 2: the TCPStore protocol the
+                         store client speaks, torch 1.13's or torch 2.x's (the server serves both)
        DDP_AUTH_TOKEN    a shared secret: the store and every rank-to-rank connection require proof of
                          it (HMAC-SHA256 challenge); unset: no authentication
        DDP_SHM_CMA       0 turns off cross-memory attach (process_vm_readv/writev) for shared-memory
@@ -96,7 +98,7 @@
    [SECTION] dtype: sizes and names, f16/bf16 conversion, element-wise reduction src/dtype.c
    [SECTION] net: TCP sockets with deadlines                            src/net.c
    [SECTION] auth: DDP_AUTH_TOKEN, a shared secret that every connection proves (HMAC-SHA256) src/auth.c
-   [SECTION] store: rendezvous key-value store (c10d TCPStore protocol of torch 1.13), file store src/store.c
+   [SECTION] store: rendezvous key-value store (c10d TCPStore protocols of torch 1.13 and 2.x), file store src/store.c
    [SECTION] transport: framed messages between the ranks of a group, failure detection, abort src/transport.c
    [SECTION] collectives: the public collectives, their fingerprints, dispatch to the backend, async work src/collectives.c
    [SECTION] tcp: the tcp backend, collective algorithms over the TCP mesh (Gloo's and MPI's ring and src/tcp.c
@@ -1547,7 +1549,7 @@ static DDP__UNUSED ddp_result ddp__net_recv(int fd, void *buf, size_t n, double 
 static DDP__UNUSED ddp_result ddp__net_poll(int fd, short events, double deadline, char *err);
 static DDP__UNUSED void ddp__net_local_address(int fd, char *host, size_t cap);
 
-/* ---- store.c: the rendezvous key-value store (c10d TCPStore protocol of torch 1.13; file store) ---- */
+/* ---- store.c: the rendezvous key-value store (c10d TCPStore protocols of torch 1.13 and 2.x; file store) ---- */
 typedef struct ddp__store_server ddp__store_server;
 /* Start serving on host:port (host as MASTER_ADDR; NULL = all interfaces; port 0 = any free port) on a
    background thread. Errors (port in use, address not on this host) come from ddp__net_listen with clear
@@ -2748,9 +2750,13 @@ static int ddp__auth_server(int fd, const char *token, double deadline, char *er
 /* ==================== end src/auth.c ==================== */
 
 /* ==================== begin src/store.c ==================== */
-/* [SECTION] store: rendezvous key-value store (c10d TCPStore protocol of torch 1.13), file store
-   Mirrors torch.distributed.TCPStore (torch/csrc/distributed/c10d/TCPStore.cpp, torch 1.13) and
-   torch.distributed.FileStore. Every group rendezvouses through one store: rank 0 serves it on a background
+/* [SECTION] store: rendezvous key-value store (c10d TCPStore protocols of torch 1.13 and 2.x), file store
+   Mirrors torch.distributed.TCPStore (torch/csrc/distributed/c10d/TCPStore.cpp, torch 1.13; torch 2.x's
+   TCPStoreBackend.cpp and TCPStoreLibUvBackend.cpp) and torch.distributed.FileStore. torch 2.x's protocol
+   is the one below with VALIDATE (00 + uint32 0x3C85F7CE, no reply) first on every connection, the query
+   numbers moved (see DDP__V2_* and ddp__store_wire_type) and APPEND, MULTI_GET, MULTI_SET, CANCEL_WAIT and
+   PING added; its replies are the same. The server tells the two apart by each connection's first query;
+   the client finds out which one the server speaks on connecting (ddp__tcp_detect). Every group rendezvouses through one store: rank 0 serves it on a background
    thread, every rank (rank 0 too) is a client of it.
 
    Wire protocol (torch 1.13; no handshake; integers native-endian; a "string" is a uint64 length + bytes):
@@ -2809,6 +2815,52 @@ static int ddp__auth_server(int fd, const char *token, double deadline, char *er
 #define DDP__CHECK_READY 0
 #define DDP__CHECK_NOT_READY 1
 #define DDP__WAIT_STOP_WAITING 0
+#define DDP__WAIT_CANCELED 1
+/* Queries only torch 2.x's protocol has, by the numbers this file uses inside (never on the wire as these). */
+#define DDP__Q_VALIDATE 0x40
+#define DDP__Q_APPEND 0x41
+#define DDP__Q_MULTI_GET 0x42
+#define DDP__Q_MULTI_SET 0x43
+#define DDP__Q_CANCEL_WAIT 0x44
+#define DDP__Q_PING 0x45
+#define DDP__Q_UNKNOWN 0xff
+/* torch 2.x (c10d::detail::QueryType in TCPStoreBackend.hpp): VALIDATE 0, SET 1, COMPARE_SET 2, GET 3, ADD 4,
+   CHECK 5, WAIT 6, GETNUMKEYS 7, DELETE_KEY 8, APPEND 9, MULTI_GET 10, MULTI_SET 11, CANCEL_WAIT 12, PING 13,
+   then QUEUE_PUSH, QUEUE_POP, QUEUE_LEN, LIST_KEYS (not served here). Every connection's first query is
+   VALIDATE with this magic (a uint32); VALIDATE has no reply. */
+#define DDP__V2_MAGIC 0x3C85F7CEu
+#define DDP__V2_VALIDATE 0
+#define DDP__V2_PING 13
+
+/* The wire byte of query q (1.13 numbering above) in protocol proto (1: torch 1.13, 2: torch 2.x). */
+static unsigned char ddp__store_wire_type(int proto, int q) {
+    if (proto != 2) return (unsigned char)q;
+    switch (q) {
+    case DDP__Q_DELETE_KEY: return 8;
+    case DDP__Q_APPEND: return 9;
+    case DDP__Q_MULTI_GET: return 10;
+    case DDP__Q_MULTI_SET: return 11;
+    case DDP__Q_CANCEL_WAIT: return 12;
+    case DDP__Q_PING: return DDP__V2_PING;
+    case DDP__Q_VALIDATE: return DDP__V2_VALIDATE;
+    default: return (unsigned char)(q + 1); /* SET .. GETNUMKEYS moved up by one */
+    }
+}
+
+/* The query a wire byte stands for in protocol proto (DDP__Q_UNKNOWN when none). */
+static int ddp__store_query_of(int proto, unsigned char b) {
+    if (proto != 2) return b <= DDP__Q_DELETE_KEY ? b : DDP__Q_UNKNOWN;
+    switch (b) {
+    case DDP__V2_VALIDATE: return DDP__Q_VALIDATE;
+    case 8: return DDP__Q_DELETE_KEY;
+    case 9: return DDP__Q_APPEND;
+    case 10: return DDP__Q_MULTI_GET;
+    case 11: return DDP__Q_MULTI_SET;
+    case 12: return DDP__Q_CANCEL_WAIT;
+    case DDP__V2_PING: return DDP__Q_PING;
+    default: return b >= 1 && b <= 7 ? b - 1 : DDP__Q_UNKNOWN;
+    }
+}
 
 /* ---- pieces shared by the server, the client and the file store ---- */
 
@@ -3005,6 +3057,7 @@ typedef struct ddp__store_conn {
     unsigned char *out;    /* replies not yet sent: out[out_off .. out_len) */
     size_t out_off, out_len, out_cap;
     int auth;              /* DDP_AUTH_TOKEN: 1 awaiting the hello, 2 awaiting the proof, 0 authenticated/off */
+    int proto;             /* 0 until its first query, then 1 (torch 1.13's protocol) or 2 (torch 2.x's) */
     unsigned char auth_cn[16], auth_sn[16];
     ddp__store_wait_key *waits; /* the pending WAIT's missing keys */
     size_t nwaits, wait_bytes;
@@ -3206,9 +3259,10 @@ static int ddp__srv_keys(ddp__rd *r, size_t *size, char *why, size_t why_cap) {
 
 /* How many bytes the request at p[0 .. n) takes. DDP__REQ_DONE: *size bytes, complete. DDP__REQ_MORE:
    incomplete, and *size is how many bytes it takes at least. DDP__REQ_BAD: why says what is wrong. */
-static int ddp__srv_parse(const unsigned char *p, size_t n, size_t *size, char *why, size_t why_cap) {
+static int ddp__srv_parse(int proto, const unsigned char *p, size_t n, size_t *size, char *why, size_t why_cap) {
     ddp__rd r;
     int st = DDP__REQ_DONE;
+    uint64_t count, i;
     if (n < 1) {
         *size = 1;
         return DDP__REQ_MORE;
@@ -3216,8 +3270,17 @@ static int ddp__srv_parse(const unsigned char *p, size_t n, size_t *size, char *
     r.p = p;
     r.n = n;
     r.at = 1;
-    switch (p[0]) {
+    switch (ddp__store_query_of(proto, p[0])) {
+    case DDP__Q_VALIDATE:
+    case DDP__Q_PING:
+        if (n < 5) {
+            *size = 5;
+            return DDP__REQ_MORE;
+        }
+        r.at = 5;
+        break;
     case DDP__Q_SET:
+    case DDP__Q_APPEND:
         st = ddp__srv_field(&r, DDP__STORE_MAX_KEY, "key", size, why, why_cap);
         if (st == DDP__REQ_DONE) st = ddp__srv_field(&r, DDP__STORE_MAX_VALUE, "value", size, why, why_cap);
         break;
@@ -3240,17 +3303,39 @@ static int ddp__srv_parse(const unsigned char *p, size_t n, size_t *size, char *
         break;
     case DDP__Q_CHECK:
     case DDP__Q_WAIT:
+    case DDP__Q_MULTI_GET:
         st = ddp__srv_keys(&r, size, why, why_cap);
         break;
+    case DDP__Q_MULTI_SET:
+        if (n < 9) {
+            *size = 9;
+            return DDP__REQ_MORE;
+        }
+        count = ddp__rd_u64(&r);
+        if (count > DDP__STORE_MAX_WAIT_KEYS) {
+            snprintf(why, why_cap, "it set %llu keys at once (the limit is %llu)", (unsigned long long)count,
+                     (unsigned long long)DDP__STORE_MAX_WAIT_KEYS);
+            return DDP__REQ_BAD;
+        }
+        for (i = 0; i < count && st == DDP__REQ_DONE; i++) {
+            st = ddp__srv_field(&r, DDP__STORE_MAX_KEY, "key", size, why, why_cap);
+            if (st == DDP__REQ_DONE) st = ddp__srv_field(&r, DDP__STORE_MAX_VALUE, "value", size, why, why_cap);
+        }
+        break;
     case DDP__Q_GETNUMKEYS:
+    case DDP__Q_CANCEL_WAIT:
         break;
     case DDP__Q_WATCH_KEY:
         snprintf(why, why_cap, "it asked for watch_key (torch's experimental key callbacks), which ddp.h's store "
                                "does not serve");
         return DDP__REQ_BAD;
     default:
-        snprintf(why, why_cap, "it sent the unknown query type 0x%02x (a torch 1.13 TCPStore client speaks "
-                               "this protocol; newer torch clients and other programs do not)", p[0]);
+        if (proto == 2)
+            snprintf(why, why_cap, "it sent torch 2.x's query type %u, which ddp.h's store does not serve (it serves "
+                                   "0 VALIDATE to 13 PING, not QUEUE_* or LIST_KEYS)", p[0]);
+        else
+            snprintf(why, why_cap, "it sent the unknown query type 0x%02x (ddp.h's store speaks torch 1.13's TCPStore "
+                                   "protocol, and torch 2.x's, whose first query is VALIDATE)", p[0]);
         return DDP__REQ_BAD;
     }
     if (st == DDP__REQ_DONE) *size = r.at;
@@ -3348,16 +3433,75 @@ static void ddp__srv_add(ddp__store_server *s, ddp__store_conn *c, ddp__rd *r) {
     ddp__srv_reply(s, c, &now, 8, NULL, 0);
 }
 
+/* APPEND (torch 2.x): add bytes at the end of a key's value, creating it when missing. */
+static void ddp__srv_append(ddp__store_server *s, ddp__store_conn *c, ddp__rd *r) {
+    size_t klen, vlen;
+    const unsigned char *k = ddp__rd_str(r, &klen), *v = ddp__rd_str(r, &vlen);
+    ddp__kv *kv = ddp__kv_find(&s->kv, k, klen, ddp__store_hash(k, klen));
+    unsigned char *joined;
+    if (!kv) {
+        ddp__srv_store(s, c, k, klen, v, vlen);
+        return;
+    }
+    if (kv->value_len + vlen > DDP__STORE_MAX_VALUE || ddp__srv_over_budget(s, vlen)) {
+        ddp__srv_drop(s, c, DDP_LOG_WARN, "its APPEND would make a value longer than %zu MiB or the store larger "
+                                          "than its budget", DDP__STORE_MAX_VALUE >> 20);
+        return;
+    }
+    if (!(joined = (unsigned char *)ddp__malloc(kv->value_len + vlen))) {
+        ddp__srv_drop(s, c, DDP_LOG_WARN, "out of memory appending %zu bytes", vlen);
+        return;
+    }
+    if (kv->value_len) memcpy(joined, kv->value, kv->value_len);
+    if (vlen) memcpy(joined + kv->value_len, v, vlen);
+    ddp__kv_put(&s->kv, k, klen, kv->hash, joined, kv->value_len + vlen); /* replaces: cannot fail */
+}
+
 static void ddp__srv_handle(ddp__store_server *s, ddp__store_conn *c, const unsigned char *req, size_t size) {
     ddp__rd r;
     size_t klen, vlen;
     const unsigned char *k, *v;
     ddp__kv *kv;
     char name[64];
+    uint32_t magic;
+    uint64_t n, i;
     r.p = req;
     r.n = size;
     r.at = 1;
-    switch (req[0]) {
+    switch (ddp__store_query_of(c->proto, req[0])) {
+    case DDP__Q_VALIDATE: /* torch 2.x: no reply; a wrong magic ends the client, as torch's server does */
+        memcpy(&magic, req + 1, 4);
+        if (magic != DDP__V2_MAGIC)
+            ddp__srv_drop(s, c, DDP_LOG_WARN, "its VALIDATE carried 0x%08x, not torch's 0x%08x", magic, DDP__V2_MAGIC);
+        break;
+    case DDP__Q_PING: ddp__srv_reply(s, c, req + 1, 4, NULL, 0); break;
+    case DDP__Q_APPEND: ddp__srv_append(s, c, &r); break;
+    case DDP__Q_MULTI_SET:
+        n = ddp__rd_u64(&r);
+        for (i = 0; i < n && !c->dead; i++) {
+            k = ddp__rd_str(&r, &klen);
+            v = ddp__rd_str(&r, &vlen);
+            ddp__srv_store(s, c, k, klen, v, vlen);
+        }
+        break;
+    case DDP__Q_MULTI_GET: /* every key must exist (torch's server also drops the client otherwise) */
+        n = ddp__rd_u64(&r);
+        for (i = 0; i < n && !c->dead; i++) {
+            k = ddp__rd_str(&r, &klen);
+            kv = ddp__kv_find(&s->kv, k, klen, ddp__store_hash(k, klen));
+            if (!kv) {
+                ddp__srv_drop(s, c, DDP_LOG_WARN, "its MULTI_GET asked for key '%s', which does not exist",
+                              ddp__store_key_text(k, klen, name, sizeof name));
+                break;
+            }
+            vlen = kv->value_len;
+            ddp__srv_reply(s, c, &vlen, 8, kv->value, kv->value_len);
+        }
+        break;
+    case DDP__Q_CANCEL_WAIT: /* torch 2.x's client after a WAIT timed out: forget it, say so */
+        ddp__srv_clear_wait(s, c);
+        ddp__srv_reply_byte(s, c, DDP__WAIT_CANCELED);
+        break;
     case DDP__Q_SET:
         k = ddp__rd_str(&r, &klen);
         v = ddp__rd_str(&r, &vlen);
@@ -3433,7 +3577,17 @@ static void ddp__srv_process(ddp__store_server *s, ddp__store_conn *c) {
             c->ready = 1;
             break;
         }
-        st = ddp__srv_parse(c->in + pos, c->in_len - pos, &size, why, sizeof why);
+        if (!c->proto) { /* its first query says which protocol it speaks */
+            static const uint32_t magic = DDP__V2_MAGIC;
+            if (c->in[pos] == DDP__V2_VALIDATE && c->in_len - pos < 5) {
+                c->need = 5;
+                break;
+            }
+            /* a 1.13 SET (also byte 0) cannot start so: its key would be longer than 1 GB */
+            c->proto = c->in[pos] == DDP__V2_VALIDATE && memcmp(c->in + pos + 1, &magic, 4) == 0 ? 2 : 1;
+            ddp__srv_log(s, DDP_LOG_DEBUG, "client %s speaks torch %s's protocol", c->peer, c->proto == 2 ? "2.x" : "1.13");
+        }
+        st = ddp__srv_parse(c->proto, c->in + pos, c->in_len - pos, &size, why, sizeof why);
         if (st == DDP__REQ_BAD) {
             ddp__srv_drop(s, c, DDP_LOG_WARN, "%s", why);
             return;
@@ -3682,8 +3836,11 @@ struct ddp_store {
     /* tcp */
     char *host, *prefix;
     int port, fd;
+    int proto;          /* 1: torch 1.13's protocol, 2: torch 2.x's, 0: not known yet (found out on connecting) */
+    const char *proto_why; /* how it was chosen, for messages */
     size_t prefix_len;
     unsigned char *msg; /* the request being built */
+    unsigned char msg_type;
     size_t msg_len, msg_cap;
     int msg_oom;
     /* file */
@@ -3726,11 +3883,10 @@ static void ddp__tcp_disconnect(ddp_store *s) {
     s->fd = -1;
 }
 
-static ddp_result ddp__tcp_connect(ddp_store *s, double deadline) {
+/* Connect (and authenticate, with DDP_AUTH_TOKEN); no protocol bytes yet. */
+static ddp_result ddp__tcp_open(ddp_store *s, double deadline) {
     char why[DDP__ERR_MAX];
-    ddp_result r;
-    if (s->fd >= 0) return DDP_SUCCESS;
-    r = ddp__net_connect(s->host, s->port, deadline, &s->fd, why);
+    ddp_result r = ddp__net_connect(s->host, s->port, deadline, &s->fd, why);
     if (r == DDP_SUCCESS && ddp__auth_token()) {
         r = ddp__auth_client(s->fd, ddp__auth_token(), s->where, deadline, why);
         if (r != DDP_SUCCESS) {
@@ -3743,6 +3899,96 @@ static ddp_result ddp__tcp_connect(ddp_store *s, double deadline) {
     return ddp__store_fail(s, r, "cannot reach %s: %s; is rank 0 (which serves the store) running, and do "
                                  "MASTER_ADDR and MASTER_PORT name its host and a port it can listen on?",
                            s->where, why);
+}
+
+/* Which protocol the server speaks, found out on a fresh connection without ever changing a torch 1.13 store
+   (torch 2.x's VALIDATE byte 0 is a SET to a 1.13 server). DDP_STORE_PROTOCOL=1.13 or 2 skips this.
+     1. Send, in one write, torch 2.x's VALIDATE (00 + magic CE F7 85 3C) and PING (0D + a nonce whose third
+        byte is 0xFF). A 2.x server (classic or libuv) echoes the nonce: protocol 2, and the connection is
+        validated. A 1.13 server reads a SET whose key length is the 8 bytes CE F7 85 3C 0D n0 n1 FF, over
+        2^63: torch 1.13's recvString cannot allocate that (std::length_error) and its server closes the
+        connection; ddp.h's server (any version) drops a key over 4 KiB. Nothing is stored: the SET never
+        gets past its key length. A 2.x server older than PING (torch 2.1 .. 2.4) also closes.
+     2. After a close: reconnect and send the single byte 06, GETNUMKEYS to a 1.13 server, which answers 8
+        bytes: protocol 1. To a 2.x server 06 is a first query that is not VALIDATE: the classic server
+        closes (protocol 2, without PING); a libuv one ignores it and waits, and it is a WAIT anyway, which
+        reads a count it never gets, so nothing can change there either.
+   No answer within min(timeout, 5 s) in step 1 or 2: it cannot tell, and takes protocol 2 (what current
+   torch speaks), saying so in the log; a wrong guess fails with a message that names both versions and
+   DDP_STORE_PROTOCOL. */
+static ddp_result ddp__tcp_detect(ddp_store *s, double deadline) {
+    unsigned char probe[10], reply[8];
+    uint32_t magic = DDP__V2_MAGIC, nonce = 0x5AFF0000u | ((uint32_t)getpid() & 0xFFFFu), echo;
+    double until = DDP__MIN(deadline, ddp__now() + DDP__MIN(s->timeout, 5.0));
+    char why[DDP__ERR_MAX];
+    ddp_result r;
+    probe[0] = DDP__V2_VALIDATE;
+    memcpy(probe + 1, &magic, 4);
+    probe[5] = DDP__V2_PING;
+    memcpy(probe + 6, &nonce, 4);
+    r = ddp__net_send(s->fd, probe, sizeof probe, until, why);
+    if (r == DDP_SUCCESS) r = ddp__net_recv(s->fd, &echo, 4, until, why);
+    if (r == DDP_SUCCESS) {
+        if (echo != nonce) {
+            ddp__tcp_disconnect(s);
+            return ddp__store_fail(s, DDP_ERR_FORMAT, "%s answered torch 2.x's PING with 0x%08x instead of 0x%08x: "
+                                                      "is it a TCPStore (torch 1.13, torch 2.x or ddp.h)?",
+                                   s->where, echo, nonce);
+        }
+        s->proto = 2;
+        s->proto_why = "found out on connecting";
+        return DDP_SUCCESS;
+    }
+    ddp__tcp_disconnect(s);
+    if (r == DDP_ERR_PEER_LOST) { /* step 2 */
+        unsigned char q = DDP__Q_GETNUMKEYS;
+        if ((r = ddp__tcp_open(s, deadline)) != DDP_SUCCESS) return r;
+        until = DDP__MIN(deadline, ddp__now() + DDP__MIN(s->timeout, 5.0));
+        r = ddp__net_send(s->fd, &q, 1, until, why);
+        if (r == DDP_SUCCESS) r = ddp__net_recv(s->fd, reply, 8, until, why);
+        if (r == DDP_SUCCESS) {
+            s->proto = 1;
+            s->proto_why = "found out on connecting";
+            return DDP_SUCCESS; /* the connection is in step: GETNUMKEYS got its answer */
+        }
+        ddp__tcp_disconnect(s);
+        if (r == DDP_ERR_PEER_LOST) {
+            s->proto = 2;
+            s->proto_why = "found out on connecting: a torch 2.x server without PING";
+        }
+    }
+    if (!s->proto) {
+        s->proto = 2;
+        s->proto_why = "a guess: the server did not answer the probes; DDP_STORE_PROTOCOL=1.13 or 2 says which";
+        ddp__log(NULL, DDP_LOG_INFO, "%s answered neither torch 2.x's PING nor torch 1.13's GETNUMKEYS within %.3g s; "
+                                     "speaking torch 2.x's protocol (DDP_STORE_PROTOCOL=1.13 or 2 sets it)",
+                 s->where, DDP__MIN(s->timeout, 5.0));
+    }
+    if ((r = ddp__tcp_open(s, deadline)) != DDP_SUCCESS) return r;
+    r = ddp__net_send(s->fd, probe, 5, deadline, why); /* VALIDATE alone */
+    if (r != DDP_SUCCESS) {
+        ddp__tcp_disconnect(s);
+        return ddp__store_fail(s, r, "lost the connection to %s while validating (%s)", s->where, why);
+    }
+    return DDP_SUCCESS;
+}
+
+/* Connect when not connected: in torch 2.x's protocol every connection starts with VALIDATE. */
+static ddp_result ddp__tcp_connect(ddp_store *s, double deadline) {
+    char why[DDP__ERR_MAX];
+    unsigned char validate[5];
+    uint32_t magic = DDP__V2_MAGIC;
+    ddp_result r;
+    if (s->fd >= 0) return DDP_SUCCESS;
+    if ((r = ddp__tcp_open(s, deadline)) != DDP_SUCCESS) return r;
+    if (!s->proto) return ddp__tcp_detect(s, deadline);
+    if (s->proto != 2) return DDP_SUCCESS;
+    validate[0] = DDP__V2_VALIDATE;
+    memcpy(validate + 1, &magic, 4);
+    r = ddp__net_send(s->fd, validate, sizeof validate, deadline, why);
+    if (r == DDP_SUCCESS) return r;
+    ddp__tcp_disconnect(s);
+    return ddp__store_fail(s, r, "lost the connection to %s while validating (%s)", s->where, why);
 }
 
 static void ddp__msg_put(ddp_store *s, const void *p, size_t n) {
@@ -3762,10 +4008,13 @@ static void ddp__msg_put(ddp_store *s, const void *p, size_t n) {
 
 static void ddp__msg_u64(ddp_store *s, uint64_t v) { ddp__msg_put(s, &v, 8); }
 
+/* Start a request of query type (1.13 numbering); its wire byte is set when it is sent (ddp__tcp_send), once
+   the connection, and with it the protocol, is known. */
 static void ddp__msg_begin(ddp_store *s, unsigned char type) {
     s->msg_len = 0;
     s->msg_oom = 0;
     ddp__msg_put(s, &type, 1);
+    s->msg_type = type;
 }
 
 /* A key goes on the wire as prefix + key. */
@@ -3791,10 +4040,14 @@ static ddp_result ddp__tcp_broken(ddp_store *s, ddp_result r, const char *why, c
                                                    "doing the same steps? (DDP_TIMEOUT sets the timeout)",
                                seconds, doing, s->where);
     return ddp__store_fail(s, r == DDP_ERR_PEER_LOST ? DDP_ERR_PEER_LOST : r,
-                           "lost the connection to %s while %s (%s); did rank 0, which serves the store, exit?%s",
+                           "lost the connection to %s while %s (%s); did rank 0, which serves the store, exit?%s "
+                           "(this client spoke torch %s's TCPStore protocol, %s; a server of the other one, torch %s, "
+                           "hangs up on it: DDP_STORE_PROTOCOL=%s sets that one)",
                            s->where, doing, why,
                            ddp__auth_token() ? "" : " (a store started with DDP_AUTH_TOKEN also hangs up on a process "
-                                                    "without it: every rank needs the same token)");
+                                                    "without it: every rank needs the same token)",
+                           s->proto == 2 ? "2.x" : "1.13", s->proto_why ? s->proto_why : "as set",
+                           s->proto == 2 ? "1.13" : "2.x", s->proto == 2 ? "1.13" : "2");
 }
 
 /* Connect if needed and send the request built in s->msg, then tail (a large value, sent without a copy).
@@ -3805,6 +4058,7 @@ static ddp_result ddp__tcp_send(ddp_store *s, const void *tail, size_t tail_n, d
     ddp_result r;
     if (s->msg_oom) return ddp__store_fail(s, DDP_ERR_OUT_OF_MEMORY, "out of memory %s in %s", doing, s->where);
     if ((r = ddp__tcp_connect(s, deadline)) != DDP_SUCCESS) return r;
+    if (s->msg_len) s->msg[0] = ddp__store_wire_type(s->proto, s->msg_type);
     r = ddp__net_send(s->fd, s->msg, s->msg_len, deadline, why);
     if (r == DDP_SUCCESS && tail_n) r = ddp__net_send(s->fd, tail, tail_n, deadline, why);
     return r == DDP_SUCCESS ? r : ddp__tcp_broken(s, r, why, doing, seconds);
@@ -3847,8 +4101,8 @@ static ddp_result ddp__tcp_wait(ddp_store *s, const char *const *keys, int n, do
     if ((r = ddp__tcp_recv(s, &reply, 1, deadline, timeout, doing)) != DDP_SUCCESS) return r;
     if (reply != DDP__WAIT_STOP_WAITING) {
         ddp__tcp_disconnect(s);
-        return ddp__store_fail(s, DDP_ERR_FORMAT, "%s answered %u to a WAIT (expected 0) while %s; is it a torch 1.13 "
-                                                  "or ddp.h store?", s->where, reply, doing);
+        return ddp__store_fail(s, DDP_ERR_FORMAT, "%s answered %u to a WAIT (expected 0) while %s; is it a torch 1.13, "
+                                                  "torch 2.x or ddp.h store?", s->where, reply, doing);
     }
     return DDP_SUCCESS;
 }
@@ -3972,6 +4226,19 @@ static ddp_store *ddp__store_alloc(const ddp__store_ops *ops, double timeout) {
     return s;
 }
 
+/* DDP_STORE_PROTOCOL: auto (unset) 0, "1.13" or "1" 1, "2" or "2.x" 2. */
+static ddp_result ddp__store_protocol_setting(int *proto, char *err) {
+    const char *v = ddp__env("DDP_STORE_PROTOCOL");
+    *proto = 0;
+    if (!v || strcmp(v, "auto") == 0) return DDP_SUCCESS;
+    if (strcmp(v, "1.13") == 0 || strcmp(v, "1") == 0) *proto = 1;
+    else if (strcmp(v, "2") == 0 || strcmp(v, "2.x") == 0) *proto = 2;
+    else
+        return ddp__fail_to(err, DDP_ERR_INVALID_ARGUMENT, "DDP_STORE_PROTOCOL=%s: expected auto, 1.13 (torch 1.13's "
+                                                           "TCPStore protocol) or 2 (torch 2.x's)", v);
+    return DDP_SUCCESS;
+}
+
 static ddp_result ddp__store_connect(const char *host, int port, const char *prefix, double timeout, ddp_store **out,
                                      char *err) {
     ddp_store *s;
@@ -3994,6 +4261,11 @@ static ddp_result ddp__store_connect(const char *host, int port, const char *pre
     }
     s->prefix_len = strlen(s->prefix);
     snprintf(s->where, sizeof s->where, "the store at %s:%d", host, port);
+    if ((r = ddp__store_protocol_setting(&s->proto, err)) != DDP_SUCCESS) {
+        ddp__store_free(s);
+        return r;
+    }
+    s->proto_why = s->proto ? "as DDP_STORE_PROTOCOL says" : NULL;
     r = ddp__tcp_connect(s, ddp__now() + s->timeout);
     if (r != DDP_SUCCESS) {
         ddp__fail_to(err, r, "%s", s->error);

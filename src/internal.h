@@ -141,7 +141,7 @@ static DDP__UNUSED ddp_result ddp__net_recv(int fd, void *buf, size_t n, double 
 static DDP__UNUSED ddp_result ddp__net_poll(int fd, short events, double deadline, char *err);
 static DDP__UNUSED void ddp__net_local_address(int fd, char *host, size_t cap);
 
-/* ---- store.c: the rendezvous key-value store (c10d TCPStore protocol of torch 1.13; file store) ---- */
+/* ---- store.c: the rendezvous key-value store (c10d TCPStore protocols of torch 1.13 and 2.x; file store) ---- */
 typedef struct ddp__store_server ddp__store_server;
 /* Start serving on host:port (host as MASTER_ADDR; NULL = all interfaces; port 0 = any free port) on a
    background thread. Errors (port in use, address not on this host) come from ddp__net_listen with clear

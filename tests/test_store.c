@@ -123,15 +123,44 @@ static void test_parse(void) {
     m_byte(&reqs[7], 8), m_str(&reqs[7], "");                                           /* DELETE_KEY */
     for (i = 0; i < 8; i++) {
         for (cut = 0; cut < reqs[i].n; cut++) {
-            int st = ddp__srv_parse(reqs[i].b, cut, &size, why, sizeof why);
+            int st = ddp__srv_parse(1, reqs[i].b, cut, &size, why, sizeof why);
             CHECK(st == DDP__REQ_MORE && size > cut && size <= reqs[i].n,
                   "request %zu cut at %zu: status %d, size %zu of %zu", i, cut, st, size, reqs[i].n);
         }
         /* complete, with the next request's first byte after it */
         reqs[i].b[reqs[i].n] = 6;
-        CHECK(ddp__srv_parse(reqs[i].b, reqs[i].n + 1, &size, why, sizeof why) == DDP__REQ_DONE && size == reqs[i].n,
+        CHECK(ddp__srv_parse(1, reqs[i].b, reqs[i].n + 1, &size, why, sizeof why) == DDP__REQ_DONE && size == reqs[i].n,
               "request %zu: size %zu of %zu", i, size, reqs[i].n);
     }
+}
+
+/* The same for torch 2.x's queries (VALIDATE 0, SET 1, ..., PING 13). */
+static void test_parse_v2(void) {
+    msg reqs[8];
+    size_t i, cut, size;
+    char why[256];
+    for (i = 0; i < 8; i++) reqs[i].n = 0;
+    m_byte(&reqs[0], 0), m_u64(&reqs[0], 0x3C85F7CEu), reqs[0].n -= 4;                 /* VALIDATE */
+    m_byte(&reqs[1], 13), m_u64(&reqs[1], 77), reqs[1].n -= 4;                         /* PING */
+    m_byte(&reqs[2], 1), m_str(&reqs[2], "key"), m_str(&reqs[2], "value");            /* SET */
+    m_byte(&reqs[3], 9), m_str(&reqs[3], "key"), m_str(&reqs[3], "more");             /* APPEND */
+    m_byte(&reqs[4], 10), m_u64(&reqs[4], 2), m_str(&reqs[4], "a"), m_str(&reqs[4], "bc"); /* MULTI_GET */
+    m_byte(&reqs[5], 11), m_u64(&reqs[5], 2), m_str(&reqs[5], "a"), m_str(&reqs[5], "1"), m_str(&reqs[5], "b"),
+        m_str(&reqs[5], "");                                                            /* MULTI_SET */
+    m_byte(&reqs[6], 12);                                                               /* CANCEL_WAIT */
+    m_byte(&reqs[7], 4), m_str(&reqs[7], "key"), m_u64(&reqs[7], 5);                   /* ADD */
+    for (i = 0; i < 8; i++) {
+        for (cut = 0; cut < reqs[i].n; cut++) {
+            int st = ddp__srv_parse(2, reqs[i].b, cut, &size, why, sizeof why);
+            CHECK(st == DDP__REQ_MORE && size > cut && size <= reqs[i].n,
+                  "v2 request %zu cut at %zu: status %d, size %zu of %zu", i, cut, st, size, reqs[i].n);
+        }
+        reqs[i].b[reqs[i].n] = 7;
+        CHECK(ddp__srv_parse(2, reqs[i].b, reqs[i].n + 1, &size, why, sizeof why) == DDP__REQ_DONE && size == reqs[i].n,
+              "v2 request %zu: size %zu of %zu", i, size, reqs[i].n);
+    }
+    reqs[0].b[0] = 14; /* QUEUE_PUSH: not served */
+    CHECK(ddp__srv_parse(2, reqs[0].b, reqs[0].n, &size, why, sizeof why) == DDP__REQ_BAD, "QUEUE_PUSH accepted");
 }
 
 /* ---- in one process: the server on a thread, clients beside it ---- */
@@ -703,6 +732,7 @@ int main(void) {
     int n;
     signal(SIGPIPE, SIG_IGN);
     test_parse();
+    test_parse_v2();
     test_single_process();
     fprintf(stderr, "single process: ok\n");
     test_hostile();

@@ -1,4 +1,5 @@
-"""torch 1.13's TCPStore against ddp.h's store, both ways (run by tests/test_interop_store.sh).
+"""torch's TCPStore against ddp.h's store, both ways: torch 1.13 (run by tests/test_interop_store.sh) and
+torch 2.x (run by tests/test_interop_torch_current.sh in the chroot of tools/torch-current.sh).
 
 (a) torch's client against OUR server: one scenario (set/get with binary values, add, compare_set, num_keys,
     delete_key, wait, a wait timeout, a get that blocks until another process sets the key, concurrent adds,
@@ -8,8 +9,14 @@
     left, in torch's layout ("/" + key, and PrefixStore("/worker/attempt_0")).
 (c) Under a real torchrun (its agent serves the store): rank 0 is a Python worker using the store torch's
     env:// rendezvous builds, ranks 1 and 2 are ddp.h clients (store_torchrun_worker.py); they exchange keys.
+    torch 2.x: Debian's torch 2.x has no libuv and its torchrun fails before any worker starts, so this
+    script plays torchrun's agent itself: TCPStore(is_master=True, use_libuv=False) on MASTER_PORT, and the
+    workers started with torchrun's environment (TORCHELASTIC_USE_AGENT_STORE=True, RANK, ...).
+(d) torch 2.x only, with a second argument (tests/progs/allreduce built from ddp.h): whole ddp.h programs
+    (ddp_init + all_reduce) as torchrun's workers against that agent store, one node of 3 ranks and two
+    nodes of 2 (GROUP_RANK 0 and 1).
 
-usage: store_interop.py PATH/TO/store_peer
+usage: store_interop.py PATH/TO/store_peer [PATH/TO/allreduce]
 """
 import datetime
 import os
@@ -20,10 +27,21 @@ import sys
 import threading
 import time
 
+import torch
 import torch.distributed as dist
 
 HOST = "127.0.0.1"
 T = datetime.timedelta(seconds=30)
+V2 = int(torch.__version__.split(".")[0]) >= 2  # torch 2.x's protocol: VALIDATE first, query types moved up
+VALIDATE = b"\x00" + struct.pack("=I", 0x3C85F7CE) if V2 else b""
+Q_CHECK, Q_WAIT, Q_GET = (b"\x05", b"\x06", b"\x03") if V2 else (b"\x04", b"\x05", b"\x02")
+
+
+def master_store(port):
+    """torch's own server: the classic one on torch 2.x (Debian's torch 2.x is built without libuv)."""
+    if V2:
+        return dist.TCPStore(HOST, port, None, True, T, use_libuv=False)
+    return dist.TCPStore(HOST, port, None, True, T)
 
 
 def free_port():
@@ -33,6 +51,8 @@ def free_port():
 
 
 def client(port, timeout=T):
+    if V2:  # Debian's torch 2.x refuses even a client without use_libuv=False
+        return dist.TCPStore(HOST, port, 1, False, timeout, use_libuv=False)
     return dist.TCPStore(HOST, port, 1, False, timeout)
 
 
@@ -47,7 +67,7 @@ def py_pattern(n):
 def raw(port, request, reply_len):
     """Send request bytes, read reply_len bytes back."""
     with socket.create_connection((HOST, port), timeout=10) as s:
-        s.sendall(request)
+        s.sendall(VALIDATE + request)
         got = b""
         while len(got) < reply_len:
             chunk = s.recv(reply_len - len(got))
@@ -62,12 +82,12 @@ def string(b):
 
 
 def raw_check(port, keys):
-    return raw(port, b"\x04" + struct.pack("=Q", len(keys)) + b"".join(string(k) for k in keys), 1)[0]
+    return raw(port, Q_CHECK + struct.pack("=Q", len(keys)) + b"".join(string(k) for k in keys), 1)[0]
 
 
 def raw_get(port, key):
     """WAIT then GET, as torch's client does, by hand."""
-    req = b"\x05" + struct.pack("=Q", 1) + string(key) + b"\x02" + string(key)
+    req = VALIDATE + Q_WAIT + struct.pack("=Q", 1) + string(key) + Q_GET + string(key)
     with socket.create_connection((HOST, port), timeout=10) as s:
         s.sendall(req)
         data = b""
@@ -170,7 +190,7 @@ EXPECTED = [
 def part_a(peer):
     # torch's own server, in this process
     port = free_port()
-    master = dist.TCPStore(HOST, port, None, True, T)
+    master = master_store(port)
     reference = scenario(port)
     del master
     # ddp.h's server
@@ -196,7 +216,7 @@ def part_a(peer):
 
 def part_b(peer):
     port = free_port()
-    master = dist.TCPStore(HOST, port, None, True, T)
+    master = master_store(port)
     master.set("py_bin", py_pattern(257))
     master.set("c_counter", "10")
     master.set("py_del", "x")
@@ -229,7 +249,47 @@ def part_b(peer):
     return not failed
 
 
+def agent_env(port, rank, world, local_rank, local_world, group_rank):
+    env = dict(os.environ, MASTER_ADDR=HOST, MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world),
+               LOCAL_RANK=str(local_rank), LOCAL_WORLD_SIZE=str(local_world), GROUP_RANK=str(group_rank),
+               ROLE_RANK=str(rank), ROLE_WORLD_SIZE=str(world), TORCHELASTIC_USE_AGENT_STORE="True",
+               TORCHELASTIC_RESTART_COUNT="0", TORCHELASTIC_RUN_ID="none", TORCHELASTIC_MAX_RESTARTS="0")
+    return env
+
+
+def run_as_agent(cmd, nodes, per_node):
+    """What torchrun's agent does for the workers' store, by hand: a TCPStore server on MASTER_PORT
+    (use_libuv=False), workers started with its environment. Returns (all exited 0, their output)."""
+    port = free_port()
+    master = master_store(port)
+    world = nodes * per_node
+    procs = [subprocess.Popen(cmd, env=agent_env(port, r, world, r % per_node, per_node, r // per_node),
+                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True) for r in range(world)]
+    outs = []
+    ok = True
+    for p in procs:
+        try:
+            out, _ = p.communicate(timeout=120)
+        except subprocess.TimeoutExpired:
+            p.kill()
+            out, _ = p.communicate()
+        outs.append(out)
+        ok &= p.returncode == 0
+    del master
+    return ok, "".join(outs)
+
+
 def part_c(peer):
+    if V2:
+        worker = os.path.join(os.path.dirname(os.path.abspath(__file__)), "store_torchrun_worker.py")
+        ok, out = run_as_agent([sys.executable, worker, os.path.abspath(peer)], 1, 3)
+        lines = [l for l in out.splitlines() if "exchanged keys" in l]
+        print("\n".join(lines))
+        if not ok or len(lines) != 3:
+            print(out)
+            print("%d of 3 workers reported success" % len(lines))
+            return False
+        return True
     port = free_port()
     worker = os.path.join(os.path.dirname(os.path.abspath(__file__)), "store_torchrun_worker.py")
     # torch 1.13 on Python 3.11 needs --redirects/--tee: their default "0" makes Std.from_str return None
@@ -247,6 +307,18 @@ def part_c(peer):
     return ok
 
 
+def part_d(allreduce):
+    ok = True
+    for nodes, per_node in ((1, 3), (2, 2)):
+        good, out = run_as_agent([os.path.abspath(allreduce)], nodes, per_node)
+        lines = [l for l in out.splitlines() if "all_reduce ok" in l]
+        print("%d node(s) of %d: %d of %d ddp.h ranks did all_reduce" % (nodes, per_node, len(lines), nodes * per_node))
+        if not good or len(lines) != nodes * per_node:
+            print(out)
+            ok = False
+    return ok
+
+
 def main():
     peer = sys.argv[1]
     print("torch", __import__("torch").__version__)
@@ -257,6 +329,9 @@ def main():
     print("== (c) torchrun's agent store shared by a torch worker and ddp.h workers")
     ok_c = part_c(peer)
     ok = ok_a and ok_b and ok_c
+    if V2 and len(sys.argv) > 2:
+        print("== (d) ddp.h programs (ddp_init, all_reduce) as torchrun's workers on torch 2.x's agent store")
+        ok = part_d(sys.argv[2]) and ok
     print("store interop:", "ok" if ok else "FAILED")
     return 0 if ok else 1
 

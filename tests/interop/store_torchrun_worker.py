@@ -13,12 +13,15 @@ rank = int(os.environ["RANK"])
 if rank != 0:
     os.execv(sys.argv[1], [sys.argv[1], "torchrun"])
 
-import torch.distributed as dist  # noqa: E402 (only rank 0 needs torch)
+import torch  # noqa: E402 (only rank 0 needs torch)
+import torch.distributed as dist  # noqa: E402
 
 assert os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True", "expected torchrun's agent store"
 world = int(os.environ["WORLD_SIZE"])
+# torch 2.x as Debian builds it (no libuv) refuses even a client unless told use_libuv=False
+extra = {"use_libuv": False} if int(torch.__version__.split(".")[0]) >= 2 else {}
 tcp = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), world, False,
-                    datetime.timedelta(seconds=60))
+                    datetime.timedelta(seconds=60), **extra)
 store = dist.PrefixStore("/worker/attempt_%s" % os.environ["TORCHELASTIC_RESTART_COUNT"], tcp)
 store.set("probe/0", b"rank 0\x00python")
 for r in range(1, world):
