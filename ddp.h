@@ -50,6 +50,8 @@
                          OMPI_MCA_ess_base_jobid, PMIX_NAMESPACE, SLURM_JOB_ID (+ SLURM_STEP_ID),
                          PMI_ID, HYDI_CONTROL_FD (none: 29500)
        TORCHELASTIC_USE_AGENT_STORE  True (plain torchrun): the agent serves the store, rank 0 joins it
+       TORCHELASTIC_RUN_ID  the job's run id (torchrun --rdzv_id, ddprun): a rank that reaches the store of
+                         a job with another run id fails at once saying that another job holds the port
        DDP_BACKEND       auto | cpu (default), mpi (built with -DDDP_MPI), nccl (built with -DDDP_CUDA)
        DDP_TIMEOUT       seconds before a blocked operation fails (default 300)
        DDP_LOG_LEVEL     none | error | warn | info | debug   (default warn)
@@ -7988,6 +7990,101 @@ static ddp_result ddp__rdzv_wait_all(ddp_group *g, const char *where) {
     }
 }
 
+/* ---- the job's identity in the store ----
+   Two jobs can meet in one store: a job whose rank 0 could not bind MASTER_PORT (another job holds it)
+   still has ranks that connect there, to the other job's store. Before any rank claims its rank, the
+   world group's rank 0 records the job in "<prefix>job" ("world=W pid=P host=H run=ID", ID being
+   TORCHELASTIC_RUN_ID, which torchrun and ddprun set; empty when unknown) and every rank reads that
+   record first: a different run id, or a job whose ranks have all joined already, is another job,
+   and this rank fails at once saying so, without writing anything into the other job's store.
+   Rank 0 writes it with compare_set, so that under torchrun's agent store (where every rank is a
+   client) a record already there is compared like any other. */
+typedef struct ddp__job {
+    int world, pid;
+    char host[128];
+    char run[128]; /* "" when the launcher named no run */
+} ddp__job;
+
+static int ddp__job_parse(const char *value, ddp__job *j) {
+    const char *run = strstr(value, " run=");
+    memset(j, 0, sizeof *j);
+    if (!run || sscanf(value, "world=%d pid=%d host=%127s", &j->world, &j->pid, j->host) != 3) return 0;
+    snprintf(j->run, sizeof j->run, "%s", run + 5);
+    return 1;
+}
+
+/* *foreign = 1 when this rank must write nothing into the store: it belongs to another job (g->error
+   says so), or rank 0 never recorded the job there. */
+static ddp_result ddp__rdzv_job(ddp_group *g, const char *where, int file_store, int *foreign) {
+    char key[256], mine[512], value[512], host[128], advice[256];
+    const char *run = ddp__env("TORCHELASTIC_RUN_ID");
+    double start = ddp__now(), nap = 0.001;
+    int64_t joined = 0;
+    size_t n = 0;
+    ddp__job them;
+    ddp_result r;
+    *foreign = 0;
+    if (!run) run = "";
+    if (gethostname(host, sizeof host) != 0) snprintf(host, sizeof host, "?");
+    host[sizeof host - 1] = '\0';
+    snprintf(mine, sizeof mine, "world=%d pid=%d host=%s run=%.127s", g->world_size, (int)getpid(), host, run);
+    ddp__key(g, key, sizeof key, "job", -1);
+    if (g->rank == 0) {
+        if ((r = ddp__store_compare_set(g->member.store, key, "", 0, mine, strlen(mine), value, sizeof value - 1, &n)) !=
+            DDP_SUCCESS)
+            return ddp__fail(g, r, "rendezvous through %s: %s", where, ddp_store_last_error(g->member.store));
+    } else {
+        for (;;) { /* rank 0 records the job first thing; wait for it as for the store */
+            int exists = 0, aborted = 0;
+            if ((r = ddp_store_check(g->member.store, key, &exists)) != DDP_SUCCESS)
+                return ddp__fail(g, r, "rendezvous through %s: %s", where, ddp_store_last_error(g->member.store));
+            if (exists) break;
+            if ((r = ddp__rdzv_check_abort(g, &aborted)) != DDP_SUCCESS || aborted) return r ? r : DDP_ERR_INIT;
+            if (ddp__now() - start > g->timeout) {
+                *foreign = 1; /* whose store this is is not known: write nothing into it */
+                return ddp__fail(g, DDP_ERR_TIMEOUT, "timed out after %.0f s waiting for rank 0 to register this job in %s: "
+                                 "is rank 0 running? (If another program holds that port, rank 0 could not start the "
+                                 "store: pick another MASTER_PORT or use ddprun --standalone)", g->timeout, where);
+            }
+            ddp__sleep(nap);
+            nap = DDP__MIN(nap * 2, 0.05);
+        }
+        if ((r = ddp_store_get(g->member.store, key, value, sizeof value - 1, &n)) != DDP_SUCCESS)
+            return ddp__fail(g, r, "rendezvous through %s: %s", where, ddp_store_last_error(g->member.store));
+    }
+    value[DDP__MIN(n, sizeof value - 1)] = '\0';
+    if (g->rank == 0 && strcmp(value, mine) == 0) return DDP_SUCCESS; /* recorded it: the usual case */
+    if (file_store)
+        snprintf(advice, sizeof advice, "is the file used by another job, or left behind by one that did not finish? "
+                 "give this job a new file");
+    else
+        snprintf(advice, sizeof advice, "is MASTER_PORT already used by another job? pick another port or use "
+                 "ddprun --standalone");
+    *foreign = 1;
+    if (!ddp__job_parse(value, &them))
+        return ddp__fail(g, DDP_ERR_INIT, "%s belongs to another job: its record \"%.100s\" was not written by ddp.h's "
+                         "rendezvous; %s", where, value, advice);
+    if (run[0] && them.run[0] && strcmp(run, them.run) != 0)
+        return ddp__fail(g, DDP_ERR_INIT, "%s belongs to another job (run id %s, rank 0 is pid %d on host %s, started with "
+                         "world size %d); this job's run id is %s: %s", where, them.run, them.pid, them.host, them.world,
+                         run, advice);
+    /* Same or unknown run id. A job whose ranks have all joined has no place for this one: every rank
+       of this job joins only after reading the record, so a full count means another job, or a second
+       process with this rank arriving late. */
+    ddp__key(g, key, sizeof key, "joined", -1);
+    if ((r = ddp_store_add(g->member.store, key, 0, &joined)) != DDP_SUCCESS)
+        return ddp__fail(g, r, "rendezvous through %s: %s", where, ddp_store_last_error(g->member.store));
+    if (joined >= them.world) {
+        return ddp__fail(g, DDP_ERR_INIT, "%s belongs to another job: all %d ranks of the job there have joined already (run id "
+                 "%s, rank 0 is pid %d on host %s, started with world size %d); this job's run id is %s, its world size "
+                 "%d: %s (if this process belongs to that job, it is a second process with rank %d: check RANK)", where,
+                 them.world, them.run[0] ? them.run : "unknown", them.pid, them.host, them.world, run[0] ? run : "unknown",
+                 g->world_size, advice, g->rank);
+    }
+    *foreign = 0;
+    return DDP_SUCCESS;
+}
+
 /* Mesh: rank j connects to every rank i < j and says hello; rank i accepts the higher ranks. */
 typedef struct ddp__hello {
     uint32_t magic;
@@ -8294,7 +8391,7 @@ DDP_API ddp_result ddp_init(const ddp_init_desc *desc, ddp_group **out) {
     char err[DDP__ERR_MAX], where[320];
     const char *transport = ddp__env("DDP_TRANSPORT"), *backend;
     double timeout;
-    int nccl;
+    int nccl, foreign = 0;
     ddp_result r;
     if (!out) return ddp__fail(NULL, DDP_ERR_INVALID_ARGUMENT, "ddp_init: the out argument is NULL");
     *out = NULL;
@@ -8351,8 +8448,8 @@ DDP_API ddp_result ddp_init(const ddp_init_desc *desc, ddp_group **out) {
     }
     g->member.owns_store = 1;
     ddp__log(g, DDP_LOG_INFO, "joining: rank %d of %d from %s, through %s", L.rank, L.world_size, L.source, where);
-    if ((r = ddp__group_connect(g, where)) != DDP_SUCCESS) {
-        ddp__rdzv_fail_all(g, r);
+    if ((r = ddp__rdzv_job(g, where, L.file_path != NULL, &foreign)) != DDP_SUCCESS || (r = ddp__group_connect(g, where)) != DDP_SUCCESS) {
+        if (!foreign) ddp__rdzv_fail_all(g, r); /* never into another job's store */
         ddp__fail(NULL, r, "ddp_init (rank %d of %d, from %s): %s", L.rank, L.world_size, L.source, g->error);
         ddp__group_free(g);
         return r;
@@ -9056,7 +9153,9 @@ static const char ddp__launch_usage[] =
     "  --max-restarts R      when a worker fails, stop all and start the whole group again, at most R\n"
     "                        times (default 0); TORCHELASTIC_RESTART_COUNT and DDP_RESTART_COUNT tell\n"
     "                        the program which attempt it is, so it can resume from its checkpoint\n"
-    "  --rdzv-id ID          TORCHELASTIC_RUN_ID (default \"none\"; a random UUID with --standalone)\n"
+    "  --rdzv-id ID          TORCHELASTIC_RUN_ID, the job's name in the store: give every node the same\n"
+    "                        one (default: a random UUID per launch on one node, \"none\" across nodes;\n"
+    "                        a rank that reaches the store of a job with another run id says so)\n"
     "  --role NAME           ROLE_NAME (default \"default\")\n"
     "  --cpu-bind MODE       \"auto\" (default): when there are at least N CPUs that ddprun may run on,\n"
     "                        each worker is bound to its own contiguous slice of them (as mpirun binds);\n"
@@ -9397,7 +9496,10 @@ DDP_API int ddp_launcher_main(int argc, char **argv) {
                 strchr(a.program[0], '/') ? "" : " (for a program in this directory write ./NAME)");
         return 2;
     }
-    if (a.standalone && !a.run_id_given) ddp__launch_uuid(a.env.run_id, sizeof a.env.run_id);
+    /* Name the job (torchrun names only --standalone's): a worker whose rank 0 could not bind the port
+       and that reaches another job's store there then fails saying so (group.c: ddp__rdzv_job).
+       Across nodes every ddprun must name the same run, which only --rdzv-id can do. */
+    if ((a.standalone || a.env.nnodes == 1) && !a.run_id_given) ddp__launch_uuid(a.env.run_id, sizeof a.env.run_id);
     a.env.set_omp = a.env.nproc > 1 && !ddp__env("OMP_NUM_THREADS");
     if (a.env.set_omp)
         fprintf(stderr, "ddprun: setting OMP_NUM_THREADS=1 for each worker (it is unset) so that %d workers do not "

@@ -575,7 +575,9 @@ static const char ddp__launch_usage[] =
     "  --max-restarts R      when a worker fails, stop all and start the whole group again, at most R\n"
     "                        times (default 0); TORCHELASTIC_RESTART_COUNT and DDP_RESTART_COUNT tell\n"
     "                        the program which attempt it is, so it can resume from its checkpoint\n"
-    "  --rdzv-id ID          TORCHELASTIC_RUN_ID (default \"none\"; a random UUID with --standalone)\n"
+    "  --rdzv-id ID          TORCHELASTIC_RUN_ID, the job's name in the store: give every node the same\n"
+    "                        one (default: a random UUID per launch on one node, \"none\" across nodes;\n"
+    "                        a rank that reaches the store of a job with another run id says so)\n"
     "  --role NAME           ROLE_NAME (default \"default\")\n"
     "  --cpu-bind MODE       \"auto\" (default): when there are at least N CPUs that ddprun may run on,\n"
     "                        each worker is bound to its own contiguous slice of them (as mpirun binds);\n"
@@ -916,7 +918,10 @@ DDP_API int ddp_launcher_main(int argc, char **argv) {
                 strchr(a.program[0], '/') ? "" : " (for a program in this directory write ./NAME)");
         return 2;
     }
-    if (a.standalone && !a.run_id_given) ddp__launch_uuid(a.env.run_id, sizeof a.env.run_id);
+    /* Name the job (torchrun names only --standalone's): a worker whose rank 0 could not bind the port
+       and that reaches another job's store there then fails saying so (group.c: ddp__rdzv_job).
+       Across nodes every ddprun must name the same run, which only --rdzv-id can do. */
+    if ((a.standalone || a.env.nnodes == 1) && !a.run_id_given) ddp__launch_uuid(a.env.run_id, sizeof a.env.run_id);
     a.env.set_omp = a.env.nproc > 1 && !ddp__env("OMP_NUM_THREADS");
     if (a.env.set_omp)
         fprintf(stderr, "ddprun: setting OMP_NUM_THREADS=1 for each worker (it is unset) so that %d workers do not "

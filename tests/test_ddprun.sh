@@ -82,10 +82,14 @@ env -u OMP_NUM_THREADS "$DDPRUN" --nproc-per-node 4 "$PRINT_ENV" "$D" >"$D/out" 
 for r in 0 1 2 3; do
   check_env "$D/env.$r.0" RANK=$r LOCAL_RANK=$r WORLD_SIZE=4 LOCAL_WORLD_SIZE=4 GROUP_RANK=0 GROUP_WORLD_SIZE=1 \
     ROLE_RANK=$r ROLE_WORLD_SIZE=4 ROLE_NAME=default MASTER_ADDR=127.0.0.1 MASTER_PORT=29500 \
-    TORCHELASTIC_RESTART_COUNT=0 TORCHELASTIC_MAX_RESTARTS=0 TORCHELASTIC_RUN_ID=none \
+    TORCHELASTIC_RESTART_COUNT=0 TORCHELASTIC_MAX_RESTARTS=0 \
     TORCHELASTIC_USE_AGENT_STORE=False OMP_NUM_THREADS=1 DDP_RESTART_COUNT=0
 done
 [ "$(sort "$D/out")" = "$(printf 'rank %d of 4\n' 0 1 2 3)" ] || fail "workers' output: $(cat "$D/out")"
+# one node: a run id of its own per launch (torchrun's is "none"), the same for every worker
+getv "$D/env.0.0" TORCHELASTIC_RUN_ID | grep -Eq '^[0-9a-f]{8}-[0-9a-f]{4}-4[0-9a-f]{3}-[89ab][0-9a-f]{3}-[0-9a-f]{12}$' ||
+  fail "TORCHELASTIC_RUN_ID=$(getv "$D/env.0.0" TORCHELASTIC_RUN_ID) is not a UUID"
+for r in 1 2 3; do check_env "$D/env.$r.0" TORCHELASTIC_RUN_ID="$(getv "$D/env.0.0" TORCHELASTIC_RUN_ID)"; done
 grep -q "OMP_NUM_THREADS=1" "$D/err" || fail "no note about OMP_NUM_THREADS: $(cat "$D/err")"
 ok "4 workers, ranks 0..3, all torchrun variables, defaults"
 
@@ -257,6 +261,25 @@ done
 wait_bounded "$n0" && wait_bounded "$n1" || fail "ddprun --nnodes 2: $(cat "$D"/out.* "$D"/err.*)"
 [ "$(sort "$D"/out.*)" = "$(printf 'rank %d of 4: all_reduce ok\n' 0 1 2 3)" ] || fail "allreduce output: $(cat "$D"/out.*)"
 ok "ddprun --nproc-per-node 4 (and 2 nodes x 2) runs ddp_init + all_reduce with correct results"
+# ---- another job on the port (issue #16): job A holds MASTER_PORT, job B starts on the same port ----
+newdir anotherjob
+port=$(python3 -c 'import socket; s = socket.socket(); s.bind(("", 0)); print(s.getsockname()[1])')
+HOLD_FILE=$D/release timeout -s KILL 60 "$DDPRUN" --nproc-per-node 2 --master-port "$port" "$ALLREDUCE" \
+  >"$D/a.out" 2>"$D/a.err" & a=$!; BG="$BG $!"
+for i in $(seq 1000); do [ "$(wc -l <"$D/a.out")" -ge 2 ] && break; sleep 0.01; done
+[ "$(wc -l <"$D/a.out")" -ge 2 ] || fail "job A did not form: $(cat "$D/a.out" "$D/a.err")"
+t0=$(now_ms)
+DDP_TIMEOUT=30 timeout -s KILL 60 "$DDPRUN" --nproc-per-node 3 --master-port "$port" "$ALLREDUCE" >"$D/b.out" 2>"$D/b.err"; rc=$?
+t1=$(now_ms)
+touch "$D/release"
+wait_bounded "$a" || fail "job A failed after job B met it: $(cat "$D/a.err")"
+[ $rc != 0 ] || fail "job B on job A's port succeeded"
+[ $((t1 - t0)) -lt 5000 ] || fail "job B took $((t1 - t0)) ms to fail (deadline 5 s): $(cat "$D/b.err")"
+grep -q "already in use" "$D/b.err" || fail "job B's rank 0 did not say the port is in use: $(cat "$D/b.err")"
+grep -q "belongs to another job (run id [0-9a-f-]*, rank 0 is pid" "$D/b.err" ||
+  fail "job B's other ranks did not name another job: $(cat "$D/b.err")"
+! grep -q "two processes claim" "$D/b.err" || fail "job B blamed a rank clash: $(cat "$D/b.err")"
+ok "job B on job A's MASTER_PORT fails in $((t1 - t0)) ms naming another job (and A finishes)"
 newdir allreduce_dies
 t0=$(now_ms)
 DIE_RANK=2 timeout -s KILL 60 "$DDPRUN" --standalone --nproc-per-node 4 "$ALLREDUCE" >"$D/out" 2>"$D/err"; rc=$?

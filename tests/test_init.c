@@ -1,8 +1,8 @@
 /* ddp_init: every launcher environment (torchrun, Open MPI, MPICH/Hydra, SLURM), the descriptor,
    tcp:// and file:// init methods, a single process, timeouts from the environment and the
    descriptor, subgroups, and every init error: unreachable master, port in use, ranks that disagree
-   on the world size, two processes claiming one rank, rank >= world size, malformed environment
-   values. Each process sets its own environment before ddp_init, as a launcher would. */
+   on the world size, two processes claiming one rank, another job on the port, rank >= world size,
+   malformed environment values. Each process sets its own environment before ddp_init, as a launcher would. */
 #include "testlib.h"
 
 static int port;        /* a free port for the scenario */
@@ -14,7 +14,8 @@ static void clear_env(void) {
                                  "OMPI_COMM_WORLD_LOCAL_SIZE", "OMPI_MCA_ess_base_jobid", "PMI_RANK", "PMI_SIZE",
                                  "MPI_LOCALRANKID", "MPI_LOCALNRANKS", "PMIX_NAMESPACE", "SLURM_PROCID", "SLURM_NTASKS",
                                  "SLURM_LOCALID", "SLURM_JOB_ID", "SLURM_NODELIST", "SLURM_STEP_NODELIST", "DDP_TIMEOUT",
-                                 "DDP_RESTART_COUNT", "TORCHELASTIC_RESTART_COUNT", "PMI_ID", "SLURM_STEP_ID"};
+                                 "DDP_RESTART_COUNT", "TORCHELASTIC_RESTART_COUNT", "PMI_ID", "SLURM_STEP_ID",
+                                 "TORCHELASTIC_RUN_ID"};
     size_t i;
     for (i = 0; i < sizeof vars / sizeof vars[0]; i++) unsetenv(vars[i]);
     setenv("DDP_LOG_LEVEL", "none", 1);
@@ -252,6 +253,77 @@ static int duplicate_rank(int rank, int n, void *arg) {
     return 0;
 }
 
+/* Another job on the port (issue #16): job A (processes 0 and 1, ranks 0 and 1 of 2) forms its group
+   and keeps its store; then job B (processes 2 and 3, ranks 0 and 1 of 2) starts on the same
+   MASTER_PORT. B's rank 0 cannot bind it; B's rank 1 reaches A's store. Every rank of B must fail
+   within a few seconds saying that another job holds the port, never that two processes claim a rank,
+   and job A must be unharmed. arg: "runs" gives the jobs run ids (TORCHELASTIC_RUN_ID, as torchrun and
+   ddprun set), NULL none (then A's complete rendezvous tells B's rank apart). */
+static char jobs_dir[256];
+static int wait_file(const char *path, double seconds) {
+    double until = tl_now() + seconds;
+    while (access(path, F_OK) != 0)
+        if (tl_now() > until) return 0;
+        else usleep(5000);
+    return 1;
+}
+static int another_job(int rank, int n, void *arg) {
+    char path[320], msg[DDP__ERR_MAX];
+    int job_b = rank >= 2, i;
+    ddp_init_desc d;
+    ddp_group *g = NULL;
+    ddp_result r;
+    double t0;
+    FILE *f;
+    (void)n;
+    setenv_int("RANK", rank % 2);
+    setenv_int("LOCAL_RANK", rank % 2);
+    setenv("WORLD_SIZE", "2", 1), setenv("LOCAL_WORLD_SIZE", "2", 1);
+    setenv_int("MASTER_PORT", port);
+    if (arg) setenv("TORCHELASTIC_RUN_ID", job_b ? "job-b-run" : "job-a-run", 1);
+    else unsetenv("TORCHELASTIC_RUN_ID");
+    memset(&d, 0, sizeof d);
+    d.timeout_seconds = 20; /* a rank of B that waits instead of failing at once shows as slow */
+    if (!job_b) {
+        CHECK_OK(ddp_init(&d, &g), NULL);
+        check_group(g, rank, 2);
+        snprintf(path, sizeof path, "%s/a_ready.%d", jobs_dir, rank);
+        CHECK((f = fopen(path, "w")) != NULL, "cannot create %s", path);
+        fclose(f);
+        for (i = 2; i < 4; i++) { /* keep the store until both of B's ranks are done */
+            snprintf(path, sizeof path, "%s/b_done.%d", jobs_dir, i);
+            CHECK(wait_file(path, 40), "B's process %d never finished", i);
+        }
+        check_group(g, rank, 2); /* B wrote nothing that hurts A */
+        CHECK_OK(ddp_destroy(g), NULL);
+        return 0;
+    }
+    for (i = 0; i < 2; i++) {
+        snprintf(path, sizeof path, "%s/a_ready.%d", jobs_dir, i);
+        CHECK(wait_file(path, 30), "job A never formed");
+    }
+    t0 = tl_now();
+    r = ddp_init(&d, &g);
+    snprintf(msg, sizeof msg, "%s", ddp_last_error(NULL));
+    t0 = tl_now() - t0;
+    snprintf(path, sizeof path, "%s/b_done.%d", jobs_dir, rank);
+    if ((f = fopen(path, "w")) != NULL) fclose(f);
+    if (getenv("TEST_DEBUG")) fprintf(stderr, "job B rank %d failed in %.2f s: %s\n", rank % 2, t0, msg);
+    CHECK(r == DDP_ERR_INIT && g == NULL, "job B rank %d: ddp_init gave %s: %s", rank % 2, ddp_result_string(r), msg);
+    CHECK(strstr(msg, "another job") && !strstr(msg, "two processes claim"), "job B rank %d: message \"%s\"", rank % 2, msg);
+    CHECK(rank == 2 ? strstr(msg, "already in use") != NULL : strstr(msg, "belongs to another job") != NULL,
+          "job B rank %d: message \"%s\"", rank % 2, msg);
+    CHECK(rank == 2 || !arg || (strstr(msg, "run id job-a-run") && strstr(msg, "job-b-run")),
+          "job B rank %d: message \"%s\" names not both run ids", rank % 2, msg);
+    CHECK(t0 < 5.0, "job B rank %d took %.1f s to fail", rank % 2, t0);
+    return 0;
+}
+
+static int another_job_run_ids(int rank, int n, void *arg) {
+    (void)arg;
+    return another_job(rank, n, "runs");
+}
+
 static int bad_environment(int rank, int n, void *arg) {
     ddp_init_desc d;
     (void)rank, (void)n, (void)arg;
@@ -310,6 +382,8 @@ int main(int argc, char **argv) {
         {"port in use", 1, port_in_use},
         {"ranks disagree on world size", 3, world_size_disagreement},
         {"two processes claim one rank", 4, duplicate_rank},
+        {"another job on the port (run ids)", 4, another_job_run_ids},
+        {"another job on the port (no run ids)", 4, another_job},
         {"malformed environment and descriptor", 1, bad_environment},
     };
     size_t i;
@@ -321,7 +395,14 @@ int main(int argc, char **argv) {
         port = tl_free_port();
         snprintf(job_id, sizeof job_id, "job-%d-%zu-%d", (int)getpid(), i, port);
         snprintf(file_url, sizeof file_url, "file:///tmp/ddp_test_init_%d_%zu", (int)getpid(), i);
+        snprintf(jobs_dir, sizeof jobs_dir, "/tmp/ddp_test_init_jobs_%d_%zu", (int)getpid(), i);
+        CHECK(mkdir(jobs_dir, 0700) == 0, "cannot create %s: %s", jobs_dir, strerror(errno));
         rc = tl_run_ranks(scenarios[i].world, scenarios[i].fn, NULL, 60);
+        {
+            char cmd[300];
+            snprintf(cmd, sizeof cmd, "rm -rf %s", jobs_dir);
+            if (system(cmd) != 0) fprintf(stderr, "could not remove %s\n", jobs_dir);
+        }
         printf("%-44s world %d: %s (%.1f s)\n", scenarios[i].name, scenarios[i].world, rc ? "FAILED" : "ok", tl_now() - t0);
         fflush(stdout);
         failed |= rc;

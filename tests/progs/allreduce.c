@@ -2,13 +2,16 @@
    ddp_init(NULL) from the launcher's environment, then all_reduce (f64 SUM, i32 MAX) checked
    against the values worked out here; prints "rank R of W: all_reduce ok" or what went wrong.
    With DIE_RANK=R in the environment, rank R kills itself (SIGKILL) instead of joining the
-   all_reduce, leaving the others blocked in it until the launcher stops them. */
+   all_reduce, leaving the others blocked in it until the launcher stops them. With HOLD_FILE=PATH,
+   each rank keeps the group (and rank 0 its store) after the all_reduce until PATH exists (60 s at
+   most), so that another job can meet it on the same port. */
 #define DDP_IMPLEMENTATION
 #include "ddp.h"
 
 #include <signal.h>
 #include <stdio.h>
 #include <stdlib.h>
+#include <unistd.h>
 
 #define N 1000
 
@@ -44,5 +47,7 @@ int main(void) {
         return 1;
     }
     printf("rank %d of %d: all_reduce ok\n", rank, n);
+    fflush(stdout);
+    for (i = 0; getenv("HOLD_FILE") && access(getenv("HOLD_FILE"), F_OK) != 0 && i < 6000; i++) usleep(10000);
     return ddp_destroy(g) == DDP_SUCCESS ? 0 : 1;
 }
