@@ -127,9 +127,9 @@ extern "C" {
 
 /* ==================== begin src/ddp_api.h ==================== */
 /* [SECTION] api: version, results, dtypes, ops, logging, groups, collectives, store, launch */
-/* The implementation uses POSIX and Linux calls (sockets, poll, fork, futex, mmap). Feature macros work
-   only before the first system header, so the file that defines DDP_IMPLEMENTATION must include ddp.h
-   before any system header (or be compiled with -D_GNU_SOURCE). */
+/* The implementation uses POSIX and Linux calls (sockets, poll, fork, futex, mmap). ddp.h may be included
+   before or after system headers: when it comes first, _GNU_SOURCE here makes them declare those calls;
+   when it comes after (too late for feature macros), internal.h declares what they left out. */
 #if defined(DDP_IMPLEMENTATION) && !defined(_GNU_SOURCE)
 #define _GNU_SOURCE
 #endif
@@ -1445,10 +1445,6 @@ DDP_API int ddp__cuda_nccl_test(ddp__cuda_nccl *c, void *event);
 #define DDP_IMPLEMENTATION
 #endif
 
-#if defined(__GLIBC__) && !defined(__USE_GNU)
-#error "ddp.h: include ddp.h (with DDP_IMPLEMENTATION) before any system header, or compile with -D_GNU_SOURCE"
-#endif
-
 #include <arpa/inet.h>
 #include <assert.h>
 #include <errno.h>
@@ -1476,6 +1472,93 @@ DDP_API int ddp__cuda_nccl_test(ddp__cuda_nccl *c, void *event);
 #include <sys/wait.h>
 #include <time.h>
 #include <unistd.h>
+
+/* ddp.h may come after system headers (as any stb-style header may), and glibc fixes its feature set at
+   the first one it reads: then _GNU_SOURCE (ddp_api.h) comes too late, and under -std=c99 (no
+   _DEFAULT_SOURCE; POSIX 1995 from -pthread) the headers hide the GNU, BSD and later POSIX names below.
+   Each group mirrors the condition under which glibc declares it, so the declarations here are exactly
+   glibc's (same prototypes; off_t calls bound to their 64-bit symbols under _FILE_OFFSET_BITS=64, as
+   glibc's own __REDIRECT does), and none of it is seen when ddp.h comes first or in C++ (g++ and clang++
+   always define _GNU_SOURCE). launcher.c (sched.h) and shm.c (sys/uio.h) add their own. */
+#if defined(__GLIBC__) && !defined(__USE_POSIX199506) /* no sigaction, kill, clock_gettime: too much to stand in for */
+#error "ddp.h: the system headers before ddp.h were read without POSIX (-std=c99 without -pthread): compile with -pthread (as ddp.h needs), or in a POSIX or GNU mode (-std=gnu99), or include ddp.h first"
+#include <ddp.h: see the error above> /* a missing header stops the compiler: no cascade of errors after the one above */
+#endif
+#if defined(__GLIBC__) && defined(__USE_FILE_OFFSET64)
+#define DDP__OFF64(name) __asm__(#name "64")
+#else
+#define DDP__OFF64(name)
+#endif
+#if defined(__GLIBC__) && !defined(__USE_GNU)
+#include <linux/falloc.h> /* FALLOC_FL_*, which <fcntl.h> includes only with _GNU_SOURCE */
+extern int pipe2(int pipedes[2], int flags);
+extern int fallocate(int fd, int mode, off_t offset, off_t len) DDP__OFF64(fallocate);
+#ifndef POLLRDHUP
+#define POLLRDHUP 0x2000 /* Linux's value (asm-generic/poll.h) */
+#endif
+#endif
+#if defined(__GLIBC__) && !defined(__USE_MISC)
+extern long int syscall(long int sysno, ...);
+extern int madvise(void *addr, size_t len, int advice);
+#ifndef MADV_HUGEPAGE
+#define MADV_HUGEPAGE 14 /* asm-generic/mman-common.h */
+#endif
+#ifndef MADV_DONTDUMP
+#define MADV_DONTDUMP 16
+#endif
+#ifndef WCOREDUMP
+#define WCOREDUMP(status) ((status) & 0x80)
+#endif
+#endif
+#if defined(__GLIBC__) && !defined(__USE_MISC) && !defined(__USE_UNIX98)
+extern int gethostname(char *name, size_t len);
+#endif
+#if defined(__GLIBC__) && !defined(__USE_UNIX98) && !defined(__USE_XOPEN2K8)
+extern ssize_t pread(int fd, void *buf, size_t nbytes, off_t offset) DDP__OFF64(pread);
+#endif
+#if defined(__GLIBC__) && !defined(__USE_XOPEN_EXTENDED) && !defined(__USE_XOPEN2K)
+extern ssize_t readlink(const char *restrict path, char *restrict buf, size_t len);
+#endif
+#if defined(__GLIBC__) && !defined(__USE_XOPEN2K8)
+#ifndef O_CLOEXEC
+#define O_CLOEXEC __O_CLOEXEC
+#endif
+#ifndef O_DIRECTORY
+#define O_DIRECTORY __O_DIRECTORY
+#endif
+#endif
+#if defined(__GLIBC__) && !defined(__USE_XOPEN2K)
+extern int setenv(const char *name, const char *value, int replace);
+extern int posix_fallocate(int fd, off_t offset, off_t len) DDP__OFF64(posix_fallocate);
+struct addrinfo {
+    int ai_flags;
+    int ai_family;
+    int ai_socktype;
+    int ai_protocol;
+    socklen_t ai_addrlen;
+    struct sockaddr *ai_addr;
+    char *ai_canonname;
+    struct addrinfo *ai_next;
+};
+#define AI_PASSIVE 0x0001
+#define AI_CANONNAME 0x0002
+#define AI_NUMERICHOST 0x0004
+#define AI_V4MAPPED 0x0008
+#define AI_ALL 0x0010
+#define AI_ADDRCONFIG 0x0020
+#define AI_NUMERICSERV 0x0400
+#define NI_NUMERICHOST 1
+#define NI_NUMERICSERV 2
+#define NI_NOFQDN 4
+#define NI_NAMEREQD 8
+#define NI_DGRAM 16
+extern int getaddrinfo(const char *restrict name, const char *restrict service, const struct addrinfo *restrict req,
+                       struct addrinfo **restrict pai);
+extern void freeaddrinfo(struct addrinfo *ai);
+extern const char *gai_strerror(int ecode);
+extern int getnameinfo(const struct sockaddr *restrict sa, socklen_t salen, char *restrict host, socklen_t hostlen,
+                       char *restrict serv, socklen_t servlen, int flags);
+#endif
 
 #if defined(DDP_MALLOC) && defined(DDP_REALLOC) && defined(DDP_FREE)
 /* all three given */
@@ -6161,6 +6244,12 @@ static void ddp__lib_free_all(ddp_group *g) {
 
 #include <linux/futex.h>
 #include <sys/uio.h>
+#if defined(__GLIBC__) && !defined(__USE_GNU) /* <sys/uio.h> read without _GNU_SOURCE (see internal.h) */
+extern ssize_t process_vm_readv(pid_t pid, const struct iovec *lvec, unsigned long int liovcnt,
+                                const struct iovec *rvec, unsigned long int riovcnt, unsigned long int flags);
+extern ssize_t process_vm_writev(pid_t pid, const struct iovec *lvec, unsigned long int liovcnt,
+                                 const struct iovec *rvec, unsigned long int riovcnt, unsigned long int flags);
+#endif
 
 #define DDP__SHM_MAGIC 0x53504444u /* "DDPS" */
 
@@ -8599,6 +8688,14 @@ DDP_API ddp_store *ddp_group_store(ddp_group *g) { return g ? g->member.store : 
 #include <sched.h>
 #ifdef __linux__
 #include <sys/prctl.h>
+#endif
+#if defined(__GLIBC__) && !defined(__USE_GNU) /* <sched.h> read without _GNU_SOURCE (see internal.h) */
+#define CPU_SETSIZE __CPU_SETSIZE
+#define CPU_SET(cpu, set) __CPU_SET_S(cpu, sizeof(cpu_set_t), set)
+#define CPU_ISSET(cpu, set) __CPU_ISSET_S(cpu, sizeof(cpu_set_t), set)
+#define CPU_ZERO(set) __CPU_ZERO_S(sizeof(cpu_set_t), set)
+extern int sched_setaffinity(pid_t pid, size_t cpusetsize, const cpu_set_t *cpuset);
+extern int sched_getaffinity(pid_t pid, size_t cpusetsize, cpu_set_t *cpuset);
 #endif
 
 #define DDP__LAUNCH_GRACE 3.0      /* seconds between SIGTERM and SIGKILL when stopping workers */

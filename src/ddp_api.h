@@ -1,7 +1,7 @@
 /* [SECTION] api: version, results, dtypes, ops, logging, groups, collectives, store, launch */
-/* The implementation uses POSIX and Linux calls (sockets, poll, fork, futex, mmap). Feature macros work
-   only before the first system header, so the file that defines DDP_IMPLEMENTATION must include ddp.h
-   before any system header (or be compiled with -D_GNU_SOURCE). */
+/* The implementation uses POSIX and Linux calls (sockets, poll, fork, futex, mmap). ddp.h may be included
+   before or after system headers: when it comes first, _GNU_SOURCE here makes them declare those calls;
+   when it comes after (too late for feature macros), internal.h declares what they left out. */
 #if defined(DDP_IMPLEMENTATION) && !defined(_GNU_SOURCE)
 #define _GNU_SOURCE
 #endif

@@ -22,6 +22,14 @@
 #ifdef __linux__
 #include <sys/prctl.h>
 #endif
+#if defined(__GLIBC__) && !defined(__USE_GNU) /* <sched.h> read without _GNU_SOURCE (see internal.h) */
+#define CPU_SETSIZE __CPU_SETSIZE
+#define CPU_SET(cpu, set) __CPU_SET_S(cpu, sizeof(cpu_set_t), set)
+#define CPU_ISSET(cpu, set) __CPU_ISSET_S(cpu, sizeof(cpu_set_t), set)
+#define CPU_ZERO(set) __CPU_ZERO_S(sizeof(cpu_set_t), set)
+extern int sched_setaffinity(pid_t pid, size_t cpusetsize, const cpu_set_t *cpuset);
+extern int sched_getaffinity(pid_t pid, size_t cpusetsize, cpu_set_t *cpuset);
+#endif
 
 #define DDP__LAUNCH_GRACE 3.0      /* seconds between SIGTERM and SIGKILL when stopping workers */
 #define DDP__LAUNCH_POLL 0.005     /* seconds between two looks at the workers */

@@ -57,6 +57,12 @@
 
 #include <linux/futex.h>
 #include <sys/uio.h>
+#if defined(__GLIBC__) && !defined(__USE_GNU) /* <sys/uio.h> read without _GNU_SOURCE (see internal.h) */
+extern ssize_t process_vm_readv(pid_t pid, const struct iovec *lvec, unsigned long int liovcnt,
+                                const struct iovec *rvec, unsigned long int riovcnt, unsigned long int flags);
+extern ssize_t process_vm_writev(pid_t pid, const struct iovec *lvec, unsigned long int liovcnt,
+                                 const struct iovec *rvec, unsigned long int riovcnt, unsigned long int flags);
+#endif
 
 #define DDP__SHM_MAGIC 0x53504444u /* "DDPS" */
 
