@@ -259,6 +259,7 @@ static DDP__UNUSED ddp_result ddp__store_num_keys(ddp_store *s, int64_t *n); /* 
 
 /* ---- auth.c: DDP_AUTH_TOKEN, an HMAC-SHA256 challenge in both directions on every connection ---- */
 #define DDP__AUTH_MAGIC "DDPAUTH1" /* the client's first 8 bytes */
+#define DDP__AUTH_REQUIRED "DDPAUTH?" /* a server's 8 bytes before it hangs up on a client that did not authenticate */
 #define DDP__AUTH_NONCE 16
 #define DDP__AUTH_MAC 32
 static DDP__UNUSED const char *ddp__auth_token(void); /* NULL when unset */

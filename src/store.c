@@ -786,6 +786,15 @@ static void ddp__srv_handle(ddp__store_server *s, ddp__store_conn *c, const unsi
 static size_t ddp__srv_authenticate(ddp__store_server *s, ddp__store_conn *c) {
     unsigned char reply[DDP__AUTH_NONCE + DDP__AUTH_MAC], verdict;
     if (c->auth == 1) {
+        if (memcmp(c->in, DDP__AUTH_MAGIC, DDP__MIN(c->in_len, (size_t)8)) != 0) {
+            /* Not the handshake (a process without the token, which starts with a query): say so at once, so
+               that the client can name the cause instead of waiting for an answer (best effort: non-blocking). */
+            ssize_t said = send(c->fd, DDP__AUTH_REQUIRED, 8, MSG_NOSIGNAL | MSG_DONTWAIT);
+            (void)said;
+            ddp__srv_drop(s, c, DDP_LOG_WARN, "it did not authenticate: this store requires DDP_AUTH_TOKEN (set the same "
+                                              "token on every rank)");
+            return 0;
+        }
         if (c->in_len < 8 + DDP__AUTH_NONCE) return c->need = 8 + DDP__AUTH_NONCE, 0;
         if (ddp__auth_answer(s->token, c->in, c->auth_cn, c->auth_sn, reply) != 0) {
             ddp__srv_drop(s, c, DDP_LOG_WARN, "it did not authenticate: this store requires DDP_AUTH_TOKEN (set the same "
@@ -1178,6 +1187,11 @@ static ddp_result ddp__tcp_detect(ddp_store *s, double deadline) {
     r = ddp__net_send(s->fd, probe, sizeof probe, until, why);
     if (r == DDP_SUCCESS) r = ddp__net_recv(s->fd, &echo, 4, until, why);
     if (r == DDP_SUCCESS) {
+        if (memcmp(&echo, DDP__AUTH_REQUIRED, 4) == 0) {
+            ddp__tcp_disconnect(s);
+            return ddp__store_fail(s, DDP_ERR_INIT, "%s requires DDP_AUTH_TOKEN (it was started with one) and this process "
+                                                    "has none: every rank needs the same token", s->where);
+        }
         if (echo != nonce) {
             ddp__tcp_disconnect(s);
             return ddp__store_fail(s, DDP_ERR_FORMAT, "%s answered torch 2.x's PING with 0x%08x instead of 0x%08x: "
