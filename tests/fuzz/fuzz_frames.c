@@ -17,8 +17,8 @@ static ddp_group *group(void) {
     g->log_level = DDP_LOG_NONE;
     g->broken = DDP_SUCCESS;
     g->broken_msg[0] = '\0';
-    g->peers[1].gone = 0;
-    g->peers[1].send_owed = 0;
+    g->mesh.peers[1].gone = 0;
+    g->mesh.peers[1].send_owed = 0;
     return g;
 }
 
@@ -34,7 +34,7 @@ int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size) {
     /* the rest arrives and the peer hangs up (inputs are small: the socket buffer holds them) */
     if (size > sizeof f && write(sv[1], data + sizeof f, size - sizeof f) != (ssize_t)(size - sizeof f)) abort();
     close(sv[1]);
-    g->peers[1].fd = sv[0];
+    g->mesh.peers[1].fd = sv[0];
     memset(&c, 0, sizeof c);
     c.seq = 5;
     c.count = 100;
@@ -46,6 +46,6 @@ int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size) {
     if (r != DDP_SUCCESS && (!g->broken || !g->broken_msg[0] || g->broken != r)) abort();
     if (r == DDP_SUCCESS && (f.magic != DDP__FRAME_MAGIC || f.kind != DDP__FRAME_DATA || f.bytes != 400)) abort();
     close(sv[0]);
-    g->peers[1].fd = -1;
+    g->mesh.peers[1].fd = -1;
     return 0;
 }
