@@ -299,6 +299,7 @@ typedef struct ddp__store_wait_key {
 
 typedef struct ddp__store_conn {
     int fd, dead;
+    int closed;            /* the client closed its side: handle what it sent, then drop it */
     int ready;             /* requests may be waiting in `in` while replies pile up in `out` */
     char peer[80];         /* address:port, for the log */
     unsigned char *in;     /* received bytes not yet handled */
@@ -880,8 +881,8 @@ static void ddp__srv_read(ddp__store_server *s, ddp__store_conn *c) {
             total += (size_t)k;
             continue;
         }
-        if (k == 0) {
-            ddp__srv_drop(s, c, DDP_LOG_DEBUG, "it closed the connection");
+        if (k == 0) { /* requests that came before the close still count (a SET needs no answer) */
+            c->closed = 1;
             return;
         }
         if (errno == EINTR) continue;
@@ -996,6 +997,10 @@ static void *ddp__srv_main(void *arg) {
             if (re & POLLOUT) ddp__srv_flush(s, c);
             if (re & (POLLIN | POLLHUP | POLLERR)) ddp__srv_read(s, c);
             if (!c->dead && (re || c->ready)) ddp__srv_process(s, c);
+            if (!c->dead && c->closed) {
+                ddp__srv_flush(s, c); /* a half-closed client may still read its answers */
+                ddp__srv_drop(s, c, DDP_LOG_DEBUG, "it closed the connection");
+            }
         }
         if (pf[1].revents & POLLIN) ddp__srv_accept(s);
         for (i = 0; i < s->nconns; i++)
