@@ -10,7 +10,8 @@
 #        run CMD inside the chroot, in the directory of the same path as the caller's (the clone is
 #        bind-mounted at its own path, read-write), with /proc, /dev, /dev/pts and /dev/shm bind-mounted
 #        for the run and unmounted after it (also on failure or a signal). The chroot shares the host's
-#        network namespace, so 127.0.0.1 servers on either side reach each other.
+#        network namespace, so 127.0.0.1 servers on either side reach each other. run and status mount in a
+#        private mount namespace (unshare), so runs at the same time do not disturb each other.
 #
 # Settings: DDP_TORCH_CURRENT_DIR (cache directory), DDP_TORCH_CURRENT_MIRROR (a Debian mirror; default
 # the URI of apt's configured Debian source, else http://deb.debian.org/debian), DDP_TORCH_CURRENT_SUITE
@@ -105,6 +106,17 @@ create() {
 }
 
 cmd=${1:-}
+# run and status in a private mount namespace of their own (when unshare works): their bind mounts are then
+# invisible outside and vanish with the command, even on SIGKILL, and two runs at once (two clones, two
+# tests) cannot unmount each other's /proc or /dev/shm. Without unshare they mount in the shared namespace.
+case "$cmd" in
+  run|status)
+    if [ -z "${DDP_TORCH_CURRENT_NS:-}" ] && command -v unshare >/dev/null 2>&1 &&
+       $SUDO unshare --mount --propagation private true 2>/dev/null; then
+      exec $SUDO env DDP_TORCH_CURRENT_NS=1 unshare --mount --propagation private "$(readlink -f "$0")" "$@"
+    fi
+    ;;
+esac
 [ $# -gt 0 ] && shift
 case "$cmd" in
   create) create ;;
@@ -121,5 +133,5 @@ case "$cmd" in
     unmount_all
     exit $rc
     ;;
-  *) sed -n '2,22p' "$0" | sed 's/^# \{0,1\}//'; exit 2 ;;
+  *) sed -n '2,24p' "$0" | sed 's/^# \{0,1\}//'; exit 2 ;;
 esac
