@@ -1,4 +1,6 @@
-"""ddp.h's reducer against torch DistributedDataParallel (torch 1.13, gloo).
+"""ddp.h's reducer against torch DistributedDataParallel (gloo): torch 1.13 (tests/test_interop_reducer.sh)
+and torch 2.x (tests/test_interop_torch_current.sh, in the chroot of tools/torch-current.sh, with USE_LIBUV=0
+for its libuv-less tcp:// rendezvous and GLOO_SOCKET_IFNAME=lo).
 
     /usr/bin/python3 tests/interop/reducer_torch.py PEER WORKDIR
 
@@ -14,6 +16,10 @@ from the same files; the final weights must agree within the variant's tolerance
             gradients while developing this), but the local f32 gradients differ in the last bits
             (torch's BLAS sums in another order than the C loops), and now and then such a difference
             falls on an f16 rounding boundary and moves one gradient element by one f16 unit (2^-11).
+            Where torch's gloo has no float16 all_reduce (Debian's torch 2.14: "Invalid scalar type"),
+            torch's side uses fp16_wide_sum_hook below instead (the same compression; the 2-rank sum
+            done exactly in f64 and rounded to f16 once, which is the f16 sum) and prints a SKIP-PART
+            line for fp16_compress_hook itself.
 Then the bucket layouts: torch's own dist._compute_bucket_assignment_by_size against the reducer's initial
 (reverse registration order) and rebuilt (ready order) buckets. Exit 0 when everything matches."""
 import os
@@ -46,6 +52,31 @@ def flat(model):
     return torch.cat([p.detach().reshape(-1) for p in model.parameters()])
 
 
+def fp16_wide_sum_hook(process_group, bucket):
+    """fp16_compress_hook for a gloo without float16 all_reduce: x.to(f16) / R as torch's hook does, the
+    sum over the ranks in f64 (exact for two f16 values), rounded to f16 once, back into the f32 bucket."""
+    group = process_group if process_group is not None else dist.group.WORLD
+    buffer = bucket.buffer()
+    wide = buffer.to(torch.float16).div_(group.size()).double()
+
+    def decompress(fut):
+        buffer.copy_(fut.value()[0].to(torch.float16))
+        return buffer
+
+    return dist.all_reduce(wide, group=group, async_op=True).get_future().then(decompress)
+
+
+def gloo_has_f16():
+    """Whether this torch's gloo all_reduces float16 (refused locally, on every rank alike, if not)."""
+    try:
+        dist.all_reduce(torch.zeros(1, dtype=torch.float16))
+        return True
+    except RuntimeError as e:
+        if "Invalid scalar type" not in str(e):
+            raise
+        return False
+
+
 def worker(rank, workdir, variant, accum, port):
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=R)
@@ -61,7 +92,11 @@ def worker(rank, workdir, variant, accum, port):
         kwargs = dict(gradient_as_bucket_view=True, bucket_cap_mb=1024 / 2**20)
     ddp = DDP(model, **kwargs)
     if variant == "fp16":
-        ddp.register_comm_hook(None, default_hooks.fp16_compress_hook)
+        native = gloo_has_f16()
+        ddp.register_comm_hook(None, default_hooks.fp16_compress_hook if native else fp16_wide_sum_hook)
+        if rank == 0:
+            with open(os.path.join(workdir, "hook.txt"), "w") as f:
+                f.write("fp16_compress_hook" if native else "fp16_wide_sum_hook")
     data = torch.from_numpy(_read(workdir, "data.bin"))
     n = STEPS * accum * R * B
     x = data[: n * DIMS[0]].reshape(STEPS, accum, R * B, DIMS[0])
@@ -123,7 +158,16 @@ def run_variant(peer, workdir, variant):
     x = torch.randn(STEPS, accum, R * B, DIMS[0])
     t = torch.randn(STEPS, accum, R * B, DIMS[-1])
     torch.cat([x.reshape(-1), t.reshape(-1)]).numpy().astype("<f4").tofile(os.path.join(workdir, "data.bin"))
+    if os.path.exists(os.path.join(workdir, "hook.txt")):
+        os.remove(os.path.join(workdir, "hook.txt"))
     run_torch(workdir, variant, accum)
+    if variant == "fp16":
+        with open(os.path.join(workdir, "hook.txt")) as f:
+            hook = f.read()
+        if hook != "fp16_compress_hook":
+            print(f"SKIP-PART reducer fp16 (torch's fp16_compress_hook): torch {torch.__version__}'s gloo refuses "
+                  f"float16 all_reduce (\"Invalid scalar type\"); compared with {hook} (the same f16 "
+                  "compression and f16 sum of 2 ranks) instead", flush=True)
     subprocess.run([peer, "train", workdir, variant, str(R), str(B), str(STEPS), str(accum), str(LR)]
                    + [str(d) for d in DIMS], check=True)
     a = _read(workdir, "ddp_final.bin").astype(np.float64)
