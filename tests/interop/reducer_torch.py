@@ -92,7 +92,7 @@ def worker(rank, workdir, variant, accum, port):
         kwargs = dict(gradient_as_bucket_view=True, bucket_cap_mb=1024 / 2**20)
     ddp = DDP(model, **kwargs)
     if variant == "fp16":
-        native = gloo_has_f16()
+        native = int(torch.__version__.split(".")[0]) < 2 or gloo_has_f16()  # 1.13: as before, no probe
         ddp.register_comm_hook(None, default_hooks.fp16_compress_hook if native else fp16_wide_sum_hook)
         if rank == 0:
             with open(os.path.join(workdir, "hook.txt"), "w") as f:
