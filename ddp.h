@@ -3482,6 +3482,22 @@ static void ddp__srv_wait(ddp__store_server *s, ddp__store_conn *c, ddp__rd *r) 
     }
 }
 
+/* GET (and each key of MULTI_GET): the value's length and bytes. A missing key drops the client, as torch's
+   server does: its get always waits for the key first. `asked` says who asked, for the log. */
+static void ddp__srv_reply_value(ddp__store_server *s, ddp__store_conn *c, const unsigned char *k, size_t klen,
+                                 const char *asked) {
+    char name[96];
+    ddp__kv *kv = ddp__kv_find(&s->kv, k, klen, ddp__store_hash(k, klen));
+    uint64_t vlen;
+    if (!kv) {
+        ddp__srv_drop(s, c, DDP_LOG_WARN, "%s key '%s', which does not exist (a get must WAIT first)", asked,
+                      ddp__store_key_text(k, klen, name, sizeof name));
+        return;
+    }
+    vlen = kv->value_len;
+    ddp__srv_reply(s, c, &vlen, 8, kv->value, kv->value_len);
+}
+
 /* COMPARE_SET with torch's semantics, including its answer for a missing key with a non-empty expected. */
 static void ddp__srv_compare_set(ddp__store_server *s, ddp__store_conn *c, ddp__rd *r) {
     size_t klen, elen, dlen;
@@ -3548,8 +3564,6 @@ static void ddp__srv_handle(ddp__store_server *s, ddp__store_conn *c, const unsi
     ddp__rd r;
     size_t klen, vlen;
     const unsigned char *k, *v;
-    ddp__kv *kv;
-    char name[64];
     uint32_t magic;
     uint64_t n, i;
     r.p = req;
@@ -3575,14 +3589,7 @@ static void ddp__srv_handle(ddp__store_server *s, ddp__store_conn *c, const unsi
         n = ddp__rd_u64(&r);
         for (i = 0; i < n && !c->dead; i++) {
             k = ddp__rd_str(&r, &klen);
-            kv = ddp__kv_find(&s->kv, k, klen, ddp__store_hash(k, klen));
-            if (!kv) {
-                ddp__srv_drop(s, c, DDP_LOG_WARN, "its MULTI_GET asked for key '%s', which does not exist",
-                              ddp__store_key_text(k, klen, name, sizeof name));
-                break;
-            }
-            vlen = kv->value_len;
-            ddp__srv_reply(s, c, &vlen, 8, kv->value, kv->value_len);
+            ddp__srv_reply_value(s, c, k, klen, "its MULTI_GET asked for");
         }
         break;
     case DDP__Q_CANCEL_WAIT: /* torch 2.x's client after a WAIT timed out: forget it, say so */
@@ -3598,14 +3605,7 @@ static void ddp__srv_handle(ddp__store_server *s, ddp__store_conn *c, const unsi
     case DDP__Q_ADD: ddp__srv_add(s, c, &r); break;
     case DDP__Q_GET:
         k = ddp__rd_str(&r, &klen);
-        kv = ddp__kv_find(&s->kv, k, klen, ddp__store_hash(k, klen));
-        if (!kv) { /* torch's server drops such a client too: its get always waits for the key first */
-            ddp__srv_drop(s, c, DDP_LOG_WARN, "it asked for key '%s', which does not exist (a get must WAIT first)",
-                          ddp__store_key_text(k, klen, name, sizeof name));
-            break;
-        }
-        vlen = kv->value_len;
-        ddp__srv_reply(s, c, &vlen, 8, kv->value, kv->value_len);
+        ddp__srv_reply_value(s, c, k, klen, "it asked for");
         break;
     case DDP__Q_CHECK:
         ddp__srv_reply_byte(s, c, ddp__srv_have_all(s, &r, ddp__rd_u64(&r)) ? DDP__CHECK_READY : DDP__CHECK_NOT_READY);
