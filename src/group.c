@@ -160,7 +160,8 @@ static ddp_result ddp__read_launch(const ddp_init_desc *d, ddp__launch *L, char 
                 snprintf(id, sizeof id, "%s%s", ddp__env(job_ids[i]), ddp__env("SLURM_STEP_ID") ? ddp__env("SLURM_STEP_ID") : "");
                 break;
             }
-        L->master_port = id[0] ? 20000 + (int)(ddp__hash(id) % 20000u) : 29500;
+        /* 20000-31999: below Linux's ephemeral range (32768-60999), so no outgoing connection holds it */
+        L->master_port = id[0] ? 20000 + (int)(ddp__hash(id) % 12000u) : 29500;
     }
     if (!L->master_addr[0])
         return ddp__fail_to(err, DDP_ERR_INIT, "MASTER_ADDR is not set: %s gave rank %d of %d, but not where rank 0 is. "
