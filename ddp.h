@@ -58,6 +58,9 @@
        DDP_TRANSPORT     cpu backend transport: auto (shared memory within a host, TCP between) | tcp
        DDP_STORE_PROTOCOL  auto (default: found out on connecting) | 1.13 | 2: the TCPStore protocol the
                          store client speaks, torch 1.13's or torch 2.x's (the server serves both)
+       DDP_STORE_MAX_BYTES  the budget of the store rank 0 serves: stored keys and values plus buffers
+                         (default 1 GiB, at least 1 MiB); one client may hold an eighth of it, and the last
+                         eighth is kept for small keys; a write past either is refused with "store ... is full"
        DDP_AUTH_TOKEN    a shared secret: the store and every rank-to-rank connection require proof of
                          it (HMAC-SHA256 challenge); unset: no authentication
        DDP_SHM_CMA       0 turns off cross-memory attach (process_vm_readv/writev) for shared-memory
@@ -2868,6 +2871,28 @@ static int ddp__auth_server(int fd, const char *token, double deadline, char *er
    value length, keys per WAIT/CHECK, and one budget for stored data plus buffers); a client that breaks a
    limit or the protocol is disconnected and logged, and the server goes on serving the others.
 
+   Budget and shares (ddp__srv_room): the budget B (1 GiB; DDP_STORE_MAX_BYTES) bounds stored keys and values
+   plus every buffer. Each stored entry (key, value and its bookkeeping) is charged to the connection that
+   last wrote it (SET, ADD, COMPARE_SET, APPEND, MULTI_SET; an overwrite by another connection moves the
+   charge, DELETE takes it off). A write is refused when it would take its connection over its share, B/8,
+   or the store over B - B/8; the last eighth is kept for small entries (up to 64 KiB: rendezvous addresses,
+   counters), so ranks can still meet when big values filled the rest. A write that does not make its
+   connection or the store hold more is never refused. Keys outlive their writer, as in torch: when a
+   connection closes, its entries stay and count against the budget, charged to no one. A client that
+   reconnects gets a fresh share; the budget still bounds the total.
+
+   Refusals (ddp.h's own extension; torch's protocol has no error answer): a client that can take a refusal
+   says so before a request by sending CHECK of the single key DDP__STORE_ANNOUNCE ("\0ddp.h/status": no
+   C-string key can equal it). ddp.h's server then answers that request with a status byte first, in place
+   of the CHECK's answer: DDP__STATUS_DONE (0) and the request's usual answer, or DDP__STATUS_REFUSED (2), an
+   int32 ddp_result, a string saying why, and nothing else (the request changed nothing; the connection stays
+   in step). A torch server answers the CHECK itself (0 or 1) and then the request, so the client reads one
+   byte either way. A client that did not announce (torch's) has no way to hear a refusal: it is
+   disconnected instead, with the reason in the server's log, which it sees as a closed connection.
+   Refused: a write over a share or the budget ("full", DDP_ERR_OUT_OF_MEMORY), an ADD to a value that is
+   no integer (DDP_ERR_STATE) or whose sum does not fit in int64 (DDP_ERR_INVALID_ARGUMENT; torch's
+   std::stoll + int64 addition overflows, in practice wrapping around: ddp.h never wraps).
+
    Client: blocking calls on one connection, each bounded by the store's timeout. A call that fails midway
    (timeout, lost connection) leaves the stream in an unknown state, so the connection is closed and the next
    call connects again.
@@ -2884,6 +2909,12 @@ static int ddp__auth_server(int fd, const char *token, double deadline, char *er
 #define DDP__STORE_MAX_VALUE ((size_t)64 << 20)     /* bytes in one value */
 #define DDP__STORE_MAX_WAIT_KEYS ((uint64_t)16384)  /* keys in one WAIT or CHECK */
 #define DDP__STORE_MAX_HELD ((size_t)1 << 30)       /* server: stored keys and values plus every buffer */
+#define DDP__STORE_MIN_HELD ((size_t)1 << 20)       /* the least DDP_STORE_MAX_BYTES may set */
+#define DDP__STORE_SMALL_ENTRY ((size_t)64 << 10)   /* entries that may use the budget's reserved last eighth */
+#define DDP__STORE_ANNOUNCE "\0ddp.h/status"        /* CHECK of this key alone: answer my next request's status */
+#define DDP__STORE_ANNOUNCE_LEN ((size_t)13)
+#define DDP__STATUS_DONE 0
+#define DDP__STATUS_REFUSED 2
 #define DDP__STORE_OUT_HIGH ((size_t)1 << 20)       /* server: replies piled up for a client that does not read */
 #define DDP__STORE_FILE_REFS "ddp/file_store_users" /* file store: how many handles have it open */
 #define DDP__STORE_FILE_MAGIC "DDPFS001"            /* file store: the first 8 bytes of the file */
@@ -2997,10 +3028,18 @@ static int ddp__store_parse_int(const unsigned char *v, size_t n, int64_t *out) 
     return 0;
 }
 
+/* old + delta, unless it does not fit in int64 (returns -1 then). */
+static int ddp__store_add_int(int64_t old, int64_t delta, int64_t *sum) {
+    if ((delta > 0 && old > INT64_MAX - delta) || (delta < 0 && old < INT64_MIN - delta)) return -1;
+    *sum = old + delta;
+    return 0;
+}
+
 /* ---- a hash table of byte-string keys and values (the server's data, a file store's replayed state) ---- */
 
 typedef struct ddp__kv {
     struct ddp__kv *next;
+    void *owner; /* server: the ddp__store_conn charged for it (NULL: its writer left; always NULL in a file store) */
     uint64_t hash;
     size_t key_len, value_len;
     unsigned char *value;
@@ -3058,6 +3097,7 @@ static int ddp__kv_put(ddp__kv_table *t, const void *key, size_t n, uint64_t h, 
         return -1;
     }
     e->hash = h;
+    e->owner = NULL;
     e->key = (char *)(e + 1);
     memcpy(e->key, key, n);
     e->key_len = n;
@@ -3149,6 +3189,10 @@ typedef struct ddp__store_conn {
     ddp__store_wait_key *waits; /* the pending WAIT's missing keys */
     size_t nwaits, wait_bytes;
     unsigned char *wait_blob;
+    size_t held;           /* bytes of the stored entries charged to it (see ddp__srv_room) */
+    int announced;         /* it sent DDP__STORE_ANNOUNCE: its next request gets a status byte */
+    int status_due;        /* the request being handled was announced and its status byte is not sent yet */
+    int refused;           /* the request being handled was refused */
 } ddp__store_conn;
 
 struct ddp__store_server {
@@ -3161,6 +3205,9 @@ struct ddp__store_server {
     ddp__store_conn **conns;
     size_t nconns, cap_conns;
     size_t buffers; /* bytes of connections, their buffers and pending waits */
+    size_t max_held; /* the budget: kv.bytes + buffers stay under it (DDP_STORE_MAX_BYTES) */
+    size_t share;    /* what one connection may be charged for: max_held / 8 */
+    size_t reserve;  /* the budget's last part, for small entries only: max_held / 8 */
     double accept_paused_until;
     char *token; /* DDP_AUTH_TOKEN when the server started; NULL = no authentication */
 };
@@ -3192,7 +3239,31 @@ static void ddp__srv_drop(ddp__store_server *s, ddp__store_conn *c, ddp_log_leve
 }
 
 static int ddp__srv_over_budget(const ddp__store_server *s, size_t more) {
-    return s->kv.bytes + s->buffers + more > DDP__STORE_MAX_HELD;
+    return s->kv.bytes + s->buffers + more > s->max_held;
+}
+
+/* The budget and what follows from it (see "Budget and shares" above). */
+static void ddp__srv_set_budget(ddp__store_server *s, size_t max_held) {
+    s->max_held = max_held;
+    s->share = max_held / 8;
+    s->reserve = max_held / 8;
+}
+
+/* DDP_STORE_MAX_BYTES, or the default budget. */
+static ddp_result ddp__srv_budget_setting(size_t *max_held, char *err) {
+    long v = 0;
+    int got = ddp__env_int("DDP_STORE_MAX_BYTES", (long)DDP__STORE_MIN_HELD, LONG_MAX, &v, err);
+    if (got < 0) return DDP_ERR_INIT;
+    *max_held = got ? (size_t)v : DDP__STORE_MAX_HELD;
+    return DDP_SUCCESS;
+}
+
+/* Bytes as "3.5 MiB", "12 KiB" or "100 bytes", for messages. */
+static const char *ddp__srv_bytes_text(size_t n, char *buf, size_t cap) {
+    if (n >= ((size_t)1 << 20)) snprintf(buf, cap, "%.1f MiB", (double)n / (1 << 20));
+    else if (n >= 1024) snprintf(buf, cap, "%.1f KiB", (double)n / 1024);
+    else snprintf(buf, cap, "%zu bytes", n);
+    return buf;
 }
 
 /* Grow one of c's buffers to at least need bytes within the budget; on failure c is dropped and -1 returned. */
@@ -3202,8 +3273,8 @@ static int ddp__srv_grow(ddp__store_server *s, ddp__store_conn *c, unsigned char
     if (need <= *cap) return 0;
     if (ddp__srv_over_budget(s, want - *cap)) want = need;
     if (ddp__srv_over_budget(s, want - *cap)) {
-        ddp__srv_drop(s, c, DDP_LOG_WARN, "the store would hold more than %zu MiB of data and buffers",
-                      DDP__STORE_MAX_HELD >> 20);
+        ddp__srv_drop(s, c, DDP_LOG_WARN, "the store would hold more than its budget of %zu bytes of data and "
+                                          "buffers (DDP_STORE_MAX_BYTES sets it)", s->max_held);
         return -1;
     }
     p = DDP_REALLOC(*buf, want);
@@ -3226,8 +3297,8 @@ static void ddp__srv_trim(ddp__store_server *s, unsigned char **buf, size_t *cap
     *cap = 0;
 }
 
-/* Queue a reply of two parts (b may be empty). */
-static void ddp__srv_reply(ddp__store_server *s, ddp__store_conn *c, const void *a, size_t an, const void *b,
+/* Append a reply of two parts (b may be empty) to c's output. */
+static void ddp__srv_queue(ddp__store_server *s, ddp__store_conn *c, const void *a, size_t an, const void *b,
                            size_t bn) {
     if (c->dead) return;
     if (c->out_off > 0) {
@@ -3239,6 +3310,50 @@ static void ddp__srv_reply(ddp__store_server *s, ddp__store_conn *c, const void 
     memcpy(c->out + c->out_len, a, an);
     if (bn) memcpy(c->out + c->out_len + an, b, bn);
     c->out_len += an + bn;
+}
+
+/* The announced request being handled was done: say so, once. */
+static void ddp__srv_status_done(ddp__store_server *s, ddp__store_conn *c) {
+    static const unsigned char done = DDP__STATUS_DONE;
+    if (!c->status_due) return;
+    c->status_due = 0;
+    ddp__srv_queue(s, c, &done, 1, NULL, 0);
+}
+
+/* Queue a reply of two parts (b may be empty), after the status byte when the request was announced. */
+static void ddp__srv_reply(ddp__store_server *s, ddp__store_conn *c, const void *a, size_t an, const void *b,
+                           size_t bn) {
+    ddp__srv_status_done(s, c);
+    ddp__srv_queue(s, c, a, an, b, bn);
+}
+
+/* Refuse the request being handled (it must change nothing). A client that announced it hears why: status
+   DDP__STATUS_REFUSED, code (int32) and the message, and stays connected; any other is disconnected, with
+   the message in the log. Also when the status byte went out already (a reply came first): the stream
+   could not stay in step. */
+static void ddp__srv_refuse(ddp__store_server *s, ddp__store_conn *c, ddp_result code, const char *fmt, ...)
+    DDP__PRINTF(4, 5);
+static void ddp__srv_refuse(ddp__store_server *s, ddp__store_conn *c, ddp_result code, const char *fmt, ...) {
+    char why[512];
+    unsigned char head[13];
+    int32_t code32 = (int32_t)code;
+    uint64_t len;
+    va_list ap;
+    va_start(ap, fmt);
+    vsnprintf(why, sizeof why, fmt, ap);
+    va_end(ap);
+    c->refused = 1;
+    if (!c->status_due) {
+        ddp__srv_drop(s, c, DDP_LOG_WARN, "refused: %s (it did not announce that it can take a refusal)", why);
+        return;
+    }
+    c->status_due = 0;
+    ddp__srv_log(s, DDP_LOG_INFO, "refused a request of the client at %s: %s", c->peer, why);
+    len = strlen(why);
+    head[0] = DDP__STATUS_REFUSED;
+    memcpy(head + 1, &code32, 4);
+    memcpy(head + 5, &len, 8);
+    ddp__srv_queue(s, c, head, sizeof head, why, (size_t)len);
 }
 
 static void ddp__srv_reply_u64(ddp__store_server *s, ddp__store_conn *c, uint64_t v) {
@@ -3275,27 +3390,70 @@ static void ddp__srv_wake(ddp__store_server *s, const void *key, size_t n, uint6
     }
 }
 
-/* Store value under key for client c, within the budget. */
-static void ddp__srv_store(ddp__store_server *s, ddp__store_conn *c, const unsigned char *key, size_t klen,
-                           const unsigned char *value, size_t vlen) {
+/* Take entry e's charge off the connection that holds it. */
+static void ddp__srv_uncharge(ddp__kv *e) {
+    if (e && e->owner) ((ddp__store_conn *)e->owner)->held -= DDP__KV_ENTRY_BYTES(e->key_len, e->value_len);
+    if (e) e->owner = NULL;
+}
+
+/* Charge entry e to c (after ddp__srv_uncharge, or when new). */
+static void ddp__srv_charge(ddp__kv *e, ddp__store_conn *c) {
+    e->owner = c;
+    c->held += DDP__KV_ENTRY_BYTES(e->key_len, e->value_len);
+}
+
+/* May c make key's entry `after` bytes (the entry `old` is there now, or NULL)? Refused, with the numbers,
+   when it would take c over its share or the store over its budget (without the reserve unless the entry
+   is small), and it would hold more than before. Returns 0 when there is room, -1 when refused. */
+static int ddp__srv_room(ddp__store_server *s, ddp__store_conn *c, const ddp__kv *old, size_t after,
+                         const unsigned char *key, size_t klen) {
+    size_t before = old ? DDP__KV_ENTRY_BYTES(old->key_len, old->value_len) : 0;
+    size_t mine = c->held - (old && old->owner == c ? before : 0) + after;
+    size_t total = s->kv.bytes + s->buffers, total_after = total - before + after;
+    size_t limit = after <= DDP__STORE_SMALL_ENTRY ? s->max_held : s->max_held - s->reserve;
+    char name[64], a[32], b[32], d[32];
+    ddp__store_key_text(key, klen, name, sizeof name);
+    ddp__srv_bytes_text(after, a, sizeof a);
+    if (mine > s->share && mine > c->held) {
+        ddp__srv_refuse(s, c, DDP_ERR_OUT_OF_MEMORY, "this client holds %s of keys and values; storing key '%s' (%s) "
+                                                     "would take it over its share, %s, an eighth of the store's "
+                                                     "budget of %s",
+                        ddp__srv_bytes_text(c->held, b, sizeof b), name, a,
+                        ddp__srv_bytes_text(s->share, d, sizeof d), ddp__srv_bytes_text(s->max_held, b, sizeof b));
+        return -1;
+    }
+    if (total_after > limit && total_after > total) {
+        ddp__srv_refuse(s, c, DDP_ERR_OUT_OF_MEMORY, "the store holds %s of its budget of %s; storing key '%s' (%s) "
+                                                     "would take it over%s",
+                        ddp__srv_bytes_text(total, b, sizeof b), ddp__srv_bytes_text(s->max_held, d, sizeof d), name,
+                        a, limit < s->max_held ? " the part not kept for small keys" : "");
+        return -1;
+    }
+    return 0;
+}
+
+/* Store value under key for client c, within its share and the budget. Returns 0, or -1 when refused. */
+static int ddp__srv_store(ddp__store_server *s, ddp__store_conn *c, const unsigned char *key, size_t klen,
+                          const unsigned char *value, size_t vlen) {
     uint64_t h = ddp__store_hash(key, klen);
     ddp__kv *old = ddp__kv_find(&s->kv, key, klen, h);
-    size_t before = old ? old->value_len : 0, after = old ? vlen : DDP__KV_ENTRY_BYTES(klen, vlen);
     unsigned char *copy;
     int created;
-    char text[64];
-    if (s->kv.bytes - before + after + s->buffers > DDP__STORE_MAX_HELD) {
-        ddp__srv_drop(s, c, DDP_LOG_WARN, "setting key '%s' (%zu bytes) would make the store hold more than %zu MiB",
-                      ddp__store_key_text(key, klen, text, sizeof text), vlen, DDP__STORE_MAX_HELD >> 20);
-        return;
-    }
+    if (ddp__srv_room(s, c, old, DDP__KV_ENTRY_BYTES(klen, vlen), key, klen) != 0) return -1;
     copy = ddp__store_dup(value, vlen);
-    created = copy ? ddp__kv_put(&s->kv, key, klen, h, copy, vlen) : -1;
-    if (created < 0) {
-        ddp__srv_drop(s, c, DDP_LOG_WARN, "out of memory storing %zu bytes", vlen);
-        return;
+    if (!copy) {
+        ddp__srv_refuse(s, c, DDP_ERR_OUT_OF_MEMORY, "the server is out of memory storing %zu bytes", vlen);
+        return -1;
     }
+    ddp__srv_uncharge(old); /* replacing cannot fail, and creating leaves no old entry behind */
+    created = ddp__kv_put(&s->kv, key, klen, h, copy, vlen);
+    if (created < 0) {
+        ddp__srv_refuse(s, c, DDP_ERR_OUT_OF_MEMORY, "the server is out of memory storing %zu bytes", vlen);
+        return -1;
+    }
+    ddp__srv_charge(ddp__kv_find(&s->kv, key, klen, h), c);
     if (created) ddp__srv_wake(s, key, klen, h);
+    return 0;
 }
 
 /* ---- parsing: is a whole request there, and does it keep to the limits? ---- */
@@ -3454,8 +3612,8 @@ static void ddp__srv_wait(ddp__store_server *s, ddp__store_conn *c, ddp__rd *r) 
     }
     bytes = (size_t)n * sizeof(ddp__store_wait_key) + (r->at - first);
     if (ddp__srv_over_budget(s, bytes)) {
-        ddp__srv_drop(s, c, DDP_LOG_WARN, "its WAIT would make the store hold more than %zu MiB",
-                      DDP__STORE_MAX_HELD >> 20);
+        ddp__srv_refuse(s, c, DDP_ERR_OUT_OF_MEMORY, "the store is at its budget of %zu bytes: no room to record a "
+                                                     "WAIT", s->max_held);
         return;
     }
     c->waits = (ddp__store_wait_key *)ddp__malloc((size_t)n * sizeof(ddp__store_wait_key));
@@ -3509,14 +3667,16 @@ static void ddp__srv_compare_set(ddp__store_server *s, ddp__store_conn *c, ddp__
         ddp__srv_reply(s, c, &len, 8, e, elen);
         return;
     }
-    if (!kv || (kv->value_len == elen && memcmp(kv->value, e, elen) == 0)) ddp__srv_store(s, c, k, klen, d, dlen);
+    if ((!kv || (kv->value_len == elen && memcmp(kv->value, e, elen) == 0)) && ddp__srv_store(s, c, k, klen, d, dlen) != 0)
+        return;
     kv = ddp__kv_find(&s->kv, k, klen, ddp__store_hash(k, klen));
     if (c->dead || !kv) return;
     len = kv->value_len;
     ddp__srv_reply(s, c, &len, 8, kv->value, kv->value_len);
 }
 
-/* ADD: the value is kept as decimal text, as torch keeps it; a value that is no number ends the client. */
+/* ADD: the value is kept as decimal text, as torch keeps it. Refused (see "Refusals"): a value that is no
+   number, and a sum that does not fit in int64 (torch's wraps around). */
 static void ddp__srv_add(ddp__store_server *s, ddp__store_conn *c, ddp__rd *r) {
     size_t klen;
     const unsigned char *k = ddp__rd_str(r, &klen);
@@ -3526,13 +3686,18 @@ static void ddp__srv_add(ddp__store_server *s, ddp__store_conn *c, ddp__rd *r) {
     int n;
     memcpy(&delta, r->p + r->at, 8);
     if (kv && ddp__store_parse_int(kv->value, kv->value_len, &old) != 0) {
-        ddp__srv_drop(s, c, DDP_LOG_WARN, "it added to key '%s', whose value is not an integer",
-                      ddp__store_key_text(k, klen, name, sizeof name));
+        ddp__srv_refuse(s, c, DDP_ERR_STATE, "key '%s' holds a value that is not an integer, so nothing can be added "
+                                             "to it", ddp__store_key_text(k, klen, name, sizeof name));
         return;
     }
-    now = (int64_t)((uint64_t)old + (uint64_t)delta); /* wraps, like torch's int64 sum in practice */
+    if (ddp__store_add_int(old, delta, &now) != 0) {
+        ddp__srv_refuse(s, c, DDP_ERR_INVALID_ARGUMENT, "key '%s' holds %lld; adding %lld would overflow int64 (the "
+                                                        "store does not wrap around)",
+                        ddp__store_key_text(k, klen, name, sizeof name), (long long)old, (long long)delta);
+        return;
+    }
     n = snprintf(text, sizeof text, "%lld", (long long)now);
-    ddp__srv_store(s, c, k, klen, (const unsigned char *)text, (size_t)n);
+    if (ddp__srv_store(s, c, k, klen, (const unsigned char *)text, (size_t)n) != 0) return;
     ddp__srv_reply(s, c, &now, 8, NULL, 0);
 }
 
@@ -3546,18 +3711,34 @@ static void ddp__srv_append(ddp__store_server *s, ddp__store_conn *c, ddp__rd *r
         ddp__srv_store(s, c, k, klen, v, vlen);
         return;
     }
-    if (kv->value_len + vlen > DDP__STORE_MAX_VALUE || ddp__srv_over_budget(s, vlen)) {
-        ddp__srv_drop(s, c, DDP_LOG_WARN, "its APPEND would make a value longer than %zu MiB or the store larger "
-                                          "than its budget", DDP__STORE_MAX_VALUE >> 20);
+    if (kv->value_len + vlen > DDP__STORE_MAX_VALUE) {
+        ddp__srv_refuse(s, c, DDP_ERR_INVALID_ARGUMENT, "its APPEND would make a value longer than %zu MiB",
+                        DDP__STORE_MAX_VALUE >> 20);
         return;
     }
+    if (ddp__srv_room(s, c, kv, DDP__KV_ENTRY_BYTES(klen, kv->value_len + vlen), k, klen) != 0) return;
     if (!(joined = (unsigned char *)ddp__malloc(kv->value_len + vlen))) {
-        ddp__srv_drop(s, c, DDP_LOG_WARN, "out of memory appending %zu bytes", vlen);
+        ddp__srv_refuse(s, c, DDP_ERR_OUT_OF_MEMORY, "the server is out of memory appending %zu bytes", vlen);
         return;
     }
     if (kv->value_len) memcpy(joined, kv->value, kv->value_len);
     if (vlen) memcpy(joined + kv->value_len, v, vlen);
+    ddp__srv_uncharge(kv);
     ddp__kv_put(&s->kv, k, klen, kv->hash, joined, kv->value_len + vlen); /* replaces: cannot fail */
+    ddp__srv_charge(kv, c);
+}
+
+/* CHECK: DDP__STORE_ANNOUNCE alone announces the next request (see "Refusals"); no answer of its own. */
+static void ddp__srv_check(ddp__store_server *s, ddp__store_conn *c, ddp__rd *r) {
+    uint64_t n = ddp__rd_u64(r);
+    size_t at = r->at, klen = 0;
+    const unsigned char *k = n == 1 ? ddp__rd_str(r, &klen) : NULL;
+    if (k && klen == DDP__STORE_ANNOUNCE_LEN && memcmp(k, DDP__STORE_ANNOUNCE, klen) == 0) {
+        c->announced = 1;
+        return;
+    }
+    r->at = at;
+    ddp__srv_reply_byte(s, c, ddp__srv_have_all(s, r, n) ? DDP__CHECK_READY : DDP__CHECK_NOT_READY);
 }
 
 static void ddp__srv_handle(ddp__store_server *s, ddp__store_conn *c, const unsigned char *req, size_t size) {
@@ -3569,6 +3750,9 @@ static void ddp__srv_handle(ddp__store_server *s, ddp__store_conn *c, const unsi
     r.p = req;
     r.n = size;
     r.at = 1;
+    c->status_due = c->announced;
+    c->announced = 0;
+    c->refused = 0;
     switch (ddp__store_query_of(c->proto, req[0])) {
     case DDP__Q_VALIDATE: /* torch 2.x: no reply; a wrong magic ends the client, as torch's server does */
         memcpy(&magic, req + 1, 4);
@@ -3579,7 +3763,7 @@ static void ddp__srv_handle(ddp__store_server *s, ddp__store_conn *c, const unsi
     case DDP__Q_APPEND: ddp__srv_append(s, c, &r); break;
     case DDP__Q_MULTI_SET:
         n = ddp__rd_u64(&r);
-        for (i = 0; i < n && !c->dead; i++) {
+        for (i = 0; i < n && !c->dead && !c->refused; i++) { /* a refusal keeps the keys before it */
             k = ddp__rd_str(&r, &klen);
             v = ddp__rd_str(&r, &vlen);
             ddp__srv_store(s, c, k, klen, v, vlen);
@@ -3607,16 +3791,16 @@ static void ddp__srv_handle(ddp__store_server *s, ddp__store_conn *c, const unsi
         k = ddp__rd_str(&r, &klen);
         ddp__srv_reply_value(s, c, k, klen, "it asked for");
         break;
-    case DDP__Q_CHECK:
-        ddp__srv_reply_byte(s, c, ddp__srv_have_all(s, &r, ddp__rd_u64(&r)) ? DDP__CHECK_READY : DDP__CHECK_NOT_READY);
-        break;
+    case DDP__Q_CHECK: ddp__srv_check(s, c, &r); break;
     case DDP__Q_WAIT: ddp__srv_wait(s, c, &r); break;
     case DDP__Q_GETNUMKEYS: ddp__srv_reply_u64(s, c, (uint64_t)s->kv.count); break;
     case DDP__Q_DELETE_KEY:
         k = ddp__rd_str(&r, &klen);
+        ddp__srv_uncharge(ddp__kv_find(&s->kv, k, klen, ddp__store_hash(k, klen)));
         ddp__srv_reply_u64(s, c, (uint64_t)ddp__kv_remove(&s->kv, k, klen, ddp__store_hash(k, klen)));
         break;
     }
+    ddp__srv_status_done(s, c); /* an announced request without an answer (SET), or one that waits (WAIT) */
 }
 
 /* With DDP_AUTH_TOKEN: the handshake of src/auth.c, before any request. Returns the input bytes it
@@ -3745,7 +3929,17 @@ static void ddp__srv_flush(ddp__store_server *s, ddp__store_conn *c) {
     ddp__srv_trim(s, &c->out, &c->out_cap);
 }
 
+/* c is going: its entries stay (as torch keeps a client's keys), charged to no one. */
+static void ddp__srv_orphan(ddp__store_server *s, ddp__store_conn *c) {
+    size_t i;
+    ddp__kv *e;
+    for (i = 0; c->held && i < s->kv.nslots; i++)
+        for (e = s->kv.slots[i]; e; e = e->next)
+            if (e->owner == c) ddp__srv_uncharge(e);
+}
+
 static void ddp__srv_free_conn(ddp__store_server *s, ddp__store_conn *c) {
+    ddp__srv_orphan(s, c);
     ddp__srv_clear_wait(s, c);
     s->buffers -= c->in_cap + c->out_cap + sizeof *c;
     DDP_FREE(c->in);
@@ -3876,6 +4070,11 @@ static ddp_result ddp__store_server_start(const char *host, int port, ddp_log_le
     if (!s) return ddp__fail_to(err, DDP_ERR_OUT_OF_MEMORY, "out of memory starting the store server");
     s->listen_fd = s->pipe_rd = s->pipe_wr = -1;
     s->log_level = lvl == DDP_LOG_DEFAULT ? ddp__env_log_level() : lvl;
+    if ((r = ddp__srv_budget_setting(&s->max_held, err)) != DDP_SUCCESS) {
+        ddp__store_server_close(s);
+        return r;
+    }
+    ddp__srv_set_budget(s, s->max_held);
     if (ddp__auth_token() && !(s->token = ddp__strdup(ddp__auth_token()))) {
         ddp__store_server_close(s);
         return ddp__fail_to(err, DDP_ERR_OUT_OF_MEMORY, "out of memory starting the store server");
@@ -3941,6 +4140,7 @@ struct ddp_store {
     size_t prefix_len;
     unsigned char *msg; /* the request being built */
     unsigned char msg_type;
+    size_t msg_type_at; /* where the request's type byte is: after the announcing CHECK, or 0 */
     size_t msg_len, msg_cap;
     int msg_oom;
     /* file */
@@ -4120,6 +4320,22 @@ static void ddp__msg_begin(ddp_store *s, unsigned char type) {
     s->msg_oom = 0;
     ddp__msg_put(s, &type, 1);
     s->msg_type = type;
+    s->msg_type_at = 0;
+}
+
+/* Start a request that the server may refuse: CHECK of DDP__STORE_ANNOUNCE first, so that a ddp.h server
+   answers it with a status byte (see "Refusals" at the top; ddp__tcp_recv_status reads it). */
+static void ddp__msg_begin_announced(ddp_store *s, unsigned char type) {
+    unsigned char check = DDP__Q_CHECK;
+    s->msg_len = 0;
+    s->msg_oom = 0;
+    ddp__msg_put(s, &check, 1);
+    ddp__msg_u64(s, 1);
+    ddp__msg_u64(s, DDP__STORE_ANNOUNCE_LEN);
+    ddp__msg_put(s, DDP__STORE_ANNOUNCE, DDP__STORE_ANNOUNCE_LEN);
+    s->msg_type_at = s->msg_len;
+    ddp__msg_put(s, &type, 1);
+    s->msg_type = type;
 }
 
 /* A key goes on the wire as prefix + key. */
@@ -4163,7 +4379,10 @@ static ddp_result ddp__tcp_send(ddp_store *s, const void *tail, size_t tail_n, d
     ddp_result r;
     if (s->msg_oom) return ddp__store_fail(s, DDP_ERR_OUT_OF_MEMORY, "out of memory %s in %s", doing, s->where);
     if ((r = ddp__tcp_connect(s, deadline)) != DDP_SUCCESS) return r;
-    if (s->msg_len) s->msg[0] = ddp__store_wire_type(s->proto, s->msg_type);
+    if (s->msg_len > s->msg_type_at) {
+        if (s->msg_type_at) s->msg[0] = ddp__store_wire_type(s->proto, DDP__Q_CHECK);
+        s->msg[s->msg_type_at] = ddp__store_wire_type(s->proto, s->msg_type);
+    }
     r = ddp__net_send(s->fd, s->msg, s->msg_len, deadline, why);
     if (r == DDP_SUCCESS && tail_n) r = ddp__net_send(s->fd, tail, tail_n, deadline, why);
     return r == DDP_SUCCESS ? r : ddp__tcp_broken(s, r, why, doing, seconds);
@@ -4174,6 +4393,38 @@ static ddp_result ddp__tcp_recv(ddp_store *s, void *buf, size_t n, double deadli
     char why[DDP__ERR_MAX];
     ddp_result r = ddp__net_recv(s->fd, buf, n, deadline, why);
     return r == DDP_SUCCESS ? r : ddp__tcp_broken(s, r, why, doing, seconds);
+}
+
+/* The first byte of the answer to an announced request (ddp__msg_begin_announced): from a ddp.h server its
+   status, from a torch server the announcing CHECK's answer (0 or 1); either way the request's own answer
+   follows, unless a ddp.h server refused it: then the refusal (code, why) is the error, and the connection
+   stays in step. */
+static ddp_result ddp__tcp_recv_status(ddp_store *s, double deadline, double seconds, const char *doing) {
+    unsigned char status, head[12] = {0};
+    char why[512];
+    int32_t code = 0;
+    uint64_t len = 0;
+    ddp_result r = ddp__tcp_recv(s, &status, 1, deadline, seconds, doing);
+    if (r) return r;
+    if (status == DDP__STATUS_DONE || status == DDP__CHECK_NOT_READY) return DDP_SUCCESS;
+    if (status == DDP__STATUS_REFUSED) {
+        if ((r = ddp__tcp_recv(s, head, sizeof head, deadline, seconds, doing)) != DDP_SUCCESS) return r;
+        memcpy(&code, head, 4);
+        memcpy(&len, head + 4, 8);
+    }
+    if (status != DDP__STATUS_REFUSED || len >= sizeof why || code >= 0 || code < (int32_t)DDP_ERR_WORKER_FAILED) {
+        ddp__tcp_disconnect(s);
+        return ddp__store_fail(s, DDP_ERR_FORMAT, "%s answered status %u while %s (expected 0, 1 or a refusal); is it a "
+                                                  "torch 1.13, torch 2.x or ddp.h store?", s->where, status, doing);
+    }
+    if ((r = ddp__tcp_recv(s, why, (size_t)len, deadline, seconds, doing)) != DDP_SUCCESS) return r;
+    why[len] = '\0';
+    if (code == DDP_ERR_OUT_OF_MEMORY)
+        return ddp__store_fail(s, DDP_ERR_OUT_OF_MEMORY, "%s is full (%s) while %s: delete keys that are no longer "
+                                                         "needed, or send large data with collectives (rank 0's "
+                                                         "DDP_STORE_MAX_BYTES sets the store's budget)",
+                               s->where, why, doing);
+    return ddp__store_fail(s, (ddp_result)code, "%s refused %s: %s", s->where, doing, why);
 }
 
 /* Receive a length-prefixed value: at most capacity bytes into value, the rest read and dropped. */
@@ -4226,11 +4477,14 @@ static ddp_result ddp__tcp_get(ddp_store *s, const char *key, void *value, size_
 
 static ddp_result ddp__tcp_set(ddp_store *s, const char *key, const void *value, size_t size) {
     char doing[200], name[96];
+    double deadline = ddp__now() + s->timeout;
+    ddp_result r;
     snprintf(doing, sizeof doing, "setting key '%s'", ddp__store_key_text(key, strlen(key), name, sizeof name));
-    ddp__msg_begin(s, DDP__Q_SET);
+    ddp__msg_begin_announced(s, DDP__Q_SET);
     ddp__msg_key(s, key);
     ddp__msg_u64(s, size);
-    return ddp__tcp_send(s, value, size, ddp__now() + s->timeout, s->timeout, doing);
+    if ((r = ddp__tcp_send(s, value, size, deadline, s->timeout, doing)) != DDP_SUCCESS) return r;
+    return ddp__tcp_recv_status(s, deadline, s->timeout, doing); /* the set is done (or refused) */
 }
 
 static ddp_result ddp__tcp_add(ddp_store *s, const char *key, int64_t delta, int64_t *result) {
@@ -4239,12 +4493,13 @@ static ddp_result ddp__tcp_add(ddp_store *s, const char *key, int64_t delta, int
     int64_t v;
     ddp_result r;
     snprintf(doing, sizeof doing, "adding to key '%s'", ddp__store_key_text(key, strlen(key), name, sizeof name));
-    ddp__msg_begin(s, DDP__Q_ADD);
+    ddp__msg_begin_announced(s, DDP__Q_ADD);
     ddp__msg_key(s, key);
     ddp__msg_put(s, &delta, 8);
     if ((r = ddp__tcp_send(s, NULL, 0, deadline, s->timeout, doing)) != DDP_SUCCESS) return r;
+    if ((r = ddp__tcp_recv_status(s, deadline, s->timeout, doing)) != DDP_SUCCESS) return r;
     if ((r = ddp__tcp_recv(s, &v, 8, deadline, s->timeout, doing)) != DDP_SUCCESS) {
-        if (r == DDP_ERR_PEER_LOST) /* the server drops a client that adds to a value that is no number */
+        if (r == DDP_ERR_PEER_LOST) /* torch's server drops a client that adds to a value that is no number */
             snprintf(s->error + strlen(s->error), sizeof s->error - strlen(s->error),
                      " (or key '%s' holds a value that is not an integer)", name);
         return r;
@@ -4293,13 +4548,14 @@ static ddp_result ddp__tcp_compare_set(ddp_store *s, const char *key, const void
     double deadline = ddp__now() + s->timeout;
     ddp_result r;
     snprintf(doing, sizeof doing, "compare-setting key '%s'", ddp__store_key_text(key, strlen(key), name, sizeof name));
-    ddp__msg_begin(s, DDP__Q_COMPARE_SET);
+    ddp__msg_begin_announced(s, DDP__Q_COMPARE_SET);
     ddp__msg_key(s, key);
     ddp__msg_u64(s, expected_size);
     ddp__msg_put(s, expected, expected_size);
     ddp__msg_u64(s, desired_size);
     ddp__msg_put(s, desired, desired_size);
     if ((r = ddp__tcp_send(s, NULL, 0, deadline, s->timeout, doing)) != DDP_SUCCESS) return r;
+    if ((r = ddp__tcp_recv_status(s, deadline, s->timeout, doing)) != DDP_SUCCESS) return r;
     return ddp__tcp_recv_value(s, current, capacity, size, deadline, s->timeout, doing);
 }
 
@@ -4545,7 +4801,11 @@ static ddp_result ddp__file_add_locked(ddp_store *s, const char *key, int64_t de
     if (kv && ddp__store_parse_int(kv->value, kv->value_len, &old) != 0)
         return ddp__store_fail(s, DDP_ERR_STATE, "cannot add to key '%s' in %s: its value is not an integer",
                                ddp__store_key_text(key, strlen(key), name, sizeof name), s->where);
-    now = (int64_t)((uint64_t)old + (uint64_t)delta);
+    if (ddp__store_add_int(old, delta, &now) != 0)
+        return ddp__store_fail(s, DDP_ERR_INVALID_ARGUMENT, "cannot add %lld to key '%s' in %s: it holds %lld, and the "
+                                                            "sum would overflow int64 (the store does not wrap around)",
+                               (long long)delta, ddp__store_key_text(key, strlen(key), name, sizeof name), s->where,
+                               (long long)old);
     n = snprintf(text, sizeof text, "%lld", (long long)now);
     if (result) *result = now;
     return ddp__file_append(s, 'S', key, strlen(key), text, (size_t)n);

@@ -229,10 +229,10 @@ static void test_single_process(void) {
     CHECK(v == 13, "add to '12abc' gave %lld", (long long)v);
     CHECK_STORE(ddp_store_set(s, "nan", "abc", 3), s);
     r = ddp_store_add(s, "nan", 1, &v);
-    CHECK(r == DDP_ERR_PEER_LOST && contains(ddp_store_last_error(s), "not an integer"), "add to 'abc': %d %s", (int)r,
-          ddp_store_last_error(s));
+    CHECK(r == DDP_ERR_STATE && contains(ddp_store_last_error(s), "not an integer"), "add to 'abc': %d %s", (int)r,
+          ddp_store_last_error(s)); /* refused, not disconnected (torch's server drops the client) */
     CHECK_STORE(ddp_store_add(s, "cnt", 7, &v), s);
-    CHECK(v == 0, "add after reconnecting gave %lld", (long long)v);
+    CHECK(v == 0, "add after a refused add gave %lld", (long long)v);
 
     /* check, delete */
     CHECK_STORE(ddp_store_check(s, "cnt", &exists), s);
@@ -526,6 +526,241 @@ static void test_hostile(void) {
     ddp__store_server_stop(srv);
 }
 
+/* ---- the budget: shares, the reserve for small keys, refusals that leave the connection up ---- */
+
+#define BUDGET ((size_t)8 << 20) /* DDP_STORE_MAX_BYTES for this test: a share and the reserve are 1 MiB each */
+#define BIG ((size_t)200 << 10)  /* a value too large for the reserve (entries up to 64 KiB may use it) */
+
+static ddp_store *budget_client(int port) {
+    ddp_store *s = NULL;
+    char err[DDP__ERR_MAX];
+    CHECK(ddp__store_connect("127.0.0.1", port, NULL, 10, &s, err) == DDP_SUCCESS, "connect: %s", err);
+    return s;
+}
+
+/* Set BIG-byte values "tag/0", "tag/1", ... until the store refuses one; returns how many it took. The refusal
+   must be "store full" (not a lost connection), and the connection must still work after it. */
+static int fill_until_full(ddp_store *s, const char *tag, const unsigned char *val, const char *why) {
+    char key[64];
+    ddp_result r = DDP_SUCCESS;
+    int i, exists = 1;
+    for (i = 0; i < 64; i++) {
+        snprintf(key, sizeof key, "%s/%d", tag, i);
+        if ((r = ddp_store_set(s, key, val, BIG)) != DDP_SUCCESS) break;
+    }
+    CHECK(r == DDP_ERR_OUT_OF_MEMORY && contains(ddp_store_last_error(s), "is full") &&
+              contains(ddp_store_last_error(s), why) && contains(ddp_store_last_error(s), key),
+          "%s: set %d returned %d (%s): %s", tag, i, (int)r, ddp_result_string(r), ddp_store_last_error(s));
+    CHECK_STORE(ddp_store_check(s, key, &exists), s); /* the same connection, still in step */
+    CHECK(exists == 0, "%s: the refused key %s was stored", tag, key);
+    return i;
+}
+
+static void test_budget(void) {
+    ddp__store_server *srv;
+    ddp_store *a, *b, *c[12], *rank;
+    char err[DDP__ERR_MAX], budget[32], buf[64];
+    unsigned char *val = (unsigned char *)malloc(BIG), *got = (unsigned char *)malloc(BIG);
+    size_t size = 0, share = BUDGET / 8, entry_max = BIG + 64 + 128; /* value, key, at most 128 bytes of bookkeeping */
+    int port, i, n, stored = 0, by_budget = 0;
+    int64_t v = 0;
+    ddp_result r;
+    int exists = 1;
+
+    CHECK(val && got, "out of memory");
+    fill(val, BIG, 11);
+    snprintf(budget, sizeof budget, "%zu", BUDGET);
+    setenv("DDP_STORE_MAX_BYTES", budget, 1);
+    CHECK_OK(ddp__store_server_start("127.0.0.1", 0, DDP_LOG_ERROR, &srv, err), NULL);
+    unsetenv("DDP_STORE_MAX_BYTES");
+    port = ddp__store_server_port(srv);
+
+    /* one client fills its share (1 MiB: 5 values of 200 KiB and their keys): the 6th set is refused as
+       "store full", and the same connection still reads its keys and sets small ones */
+    a = budget_client(port);
+    n = fill_until_full(a, "a", val, "share");
+    fprintf(stderr, "a refusal as the client reports it: %s\n", ddp_store_last_error(a));
+    CHECK(n == (int)(share / (BIG + 64 + 128)) || n == (int)(share / BIG), "client a stored %d values of %zu bytes in "
+          "a share of %zu bytes", n, BIG, share);
+    CHECK_STORE(ddp_store_get(a, "a/0", got, BIG, &size), a);
+    CHECK(size == BIG && memcmp(got, val, BIG) == 0, "a/0 after the refusal");
+    CHECK_STORE(ddp_store_set(a, "a/small", "s", 1), a);
+    /* a second client is served as if nothing happened */
+    b = budget_client(port);
+    CHECK_STORE(ddp_store_set(b, "b/0", val, BIG), b);
+    CHECK_STORE(ddp_store_get(b, "b/0", got, BIG, &size), b);
+    CHECK(size == BIG && memcmp(got, val, BIG) == 0, "b/0");
+    /* deleting gives the share back, and so does another client overwriting one of a's keys */
+    CHECK_STORE(ddp_store_delete(a, "a/0", NULL), a);
+    CHECK_STORE(ddp_store_set(a, "a/again", val, BIG), a);
+    r = ddp_store_set(a, "a/over", val, BIG);
+    CHECK(r == DDP_ERR_OUT_OF_MEMORY, "a over its share again: %d %s", (int)r, ddp_store_last_error(a));
+    CHECK_STORE(ddp_store_set(b, "a/1", "b", 1), b);
+    CHECK_STORE(ddp_store_set(a, "a/over", val, BIG), a);
+
+    /* many clients of big values fill the store up to its budget less the reserve (7 MiB), never more */
+    for (i = 0; i < 12; i++) {
+        char tag[16];
+        snprintf(tag, sizeof tag, "c%d", i);
+        c[i] = budget_client(port);
+        CHECK_STORE(ddp_store_set(c[i], "small", "x", 1), c[i]); /* small keys fit all along */
+        n = fill_until_full(c[i], tag, val, "");
+        stored += n;
+        if (!contains(ddp_store_last_error(c[i]), "share")) by_budget++;
+        CHECK(n <= (int)(share / BIG), "client %s stored %d values", tag, n);
+    }
+    stored += (int)(share / BIG) + 1; /* a's five, less a/0 and a/1 (b made it 1 byte), plus a/again, a/over, b/0 */
+    CHECK(by_budget > 0, "no client was refused for the store's budget");
+    /* less than a value's room may be left, and the refused request's own input buffer counts too */
+    CHECK((size_t)stored * BIG <= BUDGET - BUDGET / 8 && (size_t)stored * entry_max > BUDGET - BUDGET / 8 - 3 * BIG,
+          "%d values of %zu bytes stored in a budget of %zu less its reserve", stored, BIG, BUDGET);
+    /* a rank (a fresh client) still meets the others: small keys and counters go into the reserve */
+    rank = budget_client(port);
+    r = ddp_store_set(rank, "rank/big", val, BIG);
+    CHECK(r == DDP_ERR_OUT_OF_MEMORY && contains(ddp_store_last_error(rank), "is full"), "big set into a full store: "
+          "%d %s", (int)r, ddp_store_last_error(rank));
+    CHECK_STORE(ddp_store_set(rank, "rank/addr", "127.0.0.1:29500", 15), rank);
+    CHECK_STORE(ddp_store_get(rank, "rank/addr", buf, sizeof buf, &size), rank);
+    CHECK(size == 15 && memcmp(buf, "127.0.0.1:29500", 15) == 0, "rank/addr");
+    CHECK_STORE(ddp_store_add(rank, "rank/count", 3, &v), rank);
+    CHECK(v == 3, "add in a full store gave %lld", (long long)v);
+
+    /* clients that leave keep their keys (as torch's store does), and those keys still count */
+    for (i = 0; i < 12; i++) ddp__store_free(c[i]);
+    CHECK_STORE(ddp_store_get(rank, "c0/0", got, BIG, &size), rank);
+    CHECK(size == BIG && memcmp(got, val, BIG) == 0, "c0/0 after its writer left");
+    r = ddp_store_set(rank, "rank/big", val, BIG);
+    CHECK(r == DDP_ERR_OUT_OF_MEMORY, "big set after the fillers left: %d %s", (int)r, ddp_store_last_error(rank));
+    for (i = 0; i < 12; i++) { /* deleting a leaver's keys makes room again */
+        char key[32];
+        snprintf(key, sizeof key, "c%d/0", i);
+        CHECK_STORE(ddp_store_delete(rank, key, NULL), rank);
+    }
+    CHECK_STORE(ddp_store_set(rank, "rank/big", val, BIG), rank);
+    CHECK_STORE(ddp_store_check(rank, "rank/big", &exists), rank);
+    CHECK(exists == 1, "rank/big");
+
+    /* a client that cannot hear a refusal (torch's, or an older ddp.h's) is disconnected instead, with the
+       writes before the refused one kept */
+    {
+        int fd = raw_connect(port);
+        char key[16];
+        msg m;
+        for (i = 0; i <= (int)(share / BIG); i++) {
+            snprintf(key, sizeof key, "raw/%d", i);
+            m.n = 0;
+            m_byte(&m, 0);
+            m_str(&m, key);
+            m_u64(&m, BIG);
+            raw_send(fd, m.b, m.n);
+            raw_send(fd, val, BIG);
+            if (i < (int)(share / BIG)) { /* one at a time: GETNUMKEYS answers once the SET is done */
+                int64_t keys = 0;
+                m.n = 0;
+                m_byte(&m, 6);
+                raw_send(fd, m.b, m.n);
+                raw_recv(fd, &keys, 8);
+            }
+        }
+        CHECK(raw_closed(fd), "the server kept a client that cannot hear a refusal, after refusing it");
+        close(fd);
+        CHECK_STORE(ddp_store_check(rank, "raw/0", &exists), rank);
+        CHECK(exists == 1, "raw/0 was not stored");
+        CHECK_STORE(ddp_store_check(rank, key, &exists), rank);
+        CHECK(exists == 0, "%s (over the raw client's share) was stored", key);
+    }
+    ddp__store_free(a);
+    ddp__store_free(b);
+    ddp__store_free(rank);
+    ddp__store_server_stop(srv);
+    free(val);
+    free(got);
+}
+
+/* ---- ADD refuses to overflow int64 (torch's wraps around) ---- */
+
+static void test_add_overflow(ddp_store *s, const char *kind) {
+    char buf[32];
+    size_t size = 0;
+    int64_t v = 0;
+    ddp_result r;
+    CHECK_STORE(ddp_store_add(s, "ovf/up", INT64_MAX - 1, &v), s);
+    CHECK_STORE(ddp_store_add(s, "ovf/up", 1, &v), s);
+    CHECK(v == INT64_MAX, "%s: add up to INT64_MAX gave %lld", kind, (long long)v);
+    r = ddp_store_add(s, "ovf/up", 1, &v);
+    CHECK(r == DDP_ERR_INVALID_ARGUMENT && contains(ddp_store_last_error(s), "overflow") &&
+              contains(ddp_store_last_error(s), "9223372036854775807"),
+          "%s: add past INT64_MAX returned %d: %s", kind, (int)r, ddp_store_last_error(s));
+    CHECK_STORE(ddp_store_get(s, "ovf/up", buf, sizeof buf, &size), s);
+    CHECK(size == 19 && memcmp(buf, "9223372036854775807", 19) == 0, "%s: after a refused add the value is '%.*s'",
+          kind, (int)size, buf);
+    CHECK_STORE(ddp_store_add(s, "ovf/down", INT64_MIN, &v), s);
+    r = ddp_store_add(s, "ovf/down", -1, &v);
+    CHECK(r == DDP_ERR_INVALID_ARGUMENT && contains(ddp_store_last_error(s), "overflow"), "%s: add below INT64_MIN "
+          "returned %d: %s", kind, (int)r, ddp_store_last_error(s));
+    CHECK_STORE(ddp_store_add(s, "ovf/down", 5, &v), s); /* the same connection goes on */
+    CHECK(v == INT64_MIN + 5, "%s: add after a refused one gave %lld", kind, (long long)v);
+}
+
+/* The status byte on the wire, spoken by hand: CHECK of the announcing key, then the request. */
+static void test_status_wire(void) {
+    ddp__store_server *srv;
+    char err[DDP__ERR_MAX], why[512];
+    ddp_store *s;
+    unsigned char b = 0xEE;
+    int32_t code = 0;
+    uint64_t len = 0;
+    int64_t v = 0;
+    int fd, port;
+    msg m;
+    CHECK_OK(ddp__store_server_start("127.0.0.1", 0, DDP_LOG_ERROR, &srv, err), NULL);
+    port = ddp__store_server_port(srv);
+    fd = raw_connect(port);
+    m.n = 0;
+    m_byte(&m, 4); /* CHECK, 1 key: "\0ddp.h/status" */
+    m_u64(&m, 1);
+    m_u64(&m, 13);
+    memcpy(m.b + m.n, "\0ddp.h/status", 13);
+    m.n += 13;
+    m_byte(&m, 0); /* SET n = 9223372036854775807 */
+    m_str(&m, "n");
+    m_str(&m, "9223372036854775807");
+    raw_send(fd, m.b, m.n);
+    raw_recv(fd, &b, 1);
+    CHECK(b == 0, "announced SET: status %u", b);
+    m.n -= 1 + 8 + 1 + 8 + 19; /* keep the CHECK: now an ADD of 1 */
+    m_byte(&m, 3);
+    m_str(&m, "n");
+    m_u64(&m, 1);
+    raw_send(fd, m.b, m.n);
+    raw_recv(fd, &b, 1);
+    raw_recv(fd, &code, 4);
+    raw_recv(fd, &len, 8);
+    CHECK(b == 2 && code == DDP_ERR_INVALID_ARGUMENT && len > 0 && len < sizeof why, "refused ADD: status %u code %d "
+          "length %llu", b, (int)code, (unsigned long long)len);
+    raw_recv(fd, why, (size_t)len);
+    why[len] = '\0';
+    CHECK(contains(why, "overflow int64"), "refusal text: %s", why);
+    m.n = 0; /* the connection is in step: an unannounced ADD gets its plain answer */
+    m_byte(&m, 3);
+    m_str(&m, "m");
+    m_u64(&m, 4);
+    raw_send(fd, m.b, m.n);
+    raw_recv(fd, &v, 8);
+    CHECK(v == 4, "ADD after a refusal answered %lld", (long long)v);
+    m.n = 0; /* an unannounced ADD that overflows: disconnected, as torch's client cannot hear a refusal */
+    m_byte(&m, 3);
+    m_str(&m, "n");
+    m_u64(&m, 1);
+    raw_send(fd, m.b, m.n);
+    CHECK(raw_closed(fd), "the server kept a client whose unannounced ADD overflowed");
+    close(fd);
+    s = budget_client(port);
+    test_add_overflow(s, "tcp store");
+    ddp__store_free(s);
+    ddp__store_server_stop(srv);
+}
+
 /* ---- connecting and serving errors ---- */
 
 static void test_errors(void) {
@@ -723,6 +958,7 @@ static void test_file_store_errors(const char *dir) {
     snprintf(path, sizeof path, "%s/single", dir);
     CHECK(ddp__store_open_file(path, 1, &s, err) == DDP_SUCCESS, "%s", err);
     CHECK_STORE(ddp_store_set(s, "k", "v", 1), s);
+    test_add_overflow(s, "file store");
     ddp__store_free(s);
     CHECK(access(path, F_OK) != 0, "%s still exists after its only user closed it", path);
 }
@@ -739,6 +975,10 @@ int main(void) {
     fprintf(stderr, "hostile clients: ok\n");
     test_errors();
     fprintf(stderr, "errors: ok\n");
+    test_budget();
+    fprintf(stderr, "budget and shares: ok\n");
+    test_status_wire();
+    fprintf(stderr, "refusals on the wire, ADD overflow: ok\n");
     for (n = 1; n <= 4; n += 3) {
         CHECK(tl_run_ranks(n, tcp_rank, NULL, 60) == 0, "tcp store with %d processes failed", n);
         fprintf(stderr, "tcp store, %d processes: ok\n", n);

@@ -41,6 +41,7 @@ int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size) {
     if (!s) abort();
     s->listen_fd = s->pipe_rd = s->pipe_wr = -1;
     s->log_level = DDP_LOG_NONE;
+    ddp__srv_set_budget(s, DDP__STORE_MIN_HELD); /* small, so that refusals are reached too */
     s->cap_conns = 2;
     s->conns = (ddp__store_conn **)DDP_MALLOC(2 * sizeof *s->conns);
     if (!s->conns) abort();
@@ -51,7 +52,8 @@ int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size) {
         size_t n = DDP__MIN((size_t)(ctl >> 1) + 1, size - at);
         deliver(s, c[ctl & 1], data + at, n);
         at += n;
-        if (s->kv.bytes + s->buffers > DDP__STORE_MAX_HELD) abort();
+        if (s->kv.bytes + s->buffers > s->max_held) abort();
+        if (c[0]->held + c[1]->held > s->kv.bytes || c[0]->held > s->share || c[1]->held > s->share) abort();
     }
     ddp__store_server_close(s); /* closes fd -1: EBADF, harmless */
     return 0;
