@@ -571,7 +571,7 @@ static int ddp__srv_room(ddp__store_server *s, ddp__store_conn *c, const ddp__kv
     size_t mine = c->held - (old && old->owner == c ? before : 0) + after;
     size_t total = s->kv.bytes + s->buffers, total_after = total - before + after;
     size_t limit = after <= DDP__STORE_SMALL_ENTRY ? s->max_held : s->max_held - s->reserve;
-    char name[64], a[32], b[32], d[32];
+    char name[64], a[32], b[32], d[32], e[32];
     ddp__store_key_text(key, klen, name, sizeof name);
     ddp__srv_bytes_text(after, a, sizeof a);
     if (mine > s->share && mine > c->held) {
@@ -579,7 +579,7 @@ static int ddp__srv_room(ddp__store_server *s, ddp__store_conn *c, const ddp__kv
                                                      "would take it over its share, %s, an eighth of the store's "
                                                      "budget of %s",
                         ddp__srv_bytes_text(c->held, b, sizeof b), name, a,
-                        ddp__srv_bytes_text(s->share, d, sizeof d), ddp__srv_bytes_text(s->max_held, b, sizeof b));
+                        ddp__srv_bytes_text(s->share, d, sizeof d), ddp__srv_bytes_text(s->max_held, e, sizeof e));
         return -1;
     }
     if (total_after > limit && total_after > total) {

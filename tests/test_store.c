@@ -580,6 +580,8 @@ static void test_budget(void) {
     a = budget_client(port);
     n = fill_until_full(a, "a", val, "share");
     fprintf(stderr, "a refusal as the client reports it: %s\n", ddp_store_last_error(a));
+    CHECK(contains(ddp_store_last_error(a), "share, 1.0 MiB") && contains(ddp_store_last_error(a), "budget of 8.0 MiB"),
+          "the refusal does not give the share and the budget: %s", ddp_store_last_error(a));
     CHECK(n == (int)(share / (BIG + 64 + 128)) || n == (int)(share / BIG), "client a stored %d values of %zu bytes in "
           "a share of %zu bytes", n, BIG, share);
     CHECK_STORE(ddp_store_get(a, "a/0", got, BIG, &size), a);
