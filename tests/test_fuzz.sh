@@ -49,10 +49,14 @@ seeds_store() { # one piece per request, on connection 0 (control byte: length-1
 import sys, os, struct
 d = sys.argv[1]
 s = lambda b: struct.pack("<Q", len(b)) + b
+announce = b"\x04" + struct.pack("<Q", 1) + s(b"\0ddp.h/status")
 reqs = {
   "set_get": [b"\x00" + s(b"/k") + s(b"v1"), b"\x05" + struct.pack("<Q", 1) + s(b"/k"), b"\x02" + s(b"/k")],
   "add_check": [b"\x03" + s(b"/n") + struct.pack("<q", 5), b"\x04" + struct.pack("<Q", 2) + s(b"/n") + s(b"/m"), b"\x06"],
   "compare_set_delete": [b"\x01" + s(b"/c") + s(b"") + s(b"x"), b"\x08" + s(b"/c"), b"\x07" + s(b"/w")],
+  # a request announced by CHECK of "\0ddp.h/status" (answered with a status byte), and a refused ADD
+  "announced": [announce + b"\x00" + s(b"/n") + s(b"9223372036854775807"), announce + b"\x03" + s(b"/n") + struct.pack("<q", 1),
+                announce + b"\x00" + s(b"/big") + s(b"x" * 1500), announce + b"\x00" + s(b"/big2") + s(b"y" * 1500)],
 }
 for name, pieces in reqs.items():
     out = b""

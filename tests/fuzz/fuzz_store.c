@@ -41,7 +41,7 @@ int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size) {
     if (!s) abort();
     s->listen_fd = s->pipe_rd = s->pipe_wr = -1;
     s->log_level = DDP_LOG_NONE;
-    ddp__srv_set_budget(s, DDP__STORE_MIN_HELD); /* small, so that refusals are reached too */
+    ddp__srv_set_budget(s, (size_t)16 << 10); /* small (a share is 2 KiB), so that refusals are reached too */
     s->cap_conns = 2;
     s->conns = (ddp__store_conn **)DDP_MALLOC(2 * sizeof *s->conns);
     if (!s->conns) abort();
