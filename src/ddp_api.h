@@ -235,7 +235,9 @@ DDP_API void ddp_free(ddp_group *g, void *p);
    Every failure leaves a message in ddp_store_last_error(s) naming the store, the key and what to do;
    DDP_ERR_TIMEOUT when the store did not answer or a key did not appear in time, DDP_ERR_PEER_LOST when
    the connection to the store dropped (the next call reconnects), DDP_ERR_INVALID_ARGUMENT for bad
-   arguments. Thread safety: one thread at a time per store. */
+   arguments, DDP_ERR_OUT_OF_MEMORY "the store at H:P is full (...)" when ddp.h's store server refuses a
+   write past this client's share or its budget (DDP_STORE_MAX_BYTES; the connection stays usable).
+   Thread safety: one thread at a time per store. */
 DDP_API ddp_store *ddp_group_store(ddp_group *g);
 /* Sets key to the size bytes at value (replacing any value; size 0 is allowed, value may then be NULL). */
 DDP_API ddp_result ddp_store_set(ddp_store *s, const char *key, const void *value, size_t size);
@@ -244,7 +246,9 @@ DDP_API ddp_result ddp_store_set(ddp_store *s, const char *key, const void *valu
 DDP_API ddp_result ddp_store_get(ddp_store *s, const char *key, void *value, size_t capacity, size_t *size);
 /* Adds delta to the integer stored at key (created as 0) and returns the new value in *result (when
    result is not NULL). Atomic across all clients. The value is kept as decimal text, as torch keeps it,
-   so ddp_store_get on the key returns e.g. "42"; adding to a value that is not a number fails. */
+   so ddp_store_get on the key returns e.g. "42"; adding to a value that is not a number fails
+   (DDP_ERR_STATE), and so does a sum that would overflow int64 (DDP_ERR_INVALID_ARGUMENT: the value stays
+   as it was; torch's store wraps around). */
 DDP_API ddp_result ddp_store_add(ddp_store *s, const char *key, int64_t delta, int64_t *result);
 /* *exists = 1 when key exists now, else 0. Does not wait. */
 DDP_API ddp_result ddp_store_check(ddp_store *s, const char *key, int *exists);

@@ -52,7 +52,9 @@
    no integer (DDP_ERR_STATE) or whose sum does not fit in int64 (DDP_ERR_INVALID_ARGUMENT; torch's
    std::stoll + int64 addition overflows, in practice wrapping around: ddp.h never wraps).
 
-   Client: blocking calls on one connection, each bounded by the store's timeout. A call that fails midway
+   Client: blocking calls on one connection, each bounded by the store's timeout. SET, ADD and COMPARE_SET
+   are announced (see "Refusals"), so a set waits for its status byte: one round trip (~30 us on one host;
+   torch's set does not wait), and a refused write fails the call that made it. A call that fails midway
    (timeout, lost connection) leaves the stream in an unknown state, so the connection is closed and the next
    call connects again.
 
