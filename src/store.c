@@ -44,8 +44,8 @@
    says so before a request by sending CHECK of the single key DDP__STORE_ANNOUNCE ("\0ddp.h/status": no
    C-string key can equal it). ddp.h's server then answers that request with a status byte first, in place
    of the CHECK's answer: DDP__STATUS_DONE (0) and the request's usual answer, or DDP__STATUS_REFUSED (2), an
-   int32 ddp_result, a string saying why, and nothing else (the request changed nothing; the connection stays
-   in step). A torch server answers the CHECK itself (0 or 1) and then the request, so the client reads one
+   int32 ddp_result, a string saying why, and nothing else (the refused write changed nothing, though a
+   MULTI_SET keeps the keys before it; the connection stays in step). A torch server answers the CHECK itself (0 or 1) and then the request, so the client reads one
    byte either way. A client that did not announce (torch's) has no way to hear a refusal: it is
    disconnected instead, with the reason in the server's log, which it sees as a closed connection.
    Refused: a write over a share or the budget ("full", DDP_ERR_OUT_OF_MEMORY), an ADD to a value that is
