@@ -166,7 +166,9 @@ static ddp_result ddp__collective_on(ddp_group *g, const ddp__backend *b, const 
 }
 
 static ddp_result ddp__collective(ddp_group *g, const ddp__call *k) {
-    return ddp__collective_on(g, g ? g->backend : NULL, k);
+    ddp_result r = ddp__group_check(g, ddp__coll_name(k->kind)); /* before g->backend is read */
+    if (r) return r;
+    return ddp__collective_on(g, g->backend, k);
 }
 
 /* ---- work handles ----
