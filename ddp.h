@@ -13144,6 +13144,12 @@ static ddp_result ddp__ck_write_file(ddp_group *g, const char *path, const ddp_t
    anywhere (rank 0 could not write, rank 3 could not read) is an error everywhere, carrying the
    failing rank's message; nobody is left waiting in a later collective. */
 
+/* This rank's own failure, worded as the other ranks word it ("checkpoint save failed on rank 0: ..."),
+   so that every rank's message names the operation and the rank that failed. */
+static ddp_result ddp__ck_failed_here(ddp_group *g, ddp_result mine, const char *what, const char *own) {
+    return ddp__fail(g, mine, "%s failed on rank %d: %.900s", what, ddp_rank(g), own);
+}
+
 static ddp_result ddp__ck_agree(ddp_group *g, ddp_result mine, const char *what) {
     int32_t code = (int32_t)mine, *codes;
     char *msgs, own[DDP__ERR_MAX];
@@ -13161,11 +13167,11 @@ static ddp_result ddp__ck_agree(ddp_group *g, ddp_result mine, const char *what)
     if (r != DDP_SUCCESS || bad < 0) {
         ddp__free(codes);
         /* this rank's own failure says more than a collective that broke after it */
-        return (r != DDP_SUCCESS && mine != DDP_SUCCESS) ? ddp__fail(g, mine, "%s", own) : r;
+        return (r != DDP_SUCCESS && mine != DDP_SUCCESS) ? ddp__ck_failed_here(g, mine, what, own) : r;
     }
     msgs = (char *)ddp__calloc((size_t)w, DDP__ERR_MAX);
     r = msgs ? ddp_all_gather(g, own, msgs, DDP__ERR_MAX, DDP_U8) : DDP_ERR_OUT_OF_MEMORY;
-    if (mine != DDP_SUCCESS) r = ddp__fail(g, mine, "%s", own);
+    if (mine != DDP_SUCCESS) r = ddp__ck_failed_here(g, mine, what, own);
     else if (r == DDP_SUCCESS) {
         msgs[(size_t)bad * DDP__ERR_MAX + DDP__ERR_MAX - 1] = '\0';
         r = ddp__fail(g, (ddp_result)codes[bad], "%s failed on rank %d: %s", what, bad, msgs + (size_t)bad * DDP__ERR_MAX);
