@@ -38,6 +38,7 @@ PRIVATE = [
 IMPLEMENTATION = [
     "src/internal.h",       # includes, allocator hooks, private types shared by the pieces
     "src/util.c",           # [SECTION] util: errors, logging, environment parsing, time
+    "src/registry.c",       # [SECTION] registry: live groups and work handles (no use after free)
     "src/dtype.c",          # [SECTION] dtype: sizes, f16/bf16 conversion, element-wise reduction
     "src/net.c",            # [SECTION] net: sockets with deadlines
     "src/auth.c",           # [SECTION] auth: DDP_AUTH_TOKEN, HMAC-SHA256 challenge on every connection

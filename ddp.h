@@ -55,7 +55,8 @@
        DDP_BACKEND       auto | cpu (default), mpi (built with -DDDP_MPI), nccl (built with -DDDP_CUDA)
        DDP_TIMEOUT       seconds before a blocked operation fails (default 300)
        DDP_LOG_LEVEL     none | error | warn | info | debug   (default warn)
-       DDP_TRANSPORT     cpu backend transport: auto (shared memory within a host, TCP between) | tcp
+       DDP_TRANSPORT     cpu backend transport: auto (shared memory within a host, TCP between) | tcp;
+                         tcp on any rank keeps the whole group on TCP
        DDP_STORE_PROTOCOL  auto (default: found out on connecting) | 1.13 | 2: the TCPStore protocol the
                          store client speaks, torch 1.13's or torch 2.x's (the server serves both)
        DDP_STORE_MAX_BYTES  the budget of the store rank 0 serves: stored keys and values plus buffers
@@ -100,6 +101,7 @@
    [SECTION] cuda-glue: the nccl backend's communicator, implemented in ddp_cuda.cu (with DDP_CUDA) src/cuda_glue.h
    [SECTION] internal: includes, allocator hooks, private helpers and types shared by the pieces src/internal.h
    [SECTION] util: errors, logging, environment parsing, time, memory   src/util.c
+   [SECTION] registry: which groups and work handles are alive, so that a call on a destroyed group or src/registry.c
    [SECTION] dtype: sizes and names, f16/bf16 conversion, element-wise reduction src/dtype.c
    [SECTION] net: TCP sockets with deadlines                            src/net.c
    [SECTION] auth: DDP_AUTH_TOKEN, a shared secret that every connection proves (HMAC-SHA256) src/auth.c
@@ -220,6 +222,8 @@ typedef struct ddp_store ddp_store; /* the rendezvous key-value store (PyTorch's
      4. MPICH / Hydra:      PMI_RANK, PMI_SIZE (MPI_LOCALRANKID)
      5. SLURM (srun):       SLURM_PROCID, SLURM_NTASKS (SLURM_LOCALID)
      6. nothing set:        a single process, rank 0 of world size 1
+   The local rank and size (in parentheses) must satisfy 0 <= local rank < local size <= world size;
+   torchrun's LOCAL_RANK and LOCAL_WORLD_SIZE come both or neither. Otherwise DDP_ERR_INIT names them.
    The master (rank 0's store) is init_method "tcp://host:port", else the descriptor's
    master_addr/master_port, else MASTER_ADDR/MASTER_PORT, else (under mpirun/srun on one host)
    127.0.0.1 with a port derived from the job id. Under SLURM, MASTER_ADDR defaults to the first host of
@@ -246,8 +250,13 @@ typedef struct ddp_init_desc {
 DDP_API ddp_result ddp_init(const ddp_init_desc *desc, ddp_group **out);
 
 /* ddp_destroy: finish outstanding async work, say goodbye to the peers, free the group.
-   Collective on the group (all ranks call it). Subgroups made from g must be destroyed first.
-   Returns the first error met while finishing, but always frees. NULL is a no-op. */
+   Collective on the group (all ranks call it). Subgroups made from g that are still alive are
+   destroyed first (as torch's destroy_process_group()), in the order they were made; their pointers
+   are dead afterwards. Work handles of g not yet waited on are released (ddp_wait on one then fails).
+   Returns the first error met while finishing, but always frees. NULL is a no-op.
+   Any call on a destroyed group (ddp_destroy again included) returns DDP_ERR_STATE saying so and
+   touches no freed memory; the getters below answer as for NULL, and ddp_last_error(g) gives this
+   thread's last error. */
 DDP_API ddp_result ddp_destroy(ddp_group *g);
 
 /* ddp_new_group: a subgroup of g with the listed ranks of g (like torch.distributed.new_group).
@@ -283,7 +292,9 @@ DDP_API uint16_t ddp_f32_to_bf16(float f);
    op and root. A difference is DDP_ERR_MISMATCH on every rank, naming both sides. A peer that dies is
    DDP_ERR_PEER_LOST (naming it) on every rank; a peer that stops answering is DDP_ERR_TIMEOUT.
    After such an error the group is broken: later calls return DDP_ERR_STATE; destroy it.
-   count is in elements; count 0 is allowed and still synchronises. In-place: pass the same pointer
+   count is in elements; count 0 is allowed and still synchronises. A count whose largest buffer (count
+   x element size, x world size for all_gather / reduce_scatter) would reach 2^47 bytes (128 TiB) is
+   DDP_ERR_INVALID_ARGUMENT, naming the count and the limit. In-place: pass the same pointer
    (all_gather / reduce_scatter: send may alias this rank's slice of recv, or recv itself).
    Thread safety: a group's collectives must be issued from one thread at a time, in one order. */
 
@@ -317,9 +328,12 @@ DDP_API ddp_result ddp_reduce_scatter_async(ddp_group *g, const void *send, void
                                             ddp_dtype t, ddp_op op, ddp_work **w);
 DDP_API ddp_result ddp_barrier_async(ddp_group *g, ddp_work **w);
 /* Block until w is complete; return its result and release w (its message is then in
-   ddp_last_error(group)). Call exactly once per handle. */
+   ddp_last_error(group)). Call exactly once per handle: a handle already waited on, or released by
+   ddp_destroy of its group, is DDP_ERR_INVALID_ARGUMENT without being touched (recognised as long as
+   the allocator has not given its address to a newer handle). */
 DDP_API ddp_result ddp_wait(ddp_work *w);
-/* Nonzero when w is complete (ddp_wait will not block). Does not release w. */
+/* Nonzero when w is complete (ddp_wait will not block); also nonzero for a spent handle, which
+   ddp_wait fails at once (the reason is in ddp_last_error(NULL)). Does not release w. */
 DDP_API int ddp_test(ddp_work *w);
 
 /* ddp_set_stream: the CUDA stream (a cudaStream_t) that the nccl backend queues g's collectives on
@@ -369,6 +383,10 @@ DDP_API void ddp_free(ddp_group *g, void *p);
    arguments, DDP_ERR_OUT_OF_MEMORY "the store at H:P is full (...)" when ddp.h's store server refuses a
    write past this client's share or its budget (DDP_STORE_MAX_BYTES; the connection stays usable).
    Thread safety: one thread at a time per store. */
+/* ddp_group_store: g's store (subgroups share their parent's). A single process started without a
+   master (no store to rendezvous through) gets a private store on 127.0.0.1 at the first call, so code
+   written for many ranks runs on one. NULL when g is NULL or destroyed, or that store cannot start
+   (ddp_last_error says why). */
 DDP_API ddp_store *ddp_group_store(ddp_group *g);
 /* Sets key to the size bytes at value (replacing any value; size 0 is allowed, value may then be NULL). */
 DDP_API ddp_result ddp_store_set(ddp_store *s, const char *key, const void *value, size_t size);
@@ -532,7 +550,8 @@ DDP_API ddp_result ddp_reducer_create(ddp_group *g, const ddp_reducer_desc *d, d
    Parameters: name (copied; e.g. "fc1.weight"), param (count values of dtype t, overwritten with rank 0's
    at finalize), grad (the gradient buffer, count values of t; must be NULL with gradient_as_bucket_view,
    where the reducer provides it), t (DDP_F32, DDP_F64, DDP_F16 or DDP_BF16), index (receives the
-   parameter's index: 0, 1, ... in registration order; may be NULL).
+   parameter's index: 0, 1, ... in registration order; may be NULL). Names are unique among the
+   reducer's parameters and buffers: a name registered already is DDP_ERR_INVALID_ARGUMENT naming it.
    Return: DDP_SUCCESS; DDP_ERR_INVALID_ARGUMENT (names the problem); DDP_ERR_STATE after finalize. */
 DDP_API ddp_result ddp_reducer_add_param(ddp_reducer *r, const char *name, void *param, void *grad, size_t count,
                                          ddp_dtype t, int *index);
@@ -1623,6 +1642,17 @@ static DDP__UNUSED uint64_t ddp__hash(const char *s); /* FNV-1a of a string */
    ddp_result's errors, else fallback -- a corrupt or hostile 0 must never read as success. */
 static DDP__UNUSED ddp_result ddp__peer_code(long code, ddp_result fallback);
 
+/* ---- registry.c: the live groups and work handles (a call on a freed one is an error, not a crash) ---- */
+#define DDP__LIVE_GROUP 1
+#define DDP__LIVE_WORK 2
+static DDP__UNUSED int ddp__live_add(const void *p, int kind); /* 0 when out of memory */
+static DDP__UNUSED int ddp__live_has(const void *p, int kind);
+static DDP__UNUSED int ddp__live_take(const void *p, int kind); /* remove; 1 when it was there */
+static DDP__UNUSED void ddp__live_remove(const void *p, int kind);
+/* DDP_SUCCESS when g is a live group; else fails (this thread's error) naming fn: a NULL group is
+   DDP_ERR_INVALID_ARGUMENT, a destroyed (or never made) one DDP_ERR_STATE. */
+static DDP__UNUSED ddp_result ddp__group_check(const ddp_group *g, const char *fn);
+
 /* ---- dtype.c ---- */
 static DDP__UNUSED int ddp__dtype_valid(ddp_dtype t);
 static DDP__UNUSED int ddp__op_valid(ddp_op op);
@@ -1780,8 +1810,9 @@ typedef struct ddp__membership {
     struct ddp__store_server *store_server; /* rank 0 of the world group serves the store */
     char address[128];       /* this host's address that peers connect to */
     char prefix[96];         /* this group's store keys start with it */
-    ddp_group *parent;       /* NULL for the world group */
-    int live_subgroups;      /* subgroups not yet destroyed */
+    ddp_group *parent;       /* NULL for the world group (and hier.c's stage groups) */
+    ddp_group *subgroups;    /* ddp_new_group's subgroups not yet destroyed, in the order made */
+    ddp_group *next_sibling; /* the next of the parent's subgroups */
     uint64_t subgroups_made; /* names the next subgroup's key prefix */
 } ddp__membership;
 
@@ -1790,6 +1821,7 @@ typedef struct ddp__async {
     pthread_mutex_t mu;
     pthread_cond_t cv;
     ddp_work *head, *tail;
+    ddp_work *issued; /* every handle returned and not yet waited on (freed with the group) */
     int running, stop;
     pthread_t thread;
 } ddp__async;
@@ -1867,6 +1899,7 @@ struct ddp_work {
     int done;
     char error[DDP__ERR_MAX];
     ddp_work *next;
+    ddp_work *issued_prev, *issued_next; /* on g->async.issued until ddp_wait takes it (collectives.c) */
     const ddp__backend *owner; /* the backend that took it (enqueue), which waits for it; NULL: the progress thread */
     void *handle;              /* the owner's: nccl's CUDA event */
 };
@@ -1919,6 +1952,11 @@ static DDP__UNUSED void ddp__fingerprint(ddp_group *g, const ddp__call *k, ddp__
 static DDP__UNUSED const char *ddp__broken_message(const ddp_group *g, const ddp__call *k, char *out);
 static DDP__UNUSED void ddp__drain(ddp_group *g);         /* wait until no async work is queued */
 static DDP__UNUSED void ddp__progress_stop(ddp_group *g); /* finish queued work, stop the thread */
+static DDP__UNUSED void ddp__work_release_all(ddp_group *g); /* the group ends: free the handles not waited on */
+/* The most bytes a collective's largest buffer may span (count x element size, x world size for
+   all_gather / reduce_scatter): more than any process can map, so sizes computed from a valid count
+   never overflow. */
+#define DDP__MAX_BUFFER_BYTES ((uint64_t)1 << 47)
 /* A failure outside any collective that leaves the ranks unable to agree (the reducer's missing
    gradient): finish queued work, then break the group so every rank fails with msg. */
 static DDP__UNUSED ddp_result ddp__group_abort(ddp_group *g, ddp_result code, const char *msg);
@@ -1976,6 +2014,8 @@ static DDP__UNUSED ddp_result ddp__nccl_attach(ddp_group *g, const struct ddp__n
 /* ---- group.c ---- */
 static DDP__UNUSED ddp_group *ddp__group_alloc(int rank, int world_size);
 static DDP__UNUSED void ddp__group_free(ddp_group *g); /* connections closed without goodbye */
+static DDP__UNUSED void ddp__subgroup_link(ddp_group *parent, ddp_group *sub);
+static DDP__UNUSED void ddp__subgroup_unlink(ddp_group *parent, ddp_group *sub);
 /* Make and connect the group of the parent's ranks `ranks` (see group.c); hier.c's stages use it too. */
 static DDP__UNUSED ddp_result ddp__subgroup_open(ddp_group *g, const int *ranks, int n, int me, const char *name,
                                                  struct ddp__mpi *comm, const char *what, ddp_group **out);
@@ -2162,7 +2202,8 @@ static void ddp__log(const ddp_group *g, ddp_log_level level, const char *fmt, .
 
 static char *ddp__error_buffer(ddp_group *g) { return g ? g->error : ddp__thread_error; }
 
-DDP_API const char *ddp_last_error(const ddp_group *g) { return g ? g->error : ddp__thread_error; }
+/* A destroyed group's message went with it: this thread's last error then (registry.c knows which are live). */
+DDP_API const char *ddp_last_error(const ddp_group *g) { return g && ddp__live_has(g, DDP__LIVE_GROUP) ? g->error : ddp__thread_error; }
 
 /* ---- environment ---- */
 
@@ -2238,6 +2279,123 @@ static ddp_result ddp__peer_code(long code, ddp_result fallback) {
     return code <= DDP_ERR_INVALID_ARGUMENT && code >= DDP_ERR_WORKER_FAILED ? (ddp_result)code : fallback;
 }
 /* ==================== end src/util.c ==================== */
+
+/* ==================== begin src/registry.c ==================== */
+/* [SECTION] registry: which groups and work handles are alive, so that a call on a destroyed group or
+   a spent ddp_work is an error instead of a use after free
+
+   A freed object cannot be inspected (its memory may be reused, and AddressSanitizer rightly flags the
+   read), so liveness is never asked of the object itself: one process-wide set holds the address of
+   every live group (from ddp__group_alloc to ddp__group_free) and of every work handle not yet waited
+   on (from its async call to ddp_wait, or to its group's end). A public entry point looks the pointer
+   up before it dereferences it.
+
+   The set is an open-addressing hash table (linear probing, deletion by backward shift, so no
+   tombstones), resized to keep it at most half full, under one mutex. Each entry carries its kind, so a
+   group's address never passes for a work handle. The table is freed when it empties, so a program that
+   destroys everything leaves nothing behind. Limitation: once the allocator reuses a freed handle's
+   address for a newer handle, the old pointer reads as that newer handle; a spent handle is recognized
+   until then (always, in the common case of waiting twice in a row). */
+
+typedef struct ddp__live_entry {
+    const void *p; /* NULL: empty slot */
+    int kind;
+} ddp__live_entry;
+
+static pthread_mutex_t ddp__live_mu = PTHREAD_MUTEX_INITIALIZER;
+static ddp__live_entry *ddp__live_table;
+static size_t ddp__live_cap, ddp__live_n; /* cap: a power of two, or 0 */
+
+static size_t ddp__live_slot(const void *p, size_t cap) {
+    uint64_t h = (uint64_t)(uintptr_t)p * 0x9E3779B97F4A7C15ull;
+    return (size_t)(h >> 32) & (cap - 1);
+}
+
+/* The slot holding p, or the empty slot where it would go. Needs cap > n. */
+static size_t ddp__live_find(const void *p) {
+    size_t i = ddp__live_slot(p, ddp__live_cap);
+    while (ddp__live_table[i].p && ddp__live_table[i].p != p) i = (i + 1) & (ddp__live_cap - 1);
+    return i;
+}
+
+static int ddp__live_grow(void) {
+    size_t cap = ddp__live_cap ? ddp__live_cap * 2 : 64, i;
+    ddp__live_entry *old = ddp__live_table, *t = (ddp__live_entry *)ddp__calloc(cap, sizeof *t);
+    size_t old_cap = ddp__live_cap;
+    if (!t) return 0;
+    ddp__live_table = t;
+    ddp__live_cap = cap;
+    for (i = 0; i < old_cap; i++)
+        if (old[i].p) ddp__live_table[ddp__live_find(old[i].p)] = old[i];
+    ddp__free(old);
+    return 1;
+}
+
+static int ddp__live_add(const void *p, int kind) {
+    int ok = 1;
+    pthread_mutex_lock(&ddp__live_mu);
+    if (2 * (ddp__live_n + 1) > ddp__live_cap) ok = ddp__live_grow();
+    if (ok) {
+        size_t i = ddp__live_find(p);
+        if (!ddp__live_table[i].p) ddp__live_n++;
+        ddp__live_table[i].p = p;
+        ddp__live_table[i].kind = kind;
+    }
+    pthread_mutex_unlock(&ddp__live_mu);
+    return ok;
+}
+
+/* Remove slot i, shifting later entries of its probe run back so every lookup still finds them. */
+static void ddp__live_erase(size_t i) {
+    size_t j = i, mask = ddp__live_cap - 1;
+    ddp__live_table[i].p = NULL;
+    for (;;) {
+        size_t home;
+        j = (j + 1) & mask;
+        if (!ddp__live_table[j].p) break;
+        home = ddp__live_slot(ddp__live_table[j].p, ddp__live_cap);
+        /* move j back to i when i lies cyclically in [home, j) */
+        if (((j - home) & mask) >= ((j - i) & mask)) {
+            ddp__live_table[i] = ddp__live_table[j];
+            ddp__live_table[j].p = NULL;
+            i = j;
+        }
+    }
+    if (--ddp__live_n == 0) {
+        ddp__free(ddp__live_table);
+        ddp__live_table = NULL;
+        ddp__live_cap = 0;
+    }
+}
+
+/* 1 when p is live as kind; with take, it is removed as well (so two callers cannot both take it). */
+static int ddp__live_check(const void *p, int kind, int take) {
+    int found = 0;
+    if (!p) return 0;
+    pthread_mutex_lock(&ddp__live_mu);
+    if (ddp__live_cap) {
+        size_t i = ddp__live_find(p);
+        found = ddp__live_table[i].p == p && ddp__live_table[i].kind == kind;
+        if (found && take) ddp__live_erase(i);
+    }
+    pthread_mutex_unlock(&ddp__live_mu);
+    return found;
+}
+
+static int ddp__live_has(const void *p, int kind) { return ddp__live_check(p, kind, 0); }
+static int ddp__live_take(const void *p, int kind) { return ddp__live_check(p, kind, 1); }
+static void ddp__live_remove(const void *p, int kind) { (void)ddp__live_check(p, kind, 1); }
+
+/* The check at the top of every public entry point that takes a group. */
+static ddp_result ddp__group_check(const ddp_group *g, const char *fn) {
+    if (!g) return ddp__fail(NULL, DDP_ERR_INVALID_ARGUMENT, "%s: the group is NULL (did ddp_init succeed?)", fn);
+    if (!ddp__live_has(g, DDP__LIVE_GROUP))
+        return ddp__fail(NULL, DDP_ERR_STATE, "%s: group %p was destroyed (or was never returned by ddp_init or "
+                         "ddp_new_group); a destroyed group cannot be used, and ddp_destroy of a group also destroys "
+                         "its subgroups", fn, (const void *)g);
+    return DDP_SUCCESS;
+}
+/* ==================== end src/registry.c ==================== */
 
 /* ==================== begin src/dtype.c ==================== */
 /* [SECTION] dtype: sizes and names, f16/bf16 conversion, element-wise reduction
@@ -5630,8 +5788,9 @@ static ddp_result ddp__run(ddp_group *g, const ddp__backend *b, const ddp__call 
 /* Check a call's arguments on the caller's thread; a bad call never reaches the wire. */
 static ddp_result ddp__validate(ddp_group *g, const ddp__call *k) {
     const char *name = ddp__coll_name(k->kind);
-    size_t es, ranks;
-    if (!g) return ddp__fail(NULL, DDP_ERR_INVALID_ARGUMENT, "%s: the group is NULL (did ddp_init succeed?)", name);
+    size_t es, ranks, limit;
+    ddp_result r = ddp__group_check(g, name);
+    if (r) return r;
     if (k->kind == DDP__BARRIER) return DDP_SUCCESS;
     if (!ddp__dtype_valid(k->dtype))
         return ddp__fail(g, DDP_ERR_INVALID_ARGUMENT, "%s: dtype %d is not a ddp_dtype (DDP_F32 ... DDP_I64)", name, (int)k->dtype);
@@ -5643,8 +5802,12 @@ static ddp_result ddp__validate(ddp_group *g, const ddp__call *k) {
                          g->world_size);
     es = ddp_dtype_size(k->dtype);
     ranks = (k->kind == DDP__ALL_GATHER || k->kind == DDP__REDUCE_SCATTER) ? (size_t)g->world_size : 1;
-    if (k->count > SIZE_MAX / es / ranks / 2)
-        return ddp__fail(g, DDP_ERR_INVALID_ARGUMENT, "%s: count %zu is too large", name, k->count);
+    limit = (size_t)(DDP__MAX_BUFFER_BYTES / es / ranks);
+    if (k->count > limit)
+        return ddp__fail(g, DDP_ERR_INVALID_ARGUMENT, "%s: count %zu is above the limit of %zu elements of %s%s: the call's "
+                         "largest buffer (count x %zu bytes%s) must stay under 2^47 bytes (128 TiB), more than any "
+                         "process can map; is the count computed right?", name, k->count, limit, ddp_dtype_name(k->dtype),
+                         ranks > 1 ? " per rank" : "", es, ranks > 1 ? " x the world size" : "");
     if (k->count && !k->buf)
         return ddp__fail(g, DDP_ERR_INVALID_ARGUMENT, "%s: the buffer is NULL with count %zu", name, k->count);
     if (k->count && (k->kind == DDP__ALL_GATHER || k->kind == DDP__REDUCE_SCATTER) && !k->send)
@@ -5730,24 +5893,83 @@ static ddp_result ddp__collective_on(ddp_group *g, const ddp__backend *b, const 
 }
 
 static ddp_result ddp__collective(ddp_group *g, const ddp__call *k) {
-    return ddp__collective_on(g, g ? g->backend : NULL, k);
+    ddp_result r = ddp__group_check(g, ddp__coll_name(k->kind)); /* before g->backend is read */
+    if (r) return r;
+    return ddp__collective_on(g, g->backend, k);
+}
+
+/* ---- work handles ----
+   Every handle an async call returns is live (registry.c) and on its group's `issued` list until
+   ddp_wait takes it, which happens once: a second ddp_wait (or ddp_test) on it finds it gone and fails
+   without touching it. A group that ends frees the handles nobody waited on (ddp__work_release_all). */
+
+/* Record w as issued on g and live; 0 when out of memory (w is then not returned). */
+static int ddp__work_issue(ddp_group *g, ddp_work *w) {
+    if (!ddp__live_add(w, DDP__LIVE_WORK)) return 0;
+    pthread_mutex_lock(&g->async.mu);
+    w->issued_prev = NULL;
+    w->issued_next = g->async.issued;
+    if (g->async.issued) g->async.issued->issued_prev = w;
+    g->async.issued = w;
+    pthread_mutex_unlock(&g->async.mu);
+    return 1;
+}
+
+static void ddp__work_unlink(ddp_group *g, ddp_work *w) {
+    pthread_mutex_lock(&g->async.mu);
+    if (w->issued_prev) w->issued_prev->issued_next = w->issued_next;
+    else g->async.issued = w->issued_next;
+    if (w->issued_next) w->issued_next->issued_prev = w->issued_prev;
+    w->issued_prev = w->issued_next = NULL;
+    pthread_mutex_unlock(&g->async.mu);
+}
+
+/* The group is going away (its progress thread stopped): free the handles nobody waited on, so a later
+   ddp_wait on one is an error instead of a use after free. */
+static void ddp__work_release_all(ddp_group *g) {
+    while (g->async.issued) {
+        ddp_work *w = g->async.issued;
+        g->async.issued = w->issued_next;
+        ddp__live_remove(w, DDP__LIVE_WORK);
+        ddp__free(w);
+    }
+}
+
+static ddp_result ddp__spent_work(const char *fn, const ddp_work *w) {
+    return ddp__fail(NULL, DDP_ERR_INVALID_ARGUMENT, "%s: work handle %p is not live: it was already waited on (call "
+                     "ddp_wait exactly once per handle), or its group was destroyed (which releases the handles not "
+                     "waited on), or it never came from an async collective", fn, (const void *)w);
 }
 
 static ddp_result ddp__collective_async(ddp_group *g, const ddp__call *k, ddp_work **out) {
     ddp_work *w;
     ddp_result r;
+    if ((r = ddp__group_check(g, ddp__coll_name(k->kind))) != DDP_SUCCESS) return r;
     if (!out) return ddp__fail(g, DDP_ERR_INVALID_ARGUMENT, "%s_async: the ddp_work **out argument is NULL", ddp__coll_name(k->kind));
     *out = NULL;
     if ((r = ddp__validate(g, k)) != DDP_SUCCESS) return r;
-    if (g->backend->enqueue && g->backend->enqueue(g, k, out, &r)) return r; /* the backend took it (nccl: device work) */
+    if (g->backend->enqueue && g->backend->enqueue(g, k, out, &r)) { /* the backend took it (nccl: device work) */
+        if (r == DDP_SUCCESS && !ddp__work_issue(g, *out)) {
+            r = ddp__fail(g, DDP_ERR_OUT_OF_MEMORY, "out of memory recording a ddp_work; the collective was queued: "
+                          "destroy the group");
+            *out = NULL;
+        }
+        return r;
+    }
     w = (ddp_work *)ddp__calloc(1, sizeof *w);
     if (!w) return ddp__fail(g, DDP_ERR_OUT_OF_MEMORY, "out of memory allocating a ddp_work");
+    if (!ddp__work_issue(g, w)) {
+        ddp__free(w);
+        return ddp__fail(g, DDP_ERR_OUT_OF_MEMORY, "out of memory recording a ddp_work");
+    }
     w->g = g;
     w->call = *k;
     pthread_mutex_lock(&g->async.mu);
     if (!g->async.running) {
         if (pthread_create(&g->async.thread, NULL, ddp__progress_main, g) != 0) {
             pthread_mutex_unlock(&g->async.mu);
+            ddp__live_remove(w, DDP__LIVE_WORK);
+            ddp__work_unlink(g, w);
             ddp__free(w);
             return ddp__fail(g, DDP_ERR_SYSTEM, "could not start the progress thread: %s", strerror(errno));
         }
@@ -5774,8 +5996,10 @@ DDP_API ddp_result ddp_wait(ddp_work *w) {
     ddp_group *g;
     ddp_result r;
     if (!w) return ddp__fail(NULL, DDP_ERR_INVALID_ARGUMENT, "ddp_wait: the work handle is NULL");
-    if (w->owner) return w->owner->wait(w);
+    if (!ddp__live_take(w, DDP__LIVE_WORK)) return ddp__spent_work("ddp_wait", w);
     g = w->g;
+    ddp__work_unlink(g, w);
+    if (w->owner) return w->owner->wait(w);
     pthread_mutex_lock(&g->async.mu);
     while (!w->done) pthread_cond_wait(&g->async.cv, &g->async.mu);
     pthread_mutex_unlock(&g->async.mu);
@@ -5788,6 +6012,10 @@ DDP_API ddp_result ddp_wait(ddp_work *w) {
 DDP_API int ddp_test(ddp_work *w) {
     int done;
     if (!w) return 1;
+    if (!ddp__live_has(w, DDP__LIVE_WORK)) { /* ddp_wait would not block: it fails at once */
+        ddp__spent_work("ddp_test", w);
+        return 1;
+    }
     if (w->owner) return w->owner->test(w);
     pthread_mutex_lock(&w->g->async.mu);
     done = w->done;
@@ -6435,10 +6663,7 @@ static int ddp__heap_free(ddp_group *g, void *p) {
 
 DDP_API void *ddp_alloc(ddp_group *g, size_t bytes) {
     void *p;
-    if (!g) {
-        ddp__fail(NULL, DDP_ERR_INVALID_ARGUMENT, "ddp_alloc: the group is NULL (did ddp_init succeed?)");
-        return NULL;
-    }
+    if (ddp__group_check(g, "ddp_alloc") != DDP_SUCCESS) return NULL;
     if (bytes > SIZE_MAX / 4) {
         ddp__fail(g, DDP_ERR_INVALID_ARGUMENT, "ddp_alloc: %zu bytes is more than any machine can hold", bytes);
         return NULL;
@@ -6455,6 +6680,7 @@ DDP_API void ddp_free(ddp_group *g, void *p) {
         ddp__fail(NULL, DDP_ERR_INVALID_ARGUMENT, "ddp_free: the group is NULL; pass the group the memory came from");
         return;
     }
+    if (ddp__group_check(g, "ddp_free") != DDP_SUCCESS) return; /* its blocks went with it */
     if (ddp__arena_free(g, p) || ddp__heap_free(g, p)) return;
     snprintf(msg, sizeof msg, "ddp_free: %p is not a live block from ddp_alloc on this group (rank %d): freed already, "
              "allocated on another group, or not from ddp_alloc; it was left alone", p, g->rank);
@@ -7915,7 +8141,8 @@ static ddp_result ddp__nccl_wait_work(ddp_work *w) {
 static int ddp__nccl_test_work(ddp_work *w) { return ddp__cuda_nccl_test(w->g->nccl->comm, w->handle); }
 
 DDP_API ddp_result ddp_set_stream(ddp_group *g, void *cuda_stream) {
-    if (!g) return ddp__fail(NULL, DDP_ERR_INVALID_ARGUMENT, "ddp_set_stream: the group is NULL");
+    ddp_result r = ddp__group_check(g, "ddp_set_stream"); /* NULL: DDP_ERR_INVALID_ARGUMENT; destroyed: DDP_ERR_STATE */
+    if (r) return r;
     if (!g->nccl)
         return ddp__fail(g, DDP_ERR_UNSUPPORTED, "ddp_set_stream: the group's backend is \"%s\"; CUDA streams belong to "
                          "the nccl backend", g->backend->family);
@@ -8060,8 +8287,9 @@ static ddp_result ddp__nccl_attach(ddp_group *g, const struct ddp__nccl *parent)
 }
 
 DDP_API ddp_result ddp_set_stream(ddp_group *g, void *cuda_stream) {
+    ddp_result r = ddp__group_check(g, "ddp_set_stream");
     (void)cuda_stream;
-    if (!g) return ddp__fail(NULL, DDP_ERR_INVALID_ARGUMENT, "ddp_set_stream: the group is NULL");
+    if (r) return r;
     return ddp__fail(g, DDP_ERR_UNSUPPORTED, "ddp_set_stream: the group's backend is \"%s\"; CUDA streams belong to the "
                      "nccl backend (a build with -DDDP_CUDA)", g->backend->family);
 }
@@ -8144,6 +8372,26 @@ bad:
     return ddp__fail_to(err, DDP_ERR_INVALID_ARGUMENT, "init_method \"%s\" is not tcp://host:port with a port in 1..65535", url);
 }
 
+/* The local rank and size that launcher i gave: 0 <= local rank < local size <= world size. torchrun
+   sets LOCAL_RANK and LOCAL_WORLD_SIZE together, so one without the other is a broken environment;
+   the other launchers may give the local rank alone (the rendezvous then counts the ranks per host). */
+static ddp_result ddp__check_local(const ddp__launch *L, int i, char *err) {
+    const char *lr = ddp__launchers[i].local_rank, *ls = ddp__launchers[i].local_size;
+    if (i == 0 && (L->local_rank >= 0) != (L->local_world_size >= 0))
+        return ddp__fail_to(err, DDP_ERR_INIT, "%s is set but %s is not; set both (as torchrun and ddprun do) or neither",
+                            L->local_rank >= 0 ? lr : ls, L->local_rank >= 0 ? ls : lr);
+    if (L->local_world_size > L->world_size)
+        return ddp__fail_to(err, DDP_ERR_INIT, "%s=%d is larger than %s=%d: a host cannot have more ranks than the world; "
+                            "check the launcher's settings", ls, L->local_world_size, ddp__launchers[i].size, L->world_size);
+    if (L->local_world_size >= 0 && L->local_rank >= L->local_world_size)
+        return ddp__fail_to(err, DDP_ERR_INIT, "%s=%d is out of range for %s=%d; local ranks are 0..%d: check the "
+                            "launcher's settings", lr, L->local_rank, ls, L->local_world_size, L->local_world_size - 1);
+    if (L->local_rank >= L->world_size)
+        return ddp__fail_to(err, DDP_ERR_INIT, "%s=%d is out of range for %s=%d; check the launcher's settings", lr,
+                            L->local_rank, ddp__launchers[i].size, L->world_size);
+    return DDP_SUCCESS;
+}
+
 /* Step 1 and 2: rank, world size, local rank, master, from the descriptor and the environment. */
 static ddp_result ddp__read_launch(const ddp_init_desc *d, ddp__launch *L, char *err) {
     long v = 0;
@@ -8180,6 +8428,7 @@ static ddp_result ddp__read_launch(const ddp_init_desc *d, ddp__launch *L, char 
         }
         L->source = ddp__launchers[i].name;
         found = 1;
+        if (ddp__check_local(L, i, err) != DDP_SUCCESS) return DDP_ERR_INIT;
     }
     if (L->rank < 0 || L->rank >= L->world_size)
         return ddp__fail_to(err, DDP_ERR_INIT, "rank %d is out of range for world size %d (from %s); ranks are 0..%d",
@@ -8611,7 +8860,8 @@ static ddp_group *ddp__group_alloc(int rank, int world_size) {
     g->mesh.pollfds = (struct pollfd *)ddp__calloc((size_t)world_size, sizeof *g->mesh.pollfds);
     g->mesh.poll_owner = (int *)ddp__calloc((size_t)world_size, sizeof *g->mesh.poll_owner);
     g->world_ranks = (int *)ddp__calloc((size_t)world_size, sizeof *g->world_ranks);
-    if (!g->mesh.peers || !g->mesh.peer_names || !g->mesh.pollfds || !g->mesh.poll_owner || !g->world_ranks) {
+    if (!g->mesh.peers || !g->mesh.peer_names || !g->mesh.pollfds || !g->mesh.poll_owner || !g->world_ranks ||
+        !ddp__live_add(g, DDP__LIVE_GROUP)) {
         ddp__group_free(g);
         return NULL;
     }
@@ -8627,7 +8877,9 @@ static ddp_group *ddp__group_alloc(int rank, int world_size) {
    Also frees a group whose allocation stopped half way (its arrays may be NULL). */
 static void ddp__group_free(ddp_group *g) {
     int i;
+    ddp__live_remove(g, DDP__LIVE_GROUP); /* from here on, calls on g fail instead of reading freed memory */
     ddp__progress_stop(g);
+    ddp__work_release_all(g);
     if (g->backend) g->backend->close(g, 0);
     if (g->broken) ddp__close_after_failure(g, 1.0);
     ddp__lib_free_all(g);
@@ -8635,7 +8887,7 @@ static void ddp__group_free(ddp_group *g) {
         if (g->mesh.peers[i].fd >= 0) close(g->mesh.peers[i].fd);
     if (g->member.owns_store && g->member.store) ddp__store_free(g->member.store);
     if (g->member.store_server) ddp__store_server_stop(g->member.store_server);
-    if (g->member.parent) g->member.parent->member.live_subgroups--;
+    if (g->member.parent) ddp__subgroup_unlink(g->member.parent, g);
     pthread_mutex_destroy(&g->async.mu);
     pthread_cond_destroy(&g->async.cv);
     ddp__free(g->scratch);
@@ -8665,22 +8917,57 @@ static uint64_t ddp__host_key(void) {
     return ddp__hash(buf);
 }
 
-/* Which transport carries the group's collectives, decided alike on every rank from every rank's host
-   key (one all_gather over the mesh): all ranks on one host -> shared memory (shm.c); several hosts
-   with several ranks on some -> the hierarchical all_reduce (hier.c); else the mesh itself (tcp.c).
-   DDP_TRANSPORT=tcp keeps the mesh for everything. */
-static ddp_result ddp__choose_transport(ddp_group *g) {
+/* Which transport carries the group's collectives, decided alike on every rank from what every rank
+   sends in one all_gather over the mesh: its host key and whether DDP_TRANSPORT=tcp is set on it. Any
+   rank asking for tcp keeps the whole group on the mesh (as DDP_SHM_CMA=0 on one rank turns
+   cross-memory attach off for all): a rank that skipped the exchange would meet the others' next
+   collective instead, and every rank would fail without naming the cause. Otherwise: all ranks on one
+   host -> shared memory (shm.c); several hosts with several ranks on some -> the hierarchical
+   all_reduce (hier.c); else the mesh itself (tcp.c). */
+#define DDP__WISH_BAD 2 /* DDP_TRANSPORT set to something else than auto or tcp */
+static int ddp__transport_wish(void) {
     const char *transport = ddp__env("DDP_TRANSPORT");
-    uint64_t key = ddp__host_key(), *keys;
-    int i, same = 1;
+    if (!transport || strcmp(transport, "auto") == 0) return 0;
+    return strcmp(transport, "tcp") == 0 ? 1 : DDP__WISH_BAD;
+}
+
+static ddp_result ddp__bad_transport(ddp_group *g) {
+    return ddp__fail(g, DDP_ERR_INIT, "DDP_TRANSPORT=\"%s\" is not one of auto, tcp; fix or unset it", ddp__env("DDP_TRANSPORT"));
+}
+
+static ddp_result ddp__choose_transport(ddp_group *g) {
+    uint64_t mine[2], *all, *keys;
+    int i, same = 1, tcp_rank = -1, tcp_ranks = 0, bad_rank = -1;
     ddp_result r;
-    if (g->world_size < 2 || (transport && strcmp(transport, "tcp") == 0)) return DDP_SUCCESS;
-    keys = (uint64_t *)ddp__calloc((size_t)g->world_size, sizeof *keys);
-    if (!keys) return ddp__fail(g, DDP_ERR_OUT_OF_MEMORY, "out of memory mapping the group's hosts");
-    r = ddp__mesh_all_gather(g, &key, keys, 1, DDP_I64);
-    for (i = 0; i < g->world_size && r == DDP_SUCCESS; i++) same &= keys[i] == key;
-    if (r == DDP_SUCCESS) r = same ? ddp__shm_setup(g) : ddp__hier_setup(g, keys);
-    ddp__free(keys);
+    if (g->world_size < 2) return DDP_SUCCESS;
+    mine[0] = ddp__host_key();
+    mine[1] = (uint64_t)ddp__transport_wish();
+    all = (uint64_t *)ddp__calloc((size_t)g->world_size, 3 * sizeof *all);
+    if (!all) return ddp__fail(g, DDP_ERR_OUT_OF_MEMORY, "out of memory mapping the group's hosts");
+    keys = all + 2 * (size_t)g->world_size;
+    r = ddp__mesh_all_gather(g, mine, all, 2, DDP_I64);
+    for (i = 0; i < g->world_size && r == DDP_SUCCESS; i++) {
+        keys[i] = all[2 * i];
+        same &= keys[i] == mine[0];
+        if (all[2 * i + 1] == DDP__WISH_BAD && bad_rank < 0) bad_rank = i;
+        if (all[2 * i + 1] == 1) {
+            if (tcp_rank < 0) tcp_rank = i;
+            tcp_ranks++;
+        }
+    }
+    if (r == DDP_SUCCESS && bad_rank >= 0) { /* every rank fails, naming the rank that set it */
+        if (mine[1] == DDP__WISH_BAD) ddp__bad_transport(g);
+        else ddp__fail(g, DDP_ERR_INIT, "DDP_TRANSPORT on rank %d (%s) is not one of auto, tcp (that rank's message "
+                       "names the value); fix or unset it there", bad_rank, g->mesh.peer_names[bad_rank]);
+        r = DDP_ERR_INIT;
+    } else if (r == DDP_SUCCESS && tcp_rank >= 0) {
+        if (!mine[1])
+            ddp__log(g, DDP_LOG_INFO, "DDP_TRANSPORT=tcp is set on rank %d (%s)%s: the whole group stays on TCP", tcp_rank,
+                     g->mesh.peer_names[tcp_rank], tcp_ranks > 1 ? " and others" : "");
+    } else if (r == DDP_SUCCESS) {
+        r = same ? ddp__shm_setup(g) : ddp__hier_setup(g, keys);
+    }
+    ddp__free(all);
     return r;
 }
 
@@ -8765,7 +9052,7 @@ DDP_API ddp_result ddp_init(const ddp_init_desc *desc, ddp_group **out) {
     ddp__launch L;
     ddp_group *g;
     char err[DDP__ERR_MAX], where[320];
-    const char *transport = ddp__env("DDP_TRANSPORT"), *backend;
+    const char *backend;
     double timeout;
     int nccl, foreign = 0;
     ddp_result r;
@@ -8783,9 +9070,9 @@ DDP_API ddp_result ddp_init(const ddp_init_desc *desc, ddp_group **out) {
                          desc->backend && *desc->backend ? "" : " (from DDP_BACKEND)");
     }
     if (strcmp(backend, "mpi") == 0) return ddp__init_mpi(desc, out);
-    if (transport && strcmp(transport, "auto") != 0 && strcmp(transport, "tcp") != 0)
-        return ddp__fail(NULL, DDP_ERR_INIT, "DDP_TRANSPORT=\"%s\" is not one of auto, tcp", transport);
     if ((r = ddp__read_launch(desc, &L, err)) != DDP_SUCCESS) return ddp__fail(NULL, r, "ddp_init: %s", err);
+    /* alone, nobody else needs to hear of it; otherwise the ranks check DDP_TRANSPORT together (ddp__choose_transport) */
+    if (L.world_size == 1 && ddp__transport_wish() == DDP__WISH_BAD) return ddp__bad_transport(NULL);
     timeout = ddp__read_timeout(desc, err, &r);
     if (r) return ddp__fail(NULL, r, "ddp_init: %s", err);
 
@@ -8835,12 +9122,40 @@ DDP_API ddp_result ddp_init(const ddp_init_desc *desc, ddp_group **out) {
     return ddp__init_done(g, nccl, out);
 }
 
+/* Subgroups are listed on their parent in the order they were made, which is the same on every rank
+   (ddp_new_group is collective on the parent). */
+static void ddp__subgroup_link(ddp_group *parent, ddp_group *sub) {
+    ddp_group **at = &parent->member.subgroups;
+    while (*at) at = &(*at)->member.next_sibling;
+    *at = sub;
+    sub->member.parent = parent;
+    sub->member.next_sibling = NULL;
+}
+
+static void ddp__subgroup_unlink(ddp_group *parent, ddp_group *sub) {
+    ddp_group **at = &parent->member.subgroups;
+    while (*at && *at != sub) at = &(*at)->member.next_sibling;
+    if (*at) *at = sub->member.next_sibling;
+    sub->member.parent = NULL;
+}
+
+/* ddp_destroy of a group destroys its live subgroups first, as torch's destroy_process_group() destroys
+   every group: each rank destroys those it belongs to, in the order they were made, so the members of
+   each meet in its closing barrier (a rank outside one goes on to the next). The first error is kept. */
+static ddp_result ddp__destroy_subgroups(ddp_group *g) {
+    ddp_result first = DDP_SUCCESS;
+    while (g->member.subgroups) {
+        ddp_result r = ddp_destroy(g->member.subgroups); /* unlinks it */
+        if (r && !first) first = r;
+    }
+    return first;
+}
+
 DDP_API ddp_result ddp_destroy(ddp_group *g) {
-    ddp_result r = DDP_SUCCESS;
+    ddp_result r = DDP_SUCCESS, subs;
     if (!g) return DDP_SUCCESS;
-    if (g->member.live_subgroups > 0)
-        return ddp__fail(g, DDP_ERR_STATE, "ddp_destroy: %d subgroup(s) made from this group are still alive; destroy them first",
-                         g->member.live_subgroups);
+    if ((r = ddp__group_check(g, "ddp_destroy")) != DDP_SUCCESS) return r;
+    subs = ddp__destroy_subgroups(g);
     ddp__drain(g);
     if (g->world_size > 1 && !g->broken) {
         r = ddp_barrier(g); /* nobody closes a connection that a peer may still be waiting on */
@@ -8852,7 +9167,7 @@ DDP_API ddp_result ddp_destroy(ddp_group *g) {
         }
     }
     ddp__group_free(g);
-    return r;
+    return r ? r : subs;
 }
 
 /* Make and connect the group of the parent's ranks `ranks` (n of them; this rank is ranks[me]) through
@@ -8898,7 +9213,7 @@ DDP_API ddp_result ddp_new_group(ddp_group *g, const int *ranks, int n, ddp_grou
     struct ddp__mpi *comm = NULL;
     ddp_group *sub;
     ddp_result r;
-    if (!g) return ddp__fail(NULL, DDP_ERR_INVALID_ARGUMENT, "ddp_new_group: the parent group is NULL");
+    if ((r = ddp__group_check(g, "ddp_new_group")) != DDP_SUCCESS) return r;
     if (out) *out = NULL;
     for (i = 0; valid && i < n; i++) {
         if (ranks[i] < 0 || ranks[i] >= g->world_size) valid = 0;
@@ -8937,19 +9252,47 @@ DDP_API ddp_result ddp_new_group(ddp_group *g, const int *ranks, int n, ddp_grou
         return r;
     }
     sub->seq_base = sub->seq;
-    sub->member.parent = g;
-    g->member.live_subgroups++;
+    ddp__subgroup_link(g, sub);
     *out = sub;
     return DDP_SUCCESS;
 }
 
-DDP_API int ddp_rank(const ddp_group *g) { return g ? g->rank : 0; }
-DDP_API int ddp_world_size(const ddp_group *g) { return g ? g->world_size : 1; }
-DDP_API int ddp_local_rank(const ddp_group *g) { return g ? g->local_rank : 0; }
-DDP_API int ddp_local_world_size(const ddp_group *g) { return g ? g->local_world_size : 1; }
-DDP_API const char *ddp_backend_name(const ddp_group *g) { return g ? g->backend->family : "none"; }
-DDP_API double ddp_timeout(const ddp_group *g) { return g ? g->timeout : 0.0; }
-DDP_API ddp_store *ddp_group_store(ddp_group *g) { return g ? g->member.store : NULL; }
+/* The getters answer as for NULL (a single process) on a destroyed group; the reason is in
+   ddp_last_error(NULL). */
+static int ddp__group_live(const ddp_group *g, const char *fn) { return g && ddp__group_check(g, fn) == DDP_SUCCESS; }
+DDP_API int ddp_rank(const ddp_group *g) { return ddp__group_live(g, "ddp_rank") ? g->rank : 0; }
+DDP_API int ddp_world_size(const ddp_group *g) { return ddp__group_live(g, "ddp_world_size") ? g->world_size : 1; }
+DDP_API int ddp_local_rank(const ddp_group *g) { return ddp__group_live(g, "ddp_local_rank") ? g->local_rank : 0; }
+DDP_API int ddp_local_world_size(const ddp_group *g) { return ddp__group_live(g, "ddp_local_world_size") ? g->local_world_size : 1; }
+DDP_API const char *ddp_backend_name(const ddp_group *g) { return ddp__group_live(g, "ddp_backend_name") ? g->backend->family : "none"; }
+DDP_API double ddp_timeout(const ddp_group *g) { return ddp__group_live(g, "ddp_timeout") ? g->timeout : 0.0; }
+
+/* A group of one process made without a master has no store; the first ddp_group_store() call gives it
+   a private one (a store server on a free loopback port, and a client), so that code written for many
+   ranks runs unchanged on one. */
+static ddp_result ddp__private_store(ddp_group *g) {
+    char err[DDP__ERR_MAX];
+    ddp_result r = ddp__store_server_start("127.0.0.1", 0, g->log_level, &g->member.store_server, err);
+    if (r == DDP_SUCCESS)
+        r = ddp__store_connect("127.0.0.1", ddp__store_server_port(g->member.store_server), NULL, g->timeout, &g->member.store, err);
+    if (r == DDP_SUCCESS) {
+        g->member.owns_store = 1;
+        return DDP_SUCCESS;
+    }
+    ddp__store_server_stop(g->member.store_server);
+    g->member.store_server = NULL;
+    return ddp__fail(g, r, "ddp_group_store: could not start the store of this single-process group: %s", err);
+}
+
+DDP_API ddp_store *ddp_group_store(ddp_group *g) {
+    ddp_store *s;
+    if (ddp__group_check(g, "ddp_group_store") != DDP_SUCCESS) return NULL;
+    pthread_mutex_lock(&g->async.mu);
+    if (!g->member.store && g->world_size == 1 && !g->mpi && !g->member.parent) ddp__private_store(g);
+    s = g->member.store;
+    pthread_mutex_unlock(&g->async.mu);
+    return s;
+}
 /* ==================== end src/group.c ==================== */
 
 /* ==================== begin src/launcher.c ==================== */
@@ -10088,9 +10431,10 @@ static size_t ddp__tensor_bytes(const ddp__rtensor *t) { return t->count * ddp_d
 DDP_API ddp_result ddp_reducer_create(ddp_group *g, const ddp_reducer_desc *d, ddp_reducer **out) {
     ddp_reducer_desc desc;
     ddp_reducer *r;
+    ddp_result res = ddp__group_check(g, "ddp_reducer_create");
+    if (res) return res;
     if (!out) return ddp__fail(g, DDP_ERR_INVALID_ARGUMENT, "ddp_reducer_create: out is NULL");
     *out = NULL;
-    if (!g) return ddp__fail(NULL, DDP_ERR_INVALID_ARGUMENT, "ddp_reducer_create: the group is NULL (did ddp_init succeed?)");
     memset(&desc, 0, sizeof desc);
     if (d) desc = *d;
     if (!desc.bucket_cap_bytes) desc.bucket_cap_bytes = DDP__REDUCER_DEFAULT_CAP;
@@ -10130,13 +10474,30 @@ static ddp_result ddp__reducer_append(ddp_reducer *r, ddp__rtensor **arr, int *n
     return DDP_SUCCESS;
 }
 
+/* The parameter or buffer already registered under name: what it is ("parameter"/"buffer") and its
+   index, or NULL. A linear search: registration happens once, before training. */
+static const char *ddp__reducer_find_name(const ddp_reducer *r, const char *name, int *index) {
+    int i;
+    for (i = 0; i < r->nparams; i++)
+        if (strcmp(r->params[i].name, name) == 0) return *index = i, "parameter";
+    for (i = 0; i < r->nbuffers; i++)
+        if (strcmp(r->buffers[i].name, name) == 0) return *index = i, "buffer";
+    return NULL;
+}
+
 static ddp_result ddp__reducer_check_add(ddp_reducer *r, const char *what, const char *name, const void *data, size_t count,
                                          ddp_dtype t) {
+    const char *dup;
+    int dup_index = 0;
     if (!r) return ddp__fail(NULL, DDP_ERR_INVALID_ARGUMENT, "ddp_reducer_add_%s: the reducer is NULL", what);
     if (!name || !*name) return ddp__fail(r->g, DDP_ERR_INVALID_ARGUMENT, "ddp_reducer_add_%s: the name is NULL or empty", what);
     if (r->finalized)
         return ddp__fail(r->g, DDP_ERR_STATE, "ddp_reducer_add_%s(\"%s\"): the reducer is already finalized; register "
                          "every %s before ddp_reducer_finalize", what, name, what);
+    if ((dup = ddp__reducer_find_name(r, name, &dup_index)) != NULL)
+        return ddp__fail(r->g, DDP_ERR_INVALID_ARGUMENT, "ddp_reducer_add_%s(\"%s\"): the name is already registered, as %s "
+                         "%d; every parameter and buffer needs its own name (the ranks compare models, and checkpoints "
+                         "store tensors, by name)", what, name, dup, dup_index);
     if (!ddp__dtype_valid(t))
         return ddp__fail(r->g, DDP_ERR_INVALID_ARGUMENT, "ddp_reducer_add_%s(\"%s\"): dtype %d is not a ddp_dtype", what, name, (int)t);
     if (count == 0) return ddp__fail(r->g, DDP_ERR_INVALID_ARGUMENT, "ddp_reducer_add_%s(\"%s\"): count is 0", what, name);
@@ -11640,6 +12001,7 @@ static void ddp__bn_pass_grad_input(const ddp_syncbn *bn, const float *dy, const
 DDP_API ddp_result ddp_syncbn_create(ddp_group *g, const ddp_syncbn_desc *d, ddp_syncbn **out) {
     ddp_syncbn *bn;
     size_t C;
+    if (g && !ddp__live_has(g, DDP__LIVE_GROUP)) return ddp__group_check(g, "ddp_syncbn_create");
     if (!out) return ddp__fail(g, DDP_ERR_INVALID_ARGUMENT, "ddp_syncbn_create: out is NULL");
     *out = NULL;
     if (!d) return ddp__fail(g, DDP_ERR_INVALID_ARGUMENT, "ddp_syncbn_create: the descriptor d is NULL");
@@ -13068,6 +13430,12 @@ static ddp_result ddp__ck_write_file(ddp_group *g, const char *path, const ddp_t
    anywhere (rank 0 could not write, rank 3 could not read) is an error everywhere, carrying the
    failing rank's message; nobody is left waiting in a later collective. */
 
+/* This rank's own failure, worded as the other ranks word it ("checkpoint save failed on rank 0: ..."),
+   so that every rank's message names the operation and the rank that failed. */
+static ddp_result ddp__ck_failed_here(ddp_group *g, ddp_result mine, const char *what, const char *own) {
+    return ddp__fail(g, mine, "%s failed on rank %d: %.900s", what, ddp_rank(g), own);
+}
+
 static ddp_result ddp__ck_agree(ddp_group *g, ddp_result mine, const char *what) {
     int32_t code = (int32_t)mine, *codes;
     char *msgs, own[DDP__ERR_MAX];
@@ -13085,11 +13453,11 @@ static ddp_result ddp__ck_agree(ddp_group *g, ddp_result mine, const char *what)
     if (r != DDP_SUCCESS || bad < 0) {
         ddp__free(codes);
         /* this rank's own failure says more than a collective that broke after it */
-        return (r != DDP_SUCCESS && mine != DDP_SUCCESS) ? ddp__fail(g, mine, "%s", own) : r;
+        return (r != DDP_SUCCESS && mine != DDP_SUCCESS) ? ddp__ck_failed_here(g, mine, what, own) : r;
     }
     msgs = (char *)ddp__calloc((size_t)w, DDP__ERR_MAX);
     r = msgs ? ddp_all_gather(g, own, msgs, DDP__ERR_MAX, DDP_U8) : DDP_ERR_OUT_OF_MEMORY;
-    if (mine != DDP_SUCCESS) r = ddp__fail(g, mine, "%s", own);
+    if (mine != DDP_SUCCESS) r = ddp__ck_failed_here(g, mine, what, own);
     else if (r == DDP_SUCCESS) {
         msgs[(size_t)bad * DDP__ERR_MAX + DDP__ERR_MAX - 1] = '\0';
         r = ddp__fail(g, (ddp_result)codes[bad], "%s failed on rank %d: %s", what, bad, msgs + (size_t)bad * DDP__ERR_MAX);
@@ -13271,6 +13639,7 @@ static ddp_result ddp__ck_check_rotation(ddp_group *g, const char *path, const d
 DDP_API ddp_result ddp_checkpoint_save_ex(ddp_group *g, const char *path, const ddp_tensor *t, int n, const ddp_meta *meta,
                                           const ddp_checkpoint_save_desc *desc) {
     ddp_result r = DDP_SUCCESS;
+    if (g && !ddp__live_has(g, DDP__LIVE_GROUP)) return ddp__group_check(g, "ddp_checkpoint_save_ex");
     if (ddp__ck_rank(g) == 0) {
         ddp__ck_family fam;
         int64_t number = 0;
@@ -13578,6 +13947,7 @@ done:
 
 DDP_API ddp_result ddp_checkpoint_load_ex(ddp_group *g, const char *path, ddp_tensor *t, int n, ddp_meta *meta,
                                           const ddp_checkpoint_load_desc *desc) {
+    if (g && !ddp__live_has(g, DDP__LIVE_GROUP)) return ddp__group_check(g, "ddp_checkpoint_load_ex");
     if (desc && desc->broadcast && ddp_world_size(g) > 1) return ddp__ck_load_bcast(g, path, t, n, meta, desc);
     return ddp__ck_agree(g, ddp__ck_load_local(g, path, t, n, meta, desc, NULL, NULL), "checkpoint load");
 }
@@ -13630,6 +14000,7 @@ DDP_API ddp_result ddp_checkpoint_save_shard(ddp_group *g, const char *path, con
     uint64_t id = 0;
     char *shard = NULL;
     ddp_result r = DDP_SUCCESS;
+    if (g && !ddp__live_has(g, DDP__LIVE_GROUP)) return ddp__group_check(g, "ddp_checkpoint_save_shard");
     memset(&fam, 0, sizeof fam);
     memset(&extra, 0, sizeof extra);
     if (!path || !*path) r = ddp__fail(g, DDP_ERR_INVALID_ARGUMENT, "%s: path is NULL or empty", what);
@@ -13713,6 +14084,7 @@ DDP_API ddp_result ddp_checkpoint_load_shard(ddp_group *g, const char *path, ddp
     char id_text[32], *shard = NULL;
     ddp__ck_shard_expect x;
     ddp_result r = DDP_SUCCESS;
+    if (g && !ddp__live_has(g, DDP__LIVE_GROUP)) return ddp__group_check(g, "ddp_checkpoint_load_shard");
     if (!bcast || rank == 0) r = ddp__ck_read_marker(g, path, &info[0], &id);
     if (bcast) {
         info[1] = (int64_t)id;

@@ -224,10 +224,7 @@ static int ddp__heap_free(ddp_group *g, void *p) {
 
 DDP_API void *ddp_alloc(ddp_group *g, size_t bytes) {
     void *p;
-    if (!g) {
-        ddp__fail(NULL, DDP_ERR_INVALID_ARGUMENT, "ddp_alloc: the group is NULL (did ddp_init succeed?)");
-        return NULL;
-    }
+    if (ddp__group_check(g, "ddp_alloc") != DDP_SUCCESS) return NULL;
     if (bytes > SIZE_MAX / 4) {
         ddp__fail(g, DDP_ERR_INVALID_ARGUMENT, "ddp_alloc: %zu bytes is more than any machine can hold", bytes);
         return NULL;
@@ -244,6 +241,7 @@ DDP_API void ddp_free(ddp_group *g, void *p) {
         ddp__fail(NULL, DDP_ERR_INVALID_ARGUMENT, "ddp_free: the group is NULL; pass the group the memory came from");
         return;
     }
+    if (ddp__group_check(g, "ddp_free") != DDP_SUCCESS) return; /* its blocks went with it */
     if (ddp__arena_free(g, p) || ddp__heap_free(g, p)) return;
     snprintf(msg, sizeof msg, "ddp_free: %p is not a live block from ddp_alloc on this group (rank %d): freed already, "
              "allocated on another group, or not from ddp_alloc; it was left alone", p, g->rank);

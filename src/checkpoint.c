@@ -177,6 +177,12 @@ static ddp_result ddp__ck_write_file(ddp_group *g, const char *path, const ddp_t
    anywhere (rank 0 could not write, rank 3 could not read) is an error everywhere, carrying the
    failing rank's message; nobody is left waiting in a later collective. */
 
+/* This rank's own failure, worded as the other ranks word it ("checkpoint save failed on rank 0: ..."),
+   so that every rank's message names the operation and the rank that failed. */
+static ddp_result ddp__ck_failed_here(ddp_group *g, ddp_result mine, const char *what, const char *own) {
+    return ddp__fail(g, mine, "%s failed on rank %d: %.900s", what, ddp_rank(g), own);
+}
+
 static ddp_result ddp__ck_agree(ddp_group *g, ddp_result mine, const char *what) {
     int32_t code = (int32_t)mine, *codes;
     char *msgs, own[DDP__ERR_MAX];
@@ -194,11 +200,11 @@ static ddp_result ddp__ck_agree(ddp_group *g, ddp_result mine, const char *what)
     if (r != DDP_SUCCESS || bad < 0) {
         ddp__free(codes);
         /* this rank's own failure says more than a collective that broke after it */
-        return (r != DDP_SUCCESS && mine != DDP_SUCCESS) ? ddp__fail(g, mine, "%s", own) : r;
+        return (r != DDP_SUCCESS && mine != DDP_SUCCESS) ? ddp__ck_failed_here(g, mine, what, own) : r;
     }
     msgs = (char *)ddp__calloc((size_t)w, DDP__ERR_MAX);
     r = msgs ? ddp_all_gather(g, own, msgs, DDP__ERR_MAX, DDP_U8) : DDP_ERR_OUT_OF_MEMORY;
-    if (mine != DDP_SUCCESS) r = ddp__fail(g, mine, "%s", own);
+    if (mine != DDP_SUCCESS) r = ddp__ck_failed_here(g, mine, what, own);
     else if (r == DDP_SUCCESS) {
         msgs[(size_t)bad * DDP__ERR_MAX + DDP__ERR_MAX - 1] = '\0';
         r = ddp__fail(g, (ddp_result)codes[bad], "%s failed on rank %d: %s", what, bad, msgs + (size_t)bad * DDP__ERR_MAX);
@@ -380,6 +386,7 @@ static ddp_result ddp__ck_check_rotation(ddp_group *g, const char *path, const d
 DDP_API ddp_result ddp_checkpoint_save_ex(ddp_group *g, const char *path, const ddp_tensor *t, int n, const ddp_meta *meta,
                                           const ddp_checkpoint_save_desc *desc) {
     ddp_result r = DDP_SUCCESS;
+    if (g && !ddp__live_has(g, DDP__LIVE_GROUP)) return ddp__group_check(g, "ddp_checkpoint_save_ex");
     if (ddp__ck_rank(g) == 0) {
         ddp__ck_family fam;
         int64_t number = 0;
@@ -687,6 +694,7 @@ done:
 
 DDP_API ddp_result ddp_checkpoint_load_ex(ddp_group *g, const char *path, ddp_tensor *t, int n, ddp_meta *meta,
                                           const ddp_checkpoint_load_desc *desc) {
+    if (g && !ddp__live_has(g, DDP__LIVE_GROUP)) return ddp__group_check(g, "ddp_checkpoint_load_ex");
     if (desc && desc->broadcast && ddp_world_size(g) > 1) return ddp__ck_load_bcast(g, path, t, n, meta, desc);
     return ddp__ck_agree(g, ddp__ck_load_local(g, path, t, n, meta, desc, NULL, NULL), "checkpoint load");
 }
@@ -739,6 +747,7 @@ DDP_API ddp_result ddp_checkpoint_save_shard(ddp_group *g, const char *path, con
     uint64_t id = 0;
     char *shard = NULL;
     ddp_result r = DDP_SUCCESS;
+    if (g && !ddp__live_has(g, DDP__LIVE_GROUP)) return ddp__group_check(g, "ddp_checkpoint_save_shard");
     memset(&fam, 0, sizeof fam);
     memset(&extra, 0, sizeof extra);
     if (!path || !*path) r = ddp__fail(g, DDP_ERR_INVALID_ARGUMENT, "%s: path is NULL or empty", what);
@@ -822,6 +831,7 @@ DDP_API ddp_result ddp_checkpoint_load_shard(ddp_group *g, const char *path, ddp
     char id_text[32], *shard = NULL;
     ddp__ck_shard_expect x;
     ddp_result r = DDP_SUCCESS;
+    if (g && !ddp__live_has(g, DDP__LIVE_GROUP)) return ddp__group_check(g, "ddp_checkpoint_load_shard");
     if (!bcast || rank == 0) r = ddp__ck_read_marker(g, path, &info[0], &id);
     if (bcast) {
         info[1] = (int64_t)id;

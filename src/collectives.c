@@ -61,8 +61,9 @@ static ddp_result ddp__run(ddp_group *g, const ddp__backend *b, const ddp__call 
 /* Check a call's arguments on the caller's thread; a bad call never reaches the wire. */
 static ddp_result ddp__validate(ddp_group *g, const ddp__call *k) {
     const char *name = ddp__coll_name(k->kind);
-    size_t es, ranks;
-    if (!g) return ddp__fail(NULL, DDP_ERR_INVALID_ARGUMENT, "%s: the group is NULL (did ddp_init succeed?)", name);
+    size_t es, ranks, limit;
+    ddp_result r = ddp__group_check(g, name);
+    if (r) return r;
     if (k->kind == DDP__BARRIER) return DDP_SUCCESS;
     if (!ddp__dtype_valid(k->dtype))
         return ddp__fail(g, DDP_ERR_INVALID_ARGUMENT, "%s: dtype %d is not a ddp_dtype (DDP_F32 ... DDP_I64)", name, (int)k->dtype);
@@ -74,8 +75,12 @@ static ddp_result ddp__validate(ddp_group *g, const ddp__call *k) {
                          g->world_size);
     es = ddp_dtype_size(k->dtype);
     ranks = (k->kind == DDP__ALL_GATHER || k->kind == DDP__REDUCE_SCATTER) ? (size_t)g->world_size : 1;
-    if (k->count > SIZE_MAX / es / ranks / 2)
-        return ddp__fail(g, DDP_ERR_INVALID_ARGUMENT, "%s: count %zu is too large", name, k->count);
+    limit = (size_t)(DDP__MAX_BUFFER_BYTES / es / ranks);
+    if (k->count > limit)
+        return ddp__fail(g, DDP_ERR_INVALID_ARGUMENT, "%s: count %zu is above the limit of %zu elements of %s%s: the call's "
+                         "largest buffer (count x %zu bytes%s) must stay under 2^47 bytes (128 TiB), more than any "
+                         "process can map; is the count computed right?", name, k->count, limit, ddp_dtype_name(k->dtype),
+                         ranks > 1 ? " per rank" : "", es, ranks > 1 ? " x the world size" : "");
     if (k->count && !k->buf)
         return ddp__fail(g, DDP_ERR_INVALID_ARGUMENT, "%s: the buffer is NULL with count %zu", name, k->count);
     if (k->count && (k->kind == DDP__ALL_GATHER || k->kind == DDP__REDUCE_SCATTER) && !k->send)
@@ -161,24 +166,83 @@ static ddp_result ddp__collective_on(ddp_group *g, const ddp__backend *b, const 
 }
 
 static ddp_result ddp__collective(ddp_group *g, const ddp__call *k) {
-    return ddp__collective_on(g, g ? g->backend : NULL, k);
+    ddp_result r = ddp__group_check(g, ddp__coll_name(k->kind)); /* before g->backend is read */
+    if (r) return r;
+    return ddp__collective_on(g, g->backend, k);
+}
+
+/* ---- work handles ----
+   Every handle an async call returns is live (registry.c) and on its group's `issued` list until
+   ddp_wait takes it, which happens once: a second ddp_wait (or ddp_test) on it finds it gone and fails
+   without touching it. A group that ends frees the handles nobody waited on (ddp__work_release_all). */
+
+/* Record w as issued on g and live; 0 when out of memory (w is then not returned). */
+static int ddp__work_issue(ddp_group *g, ddp_work *w) {
+    if (!ddp__live_add(w, DDP__LIVE_WORK)) return 0;
+    pthread_mutex_lock(&g->async.mu);
+    w->issued_prev = NULL;
+    w->issued_next = g->async.issued;
+    if (g->async.issued) g->async.issued->issued_prev = w;
+    g->async.issued = w;
+    pthread_mutex_unlock(&g->async.mu);
+    return 1;
+}
+
+static void ddp__work_unlink(ddp_group *g, ddp_work *w) {
+    pthread_mutex_lock(&g->async.mu);
+    if (w->issued_prev) w->issued_prev->issued_next = w->issued_next;
+    else g->async.issued = w->issued_next;
+    if (w->issued_next) w->issued_next->issued_prev = w->issued_prev;
+    w->issued_prev = w->issued_next = NULL;
+    pthread_mutex_unlock(&g->async.mu);
+}
+
+/* The group is going away (its progress thread stopped): free the handles nobody waited on, so a later
+   ddp_wait on one is an error instead of a use after free. */
+static void ddp__work_release_all(ddp_group *g) {
+    while (g->async.issued) {
+        ddp_work *w = g->async.issued;
+        g->async.issued = w->issued_next;
+        ddp__live_remove(w, DDP__LIVE_WORK);
+        ddp__free(w);
+    }
+}
+
+static ddp_result ddp__spent_work(const char *fn, const ddp_work *w) {
+    return ddp__fail(NULL, DDP_ERR_INVALID_ARGUMENT, "%s: work handle %p is not live: it was already waited on (call "
+                     "ddp_wait exactly once per handle), or its group was destroyed (which releases the handles not "
+                     "waited on), or it never came from an async collective", fn, (const void *)w);
 }
 
 static ddp_result ddp__collective_async(ddp_group *g, const ddp__call *k, ddp_work **out) {
     ddp_work *w;
     ddp_result r;
+    if ((r = ddp__group_check(g, ddp__coll_name(k->kind))) != DDP_SUCCESS) return r;
     if (!out) return ddp__fail(g, DDP_ERR_INVALID_ARGUMENT, "%s_async: the ddp_work **out argument is NULL", ddp__coll_name(k->kind));
     *out = NULL;
     if ((r = ddp__validate(g, k)) != DDP_SUCCESS) return r;
-    if (g->backend->enqueue && g->backend->enqueue(g, k, out, &r)) return r; /* the backend took it (nccl: device work) */
+    if (g->backend->enqueue && g->backend->enqueue(g, k, out, &r)) { /* the backend took it (nccl: device work) */
+        if (r == DDP_SUCCESS && !ddp__work_issue(g, *out)) {
+            r = ddp__fail(g, DDP_ERR_OUT_OF_MEMORY, "out of memory recording a ddp_work; the collective was queued: "
+                          "destroy the group");
+            *out = NULL;
+        }
+        return r;
+    }
     w = (ddp_work *)ddp__calloc(1, sizeof *w);
     if (!w) return ddp__fail(g, DDP_ERR_OUT_OF_MEMORY, "out of memory allocating a ddp_work");
+    if (!ddp__work_issue(g, w)) {
+        ddp__free(w);
+        return ddp__fail(g, DDP_ERR_OUT_OF_MEMORY, "out of memory recording a ddp_work");
+    }
     w->g = g;
     w->call = *k;
     pthread_mutex_lock(&g->async.mu);
     if (!g->async.running) {
         if (pthread_create(&g->async.thread, NULL, ddp__progress_main, g) != 0) {
             pthread_mutex_unlock(&g->async.mu);
+            ddp__live_remove(w, DDP__LIVE_WORK);
+            ddp__work_unlink(g, w);
             ddp__free(w);
             return ddp__fail(g, DDP_ERR_SYSTEM, "could not start the progress thread: %s", strerror(errno));
         }
@@ -205,8 +269,10 @@ DDP_API ddp_result ddp_wait(ddp_work *w) {
     ddp_group *g;
     ddp_result r;
     if (!w) return ddp__fail(NULL, DDP_ERR_INVALID_ARGUMENT, "ddp_wait: the work handle is NULL");
-    if (w->owner) return w->owner->wait(w);
+    if (!ddp__live_take(w, DDP__LIVE_WORK)) return ddp__spent_work("ddp_wait", w);
     g = w->g;
+    ddp__work_unlink(g, w);
+    if (w->owner) return w->owner->wait(w);
     pthread_mutex_lock(&g->async.mu);
     while (!w->done) pthread_cond_wait(&g->async.cv, &g->async.mu);
     pthread_mutex_unlock(&g->async.mu);
@@ -219,6 +285,10 @@ DDP_API ddp_result ddp_wait(ddp_work *w) {
 DDP_API int ddp_test(ddp_work *w) {
     int done;
     if (!w) return 1;
+    if (!ddp__live_has(w, DDP__LIVE_WORK)) { /* ddp_wait would not block: it fails at once */
+        ddp__spent_work("ddp_test", w);
+        return 1;
+    }
     if (w->owner) return w->owner->test(w);
     pthread_mutex_lock(&w->g->async.mu);
     done = w->done;

@@ -89,6 +89,8 @@ typedef struct ddp_store ddp_store; /* the rendezvous key-value store (PyTorch's
      4. MPICH / Hydra:      PMI_RANK, PMI_SIZE (MPI_LOCALRANKID)
      5. SLURM (srun):       SLURM_PROCID, SLURM_NTASKS (SLURM_LOCALID)
      6. nothing set:        a single process, rank 0 of world size 1
+   The local rank and size (in parentheses) must satisfy 0 <= local rank < local size <= world size;
+   torchrun's LOCAL_RANK and LOCAL_WORLD_SIZE come both or neither. Otherwise DDP_ERR_INIT names them.
    The master (rank 0's store) is init_method "tcp://host:port", else the descriptor's
    master_addr/master_port, else MASTER_ADDR/MASTER_PORT, else (under mpirun/srun on one host)
    127.0.0.1 with a port derived from the job id. Under SLURM, MASTER_ADDR defaults to the first host of
@@ -115,8 +117,13 @@ typedef struct ddp_init_desc {
 DDP_API ddp_result ddp_init(const ddp_init_desc *desc, ddp_group **out);
 
 /* ddp_destroy: finish outstanding async work, say goodbye to the peers, free the group.
-   Collective on the group (all ranks call it). Subgroups made from g must be destroyed first.
-   Returns the first error met while finishing, but always frees. NULL is a no-op. */
+   Collective on the group (all ranks call it). Subgroups made from g that are still alive are
+   destroyed first (as torch's destroy_process_group()), in the order they were made; their pointers
+   are dead afterwards. Work handles of g not yet waited on are released (ddp_wait on one then fails).
+   Returns the first error met while finishing, but always frees. NULL is a no-op.
+   Any call on a destroyed group (ddp_destroy again included) returns DDP_ERR_STATE saying so and
+   touches no freed memory; the getters below answer as for NULL, and ddp_last_error(g) gives this
+   thread's last error. */
 DDP_API ddp_result ddp_destroy(ddp_group *g);
 
 /* ddp_new_group: a subgroup of g with the listed ranks of g (like torch.distributed.new_group).
@@ -152,7 +159,9 @@ DDP_API uint16_t ddp_f32_to_bf16(float f);
    op and root. A difference is DDP_ERR_MISMATCH on every rank, naming both sides. A peer that dies is
    DDP_ERR_PEER_LOST (naming it) on every rank; a peer that stops answering is DDP_ERR_TIMEOUT.
    After such an error the group is broken: later calls return DDP_ERR_STATE; destroy it.
-   count is in elements; count 0 is allowed and still synchronises. In-place: pass the same pointer
+   count is in elements; count 0 is allowed and still synchronises. A count whose largest buffer (count
+   x element size, x world size for all_gather / reduce_scatter) would reach 2^47 bytes (128 TiB) is
+   DDP_ERR_INVALID_ARGUMENT, naming the count and the limit. In-place: pass the same pointer
    (all_gather / reduce_scatter: send may alias this rank's slice of recv, or recv itself).
    Thread safety: a group's collectives must be issued from one thread at a time, in one order. */
 
@@ -186,9 +195,12 @@ DDP_API ddp_result ddp_reduce_scatter_async(ddp_group *g, const void *send, void
                                             ddp_dtype t, ddp_op op, ddp_work **w);
 DDP_API ddp_result ddp_barrier_async(ddp_group *g, ddp_work **w);
 /* Block until w is complete; return its result and release w (its message is then in
-   ddp_last_error(group)). Call exactly once per handle. */
+   ddp_last_error(group)). Call exactly once per handle: a handle already waited on, or released by
+   ddp_destroy of its group, is DDP_ERR_INVALID_ARGUMENT without being touched (recognised as long as
+   the allocator has not given its address to a newer handle). */
 DDP_API ddp_result ddp_wait(ddp_work *w);
-/* Nonzero when w is complete (ddp_wait will not block). Does not release w. */
+/* Nonzero when w is complete (ddp_wait will not block); also nonzero for a spent handle, which
+   ddp_wait fails at once (the reason is in ddp_last_error(NULL)). Does not release w. */
 DDP_API int ddp_test(ddp_work *w);
 
 /* ddp_set_stream: the CUDA stream (a cudaStream_t) that the nccl backend queues g's collectives on
@@ -238,6 +250,10 @@ DDP_API void ddp_free(ddp_group *g, void *p);
    arguments, DDP_ERR_OUT_OF_MEMORY "the store at H:P is full (...)" when ddp.h's store server refuses a
    write past this client's share or its budget (DDP_STORE_MAX_BYTES; the connection stays usable).
    Thread safety: one thread at a time per store. */
+/* ddp_group_store: g's store (subgroups share their parent's). A single process started without a
+   master (no store to rendezvous through) gets a private store on 127.0.0.1 at the first call, so code
+   written for many ranks runs on one. NULL when g is NULL or destroyed, or that store cannot start
+   (ddp_last_error says why). */
 DDP_API ddp_store *ddp_group_store(ddp_group *g);
 /* Sets key to the size bytes at value (replacing any value; size 0 is allowed, value may then be NULL). */
 DDP_API ddp_result ddp_store_set(ddp_store *s, const char *key, const void *value, size_t size);

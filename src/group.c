@@ -73,6 +73,26 @@ bad:
     return ddp__fail_to(err, DDP_ERR_INVALID_ARGUMENT, "init_method \"%s\" is not tcp://host:port with a port in 1..65535", url);
 }
 
+/* The local rank and size that launcher i gave: 0 <= local rank < local size <= world size. torchrun
+   sets LOCAL_RANK and LOCAL_WORLD_SIZE together, so one without the other is a broken environment;
+   the other launchers may give the local rank alone (the rendezvous then counts the ranks per host). */
+static ddp_result ddp__check_local(const ddp__launch *L, int i, char *err) {
+    const char *lr = ddp__launchers[i].local_rank, *ls = ddp__launchers[i].local_size;
+    if (i == 0 && (L->local_rank >= 0) != (L->local_world_size >= 0))
+        return ddp__fail_to(err, DDP_ERR_INIT, "%s is set but %s is not; set both (as torchrun and ddprun do) or neither",
+                            L->local_rank >= 0 ? lr : ls, L->local_rank >= 0 ? ls : lr);
+    if (L->local_world_size > L->world_size)
+        return ddp__fail_to(err, DDP_ERR_INIT, "%s=%d is larger than %s=%d: a host cannot have more ranks than the world; "
+                            "check the launcher's settings", ls, L->local_world_size, ddp__launchers[i].size, L->world_size);
+    if (L->local_world_size >= 0 && L->local_rank >= L->local_world_size)
+        return ddp__fail_to(err, DDP_ERR_INIT, "%s=%d is out of range for %s=%d; local ranks are 0..%d: check the "
+                            "launcher's settings", lr, L->local_rank, ls, L->local_world_size, L->local_world_size - 1);
+    if (L->local_rank >= L->world_size)
+        return ddp__fail_to(err, DDP_ERR_INIT, "%s=%d is out of range for %s=%d; check the launcher's settings", lr,
+                            L->local_rank, ddp__launchers[i].size, L->world_size);
+    return DDP_SUCCESS;
+}
+
 /* Step 1 and 2: rank, world size, local rank, master, from the descriptor and the environment. */
 static ddp_result ddp__read_launch(const ddp_init_desc *d, ddp__launch *L, char *err) {
     long v = 0;
@@ -109,6 +129,7 @@ static ddp_result ddp__read_launch(const ddp_init_desc *d, ddp__launch *L, char 
         }
         L->source = ddp__launchers[i].name;
         found = 1;
+        if (ddp__check_local(L, i, err) != DDP_SUCCESS) return DDP_ERR_INIT;
     }
     if (L->rank < 0 || L->rank >= L->world_size)
         return ddp__fail_to(err, DDP_ERR_INIT, "rank %d is out of range for world size %d (from %s); ranks are 0..%d",
@@ -540,7 +561,8 @@ static ddp_group *ddp__group_alloc(int rank, int world_size) {
     g->mesh.pollfds = (struct pollfd *)ddp__calloc((size_t)world_size, sizeof *g->mesh.pollfds);
     g->mesh.poll_owner = (int *)ddp__calloc((size_t)world_size, sizeof *g->mesh.poll_owner);
     g->world_ranks = (int *)ddp__calloc((size_t)world_size, sizeof *g->world_ranks);
-    if (!g->mesh.peers || !g->mesh.peer_names || !g->mesh.pollfds || !g->mesh.poll_owner || !g->world_ranks) {
+    if (!g->mesh.peers || !g->mesh.peer_names || !g->mesh.pollfds || !g->mesh.poll_owner || !g->world_ranks ||
+        !ddp__live_add(g, DDP__LIVE_GROUP)) {
         ddp__group_free(g);
         return NULL;
     }
@@ -556,7 +578,9 @@ static ddp_group *ddp__group_alloc(int rank, int world_size) {
    Also frees a group whose allocation stopped half way (its arrays may be NULL). */
 static void ddp__group_free(ddp_group *g) {
     int i;
+    ddp__live_remove(g, DDP__LIVE_GROUP); /* from here on, calls on g fail instead of reading freed memory */
     ddp__progress_stop(g);
+    ddp__work_release_all(g);
     if (g->backend) g->backend->close(g, 0);
     if (g->broken) ddp__close_after_failure(g, 1.0);
     ddp__lib_free_all(g);
@@ -564,7 +588,7 @@ static void ddp__group_free(ddp_group *g) {
         if (g->mesh.peers[i].fd >= 0) close(g->mesh.peers[i].fd);
     if (g->member.owns_store && g->member.store) ddp__store_free(g->member.store);
     if (g->member.store_server) ddp__store_server_stop(g->member.store_server);
-    if (g->member.parent) g->member.parent->member.live_subgroups--;
+    if (g->member.parent) ddp__subgroup_unlink(g->member.parent, g);
     pthread_mutex_destroy(&g->async.mu);
     pthread_cond_destroy(&g->async.cv);
     ddp__free(g->scratch);
@@ -594,22 +618,57 @@ static uint64_t ddp__host_key(void) {
     return ddp__hash(buf);
 }
 
-/* Which transport carries the group's collectives, decided alike on every rank from every rank's host
-   key (one all_gather over the mesh): all ranks on one host -> shared memory (shm.c); several hosts
-   with several ranks on some -> the hierarchical all_reduce (hier.c); else the mesh itself (tcp.c).
-   DDP_TRANSPORT=tcp keeps the mesh for everything. */
-static ddp_result ddp__choose_transport(ddp_group *g) {
+/* Which transport carries the group's collectives, decided alike on every rank from what every rank
+   sends in one all_gather over the mesh: its host key and whether DDP_TRANSPORT=tcp is set on it. Any
+   rank asking for tcp keeps the whole group on the mesh (as DDP_SHM_CMA=0 on one rank turns
+   cross-memory attach off for all): a rank that skipped the exchange would meet the others' next
+   collective instead, and every rank would fail without naming the cause. Otherwise: all ranks on one
+   host -> shared memory (shm.c); several hosts with several ranks on some -> the hierarchical
+   all_reduce (hier.c); else the mesh itself (tcp.c). */
+#define DDP__WISH_BAD 2 /* DDP_TRANSPORT set to something else than auto or tcp */
+static int ddp__transport_wish(void) {
     const char *transport = ddp__env("DDP_TRANSPORT");
-    uint64_t key = ddp__host_key(), *keys;
-    int i, same = 1;
+    if (!transport || strcmp(transport, "auto") == 0) return 0;
+    return strcmp(transport, "tcp") == 0 ? 1 : DDP__WISH_BAD;
+}
+
+static ddp_result ddp__bad_transport(ddp_group *g) {
+    return ddp__fail(g, DDP_ERR_INIT, "DDP_TRANSPORT=\"%s\" is not one of auto, tcp; fix or unset it", ddp__env("DDP_TRANSPORT"));
+}
+
+static ddp_result ddp__choose_transport(ddp_group *g) {
+    uint64_t mine[2], *all, *keys;
+    int i, same = 1, tcp_rank = -1, tcp_ranks = 0, bad_rank = -1;
     ddp_result r;
-    if (g->world_size < 2 || (transport && strcmp(transport, "tcp") == 0)) return DDP_SUCCESS;
-    keys = (uint64_t *)ddp__calloc((size_t)g->world_size, sizeof *keys);
-    if (!keys) return ddp__fail(g, DDP_ERR_OUT_OF_MEMORY, "out of memory mapping the group's hosts");
-    r = ddp__mesh_all_gather(g, &key, keys, 1, DDP_I64);
-    for (i = 0; i < g->world_size && r == DDP_SUCCESS; i++) same &= keys[i] == key;
-    if (r == DDP_SUCCESS) r = same ? ddp__shm_setup(g) : ddp__hier_setup(g, keys);
-    ddp__free(keys);
+    if (g->world_size < 2) return DDP_SUCCESS;
+    mine[0] = ddp__host_key();
+    mine[1] = (uint64_t)ddp__transport_wish();
+    all = (uint64_t *)ddp__calloc((size_t)g->world_size, 3 * sizeof *all);
+    if (!all) return ddp__fail(g, DDP_ERR_OUT_OF_MEMORY, "out of memory mapping the group's hosts");
+    keys = all + 2 * (size_t)g->world_size;
+    r = ddp__mesh_all_gather(g, mine, all, 2, DDP_I64);
+    for (i = 0; i < g->world_size && r == DDP_SUCCESS; i++) {
+        keys[i] = all[2 * i];
+        same &= keys[i] == mine[0];
+        if (all[2 * i + 1] == DDP__WISH_BAD && bad_rank < 0) bad_rank = i;
+        if (all[2 * i + 1] == 1) {
+            if (tcp_rank < 0) tcp_rank = i;
+            tcp_ranks++;
+        }
+    }
+    if (r == DDP_SUCCESS && bad_rank >= 0) { /* every rank fails, naming the rank that set it */
+        if (mine[1] == DDP__WISH_BAD) ddp__bad_transport(g);
+        else ddp__fail(g, DDP_ERR_INIT, "DDP_TRANSPORT on rank %d (%s) is not one of auto, tcp (that rank's message "
+                       "names the value); fix or unset it there", bad_rank, g->mesh.peer_names[bad_rank]);
+        r = DDP_ERR_INIT;
+    } else if (r == DDP_SUCCESS && tcp_rank >= 0) {
+        if (!mine[1])
+            ddp__log(g, DDP_LOG_INFO, "DDP_TRANSPORT=tcp is set on rank %d (%s)%s: the whole group stays on TCP", tcp_rank,
+                     g->mesh.peer_names[tcp_rank], tcp_ranks > 1 ? " and others" : "");
+    } else if (r == DDP_SUCCESS) {
+        r = same ? ddp__shm_setup(g) : ddp__hier_setup(g, keys);
+    }
+    ddp__free(all);
     return r;
 }
 
@@ -694,7 +753,7 @@ DDP_API ddp_result ddp_init(const ddp_init_desc *desc, ddp_group **out) {
     ddp__launch L;
     ddp_group *g;
     char err[DDP__ERR_MAX], where[320];
-    const char *transport = ddp__env("DDP_TRANSPORT"), *backend;
+    const char *backend;
     double timeout;
     int nccl, foreign = 0;
     ddp_result r;
@@ -712,9 +771,9 @@ DDP_API ddp_result ddp_init(const ddp_init_desc *desc, ddp_group **out) {
                          desc->backend && *desc->backend ? "" : " (from DDP_BACKEND)");
     }
     if (strcmp(backend, "mpi") == 0) return ddp__init_mpi(desc, out);
-    if (transport && strcmp(transport, "auto") != 0 && strcmp(transport, "tcp") != 0)
-        return ddp__fail(NULL, DDP_ERR_INIT, "DDP_TRANSPORT=\"%s\" is not one of auto, tcp", transport);
     if ((r = ddp__read_launch(desc, &L, err)) != DDP_SUCCESS) return ddp__fail(NULL, r, "ddp_init: %s", err);
+    /* alone, nobody else needs to hear of it; otherwise the ranks check DDP_TRANSPORT together (ddp__choose_transport) */
+    if (L.world_size == 1 && ddp__transport_wish() == DDP__WISH_BAD) return ddp__bad_transport(NULL);
     timeout = ddp__read_timeout(desc, err, &r);
     if (r) return ddp__fail(NULL, r, "ddp_init: %s", err);
 
@@ -764,12 +823,40 @@ DDP_API ddp_result ddp_init(const ddp_init_desc *desc, ddp_group **out) {
     return ddp__init_done(g, nccl, out);
 }
 
+/* Subgroups are listed on their parent in the order they were made, which is the same on every rank
+   (ddp_new_group is collective on the parent). */
+static void ddp__subgroup_link(ddp_group *parent, ddp_group *sub) {
+    ddp_group **at = &parent->member.subgroups;
+    while (*at) at = &(*at)->member.next_sibling;
+    *at = sub;
+    sub->member.parent = parent;
+    sub->member.next_sibling = NULL;
+}
+
+static void ddp__subgroup_unlink(ddp_group *parent, ddp_group *sub) {
+    ddp_group **at = &parent->member.subgroups;
+    while (*at && *at != sub) at = &(*at)->member.next_sibling;
+    if (*at) *at = sub->member.next_sibling;
+    sub->member.parent = NULL;
+}
+
+/* ddp_destroy of a group destroys its live subgroups first, as torch's destroy_process_group() destroys
+   every group: each rank destroys those it belongs to, in the order they were made, so the members of
+   each meet in its closing barrier (a rank outside one goes on to the next). The first error is kept. */
+static ddp_result ddp__destroy_subgroups(ddp_group *g) {
+    ddp_result first = DDP_SUCCESS;
+    while (g->member.subgroups) {
+        ddp_result r = ddp_destroy(g->member.subgroups); /* unlinks it */
+        if (r && !first) first = r;
+    }
+    return first;
+}
+
 DDP_API ddp_result ddp_destroy(ddp_group *g) {
-    ddp_result r = DDP_SUCCESS;
+    ddp_result r = DDP_SUCCESS, subs;
     if (!g) return DDP_SUCCESS;
-    if (g->member.live_subgroups > 0)
-        return ddp__fail(g, DDP_ERR_STATE, "ddp_destroy: %d subgroup(s) made from this group are still alive; destroy them first",
-                         g->member.live_subgroups);
+    if ((r = ddp__group_check(g, "ddp_destroy")) != DDP_SUCCESS) return r;
+    subs = ddp__destroy_subgroups(g);
     ddp__drain(g);
     if (g->world_size > 1 && !g->broken) {
         r = ddp_barrier(g); /* nobody closes a connection that a peer may still be waiting on */
@@ -781,7 +868,7 @@ DDP_API ddp_result ddp_destroy(ddp_group *g) {
         }
     }
     ddp__group_free(g);
-    return r;
+    return r ? r : subs;
 }
 
 /* Make and connect the group of the parent's ranks `ranks` (n of them; this rank is ranks[me]) through
@@ -827,7 +914,7 @@ DDP_API ddp_result ddp_new_group(ddp_group *g, const int *ranks, int n, ddp_grou
     struct ddp__mpi *comm = NULL;
     ddp_group *sub;
     ddp_result r;
-    if (!g) return ddp__fail(NULL, DDP_ERR_INVALID_ARGUMENT, "ddp_new_group: the parent group is NULL");
+    if ((r = ddp__group_check(g, "ddp_new_group")) != DDP_SUCCESS) return r;
     if (out) *out = NULL;
     for (i = 0; valid && i < n; i++) {
         if (ranks[i] < 0 || ranks[i] >= g->world_size) valid = 0;
@@ -866,16 +953,44 @@ DDP_API ddp_result ddp_new_group(ddp_group *g, const int *ranks, int n, ddp_grou
         return r;
     }
     sub->seq_base = sub->seq;
-    sub->member.parent = g;
-    g->member.live_subgroups++;
+    ddp__subgroup_link(g, sub);
     *out = sub;
     return DDP_SUCCESS;
 }
 
-DDP_API int ddp_rank(const ddp_group *g) { return g ? g->rank : 0; }
-DDP_API int ddp_world_size(const ddp_group *g) { return g ? g->world_size : 1; }
-DDP_API int ddp_local_rank(const ddp_group *g) { return g ? g->local_rank : 0; }
-DDP_API int ddp_local_world_size(const ddp_group *g) { return g ? g->local_world_size : 1; }
-DDP_API const char *ddp_backend_name(const ddp_group *g) { return g ? g->backend->family : "none"; }
-DDP_API double ddp_timeout(const ddp_group *g) { return g ? g->timeout : 0.0; }
-DDP_API ddp_store *ddp_group_store(ddp_group *g) { return g ? g->member.store : NULL; }
+/* The getters answer as for NULL (a single process) on a destroyed group; the reason is in
+   ddp_last_error(NULL). */
+static int ddp__group_live(const ddp_group *g, const char *fn) { return g && ddp__group_check(g, fn) == DDP_SUCCESS; }
+DDP_API int ddp_rank(const ddp_group *g) { return ddp__group_live(g, "ddp_rank") ? g->rank : 0; }
+DDP_API int ddp_world_size(const ddp_group *g) { return ddp__group_live(g, "ddp_world_size") ? g->world_size : 1; }
+DDP_API int ddp_local_rank(const ddp_group *g) { return ddp__group_live(g, "ddp_local_rank") ? g->local_rank : 0; }
+DDP_API int ddp_local_world_size(const ddp_group *g) { return ddp__group_live(g, "ddp_local_world_size") ? g->local_world_size : 1; }
+DDP_API const char *ddp_backend_name(const ddp_group *g) { return ddp__group_live(g, "ddp_backend_name") ? g->backend->family : "none"; }
+DDP_API double ddp_timeout(const ddp_group *g) { return ddp__group_live(g, "ddp_timeout") ? g->timeout : 0.0; }
+
+/* A group of one process made without a master has no store; the first ddp_group_store() call gives it
+   a private one (a store server on a free loopback port, and a client), so that code written for many
+   ranks runs unchanged on one. */
+static ddp_result ddp__private_store(ddp_group *g) {
+    char err[DDP__ERR_MAX];
+    ddp_result r = ddp__store_server_start("127.0.0.1", 0, g->log_level, &g->member.store_server, err);
+    if (r == DDP_SUCCESS)
+        r = ddp__store_connect("127.0.0.1", ddp__store_server_port(g->member.store_server), NULL, g->timeout, &g->member.store, err);
+    if (r == DDP_SUCCESS) {
+        g->member.owns_store = 1;
+        return DDP_SUCCESS;
+    }
+    ddp__store_server_stop(g->member.store_server);
+    g->member.store_server = NULL;
+    return ddp__fail(g, r, "ddp_group_store: could not start the store of this single-process group: %s", err);
+}
+
+DDP_API ddp_store *ddp_group_store(ddp_group *g) {
+    ddp_store *s;
+    if (ddp__group_check(g, "ddp_group_store") != DDP_SUCCESS) return NULL;
+    pthread_mutex_lock(&g->async.mu);
+    if (!g->member.store && g->world_size == 1 && !g->mpi && !g->member.parent) ddp__private_store(g);
+    s = g->member.store;
+    pthread_mutex_unlock(&g->async.mu);
+    return s;
+}

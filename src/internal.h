@@ -206,6 +206,17 @@ static DDP__UNUSED uint64_t ddp__hash(const char *s); /* FNV-1a of a string */
    ddp_result's errors, else fallback -- a corrupt or hostile 0 must never read as success. */
 static DDP__UNUSED ddp_result ddp__peer_code(long code, ddp_result fallback);
 
+/* ---- registry.c: the live groups and work handles (a call on a freed one is an error, not a crash) ---- */
+#define DDP__LIVE_GROUP 1
+#define DDP__LIVE_WORK 2
+static DDP__UNUSED int ddp__live_add(const void *p, int kind); /* 0 when out of memory */
+static DDP__UNUSED int ddp__live_has(const void *p, int kind);
+static DDP__UNUSED int ddp__live_take(const void *p, int kind); /* remove; 1 when it was there */
+static DDP__UNUSED void ddp__live_remove(const void *p, int kind);
+/* DDP_SUCCESS when g is a live group; else fails (this thread's error) naming fn: a NULL group is
+   DDP_ERR_INVALID_ARGUMENT, a destroyed (or never made) one DDP_ERR_STATE. */
+static DDP__UNUSED ddp_result ddp__group_check(const ddp_group *g, const char *fn);
+
 /* ---- dtype.c ---- */
 static DDP__UNUSED int ddp__dtype_valid(ddp_dtype t);
 static DDP__UNUSED int ddp__op_valid(ddp_op op);
@@ -363,8 +374,9 @@ typedef struct ddp__membership {
     struct ddp__store_server *store_server; /* rank 0 of the world group serves the store */
     char address[128];       /* this host's address that peers connect to */
     char prefix[96];         /* this group's store keys start with it */
-    ddp_group *parent;       /* NULL for the world group */
-    int live_subgroups;      /* subgroups not yet destroyed */
+    ddp_group *parent;       /* NULL for the world group (and hier.c's stage groups) */
+    ddp_group *subgroups;    /* ddp_new_group's subgroups not yet destroyed, in the order made */
+    ddp_group *next_sibling; /* the next of the parent's subgroups */
     uint64_t subgroups_made; /* names the next subgroup's key prefix */
 } ddp__membership;
 
@@ -373,6 +385,7 @@ typedef struct ddp__async {
     pthread_mutex_t mu;
     pthread_cond_t cv;
     ddp_work *head, *tail;
+    ddp_work *issued; /* every handle returned and not yet waited on (freed with the group) */
     int running, stop;
     pthread_t thread;
 } ddp__async;
@@ -450,6 +463,7 @@ struct ddp_work {
     int done;
     char error[DDP__ERR_MAX];
     ddp_work *next;
+    ddp_work *issued_prev, *issued_next; /* on g->async.issued until ddp_wait takes it (collectives.c) */
     const ddp__backend *owner; /* the backend that took it (enqueue), which waits for it; NULL: the progress thread */
     void *handle;              /* the owner's: nccl's CUDA event */
 };
@@ -502,6 +516,11 @@ static DDP__UNUSED void ddp__fingerprint(ddp_group *g, const ddp__call *k, ddp__
 static DDP__UNUSED const char *ddp__broken_message(const ddp_group *g, const ddp__call *k, char *out);
 static DDP__UNUSED void ddp__drain(ddp_group *g);         /* wait until no async work is queued */
 static DDP__UNUSED void ddp__progress_stop(ddp_group *g); /* finish queued work, stop the thread */
+static DDP__UNUSED void ddp__work_release_all(ddp_group *g); /* the group ends: free the handles not waited on */
+/* The most bytes a collective's largest buffer may span (count x element size, x world size for
+   all_gather / reduce_scatter): more than any process can map, so sizes computed from a valid count
+   never overflow. */
+#define DDP__MAX_BUFFER_BYTES ((uint64_t)1 << 47)
 /* A failure outside any collective that leaves the ranks unable to agree (the reducer's missing
    gradient): finish queued work, then break the group so every rank fails with msg. */
 static DDP__UNUSED ddp_result ddp__group_abort(ddp_group *g, ddp_result code, const char *msg);
@@ -559,6 +578,8 @@ static DDP__UNUSED ddp_result ddp__nccl_attach(ddp_group *g, const struct ddp__n
 /* ---- group.c ---- */
 static DDP__UNUSED ddp_group *ddp__group_alloc(int rank, int world_size);
 static DDP__UNUSED void ddp__group_free(ddp_group *g); /* connections closed without goodbye */
+static DDP__UNUSED void ddp__subgroup_link(ddp_group *parent, ddp_group *sub);
+static DDP__UNUSED void ddp__subgroup_unlink(ddp_group *parent, ddp_group *sub);
 /* Make and connect the group of the parent's ranks `ranks` (see group.c); hier.c's stages use it too. */
 static DDP__UNUSED ddp_result ddp__subgroup_open(ddp_group *g, const int *ranks, int n, int me, const char *name,
                                                  struct ddp__mpi *comm, const char *what, ddp_group **out);

@@ -268,7 +268,8 @@ static ddp_result ddp__nccl_wait_work(ddp_work *w) {
 static int ddp__nccl_test_work(ddp_work *w) { return ddp__cuda_nccl_test(w->g->nccl->comm, w->handle); }
 
 DDP_API ddp_result ddp_set_stream(ddp_group *g, void *cuda_stream) {
-    if (!g) return ddp__fail(NULL, DDP_ERR_INVALID_ARGUMENT, "ddp_set_stream: the group is NULL");
+    ddp_result r = ddp__group_check(g, "ddp_set_stream"); /* NULL: DDP_ERR_INVALID_ARGUMENT; destroyed: DDP_ERR_STATE */
+    if (r) return r;
     if (!g->nccl)
         return ddp__fail(g, DDP_ERR_UNSUPPORTED, "ddp_set_stream: the group's backend is \"%s\"; CUDA streams belong to "
                          "the nccl backend", g->backend->family);
@@ -413,8 +414,9 @@ static ddp_result ddp__nccl_attach(ddp_group *g, const struct ddp__nccl *parent)
 }
 
 DDP_API ddp_result ddp_set_stream(ddp_group *g, void *cuda_stream) {
+    ddp_result r = ddp__group_check(g, "ddp_set_stream");
     (void)cuda_stream;
-    if (!g) return ddp__fail(NULL, DDP_ERR_INVALID_ARGUMENT, "ddp_set_stream: the group is NULL");
+    if (r) return r;
     return ddp__fail(g, DDP_ERR_UNSUPPORTED, "ddp_set_stream: the group's backend is \"%s\"; CUDA streams belong to the "
                      "nccl backend (a build with -DDDP_CUDA)", g->backend->family);
 }

@@ -183,9 +183,10 @@ static size_t ddp__tensor_bytes(const ddp__rtensor *t) { return t->count * ddp_d
 DDP_API ddp_result ddp_reducer_create(ddp_group *g, const ddp_reducer_desc *d, ddp_reducer **out) {
     ddp_reducer_desc desc;
     ddp_reducer *r;
+    ddp_result res = ddp__group_check(g, "ddp_reducer_create");
+    if (res) return res;
     if (!out) return ddp__fail(g, DDP_ERR_INVALID_ARGUMENT, "ddp_reducer_create: out is NULL");
     *out = NULL;
-    if (!g) return ddp__fail(NULL, DDP_ERR_INVALID_ARGUMENT, "ddp_reducer_create: the group is NULL (did ddp_init succeed?)");
     memset(&desc, 0, sizeof desc);
     if (d) desc = *d;
     if (!desc.bucket_cap_bytes) desc.bucket_cap_bytes = DDP__REDUCER_DEFAULT_CAP;
@@ -225,13 +226,30 @@ static ddp_result ddp__reducer_append(ddp_reducer *r, ddp__rtensor **arr, int *n
     return DDP_SUCCESS;
 }
 
+/* The parameter or buffer already registered under name: what it is ("parameter"/"buffer") and its
+   index, or NULL. A linear search: registration happens once, before training. */
+static const char *ddp__reducer_find_name(const ddp_reducer *r, const char *name, int *index) {
+    int i;
+    for (i = 0; i < r->nparams; i++)
+        if (strcmp(r->params[i].name, name) == 0) return *index = i, "parameter";
+    for (i = 0; i < r->nbuffers; i++)
+        if (strcmp(r->buffers[i].name, name) == 0) return *index = i, "buffer";
+    return NULL;
+}
+
 static ddp_result ddp__reducer_check_add(ddp_reducer *r, const char *what, const char *name, const void *data, size_t count,
                                          ddp_dtype t) {
+    const char *dup;
+    int dup_index = 0;
     if (!r) return ddp__fail(NULL, DDP_ERR_INVALID_ARGUMENT, "ddp_reducer_add_%s: the reducer is NULL", what);
     if (!name || !*name) return ddp__fail(r->g, DDP_ERR_INVALID_ARGUMENT, "ddp_reducer_add_%s: the name is NULL or empty", what);
     if (r->finalized)
         return ddp__fail(r->g, DDP_ERR_STATE, "ddp_reducer_add_%s(\"%s\"): the reducer is already finalized; register "
                          "every %s before ddp_reducer_finalize", what, name, what);
+    if ((dup = ddp__reducer_find_name(r, name, &dup_index)) != NULL)
+        return ddp__fail(r->g, DDP_ERR_INVALID_ARGUMENT, "ddp_reducer_add_%s(\"%s\"): the name is already registered, as %s "
+                         "%d; every parameter and buffer needs its own name (the ranks compare models, and checkpoints "
+                         "store tensors, by name)", what, name, dup, dup_index);
     if (!ddp__dtype_valid(t))
         return ddp__fail(r->g, DDP_ERR_INVALID_ARGUMENT, "ddp_reducer_add_%s(\"%s\"): dtype %d is not a ddp_dtype", what, name, (int)t);
     if (count == 0) return ddp__fail(r->g, DDP_ERR_INVALID_ARGUMENT, "ddp_reducer_add_%s(\"%s\"): count is 0", what, name);

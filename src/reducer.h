@@ -100,7 +100,8 @@ DDP_API ddp_result ddp_reducer_create(ddp_group *g, const ddp_reducer_desc *d, d
    Parameters: name (copied; e.g. "fc1.weight"), param (count values of dtype t, overwritten with rank 0's
    at finalize), grad (the gradient buffer, count values of t; must be NULL with gradient_as_bucket_view,
    where the reducer provides it), t (DDP_F32, DDP_F64, DDP_F16 or DDP_BF16), index (receives the
-   parameter's index: 0, 1, ... in registration order; may be NULL).
+   parameter's index: 0, 1, ... in registration order; may be NULL). Names are unique among the
+   reducer's parameters and buffers: a name registered already is DDP_ERR_INVALID_ARGUMENT naming it.
    Return: DDP_SUCCESS; DDP_ERR_INVALID_ARGUMENT (names the problem); DDP_ERR_STATE after finalize. */
 DDP_API ddp_result ddp_reducer_add_param(ddp_reducer *r, const char *name, void *param, void *grad, size_t count,
                                          ddp_dtype t, int *index);

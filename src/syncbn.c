@@ -325,6 +325,7 @@ static void ddp__bn_pass_grad_input(const ddp_syncbn *bn, const float *dy, const
 DDP_API ddp_result ddp_syncbn_create(ddp_group *g, const ddp_syncbn_desc *d, ddp_syncbn **out) {
     ddp_syncbn *bn;
     size_t C;
+    if (g && !ddp__live_has(g, DDP__LIVE_GROUP)) return ddp__group_check(g, "ddp_syncbn_create");
     if (!out) return ddp__fail(g, DDP_ERR_INVALID_ARGUMENT, "ddp_syncbn_create: out is NULL");
     *out = NULL;
     if (!d) return ddp__fail(g, DDP_ERR_INVALID_ARGUMENT, "ddp_syncbn_create: the descriptor d is NULL");

@@ -110,6 +110,33 @@ static int rank_main(int rank, int n, void *arg) {
         expect_fail(g, ddp_checkpoint_load_ex(g, p, &one, 1, NULL, &sub), DDP_ERR_MISMATCH, rank == 0 ? "rank 1" : "step",
                     "different lists with broadcast");
     }
+    /* a save that fails on one rank (issue #18): on every rank the message names the save, the path, the
+       rank that failed and the OS error (not the collective that carried the news) */
+    {
+        static const char *const needles[] = {"checkpoint save failed on rank 0", "/nonexistent-dir/c.safetensors",
+                                              "No such file or directory"};
+        static const char *const shard_needles[] = {"checkpoint shard save failed on rank 1", ".rank1.tmp", "Is a directory"};
+        char blocker[600];
+        int k;
+        expect_fail(g, ddp_checkpoint_save(g, "/nonexistent-dir/c.safetensors", mine.t, 2, NULL), DDP_ERR_IO, needles[0],
+                    "save into a missing directory");
+        for (k = 1; k < 3; k++)
+            CHECK(strstr(ddp_last_error(g), needles[k]), "rank %d: \"%s\" lacks \"%s\"", rank, ddp_last_error(g), needles[k]);
+        CHECK(!strstr(ddp_last_error(g), "all_gather"), "rank %d: the message names the collective: %s", rank, ddp_last_error(g));
+        /* rank 1 cannot write its shard: a directory stands where its temporary file goes */
+        snprintf(name, sizeof name, "blocked_w%d.safetensors", n);
+        at(name, q, sizeof q);
+        snprintf(blocker, sizeof blocker, "%s.rank1.tmp", q);
+        if (rank == 1) CHECK(mkdir(blocker, 0700) == 0, "mkdir %s", blocker);
+        CHECK_OK(ddp_barrier(g), g);
+        expect_fail(g, ddp_checkpoint_save_shard(g, q, mine.t, 2, NULL, NULL), DDP_ERR_IO, shard_needles[0],
+                    "shard save blocked on rank 1");
+        for (k = 1; k < 3; k++)
+            CHECK(strstr(ddp_last_error(g), shard_needles[k]), "rank %d: \"%s\" lacks \"%s\"", rank, ddp_last_error(g), shard_needles[k]);
+        CHECK(!strstr(ddp_last_error(g), "all_gather"), "rank %d: the message names the collective: %s", rank, ddp_last_error(g));
+        CHECK_OK(ddp_barrier(g), g);
+        if (rank == 1) rmdir(blocker);
+    }
     /* the group still works after all those errors */
     model_init(&got, 7);
     CHECK_OK(ddp_checkpoint_load(g, p, got.t, 2, NULL), g);

@@ -2,7 +2,8 @@
    mismatched collective / count / dtype / op / root, a skipped collective, a peer that exits or is
    SIGKILLed (DDP_ERR_PEER_LOST naming it, within 5 s), a peer that is alive but stuck
    (DDP_ERR_TIMEOUT after the timeout), bad arguments (rejected locally, group still usable), and
-   calls on a broken group (DDP_ERR_STATE). */
+   calls on a broken group (DDP_ERR_STATE); calls on destroyed groups and spent work handles, counts
+   beyond any buffer; DDP_TRANSPORT set on one rank only. */
 #include "testlib.h"
 
 typedef struct scenario {
@@ -175,6 +176,96 @@ static int bad_arguments(int rank, int n, void *arg) {
     return 0;
 }
 
+/* Crashes a caller could cause (issue #18, item 7), each now an error that touches no freed memory (the
+   ASan build of this test checks that): a second ddp_wait on one handle, a handle whose group was
+   destroyed, a collective / getter / ddp_destroy on a destroyed group, and counts just under the old
+   overflow check (2^61 elements), which passed it and crashed in memmove on one rank. */
+static int crash_cases(int rank, int n, void *arg) {
+    ddp_group *g = join(30), *dead;
+    float x[4] = {1, 1, 1, 1};
+    char small[16] = {0};
+    ddp_work *w = NULL, *orphan = NULL;
+    size_t huge = (size_t)1 << 61;
+    (void)arg;
+    /* counts no buffer can hold: rejected up front, naming the count and the limit */
+    expect_error(g, ddp_reduce_scatter(g, small, small + 8, huge, DDP_I8, DDP_SUM), DDP_ERR_INVALID_ARGUMENT, rank,
+                 "reduce_scatter of 2^61 i8", "count 2305843009213693952", "limit", "2^47", (const char *)NULL);
+    expect_error(g, ddp_all_reduce(g, small, huge - 1, DDP_F32, DDP_SUM), DDP_ERR_INVALID_ARGUMENT, rank,
+                 "all_reduce of 2^61-1 f32", "count 2305843009213693951", "limit", (const char *)NULL);
+    expect_error(g, ddp_all_gather(g, small, small, ((size_t)1 << 47) / (size_t)n + 1, DDP_U8), DDP_ERR_INVALID_ARGUMENT, rank,
+                 "all_gather of 2^47/n + 1 u8 per rank", "limit", (const char *)NULL);
+    /* a second ddp_wait (and ddp_test) on a spent handle */
+    CHECK_OK(ddp_all_reduce_async(g, x, 4, DDP_F32, DDP_SUM, &w), g);
+    CHECK_OK(ddp_wait(w), g);
+    CHECK(x[0] == (float)n, "rank %d: all_reduce gave %g", rank, x[0]);
+    expect_error(NULL, ddp_wait(w), DDP_ERR_INVALID_ARGUMENT, rank, "second ddp_wait", "already waited on", (const char *)NULL);
+    CHECK(ddp_test(w) != 0, "rank %d: ddp_test on a spent handle says it would block", rank);
+    /* a handle never waited on: ddp_destroy releases it (no leak), and a ddp_wait after that fails */
+    CHECK_OK(ddp_barrier_async(g, &orphan), g);
+    dead = g;
+    CHECK_OK(ddp_destroy(g), NULL);
+    expect_error(NULL, ddp_wait(orphan), DDP_ERR_INVALID_ARGUMENT, rank, "ddp_wait after ddp_destroy", "group was destroyed",
+                 (const char *)NULL);
+    /* calls on the destroyed group */
+    expect_error(NULL, ddp_all_reduce(dead, x, 4, DDP_F32, DDP_SUM), DDP_ERR_STATE, rank, "all_reduce on a destroyed group",
+                 "was destroyed", (const char *)NULL);
+    expect_error(NULL, ddp_barrier_async(dead, &w), DDP_ERR_STATE, rank, "barrier_async on a destroyed group", "was destroyed",
+                 (const char *)NULL);
+    expect_error(NULL, ddp_destroy(dead), DDP_ERR_STATE, rank, "second ddp_destroy", "ddp_destroy", "was destroyed",
+                 (const char *)NULL);
+    CHECK(ddp_rank(dead) == 0 && ddp_world_size(dead) == 1 && ddp_group_store(dead) == NULL && ddp_alloc(dead, 8) == NULL,
+          "rank %d: getters on a destroyed group", rank);
+    CHECK(strstr(ddp_last_error(dead), "was destroyed") != NULL, "rank %d: ddp_last_error(destroyed group): %s", rank,
+          ddp_last_error(dead));
+    return 0;
+}
+
+/* DDP_TRANSPORT=tcp on one rank only (issue #18, item 3): the ranks agree (the whole group stays on TCP,
+   and the others say why, naming the rank) instead of failing with an unexplained mismatch. A value
+   that is not a transport is an error on every rank, naming the rank that set it. */
+static char transport_log[4096];
+static void keep_log(ddp_log_level level, int rank, const char *message, void *user) {
+    (void)level, (void)rank, (void)user;
+    if (strlen(transport_log) + strlen(message) + 2 < sizeof transport_log) strcat(strcat(transport_log, message), "\n");
+}
+
+static int transport_on_one_rank(int rank, int n, void *arg) {
+    ddp_init_desc d;
+    ddp_group *g;
+    float x = 1;
+    (void)arg;
+    if (rank == n - 1) setenv("DDP_TRANSPORT", "tcp", 1);
+    memset(&d, 0, sizeof d);
+    d.timeout_seconds = 30;
+    d.log_level = DDP_LOG_INFO;
+    d.log_fn = keep_log;
+    CHECK_OK(ddp_init(&d, &g), NULL);
+    CHECK_OK(ddp_all_reduce(g, &x, 1, DDP_F32, DDP_SUM), g);
+    CHECK(x == (float)n, "rank %d: all_reduce gave %g", rank, x);
+    if (rank != n - 1)
+        CHECK(strstr(transport_log, "DDP_TRANSPORT=tcp is set on rank 2") && !strstr(transport_log, "shared memory:"),
+              "rank %d: the log does not say that rank 2's DDP_TRANSPORT=tcp keeps the group on TCP:\n%s", rank, transport_log);
+    CHECK_OK(ddp_destroy(g), NULL);
+    return 0;
+}
+
+static int transport_bad_on_one_rank(int rank, int n, void *arg) {
+    ddp_init_desc d;
+    ddp_group *g = NULL;
+    ddp_result r;
+    double t0 = tl_now();
+    (void)arg, (void)n;
+    if (rank == 1) setenv("DDP_TRANSPORT", "shm", 1);
+    memset(&d, 0, sizeof d);
+    d.timeout_seconds = 30;
+    d.log_level = DDP_LOG_NONE;
+    r = ddp_init(&d, &g);
+    expect_error(NULL, r, DDP_ERR_INIT, rank, "DDP_TRANSPORT=shm on rank 1", "DDP_TRANSPORT", rank == 1 ? "\"shm\"" : "rank 1",
+                 (const char *)NULL);
+    CHECK(tl_now() - t0 < 10, "rank %d: failing took %.1f s", rank, tl_now() - t0);
+    return 0;
+}
+
 static const scenario scenarios[] = {
     {"different collective", 2, different_collective},
     {"different count", 3, different_count},
@@ -186,6 +277,10 @@ static const scenario scenarios[] = {
     {"peer exits without ddp_destroy", 2, peer_exits},
     {"peer stuck past the timeout", 2, peer_stuck},
     {"bad arguments", 3, bad_arguments},
+    {"crash cases (1 rank)", 1, crash_cases},
+    {"crash cases (2 ranks)", 2, crash_cases},
+    {"DDP_TRANSPORT=tcp on one rank", 3, transport_on_one_rank},
+    {"DDP_TRANSPORT=shm on one rank", 3, transport_bad_on_one_rank},
 };
 
 int main(void) {

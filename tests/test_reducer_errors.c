@@ -49,6 +49,15 @@ static int misuse_main(int rank, int n, void *arg) {
     CHECK_ERR(ddp_reducer_add_param(r, "nograd", w1, NULL, 4, DDP_F32, NULL), g, DDP_ERR_INVALID_ARGUMENT, "nograd");
     CHECK_ERR(ddp_reducer_add_buffer(r, "buf", NULL, 4, DDP_F32), g, DDP_ERR_INVALID_ARGUMENT, "buf");
     CHECK_ERR(ddp_reducer_begin_backward(r), g, DDP_ERR_STATE, "finalize");
+    /* a name registered twice, as parameter or buffer (issue #18): refused, naming it and the first one */
+    CHECK_OK(ddp_reducer_add_param(r, "fc1.weight", w1, gw1, 4, DDP_F32, NULL), g);
+    CHECK_OK(ddp_reducer_add_buffer(r, "bn.mean", junk, 4, DDP_F32), g);
+    CHECK_ERR(ddp_reducer_add_param(r, "fc1.weight", w2, gw2, 4, DDP_F32, NULL), g, DDP_ERR_INVALID_ARGUMENT,
+              "ddp_reducer_add_param(\"fc1.weight\"): the name is already registered, as parameter 0");
+    CHECK_ERR(ddp_reducer_add_buffer(r, "fc1.weight", junk, 4, DDP_F32), g, DDP_ERR_INVALID_ARGUMENT,
+              "already registered, as parameter 0");
+    CHECK_ERR(ddp_reducer_add_param(r, "bn.mean", w2, gw2, 4, DDP_F32, NULL), g, DDP_ERR_INVALID_ARGUMENT,
+              "already registered, as buffer 0");
     ddp_reducer_destroy(r);
 
     d.gradient_as_bucket_view = 1;
