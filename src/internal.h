@@ -440,6 +440,7 @@ struct ddp_group {
     ddp__shm *shm;         /* shm.c's segment, when the group's ranks share one host */
     struct ddp__mpi *mpi;  /* mpi.c's communicator on the mpi backend */
     struct ddp__nccl *nccl; /* nccl.c's communicator on the nccl backend */
+    struct ddp__trace *trace; /* trace.c's flight recorder (NULL: off) */
 };
 
 struct ddp_work {
@@ -505,6 +506,15 @@ static DDP__UNUSED void ddp__progress_stop(ddp_group *g); /* finish queued work,
 /* A failure outside any collective that leaves the ranks unable to agree (the reducer's missing
    gradient): finish queued work, then break the group so every rank fails with msg. */
 static DDP__UNUSED ddp_result ddp__group_abort(ddp_group *g, ddp_result code, const char *msg);
+
+/* ---- trace.c: the flight recorder, each group's last DDP_TRACE_SIZE collectives ---- */
+static DDP__UNUSED void ddp__trace_open(ddp_group *g);  /* group.c: a new group's recorder (none if off) */
+static DDP__UNUSED void ddp__trace_close(ddp_group *g); /* group.c: before g is freed */
+static DDP__UNUSED void ddp__trace_queued(ddp_group *g, const ddp__coll *c); /* c took its seq (fingerprint) */
+static DDP__UNUSED void ddp__trace_started(ddp_group *g, const ddp__coll *c); /* a backend runs it now */
+static DDP__UNUSED void ddp__trace_ended(ddp_group *g, const ddp__coll *c, ddp_result r); /* done or failed */
+/* ddp__group_break: mark what was in progress failed and write the recorder out (DDP_TRACE_DIR, else the log). */
+static DDP__UNUSED void ddp__trace_break(ddp_group *g, ddp_result code);
 
 /* ---- tcp.c: the algorithms over the mesh ---- */
 static DDP__UNUSED ddp_result ddp__tcp_run(ddp_group *g, const ddp__call *k, const ddp__coll *c);
