@@ -5813,12 +5813,11 @@ static void ddp__tput_call(ddp__tbuf *b, const ddp_group *g, uint64_t seq, uint6
 static int ddp__trace_read(const struct ddp__trace *t, uint64_t i, ddp__trace_entry *out) {
     ddp__trace_entry *e = &t->ring[i];
     uint64_t before = __atomic_load_n(&e->seq_state, __ATOMIC_ACQUIRE);
-    out->count = DDP__TLOAD(&e->count);
-    out->what = DDP__TLOAD(&e->what);
-    out->t_queued = DDP__TLOAD(&e->t_queued);
-    out->t_started = DDP__TLOAD(&e->t_started);
-    out->t_ended = DDP__TLOAD(&e->t_ended);
-    __atomic_thread_fence(__ATOMIC_ACQUIRE);
+    out->count = __atomic_load_n(&e->count, __ATOMIC_ACQUIRE); /* acquire: none moves past the check below */
+    out->what = __atomic_load_n(&e->what, __ATOMIC_ACQUIRE);
+    out->t_queued = __atomic_load_n(&e->t_queued, __ATOMIC_ACQUIRE);
+    out->t_started = __atomic_load_n(&e->t_started, __ATOMIC_ACQUIRE);
+    out->t_ended = __atomic_load_n(&e->t_ended, __ATOMIC_ACQUIRE);
     out->seq_state = __atomic_load_n(&e->seq_state, __ATOMIC_ACQUIRE);
     return before != 0 && before == out->seq_state;
 }
@@ -5849,7 +5848,8 @@ static void ddp__trace_header(ddp__tbuf *b, const struct ddp__trace *t, int show
     ddp__tput(b, "), group "), ddp__tput(b, g->member.parent ? g->member.prefix : "world");
     if (g->member.parent) ddp__tput(b, " (rank "), ddp__tput_int(b, g->rank), ddp__tput(b, ")");
     ddp__tput(b, ", world "), ddp__tput_int(b, g->world_size), ddp__tput(b, ", restart "), ddp__tput_int(b, t->restart);
-    if (DDP__TLOAD(&t->break_code)) ddp__tput(b, ", broken: "), ddp__tput(b, ddp_result_string((ddp_result)DDP__TLOAD(&t->break_code)));
+    if (DDP__TLOAD(&t->break_code))
+        ddp__tput(b, ", broken ("), ddp__tput(b, ddp_result_string((ddp_result)DDP__TLOAD(&t->break_code))), ddp__tput(b, ")");
     ddp__tput(b, ": last "), ddp__tput_int(b, shown), ddp__tput(b, " of "), ddp__tput_int(b, recorded);
     ddp__tput(b, " collectives (DDP_TRACE_SIZE "), ddp__tput_uint(b, t->size, 1), ddp__tput(b, ")\n");
 }
