@@ -67,9 +67,12 @@
        DDP_TRACE_SIZE    collectives each group's flight recorder keeps (default 64; 0 turns it off)
        DDP_TRACE_DIR     when a group breaks (timeout, lost peer, abort, mismatch), each rank writes its
                          recorders to DIR/ddp_trace_rank<R>_pid<P>.txt (unset: its last 10 into the error
-                         log); ddprun summarises the files, one line per rank, when a job fails
-       DDP_TRACE_SIGNAL  1: SIGUSR1 writes the recorders (to DDP_TRACE_DIR, else stderr) and calls the
-                         handler installed before; 0: never. Default: on when DDP_TRACE_DIR is set
+                         log); ddprun summarises the files, one line per rank, when a job fails (unset:
+                         ddprun gives its workers $TMPDIR/ddprun_trace.XXXXXX, removed if the job succeeds)
+       DDP_TRACE_SIGNAL  1: SIGUSR1 writes the recorders (to DDP_TRACE_DIR, else stderr), and so does
+                         SIGTERM into DDP_TRACE_DIR before the process ends as it would have; each then
+                         calls the handler installed before. 0: neither. Default: 1 when DDP_TRACE_DIR is
+                         set (ddprun sets it to a directory of its own unless you do), else 0
        DDP_RESTART_COUNT set by ddprun --max-restarts (also TORCHELASTIC_RESTART_COUNT)
        OMP_NUM_THREADS   unset: ddprun sets it to 1 for its workers when nproc > 1 (as torchrun does)
 
@@ -1525,6 +1528,12 @@ extern ssize_t pread(int fd, void *buf, size_t nbytes, off_t offset) DDP__OFF64(
 #endif
 #if defined(__GLIBC__) && !defined(__USE_XOPEN_EXTENDED) && !defined(__USE_XOPEN2K)
 extern ssize_t readlink(const char *restrict path, char *restrict buf, size_t len);
+#endif
+#if defined(__GLIBC__) && !defined(__USE_XOPEN_EXTENDED) && !defined(__USE_MISC)
+#define SA_RESTART 0x10000000 /* Linux's value (bits/sigaction.h) */
+#endif
+#if defined(__GLIBC__) && !defined(__USE_MISC) && !defined(__USE_XOPEN2K8)
+extern char *mkdtemp(char *template_);
 #endif
 #if defined(__GLIBC__) && !defined(__USE_XOPEN2K8)
 #ifndef O_CLOEXEC
@@ -5643,7 +5652,9 @@ DDP_API ddp_result ddp_barrier_async(ddp_group *g, ddp_work **w) {
                         (R the world rank; written to a temporary file, then renamed over it)
      else:              this group's last DDP__TRACE_LOG_LINES entries into its log at error level.
    On SIGUSR1, when DDP_TRACE_DIR is set or DDP_TRACE_SIGNAL=1 (and DDP_TRACE_SIGNAL is not 0): the
-   same file, or stderr without DDP_TRACE_DIR. The handler formats straight from the rings with
+   same file, or stderr without DDP_TRACE_DIR; on SIGTERM the file too (with DDP_TRACE_DIR only), before
+   the process ends as it would have: the rank that ddprun stops because the others failed is often the
+   one that was behind, stuck outside the library where no error reaches it. The handler formats straight from the rings with
    async-signal-safe calls only (its own number formatting into a stack buffer, open, write, rename;
    no locks, no stdio), so it also reports a rank that is stuck outside the library; then it calls the
    handler that was installed before, if any. It is installed once per process and stays.
@@ -5678,7 +5689,7 @@ struct ddp__trace {
 static struct ddp__trace *ddp__trace_all[DDP__TRACE_GROUPS];
 static int ddp__trace_handlers_running;
 static int ddp__trace_installed; /* 0 not yet, 1 installed, -1 decided against */
-static struct sigaction ddp__trace_old_usr1;
+static struct sigaction ddp__trace_old_usr1, ddp__trace_old_term;
 static char ddp__trace_signal_dir[512]; /* DDP_TRACE_DIR when the handler was installed ("": stderr) */
 
 #define DDP__TLOAD(p) __atomic_load_n((p), __ATOMIC_RELAXED)
@@ -5935,27 +5946,35 @@ static int ddp__trace_write_all(const char *dir, int world_rank, int from_signal
     return err ? -1 : 0;
 }
 
-/* The signal handler: dump, then what was installed before (a function; not SIG_DFL, whose action
-   for SIGUSR1 would end the process). */
+/* The signal handler: dump, then what was installed before. SIGUSR1: a handler function (SIG_DFL would
+   end the process: a dump request must not). SIGTERM (only with DDP_TRACE_DIR: the rank that ddprun
+   stops because the others failed is often the one behind): the old handler, or for SIG_DFL the
+   default action again, so the process still ends by SIGTERM. */
 static void ddp__trace_on_signal(int sig, siginfo_t *info, void *ctx) {
+    const struct sigaction *old = sig == SIGTERM ? &ddp__trace_old_term : &ddp__trace_old_usr1;
     int saved = errno, i, world_rank = 0;
     __atomic_add_fetch(&ddp__trace_handlers_running, 1, __ATOMIC_SEQ_CST);
     for (i = 0; i < DDP__TRACE_GROUPS; i++) { /* the file is named by the world group's rank */
         struct ddp__trace *t = __atomic_load_n(&ddp__trace_all[i], __ATOMIC_ACQUIRE);
         if (t && !t->g->member.parent) world_rank = t->g->rank;
     }
-    ddp__trace_write_all(ddp__trace_signal_dir[0] ? ddp__trace_signal_dir : NULL, world_rank, 1);
+    if (sig != SIGTERM || ddp__trace_signal_dir[0])
+        ddp__trace_write_all(ddp__trace_signal_dir[0] ? ddp__trace_signal_dir : NULL, world_rank, 1);
     __atomic_sub_fetch(&ddp__trace_handlers_running, 1, __ATOMIC_SEQ_CST);
     errno = saved;
-    if (ddp__trace_old_usr1.sa_flags & SA_SIGINFO) {
-        if (ddp__trace_old_usr1.sa_sigaction) ddp__trace_old_usr1.sa_sigaction(sig, info, ctx);
-    } else if (ddp__trace_old_usr1.sa_handler != SIG_DFL && ddp__trace_old_usr1.sa_handler != SIG_IGN) {
-        ddp__trace_old_usr1.sa_handler(sig);
+    if (old->sa_flags & SA_SIGINFO) {
+        if (old->sa_sigaction) old->sa_sigaction(sig, info, ctx);
+    } else if (old->sa_handler != SIG_DFL && old->sa_handler != SIG_IGN) {
+        old->sa_handler(sig);
+    } else if (sig == SIGTERM && old->sa_handler == SIG_DFL) {
+        sigaction(SIGTERM, old, NULL);
+        raise(SIGTERM); /* blocked until this handler returns, then the default action */
     }
 }
 
-/* SIGUSR1 dumps when DDP_TRACE_DIR is set or DDP_TRACE_SIGNAL=1, unless DDP_TRACE_SIGNAL=0: a program's
-   SIGUSR1 keeps its meaning otherwise. Once per process (the first group that records). */
+/* The handlers go in when DDP_TRACE_DIR is set or DDP_TRACE_SIGNAL=1, unless DDP_TRACE_SIGNAL=0: without
+   either, a program's SIGUSR1 and SIGTERM keep their meaning untouched. Once per process (the first
+   group that records); they stay (with no live group they only pass the signal on). */
 static void ddp__trace_install(void) {
     const char *want = ddp__env("DDP_TRACE_SIGNAL");
     struct sigaction sa;
@@ -5968,6 +5987,10 @@ static void ddp__trace_install(void) {
     sa.sa_flags = SA_SIGINFO | SA_RESTART;
     sigemptyset(&sa.sa_mask);
     if (sigaction(SIGUSR1, &sa, &ddp__trace_old_usr1) == 0) ddp__trace_installed = 1;
+    if (ddp__trace_signal_dir[0] && sigaction(SIGTERM, &sa, &ddp__trace_old_term) != 0) {
+        memset(&ddp__trace_old_term, 0, sizeof ddp__trace_old_term);
+        ddp__trace_old_term.sa_handler = SIG_DFL;
+    }
 }
 
 /* ---- life cycle ---- */
@@ -9164,6 +9187,7 @@ DDP_API ddp_store *ddp_group_store(ddp_group *g) { return g ? g->member.store : 
    --nnodes, --master-addr and --master-port and its own --node-rank; torchrun's elastic rendezvous
    (--rdzv-backend, a range in --nnodes) is not supported. The workers' rank 0 serves the store
    (TORCHELASTIC_USE_AGENT_STORE=False), as under torchrun --standalone. */
+#include <dirent.h>
 #include <sched.h>
 #ifdef __linux__
 #include <sys/prctl.h>
@@ -10026,6 +10050,120 @@ static void ddp__launch_uncatch(const struct sigaction *old) {
     for (i = 0; i < DDP__LAUNCH_NFORWARDED; i++) sigaction(ddp__launch_forwarded[i], &old[i], NULL);
 }
 
+/* ---- the flight recorder's files (trace.c) when a job fails ----
+   ddprun gives its workers DDP_TRACE_DIR (a directory of its own, $TMPDIR/ddprun_trace.XXXXXX, unless
+   the user set one), so each rank writes its recorder there when its group breaks (or when ddprun stops it
+   with SIGTERM). After a failed attempt ddprun reads the world group's section of every file of that
+   attempt (", restart K" in the header) and prints one line per local rank: the last collective it
+   finished and the first one it had not, and flags the ranks that are behind: those whose newest
+   collective is the lowest, when the ranks differ. Its own directory is removed after a success and
+   kept (and named) after a failure. */
+typedef struct ddp__launch_trace {
+    int found;
+    long newest;          /* the newest collective number (#N) recorded */
+    char last_done[160];  /* "#5 barrier()" */
+    char pending[320];    /* the first entry after it not done: "#6 all_reduce(...) failed after 2.0 s (...)" */
+} ddp__launch_trace;
+
+/* Read the world group's section of one trace file for restart `attempt` into *t; its rank, or -1. */
+static int ddp__launch_trace_read(const char *path, int attempt, ddp__launch_trace *t) {
+    char line[1024];
+    int rank = -1, in_world = 0;
+    FILE *f = fopen(path, "r");
+    if (!f) return -1;
+    memset(t, 0, sizeof *t);
+    while (fgets(line, sizeof line, f)) {
+        char *end;
+        if (strncmp(line, "ddp trace rank ", 15) == 0) {
+            const char *restart = strstr(line, ", restart ");
+            in_world = strstr(line, "), group world,") && restart && strtol(restart + 10, NULL, 10) == attempt;
+            if (in_world) rank = atoi(line + 15), t->found = 1;
+        } else if (in_world && strncmp(line, "  #", 3) == 0) {
+            if ((end = strstr(line, ", queued "))) *end = '\0';
+            t->newest = strtol(line + 3, NULL, 10);
+            if ((end = strstr(line, " done in "))) {
+                *end = '\0';
+                snprintf(t->last_done, sizeof t->last_done, "%.150s", line + 2);
+                t->pending[0] = '\0';
+            } else if (!t->pending[0]) {
+                snprintf(t->pending, sizeof t->pending, "%.300s", line + 2);
+            }
+        }
+    }
+    fclose(f);
+    return t->found ? rank : -1;
+}
+
+/* One line per local rank from the files of this attempt in DDP_TRACE_DIR (nothing when none wrote one). */
+static void ddp__launch_trace_summary(const ddp__launch_group *lg, int attempt) {
+    const char *dir = ddp__env("DDP_TRACE_DIR");
+    ddp__launch_trace *t;
+    struct dirent *de;
+    DIR *d;
+    long lo = LONG_MAX, hi = 0;
+    int i, any = 0, first = lg->n ? lg->w[0].rank : 0;
+    if (!dir || !(d = opendir(dir))) return;
+    if (!(t = (ddp__launch_trace *)ddp__calloc((size_t)lg->n + 1, sizeof *t))) {
+        closedir(d);
+        return;
+    }
+    while ((de = readdir(d))) { /* a rank with several files (a forked child dumped too): the furthest */
+        char path[1024];
+        int r;
+        if (strncmp(de->d_name, "ddp_trace_rank", 14) != 0 || !strstr(de->d_name, ".txt") || strstr(de->d_name, ".tmp")) continue;
+        snprintf(path, sizeof path, "%s/%s", dir, de->d_name);
+        if ((r = ddp__launch_trace_read(path, attempt, &t[lg->n])) < first || r >= first + lg->n) continue;
+        if (!t[r - first].found || t[lg->n].newest > t[r - first].newest) t[r - first] = t[lg->n];
+    }
+    closedir(d);
+    for (i = 0; i < lg->n; i++)
+        if (t[i].found) any = 1, lo = DDP__MIN(lo, t[i].newest), hi = DDP__MAX(hi, t[i].newest);
+    if (any) fprintf(stderr, "ddprun: flight recorder: each rank's last collectives (full traces in %s):\n", dir);
+    for (i = 0; any && i < lg->n; i++) {
+        if (!t[i].found) {
+            fprintf(stderr, "ddprun:   rank %d: no trace (it wrote none: recorder off, DDP_TRACE_SIGNAL=0, or killed "
+                            "with SIGKILL)\n", first + i);
+            continue;
+        }
+        fprintf(stderr, "ddprun:   rank %d: last done %s; %s%s\n", first + i, t[i].last_done[0] ? t[i].last_done : "none",
+                t[i].pending[0] ? t[i].pending : "nothing in progress",
+                t[i].newest == lo && lo < hi ? "  <- behind: the other ranks got further" : "");
+    }
+    if (any && lo < hi)
+        fprintf(stderr, "ddprun: the ranks behind stopped at #%ld while others reached #%ld: look at what they do "
+                        "between those collectives\n", lo, hi);
+    ddp__free(t);
+}
+
+/* Give the workers a DDP_TRACE_DIR of ddprun's own when the user set none: 1 when it made one (in dir). */
+static int ddp__launch_trace_begin(char *dir, size_t cap) {
+    dir[0] = '\0';
+    const char *tmp = ddp__env("TMPDIR");
+    if (ddp__env("DDP_TRACE_DIR")) return 0;
+    if ((size_t)snprintf(dir, cap, "%s/ddprun_trace.XXXXXX", tmp ? tmp : "/tmp") >= cap) snprintf(dir, cap, "/tmp/ddprun_trace.XXXXXX");
+    if (!mkdtemp(dir)) {
+        dir[0] = '\0';
+        return 0;
+    }
+    setenv("DDP_TRACE_DIR", dir, 1);
+    return 1;
+}
+
+/* ddprun's own directory: removed after a success, kept after a failure (the summary named it). */
+static void ddp__launch_trace_end(const char *dir, int own, int code) {
+    struct dirent *de;
+    DIR *d;
+    if (!own || code != 0 || !(d = opendir(dir))) return;
+    while ((de = readdir(d))) {
+        char path[1024];
+        if (strncmp(de->d_name, "ddp_trace_rank", 14) != 0) continue;
+        snprintf(path, sizeof path, "%s/%s", dir, de->d_name);
+        unlink(path);
+    }
+    closedir(d);
+    rmdir(dir);
+}
+
 /* Start the group, restart it after failures while restarts are left; returns ddprun's exit code. */
 static int ddp__launch_run(ddp__launch_args *a, ddp__launch_group *lg) {
     char err[DDP__ERR_MAX], msg[DDP__ERR_MAX];
@@ -10043,6 +10181,7 @@ static int ddp__launch_run(ddp__launch_args *a, ddp__launch_group *lg) {
         }
         code = ddp__launch_monitor(lg, msg);
         if (code == 0) return 0;
+        ddp__launch_trace_summary(lg, attempt);
         if (ddp__launch_signal_got) return code; /* the user asked to stop: no restart */
         if (attempt < a->env.max_restarts)
             fprintf(stderr, "ddprun: restarting the worker group (restart %d of at most %d)\n", attempt + 1,
@@ -10056,8 +10195,8 @@ DDP_API int ddp_launcher_main(int argc, char **argv) {
     ddp__launch_args a;
     ddp__launch_group lg;
     struct sigaction old[DDP__LAUNCH_NFORWARDED], old_chld;
-    char err[DDP__ERR_MAX];
-    int code;
+    char err[DDP__ERR_MAX], trace_dir[512];
+    int code, trace_own;
     if (ddp__launch_parse(&a, argc, argv, err) != 0 || (!a.help && ddp__launch_validate(&a, err) != 0)) {
         fprintf(stderr, "ddprun: %s\nTry 'ddprun --help'.\n", err);
         return 2;
@@ -10085,9 +10224,11 @@ DDP_API int ddp_launcher_main(int argc, char **argv) {
         fprintf(stderr, "ddprun: out of memory for %d worker records\n", a.env.nproc);
         return 1;
     }
+    trace_own = ddp__launch_trace_begin(trace_dir, sizeof trace_dir);
     ddp__launch_catch(old);
     ddp__launch_sigchld_default(&old_chld);
     code = ddp__launch_run(&a, &lg);
+    ddp__launch_trace_end(trace_dir, trace_own, code);
     ddp__launch_sigchld_restore(&old_chld);
     ddp__launch_uncatch(old);
     ddp__free(lg.w);

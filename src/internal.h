@@ -109,6 +109,12 @@ extern ssize_t pread(int fd, void *buf, size_t nbytes, off_t offset) DDP__OFF64(
 #if defined(__GLIBC__) && !defined(__USE_XOPEN_EXTENDED) && !defined(__USE_XOPEN2K)
 extern ssize_t readlink(const char *restrict path, char *restrict buf, size_t len);
 #endif
+#if defined(__GLIBC__) && !defined(__USE_XOPEN_EXTENDED) && !defined(__USE_MISC)
+#define SA_RESTART 0x10000000 /* Linux's value (bits/sigaction.h) */
+#endif
+#if defined(__GLIBC__) && !defined(__USE_MISC) && !defined(__USE_XOPEN2K8)
+extern char *mkdtemp(char *template_);
+#endif
 #if defined(__GLIBC__) && !defined(__USE_XOPEN2K8)
 #ifndef O_CLOEXEC
 #define O_CLOEXEC __O_CLOEXEC

@@ -22,7 +22,9 @@
                         (R the world rank; written to a temporary file, then renamed over it)
      else:              this group's last DDP__TRACE_LOG_LINES entries into its log at error level.
    On SIGUSR1, when DDP_TRACE_DIR is set or DDP_TRACE_SIGNAL=1 (and DDP_TRACE_SIGNAL is not 0): the
-   same file, or stderr without DDP_TRACE_DIR. The handler formats straight from the rings with
+   same file, or stderr without DDP_TRACE_DIR; on SIGTERM the file too (with DDP_TRACE_DIR only), before
+   the process ends as it would have: the rank that ddprun stops because the others failed is often the
+   one that was behind, stuck outside the library where no error reaches it. The handler formats straight from the rings with
    async-signal-safe calls only (its own number formatting into a stack buffer, open, write, rename;
    no locks, no stdio), so it also reports a rank that is stuck outside the library; then it calls the
    handler that was installed before, if any. It is installed once per process and stays.
@@ -58,7 +60,7 @@ struct ddp__trace {
 static struct ddp__trace *ddp__trace_all[DDP__TRACE_GROUPS];
 static int ddp__trace_handlers_running;
 static int ddp__trace_installed; /* 0 not yet, 1 installed, -1 decided against */
-static struct sigaction ddp__trace_old_usr1;
+static struct sigaction ddp__trace_old_usr1, ddp__trace_old_term;
 static char ddp__trace_signal_dir[512]; /* DDP_TRACE_DIR when the handler was installed ("": stderr) */
 
 #define DDP__TLOAD(p) __atomic_load_n((p), __ATOMIC_RELAXED)
@@ -315,27 +317,35 @@ static int ddp__trace_write_all(const char *dir, int world_rank, int from_signal
     return err ? -1 : 0;
 }
 
-/* The signal handler: dump, then what was installed before (a function; not SIG_DFL, whose action
-   for SIGUSR1 would end the process). */
+/* The signal handler: dump, then what was installed before. SIGUSR1: a handler function (SIG_DFL would
+   end the process: a dump request must not). SIGTERM (only with DDP_TRACE_DIR: the rank that ddprun
+   stops because the others failed is often the one behind): the old handler, or for SIG_DFL the
+   default action again, so the process still ends by SIGTERM. */
 static void ddp__trace_on_signal(int sig, siginfo_t *info, void *ctx) {
+    const struct sigaction *old = sig == SIGTERM ? &ddp__trace_old_term : &ddp__trace_old_usr1;
     int saved = errno, i, world_rank = 0;
     __atomic_add_fetch(&ddp__trace_handlers_running, 1, __ATOMIC_SEQ_CST);
     for (i = 0; i < DDP__TRACE_GROUPS; i++) { /* the file is named by the world group's rank */
         struct ddp__trace *t = __atomic_load_n(&ddp__trace_all[i], __ATOMIC_ACQUIRE);
         if (t && !t->g->member.parent) world_rank = t->g->rank;
     }
-    ddp__trace_write_all(ddp__trace_signal_dir[0] ? ddp__trace_signal_dir : NULL, world_rank, 1);
+    if (sig != SIGTERM || ddp__trace_signal_dir[0])
+        ddp__trace_write_all(ddp__trace_signal_dir[0] ? ddp__trace_signal_dir : NULL, world_rank, 1);
     __atomic_sub_fetch(&ddp__trace_handlers_running, 1, __ATOMIC_SEQ_CST);
     errno = saved;
-    if (ddp__trace_old_usr1.sa_flags & SA_SIGINFO) {
-        if (ddp__trace_old_usr1.sa_sigaction) ddp__trace_old_usr1.sa_sigaction(sig, info, ctx);
-    } else if (ddp__trace_old_usr1.sa_handler != SIG_DFL && ddp__trace_old_usr1.sa_handler != SIG_IGN) {
-        ddp__trace_old_usr1.sa_handler(sig);
+    if (old->sa_flags & SA_SIGINFO) {
+        if (old->sa_sigaction) old->sa_sigaction(sig, info, ctx);
+    } else if (old->sa_handler != SIG_DFL && old->sa_handler != SIG_IGN) {
+        old->sa_handler(sig);
+    } else if (sig == SIGTERM && old->sa_handler == SIG_DFL) {
+        sigaction(SIGTERM, old, NULL);
+        raise(SIGTERM); /* blocked until this handler returns, then the default action */
     }
 }
 
-/* SIGUSR1 dumps when DDP_TRACE_DIR is set or DDP_TRACE_SIGNAL=1, unless DDP_TRACE_SIGNAL=0: a program's
-   SIGUSR1 keeps its meaning otherwise. Once per process (the first group that records). */
+/* The handlers go in when DDP_TRACE_DIR is set or DDP_TRACE_SIGNAL=1, unless DDP_TRACE_SIGNAL=0: without
+   either, a program's SIGUSR1 and SIGTERM keep their meaning untouched. Once per process (the first
+   group that records); they stay (with no live group they only pass the signal on). */
 static void ddp__trace_install(void) {
     const char *want = ddp__env("DDP_TRACE_SIGNAL");
     struct sigaction sa;
@@ -348,6 +358,10 @@ static void ddp__trace_install(void) {
     sa.sa_flags = SA_SIGINFO | SA_RESTART;
     sigemptyset(&sa.sa_mask);
     if (sigaction(SIGUSR1, &sa, &ddp__trace_old_usr1) == 0) ddp__trace_installed = 1;
+    if (ddp__trace_signal_dir[0] && sigaction(SIGTERM, &sa, &ddp__trace_old_term) != 0) {
+        memset(&ddp__trace_old_term, 0, sizeof ddp__trace_old_term);
+        ddp__trace_old_term.sa_handler = SIG_DFL;
+    }
 }
 
 /* ---- life cycle ---- */
