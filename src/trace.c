@@ -4,8 +4,8 @@
    Every group keeps a ring of its last DDP_TRACE_SIZE collectives (default 64; 0 turns the recorder
    off). Entry seq % size holds collective #seq: its fingerprint (collective, count, dtype, op, root),
    its state (queued, in progress, done, failed) and the monotonic times it was queued, started and
-   ended. A transition is one clock read and a few relaxed stores into the slot; nothing allocates,
-   locks or makes a system call (bench/bench_collectives.c --trace measures it).
+   ended (coarse clock: 1-4 ms resolution). A transition is one clock read and a few relaxed stores
+   into the slot; nothing allocates, locks or makes a system call (bench/bench_trace.c measures it).
 
    Writers: the thread that issues a call writes the whole entry (queued; async calls under the
    async queue's mutex, so slots are written in seq order), the thread that runs it (the caller, or
@@ -63,6 +63,18 @@ static int ddp__trace_installed; /* 0 not yet, 1 installed, -1 decided against *
 static struct sigaction ddp__trace_old_usr1, ddp__trace_old_term;
 static char ddp__trace_signal_dir[512]; /* DDP_TRACE_DIR when the handler was installed ("": stderr) */
 
+/* The ring's clock: the coarse monotonic clock, read in a few ns without a system call (the precise one
+   costs ~30 ns here, three times per collective); its resolution (the kernel tick, 1-4 ms) is plenty to
+   tell a hang of seconds. */
+#if defined(__linux__) && !defined(CLOCK_MONOTONIC_COARSE)
+#define CLOCK_MONOTONIC_COARSE 6 /* linux/time.h */
+#endif
+#ifdef CLOCK_MONOTONIC_COARSE
+#define DDP__TRACE_CLOCK CLOCK_MONOTONIC_COARSE
+#else
+#define DDP__TRACE_CLOCK CLOCK_MONOTONIC
+#endif
+
 #define DDP__TLOAD(p) __atomic_load_n((p), __ATOMIC_RELAXED)
 #define DDP__TSTORE(p, v) __atomic_store_n((p), (v), __ATOMIC_RELAXED)
 
@@ -85,7 +97,7 @@ static void ddp__trace_queued(ddp_group *g, const ddp__coll *c) {
     DDP__TSTORE(&e->count, c->count);
     DDP__TSTORE(&e->what, (uint64_t)c->kind | (uint64_t)c->dtype << 8 | (uint64_t)c->op << 16 |
                               (uint64_t)(uint32_t)(c->root + 1) << 32);
-    DDP__TSTORE(&e->t_queued, ddp__trace_clock(CLOCK_MONOTONIC));
+    DDP__TSTORE(&e->t_queued, ddp__trace_clock(DDP__TRACE_CLOCK));
     DDP__TSTORE(&e->t_started, (int64_t)0);
     DDP__TSTORE(&e->t_ended, (int64_t)0);
     __atomic_store_n(&e->seq_state, c->seq << 3 | DDP__TRACE_QUEUED, __ATOMIC_RELEASE);
@@ -101,7 +113,7 @@ static void ddp__trace_move(ddp_group *g, uint64_t seq, int from, int to, int wh
     now_state = __atomic_load_n(&e->seq_state, __ATOMIC_ACQUIRE);
     state = (int)(now_state & 7);
     if (now_state >> 3 != seq || (from ? state != from : (state == DDP__TRACE_DONE || state == DDP__TRACE_FAILED))) return;
-    DDP__TSTORE(which ? &e->t_ended : &e->t_started, ddp__trace_clock(CLOCK_MONOTONIC));
+    DDP__TSTORE(which ? &e->t_ended : &e->t_started, ddp__trace_clock(DDP__TRACE_CLOCK));
     __atomic_store_n(&e->seq_state, seq << 3 | (uint64_t)to, __ATOMIC_RELEASE);
 }
 
@@ -152,7 +164,7 @@ static void ddp__tput_secs(ddp__tbuf *b, int64_t ns, int decimals) {
     ddp__tput_uint(b, (uint64_t)(ns % 1000000000 / scale), decimals);
 }
 
-/* UTC wall-clock time of Unix-epoch ns as 2026-11-24T15:40:01.123456Z (days to civil date: Howard
+/* UTC wall-clock time of Unix-epoch ns as 2026-11-24T15:40:01.123Z (days to civil date: Howard
    Hinnant's algorithm; gmtime is not async-signal-safe). */
 static void ddp__tput_utc(ddp__tbuf *b, int64_t ns) {
     int64_t s = ns / 1000000000, z = s / 86400 + 719468, era, doe, yoe, doy, mp, y, m, d, sod = s % 86400;
@@ -167,7 +179,7 @@ static void ddp__tput_utc(ddp__tbuf *b, int64_t ns) {
     ddp__tput_uint(b, (uint64_t)y, 4), ddp__tput(b, "-"), ddp__tput_uint(b, (uint64_t)m, 2), ddp__tput(b, "-");
     ddp__tput_uint(b, (uint64_t)d, 2), ddp__tput(b, "T"), ddp__tput_uint(b, (uint64_t)(sod / 3600), 2), ddp__tput(b, ":");
     ddp__tput_uint(b, (uint64_t)(sod / 60 % 60), 2), ddp__tput(b, ":"), ddp__tput_uint(b, (uint64_t)(sod % 60), 2);
-    ddp__tput(b, "."), ddp__tput_uint(b, (uint64_t)(ns % 1000000000 / 1000), 6), ddp__tput(b, "Z");
+    ddp__tput(b, "."), ddp__tput_uint(b, (uint64_t)(ns % 1000000000 / 1000000), 3), ddp__tput(b, "Z");
 }
 
 /* "#4 all_reduce(count=4, f32, sum)": as ddp__coll_describe numbers them (set-up calls: "set-up #k"). */
@@ -204,8 +216,8 @@ static int ddp__trace_read(const struct ddp__trace *t, uint64_t i, ddp__trace_en
     return before != 0 && before == out->seq_state;
 }
 
-/* One entry's line: "  #4 all_reduce(count=4, f32, sum) in progress for 2.001 s (waiting for rank 2),
-   queued 2026-11-24T15:40:01.123456Z". */
+/* One entry's line: "  #4 all_reduce(count=4, f32, sum) failed after 2.004 s (waiting for rank 2),
+   queued 2026-11-24T15:40:01.123Z" (times at the ring clock's resolution). */
 static void ddp__trace_line(ddp__tbuf *b, const struct ddp__trace *t, const ddp__trace_entry *e, int64_t mono, int64_t wall) {
     int state = (int)(e->seq_state & 7);
     ddp__tput(b, "  ");
@@ -216,7 +228,7 @@ static void ddp__trace_line(ddp__tbuf *b, const struct ddp__trace *t, const ddp_
         ddp__tput(b, " in progress for "), ddp__tput_secs(b, mono - e->t_started, 3), ddp__tput(b, " s");
     } else {
         ddp__tput(b, state == DDP__TRACE_DONE ? " done in " : " failed after ");
-        ddp__tput_secs(b, e->t_ended - (e->t_started ? e->t_started : e->t_queued), 6), ddp__tput(b, " s");
+        ddp__tput_secs(b, e->t_ended - (e->t_started ? e->t_started : e->t_queued), 3), ddp__tput(b, " s");
     }
     if (state == DDP__TRACE_FAILED && DDP__TLOAD(&t->waiting_for) >= 0 && e->t_started)
         ddp__tput(b, " (waiting for rank "), ddp__tput_int(b, DDP__TLOAD(&t->waiting_for)), ddp__tput(b, ")");
@@ -251,7 +263,7 @@ static void ddp__trace_format(const struct ddp__trace *t, uint64_t limit, void (
     char line[512];
     ddp__tbuf b;
     ddp__trace_entry e;
-    int64_t mono = ddp__trace_clock(CLOCK_MONOTONIC), wall = ddp__trace_clock(CLOCK_REALTIME);
+    int64_t mono = ddp__trace_clock(DDP__TRACE_CLOCK), wall = ddp__trace_clock(CLOCK_REALTIME);
     uint64_t newest = ddp__trace_newest(t), first, s, recorded;
     first = newest > t->size ? newest - t->size + 1 : 1;
     recorded = newest ? newest - first + 1 : 0;
