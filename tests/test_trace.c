@@ -148,6 +148,7 @@ static int stuck_rank(int rank, int n, void *arg) {
     ddp_work *w;
     ddp_group *g;
     ddp_result r;
+    double t_sixth;
     (void)n;
     if (tcp_only) setenv("DDP_TRANSPORT", "tcp", 1);
     g = join();
@@ -162,6 +163,7 @@ static int stuck_rank(int rank, int n, void *arg) {
     if (rank == 2) { /* stuck outside the library until rank 0 has checked every file */
         for (i = 0; i < 3000 && !released(); i++) usleep(10000);
     }
+    t_sixth = tl_now();
     if (rank == 1) { /* on the progress thread: the break, and the dump, happen there */
         CHECK_OK(ddp_all_reduce_async(g, a, 7, DDP_F32, DDP_MAX, &w), g);
         r = ddp_wait(w);
@@ -173,8 +175,11 @@ static int stuck_rank(int rank, int n, void *arg) {
         if (size > 0) {
             check_broken(0, size);
             check_broken(1, size);
+            double t0 = tl_now();
             CHECK(kill(read_pid(2), SIGUSR1) == 0, "kill(SIGUSR1): %s", strerror(errno));
             check_signalled(size);
+            printf("  rank 0 failed %.2f s into the sixth call; rank 2's SIGUSR1 dump appeared %.0f ms after the signal\n",
+                   t0 - t_sixth, (tl_now() - t0) * 1e3);
         } else if (size == 0) {
             DIR *d = opendir(dir);
             struct dirent *e;
