@@ -980,11 +980,16 @@ static int ddp__launch_trace_begin(char *dir, size_t cap) {
     return 1;
 }
 
-/* ddprun's own directory: removed after a success, kept after a failure (the summary named it). */
+/* ddprun's own directory: removed after a success, or when empty; kept after a failure that left
+   traces (the summary named it). */
 static void ddp__launch_trace_end(const char *dir, int own, int code) {
     struct dirent *de;
     DIR *d;
-    if (!own || code != 0 || !(d = opendir(dir))) return;
+    if (!own) return;
+    if (code != 0 || !(d = opendir(dir))) {
+        rmdir(dir); /* only when empty */
+        return;
+    }
     while ((de = readdir(d))) {
         char path[1024];
         if (strncmp(de->d_name, "ddp_trace_rank", 14) != 0) continue;

@@ -315,7 +315,9 @@ STUCK_RANK=-1 TMPDIR=$D/tmp timeout -s KILL 60 "$DDPRUN" --standalone --nproc-pe
   fail "allreduce under ddprun with TMPDIR: $(cat "$D/err")"
 [ -z "$(ls "$D/tmp")" ] || fail "ddprun left its trace directory after a successful job: $(ls -R "$D/tmp")"
 ! grep -q "flight recorder" "$D/err" || fail "a successful job printed a flight-recorder summary"
-ok "rank 2 stuck: one summary line per rank from the dumps, rank 2 flagged behind, in $((t1 - t0)) ms; no directory left after success"
+TMPDIR=$D/tmp "$DDPRUN" --nproc-per-node 2 /bin/false >"$D/out" 2>"$D/err" && fail "ddprun /bin/false exited 0"
+[ -z "$(ls "$D/tmp")" ] || fail "ddprun left an empty trace directory after a job without traces: $(ls -R "$D/tmp")"
+ok "rank 2 stuck: one summary line per rank from the dumps, rank 2 flagged behind, in $((t1 - t0)) ms; no directory left after success or without traces"
 
 # ---- --max-restarts ----
 newdir restart
