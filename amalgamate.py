@@ -45,6 +45,7 @@ IMPLEMENTATION = [
     "src/store.c",          # [SECTION] store: rendezvous key-value store (c10d TCPStore protocol), file store
     "src/transport.c",      # [SECTION] transport: framed messages between ranks, abort propagation
     "src/collectives.c",    # [SECTION] collectives: validation, fingerprints, dispatch, async work
+    "src/trace.c",          # [SECTION] trace: the flight recorder, each group's last collectives
     "src/tcp.c",            # [SECTION] tcp: the tcp backend, ring and recursive doubling over the mesh
     "src/alloc.c",          # [SECTION] alloc: ddp_alloc, library buffers in shared-memory arenas
     "src/shm.c",            # [SECTION] shm: the shared-memory backend within one host

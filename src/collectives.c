@@ -53,9 +53,16 @@ static ddp__call ddp__make_call(ddp__coll_kind kind, const void *send, void *buf
 /* ---- running a call ---- */
 
 static ddp_result ddp__run(ddp_group *g, const ddp__backend *b, const ddp__call *k, const ddp__coll *c) {
-    if (g->broken) return DDP_ERR_STATE;
+    ddp_result r;
+    if (g->broken) {
+        ddp__trace_ended(g, c, DDP_ERR_STATE);
+        return DDP_ERR_STATE;
+    }
     g->mesh.waiting_for = -1;
-    return b->run(g, k, c);
+    ddp__trace_started(g, c);
+    r = b->run(g, k, c);
+    ddp__trace_ended(g, c, r);
+    return r;
 }
 
 /* Check a call's arguments on the caller's thread; a bad call never reaches the wire. */
@@ -96,6 +103,7 @@ static void ddp__fingerprint(ddp_group *g, const ddp__call *k, ddp__coll *c) {
     c->dtype = (uint8_t)(k->kind == DDP__BARRIER ? 0 : k->dtype);
     c->op = (uint8_t)(takes_op ? k->op : DDP__NO_OP);
     c->root = (k->kind == DDP__BROADCAST || k->kind == DDP__REDUCE) ? k->root : -1;
+    ddp__trace_queued(g, c);
 }
 
 /* The message for a call on a group that an earlier error broke; written to out (DDP__ERR_MAX). */
@@ -119,6 +127,7 @@ static void *ddp__progress_main(void *arg) {
         pthread_mutex_unlock(&g->async.mu);
         if (g->broken) {
             r = DDP_ERR_STATE;
+            ddp__trace_ended(g, &w->coll, r);
             ddp__broken_message(g, &w->call, w->error);
         } else if ((r = ddp__run(g, g->backend, &w->call, &w->coll)) != DDP_SUCCESS) {
             snprintf(w->error, sizeof w->error, "%s", g->broken_msg);
@@ -272,7 +281,12 @@ DDP_API ddp_result ddp_wait(ddp_work *w) {
     if (!ddp__live_take(w, DDP__LIVE_WORK)) return ddp__spent_work("ddp_wait", w);
     g = w->g;
     ddp__work_unlink(g, w);
-    if (w->owner) return w->owner->wait(w);
+    if (w->owner) { /* the backend's own work (nccl: device work), freed by its wait */
+        ddp__coll c = w->coll;
+        r = w->owner->wait(w);
+        ddp__trace_ended(g, &c, r);
+        return r;
+    }
     pthread_mutex_lock(&g->async.mu);
     while (!w->done) pthread_cond_wait(&g->async.cv, &g->async.mu);
     pthread_mutex_unlock(&g->async.mu);

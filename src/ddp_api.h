@@ -116,6 +116,17 @@ typedef struct ddp_init_desc {
    Thread safety: call from one thread. */
 DDP_API ddp_result ddp_init(const ddp_init_desc *desc, ddp_group **out);
 
+/* The flight recorder (torch's NCCL flight recorder): every group keeps its last DDP_TRACE_SIZE (64)
+   collectives, each with its number (#N, as error messages count them), collective, count, dtype, op,
+   root, state (queued / in progress / done / failed) and times. When the group breaks (a timeout, a
+   lost peer, an abort from another rank, a mismatch) every rank writes them, once: into
+   DDP_TRACE_DIR/ddp_trace_rank<R>_pid<P>.txt when set, else its last 10 into its log at error level.
+   With DDP_TRACE_DIR (or DDP_TRACE_SIGNAL=1) SIGUSR1 writes them too, at any moment (a rank stuck in
+   its own code included; without DDP_TRACE_DIR to stderr), and so does SIGTERM into DDP_TRACE_DIR;
+   both then call the handler installed before. ddprun gives its workers a DDP_TRACE_DIR and, when a
+   job fails, prints one line per rank: the last collective it finished and the one it was in, with the
+   ranks behind flagged. The cost: a coarse clock read and a few stores per state change, ~15 ns on a
+   0.22 us shared-memory all_reduce (bench/bench_trace.c). */
 /* ddp_destroy: finish outstanding async work, say goodbye to the peers, free the group.
    Collective on the group (all ranks call it). Subgroups made from g that are still alive are
    destroyed first (as torch's destroy_process_group()), in the order they were made; their pointers

@@ -571,6 +571,7 @@ static ddp_group *ddp__group_alloc(int rank, int world_size) {
         g->world_ranks[i] = i;
         snprintf(g->mesh.peer_names[i], sizeof g->mesh.peer_names[i], "rank %d", i);
     }
+    ddp__trace_open(g);
     return g;
 }
 
@@ -589,6 +590,7 @@ static void ddp__group_free(ddp_group *g) {
     if (g->member.owns_store && g->member.store) ddp__store_free(g->member.store);
     if (g->member.store_server) ddp__store_server_stop(g->member.store_server);
     if (g->member.parent) ddp__subgroup_unlink(g->member.parent, g);
+    ddp__trace_close(g);
     pthread_mutex_destroy(&g->async.mu);
     pthread_cond_destroy(&g->async.cv);
     ddp__free(g->scratch);

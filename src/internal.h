@@ -109,6 +109,12 @@ extern ssize_t pread(int fd, void *buf, size_t nbytes, off_t offset) DDP__OFF64(
 #if defined(__GLIBC__) && !defined(__USE_XOPEN_EXTENDED) && !defined(__USE_XOPEN2K)
 extern ssize_t readlink(const char *restrict path, char *restrict buf, size_t len);
 #endif
+#if defined(__GLIBC__) && !defined(__USE_XOPEN_EXTENDED) && !defined(__USE_MISC)
+#define SA_RESTART 0x10000000 /* Linux's value (bits/sigaction.h) */
+#endif
+#if defined(__GLIBC__) && !defined(__USE_MISC) && !defined(__USE_XOPEN2K8)
+extern char *mkdtemp(char *template_);
+#endif
 #if defined(__GLIBC__) && !defined(__USE_XOPEN2K8)
 #ifndef O_CLOEXEC
 #define O_CLOEXEC __O_CLOEXEC
@@ -453,6 +459,7 @@ struct ddp_group {
     ddp__shm *shm;         /* shm.c's segment, when the group's ranks share one host */
     struct ddp__mpi *mpi;  /* mpi.c's communicator on the mpi backend */
     struct ddp__nccl *nccl; /* nccl.c's communicator on the nccl backend */
+    struct ddp__trace *trace; /* trace.c's flight recorder (NULL: off) */
 };
 
 struct ddp_work {
@@ -524,6 +531,15 @@ static DDP__UNUSED void ddp__work_release_all(ddp_group *g); /* the group ends: 
 /* A failure outside any collective that leaves the ranks unable to agree (the reducer's missing
    gradient): finish queued work, then break the group so every rank fails with msg. */
 static DDP__UNUSED ddp_result ddp__group_abort(ddp_group *g, ddp_result code, const char *msg);
+
+/* ---- trace.c: the flight recorder, each group's last DDP_TRACE_SIZE collectives ---- */
+static DDP__UNUSED void ddp__trace_open(ddp_group *g);  /* group.c: a new group's recorder (none if off) */
+static DDP__UNUSED void ddp__trace_close(ddp_group *g); /* group.c: before g is freed */
+static DDP__UNUSED void ddp__trace_queued(ddp_group *g, const ddp__coll *c); /* c took its seq (fingerprint) */
+static DDP__UNUSED void ddp__trace_started(ddp_group *g, const ddp__coll *c); /* a backend runs it now */
+static DDP__UNUSED void ddp__trace_ended(ddp_group *g, const ddp__coll *c, ddp_result r); /* done or failed */
+/* ddp__group_break: mark what was in progress failed and write the recorder out (DDP_TRACE_DIR, else the log). */
+static DDP__UNUSED void ddp__trace_break(ddp_group *g, ddp_result code);
 
 /* ---- tcp.c: the algorithms over the mesh ---- */
 static DDP__UNUSED ddp_result ddp__tcp_run(ddp_group *g, const ddp__call *k, const ddp__coll *c);

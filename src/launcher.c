@@ -18,6 +18,7 @@
    (--rdzv-backend, a range in --nnodes) is not supported. The workers' rank 0 serves the store
    (TORCHELASTIC_USE_AGENT_STORE=False), as under torchrun --standalone. */
 #include "internal.h"
+#include <dirent.h>
 #include <sched.h>
 #ifdef __linux__
 #include <sys/prctl.h>
@@ -880,6 +881,125 @@ static void ddp__launch_uncatch(const struct sigaction *old) {
     for (i = 0; i < DDP__LAUNCH_NFORWARDED; i++) sigaction(ddp__launch_forwarded[i], &old[i], NULL);
 }
 
+/* ---- the flight recorder's files (trace.c) when a job fails ----
+   ddprun gives its workers DDP_TRACE_DIR (a directory of its own, $TMPDIR/ddprun_trace.XXXXXX, unless
+   the user set one), so each rank writes its recorder there when its group breaks (or when ddprun stops it
+   with SIGTERM). After a failed attempt ddprun reads the world group's section of every file of that
+   attempt (", restart K" in the header) and prints one line per local rank: the last collective it
+   finished and the first one it had not, and flags the ranks that are behind: those whose newest
+   collective is the lowest, when the ranks differ. Its own directory is removed after a success and
+   kept (and named) after a failure. */
+typedef struct ddp__launch_trace {
+    int found;
+    long newest;          /* the newest collective number (#N) recorded */
+    char last_done[160];  /* "#5 barrier()" */
+    char pending[320];    /* the first entry after it not done: "#6 all_reduce(...) failed after 2.0 s (...)" */
+} ddp__launch_trace;
+
+/* Read the world group's section of one trace file for restart `attempt` into *t; its rank, or -1. */
+static int ddp__launch_trace_read(const char *path, int attempt, ddp__launch_trace *t) {
+    char line[1024];
+    int rank = -1, in_world = 0;
+    FILE *f = fopen(path, "r");
+    if (!f) return -1;
+    memset(t, 0, sizeof *t);
+    while (fgets(line, sizeof line, f)) {
+        char *end;
+        if (strncmp(line, "ddp trace rank ", 15) == 0) {
+            const char *restart = strstr(line, ", restart ");
+            in_world = strstr(line, "), group world,") && restart && strtol(restart + 10, NULL, 10) == attempt;
+            if (in_world) rank = atoi(line + 15), t->found = 1;
+        } else if (in_world && strncmp(line, "  #", 3) == 0) {
+            if ((end = strstr(line, ", queued "))) *end = '\0';
+            t->newest = strtol(line + 3, NULL, 10);
+            if ((end = strstr(line, " done in "))) {
+                *end = '\0';
+                snprintf(t->last_done, sizeof t->last_done, "%.150s", line + 2);
+                t->pending[0] = '\0';
+            } else if (!t->pending[0]) {
+                snprintf(t->pending, sizeof t->pending, "%.300s", line + 2);
+            }
+        }
+    }
+    fclose(f);
+    return t->found ? rank : -1;
+}
+
+/* One line per local rank from the files of this attempt in DDP_TRACE_DIR (nothing when none wrote one). */
+static void ddp__launch_trace_summary(const ddp__launch_group *lg, int attempt) {
+    const char *dir = ddp__env("DDP_TRACE_DIR");
+    ddp__launch_trace *t;
+    struct dirent *de;
+    DIR *d;
+    long lo = LONG_MAX, hi = 0;
+    int i, any = 0, first = lg->n ? lg->w[0].rank : 0;
+    if (!dir || !(d = opendir(dir))) return;
+    if (!(t = (ddp__launch_trace *)ddp__calloc((size_t)lg->n + 1, sizeof *t))) {
+        closedir(d);
+        return;
+    }
+    while ((de = readdir(d))) { /* a rank with several files (a forked child dumped too): the furthest */
+        char path[1024];
+        int r;
+        if (strncmp(de->d_name, "ddp_trace_rank", 14) != 0 || !strstr(de->d_name, ".txt") || strstr(de->d_name, ".tmp")) continue;
+        snprintf(path, sizeof path, "%s/%s", dir, de->d_name);
+        if ((r = ddp__launch_trace_read(path, attempt, &t[lg->n])) < first || r >= first + lg->n) continue;
+        if (!t[r - first].found || t[lg->n].newest > t[r - first].newest) t[r - first] = t[lg->n];
+    }
+    closedir(d);
+    for (i = 0; i < lg->n; i++)
+        if (t[i].found) any = 1, lo = DDP__MIN(lo, t[i].newest), hi = DDP__MAX(hi, t[i].newest);
+    if (any) fprintf(stderr, "ddprun: flight recorder: each rank's last collectives (full traces in %s):\n", dir);
+    for (i = 0; any && i < lg->n; i++) {
+        if (!t[i].found) {
+            fprintf(stderr, "ddprun:   rank %d: no trace (it wrote none: recorder off, DDP_TRACE_SIGNAL=0, or killed "
+                            "with SIGKILL)\n", first + i);
+            continue;
+        }
+        fprintf(stderr, "ddprun:   rank %d: last done %s; %s%s\n", first + i, t[i].last_done[0] ? t[i].last_done : "none",
+                t[i].pending[0] ? t[i].pending : "nothing in progress",
+                t[i].newest == lo && lo < hi ? "  <- behind: the other ranks got further" : "");
+    }
+    if (any && lo < hi)
+        fprintf(stderr, "ddprun: the ranks behind stopped at #%ld while others reached #%ld: look at what they do "
+                        "between those collectives\n", lo, hi);
+    ddp__free(t);
+}
+
+/* Give the workers a DDP_TRACE_DIR of ddprun's own when the user set none: 1 when it made one (in dir). */
+static int ddp__launch_trace_begin(char *dir, size_t cap) {
+    dir[0] = '\0';
+    const char *tmp = ddp__env("TMPDIR");
+    if (ddp__env("DDP_TRACE_DIR")) return 0;
+    if ((size_t)snprintf(dir, cap, "%s/ddprun_trace.XXXXXX", tmp ? tmp : "/tmp") >= cap) snprintf(dir, cap, "/tmp/ddprun_trace.XXXXXX");
+    if (!mkdtemp(dir)) {
+        dir[0] = '\0';
+        return 0;
+    }
+    setenv("DDP_TRACE_DIR", dir, 1);
+    return 1;
+}
+
+/* ddprun's own directory: removed after a success, or when empty; kept after a failure that left
+   traces (the summary named it). */
+static void ddp__launch_trace_end(const char *dir, int own, int code) {
+    struct dirent *de;
+    DIR *d;
+    if (!own) return;
+    if (code != 0 || !(d = opendir(dir))) {
+        rmdir(dir); /* only when empty */
+        return;
+    }
+    while ((de = readdir(d))) {
+        char path[1024];
+        if (strncmp(de->d_name, "ddp_trace_rank", 14) != 0) continue;
+        snprintf(path, sizeof path, "%s/%s", dir, de->d_name);
+        unlink(path);
+    }
+    closedir(d);
+    rmdir(dir);
+}
+
 /* Start the group, restart it after failures while restarts are left; returns ddprun's exit code. */
 static int ddp__launch_run(ddp__launch_args *a, ddp__launch_group *lg) {
     char err[DDP__ERR_MAX], msg[DDP__ERR_MAX];
@@ -897,6 +1017,7 @@ static int ddp__launch_run(ddp__launch_args *a, ddp__launch_group *lg) {
         }
         code = ddp__launch_monitor(lg, msg);
         if (code == 0) return 0;
+        ddp__launch_trace_summary(lg, attempt);
         if (ddp__launch_signal_got) return code; /* the user asked to stop: no restart */
         if (attempt < a->env.max_restarts)
             fprintf(stderr, "ddprun: restarting the worker group (restart %d of at most %d)\n", attempt + 1,
@@ -910,8 +1031,8 @@ DDP_API int ddp_launcher_main(int argc, char **argv) {
     ddp__launch_args a;
     ddp__launch_group lg;
     struct sigaction old[DDP__LAUNCH_NFORWARDED], old_chld;
-    char err[DDP__ERR_MAX];
-    int code;
+    char err[DDP__ERR_MAX], trace_dir[512];
+    int code, trace_own;
     if (ddp__launch_parse(&a, argc, argv, err) != 0 || (!a.help && ddp__launch_validate(&a, err) != 0)) {
         fprintf(stderr, "ddprun: %s\nTry 'ddprun --help'.\n", err);
         return 2;
@@ -939,9 +1060,11 @@ DDP_API int ddp_launcher_main(int argc, char **argv) {
         fprintf(stderr, "ddprun: out of memory for %d worker records\n", a.env.nproc);
         return 1;
     }
+    trace_own = ddp__launch_trace_begin(trace_dir, sizeof trace_dir);
     ddp__launch_catch(old);
     ddp__launch_sigchld_default(&old_chld);
     code = ddp__launch_run(&a, &lg);
+    ddp__launch_trace_end(trace_dir, trace_own, code);
     ddp__launch_sigchld_restore(&old_chld);
     ddp__launch_uncatch(old);
     ddp__free(lg.w);

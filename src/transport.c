@@ -115,6 +115,7 @@ static ddp_result ddp__group_break(ddp_group *g, ddp_result code, const char *ms
            throws away the ABORT frame queued at the peer before the peer reads it. */
         shutdown(p->fd, SHUT_WR);
     }
+    ddp__trace_break(g, code); /* after the ABORTs: peers learn first, then this rank writes its recorder */
     return code;
 }
 

@@ -2,8 +2,8 @@
 # ddprun: the environment its workers get (every torchrun variable, unique ranks, --nnodes/--node-rank
 # offsets, --standalone's free port), flag validation, fail-fast (a worker that exits non-zero, that
 # is killed by a signal, that is SIGKILLed from outside, workers that ignore SIGTERM, workers' own
-# children), signal forwarding, and --max-restarts. The 5 s limits are the issue's functional
-# deadline for stopping a failed group, not performance thresholds.
+# children), signal forwarding, --max-restarts, and the flight-recorder summary of a failed job. The
+# 5 s limits are the issue's functional deadline for stopping a failed group, not performance thresholds.
 # The comparison with torchrun's own environment is tests/test_interop_ddprun.sh.
 set -u
 cd "$(dirname "$0")/.."
@@ -289,6 +289,35 @@ grep -q "^ddprun: rank 2 (pid [0-9]*) was killed by signal 9 (SIGKILL)" "$D/err"
   fail "rank 2 not named: $(cat "$D/err")"
 [ $((t1 - t0)) -lt 5000 ] || fail "ddprun took $((t1 - t0)) ms to stop ranks blocked in all_reduce (deadline 5 s)"
 ok "rank 2 dies while the others wait in all_reduce: ddprun stops them and exits 137 in $((t1 - t0)) ms"
+
+# ---- the flight recorder's summary (trace.c, launcher.c): rank 2 stops between two all_reduces ----
+newdir trace
+mkdir -p "$D/tmp"
+t0=$(now_ms)
+STUCK_RANK=2 DDP_TIMEOUT=2 TMPDIR=$D/tmp timeout -s KILL 60 "$DDPRUN" --standalone --nproc-per-node 4 "$ALLREDUCE" \
+  >"$D/out" 2>"$D/err"; rc=$?
+t1=$(now_ms)
+[ $rc != 0 ] || fail "rank 2 stuck: ddprun exited 0"
+[ $((t1 - t0)) -lt 10000 ] || fail "rank 2 stuck with DDP_TIMEOUT=2: ddprun took $((t1 - t0)) ms (deadline 10 s)"
+grep -q "^ddprun: flight recorder: each rank's last collectives (full traces in $D/tmp/ddprun_trace\.[A-Za-z0-9]*):$" "$D/err" ||
+  fail "no flight-recorder summary: $(cat "$D/err")"
+for r in 0 1 3; do
+  grep -qF "ddprun:   rank $r: last done #1 all_reduce(count=1000, f64, sum); #2 all_reduce(count=1, i32, max) failed after " \
+    "$D/err" || fail "rank $r's summary line: $(grep "rank $r:" "$D/err")"
+done
+grep -qF "ddprun:   rank 2: last done #1 all_reduce(count=1000, f64, sum); nothing in progress  <- behind" "$D/err" ||
+  fail "rank 2 (stopped by SIGTERM: its dump) not flagged as behind: $(cat "$D/err")"
+[ "$(grep -c '<- behind' "$D/err")" = 1 ] || fail "more than one rank flagged as behind: $(cat "$D/err")"
+grep -q "waiting for rank 2" "$D/err" || fail "the summary does not say whom the others waited for"
+[ "$(ls "$D"/tmp/ddprun_trace.*/ddp_trace_rank*_pid*.txt | wc -l)" = 4 ] || fail "ddprun's trace directory: $(ls -R "$D/tmp")"
+rm -rf "$D/tmp"/*
+STUCK_RANK=-1 TMPDIR=$D/tmp timeout -s KILL 60 "$DDPRUN" --standalone --nproc-per-node 2 "$ALLREDUCE" >"$D/out" 2>"$D/err" ||
+  fail "allreduce under ddprun with TMPDIR: $(cat "$D/err")"
+[ -z "$(ls "$D/tmp")" ] || fail "ddprun left its trace directory after a successful job: $(ls -R "$D/tmp")"
+! grep -q "flight recorder" "$D/err" || fail "a successful job printed a flight-recorder summary"
+TMPDIR=$D/tmp "$DDPRUN" --nproc-per-node 2 /bin/false >"$D/out" 2>"$D/err" && fail "ddprun /bin/false exited 0"
+[ -z "$(ls "$D/tmp")" ] || fail "ddprun left an empty trace directory after a job without traces: $(ls -R "$D/tmp")"
+ok "rank 2 stuck: one summary line per rank from the dumps, rank 2 flagged behind, in $((t1 - t0)) ms; no directory left after success or without traces"
 
 # ---- --max-restarts ----
 newdir restart

@@ -4,7 +4,9 @@
    With DIE_RANK=R in the environment, rank R kills itself (SIGKILL) instead of joining the
    all_reduce, leaving the others blocked in it until the launcher stops them. With HOLD_FILE=PATH,
    each rank keeps the group (and rank 0 its store) after the all_reduce until PATH exists (60 s at
-   most), so that another job can meet it on the same port. */
+   most), so that another job can meet it on the same port. With STUCK_RANK=R, rank R stops for 60 s
+   between the two all_reduces (as a rank stuck in its own code does): the others time out in the
+   second one (DDP_TIMEOUT), and ddprun's flight-recorder summary should name rank R as behind. */
 #define DDP_IMPLEMENTATION
 #include "ddp.h"
 
@@ -30,6 +32,7 @@ int main(void) {
     m = rank;
     if (getenv("DIE_RANK") && atoi(getenv("DIE_RANK")) == rank) raise(SIGKILL);
     if (ddp_all_reduce(g, x, N, DDP_F64, DDP_SUM) != DDP_SUCCESS ||
+        (getenv("STUCK_RANK") && atoi(getenv("STUCK_RANK")) == rank && sleep(60) > 100) ||
         ddp_all_reduce(g, &m, 1, DDP_I32, DDP_MAX) != DDP_SUCCESS) {
         fprintf(stderr, "rank %d: all_reduce: %s\n", rank, ddp_last_error(g));
         return 1;
