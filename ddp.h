@@ -2793,7 +2793,8 @@ static ddp_result ddp__auth_client(int fd, const char *token, const char *who, d
     if (ddp__net_send(fd, hello, sizeof hello, deadline, why) != DDP_SUCCESS ||
         ddp__net_recv(fd, reply, sizeof reply, deadline, why) != DDP_SUCCESS)
         return ddp__fail_to(err, DDP_ERR_INIT, "DDP_AUTH_TOKEN is set, but %s did not answer the authentication (%s): "
-                            "does its process run without DDP_AUTH_TOKEN? Every rank needs the same token", who, why);
+                            "does its process run without DDP_AUTH_TOKEN (every rank needs the same token), or is it another program "
+                            "that does not speak ddp.h's protocols?", who, why);
     ddp__auth_proof(token, "server", hello + 8, reply, want);
     if (!ddp__auth_equal(want, reply + DDP__AUTH_NONCE, DDP__AUTH_MAC))
         return ddp__fail_to(err, DDP_ERR_INIT, "%s does not know this process's DDP_AUTH_TOKEN (its proof is wrong): every "
@@ -3999,7 +4000,8 @@ static ddp_result ddp__tcp_open(ddp_store *s, double deadline) {
     char why[DDP__ERR_MAX];
     ddp_result r = ddp__net_connect(s->host, s->port, deadline, &s->fd, why);
     if (r == DDP_SUCCESS && ddp__auth_token()) {
-        r = ddp__auth_client(s->fd, ddp__auth_token(), s->where, deadline, why);
+        /* a store answers the handshake at once: a short deadline, so that a silent server is found out soon */
+        r = ddp__auth_client(s->fd, ddp__auth_token(), s->where, DDP__MIN(deadline, ddp__now() + DDP__MIN(s->timeout, 5.0)), why);
         if (r != DDP_SUCCESS) {
             ddp__tcp_disconnect(s);
             return ddp__store_fail(s, r, "%s", why);
@@ -4024,9 +4026,11 @@ static ddp_result ddp__tcp_open(ddp_store *s, double deadline) {
         bytes: protocol 1. To a 2.x server 06 is a first query that is not VALIDATE: the classic server
         closes (protocol 2, without PING); a libuv one ignores it and waits, and it is a WAIT anyway, which
         reads a count it never gets, so nothing can change there either.
-   No answer within min(timeout, 5 s) in step 1 or 2: it cannot tell, and takes protocol 2 (what current
-   torch speaks), saying so in the log; a wrong guess fails with a message that names both versions and
-   DDP_STORE_PROTOCOL. */
+   No answer within min(timeout, 5 s) in step 1 (no bytes and no close), or bytes that are not the
+   echo (an HTTP server's "HTTP/1.1 400"): the server does not speak the store protocol (another program
+   on MASTER_PORT), and connecting fails saying so, within seconds rather than after the timeout. No
+   answer in step 2: it cannot tell, and takes protocol 2 (what current torch speaks), saying so in the
+   log; a wrong guess fails with a message that names both versions and DDP_STORE_PROTOCOL. */
 static ddp_result ddp__tcp_detect(ddp_store *s, double deadline) {
     unsigned char probe[10], reply[8];
     uint32_t magic = DDP__V2_MAGIC, nonce = 0x5AFF0000u | ((uint32_t)getpid() & 0xFFFFu), echo;
@@ -4046,16 +4050,25 @@ static ddp_result ddp__tcp_detect(ddp_store *s, double deadline) {
                                                     "has none: every rank needs the same token", s->where);
         }
         if (echo != nonce) {
+            char text[40];
             ddp__tcp_disconnect(s);
-            return ddp__store_fail(s, DDP_ERR_FORMAT, "%s answered torch 2.x's PING with 0x%08x instead of 0x%08x: "
-                                                      "is it a TCPStore (torch 1.13, torch 2.x or ddp.h)?",
-                                   s->where, echo, nonce);
+            return ddp__store_fail(s, DDP_ERR_INIT, "the server at %s:%d does not speak the store protocol (is another "
+                                                    "program using MASTER_PORT?): it answered torch 2.x's PING with "
+                                                    "\"%s\" (0x%08x) instead of 0x%08x, which no TCPStore (torch 1.13, "
+                                                    "torch 2.x or ddp.h) does", s->host, s->port,
+                                   ddp__store_key_text(&echo, 4, text, sizeof text), echo, nonce);
         }
         s->proto = 2;
         s->proto_why = "found out on connecting";
         return DDP_SUCCESS;
     }
     ddp__tcp_disconnect(s);
+    if (r == DDP_ERR_TIMEOUT) /* every TCPStore answers the probe or hangs up on it at once */
+        return ddp__store_fail(s, DDP_ERR_INIT, "the server at %s:%d does not speak the store protocol (is another program "
+                                                "using MASTER_PORT?): it accepted the connection but neither answered nor "
+                                                "closed it within %.3g s of torch 2.x's PING, as every TCPStore does (if "
+                                                "it is a store too busy to answer, DDP_STORE_PROTOCOL=2 or 1.13 skips "
+                                                "this probe)", s->host, s->port, DDP__MIN(s->timeout, 5.0));
     if (r == DDP_ERR_PEER_LOST) { /* step 2 */
         unsigned char q = DDP__Q_GETNUMKEYS;
         if ((r = ddp__tcp_open(s, deadline)) != DDP_SUCCESS) return r;
@@ -8308,6 +8321,55 @@ static ddp_result ddp__rdzv_job(ddp_group *g, const char *where, int file_store,
     return DDP_SUCCESS;
 }
 
+/* Rank 0 could not start the store: MASTER_PORT is taken. Whose is it? Connect as a client for a few
+   seconds. If it is this job's store (a job record of the same run id, or of none; the same world size;
+   not every rank joined; a rank-0 claim made; its rank 0 alive where this host can tell), this process
+   is a second one with rank 0: publish that, so that every rank fails at once rather than at the
+   timeout, and fail with it. If the server there does not speak the store protocol, err (port in use)
+   says so too. Returns r, or DDP_ERR_INIT for a second rank 0 (err then says so). */
+static ddp_result ddp__rank0_port_taken(ddp_group *g, const ddp__launch *L, ddp_result r, char *err) {
+    char key[256], claim[256], value[512], why[DDP__ERR_MAX], host[128], msg[DDP__ERR_MAX];
+    const char *run = ddp__env("TORCHELASTIC_RUN_ID") ? ddp__env("TORCHELASTIC_RUN_ID") : "";
+    double window = DDP__MIN(g->timeout, 3.0), until = ddp__now() + window;
+    int exists = 0, claimed = 0, ours;
+    int64_t joined = 0;
+    size_t n = 0;
+    ddp__job them;
+    if (ddp__store_connect(L->master_addr, L->master_port, NULL, window, &g->member.store, why) != DDP_SUCCESS) {
+        if (strstr(why, "does not speak the store protocol") && strlen(err) + 4 < DDP__ERR_MAX)
+            snprintf(err + strlen(err), DDP__ERR_MAX - strlen(err), " (%.600s)", why);
+        return r;
+    }
+    ddp__key(g, key, sizeof key, "job", -1);
+    ddp__key(g, claim, sizeof claim, "claim", 0);
+    while (!(exists && claimed) && ddp__now() < until) { /* the other rank 0 records the job, then claims */
+        if (ddp_store_check(g->member.store, key, &exists) != DDP_SUCCESS ||
+            ddp_store_check(g->member.store, claim, &claimed) != DDP_SUCCESS)
+            break;
+        if (!(exists && claimed)) ddp__sleep(0.02);
+    }
+    ours = exists && claimed && ddp_store_get(g->member.store, key, value, sizeof value - 1, &n) == DDP_SUCCESS;
+    value[ours ? DDP__MIN(n, sizeof value - 1) : 0] = '\0';
+    ddp__key(g, key, sizeof key, "joined", -1);
+    ours = ours && ddp__job_parse(value, &them) && !(run[0] && them.run[0] && strcmp(run, them.run) != 0) &&
+           them.world == g->world_size && ddp_store_add(g->member.store, key, 0, &joined) == DDP_SUCCESS &&
+           joined < them.world;
+    if (gethostname(host, sizeof host) != 0) snprintf(host, sizeof host, "?");
+    host[sizeof host - 1] = '\0';
+    if (ours && strcmp(them.host, host) == 0 && kill((pid_t)them.pid, 0) != 0 && errno == ESRCH) ours = 0;
+    if (!ours) {
+        ddp__store_free(g->member.store);
+        g->member.store = NULL;
+        return r;
+    }
+    g->member.owns_store = 1;
+    snprintf(msg, sizeof msg, "two processes claim rank 0: pid %d on host %s serves the store on %s:%d, and pid %d on "
+             "host %s, also rank 0, could not; every process needs its own rank (check RANK or the launcher's settings)",
+             them.pid, them.host, L->master_addr, L->master_port, (int)getpid(), host);
+    ddp__rdzv_abort(g, DDP_ERR_INIT, msg);
+    return ddp__fail_to(err, DDP_ERR_INIT, "%s", msg);
+}
+
 /* Mesh: rank j connects to every rank i < j and says hello; rank i accepts the higher ranks. */
 typedef struct ddp__hello {
     uint32_t magic;
@@ -8823,6 +8885,7 @@ DDP_API ddp_result ddp_init(const ddp_init_desc *desc, ddp_group **out) {
         snprintf(where, sizeof where, "the store at %s:%d", L.master_addr, L.master_port);
         r = DDP_SUCCESS;
         if (L.rank == 0) r = ddp__store_server_start(L.master_addr, L.master_port, g->log_level, &g->member.store_server, err);
+        if (L.rank == 0 && r != DDP_SUCCESS) r = ddp__rank0_port_taken(g, &L, r, err);
         if (r == DDP_SUCCESS) r = ddp__store_connect(L.master_addr, L.master_port, NULL, timeout, &g->member.store, err);
         ddp__route_address(L.master_addr, L.master_port, g->member.address, sizeof g->member.address);
     }

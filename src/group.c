@@ -492,6 +492,55 @@ static ddp_result ddp__rdzv_job(ddp_group *g, const char *where, int file_store,
     return DDP_SUCCESS;
 }
 
+/* Rank 0 could not start the store: MASTER_PORT is taken. Whose is it? Connect as a client for a few
+   seconds. If it is this job's store (a job record of the same run id, or of none; the same world size;
+   not every rank joined; a rank-0 claim made; its rank 0 alive where this host can tell), this process
+   is a second one with rank 0: publish that, so that every rank fails at once rather than at the
+   timeout, and fail with it. If the server there does not speak the store protocol, err (port in use)
+   says so too. Returns r, or DDP_ERR_INIT for a second rank 0 (err then says so). */
+static ddp_result ddp__rank0_port_taken(ddp_group *g, const ddp__launch *L, ddp_result r, char *err) {
+    char key[256], claim[256], value[512], why[DDP__ERR_MAX], host[128], msg[DDP__ERR_MAX];
+    const char *run = ddp__env("TORCHELASTIC_RUN_ID") ? ddp__env("TORCHELASTIC_RUN_ID") : "";
+    double window = DDP__MIN(g->timeout, 3.0), until = ddp__now() + window;
+    int exists = 0, claimed = 0, ours;
+    int64_t joined = 0;
+    size_t n = 0;
+    ddp__job them;
+    if (ddp__store_connect(L->master_addr, L->master_port, NULL, window, &g->member.store, why) != DDP_SUCCESS) {
+        if (strstr(why, "does not speak the store protocol") && strlen(err) + 4 < DDP__ERR_MAX)
+            snprintf(err + strlen(err), DDP__ERR_MAX - strlen(err), " (%.600s)", why);
+        return r;
+    }
+    ddp__key(g, key, sizeof key, "job", -1);
+    ddp__key(g, claim, sizeof claim, "claim", 0);
+    while (!(exists && claimed) && ddp__now() < until) { /* the other rank 0 records the job, then claims */
+        if (ddp_store_check(g->member.store, key, &exists) != DDP_SUCCESS ||
+            ddp_store_check(g->member.store, claim, &claimed) != DDP_SUCCESS)
+            break;
+        if (!(exists && claimed)) ddp__sleep(0.02);
+    }
+    ours = exists && claimed && ddp_store_get(g->member.store, key, value, sizeof value - 1, &n) == DDP_SUCCESS;
+    value[ours ? DDP__MIN(n, sizeof value - 1) : 0] = '\0';
+    ddp__key(g, key, sizeof key, "joined", -1);
+    ours = ours && ddp__job_parse(value, &them) && !(run[0] && them.run[0] && strcmp(run, them.run) != 0) &&
+           them.world == g->world_size && ddp_store_add(g->member.store, key, 0, &joined) == DDP_SUCCESS &&
+           joined < them.world;
+    if (gethostname(host, sizeof host) != 0) snprintf(host, sizeof host, "?");
+    host[sizeof host - 1] = '\0';
+    if (ours && strcmp(them.host, host) == 0 && kill((pid_t)them.pid, 0) != 0 && errno == ESRCH) ours = 0;
+    if (!ours) {
+        ddp__store_free(g->member.store);
+        g->member.store = NULL;
+        return r;
+    }
+    g->member.owns_store = 1;
+    snprintf(msg, sizeof msg, "two processes claim rank 0: pid %d on host %s serves the store on %s:%d, and pid %d on "
+             "host %s, also rank 0, could not; every process needs its own rank (check RANK or the launcher's settings)",
+             them.pid, them.host, L->master_addr, L->master_port, (int)getpid(), host);
+    ddp__rdzv_abort(g, DDP_ERR_INIT, msg);
+    return ddp__fail_to(err, DDP_ERR_INIT, "%s", msg);
+}
+
 /* Mesh: rank j connects to every rank i < j and says hello; rank i accepts the higher ranks. */
 typedef struct ddp__hello {
     uint32_t magic;
@@ -1007,6 +1056,7 @@ DDP_API ddp_result ddp_init(const ddp_init_desc *desc, ddp_group **out) {
         snprintf(where, sizeof where, "the store at %s:%d", L.master_addr, L.master_port);
         r = DDP_SUCCESS;
         if (L.rank == 0) r = ddp__store_server_start(L.master_addr, L.master_port, g->log_level, &g->member.store_server, err);
+        if (L.rank == 0 && r != DDP_SUCCESS) r = ddp__rank0_port_taken(g, &L, r, err);
         if (r == DDP_SUCCESS) r = ddp__store_connect(L.master_addr, L.master_port, NULL, timeout, &g->member.store, err);
         ddp__route_address(L.master_addr, L.master_port, g->member.address, sizeof g->member.address);
     }
