@@ -8138,13 +8138,17 @@ static int ddp__rank_process_gone(const ddp__record *r, unsigned long long node)
 /* Rank i, which had registered, is gone: unless another rank has published an abort already (then fail
    with that one), publish one naming it, so that every rank fails now with this message. */
 static ddp_result ddp__rdzv_lost(ddp_group *g, int i, const ddp__record *r, const char *how) {
-    char msg[DDP__ERR_MAX];
+    char msg[DDP__ERR_MAX], key[256];
     int aborted = 0;
+    int64_t seen = 0;
     ddp_result res = ddp__rdzv_check_abort(g, &aborted);
     if (res != DDP_SUCCESS || aborted) return res ? res : DDP_ERR_INIT;
     snprintf(msg, sizeof msg, "rank %d (host %s, pid %d) was lost during ddp_init: %s. It had registered in the "
              "rendezvous and then exited; its own output (or exit status) says why", i, r->host, r->pid, how);
-    return ddp__rdzv_abort(g, DDP_ERR_PEER_LOST, msg);
+    res = ddp__rdzv_abort(g, DDP_ERR_PEER_LOST, msg);
+    ddp__key(g, key, sizeof key, "abort_seen", -1); /* the lost rank never will: rank 0 need not wait for it */
+    ddp_store_add(g->member.store, key, 1, &seen);
+    return res;
 }
 
 /* While waiting for every rank to join: read the records that have appeared since the last look (at
@@ -8367,6 +8371,8 @@ static ddp_result ddp__rank0_port_taken(ddp_group *g, const ddp__launch *L, ddp_
              "host %s, also rank 0, could not; every process needs its own rank (check RANK or the launcher's settings)",
              them.pid, them.host, L->master_addr, L->master_port, (int)getpid(), host);
     ddp__rdzv_abort(g, DDP_ERR_INIT, msg);
+    ddp__key(g, key, sizeof key, "abort_seen", -1); /* as any process that read it: rank 0 need not wait for this one */
+    ddp_store_add(g->member.store, key, 1, &joined);
     return ddp__fail_to(err, DDP_ERR_INIT, "%s", msg);
 }
 
@@ -8830,15 +8836,28 @@ static ddp_result ddp__init_done(ddp_group *g, int nccl, ddp_group **out) {
     return DDP_SUCCESS;
 }
 
+/* This rank failed locally (a bad setting such as DDP_TIMEOUT) after it knew where the store is. Rather
+   than leave the other ranks to wait the whole timeout for it, ddp_init still joins the store (waiting
+   at most DDP__EARLY_PUBLISH_SECONDS, and only into this job's store: ddp__rdzv_job) and fails here, so
+   that the error is published (ddp__rdzv_fail_all) with this rank named, and every rank fails with it. */
+#define DDP__EARLY_PUBLISH_SECONDS 10.0
+static ddp_result ddp__init_failed_locally(ddp_group *g, ddp_result code, const char *msg) {
+    char host[128];
+    if (gethostname(host, sizeof host) != 0) snprintf(host, sizeof host, "?");
+    host[sizeof host - 1] = '\0';
+    return ddp__fail(g, code, "rank %d (host %s, pid %d) cannot take part: %s", g->rank, host, (int)getpid(), msg);
+}
+
 DDP_API ddp_result ddp_init(const ddp_init_desc *desc, ddp_group **out) {
     ddp_init_desc zero;
     ddp__launch L;
     ddp_group *g;
     char err[DDP__ERR_MAX], where[320];
     const char *transport = ddp__env("DDP_TRANSPORT"), *backend;
+    char early_msg[DDP__ERR_MAX];
     double timeout;
-    int nccl, foreign = 0;
-    ddp_result r;
+    int nccl, foreign = 0, told = 0;
+    ddp_result r, early = DDP_SUCCESS;
     if (!out) return ddp__fail(NULL, DDP_ERR_INVALID_ARGUMENT, "ddp_init: the out argument is NULL");
     *out = NULL;
     if (!desc) {
@@ -8857,7 +8876,12 @@ DDP_API ddp_result ddp_init(const ddp_init_desc *desc, ddp_group **out) {
         return ddp__fail(NULL, DDP_ERR_INIT, "DDP_TRANSPORT=\"%s\" is not one of auto, tcp", transport);
     if ((r = ddp__read_launch(desc, &L, err)) != DDP_SUCCESS) return ddp__fail(NULL, r, "ddp_init: %s", err);
     timeout = ddp__read_timeout(desc, err, &r);
-    if (r) return ddp__fail(NULL, r, "ddp_init: %s", err);
+    if (r && L.world_size == 1 && !L.file_path && !L.master_port) return ddp__fail(NULL, r, "ddp_init: %s", err);
+    if (r) { /* a local failure with the master known: join only to tell the others (ddp__init_failed_locally) */
+        early = r;
+        snprintf(early_msg, sizeof early_msg, "%s", err);
+        timeout = DDP__EARLY_PUBLISH_SECONDS;
+    }
 
     g = ddp__group_alloc(L.rank, L.world_size);
     if (!g) return ddp__fail(NULL, DDP_ERR_OUT_OF_MEMORY, "ddp_init: out of memory");
@@ -8891,12 +8915,16 @@ DDP_API ddp_result ddp_init(const ddp_init_desc *desc, ddp_group **out) {
     }
     if (r) {
         ddp__group_free(g);
+        if (early) return ddp__fail(NULL, early, "ddp_init (rank %d of %d, from %s): %s", L.rank, L.world_size, L.source, early_msg);
         return ddp__fail(NULL, r, "ddp_init (rank %d of %d, from %s): %s", L.rank, L.world_size, L.source, err);
     }
     g->member.owns_store = 1;
     ddp__log(g, DDP_LOG_INFO, "joining: rank %d of %d from %s, through %s", L.rank, L.world_size, L.source, where);
-    if ((r = ddp__rdzv_job(g, where, L.file_path != NULL, &foreign)) != DDP_SUCCESS || (r = ddp__group_connect(g, where)) != DDP_SUCCESS) {
+    if ((r = ddp__rdzv_job(g, where, L.file_path != NULL, &foreign)) != DDP_SUCCESS ||
+        (early && (told = 1, r = ddp__init_failed_locally(g, early, early_msg)) != DDP_SUCCESS) ||
+        (r = ddp__group_connect(g, where)) != DDP_SUCCESS) {
         if (!foreign) ddp__rdzv_fail_all(g, r); /* never into another job's store */
+        if (early && !told) r = ddp__fail(g, early, "%s", early_msg); /* the job was not reachable: the local reason */
         ddp__fail(NULL, r, "ddp_init (rank %d of %d, from %s): %s", L.rank, L.world_size, L.source, g->error);
         ddp__group_free(g);
         return r;
