@@ -8146,8 +8146,11 @@ static ddp_result ddp__rdzv_lost(ddp_group *g, int i, const ddp__record *r, cons
     snprintf(msg, sizeof msg, "rank %d (host %s, pid %d) was lost during ddp_init: %s. It had registered in the "
              "rendezvous and then exited; its own output (or exit status) says why", i, r->host, r->pid, how);
     res = ddp__rdzv_abort(g, DDP_ERR_PEER_LOST, msg);
-    ddp__key(g, key, sizeof key, "abort_seen", -1); /* the lost rank never will: rank 0 need not wait for it */
-    ddp_store_add(g->member.store, key, 1, &seen);
+    ddp__key(g, key, sizeof key, "lost", i); /* the lost rank never reads the abort: count it as read, once */
+    if (ddp_store_add(g->member.store, key, 1, &seen) == DDP_SUCCESS && seen == 1) {
+        ddp__key(g, key, sizeof key, "abort_seen", -1);
+        ddp_store_add(g->member.store, key, 1, &seen);
+    }
     return res;
 }
 
