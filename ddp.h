@@ -8155,13 +8155,13 @@ static ddp_result ddp__rdzv_lost(ddp_group *g, int i, const ddp__record *r, cons
 }
 
 /* While waiting for every rank to join: read the records that have appeared since the last look (at
-   most 32 store reads a look, so a large world does not flood the store) and check the pids of those
-   on this node. */
+   most 8 store reads a look, about what the wait's own polling costs, so that a large world does not
+   flood the store) and check the pids of those on this node. */
 static ddp_result ddp__rdzv_watch_joining(ddp_group *g, ddp__record *rec, unsigned char *known, int *cursor,
                                           unsigned long long node) {
     char key[256], value[512];
     int reads = 0, i, k;
-    for (k = 0; k < g->world_size && reads < 32; k++, *cursor = (*cursor + 1) % g->world_size) {
+    for (k = 0; k < g->world_size && reads < 8; k++, *cursor = (*cursor + 1) % g->world_size) {
         int exists = 0;
         size_t n = 0;
         i = *cursor;

@@ -407,6 +407,13 @@ static int get_int(const char *name) {
     return v;
 }
 
+/* Helper processes (a silent intruder, a stranger on the port) wait with this, so that they end with
+   the rank process that made them even when it fails a CHECK. */
+static void until_parent_exits(pid_t parent) {
+    while (getppid() == parent) usleep(20 * 1000);
+    _exit(0);
+}
+
 /* ddp_init must fail with want, within `seconds`, with a message that has both fragments (NULL: none). */
 static void expect_prompt_failure(ddp_init_desc *d, ddp_result want, const char *f1, const char *f2, double seconds,
                                   int rank, const char *what) {
@@ -472,8 +479,12 @@ static int stuck_rank(int rank, int n, void *arg) {
     d.timeout_seconds = 2;
     if (rank == 2) {
         pid_t child = start_victim(2, &d, SIGSTOP);
-        get_int("done.0"), get_int("done.1");
-        kill(child, SIGKILL);
+        char path[320];
+        snprintf(path, sizeof path, "%s/done.0", jobs_dir);
+        wait_file(path, 20);
+        snprintf(path, sizeof path, "%s/done.1", jobs_dir);
+        wait_file(path, 20);
+        kill(child, SIGKILL); /* whatever the others did */
         waitpid(child, NULL, 0);
         return 0;
     }
@@ -491,7 +502,7 @@ static int stuck_rank(int rank, int n, void *arg) {
 static int silent_sockets(int rank, int n, void *arg) {
     ddp_init_desc d;
     ddp_group *g = NULL;
-    pid_t intruder = -1;
+    pid_t intruder = -1, parent = getpid();
     double t0;
     if (arg) setenv("DDP_AUTH_TOKEN", (const char *)arg, 1);
     memset(&d, 0, sizeof d);
@@ -514,8 +525,7 @@ static int silent_sockets(int rank, int n, void *arg) {
             }
         }
         put_int("intruder", 6); /* six silent connections made */
-        pause(); /* silent until killed */
-        _exit(0);
+        until_parent_exits(parent); /* silent until killed */
     }
     if (rank > 0) usleep(rank == 1 ? 800 * 1000 : 1300 * 1000); /* after the silent ones */
     t0 = tl_now();
@@ -555,7 +565,7 @@ static int two_rank_zero(int rank, int n, void *arg) {
    protocol; rank 0 also says the port is in use. */
 static int stranger_on_port(int rank, int n, void *arg) {
     ddp_init_desc d;
-    pid_t server = -1;
+    pid_t server = -1, parent = getpid();
     (void)n;
     setenv_int("MASTER_PORT", port);
     memset(&d, 0, sizeof d);
@@ -573,9 +583,12 @@ static int stranger_on_port(int rank, int n, void *arg) {
         for (;;) {
             char buf[64];
             const char *answer = "HTTP/1.1 400 Bad Request\r\nContent-Length: 0\r\n\r\n";
+            struct pollfd p;
             int c;
-            if (!arg) pause();
-            if ((c = accept(fd, NULL, NULL)) < 0) continue;
+            if (!arg) until_parent_exits(parent); /* says nothing */
+            p.fd = fd, p.events = POLLIN;
+            if (getppid() != parent) _exit(0);
+            if (poll(&p, 1, 20) != 1 || (c = accept(fd, NULL, NULL)) < 0) continue;
             if (read(c, buf, sizeof buf) > 0 && write(c, answer, strlen(answer)) < 0) _exit(1);
             close(c);
         }
