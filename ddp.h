@@ -1692,6 +1692,7 @@ static DDP__UNUSED void ddp__divide(void *buf, size_t count, ddp_dtype t, int n)
 /* ---- net.c: TCP with deadlines (absolute ddp__now() seconds); messages go to err ---- */
 static DDP__UNUSED ddp_result ddp__net_listen(const char *host, int port, int *fd, int *bound_port, char *err);
 static DDP__UNUSED ddp_result ddp__net_connect(const char *host, int port, double deadline, int *fd, char *err);
+static DDP__UNUSED ddp_result ddp__net_connect_once(const char *host, int port, double deadline, int *fd, int *refused, char *err);
 static DDP__UNUSED ddp_result ddp__net_accept(int listen_fd, double deadline, int *fd, char *err);
 static DDP__UNUSED ddp_result ddp__net_send(int fd, const void *buf, size_t n, double deadline, char *err);
 static DDP__UNUSED ddp_result ddp__net_recv(int fd, void *buf, size_t n, double deadline, char *err);
@@ -2706,42 +2707,52 @@ static ddp_result ddp__net_poll(int fd, short events, double deadline, char *err
     }
 }
 
+/* One attempt to connect to host:port (each of its addresses in turn), each waiting at most 5 s and
+   never past the deadline. *refused = 1 when every address answered "connection refused": nothing
+   listens there now. On failure err says why (the last address's error). */
+static ddp_result ddp__net_connect_once(const char *host, int port, double deadline, int *fd_out, int *refused, char *err) {
+    struct addrinfo *res = NULL, *ai;
+    int tried = 0, all_refused = 1;
+    ddp_result r = ddp__net_resolve(host, port, 0, &res, err);
+    *refused = 0;
+    if (r) return r;
+    snprintf(err, DDP__ERR_MAX, "no address");
+    for (ai = res; ai; ai = ai->ai_next) {
+        int fd = socket(ai->ai_family, ai->ai_socktype, ai->ai_protocol), soerr = 0;
+        socklen_t len = sizeof soerr;
+        char why[DDP__ERR_MAX];
+        if (fd < 0) continue;
+        tried++;
+        ddp__net_configure(fd);
+        if (connect(fd, ai->ai_addr, ai->ai_addrlen) != 0 && errno != EINPROGRESS) soerr = errno;
+        else if (ddp__net_poll(fd, POLLOUT, DDP__MIN(deadline, ddp__now() + 5.0), why) != DDP_SUCCESS) soerr = ETIMEDOUT;
+        else getsockopt(fd, SOL_SOCKET, SO_ERROR, &soerr, &len);
+        if (soerr == 0) {
+            freeaddrinfo(res);
+            *fd_out = fd;
+            return DDP_SUCCESS;
+        }
+        all_refused &= soerr == ECONNREFUSED;
+        snprintf(err, DDP__ERR_MAX, "%s", soerr == ETIMEDOUT ? "connection attempt timed out" : strerror(soerr));
+        close(fd);
+    }
+    freeaddrinfo(res);
+    *refused = tried > 0 && all_refused;
+    return DDP_ERR_TIMEOUT;
+}
+
 /* Connect to host:port, retrying with exponential backoff (10 ms .. 1 s) until the deadline while
    the other side is not listening yet: ranks start in any order. */
 static ddp_result ddp__net_connect(const char *host, int port, double deadline, int *fd_out, char *err) {
     double backoff = 0.01;
-    char last[128] = "no attempt";
+    char last[DDP__ERR_MAX] = "no attempt";
+    int refused;
     for (;;) {
-        struct addrinfo *res = NULL, *ai;
-        ddp_result r = ddp__net_resolve(host, port, 0, &res, err);
-        if (r) return r;
-        for (ai = res; ai; ai = ai->ai_next) {
-            int fd = socket(ai->ai_family, ai->ai_socktype, ai->ai_protocol), soerr = 0;
-            socklen_t len = sizeof soerr;
-            if (fd < 0) continue;
-            ddp__net_configure(fd);
-            if (connect(fd, ai->ai_addr, ai->ai_addrlen) != 0 && errno != EINPROGRESS) {
-                snprintf(last, sizeof last, "%s", strerror(errno));
-                close(fd);
-                continue;
-            }
-            if (ddp__net_poll(fd, POLLOUT, DDP__MIN(deadline, ddp__now() + 5.0), err) != DDP_SUCCESS) {
-                snprintf(last, sizeof last, "connection attempt timed out");
-                close(fd);
-                continue;
-            }
-            getsockopt(fd, SOL_SOCKET, SO_ERROR, &soerr, &len);
-            if (soerr == 0) {
-                freeaddrinfo(res);
-                *fd_out = fd;
-                return DDP_SUCCESS;
-            }
-            snprintf(last, sizeof last, "%s", strerror(soerr));
-            close(fd);
-        }
-        freeaddrinfo(res);
+        ddp_result r = ddp__net_connect_once(host, port, deadline, fd_out, &refused, last);
+        if (r == DDP_SUCCESS) return r;
+        if (r != DDP_ERR_TIMEOUT) return ddp__fail_to(err, r, "%s", last); /* cannot resolve */
         if (ddp__now() + backoff > deadline)
-            return ddp__fail_to(err, DDP_ERR_TIMEOUT, "could not connect to %s:%d before the timeout (last error: %s)", host,
+            return ddp__fail_to(err, DDP_ERR_TIMEOUT, "could not connect to %s:%d before the timeout (last error: %.200s)", host,
                                 port, last);
         ddp__sleep(backoff);
         backoff = DDP__MIN(backoff * 2, 1.0);
@@ -2984,7 +2995,8 @@ static ddp_result ddp__auth_client(int fd, const char *token, const char *who, d
     if (ddp__net_send(fd, hello, sizeof hello, deadline, why) != DDP_SUCCESS ||
         ddp__net_recv(fd, reply, sizeof reply, deadline, why) != DDP_SUCCESS)
         return ddp__fail_to(err, DDP_ERR_INIT, "DDP_AUTH_TOKEN is set, but %s did not answer the authentication (%s): "
-                            "does its process run without DDP_AUTH_TOKEN? Every rank needs the same token", who, why);
+                            "does its process run without DDP_AUTH_TOKEN (every rank needs the same token), or is it another program "
+                            "that does not speak ddp.h's protocols?", who, why);
     ddp__auth_proof(token, "server", hello + 8, reply, want);
     if (!ddp__auth_equal(want, reply + DDP__AUTH_NONCE, DDP__AUTH_MAC))
         return ddp__fail_to(err, DDP_ERR_INIT, "%s does not know this process's DDP_AUTH_TOKEN (its proof is wrong): every "
@@ -4389,7 +4401,8 @@ static ddp_result ddp__tcp_open(ddp_store *s, double deadline) {
     char why[DDP__ERR_MAX];
     ddp_result r = ddp__net_connect(s->host, s->port, deadline, &s->fd, why);
     if (r == DDP_SUCCESS && ddp__auth_token()) {
-        r = ddp__auth_client(s->fd, ddp__auth_token(), s->where, deadline, why);
+        /* a store answers the handshake at once: a short deadline, so that a silent server is found out soon */
+        r = ddp__auth_client(s->fd, ddp__auth_token(), s->where, DDP__MIN(deadline, ddp__now() + DDP__MIN(s->timeout, 5.0)), why);
         if (r != DDP_SUCCESS) {
             ddp__tcp_disconnect(s);
             return ddp__store_fail(s, r, "%s", why);
@@ -4414,9 +4427,11 @@ static ddp_result ddp__tcp_open(ddp_store *s, double deadline) {
         bytes: protocol 1. To a 2.x server 06 is a first query that is not VALIDATE: the classic server
         closes (protocol 2, without PING); a libuv one ignores it and waits, and it is a WAIT anyway, which
         reads a count it never gets, so nothing can change there either.
-   No answer within min(timeout, 5 s) in step 1 or 2: it cannot tell, and takes protocol 2 (what current
-   torch speaks), saying so in the log; a wrong guess fails with a message that names both versions and
-   DDP_STORE_PROTOCOL. */
+   No answer within min(timeout, 5 s) in step 1 (no bytes and no close), or bytes that are not the
+   echo (an HTTP server's "HTTP/1.1 400"): the server does not speak the store protocol (another program
+   on MASTER_PORT), and connecting fails saying so, within seconds rather than after the timeout. No
+   answer in step 2: it cannot tell, and takes protocol 2 (what current torch speaks), saying so in the
+   log; a wrong guess fails with a message that names both versions and DDP_STORE_PROTOCOL. */
 static ddp_result ddp__tcp_detect(ddp_store *s, double deadline) {
     unsigned char probe[10], reply[8];
     uint32_t magic = DDP__V2_MAGIC, nonce = 0x5AFF0000u | ((uint32_t)getpid() & 0xFFFFu), echo;
@@ -4436,16 +4451,25 @@ static ddp_result ddp__tcp_detect(ddp_store *s, double deadline) {
                                                     "has none: every rank needs the same token", s->where);
         }
         if (echo != nonce) {
+            char text[40];
             ddp__tcp_disconnect(s);
-            return ddp__store_fail(s, DDP_ERR_FORMAT, "%s answered torch 2.x's PING with 0x%08x instead of 0x%08x: "
-                                                      "is it a TCPStore (torch 1.13, torch 2.x or ddp.h)?",
-                                   s->where, echo, nonce);
+            return ddp__store_fail(s, DDP_ERR_INIT, "the server at %s:%d does not speak the store protocol (is another "
+                                                    "program using MASTER_PORT?): it answered torch 2.x's PING with "
+                                                    "\"%s\" (0x%08x) instead of 0x%08x, which no TCPStore (torch 1.13, "
+                                                    "torch 2.x or ddp.h) does", s->host, s->port,
+                                   ddp__store_key_text(&echo, 4, text, sizeof text), echo, nonce);
         }
         s->proto = 2;
         s->proto_why = "found out on connecting";
         return DDP_SUCCESS;
     }
     ddp__tcp_disconnect(s);
+    if (r == DDP_ERR_TIMEOUT) /* every TCPStore answers the probe or hangs up on it at once */
+        return ddp__store_fail(s, DDP_ERR_INIT, "the server at %s:%d does not speak the store protocol (is another program "
+                                                "using MASTER_PORT?): it accepted the connection but neither answered nor "
+                                                "closed it within %.3g s of torch 2.x's PING, as every TCPStore does (if "
+                                                "it is a store too busy to answer, DDP_STORE_PROTOCOL=2 or 1.13 skips "
+                                                "this probe)", s->host, s->port, DDP__MIN(s->timeout, 5.0));
     if (r == DDP_ERR_PEER_LOST) { /* step 2 */
         unsigned char q = DDP__Q_GETNUMKEYS;
         if ((r = ddp__tcp_open(s, deadline)) != DDP_SUCCESS) return r;
@@ -9078,25 +9102,130 @@ static ddp_result ddp__rdzv_check_abort(ddp_group *g, int *aborted) {
     return ddp__fail(g, ddp__peer_code(code, DDP_ERR_INIT), "%s", strchr(value, '|') ? strchr(value, '|') + 1 : value);
 }
 
-/* What each rank publishes about itself. */
+/* What each rank publishes about itself: "world=W port=P pid=PID addr=A host=H node=N". */
 typedef struct ddp__record {
     int world, port, pid;
     char addr[128], host[128];
+    unsigned long long node; /* ddp__node_key() of its process; 0 when not published */
 } ddp__record;
 
-/* Wait until `world_size` ranks have joined, watching for an abort; name the missing ranks on timeout. */
+static int ddp__record_parse(const char *value, ddp__record *r) {
+    memset(r, 0, sizeof *r);
+    return sscanf(value, "world=%d port=%d pid=%d addr=%127s host=%127s node=%llx", &r->world, &r->port, &r->pid, r->addr,
+                  r->host, &r->node) >= 5;
+}
+
+/* ---- noticing a rank that died inside ddp_init ----
+   Once a rank has published its record it listens on its mesh port (until its mesh is complete) and
+   its pid is known. So a "connection refused" from that port means the rank is gone, and so does a pid
+   that no longer exists on this node (same host, boot, network and pid namespace: the record's `node`;
+   kill(pid, 0) means nothing across pid namespaces). Ranks that wait (for the others to join, for the
+   ranks above to connect) look every DDP__WATCH_PERIOD s; the rank that notices publishes an abort
+   naming the lost rank (ddp__rdzv_lost), which every waiting rank reads within that period. Ranks on
+   other nodes are noticed by the refused connection of the mesh step. */
+#define DDP__WATCH_PERIOD 0.25
+static uint64_t ddp__host_key(void);
+
+static unsigned long long ddp__node_key(void) {
+    char ns[128] = "", buf[200];
+    ssize_t k = readlink("/proc/self/ns/pid", ns, sizeof ns - 1);
+    if (k > 0) ns[k] = '\0';
+    snprintf(buf, sizeof buf, "%016llx|%s", (unsigned long long)ddp__host_key(), ns);
+    return (unsigned long long)ddp__hash(buf) | 1u;
+}
+
+/* Is the process pid of a rank on this node gone (no such process, or a zombie its parent has not reaped)? */
+static int ddp__rank_process_gone(const ddp__record *r, unsigned long long node) {
+    char path[64], stat[512];
+    const char *end;
+    size_t n;
+    FILE *f;
+    if (!r->node || r->node != node || r->pid <= 0) return 0;
+    if (kill((pid_t)r->pid, 0) != 0) return errno == ESRCH;
+    snprintf(path, sizeof path, "/proc/%d/stat", r->pid);
+    if (!(f = fopen(path, "r"))) return 0;
+    n = fread(stat, 1, sizeof stat - 1, f);
+    fclose(f);
+    stat[n] = '\0';
+    end = strrchr(stat, ')'); /* "pid (comm) S ...": the state follows the command name */
+    return end && end[1] == ' ' && end[2] == 'Z';
+}
+
+/* Rank i, which had registered, is gone: unless another rank has published an abort already (then fail
+   with that one), publish one naming it, so that every rank fails now with this message. */
+static ddp_result ddp__rdzv_lost(ddp_group *g, int i, const ddp__record *r, const char *how) {
+    char msg[DDP__ERR_MAX], key[256];
+    int aborted = 0;
+    int64_t seen = 0;
+    ddp_result res = ddp__rdzv_check_abort(g, &aborted);
+    if (res != DDP_SUCCESS || aborted) return res ? res : DDP_ERR_INIT;
+    snprintf(msg, sizeof msg, "rank %d (host %s, pid %d) was lost during ddp_init: %s. It had registered in the "
+             "rendezvous and then exited; its own output (or exit status) says why", i, r->host, r->pid, how);
+    res = ddp__rdzv_abort(g, DDP_ERR_PEER_LOST, msg);
+    ddp__key(g, key, sizeof key, "lost", i); /* the lost rank never reads the abort: count it as read, once */
+    if (ddp_store_add(g->member.store, key, 1, &seen) == DDP_SUCCESS && seen == 1) {
+        ddp__key(g, key, sizeof key, "abort_seen", -1);
+        ddp_store_add(g->member.store, key, 1, &seen);
+    }
+    return res;
+}
+
+/* While waiting for every rank to join: read the records that have appeared since the last look (at
+   most 8 store reads a look, about what the wait's own polling costs, so that a large world does not
+   flood the store) and check the pids of those on this node. */
+static ddp_result ddp__rdzv_watch_joining(ddp_group *g, ddp__record *rec, unsigned char *known, int *cursor,
+                                          unsigned long long node) {
+    char key[256], value[512];
+    int reads = 0, i, k;
+    for (k = 0; k < g->world_size && reads < 8; k++, *cursor = (*cursor + 1) % g->world_size) {
+        int exists = 0;
+        size_t n = 0;
+        i = *cursor;
+        if (i == g->rank || known[i]) continue;
+        ddp__key(g, key, sizeof key, "rank", i);
+        reads++;
+        if (ddp_store_check(g->member.store, key, &exists) != DDP_SUCCESS || !exists) continue;
+        if (ddp_store_get(g->member.store, key, value, sizeof value - 1, &n) != DDP_SUCCESS) continue;
+        value[DDP__MIN(n, sizeof value - 1)] = '\0';
+        known[i] = (unsigned char)ddp__record_parse(value, &rec[i]);
+    }
+    for (i = 0; i < g->world_size; i++)
+        if (known[i] && ddp__rank_process_gone(&rec[i], node))
+            return ddp__rdzv_lost(g, i, &rec[i], "its process no longer exists");
+    return DDP_SUCCESS;
+}
+
+/* Wait until `world_size` ranks have joined, watching for an abort and for registered ranks of this
+   node that died; name the missing ranks on timeout. */
 static ddp_result ddp__rdzv_wait_all(ddp_group *g, const char *where) {
     char key[256];
-    double start = ddp__now(), nap = 0.001;
-    int aborted;
+    double start = ddp__now(), nap = 0.001, next_watch = start + DDP__WATCH_PERIOD;
+    unsigned long long node = ddp__node_key();
+    ddp__record *rec = (ddp__record *)ddp__calloc((size_t)g->world_size, sizeof *rec);
+    unsigned char *known = (unsigned char *)ddp__calloc((size_t)g->world_size, 1);
+    int aborted, cursor = 0;
+    ddp_result r = DDP_SUCCESS;
+    if (!rec || !known) {
+        ddp__free(rec);
+        ddp__free(known);
+        return ddp__fail(g, DDP_ERR_OUT_OF_MEMORY, "out of memory in the rendezvous");
+    }
     for (;;) {
         int64_t joined = 0;
-        ddp_result r;
-        if ((r = ddp__rdzv_check_abort(g, &aborted)) != DDP_SUCCESS || aborted) return r ? r : DDP_ERR_INIT;
+        if ((r = ddp__rdzv_check_abort(g, &aborted)) != DDP_SUCCESS || aborted) {
+            r = r ? r : DDP_ERR_INIT;
+            break;
+        }
         ddp__key(g, key, sizeof key, "joined", -1);
-        if ((r = ddp_store_add(g->member.store, key, 0, &joined)) != DDP_SUCCESS)
-            return ddp__fail(g, r, "rendezvous: %s", ddp_store_last_error(g->member.store));
-        if (joined >= g->world_size) return DDP_SUCCESS;
+        if ((r = ddp_store_add(g->member.store, key, 0, &joined)) != DDP_SUCCESS) {
+            r = ddp__fail(g, r, "rendezvous: %s", ddp_store_last_error(g->member.store));
+            break;
+        }
+        if (joined >= g->world_size) break;
+        if (ddp__now() >= next_watch) {
+            if ((r = ddp__rdzv_watch_joining(g, rec, known, &cursor, node)) != DDP_SUCCESS) break;
+            next_watch = ddp__now() + DDP__WATCH_PERIOD;
+        }
         if (ddp__now() - start > g->timeout) {
             char missing[512] = "";
             int i, exists, shown = 0;
@@ -9107,13 +9236,17 @@ static ddp_result ddp__rdzv_wait_all(ddp_group *g, const char *where) {
                     shown++;
                 }
             }
-            return ddp__fail(g, DDP_ERR_TIMEOUT, "timed out after %.0f s waiting for every rank to join (%lld of %d "
-                             "joined through %s; missing: %s). Are they all started, with the same world size and master?",
-                             g->timeout, (long long)joined, g->world_size, where, missing[0] ? missing : "?");
+            r = ddp__fail(g, DDP_ERR_TIMEOUT, "timed out after %.0f s waiting for every rank to join (%lld of %d "
+                          "joined through %s; missing: %s). Are they all started, with the same world size and master?",
+                          g->timeout, (long long)joined, g->world_size, where, missing[0] ? missing : "?");
+            break;
         }
         ddp__sleep(nap);
         nap = DDP__MIN(nap * 2, 0.05);
     }
+    ddp__free(rec);
+    ddp__free(known);
+    return r;
 }
 
 /* ---- the job's identity in the store ----
@@ -9211,6 +9344,57 @@ static ddp_result ddp__rdzv_job(ddp_group *g, const char *where, int file_store,
     return DDP_SUCCESS;
 }
 
+/* Rank 0 could not start the store: MASTER_PORT is taken. Whose is it? Connect as a client for a few
+   seconds. If it is this job's store (a job record of the same run id, or of none; the same world size;
+   not every rank joined; a rank-0 claim made; its rank 0 alive where this host can tell), this process
+   is a second one with rank 0: publish that, so that every rank fails at once rather than at the
+   timeout, and fail with it. If the server there does not speak the store protocol, err (port in use)
+   says so too. Returns r, or DDP_ERR_INIT for a second rank 0 (err then says so). */
+static ddp_result ddp__rank0_port_taken(ddp_group *g, const ddp__launch *L, ddp_result r, char *err) {
+    char key[256], claim[256], value[512], why[DDP__ERR_MAX], host[128], msg[DDP__ERR_MAX];
+    const char *run = ddp__env("TORCHELASTIC_RUN_ID") ? ddp__env("TORCHELASTIC_RUN_ID") : "";
+    double window = DDP__MIN(g->timeout, 3.0), until = ddp__now() + window;
+    int exists = 0, claimed = 0, ours;
+    int64_t joined = 0;
+    size_t n = 0;
+    ddp__job them;
+    if (ddp__store_connect(L->master_addr, L->master_port, NULL, window, &g->member.store, why) != DDP_SUCCESS) {
+        if (strstr(why, "does not speak the store protocol") && strlen(err) + 4 < DDP__ERR_MAX)
+            snprintf(err + strlen(err), DDP__ERR_MAX - strlen(err), " (%.600s)", why);
+        return r;
+    }
+    ddp__key(g, key, sizeof key, "job", -1);
+    ddp__key(g, claim, sizeof claim, "claim", 0);
+    while (!(exists && claimed) && ddp__now() < until) { /* the other rank 0 records the job, then claims */
+        if (ddp_store_check(g->member.store, key, &exists) != DDP_SUCCESS ||
+            ddp_store_check(g->member.store, claim, &claimed) != DDP_SUCCESS)
+            break;
+        if (!(exists && claimed)) ddp__sleep(0.02);
+    }
+    ours = exists && claimed && ddp_store_get(g->member.store, key, value, sizeof value - 1, &n) == DDP_SUCCESS;
+    value[ours ? DDP__MIN(n, sizeof value - 1) : 0] = '\0';
+    ddp__key(g, key, sizeof key, "joined", -1);
+    ours = ours && ddp__job_parse(value, &them) && !(run[0] && them.run[0] && strcmp(run, them.run) != 0) &&
+           them.world == g->world_size && ddp_store_add(g->member.store, key, 0, &joined) == DDP_SUCCESS &&
+           joined < them.world;
+    if (gethostname(host, sizeof host) != 0) snprintf(host, sizeof host, "?");
+    host[sizeof host - 1] = '\0';
+    if (ours && strcmp(them.host, host) == 0 && kill((pid_t)them.pid, 0) != 0 && errno == ESRCH) ours = 0;
+    if (!ours) {
+        ddp__store_free(g->member.store);
+        g->member.store = NULL;
+        return r;
+    }
+    g->member.owns_store = 1;
+    snprintf(msg, sizeof msg, "two processes claim rank 0: pid %d on host %s serves the store on %s:%d, and pid %d on "
+             "host %s, also rank 0, could not; every process needs its own rank (check RANK or the launcher's settings)",
+             them.pid, them.host, L->master_addr, L->master_port, (int)getpid(), host);
+    ddp__rdzv_abort(g, DDP_ERR_INIT, msg);
+    ddp__key(g, key, sizeof key, "abort_seen", -1); /* as any process that read it: rank 0 need not wait for this one */
+    ddp_store_add(g->member.store, key, 1, &joined);
+    return ddp__fail_to(err, DDP_ERR_INIT, "%s", msg);
+}
+
 /* Mesh: rank j connects to every rank i < j and says hello; rank i accepts the higher ranks. */
 typedef struct ddp__hello {
     uint32_t magic;
@@ -9219,10 +9403,188 @@ typedef struct ddp__hello {
     uint64_t group; /* hash of the group's store prefix: a stray connection from another group is refused */
 } ddp__hello;
 
+/* Connect to rank i (< this rank) for the mesh, retrying while it is not reachable yet. Its record is
+   published, so it listens: a refusal that lasts DDP__REFUSED_GRACE s (time for a rank that failed
+   otherwise to publish why) means it is gone, and so does its pid on this node. */
+#define DDP__REFUSED_GRACE 1.0
+static ddp_result ddp__mesh_dial(ddp_group *g, const ddp__record *rec, int i, unsigned long long node, double deadline) {
+    char err[DDP__ERR_MAX], how[320];
+    double backoff = 0.01, refused_since = -1;
+    int refused = 0, aborted = 0;
+    ddp_result r;
+    for (;;) {
+        r = ddp__net_connect_once(rec[i].addr, rec[i].port, deadline, &g->mesh.peers[i].fd, &refused, err);
+        if (r == DDP_SUCCESS) return r;
+        if (r != DDP_ERR_TIMEOUT) return ddp__fail(g, r, "connecting to rank %d at %s:%d: %s", i, rec[i].addr, rec[i].port, err);
+        if ((r = ddp__rdzv_check_abort(g, &aborted)) != DDP_SUCCESS || aborted) return r ? r : DDP_ERR_INIT;
+        if (ddp__rank_process_gone(&rec[i], node)) return ddp__rdzv_lost(g, i, &rec[i], "its process no longer exists");
+        refused_since = !refused ? -1 : refused_since < 0 ? ddp__now() : refused_since;
+        if (refused && ddp__now() - refused_since >= DDP__REFUSED_GRACE) {
+            snprintf(how, sizeof how, "its mesh port %.128s:%d refuses connections (nothing listens there any more)",
+                     rec[i].addr, rec[i].port);
+            return ddp__rdzv_lost(g, i, &rec[i], how);
+        }
+        if (ddp__now() + backoff > deadline)
+            return ddp__fail(g, DDP_ERR_TIMEOUT, "connecting to rank %d at %s:%d (host %s, pid %d): could not connect within "
+                             "the timeout of %.0f s (last error: %s); does a firewall block the port?", i, rec[i].addr,
+                             rec[i].port, rec[i].host, rec[i].pid, g->timeout, err);
+        ddp__sleep(backoff);
+        backoff = DDP__MIN(backoff * 2, DDP__WATCH_PERIOD);
+    }
+}
+
+/* A connection accepted on this rank's mesh port that has not said yet which rank it is. Each moves
+   through its steps as its bytes arrive, on its own deadline, so that a silent or slow one never holds
+   up the others: 0 the authentication hello and 1 its proof (with DDP_AUTH_TOKEN, src/auth.c), then 2
+   the group hello. */
+#define DDP__PENDING_MAX 64     /* connections waiting to identify themselves at once; the oldest goes first */
+#define DDP__PENDING_SECONDS 10 /* each has this long to identify itself */
+typedef struct ddp__pending {
+    int fd, step;
+    size_t have, need;
+    double deadline;
+    unsigned char buf[64];
+    unsigned char cn[DDP__AUTH_NONCE], sn[DDP__AUTH_NONCE];
+} ddp__pending;
+
+static void ddp__pending_start(ddp__pending *p, int fd, double deadline) {
+    memset(p, 0, sizeof *p);
+    p->fd = fd;
+    p->step = ddp__auth_token() ? 0 : 2;
+    p->need = ddp__auth_token() ? 8 + DDP__AUTH_NONCE : sizeof(ddp__hello);
+    p->deadline = DDP__MIN(deadline, ddp__now() + DDP__PENDING_SECONDS);
+}
+
+/* Take what p's peer sent. 1: it is rank h->rank of this group (p->fd is then its connection), 0: more
+   to come, -1: refused (closed, with a warning that says why). */
+static int ddp__pending_step(ddp_group *g, ddp__pending *p, const ddp__hello *me, ddp__hello *h) {
+    unsigned char reply[DDP__AUTH_NONCE + DDP__AUTH_MAC], verdict;
+    char why[DDP__ERR_MAX];
+    const char *refusal = NULL;
+    ssize_t k = recv(p->fd, p->buf + p->have, p->need - p->have, 0);
+    if (k < 0 && (errno == EAGAIN || errno == EWOULDBLOCK || errno == EINTR)) return 0;
+    if (k <= 0) refusal = "it closed the connection before saying which rank it is";
+    else if ((p->have += (size_t)k) < p->need) return 0;
+    else if (p->step == 0) {
+        if (ddp__auth_answer(ddp__auth_token(), p->buf, p->cn, p->sn, reply) != 0)
+            refusal = "it did not authenticate (no DDP_AUTH_TOKEN on its side?)";
+        else if (ddp__net_send(p->fd, reply, sizeof reply, p->deadline, why) != DDP_SUCCESS)
+            refusal = "it broke off the authentication";
+        p->step = 1, p->have = 0, p->need = DDP__AUTH_MAC;
+    } else if (p->step == 1) {
+        verdict = (unsigned char)ddp__auth_check(ddp__auth_token(), p->cn, p->sn, p->buf);
+        ddp__net_send(p->fd, &verdict, 1, p->deadline, why);
+        if (!verdict) refusal = "its DDP_AUTH_TOKEN is different";
+        p->step = 2, p->have = 0, p->need = sizeof(ddp__hello);
+    } else {
+        memcpy(h, p->buf, sizeof *h);
+        if (h->magic != DDP__HELLO_MAGIC || h->world != g->world_size || h->group != me->group || h->rank <= g->rank ||
+            h->rank >= g->world_size || g->mesh.peers[h->rank].fd >= 0)
+            refusal = "it is not a rank of this group";
+        else
+            return 1;
+    }
+    if (!refusal) return 0;
+    ddp__log(g, DDP_LOG_WARN, "refused a connection to this rank's mesh port: %s", refusal);
+    close(p->fd);
+    p->fd = -1;
+    return -1;
+}
+
+/* The ranks above this one that have not connected, as "3 (host h, pid p), 5 (...)", for messages. */
+static void ddp__mesh_missing(const ddp_group *g, const ddp__record *rec, char *out, size_t cap) {
+    int i, shown = 0;
+    out[0] = '\0';
+    for (i = g->rank + 1; i < g->world_size; i++)
+        if (g->mesh.peers[i].fd < 0 && shown++ < 8)
+            snprintf(out + strlen(out), cap - strlen(out), "%srank %d (host %s, pid %d)", shown > 1 ? ", " : "", i,
+                     rec[i].host, rec[i].pid);
+    if (shown > 8) snprintf(out + strlen(out), cap - strlen(out), " and %d more", shown - 8);
+}
+
+/* Every DDP__WATCH_PERIOD s while accepting: an abort published by another rank, or a rank above this
+   one on this node that died before connecting. */
+static ddp_result ddp__mesh_watch(ddp_group *g, const ddp__record *rec, unsigned long long node) {
+    int i, aborted = 0;
+    ddp_result r = ddp__rdzv_check_abort(g, &aborted);
+    if (r != DDP_SUCCESS || aborted) return r ? r : DDP_ERR_INIT;
+    for (i = g->rank + 1; i < g->world_size; i++)
+        if (g->mesh.peers[i].fd < 0 && ddp__rank_process_gone(&rec[i], node))
+            return ddp__rdzv_lost(g, i, &rec[i], "its process no longer exists");
+    return DDP_SUCCESS;
+}
+
+/* Accept the ranks above this one: one poll() over the listening socket and every pending connection,
+   each pending one with its own deadline (ddp__pending_step), and a look at the store and at the
+   waited-for ranks every DDP__WATCH_PERIOD s. */
+static ddp_result ddp__mesh_accept(ddp_group *g, const ddp__record *rec, int listen_fd, const ddp__hello *me,
+                                   unsigned long long node, double deadline) {
+    ddp__pending pend[DDP__PENDING_MAX];
+    struct pollfd pfd[DDP__PENDING_MAX + 1];
+    char err[DDP__ERR_MAX], missing[DDP__ERR_MAX / 2];
+    double next_watch = ddp__now() + DDP__WATCH_PERIOD;
+    int npend = 0, accepted = 0, i, j, fd;
+    ddp_result r = DDP_SUCCESS;
+    while (accepted < g->world_size - 1 - g->rank) {
+        double now = ddp__now(), wake = DDP__MIN(deadline, next_watch);
+        ddp__hello h;
+        if (now >= deadline) {
+            ddp__mesh_missing(g, rec, missing, sizeof missing);
+            r = ddp__fail(g, DDP_ERR_TIMEOUT, "timed out after %.0f s waiting for ranks above %d to connect to its port %d: "
+                          "%s never connected (every rank had registered); is their process stuck, or does a firewall "
+                          "block the port?", g->timeout, g->rank, rec[g->rank].port, missing);
+            break;
+        }
+        if (now >= next_watch) {
+            if ((r = ddp__mesh_watch(g, rec, node)) != DDP_SUCCESS) break;
+            next_watch = ddp__now() + DDP__WATCH_PERIOD;
+            continue;
+        }
+        pfd[0].fd = listen_fd, pfd[0].events = POLLIN, pfd[0].revents = 0;
+        for (i = 0; i < npend; i++) {
+            pfd[i + 1].fd = pend[i].fd, pfd[i + 1].events = POLLIN, pfd[i + 1].revents = 0;
+            wake = DDP__MIN(wake, pend[i].deadline);
+        }
+        if (poll(pfd, (nfds_t)npend + 1, (int)((wake - now) * 1000.0) + 1) < 0 && errno != EINTR) {
+            r = ddp__fail(g, DDP_ERR_SYSTEM, "waiting for ranks above %d to connect: poll: %s", g->rank, strerror(errno));
+            break;
+        }
+        now = ddp__now();
+        for (i = 0; i < npend; i++) {
+            int got = pfd[i + 1].revents ? ddp__pending_step(g, &pend[i], me, &h) : 0;
+            if (got == 1) {
+                g->mesh.peers[h.rank].fd = pend[i].fd;
+                pend[i].fd = -1;
+                accepted++;
+            } else if (got == 0 && now >= pend[i].deadline) {
+                ddp__log(g, DDP_LOG_WARN, "refused a connection to this rank's mesh port: it did not say which rank it is "
+                         "within %d s", DDP__PENDING_SECONDS);
+                close(pend[i].fd);
+                pend[i].fd = -1;
+            }
+        }
+        for (i = j = 0; i < npend; i++) /* keep the pending ones, in order */
+            if (pend[i].fd >= 0) pend[j++] = pend[i];
+        npend = j;
+        if ((pfd[0].revents & POLLIN) && ddp__net_accept(listen_fd, now + 0.01, &fd, err) == DDP_SUCCESS) {
+            if (npend == DDP__PENDING_MAX) { /* full: the oldest has waited longest */
+                ddp__log(g, DDP_LOG_WARN, "refused a connection to this rank's mesh port: %d others were waiting to "
+                         "identify themselves", DDP__PENDING_MAX);
+                close(pend[0].fd);
+                memmove(pend, pend + 1, (size_t)(--npend) * sizeof *pend);
+            }
+            ddp__pending_start(&pend[npend++], fd, deadline);
+        }
+    }
+    for (i = 0; i < npend; i++) close(pend[i].fd);
+    return r;
+}
+
 static ddp_result ddp__mesh_connect(ddp_group *g, const ddp__record *rec, int listen_fd) {
-    char err[DDP__ERR_MAX];
+    char err[DDP__ERR_MAX], who[320];
     double deadline = ddp__now() + g->timeout;
-    int i, accepted = 0;
+    unsigned long long node = ddp__node_key();
+    int i, aborted = 0;
     ddp__hello me;
     ddp_result r;
     memset(&me, 0, sizeof me);
@@ -9231,34 +9593,17 @@ static ddp_result ddp__mesh_connect(ddp_group *g, const ddp__record *rec, int li
     me.world = g->world_size;
     me.group = ddp__hash(g->member.prefix);
     for (i = 0; i < g->rank; i++) {
-        char who[320];
         snprintf(who, sizeof who, "rank %d at %s:%d", i, rec[i].addr, rec[i].port);
-        if ((r = ddp__net_connect(rec[i].addr, rec[i].port, deadline, &g->mesh.peers[i].fd, err)) != DDP_SUCCESS ||
-            (ddp__auth_token() && (r = ddp__auth_client(g->mesh.peers[i].fd, ddp__auth_token(), who, deadline, err)) != DDP_SUCCESS) ||
-            (r = ddp__net_send(g->mesh.peers[i].fd, &me, sizeof me, deadline, err)) != DDP_SUCCESS)
+        if ((r = ddp__mesh_dial(g, rec, i, node, deadline)) != DDP_SUCCESS) return r;
+        if ((ddp__auth_token() && (r = ddp__auth_client(g->mesh.peers[i].fd, ddp__auth_token(), who, deadline, err)) != DDP_SUCCESS) ||
+            (r = ddp__net_send(g->mesh.peers[i].fd, &me, sizeof me, deadline, err)) != DDP_SUCCESS) {
+            ddp_result lost = ddp__rdzv_check_abort(g, &aborted); /* it may have failed, or died, meanwhile */
+            if (lost != DDP_SUCCESS || aborted) return lost ? lost : DDP_ERR_INIT;
+            if (ddp__rank_process_gone(&rec[i], node)) return ddp__rdzv_lost(g, i, &rec[i], "its process no longer exists");
             return ddp__fail(g, r, "connecting to %s: %s", who, err);
-    }
-    while (accepted < g->world_size - 1 - g->rank) {
-        ddp__hello h;
-        int fd;
-        if ((r = ddp__net_accept(listen_fd, deadline, &fd, err)) != DDP_SUCCESS)
-            return ddp__fail(g, r, "waiting for ranks above %d to connect: %s", g->rank, err);
-        if (ddp__auth_token() && ddp__auth_server(fd, ddp__auth_token(), DDP__MIN(deadline, ddp__now() + 10.0), err) != 0) {
-            ddp__log(g, DDP_LOG_WARN, "refused a connection to this rank's mesh port: %s", err);
-            close(fd);
-            continue;
         }
-        if (ddp__net_recv(fd, &h, sizeof h, DDP__MIN(deadline, ddp__now() + 10.0), err) != DDP_SUCCESS ||
-            h.magic != DDP__HELLO_MAGIC || h.world != g->world_size || h.group != me.group || h.rank <= g->rank ||
-            h.rank >= g->world_size || g->mesh.peers[h.rank].fd >= 0) {
-            ddp__log(g, DDP_LOG_WARN, "refused a connection that is not a rank of this group");
-            close(fd);
-            continue;
-        }
-        g->mesh.peers[h.rank].fd = fd;
-        accepted++;
     }
-    return DDP_SUCCESS;
+    return ddp__mesh_accept(g, rec, listen_fd, &me, node, deadline);
 }
 
 static ddp_result ddp__rendezvous(ddp_group *g, const char *addr, int listen_fd, int port, const char *where) {
@@ -9280,7 +9625,8 @@ static ddp_result ddp__rendezvous(ddp_group *g, const char *addr, int listen_fd,
     }
     if (gethostname(host, sizeof host) != 0) snprintf(host, sizeof host, "?");
     host[sizeof host - 1] = '\0';
-    snprintf(value, sizeof value, "world=%d port=%d pid=%d addr=%s host=%s", g->world_size, port, (int)getpid(), addr, host);
+    snprintf(value, sizeof value, "world=%d port=%d pid=%d addr=%s host=%s node=%llx", g->world_size, port, (int)getpid(),
+             addr, host, ddp__node_key());
     ddp__key(g, key, sizeof key, "rank", g->rank);
     if ((r = ddp_store_set(g->member.store, key, value, strlen(value))) != DDP_SUCCESS)
         return ddp__fail(g, r, "rendezvous through %s: %s", where, ddp_store_last_error(g->member.store));
@@ -9298,8 +9644,7 @@ static ddp_result ddp__rendezvous(ddp_group *g, const char *addr, int listen_fd,
             return ddp__fail(g, r, "rendezvous: reading rank %d's address: %s", i, ddp_store_last_error(g->member.store));
         }
         value[DDP__MIN(n, sizeof value - 1)] = '\0';
-        if (sscanf(value, "world=%d port=%d pid=%d addr=%127s host=%127s", &rec[i].world, &rec[i].port, &rec[i].pid,
-                   rec[i].addr, rec[i].host) != 5) {
+        if (!ddp__record_parse(value, &rec[i])) {
             ddp__free(rec);
             snprintf(msg, sizeof msg, "rank %d published a malformed rendezvous record \"%.200s\" (another program using the same store?)", i, value);
             return ddp__rdzv_abort(g, DDP_ERR_INIT, msg);
@@ -9550,15 +9895,28 @@ static ddp_result ddp__init_done(ddp_group *g, int nccl, ddp_group **out) {
     return DDP_SUCCESS;
 }
 
+/* This rank failed locally (a bad setting such as DDP_TIMEOUT) after it knew where the store is. Rather
+   than leave the other ranks to wait the whole timeout for it, ddp_init still joins the store (waiting
+   at most DDP__EARLY_PUBLISH_SECONDS, and only into this job's store: ddp__rdzv_job) and fails here, so
+   that the error is published (ddp__rdzv_fail_all) with this rank named, and every rank fails with it. */
+#define DDP__EARLY_PUBLISH_SECONDS 10.0
+static ddp_result ddp__init_failed_locally(ddp_group *g, ddp_result code, const char *msg) {
+    char host[128];
+    if (gethostname(host, sizeof host) != 0) snprintf(host, sizeof host, "?");
+    host[sizeof host - 1] = '\0';
+    return ddp__fail(g, code, "rank %d (host %s, pid %d) cannot take part: %s", g->rank, host, (int)getpid(), msg);
+}
+
 DDP_API ddp_result ddp_init(const ddp_init_desc *desc, ddp_group **out) {
     ddp_init_desc zero;
     ddp__launch L;
     ddp_group *g;
     char err[DDP__ERR_MAX], where[320];
     const char *backend;
+    char early_msg[DDP__ERR_MAX];
     double timeout;
-    int nccl, foreign = 0;
-    ddp_result r;
+    int nccl, foreign = 0, told = 0;
+    ddp_result r, early = DDP_SUCCESS;
     if (!out) return ddp__fail(NULL, DDP_ERR_INVALID_ARGUMENT, "ddp_init: the out argument is NULL");
     *out = NULL;
     if (!desc) {
@@ -9577,7 +9935,12 @@ DDP_API ddp_result ddp_init(const ddp_init_desc *desc, ddp_group **out) {
     /* alone, nobody else needs to hear of it; otherwise the ranks check DDP_TRANSPORT together (ddp__choose_transport) */
     if (L.world_size == 1 && ddp__transport_wish() == DDP__WISH_BAD) return ddp__bad_transport(NULL);
     timeout = ddp__read_timeout(desc, err, &r);
-    if (r) return ddp__fail(NULL, r, "ddp_init: %s", err);
+    if (r && L.world_size == 1 && !L.file_path && !L.master_port) return ddp__fail(NULL, r, "ddp_init: %s", err);
+    if (r) { /* a local failure with the master known: join only to tell the others (ddp__init_failed_locally) */
+        early = r;
+        snprintf(early_msg, sizeof early_msg, "%s", err);
+        timeout = DDP__EARLY_PUBLISH_SECONDS;
+    }
 
     g = ddp__group_alloc(L.rank, L.world_size);
     if (!g) return ddp__fail(NULL, DDP_ERR_OUT_OF_MEMORY, "ddp_init: out of memory");
@@ -9605,17 +9968,22 @@ DDP_API ddp_result ddp_init(const ddp_init_desc *desc, ddp_group **out) {
         snprintf(where, sizeof where, "the store at %s:%d", L.master_addr, L.master_port);
         r = DDP_SUCCESS;
         if (L.rank == 0) r = ddp__store_server_start(L.master_addr, L.master_port, g->log_level, &g->member.store_server, err);
+        if (L.rank == 0 && r != DDP_SUCCESS) r = ddp__rank0_port_taken(g, &L, r, err);
         if (r == DDP_SUCCESS) r = ddp__store_connect(L.master_addr, L.master_port, NULL, timeout, &g->member.store, err);
         ddp__route_address(L.master_addr, L.master_port, g->member.address, sizeof g->member.address);
     }
     if (r) {
         ddp__group_free(g);
+        if (early) return ddp__fail(NULL, early, "ddp_init (rank %d of %d, from %s): %s", L.rank, L.world_size, L.source, early_msg);
         return ddp__fail(NULL, r, "ddp_init (rank %d of %d, from %s): %s", L.rank, L.world_size, L.source, err);
     }
     g->member.owns_store = 1;
     ddp__log(g, DDP_LOG_INFO, "joining: rank %d of %d from %s, through %s", L.rank, L.world_size, L.source, where);
-    if ((r = ddp__rdzv_job(g, where, L.file_path != NULL, &foreign)) != DDP_SUCCESS || (r = ddp__group_connect(g, where)) != DDP_SUCCESS) {
+    if ((r = ddp__rdzv_job(g, where, L.file_path != NULL, &foreign)) != DDP_SUCCESS ||
+        (early && (told = 1, r = ddp__init_failed_locally(g, early, early_msg)) != DDP_SUCCESS) ||
+        (r = ddp__group_connect(g, where)) != DDP_SUCCESS) {
         if (!foreign) ddp__rdzv_fail_all(g, r); /* never into another job's store */
+        if (early && !told) r = ddp__fail(g, early, "%s", early_msg); /* the job was not reachable: the local reason */
         ddp__fail(NULL, r, "ddp_init (rank %d of %d, from %s): %s", L.rank, L.world_size, L.source, g->error);
         ddp__group_free(g);
         return r;

@@ -167,7 +167,8 @@ static ddp_result ddp__auth_client(int fd, const char *token, const char *who, d
     if (ddp__net_send(fd, hello, sizeof hello, deadline, why) != DDP_SUCCESS ||
         ddp__net_recv(fd, reply, sizeof reply, deadline, why) != DDP_SUCCESS)
         return ddp__fail_to(err, DDP_ERR_INIT, "DDP_AUTH_TOKEN is set, but %s did not answer the authentication (%s): "
-                            "does its process run without DDP_AUTH_TOKEN? Every rank needs the same token", who, why);
+                            "does its process run without DDP_AUTH_TOKEN (every rank needs the same token), or is it another program "
+                            "that does not speak ddp.h's protocols?", who, why);
     ddp__auth_proof(token, "server", hello + 8, reply, want);
     if (!ddp__auth_equal(want, reply + DDP__AUTH_NONCE, DDP__AUTH_MAC))
         return ddp__fail_to(err, DDP_ERR_INIT, "%s does not know this process's DDP_AUTH_TOKEN (its proof is wrong): every "

@@ -81,42 +81,52 @@ static ddp_result ddp__net_poll(int fd, short events, double deadline, char *err
     }
 }
 
+/* One attempt to connect to host:port (each of its addresses in turn), each waiting at most 5 s and
+   never past the deadline. *refused = 1 when every address answered "connection refused": nothing
+   listens there now. On failure err says why (the last address's error). */
+static ddp_result ddp__net_connect_once(const char *host, int port, double deadline, int *fd_out, int *refused, char *err) {
+    struct addrinfo *res = NULL, *ai;
+    int tried = 0, all_refused = 1;
+    ddp_result r = ddp__net_resolve(host, port, 0, &res, err);
+    *refused = 0;
+    if (r) return r;
+    snprintf(err, DDP__ERR_MAX, "no address");
+    for (ai = res; ai; ai = ai->ai_next) {
+        int fd = socket(ai->ai_family, ai->ai_socktype, ai->ai_protocol), soerr = 0;
+        socklen_t len = sizeof soerr;
+        char why[DDP__ERR_MAX];
+        if (fd < 0) continue;
+        tried++;
+        ddp__net_configure(fd);
+        if (connect(fd, ai->ai_addr, ai->ai_addrlen) != 0 && errno != EINPROGRESS) soerr = errno;
+        else if (ddp__net_poll(fd, POLLOUT, DDP__MIN(deadline, ddp__now() + 5.0), why) != DDP_SUCCESS) soerr = ETIMEDOUT;
+        else getsockopt(fd, SOL_SOCKET, SO_ERROR, &soerr, &len);
+        if (soerr == 0) {
+            freeaddrinfo(res);
+            *fd_out = fd;
+            return DDP_SUCCESS;
+        }
+        all_refused &= soerr == ECONNREFUSED;
+        snprintf(err, DDP__ERR_MAX, "%s", soerr == ETIMEDOUT ? "connection attempt timed out" : strerror(soerr));
+        close(fd);
+    }
+    freeaddrinfo(res);
+    *refused = tried > 0 && all_refused;
+    return DDP_ERR_TIMEOUT;
+}
+
 /* Connect to host:port, retrying with exponential backoff (10 ms .. 1 s) until the deadline while
    the other side is not listening yet: ranks start in any order. */
 static ddp_result ddp__net_connect(const char *host, int port, double deadline, int *fd_out, char *err) {
     double backoff = 0.01;
-    char last[128] = "no attempt";
+    char last[DDP__ERR_MAX] = "no attempt";
+    int refused;
     for (;;) {
-        struct addrinfo *res = NULL, *ai;
-        ddp_result r = ddp__net_resolve(host, port, 0, &res, err);
-        if (r) return r;
-        for (ai = res; ai; ai = ai->ai_next) {
-            int fd = socket(ai->ai_family, ai->ai_socktype, ai->ai_protocol), soerr = 0;
-            socklen_t len = sizeof soerr;
-            if (fd < 0) continue;
-            ddp__net_configure(fd);
-            if (connect(fd, ai->ai_addr, ai->ai_addrlen) != 0 && errno != EINPROGRESS) {
-                snprintf(last, sizeof last, "%s", strerror(errno));
-                close(fd);
-                continue;
-            }
-            if (ddp__net_poll(fd, POLLOUT, DDP__MIN(deadline, ddp__now() + 5.0), err) != DDP_SUCCESS) {
-                snprintf(last, sizeof last, "connection attempt timed out");
-                close(fd);
-                continue;
-            }
-            getsockopt(fd, SOL_SOCKET, SO_ERROR, &soerr, &len);
-            if (soerr == 0) {
-                freeaddrinfo(res);
-                *fd_out = fd;
-                return DDP_SUCCESS;
-            }
-            snprintf(last, sizeof last, "%s", strerror(soerr));
-            close(fd);
-        }
-        freeaddrinfo(res);
+        ddp_result r = ddp__net_connect_once(host, port, deadline, fd_out, &refused, last);
+        if (r == DDP_SUCCESS) return r;
+        if (r != DDP_ERR_TIMEOUT) return ddp__fail_to(err, r, "%s", last); /* cannot resolve */
         if (ddp__now() + backoff > deadline)
-            return ddp__fail_to(err, DDP_ERR_TIMEOUT, "could not connect to %s:%d before the timeout (last error: %s)", host,
+            return ddp__fail_to(err, DDP_ERR_TIMEOUT, "could not connect to %s:%d before the timeout (last error: %.200s)", host,
                                 port, last);
         ddp__sleep(backoff);
         backoff = DDP__MIN(backoff * 2, 1.0);

@@ -1350,7 +1350,8 @@ static ddp_result ddp__tcp_open(ddp_store *s, double deadline) {
     char why[DDP__ERR_MAX];
     ddp_result r = ddp__net_connect(s->host, s->port, deadline, &s->fd, why);
     if (r == DDP_SUCCESS && ddp__auth_token()) {
-        r = ddp__auth_client(s->fd, ddp__auth_token(), s->where, deadline, why);
+        /* a store answers the handshake at once: a short deadline, so that a silent server is found out soon */
+        r = ddp__auth_client(s->fd, ddp__auth_token(), s->where, DDP__MIN(deadline, ddp__now() + DDP__MIN(s->timeout, 5.0)), why);
         if (r != DDP_SUCCESS) {
             ddp__tcp_disconnect(s);
             return ddp__store_fail(s, r, "%s", why);
@@ -1375,9 +1376,11 @@ static ddp_result ddp__tcp_open(ddp_store *s, double deadline) {
         bytes: protocol 1. To a 2.x server 06 is a first query that is not VALIDATE: the classic server
         closes (protocol 2, without PING); a libuv one ignores it and waits, and it is a WAIT anyway, which
         reads a count it never gets, so nothing can change there either.
-   No answer within min(timeout, 5 s) in step 1 or 2: it cannot tell, and takes protocol 2 (what current
-   torch speaks), saying so in the log; a wrong guess fails with a message that names both versions and
-   DDP_STORE_PROTOCOL. */
+   No answer within min(timeout, 5 s) in step 1 (no bytes and no close), or bytes that are not the
+   echo (an HTTP server's "HTTP/1.1 400"): the server does not speak the store protocol (another program
+   on MASTER_PORT), and connecting fails saying so, within seconds rather than after the timeout. No
+   answer in step 2: it cannot tell, and takes protocol 2 (what current torch speaks), saying so in the
+   log; a wrong guess fails with a message that names both versions and DDP_STORE_PROTOCOL. */
 static ddp_result ddp__tcp_detect(ddp_store *s, double deadline) {
     unsigned char probe[10], reply[8];
     uint32_t magic = DDP__V2_MAGIC, nonce = 0x5AFF0000u | ((uint32_t)getpid() & 0xFFFFu), echo;
@@ -1397,16 +1400,25 @@ static ddp_result ddp__tcp_detect(ddp_store *s, double deadline) {
                                                     "has none: every rank needs the same token", s->where);
         }
         if (echo != nonce) {
+            char text[40];
             ddp__tcp_disconnect(s);
-            return ddp__store_fail(s, DDP_ERR_FORMAT, "%s answered torch 2.x's PING with 0x%08x instead of 0x%08x: "
-                                                      "is it a TCPStore (torch 1.13, torch 2.x or ddp.h)?",
-                                   s->where, echo, nonce);
+            return ddp__store_fail(s, DDP_ERR_INIT, "the server at %s:%d does not speak the store protocol (is another "
+                                                    "program using MASTER_PORT?): it answered torch 2.x's PING with "
+                                                    "\"%s\" (0x%08x) instead of 0x%08x, which no TCPStore (torch 1.13, "
+                                                    "torch 2.x or ddp.h) does", s->host, s->port,
+                                   ddp__store_key_text(&echo, 4, text, sizeof text), echo, nonce);
         }
         s->proto = 2;
         s->proto_why = "found out on connecting";
         return DDP_SUCCESS;
     }
     ddp__tcp_disconnect(s);
+    if (r == DDP_ERR_TIMEOUT) /* every TCPStore answers the probe or hangs up on it at once */
+        return ddp__store_fail(s, DDP_ERR_INIT, "the server at %s:%d does not speak the store protocol (is another program "
+                                                "using MASTER_PORT?): it accepted the connection but neither answered nor "
+                                                "closed it within %.3g s of torch 2.x's PING, as every TCPStore does (if "
+                                                "it is a store too busy to answer, DDP_STORE_PROTOCOL=2 or 1.13 skips "
+                                                "this probe)", s->host, s->port, DDP__MIN(s->timeout, 5.0));
     if (r == DDP_ERR_PEER_LOST) { /* step 2 */
         unsigned char q = DDP__Q_GETNUMKEYS;
         if ((r = ddp__tcp_open(s, deadline)) != DDP_SUCCESS) return r;

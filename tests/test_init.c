@@ -362,9 +362,10 @@ static int bad_environment(int rank, int n, void *arg) {
     expect_init_error(NULL, DDP_ERR_INIT, "MASTER_PORT=\"70000\"", "port out of range");
     setenv("MASTER_PORT", "29500", 1), unsetenv("MASTER_ADDR");
     expect_init_error(NULL, DDP_ERR_INIT, "MASTER_ADDR is not set", "MASTER_ADDR missing");
-    setenv("MASTER_ADDR", "127.0.0.1", 1), setenv("DDP_TIMEOUT", "soon", 1);
+    /* alone (with a master, a rank joins the store to publish such an error first: local_failure_published) */
+    setenv("WORLD_SIZE", "1", 1), unsetenv("MASTER_PORT"), setenv("DDP_TIMEOUT", "soon", 1);
     expect_init_error(NULL, DDP_ERR_INIT, "DDP_TIMEOUT=\"soon\"", "malformed DDP_TIMEOUT");
-    unsetenv("DDP_TIMEOUT");
+    unsetenv("DDP_TIMEOUT"), setenv("WORLD_SIZE", "2", 1), setenv("MASTER_PORT", "29500", 1), setenv("MASTER_ADDR", "127.0.0.1", 1);
     d.init_method = "http://127.0.0.1:80";
     expect_init_error(&d, DDP_ERR_INVALID_ARGUMENT, "http://127.0.0.1:80", "unknown init method");
     d.init_method = "tcp://127.0.0.1";
@@ -380,6 +381,264 @@ static int bad_environment(int rank, int n, void *arg) {
     d.world_size = -1;
     expect_init_error(&d, DDP_ERR_INVALID_ARGUMENT, "world_size is -1", "negative descriptor world size");
     CHECK(ddp_init(NULL, NULL) == DDP_ERR_INVALID_ARGUMENT, "ddp_init(NULL, NULL) must be rejected");
+    return 0;
+}
+
+/* ---- ranks lost inside ddp_init, silent connections, strangers on the ports (issue #18) ---- */
+
+/* From a helper process: wait until the store on MASTER_PORT has key; copy its value out. 0 when it
+   never appeared. */
+static int store_value_when_there(const char *key, char *value, size_t cap, double seconds) {
+    ddp_store *s = NULL;
+    char err[DDP__ERR_MAX];
+    double until = tl_now() + seconds;
+    int found = 0;
+    while (!found && tl_now() < until) {
+        int exists = 0;
+        size_t n = 0;
+        if (!s && ddp__store_connect("127.0.0.1", atoi(getenv("MASTER_PORT")), NULL, 2.0, &s, err) != DDP_SUCCESS) s = NULL;
+        else if (ddp_store_check(s, key, &exists) == DDP_SUCCESS && exists &&
+                 ddp_store_get(s, key, value, cap - 1, &n) == DDP_SUCCESS) {
+            value[n < cap ? n : cap - 1] = '\0';
+            found = 1;
+        }
+        if (!found) usleep(5000);
+    }
+    if (s) ddp__store_free(s);
+    return found;
+}
+
+static void put_int(const char *name, int v) {
+    char path[320];
+    FILE *f;
+    snprintf(path, sizeof path, "%s/%s", jobs_dir, name);
+    CHECK((f = fopen(path, "w")) != NULL, "cannot create %s", path);
+    fprintf(f, "%d\n", v);
+    fclose(f);
+}
+
+static int get_int(const char *name) {
+    char path[320];
+    int v = -1;
+    FILE *f;
+    snprintf(path, sizeof path, "%s/%s", jobs_dir, name);
+    CHECK(wait_file(path, 20) && (f = fopen(path, "r")) != NULL, "%s never appeared", path);
+    CHECK(fscanf(f, "%d", &v) == 1, "%s is empty", path);
+    fclose(f);
+    return v;
+}
+
+/* Helper processes (a silent intruder, a stranger on the port) wait with this, so that they end with
+   the rank process that made them even when it fails a CHECK. */
+static void until_parent_exits(pid_t parent) {
+    while (getppid() == parent) usleep(20 * 1000);
+    _exit(0);
+}
+
+/* ddp_init must fail with want, within `seconds`, with a message that has both fragments (NULL: none). */
+static void expect_prompt_failure(ddp_init_desc *d, ddp_result want, const char *f1, const char *f2, double seconds,
+                                  int rank, const char *what) {
+    ddp_group *g = NULL;
+    char msg[DDP__ERR_MAX];
+    double t0 = tl_now();
+    ddp_result r = ddp_init(d, &g);
+    t0 = tl_now() - t0;
+    snprintf(msg, sizeof msg, "%s", ddp_last_error(NULL));
+    if (getenv("TEST_DEBUG")) fprintf(stderr, "%s: process %d failed in %.2f s: %s\n", what, rank, t0, msg);
+    CHECK(r == want && g == NULL, "%s: process %d: ddp_init gave %s after %.1f s: %s", what, rank, ddp_result_string(r), t0, msg);
+    CHECK((!f1 || strstr(msg, f1)) && (!f2 || strstr(msg, f2)), "%s: process %d: message \"%s\" lacks \"%s\" or \"%s\"", what,
+          rank, msg, f1 ? f1 : "", f2 ? f2 : "");
+    CHECK(t0 < seconds, "%s: process %d took %.1f s to fail (the timeout is %.0f s)", what, rank, t0, d->timeout_seconds);
+}
+
+/* Rank `victim` runs ddp_init in a child of this process, which is stopped with sig as soon as its
+   record is in the store (it then waits for the others to join). Returns the child's pid. */
+static pid_t start_victim(int victim, ddp_init_desc *d, int sig) {
+    char key[64], value[512];
+    ddp_group *g = NULL;
+    pid_t child = fork();
+    if (child == 0) {
+        ddp_init(d, &g);
+        _exit(3); /* stopped inside ddp_init: never here */
+    }
+    put_int("victim", (int)child);
+    snprintf(key, sizeof key, "ddp/0/rank/%d", victim);
+    CHECK(store_value_when_there(key, value, sizeof value, 20), "rank %d never registered", victim);
+    kill(child, sig);
+    return child;
+}
+
+/* Issue #18 item 1: rank 1 is SIGKILLed inside ddp_init right after registering, while the others wait
+   for the late rank 3. Every other rank fails within seconds, not the 30 s timeout, naming rank 1 and
+   its pid, whether it was waiting for ranks to join or (rank 3) joins after the loss. */
+static int lost_rank(int rank, int n, void *arg) {
+    ddp_init_desc d;
+    char pid_text[32];
+    int st;
+    (void)n, (void)arg;
+    memset(&d, 0, sizeof d);
+    d.timeout_seconds = 30;
+    if (rank == 1) {
+        pid_t child = start_victim(1, &d, SIGKILL);
+        waitpid(child, &st, 0);
+        CHECK(WIFSIGNALED(st), "rank 1's process was not killed inside ddp_init (status %d)", st);
+        return 0;
+    }
+    if (rank == 3) usleep(1000 * 1000);
+    snprintf(pid_text, sizeof pid_text, "pid %d)", get_int("victim"));
+    expect_prompt_failure(&d, DDP_ERR_PEER_LOST, "rank 1 (host", pid_text, 8.0, rank, "a rank killed after registering");
+    return 0;
+}
+
+/* A rank that registered and then stopped (SIGSTOP: alive, never connecting): the mesh step times out
+   naming it, its host and pid, instead of "ranks above 0". The timeout is the behaviour under test. */
+static int stuck_rank(int rank, int n, void *arg) {
+    ddp_init_desc d;
+    char pid_text[32];
+    (void)n, (void)arg;
+    memset(&d, 0, sizeof d);
+    d.timeout_seconds = 2;
+    if (rank == 2) {
+        pid_t child = start_victim(2, &d, SIGSTOP);
+        char path[320];
+        snprintf(path, sizeof path, "%s/done.0", jobs_dir);
+        wait_file(path, 20);
+        snprintf(path, sizeof path, "%s/done.1", jobs_dir);
+        wait_file(path, 20);
+        kill(child, SIGKILL); /* whatever the others did */
+        waitpid(child, NULL, 0);
+        return 0;
+    }
+    if (rank == 1) usleep(500 * 1000); /* rank 2 registers first, and is stopped before the mesh step */
+    snprintf(pid_text, sizeof pid_text, "pid %d)", get_int("victim"));
+    expect_prompt_failure(&d, DDP_ERR_TIMEOUT, "rank 2 (host", pid_text, 8.0, rank, "a registered rank that never connects");
+    CHECK(strstr(ddp_last_error(NULL), "never connected"), "message \"%s\"", ddp_last_error(NULL));
+    put_int(rank ? "done.1" : "done.0", 1);
+    return 0;
+}
+
+/* Issue #18 item 2: three silent connections to the mesh ports of ranks 0 and 1, made before the real
+   ranks connect, must not hold up ddp_init (they used to cost 10 s each, one after the other). arg:
+   DDP_AUTH_TOKEN, or NULL. */
+static int silent_sockets(int rank, int n, void *arg) {
+    ddp_init_desc d;
+    ddp_group *g = NULL;
+    pid_t intruder = -1, parent = getpid();
+    double t0;
+    if (arg) setenv("DDP_AUTH_TOKEN", (const char *)arg, 1);
+    memset(&d, 0, sizeof d);
+    d.timeout_seconds = 30;
+    if (rank == 0 && (intruder = fork()) == 0) {
+        int target, i;
+        for (target = 0; target < 2; target++) {
+            char key[64], value[512];
+            const char *p;
+            snprintf(key, sizeof key, "ddp/0/rank/%d", target);
+            if (!store_value_when_there(key, value, sizeof value, 20) || !(p = strstr(value, "port="))) _exit(1);
+            for (i = 0; i < 3; i++) {
+                struct sockaddr_in a;
+                int fd = socket(AF_INET, SOCK_STREAM, 0);
+                memset(&a, 0, sizeof a);
+                a.sin_family = AF_INET;
+                a.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+                a.sin_port = htons((uint16_t)atoi(p + 5));
+                if (connect(fd, (struct sockaddr *)&a, sizeof a) != 0) _exit(1);
+            }
+        }
+        put_int("intruder", 6); /* six silent connections made */
+        until_parent_exits(parent); /* silent until killed */
+    }
+    if (rank > 0) usleep(rank == 1 ? 800 * 1000 : 1300 * 1000); /* after the silent ones */
+    t0 = tl_now();
+    CHECK_OK(ddp_init(&d, &g), NULL);
+    t0 = tl_now() - t0;
+    if (getenv("TEST_DEBUG")) fprintf(stderr, "silent sockets%s: rank %d joined in %.2f s\n", arg ? " (token)" : "", rank, t0);
+    CHECK(t0 < 6.0, "rank %d: ddp_init took %.1f s beside silent connections", rank, t0);
+    CHECK(rank != 0 || get_int("intruder") == 6, "the silent connections were not made");
+    check_group(g, rank, n);
+    CHECK_OK(ddp_destroy(g), NULL);
+    if (intruder > 0) kill(intruder, SIGKILL), waitpid(intruder, NULL, 0);
+    return 0;
+}
+
+static int silent_sockets_token(int rank, int n, void *arg) {
+    (void)arg;
+    return silent_sockets(rank, n, "a shared secret");
+}
+
+/* Issue #18 item 4: process 2 also has RANK=0. Every process fails within seconds (the timeout is 60 s)
+   saying that two processes claim rank 0, naming the one that serves the store. */
+static int two_rank_zero(int rank, int n, void *arg) {
+    ddp_init_desc d;
+    char pid_text[32];
+    (void)n, (void)arg;
+    memset(&d, 0, sizeof d);
+    d.timeout_seconds = 60;
+    if (rank == 0) put_int("rank0", (int)getpid());
+    if (rank == 2) setenv("RANK", "0", 1), setenv("LOCAL_RANK", "0", 1), usleep(300 * 1000);
+    snprintf(pid_text, sizeof pid_text, "pid %d on host", get_int("rank0"));
+    expect_prompt_failure(&d, DDP_ERR_INIT, "two processes claim rank 0", pid_text, 10.0, rank, "two processes with RANK=0");
+    return 0;
+}
+
+/* Issue #18 item 4: another program on MASTER_PORT, answering HTTP (arg "http") or saying nothing. Both
+   ranks fail within seconds (the timeout is 60 s) saying the server there does not speak the store
+   protocol; rank 0 also says the port is in use. */
+static int stranger_on_port(int rank, int n, void *arg) {
+    ddp_init_desc d;
+    pid_t server = -1, parent = getpid();
+    (void)n;
+    setenv_int("MASTER_PORT", port);
+    memset(&d, 0, sizeof d);
+    d.timeout_seconds = 60;
+    if (rank == 0 && (server = fork()) == 0) {
+        int fd = socket(AF_INET, SOCK_STREAM, 0), one = 1;
+        struct sockaddr_in a;
+        memset(&a, 0, sizeof a);
+        a.sin_family = AF_INET;
+        a.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+        a.sin_port = htons((uint16_t)port);
+        setsockopt(fd, SOL_SOCKET, SO_REUSEADDR, &one, sizeof one);
+        if (bind(fd, (struct sockaddr *)&a, sizeof a) != 0 || listen(fd, 16) != 0) _exit(1);
+        put_int("server", 1);
+        for (;;) {
+            char buf[64];
+            const char *answer = "HTTP/1.1 400 Bad Request\r\nContent-Length: 0\r\n\r\n";
+            struct pollfd p;
+            int c;
+            if (!arg) until_parent_exits(parent); /* says nothing */
+            p.fd = fd, p.events = POLLIN;
+            if (getppid() != parent) _exit(0);
+            if (poll(&p, 1, 20) != 1 || (c = accept(fd, NULL, NULL)) < 0) continue;
+            if (read(c, buf, sizeof buf) > 0 && write(c, answer, strlen(answer)) < 0) _exit(1);
+            close(c);
+        }
+    }
+    get_int("server");
+    expect_prompt_failure(&d, DDP_ERR_INIT, "does not speak the store protocol", "MASTER_PORT", 15.0, rank,
+                          arg ? "an HTTP server on MASTER_PORT" : "a silent server on MASTER_PORT");
+    CHECK(rank == 1 || strstr(ddp_last_error(NULL), "already in use"), "message \"%s\"", ddp_last_error(NULL));
+    if (rank == 1) put_int("done.1", 1);
+    if (server > 0) get_int("done.1"), kill(server, SIGKILL), waitpid(server, NULL, 0); /* the program stays until both are done */
+    return 0;
+}
+
+static int http_on_port(int rank, int n, void *arg) {
+    (void)arg;
+    return stranger_on_port(rank, n, "http");
+}
+
+/* Issue #18 item 8: rank 2's DDP_TIMEOUT is malformed. It still knows the master, so it joins the store
+   only to publish its error: every rank fails within seconds (the others' timeout is 60 s) naming rank 2
+   and the setting. */
+static int local_failure_published(int rank, int n, void *arg) {
+    ddp_init_desc d;
+    (void)n, (void)arg;
+    memset(&d, 0, sizeof d);
+    setenv("DDP_TIMEOUT", rank == 2 ? "soon" : "60", 1);
+    if (rank == 0) usleep(300 * 1000); /* rank 2 waits for the store */
+    expect_prompt_failure(&d, DDP_ERR_INIT, "DDP_TIMEOUT=\"soon\"", rank == 2 ? NULL : "rank 2 (host", 10.0, rank,
+                          "a rank with a malformed DDP_TIMEOUT");
     return 0;
 }
 
@@ -406,6 +665,14 @@ int main(int argc, char **argv) {
         {"another job on the port (run ids)", 4, another_job_run_ids},
         {"another job on the port (no run ids)", 4, another_job},
         {"malformed environment and descriptor", 1, bad_environment},
+        {"rank killed inside ddp_init", 4, lost_rank},
+        {"registered rank never connects", 3, stuck_rank},
+        {"silent sockets on the mesh ports", 3, silent_sockets},
+        {"silent sockets on the mesh ports (token)", 3, silent_sockets_token},
+        {"two processes with RANK=0", 3, two_rank_zero},
+        {"silent server on MASTER_PORT", 2, stranger_on_port},
+        {"HTTP server on MASTER_PORT", 2, http_on_port},
+        {"malformed DDP_TIMEOUT on one rank", 3, local_failure_published},
     };
     size_t i;
     int failed = 0;
