@@ -393,9 +393,12 @@ DDP_API const char *ddp_store_last_error(const ddp_store *s);
    Each process exits with fn's return value after flushing stdio: 0 is success; any other value is a
    failure (a value whose low 8 bits are 0, such as 256, exits 1). When one fails (non-zero exit or a
    signal), the others get SIGTERM, then SIGKILL 3 s later; every worker runs in its own process group,
-   which is signalled, so a worker's own children are stopped too. Workers die with the calling thread
-   (Linux PR_SET_PDEATHSIG), so killing the parent leaves no orphans. SIGCHLD is set to its default
-   while workers run (an ignored SIGCHLD would discard their exit statuses) and restored afterwards.
+   which is signalled, so a worker's own children are stopped too. No orphans: the workers are the
+   children of a guardian process that ddp_spawn forks (a Linux child subreaper, to which every orphan
+   of the workers' tree comes, daemons included); when ddp_spawn returns, or when the calling process
+   dies, even by SIGKILL, the guardian kills (SIGKILL) whatever the workers left running, and the
+   leftovers are logged at error level. SIGCHLD is set to its default while workers run (an ignored
+   SIGCHLD would discard the guardian's exit status) and restored afterwards.
    Parameters: nprocs in [1, 65536]; fn (not NULL); arg passed to fn unchanged.
    Return: DDP_SUCCESS when every process exits 0; DDP_ERR_WORKER_FAILED with ddp_last_error(NULL)
    naming the rank that failed and how ("rank 2 (pid 1234) of 4 exited with code 3; ..."), also
@@ -403,7 +406,8 @@ DDP_API const char *ddp_store_last_error(const ddp_store *s);
    0.25 s after the first are collected: the one unlike the rest is named as the cause, the others
    are listed. DDP_ERR_INVALID_ARGUMENT; DDP_ERR_SYSTEM (fork or socket failed).
    Thread safety: call from a single-threaded parent (after fork, only the calling thread exists in
-   the children, and fn may call anything); do not reap its children elsewhere (waitpid(-1)). */
+   the children, and fn may call anything). The workers are not the caller's children, so a
+   waitpid(-1) elsewhere cannot take their exit statuses. */
 DDP_API ddp_result ddp_spawn(int nprocs, int (*fn)(int rank, int world_size, void *arg), void *arg);
 
 /* ddp_launcher_main: the whole of ddprun (tools/ddprun.c is a main() around it); `ddprun --help`
@@ -414,7 +418,10 @@ DDP_API ddp_result ddp_spawn(int nprocs, int (*fn)(int rank, int world_size, voi
    Each worker runs the program with torchrun's environment (TORCHELASTIC_USE_AGENT_STORE=False: rank 0
    serves the store) plus DDP_RESTART_COUNT. When a worker fails, ddprun names the rank and how,
    stops the others (SIGTERM, SIGKILL after 3 s) and, with --max-restarts, starts the group again.
-   It forwards SIGINT, SIGTERM, SIGHUP and SIGQUIT to the workers.
+   It forwards SIGINT, SIGTERM, SIGHUP and SIGQUIT to the workers. A worker that exits 0 while others
+   run is waited for, as torchrun does, and mentioned once on stderr. No orphans, as for ddp_spawn:
+   when the group ends, or when ddprun is killed (SIGKILL included), whatever the workers started
+   that still runs is killed; ddprun names what it killed when it can.
    Return: the exit code for main: 0 when all workers exited 0; 2 for a bad command line; the failed
    worker's exit code (128 + signal number when it was killed) after the last attempt; 128 + the
    signal ddprun received when it was interrupted; 1 when it could not start the workers.
@@ -9231,7 +9238,8 @@ static void ddp__guard_report(int fd, int kind, int index, pid_t pid, int value)
 /* The guardian ignores the signals that reach the launcher's process group (Ctrl-C, a job system's
    kill of the group: ddprun forwards them to the workers itself, and a killed ddp_spawn caller is
    what the guardian is for) and SIGPIPE; its SIGCHLD is the default (a caller's handler that calls
-   wait would steal the statuses). It becomes a child subreaper. saved[] receives the old actions. */
+   wait would steal the statuses). It becomes a child subreaper, named ddp_guardian (the command
+   line stays the launcher's). saved[] receives the old actions. */
 static void ddp__guard_setup(struct sigaction *saved) {
     struct sigaction sa;
     int i;
@@ -9243,6 +9251,7 @@ static void ddp__guard_setup(struct sigaction *saved) {
     }
 #ifdef __linux__
     prctl(PR_SET_CHILD_SUBREAPER, 1);
+    prctl(PR_SET_NAME, "ddp_guardian"); /* in ps and top; `pkill ddprun` does not reach it */
 #endif
 }
 
@@ -9616,11 +9625,14 @@ static const char ddp__launch_usage[] =
     "TORCHELASTIC_RESTART_COUNT, TORCHELASTIC_MAX_RESTARTS, TORCHELASTIC_RUN_ID,\n"
     "TORCHELASTIC_USE_AGENT_STORE=False (rank 0 serves the store), DDP_RESTART_COUNT, and\n"
     "OMP_NUM_THREADS=1 when it is unset and N > 1. Each worker runs in its own process group.\n"
+    "No orphans: when the group ends, or when ddprun is killed (even with SIGKILL), every process\n"
+    "the workers started that still runs (children, daemons) is killed with SIGKILL.\n"
     "\n"
     "When a worker exits non-zero or is killed by a signal, ddprun says which rank and how, sends\n"
     "SIGTERM to the other workers (SIGKILL after 3 s) and exits with the worker's code (128 + signal\n"
     "number when it was killed). SIGINT, SIGTERM, SIGHUP and SIGQUIT sent to ddprun are forwarded to\n"
     "the workers, which are then stopped the same way; ddprun then exits with 128 + that signal.\n"
+    "A worker that exits 0 while others still run is waited for, as torchrun does; ddprun says so.\n"
     "Rendezvous is static: torchrun's elastic rendezvous (--rdzv-backend, --rdzv-endpoint, a range\n"
     "in --nnodes) is not supported.\n";
 

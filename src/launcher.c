@@ -543,7 +543,8 @@ static void ddp__guard_report(int fd, int kind, int index, pid_t pid, int value)
 /* The guardian ignores the signals that reach the launcher's process group (Ctrl-C, a job system's
    kill of the group: ddprun forwards them to the workers itself, and a killed ddp_spawn caller is
    what the guardian is for) and SIGPIPE; its SIGCHLD is the default (a caller's handler that calls
-   wait would steal the statuses). It becomes a child subreaper. saved[] receives the old actions. */
+   wait would steal the statuses). It becomes a child subreaper, named ddp_guardian (the command
+   line stays the launcher's). saved[] receives the old actions. */
 static void ddp__guard_setup(struct sigaction *saved) {
     struct sigaction sa;
     int i;
@@ -555,6 +556,7 @@ static void ddp__guard_setup(struct sigaction *saved) {
     }
 #ifdef __linux__
     prctl(PR_SET_CHILD_SUBREAPER, 1);
+    prctl(PR_SET_NAME, "ddp_guardian"); /* in ps and top; `pkill ddprun` does not reach it */
 #endif
 }
 
@@ -928,11 +930,14 @@ static const char ddp__launch_usage[] =
     "TORCHELASTIC_RESTART_COUNT, TORCHELASTIC_MAX_RESTARTS, TORCHELASTIC_RUN_ID,\n"
     "TORCHELASTIC_USE_AGENT_STORE=False (rank 0 serves the store), DDP_RESTART_COUNT, and\n"
     "OMP_NUM_THREADS=1 when it is unset and N > 1. Each worker runs in its own process group.\n"
+    "No orphans: when the group ends, or when ddprun is killed (even with SIGKILL), every process\n"
+    "the workers started that still runs (children, daemons) is killed with SIGKILL.\n"
     "\n"
     "When a worker exits non-zero or is killed by a signal, ddprun says which rank and how, sends\n"
     "SIGTERM to the other workers (SIGKILL after 3 s) and exits with the worker's code (128 + signal\n"
     "number when it was killed). SIGINT, SIGTERM, SIGHUP and SIGQUIT sent to ddprun are forwarded to\n"
     "the workers, which are then stopped the same way; ddprun then exits with 128 + that signal.\n"
+    "A worker that exits 0 while others still run is waited for, as torchrun does; ddprun says so.\n"
     "Rendezvous is static: torchrun's elastic rendezvous (--rdzv-backend, --rdzv-endpoint, a range\n"
     "in --nnodes) is not supported.\n";
 

@@ -2,9 +2,9 @@
 # ddprun: the environment its workers get (every torchrun variable, unique ranks, --nnodes/--node-rank
 # offsets, --standalone's free port), flag validation, fail-fast (a worker that exits non-zero, that
 # is killed by a signal, that is SIGKILLed from outside, workers that ignore SIGTERM, workers' own
-# children), signal forwarding, --max-restarts, no orphans (SIGKILL of ddprun; children left by workers
-# that succeed), and the notice for a worker that exits 0 while others run. The 5 s limits are the issue's functional
-# deadline for stopping a failed group, not performance thresholds.
+# children), signal forwarding, --max-restarts, no orphans (SIGKILL of ddprun; children left by
+# workers that succeed), and the notice for a worker that exits 0 while others run. The 5 s limits
+# are the issue's functional deadline for stopping a failed group, not performance thresholds.
 # The comparison with torchrun's own environment is tests/test_interop_ddprun.sh.
 set -u
 cd "$(dirname "$0")/.."
