@@ -296,9 +296,12 @@ DDP_API const char *ddp_store_last_error(const ddp_store *s);
    Each process exits with fn's return value after flushing stdio: 0 is success; any other value is a
    failure (a value whose low 8 bits are 0, such as 256, exits 1). When one fails (non-zero exit or a
    signal), the others get SIGTERM, then SIGKILL 3 s later; every worker runs in its own process group,
-   which is signalled, so a worker's own children are stopped too. Workers die with the calling thread
-   (Linux PR_SET_PDEATHSIG), so killing the parent leaves no orphans. SIGCHLD is set to its default
-   while workers run (an ignored SIGCHLD would discard their exit statuses) and restored afterwards.
+   which is signalled, so a worker's own children are stopped too. No orphans: the workers are the
+   children of a guardian process that ddp_spawn forks (a Linux child subreaper, to which every orphan
+   of the workers' tree comes, daemons included); when ddp_spawn returns, or when the calling process
+   dies, even by SIGKILL, the guardian kills (SIGKILL) whatever the workers left running, and the
+   leftovers are logged at error level. SIGCHLD is set to its default while workers run (an ignored
+   SIGCHLD would discard the guardian's exit status) and restored afterwards.
    Parameters: nprocs in [1, 65536]; fn (not NULL); arg passed to fn unchanged.
    Return: DDP_SUCCESS when every process exits 0; DDP_ERR_WORKER_FAILED with ddp_last_error(NULL)
    naming the rank that failed and how ("rank 2 (pid 1234) of 4 exited with code 3; ..."), also
@@ -306,7 +309,8 @@ DDP_API const char *ddp_store_last_error(const ddp_store *s);
    0.25 s after the first are collected: the one unlike the rest is named as the cause, the others
    are listed. DDP_ERR_INVALID_ARGUMENT; DDP_ERR_SYSTEM (fork or socket failed).
    Thread safety: call from a single-threaded parent (after fork, only the calling thread exists in
-   the children, and fn may call anything); do not reap its children elsewhere (waitpid(-1)). */
+   the children, and fn may call anything). The workers are not the caller's children, so a
+   waitpid(-1) elsewhere cannot take their exit statuses. */
 DDP_API ddp_result ddp_spawn(int nprocs, int (*fn)(int rank, int world_size, void *arg), void *arg);
 
 /* ddp_launcher_main: the whole of ddprun (tools/ddprun.c is a main() around it); `ddprun --help`
@@ -317,7 +321,10 @@ DDP_API ddp_result ddp_spawn(int nprocs, int (*fn)(int rank, int world_size, voi
    Each worker runs the program with torchrun's environment (TORCHELASTIC_USE_AGENT_STORE=False: rank 0
    serves the store) plus DDP_RESTART_COUNT. When a worker fails, ddprun names the rank and how,
    stops the others (SIGTERM, SIGKILL after 3 s) and, with --max-restarts, starts the group again.
-   It forwards SIGINT, SIGTERM, SIGHUP and SIGQUIT to the workers.
+   It forwards SIGINT, SIGTERM, SIGHUP and SIGQUIT to the workers. A worker that exits 0 while others
+   run is waited for, as torchrun does, and mentioned once on stderr. No orphans, as for ddp_spawn:
+   when the group ends, or when ddprun is killed (SIGKILL included), whatever the workers started
+   that still runs is killed; ddprun names what it killed when it can.
    Return: the exit code for main: 0 when all workers exited 0; 2 for a bad command line; the failed
    worker's exit code (128 + signal number when it was killed) after the last attempt; 128 + the
    signal ddprun received when it was interrupted; 1 when it could not start the workers.

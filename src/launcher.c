@@ -1,8 +1,9 @@
 /* [SECTION] launcher: ddp_spawn (torch.multiprocessing.spawn) and ddprun (torchrun)
    Both start a group of worker processes on this host with torchrun's environment and watch them:
 
-       fork N workers (each in its own process group, each told RANK, WORLD_SIZE, MASTER_ADDR, ...)
-       loop: sleep until a worker ends (pidfd) or 5 ms pass; waitpid(worker, WNOHANG) for each
+       fork a guardian, which forks N workers (each in its own process group, each told RANK,
+         WORLD_SIZE, MASTER_ADDR, ...) and reports each worker's pid and, later, its exit status
+       loop: sleep until the guardian reports (a pipe) or 5 ms pass; read its reports
          all exited 0         -> success
          one failed           -> collect the failures of the next 0.25 s, name the likely cause
                                  (which rank, exit code or signal), then stop the others:
@@ -16,10 +17,25 @@
    checkpoint. Rendezvous is static: every node runs ddprun with the same --nproc-per-node,
    --nnodes, --master-addr and --master-port and its own --node-rank; torchrun's elastic rendezvous
    (--rdzv-backend, a range in --nnodes) is not supported. The workers' rank 0 serves the store
-   (TORCHELASTIC_USE_AGENT_STORE=False), as under torchrun --standalone. */
+   (TORCHELASTIC_USE_AGENT_STORE=False), as under torchrun --standalone.
+
+   No orphans. The launcher (ddprun, or the program calling ddp_spawn) may itself be killed with
+   SIGKILL, and then it can clean up nothing. So the workers are not its children but the children of
+   the guardian, a process forked for the purpose (ddp__launch_guard):
+
+       launcher --(pipe: "stop")--> guardian (child subreaper) --> workers --> their children ...
+                <--(pipe: pids, exit statuses)--
+
+   The guardian is a child subreaper (Linux PR_SET_CHILD_SUBREAPER): a process that a worker's
+   descendant leaves behind, even one that made itself a daemon (setsid, double fork), becomes the
+   guardian's child instead of init's. When the launcher closes its end of the pipe, because it is done
+   or because it died (the kernel closes it then), the guardian kills every worker's process group and
+   every child it has with SIGKILL, again as killed processes' children come to it, until it has no
+   child left; then it exits. Workers die with the guardian (PR_SET_PDEATHSIG), should it be killed. */
 #include "internal.h"
 #include <dirent.h>
 #include <sched.h>
+#include <dirent.h>
 #ifdef __linux__
 #include <sys/prctl.h>
 #endif
@@ -36,6 +52,8 @@ extern int sched_getaffinity(pid_t pid, size_t cpusetsize, cpu_set_t *cpuset);
 #define DDP__LAUNCH_POLL 0.005     /* seconds between two looks at the workers */
 #define DDP__LAUNCH_SETTLE 0.25    /* seconds to collect other failures after the first one */
 #define DDP__LAUNCH_MAX_PROCS 65536 /* per node; also the largest --nnodes */
+#define DDP__LAUNCH_EARLY 2.0      /* seconds after a worker exited 0 while others run before ddprun says so
+                                      (ranks that finish together end within milliseconds of each other) */
 
 /* What every worker of one launch is told: torchrun's launch environment (torch 1.13's
    torch/distributed/elastic/agent/server/local_elastic_agent.py, _start_workers). */
@@ -56,9 +74,10 @@ typedef struct ddp__launch_worker {
     int rank, local_rank;
     int status; /* waitpid status, valid once reaped */
     int reaped;
-    int lost;   /* reaped by someone else: its status is unknown, counted as a failure */
-    int pidfd;  /* readable once the process has ended (Linux 5.3+); -1 when unavailable */
+    int lost;   /* the guardian ended before reporting it: its status is unknown, counted as a failure */
+    int pidfd;  /* in the guardian: readable once the process has ended (Linux 5.3+); -1 when unavailable */
     int pass;   /* the look (ddp__launch_reap) that found it failed; 0 = not failed */
+    double ended; /* ddp__now() when it was seen to have ended */
 } ddp__launch_worker;
 
 /* The workers of one attempt and how to report on them. */
@@ -69,7 +88,22 @@ typedef struct ddp__launch_group {
     int n;
     int pass;        /* looks at the workers so far */
     ddp__launch_worker *w;
+    pid_t guard;     /* the guardian, the workers' parent (ddp__launch_guard); 0 when none runs */
+    int from_guard;  /* the launcher reads the guardian's reports here; -1 = closed */
+    int to_guard;    /* only the launcher holds this write end; closing it tells the guardian to finish */
+    int early_noted; /* ddprun has said that a worker exited 0 while others still ran */
 } ddp__launch_group;
+
+/* What the guardian tells the launcher, one whole write() each (atomic: smaller than PIPE_BUF). */
+enum {
+    DDP__GUARD_STARTED = 1, /* worker `index` runs as `pid` */
+    DDP__GUARD_FORK_FAILED, /* fork() for worker `index` failed with errno `value`; no more are started */
+    DDP__GUARD_ENDED,       /* worker `index` (`pid`) ended with wait status `value` */
+    DDP__GUARD_LEFTOVER     /* at the end, process `pid` (not a worker) was still running: it was killed */
+};
+typedef struct ddp__launch_report {
+    int kind, index, pid, value;
+} ddp__launch_report;
 
 /* ddprun's signal handlers write here. A handler can reach nothing but globals, so this is the one
    mutable global of the library; ddp_spawn never touches it. */
@@ -120,7 +154,7 @@ static const char *ddp__launch_signame(int sig) {
 static void ddp__launch_describe(const ddp__launch_worker *w, char *buf, size_t size) {
     int status = w->status;
     if (w->lost) {
-        snprintf(buf, size, "ended, but its exit status was collected elsewhere (a SIGCHLD handler calling wait?)");
+        snprintf(buf, size, "ended, but its exit status is unknown: the guardian process that watched it was killed");
     } else if (WIFEXITED(status)) {
         snprintf(buf, size, "exited with code %d", WEXITSTATUS(status));
     } else if (WIFSIGNALED(status)) {
@@ -157,42 +191,79 @@ static int ddp__launch_running(const ddp__launch_group *lg) {
 static void ddp__launch_mark_reaped(ddp__launch_worker *w, int status) {
     w->status = status;
     w->reaped = 1;
+    w->ended = ddp__now();
     if (w->pidfd >= 0) close(w->pidfd);
     w->pidfd = -1;
 }
 
-/* One non-blocking look at every running worker. Returns how many were found to have failed in
-   this look (marked with its pass number). Polling each pid (not waitpid(-1)) leaves the caller's
-   other children alone, which matters when ddp_spawn runs inside a user's program. */
-static int ddp__launch_reap(ddp__launch_group *lg) {
+/* Wait up to timeout_ms for the guardian's next report. Returns 1 with *r filled, 0 when none came
+   (or a signal interrupted the wait), -1 when the guardian is gone (end of file: it exited or was
+   killed; a report is written whole, so a part of one means the same). */
+static int ddp__launch_next_report(const ddp__launch_group *lg, ddp__launch_report *r, int timeout_ms) {
+    struct pollfd pfd;
+    size_t got = 0;
+    if (lg->from_guard < 0) return -1;
+    pfd.fd = lg->from_guard;
+    pfd.events = POLLIN;
+    pfd.revents = 0;
+    if (poll(&pfd, 1, timeout_ms) <= 0) return 0;
+    while (got < sizeof *r) {
+        ssize_t k = read(lg->from_guard, (char *)r + got, sizeof *r - got);
+        if (k < 0 && errno == EINTR) continue;
+        if (k <= 0) return -1;
+        got += (size_t)k;
+    }
+    return 1;
+}
+
+/* The guardian is gone without reporting them: the running workers died with it (PR_SET_PDEATHSIG)
+   or will be stopped by nobody else; each counts as a failure of this look. Returns how many. */
+static int ddp__launch_guard_lost(ddp__launch_group *lg) {
     int i, failed = 0;
-    lg->pass++;
     for (i = 0; i < lg->n; i++) {
         ddp__launch_worker *w = &lg->w[i];
-        int st = 0;
-        pid_t p;
         if (w->reaped) continue;
-        p = waitpid(w->pid, &st, WNOHANG);
-        if (p == 0 || (p < 0 && errno == EINTR)) continue;
-        if (p < 0) { /* ECHILD: a waitpid(-1) elsewhere took it */
-            w->lost = 1;
-            st = 1 << 8; /* as "exited with code 1" for the exit code */
-        }
-        ddp__launch_mark_reaped(w, st);
-        if (ddp__launch_failed(st)) {
-            w->pass = lg->pass;
-            failed++;
-        }
+        w->lost = 1;
+        ddp__launch_mark_reaped(w, 1 << 8); /* as "exited with code 1" for the exit code */
+        w->pass = lg->pass;
+        failed++;
     }
     return failed;
 }
 
-/* Sleep until a worker may have ended: poll() on the pidfds of (the first 64) running workers
-   wakes at once when one ends, and a signal to ddprun interrupts it; the DDP__LAUNCH_POLL timeout
-   covers the rest. Without pidfds (kernels before 5.3), a plain sleep of DDP__LAUNCH_POLL. */
-static void ddp__launch_nap(const ddp__launch_group *lg) {
+/* One non-blocking look at the workers: read every report the guardian has sent. Returns how many
+   workers were found to have failed in this look (marked with its pass number). */
+static int ddp__launch_reap(ddp__launch_group *lg) {
+    ddp__launch_report r;
+    int failed = 0, got;
+    lg->pass++;
+    while ((got = ddp__launch_next_report(lg, &r, 0)) == 1) {
+        ddp__launch_worker *w;
+        if (r.kind != DDP__GUARD_ENDED || r.index < 0 || r.index >= lg->n || lg->w[r.index].reaped) continue;
+        w = &lg->w[r.index];
+        ddp__launch_mark_reaped(w, r.value);
+        if (ddp__launch_failed(r.value)) {
+            w->pass = lg->pass;
+            failed++;
+        }
+    }
+    if (got < 0) failed += ddp__launch_guard_lost(lg);
+    return failed;
+}
+
+/* Sleep until something may have happened: poll() on fd (the launcher: the guardian's reports; the
+   guardian: the launcher's pipe) and on the pidfds of (the first 63) running workers (the guardian's
+   only) wakes at once, and a signal to ddprun interrupts it; the DDP__LAUNCH_POLL timeout covers the
+   rest (workers without pidfds, kernels before 5.3). */
+static void ddp__launch_nap(const ddp__launch_group *lg, int fd) {
     struct pollfd fds[64];
     int i, n = 0;
+    if (fd >= 0) {
+        fds[n].fd = fd;
+        fds[n].events = POLLIN;
+        fds[n].revents = 0;
+        n++;
+    }
     for (i = 0; i < lg->n && n < (int)(sizeof fds / sizeof fds[0]); i++) {
         if (lg->w[i].reaped || lg->w[i].pidfd < 0) continue;
         fds[n].fd = lg->w[i].pidfd;
@@ -254,6 +325,7 @@ static void ddp__launch_signal_all(const ddp__launch_group *lg, int sig) {
     for (i = 0; i < lg->n; i++) {
         /* the worker's whole process group (its own children too); the pid alone when the group
            is already gone. Reaped workers' groups are signalled as well: their children may linger. */
+        if (lg->w[i].pid <= 0) continue; /* never kill(0) or kill(-1) */
         if (kill(-lg->w[i].pid, sig) != 0 && !lg->w[i].reaped) kill(lg->w[i].pid, sig);
     }
 }
@@ -268,7 +340,7 @@ static void ddp__launch_stop(ddp__launch_group *lg, int sig) {
     ddp__launch_signal_all(lg, sig);
     while (ddp__launch_running(lg) > 0 && ddp__now() < deadline &&
            !(lg->signals && ddp__launch_signal_count != signals_before)) {
-        ddp__launch_nap(lg);
+        ddp__launch_nap(lg, lg->from_guard);
         ddp__launch_reap(lg);
     }
     for (i = 0; i < lg->n; i++) {
@@ -280,14 +352,34 @@ static void ddp__launch_stop(ddp__launch_group *lg, int sig) {
     }
     /* also catches children of workers that ignored the first signal and exited without them */
     ddp__launch_signal_all(lg, SIGKILL);
-    for (i = 0; i < lg->n; i++) {
-        ddp__launch_worker *w = &lg->w[i];
-        while (!w->reaped) {
-            int st = 0;
-            pid_t p = waitpid(w->pid, &st, 0);
-            if (p == w->pid || (p < 0 && errno != EINTR)) ddp__launch_mark_reaped(w, st);
-        }
+    while (ddp__launch_running(lg) > 0) { /* the guardian reports each, or its end marks them lost */
+        ddp__launch_nap(lg, lg->from_guard);
+        ddp__launch_reap(lg);
     }
+}
+
+/* ddprun, once per attempt: a worker that exited 0 at least DDP__LAUNCH_EARLY s ago while others still
+   run. torchrun waits for the others (a worker that succeeds is not a failure), and so does ddprun,
+   but it says so: the others will likely fail or hang waiting for that rank in a collective. */
+static void ddp__launch_note_early_exit(ddp__launch_group *lg) {
+    int i, first = -1, running = ddp__launch_running(lg);
+    char name[96];
+    if (!lg->signals || lg->early_noted || running == 0) return;
+    for (i = 0; i < lg->n; i++) {
+        const ddp__launch_worker *w = &lg->w[i];
+        if (w->reaped && !w->lost && w->status == 0 && (first < 0 || w->ended < lg->w[first].ended)) first = i;
+    }
+    if (first < 0 || ddp__now() - lg->w[first].ended < DDP__LAUNCH_EARLY) return;
+    lg->early_noted = 1;
+    ddp__launch_name(&lg->w[first], name, sizeof name);
+    if (running == 1)
+        ddp__launch_say(lg, "%s exited with code 0 while 1 other worker is still running; waiting for it, as torchrun "
+                        "does (if it waits for rank %d in a collective, it will fail at its timeout)", name,
+                        lg->w[first].rank);
+    else
+        ddp__launch_say(lg, "%s exited with code 0 while %d other workers are still running; waiting for them, as "
+                        "torchrun does (if they wait for rank %d in a collective, they will fail at their timeout)",
+                        name, running, lg->w[first].rank);
 }
 
 /* Watch the workers until all exited 0 (returns 0), one failed, or ddprun received a signal; in the
@@ -303,7 +395,7 @@ static int ddp__launch_monitor(ddp__launch_group *lg, char *msg) {
             int since = lg->pass;
             double settle = ddp__now() + DDP__LAUNCH_SETTLE;
             while (ddp__launch_running(lg) > 0 && ddp__now() < settle) {
-                ddp__launch_nap(lg);
+                ddp__launch_nap(lg, lg->from_guard);
                 ddp__launch_reap(lg);
             }
             w = &lg->w[ddp__launch_culprit(lg, since)];
@@ -332,7 +424,8 @@ static int ddp__launch_monitor(ddp__launch_group *lg, char *msg) {
                      ddp__launch_signame(sig), running, running == 1 ? "" : "s");
             return 128 + sig;
         }
-        ddp__launch_nap(lg);
+        ddp__launch_note_early_exit(lg);
+        ddp__launch_nap(lg, lg->from_guard);
     }
 }
 
@@ -411,13 +504,13 @@ static void ddp__launch_bind(const ddp__launch_env *e, int local_rank) {
 }
 
 /* In the forked worker: its own process group (so stopping it stops its children too), and death
-   with the launcher (so a launcher killed by SIGKILL leaves no orphans behind). */
-static void ddp__launch_child_setup(pid_t launcher) {
+   with its parent, the guardian (should the guardian be killed). */
+static void ddp__launch_child_setup(pid_t guardian) {
     setpgid(0, 0);
 #ifdef __linux__
     prctl(PR_SET_PDEATHSIG, SIGKILL);
 #endif
-    if (getppid() != launcher) _exit(1); /* the launcher died before prctl took effect */
+    if (getppid() != guardian) _exit(1); /* the guardian died before prctl took effect */
 }
 
 /* A file descriptor that becomes readable when pid ends (pidfd_open, Linux 5.3+; close-on-exec), or -1. */
@@ -430,27 +523,72 @@ static int ddp__launch_pidfd(pid_t pid) {
 #endif
 }
 
-/* Start the workers: exec argv (ddprun) or run fn (ddp_spawn) in each. On failure the workers
-   already started are stopped and the error is in err. */
-static ddp_result ddp__launch_start(ddp__launch_group *lg, const ddp__launch_env *e, char **argv,
-                                    int (*fn)(int, int, void *), void *arg, char *err) {
+/* ---- the guardian (see the top of this section) ---- */
+
+/* The signals whose actions the guardian changes, and the workers get back. */
+static const int ddp__guard_signals[] = {SIGINT, SIGTERM, SIGHUP, SIGQUIT, SIGPIPE, SIGCHLD};
+#define DDP__GUARD_NSIGNALS ((int)(sizeof ddp__guard_signals / sizeof ddp__guard_signals[0]))
+
+/* The guardian's one write() of a report. The launcher may be gone (EPIPE, SIGPIPE is ignored). */
+static void ddp__guard_report(int fd, int kind, int index, pid_t pid, int value) {
+    ddp__launch_report r;
+    memset(&r, 0, sizeof r);
+    r.kind = kind;
+    r.index = index;
+    r.pid = (int)pid;
+    r.value = value;
+    while (write(fd, &r, sizeof r) < 0 && errno == EINTR) {
+    }
+}
+
+/* The guardian ignores the signals that reach the launcher's process group (Ctrl-C, a job system's
+   kill of the group: ddprun forwards them to the workers itself, and a killed ddp_spawn caller is
+   what the guardian is for) and SIGPIPE; its SIGCHLD is the default (a caller's handler that calls
+   wait would steal the statuses). It becomes a child subreaper, named ddp_guardian (the command
+   line stays the launcher's). saved[] receives the old actions. */
+static void ddp__guard_setup(struct sigaction *saved) {
+    struct sigaction sa;
+    int i;
+    memset(&sa, 0, sizeof sa);
+    sigemptyset(&sa.sa_mask);
+    for (i = 0; i < DDP__GUARD_NSIGNALS; i++) {
+        sa.sa_handler = ddp__guard_signals[i] == SIGCHLD ? SIG_DFL : SIG_IGN;
+        sigaction(ddp__guard_signals[i], &sa, &saved[i]);
+    }
+#ifdef __linux__
+    prctl(PR_SET_CHILD_SUBREAPER, 1);
+    prctl(PR_SET_NAME, "ddp_guardian"); /* in ps and top; `pkill ddprun` does not reach it */
+#endif
+}
+
+/* In a worker forked by the guardian: the launcher's signal actions back, the guardian's pipes and
+   the other workers' pidfds closed. */
+static void ddp__guard_child(const ddp__launch_group *lg, int upto, const struct sigaction *saved, int fd1, int fd2) {
+    int k;
+    for (k = 0; k < upto; k++)
+        if (lg->w[k].pidfd >= 0) close(lg->w[k].pidfd);
+    close(fd1);
+    close(fd2);
+    for (k = 0; k < DDP__GUARD_NSIGNALS; k++) sigaction(ddp__guard_signals[k], &saved[k], NULL);
+}
+
+/* In the guardian: fork the workers: exec argv (ddprun) or run fn (ddp_spawn) in each; report each
+   pid, or the first fork() that failed (then lg->n becomes the number started). */
+static void ddp__guard_fork_workers(ddp__launch_group *lg, const ddp__launch_env *e, char **argv,
+                                    int (*fn)(int, int, void *), void *arg, const struct sigaction *saved,
+                                    int from_launcher, int to_launcher) {
     pid_t self = getpid();
     int i;
-    fflush(NULL); /* or buffered output would be written again by every worker */
     for (i = 0; i < lg->n; i++) {
         ddp__launch_worker *w = &lg->w[i];
         pid_t pid = fork();
         if (pid < 0) {
-            int saved = errno;
+            ddp__guard_report(to_launcher, DDP__GUARD_FORK_FAILED, i, 0, errno);
             lg->n = i;
-            ddp__launch_stop(lg, SIGTERM);
-            return ddp__fail_to(err, DDP_ERR_SYSTEM, "%s: fork() for local rank %d failed: %s (process limit? see ulimit -u)",
-                                lg->who, i, strerror(saved));
+            return;
         }
         if (pid == 0) {
-            int k;
-            for (k = 0; k < i; k++) /* the earlier workers' pidfds are the launcher's business */
-                if (lg->w[k].pidfd >= 0) close(lg->w[k].pidfd);
+            ddp__guard_child(lg, i, saved, from_launcher, to_launcher);
             ddp__launch_child_setup(self);
             ddp__launch_export(e, i);
             ddp__launch_bind(e, i);
@@ -468,8 +606,194 @@ static ddp_result ddp__launch_start(ddp__launch_group *lg, const ddp__launch_env
         setpgid(pid, pid); /* also here: the group must exist before anyone signals it */
         w->pid = pid;
         w->pidfd = ddp__launch_pidfd(pid);
+        ddp__guard_report(to_launcher, DDP__GUARD_STARTED, i, pid, 0);
+    }
+}
+
+static int ddp__guard_worker_index(const ddp__launch_group *lg, pid_t pid) {
+    int i;
+    for (i = 0; i < lg->n; i++)
+        if (lg->w[i].pid == pid) return i;
+    return -1;
+}
+
+/* In the guardian: reap every child that ended (workers, and orphans that came to the subreaper);
+   report the workers' ends. */
+static void ddp__guard_reap(ddp__launch_group *lg, int to_launcher) {
+    int st = 0;
+    pid_t p;
+    while ((p = waitpid(-1, &st, WNOHANG)) > 0) {
+        int i = ddp__guard_worker_index(lg, p);
+        if (i < 0 || lg->w[i].reaped) continue;
+        ddp__launch_mark_reaped(&lg->w[i], st);
+        ddp__guard_report(to_launcher, DDP__GUARD_ENDED, i, p, st);
+    }
+}
+
+/* 1 once the launcher has closed its end of the pipe (it never writes: readable means end of file). */
+static int ddp__guard_launcher_done(int from_launcher) {
+    struct pollfd pfd;
+    pfd.fd = from_launcher;
+    pfd.events = POLLIN;
+    pfd.revents = 0;
+    return poll(&pfd, 1, 0) > 0;
+}
+
+/* SIGKILL each running child of this process (from /proc: the parent is the 4th field of
+   /proc/PID/stat, after the parenthesised name, which may itself hold spaces and parentheses).
+   When report_to >= 0, each one that is not a worker is reported as left over. */
+static void ddp__guard_kill_children(const ddp__launch_group *lg, int report_to) {
+    DIR *d = opendir("/proc");
+    struct dirent *de;
+    long self = (long)getpid();
+    if (!d) return;
+    while ((de = readdir(d)) != NULL) {
+        char path[64], buf[512], state = 0, *end = NULL, *paren;
+        long pid = strtol(de->d_name, &end, 10), ppid = 0;
+        ssize_t len;
+        int fd;
+        if (pid <= 0 || *end != '\0') continue;
+        snprintf(path, sizeof path, "/proc/%ld/stat", pid);
+        if ((fd = open(path, O_RDONLY)) < 0) continue;
+        len = read(fd, buf, sizeof buf - 1);
+        close(fd);
+        if (len <= 0) continue;
+        buf[len] = '\0';
+        paren = strrchr(buf, ')');
+        if (!paren || sscanf(paren + 1, " %c %ld", &state, &ppid) != 2 || ppid != self || state == 'Z') continue;
+        kill((pid_t)pid, SIGKILL);
+        if (report_to >= 0 && ddp__guard_worker_index(lg, (pid_t)pid) < 0)
+            ddp__guard_report(report_to, DDP__GUARD_LEFTOVER, -1, (pid_t)pid, 0);
+    }
+    closedir(d);
+}
+
+/* In the guardian, once the launcher is done or dead: SIGKILL every child (reporting the ones that
+   were left running) and every worker's process group, then again for the children that the killed
+   processes leave to the guardian, until it has no child left. */
+static void ddp__guard_sweep(const ddp__launch_group *lg, int to_launcher) {
+    int round;
+    for (round = 0;; round++) {
+        int i;
+        ddp__guard_kill_children(lg, round == 0 ? to_launcher : -1);
+        for (i = 0; i < lg->n; i++)
+            if (lg->w[i].pid > 0) kill(-lg->w[i].pid, SIGKILL);
+        if (waitpid(-1, NULL, 0) < 0 && errno == ECHILD) return;
+    }
+}
+
+/* The guardian: start the workers, report on them, and when the launcher closes its pipe (done, or
+   killed) leave nothing behind. Never returns. */
+static void ddp__launch_guard(ddp__launch_group *lg, const ddp__launch_env *e, char **argv,
+                              int (*fn)(int, int, void *), void *arg, int from_launcher, int to_launcher) {
+    struct sigaction saved[DDP__GUARD_NSIGNALS];
+    ddp__guard_setup(saved);
+    ddp__guard_fork_workers(lg, e, argv, fn, arg, saved, from_launcher, to_launcher);
+    while (!ddp__guard_launcher_done(from_launcher)) {
+        ddp__guard_reap(lg, to_launcher);
+        ddp__launch_nap(lg, from_launcher);
+    }
+    ddp__guard_sweep(lg, to_launcher);
+    _exit(0);
+}
+
+/* ---- the launcher's side ---- */
+
+static void ddp__launch_cloexec(int fd) { fcntl(fd, F_SETFD, fcntl(fd, F_GETFD) | FD_CLOEXEC); }
+
+/* Close the pipe to the guardian (it then stops whatever the workers left running), read what it
+   stopped, and wait for it to exit. The group's workers must all have been reaped. */
+static void ddp__launch_finish(ddp__launch_group *lg) {
+    ddp__launch_report r;
+    long pids[4];
+    int got, left = 0;
+    if (lg->to_guard >= 0) close(lg->to_guard);
+    lg->to_guard = -1;
+    while ((got = ddp__launch_next_report(lg, &r, 1000)) >= 0) {
+        if (got == 1 && r.kind == DDP__GUARD_LEFTOVER && left < 4) pids[left] = r.pid;
+        left += got == 1 && r.kind == DDP__GUARD_LEFTOVER;
+    }
+    if (lg->from_guard >= 0) close(lg->from_guard);
+    lg->from_guard = -1;
+    while (lg->guard > 0 && waitpid(lg->guard, NULL, 0) < 0 && errno == EINTR) {
+    }
+    lg->guard = 0;
+    if (left > 0) {
+        char list[96];
+        size_t len = 0;
+        int i;
+        list[0] = '\0';
+        for (i = 0; i < left && i < 4; i++) {
+            snprintf(list + len, sizeof list - len, "%s%ld", i ? ", " : "", pids[i]);
+            len = strlen(list);
+        }
+        ddp__launch_say(lg, "the workers left %d process%s running when the group ended (pid%s %s%s); killed %s and "
+                        "%s children (SIGKILL)", left, left == 1 ? "" : "es", left == 1 ? "" : "s", list,
+                        left > 4 ? ", ..." : "", left == 1 ? "it" : "them", left == 1 ? "its" : "their");
+    }
+}
+/* Read the guardian's STARTED reports, one per worker in order. When a fork() failed or the guardian
+   is gone, stop the workers started so far and fail with the reason in err. */
+static ddp_result ddp__launch_await_start(ddp__launch_group *lg, char *err) {
+    int i = 0;
+    while (i < lg->n) {
+        ddp__launch_report r;
+        int got = ddp__launch_next_report(lg, &r, 1000);
+        if (got == 0) continue;
+        if (got == 1 && r.kind == DDP__GUARD_STARTED && r.index == i) {
+            lg->w[i++].pid = (pid_t)r.pid;
+            continue;
+        }
+        lg->n = i;
+        ddp__launch_stop(lg, SIGTERM);
+        ddp__launch_finish(lg);
+        if (got == 1 && r.kind == DDP__GUARD_FORK_FAILED)
+            return ddp__fail_to(err, DDP_ERR_SYSTEM, "%s: fork() for local rank %d failed: %s (process limit? see "
+                                "ulimit -u)", lg->who, i, strerror(r.value));
+        return ddp__fail_to(err, DDP_ERR_SYSTEM, "%s: its guardian process ended (killed?) before it started local "
+                            "rank %d; nothing was left running", lg->who, i);
     }
     return DDP_SUCCESS;
+}
+
+/* Start the guardian, which starts the workers: exec argv (ddprun) or run fn (ddp_spawn) in each.
+   On failure nothing is left running and the error is in err; on success end the group with
+   ddp__launch_finish once every worker has been reaped. */
+static ddp_result ddp__launch_start(ddp__launch_group *lg, const ddp__launch_env *e, char **argv,
+                                    int (*fn)(int, int, void *), void *arg, char *err) {
+    int down[2], up[2], saved; /* down: launcher -> guardian (only closed), up: guardian -> launcher (reports) */
+    pid_t pid;
+    if (pipe(down) != 0) return ddp__fail_to(err, DDP_ERR_SYSTEM, "%s: pipe(): %s", lg->who, strerror(errno));
+    if (pipe(up) != 0) {
+        saved = errno;
+        close(down[0]);
+        close(down[1]);
+        return ddp__fail_to(err, DDP_ERR_SYSTEM, "%s: pipe(): %s", lg->who, strerror(saved));
+    }
+    ddp__launch_cloexec(down[0]);
+    ddp__launch_cloexec(down[1]);
+    ddp__launch_cloexec(up[0]);
+    ddp__launch_cloexec(up[1]);
+    fflush(NULL); /* or buffered output would be written again by every worker */
+    pid = fork();
+    if (pid == 0) {
+        close(down[1]);
+        close(up[0]);
+        ddp__launch_guard(lg, e, argv, fn, arg, down[0], up[1]);
+    }
+    saved = errno;
+    close(down[0]);
+    close(up[1]);
+    if (pid < 0) {
+        close(down[1]);
+        close(up[0]);
+        return ddp__fail_to(err, DDP_ERR_SYSTEM, "%s: fork() for the guardian of the workers failed: %s (process "
+                            "limit? see ulimit -u)", lg->who, strerror(saved));
+    }
+    lg->guard = pid;
+    lg->to_guard = down[1];
+    lg->from_guard = up[0];
+    return ddp__launch_await_start(lg, err);
 }
 
 /* ddprun (is_ddprun = 1) prints to stderr and reacts to the signals it caught; ddp_spawn logs. */
@@ -482,6 +806,10 @@ static ddp__launch_group ddp__launch_group_make(int is_ddprun, int n, int first_
     lg.n = n;
     lg.pass = 0;
     lg.w = w;
+    lg.guard = 0;
+    lg.from_guard = -1;
+    lg.to_guard = -1;
+    lg.early_noted = 0;
     for (i = 0; i < n; i++) {
         memset(&w[i], 0, sizeof w[i]);
         w[i].rank = first_rank + i;
@@ -548,8 +876,11 @@ DDP_API ddp_result ddp_spawn(int nprocs, int (*fn)(int rank, int world_size, voi
     lg = ddp__launch_group_make(0, nprocs, 0, w);
     ddp__launch_sigchld_default(&old_chld);
     r = ddp__launch_start(&lg, &e, NULL, fn, arg, err);
-    if (r == DDP_SUCCESS && ddp__launch_monitor(&lg, msg) != 0)
-        r = ddp__fail(NULL, DDP_ERR_WORKER_FAILED, "ddp_spawn: %s", msg);
+    if (r == DDP_SUCCESS) {
+        int code = ddp__launch_monitor(&lg, msg);
+        ddp__launch_finish(&lg);
+        if (code != 0) r = ddp__fail(NULL, DDP_ERR_WORKER_FAILED, "ddp_spawn: %s", msg);
+    }
     ddp__launch_sigchld_restore(&old_chld);
     ddp__free(w);
     return r;
@@ -600,11 +931,14 @@ static const char ddp__launch_usage[] =
     "TORCHELASTIC_RESTART_COUNT, TORCHELASTIC_MAX_RESTARTS, TORCHELASTIC_RUN_ID,\n"
     "TORCHELASTIC_USE_AGENT_STORE=False (rank 0 serves the store), DDP_RESTART_COUNT, and\n"
     "OMP_NUM_THREADS=1 when it is unset and N > 1. Each worker runs in its own process group.\n"
+    "No orphans: when the group ends, or when ddprun is killed (even with SIGKILL), every process\n"
+    "the workers started that still runs (children, daemons) is killed with SIGKILL.\n"
     "\n"
     "When a worker exits non-zero or is killed by a signal, ddprun says which rank and how, sends\n"
     "SIGTERM to the other workers (SIGKILL after 3 s) and exits with the worker's code (128 + signal\n"
     "number when it was killed). SIGINT, SIGTERM, SIGHUP and SIGQUIT sent to ddprun are forwarded to\n"
     "the workers, which are then stopped the same way; ddprun then exits with 128 + that signal.\n"
+    "A worker that exits 0 while others still run is waited for, as torchrun does; ddprun says so.\n"
     "Rendezvous is static: torchrun's elastic rendezvous (--rdzv-backend, --rdzv-endpoint, a range\n"
     "in --nnodes) is not supported.\n";
 
@@ -1016,6 +1350,7 @@ static int ddp__launch_run(ddp__launch_args *a, ddp__launch_group *lg) {
             return 1;
         }
         code = ddp__launch_monitor(lg, msg);
+        ddp__launch_finish(lg);
         if (code == 0) return 0;
         ddp__launch_trace_summary(lg, attempt);
         if (ddp__launch_signal_got) return code; /* the user asked to stop: no restart */

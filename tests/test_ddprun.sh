@@ -2,8 +2,10 @@
 # ddprun: the environment its workers get (every torchrun variable, unique ranks, --nnodes/--node-rank
 # offsets, --standalone's free port), flag validation, fail-fast (a worker that exits non-zero, that
 # is killed by a signal, that is SIGKILLed from outside, workers that ignore SIGTERM, workers' own
-# children), signal forwarding, --max-restarts, and the flight-recorder summary of a failed job. The
-# 5 s limits are the issue's functional deadline for stopping a failed group, not performance thresholds.
+# children), signal forwarding, --max-restarts, no orphans (SIGKILL of ddprun; children left by
+# workers that succeed), the notice for a worker that exits 0 while others run, and the flight-recorder
+# summary of a failed job. The 5 s limits are the issue's functional deadline for stopping a failed
+# group, not performance thresholds.
 # The comparison with torchrun's own environment is tests/test_interop_ddprun.sh.
 set -u
 cd "$(dirname "$0")/.."
@@ -335,5 +337,58 @@ timeout -s KILL 30 "$DDPRUN" --nproc-per-node 2 --max-restarts 1 "$EXIT_WITH" "$
   fail "restart log: $(cat "$D/log")"
 grep -q "rank 1 (pid [0-9]*) of 2 exited with code 4; .*(no restarts left)" "$D/err" || fail "last failure: $(cat "$D/err")"
 ok "--max-restarts 1, always failing: two attempts, then exit 4 naming rank 1"
+
+# ---- no orphans (issue #18): nothing that the workers started outlives ddprun ----
+# Each worker is a shell that starts a child and a daemon in a session of its own (setsid); exec -a
+# puts a marker unique to this test at the start of their command lines (the workers, ddprun and its
+# guardian have it inside theirs), so pgrep -f finds every process of the tree.
+# marked MARK: the pids of the processes whose command line has MARK
+marked() { pgrep -f -- "$1"; }
+# kill_marked MARK: SIGKILL each of them (by pid), so that a failed test leaves nothing behind
+kill_marked() { local p; for p in $(marked "$1"); do kill -9 "$p" 2>/dev/null; done; }
+newdir orphans
+MARK=ddprun-orphan-$$-$RANDOM
+"$DDPRUN" --nproc-per-node 2 bash -c "(exec -a $MARK-child sleep 1000) & setsid bash -c 'exec -a $MARK-daemon sleep 1000' &
+  echo \$\$ >$D/pid.\$RANK; wait" >"$D/out" 2>"$D/err" &
+pid=$!; BG="$BG $pid"
+wait_files "$D" pid 2
+for i in $(seq 1000); do [ "$(marked "^$MARK-" | wc -l)" -ge 4 ] && break; sleep 0.01; done
+[ "$(marked "^$MARK-" | wc -l)" = 4 ] || { kill_marked "$MARK"; fail "want 2 children and 2 daemons: $(pgrep -fa -- "$MARK")"; }
+t0=$(now_ms)
+kill -9 "$pid"
+wait "$pid" 2>/dev/null
+for i in $(seq 1000); do [ -z "$(marked "$MARK")" ] && break; sleep 0.01; done
+t1=$(now_ms)
+left=$(pgrep -fa -- "$MARK")
+kill_marked "$MARK"
+[ -z "$left" ] || fail "SIGKILL of ddprun left these running 10 s later: $left"
+ok "SIGKILL of ddprun: its workers, their children and their daemons (setsid) are gone $((t1 - t0)) ms later"
+
+newdir leftover
+MARK=ddprun-leftover-$$-$RANDOM
+timeout -s KILL 30 "$DDPRUN" --nproc-per-node 2 bash -c "(exec -a $MARK-child sleep 1000) & sleep 0.2; exit 0" \
+  >"$D/out" 2>"$D/err"; rc=$?
+left=$(pgrep -fa -- "$MARK")
+kill_marked "$MARK"
+[ $rc = 0 ] || fail "workers that exit 0 leaving a child: ddprun exited $rc"
+[ -z "$left" ] || fail "the workers' children outlived ddprun: $left"
+grep -q "the workers left 2 processes running when the group ended (pids [0-9]*, [0-9]*); killed them" "$D/err" ||
+  fail "no notice of the processes left running: $(cat "$D/err")"
+ok "workers that exit 0 leaving children: ddprun kills the children, says so, and exits 0"
+
+# ---- a worker that exits 0 while the others run: ddprun waits (as torchrun), but says so once ----
+newdir early
+"$DDPRUN" --nproc-per-node 3 bash -c "echo \$\$ >$D/pid.\$RANK; [ \$RANK = 2 ] && exit 0
+  for i in \$(seq 3000); do [ -f $D/go ] && exit 0; sleep 0.01; done; exit 1" >"$D/out" 2>"$D/err" &
+pid=$!; BG="$BG $pid"
+wait_files "$D" pid 3
+for i in $(seq 1000); do grep -q "exited with code 0 while" "$D/err" && break; sleep 0.01; done
+touch "$D/go"
+wait_bounded "$pid"; rc=$?
+[ $rc = 0 ] || fail "rank 2 exited 0 early, the others 0 later: ddprun exited $rc"
+grep -qF "ddprun: rank 2 (pid $(cat "$D/pid.2")) exited with code 0 while 2 other workers are still running; waiting for them" "$D/err" ||
+  fail "no notice that rank 2 exited early: $(cat "$D/err")"
+[ "$(grep -c "exited with code 0 while" "$D/err")" = 1 ] || fail "the notice was not given once: $(cat "$D/err")"
+ok "rank 2 exits 0 while 2 others run: ddprun says so once, waits, and exits 0"
 
 echo "test_ddprun: all passed"

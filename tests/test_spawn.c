@@ -1,6 +1,8 @@
 /* ddp_spawn: every worker runs once with torchrun's environment; a worker that fails (exit code or
    signal) makes ddp_spawn stop the others within the issue's 5 s deadline and name that rank;
-   workers' own children are stopped too; workers die with their launcher; stdio is flushed.
+   workers' own children are stopped too; when the launcher is killed (SIGKILL), its workers and
+   everything they started (children, daemons in a session of their own) die with it; what workers
+   leave running when they end is stopped when ddp_spawn returns; stdio is flushed.
    The workers write what they saw into shared memory, which the parent checks. */
 #include "testlib.h"
 
@@ -18,7 +20,7 @@ static const char *vars[NVARS] = {"RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WOR
 /* What each worker saw; lives in memory shared with the parent. */
 typedef struct rank_rec {
     int ran, world, ready, got_term;
-    pid_t pid, child;
+    pid_t pid, child, daemon; /* daemon: a grandchild in a session of its own (setsid), orphaned at once */
     char env[NVARS][80]; /* "" when unset */
 } rank_rec;
 
@@ -30,7 +32,7 @@ typedef struct shared {
     char path[256];  /* scenario "flush": where each worker writes */
 } shared;
 
-enum { M_ENV, M_FAIL_CODE, M_SIGKILL, M_IGNORE_TERM, M_EXIT_256, M_GRANDCHILD, M_FLUSH, M_SLEEP, M_REACT };
+enum { M_ENV, M_FAIL_CODE, M_SIGKILL, M_IGNORE_TERM, M_EXIT_256, M_GRANDCHILD, M_FLUSH, M_SLEEP, M_REACT, M_LEAVE };
 
 static shared *S;
 static int my_rank; /* in a worker: its rank, for the signal handler */
@@ -43,6 +45,28 @@ static void on_term(int sig) {
 
 static void sleep_s(double s) { usleep((useconds_t)(s * 1e6)); }
 
+/* In a worker: a child that runs until killed (in the worker's process group), and a daemon: a child
+   that calls setsid() and forks the grandchild that stays, then exits, as daemons do. */
+static void start_descendants(rank_rec *me) {
+    pid_t c = fork(), mid;
+    if (c == 0) {
+        signal(SIGTERM, SIG_DFL);
+        for (;;) pause();
+    }
+    me->child = c;
+    mid = fork();
+    if (mid == 0) {
+        pid_t d;
+        signal(SIGTERM, SIG_DFL);
+        setsid();
+        d = fork();
+        if (d == 0)
+            for (;;) pause();
+        me->daemon = d;
+        _exit(0);
+    }
+    waitpid(mid, NULL, 0);
+}
 /* Wait (at most 10 s) until every other rank has said it is ready, so that they are sure to be
    in their "stopped by the launcher" state when the victim fails. */
 static void wait_others_ready(int rank, int n) {
@@ -78,6 +102,13 @@ static int worker(int rank, int n, void *arg) {
         fprintf(f, "rank %d was here\n", rank); /* no fclose: ddp_spawn must flush before _exit */
         return 0;
     }
+    if (S->mode == M_LEAVE) { /* succeed, leaving a child running */
+        pid_t c = fork();
+        if (c == 0)
+            for (;;) pause();
+        me->child = c;
+        return 0;
+    }
     if (rank == S->victim && S->mode != M_SLEEP && S->mode != M_GRANDCHILD) {
         wait_others_ready(rank, n);
         if (S->mode == M_FAIL_CODE) return 3;
@@ -106,6 +137,7 @@ static int worker(int rank, int n, void *arg) {
             return 5;
         }
     }
+    if (S->mode == M_SLEEP) start_descendants(me);
     me->ready = 1;
     for (i = 0; i < 60000; i++) {
         /* M_REACT: like ranks that lose a peer in a collective, fail at once, all the same way */
@@ -203,37 +235,64 @@ static void expect_failure(int mode, int n, int victim, const char *how, int the
     printf("mode %d (%s): stopped in %.2f s: %s\n", mode, how, dt, ddp_last_error(NULL));
 }
 
-/* With this process as the subreaper, orphans come to us: wait for pid and return its status. */
-static int reap_orphan(pid_t pid) {
+
+/* 1 when pid exists and is not a zombie. */
+static int proc_alive(pid_t pid) {
+    char path[64], buf[512], *paren;
+    FILE *f;
+    size_t len;
+    snprintf(path, sizeof path, "/proc/%ld/stat", (long)pid);
+    f = fopen(path, "r");
+    if (!f) return 0;
+    len = fread(buf, 1, sizeof buf - 1, f);
+    fclose(f);
+    buf[len] = '\0';
+    paren = strrchr(buf, ')');
+    return !(paren && paren[1] == ' ' && paren[2] == 'Z');
+}
+
+/* Wait (5 s at most) until pid has ended, reaping whatever comes to this process (a subreaper).
+   A process still running is killed, so that a failed test leaves nothing behind, and the test fails. */
+static void expect_ended(pid_t pid, const char *what, int rank) {
     double end = tl_now() + 5;
-    int st = -1;
+    int r;
+    CHECK(pid > 0, "rank %d's %s has no pid", rank, what);
     while (tl_now() < end) {
-        pid_t p = waitpid(pid, &st, WNOHANG);
-        if (p == pid) return st;
-        CHECK(p == 0, "waitpid(%ld): %s", (long)pid, strerror(errno));
+        while (waitpid(-1, NULL, WNOHANG) > 0) {
+        }
+        if (!proc_alive(pid)) return;
         sleep_s(0.01);
     }
-    kill(pid, SIGKILL); /* leave nothing behind */
-    CHECK(0, "process %ld was not stopped", (long)pid);
-    return st;
+    for (r = 0; r < MAXR; r++) { /* a failed test leaves nothing behind (not even holding its stdout) */
+        if (S->r[r].child > 0) kill(S->r[r].child, SIGKILL);
+        if (S->r[r].daemon > 0) kill(S->r[r].daemon, SIGKILL);
+    }
+    kill(pid, SIGKILL);
+    CHECK(0, "rank %d's %s (pid %ld) still runs 5 s after the group ended", rank, what, (long)pid);
 }
 
 static void test_grandchildren(void) {
     int r, n = 3;
     expect_failure(M_GRANDCHILD, n, 1, "exited with code 5", 1);
-    for (r = 0; r < n; r++) {
-        int st = reap_orphan(S->r[r].child);
-        CHECK(WIFSIGNALED(st) && (WTERMSIG(st) == SIGTERM || WTERMSIG(st) == SIGKILL),
-              "rank %d's child was not stopped by a signal (status 0x%x)", r, (unsigned)st);
-    }
+    for (r = 0; r < n; r++) expect_ended(S->r[r].child, "child", r);
     printf("grandchildren: stopped\n");
 }
 
-/* The parent of ddp_spawn is killed with SIGKILL: its workers must not live on. */
+/* Workers that succeed but leave a child running: the child is stopped when ddp_spawn returns. */
+static void test_leftover(void) {
+    int r, n = 2;
+    reset(M_LEAVE, -1);
+    CHECK_OK(ddp_spawn(n, worker, S), NULL);
+    for (r = 0; r < n; r++) expect_ended(S->r[r].child, "leftover child", r);
+    printf("children left by workers that succeeded: stopped\n");
+}
+
+/* The parent of ddp_spawn is killed with SIGKILL: its workers, their children and their daemons
+   (setsid) must not live on. */
 static void test_launcher_dies(void) {
     pid_t mid;
     int r, n = 2, st;
-    double end;
+    double end, t0;
     reset(M_SLEEP, -1);
     fflush(NULL);
     mid = fork();
@@ -241,13 +300,16 @@ static void test_launcher_dies(void) {
     end = tl_now() + 10;
     while ((!S->r[0].ready || !S->r[1].ready) && tl_now() < end) sleep_s(0.005);
     CHECK(S->r[0].ready && S->r[1].ready, "workers did not start");
+    CHECK(S->r[0].daemon > 0 && S->r[1].daemon > 0, "workers did not start their daemons");
+    t0 = tl_now();
     kill(mid, SIGKILL);
     CHECK(waitpid(mid, &st, 0) == mid, "waitpid launcher");
     for (r = 0; r < n; r++) {
-        st = reap_orphan(S->r[r].pid);
-        CHECK(WIFSIGNALED(st) && WTERMSIG(st) == SIGKILL, "orphaned rank %d ended with status 0x%x", r, (unsigned)st);
+        expect_ended(S->r[r].pid, "worker", r);
+        expect_ended(S->r[r].child, "child", r);
+        expect_ended(S->r[r].daemon, "daemon (setsid)", r);
     }
-    printf("launcher killed: workers died with it\n");
+    printf("launcher killed: workers, their children and daemons gone %.3f s later\n", tl_now() - t0);
 }
 
 /* What ddp_spawn is for: ddp_init(NULL) in fn joins the group; all_reduce checked exactly. */
@@ -338,6 +400,7 @@ int main(void) {
     expect_failure(M_REACT, 4, 1, "of 4 exited with code 3", 0);
     test_sigchld_ignored();
     test_grandchildren();
+    test_leftover();
     test_launcher_dies();
     printf("test_spawn: all passed\n");
     return 0;
