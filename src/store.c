@@ -372,6 +372,7 @@ struct ddp__store_server {
     size_t reserve;  /* the budget's last part, for small entries only: max_held / 8 */
     double accept_paused_until;
     char *token; /* DDP_AUTH_TOKEN when the server started; NULL = no authentication */
+    uint64_t requests, clients; /* requests handled and clients accepted, logged at debug when it stops */
 };
 
 static void ddp__srv_log(const ddp__store_server *s, ddp_log_level level, const char *fmt, ...) DDP__PRINTF(3, 4);
@@ -912,6 +913,7 @@ static void ddp__srv_handle(ddp__store_server *s, ddp__store_conn *c, const unsi
     r.p = req;
     r.n = size;
     r.at = 1;
+    s->requests++;
     c->status_due = c->announced;
     c->announced = 0;
     c->refused = 0;
@@ -1145,6 +1147,7 @@ static void ddp__srv_accept(ddp__store_server *s) {
     snprintf(c->peer, sizeof c->peer, "%s:%s", host, serv);
     s->buffers += sizeof *c;
     s->conns[s->nconns++] = c;
+    s->clients++;
     ddp__srv_log(s, DDP_LOG_DEBUG, "client %s connected", c->peer);
 }
 
@@ -1271,6 +1274,8 @@ static void ddp__store_server_stop(ddp__store_server *s) {
     while (write(s->pipe_wr, &b, 1) < 0 && errno == EINTR) {
     }
     pthread_join(s->thread, NULL);
+    ddp__srv_log(s, DDP_LOG_DEBUG, "stopped after %llu requests from %llu clients", (unsigned long long)s->requests,
+                 (unsigned long long)s->clients);
     ddp__store_server_close(s);
 }
 
