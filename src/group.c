@@ -221,14 +221,21 @@ static void ddp__key(const ddp_group *g, char *out, size_t cap, const char *name
     else snprintf(out, cap, "%s%s", g->member.prefix, name);
 }
 
-/* Fail this rank with code and message, and publish them so that every rank of the rendezvous fails too. */
+/* Fail this rank with code and message, and publish them so that every rank of the rendezvous fails too:
+   under "abort" (read by the ranks that look for it: the mesh step, ranks arriving late) and, unless rank 0
+   published the table already, as the table's value (DDP__RDZV_ABORTED + "code|message"), which wakes
+   every rank waiting for the table at once (see ddp__rendezvous). The compare-set is a round trip: both
+   writes have reached the store before this rank goes. */
+#define DDP__RDZV_ABORTED "abort:"
 static ddp_result ddp__rdzv_abort(ddp_group *g, ddp_result code, const char *msg) {
-    char key[256], value[DDP__ERR_MAX + 16];
-    int exists = 0;
+    char key[256], value[DDP__ERR_MAX + 16], marker[DDP__ERR_MAX + 32], now[8];
+    size_t n = 0;
     ddp__key(g, key, sizeof key, "abort", -1);
     snprintf(value, sizeof value, "%d|%.1000s", (int)code, msg);
     ddp_store_set(g->member.store, key, value, strlen(value));
-    ddp_store_check(g->member.store, key, &exists); /* a round trip: the set has reached the store before we go */
+    ddp__key(g, key, sizeof key, "table", -1);
+    snprintf(marker, sizeof marker, "%s%s", DDP__RDZV_ABORTED, value);
+    ddp__store_compare_set(g->member.store, key, "", 0, marker, strlen(marker), now, sizeof now, &n);
     return ddp__fail(g, code, "%s", msg);
 }
 
@@ -259,11 +266,18 @@ static void ddp__rdzv_fail_all(ddp_group *g, ddp_result code) {
     ddp__fail(g, code, "%s", msg);
 }
 
+/* Fail with the abort another rank published: value is "code|message". */
+static ddp_result ddp__rdzv_fail_published(ddp_group *g, const char *value) {
+    int code = DDP_ERR_INIT;
+    sscanf(value, "%d|", &code);
+    return ddp__fail(g, ddp__peer_code(code, DDP_ERR_INIT), "%s", strchr(value, '|') ? strchr(value, '|') + 1 : value);
+}
+
 /* Another rank published an abort: fail with its code and message. */
 static ddp_result ddp__rdzv_check_abort(ddp_group *g, int *aborted) {
     char key[256], value[DDP__ERR_MAX + 16];
     size_t n = 0;
-    int exists = 0, code = DDP_ERR_INIT;
+    int exists = 0;
     ddp_result r;
     *aborted = 0;
     ddp__key(g, key, sizeof key, "abort", -1);
@@ -274,8 +288,7 @@ static ddp_result ddp__rdzv_check_abort(ddp_group *g, int *aborted) {
     if ((r = ddp_store_get(g->member.store, key, value, sizeof value - 1, &n)) != DDP_SUCCESS)
         return ddp__fail(g, r, "rendezvous: %s", ddp_store_last_error(g->member.store));
     value[DDP__MIN(n, sizeof value - 1)] = '\0';
-    sscanf(value, "%d|", &code);
-    return ddp__fail(g, ddp__peer_code(code, DDP_ERR_INIT), "%s", strchr(value, '|') ? strchr(value, '|') + 1 : value);
+    return ddp__rdzv_fail_published(g, value);
 }
 
 /* What each rank publishes about itself: "world=W port=P pid=PID addr=A host=H node=N". */
@@ -289,6 +302,12 @@ static int ddp__record_parse(const char *value, ddp__record *r) {
     memset(r, 0, sizeof *r);
     return sscanf(value, "world=%d port=%d pid=%d addr=%127s host=%127s node=%llx", &r->world, &r->port, &r->pid, r->addr,
                   r->host, &r->node) >= 5;
+}
+
+#define DDP__RECORD_MAX 400 /* bytes of one record's text, with room to spare */
+static void ddp__record_format(const ddp__record *r, char *out, size_t cap) {
+    snprintf(out, cap, "world=%d port=%d pid=%d addr=%s host=%s node=%llx", r->world, r->port, r->pid, r->addr, r->host,
+             r->node);
 }
 
 /* ---- noticing a rank that died inside ddp_init ----
@@ -346,83 +365,176 @@ static ddp_result ddp__rdzv_lost(ddp_group *g, int i, const ddp__record *r, cons
     return res;
 }
 
-/* While waiting for every rank to join: read the records that have appeared since the last look (at
-   most 8 store reads a look, about what the wait's own polling costs, so that a large world does not
-   flood the store) and check the pids of those on this node. */
-static ddp_result ddp__rdzv_watch_joining(ddp_group *g, ddp__record *rec, unsigned char *known, int *cursor,
-                                          unsigned long long node) {
-    char key[256], value[512];
-    int reads = 0, i, k;
-    for (k = 0; k < g->world_size && reads < 8; k++, *cursor = (*cursor + 1) % g->world_size) {
-        int exists = 0;
-        size_t n = 0;
-        i = *cursor;
-        if (i == g->rank || known[i]) continue;
-        ddp__key(g, key, sizeof key, "rank", i);
-        reads++;
-        if (ddp_store_check(g->member.store, key, &exists) != DDP_SUCCESS || !exists) continue;
-        if (ddp_store_get(g->member.store, key, value, sizeof value - 1, &n) != DDP_SUCCESS) continue;
-        value[DDP__MIN(n, sizeof value - 1)] = '\0';
-        known[i] = (unsigned char)ddp__record_parse(value, &rec[i]);
+/* ---- the table of records: rank 0 gathers it, every other rank waits for it ----
+   Each rank publishes its record under "rank/R" (a compare-set that also claims the rank) and adds 1 to
+   "joined". Rank 0 reads the records in rank order as they appear, each once, and when it has them all
+   publishes them as one value, "table" (one line per rank). Every other rank makes one blocking WAIT on
+   "table" and one GET of it: about ten requests per rank in all, and 3N at rank 0 for reading, instead
+   of every rank polling a counter and reading every record (2N^2). A rank that fails publishes its
+   error as the table's value (ddp__rdzv_abort), so the same WAIT wakes every rank on a failure too.
+   While it gathers, rank 0 looks every DDP__WATCH_PERIOD s for a published abort, reads up to 8 records
+   out of order (so that a rank that died beyond a missing one is seen too), and checks the pids of the
+   ranks of its node that registered (ddp__rank_process_gone); a lost rank is published and named. On
+   its timeout it publishes which ranks never joined; the others wait DDP__RDZV_GRACE s longer, so that
+   they read that message rather than time out on their own. Ranks on other nodes that die after
+   registering are named by the mesh step (a refused connection, ddp__mesh_dial). */
+#define DDP__RDZV_GRACE 5.0
+#define DDP__RDZV_SCAN 8 /* records rank 0 reads out of order per look */
+
+/* Read rank i's record into rec[i] if it is there. 1: read, 0: not there yet, else a failure (published). */
+static int ddp__rdzv_read_record(ddp_group *g, int i, ddp__record *rec, ddp_result *res) {
+    char key[256], value[DDP__RECORD_MAX + 112], msg[DDP__ERR_MAX];
+    int exists = 0;
+    size_t n = 0;
+    ddp__key(g, key, sizeof key, "rank", i);
+    if ((*res = ddp_store_check(g->member.store, key, &exists)) != DDP_SUCCESS || !exists ||
+        (*res = ddp_store_get(g->member.store, key, value, sizeof value - 1, &n)) != DDP_SUCCESS) {
+        if (*res) *res = ddp__fail(g, *res, "rendezvous: reading rank %d's record: %s", i, ddp_store_last_error(g->member.store));
+        return 0;
+    }
+    value[DDP__MIN(n, sizeof value - 1)] = '\0';
+    if (!ddp__record_parse(value, &rec[i])) {
+        snprintf(msg, sizeof msg, "rank %d published a malformed rendezvous record \"%.200s\" (another program using the "
+                 "same store?)", i, value);
+        *res = ddp__rdzv_abort(g, DDP_ERR_INIT, msg);
+        return 0;
+    }
+    if (rec[i].world != g->world_size) {
+        snprintf(msg, sizeof msg, "ranks disagree on the world size: rank %d (host %s, pid %d) was started with world "
+                 "size %d, rank %d with %d; start every rank with the same WORLD_SIZE", i, rec[i].host, rec[i].pid,
+                 rec[i].world, g->rank, g->world_size);
+        *res = ddp__rdzv_abort(g, DDP_ERR_MISMATCH, msg);
+        return 0;
+    }
+    return 1;
+}
+
+/* Every DDP__WATCH_PERIOD s while rank 0 gathers: an abort, a few records out of order, lost ranks. */
+static ddp_result ddp__rdzv_gather_watch(ddp_group *g, ddp__record *rec, unsigned char *known, int *have, int *scan,
+                                         unsigned long long node) {
+    int i, k, aborted = 0;
+    ddp_result r = ddp__rdzv_check_abort(g, &aborted);
+    if (r != DDP_SUCCESS || aborted) return r ? r : DDP_ERR_INIT;
+    for (k = 0; k < DDP__RDZV_SCAN && *have < g->world_size; k++) {
+        for (i = 0; i < g->world_size && known[*scan]; i++) *scan = (*scan + 1) % g->world_size;
+        if (ddp__rdzv_read_record(g, *scan, rec, &r)) known[*scan] = 1, ++*have;
+        if (r) return r;
+        *scan = (*scan + 1) % g->world_size;
     }
     for (i = 0; i < g->world_size; i++)
-        if (known[i] && ddp__rank_process_gone(&rec[i], node))
+        if (known[i] && i != g->rank && ddp__rank_process_gone(&rec[i], node))
             return ddp__rdzv_lost(g, i, &rec[i], "its process no longer exists");
     return DDP_SUCCESS;
 }
 
-/* Wait until `world_size` ranks have joined, watching for an abort and for registered ranks of this
-   node that died; name the missing ranks on timeout. */
-static ddp_result ddp__rdzv_wait_all(ddp_group *g, const char *where) {
-    char key[256];
+/* Rank 0 gave up waiting: publish who never joined (as "3, 5, 9 (and 4 more)"), so every rank fails with it. */
+static ddp_result ddp__rdzv_gather_timeout(ddp_group *g, const unsigned char *known, int have, const char *where) {
+    char missing[512] = "", msg[DDP__ERR_MAX];
+    int i, shown = 0;
+    for (i = 0; i < g->world_size; i++)
+        if (!known[i] && shown++ < 16)
+            snprintf(missing + strlen(missing), sizeof missing - strlen(missing), "%s%d", shown > 1 ? ", " : "", i);
+    if (shown > 16) snprintf(missing + strlen(missing), sizeof missing - strlen(missing), " and %d more", shown - 16);
+    snprintf(msg, sizeof msg, "timed out after %.0f s waiting for every rank to join (%d of %d joined through %s; "
+             "missing: %s). Are they all started, with the same world size and master?", g->timeout, have,
+             g->world_size, where, missing);
+    return ddp__rdzv_abort(g, DDP_ERR_TIMEOUT, msg);
+}
+
+/* Rank 0: read every record (rec[0] is its own), then publish the table. */
+static ddp_result ddp__rdzv_gather(ddp_group *g, ddp__record *rec, const char *where) {
+    char key[256], marker[DDP__ERR_MAX + 32], *table;
     double start = ddp__now(), nap = 0.001, next_watch = start + DDP__WATCH_PERIOD;
     unsigned long long node = ddp__node_key();
-    ddp__record *rec = (ddp__record *)ddp__calloc((size_t)g->world_size, sizeof *rec);
     unsigned char *known = (unsigned char *)ddp__calloc((size_t)g->world_size, 1);
-    int aborted, cursor = 0;
+    int have = 1, cursor = 1, scan = 1, i;
+    size_t len = 0, n = 0;
     ddp_result r = DDP_SUCCESS;
-    if (!rec || !known) {
-        ddp__free(rec);
-        ddp__free(known);
-        return ddp__fail(g, DDP_ERR_OUT_OF_MEMORY, "out of memory in the rendezvous");
-    }
-    for (;;) {
-        int64_t joined = 0;
-        if ((r = ddp__rdzv_check_abort(g, &aborted)) != DDP_SUCCESS || aborted) {
-            r = r ? r : DDP_ERR_INIT;
-            break;
+    if (!known) return ddp__fail(g, DDP_ERR_OUT_OF_MEMORY, "out of memory in the rendezvous");
+    known[0] = 1;
+    while (have < g->world_size && r == DDP_SUCCESS) {
+        for (; cursor < g->world_size; cursor++) { /* in rank order, while they are there */
+            if (known[cursor]) continue;
+            if (!ddp__rdzv_read_record(g, cursor, rec, &r)) break;
+            known[cursor] = 1, have++;
+            nap = 0.001;
         }
-        ddp__key(g, key, sizeof key, "joined", -1);
-        if ((r = ddp_store_add(g->member.store, key, 0, &joined)) != DDP_SUCCESS) {
-            r = ddp__fail(g, r, "rendezvous: %s", ddp_store_last_error(g->member.store));
-            break;
-        }
-        if (joined >= g->world_size) break;
+        if (have == g->world_size || r) break;
         if (ddp__now() >= next_watch) {
-            if ((r = ddp__rdzv_watch_joining(g, rec, known, &cursor, node)) != DDP_SUCCESS) break;
+            if ((r = ddp__rdzv_gather_watch(g, rec, known, &have, &scan, node)) != DDP_SUCCESS) break;
             next_watch = ddp__now() + DDP__WATCH_PERIOD;
         }
-        if (ddp__now() - start > g->timeout) {
-            char missing[512] = "";
-            int i, exists, shown = 0;
-            for (i = 0; i < g->world_size && shown < 16; i++) {
-                ddp__key(g, key, sizeof key, "rank", i);
-                if (ddp_store_check(g->member.store, key, &exists) == DDP_SUCCESS && !exists) {
-                    snprintf(missing + strlen(missing), sizeof missing - strlen(missing), "%s%d", shown ? ", " : "", i);
-                    shown++;
-                }
-            }
-            r = ddp__fail(g, DDP_ERR_TIMEOUT, "timed out after %.0f s waiting for every rank to join (%lld of %d "
-                          "joined through %s; missing: %s). Are they all started, with the same world size and master?",
-                          g->timeout, (long long)joined, g->world_size, where, missing[0] ? missing : "?");
-            break;
-        }
-        ddp__sleep(nap);
-        nap = DDP__MIN(nap * 2, 0.05);
+        if (ddp__now() - start > g->timeout) r = ddp__rdzv_gather_timeout(g, known, have, where);
+        else ddp__sleep(nap), nap = DDP__MIN(nap * 2, 0.02);
     }
-    ddp__free(rec);
     ddp__free(known);
-    return r;
+    if (r) return r;
+    if (!(table = (char *)ddp__malloc((size_t)g->world_size * DDP__RECORD_MAX))) {
+        ddp__rdzv_abort(g, DDP_ERR_OUT_OF_MEMORY, "rank 0 ran out of memory assembling the rendezvous table");
+        return DDP_ERR_OUT_OF_MEMORY;
+    }
+    for (i = 0; i < g->world_size; i++) {
+        ddp__record_format(&rec[i], table + len, DDP__RECORD_MAX - 1);
+        len += strlen(table + len);
+        table[len++] = '\n';
+    }
+    ddp__key(g, key, sizeof key, "table", -1);
+    r = ddp__store_compare_set(g->member.store, key, "", 0, table, len, marker, sizeof marker - 1, &n);
+    ddp__free(table);
+    if (r) return ddp__fail(g, r, "rendezvous: publishing the table: %s", ddp_store_last_error(g->member.store));
+    marker[DDP__MIN(n, sizeof marker - 1)] = '\0';
+    if (strncmp(marker, DDP__RDZV_ABORTED, strlen(DDP__RDZV_ABORTED)) == 0) /* a rank failed just before */
+        return ddp__rdzv_fail_published(g, marker + strlen(DDP__RDZV_ABORTED));
+    return DDP_SUCCESS;
+}
+
+/* Rank 0 has not published the table in time, nor why: name the ranks whose records are missing (at most
+   16 looked up: this is the rare path where rank 0 itself is stuck or absent). */
+static ddp_result ddp__rdzv_await_timeout(ddp_group *g, const char *where) {
+    char key[256], missing[512] = "";
+    int i, exists, shown = 0, aborted = 0;
+    ddp_result r = ddp__rdzv_check_abort(g, &aborted);
+    if (r != DDP_SUCCESS || aborted) return r ? r : DDP_ERR_INIT;
+    for (i = 0; i < g->world_size && shown < 16; i++) {
+        ddp__key(g, key, sizeof key, "rank", i);
+        if (ddp_store_check(g->member.store, key, &exists) == DDP_SUCCESS && !exists)
+            snprintf(missing + strlen(missing), sizeof missing - strlen(missing), "%s%d", shown++ ? ", " : "", i);
+    }
+    return ddp__fail(g, DDP_ERR_TIMEOUT, "timed out after %.0f s waiting for every rank to join through %s (missing: %s; "
+                     "rank 0 publishes the table of addresses once all have joined). Are they all started, with the "
+                     "same world size and master?", g->timeout, where, missing[0] ? missing : "none: is rank 0 stuck?");
+}
+
+/* Every rank but 0: one WAIT for the table, one GET of it, then its lines into rec. */
+static ddp_result ddp__rdzv_await(ddp_group *g, ddp__record *rec, const char *where) {
+    char key[256], *table, *line, msg[DDP__ERR_MAX];
+    const char *keys[1];
+    size_t cap = (size_t)g->world_size * DDP__RECORD_MAX, n = 0;
+    int i;
+    ddp_result r;
+    ddp__key(g, key, sizeof key, "table", -1);
+    keys[0] = key;
+    r = ddp_store_wait(g->member.store, keys, 1, g->timeout + DDP__RDZV_GRACE);
+    if (r == DDP_ERR_TIMEOUT) return ddp__rdzv_await_timeout(g, where);
+    if (r) return ddp__fail(g, r, "rendezvous through %s: %s", where, ddp_store_last_error(g->member.store));
+    if (!(table = (char *)ddp__malloc(cap + 1))) return ddp__fail(g, DDP_ERR_OUT_OF_MEMORY, "out of memory in the rendezvous");
+    if ((r = ddp_store_get(g->member.store, key, table, cap, &n)) != DDP_SUCCESS) {
+        ddp__free(table);
+        return ddp__fail(g, r, "rendezvous: reading the table: %s", ddp_store_last_error(g->member.store));
+    }
+    table[DDP__MIN(n, cap)] = '\0';
+    if (strncmp(table, DDP__RDZV_ABORTED, strlen(DDP__RDZV_ABORTED)) == 0) {
+        r = ddp__rdzv_fail_published(g, table + strlen(DDP__RDZV_ABORTED));
+        ddp__free(table);
+        return r;
+    }
+    for (i = 0, line = table; i < g->world_size && line && ddp__record_parse(line, &rec[i]); i++)
+        if ((line = strchr(line, '\n')) != NULL) line++;
+    ddp__free(table);
+    if (i == g->world_size && n <= cap) return DDP_SUCCESS;
+    snprintf(msg, sizeof msg, "the rendezvous table in %s is malformed at rank %d's line (%zu bytes; another program "
+             "using the same store?)", where, i, n);
+    return ddp__rdzv_abort(g, DDP_ERR_INIT, msg);
 }
 
 /* ---- the job's identity in the store ----
@@ -517,6 +629,12 @@ static ddp_result ddp__rdzv_job(ddp_group *g, const char *where, int file_store,
                  g->world_size, advice, g->rank);
     }
     *foreign = 0;
+    if (them.world != g->world_size) { /* said here, before joining: rank 0 gathers only a world of its size */
+        snprintf(mine, sizeof mine, "ranks disagree on the world size: rank 0 (host %s, pid %d) was started with world "
+                 "size %d, rank %d (host %s, pid %d) with %d; start every rank with the same WORLD_SIZE", them.host,
+                 them.pid, them.world, g->rank, host, (int)getpid(), g->world_size);
+        return ddp__rdzv_abort(g, DDP_ERR_MISMATCH, mine);
+    }
     return DDP_SUCCESS;
 }
 
@@ -540,8 +658,8 @@ static ddp_result ddp__rank0_port_taken(ddp_group *g, const ddp__launch *L, ddp_
         return r;
     }
     ddp__key(g, key, sizeof key, "job", -1);
-    ddp__key(g, claim, sizeof claim, "claim", 0);
-    while (!(exists && claimed) && ddp__now() < until) { /* the other rank 0 records the job, then claims */
+    ddp__key(g, claim, sizeof claim, "rank", 0);
+    while (!(exists && claimed) && ddp__now() < until) { /* the other rank 0 records the job, then its own record */
         if (ddp_store_check(g->member.store, key, &exists) != DDP_SUCCESS ||
             ddp_store_check(g->member.store, claim, &claimed) != DDP_SUCCESS)
             break;
@@ -782,58 +900,56 @@ static ddp_result ddp__mesh_connect(ddp_group *g, const ddp__record *rec, int li
     return ddp__mesh_accept(g, rec, listen_fd, &me, node, deadline);
 }
 
-static ddp_result ddp__rendezvous(ddp_group *g, const char *addr, int listen_fd, int port, const char *where) {
-    char key[256], value[512], msg[DDP__ERR_MAX], host[128];
-    ddp__record *rec;
-    int64_t claims = 0;
-    int i, same_host = 0, local_index = 0;
-    size_t n;
+/* Claim this rank and publish its record in one request: a compare-set of "rank/R" from nothing. A second
+   process with the same rank finds the first one's record there instead of its own. */
+static ddp_result ddp__rdzv_claim(ddp_group *g, const ddp__record *me, const char *where) {
+    char key[256], mine[DDP__RECORD_MAX], value[DDP__RECORD_MAX + 112], msg[DDP__ERR_MAX];
+    size_t n = 0;
+    ddp__record them;
     ddp_result r;
-
-    /* claim the rank: a second process with the same rank sees a count above 1 */
-    ddp__key(g, key, sizeof key, "claim", g->rank);
-    if ((r = ddp_store_add(g->member.store, key, 1, &claims)) != DDP_SUCCESS)
-        return ddp__fail(g, r, "rendezvous through %s: %s", where, ddp_store_last_error(g->member.store));
-    if (claims > 1) {
-        snprintf(msg, sizeof msg, "two processes claim rank %d (the second is pid %d); every process needs its own rank "
-                 "(check RANK or the launcher's settings)", g->rank, (int)getpid());
-        return ddp__rdzv_abort(g, DDP_ERR_INIT, msg);
-    }
-    if (gethostname(host, sizeof host) != 0) snprintf(host, sizeof host, "?");
-    host[sizeof host - 1] = '\0';
-    snprintf(value, sizeof value, "world=%d port=%d pid=%d addr=%s host=%s node=%llx", g->world_size, port, (int)getpid(),
-             addr, host, ddp__node_key());
+    ddp__record_format(me, mine, sizeof mine);
     ddp__key(g, key, sizeof key, "rank", g->rank);
-    if ((r = ddp_store_set(g->member.store, key, value, strlen(value))) != DDP_SUCCESS)
+    if ((r = ddp__store_compare_set(g->member.store, key, "", 0, mine, strlen(mine), value, sizeof value - 1, &n)) != DDP_SUCCESS)
         return ddp__fail(g, r, "rendezvous through %s: %s", where, ddp_store_last_error(g->member.store));
-    ddp__key(g, key, sizeof key, "joined", -1);
-    if ((r = ddp_store_add(g->member.store, key, 1, &claims)) != DDP_SUCCESS)
-        return ddp__fail(g, r, "rendezvous through %s: %s", where, ddp_store_last_error(g->member.store));
-    if ((r = ddp__rdzv_wait_all(g, where)) != DDP_SUCCESS) return r;
+    value[DDP__MIN(n, sizeof value - 1)] = '\0';
+    if (strcmp(value, mine) == 0) return DDP_SUCCESS;
+    if (ddp__record_parse(value, &them))
+        snprintf(msg, sizeof msg, "two processes claim rank %d: pid %d on host %s and pid %d on host %s (the second); "
+                 "every process needs its own rank (check RANK or the launcher's settings)", g->rank, them.pid, them.host,
+                 me->pid, me->host);
+    else
+        snprintf(msg, sizeof msg, "two processes claim rank %d (the second is pid %d); every process needs its own rank "
+                 "(check RANK or the launcher's settings)", g->rank, me->pid);
+    return ddp__rdzv_abort(g, DDP_ERR_INIT, msg);
+}
+
+static ddp_result ddp__rendezvous(ddp_group *g, const char *addr, int listen_fd, int port, const char *where) {
+    char key[256];
+    ddp__record *rec;
+    int64_t joined = 0;
+    int i, same_host = 0, local_index = 0;
+    ddp_result r;
 
     rec = (ddp__record *)ddp__calloc((size_t)g->world_size, sizeof *rec);
     if (!rec) return ddp__fail(g, DDP_ERR_OUT_OF_MEMORY, "out of memory in the rendezvous");
+    rec[g->rank].world = g->world_size;
+    rec[g->rank].port = port;
+    rec[g->rank].pid = (int)getpid();
+    snprintf(rec[g->rank].addr, sizeof rec[g->rank].addr, "%s", addr);
+    if (gethostname(rec[g->rank].host, sizeof rec[g->rank].host) != 0) snprintf(rec[g->rank].host, sizeof rec[g->rank].host, "?");
+    rec[g->rank].host[sizeof rec[g->rank].host - 1] = '\0';
+    rec[g->rank].node = ddp__node_key();
+    if ((r = ddp__rdzv_claim(g, &rec[g->rank], where)) != DDP_SUCCESS) goto done;
+    ddp__key(g, key, sizeof key, "joined", -1); /* read by ddp__rdzv_job: a full count means another job */
+    if ((r = ddp_store_add(g->member.store, key, 1, &joined)) != DDP_SUCCESS) {
+        r = ddp__fail(g, r, "rendezvous through %s: %s", where, ddp_store_last_error(g->member.store));
+        goto done;
+    }
+    r = g->rank == 0 ? ddp__rdzv_gather(g, rec, where) : ddp__rdzv_await(g, rec, where);
+    if (r) goto done;
     for (i = 0; i < g->world_size; i++) {
-        ddp__key(g, key, sizeof key, "rank", i);
-        if ((r = ddp_store_get(g->member.store, key, value, sizeof value - 1, &n)) != DDP_SUCCESS) {
-            ddp__free(rec);
-            return ddp__fail(g, r, "rendezvous: reading rank %d's address: %s", i, ddp_store_last_error(g->member.store));
-        }
-        value[DDP__MIN(n, sizeof value - 1)] = '\0';
-        if (!ddp__record_parse(value, &rec[i])) {
-            ddp__free(rec);
-            snprintf(msg, sizeof msg, "rank %d published a malformed rendezvous record \"%.200s\" (another program using the same store?)", i, value);
-            return ddp__rdzv_abort(g, DDP_ERR_INIT, msg);
-        }
-        if (rec[i].world != g->world_size) {
-            snprintf(msg, sizeof msg, "ranks disagree on the world size: rank %d (host %s, pid %d) was started with world "
-                     "size %d, rank %d with %d; start every rank with the same WORLD_SIZE", i, rec[i].host, rec[i].pid,
-                     rec[i].world, g->rank, g->world_size);
-            ddp__free(rec);
-            return ddp__rdzv_abort(g, DDP_ERR_MISMATCH, msg);
-        }
         snprintf(g->mesh.peer_names[i], sizeof g->mesh.peer_names[i], "host %.40s, pid %d", rec[i].host, rec[i].pid);
-        if (strcmp(rec[i].host, host) == 0) {
+        if (strcmp(rec[i].host, rec[g->rank].host) == 0) {
             if (i < g->rank) local_index++;
             same_host++;
         }
@@ -843,6 +959,7 @@ static ddp_result ddp__rendezvous(ddp_group *g, const char *addr, int listen_fd,
         g->local_world_size = same_host;
     }
     r = ddp__mesh_connect(g, rec, listen_fd);
+done:
     ddp__free(rec);
     return r;
 }

@@ -408,13 +408,15 @@ static int store_value_when_there(const char *key, char *value, size_t cap, doub
     return found;
 }
 
-static void put_int(const char *name, int v) {
-    char path[320];
+static void put_int(const char *name, int v) { /* written aside, then renamed: a reader never sees it empty */
+    char path[320], tmp[330];
     FILE *f;
     snprintf(path, sizeof path, "%s/%s", jobs_dir, name);
-    CHECK((f = fopen(path, "w")) != NULL, "cannot create %s", path);
+    snprintf(tmp, sizeof tmp, "%s.tmp", path);
+    CHECK((f = fopen(tmp, "w")) != NULL, "cannot create %s", tmp);
     fprintf(f, "%d\n", v);
     fclose(f);
+    CHECK(rename(tmp, path) == 0, "cannot rename %s", tmp);
 }
 
 static int get_int(const char *name) {
