@@ -817,7 +817,7 @@ static ddp_result ddp__mesh_accept(ddp_group *g, const ddp__record *rec, int lis
     struct pollfd pfd[DDP__PENDING_MAX + 1];
     char err[DDP__ERR_MAX], missing[DDP__ERR_MAX / 2];
     double next_watch = ddp__now() + DDP__WATCH_PERIOD;
-    int npend = 0, accepted = 0, i, j, fd;
+    int npend = 0, accepted = 0, i, j, fd = -1;
     ddp_result r = DDP_SUCCESS;
     while (accepted < g->world_size - 1 - g->rank) {
         double now = ddp__now(), wake = DDP__MIN(deadline, next_watch);

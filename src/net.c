@@ -29,6 +29,9 @@ static ddp_result ddp__net_resolve(const char *host, int port, int passive, stru
 }
 
 /* Listen on host:port (host NULL: every interface; port 0: any free port). *bound_port gets the port. */
+/* The kernel caps a listen backlog at net.core.somaxconn (4096 since Linux 5.4); SOMAXCONN is that default
+   in current headers, but 128 in older ones, below what a rendezvous of thousands of ranks needs. */
+#define DDP__LISTEN_BACKLOG (SOMAXCONN > 4096 ? SOMAXCONN : 4096)
 static ddp_result ddp__net_listen(const char *host, int port, int *fd_out, int *bound_port, char *err) {
     struct addrinfo *res = NULL, *ai;
     int fd = -1, saved = 0, one = 1;
@@ -38,7 +41,7 @@ static ddp_result ddp__net_listen(const char *host, int port, int *fd_out, int *
         fd = socket(ai->ai_family, ai->ai_socktype, ai->ai_protocol);
         if (fd < 0) { saved = errno; continue; }
         setsockopt(fd, SOL_SOCKET, SO_REUSEADDR, &one, sizeof one);
-        if (bind(fd, ai->ai_addr, ai->ai_addrlen) == 0 && listen(fd, 1024) == 0) break;
+        if (bind(fd, ai->ai_addr, ai->ai_addrlen) == 0 && listen(fd, DDP__LISTEN_BACKLOG) == 0) break;
         saved = errno;
         close(fd);
         fd = -1;

@@ -21,7 +21,11 @@
    client sends ADD("init/", 1) right after connecting when given a world size; it also opens a second,
    idle connection for watch_key callbacks.
 
-   Server: one thread, poll() over the listening socket, a self-pipe (stop) and every client. Each client has
+   Server: one thread, an epoll set (Linux, as the rest of ddp.h) of the listening socket (backlog SOMAXCONN,
+   net.c), a self-pipe (stop) and every client, so a round costs what the ready clients cost, not the number
+   connected (thousands of ranks at a rendezvous). Each round handles the clients with events, then flushes
+   and re-arms (EPOLLIN unless replies piled up, EPOLLOUT while replies wait) only the clients it touched:
+   those with events and those a reply was queued for (a WAIT woken by another client's SET). Each client has
    an input buffer (requests are parsed once complete, so a slow or hostile client never blocks the others),
    an output buffer (sent as the socket drains) and at most one pending WAIT: the keys still missing. A SET,
    ADD or COMPARE_SET that creates a key removes it from every pending WAIT (torch's server forgets
@@ -66,6 +70,7 @@
    closes it (a rendezvous guarantees that). A file left by a crashed run still holds that run's keys: use a
    fresh path for each run, as with FileStore. The format is ddp.h's own. */
 #include "internal.h"
+#include <sys/epoll.h>
 
 #define DDP__STORE_MAX_KEY ((size_t)4096)           /* bytes in one key, prefix included */
 #define DDP__STORE_MAX_VALUE ((size_t)64 << 20)     /* bytes in one value */
@@ -355,6 +360,9 @@ typedef struct ddp__store_conn {
     int announced;         /* it sent DDP__STORE_ANNOUNCE: its next request gets a status byte */
     int status_due;        /* the request being handled was announced and its status byte is not sent yet */
     int refused;           /* the request being handled was refused */
+    size_t slot;           /* its index in the server's conns */
+    int touched;           /* on the server's touched list this round */
+    unsigned events;       /* what its epoll entry waits for now */
 } ddp__store_conn;
 
 struct ddp__store_server {
@@ -366,6 +374,9 @@ struct ddp__store_server {
     ddp__kv_table kv;
     ddp__store_conn **conns;
     size_t nconns, cap_conns;
+    ddp__store_conn **touched; /* clients to flush and re-arm at the end of the round (capacity cap_conns) */
+    size_t ntouched;
+    int epfd;
     size_t buffers; /* bytes of connections, their buffers and pending waits */
     size_t max_held; /* the budget: kv.bytes + buffers stay under it (DDP_STORE_MAX_BYTES) */
     size_t share;    /* what one connection may be charged for: max_held / 8 */
@@ -386,6 +397,13 @@ static void ddp__srv_log(const ddp__store_server *s, ddp_log_level level, const 
     ddp__log(NULL, level, "store server on %s: %s", s->where, msg);
 }
 
+/* c needs a look at the end of this round (flush, re-arm, or free): at most once on the list. */
+static void ddp__srv_touch(ddp__store_server *s, ddp__store_conn *c) {
+    if (c->touched) return;
+    c->touched = 1;
+    s->touched[s->ntouched++] = c;
+}
+
 /* Stop serving c (it is closed at the end of the loop round); level WARN for clients that broke a limit or
    the protocol, DEBUG for ordinary disconnects. */
 static void ddp__srv_drop(ddp__store_server *s, ddp__store_conn *c, ddp_log_level level, const char *fmt, ...)
@@ -395,6 +413,7 @@ static void ddp__srv_drop(ddp__store_server *s, ddp__store_conn *c, ddp_log_leve
     va_list ap;
     if (c->dead) return;
     c->dead = 1;
+    ddp__srv_touch(s, c); /* freed at the end of the round */
     va_start(ap, fmt);
     vsnprintf(why, sizeof why, fmt, ap);
     va_end(ap);
@@ -464,6 +483,7 @@ static void ddp__srv_trim(ddp__store_server *s, unsigned char **buf, size_t *cap
 static void ddp__srv_queue(ddp__store_server *s, ddp__store_conn *c, const void *a, size_t an, const void *b,
                            size_t bn) {
     if (c->dead) return;
+    ddp__srv_touch(s, c); /* its reply goes out at the end of the round */
     if (c->out_off > 0) {
         memmove(c->out, c->out + c->out_off, c->out_len - c->out_off);
         c->out_len -= c->out_off;
@@ -1112,104 +1132,157 @@ static void ddp__srv_free_conn(ddp__store_server *s, ddp__store_conn *c) {
     ddp__free(c);
 }
 
-static void ddp__srv_accept(ddp__store_server *s) {
-    char err[DDP__ERR_MAX], host[64] = "?", serv[16] = "?";
+/* Register fd in the server's epoll set, waiting for events, with ptr as its tag. */
+static int ddp__srv_arm(ddp__store_server *s, int op, int fd, unsigned events, void *ptr) {
+    struct epoll_event ev;
+    memset(&ev, 0, sizeof ev);
+    ev.events = events;
+    ev.data.ptr = ptr;
+    return epoll_ctl(s->epfd, op, fd, &ev);
+}
+
+static int ddp__srv_piled(const ddp__store_conn *c) { return c->out_len - c->out_off >= DDP__STORE_OUT_HIGH; }
+
+/* Wait for input unless replies piled up, for room to send while replies wait. */
+static void ddp__srv_rearm(ddp__store_server *s, ddp__store_conn *c) {
+    unsigned want = (ddp__srv_piled(c) ? 0u : (unsigned)EPOLLIN) | (c->out_off < c->out_len ? (unsigned)EPOLLOUT : 0u);
+    if (want == c->events) return;
+    if (ddp__srv_arm(s, EPOLL_CTL_MOD, c->fd, want, c) != 0)
+        ddp__srv_drop(s, c, DDP_LOG_WARN, "epoll_ctl failed (%s)", strerror(errno));
+    else
+        c->events = want;
+}
+
+static void ddp__srv_remove(ddp__store_server *s, ddp__store_conn *c) {
+    size_t slot = c->slot;
+    s->conns[slot] = s->conns[--s->nconns];
+    s->conns[slot]->slot = slot;
+    ddp__srv_free_conn(s, c); /* closing the socket takes it out of the epoll set */
+}
+
+/* Make room for one more client in conns and touched. */
+static int ddp__srv_room_for_client(ddp__store_server *s) {
+    size_t cap = s->cap_conns ? s->cap_conns * 2 : 16;
+    ddp__store_conn **p, **t;
+    if (s->nconns < s->cap_conns) return 0;
+    if (!(p = (ddp__store_conn **)DDP_REALLOC(s->conns, cap * sizeof *p))) return -1;
+    s->conns = p;
+    if (!(t = (ddp__store_conn **)DDP_REALLOC(s->touched, cap * sizeof *t))) return -1;
+    s->touched = t;
+    s->cap_conns = cap;
+    return 0;
+}
+
+/* Accept one client. 0: accepted (or refused, logged), -1: nothing more to accept now. */
+static int ddp__srv_accept(ddp__store_server *s) {
+    char host[64] = "?", serv[16] = "?";
     struct sockaddr_storage ss;
     socklen_t len = sizeof ss;
     ddp__store_conn *c;
-    int fd = -1;
-    ddp_result r = ddp__net_accept(s->listen_fd, ddp__now() + 0.01, &fd, err);
-    if (r == DDP_ERR_TIMEOUT) return; /* the client gave up between poll and accept */
-    if (r != DDP_SUCCESS) {           /* out of file descriptors, most likely: let some close first */
-        ddp__srv_log(s, DDP_LOG_WARN, "cannot accept a client (%s); not accepting for 0.1 s", err);
+    int fd = accept(s->listen_fd, NULL, NULL); /* the listening socket does not block (net.c) */
+    if (fd < 0 && (errno == EAGAIN || errno == EWOULDBLOCK || errno == EINTR || errno == ECONNABORTED))
+        return errno == EAGAIN || errno == EWOULDBLOCK ? -1 : 0; /* none waiting, or one that gave up */
+    if (fd < 0) { /* out of file descriptors, most likely: let some close first */
+        ddp__srv_log(s, DDP_LOG_WARN, "cannot accept a client (accept: %s); not accepting for 0.1 s", strerror(errno));
         s->accept_paused_until = ddp__now() + 0.1;
-        return;
+        epoll_ctl(s->epfd, EPOLL_CTL_DEL, s->listen_fd, NULL);
+        return -1;
     }
-    if (s->nconns == s->cap_conns) {
-        size_t cap = s->cap_conns ? s->cap_conns * 2 : 16;
-        ddp__store_conn **p = (ddp__store_conn **)DDP_REALLOC(s->conns, cap * sizeof *p);
-        if (!p) {
-            close(fd);
-            return;
-        }
-        s->conns = p;
-        s->cap_conns = cap;
+    if (ddp__srv_room_for_client(s) != 0) {
+        close(fd);
+        return 0;
     }
     if (ddp__srv_over_budget(s, sizeof *c) || !(c = (ddp__store_conn *)ddp__calloc(1, sizeof *c))) {
         ddp__srv_log(s, DDP_LOG_WARN, "refusing a client: the store is at its memory budget");
         close(fd);
-        return;
+        return 0;
     }
+    ddp__net_configure(fd);
     c->fd = fd;
     c->auth = s->token ? 1 : 0;
+    c->events = EPOLLIN;
+    if (ddp__srv_arm(s, EPOLL_CTL_ADD, fd, EPOLLIN, c) != 0) {
+        ddp__srv_log(s, DDP_LOG_WARN, "refusing a client: epoll_ctl failed (%s)", strerror(errno));
+        close(fd);
+        ddp__free(c);
+        return 0;
+    }
     if (getpeername(fd, (struct sockaddr *)&ss, &len) == 0)
         getnameinfo((struct sockaddr *)&ss, len, host, sizeof host, serv, sizeof serv, NI_NUMERICHOST | NI_NUMERICSERV);
     snprintf(c->peer, sizeof c->peer, "%s:%s", host, serv);
     s->buffers += sizeof *c;
+    c->slot = s->nconns;
     s->conns[s->nconns++] = c;
     s->clients++;
     ddp__srv_log(s, DDP_LOG_DEBUG, "client %s connected", c->peer);
+    return 0;
 }
 
+/* What epoll said of client c (0: nothing, for a client with requests left over from an earlier round). */
+static void ddp__srv_serve(ddp__store_server *s, ddp__store_conn *c, unsigned events) {
+    ddp__srv_touch(s, c);
+    if (events & EPOLLOUT) ddp__srv_flush(s, c);
+    if (events & (EPOLLIN | EPOLLHUP | EPOLLERR)) ddp__srv_read(s, c);
+    if (!c->dead) ddp__srv_process(s, c);
+    if (!c->dead && c->closed) {
+        ddp__srv_flush(s, c); /* a half-closed client may still read its answers */
+        ddp__srv_drop(s, c, DDP_LOG_DEBUG, "it closed the connection");
+    }
+}
+
+/* The end of a round: flush, re-arm or free each client touched. Those that still have requests to handle
+   (left while their replies piled up, and the replies have drained) stay on the list for the next round.
+   Returns how many stayed. */
+static size_t ddp__srv_round_end(ddp__store_server *s) {
+    size_t i, keep = 0;
+    for (i = 0; i < s->ntouched; i++) {
+        ddp__store_conn *c = s->touched[i];
+        if (!c->dead && c->out_off < c->out_len) ddp__srv_flush(s, c);
+        if (!c->dead) ddp__srv_rearm(s, c);
+        if (c->dead) {
+            ddp__srv_remove(s, c);
+        } else if (c->ready && !ddp__srv_piled(c)) {
+            s->touched[keep++] = c;
+        } else {
+            c->touched = 0;
+        }
+    }
+    s->ntouched = keep;
+    return keep;
+}
+
+#define DDP__SRV_EVENTS 256  /* events taken per epoll_wait */
+#define DDP__SRV_ACCEPTS 64  /* clients accepted per round at most */
 static void *ddp__srv_main(void *arg) {
     ddp__store_server *s = (ddp__store_server *)arg;
-    struct pollfd *pf = NULL;
-    size_t pf_cap = 0, i;
+    struct epoll_event ev[DDP__SRV_EVENTS];
+    size_t i, left = 0;
     for (;;) {
-        size_t npolled = s->nconns;
-        int timeout = -1, rc;
-        double now = ddp__now();
-        if (pf_cap < npolled + 2) {
-            struct pollfd *p = (struct pollfd *)DDP_REALLOC(pf, (npolled + 2) * 2 * sizeof *pf);
-            if (!p) {
-                ddp__srv_log(s, DDP_LOG_ERROR, "out of memory for %zu clients; the store stops", npolled);
-                break;
-            }
-            pf = p;
-            pf_cap = (npolled + 2) * 2;
+        int timeout = left ? 0 : -1, n, k, stop = 0, accept_due = 0;
+        if (s->accept_paused_until > 0 && ddp__now() >= s->accept_paused_until) {
+            s->accept_paused_until = 0;
+            ddp__srv_arm(s, EPOLL_CTL_ADD, s->listen_fd, EPOLLIN, &s->listen_fd);
         }
-        pf[0].fd = s->pipe_rd;
-        pf[1].fd = now < s->accept_paused_until ? -1 : s->listen_fd;
-        pf[0].events = pf[1].events = POLLIN;
-        if (now < s->accept_paused_until) timeout = 100;
-        for (i = 0; i < npolled; i++) {
-            ddp__store_conn *c = s->conns[i];
-            int piled = c->out_len - c->out_off >= DDP__STORE_OUT_HIGH;
-            pf[i + 2].fd = c->fd;
-            pf[i + 2].events = (short)((c->out_off < c->out_len ? POLLOUT : 0) | (piled ? 0 : POLLIN));
-            if (c->ready && !piled) timeout = 0;
-        }
-        for (i = 0; i < npolled + 2; i++) pf[i].revents = 0;
-        rc = poll(pf, (nfds_t)(npolled + 2), timeout);
-        if (rc < 0 && errno != EINTR) {
-            ddp__srv_log(s, DDP_LOG_ERROR, "poll failed (%s); the store stops", strerror(errno));
+        if (s->accept_paused_until > 0 && !left) timeout = 100;
+        n = epoll_wait(s->epfd, ev, DDP__SRV_EVENTS, timeout);
+        if (n < 0 && errno != EINTR) {
+            ddp__srv_log(s, DDP_LOG_ERROR, "epoll_wait failed (%s); the store stops", strerror(errno));
             break;
         }
-        if (rc < 0) continue;
-        if (pf[0].revents) break;
-        for (i = 0; i < npolled; i++) {
-            ddp__store_conn *c = s->conns[i];
-            short re = pf[i + 2].revents;
-            if (re & POLLOUT) ddp__srv_flush(s, c);
-            if (re & (POLLIN | POLLHUP | POLLERR)) ddp__srv_read(s, c);
-            if (!c->dead && (re || c->ready)) ddp__srv_process(s, c);
-            if (!c->dead && c->closed) {
-                ddp__srv_flush(s, c); /* a half-closed client may still read its answers */
-                ddp__srv_drop(s, c, DDP_LOG_DEBUG, "it closed the connection");
-            }
+        for (i = 0; i < left; i++) /* requests left over from the last round */
+            if (!s->touched[i]->dead) ddp__srv_serve(s, s->touched[i], 0);
+        for (k = 0; k < n; k++) {
+            if (ev[k].data.ptr == (void *)&s->pipe_rd) stop = 1; /* tagged by their fields' addresses */
+            else if (ev[k].data.ptr == (void *)&s->listen_fd) accept_due = 1;
+            else ddp__srv_serve(s, (ddp__store_conn *)ev[k].data.ptr, ev[k].events);
         }
-        if (pf[1].revents & POLLIN) ddp__srv_accept(s);
-        for (i = 0; i < s->nconns; i++)
-            if (s->conns[i]->out_off < s->conns[i]->out_len) ddp__srv_flush(s, s->conns[i]);
-        for (i = 0; i < s->nconns; i++) {
-            if (!s->conns[i]->dead) continue;
-            ddp__srv_free_conn(s, s->conns[i]);
-            s->conns[i--] = s->conns[--s->nconns];
+        if (stop) break;
+        for (k = 0; accept_due && k < DDP__SRV_ACCEPTS && ddp__srv_accept(s) == 0; k++) {
         }
+        left = ddp__srv_round_end(s);
     }
     for (i = 0; i < s->nconns; i++) /* replies already due still go out, as far as the sockets take them */
         if (!s->conns[i]->dead) ddp__srv_flush(s, s->conns[i]);
-    DDP_FREE(pf);
     return NULL;
 }
 
@@ -1217,6 +1290,8 @@ static void ddp__store_server_close(ddp__store_server *s) {
     size_t i;
     for (i = 0; i < s->nconns; i++) ddp__srv_free_conn(s, s->conns[i]);
     DDP_FREE(s->conns);
+    DDP_FREE(s->touched);
+    if (s->epfd >= 0) close(s->epfd);
     ddp__kv_clear(&s->kv);
     ddp__free(s->token);
     if (s->listen_fd >= 0) close(s->listen_fd);
@@ -1233,7 +1308,7 @@ static ddp_result ddp__store_server_start(const char *host, int port, ddp_log_le
     ddp_result r;
     *out = NULL;
     if (!s) return ddp__fail_to(err, DDP_ERR_OUT_OF_MEMORY, "out of memory starting the store server");
-    s->listen_fd = s->pipe_rd = s->pipe_wr = -1;
+    s->listen_fd = s->pipe_rd = s->pipe_wr = s->epfd = -1;
     s->log_level = lvl == DDP_LOG_DEFAULT ? ddp__env_log_level() : lvl;
     if ((r = ddp__srv_budget_setting(&s->max_held, err)) != DDP_SUCCESS) {
         ddp__store_server_close(s);
@@ -1256,6 +1331,12 @@ static ddp_result ddp__store_server_start(const char *host, int port, ddp_log_le
     }
     s->pipe_rd = fds[0];
     s->pipe_wr = fds[1];
+    if ((s->epfd = epoll_create1(EPOLL_CLOEXEC)) < 0 || ddp__srv_arm(s, EPOLL_CTL_ADD, s->pipe_rd, EPOLLIN, &s->pipe_rd) != 0 ||
+        ddp__srv_arm(s, EPOLL_CTL_ADD, s->listen_fd, EPOLLIN, &s->listen_fd) != 0) {
+        snprintf(why, sizeof why, "%s", strerror(errno));
+        ddp__store_server_close(s);
+        return ddp__fail_to(err, DDP_ERR_SYSTEM, "cannot start the store server: epoll: %s", why);
+    }
     rc = pthread_create(&s->thread, NULL, ddp__srv_main, s);
     if (rc != 0) {
         ddp__store_server_close(s);
