@@ -1714,6 +1714,7 @@ typedef struct ddp__store_server ddp__store_server;
 static DDP__UNUSED ddp_result ddp__store_server_start(const char *host, int port, ddp_log_level lvl,
                                                       ddp__store_server **out, char *err);
 static DDP__UNUSED int ddp__store_server_port(const ddp__store_server *s); /* the port it listens on */
+static DDP__UNUSED uint64_t ddp__store_server_requests(const ddp__store_server *s); /* handled so far (0 for NULL) */
 /* Joins the thread and closes everything. A request still on its way is lost (its client sees
    DDP_ERR_PEER_LOST), so stop only once every client's last call has been answered: e.g. each rank's last
    call is an add that rank 0 counts (a barrier's final WAIT is not enough). NULL is a no-op. */
@@ -3994,7 +3995,7 @@ static void ddp__srv_handle(ddp__store_server *s, ddp__store_conn *c, const unsi
     r.p = req;
     r.n = size;
     r.at = 1;
-    s->requests++;
+    __atomic_add_fetch(&s->requests, 1, __ATOMIC_RELAXED); /* read by ddp__store_server_requests */
     c->status_due = c->announced;
     c->announced = 0;
     c->refused = 0;
@@ -4409,6 +4410,10 @@ static ddp_result ddp__store_server_start(const char *host, int port, ddp_log_le
 }
 
 static int ddp__store_server_port(const ddp__store_server *s) { return s->port; }
+
+static uint64_t ddp__store_server_requests(const ddp__store_server *s) {
+    return s ? __atomic_load_n(&s->requests, __ATOMIC_RELAXED) : 0;
+}
 
 static void ddp__store_server_stop(ddp__store_server *s) {
     char b = 1;

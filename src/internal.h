@@ -250,6 +250,7 @@ typedef struct ddp__store_server ddp__store_server;
 static DDP__UNUSED ddp_result ddp__store_server_start(const char *host, int port, ddp_log_level lvl,
                                                       ddp__store_server **out, char *err);
 static DDP__UNUSED int ddp__store_server_port(const ddp__store_server *s); /* the port it listens on */
+static DDP__UNUSED uint64_t ddp__store_server_requests(const ddp__store_server *s); /* handled so far (0 for NULL) */
 /* Joins the thread and closes everything. A request still on its way is lost (its client sees
    DDP_ERR_PEER_LOST), so stop only once every client's last call has been answered: e.g. each rank's last
    call is an add that rank 0 counts (a barrier's final WAIT is not enough). NULL is a no-op. */

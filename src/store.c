@@ -933,7 +933,7 @@ static void ddp__srv_handle(ddp__store_server *s, ddp__store_conn *c, const unsi
     r.p = req;
     r.n = size;
     r.at = 1;
-    s->requests++;
+    __atomic_add_fetch(&s->requests, 1, __ATOMIC_RELAXED); /* read by ddp__store_server_requests */
     c->status_due = c->announced;
     c->announced = 0;
     c->refused = 0;
@@ -1348,6 +1348,10 @@ static ddp_result ddp__store_server_start(const char *host, int port, ddp_log_le
 }
 
 static int ddp__store_server_port(const ddp__store_server *s) { return s->port; }
+
+static uint64_t ddp__store_server_requests(const ddp__store_server *s) {
+    return s ? __atomic_load_n(&s->requests, __ATOMIC_RELAXED) : 0;
+}
 
 static void ddp__store_server_stop(ddp__store_server *s) {
     char b = 1;

@@ -644,6 +644,29 @@ static int local_failure_published(int rank, int n, void *arg) {
     return 0;
 }
 
+/* Issue #25 item 1: a rendezvous costs O(1) store requests per rank. A whole ddp_init of 48 ranks (forked
+   here, oversubscribed) is served by rank 0's store in at most 30 requests per rank (about 18 with the
+   table that rank 0 publishes; the old scheme, where every rank polled a counter and then read every
+   record, took about 2.8 N^2: 6,000 here), and every rank has a working group with its right rank. */
+static int rendezvous_requests(int rank, int n, void *arg) {
+    ddp_init_desc d;
+    ddp_group *g = NULL;
+    (void)arg;
+    memset(&d, 0, sizeof d);
+    d.timeout_seconds = 60;
+    CHECK_OK(ddp_init(&d, &g), NULL);
+    check_group(g, rank, n); /* every rank out of ddp_init: rank 0's count below is the whole rendezvous */
+    if (rank == 0) {
+        uint64_t served = ddp__store_server_requests(g->member.store_server);
+        if (getenv("TEST_DEBUG")) fprintf(stderr, "rendezvous of %d ranks: %llu store requests\n", n, (unsigned long long)served);
+        CHECK(g->member.store_server != NULL && served > 0, "rank 0 serves no store");
+        CHECK(served <= 30u * (uint64_t)n, "rank 0's store served %llu requests for a rendezvous of %d ranks (more than "
+              "30 a rank)", (unsigned long long)served, n);
+    }
+    CHECK_OK(ddp_destroy(g), NULL);
+    return 0;
+}
+
 typedef struct scenario {
     const char *name;
     int world;
@@ -675,6 +698,7 @@ int main(int argc, char **argv) {
         {"silent server on MASTER_PORT", 2, stranger_on_port},
         {"HTTP server on MASTER_PORT", 2, http_on_port},
         {"malformed DDP_TIMEOUT on one rank", 3, local_failure_published},
+        {"rendezvous store requests per rank", 48, rendezvous_requests},
     };
     size_t i;
     int failed = 0;
