@@ -241,6 +241,7 @@ static DDP__UNUSED ddp_result ddp__net_send(int fd, const void *buf, size_t n, d
 static DDP__UNUSED ddp_result ddp__net_recv(int fd, void *buf, size_t n, double deadline, char *err);
 static DDP__UNUSED ddp_result ddp__net_poll(int fd, short events, double deadline, char *err);
 static DDP__UNUSED void ddp__net_local_address(int fd, char *host, size_t cap);
+static DDP__UNUSED void ddp__net_configure(int fd); /* non-blocking, close-on-exec, TCP_NODELAY */
 
 /* ---- store.c: the rendezvous key-value store (c10d TCPStore protocols of torch 1.13 and 2.x; file store) ---- */
 typedef struct ddp__store_server ddp__store_server;

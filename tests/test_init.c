@@ -644,6 +644,19 @@ static int local_failure_published(int rank, int n, void *arg) {
     return 0;
 }
 
+/* Rank 2 never starts: rank 0 times out (2 s) naming it, and publishes that, so rank 1 fails with the
+   same message at the same time rather than at its own timeout. */
+static int rank_never_starts(int rank, int n, void *arg) {
+    ddp_init_desc d;
+    (void)n, (void)arg;
+    if (rank == 2) return 0;
+    memset(&d, 0, sizeof d);
+    d.timeout_seconds = 2;
+    expect_prompt_failure(&d, DDP_ERR_TIMEOUT, "waiting for every rank to join", "missing: 2)", 6.0, rank,
+                          "a rank that never starts");
+    return 0;
+}
+
 /* Issue #25 item 1: a rendezvous costs O(1) store requests per rank. A whole ddp_init of 48 ranks (forked
    here, oversubscribed) is served by rank 0's store in at most 30 requests per rank (about 18 with the
    table that rank 0 publishes; the old scheme, where every rank polled a counter and then read every
@@ -698,6 +711,7 @@ int main(int argc, char **argv) {
         {"silent server on MASTER_PORT", 2, stranger_on_port},
         {"HTTP server on MASTER_PORT", 2, http_on_port},
         {"malformed DDP_TIMEOUT on one rank", 3, local_failure_published},
+        {"a rank never starts", 3, rank_never_starts},
         {"rendezvous store requests per rank", 48, rendezvous_requests},
     };
     size_t i;
