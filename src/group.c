@@ -6,9 +6,11 @@
         (ddp__read_launch: torchrun/ddprun, Open MPI, MPICH/Hydra, SLURM, in that order);
      2. where is the master: init_method, descriptor, MASTER_ADDR/MASTER_PORT, launcher defaults;
      3. the store: rank 0 serves it (store.c) and every rank connects (or a file store);
-     4. rendezvous (ddp__rendezvous): each rank claims its rank, publishes "world size, address, port,
-        pid, host" and waits for all; any disagreement is written to an "abort" key that every waiting
-        rank reads, so a bad rank fails everyone quickly instead of leaving them to time out;
+     4. rendezvous (ddp__rendezvous): each rank claims its rank by publishing "world size, address,
+        port, pid, host" (one compare-set), rank 0 gathers the records and publishes them as one table,
+        every other rank waits for that table once: O(1) store requests per rank (see "the table of
+        records" below); any disagreement is published (an "abort" key, and as the table's value) and
+        wakes every waiting rank, so a bad rank fails everyone quickly instead of leaving them to time out;
      5. the mesh: one TCP connection per pair of ranks, then a barrier over it. */
 #include "internal.h"
 
@@ -441,10 +443,24 @@ static ddp_result ddp__rdzv_gather_timeout(ddp_group *g, const unsigned char *kn
     return ddp__rdzv_abort(g, DDP_ERR_TIMEOUT, msg);
 }
 
+/* Rank 0: wait at most `seconds` for rank i's record. A WAIT that times out drops the store connection
+   (the client cannot tell a late answer from the next one) and the next request connects again: at most
+   one reconnection per DDP__WATCH_PERIOD, and only while ranks are late. */
+static ddp_result ddp__rdzv_gather_wait(ddp_group *g, int i, double seconds) {
+    char key[256];
+    const char *keys[1];
+    ddp_result r;
+    ddp__key(g, key, sizeof key, "rank", i);
+    keys[0] = key;
+    r = ddp_store_wait(g->member.store, keys, 1, DDP__MAX(seconds, 0.01));
+    if (r == DDP_SUCCESS || r == DDP_ERR_TIMEOUT) return DDP_SUCCESS;
+    return ddp__fail(g, r, "rendezvous: waiting for rank %d's record: %s", i, ddp_store_last_error(g->member.store));
+}
+
 /* Rank 0: read every record (rec[0] is its own), then publish the table. */
 static ddp_result ddp__rdzv_gather(ddp_group *g, ddp__record *rec, const char *where) {
     char key[256], marker[DDP__ERR_MAX + 32], *table;
-    double start = ddp__now(), nap = 0.001, next_watch = start + DDP__WATCH_PERIOD;
+    double start = ddp__now(), next_watch = start + DDP__WATCH_PERIOD;
     unsigned long long node = ddp__node_key();
     unsigned char *known = (unsigned char *)ddp__calloc((size_t)g->world_size, 1);
     int have = 1, cursor = 1, scan = 1, i;
@@ -457,7 +473,6 @@ static ddp_result ddp__rdzv_gather(ddp_group *g, ddp__record *rec, const char *w
             if (known[cursor]) continue;
             if (!ddp__rdzv_read_record(g, cursor, rec, &r)) break;
             known[cursor] = 1, have++;
-            nap = 0.001;
         }
         if (have == g->world_size || r) break;
         if (ddp__now() >= next_watch) {
@@ -465,7 +480,7 @@ static ddp_result ddp__rdzv_gather(ddp_group *g, ddp__record *rec, const char *w
             next_watch = ddp__now() + DDP__WATCH_PERIOD;
         }
         if (ddp__now() - start > g->timeout) r = ddp__rdzv_gather_timeout(g, known, have, where);
-        else ddp__sleep(nap), nap = DDP__MIN(nap * 2, 0.02);
+        else r = ddp__rdzv_gather_wait(g, cursor, DDP__MIN(next_watch, start + g->timeout) - ddp__now());
     }
     ddp__free(known);
     if (r) return r;
