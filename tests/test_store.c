@@ -965,6 +965,54 @@ static void test_file_store_errors(const char *dir) {
     CHECK(access(path, F_OK) != 0, "%s still exists after its only user closed it", path);
 }
 
+/* Many clients at once (the server runs on epoll, issue #25): 300 clients each WAIT for one key, a quarter
+   of them hang up meanwhile (the server takes them out of its set and its list while the others stay),
+   one SET wakes every other one, and each then GETs the value in step; the server counted every request. */
+#define MANY_CLIENTS 300
+static void test_many_waiters(void) {
+    ddp__store_server *srv = NULL;
+    ddp_store *s = NULL;
+    char err[DDP__ERR_MAX];
+    static int fds[MANY_CLIENTS];
+    int port, i, woken = 0;
+    uint64_t before;
+    CHECK_OK(ddp__store_server_start("127.0.0.1", 0, DDP_LOG_ERROR, &srv, err), NULL);
+    port = ddp__store_server_port(srv);
+    for (i = 0; i < MANY_CLIENTS; i++) {
+        msg m;
+        m.n = 0;
+        m_byte(&m, 5), m_u64(&m, 1), m_str(&m, "wake"); /* torch 1.13's WAIT */
+        fds[i] = raw_connect(port);
+        raw_send(fds[i], m.b, m.n);
+        if (i % 4 == 3) close(fds[i]), fds[i] = -1;
+    }
+    CHECK_OK(ddp__store_connect("127.0.0.1", port, NULL, 10.0, &s, err), NULL);
+    before = ddp__store_server_requests(srv);
+    CHECK_OK(ddp_store_set(s, "wake", "up", 2), NULL);
+    for (i = 0; i < MANY_CLIENTS; i++) {
+        unsigned char b = 9, value[2];
+        uint64_t len = 0;
+        msg m;
+        if (fds[i] < 0) continue;
+        raw_recv(fds[i], &b, 1);
+        CHECK(b == 0, "client %d: WAIT answered %u, expected 0 (STOP_WAITING)", i, b);
+        m.n = 0;
+        m_byte(&m, 2), m_str(&m, "wake"); /* GET */
+        raw_send(fds[i], m.b, m.n);
+        raw_recv(fds[i], &len, 8);
+        CHECK(len == 2, "client %d: GET answered a %llu-byte value", i, (unsigned long long)len);
+        raw_recv(fds[i], value, 2);
+        CHECK(memcmp(value, "up", 2) == 0, "client %d: GET answered another value", i);
+        close(fds[i]);
+        woken++;
+    }
+    CHECK(woken == MANY_CLIENTS - MANY_CLIENTS / 4, "%d clients woken", woken);
+    CHECK(ddp__store_server_requests(srv) >= before + 1 + (uint64_t)woken, "the server counted %llu requests",
+          (unsigned long long)(ddp__store_server_requests(srv) - before));
+    ddp__store_free(s);
+    ddp__store_server_stop(srv);
+}
+
 int main(void) {
     char dir[] = "/tmp/ddp_test_store_XXXXXX", path[512];
     int n;
@@ -981,6 +1029,8 @@ int main(void) {
     fprintf(stderr, "budget and shares: ok\n");
     test_status_wire();
     fprintf(stderr, "refusals on the wire, ADD overflow: ok\n");
+    test_many_waiters();
+    fprintf(stderr, "%d clients waiting at once: ok\n", MANY_CLIENTS);
     for (n = 1; n <= 4; n += 3) {
         CHECK(tl_run_ranks(n, tcp_rank, NULL, 60) == 0, "tcp store with %d processes failed", n);
         fprintf(stderr, "tcp store, %d processes: ok\n", n);
