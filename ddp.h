@@ -8934,7 +8934,7 @@ DDP_API ddp_result ddp_set_stream(ddp_group *g, void *cuda_stream) {
      2. where is the master: init_method, descriptor, MASTER_ADDR/MASTER_PORT, launcher defaults;
      3. the store: rank 0 serves it (store.c) and every rank connects (or a file store);
      4. rendezvous (ddp__rendezvous): each rank claims its rank by publishing "world size, address,
-        port, pid, host" (one compare-set), rank 0 gathers the records and publishes them as one table,
+        port, pid, host", rank 0 gathers the records and publishes them as one table,
         every other rank waits for that table once: O(1) store requests per rank (see "the table of
         records" below); any disagreement is published (an "abort" key, and as the table's value) and
         wakes every waiting rank, so a bad rank fails everyone quickly instead of leaving them to time out;
@@ -9151,9 +9151,9 @@ static void ddp__key(const ddp_group *g, char *out, size_t cap, const char *name
 
 /* Fail this rank with code and message, and publish them so that every rank of the rendezvous fails too:
    under "abort" (read by the ranks that look for it: the mesh step, ranks arriving late) and, unless rank 0
-   published the table already, as the table's value (DDP__RDZV_ABORTED + "code|message"), which wakes
-   every rank waiting for the table at once (see ddp__rendezvous). The compare-set is a round trip: both
-   writes have reached the store before this rank goes. */
+   published the table already, as the table's value (DDP__RDZV_ABORTED + "code|message"); then "ready",
+   which wakes every rank waiting for the table at once (see ddp__rendezvous). The set is announced, a
+   round trip: every write has reached the store before this rank goes. */
 #define DDP__RDZV_ABORTED "abort:"
 static ddp_result ddp__rdzv_abort(ddp_group *g, ddp_result code, const char *msg) {
     char key[256], value[DDP__ERR_MAX + 16], marker[DDP__ERR_MAX + 32], now[8];
@@ -9164,6 +9164,8 @@ static ddp_result ddp__rdzv_abort(ddp_group *g, ddp_result code, const char *msg
     ddp__key(g, key, sizeof key, "table", -1);
     snprintf(marker, sizeof marker, "%s%s", DDP__RDZV_ABORTED, value);
     ddp__store_compare_set(g->member.store, key, "", 0, marker, strlen(marker), now, sizeof now, &n);
+    ddp__key(g, key, sizeof key, "ready", -1); /* a SET: torch's server wakes no WAIT on a compare-set */
+    ddp_store_set(g->member.store, key, "1", 1);
     return ddp__fail(g, code, "%s", msg);
 }
 
@@ -9294,12 +9296,15 @@ static ddp_result ddp__rdzv_lost(ddp_group *g, int i, const ddp__record *r, cons
 }
 
 /* ---- the table of records: rank 0 gathers it, every other rank waits for it ----
-   Each rank publishes its record under "rank/R" (a compare-set that also claims the rank) and adds 1 to
-   "joined". Rank 0 reads the records in rank order as they appear, each once, and when it has them all
-   publishes them as one value, "table" (one line per rank). Every other rank makes one blocking WAIT on
-   "table" and one GET of it: about ten requests per rank in all, and 3N at rank 0 for reading, instead
+   Each rank claims its rank ("claim/R", an ADD), publishes its record under "rank/R" (a SET: it wakes a
+   WAIT, in torch's server too, which a compare-set does not) and adds 1 to "joined". Rank 0 reads the
+   records in rank order as they appear, each once (a WAIT for the next one, then a GET), and when it has
+   them all publishes them as one value, "table" (one line per rank; a compare-set, so that it never
+   hides a failure published first), then sets "ready". Every other rank makes one blocking WAIT on
+   "ready" and one GET of "table": about 19 requests per rank in all, rank 0's reading included, instead
    of every rank polling a counter and reading every record (2N^2). A rank that fails publishes its
-   error as the table's value (ddp__rdzv_abort), so the same WAIT wakes every rank on a failure too.
+   error as the table's value and sets "ready" (ddp__rdzv_abort), so the same WAIT wakes every rank on a
+   failure too.
    While it gathers, rank 0 looks every DDP__WATCH_PERIOD s for a published abort, reads up to 8 records
    out of order (so that a rank that died beyond a missing one is seen too), and checks the pids of the
    ranks of its node that registered (ddp__rank_process_gone); a lost rank is published and named. On
@@ -9426,6 +9431,9 @@ static ddp_result ddp__rdzv_gather(ddp_group *g, ddp__record *rec, const char *w
     marker[DDP__MIN(n, sizeof marker - 1)] = '\0';
     if (strncmp(marker, DDP__RDZV_ABORTED, strlen(DDP__RDZV_ABORTED)) == 0) /* a rank failed just before */
         return ddp__rdzv_fail_published(g, marker + strlen(DDP__RDZV_ABORTED));
+    ddp__key(g, key, sizeof key, "ready", -1);
+    if ((r = ddp_store_set(g->member.store, key, "1", 1)) != DDP_SUCCESS)
+        return ddp__fail(g, r, "rendezvous: publishing the table: %s", ddp_store_last_error(g->member.store));
     return DDP_SUCCESS;
 }
 
@@ -9453,11 +9461,12 @@ static ddp_result ddp__rdzv_await(ddp_group *g, ddp__record *rec, const char *wh
     size_t cap = (size_t)g->world_size * DDP__RECORD_MAX, n = 0;
     int i;
     ddp_result r;
-    ddp__key(g, key, sizeof key, "table", -1);
+    ddp__key(g, key, sizeof key, "ready", -1);
     keys[0] = key;
     r = ddp_store_wait(g->member.store, keys, 1, g->timeout + DDP__RDZV_GRACE);
     if (r == DDP_ERR_TIMEOUT) return ddp__rdzv_await_timeout(g, where);
     if (r) return ddp__fail(g, r, "rendezvous through %s: %s", where, ddp_store_last_error(g->member.store));
+    ddp__key(g, key, sizeof key, "table", -1); /* set before "ready": the records, or a published failure */
     if (!(table = (char *)ddp__malloc(cap + 1))) return ddp__fail(g, DDP_ERR_OUT_OF_MEMORY, "out of memory in the rendezvous");
     if ((r = ddp_store_get(g->member.store, key, table, cap, &n)) != DDP_SUCCESS) {
         ddp__free(table);
@@ -9599,8 +9608,8 @@ static ddp_result ddp__rank0_port_taken(ddp_group *g, const ddp__launch *L, ddp_
         return r;
     }
     ddp__key(g, key, sizeof key, "job", -1);
-    ddp__key(g, claim, sizeof claim, "rank", 0);
-    while (!(exists && claimed) && ddp__now() < until) { /* the other rank 0 records the job, then its own record */
+    ddp__key(g, claim, sizeof claim, "claim", 0);
+    while (!(exists && claimed) && ddp__now() < until) { /* the other rank 0 records the job, then claims */
         if (ddp_store_check(g->member.store, key, &exists) != DDP_SUCCESS ||
             ddp_store_check(g->member.store, claim, &claimed) != DDP_SUCCESS)
             break;
@@ -9841,27 +9850,32 @@ static ddp_result ddp__mesh_connect(ddp_group *g, const ddp__record *rec, int li
     return ddp__mesh_accept(g, rec, listen_fd, &me, node, deadline);
 }
 
-/* Claim this rank and publish its record in one request: a compare-set of "rank/R" from nothing. A second
-   process with the same rank finds the first one's record there instead of its own. */
+/* Claim this rank (a second process with the same rank sees a count above 1: it fails, naming the first
+   when its record is there) and publish its record. */
 static ddp_result ddp__rdzv_claim(ddp_group *g, const ddp__record *me, const char *where) {
-    char key[256], mine[DDP__RECORD_MAX], value[DDP__RECORD_MAX + 112], msg[DDP__ERR_MAX];
+    char key[256], value[DDP__RECORD_MAX + 112], msg[DDP__ERR_MAX], first[200] = "";
+    int64_t claims = 0;
+    int exists = 0;
     size_t n = 0;
     ddp__record them;
     ddp_result r;
-    ddp__record_format(me, mine, sizeof mine);
-    ddp__key(g, key, sizeof key, "rank", g->rank);
-    if ((r = ddp__store_compare_set(g->member.store, key, "", 0, mine, strlen(mine), value, sizeof value - 1, &n)) != DDP_SUCCESS)
+    ddp__key(g, key, sizeof key, "claim", g->rank);
+    if ((r = ddp_store_add(g->member.store, key, 1, &claims)) != DDP_SUCCESS)
         return ddp__fail(g, r, "rendezvous through %s: %s", where, ddp_store_last_error(g->member.store));
-    value[DDP__MIN(n, sizeof value - 1)] = '\0';
-    if (strcmp(value, mine) == 0) return DDP_SUCCESS;
-    if (ddp__record_parse(value, &them))
-        snprintf(msg, sizeof msg, "two processes claim rank %d: pid %d on host %s and pid %d on host %s (the second); "
-                 "every process needs its own rank (check RANK or the launcher's settings)", g->rank, them.pid, them.host,
-                 me->pid, me->host);
-    else
-        snprintf(msg, sizeof msg, "two processes claim rank %d (the second is pid %d); every process needs its own rank "
-                 "(check RANK or the launcher's settings)", g->rank, me->pid);
-    return ddp__rdzv_abort(g, DDP_ERR_INIT, msg);
+    ddp__key(g, key, sizeof key, "rank", g->rank);
+    if (claims > 1) {
+        if (ddp_store_check(g->member.store, key, &exists) == DDP_SUCCESS && exists &&
+            ddp_store_get(g->member.store, key, value, sizeof value - 1, &n) == DDP_SUCCESS &&
+            (value[DDP__MIN(n, sizeof value - 1)] = '\0', ddp__record_parse(value, &them)))
+            snprintf(first, sizeof first, " (the first is pid %d on host %.100s)", them.pid, them.host);
+        snprintf(msg, sizeof msg, "two processes claim rank %d%s; the second is pid %d on host %s. Every process needs "
+                 "its own rank (check RANK or the launcher's settings)", g->rank, first, me->pid, me->host);
+        return ddp__rdzv_abort(g, DDP_ERR_INIT, msg);
+    }
+    ddp__record_format(me, value, sizeof value);
+    if ((r = ddp_store_set(g->member.store, key, value, strlen(value))) != DDP_SUCCESS)
+        return ddp__fail(g, r, "rendezvous through %s: %s", where, ddp_store_last_error(g->member.store));
+    return DDP_SUCCESS;
 }
 
 static ddp_result ddp__rendezvous(ddp_group *g, const char *addr, int listen_fd, int port, const char *where) {
