@@ -9301,7 +9301,7 @@ static ddp_result ddp__rdzv_lost(ddp_group *g, int i, const ddp__record *r, cons
    records in rank order as they appear, each once (a WAIT for the next one, then a GET), and when it has
    them all publishes them as one value, "table" (one line per rank; a compare-set, so that it never
    hides a failure published first), then sets "ready". Every other rank makes one blocking WAIT on
-   "ready" and one GET of "table": about 19 requests per rank in all, rank 0's reading included, instead
+   "ready" and one GET of "table": about 20 requests per rank in all, rank 0's reading included, instead
    of every rank polling a counter and reading every record (2N^2). A rank that fails publishes its
    error as the table's value and sets "ready" (ddp__rdzv_abort), so the same WAIT wakes every rank on a
    failure too.

@@ -658,7 +658,7 @@ static int rank_never_starts(int rank, int n, void *arg) {
 }
 
 /* Issue #25 item 1: a rendezvous costs O(1) store requests per rank. A whole ddp_init of 48 ranks (forked
-   here, oversubscribed) is served by rank 0's store in at most 30 requests per rank (about 18 with the
+   here, oversubscribed) is served by rank 0's store in at most 30 requests per rank (about 20 with the
    table that rank 0 publishes; the old scheme, where every rank polled a counter and then read every
    record, took about 2.8 N^2: 6,000 here), and every rank has a working group with its right rank. */
 static int rendezvous_requests(int rank, int n, void *arg) {
