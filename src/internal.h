@@ -250,6 +250,12 @@ typedef struct ddp__store_server ddp__store_server;
 static DDP__UNUSED ddp_result ddp__store_server_start(const char *host, int port, ddp_log_level lvl,
                                                       ddp__store_server **out, char *err);
 static DDP__UNUSED int ddp__store_server_port(const ddp__store_server *s); /* the port it listens on */
+typedef struct ddp__server_stats {
+    uint64_t requests, connections; /* requests handled and clients accepted since it started */
+    double cpu_seconds;             /* CPU time of the server's thread; -1 when it cannot be read */
+} ddp__server_stats;
+/* A snapshot, safe from any thread while the server runs (for benchmarks; bench/bench_scale.c). */
+static DDP__UNUSED void ddp__store_server_stats(const ddp__store_server *s, ddp__server_stats *out);
 /* Joins the thread and closes everything. A request still on its way is lost (its client sees
    DDP_ERR_PEER_LOST), so stop only once every client's last call has been answered: e.g. each rank's last
    call is an add that rank 0 counts (a barrier's final WAIT is not enough). NULL is a no-op. */

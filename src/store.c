@@ -372,6 +372,7 @@ struct ddp__store_server {
     size_t reserve;  /* the budget's last part, for small entries only: max_held / 8 */
     double accept_paused_until;
     char *token; /* DDP_AUTH_TOKEN when the server started; NULL = no authentication */
+    uint64_t requests, connections; /* served and accepted so far: ddp__store_server_stats */
 };
 
 static void ddp__srv_log(const ddp__store_server *s, ddp_log_level level, const char *fmt, ...) DDP__PRINTF(3, 4);
@@ -912,6 +913,7 @@ static void ddp__srv_handle(ddp__store_server *s, ddp__store_conn *c, const unsi
     r.p = req;
     r.n = size;
     r.at = 1;
+    __atomic_store_n(&s->requests, s->requests + 1, __ATOMIC_RELAXED); /* only this thread writes it */
     c->status_due = c->announced;
     c->announced = 0;
     c->refused = 0;
@@ -1145,6 +1147,7 @@ static void ddp__srv_accept(ddp__store_server *s) {
     snprintf(c->peer, sizeof c->peer, "%s:%s", host, serv);
     s->buffers += sizeof *c;
     s->conns[s->nconns++] = c;
+    __atomic_store_n(&s->connections, s->connections + 1, __ATOMIC_RELAXED);
     ddp__srv_log(s, DDP_LOG_DEBUG, "client %s connected", c->peer);
 }
 
@@ -1207,6 +1210,13 @@ static void *ddp__srv_main(void *arg) {
     for (i = 0; i < s->nconns; i++) /* replies already due still go out, as far as the sockets take them */
         if (!s->conns[i]->dead) ddp__srv_flush(s, s->conns[i]);
     DDP_FREE(pf);
+    {
+        struct timespec cpu = {0, 0};
+        clock_gettime(CLOCK_THREAD_CPUTIME_ID, &cpu);
+        ddp__srv_log(s, DDP_LOG_DEBUG, "stopping: served %llu requests from %llu connections in %.3f s of CPU",
+                     (unsigned long long)s->requests, (unsigned long long)s->connections,
+                     (double)cpu.tv_sec + (double)cpu.tv_nsec * 1e-9);
+    }
     return NULL;
 }
 
@@ -1264,6 +1274,18 @@ static ddp_result ddp__store_server_start(const char *host, int port, ddp_log_le
 }
 
 static int ddp__store_server_port(const ddp__store_server *s) { return s->port; }
+
+/* What the server has done so far, read from another thread while it runs (bench/bench_scale.c): the
+   requests it handled, the connections it accepted, and its thread's CPU time (-1 when unreadable). */
+static void ddp__store_server_stats(const ddp__store_server *s, ddp__server_stats *out) {
+    struct timespec cpu;
+    clockid_t clock;
+    out->requests = __atomic_load_n(&s->requests, __ATOMIC_RELAXED);
+    out->connections = __atomic_load_n(&s->connections, __ATOMIC_RELAXED);
+    out->cpu_seconds = -1;
+    if (pthread_getcpuclockid(s->thread, &clock) == 0 && clock_gettime(clock, &cpu) == 0)
+        out->cpu_seconds = (double)cpu.tv_sec + (double)cpu.tv_nsec * 1e-9;
+}
 
 static void ddp__store_server_stop(ddp__store_server *s) {
     char b = 1;
