@@ -58,9 +58,10 @@ static double now(void) {
     return (double)ts.tv_sec + (double)ts.tv_nsec * 1e-9;
 }
 
-/* What one process sends its parent at the end. */
+/* What one process sends its parent, twice: when each of its ranks has left ddp_init (phase 1), and
+   at the end (phase 2; the same struct, completed). */
 typedef struct report {
-    int ranks, ok;             /* ranks it hosted, ranks whose ddp_init and barrier succeeded */
+    int ranks, ok_init, ok;    /* ranks it hosted; whose ddp_init succeeded; whose init, barrier, destroy did */
     double init_done;          /* CLOCK_MONOTONIC when its last rank left ddp_init */
     double barrier_done, destroy_done; /* ... left ddp_barrier, ddp_destroy */
     int sockets_init, sockets_barrier, fds_init;
@@ -74,7 +75,7 @@ typedef struct report {
 /* Settings and shared state of one worker process. */
 static struct {
     int world, first, count; /* ranks first .. first+count-1 */
-    int port, gate_fd;
+    int port, gate_fd, go_fd, report_fd;
     double timeout;
     pthread_barrier_t arrived, counted;
     pthread_mutex_t mu;
@@ -140,6 +141,28 @@ static void record_error(int rank, const char *what, const char *msg) {
     pthread_mutex_unlock(&W.mu);
 }
 
+/* Phase 1 in one process, by its last rank out of ddp_init: count the sockets, and report. Rank 0's
+   process (rank 0 alone) first waits for the parent's go, sent once every other process has reported
+   phase 1: then every rank has left ddp_init, and the store server's counters cover the whole
+   rendezvous and nothing after it. */
+static void phase1(ddp_group *g0) {
+    char b;
+    if (W.first == 0) {
+        ddp__server_stats st;
+        while (read(W.go_fd, &b, 1) < 0) {
+        }
+        if (g0 && g0->member.store_server) {
+            ddp__store_server_stats(g0->member.store_server, &st);
+            W.rep.requests = st.requests;
+            W.rep.connections = st.connections;
+            W.rep.store_cpu = st.cpu_seconds;
+        }
+    }
+    count_fds(&W.rep.sockets_init, &W.rep.fds_init);
+    W.rep.rss_added_mib = rss_mib() - W.rep.rss_added_mib;
+    if (write(W.report_fd, &W.rep, sizeof W.rep) != (ssize_t)sizeof W.rep) _exit(4);
+}
+
 static void *rank_main(void *arg) {
     int rank = (int)(intptr_t)arg, ok;
     ddp_init_desc d;
@@ -161,21 +184,16 @@ static void *rank_main(void *arg) {
     ok = r == DDP_SUCCESS;
     if (!ok) record_error(rank, "ddp_init", ddp_last_error(NULL));
     if (ok) note_time(&W.rep.init_done);
-    if (pthread_barrier_wait(&W.arrived) == PTHREAD_BARRIER_SERIAL_THREAD)
-        count_fds(&W.rep.sockets_init, &W.rep.fds_init), W.rep.rss_added_mib = rss_mib() - W.rep.rss_added_mib;
+    pthread_mutex_lock(&W.mu);
+    W.rep.ok_init += ok;
+    pthread_mutex_unlock(&W.mu);
+    if (pthread_barrier_wait(&W.arrived) == PTHREAD_BARRIER_SERIAL_THREAD) phase1(rank == 0 ? g : NULL);
     pthread_barrier_wait(&W.counted);
     if (ok && (r = ddp_barrier(g)) != DDP_SUCCESS) {
         record_error(rank, "ddp_barrier", ddp_last_error(g));
         ok = 0;
     }
     if (ok) note_time(&W.rep.barrier_done);
-    if (ok && rank == 0 && g->member.store_server) {
-        ddp__server_stats st;
-        ddp__store_server_stats(g->member.store_server, &st);
-        W.rep.requests = st.requests;
-        W.rep.connections = st.connections;
-        W.rep.store_cpu = st.cpu_seconds;
-    }
     if (pthread_barrier_wait(&W.arrived) == PTHREAD_BARRIER_SERIAL_THREAD) {
         int fds;
         count_fds(&W.rep.sockets_barrier, &fds);
@@ -193,8 +211,8 @@ static void *rank_main(void *arg) {
 }
 
 /* A worker process: count threads for ranks first.., all waiting at the gate; tells the parent through
-   ready_fd when they all exist, then reports through report_fd when they are done. */
-static int worker(int ready_fd, int report_fd) {
+   ready_fd when they all exist, then reports through W.report_fd (phase1, then when they are done). */
+static int worker(int ready_fd) {
     pthread_t *t = (pthread_t *)calloc((size_t)W.count, sizeof *t);
     pthread_attr_t attr;
     int i, started = 0;
@@ -219,7 +237,7 @@ static int worker(int ready_fd, int report_fd) {
     if (write(ready_fd, &b, 1) != 1) _exit(3);
     close(ready_fd);
     for (i = 0; i < W.count; i++) pthread_join(t[i], NULL);
-    if (write(report_fd, &W.rep, sizeof W.rep) != (ssize_t)sizeof W.rep) return 1;
+    if (write(W.report_fd, &W.rep, sizeof W.rep) != (ssize_t)sizeof W.rep) return 1;
     return 0;
 }
 
@@ -256,17 +274,75 @@ static rlim_t raise_nofile(void) {
     return rl.rlim_cur;
 }
 
+/* Read one report from fd by the deadline: 1 read, 0 the process exited without it, -1 time is up. */
+static int read_report(int fd, report *r, double deadline) {
+    size_t got = 0;
+    while (got < sizeof *r) {
+        struct pollfd pf;
+        ssize_t k;
+        pf.fd = fd, pf.events = POLLIN, pf.revents = 0;
+        if (poll(&pf, 1, (int)((deadline - now()) * 1000) + 1) == 0) return -1;
+        k = read(fd, (char *)r + got, sizeof *r - got);
+        if (k <= 0) return 0;
+        got += (size_t)k;
+    }
+    return 1;
+}
+
+/* The first error among the reports (lowest process first), or NULL. */
+static const report *first_error(const report *rep, int nproc) {
+    int p;
+    for (p = 0; p < nproc; p++)
+        if (rep[p].error[0]) return &rep[p];
+    return NULL;
+}
+
+/* Start the processes for world size n (rank 0 alone, then blocks of threads), every thread waiting at
+   the gate. Fills pid[], rep_fd[] and *go_fd (rank 0's process waits on it before phase 1). */
+static int start_processes(int n, int procs, int *gate, pid_t *pid, int *rep_fd, int *go_fd, report *expect) {
+    int ready[2], go[2], p, q, next = 1, per = (n - 1) / procs, extra = (n - 1) % procs;
+    char b;
+    if (pipe(gate) != 0 || pipe(ready) != 0 || pipe(go) != 0) return -1;
+    for (p = 0; p <= procs; p++) {
+        int fds[2];
+        if (pipe(fds) != 0) return -1;
+        W.first = p == 0 ? 0 : next;
+        W.count = p == 0 ? 1 : per + (p - 1 < extra);
+        if (p > 0) next += W.count;
+        pid[p] = fork();
+        if (pid[p] == 0) {
+            close(gate[1]), close(ready[0]), close(fds[0]), close(go[1]);
+            for (q = 0; q < p; q++) close(rep_fd[q]);
+            W.gate_fd = gate[0];
+            W.go_fd = go[0];
+            W.report_fd = fds[1];
+            _exit(worker(ready[1]));
+        }
+        close(fds[1]);
+        rep_fd[p] = fds[0];
+        expect[p].ranks = W.count;
+    }
+    close(gate[0]), close(ready[1]), close(go[0]);
+    *go_fd = go[1];
+    for (p = 0; p <= procs; p++) /* every thread of every process exists */
+        if (read(ready[0], &b, 1) != 1) {
+            close(ready[0]);
+            return -1;
+        }
+    close(ready[0]);
+    return 0;
+}
+
 /* One world size: start, open the gate, collect; prints its row. Returns 0 when every rank succeeded. */
 static int run_size(int n, int procs, double timeout, double limit) {
-    pid_t pid[MAX_PROCS];
-    int rep_fd[MAX_PROCS], gate[2], ready[2], p, nproc, i, ok = 0, failed = 0, killed = 0;
-    int per, extra, next = 1;
-    report total_err, rep[MAX_PROCS];
-    double t0, last = 0, barrier = 0, destroy = 0, mean_init = 0, mean_barrier = 0, max_init = 0, max_barrier = 0, rss = 0;
-    int others = 0;
-    memset(&total_err, 0, sizeof total_err);
-    total_err.error_rank = -1;
-    memset(rep, 0, sizeof rep);
+    static pid_t pid[MAX_PROCS];
+    static int rep_fd[MAX_PROCS];
+    static report p1[MAX_PROCS], p2[MAX_PROCS];
+    int gate[2], go_fd = -1, p, nproc, ok_init = 0, ok = 0, killed = 0, others = 0, biggest;
+    double t0 = 0, deadline, last = 0, barrier = 0, destroy = 0, mean_init = 0, mean_barrier = 0;
+    double max_init = 0, max_barrier = 0, rss = 0;
+    const report *err;
+    char b = 1;
     if (procs <= 0) procs = (n - 1 + 63) / 64 > 16 ? (n - 1 + 63) / 64 : 16; /* at most 64 ranks a process */
     if (procs > n - 1) procs = n - 1;
     if (procs < 1 || procs + 1 > MAX_PROCS) {
@@ -274,110 +350,65 @@ static int run_size(int n, int procs, double timeout, double limit) {
         return 1;
     }
     nproc = procs + 1;
-    per = (n - 1) / procs;
-    extra = (n - 1) % procs;
+    biggest = (n - 1 + procs - 1) / procs;
+    memset(p1, 0, sizeof p1);
+    memset(p2, 0, sizeof p2);
     W.world = n;
     W.port = free_port();
     W.timeout = timeout;
-    if (pipe(gate) != 0 || pipe(ready) != 0) return 1;
-    for (p = 0; p < nproc; p++) {
-        int fds[2];
-        if (pipe(fds) != 0) return 1;
-        W.first = p == 0 ? 0 : next;
-        W.count = p == 0 ? 1 : per + (p - 1 < extra);
-        if (p > 0) next += W.count;
-        pid[p] = fork();
-        if (pid[p] == 0) {
-            int q;
-            close(gate[1]);
-            close(ready[0]);
-            close(fds[0]);
-            for (q = 0; q < p; q++) close(rep_fd[q]);
-            W.gate_fd = gate[0];
-            _exit(worker(ready[1], fds[1]));
-        }
-        close(fds[1]);
-        rep_fd[p] = fds[0];
-        rep[p].ranks = W.count;
+    if (start_processes(n, procs, gate, pid, rep_fd, &go_fd, p1) != 0) {
+        fprintf(stderr, "bench_scale: could not start %d processes of up to %d threads for N=%d\n", nproc, biggest, n);
+        close(gate[1]);
+        for (p = 0; p < nproc; p++)
+            if (pid[p] > 0) kill(pid[p], SIGKILL), waitpid(pid[p], NULL, 0);
+        return 1;
     }
-    close(gate[0]);
-    close(ready[1]);
-    for (p = 0; p < nproc; p++) { /* every thread of every process exists */
-        char b;
-        if (read(ready[0], &b, 1) != 1) {
-            fprintf(stderr, "bench_scale: a worker process could not start its threads (N=%d)\n", n);
-            close(gate[1]);
-            for (i = 0; i < nproc; i++) kill(pid[i], SIGKILL), waitpid(pid[i], NULL, 0);
-            return 1;
-        }
-    }
-    close(ready[0]);
     t0 = now();
+    deadline = t0 + limit;
     close(gate[1]); /* open the gate */
-    for (p = 0; p < nproc; p++) {
-        size_t got = 0;
-        while (got < sizeof rep[p]) {
-            struct pollfd pf;
-            ssize_t k;
-            pf.fd = rep_fd[p], pf.events = POLLIN, pf.revents = 0;
-            if (poll(&pf, 1, (int)((t0 + limit - now()) * 1000) + 1) == 0) {
-                killed = 1;
-                break;
-            }
-            k = read(rep_fd[p], (char *)&rep[p] + got, sizeof rep[p] - got);
-            if (k <= 0) break;
-            got += (size_t)k;
-        }
-        if (killed) break;
-        if (got < sizeof rep[p]) {
-            rep[p].ok = 0;
-            rep[p].error_rank = p == 0 ? 0 : -2;
-            snprintf(rep[p].error, sizeof rep[p].error, "worker process %d (pid %d) exited without a report", p, (int)pid[p]);
-        }
-    }
+    /* phase 1: every other process, then rank 0's (after the go) */
+    for (p = 1; p < nproc && !killed; p++) killed = read_report(rep_fd[p], &p1[p], deadline) < 0;
+    if (!killed && write(go_fd, &b, 1) == 1) killed = read_report(rep_fd[0], &p1[0], deadline) < 0;
+    close(go_fd);
+    for (p = 0; p < nproc && !killed; p++) killed = read_report(rep_fd[p], &p2[p], deadline) < 0;
     for (p = 0; p < nproc; p++) {
         if (killed) kill(pid[p], SIGKILL);
         waitpid(pid[p], NULL, 0);
         close(rep_fd[p]);
     }
-    if (killed) {
-        printf("| %d | %d x %d | killed after %.0f s (--limit) | | | | | | | |\n", n, procs, per + (extra > 0), limit);
-        fflush(stdout);
-        return 1;
-    }
     for (p = 0; p < nproc; p++) {
-        ok += rep[p].ok;
-        if (rep[p].ok && rep[p].init_done > last) last = rep[p].init_done;
-        if (rep[p].ok && rep[p].barrier_done > barrier) barrier = rep[p].barrier_done;
-        if (rep[p].ok && rep[p].destroy_done > destroy) destroy = rep[p].destroy_done;
-        if (rep[p].error[0] && !failed) {
-            total_err = rep[p];
-            failed = 1;
-        }
-        if (p == 0 || rep[p].ok != rep[p].ranks) continue;
-        mean_init += rep[p].sockets_init;
-        mean_barrier += rep[p].sockets_barrier;
-        rss += rep[p].rss_added_mib;
-        others += rep[p].ranks;
-        if ((double)rep[p].sockets_init / rep[p].ranks > max_init) {
-            max_init = (double)rep[p].sockets_init / rep[p].ranks;
-        }
-        if ((double)rep[p].sockets_barrier / rep[p].ranks > max_barrier)
-            max_barrier = (double)rep[p].sockets_barrier / rep[p].ranks;
+        ok_init += p1[p].ok_init;
+        ok += p2[p].ok;
+        if (p1[p].init_done > last) last = p1[p].init_done;
+        if (p2[p].barrier_done > barrier) barrier = p2[p].barrier_done;
+        if (p2[p].destroy_done > destroy) destroy = p2[p].destroy_done;
+        if (p == 0 || p1[p].ok_init != p1[p].ranks || !p1[p].ranks) continue;
+        mean_init += p1[p].sockets_init;
+        mean_barrier += p2[p].sockets_barrier;
+        rss += p1[p].rss_added_mib;
+        others += p1[p].ranks;
+        max_init = DDP__MAX(max_init, (double)p1[p].sockets_init / p1[p].ranks);
+        max_barrier = DDP__MAX(max_barrier, (double)p2[p].sockets_barrier / p2[p].ranks);
     }
-    if (ok < n) {
-        printf("| %d | %d x %d | failed: %d of %d ranks ok | | | | | | | |\n", n, procs, per + (extra > 0), ok, n);
-        if (failed) printf("    first error (rank %d): %s\n", total_err.error_rank, total_err.error);
-        fflush(stdout);
-        return 1;
+    printf("| %d | %d x %d | ", n, procs, biggest);
+    if (ok_init < n) {
+        printf("%s: %d of %d ranks through ddp_init | | | | | | | |\n", killed ? "killed at --limit" : "failed", ok_init, n);
+    } else {
+        printf("%.2f | ", last - t0);
+        if (ok == n) printf("%.2f, %.2f | ", barrier - last, destroy - barrier);
+        else printf("%s: %d of %d ranks through | ", killed ? "killed at --limit" : "failed", ok, n);
+        printf("%llu (%.1f) | %.2f (%.1f us) | %.1f, %.1f | ", (unsigned long long)p1[0].requests,
+               (double)p1[0].requests / n, p1[0].store_cpu,
+               p1[0].requests ? p1[0].store_cpu / (double)p1[0].requests * 1e6 : 0.0, others ? mean_init / others : 0.0,
+               max_init);
+        if (ok == n) printf("%.1f, %.1f | ", others ? mean_barrier / others : 0.0, max_barrier);
+        else printf("- | ");
+        printf("%d | %.2f |\n", p1[0].fds_init, others ? rss / others : 0.0);
     }
-    printf("| %d | %d x %d | %.2f | %.2f, %.2f | %llu (%.1f) | %.2f (%.1f us) | %.1f, %.1f | %.1f, %.1f | %d | %.2f |\n", n, procs,
-           per + (extra > 0), last - t0, barrier - last, destroy - barrier, (unsigned long long)rep[0].requests, (double)rep[0].requests / n,
-           rep[0].store_cpu, rep[0].requests ? rep[0].store_cpu / (double)rep[0].requests * 1e6 : 0.0,
-           others ? mean_init / others : 0.0, max_init, others ? mean_barrier / others : 0.0, max_barrier, rep[0].fds_init,
-           others ? rss / others : 0.0);
+    if ((err = first_error(p2, nproc)) != NULL || (err = first_error(p1, nproc)) != NULL)
+        printf("    first error (rank %d): %s\n", err->error_rank, err->error);
     fflush(stdout);
-    return 0;
+    return !(ok == n && !killed);
 }
 
 static void usage(void) {
