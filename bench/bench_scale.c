@@ -397,7 +397,7 @@ static int run_size(int n, int procs, double timeout, double limit) {
         printf("%.2f | ", last - t0);
         if (ok == n) printf("%.2f, %.2f | ", barrier - last, destroy - barrier);
         else printf("%s: %d of %d ranks through | ", killed ? "killed at --limit" : "failed", ok, n);
-        printf("%llu (%.1f) | %.2f (%.1f us) | %.1f, %.1f | ", (unsigned long long)p1[0].requests,
+        printf("%llu (%.1f) | %.3f (%.1f us) | %.1f, %.1f | ", (unsigned long long)p1[0].requests,
                (double)p1[0].requests / n, p1[0].store_cpu,
                p1[0].requests ? p1[0].store_cpu / (double)p1[0].requests * 1e6 : 0.0, others ? mean_init / others : 0.0,
                max_init);
