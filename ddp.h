@@ -1589,6 +1589,7 @@ extern char *mkdtemp(char *template_);
 #endif
 #if defined(__GLIBC__) && !defined(__USE_XOPEN2K)
 extern int setenv(const char *name, const char *value, int replace);
+extern int pthread_getcpuclockid(pthread_t thread_id, clockid_t *clock_id);
 extern int posix_fallocate(int fd, off_t offset, off_t len) DDP__OFF64(posix_fallocate);
 struct addrinfo {
     int ai_flags;
