@@ -305,6 +305,7 @@ static int killed_worker(int rank, int n, void *arg) {
           v->broadcast ? "broadcast" : "barrier", v->rank, ddp_result_string(r), ddp_last_error(g));
     CHECK(strstr(ddp_last_error(g), name) != NULL, "rank %d: the error does not name %s: %s", rank, name, ddp_last_error(g));
     CHECK(tl_now() - t0 < 5.0, "rank %d: it took %.1f s to see rank %d killed (at most 5 s)", rank, tl_now() - t0, v->rank);
+    if (rank == 0) printf("  rank 0 failed %.2f s after it entered (rank %d slept 0.2 s, then died)\n", tl_now() - t0, v->rank);
     ddp_destroy(g);
     return 0;
 }
