@@ -6636,17 +6636,17 @@ static void ddp__trace_break(ddp_group *g, ddp_result code) {
    1. No rank finishes #X. Every algorithm here makes each rank's finish depend, through a chain of
       received frames, on every other rank having sent in #X (the ring passes data from every rank to
       every rank; recursive doubling and dissemination too; the chain broadcast ends with a token pass
-      and reduce starts with a reduce-scatter for this). Each frame on the chain was checked by its receiver, so a rank that
-      finishes proves that every rank called the same #X.
+      and reduce starts with a reduce-scatter for this). Each frame on the chain was checked by its
+      receiver, so a rank that finishes proves that every rank called the same #X.
    2. Some rank sees the difference. Group the ranks by the call they make at #X. A group in which some
       rank sends without receiving first is "active": every rank of a ring algorithm (all_reduce,
       all_gather, reduce_scatter, reduce), the root of a chain broadcast, every rank of dissemination
       (barrier, small broadcast) and of recursive doubling (the folded pair 2i+1 -> 2i answers at once
       for this reason). An active group that is not every rank sends to a rank outside it before it
       can get stuck: the ring's and dissemination's first step goes to rank+1; a broadcast chain passes
-      every rank; recursive doubling's partners cover ever larger blocks and so leave the group. That frame reaches a rank waiting in #X, which checks every
-      frame that reaches it, whichever peer it waits on (transport.c), and fails with
-      DDP_ERR_MISMATCH. Every rank sends or receives something at #X unless every group is a chain
+      every rank; recursive doubling's partners cover ever larger blocks and so leave the group. That
+      frame reaches a rank waiting in #X, which checks every frame that reaches it, whichever peer it
+      waits on (transport.c), and fails with DDP_ERR_MISMATCH. Every rank sends or receives something at #X unless every group is a chain
       broadcast (above DDP__BROADCAST_TREE_MAX_BYTES) whose root is outside it (every rank calls a
       large broadcast and none names itself root): that case alone ends in DDP_ERR_TIMEOUT.
    3. The rank that saw it breaks the group (an ABORT frame to every peer), and every rank, all stuck
