@@ -31,9 +31,10 @@
       can get stuck: the ring's and dissemination's first step goes to rank+1; a broadcast chain passes
       every rank; recursive doubling's partners cover ever larger blocks and so leave the group. That
       frame reaches a rank waiting in #X, which checks every frame that reaches it, whichever peer it
-      waits on (transport.c), and fails with DDP_ERR_MISMATCH. Every rank sends or receives something at #X unless every group is a chain
-      broadcast (above DDP__BROADCAST_TREE_MAX_BYTES) whose root is outside it (every rank calls a
-      large broadcast and none names itself root): that case alone ends in DDP_ERR_TIMEOUT.
+      waits on (transport.c), and fails with DDP_ERR_MISMATCH. Every rank sends or receives something
+      at #X unless every group is a chain broadcast (above DDP__BROADCAST_TREE_MAX_BYTES) whose root is
+      outside it (every rank calls a large broadcast and none names itself root): that case alone ends
+      in DDP_ERR_TIMEOUT.
    3. The rank that saw it breaks the group (an ABORT frame to every peer), and every rank, all stuck
       in #X by (1), fails with that code and message. A rank still finishing #X-1 when a faster rank
       finds the mismatch at #X fails there (or in ddp_init, whose own barrier comes first): the group
