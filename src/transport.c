@@ -314,7 +314,9 @@ static short ddp__poll_events(ddp_group *g, const ddp__coll *c, const ddp__step 
    blocking for DDP__TCP_SPIN_SECONDS after its last progress, yielding the core between looks: on
    loopback (and fast networks) the answer often comes within a few microseconds, and waking a rank
    blocked in poll() costs more than that (Open MPI's TCP transport spins the same way). Large steps
-   block at once: there a wake-up is small beside the transfer, and spinning would only burn a core. */
+   block at once: there a wake-up is small beside the transfer, and spinning would only burn a core. So do
+   all steps when this host has more ranks than CPUs (ddp__oversubscribed, as shm.c decides): the rank
+   being waited for needs the core that a spinning rank holds. */
 #define DDP__TCP_SPIN_SECONDS 50e-6
 #define DDP__TCP_SPIN_MAX_BYTES ((size_t)64 << 10)
 
@@ -325,7 +327,8 @@ static ddp_result ddp__exchange(ddp_group *g, const ddp__coll *c, const ddp__ste
     size_t recv_total = s->recv_peer >= 0 ? sizeof in + s->recv_bytes : 0;
     struct pollfd *fds = g->mesh.pollfds;
     int *owner = g->mesh.poll_owner;
-    int spin = s->send_bytes <= DDP__TCP_SPIN_MAX_BYTES && s->recv_bytes <= DDP__TCP_SPIN_MAX_BYTES;
+    int spin = s->send_bytes <= DDP__TCP_SPIN_MAX_BYTES && s->recv_bytes <= DDP__TCP_SPIN_MAX_BYTES &&
+               !ddp__oversubscribed(g->local_world_size);
     double deadline = ddp__now() + g->timeout, spin_until = spin ? ddp__now() + DDP__TCP_SPIN_SECONDS : 0;
     if (g->broken) return g->broken;
     if (s->send_peer >= 0) ddp__frame_init(&out, g, c, DDP__FRAME_DATA, s->send_bytes);
