@@ -10,6 +10,8 @@
      fail with DDP_ERR_MISMATCH, not DDP_ERR_TIMEOUT (which is what a hang would end in).
    - no false alarm: the first calls right after ddp_init (whose own collectives restart the count),
      on one host and on mixed hosts (one rank in its own UTS namespace; skipped without root).
+   - no spinning when oversubscribed: a small all_reduce at 2 ranks spins (sched_yield) before poll(),
+     at CPUs+1 ranks it does not (this program counts its sched_yield calls).
    Usage: test_tcp_algorithms [world sizes...] (default 2 3 4 5 6 7 8 for results); TEST_QUICK=1 skips
    the large count (for sanitizer builds). */
 #include "testlib.h"
@@ -249,6 +251,49 @@ static int first_call_worker(int rank, int n, void *arg) {
     return 0;
 }
 
+/* ---- no spinning when oversubscribed (issue #25 item 7) ----
+   This program holds the library itself, so its own sched_yield stands in for libc's and counts the
+   calls: the TCP wait's spin is the only caller on a TCP group. With more ranks than CPUs online a
+   small all_reduce must block in poll() at once (no yield); with no more ranks than CPUs it still spins. */
+static int yields;
+int sched_yield(void) {
+    __atomic_add_fetch(&yields, 1, __ATOMIC_RELAXED);
+    return (int)syscall(SYS_sched_yield);
+}
+
+static int spin_worker(int rank, int n, void *arg) {
+    ddp_group *g = NULL;
+    int expect_spin = *(const int *)arg, i, counted;
+    int64_t x;
+    CHECK_OK(ddp_init(NULL, &g), NULL);
+    for (i = 0; i < 200; i++) {
+        x = rank;
+        CHECK_OK(ddp_all_reduce(g, &x, 1, DDP_I64, DDP_SUM), g);
+        CHECK(x == (int64_t)n * (n - 1) / 2, "rank %d: sum of ranks %lld", rank, (long long)x);
+    }
+    counted = __atomic_load_n(&yields, __ATOMIC_RELAXED);
+    x = counted;
+    CHECK_OK(ddp_all_reduce(g, &x, 1, DDP_I64, DDP_SUM), g);
+    if (rank == 0 && getenv("TEST_DEBUG")) fprintf(stderr, "%d ranks: %lld sched_yield calls in all\n", n, (long long)x);
+    CHECK(expect_spin ? x > 0 : counted == 0, "%d ranks on %ld CPUs: rank %d yielded %d times (%lld in all) in 200 small "
+          "all_reduces over TCP; expected %s", n, sysconf(_SC_NPROCESSORS_ONLN), rank, counted, (long long)x,
+          expect_spin ? "some (it spins)" : "none (oversubscribed: no spin)");
+    CHECK_OK(ddp_destroy(g), NULL);
+    return 0;
+}
+
+static int run_spin(void) {
+    long cpus = sysconf(_SC_NPROCESSORS_ONLN);
+    int spin = 1, no_spin = 0, failed = 0;
+    if (cpus >= 2) failed |= tl_run_ranks(2, spin_worker, &spin, 120);
+    if (cpus + 1 <= 16) failed |= tl_run_ranks((int)cpus + 1, spin_worker, &no_spin, 120);
+    else printf("SKIP-PART oversubscribed: %ld CPUs here, the test runs at most 16 ranks\n", cpus);
+    printf("small all_reduces over TCP spin before poll() at 2 ranks, not with %ld ranks on %ld CPUs: %s\n", cpus + 1, cpus,
+           failed ? "FAILED" : "ok");
+    fflush(stdout);
+    return failed;
+}
+
 static int run_first_calls(void) {
     int i, failed = 0, mixed = 1, runs = getenv("TEST_QUICK") ? 5 : 20; /* sanitizer builds: fewer */
     for (i = 0; i < runs; i++) failed |= tl_run_ranks(8, first_call_worker, NULL, 60);
@@ -282,6 +327,7 @@ int main(int argc, char **argv) {
         fflush(stdout);
         failed |= rc;
     }
+    failed |= run_spin();
     failed |= run_first_calls();
     failed |= run_mismatches();
     return failed;
