@@ -245,14 +245,6 @@ static void ddp__mesh_hang_up(ddp_group *g) {
         }
 }
 
-/* A rendezvous failed on this rank: publish the error (unless another rank already published one:
-   then a rank that only lost a peer fails with the published reason, which is the cause, rather than
-   "lost rank i"), hang up its mesh connections, and if this rank serves the store, keep serving until
-   every other process has read it (at most a few seconds, for ranks that never started), so that they
-   fail with the reason instead of "lost the store". Every other process counts itself in abort_seen,
-   whether or not it had joined: one that was still claiming its rank when the error came (a slow start,
-   the second of two processes with one rank) must find the store still there. Returns the code this
-   rank fails with. */
 /* Publish this rank's error (g->error) as the abort, unless one is there already. */
 static void ddp__rdzv_publish(ddp_group *g, ddp_result code) {
     char key[256], msg[DDP__ERR_MAX];
@@ -263,6 +255,14 @@ static void ddp__rdzv_publish(ddp_group *g, ddp_result code) {
         ddp__rdzv_abort(g, code, msg);
 }
 
+/* A rendezvous failed on this rank: publish the error (unless another rank already published one:
+   then a rank that only lost a peer fails with the published reason, which is the cause, rather than
+   "lost rank i"), hang up its mesh connections, and if this rank serves the store, keep serving until
+   every other process has read it (at most a few seconds, for ranks that never started), so that they
+   fail with the reason instead of "lost the store". Every other process counts itself in abort_seen,
+   whether or not it had joined: one that was still claiming its rank when the error came (a slow start,
+   the second of two processes with one rank) must find the store still there. Returns the code this
+   rank fails with. */
 static ddp_result ddp__rdzv_fail_all(ddp_group *g, ddp_result code) {
     char key[256], msg[DDP__ERR_MAX];
     int exists = 0, aborted = 0;
@@ -744,7 +744,7 @@ static ddp_result ddp__mesh_accept(ddp_group *g, const ddp__record *rec, int lis
     char err[DDP__ERR_MAX], missing[DDP__ERR_MAX / 2];
     double next_watch = ddp__now() + DDP__WATCH_PERIOD;
     int npend = 0, accepted = 0, i, j, fd;
-    ddp_result r = DDP_SUCCESS;
+    ddp_result r = DDP_SUCCESS, got;
     while (accepted < g->world_size - 1 - g->rank) {
         double now = ddp__now(), wake = DDP__MIN(deadline, next_watch);
         ddp__hello h;
@@ -755,7 +755,6 @@ static ddp_result ddp__mesh_accept(ddp_group *g, const ddp__record *rec, int lis
                           "block the port?", g->timeout, g->rank, rec[g->rank].port, missing);
             break;
         }
-        r = DDP_SUCCESS; /* an accept that found nobody (the connection went away) is no failure */
         if (now >= next_watch) {
             if ((r = ddp__mesh_watch(g, rec, node)) != DDP_SUCCESS) break;
             next_watch = ddp__now() + DDP__WATCH_PERIOD;
@@ -787,11 +786,12 @@ static ddp_result ddp__mesh_accept(ddp_group *g, const ddp__record *rec, int lis
         for (i = j = 0; i < npend; i++) /* keep the pending ones, in order */
             if (pend[i].fd >= 0) pend[j++] = pend[i];
         npend = j;
-        if ((pfd[0].revents & POLLIN) && (r = ddp__net_accept(listen_fd, now + 0.01, &fd, err)) == DDP_ERR_SYSTEM) {
-            r = ddp__mesh_accept_failed(g, r, err); /* out of descriptors, most likely */
+        got = (pfd[0].revents & POLLIN) ? ddp__net_accept(listen_fd, now + 0.01, &fd, err) : DDP_ERR_TIMEOUT;
+        if (got == DDP_ERR_SYSTEM) {
+            r = ddp__mesh_accept_failed(g, got, err); /* out of descriptors, most likely */
             break;
         }
-        if ((pfd[0].revents & POLLIN) && r == DDP_SUCCESS) {
+        if (got == DDP_SUCCESS) { /* (DDP_ERR_TIMEOUT: nobody there, the connection went away) */
             if (npend == DDP__PENDING_MAX) { /* full: the oldest has waited longest */
                 ddp__log(g, DDP_LOG_WARN, "refused a connection to this rank's mesh port: %d others were waiting to "
                          "identify themselves", DDP__PENDING_MAX);
