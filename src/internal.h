@@ -54,6 +54,7 @@
 #include <string.h>
 #include <sys/file.h>
 #include <sys/mman.h>
+#include <sys/resource.h>
 #include <sys/socket.h>
 #include <sys/stat.h>
 #include <sys/syscall.h>
@@ -212,6 +213,16 @@ static DDP__UNUSED uint64_t ddp__hash(const char *s); /* FNV-1a of a string */
 /* An error code that came from another process (an ABORT frame, the store): itself when it is one of
    ddp_result's errors, else fallback -- a corrupt or hostile 0 must never read as success. */
 static DDP__UNUSED ddp_result ddp__peer_code(long code, ddp_result fallback);
+/* Open files (RLIMIT_NOFILE): ddp_init calls ddp__fd_prepare before it connects (raises the soft limit to
+   the hard one, notes the group's size); where a call fails with EMFILE or ENFILE
+   (ddp__out_of_descriptors), ddp__fail_descriptors writes "<what>: too many open files: ..." naming the
+   limit, the group's need (ddp__fd_need) and `ulimit -n`, and returns DDP_ERR_SYSTEM. */
+static DDP__UNUSED long ddp__fd_need(int world, int rank);
+static DDP__UNUSED int ddp__out_of_descriptors(int errnum);
+static DDP__UNUSED ddp_result ddp__fail_descriptors(char *err, int errnum, const char *what);
+static DDP__UNUSED void ddp__fd_prepare(ddp_group *g, int world, int rank);
+/* More ranks on this host than CPUs online: waits should block rather than spin (shm.c, transport.c). */
+static DDP__UNUSED int ddp__oversubscribed(int ranks_here);
 
 /* ---- registry.c: the live groups and work handles (a call on a freed one is an error, not a crash) ---- */
 #define DDP__LIVE_GROUP 1
@@ -257,6 +268,9 @@ typedef struct ddp__server_stats {
 } ddp__server_stats;
 /* A snapshot, safe from any thread while the server runs (for benchmarks; bench/bench_scale.c). */
 static DDP__UNUSED void ddp__store_server_stats(const ddp__store_server *s, ddp__server_stats *out);
+/* While ddp_init connects a group through this server: that group's rendezvous abort key (NULL when done).
+   A server that cannot accept a client for lack of descriptors stores the abort there itself. */
+static DDP__UNUSED void ddp__store_server_abort_key(ddp__store_server *s, const char *key);
 /* Joins the thread and closes everything. A request still on its way is lost (its client sees
    DDP_ERR_PEER_LOST), so stop only once every client's last call has been answered: e.g. each rank's last
    call is an add that rank 0 counts (a barrier's final WAIT is not enough). NULL is a no-op. */

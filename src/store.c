@@ -371,6 +371,11 @@ struct ddp__store_server {
     size_t share;    /* what one connection may be charged for: max_held / 8 */
     size_t reserve;  /* the budget's last part, for small entries only: max_held / 8 */
     double accept_paused_until;
+    int out_of_fds; /* accept is failing with EMFILE/ENFILE: said once per episode */
+    /* ddp_init's rendezvous abort key (ddp__store_server_abort_key), while a rendezvous is on: where
+       the server itself publishes "it cannot accept a rank", so that every rank fails with the reason */
+    char abort_key[256];
+    int abort_key_set;
     char *token; /* DDP_AUTH_TOKEN when the server started; NULL = no authentication */
     uint64_t requests, connections; /* served and accepted so far: ddp__store_server_stats */
 };
@@ -1112,6 +1117,38 @@ static void ddp__srv_free_conn(ddp__store_server *s, ddp__store_conn *c) {
     ddp__free(c);
 }
 
+/* The server cannot accept a client for lack of descriptors. During a rendezvous that client is a rank,
+   which would wait in the listen backlog until its timeout while the others wait for it: the server
+   stores the rendezvous abort itself (unless one is there), as ddp_init's ddp__rdzv_abort would, "code|
+   message", naming rank 0. The ranks it serves read it and leave, which frees descriptors for the rest. */
+static void ddp__srv_publish_abort(ddp__store_server *s, const char *why) {
+    char host[128], value[DDP__ERR_MAX + 16];
+    const char *key = s->abort_key;
+    size_t klen;
+    uint64_t h;
+    unsigned char *copy;
+    if (!__atomic_load_n(&s->abort_key_set, __ATOMIC_ACQUIRE)) return;
+    klen = strlen(key);
+    h = ddp__store_hash(key, klen);
+    if (ddp__kv_find(&s->kv, key, klen, h)) return;
+    if (gethostname(host, sizeof host) != 0) snprintf(host, sizeof host, "?");
+    host[sizeof host - 1] = '\0';
+    snprintf(value, sizeof value, "%d|rank 0 (host %.64s, pid %d), serving the store on %.96s, cannot accept every rank's "
+             "connection: %.700s", (int)DDP_ERR_SYSTEM, host, (int)getpid(), s->where, why);
+    if (!(copy = ddp__store_dup(value, strlen(value)))) return;
+    if (ddp__kv_put(&s->kv, key, klen, h, copy, strlen(value)) < 0) return;
+    ddp__srv_wake(s, key, klen, h);
+}
+
+/* key: the rendezvous abort key of the group that ddp_init is connecting; NULL once it is connected. */
+static void ddp__store_server_abort_key(ddp__store_server *s, const char *key) {
+    if (!s) return;
+    __atomic_store_n(&s->abort_key_set, 0, __ATOMIC_RELEASE);
+    if (!key) return;
+    snprintf(s->abort_key, sizeof s->abort_key, "%s", key);
+    __atomic_store_n(&s->abort_key_set, 1, __ATOMIC_RELEASE);
+}
+
 static void ddp__srv_accept(ddp__store_server *s) {
     char err[DDP__ERR_MAX], host[64] = "?", serv[16] = "?";
     struct sockaddr_storage ss;
@@ -1121,10 +1158,16 @@ static void ddp__srv_accept(ddp__store_server *s) {
     ddp_result r = ddp__net_accept(s->listen_fd, ddp__now() + 0.01, &fd, err);
     if (r == DDP_ERR_TIMEOUT) return; /* the client gave up between poll and accept */
     if (r != DDP_SUCCESS) {           /* out of file descriptors, most likely: let some close first */
-        ddp__srv_log(s, DDP_LOG_WARN, "cannot accept a client (%s); not accepting for 0.1 s", err);
+        if (!s->out_of_fds || !strstr(err, "too many open files"))
+            ddp__srv_log(s, DDP_LOG_WARN, "cannot accept a client (%s); not accepting for 0.1 s", err);
+        if (strstr(err, "too many open files")) {
+            s->out_of_fds = 1;
+            ddp__srv_publish_abort(s, err);
+        }
         s->accept_paused_until = ddp__now() + 0.1;
         return;
     }
+    s->out_of_fds = 0;
     if (s->nconns == s->cap_conns) {
         size_t cap = s->cap_conns ? s->cap_conns * 2 : 16;
         ddp__store_conn **p = (ddp__store_conn **)DDP_REALLOC(s->conns, cap * sizeof *p);
@@ -1381,6 +1424,7 @@ static ddp_result ddp__tcp_open(ddp_store *s, double deadline) {
     }
     if (r == DDP_SUCCESS) return r;
     s->fd = -1;
+    if (r == DDP_ERR_SYSTEM) return ddp__store_fail(s, r, "cannot reach %s: %s", s->where, why); /* out of descriptors */
     return ddp__store_fail(s, r, "cannot reach %s: %s; is rank 0 (which serves the store) running, and do "
                                  "MASTER_ADDR and MASTER_PORT name its host and a port it can listen on?",
                            s->where, why);
