@@ -1518,6 +1518,7 @@ DDP_API int ddp__cuda_nccl_test(ddp__cuda_nccl *c, void *event);
 #include <string.h>
 #include <sys/file.h>
 #include <sys/mman.h>
+#include <sys/resource.h>
 #include <sys/socket.h>
 #include <sys/stat.h>
 #include <sys/syscall.h>
@@ -1589,6 +1590,7 @@ extern char *mkdtemp(char *template_);
 #endif
 #if defined(__GLIBC__) && !defined(__USE_XOPEN2K)
 extern int setenv(const char *name, const char *value, int replace);
+extern int pthread_getcpuclockid(pthread_t thread_id, clockid_t *clock_id);
 extern int posix_fallocate(int fd, off_t offset, off_t len) DDP__OFF64(posix_fallocate);
 struct addrinfo {
     int ai_flags;
@@ -1675,6 +1677,16 @@ static DDP__UNUSED uint64_t ddp__hash(const char *s); /* FNV-1a of a string */
 /* An error code that came from another process (an ABORT frame, the store): itself when it is one of
    ddp_result's errors, else fallback -- a corrupt or hostile 0 must never read as success. */
 static DDP__UNUSED ddp_result ddp__peer_code(long code, ddp_result fallback);
+/* Open files (RLIMIT_NOFILE): ddp_init calls ddp__fd_prepare before it connects (raises the soft limit to
+   the hard one, notes the group's size); where a call fails with EMFILE or ENFILE
+   (ddp__out_of_descriptors), ddp__fail_descriptors writes "<what>: too many open files: ..." naming the
+   limit, the group's need (ddp__fd_need) and `ulimit -n`, and returns DDP_ERR_SYSTEM. */
+static DDP__UNUSED long ddp__fd_need(int world, int rank);
+static DDP__UNUSED int ddp__out_of_descriptors(int errnum);
+static DDP__UNUSED ddp_result ddp__fail_descriptors(char *err, int errnum, const char *what);
+static DDP__UNUSED void ddp__fd_prepare(ddp_group *g, int world, int rank);
+/* More ranks on this host than CPUs online: waits should block rather than spin (shm.c, transport.c). */
+static DDP__UNUSED int ddp__oversubscribed(int ranks_here);
 
 /* ---- registry.c: the live groups and work handles (a call on a freed one is an error, not a crash) ---- */
 #define DDP__LIVE_GROUP 1
@@ -1715,7 +1727,21 @@ typedef struct ddp__store_server ddp__store_server;
 static DDP__UNUSED ddp_result ddp__store_server_start(const char *host, int port, ddp_log_level lvl,
                                                       ddp__store_server **out, char *err);
 static DDP__UNUSED int ddp__store_server_port(const ddp__store_server *s); /* the port it listens on */
-static DDP__UNUSED uint64_t ddp__store_server_requests(const ddp__store_server *s); /* handled so far (0 for NULL) */
+typedef struct ddp__server_stats {
+    uint64_t requests, connections; /* requests handled and clients accepted since it started */
+    double cpu_seconds;             /* CPU time of the server's thread; -1 when it cannot be read */
+} ddp__server_stats;
+/* A snapshot, safe from any thread while the server runs (for benchmarks and tests: bench/bench_scale.c,
+   test_init's requests per rank). */
+static DDP__UNUSED void ddp__store_server_stats(const ddp__store_server *s, ddp__server_stats *out);
+/* While ddp_init connects a group through this server: that group's rendezvous keys, "abort", "table"
+   and "ready" (group.c; all NULL when done). A server that cannot accept a client for lack of
+   descriptors publishes the abort itself as ddp__rdzv_abort does: under the abort key, as the table's
+   value behind DDP__RDZV_ABORTED (unless the table is there), then the ready key, which every rank
+   waiting for the table watches. */
+#define DDP__RDZV_ABORTED "abort:" /* a rendezvous table that holds "code|message" instead of records */
+static DDP__UNUSED void ddp__store_server_abort_key(ddp__store_server *s, const char *abort_key, const char *table_key,
+                                                    const char *ready_key);
 /* Joins the thread and closes everything. A request still on its way is lost (its client sees
    DDP_ERR_PEER_LOST), so stop only once every client's last call has been answered: e.g. each rank's last
    call is an add that rank 0 counts (a barrier's final WAIT is not enough). NULL is a no-op. */
@@ -2015,6 +2041,7 @@ static DDP__UNUSED ddp_result ddp__ring_all_gather(ddp_group *g, const ddp__coll
 static DDP__UNUSED ddp_result ddp__rd_all_reduce(ddp_group *g, const ddp__coll *c, char *buf, size_t count, ddp_dtype t,
                                                  ddp_op op);
 #define DDP__RD_MAX_BYTES ((size_t)32 << 10) /* all_reduce up to this size runs recursive doubling (tcp.c) */
+#define DDP__BROADCAST_TREE_MAX_BYTES ((size_t)256 << 10) /* broadcast up to this size runs the binomial tree (tcp.c) */
 /* The backend a new group starts with: its set-up runs on the mesh (alone: no mesh, nothing to run). */
 static DDP__UNUSED const ddp__backend *ddp__initial_backend(int world_size);
 /* Set-up collectives over the mesh, whatever g's backend (shm, hier, nccl set themselves up with them). */
@@ -2324,6 +2351,90 @@ static uint64_t ddp__hash(const char *s) { /* FNV-1a */
 
 static ddp_result ddp__peer_code(long code, ddp_result fallback) {
     return code <= DDP_ERR_INVALID_ARGUMENT && code >= DDP_ERR_WORKER_FAILED ? (ddp_result)code : fallback;
+}
+
+/* ---- open files ----
+   A rank holds a descriptor per connection, so a large group meets RLIMIT_NOFILE (commonly a soft limit
+   of 1024 under a far higher hard one). ddp_init raises the soft limit to the hard one, as NCCL does
+   (ddp__fd_prepare), and notes the group's size, so that whoever meets EMFILE or ENFILE afterwards
+   (a socket, an accept, shm_open; on any thread, the store server's included) can say how many
+   descriptors the group needs and how to allow them (ddp__fail_descriptors). */
+static int ddp__fd_world = 0, ddp__fd_rank = -1; /* the largest group this process joined: for messages */
+
+/* Descriptors a rank holds at the peak of ddp_init, measured on the full mesh (tests/test_init.c,
+   "open-file limit"): stdin/out/err, its store client, its mesh listener and a socket to each of the
+   other W-1 ranks (W+4); rank 0 also serves the store: its listener, a stop pipe and a connection per
+   rank (2W+7). Keep this in step with the connection scheme: messages quote it. */
+static long ddp__fd_need(int world, int rank) { return rank == 0 ? 2L * world + 7 : (long)world + 4; }
+
+static int ddp__out_of_descriptors(int errnum) { return errnum == EMFILE || errnum == ENFILE; }
+
+/* "too many open files: ..." into err (what: the call that failed), naming the limit, the need and the
+   fix. EMFILE is this process's limit, ENFILE the whole system's. */
+static const char *ddp__rlim_text(rlim_t v, char *buf, size_t cap) {
+    if (v == RLIM_INFINITY) snprintf(buf, cap, "unlimited");
+    else snprintf(buf, cap, "%llu", (unsigned long long)v);
+    return buf;
+}
+
+static ddp_result ddp__fail_descriptors(char *err, int errnum, const char *what) {
+    struct rlimit rl;
+    char soft[32] = "?", hard[32] = "?", need[96] = "";
+    int world = __atomic_load_n(&ddp__fd_world, __ATOMIC_ACQUIRE), rank = __atomic_load_n(&ddp__fd_rank, __ATOMIC_RELAXED);
+    if (getrlimit(RLIMIT_NOFILE, &rl) == 0) {
+        ddp__rlim_text(rl.rlim_cur, soft, sizeof soft);
+        ddp__rlim_text(rl.rlim_max, hard, sizeof hard);
+    }
+    if (world > 0)
+        snprintf(need, sizeof need, "; a group of %d ranks needs about %ld here (rank %d)", world, ddp__fd_need(world, rank), rank);
+    if (errnum == ENFILE)
+        return ddp__fail_to(err, DDP_ERR_SYSTEM, "%s: too many open files in the whole system (ENFILE: the kernel's table, "
+                            "fs.file-max, is full)%s; close other programs' files or raise fs.file-max with sysctl", what, need);
+    return ddp__fail_to(err, DDP_ERR_SYSTEM, "%s: too many open files: this process (pid %d) may have %s (RLIMIT_NOFILE soft "
+                        "limit, hard %s)%s; raise it with `ulimit -n N` before starting the job (`ulimit -Hn N` or "
+                        "limits.conf for the hard limit)", what, (int)getpid(), soft, hard, need);
+}
+
+/* Before a group of `world` ranks connects: raise the soft open-file limit to the hard one (said at debug
+   level; a warning when even the hard limit is below the group's need), and note the group's size for
+   ddp__fail_descriptors. */
+static void ddp__fd_prepare(ddp_group *g, int world, int rank) {
+    struct rlimit rl;
+    char a[32], b[32];
+    long need = ddp__fd_need(world, rank);
+    if (world > __atomic_load_n(&ddp__fd_world, __ATOMIC_ACQUIRE)) {
+        __atomic_store_n(&ddp__fd_rank, rank, __ATOMIC_RELAXED);
+        __atomic_store_n(&ddp__fd_world, world, __ATOMIC_RELEASE);
+    }
+    if (getrlimit(RLIMIT_NOFILE, &rl) != 0) return;
+    if (rl.rlim_cur != rl.rlim_max) {
+        rlim_t was = rl.rlim_cur;
+        rl.rlim_cur = rl.rlim_max;
+        if (setrlimit(RLIMIT_NOFILE, &rl) == 0)
+            ddp__log(g, DDP_LOG_DEBUG, "raised the soft limit on open files (RLIMIT_NOFILE) from %s to the hard limit, %s",
+                     ddp__rlim_text(was, a, sizeof a), ddp__rlim_text(rl.rlim_max, b, sizeof b));
+        else
+            rl.rlim_cur = was;
+    }
+    if (rl.rlim_cur != RLIM_INFINITY && (long long)rl.rlim_cur < (long long)need)
+        ddp__log(g, DDP_LOG_WARN, "this process may have %s open files (RLIMIT_NOFILE, hard limit %s), but a group of %d "
+                 "ranks needs about %ld on rank %d: ddp_init may fail; raise it with `ulimit -n %ld`",
+                 ddp__rlim_text(rl.rlim_cur, a, sizeof a), ddp__rlim_text(rl.rlim_max, b, sizeof b), world, need, rank, need);
+}
+
+/* ---- oversubscription ---- */
+
+/* More ranks on this host than CPUs online: a rank that spins while waiting only delays the rank it
+   waits for (which needs that core), so waits block at once. ranks_here < 1 (unknown): not oversubscribed. */
+static int ddp__oversubscribed(int ranks_here) {
+    static long cpus = 0; /* sysconf reads /sys: once per process */
+    long n = __atomic_load_n(&cpus, __ATOMIC_RELAXED);
+    if (n == 0) {
+        n = sysconf(_SC_NPROCESSORS_ONLN);
+        if (n < 1) n = 1;
+        __atomic_store_n(&cpus, n, __ATOMIC_RELAXED);
+    }
+    return ranks_here > n;
 }
 /* ==================== end src/util.c ==================== */
 
@@ -2683,6 +2794,7 @@ static ddp_result ddp__net_listen(const char *host, int port, int *fd_out, int *
     }
     freeaddrinfo(res);
     if (fd < 0) {
+        if (ddp__out_of_descriptors(saved)) return ddp__fail_descriptors(err, saved, "cannot open a listening socket");
         if (saved == EADDRINUSE)
             return ddp__fail_to(err, DDP_ERR_INIT, "port %d on %s is already in use (another job, or a previous run still "
                                 "exiting); choose another MASTER_PORT or use ddprun --standalone", port, host ? host : "*");
@@ -2733,6 +2845,11 @@ static ddp_result ddp__net_connect_once(const char *host, int port, double deadl
         int fd = socket(ai->ai_family, ai->ai_socktype, ai->ai_protocol), soerr = 0;
         socklen_t len = sizeof soerr;
         char why[DDP__ERR_MAX];
+        if (fd < 0 && ddp__out_of_descriptors(errno)) { /* waiting would not help: say so now */
+            int e = errno;
+            freeaddrinfo(res);
+            return ddp__fail_descriptors(err, e, "cannot open a socket");
+        }
         if (fd < 0) continue;
         tried++;
         ddp__net_configure(fd);
@@ -2782,6 +2899,7 @@ static ddp_result ddp__net_accept(int listen_fd, double deadline, int *fd_out, c
             *fd_out = fd;
             return DDP_SUCCESS;
         }
+        if (ddp__out_of_descriptors(errno)) return ddp__fail_descriptors(err, errno, "cannot accept a connection");
         if (errno != EAGAIN && errno != EWOULDBLOCK && errno != EINTR && errno != ECONNABORTED)
             return ddp__fail_to(err, DDP_ERR_SYSTEM, "accept: %s", strerror(errno));
     }
@@ -3445,8 +3563,13 @@ struct ddp__store_server {
     size_t share;    /* what one connection may be charged for: max_held / 8 */
     size_t reserve;  /* the budget's last part, for small entries only: max_held / 8 */
     double accept_paused_until;
+    int out_of_fds; /* accept is failing with EMFILE/ENFILE: said once per episode */
+    /* ddp_init's rendezvous keys (ddp__store_server_abort_key), while a rendezvous is on: where the
+       server itself publishes "it cannot accept a rank", so that every rank fails with the reason */
+    char abort_key[256], table_key[256], ready_key[256];
+    int abort_key_set;
     char *token; /* DDP_AUTH_TOKEN when the server started; NULL = no authentication */
-    uint64_t requests, clients; /* requests handled and clients accepted, logged at debug when it stops */
+    uint64_t requests, connections; /* served and accepted so far: ddp__store_server_stats */
 };
 
 static void ddp__srv_log(const ddp__store_server *s, ddp_log_level level, const char *fmt, ...) DDP__PRINTF(3, 4);
@@ -3996,7 +4119,7 @@ static void ddp__srv_handle(ddp__store_server *s, ddp__store_conn *c, const unsi
     r.p = req;
     r.n = size;
     r.at = 1;
-    __atomic_add_fetch(&s->requests, 1, __ATOMIC_RELAXED); /* read by ddp__store_server_requests */
+    __atomic_store_n(&s->requests, s->requests + 1, __ATOMIC_RELAXED); /* only this thread writes it */
     c->status_due = c->announced;
     c->announced = 0;
     c->refused = 0;
@@ -4236,6 +4359,46 @@ static int ddp__srv_room_for_client(ddp__store_server *s) {
     return 0;
 }
 
+/* The server cannot accept a client for lack of descriptors. During a rendezvous that client is a rank,
+   which would wait in the listen backlog until its timeout while the others wait for it: the server
+   publishes the rendezvous abort itself, as ddp_init's ddp__rdzv_abort would (group.c): "code|message",
+   naming rank 0, under the abort key (unless one is there), as the table's value behind
+   DDP__RDZV_ABORTED (unless the table is there: a compare-set against an absent key), and then the
+   ready key, which wakes every rank waiting for the table. The ranks it serves read it and leave, which
+   frees descriptors for the rest. */
+static void ddp__srv_put_absent(ddp__store_server *s, const char *key, const char *value) {
+    size_t klen = strlen(key), vlen = strlen(value);
+    uint64_t h = ddp__store_hash(key, klen);
+    unsigned char *copy;
+    if (ddp__kv_find(&s->kv, key, klen, h) || !(copy = ddp__store_dup(value, vlen))) return;
+    if (ddp__kv_put(&s->kv, key, klen, h, copy, vlen) > 0) ddp__srv_wake(s, key, klen, h);
+}
+
+static void ddp__srv_publish_abort(ddp__store_server *s, const char *why) {
+    char host[128], value[DDP__ERR_MAX + 16], marker[DDP__ERR_MAX + 32];
+    if (!__atomic_load_n(&s->abort_key_set, __ATOMIC_ACQUIRE)) return;
+    if (gethostname(host, sizeof host) != 0) snprintf(host, sizeof host, "?");
+    host[sizeof host - 1] = '\0';
+    snprintf(value, sizeof value, "%d|rank 0 (host %.64s, pid %d), serving the store on %.96s, cannot accept every rank's "
+             "connection: %.700s", (int)DDP_ERR_SYSTEM, host, (int)getpid(), s->where, why);
+    snprintf(marker, sizeof marker, "%s%s", DDP__RDZV_ABORTED, value);
+    ddp__srv_put_absent(s, s->abort_key, value);
+    ddp__srv_put_absent(s, s->table_key, marker);
+    ddp__srv_put_absent(s, s->ready_key, "1");
+}
+
+/* The rendezvous keys of the group that ddp_init is connecting; NULL once it is connected. */
+static void ddp__store_server_abort_key(ddp__store_server *s, const char *abort_key, const char *table_key,
+                                        const char *ready_key) {
+    if (!s) return;
+    __atomic_store_n(&s->abort_key_set, 0, __ATOMIC_RELEASE);
+    if (!abort_key || !table_key || !ready_key) return;
+    snprintf(s->abort_key, sizeof s->abort_key, "%s", abort_key);
+    snprintf(s->table_key, sizeof s->table_key, "%s", table_key);
+    snprintf(s->ready_key, sizeof s->ready_key, "%s", ready_key);
+    __atomic_store_n(&s->abort_key_set, 1, __ATOMIC_RELEASE);
+}
+
 /* Accept one client. 0: accepted (or refused, logged), -1: nothing more to accept now. */
 static int ddp__srv_accept(ddp__store_server *s) {
     char host[64] = "?", serv[16] = "?";
@@ -4246,11 +4409,21 @@ static int ddp__srv_accept(ddp__store_server *s) {
     if (fd < 0 && (errno == EAGAIN || errno == EWOULDBLOCK || errno == EINTR || errno == ECONNABORTED))
         return errno == EAGAIN || errno == EWOULDBLOCK ? -1 : 0; /* none waiting, or one that gave up */
     if (fd < 0) { /* out of file descriptors, most likely: let some close first */
-        ddp__srv_log(s, DDP_LOG_WARN, "cannot accept a client (accept: %s); not accepting for 0.1 s", strerror(errno));
+        char err[DDP__ERR_MAX];
+        int e = errno, no_fds = ddp__out_of_descriptors(e);
+        if (no_fds) ddp__fail_descriptors(err, e, "cannot accept a connection");
+        else snprintf(err, sizeof err, "accept: %s", strerror(e));
+        if (!s->out_of_fds || !no_fds) /* said once per episode */
+            ddp__srv_log(s, DDP_LOG_WARN, "cannot accept a client (%s); not accepting for 0.1 s", err);
+        if (no_fds) {
+            s->out_of_fds = 1;
+            ddp__srv_publish_abort(s, err);
+        }
         s->accept_paused_until = ddp__now() + 0.1;
         epoll_ctl(s->epfd, EPOLL_CTL_DEL, s->listen_fd, NULL);
         return -1;
     }
+    s->out_of_fds = 0;
     if (ddp__srv_room_for_client(s) != 0) {
         close(fd);
         return 0;
@@ -4276,7 +4449,7 @@ static int ddp__srv_accept(ddp__store_server *s) {
     s->buffers += sizeof *c;
     c->slot = s->nconns;
     s->conns[s->nconns++] = c;
-    s->clients++;
+    __atomic_store_n(&s->connections, s->connections + 1, __ATOMIC_RELAXED);
     ddp__srv_log(s, DDP_LOG_DEBUG, "client %s connected", c->peer);
     return 0;
 }
@@ -4346,6 +4519,13 @@ static void *ddp__srv_main(void *arg) {
     }
     for (i = 0; i < s->nconns; i++) /* replies already due still go out, as far as the sockets take them */
         if (!s->conns[i]->dead) ddp__srv_flush(s, s->conns[i]);
+    {
+        struct timespec cpu = {0, 0};
+        clock_gettime(CLOCK_THREAD_CPUTIME_ID, &cpu);
+        ddp__srv_log(s, DDP_LOG_DEBUG, "stopping: served %llu requests from %llu connections in %.3f s of CPU",
+                     (unsigned long long)s->requests, (unsigned long long)s->connections,
+                     (double)cpu.tv_sec + (double)cpu.tv_nsec * 1e-9);
+    }
     return NULL;
 }
 
@@ -4412,8 +4592,16 @@ static ddp_result ddp__store_server_start(const char *host, int port, ddp_log_le
 
 static int ddp__store_server_port(const ddp__store_server *s) { return s->port; }
 
-static uint64_t ddp__store_server_requests(const ddp__store_server *s) {
-    return s ? __atomic_load_n(&s->requests, __ATOMIC_RELAXED) : 0;
+/* What the server has done so far, read from another thread while it runs (bench/bench_scale.c): the
+   requests it handled, the connections it accepted, and its thread's CPU time (-1 when unreadable). */
+static void ddp__store_server_stats(const ddp__store_server *s, ddp__server_stats *out) {
+    struct timespec cpu;
+    clockid_t clock;
+    out->requests = __atomic_load_n(&s->requests, __ATOMIC_RELAXED);
+    out->connections = __atomic_load_n(&s->connections, __ATOMIC_RELAXED);
+    out->cpu_seconds = -1;
+    if (pthread_getcpuclockid(s->thread, &clock) == 0 && clock_gettime(clock, &cpu) == 0)
+        out->cpu_seconds = (double)cpu.tv_sec + (double)cpu.tv_nsec * 1e-9;
 }
 
 static void ddp__store_server_stop(ddp__store_server *s) {
@@ -4422,8 +4610,6 @@ static void ddp__store_server_stop(ddp__store_server *s) {
     while (write(s->pipe_wr, &b, 1) < 0 && errno == EINTR) {
     }
     pthread_join(s->thread, NULL);
-    ddp__srv_log(s, DDP_LOG_DEBUG, "stopped after %llu requests from %llu clients", (unsigned long long)s->requests,
-                 (unsigned long long)s->clients);
     ddp__store_server_close(s);
 }
 
@@ -4512,6 +4698,7 @@ static ddp_result ddp__tcp_open(ddp_store *s, double deadline) {
     }
     if (r == DDP_SUCCESS) return r;
     s->fd = -1;
+    if (r == DDP_ERR_SYSTEM) return ddp__store_fail(s, r, "cannot reach %s: %s", s->where, why); /* out of descriptors */
     return ddp__store_fail(s, r, "cannot reach %s: %s; is rank 0 (which serves the store) running, and do "
                                  "MASTER_ADDR and MASTER_PORT name its host and a port it can listen on?",
                            s->where, why);
@@ -5731,7 +5918,11 @@ static short ddp__poll_events(ddp_group *g, const ddp__coll *c, const ddp__step 
    blocking for DDP__TCP_SPIN_SECONDS after its last progress, yielding the core between looks: on
    loopback (and fast networks) the answer often comes within a few microseconds, and waking a rank
    blocked in poll() costs more than that (Open MPI's TCP transport spins the same way). Large steps
-   block at once: there a wake-up is small beside the transfer, and spinning would only burn a core. */
+   block at once: there a wake-up is small beside the transfer, and spinning would only burn a core. When
+   this host has more ranks than CPUs (ddp__oversubscribed, as shm.c decides) a small step looks once,
+   yields once (the core goes to a rank that can run, often the one being waited for) and then blocks:
+   no spin. Measured on 2 cores, 8 ranks, 4-64 B all_reduce: as fast as the 50 us
+   spin, while blocking without the one yield was 25-30 % slower. */
 #define DDP__TCP_SPIN_SECONDS 50e-6
 #define DDP__TCP_SPIN_MAX_BYTES ((size_t)64 << 10)
 
@@ -5743,7 +5934,8 @@ static ddp_result ddp__exchange(ddp_group *g, const ddp__coll *c, const ddp__ste
     struct pollfd *fds = g->mesh.pollfds;
     int *owner = g->mesh.poll_owner;
     int spin = s->send_bytes <= DDP__TCP_SPIN_MAX_BYTES && s->recv_bytes <= DDP__TCP_SPIN_MAX_BYTES;
-    double deadline = ddp__now() + g->timeout, spin_until = spin ? ddp__now() + DDP__TCP_SPIN_SECONDS : 0;
+    double spin_for = ddp__oversubscribed(g->local_world_size) ? 0 : DDP__TCP_SPIN_SECONDS;
+    double deadline = ddp__now() + g->timeout, spin_until = spin ? ddp__now() + spin_for : 0;
     if (g->broken) return g->broken;
     if (s->send_peer >= 0) ddp__frame_init(&out, g, c, DDP__FRAME_DATA, s->send_bytes);
     while (sent < send_total || received < recv_total) {
@@ -5757,8 +5949,10 @@ static ddp_result ddp__exchange(ddp_group *g, const ddp__coll *c, const ddp__ste
             owner[n++] = i;
         }
         rc = 0;
-        if (spin)
-            while ((rc = poll(fds, (nfds_t)n, 0)) == 0 && ddp__now() < spin_until) sched_yield();
+        if (spin) {
+            int yielded = 0;
+            while ((rc = poll(fds, (nfds_t)n, 0)) == 0 && (ddp__now() < spin_until || !yielded++)) sched_yield();
+        }
         if (rc == 0)
             rc = poll(fds, (nfds_t)n, soon ? 1 : (int)DDP__MAX(1.0, DDP__MIN(1000.0, (deadline - ddp__now()) * 1000.0)));
         if (rc < 0 && errno != EINTR) return ddp__coll_fail(g, DDP_ERR_SYSTEM, "poll failed: %s", strerror(errno));
@@ -5829,7 +6023,7 @@ static ddp_result ddp__exchange(ddp_group *g, const ddp__coll *c, const ddp__ste
         }
         if (progressed) {
             deadline = ddp__now() + g->timeout;
-            if (spin) spin_until = ddp__now() + DDP__TCP_SPIN_SECONDS;
+            if (spin) spin_until = ddp__now() + spin_for;
         } else if (ddp__now() > deadline) {
             return ddp__peer_timed_out(g, g->mesh.waiting_for, c);
         }
@@ -6722,25 +6916,28 @@ static void ddp__trace_break(ddp_group *g, ddp_result code) {
    own part, and ends complete at rank c; the all-gather then passes each complete chunk around.
    Cost for N bytes on n ranks: 2(n-1) steps, each rank sending 2(n-1)/n * N bytes (bandwidth-optimal).
    Up to DDP__RD_MAX_BYTES all_reduce uses recursive doubling instead (log2(n) steps; see below).
+   barrier, and broadcast up to DDP__BROADCAST_TREE_MAX_BYTES, use dissemination: ceil(log2 n) steps,
+   in step k each rank sending to rank + 2^k (a binomial tree carries the broadcast's data; see below).
 
    Why a mismatch is an error on every rank (the program is wrong at collective #X: two ranks call
    something different there; transport.c explains how each rank checks what it receives):
    1. No rank finishes #X. Every algorithm here makes each rank's finish depend, through a chain of
       received frames, on every other rank having sent in #X (the ring passes data from every rank to
-      every rank; recursive doubling too; broadcast ends with a token pass and reduce starts with a
-      reduce-scatter for this). Each frame on the chain was checked by its receiver, so a rank that
-      finishes proves that every rank called the same #X.
+      every rank; recursive doubling and dissemination too; the chain broadcast ends with a token pass
+      and reduce starts with a reduce-scatter for this). Each frame on the chain was checked by its
+      receiver, so a rank that finishes proves that every rank called the same #X.
    2. Some rank sees the difference. Group the ranks by the call they make at #X. A group in which some
       rank sends without receiving first is "active": every rank of a ring algorithm (all_reduce,
-      all_gather, reduce_scatter, reduce, barrier), the root of a broadcast, and every rank of
-      recursive doubling (the folded pair 2i+1 -> 2i answers at once for this reason). An active group
-      that is not every rank sends to a rank outside it before it can get stuck: the ring's first step
-      goes to rank+1; a broadcast chain passes every rank; recursive doubling's partners cover ever
-      larger blocks and so leave the group. That frame reaches a rank waiting in #X, which checks every
-      frame that reaches it, whichever peer it waits on (transport.c), and fails with
-      DDP_ERR_MISMATCH. Every rank sends or receives something at #X unless every group is a broadcast
-      whose root is outside it (every rank calls broadcast and none names itself root): that case
-      alone ends in DDP_ERR_TIMEOUT.
+      all_gather, reduce_scatter, reduce), the root of a chain broadcast, every rank of dissemination
+      (barrier, small broadcast) and of recursive doubling (the folded pair 2i+1 -> 2i answers at once
+      for this reason). An active group that is not every rank sends to a rank outside it before it
+      can get stuck: the ring's and dissemination's first step goes to rank+1; a broadcast chain passes
+      every rank; recursive doubling's partners cover ever larger blocks and so leave the group. That
+      frame reaches a rank waiting in #X, which checks every frame that reaches it, whichever peer it
+      waits on (transport.c), and fails with DDP_ERR_MISMATCH. Every rank sends or receives something
+      at #X unless every group is a chain broadcast (above DDP__BROADCAST_TREE_MAX_BYTES) whose root is
+      outside it (every rank calls a large broadcast and none names itself root): that case alone ends
+      in DDP_ERR_TIMEOUT.
    3. The rank that saw it breaks the group (an ABORT frame to every peer), and every rank, all stuck
       in #X by (1), fails with that code and message. A rank still finishing #X-1 when a faster rank
       finds the mismatch at #X fails there (or in ddp_init, whose own barrier comes first): the group
@@ -6928,15 +7125,51 @@ static ddp_result ddp__do_reduce(ddp_group *g, const ddp__coll *c, void *buf, si
     return DDP_SUCCESS;
 }
 
-/* Broadcast: a pipelined chain root -> root+1 -> ... -> root-1 in slices, so every link carries the
-   data once and the slices overlap; then a token goes from the last rank through the root to the
-   others, so that no rank finishes before every rank has checked its neighbour's fingerprint. */
+/* ---- dissemination (Hensgen, Finkel and Manber's barrier), for barrier and small broadcasts ----
+
+   In round k (k = 0, 1, ... while 2^k < n) every rank sends one frame to rank + 2^k and receives one
+   from rank - 2^k (mod n), at the same time:
+
+       round 0:  0 -> 1 -> 2 -> 3 -> 4 -> 5 -> 0        (n = 6; every rank sends and receives)
+       round 1:  0 -> 2, 1 -> 3, 2 -> 4, 3 -> 5, 4 -> 0, 5 -> 1
+       round 2:  0 -> 4, 1 -> 5, 2 -> 0, 3 -> 1, 4 -> 2, 5 -> 3
+
+   After round k a rank has heard, through a chain of frames, from the 2^(k+1) - 1 ranks before it, so
+   after ceil(log2 n) rounds from every rank: no rank finishes before every rank has entered the call
+   (the barrier's promise, and point 1 of the top comment), for any n, in ceil(log2 n) steps where the
+   ring took n - 1.
+
+   A small broadcast rides on the same frames: with pos = (rank - root) mod n, the ranks with
+   pos < 2^k hold the data before round k, and in round k the frame from pos to pos + 2^k (when that is
+   < n) carries the payload; every other frame is an empty token. The payload frames form the binomial
+   tree of the root (pos 0 -> 1; 0 -> 2, 1 -> 3; 0 -> 4, 1 -> 5, 2 -> 6, 3 -> 7 ...), each rank takes
+   the data exactly once, from one sender, so it ends equal to the root's buffer, and the tokens make
+   the broadcast complete only when every rank has entered it, as the chain's final token pass did.
+   Every rank sends before it waits (round 0), so a broadcast meeting another call, or ranks that name
+   different roots, is a mismatch that the first frames show. Cost: ceil(log2 n) steps, each rank
+   sending at most ceil(log2 n) payloads; above DDP__BROADCAST_TREE_MAX_BYTES the pipelined chain below
+   moves the data instead (each link carries it once). */
+static ddp_result ddp__dissemination(ddp_group *g, const ddp__coll *c, char *buf, size_t bytes, int root) {
+    int n = g->world_size, r = g->rank, pos = ddp__mod(r - root, n), dist;
+    ddp_result res;
+    for (dist = 1; dist < n; dist *= 2) {
+        int gives = pos < dist && pos + dist < n, takes = pos >= dist && pos < 2 * dist;
+        if ((res = ddp__send_recv(g, c, ddp__mod(r + dist, n), buf, gives ? bytes : 0, ddp__mod(r - dist, n), buf,
+                                  takes ? bytes : 0)) != DDP_SUCCESS)
+            return res;
+    }
+    return DDP_SUCCESS;
+}
+
+/* Broadcast of large messages: a pipelined chain root -> root+1 -> ... -> root-1 in slices, so every
+   link carries the data once and the slices overlap; then a token goes from the last rank through the
+   root to the others, so that no rank finishes before every rank has checked its neighbour's
+   fingerprint. */
 #define DDP__BROADCAST_SLICE ((size_t)256 << 10)
-static ddp_result ddp__do_broadcast(ddp_group *g, const ddp__coll *c, void *buf, size_t count, ddp_dtype t, int root) {
+static ddp_result ddp__chain_broadcast(ddp_group *g, const ddp__coll *c, void *buf, size_t bytes, int root) {
     int n = g->world_size, pos = ddp__mod(g->rank - root, n);
     int left = ddp__mod(g->rank - 1, n), right = ddp__mod(g->rank + 1, n);
-    size_t bytes = count * ddp_dtype_size(t), i;
-    size_t slices = bytes ? (bytes + DDP__BROADCAST_SLICE - 1) / DDP__BROADCAST_SLICE : 1;
+    size_t i, slices = bytes ? (bytes + DDP__BROADCAST_SLICE - 1) / DDP__BROADCAST_SLICE : 1;
     char *p = (char *)buf;
     ddp__step st;
     ddp_result r;
@@ -6976,6 +7209,15 @@ static ddp_result ddp__do_broadcast(ddp_group *g, const ddp__coll *c, void *buf,
     return DDP_SUCCESS;
 }
 
+/* Broadcast: the binomial tree on dissemination's frames up to DDP__BROADCAST_TREE_MAX_BYTES
+   (latency-bound: ceil(log2 n) steps), the pipelined chain above (bandwidth-bound). Like all_reduce's
+   threshold, the choice depends only on the fingerprint and the world size, and is no setting. */
+static ddp_result ddp__do_broadcast(ddp_group *g, const ddp__coll *c, void *buf, size_t count, ddp_dtype t, int root) {
+    size_t bytes = count * ddp_dtype_size(t);
+    if (bytes <= DDP__BROADCAST_TREE_MAX_BYTES) return ddp__dissemination(g, c, (char *)buf, bytes, root);
+    return ddp__chain_broadcast(g, c, buf, bytes, root);
+}
+
 /* all_gather: place our part in recv, then ring all-gather with chunks of count_per_rank. */
 static ddp_result ddp__do_all_gather(ddp_group *g, const ddp__coll *c, const void *send, void *recv, size_t cpr, ddp_dtype t) {
     size_t es = ddp_dtype_size(t);
@@ -6999,9 +7241,9 @@ static ddp_result ddp__do_reduce_scatter(ddp_group *g, const ddp__coll *c, const
     return DDP_SUCCESS;
 }
 
-/* barrier: a ring all-gather of nothing; each rank finishes only after hearing (through the ring)
-   from every other rank. */
-static ddp_result ddp__do_barrier(ddp_group *g, const ddp__coll *c) { return ddp__ring_all_gather(g, c, NULL, 0, 1); }
+/* barrier: dissemination with empty frames; each rank finishes only after hearing (through a chain
+   of frames) from every other rank, in ceil(log2 n) steps. */
+static ddp_result ddp__do_barrier(ddp_group *g, const ddp__coll *c) { return ddp__dissemination(g, c, NULL, 0, 0); }
 
 /* ---- the backend ---- */
 
@@ -7382,6 +7624,7 @@ static void ddp__lib_free_all(ddp_group *g) {
    rank wakes every millisecond to check the TCP mesh for a lost or aborting peer and its deadline. */
 
 #include <linux/futex.h>
+#include <sys/statvfs.h>
 #include <sys/uio.h>
 #if defined(__GLIBC__) && !defined(__USE_GNU) /* <sys/uio.h> read without _GNU_SOURCE (see internal.h) */
 extern ssize_t process_vm_readv(pid_t pid, const struct iovec *lvec, unsigned long int liovcnt,
@@ -7920,6 +8163,26 @@ static int ddp__cma_probe(ddp_group *g, const uint64_t *pub) {
     return 1;
 }
 
+/* Rank 0 could not make the segment (errnum from shm_open, or from posix_fallocate on fd): the group
+   stays on TCP, which is slower, so say so at the default level, with the numbers and the fixes. */
+static void ddp__shm_unavailable(ddp_group *g, int errnum, size_t need, int fd) {
+    struct statvfs st;
+    char why[DDP__ERR_MAX];
+    const char *fix = "or set DDP_TRANSPORT=tcp to use TCP without this warning";
+    if (fd >= 0 && fstatvfs(fd, &st) == 0 && (errnum == ENOSPC || errnum == EFBIG)) {
+        ddp__log(g, DDP_LOG_WARN, "shared memory unavailable: /dev/shm has %.1f MiB free (of %.1f MiB), and a group of %d "
+                 "ranks needs a segment of %.1f MiB; using TCP, which is slower. Make /dev/shm larger (Docker: "
+                 "docker run --shm-size=%zum; Kubernetes: an emptyDir with medium Memory on /dev/shm), %s",
+                 (double)st.f_bavail * (double)st.f_frsize / 1048576.0, (double)st.f_blocks * (double)st.f_frsize / 1048576.0,
+                 g->world_size, (double)need / 1048576.0, (need >> 20) + 64, fix);
+        return;
+    }
+    if (ddp__out_of_descriptors(errnum)) ddp__fail_descriptors(why, errnum, "cannot open the shared-memory segment");
+    else snprintf(why, sizeof why, "%s the segment of %.1f MiB in /dev/shm: %s", fd >= 0 ? "cannot reserve" : "cannot create",
+                  (double)need / 1048576.0, strerror(errnum));
+    ddp__log(g, DDP_LOG_WARN, "shared memory unavailable (%s); using TCP, which is slower; %s", why, fix);
+}
+
 /* Map one segment for a group whose ranks all share this host (group.c decides that). Collective over
    the group's TCP mesh; every rank reaches the same decision. Any failure to set up shared memory (a
    full /dev/shm, say) is not an error: the group keeps using TCP; a failure to map the arenas only
@@ -7949,8 +8212,11 @@ static ddp_result ddp__shm_setup(ddp_group *g) {
         /* the arenas are a sparse tail; a file system that refuses the size gets none */
         if (fd >= 0 && info.arena_bytes && ftruncate(fd, (off_t)(arenas_at + (size_t)g->world_size * info.arena_bytes)) != 0)
             info.arena_bytes = 0;
-        if (fd < 0 || posix_fallocate(fd, 0, (off_t)head) != 0) { /* fallocate: a full /dev/shm fails here, not with SIGBUS later */
-            ddp__log(g, DDP_LOG_INFO, "shared memory unavailable (%s): using TCP", fd < 0 ? strerror(errno) : "cannot reserve the segment");
+        if (fd < 0) {
+            ddp__shm_unavailable(g, errno, head, 0);
+            ok[0] = 0;
+        } else if ((i = posix_fallocate(fd, 0, (off_t)head)) != 0) { /* a full /dev/shm fails here, not with SIGBUS later */
+            ddp__shm_unavailable(g, i, head, fd);
             ok[0] = 0;
         }
     }
@@ -7996,7 +8262,7 @@ static ddp_result ddp__shm_setup(ddp_group *g) {
     /* Oversubscribed (more ranks here than CPUs): spinning only delays the rank being waited for. Measured
        on 2 cores (bench/README.md): 4 B all_reduce on 4 ranks 2.0-3.8 us against 3.7-6.0 with 256 pauses;
        2 ranks unchanged. A local policy only: ranks need not agree on it. */
-    s->spins = (long)g->world_size > sysconf(_SC_NPROCESSORS_ONLN) ? 16 : 256;
+    s->spins = ddp__oversubscribed(g->world_size) ? 16 : 256;
     s->bytes = bytes;
     s->half = half;
     s->hdr = (ddp__shm_header *)s->base;
@@ -9154,7 +9420,6 @@ static void ddp__key(const ddp_group *g, char *out, size_t cap, const char *name
    published the table already, as the table's value (DDP__RDZV_ABORTED + "code|message"); then "ready",
    which wakes every rank waiting for the table at once (see ddp__rendezvous). The set is announced, a
    round trip: every write has reached the store before this rank goes. */
-#define DDP__RDZV_ABORTED "abort:"
 static ddp_result ddp__rdzv_abort(ddp_group *g, ddp_result code, const char *msg) {
     char key[256], value[DDP__ERR_MAX + 16], marker[DDP__ERR_MAX + 32], now[8];
     size_t n = 0;
@@ -9169,31 +9434,63 @@ static ddp_result ddp__rdzv_abort(ddp_group *g, ddp_result code, const char *msg
     return ddp__fail(g, code, "%s", msg);
 }
 
-/* A rendezvous failed on this rank: publish the error (unless another rank already published one),
-   and if this rank serves the store, keep serving until every other process has read it (at most a
-   few seconds, for ranks that never started), so that they fail with the reason instead of "lost the
-   store". Every other process counts itself in abort_seen, whether or not it had joined: one that was
-   still claiming its rank when the error came (a slow start, the second of two processes with one
-   rank) must find the store still there. */
-static void ddp__rdzv_fail_all(ddp_group *g, ddp_result code) {
+static ddp_result ddp__rdzv_check_abort(ddp_group *g, int *aborted);
+
+/* Close this rank's mesh connections at once (not at ddp__group_free), so that a rank waiting on one of
+   them in the set-up's collectives fails now and reads the published reason while the store is there. */
+static void ddp__mesh_hang_up(ddp_group *g) {
+    int i;
+    for (i = 0; g->mesh.peers && i < g->world_size; i++)
+        if (g->mesh.peers[i].fd >= 0) {
+            close(g->mesh.peers[i].fd);
+            g->mesh.peers[i].fd = -1;
+        }
+}
+
+/* Publish this rank's error (g->error) as the abort, unless one is there already. */
+static void ddp__rdzv_publish(ddp_group *g, ddp_result code) {
     char key[256], msg[DDP__ERR_MAX];
     int exists = 0;
+    ddp__key(g, key, sizeof key, "abort", -1);
+    snprintf(msg, sizeof msg, "%s", g->error);
+    if (g->member.store && ddp_store_check(g->member.store, key, &exists) == DDP_SUCCESS && !exists)
+        ddp__rdzv_abort(g, code, msg);
+}
+
+/* A rendezvous failed on this rank: publish the error (unless another rank already published one:
+   then a rank that only lost a peer fails with the published reason, which is the cause, rather than
+   "lost rank i"), hang up its mesh connections, and if this rank serves the store, keep serving until
+   every other process has read it (at most a few seconds, for ranks that never started), so that they
+   fail with the reason instead of "lost the store". Every other process counts itself in abort_seen,
+   whether or not it had joined: one that was still claiming its rank when the error came (a slow start,
+   the second of two processes with one rank) must find the store still there. Returns the code this
+   rank fails with. */
+static ddp_result ddp__rdzv_fail_all(ddp_group *g, ddp_result code) {
+    char key[256], msg[DDP__ERR_MAX];
+    int exists = 0, aborted = 0;
     int64_t seen = 0;
     double until = ddp__now() + DDP__MIN(g->timeout, 5.0);
-    if (!g->member.store) return;
+    if (!g->member.store) return code;
     snprintf(msg, sizeof msg, "%s", g->error);
     ddp__key(g, key, sizeof key, "abort", -1);
-    if (ddp_store_check(g->member.store, key, &exists) != DDP_SUCCESS) return;
+    if (ddp_store_check(g->member.store, key, &exists) != DDP_SUCCESS) return code;
     if (!exists) ddp__rdzv_abort(g, code, msg);
+    if (exists && code == DDP_ERR_PEER_LOST) {
+        ddp_result published = ddp__rdzv_check_abort(g, &aborted);
+        if (aborted) code = published;
+        snprintf(msg, sizeof msg, "%s", g->error);
+    }
     ddp__fail(g, code, "%s", msg);
+    ddp__mesh_hang_up(g);
     ddp__key(g, key, sizeof key, "abort_seen", -1);
     if (!g->member.store_server) { /* done with the store: the rank serving it may stop waiting for us */
         ddp_store_add(g->member.store, key, 1, &seen);
-        return;
+        return code;
     }
     while (ddp__now() < until && ddp_store_add(g->member.store, key, 0, &seen) == DDP_SUCCESS && seen < g->world_size - 1)
         ddp__sleep(0.01);
     ddp__fail(g, code, "%s", msg);
+    return code;
 }
 
 /* Fail with the abort another rank published: value is "code|message". */
@@ -9758,6 +10055,18 @@ static ddp_result ddp__mesh_watch(ddp_group *g, const ddp__record *rec, unsigned
     return DDP_SUCCESS;
 }
 
+/* accept() failed on this rank's mesh port (out of descriptors, say): the ranks above it would hang in
+   its listen backlog, so the reason is published at once, before any socket of this rank closes, and
+   every rank fails with it (ddp__rdzv_fail_all). */
+static ddp_result ddp__mesh_accept_failed(ddp_group *g, ddp_result code, const char *why) {
+    char msg[DDP__ERR_MAX], host[128];
+    if (gethostname(host, sizeof host) != 0) snprintf(host, sizeof host, "?");
+    host[sizeof host - 1] = '\0';
+    snprintf(msg, sizeof msg, "rank %d (host %.100s, pid %d) cannot take the connections of the ranks above it: %.800s",
+             g->rank, host, (int)getpid(), why);
+    return ddp__rdzv_abort(g, code, msg);
+}
+
 /* Accept the ranks above this one: one poll() over the listening socket and every pending connection,
    each pending one with its own deadline (ddp__pending_step), and a look at the store and at the
    waited-for ranks every DDP__WATCH_PERIOD s. */
@@ -9768,7 +10077,7 @@ static ddp_result ddp__mesh_accept(ddp_group *g, const ddp__record *rec, int lis
     char err[DDP__ERR_MAX], missing[DDP__ERR_MAX / 2];
     double next_watch = ddp__now() + DDP__WATCH_PERIOD;
     int npend = 0, accepted = 0, i, j, fd = -1;
-    ddp_result r = DDP_SUCCESS;
+    ddp_result r = DDP_SUCCESS, got;
     while (accepted < g->world_size - 1 - g->rank) {
         double now = ddp__now(), wake = DDP__MIN(deadline, next_watch);
         ddp__hello h;
@@ -9810,7 +10119,12 @@ static ddp_result ddp__mesh_accept(ddp_group *g, const ddp__record *rec, int lis
         for (i = j = 0; i < npend; i++) /* keep the pending ones, in order */
             if (pend[i].fd >= 0) pend[j++] = pend[i];
         npend = j;
-        if ((pfd[0].revents & POLLIN) && ddp__net_accept(listen_fd, now + 0.01, &fd, err) == DDP_SUCCESS) {
+        got = (pfd[0].revents & POLLIN) ? ddp__net_accept(listen_fd, now + 0.01, &fd, err) : DDP_ERR_TIMEOUT;
+        if (got == DDP_ERR_SYSTEM) {
+            r = ddp__mesh_accept_failed(g, got, err); /* out of descriptors, most likely */
+            break;
+        }
+        if (got == DDP_SUCCESS) { /* (DDP_ERR_TIMEOUT: nobody there, the connection went away) */
             if (npend == DDP__PENDING_MAX) { /* full: the oldest has waited longest */
                 ddp__log(g, DDP_LOG_WARN, "refused a connection to this rank's mesh port: %d others were waiting to "
                          "identify themselves", DDP__PENDING_MAX);
@@ -10075,6 +10389,7 @@ static ddp_result ddp__group_connect(ddp_group *g, const char *where) {
     if ((r = ddp__net_listen(g->member.address, 0, &listen_fd, &port, err)) != DDP_SUCCESS)
         return ddp__fail(g, r, "cannot listen for peer connections on %s: %s", g->member.address, err);
     r = ddp__rendezvous(g, g->member.address, listen_fd, port, where);
+    if (r) ddp__rdzv_publish(g, r); /* before its listener closes: a rank that then loses this one finds why */
     close(listen_fd);
     if (r) return r;
     if ((r = ddp__mesh_barrier(g)) != DDP_SUCCESS) return r;
@@ -10204,6 +10519,7 @@ DDP_API ddp_result ddp_init(const ddp_init_desc *desc, ddp_group **out) {
         g->local_world_size = 1;
         return ddp__init_done(g, nccl, out);
     }
+    ddp__fd_prepare(g, L.world_size, L.rank); /* the soft limit on open files up to the hard one */
 
     if (L.file_path) {
         snprintf(where, sizeof where, "the file store %s", L.file_path);
@@ -10217,6 +10533,13 @@ DDP_API ddp_result ddp_init(const ddp_init_desc *desc, ddp_group **out) {
         r = DDP_SUCCESS;
         if (L.rank == 0) r = ddp__store_server_start(L.master_addr, L.master_port, g->log_level, &g->member.store_server, err);
         if (L.rank == 0 && r != DDP_SUCCESS) r = ddp__rank0_port_taken(g, &L, r, err);
+        if (L.rank == 0 && r == DDP_SUCCESS) { /* where its server says that it cannot accept a rank: */
+            char abort_key[256], table_key[256], ready_key[256]; /* as ddp__rdzv_abort publishes it */
+            ddp__key(g, abort_key, sizeof abort_key, "abort", -1);
+            ddp__key(g, table_key, sizeof table_key, "table", -1);
+            ddp__key(g, ready_key, sizeof ready_key, "ready", -1);
+            ddp__store_server_abort_key(g->member.store_server, abort_key, table_key, ready_key);
+        }
         if (r == DDP_SUCCESS) r = ddp__store_connect(L.master_addr, L.master_port, NULL, timeout, &g->member.store, err);
         ddp__route_address(L.master_addr, L.master_port, g->member.address, sizeof g->member.address);
     }
@@ -10230,12 +10553,13 @@ DDP_API ddp_result ddp_init(const ddp_init_desc *desc, ddp_group **out) {
     if ((r = ddp__rdzv_job(g, where, L.file_path != NULL, &foreign)) != DDP_SUCCESS ||
         (early && (told = 1, r = ddp__init_failed_locally(g, early, early_msg)) != DDP_SUCCESS) ||
         (r = ddp__group_connect(g, where)) != DDP_SUCCESS) {
-        if (!foreign) ddp__rdzv_fail_all(g, r); /* never into another job's store */
+        if (!foreign) r = ddp__rdzv_fail_all(g, r); /* never into another job's store */
         if (early && !told) r = ddp__fail(g, early, "%s", early_msg); /* the job was not reachable: the local reason */
         ddp__fail(NULL, r, "ddp_init (rank %d of %d, from %s): %s", L.rank, L.world_size, L.source, g->error);
         ddp__group_free(g);
         return r;
     }
+    ddp__store_server_abort_key(g->member.store_server, NULL, NULL, NULL);
     ddp__log(g, DDP_LOG_INFO, "joined: rank %d of %d (local rank %d of %d)", g->rank, g->world_size, g->local_rank,
              g->local_world_size);
     return ddp__init_done(g, nccl, out);

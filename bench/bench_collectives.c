@@ -1,7 +1,7 @@
 /* bench_collectives: nccl-tests style table for ddp.h's collectives.
 
    Usage (under any launcher):  ddprun --nproc-per-node 2 build/bench_collectives [--lib] [op] [max_bytes] [min_bytes]
-     op: all_reduce (default) | all_gather | reduce_scatter | broadcast
+     op: all_reduce (default) | all_gather | reduce_scatter | broadcast | barrier (one row, size 0)
      --lib: the buffers come from ddp_alloc (library buffers: single-copy over shared memory), not malloc
    Sizes grow x4 from min_bytes (default 4) to max_bytes (default 256 MiB), f32, sum. Before every
    iteration the buffer is rewritten (untimed); each collective call is timed on its own and the
@@ -31,15 +31,16 @@ int main(int argc, char **argv) {
     size_t min_bytes = argc > 3 ? strtoull(argv[3], NULL, 10) : 4, bytes;
     ddp_group *g;
     float *a, *b;
-    int rank, n, bad = 0;
+    int rank, n, bad = 0, barrier = !strcmp(op, "barrier");
     if (ddp_init(NULL, &g) != DDP_SUCCESS) {
         fprintf(stderr, "ddp_init: %s\n", ddp_last_error(NULL));
         return 1;
     }
     rank = ddp_rank(g);
     n = ddp_world_size(g);
-    if (strcmp(op, "all_reduce") && strcmp(op, "all_gather") && strcmp(op, "reduce_scatter") && strcmp(op, "broadcast")) {
-        fprintf(stderr, "unknown op %s (all_reduce, all_gather, reduce_scatter, broadcast)\n", op);
+    if (strcmp(op, "all_reduce") && strcmp(op, "all_gather") && strcmp(op, "reduce_scatter") && strcmp(op, "broadcast") &&
+        !barrier) {
+        fprintf(stderr, "unknown op %s (all_reduce, all_gather, reduce_scatter, broadcast, barrier)\n", op);
         return 2;
     }
     a = (float *)(lib ? ddp_alloc(g, max_bytes + 64) : malloc(max_bytes + 64));
@@ -54,7 +55,8 @@ int main(int argc, char **argv) {
         printf("# ddp.h %s, %d ranks, transport %s, %s buffers\n%12s %12s %6s %6s %10s %10s %10s\n", op, n,
                getenv("DDP_TRANSPORT") ? getenv("DDP_TRANSPORT") : "auto", lib ? "ddp_alloc" : "malloc", "size", "count", "type", "op", "time_us",
                "algbw_GBs", "busbw_GBs");
-    for (bytes = min_bytes; bytes <= max_bytes; bytes *= 4) {
+    if (barrier) min_bytes = max_bytes = 0;
+    for (bytes = min_bytes; bytes <= max_bytes; bytes = barrier ? max_bytes + 1 : bytes * 4) {
         size_t count = bytes / 4, per = count / (size_t)n, i;
         int iters = bytes < 65536 ? 200 : (bytes < (1u << 22) ? 20 : 5), it, warm = 2;
         double total = 0, alg, bus;
@@ -63,7 +65,8 @@ int main(int argc, char **argv) {
             ddp_result r;
             for (i = 0; i < count; i++) a[i] = (float)(rank + it + (int)(i & 7));
             t0 = now();
-            if (!strcmp(op, "all_reduce")) r = ddp_all_reduce(g, a, count, DDP_F32, DDP_SUM);
+            if (barrier) r = ddp_barrier(g);
+            else if (!strcmp(op, "all_reduce")) r = ddp_all_reduce(g, a, count, DDP_F32, DDP_SUM);
             else if (!strcmp(op, "broadcast")) r = ddp_broadcast(g, a, count, DDP_F32, 0);
             else if (!strcmp(op, "all_gather")) r = ddp_all_gather(g, a + (size_t)rank * per, b, per, DDP_F32);
             else r = ddp_reduce_scatter(g, a, b, per, DDP_F32, DDP_SUM);

@@ -7,6 +7,7 @@
 # median time per call of each build and the ratio before / after (above 1: the working tree is faster).
 # Medians of interleaved rounds, because this machine is shared and noisy: read ratios within about
 # +-10% as level. Example: bench/compare_builds.sh 05ce96a 2 268435456 5
+# TRANSPORTS="tcp" runs only those of "shm_lib shm tcp" (the default: all three); op barrier gives one row.
 set -eu
 cd "$(dirname "$0")/.."
 rev=${1:?usage: bench/compare_builds.sh REV [ranks] [max_bytes] [rounds] [op]}
@@ -28,7 +29,7 @@ run() { # build transport
     awk '$1 ~ /^[0-9]+$/ {print $1, $5}'
 }
 for r in $(seq "$rounds"); do
-  for t in shm_lib shm tcp; do
+  for t in ${TRANSPORTS:-shm_lib shm tcp}; do
     for b in before after; do run $b $t >> "$out/$b.$t"; done
   done
   echo "round $r of $rounds done" >&2
@@ -36,7 +37,7 @@ done
 median() { sort -g | awk '{v[NR]=$1} END {if (NR == 0) print "nan"; else if (NR % 2) print v[(NR+1)/2]; else print (v[NR/2]+v[NR/2+1])/2}'; }
 echo "# $op, $n ranks, median time per call (us) of $rounds interleaved rounds: $rev's ddp.h (before) vs the working tree's (after)"
 printf '%-8s %12s %12s %12s %8s\n' transport bytes before_us after_us before/after
-for t in shm_lib shm tcp; do
+for t in ${TRANSPORTS:-shm_lib shm tcp}; do
   for size in $(awk '{print $1}' "$out/after.$t" | sort -gu); do
     b=$(awk -v s="$size" '$1 == s {print $2}' "$out/before.$t" | median)
     a=$(awk -v s="$size" '$1 == s {print $2}' "$out/after.$t" | median)

@@ -228,7 +228,6 @@ static void ddp__key(const ddp_group *g, char *out, size_t cap, const char *name
    published the table already, as the table's value (DDP__RDZV_ABORTED + "code|message"); then "ready",
    which wakes every rank waiting for the table at once (see ddp__rendezvous). The set is announced, a
    round trip: every write has reached the store before this rank goes. */
-#define DDP__RDZV_ABORTED "abort:"
 static ddp_result ddp__rdzv_abort(ddp_group *g, ddp_result code, const char *msg) {
     char key[256], value[DDP__ERR_MAX + 16], marker[DDP__ERR_MAX + 32], now[8];
     size_t n = 0;
@@ -243,31 +242,63 @@ static ddp_result ddp__rdzv_abort(ddp_group *g, ddp_result code, const char *msg
     return ddp__fail(g, code, "%s", msg);
 }
 
-/* A rendezvous failed on this rank: publish the error (unless another rank already published one),
-   and if this rank serves the store, keep serving until every other process has read it (at most a
-   few seconds, for ranks that never started), so that they fail with the reason instead of "lost the
-   store". Every other process counts itself in abort_seen, whether or not it had joined: one that was
-   still claiming its rank when the error came (a slow start, the second of two processes with one
-   rank) must find the store still there. */
-static void ddp__rdzv_fail_all(ddp_group *g, ddp_result code) {
+static ddp_result ddp__rdzv_check_abort(ddp_group *g, int *aborted);
+
+/* Close this rank's mesh connections at once (not at ddp__group_free), so that a rank waiting on one of
+   them in the set-up's collectives fails now and reads the published reason while the store is there. */
+static void ddp__mesh_hang_up(ddp_group *g) {
+    int i;
+    for (i = 0; g->mesh.peers && i < g->world_size; i++)
+        if (g->mesh.peers[i].fd >= 0) {
+            close(g->mesh.peers[i].fd);
+            g->mesh.peers[i].fd = -1;
+        }
+}
+
+/* Publish this rank's error (g->error) as the abort, unless one is there already. */
+static void ddp__rdzv_publish(ddp_group *g, ddp_result code) {
     char key[256], msg[DDP__ERR_MAX];
     int exists = 0;
+    ddp__key(g, key, sizeof key, "abort", -1);
+    snprintf(msg, sizeof msg, "%s", g->error);
+    if (g->member.store && ddp_store_check(g->member.store, key, &exists) == DDP_SUCCESS && !exists)
+        ddp__rdzv_abort(g, code, msg);
+}
+
+/* A rendezvous failed on this rank: publish the error (unless another rank already published one:
+   then a rank that only lost a peer fails with the published reason, which is the cause, rather than
+   "lost rank i"), hang up its mesh connections, and if this rank serves the store, keep serving until
+   every other process has read it (at most a few seconds, for ranks that never started), so that they
+   fail with the reason instead of "lost the store". Every other process counts itself in abort_seen,
+   whether or not it had joined: one that was still claiming its rank when the error came (a slow start,
+   the second of two processes with one rank) must find the store still there. Returns the code this
+   rank fails with. */
+static ddp_result ddp__rdzv_fail_all(ddp_group *g, ddp_result code) {
+    char key[256], msg[DDP__ERR_MAX];
+    int exists = 0, aborted = 0;
     int64_t seen = 0;
     double until = ddp__now() + DDP__MIN(g->timeout, 5.0);
-    if (!g->member.store) return;
+    if (!g->member.store) return code;
     snprintf(msg, sizeof msg, "%s", g->error);
     ddp__key(g, key, sizeof key, "abort", -1);
-    if (ddp_store_check(g->member.store, key, &exists) != DDP_SUCCESS) return;
+    if (ddp_store_check(g->member.store, key, &exists) != DDP_SUCCESS) return code;
     if (!exists) ddp__rdzv_abort(g, code, msg);
+    if (exists && code == DDP_ERR_PEER_LOST) {
+        ddp_result published = ddp__rdzv_check_abort(g, &aborted);
+        if (aborted) code = published;
+        snprintf(msg, sizeof msg, "%s", g->error);
+    }
     ddp__fail(g, code, "%s", msg);
+    ddp__mesh_hang_up(g);
     ddp__key(g, key, sizeof key, "abort_seen", -1);
     if (!g->member.store_server) { /* done with the store: the rank serving it may stop waiting for us */
         ddp_store_add(g->member.store, key, 1, &seen);
-        return;
+        return code;
     }
     while (ddp__now() < until && ddp_store_add(g->member.store, key, 0, &seen) == DDP_SUCCESS && seen < g->world_size - 1)
         ddp__sleep(0.01);
     ddp__fail(g, code, "%s", msg);
+    return code;
 }
 
 /* Fail with the abort another rank published: value is "code|message". */
@@ -832,6 +863,18 @@ static ddp_result ddp__mesh_watch(ddp_group *g, const ddp__record *rec, unsigned
     return DDP_SUCCESS;
 }
 
+/* accept() failed on this rank's mesh port (out of descriptors, say): the ranks above it would hang in
+   its listen backlog, so the reason is published at once, before any socket of this rank closes, and
+   every rank fails with it (ddp__rdzv_fail_all). */
+static ddp_result ddp__mesh_accept_failed(ddp_group *g, ddp_result code, const char *why) {
+    char msg[DDP__ERR_MAX], host[128];
+    if (gethostname(host, sizeof host) != 0) snprintf(host, sizeof host, "?");
+    host[sizeof host - 1] = '\0';
+    snprintf(msg, sizeof msg, "rank %d (host %.100s, pid %d) cannot take the connections of the ranks above it: %.800s",
+             g->rank, host, (int)getpid(), why);
+    return ddp__rdzv_abort(g, code, msg);
+}
+
 /* Accept the ranks above this one: one poll() over the listening socket and every pending connection,
    each pending one with its own deadline (ddp__pending_step), and a look at the store and at the
    waited-for ranks every DDP__WATCH_PERIOD s. */
@@ -842,7 +885,7 @@ static ddp_result ddp__mesh_accept(ddp_group *g, const ddp__record *rec, int lis
     char err[DDP__ERR_MAX], missing[DDP__ERR_MAX / 2];
     double next_watch = ddp__now() + DDP__WATCH_PERIOD;
     int npend = 0, accepted = 0, i, j, fd = -1;
-    ddp_result r = DDP_SUCCESS;
+    ddp_result r = DDP_SUCCESS, got;
     while (accepted < g->world_size - 1 - g->rank) {
         double now = ddp__now(), wake = DDP__MIN(deadline, next_watch);
         ddp__hello h;
@@ -884,7 +927,12 @@ static ddp_result ddp__mesh_accept(ddp_group *g, const ddp__record *rec, int lis
         for (i = j = 0; i < npend; i++) /* keep the pending ones, in order */
             if (pend[i].fd >= 0) pend[j++] = pend[i];
         npend = j;
-        if ((pfd[0].revents & POLLIN) && ddp__net_accept(listen_fd, now + 0.01, &fd, err) == DDP_SUCCESS) {
+        got = (pfd[0].revents & POLLIN) ? ddp__net_accept(listen_fd, now + 0.01, &fd, err) : DDP_ERR_TIMEOUT;
+        if (got == DDP_ERR_SYSTEM) {
+            r = ddp__mesh_accept_failed(g, got, err); /* out of descriptors, most likely */
+            break;
+        }
+        if (got == DDP_SUCCESS) { /* (DDP_ERR_TIMEOUT: nobody there, the connection went away) */
             if (npend == DDP__PENDING_MAX) { /* full: the oldest has waited longest */
                 ddp__log(g, DDP_LOG_WARN, "refused a connection to this rank's mesh port: %d others were waiting to "
                          "identify themselves", DDP__PENDING_MAX);
@@ -1149,6 +1197,7 @@ static ddp_result ddp__group_connect(ddp_group *g, const char *where) {
     if ((r = ddp__net_listen(g->member.address, 0, &listen_fd, &port, err)) != DDP_SUCCESS)
         return ddp__fail(g, r, "cannot listen for peer connections on %s: %s", g->member.address, err);
     r = ddp__rendezvous(g, g->member.address, listen_fd, port, where);
+    if (r) ddp__rdzv_publish(g, r); /* before its listener closes: a rank that then loses this one finds why */
     close(listen_fd);
     if (r) return r;
     if ((r = ddp__mesh_barrier(g)) != DDP_SUCCESS) return r;
@@ -1278,6 +1327,7 @@ DDP_API ddp_result ddp_init(const ddp_init_desc *desc, ddp_group **out) {
         g->local_world_size = 1;
         return ddp__init_done(g, nccl, out);
     }
+    ddp__fd_prepare(g, L.world_size, L.rank); /* the soft limit on open files up to the hard one */
 
     if (L.file_path) {
         snprintf(where, sizeof where, "the file store %s", L.file_path);
@@ -1291,6 +1341,13 @@ DDP_API ddp_result ddp_init(const ddp_init_desc *desc, ddp_group **out) {
         r = DDP_SUCCESS;
         if (L.rank == 0) r = ddp__store_server_start(L.master_addr, L.master_port, g->log_level, &g->member.store_server, err);
         if (L.rank == 0 && r != DDP_SUCCESS) r = ddp__rank0_port_taken(g, &L, r, err);
+        if (L.rank == 0 && r == DDP_SUCCESS) { /* where its server says that it cannot accept a rank: */
+            char abort_key[256], table_key[256], ready_key[256]; /* as ddp__rdzv_abort publishes it */
+            ddp__key(g, abort_key, sizeof abort_key, "abort", -1);
+            ddp__key(g, table_key, sizeof table_key, "table", -1);
+            ddp__key(g, ready_key, sizeof ready_key, "ready", -1);
+            ddp__store_server_abort_key(g->member.store_server, abort_key, table_key, ready_key);
+        }
         if (r == DDP_SUCCESS) r = ddp__store_connect(L.master_addr, L.master_port, NULL, timeout, &g->member.store, err);
         ddp__route_address(L.master_addr, L.master_port, g->member.address, sizeof g->member.address);
     }
@@ -1304,12 +1361,13 @@ DDP_API ddp_result ddp_init(const ddp_init_desc *desc, ddp_group **out) {
     if ((r = ddp__rdzv_job(g, where, L.file_path != NULL, &foreign)) != DDP_SUCCESS ||
         (early && (told = 1, r = ddp__init_failed_locally(g, early, early_msg)) != DDP_SUCCESS) ||
         (r = ddp__group_connect(g, where)) != DDP_SUCCESS) {
-        if (!foreign) ddp__rdzv_fail_all(g, r); /* never into another job's store */
+        if (!foreign) r = ddp__rdzv_fail_all(g, r); /* never into another job's store */
         if (early && !told) r = ddp__fail(g, early, "%s", early_msg); /* the job was not reachable: the local reason */
         ddp__fail(NULL, r, "ddp_init (rank %d of %d, from %s): %s", L.rank, L.world_size, L.source, g->error);
         ddp__group_free(g);
         return r;
     }
+    ddp__store_server_abort_key(g->member.store_server, NULL, NULL, NULL);
     ddp__log(g, DDP_LOG_INFO, "joined: rank %d of %d (local rank %d of %d)", g->rank, g->world_size, g->local_rank,
              g->local_world_size);
     return ddp__init_done(g, nccl, out);

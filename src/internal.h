@@ -54,6 +54,7 @@
 #include <string.h>
 #include <sys/file.h>
 #include <sys/mman.h>
+#include <sys/resource.h>
 #include <sys/socket.h>
 #include <sys/stat.h>
 #include <sys/syscall.h>
@@ -125,6 +126,7 @@ extern char *mkdtemp(char *template_);
 #endif
 #if defined(__GLIBC__) && !defined(__USE_XOPEN2K)
 extern int setenv(const char *name, const char *value, int replace);
+extern int pthread_getcpuclockid(pthread_t thread_id, clockid_t *clock_id);
 extern int posix_fallocate(int fd, off_t offset, off_t len) DDP__OFF64(posix_fallocate);
 struct addrinfo {
     int ai_flags;
@@ -211,6 +213,16 @@ static DDP__UNUSED uint64_t ddp__hash(const char *s); /* FNV-1a of a string */
 /* An error code that came from another process (an ABORT frame, the store): itself when it is one of
    ddp_result's errors, else fallback -- a corrupt or hostile 0 must never read as success. */
 static DDP__UNUSED ddp_result ddp__peer_code(long code, ddp_result fallback);
+/* Open files (RLIMIT_NOFILE): ddp_init calls ddp__fd_prepare before it connects (raises the soft limit to
+   the hard one, notes the group's size); where a call fails with EMFILE or ENFILE
+   (ddp__out_of_descriptors), ddp__fail_descriptors writes "<what>: too many open files: ..." naming the
+   limit, the group's need (ddp__fd_need) and `ulimit -n`, and returns DDP_ERR_SYSTEM. */
+static DDP__UNUSED long ddp__fd_need(int world, int rank);
+static DDP__UNUSED int ddp__out_of_descriptors(int errnum);
+static DDP__UNUSED ddp_result ddp__fail_descriptors(char *err, int errnum, const char *what);
+static DDP__UNUSED void ddp__fd_prepare(ddp_group *g, int world, int rank);
+/* More ranks on this host than CPUs online: waits should block rather than spin (shm.c, transport.c). */
+static DDP__UNUSED int ddp__oversubscribed(int ranks_here);
 
 /* ---- registry.c: the live groups and work handles (a call on a freed one is an error, not a crash) ---- */
 #define DDP__LIVE_GROUP 1
@@ -251,7 +263,21 @@ typedef struct ddp__store_server ddp__store_server;
 static DDP__UNUSED ddp_result ddp__store_server_start(const char *host, int port, ddp_log_level lvl,
                                                       ddp__store_server **out, char *err);
 static DDP__UNUSED int ddp__store_server_port(const ddp__store_server *s); /* the port it listens on */
-static DDP__UNUSED uint64_t ddp__store_server_requests(const ddp__store_server *s); /* handled so far (0 for NULL) */
+typedef struct ddp__server_stats {
+    uint64_t requests, connections; /* requests handled and clients accepted since it started */
+    double cpu_seconds;             /* CPU time of the server's thread; -1 when it cannot be read */
+} ddp__server_stats;
+/* A snapshot, safe from any thread while the server runs (for benchmarks and tests: bench/bench_scale.c,
+   test_init's requests per rank). */
+static DDP__UNUSED void ddp__store_server_stats(const ddp__store_server *s, ddp__server_stats *out);
+/* While ddp_init connects a group through this server: that group's rendezvous keys, "abort", "table"
+   and "ready" (group.c; all NULL when done). A server that cannot accept a client for lack of
+   descriptors publishes the abort itself as ddp__rdzv_abort does: under the abort key, as the table's
+   value behind DDP__RDZV_ABORTED (unless the table is there), then the ready key, which every rank
+   waiting for the table watches. */
+#define DDP__RDZV_ABORTED "abort:" /* a rendezvous table that holds "code|message" instead of records */
+static DDP__UNUSED void ddp__store_server_abort_key(ddp__store_server *s, const char *abort_key, const char *table_key,
+                                                    const char *ready_key);
 /* Joins the thread and closes everything. A request still on its way is lost (its client sees
    DDP_ERR_PEER_LOST), so stop only once every client's last call has been answered: e.g. each rank's last
    call is an add that rank 0 counts (a barrier's final WAIT is not enough). NULL is a no-op. */
@@ -551,6 +577,7 @@ static DDP__UNUSED ddp_result ddp__ring_all_gather(ddp_group *g, const ddp__coll
 static DDP__UNUSED ddp_result ddp__rd_all_reduce(ddp_group *g, const ddp__coll *c, char *buf, size_t count, ddp_dtype t,
                                                  ddp_op op);
 #define DDP__RD_MAX_BYTES ((size_t)32 << 10) /* all_reduce up to this size runs recursive doubling (tcp.c) */
+#define DDP__BROADCAST_TREE_MAX_BYTES ((size_t)256 << 10) /* broadcast up to this size runs the binomial tree (tcp.c) */
 /* The backend a new group starts with: its set-up runs on the mesh (alone: no mesh, nothing to run). */
 static DDP__UNUSED const ddp__backend *ddp__initial_backend(int world_size);
 /* Set-up collectives over the mesh, whatever g's backend (shm, hier, nccl set themselves up with them). */

@@ -48,6 +48,7 @@ static ddp_result ddp__net_listen(const char *host, int port, int *fd_out, int *
     }
     freeaddrinfo(res);
     if (fd < 0) {
+        if (ddp__out_of_descriptors(saved)) return ddp__fail_descriptors(err, saved, "cannot open a listening socket");
         if (saved == EADDRINUSE)
             return ddp__fail_to(err, DDP_ERR_INIT, "port %d on %s is already in use (another job, or a previous run still "
                                 "exiting); choose another MASTER_PORT or use ddprun --standalone", port, host ? host : "*");
@@ -98,6 +99,11 @@ static ddp_result ddp__net_connect_once(const char *host, int port, double deadl
         int fd = socket(ai->ai_family, ai->ai_socktype, ai->ai_protocol), soerr = 0;
         socklen_t len = sizeof soerr;
         char why[DDP__ERR_MAX];
+        if (fd < 0 && ddp__out_of_descriptors(errno)) { /* waiting would not help: say so now */
+            int e = errno;
+            freeaddrinfo(res);
+            return ddp__fail_descriptors(err, e, "cannot open a socket");
+        }
         if (fd < 0) continue;
         tried++;
         ddp__net_configure(fd);
@@ -147,6 +153,7 @@ static ddp_result ddp__net_accept(int listen_fd, double deadline, int *fd_out, c
             *fd_out = fd;
             return DDP_SUCCESS;
         }
+        if (ddp__out_of_descriptors(errno)) return ddp__fail_descriptors(err, errno, "cannot accept a connection");
         if (errno != EAGAIN && errno != EWOULDBLOCK && errno != EINTR && errno != ECONNABORTED)
             return ddp__fail_to(err, DDP_ERR_SYSTEM, "accept: %s", strerror(errno));
     }

@@ -56,6 +56,7 @@
 #include "internal.h"
 
 #include <linux/futex.h>
+#include <sys/statvfs.h>
 #include <sys/uio.h>
 #if defined(__GLIBC__) && !defined(__USE_GNU) /* <sys/uio.h> read without _GNU_SOURCE (see internal.h) */
 extern ssize_t process_vm_readv(pid_t pid, const struct iovec *lvec, unsigned long int liovcnt,
@@ -594,6 +595,26 @@ static int ddp__cma_probe(ddp_group *g, const uint64_t *pub) {
     return 1;
 }
 
+/* Rank 0 could not make the segment (errnum from shm_open, or from posix_fallocate on fd): the group
+   stays on TCP, which is slower, so say so at the default level, with the numbers and the fixes. */
+static void ddp__shm_unavailable(ddp_group *g, int errnum, size_t need, int fd) {
+    struct statvfs st;
+    char why[DDP__ERR_MAX];
+    const char *fix = "or set DDP_TRANSPORT=tcp to use TCP without this warning";
+    if (fd >= 0 && fstatvfs(fd, &st) == 0 && (errnum == ENOSPC || errnum == EFBIG)) {
+        ddp__log(g, DDP_LOG_WARN, "shared memory unavailable: /dev/shm has %.1f MiB free (of %.1f MiB), and a group of %d "
+                 "ranks needs a segment of %.1f MiB; using TCP, which is slower. Make /dev/shm larger (Docker: "
+                 "docker run --shm-size=%zum; Kubernetes: an emptyDir with medium Memory on /dev/shm), %s",
+                 (double)st.f_bavail * (double)st.f_frsize / 1048576.0, (double)st.f_blocks * (double)st.f_frsize / 1048576.0,
+                 g->world_size, (double)need / 1048576.0, (need >> 20) + 64, fix);
+        return;
+    }
+    if (ddp__out_of_descriptors(errnum)) ddp__fail_descriptors(why, errnum, "cannot open the shared-memory segment");
+    else snprintf(why, sizeof why, "%s the segment of %.1f MiB in /dev/shm: %s", fd >= 0 ? "cannot reserve" : "cannot create",
+                  (double)need / 1048576.0, strerror(errnum));
+    ddp__log(g, DDP_LOG_WARN, "shared memory unavailable (%s); using TCP, which is slower; %s", why, fix);
+}
+
 /* Map one segment for a group whose ranks all share this host (group.c decides that). Collective over
    the group's TCP mesh; every rank reaches the same decision. Any failure to set up shared memory (a
    full /dev/shm, say) is not an error: the group keeps using TCP; a failure to map the arenas only
@@ -623,8 +644,11 @@ static ddp_result ddp__shm_setup(ddp_group *g) {
         /* the arenas are a sparse tail; a file system that refuses the size gets none */
         if (fd >= 0 && info.arena_bytes && ftruncate(fd, (off_t)(arenas_at + (size_t)g->world_size * info.arena_bytes)) != 0)
             info.arena_bytes = 0;
-        if (fd < 0 || posix_fallocate(fd, 0, (off_t)head) != 0) { /* fallocate: a full /dev/shm fails here, not with SIGBUS later */
-            ddp__log(g, DDP_LOG_INFO, "shared memory unavailable (%s): using TCP", fd < 0 ? strerror(errno) : "cannot reserve the segment");
+        if (fd < 0) {
+            ddp__shm_unavailable(g, errno, head, 0);
+            ok[0] = 0;
+        } else if ((i = posix_fallocate(fd, 0, (off_t)head)) != 0) { /* a full /dev/shm fails here, not with SIGBUS later */
+            ddp__shm_unavailable(g, i, head, fd);
             ok[0] = 0;
         }
     }
@@ -670,7 +694,7 @@ static ddp_result ddp__shm_setup(ddp_group *g) {
     /* Oversubscribed (more ranks here than CPUs): spinning only delays the rank being waited for. Measured
        on 2 cores (bench/README.md): 4 B all_reduce on 4 ranks 2.0-3.8 us against 3.7-6.0 with 256 pauses;
        2 ranks unchanged. A local policy only: ranks need not agree on it. */
-    s->spins = (long)g->world_size > sysconf(_SC_NPROCESSORS_ONLN) ? 16 : 256;
+    s->spins = ddp__oversubscribed(g->world_size) ? 16 : 256;
     s->bytes = bytes;
     s->half = half;
     s->hdr = (ddp__shm_header *)s->base;

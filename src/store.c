@@ -382,8 +382,13 @@ struct ddp__store_server {
     size_t share;    /* what one connection may be charged for: max_held / 8 */
     size_t reserve;  /* the budget's last part, for small entries only: max_held / 8 */
     double accept_paused_until;
+    int out_of_fds; /* accept is failing with EMFILE/ENFILE: said once per episode */
+    /* ddp_init's rendezvous keys (ddp__store_server_abort_key), while a rendezvous is on: where the
+       server itself publishes "it cannot accept a rank", so that every rank fails with the reason */
+    char abort_key[256], table_key[256], ready_key[256];
+    int abort_key_set;
     char *token; /* DDP_AUTH_TOKEN when the server started; NULL = no authentication */
-    uint64_t requests, clients; /* requests handled and clients accepted, logged at debug when it stops */
+    uint64_t requests, connections; /* served and accepted so far: ddp__store_server_stats */
 };
 
 static void ddp__srv_log(const ddp__store_server *s, ddp_log_level level, const char *fmt, ...) DDP__PRINTF(3, 4);
@@ -933,7 +938,7 @@ static void ddp__srv_handle(ddp__store_server *s, ddp__store_conn *c, const unsi
     r.p = req;
     r.n = size;
     r.at = 1;
-    __atomic_add_fetch(&s->requests, 1, __ATOMIC_RELAXED); /* read by ddp__store_server_requests */
+    __atomic_store_n(&s->requests, s->requests + 1, __ATOMIC_RELAXED); /* only this thread writes it */
     c->status_due = c->announced;
     c->announced = 0;
     c->refused = 0;
@@ -1173,6 +1178,46 @@ static int ddp__srv_room_for_client(ddp__store_server *s) {
     return 0;
 }
 
+/* The server cannot accept a client for lack of descriptors. During a rendezvous that client is a rank,
+   which would wait in the listen backlog until its timeout while the others wait for it: the server
+   publishes the rendezvous abort itself, as ddp_init's ddp__rdzv_abort would (group.c): "code|message",
+   naming rank 0, under the abort key (unless one is there), as the table's value behind
+   DDP__RDZV_ABORTED (unless the table is there: a compare-set against an absent key), and then the
+   ready key, which wakes every rank waiting for the table. The ranks it serves read it and leave, which
+   frees descriptors for the rest. */
+static void ddp__srv_put_absent(ddp__store_server *s, const char *key, const char *value) {
+    size_t klen = strlen(key), vlen = strlen(value);
+    uint64_t h = ddp__store_hash(key, klen);
+    unsigned char *copy;
+    if (ddp__kv_find(&s->kv, key, klen, h) || !(copy = ddp__store_dup(value, vlen))) return;
+    if (ddp__kv_put(&s->kv, key, klen, h, copy, vlen) > 0) ddp__srv_wake(s, key, klen, h);
+}
+
+static void ddp__srv_publish_abort(ddp__store_server *s, const char *why) {
+    char host[128], value[DDP__ERR_MAX + 16], marker[DDP__ERR_MAX + 32];
+    if (!__atomic_load_n(&s->abort_key_set, __ATOMIC_ACQUIRE)) return;
+    if (gethostname(host, sizeof host) != 0) snprintf(host, sizeof host, "?");
+    host[sizeof host - 1] = '\0';
+    snprintf(value, sizeof value, "%d|rank 0 (host %.64s, pid %d), serving the store on %.96s, cannot accept every rank's "
+             "connection: %.700s", (int)DDP_ERR_SYSTEM, host, (int)getpid(), s->where, why);
+    snprintf(marker, sizeof marker, "%s%s", DDP__RDZV_ABORTED, value);
+    ddp__srv_put_absent(s, s->abort_key, value);
+    ddp__srv_put_absent(s, s->table_key, marker);
+    ddp__srv_put_absent(s, s->ready_key, "1");
+}
+
+/* The rendezvous keys of the group that ddp_init is connecting; NULL once it is connected. */
+static void ddp__store_server_abort_key(ddp__store_server *s, const char *abort_key, const char *table_key,
+                                        const char *ready_key) {
+    if (!s) return;
+    __atomic_store_n(&s->abort_key_set, 0, __ATOMIC_RELEASE);
+    if (!abort_key || !table_key || !ready_key) return;
+    snprintf(s->abort_key, sizeof s->abort_key, "%s", abort_key);
+    snprintf(s->table_key, sizeof s->table_key, "%s", table_key);
+    snprintf(s->ready_key, sizeof s->ready_key, "%s", ready_key);
+    __atomic_store_n(&s->abort_key_set, 1, __ATOMIC_RELEASE);
+}
+
 /* Accept one client. 0: accepted (or refused, logged), -1: nothing more to accept now. */
 static int ddp__srv_accept(ddp__store_server *s) {
     char host[64] = "?", serv[16] = "?";
@@ -1183,11 +1228,21 @@ static int ddp__srv_accept(ddp__store_server *s) {
     if (fd < 0 && (errno == EAGAIN || errno == EWOULDBLOCK || errno == EINTR || errno == ECONNABORTED))
         return errno == EAGAIN || errno == EWOULDBLOCK ? -1 : 0; /* none waiting, or one that gave up */
     if (fd < 0) { /* out of file descriptors, most likely: let some close first */
-        ddp__srv_log(s, DDP_LOG_WARN, "cannot accept a client (accept: %s); not accepting for 0.1 s", strerror(errno));
+        char err[DDP__ERR_MAX];
+        int e = errno, no_fds = ddp__out_of_descriptors(e);
+        if (no_fds) ddp__fail_descriptors(err, e, "cannot accept a connection");
+        else snprintf(err, sizeof err, "accept: %s", strerror(e));
+        if (!s->out_of_fds || !no_fds) /* said once per episode */
+            ddp__srv_log(s, DDP_LOG_WARN, "cannot accept a client (%s); not accepting for 0.1 s", err);
+        if (no_fds) {
+            s->out_of_fds = 1;
+            ddp__srv_publish_abort(s, err);
+        }
         s->accept_paused_until = ddp__now() + 0.1;
         epoll_ctl(s->epfd, EPOLL_CTL_DEL, s->listen_fd, NULL);
         return -1;
     }
+    s->out_of_fds = 0;
     if (ddp__srv_room_for_client(s) != 0) {
         close(fd);
         return 0;
@@ -1213,7 +1268,7 @@ static int ddp__srv_accept(ddp__store_server *s) {
     s->buffers += sizeof *c;
     c->slot = s->nconns;
     s->conns[s->nconns++] = c;
-    s->clients++;
+    __atomic_store_n(&s->connections, s->connections + 1, __ATOMIC_RELAXED);
     ddp__srv_log(s, DDP_LOG_DEBUG, "client %s connected", c->peer);
     return 0;
 }
@@ -1283,6 +1338,13 @@ static void *ddp__srv_main(void *arg) {
     }
     for (i = 0; i < s->nconns; i++) /* replies already due still go out, as far as the sockets take them */
         if (!s->conns[i]->dead) ddp__srv_flush(s, s->conns[i]);
+    {
+        struct timespec cpu = {0, 0};
+        clock_gettime(CLOCK_THREAD_CPUTIME_ID, &cpu);
+        ddp__srv_log(s, DDP_LOG_DEBUG, "stopping: served %llu requests from %llu connections in %.3f s of CPU",
+                     (unsigned long long)s->requests, (unsigned long long)s->connections,
+                     (double)cpu.tv_sec + (double)cpu.tv_nsec * 1e-9);
+    }
     return NULL;
 }
 
@@ -1349,8 +1411,16 @@ static ddp_result ddp__store_server_start(const char *host, int port, ddp_log_le
 
 static int ddp__store_server_port(const ddp__store_server *s) { return s->port; }
 
-static uint64_t ddp__store_server_requests(const ddp__store_server *s) {
-    return s ? __atomic_load_n(&s->requests, __ATOMIC_RELAXED) : 0;
+/* What the server has done so far, read from another thread while it runs (bench/bench_scale.c): the
+   requests it handled, the connections it accepted, and its thread's CPU time (-1 when unreadable). */
+static void ddp__store_server_stats(const ddp__store_server *s, ddp__server_stats *out) {
+    struct timespec cpu;
+    clockid_t clock;
+    out->requests = __atomic_load_n(&s->requests, __ATOMIC_RELAXED);
+    out->connections = __atomic_load_n(&s->connections, __ATOMIC_RELAXED);
+    out->cpu_seconds = -1;
+    if (pthread_getcpuclockid(s->thread, &clock) == 0 && clock_gettime(clock, &cpu) == 0)
+        out->cpu_seconds = (double)cpu.tv_sec + (double)cpu.tv_nsec * 1e-9;
 }
 
 static void ddp__store_server_stop(ddp__store_server *s) {
@@ -1359,8 +1429,6 @@ static void ddp__store_server_stop(ddp__store_server *s) {
     while (write(s->pipe_wr, &b, 1) < 0 && errno == EINTR) {
     }
     pthread_join(s->thread, NULL);
-    ddp__srv_log(s, DDP_LOG_DEBUG, "stopped after %llu requests from %llu clients", (unsigned long long)s->requests,
-                 (unsigned long long)s->clients);
     ddp__store_server_close(s);
 }
 
@@ -1449,6 +1517,7 @@ static ddp_result ddp__tcp_open(ddp_store *s, double deadline) {
     }
     if (r == DDP_SUCCESS) return r;
     s->fd = -1;
+    if (r == DDP_ERR_SYSTEM) return ddp__store_fail(s, r, "cannot reach %s: %s", s->where, why); /* out of descriptors */
     return ddp__store_fail(s, r, "cannot reach %s: %s; is rank 0 (which serves the store) running, and do "
                                  "MASTER_ADDR and MASTER_PORT name its host and a port it can listen on?",
                            s->where, why);

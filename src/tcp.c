@@ -13,25 +13,28 @@
    own part, and ends complete at rank c; the all-gather then passes each complete chunk around.
    Cost for N bytes on n ranks: 2(n-1) steps, each rank sending 2(n-1)/n * N bytes (bandwidth-optimal).
    Up to DDP__RD_MAX_BYTES all_reduce uses recursive doubling instead (log2(n) steps; see below).
+   barrier, and broadcast up to DDP__BROADCAST_TREE_MAX_BYTES, use dissemination: ceil(log2 n) steps,
+   in step k each rank sending to rank + 2^k (a binomial tree carries the broadcast's data; see below).
 
    Why a mismatch is an error on every rank (the program is wrong at collective #X: two ranks call
    something different there; transport.c explains how each rank checks what it receives):
    1. No rank finishes #X. Every algorithm here makes each rank's finish depend, through a chain of
       received frames, on every other rank having sent in #X (the ring passes data from every rank to
-      every rank; recursive doubling too; broadcast ends with a token pass and reduce starts with a
-      reduce-scatter for this). Each frame on the chain was checked by its receiver, so a rank that
-      finishes proves that every rank called the same #X.
+      every rank; recursive doubling and dissemination too; the chain broadcast ends with a token pass
+      and reduce starts with a reduce-scatter for this). Each frame on the chain was checked by its
+      receiver, so a rank that finishes proves that every rank called the same #X.
    2. Some rank sees the difference. Group the ranks by the call they make at #X. A group in which some
       rank sends without receiving first is "active": every rank of a ring algorithm (all_reduce,
-      all_gather, reduce_scatter, reduce, barrier), the root of a broadcast, and every rank of
-      recursive doubling (the folded pair 2i+1 -> 2i answers at once for this reason). An active group
-      that is not every rank sends to a rank outside it before it can get stuck: the ring's first step
-      goes to rank+1; a broadcast chain passes every rank; recursive doubling's partners cover ever
-      larger blocks and so leave the group. That frame reaches a rank waiting in #X, which checks every
-      frame that reaches it, whichever peer it waits on (transport.c), and fails with
-      DDP_ERR_MISMATCH. Every rank sends or receives something at #X unless every group is a broadcast
-      whose root is outside it (every rank calls broadcast and none names itself root): that case
-      alone ends in DDP_ERR_TIMEOUT.
+      all_gather, reduce_scatter, reduce), the root of a chain broadcast, every rank of dissemination
+      (barrier, small broadcast) and of recursive doubling (the folded pair 2i+1 -> 2i answers at once
+      for this reason). An active group that is not every rank sends to a rank outside it before it
+      can get stuck: the ring's and dissemination's first step goes to rank+1; a broadcast chain passes
+      every rank; recursive doubling's partners cover ever larger blocks and so leave the group. That
+      frame reaches a rank waiting in #X, which checks every frame that reaches it, whichever peer it
+      waits on (transport.c), and fails with DDP_ERR_MISMATCH. Every rank sends or receives something
+      at #X unless every group is a chain broadcast (above DDP__BROADCAST_TREE_MAX_BYTES) whose root is
+      outside it (every rank calls a large broadcast and none names itself root): that case alone ends
+      in DDP_ERR_TIMEOUT.
    3. The rank that saw it breaks the group (an ABORT frame to every peer), and every rank, all stuck
       in #X by (1), fails with that code and message. A rank still finishing #X-1 when a faster rank
       finds the mismatch at #X fails there (or in ddp_init, whose own barrier comes first): the group
@@ -220,15 +223,51 @@ static ddp_result ddp__do_reduce(ddp_group *g, const ddp__coll *c, void *buf, si
     return DDP_SUCCESS;
 }
 
-/* Broadcast: a pipelined chain root -> root+1 -> ... -> root-1 in slices, so every link carries the
-   data once and the slices overlap; then a token goes from the last rank through the root to the
-   others, so that no rank finishes before every rank has checked its neighbour's fingerprint. */
+/* ---- dissemination (Hensgen, Finkel and Manber's barrier), for barrier and small broadcasts ----
+
+   In round k (k = 0, 1, ... while 2^k < n) every rank sends one frame to rank + 2^k and receives one
+   from rank - 2^k (mod n), at the same time:
+
+       round 0:  0 -> 1 -> 2 -> 3 -> 4 -> 5 -> 0        (n = 6; every rank sends and receives)
+       round 1:  0 -> 2, 1 -> 3, 2 -> 4, 3 -> 5, 4 -> 0, 5 -> 1
+       round 2:  0 -> 4, 1 -> 5, 2 -> 0, 3 -> 1, 4 -> 2, 5 -> 3
+
+   After round k a rank has heard, through a chain of frames, from the 2^(k+1) - 1 ranks before it, so
+   after ceil(log2 n) rounds from every rank: no rank finishes before every rank has entered the call
+   (the barrier's promise, and point 1 of the top comment), for any n, in ceil(log2 n) steps where the
+   ring took n - 1.
+
+   A small broadcast rides on the same frames: with pos = (rank - root) mod n, the ranks with
+   pos < 2^k hold the data before round k, and in round k the frame from pos to pos + 2^k (when that is
+   < n) carries the payload; every other frame is an empty token. The payload frames form the binomial
+   tree of the root (pos 0 -> 1; 0 -> 2, 1 -> 3; 0 -> 4, 1 -> 5, 2 -> 6, 3 -> 7 ...), each rank takes
+   the data exactly once, from one sender, so it ends equal to the root's buffer, and the tokens make
+   the broadcast complete only when every rank has entered it, as the chain's final token pass did.
+   Every rank sends before it waits (round 0), so a broadcast meeting another call, or ranks that name
+   different roots, is a mismatch that the first frames show. Cost: ceil(log2 n) steps, each rank
+   sending at most ceil(log2 n) payloads; above DDP__BROADCAST_TREE_MAX_BYTES the pipelined chain below
+   moves the data instead (each link carries it once). */
+static ddp_result ddp__dissemination(ddp_group *g, const ddp__coll *c, char *buf, size_t bytes, int root) {
+    int n = g->world_size, r = g->rank, pos = ddp__mod(r - root, n), dist;
+    ddp_result res;
+    for (dist = 1; dist < n; dist *= 2) {
+        int gives = pos < dist && pos + dist < n, takes = pos >= dist && pos < 2 * dist;
+        if ((res = ddp__send_recv(g, c, ddp__mod(r + dist, n), buf, gives ? bytes : 0, ddp__mod(r - dist, n), buf,
+                                  takes ? bytes : 0)) != DDP_SUCCESS)
+            return res;
+    }
+    return DDP_SUCCESS;
+}
+
+/* Broadcast of large messages: a pipelined chain root -> root+1 -> ... -> root-1 in slices, so every
+   link carries the data once and the slices overlap; then a token goes from the last rank through the
+   root to the others, so that no rank finishes before every rank has checked its neighbour's
+   fingerprint. */
 #define DDP__BROADCAST_SLICE ((size_t)256 << 10)
-static ddp_result ddp__do_broadcast(ddp_group *g, const ddp__coll *c, void *buf, size_t count, ddp_dtype t, int root) {
+static ddp_result ddp__chain_broadcast(ddp_group *g, const ddp__coll *c, void *buf, size_t bytes, int root) {
     int n = g->world_size, pos = ddp__mod(g->rank - root, n);
     int left = ddp__mod(g->rank - 1, n), right = ddp__mod(g->rank + 1, n);
-    size_t bytes = count * ddp_dtype_size(t), i;
-    size_t slices = bytes ? (bytes + DDP__BROADCAST_SLICE - 1) / DDP__BROADCAST_SLICE : 1;
+    size_t i, slices = bytes ? (bytes + DDP__BROADCAST_SLICE - 1) / DDP__BROADCAST_SLICE : 1;
     char *p = (char *)buf;
     ddp__step st;
     ddp_result r;
@@ -268,6 +307,15 @@ static ddp_result ddp__do_broadcast(ddp_group *g, const ddp__coll *c, void *buf,
     return DDP_SUCCESS;
 }
 
+/* Broadcast: the binomial tree on dissemination's frames up to DDP__BROADCAST_TREE_MAX_BYTES
+   (latency-bound: ceil(log2 n) steps), the pipelined chain above (bandwidth-bound). Like all_reduce's
+   threshold, the choice depends only on the fingerprint and the world size, and is no setting. */
+static ddp_result ddp__do_broadcast(ddp_group *g, const ddp__coll *c, void *buf, size_t count, ddp_dtype t, int root) {
+    size_t bytes = count * ddp_dtype_size(t);
+    if (bytes <= DDP__BROADCAST_TREE_MAX_BYTES) return ddp__dissemination(g, c, (char *)buf, bytes, root);
+    return ddp__chain_broadcast(g, c, buf, bytes, root);
+}
+
 /* all_gather: place our part in recv, then ring all-gather with chunks of count_per_rank. */
 static ddp_result ddp__do_all_gather(ddp_group *g, const ddp__coll *c, const void *send, void *recv, size_t cpr, ddp_dtype t) {
     size_t es = ddp_dtype_size(t);
@@ -291,9 +339,9 @@ static ddp_result ddp__do_reduce_scatter(ddp_group *g, const ddp__coll *c, const
     return DDP_SUCCESS;
 }
 
-/* barrier: a ring all-gather of nothing; each rank finishes only after hearing (through the ring)
-   from every other rank. */
-static ddp_result ddp__do_barrier(ddp_group *g, const ddp__coll *c) { return ddp__ring_all_gather(g, c, NULL, 0, 1); }
+/* barrier: dissemination with empty frames; each rank finishes only after hearing (through a chain
+   of frames) from every other rank, in ceil(log2 n) steps. */
+static ddp_result ddp__do_barrier(ddp_group *g, const ddp__coll *c) { return ddp__dissemination(g, c, NULL, 0, 0); }
 
 /* ---- the backend ---- */
 

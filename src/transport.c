@@ -314,7 +314,11 @@ static short ddp__poll_events(ddp_group *g, const ddp__coll *c, const ddp__step 
    blocking for DDP__TCP_SPIN_SECONDS after its last progress, yielding the core between looks: on
    loopback (and fast networks) the answer often comes within a few microseconds, and waking a rank
    blocked in poll() costs more than that (Open MPI's TCP transport spins the same way). Large steps
-   block at once: there a wake-up is small beside the transfer, and spinning would only burn a core. */
+   block at once: there a wake-up is small beside the transfer, and spinning would only burn a core. When
+   this host has more ranks than CPUs (ddp__oversubscribed, as shm.c decides) a small step looks once,
+   yields once (the core goes to a rank that can run, often the one being waited for) and then blocks:
+   no spin. Measured on 2 cores, 8 ranks, 4-64 B all_reduce: as fast as the 50 us
+   spin, while blocking without the one yield was 25-30 % slower. */
 #define DDP__TCP_SPIN_SECONDS 50e-6
 #define DDP__TCP_SPIN_MAX_BYTES ((size_t)64 << 10)
 
@@ -326,7 +330,8 @@ static ddp_result ddp__exchange(ddp_group *g, const ddp__coll *c, const ddp__ste
     struct pollfd *fds = g->mesh.pollfds;
     int *owner = g->mesh.poll_owner;
     int spin = s->send_bytes <= DDP__TCP_SPIN_MAX_BYTES && s->recv_bytes <= DDP__TCP_SPIN_MAX_BYTES;
-    double deadline = ddp__now() + g->timeout, spin_until = spin ? ddp__now() + DDP__TCP_SPIN_SECONDS : 0;
+    double spin_for = ddp__oversubscribed(g->local_world_size) ? 0 : DDP__TCP_SPIN_SECONDS;
+    double deadline = ddp__now() + g->timeout, spin_until = spin ? ddp__now() + spin_for : 0;
     if (g->broken) return g->broken;
     if (s->send_peer >= 0) ddp__frame_init(&out, g, c, DDP__FRAME_DATA, s->send_bytes);
     while (sent < send_total || received < recv_total) {
@@ -340,8 +345,10 @@ static ddp_result ddp__exchange(ddp_group *g, const ddp__coll *c, const ddp__ste
             owner[n++] = i;
         }
         rc = 0;
-        if (spin)
-            while ((rc = poll(fds, (nfds_t)n, 0)) == 0 && ddp__now() < spin_until) sched_yield();
+        if (spin) {
+            int yielded = 0;
+            while ((rc = poll(fds, (nfds_t)n, 0)) == 0 && (ddp__now() < spin_until || !yielded++)) sched_yield();
+        }
         if (rc == 0)
             rc = poll(fds, (nfds_t)n, soon ? 1 : (int)DDP__MAX(1.0, DDP__MIN(1000.0, (deadline - ddp__now()) * 1000.0)));
         if (rc < 0 && errno != EINTR) return ddp__coll_fail(g, DDP_ERR_SYSTEM, "poll failed: %s", strerror(errno));
@@ -412,7 +419,7 @@ static ddp_result ddp__exchange(ddp_group *g, const ddp__coll *c, const ddp__ste
         }
         if (progressed) {
             deadline = ddp__now() + g->timeout;
-            if (spin) spin_until = ddp__now() + DDP__TCP_SPIN_SECONDS;
+            if (spin) spin_until = ddp__now() + spin_for;
         } else if (ddp__now() > deadline) {
             return ddp__peer_timed_out(g, g->mesh.waiting_for, c);
         }

@@ -171,3 +171,87 @@ static uint64_t ddp__hash(const char *s) { /* FNV-1a */
 static ddp_result ddp__peer_code(long code, ddp_result fallback) {
     return code <= DDP_ERR_INVALID_ARGUMENT && code >= DDP_ERR_WORKER_FAILED ? (ddp_result)code : fallback;
 }
+
+/* ---- open files ----
+   A rank holds a descriptor per connection, so a large group meets RLIMIT_NOFILE (commonly a soft limit
+   of 1024 under a far higher hard one). ddp_init raises the soft limit to the hard one, as NCCL does
+   (ddp__fd_prepare), and notes the group's size, so that whoever meets EMFILE or ENFILE afterwards
+   (a socket, an accept, shm_open; on any thread, the store server's included) can say how many
+   descriptors the group needs and how to allow them (ddp__fail_descriptors). */
+static int ddp__fd_world = 0, ddp__fd_rank = -1; /* the largest group this process joined: for messages */
+
+/* Descriptors a rank holds at the peak of ddp_init, measured on the full mesh (tests/test_init.c,
+   "open-file limit"): stdin/out/err, its store client, its mesh listener and a socket to each of the
+   other W-1 ranks (W+4); rank 0 also serves the store: its listener, a stop pipe and a connection per
+   rank (2W+7). Keep this in step with the connection scheme: messages quote it. */
+static long ddp__fd_need(int world, int rank) { return rank == 0 ? 2L * world + 7 : (long)world + 4; }
+
+static int ddp__out_of_descriptors(int errnum) { return errnum == EMFILE || errnum == ENFILE; }
+
+/* "too many open files: ..." into err (what: the call that failed), naming the limit, the need and the
+   fix. EMFILE is this process's limit, ENFILE the whole system's. */
+static const char *ddp__rlim_text(rlim_t v, char *buf, size_t cap) {
+    if (v == RLIM_INFINITY) snprintf(buf, cap, "unlimited");
+    else snprintf(buf, cap, "%llu", (unsigned long long)v);
+    return buf;
+}
+
+static ddp_result ddp__fail_descriptors(char *err, int errnum, const char *what) {
+    struct rlimit rl;
+    char soft[32] = "?", hard[32] = "?", need[96] = "";
+    int world = __atomic_load_n(&ddp__fd_world, __ATOMIC_ACQUIRE), rank = __atomic_load_n(&ddp__fd_rank, __ATOMIC_RELAXED);
+    if (getrlimit(RLIMIT_NOFILE, &rl) == 0) {
+        ddp__rlim_text(rl.rlim_cur, soft, sizeof soft);
+        ddp__rlim_text(rl.rlim_max, hard, sizeof hard);
+    }
+    if (world > 0)
+        snprintf(need, sizeof need, "; a group of %d ranks needs about %ld here (rank %d)", world, ddp__fd_need(world, rank), rank);
+    if (errnum == ENFILE)
+        return ddp__fail_to(err, DDP_ERR_SYSTEM, "%s: too many open files in the whole system (ENFILE: the kernel's table, "
+                            "fs.file-max, is full)%s; close other programs' files or raise fs.file-max with sysctl", what, need);
+    return ddp__fail_to(err, DDP_ERR_SYSTEM, "%s: too many open files: this process (pid %d) may have %s (RLIMIT_NOFILE soft "
+                        "limit, hard %s)%s; raise it with `ulimit -n N` before starting the job (`ulimit -Hn N` or "
+                        "limits.conf for the hard limit)", what, (int)getpid(), soft, hard, need);
+}
+
+/* Before a group of `world` ranks connects: raise the soft open-file limit to the hard one (said at debug
+   level; a warning when even the hard limit is below the group's need), and note the group's size for
+   ddp__fail_descriptors. */
+static void ddp__fd_prepare(ddp_group *g, int world, int rank) {
+    struct rlimit rl;
+    char a[32], b[32];
+    long need = ddp__fd_need(world, rank);
+    if (world > __atomic_load_n(&ddp__fd_world, __ATOMIC_ACQUIRE)) {
+        __atomic_store_n(&ddp__fd_rank, rank, __ATOMIC_RELAXED);
+        __atomic_store_n(&ddp__fd_world, world, __ATOMIC_RELEASE);
+    }
+    if (getrlimit(RLIMIT_NOFILE, &rl) != 0) return;
+    if (rl.rlim_cur != rl.rlim_max) {
+        rlim_t was = rl.rlim_cur;
+        rl.rlim_cur = rl.rlim_max;
+        if (setrlimit(RLIMIT_NOFILE, &rl) == 0)
+            ddp__log(g, DDP_LOG_DEBUG, "raised the soft limit on open files (RLIMIT_NOFILE) from %s to the hard limit, %s",
+                     ddp__rlim_text(was, a, sizeof a), ddp__rlim_text(rl.rlim_max, b, sizeof b));
+        else
+            rl.rlim_cur = was;
+    }
+    if (rl.rlim_cur != RLIM_INFINITY && (long long)rl.rlim_cur < (long long)need)
+        ddp__log(g, DDP_LOG_WARN, "this process may have %s open files (RLIMIT_NOFILE, hard limit %s), but a group of %d "
+                 "ranks needs about %ld on rank %d: ddp_init may fail; raise it with `ulimit -n %ld`",
+                 ddp__rlim_text(rl.rlim_cur, a, sizeof a), ddp__rlim_text(rl.rlim_max, b, sizeof b), world, need, rank, need);
+}
+
+/* ---- oversubscription ---- */
+
+/* More ranks on this host than CPUs online: a rank that spins while waiting only delays the rank it
+   waits for (which needs that core), so waits block at once. ranks_here < 1 (unknown): not oversubscribed. */
+static int ddp__oversubscribed(int ranks_here) {
+    static long cpus = 0; /* sysconf reads /sys: once per process */
+    long n = __atomic_load_n(&cpus, __ATOMIC_RELAXED);
+    if (n == 0) {
+        n = sysconf(_SC_NPROCESSORS_ONLN);
+        if (n < 1) n = 1;
+        __atomic_store_n(&cpus, n, __ATOMIC_RELAXED);
+    }
+    return ranks_here > n;
+}

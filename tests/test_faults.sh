@@ -79,6 +79,9 @@ done
 ok "SIGKILL of a random rank at a random moment, $ROUNDS rounds: every survivor exited non-zero naming it (slowest $worst ms)"
 
 # ---- 2. the same under ddprun ----
+counted=0
+# ddprun's workers are the children of its guardian process (launcher.c: ddprun -> guardian -> workers)
+ddprun_workers() { local guardian; for guardian in $(pgrep -P "$1"); do pgrep -P "$guardian"; done; }
 worst=0
 for round in $(seq "$ROUNDS"); do
   D=$T/ddprun$round
@@ -88,8 +91,9 @@ for round in $(seq "$ROUNDS"); do
   PIDS="$PIDS $launcher"
   wait_training "$D/ckpt" || fail "round $round: the run never wrote a checkpoint: $(cat "$D/err")"
   sleep "$(delay 0 1500)"
-  workers=($(pgrep -P $launcher))
+  workers=($(ddprun_workers $launcher))
   [ ${#workers[@]} = 4 ] || { wait $launcher; echo "round $round: the run ended before the kill; not counted"; continue; }
+  counted=$((counted + 1))
   victim=$((RANDOM % 4))
   # the workers are started in rank order; their RANK says which is which
   for w in "${workers[@]}"; do
@@ -106,7 +110,8 @@ for round in $(seq "$ROUNDS"); do
   [ $dt -le 5000 ] || fail "round $round: ddprun took $dt ms"
   grep -q "rank $victim (pid $vpid) .*was killed by signal 9 (SIGKILL)" "$D/err" || { cat "$D/err"; fail "round $round: ddprun did not name rank $victim"; }
 done
-ok "under ddprun, $ROUNDS rounds: ddprun exited non-zero naming the killed rank and its signal (slowest $worst ms)"
+[ $counted -gt 0 ] || fail "under ddprun: no round reached the kill (are the workers found? ddprun -> guardian -> workers)"
+ok "under ddprun, $counted of $ROUNDS rounds: ddprun exited non-zero naming the killed rank and its signal (slowest $worst ms)"
 
 # ---- 3. SIGSTOP a rank: a timeout naming it ----
 D=$T/stop
@@ -146,7 +151,7 @@ chmod +x "$D/run.sh"
 launcher=$!
 PIDS="$PIDS $launcher"
 for i in $(seq 3000); do compgen -G "$D/ckpt/ckpt_*" >/dev/null && break; sleep 0.01; done
-victim=$(pgrep -P $launcher | tail -n 1)
+victim=$(ddprun_workers $launcher | tail -n 1)
 [ -n "$victim" ] && kill -KILL "$victim"
 wait $launcher; rc=$?
 [ $rc = 0 ] || { cat "$D/err" "$D/out"; fail "--max-restarts 1 after a kill: ddprun exited $rc"; }

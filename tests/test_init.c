@@ -5,6 +5,9 @@
    malformed environment values. Each process sets its own environment before ddp_init, as a launcher would. */
 #include "testlib.h"
 
+#include <dirent.h>
+#include <sys/resource.h>
+
 static int port;        /* a free port for the scenario */
 static char job_id[64]; /* for launchers that do not set MASTER_PORT */
 
@@ -670,13 +673,95 @@ static int rendezvous_requests(int rank, int n, void *arg) {
     CHECK_OK(ddp_init(&d, &g), NULL);
     check_group(g, rank, n); /* every rank out of ddp_init: rank 0's count below is the whole rendezvous */
     if (rank == 0) {
-        uint64_t served = ddp__store_server_requests(g->member.store_server);
-        if (getenv("TEST_DEBUG")) fprintf(stderr, "rendezvous of %d ranks: %llu store requests\n", n, (unsigned long long)served);
-        CHECK(g->member.store_server != NULL && served > 0, "rank 0 serves no store");
+        ddp__server_stats st;
+        uint64_t served;
+        CHECK(g->member.store_server != NULL, "rank 0 serves no store");
+        ddp__store_server_stats(g->member.store_server, &st);
+        served = st.requests;
+        if (getenv("TEST_DEBUG"))
+            fprintf(stderr, "rendezvous of %d ranks: %llu store requests from %llu connections, %.3f s of store CPU\n", n,
+                    (unsigned long long)served, (unsigned long long)st.connections, st.cpu_seconds);
+        CHECK(served > 0, "rank 0's store served no request");
         CHECK(served <= 30u * (uint64_t)n, "rank 0's store served %llu requests for a rendezvous of %d ranks (more than "
               "30 a rank)", (unsigned long long)served, n);
     }
     CHECK_OK(ddp_destroy(g), NULL);
+    return 0;
+}
+
+/* ---- the open-file limit (issue #25 item 5) ----
+   A group of W ranks needs about W+4 descriptors per rank and 2W+7 on rank 0 (the full mesh; measured
+   here with TEST_DEBUG=1). The scenarios set RLIMIT_NOFILE on their ranks as `ulimit -Sn` / `ulimit -Hn`
+   would before ddp_init. */
+#define NOFILE_WORLD 12 /* rank 0 needs about 31 descriptors, the others about 16 */
+
+static int open_descriptors(void) {
+    int n = -1; /* the directory's own */
+    DIR *d = opendir("/proc/self/fd");
+    struct dirent *e;
+    if (!d) return -1;
+    while ((e = readdir(d)) != NULL) n += e->d_name[0] != '.';
+    closedir(d);
+    return n;
+}
+
+static void set_nofile(rlim_t soft, rlim_t hard) {
+    struct rlimit rl;
+    CHECK(getrlimit(RLIMIT_NOFILE, &rl) == 0, "getrlimit: %s", strerror(errno));
+    rl.rlim_cur = soft;
+    if (hard) rl.rlim_max = hard;
+    CHECK(setrlimit(RLIMIT_NOFILE, &rl) == 0, "setrlimit(%llu, %llu): %s", (unsigned long long)soft,
+          (unsigned long long)rl.rlim_max, strerror(errno));
+}
+
+/* Soft limit 20, hard limit as it was (far higher): ddp_init raises the soft limit to the hard one, as
+   NCCL does, and the group works; before, rank 0 ran out of descriptors. */
+static int nofile_soft_low(int rank, int n, void *arg) {
+    ddp_init_desc d;
+    ddp_group *g = NULL;
+    struct rlimit before, after;
+    (void)arg;
+    memset(&d, 0, sizeof d);
+    d.timeout_seconds = 15;
+    CHECK(getrlimit(RLIMIT_NOFILE, &before) == 0, "getrlimit: %s", strerror(errno));
+    if (before.rlim_max < 256) {
+        if (rank == 0) printf("SKIP-PART: the hard open-file limit is %llu, too low for this scenario\n",
+                              (unsigned long long)before.rlim_max);
+        return 0;
+    }
+    set_nofile(20, 0);
+    CHECK(ddp_init(&d, &g) == DDP_SUCCESS, "rank %d: ddp_init under `ulimit -Sn 20`: %s", rank, ddp_last_error(NULL));
+    if (getenv("TEST_DEBUG")) fprintf(stderr, "rank %d of %d holds %d descriptors after ddp_init\n", rank, n, open_descriptors());
+    CHECK(getrlimit(RLIMIT_NOFILE, &after) == 0 && after.rlim_cur == before.rlim_max,
+          "rank %d: the soft limit is %llu after ddp_init, not the hard limit %llu", rank, (unsigned long long)after.rlim_cur,
+          (unsigned long long)before.rlim_max);
+    check_group(g, rank, n);
+    CHECK_OK(ddp_destroy(g), NULL);
+    return 0;
+}
+
+/* Soft and hard limit `limit` on the ranks in `who` (-1: all): rank 0 runs out of descriptors (in its
+   mesh, or with a lower limit in its store server, which cannot accept every rank). Every rank fails
+   within seconds (the timeout is 30 s), naming RLIMIT_NOFILE and `ulimit -n`, never "lost rank 0". */
+static void nofile_hard_low(int rank, int limit, int who) {
+    ddp_init_desc d;
+    memset(&d, 0, sizeof d);
+    d.timeout_seconds = 30;
+    if (who < 0 || who == rank) set_nofile((rlim_t)limit, (rlim_t)limit);
+    expect_prompt_failure(&d, DDP_ERR_SYSTEM, "RLIMIT_NOFILE", "ulimit -n", 10.0, rank, "a hard open-file limit too low");
+    if (rank != 0) /* the reason comes from rank 0, which ran out */
+        CHECK(strstr(ddp_last_error(NULL), "rank 0 (host"), "rank %d: \"%s\" does not name rank 0", rank, ddp_last_error(NULL));
+}
+
+static int nofile_hard_low_mesh(int rank, int n, void *arg) {
+    (void)n, (void)arg;
+    nofile_hard_low(rank, 24, -1);
+    return 0;
+}
+
+static int nofile_hard_low_store(int rank, int n, void *arg) {
+    (void)n, (void)arg;
+    nofile_hard_low(rank, 12, 0);
     return 0;
 }
 
@@ -713,6 +798,9 @@ int main(int argc, char **argv) {
         {"malformed DDP_TIMEOUT on one rank", 3, local_failure_published},
         {"a rank never starts", 3, rank_never_starts},
         {"rendezvous store requests per rank", 48, rendezvous_requests},
+        {"open-file limit: soft limit low, hard high", NOFILE_WORLD, nofile_soft_low},
+        {"open-file limit: hard limit low (mesh)", NOFILE_WORLD, nofile_hard_low_mesh},
+        {"open-file limit: hard limit low on rank 0 (store)", NOFILE_WORLD, nofile_hard_low_store},
     };
     size_t i;
     int failed = 0;

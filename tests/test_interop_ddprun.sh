@@ -71,7 +71,8 @@ compare() {
     [ "$tv" = "$dv" ] || fail "$mode rank $r: $k: torchrun \"$tv\", ddprun \"$dv\""
   done
   for k in $(added "$dd"); do
-    [ "$k" = DDP_RESTART_COUNT ] && continue
+    # ddp.h's own: the restart count, and the flight recorder's directory (ddprun summarizes the traces)
+    case $k in DDP_RESTART_COUNT | DDP_TRACE_DIR) continue ;; esac
     grep -q "^$k=" "$tr" || fail "$mode rank $r: ddprun sets $k, torchrun does not"
   done
   echo "ok: $mode rank $r: $(added "$tr" | grep -cv -e TORCHELASTIC_ERROR_FILE -e NCCL_ASYNC) variables compared"

@@ -13,12 +13,15 @@
      memory); alignment, zero fill, many allocations and frees (no overlap), from several threads while
      collectives run; double free, foreign pointers and NULL give clear errors and no crash;
    - a rank killed (SIGKILL) in the middle of single-copy all-reduces: the others fail with
-     DDP_ERR_PEER_LOST and no name of the group is left in /dev/shm.
+     DDP_ERR_PEER_LOST and no name of the group is left in /dev/shm;
+   - /dev/shm too small for the segment (a 1 MiB tmpfs in a mount namespace; root only): the group runs on
+     TCP and rank 0 warns at the default level with /dev/shm's size, the segment's and the fixes.
    TEST_QUICK=1 (sanitizer runs): one large case, fewer ops above one-shot size, no 8-rank and fewer mixed runs. */
 #include "testlib.h"
 
 #include <dirent.h>
 #include <pthread.h>
+#include <sys/mount.h>
 
 static const ddp_dtype dtypes[] = {DDP_F32, DDP_F64, DDP_F16, DDP_BF16, DDP_I8, DDP_U8, DDP_I32, DDP_I64};
 static const ddp_op ops[] = {DDP_SUM, DDP_AVG, DDP_PROD, DDP_MIN, DDP_MAX};
@@ -488,6 +491,66 @@ static void crash_case(int n, int victim) {
            victim, tl_now() - t0);
 }
 
+/* ---- /dev/shm too small (issue #25 item 7) ---- */
+
+static char shm_warning[DDP__ERR_MAX]; /* rank 0's warning about shared memory, if any */
+
+static void shm_warning_log(ddp_log_level level, int rank, const char *msg, void *user) {
+    (void)rank, (void)user;
+    if (level == DDP_LOG_WARN && strstr(msg, "shared memory")) snprintf(shm_warning, sizeof shm_warning, "%s", msg);
+    else if (level <= DDP_LOG_WARN) fprintf(stderr, "[ddp rank %d] %s\n", rank, msg);
+}
+
+/* At the default log level, rank 0 warns that the group stays on TCP, naming /dev/shm's size (1 MiB,
+   mounted by small_dev_shm_case), the segment's (more than that) and both fixes; the group works. */
+static int small_dev_shm_worker(int rank, int n, void *arg) {
+    ddp_init_desc d;
+    ddp_group *g = NULL;
+    double need = 0;
+    int64_t x = rank + 1;
+    const char *at;
+    (void)arg;
+    memset(&d, 0, sizeof d);
+    d.log_fn = shm_warning_log; /* d.log_level 0: the default level */
+    CHECK_OK(ddp_init(&d, &g), NULL);
+    CHECK_OK(ddp_all_reduce(g, &x, 1, DDP_I64, DDP_SUM), g);
+    CHECK(x == (int64_t)n * (n + 1) / 2, "rank %d: all_reduce over TCP gave %lld", rank, (long long)x);
+    if (rank == 0) {
+        CHECK(strstr(shm_warning, "/dev/shm has 1.0 MiB free (of 1.0 MiB)"), "no warning naming /dev/shm's 1 MiB: \"%s\"", shm_warning);
+        at = strstr(shm_warning, "needs a segment of ");
+        CHECK(at && sscanf(at, "needs a segment of %lf MiB", &need) == 1 && need > 1.0,
+              "the warning does not name a segment larger than /dev/shm: \"%s\"", shm_warning);
+        CHECK(strstr(shm_warning, "--shm-size=") && strstr(shm_warning, "DDP_TRANSPORT=tcp") && strstr(shm_warning, "TCP"),
+              "the warning does not say what to do: \"%s\"", shm_warning);
+    } else {
+        CHECK(shm_warning[0] == 0, "rank %d warned too: \"%s\"", rank, shm_warning);
+    }
+    CHECK_OK(ddp_destroy(g), NULL);
+    return 0;
+}
+
+/* A private mount namespace with a 1 MiB tmpfs on /dev/shm (a container's /dev/shm too small for the
+   group's segment), made in a child so that this process keeps the real one. Needs root. */
+static void small_dev_shm_case(void) {
+    double t0 = tl_now();
+    int st;
+    pid_t p = fork();
+    if (p == 0) {
+        if (unshare(CLONE_NEWNS) != 0 || mount(NULL, "/", NULL, MS_REC | MS_PRIVATE, NULL) != 0 ||
+            mount("ddp-test-shm", "/dev/shm", "tmpfs", 0, "size=1m") != 0) {
+            printf("SKIP-PART /dev/shm too small: cannot mount a small tmpfs on /dev/shm here (%s; needs root)\n", strerror(errno));
+            exit(77);
+        }
+        unsetenv("DDP_LOG_LEVEL");
+        exit(tl_run_ranks(2, small_dev_shm_worker, NULL, 60));
+    }
+    CHECK(p > 0 && waitpid(p, &st, 0) == p && WIFEXITED(st) && (WEXITSTATUS(st) == 0 || WEXITSTATUS(st) == 77),
+          "/dev/shm too small: failed");
+    if (WEXITSTATUS(st) == 0)
+        printf("/dev/shm too small (1 MiB): rank 0 warns with the sizes and the fixes, the group runs on TCP (%.1f s)\n", tl_now() - t0);
+    fflush(stdout);
+}
+
 static void run(int n, int (*fn)(int, int, void *), void *arg, const char *what) {
     double t0 = tl_now();
     CHECK(tl_run_ranks(n, fn, arg, 300) == 0, "%s, %d ranks: failed", what, n);
@@ -495,10 +558,13 @@ static void run(int n, int (*fn)(int, int, void *), void *arg, const char *what)
     fflush(stdout);
 }
 
-int main(void) {
+int main(int argc, char **argv) {
     static const int worlds[] = {2, 3, 4, 8};
     coll_arg all_lib, mixed, tcp;
     int i, zero = 0, one = 1, mib = 1 << 20, quick = getenv("TEST_QUICK") != NULL;
+    unsetenv("DDP_TRANSPORT");
+    small_dev_shm_case();
+    if (argc > 1 && strcmp(argv[1], "small-dev-shm") == 0) return 0; /* test_shm_alloc small-dev-shm: only that */
     all_lib.mixed = 0;
     mixed.mixed = 1;
     all_lib.tcp = mixed.tcp = 0;

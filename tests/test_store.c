@@ -975,7 +975,7 @@ static void test_many_waiters(void) {
     char err[DDP__ERR_MAX];
     static int fds[MANY_CLIENTS];
     int port, i, woken = 0;
-    uint64_t before;
+    ddp__server_stats before, after;
     CHECK_OK(ddp__store_server_start("127.0.0.1", 0, DDP_LOG_ERROR, &srv, err), NULL);
     port = ddp__store_server_port(srv);
     for (i = 0; i < MANY_CLIENTS; i++) {
@@ -987,7 +987,7 @@ static void test_many_waiters(void) {
         if (i % 4 == 3) close(fds[i]), fds[i] = -1;
     }
     CHECK_OK(ddp__store_connect("127.0.0.1", port, NULL, 10.0, &s, err), NULL);
-    before = ddp__store_server_requests(srv);
+    ddp__store_server_stats(srv, &before);
     CHECK_OK(ddp_store_set(s, "wake", "up", 2), NULL);
     for (i = 0; i < MANY_CLIENTS; i++) {
         unsigned char b = 9, value[2];
@@ -1007,9 +1007,56 @@ static void test_many_waiters(void) {
         woken++;
     }
     CHECK(woken == MANY_CLIENTS - MANY_CLIENTS / 4, "%d clients woken", woken);
-    CHECK(ddp__store_server_requests(srv) >= before + 1 + (uint64_t)woken, "the server counted %llu requests",
-          (unsigned long long)(ddp__store_server_requests(srv) - before));
+    ddp__store_server_stats(srv, &after);
+    CHECK(after.requests >= before.requests + 1 + (uint64_t)woken, "the server counted %llu requests",
+          (unsigned long long)(after.requests - before.requests));
+    CHECK(after.connections >= (uint64_t)woken + 1, "the server counted %llu connections; %d clients were woken",
+          (unsigned long long)after.connections, woken);
     ddp__store_free(s);
+    ddp__store_server_stop(srv);
+}
+
+/* The server's own count of what it served (ddp__store_server_stats, which bench/bench_scale.c reads):
+   every request sent by hand on two raw connections, one by one and pipelined, is counted once; its
+   thread's CPU time is positive and not more than the whole process used. */
+static void test_server_stats(void) {
+    ddp__store_server *srv;
+    ddp__server_stats st;
+    char err[DDP__ERR_MAX];
+    struct timespec proc;
+    int64_t got = 0;
+    int fd[2], port, i, k;
+    msg m;
+    CHECK_OK(ddp__store_server_start("127.0.0.1", 0, DDP_LOG_ERROR, &srv, err), NULL);
+    port = ddp__store_server_port(srv);
+    ddp__store_server_stats(srv, &st);
+    CHECK(st.requests == 0 && st.connections == 0, "a fresh server counts %llu requests, %llu connections",
+          (unsigned long long)st.requests, (unsigned long long)st.connections);
+    fd[0] = raw_connect(port);
+    fd[1] = raw_connect(port);
+    for (i = 0; i < 300; i++) { /* 300 ADDs of 1 to "n", alternating connections: the sum is the count */
+        m.n = 0;
+        m_byte(&m, 3);
+        m_str(&m, "n");
+        m_u64(&m, 1);
+        raw_send(fd[i % 2], m.b, m.n);
+        raw_recv(fd[i % 2], &got, 8);
+        CHECK(got == i + 1, "ADD %d answered %lld", i + 1, (long long)got);
+    }
+    m.n = 0;
+    for (k = 0; k < 20; k++) m_byte(&m, 3), m_str(&m, "p"), m_u64(&m, 2); /* 20 pipelined in one send */
+    raw_send(fd[0], m.b, m.n);
+    for (k = 0; k < 20; k++) raw_recv(fd[0], &got, 8);
+    CHECK(got == 40, "the last pipelined ADD answered %lld", (long long)got);
+    ddp__store_server_stats(srv, &st);
+    clock_gettime(CLOCK_PROCESS_CPUTIME_ID, &proc);
+    CHECK(st.requests == 320, "the server counted %llu requests; 320 were sent", (unsigned long long)st.requests);
+    CHECK(st.connections == 2, "the server counted %llu connections; 2 were made", (unsigned long long)st.connections);
+    CHECK(st.cpu_seconds > 0 && st.cpu_seconds <= (double)proc.tv_sec + (double)proc.tv_nsec * 1e-9 + 1e-3,
+          "the server thread's CPU time %.6f s is not in (0, the process's %.6f s]", st.cpu_seconds,
+          (double)proc.tv_sec + (double)proc.tv_nsec * 1e-9);
+    close(fd[0]);
+    close(fd[1]);
     ddp__store_server_stop(srv);
 }
 
@@ -1031,6 +1078,8 @@ int main(void) {
     fprintf(stderr, "refusals on the wire, ADD overflow: ok\n");
     test_many_waiters();
     fprintf(stderr, "%d clients waiting at once: ok\n", MANY_CLIENTS);
+    test_server_stats();
+    fprintf(stderr, "server statistics: ok\n");
     for (n = 1; n <= 4; n += 3) {
         CHECK(tl_run_ranks(n, tcp_rank, NULL, 60) == 0, "tcp store with %d processes failed", n);
         fprintf(stderr, "tcp store, %d processes: ok\n", n);

@@ -1,20 +1,53 @@
 /* all_reduce over TCP picks its algorithm by size: recursive doubling up to DDP__RD_MAX_BYTES, the ring
-   above. This test runs both sides of that line (DDP_TRANSPORT=tcp):
+   above; broadcast picks the binomial tree on dissemination's frames up to DDP__BROADCAST_TREE_MAX_BYTES,
+   the pipelined chain above; barrier is dissemination. This test runs both sides of those lines
+   (DDP_TRANSPORT=tcp):
    - results: counts 1, 2, 3, 7, threshold-1, threshold, threshold+1 elements and a large one, every
      dtype x op, worlds 2..8 (3, 5, 6, 7 fold ranks away); each result is compared with a serial
      reference computed here from the stored inputs (exact for integers, MIN and MAX; within a bound
      for float sums and products of random values), and every rank's result bytes are compared with
      every other rank's (all_gather): recursive doubling must give bitwise identical floats everywhere.
-   - mismatches that straddle the two algorithms (one rank above the threshold, one rank in a
-     broadcast or a barrier, a skipped collective), worlds 3, 4, 5, 8, DDP_TIMEOUT=20: every rank must
-     fail with DDP_ERR_MISMATCH, not DDP_ERR_TIMEOUT (which is what a hang would end in).
+   - broadcast: every root, counts on both sides of its threshold and a chain of several slices; every
+     rank's buffer must equal the root's bytes (computed here), the root's must stay as it was.
+   - shape: the frames each rank sends in a barrier and a small broadcast, counted per connection by
+     wrapping the library's sendmsg: exactly one to rank + 2^k for each 2^k < n (ceil(log2 n) steps),
+     carrying the payload only on the binomial tree's edges (pos -> pos + 2^k for pos < 2^k).
+   - barrier semantics: one rank sleeps before entering; no rank may leave before it entered
+     (timestamps of the same monotonic clock, gathered).
+   - a rank killed (SIGKILL) while the others wait in a barrier or a small broadcast: every survivor
+     fails with DDP_ERR_PEER_LOST naming it, within 5 s.
+   - mismatches that straddle the algorithms (one rank above the threshold, one rank in a broadcast or
+     a barrier, a skipped collective, broadcasts naming different roots), worlds 3, 4, 5, 8,
+     DDP_TIMEOUT=20: every rank must fail with DDP_ERR_MISMATCH, not DDP_ERR_TIMEOUT (which is what a
+     hang would end in).
    - no false alarm: the first calls right after ddp_init (whose own collectives restart the count),
      on one host and on mixed hosts (one rank in its own UTS namespace; skipped without root).
+   - no spinning when oversubscribed: a small all_reduce at 2 ranks spins (sched_yield) before poll(),
+     at CPUs+1 ranks a wait yields once, then blocks (this program counts its sched_yield calls).
    Usage: test_tcp_algorithms [world sizes...] (default 2 3 4 5 6 7 8 for results); TEST_QUICK=1 skips
    the large count (for sanitizer builds). */
+#ifndef _GNU_SOURCE
+#define _GNU_SOURCE
+#endif
+#include <sys/socket.h>
+
+/* ddp__exchange sends every frame with sendmsg (and nothing else does): the implementation compiled
+   into this test calls counted_sendmsg instead, which adds the bytes sent to each descriptor. */
+static ssize_t counted_sendmsg(int fd, const struct msghdr *mh, int flags);
+#define sendmsg counted_sendmsg
 #include "testlib.h"
+#undef sendmsg
 
 #include <sched.h>
+
+#define COUNTED_FDS 4096
+static uint64_t bytes_sent_on[COUNTED_FDS];
+
+static ssize_t counted_sendmsg(int fd, const struct msghdr *mh, int flags) {
+    ssize_t k = sendmsg(fd, mh, flags);
+    if (k > 0 && fd >= 0 && fd < COUNTED_FDS) bytes_sent_on[fd] += (uint64_t)k;
+    return k;
+}
 
 static const ddp_dtype dtypes[] = {DDP_F32, DDP_F64, DDP_F16, DDP_BF16, DDP_I8, DDP_U8, DDP_I32, DDP_I64};
 static const ddp_op ops[] = {DDP_SUM, DDP_AVG, DDP_PROD, DDP_MIN, DDP_MAX};
@@ -126,11 +159,183 @@ static int results_worker(int rank, int n, void *arg) {
     return 0;
 }
 
+/* ---- broadcast: both algorithms, every root ---- */
+
+#define TREE_MAX DDP__BROADCAST_TREE_MAX_BYTES
+#define CHAIN_BYTES (3 * ((size_t)256 << 10) + 5) /* several of the chain's slices, a ragged last one */
+
+static unsigned char pattern(int root, size_t i, int salt) {
+    uint64_t st = ((uint64_t)i << 24) ^ ((uint64_t)root << 8) ^ (uint64_t)salt;
+    return (unsigned char)tl_rand(&st);
+}
+
+/* One broadcast of `count` elements of t from root: every rank must end with the root's bytes. */
+static void check_broadcast(ddp_group *g, int rank, int n, ddp_dtype t, size_t count, int root, int salt) {
+    size_t bytes = count * ddp_dtype_size(t), i;
+    unsigned char *buf = tl_xalloc(bytes + 1);
+    for (i = 0; i < bytes; i++) buf[i] = rank == root ? pattern(root, i, salt) : 0xEE;
+    CHECK_OK(ddp_broadcast(g, buf, count, t, root), g);
+    for (i = 0; i < bytes; i++)
+        CHECK(buf[i] == pattern(root, i, salt), "rank %d: broadcast(count=%zu, %s, root=%d) on %d ranks: byte %zu is 0x%02x, "
+              "the root's is 0x%02x", rank, count, ddp_dtype_name(t), root, n, i, buf[i], pattern(root, i, salt));
+    free(buf);
+}
+
+static int broadcast_worker(int rank, int n, void *arg) {
+    const size_t u8_counts[] = {0, 1, 4, TREE_MAX - 1, TREE_MAX, TREE_MAX + 1, CHAIN_BYTES};
+    ddp_group *g;
+    size_t k;
+    int root;
+    (void)arg;
+    CHECK_OK(ddp_init(NULL, &g), NULL);
+    for (root = 0; root < n; root++) {
+        for (k = 0; k < sizeof u8_counts / sizeof u8_counts[0]; k++) {
+            if (k == sizeof u8_counts / sizeof u8_counts[0] - 1 && getenv("TEST_QUICK")) continue;
+            check_broadcast(g, rank, n, DDP_U8, u8_counts[k], root, (int)k);
+        }
+        check_broadcast(g, rank, n, DDP_F16, 3, root, 100);
+        check_broadcast(g, rank, n, DDP_F64, TREE_MAX / 8, root, 101);     /* the tree's largest */
+        check_broadcast(g, rank, n, DDP_F64, TREE_MAX / 8 + 1, root, 102); /* the chain's smallest */
+    }
+    CHECK_OK(ddp_destroy(g), NULL);
+    return 0;
+}
+
+/* ---- shape: which frames each rank sends in a barrier and in a small broadcast ---- */
+
+/* The bytes this rank sent to each peer since the last call (from the counted sendmsg), into out[n]. */
+static void take_bytes_sent(ddp_group *g, uint64_t *out) {
+    int i;
+    for (i = 0; i < g->world_size; i++) {
+        int fd = g->mesh.peers[i].fd;
+        out[i] = fd >= 0 && fd < COUNTED_FDS ? bytes_sent_on[fd] : 0;
+    }
+    memset(bytes_sent_on, 0, sizeof bytes_sent_on);
+}
+
+/* Dissemination: one frame to rank + 2^k for every 2^k < n, nothing to anyone else; the frame carries
+   `payload` bytes when it is a binomial tree edge from root (pos < 2^k, pos + 2^k < n), else none. */
+static void check_shape(ddp_group *g, int rank, int n, const char *what, size_t payload, int root) {
+    uint64_t got[256], want[256];
+    int i, dist, pos = ((rank - root) % n + n) % n;
+    take_bytes_sent(g, got);
+    memset(want, 0, sizeof want);
+    for (dist = 1; dist < n; dist *= 2)
+        want[(rank + dist) % n] += sizeof(ddp__frame) + (pos < dist && pos + dist < n ? payload : 0);
+    for (i = 0; i < n; i++)
+        CHECK(got[i] == want[i], "rank %d of %d: %s sent %llu bytes to rank %d, expected %llu (one %zu-byte frame header to "
+              "each rank + 2^k, payload %zu on the tree's edges)", rank, n, what, (unsigned long long)got[i], i,
+              (unsigned long long)want[i], sizeof(ddp__frame), payload);
+}
+
+static int shape_worker(int rank, int n, void *arg) {
+    unsigned char buf[4] = {1, 2, 3, 4};
+    ddp_group *g;
+    uint64_t discard[256];
+    int root, round;
+    char what[64];
+    (void)arg;
+    CHECK_OK(ddp_init(NULL, &g), NULL);
+    CHECK_OK(ddp_barrier(g), g); /* a slow rank's frames of ddp_init are all sent */
+    for (round = 0; round < 3; round++) {
+        take_bytes_sent(g, discard);
+        CHECK_OK(ddp_barrier(g), g);
+        check_shape(g, rank, n, "barrier()", 0, 0);
+        for (root = 0; root < n; root++) {
+            snprintf(what, sizeof what, "broadcast(count=4, u8, root=%d)", root);
+            CHECK_OK(ddp_broadcast(g, buf, 4, DDP_U8, root), g);
+            check_shape(g, rank, n, what, 4, root);
+        }
+    }
+    CHECK_OK(ddp_destroy(g), NULL);
+    return 0;
+}
+
+/* ---- barrier semantics: nobody leaves before the last rank entered ---- */
+
+#define SLEEP_S 0.1
+
+static int barrier_order_worker(int rank, int n, void *arg) {
+    ddp_group *g;
+    double times[2], *all = (double *)tl_xalloc(sizeof(double) * 2 * (size_t)n);
+    int sleeper, i, j;
+    (void)arg;
+    CHECK_OK(ddp_init(NULL, &g), NULL);
+    for (sleeper = 0; sleeper < n; sleeper++) {
+        CHECK_OK(ddp_barrier(g), g);
+        if (rank == sleeper) usleep((useconds_t)(SLEEP_S * 1e6));
+        times[0] = tl_now(); /* entered (at most this early) */
+        CHECK_OK(ddp_barrier(g), g);
+        times[1] = tl_now(); /* left (at least this late) */
+        CHECK_OK(ddp_all_gather(g, times, all, 2, DDP_F64), g);
+        for (i = 0; i < n; i++)
+            for (j = 0; j < n; j++)
+                CHECK(all[2 * j + 1] >= all[2 * i], "%d ranks, rank %d slept %.1f s before the barrier: rank %d left it %.3f s "
+                      "before rank %d entered it", n, sleeper, SLEEP_S, j, all[2 * i] - all[2 * j + 1], i);
+        CHECK(all[2 * rank + 1] - all[2 * sleeper] < 10.0, "rank %d left the barrier %.1f s after rank %d entered", rank,
+              all[2 * rank + 1] - all[2 * sleeper], sleeper);
+    }
+    free(all);
+    CHECK_OK(ddp_destroy(g), NULL);
+    return 0;
+}
+
+/* ---- a rank killed while the others wait ---- */
+
+typedef struct victim {
+    int rank;      /* the one that dies */
+    int broadcast; /* the others wait in a small broadcast (else a barrier) */
+} victim;
+
+static int killed_worker(int rank, int n, void *arg) {
+    const victim *v = (const victim *)arg;
+    ddp_group *g;
+    unsigned char b[8] = {0};
+    char name[32];
+    double t0;
+    ddp_result r;
+    CHECK_OK(ddp_init(NULL, &g), NULL);
+    CHECK_OK(ddp_barrier(g), g);
+    if (rank == v->rank) {
+        usleep(200000); /* the others are waiting by now */
+        kill(getpid(), SIGKILL);
+    }
+    t0 = tl_now();
+    r = v->broadcast ? ddp_broadcast(g, b, sizeof b, DDP_U8, (v->rank + 1) % n) : ddp_barrier(g);
+    snprintf(name, sizeof name, "rank %d", v->rank);
+    CHECK(r == DDP_ERR_PEER_LOST, "rank %d of %d: %s with rank %d killed returned %s (%s), expected DDP_ERR_PEER_LOST", rank, n,
+          v->broadcast ? "broadcast" : "barrier", v->rank, ddp_result_string(r), ddp_last_error(g));
+    CHECK(strstr(ddp_last_error(g), name) != NULL, "rank %d: the error does not name %s: %s", rank, name, ddp_last_error(g));
+    CHECK(tl_now() - t0 < 5.0, "rank %d: it took %.1f s to see rank %d killed (at most 5 s)", rank, tl_now() - t0, v->rank);
+    if (rank == 0) printf("  rank 0 failed %.2f s after it entered (rank %d slept 0.2 s, then died)\n", tl_now() - t0, v->rank);
+    ddp_destroy(g);
+    return 0;
+}
+
+static int run_killed(void) {
+    static const int worlds[] = {5, 8};
+    int failed = 0, w, b;
+    for (w = 0; w < 2; w++)
+        for (b = 0; b < 2; b++) {
+            victim v;
+            int codes[256], rc, i;
+            v.rank = worlds[w] - 2, v.broadcast = b;
+            tl_run_ranks_status(worlds[w], killed_worker, &v, 60, codes);
+            for (rc = 0, i = 0; i < worlds[w]; i++) rc |= i == v.rank ? codes[i] != -SIGKILL : codes[i] != 0;
+            printf("rank %d of %d killed while the others wait in a %s: %s\n", v.rank, worlds[w], b ? "broadcast" : "barrier",
+                   rc ? "FAILED" : "ok");
+            fflush(stdout);
+            failed |= rc;
+        }
+    return failed;
+}
+
 /* ---- mismatches across the two algorithms ---- */
 
 #define SMALL 16                          /* f32 elements: recursive doubling */
 #define LARGE (2 * DDP__RD_MAX_BYTES / 4) /* f32 elements: the ring */
-static float mismatch_buf[LARGE];
+#define LARGE_BROADCAST (DDP__BROADCAST_TREE_MAX_BYTES / 4 + 1) /* f32 elements: the chain */
+static float mismatch_buf[LARGE > LARGE_BROADCAST ? LARGE : LARGE_BROADCAST];
 
 static ddp_result small_all_reduce(ddp_group *g) { return ddp_all_reduce(g, mismatch_buf, SMALL, DDP_F32, DDP_SUM); }
 static ddp_result large_all_reduce(ddp_group *g) { return ddp_all_reduce(g, mismatch_buf, LARGE, DDP_F32, DDP_SUM); }
@@ -179,6 +384,24 @@ static ddp_result barrier_vs_small(ddp_group *g, int rank, int n) {
     return rank == 0 ? ddp_barrier(g) : small_all_reduce(g);
 }
 
+/* every rank broadcasts a few elements, each naming the next rank as the root: no rank is the root in
+   its own call (a chain would have nobody send, and every rank would time out) */
+static ddp_result roots_differ(ddp_group *g, int rank, int n) {
+    return ddp_broadcast(g, mismatch_buf, SMALL, DDP_F32, (rank + 1) % n);
+}
+
+/* rank 0 calls barrier while the others broadcast a few elements from rank 0: dissemination both */
+static ddp_result barrier_vs_broadcast(ddp_group *g, int rank, int n) {
+    (void)n;
+    return rank == 0 ? ddp_barrier(g) : ddp_broadcast(g, mismatch_buf, SMALL, DDP_F32, 0);
+}
+
+/* the last rank broadcasts above the tree's threshold (the chain, waiting on its left neighbour) while
+   the others broadcast a few elements (the tree) from the same root */
+static ddp_result broadcast_straddles(ddp_group *g, int rank, int n) {
+    return ddp_broadcast(g, mismatch_buf, rank == n - 1 ? LARGE_BROADCAST : SMALL, DDP_F32, 0);
+}
+
 typedef struct scenario {
     const char *name;
     ddp_result (*fn)(ddp_group *g, int rank, int n);
@@ -194,6 +417,9 @@ static const scenario scenarios[] = {
     {"skipped small all_reduce", skipped_small, 0},
     {"barrier vs all_reduce, first call", barrier_vs_small, 0},
     {"barrier vs all_reduce, later call", barrier_vs_small, 1},
+    {"broadcasts naming different roots", roots_differ, 1},
+    {"barrier vs broadcast", barrier_vs_broadcast, 1},
+    {"broadcast count across the threshold", broadcast_straddles, 1},
 };
 
 /* Every rank must fail with DDP_ERR_MISMATCH. A rank still finishing the call before (ddp_init's own
@@ -249,6 +475,55 @@ static int first_call_worker(int rank, int n, void *arg) {
     return 0;
 }
 
+/* ---- no spinning when oversubscribed (issue #25 item 7) ----
+   This program holds the library itself, so its own sched_yield stands in for libc's and counts the
+   calls: the TCP wait's spin is the only caller on a TCP group. With more ranks than CPUs online a
+   wait yields once and then blocks in poll(); with no more ranks than CPUs it spins up to 50 us. */
+static int yields;
+int sched_yield(void) {
+    __atomic_add_fetch(&yields, 1, __ATOMIC_RELAXED);
+    return (int)syscall(SYS_sched_yield);
+}
+
+/* expect_spin 1: some yields (2 ranks). 0 (more ranks than CPUs): rank n-1 sleeps 20 ms before each of 20
+   all_reduces, so the others wait with a core idle, where the 50 us spin yields again and again (measured
+   before this change at 3 ranks on 2 CPUs: 9-14 yields a call); oversubscribed, a wait yields once and then
+   blocks (measured: 1.5 a call): at most 5 a call. */
+static int spin_worker(int rank, int n, void *arg) {
+    ddp_group *g = NULL;
+    int expect_spin = *(const int *)arg, i, counted, calls = expect_spin ? 200 : 20;
+    int64_t x;
+    CHECK_OK(ddp_init(NULL, &g), NULL);
+    __atomic_store_n(&yields, 0, __ATOMIC_RELAXED);
+    for (i = 0; i < calls; i++) {
+        x = rank;
+        if (!expect_spin && rank == n - 1) usleep(20 * 1000);
+        CHECK_OK(ddp_all_reduce(g, &x, 1, DDP_I64, DDP_SUM), g);
+        CHECK(x == (int64_t)n * (n - 1) / 2, "rank %d: sum of ranks %lld", rank, (long long)x);
+    }
+    counted = __atomic_load_n(&yields, __ATOMIC_RELAXED);
+    x = counted;
+    CHECK_OK(ddp_all_reduce(g, &x, 1, DDP_I64, DDP_SUM), g);
+    if (getenv("TEST_DEBUG")) fprintf(stderr, "%d ranks: rank %d yielded %d times in %d calls (%lld in all)\n", n, rank, counted, calls, (long long)x);
+    CHECK(expect_spin ? x > 0 : (rank == n - 1 || counted <= 5 * calls), "%d ranks on %ld CPUs: rank %d yielded %d times "
+          "(%lld in all) in %d small all_reduces over TCP; expected %s", n, sysconf(_SC_NPROCESSORS_ONLN), rank, counted,
+          (long long)x, calls, expect_spin ? "some (it spins)" : "at most 5 a call (oversubscribed: one yield a wait)");
+    CHECK_OK(ddp_destroy(g), NULL);
+    return 0;
+}
+
+static int run_spin(void) {
+    long cpus = sysconf(_SC_NPROCESSORS_ONLN);
+    int spin = 1, no_spin = 0, failed = 0;
+    if (cpus >= 2) failed |= tl_run_ranks(2, spin_worker, &spin, 120);
+    if (cpus + 1 <= 16) failed |= tl_run_ranks((int)cpus + 1, spin_worker, &no_spin, 120);
+    else printf("SKIP-PART oversubscribed: %ld CPUs here, the test runs at most 16 ranks\n", cpus);
+    printf("small all_reduces over TCP spin before poll() at 2 ranks, yield once with %ld ranks on %ld CPUs: %s\n", cpus + 1, cpus,
+           failed ? "FAILED" : "ok");
+    fflush(stdout);
+    return failed;
+}
+
 static int run_first_calls(void) {
     int i, failed = 0, mixed = 1, runs = getenv("TEST_QUICK") ? 5 : 20; /* sanitizer builds: fewer */
     for (i = 0; i < runs; i++) failed |= tl_run_ranks(8, first_call_worker, NULL, 60);
@@ -282,6 +557,18 @@ int main(int argc, char **argv) {
         fflush(stdout);
         failed |= rc;
     }
+    for (i = 0; i < nsizes; i++) {
+        double t0 = tl_now();
+        int rc = tl_run_ranks(sizes[i], broadcast_worker, NULL, 300);
+        rc |= tl_run_ranks(sizes[i], shape_worker, NULL, 60);
+        rc |= tl_run_ranks(sizes[i], barrier_order_worker, NULL, 60);
+        printf("broadcast results, frames per rank, barrier order: world %d over tcp: %s (%.1f s)\n", sizes[i],
+               rc == 0 ? "ok" : "FAILED", tl_now() - t0);
+        fflush(stdout);
+        failed |= rc;
+    }
+    failed |= run_killed();
+    failed |= run_spin();
     failed |= run_first_calls();
     failed |= run_mismatches();
     return failed;
