@@ -1149,8 +1149,13 @@ static int ddp__transport_wish(void) {
     return strcmp(transport, "tcp") == 0 ? 1 : DDP__WISH_BAD;
 }
 
+/* The message names the rank (g NULL: a single process): it may be the one every rank reports, when
+   this rank's error reaches the store first (ddp__rdzv_fail_all). */
 static ddp_result ddp__bad_transport(ddp_group *g) {
-    return ddp__fail(g, DDP_ERR_INIT, "DDP_TRANSPORT=\"%s\" is not one of auto, tcp; fix or unset it", ddp__env("DDP_TRANSPORT"));
+    if (!g) return ddp__fail(NULL, DDP_ERR_INIT, "DDP_TRANSPORT=\"%s\" is not one of auto, tcp; fix or unset it",
+                             ddp__env("DDP_TRANSPORT"));
+    return ddp__fail(g, DDP_ERR_INIT, "DDP_TRANSPORT=\"%s\" on rank %d (%s) is not one of auto, tcp; fix or unset it there",
+                     ddp__env("DDP_TRANSPORT"), g->rank, g->mesh.peer_names[g->rank]);
 }
 
 static ddp_result ddp__choose_transport(ddp_group *g) {
