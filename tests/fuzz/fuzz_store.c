@@ -15,6 +15,8 @@ static ddp__store_conn *fake_conn(ddp__store_server *s) {
     if (!c) abort();
     c->fd = -1;
     snprintf(c->peer, sizeof c->peer, "fuzz");
+    if (ddp__srv_room_for_client(s) != 0) abort(); /* the server's own arrays: conns and the round's touched list */
+    c->slot = s->nconns;
     s->conns[s->nconns++] = c;
     s->buffers += sizeof *c;
     return c;
@@ -42,9 +44,6 @@ int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size) {
     s->listen_fd = s->pipe_rd = s->pipe_wr = -1;
     s->log_level = DDP_LOG_NONE;
     ddp__srv_set_budget(s, (size_t)16 << 10); /* small (a share is 2 KiB), so that refusals are reached too */
-    s->cap_conns = 2;
-    s->conns = (ddp__store_conn **)DDP_MALLOC(2 * sizeof *s->conns);
-    if (!s->conns) abort();
     c[0] = fake_conn(s);
     c[1] = fake_conn(s);
     while (at < size) {
