@@ -687,6 +687,7 @@ static ddp_result ddp__shm_setup(ddp_group *g) {
     }
     if (r || !ok[0]) {
         if (s && s->base) munmap(s->base, bytes);
+        if (s) ddp__free(s->pids); /* no segment (a full /dev/shm): the CMA probe may still have filled them */
         ddp__free(s);
         goto done;
     }
