@@ -43,6 +43,7 @@ IMPLEMENTATION = [
     "src/net.c",            # [SECTION] net: sockets with deadlines
     "src/auth.c",           # [SECTION] auth: DDP_AUTH_TOKEN, HMAC-SHA256 challenge on every connection
     "src/store.c",          # [SECTION] store: rendezvous key-value store (c10d TCPStore protocol), file store
+    "src/link.c",           # [SECTION] link: connections between ranks, made on first use
     "src/transport.c",      # [SECTION] transport: framed messages between ranks, abort propagation
     "src/collectives.c",    # [SECTION] collectives: validation, fingerprints, dispatch, async work
     "src/trace.c",          # [SECTION] trace: the flight recorder, each group's last collectives

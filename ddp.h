@@ -115,6 +115,7 @@
    [SECTION] net: TCP sockets with deadlines                            src/net.c
    [SECTION] auth: DDP_AUTH_TOKEN, a shared secret that every connection proves (HMAC-SHA256) src/auth.c
    [SECTION] store: rendezvous key-value store (c10d TCPStore protocols of torch 1.13 and 2.x), file store src/store.c
+   [SECTION] link: connections between the ranks of a group, made on first use src/link.c
    [SECTION] transport: framed messages between the ranks of a group, failure detection, abort src/transport.c
    [SECTION] collectives: the public collectives, their fingerprints, dispatch to the backend, async work src/collectives.c
    [SECTION] trace: the flight recorder, each group's last collectives, written out when the group breaks src/trace.c
@@ -1478,15 +1479,17 @@ DDP_API int ddp__cuda_nccl_test(ddp__cuda_nccl *c, void *event);
 
        util, dtype              errors, logging, environment, time; element types and reduction
        net, auth, store         sockets with deadlines; DDP_AUTH_TOKEN; the rendezvous key-value store
-       transport                framed messages over the TCP mesh, failure detection, abort
+       link, transport          one layer: connections between ranks made on first use (link), framed
+                                messages over them, failure detection, abort (transport); during
+                                ddp_init's set-up they ask group.c whether a missing rank is gone
        collectives              the public collectives: validate, fingerprint, dispatch, async work
        backends                 each fills a ddp__backend table, the only way calls reach it:
-         tcp                      ring and recursive-doubling algorithms over the mesh (also set-up)
+         tcp                      ring, recursive-doubling, tree algorithms between ranks (also set-up)
          alloc                    ddp_alloc: library buffers in the shared segment's arenas
          shm                      shared memory among the ranks of one host
          hier                     hierarchical all_reduce for groups that span hosts
          mpi, nccl                MPI and NCCL libraries
-       group                    ddp_init, rendezvous, the mesh, which backend a group gets, subgroups
+       group                    ddp_init, rendezvous, the table of ranks, which backend a group gets, subgroups
        launcher                 ddp_spawn, ddprun
        reducer, sampler, syncbn, safetensors, checkpoint    built on the public API
 
@@ -1711,6 +1714,8 @@ static DDP__UNUSED void ddp__divide(void *buf, size_t count, ddp_dtype t, int n)
 /* ---- net.c: TCP with deadlines (absolute ddp__now() seconds); messages go to err ---- */
 static DDP__UNUSED ddp_result ddp__net_listen(const char *host, int port, int *fd, int *bound_port, char *err);
 static DDP__UNUSED ddp_result ddp__net_connect(const char *host, int port, double deadline, int *fd, char *err);
+/* Start a connect without waiting (poll the fd for POLLOUT, then SO_ERROR); *refused: refused at once. */
+static DDP__UNUSED ddp_result ddp__net_connect_start(const char *host, int port, int *fd_out, int *refused, char *err);
 static DDP__UNUSED ddp_result ddp__net_connect_once(const char *host, int port, double deadline, int *fd, int *refused, char *err);
 static DDP__UNUSED ddp_result ddp__net_accept(int listen_fd, double deadline, int *fd, char *err);
 static DDP__UNUSED ddp_result ddp__net_send(int fd, const void *buf, size_t n, double deadline, char *err);
@@ -1783,6 +1788,12 @@ static DDP__UNUSED int ddp__auth_answer(const char *token, const unsigned char *
                                         unsigned char *reply);
 static DDP__UNUSED int ddp__auth_check(const char *token, const unsigned char *cn, const unsigned char *sn,
                                        const unsigned char *proof);
+/* The pieces of the client's half, for a handshake moved on by a poll loop (link.c): a fresh nonce, the
+   proof one side gives (label "client" or "server"), and a comparison that takes the same time anywhere. */
+static DDP__UNUSED void ddp__auth_nonce(unsigned char out[DDP__AUTH_NONCE]);
+static DDP__UNUSED void ddp__auth_proof(const char *token, const char *label, const unsigned char *cn, const unsigned char *sn,
+                                        unsigned char out[DDP__AUTH_MAC]);
+static DDP__UNUSED int ddp__auth_equal(const unsigned char *a, const unsigned char *b, size_t n);
 
 /* ==== the group: the types every layer above the store shares ==== */
 
@@ -1848,21 +1859,55 @@ typedef struct ddp__backend {
     void (*copy_out)(ddp_group *g, void *dst, ddp_dtype dst_t, const void *src, ddp_dtype src_t, size_t count);
 } ddp__backend;
 
-/* One TCP connection to another member of the group. */
+/* One TCP connection to another member of the group (made on first use: link.c). */
 typedef struct ddp__peer {
-    int fd;   /* -1 for this rank itself */
+    int fd;   /* -1: none yet (and for this rank itself) */
     int gone; /* the connection was seen closed */
+    int awaits_dial;     /* link.c: both dialed at once and the peer's dial wins: wait for it, do not dial again */
     uint64_t send_owed;  /* bytes of a frame interrupted mid-send (padded before an ABORT) */
     uint64_t quiet_seq;  /* transport.c: in collective #quiet_seq, the peer's waiting frame was looked at and is fine */
     int peek_later;      /* transport.c: only part of a frame header was there; look again shortly */
+    double refused_since; /* link.c: its port has refused connections since then (0: not refusing) */
+    double dial_after;    /* link.c: after a refusal, the next dial waits until then */
 } ddp__peer;
 
-/* The mesh: a TCP connection to every other rank (group.c makes it, transport.c moves frames on it). */
+/* Where a rank listens and who it is, from the rendezvous table; strings live in the mesh's name pool. */
+typedef struct ddp__peer_info {
+    int port, pid;
+    uint32_t addr, host;      /* offsets into ddp__mesh.names */
+    unsigned long long node;  /* ddp__node_key() of its process (group.c) */
+} ddp__peer_info;
+
+/* A connection being made, by either side (link.c): the dialer's or the accepting side's handshake. */
+typedef struct ddp__shake {
+    int fd, step;
+    int rank;     /* the peer: known from the start when dialing, from its hello when accepting (-1 before) */
+    int dialing;  /* this rank dialed it */
+    size_t have, need;
+    double deadline;
+    unsigned char buf[64];
+    unsigned char cn[DDP__AUTH_NONCE], sn[DDP__AUTH_NONCE];
+} ddp__shake;
+#define DDP__WATCH_PERIOD 0.25 /* while waiting on a rank inside ddp_init, look for why it might be gone this often */
+#define DDP__PENDING_MAX 64 /* accepted connections waiting to identify themselves at once; the oldest goes first */
+#define DDP__SHAKES_MAX (DDP__PENDING_MAX + 8)
+
+/* The links of a group: its listening socket, the table of where every rank listens, the connections
+   made so far (group.c fills the table and opens the listener; link.c makes connections on first use;
+   transport.c moves frames on them). */
 typedef struct ddp__mesh {
     ddp__peer *peers;        /* world_size entries, indexed by rank in this group */
-    char (*peer_names)[80];  /* "host 10.0.0.2, pid 1234" for each rank, for messages */
-    struct pollfd *pollfds;  /* world_size entries: what one exchange step waits on */
-    int *poll_owner;         /* the rank of each pollfds entry */
+    ddp__peer_info *dir;     /* world_size entries: the rendezvous table (NULL before it) */
+    char *names;             /* the table's addresses and host names, each once per run of equal ones */
+    size_t names_len, names_cap;
+    int *linked;             /* the ranks this one has a connection with, in the order they were made */
+    int nlinked;
+    int listen_fd;           /* peers dial this; open for the group's life (-1: none) */
+    ddp__shake *shakes;      /* DDP__SHAKES_MAX: connections being made */
+    int nshakes;
+    int in_setup;            /* ddp_init's own set-up runs: a rank lost on the way is looked for in the store too */
+    struct pollfd *pollfds;  /* world_size + DDP__SHAKES_MAX + 1 entries: what one exchange step waits on */
+    int *poll_owner;         /* the rank of each pollfds entry (link.c's own entries: below -1) */
     int waiting_for;         /* the rank this one waits for in the current step, -1 if none (for messages) */
 } ddp__mesh;
 
@@ -1968,6 +2013,20 @@ struct ddp_work {
     void *handle;              /* the owner's: nccl's CUDA event */
 };
 
+/* ---- link.c: connections made on first use ---- */
+/* A step needs a connection to `peer` to send: dial it unless a dial is under way (or the peer's wins). */
+static DDP__UNUSED ddp_result ddp__link_want(ddp_group *g, const ddp__coll *c, int peer);
+/* The listener and the handshakes under way, as poll entries (owners below -1); returns how many. */
+static DDP__UNUSED int ddp__link_poll_entries(ddp_group *g, struct pollfd *fds, int *owner, double *wake);
+/* Move the handshakes on after a poll (entries from ddp__link_poll_entries); *progressed when any did. */
+static DDP__UNUSED ddp_result ddp__link_progress(ddp_group *g, const ddp__coll *c, const struct pollfd *fds, const int *owner,
+                                                 int n, int *progressed);
+static DDP__UNUSED void ddp__link_close_all(ddp_group *g); /* every connection, handshake and the listener */
+/* The port of `peer`, which this step needs, has refused connections for DDP__REFUSED_GRACE s: it is lost. */
+static DDP__UNUSED ddp_result ddp__link_check_refused(ddp_group *g, const ddp__coll *c, int peer);
+/* The mesh's own hash of g's store prefix, said in every hello: a connection from another group is refused. */
+static DDP__UNUSED uint64_t ddp__link_group_hash(const ddp_group *g);
+
 /* ---- transport.c: framed messages on the mesh, failure detection, breaking the group ---- */
 static DDP__UNUSED const char *ddp__coll_name(int kind); /* "all_reduce", ... */
 /* "all_reduce(count=1024, f32, sum) as collective #7", numbered from g's seq_base */
@@ -1996,6 +2055,9 @@ typedef struct ddp__step {
 } ddp__step;
 static DDP__UNUSED ddp_result ddp__exchange(ddp_group *g, const ddp__coll *c, const ddp__step *s);
 static DDP__UNUSED void ddp__close_after_failure(ddp_group *g, double seconds);
+/* "host h, pid p" of rank i (its place in the rendezvous table), or "rank i" before the table: for messages. */
+static DDP__UNUSED const char *ddp__peer_name(const ddp_group *g, int i, char *buf, size_t cap);
+#define DDP__PEER_NAME_MAX 200
 static DDP__UNUSED void ddp__say_goodbye(ddp_group *g, double seconds);
 
 /* ---- collectives.c: the public collectives' machinery ---- */
@@ -2093,6 +2155,11 @@ static DDP__UNUSED void ddp__subgroup_unlink(ddp_group *parent, ddp_group *sub);
 /* Make and connect the group of the parent's ranks `ranks` (see group.c); hier.c's stages use it too. */
 static DDP__UNUSED ddp_result ddp__subgroup_open(ddp_group *g, const int *ranks, int n, int me, const char *name,
                                                  struct ddp__mpi *comm, const char *what, ddp_group **out);
+/* During ddp_init's set-up (g->mesh.in_setup), for link.c: a failure another rank published in the store,
+   or rank `peer`'s process gone from this node, fails g (error in g->error; published); else DDP_SUCCESS. */
+static DDP__UNUSED ddp_result ddp__setup_watch(ddp_group *g, int peer);
+/* During the set-up: rank `peer` is gone (`how`); published so every rank fails naming it. */
+static DDP__UNUSED ddp_result ddp__setup_lost(ddp_group *g, int peer, const char *how);
 
 /* ---- safetensors.c: the format that checkpoint.c's policy reads and writes: its limits and reserved
    key prefixes, the dtype table, the parsed header, the writer's buffer ---- */
@@ -2361,11 +2428,18 @@ static ddp_result ddp__peer_code(long code, ddp_result fallback) {
    descriptors the group needs and how to allow them (ddp__fail_descriptors). */
 static int ddp__fd_world = 0, ddp__fd_rank = -1; /* the largest group this process joined: for messages */
 
-/* Descriptors a rank holds at the peak of ddp_init, measured on the full mesh (tests/test_init.c,
-   "open-file limit"): stdin/out/err, its store client, its mesh listener and a socket to each of the
-   other W-1 ranks (W+4); rank 0 also serves the store: its listener, a stop pipe and a connection per
-   rank (2W+7). Keep this in step with the connection scheme: messages quote it. */
-static long ddp__fd_need(int world, int rank) { return rank == 0 ? 2L * world + 7 : (long)world + 4; }
+/* Descriptors a rank needs, at most, for a group of W ranks: stdin/out/err, its store client, its
+   listener, a few connections being made, and the connections its collectives use (link.c: made on
+   first use; the barrier, recursive doubling, the binomial tree, Bruck and the ring each use up to
+   2 ceil(log2 W) partners, and many of them coincide): 4 ceil(log2 W) + 8. Rank 0 also serves the
+   store: its listener, a stop pipe and a connection per rank (W + 3). Keep this in step with the
+   connection scheme: messages quote it (tests/test_init.c, "open-file limit", measures it). */
+static long ddp__fd_need(int world, int rank) {
+    long log2w = 0, links;
+    while ((1L << log2w) < world) log2w++;
+    links = 4 * log2w + 8;
+    return rank == 0 ? links + world + 3 : links;
+}
 
 static int ddp__out_of_descriptors(int errnum) { return errnum == EMFILE || errnum == ENFILE; }
 
@@ -2868,6 +2942,34 @@ static ddp_result ddp__net_connect_once(const char *host, int port, double deadl
     freeaddrinfo(res);
     *refused = tried > 0 && all_refused;
     return DDP_ERR_TIMEOUT;
+}
+
+/* Start connecting to host:port without waiting (its first address): the caller polls *fd_out for
+   POLLOUT and reads SO_ERROR (link.c dials this way inside a step's poll). *refused = 1 when the
+   refusal came at once (nothing listens there). */
+static ddp_result ddp__net_connect_start(const char *host, int port, int *fd_out, int *refused, char *err) {
+    struct addrinfo *res = NULL;
+    int fd, e;
+    ddp_result r = ddp__net_resolve(host, port, 0, &res, err);
+    *refused = 0;
+    if (r) return r;
+    fd = socket(res->ai_family, res->ai_socktype, res->ai_protocol);
+    if (fd < 0) {
+        e = errno;
+        freeaddrinfo(res);
+        if (ddp__out_of_descriptors(e)) return ddp__fail_descriptors(err, e, "cannot open a socket");
+        return ddp__fail_to(err, DDP_ERR_SYSTEM, "socket: %s", strerror(e));
+    }
+    ddp__net_configure(fd);
+    e = connect(fd, res->ai_addr, res->ai_addrlen) != 0 && errno != EINPROGRESS ? errno : 0;
+    freeaddrinfo(res);
+    if (e) {
+        close(fd);
+        *refused = e == ECONNREFUSED;
+        return ddp__fail_to(err, DDP_ERR_SYSTEM, "connect: %s", strerror(e));
+    }
+    *fd_out = fd;
+    return DDP_SUCCESS;
 }
 
 /* Connect to host:port, retrying with exponential backoff (10 ms .. 1 s) until the deadline while
@@ -5602,10 +5704,398 @@ DDP_API ddp_result ddp_store_delete(ddp_store *s, const char *key, int *deleted)
 DDP_API const char *ddp_store_last_error(const ddp_store *s) { return s ? s->error : ddp_last_error(NULL); }
 /* ==================== end src/store.c ==================== */
 
+/* ==================== begin src/link.c ==================== */
+/* [SECTION] link: connections between the ranks of a group, made on first use
+   After the rendezvous every rank knows where every other rank listens (the table, g->mesh.dir) and keeps
+   its own listening socket open for the group's life. No connection is made in advance: the first
+   time an algorithm's step sends to a rank this one has no connection with, it dials that rank
+   (ddp__link_want); a rank waiting in any step also accepts whatever connects to it. So a rank holds
+   the connections its collectives use and no others: the dissemination barrier that ends ddp_init
+   makes the ring neighbours and the ranks 2^k away (2 ceil(log2 N) connections), recursive doubling,
+   the binomial tree and the ring add at most about as many again: O(log N) sockets a rank instead of
+   the N - 1 of a full mesh.
+
+   Who dials: the SENDER of a step, never the receiver, so that a frame a rank sends always reaches its
+   receiver, whatever that rank is doing inside the same collective; tcp.c's argument that a mismatch is an
+   error on every rank rests on this. Two ranks that send to each other at once both dial; each side
+   decides alone, with the same answer: the connection dialed by the higher rank is kept.
+
+   A handshake, dialing side (one ddp__shake, moved on as bytes arrive, inside the poll of the step):
+       connect -> [DDP_AUTH_TOKEN: hello + nonce, answer, proof, verdict (auth.c)] -> group hello -> ack
+   accepting side, the mirror: [auth] -> group hello -> ack 1 (kept: the connection is this peer's from
+   now on) or ack 0 (a duplicate: a connection to that rank exists already, or this rank is the higher
+   one and dials it too). The dialer sends nothing else before the ack, so a connection carries frames
+   only once both sides have kept it. The group hello names the rank, the world size and a hash of the
+   group's store prefix: a stray connection, another group's or another program's, is refused with a
+   warning; at most DDP__PENDING_MAX unidentified connections wait at once, each for at most
+   DDP__PENDING_SECONDS (the oldest goes first).
+
+   A dial that is refused means nothing listens there any more: the rank exited or left the group. The
+   dialer retries for DDP__REFUSED_GRACE s, watching its other connections meanwhile (the ABORT of a
+   rank that failed with a reason arrives there, and is the better message), then fails the step naming
+   the rank as lost. During ddp_init's own set-up the store is asked too (group.c ddp__setup_watch): a
+   rank that failed there published why. */
+
+#define DDP__HELLO_MAGIC 0x48444450u /* "PDDH": first words on a connection between ranks */
+#define DDP__PENDING_SECONDS 10      /* an accepted connection has this long to say which rank it is */
+#define DDP__REFUSED_GRACE 1.0       /* a port refusing this long: its rank is gone */
+
+typedef struct ddp__hello {
+    uint32_t magic;
+    int32_t rank, world;
+    uint32_t pad;
+    uint64_t group; /* ddp__link_group_hash: a stray connection from another group is refused */
+} ddp__hello;
+
+/* Handshake steps. Accepting: the auth hello, its proof, the group hello. Dialing: the connect, the
+   auth answer, the verdict, the ack. */
+enum { DDP__SHAKE_AUTH_HELLO, DDP__SHAKE_AUTH_PROOF, DDP__SHAKE_HELLO, DDP__SHAKE_CONNECTING, DDP__SHAKE_ANSWER,
+       DDP__SHAKE_VERDICT, DDP__SHAKE_ACK };
+
+static uint64_t ddp__link_group_hash(const ddp_group *g) { return ddp__hash(g->member.prefix); }
+
+static void ddp__link_hello(const ddp_group *g, ddp__hello *h) {
+    memset(h, 0, sizeof *h);
+    h->magic = DDP__HELLO_MAGIC;
+    h->rank = g->rank;
+    h->world = g->world_size;
+    h->group = ddp__link_group_hash(g);
+}
+
+/* ---- the table ---- */
+
+static const char *ddp__peer_name(const ddp_group *g, int i, char *buf, size_t cap) {
+    if (g->mesh.dir && i >= 0 && i < g->world_size)
+        snprintf(buf, cap, "host %.100s, pid %d", g->mesh.names + g->mesh.dir[i].host, g->mesh.dir[i].pid);
+    else
+        snprintf(buf, cap, "rank %d", i);
+    return buf;
+}
+
+static void ddp__link_keep(ddp_group *g, int rank, int fd) {
+    g->mesh.peers[rank].fd = fd;
+    g->mesh.peers[rank].awaits_dial = 0;
+    g->mesh.peers[rank].refused_since = 0;
+    g->mesh.linked[g->mesh.nlinked++] = rank;
+    ddp__log(g, DDP_LOG_DEBUG, "connected to rank %d (%d connections)", rank, g->mesh.nlinked);
+}
+
+static void ddp__shake_drop(ddp_group *g, int i) {
+    if (g->mesh.shakes[i].fd >= 0) close(g->mesh.shakes[i].fd);
+    memmove(g->mesh.shakes + i, g->mesh.shakes + i + 1, (size_t)(g->mesh.nshakes - i - 1) * sizeof *g->mesh.shakes);
+    g->mesh.nshakes--;
+}
+
+static ddp__shake *ddp__shake_add(ddp_group *g, int fd, int rank, int dialing, int step, size_t need, double deadline) {
+    ddp__shake *s = &g->mesh.shakes[g->mesh.nshakes++];
+    memset(s, 0, sizeof *s);
+    s->fd = fd, s->rank = rank, s->dialing = dialing, s->step = step, s->need = need, s->deadline = deadline;
+    return s;
+}
+
+static int ddp__link_dialing(const ddp_group *g, int rank) {
+    int i;
+    for (i = 0; i < g->mesh.nshakes; i++)
+        if (g->mesh.shakes[i].dialing && g->mesh.shakes[i].rank == rank) return 1;
+    return 0;
+}
+
+/* ---- dialing ---- */
+
+static ddp_result ddp__link_want(ddp_group *g, const ddp__coll *c, int peer) {
+    ddp__peer *p = &g->mesh.peers[peer];
+    const ddp__peer_info *d = &g->mesh.dir[peer];
+    char err[DDP__ERR_MAX], name[DDP__PEER_NAME_MAX];
+    int fd = -1, refused = 0;
+    ddp_result r;
+    if (p->fd >= 0 || p->awaits_dial || ddp__link_dialing(g, peer) || ddp__now() < p->dial_after) return DDP_SUCCESS;
+    if (g->mesh.nshakes == DDP__SHAKES_MAX) ddp__shake_drop(g, 0); /* full of strays: the oldest goes */
+    r = ddp__net_connect_start(g->mesh.names + d->addr, d->port, &fd, &refused, err);
+    if (r == DDP_SUCCESS) {
+        ddp__shake_add(g, fd, peer, 1, DDP__SHAKE_CONNECTING, 0, 0);
+        return DDP_SUCCESS;
+    }
+    if (refused) {
+        if (!p->refused_since) p->refused_since = ddp__now();
+        p->dial_after = ddp__now() + 0.02;
+        return DDP_SUCCESS;
+    }
+    return ddp__coll_fail(g, r, "connecting to rank %d (%s) at %s:%d: %s", peer, ddp__peer_name(g, peer, name, sizeof name),
+                          g->mesh.names + d->addr, d->port, err);
+    (void)c;
+}
+
+/* The dialer's next bytes after `s->step` completed: send what the protocol says and wait for the answer. */
+static int ddp__shake_send_hello(ddp_group *g, ddp__shake *s) {
+    ddp__hello h;
+    char err[DDP__ERR_MAX];
+    ddp__link_hello(g, &h);
+    s->step = DDP__SHAKE_ACK, s->have = 0, s->need = 1;
+    return ddp__net_send(s->fd, &h, sizeof h, ddp__now() + 1.0, err) == DDP_SUCCESS;
+}
+
+/* A dial's connect finished (POLLOUT): connected, or refused. 1: go on, 0: refused (dropped), -1: failed
+   otherwise (err set). */
+static int ddp__shake_connected(ddp_group *g, ddp__shake *s, char *err) {
+    int e = 0;
+    socklen_t len = sizeof e;
+    if (getsockopt(s->fd, SOL_SOCKET, SO_ERROR, &e, &len) != 0) e = errno;
+    if (e == ECONNREFUSED) return 0;
+    if (e != 0) {
+        snprintf(err, DDP__ERR_MAX, "connect: %s", strerror(e));
+        return -1;
+    }
+    if (ddp__auth_token()) {
+        memcpy(s->buf, DDP__AUTH_MAGIC, 8);
+        ddp__auth_nonce(s->cn);
+        memcpy(s->buf + 8, s->cn, DDP__AUTH_NONCE);
+        s->step = DDP__SHAKE_ANSWER, s->have = 0, s->need = DDP__AUTH_NONCE + DDP__AUTH_MAC;
+        if (ddp__net_send(s->fd, s->buf, 8 + DDP__AUTH_NONCE, ddp__now() + 1.0, err) != DDP_SUCCESS) return -1;
+        return 1;
+    }
+    if (!ddp__shake_send_hello(g, s)) {
+        snprintf(err, DDP__ERR_MAX, "the connection closed during the hello");
+        return -1;
+    }
+    return 1;
+}
+
+/* Bytes arrived for a dial in s->step (all s->need of them). 1: go on (or kept/duplicate: s->fd is -1
+   then), -1: failed (err). */
+static int ddp__shake_dial_step(ddp_group *g, ddp__shake *s, char *err) {
+    unsigned char want[DDP__AUTH_MAC];
+    if (s->step == DDP__SHAKE_ANSWER) {
+        ddp__auth_proof(ddp__auth_token(), "server", s->cn, s->buf, want);
+        if (!ddp__auth_equal(want, s->buf + DDP__AUTH_NONCE, DDP__AUTH_MAC)) {
+            snprintf(err, DDP__ERR_MAX, "it does not know this process's DDP_AUTH_TOKEN (its proof is wrong): every rank "
+                     "needs the same token");
+            return -1;
+        }
+        ddp__auth_proof(ddp__auth_token(), "client", s->cn, s->buf, want);
+        s->step = DDP__SHAKE_VERDICT, s->have = 0, s->need = 1;
+        if (ddp__net_send(s->fd, want, sizeof want, ddp__now() + 1.0, err) != DDP_SUCCESS) return -1;
+        return 1;
+    }
+    if (s->step == DDP__SHAKE_VERDICT) {
+        if (s->buf[0] != 1) {
+            snprintf(err, DDP__ERR_MAX, "it refused this process's DDP_AUTH_TOKEN: every rank needs the same token");
+            return -1;
+        }
+        if (!ddp__shake_send_hello(g, s)) {
+            snprintf(err, DDP__ERR_MAX, "the connection closed during the hello");
+            return -1;
+        }
+        return 1;
+    }
+    /* DDP__SHAKE_ACK */
+    if (s->buf[0] == 1 && g->mesh.peers[s->rank].fd < 0) {
+        ddp__link_keep(g, s->rank, s->fd);
+    } else { /* a duplicate: the peer dials this rank as well, and its dial wins */
+        close(s->fd);
+        if (g->mesh.peers[s->rank].fd < 0) g->mesh.peers[s->rank].awaits_dial = 1;
+    }
+    s->fd = -1;
+    return 1;
+}
+
+/* ---- accepting ---- */
+
+/* The accepting side's next step after s->need bytes arrived. 1: go on (or kept: s->fd is -1 then),
+   -1: refused (why in *refusal). */
+static int ddp__shake_accept_step(ddp_group *g, ddp__shake *s, const char **refusal) {
+    unsigned char reply[DDP__AUTH_NONCE + DDP__AUTH_MAC], verdict, ack;
+    char why[DDP__ERR_MAX];
+    ddp__hello h;
+    if (s->step == DDP__SHAKE_AUTH_HELLO) {
+        if (ddp__auth_answer(ddp__auth_token(), s->buf, s->cn, s->sn, reply) != 0) {
+            *refusal = "it did not authenticate (no DDP_AUTH_TOKEN on its side?)";
+            return -1;
+        }
+        if (ddp__net_send(s->fd, reply, sizeof reply, ddp__now() + 1.0, why) != DDP_SUCCESS) {
+            *refusal = "it broke off the authentication";
+            return -1;
+        }
+        s->step = DDP__SHAKE_AUTH_PROOF, s->have = 0, s->need = DDP__AUTH_MAC;
+        return 1;
+    }
+    if (s->step == DDP__SHAKE_AUTH_PROOF) {
+        verdict = (unsigned char)ddp__auth_check(ddp__auth_token(), s->cn, s->sn, s->buf);
+        ddp__net_send(s->fd, &verdict, 1, ddp__now() + 1.0, why);
+        if (!verdict) {
+            *refusal = "its DDP_AUTH_TOKEN is different";
+            return -1;
+        }
+        s->step = DDP__SHAKE_HELLO, s->have = 0, s->need = sizeof(ddp__hello);
+        return 1;
+    }
+    memcpy(&h, s->buf, sizeof h);
+    if (h.magic != DDP__HELLO_MAGIC || h.world != g->world_size || h.group != ddp__link_group_hash(g) || h.rank < 0 ||
+        h.rank >= g->world_size || h.rank == g->rank) {
+        *refusal = "it is not a rank of this group";
+        return -1;
+    }
+    /* Keep it unless this rank has a connection to h.rank already, or dials it too and is the higher rank. */
+    ack = g->mesh.peers[h.rank].fd < 0 && !(g->rank > h.rank && ddp__link_dialing(g, h.rank));
+    if (ddp__net_send(s->fd, &ack, 1, ddp__now() + 1.0, why) != DDP_SUCCESS) ack = 0;
+    if (ack) ddp__link_keep(g, h.rank, s->fd);
+    else close(s->fd);
+    s->fd = -1;
+    return 1;
+}
+
+/* Take what arrived on the listening socket: every connection waiting there, each as a handshake. */
+static ddp_result ddp__link_accept(ddp_group *g, const ddp__coll *c) {
+    for (;;) {
+        int fd = accept(g->mesh.listen_fd, NULL, NULL);
+        char err[DDP__ERR_MAX], name[DDP__PEER_NAME_MAX];
+        if (fd < 0) {
+            if (errno == EAGAIN || errno == EWOULDBLOCK || errno == EINTR || errno == ECONNABORTED) return DDP_SUCCESS;
+            if (ddp__out_of_descriptors(errno)) ddp__fail_descriptors(err, errno, "it cannot accept a connection from another rank");
+            else snprintf(err, sizeof err, "accept: %s", strerror(errno));
+            return ddp__coll_fail(g, DDP_ERR_SYSTEM, "rank %d (%s): %s", g->rank, ddp__peer_name(g, g->rank, name, sizeof name), err);
+        }
+        ddp__net_configure(fd);
+        if (g->mesh.nshakes == DDP__SHAKES_MAX) {
+            ddp__log(g, DDP_LOG_WARN, "refused a connection to this rank's port: %d others were waiting to identify "
+                     "themselves", DDP__PENDING_MAX);
+            ddp__shake_drop(g, 0);
+        }
+        if (ddp__auth_token()) ddp__shake_add(g, fd, -1, 0, DDP__SHAKE_AUTH_HELLO, 8 + DDP__AUTH_NONCE, ddp__now() + DDP__PENDING_SECONDS);
+        else ddp__shake_add(g, fd, -1, 0, DDP__SHAKE_HELLO, sizeof(ddp__hello), ddp__now() + DDP__PENDING_SECONDS);
+    }
+    (void)c;
+}
+
+/* ---- inside a step's poll ---- */
+
+static int ddp__link_poll_entries(ddp_group *g, struct pollfd *fds, int *owner, double *wake) {
+    int i, n = 0;
+    if (g->mesh.listen_fd >= 0) {
+        fds[n].fd = g->mesh.listen_fd, fds[n].events = POLLIN, fds[n].revents = 0;
+        owner[n++] = -2;
+    }
+    for (i = 0; i < g->mesh.nshakes; i++) {
+        ddp__shake *s = &g->mesh.shakes[i];
+        fds[n].fd = s->fd, fds[n].events = s->step == DDP__SHAKE_CONNECTING ? POLLOUT : POLLIN, fds[n].revents = 0;
+        owner[n++] = -3 - i;
+        if (!s->dialing && s->deadline < *wake) *wake = s->deadline;
+    }
+    return n;
+}
+
+/* Read what s waits for; 1 when all s->need bytes are there, 0 not yet, -1 closed or failed. */
+static int ddp__shake_read(ddp__shake *s) {
+    ssize_t k = recv(s->fd, s->buf + s->have, s->need - s->have, 0);
+    if (k < 0 && (errno == EAGAIN || errno == EWOULDBLOCK || errno == EINTR)) return 0;
+    if (k <= 0) return -1;
+    s->have += (size_t)k;
+    return s->have == s->need;
+}
+
+/* One handshake had an event. Returns a failure of the step (a dial that cannot go on), else success. */
+static ddp_result ddp__shake_event(ddp_group *g, const ddp__coll *c, int i, short re, int *progressed) {
+    ddp__shake *s = &g->mesh.shakes[i];
+    char err[DDP__ERR_MAX] = "", name[DDP__PEER_NAME_MAX];
+    const char *refusal = NULL;
+    int got = 0, rank = s->rank;
+    if (s->step == DDP__SHAKE_CONNECTING) {
+        if (!(re & (POLLOUT | POLLERR | POLLHUP))) return DDP_SUCCESS;
+        got = ddp__shake_connected(g, s, err);
+    } else {
+        got = ddp__shake_read(s);
+        if (got == 0) return DDP_SUCCESS;
+        if (got < 0 && !s->dialing) {
+            refusal = "it closed the connection before saying which rank it is";
+        } else if (got > 0) {
+            got = s->dialing ? ddp__shake_dial_step(g, s, err) : ddp__shake_accept_step(g, s, &refusal);
+        }
+    }
+    if (got == 0 || (got < 0 && s->dialing && !err[0])) {
+        /* refused, or closed before the ack (the rank went away, or its accept failed): try again shortly,
+           watching the other connections for its ABORT, until DDP__REFUSED_GRACE says it is gone */
+        ddp__peer *p = &g->mesh.peers[rank];
+        if (!p->refused_since) p->refused_since = ddp__now();
+        p->dial_after = ddp__now() + 0.02;
+        ddp__shake_drop(g, i);
+        return DDP_SUCCESS;
+    }
+    *progressed = 1;
+    if (got > 0) {
+        if (s->fd < 0) ddp__shake_drop(g, i); /* kept, or a duplicate closed */
+        return DDP_SUCCESS;
+    }
+    if (!s->dialing) {
+        ddp__log(g, DDP_LOG_WARN, "refused a connection to this rank's port: %s", refusal ? refusal : err);
+        ddp__shake_drop(g, i);
+        return DDP_SUCCESS;
+    }
+    ddp__shake_drop(g, i);
+    return ddp__coll_fail(g, DDP_ERR_INIT, "connecting to rank %d (%s): %s", rank, ddp__peer_name(g, rank, name, sizeof name),
+                          err);
+    (void)c;
+}
+
+static ddp_result ddp__link_progress(ddp_group *g, const ddp__coll *c, const struct pollfd *fds, const int *owner, int n,
+                                     int *progressed) {
+    int i, done = 0;
+    ddp_result r;
+    double now = ddp__now();
+    /* Handshakes first, from the last entry back, so that dropping one leaves the indices of the rest. */
+    for (i = n - 1; i >= 0; i--) {
+        int k = -3 - owner[i];
+        if (owner[i] > -3 || !fds[i].revents) continue;
+        if ((r = ddp__shake_event(g, c, k, fds[i].revents, progressed)) != DDP_SUCCESS) return r;
+    }
+    for (i = g->mesh.nshakes - 1; i >= 0; i--) /* accepted ones that never said who they are */
+        if (!g->mesh.shakes[i].dialing && now >= g->mesh.shakes[i].deadline) {
+            ddp__log(g, DDP_LOG_WARN, "refused a connection to this rank's port: it did not say which rank it is "
+                     "within %d s", DDP__PENDING_SECONDS);
+            ddp__shake_drop(g, i);
+        }
+    for (i = 0; i < n; i++)
+        if (owner[i] == -2 && (fds[i].revents & POLLIN)) done = 1;
+    if (done && (r = ddp__link_accept(g, c)) != DDP_SUCCESS) return r;
+    return DDP_SUCCESS;
+}
+
+/* Has the port of `peer`, needed by this step, refused connections for DDP__REFUSED_GRACE s? Then it is
+   lost (during the set-up, the store is asked first: group.c). */
+static ddp_result ddp__link_check_refused(ddp_group *g, const ddp__coll *c, int peer) {
+    char desc[160], name[DDP__PEER_NAME_MAX], how[320], msg[DDP__ERR_MAX];
+    const ddp__peer_info *d = &g->mesh.dir[peer];
+    ddp_result r;
+    if (peer < 0 || !g->mesh.peers[peer].refused_since || g->mesh.peers[peer].fd >= 0) return DDP_SUCCESS;
+    if (ddp__now() - g->mesh.peers[peer].refused_since < DDP__REFUSED_GRACE) return DDP_SUCCESS;
+    snprintf(how, sizeof how, "its port %.128s:%d refuses connections (nothing listens there any more)",
+             g->mesh.names + d->addr, d->port);
+    if (g->mesh.in_setup) {
+        r = ddp__setup_lost(g, peer, how);
+        snprintf(msg, sizeof msg, "%s", g->error);
+        return ddp__group_break(g, r, msg);
+    }
+    ddp__coll_describe(g, c, desc, sizeof desc);
+    return ddp__coll_fail(g, DDP_ERR_PEER_LOST, "lost rank %d (%s): %s: its process exited or it left the group, while "
+                          "this rank was in %s", peer, ddp__peer_name(g, peer, name, sizeof name), how, desc);
+}
+
+static void ddp__link_close_all(ddp_group *g) {
+    int i;
+    for (i = 0; g->mesh.peers && i < g->mesh.nlinked; i++) {
+        ddp__peer *p = &g->mesh.peers[g->mesh.linked[i]];
+        if (p->fd >= 0) close(p->fd);
+        p->fd = -1;
+    }
+    g->mesh.nlinked = 0;
+    while (g->mesh.nshakes > 0) ddp__shake_drop(g, g->mesh.nshakes - 1);
+    if (g->mesh.listen_fd >= 0) close(g->mesh.listen_fd);
+    g->mesh.listen_fd = -1;
+}
+/* ==================== end src/link.c ==================== */
+
 /* ==================== begin src/transport.c ==================== */
 /* [SECTION] transport: framed messages between the ranks of a group, failure detection, abort
-   Each pair of ranks shares one TCP connection (a full mesh, made by group.c). Everything sent is a
-   frame: a fixed header, then `bytes` of payload.
+   Two ranks share one TCP connection once a step has sent from one to the other (link.c makes them on
+   first use). Everything sent is a frame: a fixed header, then `bytes` of payload.
 
        magic | kind | collective fingerprint (seq, coll, dtype, op, root, count) | sender | bytes | code
 
@@ -5626,11 +6116,15 @@ DDP_API const char *ddp_store_last_error(const ddp_store *s) { return s ? s->err
    Nothing extra happens when nothing unexpected arrives: the same poll call watches one more event
    per connection. tcp.c says why this makes every mismatch an error on every rank.
 
-   Failure handling. While a rank waits, it also watches every other connection of the group for a
-   hang-up. When a rank fails a collective (mismatch, timeout, lost peer) it "breaks" the group: it sends
-   an ABORT frame carrying the error to every peer and shuts its connections down. Every peer then sees
-   the hang-up within milliseconds, reads the ABORT frame, and fails with the same code and message.
-   A connection that closes without an ABORT frame means the process is gone: DDP_ERR_PEER_LOST.
+   Failure handling. While a rank waits, it also watches every other connection it has for a hang-up
+   (O(log N) of them: link.c). When a rank fails a collective (mismatch, timeout, lost peer) it "breaks"
+   the group: it sends an ABORT frame carrying the error to every rank it is connected with and shuts
+   those connections down. Each of them sees the hang-up within milliseconds, reads the ABORT frame,
+   fails with the same code and message, and breaks in turn: the ABORT floods the graph of connections,
+   which holds the ring from ddp_init's barrier on (connected, diameter O(log N) once the barrier's
+   2^k links are there), so it reaches every rank that waits in a collective, and every other rank when
+   it next calls one. A connection that closes without an ABORT frame means the process is gone:
+   DDP_ERR_PEER_LOST, and that message is what floods.
    A graceful ddp_destroy sends BYE after a final barrier and waits for the peers' BYE before closing,
    so an orderly exit is never mistaken for a crash. */
 
@@ -5681,18 +6175,26 @@ static int ddp__coll_equal(const ddp__coll *a, const ddp__frame *f) {
 
 /* Record the first error that breaks g, tell every peer (ABORT frame with the message) and shut the
    connections down so that peers waiting on anything notice at once. */
+static ddp_result ddp__group_break_relaying(ddp_group *g, ddp_result code, const char *msg, const char *wire);
 static ddp_result ddp__group_break(ddp_group *g, ddp_result code, const char *msg) {
+    return ddp__group_break_relaying(g, code, msg, msg);
+}
+
+/* ddp__group_break, with `wire` as the reason the ABORT frames carry: a rank that fails with another
+   rank's reason says so in its own message ("reported by rank 3; this rank was in ...") but passes the
+   reason on as it came, so that the message does not grow at each hop of the flood. */
+static ddp_result ddp__group_break_relaying(ddp_group *g, ddp_result code, const char *msg, const char *wire) {
     int i;
     if (g->broken) return g->broken;
     g->broken = code;
     snprintf(g->broken_msg, sizeof g->broken_msg, "%s", msg);
     ddp__log(g, DDP_LOG_ERROR, "%s", msg);
     ddp__shm_abort(g);
-    for (i = 0; i < g->world_size; i++) {
-        ddp__peer *p = &g->mesh.peers[i];
+    for (i = 0; i < g->mesh.nlinked; i++) {
+        ddp__peer *p = &g->mesh.peers[g->mesh.linked[i]];
         ddp__frame f;
         char err[DDP__ERR_MAX];
-        size_t len = strlen(msg) + 1;
+        size_t len = strlen(wire) + 1;
         if (p->fd < 0 || p->gone) continue;
         if (p->send_owed > 0 && p->send_owed <= ((uint64_t)256 << 20)) { /* finish the interrupted frame */
             static const char zeros[4096] = {0};
@@ -5714,7 +6216,7 @@ static ddp_result ddp__group_break(ddp_group *g, ddp_result code, const char *ms
         f.code = code;
         /* Best effort and brief: the peer may be the one that is stuck. */
         if (ddp__net_send(p->fd, &f, sizeof f, ddp__now() + 0.5, err) == DDP_SUCCESS)
-            ddp__net_send(p->fd, msg, len, ddp__now() + 0.5, err);
+            ddp__net_send(p->fd, wire, len, ddp__now() + 0.5, err);
         /* Half-close only: a full close with unread data would make the kernel send a reset, which
            throws away the ABORT frame queued at the peer before the peer reads it. */
         shutdown(p->fd, SHUT_WR);
@@ -5738,7 +6240,7 @@ static ddp_result ddp__coll_fail(ddp_group *g, ddp_result code, const char *fmt,
    already read from the peer (or NULL). */
 static ddp_result ddp__peer_failed_after(ddp_group *g, int peer, const ddp__coll *c, const ddp__frame *first) {
     ddp__peer *p = &g->mesh.peers[peer];
-    char desc[160], err[DDP__ERR_MAX];
+    char desc[160], err[DDP__ERR_MAX], name[DDP__PEER_NAME_MAX], msg[DDP__ERR_MAX];
     double deadline = ddp__now() + 1.0;
     ddp__frame f;
     ddp__coll_describe(g, c, desc, sizeof desc);
@@ -5756,11 +6258,11 @@ static ddp_result ddp__peer_failed_after(ddp_group *g, int peer, const ddp__coll
             if (ddp__net_recv(p->fd, reason, (size_t)f.bytes, deadline, err) != DDP_SUCCESS) break;
             reason[f.bytes - 1] = '\0';
             if (g->mesh.waiting_for >= 0 && g->mesh.waiting_for != peer) /* the reporter may have waited for us: say whom we waited for */
-                return ddp__coll_fail(g, ddp__peer_code(f.code, DDP_ERR_FORMAT), "%s (reported by rank %d; this rank was "
-                                      "in %s, waiting for rank %d (%s))", reason, peer, desc, g->mesh.waiting_for,
-                                      g->mesh.peer_names[g->mesh.waiting_for]);
-            return ddp__coll_fail(g, ddp__peer_code(f.code, DDP_ERR_FORMAT), "%s (reported by rank %d; this rank was in %s)",
-                                  reason, peer, desc);
+                snprintf(msg, sizeof msg, "%.700s (reported by rank %d; this rank was in %s, waiting for rank %d (%s))", reason,
+                         peer, desc, g->mesh.waiting_for, ddp__peer_name(g, g->mesh.waiting_for, name, sizeof name));
+            else
+                snprintf(msg, sizeof msg, "%.700s (reported by rank %d; this rank was in %s)", reason, peer, desc);
+            return ddp__group_break_relaying(g, ddp__peer_code(f.code, DDP_ERR_FORMAT), msg, reason);
         }
         if (f.kind == DDP__FRAME_BYE)
             return ddp__coll_fail(g, DDP_ERR_PEER_LOST,
@@ -5778,7 +6280,7 @@ static ddp_result ddp__peer_failed_after(ddp_group *g, int peer, const ddp__coll
         }
     }
     return ddp__coll_fail(g, DDP_ERR_PEER_LOST, "lost rank %d (%s): its process exited or its connection dropped, while this rank was in %s",
-                          peer, g->mesh.peer_names[peer], desc);
+                          peer, ddp__peer_name(g, peer, name, sizeof name), desc);
 }
 
 static ddp_result ddp__peer_failed(ddp_group *g, int peer, const ddp__coll *c) { return ddp__peer_failed_after(g, peer, c, NULL); }
@@ -5786,23 +6288,29 @@ static ddp_result ddp__peer_failed(ddp_group *g, int peer, const ddp__coll *c) {
 /* A peer that is alive (its connection is open) made no progress for the group's timeout. Across hosts
    a cut link looks just like this: TCP sees no error until its own, much longer, retransmission limit. */
 static ddp_result ddp__peer_timed_out(ddp_group *g, int peer, const ddp__coll *c) {
-    char desc[160];
+    char desc[160], name[DDP__PEER_NAME_MAX];
     ddp__coll_describe(g, c, desc, sizeof desc);
+    if (g->mesh.peers[peer].fd < 0)
+        return ddp__coll_fail(g, DDP_ERR_TIMEOUT, "timed out after %.0f s in %s waiting for rank %d (%s), which never "
+                              "connected to this rank: is it stuck, stopped, in a different collective, or is the network "
+                              "to it down? (DDP_TIMEOUT sets the limit)", g->timeout, desc, peer,
+                              ddp__peer_name(g, peer, name, sizeof name));
     return ddp__coll_fail(g, DDP_ERR_TIMEOUT, "timed out after %.0f s in %s waiting for rank %d (%s), which is alive but "
                           "not taking part: is it stuck, stopped, in a different collective, or is the network to it "
-                          "down? (DDP_TIMEOUT sets the limit)", g->timeout, desc, peer, g->mesh.peer_names[peer]);
+                          "down? (DDP_TIMEOUT sets the limit)", g->timeout, desc, peer, ddp__peer_name(g, peer, name, sizeof name));
 }
 
 /* The first peer whose connection hung up (exited, or aborted the group), looking only at peer `only`
    (-1: at every peer), without waiting; -1 when none. Nothing else happens: the caller decides. */
 static int ddp__hung_up_peer(ddp_group *g, int only) {
     int i, n = 0;
-    for (i = 0; i < g->world_size; i++) {
-        if (i == g->rank || g->mesh.peers[i].fd < 0 || (only >= 0 && i != only)) continue;
-        g->mesh.pollfds[n].fd = g->mesh.peers[i].fd;
+    for (i = 0; i < g->mesh.nlinked; i++) {
+        int peer = g->mesh.linked[i];
+        if (g->mesh.peers[peer].fd < 0 || (only >= 0 && peer != only)) continue;
+        g->mesh.pollfds[n].fd = g->mesh.peers[peer].fd;
         g->mesh.pollfds[n].events = POLLRDHUP;
         g->mesh.pollfds[n].revents = 0;
-        g->mesh.poll_owner[n++] = i;
+        g->mesh.poll_owner[n++] = peer;
     }
     if (poll(g->mesh.pollfds, (nfds_t)n, 0) <= 0) return -1;
     for (i = 0; i < n; i++)
@@ -5936,30 +6444,56 @@ static ddp_result ddp__exchange(ddp_group *g, const ddp__coll *c, const ddp__ste
     int spin = s->send_bytes <= DDP__TCP_SPIN_MAX_BYTES && s->recv_bytes <= DDP__TCP_SPIN_MAX_BYTES;
     double spin_for = ddp__oversubscribed(g->local_world_size) ? 0 : DDP__TCP_SPIN_SECONDS;
     double deadline = ddp__now() + g->timeout, spin_until = spin ? ddp__now() + spin_for : 0;
+    double watch_every = DDP__WATCH_PERIOD, next_watch = ddp__now() + watch_every;
     if (g->broken) return g->broken;
     if (s->send_peer >= 0) ddp__frame_init(&out, g, c, DDP__FRAME_DATA, s->send_bytes);
     while (sent < send_total || received < recv_total) {
-        int n = 0, i, rc, progressed = 0, soon = 0;
+        int n = 0, npeers, i, rc, progressed = 0, soon = 0;
+        double wake = deadline;
+        ddp_result r;
         g->mesh.waiting_for = received < recv_total ? s->recv_peer : s->send_peer;
-        for (i = 0; i < g->world_size; i++) {
-            if (i == g->rank || g->mesh.peers[i].fd < 0) continue;
-            fds[n].fd = g->mesh.peers[i].fd;
-            fds[n].events = ddp__poll_events(g, c, s, i, sent < send_total, received < recv_total, &soon);
-            fds[n].revents = 0;
-            owner[n++] = i;
+        if (sent < send_total && g->mesh.peers[s->send_peer].fd < 0) { /* the sender dials (link.c) */
+            if ((r = ddp__link_want(g, c, s->send_peer)) != DDP_SUCCESS ||
+                (r = ddp__link_check_refused(g, c, s->send_peer)) != DDP_SUCCESS)
+                return r;
+            wake = DDP__MIN(wake, g->mesh.peers[s->send_peer].dial_after);
         }
+        if (g->mesh.in_setup && g->mesh.peers[g->mesh.waiting_for].fd < 0) { /* a rank lost inside ddp_init */
+            if (ddp__now() >= next_watch) {
+                if ((r = ddp__setup_watch(g, g->mesh.waiting_for)) != DDP_SUCCESS) {
+                    char msg[DDP__ERR_MAX];
+                    snprintf(msg, sizeof msg, "%s", g->error);
+                    return ddp__group_break(g, r, msg);
+                }
+                next_watch = ddp__now() + watch_every;
+                watch_every = DDP__MIN(watch_every * 2, 2.0);
+            }
+            wake = DDP__MIN(wake, next_watch);
+        }
+        for (i = 0; i < g->mesh.nlinked; i++) {
+            int peer = g->mesh.linked[i];
+            if (g->mesh.peers[peer].fd < 0) continue;
+            fds[n].fd = g->mesh.peers[peer].fd;
+            fds[n].events = ddp__poll_events(g, c, s, peer, sent < send_total, received < recv_total, &soon);
+            fds[n].revents = 0;
+            owner[n++] = peer;
+        }
+        npeers = n;
+        n += ddp__link_poll_entries(g, fds + n, owner + n, &wake);
         rc = 0;
         if (spin) {
             int yielded = 0;
             while ((rc = poll(fds, (nfds_t)n, 0)) == 0 && (ddp__now() < spin_until || !yielded++)) sched_yield();
         }
         if (rc == 0)
-            rc = poll(fds, (nfds_t)n, soon ? 1 : (int)DDP__MAX(1.0, DDP__MIN(1000.0, (deadline - ddp__now()) * 1000.0)));
+            rc = poll(fds, (nfds_t)n, soon ? 1 : (int)DDP__MAX(1.0, DDP__MIN(1000.0, (wake - ddp__now()) * 1000.0)));
         if (rc < 0 && errno != EINTR) return ddp__coll_fail(g, DDP_ERR_SYSTEM, "poll failed: %s", strerror(errno));
+        if (rc > 0 && n > npeers && (r = ddp__link_progress(g, c, fds + npeers, owner + npeers, n - npeers, &progressed)))
+            return r;
         /* Progress first: a peer that broke the group after sending what this step needs (it moved
            on to a later collective and failed there) must not fail this step; that error comes with
            the next collective. */
-        for (i = 0; i < n && rc > 0; i++) {
+        for (i = 0; i < npeers && rc > 0; i++) {
             int peer = owner[i], fd = fds[i].fd;
             short re = fds[i].revents;
             if (!re) continue;
@@ -6015,9 +6549,9 @@ static ddp_result ddp__exchange(ddp_group *g, const ddp__coll *c, const ddp__ste
             }
         }
         if (sent == send_total && received == recv_total) break;
-        for (i = 0; i < n && rc > 0; i++) /* then failures */
+        for (i = 0; i < npeers && rc > 0; i++) /* then failures */
             if (fds[i].revents & (POLLRDHUP | POLLHUP | POLLERR)) return ddp__peer_failed(g, owner[i], c);
-        for (i = 0; i < n && rc > 0; i++) { /* then frames from peers this step does not read */
+        for (i = 0; i < npeers && rc > 0; i++) { /* then frames from peers this step does not read */
             ddp_result r;
             if ((fds[i].revents & POLLIN) && (r = ddp__peek_peer(g, c, owner[i])) != DDP_SUCCESS) return r;
         }
@@ -6040,10 +6574,10 @@ static void ddp__close_after_failure(ddp_group *g, double seconds) {
     double deadline = ddp__now() + seconds;
     char sink[4096];
     int i;
-    for (i = 0; i < g->world_size; i++)
-        if (g->mesh.peers[i].fd >= 0) shutdown(g->mesh.peers[i].fd, SHUT_WR);
-    for (i = 0; i < g->world_size; i++) {
-        ddp__peer *p = &g->mesh.peers[i];
+    for (i = 0; i < g->mesh.nlinked; i++)
+        if (g->mesh.peers[g->mesh.linked[i]].fd >= 0) shutdown(g->mesh.peers[g->mesh.linked[i]].fd, SHUT_WR);
+    for (i = 0; i < g->mesh.nlinked; i++) {
+        ddp__peer *p = &g->mesh.peers[g->mesh.linked[i]];
         if (p->fd < 0) continue;
         while (ddp__now() < deadline) {
             ssize_t k = recv(p->fd, sink, sizeof sink, 0);
@@ -6055,15 +6589,14 @@ static void ddp__close_after_failure(ddp_group *g, double seconds) {
                 poll(&pf, 1, (int)DDP__MAX(1.0, (deadline - ddp__now()) * 1000.0));
             }
         }
-        close(p->fd);
-        p->fd = -1;
     }
+    ddp__link_close_all(g);
 }
 
 /* ---- graceful goodbye (ddp_destroy, after a final barrier) ---- */
 
-/* Send BYE to every peer, then read each peer's BYE, so that no peer sees our close while it still
-   waits on anything: it has already passed the same barrier. */
+/* Send BYE to every connected peer, then read each one's BYE, so that no peer sees our close while it
+   still waits on anything: it has already passed the same barrier. */
 static void ddp__say_goodbye(ddp_group *g, double seconds) {
     ddp__coll none;
     ddp__frame f;
@@ -6072,13 +6605,16 @@ static void ddp__say_goodbye(ddp_group *g, double seconds) {
     double deadline = ddp__now() + seconds;
     memset(&none, 0, sizeof none);
     ddp__frame_init(&f, g, &none, DDP__FRAME_BYE, 0);
-    for (i = 0; i < g->world_size; i++)
-        if (g->mesh.peers[i].fd >= 0 && !g->mesh.peers[i].gone) ddp__net_send(g->mesh.peers[i].fd, &f, sizeof f, deadline, err);
-    for (i = 0; i < g->world_size; i++) {
+    for (i = 0; i < g->mesh.nlinked; i++) {
+        ddp__peer *p = &g->mesh.peers[g->mesh.linked[i]];
+        if (p->fd >= 0 && !p->gone) ddp__net_send(p->fd, &f, sizeof f, deadline, err);
+    }
+    for (i = 0; i < g->mesh.nlinked; i++) {
+        ddp__peer *p = &g->mesh.peers[g->mesh.linked[i]];
         ddp__frame in;
-        if (g->mesh.peers[i].fd < 0 || g->mesh.peers[i].gone) continue;
-        if (ddp__net_recv(g->mesh.peers[i].fd, &in, sizeof in, deadline, err) != DDP_SUCCESS || in.kind != DDP__FRAME_BYE)
-            ddp__log(g, DDP_LOG_DEBUG, "rank %d did not say goodbye cleanly: %s", i, err);
+        if (p->fd < 0 || p->gone) continue;
+        if (ddp__net_recv(p->fd, &in, sizeof in, deadline, err) != DDP_SUCCESS || in.kind != DDP__FRAME_BYE)
+            ddp__log(g, DDP_LOG_DEBUG, "rank %d did not say goodbye cleanly: %s", g->mesh.linked[i], err);
     }
 }
 /* ==================== end src/transport.c ==================== */
@@ -7861,6 +8397,7 @@ static void ddp__lib_note(ddp_group *g, const ddp__coll *c) {
 static ddp_result ddp__cma_move(ddp_group *g, const ddp__coll *c, int j, char *local, uint64_t remote, size_t bytes,
                                 int write) {
     pid_t pid = g->shm->pids[j];
+    char name[DDP__PEER_NAME_MAX];
     while (bytes) {
         struct iovec l, rm;
         ssize_t k;
@@ -7884,7 +8421,7 @@ static ddp_result ddp__cma_move(ddp_group *g, const ddp__coll *c, int j, char *l
             if (r) return r;
         }
         return ddp__coll_fail(g, e == ESRCH ? DDP_ERR_PEER_LOST : DDP_ERR_SYSTEM, "process_vm_%s on rank %d (%s) failed: %s%s",
-                              write ? "writev" : "readv", j, g->mesh.peer_names[j], strerror(e),
+                              write ? "writev" : "readv", j, ddp__peer_name(g, j, name, sizeof name), strerror(e),
                               e == ESRCH ? ": the process is gone" : " (DDP_SHM_CMA=0 stages through shared memory instead)");
     }
     return DDP_SUCCESS;
@@ -9207,7 +9744,6 @@ DDP_API ddp_result ddp_set_stream(ddp_group *g, void *cuda_stream) {
         wakes every waiting rank, so a bad rank fails everyone quickly instead of leaving them to time out;
      5. the mesh: one TCP connection per pair of ranks, then a barrier over it. */
 
-#define DDP__HELLO_MAGIC 0x48444450u /* "PDDH": first words on a mesh connection */
 
 typedef struct ddp__launch {
     int rank, world_size;
@@ -9437,16 +9973,10 @@ static ddp_result ddp__rdzv_abort(ddp_group *g, ddp_result code, const char *msg
 
 static ddp_result ddp__rdzv_check_abort(ddp_group *g, int *aborted);
 
-/* Close this rank's mesh connections at once (not at ddp__group_free), so that a rank waiting on one of
-   them in the set-up's collectives fails now and reads the published reason while the store is there. */
-static void ddp__mesh_hang_up(ddp_group *g) {
-    int i;
-    for (i = 0; g->mesh.peers && i < g->world_size; i++)
-        if (g->mesh.peers[i].fd >= 0) {
-            close(g->mesh.peers[i].fd);
-            g->mesh.peers[i].fd = -1;
-        }
-}
+/* Close this rank's connections and its listening socket at once (not at ddp__group_free), so that a
+   rank waiting on one of them in the set-up's collectives fails now and reads the published reason
+   while the store is there. */
+static void ddp__mesh_hang_up(ddp_group *g) { ddp__link_close_all(g); }
 
 /* Publish this rank's error (g->error) as the abort, unless one is there already. */
 static void ddp__rdzv_publish(ddp_group *g, ddp_result code) {
@@ -9546,7 +10076,6 @@ static void ddp__record_format(const ddp__record *r, char *out, size_t cap) {
    ranks above to connect) look every DDP__WATCH_PERIOD s; the rank that notices publishes an abort
    naming the lost rank (ddp__rdzv_lost), which every waiting rank reads within that period. Ranks on
    other nodes are noticed by the refused connection of the mesh step. */
-#define DDP__WATCH_PERIOD 0.25
 static uint64_t ddp__host_key(void);
 
 static unsigned long long ddp__node_key(void) {
@@ -9558,14 +10087,14 @@ static unsigned long long ddp__node_key(void) {
 }
 
 /* Is the process pid of a rank on this node gone (no such process, or a zombie its parent has not reaped)? */
-static int ddp__rank_process_gone(const ddp__record *r, unsigned long long node) {
+static int ddp__pid_gone(int pid, unsigned long long its_node, unsigned long long node) {
     char path[64], stat[512];
     const char *end;
     size_t n;
     FILE *f;
-    if (!r->node || r->node != node || r->pid <= 0) return 0;
-    if (kill((pid_t)r->pid, 0) != 0) return errno == ESRCH;
-    snprintf(path, sizeof path, "/proc/%d/stat", r->pid);
+    if (!its_node || its_node != node || pid <= 0) return 0;
+    if (kill((pid_t)pid, 0) != 0) return errno == ESRCH;
+    snprintf(path, sizeof path, "/proc/%d/stat", pid);
     if (!(f = fopen(path, "r"))) return 0;
     n = fread(stat, 1, sizeof stat - 1, f);
     fclose(f);
@@ -9573,6 +10102,8 @@ static int ddp__rank_process_gone(const ddp__record *r, unsigned long long node)
     end = strrchr(stat, ')'); /* "pid (comm) S ...": the state follows the command name */
     return end && end[1] == ' ' && end[2] == 'Z';
 }
+
+static int ddp__rank_process_gone(const ddp__record *r, unsigned long long node) { return ddp__pid_gone(r->pid, r->node, node); }
 
 /* Rank i, which had registered, is gone: unless another rank has published an abort already (then fail
    with that one), publish one naming it, so that every rank fails now with this message. */
@@ -9937,234 +10468,6 @@ static ddp_result ddp__rank0_port_taken(ddp_group *g, const ddp__launch *L, ddp_
     return ddp__fail_to(err, DDP_ERR_INIT, "%s", msg);
 }
 
-/* Mesh: rank j connects to every rank i < j and says hello; rank i accepts the higher ranks. */
-typedef struct ddp__hello {
-    uint32_t magic;
-    int32_t rank, world;
-    uint32_t pad;
-    uint64_t group; /* hash of the group's store prefix: a stray connection from another group is refused */
-} ddp__hello;
-
-/* Connect to rank i (< this rank) for the mesh, retrying while it is not reachable yet. Its record is
-   published, so it listens: a refusal that lasts DDP__REFUSED_GRACE s (time for a rank that failed
-   otherwise to publish why) means it is gone, and so does its pid on this node. */
-#define DDP__REFUSED_GRACE 1.0
-static ddp_result ddp__mesh_dial(ddp_group *g, const ddp__record *rec, int i, unsigned long long node, double deadline) {
-    char err[DDP__ERR_MAX], how[320];
-    double backoff = 0.01, refused_since = -1;
-    int refused = 0, aborted = 0;
-    ddp_result r;
-    for (;;) {
-        r = ddp__net_connect_once(rec[i].addr, rec[i].port, deadline, &g->mesh.peers[i].fd, &refused, err);
-        if (r == DDP_SUCCESS) return r;
-        if (r != DDP_ERR_TIMEOUT) return ddp__fail(g, r, "connecting to rank %d at %s:%d: %s", i, rec[i].addr, rec[i].port, err);
-        if ((r = ddp__rdzv_check_abort(g, &aborted)) != DDP_SUCCESS || aborted) return r ? r : DDP_ERR_INIT;
-        if (ddp__rank_process_gone(&rec[i], node)) return ddp__rdzv_lost(g, i, &rec[i], "its process no longer exists");
-        refused_since = !refused ? -1 : refused_since < 0 ? ddp__now() : refused_since;
-        if (refused && ddp__now() - refused_since >= DDP__REFUSED_GRACE) {
-            snprintf(how, sizeof how, "its mesh port %.128s:%d refuses connections (nothing listens there any more)",
-                     rec[i].addr, rec[i].port);
-            return ddp__rdzv_lost(g, i, &rec[i], how);
-        }
-        if (ddp__now() + backoff > deadline)
-            return ddp__fail(g, DDP_ERR_TIMEOUT, "connecting to rank %d at %s:%d (host %s, pid %d): could not connect within "
-                             "the timeout of %.0f s (last error: %s); does a firewall block the port?", i, rec[i].addr,
-                             rec[i].port, rec[i].host, rec[i].pid, g->timeout, err);
-        ddp__sleep(backoff);
-        backoff = DDP__MIN(backoff * 2, DDP__WATCH_PERIOD);
-    }
-}
-
-/* A connection accepted on this rank's mesh port that has not said yet which rank it is. Each moves
-   through its steps as its bytes arrive, on its own deadline, so that a silent or slow one never holds
-   up the others: 0 the authentication hello and 1 its proof (with DDP_AUTH_TOKEN, src/auth.c), then 2
-   the group hello. */
-#define DDP__PENDING_MAX 64     /* connections waiting to identify themselves at once; the oldest goes first */
-#define DDP__PENDING_SECONDS 10 /* each has this long to identify itself */
-typedef struct ddp__pending {
-    int fd, step;
-    size_t have, need;
-    double deadline;
-    unsigned char buf[64];
-    unsigned char cn[DDP__AUTH_NONCE], sn[DDP__AUTH_NONCE];
-} ddp__pending;
-
-static void ddp__pending_start(ddp__pending *p, int fd, double deadline) {
-    memset(p, 0, sizeof *p);
-    p->fd = fd;
-    p->step = ddp__auth_token() ? 0 : 2;
-    p->need = ddp__auth_token() ? 8 + DDP__AUTH_NONCE : sizeof(ddp__hello);
-    p->deadline = DDP__MIN(deadline, ddp__now() + DDP__PENDING_SECONDS);
-}
-
-/* Take what p's peer sent. 1: it is rank h->rank of this group (p->fd is then its connection), 0: more
-   to come, -1: refused (closed, with a warning that says why). */
-static int ddp__pending_step(ddp_group *g, ddp__pending *p, const ddp__hello *me, ddp__hello *h) {
-    unsigned char reply[DDP__AUTH_NONCE + DDP__AUTH_MAC], verdict;
-    char why[DDP__ERR_MAX];
-    const char *refusal = NULL;
-    ssize_t k = recv(p->fd, p->buf + p->have, p->need - p->have, 0);
-    if (k < 0 && (errno == EAGAIN || errno == EWOULDBLOCK || errno == EINTR)) return 0;
-    if (k <= 0) refusal = "it closed the connection before saying which rank it is";
-    else if ((p->have += (size_t)k) < p->need) return 0;
-    else if (p->step == 0) {
-        if (ddp__auth_answer(ddp__auth_token(), p->buf, p->cn, p->sn, reply) != 0)
-            refusal = "it did not authenticate (no DDP_AUTH_TOKEN on its side?)";
-        else if (ddp__net_send(p->fd, reply, sizeof reply, p->deadline, why) != DDP_SUCCESS)
-            refusal = "it broke off the authentication";
-        p->step = 1, p->have = 0, p->need = DDP__AUTH_MAC;
-    } else if (p->step == 1) {
-        verdict = (unsigned char)ddp__auth_check(ddp__auth_token(), p->cn, p->sn, p->buf);
-        ddp__net_send(p->fd, &verdict, 1, p->deadline, why);
-        if (!verdict) refusal = "its DDP_AUTH_TOKEN is different";
-        p->step = 2, p->have = 0, p->need = sizeof(ddp__hello);
-    } else {
-        memcpy(h, p->buf, sizeof *h);
-        if (h->magic != DDP__HELLO_MAGIC || h->world != g->world_size || h->group != me->group || h->rank <= g->rank ||
-            h->rank >= g->world_size || g->mesh.peers[h->rank].fd >= 0)
-            refusal = "it is not a rank of this group";
-        else
-            return 1;
-    }
-    if (!refusal) return 0;
-    ddp__log(g, DDP_LOG_WARN, "refused a connection to this rank's mesh port: %s", refusal);
-    close(p->fd);
-    p->fd = -1;
-    return -1;
-}
-
-/* The ranks above this one that have not connected, as "3 (host h, pid p), 5 (...)", for messages. */
-static void ddp__mesh_missing(const ddp_group *g, const ddp__record *rec, char *out, size_t cap) {
-    int i, shown = 0;
-    out[0] = '\0';
-    for (i = g->rank + 1; i < g->world_size; i++)
-        if (g->mesh.peers[i].fd < 0 && shown++ < 8)
-            snprintf(out + strlen(out), cap - strlen(out), "%srank %d (host %s, pid %d)", shown > 1 ? ", " : "", i,
-                     rec[i].host, rec[i].pid);
-    if (shown > 8) snprintf(out + strlen(out), cap - strlen(out), " and %d more", shown - 8);
-}
-
-/* Every DDP__WATCH_PERIOD s while accepting: an abort published by another rank, or a rank above this
-   one on this node that died before connecting. */
-static ddp_result ddp__mesh_watch(ddp_group *g, const ddp__record *rec, unsigned long long node) {
-    int i, aborted = 0;
-    ddp_result r = ddp__rdzv_check_abort(g, &aborted);
-    if (r != DDP_SUCCESS || aborted) return r ? r : DDP_ERR_INIT;
-    for (i = g->rank + 1; i < g->world_size; i++)
-        if (g->mesh.peers[i].fd < 0 && ddp__rank_process_gone(&rec[i], node))
-            return ddp__rdzv_lost(g, i, &rec[i], "its process no longer exists");
-    return DDP_SUCCESS;
-}
-
-/* accept() failed on this rank's mesh port (out of descriptors, say): the ranks above it would hang in
-   its listen backlog, so the reason is published at once, before any socket of this rank closes, and
-   every rank fails with it (ddp__rdzv_fail_all). */
-static ddp_result ddp__mesh_accept_failed(ddp_group *g, ddp_result code, const char *why) {
-    char msg[DDP__ERR_MAX], host[128];
-    if (gethostname(host, sizeof host) != 0) snprintf(host, sizeof host, "?");
-    host[sizeof host - 1] = '\0';
-    snprintf(msg, sizeof msg, "rank %d (host %.100s, pid %d) cannot take the connections of the ranks above it: %.800s",
-             g->rank, host, (int)getpid(), why);
-    return ddp__rdzv_abort(g, code, msg);
-}
-
-/* Accept the ranks above this one: one poll() over the listening socket and every pending connection,
-   each pending one with its own deadline (ddp__pending_step), and a look at the store and at the
-   waited-for ranks every DDP__WATCH_PERIOD s. */
-static ddp_result ddp__mesh_accept(ddp_group *g, const ddp__record *rec, int listen_fd, const ddp__hello *me,
-                                   unsigned long long node, double deadline) {
-    ddp__pending pend[DDP__PENDING_MAX];
-    struct pollfd pfd[DDP__PENDING_MAX + 1];
-    char err[DDP__ERR_MAX], missing[DDP__ERR_MAX / 2];
-    double next_watch = ddp__now() + DDP__WATCH_PERIOD;
-    int npend = 0, accepted = 0, i, j, fd = -1;
-    ddp_result r = DDP_SUCCESS, got;
-    while (accepted < g->world_size - 1 - g->rank) {
-        double now = ddp__now(), wake = DDP__MIN(deadline, next_watch);
-        ddp__hello h;
-        if (now >= deadline) {
-            ddp__mesh_missing(g, rec, missing, sizeof missing);
-            r = ddp__fail(g, DDP_ERR_TIMEOUT, "timed out after %.0f s waiting for ranks above %d to connect to its port %d: "
-                          "%s never connected (every rank had registered); is their process stuck, or does a firewall "
-                          "block the port?", g->timeout, g->rank, rec[g->rank].port, missing);
-            break;
-        }
-        if (now >= next_watch) {
-            if ((r = ddp__mesh_watch(g, rec, node)) != DDP_SUCCESS) break;
-            next_watch = ddp__now() + DDP__WATCH_PERIOD;
-            continue;
-        }
-        pfd[0].fd = listen_fd, pfd[0].events = POLLIN, pfd[0].revents = 0;
-        for (i = 0; i < npend; i++) {
-            pfd[i + 1].fd = pend[i].fd, pfd[i + 1].events = POLLIN, pfd[i + 1].revents = 0;
-            wake = DDP__MIN(wake, pend[i].deadline);
-        }
-        if (poll(pfd, (nfds_t)npend + 1, (int)((wake - now) * 1000.0) + 1) < 0 && errno != EINTR) {
-            r = ddp__fail(g, DDP_ERR_SYSTEM, "waiting for ranks above %d to connect: poll: %s", g->rank, strerror(errno));
-            break;
-        }
-        now = ddp__now();
-        for (i = 0; i < npend; i++) {
-            int got = pfd[i + 1].revents ? ddp__pending_step(g, &pend[i], me, &h) : 0;
-            if (got == 1) {
-                g->mesh.peers[h.rank].fd = pend[i].fd;
-                pend[i].fd = -1;
-                accepted++;
-            } else if (got == 0 && now >= pend[i].deadline) {
-                ddp__log(g, DDP_LOG_WARN, "refused a connection to this rank's mesh port: it did not say which rank it is "
-                         "within %d s", DDP__PENDING_SECONDS);
-                close(pend[i].fd);
-                pend[i].fd = -1;
-            }
-        }
-        for (i = j = 0; i < npend; i++) /* keep the pending ones, in order */
-            if (pend[i].fd >= 0) pend[j++] = pend[i];
-        npend = j;
-        got = (pfd[0].revents & POLLIN) ? ddp__net_accept(listen_fd, now + 0.01, &fd, err) : DDP_ERR_TIMEOUT;
-        if (got == DDP_ERR_SYSTEM) {
-            r = ddp__mesh_accept_failed(g, got, err); /* out of descriptors, most likely */
-            break;
-        }
-        if (got == DDP_SUCCESS) { /* (DDP_ERR_TIMEOUT: nobody there, the connection went away) */
-            if (npend == DDP__PENDING_MAX) { /* full: the oldest has waited longest */
-                ddp__log(g, DDP_LOG_WARN, "refused a connection to this rank's mesh port: %d others were waiting to "
-                         "identify themselves", DDP__PENDING_MAX);
-                close(pend[0].fd);
-                memmove(pend, pend + 1, (size_t)(--npend) * sizeof *pend);
-            }
-            ddp__pending_start(&pend[npend++], fd, deadline);
-        }
-    }
-    for (i = 0; i < npend; i++) close(pend[i].fd);
-    return r;
-}
-
-static ddp_result ddp__mesh_connect(ddp_group *g, const ddp__record *rec, int listen_fd) {
-    char err[DDP__ERR_MAX], who[320];
-    double deadline = ddp__now() + g->timeout;
-    unsigned long long node = ddp__node_key();
-    int i, aborted = 0;
-    ddp__hello me;
-    ddp_result r;
-    memset(&me, 0, sizeof me);
-    me.magic = DDP__HELLO_MAGIC;
-    me.rank = g->rank;
-    me.world = g->world_size;
-    me.group = ddp__hash(g->member.prefix);
-    for (i = 0; i < g->rank; i++) {
-        snprintf(who, sizeof who, "rank %d at %s:%d", i, rec[i].addr, rec[i].port);
-        if ((r = ddp__mesh_dial(g, rec, i, node, deadline)) != DDP_SUCCESS) return r;
-        if ((ddp__auth_token() && (r = ddp__auth_client(g->mesh.peers[i].fd, ddp__auth_token(), who, deadline, err)) != DDP_SUCCESS) ||
-            (r = ddp__net_send(g->mesh.peers[i].fd, &me, sizeof me, deadline, err)) != DDP_SUCCESS) {
-            ddp_result lost = ddp__rdzv_check_abort(g, &aborted); /* it may have failed, or died, meanwhile */
-            if (lost != DDP_SUCCESS || aborted) return lost ? lost : DDP_ERR_INIT;
-            if (ddp__rank_process_gone(&rec[i], node)) return ddp__rdzv_lost(g, i, &rec[i], "its process no longer exists");
-            return ddp__fail(g, r, "connecting to %s: %s", who, err);
-        }
-    }
-    return ddp__mesh_accept(g, rec, listen_fd, &me, node, deadline);
-}
-
 /* Claim this rank (a second process with the same rank sees a count above 1: it fails, naming the first
    when its record is there) and publish its record. */
 static ddp_result ddp__rdzv_claim(ddp_group *g, const ddp__record *me, const char *where) {
@@ -10193,7 +10496,43 @@ static ddp_result ddp__rdzv_claim(ddp_group *g, const ddp__record *me, const cha
     return DDP_SUCCESS;
 }
 
-static ddp_result ddp__rendezvous(ddp_group *g, const char *addr, int listen_fd, int port, const char *where) {
+/* Keep the table as the group's directory (link.c dials from it): the numbers, and each address and
+   host name once per run of ranks that share it (ranks of one host are usually neighbours). */
+static uint32_t ddp__dir_string(ddp_group *g, const char *text, int prev) {
+    size_t n = strlen(text) + 1;
+    if (prev >= 0 && strcmp(g->mesh.names + prev, text) == 0) return (uint32_t)prev;
+    if (g->mesh.names_len + n > g->mesh.names_cap) {
+        size_t cap = DDP__MAX(g->mesh.names_cap * 2, g->mesh.names_len + n + 256);
+        char *grown = (char *)ddp__malloc(cap);
+        if (!grown) return UINT32_MAX;
+        if (g->mesh.names_len) memcpy(grown, g->mesh.names, g->mesh.names_len);
+        ddp__free(g->mesh.names);
+        g->mesh.names = grown, g->mesh.names_cap = cap;
+    }
+    memcpy(g->mesh.names + g->mesh.names_len, text, n);
+    g->mesh.names_len += n;
+    return (uint32_t)(g->mesh.names_len - n);
+}
+
+static ddp_result ddp__dir_fill(ddp_group *g, const ddp__record *rec) {
+    int i;
+    if (!(g->mesh.dir = (ddp__peer_info *)ddp__calloc((size_t)g->world_size, sizeof *g->mesh.dir)))
+        return ddp__fail(g, DDP_ERR_OUT_OF_MEMORY, "out of memory keeping the rendezvous table");
+    for (i = 0; i < g->world_size; i++) {
+        ddp__peer_info *d = &g->mesh.dir[i];
+        d->port = rec[i].port, d->pid = rec[i].pid, d->node = rec[i].node;
+        d->addr = ddp__dir_string(g, rec[i].addr, i > 0 ? (int)g->mesh.dir[i - 1].addr : -1);
+        d->host = ddp__dir_string(g, rec[i].host, i > 0 ? (int)g->mesh.dir[i - 1].host : -1);
+        if (d->addr == UINT32_MAX || d->host == UINT32_MAX) {
+            ddp__free(g->mesh.dir);
+            g->mesh.dir = NULL;
+            return ddp__fail(g, DDP_ERR_OUT_OF_MEMORY, "out of memory keeping the rendezvous table");
+        }
+    }
+    return DDP_SUCCESS;
+}
+
+static ddp_result ddp__rendezvous(ddp_group *g, const char *addr, int port, const char *where) {
     char key[256];
     ddp__record *rec;
     int64_t joined = 0;
@@ -10217,18 +10556,16 @@ static ddp_result ddp__rendezvous(ddp_group *g, const char *addr, int listen_fd,
     }
     r = g->rank == 0 ? ddp__rdzv_gather(g, rec, where) : ddp__rdzv_await(g, rec, where);
     if (r) goto done;
-    for (i = 0; i < g->world_size; i++) {
-        snprintf(g->mesh.peer_names[i], sizeof g->mesh.peer_names[i], "host %.40s, pid %d", rec[i].host, rec[i].pid);
+    for (i = 0; i < g->world_size; i++)
         if (strcmp(rec[i].host, rec[g->rank].host) == 0) {
             if (i < g->rank) local_index++;
             same_host++;
         }
-    }
     if (g->local_rank < 0 || g->local_world_size < 0) {
         g->local_rank = local_index;
         g->local_world_size = same_host;
     }
-    r = ddp__mesh_connect(g, rec, listen_fd);
+    r = ddp__dir_fill(g, rec);
 done:
     ddp__free(rec);
     return r;
@@ -10265,11 +10602,13 @@ static ddp_group *ddp__group_alloc(int rank, int world_size) {
     g->backend = g->host_backend = ddp__initial_backend(world_size);
     g->timeout = 300.0;
     g->mesh.peers = (ddp__peer *)ddp__calloc((size_t)world_size, sizeof *g->mesh.peers);
-    g->mesh.peer_names = (char(*)[80])ddp__calloc((size_t)world_size, sizeof *g->mesh.peer_names);
-    g->mesh.pollfds = (struct pollfd *)ddp__calloc((size_t)world_size, sizeof *g->mesh.pollfds);
-    g->mesh.poll_owner = (int *)ddp__calloc((size_t)world_size, sizeof *g->mesh.poll_owner);
+    g->mesh.linked = (int *)ddp__calloc((size_t)world_size, sizeof *g->mesh.linked);
+    g->mesh.shakes = (ddp__shake *)ddp__calloc(DDP__SHAKES_MAX, sizeof *g->mesh.shakes);
+    g->mesh.listen_fd = -1;
+    g->mesh.pollfds = (struct pollfd *)ddp__calloc((size_t)world_size + DDP__SHAKES_MAX + 1, sizeof *g->mesh.pollfds);
+    g->mesh.poll_owner = (int *)ddp__calloc((size_t)world_size + DDP__SHAKES_MAX + 1, sizeof *g->mesh.poll_owner);
     g->world_ranks = (int *)ddp__calloc((size_t)world_size, sizeof *g->world_ranks);
-    if (!g->mesh.peers || !g->mesh.peer_names || !g->mesh.pollfds || !g->mesh.poll_owner || !g->world_ranks ||
+    if (!g->mesh.peers || !g->mesh.linked || !g->mesh.shakes || !g->mesh.pollfds || !g->mesh.poll_owner || !g->world_ranks ||
         !ddp__live_add(g, DDP__LIVE_GROUP)) {
         ddp__group_free(g);
         return NULL;
@@ -10277,7 +10616,6 @@ static ddp_group *ddp__group_alloc(int rank, int world_size) {
     for (i = 0; i < world_size; i++) {
         g->mesh.peers[i].fd = -1;
         g->world_ranks[i] = i;
-        snprintf(g->mesh.peer_names[i], sizeof g->mesh.peer_names[i], "rank %d", i);
     }
     ddp__trace_open(g);
     return g;
@@ -10286,15 +10624,13 @@ static ddp_group *ddp__group_alloc(int rank, int world_size) {
 /* Free everything g holds (connections closed without goodbye: for failed inits and after goodbye).
    Also frees a group whose allocation stopped half way (its arrays may be NULL). */
 static void ddp__group_free(ddp_group *g) {
-    int i;
     ddp__live_remove(g, DDP__LIVE_GROUP); /* from here on, calls on g fail instead of reading freed memory */
     ddp__progress_stop(g);
     ddp__work_release_all(g);
     if (g->backend) g->backend->close(g, 0);
     if (g->broken) ddp__close_after_failure(g, 1.0);
     ddp__lib_free_all(g);
-    for (i = 0; g->mesh.peers && i < g->world_size; i++)
-        if (g->mesh.peers[i].fd >= 0) close(g->mesh.peers[i].fd);
+    if (g->mesh.shakes) ddp__link_close_all(g);
     if (g->member.owns_store && g->member.store) ddp__store_free(g->member.store);
     if (g->member.store_server) ddp__store_server_stop(g->member.store_server);
     if (g->member.parent) ddp__subgroup_unlink(g->member.parent, g);
@@ -10303,7 +10639,10 @@ static void ddp__group_free(ddp_group *g) {
     pthread_cond_destroy(&g->async.cv);
     ddp__free(g->scratch);
     ddp__free(g->mesh.peers);
-    ddp__free(g->mesh.peer_names);
+    ddp__free(g->mesh.linked);
+    ddp__free(g->mesh.shakes);
+    ddp__free(g->mesh.dir);
+    ddp__free(g->mesh.names);
     ddp__free(g->mesh.pollfds);
     ddp__free(g->mesh.poll_owner);
     ddp__free(g->world_ranks);
@@ -10345,14 +10684,16 @@ static int ddp__transport_wish(void) {
 /* The message names the rank (g NULL: a single process): it may be the one every rank reports, when
    this rank's error reaches the store first (ddp__rdzv_fail_all). */
 static ddp_result ddp__bad_transport(ddp_group *g) {
+    char name[DDP__PEER_NAME_MAX];
     if (!g) return ddp__fail(NULL, DDP_ERR_INIT, "DDP_TRANSPORT=\"%s\" is not one of auto, tcp; fix or unset it",
                              ddp__env("DDP_TRANSPORT"));
     return ddp__fail(g, DDP_ERR_INIT, "DDP_TRANSPORT=\"%s\" on rank %d (%s) is not one of auto, tcp; fix or unset it there",
-                     ddp__env("DDP_TRANSPORT"), g->rank, g->mesh.peer_names[g->rank]);
+                     ddp__env("DDP_TRANSPORT"), g->rank, ddp__peer_name(g, g->rank, name, sizeof name));
 }
 
 static ddp_result ddp__choose_transport(ddp_group *g) {
     uint64_t mine[2], *all, *keys;
+    char name[DDP__PEER_NAME_MAX];
     int i, same = 1, tcp_rank = -1, tcp_ranks = 0, bad_rank = -1;
     ddp_result r;
     if (g->world_size < 2) return DDP_SUCCESS;
@@ -10371,15 +10712,17 @@ static ddp_result ddp__choose_transport(ddp_group *g) {
             tcp_ranks++;
         }
     }
-    if (r == DDP_SUCCESS && bad_rank >= 0) { /* every rank fails, naming the rank that set it */
+    if (r != DDP_SUCCESS && mine[1] == DDP__WISH_BAD) { /* another rank's failure came first: this rank's reason is better */
+        r = ddp__bad_transport(g);
+    } else if (r == DDP_SUCCESS && bad_rank >= 0) { /* every rank fails, naming the rank that set it */
         if (mine[1] == DDP__WISH_BAD) ddp__bad_transport(g);
         else ddp__fail(g, DDP_ERR_INIT, "DDP_TRANSPORT on rank %d (%s) is not one of auto, tcp (that rank's message "
-                       "names the value); fix or unset it there", bad_rank, g->mesh.peer_names[bad_rank]);
+                       "names the value); fix or unset it there", bad_rank, ddp__peer_name(g, bad_rank, name, sizeof name));
         r = DDP_ERR_INIT;
     } else if (r == DDP_SUCCESS && tcp_rank >= 0) {
         if (!mine[1])
             ddp__log(g, DDP_LOG_INFO, "DDP_TRANSPORT=tcp is set on rank %d (%s)%s: the whole group stays on TCP", tcp_rank,
-                     g->mesh.peer_names[tcp_rank], tcp_ranks > 1 ? " and others" : "");
+                     ddp__peer_name(g, tcp_rank, name, sizeof name), tcp_ranks > 1 ? " and others" : "");
     } else if (r == DDP_SUCCESS) {
         r = same ? ddp__shm_setup(g) : ddp__hier_setup(g, keys);
     }
@@ -10387,21 +10730,48 @@ static ddp_result ddp__choose_transport(ddp_group *g) {
     return r;
 }
 
-/* Rendezvous and connect a freshly allocated group whose store and prefix are set. */
+/* Rendezvous and connect a freshly allocated group whose store and prefix are set: after the table,
+   the group's own barrier makes the first connections (link.c: the ring and the ranks 2^k away), and
+   the set-up's collectives run with in_setup on, so that a rank lost on the way is also looked for in
+   the store (ddp__setup_watch). The listening socket stays open for the group's life. */
 static ddp_result ddp__group_connect(ddp_group *g, const char *where) {
     char err[DDP__ERR_MAX];
-    int listen_fd = -1, port = 0, aborted = 0;
+    int port = 0, aborted = 0;
     ddp_result r;
-    if ((r = ddp__net_listen(g->member.address, 0, &listen_fd, &port, err)) != DDP_SUCCESS)
+    if ((r = ddp__net_listen(g->member.address, 0, &g->mesh.listen_fd, &port, err)) != DDP_SUCCESS)
         return ddp__fail(g, r, "cannot listen for peer connections on %s: %s", g->member.address, err);
-    r = ddp__rendezvous(g, g->member.address, listen_fd, port, where);
-    if (r) ddp__rdzv_publish(g, r); /* before its listener closes: a rank that then loses this one finds why */
-    close(listen_fd);
-    if (r) return r;
-    if ((r = ddp__mesh_barrier(g)) != DDP_SUCCESS) return r;
-    if ((r = ddp__choose_transport(g)) != DDP_SUCCESS) return r;
-    if ((r = ddp__rdzv_check_abort(g, &aborted)) != DDP_SUCCESS || aborted) return r ? r : DDP_ERR_INIT;
+    r = ddp__rendezvous(g, g->member.address, port, where);
+    if (r) {
+        ddp__rdzv_publish(g, r); /* before its listener closes: a rank that then loses this one finds why */
+        return r;
+    }
+    g->mesh.in_setup = 1;
+    if ((r = ddp__mesh_barrier(g)) == DDP_SUCCESS && (r = ddp__choose_transport(g)) == DDP_SUCCESS &&
+        (r = ddp__rdzv_check_abort(g, &aborted)) == DDP_SUCCESS && aborted)
+        r = DDP_ERR_INIT;
+    g->mesh.in_setup = 0;
+    return r;
+}
+
+/* link.c's look at the store during the set-up (see internal.h). */
+static ddp_result ddp__setup_watch(ddp_group *g, int peer) {
+    char how[64];
+    int aborted = 0;
+    ddp_result r = ddp__rdzv_check_abort(g, &aborted);
+    if (r != DDP_SUCCESS || aborted) return r ? r : DDP_ERR_INIT;
+    if (peer >= 0 && g->mesh.dir && ddp__pid_gone(g->mesh.dir[peer].pid, g->mesh.dir[peer].node, ddp__node_key())) {
+        snprintf(how, sizeof how, "its process no longer exists");
+        return ddp__setup_lost(g, peer, how);
+    }
     return DDP_SUCCESS;
+}
+
+static ddp_result ddp__setup_lost(ddp_group *g, int peer, const char *how) {
+    ddp__record r;
+    memset(&r, 0, sizeof r);
+    r.pid = g->mesh.dir[peer].pid;
+    snprintf(r.host, sizeof r.host, "%s", g->mesh.names + g->mesh.dir[peer].host);
+    return ddp__rdzv_lost(g, peer, &r, how);
 }
 
 /* ddp_init for backend "mpi": everything comes from MPI_COMM_WORLD (mpi.c); no store, no sockets. */

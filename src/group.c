@@ -14,7 +14,6 @@
      5. the mesh: one TCP connection per pair of ranks, then a barrier over it. */
 #include "internal.h"
 
-#define DDP__HELLO_MAGIC 0x48444450u /* "PDDH": first words on a mesh connection */
 
 typedef struct ddp__launch {
     int rank, world_size;
@@ -244,16 +243,10 @@ static ddp_result ddp__rdzv_abort(ddp_group *g, ddp_result code, const char *msg
 
 static ddp_result ddp__rdzv_check_abort(ddp_group *g, int *aborted);
 
-/* Close this rank's mesh connections at once (not at ddp__group_free), so that a rank waiting on one of
-   them in the set-up's collectives fails now and reads the published reason while the store is there. */
-static void ddp__mesh_hang_up(ddp_group *g) {
-    int i;
-    for (i = 0; g->mesh.peers && i < g->world_size; i++)
-        if (g->mesh.peers[i].fd >= 0) {
-            close(g->mesh.peers[i].fd);
-            g->mesh.peers[i].fd = -1;
-        }
-}
+/* Close this rank's connections and its listening socket at once (not at ddp__group_free), so that a
+   rank waiting on one of them in the set-up's collectives fails now and reads the published reason
+   while the store is there. */
+static void ddp__mesh_hang_up(ddp_group *g) { ddp__link_close_all(g); }
 
 /* Publish this rank's error (g->error) as the abort, unless one is there already. */
 static void ddp__rdzv_publish(ddp_group *g, ddp_result code) {
@@ -353,7 +346,6 @@ static void ddp__record_format(const ddp__record *r, char *out, size_t cap) {
    ranks above to connect) look every DDP__WATCH_PERIOD s; the rank that notices publishes an abort
    naming the lost rank (ddp__rdzv_lost), which every waiting rank reads within that period. Ranks on
    other nodes are noticed by the refused connection of the mesh step. */
-#define DDP__WATCH_PERIOD 0.25
 static uint64_t ddp__host_key(void);
 
 static unsigned long long ddp__node_key(void) {
@@ -365,14 +357,14 @@ static unsigned long long ddp__node_key(void) {
 }
 
 /* Is the process pid of a rank on this node gone (no such process, or a zombie its parent has not reaped)? */
-static int ddp__rank_process_gone(const ddp__record *r, unsigned long long node) {
+static int ddp__pid_gone(int pid, unsigned long long its_node, unsigned long long node) {
     char path[64], stat[512];
     const char *end;
     size_t n;
     FILE *f;
-    if (!r->node || r->node != node || r->pid <= 0) return 0;
-    if (kill((pid_t)r->pid, 0) != 0) return errno == ESRCH;
-    snprintf(path, sizeof path, "/proc/%d/stat", r->pid);
+    if (!its_node || its_node != node || pid <= 0) return 0;
+    if (kill((pid_t)pid, 0) != 0) return errno == ESRCH;
+    snprintf(path, sizeof path, "/proc/%d/stat", pid);
     if (!(f = fopen(path, "r"))) return 0;
     n = fread(stat, 1, sizeof stat - 1, f);
     fclose(f);
@@ -380,6 +372,8 @@ static int ddp__rank_process_gone(const ddp__record *r, unsigned long long node)
     end = strrchr(stat, ')'); /* "pid (comm) S ...": the state follows the command name */
     return end && end[1] == ' ' && end[2] == 'Z';
 }
+
+static int ddp__rank_process_gone(const ddp__record *r, unsigned long long node) { return ddp__pid_gone(r->pid, r->node, node); }
 
 /* Rank i, which had registered, is gone: unless another rank has published an abort already (then fail
    with that one), publish one naming it, so that every rank fails now with this message. */
@@ -744,234 +738,6 @@ static ddp_result ddp__rank0_port_taken(ddp_group *g, const ddp__launch *L, ddp_
     return ddp__fail_to(err, DDP_ERR_INIT, "%s", msg);
 }
 
-/* Mesh: rank j connects to every rank i < j and says hello; rank i accepts the higher ranks. */
-typedef struct ddp__hello {
-    uint32_t magic;
-    int32_t rank, world;
-    uint32_t pad;
-    uint64_t group; /* hash of the group's store prefix: a stray connection from another group is refused */
-} ddp__hello;
-
-/* Connect to rank i (< this rank) for the mesh, retrying while it is not reachable yet. Its record is
-   published, so it listens: a refusal that lasts DDP__REFUSED_GRACE s (time for a rank that failed
-   otherwise to publish why) means it is gone, and so does its pid on this node. */
-#define DDP__REFUSED_GRACE 1.0
-static ddp_result ddp__mesh_dial(ddp_group *g, const ddp__record *rec, int i, unsigned long long node, double deadline) {
-    char err[DDP__ERR_MAX], how[320];
-    double backoff = 0.01, refused_since = -1;
-    int refused = 0, aborted = 0;
-    ddp_result r;
-    for (;;) {
-        r = ddp__net_connect_once(rec[i].addr, rec[i].port, deadline, &g->mesh.peers[i].fd, &refused, err);
-        if (r == DDP_SUCCESS) return r;
-        if (r != DDP_ERR_TIMEOUT) return ddp__fail(g, r, "connecting to rank %d at %s:%d: %s", i, rec[i].addr, rec[i].port, err);
-        if ((r = ddp__rdzv_check_abort(g, &aborted)) != DDP_SUCCESS || aborted) return r ? r : DDP_ERR_INIT;
-        if (ddp__rank_process_gone(&rec[i], node)) return ddp__rdzv_lost(g, i, &rec[i], "its process no longer exists");
-        refused_since = !refused ? -1 : refused_since < 0 ? ddp__now() : refused_since;
-        if (refused && ddp__now() - refused_since >= DDP__REFUSED_GRACE) {
-            snprintf(how, sizeof how, "its mesh port %.128s:%d refuses connections (nothing listens there any more)",
-                     rec[i].addr, rec[i].port);
-            return ddp__rdzv_lost(g, i, &rec[i], how);
-        }
-        if (ddp__now() + backoff > deadline)
-            return ddp__fail(g, DDP_ERR_TIMEOUT, "connecting to rank %d at %s:%d (host %s, pid %d): could not connect within "
-                             "the timeout of %.0f s (last error: %s); does a firewall block the port?", i, rec[i].addr,
-                             rec[i].port, rec[i].host, rec[i].pid, g->timeout, err);
-        ddp__sleep(backoff);
-        backoff = DDP__MIN(backoff * 2, DDP__WATCH_PERIOD);
-    }
-}
-
-/* A connection accepted on this rank's mesh port that has not said yet which rank it is. Each moves
-   through its steps as its bytes arrive, on its own deadline, so that a silent or slow one never holds
-   up the others: 0 the authentication hello and 1 its proof (with DDP_AUTH_TOKEN, src/auth.c), then 2
-   the group hello. */
-#define DDP__PENDING_MAX 64     /* connections waiting to identify themselves at once; the oldest goes first */
-#define DDP__PENDING_SECONDS 10 /* each has this long to identify itself */
-typedef struct ddp__pending {
-    int fd, step;
-    size_t have, need;
-    double deadline;
-    unsigned char buf[64];
-    unsigned char cn[DDP__AUTH_NONCE], sn[DDP__AUTH_NONCE];
-} ddp__pending;
-
-static void ddp__pending_start(ddp__pending *p, int fd, double deadline) {
-    memset(p, 0, sizeof *p);
-    p->fd = fd;
-    p->step = ddp__auth_token() ? 0 : 2;
-    p->need = ddp__auth_token() ? 8 + DDP__AUTH_NONCE : sizeof(ddp__hello);
-    p->deadline = DDP__MIN(deadline, ddp__now() + DDP__PENDING_SECONDS);
-}
-
-/* Take what p's peer sent. 1: it is rank h->rank of this group (p->fd is then its connection), 0: more
-   to come, -1: refused (closed, with a warning that says why). */
-static int ddp__pending_step(ddp_group *g, ddp__pending *p, const ddp__hello *me, ddp__hello *h) {
-    unsigned char reply[DDP__AUTH_NONCE + DDP__AUTH_MAC], verdict;
-    char why[DDP__ERR_MAX];
-    const char *refusal = NULL;
-    ssize_t k = recv(p->fd, p->buf + p->have, p->need - p->have, 0);
-    if (k < 0 && (errno == EAGAIN || errno == EWOULDBLOCK || errno == EINTR)) return 0;
-    if (k <= 0) refusal = "it closed the connection before saying which rank it is";
-    else if ((p->have += (size_t)k) < p->need) return 0;
-    else if (p->step == 0) {
-        if (ddp__auth_answer(ddp__auth_token(), p->buf, p->cn, p->sn, reply) != 0)
-            refusal = "it did not authenticate (no DDP_AUTH_TOKEN on its side?)";
-        else if (ddp__net_send(p->fd, reply, sizeof reply, p->deadline, why) != DDP_SUCCESS)
-            refusal = "it broke off the authentication";
-        p->step = 1, p->have = 0, p->need = DDP__AUTH_MAC;
-    } else if (p->step == 1) {
-        verdict = (unsigned char)ddp__auth_check(ddp__auth_token(), p->cn, p->sn, p->buf);
-        ddp__net_send(p->fd, &verdict, 1, p->deadline, why);
-        if (!verdict) refusal = "its DDP_AUTH_TOKEN is different";
-        p->step = 2, p->have = 0, p->need = sizeof(ddp__hello);
-    } else {
-        memcpy(h, p->buf, sizeof *h);
-        if (h->magic != DDP__HELLO_MAGIC || h->world != g->world_size || h->group != me->group || h->rank <= g->rank ||
-            h->rank >= g->world_size || g->mesh.peers[h->rank].fd >= 0)
-            refusal = "it is not a rank of this group";
-        else
-            return 1;
-    }
-    if (!refusal) return 0;
-    ddp__log(g, DDP_LOG_WARN, "refused a connection to this rank's mesh port: %s", refusal);
-    close(p->fd);
-    p->fd = -1;
-    return -1;
-}
-
-/* The ranks above this one that have not connected, as "3 (host h, pid p), 5 (...)", for messages. */
-static void ddp__mesh_missing(const ddp_group *g, const ddp__record *rec, char *out, size_t cap) {
-    int i, shown = 0;
-    out[0] = '\0';
-    for (i = g->rank + 1; i < g->world_size; i++)
-        if (g->mesh.peers[i].fd < 0 && shown++ < 8)
-            snprintf(out + strlen(out), cap - strlen(out), "%srank %d (host %s, pid %d)", shown > 1 ? ", " : "", i,
-                     rec[i].host, rec[i].pid);
-    if (shown > 8) snprintf(out + strlen(out), cap - strlen(out), " and %d more", shown - 8);
-}
-
-/* Every DDP__WATCH_PERIOD s while accepting: an abort published by another rank, or a rank above this
-   one on this node that died before connecting. */
-static ddp_result ddp__mesh_watch(ddp_group *g, const ddp__record *rec, unsigned long long node) {
-    int i, aborted = 0;
-    ddp_result r = ddp__rdzv_check_abort(g, &aborted);
-    if (r != DDP_SUCCESS || aborted) return r ? r : DDP_ERR_INIT;
-    for (i = g->rank + 1; i < g->world_size; i++)
-        if (g->mesh.peers[i].fd < 0 && ddp__rank_process_gone(&rec[i], node))
-            return ddp__rdzv_lost(g, i, &rec[i], "its process no longer exists");
-    return DDP_SUCCESS;
-}
-
-/* accept() failed on this rank's mesh port (out of descriptors, say): the ranks above it would hang in
-   its listen backlog, so the reason is published at once, before any socket of this rank closes, and
-   every rank fails with it (ddp__rdzv_fail_all). */
-static ddp_result ddp__mesh_accept_failed(ddp_group *g, ddp_result code, const char *why) {
-    char msg[DDP__ERR_MAX], host[128];
-    if (gethostname(host, sizeof host) != 0) snprintf(host, sizeof host, "?");
-    host[sizeof host - 1] = '\0';
-    snprintf(msg, sizeof msg, "rank %d (host %.100s, pid %d) cannot take the connections of the ranks above it: %.800s",
-             g->rank, host, (int)getpid(), why);
-    return ddp__rdzv_abort(g, code, msg);
-}
-
-/* Accept the ranks above this one: one poll() over the listening socket and every pending connection,
-   each pending one with its own deadline (ddp__pending_step), and a look at the store and at the
-   waited-for ranks every DDP__WATCH_PERIOD s. */
-static ddp_result ddp__mesh_accept(ddp_group *g, const ddp__record *rec, int listen_fd, const ddp__hello *me,
-                                   unsigned long long node, double deadline) {
-    ddp__pending pend[DDP__PENDING_MAX];
-    struct pollfd pfd[DDP__PENDING_MAX + 1];
-    char err[DDP__ERR_MAX], missing[DDP__ERR_MAX / 2];
-    double next_watch = ddp__now() + DDP__WATCH_PERIOD;
-    int npend = 0, accepted = 0, i, j, fd = -1;
-    ddp_result r = DDP_SUCCESS, got;
-    while (accepted < g->world_size - 1 - g->rank) {
-        double now = ddp__now(), wake = DDP__MIN(deadline, next_watch);
-        ddp__hello h;
-        if (now >= deadline) {
-            ddp__mesh_missing(g, rec, missing, sizeof missing);
-            r = ddp__fail(g, DDP_ERR_TIMEOUT, "timed out after %.0f s waiting for ranks above %d to connect to its port %d: "
-                          "%s never connected (every rank had registered); is their process stuck, or does a firewall "
-                          "block the port?", g->timeout, g->rank, rec[g->rank].port, missing);
-            break;
-        }
-        if (now >= next_watch) {
-            if ((r = ddp__mesh_watch(g, rec, node)) != DDP_SUCCESS) break;
-            next_watch = ddp__now() + DDP__WATCH_PERIOD;
-            continue;
-        }
-        pfd[0].fd = listen_fd, pfd[0].events = POLLIN, pfd[0].revents = 0;
-        for (i = 0; i < npend; i++) {
-            pfd[i + 1].fd = pend[i].fd, pfd[i + 1].events = POLLIN, pfd[i + 1].revents = 0;
-            wake = DDP__MIN(wake, pend[i].deadline);
-        }
-        if (poll(pfd, (nfds_t)npend + 1, (int)((wake - now) * 1000.0) + 1) < 0 && errno != EINTR) {
-            r = ddp__fail(g, DDP_ERR_SYSTEM, "waiting for ranks above %d to connect: poll: %s", g->rank, strerror(errno));
-            break;
-        }
-        now = ddp__now();
-        for (i = 0; i < npend; i++) {
-            int got = pfd[i + 1].revents ? ddp__pending_step(g, &pend[i], me, &h) : 0;
-            if (got == 1) {
-                g->mesh.peers[h.rank].fd = pend[i].fd;
-                pend[i].fd = -1;
-                accepted++;
-            } else if (got == 0 && now >= pend[i].deadline) {
-                ddp__log(g, DDP_LOG_WARN, "refused a connection to this rank's mesh port: it did not say which rank it is "
-                         "within %d s", DDP__PENDING_SECONDS);
-                close(pend[i].fd);
-                pend[i].fd = -1;
-            }
-        }
-        for (i = j = 0; i < npend; i++) /* keep the pending ones, in order */
-            if (pend[i].fd >= 0) pend[j++] = pend[i];
-        npend = j;
-        got = (pfd[0].revents & POLLIN) ? ddp__net_accept(listen_fd, now + 0.01, &fd, err) : DDP_ERR_TIMEOUT;
-        if (got == DDP_ERR_SYSTEM) {
-            r = ddp__mesh_accept_failed(g, got, err); /* out of descriptors, most likely */
-            break;
-        }
-        if (got == DDP_SUCCESS) { /* (DDP_ERR_TIMEOUT: nobody there, the connection went away) */
-            if (npend == DDP__PENDING_MAX) { /* full: the oldest has waited longest */
-                ddp__log(g, DDP_LOG_WARN, "refused a connection to this rank's mesh port: %d others were waiting to "
-                         "identify themselves", DDP__PENDING_MAX);
-                close(pend[0].fd);
-                memmove(pend, pend + 1, (size_t)(--npend) * sizeof *pend);
-            }
-            ddp__pending_start(&pend[npend++], fd, deadline);
-        }
-    }
-    for (i = 0; i < npend; i++) close(pend[i].fd);
-    return r;
-}
-
-static ddp_result ddp__mesh_connect(ddp_group *g, const ddp__record *rec, int listen_fd) {
-    char err[DDP__ERR_MAX], who[320];
-    double deadline = ddp__now() + g->timeout;
-    unsigned long long node = ddp__node_key();
-    int i, aborted = 0;
-    ddp__hello me;
-    ddp_result r;
-    memset(&me, 0, sizeof me);
-    me.magic = DDP__HELLO_MAGIC;
-    me.rank = g->rank;
-    me.world = g->world_size;
-    me.group = ddp__hash(g->member.prefix);
-    for (i = 0; i < g->rank; i++) {
-        snprintf(who, sizeof who, "rank %d at %s:%d", i, rec[i].addr, rec[i].port);
-        if ((r = ddp__mesh_dial(g, rec, i, node, deadline)) != DDP_SUCCESS) return r;
-        if ((ddp__auth_token() && (r = ddp__auth_client(g->mesh.peers[i].fd, ddp__auth_token(), who, deadline, err)) != DDP_SUCCESS) ||
-            (r = ddp__net_send(g->mesh.peers[i].fd, &me, sizeof me, deadline, err)) != DDP_SUCCESS) {
-            ddp_result lost = ddp__rdzv_check_abort(g, &aborted); /* it may have failed, or died, meanwhile */
-            if (lost != DDP_SUCCESS || aborted) return lost ? lost : DDP_ERR_INIT;
-            if (ddp__rank_process_gone(&rec[i], node)) return ddp__rdzv_lost(g, i, &rec[i], "its process no longer exists");
-            return ddp__fail(g, r, "connecting to %s: %s", who, err);
-        }
-    }
-    return ddp__mesh_accept(g, rec, listen_fd, &me, node, deadline);
-}
-
 /* Claim this rank (a second process with the same rank sees a count above 1: it fails, naming the first
    when its record is there) and publish its record. */
 static ddp_result ddp__rdzv_claim(ddp_group *g, const ddp__record *me, const char *where) {
@@ -1000,7 +766,43 @@ static ddp_result ddp__rdzv_claim(ddp_group *g, const ddp__record *me, const cha
     return DDP_SUCCESS;
 }
 
-static ddp_result ddp__rendezvous(ddp_group *g, const char *addr, int listen_fd, int port, const char *where) {
+/* Keep the table as the group's directory (link.c dials from it): the numbers, and each address and
+   host name once per run of ranks that share it (ranks of one host are usually neighbours). */
+static uint32_t ddp__dir_string(ddp_group *g, const char *text, int prev) {
+    size_t n = strlen(text) + 1;
+    if (prev >= 0 && strcmp(g->mesh.names + prev, text) == 0) return (uint32_t)prev;
+    if (g->mesh.names_len + n > g->mesh.names_cap) {
+        size_t cap = DDP__MAX(g->mesh.names_cap * 2, g->mesh.names_len + n + 256);
+        char *grown = (char *)ddp__malloc(cap);
+        if (!grown) return UINT32_MAX;
+        if (g->mesh.names_len) memcpy(grown, g->mesh.names, g->mesh.names_len);
+        ddp__free(g->mesh.names);
+        g->mesh.names = grown, g->mesh.names_cap = cap;
+    }
+    memcpy(g->mesh.names + g->mesh.names_len, text, n);
+    g->mesh.names_len += n;
+    return (uint32_t)(g->mesh.names_len - n);
+}
+
+static ddp_result ddp__dir_fill(ddp_group *g, const ddp__record *rec) {
+    int i;
+    if (!(g->mesh.dir = (ddp__peer_info *)ddp__calloc((size_t)g->world_size, sizeof *g->mesh.dir)))
+        return ddp__fail(g, DDP_ERR_OUT_OF_MEMORY, "out of memory keeping the rendezvous table");
+    for (i = 0; i < g->world_size; i++) {
+        ddp__peer_info *d = &g->mesh.dir[i];
+        d->port = rec[i].port, d->pid = rec[i].pid, d->node = rec[i].node;
+        d->addr = ddp__dir_string(g, rec[i].addr, i > 0 ? (int)g->mesh.dir[i - 1].addr : -1);
+        d->host = ddp__dir_string(g, rec[i].host, i > 0 ? (int)g->mesh.dir[i - 1].host : -1);
+        if (d->addr == UINT32_MAX || d->host == UINT32_MAX) {
+            ddp__free(g->mesh.dir);
+            g->mesh.dir = NULL;
+            return ddp__fail(g, DDP_ERR_OUT_OF_MEMORY, "out of memory keeping the rendezvous table");
+        }
+    }
+    return DDP_SUCCESS;
+}
+
+static ddp_result ddp__rendezvous(ddp_group *g, const char *addr, int port, const char *where) {
     char key[256];
     ddp__record *rec;
     int64_t joined = 0;
@@ -1024,18 +826,16 @@ static ddp_result ddp__rendezvous(ddp_group *g, const char *addr, int listen_fd,
     }
     r = g->rank == 0 ? ddp__rdzv_gather(g, rec, where) : ddp__rdzv_await(g, rec, where);
     if (r) goto done;
-    for (i = 0; i < g->world_size; i++) {
-        snprintf(g->mesh.peer_names[i], sizeof g->mesh.peer_names[i], "host %.40s, pid %d", rec[i].host, rec[i].pid);
+    for (i = 0; i < g->world_size; i++)
         if (strcmp(rec[i].host, rec[g->rank].host) == 0) {
             if (i < g->rank) local_index++;
             same_host++;
         }
-    }
     if (g->local_rank < 0 || g->local_world_size < 0) {
         g->local_rank = local_index;
         g->local_world_size = same_host;
     }
-    r = ddp__mesh_connect(g, rec, listen_fd);
+    r = ddp__dir_fill(g, rec);
 done:
     ddp__free(rec);
     return r;
@@ -1072,11 +872,13 @@ static ddp_group *ddp__group_alloc(int rank, int world_size) {
     g->backend = g->host_backend = ddp__initial_backend(world_size);
     g->timeout = 300.0;
     g->mesh.peers = (ddp__peer *)ddp__calloc((size_t)world_size, sizeof *g->mesh.peers);
-    g->mesh.peer_names = (char(*)[80])ddp__calloc((size_t)world_size, sizeof *g->mesh.peer_names);
-    g->mesh.pollfds = (struct pollfd *)ddp__calloc((size_t)world_size, sizeof *g->mesh.pollfds);
-    g->mesh.poll_owner = (int *)ddp__calloc((size_t)world_size, sizeof *g->mesh.poll_owner);
+    g->mesh.linked = (int *)ddp__calloc((size_t)world_size, sizeof *g->mesh.linked);
+    g->mesh.shakes = (ddp__shake *)ddp__calloc(DDP__SHAKES_MAX, sizeof *g->mesh.shakes);
+    g->mesh.listen_fd = -1;
+    g->mesh.pollfds = (struct pollfd *)ddp__calloc((size_t)world_size + DDP__SHAKES_MAX + 1, sizeof *g->mesh.pollfds);
+    g->mesh.poll_owner = (int *)ddp__calloc((size_t)world_size + DDP__SHAKES_MAX + 1, sizeof *g->mesh.poll_owner);
     g->world_ranks = (int *)ddp__calloc((size_t)world_size, sizeof *g->world_ranks);
-    if (!g->mesh.peers || !g->mesh.peer_names || !g->mesh.pollfds || !g->mesh.poll_owner || !g->world_ranks ||
+    if (!g->mesh.peers || !g->mesh.linked || !g->mesh.shakes || !g->mesh.pollfds || !g->mesh.poll_owner || !g->world_ranks ||
         !ddp__live_add(g, DDP__LIVE_GROUP)) {
         ddp__group_free(g);
         return NULL;
@@ -1084,7 +886,6 @@ static ddp_group *ddp__group_alloc(int rank, int world_size) {
     for (i = 0; i < world_size; i++) {
         g->mesh.peers[i].fd = -1;
         g->world_ranks[i] = i;
-        snprintf(g->mesh.peer_names[i], sizeof g->mesh.peer_names[i], "rank %d", i);
     }
     ddp__trace_open(g);
     return g;
@@ -1093,15 +894,13 @@ static ddp_group *ddp__group_alloc(int rank, int world_size) {
 /* Free everything g holds (connections closed without goodbye: for failed inits and after goodbye).
    Also frees a group whose allocation stopped half way (its arrays may be NULL). */
 static void ddp__group_free(ddp_group *g) {
-    int i;
     ddp__live_remove(g, DDP__LIVE_GROUP); /* from here on, calls on g fail instead of reading freed memory */
     ddp__progress_stop(g);
     ddp__work_release_all(g);
     if (g->backend) g->backend->close(g, 0);
     if (g->broken) ddp__close_after_failure(g, 1.0);
     ddp__lib_free_all(g);
-    for (i = 0; g->mesh.peers && i < g->world_size; i++)
-        if (g->mesh.peers[i].fd >= 0) close(g->mesh.peers[i].fd);
+    if (g->mesh.shakes) ddp__link_close_all(g);
     if (g->member.owns_store && g->member.store) ddp__store_free(g->member.store);
     if (g->member.store_server) ddp__store_server_stop(g->member.store_server);
     if (g->member.parent) ddp__subgroup_unlink(g->member.parent, g);
@@ -1110,7 +909,10 @@ static void ddp__group_free(ddp_group *g) {
     pthread_cond_destroy(&g->async.cv);
     ddp__free(g->scratch);
     ddp__free(g->mesh.peers);
-    ddp__free(g->mesh.peer_names);
+    ddp__free(g->mesh.linked);
+    ddp__free(g->mesh.shakes);
+    ddp__free(g->mesh.dir);
+    ddp__free(g->mesh.names);
     ddp__free(g->mesh.pollfds);
     ddp__free(g->mesh.poll_owner);
     ddp__free(g->world_ranks);
@@ -1152,14 +954,16 @@ static int ddp__transport_wish(void) {
 /* The message names the rank (g NULL: a single process): it may be the one every rank reports, when
    this rank's error reaches the store first (ddp__rdzv_fail_all). */
 static ddp_result ddp__bad_transport(ddp_group *g) {
+    char name[DDP__PEER_NAME_MAX];
     if (!g) return ddp__fail(NULL, DDP_ERR_INIT, "DDP_TRANSPORT=\"%s\" is not one of auto, tcp; fix or unset it",
                              ddp__env("DDP_TRANSPORT"));
     return ddp__fail(g, DDP_ERR_INIT, "DDP_TRANSPORT=\"%s\" on rank %d (%s) is not one of auto, tcp; fix or unset it there",
-                     ddp__env("DDP_TRANSPORT"), g->rank, g->mesh.peer_names[g->rank]);
+                     ddp__env("DDP_TRANSPORT"), g->rank, ddp__peer_name(g, g->rank, name, sizeof name));
 }
 
 static ddp_result ddp__choose_transport(ddp_group *g) {
     uint64_t mine[2], *all, *keys;
+    char name[DDP__PEER_NAME_MAX];
     int i, same = 1, tcp_rank = -1, tcp_ranks = 0, bad_rank = -1;
     ddp_result r;
     if (g->world_size < 2) return DDP_SUCCESS;
@@ -1178,15 +982,17 @@ static ddp_result ddp__choose_transport(ddp_group *g) {
             tcp_ranks++;
         }
     }
-    if (r == DDP_SUCCESS && bad_rank >= 0) { /* every rank fails, naming the rank that set it */
+    if (r != DDP_SUCCESS && mine[1] == DDP__WISH_BAD) { /* another rank's failure came first: this rank's reason is better */
+        r = ddp__bad_transport(g);
+    } else if (r == DDP_SUCCESS && bad_rank >= 0) { /* every rank fails, naming the rank that set it */
         if (mine[1] == DDP__WISH_BAD) ddp__bad_transport(g);
         else ddp__fail(g, DDP_ERR_INIT, "DDP_TRANSPORT on rank %d (%s) is not one of auto, tcp (that rank's message "
-                       "names the value); fix or unset it there", bad_rank, g->mesh.peer_names[bad_rank]);
+                       "names the value); fix or unset it there", bad_rank, ddp__peer_name(g, bad_rank, name, sizeof name));
         r = DDP_ERR_INIT;
     } else if (r == DDP_SUCCESS && tcp_rank >= 0) {
         if (!mine[1])
             ddp__log(g, DDP_LOG_INFO, "DDP_TRANSPORT=tcp is set on rank %d (%s)%s: the whole group stays on TCP", tcp_rank,
-                     g->mesh.peer_names[tcp_rank], tcp_ranks > 1 ? " and others" : "");
+                     ddp__peer_name(g, tcp_rank, name, sizeof name), tcp_ranks > 1 ? " and others" : "");
     } else if (r == DDP_SUCCESS) {
         r = same ? ddp__shm_setup(g) : ddp__hier_setup(g, keys);
     }
@@ -1194,21 +1000,48 @@ static ddp_result ddp__choose_transport(ddp_group *g) {
     return r;
 }
 
-/* Rendezvous and connect a freshly allocated group whose store and prefix are set. */
+/* Rendezvous and connect a freshly allocated group whose store and prefix are set: after the table,
+   the group's own barrier makes the first connections (link.c: the ring and the ranks 2^k away), and
+   the set-up's collectives run with in_setup on, so that a rank lost on the way is also looked for in
+   the store (ddp__setup_watch). The listening socket stays open for the group's life. */
 static ddp_result ddp__group_connect(ddp_group *g, const char *where) {
     char err[DDP__ERR_MAX];
-    int listen_fd = -1, port = 0, aborted = 0;
+    int port = 0, aborted = 0;
     ddp_result r;
-    if ((r = ddp__net_listen(g->member.address, 0, &listen_fd, &port, err)) != DDP_SUCCESS)
+    if ((r = ddp__net_listen(g->member.address, 0, &g->mesh.listen_fd, &port, err)) != DDP_SUCCESS)
         return ddp__fail(g, r, "cannot listen for peer connections on %s: %s", g->member.address, err);
-    r = ddp__rendezvous(g, g->member.address, listen_fd, port, where);
-    if (r) ddp__rdzv_publish(g, r); /* before its listener closes: a rank that then loses this one finds why */
-    close(listen_fd);
-    if (r) return r;
-    if ((r = ddp__mesh_barrier(g)) != DDP_SUCCESS) return r;
-    if ((r = ddp__choose_transport(g)) != DDP_SUCCESS) return r;
-    if ((r = ddp__rdzv_check_abort(g, &aborted)) != DDP_SUCCESS || aborted) return r ? r : DDP_ERR_INIT;
+    r = ddp__rendezvous(g, g->member.address, port, where);
+    if (r) {
+        ddp__rdzv_publish(g, r); /* before its listener closes: a rank that then loses this one finds why */
+        return r;
+    }
+    g->mesh.in_setup = 1;
+    if ((r = ddp__mesh_barrier(g)) == DDP_SUCCESS && (r = ddp__choose_transport(g)) == DDP_SUCCESS &&
+        (r = ddp__rdzv_check_abort(g, &aborted)) == DDP_SUCCESS && aborted)
+        r = DDP_ERR_INIT;
+    g->mesh.in_setup = 0;
+    return r;
+}
+
+/* link.c's look at the store during the set-up (see internal.h). */
+static ddp_result ddp__setup_watch(ddp_group *g, int peer) {
+    char how[64];
+    int aborted = 0;
+    ddp_result r = ddp__rdzv_check_abort(g, &aborted);
+    if (r != DDP_SUCCESS || aborted) return r ? r : DDP_ERR_INIT;
+    if (peer >= 0 && g->mesh.dir && ddp__pid_gone(g->mesh.dir[peer].pid, g->mesh.dir[peer].node, ddp__node_key())) {
+        snprintf(how, sizeof how, "its process no longer exists");
+        return ddp__setup_lost(g, peer, how);
+    }
     return DDP_SUCCESS;
+}
+
+static ddp_result ddp__setup_lost(ddp_group *g, int peer, const char *how) {
+    ddp__record r;
+    memset(&r, 0, sizeof r);
+    r.pid = g->mesh.dir[peer].pid;
+    snprintf(r.host, sizeof r.host, "%s", g->mesh.names + g->mesh.dir[peer].host);
+    return ddp__rdzv_lost(g, peer, &r, how);
 }
 
 /* ddp_init for backend "mpi": everything comes from MPI_COMM_WORLD (mpi.c); no store, no sockets. */

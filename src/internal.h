@@ -8,15 +8,17 @@
 
        util, dtype              errors, logging, environment, time; element types and reduction
        net, auth, store         sockets with deadlines; DDP_AUTH_TOKEN; the rendezvous key-value store
-       transport                framed messages over the TCP mesh, failure detection, abort
+       link, transport          one layer: connections between ranks made on first use (link), framed
+                                messages over them, failure detection, abort (transport); during
+                                ddp_init's set-up they ask group.c whether a missing rank is gone
        collectives              the public collectives: validate, fingerprint, dispatch, async work
        backends                 each fills a ddp__backend table, the only way calls reach it:
-         tcp                      ring and recursive-doubling algorithms over the mesh (also set-up)
+         tcp                      ring, recursive-doubling, tree algorithms between ranks (also set-up)
          alloc                    ddp_alloc: library buffers in the shared segment's arenas
          shm                      shared memory among the ranks of one host
          hier                     hierarchical all_reduce for groups that span hosts
          mpi, nccl                MPI and NCCL libraries
-       group                    ddp_init, rendezvous, the mesh, which backend a group gets, subgroups
+       group                    ddp_init, rendezvous, the table of ranks, which backend a group gets, subgroups
        launcher                 ddp_spawn, ddprun
        reducer, sampler, syncbn, safetensors, checkpoint    built on the public API
 
@@ -247,6 +249,8 @@ static DDP__UNUSED void ddp__divide(void *buf, size_t count, ddp_dtype t, int n)
 /* ---- net.c: TCP with deadlines (absolute ddp__now() seconds); messages go to err ---- */
 static DDP__UNUSED ddp_result ddp__net_listen(const char *host, int port, int *fd, int *bound_port, char *err);
 static DDP__UNUSED ddp_result ddp__net_connect(const char *host, int port, double deadline, int *fd, char *err);
+/* Start a connect without waiting (poll the fd for POLLOUT, then SO_ERROR); *refused: refused at once. */
+static DDP__UNUSED ddp_result ddp__net_connect_start(const char *host, int port, int *fd_out, int *refused, char *err);
 static DDP__UNUSED ddp_result ddp__net_connect_once(const char *host, int port, double deadline, int *fd, int *refused, char *err);
 static DDP__UNUSED ddp_result ddp__net_accept(int listen_fd, double deadline, int *fd, char *err);
 static DDP__UNUSED ddp_result ddp__net_send(int fd, const void *buf, size_t n, double deadline, char *err);
@@ -319,6 +323,12 @@ static DDP__UNUSED int ddp__auth_answer(const char *token, const unsigned char *
                                         unsigned char *reply);
 static DDP__UNUSED int ddp__auth_check(const char *token, const unsigned char *cn, const unsigned char *sn,
                                        const unsigned char *proof);
+/* The pieces of the client's half, for a handshake moved on by a poll loop (link.c): a fresh nonce, the
+   proof one side gives (label "client" or "server"), and a comparison that takes the same time anywhere. */
+static DDP__UNUSED void ddp__auth_nonce(unsigned char out[DDP__AUTH_NONCE]);
+static DDP__UNUSED void ddp__auth_proof(const char *token, const char *label, const unsigned char *cn, const unsigned char *sn,
+                                        unsigned char out[DDP__AUTH_MAC]);
+static DDP__UNUSED int ddp__auth_equal(const unsigned char *a, const unsigned char *b, size_t n);
 
 /* ==== the group: the types every layer above the store shares ==== */
 
@@ -384,21 +394,55 @@ typedef struct ddp__backend {
     void (*copy_out)(ddp_group *g, void *dst, ddp_dtype dst_t, const void *src, ddp_dtype src_t, size_t count);
 } ddp__backend;
 
-/* One TCP connection to another member of the group. */
+/* One TCP connection to another member of the group (made on first use: link.c). */
 typedef struct ddp__peer {
-    int fd;   /* -1 for this rank itself */
+    int fd;   /* -1: none yet (and for this rank itself) */
     int gone; /* the connection was seen closed */
+    int awaits_dial;     /* link.c: both dialed at once and the peer's dial wins: wait for it, do not dial again */
     uint64_t send_owed;  /* bytes of a frame interrupted mid-send (padded before an ABORT) */
     uint64_t quiet_seq;  /* transport.c: in collective #quiet_seq, the peer's waiting frame was looked at and is fine */
     int peek_later;      /* transport.c: only part of a frame header was there; look again shortly */
+    double refused_since; /* link.c: its port has refused connections since then (0: not refusing) */
+    double dial_after;    /* link.c: after a refusal, the next dial waits until then */
 } ddp__peer;
 
-/* The mesh: a TCP connection to every other rank (group.c makes it, transport.c moves frames on it). */
+/* Where a rank listens and who it is, from the rendezvous table; strings live in the mesh's name pool. */
+typedef struct ddp__peer_info {
+    int port, pid;
+    uint32_t addr, host;      /* offsets into ddp__mesh.names */
+    unsigned long long node;  /* ddp__node_key() of its process (group.c) */
+} ddp__peer_info;
+
+/* A connection being made, by either side (link.c): the dialer's or the accepting side's handshake. */
+typedef struct ddp__shake {
+    int fd, step;
+    int rank;     /* the peer: known from the start when dialing, from its hello when accepting (-1 before) */
+    int dialing;  /* this rank dialed it */
+    size_t have, need;
+    double deadline;
+    unsigned char buf[64];
+    unsigned char cn[DDP__AUTH_NONCE], sn[DDP__AUTH_NONCE];
+} ddp__shake;
+#define DDP__WATCH_PERIOD 0.25 /* while waiting on a rank inside ddp_init, look for why it might be gone this often */
+#define DDP__PENDING_MAX 64 /* accepted connections waiting to identify themselves at once; the oldest goes first */
+#define DDP__SHAKES_MAX (DDP__PENDING_MAX + 8)
+
+/* The links of a group: its listening socket, the table of where every rank listens, the connections
+   made so far (group.c fills the table and opens the listener; link.c makes connections on first use;
+   transport.c moves frames on them). */
 typedef struct ddp__mesh {
     ddp__peer *peers;        /* world_size entries, indexed by rank in this group */
-    char (*peer_names)[80];  /* "host 10.0.0.2, pid 1234" for each rank, for messages */
-    struct pollfd *pollfds;  /* world_size entries: what one exchange step waits on */
-    int *poll_owner;         /* the rank of each pollfds entry */
+    ddp__peer_info *dir;     /* world_size entries: the rendezvous table (NULL before it) */
+    char *names;             /* the table's addresses and host names, each once per run of equal ones */
+    size_t names_len, names_cap;
+    int *linked;             /* the ranks this one has a connection with, in the order they were made */
+    int nlinked;
+    int listen_fd;           /* peers dial this; open for the group's life (-1: none) */
+    ddp__shake *shakes;      /* DDP__SHAKES_MAX: connections being made */
+    int nshakes;
+    int in_setup;            /* ddp_init's own set-up runs: a rank lost on the way is looked for in the store too */
+    struct pollfd *pollfds;  /* world_size + DDP__SHAKES_MAX + 1 entries: what one exchange step waits on */
+    int *poll_owner;         /* the rank of each pollfds entry (link.c's own entries: below -1) */
     int waiting_for;         /* the rank this one waits for in the current step, -1 if none (for messages) */
 } ddp__mesh;
 
@@ -504,6 +548,20 @@ struct ddp_work {
     void *handle;              /* the owner's: nccl's CUDA event */
 };
 
+/* ---- link.c: connections made on first use ---- */
+/* A step needs a connection to `peer` to send: dial it unless a dial is under way (or the peer's wins). */
+static DDP__UNUSED ddp_result ddp__link_want(ddp_group *g, const ddp__coll *c, int peer);
+/* The listener and the handshakes under way, as poll entries (owners below -1); returns how many. */
+static DDP__UNUSED int ddp__link_poll_entries(ddp_group *g, struct pollfd *fds, int *owner, double *wake);
+/* Move the handshakes on after a poll (entries from ddp__link_poll_entries); *progressed when any did. */
+static DDP__UNUSED ddp_result ddp__link_progress(ddp_group *g, const ddp__coll *c, const struct pollfd *fds, const int *owner,
+                                                 int n, int *progressed);
+static DDP__UNUSED void ddp__link_close_all(ddp_group *g); /* every connection, handshake and the listener */
+/* The port of `peer`, which this step needs, has refused connections for DDP__REFUSED_GRACE s: it is lost. */
+static DDP__UNUSED ddp_result ddp__link_check_refused(ddp_group *g, const ddp__coll *c, int peer);
+/* The mesh's own hash of g's store prefix, said in every hello: a connection from another group is refused. */
+static DDP__UNUSED uint64_t ddp__link_group_hash(const ddp_group *g);
+
 /* ---- transport.c: framed messages on the mesh, failure detection, breaking the group ---- */
 static DDP__UNUSED const char *ddp__coll_name(int kind); /* "all_reduce", ... */
 /* "all_reduce(count=1024, f32, sum) as collective #7", numbered from g's seq_base */
@@ -532,6 +590,9 @@ typedef struct ddp__step {
 } ddp__step;
 static DDP__UNUSED ddp_result ddp__exchange(ddp_group *g, const ddp__coll *c, const ddp__step *s);
 static DDP__UNUSED void ddp__close_after_failure(ddp_group *g, double seconds);
+/* "host h, pid p" of rank i (its place in the rendezvous table), or "rank i" before the table: for messages. */
+static DDP__UNUSED const char *ddp__peer_name(const ddp_group *g, int i, char *buf, size_t cap);
+#define DDP__PEER_NAME_MAX 200
 static DDP__UNUSED void ddp__say_goodbye(ddp_group *g, double seconds);
 
 /* ---- collectives.c: the public collectives' machinery ---- */
@@ -629,6 +690,11 @@ static DDP__UNUSED void ddp__subgroup_unlink(ddp_group *parent, ddp_group *sub);
 /* Make and connect the group of the parent's ranks `ranks` (see group.c); hier.c's stages use it too. */
 static DDP__UNUSED ddp_result ddp__subgroup_open(ddp_group *g, const int *ranks, int n, int me, const char *name,
                                                  struct ddp__mpi *comm, const char *what, ddp_group **out);
+/* During ddp_init's set-up (g->mesh.in_setup), for link.c: a failure another rank published in the store,
+   or rank `peer`'s process gone from this node, fails g (error in g->error; published); else DDP_SUCCESS. */
+static DDP__UNUSED ddp_result ddp__setup_watch(ddp_group *g, int peer);
+/* During the set-up: rank `peer` is gone (`how`); published so every rank fails naming it. */
+static DDP__UNUSED ddp_result ddp__setup_lost(ddp_group *g, int peer, const char *how);
 
 /* ---- safetensors.c: the format that checkpoint.c's policy reads and writes: its limits and reserved
    key prefixes, the dtype table, the parsed header, the writer's buffer ---- */

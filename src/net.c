@@ -124,6 +124,34 @@ static ddp_result ddp__net_connect_once(const char *host, int port, double deadl
     return DDP_ERR_TIMEOUT;
 }
 
+/* Start connecting to host:port without waiting (its first address): the caller polls *fd_out for
+   POLLOUT and reads SO_ERROR (link.c dials this way inside a step's poll). *refused = 1 when the
+   refusal came at once (nothing listens there). */
+static ddp_result ddp__net_connect_start(const char *host, int port, int *fd_out, int *refused, char *err) {
+    struct addrinfo *res = NULL;
+    int fd, e;
+    ddp_result r = ddp__net_resolve(host, port, 0, &res, err);
+    *refused = 0;
+    if (r) return r;
+    fd = socket(res->ai_family, res->ai_socktype, res->ai_protocol);
+    if (fd < 0) {
+        e = errno;
+        freeaddrinfo(res);
+        if (ddp__out_of_descriptors(e)) return ddp__fail_descriptors(err, e, "cannot open a socket");
+        return ddp__fail_to(err, DDP_ERR_SYSTEM, "socket: %s", strerror(e));
+    }
+    ddp__net_configure(fd);
+    e = connect(fd, res->ai_addr, res->ai_addrlen) != 0 && errno != EINPROGRESS ? errno : 0;
+    freeaddrinfo(res);
+    if (e) {
+        close(fd);
+        *refused = e == ECONNREFUSED;
+        return ddp__fail_to(err, DDP_ERR_SYSTEM, "connect: %s", strerror(e));
+    }
+    *fd_out = fd;
+    return DDP_SUCCESS;
+}
+
 /* Connect to host:port, retrying with exponential backoff (10 ms .. 1 s) until the deadline while
    the other side is not listening yet: ranks start in any order. */
 static ddp_result ddp__net_connect(const char *host, int port, double deadline, int *fd_out, char *err) {

@@ -293,6 +293,7 @@ static void ddp__lib_note(ddp_group *g, const ddp__coll *c) {
 static ddp_result ddp__cma_move(ddp_group *g, const ddp__coll *c, int j, char *local, uint64_t remote, size_t bytes,
                                 int write) {
     pid_t pid = g->shm->pids[j];
+    char name[DDP__PEER_NAME_MAX];
     while (bytes) {
         struct iovec l, rm;
         ssize_t k;
@@ -316,7 +317,7 @@ static ddp_result ddp__cma_move(ddp_group *g, const ddp__coll *c, int j, char *l
             if (r) return r;
         }
         return ddp__coll_fail(g, e == ESRCH ? DDP_ERR_PEER_LOST : DDP_ERR_SYSTEM, "process_vm_%s on rank %d (%s) failed: %s%s",
-                              write ? "writev" : "readv", j, g->mesh.peer_names[j], strerror(e),
+                              write ? "writev" : "readv", j, ddp__peer_name(g, j, name, sizeof name), strerror(e),
                               e == ESRCH ? ": the process is gone" : " (DDP_SHM_CMA=0 stages through shared memory instead)");
     }
     return DDP_SUCCESS;

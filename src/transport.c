@@ -1,6 +1,6 @@
 /* [SECTION] transport: framed messages between the ranks of a group, failure detection, abort
-   Each pair of ranks shares one TCP connection (a full mesh, made by group.c). Everything sent is a
-   frame: a fixed header, then `bytes` of payload.
+   Two ranks share one TCP connection once a step has sent from one to the other (link.c makes them on
+   first use). Everything sent is a frame: a fixed header, then `bytes` of payload.
 
        magic | kind | collective fingerprint (seq, coll, dtype, op, root, count) | sender | bytes | code
 
@@ -21,11 +21,15 @@
    Nothing extra happens when nothing unexpected arrives: the same poll call watches one more event
    per connection. tcp.c says why this makes every mismatch an error on every rank.
 
-   Failure handling. While a rank waits, it also watches every other connection of the group for a
-   hang-up. When a rank fails a collective (mismatch, timeout, lost peer) it "breaks" the group: it sends
-   an ABORT frame carrying the error to every peer and shuts its connections down. Every peer then sees
-   the hang-up within milliseconds, reads the ABORT frame, and fails with the same code and message.
-   A connection that closes without an ABORT frame means the process is gone: DDP_ERR_PEER_LOST.
+   Failure handling. While a rank waits, it also watches every other connection it has for a hang-up
+   (O(log N) of them: link.c). When a rank fails a collective (mismatch, timeout, lost peer) it "breaks"
+   the group: it sends an ABORT frame carrying the error to every rank it is connected with and shuts
+   those connections down. Each of them sees the hang-up within milliseconds, reads the ABORT frame,
+   fails with the same code and message, and breaks in turn: the ABORT floods the graph of connections,
+   which holds the ring from ddp_init's barrier on (connected, diameter O(log N) once the barrier's
+   2^k links are there), so it reaches every rank that waits in a collective, and every other rank when
+   it next calls one. A connection that closes without an ABORT frame means the process is gone:
+   DDP_ERR_PEER_LOST, and that message is what floods.
    A graceful ddp_destroy sends BYE after a final barrier and waits for the peers' BYE before closing,
    so an orderly exit is never mistaken for a crash. */
 #include "internal.h"
@@ -77,18 +81,26 @@ static int ddp__coll_equal(const ddp__coll *a, const ddp__frame *f) {
 
 /* Record the first error that breaks g, tell every peer (ABORT frame with the message) and shut the
    connections down so that peers waiting on anything notice at once. */
+static ddp_result ddp__group_break_relaying(ddp_group *g, ddp_result code, const char *msg, const char *wire);
 static ddp_result ddp__group_break(ddp_group *g, ddp_result code, const char *msg) {
+    return ddp__group_break_relaying(g, code, msg, msg);
+}
+
+/* ddp__group_break, with `wire` as the reason the ABORT frames carry: a rank that fails with another
+   rank's reason says so in its own message ("reported by rank 3; this rank was in ...") but passes the
+   reason on as it came, so that the message does not grow at each hop of the flood. */
+static ddp_result ddp__group_break_relaying(ddp_group *g, ddp_result code, const char *msg, const char *wire) {
     int i;
     if (g->broken) return g->broken;
     g->broken = code;
     snprintf(g->broken_msg, sizeof g->broken_msg, "%s", msg);
     ddp__log(g, DDP_LOG_ERROR, "%s", msg);
     ddp__shm_abort(g);
-    for (i = 0; i < g->world_size; i++) {
-        ddp__peer *p = &g->mesh.peers[i];
+    for (i = 0; i < g->mesh.nlinked; i++) {
+        ddp__peer *p = &g->mesh.peers[g->mesh.linked[i]];
         ddp__frame f;
         char err[DDP__ERR_MAX];
-        size_t len = strlen(msg) + 1;
+        size_t len = strlen(wire) + 1;
         if (p->fd < 0 || p->gone) continue;
         if (p->send_owed > 0 && p->send_owed <= ((uint64_t)256 << 20)) { /* finish the interrupted frame */
             static const char zeros[4096] = {0};
@@ -110,7 +122,7 @@ static ddp_result ddp__group_break(ddp_group *g, ddp_result code, const char *ms
         f.code = code;
         /* Best effort and brief: the peer may be the one that is stuck. */
         if (ddp__net_send(p->fd, &f, sizeof f, ddp__now() + 0.5, err) == DDP_SUCCESS)
-            ddp__net_send(p->fd, msg, len, ddp__now() + 0.5, err);
+            ddp__net_send(p->fd, wire, len, ddp__now() + 0.5, err);
         /* Half-close only: a full close with unread data would make the kernel send a reset, which
            throws away the ABORT frame queued at the peer before the peer reads it. */
         shutdown(p->fd, SHUT_WR);
@@ -134,7 +146,7 @@ static ddp_result ddp__coll_fail(ddp_group *g, ddp_result code, const char *fmt,
    already read from the peer (or NULL). */
 static ddp_result ddp__peer_failed_after(ddp_group *g, int peer, const ddp__coll *c, const ddp__frame *first) {
     ddp__peer *p = &g->mesh.peers[peer];
-    char desc[160], err[DDP__ERR_MAX];
+    char desc[160], err[DDP__ERR_MAX], name[DDP__PEER_NAME_MAX], msg[DDP__ERR_MAX];
     double deadline = ddp__now() + 1.0;
     ddp__frame f;
     ddp__coll_describe(g, c, desc, sizeof desc);
@@ -152,11 +164,11 @@ static ddp_result ddp__peer_failed_after(ddp_group *g, int peer, const ddp__coll
             if (ddp__net_recv(p->fd, reason, (size_t)f.bytes, deadline, err) != DDP_SUCCESS) break;
             reason[f.bytes - 1] = '\0';
             if (g->mesh.waiting_for >= 0 && g->mesh.waiting_for != peer) /* the reporter may have waited for us: say whom we waited for */
-                return ddp__coll_fail(g, ddp__peer_code(f.code, DDP_ERR_FORMAT), "%s (reported by rank %d; this rank was "
-                                      "in %s, waiting for rank %d (%s))", reason, peer, desc, g->mesh.waiting_for,
-                                      g->mesh.peer_names[g->mesh.waiting_for]);
-            return ddp__coll_fail(g, ddp__peer_code(f.code, DDP_ERR_FORMAT), "%s (reported by rank %d; this rank was in %s)",
-                                  reason, peer, desc);
+                snprintf(msg, sizeof msg, "%.700s (reported by rank %d; this rank was in %s, waiting for rank %d (%s))", reason,
+                         peer, desc, g->mesh.waiting_for, ddp__peer_name(g, g->mesh.waiting_for, name, sizeof name));
+            else
+                snprintf(msg, sizeof msg, "%.700s (reported by rank %d; this rank was in %s)", reason, peer, desc);
+            return ddp__group_break_relaying(g, ddp__peer_code(f.code, DDP_ERR_FORMAT), msg, reason);
         }
         if (f.kind == DDP__FRAME_BYE)
             return ddp__coll_fail(g, DDP_ERR_PEER_LOST,
@@ -174,7 +186,7 @@ static ddp_result ddp__peer_failed_after(ddp_group *g, int peer, const ddp__coll
         }
     }
     return ddp__coll_fail(g, DDP_ERR_PEER_LOST, "lost rank %d (%s): its process exited or its connection dropped, while this rank was in %s",
-                          peer, g->mesh.peer_names[peer], desc);
+                          peer, ddp__peer_name(g, peer, name, sizeof name), desc);
 }
 
 static ddp_result ddp__peer_failed(ddp_group *g, int peer, const ddp__coll *c) { return ddp__peer_failed_after(g, peer, c, NULL); }
@@ -182,23 +194,29 @@ static ddp_result ddp__peer_failed(ddp_group *g, int peer, const ddp__coll *c) {
 /* A peer that is alive (its connection is open) made no progress for the group's timeout. Across hosts
    a cut link looks just like this: TCP sees no error until its own, much longer, retransmission limit. */
 static ddp_result ddp__peer_timed_out(ddp_group *g, int peer, const ddp__coll *c) {
-    char desc[160];
+    char desc[160], name[DDP__PEER_NAME_MAX];
     ddp__coll_describe(g, c, desc, sizeof desc);
+    if (g->mesh.peers[peer].fd < 0)
+        return ddp__coll_fail(g, DDP_ERR_TIMEOUT, "timed out after %.0f s in %s waiting for rank %d (%s), which never "
+                              "connected to this rank: is it stuck, stopped, in a different collective, or is the network "
+                              "to it down? (DDP_TIMEOUT sets the limit)", g->timeout, desc, peer,
+                              ddp__peer_name(g, peer, name, sizeof name));
     return ddp__coll_fail(g, DDP_ERR_TIMEOUT, "timed out after %.0f s in %s waiting for rank %d (%s), which is alive but "
                           "not taking part: is it stuck, stopped, in a different collective, or is the network to it "
-                          "down? (DDP_TIMEOUT sets the limit)", g->timeout, desc, peer, g->mesh.peer_names[peer]);
+                          "down? (DDP_TIMEOUT sets the limit)", g->timeout, desc, peer, ddp__peer_name(g, peer, name, sizeof name));
 }
 
 /* The first peer whose connection hung up (exited, or aborted the group), looking only at peer `only`
    (-1: at every peer), without waiting; -1 when none. Nothing else happens: the caller decides. */
 static int ddp__hung_up_peer(ddp_group *g, int only) {
     int i, n = 0;
-    for (i = 0; i < g->world_size; i++) {
-        if (i == g->rank || g->mesh.peers[i].fd < 0 || (only >= 0 && i != only)) continue;
-        g->mesh.pollfds[n].fd = g->mesh.peers[i].fd;
+    for (i = 0; i < g->mesh.nlinked; i++) {
+        int peer = g->mesh.linked[i];
+        if (g->mesh.peers[peer].fd < 0 || (only >= 0 && peer != only)) continue;
+        g->mesh.pollfds[n].fd = g->mesh.peers[peer].fd;
         g->mesh.pollfds[n].events = POLLRDHUP;
         g->mesh.pollfds[n].revents = 0;
-        g->mesh.poll_owner[n++] = i;
+        g->mesh.poll_owner[n++] = peer;
     }
     if (poll(g->mesh.pollfds, (nfds_t)n, 0) <= 0) return -1;
     for (i = 0; i < n; i++)
@@ -332,30 +350,56 @@ static ddp_result ddp__exchange(ddp_group *g, const ddp__coll *c, const ddp__ste
     int spin = s->send_bytes <= DDP__TCP_SPIN_MAX_BYTES && s->recv_bytes <= DDP__TCP_SPIN_MAX_BYTES;
     double spin_for = ddp__oversubscribed(g->local_world_size) ? 0 : DDP__TCP_SPIN_SECONDS;
     double deadline = ddp__now() + g->timeout, spin_until = spin ? ddp__now() + spin_for : 0;
+    double watch_every = DDP__WATCH_PERIOD, next_watch = ddp__now() + watch_every;
     if (g->broken) return g->broken;
     if (s->send_peer >= 0) ddp__frame_init(&out, g, c, DDP__FRAME_DATA, s->send_bytes);
     while (sent < send_total || received < recv_total) {
-        int n = 0, i, rc, progressed = 0, soon = 0;
+        int n = 0, npeers, i, rc, progressed = 0, soon = 0;
+        double wake = deadline;
+        ddp_result r;
         g->mesh.waiting_for = received < recv_total ? s->recv_peer : s->send_peer;
-        for (i = 0; i < g->world_size; i++) {
-            if (i == g->rank || g->mesh.peers[i].fd < 0) continue;
-            fds[n].fd = g->mesh.peers[i].fd;
-            fds[n].events = ddp__poll_events(g, c, s, i, sent < send_total, received < recv_total, &soon);
-            fds[n].revents = 0;
-            owner[n++] = i;
+        if (sent < send_total && g->mesh.peers[s->send_peer].fd < 0) { /* the sender dials (link.c) */
+            if ((r = ddp__link_want(g, c, s->send_peer)) != DDP_SUCCESS ||
+                (r = ddp__link_check_refused(g, c, s->send_peer)) != DDP_SUCCESS)
+                return r;
+            wake = DDP__MIN(wake, g->mesh.peers[s->send_peer].dial_after);
         }
+        if (g->mesh.in_setup && g->mesh.peers[g->mesh.waiting_for].fd < 0) { /* a rank lost inside ddp_init */
+            if (ddp__now() >= next_watch) {
+                if ((r = ddp__setup_watch(g, g->mesh.waiting_for)) != DDP_SUCCESS) {
+                    char msg[DDP__ERR_MAX];
+                    snprintf(msg, sizeof msg, "%s", g->error);
+                    return ddp__group_break(g, r, msg);
+                }
+                next_watch = ddp__now() + watch_every;
+                watch_every = DDP__MIN(watch_every * 2, 2.0);
+            }
+            wake = DDP__MIN(wake, next_watch);
+        }
+        for (i = 0; i < g->mesh.nlinked; i++) {
+            int peer = g->mesh.linked[i];
+            if (g->mesh.peers[peer].fd < 0) continue;
+            fds[n].fd = g->mesh.peers[peer].fd;
+            fds[n].events = ddp__poll_events(g, c, s, peer, sent < send_total, received < recv_total, &soon);
+            fds[n].revents = 0;
+            owner[n++] = peer;
+        }
+        npeers = n;
+        n += ddp__link_poll_entries(g, fds + n, owner + n, &wake);
         rc = 0;
         if (spin) {
             int yielded = 0;
             while ((rc = poll(fds, (nfds_t)n, 0)) == 0 && (ddp__now() < spin_until || !yielded++)) sched_yield();
         }
         if (rc == 0)
-            rc = poll(fds, (nfds_t)n, soon ? 1 : (int)DDP__MAX(1.0, DDP__MIN(1000.0, (deadline - ddp__now()) * 1000.0)));
+            rc = poll(fds, (nfds_t)n, soon ? 1 : (int)DDP__MAX(1.0, DDP__MIN(1000.0, (wake - ddp__now()) * 1000.0)));
         if (rc < 0 && errno != EINTR) return ddp__coll_fail(g, DDP_ERR_SYSTEM, "poll failed: %s", strerror(errno));
+        if (rc > 0 && n > npeers && (r = ddp__link_progress(g, c, fds + npeers, owner + npeers, n - npeers, &progressed)))
+            return r;
         /* Progress first: a peer that broke the group after sending what this step needs (it moved
            on to a later collective and failed there) must not fail this step; that error comes with
            the next collective. */
-        for (i = 0; i < n && rc > 0; i++) {
+        for (i = 0; i < npeers && rc > 0; i++) {
             int peer = owner[i], fd = fds[i].fd;
             short re = fds[i].revents;
             if (!re) continue;
@@ -411,9 +455,9 @@ static ddp_result ddp__exchange(ddp_group *g, const ddp__coll *c, const ddp__ste
             }
         }
         if (sent == send_total && received == recv_total) break;
-        for (i = 0; i < n && rc > 0; i++) /* then failures */
+        for (i = 0; i < npeers && rc > 0; i++) /* then failures */
             if (fds[i].revents & (POLLRDHUP | POLLHUP | POLLERR)) return ddp__peer_failed(g, owner[i], c);
-        for (i = 0; i < n && rc > 0; i++) { /* then frames from peers this step does not read */
+        for (i = 0; i < npeers && rc > 0; i++) { /* then frames from peers this step does not read */
             ddp_result r;
             if ((fds[i].revents & POLLIN) && (r = ddp__peek_peer(g, c, owner[i])) != DDP_SUCCESS) return r;
         }
@@ -436,10 +480,10 @@ static void ddp__close_after_failure(ddp_group *g, double seconds) {
     double deadline = ddp__now() + seconds;
     char sink[4096];
     int i;
-    for (i = 0; i < g->world_size; i++)
-        if (g->mesh.peers[i].fd >= 0) shutdown(g->mesh.peers[i].fd, SHUT_WR);
-    for (i = 0; i < g->world_size; i++) {
-        ddp__peer *p = &g->mesh.peers[i];
+    for (i = 0; i < g->mesh.nlinked; i++)
+        if (g->mesh.peers[g->mesh.linked[i]].fd >= 0) shutdown(g->mesh.peers[g->mesh.linked[i]].fd, SHUT_WR);
+    for (i = 0; i < g->mesh.nlinked; i++) {
+        ddp__peer *p = &g->mesh.peers[g->mesh.linked[i]];
         if (p->fd < 0) continue;
         while (ddp__now() < deadline) {
             ssize_t k = recv(p->fd, sink, sizeof sink, 0);
@@ -451,15 +495,14 @@ static void ddp__close_after_failure(ddp_group *g, double seconds) {
                 poll(&pf, 1, (int)DDP__MAX(1.0, (deadline - ddp__now()) * 1000.0));
             }
         }
-        close(p->fd);
-        p->fd = -1;
     }
+    ddp__link_close_all(g);
 }
 
 /* ---- graceful goodbye (ddp_destroy, after a final barrier) ---- */
 
-/* Send BYE to every peer, then read each peer's BYE, so that no peer sees our close while it still
-   waits on anything: it has already passed the same barrier. */
+/* Send BYE to every connected peer, then read each one's BYE, so that no peer sees our close while it
+   still waits on anything: it has already passed the same barrier. */
 static void ddp__say_goodbye(ddp_group *g, double seconds) {
     ddp__coll none;
     ddp__frame f;
@@ -468,12 +511,15 @@ static void ddp__say_goodbye(ddp_group *g, double seconds) {
     double deadline = ddp__now() + seconds;
     memset(&none, 0, sizeof none);
     ddp__frame_init(&f, g, &none, DDP__FRAME_BYE, 0);
-    for (i = 0; i < g->world_size; i++)
-        if (g->mesh.peers[i].fd >= 0 && !g->mesh.peers[i].gone) ddp__net_send(g->mesh.peers[i].fd, &f, sizeof f, deadline, err);
-    for (i = 0; i < g->world_size; i++) {
+    for (i = 0; i < g->mesh.nlinked; i++) {
+        ddp__peer *p = &g->mesh.peers[g->mesh.linked[i]];
+        if (p->fd >= 0 && !p->gone) ddp__net_send(p->fd, &f, sizeof f, deadline, err);
+    }
+    for (i = 0; i < g->mesh.nlinked; i++) {
+        ddp__peer *p = &g->mesh.peers[g->mesh.linked[i]];
         ddp__frame in;
-        if (g->mesh.peers[i].fd < 0 || g->mesh.peers[i].gone) continue;
-        if (ddp__net_recv(g->mesh.peers[i].fd, &in, sizeof in, deadline, err) != DDP_SUCCESS || in.kind != DDP__FRAME_BYE)
-            ddp__log(g, DDP_LOG_DEBUG, "rank %d did not say goodbye cleanly: %s", i, err);
+        if (p->fd < 0 || p->gone) continue;
+        if (ddp__net_recv(p->fd, &in, sizeof in, deadline, err) != DDP_SUCCESS || in.kind != DDP__FRAME_BYE)
+            ddp__log(g, DDP_LOG_DEBUG, "rank %d did not say goodbye cleanly: %s", g->mesh.linked[i], err);
     }
 }

@@ -180,11 +180,18 @@ static ddp_result ddp__peer_code(long code, ddp_result fallback) {
    descriptors the group needs and how to allow them (ddp__fail_descriptors). */
 static int ddp__fd_world = 0, ddp__fd_rank = -1; /* the largest group this process joined: for messages */
 
-/* Descriptors a rank holds at the peak of ddp_init, measured on the full mesh (tests/test_init.c,
-   "open-file limit"): stdin/out/err, its store client, its mesh listener and a socket to each of the
-   other W-1 ranks (W+4); rank 0 also serves the store: its listener, a stop pipe and a connection per
-   rank (2W+7). Keep this in step with the connection scheme: messages quote it. */
-static long ddp__fd_need(int world, int rank) { return rank == 0 ? 2L * world + 7 : (long)world + 4; }
+/* Descriptors a rank needs, at most, for a group of W ranks: stdin/out/err, its store client, its
+   listener, a few connections being made, and the connections its collectives use (link.c: made on
+   first use; the barrier, recursive doubling, the binomial tree, Bruck and the ring each use up to
+   2 ceil(log2 W) partners, and many of them coincide): 4 ceil(log2 W) + 8. Rank 0 also serves the
+   store: its listener, a stop pipe and a connection per rank (W + 3). Keep this in step with the
+   connection scheme: messages quote it (tests/test_init.c, "open-file limit", measures it). */
+static long ddp__fd_need(int world, int rank) {
+    long log2w = 0, links;
+    while ((1L << log2w) < world) log2w++;
+    links = 4 * log2w + 8;
+    return rank == 0 ? links + world + 3 : links;
+}
 
 static int ddp__out_of_descriptors(int errnum) { return errnum == EMFILE || errnum == ENFILE; }
 

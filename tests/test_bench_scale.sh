@@ -2,8 +2,8 @@
 # bench/bench_scale.c, the scale benchmark of docs/SCALE.md, on small worlds: every rank gets through
 # ddp_init, a barrier and ddp_destroy, with ranks as threads and as processes, and each row's numbers
 # hold what any store-based rendezvous must: rank 0's store served at least one request and one
-# connection per rank, its thread used some CPU, every other rank holds at least its own connections
-# and at most one per peer plus the store's, and rank 0's process at least N descriptors. A benchmark
+# connection per rank, its thread used some CPU (from 8 ranks: 2 ranks take under the 1 ms printed), every other rank holds at least its own connections
+# and at most one per peer plus the store's and its listening socket, and rank 0's process at least N descriptors. A benchmark
 # that breaks when the rendezvous or the connection scheme changes (it reads the store server's
 # counters through the rank-0 group) fails here, not in the next person's measurement.
 set -u
@@ -21,8 +21,8 @@ check_row() {
       if ($2 + 0 != n) { print "row for N=" n " names N=" $2; exit 1 }
       if ($4 !~ /[0-9]/ || num($4) > 30) { print "N=" n ": init time " $4 " s not in [0, 30]"; exit 1 } # 2 ranks: 0.00
       if (num(req[1]) < n) { print "N=" n ": rank 0 served " req[1] " requests, fewer than one per rank"; exit 1 }
-      if (num(cpu[1]) <= 0) { print "N=" n ": store CPU " cpu[1] " s is not positive"; exit 1 }
-      if (num(sock[1]) < 1 || num(sock[2]) > n) { print "N=" n ": sockets per rank " $8 " not in [1, " n "]"; exit 1 }
+      if (n >= 8 && num(cpu[1]) <= 0) { print "N=" n ": store CPU " cpu[1] " s is not positive"; exit 1 } # 2 ranks: under 1 ms, printed 0.000
+      if (num(sock[1]) < 1 || num(sock[2]) > n + 1) { print "N=" n ": sockets per rank " $8 " not in [1, " n + 1 "]"; exit 1 }
       if (num($10) < n) { print "N=" n ": rank 0 holds " $10 " descriptors, fewer than " n; exit 1 }
     }' <<<"$line"
 }

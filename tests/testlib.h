@@ -105,6 +105,7 @@ TL_FN double tl_now(void) {
     return (double)ts.tv_sec + (double)ts.tv_nsec * 1e-9;
 }
 
+#define TL_MAX_RANKS 512
 /* Run fn(rank, n, arg) in n forked processes with torchrun's environment (RANK, WORLD_SIZE,
    LOCAL_RANK, LOCAL_WORLD_SIZE, MASTER_ADDR=127.0.0.1, a free MASTER_PORT). Waits at most
    timeout_s, then kills them all. Returns 0 when every process exited 0; otherwise prints which
@@ -117,11 +118,11 @@ TL_FN int tl_run_ranks(int n, int (*fn)(int rank, int n, void *arg), void *arg, 
 /* The same, and codes[i] (when codes is not NULL) gets rank i's exit code, or -signal when killed,
    or -1000 when it was still running at the timeout. */
 TL_FN int tl_run_ranks_status(int n, int (*fn)(int rank, int n, void *arg), void *arg, double timeout_s, int *codes) {
-    pid_t pids[256];
-    int status[256], done = 0, failed = 0, i;
+    pid_t pids[TL_MAX_RANKS];
+    int status[TL_MAX_RANKS], done = 0, failed = 0, i;
     char port[16];
     double deadline = tl_now() + timeout_s;
-    if (n > 256) return 1;
+    if (n > TL_MAX_RANKS) return 1;
     snprintf(port, sizeof port, "%d", tl_free_port());
     fflush(stdout);
     fflush(stderr);
