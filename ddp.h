@@ -118,7 +118,7 @@
    [SECTION] transport: framed messages between the ranks of a group, failure detection, abort src/transport.c
    [SECTION] collectives: the public collectives, their fingerprints, dispatch to the backend, async work src/collectives.c
    [SECTION] trace: the flight recorder, each group's last collectives, written out when the group breaks src/trace.c
-   [SECTION] tcp: the tcp backend, collective algorithms over the TCP mesh (Gloo's and MPI's ring and src/tcp.c
+   [SECTION] tcp: the tcp backend, collective algorithms over the TCP mesh (Gloo's and MPI's ring, src/tcp.c
    [SECTION] alloc: ddp_alloc / ddp_free, library buffers that collectives use in place src/alloc.c
    [SECTION] shm: shared-memory transport for the ranks of a group that share one host src/shm.c
    [SECTION] hier: hierarchical all_reduce for a group that spans hosts with several ranks on a host src/hier.c
@@ -6902,8 +6902,8 @@ static void ddp__trace_break(ddp_group *g, ddp_result code) {
 /* ==================== end src/trace.c ==================== */
 
 /* ==================== begin src/tcp.c ==================== */
-/* [SECTION] tcp: the tcp backend, collective algorithms over the TCP mesh (Gloo's and MPI's ring and
-   recursive-doubling algorithms)
+/* [SECTION] tcp: the tcp backend, collective algorithms over the TCP mesh (Gloo's and MPI's ring,
+   recursive-doubling and Bruck algorithms)
 
    Every algorithm is built from ring steps: in each step a rank sends to its right neighbour
    (rank + 1) and receives from its left (rank - 1) at the same time.
@@ -6919,21 +6919,25 @@ static void ddp__trace_break(ddp_group *g, ddp_result code) {
    Up to DDP__RD_MAX_BYTES all_reduce uses recursive doubling instead (log2(n) steps; see below).
    barrier, and broadcast up to DDP__BROADCAST_TREE_MAX_BYTES, use dissemination: ceil(log2 n) steps,
    in step k each rank sending to rank + 2^k (a binomial tree carries the broadcast's data; see below).
+   all_gather up to DDP__ALLGATHER_BRUCK_MAX_BYTES gathered runs Bruck's algorithm on the same peers
+   (ceil(log2 n) steps, each rank's blocks doubling; see below), the ring above. ddp_init's set-up
+   gathers (the host keys, shared memory's segment names, NCCL's id) are this size: O(log n) steps.
 
    Why a mismatch is an error on every rank (the program is wrong at collective #X: two ranks call
    something different there; transport.c explains how each rank checks what it receives):
    1. No rank finishes #X. Every algorithm here makes each rank's finish depend, through a chain of
       received frames, on every other rank having sent in #X (the ring passes data from every rank to
-      every rank; recursive doubling and dissemination too; the chain broadcast ends with a token pass
-      and reduce starts with a reduce-scatter for this). Each frame on the chain was checked by its
-      receiver, so a rank that finishes proves that every rank called the same #X.
+      every rank; recursive doubling, dissemination and Bruck's all_gather too; the chain broadcast ends
+      with a token pass and reduce starts with a reduce-scatter for this). Each frame on the chain was
+      checked by its receiver, so a rank that finishes proves that every rank called the same #X.
    2. Some rank sees the difference. Group the ranks by the call they make at #X. A group in which some
       rank sends without receiving first is "active": every rank of a ring algorithm (all_reduce,
       all_gather, reduce_scatter, reduce), the root of a chain broadcast, every rank of dissemination
-      (barrier, small broadcast) and of recursive doubling (the folded pair 2i+1 -> 2i answers at once
-      for this reason). An active group that is not every rank sends to a rank outside it before it
-      can get stuck: the ring's and dissemination's first step goes to rank+1; a broadcast chain passes
-      every rank; recursive doubling's partners cover ever larger blocks and so leave the group. That
+      (barrier, small broadcast), of Bruck's all_gather and of recursive doubling (the folded pair
+      2i+1 -> 2i answers at once for this reason). An active group that is not every rank sends to a
+      rank outside it before it can get stuck: the first step of the ring, of dissemination and of
+      Bruck's all_gather goes to rank+1; a broadcast chain passes every rank; recursive doubling's
+      partners cover ever larger blocks and so leave the group. That
       frame reaches a rank waiting in #X, which checks every frame that reaches it, whichever peer it
       waits on (transport.c), and fails with DDP_ERR_MISMATCH. Every rank sends or receives something
       at #X unless every group is a chain broadcast (above DDP__BROADCAST_TREE_MAX_BYTES) whose root is
@@ -7240,7 +7244,12 @@ static ddp_result ddp__do_broadcast(ddp_group *g, const ddp__coll *c, void *buf,
    too), each rank sending n-1 blocks in all as in the ring (n-1 rounds of one block). Two copies of the
    result's bytes are the price (into the work buffer, and the rotation out of it), so the ring stays
    above the threshold. Every rank sends in round 0 before it waits, and its finish depends on every
-   rank's block (each reaches it through a chain of frames), as the top comment needs. */
+   rank's block (each reaches it through a chain of frames), as the top comment needs.
+   The threshold is measured (bench/README.md, DDP_TRANSPORT=tcp on loopback, Bruck's against the ring
+   at one revision): Bruck's took 0.75-0.9x the ring's time up to 32 KiB gathered on 4 ranks, 0.55-0.7x
+   up to 64 KiB on 8, 0.3-0.4x on 16; the ring won from 128 KiB on 4 ranks, 256 KiB on 8, 1 MiB on 16
+   (MPICH's own line is 80 KiB). On 2 ranks both are one and the same exchange, and the ring saves
+   the copies. Like the other thresholds it is no setting. */
 static ddp_result ddp__bruck_all_gather(ddp_group *g, const ddp__coll *c, const void *send, char *recv, size_t cpr,
                                         size_t es) {
     int n = g->world_size, r = g->rank, d, head;
@@ -7268,12 +7277,13 @@ static ddp_result ddp__bruck_all_gather(ddp_group *g, const ddp__coll *c, const 
 }
 
 /* all_gather: Bruck's in ceil(log2 n) steps up to DDP__ALLGATHER_BRUCK_MAX_BYTES gathered (latency-bound:
-   ddp_init's set-up gathers are this size), else our part in place in recv and the ring with chunks of
-   count_per_rank. The choice depends only on the fingerprint and the world size, like all_reduce's. */
+   ddp_init's set-up gathers are this size) on more than 2 ranks, else our part in place in recv and the
+   ring with chunks of count_per_rank. The choice depends only on the fingerprint and the world size,
+   like all_reduce's. */
 static ddp_result ddp__do_all_gather(ddp_group *g, const ddp__coll *c, const void *send, void *recv, size_t cpr, ddp_dtype t) {
     size_t es = ddp_dtype_size(t);
     char *mine = (char *)recv + (size_t)g->rank * cpr * es;
-    if (cpr * es * (size_t)g->world_size <= DDP__ALLGATHER_BRUCK_MAX_BYTES)
+    if (g->world_size > 2 && cpr * es * (size_t)g->world_size <= DDP__ALLGATHER_BRUCK_MAX_BYTES)
         return ddp__bruck_all_gather(g, c, send, (char *)recv, cpr, es);
     if (cpr && (const char *)send != mine) memmove(mine, send, cpr * es);
     return ddp__ring_all_gather(g, c, (char *)recv, cpr * (size_t)g->world_size, es);
@@ -10424,6 +10434,10 @@ static ddp_result ddp__choose_transport(ddp_group *g) {
             tcp_ranks++;
         }
     }
+    /* The rank that set it names the value even when the gather failed: a rank that finished the gather
+       first (Bruck's all_gather finishes ranks in any order) may already have failed with the message
+       below, which names this rank, and hung up while this one still waited for another rank's frame. */
+    if (mine[1] == DDP__WISH_BAD && r != DDP_SUCCESS) r = ddp__bad_transport(g);
     if (r == DDP_SUCCESS && bad_rank >= 0) { /* every rank fails, naming the rank that set it */
         if (mine[1] == DDP__WISH_BAD) ddp__bad_transport(g);
         else ddp__fail(g, DDP_ERR_INIT, "DDP_TRANSPORT on rank %d (%s) is not one of auto, tcp (that rank's message "
