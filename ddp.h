@@ -6921,7 +6921,7 @@ static void ddp__trace_break(ddp_group *g, ddp_result code) {
    in step k each rank sending to rank + 2^k (a binomial tree carries the broadcast's data; see below).
    all_gather up to DDP__ALLGATHER_BRUCK_MAX_BYTES gathered runs Bruck's algorithm on the same peers
    (ceil(log2 n) steps, each rank's blocks doubling; see below), the ring above. ddp_init's set-up
-   gathers (the host keys, shared memory's segment names, NCCL's id) are this size: O(log n) steps.
+   gathers (the host keys, shared memory's cross-memory-attach probe, NCCL's id) are this size.
 
    Why a mismatch is an error on every rank (the program is wrong at collective #X: two ranks call
    something different there; transport.c explains how each rank checks what it receives):
