@@ -8,6 +8,7 @@
 # Medians of interleaved rounds, because this machine is shared and noisy: read ratios within about
 # +-10% as level. Example: bench/compare_builds.sh 05ce96a 2 268435456 5
 # TRANSPORTS="tcp" runs only those of "shm_lib shm tcp" (the default: all three); op barrier gives one row.
+# MIN_BYTES=b starts the sizes at b bytes (bench_collectives' min_bytes; default 4).
 set -eu
 cd "$(dirname "$0")/.."
 rev=${1:?usage: bench/compare_builds.sh REV [ranks] [max_bytes] [rounds] [op]}
@@ -25,7 +26,7 @@ export OMP_NUM_THREADS=${OMP_NUM_THREADS:-1}
 run() { # build transport
   local lib="" env=""
   case $2 in shm_lib) lib=--lib ;; tcp) env="DDP_TRANSPORT=tcp" ;; esac
-  env $env "$BUILD/ddprun" --nproc-per-node "$n" --standalone "$out/bench_$1" $lib "$op" "$max" 2>/dev/null |
+  env $env "$BUILD/ddprun" --nproc-per-node "$n" --standalone "$out/bench_$1" $lib "$op" "$max" ${MIN_BYTES:-4} 2>/dev/null |
     awk '$1 ~ /^[0-9]+$/ {print $1, $5}'
 }
 for r in $(seq "$rounds"); do

@@ -982,9 +982,11 @@ static ddp_result ddp__choose_transport(ddp_group *g) {
             tcp_ranks++;
         }
     }
-    if (r != DDP_SUCCESS && mine[1] == DDP__WISH_BAD) { /* another rank's failure came first: this rank's reason is better */
-        r = ddp__bad_transport(g);
-    } else if (r == DDP_SUCCESS && bad_rank >= 0) { /* every rank fails, naming the rank that set it */
+    /* The rank that set it names the value even when the gather failed: a rank that finished the gather
+       first (Bruck's all_gather finishes ranks in any order) may already have failed with the message
+       below, which names this rank, and hung up while this one still waited for another rank's frame. */
+    if (mine[1] == DDP__WISH_BAD && r != DDP_SUCCESS) r = ddp__bad_transport(g);
+    if (r == DDP_SUCCESS && bad_rank >= 0) { /* every rank fails, naming the rank that set it */
         if (mine[1] == DDP__WISH_BAD) ddp__bad_transport(g);
         else ddp__fail(g, DDP_ERR_INIT, "DDP_TRANSPORT on rank %d (%s) is not one of auto, tcp (that rank's message "
                        "names the value); fix or unset it there", bad_rank, ddp__peer_name(g, bad_rank, name, sizeof name));

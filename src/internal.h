@@ -639,6 +639,7 @@ static DDP__UNUSED ddp_result ddp__rd_all_reduce(ddp_group *g, const ddp__coll *
                                                  ddp_op op);
 #define DDP__RD_MAX_BYTES ((size_t)32 << 10) /* all_reduce up to this size runs recursive doubling (tcp.c) */
 #define DDP__BROADCAST_TREE_MAX_BYTES ((size_t)256 << 10) /* broadcast up to this size runs the binomial tree (tcp.c) */
+#define DDP__ALLGATHER_BRUCK_MAX_BYTES ((size_t)64 << 10) /* all_gather up to this size gathered runs Bruck's (tcp.c) */
 /* The backend a new group starts with: its set-up runs on the mesh (alone: no mesh, nothing to run). */
 static DDP__UNUSED const ddp__backend *ddp__initial_backend(int world_size);
 /* Set-up collectives over the mesh, whatever g's backend (shm, hier, nccl set themselves up with them). */

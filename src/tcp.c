@@ -1,5 +1,5 @@
-/* [SECTION] tcp: the tcp backend, collective algorithms over the TCP mesh (Gloo's and MPI's ring and
-   recursive-doubling algorithms)
+/* [SECTION] tcp: the tcp backend, collective algorithms over the TCP mesh (Gloo's and MPI's ring,
+   recursive-doubling and Bruck algorithms)
 
    Every algorithm is built from ring steps: in each step a rank sends to its right neighbour
    (rank + 1) and receives from its left (rank - 1) at the same time.
@@ -15,21 +15,25 @@
    Up to DDP__RD_MAX_BYTES all_reduce uses recursive doubling instead (log2(n) steps; see below).
    barrier, and broadcast up to DDP__BROADCAST_TREE_MAX_BYTES, use dissemination: ceil(log2 n) steps,
    in step k each rank sending to rank + 2^k (a binomial tree carries the broadcast's data; see below).
+   all_gather up to DDP__ALLGATHER_BRUCK_MAX_BYTES gathered runs Bruck's algorithm on the same peers
+   (ceil(log2 n) steps, each rank's blocks doubling; see below), the ring above. ddp_init's set-up
+   gathers (the host keys, shared memory's cross-memory-attach probe, NCCL's id) are this size.
 
    Why a mismatch is an error on every rank (the program is wrong at collective #X: two ranks call
    something different there; transport.c explains how each rank checks what it receives):
    1. No rank finishes #X. Every algorithm here makes each rank's finish depend, through a chain of
       received frames, on every other rank having sent in #X (the ring passes data from every rank to
-      every rank; recursive doubling and dissemination too; the chain broadcast ends with a token pass
-      and reduce starts with a reduce-scatter for this). Each frame on the chain was checked by its
-      receiver, so a rank that finishes proves that every rank called the same #X.
+      every rank; recursive doubling, dissemination and Bruck's all_gather too; the chain broadcast ends
+      with a token pass and reduce starts with a reduce-scatter for this). Each frame on the chain was
+      checked by its receiver, so a rank that finishes proves that every rank called the same #X.
    2. Some rank sees the difference. Group the ranks by the call they make at #X. A group in which some
       rank sends without receiving first is "active": every rank of a ring algorithm (all_reduce,
       all_gather, reduce_scatter, reduce), the root of a chain broadcast, every rank of dissemination
-      (barrier, small broadcast) and of recursive doubling (the folded pair 2i+1 -> 2i answers at once
-      for this reason). An active group that is not every rank sends to a rank outside it before it
-      can get stuck: the ring's and dissemination's first step goes to rank+1; a broadcast chain passes
-      every rank; recursive doubling's partners cover ever larger blocks and so leave the group. That
+      (barrier, small broadcast), of Bruck's all_gather and of recursive doubling (the folded pair
+      2i+1 -> 2i answers at once for this reason). An active group that is not every rank sends to a
+      rank outside it before it can get stuck: the first step of the ring, of dissemination and of
+      Bruck's all_gather goes to rank+1; a broadcast chain passes every rank; recursive doubling's
+      partners cover ever larger blocks and so leave the group. That
       frame reaches a rank waiting in #X, which checks every frame that reaches it, whichever peer it
       waits on (transport.c), and fails with DDP_ERR_MISMATCH. Every rank sends or receives something
       at #X unless every group is a chain broadcast (above DDP__BROADCAST_TREE_MAX_BYTES) whose root is
@@ -316,10 +320,68 @@ static ddp_result ddp__do_broadcast(ddp_group *g, const ddp__coll *c, void *buf,
     return ddp__chain_broadcast(g, c, buf, bytes, root);
 }
 
-/* all_gather: place our part in recv, then ring all-gather with chunks of count_per_rank. */
+/* ---- Bruck's all_gather (Bruck et al. 1997; MPICH's MPIR_Allgather_intra_brucks), for all_gather up
+   to DDP__ALLGATHER_BRUCK_MAX_BYTES in all ----
+
+   A rank gathers the blocks of the ranks before it, in a work buffer of n blocks filled from its end:
+   its own block goes last (slot n-1), and after the round with distance d it holds the 2d blocks of
+   ranks rank-2d+1 .. rank in slots n-2d .. n-1. In the round with distance d = 1, 2, 4 ... (d <= n/2)
+   every rank sends its d blocks to rank + d and receives rank - d's d blocks (ranks rank-2d+1 ..
+   rank-d) into the d slots before them; when n is no power of two a last round with d = p (the largest
+   power of two <= n) moves the rem = n - p blocks still missing (the sender's last rem slots, received
+   into slots 0 .. rem-1):
+
+       n = 5, rank 3     slots 0 1 2 3 4      (r-k: rank 3-k's block)
+       start                     . . . . 3
+       d = 1, from 2             . . . 2 3
+       d = 2, from 1             . 0 1 2 3
+       d = 4 (rem 1), from 4     4 0 1 2 3    then rotate: slot s holds rank (rank + 1 + s) mod n
+
+   ceil(log2 n) rounds, the peers those of dissemination (rank + 2^k, so a barrier's connections serve
+   too), each rank sending n-1 blocks in all as in the ring (n-1 rounds of one block). Two copies of the
+   result's bytes are the price (into the work buffer, and the rotation out of it), so the ring stays
+   above the threshold. Every rank sends in round 0 before it waits, and its finish depends on every
+   rank's block (each reaches it through a chain of frames), as the top comment needs.
+   The threshold is measured (bench/README.md, DDP_TRANSPORT=tcp on loopback, Bruck's against the ring
+   at one revision): Bruck's took 0.75-0.9x the ring's time up to 32 KiB gathered on 4 ranks, 0.55-0.7x
+   up to 64 KiB on 8, 0.3-0.4x on 16; the ring won from 128 KiB on 4 ranks, 256 KiB on 8, 1 MiB on 16
+   (MPICH's own line is 80 KiB). On 2 ranks both are one and the same exchange, and the ring saves
+   the copies. Like the other thresholds it is no setting. */
+static ddp_result ddp__bruck_all_gather(ddp_group *g, const ddp__coll *c, const void *send, char *recv, size_t cpr,
+                                        size_t es) {
+    int n = g->world_size, r = g->rank, d, head;
+    size_t block = cpr * es, total = block * (size_t)n;
+    char *work = (char *)ddp__scratch(g, total);
+    ddp_result res;
+    if (!work && total) return ddp__no_memory(g, total);
+    if (block) memcpy(work + (size_t)(n - 1) * block, send, block);
+    for (d = 1; d < n; d *= 2) {
+        /* we and rank - d hold d blocks each; we miss n - d (fewer than d only in the last round) */
+        int blocks = DDP__MIN(d, n - d);
+        const char *out = work + (size_t)(n - blocks) * block; /* the sender's last `blocks` slots */
+        char *in = work + (size_t)(n - d - blocks) * block;     /* just before the d we hold */
+        if ((res = ddp__send_recv(g, c, ddp__mod(r + d, n), out, (size_t)blocks * block, ddp__mod(r - d, n), in,
+                                  (size_t)blocks * block)) != DDP_SUCCESS)
+            return res;
+    }
+    /* slot s holds rank (r + 1 + s) mod n: slots 0 .. n-r-2 are ranks r+1 .. n-1, the rest 0 .. r */
+    head = n - r - 1;
+    if (total) {
+        memcpy(recv + (size_t)(r + 1) * block, work, (size_t)head * block);
+        memcpy(recv, work + (size_t)head * block, (size_t)(r + 1) * block);
+    }
+    return DDP_SUCCESS;
+}
+
+/* all_gather: Bruck's in ceil(log2 n) steps up to DDP__ALLGATHER_BRUCK_MAX_BYTES gathered (latency-bound:
+   ddp_init's set-up gathers are this size) on more than 2 ranks, else our part in place in recv and the
+   ring with chunks of count_per_rank. The choice depends only on the fingerprint and the world size,
+   like all_reduce's. */
 static ddp_result ddp__do_all_gather(ddp_group *g, const ddp__coll *c, const void *send, void *recv, size_t cpr, ddp_dtype t) {
     size_t es = ddp_dtype_size(t);
     char *mine = (char *)recv + (size_t)g->rank * cpr * es;
+    if (g->world_size > 2 && cpr * es * (size_t)g->world_size <= DDP__ALLGATHER_BRUCK_MAX_BYTES)
+        return ddp__bruck_all_gather(g, c, send, (char *)recv, cpr, es);
     if (cpr && (const char *)send != mine) memmove(mine, send, cpr * es);
     return ddp__ring_all_gather(g, c, (char *)recv, cpr * (size_t)g->world_size, es);
 }

@@ -1,7 +1,7 @@
 /* all_reduce over TCP picks its algorithm by size: recursive doubling up to DDP__RD_MAX_BYTES, the ring
    above; broadcast picks the binomial tree on dissemination's frames up to DDP__BROADCAST_TREE_MAX_BYTES,
-   the pipelined chain above; barrier is dissemination. This test runs both sides of those lines
-   (DDP_TRANSPORT=tcp):
+   the pipelined chain above; all_gather Bruck's up to DDP__ALLGATHER_BRUCK_MAX_BYTES gathered, the ring
+   above; barrier is dissemination. This test runs both sides of those lines (DDP_TRANSPORT=tcp):
    - results: counts 1, 2, 3, 7, threshold-1, threshold, threshold+1 elements and a large one, every
      dtype x op, worlds 2..8 (3, 5, 6, 7 fold ranks away); each result is compared with a serial
      reference computed here from the stored inputs (exact for integers, MIN and MAX; within a bound
@@ -9,15 +9,21 @@
      every other rank's (all_gather): recursive doubling must give bitwise identical floats everywhere.
    - broadcast: every root, counts on both sides of its threshold and a chain of several slices; every
      rank's buffer must equal the root's bytes (computed here), the root's must stay as it was.
+   - all_gather: element sizes 1, 2, 4, 8, per-rank counts 0, 1, 2, 3, 7, on both sides of the
+     threshold and large, in place and out of place: every rank's result must be the concatenation of
+     every rank's bytes (computed here), bit for bit, and nothing written past it.
    - shape: the frames each rank sends in a barrier and a small broadcast, counted per connection by
      wrapping the library's sendmsg: exactly one to rank + 2^k for each 2^k < n (ceil(log2 n) steps),
-     carrying the payload only on the binomial tree's edges (pos -> pos + 2^k for pos < 2^k).
+     carrying the payload only on the binomial tree's edges (pos -> pos + 2^k for pos < 2^k); and in a
+     small all_gather one frame to rank + 2^k with min(2^k, n - 2^k) blocks (Bruck's).
    - barrier semantics: one rank sleeps before entering; no rank may leave before it entered
      (timestamps of the same monotonic clock, gathered).
-   - a rank killed (SIGKILL) while the others wait in a barrier or a small broadcast: every survivor
+   - a rank killed (SIGKILL) while the others wait in a barrier, a small broadcast or a small
+     all_gather: every survivor
      fails with DDP_ERR_PEER_LOST naming it, within 5 s.
    - mismatches that straddle the algorithms (one rank above the threshold, one rank in a broadcast or
-     a barrier, a skipped collective, broadcasts naming different roots), worlds 3, 4, 5, 8,
+     a barrier, a skipped collective, broadcasts naming different roots, all_gathers of different
+     counts on either side of its threshold or meeting a barrier or an all_reduce), worlds 3, 4, 5, 8,
      DDP_TIMEOUT=20: every rank must fail with DDP_ERR_MISMATCH, not DDP_ERR_TIMEOUT (which is what a
      hang would end in).
    - no false alarm: the first calls right after ddp_init (whose own collectives restart the count),
@@ -201,6 +207,58 @@ static int broadcast_worker(int rank, int n, void *arg) {
     return 0;
 }
 
+/* ---- all_gather: Bruck's up to DDP__ALLGATHER_BRUCK_MAX_BYTES gathered, the ring above ---- */
+
+#define BRUCK_MAX DDP__ALLGATHER_BRUCK_MAX_BYTES
+
+/* One all_gather of cpr elements of t per rank, out of place or in place: every rank must end with the
+   concatenation of every rank's bytes (pattern(rank, i, salt), computed here), bit for bit, and an out
+   of place send buffer must stay as it was. */
+static void check_all_gather(ddp_group *g, int rank, int n, ddp_dtype t, size_t cpr, int in_place, int salt) {
+    size_t es = ddp_dtype_size(t), block = cpr * es, i;
+    unsigned char *recv = tl_xalloc(block * (size_t)n + 1), *send = in_place ? recv + (size_t)rank * block : tl_xalloc(block + 1);
+    int r;
+    memset(recv, 0xEE, block * (size_t)n + 1);
+    for (i = 0; i < block; i++) send[i] = pattern(rank, i, salt);
+    CHECK_OK(ddp_all_gather(g, send, recv, cpr, t), g);
+    for (r = 0; r < n; r++)
+        for (i = 0; i < block; i++)
+            CHECK(recv[(size_t)r * block + i] == pattern(r, i, salt), "rank %d: all_gather(count=%zu, %s, %s) on %d ranks "
+                  "(%zu bytes gathered, Bruck's up to %zu): byte %zu of rank %d's block is 0x%02x, expected 0x%02x", rank, cpr,
+                  ddp_dtype_name(t), in_place ? "in place" : "out of place", n, block * (size_t)n, (size_t)BRUCK_MAX, i, r,
+                  recv[(size_t)r * block + i], pattern(r, i, salt));
+    CHECK(recv[block * (size_t)n] == 0xEE, "rank %d: all_gather(count=%zu, %s) on %d ranks wrote past the gathered buffer", rank,
+          cpr, ddp_dtype_name(t), n);
+    if (!in_place)
+        for (i = 0; i < block; i++)
+            CHECK(send[i] == pattern(rank, i, salt), "rank %d: all_gather(count=%zu, %s) changed the send buffer", rank, cpr,
+                  ddp_dtype_name(t));
+    if (!in_place) free(send);
+    free(recv);
+}
+
+/* every element size (1, 2, 4, 8 bytes); per-rank counts small, on both sides of the threshold (the
+   gathered bytes at most BRUCK_MAX, and one element more), and large (the ring, ragged) */
+static int all_gather_worker(int rank, int n, void *arg) {
+    static const ddp_dtype sizes[] = {DDP_U8, DDP_BF16, DDP_F32, DDP_I64};
+    ddp_group *g;
+    size_t d, k;
+    int in_place;
+    (void)arg;
+    CHECK_OK(ddp_init(NULL, &g), NULL);
+    for (d = 0; d < sizeof sizes / sizeof sizes[0]; d++) {
+        size_t es = ddp_dtype_size(sizes[d]), t = BRUCK_MAX / es / (size_t)n;
+        size_t counts[] = {0, 1, 2, 3, 7, t - 1, t, t + 1, 4 * t + 13};
+        for (k = 0; k < sizeof counts / sizeof counts[0]; k++)
+            for (in_place = 0; in_place < 2; in_place++) {
+                if (k == sizeof counts / sizeof counts[0] - 1 && getenv("TEST_QUICK")) continue;
+                check_all_gather(g, rank, n, sizes[d], counts[k], in_place, (int)(d * 100 + k * 2 + (size_t)in_place));
+            }
+    }
+    CHECK_OK(ddp_destroy(g), NULL);
+    return 0;
+}
+
 /* ---- shape: which frames each rank sends in a barrier and in a small broadcast ---- */
 
 /* The bytes this rank sent to each peer since the last call (from the counted sendmsg), into out[n]. */
@@ -228,8 +286,22 @@ static void check_shape(ddp_group *g, int rank, int n, const char *what, size_t 
               (unsigned long long)want[i], sizeof(ddp__frame), payload);
 }
 
+/* Bruck's all_gather: one frame to rank + 2^k for every 2^k < n (ceil(log2 n) steps; the ring sent n-1
+   frames to rank + 1), carrying min(2^k, n - 2^k) blocks of `block` bytes; nothing to anyone else. */
+static void check_bruck_shape(ddp_group *g, int rank, int n, size_t block) {
+    uint64_t got[256], want[256];
+    int i, dist;
+    take_bytes_sent(g, got);
+    memset(want, 0, sizeof want);
+    for (dist = 1; dist < n; dist *= 2) want[(rank + dist) % n] += sizeof(ddp__frame) + (size_t)(dist < n - dist ? dist : n - dist) * block;
+    for (i = 0; i < n; i++)
+        CHECK(got[i] == want[i], "rank %d of %d: all_gather(count=%zu, u8) sent %llu bytes to rank %d, expected %llu (Bruck's: one "
+              "frame to each rank + 2^k with min(2^k, n - 2^k) blocks)", rank, n, block, (unsigned long long)got[i], i,
+              (unsigned long long)want[i]);
+}
+
 static int shape_worker(int rank, int n, void *arg) {
-    unsigned char buf[4] = {1, 2, 3, 4};
+    unsigned char buf[4] = {1, 2, 3, 4}, gathered[3 * 256];
     ddp_group *g;
     uint64_t discard[256];
     int root, round;
@@ -246,6 +318,8 @@ static int shape_worker(int rank, int n, void *arg) {
             CHECK_OK(ddp_broadcast(g, buf, 4, DDP_U8, root), g);
             check_shape(g, rank, n, what, 4, root);
         }
+        CHECK_OK(ddp_all_gather(g, buf + 1, gathered, 3, DDP_U8), g);
+        check_bruck_shape(g, rank, n, 3);
     }
     CHECK_OK(ddp_destroy(g), NULL);
     return 0;
@@ -283,14 +357,16 @@ static int barrier_order_worker(int rank, int n, void *arg) {
 /* ---- a rank killed while the others wait ---- */
 
 typedef struct victim {
-    int rank;      /* the one that dies */
-    int broadcast; /* the others wait in a small broadcast (else a barrier) */
+    int rank; /* the one that dies */
+    int wait; /* what the others wait in: 0 a barrier, 1 a small broadcast, 2 a small all_gather */
 } victim;
+
+static const char *const victim_waits[] = {"barrier", "broadcast", "all_gather"};
 
 static int killed_worker(int rank, int n, void *arg) {
     const victim *v = (const victim *)arg;
     ddp_group *g;
-    unsigned char b[8] = {0};
+    unsigned char b[8 * 256] = {0};
     char name[32];
     double t0;
     ddp_result r;
@@ -301,10 +377,11 @@ static int killed_worker(int rank, int n, void *arg) {
         kill(getpid(), SIGKILL);
     }
     t0 = tl_now();
-    r = v->broadcast ? ddp_broadcast(g, b, sizeof b, DDP_U8, (v->rank + 1) % n) : ddp_barrier(g);
+    r = v->wait == 1 ? ddp_broadcast(g, b, 8, DDP_U8, (v->rank + 1) % n)
+        : v->wait == 2 ? ddp_all_gather(g, b + 8 * rank, b, 8, DDP_U8) : ddp_barrier(g);
     snprintf(name, sizeof name, "rank %d", v->rank);
     CHECK(r == DDP_ERR_PEER_LOST, "rank %d of %d: %s with rank %d killed returned %s (%s), expected DDP_ERR_PEER_LOST", rank, n,
-          v->broadcast ? "broadcast" : "barrier", v->rank, ddp_result_string(r), ddp_last_error(g));
+          victim_waits[v->wait], v->rank, ddp_result_string(r), ddp_last_error(g));
     CHECK(strstr(ddp_last_error(g), name) != NULL, "rank %d: the error does not name %s: %s", rank, name, ddp_last_error(g));
     CHECK(tl_now() - t0 < 5.0, "rank %d: it took %.1f s to see rank %d killed (at most 5 s)", rank, tl_now() - t0, v->rank);
     if (rank == 0) printf("  rank 0 failed %.2f s after it entered (rank %d slept 0.2 s, then died)\n", tl_now() - t0, v->rank);
@@ -316,13 +393,13 @@ static int run_killed(void) {
     static const int worlds[] = {5, 8};
     int failed = 0, w, b;
     for (w = 0; w < 2; w++)
-        for (b = 0; b < 2; b++) {
+        for (b = 0; b < 3; b++) {
             victim v;
             int codes[256], rc, i;
-            v.rank = worlds[w] - 2, v.broadcast = b;
+            v.rank = worlds[w] - 2, v.wait = b;
             tl_run_ranks_status(worlds[w], killed_worker, &v, 60, codes);
             for (rc = 0, i = 0; i < worlds[w]; i++) rc |= i == v.rank ? codes[i] != -SIGKILL : codes[i] != 0;
-            printf("rank %d of %d killed while the others wait in a %s: %s\n", v.rank, worlds[w], b ? "broadcast" : "barrier",
+            printf("rank %d of %d killed while the others wait in a %s: %s\n", v.rank, worlds[w], victim_waits[b],
                    rc ? "FAILED" : "ok");
             fflush(stdout);
             failed |= rc;
@@ -402,6 +479,34 @@ static ddp_result broadcast_straddles(ddp_group *g, int rank, int n) {
     return ddp_broadcast(g, mismatch_buf, rank == n - 1 ? LARGE_BROADCAST : SMALL, DDP_F32, 0);
 }
 
+/* all_gather: 4 f32 a rank (Bruck's), one more on the last rank or (AG_LARGE) above the threshold (the
+   ring, which sends to rank + 1 where Bruck's first step does too) */
+#define AG_SMALL 4
+#define AG_LARGE (DDP__ALLGATHER_BRUCK_MAX_BYTES / 4 + 1)
+static float gather_buf[8 * AG_LARGE];
+
+static ddp_result all_gather_of(ddp_group *g, size_t count) { return ddp_all_gather(g, mismatch_buf, gather_buf, count, DDP_F32); }
+
+static ddp_result gather_counts_differ(ddp_group *g, int rank, int n) {
+    return all_gather_of(g, rank == n - 1 ? AG_SMALL + 1 : AG_SMALL);
+}
+
+static ddp_result gather_count_straddles(ddp_group *g, int rank, int n) {
+    return all_gather_of(g, rank == n - 1 ? AG_LARGE : AG_SMALL);
+}
+
+/* rank 0 calls barrier (dissemination: the same peers as Bruck's, empty frames) while the others gather */
+static ddp_result gather_vs_barrier(ddp_group *g, int rank, int n) {
+    (void)n;
+    return rank == 0 ? ddp_barrier(g) : all_gather_of(g, AG_SMALL);
+}
+
+/* rank 1 all_reduces a few elements (recursive doubling) while the others gather */
+static ddp_result gather_vs_all_reduce(ddp_group *g, int rank, int n) {
+    (void)n;
+    return rank == 1 ? small_all_reduce(g) : all_gather_of(g, AG_SMALL);
+}
+
 typedef struct scenario {
     const char *name;
     ddp_result (*fn)(ddp_group *g, int rank, int n);
@@ -420,6 +525,11 @@ static const scenario scenarios[] = {
     {"broadcasts naming different roots", roots_differ, 1},
     {"barrier vs broadcast", barrier_vs_broadcast, 1},
     {"broadcast count across the threshold", broadcast_straddles, 1},
+    {"all_gather counts differ", gather_counts_differ, 1},
+    {"all_gather count across the threshold", gather_count_straddles, 1},
+    {"all_gather counts differ, first call", gather_counts_differ, 0},
+    {"all_gather vs barrier", gather_vs_barrier, 1},
+    {"all_gather vs all_reduce", gather_vs_all_reduce, 1},
 };
 
 /* Every rank must fail with DDP_ERR_MISMATCH. A rank still finishing the call before (ddp_init's own
@@ -553,6 +663,14 @@ int main(int argc, char **argv) {
         double t0 = tl_now();
         int rc = tl_run_ranks(sizes[i], results_worker, NULL, 300);
         printf("results: world %d over tcp, %zu dtypes x %zu ops x %d counts: %s (%.1f s)\n", sizes[i], NDT, NOPS, NCOUNTS,
+               rc == 0 ? "ok" : "FAILED", tl_now() - t0);
+        fflush(stdout);
+        failed |= rc;
+    }
+    for (i = 0; i < nsizes; i++) {
+        double t0 = tl_now();
+        int rc = tl_run_ranks(sizes[i], all_gather_worker, NULL, 300);
+        printf("all_gather results: world %d over tcp, 4 element sizes x 9 counts x in/out of place: %s (%.1f s)\n", sizes[i],
                rc == 0 ? "ok" : "FAILED", tl_now() - t0);
         fflush(stdout);
         failed |= rc;
