@@ -20,9 +20,10 @@
 #
 # Everything runs under `nice -n 19` and each run under `timeout S` (default 300 s, then SIGKILL 10 s
 # later; ddprun forwards the signal and leaves no orphans). Gloo is skipped, saying so, when
-# N x GLOO_MIB_PER_RANK (default 250: torch 1.13's resident size per rank; about half of it is
-# libtorch's pages, shared between ranks) exceeds 60% of MemAvailable, when /usr/bin/python3 has no
-# torch, or with --no-gloo. Each run's output is kept in LOGDIR (default $BUILD/scale_table), named
+# N x GLOO_MIB_PER_RANK (default 250, torch 1.13's resident size per rank: 227 MiB measured after
+# init at 4 ranks, of which 114 MiB are libtorch's pages shared by all ranks and 112 MiB the rank's
+# own, so GLOO_MIB_PER_RANK=120 is the rank's real cost) exceeds 60% of MemAvailable, when
+# /usr/bin/python3 has no torch, or with --no-gloo. Each run's output is kept in LOGDIR (default $BUILD/scale_table), named
 # N<n>_<contender>_<rep>.log; a failed run's last lines are printed.
 #
 # Environment: BUILD (build), PEERS (bench/peers), PYTHON (/usr/bin/python3), GLOO_MIB_PER_RANK (250),
@@ -112,7 +113,7 @@ run_once() {
   tail -n 5 "$log" | sed 's/^/    /' >&2
 }
 
-echo "scale_table: ddp.h $(git rev-parse --short HEAD 2>/dev/null)$(git diff --quiet HEAD -- ddp.h 2>/dev/null || echo ' (ddp.h modified)'), $(nproc) CPUs, $(mem_available_mib) MiB available, load $(cut -d' ' -f1-3 /proc/loadavg), $(date -u '+%Y-%m-%d %H:%M UTC')"
+echo "scale_table: HEAD $(git rev-parse --short HEAD 2>/dev/null), ddp.h as of $(git log -1 --format=%h -- ddp.h 2>/dev/null)$(git diff --quiet HEAD -- ddp.h 2>/dev/null || echo ' (modified since)'), $(nproc) CPUs, $(mem_available_mib) MiB available, load $(cut -d' ' -f1-3 /proc/loadavg), $(date -u '+%Y-%m-%d %H:%M UTC')"
 failed=0
 rows=""
 for n in "${sizes[@]}"; do

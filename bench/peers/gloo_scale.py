@@ -21,6 +21,7 @@ Run (torch 1.13 from Debian's python3-torch is at /usr/bin/python3):
     build/ddprun --standalone --nproc-per-node 4 /usr/bin/python3 bench/peers/gloo_scale.py
     torchrun --standalone --nproc_per_node 4 bench/peers/gloo_scale.py
 """
+import os
 import sys
 import time
 
@@ -60,8 +61,11 @@ def main():
     check_sum(rank, 2, t, world * sum_of_ranks)
     dist.destroy_process_group()
     run_s = time.perf_counter() - start
-    print(f"scale_probe backend=gloo rank={rank} world={world} init_s={init_s:.4f} run_s={run_s:.4f} "
-          f"t_start={t_start:.6f} t_init={t_init:.6f} import_s={import_s:.4f}", flush=True)
+    # one write(2) for the whole line: the ranks share the launcher's stdout, and print() under an
+    # unbuffered stdout (PYTHONUNBUFFERED) writes the text and its newline apart, which interleaves lines
+    line = (f"scale_probe backend=gloo rank={rank} world={world} init_s={init_s:.4f} run_s={run_s:.4f} "
+            f"t_start={t_start:.6f} t_init={t_init:.6f} import_s={import_s:.4f}\n")
+    os.write(1, line.encode())
 
 
 if __name__ == "__main__":
