@@ -26,6 +26,8 @@
 # /usr/bin/python3 has no torch, or with --no-gloo. Each run's output is kept in LOGDIR (default $BUILD/scale_table), named
 # N<n>_<contender>_<rep>.log; a failed run's last lines are printed.
 #
+# Another revision's ddp.h: build its ddprun and scale_probe into a folder (newer than this checkout's
+# sources, so that make leaves them) and give it as BUILD; bench/README.md's #25 section shows how.
 # Environment: BUILD (build), PEERS (bench/peers), PYTHON (/usr/bin/python3), GLOO_MIB_PER_RANK (250),
 # LOGDIR; SCALE_PROBE: the ddp.h probe's command instead of $BUILD/scale_probe (the smoke test,
 # tests/test_scale_table.sh, gives it failing and hanging commands).
@@ -113,7 +115,7 @@ run_once() {
   tail -n 5 "$log" | sed 's/^/    /' >&2
 }
 
-echo "scale_table: HEAD $(git rev-parse --short HEAD 2>/dev/null), ddp.h as of $(git log -1 --format=%h -- ddp.h 2>/dev/null)$(git diff --quiet HEAD -- ddp.h 2>/dev/null || echo ' (modified since)'), $(nproc) CPUs, $(mem_available_mib) MiB available, load $(cut -d' ' -f1-3 /proc/loadavg), $(date -u '+%Y-%m-%d %H:%M UTC')"
+echo "scale_table: programs in $BUILD (built from this checkout's ddp.h unless BUILD holds others); checkout HEAD $(git rev-parse --short HEAD 2>/dev/null), ddp.h as of $(git log -1 --format=%h -- ddp.h 2>/dev/null)$(git diff --quiet HEAD -- ddp.h 2>/dev/null || echo ' (modified since)'), $(nproc) CPUs, $(mem_available_mib) MiB available, load $(cut -d' ' -f1-3 /proc/loadavg), $(date -u '+%Y-%m-%d %H:%M UTC')"
 failed=0
 rows=""
 for n in "${sizes[@]}"; do
