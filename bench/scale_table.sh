@@ -2,7 +2,7 @@
 # Issue #25's table: a job as small as a job can be (init, one barrier, two small all_reduces, destroy)
 # at many ranks on this machine, ddp.h over TCP and over shared memory beside torch's gloo.
 #
-#   bench/scale_table.sh [--reps R] [--timeout S] [--no-gloo] [N ...]      (default: 16 32 64, R = 3)
+#   bench/scale_table.sh [--reps R] [--timeout S] [--no-gloo] [--no-build] [N ...]   (default: 16 32 64, R = 3)
 #
 # For each N and each repetition, interleaved (so that load changes hit every contender alike):
 #   tcp   DDP_TRANSPORT=tcp  build/ddprun --standalone --nproc-per-node N build/scale_probe
@@ -26,8 +26,9 @@
 # /usr/bin/python3 has no torch, or with --no-gloo. Each run's output is kept in LOGDIR (default $BUILD/scale_table), named
 # N<n>_<contender>_<rep>.log; a failed run's last lines are printed.
 #
-# Another revision's ddp.h: build its ddprun and scale_probe into a folder (newer than this checkout's
-# sources, so that make leaves them) and give it as BUILD; bench/README.md's #25 section shows how.
+# Another revision's ddp.h: build its ddprun and scale_probe into a folder and give it as BUILD with
+# --no-build (which runs the programs there as they are, instead of making them from this checkout);
+# bench/README.md's #25 section shows how.
 # Environment: BUILD (build), PEERS (bench/peers), PYTHON (/usr/bin/python3), GLOO_MIB_PER_RANK (250),
 # LOGDIR; SCALE_PROBE: the ddp.h probe's command instead of $BUILD/scale_probe (the smoke test,
 # tests/test_scale_table.sh, gives it failing and hanging commands).
@@ -39,13 +40,14 @@ PEERS=${PEERS:-bench/peers}
 PYTHON=${PYTHON:-/usr/bin/python3}
 GLOO_MIB_PER_RANK=${GLOO_MIB_PER_RANK:-250}
 LOGDIR=${LOGDIR:-$BUILD/scale_table}
-reps=3 limit=300 gloo=1 sizes=()
+reps=3 limit=300 gloo=1 build=1 sizes=()
 usage() { sed -n '5p' "$0" | sed 's/^# *//'; exit 2; }
 while [ $# -gt 0 ]; do
   case $1 in
     --reps) reps=${2:-}; shift 2 ;;
     --timeout) limit=${2:-}; shift 2 ;;
     --no-gloo) gloo=0; shift ;;
+    --no-build) build=0; shift ;;
     -h|--help) usage ;;
     -*) echo "scale_table.sh: unknown flag $1"; usage ;;
     *) sizes+=("$1"); shift ;;
@@ -56,7 +58,10 @@ for v in "$reps" "$limit" "${sizes[@]}"; do
   [[ $v =~ ^[1-9][0-9]*$ ]] || { echo "scale_table.sh: '$v' is not a positive whole number"; usage; }
 done
 
-nice -n 19 make -s "$BUILD/ddprun" "$BUILD/scale_probe" || { echo "scale_table.sh: cannot build $BUILD/ddprun and $BUILD/scale_probe"; exit 1; }
+if [ $build = 1 ]; then
+  nice -n 19 make -s "$BUILD/ddprun" "$BUILD/scale_probe" || { echo "scale_table.sh: cannot build $BUILD/ddprun and $BUILD/scale_probe"; exit 1; }
+fi
+[ -x "$BUILD/ddprun" ] || { echo "scale_table.sh: no $BUILD/ddprun (leave out --no-build, or build it there)"; exit 1; }
 probe=${SCALE_PROBE:-$BUILD/scale_probe}
 mkdir -p "$LOGDIR"
 if [ $gloo = 1 ]; then
@@ -115,7 +120,7 @@ run_once() {
   tail -n 5 "$log" | sed 's/^/    /' >&2
 }
 
-echo "scale_table: programs in $BUILD (built from this checkout's ddp.h unless BUILD holds others); checkout HEAD $(git rev-parse --short HEAD 2>/dev/null), ddp.h as of $(git log -1 --format=%h -- ddp.h 2>/dev/null)$(git diff --quiet HEAD -- ddp.h 2>/dev/null || echo ' (modified since)'), $(nproc) CPUs, $(mem_available_mib) MiB available, load $(cut -d' ' -f1-3 /proc/loadavg), $(date -u '+%Y-%m-%d %H:%M UTC')"
+echo "scale_table: programs in $BUILD$([ $build = 1 ] && echo ", made from this checkout" || echo " as they were (--no-build)"); checkout HEAD $(git rev-parse --short HEAD 2>/dev/null), ddp.h as of $(git log -1 --format=%h -- ddp.h 2>/dev/null)$(git diff --quiet HEAD -- ddp.h 2>/dev/null || echo ' (modified since)'), $(nproc) CPUs, $(mem_available_mib) MiB available, load $(cut -d' ' -f1-3 /proc/loadavg), $(date -u '+%Y-%m-%d %H:%M UTC')"
 failed=0
 rows=""
 for n in "${sizes[@]}"; do
