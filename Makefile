@@ -73,7 +73,8 @@ else
 $(BUILD)/%: examples/%.c ddp.h | $(BUILD)
 	$(CC) $(CFLAGS) $(SANFLAGS) -o $@ $< $(LDLIBS)
 endif
-$(BUILD)/%: bench/%.c ddp.h | $(BUILD)
+# bench/*.h: helpers the bench programs share (bench_util.h)
+$(BUILD)/%: bench/%.c $(wildcard bench/*.h) ddp.h | $(BUILD)
 	$(CC) $(CFLAGS) $(SANFLAGS) -o $@ $< $(LDLIBS)
 
 # The README's main job: train examples/train_demo.c on 4 CPU ranks launched by ddprun, on a free port

@@ -15,6 +15,7 @@
    and which other programs running on the machine do not inflate. */
 #define DDP_IMPLEMENTATION
 #include "ddp.h"
+#include "bench_util.h" /* free_port */
 
 #include <math.h>
 #include <netinet/in.h>
@@ -231,19 +232,6 @@ static int ddp_rank_main(int batch, int steps, int view, int fd) {
     ddp_destroy(g);
     free(t);
     return 0;
-}
-
-static int free_port(void) {
-    struct sockaddr_in a;
-    socklen_t len = sizeof a;
-    int port = 0, fd = socket(AF_INET, SOCK_STREAM, 0);
-    memset(&a, 0, sizeof a);
-    a.sin_family = AF_INET;
-    a.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
-    if (fd >= 0 && bind(fd, (struct sockaddr *)&a, sizeof a) == 0 && getsockname(fd, (struct sockaddr *)&a, &len) == 0)
-        port = ntohs(a.sin_port);
-    if (fd >= 0) close(fd);
-    return port;
 }
 
 /* Fork R ranks with torchrun's environment; returns rank 0's result. */

@@ -35,6 +35,7 @@
    member.store_server): it measures whatever rendezvous and connection scheme the library has. */
 #define DDP_IMPLEMENTATION
 #include "ddp.h"
+#include "bench_util.h" /* free_port */
 
 #include <dirent.h>
 #include <poll.h>
@@ -239,19 +240,6 @@ static int worker(int ready_fd) {
     for (i = 0; i < W.count; i++) pthread_join(t[i], NULL);
     if (write(W.report_fd, &W.rep, sizeof W.rep) != (ssize_t)sizeof W.rep) return 1;
     return 0;
-}
-
-static int free_port(void) {
-    struct sockaddr_in a;
-    socklen_t len = sizeof a;
-    int fd = socket(AF_INET, SOCK_STREAM, 0), port = 0;
-    memset(&a, 0, sizeof a);
-    a.sin_family = AF_INET;
-    a.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
-    if (fd >= 0 && bind(fd, (struct sockaddr *)&a, sizeof a) == 0 && getsockname(fd, (struct sockaddr *)&a, &len) == 0)
-        port = ntohs(a.sin_port);
-    if (fd >= 0) close(fd);
-    return port;
 }
 
 static rlim_t raise_nofile(void) {

@@ -27,7 +27,7 @@ FULL="
   test_compile test_faults test_cuda_kernels test_sanitizers test_sanitizers_thread test_valgrind test_fuzz
   test_interop_checkpoint test_interop_ddprun test_interop_reducer test_interop_sampler test_interop_store
   test_interop_syncbn test_interop_torch_current test_launchers test_mpi test_cmake test_cuda_compile test_nccl
-  test_netns test_scale
+  test_netns test_scale test_scale_table
 "
 
 BUILD=${BUILD:-build}
