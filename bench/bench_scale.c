@@ -35,7 +35,7 @@
    member.store_server): it measures whatever rendezvous and connection scheme the library has. */
 #define DDP_IMPLEMENTATION
 #include "ddp.h"
-#include "bench_util.h" /* free_port */
+#include "bench_util.h" /* free_port, bench_now */
 
 #include <dirent.h>
 #include <poll.h>
@@ -52,12 +52,6 @@
 #include <unistd.h>
 
 #define MAX_PROCS 1024
-
-static double now(void) {
-    struct timespec ts;
-    clock_gettime(CLOCK_MONOTONIC, &ts);
-    return (double)ts.tv_sec + (double)ts.tv_nsec * 1e-9;
-}
 
 /* What one process sends its parent, twice: when each of its ranks has left ddp_init (phase 1), and
    at the end (phase 2; the same struct, completed). */
@@ -127,7 +121,7 @@ static double rss_mib(void) {
 }
 
 static void note_time(double *latest) {
-    double t = now();
+    double t = bench_now();
     pthread_mutex_lock(&W.mu);
     if (t > *latest) *latest = t;
     pthread_mutex_unlock(&W.mu);
@@ -269,7 +263,7 @@ static int read_report(int fd, report *r, double deadline) {
         struct pollfd pf;
         ssize_t k;
         pf.fd = fd, pf.events = POLLIN, pf.revents = 0;
-        if (poll(&pf, 1, (int)((deadline - now()) * 1000) + 1) == 0) return -1;
+        if (poll(&pf, 1, (int)((deadline - bench_now()) * 1000) + 1) == 0) return -1;
         k = read(fd, (char *)r + got, sizeof *r - got);
         if (k <= 0) return 0;
         got += (size_t)k;
@@ -351,7 +345,7 @@ static int run_size(int n, int procs, double timeout, double limit) {
             if (pid[p] > 0) kill(pid[p], SIGKILL), waitpid(pid[p], NULL, 0);
         return 1;
     }
-    t0 = now();
+    t0 = bench_now();
     deadline = t0 + limit;
     close(gate[1]); /* open the gate */
     /* phase 1: every other process, then rank 0's (after the go) */

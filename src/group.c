@@ -223,7 +223,7 @@ static void ddp__key(const ddp_group *g, char *out, size_t cap, const char *name
 }
 
 /* Fail this rank with code and message, and publish them so that every rank of the rendezvous fails too:
-   under "abort" (read by the ranks that look for it: the mesh step, ranks arriving late) and, unless rank 0
+   under "abort" (read by the ranks that look for it: the set-up's collectives, ranks arriving late) and, unless rank 0
    published the table already, as the table's value (DDP__RDZV_ABORTED + "code|message"); then "ready",
    which wakes every rank waiting for the table at once (see ddp__rendezvous). The set is announced, a
    round trip: every write has reached the store before this rank goes. */
@@ -338,14 +338,41 @@ static void ddp__record_format(const ddp__record *r, char *out, size_t cap) {
              r->node);
 }
 
+/* One rank's line of the table that rank 0 publishes: "port pid node addr host", with "-" for an address
+   or host name equal to the rank before's (ranks of one host are neighbours), so that the table every
+   rank reads is about 25 bytes a rank rather than a record's 100: at 10,000 ranks the store sends it
+   10,000 times. The world size is not repeated: rank 0 checked every record's. */
+static void ddp__table_line(const ddp__record *rec, int i, char *out, size_t cap) {
+    int same_addr = i > 0 && strcmp(rec[i].addr, rec[i - 1].addr) == 0, same_host = i > 0 && strcmp(rec[i].host, rec[i - 1].host) == 0;
+    snprintf(out, cap, "%d %d %llx %s %s", rec[i].port, rec[i].pid, rec[i].node, same_addr ? "-" : rec[i].addr,
+             same_host ? "-" : rec[i].host);
+}
+
+static int ddp__table_parse(const char *line, ddp__record *rec, int i, int world) {
+    ddp__record *r = &rec[i];
+    memset(r, 0, sizeof *r);
+    r->world = world;
+    if (sscanf(line, "%d %d %llx %127s %127s", &r->port, &r->pid, &r->node, r->addr, r->host) != 5) return 0;
+    if (strcmp(r->addr, "-") == 0) {
+        if (i == 0) return 0;
+        memcpy(r->addr, rec[i - 1].addr, sizeof r->addr);
+    }
+    if (strcmp(r->host, "-") == 0) {
+        if (i == 0) return 0;
+        memcpy(r->host, rec[i - 1].host, sizeof r->host);
+    }
+    return 1;
+}
+
 /* ---- noticing a rank that died inside ddp_init ----
-   Once a rank has published its record it listens on its mesh port (until its mesh is complete) and
-   its pid is known. So a "connection refused" from that port means the rank is gone, and so does a pid
-   that no longer exists on this node (same host, boot, network and pid namespace: the record's `node`;
-   kill(pid, 0) means nothing across pid namespaces). Ranks that wait (for the others to join, for the
-   ranks above to connect) look every DDP__WATCH_PERIOD s; the rank that notices publishes an abort
-   naming the lost rank (ddp__rdzv_lost), which every waiting rank reads within that period. Ranks on
-   other nodes are noticed by the refused connection of the mesh step. */
+   Once a rank has published its record it listens on its port (for the group's life) and its pid is
+   known. So a "connection refused" from that port means the rank is gone, and so does a pid that no
+   longer exists on this node (same host, boot, network and pid namespace: the record's `node`;
+   kill(pid, 0) means nothing across pid namespaces). Ranks that wait (for the others to join, for a
+   rank to connect in the set-up's collectives: ddp__setup_watch) look every DDP__WATCH_PERIOD s (the
+   set-up's waits back off to 2 s); the rank that notices publishes an abort naming the lost rank
+   (ddp__rdzv_lost), which every waiting rank reads within that period. Ranks on other nodes are
+   noticed by the refused connection of the rank that dials them (link.c). */
 static uint64_t ddp__host_key(void);
 
 static unsigned long long ddp__node_key(void) {
@@ -398,18 +425,19 @@ static ddp_result ddp__rdzv_lost(ddp_group *g, int i, const ddp__record *r, cons
    Each rank claims its rank ("claim/R", an ADD), publishes its record under "rank/R" (a SET: it wakes a
    WAIT, in torch's server too, which a compare-set does not) and adds 1 to "joined". Rank 0 reads the
    records in rank order as they appear, each once (a WAIT for the next one, then a GET), and when it has
-   them all publishes them as one value, "table" (one line per rank; a compare-set, so that it never
-   hides a failure published first), then sets "ready". Every other rank makes one blocking WAIT on
+   them all publishes them as one value, "table" (one short line per rank, ddp__table_line; a
+   compare-set, so that it never hides a failure published first), then sets "ready". Every other rank makes one blocking WAIT on
    "ready" and one GET of "table": about 20 requests per rank in all, rank 0's reading included, instead
    of every rank polling a counter and reading every record (2N^2). A rank that fails publishes its
    error as the table's value and sets "ready" (ddp__rdzv_abort), so the same WAIT wakes every rank on a
    failure too.
    While it gathers, rank 0 looks every DDP__WATCH_PERIOD s for a published abort, reads up to 8 records
    out of order (so that a rank that died beyond a missing one is seen too), and checks the pids of the
-   ranks of its node that registered (ddp__rank_process_gone); a lost rank is published and named. On
-   its timeout it publishes which ranks never joined; the others wait DDP__RDZV_GRACE s longer, so that
-   they read that message rather than time out on their own. Ranks on other nodes that die after
-   registering are named by the mesh step (a refused connection, ddp__mesh_dial). */
+   ranks of its node that registered (ddp__rank_process_gone; 256 processes a look, round robin); a
+   lost rank is published and named. On its timeout it publishes which ranks never joined; the others
+   wait DDP__RDZV_GRACE s longer, so that they read that message rather than time out on their own.
+   Ranks on other nodes that die after registering are named when a rank first dials them (a refused
+   connection, link.c) or by the ranks waiting for them to dial (ddp__setup_watch). */
 #define DDP__RDZV_GRACE 5.0
 #define DDP__RDZV_SCAN 8 /* records rank 0 reads out of order per look */
 
@@ -442,8 +470,9 @@ static int ddp__rdzv_read_record(ddp_group *g, int i, ddp__record *rec, ddp_resu
 }
 
 /* Every DDP__WATCH_PERIOD s while rank 0 gathers: an abort, a few records out of order, lost ranks. */
+#define DDP__RDZV_PID_CHECKS 256 /* processes rank 0 looks for per look */
 static ddp_result ddp__rdzv_gather_watch(ddp_group *g, ddp__record *rec, unsigned char *known, int *have, int *scan,
-                                         unsigned long long node) {
+                                         int *pid_scan, unsigned long long node) {
     int i, k, aborted = 0;
     ddp_result r = ddp__rdzv_check_abort(g, &aborted);
     if (r != DDP_SUCCESS || aborted) return r ? r : DDP_ERR_INIT;
@@ -453,9 +482,17 @@ static ddp_result ddp__rdzv_gather_watch(ddp_group *g, ddp__record *rec, unsigne
         if (r) return r;
         *scan = (*scan + 1) % g->world_size;
     }
-    for (i = 0; i < g->world_size; i++)
-        if (known[i] && i != g->rank && ddp__rank_process_gone(&rec[i], node))
-            return ddp__rdzv_lost(g, i, &rec[i], "its process no longer exists");
+    /* The pids, DDP__RDZV_PID_CHECKS at most per look, taking up where the last look stopped (a look at
+       thousands of ranks' /proc entries every 0.25 s would be rank 0's main work: measured at 4,096 ranks,
+       1 s a look); a rank with the pid and node of the rank before it (threads of one process) is one look. */
+    for (i = 0, k = 0; i < g->world_size && k < DDP__RDZV_PID_CHECKS; i++) {
+        int at = (*pid_scan + i) % g->world_size, prev = (at + g->world_size - 1) % g->world_size;
+        if (!known[at] || at == g->rank) continue;
+        if (known[prev] && rec[prev].pid == rec[at].pid && rec[prev].node == rec[at].node) continue;
+        k++;
+        if (ddp__rank_process_gone(&rec[at], node)) return ddp__rdzv_lost(g, at, &rec[at], "its process no longer exists");
+    }
+    *pid_scan = (*pid_scan + i) % g->world_size;
     return DDP_SUCCESS;
 }
 
@@ -493,7 +530,7 @@ static ddp_result ddp__rdzv_gather(ddp_group *g, ddp__record *rec, const char *w
     double start = ddp__now(), next_watch = start + DDP__WATCH_PERIOD;
     unsigned long long node = ddp__node_key();
     unsigned char *known = (unsigned char *)ddp__calloc((size_t)g->world_size, 1);
-    int have = 1, cursor = 1, scan = 1, i;
+    int have = 1, cursor = 1, scan = 1, pid_scan = 0, i;
     size_t len = 0, n = 0;
     ddp_result r = DDP_SUCCESS;
     if (!known) return ddp__fail(g, DDP_ERR_OUT_OF_MEMORY, "out of memory in the rendezvous");
@@ -506,7 +543,7 @@ static ddp_result ddp__rdzv_gather(ddp_group *g, ddp__record *rec, const char *w
         }
         if (have == g->world_size || r) break;
         if (ddp__now() >= next_watch) {
-            if ((r = ddp__rdzv_gather_watch(g, rec, known, &have, &scan, node)) != DDP_SUCCESS) break;
+            if ((r = ddp__rdzv_gather_watch(g, rec, known, &have, &scan, &pid_scan, node)) != DDP_SUCCESS) break;
             next_watch = ddp__now() + DDP__WATCH_PERIOD;
         }
         if (ddp__now() - start > g->timeout) r = ddp__rdzv_gather_timeout(g, known, have, where);
@@ -519,7 +556,7 @@ static ddp_result ddp__rdzv_gather(ddp_group *g, ddp__record *rec, const char *w
         return DDP_ERR_OUT_OF_MEMORY;
     }
     for (i = 0; i < g->world_size; i++) {
-        ddp__record_format(&rec[i], table + len, DDP__RECORD_MAX - 1);
+        ddp__table_line(rec, i, table + len, DDP__RECORD_MAX - 1);
         len += strlen(table + len);
         table[len++] = '\n';
     }
@@ -577,7 +614,7 @@ static ddp_result ddp__rdzv_await(ddp_group *g, ddp__record *rec, const char *wh
         ddp__free(table);
         return r;
     }
-    for (i = 0, line = table; i < g->world_size && line && ddp__record_parse(line, &rec[i]); i++)
+    for (i = 0, line = table; i < g->world_size && line && ddp__table_parse(line, rec, i, g->world_size); i++)
         if ((line = strchr(line, '\n')) != NULL) line++;
     ddp__free(table);
     if (i == g->world_size && n <= cap) return DDP_SUCCESS;

@@ -634,6 +634,9 @@ static DDP__UNUSED void ddp__trace_break(ddp_group *g, ddp_result code);
 /* ---- tcp.c: the algorithms over the mesh ---- */
 static DDP__UNUSED ddp_result ddp__tcp_run(ddp_group *g, const ddp__call *k, const ddp__coll *c);
 static DDP__UNUSED ddp_result ddp__ring_all_gather(ddp_group *g, const ddp__coll *c, char *buf, size_t count, size_t es);
+/* The TCP all_gather as the tcp backend runs it (Bruck's for small sizes, else the ring); send may lie in recv. */
+static DDP__UNUSED ddp_result ddp__do_all_gather(ddp_group *g, const ddp__coll *c, const void *send, void *recv, size_t cpr,
+                                                 ddp_dtype t);
 /* Recursive doubling all_reduce (with count 0: an agreement on c alone, log2(n) header exchanges). */
 static DDP__UNUSED ddp_result ddp__rd_all_reduce(ddp_group *g, const ddp__coll *c, char *buf, size_t count, ddp_dtype t,
                                                  ddp_op op);

@@ -15,11 +15,12 @@
    A barrier is a 1-element NCCL all-reduce (torch's barrier on NCCL), so it also waits for the GPUs.
 
    The call check. NCCL trusts its callers: ranks that call different collectives hang or corrupt
-   memory. So before each collective the ranks all-gather one byte (host or device memory) around the
-   TCP ring with the call's fingerprint in every frame, as the cpu backend's algorithms do: a rank that
+   memory. So before each collective the ranks all-gather one byte (host or device memory) over TCP
+   with the call's fingerprint in every frame, as the cpu backend's algorithms do: a rank that
    calls something else (kind, count, dtype, op, root, sequence number) or passes the other kind of
-   memory gets DDP_ERR_MISMATCH on every rank. Cost: world_size - 1 small TCP steps per collective, on
-   the calling thread (tens of microseconds per step within a host), paid before the GPU work is queued.
+   memory gets DDP_ERR_MISMATCH on every rank. Cost: ceil(log2 world_size) small TCP steps per
+   collective (Bruck's all_gather, tcp.c), on the calling thread (tens of microseconds per step within a
+   host), paid before the GPU work is queued.
 
    Completion. A synchronous collective queues its NCCL call, records a CUDA event and waits for it; an
    async one returns a ddp_work holding the event, and ddp_wait waits for it. Waiting is the watchdog
@@ -116,7 +117,8 @@ static int ddp__nccl_where(const ddp__call *k) {
     return send == buf ? buf : DDP__NCCL_MIXED;
 }
 
-/* The call check (see the top): one byte per rank around the TCP ring, under the call's fingerprint. */
+/* The call check (see the top): one byte per rank gathered over TCP (Bruck's: ceil(log2 N) steps), under
+   the call's fingerprint. */
 static ddp_result ddp__nccl_check(ddp_group *g, const ddp__coll *c, int where) {
     static const char *names[] = {"host", "device", "host and device"};
     char desc[160];
@@ -128,7 +130,7 @@ static ddp_result ddp__nccl_check(ddp_group *g, const ddp__coll *c, int where) {
         if (!(all = (unsigned char *)ddp__calloc((size_t)g->world_size, 1)))
             return ddp__coll_fail(g, DDP_ERR_OUT_OF_MEMORY, "%s: out of memory", desc);
         all[g->rank] = (unsigned char)where;
-        if ((r = ddp__ring_all_gather(g, c, (char *)all, (size_t)g->world_size, 1)) != DDP_SUCCESS) {
+        if ((r = ddp__do_all_gather(g, c, all + g->rank, all, 1, DDP_U8)) != DDP_SUCCESS) {
             ddp__free(all);
             return r;
         }
