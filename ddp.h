@@ -1686,6 +1686,8 @@ static DDP__UNUSED ddp_result ddp__peer_code(long code, ddp_result fallback);
    limit, the group's need (ddp__fd_need) and `ulimit -n`, and returns DDP_ERR_SYSTEM. */
 static DDP__UNUSED long ddp__fd_need(int world, int rank);
 static DDP__UNUSED int ddp__out_of_descriptors(int errnum);
+/* The largest world size this process has started to join (0: none yet), for limits that grow with it. */
+static DDP__UNUSED int ddp__largest_world(void);
 static DDP__UNUSED ddp_result ddp__fail_descriptors(char *err, int errnum, const char *what);
 static DDP__UNUSED void ddp__fd_prepare(ddp_group *g, int world, int rank);
 /* More ranks on this host than CPUs online: waits should block rather than spin (shm.c, transport.c). */
@@ -1714,6 +1716,8 @@ static DDP__UNUSED void ddp__divide(void *buf, size_t count, ddp_dtype t, int n)
 /* ---- net.c: TCP with deadlines (absolute ddp__now() seconds); messages go to err ---- */
 static DDP__UNUSED ddp_result ddp__net_listen(const char *host, int port, int *fd, int *bound_port, char *err);
 static DDP__UNUSED ddp_result ddp__net_connect(const char *host, int port, double deadline, int *fd, char *err);
+/* Has fd sent bytes that the peer's kernel has not acknowledged (TCP_INFO)? */
+static DDP__UNUSED int ddp__net_unacked(int fd);
 /* Start a connect without waiting (poll the fd for POLLOUT, then SO_ERROR); *refused: refused at once. */
 static DDP__UNUSED ddp_result ddp__net_connect_start(const char *host, int port, int *fd_out, int *refused, char *err);
 static DDP__UNUSED ddp_result ddp__net_connect_once(const char *host, int port, double deadline, int *fd, int *refused, char *err);
@@ -2432,6 +2436,8 @@ static ddp_result ddp__peer_code(long code, ddp_result fallback) {
    descriptors the group needs and how to allow them (ddp__fail_descriptors). */
 static int ddp__fd_world = 0, ddp__fd_rank = -1; /* the largest group this process joined: for messages */
 
+static int ddp__largest_world(void) { return __atomic_load_n(&ddp__fd_world, __ATOMIC_ACQUIRE); }
+
 /* Descriptors a rank needs, at most, for a group of W ranks: stdin/out/err, its store client, its
    listener, a few connections being made, and the connections its collectives use (link.c: made on
    first use; the barrier, recursive doubling, the binomial tree, Bruck and the ring each use up to
@@ -2974,6 +2980,17 @@ static ddp_result ddp__net_connect_start(const char *host, int port, int *fd_out
     }
     *fd_out = fd;
     return DDP_SUCCESS;
+}
+
+/* Bytes this side sent on fd that the peer's kernel has not acknowledged yet (0 when unknown). A
+   connection still in the peer's full listen queue, or a peer that is unreachable, has them; a peer
+   program that merely does not answer has none. */
+static int ddp__net_unacked(int fd) {
+    struct tcp_info info;
+    socklen_t len = sizeof info;
+    memset(&info, 0, sizeof info);
+    if (getsockopt(fd, IPPROTO_TCP, TCP_INFO, &info, &len) != 0) return 0;
+    return info.tcpi_unacked > 0;
 }
 
 /* Connect to host:port, retrying with exponential backoff (10 ms .. 1 s) until the deadline while
@@ -4790,13 +4807,18 @@ static void ddp__tcp_disconnect(ddp_store *s) {
     s->fd = -1;
 }
 
+/* How long the probe waits for an answer: 5 s, and 1 s more per 128 ranks of the group being joined
+   (thousands of ranks connecting at once keep a store busy for seconds: 4,096 on 2 cores left some
+   unanswered for 5 s), never past the store's timeout. */
+static double ddp__probe_seconds(const ddp_store *s) { return DDP__MIN(s->timeout, 5.0 + ddp__largest_world() / 128.0); }
+
 /* Connect (and authenticate, with DDP_AUTH_TOKEN); no protocol bytes yet. */
 static ddp_result ddp__tcp_open(ddp_store *s, double deadline) {
     char why[DDP__ERR_MAX];
     ddp_result r = ddp__net_connect(s->host, s->port, deadline, &s->fd, why);
     if (r == DDP_SUCCESS && ddp__auth_token()) {
         /* a store answers the handshake at once: a short deadline, so that a silent server is found out soon */
-        r = ddp__auth_client(s->fd, ddp__auth_token(), s->where, DDP__MIN(deadline, ddp__now() + DDP__MIN(s->timeout, 5.0)), why);
+        r = ddp__auth_client(s->fd, ddp__auth_token(), s->where, DDP__MIN(deadline, ddp__now() + ddp__probe_seconds(s)), why);
         if (r != DDP_SUCCESS) {
             ddp__tcp_disconnect(s);
             return ddp__store_fail(s, r, "%s", why);
@@ -4822,7 +4844,7 @@ static ddp_result ddp__tcp_open(ddp_store *s, double deadline) {
         bytes: protocol 1. To a 2.x server 06 is a first query that is not VALIDATE: the classic server
         closes (protocol 2, without PING); a libuv one ignores it and waits, and it is a WAIT anyway, which
         reads a count it never gets, so nothing can change there either.
-   No answer within min(timeout, 5 s) in step 1 (no bytes and no close), or bytes that are not the
+   No answer within min(timeout, 5 s + N/128 s) in step 1 (no bytes and no close), or bytes that are not the
    echo (an HTTP server's "HTTP/1.1 400"): the server does not speak the store protocol (another program
    on MASTER_PORT), and connecting fails saying so, within seconds rather than after the timeout. No
    answer in step 2: it cannot tell, and takes protocol 2 (what current torch speaks), saying so in the
@@ -4830,7 +4852,7 @@ static ddp_result ddp__tcp_open(ddp_store *s, double deadline) {
 static ddp_result ddp__tcp_detect(ddp_store *s, double deadline) {
     unsigned char probe[10], reply[8];
     uint32_t magic = DDP__V2_MAGIC, nonce = 0x5AFF0000u | ((uint32_t)getpid() & 0xFFFFu), echo;
-    double until = DDP__MIN(deadline, ddp__now() + DDP__MIN(s->timeout, 5.0));
+    double until = DDP__MIN(deadline, ddp__now() + ddp__probe_seconds(s));
     char why[DDP__ERR_MAX];
     ddp_result r;
     probe[0] = DDP__V2_VALIDATE;
@@ -4839,6 +4861,12 @@ static ddp_result ddp__tcp_detect(ddp_store *s, double deadline) {
     memcpy(probe + 6, &nonce, 4);
     r = ddp__net_send(s->fd, probe, sizeof probe, until, why);
     if (r == DDP_SUCCESS) r = ddp__net_recv(s->fd, &echo, 4, until, why);
+    while (r == DDP_ERR_TIMEOUT && ddp__now() < deadline && ddp__net_unacked(s->fd)) {
+        /* The server's kernel has not even acknowledged the probe: the connection waits in a full listen
+           queue (thousands of ranks connecting at once), which says nothing about the program there. */
+        until = DDP__MIN(deadline, ddp__now() + ddp__probe_seconds(s));
+        r = ddp__net_recv(s->fd, &echo, 4, until, why);
+    }
     if (r == DDP_SUCCESS) {
         if (memcmp(&echo, DDP__AUTH_REQUIRED, 4) == 0) {
             ddp__tcp_disconnect(s);
@@ -4864,11 +4892,11 @@ static ddp_result ddp__tcp_detect(ddp_store *s, double deadline) {
                                                 "using MASTER_PORT?): it accepted the connection but neither answered nor "
                                                 "closed it within %.3g s of torch 2.x's PING, as every TCPStore does (if "
                                                 "it is a store too busy to answer, DDP_STORE_PROTOCOL=2 or 1.13 skips "
-                                                "this probe)", s->host, s->port, DDP__MIN(s->timeout, 5.0));
+                                                "this probe)", s->host, s->port, ddp__probe_seconds(s));
     if (r == DDP_ERR_PEER_LOST) { /* step 2 */
         unsigned char q = DDP__Q_GETNUMKEYS;
         if ((r = ddp__tcp_open(s, deadline)) != DDP_SUCCESS) return r;
-        until = DDP__MIN(deadline, ddp__now() + DDP__MIN(s->timeout, 5.0));
+        until = DDP__MIN(deadline, ddp__now() + ddp__probe_seconds(s));
         r = ddp__net_send(s->fd, &q, 1, until, why);
         if (r == DDP_SUCCESS) r = ddp__net_recv(s->fd, reply, 8, until, why);
         if (r == DDP_SUCCESS) {
@@ -4887,7 +4915,7 @@ static ddp_result ddp__tcp_detect(ddp_store *s, double deadline) {
         s->proto_why = "a guess: the server did not answer the probes; DDP_STORE_PROTOCOL=1.13 or 2 says which";
         ddp__log(NULL, DDP_LOG_INFO, "%s answered neither torch 2.x's PING nor torch 1.13's GETNUMKEYS within %.3g s; "
                                      "speaking torch 2.x's protocol (DDP_STORE_PROTOCOL=1.13 or 2 sets it)",
-                 s->where, DDP__MIN(s->timeout, 5.0));
+                 s->where, ddp__probe_seconds(s));
     }
     if ((r = ddp__tcp_open(s, deadline)) != DDP_SUCCESS) return r;
     r = ddp__net_send(s->fd, probe, 5, deadline, why); /* VALIDATE alone */

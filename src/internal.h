@@ -221,6 +221,8 @@ static DDP__UNUSED ddp_result ddp__peer_code(long code, ddp_result fallback);
    limit, the group's need (ddp__fd_need) and `ulimit -n`, and returns DDP_ERR_SYSTEM. */
 static DDP__UNUSED long ddp__fd_need(int world, int rank);
 static DDP__UNUSED int ddp__out_of_descriptors(int errnum);
+/* The largest world size this process has started to join (0: none yet), for limits that grow with it. */
+static DDP__UNUSED int ddp__largest_world(void);
 static DDP__UNUSED ddp_result ddp__fail_descriptors(char *err, int errnum, const char *what);
 static DDP__UNUSED void ddp__fd_prepare(ddp_group *g, int world, int rank);
 /* More ranks on this host than CPUs online: waits should block rather than spin (shm.c, transport.c). */
@@ -249,6 +251,8 @@ static DDP__UNUSED void ddp__divide(void *buf, size_t count, ddp_dtype t, int n)
 /* ---- net.c: TCP with deadlines (absolute ddp__now() seconds); messages go to err ---- */
 static DDP__UNUSED ddp_result ddp__net_listen(const char *host, int port, int *fd, int *bound_port, char *err);
 static DDP__UNUSED ddp_result ddp__net_connect(const char *host, int port, double deadline, int *fd, char *err);
+/* Has fd sent bytes that the peer's kernel has not acknowledged (TCP_INFO)? */
+static DDP__UNUSED int ddp__net_unacked(int fd);
 /* Start a connect without waiting (poll the fd for POLLOUT, then SO_ERROR); *refused: refused at once. */
 static DDP__UNUSED ddp_result ddp__net_connect_start(const char *host, int port, int *fd_out, int *refused, char *err);
 static DDP__UNUSED ddp_result ddp__net_connect_once(const char *host, int port, double deadline, int *fd, int *refused, char *err);

@@ -1503,13 +1503,18 @@ static void ddp__tcp_disconnect(ddp_store *s) {
     s->fd = -1;
 }
 
+/* How long the probe waits for an answer: 5 s, and 1 s more per 128 ranks of the group being joined
+   (thousands of ranks connecting at once keep a store busy for seconds: 4,096 on 2 cores left some
+   unanswered for 5 s), never past the store's timeout. */
+static double ddp__probe_seconds(const ddp_store *s) { return DDP__MIN(s->timeout, 5.0 + ddp__largest_world() / 128.0); }
+
 /* Connect (and authenticate, with DDP_AUTH_TOKEN); no protocol bytes yet. */
 static ddp_result ddp__tcp_open(ddp_store *s, double deadline) {
     char why[DDP__ERR_MAX];
     ddp_result r = ddp__net_connect(s->host, s->port, deadline, &s->fd, why);
     if (r == DDP_SUCCESS && ddp__auth_token()) {
         /* a store answers the handshake at once: a short deadline, so that a silent server is found out soon */
-        r = ddp__auth_client(s->fd, ddp__auth_token(), s->where, DDP__MIN(deadline, ddp__now() + DDP__MIN(s->timeout, 5.0)), why);
+        r = ddp__auth_client(s->fd, ddp__auth_token(), s->where, DDP__MIN(deadline, ddp__now() + ddp__probe_seconds(s)), why);
         if (r != DDP_SUCCESS) {
             ddp__tcp_disconnect(s);
             return ddp__store_fail(s, r, "%s", why);
@@ -1535,7 +1540,7 @@ static ddp_result ddp__tcp_open(ddp_store *s, double deadline) {
         bytes: protocol 1. To a 2.x server 06 is a first query that is not VALIDATE: the classic server
         closes (protocol 2, without PING); a libuv one ignores it and waits, and it is a WAIT anyway, which
         reads a count it never gets, so nothing can change there either.
-   No answer within min(timeout, 5 s) in step 1 (no bytes and no close), or bytes that are not the
+   No answer within min(timeout, 5 s + N/128 s) in step 1 (no bytes and no close), or bytes that are not the
    echo (an HTTP server's "HTTP/1.1 400"): the server does not speak the store protocol (another program
    on MASTER_PORT), and connecting fails saying so, within seconds rather than after the timeout. No
    answer in step 2: it cannot tell, and takes protocol 2 (what current torch speaks), saying so in the
@@ -1543,7 +1548,7 @@ static ddp_result ddp__tcp_open(ddp_store *s, double deadline) {
 static ddp_result ddp__tcp_detect(ddp_store *s, double deadline) {
     unsigned char probe[10], reply[8];
     uint32_t magic = DDP__V2_MAGIC, nonce = 0x5AFF0000u | ((uint32_t)getpid() & 0xFFFFu), echo;
-    double until = DDP__MIN(deadline, ddp__now() + DDP__MIN(s->timeout, 5.0));
+    double until = DDP__MIN(deadline, ddp__now() + ddp__probe_seconds(s));
     char why[DDP__ERR_MAX];
     ddp_result r;
     probe[0] = DDP__V2_VALIDATE;
@@ -1552,6 +1557,12 @@ static ddp_result ddp__tcp_detect(ddp_store *s, double deadline) {
     memcpy(probe + 6, &nonce, 4);
     r = ddp__net_send(s->fd, probe, sizeof probe, until, why);
     if (r == DDP_SUCCESS) r = ddp__net_recv(s->fd, &echo, 4, until, why);
+    while (r == DDP_ERR_TIMEOUT && ddp__now() < deadline && ddp__net_unacked(s->fd)) {
+        /* The server's kernel has not even acknowledged the probe: the connection waits in a full listen
+           queue (thousands of ranks connecting at once), which says nothing about the program there. */
+        until = DDP__MIN(deadline, ddp__now() + ddp__probe_seconds(s));
+        r = ddp__net_recv(s->fd, &echo, 4, until, why);
+    }
     if (r == DDP_SUCCESS) {
         if (memcmp(&echo, DDP__AUTH_REQUIRED, 4) == 0) {
             ddp__tcp_disconnect(s);
@@ -1577,11 +1588,11 @@ static ddp_result ddp__tcp_detect(ddp_store *s, double deadline) {
                                                 "using MASTER_PORT?): it accepted the connection but neither answered nor "
                                                 "closed it within %.3g s of torch 2.x's PING, as every TCPStore does (if "
                                                 "it is a store too busy to answer, DDP_STORE_PROTOCOL=2 or 1.13 skips "
-                                                "this probe)", s->host, s->port, DDP__MIN(s->timeout, 5.0));
+                                                "this probe)", s->host, s->port, ddp__probe_seconds(s));
     if (r == DDP_ERR_PEER_LOST) { /* step 2 */
         unsigned char q = DDP__Q_GETNUMKEYS;
         if ((r = ddp__tcp_open(s, deadline)) != DDP_SUCCESS) return r;
-        until = DDP__MIN(deadline, ddp__now() + DDP__MIN(s->timeout, 5.0));
+        until = DDP__MIN(deadline, ddp__now() + ddp__probe_seconds(s));
         r = ddp__net_send(s->fd, &q, 1, until, why);
         if (r == DDP_SUCCESS) r = ddp__net_recv(s->fd, reply, 8, until, why);
         if (r == DDP_SUCCESS) {
@@ -1600,7 +1611,7 @@ static ddp_result ddp__tcp_detect(ddp_store *s, double deadline) {
         s->proto_why = "a guess: the server did not answer the probes; DDP_STORE_PROTOCOL=1.13 or 2 says which";
         ddp__log(NULL, DDP_LOG_INFO, "%s answered neither torch 2.x's PING nor torch 1.13's GETNUMKEYS within %.3g s; "
                                      "speaking torch 2.x's protocol (DDP_STORE_PROTOCOL=1.13 or 2 sets it)",
-                 s->where, DDP__MIN(s->timeout, 5.0));
+                 s->where, ddp__probe_seconds(s));
     }
     if ((r = ddp__tcp_open(s, deadline)) != DDP_SUCCESS) return r;
     r = ddp__net_send(s->fd, probe, 5, deadline, why); /* VALIDATE alone */

@@ -180,6 +180,8 @@ static ddp_result ddp__peer_code(long code, ddp_result fallback) {
    descriptors the group needs and how to allow them (ddp__fail_descriptors). */
 static int ddp__fd_world = 0, ddp__fd_rank = -1; /* the largest group this process joined: for messages */
 
+static int ddp__largest_world(void) { return __atomic_load_n(&ddp__fd_world, __ATOMIC_ACQUIRE); }
+
 /* Descriptors a rank needs, at most, for a group of W ranks: stdin/out/err, its store client, its
    listener, a few connections being made, and the connections its collectives use (link.c: made on
    first use; the barrier, recursive doubling, the binomial tree, Bruck and the ring each use up to
