@@ -164,10 +164,10 @@ static ddp_result ddp__peer_failed_after(ddp_group *g, int peer, const ddp__coll
             if (ddp__net_recv(p->fd, reason, (size_t)f.bytes, deadline, err) != DDP_SUCCESS) break;
             reason[f.bytes - 1] = '\0';
             if (g->mesh.waiting_for >= 0 && g->mesh.waiting_for != peer) /* the reporter may have waited for us: say whom we waited for */
-                snprintf(msg, sizeof msg, "%.700s (reported by rank %d; this rank was in %s, waiting for rank %d (%s))", reason,
+                snprintf(msg, sizeof msg, "%.600s (reported by rank %d; this rank was in %.150s, waiting for rank %d (%.120s))", reason,
                          peer, desc, g->mesh.waiting_for, ddp__peer_name(g, g->mesh.waiting_for, name, sizeof name));
             else
-                snprintf(msg, sizeof msg, "%.700s (reported by rank %d; this rank was in %s)", reason, peer, desc);
+                snprintf(msg, sizeof msg, "%.600s (reported by rank %d; this rank was in %.150s)", reason, peer, desc);
             return ddp__group_break_relaying(g, ddp__peer_code(f.code, DDP_ERR_FORMAT), msg, reason);
         }
         if (f.kind == DDP__FRAME_BYE)
