@@ -1520,6 +1520,7 @@ DDP_API int ddp__cuda_nccl_test(ddp__cuda_nccl *c, void *event);
 #include <stdlib.h>
 #include <string.h>
 #include <sys/file.h>
+#include <sys/ioctl.h>
 #include <sys/mman.h>
 #include <sys/resource.h>
 #include <sys/socket.h>
@@ -1716,7 +1717,7 @@ static DDP__UNUSED void ddp__divide(void *buf, size_t count, ddp_dtype t, int n)
 /* ---- net.c: TCP with deadlines (absolute ddp__now() seconds); messages go to err ---- */
 static DDP__UNUSED ddp_result ddp__net_listen(const char *host, int port, int *fd, int *bound_port, char *err);
 static DDP__UNUSED ddp_result ddp__net_connect(const char *host, int port, double deadline, int *fd, char *err);
-/* Has fd sent bytes that the peer's kernel has not acknowledged (TCP_INFO)? */
+/* Has fd sent bytes that the peer's kernel has not acknowledged (TIOCOUTQ)? */
 static DDP__UNUSED int ddp__net_unacked(int fd);
 /* Start a connect without waiting (poll the fd for POLLOUT, then SO_ERROR); *refused: refused at once. */
 static DDP__UNUSED ddp_result ddp__net_connect_start(const char *host, int port, int *fd_out, int *refused, char *err);
@@ -2982,15 +2983,14 @@ static ddp_result ddp__net_connect_start(const char *host, int port, int *fd_out
     return DDP_SUCCESS;
 }
 
-/* Bytes this side sent on fd that the peer's kernel has not acknowledged yet (0 when unknown). A
-   connection still in the peer's full listen queue, or a peer that is unreachable, has them; a peer
-   program that merely does not answer has none. */
+/* Bytes this side sent on fd that the peer's kernel has not acknowledged yet (0 when unknown): Linux's
+   TIOCOUTQ (SIOCOUTQ) on a TCP socket counts the send queue not yet acknowledged. A connection still in
+   the peer's full listen queue, or a peer that is unreachable, has them; a peer program that merely
+   does not answer has none. */
 static int ddp__net_unacked(int fd) {
-    struct tcp_info info;
-    socklen_t len = sizeof info;
-    memset(&info, 0, sizeof info);
-    if (getsockopt(fd, IPPROTO_TCP, TCP_INFO, &info, &len) != 0) return 0;
-    return info.tcpi_unacked > 0;
+    int queued = 0;
+    if (ioctl(fd, TIOCOUTQ, &queued) != 0) return 0;
+    return queued > 0;
 }
 
 /* Connect to host:port, retrying with exponential backoff (10 ms .. 1 s) until the deadline while

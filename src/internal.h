@@ -55,6 +55,7 @@
 #include <stdlib.h>
 #include <string.h>
 #include <sys/file.h>
+#include <sys/ioctl.h>
 #include <sys/mman.h>
 #include <sys/resource.h>
 #include <sys/socket.h>
@@ -251,7 +252,7 @@ static DDP__UNUSED void ddp__divide(void *buf, size_t count, ddp_dtype t, int n)
 /* ---- net.c: TCP with deadlines (absolute ddp__now() seconds); messages go to err ---- */
 static DDP__UNUSED ddp_result ddp__net_listen(const char *host, int port, int *fd, int *bound_port, char *err);
 static DDP__UNUSED ddp_result ddp__net_connect(const char *host, int port, double deadline, int *fd, char *err);
-/* Has fd sent bytes that the peer's kernel has not acknowledged (TCP_INFO)? */
+/* Has fd sent bytes that the peer's kernel has not acknowledged (TIOCOUTQ)? */
 static DDP__UNUSED int ddp__net_unacked(int fd);
 /* Start a connect without waiting (poll the fd for POLLOUT, then SO_ERROR); *refused: refused at once. */
 static DDP__UNUSED ddp_result ddp__net_connect_start(const char *host, int port, int *fd_out, int *refused, char *err);

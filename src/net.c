@@ -152,15 +152,14 @@ static ddp_result ddp__net_connect_start(const char *host, int port, int *fd_out
     return DDP_SUCCESS;
 }
 
-/* Bytes this side sent on fd that the peer's kernel has not acknowledged yet (0 when unknown). A
-   connection still in the peer's full listen queue, or a peer that is unreachable, has them; a peer
-   program that merely does not answer has none. */
+/* Bytes this side sent on fd that the peer's kernel has not acknowledged yet (0 when unknown): Linux's
+   TIOCOUTQ (SIOCOUTQ) on a TCP socket counts the send queue not yet acknowledged. A connection still in
+   the peer's full listen queue, or a peer that is unreachable, has them; a peer program that merely
+   does not answer has none. */
 static int ddp__net_unacked(int fd) {
-    struct tcp_info info;
-    socklen_t len = sizeof info;
-    memset(&info, 0, sizeof info);
-    if (getsockopt(fd, IPPROTO_TCP, TCP_INFO, &info, &len) != 0) return 0;
-    return info.tcpi_unacked > 0;
+    int queued = 0;
+    if (ioctl(fd, TIOCOUTQ, &queued) != 0) return 0;
+    return queued > 0;
 }
 
 /* Connect to host:port, retrying with exponential backoff (10 ms .. 1 s) until the deadline while
