@@ -11042,6 +11042,11 @@ DDP_API ddp_result ddp_init(const ddp_init_desc *desc, ddp_group **out) {
     } else {
         snprintf(where, sizeof where, "the store at %s:%d", L.master_addr, L.master_port);
         r = DDP_SUCCESS;
+        /* Rank 0 holds a descriptor back for its own client while its server starts: the other ranks'
+           clients, connecting at once, could otherwise take the last ones under a low RLIMIT_NOFILE, and
+           rank 0 would fail without a connection to publish why (the server, short of descriptors, then
+           pauses accepting for 0.1 s, in which the client takes the one given back). */
+        int spare = L.rank == 0 ? open("/dev/null", O_RDONLY | O_CLOEXEC) : -1;
         if (L.rank == 0) r = ddp__store_server_start(L.master_addr, L.master_port, g->log_level, &g->member.store_server, err);
         if (L.rank == 0 && r != DDP_SUCCESS) r = ddp__rank0_port_taken(g, &L, r, err);
         if (L.rank == 0 && r == DDP_SUCCESS) { /* where its server says that it cannot accept a rank: */
@@ -11051,6 +11056,7 @@ DDP_API ddp_result ddp_init(const ddp_init_desc *desc, ddp_group **out) {
             ddp__key(g, ready_key, sizeof ready_key, "ready", -1);
             ddp__store_server_abort_key(g->member.store_server, abort_key, table_key, ready_key);
         }
+        if (spare >= 0) close(spare);
         if (r == DDP_SUCCESS) r = ddp__store_connect(L.master_addr, L.master_port, NULL, timeout, &g->member.store, err);
         ddp__route_address(L.master_addr, L.master_port, g->member.address, sizeof g->member.address);
     }
