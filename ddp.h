@@ -2020,12 +2020,12 @@ struct ddp_work {
 
 /* ---- link.c: connections made on first use ---- */
 /* A step needs a connection to `peer` to send: dial it unless a dial is under way (or the peer's wins). */
-static DDP__UNUSED ddp_result ddp__link_want(ddp_group *g, const ddp__coll *c, int peer);
+static DDP__UNUSED ddp_result ddp__link_want(ddp_group *g, int peer);
 /* The listener and the handshakes under way, as poll entries (owners below -1); returns how many. */
 static DDP__UNUSED int ddp__link_poll_entries(ddp_group *g, struct pollfd *fds, int *owner, double *wake);
 /* Move the handshakes on after a poll (entries from ddp__link_poll_entries); *progressed when any did. */
-static DDP__UNUSED ddp_result ddp__link_progress(ddp_group *g, const ddp__coll *c, const struct pollfd *fds, const int *owner,
-                                                 int n, int *progressed);
+static DDP__UNUSED ddp_result ddp__link_progress(ddp_group *g, const struct pollfd *fds, const int *owner, int n,
+                                                 int *progressed);
 static DDP__UNUSED void ddp__link_close_all(ddp_group *g); /* every connection, handshake and the listener */
 /* The port of `peer`, which this step needs, has refused connections for DDP__REFUSED_GRACE s: it is lost. */
 static DDP__UNUSED ddp_result ddp__link_check_refused(ddp_group *g, const ddp__coll *c, int peer);
@@ -5834,7 +5834,15 @@ static int ddp__link_dialing(const ddp_group *g, int rank) {
 
 /* ---- dialing ---- */
 
-static ddp_result ddp__link_want(ddp_group *g, const ddp__coll *c, int peer) {
+/* rank's port refused a dial (or closed it before the ack): dial again shortly; ddp__link_check_refused
+   calls it gone once this has lasted DDP__REFUSED_GRACE s. */
+static void ddp__link_refused(ddp_group *g, int rank) {
+    ddp__peer *p = &g->mesh.peers[rank];
+    if (!p->refused_since) p->refused_since = ddp__now();
+    p->dial_after = ddp__now() + 0.02;
+}
+
+static ddp_result ddp__link_want(ddp_group *g, int peer) {
     ddp__peer *p = &g->mesh.peers[peer];
     const ddp__peer_info *d = &g->mesh.dir[peer];
     char err[DDP__ERR_MAX], name[DDP__PEER_NAME_MAX];
@@ -5848,13 +5856,11 @@ static ddp_result ddp__link_want(ddp_group *g, const ddp__coll *c, int peer) {
         return DDP_SUCCESS;
     }
     if (refused) {
-        if (!p->refused_since) p->refused_since = ddp__now();
-        p->dial_after = ddp__now() + 0.02;
+        ddp__link_refused(g, peer);
         return DDP_SUCCESS;
     }
     return ddp__coll_fail(g, r, "connecting to rank %d (%s) at %s:%d: %s", peer, ddp__peer_name(g, peer, name, sizeof name),
                           g->mesh.names + d->addr, d->port, err);
-    (void)c;
 }
 
 /* The dialer's next bytes after `s->step` completed: send what the protocol says and wait for the answer. */
@@ -5976,7 +5982,7 @@ static int ddp__shake_accept_step(ddp_group *g, ddp__shake *s, const char **refu
 }
 
 /* Take what arrived on the listening socket: every connection waiting there, each as a handshake. */
-static ddp_result ddp__link_accept(ddp_group *g, const ddp__coll *c) {
+static ddp_result ddp__link_accept(ddp_group *g) {
     for (;;) {
         int fd = accept(g->mesh.listen_fd, NULL, NULL);
         char err[DDP__ERR_MAX], name[DDP__PEER_NAME_MAX];
@@ -5995,7 +6001,6 @@ static ddp_result ddp__link_accept(ddp_group *g, const ddp__coll *c) {
         if (ddp__auth_token()) ddp__shake_add(g, fd, -1, 0, DDP__SHAKE_AUTH_HELLO, 8 + DDP__AUTH_NONCE, ddp__now() + DDP__PENDING_SECONDS);
         else ddp__shake_add(g, fd, -1, 0, DDP__SHAKE_HELLO, sizeof(ddp__hello), ddp__now() + DDP__PENDING_SECONDS);
     }
-    (void)c;
 }
 
 /* ---- inside a step's poll ---- */
@@ -6025,7 +6030,7 @@ static int ddp__shake_read(ddp__shake *s) {
 }
 
 /* One handshake had an event. Returns a failure of the step (a dial that cannot go on), else success. */
-static ddp_result ddp__shake_event(ddp_group *g, const ddp__coll *c, int i, short re, int *progressed) {
+static ddp_result ddp__shake_event(ddp_group *g, int i, short re, int *progressed) {
     ddp__shake *s = &g->mesh.shakes[i];
     char err[DDP__ERR_MAX] = "", name[DDP__PEER_NAME_MAX];
     const char *refusal = NULL;
@@ -6045,9 +6050,7 @@ static ddp_result ddp__shake_event(ddp_group *g, const ddp__coll *c, int i, shor
     if (got == 0 || (got < 0 && s->dialing && !err[0])) {
         /* refused, or closed before the ack (the rank went away, or its accept failed): try again shortly,
            watching the other connections for its ABORT, until DDP__REFUSED_GRACE says it is gone */
-        ddp__peer *p = &g->mesh.peers[rank];
-        if (!p->refused_since) p->refused_since = ddp__now();
-        p->dial_after = ddp__now() + 0.02;
+        ddp__link_refused(g, rank);
         ddp__shake_drop(g, i);
         return DDP_SUCCESS;
     }
@@ -6064,11 +6067,9 @@ static ddp_result ddp__shake_event(ddp_group *g, const ddp__coll *c, int i, shor
     ddp__shake_drop(g, i);
     return ddp__coll_fail(g, DDP_ERR_INIT, "connecting to rank %d (%s): %s", rank, ddp__peer_name(g, rank, name, sizeof name),
                           err);
-    (void)c;
 }
 
-static ddp_result ddp__link_progress(ddp_group *g, const ddp__coll *c, const struct pollfd *fds, const int *owner, int n,
-                                     int *progressed) {
+static ddp_result ddp__link_progress(ddp_group *g, const struct pollfd *fds, const int *owner, int n, int *progressed) {
     int i, done = 0;
     ddp_result r;
     double now = ddp__now();
@@ -6076,7 +6077,7 @@ static ddp_result ddp__link_progress(ddp_group *g, const ddp__coll *c, const str
     for (i = n - 1; i >= 0; i--) {
         int k = -3 - owner[i];
         if (owner[i] > -3 || !fds[i].revents) continue;
-        if ((r = ddp__shake_event(g, c, k, fds[i].revents, progressed)) != DDP_SUCCESS) return r;
+        if ((r = ddp__shake_event(g, k, fds[i].revents, progressed)) != DDP_SUCCESS) return r;
     }
     for (i = g->mesh.nshakes - 1; i >= 0; i--) /* accepted ones that never said who they are */
         if (!g->mesh.shakes[i].dialing && now >= g->mesh.shakes[i].deadline) {
@@ -6086,7 +6087,7 @@ static ddp_result ddp__link_progress(ddp_group *g, const ddp__coll *c, const str
         }
     for (i = 0; i < n; i++)
         if (owner[i] == -2 && (fds[i].revents & POLLIN)) done = 1;
-    if (done && (r = ddp__link_accept(g, c)) != DDP_SUCCESS) return r;
+    if (done && (r = ddp__link_accept(g)) != DDP_SUCCESS) return r;
     return DDP_SUCCESS;
 }
 
@@ -6485,7 +6486,7 @@ static ddp_result ddp__exchange(ddp_group *g, const ddp__coll *c, const ddp__ste
         ddp_result r;
         g->mesh.waiting_for = received < recv_total ? s->recv_peer : s->send_peer;
         if (sent < send_total && g->mesh.peers[s->send_peer].fd < 0) { /* the sender dials (link.c) */
-            if ((r = ddp__link_want(g, c, s->send_peer)) != DDP_SUCCESS ||
+            if ((r = ddp__link_want(g, s->send_peer)) != DDP_SUCCESS ||
                 (r = ddp__link_check_refused(g, c, s->send_peer)) != DDP_SUCCESS)
                 return r;
             wake = DDP__MIN(wake, g->mesh.peers[s->send_peer].dial_after);
@@ -6520,7 +6521,7 @@ static ddp_result ddp__exchange(ddp_group *g, const ddp__coll *c, const ddp__ste
         if (rc == 0)
             rc = poll(fds, (nfds_t)n, soon ? 1 : (int)DDP__MAX(1.0, DDP__MIN(1000.0, (wake - ddp__now()) * 1000.0)));
         if (rc < 0 && errno != EINTR) return ddp__coll_fail(g, DDP_ERR_SYSTEM, "poll failed: %s", strerror(errno));
-        if (rc > 0 && n > npeers && (r = ddp__link_progress(g, c, fds + npeers, owner + npeers, n - npeers, &progressed)))
+        if (rc > 0 && n > npeers && (r = ddp__link_progress(g, fds + npeers, owner + npeers, n - npeers, &progressed)))
             return r;
         /* Progress first: a peer that broke the group after sending what this step needs (it moved
            on to a later collective and failed there) must not fail this step; that error comes with
@@ -10069,11 +10070,6 @@ static ddp_result ddp__rdzv_abort(ddp_group *g, ddp_result code, const char *msg
 
 static ddp_result ddp__rdzv_check_abort(ddp_group *g, int *aborted);
 
-/* Close this rank's connections and its listening socket at once (not at ddp__group_free), so that a
-   rank waiting on one of them in the set-up's collectives fails now and reads the published reason
-   while the store is there. */
-static void ddp__mesh_hang_up(ddp_group *g) { ddp__link_close_all(g); }
-
 /* Publish this rank's error (g->error) as the abort, unless one is there already. */
 static void ddp__rdzv_publish(ddp_group *g, ddp_result code) {
     char key[256], msg[DDP__ERR_MAX];
@@ -10086,7 +10082,7 @@ static void ddp__rdzv_publish(ddp_group *g, ddp_result code) {
 
 /* A rendezvous failed on this rank: publish the error (unless another rank already published one:
    then a rank that only lost a peer fails with the published reason, which is the cause, rather than
-   "lost rank i"), hang up its mesh connections, and if this rank serves the store, keep serving until
+   "lost rank i"), hang up its connections and listener, and if this rank serves the store, keep serving until
    every other process has read it (at most a few seconds, for ranks that never started), so that they
    fail with the reason instead of "lost the store". Every other process counts itself in abort_seen,
    whether or not it had joined: one that was still claiming its rank when the error came (a slow start,
@@ -10108,7 +10104,7 @@ static ddp_result ddp__rdzv_fail_all(ddp_group *g, ddp_result code) {
         snprintf(msg, sizeof msg, "%s", g->error);
     }
     ddp__fail(g, code, "%s", msg);
-    ddp__mesh_hang_up(g);
+    ddp__link_close_all(g); /* at once, not at ddp__group_free: a rank waiting on one fails now and reads why */
     ddp__key(g, key, sizeof key, "abort_seen", -1);
     if (!g->member.store_server) { /* done with the store: the rank serving it may stop waiting for us */
         ddp_store_add(g->member.store, key, 1, &seen);

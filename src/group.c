@@ -243,11 +243,6 @@ static ddp_result ddp__rdzv_abort(ddp_group *g, ddp_result code, const char *msg
 
 static ddp_result ddp__rdzv_check_abort(ddp_group *g, int *aborted);
 
-/* Close this rank's connections and its listening socket at once (not at ddp__group_free), so that a
-   rank waiting on one of them in the set-up's collectives fails now and reads the published reason
-   while the store is there. */
-static void ddp__mesh_hang_up(ddp_group *g) { ddp__link_close_all(g); }
-
 /* Publish this rank's error (g->error) as the abort, unless one is there already. */
 static void ddp__rdzv_publish(ddp_group *g, ddp_result code) {
     char key[256], msg[DDP__ERR_MAX];
@@ -260,7 +255,7 @@ static void ddp__rdzv_publish(ddp_group *g, ddp_result code) {
 
 /* A rendezvous failed on this rank: publish the error (unless another rank already published one:
    then a rank that only lost a peer fails with the published reason, which is the cause, rather than
-   "lost rank i"), hang up its mesh connections, and if this rank serves the store, keep serving until
+   "lost rank i"), hang up its connections and listener, and if this rank serves the store, keep serving until
    every other process has read it (at most a few seconds, for ranks that never started), so that they
    fail with the reason instead of "lost the store". Every other process counts itself in abort_seen,
    whether or not it had joined: one that was still claiming its rank when the error came (a slow start,
@@ -282,7 +277,7 @@ static ddp_result ddp__rdzv_fail_all(ddp_group *g, ddp_result code) {
         snprintf(msg, sizeof msg, "%s", g->error);
     }
     ddp__fail(g, code, "%s", msg);
-    ddp__mesh_hang_up(g);
+    ddp__link_close_all(g); /* at once, not at ddp__group_free: a rank waiting on one fails now and reads why */
     ddp__key(g, key, sizeof key, "abort_seen", -1);
     if (!g->member.store_server) { /* done with the store: the rank serving it may stop waiting for us */
         ddp_store_add(g->member.store, key, 1, &seen);

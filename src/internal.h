@@ -555,12 +555,12 @@ struct ddp_work {
 
 /* ---- link.c: connections made on first use ---- */
 /* A step needs a connection to `peer` to send: dial it unless a dial is under way (or the peer's wins). */
-static DDP__UNUSED ddp_result ddp__link_want(ddp_group *g, const ddp__coll *c, int peer);
+static DDP__UNUSED ddp_result ddp__link_want(ddp_group *g, int peer);
 /* The listener and the handshakes under way, as poll entries (owners below -1); returns how many. */
 static DDP__UNUSED int ddp__link_poll_entries(ddp_group *g, struct pollfd *fds, int *owner, double *wake);
 /* Move the handshakes on after a poll (entries from ddp__link_poll_entries); *progressed when any did. */
-static DDP__UNUSED ddp_result ddp__link_progress(ddp_group *g, const ddp__coll *c, const struct pollfd *fds, const int *owner,
-                                                 int n, int *progressed);
+static DDP__UNUSED ddp_result ddp__link_progress(ddp_group *g, const struct pollfd *fds, const int *owner, int n,
+                                                 int *progressed);
 static DDP__UNUSED void ddp__link_close_all(ddp_group *g); /* every connection, handshake and the listener */
 /* The port of `peer`, which this step needs, has refused connections for DDP__REFUSED_GRACE s: it is lost. */
 static DDP__UNUSED ddp_result ddp__link_check_refused(ddp_group *g, const ddp__coll *c, int peer);

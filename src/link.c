@@ -96,7 +96,15 @@ static int ddp__link_dialing(const ddp_group *g, int rank) {
 
 /* ---- dialing ---- */
 
-static ddp_result ddp__link_want(ddp_group *g, const ddp__coll *c, int peer) {
+/* rank's port refused a dial (or closed it before the ack): dial again shortly; ddp__link_check_refused
+   calls it gone once this has lasted DDP__REFUSED_GRACE s. */
+static void ddp__link_refused(ddp_group *g, int rank) {
+    ddp__peer *p = &g->mesh.peers[rank];
+    if (!p->refused_since) p->refused_since = ddp__now();
+    p->dial_after = ddp__now() + 0.02;
+}
+
+static ddp_result ddp__link_want(ddp_group *g, int peer) {
     ddp__peer *p = &g->mesh.peers[peer];
     const ddp__peer_info *d = &g->mesh.dir[peer];
     char err[DDP__ERR_MAX], name[DDP__PEER_NAME_MAX];
@@ -110,13 +118,11 @@ static ddp_result ddp__link_want(ddp_group *g, const ddp__coll *c, int peer) {
         return DDP_SUCCESS;
     }
     if (refused) {
-        if (!p->refused_since) p->refused_since = ddp__now();
-        p->dial_after = ddp__now() + 0.02;
+        ddp__link_refused(g, peer);
         return DDP_SUCCESS;
     }
     return ddp__coll_fail(g, r, "connecting to rank %d (%s) at %s:%d: %s", peer, ddp__peer_name(g, peer, name, sizeof name),
                           g->mesh.names + d->addr, d->port, err);
-    (void)c;
 }
 
 /* The dialer's next bytes after `s->step` completed: send what the protocol says and wait for the answer. */
@@ -238,7 +244,7 @@ static int ddp__shake_accept_step(ddp_group *g, ddp__shake *s, const char **refu
 }
 
 /* Take what arrived on the listening socket: every connection waiting there, each as a handshake. */
-static ddp_result ddp__link_accept(ddp_group *g, const ddp__coll *c) {
+static ddp_result ddp__link_accept(ddp_group *g) {
     for (;;) {
         int fd = accept(g->mesh.listen_fd, NULL, NULL);
         char err[DDP__ERR_MAX], name[DDP__PEER_NAME_MAX];
@@ -257,7 +263,6 @@ static ddp_result ddp__link_accept(ddp_group *g, const ddp__coll *c) {
         if (ddp__auth_token()) ddp__shake_add(g, fd, -1, 0, DDP__SHAKE_AUTH_HELLO, 8 + DDP__AUTH_NONCE, ddp__now() + DDP__PENDING_SECONDS);
         else ddp__shake_add(g, fd, -1, 0, DDP__SHAKE_HELLO, sizeof(ddp__hello), ddp__now() + DDP__PENDING_SECONDS);
     }
-    (void)c;
 }
 
 /* ---- inside a step's poll ---- */
@@ -287,7 +292,7 @@ static int ddp__shake_read(ddp__shake *s) {
 }
 
 /* One handshake had an event. Returns a failure of the step (a dial that cannot go on), else success. */
-static ddp_result ddp__shake_event(ddp_group *g, const ddp__coll *c, int i, short re, int *progressed) {
+static ddp_result ddp__shake_event(ddp_group *g, int i, short re, int *progressed) {
     ddp__shake *s = &g->mesh.shakes[i];
     char err[DDP__ERR_MAX] = "", name[DDP__PEER_NAME_MAX];
     const char *refusal = NULL;
@@ -307,9 +312,7 @@ static ddp_result ddp__shake_event(ddp_group *g, const ddp__coll *c, int i, shor
     if (got == 0 || (got < 0 && s->dialing && !err[0])) {
         /* refused, or closed before the ack (the rank went away, or its accept failed): try again shortly,
            watching the other connections for its ABORT, until DDP__REFUSED_GRACE says it is gone */
-        ddp__peer *p = &g->mesh.peers[rank];
-        if (!p->refused_since) p->refused_since = ddp__now();
-        p->dial_after = ddp__now() + 0.02;
+        ddp__link_refused(g, rank);
         ddp__shake_drop(g, i);
         return DDP_SUCCESS;
     }
@@ -326,11 +329,9 @@ static ddp_result ddp__shake_event(ddp_group *g, const ddp__coll *c, int i, shor
     ddp__shake_drop(g, i);
     return ddp__coll_fail(g, DDP_ERR_INIT, "connecting to rank %d (%s): %s", rank, ddp__peer_name(g, rank, name, sizeof name),
                           err);
-    (void)c;
 }
 
-static ddp_result ddp__link_progress(ddp_group *g, const ddp__coll *c, const struct pollfd *fds, const int *owner, int n,
-                                     int *progressed) {
+static ddp_result ddp__link_progress(ddp_group *g, const struct pollfd *fds, const int *owner, int n, int *progressed) {
     int i, done = 0;
     ddp_result r;
     double now = ddp__now();
@@ -338,7 +339,7 @@ static ddp_result ddp__link_progress(ddp_group *g, const ddp__coll *c, const str
     for (i = n - 1; i >= 0; i--) {
         int k = -3 - owner[i];
         if (owner[i] > -3 || !fds[i].revents) continue;
-        if ((r = ddp__shake_event(g, c, k, fds[i].revents, progressed)) != DDP_SUCCESS) return r;
+        if ((r = ddp__shake_event(g, k, fds[i].revents, progressed)) != DDP_SUCCESS) return r;
     }
     for (i = g->mesh.nshakes - 1; i >= 0; i--) /* accepted ones that never said who they are */
         if (!g->mesh.shakes[i].dialing && now >= g->mesh.shakes[i].deadline) {
@@ -348,7 +349,7 @@ static ddp_result ddp__link_progress(ddp_group *g, const ddp__coll *c, const str
         }
     for (i = 0; i < n; i++)
         if (owner[i] == -2 && (fds[i].revents & POLLIN)) done = 1;
-    if (done && (r = ddp__link_accept(g, c)) != DDP_SUCCESS) return r;
+    if (done && (r = ddp__link_accept(g)) != DDP_SUCCESS) return r;
     return DDP_SUCCESS;
 }
 

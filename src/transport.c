@@ -359,7 +359,7 @@ static ddp_result ddp__exchange(ddp_group *g, const ddp__coll *c, const ddp__ste
         ddp_result r;
         g->mesh.waiting_for = received < recv_total ? s->recv_peer : s->send_peer;
         if (sent < send_total && g->mesh.peers[s->send_peer].fd < 0) { /* the sender dials (link.c) */
-            if ((r = ddp__link_want(g, c, s->send_peer)) != DDP_SUCCESS ||
+            if ((r = ddp__link_want(g, s->send_peer)) != DDP_SUCCESS ||
                 (r = ddp__link_check_refused(g, c, s->send_peer)) != DDP_SUCCESS)
                 return r;
             wake = DDP__MIN(wake, g->mesh.peers[s->send_peer].dial_after);
@@ -394,7 +394,7 @@ static ddp_result ddp__exchange(ddp_group *g, const ddp__coll *c, const ddp__ste
         if (rc == 0)
             rc = poll(fds, (nfds_t)n, soon ? 1 : (int)DDP__MAX(1.0, DDP__MIN(1000.0, (wake - ddp__now()) * 1000.0)));
         if (rc < 0 && errno != EINTR) return ddp__coll_fail(g, DDP_ERR_SYSTEM, "poll failed: %s", strerror(errno));
-        if (rc > 0 && n > npeers && (r = ddp__link_progress(g, c, fds + npeers, owner + npeers, n - npeers, &progressed)))
+        if (rc > 0 && n > npeers && (r = ddp__link_progress(g, fds + npeers, owner + npeers, n - npeers, &progressed)))
             return r;
         /* Progress first: a peer that broke the group after sending what this step needs (it moved
            on to a later collective and failed there) must not fail this step; that error comes with
