@@ -335,6 +335,41 @@ DDP_API ddp_result ddp_reduce_scatter(ddp_group *g, const void *send, void *recv
 /* returns when every rank has entered the barrier */
 DDP_API ddp_result ddp_barrier(ddp_group *g);
 
+/* The rest of torch.distributed's collectives. Rooted calls read (scatter) or write (gather) the big
+   buffer on the root alone; other ranks may pass NULL there. Buffers of one call must not overlap,
+   except where "in place" says. */
+/* gather: root's recv[r*count ...] <- rank r's send (count elements), for every r. In place on the root:
+   send = recv + root*count. */
+DDP_API ddp_result ddp_gather(ddp_group *g, const void *send, void *recv, size_t count, ddp_dtype t, int root);
+/* scatter: recv (count elements) <- root's send[rank*count ...]. In place on the root: recv = send +
+   root*count. */
+DDP_API ddp_result ddp_scatter(ddp_group *g, const void *send, void *recv, size_t count, ddp_dtype t, int root);
+/* all_to_all (torch's all_to_all_single with equal splits): recv[r*count_per_rank ...] <- rank r's
+   send[rank*count_per_rank ...], for every r. send may equal recv (in place). */
+DDP_API ddp_result ddp_all_to_all(ddp_group *g, const void *send, void *recv, size_t count_per_rank, ddp_dtype t);
+/* all_to_all_v (all_to_all_single with split sizes): send holds world blocks packed in rank order, block
+   j of send_counts[j] elements going to rank j; recv receives block r (recv_counts[r] elements) from
+   rank r, packed in rank order. Rank i's send_counts[j] must equal rank j's recv_counts[i]: a
+   difference is DDP_ERR_MISMATCH on every rank, naming both ranks and both sizes. Zeros are fine. */
+DDP_API ddp_result ddp_all_to_all_v(ddp_group *g, const void *send, const size_t *send_counts, void *recv,
+                                    const size_t *recv_counts, ddp_dtype t);
+/* all_gather_v (all_gather of tensors of uneven size): recv <- every rank's send, rank r's counts[r]
+   elements packed in rank order; count is this rank's (= counts[rank]). Every rank passes the same
+   counts (a difference is DDP_ERR_MISMATCH on every rank). In place: send = recv + the sum of
+   counts[0 .. rank-1]. */
+DDP_API ddp_result ddp_all_gather_v(ddp_group *g, const void *send, size_t count, void *recv, const size_t *counts,
+                                    ddp_dtype t);
+/* broadcast_bytes (broadcast_object_list for a serialized object): the root passes *data and *size
+   (bytes); every other rank gets a new buffer in *data holding a copy, and its size in *size (set on
+   success only), and releases it with ddp_free_bytes(). A size of 0 gives a valid buffer too. */
+DDP_API ddp_result ddp_broadcast_bytes(ddp_group *g, void **data, size_t *size, int root);
+DDP_API void ddp_free_bytes(void *data); /* NULL is a no-op */
+/* monitored_barrier (torch's, with wait_all_ranks=True): every rank reports to rank 0, which waits up
+   to timeout_seconds (<= 0: the group's timeout) and then fails with DDP_ERR_TIMEOUT naming every rank
+   that did not arrive (host and pid); the group is then broken on every rank that did arrive, with the
+   same message. When all arrive it returns DDP_SUCCESS on every rank, as ddp_barrier. */
+DDP_API ddp_result ddp_monitored_barrier(ddp_group *g, double timeout_seconds);
+
 /* Asynchronous variants: queue the collective and return at once. A progress thread runs queued
    work in issue order. The buffers must stay valid and untouched until ddp_wait returns.
    A synchronous collective issued after async ones runs after them. */
@@ -349,6 +384,20 @@ DDP_API ddp_result ddp_all_gather_async(ddp_group *g, const void *send, void *re
 DDP_API ddp_result ddp_reduce_scatter_async(ddp_group *g, const void *send, void *recv, size_t count_per_rank,
                                             ddp_dtype t, ddp_op op, ddp_work **w);
 DDP_API ddp_result ddp_barrier_async(ddp_group *g, ddp_work **w);
+DDP_API ddp_result ddp_gather_async(ddp_group *g, const void *send, void *recv, size_t count, ddp_dtype t, int root,
+                                    ddp_work **w);
+DDP_API ddp_result ddp_scatter_async(ddp_group *g, const void *send, void *recv, size_t count, ddp_dtype t, int root,
+                                     ddp_work **w);
+DDP_API ddp_result ddp_all_to_all_async(ddp_group *g, const void *send, void *recv, size_t count_per_rank,
+                                        ddp_dtype t, ddp_work **w);
+/* the count arrays, like the buffers, must stay valid until ddp_wait returns */
+DDP_API ddp_result ddp_all_to_all_v_async(ddp_group *g, const void *send, const size_t *send_counts, void *recv,
+                                          const size_t *recv_counts, ddp_dtype t, ddp_work **w);
+DDP_API ddp_result ddp_all_gather_v_async(ddp_group *g, const void *send, size_t count, void *recv,
+                                          const size_t *counts, ddp_dtype t, ddp_work **w);
+/* data and size must stay valid until ddp_wait returns; they are written then */
+DDP_API ddp_result ddp_broadcast_bytes_async(ddp_group *g, void **data, size_t *size, int root, ddp_work **w);
+DDP_API ddp_result ddp_monitored_barrier_async(ddp_group *g, double timeout_seconds, ddp_work **w);
 /* Block until w is complete; return its result and release w (its message is then in
    ddp_last_error(group)). Call exactly once per handle: a handle already waited on, or released by
    ddp_destroy of its group, is DDP_ERR_INVALID_ARGUMENT without being touched (recognised as long as
@@ -1811,13 +1860,22 @@ typedef enum ddp__coll_kind {
     DDP__ALL_GATHER,
     DDP__REDUCE_SCATTER,
     DDP__BARRIER,
+    DDP__GATHER,
+    DDP__SCATTER,
+    DDP__ALL_TO_ALL,
+    DDP__ALL_TO_ALL_V,
+    DDP__ALL_GATHER_V,
+    DDP__BROADCAST_BYTES,
+    DDP__MONITORED_BARRIER,
     DDP__COLL_KINDS
 } ddp__coll_kind;
 #define DDP__NO_OP 0xff
 
 typedef struct ddp__coll {
     uint64_t seq;   /* the group's collective number: 1 for its first (its own set-up included), never restarts */
-    uint64_t count; /* the call's count (per rank for all_gather / reduce_scatter) */
+    uint64_t count; /* the call's count (per rank for all_gather / reduce_scatter / gather / scatter / all_to_all;
+                       the sum of the counts for all_gather_v; 0 for all_to_all_v, broadcast_bytes and
+                       monitored_barrier, whose sizes are checked frame by frame) */
     uint8_t kind;   /* ddp__coll_kind */
     uint8_t dtype;
     uint8_t op;     /* DDP__NO_OP when the collective takes none */
@@ -1833,6 +1891,11 @@ typedef struct ddp__call {
     ddp_dtype dtype;
     ddp_op op;
     int root;
+    const size_t *send_counts; /* all_to_all_v: world entries */
+    const size_t *recv_counts; /* all_to_all_v, all_gather_v: world entries */
+    void **bytes;              /* broadcast_bytes: the root's data in, the receivers' new buffer out */
+    size_t *bytes_size;        /* broadcast_bytes: its size */
+    double seconds;            /* monitored_barrier: how long rank 0 waits for the others */
 } ddp__call;
 
 /* A backend: the only way a call reaches a transport. Each backend file fills one table (its set-up
@@ -2057,6 +2120,10 @@ typedef struct ddp__step {
     int recv_peer;
     void *recv_buf;
     size_t recv_bytes;
+    double deadline; /* 0: fail after the group's timeout without progress; else wait until this time
+                        (ddp__now()) for the frame to start (monitored_barrier), the timeout after that */
+    int soft;        /* with deadline: when it passes before anything arrived, return DDP_ERR_TIMEOUT
+                        without breaking the group (the caller decides) */
 } ddp__step;
 static DDP__UNUSED ddp_result ddp__exchange(ddp_group *g, const ddp__coll *c, const ddp__step *s);
 static DDP__UNUSED void ddp__close_after_failure(ddp_group *g, double seconds);
@@ -6179,7 +6246,9 @@ typedef struct ddp__frame {
 } ddp__frame;
 
 static const char *ddp__coll_name(int kind) {
-    static const char *names[] = {"?", "all_reduce", "broadcast", "reduce", "all_gather", "reduce_scatter", "barrier"};
+    static const char *names[] = {"?",       "all_reduce", "broadcast",  "reduce",       "all_gather",
+                                  "reduce_scatter", "barrier", "gather", "scatter", "all_to_all", "all_to_all_v",
+                                  "all_gather_v", "broadcast_bytes", "monitored_barrier"};
     return (kind > 0 && kind < DDP__COLL_KINDS) ? names[kind] : "an unknown operation";
 }
 
@@ -6189,13 +6258,22 @@ static const char *ddp__coll_name(int kind) {
 static void ddp__coll_describe(const ddp_group *g, const ddp__coll *c, char *out, size_t cap) {
     char extra[48] = "";
     unsigned long long number = (unsigned long long)(c->seq - g->seq_base);
-    if (c->kind == DDP__BARRIER) {
-        snprintf(out, cap, "barrier() as collective #%llu", number);
+    if (c->kind == DDP__BARRIER || c->kind == DDP__MONITORED_BARRIER) {
+        snprintf(out, cap, "%s() as collective #%llu", ddp__coll_name(c->kind), number);
+        return;
+    }
+    if (c->kind == DDP__BROADCAST_BYTES) {
+        snprintf(out, cap, "broadcast_bytes(root=%d) as collective #%llu", (int)c->root, number);
+        return;
+    }
+    if (c->kind == DDP__ALL_TO_ALL_V) { /* the split sizes are per rank: frames check them */
+        snprintf(out, cap, "all_to_all_v(%s) as collective #%llu", ddp_dtype_name((ddp_dtype)c->dtype), number);
         return;
     }
     if (c->op != DDP__NO_OP) snprintf(extra, sizeof extra, ", %s", ddp_op_name((ddp_op)c->op));
     if (c->root >= 0) snprintf(extra + strlen(extra), sizeof extra - strlen(extra), ", root=%d", (int)c->root);
-    snprintf(out, cap, "%s(count=%llu, %s%s) as collective #%llu", ddp__coll_name(c->kind), (unsigned long long)c->count,
+    snprintf(out, cap, "%s(%s=%llu, %s%s) as collective #%llu", ddp__coll_name(c->kind),
+             c->kind == DDP__ALL_GATHER_V ? "total count" : "count", (unsigned long long)c->count,
              ddp_dtype_name((ddp_dtype)c->dtype), extra, number);
 }
 
@@ -6395,6 +6473,19 @@ static ddp_result ddp__check_frame(ddp_group *g, const ddp__coll *c, int peer, c
                               "rank must call the same collectives in the same order with the same count, dtype, op and root",
                               peer, theirs, g->rank, ours);
     }
+    if (f->bytes != expect && (c->kind == DDP__ALL_TO_ALL_V || c->kind == DDP__ALL_GATHER_V)) { /* sizes per rank */
+        size_t es = ddp_dtype_size((ddp_dtype)c->dtype);
+        ddp__coll_describe(g, c, ours, sizeof ours);
+        if (c->kind == DDP__ALL_TO_ALL_V)
+            return ddp__coll_fail(g, DDP_ERR_MISMATCH, "split sizes differ in %s: rank %d sends %llu elements to rank %d "
+                                  "(its send_counts[%d]) while rank %d expects %llu from rank %d (its recv_counts[%d]); "
+                                  "rank i's send_counts[j] must equal rank j's recv_counts[i]", ours, peer,
+                                  (unsigned long long)(f->bytes / es), g->rank, g->rank, g->rank,
+                                  (unsigned long long)(expect / es), peer, peer);
+        return ddp__coll_fail(g, DDP_ERR_MISMATCH, "counts differ in %s: rank %d sent a block of %llu elements where "
+                              "rank %d's counts say %llu; every rank must pass the same counts", ours, peer,
+                              (unsigned long long)(f->bytes / es), g->rank, (unsigned long long)(expect / es));
+    }
     if (f->bytes != expect)
         return ddp__coll_fail(g, DDP_ERR_FORMAT, "rank %d sent %llu bytes where %llu were expected in %s",
                               peer, (unsigned long long)f->bytes, (unsigned long long)expect, ddp__coll_name(c->kind));
@@ -6476,7 +6567,7 @@ static ddp_result ddp__exchange(ddp_group *g, const ddp__coll *c, const ddp__ste
     int *owner = g->mesh.poll_owner;
     int spin = s->send_bytes <= DDP__TCP_SPIN_MAX_BYTES && s->recv_bytes <= DDP__TCP_SPIN_MAX_BYTES;
     double spin_for = ddp__oversubscribed(g->local_world_size) ? 0 : DDP__TCP_SPIN_SECONDS;
-    double deadline = ddp__now() + g->timeout, spin_until = spin ? ddp__now() + spin_for : 0;
+    double deadline = s->deadline > 0 ? s->deadline : ddp__now() + g->timeout, spin_until = spin ? ddp__now() + spin_for : 0;
     double watch_every = DDP__WATCH_PERIOD, next_watch = ddp__now() + watch_every;
     if (g->broken) return g->broken;
     if (s->send_peer >= 0) ddp__frame_init(&out, g, c, DDP__FRAME_DATA, s->send_bytes);
@@ -6588,10 +6679,12 @@ static ddp_result ddp__exchange(ddp_group *g, const ddp__coll *c, const ddp__ste
             ddp_result r;
             if ((fds[i].revents & POLLIN) && (r = ddp__peek_peer(g, c, owner[i])) != DDP_SUCCESS) return r;
         }
-        if (progressed) {
+        if (progressed && (s->deadline <= 0 || sent > 0 || received > 0)) { /* a handshake's progress does not
+                                                                               move a step's own deadline */
             deadline = ddp__now() + g->timeout;
             if (spin) spin_until = ddp__now() + spin_for;
         } else if (ddp__now() > deadline) {
+            if (s->soft && sent == 0 && received == 0) return DDP_ERR_TIMEOUT;
             return ddp__peer_timed_out(g, g->mesh.waiting_for, c);
         }
     }
@@ -6694,6 +6787,7 @@ static ddp_result ddp__no_memory(ddp_group *g, size_t bytes) {
 static ddp__call ddp__make_call(ddp__coll_kind kind, const void *send, void *buf, size_t count, ddp_dtype t, ddp_op op,
                                 int root) {
     ddp__call k;
+    memset(&k, 0, sizeof k);
     k.kind = kind;
     k.send = send;
     k.buf = buf;
@@ -6706,6 +6800,33 @@ static ddp__call ddp__make_call(ddp__coll_kind kind, const void *send, void *buf
 
 /* ---- running a call ---- */
 
+/* broadcast_bytes (torch's broadcast_object_list): two broadcasts under the call's one fingerprint, the
+   size and then the data, into a buffer that the receivers allocate in between. Every backend runs a
+   broadcast with any fingerprint, and both runs carry the same one (shm's first step republishes it). */
+static ddp_result ddp__broadcast_bytes_run(ddp_group *g, const ddp__backend *b, const ddp__call *k, const ddp__coll *c) {
+    uint64_t size = g->rank == k->root ? (uint64_t)*k->bytes_size : 0; /* sent as its 8 bytes: ranks share a byte order */
+    ddp__call part = ddp__make_call(DDP__BROADCAST, NULL, &size, 8, DDP_U8, DDP_SUM, k->root);
+    char *data = g->rank == k->root ? (char *)*k->bytes : NULL;
+    ddp_result r = b->run(g, &part, c);
+    if (r) return r;
+    if (size > DDP__MAX_BUFFER_BYTES) /* the root checked its own size: this is no size the root sent */
+        return ddp__coll_fail(g, DDP_ERR_FORMAT, "broadcast_bytes: rank %d received a size of %llu bytes from the root",
+                              g->rank, (unsigned long long)size);
+    if (g->rank != k->root && !(data = (char *)ddp__malloc(size ? (size_t)size : 1)))
+        return ddp__coll_fail(g, DDP_ERR_OUT_OF_MEMORY, "broadcast_bytes: rank %d is out of memory for the root's %llu bytes",
+                              g->rank, (unsigned long long)size);
+    part = ddp__make_call(DDP__BROADCAST, NULL, data, (size_t)size, DDP_U8, DDP_SUM, k->root);
+    if ((r = b->run(g, &part, c)) != DDP_SUCCESS) {
+        if (g->rank != k->root) ddp__free(data);
+        return r;
+    }
+    if (g->rank != k->root) {
+        *k->bytes = data;
+        *k->bytes_size = (size_t)size;
+    }
+    return DDP_SUCCESS;
+}
+
 static ddp_result ddp__run(ddp_group *g, const ddp__backend *b, const ddp__call *k, const ddp__coll *c) {
     ddp_result r;
     if (g->broken) {
@@ -6714,49 +6835,148 @@ static ddp_result ddp__run(ddp_group *g, const ddp__backend *b, const ddp__call 
     }
     g->mesh.waiting_for = -1;
     ddp__trace_started(g, c);
-    r = b->run(g, k, c);
+    r = k->kind == DDP__BROADCAST_BYTES ? ddp__broadcast_bytes_run(g, b, k, c) : b->run(g, k, c);
     ddp__trace_ended(g, c, r);
     return r;
 }
 
-/* Check a call's arguments on the caller's thread; a bad call never reaches the wire. */
+/* The sum of a split-size list (world entries), or UINT64_MAX when it passes 2^63 (too large anyway). */
+static uint64_t ddp__counts_sum(const size_t *counts, int n) {
+    uint64_t sum = 0;
+    int i;
+    for (i = 0; i < n; i++) {
+        if ((uint64_t)counts[i] > ((uint64_t)1 << 63) - sum) return UINT64_MAX;
+        sum += (uint64_t)counts[i];
+    }
+    return sum;
+}
+
+/* The elements of a call's largest buffer, for the size limit: count x world size for the calls whose
+   count is per rank, the sums of the split sizes for the _v calls (the larger side), else count. */
+static uint64_t ddp__call_elements(const ddp_group *g, const ddp__call *k) {
+    switch (k->kind) {
+    case DDP__ALL_GATHER:
+    case DDP__REDUCE_SCATTER:
+    case DDP__GATHER:
+    case DDP__SCATTER:
+    case DDP__ALL_TO_ALL: return (uint64_t)k->count * (uint64_t)g->world_size; /* count <= 2^47 here (checked first) */
+    case DDP__ALL_TO_ALL_V: {
+        uint64_t a = ddp__counts_sum(k->send_counts, g->world_size), b = ddp__counts_sum(k->recv_counts, g->world_size);
+        return DDP__MAX(a, b);
+    }
+    case DDP__ALL_GATHER_V: return ddp__counts_sum(k->recv_counts, g->world_size);
+    default: return k->count;
+    }
+}
+
+static int ddp__takes_root(int kind) {
+    return kind == DDP__BROADCAST || kind == DDP__REDUCE || kind == DDP__GATHER || kind == DDP__SCATTER ||
+           kind == DDP__BROADCAST_BYTES;
+}
+
+/* Check a call's arguments on the caller's thread; a bad call never reaches the wire. Each buffer is
+   checked only where the call reads or writes it: gather's recv and scatter's send on the root alone. */
 static ddp_result ddp__validate(ddp_group *g, const ddp__call *k) {
     const char *name = ddp__coll_name(k->kind);
-    size_t es, ranks, limit;
+    size_t es;
+    uint64_t elements, limit;
+    int root, v = k->kind == DDP__ALL_TO_ALL_V || k->kind == DDP__ALL_GATHER_V;
     ddp_result r = ddp__group_check(g, name);
     if (r) return r;
+    root = g->rank == k->root;
     if (k->kind == DDP__BARRIER) return DDP_SUCCESS;
+    if (k->kind == DDP__MONITORED_BARRIER) {
+        if (!(k->seconds == k->seconds) || k->seconds > 1e9) /* NaN, or beyond any job */
+            return ddp__fail(g, DDP_ERR_INVALID_ARGUMENT, "%s: timeout_seconds %g is not a number of seconds (<= 0: the "
+                             "group's timeout)", name, k->seconds);
+        return DDP_SUCCESS;
+    }
     if (!ddp__dtype_valid(k->dtype))
         return ddp__fail(g, DDP_ERR_INVALID_ARGUMENT, "%s: dtype %d is not a ddp_dtype (DDP_F32 ... DDP_I64)", name, (int)k->dtype);
     if ((k->kind == DDP__ALL_REDUCE || k->kind == DDP__REDUCE || k->kind == DDP__REDUCE_SCATTER) && !ddp__op_valid(k->op))
         return ddp__fail(g, DDP_ERR_INVALID_ARGUMENT, "%s: op %d is not a ddp_op (DDP_SUM, DDP_AVG, DDP_PROD, DDP_MIN, DDP_MAX)",
                          name, (int)k->op);
-    if ((k->kind == DDP__BROADCAST || k->kind == DDP__REDUCE) && (k->root < 0 || k->root >= g->world_size))
+    if (ddp__takes_root(k->kind) && (k->root < 0 || k->root >= g->world_size))
         return ddp__fail(g, DDP_ERR_INVALID_ARGUMENT, "%s: root %d is not a rank of this group (world size %d)", name, k->root,
                          g->world_size);
+    if (k->kind == DDP__BROADCAST_BYTES) {
+        if (!k->bytes || !k->bytes_size)
+            return ddp__fail(g, DDP_ERR_INVALID_ARGUMENT, "%s: the %s argument is NULL (every rank passes both: the root "
+                             "its data and size, the others where to put them)", name, !k->bytes ? "data" : "size");
+        if (root && *k->bytes_size > DDP__MAX_BUFFER_BYTES)
+            return ddp__fail(g, DDP_ERR_INVALID_ARGUMENT, "%s: size %zu is above the limit of 2^47 bytes (128 TiB)", name,
+                             *k->bytes_size);
+        if (root && *k->bytes_size && !*k->bytes)
+            return ddp__fail(g, DDP_ERR_INVALID_ARGUMENT, "%s: the root's data is NULL with size %zu", name, *k->bytes_size);
+        return DDP_SUCCESS;
+    }
+    if (k->kind == DDP__ALL_TO_ALL_V && (!k->send_counts || !k->recv_counts))
+        return ddp__fail(g, DDP_ERR_INVALID_ARGUMENT, "%s: %s is NULL; pass world-size entries (0 for no elements)", name,
+                         !k->send_counts ? "send_counts" : "recv_counts");
+    if (k->kind == DDP__ALL_TO_ALL_V && k->send_counts[g->rank] != k->recv_counts[g->rank])
+        return ddp__fail(g, DDP_ERR_INVALID_ARGUMENT, "%s: send_counts[%d] is %zu but recv_counts[%d] is %zu on rank %d: "
+                         "the block a rank sends itself is the block it receives from itself", name, g->rank,
+                         k->send_counts[g->rank], g->rank, k->recv_counts[g->rank], g->rank);
+    if (k->kind == DDP__ALL_GATHER_V && !k->recv_counts)
+        return ddp__fail(g, DDP_ERR_INVALID_ARGUMENT, "%s: counts is NULL; pass world-size entries, one per rank", name);
+    if (k->kind == DDP__ALL_GATHER_V && k->recv_counts[g->rank] != k->count)
+        return ddp__fail(g, DDP_ERR_INVALID_ARGUMENT, "%s: count is %zu but counts[%d] (this rank's entry) is %zu; they "
+                         "must be equal", name, k->count, g->rank, k->recv_counts[g->rank]);
     es = ddp_dtype_size(k->dtype);
-    ranks = (k->kind == DDP__ALL_GATHER || k->kind == DDP__REDUCE_SCATTER) ? (size_t)g->world_size : 1;
-    limit = (size_t)(DDP__MAX_BUFFER_BYTES / es / ranks);
-    if (k->count > limit)
-        return ddp__fail(g, DDP_ERR_INVALID_ARGUMENT, "%s: count %zu is above the limit of %zu elements of %s%s: the call's "
+    limit = DDP__MAX_BUFFER_BYTES / es;
+    elements = k->count > limit ? UINT64_MAX : ddp__call_elements(g, k);
+    if (elements > limit) {
+        if (v)
+            return ddp__fail(g, DDP_ERR_INVALID_ARGUMENT, "%s: the counts add up to more than %llu elements of %s, the limit "
+                             "for one buffer (2^47 bytes, 128 TiB); are they computed right?", name,
+                             (unsigned long long)limit, ddp_dtype_name(k->dtype));
+        int per_rank = k->kind != DDP__ALL_REDUCE && k->kind != DDP__BROADCAST && k->kind != DDP__REDUCE;
+        limit /= per_rank ? (uint64_t)g->world_size : 1;
+        return ddp__fail(g, DDP_ERR_INVALID_ARGUMENT, "%s: count %zu is above the limit of %llu elements of %s%s: the call's "
                          "largest buffer (count x %zu bytes%s) must stay under 2^47 bytes (128 TiB), more than any "
-                         "process can map; is the count computed right?", name, k->count, limit, ddp_dtype_name(k->dtype),
-                         ranks > 1 ? " per rank" : "", es, ranks > 1 ? " x the world size" : "");
-    if (k->count && !k->buf)
-        return ddp__fail(g, DDP_ERR_INVALID_ARGUMENT, "%s: the buffer is NULL with count %zu", name, k->count);
-    if (k->count && (k->kind == DDP__ALL_GATHER || k->kind == DDP__REDUCE_SCATTER) && !k->send)
-        return ddp__fail(g, DDP_ERR_INVALID_ARGUMENT, "%s: the send buffer is NULL with count %zu", name, k->count);
+                         "process can map; is the count computed right?", name, k->count, (unsigned long long)limit,
+                         ddp_dtype_name(k->dtype), per_rank ? " per rank" : "", es, per_rank ? " x the world size" : "");
+    }
+    { /* the buffers this rank touches, and how many elements each holds (in-place calls: buf alone) */
+        uint64_t send_n = 0, recv_n = k->count;
+        switch (k->kind) {
+        case DDP__ALL_GATHER:
+        case DDP__REDUCE_SCATTER:
+        case DDP__ALL_TO_ALL: send_n = k->count; break;
+        case DDP__GATHER: send_n = k->count, recv_n = root ? k->count : 0; break;
+        case DDP__SCATTER: send_n = root ? k->count : 0; break;
+        case DDP__ALL_TO_ALL_V:
+            send_n = ddp__counts_sum(k->send_counts, g->world_size);
+            recv_n = ddp__counts_sum(k->recv_counts, g->world_size);
+            break;
+        case DDP__ALL_GATHER_V: send_n = k->count, recv_n = elements; break;
+        default: break;
+        }
+        if (recv_n && !k->buf)
+            return ddp__fail(g, DDP_ERR_INVALID_ARGUMENT, "%s: the %sbuffer is NULL with %llu elements to %s", name,
+                             k->kind == DDP__ALL_REDUCE || k->kind == DDP__BROADCAST || k->kind == DDP__REDUCE ? "" : "recv ",
+                             (unsigned long long)recv_n, k->kind == DDP__REDUCE || k->kind == DDP__ALL_REDUCE ? "reduce" : "receive");
+        if (send_n && !k->send)
+            return ddp__fail(g, DDP_ERR_INVALID_ARGUMENT, "%s: the send buffer is NULL with %llu elements to send", name,
+                             (unsigned long long)send_n);
+    }
     return DDP_SUCCESS;
 }
 
+/* The fingerprint: what every rank must agree on. The _v calls' split sizes differ from rank to rank by
+   design; all_gather_v's total is in it, and each frame's size is checked against what its receiver
+   expects (transport.c). */
 static void ddp__fingerprint(ddp_group *g, const ddp__call *k, ddp__coll *c) {
     int takes_op = k->kind == DDP__ALL_REDUCE || k->kind == DDP__REDUCE || k->kind == DDP__REDUCE_SCATTER;
+    int no_data = k->kind == DDP__BARRIER || k->kind == DDP__MONITORED_BARRIER || k->kind == DDP__BROADCAST_BYTES;
     c->seq = ++g->seq;
     c->kind = (uint8_t)k->kind;
-    c->count = k->kind == DDP__BARRIER ? 0 : k->count;
-    c->dtype = (uint8_t)(k->kind == DDP__BARRIER ? 0 : k->dtype);
+    c->count = no_data || k->kind == DDP__ALL_TO_ALL_V ? 0
+               : k->kind == DDP__ALL_GATHER_V         ? ddp__counts_sum(k->recv_counts, g->world_size)
+                                                       : k->count;
+    c->dtype = (uint8_t)(no_data ? 0 : k->dtype);
     c->op = (uint8_t)(takes_op ? k->op : DDP__NO_OP);
-    c->root = (k->kind == DDP__BROADCAST || k->kind == DDP__REDUCE) ? k->root : -1;
+    c->root = ddp__takes_root(k->kind) ? k->root : -1;
     ddp__trace_queued(g, c);
 }
 
@@ -7018,6 +7238,95 @@ DDP_API ddp_result ddp_barrier_async(ddp_group *g, ddp_work **w) {
     ddp__call k = ddp__make_call(DDP__BARRIER, NULL, NULL, 0, DDP_U8, DDP_SUM, -1);
     return ddp__collective_async(g, &k, w);
 }
+
+/* ---- gather, scatter, all_to_all, the uneven calls, broadcast_bytes, monitored_barrier ---- */
+
+static ddp__call ddp__v_call(ddp__coll_kind kind, const void *send, const size_t *send_counts, void *recv,
+                             const size_t *recv_counts, size_t count, ddp_dtype t) {
+    ddp__call k = ddp__make_call(kind, send, recv, count, t, DDP_SUM, -1);
+    k.send_counts = send_counts;
+    k.recv_counts = recv_counts;
+    return k;
+}
+
+static ddp__call ddp__bytes_call(void **data, size_t *size, int root) {
+    ddp__call k = ddp__make_call(DDP__BROADCAST_BYTES, NULL, NULL, 0, DDP_U8, DDP_SUM, root);
+    k.bytes = data;
+    k.bytes_size = size;
+    return k;
+}
+
+static ddp__call ddp__monitored_call(double seconds) {
+    ddp__call k = ddp__make_call(DDP__MONITORED_BARRIER, NULL, NULL, 0, DDP_U8, DDP_SUM, -1);
+    k.seconds = seconds;
+    return k;
+}
+
+DDP_API ddp_result ddp_gather(ddp_group *g, const void *send, void *recv, size_t count, ddp_dtype t, int root) {
+    ddp__call k = ddp__make_call(DDP__GATHER, send, recv, count, t, DDP_SUM, root);
+    return ddp__collective(g, &k);
+}
+DDP_API ddp_result ddp_scatter(ddp_group *g, const void *send, void *recv, size_t count, ddp_dtype t, int root) {
+    ddp__call k = ddp__make_call(DDP__SCATTER, send, recv, count, t, DDP_SUM, root);
+    return ddp__collective(g, &k);
+}
+DDP_API ddp_result ddp_all_to_all(ddp_group *g, const void *send, void *recv, size_t count_per_rank, ddp_dtype t) {
+    ddp__call k = ddp__make_call(DDP__ALL_TO_ALL, send, recv, count_per_rank, t, DDP_SUM, -1);
+    return ddp__collective(g, &k);
+}
+DDP_API ddp_result ddp_all_to_all_v(ddp_group *g, const void *send, const size_t *send_counts, void *recv,
+                                    const size_t *recv_counts, ddp_dtype t) {
+    ddp__call k = ddp__v_call(DDP__ALL_TO_ALL_V, send, send_counts, recv, recv_counts, 0, t);
+    return ddp__collective(g, &k);
+}
+DDP_API ddp_result ddp_all_gather_v(ddp_group *g, const void *send, size_t count, void *recv, const size_t *counts,
+                                    ddp_dtype t) {
+    ddp__call k = ddp__v_call(DDP__ALL_GATHER_V, send, NULL, recv, counts, count, t);
+    return ddp__collective(g, &k);
+}
+DDP_API ddp_result ddp_broadcast_bytes(ddp_group *g, void **data, size_t *size, int root) {
+    ddp__call k = ddp__bytes_call(data, size, root);
+    return ddp__collective(g, &k);
+}
+DDP_API void ddp_free_bytes(void *data) { ddp__free(data); }
+DDP_API ddp_result ddp_monitored_barrier(ddp_group *g, double timeout_seconds) {
+    ddp__call k = ddp__monitored_call(timeout_seconds);
+    return ddp__collective(g, &k);
+}
+
+DDP_API ddp_result ddp_gather_async(ddp_group *g, const void *send, void *recv, size_t count, ddp_dtype t, int root,
+                                    ddp_work **w) {
+    ddp__call k = ddp__make_call(DDP__GATHER, send, recv, count, t, DDP_SUM, root);
+    return ddp__collective_async(g, &k, w);
+}
+DDP_API ddp_result ddp_scatter_async(ddp_group *g, const void *send, void *recv, size_t count, ddp_dtype t, int root,
+                                     ddp_work **w) {
+    ddp__call k = ddp__make_call(DDP__SCATTER, send, recv, count, t, DDP_SUM, root);
+    return ddp__collective_async(g, &k, w);
+}
+DDP_API ddp_result ddp_all_to_all_async(ddp_group *g, const void *send, void *recv, size_t count_per_rank, ddp_dtype t,
+                                        ddp_work **w) {
+    ddp__call k = ddp__make_call(DDP__ALL_TO_ALL, send, recv, count_per_rank, t, DDP_SUM, -1);
+    return ddp__collective_async(g, &k, w);
+}
+DDP_API ddp_result ddp_all_to_all_v_async(ddp_group *g, const void *send, const size_t *send_counts, void *recv,
+                                          const size_t *recv_counts, ddp_dtype t, ddp_work **w) {
+    ddp__call k = ddp__v_call(DDP__ALL_TO_ALL_V, send, send_counts, recv, recv_counts, 0, t);
+    return ddp__collective_async(g, &k, w);
+}
+DDP_API ddp_result ddp_all_gather_v_async(ddp_group *g, const void *send, size_t count, void *recv, const size_t *counts,
+                                          ddp_dtype t, ddp_work **w) {
+    ddp__call k = ddp__v_call(DDP__ALL_GATHER_V, send, NULL, recv, counts, count, t);
+    return ddp__collective_async(g, &k, w);
+}
+DDP_API ddp_result ddp_broadcast_bytes_async(ddp_group *g, void **data, size_t *size, int root, ddp_work **w) {
+    ddp__call k = ddp__bytes_call(data, size, root);
+    return ddp__collective_async(g, &k, w);
+}
+DDP_API ddp_result ddp_monitored_barrier_async(ddp_group *g, double timeout_seconds, ddp_work **w) {
+    ddp__call k = ddp__monitored_call(timeout_seconds);
+    return ddp__collective_async(g, &k, w);
+}
 /* ==================== end src/collectives.c ==================== */
 
 /* ==================== begin src/trace.c ==================== */
@@ -7214,10 +7523,14 @@ static void ddp__tput_call(ddp__tbuf *b, const ddp_group *g, uint64_t seq, uint6
     ddp__tput(b, " ");
     ddp__tput(b, ddp__coll_name(kind));
     ddp__tput(b, "(");
-    if (kind != DDP__BARRIER) {
-        ddp__tput(b, "count=");
-        ddp__tput_uint(b, count, 1);
-        ddp__tput(b, ", ");
+    if (kind == DDP__BROADCAST_BYTES) { /* as ddp__coll_describe: no count or dtype where the fingerprint has none */
+        ddp__tput(b, "root="), ddp__tput_int(b, root);
+    } else if (kind != DDP__BARRIER && kind != DDP__MONITORED_BARRIER) {
+        if (kind != DDP__ALL_TO_ALL_V) {
+            ddp__tput(b, kind == DDP__ALL_GATHER_V ? "total count=" : "count=");
+            ddp__tput_uint(b, count, 1);
+            ddp__tput(b, ", ");
+        }
         ddp__tput(b, ddp_dtype_name((ddp_dtype)dtype));
         if (op != DDP__NO_OP) ddp__tput(b, ", "), ddp__tput(b, ddp_op_name((ddp_op)op));
         if (root >= 0) ddp__tput(b, ", root="), ddp__tput_int(b, root);
@@ -7518,6 +7831,21 @@ static void ddp__trace_break(ddp_group *g, ddp_result code) {
 
 static int ddp__mod(int a, int n) { return ((a % n) + n) % n; }
 
+/* One step of the algorithm: send `sbytes` of `sbuf` to `to` while receiving `rbytes` into `rbuf`
+   from `from` (-1: no such side). */
+static ddp_result ddp__send_recv(ddp_group *g, const ddp__coll *c, int to, const void *sbuf, size_t sbytes, int from,
+                                 void *rbuf, size_t rbytes) {
+    ddp__step st;
+    memset(&st, 0, sizeof st);
+    st.send_peer = to;
+    st.send_buf = sbuf;
+    st.send_bytes = sbytes;
+    st.recv_peer = from;
+    st.recv_buf = rbuf;
+    st.recv_bytes = rbytes;
+    return ddp__exchange(g, c, &st);
+}
+
 /* Ring reduce-scatter in place: afterwards chunk `rank` of buf is reduced over all ranks (op AVG is
    left as the sum). In step s, send chunk rank-s-1 and add the received chunk rank-s-2. */
 static ddp_result ddp__ring_reduce_scatter(ddp_group *g, const ddp__coll *c, char *buf, size_t count, ddp_dtype t,
@@ -7527,18 +7855,13 @@ static ddp_result ddp__ring_reduce_scatter(ddp_group *g, const ddp__coll *c, cha
     char *tmp = (char *)ddp__scratch(g, max_len * es);
     if (!tmp && max_len) return ddp__no_memory(g, max_len * es);
     for (s = 0; s < n - 1; s++) {
-        ddp__step st;
         size_t roff, rlen;
         ddp_result res;
         ddp__chunk(count, n, ddp__mod(r - s - 1, n), &off, &len);
         ddp__chunk(count, n, ddp__mod(r - s - 2, n), &roff, &rlen);
-        st.send_peer = ddp__mod(r + 1, n);
-        st.send_buf = buf + off * es;
-        st.send_bytes = len * es;
-        st.recv_peer = ddp__mod(r - 1, n);
-        st.recv_buf = tmp;
-        st.recv_bytes = rlen * es;
-        if ((res = ddp__exchange(g, c, &st)) != DDP_SUCCESS) return res;
+        if ((res = ddp__send_recv(g, c, ddp__mod(r + 1, n), buf + off * es, len * es, ddp__mod(r - 1, n), tmp, rlen * es)) !=
+            DDP_SUCCESS)
+            return res;
         ddp__reduce(buf + roff * es, tmp, rlen, t, op);
     }
     return DDP_SUCCESS;
@@ -7549,18 +7872,13 @@ static ddp_result ddp__ring_reduce_scatter(ddp_group *g, const ddp__coll *c, cha
 static ddp_result ddp__ring_all_gather(ddp_group *g, const ddp__coll *c, char *buf, size_t count, size_t es) {
     int n = g->world_size, r = g->rank, s;
     for (s = 0; s < n - 1; s++) {
-        ddp__step st;
         size_t off, len, roff, rlen;
         ddp_result res;
         ddp__chunk(count, n, ddp__mod(r - s, n), &off, &len);
         ddp__chunk(count, n, ddp__mod(r - s - 1, n), &roff, &rlen);
-        st.send_peer = ddp__mod(r + 1, n);
-        st.send_buf = buf + off * es;
-        st.send_bytes = len * es;
-        st.recv_peer = ddp__mod(r - 1, n);
-        st.recv_buf = buf + roff * es;
-        st.recv_bytes = rlen * es;
-        if ((res = ddp__exchange(g, c, &st)) != DDP_SUCCESS) return res;
+        if ((res = ddp__send_recv(g, c, ddp__mod(r + 1, n), buf + off * es, len * es, ddp__mod(r - 1, n), buf + roff * es,
+                                  rlen * es)) != DDP_SUCCESS)
+            return res;
     }
     return DDP_SUCCESS;
 }
@@ -7592,19 +7910,6 @@ static void ddp__finish_avg(ddp_group *g, char *buf, size_t count, ddp_dtype t, 
    256 KiB on 4; the ring won from 64 KiB on 2 ranks. It is no setting: ranks that disagreed on it would
    run different algorithms for the same call, which no fingerprint catches. */
 
-/* One step of the algorithm: send `sbytes` of `sbuf` to `to` while receiving `rbytes` into `rbuf`
-   from `from` (-1: no such side). */
-static ddp_result ddp__send_recv(ddp_group *g, const ddp__coll *c, int to, const void *sbuf, size_t sbytes, int from,
-                                 void *rbuf, size_t rbytes) {
-    ddp__step st;
-    st.send_peer = to;
-    st.send_buf = sbuf;
-    st.send_bytes = sbytes;
-    st.recv_peer = from;
-    st.recv_buf = rbuf;
-    st.recv_bytes = rbytes;
-    return ddp__exchange(g, c, &st);
-}
 
 /* Combine this rank's block (buf) with the block just received from `peer` (tmp) as (lower rank's
    block) op (higher rank's block), into buf; tmp is clobbered. Both partners compute the same bits. */
@@ -7876,6 +8181,222 @@ static ddp_result ddp__do_reduce_scatter(ddp_group *g, const ddp__coll *c, const
    of frames) from every other rank, in ceil(log2 n) steps. */
 static ddp_result ddp__do_barrier(ddp_group *g, const ddp__coll *c) { return ddp__dissemination(g, c, NULL, 0, 0); }
 
+/* ---- gather and scatter: binomial trees (MPICH's), after an agreement ----
+
+   The data moves on the binomial tree of the root over the positions pos = (rank - root) mod n: a rank
+   at pos holds the blocks of positions pos .. pos + m - 1, m being the lowest set bit of pos (all n at
+   the root). gather: in the round with distance d = 1, 2, 4 ..., a rank whose pos has bit d sends what
+   it holds to pos - d and is done; the others receive pos + d's blocks behind their own. scatter runs
+   the same tree the other way, largest distance first. Cost: ceil(log2 n) rounds, the root's link
+   carrying (n-1) blocks as in a linear algorithm; a rank forwards at most its subtree.
+
+   The tree alone would break the top comment's two points: in a gather, a leaf finishes as soon as it
+   has sent, and ranks that disagree about the root could all wait on a parent that never sends. So
+   both first run an agreement on the call (dissemination with empty frames, as barrier: every rank
+   sends before it waits, and none finishes before every rank has entered the same call, root and
+   count included). Past it nothing can differ: the sizes follow from the fingerprint. */
+static ddp_result ddp__agree(ddp_group *g, const ddp__coll *c) { return ddp__dissemination(g, c, NULL, 0, 0); }
+
+/* Blocks held by the rank at position pos in a binomial tree over n positions (the root's subtree is all). */
+static int ddp__tree_blocks(int pos, int n) { return pos == 0 ? n : DDP__MIN(pos & -pos, n - pos); }
+
+/* Relative order (block i is rank (root + i) mod n) <-> rank order, between two buffers of n blocks. */
+static void ddp__rotate_blocks(char *dst, const char *src, int root, int n, size_t block, int to_rank_order) {
+    size_t head = (size_t)(n - root) * block, tail = (size_t)root * block; /* ranks root .. n-1, then 0 .. root-1 */
+    if (to_rank_order) {
+        memcpy(dst + tail, src, head);
+        memcpy(dst, src + head, tail);
+    } else {
+        memcpy(dst, src + tail, head);
+        memcpy(dst + head, src, tail);
+    }
+}
+
+static ddp_result ddp__do_gather(ddp_group *g, const ddp__coll *c, const void *send, void *recv, size_t count, ddp_dtype t,
+                                 int root) {
+    int n = g->world_size, pos = ddp__mod(g->rank - root, n), have = 1, d;
+    size_t block = count * ddp_dtype_size(t), need = (size_t)ddp__tree_blocks(pos, n) * block;
+    char *work = pos == 0 && root == 0 ? (char *)recv : (char *)ddp__scratch(g, need);
+    ddp_result r;
+    if (!work && need) return ddp__no_memory(g, need);
+    if ((r = ddp__agree(g, c)) != DDP_SUCCESS) return r;
+    if (block && work != (const char *)send) memmove(work, send, block); /* in place on root 0: already there */
+    for (d = 1; d < n; d *= 2) {
+        if (pos & d) return ddp__send_recv(g, c, ddp__mod(pos - d + root, n), work, (size_t)have * block, -1, NULL, 0);
+        if (pos + d < n) {
+            int blocks = DDP__MIN(d, n - pos - d);
+            if ((r = ddp__send_recv(g, c, -1, NULL, 0, ddp__mod(pos + d + root, n), work + (size_t)have * block,
+                                    (size_t)blocks * block)) != DDP_SUCCESS)
+                return r;
+            have += blocks;
+        }
+    }
+    if (work != (char *)recv && block) ddp__rotate_blocks((char *)recv, work, root, n, block, 1);
+    return DDP_SUCCESS;
+}
+
+static ddp_result ddp__do_scatter(ddp_group *g, const ddp__coll *c, const void *send, void *recv, size_t count, ddp_dtype t,
+                                  int root) {
+    int n = g->world_size, pos = ddp__mod(g->rank - root, n), blocks = ddp__tree_blocks(pos, n), d;
+    size_t block = count * ddp_dtype_size(t), need = (size_t)blocks * block;
+    const char *work = (const char *)send;
+    ddp_result r;
+    if (pos != 0 || root != 0) { /* the root other than 0 reorders; the others receive their subtree's blocks */
+        char *tmp = blocks == 1 ? (char *)recv : (char *)ddp__scratch(g, need);
+        if (!tmp && need) return ddp__no_memory(g, need);
+        if (pos == 0 && block) ddp__rotate_blocks(tmp, (const char *)send, root, n, block, 0);
+        work = tmp;
+    }
+    if ((r = ddp__agree(g, c)) != DDP_SUCCESS) return r;
+    if (pos != 0) {
+        int up = pos & -pos;
+        if ((r = ddp__send_recv(g, c, -1, NULL, 0, ddp__mod(pos - up + root, n), (void *)work, need)) != DDP_SUCCESS) return r;
+    }
+    for (d = 1; d < blocks; d *= 2) /* the largest distance below the subtree's size first */
+        ;
+    for (d /= 2; d >= 1; d /= 2) { /* the child at pos + d (< n: d < blocks <= n - pos) */
+        if ((r = ddp__send_recv(g, c, ddp__mod(pos + d + root, n), work + (size_t)d * block,
+                                (size_t)DDP__MIN(d, n - pos - d) * block, -1, NULL, 0)) != DDP_SUCCESS)
+            return r;
+    }
+    if (block && work != (const char *)recv) memmove(recv, work, block); /* in place on root 0: already there */
+    return DDP_SUCCESS;
+}
+
+/* ---- all_to_all, all_to_all_v, all_gather_v ----
+
+   all_to_all: pairwise exchange (MPICH's and Gloo's for large messages): in step k = 1 .. n-1 rank r
+   sends its block for r + k and receives the block of r - k. Every rank sends before it waits and hears
+   from every other rank directly, so the top comment's points hold without more. Only the peers of a
+   rank's own steps are dialed: all n - 1 of them, as all_to_all needs.
+   all_to_all_v runs the same steps with each pair's own sizes. The sizes are the one thing the
+   fingerprint cannot carry (they differ by rank), so each frame's size is checked by its receiver
+   against its recv_counts (transport.c: DDP_ERR_MISMATCH naming both), and an agreement ends the
+   call: a rank that found a wrong size broke the group before it, so nobody finishes. all_gather_v
+   moves rank r's counts[r] elements around the ring (n - 1 steps, each block passing every link once),
+   then agrees the same way (the fingerprint carries the sum of the counts, not each one). */
+
+/* Where each of n blocks of the given sizes starts, as elements (n + 1 entries; NULL when out of memory). */
+static size_t *ddp__displacements(const size_t *counts, int n) {
+    size_t *at = (size_t *)ddp__malloc(((size_t)n + 1) * sizeof *at);
+    int i;
+    if (!at) return NULL;
+    at[0] = 0;
+    for (i = 0; i < n; i++) at[i + 1] = at[i] + counts[i]; /* validated: the sums fit */
+    return at;
+}
+
+/* The pairwise steps; send_at / recv_at NULL: blocks of `count` elements. */
+static ddp_result ddp__pairwise(ddp_group *g, const ddp__coll *c, const char *send, const size_t *send_at, char *recv,
+                                const size_t *recv_at, size_t count, size_t es) {
+    int n = g->world_size, r = g->rank, k;
+    for (k = 1; k < n; k++) {
+        int to = ddp__mod(r + k, n), from = ddp__mod(r - k, n);
+        size_t so = send_at ? send_at[to] : (size_t)to * count, sn = send_at ? send_at[to + 1] - send_at[to] : count;
+        size_t ro = recv_at ? recv_at[from] : (size_t)from * count, rn = recv_at ? recv_at[from + 1] - recv_at[from] : count;
+        ddp_result res = ddp__send_recv(g, c, to, send + so * es, sn * es, from, recv + ro * es, rn * es);
+        if (res) return res;
+    }
+    return DDP_SUCCESS;
+}
+
+static ddp_result ddp__do_all_to_all(ddp_group *g, const ddp__coll *c, const void *send, void *recv, size_t count,
+                                     ddp_dtype t) {
+    size_t es = ddp_dtype_size(t), block = count * es, all = block * (size_t)g->world_size;
+    const char *from = (const char *)send;
+    if (from < (const char *)recv + all && (const char *)recv < from + all && all) { /* in place: send a copy */
+        char *copy = (char *)ddp__scratch(g, all);
+        if (!copy) return ddp__no_memory(g, all);
+        memcpy(copy, send, all);
+        from = copy;
+    }
+    if (block && from + (size_t)g->rank * block != (const char *)recv + (size_t)g->rank * block)
+        memcpy((char *)recv + (size_t)g->rank * block, from + (size_t)g->rank * block, block);
+    return ddp__pairwise(g, c, from, NULL, (char *)recv, NULL, count, es);
+}
+
+static ddp_result ddp__do_all_to_all_v(ddp_group *g, const ddp__coll *c, const void *send, const size_t *send_counts,
+                                       void *recv, const size_t *recv_counts, ddp_dtype t) {
+    size_t es = ddp_dtype_size(t), *send_at = ddp__displacements(send_counts, g->world_size);
+    size_t *recv_at = ddp__displacements(recv_counts, g->world_size);
+    int r = g->rank;
+    ddp_result res = DDP_SUCCESS;
+    if (!send_at || !recv_at) {
+        res = ddp__no_memory(g, 2 * ((size_t)g->world_size + 1) * sizeof(size_t));
+    } else {
+        if (send_counts[r]) memmove((char *)recv + recv_at[r] * es, (const char *)send + send_at[r] * es, send_counts[r] * es);
+        if ((res = ddp__pairwise(g, c, (const char *)send, send_at, (char *)recv, recv_at, 0, es)) == DDP_SUCCESS)
+            res = ddp__agree(g, c);
+    }
+    ddp__free(send_at);
+    ddp__free(recv_at);
+    return res;
+}
+
+static ddp_result ddp__do_all_gather_v(ddp_group *g, const ddp__coll *c, const void *send, void *recv, const size_t *counts,
+                                       ddp_dtype t) {
+    int n = g->world_size, r = g->rank, s;
+    size_t es = ddp_dtype_size(t), *at = ddp__displacements(counts, n);
+    char *out = (char *)recv;
+    ddp_result res = DDP_SUCCESS;
+    if (!at) return ddp__no_memory(g, ((size_t)n + 1) * sizeof *at);
+    if (counts[r] && (const char *)send != out + at[r] * es) memmove(out + at[r] * es, send, counts[r] * es);
+    for (s = 0; s < n - 1 && res == DDP_SUCCESS; s++) {
+        int give = ddp__mod(r - s, n), take = ddp__mod(r - s - 1, n);
+        res = ddp__send_recv(g, c, ddp__mod(r + 1, n), out + at[give] * es, counts[give] * es, ddp__mod(r - 1, n),
+                             out + at[take] * es, counts[take] * es);
+    }
+    ddp__free(at);
+    return res == DDP_SUCCESS ? ddp__agree(g, c) : res;
+}
+
+/* ---- monitored_barrier (torch's, over Gloo: rank 0 hears from every rank, then answers each) ----
+   Every other rank sends rank 0 an empty frame and waits for its answer. Rank 0 takes the frames rank
+   by rank until timeout_seconds have passed; after that a rank whose frame is not already there
+   counts as missing. None missing: rank 0 answers every rank (they return). Some missing: rank 0 fails
+   naming them all, and breaking the group sends its message to every rank connected to it: all that
+   arrived (they dialed it to report). The others wait the timeout and the group's timeout beyond it. */
+static ddp_result ddp__do_monitored_barrier(ddp_group *g, const ddp__coll *c, double seconds) {
+    int n = g->world_size, j, missing = 0, unlisted = 0;
+    double wait = seconds > 0 ? seconds : g->timeout, until = ddp__now() + wait;
+    char list[DDP__ERR_MAX / 2] = "", name[DDP__PEER_NAME_MAX], more[48] = "";
+    ddp__step st;
+    ddp_result r;
+    memset(&st, 0, sizeof st);
+    st.send_peer = st.recv_peer = -1;
+    if (g->rank != 0) {
+        if ((r = ddp__send_recv(g, c, 0, NULL, 0, -1, NULL, 0)) != DDP_SUCCESS) return r;
+        st.recv_peer = 0;
+        st.deadline = ddp__now() + wait + g->timeout;
+        return ddp__exchange(g, c, &st);
+    }
+    for (j = 1; j < n; j++) {
+        st.recv_peer = j;
+        st.deadline = DDP__MAX(until, ddp__now() + (g->mesh.peers[j].fd >= 0 ? 0.01 : 0));
+        st.soft = 1;
+        r = ddp__exchange(g, c, &st);
+        if (r == DDP_ERR_TIMEOUT && !g->broken) { /* name as many as fit, then count the rest */
+            size_t len = strlen(list);
+            if (len + 100 < sizeof list)
+                snprintf(list + len, sizeof list - len, "%s%d (%.80s)", missing ? ", " : "", j,
+                         ddp__peer_name(g, j, name, sizeof name));
+            else
+                unlisted++;
+            missing++;
+        } else if (r) {
+            return r;
+        }
+    }
+    if (unlisted) snprintf(more, sizeof more, " and %d more", unlisted);
+    if (missing)
+        return ddp__coll_fail(g, DDP_ERR_TIMEOUT, "monitored_barrier: %d of %d ranks did not arrive within %.3g s: rank%s "
+                              "%s%s. Every rank must call it; look at what those ranks were doing (DDP_TRACE_DIR, "
+                              "ddprun's summary)", missing, n, wait, missing > 1 ? "s" : "", list, more);
+    for (j = 1; j < n; j++)
+        if ((r = ddp__send_recv(g, c, j, NULL, 0, -1, NULL, 0)) != DDP_SUCCESS) return r;
+    return DDP_SUCCESS;
+}
+
 /* ---- the backend ---- */
 
 static ddp_result ddp__tcp_run(ddp_group *g, const ddp__call *k, const ddp__coll *c) {
@@ -7886,6 +8407,12 @@ static ddp_result ddp__tcp_run(ddp_group *g, const ddp__call *k, const ddp__coll
     case DDP__ALL_GATHER: return ddp__do_all_gather(g, c, k->send, k->buf, k->count, k->dtype);
     case DDP__REDUCE_SCATTER: return ddp__do_reduce_scatter(g, c, k->send, k->buf, k->count, k->dtype, k->op);
     case DDP__BARRIER: return ddp__do_barrier(g, c);
+    case DDP__GATHER: return ddp__do_gather(g, c, k->send, k->buf, k->count, k->dtype, k->root);
+    case DDP__SCATTER: return ddp__do_scatter(g, c, k->send, k->buf, k->count, k->dtype, k->root);
+    case DDP__ALL_TO_ALL: return ddp__do_all_to_all(g, c, k->send, k->buf, k->count, k->dtype);
+    case DDP__ALL_TO_ALL_V: return ddp__do_all_to_all_v(g, c, k->send, k->send_counts, k->buf, k->recv_counts, k->dtype);
+    case DDP__ALL_GATHER_V: return ddp__do_all_gather_v(g, c, k->send, k->buf, k->recv_counts, k->dtype);
+    case DDP__MONITORED_BARRIER: return ddp__do_monitored_barrier(g, c, k->seconds);
     default: return ddp__coll_fail(g, DDP_ERR_STATE, "internal error: unknown collective %d", (int)k->kind);
     }
 }
@@ -7901,8 +8428,19 @@ static const ddp__backend ddp__backend_tcp = {
 static ddp_result ddp__alone_run(ddp_group *g, const ddp__call *k, const ddp__coll *c) {
     size_t bytes = k->count * ddp_dtype_size(k->dtype);
     (void)g, (void)c;
-    if ((k->kind == DDP__ALL_GATHER || k->kind == DDP__REDUCE_SCATTER) && bytes && k->send != k->buf)
-        memmove(k->buf, k->send, bytes);
+    if (k->kind == DDP__ALL_TO_ALL_V) bytes = k->send_counts[0] * ddp_dtype_size(k->dtype); /* = recv_counts[0] */
+    switch (k->kind) {
+    case DDP__ALL_GATHER:
+    case DDP__REDUCE_SCATTER:
+    case DDP__GATHER:
+    case DDP__SCATTER:
+    case DDP__ALL_TO_ALL:
+    case DDP__ALL_TO_ALL_V:
+    case DDP__ALL_GATHER_V:
+        if (bytes && k->send != k->buf) memmove(k->buf, k->send, bytes);
+        break;
+    default: break;
+    }
     return DDP_SUCCESS;
 }
 
@@ -8740,7 +9278,8 @@ static ddp_result ddp__shm_call(ddp_group *g, const ddp__call *k, const ddp__col
     case DDP__BROADCAST: return ddp__shm_broadcast(g, c, k->buf, k->count, k->dtype, k->root);
     case DDP__ALL_GATHER: return ddp__shm_all_gather(g, c, k->send, k->buf, k->count, k->dtype);
     case DDP__REDUCE_SCATTER: return ddp__shm_reduce_scatter(g, c, k->send, k->buf, k->count, k->dtype, k->op);
-    default: return ddp__shm_step(g, c, ++g->shm->step, 1, DDP__SHM_NOT_LIB); /* barrier */
+    case DDP__BARRIER: return ddp__shm_step(g, c, ++g->shm->step, 1, DDP__SHM_NOT_LIB);
+    default: return ddp__tcp_run(g, k, c); /* gather, scatter, all_to_all(_v), all_gather_v, monitored_barrier */
     }
 }
 
@@ -9509,6 +10048,11 @@ static void ddp__nccl_close(ddp_group *g, int orderly) {
 static int ddp__nccl_where(const ddp__call *k) {
     int buf, send;
     if (k->kind == DDP__BARRIER) return DDP__NCCL_DEVICE;
+    if (k->kind > DDP__BARRIER) { /* the calls NCCL does not run yet: any device buffer is refused (ddp__nccl_run) */
+        int dev = (k->send && ddp__cuda_is_device_pointer(k->send) == DDP__NCCL_DEVICE) ||
+                  (k->buf && ddp__cuda_is_device_pointer(k->buf) == DDP__NCCL_DEVICE);
+        return dev ? DDP__NCCL_DEVICE : DDP__NCCL_HOST;
+    }
     if (k->count == 0) return DDP__NCCL_HOST;
     buf = ddp__cuda_is_device_pointer(k->buf);
     if (k->kind != DDP__ALL_GATHER && k->kind != DDP__REDUCE_SCATTER) return buf;
@@ -9612,6 +10156,13 @@ static ddp_result ddp__nccl_run(ddp_group *g, const ddp__call *k, const ddp__col
     ddp_result r;
     if ((r = ddp__nccl_check(g, c, where)) != DDP_SUCCESS) return r;
     if (where == DDP__NCCL_HOST) return g->host_backend->run(g, k, c);
+    if (k->kind > DDP__BARRIER) {
+        char desc[160];
+        ddp__coll_describe(g, c, desc, sizeof desc);
+        return ddp__coll_fail(g, DDP_ERR_UNSUPPORTED, "%s: the nccl backend runs this call on host memory only so far "
+                              "(device memory needs ncclSend/ncclRecv groups, not built yet); copy the buffers to host "
+                              "memory, or use all_gather / all_reduce on device memory", desc);
+    }
     if ((r = ddp__nccl_enqueue(g, k, c, &event)) != DDP_SUCCESS) return r;
     return ddp__nccl_wait_event(g, c, event);
 }
@@ -9623,7 +10174,7 @@ static int ddp__nccl_enqueue_async(ddp_group *g, const ddp__call *k, ddp_work **
     char msg[DDP__ERR_MAX];
     ddp_work *w;
     ddp_result r;
-    if (ddp__nccl_where(k) == DDP__NCCL_HOST) return 0;
+    if (ddp__nccl_where(k) == DDP__NCCL_HOST || k->kind > DDP__BARRIER) return 0; /* the progress thread runs it */
     ddp__drain(g); /* queued host work uses the mesh: let it finish first */
     if (g->broken) {
         *res = ddp__fail(g, DDP_ERR_STATE, "%s", ddp__broken_message(g, k, msg));

@@ -40,6 +40,7 @@ static ddp_result ddp__no_memory(ddp_group *g, size_t bytes) {
 static ddp__call ddp__make_call(ddp__coll_kind kind, const void *send, void *buf, size_t count, ddp_dtype t, ddp_op op,
                                 int root) {
     ddp__call k;
+    memset(&k, 0, sizeof k);
     k.kind = kind;
     k.send = send;
     k.buf = buf;
@@ -52,6 +53,33 @@ static ddp__call ddp__make_call(ddp__coll_kind kind, const void *send, void *buf
 
 /* ---- running a call ---- */
 
+/* broadcast_bytes (torch's broadcast_object_list): two broadcasts under the call's one fingerprint, the
+   size and then the data, into a buffer that the receivers allocate in between. Every backend runs a
+   broadcast with any fingerprint, and both runs carry the same one (shm's first step republishes it). */
+static ddp_result ddp__broadcast_bytes_run(ddp_group *g, const ddp__backend *b, const ddp__call *k, const ddp__coll *c) {
+    uint64_t size = g->rank == k->root ? (uint64_t)*k->bytes_size : 0; /* sent as its 8 bytes: ranks share a byte order */
+    ddp__call part = ddp__make_call(DDP__BROADCAST, NULL, &size, 8, DDP_U8, DDP_SUM, k->root);
+    char *data = g->rank == k->root ? (char *)*k->bytes : NULL;
+    ddp_result r = b->run(g, &part, c);
+    if (r) return r;
+    if (size > DDP__MAX_BUFFER_BYTES) /* the root checked its own size: this is no size the root sent */
+        return ddp__coll_fail(g, DDP_ERR_FORMAT, "broadcast_bytes: rank %d received a size of %llu bytes from the root",
+                              g->rank, (unsigned long long)size);
+    if (g->rank != k->root && !(data = (char *)ddp__malloc(size ? (size_t)size : 1)))
+        return ddp__coll_fail(g, DDP_ERR_OUT_OF_MEMORY, "broadcast_bytes: rank %d is out of memory for the root's %llu bytes",
+                              g->rank, (unsigned long long)size);
+    part = ddp__make_call(DDP__BROADCAST, NULL, data, (size_t)size, DDP_U8, DDP_SUM, k->root);
+    if ((r = b->run(g, &part, c)) != DDP_SUCCESS) {
+        if (g->rank != k->root) ddp__free(data);
+        return r;
+    }
+    if (g->rank != k->root) {
+        *k->bytes = data;
+        *k->bytes_size = (size_t)size;
+    }
+    return DDP_SUCCESS;
+}
+
 static ddp_result ddp__run(ddp_group *g, const ddp__backend *b, const ddp__call *k, const ddp__coll *c) {
     ddp_result r;
     if (g->broken) {
@@ -60,49 +88,148 @@ static ddp_result ddp__run(ddp_group *g, const ddp__backend *b, const ddp__call 
     }
     g->mesh.waiting_for = -1;
     ddp__trace_started(g, c);
-    r = b->run(g, k, c);
+    r = k->kind == DDP__BROADCAST_BYTES ? ddp__broadcast_bytes_run(g, b, k, c) : b->run(g, k, c);
     ddp__trace_ended(g, c, r);
     return r;
 }
 
-/* Check a call's arguments on the caller's thread; a bad call never reaches the wire. */
+/* The sum of a split-size list (world entries), or UINT64_MAX when it passes 2^63 (too large anyway). */
+static uint64_t ddp__counts_sum(const size_t *counts, int n) {
+    uint64_t sum = 0;
+    int i;
+    for (i = 0; i < n; i++) {
+        if ((uint64_t)counts[i] > ((uint64_t)1 << 63) - sum) return UINT64_MAX;
+        sum += (uint64_t)counts[i];
+    }
+    return sum;
+}
+
+/* The elements of a call's largest buffer, for the size limit: count x world size for the calls whose
+   count is per rank, the sums of the split sizes for the _v calls (the larger side), else count. */
+static uint64_t ddp__call_elements(const ddp_group *g, const ddp__call *k) {
+    switch (k->kind) {
+    case DDP__ALL_GATHER:
+    case DDP__REDUCE_SCATTER:
+    case DDP__GATHER:
+    case DDP__SCATTER:
+    case DDP__ALL_TO_ALL: return (uint64_t)k->count * (uint64_t)g->world_size; /* count <= 2^47 here (checked first) */
+    case DDP__ALL_TO_ALL_V: {
+        uint64_t a = ddp__counts_sum(k->send_counts, g->world_size), b = ddp__counts_sum(k->recv_counts, g->world_size);
+        return DDP__MAX(a, b);
+    }
+    case DDP__ALL_GATHER_V: return ddp__counts_sum(k->recv_counts, g->world_size);
+    default: return k->count;
+    }
+}
+
+static int ddp__takes_root(int kind) {
+    return kind == DDP__BROADCAST || kind == DDP__REDUCE || kind == DDP__GATHER || kind == DDP__SCATTER ||
+           kind == DDP__BROADCAST_BYTES;
+}
+
+/* Check a call's arguments on the caller's thread; a bad call never reaches the wire. Each buffer is
+   checked only where the call reads or writes it: gather's recv and scatter's send on the root alone. */
 static ddp_result ddp__validate(ddp_group *g, const ddp__call *k) {
     const char *name = ddp__coll_name(k->kind);
-    size_t es, ranks, limit;
+    size_t es;
+    uint64_t elements, limit;
+    int root, v = k->kind == DDP__ALL_TO_ALL_V || k->kind == DDP__ALL_GATHER_V;
     ddp_result r = ddp__group_check(g, name);
     if (r) return r;
+    root = g->rank == k->root;
     if (k->kind == DDP__BARRIER) return DDP_SUCCESS;
+    if (k->kind == DDP__MONITORED_BARRIER) {
+        if (!(k->seconds == k->seconds) || k->seconds > 1e9) /* NaN, or beyond any job */
+            return ddp__fail(g, DDP_ERR_INVALID_ARGUMENT, "%s: timeout_seconds %g is not a number of seconds (<= 0: the "
+                             "group's timeout)", name, k->seconds);
+        return DDP_SUCCESS;
+    }
     if (!ddp__dtype_valid(k->dtype))
         return ddp__fail(g, DDP_ERR_INVALID_ARGUMENT, "%s: dtype %d is not a ddp_dtype (DDP_F32 ... DDP_I64)", name, (int)k->dtype);
     if ((k->kind == DDP__ALL_REDUCE || k->kind == DDP__REDUCE || k->kind == DDP__REDUCE_SCATTER) && !ddp__op_valid(k->op))
         return ddp__fail(g, DDP_ERR_INVALID_ARGUMENT, "%s: op %d is not a ddp_op (DDP_SUM, DDP_AVG, DDP_PROD, DDP_MIN, DDP_MAX)",
                          name, (int)k->op);
-    if ((k->kind == DDP__BROADCAST || k->kind == DDP__REDUCE) && (k->root < 0 || k->root >= g->world_size))
+    if (ddp__takes_root(k->kind) && (k->root < 0 || k->root >= g->world_size))
         return ddp__fail(g, DDP_ERR_INVALID_ARGUMENT, "%s: root %d is not a rank of this group (world size %d)", name, k->root,
                          g->world_size);
+    if (k->kind == DDP__BROADCAST_BYTES) {
+        if (!k->bytes || !k->bytes_size)
+            return ddp__fail(g, DDP_ERR_INVALID_ARGUMENT, "%s: the %s argument is NULL (every rank passes both: the root "
+                             "its data and size, the others where to put them)", name, !k->bytes ? "data" : "size");
+        if (root && *k->bytes_size > DDP__MAX_BUFFER_BYTES)
+            return ddp__fail(g, DDP_ERR_INVALID_ARGUMENT, "%s: size %zu is above the limit of 2^47 bytes (128 TiB)", name,
+                             *k->bytes_size);
+        if (root && *k->bytes_size && !*k->bytes)
+            return ddp__fail(g, DDP_ERR_INVALID_ARGUMENT, "%s: the root's data is NULL with size %zu", name, *k->bytes_size);
+        return DDP_SUCCESS;
+    }
+    if (k->kind == DDP__ALL_TO_ALL_V && (!k->send_counts || !k->recv_counts))
+        return ddp__fail(g, DDP_ERR_INVALID_ARGUMENT, "%s: %s is NULL; pass world-size entries (0 for no elements)", name,
+                         !k->send_counts ? "send_counts" : "recv_counts");
+    if (k->kind == DDP__ALL_TO_ALL_V && k->send_counts[g->rank] != k->recv_counts[g->rank])
+        return ddp__fail(g, DDP_ERR_INVALID_ARGUMENT, "%s: send_counts[%d] is %zu but recv_counts[%d] is %zu on rank %d: "
+                         "the block a rank sends itself is the block it receives from itself", name, g->rank,
+                         k->send_counts[g->rank], g->rank, k->recv_counts[g->rank], g->rank);
+    if (k->kind == DDP__ALL_GATHER_V && !k->recv_counts)
+        return ddp__fail(g, DDP_ERR_INVALID_ARGUMENT, "%s: counts is NULL; pass world-size entries, one per rank", name);
+    if (k->kind == DDP__ALL_GATHER_V && k->recv_counts[g->rank] != k->count)
+        return ddp__fail(g, DDP_ERR_INVALID_ARGUMENT, "%s: count is %zu but counts[%d] (this rank's entry) is %zu; they "
+                         "must be equal", name, k->count, g->rank, k->recv_counts[g->rank]);
     es = ddp_dtype_size(k->dtype);
-    ranks = (k->kind == DDP__ALL_GATHER || k->kind == DDP__REDUCE_SCATTER) ? (size_t)g->world_size : 1;
-    limit = (size_t)(DDP__MAX_BUFFER_BYTES / es / ranks);
-    if (k->count > limit)
-        return ddp__fail(g, DDP_ERR_INVALID_ARGUMENT, "%s: count %zu is above the limit of %zu elements of %s%s: the call's "
+    limit = DDP__MAX_BUFFER_BYTES / es;
+    elements = k->count > limit ? UINT64_MAX : ddp__call_elements(g, k);
+    if (elements > limit) {
+        if (v)
+            return ddp__fail(g, DDP_ERR_INVALID_ARGUMENT, "%s: the counts add up to more than %llu elements of %s, the limit "
+                             "for one buffer (2^47 bytes, 128 TiB); are they computed right?", name,
+                             (unsigned long long)limit, ddp_dtype_name(k->dtype));
+        int per_rank = k->kind != DDP__ALL_REDUCE && k->kind != DDP__BROADCAST && k->kind != DDP__REDUCE;
+        limit /= per_rank ? (uint64_t)g->world_size : 1;
+        return ddp__fail(g, DDP_ERR_INVALID_ARGUMENT, "%s: count %zu is above the limit of %llu elements of %s%s: the call's "
                          "largest buffer (count x %zu bytes%s) must stay under 2^47 bytes (128 TiB), more than any "
-                         "process can map; is the count computed right?", name, k->count, limit, ddp_dtype_name(k->dtype),
-                         ranks > 1 ? " per rank" : "", es, ranks > 1 ? " x the world size" : "");
-    if (k->count && !k->buf)
-        return ddp__fail(g, DDP_ERR_INVALID_ARGUMENT, "%s: the buffer is NULL with count %zu", name, k->count);
-    if (k->count && (k->kind == DDP__ALL_GATHER || k->kind == DDP__REDUCE_SCATTER) && !k->send)
-        return ddp__fail(g, DDP_ERR_INVALID_ARGUMENT, "%s: the send buffer is NULL with count %zu", name, k->count);
+                         "process can map; is the count computed right?", name, k->count, (unsigned long long)limit,
+                         ddp_dtype_name(k->dtype), per_rank ? " per rank" : "", es, per_rank ? " x the world size" : "");
+    }
+    { /* the buffers this rank touches, and how many elements each holds (in-place calls: buf alone) */
+        uint64_t send_n = 0, recv_n = k->count;
+        switch (k->kind) {
+        case DDP__ALL_GATHER:
+        case DDP__REDUCE_SCATTER:
+        case DDP__ALL_TO_ALL: send_n = k->count; break;
+        case DDP__GATHER: send_n = k->count, recv_n = root ? k->count : 0; break;
+        case DDP__SCATTER: send_n = root ? k->count : 0; break;
+        case DDP__ALL_TO_ALL_V:
+            send_n = ddp__counts_sum(k->send_counts, g->world_size);
+            recv_n = ddp__counts_sum(k->recv_counts, g->world_size);
+            break;
+        case DDP__ALL_GATHER_V: send_n = k->count, recv_n = elements; break;
+        default: break;
+        }
+        if (recv_n && !k->buf)
+            return ddp__fail(g, DDP_ERR_INVALID_ARGUMENT, "%s: the %sbuffer is NULL with %llu elements to %s", name,
+                             k->kind == DDP__ALL_REDUCE || k->kind == DDP__BROADCAST || k->kind == DDP__REDUCE ? "" : "recv ",
+                             (unsigned long long)recv_n, k->kind == DDP__REDUCE || k->kind == DDP__ALL_REDUCE ? "reduce" : "receive");
+        if (send_n && !k->send)
+            return ddp__fail(g, DDP_ERR_INVALID_ARGUMENT, "%s: the send buffer is NULL with %llu elements to send", name,
+                             (unsigned long long)send_n);
+    }
     return DDP_SUCCESS;
 }
 
+/* The fingerprint: what every rank must agree on. The _v calls' split sizes differ from rank to rank by
+   design; all_gather_v's total is in it, and each frame's size is checked against what its receiver
+   expects (transport.c). */
 static void ddp__fingerprint(ddp_group *g, const ddp__call *k, ddp__coll *c) {
     int takes_op = k->kind == DDP__ALL_REDUCE || k->kind == DDP__REDUCE || k->kind == DDP__REDUCE_SCATTER;
+    int no_data = k->kind == DDP__BARRIER || k->kind == DDP__MONITORED_BARRIER || k->kind == DDP__BROADCAST_BYTES;
     c->seq = ++g->seq;
     c->kind = (uint8_t)k->kind;
-    c->count = k->kind == DDP__BARRIER ? 0 : k->count;
-    c->dtype = (uint8_t)(k->kind == DDP__BARRIER ? 0 : k->dtype);
+    c->count = no_data || k->kind == DDP__ALL_TO_ALL_V ? 0
+               : k->kind == DDP__ALL_GATHER_V         ? ddp__counts_sum(k->recv_counts, g->world_size)
+                                                       : k->count;
+    c->dtype = (uint8_t)(no_data ? 0 : k->dtype);
     c->op = (uint8_t)(takes_op ? k->op : DDP__NO_OP);
-    c->root = (k->kind == DDP__BROADCAST || k->kind == DDP__REDUCE) ? k->root : -1;
+    c->root = ddp__takes_root(k->kind) ? k->root : -1;
     ddp__trace_queued(g, c);
 }
 
@@ -362,5 +489,94 @@ DDP_API ddp_result ddp_reduce_scatter_async(ddp_group *g, const void *send, void
 }
 DDP_API ddp_result ddp_barrier_async(ddp_group *g, ddp_work **w) {
     ddp__call k = ddp__make_call(DDP__BARRIER, NULL, NULL, 0, DDP_U8, DDP_SUM, -1);
+    return ddp__collective_async(g, &k, w);
+}
+
+/* ---- gather, scatter, all_to_all, the uneven calls, broadcast_bytes, monitored_barrier ---- */
+
+static ddp__call ddp__v_call(ddp__coll_kind kind, const void *send, const size_t *send_counts, void *recv,
+                             const size_t *recv_counts, size_t count, ddp_dtype t) {
+    ddp__call k = ddp__make_call(kind, send, recv, count, t, DDP_SUM, -1);
+    k.send_counts = send_counts;
+    k.recv_counts = recv_counts;
+    return k;
+}
+
+static ddp__call ddp__bytes_call(void **data, size_t *size, int root) {
+    ddp__call k = ddp__make_call(DDP__BROADCAST_BYTES, NULL, NULL, 0, DDP_U8, DDP_SUM, root);
+    k.bytes = data;
+    k.bytes_size = size;
+    return k;
+}
+
+static ddp__call ddp__monitored_call(double seconds) {
+    ddp__call k = ddp__make_call(DDP__MONITORED_BARRIER, NULL, NULL, 0, DDP_U8, DDP_SUM, -1);
+    k.seconds = seconds;
+    return k;
+}
+
+DDP_API ddp_result ddp_gather(ddp_group *g, const void *send, void *recv, size_t count, ddp_dtype t, int root) {
+    ddp__call k = ddp__make_call(DDP__GATHER, send, recv, count, t, DDP_SUM, root);
+    return ddp__collective(g, &k);
+}
+DDP_API ddp_result ddp_scatter(ddp_group *g, const void *send, void *recv, size_t count, ddp_dtype t, int root) {
+    ddp__call k = ddp__make_call(DDP__SCATTER, send, recv, count, t, DDP_SUM, root);
+    return ddp__collective(g, &k);
+}
+DDP_API ddp_result ddp_all_to_all(ddp_group *g, const void *send, void *recv, size_t count_per_rank, ddp_dtype t) {
+    ddp__call k = ddp__make_call(DDP__ALL_TO_ALL, send, recv, count_per_rank, t, DDP_SUM, -1);
+    return ddp__collective(g, &k);
+}
+DDP_API ddp_result ddp_all_to_all_v(ddp_group *g, const void *send, const size_t *send_counts, void *recv,
+                                    const size_t *recv_counts, ddp_dtype t) {
+    ddp__call k = ddp__v_call(DDP__ALL_TO_ALL_V, send, send_counts, recv, recv_counts, 0, t);
+    return ddp__collective(g, &k);
+}
+DDP_API ddp_result ddp_all_gather_v(ddp_group *g, const void *send, size_t count, void *recv, const size_t *counts,
+                                    ddp_dtype t) {
+    ddp__call k = ddp__v_call(DDP__ALL_GATHER_V, send, NULL, recv, counts, count, t);
+    return ddp__collective(g, &k);
+}
+DDP_API ddp_result ddp_broadcast_bytes(ddp_group *g, void **data, size_t *size, int root) {
+    ddp__call k = ddp__bytes_call(data, size, root);
+    return ddp__collective(g, &k);
+}
+DDP_API void ddp_free_bytes(void *data) { ddp__free(data); }
+DDP_API ddp_result ddp_monitored_barrier(ddp_group *g, double timeout_seconds) {
+    ddp__call k = ddp__monitored_call(timeout_seconds);
+    return ddp__collective(g, &k);
+}
+
+DDP_API ddp_result ddp_gather_async(ddp_group *g, const void *send, void *recv, size_t count, ddp_dtype t, int root,
+                                    ddp_work **w) {
+    ddp__call k = ddp__make_call(DDP__GATHER, send, recv, count, t, DDP_SUM, root);
+    return ddp__collective_async(g, &k, w);
+}
+DDP_API ddp_result ddp_scatter_async(ddp_group *g, const void *send, void *recv, size_t count, ddp_dtype t, int root,
+                                     ddp_work **w) {
+    ddp__call k = ddp__make_call(DDP__SCATTER, send, recv, count, t, DDP_SUM, root);
+    return ddp__collective_async(g, &k, w);
+}
+DDP_API ddp_result ddp_all_to_all_async(ddp_group *g, const void *send, void *recv, size_t count_per_rank, ddp_dtype t,
+                                        ddp_work **w) {
+    ddp__call k = ddp__make_call(DDP__ALL_TO_ALL, send, recv, count_per_rank, t, DDP_SUM, -1);
+    return ddp__collective_async(g, &k, w);
+}
+DDP_API ddp_result ddp_all_to_all_v_async(ddp_group *g, const void *send, const size_t *send_counts, void *recv,
+                                          const size_t *recv_counts, ddp_dtype t, ddp_work **w) {
+    ddp__call k = ddp__v_call(DDP__ALL_TO_ALL_V, send, send_counts, recv, recv_counts, 0, t);
+    return ddp__collective_async(g, &k, w);
+}
+DDP_API ddp_result ddp_all_gather_v_async(ddp_group *g, const void *send, size_t count, void *recv, const size_t *counts,
+                                          ddp_dtype t, ddp_work **w) {
+    ddp__call k = ddp__v_call(DDP__ALL_GATHER_V, send, NULL, recv, counts, count, t);
+    return ddp__collective_async(g, &k, w);
+}
+DDP_API ddp_result ddp_broadcast_bytes_async(ddp_group *g, void **data, size_t *size, int root, ddp_work **w) {
+    ddp__call k = ddp__bytes_call(data, size, root);
+    return ddp__collective_async(g, &k, w);
+}
+DDP_API ddp_result ddp_monitored_barrier_async(ddp_group *g, double timeout_seconds, ddp_work **w) {
+    ddp__call k = ddp__monitored_call(timeout_seconds);
     return ddp__collective_async(g, &k, w);
 }

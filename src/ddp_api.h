@@ -191,6 +191,41 @@ DDP_API ddp_result ddp_reduce_scatter(ddp_group *g, const void *send, void *recv
 /* returns when every rank has entered the barrier */
 DDP_API ddp_result ddp_barrier(ddp_group *g);
 
+/* The rest of torch.distributed's collectives. Rooted calls read (scatter) or write (gather) the big
+   buffer on the root alone; other ranks may pass NULL there. Buffers of one call must not overlap,
+   except where "in place" says. */
+/* gather: root's recv[r*count ...] <- rank r's send (count elements), for every r. In place on the root:
+   send = recv + root*count. */
+DDP_API ddp_result ddp_gather(ddp_group *g, const void *send, void *recv, size_t count, ddp_dtype t, int root);
+/* scatter: recv (count elements) <- root's send[rank*count ...]. In place on the root: recv = send +
+   root*count. */
+DDP_API ddp_result ddp_scatter(ddp_group *g, const void *send, void *recv, size_t count, ddp_dtype t, int root);
+/* all_to_all (torch's all_to_all_single with equal splits): recv[r*count_per_rank ...] <- rank r's
+   send[rank*count_per_rank ...], for every r. send may equal recv (in place). */
+DDP_API ddp_result ddp_all_to_all(ddp_group *g, const void *send, void *recv, size_t count_per_rank, ddp_dtype t);
+/* all_to_all_v (all_to_all_single with split sizes): send holds world blocks packed in rank order, block
+   j of send_counts[j] elements going to rank j; recv receives block r (recv_counts[r] elements) from
+   rank r, packed in rank order. Rank i's send_counts[j] must equal rank j's recv_counts[i]: a
+   difference is DDP_ERR_MISMATCH on every rank, naming both ranks and both sizes. Zeros are fine. */
+DDP_API ddp_result ddp_all_to_all_v(ddp_group *g, const void *send, const size_t *send_counts, void *recv,
+                                    const size_t *recv_counts, ddp_dtype t);
+/* all_gather_v (all_gather of tensors of uneven size): recv <- every rank's send, rank r's counts[r]
+   elements packed in rank order; count is this rank's (= counts[rank]). Every rank passes the same
+   counts (a difference is DDP_ERR_MISMATCH on every rank). In place: send = recv + the sum of
+   counts[0 .. rank-1]. */
+DDP_API ddp_result ddp_all_gather_v(ddp_group *g, const void *send, size_t count, void *recv, const size_t *counts,
+                                    ddp_dtype t);
+/* broadcast_bytes (broadcast_object_list for a serialized object): the root passes *data and *size
+   (bytes); every other rank gets a new buffer in *data holding a copy, and its size in *size (set on
+   success only), and releases it with ddp_free_bytes(). A size of 0 gives a valid buffer too. */
+DDP_API ddp_result ddp_broadcast_bytes(ddp_group *g, void **data, size_t *size, int root);
+DDP_API void ddp_free_bytes(void *data); /* NULL is a no-op */
+/* monitored_barrier (torch's, with wait_all_ranks=True): every rank reports to rank 0, which waits up
+   to timeout_seconds (<= 0: the group's timeout) and then fails with DDP_ERR_TIMEOUT naming every rank
+   that did not arrive (host and pid); the group is then broken on every rank that did arrive, with the
+   same message. When all arrive it returns DDP_SUCCESS on every rank, as ddp_barrier. */
+DDP_API ddp_result ddp_monitored_barrier(ddp_group *g, double timeout_seconds);
+
 /* Asynchronous variants: queue the collective and return at once. A progress thread runs queued
    work in issue order. The buffers must stay valid and untouched until ddp_wait returns.
    A synchronous collective issued after async ones runs after them. */
@@ -205,6 +240,20 @@ DDP_API ddp_result ddp_all_gather_async(ddp_group *g, const void *send, void *re
 DDP_API ddp_result ddp_reduce_scatter_async(ddp_group *g, const void *send, void *recv, size_t count_per_rank,
                                             ddp_dtype t, ddp_op op, ddp_work **w);
 DDP_API ddp_result ddp_barrier_async(ddp_group *g, ddp_work **w);
+DDP_API ddp_result ddp_gather_async(ddp_group *g, const void *send, void *recv, size_t count, ddp_dtype t, int root,
+                                    ddp_work **w);
+DDP_API ddp_result ddp_scatter_async(ddp_group *g, const void *send, void *recv, size_t count, ddp_dtype t, int root,
+                                     ddp_work **w);
+DDP_API ddp_result ddp_all_to_all_async(ddp_group *g, const void *send, void *recv, size_t count_per_rank,
+                                        ddp_dtype t, ddp_work **w);
+/* the count arrays, like the buffers, must stay valid until ddp_wait returns */
+DDP_API ddp_result ddp_all_to_all_v_async(ddp_group *g, const void *send, const size_t *send_counts, void *recv,
+                                          const size_t *recv_counts, ddp_dtype t, ddp_work **w);
+DDP_API ddp_result ddp_all_gather_v_async(ddp_group *g, const void *send, size_t count, void *recv,
+                                          const size_t *counts, ddp_dtype t, ddp_work **w);
+/* data and size must stay valid until ddp_wait returns; they are written then */
+DDP_API ddp_result ddp_broadcast_bytes_async(ddp_group *g, void **data, size_t *size, int root, ddp_work **w);
+DDP_API ddp_result ddp_monitored_barrier_async(ddp_group *g, double timeout_seconds, ddp_work **w);
 /* Block until w is complete; return its result and release w (its message is then in
    ddp_last_error(group)). Call exactly once per handle: a handle already waited on, or released by
    ddp_destroy of its group, is DDP_ERR_INVALID_ARGUMENT without being touched (recognised as long as

@@ -346,13 +346,22 @@ typedef enum ddp__coll_kind {
     DDP__ALL_GATHER,
     DDP__REDUCE_SCATTER,
     DDP__BARRIER,
+    DDP__GATHER,
+    DDP__SCATTER,
+    DDP__ALL_TO_ALL,
+    DDP__ALL_TO_ALL_V,
+    DDP__ALL_GATHER_V,
+    DDP__BROADCAST_BYTES,
+    DDP__MONITORED_BARRIER,
     DDP__COLL_KINDS
 } ddp__coll_kind;
 #define DDP__NO_OP 0xff
 
 typedef struct ddp__coll {
     uint64_t seq;   /* the group's collective number: 1 for its first (its own set-up included), never restarts */
-    uint64_t count; /* the call's count (per rank for all_gather / reduce_scatter) */
+    uint64_t count; /* the call's count (per rank for all_gather / reduce_scatter / gather / scatter / all_to_all;
+                       the sum of the counts for all_gather_v; 0 for all_to_all_v, broadcast_bytes and
+                       monitored_barrier, whose sizes are checked frame by frame) */
     uint8_t kind;   /* ddp__coll_kind */
     uint8_t dtype;
     uint8_t op;     /* DDP__NO_OP when the collective takes none */
@@ -368,6 +377,11 @@ typedef struct ddp__call {
     ddp_dtype dtype;
     ddp_op op;
     int root;
+    const size_t *send_counts; /* all_to_all_v: world entries */
+    const size_t *recv_counts; /* all_to_all_v, all_gather_v: world entries */
+    void **bytes;              /* broadcast_bytes: the root's data in, the receivers' new buffer out */
+    size_t *bytes_size;        /* broadcast_bytes: its size */
+    double seconds;            /* monitored_barrier: how long rank 0 waits for the others */
 } ddp__call;
 
 /* A backend: the only way a call reaches a transport. Each backend file fills one table (its set-up
@@ -592,6 +606,10 @@ typedef struct ddp__step {
     int recv_peer;
     void *recv_buf;
     size_t recv_bytes;
+    double deadline; /* 0: fail after the group's timeout without progress; else wait until this time
+                        (ddp__now()) for the frame to start (monitored_barrier), the timeout after that */
+    int soft;        /* with deadline: when it passes before anything arrived, return DDP_ERR_TIMEOUT
+                        without breaking the group (the caller decides) */
 } ddp__step;
 static DDP__UNUSED ddp_result ddp__exchange(ddp_group *g, const ddp__coll *c, const ddp__step *s);
 static DDP__UNUSED void ddp__close_after_failure(ddp_group *g, double seconds);

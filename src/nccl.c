@@ -110,6 +110,11 @@ static void ddp__nccl_close(ddp_group *g, int orderly) {
 static int ddp__nccl_where(const ddp__call *k) {
     int buf, send;
     if (k->kind == DDP__BARRIER) return DDP__NCCL_DEVICE;
+    if (k->kind > DDP__BARRIER) { /* the calls NCCL does not run yet: any device buffer is refused (ddp__nccl_run) */
+        int dev = (k->send && ddp__cuda_is_device_pointer(k->send) == DDP__NCCL_DEVICE) ||
+                  (k->buf && ddp__cuda_is_device_pointer(k->buf) == DDP__NCCL_DEVICE);
+        return dev ? DDP__NCCL_DEVICE : DDP__NCCL_HOST;
+    }
     if (k->count == 0) return DDP__NCCL_HOST;
     buf = ddp__cuda_is_device_pointer(k->buf);
     if (k->kind != DDP__ALL_GATHER && k->kind != DDP__REDUCE_SCATTER) return buf;
@@ -213,6 +218,13 @@ static ddp_result ddp__nccl_run(ddp_group *g, const ddp__call *k, const ddp__col
     ddp_result r;
     if ((r = ddp__nccl_check(g, c, where)) != DDP_SUCCESS) return r;
     if (where == DDP__NCCL_HOST) return g->host_backend->run(g, k, c);
+    if (k->kind > DDP__BARRIER) {
+        char desc[160];
+        ddp__coll_describe(g, c, desc, sizeof desc);
+        return ddp__coll_fail(g, DDP_ERR_UNSUPPORTED, "%s: the nccl backend runs this call on host memory only so far "
+                              "(device memory needs ncclSend/ncclRecv groups, not built yet); copy the buffers to host "
+                              "memory, or use all_gather / all_reduce on device memory", desc);
+    }
     if ((r = ddp__nccl_enqueue(g, k, c, &event)) != DDP_SUCCESS) return r;
     return ddp__nccl_wait_event(g, c, event);
 }
@@ -224,7 +236,7 @@ static int ddp__nccl_enqueue_async(ddp_group *g, const ddp__call *k, ddp_work **
     char msg[DDP__ERR_MAX];
     ddp_work *w;
     ddp_result r;
-    if (ddp__nccl_where(k) == DDP__NCCL_HOST) return 0;
+    if (ddp__nccl_where(k) == DDP__NCCL_HOST || k->kind > DDP__BARRIER) return 0; /* the progress thread runs it */
     ddp__drain(g); /* queued host work uses the mesh: let it finish first */
     if (g->broken) {
         *res = ddp__fail(g, DDP_ERR_STATE, "%s", ddp__broken_message(g, k, msg));

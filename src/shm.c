@@ -541,7 +541,8 @@ static ddp_result ddp__shm_call(ddp_group *g, const ddp__call *k, const ddp__col
     case DDP__BROADCAST: return ddp__shm_broadcast(g, c, k->buf, k->count, k->dtype, k->root);
     case DDP__ALL_GATHER: return ddp__shm_all_gather(g, c, k->send, k->buf, k->count, k->dtype);
     case DDP__REDUCE_SCATTER: return ddp__shm_reduce_scatter(g, c, k->send, k->buf, k->count, k->dtype, k->op);
-    default: return ddp__shm_step(g, c, ++g->shm->step, 1, DDP__SHM_NOT_LIB); /* barrier */
+    case DDP__BARRIER: return ddp__shm_step(g, c, ++g->shm->step, 1, DDP__SHM_NOT_LIB);
+    default: return ddp__tcp_run(g, k, c); /* gather, scatter, all_to_all(_v), all_gather_v, monitored_barrier */
     }
 }
 

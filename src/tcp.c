@@ -47,6 +47,21 @@
 
 static int ddp__mod(int a, int n) { return ((a % n) + n) % n; }
 
+/* One step of the algorithm: send `sbytes` of `sbuf` to `to` while receiving `rbytes` into `rbuf`
+   from `from` (-1: no such side). */
+static ddp_result ddp__send_recv(ddp_group *g, const ddp__coll *c, int to, const void *sbuf, size_t sbytes, int from,
+                                 void *rbuf, size_t rbytes) {
+    ddp__step st;
+    memset(&st, 0, sizeof st);
+    st.send_peer = to;
+    st.send_buf = sbuf;
+    st.send_bytes = sbytes;
+    st.recv_peer = from;
+    st.recv_buf = rbuf;
+    st.recv_bytes = rbytes;
+    return ddp__exchange(g, c, &st);
+}
+
 /* Ring reduce-scatter in place: afterwards chunk `rank` of buf is reduced over all ranks (op AVG is
    left as the sum). In step s, send chunk rank-s-1 and add the received chunk rank-s-2. */
 static ddp_result ddp__ring_reduce_scatter(ddp_group *g, const ddp__coll *c, char *buf, size_t count, ddp_dtype t,
@@ -56,18 +71,13 @@ static ddp_result ddp__ring_reduce_scatter(ddp_group *g, const ddp__coll *c, cha
     char *tmp = (char *)ddp__scratch(g, max_len * es);
     if (!tmp && max_len) return ddp__no_memory(g, max_len * es);
     for (s = 0; s < n - 1; s++) {
-        ddp__step st;
         size_t roff, rlen;
         ddp_result res;
         ddp__chunk(count, n, ddp__mod(r - s - 1, n), &off, &len);
         ddp__chunk(count, n, ddp__mod(r - s - 2, n), &roff, &rlen);
-        st.send_peer = ddp__mod(r + 1, n);
-        st.send_buf = buf + off * es;
-        st.send_bytes = len * es;
-        st.recv_peer = ddp__mod(r - 1, n);
-        st.recv_buf = tmp;
-        st.recv_bytes = rlen * es;
-        if ((res = ddp__exchange(g, c, &st)) != DDP_SUCCESS) return res;
+        if ((res = ddp__send_recv(g, c, ddp__mod(r + 1, n), buf + off * es, len * es, ddp__mod(r - 1, n), tmp, rlen * es)) !=
+            DDP_SUCCESS)
+            return res;
         ddp__reduce(buf + roff * es, tmp, rlen, t, op);
     }
     return DDP_SUCCESS;
@@ -78,18 +88,13 @@ static ddp_result ddp__ring_reduce_scatter(ddp_group *g, const ddp__coll *c, cha
 static ddp_result ddp__ring_all_gather(ddp_group *g, const ddp__coll *c, char *buf, size_t count, size_t es) {
     int n = g->world_size, r = g->rank, s;
     for (s = 0; s < n - 1; s++) {
-        ddp__step st;
         size_t off, len, roff, rlen;
         ddp_result res;
         ddp__chunk(count, n, ddp__mod(r - s, n), &off, &len);
         ddp__chunk(count, n, ddp__mod(r - s - 1, n), &roff, &rlen);
-        st.send_peer = ddp__mod(r + 1, n);
-        st.send_buf = buf + off * es;
-        st.send_bytes = len * es;
-        st.recv_peer = ddp__mod(r - 1, n);
-        st.recv_buf = buf + roff * es;
-        st.recv_bytes = rlen * es;
-        if ((res = ddp__exchange(g, c, &st)) != DDP_SUCCESS) return res;
+        if ((res = ddp__send_recv(g, c, ddp__mod(r + 1, n), buf + off * es, len * es, ddp__mod(r - 1, n), buf + roff * es,
+                                  rlen * es)) != DDP_SUCCESS)
+            return res;
     }
     return DDP_SUCCESS;
 }
@@ -121,19 +126,6 @@ static void ddp__finish_avg(ddp_group *g, char *buf, size_t count, ddp_dtype t, 
    256 KiB on 4; the ring won from 64 KiB on 2 ranks. It is no setting: ranks that disagreed on it would
    run different algorithms for the same call, which no fingerprint catches. */
 
-/* One step of the algorithm: send `sbytes` of `sbuf` to `to` while receiving `rbytes` into `rbuf`
-   from `from` (-1: no such side). */
-static ddp_result ddp__send_recv(ddp_group *g, const ddp__coll *c, int to, const void *sbuf, size_t sbytes, int from,
-                                 void *rbuf, size_t rbytes) {
-    ddp__step st;
-    st.send_peer = to;
-    st.send_buf = sbuf;
-    st.send_bytes = sbytes;
-    st.recv_peer = from;
-    st.recv_buf = rbuf;
-    st.recv_bytes = rbytes;
-    return ddp__exchange(g, c, &st);
-}
 
 /* Combine this rank's block (buf) with the block just received from `peer` (tmp) as (lower rank's
    block) op (higher rank's block), into buf; tmp is clobbered. Both partners compute the same bits. */
@@ -405,6 +397,222 @@ static ddp_result ddp__do_reduce_scatter(ddp_group *g, const ddp__coll *c, const
    of frames) from every other rank, in ceil(log2 n) steps. */
 static ddp_result ddp__do_barrier(ddp_group *g, const ddp__coll *c) { return ddp__dissemination(g, c, NULL, 0, 0); }
 
+/* ---- gather and scatter: binomial trees (MPICH's), after an agreement ----
+
+   The data moves on the binomial tree of the root over the positions pos = (rank - root) mod n: a rank
+   at pos holds the blocks of positions pos .. pos + m - 1, m being the lowest set bit of pos (all n at
+   the root). gather: in the round with distance d = 1, 2, 4 ..., a rank whose pos has bit d sends what
+   it holds to pos - d and is done; the others receive pos + d's blocks behind their own. scatter runs
+   the same tree the other way, largest distance first. Cost: ceil(log2 n) rounds, the root's link
+   carrying (n-1) blocks as in a linear algorithm; a rank forwards at most its subtree.
+
+   The tree alone would break the top comment's two points: in a gather, a leaf finishes as soon as it
+   has sent, and ranks that disagree about the root could all wait on a parent that never sends. So
+   both first run an agreement on the call (dissemination with empty frames, as barrier: every rank
+   sends before it waits, and none finishes before every rank has entered the same call, root and
+   count included). Past it nothing can differ: the sizes follow from the fingerprint. */
+static ddp_result ddp__agree(ddp_group *g, const ddp__coll *c) { return ddp__dissemination(g, c, NULL, 0, 0); }
+
+/* Blocks held by the rank at position pos in a binomial tree over n positions (the root's subtree is all). */
+static int ddp__tree_blocks(int pos, int n) { return pos == 0 ? n : DDP__MIN(pos & -pos, n - pos); }
+
+/* Relative order (block i is rank (root + i) mod n) <-> rank order, between two buffers of n blocks. */
+static void ddp__rotate_blocks(char *dst, const char *src, int root, int n, size_t block, int to_rank_order) {
+    size_t head = (size_t)(n - root) * block, tail = (size_t)root * block; /* ranks root .. n-1, then 0 .. root-1 */
+    if (to_rank_order) {
+        memcpy(dst + tail, src, head);
+        memcpy(dst, src + head, tail);
+    } else {
+        memcpy(dst, src + tail, head);
+        memcpy(dst + head, src, tail);
+    }
+}
+
+static ddp_result ddp__do_gather(ddp_group *g, const ddp__coll *c, const void *send, void *recv, size_t count, ddp_dtype t,
+                                 int root) {
+    int n = g->world_size, pos = ddp__mod(g->rank - root, n), have = 1, d;
+    size_t block = count * ddp_dtype_size(t), need = (size_t)ddp__tree_blocks(pos, n) * block;
+    char *work = pos == 0 && root == 0 ? (char *)recv : (char *)ddp__scratch(g, need);
+    ddp_result r;
+    if (!work && need) return ddp__no_memory(g, need);
+    if ((r = ddp__agree(g, c)) != DDP_SUCCESS) return r;
+    if (block && work != (const char *)send) memmove(work, send, block); /* in place on root 0: already there */
+    for (d = 1; d < n; d *= 2) {
+        if (pos & d) return ddp__send_recv(g, c, ddp__mod(pos - d + root, n), work, (size_t)have * block, -1, NULL, 0);
+        if (pos + d < n) {
+            int blocks = DDP__MIN(d, n - pos - d);
+            if ((r = ddp__send_recv(g, c, -1, NULL, 0, ddp__mod(pos + d + root, n), work + (size_t)have * block,
+                                    (size_t)blocks * block)) != DDP_SUCCESS)
+                return r;
+            have += blocks;
+        }
+    }
+    if (work != (char *)recv && block) ddp__rotate_blocks((char *)recv, work, root, n, block, 1);
+    return DDP_SUCCESS;
+}
+
+static ddp_result ddp__do_scatter(ddp_group *g, const ddp__coll *c, const void *send, void *recv, size_t count, ddp_dtype t,
+                                  int root) {
+    int n = g->world_size, pos = ddp__mod(g->rank - root, n), blocks = ddp__tree_blocks(pos, n), d;
+    size_t block = count * ddp_dtype_size(t), need = (size_t)blocks * block;
+    const char *work = (const char *)send;
+    ddp_result r;
+    if (pos != 0 || root != 0) { /* the root other than 0 reorders; the others receive their subtree's blocks */
+        char *tmp = blocks == 1 ? (char *)recv : (char *)ddp__scratch(g, need);
+        if (!tmp && need) return ddp__no_memory(g, need);
+        if (pos == 0 && block) ddp__rotate_blocks(tmp, (const char *)send, root, n, block, 0);
+        work = tmp;
+    }
+    if ((r = ddp__agree(g, c)) != DDP_SUCCESS) return r;
+    if (pos != 0) {
+        int up = pos & -pos;
+        if ((r = ddp__send_recv(g, c, -1, NULL, 0, ddp__mod(pos - up + root, n), (void *)work, need)) != DDP_SUCCESS) return r;
+    }
+    for (d = 1; d < blocks; d *= 2) /* the largest distance below the subtree's size first */
+        ;
+    for (d /= 2; d >= 1; d /= 2) { /* the child at pos + d (< n: d < blocks <= n - pos) */
+        if ((r = ddp__send_recv(g, c, ddp__mod(pos + d + root, n), work + (size_t)d * block,
+                                (size_t)DDP__MIN(d, n - pos - d) * block, -1, NULL, 0)) != DDP_SUCCESS)
+            return r;
+    }
+    if (block && work != (const char *)recv) memmove(recv, work, block); /* in place on root 0: already there */
+    return DDP_SUCCESS;
+}
+
+/* ---- all_to_all, all_to_all_v, all_gather_v ----
+
+   all_to_all: pairwise exchange (MPICH's and Gloo's for large messages): in step k = 1 .. n-1 rank r
+   sends its block for r + k and receives the block of r - k. Every rank sends before it waits and hears
+   from every other rank directly, so the top comment's points hold without more. Only the peers of a
+   rank's own steps are dialed: all n - 1 of them, as all_to_all needs.
+   all_to_all_v runs the same steps with each pair's own sizes. The sizes are the one thing the
+   fingerprint cannot carry (they differ by rank), so each frame's size is checked by its receiver
+   against its recv_counts (transport.c: DDP_ERR_MISMATCH naming both), and an agreement ends the
+   call: a rank that found a wrong size broke the group before it, so nobody finishes. all_gather_v
+   moves rank r's counts[r] elements around the ring (n - 1 steps, each block passing every link once),
+   then agrees the same way (the fingerprint carries the sum of the counts, not each one). */
+
+/* Where each of n blocks of the given sizes starts, as elements (n + 1 entries; NULL when out of memory). */
+static size_t *ddp__displacements(const size_t *counts, int n) {
+    size_t *at = (size_t *)ddp__malloc(((size_t)n + 1) * sizeof *at);
+    int i;
+    if (!at) return NULL;
+    at[0] = 0;
+    for (i = 0; i < n; i++) at[i + 1] = at[i] + counts[i]; /* validated: the sums fit */
+    return at;
+}
+
+/* The pairwise steps; send_at / recv_at NULL: blocks of `count` elements. */
+static ddp_result ddp__pairwise(ddp_group *g, const ddp__coll *c, const char *send, const size_t *send_at, char *recv,
+                                const size_t *recv_at, size_t count, size_t es) {
+    int n = g->world_size, r = g->rank, k;
+    for (k = 1; k < n; k++) {
+        int to = ddp__mod(r + k, n), from = ddp__mod(r - k, n);
+        size_t so = send_at ? send_at[to] : (size_t)to * count, sn = send_at ? send_at[to + 1] - send_at[to] : count;
+        size_t ro = recv_at ? recv_at[from] : (size_t)from * count, rn = recv_at ? recv_at[from + 1] - recv_at[from] : count;
+        ddp_result res = ddp__send_recv(g, c, to, send + so * es, sn * es, from, recv + ro * es, rn * es);
+        if (res) return res;
+    }
+    return DDP_SUCCESS;
+}
+
+static ddp_result ddp__do_all_to_all(ddp_group *g, const ddp__coll *c, const void *send, void *recv, size_t count,
+                                     ddp_dtype t) {
+    size_t es = ddp_dtype_size(t), block = count * es, all = block * (size_t)g->world_size;
+    const char *from = (const char *)send;
+    if (from < (const char *)recv + all && (const char *)recv < from + all && all) { /* in place: send a copy */
+        char *copy = (char *)ddp__scratch(g, all);
+        if (!copy) return ddp__no_memory(g, all);
+        memcpy(copy, send, all);
+        from = copy;
+    }
+    if (block && from + (size_t)g->rank * block != (const char *)recv + (size_t)g->rank * block)
+        memcpy((char *)recv + (size_t)g->rank * block, from + (size_t)g->rank * block, block);
+    return ddp__pairwise(g, c, from, NULL, (char *)recv, NULL, count, es);
+}
+
+static ddp_result ddp__do_all_to_all_v(ddp_group *g, const ddp__coll *c, const void *send, const size_t *send_counts,
+                                       void *recv, const size_t *recv_counts, ddp_dtype t) {
+    size_t es = ddp_dtype_size(t), *send_at = ddp__displacements(send_counts, g->world_size);
+    size_t *recv_at = ddp__displacements(recv_counts, g->world_size);
+    int r = g->rank;
+    ddp_result res = DDP_SUCCESS;
+    if (!send_at || !recv_at) {
+        res = ddp__no_memory(g, 2 * ((size_t)g->world_size + 1) * sizeof(size_t));
+    } else {
+        if (send_counts[r]) memmove((char *)recv + recv_at[r] * es, (const char *)send + send_at[r] * es, send_counts[r] * es);
+        if ((res = ddp__pairwise(g, c, (const char *)send, send_at, (char *)recv, recv_at, 0, es)) == DDP_SUCCESS)
+            res = ddp__agree(g, c);
+    }
+    ddp__free(send_at);
+    ddp__free(recv_at);
+    return res;
+}
+
+static ddp_result ddp__do_all_gather_v(ddp_group *g, const ddp__coll *c, const void *send, void *recv, const size_t *counts,
+                                       ddp_dtype t) {
+    int n = g->world_size, r = g->rank, s;
+    size_t es = ddp_dtype_size(t), *at = ddp__displacements(counts, n);
+    char *out = (char *)recv;
+    ddp_result res = DDP_SUCCESS;
+    if (!at) return ddp__no_memory(g, ((size_t)n + 1) * sizeof *at);
+    if (counts[r] && (const char *)send != out + at[r] * es) memmove(out + at[r] * es, send, counts[r] * es);
+    for (s = 0; s < n - 1 && res == DDP_SUCCESS; s++) {
+        int give = ddp__mod(r - s, n), take = ddp__mod(r - s - 1, n);
+        res = ddp__send_recv(g, c, ddp__mod(r + 1, n), out + at[give] * es, counts[give] * es, ddp__mod(r - 1, n),
+                             out + at[take] * es, counts[take] * es);
+    }
+    ddp__free(at);
+    return res == DDP_SUCCESS ? ddp__agree(g, c) : res;
+}
+
+/* ---- monitored_barrier (torch's, over Gloo: rank 0 hears from every rank, then answers each) ----
+   Every other rank sends rank 0 an empty frame and waits for its answer. Rank 0 takes the frames rank
+   by rank until timeout_seconds have passed; after that a rank whose frame is not already there
+   counts as missing. None missing: rank 0 answers every rank (they return). Some missing: rank 0 fails
+   naming them all, and breaking the group sends its message to every rank connected to it: all that
+   arrived (they dialed it to report). The others wait the timeout and the group's timeout beyond it. */
+static ddp_result ddp__do_monitored_barrier(ddp_group *g, const ddp__coll *c, double seconds) {
+    int n = g->world_size, j, missing = 0, unlisted = 0;
+    double wait = seconds > 0 ? seconds : g->timeout, until = ddp__now() + wait;
+    char list[DDP__ERR_MAX / 2] = "", name[DDP__PEER_NAME_MAX], more[48] = "";
+    ddp__step st;
+    ddp_result r;
+    memset(&st, 0, sizeof st);
+    st.send_peer = st.recv_peer = -1;
+    if (g->rank != 0) {
+        if ((r = ddp__send_recv(g, c, 0, NULL, 0, -1, NULL, 0)) != DDP_SUCCESS) return r;
+        st.recv_peer = 0;
+        st.deadline = ddp__now() + wait + g->timeout;
+        return ddp__exchange(g, c, &st);
+    }
+    for (j = 1; j < n; j++) {
+        st.recv_peer = j;
+        st.deadline = DDP__MAX(until, ddp__now() + (g->mesh.peers[j].fd >= 0 ? 0.01 : 0));
+        st.soft = 1;
+        r = ddp__exchange(g, c, &st);
+        if (r == DDP_ERR_TIMEOUT && !g->broken) { /* name as many as fit, then count the rest */
+            size_t len = strlen(list);
+            if (len + 100 < sizeof list)
+                snprintf(list + len, sizeof list - len, "%s%d (%.80s)", missing ? ", " : "", j,
+                         ddp__peer_name(g, j, name, sizeof name));
+            else
+                unlisted++;
+            missing++;
+        } else if (r) {
+            return r;
+        }
+    }
+    if (unlisted) snprintf(more, sizeof more, " and %d more", unlisted);
+    if (missing)
+        return ddp__coll_fail(g, DDP_ERR_TIMEOUT, "monitored_barrier: %d of %d ranks did not arrive within %.3g s: rank%s "
+                              "%s%s. Every rank must call it; look at what those ranks were doing (DDP_TRACE_DIR, "
+                              "ddprun's summary)", missing, n, wait, missing > 1 ? "s" : "", list, more);
+    for (j = 1; j < n; j++)
+        if ((r = ddp__send_recv(g, c, j, NULL, 0, -1, NULL, 0)) != DDP_SUCCESS) return r;
+    return DDP_SUCCESS;
+}
+
 /* ---- the backend ---- */
 
 static ddp_result ddp__tcp_run(ddp_group *g, const ddp__call *k, const ddp__coll *c) {
@@ -415,6 +623,12 @@ static ddp_result ddp__tcp_run(ddp_group *g, const ddp__call *k, const ddp__coll
     case DDP__ALL_GATHER: return ddp__do_all_gather(g, c, k->send, k->buf, k->count, k->dtype);
     case DDP__REDUCE_SCATTER: return ddp__do_reduce_scatter(g, c, k->send, k->buf, k->count, k->dtype, k->op);
     case DDP__BARRIER: return ddp__do_barrier(g, c);
+    case DDP__GATHER: return ddp__do_gather(g, c, k->send, k->buf, k->count, k->dtype, k->root);
+    case DDP__SCATTER: return ddp__do_scatter(g, c, k->send, k->buf, k->count, k->dtype, k->root);
+    case DDP__ALL_TO_ALL: return ddp__do_all_to_all(g, c, k->send, k->buf, k->count, k->dtype);
+    case DDP__ALL_TO_ALL_V: return ddp__do_all_to_all_v(g, c, k->send, k->send_counts, k->buf, k->recv_counts, k->dtype);
+    case DDP__ALL_GATHER_V: return ddp__do_all_gather_v(g, c, k->send, k->buf, k->recv_counts, k->dtype);
+    case DDP__MONITORED_BARRIER: return ddp__do_monitored_barrier(g, c, k->seconds);
     default: return ddp__coll_fail(g, DDP_ERR_STATE, "internal error: unknown collective %d", (int)k->kind);
     }
 }
@@ -430,8 +644,19 @@ static const ddp__backend ddp__backend_tcp = {
 static ddp_result ddp__alone_run(ddp_group *g, const ddp__call *k, const ddp__coll *c) {
     size_t bytes = k->count * ddp_dtype_size(k->dtype);
     (void)g, (void)c;
-    if ((k->kind == DDP__ALL_GATHER || k->kind == DDP__REDUCE_SCATTER) && bytes && k->send != k->buf)
-        memmove(k->buf, k->send, bytes);
+    if (k->kind == DDP__ALL_TO_ALL_V) bytes = k->send_counts[0] * ddp_dtype_size(k->dtype); /* = recv_counts[0] */
+    switch (k->kind) {
+    case DDP__ALL_GATHER:
+    case DDP__REDUCE_SCATTER:
+    case DDP__GATHER:
+    case DDP__SCATTER:
+    case DDP__ALL_TO_ALL:
+    case DDP__ALL_TO_ALL_V:
+    case DDP__ALL_GATHER_V:
+        if (bytes && k->send != k->buf) memmove(k->buf, k->send, bytes);
+        break;
+    default: break;
+    }
     return DDP_SUCCESS;
 }
 

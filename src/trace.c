@@ -192,10 +192,14 @@ static void ddp__tput_call(ddp__tbuf *b, const ddp_group *g, uint64_t seq, uint6
     ddp__tput(b, " ");
     ddp__tput(b, ddp__coll_name(kind));
     ddp__tput(b, "(");
-    if (kind != DDP__BARRIER) {
-        ddp__tput(b, "count=");
-        ddp__tput_uint(b, count, 1);
-        ddp__tput(b, ", ");
+    if (kind == DDP__BROADCAST_BYTES) { /* as ddp__coll_describe: no count or dtype where the fingerprint has none */
+        ddp__tput(b, "root="), ddp__tput_int(b, root);
+    } else if (kind != DDP__BARRIER && kind != DDP__MONITORED_BARRIER) {
+        if (kind != DDP__ALL_TO_ALL_V) {
+            ddp__tput(b, kind == DDP__ALL_GATHER_V ? "total count=" : "count=");
+            ddp__tput_uint(b, count, 1);
+            ddp__tput(b, ", ");
+        }
         ddp__tput(b, ddp_dtype_name((ddp_dtype)dtype));
         if (op != DDP__NO_OP) ddp__tput(b, ", "), ddp__tput(b, ddp_op_name((ddp_op)op));
         if (root >= 0) ddp__tput(b, ", root="), ddp__tput_int(b, root);

@@ -52,7 +52,9 @@ typedef struct ddp__frame {
 } ddp__frame;
 
 static const char *ddp__coll_name(int kind) {
-    static const char *names[] = {"?", "all_reduce", "broadcast", "reduce", "all_gather", "reduce_scatter", "barrier"};
+    static const char *names[] = {"?",       "all_reduce", "broadcast",  "reduce",       "all_gather",
+                                  "reduce_scatter", "barrier", "gather", "scatter", "all_to_all", "all_to_all_v",
+                                  "all_gather_v", "broadcast_bytes", "monitored_barrier"};
     return (kind > 0 && kind < DDP__COLL_KINDS) ? names[kind] : "an unknown operation";
 }
 
@@ -62,13 +64,22 @@ static const char *ddp__coll_name(int kind) {
 static void ddp__coll_describe(const ddp_group *g, const ddp__coll *c, char *out, size_t cap) {
     char extra[48] = "";
     unsigned long long number = (unsigned long long)(c->seq - g->seq_base);
-    if (c->kind == DDP__BARRIER) {
-        snprintf(out, cap, "barrier() as collective #%llu", number);
+    if (c->kind == DDP__BARRIER || c->kind == DDP__MONITORED_BARRIER) {
+        snprintf(out, cap, "%s() as collective #%llu", ddp__coll_name(c->kind), number);
+        return;
+    }
+    if (c->kind == DDP__BROADCAST_BYTES) {
+        snprintf(out, cap, "broadcast_bytes(root=%d) as collective #%llu", (int)c->root, number);
+        return;
+    }
+    if (c->kind == DDP__ALL_TO_ALL_V) { /* the split sizes are per rank: frames check them */
+        snprintf(out, cap, "all_to_all_v(%s) as collective #%llu", ddp_dtype_name((ddp_dtype)c->dtype), number);
         return;
     }
     if (c->op != DDP__NO_OP) snprintf(extra, sizeof extra, ", %s", ddp_op_name((ddp_op)c->op));
     if (c->root >= 0) snprintf(extra + strlen(extra), sizeof extra - strlen(extra), ", root=%d", (int)c->root);
-    snprintf(out, cap, "%s(count=%llu, %s%s) as collective #%llu", ddp__coll_name(c->kind), (unsigned long long)c->count,
+    snprintf(out, cap, "%s(%s=%llu, %s%s) as collective #%llu", ddp__coll_name(c->kind),
+             c->kind == DDP__ALL_GATHER_V ? "total count" : "count", (unsigned long long)c->count,
              ddp_dtype_name((ddp_dtype)c->dtype), extra, number);
 }
 
@@ -268,6 +279,19 @@ static ddp_result ddp__check_frame(ddp_group *g, const ddp__coll *c, int peer, c
                               "rank must call the same collectives in the same order with the same count, dtype, op and root",
                               peer, theirs, g->rank, ours);
     }
+    if (f->bytes != expect && (c->kind == DDP__ALL_TO_ALL_V || c->kind == DDP__ALL_GATHER_V)) { /* sizes per rank */
+        size_t es = ddp_dtype_size((ddp_dtype)c->dtype);
+        ddp__coll_describe(g, c, ours, sizeof ours);
+        if (c->kind == DDP__ALL_TO_ALL_V)
+            return ddp__coll_fail(g, DDP_ERR_MISMATCH, "split sizes differ in %s: rank %d sends %llu elements to rank %d "
+                                  "(its send_counts[%d]) while rank %d expects %llu from rank %d (its recv_counts[%d]); "
+                                  "rank i's send_counts[j] must equal rank j's recv_counts[i]", ours, peer,
+                                  (unsigned long long)(f->bytes / es), g->rank, g->rank, g->rank,
+                                  (unsigned long long)(expect / es), peer, peer);
+        return ddp__coll_fail(g, DDP_ERR_MISMATCH, "counts differ in %s: rank %d sent a block of %llu elements where "
+                              "rank %d's counts say %llu; every rank must pass the same counts", ours, peer,
+                              (unsigned long long)(f->bytes / es), g->rank, (unsigned long long)(expect / es));
+    }
     if (f->bytes != expect)
         return ddp__coll_fail(g, DDP_ERR_FORMAT, "rank %d sent %llu bytes where %llu were expected in %s",
                               peer, (unsigned long long)f->bytes, (unsigned long long)expect, ddp__coll_name(c->kind));
@@ -349,7 +373,7 @@ static ddp_result ddp__exchange(ddp_group *g, const ddp__coll *c, const ddp__ste
     int *owner = g->mesh.poll_owner;
     int spin = s->send_bytes <= DDP__TCP_SPIN_MAX_BYTES && s->recv_bytes <= DDP__TCP_SPIN_MAX_BYTES;
     double spin_for = ddp__oversubscribed(g->local_world_size) ? 0 : DDP__TCP_SPIN_SECONDS;
-    double deadline = ddp__now() + g->timeout, spin_until = spin ? ddp__now() + spin_for : 0;
+    double deadline = s->deadline > 0 ? s->deadline : ddp__now() + g->timeout, spin_until = spin ? ddp__now() + spin_for : 0;
     double watch_every = DDP__WATCH_PERIOD, next_watch = ddp__now() + watch_every;
     if (g->broken) return g->broken;
     if (s->send_peer >= 0) ddp__frame_init(&out, g, c, DDP__FRAME_DATA, s->send_bytes);
@@ -461,10 +485,12 @@ static ddp_result ddp__exchange(ddp_group *g, const ddp__coll *c, const ddp__ste
             ddp_result r;
             if ((fds[i].revents & POLLIN) && (r = ddp__peek_peer(g, c, owner[i])) != DDP_SUCCESS) return r;
         }
-        if (progressed) {
+        if (progressed && (s->deadline <= 0 || sent > 0 || received > 0)) { /* a handshake's progress does not
+                                                                               move a step's own deadline */
             deadline = ddp__now() + g->timeout;
             if (spin) spin_until = ddp__now() + spin_for;
         } else if (ddp__now() > deadline) {
+            if (s->soft && sent == 0 && received == 0) return DDP_ERR_TIMEOUT;
             return ddp__peer_timed_out(g, g->mesh.waiting_for, c);
         }
     }

@@ -804,6 +804,7 @@ int main(int argc, char **argv) {
     };
     size_t i;
     int failed = 0;
+    char failed_names[1024] = "";
     for (i = 0; i < sizeof scenarios / sizeof scenarios[0]; i++) {
         double t0 = tl_now();
         int rc;
@@ -822,7 +823,10 @@ int main(int argc, char **argv) {
         printf("%-44s world %d: %s (%.1f s)\n", scenarios[i].name, scenarios[i].world, rc ? "FAILED" : "ok", tl_now() - t0);
         fflush(stdout);
         failed |= rc;
+        if (rc) snprintf(failed_names + strlen(failed_names), sizeof failed_names - strlen(failed_names), "%s\"%s\"",
+                         failed_names[0] ? ", " : "", scenarios[i].name);
     }
+    if (failed) printf("test_init: failed scenarios: %s (their ranks' messages are above)\n", failed_names); /* last: a log's tail shows it */
     if (argc < 2) {
         struct stat st;
         char path[256];

@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Several hosts on one machine: two network namespaces, two ranks in each. Ranks in different namespaces
 # count as different hosts, so the group talks TCP across the link between them. Three runs:
-#  1. a plain veth link: the full collectives test (every collective x dtype x op x count) passes;
+#  1. a plain veth link: the full collectives test (every collective x dtype x op x count) passes, and so
+#     does tests/test_more_collectives.c (gather, scatter, all_to_all(_v), all_gather_v, ...);
 #  2. an impaired link, 5 ms delay each way + 1% loss + 10% of packets reordered (held 1-2 ms longer):
 #     the collectives test (small counts) still matches the serial reference;
 #  3. a cut link: 4 ranks run all_reduce + barrier in a loop (tests/netem/collective_loop.c, DDP_TIMEOUT
@@ -15,12 +16,12 @@
 set -u
 cd "$(dirname "$0")/.."
 BUILD=${BUILD:-build}
-prog=$BUILD/test_collectives loop=$BUILD/netem_collective_loop
+prog=$BUILD/test_collectives more=$BUILD/test_more_collectives loop=$BUILD/netem_collective_loop
 PY=/usr/bin/python3; [ -x "$PY" ] || PY=python3
 [ "$(id -u)" -eq 0 ] || { echo "needs root for ip netns"; exit 77; }
 command -v ip >/dev/null || { echo "needs iproute2 (ip)"; exit 77; }
 SANFLAGS=""; [ "${SAN:-}" = address ] && SANFLAGS="-fsanitize=address,undefined -fno-omit-frame-pointer -fno-sanitize-recover=all"
-make -s BUILD="$BUILD" SAN="${SAN:-}" "$prog" || { echo "FAIL: cannot build $prog"; exit 1; }
+make -s BUILD="$BUILD" SAN="${SAN:-}" "$prog" "$more" || { echo "FAIL: cannot build $prog and $more"; exit 1; }
 ${CC:-cc} -std=c99 -Wall -Wextra -Werror -pedantic -O2 -g -pthread $SANFLAGS -I. -o "$loop" tests/netem/collective_loop.c -lm ||
   { echo "FAIL: cannot build tests/netem/collective_loop.c"; exit 1; }
 tag=ddp$$
@@ -72,18 +73,19 @@ start_hosts() {
     PIDS="$PIDS $!"
   done
 }
-# run_hosts NAME: the collectives test on 4 ranks; fails with the ranks' output if one fails
+# run_hosts NAME [PROGRAM]: a collectives test (default $prog) on 4 ranks; fails with the ranks' output if one fails
 run_hosts() {
-  local p rc=0 start
+  local p rc=0 start program=${2:-$prog}
   start=$(date +%s)
-  RANK_ENV="DDP_TIMEOUT=120 ${TEST_QUICK:+TEST_QUICK=1}" start_hosts "$T/coll" "$prog"
+  RANK_ENV="DDP_TIMEOUT=120 ${TEST_QUICK:+TEST_QUICK=1}" start_hosts "$T/coll" "$program"
   for p in $PIDS; do wait "$p" || rc=1; done
   PIDS=""
-  [ $rc = 0 ] || { tail -n 5 "$T"/coll.*; fail "collectives across two namespace hosts, $1"; }
-  ok "every collective${TEST_QUICK:+ (small counts)} across 2 hosts x 2 ranks over TCP, $1 ($(( $(date +%s) - start )) s)"
+  [ $rc = 0 ] || { tail -n 5 "$T"/coll.*; fail "$(basename "$program") across two namespace hosts, $1"; }
+  ok "$(basename "$program")${TEST_QUICK:+ (small counts)} across 2 hosts x 2 ranks over TCP, $1 ($(( $(date +%s) - start )) s)"
 }
 
 run_hosts "plain veth link"
+run_hosts "plain veth link" "$more"
 
 # ---- the impaired link: real netem, or the relay over TUN ----
 # NETEM_DELAY (ms), NETEM_LOSS and NETEM_REORDER (%) and NETEM_SEED change the impairments, for experiments

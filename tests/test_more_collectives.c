@@ -1,0 +1,336 @@
+/* gather, scatter, all_to_all, all_to_all_v, all_gather_v, broadcast_bytes and monitored_barrier
+   (issue #19) on world sizes 1, 2, 3, 4 and 8, real processes over real sockets, against a serial
+   reference computed here: rank r's element i is a value every dtype holds exactly, so each received
+   element is compared bit for bit with what the sending rank must have sent. Every call runs on every
+   dtype, synchronous and async, in place where the call allows it, with zero, one and uneven counts
+   (the split sizes of all_to_all_v and all_gather_v differ by rank and include zeros), over shared
+   memory (the default on one host) and TCP (DDP_TRANSPORT=tcp). Then the failures: a rank that disagrees
+   on the root, on the split sizes or on the counts is DDP_ERR_MISMATCH on every rank; a rank that does
+   not come to monitored_barrier is named by it. Usage: test_more_collectives [world sizes...]. */
+#include "testlib.h"
+
+static const ddp_dtype dtypes[] = {DDP_F32, DDP_F64, DDP_F16, DDP_BF16, DDP_I8, DDP_U8, DDP_I32, DDP_I64};
+#define NDT (sizeof dtypes / sizeof dtypes[0])
+
+/* The element that rank `from` sends to rank `to` at index i of their block (tag: which call). */
+static int64_t value(int from, int to, size_t i, int tag) {
+    uint64_t h = (uint64_t)i * 2654435761u + (uint64_t)from * 40503u + (uint64_t)to * 9973u + (uint64_t)tag * 977u;
+    return (int64_t)(h % 100); /* 0..99: exact in every dtype, u8 and i8 included */
+}
+
+static void put(void *buf, size_t i, ddp_dtype t, int64_t v) {
+    switch (t) {
+    case DDP_F32: ((float *)buf)[i] = (float)v; break;
+    case DDP_F64: ((double *)buf)[i] = (double)v; break;
+    case DDP_F16: ((uint16_t *)buf)[i] = ddp_f32_to_f16((float)v); break;
+    case DDP_BF16: ((uint16_t *)buf)[i] = ddp_f32_to_bf16((float)v); break;
+    case DDP_I8: ((int8_t *)buf)[i] = (int8_t)v; break;
+    case DDP_U8: ((uint8_t *)buf)[i] = (uint8_t)v; break;
+    case DDP_I32: ((int32_t *)buf)[i] = (int32_t)v; break;
+    default: ((int64_t *)buf)[i] = v; break;
+    }
+}
+
+static int64_t get(const void *buf, size_t i, ddp_dtype t) {
+    switch (t) {
+    case DDP_F32: return (int64_t)((const float *)buf)[i];
+    case DDP_F64: return (int64_t)((const double *)buf)[i];
+    case DDP_F16: return (int64_t)ddp_f16_to_f32(((const uint16_t *)buf)[i]);
+    case DDP_BF16: return (int64_t)ddp_bf16_to_f32(((const uint16_t *)buf)[i]);
+    case DDP_I8: return ((const int8_t *)buf)[i];
+    case DDP_U8: return ((const uint8_t *)buf)[i];
+    case DDP_I32: return ((const int32_t *)buf)[i];
+    default: return ((const int64_t *)buf)[i];
+    }
+}
+
+/* Check n elements of buf at element offset `at` against what `from` sent `to` (indices from 0). */
+static void expect_block(const void *buf, size_t at, size_t n, ddp_dtype t, int from, int to, int tag, const char *what) {
+    size_t i;
+    for (i = 0; i < n; i++) {
+        int64_t want = value(from, to, i, tag), got = get(buf, at + i, t);
+        CHECK(got == want, "%s (%s): element %zu of the block from rank %d to rank %d is %lld, expected %lld", what,
+              ddp_dtype_name(t), i, from, to, (long long)got, (long long)want);
+    }
+}
+
+/* all_to_all_v's split sizes: rank `from` sends rank `to` this many elements (zeros included). */
+static size_t split(int from, int to, size_t base) { return base ? (size_t)((from * 7 + to * 3) % 5) * base / 2 : 0; }
+/* all_gather_v's counts: rank r's block (rank 1's is empty). */
+static size_t gcount(int r, size_t base) { return r == 1 ? 0 : base + (size_t)r * 3; }
+
+/* Run a call synchronously (async 0) or as its _async variant followed by ddp_wait. */
+#define RUN(async, sync_call, async_call, g)  \
+    do {                                      \
+        if (async) {                          \
+            ddp_work *w_ = NULL;              \
+            CHECK_OK(async_call, g);          \
+            CHECK_OK(ddp_wait(w_), g);        \
+        } else {                              \
+            CHECK_OK(sync_call, g);           \
+        }                                     \
+    } while (0)
+
+static void rooted(ddp_group *g, int rank, int n, ddp_dtype t, size_t count, int async, int in_place, int tag) {
+    size_t es = ddp_dtype_size(t), i;
+    unsigned char *all = tl_xalloc(count * es * (size_t)n + 1), *one = tl_xalloc(count * es + 1);
+    int root = tag % n, r;
+    char what[96];
+    /* gather: rank r's block (what r sends root) lands at r*count on the root */
+    for (i = 0; i < count; i++) put(in_place && rank == root ? all + (size_t)root * count * es : one, i, t, value(rank, root, i, tag));
+    snprintf(what, sizeof what, "gather root %d count %zu%s%s", root, count, async ? " async" : "", in_place ? " in place" : "");
+    {
+        const void *send = in_place && rank == root ? all + (size_t)root * count * es : one;
+        void *recv = rank == root ? all : NULL;
+        RUN(async, ddp_gather(g, send, recv, count, t, root), ddp_gather_async(g, send, recv, count, t, root, &w_), g);
+    }
+    if (rank == root)
+        for (r = 0; r < n; r++) expect_block(all, (size_t)r * count, count, t, r, root, tag, what);
+    /* scatter: root's block r goes to rank r */
+    tag++;
+    memset(one, 0xEE, count * es);
+    if (rank == root)
+        for (r = 0; r < n; r++)
+            for (i = 0; i < count; i++) put(all, (size_t)r * count + i, t, value(root, r, i, tag));
+    snprintf(what, sizeof what, "scatter root %d count %zu%s%s", root, count, async ? " async" : "", in_place ? " in place" : "");
+    {
+        void *recv = in_place && rank == root ? all + (size_t)root * count * es : one;
+        const void *send = rank == root ? all : NULL;
+        RUN(async, ddp_scatter(g, send, recv, count, t, root), ddp_scatter_async(g, send, recv, count, t, root, &w_), g);
+        expect_block(recv, 0, count, t, root, rank, tag, what);
+    }
+    free(all);
+    free(one);
+}
+
+static void all_to_all(ddp_group *g, int rank, int n, ddp_dtype t, size_t count, int async, int in_place, int tag) {
+    size_t es = ddp_dtype_size(t), i;
+    unsigned char *send = tl_xalloc(count * es * (size_t)n + 1), *recv = in_place ? send : tl_xalloc(count * es * (size_t)n + 1);
+    int r;
+    char what[96];
+    for (r = 0; r < n; r++)
+        for (i = 0; i < count; i++) put(send, (size_t)r * count + i, t, value(rank, r, i, tag));
+    snprintf(what, sizeof what, "all_to_all count %zu%s%s", count, async ? " async" : "", in_place ? " in place" : "");
+    RUN(async, ddp_all_to_all(g, send, recv, count, t), ddp_all_to_all_async(g, send, recv, count, t, &w_), g);
+    for (r = 0; r < n; r++) expect_block(recv, (size_t)r * count, count, t, r, rank, tag, what);
+    if (!in_place) free(recv);
+    free(send);
+}
+
+static void all_to_all_v(ddp_group *g, int rank, int n, ddp_dtype t, size_t base, int async, int tag) {
+    size_t es = ddp_dtype_size(t), sc[TL_MAX_RANKS], rc[TL_MAX_RANKS], stot = 0, rtot = 0, at, i;
+    unsigned char *send, *recv;
+    int r;
+    char what[96];
+    for (r = 0; r < n; r++) {
+        sc[r] = split(rank, r, base), rc[r] = split(r, rank, base);
+        stot += sc[r], rtot += rc[r];
+    }
+    send = tl_xalloc(stot * es + 1), recv = tl_xalloc(rtot * es + 1);
+    for (r = 0, at = 0; r < n; at += sc[r], r++)
+        for (i = 0; i < sc[r]; i++) put(send, at + i, t, value(rank, r, i, tag));
+    snprintf(what, sizeof what, "all_to_all_v base %zu%s", base, async ? " async" : "");
+    RUN(async, ddp_all_to_all_v(g, send, sc, recv, rc, t), ddp_all_to_all_v_async(g, send, sc, recv, rc, t, &w_), g);
+    for (r = 0, at = 0; r < n; at += rc[r], r++) expect_block(recv, at, rc[r], t, r, rank, tag, what);
+    free(send);
+    free(recv);
+}
+
+static void all_gather_v(ddp_group *g, int rank, int n, ddp_dtype t, size_t base, int async, int in_place, int tag) {
+    size_t es = ddp_dtype_size(t), counts[TL_MAX_RANKS], tot = 0, mine = 0, at, i;
+    unsigned char *recv, *send;
+    int r;
+    char what[96];
+    for (r = 0; r < n; r++) {
+        counts[r] = gcount(r, base);
+        if (r < rank) mine += counts[r];
+        tot += counts[r];
+    }
+    recv = tl_xalloc(tot * es + 1);
+    send = in_place ? recv + mine * es : tl_xalloc(counts[rank] * es + 1);
+    for (i = 0; i < counts[rank]; i++) put(send, i, t, value(rank, -1, i, tag));
+    snprintf(what, sizeof what, "all_gather_v base %zu%s%s", base, async ? " async" : "", in_place ? " in place" : "");
+    RUN(async, ddp_all_gather_v(g, send, counts[rank], recv, counts, t),
+        ddp_all_gather_v_async(g, send, counts[rank], recv, counts, t, &w_), g);
+    for (r = 0, at = 0; r < n; at += counts[r], r++) expect_block(recv, at, counts[r], t, r, -1, tag, what);
+    if (!in_place) free(send);
+    free(recv);
+}
+
+static void bytes(ddp_group *g, int rank, int n, size_t size, int async, int tag) {
+    int root = (tag / 3) % n;
+    unsigned char *data = NULL;
+    size_t got = 12345, i;
+    void *p;
+    if (rank == root) {
+        data = tl_xalloc(size + 1);
+        for (i = 0; i < size; i++) data[i] = (unsigned char)value(root, -2, i, tag);
+        got = size;
+    }
+    p = data;
+    RUN(async, ddp_broadcast_bytes(g, &p, &got, root), ddp_broadcast_bytes_async(g, &p, &got, root, &w_), g);
+    CHECK(got == size, "broadcast_bytes: rank %d got size %zu, root %d sent %zu", rank, got, root, size);
+    CHECK(p != NULL, "broadcast_bytes: rank %d got a NULL buffer for %zu bytes", rank, size);
+    for (i = 0; i < size; i++)
+        CHECK(((unsigned char *)p)[i] == (unsigned char)value(root, -2, i, tag), "broadcast_bytes: byte %zu on rank %d", i, rank);
+    if (rank == root) {
+        CHECK(p == data, "broadcast_bytes: the root's pointer changed");
+        free(data);
+    } else {
+        ddp_free_bytes(p);
+    }
+}
+
+static int worker(int rank, int n, void *arg) {
+    static const size_t counts[] = {0, 1, 5, 3000};
+    ddp_group *g;
+    size_t di, ci;
+    int tag = 0, async;
+    (void)arg;
+    CHECK_OK(ddp_init(NULL, &g), NULL);
+    for (di = 0; di < NDT; di++)
+        for (ci = 0; ci < sizeof counts / sizeof counts[0]; ci++)
+            for (async = 0; async < 2; async++) {
+                int in_place = (int)((di + ci) & 1);
+                tag += 7;
+                rooted(g, rank, n, dtypes[di], counts[ci], async, in_place, tag);
+                all_to_all(g, rank, n, dtypes[di], counts[ci], async, in_place, tag + 2);
+                all_to_all_v(g, rank, n, dtypes[di], counts[ci], async, tag + 3);
+                all_gather_v(g, rank, n, dtypes[di], counts[ci], async, in_place, tag + 4);
+                if (di == 0) bytes(g, rank, n, counts[ci] * 3, async, tag + 5);
+            }
+    CHECK_OK(ddp_monitored_barrier(g, 30), g);
+    { /* async calls queued back to back, then waited in order */
+        float a[8], b[8 * TL_MAX_RANKS / 64 + 8];
+        ddp_work *w1, *w2;
+        int i;
+        for (i = 0; i < 8; i++) a[i] = (float)(rank * 10 + i);
+        CHECK(n <= 8, "the queued check assumes at most 8 ranks");
+        CHECK_OK(ddp_gather_async(g, a, rank == 0 ? b : NULL, 1, DDP_F32, 0, &w1), g);
+        CHECK_OK(ddp_monitored_barrier_async(g, 10, &w2), g);
+        CHECK_OK(ddp_wait(w1), g);
+        CHECK_OK(ddp_wait(w2), g);
+        for (i = 0; rank == 0 && i < n; i++) CHECK(b[i] == (float)(i * 10), "queued gather: element %d is %g", i, b[i]);
+    }
+    CHECK_OK(ddp_destroy(g), NULL);
+    return 0;
+}
+
+/* ---- failures ---- */
+
+/* The call ended with `want` on this rank, and the message says `needle`. */
+static void expect_failure(ddp_result got, ddp_result want, const char *needle, int rank, const char *what) {
+    CHECK(got == want, "%s: rank %d got %s (%s), expected %s", what, rank, ddp_result_string(got), ddp_last_error(NULL),
+          ddp_result_string(want));
+    CHECK(strstr(ddp_last_error(NULL), needle), "%s: rank %d's message does not say \"%s\": %s", what, rank, needle,
+          ddp_last_error(NULL));
+}
+
+static int root_mismatch(int rank, int n, void *arg) {
+    ddp_group *g;
+    float x[8] = {0}, all[8 * 8];
+    (void)arg;
+    CHECK_OK(ddp_init(NULL, &g), NULL);
+    /* the last rank names another root: every rank fails, none waits for a parent that never sends */
+    expect_failure(ddp_scatter(g, all, x, 1, DDP_F32, rank == n - 1 ? 1 : 0), DDP_ERR_MISMATCH, "mismatch", rank,
+                   "scatter with two roots");
+    ddp_destroy(g);
+    return 0;
+}
+
+static int split_mismatch(int rank, int n, void *arg) {
+    ddp_group *g;
+    size_t sc[8], rc[8];
+    float send[64] = {0}, recv[64];
+    int r;
+    (void)arg;
+    CHECK_OK(ddp_init(NULL, &g), NULL);
+    for (r = 0; r < n; r++) sc[r] = rc[r] = 2;
+    if (rank == 1) sc[n - 1] = 3; /* rank 1 sends the last rank 3 elements; it expects 2 */
+    expect_failure(ddp_all_to_all_v(g, send, sc, recv, rc, DDP_F32), DDP_ERR_MISMATCH,
+                   "split sizes differ", rank, "all_to_all_v with a wrong split size");
+    if (rank == n - 1 || rank == 1)
+        CHECK(strstr(ddp_last_error(NULL), "rank 1 sends 3 elements"), "rank %d: the message does not name both sizes: %s",
+              rank, ddp_last_error(NULL));
+    ddp_destroy(g);
+    return 0;
+}
+
+static int counts_mismatch(int rank, int n, void *arg) {
+    ddp_group *g;
+    size_t counts[8];
+    float send[8] = {0}, recv[64];
+    int r;
+    (void)arg;
+    CHECK_OK(ddp_init(NULL, &g), NULL);
+    for (r = 0; r < n; r++) counts[r] = 2;
+    if (rank == 0) counts[n - 1] = 3, counts[n - 2] = 1; /* same total, different counts */
+    expect_failure(ddp_all_gather_v(g, send, counts[rank], recv, counts, DDP_F32), DDP_ERR_MISMATCH, "counts differ", rank,
+                   "all_gather_v with different counts");
+    ddp_destroy(g);
+    return 0;
+}
+
+/* The last rank does not come to the monitored barrier; rank 0 names it within the barrier's timeout
+   and every rank that came fails with that message. */
+static int monitored_missing(int rank, int n, void *arg) {
+    ddp_group *g;
+    double t0;
+    ddp_result r;
+    (void)arg;
+    CHECK_OK(ddp_init(NULL, &g), NULL);
+    if (rank == n - 1) {
+        sleep(4); /* busy elsewhere, then finds the group broken */
+        r = ddp_barrier(g);
+        CHECK(r != DDP_SUCCESS, "the late rank's barrier succeeded after the monitored barrier failed");
+        ddp_destroy(g);
+        return 0;
+    }
+    t0 = tl_now();
+    r = ddp_monitored_barrier(g, 1.0);
+    expect_failure(r, DDP_ERR_TIMEOUT, "did not arrive", rank, "monitored_barrier with a rank missing");
+    {
+        char needle[32];
+        snprintf(needle, sizeof needle, "rank %d (", n - 1);
+        CHECK(strstr(ddp_last_error(NULL), needle), "rank %d: the message does not name rank %d: %s", rank, n - 1,
+              ddp_last_error(NULL));
+    }
+    CHECK(tl_now() - t0 < 3.5, "rank %d: monitored_barrier(1 s) took %.1f s to fail", rank, tl_now() - t0);
+    ddp_destroy(g);
+    return 0;
+}
+
+int main(int argc, char **argv) {
+    static const char *transports[2] = {"auto", "tcp"};
+    int sizes[8] = {1, 2, 3, 4, 8}, nsizes = 5, i, t;
+    if (argc > 1) {
+        nsizes = 0;
+        for (i = 1; i < argc && nsizes < 8; i++) sizes[nsizes++] = atoi(argv[i]);
+    }
+    setenv("DDP_TIMEOUT", "60", 0);
+    if (getenv("TEST_EXTERNAL_LAUNCH")) /* started by a launcher (tests/test_netns.sh): be one rank */
+        return worker(atoi(getenv("RANK")), atoi(getenv("WORLD_SIZE")), NULL);
+    for (t = 0; t < 2; t++) {
+        setenv("DDP_TRANSPORT", transports[t], 1);
+        for (i = 0; i < nsizes; i++) {
+            double t0 = tl_now();
+            if (sizes[i] == 1 && t == 1) continue; /* one rank uses no transport */
+            CHECK(tl_run_ranks(sizes[i], worker, NULL, 600) == 0, "world size %d over %s failed", sizes[i], transports[t]);
+            printf("world size %d over %s: gather, scatter, all_to_all(_v), all_gather_v, broadcast_bytes, "
+                   "monitored_barrier match the serial reference (%.1f s)\n", sizes[i], t ? "tcp" : "shared memory",
+                   tl_now() - t0);
+            fflush(stdout);
+        }
+    }
+    setenv("DDP_TIMEOUT", "20", 1);
+    for (t = 0; t < 2; t++) {
+        setenv("DDP_TRANSPORT", transports[t], 1);
+        CHECK(tl_run_ranks(4, root_mismatch, NULL, 60) == 0, "root mismatch over %s", transports[t]);
+        CHECK(tl_run_ranks(4, split_mismatch, NULL, 60) == 0, "split-size mismatch over %s", transports[t]);
+        CHECK(tl_run_ranks(3, counts_mismatch, NULL, 60) == 0, "counts mismatch over %s", transports[t]);
+        CHECK(tl_run_ranks(4, monitored_missing, NULL, 60) == 0, "monitored_barrier with a rank missing over %s", transports[t]);
+        printf("over %s: roots, split sizes and counts that differ are DDP_ERR_MISMATCH on every rank; monitored_barrier "
+               "names the missing rank\n", t ? "tcp" : "shared memory");
+    }
+    return 0;
+}
