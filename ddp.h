@@ -117,7 +117,7 @@
    [SECTION] store: rendezvous key-value store (c10d TCPStore protocols of torch 1.13 and 2.x), file store src/store.c
    [SECTION] link: connections between the ranks of a group, made on first use src/link.c
    [SECTION] transport: framed messages between the ranks of a group, failure detection, abort src/transport.c
-   [SECTION] collectives: the public collectives, their fingerprints, dispatch to the backend, async work src/collectives.c
+   [SECTION] collectives: ddp_all_reduce ... ddp_gather, ddp_scatter, ddp_all_to_all(_v), ddp_all_gather_v, ddp_broadcast_bytes, ddp_monitored_barrier src/collectives.c
    [SECTION] trace: the flight recorder, each group's last collectives, written out when the group breaks src/trace.c
    [SECTION] tcp: the tcp backend, collective algorithms over the TCP mesh (Gloo's and MPI's ring, src/tcp.c
    [SECTION] alloc: ddp_alloc / ddp_free, library buffers that collectives use in place src/alloc.c
@@ -6746,8 +6746,10 @@ static void ddp__say_goodbye(ddp_group *g, double seconds) {
 /* ==================== end src/transport.c ==================== */
 
 /* ==================== begin src/collectives.c ==================== */
-/* [SECTION] collectives: the public collectives, their fingerprints, dispatch to the backend, async work
-   (torch.distributed.all_reduce, broadcast, reduce, all_gather, reduce_scatter, barrier)
+/* [SECTION] collectives: ddp_all_reduce ... ddp_gather, ddp_scatter, ddp_all_to_all(_v), ddp_all_gather_v, ddp_broadcast_bytes, ddp_monitored_barrier
+   The public collectives, their fingerprints, dispatch to the backend, async work (torch.distributed's
+   all_reduce, broadcast, reduce, all_gather, reduce_scatter, barrier, gather, scatter, all_to_all_single
+   with and without split sizes, all_gather of uneven tensors, broadcast_object_list, monitored_barrier).
 
    A call goes through four steps, the same for every collective and every backend:
      1. validate the arguments on the caller's thread (a bad call never reaches the wire);
@@ -6959,6 +6961,12 @@ static ddp_result ddp__validate(ddp_group *g, const ddp__call *k) {
         if (send_n && !k->send)
             return ddp__fail(g, DDP_ERR_INVALID_ARGUMENT, "%s: the send buffer is NULL with %llu elements to send", name,
                              (unsigned long long)send_n);
+        if (k->kind == DDP__ALL_TO_ALL_V && send_n && recv_n) { /* blocks move in an order of their own: no in place */
+            uintptr_t s0 = (uintptr_t)k->send, r0 = (uintptr_t)k->buf;
+            if (s0 < r0 + recv_n * es && r0 < s0 + send_n * es)
+                return ddp__fail(g, DDP_ERR_INVALID_ARGUMENT, "%s: the send and recv buffers overlap; all_to_all_v does "
+                                 "not run in place (ddp_all_to_all does): pass separate buffers", name);
+        }
     }
     return DDP_SUCCESS;
 }
@@ -9279,7 +9287,12 @@ static ddp_result ddp__shm_call(ddp_group *g, const ddp__call *k, const ddp__col
     case DDP__ALL_GATHER: return ddp__shm_all_gather(g, c, k->send, k->buf, k->count, k->dtype);
     case DDP__REDUCE_SCATTER: return ddp__shm_reduce_scatter(g, c, k->send, k->buf, k->count, k->dtype, k->op);
     case DDP__BARRIER: return ddp__shm_step(g, c, ++g->shm->step, 1, DDP__SHM_NOT_LIB);
-    default: return ddp__tcp_run(g, k, c); /* gather, scatter, all_to_all(_v), all_gather_v, monitored_barrier */
+    case DDP__MONITORED_BARRIER: return ddp__tcp_run(g, k, c); /* rank 0 must see who is missing: TCP's deadlines */
+    default: { /* the rest run over the mesh after one step here: a rank in a shared-memory collective at this
+                  number meets the fingerprints in that step (DDP_ERR_MISMATCH), not TCP frames it never reads */
+        ddp_result r = ddp__shm_step(g, c, ++g->shm->step, 1, DDP__SHM_NOT_LIB);
+        return r ? r : ddp__tcp_run(g, k, c);
+    }
     }
 }
 

@@ -1,5 +1,7 @@
-/* [SECTION] collectives: the public collectives, their fingerprints, dispatch to the backend, async work
-   (torch.distributed.all_reduce, broadcast, reduce, all_gather, reduce_scatter, barrier)
+/* [SECTION] collectives: ddp_all_reduce ... ddp_gather, ddp_scatter, ddp_all_to_all(_v), ddp_all_gather_v, ddp_broadcast_bytes, ddp_monitored_barrier
+   The public collectives, their fingerprints, dispatch to the backend, async work (torch.distributed's
+   all_reduce, broadcast, reduce, all_gather, reduce_scatter, barrier, gather, scatter, all_to_all_single
+   with and without split sizes, all_gather of uneven tensors, broadcast_object_list, monitored_barrier).
 
    A call goes through four steps, the same for every collective and every backend:
      1. validate the arguments on the caller's thread (a bad call never reaches the wire);
@@ -212,6 +214,12 @@ static ddp_result ddp__validate(ddp_group *g, const ddp__call *k) {
         if (send_n && !k->send)
             return ddp__fail(g, DDP_ERR_INVALID_ARGUMENT, "%s: the send buffer is NULL with %llu elements to send", name,
                              (unsigned long long)send_n);
+        if (k->kind == DDP__ALL_TO_ALL_V && send_n && recv_n) { /* blocks move in an order of their own: no in place */
+            uintptr_t s0 = (uintptr_t)k->send, r0 = (uintptr_t)k->buf;
+            if (s0 < r0 + recv_n * es && r0 < s0 + send_n * es)
+                return ddp__fail(g, DDP_ERR_INVALID_ARGUMENT, "%s: the send and recv buffers overlap; all_to_all_v does "
+                                 "not run in place (ddp_all_to_all does): pass separate buffers", name);
+        }
     }
     return DDP_SUCCESS;
 }

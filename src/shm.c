@@ -542,7 +542,12 @@ static ddp_result ddp__shm_call(ddp_group *g, const ddp__call *k, const ddp__col
     case DDP__ALL_GATHER: return ddp__shm_all_gather(g, c, k->send, k->buf, k->count, k->dtype);
     case DDP__REDUCE_SCATTER: return ddp__shm_reduce_scatter(g, c, k->send, k->buf, k->count, k->dtype, k->op);
     case DDP__BARRIER: return ddp__shm_step(g, c, ++g->shm->step, 1, DDP__SHM_NOT_LIB);
-    default: return ddp__tcp_run(g, k, c); /* gather, scatter, all_to_all(_v), all_gather_v, monitored_barrier */
+    case DDP__MONITORED_BARRIER: return ddp__tcp_run(g, k, c); /* rank 0 must see who is missing: TCP's deadlines */
+    default: { /* the rest run over the mesh after one step here: a rank in a shared-memory collective at this
+                  number meets the fingerprints in that step (DDP_ERR_MISMATCH), not TCP frames it never reads */
+        ddp_result r = ddp__shm_step(g, c, ++g->shm->step, 1, DDP__SHM_NOT_LIB);
+        return r ? r : ddp__tcp_run(g, k, c);
+    }
     }
 }
 

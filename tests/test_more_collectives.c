@@ -5,8 +5,9 @@
    dtype, synchronous and async, in place where the call allows it, with zero, one and uneven counts
    (the split sizes of all_to_all_v and all_gather_v differ by rank and include zeros), over shared
    memory (the default on one host) and TCP (DDP_TRANSPORT=tcp). Then the failures: a rank that disagrees
-   on the root, on the split sizes or on the counts is DDP_ERR_MISMATCH on every rank; a rank that does
-   not come to monitored_barrier is named by it. Usage: test_more_collectives [world sizes...]. */
+   on the root, on the split sizes or on the counts, or calls another collective, is DDP_ERR_MISMATCH on
+   every rank; overlapping all_to_all_v buffers are refused; a rank that does not come to monitored_barrier
+   is named by it. Usage: test_more_collectives [world sizes...]. */
 #include "testlib.h"
 
 static const ddp_dtype dtypes[] = {DDP_F32, DDP_F64, DDP_F16, DDP_BF16, DDP_I8, DDP_U8, DDP_I32, DDP_I64};
@@ -212,6 +213,14 @@ static int worker(int rank, int n, void *arg) {
         CHECK_OK(ddp_wait(w2), g);
         for (i = 0; rank == 0 && i < n; i++) CHECK(b[i] == (float)(i * 10), "queued gather: element %d is %g", i, b[i]);
     }
+    { /* all_to_all_v does not run in place: overlapping buffers are refused before anything is sent */
+        float buf[4 * 8];
+        size_t c1[8] = {1, 1, 1, 1, 1, 1, 1, 1};
+        CHECK(ddp_all_to_all_v(g, buf, c1, buf, c1, DDP_F32) == DDP_ERR_INVALID_ARGUMENT &&
+                  strstr(ddp_last_error(NULL), "overlap"),
+              "overlapping all_to_all_v buffers: %s", ddp_last_error(NULL));
+        CHECK_OK(ddp_barrier(g), g); /* the group is fine */
+    }
     CHECK_OK(ddp_destroy(g), NULL);
     return 0;
 }
@@ -300,6 +309,21 @@ static int monitored_missing(int rank, int n, void *arg) {
     return 0;
 }
 
+/* A rank that calls another collective at the same number (over shared memory, the others' call
+   runs over the mesh after one step in the segment): DDP_ERR_MISMATCH on every rank. */
+static int kind_mismatch(int rank, int n, void *arg) {
+    ddp_group *g;
+    float x[64] = {0}, y[64];
+    (void)arg;
+    CHECK_OK(ddp_init(NULL, &g), NULL);
+    if (rank == n - 1)
+        expect_failure(ddp_all_reduce(g, x, 4, DDP_F32, DDP_SUM), DDP_ERR_MISMATCH, "mismatch", rank, "all_reduce against all_to_all");
+    else
+        expect_failure(ddp_all_to_all(g, x, y, 4, DDP_F32), DDP_ERR_MISMATCH, "mismatch", rank, "all_to_all against all_reduce");
+    ddp_destroy(g);
+    return 0;
+}
+
 int main(int argc, char **argv) {
     static const char *transports[2] = {"auto", "tcp"};
     int sizes[8] = {1, 2, 3, 4, 8}, nsizes = 5, i, t;
@@ -329,8 +353,9 @@ int main(int argc, char **argv) {
         CHECK(tl_run_ranks(4, split_mismatch, NULL, 60) == 0, "split-size mismatch over %s", transports[t]);
         CHECK(tl_run_ranks(3, counts_mismatch, NULL, 60) == 0, "counts mismatch over %s", transports[t]);
         CHECK(tl_run_ranks(4, monitored_missing, NULL, 60) == 0, "monitored_barrier with a rank missing over %s", transports[t]);
-        printf("over %s: roots, split sizes and counts that differ are DDP_ERR_MISMATCH on every rank; monitored_barrier "
-               "names the missing rank\n", t ? "tcp" : "shared memory");
+        CHECK(tl_run_ranks(4, kind_mismatch, NULL, 60) == 0, "all_to_all against all_reduce over %s", transports[t]);
+        printf("over %s: roots, split sizes, counts and calls that differ are DDP_ERR_MISMATCH on every rank; "
+               "monitored_barrier names the missing rank\n", t ? "tcp" : "shared memory");
     }
     return 0;
 }
