@@ -530,7 +530,7 @@ static int ddp__mpi_cancel_recv(MPI_Request *req) {
 
 /* Rank 0's side: the verdict for the ranks that arrived, into a (arrived[j] set for each). */
 static void ddp__mpi_monitor_collect(ddp_group *g, const ddp__coll *c, double wait, int *arrived, ddp__mpi_answer *a) {
-    int n = g->world_size, j, missing = 0, unlisted = 0, late = -1, rc = MPI_SUCCESS;
+    int n = g->world_size, j, unposted, missing = 0, unlisted = 0, late = -1, rc = MPI_SUCCESS;
     uint64_t *seqs = (uint64_t *)ddp__calloc((size_t)n, sizeof *seqs);
     MPI_Request *reqs = (MPI_Request *)ddp__calloc((size_t)n, sizeof *reqs);
     char list[DDP__ERR_MAX / 2] = "", more[48] = "", msg[MPI_MAX_ERROR_STRING];
@@ -542,12 +542,13 @@ static void ddp__mpi_monitor_collect(ddp_group *g, const ddp__coll *c, double wa
         ddp__free(reqs);
         return;
     }
-    reqs[0] = MPI_REQUEST_NULL;
+    for (j = 0; j < n; j++) reqs[j] = MPI_REQUEST_NULL;
     for (j = 1; j < n && rc == MPI_SUCCESS; j++)
         rc = MPI_Irecv(&seqs[j], 1, MPI_UINT64_T, j, DDP__MPI_MONITOR_TAG, g->mpi->monitor, &reqs[j]);
-    for (; j < n; j++) reqs[j] = MPI_REQUEST_NULL;
+    unposted = rc == MPI_SUCCESS ? n : j - 1; /* the receives from here on were never posted */
     if (rc == MPI_SUCCESS) rc = ddp__mpi_poll(n, reqs, arrived, ddp__now() + wait);
     for (j = 1; j < n; j++) {
+        if (j >= unposted) arrived[j] = 0;
         if (!arrived[j] && reqs[j] != MPI_REQUEST_NULL) arrived[j] = !ddp__mpi_cancel_recv(&reqs[j]);
         if (arrived[j] && seqs[j] != c->seq && late < 0) late = j;
         if (arrived[j]) continue;
