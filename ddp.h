@@ -9630,16 +9630,26 @@ static ddp_result ddp__hier_setup(ddp_group *g, const uint64_t *keys) {
        all_reduce -> MPI_Allreduce (MPI_IN_PLACE)     reduce         -> MPI_Reduce
        broadcast  -> MPI_Bcast                        all_gather     -> MPI_Allgather
        barrier    -> MPI_Barrier                      reduce_scatter -> MPI_Reduce_scatter_block
+       gather     -> MPI_Gather                       scatter        -> MPI_Scatter
+       all_to_all -> MPI_Alltoall                     all_to_all_v   -> MPI_Alltoallv
+       all_gather_v -> MPI_Allgatherv                 monitored_barrier: point-to-point, polled (below)
+
+   In-place calls use MPI_IN_PLACE (gather and scatter on the root, all_to_all when send == recv,
+   all_gather_v when send is this rank's block of recv).
 
    f16 and bf16 are reduced by user-defined MPI operations that add in f32 and round to nearest even
    (MPI has no 16-bit floats); AVG is SUM followed by a division, as on the cpu backend. Counts above
-   INT_MAX are cut into pieces for all_reduce, broadcast and reduce.
+   INT_MAX are cut into pieces for all_reduce, broadcast and reduce; for the other calls a count or
+   displacement above INT_MAX is DDP_ERR_UNSUPPORTED on every rank.
 
    What MPI does not do, this file adds: before each collective every rank contributes its call's
    fingerprint (kind, count, dtype, op, root, sequence number) to one small MPI_Allreduce, so a rank
    that calls a different collective gets DDP_ERR_MISMATCH on every rank (naming the rank that differs)
-   instead of a hang or corrupt data; it costs one 16-byte all-reduce per call. A lost rank or a hang is
-   the MPI library's business: mpirun stops the job when a rank dies, and MPI calls have no timeout.
+   instead of a hang or corrupt data; it costs one 16-byte all-reduce per call. The _v calls' sizes
+   are checked too: all_gather_v's counts are in that hash; all_to_all_v exchanges its split sizes
+   (one MPI_Alltoall of a word per rank, one all-reduce) before any data moves. A lost rank or a hang is
+   the MPI library's business: mpirun stops the job when a rank dies, and MPI calls have no timeout
+   (monitored_barrier, built of polled point-to-point messages, is the one call that has one).
 
    Async work runs on the group's progress thread, so MPI must be initialised with MPI_THREAD_MULTIPLE
    (ddp_init does that when MPI is not initialised yet, and finalises MPI at exit; a program that
@@ -9654,8 +9664,14 @@ static ddp_result ddp__hier_setup(ddp_group *g, const uint64_t *keys) {
 #endif
 #include <mpi.h>
 
+struct ddp__mpi_name {
+    char text[112]; /* "host NAME, pid N" of one rank, for messages */
+};
+
 struct ddp__mpi {
     MPI_Comm comm;
+    MPI_Comm monitor;                 /* monitored_barrier's point-to-point messages, apart from everything else */
+    struct ddp__mpi_name *names;      /* every rank's host and pid (NULL when they could not be gathered) */
     int local_rank, local_world_size; /* among the communicator's ranks that share this node's memory */
 };
 
@@ -9738,6 +9754,9 @@ static ddp_result ddp__mpi_wrap(MPI_Comm comm, struct ddp__mpi **out, char *err)
         return ddp__fail_to(err, DDP_ERR_OUT_OF_MEMORY, "backend mpi: out of memory");
     }
     MPI_Comm node;
+    struct ddp__mpi_name mine;
+    char host[81] = "?";
+    int n = 0, have;
     MPI_Comm_set_errhandler(comm, MPI_ERRORS_RETURN);
     m->comm = comm;
     m->local_rank = m->local_world_size = -1;
@@ -9745,6 +9764,24 @@ static ddp_result ddp__mpi_wrap(MPI_Comm comm, struct ddp__mpi **out, char *err)
         MPI_Comm_rank(node, &m->local_rank);
         MPI_Comm_size(node, &m->local_world_size);
         MPI_Comm_free(&node);
+    }
+    if (MPI_Comm_dup(comm, &m->monitor) != MPI_SUCCESS) {
+        MPI_Comm_free(&m->comm);
+        ddp__free(m);
+        return ddp__fail_to(err, DDP_ERR_SYSTEM, "backend mpi: MPI_Comm_dup failed (a communicator for monitored_barrier)");
+    }
+    MPI_Comm_set_errhandler(m->monitor, MPI_ERRORS_RETURN);
+    /* every rank's host and pid, so that monitored_barrier can name a rank that did not come */
+    memset(&mine, 0, sizeof mine);
+    gethostname(host, sizeof host - 1);
+    snprintf(mine.text, sizeof mine.text, "host %.80s, pid %d", host, (int)getpid());
+    MPI_Comm_size(comm, &n);
+    m->names = (struct ddp__mpi_name *)ddp__calloc((size_t)n, sizeof *m->names);
+    have = m->names != NULL; /* all ranks take part in the all-gather or none */
+    if (MPI_Allreduce(MPI_IN_PLACE, &have, 1, MPI_INT, MPI_MIN, comm) != MPI_SUCCESS || !have ||
+        MPI_Allgather(&mine, (int)sizeof mine, MPI_BYTE, m->names, (int)sizeof mine, MPI_BYTE, comm) != MPI_SUCCESS) {
+        ddp__free(m->names);
+        m->names = NULL;
     }
     *out = m;
     return DDP_SUCCESS;
@@ -9783,8 +9820,14 @@ static void ddp__mpi_free(struct ddp__mpi *m) {
     int finalized = 0;
     if (!m) return;
     MPI_Finalized(&finalized);
-    if (!finalized) MPI_Comm_free(&m->comm);
+    if (!finalized) MPI_Comm_free(&m->monitor), MPI_Comm_free(&m->comm);
+    ddp__free(m->names);
     ddp__free(m);
+}
+
+/* "host H, pid P" of rank r, for messages ("rank r" when the names could not be gathered). */
+static const char *ddp__mpi_who(const ddp_group *g, int r) {
+    return g->mpi->names ? g->mpi->names[r].text : "its host and pid unknown";
 }
 
 static MPI_Datatype ddp__mpi_type(ddp_dtype t) {
@@ -9812,16 +9855,60 @@ static MPI_Op ddp__mpi_op(ddp_dtype t, ddp_op op) {
     }
 }
 
+/* FNV-1a over n bytes, continuing from h. */
+static uint64_t ddp__mpi_hash(uint64_t h, const void *data, size_t n) {
+    const unsigned char *p = (const unsigned char *)data;
+    size_t i;
+    for (i = 0; i < n; i++) h = (h ^ p[i]) * 1099511628211ull;
+    return h;
+}
+
+/* all_gather_v's counts differ between ranks (every rank is here, having seen the difference): rank 0's
+   counts go to every rank, each finds its first entry that differs, and the smallest (rank, index) is
+   named alike on every rank. */
+static ddp_result ddp__mpi_counts_differ(ddp_group *g, const ddp__call *k, const ddp__coll *c) {
+    MPI_Comm comm = g->mpi->comm;
+    int n = g->world_size, j, rc;
+    uint64_t *ref = (uint64_t *)ddp__calloc((size_t)n, sizeof *ref);
+    int64_t key, theirs, nn = n;
+    char desc[160], msg[MPI_MAX_ERROR_STRING];
+    ddp__coll_describe(g, c, desc, sizeof desc);
+    if (!ref) return ddp__coll_fail(g, DDP_ERR_MISMATCH, "counts differ between ranks in %s (out of memory naming them)", desc);
+    for (j = 0; g->rank == 0 && j < n; j++) ref[j] = (uint64_t)k->recv_counts[j];
+    rc = MPI_Bcast(ref, n, MPI_UINT64_T, 0, comm);
+    for (j = 0; j < n && (uint64_t)k->recv_counts[j] == ref[j]; j++) {
+    }
+    key = j < n ? (int64_t)g->rank * nn + j : INT64_MAX;
+    if (rc == MPI_SUCCESS) rc = MPI_Allreduce(MPI_IN_PLACE, &key, 1, MPI_INT64_T, MPI_MIN, comm);
+    theirs = rc == MPI_SUCCESS && key / nn == g->rank ? (int64_t)k->recv_counts[key % nn] : -1;
+    if (rc == MPI_SUCCESS) rc = MPI_Allreduce(MPI_IN_PLACE, &theirs, 1, MPI_INT64_T, MPI_MAX, comm);
+    if (rc != MPI_SUCCESS || key == INT64_MAX) {
+        ddp__free(ref);
+        return ddp__coll_fail(g, DDP_ERR_MISMATCH, "counts differ between ranks in %s (naming them failed: %s); every rank "
+                              "must pass the same counts", desc, rc != MPI_SUCCESS ? ddp__mpi_error_string(rc, msg) : "none found");
+    }
+    j = (int)(key % nn);
+    rc = (int)(key / nn);
+    {
+        unsigned long long want = (unsigned long long)ref[j];
+        ddp__free(ref);
+        return ddp__coll_fail(g, DDP_ERR_MISMATCH, "counts differ in %s: rank 0 passes counts[%d] = %llu while rank %d passes "
+                              "counts[%d] = %lld; every rank must pass the same counts (rank r's count is counts[r])", desc, j,
+                              want, rc, j, (long long)theirs);
+    }
+}
+
 /* Every rank's fingerprint, compared by one all-reduce of (h, -h) with MAX: max == min iff all agree.
-   On a difference (seen by every rank alike) an all-gather of the fingerprints names the rank. */
-static ddp_result ddp__mpi_check(ddp_group *g, const ddp__coll *c) {
+   On a difference (seen by every rank alike) an all-gather of the fingerprints names the rank. For
+   all_gather_v the hash covers the counts as well (every rank must pass the same), so a difference
+   there costs nothing extra when there is none. */
+static ddp_result ddp__mpi_check(ddp_group *g, const ddp__call *k, const ddp__coll *c) {
     MPI_Comm comm = g->mpi->comm;
     int64_t pair[2], i;
     uint64_t h = 1469598103934665603ull;
     ddp__coll *all;
     char ours[200], theirs[200], msg[MPI_MAX_ERROR_STRING];
     int rc, bad = -1;
-    const unsigned char *p;
     ddp__coll mine;
     memset(&mine, 0, sizeof mine); /* padding bytes are hashed and sent: make them equal */
     mine.seq = c->seq;
@@ -9830,8 +9917,11 @@ static ddp_result ddp__mpi_check(ddp_group *g, const ddp__coll *c) {
     mine.dtype = c->dtype;
     mine.op = c->op;
     mine.root = c->root;
-    p = (const unsigned char *)&mine;
-    for (i = 0; i < (int64_t)sizeof mine; i++) h = (h ^ p[i]) * 1099511628211ull;
+    h = ddp__mpi_hash(h, &mine, sizeof mine);
+    for (i = 0; k->kind == DDP__ALL_GATHER_V && i < g->world_size; i++) {
+        uint64_t v = (uint64_t)k->recv_counts[i];
+        h = ddp__mpi_hash(h, &v, sizeof v);
+    }
     pair[0] = (int64_t)(h >> 1);
     pair[1] = -pair[0];
     if ((rc = MPI_Allreduce(MPI_IN_PLACE, pair, 2, MPI_INT64_T, MPI_MAX, comm)) != MPI_SUCCESS)
@@ -9846,26 +9936,28 @@ static ddp_result ddp__mpi_check(ddp_group *g, const ddp__coll *c) {
     ddp__coll_describe(g, &all[0], ours, sizeof ours);
     if (bad >= 0) ddp__coll_describe(g, &all[bad], theirs, sizeof theirs);
     ddp__free(all);
+    if (bad < 0 && rc == MPI_SUCCESS && k->kind == DDP__ALL_GATHER_V) return ddp__mpi_counts_differ(g, k, c);
     if (bad < 0) return ddp__coll_fail(g, DDP_ERR_MISMATCH, "collective mismatch between ranks (this rank called %s)", ours);
     return ddp__coll_fail(g, DDP_ERR_MISMATCH, "collective mismatch: rank 0 called %s while rank %d called %s; every "
                           "rank must call the same collectives in the same order with the same count, dtype, op and root",
                           ours, bad, theirs);
 }
 
+static ddp_result ddp__mpi_failed(ddp_group *g, const ddp__call *k, int rc) {
+    char msg[MPI_MAX_ERROR_STRING];
+    return ddp__coll_fail(g, DDP_ERR_SYSTEM, "%s: the MPI call failed: %s", ddp__coll_name(k->kind), ddp__mpi_error_string(rc, msg));
+}
+
 /* MPI takes int counts: all_reduce, broadcast and reduce go in pieces of at most 2^30 elements. */
 #define DDP__MPI_PIECE ((size_t)1 << 30)
 
-static ddp_result ddp__mpi_run(ddp_group *g, const ddp__call *k, const ddp__coll *c) {
+/* all_reduce, broadcast, reduce, all_gather, reduce_scatter, barrier. */
+static ddp_result ddp__mpi_classic(ddp_group *g, const ddp__call *k) {
     MPI_Comm comm = g->mpi->comm;
     MPI_Datatype type = ddp__mpi_type(k->dtype);
     size_t es = ddp_dtype_size(k->dtype), done = 0;
-    char *buf = (char *)k->buf, msg[MPI_MAX_ERROR_STRING];
+    char *buf = (char *)k->buf;
     int rc = MPI_SUCCESS, root = k->root;
-    ddp_result r;
-    if ((r = ddp__mpi_check(g, c)) != DDP_SUCCESS) return r;
-    if ((k->kind == DDP__ALL_GATHER || k->kind == DDP__REDUCE_SCATTER) && k->count > (size_t)INT_MAX)
-        return ddp__coll_fail(g, DDP_ERR_UNSUPPORTED, "%s: %zu elements per rank is more than MPI's int count allows "
-                              "(%d); split the call", ddp__coll_name(k->kind), k->count, INT_MAX);
     switch (k->kind) {
     case DDP__BARRIER: rc = MPI_Barrier(comm); break;
     case DDP__ALL_GATHER:
@@ -9893,13 +9985,304 @@ static ddp_result ddp__mpi_run(ddp_group *g, const ddp__call *k, const ddp__coll
                                 ddp__mpi_op(k->dtype, k->op), root, comm);
         }
     }
-    if (rc != MPI_SUCCESS)
-        return ddp__coll_fail(g, DDP_ERR_SYSTEM, "%s: the MPI call failed: %s", ddp__coll_name(k->kind),
-                              ddp__mpi_error_string(rc, msg));
+    if (rc != MPI_SUCCESS) return ddp__mpi_failed(g, k, rc);
     if (k->op == DDP_AVG && (k->kind == DDP__ALL_REDUCE || k->kind == DDP__REDUCE_SCATTER ||
                              (k->kind == DDP__REDUCE && g->rank == root)))
         ddp__divide(buf, k->count, k->dtype, g->world_size);
     return DDP_SUCCESS;
+}
+
+/* gather, scatter, all_to_all: blocks of count elements, in place where the API says (MPI_IN_PLACE). */
+static ddp_result ddp__mpi_blocks(ddp_group *g, const ddp__call *k) {
+    MPI_Comm comm = g->mpi->comm;
+    MPI_Datatype type = ddp__mpi_type(k->dtype);
+    size_t block = k->count * ddp_dtype_size(k->dtype);
+    const char *send = (const char *)k->send;
+    char *buf = (char *)k->buf;
+    int n = (int)k->count, root = k->root, is_root = g->rank == k->root, rc;
+    if (k->kind == DDP__GATHER)
+        rc = is_root && send == buf + (size_t)root * block ? MPI_Gather(MPI_IN_PLACE, 0, type, buf, n, type, root, comm)
+                                                           : MPI_Gather(send, n, type, buf, n, type, root, comm);
+    else if (k->kind == DDP__SCATTER)
+        rc = is_root && buf == send + (size_t)root * block ? MPI_Scatter(send, n, type, MPI_IN_PLACE, 0, type, root, comm)
+                                                           : MPI_Scatter(send, n, type, buf, n, type, root, comm);
+    else
+        rc = send == buf ? MPI_Alltoall(MPI_IN_PLACE, 0, type, buf, n, type, comm)
+                         : MPI_Alltoall(send, n, type, buf, n, type, comm);
+    return rc == MPI_SUCCESS ? DDP_SUCCESS : ddp__mpi_failed(g, k, rc);
+}
+
+/* Split sizes as MPI's int counts and displacements (blocks packed in rank order); 0 when a count or
+   a displacement passes INT_MAX. */
+static int ddp__mpi_int_layout(const size_t *counts, int n, int *cnt, int *displ) {
+    size_t at = 0;
+    int i;
+    for (i = 0; i < n; i++) {
+        if (counts[i] > (size_t)INT_MAX || at > (size_t)INT_MAX) return 0;
+        cnt[i] = (int)counts[i];
+        displ[i] = (int)at;
+        at += counts[i];
+    }
+    return 1;
+}
+
+/* all_gather_v: MPI_Allgatherv (the counts were compared with the fingerprint, so they are the same
+   on every rank and the int-limit check fails on all alike). */
+static ddp_result ddp__mpi_all_gather_v(ddp_group *g, const ddp__call *k) {
+    int n = g->world_size, rc, *cnt = (int *)ddp__calloc(2 * (size_t)n, sizeof(int));
+    MPI_Datatype type = ddp__mpi_type(k->dtype);
+    char *buf = (char *)k->buf;
+    if (!cnt) return ddp__coll_fail(g, DDP_ERR_OUT_OF_MEMORY, "all_gather_v: out of memory (%d counts)", 2 * n);
+    if (!ddp__mpi_int_layout(k->recv_counts, n, cnt, cnt + n)) {
+        ddp__free(cnt);
+        return ddp__coll_fail(g, DDP_ERR_UNSUPPORTED, "all_gather_v: the counts (a count, or the sum of the counts before "
+                              "one) pass MPI's int limit (%d); split the call", INT_MAX);
+    }
+    if ((const char *)k->send == buf + (size_t)cnt[n + g->rank] * ddp_dtype_size(k->dtype))
+        rc = MPI_Allgatherv(MPI_IN_PLACE, 0, type, buf, cnt, cnt + n, type, g->mpi->comm);
+    else
+        rc = MPI_Allgatherv(k->send, (int)k->count, type, buf, cnt, cnt + n, type, g->mpi->comm);
+    ddp__free(cnt);
+    return rc == MPI_SUCCESS ? DDP_SUCCESS : ddp__mpi_failed(g, k, rc);
+}
+
+/* all_to_all_v's split sizes, checked before any data moves (the TCP backend checks each frame): one
+   MPI_Alltoall of the send_counts tells each rank what every rank will send it; it compares that with
+   its recv_counts, and one MPI_Allreduce (MIN) of (first bad pair as sender*n + receiver, first rank
+   whose sizes pass MPI's int limit) makes every rank fail alike, naming the same pair. */
+static ddp_result ddp__mpi_split_check(ddp_group *g, const ddp__call *k, const ddp__coll *c, int fits) {
+    MPI_Comm comm = g->mpi->comm;
+    int n = g->world_size, p, rc;
+    int64_t agree[2], sizes[2] = {-1, -1}, nn = n;
+    uint64_t *out = (uint64_t *)ddp__calloc(2 * (size_t)n, sizeof *out), *in = out + n;
+    char desc[160], msg[MPI_MAX_ERROR_STRING];
+    if (!out) return ddp__coll_fail(g, DDP_ERR_OUT_OF_MEMORY, "all_to_all_v: out of memory (%d split sizes)", 2 * n);
+    for (p = 0; p < n; p++) out[p] = (uint64_t)k->send_counts[p];
+    rc = MPI_Alltoall(out, 1, MPI_UINT64_T, in, 1, MPI_UINT64_T, comm);
+    for (p = 0; p < n && in[p] == (uint64_t)k->recv_counts[p]; p++) {
+    }
+    agree[0] = p < n ? (int64_t)p * nn + g->rank : INT64_MAX;
+    agree[1] = fits ? INT64_MAX : g->rank;
+    if (rc == MPI_SUCCESS) rc = MPI_Allreduce(MPI_IN_PLACE, agree, 2, MPI_INT64_T, MPI_MIN, comm);
+    if (rc == MPI_SUCCESS && agree[0] != INT64_MAX) { /* the pair's owner tells every rank both sizes */
+        p = (int)(agree[0] / nn);
+        if (agree[0] % nn == g->rank) sizes[0] = (int64_t)in[p], sizes[1] = (int64_t)k->recv_counts[p];
+        rc = MPI_Allreduce(MPI_IN_PLACE, sizes, 2, MPI_INT64_T, MPI_MAX, comm);
+    }
+    ddp__free(out);
+    if (rc != MPI_SUCCESS)
+        return ddp__coll_fail(g, DDP_ERR_SYSTEM, "all_to_all_v: exchanging the split sizes failed: %s", ddp__mpi_error_string(rc, msg));
+    if (agree[0] != INT64_MAX) {
+        int from = (int)(agree[0] / nn), to = (int)(agree[0] % nn);
+        ddp__coll_describe(g, c, desc, sizeof desc);
+        return ddp__coll_fail(g, DDP_ERR_MISMATCH, "split sizes differ in %s: rank %d sends %lld elements to rank %d "
+                              "(its send_counts[%d]) while rank %d expects %lld from rank %d (its recv_counts[%d]); "
+                              "rank i's send_counts[j] must equal rank j's recv_counts[i]", desc, from,
+                              (long long)sizes[0], to, to, to, (long long)sizes[1], from, from);
+    }
+    if (agree[1] != INT64_MAX)
+        return ddp__coll_fail(g, DDP_ERR_UNSUPPORTED, "all_to_all_v: rank %lld's split sizes (a count, or the sum of "
+                              "the counts before one) pass MPI's int limit (%d); split the call", (long long)agree[1], INT_MAX);
+    return DDP_SUCCESS;
+}
+
+/* all_to_all_v: the split-size check above, then MPI_Alltoallv. */
+static ddp_result ddp__mpi_all_to_all_v(ddp_group *g, const ddp__call *k, const ddp__coll *c) {
+    int n = g->world_size, rc, *lay = (int *)ddp__calloc(4 * (size_t)n, sizeof(int)), fits;
+    MPI_Datatype type = ddp__mpi_type(k->dtype);
+    ddp_result r;
+    if (!lay) return ddp__coll_fail(g, DDP_ERR_OUT_OF_MEMORY, "all_to_all_v: out of memory (%d counts)", 4 * n);
+    fits = ddp__mpi_int_layout(k->send_counts, n, lay, lay + n) && ddp__mpi_int_layout(k->recv_counts, n, lay + 2 * n, lay + 3 * n);
+    if ((r = ddp__mpi_split_check(g, k, c, fits)) != DDP_SUCCESS) {
+        ddp__free(lay);
+        return r;
+    }
+    rc = MPI_Alltoallv(k->send, lay, lay + n, type, k->buf, lay + 2 * n, lay + 3 * n, type, g->mpi->comm);
+    ddp__free(lay);
+    return rc == MPI_SUCCESS ? DDP_SUCCESS : ddp__mpi_failed(g, k, rc);
+}
+
+/* ---- monitored_barrier ----
+   MPI calls have no timeout, so this one is built of point-to-point messages on a communicator of its
+   own (m->monitor: no user or collective traffic can match them) and polled. It skips the blocking
+   call check: rank 0 must be able to give up on a rank that never comes. Every other rank posts a
+   receive for rank 0's answer, then sends rank 0 its sequence number. Rank 0 posts a receive from
+   every rank and polls them until all arrived or timeout_seconds (<= 0: the group's timeout) passed;
+   it cancels the receives of the ranks missing, and answers every rank that arrived with one fixed-size
+   message, the result and its text, so all that arrived return the same: DDP_SUCCESS, DDP_ERR_TIMEOUT
+   naming the missing ranks (host and pid), or DDP_ERR_MISMATCH when a rank is at another collective
+   number. A rank that gets no answer within the timeout and the group's timeout beyond it fails with
+   DDP_ERR_TIMEOUT naming rank 0. */
+#define DDP__MPI_MONITOR_TAG 1
+
+typedef struct ddp__mpi_answer {
+    int32_t code;
+    char msg[DDP__ERR_MAX];
+} ddp__mpi_answer;
+
+/* Poll reqs[0..n) until all complete or the deadline passes; done[i] says which did. */
+static int ddp__mpi_poll(int n, MPI_Request *reqs, int *done, double deadline) {
+    double pause = 5e-5;
+    int i, left = n, flag, rc;
+    for (i = 0; i < n; i++)
+        if ((done[i] = reqs[i] == MPI_REQUEST_NULL) != 0) left--;
+    for (;;) {
+        for (i = 0; i < n; i++) {
+            if (done[i]) continue;
+            if ((rc = MPI_Test(&reqs[i], &flag, MPI_STATUS_IGNORE)) != MPI_SUCCESS) return rc;
+            if (flag) done[i] = 1, left--;
+        }
+        if (!left || ddp__now() >= deadline) return MPI_SUCCESS;
+        ddp__sleep(pause);
+        pause = DDP__MIN(pause * 2, 1e-3);
+    }
+}
+
+/* Cancel a receive that did not complete; 1 when it was cancelled, 0 when it completed after all. */
+static int ddp__mpi_cancel_recv(MPI_Request *req) {
+    MPI_Status st;
+    int cancelled = 0;
+    MPI_Cancel(req);
+    MPI_Wait(req, &st);
+    MPI_Test_cancelled(&st, &cancelled);
+    return cancelled;
+}
+
+/* Rank 0's side: the verdict for the ranks that arrived, into a (arrived[j] set for each). */
+static void ddp__mpi_monitor_collect(ddp_group *g, const ddp__coll *c, double wait, int *arrived, ddp__mpi_answer *a) {
+    int n = g->world_size, j, unposted, missing = 0, unlisted = 0, late = -1, rc = MPI_SUCCESS;
+    uint64_t *seqs = (uint64_t *)ddp__calloc((size_t)n, sizeof *seqs);
+    MPI_Request *reqs = (MPI_Request *)ddp__calloc((size_t)n, sizeof *reqs);
+    char list[DDP__ERR_MAX / 2] = "", more[48] = "", msg[MPI_MAX_ERROR_STRING];
+    a->code = DDP_SUCCESS;
+    if (!seqs || !reqs) {
+        a->code = DDP_ERR_OUT_OF_MEMORY;
+        snprintf(a->msg, sizeof a->msg, "monitored_barrier: rank 0 is out of memory (%d ranks)", n);
+        ddp__free(seqs);
+        ddp__free(reqs);
+        return;
+    }
+    for (j = 0; j < n; j++) reqs[j] = MPI_REQUEST_NULL;
+    for (j = 1; j < n && rc == MPI_SUCCESS; j++)
+        rc = MPI_Irecv(&seqs[j], 1, MPI_UINT64_T, j, DDP__MPI_MONITOR_TAG, g->mpi->monitor, &reqs[j]);
+    unposted = rc == MPI_SUCCESS ? n : j - 1; /* the receives from here on were never posted */
+    if (rc == MPI_SUCCESS) rc = ddp__mpi_poll(n, reqs, arrived, ddp__now() + wait);
+    for (j = 1; j < n; j++) {
+        if (j >= unposted) arrived[j] = 0;
+        if (!arrived[j] && reqs[j] != MPI_REQUEST_NULL) arrived[j] = !ddp__mpi_cancel_recv(&reqs[j]);
+        if (arrived[j] && seqs[j] != c->seq && late < 0) late = j;
+        if (arrived[j]) continue;
+        if (strlen(list) + 120 < sizeof list) {
+            size_t len = strlen(list);
+            snprintf(list + len, sizeof list - len, "%s%d (%.100s)", missing ? ", " : "", j, ddp__mpi_who(g, j));
+        } else {
+            unlisted++;
+        }
+        missing++;
+    }
+    if (unlisted) snprintf(more, sizeof more, " and %d more", unlisted);
+    if (rc != MPI_SUCCESS) {
+        a->code = DDP_ERR_SYSTEM;
+        snprintf(a->msg, sizeof a->msg, "monitored_barrier: rank 0's receive failed: %s", ddp__mpi_error_string(rc, msg));
+    } else if (missing) {
+        a->code = DDP_ERR_TIMEOUT;
+        snprintf(a->msg, sizeof a->msg, "monitored_barrier: %d of %d ranks did not arrive within %.3g s: rank%s %s%s. Every "
+                 "rank must call it; look at what those ranks were doing (DDP_TRACE_DIR)", missing, n, wait,
+                 missing > 1 ? "s" : "", list, more);
+    } else if (late >= 0) {
+        a->code = DDP_ERR_MISMATCH;
+        snprintf(a->msg, sizeof a->msg, "monitored_barrier: rank %d called it as its collective #%llu while rank 0 is at "
+                 "#%llu; every rank must call the same collectives in the same order", late,
+                 (unsigned long long)seqs[late], (unsigned long long)c->seq);
+    }
+    ddp__free(seqs);
+    ddp__free(reqs);
+}
+
+static ddp_result ddp__mpi_monitored_root(ddp_group *g, const ddp__coll *c, double wait) {
+    int n = g->world_size, j, pending = 0, rc = MPI_SUCCESS;
+    int *arrived = (int *)ddp__calloc(2 * (size_t)n, sizeof(int)), *sent = arrived + n;
+    MPI_Request *reqs = (MPI_Request *)ddp__calloc((size_t)n, sizeof *reqs);
+    ddp__mpi_answer *a = (ddp__mpi_answer *)ddp__calloc(1, sizeof *a);
+    ddp_result code;
+    char msg[DDP__ERR_MAX], why[MPI_MAX_ERROR_STRING];
+    if (!arrived || !reqs || !a) {
+        ddp__free(arrived), ddp__free(reqs), ddp__free(a);
+        return ddp__coll_fail(g, DDP_ERR_OUT_OF_MEMORY, "monitored_barrier: rank 0 is out of memory (%d ranks)", n);
+    }
+    ddp__mpi_monitor_collect(g, c, wait, arrived, a);
+    for (j = 0; j < n; j++) reqs[j] = MPI_REQUEST_NULL;
+    for (j = 1; j < n && rc == MPI_SUCCESS; j++)
+        if (arrived[j]) rc = MPI_Isend(a, (int)sizeof *a, MPI_BYTE, j, DDP__MPI_MONITOR_TAG, g->mpi->monitor, &reqs[j]);
+    ddp__mpi_poll(n, reqs, sent, ddp__now() + g->timeout);
+    for (j = 1; j < n; j++)
+        if (!sent[j]) MPI_Request_free(&reqs[j]), pending++;
+    code = (ddp_result)a->code;
+    snprintf(msg, sizeof msg, "%s", a->msg);
+    if (rc != MPI_SUCCESS && code == DDP_SUCCESS)
+        code = DDP_ERR_SYSTEM, snprintf(msg, sizeof msg, "monitored_barrier: rank 0 could not answer the others: %s",
+                                        ddp__mpi_error_string(rc, why));
+    ddp__free(arrived);
+    ddp__free(reqs);
+    if (!pending) ddp__free(a); /* else an answer is still in flight (to a rank that gave up waiting): it keeps its buffer */
+    return code == DDP_SUCCESS ? DDP_SUCCESS : ddp__coll_fail(g, code, "%s", msg);
+}
+
+static ddp_result ddp__mpi_monitored_member(ddp_group *g, const ddp__coll *c, double wait) {
+    ddp__mpi_answer *a = (ddp__mpi_answer *)ddp__calloc(1, sizeof *a);
+    MPI_Request req = MPI_REQUEST_NULL;
+    uint64_t seq = c->seq;
+    int rc, done = 0;
+    ddp_result code;
+    char msg[DDP__ERR_MAX], why[MPI_MAX_ERROR_STRING];
+    if (!a) return ddp__coll_fail(g, DDP_ERR_OUT_OF_MEMORY, "monitored_barrier: out of memory");
+    rc = MPI_Irecv(a, (int)sizeof *a, MPI_BYTE, 0, DDP__MPI_MONITOR_TAG, g->mpi->monitor, &req);
+    if (rc == MPI_SUCCESS) rc = MPI_Send(&seq, 1, MPI_UINT64_T, 0, DDP__MPI_MONITOR_TAG, g->mpi->monitor);
+    if (rc == MPI_SUCCESS) rc = ddp__mpi_poll(1, &req, &done, ddp__now() + wait + g->timeout);
+    if (!done && req != MPI_REQUEST_NULL) done = !ddp__mpi_cancel_recv(&req);
+    if (rc != MPI_SUCCESS) {
+        if (!done) a = NULL; /* the receive may still be posted: its buffer stays */
+        ddp__free(a);
+        return ddp__coll_fail(g, DDP_ERR_SYSTEM, "monitored_barrier: reporting to rank 0 failed: %s", ddp__mpi_error_string(rc, why));
+    }
+    if (!done) {
+        ddp__free(a);
+        return ddp__coll_fail(g, DDP_ERR_TIMEOUT, "monitored_barrier: rank 0 (%s) did not answer within %.3g s (the "
+                              "barrier's %.3g s and the group's timeout of %.3g s): is rank 0 stuck or in another "
+                              "collective, or did it give up on this rank before it came?", ddp__mpi_who(g, 0),
+                              wait + g->timeout, wait, g->timeout);
+    }
+    code = (ddp_result)a->code;
+    a->msg[sizeof a->msg - 1] = '\0';
+    snprintf(msg, sizeof msg, "%s", a->msg);
+    ddp__free(a);
+    return code == DDP_SUCCESS ? DDP_SUCCESS : ddp__coll_fail(g, code, "%s", msg);
+}
+
+/* ---- the backend's entry ---- */
+
+static ddp_result ddp__mpi_run(ddp_group *g, const ddp__call *k, const ddp__coll *c) {
+    ddp_result r;
+    if (k->kind == DDP__MONITORED_BARRIER) {
+        double wait = k->seconds > 0 ? k->seconds : g->timeout;
+        return g->rank == 0 ? ddp__mpi_monitored_root(g, c, wait) : ddp__mpi_monitored_member(g, c, wait);
+    }
+    if ((r = ddp__mpi_check(g, k, c)) != DDP_SUCCESS) return r;
+    switch (k->kind) {
+    case DDP__ALL_GATHER:
+    case DDP__REDUCE_SCATTER:
+    case DDP__GATHER:
+    case DDP__SCATTER:
+    case DDP__ALL_TO_ALL: /* the count is in the fingerprint: every rank fails alike */
+        if (k->count > (size_t)INT_MAX)
+            return ddp__coll_fail(g, DDP_ERR_UNSUPPORTED, "%s: %zu elements per rank is more than MPI's int count allows "
+                                  "(%d); split the call", ddp__coll_name(k->kind), k->count, INT_MAX);
+        if (k->kind == DDP__ALL_GATHER || k->kind == DDP__REDUCE_SCATTER) return ddp__mpi_classic(g, k);
+        return ddp__mpi_blocks(g, k);
+    case DDP__ALL_TO_ALL_V: return ddp__mpi_all_to_all_v(g, k, c);
+    case DDP__ALL_GATHER_V: return ddp__mpi_all_gather_v(g, k);
+    default: return ddp__mpi_classic(g, k);
+    }
 }
 
 #else /* !DDP_MPI: the backend is not in this build */

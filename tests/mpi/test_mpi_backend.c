@@ -1,8 +1,10 @@
 /* The mpi backend (built with mpicc -DDDP_MPI, run by tests/test_mpi.sh under mpirun -np 1..4).
    Every collective, dtype and op on backend "mpi", each result compared with serial math done here:
    every rank computes every rank's input (a formula of rank and index), so the expected result is
-   known without communication. Then async work, a subgroup, the reducer, and a collective mismatch
-   that must be DDP_ERR_MISMATCH on every rank naming the rank that differs. */
+   known without communication. Then async work, a subgroup, the reducer, gather / scatter / all_to_all
+   / all_to_all_v / all_gather_v / monitored_barrier against serial expectations, split sizes or counts
+   that differ (DDP_ERR_MISMATCH on every rank), monitored_barrier with a rank missing, and a
+   collective mismatch that must be DDP_ERR_MISMATCH on every rank naming the rank that differs. */
 #define DDP_MPI
 #include "testlib.h"
 
@@ -177,6 +179,232 @@ static void check_reducer(ddp_group *g) {
     if (g_rank == 0) printf("ok: the reducer averages gradients on the mpi backend\n");
 }
 
+/* ---- gather, scatter, all_to_all, all_to_all_v, all_gather_v, monitored_barrier ---- */
+
+/* Element i of the block that rank `from` sends rank `to`: small integers that u8 holds. */
+static double block_value(int from, int to, size_t i) { return (double)((from * 31 + to * 7 + (int)i * 3) % 101); }
+
+/* A call's result, waited for when it was async. */
+static ddp_result waited(ddp_result r, ddp_work **w) { return r != DDP_SUCCESS ? r : ddp_wait(*w); }
+#define CALL(async, fn, g, ...) ((async) ? waited(fn##_async(g, __VA_ARGS__, &w_), &w_) : fn(g, __VA_ARGS__))
+
+static const ddp_dtype block_types[] = {DDP_F32, DDP_I64, DDP_U8};
+
+static void *zeroed(size_t n, size_t es) { /* never NULL, even for n = 0 */
+    void *b = calloc(n ? n : 1, es);
+    CHECK(b, "calloc");
+    return b;
+}
+
+/* gather (root 0 and the last rank, in place on the root and not) */
+static void check_gather(ddp_group *g, ddp_dtype dt, size_t count, int root, int in_place, int async) {
+    size_t es = ddp_dtype_size(dt), i;
+    char *recv = (char *)zeroed(count * (size_t)g_n, es), *send = (char *)zeroed(count, es);
+    ddp_work *w_ = NULL;
+    int r;
+    char *from = in_place && g_rank == root ? recv + (size_t)root * count * es : send;
+    for (i = 0; i < count; i++) tl_store_value(from, i, dt, block_value(g_rank, 0, i));
+    CHECK_OK(CALL(async, ddp_gather, g, from, g_rank == root ? recv : NULL, count, dt, root), g);
+    for (r = 0; g_rank == root && r < g_n; r++)
+        for (i = 0; i < count; i++)
+            CHECK(tl_load_value(recv + (size_t)r * count * es, i, dt) == block_value(r, 0, i), "gather %s count %zu root %d%s%s: "
+                  "rank %d [%zu] = %g", ddp_dtype_name(dt), count, root, in_place ? " in place" : "", async ? " async" : "", r, i,
+                  tl_load_value(recv + (size_t)r * count * es, i, dt));
+    free(recv);
+    free(send);
+}
+
+static void check_scatter(ddp_group *g, ddp_dtype dt, size_t count, int root, int in_place, int async) {
+    size_t es = ddp_dtype_size(dt), i;
+    char *send = (char *)zeroed(count * (size_t)g_n, es), *recv = (char *)zeroed(count, es), *into = recv;
+    ddp_work *w_ = NULL;
+    int r;
+    for (r = 0; g_rank == root && r < g_n; r++)
+        for (i = 0; i < count; i++) tl_store_value(send + (size_t)r * count * es, i, dt, block_value(root, r, i));
+    if (in_place && g_rank == root) into = send + (size_t)root * count * es;
+    CHECK_OK(CALL(async, ddp_scatter, g, g_rank == root ? send : NULL, into, count, dt, root), g);
+    for (i = 0; i < count; i++)
+        CHECK(tl_load_value(into, i, dt) == block_value(root, g_rank, i), "scatter %s count %zu root %d%s%s [%zu] = %g",
+              ddp_dtype_name(dt), count, root, in_place ? " in place" : "", async ? " async" : "", i, tl_load_value(into, i, dt));
+    free(send);
+    free(recv);
+}
+
+static void check_all_to_all(ddp_group *g, ddp_dtype dt, size_t count, int in_place, int async) {
+    size_t es = ddp_dtype_size(dt), i;
+    char *send = (char *)zeroed(count * (size_t)g_n, es), *recv = (char *)zeroed(count * (size_t)g_n, es);
+    char *out = in_place ? send : recv;
+    ddp_work *w_ = NULL;
+    int r;
+    for (r = 0; r < g_n; r++)
+        for (i = 0; i < count; i++) tl_store_value(send + (size_t)r * count * es, i, dt, block_value(g_rank, r, i));
+    CHECK_OK(CALL(async, ddp_all_to_all, g, send, out, count, dt), g);
+    for (r = 0; r < g_n; r++)
+        for (i = 0; i < count; i++)
+            CHECK(tl_load_value(out + (size_t)r * count * es, i, dt) == block_value(r, g_rank, i), "all_to_all %s count %zu%s%s: "
+                  "from rank %d [%zu] = %g", ddp_dtype_name(dt), count, in_place ? " in place" : "", async ? " async" : "", r, i,
+                  tl_load_value(out + (size_t)r * count * es, i, dt));
+    free(send);
+    free(recv);
+}
+
+/* all_to_all_v: rank s sends rank d split(s, d) elements (zeros among them); salt varies the sizes. */
+static size_t split(int s, int d, int salt) { return (size_t)((s + 2 * d + salt) % 4) * (size_t)(1 + salt % 3); }
+
+static void check_all_to_all_v(ddp_group *g, ddp_dtype dt, int salt, int async) {
+    size_t es = ddp_dtype_size(dt), sc[8], rc[8], at = 0, i, ns = 0, nr = 0;
+    ddp_work *w_ = NULL;
+    char *send, *recv;
+    int r;
+    for (r = 0; r < g_n; r++) ns += sc[r] = split(g_rank, r, salt), nr += rc[r] = split(r, g_rank, salt);
+    send = (char *)zeroed(ns, es), recv = (char *)zeroed(nr, es);
+    for (r = 0; r < g_n; r++)
+        for (i = 0; i < sc[r]; i++, at++) tl_store_value(send, at, dt, block_value(g_rank, r, i));
+    CHECK_OK(CALL(async, ddp_all_to_all_v, g, send, sc, recv, rc, dt), g);
+    for (at = 0, r = 0; r < g_n; r++)
+        for (i = 0; i < rc[r]; i++, at++)
+            CHECK(tl_load_value(recv, at, dt) == block_value(r, g_rank, i), "all_to_all_v %s salt %d%s: from rank %d [%zu] = %g",
+                  ddp_dtype_name(dt), salt, async ? " async" : "", r, i, tl_load_value(recv, at, dt));
+    free(send);
+    free(recv);
+}
+
+/* all_gather_v: rank r contributes uneven(r, salt) elements (zeros among them). */
+static size_t uneven(int r, int salt) { return (size_t)((r * 5 + 1 + salt) % 4) * (size_t)(1 + salt); }
+
+static void check_all_gather_v(ddp_group *g, ddp_dtype dt, int salt, int in_place, int async) {
+    size_t es = ddp_dtype_size(dt), counts[8], total = 0, mine_at = 0, i, at;
+    ddp_work *w_ = NULL;
+    char *recv, *send, *from;
+    int r;
+    for (r = 0; r < g_n; r++) {
+        if (r == g_rank) mine_at = total;
+        total += counts[r] = uneven(r, salt);
+    }
+    recv = (char *)zeroed(total, es), send = (char *)zeroed(counts[g_rank], es);
+    from = in_place ? recv + mine_at * es : send;
+    for (i = 0; i < counts[g_rank]; i++) tl_store_value(from, i, dt, block_value(g_rank, 0, i));
+    CHECK_OK(CALL(async, ddp_all_gather_v, g, from, counts[g_rank], recv, counts, dt), g);
+    for (at = 0, r = 0; r < g_n; r++)
+        for (i = 0; i < counts[r]; i++, at++)
+            CHECK(tl_load_value(recv, at, dt) == block_value(r, 0, i), "all_gather_v %s salt %d%s%s: rank %d [%zu] = %g",
+                  ddp_dtype_name(dt), salt, in_place ? " in place" : "", async ? " async" : "", r, i, tl_load_value(recv, at, dt));
+    free(recv);
+    free(send);
+}
+
+static void check_more_collectives(ddp_group *g) {
+    static const size_t counts[] = {0, 1, 7, 1000};
+    int t, k, async, in_place, salt, calls = 0;
+    ddp_result r;
+    for (t = 0; t < 3; t++)
+        for (async = 0; async < 2; async++) {
+            ddp_dtype dt = block_types[t];
+            for (k = 0; k < 4; k++)
+                for (in_place = 0; in_place < 2; in_place++) {
+                    check_gather(g, dt, counts[k], 0, in_place, async);
+                    check_gather(g, dt, counts[k], g_n - 1, in_place, async);
+                    check_scatter(g, dt, counts[k], 0, in_place, async);
+                    check_scatter(g, dt, counts[k], g_n - 1, in_place, async);
+                    check_all_to_all(g, dt, counts[k], in_place, async);
+                    calls += 5;
+                }
+            for (salt = 0; salt < 4; salt++) {
+                check_all_to_all_v(g, dt, salt, async);
+                check_all_gather_v(g, dt, salt, 0, async);
+                check_all_gather_v(g, dt, salt, 1, async);
+                calls += 3;
+            }
+        }
+    CHECK_OK(ddp_monitored_barrier(g, 60), g);
+    CHECK_OK(ddp_monitored_barrier(g, 0), g); /* <= 0: the group's timeout */
+    {
+        ddp_work *w;
+        CHECK_OK(ddp_monitored_barrier_async(g, 60, &w), g);
+        CHECK_OK(ddp_wait(w), g);
+    }
+    r = ddp_barrier(g);
+    CHECK(r == DDP_SUCCESS, "barrier after the monitored ones: %s", ddp_last_error(g));
+    if (g_rank == 0)
+        printf("ok: gather, scatter, all_to_all (counts 0 1 7 1000, in place and not), all_to_all_v, all_gather_v (uneven, "
+               "zeros): f32 i64 u8, sync and async, %d calls; monitored_barrier\n", calls);
+}
+
+/* A fresh group of every rank, for a scenario that breaks it. */
+static ddp_group *all_ranks(ddp_group *g) {
+    int members[8], i;
+    ddp_group *sub = NULL;
+    for (i = 0; i < g_n; i++) members[i] = i;
+    CHECK_OK(ddp_new_group(g, members, g_n, &sub), g);
+    CHECK(sub, "no subgroup");
+    return sub;
+}
+
+/* The last rank expects one element more from rank 0 than rank 0 sends it: DDP_ERR_MISMATCH on every
+   rank, naming both sizes. Then all_gather_v where the last rank passes other counts of the same sum. */
+static void check_size_mismatches(ddp_group *g) {
+    size_t sc[8], rc[8], counts[8], i;
+    float send[64] = {0}, recv[64];
+    ddp_group *sub;
+    ddp_result r;
+    char want[200];
+    int last = g_n - 1;
+    if (g_n < 2) return;
+    sub = all_ranks(g);
+    for (i = 0; i < (size_t)g_n; i++) sc[i] = rc[i] = 2;
+    if (g_rank == last) rc[0] = 3;
+    r = ddp_all_to_all_v(sub, send, sc, recv, rc, DDP_F32);
+    snprintf(want, sizeof want, "rank 0 sends 2 elements to rank %d (its send_counts[%d]) while rank %d expects 3 from rank 0 "
+             "(its recv_counts[0])", last, last, last);
+    CHECK(r == DDP_ERR_MISMATCH && strstr(ddp_last_error(sub), "split sizes differ in all_to_all_v") &&
+          strstr(ddp_last_error(sub), want), "split-size mismatch gave %s: %s", ddp_result_string(r), ddp_last_error(sub));
+    if (g_rank == 0) printf("ok: a split-size mismatch is DDP_ERR_MISMATCH on every rank: %s\n", ddp_last_error(sub));
+    CHECK_OK(ddp_destroy(sub), sub);
+
+    sub = all_ranks(g);
+    for (i = 0; i < (size_t)g_n; i++) counts[i] = 1 + i;
+    if (g_rank == last) counts[0] = 2, counts[1] = 1; /* same sum: the fingerprint alone cannot tell */
+    r = ddp_all_gather_v(sub, send, counts[g_rank], recv, counts, DDP_F32);
+    snprintf(want, sizeof want, "rank 0 passes counts[0] = 1 while rank %d passes counts[0] = 2", last);
+    CHECK(r == DDP_ERR_MISMATCH && strstr(ddp_last_error(sub), "counts differ in all_gather_v") &&
+          strstr(ddp_last_error(sub), want), "counts mismatch gave %s: %s", ddp_result_string(r), ddp_last_error(sub));
+    if (g_rank == 0) printf("ok: all_gather_v counts that differ are DDP_ERR_MISMATCH on every rank: %s\n", ddp_last_error(sub));
+    CHECK_OK(ddp_destroy(sub), sub);
+}
+
+/* monitored_barrier with the last rank missing (3+ ranks): rank 0 gives up after 0.5 s and every rank
+   that came fails with DDP_ERR_TIMEOUT naming the last one (host and pid); the last rank, coming after
+   that, gets no answer and fails naming rank 0 after 0.5 s + its group timeout (2 s, see main). */
+static void check_monitored_missing(ddp_group *g) {
+    ddp_group *sub;
+    ddp_result r;
+    double t0;
+    char want[120];
+    int last = g_n - 1;
+    if (g_n < 3) return;
+    sub = all_ranks(g);
+    t0 = tl_now();
+    if (g_rank != last) {
+        r = ddp_monitored_barrier(sub, 0.5);
+        snprintf(want, sizeof want, "1 of %d ranks did not arrive within 0.5 s: rank %d (host ", g_n, last);
+        CHECK(r == DDP_ERR_TIMEOUT && strstr(ddp_last_error(sub), want), "monitored_barrier without rank %d gave %s: %s", last,
+              ddp_result_string(r), ddp_last_error(sub));
+        CHECK(tl_now() - t0 < 10, "rank %d took %.1f s to see the missing rank", g_rank, tl_now() - t0);
+        if (g_rank == 0) printf("ok: monitored_barrier names the missing rank in %.2f s: %s\n", tl_now() - t0, ddp_last_error(sub));
+        MPI_Barrier(MPI_COMM_WORLD);
+    } else {
+        MPI_Barrier(MPI_COMM_WORLD); /* come late: after rank 0 gave up */
+        t0 = tl_now();
+        r = ddp_monitored_barrier(sub, 0.5);
+        CHECK(r == DDP_ERR_TIMEOUT && strstr(ddp_last_error(sub), "rank 0 (host "), "late rank gave %s: %s",
+              ddp_result_string(r), ddp_last_error(sub));
+        CHECK(tl_now() - t0 < 20, "late rank took %.1f s", tl_now() - t0);
+        printf("ok: the late rank fails in %.2f s: %s\n", tl_now() - t0, ddp_last_error(sub));
+    }
+    CHECK(ddp_barrier(sub) != DDP_SUCCESS, "a broken group must refuse later calls");
+    CHECK_OK(ddp_destroy(sub), sub);
+}
+
 /* The last rank calls all_reduce with another count: every rank must fail with DDP_ERR_MISMATCH. */
 static void check_mismatch(ddp_group *g) {
     float v[8] = {0};
@@ -196,6 +424,11 @@ int main(void) {
     int world_rank = -1;
     memset(&d, 0, sizeof d);
     d.backend = "mpi";
+    { /* only monitored_barrier has a timeout on MPI; the last rank's short one bounds its wait as the late
+         rank of check_monitored_missing (ddp_init initialises MPI: Open MPI's variables tell who we are) */
+        const char *r = getenv("OMPI_COMM_WORLD_RANK"), *n = getenv("OMPI_COMM_WORLD_SIZE");
+        d.timeout_seconds = r && n && atoi(n) >= 3 && atoi(r) == atoi(n) - 1 ? 2 : 60;
+    }
     CHECK(ddp_init(&d, &g) == DDP_SUCCESS, "ddp_init(backend mpi): %s", ddp_last_error(NULL));
     g_rank = ddp_rank(g);
     g_n = ddp_world_size(g);
@@ -208,6 +441,9 @@ int main(void) {
     check_movement(g);
     check_async_and_subgroup(g);
     check_reducer(g);
+    check_more_collectives(g);
+    check_size_mismatches(g);
+    check_monitored_missing(g);
     check_mismatch(g);
     ddp_destroy(g);
     if (g_rank == 0) printf("test_mpi_backend: all passed on %d ranks\n", g_n);
