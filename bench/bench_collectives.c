@@ -5,7 +5,7 @@
          | all_to_all | gather | scatter (root 0): for these three, size is the bytes per rank (count x 4)
      --lib: the buffers come from ddp_alloc (library buffers: single-copy over shared memory), not malloc
    Sizes grow x4 from min_bytes (default 4) to max_bytes (default 256 MiB), f32, sum. Before every
-   iteration the buffer is rewritten (untimed); each collective call is timed on its own and the
+   iteration the buffer is rewritten (untimed; all_to_all, gather, scatter: once per size); each collective call is timed on its own and the
    table gives the mean; after the loop the last iteration's result is checked on every rank.
    Columns as nccl-tests: algbw = bytes / time; busbw = algbw * 2(n-1)/n for all_reduce,
    * (n-1)/n for all_gather and reduce_scatter (bytes = the whole gathered/scattered buffer), * 1 for broadcast.
@@ -48,11 +48,14 @@ static int bench_per_rank(ddp_group *g, const char *op, int lib, size_t max_byte
         size_t per = bytes / 4, i;
         int iters = bytes < 16384 ? 200 : (bytes < (1u << 20) ? 20 : 5), it, j;
         double total = 0, alg;
+        /* Filled once per size, as Open MPI's peer does: a refill between calls would let the ranks drift
+           apart by its time, which the next call's wait then measures. */
+        for (j = 0; j < n; j++) /* block j: what this rank sends to rank j (scatter: the root's block for j) */
+            for (i = 0; i < per; i++) a[(size_t)j * per + i] = cell(rank, gather ? 0 : j, i, (int)bytes & 15);
+        memset(b, 0, per * (size_t)n * 4);
         for (it = -2; it < iters; it++) {
             double t0;
             ddp_result r;
-            for (j = 0; j < n; j++) /* block j: what this rank sends to rank j (scatter: the root's block for j) */
-                for (i = 0; i < per; i++) a[(size_t)j * per + i] = cell(rank, gather ? 0 : j, i, it);
             t0 = now();
             if (a2a) r = ddp_all_to_all(g, a, b, per, DDP_F32);
             else if (gather) r = ddp_gather(g, a, b, per, DDP_F32, 0);
@@ -63,10 +66,9 @@ static int bench_per_rank(ddp_group *g, const char *op, int lib, size_t max_byte
                 return 1;
             }
         }
-        for (i = 0; i < per * (size_t)n && !bad; i++) { /* the last iteration's result */
-            int from = (int)(i / per);
-            float want = a2a ? cell(from, rank, i % per, iters - 1) : gather ? cell(from, 0, i % per, iters - 1)
-                                                                              : cell(0, rank, i, iters - 1);
+        for (i = 0; i < per * (size_t)n && !bad; i++) { /* the last call's result */
+            int from = (int)(i / per), it_ = (int)bytes & 15;
+            float want = a2a ? cell(from, rank, i % per, it_) : gather ? cell(from, 0, i % per, it_) : cell(0, rank, i, it_);
             if (!a2a && !gather && i >= per) break;
             if (gather && rank != 0) break;
             if (b[i] != want) {
