@@ -9282,9 +9282,10 @@ static ddp_result ddp__shm_reduce_scatter(ddp_group *g, const ddp__coll *c, cons
    block never goes through the segment.
    Single-copy (above DDP__SHM_MOVE_DIRECT_BYTES, the whole buffer): the first step carries no data but,
    with the fingerprint, where the buffers are: a library buffer's arena offset, or, with cross-memory
-   attach, its address. all_to_all: every rank publishes its send buffer (when it overlaps its recv
-   buffer nowhere: in place, it publishes nothing) and, when every rank did, copies block `rank` of every
-   peer's send buffer straight into its recv buffer (memcpy from the arena, or one process_vm_readv).
+   attach, its address. all_to_all: every rank publishes its recv buffer (when it overlaps its send
+   buffer nowhere: in place, it publishes nothing) and, when every rank did, writes its block for each
+   peer j straight into slot `rank` of j's recv buffer (memcpy into the arena, or one process_vm_writev;
+   pushing measured 2-3x faster than pulling with process_vm_readv at 1 MiB per rank on 2 ranks here).
    gather / scatter: the root publishes its recv / send buffer, and every other rank writes / reads its
    own block there, all at once. A last step keeps every rank in the call until all copies are done.
    When a buffer that was needed was not published, every rank stages from the next step on (the same
@@ -9338,15 +9339,14 @@ static ddp_result ddp__shm_all_to_all(ddp_group *g, const ddp__coll *c, const vo
     ddp_result res;
     if (block * (size_t)n > DDP__SHM_MOVE_DIRECT_BYTES && (s->cma || s->arena.base)) { /* the same on every rank */
         int apart = !ddp__overlap(send, block * (size_t)n, recv, block * (size_t)n), all = 1;
-        if ((res = ddp__shm_publish_buffer(g, c, send, block * (size_t)n, apart)) != DDP_SUCCESS) return res;
+        if ((res = ddp__shm_publish_buffer(g, c, recv, block * (size_t)n, apart)) != DDP_SUCCESS) return res;
         for (j = 0; j < n; j++) all &= ddp__shm_reachable(g, c, j);
         if (all) {
             ddp__shm_move_note(g, c);
             memcpy(rp + (size_t)r * block, sp + (size_t)r * block, block);
-            for (k = 1; k < n; k++) { /* rank r+k first: the ranks do not all read from one peer at once */
-                j = (r + k) % n;
-                if ((res = ddp__shm_peer_move(g, c, j, rp + (size_t)j * block, (size_t)r * block, block, 0)) != DDP_SUCCESS)
-                    return res;
+            for (k = 1; k < n; k++) { /* rank r+k first: the ranks do not all write into one peer at once */
+                char *mine = (char *)(uintptr_t)sp + (size_t)((r + k) % n) * block; /* only read (a write moves it out) */
+                if ((res = ddp__shm_peer_move(g, c, (r + k) % n, mine, (size_t)r * block, block, 1)) != DDP_SUCCESS) return res;
             }
             return ddp__shm_finish(g, c);
         }

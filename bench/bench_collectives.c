@@ -56,6 +56,7 @@ static int bench_per_rank(ddp_group *g, const char *op, int lib, size_t max_byte
         for (it = -2; it < iters; it++) {
             double t0;
             ddp_result r;
+            if (it == 0 && ddp_barrier(g) != DDP_SUCCESS) return 1; /* after the warm-up, start together (as the peer does) */
             t0 = now();
             if (a2a) r = ddp_all_to_all(g, a, b, per, DDP_F32);
             else if (gather) r = ddp_gather(g, a, b, per, DDP_F32, 0);
