@@ -9024,8 +9024,9 @@ static void ddp__lib_note(ddp_group *g, const ddp__coll *c) {
 
 #define DDP__SHM_CMA_CHUNK ((size_t)64 << 10)  /* CMA: one system call per chunk, the chunk still in L2 */
 #define DDP__SHM_CMA_MIN_BYTES ((size_t)1 << 20) /* CMA all_reduce on plain memory from this size up: below it staging was faster (bench/README.md) */
-/* all_to_all, gather, scatter: single-copy (arena or CMA) above this many bytes in the whole buffer (n blocks) */
-#define DDP__SHM_MOVE_DIRECT_BYTES ((size_t)256 << 10)
+/* all_to_all, gather, scatter: single-copy (arena or CMA) above this many bytes in the whole buffer (n
+   blocks); from 64 KiB per rank on 2 ranks it beat staging (bench/README.md) */
+#define DDP__SHM_MOVE_DIRECT_BYTES ((size_t)64 << 10)
 
 /* Move bytes between local memory and rank j's address space at remote (write: to it). A failure
    means the peer is gone or unreachable: give its reason (over TCP) a moment to arrive, else fail. */
