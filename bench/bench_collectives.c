@@ -2,12 +2,16 @@
 
    Usage (under any launcher):  ddprun --nproc-per-node 2 build/bench_collectives [--lib] [op] [max_bytes] [min_bytes]
      op: all_reduce (default) | all_gather | reduce_scatter | broadcast | barrier (one row, size 0)
+         | all_to_all | gather | scatter (root 0): for these three, size is the bytes per rank (count x 4)
      --lib: the buffers come from ddp_alloc (library buffers: single-copy over shared memory), not malloc
    Sizes grow x4 from min_bytes (default 4) to max_bytes (default 256 MiB), f32, sum. Before every
-   iteration the buffer is rewritten (untimed); each collective call is timed on its own and the
+   iteration the buffer is rewritten (untimed; all_to_all, gather, scatter: once per size); each collective call is timed on its own and the
    table gives the mean; after the loop the last iteration's result is checked on every rank.
    Columns as nccl-tests: algbw = bytes / time; busbw = algbw * 2(n-1)/n for all_reduce,
-   * (n-1)/n for all_gather and reduce_scatter (bytes = the whole gathered/scattered buffer), * 1 for broadcast. */
+   * (n-1)/n for all_gather and reduce_scatter (bytes = the whole gathered/scattered buffer), * 1 for broadcast.
+   all_to_all, gather, scatter: size = bytes per rank (a block), algbw = size x n / time (the whole send or
+   receive buffer, as nccl-tests' alltoall), busbw = algbw * (n-1)/n; bench/compare_collectives.sh sets
+   them beside Open MPI (bench/peers/mpi_alltoall.c prints the same columns). */
 #define DDP_IMPLEMENTATION
 #include "ddp.h"
 
@@ -22,6 +26,73 @@ static double now(void) {
     return (double)ts.tv_sec + (double)ts.tv_nsec * 1e-9;
 }
 
+/* The value rank `from` sends to rank `to` at element i of iteration it (small integers: exact in f32). */
+static float cell(int from, int to, size_t i, int it) { return (float)(from * 7 + to * 3 + it + (int)(i & 7)); }
+
+/* all_to_all, gather, scatter (root 0): blocks of `bytes` per rank, send and recv of n blocks each. */
+static int bench_per_rank(ddp_group *g, const char *op, int lib, size_t max_bytes, size_t min_bytes) {
+    int rank = ddp_rank(g), n = ddp_world_size(g), bad = 0, a2a = !strcmp(op, "all_to_all"), gather = !strcmp(op, "gather");
+    size_t whole = max_bytes * (size_t)n + 64, bytes;
+    float *a = (float *)(lib ? ddp_alloc(g, whole) : malloc(whole)), *b = (float *)(lib ? ddp_alloc(g, whole) : malloc(whole));
+    if (!a || !b) {
+        fprintf(stderr, "rank %d: out of memory: %s\n", rank, ddp_last_error(g));
+        return 3;
+    }
+    memset(a, 0, whole);
+    memset(b, 0, whole);
+    if (rank == 0)
+        printf("# ddp.h %s, %d ranks, transport %s, %s buffers; size = bytes per rank\n%12s %12s %6s %6s %10s %10s %10s\n", op, n,
+               getenv("DDP_TRANSPORT") ? getenv("DDP_TRANSPORT") : "auto", lib ? "ddp_alloc" : "malloc", "size", "count", "type",
+               "op", "time_us", "algbw_GBs", "busbw_GBs");
+    for (bytes = min_bytes < 4 ? 4 : min_bytes; bytes <= max_bytes; bytes *= 4) {
+        size_t per = bytes / 4, i;
+        int iters = bytes < 16384 ? 200 : 20, it, j; /* 20 at every large size: a mean of 5 was one descheduling away from 2x */
+        double total = 0, alg;
+        /* Filled once per size, as Open MPI's peer does: a refill between calls would let the ranks drift
+           apart by its time, which the next call's wait then measures. */
+        for (j = 0; j < n; j++) /* block j: what this rank sends to rank j (scatter: the root's block for j) */
+            for (i = 0; i < per; i++) a[(size_t)j * per + i] = cell(rank, gather ? 0 : j, i, (int)bytes & 15);
+        memset(b, 0, per * (size_t)n * 4);
+        for (it = -2; it < iters; it++) {
+            double t0;
+            ddp_result r;
+            if (it == 0 && ddp_barrier(g) != DDP_SUCCESS) return 1; /* after the warm-up, start together (as the peer does) */
+            t0 = now();
+            if (a2a) r = ddp_all_to_all(g, a, b, per, DDP_F32);
+            else if (gather) r = ddp_gather(g, a, b, per, DDP_F32, 0);
+            else r = ddp_scatter(g, a, b, per, DDP_F32, 0);
+            if (it >= 0) total += now() - t0;
+            if (r != DDP_SUCCESS) {
+                fprintf(stderr, "rank %d: %s\n", rank, ddp_last_error(g));
+                return 1;
+            }
+        }
+        for (i = 0; i < per * (size_t)n && !bad; i++) { /* the last call's result */
+            int from = (int)(i / per), it_ = (int)bytes & 15;
+            float want = a2a ? cell(from, rank, i % per, it_) : gather ? cell(from, 0, i % per, it_) : cell(0, rank, i, it_);
+            if (!a2a && !gather && i >= per) break;
+            if (gather && rank != 0) break;
+            if (b[i] != want) {
+                fprintf(stderr, "rank %d: %s at %zu bytes per rank: element %zu is %g, want %g\n", rank, op, bytes, i, b[i], want);
+                bad = 1;
+            }
+        }
+        alg = (double)bytes * n / (total / iters) / 1e9;
+        if (rank == 0) printf("%12zu %12zu %6s %6s %10.2f %10.3f %10.3f\n", bytes, per, "float", "none", total / iters * 1e6, alg,
+                              alg * (n - 1) / n);
+        fflush(stdout);
+    }
+    if (lib) {
+        ddp_free(g, a);
+        ddp_free(g, b);
+    } else {
+        free(a);
+        free(b);
+    }
+    ddp_destroy(g);
+    return bad;
+}
+
 int main(int argc, char **argv) {
     int lib = argc > 1 && strcmp(argv[1], "--lib") == 0;
     const char *op;
@@ -31,18 +102,20 @@ int main(int argc, char **argv) {
     size_t min_bytes = argc > 3 ? strtoull(argv[3], NULL, 10) : 4, bytes;
     ddp_group *g;
     float *a, *b;
-    int rank, n, bad = 0, barrier = !strcmp(op, "barrier");
+    int rank, n, bad = 0, per_rank, barrier = !strcmp(op, "barrier");
     if (ddp_init(NULL, &g) != DDP_SUCCESS) {
         fprintf(stderr, "ddp_init: %s\n", ddp_last_error(NULL));
         return 1;
     }
     rank = ddp_rank(g);
     n = ddp_world_size(g);
+    per_rank = !strcmp(op, "all_to_all") || !strcmp(op, "gather") || !strcmp(op, "scatter");
     if (strcmp(op, "all_reduce") && strcmp(op, "all_gather") && strcmp(op, "reduce_scatter") && strcmp(op, "broadcast") &&
-        !barrier) {
-        fprintf(stderr, "unknown op %s (all_reduce, all_gather, reduce_scatter, broadcast, barrier)\n", op);
+        !barrier && !per_rank) {
+        fprintf(stderr, "unknown op %s (all_reduce, all_gather, reduce_scatter, broadcast, barrier, all_to_all, gather, scatter)\n", op);
         return 2;
     }
+    if (per_rank) return bench_per_rank(g, op, lib, max_bytes, min_bytes);
     a = (float *)(lib ? ddp_alloc(g, max_bytes + 64) : malloc(max_bytes + 64));
     b = (float *)(lib ? ddp_alloc(g, max_bytes + 64) : malloc(max_bytes + 64));
     if (!a || !b) {

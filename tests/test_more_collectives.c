@@ -72,9 +72,21 @@ static size_t gcount(int r, size_t base) { return r == 1 ? 0 : base + (size_t)r 
         }                                     \
     } while (0)
 
+/* The buffers of rooted() and all_to_all(): from ddp_alloc on lib_group when it is set, else malloc. */
+static ddp_group *lib_group;
+static unsigned char *xbuf(size_t bytes) {
+    unsigned char *p = lib_group ? (unsigned char *)ddp_alloc(lib_group, bytes) : (unsigned char *)tl_xalloc(bytes);
+    CHECK(p != NULL, "ddp_alloc of %zu bytes: %s", bytes, ddp_last_error(lib_group));
+    return p;
+}
+static void xfree(void *p) {
+    if (lib_group) ddp_free(lib_group, p);
+    else free(p);
+}
+
 static void rooted(ddp_group *g, int rank, int n, ddp_dtype t, size_t count, int async, int in_place, int tag) {
     size_t es = ddp_dtype_size(t), i;
-    unsigned char *all = tl_xalloc(count * es * (size_t)n + 1), *one = tl_xalloc(count * es + 1);
+    unsigned char *all = xbuf(count * es * (size_t)n + 1), *one = xbuf(count * es + 1);
     int root = tag % n, r;
     char what[96];
     /* gather: rank r's block (what r sends root) lands at r*count on the root */
@@ -100,13 +112,13 @@ static void rooted(ddp_group *g, int rank, int n, ddp_dtype t, size_t count, int
         RUN(async, ddp_scatter(g, send, recv, count, t, root), ddp_scatter_async(g, send, recv, count, t, root, &w_), g);
         expect_block(recv, 0, count, t, root, rank, tag, what);
     }
-    free(all);
-    free(one);
+    xfree(all);
+    xfree(one);
 }
 
 static void all_to_all(ddp_group *g, int rank, int n, ddp_dtype t, size_t count, int async, int in_place, int tag) {
     size_t es = ddp_dtype_size(t), i;
-    unsigned char *send = tl_xalloc(count * es * (size_t)n + 1), *recv = in_place ? send : tl_xalloc(count * es * (size_t)n + 1);
+    unsigned char *send = xbuf(count * es * (size_t)n + 1), *recv = in_place ? send : xbuf(count * es * (size_t)n + 1);
     int r;
     char what[96];
     for (r = 0; r < n; r++)
@@ -114,8 +126,8 @@ static void all_to_all(ddp_group *g, int rank, int n, ddp_dtype t, size_t count,
     snprintf(what, sizeof what, "all_to_all count %zu%s%s", count, async ? " async" : "", in_place ? " in place" : "");
     RUN(async, ddp_all_to_all(g, send, recv, count, t), ddp_all_to_all_async(g, send, recv, count, t, &w_), g);
     for (r = 0; r < n; r++) expect_block(recv, (size_t)r * count, count, t, r, rank, tag, what);
-    if (!in_place) free(recv);
-    free(send);
+    if (!in_place) xfree(recv);
+    xfree(send);
 }
 
 static void all_to_all_v(ddp_group *g, int rank, int n, ddp_dtype t, size_t base, int async, int tag) {
@@ -330,13 +342,53 @@ static int kind_mismatch(int rank, int n, void *arg) {
     ddp_group *g;
     ddp_result first;
     float x[64] = {0}, y[64];
+    size_t counts[8] = {1, 1, 1, 1, 1, 1, 1, 1};
     (void)arg;
     g = join(&first);
     if (rank == n - 1)
-        expect_failure(AFTER_JOIN(first, ddp_all_reduce(g, x, 4, DDP_F32, DDP_SUM)), DDP_ERR_MISMATCH, "mismatch", rank, "all_reduce against all_to_all");
+        expect_failure(AFTER_JOIN(first, ddp_all_reduce(g, x, 4, DDP_F32, DDP_SUM)), DDP_ERR_MISMATCH, "mismatch", rank,
+                       "all_reduce against all_gather_v");
     else
-        expect_failure(AFTER_JOIN(first, ddp_all_to_all(g, x, y, 4, DDP_F32)), DDP_ERR_MISMATCH, "mismatch", rank, "all_to_all against all_reduce");
+        expect_failure(AFTER_JOIN(first, ddp_all_gather_v(g, x, 1, y, counts, DDP_F32)), DDP_ERR_MISMATCH, "mismatch", rank,
+                       "all_gather_v against all_reduce");
     ddp_destroy(g);
+    return 0;
+}
+
+/* Large calls over shared memory (issue #19: src/shm.c's own algorithms instead of TCP): blocks of
+   70,001 and 100,000 elements (whole buffers above the single-copy size at every world size; staged in
+   several rounds when in place at 8 ranks), on ddp_alloc and on malloc buffers, against the serial
+   reference; on library buffers gather, scatter and (not in place) all_to_all must say at debug level
+   that they went single-copy on every rank. */
+static int single_copies; /* debug messages of this process saying a collective ran single-copy */
+static void watch_log(ddp_log_level level, int rank, const char *msg, void *user) {
+    (void)user;
+    if (strstr(msg, "single-copy")) __atomic_add_fetch(&single_copies, 1, __ATOMIC_RELAXED);
+    else if (level <= DDP_LOG_WARN) fprintf(stderr, "[ddp rank %d] %s\n", rank, msg);
+}
+
+static int big_worker(int rank, int n, void *arg) {
+    static const ddp_dtype big_dtypes[] = {DDP_F32, DDP_F16};
+    static const size_t big_counts[] = {100000, 70001};
+    ddp_group *g = tl_init_logged(watch_log);
+    int lib, d, in_place, tag = 9000;
+    (void)arg;
+    for (lib = 0; lib < 2; lib++)
+        for (d = 0; d < 2; d++)
+            for (in_place = 0; in_place < 2; in_place++) {
+                int before = __atomic_load_n(&single_copies, __ATOMIC_RELAXED), want = 2 + !in_place;
+                lib_group = lib ? g : NULL;
+                tag += 7;
+                rooted(g, rank, n, big_dtypes[d], big_counts[d], in_place, in_place, tag);
+                all_to_all(g, rank, n, big_dtypes[d], big_counts[d], !in_place, in_place, tag + 2);
+                if (lib)
+                    CHECK(__atomic_load_n(&single_copies, __ATOMIC_RELAXED) - before >= want, "rank %d of %d: gather, scatter and "
+                          "all_to_all of %zu elements%s on ddp_alloc buffers: %d of them said single-copy, want %d", rank, n,
+                          big_counts[d], in_place ? " (in place)" : "", __atomic_load_n(&single_copies, __ATOMIC_RELAXED) - before,
+                          want);
+            }
+    lib_group = NULL;
+    CHECK_OK(ddp_destroy(g), NULL);
     return 0;
 }
 
@@ -360,6 +412,14 @@ int main(int argc, char **argv) {
                    "monitored_barrier match the serial reference (%.1f s)\n", sizes[i], t ? "tcp" : "shared memory",
                    tl_now() - t0);
             fflush(stdout);
+            if (t == 0 && sizes[i] > 1) {
+                t0 = tl_now();
+                CHECK(tl_run_ranks(sizes[i], big_worker, NULL, 600) == 0, "large calls, world size %d over shared memory failed",
+                      sizes[i]);
+                printf("world size %d over shared memory: gather, scatter, all_to_all of 70,001-100,000 elements per rank, library "
+                       "and plain buffers, match the serial reference, single-copy on library buffers (%.1f s)\n", sizes[i],
+                       tl_now() - t0);
+            }
         }
     }
     setenv("DDP_TIMEOUT", "20", 1);
@@ -369,7 +429,7 @@ int main(int argc, char **argv) {
         CHECK(tl_run_ranks(4, split_mismatch, NULL, 60) == 0, "split-size mismatch over %s", transports[t]);
         CHECK(tl_run_ranks(3, counts_mismatch, NULL, 60) == 0, "counts mismatch over %s", transports[t]);
         CHECK(tl_run_ranks(4, monitored_missing, NULL, 60) == 0, "monitored_barrier with a rank missing over %s", transports[t]);
-        CHECK(tl_run_ranks(4, kind_mismatch, NULL, 60) == 0, "all_to_all against all_reduce over %s", transports[t]);
+        CHECK(tl_run_ranks(4, kind_mismatch, NULL, 60) == 0, "all_gather_v against all_reduce over %s", transports[t]);
         printf("over %s: roots, split sizes, counts and calls that differ are DDP_ERR_MISMATCH on every rank; "
                "monitored_barrier names the missing rank\n", t ? "tcp" : "shared memory");
     }
