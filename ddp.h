@@ -370,6 +370,21 @@ DDP_API void ddp_free_bytes(void *data); /* NULL is a no-op */
    same message. When all arrive it returns DDP_SUCCESS on every rank, as ddp_barrier. */
 DDP_API ddp_result ddp_monitored_barrier(ddp_group *g, double timeout_seconds);
 
+/* ---- Point-to-point (torch.distributed.send / recv) -------------------------------------------
+   ddp_send: count elements of buf to rank dst with tag (>= 0). ddp_recv: the next message from rank src
+   with that tag, into buf. Messages match by (source, tag) in the order sent, as MPI's do; a recv whose
+   count or dtype differs from its send's is DDP_ERR_MISMATCH naming both. Not collectives: the other
+   ranks take no part, and the calls run after the group's queued async work. A send returns once its
+   bytes are with the transport (it does not wait for the recv to be posted; a message larger than the
+   kernel's socket buffers waits until the receiver's next call into the library reads it); a message
+   that arrives before its recv is kept by the receiver until the recv. So a rank may send and then
+   receive while its peer does the same, in either order. A send and its recv must come in the same
+   order relative to the collectives on both ranks: a recv that meets the peer's next collective instead
+   of the message is DDP_ERR_MISMATCH. dst / src must be another rank of g. On the nccl backend: host
+   memory only so far. */
+DDP_API ddp_result ddp_send(ddp_group *g, const void *buf, size_t count, ddp_dtype t, int dst, int tag);
+DDP_API ddp_result ddp_recv(ddp_group *g, void *buf, size_t count, ddp_dtype t, int src, int tag);
+
 /* Asynchronous variants: queue the collective and return at once. A progress thread runs queued
    work in issue order. The buffers must stay valid and untouched until ddp_wait returns.
    A synchronous collective issued after async ones runs after them. */
@@ -1867,6 +1882,8 @@ typedef enum ddp__coll_kind {
     DDP__ALL_GATHER_V,
     DDP__BROADCAST_BYTES,
     DDP__MONITORED_BARRIER,
+    DDP__SEND, /* point-to-point (collectives.c, transport.c): no collective number, two ranks */
+    DDP__RECV,
     DDP__COLL_KINDS
 } ddp__coll_kind;
 #define DDP__NO_OP 0xff
@@ -1879,7 +1896,8 @@ typedef struct ddp__coll {
     uint8_t kind;   /* ddp__coll_kind */
     uint8_t dtype;
     uint8_t op;     /* DDP__NO_OP when the collective takes none */
-    int32_t root;   /* -1 when the collective has none */
+    int32_t root;   /* -1 when the collective has none; send / recv: the peer */
+    int32_t tag;    /* send / recv: the message's tag; -1 for the collectives */
 } ddp__coll;
 
 /* One call's arguments, for the synchronous path and the async queue alike. */
@@ -1896,6 +1914,7 @@ typedef struct ddp__call {
     void **bytes;              /* broadcast_bytes: the root's data in, the receivers' new buffer out */
     size_t *bytes_size;        /* broadcast_bytes: its size */
     double seconds;            /* monitored_barrier: how long rank 0 waits for the others */
+    int tag;                   /* send / recv (root is the peer) */
 } ddp__call;
 
 /* A backend: the only way a call reaches a transport. Each backend file fills one table (its set-up
@@ -1977,6 +1996,9 @@ typedef struct ddp__mesh {
     struct pollfd *pollfds;  /* world_size + DDP__SHAKES_MAX + 1 entries: what one exchange step waits on */
     int *poll_owner;         /* the rank of each pollfds entry (link.c's own entries: below -1) */
     int waiting_for;         /* the rank this one waits for in the current step, -1 if none (for messages) */
+    struct ddp__p2p_msg *stash, *stash_tail; /* point-to-point messages that arrived before their recv */
+    uint64_t p2p_calls;      /* sends and recvs so far: each runs under its own number, counted down from
+                                UINT64_MAX (no collective's), so that peers seen quiet in one are looked at again */
 } ddp__mesh;
 
 /* Membership: the store, this group's keys in it, its place among groups (group.c). */
@@ -2124,8 +2146,14 @@ typedef struct ddp__step {
                         (ddp__now()) for the frame to start (monitored_barrier), the timeout after that */
     int soft;        /* with deadline: when it passes before anything arrived, return DDP_ERR_TIMEOUT
                         without breaking the group (the caller decides) */
+    int p2p;         /* 0: a collective's step; 1: send / recv of a point-to-point message with c->tag (a
+                        message of another tag from recv_peer goes to the stash first) */
 } ddp__step;
 static DDP__UNUSED ddp_result ddp__exchange(ddp_group *g, const ddp__coll *c, const ddp__step *s);
+/* Point-to-point over the mesh, whatever the group's backend: send `bytes` of buf to c->root with c's tag,
+   or receive the next message from c->root with c's tag (the stash first), checking its size and dtype. */
+static DDP__UNUSED ddp_result ddp__p2p_run(ddp_group *g, const ddp__call *k, const ddp__coll *c);
+static DDP__UNUSED void ddp__p2p_stash_free(ddp_group *g); /* messages nobody received (the group ends) */
 static DDP__UNUSED void ddp__close_after_failure(ddp_group *g, double seconds);
 /* "host h, pid p" of rank i (its place in the rendezvous table), or "rank i" before the table: for messages. */
 static DDP__UNUSED const char *ddp__peer_name(const ddp_group *g, int i, char *buf, size_t cap);
@@ -2205,6 +2233,8 @@ static DDP__UNUSED void ddp__lib_free_all(ddp_group *g); /* the group is going a
    over the mesh; a failure to set up shared memory is not an error (the group stays on TCP). */
 static DDP__UNUSED ddp_result ddp__shm_setup(ddp_group *g);
 static DDP__UNUSED void ddp__shm_abort(ddp_group *g); /* ddp__group_break: wake every waiting rank */
+/* The newest collective number rank j has entered over the segment (0: none or no segment). */
+static DDP__UNUSED uint64_t ddp__shm_peer_seq(const ddp_group *g, int j);
 
 /* ---- hier.c: the hierarchical backend ---- */
 /* keys: every rank's host key. Makes the stage groups when some host has several ranks, and installs the
@@ -6231,7 +6261,8 @@ static void ddp__link_close_all(ddp_group *g) {
 #define DDP__FRAME_MAGIC 0x44445031u /* "DDP1" */
 #define DDP__MAX_FRAME_BYTES ((uint64_t)1 << 40)
 
-enum { DDP__FRAME_DATA = 1, DDP__FRAME_ABORT = 2, DDP__FRAME_BYE = 3 };
+/* P2P: a point-to-point message (ddp_send), its `root` field carrying the tag, `seq` 0 (no collective). */
+enum { DDP__FRAME_DATA = 1, DDP__FRAME_ABORT = 2, DDP__FRAME_BYE = 3, DDP__FRAME_P2P = 4 };
 
 typedef struct ddp__frame {
     uint32_t magic;
@@ -6248,7 +6279,7 @@ typedef struct ddp__frame {
 static const char *ddp__coll_name(int kind) {
     static const char *names[] = {"?",       "all_reduce", "broadcast",  "reduce",       "all_gather",
                                   "reduce_scatter", "barrier", "gather", "scatter", "all_to_all", "all_to_all_v",
-                                  "all_gather_v", "broadcast_bytes", "monitored_barrier"};
+                                  "all_gather_v", "broadcast_bytes", "monitored_barrier", "send", "recv"};
     return (kind > 0 && kind < DDP__COLL_KINDS) ? names[kind] : "an unknown operation";
 }
 
@@ -6260,6 +6291,12 @@ static void ddp__coll_describe(const ddp_group *g, const ddp__coll *c, char *out
     unsigned long long number = (unsigned long long)(c->seq - g->seq_base);
     if (c->kind == DDP__BARRIER || c->kind == DDP__MONITORED_BARRIER) {
         snprintf(out, cap, "%s() as collective #%llu", ddp__coll_name(c->kind), number);
+        return;
+    }
+    if (c->kind == DDP__SEND || c->kind == DDP__RECV) { /* no collective number: the group's count so far */
+        snprintf(out, cap, "%s(%s=%d, tag=%d, count=%llu, %s) after collective #%llu", ddp__coll_name(c->kind),
+                 c->kind == DDP__SEND ? "dst" : "src", (int)c->root, (int)c->tag, (unsigned long long)c->count,
+                 ddp_dtype_name((ddp_dtype)c->dtype), (unsigned long long)(g->seq - g->seq_base));
         return;
     }
     if (c->kind == DDP__BROADCAST_BYTES) {
@@ -6467,6 +6504,7 @@ static ddp_result ddp__check_frame(ddp_group *g, const ddp__coll *c, int peer, c
         t.dtype = f->dtype;
         t.op = f->op;
         t.root = f->root;
+        t.tag = -1;
         ddp__coll_describe(g, c, ours, sizeof ours);
         ddp__coll_describe(g, &t, theirs, sizeof theirs);
         return ddp__coll_fail(g, DDP_ERR_MISMATCH, "collective mismatch: rank %d called %s while rank %d called %s; every "
@@ -6492,6 +6530,33 @@ static ddp_result ddp__check_frame(ddp_group *g, const ddp__coll *c, int peer, c
     return DDP_SUCCESS;
 }
 
+/* The header just received from `peer` in a recv (c) of a point-to-point message: anything but the
+   message with our tag (others were stashed before this is called) means the two ranks' programs do not
+   meet: the peer went on to a collective or left the group before it sent what this rank waits for. */
+static ddp_result ddp__check_message(ddp_group *g, const ddp__coll *c, int peer, const ddp__frame *f, size_t expect) {
+    char ours[200];
+    if (f->magic != DDP__FRAME_MAGIC)
+        return ddp__coll_fail(g, DDP_ERR_FORMAT, "corrupt message from rank %d (bad magic 0x%08x)", peer, (unsigned)f->magic);
+    if (f->kind == DDP__FRAME_ABORT || f->kind == DDP__FRAME_BYE) return ddp__peer_failed_after(g, peer, c, f);
+    ddp__coll_describe(g, c, ours, sizeof ours);
+    if (f->kind != DDP__FRAME_P2P) {
+        char theirs[160];
+        ddp__coll t;
+        memset(&t, 0, sizeof t);
+        t.seq = f->seq, t.count = f->count, t.kind = f->coll, t.dtype = f->dtype, t.op = f->op, t.root = f->root, t.tag = -1;
+        ddp__coll_describe(g, &t, theirs, sizeof theirs);
+        return ddp__coll_fail(g, DDP_ERR_MISMATCH, "rank %d called %s before sending what this rank's %s waits for; a "
+                              "send and its recv must come in the same order relative to the collectives on both ranks",
+                              peer, theirs, ours);
+    }
+    if (f->bytes != expect || f->dtype != c->dtype)
+        return ddp__coll_fail(g, DDP_ERR_MISMATCH, "%s: rank %d sent %llu elements of %s with tag %d where this rank expects "
+                              "%llu of %s; a send and its recv must agree on count and dtype", ours, peer,
+                              (unsigned long long)f->count, ddp_dtype_name((ddp_dtype)f->dtype), (int)f->root,
+                              (unsigned long long)c->count, ddp_dtype_name((ddp_dtype)c->dtype));
+    return DDP_SUCCESS;
+}
+
 /* Is a frame from a peer that this step does not read fine in collective c? Only a frame with c's
    number and another fingerprint shows a mismatch: when ranks disagree about #X, no rank gets past
    #X, so every frame in flight has number X. A frame of c, of another number (a peer already past c:
@@ -6502,6 +6567,73 @@ static int ddp__frame_is_early(const ddp__coll *c, const ddp__frame *f) {
     if (f->kind == DDP__FRAME_BYE) return 1;
     if (f->kind != DDP__FRAME_DATA) return 0;
     return f->seq != c->seq || ddp__coll_equal(c, f);
+}
+
+/* ---- point-to-point messages that arrive before their recv: the stash ----
+   A rank reads whatever reaches it in order, connection by connection. A message (ddp_send) met before
+   the ddp_recv that takes it (in a collective's step, in a send, in a recv of another tag or source) is
+   read whole into the group's stash, in arrival order, and a later recv takes the first one from its
+   source with its tag (MPI's matching: by source and tag, in order). So a send never waits for its recv
+   to be posted, except that the bytes must fit the kernel's buffers or be read by the receiver's next
+   call into the library (any call that reads frames: a collective over TCP, a send, a recv). */
+typedef struct ddp__p2p_msg {
+    struct ddp__p2p_msg *next;
+    int src, tag;
+    uint8_t dtype;
+    uint64_t count;
+    size_t bytes;
+    unsigned char data[1]; /* bytes of payload (allocated with the message) */
+} ddp__p2p_msg;
+
+/* The P2P frame f (header already taken) from `peer`: read its payload into the stash. */
+static ddp_result ddp__p2p_stash_take(ddp_group *g, const ddp__coll *c, int peer, const ddp__frame *f) {
+    char err[DDP__ERR_MAX];
+    ddp__p2p_msg *m;
+    if (f->bytes > DDP__MAX_BUFFER_BYTES)
+        return ddp__coll_fail(g, DDP_ERR_FORMAT, "corrupt message from rank %d (a point-to-point message of %llu bytes)", peer,
+                              (unsigned long long)f->bytes);
+    m = (ddp__p2p_msg *)ddp__malloc(offsetof(ddp__p2p_msg, data) + (size_t)f->bytes + 1);
+    if (!m)
+        return ddp__coll_fail(g, DDP_ERR_OUT_OF_MEMORY, "out of memory keeping a message of %llu bytes that rank %d sent "
+                              "(tag %d) before this rank's recv for it", (unsigned long long)f->bytes, peer, (int)f->root);
+    m->next = NULL;
+    m->src = peer;
+    m->tag = f->root;
+    m->dtype = f->dtype;
+    m->count = f->count;
+    m->bytes = (size_t)f->bytes;
+    if (m->bytes && ddp__net_recv(g->mesh.peers[peer].fd, m->data, m->bytes, ddp__now() + g->timeout, err) != DDP_SUCCESS) {
+        ddp__free(m);
+        return ddp__peer_failed(g, peer, c);
+    }
+    if (g->mesh.stash_tail) g->mesh.stash_tail->next = m;
+    else g->mesh.stash = m;
+    g->mesh.stash_tail = m;
+    return DDP_SUCCESS;
+}
+
+/* The first stashed message from src with tag, unlinked (the caller frees it); NULL when none. */
+static ddp__p2p_msg *ddp__p2p_stash_find(ddp_group *g, int src, int tag) {
+    ddp__p2p_msg *m, *prev = NULL;
+    for (m = g->mesh.stash; m; prev = m, m = m->next) {
+        if (m->src != src || m->tag != tag) continue;
+        if (prev) prev->next = m->next;
+        else g->mesh.stash = m->next;
+        if (g->mesh.stash_tail == m) g->mesh.stash_tail = prev;
+        return m;
+    }
+    return NULL;
+}
+
+static void ddp__p2p_stash_free(ddp_group *g) {
+    while (g->mesh.stash) {
+        ddp__p2p_msg *m = g->mesh.stash;
+        g->mesh.stash = m->next;
+        ddp__log(g, DDP_LOG_WARN, "rank %d sent this rank a message (tag %d, %zu bytes) that no ddp_recv took before the "
+                 "group ended", m->src, m->tag, m->bytes);
+        ddp__free(m);
+    }
+    g->mesh.stash_tail = NULL;
 }
 
 /* A peer this step does not read from has something for us: look at its frame header without taking
@@ -6517,6 +6649,10 @@ static ddp_result ddp__peek_peer(ddp_group *g, const ddp__coll *c, int peer) {
     if ((size_t)k < sizeof f) {
         p->peek_later = 1;
         return DDP_SUCCESS;
+    }
+    if (f.magic == DDP__FRAME_MAGIC && f.kind == DDP__FRAME_P2P) { /* a message: into the stash */
+        if (recv(p->fd, &f, sizeof f, MSG_DONTWAIT) != (ssize_t)sizeof f) return ddp__peer_failed(g, peer, c);
+        return ddp__p2p_stash_take(g, c, peer, &f);
     }
     if (ddp__frame_is_early(c, &f)) {
         p->quiet_seq = c->seq;
@@ -6558,7 +6694,23 @@ static short ddp__poll_events(ddp_group *g, const ddp__coll *c, const ddp__step 
 #define DDP__TCP_SPIN_SECONDS 50e-6
 #define DDP__TCP_SPIN_MAX_BYTES ((size_t)64 << 10)
 
+/* A recv over shared memory: has its source gone on to a collective without sending? Its collectives
+   over the segment send this rank nothing, so the segment's fingerprints say it: the source entered a
+   collective this rank has not, and no byte from it waits in the connection (it wrote any message
+   before it entered; the sender dials, so no connection means no message). Seen twice 10 ms apart, to
+   leave bytes in flight on the loopback time to land; *since holds the first sighting (0: none). */
+static int ddp__p2p_peer_went_on(ddp_group *g, int src, double *since) {
+    int fd = g->mesh.peers[src].fd, pending = 0;
+    if (ddp__shm_peer_seq(g, src) <= g->seq || (fd >= 0 && (ioctl(fd, FIONREAD, &pending) != 0 || pending > 0))) {
+        *since = 0;
+        return 0;
+    }
+    if (*since == 0) *since = ddp__now();
+    return ddp__now() - *since >= 0.01;
+}
+
 static ddp_result ddp__exchange(ddp_group *g, const ddp__coll *c, const ddp__step *s) {
+    double ahead_since = 0; /* a recv over shared memory: when its source was first seen gone on (above) */
     ddp__frame out, in;
     size_t sent = 0, received = 0;          /* bytes of header + payload so far */
     size_t send_total = s->send_peer >= 0 ? sizeof out + s->send_bytes : 0;
@@ -6570,7 +6722,8 @@ static ddp_result ddp__exchange(ddp_group *g, const ddp__coll *c, const ddp__ste
     double deadline = s->deadline > 0 ? s->deadline : ddp__now() + g->timeout, spin_until = spin ? ddp__now() + spin_for : 0;
     double watch_every = DDP__WATCH_PERIOD, next_watch = ddp__now() + watch_every;
     if (g->broken) return g->broken;
-    if (s->send_peer >= 0) ddp__frame_init(&out, g, c, DDP__FRAME_DATA, s->send_bytes);
+    if (s->send_peer >= 0) ddp__frame_init(&out, g, c, s->p2p ? DDP__FRAME_P2P : DDP__FRAME_DATA, s->send_bytes);
+    if (s->p2p) out.root = c->tag, out.seq = 0; /* the receiver matches by source and tag */
     while (sent < send_total || received < recv_total) {
         int n = 0, npeers, i, rc, progressed = 0, soon = 0;
         double wake = deadline;
@@ -6609,8 +6762,9 @@ static ddp_result ddp__exchange(ddp_group *g, const ddp__coll *c, const ddp__ste
             int yielded = 0;
             while ((rc = poll(fds, (nfds_t)n, 0)) == 0 && (ddp__now() < spin_until || !yielded++)) sched_yield();
         }
-        if (rc == 0)
-            rc = poll(fds, (nfds_t)n, soon ? 1 : (int)DDP__MAX(1.0, DDP__MIN(1000.0, (wake - ddp__now()) * 1000.0)));
+        if (rc == 0) /* a recv over shared memory looks at the segment every 10 ms (above) */
+            rc = poll(fds, (nfds_t)n, soon ? 1 : (int)DDP__MAX(1.0, DDP__MIN(s->p2p && g->shm ? 10.0 : 1000.0,
+                                                                            (wake - ddp__now()) * 1000.0)));
         if (rc < 0 && errno != EINTR) return ddp__coll_fail(g, DDP_ERR_SYSTEM, "poll failed: %s", strerror(errno));
         if (rc > 0 && n > npeers && (r = ddp__link_progress(g, fds + npeers, owner + npeers, n - npeers, &progressed)))
             return r;
@@ -6634,8 +6788,14 @@ static ddp_result ddp__exchange(ddp_group *g, const ddp__coll *c, const ddp__ste
                     received += (size_t)k;
                     progressed = 1;
                     if (received == sizeof in) {
-                        ddp_result r = ddp__check_frame(g, c, peer, &in, s->recv_bytes);
-                        if (r) return r;
+                        ddp_result r;
+                        if (in.magic == DDP__FRAME_MAGIC && in.kind == DDP__FRAME_P2P && !(s->p2p && in.root == c->tag)) {
+                            if ((r = ddp__p2p_stash_take(g, c, peer, &in)) != DDP_SUCCESS) return r;
+                            received = 0; /* a message for a later recv: stashed; the frame we wait for follows */
+                        } else if ((r = s->p2p ? ddp__check_message(g, c, peer, &in, s->recv_bytes)
+                                               : ddp__check_frame(g, c, peer, &in, s->recv_bytes)) != DDP_SUCCESS) {
+                            return r;
+                        }
                     }
                 }
                 fds[i].revents = 0;
@@ -6679,6 +6839,14 @@ static ddp_result ddp__exchange(ddp_group *g, const ddp__coll *c, const ddp__ste
             ddp_result r;
             if ((fds[i].revents & POLLIN) && (r = ddp__peek_peer(g, c, owner[i])) != DDP_SUCCESS) return r;
         }
+        if (s->p2p && received == 0 && ddp__p2p_peer_went_on(g, s->recv_peer, &ahead_since)) {
+            char ours[200];
+            ddp__coll_describe(g, c, ours, sizeof ours);
+            return ddp__coll_fail(g, DDP_ERR_MISMATCH, "rank %d called collective #%llu before sending what this rank's "
+                                  "%s waits for; a send and its recv must come in the same order relative to the "
+                                  "collectives on both ranks", s->recv_peer,
+                                  (unsigned long long)(ddp__shm_peer_seq(g, s->recv_peer) - g->seq_base), ours);
+        }
         if (progressed && (s->deadline <= 0 || sent > 0 || received > 0)) { /* a handshake's progress does not
                                                                                move a step's own deadline */
             deadline = ddp__now() + g->timeout;
@@ -6689,6 +6857,45 @@ static ddp_result ddp__exchange(ddp_group *g, const ddp__coll *c, const ddp__ste
         }
     }
     return DDP_SUCCESS;
+}
+
+/* ---- point-to-point: ddp_send and ddp_recv over the mesh, whatever the group's backend ----
+   A send is one frame to the peer (the sender dials, as in a collective's step), written while this
+   rank keeps reading what reaches it, so two ranks sending each other large messages at once both get
+   through (each stashes the other's). A recv takes the first stashed message from its source with its
+   tag, else reads from the source: messages of other tags go to the stash, and a collective's frame at
+   the head of the stream means the peer went on without sending: DDP_ERR_MISMATCH (else both wait). */
+static ddp_result ddp__p2p_run(ddp_group *g, const ddp__call *k, const ddp__coll *c) {
+    size_t bytes = k->count * ddp_dtype_size(k->dtype);
+    ddp__p2p_msg *m;
+    ddp__step st;
+    memset(&st, 0, sizeof st);
+    st.send_peer = st.recv_peer = -1;
+    st.p2p = 1;
+    if (k->kind == DDP__SEND) {
+        st.send_peer = k->root;
+        st.send_buf = k->send;
+        st.send_bytes = bytes;
+        return ddp__exchange(g, c, &st);
+    }
+    if ((m = ddp__p2p_stash_find(g, k->root, c->tag)) != NULL) {
+        ddp__frame f;
+        ddp_result r;
+        memset(&f, 0, sizeof f);
+        f.magic = DDP__FRAME_MAGIC;
+        f.kind = DDP__FRAME_P2P;
+        f.dtype = m->dtype;
+        f.count = m->count;
+        f.root = m->tag;
+        f.bytes = m->bytes;
+        if ((r = ddp__check_message(g, c, k->root, &f, bytes)) == DDP_SUCCESS && bytes) memcpy(k->buf, m->data, bytes);
+        ddp__free(m);
+        return r;
+    }
+    st.recv_peer = k->root;
+    st.recv_buf = k->buf;
+    st.recv_bytes = bytes;
+    return ddp__exchange(g, c, &st);
 }
 
 /* ---- closing connections ---- */
@@ -6738,8 +6945,21 @@ static void ddp__say_goodbye(ddp_group *g, double seconds) {
     for (i = 0; i < g->mesh.nlinked; i++) {
         ddp__peer *p = &g->mesh.peers[g->mesh.linked[i]];
         ddp__frame in;
+        ddp_result r;
         if (p->fd < 0 || p->gone) continue;
-        if (ddp__net_recv(p->fd, &in, sizeof in, deadline, err) != DDP_SUCCESS || in.kind != DDP__FRAME_BYE)
+        while ((r = ddp__net_recv(p->fd, &in, sizeof in, deadline, err)) == DDP_SUCCESS && in.magic == DDP__FRAME_MAGIC &&
+               in.kind == DDP__FRAME_P2P && in.bytes <= DDP__MAX_BUFFER_BYTES) { /* a message nobody received */
+            ddp__log(g, DDP_LOG_WARN, "rank %d sent this rank a message (tag %d, %llu bytes) that no ddp_recv took before "
+                     "ddp_destroy", g->mesh.linked[i], (int)in.root, (unsigned long long)in.bytes);
+            while (in.bytes > 0) {
+                char sink[4096];
+                size_t n = (size_t)DDP__MIN(in.bytes, (uint64_t)sizeof sink);
+                if ((r = ddp__net_recv(p->fd, sink, n, deadline, err)) != DDP_SUCCESS) break;
+                in.bytes -= n;
+            }
+            if (r) break;
+        }
+        if (r != DDP_SUCCESS || in.kind != DDP__FRAME_BYE)
             ddp__log(g, DDP_LOG_DEBUG, "rank %d did not say goodbye cleanly: %s", g->mesh.linked[i], err);
     }
 }
@@ -6985,6 +7205,7 @@ static void ddp__fingerprint(ddp_group *g, const ddp__call *k, ddp__coll *c) {
     c->dtype = (uint8_t)(no_data ? 0 : k->dtype);
     c->op = (uint8_t)(takes_op ? k->op : DDP__NO_OP);
     c->root = ddp__takes_root(k->kind) ? k->root : -1;
+    c->tag = -1;
     ddp__trace_queued(g, c);
 }
 
@@ -7334,6 +7555,59 @@ DDP_API ddp_result ddp_broadcast_bytes_async(ddp_group *g, void **data, size_t *
 DDP_API ddp_result ddp_monitored_barrier_async(ddp_group *g, double timeout_seconds, ddp_work **w) {
     ddp__call k = ddp__monitored_call(timeout_seconds);
     return ddp__collective_async(g, &k, w);
+}
+
+/* ---- point-to-point: ddp_send, ddp_recv ----
+   Not collectives: two ranks take part, so a call takes no collective number (the fingerprint that
+   every rank compares). It runs on the calling thread after the group's queued async work, as the
+   synchronous collectives do, over the TCP mesh whatever the backend (transport.c: ddp__p2p_run; the
+   mpi backend sends with MPI). */
+static ddp_result ddp__p2p(ddp_group *g, ddp__coll_kind kind, const void *send, void *recv, size_t count, ddp_dtype t,
+                           int peer, int tag) {
+    const char *name = ddp__coll_name(kind);
+    ddp__call k = ddp__make_call(kind, send, recv, count, t, DDP_SUM, peer);
+    char msg[DDP__ERR_MAX];
+    ddp__coll c;
+    ddp_result r = ddp__group_check(g, name);
+    if (r) return r;
+    k.tag = tag;
+    if (!ddp__dtype_valid(t))
+        return ddp__fail(g, DDP_ERR_INVALID_ARGUMENT, "%s: dtype %d is not a ddp_dtype (DDP_F32 ... DDP_I64)", name, (int)t);
+    if (peer < 0 || peer >= g->world_size || peer == g->rank)
+        return ddp__fail(g, DDP_ERR_INVALID_ARGUMENT, "%s: %s %d is not another rank of this group (rank %d of %d)", name,
+                         kind == DDP__SEND ? "dst" : "src", peer, g->rank, g->world_size);
+    if (tag < 0) return ddp__fail(g, DDP_ERR_INVALID_ARGUMENT, "%s: tag %d is negative", name, tag);
+    if (count > DDP__MAX_BUFFER_BYTES / ddp_dtype_size(t))
+        return ddp__fail(g, DDP_ERR_INVALID_ARGUMENT, "%s: count %zu is above the limit of 2^47 bytes (128 TiB) of %s", name,
+                         count, ddp_dtype_name(t));
+    if (count && !(kind == DDP__SEND ? send : recv))
+        return ddp__fail(g, DDP_ERR_INVALID_ARGUMENT, "%s: the buffer is NULL with count %zu", name, count);
+#if defined(DDP_CUDA)
+    if (count && g->nccl && ddp__cuda_is_device_pointer(kind == DDP__SEND ? send : recv) == 1)
+        return ddp__fail(g, DDP_ERR_UNSUPPORTED, "%s: the nccl backend sends and receives host memory only so far "
+                         "(ncclSend/ncclRecv for device memory are not built yet): copy the buffer to host memory", name);
+#endif
+    ddp__drain(g);
+    if (g->broken) return ddp__fail(g, DDP_ERR_STATE, "%s", ddp__broken_message(g, &k, msg));
+    memset(&c, 0, sizeof c);
+    c.seq = UINT64_MAX - ++g->mesh.p2p_calls; /* no collective's number: see ddp__mesh */
+    c.kind = (uint8_t)kind;
+    c.count = count;
+    c.dtype = (uint8_t)t;
+    c.op = DDP__NO_OP;
+    c.root = peer;
+    c.tag = tag;
+    g->mesh.waiting_for = -1;
+    r = g->mpi ? g->backend->run(g, &k, &c) : ddp__p2p_run(g, &k, &c);
+    if (r) return ddp__fail(g, r, "%s", g->broken_msg);
+    return DDP_SUCCESS;
+}
+
+DDP_API ddp_result ddp_send(ddp_group *g, const void *buf, size_t count, ddp_dtype t, int dst, int tag) {
+    return ddp__p2p(g, DDP__SEND, buf, NULL, count, t, dst, tag);
+}
+DDP_API ddp_result ddp_recv(ddp_group *g, void *buf, size_t count, ddp_dtype t, int src, int tag) {
+    return ddp__p2p(g, DDP__RECV, NULL, buf, count, t, src, tag);
 }
 /* ==================== end src/collectives.c ==================== */
 
@@ -8896,6 +9170,16 @@ static ddp_result ddp__shm_check_fp(ddp_group *g, const ddp__coll *c, int j) {
                           j, theirs, g->rank, ours);
 }
 
+/* The number of the newest collective that rank j has entered over shared memory (0: none, or no
+   segment): a recv waiting for j's message sees from it that j went on to a collective instead. */
+static uint64_t ddp__shm_peer_seq(const ddp_group *g, int j) {
+    uint64_t a, b;
+    if (!g->shm) return 0;
+    a = DDP__LOAD(&g->shm->ctl[j].fp[0].seq);
+    b = DDP__LOAD(&g->shm->ctl[j].fp[1].seq);
+    return DDP__MAX(a, b);
+}
+
 /* Called by ddp__group_break (transport.c): make every rank's next wait notice at once. */
 static void ddp__shm_abort(ddp_group *g) {
     uint64_t seq = g->running_seq ? g->running_seq : 1, zero = 0; /* outside a collective: fail every one */
@@ -10405,8 +10689,42 @@ static ddp_result ddp__mpi_monitored_member(ddp_group *g, const ddp__coll *c, do
 
 /* ---- the backend's entry ---- */
 
+/* ddp_send / ddp_recv with MPI's own point-to-point on the group's communicator (the collectives run in
+   MPI's separate collective context, so user tags never meet them). The receiver probes first, polling
+   so that it gives up after the group's timeout, and compares the message's size with its count. */
+static ddp_result ddp__mpi_p2p(ddp_group *g, const ddp__call *k, const ddp__coll *c) {
+    size_t bytes = k->count * ddp_dtype_size(k->dtype);
+    MPI_Comm comm = g->mpi->comm;
+    char desc[200], msg[MPI_MAX_ERROR_STRING];
+    double deadline = ddp__now() + g->timeout;
+    int rc, flag = 0, got = 0;
+    MPI_Status st;
+    ddp__coll_describe(g, c, desc, sizeof desc);
+    if (bytes > (size_t)INT_MAX || k->tag > 32767)
+        return ddp__coll_fail(g, DDP_ERR_UNSUPPORTED, "%s: on the mpi backend a message holds at most %d bytes and a tag "
+                              "is at most 32767 (what every MPI allows)", desc, INT_MAX);
+    if (k->kind == DDP__SEND) {
+        rc = MPI_Send(k->send, (int)bytes, MPI_BYTE, k->root, k->tag, comm);
+    } else {
+        while ((rc = MPI_Iprobe(k->root, k->tag, comm, &flag, &st)) == MPI_SUCCESS && !flag) {
+            if (ddp__now() > deadline)
+                return ddp__coll_fail(g, DDP_ERR_TIMEOUT, "%s: timed out after %.0f s waiting for rank %d's message with "
+                                      "tag %d (DDP_TIMEOUT sets the limit)", desc, g->timeout, k->root, k->tag);
+            ddp__sleep(50e-6);
+        }
+        if (rc == MPI_SUCCESS && (rc = MPI_Get_count(&st, MPI_BYTE, &got)) == MPI_SUCCESS && (size_t)got != bytes)
+            return ddp__coll_fail(g, DDP_ERR_MISMATCH, "%s: rank %d sent %d bytes with tag %d where this rank expects %zu "
+                                  "(%zu elements of %s); a send and its recv must agree on count and dtype", desc, k->root,
+                                  got, k->tag, bytes, k->count, ddp_dtype_name(k->dtype));
+        if (rc == MPI_SUCCESS) rc = MPI_Recv(k->buf, (int)bytes, MPI_BYTE, k->root, k->tag, comm, MPI_STATUS_IGNORE);
+    }
+    if (rc != MPI_SUCCESS) return ddp__coll_fail(g, DDP_ERR_SYSTEM, "%s: the MPI call failed: %s", desc, ddp__mpi_error_string(rc, msg));
+    return DDP_SUCCESS;
+}
+
 static ddp_result ddp__mpi_run(ddp_group *g, const ddp__call *k, const ddp__coll *c) {
     ddp_result r;
+    if (k->kind == DDP__SEND || k->kind == DDP__RECV) return ddp__mpi_p2p(g, k, c);
     if (k->kind == DDP__MONITORED_BARRIER) {
         double wait = k->seconds > 0 ? k->seconds : g->timeout;
         return g->rank == 0 ? ddp__mpi_monitored_root(g, c, wait) : ddp__mpi_monitored_member(g, c, wait);
@@ -11858,6 +12176,7 @@ static void ddp__group_free(ddp_group *g) {
     pthread_mutex_destroy(&g->async.mu);
     pthread_cond_destroy(&g->async.cv);
     ddp__free(g->scratch);
+    ddp__p2p_stash_free(g);
     ddp__free(g->mesh.peers);
     ddp__free(g->mesh.linked);
     ddp__free(g->mesh.shakes);

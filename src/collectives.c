@@ -238,6 +238,7 @@ static void ddp__fingerprint(ddp_group *g, const ddp__call *k, ddp__coll *c) {
     c->dtype = (uint8_t)(no_data ? 0 : k->dtype);
     c->op = (uint8_t)(takes_op ? k->op : DDP__NO_OP);
     c->root = ddp__takes_root(k->kind) ? k->root : -1;
+    c->tag = -1;
     ddp__trace_queued(g, c);
 }
 
@@ -587,4 +588,57 @@ DDP_API ddp_result ddp_broadcast_bytes_async(ddp_group *g, void **data, size_t *
 DDP_API ddp_result ddp_monitored_barrier_async(ddp_group *g, double timeout_seconds, ddp_work **w) {
     ddp__call k = ddp__monitored_call(timeout_seconds);
     return ddp__collective_async(g, &k, w);
+}
+
+/* ---- point-to-point: ddp_send, ddp_recv ----
+   Not collectives: two ranks take part, so a call takes no collective number (the fingerprint that
+   every rank compares). It runs on the calling thread after the group's queued async work, as the
+   synchronous collectives do, over the TCP mesh whatever the backend (transport.c: ddp__p2p_run; the
+   mpi backend sends with MPI). */
+static ddp_result ddp__p2p(ddp_group *g, ddp__coll_kind kind, const void *send, void *recv, size_t count, ddp_dtype t,
+                           int peer, int tag) {
+    const char *name = ddp__coll_name(kind);
+    ddp__call k = ddp__make_call(kind, send, recv, count, t, DDP_SUM, peer);
+    char msg[DDP__ERR_MAX];
+    ddp__coll c;
+    ddp_result r = ddp__group_check(g, name);
+    if (r) return r;
+    k.tag = tag;
+    if (!ddp__dtype_valid(t))
+        return ddp__fail(g, DDP_ERR_INVALID_ARGUMENT, "%s: dtype %d is not a ddp_dtype (DDP_F32 ... DDP_I64)", name, (int)t);
+    if (peer < 0 || peer >= g->world_size || peer == g->rank)
+        return ddp__fail(g, DDP_ERR_INVALID_ARGUMENT, "%s: %s %d is not another rank of this group (rank %d of %d)", name,
+                         kind == DDP__SEND ? "dst" : "src", peer, g->rank, g->world_size);
+    if (tag < 0) return ddp__fail(g, DDP_ERR_INVALID_ARGUMENT, "%s: tag %d is negative", name, tag);
+    if (count > DDP__MAX_BUFFER_BYTES / ddp_dtype_size(t))
+        return ddp__fail(g, DDP_ERR_INVALID_ARGUMENT, "%s: count %zu is above the limit of 2^47 bytes (128 TiB) of %s", name,
+                         count, ddp_dtype_name(t));
+    if (count && !(kind == DDP__SEND ? send : recv))
+        return ddp__fail(g, DDP_ERR_INVALID_ARGUMENT, "%s: the buffer is NULL with count %zu", name, count);
+#if defined(DDP_CUDA)
+    if (count && g->nccl && ddp__cuda_is_device_pointer(kind == DDP__SEND ? send : recv) == 1)
+        return ddp__fail(g, DDP_ERR_UNSUPPORTED, "%s: the nccl backend sends and receives host memory only so far "
+                         "(ncclSend/ncclRecv for device memory are not built yet): copy the buffer to host memory", name);
+#endif
+    ddp__drain(g);
+    if (g->broken) return ddp__fail(g, DDP_ERR_STATE, "%s", ddp__broken_message(g, &k, msg));
+    memset(&c, 0, sizeof c);
+    c.seq = UINT64_MAX - ++g->mesh.p2p_calls; /* no collective's number: see ddp__mesh */
+    c.kind = (uint8_t)kind;
+    c.count = count;
+    c.dtype = (uint8_t)t;
+    c.op = DDP__NO_OP;
+    c.root = peer;
+    c.tag = tag;
+    g->mesh.waiting_for = -1;
+    r = g->mpi ? g->backend->run(g, &k, &c) : ddp__p2p_run(g, &k, &c);
+    if (r) return ddp__fail(g, r, "%s", g->broken_msg);
+    return DDP_SUCCESS;
+}
+
+DDP_API ddp_result ddp_send(ddp_group *g, const void *buf, size_t count, ddp_dtype t, int dst, int tag) {
+    return ddp__p2p(g, DDP__SEND, buf, NULL, count, t, dst, tag);
+}
+DDP_API ddp_result ddp_recv(ddp_group *g, void *buf, size_t count, ddp_dtype t, int src, int tag) {
+    return ddp__p2p(g, DDP__RECV, NULL, buf, count, t, src, tag);
 }

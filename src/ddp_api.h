@@ -226,6 +226,21 @@ DDP_API void ddp_free_bytes(void *data); /* NULL is a no-op */
    same message. When all arrive it returns DDP_SUCCESS on every rank, as ddp_barrier. */
 DDP_API ddp_result ddp_monitored_barrier(ddp_group *g, double timeout_seconds);
 
+/* ---- Point-to-point (torch.distributed.send / recv) -------------------------------------------
+   ddp_send: count elements of buf to rank dst with tag (>= 0). ddp_recv: the next message from rank src
+   with that tag, into buf. Messages match by (source, tag) in the order sent, as MPI's do; a recv whose
+   count or dtype differs from its send's is DDP_ERR_MISMATCH naming both. Not collectives: the other
+   ranks take no part, and the calls run after the group's queued async work. A send returns once its
+   bytes are with the transport (it does not wait for the recv to be posted; a message larger than the
+   kernel's socket buffers waits until the receiver's next call into the library reads it); a message
+   that arrives before its recv is kept by the receiver until the recv. So a rank may send and then
+   receive while its peer does the same, in either order. A send and its recv must come in the same
+   order relative to the collectives on both ranks: a recv that meets the peer's next collective instead
+   of the message is DDP_ERR_MISMATCH. dst / src must be another rank of g. On the nccl backend: host
+   memory only so far. */
+DDP_API ddp_result ddp_send(ddp_group *g, const void *buf, size_t count, ddp_dtype t, int dst, int tag);
+DDP_API ddp_result ddp_recv(ddp_group *g, void *buf, size_t count, ddp_dtype t, int src, int tag);
+
 /* Asynchronous variants: queue the collective and return at once. A progress thread runs queued
    work in issue order. The buffers must stay valid and untouched until ddp_wait returns.
    A synchronous collective issued after async ones runs after them. */

@@ -940,6 +940,7 @@ static void ddp__group_free(ddp_group *g) {
     pthread_mutex_destroy(&g->async.mu);
     pthread_cond_destroy(&g->async.cv);
     ddp__free(g->scratch);
+    ddp__p2p_stash_free(g);
     ddp__free(g->mesh.peers);
     ddp__free(g->mesh.linked);
     ddp__free(g->mesh.shakes);

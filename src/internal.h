@@ -353,6 +353,8 @@ typedef enum ddp__coll_kind {
     DDP__ALL_GATHER_V,
     DDP__BROADCAST_BYTES,
     DDP__MONITORED_BARRIER,
+    DDP__SEND, /* point-to-point (collectives.c, transport.c): no collective number, two ranks */
+    DDP__RECV,
     DDP__COLL_KINDS
 } ddp__coll_kind;
 #define DDP__NO_OP 0xff
@@ -365,7 +367,8 @@ typedef struct ddp__coll {
     uint8_t kind;   /* ddp__coll_kind */
     uint8_t dtype;
     uint8_t op;     /* DDP__NO_OP when the collective takes none */
-    int32_t root;   /* -1 when the collective has none */
+    int32_t root;   /* -1 when the collective has none; send / recv: the peer */
+    int32_t tag;    /* send / recv: the message's tag; -1 for the collectives */
 } ddp__coll;
 
 /* One call's arguments, for the synchronous path and the async queue alike. */
@@ -382,6 +385,7 @@ typedef struct ddp__call {
     void **bytes;              /* broadcast_bytes: the root's data in, the receivers' new buffer out */
     size_t *bytes_size;        /* broadcast_bytes: its size */
     double seconds;            /* monitored_barrier: how long rank 0 waits for the others */
+    int tag;                   /* send / recv (root is the peer) */
 } ddp__call;
 
 /* A backend: the only way a call reaches a transport. Each backend file fills one table (its set-up
@@ -463,6 +467,9 @@ typedef struct ddp__mesh {
     struct pollfd *pollfds;  /* world_size + DDP__SHAKES_MAX + 1 entries: what one exchange step waits on */
     int *poll_owner;         /* the rank of each pollfds entry (link.c's own entries: below -1) */
     int waiting_for;         /* the rank this one waits for in the current step, -1 if none (for messages) */
+    struct ddp__p2p_msg *stash, *stash_tail; /* point-to-point messages that arrived before their recv */
+    uint64_t p2p_calls;      /* sends and recvs so far: each runs under its own number, counted down from
+                                UINT64_MAX (no collective's), so that peers seen quiet in one are looked at again */
 } ddp__mesh;
 
 /* Membership: the store, this group's keys in it, its place among groups (group.c). */
@@ -610,8 +617,14 @@ typedef struct ddp__step {
                         (ddp__now()) for the frame to start (monitored_barrier), the timeout after that */
     int soft;        /* with deadline: when it passes before anything arrived, return DDP_ERR_TIMEOUT
                         without breaking the group (the caller decides) */
+    int p2p;         /* 0: a collective's step; 1: send / recv of a point-to-point message with c->tag (a
+                        message of another tag from recv_peer goes to the stash first) */
 } ddp__step;
 static DDP__UNUSED ddp_result ddp__exchange(ddp_group *g, const ddp__coll *c, const ddp__step *s);
+/* Point-to-point over the mesh, whatever the group's backend: send `bytes` of buf to c->root with c's tag,
+   or receive the next message from c->root with c's tag (the stash first), checking its size and dtype. */
+static DDP__UNUSED ddp_result ddp__p2p_run(ddp_group *g, const ddp__call *k, const ddp__coll *c);
+static DDP__UNUSED void ddp__p2p_stash_free(ddp_group *g); /* messages nobody received (the group ends) */
 static DDP__UNUSED void ddp__close_after_failure(ddp_group *g, double seconds);
 /* "host h, pid p" of rank i (its place in the rendezvous table), or "rank i" before the table: for messages. */
 static DDP__UNUSED const char *ddp__peer_name(const ddp_group *g, int i, char *buf, size_t cap);
@@ -691,6 +704,8 @@ static DDP__UNUSED void ddp__lib_free_all(ddp_group *g); /* the group is going a
    over the mesh; a failure to set up shared memory is not an error (the group stays on TCP). */
 static DDP__UNUSED ddp_result ddp__shm_setup(ddp_group *g);
 static DDP__UNUSED void ddp__shm_abort(ddp_group *g); /* ddp__group_break: wake every waiting rank */
+/* The newest collective number rank j has entered over the segment (0: none or no segment). */
+static DDP__UNUSED uint64_t ddp__shm_peer_seq(const ddp_group *g, int j);
 
 /* ---- hier.c: the hierarchical backend ---- */
 /* keys: every rank's host key. Makes the stage groups when some host has several ranks, and installs the

@@ -641,8 +641,42 @@ static ddp_result ddp__mpi_monitored_member(ddp_group *g, const ddp__coll *c, do
 
 /* ---- the backend's entry ---- */
 
+/* ddp_send / ddp_recv with MPI's own point-to-point on the group's communicator (the collectives run in
+   MPI's separate collective context, so user tags never meet them). The receiver probes first, polling
+   so that it gives up after the group's timeout, and compares the message's size with its count. */
+static ddp_result ddp__mpi_p2p(ddp_group *g, const ddp__call *k, const ddp__coll *c) {
+    size_t bytes = k->count * ddp_dtype_size(k->dtype);
+    MPI_Comm comm = g->mpi->comm;
+    char desc[200], msg[MPI_MAX_ERROR_STRING];
+    double deadline = ddp__now() + g->timeout;
+    int rc, flag = 0, got = 0;
+    MPI_Status st;
+    ddp__coll_describe(g, c, desc, sizeof desc);
+    if (bytes > (size_t)INT_MAX || k->tag > 32767)
+        return ddp__coll_fail(g, DDP_ERR_UNSUPPORTED, "%s: on the mpi backend a message holds at most %d bytes and a tag "
+                              "is at most 32767 (what every MPI allows)", desc, INT_MAX);
+    if (k->kind == DDP__SEND) {
+        rc = MPI_Send(k->send, (int)bytes, MPI_BYTE, k->root, k->tag, comm);
+    } else {
+        while ((rc = MPI_Iprobe(k->root, k->tag, comm, &flag, &st)) == MPI_SUCCESS && !flag) {
+            if (ddp__now() > deadline)
+                return ddp__coll_fail(g, DDP_ERR_TIMEOUT, "%s: timed out after %.0f s waiting for rank %d's message with "
+                                      "tag %d (DDP_TIMEOUT sets the limit)", desc, g->timeout, k->root, k->tag);
+            ddp__sleep(50e-6);
+        }
+        if (rc == MPI_SUCCESS && (rc = MPI_Get_count(&st, MPI_BYTE, &got)) == MPI_SUCCESS && (size_t)got != bytes)
+            return ddp__coll_fail(g, DDP_ERR_MISMATCH, "%s: rank %d sent %d bytes with tag %d where this rank expects %zu "
+                                  "(%zu elements of %s); a send and its recv must agree on count and dtype", desc, k->root,
+                                  got, k->tag, bytes, k->count, ddp_dtype_name(k->dtype));
+        if (rc == MPI_SUCCESS) rc = MPI_Recv(k->buf, (int)bytes, MPI_BYTE, k->root, k->tag, comm, MPI_STATUS_IGNORE);
+    }
+    if (rc != MPI_SUCCESS) return ddp__coll_fail(g, DDP_ERR_SYSTEM, "%s: the MPI call failed: %s", desc, ddp__mpi_error_string(rc, msg));
+    return DDP_SUCCESS;
+}
+
 static ddp_result ddp__mpi_run(ddp_group *g, const ddp__call *k, const ddp__coll *c) {
     ddp_result r;
+    if (k->kind == DDP__SEND || k->kind == DDP__RECV) return ddp__mpi_p2p(g, k, c);
     if (k->kind == DDP__MONITORED_BARRIER) {
         double wait = k->seconds > 0 ? k->seconds : g->timeout;
         return g->rank == 0 ? ddp__mpi_monitored_root(g, c, wait) : ddp__mpi_monitored_member(g, c, wait);

@@ -151,6 +151,16 @@ static ddp_result ddp__shm_check_fp(ddp_group *g, const ddp__coll *c, int j) {
                           j, theirs, g->rank, ours);
 }
 
+/* The number of the newest collective that rank j has entered over shared memory (0: none, or no
+   segment): a recv waiting for j's message sees from it that j went on to a collective instead. */
+static uint64_t ddp__shm_peer_seq(const ddp_group *g, int j) {
+    uint64_t a, b;
+    if (!g->shm) return 0;
+    a = DDP__LOAD(&g->shm->ctl[j].fp[0].seq);
+    b = DDP__LOAD(&g->shm->ctl[j].fp[1].seq);
+    return DDP__MAX(a, b);
+}
+
 /* Called by ddp__group_break (transport.c): make every rank's next wait notice at once. */
 static void ddp__shm_abort(ddp_group *g) {
     uint64_t seq = g->running_seq ? g->running_seq : 1, zero = 0; /* outside a collective: fail every one */

@@ -37,7 +37,8 @@
 #define DDP__FRAME_MAGIC 0x44445031u /* "DDP1" */
 #define DDP__MAX_FRAME_BYTES ((uint64_t)1 << 40)
 
-enum { DDP__FRAME_DATA = 1, DDP__FRAME_ABORT = 2, DDP__FRAME_BYE = 3 };
+/* P2P: a point-to-point message (ddp_send), its `root` field carrying the tag, `seq` 0 (no collective). */
+enum { DDP__FRAME_DATA = 1, DDP__FRAME_ABORT = 2, DDP__FRAME_BYE = 3, DDP__FRAME_P2P = 4 };
 
 typedef struct ddp__frame {
     uint32_t magic;
@@ -54,7 +55,7 @@ typedef struct ddp__frame {
 static const char *ddp__coll_name(int kind) {
     static const char *names[] = {"?",       "all_reduce", "broadcast",  "reduce",       "all_gather",
                                   "reduce_scatter", "barrier", "gather", "scatter", "all_to_all", "all_to_all_v",
-                                  "all_gather_v", "broadcast_bytes", "monitored_barrier"};
+                                  "all_gather_v", "broadcast_bytes", "monitored_barrier", "send", "recv"};
     return (kind > 0 && kind < DDP__COLL_KINDS) ? names[kind] : "an unknown operation";
 }
 
@@ -66,6 +67,12 @@ static void ddp__coll_describe(const ddp_group *g, const ddp__coll *c, char *out
     unsigned long long number = (unsigned long long)(c->seq - g->seq_base);
     if (c->kind == DDP__BARRIER || c->kind == DDP__MONITORED_BARRIER) {
         snprintf(out, cap, "%s() as collective #%llu", ddp__coll_name(c->kind), number);
+        return;
+    }
+    if (c->kind == DDP__SEND || c->kind == DDP__RECV) { /* no collective number: the group's count so far */
+        snprintf(out, cap, "%s(%s=%d, tag=%d, count=%llu, %s) after collective #%llu", ddp__coll_name(c->kind),
+                 c->kind == DDP__SEND ? "dst" : "src", (int)c->root, (int)c->tag, (unsigned long long)c->count,
+                 ddp_dtype_name((ddp_dtype)c->dtype), (unsigned long long)(g->seq - g->seq_base));
         return;
     }
     if (c->kind == DDP__BROADCAST_BYTES) {
@@ -273,6 +280,7 @@ static ddp_result ddp__check_frame(ddp_group *g, const ddp__coll *c, int peer, c
         t.dtype = f->dtype;
         t.op = f->op;
         t.root = f->root;
+        t.tag = -1;
         ddp__coll_describe(g, c, ours, sizeof ours);
         ddp__coll_describe(g, &t, theirs, sizeof theirs);
         return ddp__coll_fail(g, DDP_ERR_MISMATCH, "collective mismatch: rank %d called %s while rank %d called %s; every "
@@ -298,6 +306,33 @@ static ddp_result ddp__check_frame(ddp_group *g, const ddp__coll *c, int peer, c
     return DDP_SUCCESS;
 }
 
+/* The header just received from `peer` in a recv (c) of a point-to-point message: anything but the
+   message with our tag (others were stashed before this is called) means the two ranks' programs do not
+   meet: the peer went on to a collective or left the group before it sent what this rank waits for. */
+static ddp_result ddp__check_message(ddp_group *g, const ddp__coll *c, int peer, const ddp__frame *f, size_t expect) {
+    char ours[200];
+    if (f->magic != DDP__FRAME_MAGIC)
+        return ddp__coll_fail(g, DDP_ERR_FORMAT, "corrupt message from rank %d (bad magic 0x%08x)", peer, (unsigned)f->magic);
+    if (f->kind == DDP__FRAME_ABORT || f->kind == DDP__FRAME_BYE) return ddp__peer_failed_after(g, peer, c, f);
+    ddp__coll_describe(g, c, ours, sizeof ours);
+    if (f->kind != DDP__FRAME_P2P) {
+        char theirs[160];
+        ddp__coll t;
+        memset(&t, 0, sizeof t);
+        t.seq = f->seq, t.count = f->count, t.kind = f->coll, t.dtype = f->dtype, t.op = f->op, t.root = f->root, t.tag = -1;
+        ddp__coll_describe(g, &t, theirs, sizeof theirs);
+        return ddp__coll_fail(g, DDP_ERR_MISMATCH, "rank %d called %s before sending what this rank's %s waits for; a "
+                              "send and its recv must come in the same order relative to the collectives on both ranks",
+                              peer, theirs, ours);
+    }
+    if (f->bytes != expect || f->dtype != c->dtype)
+        return ddp__coll_fail(g, DDP_ERR_MISMATCH, "%s: rank %d sent %llu elements of %s with tag %d where this rank expects "
+                              "%llu of %s; a send and its recv must agree on count and dtype", ours, peer,
+                              (unsigned long long)f->count, ddp_dtype_name((ddp_dtype)f->dtype), (int)f->root,
+                              (unsigned long long)c->count, ddp_dtype_name((ddp_dtype)c->dtype));
+    return DDP_SUCCESS;
+}
+
 /* Is a frame from a peer that this step does not read fine in collective c? Only a frame with c's
    number and another fingerprint shows a mismatch: when ranks disagree about #X, no rank gets past
    #X, so every frame in flight has number X. A frame of c, of another number (a peer already past c:
@@ -308,6 +343,73 @@ static int ddp__frame_is_early(const ddp__coll *c, const ddp__frame *f) {
     if (f->kind == DDP__FRAME_BYE) return 1;
     if (f->kind != DDP__FRAME_DATA) return 0;
     return f->seq != c->seq || ddp__coll_equal(c, f);
+}
+
+/* ---- point-to-point messages that arrive before their recv: the stash ----
+   A rank reads whatever reaches it in order, connection by connection. A message (ddp_send) met before
+   the ddp_recv that takes it (in a collective's step, in a send, in a recv of another tag or source) is
+   read whole into the group's stash, in arrival order, and a later recv takes the first one from its
+   source with its tag (MPI's matching: by source and tag, in order). So a send never waits for its recv
+   to be posted, except that the bytes must fit the kernel's buffers or be read by the receiver's next
+   call into the library (any call that reads frames: a collective over TCP, a send, a recv). */
+typedef struct ddp__p2p_msg {
+    struct ddp__p2p_msg *next;
+    int src, tag;
+    uint8_t dtype;
+    uint64_t count;
+    size_t bytes;
+    unsigned char data[1]; /* bytes of payload (allocated with the message) */
+} ddp__p2p_msg;
+
+/* The P2P frame f (header already taken) from `peer`: read its payload into the stash. */
+static ddp_result ddp__p2p_stash_take(ddp_group *g, const ddp__coll *c, int peer, const ddp__frame *f) {
+    char err[DDP__ERR_MAX];
+    ddp__p2p_msg *m;
+    if (f->bytes > DDP__MAX_BUFFER_BYTES)
+        return ddp__coll_fail(g, DDP_ERR_FORMAT, "corrupt message from rank %d (a point-to-point message of %llu bytes)", peer,
+                              (unsigned long long)f->bytes);
+    m = (ddp__p2p_msg *)ddp__malloc(offsetof(ddp__p2p_msg, data) + (size_t)f->bytes + 1);
+    if (!m)
+        return ddp__coll_fail(g, DDP_ERR_OUT_OF_MEMORY, "out of memory keeping a message of %llu bytes that rank %d sent "
+                              "(tag %d) before this rank's recv for it", (unsigned long long)f->bytes, peer, (int)f->root);
+    m->next = NULL;
+    m->src = peer;
+    m->tag = f->root;
+    m->dtype = f->dtype;
+    m->count = f->count;
+    m->bytes = (size_t)f->bytes;
+    if (m->bytes && ddp__net_recv(g->mesh.peers[peer].fd, m->data, m->bytes, ddp__now() + g->timeout, err) != DDP_SUCCESS) {
+        ddp__free(m);
+        return ddp__peer_failed(g, peer, c);
+    }
+    if (g->mesh.stash_tail) g->mesh.stash_tail->next = m;
+    else g->mesh.stash = m;
+    g->mesh.stash_tail = m;
+    return DDP_SUCCESS;
+}
+
+/* The first stashed message from src with tag, unlinked (the caller frees it); NULL when none. */
+static ddp__p2p_msg *ddp__p2p_stash_find(ddp_group *g, int src, int tag) {
+    ddp__p2p_msg *m, *prev = NULL;
+    for (m = g->mesh.stash; m; prev = m, m = m->next) {
+        if (m->src != src || m->tag != tag) continue;
+        if (prev) prev->next = m->next;
+        else g->mesh.stash = m->next;
+        if (g->mesh.stash_tail == m) g->mesh.stash_tail = prev;
+        return m;
+    }
+    return NULL;
+}
+
+static void ddp__p2p_stash_free(ddp_group *g) {
+    while (g->mesh.stash) {
+        ddp__p2p_msg *m = g->mesh.stash;
+        g->mesh.stash = m->next;
+        ddp__log(g, DDP_LOG_WARN, "rank %d sent this rank a message (tag %d, %zu bytes) that no ddp_recv took before the "
+                 "group ended", m->src, m->tag, m->bytes);
+        ddp__free(m);
+    }
+    g->mesh.stash_tail = NULL;
 }
 
 /* A peer this step does not read from has something for us: look at its frame header without taking
@@ -323,6 +425,10 @@ static ddp_result ddp__peek_peer(ddp_group *g, const ddp__coll *c, int peer) {
     if ((size_t)k < sizeof f) {
         p->peek_later = 1;
         return DDP_SUCCESS;
+    }
+    if (f.magic == DDP__FRAME_MAGIC && f.kind == DDP__FRAME_P2P) { /* a message: into the stash */
+        if (recv(p->fd, &f, sizeof f, MSG_DONTWAIT) != (ssize_t)sizeof f) return ddp__peer_failed(g, peer, c);
+        return ddp__p2p_stash_take(g, c, peer, &f);
     }
     if (ddp__frame_is_early(c, &f)) {
         p->quiet_seq = c->seq;
@@ -364,7 +470,23 @@ static short ddp__poll_events(ddp_group *g, const ddp__coll *c, const ddp__step 
 #define DDP__TCP_SPIN_SECONDS 50e-6
 #define DDP__TCP_SPIN_MAX_BYTES ((size_t)64 << 10)
 
+/* A recv over shared memory: has its source gone on to a collective without sending? Its collectives
+   over the segment send this rank nothing, so the segment's fingerprints say it: the source entered a
+   collective this rank has not, and no byte from it waits in the connection (it wrote any message
+   before it entered; the sender dials, so no connection means no message). Seen twice 10 ms apart, to
+   leave bytes in flight on the loopback time to land; *since holds the first sighting (0: none). */
+static int ddp__p2p_peer_went_on(ddp_group *g, int src, double *since) {
+    int fd = g->mesh.peers[src].fd, pending = 0;
+    if (ddp__shm_peer_seq(g, src) <= g->seq || (fd >= 0 && (ioctl(fd, FIONREAD, &pending) != 0 || pending > 0))) {
+        *since = 0;
+        return 0;
+    }
+    if (*since == 0) *since = ddp__now();
+    return ddp__now() - *since >= 0.01;
+}
+
 static ddp_result ddp__exchange(ddp_group *g, const ddp__coll *c, const ddp__step *s) {
+    double ahead_since = 0; /* a recv over shared memory: when its source was first seen gone on (above) */
     ddp__frame out, in;
     size_t sent = 0, received = 0;          /* bytes of header + payload so far */
     size_t send_total = s->send_peer >= 0 ? sizeof out + s->send_bytes : 0;
@@ -376,7 +498,8 @@ static ddp_result ddp__exchange(ddp_group *g, const ddp__coll *c, const ddp__ste
     double deadline = s->deadline > 0 ? s->deadline : ddp__now() + g->timeout, spin_until = spin ? ddp__now() + spin_for : 0;
     double watch_every = DDP__WATCH_PERIOD, next_watch = ddp__now() + watch_every;
     if (g->broken) return g->broken;
-    if (s->send_peer >= 0) ddp__frame_init(&out, g, c, DDP__FRAME_DATA, s->send_bytes);
+    if (s->send_peer >= 0) ddp__frame_init(&out, g, c, s->p2p ? DDP__FRAME_P2P : DDP__FRAME_DATA, s->send_bytes);
+    if (s->p2p) out.root = c->tag, out.seq = 0; /* the receiver matches by source and tag */
     while (sent < send_total || received < recv_total) {
         int n = 0, npeers, i, rc, progressed = 0, soon = 0;
         double wake = deadline;
@@ -415,8 +538,9 @@ static ddp_result ddp__exchange(ddp_group *g, const ddp__coll *c, const ddp__ste
             int yielded = 0;
             while ((rc = poll(fds, (nfds_t)n, 0)) == 0 && (ddp__now() < spin_until || !yielded++)) sched_yield();
         }
-        if (rc == 0)
-            rc = poll(fds, (nfds_t)n, soon ? 1 : (int)DDP__MAX(1.0, DDP__MIN(1000.0, (wake - ddp__now()) * 1000.0)));
+        if (rc == 0) /* a recv over shared memory looks at the segment every 10 ms (above) */
+            rc = poll(fds, (nfds_t)n, soon ? 1 : (int)DDP__MAX(1.0, DDP__MIN(s->p2p && g->shm ? 10.0 : 1000.0,
+                                                                            (wake - ddp__now()) * 1000.0)));
         if (rc < 0 && errno != EINTR) return ddp__coll_fail(g, DDP_ERR_SYSTEM, "poll failed: %s", strerror(errno));
         if (rc > 0 && n > npeers && (r = ddp__link_progress(g, fds + npeers, owner + npeers, n - npeers, &progressed)))
             return r;
@@ -440,8 +564,14 @@ static ddp_result ddp__exchange(ddp_group *g, const ddp__coll *c, const ddp__ste
                     received += (size_t)k;
                     progressed = 1;
                     if (received == sizeof in) {
-                        ddp_result r = ddp__check_frame(g, c, peer, &in, s->recv_bytes);
-                        if (r) return r;
+                        ddp_result r;
+                        if (in.magic == DDP__FRAME_MAGIC && in.kind == DDP__FRAME_P2P && !(s->p2p && in.root == c->tag)) {
+                            if ((r = ddp__p2p_stash_take(g, c, peer, &in)) != DDP_SUCCESS) return r;
+                            received = 0; /* a message for a later recv: stashed; the frame we wait for follows */
+                        } else if ((r = s->p2p ? ddp__check_message(g, c, peer, &in, s->recv_bytes)
+                                               : ddp__check_frame(g, c, peer, &in, s->recv_bytes)) != DDP_SUCCESS) {
+                            return r;
+                        }
                     }
                 }
                 fds[i].revents = 0;
@@ -485,6 +615,14 @@ static ddp_result ddp__exchange(ddp_group *g, const ddp__coll *c, const ddp__ste
             ddp_result r;
             if ((fds[i].revents & POLLIN) && (r = ddp__peek_peer(g, c, owner[i])) != DDP_SUCCESS) return r;
         }
+        if (s->p2p && received == 0 && ddp__p2p_peer_went_on(g, s->recv_peer, &ahead_since)) {
+            char ours[200];
+            ddp__coll_describe(g, c, ours, sizeof ours);
+            return ddp__coll_fail(g, DDP_ERR_MISMATCH, "rank %d called collective #%llu before sending what this rank's "
+                                  "%s waits for; a send and its recv must come in the same order relative to the "
+                                  "collectives on both ranks", s->recv_peer,
+                                  (unsigned long long)(ddp__shm_peer_seq(g, s->recv_peer) - g->seq_base), ours);
+        }
         if (progressed && (s->deadline <= 0 || sent > 0 || received > 0)) { /* a handshake's progress does not
                                                                                move a step's own deadline */
             deadline = ddp__now() + g->timeout;
@@ -495,6 +633,45 @@ static ddp_result ddp__exchange(ddp_group *g, const ddp__coll *c, const ddp__ste
         }
     }
     return DDP_SUCCESS;
+}
+
+/* ---- point-to-point: ddp_send and ddp_recv over the mesh, whatever the group's backend ----
+   A send is one frame to the peer (the sender dials, as in a collective's step), written while this
+   rank keeps reading what reaches it, so two ranks sending each other large messages at once both get
+   through (each stashes the other's). A recv takes the first stashed message from its source with its
+   tag, else reads from the source: messages of other tags go to the stash, and a collective's frame at
+   the head of the stream means the peer went on without sending: DDP_ERR_MISMATCH (else both wait). */
+static ddp_result ddp__p2p_run(ddp_group *g, const ddp__call *k, const ddp__coll *c) {
+    size_t bytes = k->count * ddp_dtype_size(k->dtype);
+    ddp__p2p_msg *m;
+    ddp__step st;
+    memset(&st, 0, sizeof st);
+    st.send_peer = st.recv_peer = -1;
+    st.p2p = 1;
+    if (k->kind == DDP__SEND) {
+        st.send_peer = k->root;
+        st.send_buf = k->send;
+        st.send_bytes = bytes;
+        return ddp__exchange(g, c, &st);
+    }
+    if ((m = ddp__p2p_stash_find(g, k->root, c->tag)) != NULL) {
+        ddp__frame f;
+        ddp_result r;
+        memset(&f, 0, sizeof f);
+        f.magic = DDP__FRAME_MAGIC;
+        f.kind = DDP__FRAME_P2P;
+        f.dtype = m->dtype;
+        f.count = m->count;
+        f.root = m->tag;
+        f.bytes = m->bytes;
+        if ((r = ddp__check_message(g, c, k->root, &f, bytes)) == DDP_SUCCESS && bytes) memcpy(k->buf, m->data, bytes);
+        ddp__free(m);
+        return r;
+    }
+    st.recv_peer = k->root;
+    st.recv_buf = k->buf;
+    st.recv_bytes = bytes;
+    return ddp__exchange(g, c, &st);
 }
 
 /* ---- closing connections ---- */
@@ -544,8 +721,21 @@ static void ddp__say_goodbye(ddp_group *g, double seconds) {
     for (i = 0; i < g->mesh.nlinked; i++) {
         ddp__peer *p = &g->mesh.peers[g->mesh.linked[i]];
         ddp__frame in;
+        ddp_result r;
         if (p->fd < 0 || p->gone) continue;
-        if (ddp__net_recv(p->fd, &in, sizeof in, deadline, err) != DDP_SUCCESS || in.kind != DDP__FRAME_BYE)
+        while ((r = ddp__net_recv(p->fd, &in, sizeof in, deadline, err)) == DDP_SUCCESS && in.magic == DDP__FRAME_MAGIC &&
+               in.kind == DDP__FRAME_P2P && in.bytes <= DDP__MAX_BUFFER_BYTES) { /* a message nobody received */
+            ddp__log(g, DDP_LOG_WARN, "rank %d sent this rank a message (tag %d, %llu bytes) that no ddp_recv took before "
+                     "ddp_destroy", g->mesh.linked[i], (int)in.root, (unsigned long long)in.bytes);
+            while (in.bytes > 0) {
+                char sink[4096];
+                size_t n = (size_t)DDP__MIN(in.bytes, (uint64_t)sizeof sink);
+                if ((r = ddp__net_recv(p->fd, sink, n, deadline, err)) != DDP_SUCCESS) break;
+                in.bytes -= n;
+            }
+            if (r) break;
+        }
+        if (r != DDP_SUCCESS || in.kind != DDP__FRAME_BYE)
             ddp__log(g, DDP_LOG_DEBUG, "rank %d did not say goodbye cleanly: %s", g->mesh.linked[i], err);
     }
 }

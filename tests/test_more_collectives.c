@@ -6,7 +6,9 @@
    (the split sizes of all_to_all_v and all_gather_v differ by rank and include zeros), over shared
    memory (the default on one host) and TCP (DDP_TRANSPORT=tcp). Then the failures: a rank that disagrees
    on the root, on the split sizes or on the counts, or calls another collective, is DDP_ERR_MISMATCH on
-   every rank; overlapping all_to_all_v buffers are refused; a rank that does not come to monitored_barrier
+   every rank; so is a recv of another size than its send, or one that meets the peer's next collective;
+   ddp_send / ddp_recv around the ring (every dtype, up to 1 MiB while the peer sends too, tags out of
+   order, a message crossing a collective); overlapping all_to_all_v buffers are refused; a rank that does not come to monitored_barrier
    is named by it. Usage: test_more_collectives [world sizes...]. */
 #include "testlib.h"
 
@@ -194,6 +196,8 @@ static void bytes(ddp_group *g, int rank, int n, size_t size, int async, int tag
     }
 }
 
+static void point_to_point(ddp_group *g, int rank, int n);
+
 static int worker(int rank, int n, void *arg) {
     static const size_t counts[] = {0, 1, 5, 3000};
     ddp_group *g;
@@ -212,6 +216,7 @@ static int worker(int rank, int n, void *arg) {
                 all_gather_v(g, rank, n, dtypes[di], counts[ci], async, in_place, tag + 4);
                 if (di == 0) bytes(g, rank, n, counts[ci] * 3, async, tag + 5);
             }
+    point_to_point(g, rank, n);
     CHECK_OK(ddp_monitored_barrier(g, 30), g);
     { /* async calls queued back to back, then waited in order */
         float a[8], b[8 * TL_MAX_RANKS / 64 + 8];
@@ -235,6 +240,57 @@ static int worker(int rank, int n, void *arg) {
     }
     CHECK_OK(ddp_destroy(g), NULL);
     return 0;
+}
+
+/* ---- point-to-point ---- */
+
+/* Messages around the ring (each rank sends to rank + 1 before it receives from rank - 1), every dtype,
+   counts 0 / 1 / uneven / 1 MiB (a send that cannot fit the socket buffers while its receiver sends
+   too), tags taken out of order, and a message that crosses a collective on its way. */
+static void point_to_point(ddp_group *g, int rank, int n) {
+    static const size_t counts[] = {0, 1, 7, 1 << 18};
+    int right = (rank + 1) % n, left = (rank + n - 1) % n, tag = 100;
+    size_t di, ci;
+    if (n < 2) return;
+    for (di = 0; di < NDT; di++)
+        for (ci = 0; ci < sizeof counts / sizeof counts[0]; ci++) {
+            ddp_dtype t = dtypes[di];
+            size_t count = counts[ci], es = ddp_dtype_size(t), i;
+            unsigned char *out = tl_xalloc(count * es + 1), *in = tl_xalloc(count * es + 1);
+            char what[64];
+            if (count > 1000 && di > 1) { free(out), free(in); continue; } /* large: f32 and f64 */
+            tag++;
+            for (i = 0; i < count; i++) put(out, i, t, value(rank, right, i, tag));
+            snprintf(what, sizeof what, "send/recv around the ring, count %zu", count);
+            CHECK_OK(ddp_send(g, out, count, t, right, tag), g);
+            CHECK_OK(ddp_recv(g, in, count, t, left, tag), g);
+            expect_block(in, 0, count, t, left, rank, tag, what);
+            free(out);
+            free(in);
+        }
+    /* two tags, received in the other order; the second message crosses an all_reduce */
+    if (rank == 0) {
+        int64_t a = 11, b = 22;
+        float x = 1;
+        CHECK_OK(ddp_send(g, &a, 1, DDP_I64, 1, 1), g);
+        CHECK_OK(ddp_send(g, &b, 1, DDP_I64, 1, 2), g);
+        CHECK_OK(ddp_all_reduce(g, &x, 1, DDP_F32, DDP_SUM), g);
+    } else {
+        int64_t a = 0, b = 0;
+        float x = 1;
+        if (rank == 1) CHECK_OK(ddp_recv(g, &b, 1, DDP_I64, 0, 2), g);
+        CHECK_OK(ddp_all_reduce(g, &x, 1, DDP_F32, DDP_SUM), g);
+        if (rank == 1) {
+            CHECK_OK(ddp_recv(g, &a, 1, DDP_I64, 0, 1), g);
+            CHECK(a == 11 && b == 22, "tags out of order: got %lld and %lld, want 11 and 22", (long long)a, (long long)b);
+        }
+        CHECK(x == (float)n, "the all_reduce between the messages gave %g", x);
+    }
+    /* bad arguments are refused without breaking the group */
+    CHECK(ddp_send(g, &tag, 1, DDP_I32, rank, 0) == DDP_ERR_INVALID_ARGUMENT, "send to itself: %s", ddp_last_error(g));
+    CHECK(ddp_recv(g, &tag, 1, DDP_I32, n, 0) == DDP_ERR_INVALID_ARGUMENT, "recv from rank n: %s", ddp_last_error(g));
+    CHECK(ddp_send(g, &tag, 1, DDP_I32, right, -1) == DDP_ERR_INVALID_ARGUMENT, "negative tag: %s", ddp_last_error(g));
+    CHECK_OK(ddp_barrier(g), g);
 }
 
 /* ---- failures ---- */
@@ -336,6 +392,36 @@ static int monitored_missing(int rank, int n, void *arg) {
     return 0;
 }
 
+/* A recv whose count differs from its send's, and a recv that meets the peer's next collective instead
+   of the message: DDP_ERR_MISMATCH, on the receiver at once and on every rank by the next call. */
+static int p2p_mismatch(int rank, int n, void *arg) {
+    ddp_group *g;
+    ddp_result first, r;
+    float x[8] = {0};
+    int which = *(int *)arg;
+    g = join(&first);
+    if (which == 0) { /* sizes */
+        if (rank == 0) CHECK(AFTER_JOIN(first, ddp_send(g, x, 5, DDP_F32, 1, 3)) == DDP_SUCCESS, "send: %s", ddp_last_error(g));
+        if (rank == 1) {
+            r = AFTER_JOIN(first, ddp_recv(g, x, 4, DDP_F32, 0, 3));
+            expect_failure(r, DDP_ERR_MISMATCH, "rank 0 sent 5 elements of f32 with tag 3 where this rank expects 4", rank,
+                           "recv of another count");
+        }
+    } else { /* rank 0 goes on to a barrier without sending what rank 1 waits for */
+        if (rank == 1) {
+            r = AFTER_JOIN(first, ddp_recv(g, x, 4, DDP_F32, 0, 3));
+            expect_failure(r, DDP_ERR_MISMATCH, "before sending what this rank's recv", rank, "recv that meets a barrier");
+        }
+    }
+    r = rank == 1 ? ddp_barrier(g) : AFTER_JOIN(first, ddp_barrier(g)); /* every rank learns of it here at the latest */
+    expect_failure(r, rank == 1 ? DDP_ERR_STATE : DDP_ERR_MISMATCH,
+                   rank == 1 ? "broken" : which == 0 ? "where this rank expects 4" : "before sending", rank,
+                   "the next call after a point-to-point mismatch");
+    (void)n;
+    ddp_destroy(g);
+    return 0;
+}
+
 /* A rank that calls another collective at the same number (over shared memory, the others' call
    runs over the mesh after one step in the segment): DDP_ERR_MISMATCH on every rank. */
 static int kind_mismatch(int rank, int n, void *arg) {
@@ -430,6 +516,11 @@ int main(int argc, char **argv) {
         CHECK(tl_run_ranks(3, counts_mismatch, NULL, 60) == 0, "counts mismatch over %s", transports[t]);
         CHECK(tl_run_ranks(4, monitored_missing, NULL, 60) == 0, "monitored_barrier with a rank missing over %s", transports[t]);
         CHECK(tl_run_ranks(4, kind_mismatch, NULL, 60) == 0, "all_gather_v against all_reduce over %s", transports[t]);
+        {
+            int which;
+            for (which = 0; which < 2; which++)
+                CHECK(tl_run_ranks(3, p2p_mismatch, &which, 60) == 0, "point-to-point mismatch %d over %s", which, transports[t]);
+        }
         printf("over %s: roots, split sizes, counts and calls that differ are DDP_ERR_MISMATCH on every rank; "
                "monitored_barrier names the missing rank\n", t ? "tcp" : "shared memory");
     }
