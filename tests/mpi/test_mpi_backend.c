@@ -330,6 +330,32 @@ static void check_more_collectives(ddp_group *g) {
                "zeros): f32 i64 u8, sync and async, %d calls; monitored_barrier\n", calls);
 }
 
+/* ddp_send / ddp_recv on MPI: around the ring (send first on every rank: MPI sends a message this small
+   eagerly), tags taken out of order, a send to itself refused. */
+static void check_point_to_point(ddp_group *g) {
+    int right = (g_rank + 1) % g_n, left = (g_rank + g_n - 1) % g_n, i;
+    double out[64], in[64];
+    if (g_n < 2) return;
+    for (i = 0; i < 64; i++) out[i] = block_value(g_rank, right, (size_t)i);
+    CHECK_OK(ddp_send(g, out, 64, DDP_F64, right, 5), g);
+    CHECK_OK(ddp_recv(g, in, 64, DDP_F64, left, 5), g);
+    for (i = 0; i < 64; i++)
+        CHECK(in[i] == block_value(left, g_rank, (size_t)i), "recv from %d: element %d is %g", left, i, in[i]);
+    if (g_rank == 0) {
+        int64_t a = 1, b = 2;
+        CHECK_OK(ddp_send(g, &a, 1, DDP_I64, 1, 1), g);
+        CHECK_OK(ddp_send(g, &b, 1, DDP_I64, 1, 2), g);
+    } else if (g_rank == 1) {
+        int64_t a = 0, b = 0;
+        CHECK_OK(ddp_recv(g, &b, 1, DDP_I64, 0, 2), g);
+        CHECK_OK(ddp_recv(g, &a, 1, DDP_I64, 0, 1), g);
+        CHECK(a == 1 && b == 2, "tags out of order: %lld %lld", (long long)a, (long long)b);
+    }
+    CHECK(ddp_send(g, out, 1, DDP_F64, g_rank, 0) == DDP_ERR_INVALID_ARGUMENT, "send to itself: %s", ddp_last_error(g));
+    CHECK_OK(ddp_barrier(g), g);
+    if (g_rank == 0) printf("ok: send / recv around the ring, tags out of order\n");
+}
+
 /* A fresh group of every rank, for a scenario that breaks it. */
 static ddp_group *all_ranks(ddp_group *g) {
     int members[8], i;
@@ -442,6 +468,7 @@ int main(void) {
     check_async_and_subgroup(g);
     check_reducer(g);
     check_more_collectives(g);
+    check_point_to_point(g);
     check_size_mismatches(g);
     check_monitored_missing(g);
     check_mismatch(g);
