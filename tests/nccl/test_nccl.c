@@ -356,13 +356,15 @@ static int rank_gpu_sizes_differ(int rank, int n, void *arg) {
     ddp_init_desc d;
     ddp_group *g = NULL;
     size_t c[8] = {2, 2, 2, 2, 2, 2, 2, 2}, rc[8] = {2, 2, 2, 2, 2, 2, 2, 2};
-    void *send = dev_with(64 * sizeof(float), NULL), *recv = dev_with(64 * sizeof(float), NULL);
+    void *send, *recv;
     ddp_result r;
     memset(&d, 0, sizeof d);
     d.backend = "nccl";
     d.timeout_seconds = 60;
     CHECK(n >= 2 && n <= 8, "2 to 8 ranks");
-    CHECK_OK(ddp_init(&d, &g), NULL);
+    CHECK_OK(ddp_init(&d, &g), NULL); /* sets this rank's device: allocate after it */
+    send = dev_with(64 * sizeof(float), NULL);
+    recv = dev_with(64 * sizeof(float), NULL);
     if (strcmp(what, "split") == 0) { /* rank 0 sends rank 1 three elements; rank 1 expects two */
         if (rank == 0) c[1] = 3;
         r = ddp_all_to_all_v(g, send, c, recv, rc, DDP_F32);
