@@ -1041,6 +1041,118 @@ static ddp_result ddp__cu_nccl_failed(ddp__cuda_nccl *c, const ddp__cu_msg *m, n
     return DDP_ERR_SYSTEM;
 }
 
+/* ---- data movement (gather, scatter, all_to_all, all_to_all_v, all_gather_v), as torch's
+   ProcessGroupNCCL moves it: every block between two ranks is one ncclSend matched by one ncclRecv,
+   all of a call's between ncclGroupStart and ncclGroupEnd (NCCL then runs them together, so no order
+   of the pairs can deadlock); the rank's own block is a device-to-device copy queued on the stream
+   before the group. Blocks move as bytes (ncclUint8): no dtype matters for a copy. Zero-sized blocks
+   move nothing on either side (torch skips them too; the sizes were checked to match over TCP first,
+   so both sides skip the same pairs). ---- */
+
+/* The first failure of a run of queued calls; later calls are skipped. */
+struct ddp__cu_moves {
+    ddp__cuda_nccl *c;
+    ncclResult_t rc;
+};
+
+static void ddp__cu_move_self(ddp__cu_moves *mv, void *dst, const void *src, size_t bytes) {
+    if (mv->rc != ncclSuccess || !bytes || dst == src) return;
+    if (cudaMemcpyAsync(dst, src, bytes, cudaMemcpyDeviceToDevice, mv->c->stream) != cudaSuccess)
+        mv->rc = ncclUnhandledCudaError;
+}
+
+static void ddp__cu_move_send(ddp__cu_moves *mv, const void *src, size_t bytes, int peer) {
+    if (mv->rc == ncclSuccess && bytes) mv->rc = ncclSend(src, bytes, ncclUint8, peer, mv->c->comm, mv->c->stream);
+}
+
+static void ddp__cu_move_recv(ddp__cu_moves *mv, void *dst, size_t bytes, int peer) {
+    if (mv->rc == ncclSuccess && bytes) mv->rc = ncclRecv(dst, bytes, ncclUint8, peer, mv->c->comm, mv->c->stream);
+}
+
+static void ddp__cu_group_start(ddp__cu_moves *mv) {
+    if (mv->rc == ncclSuccess) mv->rc = ncclGroupStart();
+}
+
+/* Closes the group even after a failed call inside it (NCCL wants every ncclGroupStart ended). */
+static void ddp__cu_group_end(ddp__cu_moves *mv, bool started) {
+    ncclResult_t rc;
+    if (!started) return;
+    rc = ncclGroupEnd();
+    if (mv->rc == ncclSuccess) mv->rc = rc;
+}
+
+/* gather, scatter, all_to_all: blocks of `bytes` per rank. all_to_all in place (send overlapping recv)
+   sends from a stream-ordered copy of send, freed on the stream after the group. */
+static ncclResult_t ddp__cu_nccl_blocks(ddp__cuda_nccl *c, ddp__cuda_coll kind, const void *send, void *recv, size_t bytes,
+                                        int root) {
+    ddp__cu_moves mv = {c, ncclSuccess};
+    const char *from = (const char *)send;
+    char *to = (char *)recv, *copy = NULL;
+    int me = c->rank, n = c->nranks, p;
+    bool started;
+    size_t all = bytes * (size_t)n;
+    if (kind == DDP__CUDA_ALL_TO_ALL && all && from < to + all && to < from + all) {
+        if (cudaMallocAsync((void **)&copy, all, c->stream) != cudaSuccess ||
+            cudaMemcpyAsync(copy, send, all, cudaMemcpyDeviceToDevice, c->stream) != cudaSuccess) {
+            if (copy) cudaFreeAsync(copy, c->stream);
+            return ncclUnhandledCudaError;
+        }
+        from = copy;
+    }
+    if (kind == DDP__CUDA_GATHER && me == root) ddp__cu_move_self(&mv, to + (size_t)me * bytes, from, bytes);
+    if (kind == DDP__CUDA_SCATTER && me == root) ddp__cu_move_self(&mv, to, from + (size_t)me * bytes, bytes);
+    if (kind == DDP__CUDA_ALL_TO_ALL) ddp__cu_move_self(&mv, to + (size_t)me * bytes, from + (size_t)me * bytes, bytes);
+    ddp__cu_group_start(&mv);
+    started = mv.rc == ncclSuccess;
+    if (kind == DDP__CUDA_GATHER && me != root) ddp__cu_move_send(&mv, from, bytes, root);
+    if (kind == DDP__CUDA_SCATTER && me != root) ddp__cu_move_recv(&mv, to, bytes, root);
+    for (p = 0; p < n; p++) {
+        if (p == me) continue;
+        if (kind == DDP__CUDA_GATHER && me == root) ddp__cu_move_recv(&mv, to + (size_t)p * bytes, bytes, p);
+        if (kind == DDP__CUDA_SCATTER && me == root) ddp__cu_move_send(&mv, from + (size_t)p * bytes, bytes, p);
+        if (kind == DDP__CUDA_ALL_TO_ALL) {
+            ddp__cu_move_send(&mv, from + (size_t)p * bytes, bytes, p);
+            ddp__cu_move_recv(&mv, to + (size_t)p * bytes, bytes, p);
+        }
+    }
+    ddp__cu_group_end(&mv, started);
+    if (copy && cudaFreeAsync(copy, c->stream) != cudaSuccess && mv.rc == ncclSuccess) mv.rc = ncclUnhandledCudaError;
+    return mv.rc;
+}
+
+/* all_to_all_v and all_gather_v: blocks of the given sizes (elements of es bytes), packed in rank order. */
+static ncclResult_t ddp__cu_nccl_blocks_v(ddp__cuda_nccl *c, ddp__cuda_coll kind, const void *send, const size_t *send_counts,
+                                          void *recv, const size_t *recv_counts, size_t es) {
+    ddp__cu_moves mv = {c, ncclSuccess};
+    const char *from = (const char *)send;
+    char *to = (char *)recv;
+    int me = c->rank, n = c->nranks, p;
+    size_t *at = new (std::nothrow) size_t[2 * ((size_t)n + 1)], *send_at, *recv_at;
+    bool started;
+    if (!at) return ncclSystemError;
+    send_at = at, recv_at = at + n + 1;
+    send_at[0] = recv_at[0] = 0;
+    for (p = 0; p < n; p++) {
+        send_at[p + 1] = send_at[p] + (kind == DDP__CUDA_ALL_TO_ALL_V ? send_counts[p] : 0);
+        recv_at[p + 1] = recv_at[p] + recv_counts[p];
+    }
+    if (kind == DDP__CUDA_ALL_TO_ALL_V)
+        ddp__cu_move_self(&mv, to + recv_at[me] * es, from + send_at[me] * es, send_counts[me] * es);
+    else
+        ddp__cu_move_self(&mv, to + recv_at[me] * es, from, recv_counts[me] * es); /* in place: the same address */
+    ddp__cu_group_start(&mv);
+    started = mv.rc == ncclSuccess;
+    for (p = 0; p < n; p++) {
+        if (p == me) continue;
+        if (kind == DDP__CUDA_ALL_TO_ALL_V) ddp__cu_move_send(&mv, from + send_at[p] * es, send_counts[p] * es, p);
+        else ddp__cu_move_send(&mv, from, recv_counts[me] * es, p); /* all_gather_v: this rank's block to everyone */
+        ddp__cu_move_recv(&mv, to + recv_at[p] * es, recv_counts[p] * es, p);
+    }
+    ddp__cu_group_end(&mv, started);
+    delete[] at;
+    return mv.rc;
+}
+
 /* Queue the collective itself. */
 static ncclResult_t ddp__cu_nccl_call(ddp__cuda_nccl *c, ddp__cuda_coll kind, const void *send, void *recv, size_t count,
                                       ncclDataType_t type, ncclRedOp_t op, int root, size_t es) {
@@ -1070,6 +1182,9 @@ static ncclResult_t ddp__cu_nccl_call(ddp__cuda_nccl *c, ddp__cuda_coll kind, co
             return rc;
         }
         return ncclReduceScatter(send, recv, count, type, op, c->comm, c->stream);
+    case DDP__CUDA_GATHER:
+    case DDP__CUDA_SCATTER:
+    case DDP__CUDA_ALL_TO_ALL: return ddp__cu_nccl_blocks(c, kind, send, recv, count * es, root);
     default: return ncclAllReduce(c->one, c->one, 1, ncclFloat32, ncclSum, c->comm, c->stream);
     }
 }
@@ -1090,6 +1205,16 @@ static ddp_result ddp__cu_record(ddp__cuda_nccl *c, const ddp__cu_msg *m, void *
     }
     e->queued = ddp__cu_now();
     *event = e;
+    return DDP_SUCCESS;
+}
+
+/* After queueing (rc: how it went): the event, or the failure (the communicator is then aborted). */
+static ddp_result ddp__cu_queued(ddp__cuda_nccl *c, const ddp__cu_msg *m, ncclResult_t rc, void **event) {
+    if (rc != ncclSuccess) return ddp__cu_nccl_failed(c, m, rc, "queueing the NCCL collective");
+    if (ddp__cu_record(c, m, event) != DDP_SUCCESS) {
+        ddp__cu_nccl_abort(c); /* the collective is queued but cannot be waited for: nobody may rely on it */
+        return DDP_ERR_SYSTEM;
+    }
     return DDP_SUCCESS;
 }
 
@@ -1204,6 +1329,9 @@ DDP_API ddp_result ddp__cuda_nccl_enqueue(ddp__cuda_nccl *c, ddp__cuda_coll kind
     ncclResult_t rc;
     if (!c || !event) return ddp__cu_fail(&m, DDP_ERR_INVALID_ARGUMENT, "ddp__cuda_nccl_enqueue: c or event is NULL");
     *event = NULL;
+    if (kind == DDP__CUDA_ALL_TO_ALL_V || kind == DDP__CUDA_ALL_GATHER_V)
+        return ddp__cu_fail(&m, DDP_ERR_INVALID_ARGUMENT, "ddp__cuda_nccl_enqueue: kind %d takes counts per rank "
+                            "(ddp__cuda_nccl_enqueue_v)", (int)kind);
     if (!c->comm) return ddp__cu_fail(&m, DDP_ERR_STATE, "the NCCL communicator was aborted by an earlier error");
     if (kind != DDP__CUDA_BARRIER && !type_ok)
         return ddp__cu_fail(&m, DDP_ERR_UNSUPPORTED, "dtype %d has no NCCL type", (int)dtype);
@@ -1211,12 +1339,26 @@ DDP_API ddp_result ddp__cuda_nccl_enqueue(ddp__cuda_nccl *c, ddp__cuda_coll kind
         return ddp__cu_fail(&m, DDP_ERR_UNSUPPORTED, "op %d has no NCCL operation", (int)op);
     ddp__cu_device_scope scope(c->device);
     rc = ddp__cu_nccl_call(c, kind, send, recv, count, type, nop, root, ddp__cu_dtype_size(dtype));
-    if (rc != ncclSuccess) return ddp__cu_nccl_failed(c, &m, rc, "queueing the NCCL collective");
-    if (ddp__cu_record(c, &m, event) != DDP_SUCCESS) {
-        ddp__cu_nccl_abort(c); /* the collective is queued but cannot be waited for: nobody may rely on it */
-        return DDP_ERR_SYSTEM;
-    }
-    return DDP_SUCCESS;
+    return ddp__cu_queued(c, &m, rc, event);
+}
+
+DDP_API ddp_result ddp__cuda_nccl_enqueue_v(ddp__cuda_nccl *c, ddp__cuda_coll kind, const void *send,
+                                           const size_t *send_counts, void *recv, const size_t *recv_counts,
+                                           ddp_dtype dtype, void **event, char *err, size_t err_size) {
+    ddp__cu_msg m = {err, err_size};
+    ncclResult_t rc;
+    if (!c || !event) return ddp__cu_fail(&m, DDP_ERR_INVALID_ARGUMENT, "ddp__cuda_nccl_enqueue_v: c or event is NULL");
+    *event = NULL;
+    if (kind != DDP__CUDA_ALL_TO_ALL_V && kind != DDP__CUDA_ALL_GATHER_V)
+        return ddp__cu_fail(&m, DDP_ERR_INVALID_ARGUMENT, "ddp__cuda_nccl_enqueue_v: kind %d has no counts per rank "
+                            "(ddp__cuda_nccl_enqueue)", (int)kind);
+    if (!recv_counts || (kind == DDP__CUDA_ALL_TO_ALL_V && !send_counts))
+        return ddp__cu_fail(&m, DDP_ERR_INVALID_ARGUMENT, "ddp__cuda_nccl_enqueue_v: %s is NULL",
+                            !recv_counts ? "recv_counts" : "send_counts");
+    if (!c->comm) return ddp__cu_fail(&m, DDP_ERR_STATE, "the NCCL communicator was aborted by an earlier error");
+    ddp__cu_device_scope scope(c->device);
+    rc = ddp__cu_nccl_blocks_v(c, kind, send, send_counts, recv, recv_counts, ddp__cu_dtype_size(dtype));
+    return ddp__cu_queued(c, &m, rc, event);
 }
 
 DDP_API ddp_result ddp__cuda_nccl_copy(ddp__cuda_nccl *c, void *dst, const void *src, size_t bytes, void **event, char *err,

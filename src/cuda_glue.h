@@ -19,7 +19,14 @@ typedef enum ddp__cuda_coll {
     DDP__CUDA_REDUCE,
     DDP__CUDA_ALL_GATHER,
     DDP__CUDA_REDUCE_SCATTER,
-    DDP__CUDA_BARRIER /* a 1-element all-reduce, as torch's barrier on NCCL */
+    DDP__CUDA_BARRIER, /* a 1-element all-reduce, as torch's barrier on NCCL */
+    /* data movement, as torch's ProcessGroupNCCL: ncclSend/ncclRecv between ncclGroupStart and
+       ncclGroupEnd, the rank's own block a device-to-device copy on the stream */
+    DDP__CUDA_GATHER,
+    DDP__CUDA_SCATTER,
+    DDP__CUDA_ALL_TO_ALL,
+    DDP__CUDA_ALL_TO_ALL_V,  /* ddp__cuda_nccl_enqueue_v only */
+    DDP__CUDA_ALL_GATHER_V   /* ddp__cuda_nccl_enqueue_v only */
 } ddp__cuda_coll;
 
 /* ddp__cuda_nccl_device: choose this rank's GPU and make it the calling thread's current device
@@ -58,13 +65,26 @@ DDP_API int ddp__cuda_is_device_pointer(const void *p);
 /* ddp__cuda_nccl_enqueue: queue one collective on c's stream, then record a CUDA event after it.
    send/recv as ddp.h's collectives (all_reduce, broadcast, reduce: recv is the in-place buffer and send
    is ignored; all_gather / reduce_scatter: count per rank, send may be recv's own slice or recv
-   itself). op AVG is ncclAvg. *event receives the event, for ddp__cuda_nccl_wait / _test (exactly one
+   itself; gather / scatter / all_to_all: count per rank, the root's big buffer NULL elsewhere, in place
+   as ddp.h allows it). op AVG is ncclAvg. *event receives the event, for ddp__cuda_nccl_wait / _test (exactly one
    ddp__cuda_nccl_wait per event releases it). Return: DDP_SUCCESS; DDP_ERR_UNSUPPORTED (dtype or op);
    DDP_ERR_SYSTEM when NCCL or CUDA refuses (the communicator is then aborted); DDP_ERR_STATE when an
    earlier error aborted it. */
 DDP_API ddp_result ddp__cuda_nccl_enqueue(ddp__cuda_nccl *c, ddp__cuda_coll kind, const void *send, void *recv,
                                          size_t count, ddp_dtype dtype, ddp_op op, int root, void **event,
                                          char *err, size_t err_size);
+
+/* ddp__cuda_nccl_enqueue_v: as ddp__cuda_nccl_enqueue for the calls with a size per rank (kind
+   DDP__CUDA_ALL_TO_ALL_V or DDP__CUDA_ALL_GATHER_V), counts in elements, nranks entries each, blocks
+   packed in rank order (the displacements are the sums of the counts before). all_to_all_v: send_counts[p]
+   elements go to rank p, recv_counts[p] come from it (the ranks' counts were checked to match before:
+   NCCL would hang or corrupt memory on a difference). all_gather_v: send_counts is ignored, recv_counts
+   are every rank's counts (this rank sends recv_counts[rank] elements; send may be its own block of
+   recv). Zero counts move nothing. Return: as ddp__cuda_nccl_enqueue; DDP_ERR_INVALID_ARGUMENT for
+   another kind or a NULL count array. */
+DDP_API ddp_result ddp__cuda_nccl_enqueue_v(ddp__cuda_nccl *c, ddp__cuda_coll kind, const void *send,
+                                           const size_t *send_counts, void *recv, const size_t *recv_counts,
+                                           ddp_dtype dtype, void **event, char *err, size_t err_size);
 
 /* ddp__cuda_nccl_copy: bytes from src to dst (device or host memory, either side) queued on c's stream.
    When either side is host memory, *event receives an event to wait for before the host memory is

@@ -13,12 +13,16 @@
    stream (ddp_set_stream; NULL = the legacy default stream); one whose buffers are host memory (the
    library's own small agreements: the reducer's model check, ddp_new_group, ...) runs on the cpu path.
    A barrier is a 1-element NCCL all-reduce (torch's barrier on NCCL), so it also waits for the GPUs.
+   gather, scatter, all_to_all, all_to_all_v and all_gather_v on device memory move their blocks as
+   torch's ProcessGroupNCCL does: grouped ncclSend/ncclRecv (ddp_cuda.cu); monitored_barrier runs over TCP.
 
    The call check. NCCL trusts its callers: ranks that call different collectives hang or corrupt
-   memory. So before each collective the ranks all-gather one byte (host or device memory) over TCP
+   memory. So before each collective the ranks all-gather a small vote (host or device memory) over TCP
    with the call's fingerprint in every frame, as the cpu backend's algorithms do: a rank that
    calls something else (kind, count, dtype, op, root, sequence number) or passes the other kind of
-   memory gets DDP_ERR_MISMATCH on every rank. Cost: ceil(log2 world_size) small TCP steps per
+   memory gets DDP_ERR_MISMATCH on every rank. all_to_all_v and all_gather_v first compare their sizes
+   per rank over TCP too (ddp__nccl_vote_counts: one more small step), so split sizes or counts that
+   differ are DDP_ERR_MISMATCH on every rank, never NCCL work that cannot match. Cost: ceil(log2 world_size) small TCP steps per
    collective (Bruck's all_gather, tcp.c), on the calling thread (tens of microseconds per step within a
    host), paid before the GPU work is queued.
 
@@ -38,7 +42,9 @@ struct ddp__nccl {
     int device;
 };
 
-enum { DDP__NCCL_HOST = 0, DDP__NCCL_DEVICE = 1, DDP__NCCL_MIXED = 2 };
+/* Where a rank's buffers of a call are: NONE when it has none to move (gather's non-root without data,
+   all_to_all_v's rank whose counts are all 0), which agrees with either side. */
+enum { DDP__NCCL_HOST = 0, DDP__NCCL_DEVICE = 1, DDP__NCCL_MIXED = 2, DDP__NCCL_NONE = 3 };
 
 /* Backend "nccl" can be asked for (the message when not: the !DDP_CUDA branch below). */
 static ddp_result ddp__nccl_built(char *err) {
@@ -105,57 +111,166 @@ static void ddp__nccl_close(ddp_group *g, int orderly) {
     if (g->host_backend->close) g->host_backend->close(g, orderly); /* the transport under it */
 }
 
-/* Where a call's buffers are. A barrier is always NCCL's; a call of 0 elements always the cpu path's
-   (no memory to look at, and the same choice on every rank). */
-static int ddp__nccl_where(const ddp__call *k) {
-    int buf, send;
-    if (k->kind == DDP__BARRIER) return DDP__NCCL_DEVICE;
-    if (k->kind > DDP__BARRIER) { /* the calls NCCL does not run yet: any device buffer is refused (ddp__nccl_run) */
-        int dev = (k->send && ddp__cuda_is_device_pointer(k->send) == DDP__NCCL_DEVICE) ||
-                  (k->buf && ddp__cuda_is_device_pointer(k->buf) == DDP__NCCL_DEVICE);
-        return dev ? DDP__NCCL_DEVICE : DDP__NCCL_HOST;
-    }
-    if (k->count == 0) return DDP__NCCL_HOST;
-    buf = ddp__cuda_is_device_pointer(k->buf);
-    if (k->kind != DDP__ALL_GATHER && k->kind != DDP__REDUCE_SCATTER) return buf;
-    send = ddp__cuda_is_device_pointer(k->send);
-    return send == buf ? buf : DDP__NCCL_MIXED;
+/* Where one buffer is (NONE when it holds no elements), and two buffers of one rank together. */
+static int ddp__nccl_where_buf(const void *p, uint64_t elements) {
+    if (!elements) return DDP__NCCL_NONE;
+    return ddp__cuda_is_device_pointer(p) ? DDP__NCCL_DEVICE : DDP__NCCL_HOST;
 }
 
-/* The call check (see the top): one byte per rank gathered over TCP (Bruck's: ceil(log2 N) steps), under
-   the call's fingerprint. */
-static ddp_result ddp__nccl_check(ddp_group *g, const ddp__coll *c, int where) {
-    static const char *names[] = {"host", "device", "host and device"};
-    char desc[160];
-    unsigned char *all;
-    int i, bad = -1;
+static int ddp__nccl_both(int a, int b) {
+    if (a == DDP__NCCL_NONE) return b;
+    if (b == DDP__NCCL_NONE) return a;
+    return a == b ? a : DDP__NCCL_MIXED;
+}
+
+static uint64_t ddp__nccl_sum(const size_t *counts, int n) {
+    uint64_t sum = 0;
+    int i;
+    for (i = 0; i < n; i++) sum += (uint64_t)counts[i]; /* validated: the sums fit */
+    return sum;
+}
+
+/* Where a call's buffers are, on this rank. A barrier is always NCCL's; a call of 0 elements of the
+   first six kinds always the cpu path's (no memory to look at, and the same choice on every rank);
+   monitored_barrier runs over TCP. The other calls count only the buffers this rank moves data in or
+   out of (gather's recv and scatter's send on the root alone): NONE when it has none. */
+static int ddp__nccl_where(const ddp_group *g, const ddp__call *k) {
+    int n = g->world_size, root = g->rank == k->root;
+    switch (k->kind) {
+    case DDP__BARRIER: return DDP__NCCL_DEVICE;
+    case DDP__MONITORED_BARRIER:
+    case DDP__BROADCAST_BYTES: return DDP__NCCL_HOST; /* (broadcast_bytes never reaches a backend) */
+    case DDP__GATHER:
+        return ddp__nccl_both(ddp__nccl_where_buf(k->send, k->count), ddp__nccl_where_buf(k->buf, root ? k->count : 0));
+    case DDP__SCATTER:
+        return ddp__nccl_both(ddp__nccl_where_buf(k->send, root ? k->count : 0), ddp__nccl_where_buf(k->buf, k->count));
+    case DDP__ALL_TO_ALL:
+        return ddp__nccl_both(ddp__nccl_where_buf(k->send, k->count), ddp__nccl_where_buf(k->buf, k->count));
+    case DDP__ALL_TO_ALL_V:
+        return ddp__nccl_both(ddp__nccl_where_buf(k->send, ddp__nccl_sum(k->send_counts, n)),
+                              ddp__nccl_where_buf(k->buf, ddp__nccl_sum(k->recv_counts, n)));
+    case DDP__ALL_GATHER_V:
+        return ddp__nccl_both(ddp__nccl_where_buf(k->send, k->count),
+                              ddp__nccl_where_buf(k->buf, ddp__nccl_sum(k->recv_counts, n)));
+    default: break;
+    }
+    if (k->count == 0) return DDP__NCCL_HOST;
+    if (k->kind != DDP__ALL_GATHER && k->kind != DDP__REDUCE_SCATTER) return ddp__nccl_where_buf(k->buf, 1);
+    return ddp__nccl_both(ddp__nccl_where_buf(k->buf, 1), ddp__nccl_where_buf(k->send, 1));
+}
+
+/* One rank's part of the call check: where its buffers are and, for the _v calls, the first split size
+   or count of its own that disagrees with another rank's (at = -1: none). */
+typedef struct ddp__nccl_vote {
+    uint8_t where;
+    uint8_t pad[3];
+    int32_t at;     /* all_to_all_v: the sender whose size differs; all_gather_v: the index in counts */
+    uint64_t other; /* all_to_all_v: what rank `at` sends this rank; all_gather_v: rank 0's counts[at] */
+    uint64_t mine;  /* this rank's recv_counts[at] / counts[at] */
+} ddp__nccl_vote;
+
+/* The sizes per rank of the _v calls, which the fingerprint cannot carry (they differ by rank), as the
+   TCP backend checks them frame by frame (transport.c) but before any NCCL work is queued: all_to_all_v
+   exchanges the send counts (one 8-byte block per pair, pairwise over TCP) and each rank compares what
+   every rank will send it with its recv_counts; all_gather_v broadcasts rank 0's counts (a binomial
+   tree) and each rank compares its own. Both under the call's fingerprint, so a rank that called
+   something else fails there. The finding goes into the vote, which every rank then sees. */
+static ddp_result ddp__nccl_vote_counts(ddp_group *g, const ddp__call *k, const ddp__coll *c, ddp__nccl_vote *v) {
+    int n = g->world_size, p;
+    uint64_t *out, *in;
+    ddp__call x;
     ddp_result r;
+    v->at = -1;
+    if (n == 1 || (k->kind != DDP__ALL_TO_ALL_V && k->kind != DDP__ALL_GATHER_V)) return DDP_SUCCESS;
+    if (!(out = (uint64_t *)ddp__calloc(2 * (size_t)n, sizeof *out)))
+        return ddp__coll_fail(g, DDP_ERR_OUT_OF_MEMORY, "%s: out of memory (%d counts)", ddp__coll_name(k->kind), 2 * n);
+    in = out + n;
+    memset(&x, 0, sizeof x);
+    x.dtype = DDP_I64; /* moved, never reduced: the bits of the uint64_t counts */
+    x.op = DDP_SUM;
+    if (k->kind == DDP__ALL_TO_ALL_V) {
+        for (p = 0; p < n; p++) out[p] = (uint64_t)k->send_counts[p];
+        x.kind = DDP__ALL_TO_ALL, x.send = out, x.buf = in, x.count = 1, x.root = -1;
+    } else {
+        for (p = 0; g->rank == 0 && p < n; p++) in[p] = (uint64_t)k->recv_counts[p];
+        x.kind = DDP__BROADCAST, x.buf = in, x.count = (size_t)n, x.root = 0;
+    }
+    if ((r = ddp__tcp_run(g, &x, c)) == DDP_SUCCESS) {
+        for (p = 0; p < n && in[p] == (uint64_t)k->recv_counts[p]; p++) {
+        }
+        if (p < n) v->at = p, v->other = in[p], v->mine = (uint64_t)k->recv_counts[p];
+    }
+    ddp__free(out);
+    return r;
+}
+
+/* A _v call's sizes differ: the same message on every rank (the smallest (sender, receiver) pair for
+   all_to_all_v, as the mpi backend picks it; the first rank and index for all_gather_v). */
+static ddp_result ddp__nccl_counts_differ(ddp_group *g, const ddp__coll *c, const ddp__nccl_vote *all, const char *desc) {
+    int n = g->world_size, i, best = -1;
+    int64_t key, best_key = INT64_MAX;
+    for (i = 0; i < n; i++) {
+        if (all[i].at < 0) continue;
+        key = c->kind == DDP__ALL_TO_ALL_V ? (int64_t)all[i].at * n + i : (int64_t)i * n + all[i].at;
+        if (key < best_key) best_key = key, best = i;
+    }
+    if (best < 0) return DDP_SUCCESS;
+    if (c->kind == DDP__ALL_TO_ALL_V)
+        return ddp__coll_fail(g, DDP_ERR_MISMATCH, "split sizes differ in %s: rank %d sends %llu elements to rank %d "
+                              "(its send_counts[%d]) while rank %d expects %llu from rank %d (its recv_counts[%d]); "
+                              "rank i's send_counts[j] must equal rank j's recv_counts[i]", desc, (int)all[best].at,
+                              (unsigned long long)all[best].other, best, best, best, (unsigned long long)all[best].mine,
+                              (int)all[best].at, (int)all[best].at);
+    return ddp__coll_fail(g, DDP_ERR_MISMATCH, "counts differ in %s: rank 0 passes counts[%d] = %llu while rank %d passes "
+                          "counts[%d] = %llu; every rank must pass the same counts (rank r's count is counts[r])", desc,
+                          (int)all[best].at, (unsigned long long)all[best].other, best, (int)all[best].at,
+                          (unsigned long long)all[best].mine);
+}
+
+/* The call check (see the top): each rank's vote (where its buffers are; for the _v calls, after
+   ddp__nccl_vote_counts, whether its sizes agree) gathered over TCP (Bruck's: ceil(log2 N) steps)
+   under the call's fingerprint. Every rank sees every vote, so all decide alike: one rank's buffers
+   in both kinds of memory, sizes that differ, or device memory on one rank and host memory on
+   another fail every rank; else *where becomes the call's side (NONE votes agree with either; all
+   NONE: the host side, which moves nothing and only agrees). */
+static ddp_result ddp__nccl_check(ddp_group *g, const ddp__call *k, const ddp__coll *c, int *where) {
+    static const char *names[] = {"host", "device", "host and device", "no"};
+    char desc[160];
+    ddp__nccl_vote me, *all = &me;
+    int i, n = g->world_size, ref = -1, bad = -1;
+    ddp_result r;
+    memset(&me, 0, sizeof me);
+    me.where = (uint8_t)*where;
+    if ((r = ddp__nccl_vote_counts(g, k, c, &me)) != DDP_SUCCESS) return r;
     ddp__coll_describe(g, c, desc, sizeof desc);
-    if (g->world_size > 1) {
-        if (!(all = (unsigned char *)ddp__calloc((size_t)g->world_size, 1)))
+    if (n > 1) {
+        if (!(all = (ddp__nccl_vote *)ddp__calloc((size_t)n, sizeof *all)))
             return ddp__coll_fail(g, DDP_ERR_OUT_OF_MEMORY, "%s: out of memory", desc);
-        all[g->rank] = (unsigned char)where;
-        if ((r = ddp__do_all_gather(g, c, all + g->rank, all, 1, DDP_U8)) != DDP_SUCCESS) {
+        all[g->rank] = me;
+        if ((r = ddp__do_all_gather(g, c, all + g->rank, all, sizeof me, DDP_U8)) != DDP_SUCCESS) {
             ddp__free(all);
             return r;
         }
-        for (i = 0; i < g->world_size && bad < 0; i++)
-            if (all[i] != all[0] || all[i] > DDP__NCCL_DEVICE) bad = i;
-        where = bad >= 0 ? all[bad] : where;
-        i = all[0];
-        ddp__free(all);
-    } else {
-        bad = where > DDP__NCCL_DEVICE ? 0 : -1;
-        i = where;
     }
-    if (bad < 0) return DDP_SUCCESS;
-    if (where > DDP__NCCL_DEVICE)
-        return ddp__coll_fail(g, DDP_ERR_INVALID_ARGUMENT, "%s: rank %d passed one buffer in device memory and one in host "
-                              "memory; on the nccl backend both are device memory (NCCL) or both host memory",
-                              desc, bad);
-    return ddp__coll_fail(g, DDP_ERR_MISMATCH, "%s: rank %d passed %s memory while rank 0 passed %s memory; on the nccl "
-                          "backend every rank passes device memory (NCCL) or every rank host memory", desc, bad,
-                          names[where], names[i > DDP__NCCL_DEVICE ? 2 : i]);
+    for (i = 0; i < n && bad < 0; i++)
+        if (all[i].where > DDP__NCCL_NONE || all[i].where == DDP__NCCL_MIXED) bad = i;
+    if (bad >= 0) {
+        r = ddp__coll_fail(g, DDP_ERR_INVALID_ARGUMENT, "%s: rank %d passed one buffer in device memory and one in host "
+                           "memory; on the nccl backend both are device memory (NCCL) or both host memory", desc, bad);
+    } else if ((r = ddp__nccl_counts_differ(g, c, all, desc)) == DDP_SUCCESS) {
+        for (i = 0; i < n && bad < 0; i++) {
+            if (all[i].where == DDP__NCCL_NONE) continue;
+            if (ref < 0) ref = i;
+            else if (all[i].where != all[ref].where) bad = i;
+        }
+        if (bad >= 0)
+            r = ddp__coll_fail(g, DDP_ERR_MISMATCH, "%s: rank %d passed %s memory while rank %d passed %s memory; on the "
+                               "nccl backend every rank passes device memory (NCCL) or every rank host memory", desc, bad,
+                               names[all[bad].where], ref, names[all[ref].where]);
+        *where = ref < 0 ? (int)DDP__NCCL_HOST : (int)all[ref].where;
+    }
+    if (all != &me) ddp__free(all);
+    return r;
 }
 
 static ddp__cuda_coll ddp__nccl_kind(int kind) {
@@ -165,6 +280,11 @@ static ddp__cuda_coll ddp__nccl_kind(int kind) {
     case DDP__REDUCE: return DDP__CUDA_REDUCE;
     case DDP__ALL_GATHER: return DDP__CUDA_ALL_GATHER;
     case DDP__REDUCE_SCATTER: return DDP__CUDA_REDUCE_SCATTER;
+    case DDP__GATHER: return DDP__CUDA_GATHER;
+    case DDP__SCATTER: return DDP__CUDA_SCATTER;
+    case DDP__ALL_TO_ALL: return DDP__CUDA_ALL_TO_ALL;
+    case DDP__ALL_TO_ALL_V: return DDP__CUDA_ALL_TO_ALL_V;
+    case DDP__ALL_GATHER_V: return DDP__CUDA_ALL_GATHER_V;
     default: return DDP__CUDA_BARRIER;
     }
 }
@@ -172,8 +292,13 @@ static ddp__cuda_coll ddp__nccl_kind(int kind) {
 /* Queue the NCCL call and its event (after the call check). */
 static ddp_result ddp__nccl_enqueue(ddp_group *g, const ddp__call *k, const ddp__coll *c, void **event) {
     char err[DDP__ERR_MAX] = "", desc[160];
-    ddp_result r = ddp__cuda_nccl_enqueue(g->nccl->comm, ddp__nccl_kind(k->kind), k->send, k->buf, k->count, k->dtype, k->op,
-                                         k->root, event, err, sizeof err);
+    ddp_result r;
+    if (k->kind == DDP__ALL_TO_ALL_V || k->kind == DDP__ALL_GATHER_V)
+        r = ddp__cuda_nccl_enqueue_v(g->nccl->comm, ddp__nccl_kind(k->kind), k->send, k->send_counts, k->buf, k->recv_counts,
+                                     k->dtype, event, err, sizeof err);
+    else
+        r = ddp__cuda_nccl_enqueue(g->nccl->comm, ddp__nccl_kind(k->kind), k->send, k->buf, k->count, k->dtype, k->op,
+                                   k->root, event, err, sizeof err);
     if (r == DDP_SUCCESS) return r;
     ddp__coll_describe(g, c, desc, sizeof desc);
     return ddp__coll_fail(g, r, "%s on rank %d: %s", desc, g->rank, err);
@@ -211,32 +336,30 @@ static ddp_result ddp__nccl_wait_event(ddp_group *g, const ddp__coll *c, void *e
     return ddp__nccl_wait_described(g, c, desc, event);
 }
 
-/* Device calls run on NCCL; host calls, once checked, on the transport the group had before NCCL. */
+/* Device calls run on NCCL; host calls, once checked, on the transport the group had before NCCL. A
+   rank with nothing to move in a device call (all_to_all_v with all its counts 0) queues nothing: the
+   others' ncclSend/ncclRecv pairs do not involve it. */
 static ddp_result ddp__nccl_run(ddp_group *g, const ddp__call *k, const ddp__coll *c) {
-    int where = ddp__nccl_where(k);
+    int mine = ddp__nccl_where(g, k), where = mine;
     void *event = NULL;
     ddp_result r;
-    if ((r = ddp__nccl_check(g, c, where)) != DDP_SUCCESS) return r;
+    if ((r = ddp__nccl_check(g, k, c, &where)) != DDP_SUCCESS) return r;
     if (where == DDP__NCCL_HOST) return g->host_backend->run(g, k, c);
-    if (k->kind > DDP__BARRIER) {
-        char desc[160];
-        ddp__coll_describe(g, c, desc, sizeof desc);
-        return ddp__coll_fail(g, DDP_ERR_UNSUPPORTED, "%s: the nccl backend runs this call on host memory only so far "
-                              "(device memory needs ncclSend/ncclRecv groups, not built yet); copy the buffers to host "
-                              "memory, or use all_gather / all_reduce on device memory", desc);
-    }
+    if (mine == DDP__NCCL_NONE) return DDP_SUCCESS;
     if ((r = ddp__nccl_enqueue(g, k, c, &event)) != DDP_SUCCESS) return r;
     return ddp__nccl_wait_event(g, c, event);
 }
 
 /* The backend's enqueue: a device call is checked and queued on the stream now, on the calling thread
    (so it is ordered after the caller's kernels), and its ddp_work holds the event. Returns 0 for a host
-   call, which the progress thread runs as on the cpu backend. */
+   call, which the progress thread runs as on the cpu backend, and for a rank with nothing to move (its
+   check runs there too; the call's side is known only after it). */
 static int ddp__nccl_enqueue_async(ddp_group *g, const ddp__call *k, ddp_work **out, ddp_result *res) {
     char msg[DDP__ERR_MAX];
     ddp_work *w;
     ddp_result r;
-    if (ddp__nccl_where(k) == DDP__NCCL_HOST || k->kind > DDP__BARRIER) return 0; /* the progress thread runs it */
+    int where = ddp__nccl_where(g, k);
+    if (where == DDP__NCCL_HOST || where == DDP__NCCL_NONE) return 0; /* the progress thread runs it */
     ddp__drain(g); /* queued host work uses the mesh: let it finish first */
     if (g->broken) {
         *res = ddp__fail(g, DDP_ERR_STATE, "%s", ddp__broken_message(g, k, msg));
@@ -252,7 +375,7 @@ static int ddp__nccl_enqueue_async(ddp_group *g, const ddp__call *k, ddp_work **
     pthread_mutex_lock(&g->async.mu);
     ddp__fingerprint(g, k, &w->coll);
     pthread_mutex_unlock(&g->async.mu);
-    r = ddp__nccl_check(g, &w->coll, ddp__nccl_where(k));
+    r = ddp__nccl_check(g, k, &w->coll, &where); /* DEVICE (or MIXED) here: an error unless every rank agrees */
     if (r == DDP_SUCCESS) r = ddp__nccl_enqueue(g, k, &w->coll, &w->handle);
     if (r != DDP_SUCCESS) {
         ddp__free(w);

@@ -4,9 +4,12 @@
 # compiles ddp.h's implementation with -DDDP_CUDA, compiles warning-free as C99 and as C++17 and is linked
 # by nvcc with ddp_cuda.o and -lnccl; the GPU example builds with make GPU=1. (2) Without a GPU: backend
 # "nccl" fails on both ranks with "no CUDA device visible ... use the cpu backend" (from the descriptor
-# and from DDP_BACKEND), also under AddressSanitizer + UBSan; the default backend is cpu. (3) With a CUDA
-# device visible: every collective and dtype through NCCL at world size 1, and 2 when there are 2 GPUs,
-# checked against host math; without one the script passes for (1) and (2) and prints
+# and from DDP_BACKEND), also under AddressSanitizer + UBSan; the default backend is cpu; the backend's call
+# check (no GPU needed, cpu groups of 3 ranks: a rank with no buffers, all_to_all_v split sizes and
+# all_gather_v counts that differ: DDP_ERR_MISMATCH on every rank), also under the sanitizers. (3) With a
+# CUDA device visible: every collective and dtype through NCCL at world size 1, and 2 when there are 2
+# GPUs (gather, scatter, all_to_all(_v), all_gather_v through grouped ncclSend/ncclRecv included, and
+# their split sizes / counts that differ), checked against host math; without one the script passes for (1) and (2) and prints
 # "SKIP-PART gpu part: ...", which tests/run_tests.sh counts as a skipped entry (likewise the 2-GPU part).
 # Skips (77) when nvcc or nccl.h is absent.
 set -u
@@ -49,6 +52,7 @@ fi
 echo "make GPU=1: examples/gpu/train_gpu.cu built"
 
 devices=$("$out/test_nccl" devices) || { echo "FAIL: cannot count CUDA devices"; exit 1; }
+"$out/test_nccl" check || { echo "FAIL: the nccl backend's call check (cpu groups, host memory)"; exit 1; }
 echo "== (2) CUDA devices visible: $devices"
 if [ "$devices" = 0 ]; then
   "$out/test_nccl" nogpu || { echo "FAIL: backend nccl without a GPU"; exit 1; }
@@ -58,6 +62,7 @@ if [ "$devices" = 0 ]; then
     "$CXX" "${san[@]}" -o "$out/test_nccl_san" "$out/test_nccl_san.o" "$out/ddp_cuda.o" -L"$CUDA_HOME/lib64" -lcudart -lnccl \
       -lm -pthread || { echo "FAIL: the sanitizer build"; exit 1; }
   "$out/test_nccl_san" nogpu >/dev/null || { echo "FAIL: backend nccl without a GPU, under ASan + UBSan"; exit 1; }
+  "$out/test_nccl_san" check >/dev/null || { echo "FAIL: the call check under ASan + UBSan"; exit 1; }
   echo "the same under AddressSanitizer + UBSan: ok"
   echo "SKIP-PART gpu part: no CUDA device visible (NCCL collectives on device memory not run)"
   echo "ok (the GPU part did not run)"

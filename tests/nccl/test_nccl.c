@@ -6,9 +6,15 @@
           test_nccl nogpu        on a machine without a GPU: backend "nccl" fails on every rank with the
                                  "no CUDA device visible ... use the cpu backend" message; the default
                                  backend is cpu; ddp_set_stream refuses a cpu group
+          test_nccl check        no GPU needed: the nccl backend's call check (ddp__nccl_check) on cpu
+                                 groups of 3 ranks and host memory: a rank with no buffers agrees with
+                                 either side; all_to_all_v's split sizes and all_gather_v's counts that
+                                 differ are DDP_ERR_MISMATCH on every rank, with the TCP backend's message
           test_nccl gpu N        N ranks (one GPU each) run every collective and dtype on device memory
-                                 through NCCL, checked against host math written here; also async work,
-                                 a host-memory call on the nccl group, and a mismatch that must fail */
+                                 through NCCL, checked against host math written here (gather, scatter,
+                                 all_to_all, all_to_all_v, all_gather_v too, uneven and zero sizes, in
+                                 place, async); also a host-memory call on the nccl group, and mismatches
+                                 (count, split sizes, counts) that must fail on every rank */
 #include "../testlib.h"
 
 #include <cuda_runtime_api.h>
@@ -157,6 +163,228 @@ static void check_gather_scatter(ddp_group *g, ddp_dtype t) {
     free(h);
 }
 
+
+/* ---- gather, scatter, all_to_all, all_to_all_v, all_gather_v: blocks moved, not reduced ---- */
+
+/* Element i of the block rank `from` sends rank `to`: -5 .. 5 (0 .. 10 unsigned), exact in every dtype. */
+static double moved(ddp_dtype t, int from, int to, size_t i) {
+    double v = (double)((from * 5 + to * 3 + (int)(i % 11)) % 11) - 5;
+    return is_unsigned(t) ? v + 5 : v;
+}
+
+/* all_to_all_v's split size from `from` to `to`: 0 .. 3 (zeros included); variant 1: the last rank
+   sends and receives nothing (a rank with no buffers at all). */
+static size_t split(int from, int to, int n, int variant) {
+    if (variant == 1 && n > 1 && (from == n - 1 || to == n - 1)) return 0;
+    return (size_t)((from + 2 * to + 1) % 4);
+}
+
+/* Fill count elements of a host buffer with moved(from, to, i), i from `first`. */
+static void fill(void *h, ddp_dtype t, size_t at, size_t count, int from, int to) {
+    size_t i;
+    for (i = 0; i < count; i++) put(h, t, at + i, moved(t, from, to, i));
+}
+
+/* Compare count elements at `at` of a host copy with moved(from, to, i). */
+static void expect_block(const char *what, const void *h, ddp_dtype t, size_t at, size_t count, int from, int to) {
+    size_t i;
+    for (i = 0; i < count; i++)
+        CHECK(get(h, t, at + i) == moved(t, from, to, i), "%s %s: block from rank %d to rank %d [%zu] = %g, expected %g",
+              what, ddp_dtype_name(t), from, to, i, get(h, t, at + i), moved(t, from, to, i));
+}
+
+static void *to_host(const void *d, size_t bytes) {
+    void *h = malloc(bytes ? bytes : 1);
+    if (bytes) CU(cudaMemcpy(h, d, bytes, cudaMemcpyDeviceToHost));
+    return h;
+}
+
+/* After a call that may have been async (*w set by it: read here, after the call). */
+static void wait_or_sync(ddp_group *g, ddp_work **w, ddp_result r) {
+    CHECK_OK(r, g);
+    if (*w) CHECK_OK(ddp_wait(*w), g);
+}
+
+static void check_gather_scatter_rooted(ddp_group *g, ddp_dtype t, int async) {
+    int rank = ddp_rank(g), n = ddp_world_size(g), root = n - 1, r;
+    size_t es = ddp_dtype_size(t), cpr = 29, total = cpr * (size_t)n;
+    unsigned char *h = (unsigned char *)malloc(total * es);
+    void *send, *recv = NULL, *back;
+    ddp_work *w = NULL;
+    const char *what = async ? "gather (async)" : "gather";
+    /* gather to the last rank: recv only there (NULL elsewhere) */
+    fill(h, t, 0, cpr, rank, root);
+    send = dev_with(cpr * es, h);
+    if (rank == root) recv = dev_with(total * es, NULL);
+    wait_or_sync(g, &w, async ? ddp_gather_async(g, send, recv, cpr, t, root, &w) : ddp_gather(g, send, recv, cpr, t, root));
+    if (rank == root) {
+        back = to_host(recv, total * es);
+        for (r = 0; r < n; r++) expect_block(what, back, t, (size_t)r * cpr, cpr, r, root);
+        free(back);
+    }
+    CU(cudaFree(send));
+    /* gather in place on the root (send = recv + root*cpr): the same result */
+    if (rank == root) {
+        CU(cudaMemset(recv, 0, total * es));
+        CU(cudaMemcpy((char *)recv + (size_t)root * cpr * es, h, cpr * es, cudaMemcpyHostToDevice));
+        send = (char *)recv + (size_t)root * cpr * es;
+    } else {
+        send = dev_with(cpr * es, h);
+    }
+    CHECK_OK(ddp_gather(g, send, recv, cpr, t, root), g);
+    if (rank == root) {
+        back = to_host(recv, total * es);
+        for (r = 0; r < n; r++) expect_block("gather (in place)", back, t, (size_t)r * cpr, cpr, r, root);
+        free(back);
+        CU(cudaFree(recv));
+    } else {
+        CU(cudaFree(send));
+    }
+    /* scatter from rank 0: send only there, block r = moved(0, r) */
+    send = NULL;
+    if (rank == 0) {
+        for (r = 0; r < n; r++) fill(h, t, (size_t)r * cpr, cpr, 0, r);
+        send = dev_with(total * es, h);
+    }
+    recv = dev_with(cpr * es, NULL);
+    w = NULL;
+    wait_or_sync(g, &w, async ? ddp_scatter_async(g, send, recv, cpr, t, 0, &w) : ddp_scatter(g, send, recv, cpr, t, 0));
+    back = to_host(recv, cpr * es);
+    expect_block(async ? "scatter (async)" : "scatter", back, t, 0, cpr, 0, rank);
+    free(back);
+    CU(cudaFree(recv));
+    if (send) CU(cudaFree(send));
+    free(h);
+}
+
+static void check_all_to_all(ddp_group *g, ddp_dtype t, int in_place, int async) {
+    int rank = ddp_rank(g), n = ddp_world_size(g), p;
+    size_t es = ddp_dtype_size(t), cpr = 23, total = cpr * (size_t)n;
+    unsigned char *h = (unsigned char *)malloc(total * es);
+    void *send, *recv, *back;
+    ddp_work *w = NULL;
+    for (p = 0; p < n; p++) fill(h, t, (size_t)p * cpr, cpr, rank, p);
+    send = dev_with(total * es, h);
+    recv = in_place ? send : dev_with(total * es, NULL);
+    wait_or_sync(g, &w, async ? ddp_all_to_all_async(g, send, recv, cpr, t, &w) : ddp_all_to_all(g, send, recv, cpr, t));
+    back = to_host(recv, total * es);
+    for (p = 0; p < n; p++)
+        expect_block(in_place ? "all_to_all (in place)" : async ? "all_to_all (async)" : "all_to_all", back, t,
+                     (size_t)p * cpr, cpr, p, rank);
+    free(back);
+    if (!in_place) CU(cudaFree(recv));
+    CU(cudaFree(send));
+    free(h);
+}
+
+static void check_all_to_all_v(ddp_group *g, ddp_dtype t, int variant, int async) {
+    int rank = ddp_rank(g), n = ddp_world_size(g), p;
+    size_t es = ddp_dtype_size(t), *sc = (size_t *)calloc((size_t)n, sizeof *sc), *rc = (size_t *)calloc((size_t)n, sizeof *rc);
+    size_t st = 0, rt = 0, at;
+    unsigned char *h;
+    void *send = NULL, *recv = NULL, *back;
+    ddp_work *w = NULL;
+    for (p = 0; p < n; p++) sc[p] = split(rank, p, n, variant), rc[p] = split(p, rank, n, variant), st += sc[p], rt += rc[p];
+    h = (unsigned char *)malloc((st + 1) * es);
+    for (p = 0, at = 0; p < n; at += sc[p], p++) fill(h, t, at, sc[p], rank, p);
+    if (st) send = dev_with(st * es, h); /* a rank with nothing to send passes NULL */
+    if (rt) recv = dev_with(rt * es, NULL);
+    wait_or_sync(g, &w, async ? ddp_all_to_all_v_async(g, send, sc, recv, rc, t, &w) : ddp_all_to_all_v(g, send, sc, recv, rc, t));
+    back = to_host(recv, rt * es);
+    for (p = 0, at = 0; p < n; at += rc[p], p++)
+        expect_block(async ? "all_to_all_v (async)" : "all_to_all_v", back, t, at, rc[p], p, rank);
+    free(back);
+    if (send) CU(cudaFree(send));
+    if (recv) CU(cudaFree(recv));
+    free(h);
+    free(sc);
+    free(rc);
+}
+
+/* all_gather_v: rank r gives 3r+1 elements (rank 0: none when n > 1); in place: send inside recv. */
+static void check_all_gather_v(ddp_group *g, ddp_dtype t, int in_place, int async) {
+    int rank = ddp_rank(g), n = ddp_world_size(g), p;
+    size_t es = ddp_dtype_size(t), *counts = (size_t *)calloc((size_t)n, sizeof *counts), total = 0, mine_at = 0, at;
+    unsigned char *h;
+    void *send, *recv, *back;
+    ddp_work *w = NULL;
+    for (p = 0; p < n; p++) {
+        counts[p] = p == 0 && n > 1 ? 0 : (size_t)(3 * p + 1);
+        if (p < rank) mine_at += counts[p];
+        total += counts[p];
+    }
+    h = (unsigned char *)malloc((total + 1) * es);
+    fill(h, t, 0, counts[rank], rank, 0);
+    recv = dev_with(total * es, NULL);
+    if (in_place) {
+        send = (char *)recv + mine_at * es;
+        if (counts[rank]) CU(cudaMemcpy(send, h, counts[rank] * es, cudaMemcpyHostToDevice));
+    } else {
+        send = counts[rank] ? dev_with(counts[rank] * es, h) : NULL;
+    }
+    wait_or_sync(g, &w, async ? ddp_all_gather_v_async(g, send, counts[rank], recv, counts, t, &w)
+                             : ddp_all_gather_v(g, send, counts[rank], recv, counts, t));
+    back = to_host(recv, total * es);
+    for (p = 0, at = 0; p < n; at += counts[p], p++)
+        expect_block(in_place ? "all_gather_v (in place)" : async ? "all_gather_v (async)" : "all_gather_v", back, t, at,
+                     counts[p], p, 0);
+    free(back);
+    if (!in_place && send) CU(cudaFree(send));
+    CU(cudaFree(recv));
+    free(h);
+    free(counts);
+}
+
+static void check_moves(ddp_group *g, ddp_dtype t) {
+    int async;
+    for (async = 0; async < 2; async++) {
+        check_gather_scatter_rooted(g, t, async);
+        check_all_to_all(g, t, 0, async);
+        check_all_to_all_v(g, t, 0, async);
+        check_all_to_all_v(g, t, 1, async);
+        check_all_gather_v(g, t, 0, async);
+    }
+    check_all_to_all(g, t, 1, 0);
+    check_all_to_all(g, t, 1, 1);
+    check_all_gather_v(g, t, 1, 0);
+}
+
+/* Sizes per rank that differ (device memory): DDP_ERR_MISMATCH on every rank, the same message as
+   the TCP backend's, and nothing queued on NCCL (no hang). what: "split" or "counts". */
+static int rank_gpu_sizes_differ(int rank, int n, void *arg) {
+    const char *what = (const char *)arg;
+    ddp_init_desc d;
+    ddp_group *g = NULL;
+    size_t c[8] = {2, 2, 2, 2, 2, 2, 2, 2}, rc[8] = {2, 2, 2, 2, 2, 2, 2, 2};
+    void *send, *recv;
+    ddp_result r;
+    memset(&d, 0, sizeof d);
+    d.backend = "nccl";
+    d.timeout_seconds = 60;
+    CHECK(n >= 2 && n <= 8, "2 to 8 ranks");
+    CHECK_OK(ddp_init(&d, &g), NULL); /* sets this rank's device: allocate after it */
+    send = dev_with(64 * sizeof(float), NULL);
+    recv = dev_with(64 * sizeof(float), NULL);
+    if (strcmp(what, "split") == 0) { /* rank 0 sends rank 1 three elements; rank 1 expects two */
+        if (rank == 0) c[1] = 3;
+        r = ddp_all_to_all_v(g, send, c, recv, rc, DDP_F32);
+        CHECK(r == DDP_ERR_MISMATCH && strstr(ddp_last_error(g), "split sizes differ") &&
+                  strstr(ddp_last_error(g), "rank 0 sends 3 elements to rank 1") &&
+                  strstr(ddp_last_error(g), "rank 1 expects 2 from rank 0"),
+              "all_to_all_v with split sizes that differ returned %d: %s", (int)r, ddp_last_error(g));
+    } else { /* rank 1 swaps counts[0] and counts[1]: the same total, other blocks */
+        if (rank == 1) c[0] = 1, c[1] = 3;
+        r = ddp_all_gather_v(g, send, c[rank], recv, c, DDP_F32);
+        CHECK(r == DDP_ERR_MISMATCH && strstr(ddp_last_error(g), "counts differ") &&
+                  strstr(ddp_last_error(g), "rank 0 passes counts[0] = 2 while rank 1 passes counts[0] = 1"),
+              "all_gather_v with counts that differ returned %d: %s", (int)r, ddp_last_error(g));
+    }
+    ddp_destroy(g);
+    CU(cudaFree(send));
+    CU(cudaFree(recv));
+    return 0;
+}
+
 static int rank_gpu(int rank, int n, void *arg) {
     ddp_init_desc d;
     ddp_group *g = NULL;
@@ -176,6 +404,7 @@ static int rank_gpu(int rank, int n, void *arg) {
         check_all_reduce(g, dtypes[k], DDP_SUM, 1);
         check_rooted(g, dtypes[k]);
         check_gather_scatter(g, dtypes[k]);
+        check_moves(g, dtypes[k]);
     }
     CHECK_OK(ddp_barrier(g), g);
     /* host memory on an nccl group: the cpu path */
@@ -191,6 +420,65 @@ static int rank_gpu(int rank, int n, void *arg) {
     ddp_destroy(g);
     CU(cudaStreamDestroy(stream));
     if (rank == 0) printf("nccl: %d rank(s): every collective and dtype matched host math\n", n);
+    return 0;
+}
+
+/* ---- the call check without a GPU: ddp__nccl_check on cpu groups, host memory ---- */
+
+/* One rank's check of call k (fingerprinted here, as collectives.c does): the result, *where the side.
+   A failure breaks the group with the message (g->broken_msg; ddp_last_error is the public calls'). */
+static ddp_result run_check(ddp_group *g, const ddp__call *k, int *where) {
+    ddp__coll c;
+    memset(&c, 0, sizeof c);
+    ddp__fingerprint(g, k, &c);
+    *where = ddp__nccl_where(g, k);
+    return ddp__nccl_check(g, k, &c, where);
+}
+
+static int rank_check(int rank, int n, void *arg) {
+    const char *what = (const char *)arg;
+    ddp_group *g = NULL;
+    float send[16] = {0}, recv[16] = {0};
+    size_t sc[3] = {1, 1, 0}, rc[3] = {1, 1, 0}, c[3] = {2, 2, 2};
+    ddp__call k;
+    ddp_result r;
+    int where = -1;
+    CHECK(n == 3, "3 ranks");
+    CHECK_OK(ddp_init(NULL, &g), NULL);
+    if (strcmp(what, "none") == 0) {
+        /* rank 2 has nothing to send or receive (NULL buffers): its vote agrees with the host side */
+        if (rank == 2) sc[0] = sc[1] = rc[0] = rc[1] = 0;
+        k = ddp__v_call(DDP__ALL_TO_ALL_V, rank == 2 ? NULL : send, sc, rank == 2 ? NULL : recv, rc, 0, DDP_F32);
+        CHECK(ddp__nccl_where(g, &k) == (rank == 2 ? DDP__NCCL_NONE : DDP__NCCL_HOST), "rank %d's vote: %d", rank,
+              ddp__nccl_where(g, &k));
+        CHECK_OK(run_check(g, &k, &where), g);
+        CHECK(where == DDP__NCCL_HOST, "all_to_all_v with an empty rank: side %d, not host", where);
+        /* gather: recv exists on the root alone */
+        k = ddp__make_call(DDP__GATHER, send, rank == 1 ? recv : NULL, 4, DDP_F32, DDP_SUM, 1);
+        CHECK_OK(run_check(g, &k, &where), g);
+        CHECK(where == DDP__NCCL_HOST, "gather: side %d, not host", where);
+        /* nothing anywhere (count 0): the host side, which only agrees */
+        k = ddp__make_call(DDP__ALL_TO_ALL, NULL, NULL, 0, DDP_F32, DDP_SUM, -1);
+        CHECK(ddp__nccl_where(g, &k) == DDP__NCCL_NONE, "all_to_all of 0: vote %d", ddp__nccl_where(g, &k));
+        CHECK_OK(run_check(g, &k, &where), g);
+        CHECK(where == DDP__NCCL_HOST, "all_to_all of 0: side %d, not host", where);
+    } else if (strcmp(what, "split") == 0) { /* rank 0 sends rank 1 two elements; rank 1 expects one */
+        if (rank == 0) sc[1] = 2;
+        k = ddp__v_call(DDP__ALL_TO_ALL_V, send, sc, recv, rc, 0, DDP_F32);
+        r = run_check(g, &k, &where);
+        CHECK(r == DDP_ERR_MISMATCH && strstr(g->broken_msg, "split sizes differ in all_to_all_v") &&
+                  strstr(g->broken_msg, "rank 0 sends 2 elements to rank 1 (its send_counts[1]) while rank 1 "
+                                            "expects 1 from rank 0 (its recv_counts[0])"),
+              "rank %d: split sizes that differ gave %d: %s", rank, (int)r, g->broken_msg);
+    } else { /* rank 2 passes counts {1, 3, 2}, the others {2, 2, 2}: the same total */
+        if (rank == 2) c[0] = 1, c[1] = 3;
+        k = ddp__v_call(DDP__ALL_GATHER_V, send, NULL, recv, c, c[rank], DDP_F32);
+        r = run_check(g, &k, &where);
+        CHECK(r == DDP_ERR_MISMATCH && strstr(g->broken_msg, "counts differ in all_gather_v") &&
+                  strstr(g->broken_msg, "rank 0 passes counts[0] = 2 while rank 2 passes counts[0] = 1"),
+              "rank %d: counts that differ gave %d: %s", rank, (int)r, g->broken_msg);
+    }
+    ddp_destroy(g);
     return 0;
 }
 
@@ -243,12 +531,23 @@ int main(int argc, char **argv) {
         printf("default backend: cpu; ddp_set_stream refused on it\n");
         return 0;
     }
+    if (argc >= 2 && strcmp(argv[1], "check") == 0) {
+        CHECK(tl_run_ranks(3, rank_check, (void *)"none", 60) == 0, "a rank with no buffers");
+        CHECK(tl_run_ranks(3, rank_check, (void *)"split", 60) == 0, "all_to_all_v split sizes that differ");
+        CHECK(tl_run_ranks(3, rank_check, (void *)"counts", 60) == 0, "all_gather_v counts that differ");
+        printf("call check: empty ranks agree; split sizes and counts that differ fail every rank\n");
+        return 0;
+    }
     if (argc >= 3 && strcmp(argv[1], "gpu") == 0) {
         int n = atoi(argv[2]);
         CHECK(n >= 1 && n <= 64, "bad rank count %s", argv[2]);
         CHECK(tl_run_ranks(n, rank_gpu, NULL, 300) == 0, "nccl with %d rank(s)", n);
+        if (n >= 2) {
+            CHECK(tl_run_ranks(n, rank_gpu_sizes_differ, (void *)"split", 120) == 0, "all_to_all_v split sizes that differ");
+            CHECK(tl_run_ranks(n, rank_gpu_sizes_differ, (void *)"counts", 120) == 0, "all_gather_v counts that differ");
+        }
         return 0;
     }
-    fprintf(stderr, "usage: test_nccl devices | nogpu | gpu N\n");
+    fprintf(stderr, "usage: test_nccl devices | nogpu | check | gpu N\n");
     return 2;
 }
