@@ -384,6 +384,13 @@ DDP_API ddp_result ddp_monitored_barrier(ddp_group *g, double timeout_seconds);
    memory only so far. */
 DDP_API ddp_result ddp_send(ddp_group *g, const void *buf, size_t count, ddp_dtype t, int dst, int tag);
 DDP_API ddp_result ddp_recv(ddp_group *g, void *buf, size_t count, ddp_dtype t, int src, int tag);
+/* isend / irecv: return at once with a handle for ddp_wait / ddp_test. An isend is queued with the group's
+   async collectives (in issue order); an irecv is posted at once, and any later call that reads the
+   connections (a queued call, a collective over TCP, a send, ddp_wait, ddp_test) may finish it, so every
+   rank may post its irecv before its isend. The buffer must stay valid and untouched until ddp_wait
+   returns. Not on the mpi backend yet (DDP_ERR_UNSUPPORTED: use ddp_send / ddp_recv there). */
+DDP_API ddp_result ddp_isend(ddp_group *g, const void *buf, size_t count, ddp_dtype t, int dst, int tag, ddp_work **w);
+DDP_API ddp_result ddp_irecv(ddp_group *g, void *buf, size_t count, ddp_dtype t, int src, int tag, ddp_work **w);
 
 /* Asynchronous variants: queue the collective and return at once. A progress thread runs queued
    work in issue order. The buffers must stay valid and untouched until ddp_wait returns.
@@ -1978,6 +1985,19 @@ typedef struct ddp__peer {
     double dial_after;    /* link.c: after a refusal, the next dial waits until then */
 } ddp__peer;
 
+/* A receive waiting for its message (transport.c's matching): ddp_recv's on its stack, ddp_irecv's with
+   its ddp_work. done and result are written under mesh.p2p_mu. */
+typedef struct ddp__posted {
+    struct ddp__posted *next;
+    int src, tag;
+    void *buf;
+    size_t bytes;
+    uint64_t count;
+    uint8_t dtype;
+    int done;
+    ddp_result result;
+} ddp__posted;
+
 /* Where a rank listens and who it is, from the rendezvous table; strings live in the mesh's name pool. */
 typedef struct ddp__peer_info {
     int port, pid;
@@ -2017,6 +2037,8 @@ typedef struct ddp__mesh {
     int *poll_owner;         /* the rank of each pollfds entry (link.c's own entries: below -1) */
     int waiting_for;         /* the rank this one waits for in the current step, -1 if none (for messages) */
     struct ddp__p2p_msg *stash, *stash_tail; /* point-to-point messages that arrived before their recv */
+    struct ddp__posted *posted; /* receives waiting for their message, in the order posted */
+    pthread_mutex_t p2p_mu;     /* guards stash and posted: ddp_irecv posts while the progress thread reads */
     uint64_t p2p_calls;      /* sends and recvs so far: each runs under its own number, counted down from
                                 UINT64_MAX (no collective's), so that peers seen quiet in one are looked at again */
 } ddp__mesh;
@@ -2174,6 +2196,12 @@ static DDP__UNUSED ddp_result ddp__exchange(ddp_group *g, const ddp__coll *c, co
    or receive the next message from c->root with c's tag (the stash first), checking its size and dtype. */
 static DDP__UNUSED ddp_result ddp__p2p_run(ddp_group *g, const ddp__call *k, const ddp__coll *c);
 static DDP__UNUSED void ddp__p2p_stash_free(ddp_group *g); /* messages nobody received (the group ends) */
+/* ddp_irecv: post p (a stashed message may finish it at once; a mismatch there is returned); then wait
+   for it reading what arrives (once: look one time without waiting); done: has it finished. */
+static DDP__UNUSED ddp_result ddp__p2p_post(ddp_group *g, ddp__posted *p);
+static DDP__UNUSED ddp_result ddp__p2p_wait(ddp_group *g, const ddp__coll *c, ddp__posted *p, int once);
+static DDP__UNUSED int ddp__posted_done(ddp_group *g, const ddp__posted *p);
+static DDP__UNUSED void ddp__p2p_unpost(ddp_group *g, ddp__posted *p);
 static DDP__UNUSED void ddp__close_after_failure(ddp_group *g, double seconds);
 /* "host h, pid p" of rank i (its place in the rendezvous table), or "rank i" before the table: for messages. */
 static DDP__UNUSED const char *ddp__peer_name(const ddp_group *g, int i, char *buf, size_t cap);
@@ -6550,33 +6578,6 @@ static ddp_result ddp__check_frame(ddp_group *g, const ddp__coll *c, int peer, c
     return DDP_SUCCESS;
 }
 
-/* The header just received from `peer` in a recv (c) of a point-to-point message: anything but the
-   message with our tag (others were stashed before this is called) means the two ranks' programs do not
-   meet: the peer went on to a collective or left the group before it sent what this rank waits for. */
-static ddp_result ddp__check_message(ddp_group *g, const ddp__coll *c, int peer, const ddp__frame *f, size_t expect) {
-    char ours[200];
-    if (f->magic != DDP__FRAME_MAGIC)
-        return ddp__coll_fail(g, DDP_ERR_FORMAT, "corrupt message from rank %d (bad magic 0x%08x)", peer, (unsigned)f->magic);
-    if (f->kind == DDP__FRAME_ABORT || f->kind == DDP__FRAME_BYE) return ddp__peer_failed_after(g, peer, c, f);
-    ddp__coll_describe(g, c, ours, sizeof ours);
-    if (f->kind != DDP__FRAME_P2P) {
-        char theirs[160];
-        ddp__coll t;
-        memset(&t, 0, sizeof t);
-        t.seq = f->seq, t.count = f->count, t.kind = f->coll, t.dtype = f->dtype, t.op = f->op, t.root = f->root, t.tag = -1;
-        ddp__coll_describe(g, &t, theirs, sizeof theirs);
-        return ddp__coll_fail(g, DDP_ERR_MISMATCH, "rank %d called %s before sending what this rank's %s waits for; a "
-                              "send and its recv must come in the same order relative to the collectives on both ranks",
-                              peer, theirs, ours);
-    }
-    if (f->bytes != expect || f->dtype != c->dtype)
-        return ddp__coll_fail(g, DDP_ERR_MISMATCH, "%s: rank %d sent %llu elements of %s with tag %d where this rank expects "
-                              "%llu of %s; a send and its recv must agree on count and dtype", ours, peer,
-                              (unsigned long long)f->count, ddp_dtype_name((ddp_dtype)f->dtype), (int)f->root,
-                              (unsigned long long)c->count, ddp_dtype_name((ddp_dtype)c->dtype));
-    return DDP_SUCCESS;
-}
-
 /* Is a frame from a peer that this step does not read fine in collective c? Only a frame with c's
    number and another fingerprint shows a mismatch: when ranks disagree about #X, no rank gets past
    #X, so every frame in flight has number X. A frame of c, of another number (a peer already past c:
@@ -6589,13 +6590,15 @@ static int ddp__frame_is_early(const ddp__coll *c, const ddp__frame *f) {
     return f->seq != c->seq || ddp__coll_equal(c, f);
 }
 
-/* ---- point-to-point messages that arrive before their recv: the stash ----
-   A rank reads whatever reaches it in order, connection by connection. A message (ddp_send) met before
-   the ddp_recv that takes it (in a collective's step, in a send, in a recv of another tag or source) is
-   read whole into the group's stash, in arrival order, and a later recv takes the first one from its
-   source with its tag (MPI's matching: by source and tag, in order). So a send never waits for its recv
-   to be posted, except that the bytes must fit the kernel's buffers or be read by the receiver's next
-   call into the library (any call that reads frames: a collective over TCP, a send, a recv). */
+/* ---- point-to-point matching: posted receives and the stash ----
+   A rank reads whatever reaches it in order, connection by connection. A message (a P2P frame) goes to
+   the first posted receive with its source and tag (ddp_irecv's, and ddp_recv's own while it waits),
+   else it is read whole into the group's stash, in arrival order; a receive, when it is posted, first
+   takes the oldest stashed message with its source and tag. That is MPI's matching (by source and tag,
+   in order), and it is done wherever a frame is met: in a collective's step, a peek, a send or a recv.
+   So a send never waits for its receive to be posted, except that its bytes must fit the kernel's
+   buffers or be read by the receiver's next call into the library. Both lists are guarded by
+   mesh.p2p_mu: ddp_irecv posts from the program's thread while the progress thread may read frames. */
 typedef struct ddp__p2p_msg {
     struct ddp__p2p_msg *next;
     int src, tag;
@@ -6605,17 +6608,59 @@ typedef struct ddp__p2p_msg {
     unsigned char data[1]; /* bytes of payload (allocated with the message) */
 } ddp__p2p_msg;
 
-/* The P2P frame f (header already taken) from `peer`: read its payload into the stash. */
-static ddp_result ddp__p2p_stash_take(ddp_group *g, const ddp__coll *c, int peer, const ddp__frame *f) {
+/* "recv(src=1, tag=3, count=4, f32)" for a posted receive. */
+static const char *ddp__posted_describe(const ddp__posted *p, char *out, size_t cap) {
+    snprintf(out, cap, "recv(src=%d, tag=%d, count=%llu, %s)", p->src, p->tag, (unsigned long long)p->count,
+             ddp_dtype_name((ddp_dtype)p->dtype));
+    return out;
+}
+
+/* Does message f fit posted receive p? If not: DDP_ERR_MISMATCH naming both (the group breaks). */
+static ddp_result ddp__posted_fits(ddp_group *g, const ddp__posted *p, const ddp__frame *f) {
+    char ours[160];
+    if (f->bytes == p->bytes && f->dtype == p->dtype) return DDP_SUCCESS;
+    return ddp__coll_fail(g, DDP_ERR_MISMATCH, "%s: rank %d sent %llu elements of %s with tag %d where this rank expects "
+                          "%llu of %s; a send and its recv must agree on count and dtype",
+                          ddp__posted_describe(p, ours, sizeof ours), p->src, (unsigned long long)f->count,
+                          ddp_dtype_name((ddp_dtype)f->dtype), (int)f->root, (unsigned long long)p->count,
+                          ddp_dtype_name((ddp_dtype)p->dtype));
+}
+
+/* Mark p finished with r (under p2p_mu by the caller). */
+static void ddp__posted_finish(ddp__posted *p, ddp_result r) {
+    p->result = r;
+    p->done = 1;
+}
+
+/* The P2P frame f (header already taken) from `peer`: to the first posted receive that matches, else into
+   the stash. The payload is read under p2p_mu, so a receive posted meanwhile cannot miss it. */
+static ddp_result ddp__p2p_deliver(ddp_group *g, const ddp__coll *c, int peer, const ddp__frame *f) {
     char err[DDP__ERR_MAX];
+    ddp__posted *p, *prev = NULL;
     ddp__p2p_msg *m;
+    ddp_result r = DDP_SUCCESS;
     if (f->bytes > DDP__MAX_BUFFER_BYTES)
         return ddp__coll_fail(g, DDP_ERR_FORMAT, "corrupt message from rank %d (a point-to-point message of %llu bytes)", peer,
                               (unsigned long long)f->bytes);
+    pthread_mutex_lock(&g->mesh.p2p_mu);
+    for (p = g->mesh.posted; p && !(p->src == peer && p->tag == f->root); prev = p, p = p->next)
+        ;
+    if (p) { /* unlinked whatever happens next: it is this message's receive */
+        if (prev) prev->next = p->next;
+        else g->mesh.posted = p->next;
+        if ((r = ddp__posted_fits(g, p, f)) == DDP_SUCCESS && p->bytes &&
+            ddp__net_recv(g->mesh.peers[peer].fd, p->buf, p->bytes, ddp__now() + g->timeout, err) != DDP_SUCCESS)
+            r = DDP_ERR_PEER_LOST;
+        ddp__posted_finish(p, r);
+        pthread_mutex_unlock(&g->mesh.p2p_mu);
+        return r == DDP_ERR_PEER_LOST ? ddp__peer_failed(g, peer, c) : r;
+    }
     m = (ddp__p2p_msg *)ddp__malloc(offsetof(ddp__p2p_msg, data) + (size_t)f->bytes + 1);
-    if (!m)
+    if (!m) {
+        pthread_mutex_unlock(&g->mesh.p2p_mu);
         return ddp__coll_fail(g, DDP_ERR_OUT_OF_MEMORY, "out of memory keeping a message of %llu bytes that rank %d sent "
                               "(tag %d) before this rank's recv for it", (unsigned long long)f->bytes, peer, (int)f->root);
+    }
     m->next = NULL;
     m->src = peer;
     m->tag = f->root;
@@ -6623,28 +6668,70 @@ static ddp_result ddp__p2p_stash_take(ddp_group *g, const ddp__coll *c, int peer
     m->count = f->count;
     m->bytes = (size_t)f->bytes;
     if (m->bytes && ddp__net_recv(g->mesh.peers[peer].fd, m->data, m->bytes, ddp__now() + g->timeout, err) != DDP_SUCCESS) {
+        pthread_mutex_unlock(&g->mesh.p2p_mu);
         ddp__free(m);
         return ddp__peer_failed(g, peer, c);
     }
     if (g->mesh.stash_tail) g->mesh.stash_tail->next = m;
     else g->mesh.stash = m;
     g->mesh.stash_tail = m;
+    pthread_mutex_unlock(&g->mesh.p2p_mu);
     return DDP_SUCCESS;
 }
 
-/* The first stashed message from src with tag, unlinked (the caller frees it); NULL when none. */
-static ddp__p2p_msg *ddp__p2p_stash_find(ddp_group *g, int src, int tag) {
+/* Post receive p: the oldest stashed message from its source with its tag finishes it at once; else it
+   waits at the end of the posted list. Returns p's result when it finished here (DDP_SUCCESS when it was
+   posted). */
+static ddp_result ddp__p2p_post(ddp_group *g, ddp__posted *p) {
     ddp__p2p_msg *m, *prev = NULL;
-    for (m = g->mesh.stash; m; prev = m, m = m->next) {
-        if (m->src != src || m->tag != tag) continue;
+    ddp__posted **at;
+    ddp_result r = DDP_SUCCESS;
+    pthread_mutex_lock(&g->mesh.p2p_mu);
+    for (m = g->mesh.stash; m && !(m->src == p->src && m->tag == p->tag); prev = m, m = m->next)
+        ;
+    if (m) {
+        ddp__frame f;
         if (prev) prev->next = m->next;
         else g->mesh.stash = m->next;
         if (g->mesh.stash_tail == m) g->mesh.stash_tail = prev;
-        return m;
+        memset(&f, 0, sizeof f);
+        f.dtype = m->dtype;
+        f.count = m->count;
+        f.root = m->tag;
+        f.bytes = m->bytes;
+        if ((r = ddp__posted_fits(g, p, &f)) == DDP_SUCCESS && p->bytes) memcpy(p->buf, m->data, p->bytes);
+        ddp__free(m);
+        ddp__posted_finish(p, r);
+    } else {
+        for (at = &g->mesh.posted; *at; at = &(*at)->next)
+            ;
+        p->next = NULL;
+        *at = p;
     }
-    return NULL;
+    pthread_mutex_unlock(&g->mesh.p2p_mu);
+    return r;
 }
 
+/* Take p off the posted list if it is still there (its wait failed). */
+static void ddp__p2p_unpost(ddp_group *g, ddp__posted *p) {
+    ddp__posted **at;
+    pthread_mutex_lock(&g->mesh.p2p_mu);
+    for (at = &g->mesh.posted; *at && *at != p; at = &(*at)->next)
+        ;
+    if (*at) *at = p->next;
+    pthread_mutex_unlock(&g->mesh.p2p_mu);
+}
+
+static int ddp__posted_done(ddp_group *g, const ddp__posted *p) {
+    int done;
+    pthread_mutex_lock(&g->mesh.p2p_mu);
+    done = p->done;
+    pthread_mutex_unlock(&g->mesh.p2p_mu);
+    return done;
+}
+
+/* The group ends: messages nobody received are named; posted receives are dropped (their handles go with
+   the group). */
 static void ddp__p2p_stash_free(ddp_group *g) {
     while (g->mesh.stash) {
         ddp__p2p_msg *m = g->mesh.stash;
@@ -6654,6 +6741,7 @@ static void ddp__p2p_stash_free(ddp_group *g) {
         ddp__free(m);
     }
     g->mesh.stash_tail = NULL;
+    g->mesh.posted = NULL;
 }
 
 /* A peer this step does not read from has something for us: look at its frame header without taking
@@ -6670,9 +6758,9 @@ static ddp_result ddp__peek_peer(ddp_group *g, const ddp__coll *c, int peer) {
         p->peek_later = 1;
         return DDP_SUCCESS;
     }
-    if (f.magic == DDP__FRAME_MAGIC && f.kind == DDP__FRAME_P2P) { /* a message: into the stash */
+    if (f.magic == DDP__FRAME_MAGIC && f.kind == DDP__FRAME_P2P) { /* a message: to its receive or the stash */
         if (recv(p->fd, &f, sizeof f, MSG_DONTWAIT) != (ssize_t)sizeof f) return ddp__peer_failed(g, peer, c);
-        return ddp__p2p_stash_take(g, c, peer, &f);
+        return ddp__p2p_deliver(g, c, peer, &f);
     }
     if (ddp__frame_is_early(c, &f)) {
         p->quiet_seq = c->seq;
@@ -6714,23 +6802,7 @@ static short ddp__poll_events(ddp_group *g, const ddp__coll *c, const ddp__step 
 #define DDP__TCP_SPIN_SECONDS 50e-6
 #define DDP__TCP_SPIN_MAX_BYTES ((size_t)64 << 10)
 
-/* A recv over shared memory: has its source gone on to a collective without sending? Its collectives
-   over the segment send this rank nothing, so the segment's fingerprints say it: the source entered a
-   collective this rank has not, and no byte from it waits in the connection (it wrote any message
-   before it entered; the sender dials, so no connection means no message). Seen twice 10 ms apart, to
-   leave bytes in flight on the loopback time to land; *since holds the first sighting (0: none). */
-static int ddp__p2p_peer_went_on(ddp_group *g, int src, double *since) {
-    int fd = g->mesh.peers[src].fd, pending = 0;
-    if (ddp__shm_peer_seq(g, src) <= g->seq || (fd >= 0 && (ioctl(fd, FIONREAD, &pending) != 0 || pending > 0))) {
-        *since = 0;
-        return 0;
-    }
-    if (*since == 0) *since = ddp__now();
-    return ddp__now() - *since >= 0.01;
-}
-
 static ddp_result ddp__exchange(ddp_group *g, const ddp__coll *c, const ddp__step *s) {
-    double ahead_since = 0; /* a recv over shared memory: when its source was first seen gone on (above) */
     ddp__frame out, in;
     size_t sent = 0, received = 0;          /* bytes of header + payload so far */
     size_t send_total = s->send_peer >= 0 ? sizeof out + s->send_bytes : 0;
@@ -6782,9 +6854,8 @@ static ddp_result ddp__exchange(ddp_group *g, const ddp__coll *c, const ddp__ste
             int yielded = 0;
             while ((rc = poll(fds, (nfds_t)n, 0)) == 0 && (ddp__now() < spin_until || !yielded++)) sched_yield();
         }
-        if (rc == 0) /* a recv over shared memory looks at the segment every 10 ms (above) */
-            rc = poll(fds, (nfds_t)n, soon ? 1 : (int)DDP__MAX(1.0, DDP__MIN(s->p2p && g->shm ? 10.0 : 1000.0,
-                                                                            (wake - ddp__now()) * 1000.0)));
+        if (rc == 0)
+            rc = poll(fds, (nfds_t)n, soon ? 1 : (int)DDP__MAX(1.0, DDP__MIN(1000.0, (wake - ddp__now()) * 1000.0)));
         if (rc < 0 && errno != EINTR) return ddp__coll_fail(g, DDP_ERR_SYSTEM, "poll failed: %s", strerror(errno));
         if (rc > 0 && n > npeers && (r = ddp__link_progress(g, fds + npeers, owner + npeers, n - npeers, &progressed)))
             return r;
@@ -6809,11 +6880,10 @@ static ddp_result ddp__exchange(ddp_group *g, const ddp__coll *c, const ddp__ste
                     progressed = 1;
                     if (received == sizeof in) {
                         ddp_result r;
-                        if (in.magic == DDP__FRAME_MAGIC && in.kind == DDP__FRAME_P2P && !(s->p2p && in.root == c->tag)) {
-                            if ((r = ddp__p2p_stash_take(g, c, peer, &in)) != DDP_SUCCESS) return r;
-                            received = 0; /* a message for a later recv: stashed; the frame we wait for follows */
-                        } else if ((r = s->p2p ? ddp__check_message(g, c, peer, &in, s->recv_bytes)
-                                               : ddp__check_frame(g, c, peer, &in, s->recv_bytes)) != DDP_SUCCESS) {
+                        if (in.magic == DDP__FRAME_MAGIC && in.kind == DDP__FRAME_P2P) {
+                            if ((r = ddp__p2p_deliver(g, c, peer, &in)) != DDP_SUCCESS) return r;
+                            received = 0; /* a message, matched or stashed; the frame we wait for follows */
+                        } else if ((r = ddp__check_frame(g, c, peer, &in, s->recv_bytes)) != DDP_SUCCESS) {
                             return r;
                         }
                     }
@@ -6859,14 +6929,6 @@ static ddp_result ddp__exchange(ddp_group *g, const ddp__coll *c, const ddp__ste
             ddp_result r;
             if ((fds[i].revents & POLLIN) && (r = ddp__peek_peer(g, c, owner[i])) != DDP_SUCCESS) return r;
         }
-        if (s->p2p && received == 0 && ddp__p2p_peer_went_on(g, s->recv_peer, &ahead_since)) {
-            char ours[200];
-            ddp__coll_describe(g, c, ours, sizeof ours);
-            return ddp__coll_fail(g, DDP_ERR_MISMATCH, "rank %d called collective #%llu before sending what this rank's "
-                                  "%s waits for; a send and its recv must come in the same order relative to the "
-                                  "collectives on both ranks", s->recv_peer,
-                                  (unsigned long long)(ddp__shm_peer_seq(g, s->recv_peer) - g->seq_base), ours);
-        }
         if (progressed && (s->deadline <= 0 || sent > 0 || received > 0)) { /* a handshake's progress does not
                                                                                move a step's own deadline */
             deadline = ddp__now() + g->timeout;
@@ -6879,43 +6941,128 @@ static ddp_result ddp__exchange(ddp_group *g, const ddp__coll *c, const ddp__ste
     return DDP_SUCCESS;
 }
 
-/* ---- point-to-point: ddp_send and ddp_recv over the mesh, whatever the group's backend ----
+/* ---- point-to-point: ddp_send, ddp_recv and ddp_irecv's wait over the mesh, whatever the backend ----
    A send is one frame to the peer (the sender dials, as in a collective's step), written while this
    rank keeps reading what reaches it, so two ranks sending each other large messages at once both get
-   through (each stashes the other's). A recv takes the first stashed message from its source with its
-   tag, else reads from the source: messages of other tags go to the stash, and a collective's frame at
-   the head of the stream means the peer went on without sending: DDP_ERR_MISMATCH (else both wait). */
+   through (each matches or stashes the other's). A receive is posted (the stash first) and then waits,
+   reading whatever arrives, until a message finishes it. The source's stream showing a collective's
+   frame where the message should be means the source went on without sending: DDP_ERR_MISMATCH (else
+   both would wait for each other until the timeout). */
+/* A recv over shared memory: has its source gone on to a collective without sending? Its collectives
+   over the segment send this rank nothing, so the segment's fingerprints say it: the source entered a
+   collective this rank has not, and no byte from it waits in the connection (it wrote any message
+   before it entered; the sender dials, so no connection means no message). Seen twice 10 ms apart, to
+   leave bytes in flight on the loopback time to land; *since holds the first sighting (0: none). */
+static int ddp__p2p_peer_went_on(ddp_group *g, int src, double *since) {
+    int fd = g->mesh.peers[src].fd, pending = 0;
+    if (ddp__shm_peer_seq(g, src) <= g->seq || (fd >= 0 && (ioctl(fd, FIONREAD, &pending) != 0 || pending > 0))) {
+        *since = 0;
+        return 0;
+    }
+    if (*since == 0) *since = ddp__now();
+    return ddp__now() - *since >= 0.01;
+}
+
+/* "rank 1 called barrier() as collective #2 before sending what this rank's recv(...) waits for". */
+static ddp_result ddp__p2p_went_on(ddp_group *g, const ddp__posted *p, const char *theirs) {
+    char ours[160];
+    return ddp__coll_fail(g, DDP_ERR_MISMATCH, "rank %d called %s before sending what this rank's %s waits for; a send and "
+                          "its recv must come in the same order relative to the collectives on both ranks", p->src, theirs,
+                          ddp__posted_describe(p, ours, sizeof ours));
+}
+
+/* The head of `peer`'s stream while waiting for p: a message is delivered (ddp__peek_peer); from p's
+   source, a collective's frame is the mismatch above. */
+static ddp_result ddp__p2p_look(ddp_group *g, const ddp__coll *c, const ddp__posted *p, int peer) {
+    ddp__frame f;
+    if (peer == p->src && recv(g->mesh.peers[peer].fd, &f, sizeof f, MSG_PEEK | MSG_DONTWAIT) == (ssize_t)sizeof f &&
+        f.magic == DDP__FRAME_MAGIC && (f.kind == DDP__FRAME_DATA || f.kind == DDP__FRAME_BYE)) {
+        if (f.kind == DDP__FRAME_BYE) return ddp__peer_failed_after(g, peer, c, &f); /* "left the group" */
+        char theirs[160];
+        ddp__coll t;
+        memset(&t, 0, sizeof t);
+        t.seq = f.seq, t.count = f.count, t.kind = f.coll, t.dtype = f.dtype, t.op = f.op, t.root = f.root, t.tag = -1;
+        ddp__coll_describe(g, &t, theirs, sizeof theirs);
+        return ddp__p2p_went_on(g, p, theirs);
+    }
+    return ddp__peek_peer(g, c, peer);
+}
+
+/* Read what reaches this rank until posted receive p is finished (once: look one time, without waiting). */
+static ddp_result ddp__p2p_wait(ddp_group *g, const ddp__coll *c, ddp__posted *p, int once) {
+    struct pollfd *fds = g->mesh.pollfds;
+    int *owner = g->mesh.poll_owner;
+    double deadline = ddp__now() + g->timeout, ahead_since = 0;
+    for (;;) {
+        int n = 0, npeers, i, rc, progressed = 0, soon = 0;
+        double wake = deadline;
+        ddp_result r;
+        if (ddp__posted_done(g, p)) return p->result;
+        if (g->broken) return g->broken;
+        g->mesh.waiting_for = p->src;
+        for (i = 0; i < g->mesh.nlinked; i++) {
+            int peer = g->mesh.linked[i];
+            ddp__peer *q = &g->mesh.peers[peer];
+            if (q->fd < 0) continue;
+            fds[n].fd = q->fd;
+            fds[n].events = POLLRDHUP;
+            if (q->peek_later) q->peek_later = 0, soon = 1;
+            else if (q->quiet_seq != c->seq || peer == p->src) fds[n].events |= POLLIN;
+            fds[n].revents = 0;
+            owner[n++] = peer;
+        }
+        npeers = n;
+        n += ddp__link_poll_entries(g, fds + n, owner + n, &wake);
+        rc = poll(fds, (nfds_t)n, once ? 0 : soon ? 1 : (int)DDP__MAX(1.0, DDP__MIN(g->shm ? 10.0 : 1000.0,
+                                                                                    (wake - ddp__now()) * 1000.0)));
+        if (rc < 0 && errno != EINTR) return ddp__coll_fail(g, DDP_ERR_SYSTEM, "poll failed: %s", strerror(errno));
+        if (rc > 0 && n > npeers && (r = ddp__link_progress(g, fds + npeers, owner + npeers, n - npeers, &progressed)))
+            return r;
+        for (i = 0; i < npeers && rc > 0; i++) {
+            if (fds[i].revents & POLLIN) {
+                if ((r = ddp__p2p_look(g, c, p, owner[i])) != DDP_SUCCESS) return r;
+                progressed = 1;
+            } else if (fds[i].revents & (POLLRDHUP | POLLHUP | POLLERR)) {
+                return ddp__peer_failed(g, owner[i], c);
+            }
+        }
+        if (ddp__posted_done(g, p)) return p->result;
+        if (ddp__p2p_peer_went_on(g, p->src, &ahead_since)) { /* over shared memory: see above */
+            char theirs[64];
+            snprintf(theirs, sizeof theirs, "collective #%llu", (unsigned long long)(ddp__shm_peer_seq(g, p->src) - g->seq_base));
+            return ddp__p2p_went_on(g, p, theirs);
+        }
+        if (once) return DDP_SUCCESS;
+        if (progressed) deadline = ddp__now() + g->timeout;
+        else if (ddp__now() > deadline) return ddp__peer_timed_out(g, p->src, c);
+    }
+}
+
 static ddp_result ddp__p2p_run(ddp_group *g, const ddp__call *k, const ddp__coll *c) {
     size_t bytes = k->count * ddp_dtype_size(k->dtype);
-    ddp__p2p_msg *m;
-    ddp__step st;
-    memset(&st, 0, sizeof st);
-    st.send_peer = st.recv_peer = -1;
-    st.p2p = 1;
+    ddp__posted p;
+    ddp_result r;
     if (k->kind == DDP__SEND) {
+        ddp__step st;
+        memset(&st, 0, sizeof st);
+        st.recv_peer = -1;
+        st.p2p = 1;
         st.send_peer = k->root;
         st.send_buf = k->send;
         st.send_bytes = bytes;
         return ddp__exchange(g, c, &st);
     }
-    if ((m = ddp__p2p_stash_find(g, k->root, c->tag)) != NULL) {
-        ddp__frame f;
-        ddp_result r;
-        memset(&f, 0, sizeof f);
-        f.magic = DDP__FRAME_MAGIC;
-        f.kind = DDP__FRAME_P2P;
-        f.dtype = m->dtype;
-        f.count = m->count;
-        f.root = m->tag;
-        f.bytes = m->bytes;
-        if ((r = ddp__check_message(g, c, k->root, &f, bytes)) == DDP_SUCCESS && bytes) memcpy(k->buf, m->data, bytes);
-        ddp__free(m);
-        return r;
-    }
-    st.recv_peer = k->root;
-    st.recv_buf = k->buf;
-    st.recv_bytes = bytes;
-    return ddp__exchange(g, c, &st);
+    memset(&p, 0, sizeof p);
+    p.src = k->root;
+    p.tag = k->tag;
+    p.buf = k->buf;
+    p.bytes = bytes;
+    p.count = k->count;
+    p.dtype = (uint8_t)k->dtype;
+    if ((r = ddp__p2p_post(g, &p)) != DDP_SUCCESS) return r;
+    r = ddp__p2p_wait(g, c, &p, 0);
+    ddp__p2p_unpost(g, &p); /* when it failed before a message came */
+    return r;
 }
 
 /* ---- closing connections ---- */
@@ -7069,13 +7216,19 @@ static ddp_result ddp__broadcast_bytes_run(ddp_group *g, const ddp__backend *b, 
     return DDP_SUCCESS;
 }
 
+/* send and recv: no collective number, so the flight recorder (which files calls by it) leaves them out. */
+static int ddp__is_p2p(int kind) { return kind == DDP__SEND || kind == DDP__RECV; }
+
+/* Run k on backend b (point-to-point over the mesh, or MPI's own on the mpi backend). */
 static ddp_result ddp__run(ddp_group *g, const ddp__backend *b, const ddp__call *k, const ddp__coll *c) {
+    int p2p = ddp__is_p2p(k->kind);
     ddp_result r;
     if (g->broken) {
-        ddp__trace_ended(g, c, DDP_ERR_STATE);
+        if (!p2p) ddp__trace_ended(g, c, DDP_ERR_STATE);
         return DDP_ERR_STATE;
     }
     g->mesh.waiting_for = -1;
+    if (p2p) return g->mpi ? b->run(g, k, c) : ddp__p2p_run(g, k, c);
     ddp__trace_started(g, c);
     r = k->kind == DDP__BROADCAST_BYTES ? ddp__broadcast_bytes_run(g, b, k, c) : b->run(g, k, c);
     ddp__trace_ended(g, c, r);
@@ -7250,7 +7403,7 @@ static void *ddp__progress_main(void *arg) {
         pthread_mutex_unlock(&g->async.mu);
         if (g->broken) {
             r = DDP_ERR_STATE;
-            ddp__trace_ended(g, &w->coll, r);
+            if (!ddp__is_p2p(w->call.kind)) ddp__trace_ended(g, &w->coll, r);
             ddp__broken_message(g, &w->call, w->error);
         } else if ((r = ddp__run(g, g->backend, &w->call, &w->coll)) != DDP_SUCCESS) {
             snprintf(w->error, sizeof w->error, "%s", g->broken_msg);
@@ -7331,11 +7484,13 @@ static void ddp__work_unlink(ddp_group *g, ddp_work *w) {
 
 /* The group is going away (its progress thread stopped): free the handles nobody waited on, so a later
    ddp_wait on one is an error instead of a use after free. */
+static ddp_result ddp__irecv_wait(ddp_work *w);
 static void ddp__work_release_all(ddp_group *g) {
     while (g->async.issued) {
         ddp_work *w = g->async.issued;
         g->async.issued = w->issued_next;
         ddp__live_remove(w, DDP__LIVE_WORK);
+        if (w->owner && w->owner->wait == ddp__irecv_wait) ddp__free(w->handle); /* its posted receive */
         ddp__free(w);
     }
 }
@@ -7346,22 +7501,10 @@ static ddp_result ddp__spent_work(const char *fn, const ddp_work *w) {
                      "waited on), or it never came from an async collective", fn, (const void *)w);
 }
 
-static ddp_result ddp__collective_async(ddp_group *g, const ddp__call *k, ddp_work **out) {
-    ddp_work *w;
-    ddp_result r;
-    if ((r = ddp__group_check(g, ddp__coll_name(k->kind))) != DDP_SUCCESS) return r;
-    if (!out) return ddp__fail(g, DDP_ERR_INVALID_ARGUMENT, "%s_async: the ddp_work **out argument is NULL", ddp__coll_name(k->kind));
-    *out = NULL;
-    if ((r = ddp__validate(g, k)) != DDP_SUCCESS) return r;
-    if (g->backend->enqueue && g->backend->enqueue(g, k, out, &r)) { /* the backend took it (nccl: device work) */
-        if (r == DDP_SUCCESS && !ddp__work_issue(g, *out)) {
-            r = ddp__fail(g, DDP_ERR_OUT_OF_MEMORY, "out of memory recording a ddp_work; the collective was queued: "
-                          "destroy the group");
-            *out = NULL;
-        }
-        return r;
-    }
-    w = (ddp_work *)ddp__calloc(1, sizeof *w);
+/* Queue k (validated) for the progress thread: fingerprinted as g's next collective, or, for an isend,
+   under its own description `p2p`. */
+static ddp_result ddp__enqueue(ddp_group *g, const ddp__call *k, const ddp__coll *p2p, ddp_work **out) {
+    ddp_work *w = (ddp_work *)ddp__calloc(1, sizeof *w);
     if (!w) return ddp__fail(g, DDP_ERR_OUT_OF_MEMORY, "out of memory allocating a ddp_work");
     if (!ddp__work_issue(g, w)) {
         ddp__free(w);
@@ -7380,7 +7523,8 @@ static ddp_result ddp__collective_async(ddp_group *g, const ddp__call *k, ddp_wo
         }
         g->async.running = 1;
     }
-    ddp__fingerprint(g, k, &w->coll); /* under the lock: seq order is issue order */
+    if (p2p) w->coll = *p2p;
+    else ddp__fingerprint(g, k, &w->coll); /* under the lock: seq order is issue order */
     if (g->async.tail)
         g->async.tail->next = w;
     else
@@ -7390,6 +7534,23 @@ static ddp_result ddp__collective_async(ddp_group *g, const ddp__call *k, ddp_wo
     pthread_mutex_unlock(&g->async.mu);
     *out = w;
     return DDP_SUCCESS;
+}
+
+static ddp_result ddp__collective_async(ddp_group *g, const ddp__call *k, ddp_work **out) {
+    ddp_result r;
+    if ((r = ddp__group_check(g, ddp__coll_name(k->kind))) != DDP_SUCCESS) return r;
+    if (!out) return ddp__fail(g, DDP_ERR_INVALID_ARGUMENT, "%s_async: the ddp_work **out argument is NULL", ddp__coll_name(k->kind));
+    *out = NULL;
+    if ((r = ddp__validate(g, k)) != DDP_SUCCESS) return r;
+    if (g->backend->enqueue && g->backend->enqueue(g, k, out, &r)) { /* the backend took it (nccl: device work) */
+        if (r == DDP_SUCCESS && !ddp__work_issue(g, *out)) {
+            r = ddp__fail(g, DDP_ERR_OUT_OF_MEMORY, "out of memory recording a ddp_work; the collective was queued: "
+                          "destroy the group");
+            *out = NULL;
+        }
+        return r;
+    }
+    return ddp__enqueue(g, k, NULL, out);
 }
 
 static ddp_result ddp__group_abort(ddp_group *g, ddp_result code, const char *msg) {
@@ -7404,10 +7565,10 @@ DDP_API ddp_result ddp_wait(ddp_work *w) {
     if (!ddp__live_take(w, DDP__LIVE_WORK)) return ddp__spent_work("ddp_wait", w);
     g = w->g;
     ddp__work_unlink(g, w);
-    if (w->owner) { /* the backend's own work (nccl: device work), freed by its wait */
+    if (w->owner) { /* the backend's own work (nccl: device work; an irecv), freed by its wait */
         ddp__coll c = w->coll;
         r = w->owner->wait(w);
-        ddp__trace_ended(g, &c, r);
+        if (!ddp__is_p2p(c.kind)) ddp__trace_ended(g, &c, r);
         return r;
     }
     pthread_mutex_lock(&g->async.mu);
@@ -7577,20 +7738,23 @@ DDP_API ddp_result ddp_monitored_barrier_async(ddp_group *g, double timeout_seco
     return ddp__collective_async(g, &k, w);
 }
 
-/* ---- point-to-point: ddp_send, ddp_recv ----
-   Not collectives: two ranks take part, so a call takes no collective number (the fingerprint that
-   every rank compares). It runs on the calling thread after the group's queued async work, as the
-   synchronous collectives do, over the TCP mesh whatever the backend (transport.c: ddp__p2p_run; the
-   mpi backend sends with MPI). */
-static ddp_result ddp__p2p(ddp_group *g, ddp__coll_kind kind, const void *send, void *recv, size_t count, ddp_dtype t,
-                           int peer, int tag) {
-    const char *name = ddp__coll_name(kind);
-    ddp__call k = ddp__make_call(kind, send, recv, count, t, DDP_SUM, peer);
-    char msg[DDP__ERR_MAX];
-    ddp__coll c;
+/* ---- point-to-point: ddp_send, ddp_recv, ddp_isend, ddp_irecv ----
+   Not collectives: two ranks take part, so a call takes no collective number (the fingerprint that every
+   rank compares); it is described by its peer and tag under a number of its own (see ddp__mesh). It goes
+   over the TCP mesh whatever the backend (transport.c's matching; the mpi backend sends with MPI).
+   ddp_send / ddp_recv run on the calling thread after the group's queued async work, as the synchronous
+   collectives do. ddp_isend is queued for the progress thread like an async collective (a send never
+   waits for its receive). ddp_irecv is not queued: it is posted at once (a message already stashed
+   finishes it there), so a later queued call, or any call that reads frames, can finish it; ddp_wait
+   first lets the queued work run, then reads until its message comes; ddp_test looks once when no
+   queued work runs. So the exchange patterns work in any order: irecv then isend on every rank, or an
+   irecv posted before collectives that its sender calls first. */
+
+/* The arguments of a send or recv, checked on the caller's thread (a bad call breaks nothing). */
+static ddp_result ddp__p2p_check(ddp_group *g, const char *name, ddp__coll_kind kind, const void *buf, size_t count,
+                                 ddp_dtype t, int peer, int tag) {
     ddp_result r = ddp__group_check(g, name);
     if (r) return r;
-    k.tag = tag;
     if (!ddp__dtype_valid(t))
         return ddp__fail(g, DDP_ERR_INVALID_ARGUMENT, "%s: dtype %d is not a ddp_dtype (DDP_F32 ... DDP_I64)", name, (int)t);
     if (peer < 0 || peer >= g->world_size || peer == g->rank)
@@ -7600,26 +7764,42 @@ static ddp_result ddp__p2p(ddp_group *g, ddp__coll_kind kind, const void *send, 
     if (count > DDP__MAX_BUFFER_BYTES / ddp_dtype_size(t))
         return ddp__fail(g, DDP_ERR_INVALID_ARGUMENT, "%s: count %zu is above the limit of 2^47 bytes (128 TiB) of %s", name,
                          count, ddp_dtype_name(t));
-    if (count && !(kind == DDP__SEND ? send : recv))
-        return ddp__fail(g, DDP_ERR_INVALID_ARGUMENT, "%s: the buffer is NULL with count %zu", name, count);
+    if (count && !buf) return ddp__fail(g, DDP_ERR_INVALID_ARGUMENT, "%s: the buffer is NULL with count %zu", name, count);
 #if defined(DDP_CUDA)
-    if (count && g->nccl && ddp__cuda_is_device_pointer(kind == DDP__SEND ? send : recv) == 1)
+    if (count && g->nccl && ddp__cuda_is_device_pointer(buf) == 1)
         return ddp__fail(g, DDP_ERR_UNSUPPORTED, "%s: the nccl backend sends and receives host memory only so far "
                          "(ncclSend/ncclRecv for device memory are not built yet): copy the buffer to host memory", name);
 #endif
+    return DDP_SUCCESS;
+}
+
+/* The call and its description: the peer in root, its own number (no collective's). */
+static void ddp__p2p_describe(ddp_group *g, ddp__call *k, ddp__coll *c, ddp__coll_kind kind, const void *send, void *recv,
+                              size_t count, ddp_dtype t, int peer, int tag) {
+    *k = ddp__make_call(kind, send, recv, count, t, DDP_SUM, peer);
+    k->tag = tag;
+    memset(c, 0, sizeof *c);
+    c->seq = UINT64_MAX - ++g->mesh.p2p_calls; /* see ddp__mesh */
+    c->kind = (uint8_t)kind;
+    c->count = count;
+    c->dtype = (uint8_t)t;
+    c->op = DDP__NO_OP;
+    c->root = peer;
+    c->tag = tag;
+}
+
+static ddp_result ddp__p2p(ddp_group *g, ddp__coll_kind kind, const void *send, void *recv, size_t count, ddp_dtype t,
+                           int peer, int tag) {
+    const char *name = ddp__coll_name(kind);
+    char msg[DDP__ERR_MAX];
+    ddp__call k;
+    ddp__coll c;
+    ddp_result r = ddp__p2p_check(g, name, kind, kind == DDP__SEND ? send : recv, count, t, peer, tag);
+    if (r) return r;
     ddp__drain(g);
+    ddp__p2p_describe(g, &k, &c, kind, send, recv, count, t, peer, tag);
     if (g->broken) return ddp__fail(g, DDP_ERR_STATE, "%s", ddp__broken_message(g, &k, msg));
-    memset(&c, 0, sizeof c);
-    c.seq = UINT64_MAX - ++g->mesh.p2p_calls; /* no collective's number: see ddp__mesh */
-    c.kind = (uint8_t)kind;
-    c.count = count;
-    c.dtype = (uint8_t)t;
-    c.op = DDP__NO_OP;
-    c.root = peer;
-    c.tag = tag;
-    g->mesh.waiting_for = -1;
-    r = g->mpi ? g->backend->run(g, &k, &c) : ddp__p2p_run(g, &k, &c);
-    if (r) return ddp__fail(g, r, "%s", g->broken_msg);
+    if ((r = ddp__run(g, g->backend, &k, &c)) != DDP_SUCCESS) return ddp__fail(g, r, "%s", g->broken_msg);
     return DDP_SUCCESS;
 }
 
@@ -7628,6 +7808,94 @@ DDP_API ddp_result ddp_send(ddp_group *g, const void *buf, size_t count, ddp_dty
 }
 DDP_API ddp_result ddp_recv(ddp_group *g, void *buf, size_t count, ddp_dtype t, int src, int tag) {
     return ddp__p2p(g, DDP__RECV, NULL, buf, count, t, src, tag);
+}
+
+/* Checks shared by ddp_isend and ddp_irecv; *out = NULL. */
+static ddp_result ddp__p2p_async_check(ddp_group *g, const char *name, ddp__coll_kind kind, const void *buf, size_t count,
+                                       ddp_dtype t, int peer, int tag, ddp_work **out) {
+    ddp_result r = ddp__p2p_check(g, name, kind, buf, count, t, peer, tag);
+    if (r) return r;
+    if (!out) return ddp__fail(g, DDP_ERR_INVALID_ARGUMENT, "%s: the ddp_work **out argument is NULL", name);
+    *out = NULL;
+    if (g->mpi)
+        return ddp__fail(g, DDP_ERR_UNSUPPORTED, "%s: the mpi backend has ddp_send and ddp_recv but not their async "
+                         "variants yet; use those (or the cpu backend)", name);
+    return DDP_SUCCESS;
+}
+
+DDP_API ddp_result ddp_isend(ddp_group *g, const void *buf, size_t count, ddp_dtype t, int dst, int tag, ddp_work **w) {
+    ddp__call k;
+    ddp__coll c;
+    ddp_result r = ddp__p2p_async_check(g, "isend", DDP__SEND, buf, count, t, dst, tag, w);
+    if (r) return r;
+    ddp__p2p_describe(g, &k, &c, DDP__SEND, buf, NULL, count, t, dst, tag);
+    return ddp__enqueue(g, &k, &c, w);
+}
+
+/* An irecv's handle: its wait and test (ddp_work.owner); w->handle is its posted receive. */
+static ddp_result ddp__irecv_wait(ddp_work *w) {
+    ddp_group *g = w->g;
+    ddp__posted *p = (ddp__posted *)w->handle;
+    ddp_result r;
+    ddp__drain(g); /* queued work first: it may bring the message, and it reads the connections meanwhile */
+    if (ddp__posted_done(g, p)) r = p->result;
+    else if (g->broken) r = g->broken;
+    else r = ddp__p2p_wait(g, &w->coll, p, 0);
+    if (!ddp__posted_done(g, p)) ddp__p2p_unpost(g, p);
+    if (r) ddp__fail(g, r, "%s", g->broken ? g->broken_msg : "irecv failed");
+    ddp__free(p);
+    ddp__free(w);
+    return r;
+}
+
+static int ddp__irecv_test(ddp_work *w) {
+    ddp_group *g = w->g;
+    ddp__posted *p = (ddp__posted *)w->handle;
+    int idle;
+    if (ddp__posted_done(g, p) || g->broken) return 1;
+    pthread_mutex_lock(&g->async.mu);
+    idle = g->async.head == NULL; /* no queued work reads the connections now, and only this thread queues more */
+    pthread_mutex_unlock(&g->async.mu);
+    if (idle) ddp__p2p_wait(g, &w->coll, p, 1);
+    return ddp__posted_done(g, p) || g->broken != DDP_SUCCESS;
+}
+
+static const ddp__backend ddp__irecv_owner = {"p2p", "cpu", NULL, NULL, ddp__irecv_wait, ddp__irecv_test, NULL,
+                                              NULL, NULL, NULL, NULL, NULL};
+
+DDP_API ddp_result ddp_irecv(ddp_group *g, void *buf, size_t count, ddp_dtype t, int src, int tag, ddp_work **out) {
+    ddp__posted *p;
+    ddp_work *w;
+    ddp_result r = ddp__p2p_async_check(g, "irecv", DDP__RECV, buf, count, t, src, tag, out);
+    if (r) return r;
+    if (g->broken) return ddp__fail(g, DDP_ERR_STATE, "irecv: the group is broken by an earlier error and cannot be "
+                                    "used; destroy it. The error was: %.800s", g->broken_msg);
+    w = (ddp_work *)ddp__calloc(1, sizeof *w);
+    p = (ddp__posted *)ddp__calloc(1, sizeof *p);
+    if (!w || !p || !ddp__work_issue(g, w)) {
+        ddp__free(w);
+        ddp__free(p);
+        return ddp__fail(g, DDP_ERR_OUT_OF_MEMORY, "irecv: out of memory allocating a ddp_work");
+    }
+    w->g = g;
+    w->owner = &ddp__irecv_owner;
+    w->handle = p;
+    ddp__p2p_describe(g, &w->call, &w->coll, DDP__RECV, NULL, buf, count, t, src, tag);
+    p->src = src;
+    p->tag = tag;
+    p->buf = buf;
+    p->bytes = count * ddp_dtype_size(t);
+    p->count = count;
+    p->dtype = (uint8_t)t;
+    if ((r = ddp__p2p_post(g, p)) != DDP_SUCCESS) { /* a stashed message of another size: the group is broken */
+        ddp__live_remove(w, DDP__LIVE_WORK);
+        ddp__work_unlink(g, w);
+        ddp__free(p);
+        ddp__free(w);
+        return ddp__fail(g, r, "%s", g->broken_msg);
+    }
+    *out = w;
+    return DDP_SUCCESS;
 }
 /* ==================== end src/collectives.c ==================== */
 
@@ -12275,6 +12543,7 @@ static ddp_group *ddp__group_alloc(int rank, int world_size) {
     int i;
     if (!g) return NULL;
     pthread_mutex_init(&g->async.mu, NULL);
+    pthread_mutex_init(&g->mesh.p2p_mu, NULL);
     pthread_cond_init(&g->async.cv, NULL);
     g->rank = rank;
     g->mesh.waiting_for = -1;
@@ -12317,6 +12586,7 @@ static void ddp__group_free(ddp_group *g) {
     if (g->member.parent) ddp__subgroup_unlink(g->member.parent, g);
     ddp__trace_close(g);
     pthread_mutex_destroy(&g->async.mu);
+    pthread_mutex_destroy(&g->mesh.p2p_mu);
     pthread_cond_destroy(&g->async.cv);
     ddp__free(g->scratch);
     ddp__p2p_stash_free(g);

@@ -82,13 +82,19 @@ static ddp_result ddp__broadcast_bytes_run(ddp_group *g, const ddp__backend *b, 
     return DDP_SUCCESS;
 }
 
+/* send and recv: no collective number, so the flight recorder (which files calls by it) leaves them out. */
+static int ddp__is_p2p(int kind) { return kind == DDP__SEND || kind == DDP__RECV; }
+
+/* Run k on backend b (point-to-point over the mesh, or MPI's own on the mpi backend). */
 static ddp_result ddp__run(ddp_group *g, const ddp__backend *b, const ddp__call *k, const ddp__coll *c) {
+    int p2p = ddp__is_p2p(k->kind);
     ddp_result r;
     if (g->broken) {
-        ddp__trace_ended(g, c, DDP_ERR_STATE);
+        if (!p2p) ddp__trace_ended(g, c, DDP_ERR_STATE);
         return DDP_ERR_STATE;
     }
     g->mesh.waiting_for = -1;
+    if (p2p) return g->mpi ? b->run(g, k, c) : ddp__p2p_run(g, k, c);
     ddp__trace_started(g, c);
     r = k->kind == DDP__BROADCAST_BYTES ? ddp__broadcast_bytes_run(g, b, k, c) : b->run(g, k, c);
     ddp__trace_ended(g, c, r);
@@ -263,7 +269,7 @@ static void *ddp__progress_main(void *arg) {
         pthread_mutex_unlock(&g->async.mu);
         if (g->broken) {
             r = DDP_ERR_STATE;
-            ddp__trace_ended(g, &w->coll, r);
+            if (!ddp__is_p2p(w->call.kind)) ddp__trace_ended(g, &w->coll, r);
             ddp__broken_message(g, &w->call, w->error);
         } else if ((r = ddp__run(g, g->backend, &w->call, &w->coll)) != DDP_SUCCESS) {
             snprintf(w->error, sizeof w->error, "%s", g->broken_msg);
@@ -344,11 +350,13 @@ static void ddp__work_unlink(ddp_group *g, ddp_work *w) {
 
 /* The group is going away (its progress thread stopped): free the handles nobody waited on, so a later
    ddp_wait on one is an error instead of a use after free. */
+static ddp_result ddp__irecv_wait(ddp_work *w);
 static void ddp__work_release_all(ddp_group *g) {
     while (g->async.issued) {
         ddp_work *w = g->async.issued;
         g->async.issued = w->issued_next;
         ddp__live_remove(w, DDP__LIVE_WORK);
+        if (w->owner && w->owner->wait == ddp__irecv_wait) ddp__free(w->handle); /* its posted receive */
         ddp__free(w);
     }
 }
@@ -359,22 +367,10 @@ static ddp_result ddp__spent_work(const char *fn, const ddp_work *w) {
                      "waited on), or it never came from an async collective", fn, (const void *)w);
 }
 
-static ddp_result ddp__collective_async(ddp_group *g, const ddp__call *k, ddp_work **out) {
-    ddp_work *w;
-    ddp_result r;
-    if ((r = ddp__group_check(g, ddp__coll_name(k->kind))) != DDP_SUCCESS) return r;
-    if (!out) return ddp__fail(g, DDP_ERR_INVALID_ARGUMENT, "%s_async: the ddp_work **out argument is NULL", ddp__coll_name(k->kind));
-    *out = NULL;
-    if ((r = ddp__validate(g, k)) != DDP_SUCCESS) return r;
-    if (g->backend->enqueue && g->backend->enqueue(g, k, out, &r)) { /* the backend took it (nccl: device work) */
-        if (r == DDP_SUCCESS && !ddp__work_issue(g, *out)) {
-            r = ddp__fail(g, DDP_ERR_OUT_OF_MEMORY, "out of memory recording a ddp_work; the collective was queued: "
-                          "destroy the group");
-            *out = NULL;
-        }
-        return r;
-    }
-    w = (ddp_work *)ddp__calloc(1, sizeof *w);
+/* Queue k (validated) for the progress thread: fingerprinted as g's next collective, or, for an isend,
+   under its own description `p2p`. */
+static ddp_result ddp__enqueue(ddp_group *g, const ddp__call *k, const ddp__coll *p2p, ddp_work **out) {
+    ddp_work *w = (ddp_work *)ddp__calloc(1, sizeof *w);
     if (!w) return ddp__fail(g, DDP_ERR_OUT_OF_MEMORY, "out of memory allocating a ddp_work");
     if (!ddp__work_issue(g, w)) {
         ddp__free(w);
@@ -393,7 +389,8 @@ static ddp_result ddp__collective_async(ddp_group *g, const ddp__call *k, ddp_wo
         }
         g->async.running = 1;
     }
-    ddp__fingerprint(g, k, &w->coll); /* under the lock: seq order is issue order */
+    if (p2p) w->coll = *p2p;
+    else ddp__fingerprint(g, k, &w->coll); /* under the lock: seq order is issue order */
     if (g->async.tail)
         g->async.tail->next = w;
     else
@@ -403,6 +400,23 @@ static ddp_result ddp__collective_async(ddp_group *g, const ddp__call *k, ddp_wo
     pthread_mutex_unlock(&g->async.mu);
     *out = w;
     return DDP_SUCCESS;
+}
+
+static ddp_result ddp__collective_async(ddp_group *g, const ddp__call *k, ddp_work **out) {
+    ddp_result r;
+    if ((r = ddp__group_check(g, ddp__coll_name(k->kind))) != DDP_SUCCESS) return r;
+    if (!out) return ddp__fail(g, DDP_ERR_INVALID_ARGUMENT, "%s_async: the ddp_work **out argument is NULL", ddp__coll_name(k->kind));
+    *out = NULL;
+    if ((r = ddp__validate(g, k)) != DDP_SUCCESS) return r;
+    if (g->backend->enqueue && g->backend->enqueue(g, k, out, &r)) { /* the backend took it (nccl: device work) */
+        if (r == DDP_SUCCESS && !ddp__work_issue(g, *out)) {
+            r = ddp__fail(g, DDP_ERR_OUT_OF_MEMORY, "out of memory recording a ddp_work; the collective was queued: "
+                          "destroy the group");
+            *out = NULL;
+        }
+        return r;
+    }
+    return ddp__enqueue(g, k, NULL, out);
 }
 
 static ddp_result ddp__group_abort(ddp_group *g, ddp_result code, const char *msg) {
@@ -417,10 +431,10 @@ DDP_API ddp_result ddp_wait(ddp_work *w) {
     if (!ddp__live_take(w, DDP__LIVE_WORK)) return ddp__spent_work("ddp_wait", w);
     g = w->g;
     ddp__work_unlink(g, w);
-    if (w->owner) { /* the backend's own work (nccl: device work), freed by its wait */
+    if (w->owner) { /* the backend's own work (nccl: device work; an irecv), freed by its wait */
         ddp__coll c = w->coll;
         r = w->owner->wait(w);
-        ddp__trace_ended(g, &c, r);
+        if (!ddp__is_p2p(c.kind)) ddp__trace_ended(g, &c, r);
         return r;
     }
     pthread_mutex_lock(&g->async.mu);
@@ -590,20 +604,23 @@ DDP_API ddp_result ddp_monitored_barrier_async(ddp_group *g, double timeout_seco
     return ddp__collective_async(g, &k, w);
 }
 
-/* ---- point-to-point: ddp_send, ddp_recv ----
-   Not collectives: two ranks take part, so a call takes no collective number (the fingerprint that
-   every rank compares). It runs on the calling thread after the group's queued async work, as the
-   synchronous collectives do, over the TCP mesh whatever the backend (transport.c: ddp__p2p_run; the
-   mpi backend sends with MPI). */
-static ddp_result ddp__p2p(ddp_group *g, ddp__coll_kind kind, const void *send, void *recv, size_t count, ddp_dtype t,
-                           int peer, int tag) {
-    const char *name = ddp__coll_name(kind);
-    ddp__call k = ddp__make_call(kind, send, recv, count, t, DDP_SUM, peer);
-    char msg[DDP__ERR_MAX];
-    ddp__coll c;
+/* ---- point-to-point: ddp_send, ddp_recv, ddp_isend, ddp_irecv ----
+   Not collectives: two ranks take part, so a call takes no collective number (the fingerprint that every
+   rank compares); it is described by its peer and tag under a number of its own (see ddp__mesh). It goes
+   over the TCP mesh whatever the backend (transport.c's matching; the mpi backend sends with MPI).
+   ddp_send / ddp_recv run on the calling thread after the group's queued async work, as the synchronous
+   collectives do. ddp_isend is queued for the progress thread like an async collective (a send never
+   waits for its receive). ddp_irecv is not queued: it is posted at once (a message already stashed
+   finishes it there), so a later queued call, or any call that reads frames, can finish it; ddp_wait
+   first lets the queued work run, then reads until its message comes; ddp_test looks once when no
+   queued work runs. So the exchange patterns work in any order: irecv then isend on every rank, or an
+   irecv posted before collectives that its sender calls first. */
+
+/* The arguments of a send or recv, checked on the caller's thread (a bad call breaks nothing). */
+static ddp_result ddp__p2p_check(ddp_group *g, const char *name, ddp__coll_kind kind, const void *buf, size_t count,
+                                 ddp_dtype t, int peer, int tag) {
     ddp_result r = ddp__group_check(g, name);
     if (r) return r;
-    k.tag = tag;
     if (!ddp__dtype_valid(t))
         return ddp__fail(g, DDP_ERR_INVALID_ARGUMENT, "%s: dtype %d is not a ddp_dtype (DDP_F32 ... DDP_I64)", name, (int)t);
     if (peer < 0 || peer >= g->world_size || peer == g->rank)
@@ -613,26 +630,42 @@ static ddp_result ddp__p2p(ddp_group *g, ddp__coll_kind kind, const void *send, 
     if (count > DDP__MAX_BUFFER_BYTES / ddp_dtype_size(t))
         return ddp__fail(g, DDP_ERR_INVALID_ARGUMENT, "%s: count %zu is above the limit of 2^47 bytes (128 TiB) of %s", name,
                          count, ddp_dtype_name(t));
-    if (count && !(kind == DDP__SEND ? send : recv))
-        return ddp__fail(g, DDP_ERR_INVALID_ARGUMENT, "%s: the buffer is NULL with count %zu", name, count);
+    if (count && !buf) return ddp__fail(g, DDP_ERR_INVALID_ARGUMENT, "%s: the buffer is NULL with count %zu", name, count);
 #if defined(DDP_CUDA)
-    if (count && g->nccl && ddp__cuda_is_device_pointer(kind == DDP__SEND ? send : recv) == 1)
+    if (count && g->nccl && ddp__cuda_is_device_pointer(buf) == 1)
         return ddp__fail(g, DDP_ERR_UNSUPPORTED, "%s: the nccl backend sends and receives host memory only so far "
                          "(ncclSend/ncclRecv for device memory are not built yet): copy the buffer to host memory", name);
 #endif
+    return DDP_SUCCESS;
+}
+
+/* The call and its description: the peer in root, its own number (no collective's). */
+static void ddp__p2p_describe(ddp_group *g, ddp__call *k, ddp__coll *c, ddp__coll_kind kind, const void *send, void *recv,
+                              size_t count, ddp_dtype t, int peer, int tag) {
+    *k = ddp__make_call(kind, send, recv, count, t, DDP_SUM, peer);
+    k->tag = tag;
+    memset(c, 0, sizeof *c);
+    c->seq = UINT64_MAX - ++g->mesh.p2p_calls; /* see ddp__mesh */
+    c->kind = (uint8_t)kind;
+    c->count = count;
+    c->dtype = (uint8_t)t;
+    c->op = DDP__NO_OP;
+    c->root = peer;
+    c->tag = tag;
+}
+
+static ddp_result ddp__p2p(ddp_group *g, ddp__coll_kind kind, const void *send, void *recv, size_t count, ddp_dtype t,
+                           int peer, int tag) {
+    const char *name = ddp__coll_name(kind);
+    char msg[DDP__ERR_MAX];
+    ddp__call k;
+    ddp__coll c;
+    ddp_result r = ddp__p2p_check(g, name, kind, kind == DDP__SEND ? send : recv, count, t, peer, tag);
+    if (r) return r;
     ddp__drain(g);
+    ddp__p2p_describe(g, &k, &c, kind, send, recv, count, t, peer, tag);
     if (g->broken) return ddp__fail(g, DDP_ERR_STATE, "%s", ddp__broken_message(g, &k, msg));
-    memset(&c, 0, sizeof c);
-    c.seq = UINT64_MAX - ++g->mesh.p2p_calls; /* no collective's number: see ddp__mesh */
-    c.kind = (uint8_t)kind;
-    c.count = count;
-    c.dtype = (uint8_t)t;
-    c.op = DDP__NO_OP;
-    c.root = peer;
-    c.tag = tag;
-    g->mesh.waiting_for = -1;
-    r = g->mpi ? g->backend->run(g, &k, &c) : ddp__p2p_run(g, &k, &c);
-    if (r) return ddp__fail(g, r, "%s", g->broken_msg);
+    if ((r = ddp__run(g, g->backend, &k, &c)) != DDP_SUCCESS) return ddp__fail(g, r, "%s", g->broken_msg);
     return DDP_SUCCESS;
 }
 
@@ -641,4 +674,92 @@ DDP_API ddp_result ddp_send(ddp_group *g, const void *buf, size_t count, ddp_dty
 }
 DDP_API ddp_result ddp_recv(ddp_group *g, void *buf, size_t count, ddp_dtype t, int src, int tag) {
     return ddp__p2p(g, DDP__RECV, NULL, buf, count, t, src, tag);
+}
+
+/* Checks shared by ddp_isend and ddp_irecv; *out = NULL. */
+static ddp_result ddp__p2p_async_check(ddp_group *g, const char *name, ddp__coll_kind kind, const void *buf, size_t count,
+                                       ddp_dtype t, int peer, int tag, ddp_work **out) {
+    ddp_result r = ddp__p2p_check(g, name, kind, buf, count, t, peer, tag);
+    if (r) return r;
+    if (!out) return ddp__fail(g, DDP_ERR_INVALID_ARGUMENT, "%s: the ddp_work **out argument is NULL", name);
+    *out = NULL;
+    if (g->mpi)
+        return ddp__fail(g, DDP_ERR_UNSUPPORTED, "%s: the mpi backend has ddp_send and ddp_recv but not their async "
+                         "variants yet; use those (or the cpu backend)", name);
+    return DDP_SUCCESS;
+}
+
+DDP_API ddp_result ddp_isend(ddp_group *g, const void *buf, size_t count, ddp_dtype t, int dst, int tag, ddp_work **w) {
+    ddp__call k;
+    ddp__coll c;
+    ddp_result r = ddp__p2p_async_check(g, "isend", DDP__SEND, buf, count, t, dst, tag, w);
+    if (r) return r;
+    ddp__p2p_describe(g, &k, &c, DDP__SEND, buf, NULL, count, t, dst, tag);
+    return ddp__enqueue(g, &k, &c, w);
+}
+
+/* An irecv's handle: its wait and test (ddp_work.owner); w->handle is its posted receive. */
+static ddp_result ddp__irecv_wait(ddp_work *w) {
+    ddp_group *g = w->g;
+    ddp__posted *p = (ddp__posted *)w->handle;
+    ddp_result r;
+    ddp__drain(g); /* queued work first: it may bring the message, and it reads the connections meanwhile */
+    if (ddp__posted_done(g, p)) r = p->result;
+    else if (g->broken) r = g->broken;
+    else r = ddp__p2p_wait(g, &w->coll, p, 0);
+    if (!ddp__posted_done(g, p)) ddp__p2p_unpost(g, p);
+    if (r) ddp__fail(g, r, "%s", g->broken ? g->broken_msg : "irecv failed");
+    ddp__free(p);
+    ddp__free(w);
+    return r;
+}
+
+static int ddp__irecv_test(ddp_work *w) {
+    ddp_group *g = w->g;
+    ddp__posted *p = (ddp__posted *)w->handle;
+    int idle;
+    if (ddp__posted_done(g, p) || g->broken) return 1;
+    pthread_mutex_lock(&g->async.mu);
+    idle = g->async.head == NULL; /* no queued work reads the connections now, and only this thread queues more */
+    pthread_mutex_unlock(&g->async.mu);
+    if (idle) ddp__p2p_wait(g, &w->coll, p, 1);
+    return ddp__posted_done(g, p) || g->broken != DDP_SUCCESS;
+}
+
+static const ddp__backend ddp__irecv_owner = {"p2p", "cpu", NULL, NULL, ddp__irecv_wait, ddp__irecv_test, NULL,
+                                              NULL, NULL, NULL, NULL, NULL};
+
+DDP_API ddp_result ddp_irecv(ddp_group *g, void *buf, size_t count, ddp_dtype t, int src, int tag, ddp_work **out) {
+    ddp__posted *p;
+    ddp_work *w;
+    ddp_result r = ddp__p2p_async_check(g, "irecv", DDP__RECV, buf, count, t, src, tag, out);
+    if (r) return r;
+    if (g->broken) return ddp__fail(g, DDP_ERR_STATE, "irecv: the group is broken by an earlier error and cannot be "
+                                    "used; destroy it. The error was: %.800s", g->broken_msg);
+    w = (ddp_work *)ddp__calloc(1, sizeof *w);
+    p = (ddp__posted *)ddp__calloc(1, sizeof *p);
+    if (!w || !p || !ddp__work_issue(g, w)) {
+        ddp__free(w);
+        ddp__free(p);
+        return ddp__fail(g, DDP_ERR_OUT_OF_MEMORY, "irecv: out of memory allocating a ddp_work");
+    }
+    w->g = g;
+    w->owner = &ddp__irecv_owner;
+    w->handle = p;
+    ddp__p2p_describe(g, &w->call, &w->coll, DDP__RECV, NULL, buf, count, t, src, tag);
+    p->src = src;
+    p->tag = tag;
+    p->buf = buf;
+    p->bytes = count * ddp_dtype_size(t);
+    p->count = count;
+    p->dtype = (uint8_t)t;
+    if ((r = ddp__p2p_post(g, p)) != DDP_SUCCESS) { /* a stashed message of another size: the group is broken */
+        ddp__live_remove(w, DDP__LIVE_WORK);
+        ddp__work_unlink(g, w);
+        ddp__free(p);
+        ddp__free(w);
+        return ddp__fail(g, r, "%s", g->broken_msg);
+    }
+    *out = w;
+    return DDP_SUCCESS;
 }

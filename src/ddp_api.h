@@ -240,6 +240,13 @@ DDP_API ddp_result ddp_monitored_barrier(ddp_group *g, double timeout_seconds);
    memory only so far. */
 DDP_API ddp_result ddp_send(ddp_group *g, const void *buf, size_t count, ddp_dtype t, int dst, int tag);
 DDP_API ddp_result ddp_recv(ddp_group *g, void *buf, size_t count, ddp_dtype t, int src, int tag);
+/* isend / irecv: return at once with a handle for ddp_wait / ddp_test. An isend is queued with the group's
+   async collectives (in issue order); an irecv is posted at once, and any later call that reads the
+   connections (a queued call, a collective over TCP, a send, ddp_wait, ddp_test) may finish it, so every
+   rank may post its irecv before its isend. The buffer must stay valid and untouched until ddp_wait
+   returns. Not on the mpi backend yet (DDP_ERR_UNSUPPORTED: use ddp_send / ddp_recv there). */
+DDP_API ddp_result ddp_isend(ddp_group *g, const void *buf, size_t count, ddp_dtype t, int dst, int tag, ddp_work **w);
+DDP_API ddp_result ddp_irecv(ddp_group *g, void *buf, size_t count, ddp_dtype t, int src, int tag, ddp_work **w);
 
 /* Asynchronous variants: queue the collective and return at once. A progress thread runs queued
    work in issue order. The buffers must stay valid and untouched until ddp_wait returns.

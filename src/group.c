@@ -896,6 +896,7 @@ static ddp_group *ddp__group_alloc(int rank, int world_size) {
     int i;
     if (!g) return NULL;
     pthread_mutex_init(&g->async.mu, NULL);
+    pthread_mutex_init(&g->mesh.p2p_mu, NULL);
     pthread_cond_init(&g->async.cv, NULL);
     g->rank = rank;
     g->mesh.waiting_for = -1;
@@ -938,6 +939,7 @@ static void ddp__group_free(ddp_group *g) {
     if (g->member.parent) ddp__subgroup_unlink(g->member.parent, g);
     ddp__trace_close(g);
     pthread_mutex_destroy(&g->async.mu);
+    pthread_mutex_destroy(&g->mesh.p2p_mu);
     pthread_cond_destroy(&g->async.cv);
     ddp__free(g->scratch);
     ddp__p2p_stash_free(g);

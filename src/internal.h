@@ -429,6 +429,19 @@ typedef struct ddp__peer {
     double dial_after;    /* link.c: after a refusal, the next dial waits until then */
 } ddp__peer;
 
+/* A receive waiting for its message (transport.c's matching): ddp_recv's on its stack, ddp_irecv's with
+   its ddp_work. done and result are written under mesh.p2p_mu. */
+typedef struct ddp__posted {
+    struct ddp__posted *next;
+    int src, tag;
+    void *buf;
+    size_t bytes;
+    uint64_t count;
+    uint8_t dtype;
+    int done;
+    ddp_result result;
+} ddp__posted;
+
 /* Where a rank listens and who it is, from the rendezvous table; strings live in the mesh's name pool. */
 typedef struct ddp__peer_info {
     int port, pid;
@@ -468,6 +481,8 @@ typedef struct ddp__mesh {
     int *poll_owner;         /* the rank of each pollfds entry (link.c's own entries: below -1) */
     int waiting_for;         /* the rank this one waits for in the current step, -1 if none (for messages) */
     struct ddp__p2p_msg *stash, *stash_tail; /* point-to-point messages that arrived before their recv */
+    struct ddp__posted *posted; /* receives waiting for their message, in the order posted */
+    pthread_mutex_t p2p_mu;     /* guards stash and posted: ddp_irecv posts while the progress thread reads */
     uint64_t p2p_calls;      /* sends and recvs so far: each runs under its own number, counted down from
                                 UINT64_MAX (no collective's), so that peers seen quiet in one are looked at again */
 } ddp__mesh;
@@ -625,6 +640,12 @@ static DDP__UNUSED ddp_result ddp__exchange(ddp_group *g, const ddp__coll *c, co
    or receive the next message from c->root with c's tag (the stash first), checking its size and dtype. */
 static DDP__UNUSED ddp_result ddp__p2p_run(ddp_group *g, const ddp__call *k, const ddp__coll *c);
 static DDP__UNUSED void ddp__p2p_stash_free(ddp_group *g); /* messages nobody received (the group ends) */
+/* ddp_irecv: post p (a stashed message may finish it at once; a mismatch there is returned); then wait
+   for it reading what arrives (once: look one time without waiting); done: has it finished. */
+static DDP__UNUSED ddp_result ddp__p2p_post(ddp_group *g, ddp__posted *p);
+static DDP__UNUSED ddp_result ddp__p2p_wait(ddp_group *g, const ddp__coll *c, ddp__posted *p, int once);
+static DDP__UNUSED int ddp__posted_done(ddp_group *g, const ddp__posted *p);
+static DDP__UNUSED void ddp__p2p_unpost(ddp_group *g, ddp__posted *p);
 static DDP__UNUSED void ddp__close_after_failure(ddp_group *g, double seconds);
 /* "host h, pid p" of rank i (its place in the rendezvous table), or "rank i" before the table: for messages. */
 static DDP__UNUSED const char *ddp__peer_name(const ddp_group *g, int i, char *buf, size_t cap);

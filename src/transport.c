@@ -306,33 +306,6 @@ static ddp_result ddp__check_frame(ddp_group *g, const ddp__coll *c, int peer, c
     return DDP_SUCCESS;
 }
 
-/* The header just received from `peer` in a recv (c) of a point-to-point message: anything but the
-   message with our tag (others were stashed before this is called) means the two ranks' programs do not
-   meet: the peer went on to a collective or left the group before it sent what this rank waits for. */
-static ddp_result ddp__check_message(ddp_group *g, const ddp__coll *c, int peer, const ddp__frame *f, size_t expect) {
-    char ours[200];
-    if (f->magic != DDP__FRAME_MAGIC)
-        return ddp__coll_fail(g, DDP_ERR_FORMAT, "corrupt message from rank %d (bad magic 0x%08x)", peer, (unsigned)f->magic);
-    if (f->kind == DDP__FRAME_ABORT || f->kind == DDP__FRAME_BYE) return ddp__peer_failed_after(g, peer, c, f);
-    ddp__coll_describe(g, c, ours, sizeof ours);
-    if (f->kind != DDP__FRAME_P2P) {
-        char theirs[160];
-        ddp__coll t;
-        memset(&t, 0, sizeof t);
-        t.seq = f->seq, t.count = f->count, t.kind = f->coll, t.dtype = f->dtype, t.op = f->op, t.root = f->root, t.tag = -1;
-        ddp__coll_describe(g, &t, theirs, sizeof theirs);
-        return ddp__coll_fail(g, DDP_ERR_MISMATCH, "rank %d called %s before sending what this rank's %s waits for; a "
-                              "send and its recv must come in the same order relative to the collectives on both ranks",
-                              peer, theirs, ours);
-    }
-    if (f->bytes != expect || f->dtype != c->dtype)
-        return ddp__coll_fail(g, DDP_ERR_MISMATCH, "%s: rank %d sent %llu elements of %s with tag %d where this rank expects "
-                              "%llu of %s; a send and its recv must agree on count and dtype", ours, peer,
-                              (unsigned long long)f->count, ddp_dtype_name((ddp_dtype)f->dtype), (int)f->root,
-                              (unsigned long long)c->count, ddp_dtype_name((ddp_dtype)c->dtype));
-    return DDP_SUCCESS;
-}
-
 /* Is a frame from a peer that this step does not read fine in collective c? Only a frame with c's
    number and another fingerprint shows a mismatch: when ranks disagree about #X, no rank gets past
    #X, so every frame in flight has number X. A frame of c, of another number (a peer already past c:
@@ -345,13 +318,15 @@ static int ddp__frame_is_early(const ddp__coll *c, const ddp__frame *f) {
     return f->seq != c->seq || ddp__coll_equal(c, f);
 }
 
-/* ---- point-to-point messages that arrive before their recv: the stash ----
-   A rank reads whatever reaches it in order, connection by connection. A message (ddp_send) met before
-   the ddp_recv that takes it (in a collective's step, in a send, in a recv of another tag or source) is
-   read whole into the group's stash, in arrival order, and a later recv takes the first one from its
-   source with its tag (MPI's matching: by source and tag, in order). So a send never waits for its recv
-   to be posted, except that the bytes must fit the kernel's buffers or be read by the receiver's next
-   call into the library (any call that reads frames: a collective over TCP, a send, a recv). */
+/* ---- point-to-point matching: posted receives and the stash ----
+   A rank reads whatever reaches it in order, connection by connection. A message (a P2P frame) goes to
+   the first posted receive with its source and tag (ddp_irecv's, and ddp_recv's own while it waits),
+   else it is read whole into the group's stash, in arrival order; a receive, when it is posted, first
+   takes the oldest stashed message with its source and tag. That is MPI's matching (by source and tag,
+   in order), and it is done wherever a frame is met: in a collective's step, a peek, a send or a recv.
+   So a send never waits for its receive to be posted, except that its bytes must fit the kernel's
+   buffers or be read by the receiver's next call into the library. Both lists are guarded by
+   mesh.p2p_mu: ddp_irecv posts from the program's thread while the progress thread may read frames. */
 typedef struct ddp__p2p_msg {
     struct ddp__p2p_msg *next;
     int src, tag;
@@ -361,17 +336,59 @@ typedef struct ddp__p2p_msg {
     unsigned char data[1]; /* bytes of payload (allocated with the message) */
 } ddp__p2p_msg;
 
-/* The P2P frame f (header already taken) from `peer`: read its payload into the stash. */
-static ddp_result ddp__p2p_stash_take(ddp_group *g, const ddp__coll *c, int peer, const ddp__frame *f) {
+/* "recv(src=1, tag=3, count=4, f32)" for a posted receive. */
+static const char *ddp__posted_describe(const ddp__posted *p, char *out, size_t cap) {
+    snprintf(out, cap, "recv(src=%d, tag=%d, count=%llu, %s)", p->src, p->tag, (unsigned long long)p->count,
+             ddp_dtype_name((ddp_dtype)p->dtype));
+    return out;
+}
+
+/* Does message f fit posted receive p? If not: DDP_ERR_MISMATCH naming both (the group breaks). */
+static ddp_result ddp__posted_fits(ddp_group *g, const ddp__posted *p, const ddp__frame *f) {
+    char ours[160];
+    if (f->bytes == p->bytes && f->dtype == p->dtype) return DDP_SUCCESS;
+    return ddp__coll_fail(g, DDP_ERR_MISMATCH, "%s: rank %d sent %llu elements of %s with tag %d where this rank expects "
+                          "%llu of %s; a send and its recv must agree on count and dtype",
+                          ddp__posted_describe(p, ours, sizeof ours), p->src, (unsigned long long)f->count,
+                          ddp_dtype_name((ddp_dtype)f->dtype), (int)f->root, (unsigned long long)p->count,
+                          ddp_dtype_name((ddp_dtype)p->dtype));
+}
+
+/* Mark p finished with r (under p2p_mu by the caller). */
+static void ddp__posted_finish(ddp__posted *p, ddp_result r) {
+    p->result = r;
+    p->done = 1;
+}
+
+/* The P2P frame f (header already taken) from `peer`: to the first posted receive that matches, else into
+   the stash. The payload is read under p2p_mu, so a receive posted meanwhile cannot miss it. */
+static ddp_result ddp__p2p_deliver(ddp_group *g, const ddp__coll *c, int peer, const ddp__frame *f) {
     char err[DDP__ERR_MAX];
+    ddp__posted *p, *prev = NULL;
     ddp__p2p_msg *m;
+    ddp_result r = DDP_SUCCESS;
     if (f->bytes > DDP__MAX_BUFFER_BYTES)
         return ddp__coll_fail(g, DDP_ERR_FORMAT, "corrupt message from rank %d (a point-to-point message of %llu bytes)", peer,
                               (unsigned long long)f->bytes);
+    pthread_mutex_lock(&g->mesh.p2p_mu);
+    for (p = g->mesh.posted; p && !(p->src == peer && p->tag == f->root); prev = p, p = p->next)
+        ;
+    if (p) { /* unlinked whatever happens next: it is this message's receive */
+        if (prev) prev->next = p->next;
+        else g->mesh.posted = p->next;
+        if ((r = ddp__posted_fits(g, p, f)) == DDP_SUCCESS && p->bytes &&
+            ddp__net_recv(g->mesh.peers[peer].fd, p->buf, p->bytes, ddp__now() + g->timeout, err) != DDP_SUCCESS)
+            r = DDP_ERR_PEER_LOST;
+        ddp__posted_finish(p, r);
+        pthread_mutex_unlock(&g->mesh.p2p_mu);
+        return r == DDP_ERR_PEER_LOST ? ddp__peer_failed(g, peer, c) : r;
+    }
     m = (ddp__p2p_msg *)ddp__malloc(offsetof(ddp__p2p_msg, data) + (size_t)f->bytes + 1);
-    if (!m)
+    if (!m) {
+        pthread_mutex_unlock(&g->mesh.p2p_mu);
         return ddp__coll_fail(g, DDP_ERR_OUT_OF_MEMORY, "out of memory keeping a message of %llu bytes that rank %d sent "
                               "(tag %d) before this rank's recv for it", (unsigned long long)f->bytes, peer, (int)f->root);
+    }
     m->next = NULL;
     m->src = peer;
     m->tag = f->root;
@@ -379,28 +396,70 @@ static ddp_result ddp__p2p_stash_take(ddp_group *g, const ddp__coll *c, int peer
     m->count = f->count;
     m->bytes = (size_t)f->bytes;
     if (m->bytes && ddp__net_recv(g->mesh.peers[peer].fd, m->data, m->bytes, ddp__now() + g->timeout, err) != DDP_SUCCESS) {
+        pthread_mutex_unlock(&g->mesh.p2p_mu);
         ddp__free(m);
         return ddp__peer_failed(g, peer, c);
     }
     if (g->mesh.stash_tail) g->mesh.stash_tail->next = m;
     else g->mesh.stash = m;
     g->mesh.stash_tail = m;
+    pthread_mutex_unlock(&g->mesh.p2p_mu);
     return DDP_SUCCESS;
 }
 
-/* The first stashed message from src with tag, unlinked (the caller frees it); NULL when none. */
-static ddp__p2p_msg *ddp__p2p_stash_find(ddp_group *g, int src, int tag) {
+/* Post receive p: the oldest stashed message from its source with its tag finishes it at once; else it
+   waits at the end of the posted list. Returns p's result when it finished here (DDP_SUCCESS when it was
+   posted). */
+static ddp_result ddp__p2p_post(ddp_group *g, ddp__posted *p) {
     ddp__p2p_msg *m, *prev = NULL;
-    for (m = g->mesh.stash; m; prev = m, m = m->next) {
-        if (m->src != src || m->tag != tag) continue;
+    ddp__posted **at;
+    ddp_result r = DDP_SUCCESS;
+    pthread_mutex_lock(&g->mesh.p2p_mu);
+    for (m = g->mesh.stash; m && !(m->src == p->src && m->tag == p->tag); prev = m, m = m->next)
+        ;
+    if (m) {
+        ddp__frame f;
         if (prev) prev->next = m->next;
         else g->mesh.stash = m->next;
         if (g->mesh.stash_tail == m) g->mesh.stash_tail = prev;
-        return m;
+        memset(&f, 0, sizeof f);
+        f.dtype = m->dtype;
+        f.count = m->count;
+        f.root = m->tag;
+        f.bytes = m->bytes;
+        if ((r = ddp__posted_fits(g, p, &f)) == DDP_SUCCESS && p->bytes) memcpy(p->buf, m->data, p->bytes);
+        ddp__free(m);
+        ddp__posted_finish(p, r);
+    } else {
+        for (at = &g->mesh.posted; *at; at = &(*at)->next)
+            ;
+        p->next = NULL;
+        *at = p;
     }
-    return NULL;
+    pthread_mutex_unlock(&g->mesh.p2p_mu);
+    return r;
 }
 
+/* Take p off the posted list if it is still there (its wait failed). */
+static void ddp__p2p_unpost(ddp_group *g, ddp__posted *p) {
+    ddp__posted **at;
+    pthread_mutex_lock(&g->mesh.p2p_mu);
+    for (at = &g->mesh.posted; *at && *at != p; at = &(*at)->next)
+        ;
+    if (*at) *at = p->next;
+    pthread_mutex_unlock(&g->mesh.p2p_mu);
+}
+
+static int ddp__posted_done(ddp_group *g, const ddp__posted *p) {
+    int done;
+    pthread_mutex_lock(&g->mesh.p2p_mu);
+    done = p->done;
+    pthread_mutex_unlock(&g->mesh.p2p_mu);
+    return done;
+}
+
+/* The group ends: messages nobody received are named; posted receives are dropped (their handles go with
+   the group). */
 static void ddp__p2p_stash_free(ddp_group *g) {
     while (g->mesh.stash) {
         ddp__p2p_msg *m = g->mesh.stash;
@@ -410,6 +469,7 @@ static void ddp__p2p_stash_free(ddp_group *g) {
         ddp__free(m);
     }
     g->mesh.stash_tail = NULL;
+    g->mesh.posted = NULL;
 }
 
 /* A peer this step does not read from has something for us: look at its frame header without taking
@@ -426,9 +486,9 @@ static ddp_result ddp__peek_peer(ddp_group *g, const ddp__coll *c, int peer) {
         p->peek_later = 1;
         return DDP_SUCCESS;
     }
-    if (f.magic == DDP__FRAME_MAGIC && f.kind == DDP__FRAME_P2P) { /* a message: into the stash */
+    if (f.magic == DDP__FRAME_MAGIC && f.kind == DDP__FRAME_P2P) { /* a message: to its receive or the stash */
         if (recv(p->fd, &f, sizeof f, MSG_DONTWAIT) != (ssize_t)sizeof f) return ddp__peer_failed(g, peer, c);
-        return ddp__p2p_stash_take(g, c, peer, &f);
+        return ddp__p2p_deliver(g, c, peer, &f);
     }
     if (ddp__frame_is_early(c, &f)) {
         p->quiet_seq = c->seq;
@@ -470,23 +530,7 @@ static short ddp__poll_events(ddp_group *g, const ddp__coll *c, const ddp__step 
 #define DDP__TCP_SPIN_SECONDS 50e-6
 #define DDP__TCP_SPIN_MAX_BYTES ((size_t)64 << 10)
 
-/* A recv over shared memory: has its source gone on to a collective without sending? Its collectives
-   over the segment send this rank nothing, so the segment's fingerprints say it: the source entered a
-   collective this rank has not, and no byte from it waits in the connection (it wrote any message
-   before it entered; the sender dials, so no connection means no message). Seen twice 10 ms apart, to
-   leave bytes in flight on the loopback time to land; *since holds the first sighting (0: none). */
-static int ddp__p2p_peer_went_on(ddp_group *g, int src, double *since) {
-    int fd = g->mesh.peers[src].fd, pending = 0;
-    if (ddp__shm_peer_seq(g, src) <= g->seq || (fd >= 0 && (ioctl(fd, FIONREAD, &pending) != 0 || pending > 0))) {
-        *since = 0;
-        return 0;
-    }
-    if (*since == 0) *since = ddp__now();
-    return ddp__now() - *since >= 0.01;
-}
-
 static ddp_result ddp__exchange(ddp_group *g, const ddp__coll *c, const ddp__step *s) {
-    double ahead_since = 0; /* a recv over shared memory: when its source was first seen gone on (above) */
     ddp__frame out, in;
     size_t sent = 0, received = 0;          /* bytes of header + payload so far */
     size_t send_total = s->send_peer >= 0 ? sizeof out + s->send_bytes : 0;
@@ -538,9 +582,8 @@ static ddp_result ddp__exchange(ddp_group *g, const ddp__coll *c, const ddp__ste
             int yielded = 0;
             while ((rc = poll(fds, (nfds_t)n, 0)) == 0 && (ddp__now() < spin_until || !yielded++)) sched_yield();
         }
-        if (rc == 0) /* a recv over shared memory looks at the segment every 10 ms (above) */
-            rc = poll(fds, (nfds_t)n, soon ? 1 : (int)DDP__MAX(1.0, DDP__MIN(s->p2p && g->shm ? 10.0 : 1000.0,
-                                                                            (wake - ddp__now()) * 1000.0)));
+        if (rc == 0)
+            rc = poll(fds, (nfds_t)n, soon ? 1 : (int)DDP__MAX(1.0, DDP__MIN(1000.0, (wake - ddp__now()) * 1000.0)));
         if (rc < 0 && errno != EINTR) return ddp__coll_fail(g, DDP_ERR_SYSTEM, "poll failed: %s", strerror(errno));
         if (rc > 0 && n > npeers && (r = ddp__link_progress(g, fds + npeers, owner + npeers, n - npeers, &progressed)))
             return r;
@@ -565,11 +608,10 @@ static ddp_result ddp__exchange(ddp_group *g, const ddp__coll *c, const ddp__ste
                     progressed = 1;
                     if (received == sizeof in) {
                         ddp_result r;
-                        if (in.magic == DDP__FRAME_MAGIC && in.kind == DDP__FRAME_P2P && !(s->p2p && in.root == c->tag)) {
-                            if ((r = ddp__p2p_stash_take(g, c, peer, &in)) != DDP_SUCCESS) return r;
-                            received = 0; /* a message for a later recv: stashed; the frame we wait for follows */
-                        } else if ((r = s->p2p ? ddp__check_message(g, c, peer, &in, s->recv_bytes)
-                                               : ddp__check_frame(g, c, peer, &in, s->recv_bytes)) != DDP_SUCCESS) {
+                        if (in.magic == DDP__FRAME_MAGIC && in.kind == DDP__FRAME_P2P) {
+                            if ((r = ddp__p2p_deliver(g, c, peer, &in)) != DDP_SUCCESS) return r;
+                            received = 0; /* a message, matched or stashed; the frame we wait for follows */
+                        } else if ((r = ddp__check_frame(g, c, peer, &in, s->recv_bytes)) != DDP_SUCCESS) {
                             return r;
                         }
                     }
@@ -615,14 +657,6 @@ static ddp_result ddp__exchange(ddp_group *g, const ddp__coll *c, const ddp__ste
             ddp_result r;
             if ((fds[i].revents & POLLIN) && (r = ddp__peek_peer(g, c, owner[i])) != DDP_SUCCESS) return r;
         }
-        if (s->p2p && received == 0 && ddp__p2p_peer_went_on(g, s->recv_peer, &ahead_since)) {
-            char ours[200];
-            ddp__coll_describe(g, c, ours, sizeof ours);
-            return ddp__coll_fail(g, DDP_ERR_MISMATCH, "rank %d called collective #%llu before sending what this rank's "
-                                  "%s waits for; a send and its recv must come in the same order relative to the "
-                                  "collectives on both ranks", s->recv_peer,
-                                  (unsigned long long)(ddp__shm_peer_seq(g, s->recv_peer) - g->seq_base), ours);
-        }
         if (progressed && (s->deadline <= 0 || sent > 0 || received > 0)) { /* a handshake's progress does not
                                                                                move a step's own deadline */
             deadline = ddp__now() + g->timeout;
@@ -635,43 +669,128 @@ static ddp_result ddp__exchange(ddp_group *g, const ddp__coll *c, const ddp__ste
     return DDP_SUCCESS;
 }
 
-/* ---- point-to-point: ddp_send and ddp_recv over the mesh, whatever the group's backend ----
+/* ---- point-to-point: ddp_send, ddp_recv and ddp_irecv's wait over the mesh, whatever the backend ----
    A send is one frame to the peer (the sender dials, as in a collective's step), written while this
    rank keeps reading what reaches it, so two ranks sending each other large messages at once both get
-   through (each stashes the other's). A recv takes the first stashed message from its source with its
-   tag, else reads from the source: messages of other tags go to the stash, and a collective's frame at
-   the head of the stream means the peer went on without sending: DDP_ERR_MISMATCH (else both wait). */
+   through (each matches or stashes the other's). A receive is posted (the stash first) and then waits,
+   reading whatever arrives, until a message finishes it. The source's stream showing a collective's
+   frame where the message should be means the source went on without sending: DDP_ERR_MISMATCH (else
+   both would wait for each other until the timeout). */
+/* A recv over shared memory: has its source gone on to a collective without sending? Its collectives
+   over the segment send this rank nothing, so the segment's fingerprints say it: the source entered a
+   collective this rank has not, and no byte from it waits in the connection (it wrote any message
+   before it entered; the sender dials, so no connection means no message). Seen twice 10 ms apart, to
+   leave bytes in flight on the loopback time to land; *since holds the first sighting (0: none). */
+static int ddp__p2p_peer_went_on(ddp_group *g, int src, double *since) {
+    int fd = g->mesh.peers[src].fd, pending = 0;
+    if (ddp__shm_peer_seq(g, src) <= g->seq || (fd >= 0 && (ioctl(fd, FIONREAD, &pending) != 0 || pending > 0))) {
+        *since = 0;
+        return 0;
+    }
+    if (*since == 0) *since = ddp__now();
+    return ddp__now() - *since >= 0.01;
+}
+
+/* "rank 1 called barrier() as collective #2 before sending what this rank's recv(...) waits for". */
+static ddp_result ddp__p2p_went_on(ddp_group *g, const ddp__posted *p, const char *theirs) {
+    char ours[160];
+    return ddp__coll_fail(g, DDP_ERR_MISMATCH, "rank %d called %s before sending what this rank's %s waits for; a send and "
+                          "its recv must come in the same order relative to the collectives on both ranks", p->src, theirs,
+                          ddp__posted_describe(p, ours, sizeof ours));
+}
+
+/* The head of `peer`'s stream while waiting for p: a message is delivered (ddp__peek_peer); from p's
+   source, a collective's frame is the mismatch above. */
+static ddp_result ddp__p2p_look(ddp_group *g, const ddp__coll *c, const ddp__posted *p, int peer) {
+    ddp__frame f;
+    if (peer == p->src && recv(g->mesh.peers[peer].fd, &f, sizeof f, MSG_PEEK | MSG_DONTWAIT) == (ssize_t)sizeof f &&
+        f.magic == DDP__FRAME_MAGIC && (f.kind == DDP__FRAME_DATA || f.kind == DDP__FRAME_BYE)) {
+        if (f.kind == DDP__FRAME_BYE) return ddp__peer_failed_after(g, peer, c, &f); /* "left the group" */
+        char theirs[160];
+        ddp__coll t;
+        memset(&t, 0, sizeof t);
+        t.seq = f.seq, t.count = f.count, t.kind = f.coll, t.dtype = f.dtype, t.op = f.op, t.root = f.root, t.tag = -1;
+        ddp__coll_describe(g, &t, theirs, sizeof theirs);
+        return ddp__p2p_went_on(g, p, theirs);
+    }
+    return ddp__peek_peer(g, c, peer);
+}
+
+/* Read what reaches this rank until posted receive p is finished (once: look one time, without waiting). */
+static ddp_result ddp__p2p_wait(ddp_group *g, const ddp__coll *c, ddp__posted *p, int once) {
+    struct pollfd *fds = g->mesh.pollfds;
+    int *owner = g->mesh.poll_owner;
+    double deadline = ddp__now() + g->timeout, ahead_since = 0;
+    for (;;) {
+        int n = 0, npeers, i, rc, progressed = 0, soon = 0;
+        double wake = deadline;
+        ddp_result r;
+        if (ddp__posted_done(g, p)) return p->result;
+        if (g->broken) return g->broken;
+        g->mesh.waiting_for = p->src;
+        for (i = 0; i < g->mesh.nlinked; i++) {
+            int peer = g->mesh.linked[i];
+            ddp__peer *q = &g->mesh.peers[peer];
+            if (q->fd < 0) continue;
+            fds[n].fd = q->fd;
+            fds[n].events = POLLRDHUP;
+            if (q->peek_later) q->peek_later = 0, soon = 1;
+            else if (q->quiet_seq != c->seq || peer == p->src) fds[n].events |= POLLIN;
+            fds[n].revents = 0;
+            owner[n++] = peer;
+        }
+        npeers = n;
+        n += ddp__link_poll_entries(g, fds + n, owner + n, &wake);
+        rc = poll(fds, (nfds_t)n, once ? 0 : soon ? 1 : (int)DDP__MAX(1.0, DDP__MIN(g->shm ? 10.0 : 1000.0,
+                                                                                    (wake - ddp__now()) * 1000.0)));
+        if (rc < 0 && errno != EINTR) return ddp__coll_fail(g, DDP_ERR_SYSTEM, "poll failed: %s", strerror(errno));
+        if (rc > 0 && n > npeers && (r = ddp__link_progress(g, fds + npeers, owner + npeers, n - npeers, &progressed)))
+            return r;
+        for (i = 0; i < npeers && rc > 0; i++) {
+            if (fds[i].revents & POLLIN) {
+                if ((r = ddp__p2p_look(g, c, p, owner[i])) != DDP_SUCCESS) return r;
+                progressed = 1;
+            } else if (fds[i].revents & (POLLRDHUP | POLLHUP | POLLERR)) {
+                return ddp__peer_failed(g, owner[i], c);
+            }
+        }
+        if (ddp__posted_done(g, p)) return p->result;
+        if (ddp__p2p_peer_went_on(g, p->src, &ahead_since)) { /* over shared memory: see above */
+            char theirs[64];
+            snprintf(theirs, sizeof theirs, "collective #%llu", (unsigned long long)(ddp__shm_peer_seq(g, p->src) - g->seq_base));
+            return ddp__p2p_went_on(g, p, theirs);
+        }
+        if (once) return DDP_SUCCESS;
+        if (progressed) deadline = ddp__now() + g->timeout;
+        else if (ddp__now() > deadline) return ddp__peer_timed_out(g, p->src, c);
+    }
+}
+
 static ddp_result ddp__p2p_run(ddp_group *g, const ddp__call *k, const ddp__coll *c) {
     size_t bytes = k->count * ddp_dtype_size(k->dtype);
-    ddp__p2p_msg *m;
-    ddp__step st;
-    memset(&st, 0, sizeof st);
-    st.send_peer = st.recv_peer = -1;
-    st.p2p = 1;
+    ddp__posted p;
+    ddp_result r;
     if (k->kind == DDP__SEND) {
+        ddp__step st;
+        memset(&st, 0, sizeof st);
+        st.recv_peer = -1;
+        st.p2p = 1;
         st.send_peer = k->root;
         st.send_buf = k->send;
         st.send_bytes = bytes;
         return ddp__exchange(g, c, &st);
     }
-    if ((m = ddp__p2p_stash_find(g, k->root, c->tag)) != NULL) {
-        ddp__frame f;
-        ddp_result r;
-        memset(&f, 0, sizeof f);
-        f.magic = DDP__FRAME_MAGIC;
-        f.kind = DDP__FRAME_P2P;
-        f.dtype = m->dtype;
-        f.count = m->count;
-        f.root = m->tag;
-        f.bytes = m->bytes;
-        if ((r = ddp__check_message(g, c, k->root, &f, bytes)) == DDP_SUCCESS && bytes) memcpy(k->buf, m->data, bytes);
-        ddp__free(m);
-        return r;
-    }
-    st.recv_peer = k->root;
-    st.recv_buf = k->buf;
-    st.recv_bytes = bytes;
-    return ddp__exchange(g, c, &st);
+    memset(&p, 0, sizeof p);
+    p.src = k->root;
+    p.tag = k->tag;
+    p.buf = k->buf;
+    p.bytes = bytes;
+    p.count = k->count;
+    p.dtype = (uint8_t)k->dtype;
+    if ((r = ddp__p2p_post(g, &p)) != DDP_SUCCESS) return r;
+    r = ddp__p2p_wait(g, c, &p, 0);
+    ddp__p2p_unpost(g, &p); /* when it failed before a message came */
+    return r;
 }
 
 /* ---- closing connections ---- */

@@ -8,7 +8,8 @@
    on the root, on the split sizes or on the counts, or calls another collective, is DDP_ERR_MISMATCH on
    every rank; so is a recv of another size than its send, or one that meets the peer's next collective;
    ddp_send / ddp_recv around the ring (every dtype, up to 1 MiB while the peer sends too, tags out of
-   order, a message crossing a collective); overlapping all_to_all_v buffers are refused; a rank that does not come to monitored_barrier
+   order, a message crossing a collective), ddp_irecv posted before ddp_isend on every rank, before a
+   barrier, and finished by ddp_test; overlapping all_to_all_v buffers are refused; a rank that does not come to monitored_barrier
    is named by it. Usage: test_more_collectives [world sizes...]. */
 #include "testlib.h"
 
@@ -285,6 +286,43 @@ static void point_to_point(ddp_group *g, int rank, int n) {
             CHECK(a == 11 && b == 22, "tags out of order: got %lld and %lld, want 11 and 22", (long long)a, (long long)b);
         }
         CHECK(x == (float)n, "the all_reduce between the messages gave %g", x);
+    }
+    /* isend / irecv: every rank posts its irecv before its isend (the pattern a queue would deadlock), small
+       and 1 MiB, waited in either order */
+    {
+        static const size_t sizes[] = {3, 1 << 18};
+        size_t si, i;
+        for (si = 0; si < 2; si++) {
+            size_t count = sizes[si];
+            float *out = (float *)tl_xalloc(count * 4), *in = (float *)tl_xalloc(count * 4);
+            ddp_work *wr, *ws;
+            tag++;
+            for (i = 0; i < count; i++) out[i] = (float)value(rank, right, i, tag);
+            CHECK_OK(ddp_irecv(g, in, count, DDP_F32, left, tag, &wr), g);
+            CHECK_OK(ddp_isend(g, out, count, DDP_F32, right, tag, &ws), g);
+            CHECK_OK(ddp_wait(count > 3 ? ws : wr), g);
+            CHECK_OK(ddp_wait(count > 3 ? wr : ws), g);
+            expect_block(in, 0, count, DDP_F32, left, rank, tag, "irecv before isend around the ring");
+            free(out);
+            free(in);
+        }
+    }
+    /* an irecv posted before a barrier whose sender sends after it; ddp_test polls another until it comes */
+    {
+        int64_t got = -1, got2 = -1, mine = 1000 + rank;
+        ddp_work *w;
+        int polls = 0;
+        CHECK_OK(ddp_irecv(g, &got, 1, DDP_I64, left, 7, &w), g);
+        CHECK_OK(ddp_barrier(g), g);
+        CHECK_OK(ddp_send(g, &mine, 1, DDP_I64, right, 7), g);
+        CHECK_OK(ddp_wait(w), g);
+        CHECK(got == 1000 + left, "irecv across a barrier: %lld", (long long)got);
+        CHECK_OK(ddp_irecv(g, &got2, 1, DDP_I64, left, 8, &w), g);
+        if (rank % 2 == 0) usleep(20000); /* half the ranks send late */
+        CHECK_OK(ddp_send(g, &mine, 1, DDP_I64, right, 8), g);
+        while (!ddp_test(w)) polls++;
+        CHECK_OK(ddp_wait(w), g);
+        CHECK(got2 == 1000 + left, "irecv finished by ddp_test: %lld (after %d polls)", (long long)got2, polls);
     }
     /* bad arguments are refused without breaking the group */
     CHECK(ddp_send(g, &tag, 1, DDP_I32, rank, 0) == DDP_ERR_INVALID_ARGUMENT, "send to itself: %s", ddp_last_error(g));

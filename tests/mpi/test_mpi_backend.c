@@ -352,6 +352,11 @@ static void check_point_to_point(ddp_group *g) {
         CHECK(a == 1 && b == 2, "tags out of order: %lld %lld", (long long)a, (long long)b);
     }
     CHECK(ddp_send(g, out, 1, DDP_F64, g_rank, 0) == DDP_ERR_INVALID_ARGUMENT, "send to itself: %s", ddp_last_error(g));
+    {
+        ddp_work *w = NULL;
+        CHECK(ddp_isend(g, out, 1, DDP_F64, right, 0, &w) == DDP_ERR_UNSUPPORTED && !w &&
+                  strstr(ddp_last_error(g), "ddp_send"), "isend on mpi: %s", ddp_last_error(g));
+    }
     CHECK_OK(ddp_barrier(g), g);
     if (g_rank == 0) printf("ok: send / recv around the ring, tags out of order\n");
 }
