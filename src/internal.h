@@ -632,12 +632,12 @@ typedef struct ddp__step {
                         (ddp__now()) for the frame to start (monitored_barrier), the timeout after that */
     int soft;        /* with deadline: when it passes before anything arrived, return DDP_ERR_TIMEOUT
                         without breaking the group (the caller decides) */
-    int p2p;         /* 0: a collective's step; 1: send / recv of a point-to-point message with c->tag (a
-                        message of another tag from recv_peer goes to the stash first) */
+    int p2p;         /* 0: a collective's step; 1: a send of a point-to-point message with c->tag (receives
+                        do not run as steps: transport.c's ddp__p2p_wait) */
 } ddp__step;
 static DDP__UNUSED ddp_result ddp__exchange(ddp_group *g, const ddp__coll *c, const ddp__step *s);
-/* Point-to-point over the mesh, whatever the group's backend: send `bytes` of buf to c->root with c's tag,
-   or receive the next message from c->root with c's tag (the stash first), checking its size and dtype. */
+/* Point-to-point over the mesh, whatever the group's backend: send k's buffer to k->root with k->tag, or
+   post a receive for the next message from k->root with k->tag and wait for it (size and dtype checked). */
 static DDP__UNUSED ddp_result ddp__p2p_run(ddp_group *g, const ddp__call *k, const ddp__coll *c);
 static DDP__UNUSED void ddp__p2p_stash_free(ddp_group *g); /* messages nobody received (the group ends) */
 /* ddp_irecv: post p (a stashed message may finish it at once; a mismatch there is returned); then wait
