@@ -388,7 +388,7 @@ DDP_API ddp_result ddp_recv(ddp_group *g, void *buf, size_t count, ddp_dtype t, 
    async collectives (in issue order); an irecv is posted at once, and any later call that reads the
    connections (a queued call, a collective over TCP, a send, ddp_wait, ddp_test) may finish it, so every
    rank may post its irecv before its isend. The buffer must stay valid and untouched until ddp_wait
-   returns. Not on the mpi backend yet (DDP_ERR_UNSUPPORTED: use ddp_send / ddp_recv there). */
+   returns. On the mpi backend they are MPI_Isend / MPI_Irecv. */
 DDP_API ddp_result ddp_isend(ddp_group *g, const void *buf, size_t count, ddp_dtype t, int dst, int tag, ddp_work **w);
 DDP_API ddp_result ddp_irecv(ddp_group *g, void *buf, size_t count, ddp_dtype t, int src, int tag, ddp_work **w);
 
@@ -2293,6 +2293,11 @@ static DDP__UNUSED ddp_result ddp__hier_setup(ddp_group *g, const uint64_t *keys
 static DDP__UNUSED ddp_result ddp__mpi_world(int *rank, int *world_size, struct ddp__mpi **out, char *err);
 static DDP__UNUSED ddp_result ddp__mpi_split(ddp_group *parent, int me, struct ddp__mpi **out);
 static DDP__UNUSED void ddp__mpi_attach(ddp_group *g, struct ddp__mpi *m); /* g's communicator and backend */
+/* ddp_isend / ddp_irecv on the mpi backend: start w's call (w->call, w->coll filled) as MPI_Isend / MPI_Irecv;
+   w's owner then waits for it (ddp__mpi_p2p_wait), and ddp__mpi_p2p_release cancels it when the group ends. */
+static DDP__UNUSED ddp_result ddp__mpi_p2p_start(ddp_group *g, ddp_work *w);
+static DDP__UNUSED ddp_result ddp__mpi_p2p_wait(ddp_work *w);
+static DDP__UNUSED void ddp__mpi_p2p_release(ddp_work *w);
 static DDP__UNUSED void ddp__mpi_free(struct ddp__mpi *m);
 
 /* ---- nccl.c: the nccl backend ---- */
@@ -7491,6 +7496,7 @@ static void ddp__work_release_all(ddp_group *g) {
         g->async.issued = w->issued_next;
         ddp__live_remove(w, DDP__LIVE_WORK);
         if (w->owner && w->owner->wait == ddp__irecv_wait) ddp__free(w->handle); /* its posted receive */
+        if (w->owner && w->owner->wait == ddp__mpi_p2p_wait) ddp__mpi_p2p_release(w);
         ddp__free(w);
     }
 }
@@ -7817,9 +7823,29 @@ static ddp_result ddp__p2p_async_check(ddp_group *g, const char *name, ddp__coll
     if (r) return r;
     if (!out) return ddp__fail(g, DDP_ERR_INVALID_ARGUMENT, "%s: the ddp_work **out argument is NULL", name);
     *out = NULL;
-    if (g->mpi)
-        return ddp__fail(g, DDP_ERR_UNSUPPORTED, "%s: the mpi backend has ddp_send and ddp_recv but not their async "
-                         "variants yet; use those (or the cpu backend)", name);
+    if (g->broken) return ddp__fail(g, DDP_ERR_STATE, "%s: the group is broken by an earlier error and cannot be used; "
+                                    "destroy it. The error was: %.800s", name, g->broken_msg);
+    return DDP_SUCCESS;
+}
+
+/* On the mpi backend: MPI's own nonblocking calls, started now (mpi.c). */
+static ddp_result ddp__mpi_p2p_async(ddp_group *g, ddp__coll_kind kind, const void *send, void *recv, size_t count,
+                                     ddp_dtype t, int peer, int tag, ddp_work **out) {
+    ddp_work *w = (ddp_work *)ddp__calloc(1, sizeof *w);
+    ddp_result r;
+    if (!w) return ddp__fail(g, DDP_ERR_OUT_OF_MEMORY, "out of memory allocating a ddp_work");
+    w->g = g;
+    ddp__p2p_describe(g, &w->call, &w->coll, kind, send, recv, count, t, peer, tag);
+    ddp__drain(g); /* in issue order with the queued collectives */
+    if ((r = ddp__mpi_p2p_start(g, w)) != DDP_SUCCESS || !ddp__work_issue(g, w)) {
+        if (r == DDP_SUCCESS) { /* started, and nobody can wait for it: the group cannot go on */
+            ddp__mpi_p2p_release(w);
+            r = ddp__group_abort(g, DDP_ERR_OUT_OF_MEMORY, "out of memory recording a ddp_work");
+        }
+        ddp__free(w);
+        return r;
+    }
+    *out = w;
     return DDP_SUCCESS;
 }
 
@@ -7828,6 +7854,7 @@ DDP_API ddp_result ddp_isend(ddp_group *g, const void *buf, size_t count, ddp_dt
     ddp__coll c;
     ddp_result r = ddp__p2p_async_check(g, "isend", DDP__SEND, buf, count, t, dst, tag, w);
     if (r) return r;
+    if (g->mpi) return ddp__mpi_p2p_async(g, DDP__SEND, buf, NULL, count, t, dst, tag, w);
     ddp__p2p_describe(g, &k, &c, DDP__SEND, buf, NULL, count, t, dst, tag);
     return ddp__enqueue(g, &k, &c, w);
 }
@@ -7868,8 +7895,7 @@ DDP_API ddp_result ddp_irecv(ddp_group *g, void *buf, size_t count, ddp_dtype t,
     ddp_work *w;
     ddp_result r = ddp__p2p_async_check(g, "irecv", DDP__RECV, buf, count, t, src, tag, out);
     if (r) return r;
-    if (g->broken) return ddp__fail(g, DDP_ERR_STATE, "irecv: the group is broken by an earlier error and cannot be "
-                                    "used; destroy it. The error was: %.800s", g->broken_msg);
+    if (g->mpi) return ddp__mpi_p2p_async(g, DDP__RECV, NULL, buf, count, t, src, tag, out);
     w = (ddp_work *)ddp__calloc(1, sizeof *w);
     p = (ddp__posted *)ddp__calloc(1, sizeof *p);
     if (!w || !p || !ddp__work_issue(g, w)) {
@@ -11010,6 +11036,97 @@ static ddp_result ddp__mpi_p2p(ddp_group *g, const ddp__call *k, const ddp__coll
     return DDP_SUCCESS;
 }
 
+/* ddp_isend / ddp_irecv: MPI_Isend / MPI_Irecv of bytes on the group's communicator; the handle's wait polls
+   MPI_Test (so it gives up after the group's timeout) and checks a received message's size as ddp_recv does. */
+typedef struct ddp__mpi_request {
+    MPI_Request req;
+    int done, got; /* finished (MPI_Test freed the request); bytes received */
+    int rc;        /* MPI's result */
+} ddp__mpi_request;
+
+static void ddp__mpi_p2p_poll(ddp__mpi_request *q) {
+    MPI_Status st;
+    int flag = 0;
+    if (q->done) return;
+    q->rc = MPI_Test(&q->req, &flag, &st);
+    if (q->rc != MPI_SUCCESS || !flag) {
+        q->done = q->rc != MPI_SUCCESS;
+        return;
+    }
+    q->done = 1;
+    MPI_Get_count(&st, MPI_BYTE, &q->got); /* (a truncated message is MPI_Test's own error: q->rc) */
+}
+
+static ddp_result ddp__mpi_p2p_wait(ddp_work *w) {
+    ddp_group *g = w->g;
+    ddp__mpi_request *q = (ddp__mpi_request *)w->handle;
+    size_t bytes = w->call.count * ddp_dtype_size(w->call.dtype);
+    double deadline = ddp__now() + g->timeout;
+    char desc[200], msg[MPI_MAX_ERROR_STRING];
+    ddp_result r = DDP_SUCCESS;
+    ddp__coll_describe(g, &w->coll, desc, sizeof desc);
+    while (ddp__mpi_p2p_poll(q), !q->done && ddp__now() < deadline) ddp__sleep(50e-6);
+    if (!q->done)
+        r = ddp__coll_fail(g, DDP_ERR_TIMEOUT, "%s: timed out after %.0f s waiting for rank %d (DDP_TIMEOUT sets the limit)",
+                           desc, g->timeout, w->call.root);
+    else if (q->rc == MPI_ERR_TRUNCATE || (q->rc == MPI_SUCCESS && w->call.kind == DDP__RECV && (size_t)q->got != bytes))
+        r = ddp__coll_fail(g, DDP_ERR_MISMATCH, "%s: rank %d sent %s bytes with tag %d where this rank expects %zu (%zu "
+                           "elements of %s); a send and its recv must agree on count and dtype", desc, w->call.root,
+                           q->rc == MPI_ERR_TRUNCATE ? "more" : "fewer", w->call.tag, bytes, w->call.count,
+                           ddp_dtype_name(w->call.dtype));
+    else if (q->rc != MPI_SUCCESS)
+        r = ddp__coll_fail(g, DDP_ERR_SYSTEM, "%s: the MPI call failed: %s", desc, ddp__mpi_error_string(q->rc, msg));
+    if (!q->done) { /* nobody may write into the buffer after this returns */
+        MPI_Cancel(&q->req);
+        MPI_Request_free(&q->req);
+    }
+    ddp__free(q);
+    ddp__free(w);
+    return r;
+}
+
+static int ddp__mpi_p2p_test(ddp_work *w) {
+    ddp__mpi_request *q = (ddp__mpi_request *)w->handle;
+    ddp__mpi_p2p_poll(q);
+    return q->done;
+}
+
+static const ddp__backend ddp__mpi_p2p_owner = {"mpi", "mpi", NULL, NULL, ddp__mpi_p2p_wait, ddp__mpi_p2p_test, NULL,
+                                                NULL, NULL, NULL, NULL, NULL};
+
+static ddp_result ddp__mpi_p2p_start(ddp_group *g, ddp_work *w) {
+    const ddp__call *k = &w->call;
+    size_t bytes = k->count * ddp_dtype_size(k->dtype);
+    ddp__mpi_request *q;
+    char msg[MPI_MAX_ERROR_STRING];
+    int rc;
+    if (bytes > (size_t)INT_MAX || k->tag > 32767)
+        return ddp__fail(g, DDP_ERR_UNSUPPORTED, "%s: on the mpi backend a message holds at most %d bytes and a tag is at "
+                         "most 32767 (what every MPI allows)", k->kind == DDP__SEND ? "isend" : "irecv", INT_MAX);
+    if (!(q = (ddp__mpi_request *)ddp__calloc(1, sizeof *q)))
+        return ddp__fail(g, DDP_ERR_OUT_OF_MEMORY, "out of memory allocating a ddp_work");
+    if (k->kind == DDP__SEND) rc = MPI_Isend(k->send, (int)bytes, MPI_BYTE, k->root, k->tag, g->mpi->comm, &q->req);
+    else rc = MPI_Irecv(k->buf, (int)bytes, MPI_BYTE, k->root, k->tag, g->mpi->comm, &q->req);
+    if (rc != MPI_SUCCESS) {
+        ddp__free(q);
+        return ddp__fail(g, DDP_ERR_SYSTEM, "%s: the MPI call failed: %s", k->kind == DDP__SEND ? "isend" : "irecv",
+                         ddp__mpi_error_string(rc, msg));
+    }
+    w->owner = &ddp__mpi_p2p_owner;
+    w->handle = q;
+    return DDP_SUCCESS;
+}
+
+/* The group ends with w never waited on: cancel its request. */
+static void ddp__mpi_p2p_release(ddp_work *w) {
+    ddp__mpi_request *q = (ddp__mpi_request *)w->handle;
+    if (!q->done) {
+        MPI_Cancel(&q->req);
+        MPI_Request_free(&q->req);
+    }
+    ddp__free(q);
+}
+
 static ddp_result ddp__mpi_run(ddp_group *g, const ddp__call *k, const ddp__coll *c) {
     ddp_result r;
     if (k->kind == DDP__SEND || k->kind == DDP__RECV) return ddp__mpi_p2p(g, k, c);
@@ -11060,6 +11177,18 @@ static ddp_result ddp__mpi_run(ddp_group *g, const ddp__call *k, const ddp__coll
     (void)k, (void)c;
     return ddp__coll_fail(g, DDP_ERR_STATE, "internal error: an mpi group in a build without DDP_MPI");
 }
+
+static ddp_result ddp__mpi_p2p_start(ddp_group *g, ddp_work *w) {
+    (void)w;
+    return ddp__fail(g, DDP_ERR_STATE, "internal error: an mpi group in a build without DDP_MPI");
+}
+
+static ddp_result ddp__mpi_p2p_wait(ddp_work *w) {
+    (void)w;
+    return DDP_ERR_STATE;
+}
+
+static void ddp__mpi_p2p_release(ddp_work *w) { (void)w; }
 
 #endif /* DDP_MPI */
 

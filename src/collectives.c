@@ -357,6 +357,7 @@ static void ddp__work_release_all(ddp_group *g) {
         g->async.issued = w->issued_next;
         ddp__live_remove(w, DDP__LIVE_WORK);
         if (w->owner && w->owner->wait == ddp__irecv_wait) ddp__free(w->handle); /* its posted receive */
+        if (w->owner && w->owner->wait == ddp__mpi_p2p_wait) ddp__mpi_p2p_release(w);
         ddp__free(w);
     }
 }
@@ -683,9 +684,29 @@ static ddp_result ddp__p2p_async_check(ddp_group *g, const char *name, ddp__coll
     if (r) return r;
     if (!out) return ddp__fail(g, DDP_ERR_INVALID_ARGUMENT, "%s: the ddp_work **out argument is NULL", name);
     *out = NULL;
-    if (g->mpi)
-        return ddp__fail(g, DDP_ERR_UNSUPPORTED, "%s: the mpi backend has ddp_send and ddp_recv but not their async "
-                         "variants yet; use those (or the cpu backend)", name);
+    if (g->broken) return ddp__fail(g, DDP_ERR_STATE, "%s: the group is broken by an earlier error and cannot be used; "
+                                    "destroy it. The error was: %.800s", name, g->broken_msg);
+    return DDP_SUCCESS;
+}
+
+/* On the mpi backend: MPI's own nonblocking calls, started now (mpi.c). */
+static ddp_result ddp__mpi_p2p_async(ddp_group *g, ddp__coll_kind kind, const void *send, void *recv, size_t count,
+                                     ddp_dtype t, int peer, int tag, ddp_work **out) {
+    ddp_work *w = (ddp_work *)ddp__calloc(1, sizeof *w);
+    ddp_result r;
+    if (!w) return ddp__fail(g, DDP_ERR_OUT_OF_MEMORY, "out of memory allocating a ddp_work");
+    w->g = g;
+    ddp__p2p_describe(g, &w->call, &w->coll, kind, send, recv, count, t, peer, tag);
+    ddp__drain(g); /* in issue order with the queued collectives */
+    if ((r = ddp__mpi_p2p_start(g, w)) != DDP_SUCCESS || !ddp__work_issue(g, w)) {
+        if (r == DDP_SUCCESS) { /* started, and nobody can wait for it: the group cannot go on */
+            ddp__mpi_p2p_release(w);
+            r = ddp__group_abort(g, DDP_ERR_OUT_OF_MEMORY, "out of memory recording a ddp_work");
+        }
+        ddp__free(w);
+        return r;
+    }
+    *out = w;
     return DDP_SUCCESS;
 }
 
@@ -694,6 +715,7 @@ DDP_API ddp_result ddp_isend(ddp_group *g, const void *buf, size_t count, ddp_dt
     ddp__coll c;
     ddp_result r = ddp__p2p_async_check(g, "isend", DDP__SEND, buf, count, t, dst, tag, w);
     if (r) return r;
+    if (g->mpi) return ddp__mpi_p2p_async(g, DDP__SEND, buf, NULL, count, t, dst, tag, w);
     ddp__p2p_describe(g, &k, &c, DDP__SEND, buf, NULL, count, t, dst, tag);
     return ddp__enqueue(g, &k, &c, w);
 }
@@ -734,8 +756,7 @@ DDP_API ddp_result ddp_irecv(ddp_group *g, void *buf, size_t count, ddp_dtype t,
     ddp_work *w;
     ddp_result r = ddp__p2p_async_check(g, "irecv", DDP__RECV, buf, count, t, src, tag, out);
     if (r) return r;
-    if (g->broken) return ddp__fail(g, DDP_ERR_STATE, "irecv: the group is broken by an earlier error and cannot be "
-                                    "used; destroy it. The error was: %.800s", g->broken_msg);
+    if (g->mpi) return ddp__mpi_p2p_async(g, DDP__RECV, NULL, buf, count, t, src, tag, out);
     w = (ddp_work *)ddp__calloc(1, sizeof *w);
     p = (ddp__posted *)ddp__calloc(1, sizeof *p);
     if (!w || !p || !ddp__work_issue(g, w)) {

@@ -244,7 +244,7 @@ DDP_API ddp_result ddp_recv(ddp_group *g, void *buf, size_t count, ddp_dtype t, 
    async collectives (in issue order); an irecv is posted at once, and any later call that reads the
    connections (a queued call, a collective over TCP, a send, ddp_wait, ddp_test) may finish it, so every
    rank may post its irecv before its isend. The buffer must stay valid and untouched until ddp_wait
-   returns. Not on the mpi backend yet (DDP_ERR_UNSUPPORTED: use ddp_send / ddp_recv there). */
+   returns. On the mpi backend they are MPI_Isend / MPI_Irecv. */
 DDP_API ddp_result ddp_isend(ddp_group *g, const void *buf, size_t count, ddp_dtype t, int dst, int tag, ddp_work **w);
 DDP_API ddp_result ddp_irecv(ddp_group *g, void *buf, size_t count, ddp_dtype t, int src, int tag, ddp_work **w);
 

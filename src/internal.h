@@ -737,6 +737,11 @@ static DDP__UNUSED ddp_result ddp__hier_setup(ddp_group *g, const uint64_t *keys
 static DDP__UNUSED ddp_result ddp__mpi_world(int *rank, int *world_size, struct ddp__mpi **out, char *err);
 static DDP__UNUSED ddp_result ddp__mpi_split(ddp_group *parent, int me, struct ddp__mpi **out);
 static DDP__UNUSED void ddp__mpi_attach(ddp_group *g, struct ddp__mpi *m); /* g's communicator and backend */
+/* ddp_isend / ddp_irecv on the mpi backend: start w's call (w->call, w->coll filled) as MPI_Isend / MPI_Irecv;
+   w's owner then waits for it (ddp__mpi_p2p_wait), and ddp__mpi_p2p_release cancels it when the group ends. */
+static DDP__UNUSED ddp_result ddp__mpi_p2p_start(ddp_group *g, ddp_work *w);
+static DDP__UNUSED ddp_result ddp__mpi_p2p_wait(ddp_work *w);
+static DDP__UNUSED void ddp__mpi_p2p_release(ddp_work *w);
 static DDP__UNUSED void ddp__mpi_free(struct ddp__mpi *m);
 
 /* ---- nccl.c: the nccl backend ---- */

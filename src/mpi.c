@@ -674,6 +674,97 @@ static ddp_result ddp__mpi_p2p(ddp_group *g, const ddp__call *k, const ddp__coll
     return DDP_SUCCESS;
 }
 
+/* ddp_isend / ddp_irecv: MPI_Isend / MPI_Irecv of bytes on the group's communicator; the handle's wait polls
+   MPI_Test (so it gives up after the group's timeout) and checks a received message's size as ddp_recv does. */
+typedef struct ddp__mpi_request {
+    MPI_Request req;
+    int done, got; /* finished (MPI_Test freed the request); bytes received */
+    int rc;        /* MPI's result */
+} ddp__mpi_request;
+
+static void ddp__mpi_p2p_poll(ddp__mpi_request *q) {
+    MPI_Status st;
+    int flag = 0;
+    if (q->done) return;
+    q->rc = MPI_Test(&q->req, &flag, &st);
+    if (q->rc != MPI_SUCCESS || !flag) {
+        q->done = q->rc != MPI_SUCCESS;
+        return;
+    }
+    q->done = 1;
+    MPI_Get_count(&st, MPI_BYTE, &q->got); /* (a truncated message is MPI_Test's own error: q->rc) */
+}
+
+static ddp_result ddp__mpi_p2p_wait(ddp_work *w) {
+    ddp_group *g = w->g;
+    ddp__mpi_request *q = (ddp__mpi_request *)w->handle;
+    size_t bytes = w->call.count * ddp_dtype_size(w->call.dtype);
+    double deadline = ddp__now() + g->timeout;
+    char desc[200], msg[MPI_MAX_ERROR_STRING];
+    ddp_result r = DDP_SUCCESS;
+    ddp__coll_describe(g, &w->coll, desc, sizeof desc);
+    while (ddp__mpi_p2p_poll(q), !q->done && ddp__now() < deadline) ddp__sleep(50e-6);
+    if (!q->done)
+        r = ddp__coll_fail(g, DDP_ERR_TIMEOUT, "%s: timed out after %.0f s waiting for rank %d (DDP_TIMEOUT sets the limit)",
+                           desc, g->timeout, w->call.root);
+    else if (q->rc == MPI_ERR_TRUNCATE || (q->rc == MPI_SUCCESS && w->call.kind == DDP__RECV && (size_t)q->got != bytes))
+        r = ddp__coll_fail(g, DDP_ERR_MISMATCH, "%s: rank %d sent %s bytes with tag %d where this rank expects %zu (%zu "
+                           "elements of %s); a send and its recv must agree on count and dtype", desc, w->call.root,
+                           q->rc == MPI_ERR_TRUNCATE ? "more" : "fewer", w->call.tag, bytes, w->call.count,
+                           ddp_dtype_name(w->call.dtype));
+    else if (q->rc != MPI_SUCCESS)
+        r = ddp__coll_fail(g, DDP_ERR_SYSTEM, "%s: the MPI call failed: %s", desc, ddp__mpi_error_string(q->rc, msg));
+    if (!q->done) { /* nobody may write into the buffer after this returns */
+        MPI_Cancel(&q->req);
+        MPI_Request_free(&q->req);
+    }
+    ddp__free(q);
+    ddp__free(w);
+    return r;
+}
+
+static int ddp__mpi_p2p_test(ddp_work *w) {
+    ddp__mpi_request *q = (ddp__mpi_request *)w->handle;
+    ddp__mpi_p2p_poll(q);
+    return q->done;
+}
+
+static const ddp__backend ddp__mpi_p2p_owner = {"mpi", "mpi", NULL, NULL, ddp__mpi_p2p_wait, ddp__mpi_p2p_test, NULL,
+                                                NULL, NULL, NULL, NULL, NULL};
+
+static ddp_result ddp__mpi_p2p_start(ddp_group *g, ddp_work *w) {
+    const ddp__call *k = &w->call;
+    size_t bytes = k->count * ddp_dtype_size(k->dtype);
+    ddp__mpi_request *q;
+    char msg[MPI_MAX_ERROR_STRING];
+    int rc;
+    if (bytes > (size_t)INT_MAX || k->tag > 32767)
+        return ddp__fail(g, DDP_ERR_UNSUPPORTED, "%s: on the mpi backend a message holds at most %d bytes and a tag is at "
+                         "most 32767 (what every MPI allows)", k->kind == DDP__SEND ? "isend" : "irecv", INT_MAX);
+    if (!(q = (ddp__mpi_request *)ddp__calloc(1, sizeof *q)))
+        return ddp__fail(g, DDP_ERR_OUT_OF_MEMORY, "out of memory allocating a ddp_work");
+    if (k->kind == DDP__SEND) rc = MPI_Isend(k->send, (int)bytes, MPI_BYTE, k->root, k->tag, g->mpi->comm, &q->req);
+    else rc = MPI_Irecv(k->buf, (int)bytes, MPI_BYTE, k->root, k->tag, g->mpi->comm, &q->req);
+    if (rc != MPI_SUCCESS) {
+        ddp__free(q);
+        return ddp__fail(g, DDP_ERR_SYSTEM, "%s: the MPI call failed: %s", k->kind == DDP__SEND ? "isend" : "irecv",
+                         ddp__mpi_error_string(rc, msg));
+    }
+    w->owner = &ddp__mpi_p2p_owner;
+    w->handle = q;
+    return DDP_SUCCESS;
+}
+
+/* The group ends with w never waited on: cancel its request. */
+static void ddp__mpi_p2p_release(ddp_work *w) {
+    ddp__mpi_request *q = (ddp__mpi_request *)w->handle;
+    if (!q->done) {
+        MPI_Cancel(&q->req);
+        MPI_Request_free(&q->req);
+    }
+    ddp__free(q);
+}
+
 static ddp_result ddp__mpi_run(ddp_group *g, const ddp__call *k, const ddp__coll *c) {
     ddp_result r;
     if (k->kind == DDP__SEND || k->kind == DDP__RECV) return ddp__mpi_p2p(g, k, c);
@@ -724,6 +815,18 @@ static ddp_result ddp__mpi_run(ddp_group *g, const ddp__call *k, const ddp__coll
     (void)k, (void)c;
     return ddp__coll_fail(g, DDP_ERR_STATE, "internal error: an mpi group in a build without DDP_MPI");
 }
+
+static ddp_result ddp__mpi_p2p_start(ddp_group *g, ddp_work *w) {
+    (void)w;
+    return ddp__fail(g, DDP_ERR_STATE, "internal error: an mpi group in a build without DDP_MPI");
+}
+
+static ddp_result ddp__mpi_p2p_wait(ddp_work *w) {
+    (void)w;
+    return DDP_ERR_STATE;
+}
+
+static void ddp__mpi_p2p_release(ddp_work *w) { (void)w; }
 
 #endif /* DDP_MPI */
 
