@@ -6346,10 +6346,10 @@ static void ddp__coll_describe(const ddp_group *g, const ddp__coll *c, char *out
         snprintf(out, cap, "%s() as collective #%llu", ddp__coll_name(c->kind), number);
         return;
     }
-    if (c->kind == DDP__SEND || c->kind == DDP__RECV) { /* no collective number: the group's count so far */
-        snprintf(out, cap, "%s(%s=%d, tag=%d, count=%llu, %s) after collective #%llu", ddp__coll_name(c->kind),
-                 c->kind == DDP__SEND ? "dst" : "src", (int)c->root, (int)c->tag, (unsigned long long)c->count,
-                 ddp_dtype_name((ddp_dtype)c->dtype), (unsigned long long)(g->seq - g->seq_base));
+    if (c->kind == DDP__SEND || c->kind == DDP__RECV) { /* no collective number (and g->seq may be changing:
+                                                            an isend runs on the progress thread) */
+        snprintf(out, cap, "%s(%s=%d, tag=%d, count=%llu, %s)", ddp__coll_name(c->kind), c->kind == DDP__SEND ? "dst" : "src",
+                 (int)c->root, (int)c->tag, (unsigned long long)c->count, ddp_dtype_name((ddp_dtype)c->dtype));
         return;
     }
     if (c->kind == DDP__BROADCAST_BYTES) {
