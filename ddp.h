@@ -6541,6 +6541,20 @@ static void ddp__frame_init(ddp__frame *f, const ddp_group *g, const ddp__coll *
     f->bytes = bytes;
 }
 
+/* The call a collective's frame describes (for messages naming the sender's call). */
+static ddp__coll ddp__frame_coll(const ddp__frame *f) {
+    ddp__coll t;
+    memset(&t, 0, sizeof t);
+    t.seq = f->seq;
+    t.count = f->count;
+    t.kind = f->coll;
+    t.dtype = f->dtype;
+    t.op = f->op;
+    t.root = f->root;
+    t.tag = -1;
+    return t;
+}
+
 /* The header just received from `peer` is complete: is it the frame this step expects? */
 static ddp_result ddp__check_frame(ddp_group *g, const ddp__coll *c, int peer, const ddp__frame *f, size_t expect) {
     char ours[160], theirs[160];
@@ -6550,14 +6564,7 @@ static ddp_result ddp__check_frame(ddp_group *g, const ddp__coll *c, int peer, c
     if (f->kind == DDP__FRAME_ABORT || f->kind == DDP__FRAME_BYE) return ddp__peer_failed_after(g, peer, c, f);
     if (f->kind != DDP__FRAME_DATA) return ddp__coll_fail(g, DDP_ERR_FORMAT, "corrupt message from rank %d (kind %d)", peer, f->kind);
     if (!ddp__coll_equal(c, f)) {
-        ddp__coll t;
-        t.seq = f->seq;
-        t.count = f->count;
-        t.kind = f->coll;
-        t.dtype = f->dtype;
-        t.op = f->op;
-        t.root = f->root;
-        t.tag = -1;
+        ddp__coll t = ddp__frame_coll(f);
         ddp__coll_describe(g, c, ours, sizeof ours);
         ddp__coll_describe(g, &t, theirs, sizeof theirs);
         return ddp__coll_fail(g, DDP_ERR_MISMATCH, "collective mismatch: rank %d called %s while rank %d called %s; every "
@@ -6984,9 +6991,7 @@ static ddp_result ddp__p2p_look(ddp_group *g, const ddp__coll *c, const ddp__pos
         f.magic == DDP__FRAME_MAGIC && (f.kind == DDP__FRAME_DATA || f.kind == DDP__FRAME_BYE)) {
         if (f.kind == DDP__FRAME_BYE) return ddp__peer_failed_after(g, peer, c, &f); /* "left the group" */
         char theirs[160];
-        ddp__coll t;
-        memset(&t, 0, sizeof t);
-        t.seq = f.seq, t.count = f.count, t.kind = f.coll, t.dtype = f.dtype, t.op = f.op, t.root = f.root, t.tag = -1;
+        ddp__coll t = ddp__frame_coll(&f);
         ddp__coll_describe(g, &t, theirs, sizeof theirs);
         return ddp__p2p_went_on(g, p, theirs);
     }
