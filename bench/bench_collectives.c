@@ -2,7 +2,8 @@
 
    Usage (under any launcher):  ddprun --nproc-per-node 2 build/bench_collectives [--lib] [op] [max_bytes] [min_bytes]
      op: all_reduce (default) | all_gather | reduce_scatter | broadcast | barrier (one row, size 0)
-         | all_to_all | gather | scatter (root 0): for these three, size is the bytes per rank (count x 4)
+         | all_to_all | gather | scatter (root 0) | all_to_all_v | all_gather_v: for these, size is the bytes
+         per rank (count x 4; the _v calls' blocks are uneven, 1/2, 1 or 3/2 of it, as in the MPI peer)
      --lib: the buffers come from ddp_alloc (library buffers: single-copy over shared memory), not malloc
    Sizes grow x4 from min_bytes (default 4) to max_bytes (default 256 MiB), f32, sum. Before every
    iteration the buffer is rewritten (untimed; all_to_all, gather, scatter: once per size); each collective call is timed on its own and the
@@ -29,12 +30,19 @@ static double now(void) {
 /* The value rank `from` sends to rank `to` at element i of iteration it (small integers: exact in f32). */
 static float cell(int from, int to, size_t i, int it) { return (float)(from * 7 + to * 3 + it + (int)(i & 7)); }
 
-/* all_to_all, gather, scatter (root 0): blocks of `bytes` per rank, send and recv of n blocks each. */
+/* all_to_all_v / all_gather_v's uneven blocks, the same in bench/peers/mpi_alltoall.c: rank `from` sends
+   rank `to` (all_gather_v: every rank) per/2, per or 3 per/2 elements, per on average. */
+static size_t split(int from, int to, size_t per) { return per / 2 + per * (size_t)((from + 2 * to) % 3) / 2; }
+
+/* all_to_all, gather, scatter (root 0), all_to_all_v, all_gather_v: blocks of `bytes` per rank (the _v
+   calls: on average), send and recv of n blocks each. */
 static int bench_per_rank(ddp_group *g, const char *op, int lib, size_t max_bytes, size_t min_bytes) {
     int rank = ddp_rank(g), n = ddp_world_size(g), bad = 0, a2a = !strcmp(op, "all_to_all"), gather = !strcmp(op, "gather");
-    size_t whole = max_bytes * (size_t)n + 64, bytes;
+    int a2av = !strcmp(op, "all_to_all_v"), agv = !strcmp(op, "all_gather_v");
+    size_t whole = max_bytes * (size_t)n * 3 / 2 + 64, bytes, *sc = (size_t *)calloc((size_t)n * 3, sizeof *sc), *rc = sc + n,
+           *counts = sc + 2 * n;
     float *a = (float *)(lib ? ddp_alloc(g, whole) : malloc(whole)), *b = (float *)(lib ? ddp_alloc(g, whole) : malloc(whole));
-    if (!a || !b) {
+    if (!a || !b || !sc) {
         fprintf(stderr, "rank %d: out of memory: %s\n", rank, ddp_last_error(g));
         return 3;
     }
@@ -45,14 +53,20 @@ static int bench_per_rank(ddp_group *g, const char *op, int lib, size_t max_byte
                getenv("DDP_TRANSPORT") ? getenv("DDP_TRANSPORT") : "auto", lib ? "ddp_alloc" : "malloc", "size", "count", "type",
                "op", "time_us", "algbw_GBs", "busbw_GBs");
     for (bytes = min_bytes < 4 ? 4 : min_bytes; bytes <= max_bytes; bytes *= 4) {
-        size_t per = bytes / 4, i;
-        int iters = bytes < 16384 ? 200 : 20, it, j; /* 20 at every large size: a mean of 5 was one descheduling away from 2x */
+        size_t per = bytes / 4, i, at;
+        int iters = bytes < 16384 ? 200 : 20, it, j, v = a2av || agv; /* 20 at every large size: a mean of 5 was one descheduling away from 2x */
         double total = 0, alg;
+        for (j = 0; j < n; j++) { /* the blocks' sizes: per, or uneven for the _v calls */
+            sc[j] = a2av ? split(rank, j, per) : per;
+            rc[j] = a2av ? split(j, rank, per) : per;
+            counts[j] = agv ? split(j, 0, per) : per;
+        }
         /* Filled once per size, as Open MPI's peer does: a refill between calls would let the ranks drift
            apart by its time, which the next call's wait then measures. */
-        for (j = 0; j < n; j++) /* block j: what this rank sends to rank j (scatter: the root's block for j) */
-            for (i = 0; i < per; i++) a[(size_t)j * per + i] = cell(rank, gather ? 0 : j, i, (int)bytes & 15);
-        memset(b, 0, per * (size_t)n * 4);
+        for (j = 0, at = 0; j < (agv ? 1 : n); at += sc[j], j++) /* block j: what this rank sends to rank j (scatter: the */
+            for (i = 0; i < (agv ? counts[rank] : sc[j]); i++)   /* root's block for j; all_gather_v: its one block) */
+                a[at + i] = cell(rank, gather || agv ? 0 : j, i, (int)bytes & 15);
+        memset(b, 0, whole);
         for (it = -2; it < iters; it++) {
             double t0;
             ddp_result r;
@@ -60,6 +74,8 @@ static int bench_per_rank(ddp_group *g, const char *op, int lib, size_t max_byte
             t0 = now();
             if (a2a) r = ddp_all_to_all(g, a, b, per, DDP_F32);
             else if (gather) r = ddp_gather(g, a, b, per, DDP_F32, 0);
+            else if (a2av) r = ddp_all_to_all_v(g, a, sc, b, rc, DDP_F32);
+            else if (agv) r = ddp_all_gather_v(g, a, counts[rank], b, counts, DDP_F32);
             else r = ddp_scatter(g, a, b, per, DDP_F32, 0);
             if (it >= 0) total += now() - t0;
             if (r != DDP_SUCCESS) {
@@ -67,15 +83,17 @@ static int bench_per_rank(ddp_group *g, const char *op, int lib, size_t max_byte
                 return 1;
             }
         }
-        for (i = 0; i < per * (size_t)n && !bad; i++) { /* the last call's result */
-            int from = (int)(i / per), it_ = (int)bytes & 15;
-            float want = a2a ? cell(from, rank, i % per, it_) : gather ? cell(from, 0, i % per, it_) : cell(0, rank, i, it_);
-            if (!a2a && !gather && i >= per) break;
-            if (gather && rank != 0) break;
-            if (b[i] != want) {
-                fprintf(stderr, "rank %d: %s at %zu bytes per rank: element %zu is %g, want %g\n", rank, op, bytes, i, b[i], want);
-                bad = 1;
+        for (j = 0, at = 0; j < n && !bad && (a2a || a2av || agv || (gather && rank == 0) || (!gather && j == 0)); j++) {
+            size_t len = a2av ? rc[j] : agv ? counts[j] : per; /* the last call's result: block j of recv */
+            for (i = 0; i < len && !bad; i++) {
+                float want = cell(v || a2a || gather ? j : 0, gather || agv ? 0 : rank, i, (int)bytes & 15);
+                if (b[at + i] != want) {
+                    fprintf(stderr, "rank %d: %s at %zu bytes per rank: block %d element %zu is %g, want %g\n", rank, op, bytes, j, i,
+                            b[at + i], want);
+                    bad = 1;
+                }
             }
+            at += len;
         }
         alg = (double)bytes * n / (total / iters) / 1e9;
         if (rank == 0) printf("%12zu %12zu %6s %6s %10.2f %10.3f %10.3f\n", bytes, per, "float", "none", total / iters * 1e6, alg,
@@ -89,6 +107,7 @@ static int bench_per_rank(ddp_group *g, const char *op, int lib, size_t max_byte
         free(a);
         free(b);
     }
+    free(sc);
     ddp_destroy(g);
     return bad;
 }
@@ -109,10 +128,12 @@ int main(int argc, char **argv) {
     }
     rank = ddp_rank(g);
     n = ddp_world_size(g);
-    per_rank = !strcmp(op, "all_to_all") || !strcmp(op, "gather") || !strcmp(op, "scatter");
+    per_rank = !strcmp(op, "all_to_all") || !strcmp(op, "gather") || !strcmp(op, "scatter") || !strcmp(op, "all_to_all_v") ||
+               !strcmp(op, "all_gather_v");
     if (strcmp(op, "all_reduce") && strcmp(op, "all_gather") && strcmp(op, "reduce_scatter") && strcmp(op, "broadcast") &&
         !barrier && !per_rank) {
-        fprintf(stderr, "unknown op %s (all_reduce, all_gather, reduce_scatter, broadcast, barrier, all_to_all, gather, scatter)\n", op);
+        fprintf(stderr, "unknown op %s (all_reduce, all_gather, reduce_scatter, broadcast, barrier, all_to_all, gather, scatter, "
+                        "all_to_all_v, all_gather_v)\n", op);
         return 2;
     }
     if (per_rank) return bench_per_rank(g, op, lib, max_bytes, min_bytes);

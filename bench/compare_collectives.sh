@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # all_to_all and gather (and scatter) of ddp.h beside Open MPI, one host, in one run: medians of R rounds.
 #   bench/compare_collectives.sh [rounds=5] [max_bytes_per_rank=4194304] [min_bytes_per_rank=16]
-#   OPS="all_to_all gather" (any of all_to_all gather scatter), RANKS="2 4", TRANSPORT=shm (or tcp: DDP_TRANSPORT=tcp
+#   OPS="all_to_all gather" (any of all_to_all gather scatter all_to_all_v all_gather_v), RANKS="2 4", TRANSPORT=shm (or tcp: DDP_TRANSPORT=tcp
 #   for ddp.h and --mca btl tcp,self for Open MPI), LIB=1: ddp.h on ddp_alloc buffers.
 # Each round runs, for every op and rank count, build/bench_collectives under ddprun and
 # bench/peers/mpi_alltoall.c under mpirun, one after the other (interleaved, so load changes hit both alike);

@@ -212,7 +212,9 @@ static DDP__UNUSED void *ddp__calloc(size_t n, size_t size);
 static DDP__UNUSED void ddp__free(void *p);
 static DDP__UNUSED char *ddp__strdup(const char *s);
 static DDP__UNUSED void ddp__sleep(double seconds);
+#define DDP__FNV_OFFSET 1469598103934665603ull
 static DDP__UNUSED uint64_t ddp__hash(const char *s); /* FNV-1a of a string */
+static DDP__UNUSED uint64_t ddp__hash_bytes(uint64_t h, const void *data, size_t n);
 /* An error code that came from another process (an ABORT frame, the store): itself when it is one of
    ddp_result's errors, else fallback -- a corrupt or hostile 0 must never read as success. */
 static DDP__UNUSED ddp_result ddp__peer_code(long code, ddp_result fallback);
@@ -651,6 +653,10 @@ static DDP__UNUSED void ddp__close_after_failure(ddp_group *g, double seconds);
 static DDP__UNUSED const char *ddp__peer_name(const ddp_group *g, int i, char *buf, size_t cap);
 #define DDP__PEER_NAME_MAX 200
 static DDP__UNUSED void ddp__say_goodbye(ddp_group *g, double seconds);
+/* all_to_all_v / all_gather_v: rank sender sends `sent` elements where rank receiver expects `expected`:
+   DDP_ERR_MISMATCH naming both ranks and both sizes. */
+static DDP__UNUSED ddp_result ddp__sizes_differ(ddp_group *g, const ddp__coll *c, int sender, int receiver, uint64_t sent,
+                                               uint64_t expected);
 
 /* ---- collectives.c: the public collectives' machinery ---- */
 /* Chunk i of `count` elements cut into n nearly equal parts (the first count % n get one more). */

@@ -235,14 +235,6 @@ static MPI_Op ddp__mpi_op(ddp_dtype t, ddp_op op) {
     }
 }
 
-/* FNV-1a over n bytes, continuing from h. */
-static uint64_t ddp__mpi_hash(uint64_t h, const void *data, size_t n) {
-    const unsigned char *p = (const unsigned char *)data;
-    size_t i;
-    for (i = 0; i < n; i++) h = (h ^ p[i]) * 1099511628211ull;
-    return h;
-}
-
 /* all_gather_v's counts differ between ranks (every rank is here, having seen the difference): rank 0's
    counts go to every rank, each finds its first entry that differs, and the smallest (rank, index) is
    named alike on every rank. */
@@ -285,7 +277,7 @@ static ddp_result ddp__mpi_counts_differ(ddp_group *g, const ddp__call *k, const
 static ddp_result ddp__mpi_check(ddp_group *g, const ddp__call *k, const ddp__coll *c) {
     MPI_Comm comm = g->mpi->comm;
     int64_t pair[2], i;
-    uint64_t h = 1469598103934665603ull;
+    uint64_t h = DDP__FNV_OFFSET;
     ddp__coll *all;
     char ours[200], theirs[200], msg[MPI_MAX_ERROR_STRING];
     int rc, bad = -1;
@@ -297,10 +289,10 @@ static ddp_result ddp__mpi_check(ddp_group *g, const ddp__call *k, const ddp__co
     mine.dtype = c->dtype;
     mine.op = c->op;
     mine.root = c->root;
-    h = ddp__mpi_hash(h, &mine, sizeof mine);
+    h = ddp__hash_bytes(h, &mine, sizeof mine);
     for (i = 0; k->kind == DDP__ALL_GATHER_V && i < g->world_size; i++) {
         uint64_t v = (uint64_t)k->recv_counts[i];
-        h = ddp__mpi_hash(h, &v, sizeof v);
+        h = ddp__hash_bytes(h, &v, sizeof v);
     }
     pair[0] = (int64_t)(h >> 1);
     pair[1] = -pair[0];

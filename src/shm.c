@@ -684,6 +684,188 @@ static ddp_result ddp__shm_rooted(ddp_group *g, const ddp__coll *c, const void *
     return DDP_SUCCESS;
 }
 
+/* ---- all_to_all_v and all_gather_v: blocks whose sizes differ by rank ----
+   The first step publishes, at the start of the rank's half, what the others must know of its sizes
+   (and its recv buffer for single-copy, as all_to_all does):
+     all_to_all_v: send_counts[0..n), then where each sender's block starts in recv (the n + 1 prefix
+                   sums of recv_counts), the total sent, the largest block sent, and a flag;
+     all_gather_v: this rank's count, a hash of its counts[], and a flag.
+   The flag says that the rank's blocks are in that same step too, in the slots after the numbers (a
+   rank sends that way when its whole send buffer is at most DDP__SHM_MOVE_DIRECT_BYTES and each block
+   fits a slot): when every rank's flag is up, the call is one step, as all_to_all's.
+   After the step every rank checks the sizes before it copies anything out. all_gather_v: every rank
+   compares each peer's count and hash of counts with its own, so when any two ranks' counts differ,
+   every rank finds a difference. all_to_all_v, up to DDP__SHM_V_FULL_CHECK ranks: every rank checks the
+   whole matrix (rank i's send_counts[j] against rank j's recv_counts[i]) in the same order, so all fail
+   alike; above it, each rank checks its own row and column (what j sends me is what I expect; what j
+   expects from me is what I send) and one more step follows, which a rank that failed never posts (it
+   breaks the group), so the others fail there. Then, from the same published numbers, the same decision
+   on every rank: single-copy (each rank pushes its blocks into the receivers' buffers) when the average
+   rank's share is above DDP__SHM_MOVE_DIRECT_BYTES and every rank that receives from others published a
+   reachable buffer; else staged, `per` elements of every block a round, as many rounds as the largest
+   block needs. */
+
+#define DDP__SHM_V_FULL_CHECK 32 /* ranks up to which all_to_all_v checks the whole matrix of sizes (n^2 reads) */
+
+/* The published numbers take `words`; the slots start at the next cache line. */
+static size_t ddp__shm_v_slots_at(size_t words) { return (words * sizeof(uint64_t) + 63) & ~(size_t)63; }
+
+static const uint64_t *ddp__shm_meta(const ddp__shm *s, int rank, uint64_t step) {
+    return (const uint64_t *)(const void *)ddp__shm_half(s, rank, step);
+}
+
+/* The half holds neither the numbers nor an element of every block (tens of thousands of ranks on one
+   host): run over the TCP mesh after one step here, so a rank in a shared-memory collective at this
+   number meets the fingerprints in that step (DDP_ERR_MISMATCH), not TCP frames it never reads. */
+static ddp_result ddp__shm_v_over_tcp(ddp_group *g, const ddp__call *k, const ddp__coll *c) {
+    ddp_result r = ddp__shm_step(g, c, ++g->shm->step, 1, DDP__SHM_NOT_LIB);
+    return r ? r : ddp__tcp_run(g, k, c);
+}
+
+/* Is the average rank's share of `total` elements (all ranks' blocks together) worth moving single-copy? */
+static int ddp__shm_v_direct(const ddp_group *g, uint64_t total, size_t es) {
+    return (g->shm->cma || g->shm->arena.base) && total * es > (uint64_t)g->world_size * DDP__SHM_MOVE_DIRECT_BYTES;
+}
+
+/* all_to_all_v's checks after the first step (see above): the sizes of rank i -> rank j. */
+static ddp_result ddp__shm_a2av_check(ddp_group *g, const ddp__coll *c, uint64_t step, int i, int j) {
+    const uint64_t *from = ddp__shm_meta(g->shm, i, step), *to = ddp__shm_meta(g->shm, j, step);
+    int n = g->world_size;
+    uint64_t expected = to[n + i + 1] - to[n + i];
+    return from[j] == expected ? DDP_SUCCESS : ddp__sizes_differ(g, c, i, j, from[j], expected);
+}
+
+static ddp_result ddp__shm_all_to_all_v(ddp_group *g, const ddp__call *k, const ddp__coll *c) {
+    ddp__shm *s = g->shm;
+    int n = g->world_size, r = g->rank, j, i, all = 1, here = 1, full = n <= DDP__SHM_V_FULL_CHECK;
+    size_t es = ddp_dtype_size(k->dtype), words = (size_t)n * 2 + 4, base = ddp__shm_v_slots_at(words), from, mine = 0, at;
+    size_t per = s->half > base ? (s->half - base) / (es * (size_t)n) : 0;
+    const size_t *sc = k->send_counts, *rc = k->recv_counts;
+    const char *sp = (const char *)k->send;
+    char *rp = (char *)k->buf, *half;
+    uint64_t *meta, total = 0, largest = 0, step, rounds, round;
+    ddp_result res;
+    if (per == 0) return ddp__shm_v_over_tcp(g, k, c);
+    half = ddp__shm_half(s, r, s->step + 1); /* the half of the step published next */
+    meta = (uint64_t *)(void *)half;
+    for (j = 0, at = 0; j < n; at += rc[j], j++) {
+        meta[j] = sc[j];
+        meta[n + j] = at;
+        total += sc[j];
+        largest = DDP__MAX(largest, (uint64_t)sc[j]);
+        if (j < r) mine += sc[j];
+    }
+    meta[2 * n] = at, meta[2 * n + 1] = total, meta[2 * n + 2] = largest;
+    meta[2 * n + 3] = total * es <= DDP__SHM_MOVE_DIRECT_BYTES && largest <= per; /* my blocks come in this step */
+    for (j = 0, from = 0; meta[2 * n + 3] && j < n; from += sc[j], j++)
+        if (j != r && sc[j]) memcpy(half + base + (size_t)j * per * es, sp + from * es, sc[j] * es);
+    if ((res = ddp__shm_publish_buffer(g, c, rp, at * es, s->cma || s->arena.base)) != DDP_SUCCESS) return res;
+    step = s->step;
+    total = largest = 0;
+    for (j = 0; j < n; j++) { /* the sizes, then what every rank decides alike */
+        const uint64_t *m = ddp__shm_meta(s, j, step);
+        for (i = 0; i < n && full; i++)
+            if ((res = ddp__shm_a2av_check(g, c, step, j, i)) != DDP_SUCCESS) return res;
+        if (!full && ((res = ddp__shm_a2av_check(g, c, step, j, r)) != DDP_SUCCESS ||
+                      (res = ddp__shm_a2av_check(g, c, step, r, j)) != DDP_SUCCESS))
+            return res;
+        total += m[2 * n + 1];
+        largest = DDP__MAX(largest, m[2 * n + 2]);
+        here &= m[2 * n + 3] == 1;
+        all &= ddp__shm_reachable(g, c, j) || m[2 * n] == m[j]; /* reachable, or it receives from itself alone */
+    }
+    if (sc[r]) memcpy(rp + meta[n + r] * es, sp + mine * es, sc[r] * es);
+    if (here) { /* every block came in the first step */
+        for (j = 0, at = 0; j < n; at += rc[j], j++)
+            if (j != r && rc[j]) memcpy(rp + at * es, ddp__shm_half(s, j, step) + base + (size_t)r * per * es, rc[j] * es);
+        return full ? DDP_SUCCESS : ddp__shm_finish(g, c);
+    }
+    if (all && ddp__shm_v_direct(g, total, es)) {
+        ddp__shm_move_note(g, c);
+        for (i = 1, from = mine + sc[r]; i < n; from += sc[j], i++) { /* rank r+1 first, as all_to_all */
+            j = (r + i) % n;
+            if (j == 0) from = 0;
+            res = ddp__shm_peer_move(g, c, j, (char *)(uintptr_t)(sp + from * es), ddp__shm_meta(s, j, step)[n + r] * es,
+                                     sc[j] * es, 1);
+            if (res) return res;
+        }
+        return ddp__shm_finish(g, c);
+    }
+    rounds = (largest + per - 1) / per; /* at least 1: some rank's blocks did not fit */
+    for (round = 0; round < rounds; round++) {
+        uint64_t st = ++s->step;
+        size_t done = (size_t)round * per;
+        half = ddp__shm_half(s, r, st) + base;
+        for (j = 0, from = 0; j < n; from += sc[j], j++) /* slot j of my half: my next piece of block j */
+            if (j != r && sc[j] > done) memcpy(half + (size_t)j * per * es, sp + (from + done) * es, DDP__MIN(per, sc[j] - done) * es);
+        if ((res = ddp__shm_step(g, c, st, 0, DDP__SHM_NOT_LIB)) != DDP_SUCCESS) return res;
+        for (j = 0, at = 0; j < n; at += rc[j], j++) /* slot r of j's half: j's next piece for me */
+            if (j != r && rc[j] > done)
+                memcpy(rp + (at + done) * es, ddp__shm_half(s, j, st) + base + (size_t)r * per * es, DDP__MIN(per, rc[j] - done) * es);
+    }
+    return DDP_SUCCESS;
+}
+
+static ddp_result ddp__shm_all_gather_v(ddp_group *g, const ddp__call *k, const ddp__coll *c) {
+    ddp__shm *s = g->shm;
+    int n = g->world_size, r = g->rank, j, i, all = 1, here = 1, apart;
+    size_t es = ddp_dtype_size(k->dtype), base = ddp__shm_v_slots_at(3), per = (s->half - base) / es, count = k->count;
+    size_t mine = 0, total = 0, largest = 0, at;
+    const size_t *counts = k->recv_counts;
+    const char *sp = (const char *)k->send;
+    char *rp = (char *)k->buf, *half, desc[160];
+    uint64_t *meta, hash = ddp__hash_bytes(DDP__FNV_OFFSET, counts, (size_t)n * sizeof *counts), step, rounds, round;
+    ddp_result res;
+    for (j = 0; j < n; j++) {
+        if (j < r) mine += counts[j];
+        total += counts[j];
+        largest = DDP__MAX(largest, counts[j]);
+    }
+    /* peers write into recv while this rank reads send: publish recv only if they overlap nowhere but in place */
+    apart = sp == rp + mine * es || !ddp__overlap(sp, count * es, rp, total * es);
+    half = ddp__shm_half(s, r, s->step + 1);
+    meta = (uint64_t *)(void *)half;
+    meta[0] = count, meta[1] = hash, meta[2] = total * es <= DDP__SHM_MOVE_DIRECT_BYTES && largest <= per;
+    if (meta[2] && count) memcpy(half + base, sp, count * es); /* my block comes in this step */
+    if ((res = ddp__shm_publish_buffer(g, c, rp, total * es, apart && (s->cma || s->arena.base))) != DDP_SUCCESS) return res;
+    step = s->step;
+    for (j = 0; j < n; j++) {
+        const uint64_t *m = ddp__shm_meta(s, j, step);
+        if (m[0] != counts[j]) return ddp__sizes_differ(g, c, j, r, m[0], counts[j]);
+        if (m[1] != hash) {
+            ddp__coll_describe(g, c, desc, sizeof desc);
+            return ddp__coll_fail(g, DDP_ERR_MISMATCH, "counts differ in %s: rank %d's counts are not rank %d's (with the "
+                                  "same total); every rank must pass the same counts", desc, j, r);
+        }
+        here &= m[2] == 1;
+        all &= ddp__shm_reachable(g, c, j) || total == counts[j]; /* reachable, or it receives from itself alone */
+    }
+    if (here) { /* every block came in the first step */
+        for (j = 0, at = 0; j < n; at += counts[j], j++)
+            if (j != r && counts[j]) memcpy(rp + at * es, ddp__shm_half(s, j, step) + base, counts[j] * es);
+    } else if (all && ddp__shm_v_direct(g, (uint64_t)total * (uint64_t)n, es)) {
+        ddp__shm_move_note(g, c);
+        if (sp != rp + mine * es && count) memcpy(rp + mine * es, sp, count * es);
+        for (i = 1; i < n; i++)
+            if ((res = ddp__shm_peer_move(g, c, (r + i) % n, (char *)(uintptr_t)sp, mine * es, count * es, 1)) != DDP_SUCCESS)
+                return res;
+        return ddp__shm_finish(g, c);
+    } else {
+        rounds = (largest + per - 1) / per; /* at least 1: some block did not fit */
+        for (round = 0; round < rounds; round++) {
+            uint64_t st = ++s->step;
+            size_t done = (size_t)round * per;
+            if (count > done) memcpy(ddp__shm_half(s, r, st) + base, sp + done * es, DDP__MIN(per, count - done) * es);
+            if ((res = ddp__shm_step(g, c, st, 0, DDP__SHM_NOT_LIB)) != DDP_SUCCESS) return res;
+            for (j = 0, at = 0; j < n; at += counts[j], j++)
+                if (j != r && counts[j] > done)
+                    memcpy(rp + (at + done) * es, ddp__shm_half(s, j, st) + base, DDP__MIN(per, counts[j] - done) * es);
+        }
+    }
+    if (sp != rp + mine * es && count) memmove(rp + mine * es, sp, count * es); /* last: send may lie in recv */
+    return DDP_SUCCESS;
+}
+
 static ddp_result ddp__shm_call(ddp_group *g, const ddp__call *k, const ddp__coll *c) {
     switch (k->kind) {
     case DDP__ALL_REDUCE: return ddp__shm_reduce_impl(g, c, k->buf, k->count, k->dtype, k->op, -1);
@@ -695,13 +877,9 @@ static ddp_result ddp__shm_call(ddp_group *g, const ddp__call *k, const ddp__col
     case DDP__ALL_TO_ALL: return ddp__shm_all_to_all(g, c, k->send, k->buf, k->count, k->dtype);
     case DDP__GATHER: return ddp__shm_rooted(g, c, k->send, k->buf, k->count, k->dtype, k->root, 0);
     case DDP__SCATTER: return ddp__shm_rooted(g, c, k->send, k->buf, k->count, k->dtype, k->root, 1);
-    case DDP__MONITORED_BARRIER: return ddp__tcp_run(g, k, c); /* rank 0 must see who is missing: TCP's deadlines */
-    default: { /* all_to_all_v, all_gather_v run over the mesh after one step here: a rank in a shared-memory
-                  collective at this number meets the fingerprints in that step (DDP_ERR_MISMATCH), not TCP
-                  frames it never reads */
-        ddp_result r = ddp__shm_step(g, c, ++g->shm->step, 1, DDP__SHM_NOT_LIB);
-        return r ? r : ddp__tcp_run(g, k, c);
-    }
+    case DDP__ALL_TO_ALL_V: return ddp__shm_all_to_all_v(g, k, c);
+    case DDP__ALL_GATHER_V: return ddp__shm_all_gather_v(g, k, c);
+    default: return ddp__tcp_run(g, k, c); /* monitored_barrier: rank 0 must see who is missing: TCP's deadlines */
     }
 }
 

@@ -278,6 +278,23 @@ static ddp__coll ddp__frame_coll(const ddp__frame *f) {
     return t;
 }
 
+/* all_to_all_v / all_gather_v: rank `sender` sends `sent` elements to rank `receiver`, whose sizes say
+   `expected` (found by either of the two: TCP frames here, shared memory's first step in shm.c). */
+static ddp_result ddp__sizes_differ(ddp_group *g, const ddp__coll *c, int sender, int receiver, uint64_t sent,
+                                    uint64_t expected) {
+    char ours[160];
+    ddp__coll_describe(g, c, ours, sizeof ours);
+    if (c->kind == DDP__ALL_TO_ALL_V)
+        return ddp__coll_fail(g, DDP_ERR_MISMATCH, "split sizes differ in %s: rank %d sends %llu elements to rank %d "
+                              "(its send_counts[%d]) while rank %d expects %llu from rank %d (its recv_counts[%d]); "
+                              "rank i's send_counts[j] must equal rank j's recv_counts[i]", ours, sender,
+                              (unsigned long long)sent, receiver, receiver, receiver, (unsigned long long)expected, sender,
+                              sender);
+    return ddp__coll_fail(g, DDP_ERR_MISMATCH, "counts differ in %s: rank %d sent a block of %llu elements where "
+                          "rank %d's counts say %llu; every rank must pass the same counts", ours, sender,
+                          (unsigned long long)sent, receiver, (unsigned long long)expected);
+}
+
 /* The header just received from `peer` is complete: is it the frame this step expects? */
 static ddp_result ddp__check_frame(ddp_group *g, const ddp__coll *c, int peer, const ddp__frame *f, size_t expect) {
     char ours[160], theirs[160];
@@ -296,16 +313,7 @@ static ddp_result ddp__check_frame(ddp_group *g, const ddp__coll *c, int peer, c
     }
     if (f->bytes != expect && (c->kind == DDP__ALL_TO_ALL_V || c->kind == DDP__ALL_GATHER_V)) { /* sizes per rank */
         size_t es = ddp_dtype_size((ddp_dtype)c->dtype);
-        ddp__coll_describe(g, c, ours, sizeof ours);
-        if (c->kind == DDP__ALL_TO_ALL_V)
-            return ddp__coll_fail(g, DDP_ERR_MISMATCH, "split sizes differ in %s: rank %d sends %llu elements to rank %d "
-                                  "(its send_counts[%d]) while rank %d expects %llu from rank %d (its recv_counts[%d]); "
-                                  "rank i's send_counts[j] must equal rank j's recv_counts[i]", ours, peer,
-                                  (unsigned long long)(f->bytes / es), g->rank, g->rank, g->rank,
-                                  (unsigned long long)(expect / es), peer, peer);
-        return ddp__coll_fail(g, DDP_ERR_MISMATCH, "counts differ in %s: rank %d sent a block of %llu elements where "
-                              "rank %d's counts say %llu; every rank must pass the same counts", ours, peer,
-                              (unsigned long long)(f->bytes / es), g->rank, (unsigned long long)(expect / es));
+        return ddp__sizes_differ(g, c, peer, g->rank, f->bytes / es, expect / es);
     }
     if (f->bytes != expect)
         return ddp__coll_fail(g, DDP_ERR_FORMAT, "rank %d sent %llu bytes where %llu were expected in %s",

@@ -162,8 +162,16 @@ static char *ddp__strdup(const char *s) {
     return d;
 }
 
+/* FNV-1a over n bytes, continuing from h (DDP__FNV_OFFSET to start). */
+static uint64_t ddp__hash_bytes(uint64_t h, const void *data, size_t n) {
+    const unsigned char *p = (const unsigned char *)data;
+    size_t i;
+    for (i = 0; i < n; i++) h = (h ^ p[i]) * 1099511628211ull;
+    return h;
+}
+
 static uint64_t ddp__hash(const char *s) { /* FNV-1a */
-    uint64_t h = 1469598103934665603ull;
+    uint64_t h = DDP__FNV_OFFSET;
     while (*s) h = (h ^ (unsigned char)*s++) * 1099511628211ull;
     return h;
 }

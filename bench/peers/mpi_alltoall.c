@@ -1,7 +1,9 @@
-/* mpi_alltoall.c: the Open MPI peer of bench/compare_collectives.sh for all_to_all, gather and scatter.
+/* mpi_alltoall.c: the Open MPI peer of bench/compare_collectives.sh for all_to_all, gather, scatter,
+   all_to_all_v and all_gather_v.
 
-   Measures MPI_Alltoall, MPI_Gather or MPI_Scatter (root 0) of float blocks on malloc buffers at every
-   block size min_bytes, x4, ... up to max_bytes per rank, and prints one row per size in the columns of
+   Measures MPI_Alltoall, MPI_Gather or MPI_Scatter (root 0), MPI_Alltoallv or MPI_Allgatherv of float
+   blocks on malloc buffers at every block size min_bytes, x4, ... up to max_bytes per rank (the v calls:
+   uneven blocks of 1/2, 1 or 3/2 of it, as bench_collectives), and prints one row per size in the columns of
    build/bench_collectives (rank 0 only; a header line, then rows whose first field is a number):
 
            size    time_us  algbw_GBs  busbw_GBs
@@ -19,9 +21,16 @@
 #include <stdlib.h>
 #include <string.h>
 
-static void call(const char *op, float *a, float *b, int count) {
+/* The _v calls' uneven blocks, as bench_collectives' split(): rank `from` sends rank `to` (all_gather_v:
+   every rank) count/2, count or 3 count/2 elements. */
+static int split(int from, int to, int count) { return count / 2 + count * ((from + 2 * to) % 3) / 2; }
+
+/* v: the counts and displacements of the _v calls (send counts, send displs, recv counts, recv displs). */
+static void call(const char *op, float *a, float *b, int count, int *v[4], int rank) {
     if (!strcmp(op, "all_to_all")) MPI_Alltoall(a, count, MPI_FLOAT, b, count, MPI_FLOAT, MPI_COMM_WORLD);
     else if (!strcmp(op, "gather")) MPI_Gather(a, count, MPI_FLOAT, b, count, MPI_FLOAT, 0, MPI_COMM_WORLD);
+    else if (!strcmp(op, "all_to_all_v")) MPI_Alltoallv(a, v[0], v[1], MPI_FLOAT, b, v[2], v[3], MPI_FLOAT, MPI_COMM_WORLD);
+    else if (!strcmp(op, "all_gather_v")) MPI_Allgatherv(a, v[2][rank], MPI_FLOAT, b, v[2], v[3], MPI_FLOAT, MPI_COMM_WORLD);
     else MPI_Scatter(a, count, MPI_FLOAT, b, count, MPI_FLOAT, 0, MPI_COMM_WORLD);
 }
 
@@ -33,13 +42,16 @@ int main(int argc, char **argv) {
     const char *op = argc > 1 ? argv[1] : "all_to_all";
     size_t max_bytes = argc > 2 ? strtoull(argv[2], NULL, 10) : (size_t)4 << 20;
     size_t min_bytes = argc > 3 ? strtoull(argv[3], NULL, 10) : 8;
-    if (strcmp(op, "all_to_all") && strcmp(op, "gather") && strcmp(op, "scatter")) {
-        if (rank == 0) fprintf(stderr, "mpi_alltoall: unknown op %s (all_to_all, gather, scatter)\n", op);
+    if (strcmp(op, "all_to_all") && strcmp(op, "gather") && strcmp(op, "scatter") && strcmp(op, "all_to_all_v") &&
+        strcmp(op, "all_gather_v")) {
+        if (rank == 0) fprintf(stderr, "mpi_alltoall: unknown op %s (all_to_all, gather, scatter, all_to_all_v, all_gather_v)\n", op);
         MPI_Abort(MPI_COMM_WORLD, 2);
     }
-    size_t whole = max_bytes * (size_t)n + 64;
+    size_t whole = max_bytes * (size_t)n * 3 / 2 + 64;
     float *a = malloc(whole), *b = malloc(whole);
-    if (!a || !b) {
+    int *v[4], agv = !strcmp(op, "all_gather_v");
+    for (int i = 0; i < 4; i++) v[i] = calloc((size_t)n, sizeof(int));
+    if (!a || !b || !v[0] || !v[1] || !v[2] || !v[3]) {
         fprintf(stderr, "mpi_alltoall: cannot allocate 2 x %zu bytes\n", whole);
         MPI_Abort(MPI_COMM_WORLD, 1);
     }
@@ -48,13 +60,17 @@ int main(int argc, char **argv) {
     if (rank == 0) printf("%12s %10s %10s %10s\n", "size", "time_us", "algbw_GBs", "busbw_GBs");
     for (size_t bytes = min_bytes < 4 ? 4 : min_bytes; bytes <= max_bytes; bytes *= 4) {
         int count = (int)(bytes / 4), iters = bytes < 16384 ? 200 : 20;
-        call(op, a, b, count);
-        call(op, a, b, count);
+        for (int j = 0; j < n; j++) {
+            v[0][j] = split(rank, j, count), v[2][j] = agv ? split(j, 0, count) : split(j, rank, count);
+            v[1][j] = j ? v[1][j - 1] + v[0][j - 1] : 0, v[3][j] = j ? v[3][j - 1] + v[2][j - 1] : 0;
+        }
+        call(op, a, b, count, v, rank);
+        call(op, a, b, count, v, rank);
         MPI_Barrier(MPI_COMM_WORLD);
         double total = 0;
         for (int i = 0; i < iters; i++) { /* each call timed on its own, as bench_collectives does */
             double t0 = MPI_Wtime();
-            call(op, a, b, count);
+            call(op, a, b, count, v, rank);
             total += MPI_Wtime() - t0;
         }
         double t = total / iters, algbw = (double)bytes * n / t / 1e9;
@@ -63,6 +79,7 @@ int main(int argc, char **argv) {
     }
     free(a);
     free(b);
+    for (int i = 0; i < 4; i++) free(v[i]);
     MPI_Finalize();
     return 0;
 }
