@@ -593,6 +593,13 @@ DDP_API int ddp_launcher_main(int argc, char **argv);
      names the parameters (PyTorch's "Expected to have finished reduction in the prior iteration ...").
    - gradient_as_bucket_view: the gradient memory is the bucket itself (no copy in or out, half the memory).
      The program then writes gradients where ddp_reducer_grad(r, i) points.
+   - Flat gradient memory (llm.c keeps every gradient in one grads_memory): when the gradients of a bucket
+     lie side by side in the program's memory (in any order; registering them in memory order gives that),
+     that range IS the bucket: gradients are scaled by 1/world_size and reduced where they are, with no copy
+     in or out and the program's layout kept, and a range inside one ddp_alloc block is reduced single-copy
+     over shared memory. Automatic; statistics.flat_buckets counts such buckets. A bucket whose gradients
+     have gaps or overlaps copies, as before. (After the rebuild a bucket stays flat when the ready order
+     keeps its gradients adjacent, as reverse registration order does.)
    - Compression: comm_dtype DDP_F16 / DDP_BF16 sends the buckets in half precision, like PyTorch's
      fp16_compress_hook / bf16_compress_hook (cast, divide by the world size, all-reduce, cast back).
 
@@ -629,7 +636,9 @@ typedef struct ddp_reducer_statistics {
     uint64_t iterations;       /* synchronised backward passes completed (DDP's num_iterations) */
     uint64_t local_iterations; /* backward passes run under no_sync */
     int buckets;               /* buckets in the current layout */
-    int rebuilt;               /* 1 once the buckets were rebuilt in the observed ready order */
+    int flat_buckets;          /* of them, slices of the program's own gradient memory: no copy in or out */
+    int rebuilt;               /* 1 once the buckets were rebuilt in the observed ready order (0 when that
+                                  would have cut flat buckets, which stay as they are: see above) */
     int unused_parameters;     /* last iteration: parameters without a gradient on this rank */
     uint64_t bytes_reduced;    /* last iteration: bytes all-reduced (buckets in comm dtype + used map) */
     double backward_seconds;   /* begin_backward to the end_backward call: compute, overlapped with comm */
@@ -679,8 +688,9 @@ DDP_API ddp_result ddp_reducer_begin_backward(ddp_reducer *r);
 
 /* ddp_reducer_grad_ready: parameter index's gradient is complete for this backward pass (the autograd
    hook). In a synchronised pass its value is taken now (and its bucket's all-reduce may start): do not
-   write to it again until end_backward returns (with gradient_as_bucket_view it is scaled by 1/world_size
-   in place now, as PyTorch does, and holds the sum of the ranks' shares once end_backward returns). DDP_ERR_STATE (naming the parameter) when called twice
+   write to it again until end_backward returns (with gradient_as_bucket_view, or in a flat bucket, it is
+   scaled by 1/world_size in place now, as PyTorch does, and holds the sum of the ranks' shares once
+   end_backward returns). DDP_ERR_STATE (naming the parameter) when called twice
    in one backward or outside begin/end; DDP_ERR_INVALID_ARGUMENT for a bad index; an error of the
    all-reduce it starts. */
 DDP_API ddp_result ddp_reducer_grad_ready(ddp_reducer *r, int index);
@@ -3636,13 +3646,7 @@ static const char *ddp__store_key_text(const void *key, size_t n, char *buf, siz
 }
 
 /* FNV-1a: keys are short, and the table only needs an even spread. */
-static uint64_t ddp__store_hash(const void *p, size_t n) {
-    const unsigned char *b = (const unsigned char *)p;
-    uint64_t h = 1469598103934665603ull;
-    size_t i;
-    for (i = 0; i < n; i++) h = (h ^ b[i]) * 1099511628211ull;
-    return h;
-}
+static uint64_t ddp__store_hash(const void *p, size_t n) { return ddp__hash_bytes(DDP__FNV_OFFSET, p, n); }
 
 /* ADD's reading of the value it adds to, as torch's std::stoll: optional space and sign, decimal digits,
    anything after them ignored. Returns 0, or -1 when there is no number or it does not fit in int64. */
@@ -14939,7 +14943,8 @@ typedef struct ddp__bucket {
     ddp_dtype comm_dtype; /* what travels */
     int first, n;         /* its parameters are layout.params[first .. first + n) */
     size_t count;         /* elements */
-    void *storage;        /* gradient_as_bucket_view: the gradients themselves; else NULL */
+    void *storage;        /* gradient_as_bucket_view, or flat: the gradients themselves; else NULL */
+    int flat;             /* storage is the program's own gradient memory (its gradients lie side by side) */
     void *comm;           /* what is all-reduced; == storage for a view without compression */
     int pending;          /* gradients still to come in this backward pass */
     ddp_work *work;       /* its all-reduce, while in flight */
@@ -14951,6 +14956,7 @@ typedef struct ddp__layout {
     int *params;          /* parameter indices, grouped by bucket, in walk order */
     int *param_bucket;    /* per parameter */
     size_t *param_offset; /* per parameter: element offset in its bucket */
+    int flat_buckets;     /* buckets that are slices of the program's gradient memory */
 } ddp__layout;
 
 struct ddp_reducer {
@@ -15100,18 +15106,11 @@ DDP_API ddp_result ddp_reducer_add_buffer(ddp_reducer *r, const char *name, void
 
 /* ---- finalize, step 1: the same model on every rank ---- */
 
-static uint64_t ddp__fnv1a(uint64_t h, const void *data, size_t n) {
-    const unsigned char *p = (const unsigned char *)data;
-    size_t i;
-    for (i = 0; i < n; i++) h = (h ^ p[i]) * 1099511628211ull;
-    return h;
-}
-
 static uint64_t ddp__rtensor_hash(uint64_t h, const ddp__rtensor *t) {
     uint64_t count = t->count, dtype = (uint64_t)t->dtype;
-    h = ddp__fnv1a(h, t->name, strlen(t->name) + 1);
-    h = ddp__fnv1a(h, &count, sizeof count);
-    return ddp__fnv1a(h, &dtype, sizeof dtype);
+    h = ddp__hash_bytes(h, t->name, strlen(t->name) + 1);
+    h = ddp__hash_bytes(h, &count, sizeof count);
+    return ddp__hash_bytes(h, &dtype, sizeof dtype);
 }
 
 /* One entry of the model in fixed size, for naming the first difference. */
@@ -15127,7 +15126,7 @@ static void ddp__record_fill(ddp__model_record *rec, const ddp__rtensor *t, uint
     memset(rec, 0, sizeof *rec);
     if (!t) return;
     rec->count = t->count;
-    rec->name_hash = ddp__fnv1a(14695981039346656037ull, t->name, strlen(t->name));
+    rec->name_hash = ddp__hash_bytes(14695981039346656037ull, t->name, strlen(t->name));
     rec->dtype = (uint32_t)t->dtype;
     rec->kind = kind;
     snprintf(rec->name, sizeof rec->name, "%s", t->name);
@@ -15292,7 +15291,7 @@ static void ddp__layout_free(ddp_reducer *r, ddp__layout *L) {
     for (b = 0; b < L->nbuckets && L->buckets; b++) {
         ddp__bucket *k = &L->buckets[b];
         if (k->comm && k->comm != k->storage) r->ops->release(r->g, k->comm);
-        if (k->storage) r->ops->release(r->g, k->storage);
+        if (k->storage && !k->flat) r->ops->release(r->g, k->storage);
     }
     ddp__free(L->buckets);
     ddp__free(L->params);
@@ -15360,13 +15359,48 @@ static int ddp__layout_same(const ddp_reducer *r, const ddp__layout *a, const dd
     return 1;
 }
 
-/* Give a layout its memory: the comm buckets, and the gradient storage for views. */
+typedef struct ddp__span {
+    uintptr_t at;
+    size_t bytes;
+    int param;
+} ddp__span;
+
+static int ddp__span_order(const void *a, const void *b) {
+    uintptr_t x = ((const ddp__span *)a)->at, y = ((const ddp__span *)b)->at;
+    return x < y ? -1 : x > y;
+}
+
+/* Flat buckets: do bucket b's gradients tile one range of the program's memory, in any order (llm.c's
+   one grads_memory, registered in order, gives reversed runs)? Then that range is the bucket's storage
+   and each parameter's offset is where its gradient lies in it: gradients are scaled and reduced where
+   the program keeps them, nothing is copied in or out, and a range inside a ddp_alloc block is reduced
+   single-copy over shared memory. Else (or out of memory for the check) the bucket copies, as before. */
+static int ddp__bucket_flat(ddp_reducer *r, ddp__layout *L, int b) {
+    ddp__bucket *k = &L->buckets[b];
+    size_t es = ddp_dtype_size(k->dtype);
+    ddp__span *s = (ddp__span *)ddp__calloc((size_t)k->n, sizeof *s);
+    int j, flat = s != NULL;
+    for (j = 0; flat && j < k->n; j++) {
+        const ddp__rtensor *p = &r->params[L->params[k->first + j]];
+        s[j].at = (uintptr_t)p->grad, s[j].bytes = ddp__tensor_bytes(p), s[j].param = L->params[k->first + j];
+    }
+    if (flat) qsort(s, (size_t)k->n, sizeof *s, ddp__span_order);
+    for (j = 1; flat && j < k->n; j++) flat = s[j].at == s[j - 1].at + s[j - 1].bytes;
+    for (j = 0; flat && j < k->n; j++) L->param_offset[s[j].param] = (size_t)(s[j].at - s[0].at) / es;
+    if (flat) k->storage = (void *)s[0].at, k->flat = 1;
+    ddp__free(s);
+    return flat;
+}
+
+/* Give a layout its memory: the comm buckets, and the gradient storage for views (flat buckets have the
+   program's). */
 static ddp_result ddp__layout_alloc(ddp_reducer *r, ddp__layout *L) {
     int b;
     for (b = 0; b < L->nbuckets; b++) {
         ddp__bucket *k = &L->buckets[b];
         size_t gbytes = k->count * ddp_dtype_size(k->dtype), cbytes = k->count * ddp_dtype_size(k->comm_dtype);
-        if (ddp__reducer_is_view(r) && !(k->storage = r->ops->alloc(r->g, gbytes)))
+        if (!ddp__reducer_is_view(r) && ddp__bucket_flat(r, L, b)) L->flat_buckets++;
+        else if (ddp__reducer_is_view(r) && !(k->storage = r->ops->alloc(r->g, gbytes)))
             return ddp__fail(r->g, DDP_ERR_OUT_OF_MEMORY, "out of memory for gradient bucket %d (%zu bytes)", b, gbytes);
         if (k->storage && k->comm_dtype == k->dtype)
             k->comm = k->storage;
@@ -15382,20 +15416,34 @@ static void *ddp__layout_view(const ddp_reducer *r, const ddp__layout *L, int i)
     return (char *)k->storage + L->param_offset[i] * ddp_dtype_size(r->params[i].dtype);
 }
 
-/* Build the layout for `walk` and switch to it; views carry their gradients over. */
-static ddp_result ddp__reducer_relayout(ddp_reducer *r, const int *walk) {
+/* Build the layout for `walk` and switch to it; views carry their gradients over. *taken: the layout
+   is now walk's (built, or the same already), 0 when the current one was kept: a
+   layout with fewer flat buckets than the current one is not taken, as the ready order (weight then bias,
+   layer by layer) cuts a flat grads_memory into runs that are not adjacent, and copying every gradient
+   in and out costs more than starting the buckets in the observed order gains. */
+static ddp_result ddp__reducer_relayout(ddp_reducer *r, const int *walk, int *taken) {
     ddp__layout L;
     ddp_result res = ddp__layout_assign(r, walk, &L);
     int i;
+    *taken = 0;
     if (res) return res;
     if (r->L.buckets && ddp__layout_same(r, &r->L, &L)) {
         ddp__layout_free(r, &L);
+        *taken = 1;
         return DDP_SUCCESS;
     }
     if ((res = ddp__layout_alloc(r, &L)) != DDP_SUCCESS) {
         ddp__layout_free(r, &L);
         return res;
     }
+    if (r->L.buckets && L.flat_buckets < r->L.flat_buckets) {
+        ddp__log(r->g, DDP_LOG_DEBUG, "reducer: the buckets stay in registration order: in the observed ready order %d of "
+                 "%d buckets would be slices of the program's gradients, against %d of %d now", L.flat_buckets, L.nbuckets,
+                 r->L.flat_buckets, r->L.nbuckets);
+        ddp__layout_free(r, &L);
+        return DDP_SUCCESS;
+    }
+    *taken = 1;
     if (r->L.buckets && ddp__reducer_is_view(r))
         for (i = 0; i < r->nparams; i++)
             r->ops->copy_out(r->g, ddp__layout_view(r, &L, i), r->params[i].dtype, ddp__layout_view(r, &r->L, i),
@@ -15403,6 +15451,7 @@ static ddp_result ddp__reducer_relayout(ddp_reducer *r, const int *walk) {
     ddp__layout_free(r, &r->L);
     r->L = L;
     r->stats.buckets = L.nbuckets;
+    r->stats.flat_buckets = L.flat_buckets;
     return DDP_SUCCESS;
 }
 
@@ -15433,7 +15482,7 @@ DDP_API ddp_result ddp_reducer_finalize(ddp_reducer *r) {
         return res;
     }
     for (i = 0; i < n; i++) r->order[i] = n - 1 - i; /* reverse registration order */
-    if ((res = ddp__reducer_relayout(r, r->order)) != DDP_SUCCESS) {
+    if ((res = ddp__reducer_relayout(r, r->order, &i)) != DDP_SUCCESS) {
         r->finalized = 0;
         return res;
     }
@@ -15655,10 +15704,11 @@ static ddp_result ddp__reducer_collect(ddp_reducer *r, ddp_work *used_work) {
 /* Once, after the first synchronised pass: buckets in the order rank 0 saw the gradients ready. */
 static ddp_result ddp__reducer_rebuild(ddp_reducer *r) {
     ddp_result res;
+    int taken;
     r->rebuild_pending = 0;
     if ((res = ddp_broadcast(r->g, r->order, ddp__reducer_n(r), DDP_I32, 0)) != DDP_SUCCESS) return r->failed = res;
-    if ((res = ddp__reducer_relayout(r, r->order)) != DDP_SUCCESS) return r->failed = res;
-    r->stats.rebuilt = 1;
+    if ((res = ddp__reducer_relayout(r, r->order, &taken)) != DDP_SUCCESS) return r->failed = res;
+    r->stats.rebuilt = taken;
     return DDP_SUCCESS;
 }
 

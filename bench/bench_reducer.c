@@ -7,7 +7,9 @@
 
    bench/bench_reducer.sh runs it beside torch DDP (gloo) and prints the ratio of the overheads.
    Rows: "ddp.h (copy: DDP default)" (gradients in the program's buffers, copied into buckets and back, as DDP by default) and
-   "ddp.h gradient_as_bucket_view" (the gradients are the buckets). Columns: median step time of 1 rank
+   "ddp.h gradient_as_bucket_view" (the gradients are the buckets) and "ddp.h flat grads_memory" (every
+   gradient in one block in registration order, as llm.c keeps them: the buckets are slices of it, no
+   copies; issue #20). Columns: median step time of 1 rank
    without DDP and of R ranks with it (rank 0's), their difference (the overhead) and ratio; buckets; the
    reducer's stats averaged over the timed steps: comm (first bucket started to last one done) and exposed
    (time inside end_backward); CPU overhead: rank 0's CPU time per step (all its threads) minus the
@@ -173,7 +175,7 @@ typedef struct result {
 } result;
 
 /* One rank of the DDP run; rank 0 writes its result to fd. */
-static int ddp_rank_main(int batch, int steps, int view, int fd) {
+static int ddp_rank_main(int batch, int steps, int mode, int fd) {
     ddp_group *g;
     ddp_reducer *red;
     ddp_reducer_desc d;
@@ -182,10 +184,20 @@ static int ddp_rank_main(int batch, int steps, int view, int fd) {
     float *dW[LAYERS], *db[LAYERS];
     double *t = (double *)malloc(sizeof(double) * (size_t)steps), comm = 0, wait = 0, c0 = 0;
     result res;
-    int l, i;
+    int l, i, view = mode == 1;
+    float *grads_memory = NULL;
     memset(&st, 0, sizeof st);
     if (ddp_init(NULL, &g) != DDP_SUCCESS) return fprintf(stderr, "ddp_init: %s\n", ddp_last_error(NULL)), 1;
     net_init(&m, batch);
+    if (mode == 2) { /* one block, W0 b0 W1 b1 ..., as llm.c's grads_memory */
+        size_t at = 0, ww = (size_t)WIDTH * WIDTH;
+        if (!(grads_memory = (float *)calloc((ww + WIDTH) * LAYERS, sizeof(float)))) return fprintf(stderr, "out of memory\n"), 1;
+        for (l = 0; l < LAYERS; l++, at += ww + WIDTH) {
+            free(m.dW[l]);
+            free(m.db[l]);
+            m.dW[l] = grads_memory + at, m.db[l] = grads_memory + at + ww;
+        }
+    }
     memset(&d, 0, sizeof d);
     d.gradient_as_bucket_view = view;
     if (ddp_reducer_create(g, &d, &red)) return fprintf(stderr, "%s\n", ddp_last_error(g)), 1;
@@ -231,11 +243,12 @@ static int ddp_rank_main(int batch, int steps, int view, int fd) {
     ddp_reducer_destroy(red);
     ddp_destroy(g);
     free(t);
+    free(grads_memory);
     return 0;
 }
 
 /* Fork R ranks with torchrun's environment; returns rank 0's result. */
-static int run_ddp(int R, int batch, int steps, int view, result *out) {
+static int run_ddp(int R, int batch, int steps, int mode, result *out) {
     int p[2], i, st, failed = 0;
     char v[16];
     pid_t pids[64];
@@ -253,7 +266,7 @@ static int run_ddp(int R, int batch, int steps, int view, result *out) {
             setenv("RANK", v, 1);
             setenv("LOCAL_RANK", v, 1);
             close(p[0]);
-            exit(ddp_rank_main(batch, steps, view, p[1]));
+            exit(ddp_rank_main(batch, steps, mode, p[1]));
         }
     }
     close(p[1]);
@@ -265,7 +278,8 @@ static int run_ddp(int R, int batch, int steps, int view, result *out) {
 }
 
 int main(int argc, char **argv) {
-    int R = argc > 1 ? atoi(argv[1]) : 2, batch = argc > 2 ? atoi(argv[2]) : 32, steps = argc > 3 ? atoi(argv[3]) : 10, view;
+    static const char *modes[3] = {"ddp.h (copy: DDP default)", "ddp.h gradient_as_bucket_view", "ddp.h flat grads_memory"};
+    int R = argc > 1 ? atoi(argv[1]) : 2, batch = argc > 2 ? atoi(argv[2]) : 32, steps = argc > 3 ? atoi(argv[3]) : 10, mode;
     double single, single_cpu;
     if (R < 1 || R > 64 || batch < 1 || steps < 1) return fprintf(stderr, "usage: bench_reducer [ranks] [batch] [steps]\n"), 2;
     printf("bench_reducer: %.1fM parameters (%d x Linear(%d, %d) + Tanh), per-rank batch %d, %d ranks, 1 thread each, "
@@ -273,10 +287,10 @@ int main(int argc, char **argv) {
     single = single_ms(batch, steps, &single_cpu);
     printf("%-30s %12s %12s %13s %6s %8s %10s %12s %17s\n", "mode", "1 rank (ms)", "R ranks (ms)", "overhead (ms)", "ratio",
            "buckets", "comm (ms)", "exposed (ms)", "CPU overhead (ms)");
-    for (view = 0; view <= 1; view++) {
+    for (mode = 0; mode < 3; mode++) {
         result r;
-        if (run_ddp(R, batch, steps, view, &r)) return fprintf(stderr, "bench_reducer: a rank failed\n"), 1;
-        printf("%-30s %12.1f %12.1f %13.1f %6.2f %8d %10.1f %12.1f %17.1f\n", view ? "ddp.h gradient_as_bucket_view" : "ddp.h (copy: DDP default)",
+        if (run_ddp(R, batch, steps, mode, &r)) return fprintf(stderr, "bench_reducer: a rank failed\n"), 1;
+        printf("%-30s %12.1f %12.1f %13.1f %6.2f %8d %10.1f %12.1f %17.1f\n", modes[mode],
                single, r.step_ms, r.step_ms - single, r.step_ms / single, r.buckets, r.comm_ms, r.wait_ms, r.cpu_ms - single_cpu);
     }
     return 0;

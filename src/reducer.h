@@ -43,6 +43,13 @@
      names the parameters (PyTorch's "Expected to have finished reduction in the prior iteration ...").
    - gradient_as_bucket_view: the gradient memory is the bucket itself (no copy in or out, half the memory).
      The program then writes gradients where ddp_reducer_grad(r, i) points.
+   - Flat gradient memory (llm.c keeps every gradient in one grads_memory): when the gradients of a bucket
+     lie side by side in the program's memory (in any order; registering them in memory order gives that),
+     that range IS the bucket: gradients are scaled by 1/world_size and reduced where they are, with no copy
+     in or out and the program's layout kept, and a range inside one ddp_alloc block is reduced single-copy
+     over shared memory. Automatic; statistics.flat_buckets counts such buckets. A bucket whose gradients
+     have gaps or overlaps copies, as before. (After the rebuild a bucket stays flat when the ready order
+     keeps its gradients adjacent, as reverse registration order does.)
    - Compression: comm_dtype DDP_F16 / DDP_BF16 sends the buckets in half precision, like PyTorch's
      fp16_compress_hook / bf16_compress_hook (cast, divide by the world size, all-reduce, cast back).
 
@@ -79,7 +86,9 @@ typedef struct ddp_reducer_statistics {
     uint64_t iterations;       /* synchronised backward passes completed (DDP's num_iterations) */
     uint64_t local_iterations; /* backward passes run under no_sync */
     int buckets;               /* buckets in the current layout */
-    int rebuilt;               /* 1 once the buckets were rebuilt in the observed ready order */
+    int flat_buckets;          /* of them, slices of the program's own gradient memory: no copy in or out */
+    int rebuilt;               /* 1 once the buckets were rebuilt in the observed ready order (0 when that
+                                  would have cut flat buckets, which stay as they are: see above) */
     int unused_parameters;     /* last iteration: parameters without a gradient on this rank */
     uint64_t bytes_reduced;    /* last iteration: bytes all-reduced (buckets in comm dtype + used map) */
     double backward_seconds;   /* begin_backward to the end_backward call: compute, overlapped with comm */
@@ -129,8 +138,9 @@ DDP_API ddp_result ddp_reducer_begin_backward(ddp_reducer *r);
 
 /* ddp_reducer_grad_ready: parameter index's gradient is complete for this backward pass (the autograd
    hook). In a synchronised pass its value is taken now (and its bucket's all-reduce may start): do not
-   write to it again until end_backward returns (with gradient_as_bucket_view it is scaled by 1/world_size
-   in place now, as PyTorch does, and holds the sum of the ranks' shares once end_backward returns). DDP_ERR_STATE (naming the parameter) when called twice
+   write to it again until end_backward returns (with gradient_as_bucket_view, or in a flat bucket, it is
+   scaled by 1/world_size in place now, as PyTorch does, and holds the sum of the ranks' shares once
+   end_backward returns). DDP_ERR_STATE (naming the parameter) when called twice
    in one backward or outside begin/end; DDP_ERR_INVALID_ARGUMENT for a bad index; an error of the
    all-reduce it starts. */
 DDP_API ddp_result ddp_reducer_grad_ready(ddp_reducer *r, int index);

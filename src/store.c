@@ -168,13 +168,7 @@ static const char *ddp__store_key_text(const void *key, size_t n, char *buf, siz
 }
 
 /* FNV-1a: keys are short, and the table only needs an even spread. */
-static uint64_t ddp__store_hash(const void *p, size_t n) {
-    const unsigned char *b = (const unsigned char *)p;
-    uint64_t h = 1469598103934665603ull;
-    size_t i;
-    for (i = 0; i < n; i++) h = (h ^ b[i]) * 1099511628211ull;
-    return h;
-}
+static uint64_t ddp__store_hash(const void *p, size_t n) { return ddp__hash_bytes(DDP__FNV_OFFSET, p, n); }
 
 /* ADD's reading of the value it adds to, as torch's std::stoll: optional space and sign, decimal digits,
    anything after them ignored. Returns 0, or -1 when there is no number or it does not fit in int64. */

@@ -196,19 +196,25 @@ typedef struct variant {
     size_t cap, first;  /* bucket sizes (0 = defaults) */
     int min_buckets;
     double tol;
+    int flat; /* 0: a calloc per gradient; 1: one malloc'd grads_memory (llm.c's layout); 2: one ddp_alloc block */
 } variant;
 
 static const variant VARIANTS[] = {
-    {"mlp", &MLP, 1, 0, 0, DDP_DTYPE_DEFAULT, 0, 0, 1, 1e-5},
-    {"mlp no_sync x2", &MLP, 2, 0, 0, DDP_DTYPE_DEFAULT, 0, 0, 1, 1e-5},
-    {"deep", &DEEP, 1, 0, 0, DDP_DTYPE_DEFAULT, 4096, 1024, 4, 1e-5},
-    {"deep no_sync x3", &DEEP, 3, 0, 0, DDP_DTYPE_DEFAULT, 4096, 1024, 4, 1e-5},
-    {"deep find_unused", &DEEP_X, 1, 1, 0, DDP_DTYPE_DEFAULT, 4096, 1024, 4, 1e-5},
-    {"deep find_unused no_sync x2", &DEEP_X, 2, 1, 0, DDP_DTYPE_DEFAULT, 4096, 1024, 4, 1e-5},
-    {"deep bucket_view no_sync x2", &DEEP, 2, 0, 1, DDP_DTYPE_DEFAULT, 4096, 1024, 4, 1e-5},
-    {"deep bucket_view find_unused no_sync x2", &DEEP_X, 2, 1, 1, DDP_DTYPE_DEFAULT, 4096, 1024, 4, 1e-5},
-    {"deep bf16", &DEEP, 1, 0, 0, DDP_BF16, 4096, 1024, 4, 2e-2},
-    {"deep bucket_view f16 find_unused", &DEEP_X, 1, 1, 1, DDP_F16, 4096, 1024, 4, 2e-3},
+    {"mlp", &MLP, 1, 0, 0, DDP_DTYPE_DEFAULT, 0, 0, 1, 1e-5, 0},
+    {"mlp no_sync x2", &MLP, 2, 0, 0, DDP_DTYPE_DEFAULT, 0, 0, 1, 1e-5, 0},
+    {"deep", &DEEP, 1, 0, 0, DDP_DTYPE_DEFAULT, 4096, 1024, 4, 1e-5, 0},
+    {"deep no_sync x3", &DEEP, 3, 0, 0, DDP_DTYPE_DEFAULT, 4096, 1024, 4, 1e-5, 0},
+    {"deep find_unused", &DEEP_X, 1, 1, 0, DDP_DTYPE_DEFAULT, 4096, 1024, 4, 1e-5, 0},
+    {"deep find_unused no_sync x2", &DEEP_X, 2, 1, 0, DDP_DTYPE_DEFAULT, 4096, 1024, 4, 1e-5, 0},
+    {"deep bucket_view no_sync x2", &DEEP, 2, 0, 1, DDP_DTYPE_DEFAULT, 4096, 1024, 4, 1e-5, 0},
+    {"deep bucket_view find_unused no_sync x2", &DEEP_X, 2, 1, 1, DDP_DTYPE_DEFAULT, 4096, 1024, 4, 1e-5, 0},
+    {"deep bf16", &DEEP, 1, 0, 0, DDP_BF16, 4096, 1024, 4, 2e-2, 0},
+    {"deep bucket_view f16 find_unused", &DEEP_X, 1, 1, 1, DDP_F16, 4096, 1024, 4, 2e-3, 0},
+    /* flat gradient memory: the buckets are slices of the program's grads_memory (no copies) */
+    {"deep flat", &DEEP, 1, 0, 0, DDP_DTYPE_DEFAULT, 4096, 1024, 4, 1e-5, 1},
+    {"deep flat find_unused no_sync x2", &DEEP_X, 2, 1, 0, DDP_DTYPE_DEFAULT, 4096, 1024, 4, 1e-5, 1},
+    {"deep flat bf16", &DEEP, 1, 0, 0, DDP_BF16, 4096, 1024, 4, 2e-2, 1},
+    {"deep flat ddp_alloc no_sync x3", &DEEP, 3, 0, 0, DDP_DTYPE_DEFAULT, 4096, 1024, 4, 1e-5, 2},
 };
 #define NVARIANTS ((int)(sizeof VARIANTS / sizeof VARIANTS[0]))
 
@@ -270,7 +276,8 @@ static void run_variant(ddp_group *g, const variant *v) {
     ddp_reducer_desc d;
     ctx cx;
     net m, ref;
-    float *grads[2 * MAXL + 3], *G[2 * MAXL + 3];
+    float *grads[2 * MAXL + 3], *G[2 * MAXL + 3], *grads_memory = NULL;
+    size_t total = 0, at = 0;
     float x[BATCH * 64], t[BATCH * 64];
     int flag[BATCH];
     ddp_reducer_statistics st;
@@ -286,8 +293,15 @@ static void run_variant(ddp_group *g, const variant *v) {
     /* every rank but 0 starts from other weights: finalize must replace them with rank 0's */
     net_init(&m, c, rank == 0 ? 42 : 1000 + (uint64_t)rank);
     CHECK_OK(ddp_reducer_create(g, &d, &cx.red), g);
+    for (k = 0; k < m.np; k++) total += m.n[k];
+    if (v->flat) { /* every gradient in one block, in registration order, as llm.c lays them out */
+        grads_memory = v->flat == 2 ? (float *)ddp_alloc(g, total * sizeof(float)) : (float *)malloc(total * sizeof(float));
+        CHECK(grads_memory != NULL, "grads_memory: %s", ddp_last_error(g));
+        memset(grads_memory, 0, total * sizeof(float));
+    }
     for (k = 0; k < m.np; k++) {
-        grads[k] = v->view ? NULL : (float *)calloc(m.n[k], sizeof(float));
+        grads[k] = v->view ? NULL : v->flat ? grads_memory + at : (float *)calloc(m.n[k], sizeof(float));
+        at += m.n[k];
         CHECK_OK(ddp_reducer_add_param(cx.red, m.name[k], m.p[k], grads[k], m.n[k], DDP_F32, &cx.idx[k]), g);
         CHECK(cx.idx[k] == k, "index %d for tensor %d", cx.idx[k], k);
     }
@@ -336,7 +350,14 @@ static void run_variant(ddp_group *g, const variant *v) {
           "%s: stats count %llu synchronised and %llu local passes", v->name, (unsigned long long)st.iterations,
           (unsigned long long)st.local_iterations);
     CHECK(st.buckets >= v->min_buckets, "%s: %d buckets, expected at least %d", v->name, st.buckets, v->min_buckets);
-    CHECK(st.rebuilt == !v->find_unused, "%s: rebuilt = %d", v->name, st.rebuilt);
+    CHECK(st.rebuilt == (!v->find_unused && !v->flat), "%s: rebuilt = %d", v->name, st.rebuilt); /* flat: kept (reducer.c) */
+    { /* flat: every bucket is a slice of grads_memory; else only buckets of one gradient are (a calloc each); views: none */
+        int per_bucket[2 * MAXL + 3] = {0}, singles = 0;
+        for (k = 0; k < m.np; k++) per_bucket[ddp_reducer_param_bucket(cx.red, cx.idx[k], NULL)]++;
+        for (k = 0; k < st.buckets; k++) singles += per_bucket[k] == 1;
+        CHECK(st.flat_buckets == (v->view ? 0 : v->flat ? st.buckets : singles), "%s: %d of %d buckets are slices of the program's "
+              "gradients, expected %d", v->name, st.flat_buckets, st.buckets, v->view ? 0 : v->flat ? st.buckets : singles);
+    }
     {
         size_t elems = 0;
         for (k = 0; k < m.np; k++) elems += m.n[k];
@@ -358,7 +379,9 @@ static void run_variant(ddp_group *g, const variant *v) {
                worst, v->tol);
     }
     ddp_reducer_destroy(cx.red);
-    for (k = 0; k < m.np; k++) free(grads[k]);
+    for (k = 0; k < m.np && !v->flat; k++) free(grads[k]);
+    if (v->flat == 2) ddp_free(g, grads_memory);
+    else free(grads_memory);
     net_free(&m);
     net_free(&ref);
 }
