@@ -138,6 +138,31 @@ DDP_API ddp_result ddp_checkpoint_save(ddp_group *g, const char *path, const ddp
 DDP_API ddp_result ddp_checkpoint_save_ex(ddp_group *g, const char *path, const ddp_tensor *t, int n,
                                           const ddp_meta *meta, const ddp_checkpoint_save_desc *desc);
 
+/* ddp_checkpoint_save_async: ddp_checkpoint_save in the background (torch.distributed.checkpoint's
+   async_save): the call copies the tensors (and meta, path, desc) into one staging buffer on rank 0 and
+   returns; a background thread then writes the same file as ddp_checkpoint_save would (same format,
+   checksums, tmp + fsync + rename, keep_last) and completes *w. The tensors may change as soon as the
+   call returns. Collective over g when g is not NULL, as ddp_checkpoint_save; the ranks agree on the
+   outcome in the background on a private group of the same ranks (made at the first async save), so
+   the program's own collectives go on meanwhile. ddp_wait(*w) returns DDP_SUCCESS on a rank once the
+   file is complete and durable; a failure anywhere (rank 0 could not write: the message names the
+   path and the system's reason; a bad argument rank 0 found while staging) is the error of every
+   rank's ddp_wait. ddp_test(*w) polls. Call ddp_wait once per handle, as for async collectives.
+   At most one save is in flight per group: a second async save, or any other ddp_checkpoint_* call on
+   the group, first waits for the one in flight. The staging buffer is kept for the next async save
+   (so its copy does not pay page faults again) and freed by ddp_destroy(g); ddp_destroy finishes a
+   save in flight first (its handle, if not waited on, is then released). g NULL: one process; its
+   staging buffer lives until the process ends.
+   Return (of the call): DDP_SUCCESS with *w set; DDP_ERR_INVALID_ARGUMENT (w NULL); DDP_ERR_UNSUPPORTED
+   (the mpi backend with more than one rank: use ddp_checkpoint_save); the errors of making the private
+   group (first call); DDP_ERR_OUT_OF_MEMORY. Errors of the save itself come from ddp_wait.
+   Thread safety: as ddp_checkpoint_save. */
+DDP_API ddp_result ddp_checkpoint_save_async(ddp_group *g, const char *path, const ddp_tensor *t, int n,
+                                             const ddp_meta *meta, ddp_work **w);
+DDP_API ddp_result ddp_checkpoint_save_async_ex(ddp_group *g, const char *path, const ddp_tensor *t, int n,
+                                                const ddp_meta *meta, const ddp_checkpoint_save_desc *desc,
+                                                ddp_work **w);
+
 /* ddp_checkpoint_load: read path into the n tensors t[] and (when meta is not NULL) replace meta's
    contents with the file's metadata (the library's "ddp.crc32c.*"/"ddp.shard.*" keys left out).
    Each t[i] says what the caller expects: name, dtype and shape must match the file exactly, or the
