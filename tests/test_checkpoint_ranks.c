@@ -5,7 +5,9 @@
    - failures anywhere are errors everywhere, naming the rank: rank 0 cannot read (broadcast), rank 1
      cannot read (every rank reads), rank 0 has a bad argument (save), lists differ (broadcast)
    - shards: each rank's own data round trips; a stale shard of rank 1 fails every rank; a shard set
-     saved by another world size is DDP_ERR_MISMATCH; keep_last removes every rank's old shards */
+     saved by another world size is DDP_ERR_MISMATCH; keep_last removes every rank's old shards
+   - async save: collectives run while it writes, the file is rank 0's data at the call, a failure is
+     every rank's, ddp_destroy with a save in flight finishes it */
 #include "testlib.h"
 
 #include <dirent.h>
@@ -192,9 +194,42 @@ static int rank_main(int rank, int n, void *arg) {
         CHECK_OK(ddp_checkpoint_load_shard(g, p, got.t, 2, NULL, NULL), g);
         CHECK(same(&got, &mine), "after rotation");
     }
+    /* async save (issue #21): the program's collectives go on while it is written; the file holds rank
+       0's tensors as they were at the call; a failure is every rank's ddp_wait error, naming rank 0, the
+       path and the reason; ddp_destroy with a save in flight finishes it (main checks the file) */
+    {
+        ddp_work *w;
+        float x;
+        int k;
+        model_init(&mine, 300 + (uint64_t)rank);
+        snprintf(name, sizeof name, "async_w%d.safetensors", n);
+        CHECK_OK(ddp_checkpoint_save_async(g, at(name, p, sizeof p), mine.t, 2, &meta, &w), g);
+        model_init(&mine, 999); /* the next training step overwrites the tensors */
+        for (k = 0; k < 20; k++) {
+            x = 1.0f;
+            CHECK_OK(ddp_all_reduce(g, &x, 1, DDP_F32, DDP_SUM), g);
+            CHECK(x == (float)n, "rank %d: all_reduce during an async save gave %g", rank, (double)x);
+        }
+        CHECK_OK(ddp_wait(w), g);
+        model_init(&want, 300);
+        model_init(&got, 7);
+        CHECK_OK(ddp_checkpoint_load(g, p, got.t, 2, NULL), g);
+        CHECK(same(&got, &want), "rank %d: the async save does not hold rank 0's tensors as they were at the call", rank);
+
+        CHECK_OK(ddp_checkpoint_save_async(g, "/nonexistent-dir/d.safetensors", mine.t, 2, NULL, &w), g);
+        CHECK_OK(ddp_barrier(g), g);
+        expect_fail(g, ddp_wait(w), DDP_ERR_IO, "checkpoint save (async) failed on rank 0", "async save into a missing directory");
+        CHECK(strstr(ddp_last_error(g), "/nonexistent-dir/d.safetensors.tmp") && strstr(ddp_last_error(g), "No such file or directory"),
+              "rank %d: %s", rank, ddp_last_error(g));
+        CHECK_OK(ddp_barrier(g), g); /* the group goes on */
+
+        model_init(&mine, 500 + (uint64_t)rank);
+        snprintf(name, sizeof name, "async_destroy_w%d.safetensors", n);
+        CHECK_OK(ddp_checkpoint_save_async(g, at(name, p, sizeof p), mine.t, 2, NULL, &w), g);
+    }
     ddp_meta_free(&meta);
     ddp_meta_free(&back);
-    CHECK_OK(ddp_destroy(g), NULL);
+    CHECK_OK(ddp_destroy(g), NULL); /* with the last async save in flight, never waited on */
     return 0;
 }
 
@@ -208,7 +243,14 @@ int main(void) {
     model_init(&m, 5);
     CHECK_OK(ddp_checkpoint_save_shard(NULL, at("single.safetensors", p, sizeof p), m.t, 2, NULL, NULL), NULL);
     for (i = 0; i < sizeof sizes / sizeof sizes[0]; i++) {
+        model back;
+        char name[64];
         CHECK(tl_run_ranks(sizes[i], rank_main, NULL, 120) == 0, "%d ranks failed", sizes[i]);
+        snprintf(name, sizeof name, "async_destroy_w%d.safetensors", sizes[i]);
+        model_init(&m, 500);
+        model_init(&back, 7);
+        CHECK_OK(ddp_checkpoint_load(NULL, at(name, p, sizeof p), back.t, 2, NULL), NULL);
+        CHECK(same(&back, &m), "the async save in flight at ddp_destroy did not finish with rank 0's data");
         printf("%d ranks: ok\n", sizes[i]);
     }
     {
