@@ -746,6 +746,9 @@ DDP_API void ddp_reducer_destroy(ddp_reducer *r);
      shard sizes differ by at most one. Padding duplicates distort evaluation metrics; this mode does not.
      Rank r gets perm[r], perm[r + R], ... below N: the same order as the default mode, without the padding.
    - Resume mid-epoch: ddp_sampler_position / ddp_sampler_set_position (a checkpoint saves epoch + position).
+   - Resume on another number of ranks (torch restarts the epoch): ddp_sampler_global_position saves how
+     much of the epoch every rank together consumed; ddp_sampler_resume continues the same epoch on any
+     num_replicas, every index of the epoch handed out once across the change (see below).
    - DDP_PERMUTATION_STREAMING: a keyed Feistel permutation with O(1) memory and random access to any
      index, for datasets too large to shuffle in memory (>= 1e9 samples). NOT the same order as PyTorch's.
    - The default permutation holds 4 bytes per sample while it shuffles (8 when N > 2^32; torch holds 8 in
@@ -807,13 +810,15 @@ typedef struct ddp_sampler {
     uint32_t magic;             /* set by ddp_sampler_init, cleared by ddp_sampler_free */
     ddp_sampler_desc desc;      /* the validated descriptor */
     uint64_t epoch;             /* set by ddp_sampler_set_epoch */
-    uint64_t position;          /* indices handed out by ddp_sampler_next_batch this epoch */
+    uint64_t position;          /* indices handed out by ddp_sampler_next_batch this epoch (since base) */
+    uint64_t base;              /* the global position this rank's share starts from (0: the epoch's start) */
     uint64_t num_samples;       /* this rank's count per epoch */
     uint64_t total_size;        /* positions dealt out: num_samples * R (eval: N) */
     void *shard;                /* this rank's shuffled indices (uint32 or uint64 each), or NULL */
     int shard_wide;             /* shard entries are uint64 (N > 2^32) */
     int shard_valid;            /* shard holds the indices of shard_epoch */
     uint64_t shard_epoch;
+    uint64_t shard_base;
     int epoch_done;             /* the current epoch was handed out to its end */
     int feistel_bits;           /* streaming: the bijection's domain is [0, 2^feistel_bits) */
     uint64_t feistel_keys[8];   /* streaming: one key per round, from seed + epoch */
@@ -871,9 +876,38 @@ DDP_API uint64_t ddp_sampler_position(const ddp_sampler *s);
 
 /* ddp_sampler_set_position: continue the current epoch from `position` (resume: set_epoch(saved epoch),
    then set_position(saved position); the next batch is the one that came next before). The position
-   counts this rank's indices, so resume with the same num_replicas and rank.
+   counts this rank's indices (from the resume point after ddp_sampler_set_global_position), so resume
+   with the same num_replicas and rank; on another num_replicas use ddp_sampler_resume (below).
    Return: DDP_SUCCESS, or DDP_ERR_INVALID_ARGUMENT when position > num_samples or s is not initialised. */
 DDP_API ddp_result ddp_sampler_set_position(ddp_sampler *s, uint64_t position);
+
+/* ---- Resume on another number of ranks ----
+   The epoch's dealt-out list is perm padded to total_size (or cut, with drop_last); rank r takes
+   positions r, r + R, r + 2R, ... After every rank took k indices (DDP's ranks move in lockstep), the
+   first G = k * R positions of the list are consumed: G is the GLOBAL position. A sampler for any number
+   of replicas M continues from G: the rest of the epoch, perm[G .. N), is dealt to its M ranks as torch
+   deals a whole epoch of N - G indices (drop_last included): new rank r' takes perm[G + r'], perm[G + r' + M], ...
+   (num_samples = ceil((N - G) / M), or floor with drop_last), and the padding, as in torch, comes only
+   at the end, repeating the epoch's first indices (perm[(G + j) mod N]). So across the resize:
+     - without drop_last, every index of the epoch is handed out exactly once, plus fewer than M padding
+       repeats at the very end (none when M divides N - G), as torch's own padding;
+     - with drop_last, no index twice; the last (N - G) mod M indices are dropped, as torch drops a tail;
+     - DDP_SAMPLER_EVAL: every index exactly once.
+   With M = R the continuation is the very list the old ranks would have gone on with (the same indices
+   as ddp_sampler_set_position(G / R)), so the rule extends torch's order rather than changing it.
+
+   ddp_sampler_global_position: G for this sampler now: base + position * num_replicas (base: the global
+   position it resumed from, 0 at the start of an epoch); dataset_size once this rank's share of the epoch
+   is done (nothing of the epoch is left). Save rank 0's value (ddp_resume_state.sampler_global_position);
+   it is the same on every rank while they move in lockstep. 0 when s is not initialised.
+   ddp_sampler_set_global_position: continue the current epoch from global position G (any num_replicas
+   saved it); this rank's num_samples becomes its share of the rest, position 0, and ddp_sampler_indices /
+   next_batch / index_at hand out that share. ddp_sampler_set_epoch goes back to the whole epoch.
+   ddp_sampler_resume(s, epoch, G): ddp_sampler_set_epoch(s, epoch), then set_global_position(s, G).
+   Return: DDP_SUCCESS; DDP_ERR_INVALID_ARGUMENT when G > dataset_size or s is not initialised. */
+DDP_API uint64_t ddp_sampler_global_position(const ddp_sampler *s);
+DDP_API ddp_result ddp_sampler_set_global_position(ddp_sampler *s, uint64_t global_position);
+DDP_API ddp_result ddp_sampler_resume(ddp_sampler *s, uint64_t epoch, uint64_t global_position);
 
 /* ddp_sampler_index_at: this rank's k-th index of the current epoch (the k-th element of
    ddp_sampler_indices), without moving the position. With DDP_PERMUTATION_STREAMING or no_shuffle it is
@@ -1065,12 +1099,13 @@ DDP_API ddp_result ddp_meta_get_bytes(const ddp_meta *m, const char *key, void *
 #define DDP_META_SAMPLER_POSITION "ddp.sampler_position" /* samples of this epoch already consumed */
 #define DDP_META_WORLD_SIZE "ddp.world_size"             /* ranks that trained up to this point */
 #define DDP_META_RNG_STATE "ddp.rng_state"               /* the program's RNG state, as hex bytes */
+#define DDP_META_SAMPLER_GLOBAL_POSITION "ddp.sampler_global_position" /* samples of the epoch consumed by all ranks */
 
 typedef struct ddp_resume_state {
     int64_t step;
     int64_t epoch;
-    /* how many of this epoch's ddp_sampler_indices() the rank has consumed: resume by skipping that
-       many. With another world size, sampler_position * world_size samples of the epoch were seen. */
+    /* how many of this epoch's ddp_sampler_indices() the rank has consumed (ddp_sampler_position): with
+       the same world size, resume by skipping that many (ddp_sampler_set_position). */
     int64_t sampler_position;
     int world_size;
     /* set: the rng_state_size bytes at rng_state are stored (none when rng_state_size is 0).
@@ -1078,6 +1113,12 @@ typedef struct ddp_resume_state {
        (0 when the checkpoint has none). */
     void *rng_state;
     size_t rng_state_size;
+    /* how many of the epoch's dealt-out indices all ranks together consumed (ddp_sampler_global_position
+       on rank 0): resume on ANY world size with ddp_sampler_resume(s, epoch, sampler_global_position).
+       set: 0 with a sampler_position > 0 (a program that does not fill it in) stores
+       sampler_position * world_size, which is that number for a sampler that never resized. get: a
+       checkpoint without the key (older ones) gives sampler_position * world_size the same way. */
+    int64_t sampler_global_position;
 } ddp_resume_state;
 
 /* ddp_meta_set_resume: store every field of s under the DDP_META_* keys above.
@@ -15634,8 +15675,13 @@ DDP_API void ddp_reducer_destroy(ddp_reducer *r) {
    shuffle, torch.Generator (at::mt19937) and torch.randperm on the CPU (aten/src/ATen/native/
    TensorFactories.cpp, randperm_cpu). The formulas are in the sampler section of the header (src/sampler.h).
 
-   A rank's k-th index is the element at position j = rank + k*R of the dealt-out list; positions past
-   N wrap around (torch pads by repeating the list, so padded[j] = perm[j mod N]).
+   A rank's k-th index is the element at position j = base + rank + k*R of the dealt-out list; positions
+   past N wrap around (torch pads by repeating the list, so padded[j] = perm[j mod N]). base is 0 except
+   after a resume at a global position (ddp_sampler_set_global_position): then the rest of the epoch,
+   perm[base .. N), is dealt to this sampler's R ranks exactly as torch deals a whole epoch (the same
+   padding at the end, or drop_last's cut), so a job saved on one number of ranks continues the same
+   epoch on another with every index handed out once. With the same R, base = k*R gives the very
+   indices that set_position(k) gives (rank + (k+i)*R = base + rank + i*R), so the rule extends torch's.
    - no shuffle, or the streaming permutation: computed directly from j, no memory.
    - torch's randperm: the whole permutation is made once per epoch, in place, in a buffer of N entries
      (uint32 when N <= 2^32), then compacted to this rank's num_samples entries and shrunk: steady-state
@@ -15887,8 +15933,21 @@ static ddp_result ddp__sampler_check_desc(const ddp_sampler_desc *d) {
     return DDP_SUCCESS;
 }
 
+/* This rank's count (num_samples) and the positions dealt out (total_size) for the part of the epoch from
+   global position base on: c = N - base positions are left, dealt as torch deals an epoch of c. */
+static void ddp__sampler_count(ddp_sampler *s) {
+    uint64_t c = s->desc.dataset_size - s->base, r = (uint64_t)s->desc.num_replicas, rank = (uint64_t)s->desc.rank;
+    if (s->desc.mode == DDP_SAMPLER_EVAL) {
+        s->num_samples = c > rank ? (c - 1 - rank) / r + 1 : 0;
+        s->total_size = c;
+    } else {
+        s->num_samples = s->desc.drop_last ? c / r : c / r + (c % r != 0);
+        s->total_size = s->num_samples * r;
+    }
+}
+
 DDP_API ddp_result ddp_sampler_init(ddp_sampler *s, const ddp_sampler_desc *d) {
-    uint64_t n, r;
+    uint64_t n;
     ddp_result res;
     if (!s || !d)
         return ddp__fail(NULL, DDP_ERR_INVALID_ARGUMENT, "ddp_sampler_init: %s is NULL", s ? "desc" : "sampler");
@@ -15897,14 +15956,7 @@ DDP_API ddp_result ddp_sampler_init(ddp_sampler *s, const ddp_sampler_desc *d) {
     if (res != DDP_SUCCESS) return res;
     s->desc = *d;
     n = d->dataset_size;
-    r = (uint64_t)d->num_replicas;
-    if (d->mode == DDP_SAMPLER_EVAL) {
-        s->num_samples = n > (uint64_t)d->rank ? (n - 1 - (uint64_t)d->rank) / r + 1 : 0;
-        s->total_size = n;
-    } else {
-        s->num_samples = d->drop_last ? n / r : n / r + (n % r != 0);
-        s->total_size = s->num_samples * r;
-    }
+    ddp__sampler_count(s);
     s->shard_wide = n > (uint64_t)UINT32_MAX + 1; /* the values 0 .. N-1 need 64 bits */
     ddp__feistel_setup(s);
     s->magic = DDP__SAMPLER_MAGIC;
@@ -15929,6 +15981,10 @@ DDP_API void ddp_sampler_set_epoch(ddp_sampler *s, uint64_t epoch) {
     s->epoch = epoch;
     s->position = 0;
     s->epoch_done = 0;
+    if (s->base != 0) { /* a resume point of the previous epoch does not carry over */
+        s->base = 0;
+        ddp__sampler_count(s);
+    }
     ddp__feistel_setup(s);
 }
 
@@ -15956,17 +16012,18 @@ static void ddp__advise_huge_pages(void *p, size_t bytes) {
 #endif
 }
 
-/* Keep only this rank's positions rank, rank + R, ... of the permutation, in order, at its start. A position
-   past N (padding) reads perm[j mod N], which the compaction may already have overwritten: there is at most
-   one such position per rank (total_size - N < R), the last, so its value is read first. */
+/* Keep only this rank's positions base + rank, base + rank + R, ... of the permutation, in order, at its
+   start. A position past N (padding) reads perm[j mod N], which the compaction may already have
+   overwritten: there is at most one such position per rank (total_size - (N - base) < R), the last, so
+   its value is read first. */
 static void ddp__sampler_compact(const ddp_sampler *s, void *p) {
-    uint64_t n = s->desc.dataset_size, r = (uint64_t)s->desc.num_replicas, rank = (uint64_t)s->desc.rank;
+    uint64_t n = s->desc.dataset_size, r = (uint64_t)s->desc.num_replicas, first = s->base + (uint64_t)s->desc.rank;
     uint64_t last = s->num_samples - 1, k, tail = 0;
-    int padded = rank + last * r >= n;
-    if (r == 1) return; /* every position is this rank's, none padded */
-    if (padded) tail = ddp__perm_get(p, s->shard_wide, (rank + last * r) % n);
-    for (k = 0; k < s->num_samples - (uint64_t)padded; k++) /* reads position rank + k*R >= k: still intact */
-        ddp__perm_put(p, s->shard_wide, k, ddp__perm_get(p, s->shard_wide, rank + k * r));
+    int padded = first + last * r >= n;
+    if (r == 1 && first == 0) return; /* every position is this rank's, none padded */
+    if (padded) tail = ddp__perm_get(p, s->shard_wide, (first + last * r) % n);
+    for (k = 0; k < s->num_samples - (uint64_t)padded; k++) /* reads position first + k*R >= k: still intact */
+        ddp__perm_put(p, s->shard_wide, k, ddp__perm_get(p, s->shard_wide, first + k * r));
     if (padded) ddp__perm_put(p, s->shard_wide, last, tail);
 }
 
@@ -15976,7 +16033,7 @@ static ddp_result ddp__sampler_prepare(ddp_sampler *s, const char *fn) {
     size_t elem = s->shard_wide ? sizeof(uint64_t) : sizeof(uint32_t);
     double t0;
     void *p, *small;
-    if (!ddp__sampler_materialises(s) || (s->shard_valid && s->shard_epoch == s->epoch)) return DDP_SUCCESS;
+    if (!ddp__sampler_materialises(s) || (s->shard_valid && s->shard_epoch == s->epoch && s->shard_base == s->base)) return DDP_SUCCESS;
     ddp__free(s->shard); /* before the big allocation, so the old shard does not add to the peak */
     s->shard = NULL;
     s->shard_valid = 0;
@@ -15994,6 +16051,7 @@ static ddp_result ddp__sampler_prepare(ddp_sampler *s, const char *fn) {
     s->shard = small ? small : p;
     s->shard_valid = 1;
     s->shard_epoch = s->epoch;
+    s->shard_base = s->base;
     ddp__log(NULL, DDP_LOG_DEBUG, "sampler: epoch %llu shuffled %llu indices in %.3f s",
              (unsigned long long)s->epoch, (unsigned long long)n, ddp__now() - t0);
     return DDP_SUCCESS;
@@ -16002,7 +16060,7 @@ static ddp_result ddp__sampler_prepare(ddp_sampler *s, const char *fn) {
 /* This rank's k-th index (k < num_samples), the shard made if it is needed. */
 static uint64_t ddp__sampler_index(const ddp_sampler *s, uint64_t k) {
     uint64_t n = s->desc.dataset_size;
-    uint64_t j = (uint64_t)s->desc.rank + k * (uint64_t)s->desc.num_replicas;
+    uint64_t j = s->base + (uint64_t)s->desc.rank + k * (uint64_t)s->desc.num_replicas;
     if (ddp__sampler_materialises(s)) return ddp__perm_get(s->shard, s->shard_wide, k);
     if (j >= n) j %= n; /* torch's padding repeats the list */
     if (!ddp__sampler_shuffles(s)) return j;
@@ -16064,6 +16122,34 @@ DDP_API ddp_result ddp_sampler_set_position(ddp_sampler *s, uint64_t position) {
     s->position = position;
     s->epoch_done = position == s->num_samples;
     return DDP_SUCCESS;
+}
+
+DDP_API uint64_t ddp_sampler_global_position(const ddp_sampler *s) {
+    uint64_t g;
+    if (!ddp__sampler_ok(s)) return 0;
+    if (s->position >= s->num_samples) return s->desc.dataset_size; /* done: nothing of the epoch is left */
+    g = s->base + s->position * (uint64_t)s->desc.num_replicas;
+    return DDP__MIN(g, s->desc.dataset_size);
+}
+
+DDP_API ddp_result ddp_sampler_set_global_position(ddp_sampler *s, uint64_t global_position) {
+    if (!ddp__sampler_ok(s)) return ddp__sampler_not_initialised("ddp_sampler_set_global_position");
+    if (global_position > s->desc.dataset_size)
+        return ddp__fail(NULL, DDP_ERR_INVALID_ARGUMENT,
+                         "ddp_sampler_set_global_position: global position %llu is past the end of the epoch "
+                         "(dataset_size %llu); was the checkpoint saved with another dataset_size?",
+                         (unsigned long long)global_position, (unsigned long long)s->desc.dataset_size);
+    s->base = global_position;
+    ddp__sampler_count(s);
+    s->position = 0;
+    s->epoch_done = s->num_samples == 0;
+    return DDP_SUCCESS;
+}
+
+DDP_API ddp_result ddp_sampler_resume(ddp_sampler *s, uint64_t epoch, uint64_t global_position) {
+    if (!ddp__sampler_ok(s)) return ddp__sampler_not_initialised("ddp_sampler_resume");
+    ddp_sampler_set_epoch(s, epoch);
+    return ddp_sampler_set_global_position(s, global_position);
 }
 
 DDP_API ddp_result ddp_sampler_index_at(ddp_sampler *s, uint64_t k, int64_t *out) {
@@ -16989,6 +17075,10 @@ DDP_API ddp_result ddp_meta_set_resume(ddp_meta *m, const ddp_resume_state *s) {
     if ((r = ddp_meta_set_int(m, DDP_META_EPOCH, s->epoch)) != DDP_SUCCESS) return r;
     if ((r = ddp_meta_set_int(m, DDP_META_SAMPLER_POSITION, s->sampler_position)) != DDP_SUCCESS) return r;
     if ((r = ddp_meta_set_int(m, DDP_META_WORLD_SIZE, s->world_size)) != DDP_SUCCESS) return r;
+    if ((r = ddp_meta_set_int(m, DDP_META_SAMPLER_GLOBAL_POSITION,
+                              s->sampler_global_position == 0 && s->sampler_position > 0 ? s->sampler_position * s->world_size
+                                                                                           : s->sampler_global_position)) != DDP_SUCCESS)
+        return r;
     if (s->rng_state_size == 0) {
         ddp_meta_remove(m, DDP_META_RNG_STATE);
         return DDP_SUCCESS;
@@ -17006,6 +17096,8 @@ DDP_API ddp_result ddp_meta_get_resume(const ddp_meta *m, ddp_resume_state *s) {
     if ((r = ddp_meta_get_int(m, DDP_META_WORLD_SIZE, &ws)) != DDP_SUCCESS) return r;
     if (ws < 0 || ws > INT_MAX) return ddp__fail(NULL, DDP_ERR_FORMAT, "checkpoint metadata " DDP_META_WORLD_SIZE " = %lld is out of range", (long long)ws);
     s->world_size = (int)ws;
+    if (!ddp_meta_get(m, DDP_META_SAMPLER_GLOBAL_POSITION)) s->sampler_global_position = s->sampler_position * s->world_size;
+    else if ((r = ddp_meta_get_int(m, DDP_META_SAMPLER_GLOBAL_POSITION, &s->sampler_global_position)) != DDP_SUCCESS) return r;
     if (!ddp_meta_get(m, DDP_META_RNG_STATE)) {
         s->rng_state_size = 0;
         return DDP_SUCCESS;

@@ -74,12 +74,13 @@ DDP_API ddp_result ddp_meta_get_bytes(const ddp_meta *m, const char *key, void *
 #define DDP_META_SAMPLER_POSITION "ddp.sampler_position" /* samples of this epoch already consumed */
 #define DDP_META_WORLD_SIZE "ddp.world_size"             /* ranks that trained up to this point */
 #define DDP_META_RNG_STATE "ddp.rng_state"               /* the program's RNG state, as hex bytes */
+#define DDP_META_SAMPLER_GLOBAL_POSITION "ddp.sampler_global_position" /* samples of the epoch consumed by all ranks */
 
 typedef struct ddp_resume_state {
     int64_t step;
     int64_t epoch;
-    /* how many of this epoch's ddp_sampler_indices() the rank has consumed: resume by skipping that
-       many. With another world size, sampler_position * world_size samples of the epoch were seen. */
+    /* how many of this epoch's ddp_sampler_indices() the rank has consumed (ddp_sampler_position): with
+       the same world size, resume by skipping that many (ddp_sampler_set_position). */
     int64_t sampler_position;
     int world_size;
     /* set: the rng_state_size bytes at rng_state are stored (none when rng_state_size is 0).
@@ -87,6 +88,12 @@ typedef struct ddp_resume_state {
        (0 when the checkpoint has none). */
     void *rng_state;
     size_t rng_state_size;
+    /* how many of the epoch's dealt-out indices all ranks together consumed (ddp_sampler_global_position
+       on rank 0): resume on ANY world size with ddp_sampler_resume(s, epoch, sampler_global_position).
+       set: 0 with a sampler_position > 0 (a program that does not fill it in) stores
+       sampler_position * world_size, which is that number for a sampler that never resized. get: a
+       checkpoint without the key (older ones) gives sampler_position * world_size the same way. */
+    int64_t sampler_global_position;
 } ddp_resume_state;
 
 /* ddp_meta_set_resume: store every field of s under the DDP_META_* keys above.

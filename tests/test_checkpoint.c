@@ -159,6 +159,18 @@ static void test_meta(void) {
     CHECK(rs2.step == rs.step && rs2.epoch == 7 && rs2.sampler_position == 4096 && rs2.world_size == 8 && rs2.rng_state_size == 40 &&
               memcmp(rng, rng2, 40) == 0,
           "resume round trip");
+    /* the global sample position (issue #21): derived from a program that does not fill it in, and from a
+       checkpoint without the key; stored as given otherwise */
+    CHECK(rs2.sampler_global_position == 4096 * 8 && strcmp(ddp_meta_get(&m, DDP_META_SAMPLER_GLOBAL_POSITION), "32768") == 0,
+          "global position derived: %lld", (long long)rs2.sampler_global_position);
+    CHECK(ddp_meta_remove(&m, DDP_META_SAMPLER_GLOBAL_POSITION) == 1, "remove");
+    CHECK_OK(ddp_meta_get_resume(&m, &rs2), NULL);
+    CHECK(rs2.sampler_global_position == 4096 * 8, "global position of an older checkpoint: %lld", (long long)rs2.sampler_global_position);
+    rs.sampler_position = 5;
+    rs.sampler_global_position = 93; /* resumed on another world size: not position * world size */
+    CHECK_OK(ddp_meta_set_resume(&m, &rs), NULL);
+    CHECK_OK(ddp_meta_get_resume(&m, &rs2), NULL);
+    CHECK(rs2.sampler_global_position == 93 && rs2.sampler_position == 5, "global position round trip");
     ddp_meta_free(&m);
     CHECK(m.count == 0 && m.entries == NULL, "free empties");
     CHECK(ddp_meta_get_resume(&m, &rs2) == DDP_ERR_FORMAT && strstr(ddp_last_error(NULL), DDP_META_STEP), "missing resume key");
