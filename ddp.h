@@ -18325,6 +18325,9 @@ static ddp_result ddp__ck_async_state(ddp_group *g, struct ddp__ck_async **out) 
                                        "ddp_checkpoint_save_async (making the group its background agreement runs on)", &a->sub);
             }
             ddp__free(ranks);
+            /* not on g's list of subgroups (ddp_destroy(g) ends it here, first), but its parent is g, so the
+               flight recorder names it by its key prefix rather than as the world group */
+            if (r == DDP_SUCCESS) a->sub->member.parent = g;
             if (r != DDP_SUCCESS) {
                 pthread_mutex_destroy(&a->mu);
                 pthread_cond_destroy(&a->cv);
