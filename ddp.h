@@ -18255,7 +18255,12 @@ static void *ddp__ck_async_main(void *arg) {
     r = ddp__ck_agree(a->sub, r, DDP__CK_ASYNC_WHAT);
     pthread_mutex_lock(&a->mu);
     w->result = r;
-    if (r != DDP_SUCCESS) snprintf(w->error, sizeof w->error, "%s", a->sub ? ddp_last_error(a->sub) : ddp_last_error(NULL));
+    if (r != DDP_SUCCESS) {
+        const char *why = a->sub ? ddp_last_error(a->sub) : ddp_last_error(NULL);
+        if (strstr(why, "checkpoint")) snprintf(w->error, sizeof w->error, "%s", why);
+        else /* the agreement itself failed (a rank was lost): say which save */
+            snprintf(w->error, sizeof w->error, DDP__CK_ASYNC_WHAT " of %.240s: agreeing on the outcome failed: %.700s", a->path ? a->path : "?", why);
+    }
     w->done = 1;
     pthread_cond_broadcast(&a->cv);
     pthread_mutex_unlock(&a->mu);
@@ -18341,8 +18346,8 @@ static ddp_result ddp__ck_async_state(ddp_group *g, struct ddp__ck_async **out) 
     return DDP_SUCCESS;
 }
 
-/* Rank 0: copy the tensors into the staging buffer (64-byte aligned pieces), their names, the metadata,
-   path and options. An error is kept in a->pre (delivered through the agreement), except none. */
+/* Rank 0: copy the tensors into the staging buffer (64-byte aligned pieces), their names, the metadata and
+   options (a->path is set already). An error is kept in a->pre, delivered through the agreement. */
 static void ddp__ck_async_stage(struct ddp__ck_async *a, const char *path, const ddp_tensor *t, int n, const ddp_meta *meta,
                                 const ddp_checkpoint_save_desc *desc) {
     size_t total = 0, names = 0, at = 0, nat = 0;
@@ -18365,7 +18370,6 @@ static void ddp__ck_async_stage(struct ddp__ck_async *a, const char *path, const
         else a->stage_cap = total;
     }
     if (r == DDP_SUCCESS) {
-        a->path = ddp__ck_cat(path, "");
         a->t = (ddp_tensor *)ddp__calloc((size_t)n + 1, sizeof *a->t);
         a->names = (char *)ddp__malloc(names + 1);
         if (!a->path || !a->t || !a->names) r = ddp__fail(NULL, DDP_ERR_OUT_OF_MEMORY, "checkpoint save of %s: out of memory", path);
@@ -18387,7 +18391,10 @@ static void ddp__ck_async_stage(struct ddp__ck_async *a, const char *path, const
     a->has_desc = desc != NULL;
     if (desc) a->desc = *desc;
     if (r != DDP_SUCCESS) {
+        char *keep = a->path;
+        a->path = NULL;
         ddp__ck_async_unstage(a);
+        a->path = keep; /* for messages */
         a->pre = r;
         snprintf(a->pre_msg, sizeof a->pre_msg, "%s", ddp_last_error(NULL));
     }
@@ -18414,6 +18421,7 @@ DDP_API ddp_result ddp_checkpoint_save_async_ex(ddp_group *g, const char *path, 
         ddp__free(w);
         return ddp__fail(g, DDP_ERR_OUT_OF_MEMORY, "ddp_checkpoint_save_async: out of memory recording a ddp_work");
     }
+    a->path = ddp__ck_cat(path ? path : "", ""); /* every rank: its messages name the file (NULL: out of memory, staged as such) */
     if (a->rank == 0) ddp__ck_async_stage(a, path, t, n, meta, desc);
     a->work = w;
     if (pthread_create(&a->thread, NULL, ddp__ck_async_main, a) == 0) a->thread_live = 1;

@@ -7,7 +7,7 @@
    - shards: each rank's own data round trips; a stale shard of rank 1 fails every rank; a shard set
      saved by another world size is DDP_ERR_MISMATCH; keep_last removes every rank's old shards
    - async save: collectives run while it writes, the file is rank 0's data at the call, a failure is
-     every rank's, ddp_destroy with a save in flight finishes it
+     every rank's, ddp_destroy with a save in flight finishes it, a rank dying during it fails the others' ddp_wait
    - resize resume: 4 processes take part of an epoch and save, 3 processes resume and finish it; every
      index once (with and without drop_last) */
 #include "testlib.h"
@@ -218,9 +218,15 @@ static int rank_main(int rank, int n, void *arg) {
         CHECK_OK(ddp_checkpoint_load(g, p, got.t, 2, NULL), g);
         CHECK(same(&got, &want), "rank %d: the async save does not hold rank 0's tensors as they were at the call", rank);
 
-        CHECK_OK(ddp_checkpoint_save_async(g, "/nonexistent-dir/d.safetensors", mine.t, 2, NULL, &w), g);
-        CHECK_OK(ddp_barrier(g), g);
-        expect_fail(g, ddp_wait(w), DDP_ERR_IO, "checkpoint save (async) failed on rank 0", "async save into a missing directory");
+        {
+            double t0 = tl_now(), took;
+            CHECK_OK(ddp_checkpoint_save_async(g, "/nonexistent-dir/d.safetensors", mine.t, 2, NULL, &w), g);
+            CHECK_OK(ddp_barrier(g), g);
+            expect_fail(g, ddp_wait(w), DDP_ERR_IO, "checkpoint save (async) failed on rank 0", "async save into a missing directory");
+            took = tl_now() - t0;
+            CHECK(took < 10.0, "rank %d: the failed async save took %.1f s to report", rank, took);
+            if (rank == n - 1) printf("%d ranks: a failing async save reported on rank %d after %.4f s\n", n, rank, took);
+        }
         CHECK(strstr(ddp_last_error(g), "/nonexistent-dir/d.safetensors.tmp") && strstr(ddp_last_error(g), "No such file or directory"),
               "rank %d: %s", rank, ddp_last_error(g));
         CHECK_OK(ddp_barrier(g), g); /* the group goes on */
@@ -232,6 +238,34 @@ static int rank_main(int rank, int n, void *arg) {
     ddp_meta_free(&meta);
     ddp_meta_free(&back);
     CHECK_OK(ddp_destroy(g), NULL); /* with the last async save in flight, never waited on */
+    return 0;
+}
+
+/* A rank dies while the others' async save is in flight: their ddp_wait fails naming it (the agreement on
+   the save's private group loses it), within seconds rather than the group's timeout. The first save,
+   waited on by all, makes the private group; the last rank then dies instead of making the second (so it
+   cannot have taken part in that save's agreement before dying). */
+static int async_death_main(int rank, int n, void *arg) {
+    ddp_group *g;
+    model m;
+    ddp_work *w;
+    char p[512];
+    double t0, took;
+    (void)arg;
+    CHECK_OK(ddp_init(NULL, &g), NULL);
+    model_init(&m, 1);
+    CHECK_OK(ddp_checkpoint_save_async(g, at("async_death.safetensors", p, sizeof p), m.t, 2, NULL, &w), g);
+    CHECK_OK(ddp_wait(w), g);
+    if (rank == n - 1) _exit(7); /* as a crash would */
+    t0 = tl_now();
+    CHECK_OK(ddp_checkpoint_save_async(g, p, m.t, 2, NULL, &w), g);
+    expect_fail(g, ddp_wait(w), DDP_ERR_PEER_LOST, "lost rank 2", "a rank died during the async save");
+    CHECK(strstr(ddp_last_error(g), "checkpoint save (async) of ") && strstr(ddp_last_error(g), "async_death.safetensors"),
+          "rank %d: the message does not name the save: %s", rank, ddp_last_error(g));
+    took = tl_now() - t0;
+    CHECK(took < 10.0, "rank %d: the lost rank took %.1f s to report (the timeout is 300 s)", rank, took);
+    if (rank == 0) printf("async save, rank 2 dies: ddp_wait on rank 0 failed after %.3f s: %s\n", took, ddp_last_error(g));
+    ddp_destroy(g); /* fails too (rank 2 is gone); frees everything */
     return 0;
 }
 
@@ -373,6 +407,11 @@ int main(void) {
         CHECK_OK(ddp_checkpoint_load(NULL, at(name, p, sizeof p), back.t, 2, NULL), NULL);
         CHECK(same(&back, &m), "the async save in flight at ddp_destroy did not finish with rank 0's data");
         printf("%d ranks: ok\n", sizes[i]);
+    }
+    {
+        int codes[3];
+        tl_run_ranks_status(3, async_death_main, NULL, 120, codes);
+        CHECK(codes[0] == 0 && codes[1] == 0 && codes[2] == 7, "async save with a dying rank: exit codes %d %d %d", codes[0], codes[1], codes[2]);
     }
     test_resize_resume_ranks(0);
     test_resize_resume_ranks(1);
