@@ -756,6 +756,9 @@ DDP_API void ddp_reducer_destroy(ddp_reducer *r);
      shard sizes differ by at most one. Padding duplicates distort evaluation metrics; this mode does not.
      Rank r gets perm[r], perm[r + R], ... below N: the same order as the default mode, without the padding.
    - Resume mid-epoch: ddp_sampler_position / ddp_sampler_set_position (a checkpoint saves epoch + position).
+   - Resume on another number of ranks (torch restarts the epoch): ddp_sampler_global_position saves how
+     much of the epoch every rank together consumed; ddp_sampler_resume continues the same epoch on any
+     num_replicas, every index of the epoch handed out once across the change (see below).
    - DDP_PERMUTATION_STREAMING: a keyed Feistel permutation with O(1) memory and random access to any
      index, for datasets too large to shuffle in memory (>= 1e9 samples). NOT the same order as PyTorch's.
    - The default permutation holds 4 bytes per sample while it shuffles (8 when N > 2^32; torch holds 8 in
@@ -817,13 +820,15 @@ typedef struct ddp_sampler {
     uint32_t magic;             /* set by ddp_sampler_init, cleared by ddp_sampler_free */
     ddp_sampler_desc desc;      /* the validated descriptor */
     uint64_t epoch;             /* set by ddp_sampler_set_epoch */
-    uint64_t position;          /* indices handed out by ddp_sampler_next_batch this epoch */
+    uint64_t position;          /* indices handed out by ddp_sampler_next_batch this epoch (since base) */
+    uint64_t base;              /* the global position this rank's share starts from (0: the epoch's start) */
     uint64_t num_samples;       /* this rank's count per epoch */
     uint64_t total_size;        /* positions dealt out: num_samples * R (eval: N) */
     void *shard;                /* this rank's shuffled indices (uint32 or uint64 each), or NULL */
     int shard_wide;             /* shard entries are uint64 (N > 2^32) */
     int shard_valid;            /* shard holds the indices of shard_epoch */
     uint64_t shard_epoch;
+    uint64_t shard_base;
     int epoch_done;             /* the current epoch was handed out to its end */
     int feistel_bits;           /* streaming: the bijection's domain is [0, 2^feistel_bits) */
     uint64_t feistel_keys[8];   /* streaming: one key per round, from seed + epoch */
@@ -881,9 +886,38 @@ DDP_API uint64_t ddp_sampler_position(const ddp_sampler *s);
 
 /* ddp_sampler_set_position: continue the current epoch from `position` (resume: set_epoch(saved epoch),
    then set_position(saved position); the next batch is the one that came next before). The position
-   counts this rank's indices, so resume with the same num_replicas and rank.
+   counts this rank's indices (from the resume point after ddp_sampler_set_global_position), so resume
+   with the same num_replicas and rank; on another num_replicas use ddp_sampler_resume (below).
    Return: DDP_SUCCESS, or DDP_ERR_INVALID_ARGUMENT when position > num_samples or s is not initialised. */
 DDP_API ddp_result ddp_sampler_set_position(ddp_sampler *s, uint64_t position);
+
+/* ---- Resume on another number of ranks ----
+   The epoch's dealt-out list is perm padded to total_size (or cut, with drop_last); rank r takes
+   positions r, r + R, r + 2R, ... After every rank took k indices (DDP's ranks move in lockstep), the
+   first G = k * R positions of the list are consumed: G is the GLOBAL position. A sampler for any number
+   of replicas M continues from G: the rest of the epoch, perm[G .. N), is dealt to its M ranks as torch
+   deals a whole epoch of N - G indices (drop_last included): new rank r' takes perm[G + r'], perm[G + r' + M], ...
+   (num_samples = ceil((N - G) / M), or floor with drop_last), and the padding, as in torch, comes only
+   at the end, repeating the epoch's first indices (perm[(G + j) mod N]). So across the resize:
+     - without drop_last, every index of the epoch is handed out exactly once, plus fewer than M padding
+       repeats at the very end (none when M divides N - G), as torch's own padding;
+     - with drop_last, no index twice; the last (N - G) mod M indices are dropped, as torch drops a tail;
+     - DDP_SAMPLER_EVAL: every index exactly once.
+   With M = R the continuation is the very list the old ranks would have gone on with (the same indices
+   as ddp_sampler_set_position(G / R)), so the rule extends torch's order rather than changing it.
+
+   ddp_sampler_global_position: G for this sampler now: base + position * num_replicas (base: the global
+   position it resumed from, 0 at the start of an epoch); dataset_size once this rank's share of the epoch
+   is done (nothing of the epoch is left). Save rank 0's value (ddp_resume_state.sampler_global_position);
+   it is the same on every rank while they move in lockstep. 0 when s is not initialised.
+   ddp_sampler_set_global_position: continue the current epoch from global position G (any num_replicas
+   saved it); this rank's num_samples becomes its share of the rest, position 0, and ddp_sampler_indices /
+   next_batch / index_at hand out that share. ddp_sampler_set_epoch goes back to the whole epoch.
+   ddp_sampler_resume(s, epoch, G): ddp_sampler_set_epoch(s, epoch), then set_global_position(s, G).
+   Return: DDP_SUCCESS; DDP_ERR_INVALID_ARGUMENT when G > dataset_size or s is not initialised. */
+DDP_API uint64_t ddp_sampler_global_position(const ddp_sampler *s);
+DDP_API ddp_result ddp_sampler_set_global_position(ddp_sampler *s, uint64_t global_position);
+DDP_API ddp_result ddp_sampler_resume(ddp_sampler *s, uint64_t epoch, uint64_t global_position);
 
 /* ddp_sampler_index_at: this rank's k-th index of the current epoch (the k-th element of
    ddp_sampler_indices), without moving the position. With DDP_PERMUTATION_STREAMING or no_shuffle it is
@@ -1075,12 +1109,13 @@ DDP_API ddp_result ddp_meta_get_bytes(const ddp_meta *m, const char *key, void *
 #define DDP_META_SAMPLER_POSITION "ddp.sampler_position" /* samples of this epoch already consumed */
 #define DDP_META_WORLD_SIZE "ddp.world_size"             /* ranks that trained up to this point */
 #define DDP_META_RNG_STATE "ddp.rng_state"               /* the program's RNG state, as hex bytes */
+#define DDP_META_SAMPLER_GLOBAL_POSITION "ddp.sampler_global_position" /* samples of the epoch consumed by all ranks */
 
 typedef struct ddp_resume_state {
     int64_t step;
     int64_t epoch;
-    /* how many of this epoch's ddp_sampler_indices() the rank has consumed: resume by skipping that
-       many. With another world size, sampler_position * world_size samples of the epoch were seen. */
+    /* how many of this epoch's ddp_sampler_indices() the rank has consumed (ddp_sampler_position): with
+       the same world size, resume by skipping that many (ddp_sampler_set_position). */
     int64_t sampler_position;
     int world_size;
     /* set: the rng_state_size bytes at rng_state are stored (none when rng_state_size is 0).
@@ -1088,6 +1123,12 @@ typedef struct ddp_resume_state {
        (0 when the checkpoint has none). */
     void *rng_state;
     size_t rng_state_size;
+    /* how many of the epoch's dealt-out indices all ranks together consumed (ddp_sampler_global_position
+       on rank 0): resume on ANY world size with ddp_sampler_resume(s, epoch, sampler_global_position).
+       set: 0 with a sampler_position > 0 (a program that does not fill it in) stores
+       sampler_position * world_size, which is that number for a sampler that never resized. get: a
+       checkpoint without the key (older ones) gives sampler_position * world_size the same way. */
+    int64_t sampler_global_position;
 } ddp_resume_state;
 
 /* ddp_meta_set_resume: store every field of s under the DDP_META_* keys above.
@@ -1138,6 +1179,31 @@ DDP_API ddp_result ddp_checkpoint_save(ddp_group *g, const char *path, const ddp
                                        const ddp_meta *meta);
 DDP_API ddp_result ddp_checkpoint_save_ex(ddp_group *g, const char *path, const ddp_tensor *t, int n,
                                           const ddp_meta *meta, const ddp_checkpoint_save_desc *desc);
+
+/* ddp_checkpoint_save_async: ddp_checkpoint_save in the background (torch.distributed.checkpoint's
+   async_save): the call copies the tensors (and meta, path, desc) into one staging buffer on rank 0 and
+   returns; a background thread then writes the same file as ddp_checkpoint_save would (same format,
+   checksums, tmp + fsync + rename, keep_last) and completes *w. The tensors may change as soon as the
+   call returns. Collective over g when g is not NULL, as ddp_checkpoint_save; the ranks agree on the
+   outcome in the background on a private group of the same ranks (made at the first async save), so
+   the program's own collectives go on meanwhile. ddp_wait(*w) returns DDP_SUCCESS on a rank once the
+   file is complete and durable; a failure anywhere (rank 0 could not write: the message names the
+   path and the system's reason; a bad argument rank 0 found while staging) is the error of every
+   rank's ddp_wait. ddp_test(*w) polls. Call ddp_wait once per handle, as for async collectives.
+   At most one save is in flight per group: a second async save, or any other ddp_checkpoint_* call on
+   the group, first waits for the one in flight. The staging buffer is kept for the next async save
+   (so its copy does not pay page faults again) and freed by ddp_destroy(g); ddp_destroy finishes a
+   save in flight first (its handle, if not waited on, is then released). g NULL: one process; its
+   staging buffer lives until the process ends.
+   Return (of the call): DDP_SUCCESS with *w set; DDP_ERR_INVALID_ARGUMENT (w NULL); DDP_ERR_UNSUPPORTED
+   (the mpi backend with more than one rank: use ddp_checkpoint_save); the errors of making the private
+   group (first call); DDP_ERR_OUT_OF_MEMORY. Errors of the save itself come from ddp_wait.
+   Thread safety: as ddp_checkpoint_save. */
+DDP_API ddp_result ddp_checkpoint_save_async(ddp_group *g, const char *path, const ddp_tensor *t, int n,
+                                             const ddp_meta *meta, ddp_work **w);
+DDP_API ddp_result ddp_checkpoint_save_async_ex(ddp_group *g, const char *path, const ddp_tensor *t, int n,
+                                                const ddp_meta *meta, const ddp_checkpoint_save_desc *desc,
+                                                ddp_work **w);
 
 /* ddp_checkpoint_load: read path into the n tensors t[] and (when meta is not NULL) replace meta's
    contents with the file's metadata (the library's "ddp.crc32c.*"/"ddp.shard.*" keys left out).
@@ -2142,6 +2208,7 @@ struct ddp_group {
     struct ddp__mpi *mpi;  /* mpi.c's communicator on the mpi backend */
     struct ddp__nccl *nccl; /* nccl.c's communicator on the nccl backend */
     struct ddp__trace *trace; /* trace.c's flight recorder (NULL: off) */
+    struct ddp__ck_async *ck_async; /* checkpoint.c's background save (NULL: no async save yet) */
 };
 
 struct ddp_work {
@@ -2243,6 +2310,7 @@ static DDP__UNUSED const char *ddp__broken_message(const ddp_group *g, const ddp
 static DDP__UNUSED void ddp__drain(ddp_group *g);         /* wait until no async work is queued */
 static DDP__UNUSED void ddp__progress_stop(ddp_group *g); /* finish queued work, stop the thread */
 static DDP__UNUSED void ddp__work_release_all(ddp_group *g); /* the group ends: free the handles not waited on */
+static DDP__UNUSED int ddp__work_issue(ddp_group *g, ddp_work *w); /* record w as issued on g and live; 0: out of memory */
 /* The most bytes a collective's largest buffer may span (count x element size, x world size for
    all_gather / reduce_scatter): more than any process can map, so sizes computed from a valid count
    never overflow. */
@@ -2335,6 +2403,12 @@ static DDP__UNUSED ddp_result ddp__subgroup_open(ddp_group *g, const int *ranks,
 static DDP__UNUSED ddp_result ddp__setup_watch(ddp_group *g, int peer);
 /* During the set-up: rank `peer` is gone (`how`); published so every rank fails naming it. */
 static DDP__UNUSED ddp_result ddp__setup_lost(ddp_group *g, int peer, const char *how);
+
+/* ---- checkpoint.c ---- */
+/* The group ends (ddp_destroy, before its barrier): finish a background save in flight (its work keeps
+   the outcome), close the save's private group, free the staging buffer. Idempotent. */
+static DDP__UNUSED void ddp__ck_async_end(ddp_group *g);
+static DDP__UNUSED int ddp__ck_async_owns(const ddp_work *w); /* w came from ddp_checkpoint_save_async */
 
 /* ---- safetensors.c: the format that checkpoint.c's policy reads and writes: its limits and reserved
    key prefixes, the dtype table, the parsed header, the writer's buffer ---- */
@@ -7601,11 +7675,12 @@ DDP_API ddp_result ddp_wait(ddp_work *w) {
     if (!w) return ddp__fail(NULL, DDP_ERR_INVALID_ARGUMENT, "ddp_wait: the work handle is NULL");
     if (!ddp__live_take(w, DDP__LIVE_WORK)) return ddp__spent_work("ddp_wait", w);
     g = w->g;
-    ddp__work_unlink(g, w);
-    if (w->owner) { /* the backend's own work (nccl: device work; an irecv), freed by its wait */
+    if (g) ddp__work_unlink(g, w); /* an async checkpoint save without a group has none */
+    if (w->owner) { /* the backend's own work (nccl: device work; an irecv; a checkpoint save), freed by its wait */
         ddp__coll c = w->coll;
+        int traced = !ddp__is_p2p(c.kind) && !ddp__ck_async_owns(w);
         r = w->owner->wait(w);
-        if (!ddp__is_p2p(c.kind)) ddp__trace_ended(g, &c, r);
+        if (traced) ddp__trace_ended(g, &c, r);
         return r;
     }
     pthread_mutex_lock(&g->async.mu);
@@ -12906,6 +12981,7 @@ static ddp_group *ddp__group_alloc(int rank, int world_size) {
 static void ddp__group_free(ddp_group *g) {
     ddp__live_remove(g, DDP__LIVE_GROUP); /* from here on, calls on g fail instead of reading freed memory */
     ddp__progress_stop(g);
+    ddp__ck_async_end(g); /* before its work handle is released */
     ddp__work_release_all(g);
     if (g->backend) g->backend->close(g, 0);
     if (g->broken) ddp__close_after_failure(g, 1.0);
@@ -13264,6 +13340,7 @@ DDP_API ddp_result ddp_destroy(ddp_group *g) {
     ddp_result r = DDP_SUCCESS, subs;
     if (!g) return DDP_SUCCESS;
     if ((r = ddp__group_check(g, "ddp_destroy")) != DDP_SUCCESS) return r;
+    ddp__ck_async_end(g); /* a checkpoint save in flight finishes first (its own group meets here on every rank) */
     subs = ddp__destroy_subgroups(g);
     ddp__drain(g);
     if (g->world_size > 1 && !g->broken) {
@@ -15840,8 +15917,13 @@ DDP_API void ddp_reducer_destroy(ddp_reducer *r) {
    shuffle, torch.Generator (at::mt19937) and torch.randperm on the CPU (aten/src/ATen/native/
    TensorFactories.cpp, randperm_cpu). The formulas are in the sampler section of the header (src/sampler.h).
 
-   A rank's k-th index is the element at position j = rank + k*R of the dealt-out list; positions past
-   N wrap around (torch pads by repeating the list, so padded[j] = perm[j mod N]).
+   A rank's k-th index is the element at position j = base + rank + k*R of the dealt-out list; positions
+   past N wrap around (torch pads by repeating the list, so padded[j] = perm[j mod N]). base is 0 except
+   after a resume at a global position (ddp_sampler_set_global_position): then the rest of the epoch,
+   perm[base .. N), is dealt to this sampler's R ranks exactly as torch deals a whole epoch (the same
+   padding at the end, or drop_last's cut), so a job saved on one number of ranks continues the same
+   epoch on another with every index handed out once. With the same R, base = k*R gives the very
+   indices that set_position(k) gives (rank + (k+i)*R = base + rank + i*R), so the rule extends torch's.
    - no shuffle, or the streaming permutation: computed directly from j, no memory.
    - torch's randperm: the whole permutation is made once per epoch, in place, in a buffer of N entries
      (uint32 when N <= 2^32), then compacted to this rank's num_samples entries and shrunk: steady-state
@@ -16093,8 +16175,21 @@ static ddp_result ddp__sampler_check_desc(const ddp_sampler_desc *d) {
     return DDP_SUCCESS;
 }
 
+/* This rank's count (num_samples) and the positions dealt out (total_size) for the part of the epoch from
+   global position base on: c = N - base positions are left, dealt as torch deals an epoch of c. */
+static void ddp__sampler_count(ddp_sampler *s) {
+    uint64_t c = s->desc.dataset_size - s->base, r = (uint64_t)s->desc.num_replicas, rank = (uint64_t)s->desc.rank;
+    if (s->desc.mode == DDP_SAMPLER_EVAL) {
+        s->num_samples = c > rank ? (c - 1 - rank) / r + 1 : 0;
+        s->total_size = c;
+    } else {
+        s->num_samples = s->desc.drop_last ? c / r : c / r + (c % r != 0);
+        s->total_size = s->num_samples * r;
+    }
+}
+
 DDP_API ddp_result ddp_sampler_init(ddp_sampler *s, const ddp_sampler_desc *d) {
-    uint64_t n, r;
+    uint64_t n;
     ddp_result res;
     if (!s || !d)
         return ddp__fail(NULL, DDP_ERR_INVALID_ARGUMENT, "ddp_sampler_init: %s is NULL", s ? "desc" : "sampler");
@@ -16103,14 +16198,7 @@ DDP_API ddp_result ddp_sampler_init(ddp_sampler *s, const ddp_sampler_desc *d) {
     if (res != DDP_SUCCESS) return res;
     s->desc = *d;
     n = d->dataset_size;
-    r = (uint64_t)d->num_replicas;
-    if (d->mode == DDP_SAMPLER_EVAL) {
-        s->num_samples = n > (uint64_t)d->rank ? (n - 1 - (uint64_t)d->rank) / r + 1 : 0;
-        s->total_size = n;
-    } else {
-        s->num_samples = d->drop_last ? n / r : n / r + (n % r != 0);
-        s->total_size = s->num_samples * r;
-    }
+    ddp__sampler_count(s);
     s->shard_wide = n > (uint64_t)UINT32_MAX + 1; /* the values 0 .. N-1 need 64 bits */
     ddp__feistel_setup(s);
     s->magic = DDP__SAMPLER_MAGIC;
@@ -16135,6 +16223,10 @@ DDP_API void ddp_sampler_set_epoch(ddp_sampler *s, uint64_t epoch) {
     s->epoch = epoch;
     s->position = 0;
     s->epoch_done = 0;
+    if (s->base != 0) { /* a resume point of the previous epoch does not carry over */
+        s->base = 0;
+        ddp__sampler_count(s);
+    }
     ddp__feistel_setup(s);
 }
 
@@ -16162,17 +16254,18 @@ static void ddp__advise_huge_pages(void *p, size_t bytes) {
 #endif
 }
 
-/* Keep only this rank's positions rank, rank + R, ... of the permutation, in order, at its start. A position
-   past N (padding) reads perm[j mod N], which the compaction may already have overwritten: there is at most
-   one such position per rank (total_size - N < R), the last, so its value is read first. */
+/* Keep only this rank's positions base + rank, base + rank + R, ... of the permutation, in order, at its
+   start. A position past N (padding) reads perm[j mod N], which the compaction may already have
+   overwritten: there is at most one such position per rank (total_size - (N - base) < R), the last, so
+   its value is read first. */
 static void ddp__sampler_compact(const ddp_sampler *s, void *p) {
-    uint64_t n = s->desc.dataset_size, r = (uint64_t)s->desc.num_replicas, rank = (uint64_t)s->desc.rank;
+    uint64_t n = s->desc.dataset_size, r = (uint64_t)s->desc.num_replicas, first = s->base + (uint64_t)s->desc.rank;
     uint64_t last = s->num_samples - 1, k, tail = 0;
-    int padded = rank + last * r >= n;
-    if (r == 1) return; /* every position is this rank's, none padded */
-    if (padded) tail = ddp__perm_get(p, s->shard_wide, (rank + last * r) % n);
-    for (k = 0; k < s->num_samples - (uint64_t)padded; k++) /* reads position rank + k*R >= k: still intact */
-        ddp__perm_put(p, s->shard_wide, k, ddp__perm_get(p, s->shard_wide, rank + k * r));
+    int padded = first + last * r >= n;
+    if (r == 1 && first == 0) return; /* every position is this rank's, none padded */
+    if (padded) tail = ddp__perm_get(p, s->shard_wide, (first + last * r) % n);
+    for (k = 0; k < s->num_samples - (uint64_t)padded; k++) /* reads position first + k*R >= k: still intact */
+        ddp__perm_put(p, s->shard_wide, k, ddp__perm_get(p, s->shard_wide, first + k * r));
     if (padded) ddp__perm_put(p, s->shard_wide, last, tail);
 }
 
@@ -16182,7 +16275,7 @@ static ddp_result ddp__sampler_prepare(ddp_sampler *s, const char *fn) {
     size_t elem = s->shard_wide ? sizeof(uint64_t) : sizeof(uint32_t);
     double t0;
     void *p, *small;
-    if (!ddp__sampler_materialises(s) || (s->shard_valid && s->shard_epoch == s->epoch)) return DDP_SUCCESS;
+    if (!ddp__sampler_materialises(s) || (s->shard_valid && s->shard_epoch == s->epoch && s->shard_base == s->base)) return DDP_SUCCESS;
     ddp__free(s->shard); /* before the big allocation, so the old shard does not add to the peak */
     s->shard = NULL;
     s->shard_valid = 0;
@@ -16200,6 +16293,7 @@ static ddp_result ddp__sampler_prepare(ddp_sampler *s, const char *fn) {
     s->shard = small ? small : p;
     s->shard_valid = 1;
     s->shard_epoch = s->epoch;
+    s->shard_base = s->base;
     ddp__log(NULL, DDP_LOG_DEBUG, "sampler: epoch %llu shuffled %llu indices in %.3f s",
              (unsigned long long)s->epoch, (unsigned long long)n, ddp__now() - t0);
     return DDP_SUCCESS;
@@ -16208,7 +16302,7 @@ static ddp_result ddp__sampler_prepare(ddp_sampler *s, const char *fn) {
 /* This rank's k-th index (k < num_samples), the shard made if it is needed. */
 static uint64_t ddp__sampler_index(const ddp_sampler *s, uint64_t k) {
     uint64_t n = s->desc.dataset_size;
-    uint64_t j = (uint64_t)s->desc.rank + k * (uint64_t)s->desc.num_replicas;
+    uint64_t j = s->base + (uint64_t)s->desc.rank + k * (uint64_t)s->desc.num_replicas;
     if (ddp__sampler_materialises(s)) return ddp__perm_get(s->shard, s->shard_wide, k);
     if (j >= n) j %= n; /* torch's padding repeats the list */
     if (!ddp__sampler_shuffles(s)) return j;
@@ -16270,6 +16364,34 @@ DDP_API ddp_result ddp_sampler_set_position(ddp_sampler *s, uint64_t position) {
     s->position = position;
     s->epoch_done = position == s->num_samples;
     return DDP_SUCCESS;
+}
+
+DDP_API uint64_t ddp_sampler_global_position(const ddp_sampler *s) {
+    uint64_t g;
+    if (!ddp__sampler_ok(s)) return 0;
+    if (s->position >= s->num_samples) return s->desc.dataset_size; /* done: nothing of the epoch is left */
+    g = s->base + s->position * (uint64_t)s->desc.num_replicas;
+    return DDP__MIN(g, s->desc.dataset_size);
+}
+
+DDP_API ddp_result ddp_sampler_set_global_position(ddp_sampler *s, uint64_t global_position) {
+    if (!ddp__sampler_ok(s)) return ddp__sampler_not_initialised("ddp_sampler_set_global_position");
+    if (global_position > s->desc.dataset_size)
+        return ddp__fail(NULL, DDP_ERR_INVALID_ARGUMENT,
+                         "ddp_sampler_set_global_position: global position %llu is past the end of the epoch "
+                         "(dataset_size %llu); was the checkpoint saved with another dataset_size?",
+                         (unsigned long long)global_position, (unsigned long long)s->desc.dataset_size);
+    s->base = global_position;
+    ddp__sampler_count(s);
+    s->position = 0;
+    s->epoch_done = s->num_samples == 0;
+    return DDP_SUCCESS;
+}
+
+DDP_API ddp_result ddp_sampler_resume(ddp_sampler *s, uint64_t epoch, uint64_t global_position) {
+    if (!ddp__sampler_ok(s)) return ddp__sampler_not_initialised("ddp_sampler_resume");
+    ddp_sampler_set_epoch(s, epoch);
+    return ddp_sampler_set_global_position(s, global_position);
 }
 
 DDP_API ddp_result ddp_sampler_index_at(ddp_sampler *s, uint64_t k, int64_t *out) {
@@ -17195,6 +17317,10 @@ DDP_API ddp_result ddp_meta_set_resume(ddp_meta *m, const ddp_resume_state *s) {
     if ((r = ddp_meta_set_int(m, DDP_META_EPOCH, s->epoch)) != DDP_SUCCESS) return r;
     if ((r = ddp_meta_set_int(m, DDP_META_SAMPLER_POSITION, s->sampler_position)) != DDP_SUCCESS) return r;
     if ((r = ddp_meta_set_int(m, DDP_META_WORLD_SIZE, s->world_size)) != DDP_SUCCESS) return r;
+    if ((r = ddp_meta_set_int(m, DDP_META_SAMPLER_GLOBAL_POSITION,
+                              s->sampler_global_position == 0 && s->sampler_position > 0 ? s->sampler_position * s->world_size
+                                                                                           : s->sampler_global_position)) != DDP_SUCCESS)
+        return r;
     if (s->rng_state_size == 0) {
         ddp_meta_remove(m, DDP_META_RNG_STATE);
         return DDP_SUCCESS;
@@ -17212,6 +17338,8 @@ DDP_API ddp_result ddp_meta_get_resume(const ddp_meta *m, ddp_resume_state *s) {
     if ((r = ddp_meta_get_int(m, DDP_META_WORLD_SIZE, &ws)) != DDP_SUCCESS) return r;
     if (ws < 0 || ws > INT_MAX) return ddp__fail(NULL, DDP_ERR_FORMAT, "checkpoint metadata " DDP_META_WORLD_SIZE " = %lld is out of range", (long long)ws);
     s->world_size = (int)ws;
+    if (!ddp_meta_get(m, DDP_META_SAMPLER_GLOBAL_POSITION)) s->sampler_global_position = s->sampler_position * s->world_size;
+    else if ((r = ddp_meta_get_int(m, DDP_META_SAMPLER_GLOBAL_POSITION, &s->sampler_global_position)) != DDP_SUCCESS) return r;
     if (!ddp_meta_get(m, DDP_META_RNG_STATE)) {
         s->rng_state_size = 0;
         return DDP_SUCCESS;
@@ -17874,6 +18002,7 @@ static ddp_result ddp__ck_build_header(const char *path, const ddp_tensor *t, in
      collectives   agreement on the outcome (every rank fails together), chunked broadcasts
      rotation      keep_last and ddp_checkpoint_latest: files that differ in one run of digits
      save, load    rank 0 writes; every rank reads, or rank 0 reads and broadcasts
+     async save    staged copy on the caller's thread, written and agreed on in the background
      shards        one file per rank, then a completion marker written last */
 
 #include <dirent.h>
@@ -18249,27 +18378,307 @@ static ddp_result ddp__ck_check_rotation(ddp_group *g, const char *path, const d
 
 /* ---- save ---- */
 
+/* Rank 0's part of a save: write the file, then rotate (keep_last). Errors go to g (may be NULL). */
+static ddp_result ddp__ck_save_on_root(ddp_group *g, const char *path, const ddp_tensor *t, int n, const ddp_meta *meta,
+                                       const ddp_checkpoint_save_desc *desc) {
+    ddp__ck_family fam;
+    int64_t number = 0;
+    ddp_result r = ddp__ck_check_rotation(g, path ? path : "", desc, &fam, &number);
+    if (r == DDP_SUCCESS) r = ddp__ck_write_file(g, path, t, n, meta, NULL);
+    if (r == DDP_SUCCESS && fam.dir) {
+        static const char *const tails[] = {"", ".tmp"};
+        int64_t cutoff = ddp__ck_cutoff(g, &fam, desc->keep_last, number);
+        if (cutoff != INT64_MIN) ddp__ck_delete_below(g, &fam, cutoff, tails, 2);
+    }
+    ddp__ck_family_free(&fam);
+    return r;
+}
+
+static void ddp__ck_async_settle(ddp_group *g);
+
 DDP_API ddp_result ddp_checkpoint_save_ex(ddp_group *g, const char *path, const ddp_tensor *t, int n, const ddp_meta *meta,
                                           const ddp_checkpoint_save_desc *desc) {
     ddp_result r = DDP_SUCCESS;
     if (g && !ddp__live_has(g, DDP__LIVE_GROUP)) return ddp__group_check(g, "ddp_checkpoint_save_ex");
-    if (ddp__ck_rank(g) == 0) {
-        ddp__ck_family fam;
-        int64_t number = 0;
-        r = ddp__ck_check_rotation(g, path ? path : "", desc, &fam, &number);
-        if (r == DDP_SUCCESS) r = ddp__ck_write_file(g, path, t, n, meta, NULL);
-        if (r == DDP_SUCCESS && fam.dir) {
-            static const char *const tails[] = {"", ".tmp"};
-            int64_t cutoff = ddp__ck_cutoff(g, &fam, desc->keep_last, number);
-            if (cutoff != INT64_MIN) ddp__ck_delete_below(g, &fam, cutoff, tails, 2);
-        }
-        ddp__ck_family_free(&fam);
-    }
+    ddp__ck_async_settle(g); /* a background save in flight finishes first */
+    if (ddp__ck_rank(g) == 0) r = ddp__ck_save_on_root(g, path, t, n, meta, desc);
     return ddp__ck_agree(g, r, "checkpoint save");
 }
 
 DDP_API ddp_result ddp_checkpoint_save(ddp_group *g, const char *path, const ddp_tensor *t, int n, const ddp_meta *meta) {
     return ddp_checkpoint_save_ex(g, path, t, n, meta, NULL);
+}
+
+/* ---- async save ----
+   ddp_checkpoint_save_async = torch.distributed.checkpoint.async_save: snapshot now, write behind.
+     1. on the calling (training) thread: wait for the previous async save of this group to finish
+        (at most one staged copy alive), then rank 0 copies every tensor's bytes into ONE staging
+        buffer (kept for the next save when it is big enough: no page faults the second time) and
+        copies the names, metadata, path and options; the other ranks stage nothing. This copy is
+        all the caller waits for.
+     2. a background thread per save: rank 0 writes the staged tensors exactly as ddp_checkpoint_save
+        does (same function: tmp file, fsync, rename, directory fsync, CRCs, keep_last), then every
+        rank's thread agrees on the outcome (ddp__ck_agree) and completes the ddp_work.
+   Ordering with the program's later collectives: the agreement of step 2 runs on a private group of
+   the same ranks (made once, at the first async save, through the group's store: every rank makes it
+   at the same call, since the save is collective), never on the program's group, so it cannot
+   interleave with the collectives the training thread issues meanwhile; on the private group one
+   save's agreement runs at a time, in the same order on every rank (saves are collective and
+   serialised by step 1). This is torch's recipe too (async_save on its own gloo group). With one rank
+   (or g NULL) there is nothing to agree on and no private group. The mpi backend has no store to make
+   that group from: DDP_ERR_UNSUPPORTED.
+   Completion: the work is done when the agreement is, so ddp_wait returns DDP_SUCCESS on a rank only
+   once the file is durable; a failure anywhere (rank 0 could not write: path and errno text) is the
+   error of every rank's ddp_wait. Argument errors found on rank 0 while staging travel the same way
+   (the other ranks cannot see them at the call). The thread is joined by ddp_wait, by the next save
+   (or any sync checkpoint call on the group), or by ddp_destroy, which finishes a save in flight
+   before its own barrier and then closes the private group (every rank is there). */
+
+struct ddp__ck_async {
+    pthread_mutex_t mu; /* guards the current work's result fields and done */
+    pthread_cond_t cv;
+    pthread_t thread;
+    int thread_live;    /* started and not joined */
+    int rank;           /* in the program's group (0 without one) */
+    ddp_group *sub;     /* the private group of every rank, for the agreement (NULL: one rank) */
+    ddp_work *work;     /* the save in flight (NULL: none) */
+    /* the staged save: what the thread writes (rank 0) */
+    char *path;
+    ddp_tensor *t;
+    int n;
+    char *names;        /* every tensor's name, each terminated */
+    ddp_meta meta;
+    int has_meta, has_desc;
+    ddp_checkpoint_save_desc desc;
+    char *stage;        /* the tensor bytes; kept between saves */
+    size_t stage_cap;
+    ddp_result pre;     /* an error found while staging (rank 0), delivered through the agreement */
+    char pre_msg[DDP__ERR_MAX];
+};
+
+/* The save of a process without a group (g NULL) has no group to hang off: one per process. */
+static struct ddp__ck_async *ddp__ck_async_alone;
+#define DDP__CK_ASYNC_WHAT "checkpoint save (async)"
+
+static struct ddp__ck_async **ddp__ck_async_slot(ddp_group *g) { return g ? &g->ck_async : &ddp__ck_async_alone; }
+
+/* Forget the staged save (the staging buffer itself is kept). */
+static void ddp__ck_async_unstage(struct ddp__ck_async *a) {
+    ddp__free(a->path);
+    ddp__free(a->t);
+    ddp__free(a->names);
+    ddp_meta_free(&a->meta);
+    a->path = NULL;
+    a->t = NULL;
+    a->names = NULL;
+    a->n = 0;
+    a->pre = DDP_SUCCESS;
+    a->pre_msg[0] = '\0';
+}
+
+/* Wait for the save in flight (if any) to finish and join its thread. */
+static void ddp__ck_async_join(struct ddp__ck_async *a) {
+    if (!a || !a->thread_live) return;
+    pthread_join(a->thread, NULL);
+    a->thread_live = 0;
+    a->work = NULL;
+    ddp__ck_async_unstage(a);
+}
+
+static void ddp__ck_async_settle(ddp_group *g) { ddp__ck_async_join(*ddp__ck_async_slot(g)); }
+
+/* The background: rank 0 writes; every rank agrees on the private group; the work completes. */
+static void *ddp__ck_async_main(void *arg) {
+    struct ddp__ck_async *a = (struct ddp__ck_async *)arg;
+    ddp_result r = a->pre;
+    ddp_work *w = a->work;
+    if (r != DDP_SUCCESS) ddp__fail(a->sub, r, "%s", a->pre_msg);
+    else if (a->rank == 0) r = ddp__ck_save_on_root(a->sub, a->path, a->t, a->n, a->has_meta ? &a->meta : NULL, a->has_desc ? &a->desc : NULL);
+    r = ddp__ck_agree(a->sub, r, DDP__CK_ASYNC_WHAT);
+    pthread_mutex_lock(&a->mu);
+    w->result = r;
+    if (r != DDP_SUCCESS) {
+        const char *why = a->sub ? ddp_last_error(a->sub) : ddp_last_error(NULL);
+        if (strstr(why, "checkpoint")) snprintf(w->error, sizeof w->error, "%s", why);
+        else /* the agreement itself failed (a rank was lost): say which save */
+            snprintf(w->error, sizeof w->error, DDP__CK_ASYNC_WHAT " of %.240s: agreeing on the outcome failed: %.700s", a->path ? a->path : "?", why);
+    }
+    w->done = 1;
+    pthread_cond_broadcast(&a->cv);
+    pthread_mutex_unlock(&a->mu);
+    return NULL;
+}
+
+/* ddp_wait / ddp_test on an async save's work (its owner table below). */
+static ddp_result ddp__ck_async_wait(ddp_work *w) {
+    struct ddp__ck_async *a = (struct ddp__ck_async *)w->handle;
+    ddp_result r;
+    pthread_mutex_lock(&a->mu);
+    while (!w->done) pthread_cond_wait(&a->cv, &a->mu);
+    pthread_mutex_unlock(&a->mu);
+    if (a->work == w) ddp__ck_async_join(a);
+    r = w->result;
+    if (r != DDP_SUCCESS) ddp__fail(w->g, r, "%s", w->error);
+    ddp__free(w);
+    return r;
+}
+
+static int ddp__ck_async_test(ddp_work *w) {
+    struct ddp__ck_async *a = (struct ddp__ck_async *)w->handle;
+    int done;
+    pthread_mutex_lock(&a->mu);
+    done = w->done;
+    pthread_mutex_unlock(&a->mu);
+    return done;
+}
+
+static const ddp__backend ddp__ck_async_owner = {"checkpoint", "checkpoint", NULL, NULL, ddp__ck_async_wait, ddp__ck_async_test,
+                                                 NULL, NULL, NULL, NULL, NULL, NULL};
+
+static int ddp__ck_async_owns(const ddp_work *w) { return w->owner == &ddp__ck_async_owner; }
+
+static void ddp__ck_async_end(ddp_group *g) {
+    struct ddp__ck_async *a = g->ck_async;
+    if (!a) return;
+    ddp__ck_async_join(a);
+    if (a->sub) {
+        if (ddp__live_has(g, DDP__LIVE_GROUP) && !g->broken) ddp_destroy(a->sub); /* ddp_destroy: every rank is here */
+        else ddp__group_free(a->sub);
+    }
+    ddp__free(a->stage);
+    pthread_mutex_destroy(&a->mu);
+    pthread_cond_destroy(&a->cv);
+    ddp__free(a);
+    g->ck_async = NULL;
+}
+
+/* The state of g's async saves, made at the first one (with the private group when g has ranks). */
+static ddp_result ddp__ck_async_state(ddp_group *g, struct ddp__ck_async **out) {
+    struct ddp__ck_async **slot = ddp__ck_async_slot(g), *a = *slot;
+    *out = NULL;
+    if (!a) {
+        if (!(a = (struct ddp__ck_async *)ddp__calloc(1, sizeof *a)))
+            return ddp__fail(g, DDP_ERR_OUT_OF_MEMORY, "ddp_checkpoint_save_async: out of memory");
+        pthread_mutex_init(&a->mu, NULL);
+        pthread_cond_init(&a->cv, NULL);
+        a->rank = ddp_rank(g);
+        if (g && g->world_size > 1) {
+            int *ranks = (int *)ddp__calloc((size_t)g->world_size, sizeof *ranks), i;
+            ddp_result r;
+            if (!ranks) r = ddp__fail(g, DDP_ERR_OUT_OF_MEMORY, "ddp_checkpoint_save_async: out of memory");
+            else {
+                for (i = 0; i < g->world_size; i++) ranks[i] = i;
+                r = ddp__subgroup_open(g, ranks, g->world_size, g->rank, "ckpt", NULL,
+                                       "ddp_checkpoint_save_async (making the group its background agreement runs on)", &a->sub);
+            }
+            ddp__free(ranks);
+            /* not on g's list of subgroups (ddp_destroy(g) ends it here, first), but its parent is g, so the
+               flight recorder names it by its key prefix rather than as the world group */
+            if (r == DDP_SUCCESS) a->sub->member.parent = g;
+            if (r != DDP_SUCCESS) {
+                pthread_mutex_destroy(&a->mu);
+                pthread_cond_destroy(&a->cv);
+                ddp__free(a);
+                return r;
+            }
+        }
+        *slot = a;
+    }
+    *out = a;
+    return DDP_SUCCESS;
+}
+
+/* Rank 0: copy the tensors into the staging buffer (64-byte aligned pieces), their names, the metadata and
+   options (a->path is set already). An error is kept in a->pre, delivered through the agreement. */
+static void ddp__ck_async_stage(struct ddp__ck_async *a, const char *path, const ddp_tensor *t, int n, const ddp_meta *meta,
+                                const ddp_checkpoint_save_desc *desc) {
+    size_t total = 0, names = 0, at = 0, nat = 0;
+    ddp_result r;
+    int i;
+    if (!path || !*path) r = ddp__fail(NULL, DDP_ERR_INVALID_ARGUMENT, "checkpoint save: path is NULL or empty");
+    else r = ddp__ck_check_tensors(NULL, "checkpoint save", t, n);
+    for (i = 0; r == DDP_SUCCESS && i < n; i++) {
+        uint64_t bytes;
+        ddp__ck_tensor_bytes(&t[i], &bytes);
+        if (bytes > (uint64_t)(SIZE_MAX / 2) - total) r = ddp__fail(NULL, DDP_ERR_OUT_OF_MEMORY, "checkpoint save of %s: the tensors are too large to stage", path);
+        total += ((size_t)bytes + 63) & ~(size_t)63;
+        names += strlen(t[i].name) + 1;
+    }
+    if (r == DDP_SUCCESS && total > a->stage_cap) {
+        ddp__free(a->stage);
+        a->stage_cap = 0;
+        if (!(a->stage = (char *)ddp__malloc(total)))
+            r = ddp__fail(NULL, DDP_ERR_OUT_OF_MEMORY, "checkpoint save of %s: out of memory for the %zu-byte staging copy", path, total);
+        else a->stage_cap = total;
+    }
+    if (r == DDP_SUCCESS) {
+        a->t = (ddp_tensor *)ddp__calloc((size_t)n + 1, sizeof *a->t);
+        a->names = (char *)ddp__malloc(names + 1);
+        if (!a->path || !a->t || !a->names) r = ddp__fail(NULL, DDP_ERR_OUT_OF_MEMORY, "checkpoint save of %s: out of memory", path);
+    }
+    for (i = 0; r == DDP_SUCCESS && i < n; i++) {
+        uint64_t bytes;
+        size_t len = strlen(t[i].name) + 1;
+        ddp__ck_tensor_bytes(&t[i], &bytes);
+        a->t[i] = t[i];
+        a->t[i].name = (const char *)memcpy(a->names + nat, t[i].name, len);
+        a->t[i].data = a->stage + at;
+        if (bytes) memcpy(a->stage + at, t[i].data, (size_t)bytes);
+        nat += len;
+        at += ((size_t)bytes + 63) & ~(size_t)63;
+    }
+    a->n = n;
+    a->has_meta = meta != NULL;
+    for (i = 0; r == DDP_SUCCESS && meta && i < meta->count; i++) r = ddp_meta_set(&a->meta, meta->entries[i].key, meta->entries[i].value);
+    a->has_desc = desc != NULL;
+    if (desc) a->desc = *desc;
+    if (r != DDP_SUCCESS) {
+        char *keep = a->path;
+        a->path = NULL;
+        ddp__ck_async_unstage(a);
+        a->path = keep; /* for messages */
+        a->pre = r;
+        snprintf(a->pre_msg, sizeof a->pre_msg, "%s", ddp_last_error(NULL));
+    }
+}
+
+DDP_API ddp_result ddp_checkpoint_save_async_ex(ddp_group *g, const char *path, const ddp_tensor *t, int n, const ddp_meta *meta,
+                                                const ddp_checkpoint_save_desc *desc, ddp_work **out) {
+    struct ddp__ck_async *a = NULL;
+    ddp_work *w;
+    ddp_result r;
+    if (g && !ddp__live_has(g, DDP__LIVE_GROUP)) return ddp__group_check(g, "ddp_checkpoint_save_async");
+    if (!out) return ddp__fail(g, DDP_ERR_INVALID_ARGUMENT, "ddp_checkpoint_save_async: the ddp_work **w argument is NULL");
+    *out = NULL;
+    if (g && g->mpi && g->world_size > 1)
+        return ddp__fail(g, DDP_ERR_UNSUPPORTED, "ddp_checkpoint_save_async: the mpi backend has no store to make the background "
+                         "save's own group from: use ddp_checkpoint_save, or the cpu backend");
+    if ((r = ddp__ck_async_state(g, &a)) != DDP_SUCCESS || !a) return r;
+    ddp__ck_async_join(a); /* the previous save finishes first: one staged copy at a time */
+    if (!(w = (ddp_work *)ddp__calloc(1, sizeof *w))) return ddp__fail(g, DDP_ERR_OUT_OF_MEMORY, "ddp_checkpoint_save_async: out of memory");
+    w->g = g;
+    w->owner = &ddp__ck_async_owner;
+    w->handle = a;
+    if (g ? !ddp__work_issue(g, w) : !ddp__live_add(w, DDP__LIVE_WORK)) {
+        ddp__free(w);
+        return ddp__fail(g, DDP_ERR_OUT_OF_MEMORY, "ddp_checkpoint_save_async: out of memory recording a ddp_work");
+    }
+    a->path = ddp__ck_cat(path ? path : "", ""); /* every rank: its messages name the file (NULL: out of memory, staged as such) */
+    if (a->rank == 0) ddp__ck_async_stage(a, path, t, n, meta, desc);
+    a->work = w;
+    if (pthread_create(&a->thread, NULL, ddp__ck_async_main, a) == 0) a->thread_live = 1;
+    else {
+        ddp__ck_async_main(a); /* no thread: save here and now rather than leave the other ranks waiting */
+        ddp__ck_async_unstage(a);
+        a->work = NULL;
+    }
+    *out = w;
+    return DDP_SUCCESS;
+}
+
+DDP_API ddp_result ddp_checkpoint_save_async(ddp_group *g, const char *path, const ddp_tensor *t, int n, const ddp_meta *meta,
+                                             ddp_work **w) {
+    return ddp_checkpoint_save_async_ex(g, path, t, n, meta, NULL, w);
 }
 
 /* ---- load ---- */
@@ -18561,6 +18970,7 @@ done:
 DDP_API ddp_result ddp_checkpoint_load_ex(ddp_group *g, const char *path, ddp_tensor *t, int n, ddp_meta *meta,
                                           const ddp_checkpoint_load_desc *desc) {
     if (g && !ddp__live_has(g, DDP__LIVE_GROUP)) return ddp__group_check(g, "ddp_checkpoint_load_ex");
+    ddp__ck_async_settle(g); /* a background save in flight finishes first (it may be this very file) */
     if (desc && desc->broadcast && ddp_world_size(g) > 1) return ddp__ck_load_bcast(g, path, t, n, meta, desc);
     return ddp__ck_agree(g, ddp__ck_load_local(g, path, t, n, meta, desc, NULL, NULL), "checkpoint load");
 }
@@ -18614,6 +19024,7 @@ DDP_API ddp_result ddp_checkpoint_save_shard(ddp_group *g, const char *path, con
     char *shard = NULL;
     ddp_result r = DDP_SUCCESS;
     if (g && !ddp__live_has(g, DDP__LIVE_GROUP)) return ddp__group_check(g, "ddp_checkpoint_save_shard");
+    ddp__ck_async_settle(g);
     memset(&fam, 0, sizeof fam);
     memset(&extra, 0, sizeof extra);
     if (!path || !*path) r = ddp__fail(g, DDP_ERR_INVALID_ARGUMENT, "%s: path is NULL or empty", what);
@@ -18698,6 +19109,7 @@ DDP_API ddp_result ddp_checkpoint_load_shard(ddp_group *g, const char *path, ddp
     ddp__ck_shard_expect x;
     ddp_result r = DDP_SUCCESS;
     if (g && !ddp__live_has(g, DDP__LIVE_GROUP)) return ddp__group_check(g, "ddp_checkpoint_load_shard");
+    ddp__ck_async_settle(g);
     if (!bcast || rank == 0) r = ddp__ck_read_marker(g, path, &info[0], &id);
     if (bcast) {
         info[1] = (int64_t)id;

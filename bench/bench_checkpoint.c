@@ -5,7 +5,12 @@
      load       ddp_checkpoint_load (header parse, pread into the tensors, CRC32C verify), page cache
                 warm, vs a raw pread of the same bytes
    Medians of REPS runs. The directory is $TMPDIR (default /tmp); sizes in MiB as arguments
-   (default 4 64). Run: make build/bench_checkpoint && build/bench_checkpoint [MiB ...] */
+   (default 4 64). Run: make build/bench_checkpoint && build/bench_checkpoint [MiB ...]
+   --async [MiB ...] (default 256 2048): the training thread's stall, ddp_checkpoint_save (the whole
+   save) against ddp_checkpoint_save_async (the call: the staging copy), and the async save's time to
+   completion (ddp_wait). The first async call allocates the staging buffer (page faults: reported on
+   its own); the median is over the REPS calls after it, which reuse the buffer. Needs twice the
+   checkpoint's size in memory (tensors + staging copy) and its size on disk. */
 #define DDP_IMPLEMENTATION
 #include "ddp.h"
 
@@ -71,6 +76,81 @@ static void raw_load(const char *path, ddp_tensor *t, int n) {
     close(fd);
 }
 
+/* The tensors of a mib-MiB checkpoint, NT of them (the caller frees their data). */
+static size_t make_tensors(int mib, ddp_tensor *t, char (*names)[16]) {
+    size_t per = ((size_t)mib << 20) / NT / 4;
+    uint64_t seed = 1;
+    int i;
+    for (i = 0; i < NT; i++) {
+        size_t k;
+        float *d = (float *)malloc(per * 4);
+        if (!d) {
+            fprintf(stderr, "out of memory for %d MiB of tensors\n", mib);
+            exit(1);
+        }
+        for (k = 0; k < per; k++) d[k] = (float)(seed = seed * 6364136223846793005ull + 1442695040888963407ull) * 1e-19f;
+        snprintf(names[i], 16, "layer%d", i);
+        memset(&t[i], 0, sizeof t[i]);
+        t[i].name = names[i];
+        t[i].dtype = DDP_F32;
+        t[i].ndim = 1;
+        t[i].shape[0] = (int64_t)per;
+        t[i].data = d;
+    }
+    return per * 4 * NT;
+}
+
+static void check(ddp_result r, const char *what) {
+    if (r != DDP_SUCCESS) {
+        fprintf(stderr, "%s: %s\n", what, ddp_last_error(NULL));
+        exit(1);
+    }
+}
+
+/* --async: the training thread's stall, sync save against async save. */
+static int bench_async(const char *dir, int nsizes, char **sizes) {
+    static const int defaults[] = {256, 2048};
+    char path[300];
+    int s;
+    snprintf(path, sizeof path, "%s/ckpt.safetensors", dir);
+    printf("%8s %14s %16s %16s %10s %16s\n", "MiB", "sync save ms", "async call ms", "(first call ms)", "ratio", "async done ms");
+    for (s = 0; s < (nsizes ? nsizes : 2); s++) {
+        int mib = nsizes ? atoi(sizes[s]) : defaults[s], i, r;
+        ddp_tensor t[NT];
+        char names[NT][16];
+        double sync_ms[REPS], call_ms[REPS], done_ms[REPS], first = 0;
+        ddp_work *w;
+        make_tensors(mib, t, names);
+        for (r = -1; r < REPS; r++) { /* r = -1: the first async call, which allocates the staging buffer */
+            double t0 = now(), t1;
+            check(ddp_checkpoint_save_async(NULL, path, t, NT, NULL, &w), "async save");
+            t1 = now();
+            ((float *)t[0].data)[0] += 1.0f; /* the next step may write the tensors now */
+            check(ddp_wait(w), "async save (ddp_wait)");
+            if (r < 0) {
+                first = (t1 - t0) * 1e3;
+                continue;
+            }
+            call_ms[r] = (t1 - t0) * 1e3;
+            done_ms[r] = (now() - t0) * 1e3;
+            t0 = now();
+            check(ddp_checkpoint_save(NULL, path, t, NT, NULL), "sync save");
+            sync_ms[r] = (now() - t0) * 1e3;
+        }
+        {
+            double a = median(sync_ms, REPS), b = median(call_ms, REPS);
+            printf("%8d %14.1f %16.2f %16.2f %9.0fx %16.1f\n", mib, a, b, first, a / b, median(done_ms, REPS));
+        }
+        for (i = 0; i < NT; i++) free(t[i].data);
+        fflush(stdout);
+    }
+    unlink(path);
+    rmdir(dir);
+    printf("\nratio = sync save / async call: how much less the training thread stalls (medians of %d; the first call's "
+           "page faults apart)\n", REPS);
+    return 0;
+}
+
 int main(int argc, char **argv) {
     const char *base = getenv("TMPDIR") ? getenv("TMPDIR") : "/tmp";
     char dir[256], path[300], tmp[310], rawp[300];
@@ -81,6 +161,7 @@ int main(int argc, char **argv) {
         perror("mkdtemp");
         return 1;
     }
+    if (argc > 1 && strcmp(argv[1], "--async") == 0) return bench_async(dir, argc - 2, argv + 2);
     snprintf(path, sizeof path, "%s/ckpt.safetensors", dir);
     snprintf(rawp, sizeof rawp, "%s/raw.bin", dir);
     snprintf(tmp, sizeof tmp, "%s/raw.bin.tmp", dir);

@@ -3,11 +3,12 @@
        if rank == 0: torch.save({"model": ..., "optimizer": ..., "step": ...}, path)   # then a barrier
        torchrun --max-restarts 1 ...      # a failed worker restarts the group; it loads the checkpoint
 
-   Shows: ddp_checkpoint_save_ex (rank 0 writes atomically, every rank returns once the file is durable;
+   Shows: ddp_checkpoint_save_async_ex (rank 0 copies the tensors and writes them in the background,
+   atomically, while training goes on; ddp_wait one step later says the file is durable on every rank;
    keep_last deletes older ones), the resume state in the metadata (ddp_meta_set_resume: step, epoch,
-   sampler position, world size), ddp_checkpoint_latest, ddp_checkpoint_load on every rank,
-   ddp_sampler_set_position to continue mid-epoch, and DDP_RESTART_COUNT, which ddprun --max-restarts
-   (or torchrun's TORCHELASTIC_RESTART_COUNT) sets on each restart.
+   the epoch's global sample position, world size), ddp_checkpoint_latest, ddp_checkpoint_load on every
+   rank, ddp_sampler_resume to continue mid-epoch ON ANY NUMBER OF RANKS, and DDP_RESTART_COUNT, which
+   ddprun --max-restarts (or torchrun's TORCHELASTIC_RESTART_COUNT) sets on each restart.
    The model: linear regression, y = w . x + b, trained with SGD and momentum; the gradient is averaged
    over the ranks with one all_reduce (what DDP does, without buckets). On the first attempt the last rank
    crashes at step 23 (--crash-at N; 0 = never); ddprun stops the others and starts the group again; the
@@ -17,7 +18,18 @@
          build/ddprun --nproc-per-node 2 --max-restarts 1 build/checkpoint_resume build/ckpt_example
          build/ddprun --nproc-per-node 2 build/checkpoint_resume build/ckpt_example --crash-at 0
    Both end with the same "final weights" line. A new launch (DDP_RESTART_COUNT 0) starts over, unless
-   given --resume. */
+   given --resume.
+
+   Another number of ranks: --max-restarts restarts with the same --nproc-per-node; a job the user starts
+   again (after a preemption, on a smaller or bigger allocation) may use another, and continues the same
+   epoch where it stopped: every sample of the epoch is seen once across the change (the sampler deals
+   the rest of the epoch to the new ranks; see ddp_sampler_resume). The model's tensors do not depend
+   on the number of ranks; the gradient average does (a step now averages over M ranks' batches), as
+   with torch when the world size changes.
+         build/ddprun --nproc-per-node 4 build/checkpoint_resume build/ckpt_example --crash-at 0 --stop-at 20
+         build/ddprun --nproc-per-node 3 build/checkpoint_resume build/ckpt_example --resume
+   The first stops after step 20 (as a preempted job would); the second continues from step 20's
+   checkpoint, in the middle of epoch 3, on 3 ranks. */
 #define DDP_IMPLEMENTATION
 #include "ddp.h"
 
@@ -92,9 +104,10 @@ static int train_step(ddp_group *g, state *s, const int64_t *idx, size_t n) {
     return 0;
 }
 
-/* Rank 0 writes DIR/ckpt_<step>.safetensors with the resume state; every rank returns once it is durable.
-   The two newest are kept. */
-static int save(ddp_group *g, const char *dir, state *s, const ddp_resume_state *rs) {
+/* Rank 0 starts writing DIR/ckpt_<step>.safetensors with the resume state, in the background: the call
+   returns once the tensors are copied, and *pending completes (ddp_wait) once the file is durable. The
+   two newest are kept. */
+static int save(ddp_group *g, const char *dir, state *s, const ddp_resume_state *rs, ddp_work **pending) {
     ddp_checkpoint_save_desc keep;
     ddp_meta meta;
     ddp_tensor t[2];
@@ -106,10 +119,18 @@ static int save(ddp_group *g, const char *dir, state *s, const ddp_resume_state 
     tensors(s, t);
     snprintf(path, sizeof path, "%s/ckpt_%06lld.safetensors", dir, (long long)rs->step);
     r = ddp_meta_set_resume(&meta, rs);
-    if (r == DDP_SUCCESS) r = ddp_checkpoint_save_ex(g, path, t, 2, &meta, &keep);
+    if (r == DDP_SUCCESS) r = ddp_checkpoint_save_async_ex(g, path, t, 2, &meta, &keep, pending);
     ddp_meta_free(&meta);
     TRY(r);
-    if (ddp_rank(g) == 0) printf("step %lld: saved %s\n", (long long)rs->step, path);
+    return 0;
+}
+
+/* The save started one step ago is durable on every rank (or its error is every rank's). */
+static int saved(ddp_group *g, ddp_work **pending, int64_t step) {
+    if (!*pending) return 0;
+    TRY(ddp_wait(*pending));
+    *pending = NULL;
+    if (ddp_rank(g) == 0) printf("step %lld: saved checkpoint %lld\n", (long long)step, (long long)step - 1);
     return 0;
 }
 
@@ -126,20 +147,16 @@ static int load(ddp_group *g, const char *dir, int64_t latest, state *s, ddp_res
     if (r == DDP_SUCCESS) r = ddp_meta_get_resume(&meta, rs);
     ddp_meta_free(&meta);
     TRY(r);
-    if (rs->world_size != ddp_world_size(g)) { /* sampler positions are per rank */
-        fprintf(stderr, "%s was written by %d ranks: run %d\n", path, rs->world_size, rs->world_size);
-        return 1;
-    }
-    if (ddp_rank(g) == 0)
-        printf("resuming from %s (epoch %lld, step %lld, %lld samples into the epoch)\n", path, (long long)rs->epoch,
-               (long long)rs->step, (long long)rs->sampler_position);
+    if (ddp_rank(g) == 0) /* any world size: the sampler continues from the epoch's global position */
+        printf("resuming from %s (epoch %lld, step %lld, %lld of the epoch's %d samples seen by %d ranks) on %d ranks\n", path,
+               (long long)rs->epoch, (long long)rs->step, (long long)rs->sampler_global_position, N, rs->world_size, ddp_world_size(g));
     return 0;
 }
 
 int main(int argc, char **argv) {
     const char *dir = argc > 1 && argv[1][0] != '-' ? argv[1] : "build/ckpt_example";
     const char *restarts = getenv("DDP_RESTART_COUNT");
-    int attempt = restarts ? atoi(restarts) : 0, crash_at = 23, resume = 0, rank, world, i;
+    int attempt = restarts ? atoi(restarts) : 0, crash_at = 23, stop_at = 0, resume = 0, rank, world, i;
     char pattern[1024], path[1024];
     int64_t latest = -1, idx[BATCH];
     size_t got;
@@ -147,10 +164,12 @@ int main(int argc, char **argv) {
     ddp_sampler sampler;
     ddp_sampler_desc sd;
     ddp_resume_state rs;
+    ddp_work *pending = NULL;
     state s;
     for (i = 1; i < argc; i++) {
         if (!strcmp(argv[i], "--resume")) resume = 1;
         if (!strcmp(argv[i], "--crash-at") && i + 1 < argc) crash_at = atoi(argv[++i]);
+        if (!strcmp(argv[i], "--stop-at") && i + 1 < argc) stop_at = atoi(argv[++i]);
     }
     resume |= attempt > 0; /* a restart by the launcher continues; a new launch starts over */
     if (ddp_init(NULL, &g) != DDP_SUCCESS) {
@@ -173,19 +192,30 @@ int main(int argc, char **argv) {
     memset(&sd, 0, sizeof sd); /* DistributedSampler's defaults */
     sd.dataset_size = N, sd.num_replicas = world, sd.rank = rank;
     TRY(ddp_sampler_init(&sampler, &sd));
-    for (; rs.epoch < EPOCHS; rs.epoch++, rs.sampler_position = 0) {
-        ddp_sampler_set_epoch(&sampler, (uint64_t)rs.epoch);
-        TRY(ddp_sampler_set_position(&sampler, (uint64_t)rs.sampler_position)); /* mid-epoch after a resume */
+    for (; rs.epoch < EPOCHS; rs.epoch++, rs.sampler_global_position = 0) {
+        /* set_epoch + the global position: mid-epoch after a resume, whatever world size saved it */
+        TRY(ddp_sampler_resume(&sampler, (uint64_t)rs.epoch, (uint64_t)rs.sampler_global_position));
         while (ddp_sampler_next_batch(&sampler, BATCH, idx, &got) == DDP_SUCCESS && got) {
-            if (train_step(g, &s, idx, got)) return 1;
-            rs.step++, rs.sampler_position = (int64_t)ddp_sampler_position(&sampler), rs.world_size = world;
-            if (rs.step % SAVE_EVERY == 0 && save(g, dir, &s, &rs)) return 1;
+            if (train_step(g, &s, idx, got)) return 1; /* the weights change while a save may be in flight */
+            rs.step++, rs.world_size = world;
+            rs.sampler_position = (int64_t)ddp_sampler_position(&sampler);
+            rs.sampler_global_position = (int64_t)ddp_sampler_global_position(&sampler);
+            if (saved(g, &pending, rs.step)) return 1;
+            if (rs.step % SAVE_EVERY == 0 && save(g, dir, &s, &rs, &pending)) return 1;
             if (rs.step == crash_at && !resume && rank == world - 1) {
                 fprintf(stderr, "rank %d: crashing on purpose at step %d\n", rank, crash_at);
                 _exit(3); /* as a crash would: no ddp_destroy, no cleanup; the others see this rank vanish */
             }
+            if (rs.step == stop_at) break;
+        }
+        if (rs.step == stop_at) {
+            if (saved(g, &pending, rs.step + 1)) return 1;
+            if (rank == 0) printf("stopping after step %d, as asked (--stop-at)\n", stop_at);
+            ddp_sampler_free(&sampler);
+            return ddp_destroy(g) == DDP_SUCCESS ? 0 : 1;
         }
     }
+    if (saved(g, &pending, rs.step + 1)) return 1;
     if (rank == 0) {
         printf("final weights after %lld steps:", (long long)rs.step);
         for (i = 0; i <= F; i++) printf(" %.9g", (double)s.w[i]);

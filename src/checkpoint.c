@@ -7,6 +7,7 @@
      collectives   agreement on the outcome (every rank fails together), chunked broadcasts
      rotation      keep_last and ddp_checkpoint_latest: files that differ in one run of digits
      save, load    rank 0 writes; every rank reads, or rank 0 reads and broadcasts
+     async save    staged copy on the caller's thread, written and agreed on in the background
      shards        one file per rank, then a completion marker written last */
 #include "internal.h"
 
@@ -383,27 +384,307 @@ static ddp_result ddp__ck_check_rotation(ddp_group *g, const char *path, const d
 
 /* ---- save ---- */
 
+/* Rank 0's part of a save: write the file, then rotate (keep_last). Errors go to g (may be NULL). */
+static ddp_result ddp__ck_save_on_root(ddp_group *g, const char *path, const ddp_tensor *t, int n, const ddp_meta *meta,
+                                       const ddp_checkpoint_save_desc *desc) {
+    ddp__ck_family fam;
+    int64_t number = 0;
+    ddp_result r = ddp__ck_check_rotation(g, path ? path : "", desc, &fam, &number);
+    if (r == DDP_SUCCESS) r = ddp__ck_write_file(g, path, t, n, meta, NULL);
+    if (r == DDP_SUCCESS && fam.dir) {
+        static const char *const tails[] = {"", ".tmp"};
+        int64_t cutoff = ddp__ck_cutoff(g, &fam, desc->keep_last, number);
+        if (cutoff != INT64_MIN) ddp__ck_delete_below(g, &fam, cutoff, tails, 2);
+    }
+    ddp__ck_family_free(&fam);
+    return r;
+}
+
+static void ddp__ck_async_settle(ddp_group *g);
+
 DDP_API ddp_result ddp_checkpoint_save_ex(ddp_group *g, const char *path, const ddp_tensor *t, int n, const ddp_meta *meta,
                                           const ddp_checkpoint_save_desc *desc) {
     ddp_result r = DDP_SUCCESS;
     if (g && !ddp__live_has(g, DDP__LIVE_GROUP)) return ddp__group_check(g, "ddp_checkpoint_save_ex");
-    if (ddp__ck_rank(g) == 0) {
-        ddp__ck_family fam;
-        int64_t number = 0;
-        r = ddp__ck_check_rotation(g, path ? path : "", desc, &fam, &number);
-        if (r == DDP_SUCCESS) r = ddp__ck_write_file(g, path, t, n, meta, NULL);
-        if (r == DDP_SUCCESS && fam.dir) {
-            static const char *const tails[] = {"", ".tmp"};
-            int64_t cutoff = ddp__ck_cutoff(g, &fam, desc->keep_last, number);
-            if (cutoff != INT64_MIN) ddp__ck_delete_below(g, &fam, cutoff, tails, 2);
-        }
-        ddp__ck_family_free(&fam);
-    }
+    ddp__ck_async_settle(g); /* a background save in flight finishes first */
+    if (ddp__ck_rank(g) == 0) r = ddp__ck_save_on_root(g, path, t, n, meta, desc);
     return ddp__ck_agree(g, r, "checkpoint save");
 }
 
 DDP_API ddp_result ddp_checkpoint_save(ddp_group *g, const char *path, const ddp_tensor *t, int n, const ddp_meta *meta) {
     return ddp_checkpoint_save_ex(g, path, t, n, meta, NULL);
+}
+
+/* ---- async save ----
+   ddp_checkpoint_save_async = torch.distributed.checkpoint.async_save: snapshot now, write behind.
+     1. on the calling (training) thread: wait for the previous async save of this group to finish
+        (at most one staged copy alive), then rank 0 copies every tensor's bytes into ONE staging
+        buffer (kept for the next save when it is big enough: no page faults the second time) and
+        copies the names, metadata, path and options; the other ranks stage nothing. This copy is
+        all the caller waits for.
+     2. a background thread per save: rank 0 writes the staged tensors exactly as ddp_checkpoint_save
+        does (same function: tmp file, fsync, rename, directory fsync, CRCs, keep_last), then every
+        rank's thread agrees on the outcome (ddp__ck_agree) and completes the ddp_work.
+   Ordering with the program's later collectives: the agreement of step 2 runs on a private group of
+   the same ranks (made once, at the first async save, through the group's store: every rank makes it
+   at the same call, since the save is collective), never on the program's group, so it cannot
+   interleave with the collectives the training thread issues meanwhile; on the private group one
+   save's agreement runs at a time, in the same order on every rank (saves are collective and
+   serialised by step 1). This is torch's recipe too (async_save on its own gloo group). With one rank
+   (or g NULL) there is nothing to agree on and no private group. The mpi backend has no store to make
+   that group from: DDP_ERR_UNSUPPORTED.
+   Completion: the work is done when the agreement is, so ddp_wait returns DDP_SUCCESS on a rank only
+   once the file is durable; a failure anywhere (rank 0 could not write: path and errno text) is the
+   error of every rank's ddp_wait. Argument errors found on rank 0 while staging travel the same way
+   (the other ranks cannot see them at the call). The thread is joined by ddp_wait, by the next save
+   (or any sync checkpoint call on the group), or by ddp_destroy, which finishes a save in flight
+   before its own barrier and then closes the private group (every rank is there). */
+
+struct ddp__ck_async {
+    pthread_mutex_t mu; /* guards the current work's result fields and done */
+    pthread_cond_t cv;
+    pthread_t thread;
+    int thread_live;    /* started and not joined */
+    int rank;           /* in the program's group (0 without one) */
+    ddp_group *sub;     /* the private group of every rank, for the agreement (NULL: one rank) */
+    ddp_work *work;     /* the save in flight (NULL: none) */
+    /* the staged save: what the thread writes (rank 0) */
+    char *path;
+    ddp_tensor *t;
+    int n;
+    char *names;        /* every tensor's name, each terminated */
+    ddp_meta meta;
+    int has_meta, has_desc;
+    ddp_checkpoint_save_desc desc;
+    char *stage;        /* the tensor bytes; kept between saves */
+    size_t stage_cap;
+    ddp_result pre;     /* an error found while staging (rank 0), delivered through the agreement */
+    char pre_msg[DDP__ERR_MAX];
+};
+
+/* The save of a process without a group (g NULL) has no group to hang off: one per process. */
+static struct ddp__ck_async *ddp__ck_async_alone;
+#define DDP__CK_ASYNC_WHAT "checkpoint save (async)"
+
+static struct ddp__ck_async **ddp__ck_async_slot(ddp_group *g) { return g ? &g->ck_async : &ddp__ck_async_alone; }
+
+/* Forget the staged save (the staging buffer itself is kept). */
+static void ddp__ck_async_unstage(struct ddp__ck_async *a) {
+    ddp__free(a->path);
+    ddp__free(a->t);
+    ddp__free(a->names);
+    ddp_meta_free(&a->meta);
+    a->path = NULL;
+    a->t = NULL;
+    a->names = NULL;
+    a->n = 0;
+    a->pre = DDP_SUCCESS;
+    a->pre_msg[0] = '\0';
+}
+
+/* Wait for the save in flight (if any) to finish and join its thread. */
+static void ddp__ck_async_join(struct ddp__ck_async *a) {
+    if (!a || !a->thread_live) return;
+    pthread_join(a->thread, NULL);
+    a->thread_live = 0;
+    a->work = NULL;
+    ddp__ck_async_unstage(a);
+}
+
+static void ddp__ck_async_settle(ddp_group *g) { ddp__ck_async_join(*ddp__ck_async_slot(g)); }
+
+/* The background: rank 0 writes; every rank agrees on the private group; the work completes. */
+static void *ddp__ck_async_main(void *arg) {
+    struct ddp__ck_async *a = (struct ddp__ck_async *)arg;
+    ddp_result r = a->pre;
+    ddp_work *w = a->work;
+    if (r != DDP_SUCCESS) ddp__fail(a->sub, r, "%s", a->pre_msg);
+    else if (a->rank == 0) r = ddp__ck_save_on_root(a->sub, a->path, a->t, a->n, a->has_meta ? &a->meta : NULL, a->has_desc ? &a->desc : NULL);
+    r = ddp__ck_agree(a->sub, r, DDP__CK_ASYNC_WHAT);
+    pthread_mutex_lock(&a->mu);
+    w->result = r;
+    if (r != DDP_SUCCESS) {
+        const char *why = a->sub ? ddp_last_error(a->sub) : ddp_last_error(NULL);
+        if (strstr(why, "checkpoint")) snprintf(w->error, sizeof w->error, "%s", why);
+        else /* the agreement itself failed (a rank was lost): say which save */
+            snprintf(w->error, sizeof w->error, DDP__CK_ASYNC_WHAT " of %.240s: agreeing on the outcome failed: %.700s", a->path ? a->path : "?", why);
+    }
+    w->done = 1;
+    pthread_cond_broadcast(&a->cv);
+    pthread_mutex_unlock(&a->mu);
+    return NULL;
+}
+
+/* ddp_wait / ddp_test on an async save's work (its owner table below). */
+static ddp_result ddp__ck_async_wait(ddp_work *w) {
+    struct ddp__ck_async *a = (struct ddp__ck_async *)w->handle;
+    ddp_result r;
+    pthread_mutex_lock(&a->mu);
+    while (!w->done) pthread_cond_wait(&a->cv, &a->mu);
+    pthread_mutex_unlock(&a->mu);
+    if (a->work == w) ddp__ck_async_join(a);
+    r = w->result;
+    if (r != DDP_SUCCESS) ddp__fail(w->g, r, "%s", w->error);
+    ddp__free(w);
+    return r;
+}
+
+static int ddp__ck_async_test(ddp_work *w) {
+    struct ddp__ck_async *a = (struct ddp__ck_async *)w->handle;
+    int done;
+    pthread_mutex_lock(&a->mu);
+    done = w->done;
+    pthread_mutex_unlock(&a->mu);
+    return done;
+}
+
+static const ddp__backend ddp__ck_async_owner = {"checkpoint", "checkpoint", NULL, NULL, ddp__ck_async_wait, ddp__ck_async_test,
+                                                 NULL, NULL, NULL, NULL, NULL, NULL};
+
+static int ddp__ck_async_owns(const ddp_work *w) { return w->owner == &ddp__ck_async_owner; }
+
+static void ddp__ck_async_end(ddp_group *g) {
+    struct ddp__ck_async *a = g->ck_async;
+    if (!a) return;
+    ddp__ck_async_join(a);
+    if (a->sub) {
+        if (ddp__live_has(g, DDP__LIVE_GROUP) && !g->broken) ddp_destroy(a->sub); /* ddp_destroy: every rank is here */
+        else ddp__group_free(a->sub);
+    }
+    ddp__free(a->stage);
+    pthread_mutex_destroy(&a->mu);
+    pthread_cond_destroy(&a->cv);
+    ddp__free(a);
+    g->ck_async = NULL;
+}
+
+/* The state of g's async saves, made at the first one (with the private group when g has ranks). */
+static ddp_result ddp__ck_async_state(ddp_group *g, struct ddp__ck_async **out) {
+    struct ddp__ck_async **slot = ddp__ck_async_slot(g), *a = *slot;
+    *out = NULL;
+    if (!a) {
+        if (!(a = (struct ddp__ck_async *)ddp__calloc(1, sizeof *a)))
+            return ddp__fail(g, DDP_ERR_OUT_OF_MEMORY, "ddp_checkpoint_save_async: out of memory");
+        pthread_mutex_init(&a->mu, NULL);
+        pthread_cond_init(&a->cv, NULL);
+        a->rank = ddp_rank(g);
+        if (g && g->world_size > 1) {
+            int *ranks = (int *)ddp__calloc((size_t)g->world_size, sizeof *ranks), i;
+            ddp_result r;
+            if (!ranks) r = ddp__fail(g, DDP_ERR_OUT_OF_MEMORY, "ddp_checkpoint_save_async: out of memory");
+            else {
+                for (i = 0; i < g->world_size; i++) ranks[i] = i;
+                r = ddp__subgroup_open(g, ranks, g->world_size, g->rank, "ckpt", NULL,
+                                       "ddp_checkpoint_save_async (making the group its background agreement runs on)", &a->sub);
+            }
+            ddp__free(ranks);
+            /* not on g's list of subgroups (ddp_destroy(g) ends it here, first), but its parent is g, so the
+               flight recorder names it by its key prefix rather than as the world group */
+            if (r == DDP_SUCCESS) a->sub->member.parent = g;
+            if (r != DDP_SUCCESS) {
+                pthread_mutex_destroy(&a->mu);
+                pthread_cond_destroy(&a->cv);
+                ddp__free(a);
+                return r;
+            }
+        }
+        *slot = a;
+    }
+    *out = a;
+    return DDP_SUCCESS;
+}
+
+/* Rank 0: copy the tensors into the staging buffer (64-byte aligned pieces), their names, the metadata and
+   options (a->path is set already). An error is kept in a->pre, delivered through the agreement. */
+static void ddp__ck_async_stage(struct ddp__ck_async *a, const char *path, const ddp_tensor *t, int n, const ddp_meta *meta,
+                                const ddp_checkpoint_save_desc *desc) {
+    size_t total = 0, names = 0, at = 0, nat = 0;
+    ddp_result r;
+    int i;
+    if (!path || !*path) r = ddp__fail(NULL, DDP_ERR_INVALID_ARGUMENT, "checkpoint save: path is NULL or empty");
+    else r = ddp__ck_check_tensors(NULL, "checkpoint save", t, n);
+    for (i = 0; r == DDP_SUCCESS && i < n; i++) {
+        uint64_t bytes;
+        ddp__ck_tensor_bytes(&t[i], &bytes);
+        if (bytes > (uint64_t)(SIZE_MAX / 2) - total) r = ddp__fail(NULL, DDP_ERR_OUT_OF_MEMORY, "checkpoint save of %s: the tensors are too large to stage", path);
+        total += ((size_t)bytes + 63) & ~(size_t)63;
+        names += strlen(t[i].name) + 1;
+    }
+    if (r == DDP_SUCCESS && total > a->stage_cap) {
+        ddp__free(a->stage);
+        a->stage_cap = 0;
+        if (!(a->stage = (char *)ddp__malloc(total)))
+            r = ddp__fail(NULL, DDP_ERR_OUT_OF_MEMORY, "checkpoint save of %s: out of memory for the %zu-byte staging copy", path, total);
+        else a->stage_cap = total;
+    }
+    if (r == DDP_SUCCESS) {
+        a->t = (ddp_tensor *)ddp__calloc((size_t)n + 1, sizeof *a->t);
+        a->names = (char *)ddp__malloc(names + 1);
+        if (!a->path || !a->t || !a->names) r = ddp__fail(NULL, DDP_ERR_OUT_OF_MEMORY, "checkpoint save of %s: out of memory", path);
+    }
+    for (i = 0; r == DDP_SUCCESS && i < n; i++) {
+        uint64_t bytes;
+        size_t len = strlen(t[i].name) + 1;
+        ddp__ck_tensor_bytes(&t[i], &bytes);
+        a->t[i] = t[i];
+        a->t[i].name = (const char *)memcpy(a->names + nat, t[i].name, len);
+        a->t[i].data = a->stage + at;
+        if (bytes) memcpy(a->stage + at, t[i].data, (size_t)bytes);
+        nat += len;
+        at += ((size_t)bytes + 63) & ~(size_t)63;
+    }
+    a->n = n;
+    a->has_meta = meta != NULL;
+    for (i = 0; r == DDP_SUCCESS && meta && i < meta->count; i++) r = ddp_meta_set(&a->meta, meta->entries[i].key, meta->entries[i].value);
+    a->has_desc = desc != NULL;
+    if (desc) a->desc = *desc;
+    if (r != DDP_SUCCESS) {
+        char *keep = a->path;
+        a->path = NULL;
+        ddp__ck_async_unstage(a);
+        a->path = keep; /* for messages */
+        a->pre = r;
+        snprintf(a->pre_msg, sizeof a->pre_msg, "%s", ddp_last_error(NULL));
+    }
+}
+
+DDP_API ddp_result ddp_checkpoint_save_async_ex(ddp_group *g, const char *path, const ddp_tensor *t, int n, const ddp_meta *meta,
+                                                const ddp_checkpoint_save_desc *desc, ddp_work **out) {
+    struct ddp__ck_async *a = NULL;
+    ddp_work *w;
+    ddp_result r;
+    if (g && !ddp__live_has(g, DDP__LIVE_GROUP)) return ddp__group_check(g, "ddp_checkpoint_save_async");
+    if (!out) return ddp__fail(g, DDP_ERR_INVALID_ARGUMENT, "ddp_checkpoint_save_async: the ddp_work **w argument is NULL");
+    *out = NULL;
+    if (g && g->mpi && g->world_size > 1)
+        return ddp__fail(g, DDP_ERR_UNSUPPORTED, "ddp_checkpoint_save_async: the mpi backend has no store to make the background "
+                         "save's own group from: use ddp_checkpoint_save, or the cpu backend");
+    if ((r = ddp__ck_async_state(g, &a)) != DDP_SUCCESS || !a) return r;
+    ddp__ck_async_join(a); /* the previous save finishes first: one staged copy at a time */
+    if (!(w = (ddp_work *)ddp__calloc(1, sizeof *w))) return ddp__fail(g, DDP_ERR_OUT_OF_MEMORY, "ddp_checkpoint_save_async: out of memory");
+    w->g = g;
+    w->owner = &ddp__ck_async_owner;
+    w->handle = a;
+    if (g ? !ddp__work_issue(g, w) : !ddp__live_add(w, DDP__LIVE_WORK)) {
+        ddp__free(w);
+        return ddp__fail(g, DDP_ERR_OUT_OF_MEMORY, "ddp_checkpoint_save_async: out of memory recording a ddp_work");
+    }
+    a->path = ddp__ck_cat(path ? path : "", ""); /* every rank: its messages name the file (NULL: out of memory, staged as such) */
+    if (a->rank == 0) ddp__ck_async_stage(a, path, t, n, meta, desc);
+    a->work = w;
+    if (pthread_create(&a->thread, NULL, ddp__ck_async_main, a) == 0) a->thread_live = 1;
+    else {
+        ddp__ck_async_main(a); /* no thread: save here and now rather than leave the other ranks waiting */
+        ddp__ck_async_unstage(a);
+        a->work = NULL;
+    }
+    *out = w;
+    return DDP_SUCCESS;
+}
+
+DDP_API ddp_result ddp_checkpoint_save_async(ddp_group *g, const char *path, const ddp_tensor *t, int n, const ddp_meta *meta,
+                                             ddp_work **w) {
+    return ddp_checkpoint_save_async_ex(g, path, t, n, meta, NULL, w);
 }
 
 /* ---- load ---- */
@@ -695,6 +976,7 @@ done:
 DDP_API ddp_result ddp_checkpoint_load_ex(ddp_group *g, const char *path, ddp_tensor *t, int n, ddp_meta *meta,
                                           const ddp_checkpoint_load_desc *desc) {
     if (g && !ddp__live_has(g, DDP__LIVE_GROUP)) return ddp__group_check(g, "ddp_checkpoint_load_ex");
+    ddp__ck_async_settle(g); /* a background save in flight finishes first (it may be this very file) */
     if (desc && desc->broadcast && ddp_world_size(g) > 1) return ddp__ck_load_bcast(g, path, t, n, meta, desc);
     return ddp__ck_agree(g, ddp__ck_load_local(g, path, t, n, meta, desc, NULL, NULL), "checkpoint load");
 }
@@ -748,6 +1030,7 @@ DDP_API ddp_result ddp_checkpoint_save_shard(ddp_group *g, const char *path, con
     char *shard = NULL;
     ddp_result r = DDP_SUCCESS;
     if (g && !ddp__live_has(g, DDP__LIVE_GROUP)) return ddp__group_check(g, "ddp_checkpoint_save_shard");
+    ddp__ck_async_settle(g);
     memset(&fam, 0, sizeof fam);
     memset(&extra, 0, sizeof extra);
     if (!path || !*path) r = ddp__fail(g, DDP_ERR_INVALID_ARGUMENT, "%s: path is NULL or empty", what);
@@ -832,6 +1115,7 @@ DDP_API ddp_result ddp_checkpoint_load_shard(ddp_group *g, const char *path, ddp
     ddp__ck_shard_expect x;
     ddp_result r = DDP_SUCCESS;
     if (g && !ddp__live_has(g, DDP__LIVE_GROUP)) return ddp__group_check(g, "ddp_checkpoint_load_shard");
+    ddp__ck_async_settle(g);
     if (!bcast || rank == 0) r = ddp__ck_read_marker(g, path, &info[0], &id);
     if (bcast) {
         info[1] = (int64_t)id;

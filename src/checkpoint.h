@@ -74,12 +74,13 @@ DDP_API ddp_result ddp_meta_get_bytes(const ddp_meta *m, const char *key, void *
 #define DDP_META_SAMPLER_POSITION "ddp.sampler_position" /* samples of this epoch already consumed */
 #define DDP_META_WORLD_SIZE "ddp.world_size"             /* ranks that trained up to this point */
 #define DDP_META_RNG_STATE "ddp.rng_state"               /* the program's RNG state, as hex bytes */
+#define DDP_META_SAMPLER_GLOBAL_POSITION "ddp.sampler_global_position" /* samples of the epoch consumed by all ranks */
 
 typedef struct ddp_resume_state {
     int64_t step;
     int64_t epoch;
-    /* how many of this epoch's ddp_sampler_indices() the rank has consumed: resume by skipping that
-       many. With another world size, sampler_position * world_size samples of the epoch were seen. */
+    /* how many of this epoch's ddp_sampler_indices() the rank has consumed (ddp_sampler_position): with
+       the same world size, resume by skipping that many (ddp_sampler_set_position). */
     int64_t sampler_position;
     int world_size;
     /* set: the rng_state_size bytes at rng_state are stored (none when rng_state_size is 0).
@@ -87,6 +88,12 @@ typedef struct ddp_resume_state {
        (0 when the checkpoint has none). */
     void *rng_state;
     size_t rng_state_size;
+    /* how many of the epoch's dealt-out indices all ranks together consumed (ddp_sampler_global_position
+       on rank 0): resume on ANY world size with ddp_sampler_resume(s, epoch, sampler_global_position).
+       set: 0 with a sampler_position > 0 (a program that does not fill it in) stores
+       sampler_position * world_size, which is that number for a sampler that never resized. get: a
+       checkpoint without the key (older ones) gives sampler_position * world_size the same way. */
+    int64_t sampler_global_position;
 } ddp_resume_state;
 
 /* ddp_meta_set_resume: store every field of s under the DDP_META_* keys above.
@@ -137,6 +144,31 @@ DDP_API ddp_result ddp_checkpoint_save(ddp_group *g, const char *path, const ddp
                                        const ddp_meta *meta);
 DDP_API ddp_result ddp_checkpoint_save_ex(ddp_group *g, const char *path, const ddp_tensor *t, int n,
                                           const ddp_meta *meta, const ddp_checkpoint_save_desc *desc);
+
+/* ddp_checkpoint_save_async: ddp_checkpoint_save in the background (torch.distributed.checkpoint's
+   async_save): the call copies the tensors (and meta, path, desc) into one staging buffer on rank 0 and
+   returns; a background thread then writes the same file as ddp_checkpoint_save would (same format,
+   checksums, tmp + fsync + rename, keep_last) and completes *w. The tensors may change as soon as the
+   call returns. Collective over g when g is not NULL, as ddp_checkpoint_save; the ranks agree on the
+   outcome in the background on a private group of the same ranks (made at the first async save), so
+   the program's own collectives go on meanwhile. ddp_wait(*w) returns DDP_SUCCESS on a rank once the
+   file is complete and durable; a failure anywhere (rank 0 could not write: the message names the
+   path and the system's reason; a bad argument rank 0 found while staging) is the error of every
+   rank's ddp_wait. ddp_test(*w) polls. Call ddp_wait once per handle, as for async collectives.
+   At most one save is in flight per group: a second async save, or any other ddp_checkpoint_* call on
+   the group, first waits for the one in flight. The staging buffer is kept for the next async save
+   (so its copy does not pay page faults again) and freed by ddp_destroy(g); ddp_destroy finishes a
+   save in flight first (its handle, if not waited on, is then released). g NULL: one process; its
+   staging buffer lives until the process ends.
+   Return (of the call): DDP_SUCCESS with *w set; DDP_ERR_INVALID_ARGUMENT (w NULL); DDP_ERR_UNSUPPORTED
+   (the mpi backend with more than one rank: use ddp_checkpoint_save); the errors of making the private
+   group (first call); DDP_ERR_OUT_OF_MEMORY. Errors of the save itself come from ddp_wait.
+   Thread safety: as ddp_checkpoint_save. */
+DDP_API ddp_result ddp_checkpoint_save_async(ddp_group *g, const char *path, const ddp_tensor *t, int n,
+                                             const ddp_meta *meta, ddp_work **w);
+DDP_API ddp_result ddp_checkpoint_save_async_ex(ddp_group *g, const char *path, const ddp_tensor *t, int n,
+                                                const ddp_meta *meta, const ddp_checkpoint_save_desc *desc,
+                                                ddp_work **w);
 
 /* ddp_checkpoint_load: read path into the n tensors t[] and (when meta is not NULL) replace meta's
    contents with the file's metadata (the library's "ddp.crc32c.*"/"ddp.shard.*" keys left out).

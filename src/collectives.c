@@ -431,11 +431,12 @@ DDP_API ddp_result ddp_wait(ddp_work *w) {
     if (!w) return ddp__fail(NULL, DDP_ERR_INVALID_ARGUMENT, "ddp_wait: the work handle is NULL");
     if (!ddp__live_take(w, DDP__LIVE_WORK)) return ddp__spent_work("ddp_wait", w);
     g = w->g;
-    ddp__work_unlink(g, w);
-    if (w->owner) { /* the backend's own work (nccl: device work; an irecv), freed by its wait */
+    if (g) ddp__work_unlink(g, w); /* an async checkpoint save without a group has none */
+    if (w->owner) { /* the backend's own work (nccl: device work; an irecv; a checkpoint save), freed by its wait */
         ddp__coll c = w->coll;
+        int traced = !ddp__is_p2p(c.kind) && !ddp__ck_async_owns(w);
         r = w->owner->wait(w);
-        if (!ddp__is_p2p(c.kind)) ddp__trace_ended(g, &c, r);
+        if (traced) ddp__trace_ended(g, &c, r);
         return r;
     }
     pthread_mutex_lock(&g->async.mu);

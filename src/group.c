@@ -929,6 +929,7 @@ static ddp_group *ddp__group_alloc(int rank, int world_size) {
 static void ddp__group_free(ddp_group *g) {
     ddp__live_remove(g, DDP__LIVE_GROUP); /* from here on, calls on g fail instead of reading freed memory */
     ddp__progress_stop(g);
+    ddp__ck_async_end(g); /* before its work handle is released */
     ddp__work_release_all(g);
     if (g->backend) g->backend->close(g, 0);
     if (g->broken) ddp__close_after_failure(g, 1.0);
@@ -1287,6 +1288,7 @@ DDP_API ddp_result ddp_destroy(ddp_group *g) {
     ddp_result r = DDP_SUCCESS, subs;
     if (!g) return DDP_SUCCESS;
     if ((r = ddp__group_check(g, "ddp_destroy")) != DDP_SUCCESS) return r;
+    ddp__ck_async_end(g); /* a checkpoint save in flight finishes first (its own group meets here on every rank) */
     subs = ddp__destroy_subgroups(g);
     ddp__drain(g);
     if (g->world_size > 1 && !g->broken) {

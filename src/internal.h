@@ -576,6 +576,7 @@ struct ddp_group {
     struct ddp__mpi *mpi;  /* mpi.c's communicator on the mpi backend */
     struct ddp__nccl *nccl; /* nccl.c's communicator on the nccl backend */
     struct ddp__trace *trace; /* trace.c's flight recorder (NULL: off) */
+    struct ddp__ck_async *ck_async; /* checkpoint.c's background save (NULL: no async save yet) */
 };
 
 struct ddp_work {
@@ -677,6 +678,7 @@ static DDP__UNUSED const char *ddp__broken_message(const ddp_group *g, const ddp
 static DDP__UNUSED void ddp__drain(ddp_group *g);         /* wait until no async work is queued */
 static DDP__UNUSED void ddp__progress_stop(ddp_group *g); /* finish queued work, stop the thread */
 static DDP__UNUSED void ddp__work_release_all(ddp_group *g); /* the group ends: free the handles not waited on */
+static DDP__UNUSED int ddp__work_issue(ddp_group *g, ddp_work *w); /* record w as issued on g and live; 0: out of memory */
 /* The most bytes a collective's largest buffer may span (count x element size, x world size for
    all_gather / reduce_scatter): more than any process can map, so sizes computed from a valid count
    never overflow. */
@@ -769,6 +771,12 @@ static DDP__UNUSED ddp_result ddp__subgroup_open(ddp_group *g, const int *ranks,
 static DDP__UNUSED ddp_result ddp__setup_watch(ddp_group *g, int peer);
 /* During the set-up: rank `peer` is gone (`how`); published so every rank fails naming it. */
 static DDP__UNUSED ddp_result ddp__setup_lost(ddp_group *g, int peer, const char *how);
+
+/* ---- checkpoint.c ---- */
+/* The group ends (ddp_destroy, before its barrier): finish a background save in flight (its work keeps
+   the outcome), close the save's private group, free the staging buffer. Idempotent. */
+static DDP__UNUSED void ddp__ck_async_end(ddp_group *g);
+static DDP__UNUSED int ddp__ck_async_owns(const ddp_work *w); /* w came from ddp_checkpoint_save_async */
 
 /* ---- safetensors.c: the format that checkpoint.c's policy reads and writes: its limits and reserved
    key prefixes, the dtype table, the parsed header, the writer's buffer ---- */

@@ -331,6 +331,10 @@ DDP_API ddp_result ddp_meta_set_resume(ddp_meta *m, const ddp_resume_state *s) {
     if ((r = ddp_meta_set_int(m, DDP_META_EPOCH, s->epoch)) != DDP_SUCCESS) return r;
     if ((r = ddp_meta_set_int(m, DDP_META_SAMPLER_POSITION, s->sampler_position)) != DDP_SUCCESS) return r;
     if ((r = ddp_meta_set_int(m, DDP_META_WORLD_SIZE, s->world_size)) != DDP_SUCCESS) return r;
+    if ((r = ddp_meta_set_int(m, DDP_META_SAMPLER_GLOBAL_POSITION,
+                              s->sampler_global_position == 0 && s->sampler_position > 0 ? s->sampler_position * s->world_size
+                                                                                           : s->sampler_global_position)) != DDP_SUCCESS)
+        return r;
     if (s->rng_state_size == 0) {
         ddp_meta_remove(m, DDP_META_RNG_STATE);
         return DDP_SUCCESS;
@@ -348,6 +352,8 @@ DDP_API ddp_result ddp_meta_get_resume(const ddp_meta *m, ddp_resume_state *s) {
     if ((r = ddp_meta_get_int(m, DDP_META_WORLD_SIZE, &ws)) != DDP_SUCCESS) return r;
     if (ws < 0 || ws > INT_MAX) return ddp__fail(NULL, DDP_ERR_FORMAT, "checkpoint metadata " DDP_META_WORLD_SIZE " = %lld is out of range", (long long)ws);
     s->world_size = (int)ws;
+    if (!ddp_meta_get(m, DDP_META_SAMPLER_GLOBAL_POSITION)) s->sampler_global_position = s->sampler_position * s->world_size;
+    else if ((r = ddp_meta_get_int(m, DDP_META_SAMPLER_GLOBAL_POSITION, &s->sampler_global_position)) != DDP_SUCCESS) return r;
     if (!ddp_meta_get(m, DDP_META_RNG_STATE)) {
         s->rng_state_size = 0;
         return DDP_SUCCESS;

@@ -3,8 +3,13 @@
    shuffle, torch.Generator (at::mt19937) and torch.randperm on the CPU (aten/src/ATen/native/
    TensorFactories.cpp, randperm_cpu). The formulas are in the sampler section of the header (src/sampler.h).
 
-   A rank's k-th index is the element at position j = rank + k*R of the dealt-out list; positions past
-   N wrap around (torch pads by repeating the list, so padded[j] = perm[j mod N]).
+   A rank's k-th index is the element at position j = base + rank + k*R of the dealt-out list; positions
+   past N wrap around (torch pads by repeating the list, so padded[j] = perm[j mod N]). base is 0 except
+   after a resume at a global position (ddp_sampler_set_global_position): then the rest of the epoch,
+   perm[base .. N), is dealt to this sampler's R ranks exactly as torch deals a whole epoch (the same
+   padding at the end, or drop_last's cut), so a job saved on one number of ranks continues the same
+   epoch on another with every index handed out once. With the same R, base = k*R gives the very
+   indices that set_position(k) gives (rank + (k+i)*R = base + rank + i*R), so the rule extends torch's.
    - no shuffle, or the streaming permutation: computed directly from j, no memory.
    - torch's randperm: the whole permutation is made once per epoch, in place, in a buffer of N entries
      (uint32 when N <= 2^32), then compacted to this rank's num_samples entries and shrunk: steady-state
@@ -257,8 +262,21 @@ static ddp_result ddp__sampler_check_desc(const ddp_sampler_desc *d) {
     return DDP_SUCCESS;
 }
 
+/* This rank's count (num_samples) and the positions dealt out (total_size) for the part of the epoch from
+   global position base on: c = N - base positions are left, dealt as torch deals an epoch of c. */
+static void ddp__sampler_count(ddp_sampler *s) {
+    uint64_t c = s->desc.dataset_size - s->base, r = (uint64_t)s->desc.num_replicas, rank = (uint64_t)s->desc.rank;
+    if (s->desc.mode == DDP_SAMPLER_EVAL) {
+        s->num_samples = c > rank ? (c - 1 - rank) / r + 1 : 0;
+        s->total_size = c;
+    } else {
+        s->num_samples = s->desc.drop_last ? c / r : c / r + (c % r != 0);
+        s->total_size = s->num_samples * r;
+    }
+}
+
 DDP_API ddp_result ddp_sampler_init(ddp_sampler *s, const ddp_sampler_desc *d) {
-    uint64_t n, r;
+    uint64_t n;
     ddp_result res;
     if (!s || !d)
         return ddp__fail(NULL, DDP_ERR_INVALID_ARGUMENT, "ddp_sampler_init: %s is NULL", s ? "desc" : "sampler");
@@ -267,14 +285,7 @@ DDP_API ddp_result ddp_sampler_init(ddp_sampler *s, const ddp_sampler_desc *d) {
     if (res != DDP_SUCCESS) return res;
     s->desc = *d;
     n = d->dataset_size;
-    r = (uint64_t)d->num_replicas;
-    if (d->mode == DDP_SAMPLER_EVAL) {
-        s->num_samples = n > (uint64_t)d->rank ? (n - 1 - (uint64_t)d->rank) / r + 1 : 0;
-        s->total_size = n;
-    } else {
-        s->num_samples = d->drop_last ? n / r : n / r + (n % r != 0);
-        s->total_size = s->num_samples * r;
-    }
+    ddp__sampler_count(s);
     s->shard_wide = n > (uint64_t)UINT32_MAX + 1; /* the values 0 .. N-1 need 64 bits */
     ddp__feistel_setup(s);
     s->magic = DDP__SAMPLER_MAGIC;
@@ -299,6 +310,10 @@ DDP_API void ddp_sampler_set_epoch(ddp_sampler *s, uint64_t epoch) {
     s->epoch = epoch;
     s->position = 0;
     s->epoch_done = 0;
+    if (s->base != 0) { /* a resume point of the previous epoch does not carry over */
+        s->base = 0;
+        ddp__sampler_count(s);
+    }
     ddp__feistel_setup(s);
 }
 
@@ -326,17 +341,18 @@ static void ddp__advise_huge_pages(void *p, size_t bytes) {
 #endif
 }
 
-/* Keep only this rank's positions rank, rank + R, ... of the permutation, in order, at its start. A position
-   past N (padding) reads perm[j mod N], which the compaction may already have overwritten: there is at most
-   one such position per rank (total_size - N < R), the last, so its value is read first. */
+/* Keep only this rank's positions base + rank, base + rank + R, ... of the permutation, in order, at its
+   start. A position past N (padding) reads perm[j mod N], which the compaction may already have
+   overwritten: there is at most one such position per rank (total_size - (N - base) < R), the last, so
+   its value is read first. */
 static void ddp__sampler_compact(const ddp_sampler *s, void *p) {
-    uint64_t n = s->desc.dataset_size, r = (uint64_t)s->desc.num_replicas, rank = (uint64_t)s->desc.rank;
+    uint64_t n = s->desc.dataset_size, r = (uint64_t)s->desc.num_replicas, first = s->base + (uint64_t)s->desc.rank;
     uint64_t last = s->num_samples - 1, k, tail = 0;
-    int padded = rank + last * r >= n;
-    if (r == 1) return; /* every position is this rank's, none padded */
-    if (padded) tail = ddp__perm_get(p, s->shard_wide, (rank + last * r) % n);
-    for (k = 0; k < s->num_samples - (uint64_t)padded; k++) /* reads position rank + k*R >= k: still intact */
-        ddp__perm_put(p, s->shard_wide, k, ddp__perm_get(p, s->shard_wide, rank + k * r));
+    int padded = first + last * r >= n;
+    if (r == 1 && first == 0) return; /* every position is this rank's, none padded */
+    if (padded) tail = ddp__perm_get(p, s->shard_wide, (first + last * r) % n);
+    for (k = 0; k < s->num_samples - (uint64_t)padded; k++) /* reads position first + k*R >= k: still intact */
+        ddp__perm_put(p, s->shard_wide, k, ddp__perm_get(p, s->shard_wide, first + k * r));
     if (padded) ddp__perm_put(p, s->shard_wide, last, tail);
 }
 
@@ -346,7 +362,7 @@ static ddp_result ddp__sampler_prepare(ddp_sampler *s, const char *fn) {
     size_t elem = s->shard_wide ? sizeof(uint64_t) : sizeof(uint32_t);
     double t0;
     void *p, *small;
-    if (!ddp__sampler_materialises(s) || (s->shard_valid && s->shard_epoch == s->epoch)) return DDP_SUCCESS;
+    if (!ddp__sampler_materialises(s) || (s->shard_valid && s->shard_epoch == s->epoch && s->shard_base == s->base)) return DDP_SUCCESS;
     ddp__free(s->shard); /* before the big allocation, so the old shard does not add to the peak */
     s->shard = NULL;
     s->shard_valid = 0;
@@ -364,6 +380,7 @@ static ddp_result ddp__sampler_prepare(ddp_sampler *s, const char *fn) {
     s->shard = small ? small : p;
     s->shard_valid = 1;
     s->shard_epoch = s->epoch;
+    s->shard_base = s->base;
     ddp__log(NULL, DDP_LOG_DEBUG, "sampler: epoch %llu shuffled %llu indices in %.3f s",
              (unsigned long long)s->epoch, (unsigned long long)n, ddp__now() - t0);
     return DDP_SUCCESS;
@@ -372,7 +389,7 @@ static ddp_result ddp__sampler_prepare(ddp_sampler *s, const char *fn) {
 /* This rank's k-th index (k < num_samples), the shard made if it is needed. */
 static uint64_t ddp__sampler_index(const ddp_sampler *s, uint64_t k) {
     uint64_t n = s->desc.dataset_size;
-    uint64_t j = (uint64_t)s->desc.rank + k * (uint64_t)s->desc.num_replicas;
+    uint64_t j = s->base + (uint64_t)s->desc.rank + k * (uint64_t)s->desc.num_replicas;
     if (ddp__sampler_materialises(s)) return ddp__perm_get(s->shard, s->shard_wide, k);
     if (j >= n) j %= n; /* torch's padding repeats the list */
     if (!ddp__sampler_shuffles(s)) return j;
@@ -434,6 +451,34 @@ DDP_API ddp_result ddp_sampler_set_position(ddp_sampler *s, uint64_t position) {
     s->position = position;
     s->epoch_done = position == s->num_samples;
     return DDP_SUCCESS;
+}
+
+DDP_API uint64_t ddp_sampler_global_position(const ddp_sampler *s) {
+    uint64_t g;
+    if (!ddp__sampler_ok(s)) return 0;
+    if (s->position >= s->num_samples) return s->desc.dataset_size; /* done: nothing of the epoch is left */
+    g = s->base + s->position * (uint64_t)s->desc.num_replicas;
+    return DDP__MIN(g, s->desc.dataset_size);
+}
+
+DDP_API ddp_result ddp_sampler_set_global_position(ddp_sampler *s, uint64_t global_position) {
+    if (!ddp__sampler_ok(s)) return ddp__sampler_not_initialised("ddp_sampler_set_global_position");
+    if (global_position > s->desc.dataset_size)
+        return ddp__fail(NULL, DDP_ERR_INVALID_ARGUMENT,
+                         "ddp_sampler_set_global_position: global position %llu is past the end of the epoch "
+                         "(dataset_size %llu); was the checkpoint saved with another dataset_size?",
+                         (unsigned long long)global_position, (unsigned long long)s->desc.dataset_size);
+    s->base = global_position;
+    ddp__sampler_count(s);
+    s->position = 0;
+    s->epoch_done = s->num_samples == 0;
+    return DDP_SUCCESS;
+}
+
+DDP_API ddp_result ddp_sampler_resume(ddp_sampler *s, uint64_t epoch, uint64_t global_position) {
+    if (!ddp__sampler_ok(s)) return ddp__sampler_not_initialised("ddp_sampler_resume");
+    ddp_sampler_set_epoch(s, epoch);
+    return ddp_sampler_set_global_position(s, global_position);
 }
 
 DDP_API ddp_result ddp_sampler_index_at(ddp_sampler *s, uint64_t k, int64_t *out) {

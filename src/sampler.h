@@ -20,6 +20,9 @@
      shard sizes differ by at most one. Padding duplicates distort evaluation metrics; this mode does not.
      Rank r gets perm[r], perm[r + R], ... below N: the same order as the default mode, without the padding.
    - Resume mid-epoch: ddp_sampler_position / ddp_sampler_set_position (a checkpoint saves epoch + position).
+   - Resume on another number of ranks (torch restarts the epoch): ddp_sampler_global_position saves how
+     much of the epoch every rank together consumed; ddp_sampler_resume continues the same epoch on any
+     num_replicas, every index of the epoch handed out once across the change (see below).
    - DDP_PERMUTATION_STREAMING: a keyed Feistel permutation with O(1) memory and random access to any
      index, for datasets too large to shuffle in memory (>= 1e9 samples). NOT the same order as PyTorch's.
    - The default permutation holds 4 bytes per sample while it shuffles (8 when N > 2^32; torch holds 8 in
@@ -81,13 +84,15 @@ typedef struct ddp_sampler {
     uint32_t magic;             /* set by ddp_sampler_init, cleared by ddp_sampler_free */
     ddp_sampler_desc desc;      /* the validated descriptor */
     uint64_t epoch;             /* set by ddp_sampler_set_epoch */
-    uint64_t position;          /* indices handed out by ddp_sampler_next_batch this epoch */
+    uint64_t position;          /* indices handed out by ddp_sampler_next_batch this epoch (since base) */
+    uint64_t base;              /* the global position this rank's share starts from (0: the epoch's start) */
     uint64_t num_samples;       /* this rank's count per epoch */
     uint64_t total_size;        /* positions dealt out: num_samples * R (eval: N) */
     void *shard;                /* this rank's shuffled indices (uint32 or uint64 each), or NULL */
     int shard_wide;             /* shard entries are uint64 (N > 2^32) */
     int shard_valid;            /* shard holds the indices of shard_epoch */
     uint64_t shard_epoch;
+    uint64_t shard_base;
     int epoch_done;             /* the current epoch was handed out to its end */
     int feistel_bits;           /* streaming: the bijection's domain is [0, 2^feistel_bits) */
     uint64_t feistel_keys[8];   /* streaming: one key per round, from seed + epoch */
@@ -145,9 +150,38 @@ DDP_API uint64_t ddp_sampler_position(const ddp_sampler *s);
 
 /* ddp_sampler_set_position: continue the current epoch from `position` (resume: set_epoch(saved epoch),
    then set_position(saved position); the next batch is the one that came next before). The position
-   counts this rank's indices, so resume with the same num_replicas and rank.
+   counts this rank's indices (from the resume point after ddp_sampler_set_global_position), so resume
+   with the same num_replicas and rank; on another num_replicas use ddp_sampler_resume (below).
    Return: DDP_SUCCESS, or DDP_ERR_INVALID_ARGUMENT when position > num_samples or s is not initialised. */
 DDP_API ddp_result ddp_sampler_set_position(ddp_sampler *s, uint64_t position);
+
+/* ---- Resume on another number of ranks ----
+   The epoch's dealt-out list is perm padded to total_size (or cut, with drop_last); rank r takes
+   positions r, r + R, r + 2R, ... After every rank took k indices (DDP's ranks move in lockstep), the
+   first G = k * R positions of the list are consumed: G is the GLOBAL position. A sampler for any number
+   of replicas M continues from G: the rest of the epoch, perm[G .. N), is dealt to its M ranks as torch
+   deals a whole epoch of N - G indices (drop_last included): new rank r' takes perm[G + r'], perm[G + r' + M], ...
+   (num_samples = ceil((N - G) / M), or floor with drop_last), and the padding, as in torch, comes only
+   at the end, repeating the epoch's first indices (perm[(G + j) mod N]). So across the resize:
+     - without drop_last, every index of the epoch is handed out exactly once, plus fewer than M padding
+       repeats at the very end (none when M divides N - G), as torch's own padding;
+     - with drop_last, no index twice; the last (N - G) mod M indices are dropped, as torch drops a tail;
+     - DDP_SAMPLER_EVAL: every index exactly once.
+   With M = R the continuation is the very list the old ranks would have gone on with (the same indices
+   as ddp_sampler_set_position(G / R)), so the rule extends torch's order rather than changing it.
+
+   ddp_sampler_global_position: G for this sampler now: base + position * num_replicas (base: the global
+   position it resumed from, 0 at the start of an epoch); dataset_size once this rank's share of the epoch
+   is done (nothing of the epoch is left). Save rank 0's value (ddp_resume_state.sampler_global_position);
+   it is the same on every rank while they move in lockstep. 0 when s is not initialised.
+   ddp_sampler_set_global_position: continue the current epoch from global position G (any num_replicas
+   saved it); this rank's num_samples becomes its share of the rest, position 0, and ddp_sampler_indices /
+   next_batch / index_at hand out that share. ddp_sampler_set_epoch goes back to the whole epoch.
+   ddp_sampler_resume(s, epoch, G): ddp_sampler_set_epoch(s, epoch), then set_global_position(s, G).
+   Return: DDP_SUCCESS; DDP_ERR_INVALID_ARGUMENT when G > dataset_size or s is not initialised. */
+DDP_API uint64_t ddp_sampler_global_position(const ddp_sampler *s);
+DDP_API ddp_result ddp_sampler_set_global_position(ddp_sampler *s, uint64_t global_position);
+DDP_API ddp_result ddp_sampler_resume(ddp_sampler *s, uint64_t epoch, uint64_t global_position);
 
 /* ddp_sampler_index_at: this rank's k-th index of the current epoch (the k-th element of
    ddp_sampler_indices), without moving the position. With DDP_PERMUTATION_STREAMING or no_shuffle it is

@@ -1,7 +1,7 @@
 /* Checkpoints without a group (a single process): round trip of every dtype (f16/bf16, 0-d, empty,
    8-d), the file layout read back by hand, metadata and resume state, strict header parsing (a table
    of malformed headers, every truncation, every corrupted byte), mismatches named, keep_last
-   rotation, ddp_checkpoint_latest, per-rank shards and their completion marker. */
+   rotation, ddp_checkpoint_latest, per-rank shards and their completion marker, async save. */
 #include "testlib.h"
 
 #include <dirent.h>
@@ -159,6 +159,18 @@ static void test_meta(void) {
     CHECK(rs2.step == rs.step && rs2.epoch == 7 && rs2.sampler_position == 4096 && rs2.world_size == 8 && rs2.rng_state_size == 40 &&
               memcmp(rng, rng2, 40) == 0,
           "resume round trip");
+    /* the global sample position (issue #21): derived from a program that does not fill it in, and from a
+       checkpoint without the key; stored as given otherwise */
+    CHECK(rs2.sampler_global_position == 4096 * 8 && strcmp(ddp_meta_get(&m, DDP_META_SAMPLER_GLOBAL_POSITION), "32768") == 0,
+          "global position derived: %lld", (long long)rs2.sampler_global_position);
+    CHECK(ddp_meta_remove(&m, DDP_META_SAMPLER_GLOBAL_POSITION) == 1, "remove");
+    CHECK_OK(ddp_meta_get_resume(&m, &rs2), NULL);
+    CHECK(rs2.sampler_global_position == 4096 * 8, "global position of an older checkpoint: %lld", (long long)rs2.sampler_global_position);
+    rs.sampler_position = 5;
+    rs.sampler_global_position = 93; /* resumed on another world size: not position * world size */
+    CHECK_OK(ddp_meta_set_resume(&m, &rs), NULL);
+    CHECK_OK(ddp_meta_get_resume(&m, &rs2), NULL);
+    CHECK(rs2.sampler_global_position == 93 && rs2.sampler_position == 5, "global position round trip");
     ddp_meta_free(&m);
     CHECK(m.count == 0 && m.entries == NULL, "free empties");
     CHECK(ddp_meta_get_resume(&m, &rs2) == DDP_ERR_FORMAT && strstr(ddp_last_error(NULL), DDP_META_STEP), "missing resume key");
@@ -667,6 +679,107 @@ static void test_shards(void) {
     printf("shards: ok\n");
 }
 
+/* Async save (issue #21), without a group: the file is byte for byte the synchronous save's even when
+   the tensors are overwritten right after the call; keep_last; back-to-back saves; errors of the
+   background (a missing directory, a directory in the way, a bad tensor) come back from ddp_wait with
+   the path and the system's reason; a handle is waited on once. */
+static void scribble(set *s) {
+    int i;
+    for (i = 0; i < s->n; i++) {
+        size_t bytes = numel(&s->t[i]) * ddp_dtype_size(s->t[i].dtype);
+        if (bytes) memset(s->t[i].data, 0xA5, bytes);
+    }
+}
+
+static void same_file(const char *a, const char *b) {
+    size_t na, nb;
+    unsigned char *fa = read_file(a, &na), *fb = read_file(b, &nb);
+    CHECK(na == nb && memcmp(fa, fb, na) == 0, "%s (%zu bytes) and %s (%zu bytes) differ", a, na, b, nb);
+    free(fa);
+    free(fb);
+}
+
+static void test_async(void) {
+    set s, back;
+    ddp_meta m = {0, 0, 0};
+    ddp_work *w, *w2;
+    ddp_checkpoint_save_desc sd;
+    char name[64], blocker[600];
+    int k, polls = 0;
+    make_set(&s, 300);
+    CHECK_OK(ddp_meta_set_int(&m, DDP_META_STEP, 7), NULL);
+    CHECK_OK(ddp_checkpoint_save(NULL, at("sync.safetensors"), s.t, s.n, &m), NULL);
+    CHECK_OK(ddp_checkpoint_save_async(NULL, at("async.safetensors"), s.t, s.n, &m, &w), NULL);
+    CHECK(w != NULL, "no work handle");
+    scribble(&s); /* the training step goes on: the save must not see it */
+    CHECK_OK(ddp_meta_set_int(&m, DDP_META_STEP, 8), NULL);
+    while (!ddp_test(w)) {
+        polls++;
+        usleep(100);
+    }
+    CHECK_OK(ddp_wait(w), NULL);
+    same_file(at("sync.safetensors"), at("async.safetensors"));
+    CHECK(!exists(at("async.safetensors.tmp")), "temporary file left behind");
+    expect_err(ddp_wait(w), DDP_ERR_INVALID_ARGUMENT, "not live", "second ddp_wait on the handle");
+
+    /* back to back: the second call waits for the first; each file holds its own call's data */
+    free_set(&s);
+    make_set(&s, 400);
+    CHECK_OK(ddp_checkpoint_save_async(NULL, at("b1.safetensors"), s.t, s.n, NULL, &w), NULL);
+    scribble(&s);
+    CHECK_OK(ddp_checkpoint_save_async(NULL, at("b2.safetensors"), s.t, s.n, NULL, &w2), NULL);
+    CHECK_OK(ddp_wait(w2), NULL);
+    CHECK_OK(ddp_wait(w), NULL);
+    blank_like(&back, &s);
+    CHECK_OK(ddp_checkpoint_load(NULL, at("b2.safetensors"), back.t, back.n, NULL), NULL);
+    same_data(&s, &back, s.n);
+    free_set(&s);
+    make_set(&s, 400);
+    CHECK_OK(ddp_checkpoint_load(NULL, at("b1.safetensors"), back.t, back.n, NULL), NULL);
+    same_data(&s, &back, s.n);
+    free_set(&back);
+
+    /* keep_last through the _ex form */
+    memset(&sd, 0, sizeof sd);
+    sd.keep_last = 2;
+    for (k = 1; k <= 4; k++) {
+        snprintf(name, sizeof name, "arot_%06d.safetensors", k);
+        CHECK_OK(ddp_checkpoint_save_async_ex(NULL, at(name), s.t, 2, NULL, &sd, &w), NULL);
+        CHECK_OK(ddp_wait(w), NULL);
+    }
+    CHECK(count_files("arot_") == 2 && exists(at("arot_000003.safetensors")) && exists(at("arot_000004.safetensors")),
+          "async keep_last 2 left %d files", count_files("arot_"));
+
+    /* errors of the background come back from ddp_wait */
+    CHECK_OK(ddp_checkpoint_save_async(NULL, "/nonexistent-dir-ddp/c.safetensors", s.t, s.n, NULL, &w), NULL);
+    expect_err(ddp_wait(w), DDP_ERR_IO, "/nonexistent-dir-ddp/c.safetensors.tmp", "async save into a missing directory");
+    CHECK(strstr(ddp_last_error(NULL), "No such file or directory"), "no errno text: %s", ddp_last_error(NULL));
+    snprintf(blocker, sizeof blocker, "%s.tmp", at("blocked.safetensors"));
+    CHECK(mkdir(blocker, 0700) == 0, "mkdir %s", blocker);
+    CHECK_OK(ddp_checkpoint_save_async(NULL, at("blocked.safetensors"), s.t, s.n, NULL, &w), NULL);
+    expect_err(ddp_wait(w), DDP_ERR_IO, "Is a directory", "async save with a directory in the way");
+    CHECK(!exists(at("blocked.safetensors")), "a failed save left a file");
+    rmdir(blocker);
+    {
+        ddp_tensor bad = s.t[0];
+        bad.dtype = (ddp_dtype)42;
+        CHECK_OK(ddp_checkpoint_save_async(NULL, at("bad.safetensors"), &bad, 1, NULL, &w), NULL);
+        expect_err(ddp_wait(w), DDP_ERR_INVALID_ARGUMENT, "invalid dtype", "async save of a bad tensor");
+    }
+    expect_err(ddp_checkpoint_save_async(NULL, at("x.safetensors"), s.t, s.n, NULL, NULL), DDP_ERR_INVALID_ARGUMENT, "NULL", "w NULL");
+    /* a sync call while an async save is in flight waits for it: the load sees the whole file */
+    CHECK_OK(ddp_checkpoint_save_async(NULL, at("inflight.safetensors"), s.t, s.n, NULL, &w), NULL);
+    blank_like(&back, &s);
+    CHECK_OK(ddp_checkpoint_load(NULL, at("inflight.safetensors"), back.t, back.n, NULL), NULL);
+    same_data(&s, &back, s.n);
+    CHECK(ddp_test(w), "the load returned but the save is not done");
+    CHECK_OK(ddp_wait(w), NULL);
+    free_set(&back);
+    ddp_meta_free(&m);
+    free_set(&s);
+    printf("async save: ok (%d polls of ddp_test)\n", polls);
+}
+
 int main(void) {
     snprintf(dir, sizeof dir, "%s/ckpt_test_XXXXXX", getenv("TMPDIR") ? getenv("TMPDIR") : "/tmp");
     CHECK(mkdtemp(dir), "mkdtemp");
@@ -678,6 +791,7 @@ int main(void) {
     test_corruption();
     test_rotation();
     test_shards();
+    test_async();
     rm_rf(dir);
     printf("all checkpoint tests passed\n");
     return 0;

@@ -2,6 +2,8 @@
    every kill the newest checkpoint must load, pass its checksums and hold exactly the data of the step
    its metadata names, and it must be no older than the last save the child reported as finished.
      atomic      20 kills, the child overwrites one path
+     async       20 kills at evenly spread delays, the child saves with ddp_checkpoint_save_async (and
+                 overwrites its tensors right after the call)
      rotation    10 kills, the child saves step-numbered files with keep_last = 2; ddp_checkpoint_latest
                  finds the newest, and every file of the family that is left must load
      self-check  20 kills of a naive writer (open with O_TRUNC, write in pieces): the same verification
@@ -16,6 +18,7 @@
 #define BN 1000
 
 static char dir[256];
+static int use_async; /* save with ddp_checkpoint_save_async + ddp_wait */
 
 typedef struct state {
     float w[WN];
@@ -61,7 +64,14 @@ static ddp_result save_step(const char *path, int64_t step, int keep_last) {
     fill(&st, step);
     tensors(&st, t);
     ddp_meta_set_int(&m, DDP_META_STEP, step);
-    r = ddp_checkpoint_save_ex(NULL, path, t, 3, &m, &d);
+    if (use_async) { /* the training thread overwrites the tensors while the background writes */
+        ddp_work *w;
+        r = ddp_checkpoint_save_async_ex(NULL, path, t, 3, &m, &d, &w);
+        memset(&st, 0x5A, sizeof st);
+        if (r == DDP_SUCCESS) r = ddp_wait(w);
+    } else {
+        r = ddp_checkpoint_save_ex(NULL, path, t, 3, &m, &d);
+    }
     ddp_meta_free(&m);
     return r;
 }
@@ -190,6 +200,25 @@ int main(void) {
     }
     printf("atomic: 20 kills, every time the file loaded and verified (%d caught after a rename the child "
            "had not reported, %d at the last reported step)\n", newer, same);
+
+    /* async (issue #21): the child saves with ddp_checkpoint_save_async, overwrites its tensors at once,
+       then waits; kills at 20 delays spread evenly over four saves' time (staging, the background's
+       write, fsync, rename, directory sync); the file must always be a whole earlier or newer step */
+    use_async = 1;
+    newer = same = 0;
+    for (trial = 0; trial < 20; trial++) {
+        last = run_and_kill(step, 0, 0, NULL, NULL, span_us * trial / 20);
+        got = verify(path);
+        CHECK(got >= 0, "async trial %d (kill at %.2f ms): the checkpoint does not load after the kill: %s", trial,
+              span_us * trial / 20 / 1e3, ddp_last_error(NULL));
+        CHECK(got >= last && got <= last + 1, "async trial %d: file holds step %lld, the child had finished %lld", trial, (long long)got, (long long)last);
+        if (got == last + 1 && got >= step) newer++;
+        else same++;
+        step = got + 1;
+    }
+    use_async = 0;
+    printf("async: 20 kills at delays 0 .. %.1f ms, every time the file loaded and verified (%d caught after a rename the "
+           "child had not reported, %d at the last reported step)\n", span_us * 19 / 20 / 1e3, newer, same);
 
     snprintf(path, sizeof path, "%s/rot_*.safetensors", dir);
     for (trial = 0; trial < 10; trial++) {

@@ -5,7 +5,11 @@
    - failures anywhere are errors everywhere, naming the rank: rank 0 cannot read (broadcast), rank 1
      cannot read (every rank reads), rank 0 has a bad argument (save), lists differ (broadcast)
    - shards: each rank's own data round trips; a stale shard of rank 1 fails every rank; a shard set
-     saved by another world size is DDP_ERR_MISMATCH; keep_last removes every rank's old shards */
+     saved by another world size is DDP_ERR_MISMATCH; keep_last removes every rank's old shards
+   - async save: collectives run while it writes, the file is rank 0's data at the call, a failure is
+     every rank's, ddp_destroy with a save in flight finishes it, a rank dying during it fails the others' ddp_wait
+   - resize resume: 4 processes take part of an epoch and save, 3 processes resume and finish it; every
+     index once (with and without drop_last) */
 #include "testlib.h"
 
 #include <dirent.h>
@@ -192,10 +196,196 @@ static int rank_main(int rank, int n, void *arg) {
         CHECK_OK(ddp_checkpoint_load_shard(g, p, got.t, 2, NULL, NULL), g);
         CHECK(same(&got, &mine), "after rotation");
     }
+    /* async save (issue #21): the program's collectives go on while it is written; the file holds rank
+       0's tensors as they were at the call; a failure is every rank's ddp_wait error, naming rank 0, the
+       path and the reason; ddp_destroy with a save in flight finishes it (main checks the file) */
+    {
+        ddp_work *w;
+        float x;
+        int k;
+        model_init(&mine, 300 + (uint64_t)rank);
+        snprintf(name, sizeof name, "async_w%d.safetensors", n);
+        CHECK_OK(ddp_checkpoint_save_async(g, at(name, p, sizeof p), mine.t, 2, &meta, &w), g);
+        model_init(&mine, 999); /* the next training step overwrites the tensors */
+        for (k = 0; k < 20; k++) {
+            x = 1.0f;
+            CHECK_OK(ddp_all_reduce(g, &x, 1, DDP_F32, DDP_SUM), g);
+            CHECK(x == (float)n, "rank %d: all_reduce during an async save gave %g", rank, (double)x);
+        }
+        CHECK_OK(ddp_wait(w), g);
+        model_init(&want, 300);
+        model_init(&got, 7);
+        CHECK_OK(ddp_checkpoint_load(g, p, got.t, 2, NULL), g);
+        CHECK(same(&got, &want), "rank %d: the async save does not hold rank 0's tensors as they were at the call", rank);
+
+        {
+            double t0 = tl_now(), took;
+            CHECK_OK(ddp_checkpoint_save_async(g, "/nonexistent-dir/d.safetensors", mine.t, 2, NULL, &w), g);
+            CHECK_OK(ddp_barrier(g), g);
+            expect_fail(g, ddp_wait(w), DDP_ERR_IO, "checkpoint save (async) failed on rank 0", "async save into a missing directory");
+            took = tl_now() - t0;
+            CHECK(took < 10.0, "rank %d: the failed async save took %.1f s to report", rank, took);
+            if (rank == n - 1) printf("%d ranks: a failing async save reported on rank %d after %.4f s\n", n, rank, took);
+        }
+        CHECK(strstr(ddp_last_error(g), "/nonexistent-dir/d.safetensors.tmp") && strstr(ddp_last_error(g), "No such file or directory"),
+              "rank %d: %s", rank, ddp_last_error(g));
+        CHECK_OK(ddp_barrier(g), g); /* the group goes on */
+
+        model_init(&mine, 500 + (uint64_t)rank);
+        snprintf(name, sizeof name, "async_destroy_w%d.safetensors", n);
+        CHECK_OK(ddp_checkpoint_save_async(g, at(name, p, sizeof p), mine.t, 2, NULL, &w), g);
+    }
     ddp_meta_free(&meta);
     ddp_meta_free(&back);
+    CHECK_OK(ddp_destroy(g), NULL); /* with the last async save in flight, never waited on */
+    return 0;
+}
+
+/* A rank dies while the others' async save is in flight: their ddp_wait fails naming it (the agreement on
+   the save's private group loses it), within seconds rather than the group's timeout. The first save,
+   waited on by all, makes the private group; the last rank then dies instead of making the second (so it
+   cannot have taken part in that save's agreement before dying). */
+static int async_death_main(int rank, int n, void *arg) {
+    ddp_group *g;
+    model m;
+    ddp_work *w;
+    char p[512];
+    double t0, took;
+    (void)arg;
+    CHECK_OK(ddp_init(NULL, &g), NULL);
+    model_init(&m, 1);
+    CHECK_OK(ddp_checkpoint_save_async(g, at("async_death.safetensors", p, sizeof p), m.t, 2, NULL, &w), g);
+    CHECK_OK(ddp_wait(w), g);
+    if (rank == n - 1) _exit(7); /* as a crash would */
+    t0 = tl_now();
+    CHECK_OK(ddp_checkpoint_save_async(g, p, m.t, 2, NULL, &w), g);
+    expect_fail(g, ddp_wait(w), DDP_ERR_PEER_LOST, "lost rank 2", "a rank died during the async save");
+    CHECK(strstr(ddp_last_error(g), "checkpoint save (async) of ") && strstr(ddp_last_error(g), "async_death.safetensors"),
+          "rank %d: the message does not name the save: %s", rank, ddp_last_error(g));
+    took = tl_now() - t0;
+    CHECK(took < 10.0, "rank %d: the lost rank took %.1f s to report (the timeout is 300 s)", rank, took);
+    if (rank == 0) printf("async save, rank 2 dies: ddp_wait on rank 0 failed after %.3f s: %s\n", took, ddp_last_error(g));
+    ddp_destroy(g); /* fails too (rank 2 is gone); frees everything */
+    return 0;
+}
+
+/* Resize resume with real processes (issue #21): `from` ranks take SEEN_STEPS batches of the epoch, rank 0
+   saves the resume state (ddp_checkpoint_save, global position from its sampler); `to` ranks load it,
+   ddp_sampler_resume and finish the epoch. Each rank writes the indices it took to dir/seen_<phase>_<rank>;
+   main counts them against the epoch's permutation. */
+#define RS_N 1001
+#define RS_EPOCH 3
+#define RS_BATCH 8
+#define RS_SEEN_STEPS 5
+typedef struct resize_arg {
+    int phase; /* 0: the first run, 1: the resumed one */
+    int drop_last;
+} resize_arg;
+
+static void resize_path(char *buf, size_t cap, const resize_arg *a, int rank) {
+    snprintf(buf, cap, "%s/seen_%d_%d_%d", dir, a->drop_last, a->phase, rank);
+}
+
+static int resize_main(int rank, int n, void *arg) {
+    const resize_arg *a = (const resize_arg *)arg;
+    ddp_group *g;
+    ddp_sampler s;
+    ddp_sampler_desc d;
+    ddp_resume_state rs;
+    ddp_meta meta = {0, 0, 0};
+    int64_t batch[RS_BATCH], dummy = 0;
+    ddp_tensor t;
+    size_t got;
+    char p[512], ck[512];
+    FILE *f;
+    int steps = 0;
+    CHECK_OK(ddp_init(NULL, &g), NULL);
+    memset(&d, 0, sizeof d);
+    memset(&rs, 0, sizeof rs);
+    memset(&t, 0, sizeof t);
+    t.name = "dummy", t.dtype = DDP_I64, t.ndim = 0, t.data = &dummy;
+    d.dataset_size = RS_N, d.num_replicas = n, d.rank = rank, d.seed = 21, d.drop_last = a->drop_last;
+    CHECK_OK(ddp_sampler_init(&s, &d), NULL);
+    snprintf(ck, sizeof ck, "%s/resize_%d.safetensors", dir, a->drop_last);
+    if (a->phase == 1) {
+        CHECK_OK(ddp_checkpoint_load(g, ck, &t, 1, &meta), g);
+        CHECK_OK(ddp_meta_get_resume(&meta, &rs), NULL);
+        CHECK(rs.epoch == RS_EPOCH && rs.world_size == 4, "resume state");
+        CHECK_OK(ddp_sampler_resume(&s, (uint64_t)rs.epoch, (uint64_t)rs.sampler_global_position), NULL);
+    } else {
+        ddp_sampler_set_epoch(&s, RS_EPOCH);
+    }
+    resize_path(p, sizeof p, a, rank);
+    f = fopen(p, "wb");
+    CHECK(f, "open %s", p);
+    while ((a->phase == 1 || steps < RS_SEEN_STEPS) && ddp_sampler_next_batch(&s, RS_BATCH, batch, &got) == DDP_SUCCESS && got) {
+        CHECK(fwrite(batch, sizeof batch[0], got, f) == got, "write");
+        CHECK_OK(ddp_barrier(g), g); /* a training step */
+        steps++;
+    }
+    fclose(f);
+    if (a->phase == 0) {
+        rs.epoch = RS_EPOCH, rs.step = steps, rs.world_size = n;
+        rs.sampler_position = (int64_t)ddp_sampler_position(&s);
+        rs.sampler_global_position = (int64_t)ddp_sampler_global_position(&s);
+        CHECK(rs.sampler_global_position == (int64_t)(RS_SEEN_STEPS * RS_BATCH * n), "global position %lld", (long long)rs.sampler_global_position);
+        CHECK_OK(ddp_meta_set_resume(&meta, &rs), NULL);
+        CHECK_OK(ddp_checkpoint_save(g, ck, &t, 1, &meta), g);
+    }
+    ddp_meta_free(&meta);
+    ddp_sampler_free(&s);
     CHECK_OK(ddp_destroy(g), NULL);
     return 0;
+}
+
+/* Save on 4 processes, resume on 3: without drop_last every index of the epoch once plus torch's padding
+   at the end; with drop_last none twice and only the tail of the rest dropped. */
+static void test_resize_resume_ranks(int drop_last) {
+    resize_arg a;
+    ddp_sampler_desc d;
+    ddp_sampler one;
+    int64_t perm[RS_N], x;
+    unsigned count[RS_N];
+    uint64_t i, seen = 0, extra = 0, unseen = 0, c, want_extra, want_unseen;
+    int phase, r, sizes[2] = {4, 3};
+    char p[512];
+    memset(count, 0, sizeof count);
+    a.drop_last = drop_last;
+    for (phase = 0; phase < 2; phase++) {
+        a.phase = phase;
+        CHECK(tl_run_ranks(sizes[phase], resize_main, &a, 120) == 0, "resize resume, phase %d on %d ranks failed", phase, sizes[phase]);
+        for (r = 0; r < sizes[phase]; r++) {
+            FILE *f;
+            resize_path(p, sizeof p, &a, r);
+            f = fopen(p, "rb");
+            CHECK(f, "open %s", p);
+            while (fread(&x, sizeof x, 1, f) == 1) {
+                CHECK(x >= 0 && x < RS_N, "index %lld", (long long)x);
+                count[x]++, seen++;
+            }
+            fclose(f);
+            unlink(p);
+        }
+    }
+    memset(&d, 0, sizeof d); /* the epoch's permutation, independently: one replica */
+    d.dataset_size = RS_N, d.num_replicas = 1, d.seed = 21;
+    CHECK_OK(ddp_sampler_init(&one, &d), NULL);
+    ddp_sampler_set_epoch(&one, RS_EPOCH);
+    CHECK_OK(ddp_sampler_indices(&one, perm), NULL);
+    ddp_sampler_free(&one);
+    c = RS_N - RS_SEEN_STEPS * RS_BATCH * 4; /* left after the first run: 841 */
+    want_extra = drop_last ? 0 : (c + 2) / 3 * 3 - c;
+    want_unseen = drop_last ? c % 3 : 0;
+    for (i = 0; i < RS_N; i++) {
+        if (!count[perm[i]]) unseen++;
+        else extra += count[perm[i]] - 1;
+        if (!drop_last) CHECK(count[perm[i]] == 1 + (i < want_extra), "perm[%llu] = %lld seen %u times", (unsigned long long)i, (long long)perm[i], count[perm[i]]);
+        else CHECK(count[perm[i]] == (i < RS_N - want_unseen), "drop_last: perm[%llu] seen %u times", (unsigned long long)i, count[perm[i]]);
+    }
+    CHECK(unseen == want_unseen && extra == want_extra, "unseen %llu extra %llu", (unsigned long long)unseen, (unsigned long long)extra);
+    printf("resize resume%s: 4 processes took %d indices, 3 processes finished the epoch: %llu handed out, every index of %d once%s\n",
+           drop_last ? " (drop_last)" : "", RS_SEEN_STEPS * RS_BATCH * 4, (unsigned long long)seen, RS_N,
+           drop_last ? ", the last 1 dropped" : " plus 2 padding repeats of the first");
 }
 
 int main(void) {
@@ -208,9 +398,23 @@ int main(void) {
     model_init(&m, 5);
     CHECK_OK(ddp_checkpoint_save_shard(NULL, at("single.safetensors", p, sizeof p), m.t, 2, NULL, NULL), NULL);
     for (i = 0; i < sizeof sizes / sizeof sizes[0]; i++) {
+        model back;
+        char name[64];
         CHECK(tl_run_ranks(sizes[i], rank_main, NULL, 120) == 0, "%d ranks failed", sizes[i]);
+        snprintf(name, sizeof name, "async_destroy_w%d.safetensors", sizes[i]);
+        model_init(&m, 500);
+        model_init(&back, 7);
+        CHECK_OK(ddp_checkpoint_load(NULL, at(name, p, sizeof p), back.t, 2, NULL), NULL);
+        CHECK(same(&back, &m), "the async save in flight at ddp_destroy did not finish with rank 0's data");
         printf("%d ranks: ok\n", sizes[i]);
     }
+    {
+        int codes[3];
+        tl_run_ranks_status(3, async_death_main, NULL, 120, codes);
+        CHECK(codes[0] == 0 && codes[1] == 0 && codes[2] == 7, "async save with a dying rank: exit codes %d %d %d", codes[0], codes[1], codes[2]);
+    }
+    test_resize_resume_ranks(0);
+    test_resize_resume_ranks(1);
     {
         DIR *d = opendir(dir);
         struct dirent *e;

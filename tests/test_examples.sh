@@ -69,14 +69,23 @@ OUT=$(timeout 120 "$DDPRUN" --nproc-per-node 2 --max-restarts 1 "$BUILD/checkpoi
   { echo "$OUT"; fail "checkpoint_resume with a restart exited $?"; }
 echo "$OUT"
 has "rank 1: crashing on purpose at step 23" "attempt 1 (DDP_RESTART_COUNT=1)" \
-  "resuming from $T/ck/ckpt_000020.safetensors (epoch 1, step 20, 32 samples into the epoch)" "$final"
+  "resuming from $T/ck/ckpt_000020.safetensors (epoch 1, step 20, 64 of the epoch's 96 samples seen by 2 ranks) on 2 ranks" "$final"
 # without --max-restarts the launch fails; a new launch with --resume continues by hand
 if OUT=$(timeout 120 "$DDPRUN" --nproc-per-node 2 "$BUILD/checkpoint_resume" "$T/ck" 2>&1); then
   echo "$OUT"; fail "checkpoint_resume: the crash did not fail the launch"
 fi
 run checkpoint_resume 2 "$T/ck" --resume
-has "resuming from $T/ck/ckpt_000020.safetensors (epoch 1, step 20, 32 samples into the epoch)" "$final"
+has "resuming from $T/ck/ckpt_000020.safetensors (epoch 1, step 20, 64 of the epoch's 96 samples seen by 2 ranks) on 2 ranks" "$final"
 ok "checkpoint_resume: restarted and resumed runs end with the uninterrupted run's weights"
+# issue #21: a job stopped on 4 ranks continues on 3, in the middle of epoch 3 (4 ranks x 4 a step: 6 steps
+# an epoch; step 20 is 2 steps into epoch 3, 32 of its 96 samples). The rest, 64, over 3 ranks: 22 each,
+# 6 steps; then 2 epochs of 96 / 3 / 4 = 8 steps: 42 in all
+run checkpoint_resume 4 "$T/ck" --crash-at 0 --stop-at 20
+has "stopping after step 20, as asked (--stop-at)"
+run checkpoint_resume 3 "$T/ck" --resume
+has "resuming from $T/ck/ckpt_000020.safetensors (epoch 3, step 20, 32 of the epoch's 96 samples seen by 4 ranks) on 3 ranks"
+echo "$OUT" | grep -q "^final weights after 42 steps:" || fail "checkpoint_resume on 3 ranks after 4: not 42 steps"
+ok "checkpoint_resume: saved on 4 ranks, resumed on 3 in the middle of an epoch"
 
 run launchers 2
 echo "$OUT" | grep -q "^rank 0 of 2, local rank 0 of 2, host .*, started by ddprun$" || fail "launchers: rank 0 under ddprun"

@@ -406,6 +406,142 @@ static void test_batches_and_resume(void) {
     }
 }
 
+/* Resume on another number of ranks (issue #21). R samplers consume k indices each in lockstep, rank 0's
+   global position is saved, M fresh samplers resume the same epoch from it and finish it. Checked against
+   the epoch's permutation (a 1-replica sampler, independent of the dealing): without drop_last every
+   index at least once, and the repeats are exactly the padding torch would add (the first run's, if it
+   reached its padding, plus fewer than M at the very end, repeating the epoch's first indices); with
+   drop_last none twice and only the tail of the rest dropped; eval mode every index exactly once. With
+   M = R the continuation is exactly the old samplers' remaining indices (torch's order). */
+static void resize_case(uint64_t n, int from, int to, int drop_last, int mode, int perm_kind, int no_shuffle, uint64_t seed,
+                        uint64_t epoch, uint64_t k, int verbose) {
+    ddp_sampler_desc d = desc_of(n, 1, 0, seed);
+    ddp_sampler *old = (ddp_sampler *)calloc((size_t)from, sizeof *old), s;
+    uint64_t perm_count, *count = (uint64_t *)calloc((size_t)(n ? n : 1), sizeof *count), min_num = UINT64_MAX, g, c, i, kk;
+    uint64_t extra = 0, want_extra, consumed, unseen = 0, r;
+    int64_t *perm, *buf = (int64_t *)malloc((size_t)(n + 1) * sizeof *buf);
+    size_t got;
+    d.no_shuffle = no_shuffle;
+    d.permutation = (ddp_sampler_permutation)perm_kind;
+    perm = indices_of(&d, epoch, &perm_count); /* the epoch's permutation: one replica, no padding */
+    CHECK(perm_count == n && old && count && buf, "setup");
+    d.drop_last = drop_last;
+    d.mode = (ddp_sampler_mode)mode;
+    d.num_replicas = from;
+    for (r = 0; r < (uint64_t)from; r++) {
+        d.rank = (int)r;
+        CHECK_OK(ddp_sampler_init(&old[r], &d), NULL);
+        ddp_sampler_set_epoch(&old[r], epoch);
+        min_num = DDP__MIN(min_num, ddp_sampler_num_samples(&old[r]));
+    }
+    if (k > min_num) k = min_num; /* lockstep: every rank takes k */
+    for (r = 0; r < (uint64_t)from; r++) {
+        consumed = 0;
+        while (consumed < k) {
+            CHECK_OK(ddp_sampler_next_batch(&old[r], (size_t)(k - consumed), buf, &got), NULL);
+            for (i = 0; i < got; i++) count[buf[i]]++;
+            consumed += got;
+        }
+    }
+    g = ddp_sampler_global_position(&old[0]); /* what rank 0 saves */
+    CHECK(g == (k == ddp_sampler_num_samples(&old[0]) ? n : k * (uint64_t)from), "n=%llu R=%d k=%llu: global position %llu",
+          (unsigned long long)n, from, (unsigned long long)k, (unsigned long long)g);
+    if (to == from) { /* the rest of the epoch, as the old samplers would have gone on: kept aside */
+        for (r = 0; r < (uint64_t)from; r++) CHECK(ddp_sampler_position(&old[r]) == k, "old position");
+    }
+    d.num_replicas = to;
+    for (r = 0; r < (uint64_t)to; r++) {
+        uint64_t taken = 0;
+        d.rank = (int)r;
+        CHECK_OK(ddp_sampler_init(&s, &d), NULL);
+        CHECK_OK(ddp_sampler_resume(&s, epoch, g), NULL);
+        for (;;) {
+            CHECK_OK(ddp_sampler_next_batch(&s, 7, buf, &got), NULL);
+            if (!got) break;
+            for (i = 0; i < got; i++) {
+                int64_t want;
+                count[buf[i]]++;
+                if (to == from) { /* the same world: the very indices torch's sampler gives from position k on */
+                    size_t one;
+                    CHECK_OK(ddp_sampler_next_batch(&old[r], 1, &want, &one), NULL);
+                    CHECK(one == 1 && want == buf[i], "n=%llu R=M=%d rank %llu: resumed index %llu is %lld, the old sampler's %lld",
+                          (unsigned long long)n, to, (unsigned long long)r, (unsigned long long)taken, (long long)buf[i], (long long)want);
+                }
+                taken++;
+            }
+            if (got < 7) break;
+        }
+        if (to == from) {
+            int64_t x;
+            CHECK_OK(ddp_sampler_next_batch(&old[r], 1, &x, &got), NULL);
+            CHECK(got == 0, "the resumed sampler stopped before the old one");
+        }
+        CHECK(ddp_sampler_global_position(&s) == n, "a finished resumed sampler is at the epoch's end");
+        ddp_sampler_set_epoch(&s, epoch + 1);
+        d.num_replicas = to;
+        ddp_sampler_free(&s);
+    }
+    /* the independent expectation, from the permutation alone */
+    c = n - g;
+    want_extra = k * (uint64_t)from > n ? k * (uint64_t)from - n : 0; /* the first run reached torch's padding */
+    if (!drop_last && mode == 0 && c > 0) want_extra += (c + (uint64_t)to - 1) / (uint64_t)to * (uint64_t)to - c;
+    for (i = 0; i < n; i++) {
+        if (count[perm[i]] == 0) unseen++;
+        else extra += count[perm[i]] - 1;
+    }
+    if (mode == 1) CHECK(unseen == 0 && extra == 0, "eval n=%llu %d->%d: %llu unseen, %llu repeats", (unsigned long long)n, from, to,
+                         (unsigned long long)unseen, (unsigned long long)extra);
+    else if (!drop_last) {
+        CHECK(unseen == 0, "n=%llu %d->%d k=%llu: %llu indices of the epoch never handed out", (unsigned long long)n, from, to,
+              (unsigned long long)k, (unsigned long long)unseen);
+        CHECK(extra == want_extra, "n=%llu %d->%d k=%llu: %llu repeats, torch's padding is %llu", (unsigned long long)n, from, to,
+              (unsigned long long)k, (unsigned long long)extra, (unsigned long long)want_extra);
+        CHECK(want_extra < (uint64_t)to + (uint64_t)from, "padding bound");
+        for (i = 0; i < n && want_extra <= n; i++) /* the repeats are the epoch's first indices */
+            CHECK(count[perm[i]] == 1 + (i < want_extra ? 1u : 0u) || n < (uint64_t)(to + from),
+                  "n=%llu %d->%d: perm[%llu] handed out %llu times", (unsigned long long)n, from, to, (unsigned long long)i,
+                  (unsigned long long)count[perm[i]]);
+    } else {
+        uint64_t want_unseen = g == n ? n - k * (uint64_t)from : c % (uint64_t)to;
+        CHECK(extra == 0, "drop_last n=%llu %d->%d: %llu repeats", (unsigned long long)n, from, to, (unsigned long long)extra);
+        CHECK(unseen == want_unseen, "drop_last n=%llu %d->%d k=%llu: %llu unseen, want %llu", (unsigned long long)n, from, to,
+              (unsigned long long)k, (unsigned long long)unseen, (unsigned long long)want_unseen);
+        for (i = 0; i < n; i++) { /* seen: the first run's prefix and the rest up to the dropped tail */
+            kk = (i < k * (uint64_t)from) || (g < n && i >= g && i < n - want_unseen);
+            CHECK(count[perm[i]] == kk, "drop_last n=%llu %d->%d: perm[%llu] handed out %llu times, want %llu", (unsigned long long)n, from,
+                  to, (unsigned long long)i, (unsigned long long)count[perm[i]], (unsigned long long)kk);
+        }
+    }
+    if (verbose)
+        printf("  n=%llu %d -> %d ranks%s%s, %llu each before the save: global position %llu, every index once%s\n", (unsigned long long)n, from,
+               to, drop_last ? ", drop_last" : "", mode ? ", eval" : "", (unsigned long long)k, (unsigned long long)g,
+               drop_last ? " or dropped at the tail" : (want_extra ? " plus torch's padding" : ""));
+    for (r = 0; r < (uint64_t)from; r++) ddp_sampler_free(&old[r]);
+    free(old);
+    free(count);
+    free(perm);
+    free(buf);
+}
+
+static void test_resize_resume(void) {
+    uint64_t rng = 21, trial;
+    /* the issue's cases */
+    resize_case(1000, 4, 3, 0, 0, 0, 0, 0, 3, 100, 1);
+    resize_case(1001, 3, 5, 0, 0, 0, 0, 7, 1, 120, 1);
+    resize_case(1003, 4, 3, 1, 0, 0, 0, 5, 2, 77, 1);
+    resize_case(1003, 3, 5, 1, 0, 0, 0, 5, 2, 77, 1);
+    resize_case(1003, 4, 3, 0, 1, 0, 0, 5, 2, 50, 1);
+    resize_case(10, 4, 3, 0, 0, 0, 0, 1, 0, 3, 1); /* the first run reached its padding: the epoch is over */
+    for (trial = 0; trial < 400; trial++) {
+        uint64_t n = tl_rand(&rng) % (trial < 150 ? 20 : 700);
+        int from = 1 + (int)(tl_rand(&rng) % 9), to = trial % 5 == 0 ? from : 1 + (int)(tl_rand(&rng) % 9);
+        int mode = tl_rand(&rng) % 4 == 0, drop_last = !mode && tl_rand(&rng) % 3 == 0;
+        resize_case(n, from, to, drop_last, mode, (int)(tl_rand(&rng) % 3), tl_rand(&rng) % 5 == 0, tl_rand(&rng), tl_rand(&rng) % 4,
+                    tl_rand(&rng) % (n / (uint64_t)from + 2), 0);
+    }
+    printf("resize resume: 406 cases (1..9 -> 1..9 ranks, drop_last, eval, every permutation): every index once\n");
+}
+
 /* The regime switch sits exactly where current torch has it: n < UINT32_MAX / 20 keeps the swap loop.
    (Both regimes are compared with references at n = 214748364 in tests/test_interop_sampler.sh.) */
 static void test_randperm_split(void) {
@@ -683,6 +819,7 @@ int main(void) {
     test_streaming_chi_square_huge();
     test_streaming_huge();
     test_batches_and_resume();
+    test_resize_resume();
     test_randperm_split();
     test_wide_entries();
     test_inside_out_small();

@@ -132,6 +132,7 @@ META = {
     "ddp.sampler_position": "96",
     "ddp.world_size": "4",
     "ddp.rng_state": "00ff10ab7f80",
+    "ddp.sampler_global_position": "384",
     "note": "caf\u00e9 \"quoted\" back\\slash\n\ttab \u2713 \U0001F600",
     "empty value": "",
 }
