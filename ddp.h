@@ -615,8 +615,8 @@ DDP_API int ddp_launcher_main(int argc, char **argv);
      out, every rank gets DDP_ERR_UNEVEN_INPUTS (from begin_backward or broadcast_buffers on the ranks with
      data, from ddp_reducer_join on the others) naming the ranks that ran out and the step; the group and
      the reducer stay usable. Only the reducer's own collectives are shadowed: a rank with data that issues
-     other collectives (a loss all-reduce for logging) before every rank has joined waits for the joined
-     ranks until the group's timeout, as in torch. Cost when the ranks are even: one all_gather of 12 bytes
+     another collective (a loss all-reduce for logging) before every rank has joined meets a joined rank's
+     join round, DDP_ERR_MISMATCH on both at once (torch hangs), and the group is broken. Cost when the ranks are even: one all_gather of 12 bytes
      per rank per backward pass (torch adds one or two 4-byte all-reduces per forward).
 
    Differences from PyTorch 1.13, none of which changes the averaged gradients beyond rounding:
@@ -15696,15 +15696,23 @@ typedef struct ddp__join_round { /* what one round's records say */
     int joined_steps;    /* the first joined rank's */
 } ddp__join_round;
 
-/* One round: every rank all_gathers {kind, flags, this rank's passes since the last join}. */
-static ddp_result ddp__join_exchange(ddp_reducer *r, int kind, int flags, ddp__join_round *v) {
+/* One round: every rank all_gathers {kind, flags, this rank's passes since the last join}. A failure
+   (most often another collective of a rank with data, meeting this all_gather) breaks the group. */
+static ddp_result ddp__join_exchange(ddp_reducer *r, const char *fn, int kind, int flags, ddp__join_round *v) {
     int world = ddp_world_size(r->g), k;
     int32_t *mine = r->join_table + (size_t)world * DDP__JOIN_FIELDS;
     ddp_result res;
     mine[0] = kind;
     mine[1] = flags;
     mine[2] = r->join_steps;
-    if ((res = ddp_all_gather(r->g, mine, r->join_table, DDP__JOIN_FIELDS, DDP_I32)) != DDP_SUCCESS) return r->failed = res;
+    if ((res = ddp_all_gather(r->g, mine, r->join_table, DDP__JOIN_FIELDS, DDP_I32)) != DDP_SUCCESS) {
+        char why[DDP__ERR_MAX];
+        snprintf(why, sizeof why, "%s", ddp_last_error(r->g));
+        r->failed = res;
+        return ddp__fail(r->g, res, "%s: the join round (uneven_inputs: an all_gather of 3 x i32 at every backward pass, "
+                         "buffer broadcast and join) failed: %s. Until every rank has joined, the ranks with data may "
+                         "issue only the reducer's collectives (ddp_reducer_join shadows nothing else)", fn, why);
+    }
     memset(v, 0, sizeof *v);
     v->first_active = v->last_active = v->last_joiner = v->disagree = -1;
     for (k = 0; k < world; k++) {
@@ -15778,7 +15786,7 @@ static ddp_result ddp__join_uneven(ddp_reducer *r, const char *fn, const ddp__jo
    buffers every rank takes (the highest active one, as torch's _find_common_rank). */
 static ddp_result ddp__join_announce(ddp_reducer *r, int kind, const char *fn, int *root) {
     ddp__join_round v;
-    ddp_result res = ddp__join_exchange(r, kind, kind == DDP__JOIN_STEP && r->sync ? DDP__JOIN_SYNC : 0, &v);
+    ddp_result res = ddp__join_exchange(r, fn, kind, kind == DDP__JOIN_STEP && r->sync ? DDP__JOIN_SYNC : 0, &v);
     if (res) return res;
     if (v.disagree >= 0) return ddp__join_disagree(r, fn, &v);
     if (v.joined && r->desc.join_fail_early) return ddp__join_uneven(r, fn, &v);
@@ -15849,7 +15857,7 @@ DDP_API ddp_result ddp_reducer_join(ddp_reducer *r) {
         return ddp__fail(r->g, DDP_ERR_STATE, "ddp_reducer_join: called during a backward pass; end it first "
                          "(ddp_reducer_end_backward), then join when there is no data left");
     for (;;) {
-        if ((res = ddp__join_exchange(r, DDP__JOIN_JOINED, flags, &v)) != DDP_SUCCESS) return res;
+        if ((res = ddp__join_exchange(r, "ddp_reducer_join", DDP__JOIN_JOINED, flags, &v)) != DDP_SUCCESS) return res;
         flags = 0;
         if (v.disagree >= 0) return ddp__join_disagree(r, "ddp_reducer_join", &v);
         if (v.active == 0) break;

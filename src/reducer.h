@@ -63,8 +63,8 @@
      out, every rank gets DDP_ERR_UNEVEN_INPUTS (from begin_backward or broadcast_buffers on the ranks with
      data, from ddp_reducer_join on the others) naming the ranks that ran out and the step; the group and
      the reducer stay usable. Only the reducer's own collectives are shadowed: a rank with data that issues
-     other collectives (a loss all-reduce for logging) before every rank has joined waits for the joined
-     ranks until the group's timeout, as in torch. Cost when the ranks are even: one all_gather of 12 bytes
+     another collective (a loss all-reduce for logging) before every rank has joined meets a joined rank's
+     join round, DDP_ERR_MISMATCH on both at once (torch hangs), and the group is broken. Cost when the ranks are even: one all_gather of 12 bytes
      per rank per backward pass (torch adds one or two 4-byte all-reduces per forward).
 
    Differences from PyTorch 1.13, none of which changes the averaged gradients beyond rounding:

@@ -213,7 +213,7 @@ static int fail_main(int rank, int n, void *arg) {
     CHECK(strstr(ddp_last_error(g), want) != NULL, "rank %d: the message lacks \"%s\": %s", rank, want, ddp_last_error(g));
     snprintf(want, sizeof want, "ran out of data after %d step%s", first, first == 1 ? "" : "s");
     CHECK(strstr(ddp_last_error(g), want) != NULL, "rank %d: the message lacks \"%s\": %s", rank, want, ddp_last_error(g));
-    if (rank == 0) printf("  fail early, %d ranks: %s\n", n, ddp_last_error(g));
+    if (rank == 0) printf("  fail early, %d ranks, detected in %.1f ms: %s\n", n, (tl_now() - t0) * 1e3, ddp_last_error(g));
     /* the group and the reducer are still usable: a collective, then a synchronised step on every rank */
     CHECK_OK(ddp_all_reduce(g, &ones, 1, DDP_F32, DDP_SUM), g);
     CHECK(ones == (float)n, "rank %d: all_reduce after the error gave %g", rank, (double)ones);
@@ -232,6 +232,7 @@ static int disagree_main(int rank, int n, void *arg) {
     ddp_reducer *r;
     ddp_reducer_desc d;
     ddp_result res;
+    double t0;
     float w[2] = {0, 0}, gw[2] = {0, 0};
     (void)n, (void)arg;
     CHECK_OK(ddp_init(NULL, &g), NULL);
@@ -261,8 +262,22 @@ static int disagree_main(int rank, int n, void *arg) {
     CHECK(ddp_reducer_join(r) == DDP_ERR_STATE, "join during a backward pass");
     CHECK_OK(ddp_reducer_end_backward(r), g);
     CHECK_OK(ddp_reducer_join(r), g);
+    /* a rank with data calls another collective while the other has joined: the join round's all_gather
+       meets it, a mismatch on both ranks at once (not a wait for the timeout) */
+    t0 = tl_now();
+    if (rank == 0) {
+        float loss = 1.0f;
+        res = ddp_all_reduce(g, &loss, 1, DDP_F32, DDP_SUM);
+    } else {
+        res = ddp_reducer_join(r);
+    }
+    CHECK(res == DDP_ERR_MISMATCH && strstr(ddp_last_error(g), "all_gather"), "rank %d: a collective against the join "
+          "round: %s: %s", rank, ddp_result_string(res), ddp_last_error(g));
+    CHECK(tl_now() - t0 < 10, "rank %d: the mismatch took %.1f s", rank, tl_now() - t0);
+    CHECK(rank == 0 || strstr(ddp_last_error(g), "ddp_reducer_join: the join round"), "rank 1: %s", ddp_last_error(g));
+    if (rank == 0) printf("  another collective against the join round: %.1f ms: %s\n", (tl_now() - t0) * 1e3, ddp_last_error(g));
     ddp_reducer_destroy(r);
-    CHECK_OK(ddp_destroy(g), NULL);
+    ddp_destroy(g);
     return 0;
 }
 
