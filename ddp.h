@@ -619,6 +619,15 @@ DDP_API int ddp_launcher_main(int argc, char **argv);
      join round, DDP_ERR_MISMATCH on both at once (torch hangs), and the group is broken. Cost when the ranks are even: one all_gather of 12 bytes
      per rank per backward pass (torch adds one or two 4-byte all-reduces per forward).
 
+   - Timing (ddp_reducer_get_statistics): wait_seconds, the time inside end_backward, is split into
+     straggler_wait_seconds (waiting for a slower rank) and transfer_seconds (moving data backward did not
+     hide). Each synchronised pass ends with an asynchronous all_gather of 8 bytes per rank: the wall-clock
+     time at which each rank's gradients were all there (its last bucket started). The part of this rank's
+     wait before the last rank was ready is straggler wait, the rest transfer; last_ready_rank names that
+     rank. The all_gather runs while the program goes on (its optimizer step) and is waited for at the
+     next begin_backward or get_statistics, so the split costs no time on the step's path. Between hosts
+     its accuracy is that of their clock synchronisation (NTP: well under a millisecond on a LAN).
+
    Differences from PyTorch 1.13, none of which changes the averaged gradients beyond rounding:
    - The first iteration uses the 1 MiB / 25 MiB buckets in reverse registration order (torch 1.13 puts
      everything in one bucket for that iteration unless find_unused_parameters is set, and with it cuts
@@ -665,6 +674,13 @@ typedef struct ddp_reducer_statistics {
     double total_wait_seconds;
     uint64_t shadowed_iterations; /* uneven_inputs: synchronised passes of the others that this rank shadowed
                                      with zero gradients in ddp_reducer_join */
+    /* wait_seconds split in two (last synchronised pass; see "Timing" above):
+       straggler_wait_seconds + transfer_seconds == wait_seconds */
+    double straggler_wait_seconds; /* waiting for a slower rank: until the last rank had all its gradients */
+    double transfer_seconds;       /* the rest: moving the data that backward did not hide */
+    int last_ready_rank;           /* the rank whose gradients were all there last (the straggler) */
+    double total_straggler_wait_seconds; /* sums over all synchronised iterations */
+    double total_transfer_seconds;
 } ddp_reducer_statistics;
 
 /* ddp_reducer_create: a reducer for the gradients of one model replica on group g (every rank of g takes
@@ -747,8 +763,9 @@ DDP_API ddp_result ddp_reducer_broadcast_buffers(ddp_reducer *r);
    during a backward pass; any error of the collectives. */
 DDP_API ddp_result ddp_reducer_join(ddp_reducer *r);
 
-/* ddp_reducer_get_statistics: fill *out (see ddp_reducer_statistics). DDP_ERR_INVALID_ARGUMENT for NULL
-   pointers. */
+/* ddp_reducer_get_statistics: fill *out (see ddp_reducer_statistics). Waits for the last synchronised
+   pass's timing exchange (every rank started it in end_backward; a small-message latency at most).
+   DDP_ERR_INVALID_ARGUMENT for NULL pointers. */
 DDP_API ddp_result ddp_reducer_get_statistics(const ddp_reducer *r, ddp_reducer_statistics *out);
 
 /* ddp_reducer_stats: DEPRECATED (2026-11-24), the old name of ddp_reducer_get_statistics; it does the
@@ -14839,6 +14856,14 @@ struct ddp_reducer {
     void *shadow;         /* joined rank: zeros for the buckets whose comm memory is the program's gradient */
     size_t shadow_bytes;
 
+    /* timing: see "straggler or transfer" below */
+    int64_t *ready_ns;    /* world + 1: every rank's ready time (wall clock, ns), then this rank's own */
+    void *ready_comm;     /* the same in the backend's memory, for the all_gather */
+    ddp_work *ready_work; /* that all_gather, in flight from end_backward until the pass's timing is done */
+    int ready_discard;    /* the pass in flight was a joined rank's shadow: nothing to account */
+    double t_ready;       /* this pass: the last bucket started (this rank's gradients all there) */
+    double t_enter, t_done, wall_minus_mono; /* this pass: end_backward's entry and end; clock offset */
+
     ddp_reducer_statistics stats;
     double t_begin, t_first_start;
 };
@@ -15294,6 +15319,9 @@ DDP_API ddp_result ddp_reducer_finalize(ddp_reducer *r) {
     if (r->desc.uneven_inputs && !r->join_table)
         r->join_table = (int32_t *)ddp__calloc((size_t)ddp_world_size(r->g) + 1, DDP__JOIN_FIELDS * sizeof(int32_t));
     if (r->desc.uneven_inputs && !r->join_table) return ddp__fail(r->g, DDP_ERR_OUT_OF_MEMORY, "ddp_reducer_finalize: out of memory");
+    if (!r->ready_ns) r->ready_ns = (int64_t *)ddp__calloc((size_t)ddp_world_size(r->g) + 1, sizeof(int64_t));
+    if (!r->ready_comm) r->ready_comm = r->ops->alloc(r->g, ((size_t)ddp_world_size(r->g) + 1) * sizeof(int64_t));
+    if (!r->ready_ns || !r->ready_comm) return ddp__fail(r->g, DDP_ERR_OUT_OF_MEMORY, "ddp_reducer_finalize: out of memory");
     r->finalized = 1;
     if ((res = ddp__reducer_sync_states(r, 0, "ddp_reducer_finalize")) != DDP_SUCCESS) {
         r->finalized = 0;
@@ -15306,6 +15334,71 @@ DDP_API ddp_result ddp_reducer_finalize(ddp_reducer *r) {
     }
     r->rebuild_pending = !r->desc.find_unused_parameters;
     return DDP_SUCCESS;
+}
+
+/* ---- timing: waiting for a slower rank, or moving data ----
+   wait_seconds (the time inside end_backward) mixes two things: waiting for a rank whose backward is
+   slower (no all-reduce can finish before every rank has started it) and moving the data that backward
+   did not hide. To split them, every synchronised pass ends with an asynchronous all_gather of one int64
+   per rank: the wall-clock time at which that rank started its last bucket ("ready": all of its
+   gradients were there). From it, T_last = the latest ready time, and on this rank
+       straggler_wait = clamp(min(T_last, t_done) - t_enter, 0, wait)     t_enter: end_backward's entry
+       transfer       = wait - straggler_wait
+   The exposed wait before the last rank was ready is waiting for that rank; the rest is communication.
+   The last rank itself has straggler_wait 0. The all_gather runs on the progress thread while the
+   program goes on (its optimizer step); the split is completed at the next begin_backward or
+   ddp_reducer_get_statistics, which wait for it. Cost: 8 bytes per rank per synchronised pass, off the
+   critical path. Hosts' wall clocks differ by their synchronisation error (NTP: typically well under a
+   millisecond on a LAN), which bounds the split's error between hosts; within a host it is exact. A
+   joined rank (uneven_inputs) takes part with 0 (never the last). */
+
+static double ddp__wall_seconds(void) {
+    struct timespec ts;
+    clock_gettime(CLOCK_REALTIME, &ts);
+    return (double)ts.tv_sec + (double)ts.tv_nsec * 1e-9;
+}
+
+/* The split of the pass that ended at r->t_done, given when the last rank was ready (monotonic). */
+static void ddp__timing_account(ddp_reducer *r, double t_last, int last_rank) {
+    double wait = r->t_done - r->t_enter, straggler = DDP__MIN(t_last, r->t_done) - r->t_enter;
+    if (straggler < 0) straggler = 0;
+    r->stats.straggler_wait_seconds = straggler;
+    r->stats.transfer_seconds = wait - straggler;
+    r->stats.last_ready_rank = last_rank;
+    r->stats.total_straggler_wait_seconds += straggler;
+    r->stats.total_transfer_seconds += wait - straggler;
+}
+
+/* end_backward (and a joined rank's shadow pass, `shadow`): start the all_gather of ready times. */
+static ddp_result ddp__timing_start(ddp_reducer *r, int shadow) {
+    int world = ddp_world_size(r->g);
+    char *comm = (char *)r->ready_comm;
+    ddp_result res;
+    if (world == 1) {
+        if (!shadow) ddp__timing_account(r, r->t_ready, 0);
+        return DDP_SUCCESS;
+    }
+    r->ready_ns[world] = shadow ? 0 : (int64_t)((r->t_ready + r->wall_minus_mono) * 1e9);
+    r->ops->copy_out(r->g, comm + (size_t)world * 8, DDP_I64, &r->ready_ns[world], DDP_I64, 1);
+    if ((res = ddp_all_gather_async(r->g, comm + (size_t)world * 8, comm, 1, DDP_I64, &r->ready_work)) != DDP_SUCCESS)
+        return r->failed = res;
+    r->ready_discard = shadow;
+    return DDP_SUCCESS;
+}
+
+/* Wait for the last pass's all_gather and split its wait. A failure is the group's (its next collective
+   says so); that pass's split is then left out. */
+static void ddp__timing_finish(ddp_reducer *r) {
+    int world = ddp_world_size(r->g), k, last = 0;
+    ddp_result res;
+    if (!r->ready_work) return;
+    res = ddp_wait(r->ready_work);
+    r->ready_work = NULL;
+    if (res || r->ready_discard) return;
+    r->ops->copy_out(r->g, r->ready_ns, DDP_I64, r->ready_comm, DDP_I64, (size_t)world);
+    for (k = 1; k < world; k++)
+        if (r->ready_ns[k] > r->ready_ns[last]) last = k;
+    ddp__timing_account(r, (double)r->ready_ns[last] * 1e-9 - r->wall_minus_mono, last);
 }
 
 /* ---- backward ---- */
@@ -15334,6 +15427,7 @@ DDP_API ddp_result ddp_reducer_begin_backward(ddp_reducer *r) {
     if (r->in_backward)
         return ddp__fail(r->g, DDP_ERR_STATE, "ddp_reducer_begin_backward: the previous backward pass has not ended; call "
                          "ddp_reducer_end_backward after each backward pass");
+    ddp__timing_finish(r);
     if (r->desc.uneven_inputs && (res = ddp__join_announce(r, DDP__JOIN_STEP, "ddp_reducer_begin_backward", NULL)) != DDP_SUCCESS)
         return res;
     r->in_backward = 1;
@@ -15354,7 +15448,7 @@ static ddp_result ddp__reducer_start_ready(ddp_reducer *r) {
         ddp_result res = ddp_all_reduce_async(r->g, k->comm, k->count, k->comm_dtype, DDP_SUM, &k->work);
         if (res) return r->failed = res;
         if (!r->t_first_start) r->t_first_start = ddp__now();
-        r->next_bucket++;
+        if (++r->next_bucket == r->L.nbuckets) r->t_ready = ddp__now();
     }
     return DDP_SUCCESS;
 }
@@ -15577,6 +15671,10 @@ DDP_API ddp_result ddp_reducer_end_backward(ddp_reducer *r) {
     r->stats.wait_seconds = t_done - t_enter;
     r->stats.total_comm_seconds += r->stats.comm_seconds;
     r->stats.total_wait_seconds += r->stats.wait_seconds;
+    r->t_enter = t_enter;
+    r->t_done = t_done;
+    r->wall_minus_mono = ddp__wall_seconds() - ddp__now();
+    if ((res = ddp__timing_start(r, 0)) != DDP_SUCCESS) return res;
     if (r->rebuild_pending) return ddp__reducer_rebuild(r);
     return DDP_SUCCESS;
 }
@@ -15622,6 +15720,7 @@ DDP_API ddp_result ddp_reducer_broadcast_buffers(ddp_reducer *r) {
 DDP_API ddp_result ddp_reducer_get_statistics(const ddp_reducer *r, ddp_reducer_statistics *out) {
     if (!r || !out)
         return ddp__fail(r ? r->g : NULL, DDP_ERR_INVALID_ARGUMENT, "ddp_reducer_get_statistics: NULL argument");
+    ddp__timing_finish((ddp_reducer *)r); /* the reducer is the caller's, not const memory: const only in the API */
     *out = r->stats;
     return DDP_SUCCESS;
 }
@@ -15642,6 +15741,9 @@ DDP_API void ddp_reducer_destroy(ddp_reducer *r) {
     if (!r) return;
     for (i = 0; r->L.buckets && i < r->L.nbuckets; i++)
         if (r->L.buckets[i].work) ddp_wait(r->L.buckets[i].work);
+    if (r->ready_work) ddp_wait(r->ready_work);
+    if (r->ready_comm) r->ops->release(r->g, r->ready_comm);
+    ddp__free(r->ready_ns);
     ddp__layout_free(r, &r->L);
     for (i = 0; i < r->nparams; i++) ddp__free(r->params[i].name);
     for (i = 0; i < r->nbuffers; i++) ddp__free(r->buffers[i].name);
@@ -15841,6 +15943,8 @@ static ddp_result ddp__join_shadow_backward(ddp_reducer *r) {
     if (used_work && (waited = ddp_wait(used_work)) != DDP_SUCCESS && !res) res = waited;
     if (res) return r->failed = res;
     r->stats.shadowed_iterations++;
+    ddp__timing_finish(r);
+    if ((res = ddp__timing_start(r, 1)) != DDP_SUCCESS) return res;
     if (r->rebuild_pending) return ddp__reducer_rebuild(r);
     return DDP_SUCCESS;
 }

@@ -67,6 +67,15 @@
      join round, DDP_ERR_MISMATCH on both at once (torch hangs), and the group is broken. Cost when the ranks are even: one all_gather of 12 bytes
      per rank per backward pass (torch adds one or two 4-byte all-reduces per forward).
 
+   - Timing (ddp_reducer_get_statistics): wait_seconds, the time inside end_backward, is split into
+     straggler_wait_seconds (waiting for a slower rank) and transfer_seconds (moving data backward did not
+     hide). Each synchronised pass ends with an asynchronous all_gather of 8 bytes per rank: the wall-clock
+     time at which each rank's gradients were all there (its last bucket started). The part of this rank's
+     wait before the last rank was ready is straggler wait, the rest transfer; last_ready_rank names that
+     rank. The all_gather runs while the program goes on (its optimizer step) and is waited for at the
+     next begin_backward or get_statistics, so the split costs no time on the step's path. Between hosts
+     its accuracy is that of their clock synchronisation (NTP: well under a millisecond on a LAN).
+
    Differences from PyTorch 1.13, none of which changes the averaged gradients beyond rounding:
    - The first iteration uses the 1 MiB / 25 MiB buckets in reverse registration order (torch 1.13 puts
      everything in one bucket for that iteration unless find_unused_parameters is set, and with it cuts
@@ -113,6 +122,13 @@ typedef struct ddp_reducer_statistics {
     double total_wait_seconds;
     uint64_t shadowed_iterations; /* uneven_inputs: synchronised passes of the others that this rank shadowed
                                      with zero gradients in ddp_reducer_join */
+    /* wait_seconds split in two (last synchronised pass; see "Timing" above):
+       straggler_wait_seconds + transfer_seconds == wait_seconds */
+    double straggler_wait_seconds; /* waiting for a slower rank: until the last rank had all its gradients */
+    double transfer_seconds;       /* the rest: moving the data that backward did not hide */
+    int last_ready_rank;           /* the rank whose gradients were all there last (the straggler) */
+    double total_straggler_wait_seconds; /* sums over all synchronised iterations */
+    double total_transfer_seconds;
 } ddp_reducer_statistics;
 
 /* ddp_reducer_create: a reducer for the gradients of one model replica on group g (every rank of g takes
@@ -195,8 +211,9 @@ DDP_API ddp_result ddp_reducer_broadcast_buffers(ddp_reducer *r);
    during a backward pass; any error of the collectives. */
 DDP_API ddp_result ddp_reducer_join(ddp_reducer *r);
 
-/* ddp_reducer_get_statistics: fill *out (see ddp_reducer_statistics). DDP_ERR_INVALID_ARGUMENT for NULL
-   pointers. */
+/* ddp_reducer_get_statistics: fill *out (see ddp_reducer_statistics). Waits for the last synchronised
+   pass's timing exchange (every rank started it in end_backward; a small-message latency at most).
+   DDP_ERR_INVALID_ARGUMENT for NULL pointers. */
 DDP_API ddp_result ddp_reducer_get_statistics(const ddp_reducer *r, ddp_reducer_statistics *out);
 
 /* ddp_reducer_stats: DEPRECATED (2026-11-24), the old name of ddp_reducer_get_statistics; it does the
