@@ -282,7 +282,7 @@ static int disagree_main(int rank, int n, void *arg) {
 }
 
 int main(void) {
-    static const shards TRAIN[] = {{2, {5, 3}}, {3, {4, 0, 6}}, {4, {3, 5, 0, 5}}, {1, {3}}};
+    static const shards TRAIN[] = {{2, {5, 3}}, {3, {4, 0, 6}}, {4, {3, 5, 0, 5}}, {3, {0, 4, 2}}, {1, {3}}};
     static const shards FAIL[] = {{3, {4, 2, 5}}, {2, {3, 0}}, {4, {3, 3, 1, 1}}};
     size_t k;
     for (k = 0; k < sizeof TRAIN / sizeof TRAIN[0]; k++) {
