@@ -8,12 +8,15 @@
                                  name the first that differs (the same message on every rank)
                               2. broadcast parameters and buffers from rank 0 (small ones coalesced)
                               3. buckets in reverse registration order
-     begin_backward           every bucket waits for all of its gradients
+     begin_backward           (uneven_inputs) the join round, see "uneven inputs" at the end; every bucket
+                              waits for all of its gradients
      grad_ready(i)            copy gradient i * (1/world) into its bucket slot; start every complete
                               bucket that is next in line (buckets start strictly in order)
      end_backward             (find_unused) zero the missing gradients' slots, start the rest, all-reduce
-                              the "used" map; wait for each bucket and copy it back; after the first
-                              synchronised pass, rebuild the buckets in rank 0's ready order once
+                              the "used" map; wait for each bucket and copy it back; start the timing
+                              exchange (see "timing"); after the first synchronised pass, rebuild the
+                              buckets in rank 0's ready order once
+     join                     (uneven_inputs) shadow the others' passes until every rank has joined
 
    Where gradients live (g = the gradients' dtype, c = the communication dtype):
      plain                     program's grad --(x 1/world, g -> c)--> comm bucket --all-reduce--> grad
@@ -762,11 +765,17 @@ DDP_API ddp_result ddp_reducer_begin_backward(ddp_reducer *r) {
     return DDP_SUCCESS;
 }
 
+/* Start bucket k's collective on `data` (its comm memory; a joined rank's zeros): DDP's SUM all-reduce.
+   The one place that chooses a bucket's collective, for the ranks with data and the joined ones alike. */
+static ddp_result ddp__bucket_start(ddp_reducer *r, ddp__bucket *k, void *data) {
+    return ddp_all_reduce_async(r->g, data, k->count, k->comm_dtype, DDP_SUM, &k->work);
+}
+
 /* Start every complete bucket that is next in line. */
 static ddp_result ddp__reducer_start_ready(ddp_reducer *r) {
     while (r->next_bucket < r->L.nbuckets && r->L.buckets[r->next_bucket].pending == 0) {
         ddp__bucket *k = &r->L.buckets[r->next_bucket];
-        ddp_result res = ddp_all_reduce_async(r->g, k->comm, k->count, k->comm_dtype, DDP_SUM, &k->work);
+        ddp_result res = ddp__bucket_start(r, k, k->comm);
         if (res) return r->failed = res;
         if (!r->t_first_start) r->t_first_start = ddp__now();
         if (++r->next_bucket == r->L.nbuckets) r->t_ready = ddp__now();
@@ -1249,7 +1258,7 @@ static ddp_result ddp__join_shadow_backward(ddp_reducer *r) {
         void *zeros = ddp__bucket_in_place(k) ? (char *)r->shadow + off : k->comm;
         if (ddp__bucket_in_place(k)) off += bytes;
         r->ops->zero(r->g, zeros, bytes);
-        res = ddp_all_reduce_async(r->g, zeros, k->count, k->comm_dtype, DDP_SUM, &k->work);
+        res = ddp__bucket_start(r, k, zeros);
     }
     if (!res && r->desc.find_unused_parameters) {
         r->ops->zero(r->g, r->used_comm, ddp__reducer_n(r));
