@@ -185,7 +185,9 @@ typedef enum ddp_result {
     DDP_ERR_FORMAT = -9,           /* malformed file or message */
     DDP_ERR_IO = -10,              /* a file could not be read, written or synced */
     DDP_ERR_INIT = -11,            /* rendezvous failed: bad environment, unreachable master, port in use, ... */
-    DDP_ERR_WORKER_FAILED = -12    /* ddp_spawn / ddprun: a worker process failed; the message says how */
+    DDP_ERR_WORKER_FAILED = -12,   /* ddp_spawn / ddprun: a worker process failed; the message says how */
+    DDP_ERR_UNEVEN_INPUTS = -13    /* reducer with join_fail_early: a rank ran out of data (the message names
+                                      it and the step); the group stays usable */
 } ddp_result;
 
 /* Element types. DDP_DTYPE_DEFAULT (0) exists so that zero-initialised descriptors mean "the natural
@@ -603,6 +605,36 @@ DDP_API int ddp_launcher_main(int argc, char **argv);
    - Compression: comm_dtype DDP_F16 / DDP_BF16 sends the buckets in half precision, like PyTorch's
      fp16_compress_hook / bf16_compress_hook (cast, divide by the world size, all-reduce, cast back).
 
+   - Uneven inputs (torch's `with model.join():`, the Join context manager): with uneven_inputs = 1 ranks
+     may run out of data at different steps. Each rank with data announces every backward pass (and every
+     ddp_reducer_broadcast_buffers) in one small all_gather; a rank without data calls ddp_reducer_join(r),
+     which answers those rounds as the others' steps need: zeros into every bucket's all-reduce of a
+     synchronised pass (nothing for a no_sync pass; the buffer broadcast for a buffer broadcast), until every
+     rank has joined. Gradients are divided by the INITIAL world size (torch's divide_by_initial_world_size
+     = True), so a step's average is the sum over the ranks that still had data / world size. When the last
+     rank joins, every rank gets the parameters and buffers of the highest-ranked of the last joiners (torch's
+     _sync_final_model), so the ranks that stopped early end with the trained model. With uneven_inputs,
+     buffers come from the highest rank that still has data (torch's _find_common_rank), not rank 0.
+     Every rank calls ddp_reducer_join when its data ends, the last ones too (they return at once):
+         for (batch = 0; batch < my_batches; batch++) { forward; begin_backward; ...; end_backward; step; }
+         ddp_reducer_join(red);          // DDP_SUCCESS once every rank has joined; models equal again
+     join_fail_early = 1 (torch's throw_on_early_termination): instead, at the step where the first rank runs
+     out, every rank gets DDP_ERR_UNEVEN_INPUTS (from begin_backward or broadcast_buffers on the ranks with
+     data, from ddp_reducer_join on the others) naming the ranks that ran out and the step; the group and
+     the reducer stay usable. Only the reducer's own collectives are shadowed: a rank with data that issues
+     another collective (a loss all-reduce for logging) before every rank has joined meets a joined rank's
+     join round, DDP_ERR_MISMATCH on both at once (torch hangs), and the group is broken. Cost when the ranks are even: one all_gather of 12 bytes
+     per rank per backward pass (torch adds one or two 4-byte all-reduces per forward).
+
+   - Timing (ddp_reducer_get_statistics): wait_seconds, the time inside end_backward, is split into
+     straggler_wait_seconds (waiting for a slower rank) and transfer_seconds (moving data backward did not
+     hide). Each synchronised pass ends with an asynchronous all_gather of 8 bytes per rank: the wall-clock
+     time at which each rank's gradients were all there (its last bucket started). The part of this rank's
+     wait before the last rank was ready is straggler wait, the rest transfer; last_ready_rank names that
+     rank. The all_gather runs while the program goes on (its optimizer step) and is waited for at the
+     next begin_backward or get_statistics, so the split costs no time on the step's path. Between hosts
+     its accuracy is that of their clock synchronisation (NTP: well under a millisecond on a LAN).
+
    Differences from PyTorch 1.13, none of which changes the averaged gradients beyond rounding:
    - The first iteration uses the 1 MiB / 25 MiB buckets in reverse registration order (torch 1.13 puts
      everything in one bucket for that iteration unless find_unused_parameters is set, and with it cuts
@@ -628,6 +660,9 @@ typedef struct ddp_reducer_desc {
     int find_unused_parameters;   /* 1: a parameter may get no gradient on some ranks (see above) */
     int gradient_as_bucket_view;  /* 1: gradients live in the buckets; ddp_reducer_grad() says where */
     ddp_dtype comm_dtype;         /* DDP_DTYPE_DEFAULT: the gradients' dtype; DDP_F16 / DDP_BF16: compress */
+    int uneven_inputs;            /* 1: ranks may run out of data at different steps: ddp_reducer_join (Join) */
+    int join_fail_early;          /* with uneven_inputs: DDP_ERR_UNEVEN_INPUTS on every rank when the first rank
+                                     runs out, instead of shadowing (Join's throw_on_early_termination) */
 } ddp_reducer_desc;
 
 /* Per-iteration statistics, like DDP's logging data (DistributedDataParallel._get_ddp_logging_data()).
@@ -646,6 +681,15 @@ typedef struct ddp_reducer_statistics {
     double wait_seconds;       /* time spent inside end_backward: the communication backward did not hide */
     double total_comm_seconds; /* sums over all synchronised iterations */
     double total_wait_seconds;
+    uint64_t shadowed_iterations; /* uneven_inputs: synchronised passes of the others that this rank shadowed
+                                     with zero gradients in ddp_reducer_join */
+    /* wait_seconds split in two (last synchronised pass; see "Timing" above):
+       straggler_wait_seconds + transfer_seconds == wait_seconds */
+    double straggler_wait_seconds; /* waiting for a slower rank: until the last rank had all its gradients */
+    double transfer_seconds;       /* the rest: moving the data that backward did not hide */
+    int last_ready_rank;           /* the rank whose gradients were all there last (the straggler) */
+    double total_straggler_wait_seconds; /* sums over all synchronised iterations */
+    double total_transfer_seconds;
 } ddp_reducer_statistics;
 
 /* ddp_reducer_create: a reducer for the gradients of one model replica on group g (every rank of g takes
@@ -683,7 +727,9 @@ DDP_API ddp_result ddp_reducer_finalize(ddp_reducer *r);
 DDP_API void *ddp_reducer_grad(ddp_reducer *r, int index);
 
 /* ddp_reducer_begin_backward: a backward pass starts (synchronised, or local under set_sync(r, 0)).
-   DDP_ERR_STATE before finalize or when the previous backward has not ended. */
+   DDP_ERR_STATE before finalize or when the previous backward has not ended. With uneven_inputs it is
+   collective (the join round, see above): DDP_ERR_UNEVEN_INPUTS (join_fail_early) when a rank has run out
+   of data, DDP_ERR_MISMATCH when the ranks with data disagree about no_sync; the pass has not begun then. */
 DDP_API ddp_result ddp_reducer_begin_backward(ddp_reducer *r);
 
 /* ddp_reducer_grad_ready: parameter index's gradient is complete for this backward pass (the autograd
@@ -712,11 +758,24 @@ DDP_API ddp_result ddp_reducer_set_sync(ddp_reducer *r, int sync);
 DDP_API ddp_result ddp_reducer_zero_grad(ddp_reducer *r);
 
 /* ddp_reducer_broadcast_buffers: collective; copy rank 0's buffers to every rank (DDP's
-   broadcast_buffers=True does it before each forward). Not during a backward pass. */
+   broadcast_buffers=True does it before each forward). Not during a backward pass. With uneven_inputs:
+   the highest rank that still has data is the source (torch's _find_common_rank), and the errors of
+   begin_backward's join round apply. */
 DDP_API ddp_result ddp_reducer_broadcast_buffers(ddp_reducer *r);
 
-/* ddp_reducer_get_statistics: fill *out (see ddp_reducer_statistics). DDP_ERR_INVALID_ARGUMENT for NULL
-   pointers. */
+/* ddp_reducer_join: this rank has no data left (uneven_inputs = 1; see "Uneven inputs" above). Collective:
+   shadows the reducer's collectives of the ranks that still have data, with zero gradients, until every
+   rank has called ddp_reducer_join; then every rank gets the parameters and buffers of the highest-ranked
+   last joiner. The program's gradients are left as they were. Return: DDP_SUCCESS when every rank has
+   joined; DDP_ERR_UNEVEN_INPUTS with join_fail_early while some rank still has data (every rank gets it,
+   naming the ranks and the step); DDP_ERR_MISMATCH when the ranks with data make different reducer calls
+   (a no_sync pass against a synchronised one: every rank gets it); DDP_ERR_STATE without uneven_inputs or
+   during a backward pass; any error of the collectives. */
+DDP_API ddp_result ddp_reducer_join(ddp_reducer *r);
+
+/* ddp_reducer_get_statistics: fill *out (see ddp_reducer_statistics). Waits for the last synchronised
+   pass's timing exchange (every rank started it in end_backward; a small-message latency at most).
+   DDP_ERR_INVALID_ARGUMENT for NULL pointers. */
 DDP_API ddp_result ddp_reducer_get_statistics(const ddp_reducer *r, ddp_reducer_statistics *out);
 
 /* ddp_reducer_stats: DEPRECATED (2026-11-24), the old name of ddp_reducer_get_statistics; it does the
@@ -2544,6 +2603,7 @@ DDP_API const char *ddp_result_string(ddp_result r) {
     case DDP_ERR_IO: return "DDP_ERR_IO: file input/output failed";
     case DDP_ERR_INIT: return "DDP_ERR_INIT: process-group initialisation failed";
     case DDP_ERR_WORKER_FAILED: return "DDP_ERR_WORKER_FAILED: a worker process failed";
+    case DDP_ERR_UNEVEN_INPUTS: return "DDP_ERR_UNEVEN_INPUTS: a rank ran out of data (uneven inputs)";
     }
     return "unknown ddp_result";
 }
@@ -2674,7 +2734,7 @@ static uint64_t ddp__hash(const char *s) { /* FNV-1a */
 }
 
 static ddp_result ddp__peer_code(long code, ddp_result fallback) {
-    return code <= DDP_ERR_INVALID_ARGUMENT && code >= DDP_ERR_WORKER_FAILED ? (ddp_result)code : fallback;
+    return code <= DDP_ERR_INVALID_ARGUMENT && code >= DDP_ERR_UNEVEN_INPUTS ? (ddp_result)code : fallback;
 }
 
 /* ---- open files ----
@@ -5302,7 +5362,7 @@ static ddp_result ddp__tcp_recv_status(ddp_store *s, double deadline, double sec
         memcpy(&code, head, 4);
         memcpy(&len, head + 4, 8);
     }
-    if (status != DDP__STATUS_REFUSED || len >= sizeof why || code >= 0 || code < (int32_t)DDP_ERR_WORKER_FAILED) {
+    if (status != DDP__STATUS_REFUSED || len >= sizeof why || code >= 0 || code < (int32_t)DDP_ERR_UNEVEN_INPUTS) {
         ddp__tcp_disconnect(s);
         return ddp__store_fail(s, DDP_ERR_FORMAT, "%s answered status %u while %s (expected 0, 1 or a refusal); is it a "
                                                   "torch 1.13, torch 2.x or ddp.h store?", s->where, status, doing);
@@ -14901,12 +14961,15 @@ DDP_API int ddp_launcher_main(int argc, char **argv) {
                                  name the first that differs (the same message on every rank)
                               2. broadcast parameters and buffers from rank 0 (small ones coalesced)
                               3. buckets in reverse registration order
-     begin_backward           every bucket waits for all of its gradients
+     begin_backward           (uneven_inputs) the join round, see "uneven inputs" at the end; every bucket
+                              waits for all of its gradients
      grad_ready(i)            copy gradient i * (1/world) into its bucket slot; start every complete
                               bucket that is next in line (buckets start strictly in order)
      end_backward             (find_unused) zero the missing gradients' slots, start the rest, all-reduce
-                              the "used" map; wait for each bucket and copy it back; after the first
-                              synchronised pass, rebuild the buckets in rank 0's ready order once
+                              the "used" map; wait for each bucket and copy it back; start the timing
+                              exchange (see "timing"); after the first synchronised pass, rebuild the
+                              buckets in rank 0's ready order once
+     join                     (uneven_inputs) shadow the others' passes until every rank has joined
 
    Where gradients live (g = the gradients' dtype, c = the communication dtype):
      plain                     program's grad --(x 1/world, g -> c)--> comm bucket --all-reduce--> grad
@@ -14924,6 +14987,9 @@ DDP_API int ddp_launcher_main(int argc, char **argv) {
 #define DDP__REDUCER_BROADCAST_CHUNK ((size_t)250 << 20)   /* DDP's broadcast_bucket_size */
 #define DDP__REDUCER_SMALL_TENSOR ((size_t)1 << 20)        /* smaller tensors are coalesced for broadcast */
 #define DDP__REDUCER_NAME_RECORD 72                        /* name bytes in a mismatch record */
+#define DDP__JOIN_FIELDS 3                                 /* a join record: kind, flags, steps */
+enum { DDP__JOIN_JOINED = 0, DDP__JOIN_STEP = 1, DDP__JOIN_BUFFERS = 2 }; /* a join record's kind */
+enum { DDP__JOIN_SYNC = 1, DDP__JOIN_FIRST = 2 };                         /* and its flags */
 
 /* ---- the backend's memory: what the reducer asks of a backend (ddp__backend in internal.h) ----
    Buckets are in the backend's memory (host memory for cpu and mpi; device memory for nccl, where the
@@ -15062,6 +15128,20 @@ struct ddp_reducer {
     void *bstage;      /* staging for coalesced buffer broadcasts */
     size_t bstage_bytes;
 
+    /* uneven_inputs (Join): see "uneven inputs" below */
+    int32_t *join_table;  /* world records of DDP__JOIN_FIELDS: the last round's announcements */
+    int join_steps;       /* backward passes this rank announced since the last join */
+    void *shadow;         /* joined rank: zeros for the buckets whose comm memory is the program's gradient */
+    size_t shadow_bytes;
+
+    /* timing: see "straggler or transfer" below */
+    int64_t *ready_ns;    /* world + 1: every rank's ready time (wall clock, ns), then this rank's own */
+    void *ready_comm;     /* the same in the backend's memory, for the all_gather */
+    ddp_work *ready_work; /* that all_gather, in flight from end_backward until the pass's timing is done */
+    int ready_discard;    /* the pass in flight was a joined rank's shadow: nothing to account */
+    double t_ready;       /* this pass: the last bucket started (this rank's gradients all there) */
+    double t_enter, t_done, wall_minus_mono; /* this pass: end_backward's entry and end; clock offset */
+
     ddp_reducer_statistics stats;
     double t_begin, t_first_start;
 };
@@ -15085,6 +15165,9 @@ DDP_API ddp_result ddp_reducer_create(ddp_group *g, const ddp_reducer_desc *d, d
     if (d) desc = *d;
     if (!desc.bucket_cap_bytes) desc.bucket_cap_bytes = DDP__REDUCER_DEFAULT_CAP;
     if (!desc.first_bucket_bytes) desc.first_bucket_bytes = DDP__REDUCER_DEFAULT_FIRST;
+    if (desc.join_fail_early && !desc.uneven_inputs)
+        return ddp__fail(g, DDP_ERR_INVALID_ARGUMENT, "ddp_reducer_create: join_fail_early = 1 needs uneven_inputs = 1 "
+                         "(it says what happens when a rank runs out of data, which only uneven_inputs detects)");
     if (desc.comm_dtype != DDP_DTYPE_DEFAULT && !(ddp__dtype_valid(desc.comm_dtype) && ddp__dtype_is_float(desc.comm_dtype)))
         return ddp__fail(g, DDP_ERR_INVALID_ARGUMENT, "ddp_reducer_create: comm_dtype %d is not DDP_DTYPE_DEFAULT or a "
                          "floating dtype (DDP_F16 or DDP_BF16 to compress)", (int)desc.comm_dtype);
@@ -15312,8 +15395,8 @@ static ddp_result ddp__reducer_verify(ddp_reducer *r) {
 
 /* ---- finalize, step 2: rank 0's values everywhere (DDP's _sync_module_states) ---- */
 
-/* Broadcast tensors from rank 0: a large tensor in place, runs of small ones packed into `stage`. */
-static ddp_result ddp__reducer_broadcast(ddp_reducer *r, ddp__rtensor *ts, int n, void *stage, size_t stage_bytes) {
+/* Broadcast tensors from root: a large tensor in place, runs of small ones packed into `stage`. */
+static ddp_result ddp__reducer_broadcast(ddp_reducer *r, ddp__rtensor *ts, int n, void *stage, size_t stage_bytes, int root) {
     ddp_group *g = r->g;
     int i = 0, j, k;
     ddp_result res;
@@ -15321,19 +15404,19 @@ static ddp_result ddp__reducer_broadcast(ddp_reducer *r, ddp__rtensor *ts, int n
     while (i < n) {
         size_t bytes = ddp__tensor_bytes(&ts[i]), off = 0;
         if (bytes >= DDP__REDUCER_SMALL_TENSOR || bytes > stage_bytes || !stage) {
-            if ((res = ddp_broadcast(g, ts[i].data, bytes, DDP_U8, 0)) != DDP_SUCCESS) return res;
+            if ((res = ddp_broadcast(g, ts[i].data, bytes, DDP_U8, root)) != DDP_SUCCESS) return res;
             i++;
             continue;
         }
         for (j = i; j < n; j++) {
             size_t b = ddp__tensor_bytes(&ts[j]);
             if (b >= DDP__REDUCER_SMALL_TENSOR || off + b > stage_bytes) break;
-            if (ddp_rank(g) == 0) r->ops->copy_out(g, (char *)stage + off, ts[j].dtype, ts[j].data, ts[j].dtype, ts[j].count);
+            if (ddp_rank(g) == root) r->ops->copy_out(g, (char *)stage + off, ts[j].dtype, ts[j].data, ts[j].dtype, ts[j].count);
             off += b;
         }
-        if ((res = ddp_broadcast(g, stage, off, DDP_U8, 0)) != DDP_SUCCESS) return res;
+        if ((res = ddp_broadcast(g, stage, off, DDP_U8, root)) != DDP_SUCCESS) return res;
         for (off = 0, k = i; k < j; k++) {
-            if (ddp_rank(g) != 0) r->ops->copy_out(g, ts[k].data, ts[k].dtype, (char *)stage + off, ts[k].dtype, ts[k].count);
+            if (ddp_rank(g) != root) r->ops->copy_out(g, ts[k].data, ts[k].dtype, (char *)stage + off, ts[k].dtype, ts[k].count);
             off += ddp__tensor_bytes(&ts[k]);
         }
         i = j;
@@ -15350,15 +15433,16 @@ static size_t ddp__stage_bytes(const ddp__rtensor *ts, int n) {
     return DDP__MIN(total, DDP__REDUCER_BROADCAST_CHUNK);
 }
 
-static ddp_result ddp__reducer_sync_states(ddp_reducer *r) {
+/* Parameters and buffers from root everywhere (finalize: rank 0; the end of a join: the last joiner). */
+static ddp_result ddp__reducer_sync_states(ddp_reducer *r, int root, const char *fn) {
     size_t bytes = ddp__stage_bytes(r->params, r->nparams);
     void *stage = bytes ? r->ops->alloc(r->g, bytes) : NULL;
     ddp_result res;
-    if (bytes && !stage) return ddp__fail(r->g, DDP_ERR_OUT_OF_MEMORY, "ddp_reducer_finalize: out of memory (%zu bytes)", bytes);
-    res = ddp__reducer_broadcast(r, r->params, r->nparams, stage, bytes);
+    if (bytes && !stage) return ddp__fail(r->g, DDP_ERR_OUT_OF_MEMORY, "%s: out of memory (%zu bytes)", fn, bytes);
+    res = ddp__reducer_broadcast(r, r->params, r->nparams, stage, bytes, root);
     if (stage) r->ops->release(r->g, stage);
     if (res) return res;
-    return ddp_reducer_broadcast_buffers(r);
+    return ddp__reducer_broadcast(r, r->buffers, r->nbuffers, r->bstage, r->bstage_bytes, root);
 }
 
 /* ---- finalize, step 3 (and the rebuild): bucket layout ---- */
@@ -15553,8 +15637,14 @@ DDP_API ddp_result ddp_reducer_finalize(ddp_reducer *r) {
     if (!r->ready || !r->used || !r->order || (r->bstage_bytes && !r->bstage) ||
         (r->desc.find_unused_parameters && (!r->used_comm || !r->used_global)))
         return ddp__fail(r->g, DDP_ERR_OUT_OF_MEMORY, "ddp_reducer_finalize: out of memory");
-    r->finalized = 1; /* broadcast_buffers needs it */
-    if ((res = ddp__reducer_sync_states(r)) != DDP_SUCCESS) {
+    if (r->desc.uneven_inputs && !r->join_table)
+        r->join_table = (int32_t *)ddp__calloc((size_t)ddp_world_size(r->g) + 1, DDP__JOIN_FIELDS * sizeof(int32_t));
+    if (r->desc.uneven_inputs && !r->join_table) return ddp__fail(r->g, DDP_ERR_OUT_OF_MEMORY, "ddp_reducer_finalize: out of memory");
+    if (!r->ready_ns) r->ready_ns = (int64_t *)ddp__calloc((size_t)ddp_world_size(r->g) + 1, sizeof(int64_t));
+    if (!r->ready_comm) r->ready_comm = r->ops->alloc(r->g, ((size_t)ddp_world_size(r->g) + 1) * sizeof(int64_t));
+    if (!r->ready_ns || !r->ready_comm) return ddp__fail(r->g, DDP_ERR_OUT_OF_MEMORY, "ddp_reducer_finalize: out of memory");
+    r->finalized = 1;
+    if ((res = ddp__reducer_sync_states(r, 0, "ddp_reducer_finalize")) != DDP_SUCCESS) {
         r->finalized = 0;
         return res;
     }
@@ -15567,7 +15657,74 @@ DDP_API ddp_result ddp_reducer_finalize(ddp_reducer *r) {
     return DDP_SUCCESS;
 }
 
+/* ---- timing: waiting for a slower rank, or moving data ----
+   wait_seconds (the time inside end_backward) mixes two things: waiting for a rank whose backward is
+   slower (no all-reduce can finish before every rank has started it) and moving the data that backward
+   did not hide. To split them, every synchronised pass ends with an asynchronous all_gather of one int64
+   per rank: the wall-clock time at which that rank started its last bucket ("ready": all of its
+   gradients were there). From it, T_last = the latest ready time, and on this rank
+       straggler_wait = clamp(min(T_last, t_done) - t_enter, 0, wait)     t_enter: end_backward's entry
+       transfer       = wait - straggler_wait
+   The exposed wait before the last rank was ready is waiting for that rank; the rest is communication.
+   The last rank itself has straggler_wait 0. The all_gather runs on the progress thread while the
+   program goes on (its optimizer step); the split is completed at the next begin_backward or
+   ddp_reducer_get_statistics, which wait for it. Cost: 8 bytes per rank per synchronised pass, off the
+   critical path. Hosts' wall clocks differ by their synchronisation error (NTP: typically well under a
+   millisecond on a LAN), which bounds the split's error between hosts; within a host it is exact. A
+   joined rank (uneven_inputs) takes part with 0 (never the last). */
+
+static double ddp__wall_seconds(void) {
+    struct timespec ts;
+    clock_gettime(CLOCK_REALTIME, &ts);
+    return (double)ts.tv_sec + (double)ts.tv_nsec * 1e-9;
+}
+
+/* The split of the pass that ended at r->t_done, given when the last rank was ready (monotonic). */
+static void ddp__timing_account(ddp_reducer *r, double t_last, int last_rank) {
+    double wait = r->t_done - r->t_enter, straggler = DDP__MIN(t_last, r->t_done) - r->t_enter;
+    if (straggler < 0) straggler = 0;
+    r->stats.straggler_wait_seconds = straggler;
+    r->stats.transfer_seconds = wait - straggler;
+    r->stats.last_ready_rank = last_rank;
+    r->stats.total_straggler_wait_seconds += straggler;
+    r->stats.total_transfer_seconds += wait - straggler;
+}
+
+/* end_backward (and a joined rank's shadow pass, `shadow`): start the all_gather of ready times. */
+static ddp_result ddp__timing_start(ddp_reducer *r, int shadow) {
+    int world = ddp_world_size(r->g);
+    char *comm = (char *)r->ready_comm;
+    ddp_result res;
+    if (world == 1) {
+        if (!shadow) ddp__timing_account(r, r->t_ready, 0);
+        return DDP_SUCCESS;
+    }
+    r->ready_ns[world] = shadow ? 0 : (int64_t)((r->t_ready + r->wall_minus_mono) * 1e9);
+    r->ops->copy_out(r->g, comm + (size_t)world * 8, DDP_I64, &r->ready_ns[world], DDP_I64, 1);
+    if ((res = ddp_all_gather_async(r->g, comm + (size_t)world * 8, comm, 1, DDP_I64, &r->ready_work)) != DDP_SUCCESS)
+        return r->failed = res;
+    r->ready_discard = shadow;
+    return DDP_SUCCESS;
+}
+
+/* Wait for the last pass's all_gather and split its wait. A failure is the group's (its next collective
+   says so); that pass's split is then left out. */
+static void ddp__timing_finish(ddp_reducer *r) {
+    int world = ddp_world_size(r->g), k, last = 0;
+    ddp_result res;
+    if (!r->ready_work) return;
+    res = ddp_wait(r->ready_work);
+    r->ready_work = NULL;
+    if (res || r->ready_discard) return;
+    r->ops->copy_out(r->g, r->ready_ns, DDP_I64, r->ready_comm, DDP_I64, (size_t)world);
+    for (k = 1; k < world; k++)
+        if (r->ready_ns[k] > r->ready_ns[last]) last = k;
+    ddp__timing_account(r, (double)r->ready_ns[last] * 1e-9 - r->wall_minus_mono, last);
+}
+
 /* ---- backward ---- */
+
+static ddp_result ddp__join_announce(ddp_reducer *r, int kind, const char *fn, int *root);
 
 DDP_API void *ddp_reducer_grad(ddp_reducer *r, int index) {
     if (!r || index < 0 || index >= r->nparams) return NULL;
@@ -15591,6 +15748,9 @@ DDP_API ddp_result ddp_reducer_begin_backward(ddp_reducer *r) {
     if (r->in_backward)
         return ddp__fail(r->g, DDP_ERR_STATE, "ddp_reducer_begin_backward: the previous backward pass has not ended; call "
                          "ddp_reducer_end_backward after each backward pass");
+    ddp__timing_finish(r);
+    if (r->desc.uneven_inputs && (res = ddp__join_announce(r, DDP__JOIN_STEP, "ddp_reducer_begin_backward", NULL)) != DDP_SUCCESS)
+        return res;
     r->in_backward = 1;
     r->pass_sync = r->sync;
     r->next_bucket = 0;
@@ -15602,14 +15762,20 @@ DDP_API ddp_result ddp_reducer_begin_backward(ddp_reducer *r) {
     return DDP_SUCCESS;
 }
 
+/* Start bucket k's collective on `data` (its comm memory; a joined rank's zeros): DDP's SUM all-reduce.
+   The one place that chooses a bucket's collective, for the ranks with data and the joined ones alike. */
+static ddp_result ddp__bucket_start(ddp_reducer *r, ddp__bucket *k, void *data) {
+    return ddp_all_reduce_async(r->g, data, k->count, k->comm_dtype, DDP_SUM, &k->work);
+}
+
 /* Start every complete bucket that is next in line. */
 static ddp_result ddp__reducer_start_ready(ddp_reducer *r) {
     while (r->next_bucket < r->L.nbuckets && r->L.buckets[r->next_bucket].pending == 0) {
         ddp__bucket *k = &r->L.buckets[r->next_bucket];
-        ddp_result res = ddp_all_reduce_async(r->g, k->comm, k->count, k->comm_dtype, DDP_SUM, &k->work);
+        ddp_result res = ddp__bucket_start(r, k, k->comm);
         if (res) return r->failed = res;
         if (!r->t_first_start) r->t_first_start = ddp__now();
-        r->next_bucket++;
+        if (++r->next_bucket == r->L.nbuckets) r->t_ready = ddp__now();
     }
     return DDP_SUCCESS;
 }
@@ -15833,6 +15999,10 @@ DDP_API ddp_result ddp_reducer_end_backward(ddp_reducer *r) {
     r->stats.wait_seconds = t_done - t_enter;
     r->stats.total_comm_seconds += r->stats.comm_seconds;
     r->stats.total_wait_seconds += r->stats.wait_seconds;
+    r->t_enter = t_enter;
+    r->t_done = t_done;
+    r->wall_minus_mono = ddp__wall_seconds() - ddp__now();
+    if ((res = ddp__timing_start(r, 0)) != DDP_SUCCESS) return res;
     if (r->rebuild_pending) return ddp__reducer_rebuild(r);
     return DDP_SUCCESS;
 }
@@ -15865,16 +16035,20 @@ DDP_API ddp_result ddp_reducer_zero_grad(ddp_reducer *r) {
 
 DDP_API ddp_result ddp_reducer_broadcast_buffers(ddp_reducer *r) {
     ddp_result res = ddp__reducer_usable(r, "ddp_reducer_broadcast_buffers");
+    int root = 0;
     if (res) return res;
     if (r->in_backward)
         return ddp__fail(r->g, DDP_ERR_STATE, "ddp_reducer_broadcast_buffers: called during a backward pass; call it "
                          "before the forward pass");
-    return ddp__reducer_broadcast(r, r->buffers, r->nbuffers, r->bstage, r->bstage_bytes);
+    if (r->desc.uneven_inputs && (res = ddp__join_announce(r, DDP__JOIN_BUFFERS, "ddp_reducer_broadcast_buffers", &root)) != DDP_SUCCESS)
+        return res;
+    return ddp__reducer_broadcast(r, r->buffers, r->nbuffers, r->bstage, r->bstage_bytes, root);
 }
 
 DDP_API ddp_result ddp_reducer_get_statistics(const ddp_reducer *r, ddp_reducer_statistics *out) {
     if (!r || !out)
         return ddp__fail(r ? r->g : NULL, DDP_ERR_INVALID_ARGUMENT, "ddp_reducer_get_statistics: NULL argument");
+    ddp__timing_finish((ddp_reducer *)r); /* the reducer is the caller's, not const memory: const only in the API */
     *out = r->stats;
     return DDP_SUCCESS;
 }
@@ -15895,6 +16069,9 @@ DDP_API void ddp_reducer_destroy(ddp_reducer *r) {
     if (!r) return;
     for (i = 0; r->L.buckets && i < r->L.nbuckets; i++)
         if (r->L.buckets[i].work) ddp_wait(r->L.buckets[i].work);
+    if (r->ready_work) ddp_wait(r->ready_work);
+    if (r->ready_comm) r->ops->release(r->g, r->ready_comm);
+    ddp__free(r->ready_ns);
     ddp__layout_free(r, &r->L);
     for (i = 0; i < r->nparams; i++) ddp__free(r->params[i].name);
     for (i = 0; i < r->nbuffers; i++) ddp__free(r->buffers[i].name);
@@ -15907,7 +16084,226 @@ DDP_API void ddp_reducer_destroy(ddp_reducer *r) {
     if (r->used_comm) r->ops->release(r->g, r->used_comm);
     if (r->stash) r->ops->release(r->g, r->stash);
     if (r->bstage) r->ops->release(r->g, r->bstage);
+    if (r->shadow) r->ops->release(r->g, r->shadow);
+    ddp__free(r->join_table);
     ddp__free(r);
+}
+
+/* ---- uneven inputs: torch's Join context manager with DistributedDataParallel ----
+   (torch/distributed/algorithms/join.py; _DDPJoinHook and the join parts of DistributedDataParallel in
+   torch/nn/parallel/distributed.py)
+
+   With uneven_inputs, each collective step of the reducer is announced first: every rank that still has
+   data all_gathers a record {kind, flags, steps} at the start of every backward pass (begin_backward: kind
+   STEP, flag SYNC unless under no_sync; torch's per-forward join all-reduce and its
+   _check_global_requires_backward_grad_sync in one) and of every ddp_reducer_broadcast_buffers (kind
+   BUFFERS). A rank without data calls ddp_reducer_join, which takes part in the same all_gathers with kind
+   JOINED (flag FIRST in its first round) and answers each round as the active ranks' records say:
+     no active rank left    the join is over: parameters and buffers are broadcast from the highest rank
+                            among the last joiners (torch's _sync_final_model), and every rank returns
+     STEP with SYNC         one SUM all-reduce of zeros per bucket, in bucket order and comm dtype (torch's
+                            _match_all_reduce_for_bwd_pass), the used map with zeros (find_unused_parameters,
+                            _match_unused_params_allreduce), then the bucket rebuild if it is still pending
+     STEP without SYNC      nothing: the active ranks only accumulate locally
+     BUFFERS                the buffer broadcast, from the highest active rank (torch's _find_common_rank)
+   Active ranks scale their gradients by 1/(initial world size) as always, so the average includes the
+   joined ranks' zeros (torch's divide_by_initial_world_size=True). Every rank sees every record, so every
+   rank checks the same things and reaches the same verdict: active ranks announcing different things (a
+   no_sync pass against a synchronised one, a buffer broadcast against a backward pass) are DDP_ERR_MISMATCH
+   on every rank; with join_fail_early, a round with both active and joined ranks is DDP_ERR_UNEVEN_INPUTS
+   on every rank. Either way every rank took part in the same all_gathers: the group stays usable.
+   Cost when the ranks are even: one all_gather of 12 bytes per rank per backward pass (torch: two 4-byte
+   all-reduces per forward). */
+
+typedef struct ddp__join_round { /* what one round's records say */
+    int active, joined;  /* ranks with data / ranks in ddp_reducer_join */
+    int first_active;    /* the lowest active rank, whose record the others must match (-1: none) */
+    int last_active;     /* the highest active rank: buffers come from it */
+    int last_joiner;     /* the highest rank in its first join round (-1: none) */
+    int disagree;        /* the first active rank whose announcement differs from first_active's (-1: none) */
+    int kind, sync;      /* first_active's announcement */
+    int steps;           /* first_active's passes since the last join */
+    int joined_steps;    /* the first joined rank's */
+} ddp__join_round;
+
+/* One round: every rank all_gathers {kind, flags, this rank's passes since the last join}. A failure
+   (most often another collective of a rank with data, meeting this all_gather) breaks the group. */
+static ddp_result ddp__join_exchange(ddp_reducer *r, const char *fn, int kind, int flags, ddp__join_round *v) {
+    int world = ddp_world_size(r->g), k;
+    int32_t *mine = r->join_table + (size_t)world * DDP__JOIN_FIELDS;
+    ddp_result res;
+    mine[0] = kind;
+    mine[1] = flags;
+    mine[2] = r->join_steps;
+    if ((res = ddp_all_gather(r->g, mine, r->join_table, DDP__JOIN_FIELDS, DDP_I32)) != DDP_SUCCESS) {
+        char why[DDP__ERR_MAX];
+        snprintf(why, sizeof why, "%s", ddp_last_error(r->g));
+        r->failed = res;
+        return ddp__fail(r->g, res, "%s: the join round (uneven_inputs: an all_gather of 3 x i32 at every backward pass, "
+                         "buffer broadcast and join) failed: %s. Until every rank has joined, the ranks with data may "
+                         "issue only the reducer's collectives (ddp_reducer_join shadows nothing else)", fn, why);
+    }
+    memset(v, 0, sizeof *v);
+    v->first_active = v->last_active = v->last_joiner = v->disagree = -1;
+    for (k = 0; k < world; k++) {
+        const int32_t *e = r->join_table + (size_t)k * DDP__JOIN_FIELDS;
+        int sync = (e[1] & DDP__JOIN_SYNC) != 0;
+        if (e[0] == DDP__JOIN_JOINED) {
+            if (!v->joined++) v->joined_steps = e[2];
+            if (e[1] & DDP__JOIN_FIRST) v->last_joiner = k;
+            continue;
+        }
+        v->active++;
+        v->last_active = k;
+        if (v->first_active < 0) {
+            v->first_active = k;
+            v->kind = e[0];
+            v->sync = sync;
+            v->steps = e[2];
+        } else if (v->disagree < 0 && (e[0] != v->kind || sync != v->sync)) {
+            v->disagree = k;
+        }
+    }
+    return DDP_SUCCESS;
+}
+
+static const char *ddp__join_kind_name(int kind, int sync) {
+    if (kind == DDP__JOIN_BUFFERS) return "ddp_reducer_broadcast_buffers";
+    return sync ? "a synchronised backward pass" : "a backward pass under no_sync (ddp_reducer_set_sync(r, 0))";
+}
+
+static ddp_result ddp__join_disagree(ddp_reducer *r, const char *fn, const ddp__join_round *v) {
+    const int32_t *e = r->join_table + (size_t)v->disagree * DDP__JOIN_FIELDS;
+    return ddp__fail(r->g, DDP_ERR_MISMATCH, "%s: uneven_inputs: the ranks that still have data disagree at step %d: "
+                     "rank %d began %s, rank %d began %s. Every rank with data must make the same reducer calls in the "
+                     "same order (the same set_sync, ddp_reducer_broadcast_buffers on all or none); the group is still "
+                     "usable", fn, v->steps + 1, v->first_active, ddp__join_kind_name(v->kind, v->sync), v->disagree,
+                     ddp__join_kind_name(e[0], (e[1] & DDP__JOIN_SYNC) != 0));
+}
+
+/* "0, 2, 5" for the ranks whose record is (or is not) JOINED; the first 24, then "and N more". */
+static void ddp__join_list(const ddp_reducer *r, int joined, char *out, size_t cap) {
+    int world = ddp_world_size(r->g), k, listed = 0, more = 0;
+    size_t len = 0;
+    out[0] = '\0';
+    for (k = 0; k < world; k++) {
+        if ((r->join_table[(size_t)k * DDP__JOIN_FIELDS] == DDP__JOIN_JOINED) != joined) continue;
+        if (listed == 24) {
+            more++;
+            continue;
+        }
+        if (len < cap) len += (size_t)snprintf(out + len, cap - len, "%s%d", listed ? ", " : "", k);
+        listed++;
+    }
+    if (more && len < cap) snprintf(out + len, cap - len, " and %d more", more);
+}
+
+/* join_fail_early: some ranks ran out while others have data. Every rank builds this same message. */
+static ddp_result ddp__join_uneven(ddp_reducer *r, const char *fn, const ddp__join_round *v) {
+    char joined[200], active[200];
+    ddp__join_list(r, 1, joined, sizeof joined);
+    ddp__join_list(r, 0, active, sizeof active);
+    r->join_steps = 0; /* every rank stops this epoch here; a later one counts from 0 again */
+    return ddp__fail(r->g, DDP_ERR_UNEVEN_INPUTS, "%s: uneven inputs at step %d: rank%s %s ran out of data after %d "
+                     "step%s (called ddp_reducer_join) while rank%s %s still had data. join_fail_early = 1 stops every "
+                     "rank here (torch's throw_on_early_termination); the group and the reducer are still usable. End "
+                     "the epoch on every rank, or set join_fail_early = 0 to let the ranks without data shadow the others",
+                     fn, v->steps + 1, v->joined == 1 ? "" : "s", joined, v->joined_steps, v->joined_steps == 1 ? "" : "s",
+                     v->active == 1 ? "" : "s", active);
+}
+
+/* The active side of a round: announce a backward pass or a buffer broadcast; *root gets the rank whose
+   buffers every rank takes (the highest active one, as torch's _find_common_rank). */
+static ddp_result ddp__join_announce(ddp_reducer *r, int kind, const char *fn, int *root) {
+    ddp__join_round v;
+    ddp_result res = ddp__join_exchange(r, fn, kind, kind == DDP__JOIN_STEP && r->sync ? DDP__JOIN_SYNC : 0, &v);
+    if (res) return res;
+    if (v.disagree >= 0) return ddp__join_disagree(r, fn, &v);
+    if (v.joined && r->desc.join_fail_early) return ddp__join_uneven(r, fn, &v);
+    if (kind == DDP__JOIN_STEP) r->join_steps++;
+    if (root) *root = v.last_active;
+    return DDP_SUCCESS;
+}
+
+/* Zeros for the buckets whose comm memory is the program's gradient (views without compression); the
+   other buckets' comm memory is the reducer's own and carries the zeros itself. */
+static ddp_result ddp__join_shadow_memory(ddp_reducer *r) {
+    size_t need = 0;
+    int b;
+    for (b = 0; b < r->L.nbuckets; b++)
+        if (ddp__bucket_in_place(&r->L.buckets[b])) need += r->L.buckets[b].count * ddp_dtype_size(r->L.buckets[b].comm_dtype);
+    if (need <= r->shadow_bytes) return DDP_SUCCESS;
+    if (r->shadow) r->ops->release(r->g, r->shadow);
+    r->shadow_bytes = 0;
+    if (!(r->shadow = r->ops->alloc(r->g, need)))
+        return ddp__fail(r->g, DDP_ERR_OUT_OF_MEMORY, "ddp_reducer_join: out of memory (%zu bytes of zero buckets)", need);
+    r->shadow_bytes = need;
+    return DDP_SUCCESS;
+}
+
+/* A synchronised backward pass of the active ranks, shadowed: zeros into every bucket's all-reduce (all
+   in flight at once, started in bucket order like the active ranks'), the used map, the rebuild. The
+   program's gradients are not touched. */
+static ddp_result ddp__join_shadow_backward(ddp_reducer *r) {
+    ddp_work *used_work = NULL;
+    ddp_result res, waited;
+    size_t off = 0;
+    int b;
+    if ((res = ddp__join_shadow_memory(r)) != DDP_SUCCESS) return res;
+    for (b = 0; b < r->L.nbuckets && !res; b++) {
+        ddp__bucket *k = &r->L.buckets[b];
+        size_t bytes = k->count * ddp_dtype_size(k->comm_dtype);
+        void *zeros = ddp__bucket_in_place(k) ? (char *)r->shadow + off : k->comm;
+        if (ddp__bucket_in_place(k)) off += bytes;
+        r->ops->zero(r->g, zeros, bytes);
+        res = ddp__bucket_start(r, k, zeros);
+    }
+    if (!res && r->desc.find_unused_parameters) {
+        r->ops->zero(r->g, r->used_comm, ddp__reducer_n(r));
+        res = ddp_all_reduce_async(r->g, r->used_comm, ddp__reducer_n(r), DDP_U8, DDP_MAX, &used_work);
+    }
+    for (b = 0; b < r->L.nbuckets; b++)
+        if (r->L.buckets[b].work) {
+            waited = ddp_wait(r->L.buckets[b].work);
+            r->L.buckets[b].work = NULL;
+            if (!res) res = waited;
+        }
+    if (used_work && (waited = ddp_wait(used_work)) != DDP_SUCCESS && !res) res = waited;
+    if (res) return r->failed = res;
+    r->stats.shadowed_iterations++;
+    ddp__timing_finish(r);
+    if ((res = ddp__timing_start(r, 1)) != DDP_SUCCESS) return res;
+    if (r->rebuild_pending) return ddp__reducer_rebuild(r);
+    return DDP_SUCCESS;
+}
+
+DDP_API ddp_result ddp_reducer_join(ddp_reducer *r) {
+    ddp_result res = ddp__reducer_usable(r, "ddp_reducer_join");
+    ddp__join_round v;
+    int flags = DDP__JOIN_FIRST;
+    if (res) return res;
+    if (!r->desc.uneven_inputs)
+        return ddp__fail(r->g, DDP_ERR_STATE, "ddp_reducer_join: the reducer was created without uneven_inputs; set "
+                         "uneven_inputs = 1 in its ddp_reducer_desc (on every rank) to let ranks run out of data");
+    if (r->in_backward)
+        return ddp__fail(r->g, DDP_ERR_STATE, "ddp_reducer_join: called during a backward pass; end it first "
+                         "(ddp_reducer_end_backward), then join when there is no data left");
+    for (;;) {
+        if ((res = ddp__join_exchange(r, "ddp_reducer_join", DDP__JOIN_JOINED, flags, &v)) != DDP_SUCCESS) return res;
+        flags = 0;
+        if (v.disagree >= 0) return ddp__join_disagree(r, "ddp_reducer_join", &v);
+        if (v.active == 0) break;
+        if (r->desc.join_fail_early) return ddp__join_uneven(r, "ddp_reducer_join", &v);
+        if (v.kind == DDP__JOIN_BUFFERS)
+            res = ddp__reducer_broadcast(r, r->buffers, r->nbuffers, r->bstage, r->bstage_bytes, v.last_active);
+        else if (v.sync)
+            res = ddp__join_shadow_backward(r);
+        if (res) return r->failed = res;
+    }
+    r->join_steps = 0;
+    if ((res = ddp__reducer_sync_states(r, v.last_joiner >= 0 ? v.last_joiner : 0, "ddp_reducer_join")) != DDP_SUCCESS)
+        return r->failed = res;
+    return DDP_SUCCESS;
 }
 /* ==================== end src/reducer.c ==================== */
 

@@ -4,17 +4,23 @@
    without it, same per-rank batch; medians of the timed steps after 2 warm-up steps.
 
        build/bench_reducer [ranks=2] [batch=32] [steps=10]
+       build/bench_reducer join [ranks=2] [steps=2000] [floats=16384]
 
    bench/bench_reducer.sh runs it beside torch DDP (gloo) and prints the ratio of the overheads.
    Rows: "ddp.h (copy: DDP default)" (gradients in the program's buffers, copied into buckets and back, as DDP by default) and
-   "ddp.h gradient_as_bucket_view" (the gradients are the buckets) and "ddp.h flat grads_memory" (every
-   gradient in one block in registration order, as llm.c keeps them: the buckets are slices of it, no
-   copies; issue #20). Columns: median step time of 1 rank
+   "ddp.h gradient_as_bucket_view" (the gradients are the buckets), "ddp.h uneven_inputs (Join)" (the
+   default with uneven_inputs = 1: one join round, a 12-byte-per-rank all_gather, per step) and "ddp.h flat
+   grads_memory" (every gradient in one block in registration order, as llm.c keeps them: the buckets are
+   slices of it, no copies; issue #20). Columns: median step time of 1 rank
    without DDP and of R ranks with it (rank 0's), their difference (the overhead) and ratio; buckets; the
    reducer's stats averaged over the timed steps: comm (first bucket started to last one done) and exposed
    (time inside end_backward); CPU overhead: rank 0's CPU time per step (all its threads) minus the
    single process's, which is what the overhead is on an otherwise idle machine whose cores all compute,
-   and which other programs running on the machine do not inflate. */
+   and which other programs running on the machine do not inflate.
+
+   The join mode measures what uneven_inputs costs where it shows most: steps with no compute, one
+   parameter of `floats` f32, two reducers on the same group (uneven_inputs 0 and 1) taking turns in
+   blocks of 50 steps; the median step of each and their ratio (rank 0's). */
 #define DDP_IMPLEMENTATION
 #include "ddp.h"
 #include "bench_util.h" /* free_port */
@@ -189,7 +195,7 @@ static int ddp_rank_main(int batch, int steps, int mode, int fd) {
     memset(&st, 0, sizeof st);
     if (ddp_init(NULL, &g) != DDP_SUCCESS) return fprintf(stderr, "ddp_init: %s\n", ddp_last_error(NULL)), 1;
     net_init(&m, batch);
-    if (mode == 2) { /* one block, W0 b0 W1 b1 ..., as llm.c's grads_memory */
+    if (mode == 3) { /* one block, W0 b0 W1 b1 ..., as llm.c's grads_memory */
         size_t at = 0, ww = (size_t)WIDTH * WIDTH;
         if (!(grads_memory = (float *)calloc((ww + WIDTH) * LAYERS, sizeof(float)))) return fprintf(stderr, "out of memory\n"), 1;
         for (l = 0; l < LAYERS; l++, at += ww + WIDTH) {
@@ -200,6 +206,7 @@ static int ddp_rank_main(int batch, int steps, int mode, int fd) {
     }
     memset(&d, 0, sizeof d);
     d.gradient_as_bucket_view = view;
+    d.uneven_inputs = mode == 2;
     if (ddp_reducer_create(g, &d, &red)) return fprintf(stderr, "%s\n", ddp_last_error(g)), 1;
     for (l = 0; l < LAYERS; l++) {
         char name[32];
@@ -247,8 +254,50 @@ static int ddp_rank_main(int batch, int steps, int mode, int fd) {
     return 0;
 }
 
-/* Fork R ranks with torchrun's environment; returns rank 0's result. */
-static int run_ddp(int R, int batch, int steps, int mode, result *out) {
+/* The join mode's rank: two reducers (uneven_inputs 0 and 1) on one group, alternating blocks of steps
+   without compute; rank 0 writes {median step without, median step with} (ms) to fd. */
+static int join_rank_main(int floats, int steps, int fd) {
+    enum { BLOCK = 50 };
+    ddp_group *g;
+    ddp_reducer *red[2];
+    float *w[2], *gw[2];
+    double *t[2], med[2];
+    int k, i, b, n[2] = {0, 0};
+    if (ddp_init(NULL, &g) != DDP_SUCCESS) return fprintf(stderr, "ddp_init: %s\n", ddp_last_error(NULL)), 1;
+    for (k = 0; k < 2; k++) {
+        ddp_reducer_desc d;
+        memset(&d, 0, sizeof d);
+        d.uneven_inputs = k;
+        w[k] = (float *)calloc((size_t)floats, sizeof(float));
+        gw[k] = (float *)calloc((size_t)floats, sizeof(float));
+        t[k] = (double *)malloc(sizeof(double) * (size_t)steps);
+        if (ddp_reducer_create(g, &d, &red[k]) || ddp_reducer_add_param(red[k], "w", w[k], gw[k], (size_t)floats, DDP_F32, NULL) ||
+            ddp_reducer_finalize(red[k]))
+            return fprintf(stderr, "reducer: %s\n", ddp_last_error(g)), 1;
+    }
+    for (b = -2; n[0] < steps || n[1] < steps; b++) { /* two warm-up blocks, then turns */
+        k = (b + 2) % 2;
+        for (i = 0; i < BLOCK; i++) {
+            double t0 = now();
+            if (ddp_reducer_begin_backward(red[k]) || ddp_reducer_grad_ready(red[k], 0) || ddp_reducer_end_backward(red[k]))
+                return fprintf(stderr, "step: %s\n", ddp_last_error(g)), 1;
+            if (b >= 0 && n[k] < steps) t[k][n[k]++] = now() - t0;
+        }
+    }
+    for (k = 0; k < 2; k++) {
+        qsort(t[k], (size_t)steps, sizeof(double), cmp_double);
+        med[k] = t[k][steps / 2] * 1e3;
+        ddp_reducer_destroy(red[k]);
+        free(w[k]), free(gw[k]), free(t[k]);
+    }
+    if (ddp_rank(g) == 0 && write(fd, med, sizeof med) != (ssize_t)sizeof med) return 1;
+    ddp_destroy(g);
+    return 0;
+}
+
+/* Fork R ranks with torchrun's environment; returns rank 0's result (out_bytes of it). mode 4: the join
+   mode (batch = floats). */
+static int run_ddp(int R, int batch, int steps, int mode, void *out, size_t out_bytes) {
     int p[2], i, st, failed = 0;
     char v[16];
     pid_t pids[64];
@@ -266,31 +315,47 @@ static int run_ddp(int R, int batch, int steps, int mode, result *out) {
             setenv("RANK", v, 1);
             setenv("LOCAL_RANK", v, 1);
             close(p[0]);
-            exit(ddp_rank_main(batch, steps, mode, p[1]));
+            exit(mode == 4 ? join_rank_main(batch, steps, p[1]) : ddp_rank_main(batch, steps, mode, p[1]));
         }
     }
     close(p[1]);
-    if (read(p[0], out, sizeof *out) != (ssize_t)sizeof *out) failed = 1;
+    if (read(p[0], out, out_bytes) != (ssize_t)out_bytes) failed = 1;
     close(p[0]);
     for (i = 0; i < R; i++)
         if (waitpid(pids[i], &st, 0) < 0 || !WIFEXITED(st) || WEXITSTATUS(st) != 0) failed = 1;
     return failed;
 }
 
+/* bench_reducer join [ranks] [steps] [floats] */
+static int join_main(int argc, char **argv) {
+    int R = argc > 2 ? atoi(argv[2]) : 2, steps = argc > 3 ? atoi(argv[3]) : 2000, floats = argc > 4 ? atoi(argv[4]) : 16384;
+    double med[2];
+    if (R < 1 || R > 64 || steps < 1 || floats < 1) return fprintf(stderr, "usage: bench_reducer join [ranks] [steps] [floats]\n"), 2;
+    if (run_ddp(R, floats, steps, 4, med, sizeof med)) return fprintf(stderr, "bench_reducer: a rank failed\n"), 1;
+    printf("bench_reducer join: %d ranks, %d f32 (%d bytes) per step, no compute, median of %d steps each, taking turns "
+           "in blocks of 50 (transport %s)\n", R, floats, floats * 4, steps, getenv("DDP_TRANSPORT") ? getenv("DDP_TRANSPORT") : "auto");
+    printf("  uneven_inputs 0: %.4f ms/step\n  uneven_inputs 1: %.4f ms/step (+%.4f ms, ratio %.2f)\n", med[0], med[1],
+           med[1] - med[0], med[1] / med[0]);
+    return 0;
+}
+
 int main(int argc, char **argv) {
-    static const char *modes[3] = {"ddp.h (copy: DDP default)", "ddp.h gradient_as_bucket_view", "ddp.h flat grads_memory"};
-    int R = argc > 1 ? atoi(argv[1]) : 2, batch = argc > 2 ? atoi(argv[2]) : 32, steps = argc > 3 ? atoi(argv[3]) : 10, mode;
+    int R, batch, steps, mode;
     double single, single_cpu;
+    static const char *const names[4] = {"ddp.h (copy: DDP default)", "ddp.h gradient_as_bucket_view", "ddp.h uneven_inputs (Join)",
+                                         "ddp.h flat grads_memory"};
+    if (argc > 1 && strcmp(argv[1], "join") == 0) return join_main(argc, argv);
+    R = argc > 1 ? atoi(argv[1]) : 2, batch = argc > 2 ? atoi(argv[2]) : 32, steps = argc > 3 ? atoi(argv[3]) : 10;
     if (R < 1 || R > 64 || batch < 1 || steps < 1) return fprintf(stderr, "usage: bench_reducer [ranks] [batch] [steps]\n"), 2;
     printf("bench_reducer: %.1fM parameters (%d x Linear(%d, %d) + Tanh), per-rank batch %d, %d ranks, 1 thread each, "
            "median of %d steps\n", LAYERS * ((double)WIDTH * WIDTH + WIDTH) / 1e6, LAYERS, WIDTH, WIDTH, batch, R, steps);
     single = single_ms(batch, steps, &single_cpu);
     printf("%-30s %12s %12s %13s %6s %8s %10s %12s %17s\n", "mode", "1 rank (ms)", "R ranks (ms)", "overhead (ms)", "ratio",
            "buckets", "comm (ms)", "exposed (ms)", "CPU overhead (ms)");
-    for (mode = 0; mode < 3; mode++) {
+    for (mode = 0; mode <= 3; mode++) {
         result r;
-        if (run_ddp(R, batch, steps, mode, &r)) return fprintf(stderr, "bench_reducer: a rank failed\n"), 1;
-        printf("%-30s %12.1f %12.1f %13.1f %6.2f %8d %10.1f %12.1f %17.1f\n", modes[mode],
+        if (run_ddp(R, batch, steps, mode, &r, sizeof r)) return fprintf(stderr, "bench_reducer: a rank failed\n"), 1;
+        printf("%-30s %12.1f %12.1f %13.1f %6.2f %8d %10.1f %12.1f %17.1f\n", names[mode],
                single, r.step_ms, r.step_ms - single, r.step_ms / single, r.buckets, r.comm_ms, r.wait_ms, r.cpu_ms - single_cpu);
     }
     return 0;

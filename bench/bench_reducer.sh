@@ -37,7 +37,7 @@ done
 [ $have_torch = 1 ] || echo "torch peer not run: $PEERS/torch_ddp_overhead.py missing or /usr/bin/python3 has no torch"
 t=$(printf '%s' "$torch" | median)
 echo "== medians over $ROUNDS rounds ($R ranks, per-rank batch $BATCH, $STEPS steps each)"
-for mode in "ddp.h (copy: DDP default)" "ddp.h gradient_as_bucket_view"; do
+for mode in "ddp.h (copy: DDP default)" "ddp.h gradient_as_bucket_view" "ddp.h uneven_inputs (Join)" "ddp.h flat grads_memory"; do
   runs=$(printf '%s' "$ours" | overhead "$mode")
   o=$(echo "$runs" | median)
   awk -v n="$mode" -v o="$o" -v runs="$(echo $runs)" -v t="$t" 'BEGIN {

@@ -41,7 +41,9 @@ typedef enum ddp_result {
     DDP_ERR_FORMAT = -9,           /* malformed file or message */
     DDP_ERR_IO = -10,              /* a file could not be read, written or synced */
     DDP_ERR_INIT = -11,            /* rendezvous failed: bad environment, unreachable master, port in use, ... */
-    DDP_ERR_WORKER_FAILED = -12    /* ddp_spawn / ddprun: a worker process failed; the message says how */
+    DDP_ERR_WORKER_FAILED = -12,   /* ddp_spawn / ddprun: a worker process failed; the message says how */
+    DDP_ERR_UNEVEN_INPUTS = -13    /* reducer with join_fail_early: a rank ran out of data (the message names
+                                      it and the step); the group stays usable */
 } ddp_result;
 
 /* Element types. DDP_DTYPE_DEFAULT (0) exists so that zero-initialised descriptors mean "the natural

@@ -53,6 +53,36 @@
    - Compression: comm_dtype DDP_F16 / DDP_BF16 sends the buckets in half precision, like PyTorch's
      fp16_compress_hook / bf16_compress_hook (cast, divide by the world size, all-reduce, cast back).
 
+   - Uneven inputs (torch's `with model.join():`, the Join context manager): with uneven_inputs = 1 ranks
+     may run out of data at different steps. Each rank with data announces every backward pass (and every
+     ddp_reducer_broadcast_buffers) in one small all_gather; a rank without data calls ddp_reducer_join(r),
+     which answers those rounds as the others' steps need: zeros into every bucket's all-reduce of a
+     synchronised pass (nothing for a no_sync pass; the buffer broadcast for a buffer broadcast), until every
+     rank has joined. Gradients are divided by the INITIAL world size (torch's divide_by_initial_world_size
+     = True), so a step's average is the sum over the ranks that still had data / world size. When the last
+     rank joins, every rank gets the parameters and buffers of the highest-ranked of the last joiners (torch's
+     _sync_final_model), so the ranks that stopped early end with the trained model. With uneven_inputs,
+     buffers come from the highest rank that still has data (torch's _find_common_rank), not rank 0.
+     Every rank calls ddp_reducer_join when its data ends, the last ones too (they return at once):
+         for (batch = 0; batch < my_batches; batch++) { forward; begin_backward; ...; end_backward; step; }
+         ddp_reducer_join(red);          // DDP_SUCCESS once every rank has joined; models equal again
+     join_fail_early = 1 (torch's throw_on_early_termination): instead, at the step where the first rank runs
+     out, every rank gets DDP_ERR_UNEVEN_INPUTS (from begin_backward or broadcast_buffers on the ranks with
+     data, from ddp_reducer_join on the others) naming the ranks that ran out and the step; the group and
+     the reducer stay usable. Only the reducer's own collectives are shadowed: a rank with data that issues
+     another collective (a loss all-reduce for logging) before every rank has joined meets a joined rank's
+     join round, DDP_ERR_MISMATCH on both at once (torch hangs), and the group is broken. Cost when the ranks are even: one all_gather of 12 bytes
+     per rank per backward pass (torch adds one or two 4-byte all-reduces per forward).
+
+   - Timing (ddp_reducer_get_statistics): wait_seconds, the time inside end_backward, is split into
+     straggler_wait_seconds (waiting for a slower rank) and transfer_seconds (moving data backward did not
+     hide). Each synchronised pass ends with an asynchronous all_gather of 8 bytes per rank: the wall-clock
+     time at which each rank's gradients were all there (its last bucket started). The part of this rank's
+     wait before the last rank was ready is straggler wait, the rest transfer; last_ready_rank names that
+     rank. The all_gather runs while the program goes on (its optimizer step) and is waited for at the
+     next begin_backward or get_statistics, so the split costs no time on the step's path. Between hosts
+     its accuracy is that of their clock synchronisation (NTP: well under a millisecond on a LAN).
+
    Differences from PyTorch 1.13, none of which changes the averaged gradients beyond rounding:
    - The first iteration uses the 1 MiB / 25 MiB buckets in reverse registration order (torch 1.13 puts
      everything in one bucket for that iteration unless find_unused_parameters is set, and with it cuts
@@ -78,6 +108,9 @@ typedef struct ddp_reducer_desc {
     int find_unused_parameters;   /* 1: a parameter may get no gradient on some ranks (see above) */
     int gradient_as_bucket_view;  /* 1: gradients live in the buckets; ddp_reducer_grad() says where */
     ddp_dtype comm_dtype;         /* DDP_DTYPE_DEFAULT: the gradients' dtype; DDP_F16 / DDP_BF16: compress */
+    int uneven_inputs;            /* 1: ranks may run out of data at different steps: ddp_reducer_join (Join) */
+    int join_fail_early;          /* with uneven_inputs: DDP_ERR_UNEVEN_INPUTS on every rank when the first rank
+                                     runs out, instead of shadowing (Join's throw_on_early_termination) */
 } ddp_reducer_desc;
 
 /* Per-iteration statistics, like DDP's logging data (DistributedDataParallel._get_ddp_logging_data()).
@@ -96,6 +129,15 @@ typedef struct ddp_reducer_statistics {
     double wait_seconds;       /* time spent inside end_backward: the communication backward did not hide */
     double total_comm_seconds; /* sums over all synchronised iterations */
     double total_wait_seconds;
+    uint64_t shadowed_iterations; /* uneven_inputs: synchronised passes of the others that this rank shadowed
+                                     with zero gradients in ddp_reducer_join */
+    /* wait_seconds split in two (last synchronised pass; see "Timing" above):
+       straggler_wait_seconds + transfer_seconds == wait_seconds */
+    double straggler_wait_seconds; /* waiting for a slower rank: until the last rank had all its gradients */
+    double transfer_seconds;       /* the rest: moving the data that backward did not hide */
+    int last_ready_rank;           /* the rank whose gradients were all there last (the straggler) */
+    double total_straggler_wait_seconds; /* sums over all synchronised iterations */
+    double total_transfer_seconds;
 } ddp_reducer_statistics;
 
 /* ddp_reducer_create: a reducer for the gradients of one model replica on group g (every rank of g takes
@@ -133,7 +175,9 @@ DDP_API ddp_result ddp_reducer_finalize(ddp_reducer *r);
 DDP_API void *ddp_reducer_grad(ddp_reducer *r, int index);
 
 /* ddp_reducer_begin_backward: a backward pass starts (synchronised, or local under set_sync(r, 0)).
-   DDP_ERR_STATE before finalize or when the previous backward has not ended. */
+   DDP_ERR_STATE before finalize or when the previous backward has not ended. With uneven_inputs it is
+   collective (the join round, see above): DDP_ERR_UNEVEN_INPUTS (join_fail_early) when a rank has run out
+   of data, DDP_ERR_MISMATCH when the ranks with data disagree about no_sync; the pass has not begun then. */
 DDP_API ddp_result ddp_reducer_begin_backward(ddp_reducer *r);
 
 /* ddp_reducer_grad_ready: parameter index's gradient is complete for this backward pass (the autograd
@@ -162,11 +206,24 @@ DDP_API ddp_result ddp_reducer_set_sync(ddp_reducer *r, int sync);
 DDP_API ddp_result ddp_reducer_zero_grad(ddp_reducer *r);
 
 /* ddp_reducer_broadcast_buffers: collective; copy rank 0's buffers to every rank (DDP's
-   broadcast_buffers=True does it before each forward). Not during a backward pass. */
+   broadcast_buffers=True does it before each forward). Not during a backward pass. With uneven_inputs:
+   the highest rank that still has data is the source (torch's _find_common_rank), and the errors of
+   begin_backward's join round apply. */
 DDP_API ddp_result ddp_reducer_broadcast_buffers(ddp_reducer *r);
 
-/* ddp_reducer_get_statistics: fill *out (see ddp_reducer_statistics). DDP_ERR_INVALID_ARGUMENT for NULL
-   pointers. */
+/* ddp_reducer_join: this rank has no data left (uneven_inputs = 1; see "Uneven inputs" above). Collective:
+   shadows the reducer's collectives of the ranks that still have data, with zero gradients, until every
+   rank has called ddp_reducer_join; then every rank gets the parameters and buffers of the highest-ranked
+   last joiner. The program's gradients are left as they were. Return: DDP_SUCCESS when every rank has
+   joined; DDP_ERR_UNEVEN_INPUTS with join_fail_early while some rank still has data (every rank gets it,
+   naming the ranks and the step); DDP_ERR_MISMATCH when the ranks with data make different reducer calls
+   (a no_sync pass against a synchronised one: every rank gets it); DDP_ERR_STATE without uneven_inputs or
+   during a backward pass; any error of the collectives. */
+DDP_API ddp_result ddp_reducer_join(ddp_reducer *r);
+
+/* ddp_reducer_get_statistics: fill *out (see ddp_reducer_statistics). Waits for the last synchronised
+   pass's timing exchange (every rank started it in end_backward; a small-message latency at most).
+   DDP_ERR_INVALID_ARGUMENT for NULL pointers. */
 DDP_API ddp_result ddp_reducer_get_statistics(const ddp_reducer *r, ddp_reducer_statistics *out);
 
 /* ddp_reducer_stats: DEPRECATED (2026-11-24), the old name of ddp_reducer_get_statistics; it does the

@@ -47,6 +47,7 @@ DDP_API const char *ddp_result_string(ddp_result r) {
     case DDP_ERR_IO: return "DDP_ERR_IO: file input/output failed";
     case DDP_ERR_INIT: return "DDP_ERR_INIT: process-group initialisation failed";
     case DDP_ERR_WORKER_FAILED: return "DDP_ERR_WORKER_FAILED: a worker process failed";
+    case DDP_ERR_UNEVEN_INPUTS: return "DDP_ERR_UNEVEN_INPUTS: a rank ran out of data (uneven inputs)";
     }
     return "unknown ddp_result";
 }
@@ -177,7 +178,7 @@ static uint64_t ddp__hash(const char *s) { /* FNV-1a */
 }
 
 static ddp_result ddp__peer_code(long code, ddp_result fallback) {
-    return code <= DDP_ERR_INVALID_ARGUMENT && code >= DDP_ERR_WORKER_FAILED ? (ddp_result)code : fallback;
+    return code <= DDP_ERR_INVALID_ARGUMENT && code >= DDP_ERR_UNEVEN_INPUTS ? (ddp_result)code : fallback;
 }
 
 /* ---- open files ----

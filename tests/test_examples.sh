@@ -10,7 +10,7 @@ set -u
 cd "$(dirname "$0")/.."
 BUILD=${BUILD:-build}
 DDPRUN=$BUILD/ddprun
-EXAMPLES="hello_allreduce hello_collectives sampler grad_accumulation checkpoint_resume launchers"
+EXAMPLES="hello_allreduce hello_collectives sampler grad_accumulation join_uneven checkpoint_resume launchers"
 make -s BUILD="$BUILD" SAN="${SAN:-}" "$DDPRUN" $(for e in $EXAMPLES; do echo "$BUILD/$e"; done) ||
   { echo "cannot build the examples"; exit 1; }
 T=$(mktemp -d /tmp/test_examples.XXXXXX)
@@ -60,6 +60,18 @@ for n in 2 3; do
     fail "grad_accumulation: no agreement with one process"
 done
 ok grad_accumulation
+
+# uneven data (Join): rank r has 10 - 4r batches, rank 3 none; every rank ends with the serial run's weights
+run join_uneven 4
+has "rank 0: 10 batches, then shadowed 0 steps of the others; final weights vs the serial run: equal (rounding only)" \
+  "rank 1: 6 batches, then shadowed 4 steps of the others; final weights vs the serial run: equal (rounding only)" \
+  "rank 2: 2 batches, then shadowed 8 steps of the others; final weights vs the serial run: equal (rounding only)" \
+  "rank 3: 0 batches, then shadowed 10 steps of the others; final weights vs the serial run: equal (rounding only)"
+run join_uneven 3 --fail-early
+has "rank 0: stopped at step 3: DDP_ERR_UNEVEN_INPUTS" "rank 1: stopped at step 3: DDP_ERR_UNEVEN_INPUTS" \
+  "rank 2: stopped at step 3: DDP_ERR_UNEVEN_INPUTS"
+echo "$OUT" | grep -q "uneven inputs at step 3: rank 2 ran out of data after 2 steps" || fail "join_uneven: the message"
+ok "join_uneven (shadowing with zero gradients; join_fail_early)"
 
 # a crash at step 23, restarted by ddprun: resumes from step 20 and ends as a run that never crashed
 run checkpoint_resume 2 "$T/ck" --crash-at 0

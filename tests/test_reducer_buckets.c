@@ -2,7 +2,8 @@
    25 MiB, the crossing parameter stays, one dtype per bucket), the rebuild in rank 0's ready order after
    the first synchronised pass (views move and keep their gradients; not with find_unused_parameters;
    not before a synchronised pass), buckets starting as soon as they are complete and strictly in order
-   (white-box: the test sees the reducer's state), and f16/bf16 rounding: scaled in f32, rounded once. */
+   (white-box: the test sees the reducer's state), f16/bf16 rounding: scaled in f32, rounded once, and
+   the statistics' split of end_backward's wait into waiting for a late rank and moving data. */
 #include "testlib.h"
 
 typedef struct expect {
@@ -231,6 +232,47 @@ static void bf16_path(ddp_group *g, int rank) {
     ddp_reducer_destroy(r);
 }
 
+/* Statistics tell waiting for a slower rank from moving data: the rank whose backward is 200 ms late
+   (it sleeps before its gradients are ready) makes the other's end_backward wait; that wait is
+   straggler_wait (>= 150 ms) naming the late rank, its transfer part stays small; the late rank itself
+   waits for nobody. Generous bounds: the numbers are only checked to be on the right side. */
+static void straggler_test(ddp_group *g, int rank) {
+    enum { N = 4096 };
+    static float w[N], gr[N];
+    ddp_reducer *r;
+    ddp_reducer_statistics st;
+    double total = 0;
+    int step, late;
+    memset(&st, 0, sizeof st);
+    CHECK_OK(ddp_reducer_create(g, NULL, &r), g);
+    CHECK_OK(ddp_reducer_add_param(r, "w", w, gr, N, DDP_F32, NULL), g);
+    CHECK_OK(ddp_reducer_finalize(r), g);
+    for (step = 0; step < 4; step++) {
+        late = step < 2 ? 1 : 0; /* rank 1 is late twice, then rank 0 */
+        CHECK_OK(ddp_reducer_begin_backward(r), g);
+        if (rank == late) usleep(200000);
+        CHECK_OK(ddp_reducer_grad_ready(r, 0), g);
+        CHECK_OK(ddp_reducer_end_backward(r), g);
+        CHECK_OK(ddp_reducer_get_statistics(r, &st), g);
+        CHECK(st.last_ready_rank == late, "rank %d step %d: last_ready_rank %d, rank %d was late", rank, step, st.last_ready_rank, late);
+        CHECK(fabs(st.straggler_wait_seconds + st.transfer_seconds - st.wait_seconds) < 1e-9, "rank %d: %g + %g != wait %g", rank,
+              st.straggler_wait_seconds, st.transfer_seconds, st.wait_seconds);
+        if (rank == late)
+            CHECK(st.straggler_wait_seconds < 0.05, "rank %d step %d (the late one): straggler wait %.3f s", rank, step,
+                  st.straggler_wait_seconds);
+        else
+            CHECK(st.straggler_wait_seconds >= 0.15 && st.transfer_seconds < 0.1, "rank %d step %d: waited %.3f s for rank %d, "
+                  "transfer %.3f s (wait %.3f s)", rank, step, st.straggler_wait_seconds, late, st.transfer_seconds, st.wait_seconds);
+        total += st.straggler_wait_seconds;
+        if (rank == 0 && step == 0)
+            printf("straggler: rank 0 waited %.1f ms for rank 1 (straggler_wait), %.3f ms transfer, of %.1f ms in end_backward\n",
+                   st.straggler_wait_seconds * 1e3, st.transfer_seconds * 1e3, st.wait_seconds * 1e3);
+    }
+    CHECK(fabs(st.total_straggler_wait_seconds - total) < 1e-9, "rank %d: total straggler wait %g, sum %g", rank,
+          st.total_straggler_wait_seconds, total);
+    ddp_reducer_destroy(r);
+}
+
 static int pair_main(int rank, int n, void *arg) {
     ddp_group *g;
     (void)n, (void)arg;
@@ -238,6 +280,7 @@ static int pair_main(int rank, int n, void *arg) {
     rebuild_tests(g, rank);
     overlap_test(g, rank);
     bf16_path(g, rank);
+    straggler_test(g, rank);
     CHECK_OK(ddp_destroy(g), NULL);
     return 0;
 }
@@ -268,7 +311,7 @@ static void rounding_unit(void) {
 int main(void) {
     rounding_unit();
     CHECK(tl_run_ranks(1, single_main, NULL, 120) == 0, "layout rules");
-    CHECK(tl_run_ranks(2, pair_main, NULL, 120) == 0, "rebuild / overlap / bf16");
+    CHECK(tl_run_ranks(2, pair_main, NULL, 120) == 0, "rebuild / overlap / bf16 / straggler statistics");
     printf("test_reducer_buckets: ok\n");
     return 0;
 }

@@ -5,7 +5,10 @@
        ddp.h's reducer, from DIR/init.bin (torch's named_parameters order, f32) on DIR/data.bin (x then t,
        f32, [STEPS][ACCUM][R*B][d]); rank r takes samples r*B .. r*B+B-1. Loss: MSELoss (mean). SGD.
        VARIANT: plain | accum (no_sync on all but the last micro-batch, gradient_as_bucket_view) |
-       fp16 (comm_dtype DDP_F16). Rank 0 writes DIR/ddp_final.bin.
+       fp16 (comm_dtype DDP_F16) | join (uneven inputs: rank r trains DIR/steps.txt's r-th number of steps,
+       then calls ddp_reducer_join; no_sync and views as accum) | joinfail (the same with join_fail_early:
+       every rank stops with DDP_ERR_UNEVEN_INPUTS at the first run-out step). Rank 0 writes
+       DIR/ddp_final.bin; in the join variants the last rank does, which ran out first.
    reducer_peer layout FIRST CAP N SIZE... ORDER...
        One rank: N f32 parameters of SIZE elements; prints the initial bucket of each parameter, then runs
        one backward pass reporting gradients in ORDER and prints the rebuilt buckets. */
@@ -71,9 +74,24 @@ static void fwd_bwd(const job *J, float **P, float **G, const float *x, const fl
     for (l = 1; l <= L; l++) free(h[l]);
 }
 
+/* The join variants: how many steps rank trains (DIR/steps.txt: one number per rank). */
+static int rank_steps(const job *J, int rank) {
+    char path[1024];
+    int k, v = -1;
+    FILE *f;
+    snprintf(path, sizeof path, "%s/steps.txt", J->dir);
+    f = fopen(path, "r");
+    CHECK(f != NULL, "cannot read %s", path);
+    for (k = 0; k <= rank; k++) CHECK(fscanf(f, "%d", &v) == 1, "%s: no steps for rank %d", path, k);
+    fclose(f);
+    return v;
+}
+
 static int train_rank(int rank, int n, void *arg) {
     const job *J = (const job *)arg;
-    int L = J->layers, k, step, micro, view = !strcmp(J->variant, "accum");
+    int join = !strncmp(J->variant, "join", 4), fail_early = !strcmp(J->variant, "joinfail");
+    int L = J->layers, k, step, micro, view = !strcmp(J->variant, "accum") || (join && !fail_early);
+    int steps = join ? rank_steps(J, rank) : J->steps, writer = join ? n - 1 : 0;
     size_t cnt[2 * MAXL], total = 0, off = 0, nx, nt;
     float *P[2 * MAXL], *G[2 * MAXL], *init, *data;
     ddp_group *g;
@@ -94,6 +112,8 @@ static int train_rank(int rank, int n, void *arg) {
     d.gradient_as_bucket_view = view;
     if (view) d.bucket_cap_bytes = d.first_bucket_bytes = 1024; /* several buckets */
     if (!strcmp(J->variant, "fp16")) d.comm_dtype = DDP_F16;
+    d.uneven_inputs = join;
+    d.join_fail_early = fail_early;
     CHECK_OK(ddp_reducer_create(g, &d, &red), g);
     for (k = 0; k < 2 * L; k++) {
         char name[32];
@@ -109,23 +129,36 @@ static int train_rank(int rank, int n, void *arg) {
         CHECK_OK(ddp_reducer_add_param(red, name, P[k], G[k], cnt[k], DDP_F32, NULL), g);
     }
     CHECK_OK(ddp_reducer_finalize(red), g);
-    for (step = 0; step < J->steps; step++) {
+    for (step = 0; step < steps; step++) {
         float *grad[2 * MAXL];
+        ddp_result res;
         for (k = 0; k < 2 * L; k++) grad[k] = (float *)ddp_reducer_grad(red, k);
         for (micro = 0; micro < J->accum; micro++) {
             size_t base = ((size_t)step * (size_t)J->accum + (size_t)micro) * (size_t)(J->R * J->B) + (size_t)(rank * J->B);
             CHECK_OK(ddp_reducer_set_sync(red, micro == J->accum - 1), g);
-            CHECK_OK(ddp_reducer_begin_backward(red), g);
+            res = ddp_reducer_begin_backward(red);
+            if (fail_early && res == DDP_ERR_UNEVEN_INPUTS) break;
+            CHECK_OK(res, g);
             fwd_bwd(J, P, grad, data + base * (size_t)J->dims[0], data + nx + base * (size_t)J->dims[L], J->B, red);
             CHECK_OK(ddp_reducer_end_backward(red), g);
         }
+        if (micro < J->accum) break; /* joinfail: every rank stops here */
         for (k = 0; k < 2 * L; k++) { /* re-read: views move after the first step */
             float *gk = (float *)ddp_reducer_grad(red, k);
             for (size_t i = 0; i < cnt[k]; i++) P[k][i] -= J->lr * gk[i];
         }
         CHECK_OK(ddp_reducer_zero_grad(red), g);
     }
-    if (rank == 0) {
+    if (join && step == steps) { /* out of data (joinfail: the ranks with data stopped above instead) */
+        ddp_result res = ddp_reducer_join(red);
+        if (fail_early) {
+            CHECK(res == DDP_ERR_UNEVEN_INPUTS, "rank %d: join returned %s (%s)", rank, ddp_result_string(res), ddp_last_error(g));
+            printf("joinfail: %s\n", ddp_last_error(g));
+        } else {
+            CHECK_OK(res, g);
+        }
+    }
+    if (rank == writer) {
         char path[1024];
         FILE *f;
         snprintf(path, sizeof path, "%s/ddp_final.bin", J->dir);

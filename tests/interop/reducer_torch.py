@@ -20,6 +20,11 @@ from the same files; the final weights must agree within the variant's tolerance
             torch's side uses fp16_wide_sum_hook below instead (the same compression; the 2-rank sum
             done exactly in f64 and rounded to f16 once, which is the f16 sum) and prints a SKIP-PART
             line for fp16_compress_hook itself.
+    join    uneven inputs on 3 ranks: rank r trains JOIN_STEPS[r] steps (rank 2: none) under   1e-5
+            `with ddp.join():` (torch) / then ddp_reducer_join (ddp.h); no_sync and views as accum;
+            the last rank's final weights (it ran out first: the final model sync is checked)
+    joinfail  the same with throw_on_early_termination=True / join_fail_early = 1, shards       1e-5
+            JOINFAIL_STEPS: every rank stops at the step where rank 2 runs out
 Then the bucket layouts: torch's own dist._compute_bucket_assignment_by_size against the reducer's initial
 (reverse registration order) and rebuilt (ready order) buckets. Exit 0 when everything matches."""
 import os
@@ -36,7 +41,12 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 
 DIMS = [16, 32, 24, 8]
 R, B, STEPS, LR = 2, 4, 20, 0.1
-TOL = {"plain": 1e-5, "accum": 1e-5, "fp16": 1e-3}
+TOL = {"plain": 1e-5, "accum": 1e-5, "fp16": 1e-3, "join": 1e-5, "joinfail": 1e-5}
+JOIN_STEPS = {"join": [STEPS, 9, 0], "joinfail": [STEPS, 11, 7]}
+
+
+def ranks(variant):
+    return 3 if variant in JOIN_STEPS else R
 
 
 def make_model():
@@ -79,6 +89,7 @@ def gloo_has_f16():
 
 def worker(rank, workdir, variant, accum, port):
     torch.set_num_threads(1)
+    R = ranks(variant)
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=R)
     model = make_model()
     init = torch.from_numpy(_read(workdir, "init.bin"))
@@ -88,7 +99,7 @@ def worker(rank, workdir, variant, accum, port):
             p.copy_(init[off:off + p.numel()].reshape(p.shape))
             off += p.numel()
     kwargs = {}
-    if variant == "accum":
+    if variant in ("accum", "join"):
         kwargs = dict(gradient_as_bucket_view=True, bucket_cap_mb=1024 / 2**20)
     ddp = DDP(model, **kwargs)
     if variant == "fp16":
@@ -103,18 +114,30 @@ def worker(rank, workdir, variant, accum, port):
     t = data[n * DIMS[0]:].reshape(STEPS, accum, R * B, DIMS[-1])
     opt = torch.optim.SGD(ddp.parameters(), lr=LR)
     loss_fn = torch.nn.MSELoss()
-    for step in range(STEPS):
-        opt.zero_grad(set_to_none=False)
-        for micro in range(accum):
-            xs = x[step, micro, rank * B:(rank + 1) * B]
-            ts = t[step, micro, rank * B:(rank + 1) * B]
-            if micro < accum - 1:
-                with ddp.no_sync():
+
+    def train(steps):
+        for step in range(steps):
+            opt.zero_grad(set_to_none=False)
+            for micro in range(accum):
+                xs = x[step, micro, rank * B:(rank + 1) * B]
+                ts = t[step, micro, rank * B:(rank + 1) * B]
+                if micro < accum - 1:
+                    with ddp.no_sync():
+                        loss_fn(ddp(xs), ts).backward()
+                else:
                     loss_fn(ddp(xs), ts).backward()
-            else:
-                loss_fn(ddp(xs), ts).backward()
-        opt.step()
-    if rank == 0:
+            opt.step()
+
+    if variant in JOIN_STEPS:
+        try:
+            with ddp.join(throw_on_early_termination=variant == "joinfail"):
+                train(JOIN_STEPS[variant][rank])
+        except RuntimeError as e:
+            if variant != "joinfail" or "exhausted" not in str(e):
+                raise
+    else:
+        train(STEPS)
+    if rank == (R - 1 if variant in JOIN_STEPS else 0):
         flat(model).numpy().tofile(os.path.join(workdir, "torch_final.bin"))
     dist.destroy_process_group()
 
@@ -136,7 +159,7 @@ def run_torch(workdir, variant, accum, seconds=60, attempts=4):
     tried again on a new port, up to `attempts` times. The reference only ever waits on torch itself; ddp.h's
     side runs afterwards in its own process."""
     for attempt in range(1, attempts + 1):
-        ctx = mp.start_processes(worker, args=(workdir, variant, accum, free_port()), nprocs=R, start_method="spawn",
+        ctx = mp.start_processes(worker, args=(workdir, variant, accum, free_port()), nprocs=ranks(variant), start_method="spawn",
                                  join=False)
         deadline = time.time() + seconds
         while not ctx.join(timeout=1):
@@ -153,9 +176,13 @@ def run_torch(workdir, variant, accum, seconds=60, attempts=4):
 
 def run_variant(peer, workdir, variant):
     import numpy as np
-    accum = 2 if variant == "accum" else 1
-    torch.manual_seed({"plain": 0, "accum": 1, "fp16": 2}[variant])
+    accum = 2 if variant in ("accum", "join") else 1
+    R = ranks(variant)
+    torch.manual_seed({"plain": 0, "accum": 1, "fp16": 2, "join": 3, "joinfail": 4}[variant])
     flat(make_model()).numpy().astype("<f4").tofile(os.path.join(workdir, "init.bin"))
+    if variant in JOIN_STEPS:
+        with open(os.path.join(workdir, "steps.txt"), "w") as f:
+            f.write(" ".join(str(n) for n in JOIN_STEPS[variant]) + "\n")
     x = torch.randn(STEPS, accum, R * B, DIMS[0])
     t = torch.randn(STEPS, accum, R * B, DIMS[-1])
     torch.cat([x.reshape(-1), t.reshape(-1)]).numpy().astype("<f4").tofile(os.path.join(workdir, "data.bin"))
@@ -223,7 +250,8 @@ def check_layouts(peer):
 def main():
     peer, workdir = sys.argv[1], sys.argv[2]
     ok = True
-    for variant in ("plain", "accum", "fp16"):
+    variants = sys.argv[3:] or ["plain", "accum", "fp16", "join", "joinfail"]
+    for variant in variants:
         ok &= run_variant(peer, workdir, variant)
     ok &= check_layouts(peer)
     print("reducer interop:", "ok" if ok else "FAILED")

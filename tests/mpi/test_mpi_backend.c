@@ -179,6 +179,38 @@ static void check_reducer(ddp_group *g) {
     if (g_rank == 0) printf("ok: the reducer averages gradients on the mpi backend\n");
 }
 
+/* Uneven inputs (Join) on the mpi backend: rank r has r steps (rank 0 none); each step's average is
+   (ranks with data) / world; after ddp_reducer_join every rank holds the last joiner's parameters. */
+static void check_join(ddp_group *g) {
+    float w[300], grad[300];
+    ddp_reducer *r;
+    ddp_reducer_desc d;
+    int i, step;
+    memset(&d, 0, sizeof d);
+    d.uneven_inputs = 1;
+    for (i = 0; i < 300; i++) w[i] = 0.5f;
+    CHECK_OK(ddp_reducer_create(g, &d, &r), g);
+    CHECK_OK(ddp_reducer_add_param(r, "w", w, grad, 300, DDP_F32, NULL), g);
+    CHECK_OK(ddp_reducer_finalize(r), g);
+    for (step = 0; step < g_rank; step++) {
+        float want = (float)(g_n - 1 - step) / (float)g_n; /* ranks step+1 .. n-1 still have data */
+        CHECK_OK(ddp_reducer_begin_backward(r), g);
+        for (i = 0; i < 300; i++) grad[i] = 1.0f;
+        CHECK_OK(ddp_reducer_grad_ready(r, 0), g);
+        CHECK_OK(ddp_reducer_end_backward(r), g);
+        CHECK(fabsf(grad[7] - want) <= 1e-6f, "join step %d: grad %g, want %g", step, grad[7], want);
+        for (i = 0; i < 300; i++) w[i] -= grad[i];
+    }
+    CHECK_OK(ddp_reducer_join(r), g);
+    {
+        float want = 0.5f;
+        for (step = 0; step < g_n - 1; step++) want -= (float)(g_n - 1 - step) / (float)g_n;
+        CHECK(fabsf(w[0] - want) <= 1e-5f, "after the join: w %g, want %g (the last joiner's)", w[0], want);
+    }
+    ddp_reducer_destroy(r);
+    if (g_rank == 0) printf("ok: uneven inputs (ddp_reducer_join) on the mpi backend\n");
+}
+
 /* ---- gather, scatter, all_to_all, all_to_all_v, all_gather_v, monitored_barrier ---- */
 
 /* Element i of the block that rank `from` sends rank `to`: small integers that u8 holds. */
@@ -479,6 +511,7 @@ int main(void) {
     check_movement(g);
     check_async_and_subgroup(g);
     check_reducer(g);
+    check_join(g);
     check_more_collectives(g);
     check_point_to_point(g);
     check_size_mismatches(g);

@@ -1,0 +1,299 @@
+/* Uneven inputs (torch's Join with DistributedDataParallel): ranks with shards of different lengths
+   (one of them empty) train with uneven_inputs = 1 and call ddp_reducer_join when their data ends.
+   Checked against a serial reference computed here, independent of the library: after each step every
+   rank with data holds sum over the ranks with data of their gradients / INITIAL world size (torch's
+   divide_by_initial_world_size); after the join every rank holds the parameters of that SGD run (the
+   last joiner's), buffers come from the highest rank with data, a joined rank's own gradients are left
+   alone and it shadowed exactly the synchronised passes it missed. On 2, 3 and 4 ranks, plain, views,
+   no_sync accumulation, find_unused_parameters, bf16 compression and buffers. join_fail_early: every rank
+   gets DDP_ERR_UNEVEN_INPUTS at the step where the first rank runs out, naming it, and the group and the
+   reducer stay usable. Ranks with data that disagree about no_sync: DDP_ERR_MISMATCH on every rank. */
+#include "testlib.h"
+
+#define NP 4
+#define MAXR 4
+#define MAXSTEPS 8
+#define LR 0.5
+static const size_t COUNT[NP] = {37, 5, 64, 3};
+
+typedef struct mode {
+    const char *name;
+    int view, accum, find_unused, buffers;
+    ddp_dtype comm;
+    double tol;
+} mode;
+
+static const mode MODES[] = {
+    {"plain", 0, 1, 0, 0, DDP_DTYPE_DEFAULT, 1e-6},
+    {"view", 1, 1, 0, 0, DDP_DTYPE_DEFAULT, 1e-6},
+    {"accum", 0, 2, 0, 1, DDP_DTYPE_DEFAULT, 1e-6},
+    {"unused+view", 1, 1, 1, 0, DDP_DTYPE_DEFAULT, 1e-6},
+    {"bf16+view+accum", 1, 2, 0, 1, DDP_BF16, 2e-2},
+};
+
+typedef struct shards {
+    int R, len[MAXR];
+} shards;
+
+/* Rank r's gradient contribution in step s, micro-batch m: small multiples of 1/4. Under find_unused,
+   odd ranks never use parameter 2. */
+static double contrib(const mode *md, int r, int s, int m, int p, size_t i) {
+    if (md->find_unused && p == 2 && r % 2) return 0.0;
+    return (double)((r * 7 + s * 3 + m * 2 + p * 13 + (int)i * 5) % 11 - 5) * 0.25;
+}
+
+static double init_value(int p, size_t i) { return (double)((p * 31 + (int)i * 17) % 23) * 0.1 - 1.0; }
+
+static int longest(const shards *sh) {
+    int r, n = 0;
+    for (r = 0; r < sh->R; r++) n = sh->len[r] > n ? sh->len[r] : n;
+    return n;
+}
+
+/* The highest rank that still has data in step s. */
+static int highest_active(const shards *sh, int s) {
+    int r, h = -1;
+    for (r = 0; r < sh->R; r++)
+        if (sh->len[r] > s) h = r;
+    return h;
+}
+
+/* Serial reference: the averaged gradient of step s. */
+static double ref_grad(const mode *md, const shards *sh, int s, int p, size_t i) {
+    double sum = 0;
+    int r, m;
+    for (r = 0; r < sh->R; r++)
+        if (sh->len[r] > s)
+            for (m = 0; m < md->accum; m++) sum += contrib(md, r, s, m, p, i);
+    return sum / (double)sh->R;
+}
+
+static void train(ddp_group *g, const mode *md, const shards *sh) {
+    int rank = ddp_rank(g), mine = sh->len[rank], steps = longest(sh), p, s, m;
+    float *param[NP], *grad[NP], before[NP][64], buf[3];
+    double ref[NP][64];
+    ddp_reducer *red;
+    ddp_reducer_desc d;
+    ddp_reducer_statistics st;
+    size_t i;
+    memset(&d, 0, sizeof d);
+    d.uneven_inputs = 1;
+    d.gradient_as_bucket_view = md->view;
+    d.find_unused_parameters = md->find_unused;
+    d.comm_dtype = md->comm;
+    d.first_bucket_bytes = d.bucket_cap_bytes = 64; /* several buckets */
+    CHECK_OK(ddp_reducer_create(g, &d, &red), g);
+    for (p = 0; p < NP; p++) {
+        char name[16];
+        snprintf(name, sizeof name, "p%d", p);
+        param[p] = (float *)malloc(COUNT[p] * sizeof(float));
+        grad[p] = md->view ? NULL : (float *)calloc(COUNT[p], sizeof(float));
+        for (i = 0; i < COUNT[p]; i++) param[p][i] = rank == 0 ? (float)init_value(p, i) : 99.0f; /* finalize: rank 0's */
+        for (i = 0; i < COUNT[p]; i++) ref[p][i] = init_value(p, i);
+        CHECK_OK(ddp_reducer_add_param(red, name, param[p], grad[p], COUNT[p], DDP_F32, NULL), g);
+    }
+    if (md->buffers) CHECK_OK(ddp_reducer_add_buffer(red, "running", buf, 3, DDP_F32), g);
+    CHECK_OK(ddp_reducer_finalize(red), g);
+    for (s = 0; s < steps; s++) {
+        if (s < mine && md->buffers) { /* buffers come from the highest rank with data (torch's _find_common_rank) */
+            buf[0] = buf[1] = buf[2] = (float)(rank * 100 + s);
+            CHECK_OK(ddp_reducer_broadcast_buffers(red), g);
+            CHECK(buf[1] == (float)(highest_active(sh, s) * 100 + s), "%s rank %d step %d: buffer %g, want rank %d's", md->name,
+                  rank, s, (double)buf[1], highest_active(sh, s));
+        }
+        for (m = 0; s < mine && m < md->accum; m++) {
+            CHECK_OK(ddp_reducer_set_sync(red, m == md->accum - 1), g);
+            CHECK_OK(ddp_reducer_begin_backward(red), g);
+            for (p = NP - 1; p >= 0; p--) {
+                float *gp = (float *)ddp_reducer_grad(red, p);
+                if (md->find_unused && p == 2 && rank % 2) continue;
+                for (i = 0; i < COUNT[p]; i++) gp[i] += (float)contrib(md, rank, s, m, p, i);
+                CHECK_OK(ddp_reducer_grad_ready(red, p), g);
+            }
+            CHECK_OK(ddp_reducer_end_backward(red), g);
+        }
+        for (p = 0; p < NP; p++) { /* the reference: every rank follows the SGD run of the ranks with data */
+            const float *gp = (const float *)ddp_reducer_grad(red, p);
+            for (i = 0; i < COUNT[p]; i++) {
+                double want = ref_grad(md, sh, s, p, i);
+                if (s < mine)
+                    CHECK(fabs(gp[i] - want) <= md->tol, "%s, %d ranks, rank %d step %d: grad p%d[%zu] = %.7g, reference %.7g",
+                          md->name, sh->R, rank, s, p, i, (double)gp[i], want);
+                ref[p][i] -= LR * want;
+                if (s < mine) param[p][i] -= (float)(LR * gp[i]);
+            }
+        }
+        if (s < mine) CHECK_OK(ddp_reducer_zero_grad(red), g);
+    }
+    for (p = 0; p < NP; p++) { /* something recognisable that the join must not touch */
+        float *gp = (float *)ddp_reducer_grad(red, p);
+        for (i = 0; i < COUNT[p]; i++) gp[i] = before[p][i] = (float)(rank + 0.5 * (double)i);
+    }
+    CHECK_OK(ddp_reducer_join(red), g);
+    for (p = 0; p < NP; p++) {
+        const float *gp = (const float *)ddp_reducer_grad(red, p);
+        for (i = 0; i < COUNT[p]; i++) {
+            CHECK(fabs(param[p][i] - ref[p][i]) <= md->tol * 4, "%s, %d ranks, rank %d (%d of %d steps) after the join: "
+                  "p%d[%zu] = %.7g, reference %.7g", md->name, sh->R, rank, mine, steps, p, i, (double)param[p][i], ref[p][i]);
+            CHECK(gp[i] == before[p][i], "%s rank %d: the join changed gradient p%d[%zu]", md->name, rank, p, i);
+        }
+    }
+    if (md->buffers) { /* the last joiner's: the highest rank with the longest shard, after its last broadcast */
+        int last = highest_active(sh, steps - 1);
+        CHECK(buf[2] == (float)(last * 100 + steps - 1), "%s rank %d: buffer after the join %g, want %d", md->name, rank,
+              (double)buf[2], last * 100 + steps - 1);
+    }
+    CHECK_OK(ddp_reducer_get_statistics(red, &st), g);
+    CHECK(st.shadowed_iterations == (uint64_t)(steps - mine), "%s rank %d: shadowed %llu synchronised passes, want %d",
+          md->name, rank, (unsigned long long)st.shadowed_iterations, steps - mine);
+    CHECK(st.iterations == (uint64_t)mine, "%s rank %d: %llu iterations", md->name, rank, (unsigned long long)st.iterations);
+    ddp_reducer_destroy(red);
+    for (p = 0; p < NP; p++) free(param[p]), free(grad[p]);
+}
+
+static int train_main(int rank, int n, void *arg) {
+    const shards *sh = (const shards *)arg;
+    ddp_group *g;
+    size_t k;
+    (void)rank, (void)n;
+    CHECK_OK(ddp_init(NULL, &g), NULL);
+    for (k = 0; k < sizeof MODES / sizeof MODES[0]; k++) train(g, &MODES[k], sh);
+    CHECK_OK(ddp_destroy(g), NULL);
+    return 0;
+}
+
+/* ---- join_fail_early ---- */
+
+static float fw[8], fgw[8];
+
+static ddp_reducer *fail_model(ddp_group *g) {
+    ddp_reducer *r;
+    ddp_reducer_desc d;
+    memset(&d, 0, sizeof d);
+    d.uneven_inputs = 1;
+    d.join_fail_early = 1;
+    CHECK_OK(ddp_reducer_create(g, &d, &r), g);
+    CHECK_OK(ddp_reducer_add_param(r, "w", fw, fgw, 8, DDP_F32, NULL), g);
+    CHECK_OK(ddp_reducer_finalize(r), g);
+    return r;
+}
+
+static void one_step(ddp_group *g, ddp_reducer *r, float value) {
+    int i;
+    for (i = 0; i < 8; i++) fgw[i] = value;
+    CHECK_OK(ddp_reducer_begin_backward(r), g);
+    CHECK_OK(ddp_reducer_grad_ready(r, 0), g);
+    CHECK_OK(ddp_reducer_end_backward(r), g);
+}
+
+static int fail_main(int rank, int n, void *arg) {
+    const shards *sh = (const shards *)arg;
+    ddp_group *g;
+    ddp_reducer *r;
+    ddp_result res;
+    int s, first = sh->len[0], k;
+    float ones = 1.0f;
+    char want[160];
+    double t0;
+    CHECK_OK(ddp_init(NULL, &g), NULL);
+    for (k = 0; k < n; k++) first = sh->len[k] < first ? sh->len[k] : first;
+    r = fail_model(g);
+    for (s = 0; s < sh->len[rank] && s < first; s++) one_step(g, r, (float)rank);
+    t0 = tl_now();
+    res = sh->len[rank] > first ? ddp_reducer_begin_backward(r) : ddp_reducer_join(r);
+    CHECK(res == DDP_ERR_UNEVEN_INPUTS, "rank %d: %s (%s)", rank, ddp_result_string(res), ddp_last_error(g));
+    CHECK(tl_now() - t0 < 10, "rank %d: the error took %.1f s", rank, tl_now() - t0);
+    { /* "rank 1" or "ranks 2, 3": every rank whose shard is the shortest */
+        int len = snprintf(want, sizeof want, "uneven inputs at step %d: rank", first + 1), listed = 0;
+        for (k = 0; k < n; k++) listed += sh->len[k] == first;
+        if (listed > 1) len += snprintf(want + len, sizeof want - (size_t)len, "s");
+        for (listed = 0, k = 0; k < n; k++)
+            if (sh->len[k] == first) len += snprintf(want + len, sizeof want - (size_t)len, "%s %d", listed++ ? "," : "", k);
+    }
+    CHECK(strstr(ddp_last_error(g), want) != NULL, "rank %d: the message lacks \"%s\": %s", rank, want, ddp_last_error(g));
+    snprintf(want, sizeof want, "ran out of data after %d step%s", first, first == 1 ? "" : "s");
+    CHECK(strstr(ddp_last_error(g), want) != NULL, "rank %d: the message lacks \"%s\": %s", rank, want, ddp_last_error(g));
+    if (rank == 0) printf("  fail early, %d ranks, detected in %.1f ms: %s\n", n, (tl_now() - t0) * 1e3, ddp_last_error(g));
+    /* the group and the reducer are still usable: a collective, then a synchronised step on every rank */
+    CHECK_OK(ddp_all_reduce(g, &ones, 1, DDP_F32, DDP_SUM), g);
+    CHECK(ones == (float)n, "rank %d: all_reduce after the error gave %g", rank, (double)ones);
+    one_step(g, r, (float)(rank + 1));
+    CHECK(fabsf(fgw[3] - (float)(n + 1) / 2.0f) < 1e-6f, "rank %d: the step after the error averaged %g", rank, (double)fgw[3]);
+    CHECK_OK(ddp_reducer_join(r), g); /* everyone at once: returns, nothing to shadow */
+    ddp_reducer_destroy(r);
+    CHECK_OK(ddp_destroy(g), NULL);
+    return 0;
+}
+
+/* ---- ranks with data disagree about no_sync; misuse ---- */
+
+static int disagree_main(int rank, int n, void *arg) {
+    ddp_group *g;
+    ddp_reducer *r;
+    ddp_reducer_desc d;
+    ddp_result res;
+    double t0;
+    float w[2] = {0, 0}, gw[2] = {0, 0};
+    (void)n, (void)arg;
+    CHECK_OK(ddp_init(NULL, &g), NULL);
+    memset(&d, 0, sizeof d);
+    d.join_fail_early = 1;
+    CHECK(ddp_reducer_create(g, &d, &r) == DDP_ERR_INVALID_ARGUMENT && strstr(ddp_last_error(g), "uneven_inputs"),
+          "join_fail_early without uneven_inputs: %s", ddp_last_error(g));
+    d.join_fail_early = 0;
+    CHECK_OK(ddp_reducer_create(g, &d, &r), g);
+    CHECK_OK(ddp_reducer_add_param(r, "w", w, gw, 2, DDP_F32, NULL), g);
+    CHECK_OK(ddp_reducer_finalize(r), g);
+    res = ddp_reducer_join(r);
+    CHECK(res == DDP_ERR_STATE && strstr(ddp_last_error(g), "uneven_inputs = 1"), "join without uneven_inputs: %s",
+          ddp_last_error(g));
+    ddp_reducer_destroy(r);
+    d.uneven_inputs = 1;
+    CHECK_OK(ddp_reducer_create(g, &d, &r), g);
+    CHECK_OK(ddp_reducer_add_param(r, "w", w, gw, 2, DDP_F32, NULL), g);
+    CHECK_OK(ddp_reducer_finalize(r), g);
+    CHECK_OK(ddp_reducer_set_sync(r, rank != 1), g);
+    res = ddp_reducer_begin_backward(r);
+    CHECK(res == DDP_ERR_MISMATCH && strstr(ddp_last_error(g), "rank 0 began a synchronised backward pass, rank 1 began a "
+          "backward pass under no_sync"), "rank %d: %s: %s", rank, ddp_result_string(res), ddp_last_error(g));
+    CHECK_OK(ddp_reducer_set_sync(r, 1), g);
+    CHECK_OK(ddp_reducer_begin_backward(r), g);
+    CHECK_OK(ddp_reducer_grad_ready(r, 0), g);
+    CHECK(ddp_reducer_join(r) == DDP_ERR_STATE, "join during a backward pass");
+    CHECK_OK(ddp_reducer_end_backward(r), g);
+    CHECK_OK(ddp_reducer_join(r), g);
+    /* a rank with data calls another collective while the other has joined: the join round's all_gather
+       meets it, a mismatch on both ranks at once (not a wait for the timeout) */
+    t0 = tl_now();
+    if (rank == 0) {
+        float loss = 1.0f;
+        res = ddp_all_reduce(g, &loss, 1, DDP_F32, DDP_SUM);
+    } else {
+        res = ddp_reducer_join(r);
+    }
+    CHECK(res == DDP_ERR_MISMATCH && strstr(ddp_last_error(g), "all_gather"), "rank %d: a collective against the join "
+          "round: %s: %s", rank, ddp_result_string(res), ddp_last_error(g));
+    CHECK(tl_now() - t0 < 10, "rank %d: the mismatch took %.1f s", rank, tl_now() - t0);
+    CHECK(rank == 0 || strstr(ddp_last_error(g), "ddp_reducer_join: the join round"), "rank 1: %s", ddp_last_error(g));
+    if (rank == 0) printf("  another collective against the join round: %.1f ms: %s\n", (tl_now() - t0) * 1e3, ddp_last_error(g));
+    ddp_reducer_destroy(r);
+    ddp_destroy(g);
+    return 0;
+}
+
+int main(void) {
+    static const shards TRAIN[] = {{2, {5, 3}}, {3, {4, 0, 6}}, {4, {3, 5, 0, 5}}, {3, {0, 4, 2}}, {1, {3}}};
+    static const shards FAIL[] = {{3, {4, 2, 5}}, {2, {3, 0}}, {4, {3, 3, 1, 1}}};
+    size_t k;
+    for (k = 0; k < sizeof TRAIN / sizeof TRAIN[0]; k++) {
+        CHECK(tl_run_ranks(TRAIN[k].R, train_main, (void *)&TRAIN[k], 60) == 0, "join training, %d ranks", TRAIN[k].R);
+        printf("join, %d ranks, shards of", TRAIN[k].R);
+        for (int r = 0; r < TRAIN[k].R; r++) printf(" %d", TRAIN[k].len[r]);
+        printf(" steps: every mode equals the serial reference\n");
+    }
+    for (k = 0; k < sizeof FAIL / sizeof FAIL[0]; k++)
+        CHECK(tl_run_ranks(FAIL[k].R, fail_main, (void *)&FAIL[k], 60) == 0, "join_fail_early, %d ranks", FAIL[k].R);
+    CHECK(tl_run_ranks(2, disagree_main, NULL, 60) == 0, "no_sync disagreement");
+    printf("test_reducer_join: ok\n");
+    return 0;
+}
