@@ -20,7 +20,14 @@
 
    The join mode measures what uneven_inputs costs where it shows most: steps with no compute, one
    parameter of `floats` f32, two reducers on the same group (uneven_inputs 0 and 1) taking turns in
-   blocks of 50 steps; the median step of each and their ratio (rank 0's). */
+   blocks of 50 steps; the median step of each and their ratio (rank 0's).
+
+   The flat mode measures what flat buckets save: the MLP's ten gradients without compute, registered once
+   as ten separate buffers (every bucket of several gradients copies them in and back) and once as slices
+   of one grads_memory in registration order (the buckets are slices of it), two reducers on the same
+   group taking turns in blocks of 5 steps (begin_backward, grad_ready for each in backward order,
+   end_backward); the median step of each (rank 0's):
+       build/bench_reducer flat [ranks=1] [steps=20] */
 #define DDP_IMPLEMENTATION
 #include "ddp.h"
 #include "bench_util.h" /* free_port */
@@ -295,7 +302,66 @@ static int join_rank_main(int floats, int steps, int fd) {
     return 0;
 }
 
-/* Fork R ranks with torchrun's environment; returns rank 0's result (out_bytes of it). mode 4: the join
+/* The flat mode's rank: reducer 0 on separate gradient buffers, reducer 1 on one grads_memory; rank 0 writes
+   {median step copying, median step flat, flat buckets of reducer 1, buckets} to fd. */
+static int flat_rank_main(int steps, int fd) {
+    enum { BLOCK = 5 };
+    size_t ww = (size_t)WIDTH * WIDTH, total = (ww + WIDTH) * LAYERS;
+    ddp_group *g;
+    ddp_reducer *red[2];
+    float *w = (float *)calloc(total, sizeof(float)), *grads_memory = (float *)calloc(total, sizeof(float)), *sep[2 * LAYERS];
+    double *t[2], out[4];
+    int k, i, b, l, n[2] = {0, 0};
+    ddp_reducer_statistics st;
+    if (ddp_init(NULL, &g) != DDP_SUCCESS) return fprintf(stderr, "ddp_init: %s\n", ddp_last_error(NULL)), 1;
+    for (l = 0; l < 2 * LAYERS; l++) sep[l] = (float *)calloc(l % 2 ? WIDTH : ww, sizeof(float));
+    for (k = 0; k < 2; k++) {
+        ddp_reducer_desc d;
+        size_t at = 0;
+        memset(&d, 0, sizeof d);
+        t[k] = (double *)malloc(sizeof(double) * (size_t)steps);
+        if (ddp_reducer_create(g, &d, &red[k])) return fprintf(stderr, "reducer: %s\n", ddp_last_error(g)), 1;
+        for (l = 0; l < 2 * LAYERS; l++) { /* W0 b0 W1 b1 ...: the parameters share w (not read here) */
+            size_t count = l % 2 ? WIDTH : ww;
+            char name[32];
+            snprintf(name, sizeof name, "%d.%s", l / 2 * 2, l % 2 ? "bias" : "weight");
+            if (ddp_reducer_add_param(red[k], name, w + at, k ? grads_memory + at : sep[l], count, DDP_F32, NULL))
+                return fprintf(stderr, "reducer: %s\n", ddp_last_error(g)), 1;
+            at += count;
+        }
+        if (ddp_reducer_finalize(red[k])) return fprintf(stderr, "reducer: %s\n", ddp_last_error(g)), 1;
+    }
+    for (b = -2; n[0] < steps || n[1] < steps; b++) { /* two warm-up blocks, then turns */
+        k = (b + 2) % 2;
+        for (i = 0; i < BLOCK; i++) {
+            double t0 = now();
+            if (ddp_reducer_begin_backward(red[k])) return fprintf(stderr, "step: %s\n", ddp_last_error(g)), 1;
+            for (l = 2 * LAYERS - 1; l >= 0; l--)
+                if (ddp_reducer_grad_ready(red[k], l)) return fprintf(stderr, "step: %s\n", ddp_last_error(g)), 1;
+            if (ddp_reducer_end_backward(red[k])) return fprintf(stderr, "step: %s\n", ddp_last_error(g)), 1;
+            if (b >= 0 && n[k] < steps) t[k][n[k]++] = now() - t0;
+        }
+    }
+    ddp_reducer_get_statistics(red[1], &st);
+    out[2] = st.flat_buckets, out[3] = st.buckets;
+    for (k = 0; k < 2; k++) {
+        qsort(t[k], (size_t)steps, sizeof(double), cmp_double);
+        out[k] = t[k][steps / 2] * 1e3;
+        ddp_reducer_destroy(red[k]);
+        free(t[k]);
+    }
+    if (ddp_rank(g) == 0 && write(fd, out, sizeof out) != (ssize_t)sizeof out) return 1;
+    ddp_destroy(g);
+    for (l = 0; l < 2 * LAYERS; l++) free(sep[l]);
+    free(w);
+    free(grads_memory);
+    return 0;
+}
+
+/* bench_reducer flat [ranks] [steps] */
+static int flat_main(int argc, char **argv);
+
+/* Fork R ranks with torchrun's environment; returns rank 0's result (out_bytes of it). mode 5: the flat mode; mode 4: the join
    mode (batch = floats). */
 static int run_ddp(int R, int batch, int steps, int mode, void *out, size_t out_bytes) {
     int p[2], i, st, failed = 0;
@@ -315,7 +381,8 @@ static int run_ddp(int R, int batch, int steps, int mode, void *out, size_t out_
             setenv("RANK", v, 1);
             setenv("LOCAL_RANK", v, 1);
             close(p[0]);
-            exit(mode == 4 ? join_rank_main(batch, steps, p[1]) : ddp_rank_main(batch, steps, mode, p[1]));
+            exit(mode == 5 ? flat_rank_main(steps, p[1]) : mode == 4 ? join_rank_main(batch, steps, p[1])
+                                                              : ddp_rank_main(batch, steps, mode, p[1]));
         }
     }
     close(p[1]);
@@ -339,12 +406,25 @@ static int join_main(int argc, char **argv) {
     return 0;
 }
 
+static int flat_main(int argc, char **argv) {
+    int R = argc > 2 ? atoi(argv[2]) : 1, steps = argc > 3 ? atoi(argv[3]) : 20;
+    double out[4];
+    if (R < 1 || R > 64 || steps < 1) return fprintf(stderr, "usage: bench_reducer flat [ranks] [steps]\n"), 2;
+    if (run_ddp(R, 0, steps, 5, out, sizeof out)) return fprintf(stderr, "bench_reducer: a rank failed\n"), 1;
+    printf("bench_reducer flat: %d ranks, the MLP's %.1fM gradients without compute, median of %d steps each, taking turns "
+           "in blocks of 5\n", R, LAYERS * ((double)WIDTH * WIDTH + WIDTH) / 1e6, steps);
+    printf("  separate gradient buffers (copied in and out): %.2f ms/step\n  one grads_memory (%g of %g buckets flat): "
+           "%.2f ms/step (ratio %.2f)\n", out[0], out[2], out[3], out[1], out[1] / out[0]);
+    return 0;
+}
+
 int main(int argc, char **argv) {
     int R, batch, steps, mode;
     double single, single_cpu;
     static const char *const names[4] = {"ddp.h (copy: DDP default)", "ddp.h gradient_as_bucket_view", "ddp.h uneven_inputs (Join)",
                                          "ddp.h flat grads_memory"};
     if (argc > 1 && strcmp(argv[1], "join") == 0) return join_main(argc, argv);
+    if (argc > 1 && strcmp(argv[1], "flat") == 0) return flat_main(argc, argv);
     R = argc > 1 ? atoi(argv[1]) : 2, batch = argc > 2 ? atoi(argv[2]) : 32, steps = argc > 3 ? atoi(argv[3]) : 10;
     if (R < 1 || R > 64 || batch < 1 || steps < 1) return fprintf(stderr, "usage: bench_reducer [ranks] [batch] [steps]\n"), 2;
     printf("bench_reducer: %.1fM parameters (%d x Linear(%d, %d) + Tanh), per-rank batch %d, %d ranks, 1 thread each, "
