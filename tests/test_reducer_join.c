@@ -21,14 +21,17 @@ typedef struct mode {
     int view, accum, find_unused, buffers;
     ddp_dtype comm;
     double tol;
+    int flat; /* the gradients in one block (flat buckets: the join must not touch them either) */
 } mode;
 
 static const mode MODES[] = {
-    {"plain", 0, 1, 0, 0, DDP_DTYPE_DEFAULT, 1e-6},
-    {"view", 1, 1, 0, 0, DDP_DTYPE_DEFAULT, 1e-6},
-    {"accum", 0, 2, 0, 1, DDP_DTYPE_DEFAULT, 1e-6},
-    {"unused+view", 1, 1, 1, 0, DDP_DTYPE_DEFAULT, 1e-6},
-    {"bf16+view+accum", 1, 2, 0, 1, DDP_BF16, 2e-2},
+    {"plain", 0, 1, 0, 0, DDP_DTYPE_DEFAULT, 1e-6, 0},
+    {"view", 1, 1, 0, 0, DDP_DTYPE_DEFAULT, 1e-6, 0},
+    {"accum", 0, 2, 0, 1, DDP_DTYPE_DEFAULT, 1e-6, 0},
+    {"unused+view", 1, 1, 1, 0, DDP_DTYPE_DEFAULT, 1e-6, 0},
+    {"bf16+view+accum", 1, 2, 0, 1, DDP_BF16, 2e-2, 0},
+    {"flat", 0, 1, 0, 0, DDP_DTYPE_DEFAULT, 1e-6, 1},
+    {"flat+unused+accum", 0, 2, 1, 1, DDP_DTYPE_DEFAULT, 1e-6, 1},
 };
 
 typedef struct shards {
@@ -70,7 +73,8 @@ static double ref_grad(const mode *md, const shards *sh, int s, int p, size_t i)
 
 static void train(ddp_group *g, const mode *md, const shards *sh) {
     int rank = ddp_rank(g), mine = sh->len[rank], steps = longest(sh), p, s, m;
-    float *param[NP], *grad[NP], before[NP][64], buf[3];
+    float *param[NP], *grad[NP], before[NP][64], buf[3], *grads_memory = NULL;
+    size_t at = 0;
     double ref[NP][64];
     ddp_reducer *red;
     ddp_reducer_desc d;
@@ -83,11 +87,13 @@ static void train(ddp_group *g, const mode *md, const shards *sh) {
     d.comm_dtype = md->comm;
     d.first_bucket_bytes = d.bucket_cap_bytes = 64; /* several buckets */
     CHECK_OK(ddp_reducer_create(g, &d, &red), g);
-    for (p = 0; p < NP; p++) {
+    for (p = 0; p < NP; p++) at += COUNT[p];
+    if (md->flat) CHECK((grads_memory = (float *)calloc(at, sizeof(float))) != NULL, "out of memory");
+    for (p = 0, at = 0; p < NP; at += COUNT[p], p++) {
         char name[16];
         snprintf(name, sizeof name, "p%d", p);
         param[p] = (float *)malloc(COUNT[p] * sizeof(float));
-        grad[p] = md->view ? NULL : (float *)calloc(COUNT[p], sizeof(float));
+        grad[p] = md->view ? NULL : md->flat ? grads_memory + at : (float *)calloc(COUNT[p], sizeof(float));
         for (i = 0; i < COUNT[p]; i++) param[p][i] = rank == 0 ? (float)init_value(p, i) : 99.0f; /* finalize: rank 0's */
         for (i = 0; i < COUNT[p]; i++) ref[p][i] = init_value(p, i);
         CHECK_OK(ddp_reducer_add_param(red, name, param[p], grad[p], COUNT[p], DDP_F32, NULL), g);
@@ -147,8 +153,11 @@ static void train(ddp_group *g, const mode *md, const shards *sh) {
     CHECK(st.shadowed_iterations == (uint64_t)(steps - mine), "%s rank %d: shadowed %llu synchronised passes, want %d",
           md->name, rank, (unsigned long long)st.shadowed_iterations, steps - mine);
     CHECK(st.iterations == (uint64_t)mine, "%s rank %d: %llu iterations", md->name, rank, (unsigned long long)st.iterations);
+    CHECK(st.flat_buckets == (md->flat ? st.buckets : st.flat_buckets), "%s: %d of %d buckets flat", md->name, st.flat_buckets,
+          st.buckets);
     ddp_reducer_destroy(red);
-    for (p = 0; p < NP; p++) free(param[p]), free(grad[p]);
+    for (p = 0; p < NP; p++) free(param[p]), free(md->flat ? NULL : grad[p]);
+    free(grads_memory);
 }
 
 static int train_main(int rank, int n, void *arg) {
