@@ -189,23 +189,10 @@ int main(int argc, char **argv) {
     printf("%8s %12s %12s %8s %12s %12s %8s\n", "MiB", "save GB/s", "raw GB/s", "ratio", "load GB/s", "raw GB/s", "ratio");
     for (s = 0; s < nsizes; s++) {
         int mib = argc > 1 ? atoi(argv[s + 1]) : defaults[s], i, r;
-        size_t per = ((size_t)mib << 20) / NT / 4, total = per * 4 * NT;
         ddp_tensor t[NT];
         char names[NT][16];
         double sv[REPS], rs[REPS], ld[REPS], rl[REPS];
-        uint64_t seed = 1;
-        for (i = 0; i < NT; i++) {
-            size_t k;
-            float *d = (float *)malloc(per * 4);
-            for (k = 0; k < per; k++) d[k] = (float)(seed = seed * 6364136223846793005ull + 1442695040888963407ull) * 1e-19f;
-            snprintf(names[i], sizeof names[i], "layer%d", i);
-            memset(&t[i], 0, sizeof t[i]);
-            t[i].name = names[i];
-            t[i].dtype = DDP_F32;
-            t[i].ndim = 1;
-            t[i].shape[0] = (int64_t)per;
-            t[i].data = d;
-        }
+        size_t total = make_tensors(mib, t, names);
         for (r = 0; r < REPS; r++) {
             double t0 = now();
             if (ddp_checkpoint_save(NULL, path, t, NT, NULL) != DDP_SUCCESS) {
