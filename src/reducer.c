@@ -743,8 +743,8 @@ static ddp_result ddp__timing_start(ddp_reducer *r, int shadow) {
     int world = ddp_world_size(r->g);
     char *comm = (char *)r->ready_comm;
     ddp_result res;
-    if (world == 1) {
-        if (!shadow) ddp__timing_account(r, r->t_ready, 0);
+    if (world == 1 || !strcmp(r->ops->family, "nccl")) { /* nccl: no host sync each step (reducer.h) */
+        if (!shadow) ddp__timing_account(r, world == 1 ? r->t_ready : r->t_enter, world == 1 ? 0 : -1);
         return DDP_SUCCESS;
     }
     r->ready_ns[world] = shadow ? 0 : (int64_t)((r->t_ready + r->wall_minus_mono) * 1e9);

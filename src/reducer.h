@@ -81,7 +81,10 @@
      wait before the last rank was ready is straggler wait, the rest transfer; last_ready_rank names that
      rank. The all_gather runs while the program goes on (its optimizer step) and is waited for at the
      next begin_backward or get_statistics, so the split costs no time on the step's path. Between hosts
-     its accuracy is that of their clock synchronisation (NTP: well under a millisecond on a LAN).
+     its accuracy is that of their clock synchronisation (NTP: well under a millisecond on a LAN). Not on
+     the nccl backend (waiting for a device all_gather and copying it back would synchronise the host with
+     the stream every step, and host-side ready times say little about device work): there the whole wait
+     counts as transfer_seconds and last_ready_rank is -1.
 
    Differences from PyTorch 1.13, none of which changes the averaged gradients beyond rounding:
    - The first iteration uses the 1 MiB / 25 MiB buckets in reverse registration order (torch 1.13 puts
