@@ -60,6 +60,7 @@ IMPLEMENTATION = [
     "src/syncbn.c",
     "src/safetensors.c",    # [SECTION] safetensors: the file format, CRC32C, UTF-8, header parser and writer, ddp_meta
     "src/checkpoint.c",
+    "src/reshard.c",        # [SECTION] reshard: slices of global tensors, saved by N ranks and loaded by M
 ]
 
 LOCAL_INCLUDE = re.compile(r'^\s*#\s*include\s+"([^"]+)"\s*$')

@@ -812,12 +812,6 @@ static ddp_result ddp__ck_copy_meta(ddp_group *g, const ddp__ck_header *h, ddp_m
     return DDP_SUCCESS;
 }
 
-/* What a shard must say about itself (load_shard); NULL for plain files. */
-typedef struct ddp__ck_shard_expect {
-    int rank, world;
-    const char *save_id;
-} ddp__ck_shard_expect;
-
 static ddp_result ddp__ck_check_shard(ddp_group *g, const char *path, const ddp__ck_header *h, const ddp__ck_shard_expect *x) {
     const char *id = ddp__ck_header_meta(h, DDP__CK_SHARD_ID), *rk = ddp__ck_header_meta(h, DDP__CK_SHARD_RANK),
                *ws = ddp__ck_header_meta(h, DDP__CK_SHARD_WORLD);

@@ -203,6 +203,33 @@ DDP_API ddp_result ddp_checkpoint_save_shard(ddp_group *g, const char *path, con
 DDP_API ddp_result ddp_checkpoint_load_shard(ddp_group *g, const char *path, ddp_tensor *t, int n,
                                              ddp_meta *meta, const ddp_checkpoint_load_desc *desc);
 
+/* ---- Slices of global tensors: saved by N ranks, loaded by M (resharding) --------------------------
+   A ddp_slice is elements [offset, offset + count) of the one-dimensional tensor `name` (flatten others)
+   whose whole has global_count elements: ZeRO's optimizer state, a sharded embedding, anything the ranks
+   hold in pieces. ddp_checkpoint_save_slices: every rank saves its slices as ddp_checkpoint_save_shard
+   saves tensors ("<path>.rank<r>" per rank, then the completion marker at path; desc as there), each one
+   the tensor "<name>@<offset>/<global_count>" (name + that suffix: at most 127 bytes); slices of 0
+   elements are not stored. ddp_checkpoint_load_slices: every rank asks for any slices - the world size
+   and the split may differ from the save's (resharding, as torch.distributed.checkpoint) - and gets them
+   from whichever shards hold them: it reads the header of every shard and each saved piece that overlaps
+   one of its requests (checksum verified), and copies the overlap. Every requested element must be
+   found: a gap, another dtype or another global_count is DDP_ERR_MISMATCH naming the tensor and the
+   elements. meta (may be NULL) receives the metadata of rank 0's shard. Both are collective over g (g
+   NULL: one process); a failure on any rank is an error on every rank, naming the rank.
+   Return: as ddp_checkpoint_save_shard / ddp_checkpoint_load_shard; DDP_ERR_INVALID_ARGUMENT for a slice
+   outside its tensor, without a name or data; DDP_ERR_FORMAT for a shard that holds other tensors.
+   Thread safety: as ddp_checkpoint_save. */
+typedef struct ddp_slice {
+    const char *name;
+    ddp_dtype dtype;
+    size_t global_count; /* elements of the whole tensor */
+    size_t offset, count; /* this slice: elements [offset, offset + count) */
+    void *data;           /* count elements of dtype */
+} ddp_slice;
+DDP_API ddp_result ddp_checkpoint_save_slices(ddp_group *g, const char *path, const ddp_slice *s, int n, const ddp_meta *meta,
+                                              const ddp_checkpoint_save_desc *desc);
+DDP_API ddp_result ddp_checkpoint_load_slices(ddp_group *g, const char *path, ddp_slice *s, int n, ddp_meta *meta);
+
 /* ddp_checkpoint_latest: find the newest checkpoint of a family, to resume from. pattern is a path
    whose file name holds one '*' standing for a run of digits ("ckpt/model_*.safetensors"); the file
    (or shard marker) with the largest number wins. A name with any other text in the place of the '*'

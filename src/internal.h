@@ -853,6 +853,28 @@ static DDP__UNUSED int ddp__ck_reserved(const char *key); /* a key of the librar
 static DDP__UNUSED ddp_result ddp__ck_build_header(const char *path, const ddp_tensor *t, int n, const ddp_meta *user,
                                                    const ddp_meta *extra, ddp__ck_buf *b, char *err);
 
+/* ---- checkpoint.c: the pieces reshard.c reads shards with ---- */
+/* What a shard must say about itself (load_shard); NULL for plain files. */
+typedef struct ddp__ck_shard_expect {
+    int rank, world;
+    const char *save_id;
+} ddp__ck_shard_expect;
+/* Open path and parse its header (h, its raw bytes in *raw, the JSON length *hlen); the caller closes
+   *fd and frees h and *raw. */
+static DDP__UNUSED ddp_result ddp__ck_open(ddp_group *g, const char *path, int *fd, char **raw, uint64_t *hlen, ddp__ck_header *h);
+/* Read entry e's data (the data section starts at data_start) into dst and verify its checksum. */
+static DDP__UNUSED ddp_result ddp__ck_read_tensor(ddp_group *g, const char *path, int fd, uint64_t data_start,
+                                                  const ddp__ck_header *h, const ddp__ck_entry *e, void *dst);
+static DDP__UNUSED ddp_result ddp__ck_check_shard(ddp_group *g, const char *path, const ddp__ck_header *h,
+                                                  const ddp__ck_shard_expect *x);
+static DDP__UNUSED ddp_result ddp__ck_copy_meta(ddp_group *g, const ddp__ck_header *h, ddp_meta *meta); /* library keys left out */
+/* The completion marker of a shard save at path: its world size and save id. */
+static DDP__UNUSED ddp_result ddp__ck_read_marker(ddp_group *g, const char *path, int64_t *world, uint64_t *id);
+static DDP__UNUSED char *ddp__ck_shard_path(const char *path, int rank); /* "<path>.rank<r>"; NULL out of memory */
+/* Every rank's outcome of a checkpoint step: the first failure (lowest rank) is every rank's error. */
+static DDP__UNUSED ddp_result ddp__ck_agree(ddp_group *g, ddp_result mine, const char *what);
+static DDP__UNUSED void ddp__ck_async_settle(ddp_group *g); /* wait for an async save in flight */
+
 /* ---- reducer.c: host memory for the reducer's buckets (every backend but nccl uses these) ---- */
 static DDP__UNUSED void *ddp__host_alloc(ddp_group *g, size_t bytes);
 static DDP__UNUSED void ddp__host_release(ddp_group *g, void *p);

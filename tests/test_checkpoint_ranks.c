@@ -388,6 +388,93 @@ static void test_resize_resume_ranks(int drop_last) {
            drop_last ? ", the last 1 dropped" : " plus 2 padding repeats of the first");
 }
 
+/* ---- slices saved by N ranks, loaded by M (ddp_checkpoint_save_slices / load_slices) ----
+   Three global tensors (f32 of 1000 and 7 elements, f64 of 333), each cut into world nearly equal
+   contiguous slices (rank r: [r*len/w, (r+1)*len/w)); element i of tensor k holds slice_value(k, i),
+   whoever saved it. Saved on `from` ranks, loaded on `to` ranks with their own cut: every element must
+   come back; then a request past what was saved (another global_count) fails on every rank. */
+static const size_t SL_LEN[3] = {1000, 7, 333};
+static double slice_value(int k, size_t i) { return (double)k * 10000.0 + (double)i * 0.5; }
+typedef struct slice_arg {
+    int save; /* 1: save on these ranks; 0: load */
+    int from; /* the world size that saved */
+} slice_arg;
+
+static void slice_cut(int k, int rank, int world, ddp_slice *s, void *data) {
+    static const char *names[3] = {"exp_avg/embed", "exp_avg/bias", "exp_avg_sq/head"};
+    s->name = names[k];
+    s->dtype = k == 2 ? DDP_F64 : DDP_F32;
+    s->global_count = SL_LEN[k];
+    s->offset = SL_LEN[k] * (size_t)rank / (size_t)world;
+    s->count = SL_LEN[k] * (size_t)(rank + 1) / (size_t)world - s->offset;
+    s->data = data;
+}
+
+static int slices_main(int rank, int n, void *arg) {
+    const slice_arg *a = (const slice_arg *)arg;
+    ddp_group *g;
+    ddp_slice s[3];
+    float f[2][1000];
+    double d[333];
+    ddp_meta meta = {0, 0, 0};
+    char p[512];
+    size_t i;
+    int k;
+    CHECK_OK(ddp_init(NULL, &g), NULL);
+    snprintf(p, sizeof p, "%s/slices_from%d.safetensors", dir, a->from);
+    for (k = 0; k < 3; k++) slice_cut(k, rank, n, &s[k], k == 2 ? (void *)d : (void *)f[k]);
+    if (a->save) {
+        for (k = 0; k < 3; k++)
+            for (i = 0; i < s[k].count; i++) {
+                double v = slice_value(k, s[k].offset + i);
+                if (k == 2) d[i] = v;
+                else f[k][i] = (float)v;
+            }
+        CHECK_OK(ddp_meta_set_int(&meta, "step", 77), g);
+        CHECK_OK(ddp_checkpoint_save_slices(g, p, s, 3, &meta, NULL), g);
+    } else {
+        memset(f, 0xff, sizeof f);
+        memset(d, 0xff, sizeof d);
+        CHECK_OK(ddp_checkpoint_load_slices(g, p, s, 3, &meta), g);
+        for (k = 0; k < 3; k++)
+            for (i = 0; i < s[k].count; i++) {
+                double got = k == 2 ? d[i] : (double)f[k][i];
+                CHECK(got == slice_value(k, s[k].offset + i), "saved on %d, loaded on %d ranks: rank %d, %s[%zu] = %g, want %g",
+                      a->from, n, rank, s[k].name, s[k].offset + i, got, slice_value(k, s[k].offset + i));
+            }
+        CHECK(ddp_meta_get(&meta, "step") && strcmp(ddp_meta_get(&meta, "step"), "77") == 0, "rank %d: metadata step %s", rank,
+              ddp_meta_get(&meta, "step") ? ddp_meta_get(&meta, "step") : "(none)");
+        { /* rank 0 asks for a tensor nobody saved: a gap, on every rank */
+            ddp_slice miss;
+            memset(&miss, 0, sizeof miss);
+            miss.name = "never_saved", miss.dtype = DDP_F32, miss.global_count = 4, miss.count = rank == 0 ? 4 : 0, miss.data = f[0];
+            expect_fail(g, ddp_checkpoint_load_slices(g, p, &miss, 1, NULL), DDP_ERR_MISMATCH, "holds 0 of the 4 elements",
+                        "a slice nobody saved");
+        }
+        s[1].global_count = 8, s[1].offset = 0, s[1].count = rank == n - 1 ? 8 : 0; /* the last rank asks for more than exists */
+        expect_fail(g, ddp_checkpoint_load_slices(g, p, s, 3, NULL), DDP_ERR_MISMATCH, "global_count", "a slice of another size");
+    }
+    ddp_meta_free(&meta);
+    CHECK_OK(ddp_destroy(g), NULL);
+    return 0;
+}
+
+static void test_slices(void) {
+    static const int pairs[][2] = {{4, 3}, {3, 5}, {2, 1}, {1, 4}};
+    size_t i;
+    for (i = 0; i < sizeof pairs / sizeof pairs[0]; i++) {
+        slice_arg a;
+        a.from = pairs[i][0];
+        a.save = 1;
+        CHECK(tl_run_ranks(pairs[i][0], slices_main, &a, 120) == 0, "slices saved on %d ranks failed", pairs[i][0]);
+        a.save = 0;
+        CHECK(tl_run_ranks(pairs[i][1], slices_main, &a, 120) == 0, "slices saved on %d ranks, loaded on %d, failed", pairs[i][0],
+              pairs[i][1]);
+        printf("slices: saved on %d ranks, loaded on %d: every element of 3 tensors back; a gap or another global_count fails on every rank\n",
+               pairs[i][0], pairs[i][1]);
+    }
+}
+
 int main(void) {
     static const int sizes[] = {2, 3, 4};
     model m;
@@ -415,6 +502,7 @@ int main(void) {
     }
     test_resize_resume_ranks(0);
     test_resize_resume_ranks(1);
+    test_slices();
     {
         DIR *d = opendir(dir);
         struct dirent *e;
