@@ -15813,8 +15813,8 @@ DDP_API ddp_result ddp_reducer_gather_params(ddp_reducer *r) {
         const ddp_shard *s = &r->shards[j];
         const ddp__bucket *k = &r->L.buckets[r->shard_bucket[j]];
         size_t at = r->L.param_offset[s->param] + s->offset;
-        r->ops->copy_in_scaled(r->g, (char *)k->gather + at * ddp_dtype_size(k->dtype), k->dtype, s->param_data,
-                               k->dtype, s->count, 1.0);
+        r->ops->copy_out(r->g, (char *)k->gather + at * ddp_dtype_size(k->dtype), k->dtype, s->param_data, k->dtype,
+                         s->count); /* a plain copy: the bucket has the parameters' dtype */
     }
     for (b = 0; b < r->L.nbuckets && !res; b++) {
         ddp__bucket *k = &r->L.buckets[b];
