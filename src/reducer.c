@@ -35,6 +35,7 @@
 #define DDP__REDUCER_BROADCAST_CHUNK ((size_t)250 << 20)   /* DDP's broadcast_bucket_size */
 #define DDP__REDUCER_SMALL_TENSOR ((size_t)1 << 20)        /* smaller tensors are coalesced for broadcast */
 #define DDP__REDUCER_NAME_RECORD 72                        /* name bytes in a mismatch record */
+#define DDP__VERIFY_FIELDS 5                               /* a model record: see ddp__reducer_verify */
 #define DDP__JOIN_FIELDS 3                                 /* a join record: kind, flags, steps */
 enum { DDP__JOIN_JOINED = 0, DDP__JOIN_STEP = 1, DDP__JOIN_BUFFERS = 2 }; /* a join record's kind */
 enum { DDP__JOIN_SYNC = 1, DDP__JOIN_FIRST = 2 };                         /* and its flags */
@@ -392,7 +393,8 @@ static ddp_result ddp__reducer_name_mismatch(ddp_reducer *r, const uint64_t *pri
     ddp__model_record *mine, *all;
     ddp_result res;
     char msg[DDP__ERR_MAX], a[160], b[160];
-    for (k = 0; k < world; k++) n = DDP__MAX(n, (int)(prints[4 * k + 1] + prints[4 * k + 2]));
+    for (k = 0; k < world; k++)
+        n = DDP__MAX(n, (int)(prints[DDP__VERIFY_FIELDS * k + 1] + prints[DDP__VERIFY_FIELDS * k + 2]));
     mine = (ddp__model_record *)ddp__calloc((size_t)n + 1, sizeof *mine);
     all = (ddp__model_record *)ddp__calloc(((size_t)n + 1) * (size_t)world, sizeof *all);
     if (!mine || !all) {
@@ -440,33 +442,50 @@ static ddp_result ddp__reducer_name_mismatch(ddp_reducer *r, const uint64_t *pri
     return ddp__fail(g, DDP_ERR_MISMATCH, "%s", msg);
 }
 
-/* PyTorch's _verify_param_shape_across_processes, hang-free: a fixed-size all_gather first. */
+/* PyTorch's _verify_param_shape_across_processes, hang-free: a fixed-size all_gather first. Each record
+   is {magic, params, buffers, hash of the model, zero_stage}; the ranks' zero_stage must agree, else they
+   would issue different collectives for the same bucket (a reduce-scatter against an all-reduce). */
 static ddp_result ddp__reducer_verify(ddp_reducer *r) {
     ddp_group *g = r->g;
     int world = ddp_world_size(g), i, k;
-    uint64_t mine[4], *all;
+    uint64_t mine[DDP__VERIFY_FIELDS], *all;
     ddp_result res;
     mine[0] = 0x4444505245445543ull; /* "DDPREDUC": a reducer's record */
     mine[1] = (uint64_t)r->nparams;
     mine[2] = (uint64_t)r->nbuffers;
     mine[3] = 14695981039346656037ull;
+    mine[4] = (uint64_t)r->desc.zero_stage;
     for (i = 0; i < r->nparams; i++) mine[3] = ddp__rtensor_hash(mine[3], &r->params[i]);
     for (i = 0; i < r->nbuffers; i++) mine[3] = ddp__rtensor_hash(mine[3] ^ 0x9e3779b97f4a7c15ull, &r->buffers[i]);
-    all = (uint64_t *)ddp__calloc((size_t)world * 4, sizeof *all);
+    all = (uint64_t *)ddp__calloc((size_t)world * DDP__VERIFY_FIELDS, sizeof *all);
     if (!all) return ddp__fail(g, DDP_ERR_OUT_OF_MEMORY, "ddp_reducer_finalize: out of memory");
-    if ((res = ddp_all_gather(g, mine, all, 4, DDP_I64)) != DDP_SUCCESS) {
+    if ((res = ddp_all_gather(g, mine, all, DDP__VERIFY_FIELDS, DDP_I64)) != DDP_SUCCESS) {
         ddp__free(all);
         return res;
     }
-    for (k = 0; k < world; k++) /* another all_gather of 4 x i64 would pass the collective's fingerprint */
-        if (all[4 * k] != mine[0] || all[4 * k + 1] > INT_MAX / 4 || all[4 * k + 2] > INT_MAX / 4) {
+    for (k = 0; k < world; k++) { /* another all_gather of 5 x i64 would pass the collective's fingerprint */
+        const uint64_t *e = &all[DDP__VERIFY_FIELDS * k];
+        if (e[0] != mine[0] || e[1] > INT_MAX / 4 || e[2] > INT_MAX / 4) {
             ddp__free(all);
             return ddp__fail(g, DDP_ERR_MISMATCH, "ddp_reducer_finalize: rank %d is not in ddp_reducer_finalize (its "
                              "all_gather carries something else); every rank must call it at the same point", k);
         }
+    }
+    for (k = 1; k < world; k++)
+        if (all[DDP__VERIFY_FIELDS * k + 4] != all[4]) {
+            int theirs = (int)all[DDP__VERIFY_FIELDS * k + 4], first = (int)all[4];
+            ddp__free(all);
+            return ddp__fail(g, DDP_ERR_MISMATCH, "ddp_reducer_finalize: the ranks created their reducers with different "
+                             "zero_stage: rank 0 has %d, rank %d has %d; every rank must use the same zero_stage in its "
+                             "ddp_reducer_desc", first, k, theirs);
+        }
     for (k = 0; k < world; k++)
-        if (memcmp(&all[4 * k], &all[0], sizeof mine) != 0) break;
-    res = k == world ? DDP_SUCCESS : ddp__reducer_name_mismatch(r, all);
+        if (memcmp(&all[DDP__VERIFY_FIELDS * k], &all[0], 4 * sizeof(uint64_t)) != 0) break;
+    if (k == world) {
+        ddp__free(all);
+        return DDP_SUCCESS;
+    }
+    res = ddp__reducer_name_mismatch(r, all);
     ddp__free(all);
     return res;
 }

@@ -202,8 +202,8 @@ DDP_API ddp_result ddp_reducer_add_param(ddp_reducer *r, const char *name, void 
 DDP_API ddp_result ddp_reducer_add_buffer(ddp_reducer *r, const char *name, void *buf, size_t count, ddp_dtype t);
 
 /* ddp_reducer_finalize: collective. Checks that every rank registered the same parameters and buffers
-   (count, sizes, dtypes, names); a difference is DDP_ERR_MISMATCH on every rank, naming the first
-   parameter that differs and what each side has. Then broadcasts parameters and buffers from rank 0
+   (count, sizes, dtypes, names) and use the same zero_stage; a difference is DDP_ERR_MISMATCH on every
+   rank, naming the first parameter that differs and what each side has (or each side's zero_stage). Then broadcasts parameters and buffers from rank 0
    (coalesced in chunks of up to 250 MiB, as DDP does) and builds the buckets. */
 DDP_API ddp_result ddp_reducer_finalize(ddp_reducer *r);
 

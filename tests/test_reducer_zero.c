@@ -11,7 +11,7 @@
        gradients equal stage 0's averaged gradients and every parameter equals stage 0's (relative 1e-6;
        bf16 compression: 2e-3), plain, no_sync x2, bf16, one flat grads_memory, gradient_as_bucket_view.
    (c) the refused combinations: zero_stage 2, uneven_inputs, find_unused_parameters; gather_params
-       without zero_stage. */
+       without zero_stage; ranks with different zero_stage: DDP_ERR_MISMATCH on every rank at finalize. */
 #include "testlib.h"
 
 #define NP 4
@@ -265,6 +265,33 @@ static int refuse_main(int rank, int n, void *arg) {
     return 0;
 }
 
+/* Ranks that disagree about zero_stage would issue a reduce-scatter against an all-reduce: finalize says
+   so on every rank, at once. */
+static int disagree_main(int rank, int n, void *arg) {
+    ddp_group *g;
+    ddp_reducer *r;
+    ddp_reducer_desc d;
+    float w[5] = {0}, gw[5];
+    ddp_result res;
+    double t0;
+    (void)n, (void)arg;
+    CHECK_OK(ddp_init(NULL, &g), NULL);
+    memset(&d, 0, sizeof d);
+    d.zero_stage = rank == 1;
+    CHECK_OK(ddp_reducer_create(g, &d, &r), g);
+    CHECK_OK(ddp_reducer_add_param(r, "w", w, gw, 5, DDP_F32, NULL), g);
+    t0 = tl_now();
+    res = ddp_reducer_finalize(r);
+    CHECK(res == DDP_ERR_MISMATCH && strstr(ddp_last_error(g), "different zero_stage: rank 0 has 0, rank 1 has 1"),
+          "rank %d: zero_stage 0 against 1: %s: %s", rank, ddp_result_string(res), ddp_last_error(g));
+    CHECK(tl_now() - t0 < 10, "rank %d: the mismatch took %.1f s", rank, tl_now() - t0);
+    if (rank == 0) printf("  zero_stage 0 against 1: %.2f ms: %s\n", (tl_now() - t0) * 1e3, ddp_last_error(g));
+    CHECK_OK(ddp_barrier(g), g); /* the group is still usable */
+    ddp_reducer_destroy(r);
+    CHECK_OK(ddp_destroy(g), NULL);
+    return 0;
+}
+
 int main(void) {
     int world;
     for (world = 1; world <= 4; world++) {
@@ -272,6 +299,8 @@ int main(void) {
         printf("ZeRO-1, %d ranks: every element owned once, as the rule says; every mode equals stage 0 + AdamW\n", world);
     }
     CHECK(tl_run_ranks(2, refuse_main, NULL, 60) == 0, "refused combinations");
+    CHECK(tl_run_ranks(2, disagree_main, NULL, 60) == 0, "zero_stage differs between ranks");
+    CHECK(tl_run_ranks(3, disagree_main, NULL, 60) == 0, "zero_stage differs between ranks");
     printf("test_reducer_zero: ok\n");
     return 0;
 }
