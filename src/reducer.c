@@ -22,6 +22,11 @@
      plain                     program's grad --(x 1/world, g -> c)--> comm bucket --all-reduce--> grad
      gradient_as_bucket_view   storage bucket (g) IS the grad; comm bucket = storage when c == g (the
                               scaling is then in place), else a separate c-typed copy as above
+     zero_stage = 1            grad or storage --(x 1/world)--> the reducer's own comm bucket, padded to
+                              world slices --reduce-scatter--> this rank's slice --> the owned part of the
+                              grad or storage only (see "ZeRO stage 1" below); gather_params all-gathers
+                              the owned parameter values through a staging bucket (the comm bucket when
+                              c == g)
 
    Bucket assignment (PyTorch's compute_bucket_assignment_by_size): walk the parameters in a given order
    (reverse registration at first, then the observed ready order); each dtype has one open bucket; add the
