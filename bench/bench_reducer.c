@@ -5,6 +5,8 @@
 
        build/bench_reducer [ranks=2] [batch=32] [steps=10]
        build/bench_reducer join [ranks=2] [steps=2000] [floats=16384]
+       build/bench_reducer zero [ranks=2] [steps=60] [floats=4000000]
+       build/bench_reducer flat [ranks=1] [steps=20]
 
    bench/bench_reducer.sh runs it beside torch DDP (gloo) and prints the ratio of the overheads.
    Rows: "ddp.h (copy: DDP default)" (gradients in the program's buffers, copied into buckets and back, as DDP by default) and
@@ -27,7 +29,14 @@
    of one grads_memory in registration order (the buckets are slices of it), two reducers on the same
    group taking turns in blocks of 5 steps (begin_backward, grad_ready for each in backward order,
    end_backward); the median step of each (rank 0's):
-       build/bench_reducer flat [ranks=1] [steps=20] */
+       build/bench_reducer flat [ranks=1] [steps=20]
+
+   The zero mode compares ZeRO stage 1 with DDP on the optimizer step it is for: a model of about `floats`
+   f32 in parameters of sizes that do not divide the world size, two reducers on the same group taking
+   turns in blocks of 5 steps: stage 0 (all-reduce, AdamW on the whole model) and stage 1 (reduce-scatter,
+   AdamW on this rank's shards, ddp_reducer_gather_params). A step is: write the gradients, backward
+   (grad_ready in reverse order, no compute), end_backward, AdamW (and the gather). Printed: the median
+   step of each (rank 0's), and the optimizer-state bytes (AdamW's m and v) per rank. */
 #define DDP_IMPLEMENTATION
 #include "ddp.h"
 #include "bench_util.h" /* free_port */
@@ -358,11 +367,115 @@ static int flat_rank_main(int steps, int fd) {
     return 0;
 }
 
-/* bench_reducer flat [ranks] [steps] */
-static int flat_main(int argc, char **argv);
+/* ---- the zero mode ---- */
 
-/* Fork R ranks with torchrun's environment; returns rank 0's result (out_bytes of it). mode 5: the flat mode; mode 4: the join
-   mode (batch = floats). */
+#define ZERO_NP 5
+#define ZERO_BLOCK 5
+
+static void zero_adamw(float *p, const float *g, float *m, float *v, size_t n, int t) {
+    const float b1 = 0.9f, b2 = 0.999f, eps = 1e-8f, lr = 1e-3f, wd = 1e-2f;
+    float c1 = 1.0f - powf(b1, (float)t), c2 = 1.0f - powf(b2, (float)t);
+    size_t i;
+    for (i = 0; i < n; i++) {
+        p[i] -= lr * wd * p[i];
+        m[i] = b1 * m[i] + (1.0f - b1) * g[i];
+        v[i] = b2 * v[i] + (1.0f - b2) * g[i] * g[i];
+        p[i] -= lr * (m[i] / c1) / (sqrtf(v[i] / c2) + eps);
+    }
+}
+
+typedef struct zero_model {
+    ddp_reducer *red;
+    float *w[ZERO_NP], *gw[ZERO_NP], **m, **v;
+    size_t count[ZERO_NP], *n; /* per optimizer tensor: elements */
+    const ddp_shard *sh;
+    int tensors, t;
+    double state_bytes;
+} zero_model;
+
+static int zero_model_build(ddp_group *g, int stage, int floats, zero_model *z) {
+    static const double share[ZERO_NP] = {0.25, 0.5, 0.001, 0.0, 0.249}; /* + a 7-element parameter */
+    ddp_reducer_desc d;
+    int p;
+    memset(z, 0, sizeof *z);
+    memset(&d, 0, sizeof d);
+    d.zero_stage = stage;
+    if (ddp_reducer_create(g, &d, &z->red)) return fprintf(stderr, "reducer: %s\n", ddp_last_error(g)), 1;
+    for (p = 0; p < ZERO_NP; p++) {
+        char name[16];
+        z->count[p] = share[p] > 0 ? (size_t)(share[p] * floats) | 1 : 7; /* odd: no world size divides them */
+        z->w[p] = (float *)calloc(z->count[p], sizeof(float));
+        z->gw[p] = (float *)calloc(z->count[p], sizeof(float));
+        snprintf(name, sizeof name, "p%d", p);
+        if (!z->w[p] || !z->gw[p] || ddp_reducer_add_param(z->red, name, z->w[p], z->gw[p], z->count[p], DDP_F32, NULL))
+            return fprintf(stderr, "reducer: %s\n", ddp_last_error(g)), 1;
+    }
+    if (ddp_reducer_finalize(z->red)) return fprintf(stderr, "finalize: %s\n", ddp_last_error(g)), 1;
+    z->tensors = stage ? ddp_reducer_shards(z->red, &z->sh) : ZERO_NP;
+    z->m = (float **)calloc((size_t)z->tensors + 1, sizeof *z->m);
+    z->v = (float **)calloc((size_t)z->tensors + 1, sizeof *z->v);
+    z->n = (size_t *)calloc((size_t)z->tensors + 1, sizeof *z->n);
+    for (p = 0; p < z->tensors; p++) { /* AdamW's state: the shards only under ZeRO */
+        z->n[p] = stage ? z->sh[p].count : z->count[p];
+        z->m[p] = (float *)calloc(z->n[p], sizeof(float));
+        z->v[p] = (float *)calloc(z->n[p], sizeof(float));
+        z->state_bytes += 2.0 * (double)z->n[p] * sizeof(float);
+    }
+    return 0;
+}
+
+static int zero_step(ddp_group *g, zero_model *z, int stage) {
+    int p;
+    size_t i;
+    ddp_reducer_zero_grad(z->red);
+    if (ddp_reducer_begin_backward(z->red)) return 1;
+    for (p = ZERO_NP - 1; p >= 0; p--) {
+        for (i = 0; i < z->count[p]; i++) z->gw[p][i] = (float)((int)(i + (size_t)ddp_rank(g)) % 7 - 3) * 0.1f;
+        if (ddp_reducer_grad_ready(z->red, p)) return 1;
+    }
+    if (ddp_reducer_end_backward(z->red)) return 1;
+    z->t++;
+    for (p = 0; p < z->tensors; p++)
+        zero_adamw(stage ? (float *)z->sh[p].param_data : z->w[p], stage ? (const float *)z->sh[p].grad : z->gw[p], z->m[p],
+                   z->v[p], z->n[p], z->t);
+    return stage && ddp_reducer_gather_params(z->red) ? 1 : 0;
+}
+
+/* Rank 0 writes {median step stage 0, median step stage 1, state bytes stage 0, state bytes stage 1}. */
+static int zero_rank_main(int floats, int steps, int fd) {
+    ddp_group *g;
+    zero_model z[2];
+    double *t[2], out[4];
+    int k, i, b, p, n[2] = {0, 0};
+    if (ddp_init(NULL, &g) != DDP_SUCCESS) return fprintf(stderr, "ddp_init: %s\n", ddp_last_error(NULL)), 1;
+    for (k = 0; k < 2; k++) {
+        if (zero_model_build(g, k, floats, &z[k])) return 1;
+        t[k] = (double *)malloc(sizeof(double) * (size_t)steps);
+    }
+    for (b = -2; n[0] < steps || n[1] < steps; b++) { /* two warm-up blocks, then turns */
+        k = (b + 2) % 2;
+        for (i = 0; i < ZERO_BLOCK; i++) {
+            double t0 = now();
+            if (zero_step(g, &z[k], k)) return fprintf(stderr, "step: %s\n", ddp_last_error(g)), 1;
+            if (b >= 0 && n[k] < steps) t[k][n[k]++] = now() - t0;
+        }
+    }
+    for (k = 0; k < 2; k++) {
+        qsort(t[k], (size_t)steps, sizeof(double), cmp_double);
+        out[k] = t[k][steps / 2] * 1e3;
+        out[2 + k] = z[k].state_bytes;
+        ddp_reducer_destroy(z[k].red);
+        for (p = 0; p < ZERO_NP; p++) free(z[k].w[p]), free(z[k].gw[p]);
+        for (p = 0; p < z[k].tensors; p++) free(z[k].m[p]), free(z[k].v[p]);
+        free(z[k].m), free(z[k].v), free(z[k].n), free(t[k]);
+    }
+    if (ddp_rank(g) == 0 && write(fd, out, sizeof out) != (ssize_t)sizeof out) return 1;
+    ddp_destroy(g);
+    return 0;
+}
+
+/* Fork R ranks with torchrun's environment; returns rank 0's result (out_bytes of it). mode 4: the join
+   mode (batch = floats); mode 5: the zero mode; mode 6: the flat mode. */
 static int run_ddp(int R, int batch, int steps, int mode, void *out, size_t out_bytes) {
     int p[2], i, st, failed = 0;
     char v[16];
@@ -381,8 +494,8 @@ static int run_ddp(int R, int batch, int steps, int mode, void *out, size_t out_
             setenv("RANK", v, 1);
             setenv("LOCAL_RANK", v, 1);
             close(p[0]);
-            exit(mode == 5 ? flat_rank_main(steps, p[1]) : mode == 4 ? join_rank_main(batch, steps, p[1])
-                                                              : ddp_rank_main(batch, steps, mode, p[1]));
+            exit(mode == 6 ? flat_rank_main(steps, p[1]) : mode == 5 ? zero_rank_main(batch, steps, p[1])
+                 : mode == 4 ? join_rank_main(batch, steps, p[1]) : ddp_rank_main(batch, steps, mode, p[1]));
         }
     }
     close(p[1]);
@@ -406,15 +519,31 @@ static int join_main(int argc, char **argv) {
     return 0;
 }
 
+/* bench_reducer flat [ranks] [steps] */
 static int flat_main(int argc, char **argv) {
     int R = argc > 2 ? atoi(argv[2]) : 1, steps = argc > 3 ? atoi(argv[3]) : 20;
     double out[4];
     if (R < 1 || R > 64 || steps < 1) return fprintf(stderr, "usage: bench_reducer flat [ranks] [steps]\n"), 2;
-    if (run_ddp(R, 0, steps, 5, out, sizeof out)) return fprintf(stderr, "bench_reducer: a rank failed\n"), 1;
+    if (run_ddp(R, 0, steps, 6, out, sizeof out)) return fprintf(stderr, "bench_reducer: a rank failed\n"), 1;
     printf("bench_reducer flat: %d ranks, the MLP's %.1fM gradients without compute, median of %d steps each, taking turns "
            "in blocks of 5\n", R, LAYERS * ((double)WIDTH * WIDTH + WIDTH) / 1e6, steps);
     printf("  separate gradient buffers (copied in and out): %.2f ms/step\n  one grads_memory (%g of %g buckets flat): "
            "%.2f ms/step (ratio %.2f)\n", out[0], out[2], out[3], out[1], out[1] / out[0]);
+    return 0;
+}
+
+/* bench_reducer zero [ranks] [steps] [floats] */
+static int zero_main(int argc, char **argv) {
+    int R = argc > 2 ? atoi(argv[2]) : 2, steps = argc > 3 ? atoi(argv[3]) : 60, floats = argc > 4 ? atoi(argv[4]) : 4000000;
+    double out[4];
+    if (R < 1 || R > 64 || steps < 1 || floats < 1000) return fprintf(stderr, "usage: bench_reducer zero [ranks] [steps] [floats >= 1000]\n"), 2;
+    if (run_ddp(R, floats, steps, 5, out, sizeof out)) return fprintf(stderr, "bench_reducer: a rank failed\n"), 1;
+    printf("bench_reducer zero: %d ranks, about %d f32 parameters (sizes not divisible by the world size), AdamW, median of "
+           "%d steps each, taking turns in blocks of %d (transport %s)\n", R, floats, steps, ZERO_BLOCK,
+           getenv("DDP_TRANSPORT") ? getenv("DDP_TRANSPORT") : "auto");
+    printf("  stage 0 (all-reduce, full AdamW):            %8.2f ms/step, optimizer state %.0f bytes per rank\n", out[0], out[2]);
+    printf("  stage 1 (reduce-scatter, shard AdamW, gather): %6.2f ms/step, optimizer state %.0f bytes per rank "
+           "(%.3f of stage 0; ratio of step times %.2f)\n", out[1], out[3], out[3] / out[2], out[1] / out[0]);
     return 0;
 }
 
@@ -425,6 +554,7 @@ int main(int argc, char **argv) {
                                          "ddp.h flat grads_memory"};
     if (argc > 1 && strcmp(argv[1], "join") == 0) return join_main(argc, argv);
     if (argc > 1 && strcmp(argv[1], "flat") == 0) return flat_main(argc, argv);
+    if (argc > 1 && strcmp(argv[1], "zero") == 0) return zero_main(argc, argv);
     R = argc > 1 ? atoi(argv[1]) : 2, batch = argc > 2 ? atoi(argv[2]) : 32, steps = argc > 3 ? atoi(argv[3]) : 10;
     if (R < 1 || R > 64 || batch < 1 || steps < 1) return fprintf(stderr, "usage: bench_reducer [ranks] [batch] [steps]\n"), 2;
     printf("bench_reducer: %.1fM parameters (%d x Linear(%d, %d) + Tanh), per-rank batch %d, %d ranks, 1 thread each, "

@@ -22,6 +22,11 @@
      plain                     program's grad --(x 1/world, g -> c)--> comm bucket --all-reduce--> grad
      gradient_as_bucket_view   storage bucket (g) IS the grad; comm bucket = storage when c == g (the
                               scaling is then in place), else a separate c-typed copy as above
+     zero_stage = 1            grad or storage --(x 1/world)--> the reducer's own comm bucket, padded to
+                              world slices --reduce-scatter--> this rank's slice --> the owned part of the
+                              grad or storage only (see "ZeRO stage 1" below); gather_params all-gathers
+                              the owned parameter values through a staging bucket (the comm bucket when
+                              c == g)
 
    Bucket assignment (PyTorch's compute_bucket_assignment_by_size): walk the parameters in a given order
    (reverse registration at first, then the observed ready order); each dtype has one open bucket; add the
@@ -35,6 +40,7 @@
 #define DDP__REDUCER_BROADCAST_CHUNK ((size_t)250 << 20)   /* DDP's broadcast_bucket_size */
 #define DDP__REDUCER_SMALL_TENSOR ((size_t)1 << 20)        /* smaller tensors are coalesced for broadcast */
 #define DDP__REDUCER_NAME_RECORD 72                        /* name bytes in a mismatch record */
+#define DDP__VERIFY_FIELDS 5                               /* a model record: see ddp__reducer_verify */
 #define DDP__JOIN_FIELDS 3                                 /* a join record: kind, flags, steps */
 enum { DDP__JOIN_JOINED = 0, DDP__JOIN_STEP = 1, DDP__JOIN_BUFFERS = 2 }; /* a join record's kind */
 enum { DDP__JOIN_SYNC = 1, DDP__JOIN_FIRST = 2 };                         /* and its flags */
@@ -136,7 +142,12 @@ typedef struct ddp__bucket {
     size_t count;         /* elements */
     void *storage;        /* gradient_as_bucket_view, or flat: the gradients themselves; else NULL */
     int flat;             /* storage is the program's own gradient memory (its gradients lie side by side) */
-    void *comm;           /* what is all-reduced; == storage for a view without compression */
+    void *comm;           /* what is all-reduced; == storage for a view without compression; zero_stage: the
+                             reducer's own, padded with zeros to world * per elements */
+    size_t per;           /* zero_stage: elements of each rank's slice, ceil(count / world) */
+    void *owned;          /* zero_stage: the reduce-scatter's result, this rank's slice (per, comm dtype) */
+    void *gather;         /* zero_stage: gather_params' staging (world * per, the gradients' dtype; == comm
+                             when that has the same dtype) */
     int pending;          /* gradients still to come in this backward pass */
     ddp_work *work;       /* its all-reduce, while in flight */
 } ddp__bucket;
@@ -173,6 +184,9 @@ struct ddp_reducer {
     int rebuild_pending;
     void *stash;       /* view without compression + find_unused: gradients of unused parameters */
     size_t stash_bytes;
+    ddp_shard *shards; /* zero_stage: this rank's pieces of the model, in bucket order */
+    int nshards;
+    int *shard_bucket; /* per shard: its bucket */
     void *bstage;      /* staging for coalesced buffer broadcasts */
     size_t bstage_bytes;
 
@@ -196,11 +210,32 @@ struct ddp_reducer {
 
 static size_t ddp__reducer_n(const ddp_reducer *r) { return (size_t)(unsigned)r->nparams; } /* never negative */
 static int ddp__reducer_is_view(const ddp_reducer *r) { return r->desc.gradient_as_bucket_view; }
+static int ddp__reducer_zero(const ddp_reducer *r) { return r->desc.zero_stage != 0; }
 /* Gradients scaled and reduced in place in the bucket (a view without compression). */
 static int ddp__bucket_in_place(const ddp__bucket *b) { return b->storage != NULL && b->comm == b->storage; }
 static size_t ddp__tensor_bytes(const ddp__rtensor *t) { return t->count * ddp_dtype_size(t->dtype); }
 
 /* ---- creation and registration ---- */
+
+/* zero_stage: what is implemented, and the combinations refused (see "ZeRO" in reducer.h). */
+static ddp_result ddp__zero_check_desc(ddp_group *g, const ddp_reducer_desc *d) {
+    if (d->zero_stage < 0 || d->zero_stage > 2)
+        return ddp__fail(g, DDP_ERR_INVALID_ARGUMENT, "ddp_reducer_create: zero_stage %d is not 0 (DDP), 1 (ZeRO-1: "
+                         "optimizer state sharded) or 2 (ZeRO-2)", d->zero_stage);
+    if (d->zero_stage == 2)
+        return ddp__fail(g, DDP_ERR_INVALID_ARGUMENT, "ddp_reducer_create: zero_stage 2 (ZeRO-2: the non-owned gradients "
+                         "freed) is not implemented yet; use zero_stage = 1, which shards the optimizer state");
+    if (d->zero_stage && d->uneven_inputs)
+        return ddp__fail(g, DDP_ERR_INVALID_ARGUMENT, "ddp_reducer_create: zero_stage = %d with uneven_inputs = 1 is not "
+                         "supported: a rank that joined still owns slices of the model, which only the program's optimizer "
+                         "could update; give every rank the same number of batches (ddp_sampler with drop_last) or use "
+                         "zero_stage = 0", d->zero_stage);
+    if (d->zero_stage && d->find_unused_parameters)
+        return ddp__fail(g, DDP_ERR_INVALID_ARGUMENT, "ddp_reducer_create: zero_stage = %d with find_unused_parameters = 1 "
+                         "is not supported; give every parameter a gradient in every synchronised pass (zeros for an "
+                         "unused one) or use zero_stage = 0", d->zero_stage);
+    return DDP_SUCCESS;
+}
 
 DDP_API ddp_result ddp_reducer_create(ddp_group *g, const ddp_reducer_desc *d, ddp_reducer **out) {
     ddp_reducer_desc desc;
@@ -216,6 +251,7 @@ DDP_API ddp_result ddp_reducer_create(ddp_group *g, const ddp_reducer_desc *d, d
     if (desc.join_fail_early && !desc.uneven_inputs)
         return ddp__fail(g, DDP_ERR_INVALID_ARGUMENT, "ddp_reducer_create: join_fail_early = 1 needs uneven_inputs = 1 "
                          "(it says what happens when a rank runs out of data, which only uneven_inputs detects)");
+    if ((res = ddp__zero_check_desc(g, &desc)) != DDP_SUCCESS) return res;
     if (desc.comm_dtype != DDP_DTYPE_DEFAULT && !(ddp__dtype_valid(desc.comm_dtype) && ddp__dtype_is_float(desc.comm_dtype)))
         return ddp__fail(g, DDP_ERR_INVALID_ARGUMENT, "ddp_reducer_create: comm_dtype %d is not DDP_DTYPE_DEFAULT or a "
                          "floating dtype (DDP_F16 or DDP_BF16 to compress)", (int)desc.comm_dtype);
@@ -362,7 +398,8 @@ static ddp_result ddp__reducer_name_mismatch(ddp_reducer *r, const uint64_t *pri
     ddp__model_record *mine, *all;
     ddp_result res;
     char msg[DDP__ERR_MAX], a[160], b[160];
-    for (k = 0; k < world; k++) n = DDP__MAX(n, (int)(prints[4 * k + 1] + prints[4 * k + 2]));
+    for (k = 0; k < world; k++)
+        n = DDP__MAX(n, (int)(prints[DDP__VERIFY_FIELDS * k + 1] + prints[DDP__VERIFY_FIELDS * k + 2]));
     mine = (ddp__model_record *)ddp__calloc((size_t)n + 1, sizeof *mine);
     all = (ddp__model_record *)ddp__calloc(((size_t)n + 1) * (size_t)world, sizeof *all);
     if (!mine || !all) {
@@ -410,33 +447,50 @@ static ddp_result ddp__reducer_name_mismatch(ddp_reducer *r, const uint64_t *pri
     return ddp__fail(g, DDP_ERR_MISMATCH, "%s", msg);
 }
 
-/* PyTorch's _verify_param_shape_across_processes, hang-free: a fixed-size all_gather first. */
+/* PyTorch's _verify_param_shape_across_processes, hang-free: a fixed-size all_gather first. Each record
+   is {magic, params, buffers, hash of the model, zero_stage}; the ranks' zero_stage must agree, else they
+   would issue different collectives for the same bucket (a reduce-scatter against an all-reduce). */
 static ddp_result ddp__reducer_verify(ddp_reducer *r) {
     ddp_group *g = r->g;
     int world = ddp_world_size(g), i, k;
-    uint64_t mine[4], *all;
+    uint64_t mine[DDP__VERIFY_FIELDS], *all;
     ddp_result res;
     mine[0] = 0x4444505245445543ull; /* "DDPREDUC": a reducer's record */
     mine[1] = (uint64_t)r->nparams;
     mine[2] = (uint64_t)r->nbuffers;
     mine[3] = 14695981039346656037ull;
+    mine[4] = (uint64_t)r->desc.zero_stage;
     for (i = 0; i < r->nparams; i++) mine[3] = ddp__rtensor_hash(mine[3], &r->params[i]);
     for (i = 0; i < r->nbuffers; i++) mine[3] = ddp__rtensor_hash(mine[3] ^ 0x9e3779b97f4a7c15ull, &r->buffers[i]);
-    all = (uint64_t *)ddp__calloc((size_t)world * 4, sizeof *all);
+    all = (uint64_t *)ddp__calloc((size_t)world * DDP__VERIFY_FIELDS, sizeof *all);
     if (!all) return ddp__fail(g, DDP_ERR_OUT_OF_MEMORY, "ddp_reducer_finalize: out of memory");
-    if ((res = ddp_all_gather(g, mine, all, 4, DDP_I64)) != DDP_SUCCESS) {
+    if ((res = ddp_all_gather(g, mine, all, DDP__VERIFY_FIELDS, DDP_I64)) != DDP_SUCCESS) {
         ddp__free(all);
         return res;
     }
-    for (k = 0; k < world; k++) /* another all_gather of 4 x i64 would pass the collective's fingerprint */
-        if (all[4 * k] != mine[0] || all[4 * k + 1] > INT_MAX / 4 || all[4 * k + 2] > INT_MAX / 4) {
+    for (k = 0; k < world; k++) { /* another all_gather of 5 x i64 would pass the collective's fingerprint */
+        const uint64_t *e = &all[DDP__VERIFY_FIELDS * k];
+        if (e[0] != mine[0] || e[1] > INT_MAX / 4 || e[2] > INT_MAX / 4) {
             ddp__free(all);
             return ddp__fail(g, DDP_ERR_MISMATCH, "ddp_reducer_finalize: rank %d is not in ddp_reducer_finalize (its "
                              "all_gather carries something else); every rank must call it at the same point", k);
         }
+    }
+    for (k = 1; k < world; k++)
+        if (all[DDP__VERIFY_FIELDS * k + 4] != all[4]) {
+            int theirs = (int)all[DDP__VERIFY_FIELDS * k + 4], first = (int)all[4];
+            ddp__free(all);
+            return ddp__fail(g, DDP_ERR_MISMATCH, "ddp_reducer_finalize: the ranks created their reducers with different "
+                             "zero_stage: rank 0 has %d, rank %d has %d; every rank must use the same zero_stage in its "
+                             "ddp_reducer_desc", first, k, theirs);
+        }
     for (k = 0; k < world; k++)
-        if (memcmp(&all[4 * k], &all[0], sizeof mine) != 0) break;
-    res = k == world ? DDP_SUCCESS : ddp__reducer_name_mismatch(r, all);
+        if (memcmp(&all[DDP__VERIFY_FIELDS * k], &all[0], 4 * sizeof(uint64_t)) != 0) break;
+    if (k == world) {
+        ddp__free(all);
+        return DDP_SUCCESS;
+    }
+    res = ddp__reducer_name_mismatch(r, all);
     ddp__free(all);
     return res;
 }
@@ -499,6 +553,8 @@ static void ddp__layout_free(ddp_reducer *r, ddp__layout *L) {
     int b;
     for (b = 0; b < L->nbuckets && L->buckets; b++) {
         ddp__bucket *k = &L->buckets[b];
+        if (k->gather && k->gather != k->comm) r->ops->release(r->g, k->gather);
+        if (k->owned) r->ops->release(r->g, k->owned);
         if (k->comm && k->comm != k->storage) r->ops->release(r->g, k->comm);
         if (k->storage && !k->flat) r->ops->release(r->g, k->storage);
     }
@@ -601,9 +657,25 @@ static int ddp__bucket_flat(ddp_reducer *r, ddp__layout *L, int b) {
     return flat;
 }
 
+/* zero_stage: a bucket's own memory. The comm buffer is the reducer's (never the program's gradients,
+   so the padding exists and only the owned part is written back), padded with zeros to world * per
+   elements; ddp_alloc'd memory starts zeroed and the padding is never written. */
+static ddp_result ddp__zero_bucket_alloc(ddp_reducer *r, ddp__bucket *k, int b) {
+    size_t world = (size_t)ddp_world_size(r->g), cs = ddp_dtype_size(k->comm_dtype), gs = ddp_dtype_size(k->dtype);
+    k->per = (k->count + world - 1) / world;
+    k->comm = r->ops->alloc(r->g, k->per * world * cs);
+    k->owned = k->comm ? r->ops->alloc(r->g, k->per * cs) : NULL;
+    k->gather = k->comm_dtype == k->dtype ? k->comm : k->owned ? r->ops->alloc(r->g, k->per * world * gs) : NULL;
+    if (!k->comm || !k->owned || !k->gather)
+        return ddp__fail(r->g, DDP_ERR_OUT_OF_MEMORY, "out of memory for gradient bucket %d (zero_stage: %zu elements "
+                         "padded to %zu)", b, k->count, k->per * world);
+    return DDP_SUCCESS;
+}
+
 /* Give a layout its memory: the comm buckets, and the gradient storage for views (flat buckets have the
    program's). */
 static ddp_result ddp__layout_alloc(ddp_reducer *r, ddp__layout *L) {
+    ddp_result res;
     int b;
     for (b = 0; b < L->nbuckets; b++) {
         ddp__bucket *k = &L->buckets[b];
@@ -611,7 +683,9 @@ static ddp_result ddp__layout_alloc(ddp_reducer *r, ddp__layout *L) {
         if (!ddp__reducer_is_view(r) && ddp__bucket_flat(r, L, b)) L->flat_buckets++;
         else if (ddp__reducer_is_view(r) && !(k->storage = r->ops->alloc(r->g, gbytes)))
             return ddp__fail(r->g, DDP_ERR_OUT_OF_MEMORY, "out of memory for gradient bucket %d (%zu bytes)", b, gbytes);
-        if (k->storage && k->comm_dtype == k->dtype)
+        if (ddp__reducer_zero(r)) {
+            if ((res = ddp__zero_bucket_alloc(r, k, b)) != DDP_SUCCESS) return res;
+        } else if (k->storage && k->comm_dtype == k->dtype)
             k->comm = k->storage;
         else if (!(k->comm = r->ops->alloc(r->g, cbytes)))
             return ddp__fail(r->g, DDP_ERR_OUT_OF_MEMORY, "out of memory for gradient bucket %d (%zu bytes)", b, cbytes);
@@ -664,6 +738,123 @@ static ddp_result ddp__reducer_relayout(ddp_reducer *r, const int *walk, int *ta
     return DDP_SUCCESS;
 }
 
+/* ---- ZeRO stage 1: slices of the buckets ----
+   Bucket k (count elements) is cut in world slices of per = ceil(count / world); rank r owns bucket
+   elements [r * per, min(count, (r + 1) * per)). The reduce-scatter of the padded comm buffer gives each
+   rank exactly that slice of the sum of the 1/world-scaled gradients. A shard is the intersection of the
+   owned range with one parameter's range [param_offset, param_offset + param count) in the bucket. */
+
+static ddp_result ddp__reducer_usable(ddp_reducer *r, const char *fn);
+
+/* This rank's range of bucket k, in bucket elements ([*lo, *hi), empty when *lo >= *hi). */
+static void ddp__zero_owned(const ddp_reducer *r, const ddp__bucket *k, size_t *lo, size_t *hi) {
+    *lo = (size_t)ddp_rank(r->g) * k->per;
+    *hi = DDP__MIN(k->count, *lo + k->per);
+}
+
+/* Where parameter i's gradient element e is (the program's buffer, or the bucket's storage). */
+static char *ddp__zero_grad_at(const ddp_reducer *r, int i, size_t e) {
+    const ddp__bucket *k = &r->L.buckets[r->L.param_bucket[i]];
+    size_t es = ddp_dtype_size(r->params[i].dtype);
+    if (k->storage) return (char *)k->storage + (r->L.param_offset[i] + e) * es;
+    return (char *)r->params[i].grad + e * es;
+}
+
+/* The shard list, once at finalize (the layout never changes under ZeRO). */
+static ddp_result ddp__zero_shards(ddp_reducer *r) {
+    int b, j, n = 0;
+    for (b = 0; b < r->L.nbuckets; b++) n += r->L.buckets[b].n;
+    ddp__free(r->shards);
+    ddp__free(r->shard_bucket);
+    r->nshards = 0;
+    r->shards = (ddp_shard *)ddp__calloc((size_t)n + 1, sizeof *r->shards);
+    r->shard_bucket = (int *)ddp__calloc((size_t)n + 1, sizeof *r->shard_bucket);
+    if (!r->shards || !r->shard_bucket) return ddp__fail(r->g, DDP_ERR_OUT_OF_MEMORY, "ddp_reducer_finalize: out of memory");
+    for (b = 0; b < r->L.nbuckets; b++) {
+        const ddp__bucket *k = &r->L.buckets[b];
+        size_t lo, hi;
+        ddp__zero_owned(r, k, &lo, &hi);
+        for (j = k->first; j < k->first + k->n; j++) {
+            int i = r->L.params[j];
+            size_t po = r->L.param_offset[i], a = DDP__MAX(lo, po), e = DDP__MIN(hi, po + r->params[i].count);
+            ddp_shard *s = &r->shards[r->nshards];
+            if (a >= e) continue;
+            s->param = i;
+            s->offset = a - po;
+            s->count = e - a;
+            s->param_data = (char *)r->params[i].data + s->offset * ddp_dtype_size(r->params[i].dtype);
+            s->grad = ddp__zero_grad_at(r, i, s->offset);
+            r->shard_bucket[r->nshards++] = b;
+        }
+    }
+    return DDP_SUCCESS;
+}
+
+/* The averaged gradient of this rank's part of parameter i goes back where the program reads it. */
+static void ddp__zero_give_back(ddp_reducer *r, int i) {
+    const ddp__bucket *k = &r->L.buckets[r->L.param_bucket[i]];
+    size_t lo, hi, po = r->L.param_offset[i], a, e;
+    ddp__zero_owned(r, k, &lo, &hi);
+    a = DDP__MAX(lo, po);
+    e = DDP__MIN(hi, po + r->params[i].count);
+    if (a >= e) return;
+    r->ops->copy_out(r->g, ddp__zero_grad_at(r, i, a - po), r->params[i].dtype,
+                     (char *)k->owned + (a - lo) * ddp_dtype_size(k->comm_dtype), k->comm_dtype, e - a);
+}
+
+DDP_API int ddp_reducer_shards(ddp_reducer *r, const ddp_shard **out) {
+    if (!r || !out || !r->finalized) {
+        if (out) *out = NULL;
+        if (r) ddp__fail(r->g, DDP_ERR_INVALID_ARGUMENT, "ddp_reducer_shards: %s", !out ? "out is NULL" :
+                         "call ddp_reducer_finalize first");
+        return -1;
+    }
+    *out = r->nshards ? r->shards : NULL;
+    return r->nshards;
+}
+
+/* Every bucket's owned parameter values into its staging buffer at this rank's slice, all_gathers in
+   flight together (send = this rank's slice of recv, in place), then every parameter of the bucket
+   copied back from the gathered buffer as each finishes (the owned part comes back unchanged). */
+DDP_API ddp_result ddp_reducer_gather_params(ddp_reducer *r) {
+    ddp_result res = ddp__reducer_usable(r, "ddp_reducer_gather_params"), waited;
+    int b, j;
+    if (res) return res;
+    if (!ddp__reducer_zero(r))
+        return ddp__fail(r->g, DDP_ERR_STATE, "ddp_reducer_gather_params: the reducer was created with zero_stage = 0; "
+                         "every rank already has every parameter (set zero_stage = 1 to shard the optimizer)");
+    if (r->in_backward)
+        return ddp__fail(r->g, DDP_ERR_STATE, "ddp_reducer_gather_params: called during a backward pass; call it after "
+                         "end_backward and the optimizer step on this rank's shards");
+    for (j = 0; j < r->nshards; j++) {
+        const ddp_shard *s = &r->shards[j];
+        const ddp__bucket *k = &r->L.buckets[r->shard_bucket[j]];
+        size_t at = r->L.param_offset[s->param] + s->offset;
+        r->ops->copy_out(r->g, (char *)k->gather + at * ddp_dtype_size(k->dtype), k->dtype, s->param_data, k->dtype,
+                         s->count); /* a plain copy: the bucket has the parameters' dtype */
+    }
+    for (b = 0; b < r->L.nbuckets && !res; b++) {
+        ddp__bucket *k = &r->L.buckets[b];
+        size_t gs = ddp_dtype_size(k->dtype);
+        res = ddp_all_gather_async(r->g, (char *)k->gather + (size_t)ddp_rank(r->g) * k->per * gs, k->gather, k->per,
+                                   k->dtype, &k->work);
+    }
+    for (b = 0; b < r->L.nbuckets; b++) {
+        ddp__bucket *k = &r->L.buckets[b];
+        if (!k->work) continue;
+        waited = ddp_wait(k->work);
+        k->work = NULL;
+        if (!res) res = waited;
+        for (j = k->first; j < k->first + k->n && !res; j++) {
+            int i = r->L.params[j];
+            r->ops->copy_out(r->g, r->params[i].data, r->params[i].dtype,
+                             (char *)k->gather + r->L.param_offset[i] * ddp_dtype_size(k->dtype), k->dtype, r->params[i].count);
+        }
+    }
+    if (res) return r->failed = res;
+    return DDP_SUCCESS;
+}
+
 DDP_API ddp_result ddp_reducer_finalize(ddp_reducer *r) {
     ddp_result res;
     int i, n;
@@ -701,7 +892,11 @@ DDP_API ddp_result ddp_reducer_finalize(ddp_reducer *r) {
         r->finalized = 0;
         return res;
     }
-    r->rebuild_pending = !r->desc.find_unused_parameters;
+    if (ddp__reducer_zero(r) && (res = ddp__zero_shards(r)) != DDP_SUCCESS) {
+        r->finalized = 0;
+        return res;
+    }
+    r->rebuild_pending = !r->desc.find_unused_parameters && !ddp__reducer_zero(r); /* ZeRO: shards never move */
     return DDP_SUCCESS;
 }
 
@@ -810,9 +1005,11 @@ DDP_API ddp_result ddp_reducer_begin_backward(ddp_reducer *r) {
     return DDP_SUCCESS;
 }
 
-/* Start bucket k's collective on `data` (its comm memory; a joined rank's zeros): DDP's SUM all-reduce.
+/* Start bucket k's collective on `data` (its comm memory; a joined rank's zeros): DDP's SUM all-reduce,
+   or with zero_stage a SUM reduce-scatter of the padded buffer into this rank's slice (k->owned).
    The one place that chooses a bucket's collective, for the ranks with data and the joined ones alike. */
 static ddp_result ddp__bucket_start(ddp_reducer *r, ddp__bucket *k, void *data) {
+    if (ddp__reducer_zero(r)) return ddp_reduce_scatter_async(r->g, data, k->owned, k->per, k->comm_dtype, DDP_SUM, &k->work);
     return ddp_all_reduce_async(r->g, data, k->count, k->comm_dtype, DDP_SUM, &k->work);
 }
 
@@ -934,6 +1131,10 @@ static void ddp__reducer_give_back(ddp_reducer *r, int i) {
     ddp__bucket *k = &r->L.buckets[r->L.param_bucket[i]];
     size_t off = r->L.param_offset[i];
     const void *src = (char *)k->comm + off * ddp_dtype_size(k->comm_dtype);
+    if (ddp__reducer_zero(r)) {
+        ddp__zero_give_back(r, i);
+        return;
+    }
     if (ddp__bucket_in_place(k)) return;
     r->ops->copy_out(r->g, k->storage ? (void *)((char *)k->storage + off * ddp_dtype_size(k->dtype)) : r->params[i].grad,
                      r->params[i].dtype, src, k->comm_dtype, r->params[i].count);
@@ -1134,6 +1335,8 @@ DDP_API void ddp_reducer_destroy(ddp_reducer *r) {
     if (r->bstage) r->ops->release(r->g, r->bstage);
     if (r->shadow) r->ops->release(r->g, r->shadow);
     ddp__free(r->join_table);
+    ddp__free(r->shards);
+    ddp__free(r->shard_bucket);
     ddp__free(r);
 }
 
@@ -1353,3 +1556,6 @@ DDP_API ddp_result ddp_reducer_join(ddp_reducer *r) {
         return r->failed = res;
     return DDP_SUCCESS;
 }
+/* ==================== end src/reducer.c ==================== */
+
+/* ==================== begin src/sampler.c ==================== */

@@ -86,6 +86,32 @@
      the stream every step, and host-side ready times say little about device work): there the whole wait
      counts as transfer_seconds and last_ready_rank is -1.
 
+   - ZeRO stage 1 (torch's ZeroRedundancyOptimizer with DDP, DeepSpeed stage 1, llm.c's -z 1): with
+     zero_stage = 1 each bucket is reduce-scattered (SUM of the 1/world-scaled gradients, the average)
+     instead of all-reduced, so a rank receives the averaged gradient of its own slice of each bucket only.
+     Slice rule: a bucket of `count` elements (in bucket order: ddp_reducer_param_bucket's offsets) is cut
+     in world slices of per = ceil(count / world) elements; rank r owns bucket elements
+     [r * per, min(count, (r + 1) * per)) (the last ranks may own fewer, or none of a tiny bucket). The
+     comm buffer is padded with zeros to world * per; the padding never reaches a gradient. A slice may
+     cover parts of several parameters: ddp_reducer_shards lists this rank's pieces (any parameter size
+     works). Every element of every parameter is owned by exactly one rank. Each step, the program:
+         ddp_reducer_end_backward(red);                  // owned gradient elements are now averaged
+         n = ddp_reducer_shards(red, &sh);               // the same list every step
+         for (j = 0; j < n; j++)                         // optimizer state sized to the shards only:
+             adamw(sh[j].param_data, sh[j].grad, sh[j].count, &state[j]);   // 1/world of the model
+         ddp_reducer_gather_params(red);                 // all-gather: every rank has every updated value
+         ddp_reducer_zero_grad(red);
+     After end_backward the gradient elements this rank does not own hold what this rank's backward wrote
+     (its own, unaveraged gradient): do not use them. Parameters this rank does not own are stale until
+     gather_params. Composes with no_sync (the accumulated gradient is reduce-scattered at the sync pass),
+     compression (the reduce-scatter runs in comm_dtype), flat gradient memory and gradient_as_bucket_view
+     (the gradients then go through the reducer's padded comm buffer: one copy in and out of the owned
+     part). The buckets keep their first layout (no rebuild in ready order), so the shards never move.
+     Not with uneven_inputs (a joined rank owns slices that nobody would update: the program has to run its
+     optimizer, which the library cannot do for it) nor find_unused_parameters: ddp_reducer_create refuses
+     both with DDP_ERR_INVALID_ARGUMENT. zero_stage = 2 (freeing the non-owned gradients) is not
+     implemented yet and refused alike.
+
    Differences from PyTorch 1.13, none of which changes the averaged gradients beyond rounding:
    - The first iteration uses the 1 MiB / 25 MiB buckets in reverse registration order (torch 1.13 puts
      everything in one bucket for that iteration unless find_unused_parameters is set, and with it cuts
@@ -114,7 +140,21 @@ typedef struct ddp_reducer_desc {
     int uneven_inputs;            /* 1: ranks may run out of data at different steps: ddp_reducer_join (Join) */
     int join_fail_early;          /* with uneven_inputs: DDP_ERR_UNEVEN_INPUTS on every rank when the first rank
                                      runs out, instead of shadowing (Join's throw_on_early_termination) */
+    int zero_stage;               /* 0 = DDP (all-reduce); 1 = ZeRO-1: each rank gets the averaged gradients of
+                                     its slices only and keeps optimizer state for them (see "ZeRO" above);
+                                     2 (gradients sharded too) is not implemented yet */
 } ddp_reducer_desc;
+
+/* One piece of this rank's slice under zero_stage = 1 (see "ZeRO" above): elements
+   [offset, offset + count) of parameter `param`. param_data and grad point at element `offset` of the
+   parameter's values and of its averaged gradient (the program's grad buffer, or the bucket with
+   gradient_as_bucket_view; in the backend's memory). */
+typedef struct ddp_shard {
+    int param;
+    size_t offset, count;
+    void *param_data;
+    void *grad;
+} ddp_shard;
 
 /* Per-iteration statistics, like DDP's logging data (DistributedDataParallel._get_ddp_logging_data()).
    The timing fields describe the last synchronised backward pass. */
@@ -165,8 +205,8 @@ DDP_API ddp_result ddp_reducer_add_param(ddp_reducer *r, const char *name, void 
 DDP_API ddp_result ddp_reducer_add_buffer(ddp_reducer *r, const char *name, void *buf, size_t count, ddp_dtype t);
 
 /* ddp_reducer_finalize: collective. Checks that every rank registered the same parameters and buffers
-   (count, sizes, dtypes, names); a difference is DDP_ERR_MISMATCH on every rank, naming the first
-   parameter that differs and what each side has. Then broadcasts parameters and buffers from rank 0
+   (count, sizes, dtypes, names) and use the same zero_stage; a difference is DDP_ERR_MISMATCH on every
+   rank, naming the first parameter that differs and what each side has (or each side's zero_stage). Then broadcasts parameters and buffers from rank 0
    (coalesced in chunks of up to 250 MiB, as DDP does) and builds the buckets. */
 DDP_API ddp_result ddp_reducer_finalize(ddp_reducer *r);
 
@@ -237,6 +277,21 @@ DDP_API ddp_result ddp_reducer_stats(const ddp_reducer *r, ddp_reducer_statistic
    the order they are all-reduced), and, when offset is not NULL, its element offset in the bucket.
    -1 for a bad index or before finalize. For tests and for tuning bucket sizes. */
 DDP_API int ddp_reducer_param_bucket(const ddp_reducer *r, int index, size_t *offset);
+
+/* ddp_reducer_shards: zero_stage = 1: this rank's pieces of the model (see "ZeRO" above), in bucket
+   order; *out points into the reducer (valid until it is destroyed). The list is fixed at finalize and
+   the same every step; their gradients are averaged after each synchronised end_backward. Returns how
+   many (0 when this rank owns nothing, or without zero_stage: *out = NULL then); -1 for a NULL argument or
+   before finalize. */
+DDP_API int ddp_reducer_shards(ddp_reducer *r, const ddp_shard **out);
+
+/* ddp_reducer_gather_params: zero_stage = 1, collective: every rank contributes the current values of the
+   parameter elements it owns (after its optimizer step on its shards) and receives everyone else's, so
+   every rank has the whole updated model. One all_gather per bucket, in the parameters' dtype, all in
+   flight at once through a staging buffer per bucket (the comm buffer when it has the parameters'
+   dtype). Not during a backward pass (DDP_ERR_STATE); DDP_ERR_STATE without zero_stage; any error of the
+   all_gathers. */
+DDP_API ddp_result ddp_reducer_gather_params(ddp_reducer *r);
 
 /* ddp_reducer_destroy: wait for any all-reduce in flight and free the reducer. Not collective. NULL is a
    no-op. */

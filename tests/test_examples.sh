@@ -10,7 +10,7 @@ set -u
 cd "$(dirname "$0")/.."
 BUILD=${BUILD:-build}
 DDPRUN=$BUILD/ddprun
-EXAMPLES="hello_allreduce hello_collectives sampler grad_accumulation join_uneven checkpoint_resume launchers"
+EXAMPLES="hello_allreduce hello_collectives sampler grad_accumulation join_uneven zero_adamw checkpoint_resume launchers"
 make -s BUILD="$BUILD" SAN="${SAN:-}" "$DDPRUN" $(for e in $EXAMPLES; do echo "$BUILD/$e"; done) ||
   { echo "cannot build the examples"; exit 1; }
 T=$(mktemp -d /tmp/test_examples.XXXXXX)
@@ -72,6 +72,13 @@ has "rank 0: stopped at step 3: DDP_ERR_UNEVEN_INPUTS" "rank 1: stopped at step 
   "rank 2: stopped at step 3: DDP_ERR_UNEVEN_INPUTS"
 echo "$OUT" | grep -q "uneven inputs at step 3: rank 2 ran out of data after 2 steps" || fail "join_uneven: the message"
 ok "join_uneven (shadowing with zero gradients; join_fail_early)"
+
+# ZeRO-1 with AdamW: each rank keeps AdamW state for its slice of the 178 parameters (60, 60, 58 on 3 ranks)
+run zero_adamw 3
+has "rank 0: AdamW state for 60 of 178 parameters in 4 slice(s); final weights vs the serial run: equal (rounding only)" \
+  "rank 1: AdamW state for 60 of 178 parameters in 1 slice(s); final weights vs the serial run: equal (rounding only)" \
+  "rank 2: AdamW state for 58 of 178 parameters in 1 slice(s); final weights vs the serial run: equal (rounding only)"
+ok "zero_adamw (ZeRO stage 1: AdamW on each rank's slices, equal to the serial run)"
 
 # a crash at step 23, restarted by ddprun: resumes from step 20 and ends as a run that never crashed
 run checkpoint_resume 2 "$T/ck" --crash-at 0

@@ -188,12 +188,13 @@ static int mismatch_main(int rank, int n, void *arg) {
         CHECK(strstr(ddp_last_error(g), k->needle2) != NULL, "case %s, rank %d: %s", k->what, rank, ddp_last_error(g));
         ddp_reducer_destroy(r);
     }
-    /* rank 2 runs a look-alike all_gather (4 x i64) instead of finalize: the others say so */
+    /* rank 2 runs a look-alike all_gather (5 x i64, the size of finalize's records) instead of finalize:
+       the others say so */
     {
         ddp_reducer *r;
-        int64_t mine[4] = {1, 2, 3, 4}, all[12];
+        int64_t mine[5] = {1, 2, 3, 4, 0}, all[15];
         if (rank == 2) {
-            CHECK_OK(ddp_all_gather(g, mine, all, 4, DDP_I64), g);
+            CHECK_OK(ddp_all_gather(g, mine, all, 5, DDP_I64), g);
         } else {
             CHECK_OK(ddp_reducer_create(g, NULL, &r), g);
             CHECK_OK(ddp_reducer_add_param(r, "fc1.weight", w1, gw1, 32, DDP_F32, NULL), g);

@@ -1,7 +1,7 @@
 /* The mpi backend (built with mpicc -DDDP_MPI, run by tests/test_mpi.sh under mpirun -np 1..4).
    Every collective, dtype and op on backend "mpi", each result compared with serial math done here:
    every rank computes every rank's input (a formula of rank and index), so the expected result is
-   known without communication. Then async work, a subgroup, the reducer, gather / scatter / all_to_all
+   known without communication. Then async work, a subgroup, the reducer (Join, ZeRO-1), gather / scatter / all_to_all
    / all_to_all_v / all_gather_v / monitored_barrier against serial expectations, split sizes or counts
    that differ (DDP_ERR_MISMATCH on every rank), monitored_barrier with a rank missing, and a
    collective mismatch that must be DDP_ERR_MISMATCH on every rank naming the rank that differs. */
@@ -209,6 +209,45 @@ static void check_join(ddp_group *g) {
     }
     ddp_reducer_destroy(r);
     if (g_rank == 0) printf("ok: uneven inputs (ddp_reducer_join) on the mpi backend\n");
+}
+
+/* ZeRO stage 1 on the mpi backend: 301 elements (no world size divides them); each rank's shards hold
+   the average (rank + 1 over the ranks) x (i % 3); SGD on the shards, then gather_params: every rank
+   holds every updated element. */
+static void check_zero(ddp_group *g) {
+    float w[301], grad[301];
+    ddp_reducer *r;
+    ddp_reducer_desc d;
+    const ddp_shard *sh;
+    int i, j, n;
+    size_t k, owned = 0;
+    memset(&d, 0, sizeof d);
+    d.zero_stage = 1;
+    for (i = 0; i < 301; i++) w[i] = 0.5f;
+    CHECK_OK(ddp_reducer_create(g, &d, &r), g);
+    CHECK_OK(ddp_reducer_add_param(r, "w", w, grad, 301, DDP_F32, NULL), g);
+    CHECK_OK(ddp_reducer_finalize(r), g);
+    CHECK_OK(ddp_reducer_begin_backward(r), g);
+    for (i = 0; i < 301; i++) grad[i] = (float)(g_rank + 1) * (float)(i % 3);
+    CHECK_OK(ddp_reducer_grad_ready(r, 0), g);
+    CHECK_OK(ddp_reducer_end_backward(r), g);
+    n = ddp_reducer_shards(r, &sh);
+    for (j = 0; j < n; j++)
+        for (k = 0; k < sh[j].count; k++) {
+            float *gk = (float *)sh[j].grad + k, want = (float)(g_n + 1) / 2.0f * (float)((sh[j].offset + k) % 3);
+            CHECK(fabsf(*gk - want) <= 1e-6f * want, "zero grad[%zu] = %g, want %g", sh[j].offset + k, *gk, want);
+            ((float *)sh[j].param_data)[k] -= *gk;
+            owned++;
+        }
+    CHECK(owned == (301 + (size_t)g_n - 1) / (size_t)g_n || (g_rank == g_n - 1 && owned <= 301 / (size_t)g_n + 1),
+          "rank %d owns %zu of 301 elements", g_rank, owned);
+    CHECK_OK(ddp_reducer_gather_params(r), g);
+    for (i = 0; i < 301; i++) {
+        float want = 0.5f - (float)(g_n + 1) / 2.0f * (float)(i % 3);
+        CHECK(fabsf(w[i] - want) <= 1e-6f, "after gather_params: w[%d] = %g, want %g", i, w[i], want);
+    }
+    ddp_reducer_destroy(r);
+    if (g_rank == 0) printf("ok: ZeRO stage 1 (reduce-scatter, shards, gather_params) on the mpi backend\n");
 }
 
 /* ---- gather, scatter, all_to_all, all_to_all_v, all_gather_v, monitored_barrier ---- */
@@ -512,6 +551,7 @@ int main(void) {
     check_async_and_subgroup(g);
     check_reducer(g);
     check_join(g);
+    check_zero(g);
     check_more_collectives(g);
     check_point_to_point(g);
     check_size_mismatches(g);

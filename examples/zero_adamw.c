@@ -1,0 +1,185 @@
+/* zero_adamw: ZeRO stage 1 with AdamW, as PyTorch's
+       model = DDP(model)
+       opt = ZeroRedundancyOptimizer(model.parameters(), optimizer_class=torch.optim.AdamW, lr=1e-2)
+       for batch in my_shard:
+           loss_fn(model(batch)).backward(); opt.step(); opt.zero_grad()
+   (DeepSpeed's ZeRO stage 1, llm.c's -z 1).
+
+   AdamW keeps two values per parameter (m and v): twice the model again, on every rank. With
+   zero_stage = 1 the reducer reduce-scatters each bucket instead of all-reducing it: each rank receives
+   the averaged gradient of ITS slice of the model only, runs AdamW on exactly that slice (so it keeps
+   m and v for 1/world of the model), and ddp_reducer_gather_params then all-gathers the updated slices
+   so that every rank has the whole model again for the next forward. The slices come from
+   ddp_reducer_shards: {parameter, offset, count, pointer to the values, pointer to the gradient}; a
+   slice may cut a parameter anywhere (no size needs to divide by the world size: here 128, 16, 32, 2).
+   Every rank then repeats the run serially, one process averaging the ranks' batch gradients and running
+   AdamW on the whole model, and checks that its weights are that run's.
+
+   Run:  make build/zero_adamw build/ddprun
+         build/ddprun --nproc-per-node 3 build/zero_adamw     (1 to 4 ranks or more) */
+#define DDP_IMPLEMENTATION
+#include "ddp.h"
+
+#include <math.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+enum { IN = 8, HID = 16, OUT = 2, BATCH = 8 };
+enum { W1, B1, W2, B2, NPARAM };
+static const int sizes[NPARAM] = {HID * IN, HID, OUT * HID, OUT};
+static const char *const names[NPARAM] = {"fc1.weight", "fc1.bias", "fc2.weight", "fc2.bias"};
+
+typedef struct mlp {
+    float w[NPARAM][HID * IN]; /* torch's Linear layout (out x in); room for the largest parameter */
+    float grad[NPARAM][HID * IN];
+} mlp;
+
+static float frand(unsigned *s) {
+    *s = *s * 1664525u + 1013904223u;
+    return (float)(*s >> 8) / 16777216.0f * 2.0f - 1.0f;
+}
+
+/* Sample i of rank r's batch s: x uniform in [-1, 1]^8, y = (sin(sum x), cos(x0 - x7)). */
+static void sample(int r, int s, int i, float *x, float *y) {
+    unsigned seed = (unsigned)(r * 1000003 + s * 100003 + i * 7919 + 1);
+    float a = 0;
+    int k;
+    for (k = 0; k < IN; k++) a += x[k] = frand(&seed);
+    y[0] = sinf(a), y[1] = cosf(x[0] - x[IN - 1]);
+}
+
+static void init(mlp *m) {
+    unsigned seed = 42;
+    int i;
+    memset(m, 0, sizeof *m);
+    for (i = 0; i < HID * IN; i++) m->w[W1][i] = frand(&seed) / sqrtf(IN);
+    for (i = 0; i < OUT * HID; i++) m->w[W2][i] = frand(&seed) / sqrtf(HID);
+}
+
+/* Forward and backward of rank r's batch s: ADDS scale * the gradient of the batch's mean squared error. */
+static void accumulate(mlp *m, int r, int s, float scale) {
+    int i, j, k;
+    for (i = 0; i < BATCH; i++) {
+        float x[IN], y[OUT], h[HID], dout[OUT], dh[HID];
+        sample(r, s, i, x, y);
+        for (j = 0; j < HID; j++) {
+            float z = m->w[B1][j];
+            for (k = 0; k < IN; k++) z += m->w[W1][j * IN + k] * x[k];
+            h[j] = tanhf(z);
+        }
+        for (j = 0; j < OUT; j++) {
+            float z = m->w[B2][j];
+            for (k = 0; k < HID; k++) z += m->w[W2][j * HID + k] * h[k];
+            dout[j] = scale * 2.0f * (z - y[j]) / (float)(BATCH * OUT);
+        }
+        for (k = 0; k < HID; k++) {
+            dh[k] = 0;
+            for (j = 0; j < OUT; j++) dh[k] += dout[j] * m->w[W2][j * HID + k];
+            dh[k] *= 1.0f - h[k] * h[k];
+        }
+        for (j = 0; j < OUT; j++) {
+            m->grad[B2][j] += dout[j];
+            for (k = 0; k < HID; k++) m->grad[W2][j * HID + k] += dout[j] * h[k];
+        }
+        for (j = 0; j < HID; j++) {
+            m->grad[B1][j] += dh[j];
+            for (k = 0; k < IN; k++) m->grad[W1][j * IN + k] += dh[j] * x[k];
+        }
+    }
+}
+
+enum { STEPS = 10 };
+
+/* AdamW (torch.optim.AdamW, lr 1e-2, betas (0.9, 0.999), eps 1e-8, weight_decay 1e-2) on n values;
+   m and v are this slice's state; t counts steps from 1. */
+static void adamw(float *w, const float *grad, float *m, float *v, size_t n, int t) {
+    const float lr = 1e-2f, b1 = 0.9f, b2 = 0.999f, eps = 1e-8f, wd = 1e-2f;
+    float c1 = 1.0f - powf(b1, (float)t), c2 = 1.0f - powf(b2, (float)t);
+    size_t i;
+    for (i = 0; i < n; i++) {
+        w[i] -= lr * wd * w[i];
+        m[i] = b1 * m[i] + (1.0f - b1) * grad[i];
+        v[i] = b2 * v[i] + (1.0f - b2) * grad[i] * grad[i];
+        w[i] -= lr * (m[i] / c1) / (sqrtf(v[i] / c2) + eps);
+    }
+}
+
+/* The serial run: each step averages the ranks' batch gradients and runs AdamW on the whole model. */
+static double serial_difference(const mlp *ddp, int world) {
+    static mlp one;
+    static float m[NPARAM][HID * IN], v[NPARAM][HID * IN];
+    double worst = 0;
+    int s, r, p, i;
+    init(&one);
+    for (s = 0; s < STEPS; s++) {
+        for (r = 0; r < world; r++) accumulate(&one, r, s, 1.0f / (float)world);
+        for (p = 0; p < NPARAM; p++) {
+            adamw(one.w[p], one.grad[p], m[p], v[p], (size_t)sizes[p], s + 1);
+            memset(one.grad[p], 0, sizeof one.grad[p]);
+        }
+    }
+    for (p = 0; p < NPARAM; p++)
+        for (i = 0; i < sizes[p]; i++) worst = fmax(worst, fabs(ddp->w[p][i] - one.w[p][i]));
+    return worst;
+}
+
+#define TRY(call)                                                                              \
+    do {                                                                                       \
+        if ((call) != DDP_SUCCESS) {                                                           \
+            fprintf(stderr, "rank %d: %s failed: %s\n", ddp_rank(g), #call, ddp_last_error(NULL)); \
+            return 1;                                                                          \
+        }                                                                                      \
+    } while (0)
+
+int main(void) {
+    static mlp m;
+    ddp_group *g;
+    ddp_reducer *red;
+    ddp_reducer_desc d;
+    const ddp_shard *sh;
+    float **am, **av; /* AdamW's state: for this rank's slices only */
+    size_t mine = 0, total = 0;
+    int p, j, n, step, rank, world;
+    double diff;
+    if (ddp_init(NULL, &g) != DDP_SUCCESS) {
+        fprintf(stderr, "ddp_init failed: %s\n", ddp_last_error(NULL));
+        return 1;
+    }
+    rank = ddp_rank(g), world = ddp_world_size(g);
+    init(&m);
+    memset(&d, 0, sizeof d);
+    d.zero_stage = 1; /* reduce-scatter: each rank gets the averaged gradients of its slices */
+    TRY(ddp_reducer_create(g, &d, &red));
+    for (p = 0; p < NPARAM; p++) TRY(ddp_reducer_add_param(red, names[p], m.w[p], m.grad[p], (size_t)sizes[p], DDP_F32, NULL));
+    TRY(ddp_reducer_finalize(red));
+
+    n = ddp_reducer_shards(red, &sh); /* the same slices every step */
+    am = (float **)calloc((size_t)n + 1, sizeof *am);
+    av = (float **)calloc((size_t)n + 1, sizeof *av);
+    for (j = 0; j < n; j++) {
+        am[j] = (float *)calloc(sh[j].count, sizeof(float));
+        av[j] = (float *)calloc(sh[j].count, sizeof(float));
+        mine += sh[j].count;
+    }
+    for (p = 0; p < NPARAM; p++) total += (size_t)sizes[p];
+
+    for (step = 0; step < STEPS; step++) {
+        TRY(ddp_reducer_begin_backward(red));
+        accumulate(&m, rank, step, 1.0f); /* backward; a real program calls grad_ready per layer */
+        for (p = NPARAM - 1; p >= 0; p--) TRY(ddp_reducer_grad_ready(red, p));
+        TRY(ddp_reducer_end_backward(red)); /* this rank's slices now hold the averaged gradient */
+        for (j = 0; j < n; j++)             /* the optimizer on this rank's slices only */
+            adamw((float *)sh[j].param_data, (const float *)sh[j].grad, am[j], av[j], sh[j].count, step + 1);
+        TRY(ddp_reducer_gather_params(red)); /* every rank gets every updated slice */
+        TRY(ddp_reducer_zero_grad(red));
+    }
+    diff = serial_difference(&m, world);
+    printf("rank %d: AdamW state for %zu of %zu parameters in %d slice(s); final weights vs the serial run: %s\n", rank,
+           mine, total, n, diff < 1e-5 ? "equal (rounding only)" : "DIFFERENT");
+    for (j = 0; j < n; j++) free(am[j]), free(av[j]);
+    free(am), free(av);
+    ddp_reducer_destroy(red);
+    ddp_destroy(g);
+    return diff < 1e-5 ? 0 : 1;
+}

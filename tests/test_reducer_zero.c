@@ -1,0 +1,311 @@
+/* ZeRO stage 1 (torch's ZeroRedundancyOptimizer with DDP, DeepSpeed stage 1): zero_stage = 1 reduce-scatters
+   each bucket, ddp_reducer_shards lists this rank's slices, the program runs AdamW on exactly those, and
+   ddp_reducer_gather_params all-gathers the updated slices. Parameter sizes that do not divide the world
+   size (7, 1000, 333, 4097) in several buckets, on 1-4 ranks:
+   (a) ownership: every element of every parameter is owned by exactly one rank (an all-reduce of the
+       ranks' ownership maps, computed in the test from the shard lists), and each rank's shards are what
+       the documented rule gives (bucket of count elements, per = ceil(count / world), rank r owns bucket
+       elements [r * per, min(count, (r + 1) * per)), computed here from ddp_reducer_param_bucket);
+   (b) training: a ZeRO-1 reducer whose AdamW state covers only its shards, against a stage 0 reducer with
+       full AdamW on every rank, same data, side by side on the same group: after every step the shards'
+       gradients equal stage 0's averaged gradients and every parameter equals stage 0's (1e-6 of |value| + 1;
+       bf16 compression: 2e-2, as test_reducer), plain, no_sync x2, bf16, one flat grads_memory and
+       gradient_as_bucket_view; shared memory by default, DDP_TRANSPORT=tcp too.
+   (c) the refused combinations: zero_stage 2, uneven_inputs, find_unused_parameters; gather_params
+       without zero_stage; ranks with different zero_stage: DDP_ERR_MISMATCH on every rank at finalize. */
+#include "testlib.h"
+
+#define NP 4
+#define STEPS 5
+static const size_t COUNT[NP] = {7, 1000, 333, 4097};
+
+typedef struct mode {
+    const char *name;
+    int view, accum, flat;
+    ddp_dtype comm;
+    double tol; /* relative, parameters and gradients */
+} mode;
+
+static const mode MODES[] = {
+    {"plain", 0, 1, 0, DDP_DTYPE_DEFAULT, 1e-6},
+    {"no_sync x2", 0, 2, 0, DDP_DTYPE_DEFAULT, 1e-6},
+    {"bf16", 0, 1, 0, DDP_BF16, 2e-2}, /* test_reducer's bf16 tolerance: bf16 keeps 8 significant bits */
+    {"flat grads_memory", 0, 1, 1, DDP_DTYPE_DEFAULT, 1e-6},
+    {"view+no_sync x2", 1, 2, 0, DDP_DTYPE_DEFAULT, 1e-6},
+};
+
+/* AdamW (torch.optim.AdamW): m, v, bias correction, decoupled weight decay; step t counts from 1. */
+#define LR 1e-2f
+#define WD 1e-2f
+static void adamw(float *p, const float *g, float *m, float *v, size_t n, int t) {
+    const float b1 = 0.9f, b2 = 0.999f, eps = 1e-8f;
+    float c1 = 1.0f - powf(b1, (float)t), c2 = 1.0f - powf(b2, (float)t);
+    size_t i;
+    for (i = 0; i < n; i++) {
+        p[i] -= LR * WD * p[i];
+        m[i] = b1 * m[i] + (1.0f - b1) * g[i];
+        v[i] = b2 * v[i] + (1.0f - b2) * g[i] * g[i];
+        p[i] -= LR * (m[i] / c1) / (sqrtf(v[i] / c2) + eps);
+    }
+}
+
+static float init_value(int p, size_t i) { return (float)((p * 31 + (int)i * 17) % 23) * 0.1f - 1.0f; }
+
+/* Rank r's gradient of micro-batch m in step s: depends on the parameter (so stale parameters would show). */
+static float grad_of(int r, int s, int m, int p, size_t i, float param) {
+    return (float)((r * 7 + s * 3 + m * 2 + p * 13 + (int)i * 5) % 11 - 5) * 0.25f + 0.5f * param;
+}
+
+/* Equal to rounding: |got - want| <= tol * (|want| + scale). Relative for large values; near zero relative
+   to `scale`, the size of the terms: an averaged gradient is a sum of terms of size ~1 that may cancel,
+   added in another order by a reduce-scatter than by an all-reduce (in bf16 that is an ulp of 2^-8), and
+   parameters are of size ~1 too. */
+static int close_enough(double got, double want, double tol, double scale) { return fabs(got - want) <= tol * (fabs(want) + scale); }
+
+typedef struct model {
+    ddp_reducer *red;
+    float *param[NP], *grad[NP], *grads_memory;
+} model;
+
+static void model_build(ddp_group *g, const mode *md, int zero, model *M) {
+    ddp_reducer_desc d;
+    size_t total = 0, i;
+    int p;
+    memset(&d, 0, sizeof d);
+    memset(M, 0, sizeof *M);
+    d.zero_stage = zero;
+    d.gradient_as_bucket_view = md->view;
+    d.comm_dtype = md->comm;
+    d.first_bucket_bytes = d.bucket_cap_bytes = 4096; /* buckets {4097}, {333, 1000}, {7} */
+    CHECK_OK(ddp_reducer_create(g, &d, &M->red), g);
+    for (p = 0; p < NP; p++) total += COUNT[p];
+    if (md->flat) M->grads_memory = (float *)calloc(total, sizeof(float));
+    for (p = 0, total = 0; p < NP; p++) {
+        char name[16];
+        snprintf(name, sizeof name, "p%d", p);
+        M->param[p] = (float *)malloc(COUNT[p] * sizeof(float));
+        M->grad[p] = md->view ? NULL : md->flat ? M->grads_memory + total : (float *)calloc(COUNT[p], sizeof(float));
+        total += COUNT[p];
+        for (i = 0; i < COUNT[p]; i++) M->param[p][i] = ddp_rank(g) == 0 ? init_value(p, i) : 99.0f; /* rank 0's */
+        CHECK_OK(ddp_reducer_add_param(M->red, name, M->param[p], M->grad[p], COUNT[p], DDP_F32, NULL), g);
+    }
+    CHECK_OK(ddp_reducer_finalize(M->red), g);
+}
+
+static void model_free(model *M) {
+    int p;
+    ddp_reducer_destroy(M->red);
+    for (p = 0; p < NP; p++) {
+        free(M->param[p]);
+        if (!M->grads_memory) free(M->grad[p]);
+    }
+    free(M->grads_memory);
+}
+
+/* One step's backward: accum micro-batches, the last synchronised. */
+static void backward(ddp_group *g, const mode *md, model *M, int s) {
+    int m, p;
+    size_t i;
+    for (m = 0; m < md->accum; m++) {
+        CHECK_OK(ddp_reducer_set_sync(M->red, m == md->accum - 1), g);
+        CHECK_OK(ddp_reducer_begin_backward(M->red), g);
+        for (p = NP - 1; p >= 0; p--) {
+            float *gp = (float *)ddp_reducer_grad(M->red, p);
+            for (i = 0; i < COUNT[p]; i++) gp[i] += grad_of(ddp_rank(g), s, m, p, i, M->param[p][i]);
+            CHECK_OK(ddp_reducer_grad_ready(M->red, p), g);
+        }
+        CHECK_OK(ddp_reducer_end_backward(M->red), g);
+    }
+}
+
+/* (a) every element owned by exactly one rank, and the shards are the documented rule's. */
+static void check_ownership(ddp_group *g, const char *what, ddp_reducer *red) {
+    int world = ddp_world_size(g), rank = ddp_rank(g), n, j, p, k = 0;
+    size_t total = 0, at[NP], bucket_count[NP] = {0}, off[NP], mine = 0, i;
+    int bucket[NP];
+    const ddp_shard *sh;
+    int32_t *owners;
+    for (p = 0; p < NP; p++) at[p] = total, total += COUNT[p];
+    owners = (int32_t *)calloc(total, sizeof *owners);
+    n = ddp_reducer_shards(red, &sh);
+    CHECK(n >= 0, "%s: ddp_reducer_shards: %d", what, n);
+    for (j = 0; j < n; j++) {
+        CHECK(sh[j].param >= 0 && sh[j].param < NP && sh[j].offset + sh[j].count <= COUNT[sh[j].param] && sh[j].count > 0,
+              "%s rank %d: shard %d {param %d, offset %zu, count %zu} out of range", what, rank, j, sh[j].param,
+              sh[j].offset, sh[j].count);
+        for (i = 0; i < sh[j].count; i++) owners[at[sh[j].param] + sh[j].offset + i]++;
+        mine += sh[j].count;
+    }
+    CHECK_OK(ddp_all_reduce(g, owners, total, DDP_I32, DDP_SUM), g);
+    for (i = 0; i < total; i++) CHECK(owners[i] == 1, "%s, %d ranks: element %zu of the model is owned by %d ranks", what, world, i, owners[i]);
+    /* the rule, from the bucket layout */
+    for (p = 0; p < NP; p++) {
+        bucket[p] = ddp_reducer_param_bucket(red, p, &off[p]);
+        CHECK(bucket[p] >= 0 && bucket[p] < NP, "%s: bucket of p%d", what, p);
+        bucket_count[bucket[p]] += COUNT[p];
+    }
+    memset(owners, 0, total * sizeof *owners);
+    for (j = 0; j < n; j++)
+        for (i = 0; i < sh[j].count; i++) owners[at[sh[j].param] + sh[j].offset + i] = 1;
+    for (p = 0; p < NP; p++)
+        for (i = 0; i < COUNT[p]; i++) {
+            size_t per = (bucket_count[bucket[p]] + (size_t)world - 1) / (size_t)world, e = off[p] + i;
+            int want = e >= (size_t)rank * per && e < (size_t)(rank + 1) * per;
+            CHECK(owners[at[p] + i] == want, "%s, %d ranks, rank %d: p%d[%zu] (bucket %d element %zu, slices of %zu) owned %d, "
+                  "the rule says %d", what, world, rank, p, i, bucket[p], e, per, owners[at[p] + i], want);
+            k += want;
+        }
+    CHECK((size_t)k == mine, "%s: shard elements %zu, rule %d", what, mine, k);
+    free(owners);
+}
+
+static void train(ddp_group *g, const mode *md) {
+    int world = ddp_world_size(g), rank = ddp_rank(g), s, p, j, n;
+    model A, B; /* A: stage 0 with full AdamW; B: ZeRO-1 */
+    float *mA[NP], *vA[NP], **mB, **vB;
+    const ddp_shard *sh;
+    size_t i, state = 0, total = 0;
+    model_build(g, md, 0, &A);
+    model_build(g, md, 1, &B);
+    check_ownership(g, md->name, B.red);
+    {
+        ddp_reducer_statistics st;
+        CHECK_OK(ddp_reducer_get_statistics(B.red, &st), g);
+        CHECK(st.buckets == 3 && (st.flat_buckets == 3) == (md->flat != 0), "%s: %d buckets, %d flat", md->name, st.buckets,
+              st.flat_buckets);
+    }
+    n = ddp_reducer_shards(B.red, &sh);
+    mB = (float **)calloc((size_t)n + 1, sizeof *mB);
+    vB = (float **)calloc((size_t)n + 1, sizeof *vB);
+    for (j = 0; j < n; j++) { /* optimizer state for the shards only */
+        mB[j] = (float *)calloc(sh[j].count, sizeof(float));
+        vB[j] = (float *)calloc(sh[j].count, sizeof(float));
+        state += 2 * sh[j].count * sizeof(float);
+    }
+    for (p = 0; p < NP; p++) {
+        mA[p] = (float *)calloc(COUNT[p], sizeof(float));
+        vA[p] = (float *)calloc(COUNT[p], sizeof(float));
+        total += COUNT[p];
+    }
+    /* balance: at most one element per bucket above an even share (3 buckets) */
+    CHECK(state <= 2 * sizeof(float) * (total / (size_t)world + 3), "%s rank %d: %zu bytes of optimizer state, model %zu "
+          "elements on %d ranks", md->name, rank, state, total, world);
+    for (s = 0; s < STEPS; s++) {
+        backward(g, md, &A, s);
+        backward(g, md, &B, s);
+        for (j = 0; j < n; j++) { /* the shards' gradients are stage 0's averages */
+            const float *ga = (const float *)ddp_reducer_grad(A.red, sh[j].param) + sh[j].offset;
+            const float *gb = (const float *)sh[j].grad;
+            CHECK(gb == (const float *)ddp_reducer_grad(B.red, sh[j].param) + sh[j].offset, "%s: shard %d's grad pointer",
+                  md->name, j);
+            for (i = 0; i < sh[j].count; i++)
+                CHECK(close_enough(gb[i], ga[i], md->tol, 1.0), "%s, %d ranks, rank %d step %d: grad p%d[%zu] = %.8g, stage 0 "
+                      "%.8g", md->name, world, rank, s, sh[j].param, sh[j].offset + i, (double)gb[i], (double)ga[i]);
+        }
+        for (p = 0; p < NP; p++) adamw(A.param[p], (const float *)ddp_reducer_grad(A.red, p), mA[p], vA[p], COUNT[p], s + 1);
+        for (j = 0; j < n; j++)
+            adamw((float *)sh[j].param_data, (const float *)sh[j].grad, mB[j], vB[j], sh[j].count, s + 1);
+        CHECK_OK(ddp_reducer_gather_params(B.red), g);
+        for (p = 0; p < NP; p++)
+            for (i = 0; i < COUNT[p]; i++)
+                CHECK(close_enough(B.param[p][i], A.param[p][i], md->tol, 1.0), "%s, %d ranks, rank %d after step %d: "
+                      "p%d[%zu] = %.8g, stage 0 %.8g", md->name, world, rank, s, p, i, (double)B.param[p][i],
+                      (double)A.param[p][i]);
+        CHECK_OK(ddp_reducer_zero_grad(A.red), g);
+        CHECK_OK(ddp_reducer_zero_grad(B.red), g);
+    }
+    if (rank == 0)
+        printf("  %-18s %d ranks: ZeRO-1 = stage 0 for %d AdamW steps; optimizer state %zu of %zu bytes on rank 0\n",
+               md->name, world, STEPS, state, 2 * total * sizeof(float));
+    for (j = 0; j < n; j++) free(mB[j]), free(vB[j]);
+    for (p = 0; p < NP; p++) free(mA[p]), free(vA[p]);
+    free(mB);
+    free(vB);
+    model_free(&A);
+    model_free(&B);
+}
+
+static int train_main(int rank, int n, void *arg) {
+    ddp_group *g;
+    size_t k;
+    (void)rank, (void)n, (void)arg;
+    CHECK_OK(ddp_init(NULL, &g), NULL);
+    for (k = 0; k < sizeof MODES / sizeof MODES[0]; k++) train(g, &MODES[k]);
+    CHECK_OK(ddp_destroy(g), NULL);
+    return 0;
+}
+
+/* (c) what is refused, clearly. */
+static void refused(ddp_group *g, int stage, int uneven, int unused, const char *want) {
+    ddp_reducer_desc d;
+    ddp_reducer *r = (ddp_reducer *)&d;
+    ddp_result res;
+    memset(&d, 0, sizeof d);
+    d.zero_stage = stage, d.uneven_inputs = uneven, d.find_unused_parameters = unused;
+    res = ddp_reducer_create(g, &d, &r);
+    CHECK(res == DDP_ERR_INVALID_ARGUMENT && r == NULL && strstr(ddp_last_error(g), want), "zero_stage %d, uneven_inputs "
+          "%d, find_unused %d: %s: %s", stage, uneven, unused, ddp_result_string(res), ddp_last_error(g));
+}
+
+static int refuse_main(int rank, int n, void *arg) {
+    ddp_group *g;
+    ddp_reducer *r;
+    float w[3] = {1, 2, 3}, gw[3];
+    const ddp_shard *sh = (const ddp_shard *)w;
+    (void)rank, (void)n, (void)arg;
+    CHECK_OK(ddp_init(NULL, &g), NULL);
+    refused(g, 2, 0, 0, "zero_stage 2 (ZeRO-2: the non-owned gradients freed) is not implemented yet");
+    refused(g, 3, 0, 0, "zero_stage 3 is not 0");
+    refused(g, 1, 1, 0, "zero_stage = 1 with uneven_inputs = 1 is not supported");
+    refused(g, 1, 0, 1, "zero_stage = 1 with find_unused_parameters = 1 is not supported");
+    CHECK_OK(ddp_reducer_create(g, NULL, &r), g);
+    CHECK_OK(ddp_reducer_add_param(r, "w", w, gw, 3, DDP_F32, NULL), g);
+    CHECK(ddp_reducer_shards(r, &sh) == -1 && sh == NULL, "shards before finalize");
+    CHECK_OK(ddp_reducer_finalize(r), g);
+    CHECK(ddp_reducer_shards(r, &sh) == 0 && sh == NULL, "zero_stage 0 has no shards");
+    CHECK(ddp_reducer_gather_params(r) == DDP_ERR_STATE && strstr(ddp_last_error(g), "zero_stage = 0"), "gather_params "
+          "without zero_stage: %s", ddp_last_error(g));
+    ddp_reducer_destroy(r);
+    CHECK_OK(ddp_destroy(g), NULL);
+    return 0;
+}
+
+/* Ranks that disagree about zero_stage would issue a reduce-scatter against an all-reduce: finalize says
+   so on every rank, at once. */
+static int disagree_main(int rank, int n, void *arg) {
+    ddp_group *g;
+    ddp_reducer *r;
+    ddp_reducer_desc d;
+    float w[5] = {0}, gw[5];
+    ddp_result res;
+    double t0;
+    (void)n, (void)arg;
+    CHECK_OK(ddp_init(NULL, &g), NULL);
+    memset(&d, 0, sizeof d);
+    d.zero_stage = rank == 1;
+    CHECK_OK(ddp_reducer_create(g, &d, &r), g);
+    CHECK_OK(ddp_reducer_add_param(r, "w", w, gw, 5, DDP_F32, NULL), g);
+    t0 = tl_now();
+    res = ddp_reducer_finalize(r);
+    CHECK(res == DDP_ERR_MISMATCH && strstr(ddp_last_error(g), "different zero_stage: rank 0 has 0, rank 1 has 1"),
+          "rank %d: zero_stage 0 against 1: %s: %s", rank, ddp_result_string(res), ddp_last_error(g));
+    CHECK(tl_now() - t0 < 10, "rank %d: the mismatch took %.1f s", rank, tl_now() - t0);
+    if (rank == 0) printf("  zero_stage 0 against 1: %.2f ms: %s\n", (tl_now() - t0) * 1e3, ddp_last_error(g));
+    CHECK_OK(ddp_barrier(g), g); /* the group is still usable */
+    ddp_reducer_destroy(r);
+    CHECK_OK(ddp_destroy(g), NULL);
+    return 0;
+}
+
+int main(void) {
+    int world;
+    for (world = 1; world <= 4; world++) {
+        CHECK(tl_run_ranks(world, train_main, NULL, 120) == 0, "ZeRO-1 training, %d ranks", world);
+        printf("ZeRO-1, %d ranks: every element owned once, as the rule says; every mode equals stage 0 + AdamW\n", world);
+    }
+    CHECK(tl_run_ranks(2, refuse_main, NULL, 60) == 0, "refused combinations");
+    CHECK(tl_run_ranks(2, disagree_main, NULL, 60) == 0, "zero_stage differs between ranks");
+    CHECK(tl_run_ranks(3, disagree_main, NULL, 60) == 0, "zero_stage differs between ranks");
+    printf("test_reducer_zero: ok\n");
+    return 0;
+}
