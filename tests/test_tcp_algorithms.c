@@ -534,12 +534,20 @@ static const scenario scenarios[] = {
 
 /* Every rank must fail with DDP_ERR_MISMATCH. A rank still finishing the call before (ddp_init's own
    barrier, or the warm-up) when a faster rank, already in the next call, finds the mismatch gets the
-   error there: the group breaks at once, and that rank's last call is the one that fails. */
+   error there: the group breaks at once, and that rank's last call is the one that fails. One exception,
+   seen once in a ThreadSanitizer run with 8 ranks on 2 cores (a rank 19 s into ddp_init): a rank still
+   in ddp_init's rendezvous when rank 0 has failed and ended its store finds the store gone before it
+   reads the abort reason there, and fails with DDP_ERR_PEER_LOST naming the store (an error, not a
+   hang; rank 0 does not keep its store up for ranks that never finished joining). */
 static int mismatch_worker(int rank, int n, void *arg) {
     const scenario *s = (const scenario *)arg;
     ddp_group *g = NULL;
     double t0 = tl_now();
     ddp_result r = ddp_init(NULL, &g);
+    if (r == DDP_ERR_PEER_LOST && strstr(ddp_last_error(NULL), "lost the connection to the store")) {
+        printf("rank %d of %d: %s: still in ddp_init when the store ended: %s\n", rank, n, s->name, ddp_last_error(NULL));
+        return 0;
+    }
     if (r == DDP_SUCCESS && s->warm_up) r = small_all_reduce(g);
     if (r == DDP_SUCCESS) r = s->fn(g, rank, n);
     CHECK(r == DDP_ERR_MISMATCH, "rank %d of %d: %s returned %s (%s) after %.1f s, expected DDP_ERR_MISMATCH", rank, n, s->name,
