@@ -10342,6 +10342,24 @@ static ddp_result ddp__shm_a2av_check(ddp_group *g, const ddp__coll *c, uint64_t
     return from[j] == expected ? DDP_SUCCESS : ddp__sizes_differ(g, c, i, j, from[j], expected);
 }
 
+/* all_to_all_v, the round that moves elements done.. of every block: my pieces into the slots of my half
+   (pack), or every peer's piece for me out of its half (unpack); a piece is at most per elements. */
+static void ddp__a2av_pack(char *slots, const char *sp, const size_t *sc, int n, int r, size_t per, size_t es, size_t done) {
+    size_t from = 0;
+    int j;
+    for (j = 0; j < n; from += sc[j], j++) /* slot j: my next piece of block j */
+        if (j != r && sc[j] > done) memcpy(slots + (size_t)j * per * es, sp + (from + done) * es, DDP__MIN(per, sc[j] - done) * es);
+}
+
+static void ddp__a2av_unpack(const ddp__shm *s, uint64_t step, size_t base, char *rp, const size_t *rc, int n, int r, size_t per,
+                             size_t es, size_t done) {
+    size_t at = 0;
+    int j;
+    for (j = 0; j < n; at += rc[j], j++) /* slot r of j's half: j's next piece for me */
+        if (j != r && rc[j] > done)
+            memcpy(rp + (at + done) * es, ddp__shm_half(s, j, step) + base + (size_t)r * per * es, DDP__MIN(per, rc[j] - done) * es);
+}
+
 static ddp_result ddp__shm_all_to_all_v(ddp_group *g, const ddp__call *k, const ddp__coll *c) {
     ddp__shm *s = g->shm;
     int n = g->world_size, r = g->rank, j, i, all = 1, here = 1, full = n <= DDP__SHM_V_FULL_CHECK;
@@ -10364,8 +10382,7 @@ static ddp_result ddp__shm_all_to_all_v(ddp_group *g, const ddp__call *k, const 
     }
     meta[2 * n] = at, meta[2 * n + 1] = total, meta[2 * n + 2] = largest;
     meta[2 * n + 3] = total * es <= DDP__SHM_MOVE_DIRECT_BYTES && largest <= per; /* my blocks come in this step */
-    for (j = 0, from = 0; meta[2 * n + 3] && j < n; from += sc[j], j++)
-        if (j != r && sc[j]) memcpy(half + base + (size_t)j * per * es, sp + from * es, sc[j] * es);
+    if (meta[2 * n + 3]) ddp__a2av_pack(half + base, sp, sc, n, r, per, es, 0);
     if ((res = ddp__shm_publish_buffer(g, c, rp, at * es, s->cma || s->arena.base)) != DDP_SUCCESS) return res;
     step = s->step;
     total = largest = 0;
@@ -10382,9 +10399,8 @@ static ddp_result ddp__shm_all_to_all_v(ddp_group *g, const ddp__call *k, const 
         all &= ddp__shm_reachable(g, c, j) || m[2 * n] == m[j]; /* reachable, or it receives from itself alone */
     }
     if (sc[r]) memcpy(rp + meta[n + r] * es, sp + mine * es, sc[r] * es);
-    if (here) { /* every block came in the first step */
-        for (j = 0, at = 0; j < n; at += rc[j], j++)
-            if (j != r && rc[j]) memcpy(rp + at * es, ddp__shm_half(s, j, step) + base + (size_t)r * per * es, rc[j] * es);
+    if (here) { /* every block came in the first step: its round 0 */
+        ddp__a2av_unpack(s, step, base, rp, rc, n, r, per, es, 0);
         return full ? DDP_SUCCESS : ddp__shm_finish(g, c);
     }
     if (all && ddp__shm_v_direct(g, total, es)) {
@@ -10402,22 +10418,27 @@ static ddp_result ddp__shm_all_to_all_v(ddp_group *g, const ddp__call *k, const 
     for (round = 0; round < rounds; round++) {
         uint64_t st = ++s->step;
         size_t done = (size_t)round * per;
-        half = ddp__shm_half(s, r, st) + base;
-        for (j = 0, from = 0; j < n; from += sc[j], j++) /* slot j of my half: my next piece of block j */
-            if (j != r && sc[j] > done) memcpy(half + (size_t)j * per * es, sp + (from + done) * es, DDP__MIN(per, sc[j] - done) * es);
+        ddp__a2av_pack(ddp__shm_half(s, r, st) + base, sp, sc, n, r, per, es, done);
         if ((res = ddp__shm_step(g, c, st, 0, DDP__SHM_NOT_LIB)) != DDP_SUCCESS) return res;
-        for (j = 0, at = 0; j < n; at += rc[j], j++) /* slot r of j's half: j's next piece for me */
-            if (j != r && rc[j] > done)
-                memcpy(rp + (at + done) * es, ddp__shm_half(s, j, st) + base + (size_t)r * per * es, DDP__MIN(per, rc[j] - done) * es);
+        ddp__a2av_unpack(s, st, base, rp, rc, n, r, per, es, done);
     }
     return DDP_SUCCESS;
+}
+
+/* all_gather_v, the round that moves elements done.. of every block: every peer's piece out of its half. */
+static void ddp__agv_unpack(const ddp__shm *s, uint64_t step, size_t base, char *rp, const size_t *counts, int n, int r,
+                            size_t per, size_t es, size_t done) {
+    size_t at = 0;
+    int j;
+    for (j = 0; j < n; at += counts[j], j++)
+        if (j != r && counts[j] > done) memcpy(rp + (at + done) * es, ddp__shm_half(s, j, step) + base, DDP__MIN(per, counts[j] - done) * es);
 }
 
 static ddp_result ddp__shm_all_gather_v(ddp_group *g, const ddp__call *k, const ddp__coll *c) {
     ddp__shm *s = g->shm;
     int n = g->world_size, r = g->rank, j, i, all = 1, here = 1, apart;
     size_t es = ddp_dtype_size(k->dtype), base = ddp__shm_v_slots_at(3), per = (s->half - base) / es, count = k->count;
-    size_t mine = 0, total = 0, largest = 0, at;
+    size_t mine = 0, total = 0, largest = 0;
     const size_t *counts = k->recv_counts;
     const char *sp = (const char *)k->send;
     char *rp = (char *)k->buf, *half, desc[160];
@@ -10447,9 +10468,8 @@ static ddp_result ddp__shm_all_gather_v(ddp_group *g, const ddp__call *k, const 
         here &= m[2] == 1;
         all &= ddp__shm_reachable(g, c, j) || total == counts[j]; /* reachable, or it receives from itself alone */
     }
-    if (here) { /* every block came in the first step */
-        for (j = 0, at = 0; j < n; at += counts[j], j++)
-            if (j != r && counts[j]) memcpy(rp + at * es, ddp__shm_half(s, j, step) + base, counts[j] * es);
+    if (here) { /* every block came in the first step: its round 0 */
+        ddp__agv_unpack(s, step, base, rp, counts, n, r, per, es, 0);
     } else if (all && ddp__shm_v_direct(g, (uint64_t)total * (uint64_t)n, es)) {
         ddp__shm_move_note(g, c);
         if (sp != rp + mine * es && count) memcpy(rp + mine * es, sp, count * es);
@@ -10464,9 +10484,7 @@ static ddp_result ddp__shm_all_gather_v(ddp_group *g, const ddp__call *k, const 
             size_t done = (size_t)round * per;
             if (count > done) memcpy(ddp__shm_half(s, r, st) + base, sp + done * es, DDP__MIN(per, count - done) * es);
             if ((res = ddp__shm_step(g, c, st, 0, DDP__SHM_NOT_LIB)) != DDP_SUCCESS) return res;
-            for (j = 0, at = 0; j < n; at += counts[j], j++)
-                if (j != r && counts[j] > done)
-                    memcpy(rp + (at + done) * es, ddp__shm_half(s, j, st) + base, DDP__MIN(per, counts[j] - done) * es);
+            ddp__agv_unpack(s, st, base, rp, counts, n, r, per, es, done);
         }
     }
     if (sp != rp + mine * es && count) memmove(rp + mine * es, sp, count * es); /* last: send may lie in recv */
