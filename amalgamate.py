@@ -56,6 +56,7 @@ IMPLEMENTATION = [
     "src/group.c",          # [SECTION] group: ddp_init, rendezvous, the mesh, the backend, subgroups
     "src/launcher.c",       # [SECTION] launcher: ddp_spawn, ddprun
     "src/reducer.c",
+    "src/zero_state.c",     # [SECTION] zero-state: ZeRO-1 optimizer state consolidated on one rank, split back
     "src/sampler.c",
     "src/syncbn.c",
     "src/safetensors.c",    # [SECTION] safetensors: the file format, CRC32C, UTF-8, header parser and writer, ddp_meta

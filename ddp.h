@@ -128,6 +128,7 @@
    [SECTION] group: ddp_init (torch.distributed.init_process_group), launcher environments, src/group.c
    [SECTION] launcher: ddp_spawn (torch.multiprocessing.spawn) and ddprun (torchrun) src/launcher.c
    [SECTION] reducer: DistributedDataParallel's Reducer: model check, buckets, overlapped all-reduce src/reducer.c
+   [SECTION] zero-state: ZeRO-1 optimizer state consolidated on one rank, split back (reducer.h) src/zero_state.c
    [SECTION] sampler: DistributedSampler, MT19937 and torch.randperm, Feistel streaming permutation src/sampler.c
    [SECTION] syncbn (implementation): SyncBatchNorm on the CPU, f32 data, f64 statistics src/syncbn.c
    [SECTION] safetensors: the file format (Hugging Face safetensors), CRC32C, UTF-8, ddp_meta src/safetensors.c
@@ -845,6 +846,45 @@ DDP_API int ddp_reducer_shards(ddp_reducer *r, const ddp_shard **out);
    dtype). Not during a backward pass (DDP_ERR_STATE); DDP_ERR_STATE without zero_stage; any error of the
    all_gathers. */
 DDP_API ddp_result ddp_reducer_gather_params(ddp_reducer *r);
+
+/* ZeRO checkpoints (torch's ZeroRedundancyOptimizer.consolidate_state_dict and per-rank shards).
+   Optimizer state under zero_stage = 1 lives in the program, per state (AdamW: m and v) one array of
+   this rank's shards' elements concatenated in ddp_reducer_shards order: its "shard state", of
+   shard_count = the sum of the shards' counts elements. A "full" array holds the whole model's elements,
+   the parameters concatenated in registration order (parameter i from the sum of the counts of
+   parameters 0 .. i-1): full_count = the model's elements. Both of dtype t (any ddp_dtype: the state's,
+   usually DDP_F32 whatever the parameters' dtype). Host memory. Two ways to save:
+   - Consolidated (one file, loads on any world size): ddp_reducer_consolidate_state gathers every rank's
+     shard state into full arrays on root, which saves them as ordinary tensors (one per parameter and
+     state, e.g. "fc1.weight.exp_avg", pointing into the full array) with ddp_checkpoint_save. To load,
+     every rank reads the file (ddp_checkpoint_load; desc.broadcast = 1 without a shared filesystem) into
+     full arrays and ddp_reducer_shard_state takes its shards' pieces out of them.
+   - Per rank (each rank writes 1/world of the state, loads on any world size): ddp_checkpoint_save_slices
+     with one ddp_slice per shard and state: {"fc1.weight.exp_avg", t, global_count = the parameter's
+     count, offset = shard.offset, count = shard.count, data = the shard's piece of the state};
+     ddp_checkpoint_load_slices with the same slices of the loading reducer's shards (another world size
+     is fine: the slices are read from whichever files hold them). No function of its own is needed. */
+
+/* ddp_reducer_consolidate_state: zero_stage = 1, collective. nstates states (shard_state[0 .. nstates-1],
+   shard_count elements each on every rank) are gathered into full[0 .. nstates-1] (full_count elements
+   each) on rank root; full and full_count are read on root only (others may pass NULL, 0). The ranks
+   first exchange their arguments: a rank whose shard_count is not its shards' total, root's full_count
+   not the model's, NULL arrays, or ranks that differ in nstates, t or root are DDP_ERR_INVALID_ARGUMENT
+   on every rank (naming the rank), before any state moves. Cost: an all_gather of the arguments and of
+   the shard lists (24 bytes a shard), then per state one gather to root of every rank's array padded to
+   the largest rank's (root stages world x that, about one full array). Errors: DDP_ERR_STATE (not
+   finalized, zero_stage = 0, during a backward pass); DDP_ERR_INVALID_ARGUMENT; DDP_ERR_OUT_OF_MEMORY;
+   the gathers' errors. */
+DDP_API ddp_result ddp_reducer_consolidate_state(ddp_reducer *r, ddp_dtype t, int nstates, const void *const *shard_state,
+                                                 size_t shard_count, void *const *full, size_t full_count, int root);
+
+/* ddp_reducer_shard_state: the inverse, local (not collective): this rank's shards' elements of the full
+   arrays full[0 .. nstates-1] (full_count elements each, e.g. read from a consolidated checkpoint, saved
+   on any world size) into shard_state[0 .. nstates-1] (shard_count elements each). A full_count that is
+   not the model's or a shard_count that is not this rank's shards' total: DDP_ERR_INVALID_ARGUMENT
+   naming both numbers; DDP_ERR_STATE as above. */
+DDP_API ddp_result ddp_reducer_shard_state(ddp_reducer *r, ddp_dtype t, int nstates, const void *const *full,
+                                           size_t full_count, void *const *shard_state, size_t shard_count);
 
 /* ddp_reducer_destroy: wait for any all-reduce in flight and free the reducer. Not collective. NULL is a
    no-op. */
@@ -2651,6 +2691,10 @@ static DDP__UNUSED char *ddp__ck_shard_path(const char *path, int rank); /* "<pa
 /* Every rank's outcome of a checkpoint step: the first failure (lowest rank) is every rank's error. */
 static DDP__UNUSED ddp_result ddp__ck_agree(ddp_group *g, ddp_result mine, const char *what);
 static DDP__UNUSED void ddp__ck_async_settle(ddp_group *g); /* wait for an async save in flight */
+
+/* ---- reducer.c: what zero_state.c reads of a reducer ---- */
+static DDP__UNUSED ddp_result ddp__reducer_zero_model(ddp_reducer *r, const char *fn, ddp_group **g, int *nparams);
+static DDP__UNUSED size_t ddp__reducer_param_count(const ddp_reducer *r, int i);
 
 /* ---- reducer.c: host memory for the reducer's buckets (every backend but nccl uses these) ---- */
 static DDP__UNUSED void *ddp__host_alloc(ddp_group *g, size_t bytes);
@@ -16391,6 +16435,22 @@ DDP_API int ddp_reducer_param_bucket(const ddp_reducer *r, int index, size_t *of
     return r->L.param_bucket[index];
 }
 
+/* For zero_state.c: a reducer whose ZeRO shards can be read (finalized, healthy, zero_stage, not in a
+   backward pass), its group, and its parameters' element counts. */
+static ddp_result ddp__reducer_zero_model(ddp_reducer *r, const char *fn, ddp_group **g, int *nparams) {
+    ddp_result res = ddp__reducer_usable(r, fn);
+    if (res) return res;
+    if (!ddp__reducer_zero(r))
+        return ddp__fail(r->g, DDP_ERR_STATE, "%s: the reducer was created with zero_stage = 0: every rank holds the "
+                         "whole optimizer state; save it as it is (set zero_stage = 1 to shard it)", fn);
+    if (r->in_backward)
+        return ddp__fail(r->g, DDP_ERR_STATE, "%s: called during a backward pass; call it between steps", fn);
+    *g = r->g;
+    *nparams = r->nparams;
+    return DDP_SUCCESS;
+}
+static size_t ddp__reducer_param_count(const ddp_reducer *r, int i) { return r->params[i].count; }
+
 DDP_API void ddp_reducer_destroy(ddp_reducer *r) {
     int i;
     if (!r) return;
@@ -16638,6 +16698,214 @@ DDP_API ddp_result ddp_reducer_join(ddp_reducer *r) {
 
 /* ==================== begin src/sampler.c ==================== */
 /* ==================== end src/reducer.c ==================== */
+
+/* ==================== begin src/zero_state.c ==================== */
+/* [SECTION] zero-state: ZeRO-1 optimizer state consolidated on one rank, split back (reducer.h) */
+/* Under zero_stage = 1 each rank keeps optimizer state for its shards only (ddp_reducer_shards). A shard
+   state array is this rank's shards' elements concatenated in shard order; a full array is the model's
+   elements, parameters concatenated in registration order, so shard j of a rank sits in a full array at
+   (start of parameter sh[j].param) + sh[j].offset.
+   Consolidation (torch's ZeroRedundancyOptimizer.consolidate_state_dict(to=root)):
+   1. the ranks agree on the outcome of their own checks (a bad argument anywhere is an error on every
+      rank, with that rank's message), then all-gather a record of their arguments and shard totals and
+      check them alike, so nothing moves unless every rank goes on (no rank waits in a gather that
+      another skipped); allocations are agreed on the same way;
+   2. the shard lists {param, offset, count} go to every rank by all_gather_v (only root uses them);
+   3. per state, one gather to root of every rank's array padded to the largest rank's total; root
+      copies each rank's pieces to their places in the full array.
+   The shards of all ranks cover every element of the model exactly once (the reducer's slice rule), so
+   root checks that the pieces add up to full_count and then every element of full is written. */
+
+/* The record each rank contributes in step 1. */
+enum { DDP__ZS_NSTATES, DDP__ZS_DTYPE, DDP__ZS_ROOT, DDP__ZS_ELEMENTS, DDP__ZS_NSHARDS, DDP__ZS_FIELDS };
+
+/* Where each parameter starts in a full array; the model's elements in *total. NULL: out of memory. */
+static size_t *ddp__zs_starts(ddp_reducer *r, int nparams, size_t *total) {
+    size_t *start = (size_t *)ddp__calloc((size_t)nparams + 1, sizeof *start);
+    int i;
+    *total = 0;
+    if (!start) return NULL;
+    for (i = 0; i < nparams; i++) start[i] = *total, *total += ddp__reducer_param_count(r, i);
+    return start;
+}
+
+/* This rank's shard elements. */
+static size_t ddp__zs_shard_total(const ddp_shard *sh, int n) {
+    size_t total = 0;
+    int j;
+    for (j = 0; j < n; j++) total += sh[j].count;
+    return total;
+}
+
+/* The checks one rank can make alone. */
+static ddp_result ddp__zs_check(ddp_group *g, const char *fn, ddp_dtype t, int nstates, const void *const *shard_state,
+                                size_t shard_count, size_t mine, const void *const *full, size_t full_count, size_t model,
+                                int check_full) {
+    int k;
+    if (!ddp__dtype_valid(t)) return ddp__fail(g, DDP_ERR_INVALID_ARGUMENT, "%s: dtype %d is not a ddp_dtype", fn, (int)t);
+    if (nstates < 0 || (nstates > 0 && (!shard_state || (check_full && !full))))
+        return ddp__fail(g, DDP_ERR_INVALID_ARGUMENT, "%s: %d states with shard_state %p and full %p", fn, nstates,
+                         (const void *)shard_state, (const void *)full);
+    if (shard_count != mine)
+        return ddp__fail(g, DDP_ERR_INVALID_ARGUMENT, "%s: rank %d: shard_count is %zu, but this rank's shards hold %zu "
+                         "elements (the sum of ddp_reducer_shards' counts): each shard state array must have that many",
+                         fn, ddp_rank(g), shard_count, mine);
+    if (check_full && full_count != model)
+        return ddp__fail(g, DDP_ERR_INVALID_ARGUMENT, "%s: rank %d: full_count is %zu, but the model has %zu elements (every "
+                         "registered parameter's count, added): each full array must have that many", fn, ddp_rank(g),
+                         full_count, model);
+    for (k = 0; k < nstates; k++)
+        if ((mine && !shard_state[k]) || (check_full && model && !full[k]))
+            return ddp__fail(g, DDP_ERR_INVALID_ARGUMENT, "%s: rank %d: state %d's %s array is NULL", fn, ddp_rank(g), k,
+                             mine && !shard_state[k] ? "shard" : "full");
+    return DDP_SUCCESS;
+}
+
+/* Step 1: the first rank with a bad argument fails every rank with its message (ddp__ck_agree); then
+   every rank's record, and ranks that differ from rank 0 fail every rank. */
+static ddp_result ddp__zs_agree(ddp_group *g, const char *fn, ddp_result local, const int64_t *mine, int64_t *all) {
+    int world = ddp_world_size(g), k, f;
+    static const char *const field[] = {"nstates", "dtype", "root"};
+    ddp_result res = ddp__ck_agree(g, local, fn);
+    if (!res) res = ddp_all_gather(g, mine, all, DDP__ZS_FIELDS, DDP_I64);
+    for (k = 0; !res && k < world; k++)
+        for (f = DDP__ZS_NSTATES; f <= DDP__ZS_ROOT; f++)
+            if (all[(size_t)k * DDP__ZS_FIELDS + f] != all[f])
+                return ddp__fail(g, DDP_ERR_INVALID_ARGUMENT, "%s: the ranks disagree: rank 0 passed %s %lld, rank %d "
+                                 "passed %lld; every rank must pass the same", fn, field[f], (long long)all[f], k,
+                                 (long long)all[(size_t)k * DDP__ZS_FIELDS + f]);
+    if (!res && (all[DDP__ZS_ROOT] < 0 || all[DDP__ZS_ROOT] >= world))
+        return ddp__fail(g, DDP_ERR_INVALID_ARGUMENT, "%s: root %lld is not a rank of this group of %d", fn,
+                         (long long)all[DDP__ZS_ROOT], world);
+    return res;
+}
+
+/* Step 2: every rank's shard list, as {param, offset, count} triples packed in rank order. */
+static ddp_result ddp__zs_shard_lists(ddp_group *g, const ddp_shard *sh, int n, const int64_t *all, uint64_t **lists) {
+    int world = ddp_world_size(g), k, j;
+    size_t *counts = (size_t *)ddp__calloc((size_t)world, sizeof *counts), total = 0;
+    uint64_t *mine = (uint64_t *)ddp__calloc(3 * (size_t)n + 1, sizeof *mine);
+    ddp_result res = DDP_SUCCESS;
+    for (k = 0; counts && k < world; k++) total += counts[k] = 3 * (size_t)all[k * DDP__ZS_FIELDS + DDP__ZS_NSHARDS];
+    *lists = (uint64_t *)ddp__calloc(total + 1, sizeof **lists);
+    if (!counts || !mine || !*lists) res = ddp__fail(g, DDP_ERR_OUT_OF_MEMORY, "ddp_reducer_consolidate_state: out of memory");
+    res = ddp__ck_agree(g, res, "ddp_reducer_consolidate_state"); /* no rank waits for one that cannot take part */
+    for (j = 0; !res && j < n; j++) {
+        mine[3 * j] = (uint64_t)sh[j].param;
+        mine[3 * j + 1] = sh[j].offset;
+        mine[3 * j + 2] = sh[j].count;
+    }
+    if (!res) res = ddp_all_gather_v(g, mine, 3 * (size_t)n, *lists, counts, DDP_I64);
+    ddp__free(counts);
+    ddp__free(mine);
+    return res;
+}
+
+/* Step 3, root: rank k's padded array (its pieces in its shard order) into their places in full. */
+static void ddp__zs_unpack(const uint64_t *list, int64_t nshards, const char *src, char *full, const size_t *start,
+                           size_t es) {
+    int64_t j;
+    for (j = 0; j < nshards; j++, list += 3) {
+        memcpy(full + (start[list[0]] + list[1]) * es, src, list[2] * es);
+        src += list[2] * es;
+    }
+}
+
+/* Step 3: per state, gather the padded arrays to root and unpack them there. */
+static ddp_result ddp__zs_gather(ddp_group *g, ddp_dtype t, int nstates, const void *const *shard_state, size_t mine,
+                                 void *const *full, const int64_t *all, const uint64_t *lists, const size_t *start,
+                                 int root) {
+    int world = ddp_world_size(g), rank = ddp_rank(g), s, k;
+    size_t es = ddp_dtype_size(t), most = 0;
+    char *pad = NULL, *stage = NULL;
+    const uint64_t *at;
+    ddp_result res = DDP_SUCCESS;
+    for (k = 0; k < world; k++) most = DDP__MAX(most, (size_t)all[k * DDP__ZS_FIELDS + DDP__ZS_ELEMENTS]);
+    if (most == 0) return DDP_SUCCESS; /* an empty model: nothing to move (every rank sees the same) */
+    if (mine < most) pad = (char *)ddp__calloc(most, es);
+    if (rank == root) stage = (char *)ddp__calloc((size_t)world * most, es);
+    if ((mine < most && !pad) || (rank == root && !stage))
+        res = ddp__fail(g, DDP_ERR_OUT_OF_MEMORY, "ddp_reducer_consolidate_state: rank %d: out of memory for %zu elements",
+                        rank, rank == root ? (size_t)world * most : most);
+    res = ddp__ck_agree(g, res, "ddp_reducer_consolidate_state");
+    for (s = 0; !res && s < nstates; s++) {
+        const void *send = shard_state[s];
+        if (pad) {
+            if (mine) memcpy(pad, shard_state[s], mine * es);
+            send = pad;
+        }
+        res = ddp_gather(g, send, stage, most, t, root);
+        if (res || rank != root) continue;
+        for (k = 0, at = lists; k < world; k++) {
+            int64_t nk = all[k * DDP__ZS_FIELDS + DDP__ZS_NSHARDS];
+            ddp__zs_unpack(at, nk, stage + (size_t)k * most * es, (char *)full[s], start, es);
+            at += 3 * nk;
+        }
+    }
+    ddp__free(pad);
+    ddp__free(stage);
+    return res;
+}
+
+DDP_API ddp_result ddp_reducer_consolidate_state(ddp_reducer *r, ddp_dtype t, int nstates, const void *const *shard_state,
+                                                 size_t shard_count, void *const *full, size_t full_count, int root) {
+    static const char *fn = "ddp_reducer_consolidate_state";
+    ddp_group *g = NULL;
+    const ddp_shard *sh;
+    int nparams, n, world, k;
+    size_t model = 0, mine, *start = NULL, covered = 0;
+    int64_t rec[DDP__ZS_FIELDS], *all = NULL;
+    uint64_t *lists = NULL;
+    ddp_result res = ddp__reducer_zero_model(r, fn, &g, &nparams), local;
+    if (res) return res;
+    world = ddp_world_size(g);
+    n = ddp_reducer_shards(r, &sh);
+    mine = ddp__zs_shard_total(sh, n);
+    start = ddp__zs_starts(r, nparams, &model);
+    all = (int64_t *)ddp__calloc((size_t)world * DDP__ZS_FIELDS, sizeof *all);
+    if (!start || !all) {
+        ddp__free(start);
+        ddp__free(all);
+        return ddp__fail(g, DDP_ERR_OUT_OF_MEMORY, "%s: out of memory", fn);
+    }
+    local = ddp__zs_check(g, fn, t, nstates, shard_state, shard_count, mine, (const void *const *)full, full_count, model,
+                          ddp_rank(g) == root);
+    rec[DDP__ZS_NSTATES] = nstates, rec[DDP__ZS_DTYPE] = (int64_t)t, rec[DDP__ZS_ROOT] = root;
+    rec[DDP__ZS_ELEMENTS] = (int64_t)mine, rec[DDP__ZS_NSHARDS] = n;
+    res = ddp__zs_agree(g, fn, local, rec, all);
+    if (!res) res = ddp__zs_shard_lists(g, sh, n, all, &lists);
+    for (k = 0; !res && k < world; k++) covered += (size_t)all[k * DDP__ZS_FIELDS + DDP__ZS_ELEMENTS];
+    if (!res && covered != model) /* the slice rule says it cannot happen; never write half a full array */
+        res = ddp__fail(g, DDP_ERR_STATE, "%s: the ranks' shards hold %zu elements, the model %zu", fn, covered, model);
+    if (!res) res = ddp__zs_gather(g, t, nstates, shard_state, mine, full, all, lists, start, root);
+    ddp__free(lists);
+    ddp__free(start);
+    ddp__free(all);
+    return res;
+}
+
+DDP_API ddp_result ddp_reducer_shard_state(ddp_reducer *r, ddp_dtype t, int nstates, const void *const *full,
+                                           size_t full_count, void *const *shard_state, size_t shard_count) {
+    static const char *fn = "ddp_reducer_shard_state";
+    ddp_group *g = NULL;
+    const ddp_shard *sh;
+    int nparams, n, s, j;
+    size_t model = 0, mine, *start, es, at;
+    ddp_result res = ddp__reducer_zero_model(r, fn, &g, &nparams);
+    if (res) return res;
+    n = ddp_reducer_shards(r, &sh);
+    mine = ddp__zs_shard_total(sh, n);
+    if (!(start = ddp__zs_starts(r, nparams, &model))) return ddp__fail(g, DDP_ERR_OUT_OF_MEMORY, "%s: out of memory", fn);
+    res = ddp__zs_check(g, fn, t, nstates, (const void *const *)shard_state, shard_count, mine, full, full_count, model, 1);
+    es = ddp_dtype_size(t);
+    for (s = 0; !res && s < nstates; s++)
+        for (j = 0, at = 0; j < n; at += sh[j].count, j++)
+            memcpy((char *)shard_state[s] + at * es, (const char *)full[s] + (start[sh[j].param] + sh[j].offset) * es,
+                   sh[j].count * es);
+    ddp__free(start);
+    return res;
+}
+/* ==================== end src/zero_state.c ==================== */
 
 /* ==================== begin src/sampler.c ==================== */
 /* [SECTION] sampler: DistributedSampler, MT19937 and torch.randperm, Feistel streaming permutation */

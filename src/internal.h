@@ -875,6 +875,10 @@ static DDP__UNUSED char *ddp__ck_shard_path(const char *path, int rank); /* "<pa
 static DDP__UNUSED ddp_result ddp__ck_agree(ddp_group *g, ddp_result mine, const char *what);
 static DDP__UNUSED void ddp__ck_async_settle(ddp_group *g); /* wait for an async save in flight */
 
+/* ---- reducer.c: what zero_state.c reads of a reducer ---- */
+static DDP__UNUSED ddp_result ddp__reducer_zero_model(ddp_reducer *r, const char *fn, ddp_group **g, int *nparams);
+static DDP__UNUSED size_t ddp__reducer_param_count(const ddp_reducer *r, int i);
+
 /* ---- reducer.c: host memory for the reducer's buckets (every backend but nccl uses these) ---- */
 static DDP__UNUSED void *ddp__host_alloc(ddp_group *g, size_t bytes);
 static DDP__UNUSED void ddp__host_release(ddp_group *g, void *p);

@@ -1313,6 +1313,22 @@ DDP_API int ddp_reducer_param_bucket(const ddp_reducer *r, int index, size_t *of
     return r->L.param_bucket[index];
 }
 
+/* For zero_state.c: a reducer whose ZeRO shards can be read (finalized, healthy, zero_stage, not in a
+   backward pass), its group, and its parameters' element counts. */
+static ddp_result ddp__reducer_zero_model(ddp_reducer *r, const char *fn, ddp_group **g, int *nparams) {
+    ddp_result res = ddp__reducer_usable(r, fn);
+    if (res) return res;
+    if (!ddp__reducer_zero(r))
+        return ddp__fail(r->g, DDP_ERR_STATE, "%s: the reducer was created with zero_stage = 0: every rank holds the "
+                         "whole optimizer state; save it as it is (set zero_stage = 1 to shard it)", fn);
+    if (r->in_backward)
+        return ddp__fail(r->g, DDP_ERR_STATE, "%s: called during a backward pass; call it between steps", fn);
+    *g = r->g;
+    *nparams = r->nparams;
+    return DDP_SUCCESS;
+}
+static size_t ddp__reducer_param_count(const ddp_reducer *r, int i) { return r->params[i].count; }
+
 DDP_API void ddp_reducer_destroy(ddp_reducer *r) {
     int i;
     if (!r) return;

@@ -293,6 +293,45 @@ DDP_API int ddp_reducer_shards(ddp_reducer *r, const ddp_shard **out);
    all_gathers. */
 DDP_API ddp_result ddp_reducer_gather_params(ddp_reducer *r);
 
+/* ZeRO checkpoints (torch's ZeroRedundancyOptimizer.consolidate_state_dict and per-rank shards).
+   Optimizer state under zero_stage = 1 lives in the program, per state (AdamW: m and v) one array of
+   this rank's shards' elements concatenated in ddp_reducer_shards order: its "shard state", of
+   shard_count = the sum of the shards' counts elements. A "full" array holds the whole model's elements,
+   the parameters concatenated in registration order (parameter i from the sum of the counts of
+   parameters 0 .. i-1): full_count = the model's elements. Both of dtype t (any ddp_dtype: the state's,
+   usually DDP_F32 whatever the parameters' dtype). Host memory. Two ways to save:
+   - Consolidated (one file, loads on any world size): ddp_reducer_consolidate_state gathers every rank's
+     shard state into full arrays on root, which saves them as ordinary tensors (one per parameter and
+     state, e.g. "fc1.weight.exp_avg", pointing into the full array) with ddp_checkpoint_save. To load,
+     every rank reads the file (ddp_checkpoint_load; desc.broadcast = 1 without a shared filesystem) into
+     full arrays and ddp_reducer_shard_state takes its shards' pieces out of them.
+   - Per rank (each rank writes 1/world of the state, loads on any world size): ddp_checkpoint_save_slices
+     with one ddp_slice per shard and state: {"fc1.weight.exp_avg", t, global_count = the parameter's
+     count, offset = shard.offset, count = shard.count, data = the shard's piece of the state};
+     ddp_checkpoint_load_slices with the same slices of the loading reducer's shards (another world size
+     is fine: the slices are read from whichever files hold them). No function of its own is needed. */
+
+/* ddp_reducer_consolidate_state: zero_stage = 1, collective. nstates states (shard_state[0 .. nstates-1],
+   shard_count elements each on every rank) are gathered into full[0 .. nstates-1] (full_count elements
+   each) on rank root; full and full_count are read on root only (others may pass NULL, 0). The ranks
+   first exchange their arguments: a rank whose shard_count is not its shards' total, root's full_count
+   not the model's, NULL arrays, or ranks that differ in nstates, t or root are DDP_ERR_INVALID_ARGUMENT
+   on every rank (naming the rank), before any state moves. Cost: an all_gather of the arguments and of
+   the shard lists (24 bytes a shard), then per state one gather to root of every rank's array padded to
+   the largest rank's (root stages world x that, about one full array). Errors: DDP_ERR_STATE (not
+   finalized, zero_stage = 0, during a backward pass); DDP_ERR_INVALID_ARGUMENT; DDP_ERR_OUT_OF_MEMORY;
+   the gathers' errors. */
+DDP_API ddp_result ddp_reducer_consolidate_state(ddp_reducer *r, ddp_dtype t, int nstates, const void *const *shard_state,
+                                                 size_t shard_count, void *const *full, size_t full_count, int root);
+
+/* ddp_reducer_shard_state: the inverse, local (not collective): this rank's shards' elements of the full
+   arrays full[0 .. nstates-1] (full_count elements each, e.g. read from a consolidated checkpoint, saved
+   on any world size) into shard_state[0 .. nstates-1] (shard_count elements each). A full_count that is
+   not the model's or a shard_count that is not this rank's shards' total: DDP_ERR_INVALID_ARGUMENT
+   naming both numbers; DDP_ERR_STATE as above. */
+DDP_API ddp_result ddp_reducer_shard_state(ddp_reducer *r, ddp_dtype t, int nstates, const void *const *full,
+                                           size_t full_count, void *const *shard_state, size_t shard_count);
+
 /* ddp_reducer_destroy: wait for any all-reduce in flight and free the reducer. Not collective. NULL is a
    no-op. */
 DDP_API void ddp_reducer_destroy(ddp_reducer *r);
