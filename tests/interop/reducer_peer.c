@@ -7,7 +7,10 @@
        VARIANT: plain | accum (no_sync on all but the last micro-batch, gradient_as_bucket_view) |
        fp16 (comm_dtype DDP_F16) | join (uneven inputs: rank r trains DIR/steps.txt's r-th number of steps,
        then calls ddp_reducer_join; no_sync and views as accum) | joinfail (the same with join_fail_early:
-       every rank stops with DDP_ERR_UNEVEN_INPUTS at the first run-out step). Rank 0 writes
+       every rank stops with DDP_ERR_UNEVEN_INPUTS at the first run-out step) | zero (zero_stage = 1, buckets
+       of 256 elements so that slices cut parameters, AdamW (torch's defaults, lr LR) on this rank's
+       ddp_reducer_shards, gather_params; then ddp_reducer_consolidate_state gathers m and v to rank 0,
+       which writes DIR/ddp_exp_avg.bin and DIR/ddp_exp_avg_sq.bin, the parameters' order). Rank 0 writes
        DIR/ddp_final.bin; in the join variants the last rank does, which ran out first.
    reducer_peer layout FIRST CAP N SIZE... ORDER...
        One rank: N f32 parameters of SIZE elements; prints the initial bucket of each parameter, then runs
@@ -87,13 +90,60 @@ static int rank_steps(const job *J, int rank) {
     return v;
 }
 
+/* torch.optim.AdamW (betas 0.9, 0.999, eps 1e-8, weight_decay 1e-2), as torch 1.13 computes it: decay,
+   the moments, then p -= (lr / bc1) * m / (sqrt(v) / sqrt(bc2) + eps). t counts steps from 1. */
+static void adamw(float *p, const float *g, float *m, float *v, size_t n, int t, float lr) {
+    const float b1 = 0.9f, b2 = 0.999f, eps = 1e-8f, wd = 1e-2f;
+    float bc1 = 1.0f - powf(b1, (float)t), bc2_sqrt = sqrtf(1.0f - powf(b2, (float)t));
+    size_t i;
+    for (i = 0; i < n; i++) {
+        p[i] *= 1.0f - lr * wd;
+        m[i] = m[i] * b1 + (1.0f - b1) * g[i];
+        v[i] = v[i] * b2 + (1.0f - b2) * g[i] * g[i];
+        p[i] -= (lr / bc1) * m[i] / (sqrtf(v[i]) / bc2_sqrt + eps);
+    }
+}
+
+/* zero: AdamW on this rank's shards (state for those only), then every rank gets every parameter. */
+static void zero_step(ddp_group *g, ddp_reducer *red, float *m, float *v, int t, float lr) {
+    const ddp_shard *sh;
+    int n = ddp_reducer_shards(red, &sh), j;
+    size_t at = 0;
+    for (j = 0; j < n; at += sh[j].count, j++)
+        adamw((float *)sh[j].param_data, (const float *)sh[j].grad, m + at, v + at, sh[j].count, t, lr);
+    CHECK_OK(ddp_reducer_gather_params(red), g);
+}
+
+/* zero: m and v consolidated on rank 0 (consolidate_state_dict), written there in the parameters' order. */
+static void zero_save(const job *J, ddp_group *g, ddp_reducer *red, float *m, float *v, size_t total) {
+    const ddp_shard *sh;
+    int n = ddp_reducer_shards(red, &sh), j, k;
+    size_t mine = 0;
+    float *full[2] = {NULL, NULL};
+    const void *st[2];
+    void *fp[2];
+    for (j = 0; j < n; j++) mine += sh[j].count;
+    for (k = 0; k < 2 && ddp_rank(g) == 0; k++) full[k] = (float *)malloc(total * sizeof(float));
+    st[0] = m, st[1] = v, fp[0] = full[0], fp[1] = full[1];
+    CHECK_OK(ddp_reducer_consolidate_state(red, DDP_F32, 2, st, mine, fp, total, 0), g);
+    for (k = 0; k < 2 && ddp_rank(g) == 0; k++) {
+        char path[1024];
+        FILE *f;
+        snprintf(path, sizeof path, "%s/ddp_%s.bin", J->dir, k ? "exp_avg_sq" : "exp_avg");
+        f = fopen(path, "wb");
+        CHECK(f && fwrite(full[k], sizeof(float), total, f) == total, "cannot write %s", path);
+        fclose(f);
+    }
+    free(full[0]), free(full[1]);
+}
+
 static int train_rank(int rank, int n, void *arg) {
     const job *J = (const job *)arg;
     int join = !strncmp(J->variant, "join", 4), fail_early = !strcmp(J->variant, "joinfail");
     int L = J->layers, k, step, micro, view = !strcmp(J->variant, "accum") || (join && !fail_early);
-    int steps = join ? rank_steps(J, rank) : J->steps, writer = join ? n - 1 : 0;
+    int steps = join ? rank_steps(J, rank) : J->steps, writer = join ? n - 1 : 0, zero = !strcmp(J->variant, "zero");
     size_t cnt[2 * MAXL], total = 0, off = 0, nx, nt;
-    float *P[2 * MAXL], *G[2 * MAXL], *init, *data;
+    float *P[2 * MAXL], *G[2 * MAXL], *init, *data, *zm = NULL, *zv = NULL;
     ddp_group *g;
     ddp_reducer *red;
     ddp_reducer_desc d;
@@ -114,6 +164,8 @@ static int train_rank(int rank, int n, void *arg) {
     if (!strcmp(J->variant, "fp16")) d.comm_dtype = DDP_F16;
     d.uneven_inputs = join;
     d.join_fail_early = fail_early;
+    d.zero_stage = zero;
+    if (zero) d.bucket_cap_bytes = d.first_bucket_bytes = 1024; /* slices cut parameters */
     CHECK_OK(ddp_reducer_create(g, &d, &red), g);
     for (k = 0; k < 2 * L; k++) {
         char name[32];
@@ -129,6 +181,7 @@ static int train_rank(int rank, int n, void *arg) {
         CHECK_OK(ddp_reducer_add_param(red, name, P[k], G[k], cnt[k], DDP_F32, NULL), g);
     }
     CHECK_OK(ddp_reducer_finalize(red), g);
+    if (zero) zm = (float *)calloc(total, sizeof(float)), zv = (float *)calloc(total, sizeof(float)); /* >= the shards */
     for (step = 0; step < steps; step++) {
         float *grad[2 * MAXL];
         ddp_result res;
@@ -143,7 +196,8 @@ static int train_rank(int rank, int n, void *arg) {
             CHECK_OK(ddp_reducer_end_backward(red), g);
         }
         if (micro < J->accum) break; /* joinfail: every rank stops here */
-        for (k = 0; k < 2 * L; k++) { /* re-read: views move after the first step */
+        if (zero) zero_step(g, red, zm, zv, step + 1, J->lr);
+        for (k = 0; k < 2 * L && !zero; k++) { /* re-read: views move after the first step */
             float *gk = (float *)ddp_reducer_grad(red, k);
             for (size_t i = 0; i < cnt[k]; i++) P[k][i] -= J->lr * gk[i];
         }
@@ -158,6 +212,8 @@ static int train_rank(int rank, int n, void *arg) {
             CHECK_OK(res, g);
         }
     }
+    if (zero) zero_save(J, g, red, zm, zv, total);
+    free(zm), free(zv);
     if (rank == writer) {
         char path[1024];
         FILE *f;

@@ -25,6 +25,14 @@ from the same files; the final weights must agree within the variant's tolerance
             the last rank's final weights (it ran out first: the final model sync is checked)
     joinfail  the same with throw_on_early_termination=True / join_fail_early = 1, shards       1e-5
             JOINFAIL_STEPS: every rank stops at the step where rank 2 runs out
+    zero    ZeroRedundancyOptimizer(optimizer_class=torch.optim.AdamW, lr 1e-2) with DDP     1e-4
+            (torch) vs zero_stage = 1 with AdamW on ddp_reducer_shards, small buckets so that
+            slices cut parameters (ddp.h); and torch's consolidate_state_dict() exp_avg and
+            exp_avg_sq against ddp_reducer_consolidate_state's (same tolerance, relative to
+            max(|torch|, 1e-2 of the largest value)). torch assigns whole parameters to ranks,
+            ddp.h slices of buckets: AdamW is element-wise, so only rounding differs (torch's
+            BLAS sums the gradients in another order); 1e-4 as Adam divides by sqrt(v) and
+            turns a last-bit gradient difference into a larger relative one where v is small.
 Then the bucket layouts: torch's own dist._compute_bucket_assignment_by_size against the reducer's initial
 (reverse registration order) and rebuilt (ready order) buckets. Exit 0 when everything matches."""
 import os
@@ -41,7 +49,8 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 
 DIMS = [16, 32, 24, 8]
 R, B, STEPS, LR = 2, 4, 20, 0.1
-TOL = {"plain": 1e-5, "accum": 1e-5, "fp16": 1e-3, "join": 1e-5, "joinfail": 1e-5}
+TOL = {"plain": 1e-5, "accum": 1e-5, "fp16": 1e-3, "join": 1e-5, "joinfail": 1e-5, "zero": 1e-4}
+ZERO_LR = 1e-2
 JOIN_STEPS = {"join": [STEPS, 9, 0], "joinfail": [STEPS, 11, 7]}
 
 
@@ -112,7 +121,11 @@ def worker(rank, workdir, variant, accum, port):
     n = STEPS * accum * R * B
     x = data[: n * DIMS[0]].reshape(STEPS, accum, R * B, DIMS[0])
     t = data[n * DIMS[0]:].reshape(STEPS, accum, R * B, DIMS[-1])
-    opt = torch.optim.SGD(ddp.parameters(), lr=LR)
+    if variant == "zero":
+        from torch.distributed.optim import ZeroRedundancyOptimizer
+        opt = ZeroRedundancyOptimizer(ddp.parameters(), optimizer_class=torch.optim.AdamW, lr=ZERO_LR)
+    else:
+        opt = torch.optim.SGD(ddp.parameters(), lr=LR)
     loss_fn = torch.nn.MSELoss()
 
     def train(steps):
@@ -139,6 +152,14 @@ def worker(rank, workdir, variant, accum, port):
         train(STEPS)
     if rank == (R - 1 if variant in JOIN_STEPS else 0):
         flat(model).numpy().tofile(os.path.join(workdir, "torch_final.bin"))
+    if variant == "zero":
+        opt.consolidate_state_dict(to=0)  # collective: every rank sends its partition's state to rank 0
+        if rank == 0:
+            state = opt.state_dict()["state"]  # keyed by the parameter's index in model.parameters()
+            n = len(list(model.parameters()))
+            for key in ("exp_avg", "exp_avg_sq"):
+                torch.cat([state[i][key].reshape(-1) for i in range(n)]).numpy().tofile(
+                    os.path.join(workdir, f"torch_{key}.bin"))
     dist.destroy_process_group()
 
 
@@ -178,7 +199,7 @@ def run_variant(peer, workdir, variant):
     import numpy as np
     accum = 2 if variant in ("accum", "join") else 1
     R = ranks(variant)
-    torch.manual_seed({"plain": 0, "accum": 1, "fp16": 2, "join": 3, "joinfail": 4}[variant])
+    torch.manual_seed({"plain": 0, "accum": 1, "fp16": 2, "join": 3, "joinfail": 4, "zero": 5}[variant])
     flat(make_model()).numpy().astype("<f4").tofile(os.path.join(workdir, "init.bin"))
     if variant in JOIN_STEPS:
         with open(os.path.join(workdir, "steps.txt"), "w") as f:
@@ -196,7 +217,8 @@ def run_variant(peer, workdir, variant):
             print(f"SKIP-PART reducer fp16 (torch's fp16_compress_hook): torch {torch.__version__}'s gloo refuses "
                   f"float16 all_reduce (\"Invalid scalar type\"); compared with {hook} (the same f16 "
                   "compression and f16 sum of 2 ranks) instead", flush=True)
-    subprocess.run([peer, "train", workdir, variant, str(R), str(B), str(STEPS), str(accum), str(LR)]
+    subprocess.run([peer, "train", workdir, variant, str(R), str(B), str(STEPS), str(accum),
+                    str(ZERO_LR if variant == "zero" else LR)]
                    + [str(d) for d in DIMS], check=True)
     a = _read(workdir, "ddp_final.bin").astype(np.float64)
     b = _read(workdir, "torch_final.bin").astype(np.float64)
@@ -205,7 +227,15 @@ def run_variant(peer, workdir, variant):
     moved = float(np.max(np.abs(b - i0)))
     tol = TOL[variant]
     print(f"{variant:6s} max rel diff ddp.h vs torch DDP: {diff:.2e} (tolerance {tol:.0e}); weights moved by up to {moved:.3f}")
-    return diff <= tol and moved > 1e-2
+    ok = diff <= tol and moved > 1e-2
+    for key in ("exp_avg", "exp_avg_sq") if variant == "zero" else ():
+        a = _read(workdir, f"ddp_{key}.bin").astype(np.float64)
+        b = _read(workdir, f"torch_{key}.bin").astype(np.float64)
+        d = float(np.max(np.abs(a - b) / np.maximum(np.abs(b), 1e-2 * np.max(np.abs(b)))))
+        print(f"{variant:6s} consolidated {key}: ddp_reducer_consolidate_state vs torch's consolidate_state_dict: "
+              f"max rel diff {d:.2e} (tolerance {tol:.0e}), {a.size} elements")
+        ok &= a.size == b.size and d <= tol
+    return ok
 
 
 def torch_layout(sizes, walk, first, cap):
@@ -250,7 +280,7 @@ def check_layouts(peer):
 def main():
     peer, workdir = sys.argv[1], sys.argv[2]
     ok = True
-    variants = sys.argv[3:] or ["plain", "accum", "fp16", "join", "joinfail"]
+    variants = sys.argv[3:] or ["plain", "accum", "fp16", "join", "joinfail", "zero"]
     for variant in variants:
         ok &= run_variant(peer, workdir, variant)
     ok &= check_layouts(peer)
