@@ -15,8 +15,17 @@
    Every rank then repeats the run serially, one process averaging the ranks' batch gradients and running
    AdamW on the whole model, and checks that its weights are that run's.
 
+   Checkpoints (ZeroRedundancyOptimizer's consolidate_state_dict): `--save PATH` stops halfway, gathers
+   every rank's m and v to rank 0 (ddp_reducer_consolidate_state), which writes one ordinary checkpoint
+   (weights, "<name>.exp_avg", "<name>.exp_avg_sq"); `--resume PATH` (on any number of ranks) loads it
+   on every rank, takes its own slices' m and v out (ddp_reducer_shard_state) and runs the second half:
+   the final weights are still the serial run's. (Per-rank files instead: ddp_checkpoint_save_slices
+   with one ddp_slice per slice, see "ZeRO checkpoints" in ddp.h.)
+
    Run:  make build/zero_adamw build/ddprun
-         build/ddprun --nproc-per-node 3 build/zero_adamw     (1 to 4 ranks or more) */
+         build/ddprun --nproc-per-node 3 build/zero_adamw     (1 to 4 ranks or more)
+         build/ddprun --nproc-per-node 3 build/zero_adamw --save /tmp/z.safetensors
+         build/ddprun --nproc-per-node 2 build/zero_adamw --resume /tmp/z.safetensors */
 #define DDP_IMPLEMENTATION
 #include "ddp.h"
 
@@ -105,15 +114,17 @@ static void adamw(float *w, const float *grad, float *m, float *v, size_t n, int
     }
 }
 
-/* The serial run: each step averages the ranks' batch gradients and runs AdamW on the whole model. */
-static double serial_difference(const mlp *ddp, int world) {
+/* The serial run: each step averages the ranks' batch gradients and runs AdamW on the whole model (the
+   first `first` steps over the batches of world_before ranks: those of a resumed run's checkpoint). */
+static double serial_difference(const mlp *ddp, int world_before, int first, int world) {
     static mlp one;
     static float m[NPARAM][HID * IN], v[NPARAM][HID * IN];
     double worst = 0;
     int s, r, p, i;
     init(&one);
     for (s = 0; s < STEPS; s++) {
-        for (r = 0; r < world; r++) accumulate(&one, r, s, 1.0f / (float)world);
+        int w = s < first ? world_before : world;
+        for (r = 0; r < w; r++) accumulate(&one, r, s, 1.0f / (float)w);
         for (p = 0; p < NPARAM; p++) {
             adamw(one.w[p], one.grad[p], m[p], v[p], (size_t)sizes[p], s + 1);
             memset(one.grad[p], 0, sizeof one.grad[p]);
@@ -132,21 +143,47 @@ static double serial_difference(const mlp *ddp, int world) {
         }                                                                                      \
     } while (0)
 
-int main(void) {
+/* The consolidated checkpoint's tensors: per parameter its weights, m and v (m, v: full arrays). */
+static void ckpt_tensors(mlp *m, float *fm, float *fv, ddp_tensor *t, char (*tn)[32]) {
+    size_t at = 0;
+    int p, k;
+    for (p = 0; p < NPARAM; at += (size_t)sizes[p], p++)
+        for (k = 0; k < 3; k++) {
+            ddp_tensor *x = &t[3 * p + k];
+            snprintf(tn[3 * p + k], 32, "%s%s", names[p], k == 0 ? "" : k == 1 ? ".exp_avg" : ".exp_avg_sq");
+            memset(x, 0, sizeof *x);
+            x->name = tn[3 * p + k], x->dtype = DDP_F32, x->ndim = 1, x->shape[0] = sizes[p];
+            x->data = k == 0 ? m->w[p] : (k == 1 ? fm : fv) + at;
+        }
+}
+
+int main(int argc, char **argv) {
     static mlp m;
     ddp_group *g;
     ddp_reducer *red;
     ddp_reducer_desc d;
     const ddp_shard *sh;
-    float **am, **av; /* AdamW's state: for this rank's slices only */
-    size_t mine = 0, total = 0;
-    int p, j, n, step, rank, world;
+    float *am, *av, *fm, *fv; /* AdamW's state for this rank's slices only (concatenated); full copies */
+    void *full[2], *st[2];
+    ddp_tensor t[3 * NPARAM];
+    char tn[3 * NPARAM][32];
+    ddp_meta meta;
+    const char *save = argc == 3 && !strcmp(argv[1], "--save") ? argv[2] : NULL;
+    const char *resume = argc == 3 && !strcmp(argv[1], "--resume") ? argv[2] : NULL;
+    size_t mine = 0, total = 0, at;
+    int p, j, n, step = 0, rank, world;
+    int64_t first = 0, world_before = 0;
     double diff;
+    if (argc != 1 && !save && !resume) {
+        fprintf(stderr, "usage: zero_adamw [--save PATH | --resume PATH]\n");
+        return 2;
+    }
     if (ddp_init(NULL, &g) != DDP_SUCCESS) {
         fprintf(stderr, "ddp_init failed: %s\n", ddp_last_error(NULL));
         return 1;
     }
     rank = ddp_rank(g), world = ddp_world_size(g);
+    memset(&meta, 0, sizeof meta); /* an empty map */
     init(&m);
     memset(&d, 0, sizeof d);
     d.zero_stage = 1; /* reduce-scatter: each rank gets the averaged gradients of its slices */
@@ -155,30 +192,46 @@ int main(void) {
     TRY(ddp_reducer_finalize(red));
 
     n = ddp_reducer_shards(red, &sh); /* the same slices every step */
-    am = (float **)calloc((size_t)n + 1, sizeof *am);
-    av = (float **)calloc((size_t)n + 1, sizeof *av);
-    for (j = 0; j < n; j++) {
-        am[j] = (float *)calloc(sh[j].count, sizeof(float));
-        av[j] = (float *)calloc(sh[j].count, sizeof(float));
-        mine += sh[j].count;
-    }
+    for (j = 0; j < n; j++) mine += sh[j].count;
     for (p = 0; p < NPARAM; p++) total += (size_t)sizes[p];
+    am = (float *)calloc(mine + 1, sizeof(float)), av = (float *)calloc(mine + 1, sizeof(float));
+    fm = (float *)calloc(total, sizeof(float)), fv = (float *)calloc(total, sizeof(float));
+    st[0] = am, st[1] = av, full[0] = fm, full[1] = fv;
+    ckpt_tensors(&m, fm, fv, t, tn);
+    if (resume) { /* every rank reads the whole file, then keeps its slices of m and v */
+        TRY(ddp_checkpoint_load(g, resume, t, 3 * NPARAM, &meta));
+        TRY(ddp_meta_get_int(&meta, DDP_META_STEP, &first));
+        TRY(ddp_meta_get_int(&meta, DDP_META_WORLD_SIZE, &world_before));
+        TRY(ddp_reducer_shard_state(red, DDP_F32, 2, (const void *const *)full, total, st, mine));
+        if (rank == 0)
+            printf("resumed from %s at step %lld (saved by %lld ranks) on %d ranks\n", resume, (long long)first,
+                   (long long)world_before, world);
+    }
 
-    for (step = 0; step < STEPS; step++) {
+    for (step = (int)first; step < STEPS; step++) {
+        if (save && step == STEPS / 2) { /* consolidate_state_dict(to=0), then rank 0 writes */
+            TRY(ddp_reducer_consolidate_state(red, DDP_F32, 2, (const void *const *)st, mine, full, total, 0));
+            TRY(ddp_meta_set_int(&meta, DDP_META_STEP, step));
+            TRY(ddp_meta_set_int(&meta, DDP_META_WORLD_SIZE, world));
+            TRY(ddp_checkpoint_save(g, save, t, 3 * NPARAM, &meta));
+            if (rank == 0) printf("saved weights and AdamW state at step %d to %s\n", step, save);
+            break;
+        }
         TRY(ddp_reducer_begin_backward(red));
         accumulate(&m, rank, step, 1.0f); /* backward; a real program calls grad_ready per layer */
         for (p = NPARAM - 1; p >= 0; p--) TRY(ddp_reducer_grad_ready(red, p));
         TRY(ddp_reducer_end_backward(red)); /* this rank's slices now hold the averaged gradient */
-        for (j = 0; j < n; j++)             /* the optimizer on this rank's slices only */
-            adamw((float *)sh[j].param_data, (const float *)sh[j].grad, am[j], av[j], sh[j].count, step + 1);
+        for (j = 0, at = 0; j < n; at += sh[j].count, j++) /* the optimizer on this rank's slices only */
+            adamw((float *)sh[j].param_data, (const float *)sh[j].grad, am + at, av + at, sh[j].count, step + 1);
         TRY(ddp_reducer_gather_params(red)); /* every rank gets every updated slice */
         TRY(ddp_reducer_zero_grad(red));
     }
-    diff = serial_difference(&m, world);
-    printf("rank %d: AdamW state for %zu of %zu parameters in %d slice(s); final weights vs the serial run: %s\n", rank,
-           mine, total, n, diff < 1e-5 ? "equal (rounding only)" : "DIFFERENT");
-    for (j = 0; j < n; j++) free(am[j]), free(av[j]);
-    free(am), free(av);
+    diff = save ? 0 : serial_difference(&m, (int)world_before, (int)first, world);
+    if (!save)
+        printf("rank %d: AdamW state for %zu of %zu parameters in %d slice(s); final weights vs the serial run: %s\n", rank,
+               mine, total, n, diff < 1e-5 ? "equal (rounding only)" : "DIFFERENT");
+    free(am), free(av), free(fm), free(fv);
+    ddp_meta_free(&meta);
     ddp_reducer_destroy(red);
     ddp_destroy(g);
     return diff < 1e-5 ? 0 : 1;
