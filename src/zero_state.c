@@ -151,7 +151,7 @@ DDP_API ddp_result ddp_reducer_consolidate_state(ddp_reducer *r, ddp_dtype t, in
     static const char *fn = "ddp_reducer_consolidate_state";
     ddp_group *g = NULL;
     const ddp_shard *sh;
-    int nparams, n, world, k;
+    int nparams = 0, n, world, k;
     size_t model = 0, mine, *start = NULL, covered = 0;
     int64_t rec[DDP__ZS_FIELDS], *all = NULL;
     uint64_t *lists = NULL;
@@ -188,7 +188,7 @@ DDP_API ddp_result ddp_reducer_shard_state(ddp_reducer *r, ddp_dtype t, int nsta
     static const char *fn = "ddp_reducer_shard_state";
     ddp_group *g = NULL;
     const ddp_shard *sh;
-    int nparams, n, s, j;
+    int nparams = 0, n, s, j;
     size_t model = 0, mine, *start, es, at;
     ddp_result res = ddp__reducer_zero_model(r, fn, &g, &nparams);
     if (res) return res;
