@@ -12,6 +12,8 @@
      the reduce-scatter adds in another order than the all-reduce);
    - another world size (2 ranks): resuming from the consolidated file and from the 3-rank slices gives
      bit-identical models after M steps;
+   - placement on 1-4 ranks, root the last rank: f64 and u8 shard states whose values name their element
+     land exactly at that element of the full arrays, and shard_state gives each rank its values back;
    - errors: a shard_count that is not the rank's total (one rank) or a wrong full_count on root is
      DDP_ERR_INVALID_ARGUMENT on every rank with that rank's message, at once; ranks that pass different
      nstates likewise; zero_stage 0 is DDP_ERR_STATE. */
@@ -276,6 +278,54 @@ static void same_bits(const char *a, const char *b) {
     free(x), free(y);
 }
 
+/* Placement, any dtype: a shard state (f64, and a u8 one) whose value names its element (parameter p,
+   element i: p * 1e6 + i) consolidates on the last rank to full arrays in which element k of the model holds
+   exactly that name; shard_state gives every rank its values back. */
+static int placement_main(int rank, int n, void *arg) {
+    ddp_group *g;
+    model Z;
+    double *mine, *full = NULL, *back;
+    unsigned char *b8, *f8 = NULL;
+    void *fp[1], *bp[1];
+    const void *st[1];
+    size_t i, at = 0, k;
+    int j, p;
+    (void)arg;
+    CHECK_OK(ddp_init(NULL, &g), NULL);
+    model_build(g, 1, &Z);
+    mine = (double *)calloc(Z.mine + 1, sizeof(double)), back = (double *)calloc(Z.mine + 1, sizeof(double));
+    b8 = (unsigned char *)calloc(Z.mine + 1, 1);
+    for (j = 0; j < Z.n; j++)
+        for (i = 0; i < Z.sh[j].count; i++, at++) {
+            mine[at] = Z.sh[j].param * 1e6 + (double)(Z.sh[j].offset + i);
+            b8[at] = (unsigned char)(rank + 1);
+        }
+    if (rank == n - 1) full = (double *)calloc(Z.total, sizeof(double)), f8 = (unsigned char *)calloc(Z.total, 1);
+    st[0] = mine, fp[0] = full;
+    CHECK_OK(ddp_reducer_consolidate_state(Z.red, DDP_F64, 1, st, Z.mine, fp, Z.total, n - 1), g);
+    st[0] = b8, fp[0] = f8;
+    CHECK_OK(ddp_reducer_consolidate_state(Z.red, DDP_U8, 1, st, Z.mine, fp, Z.total, n - 1), g);
+    if (rank == n - 1) {
+        for (p = 0, k = 0; p < NP; p++)
+            for (i = 0; i < COUNT[p]; i++, k++) {
+                CHECK(full[k] == p * 1e6 + (double)i, "%d ranks: element %zu of the full array holds %.0f, not p%d[%zu]", n, k,
+                      full[k], p, i);
+                CHECK(f8[k] >= 1 && f8[k] <= n, "%d ranks: element %zu came from no rank (%d)", n, k, f8[k]);
+            }
+    } else {
+        full = (double *)calloc(Z.total, sizeof(double));
+        for (p = 0, k = 0; p < NP; p++)
+            for (i = 0; i < COUNT[p]; i++, k++) full[k] = p * 1e6 + (double)i;
+    }
+    fp[0] = full, bp[0] = back;
+    CHECK_OK(ddp_reducer_shard_state(Z.red, DDP_F64, 1, (const void *const *)fp, Z.total, bp, Z.mine), g);
+    CHECK(memcmp(back, mine, Z.mine * sizeof(double)) == 0, "%d ranks, rank %d: shard_state gave other values", n, rank);
+    free(mine), free(back), free(full), free(b8), free(f8);
+    model_free(&Z);
+    CHECK_OK(ddp_destroy(g), NULL);
+    return 0;
+}
+
 /* Bad arguments: every rank fails at once with the guilty rank's message; nothing hangs. */
 static int errors_main(int rank, int n, void *arg) {
     ddp_group *g;
@@ -325,6 +375,7 @@ static int errors_main(int rank, int n, void *arg) {
 
 int main(void) {
     char cmd[300];
+    int w;
     snprintf(dir, sizeof dir, "%s/zero_ckpt_XXXXXX", getenv("TMPDIR") ? getenv("TMPDIR") : "/tmp");
     CHECK(mkdtemp(dir), "mkdtemp");
     CHECK(tl_run_ranks(3, reference_main, NULL, 60) == 0, "reference run");
@@ -339,6 +390,8 @@ int main(void) {
     CHECK(tl_run_ranks(2, resume_main, (void *)"slices", 60) == 0, "2 ranks from the 3 ranks' slices");
     same_bits("consolidated-2.safetensors", "slices-2.safetensors");
     printf("  2 ranks: resumed from 3 ranks' slices = resumed from the consolidated file, bit for bit\n");
+    for (w = 1; w <= 4; w++) CHECK(tl_run_ranks(w, placement_main, NULL, 60) == 0, "placement, %d ranks", w);
+    printf("  1-4 ranks: every model element consolidated to its place (f64, u8; root = the last rank) and back\n");
     CHECK(tl_run_ranks(3, errors_main, NULL, 60) == 0, "bad arguments");
     snprintf(cmd, sizeof cmd, "rm -rf '%s'", dir);
     CHECK(system(cmd) == 0, "rm");
