@@ -181,6 +181,9 @@ typedef struct ddp_reducer_statistics {
     int last_ready_rank;           /* the rank whose gradients were all there last (the straggler) */
     double total_straggler_wait_seconds; /* sums over all synchronised iterations */
     double total_transfer_seconds;
+    uint64_t gradient_bytes;       /* gradient memory the reducer holds on this rank now: its buckets and comm
+                                      buffers, zero_stage's owned slices and staging, zero_stage 2's pool (not
+                                      the program's own gradient buffers, nor flat buckets, which are those) */
 } ddp_reducer_statistics;
 
 /* ddp_reducer_create: a reducer for the gradients of one model replica on group g (every rank of g takes
