@@ -15,8 +15,14 @@
    Every rank then repeats the run serially, one process averaging the ranks' batch gradients and running
    AdamW on the whole model, and checks that its weights are that run's.
 
+   --stage 2 (DeepSpeed's ZeRO stage 2): the reducer also keeps only this rank's slices of the averaged
+   gradients (sh[j].grad then points into the reducer) and reduces through 2 borrowed comm buffers, so its
+   gradient memory is about 1/world of the model's plus those buffers; the program's gradient buffers are
+   only read at grad_ready (a program may then compute every gradient into one scratch buffer). The loop is
+   the same.
+
    Run:  make build/zero_adamw build/ddprun
-         build/ddprun --nproc-per-node 3 build/zero_adamw     (1 to 4 ranks or more) */
+         build/ddprun --nproc-per-node 3 build/zero_adamw [--stage 2]     (1 to 4 ranks or more) */
 #define DDP_IMPLEMENTATION
 #include "ddp.h"
 
@@ -132,15 +138,16 @@ static double serial_difference(const mlp *ddp, int world) {
         }                                                                                      \
     } while (0)
 
-int main(void) {
+int main(int argc, char **argv) {
     static mlp m;
+    ddp_reducer_statistics st;
     ddp_group *g;
     ddp_reducer *red;
     ddp_reducer_desc d;
     const ddp_shard *sh;
     float **am, **av; /* AdamW's state: for this rank's slices only */
     size_t mine = 0, total = 0;
-    int p, j, n, step, rank, world;
+    int p, j, n, step, rank, world, stage = argc > 2 && strcmp(argv[1], "--stage") == 0 ? atoi(argv[2]) : 1;
     double diff;
     if (ddp_init(NULL, &g) != DDP_SUCCESS) {
         fprintf(stderr, "ddp_init failed: %s\n", ddp_last_error(NULL));
@@ -149,7 +156,7 @@ int main(void) {
     rank = ddp_rank(g), world = ddp_world_size(g);
     init(&m);
     memset(&d, 0, sizeof d);
-    d.zero_stage = 1; /* reduce-scatter: each rank gets the averaged gradients of its slices */
+    d.zero_stage = stage; /* reduce-scatter: each rank gets the averaged gradients of its slices */
     TRY(ddp_reducer_create(g, &d, &red));
     for (p = 0; p < NPARAM; p++) TRY(ddp_reducer_add_param(red, names[p], m.w[p], m.grad[p], (size_t)sizes[p], DDP_F32, NULL));
     TRY(ddp_reducer_finalize(red));
@@ -177,6 +184,9 @@ int main(void) {
     diff = serial_difference(&m, world);
     printf("rank %d: AdamW state for %zu of %zu parameters in %d slice(s); final weights vs the serial run: %s\n", rank,
            mine, total, n, diff < 1e-5 ? "equal (rounding only)" : "DIFFERENT");
+    TRY(ddp_reducer_get_statistics(red, &st));
+    if (rank == 0) printf("zero_stage %d: the reducer holds %llu bytes of gradient memory per rank (the model's gradients: %zu)\n",
+                          stage, (unsigned long long)st.gradient_bytes, total * sizeof(float));
     for (j = 0; j < n; j++) free(am[j]), free(av[j]);
     free(am), free(av);
     ddp_reducer_destroy(red);

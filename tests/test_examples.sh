@@ -78,7 +78,11 @@ run zero_adamw 3
 has "rank 0: AdamW state for 60 of 178 parameters in 4 slice(s); final weights vs the serial run: equal (rounding only)" \
   "rank 1: AdamW state for 60 of 178 parameters in 1 slice(s); final weights vs the serial run: equal (rounding only)" \
   "rank 2: AdamW state for 58 of 178 parameters in 1 slice(s); final weights vs the serial run: equal (rounding only)"
-ok "zero_adamw (ZeRO stage 1: AdamW on each rank's slices, equal to the serial run)"
+run zero_adamw 3 --stage 2
+has "rank 0: AdamW state for 60 of 178 parameters in 4 slice(s); final weights vs the serial run: equal (rounding only)" \
+  "rank 1: AdamW state for 60 of 178 parameters in 1 slice(s); final weights vs the serial run: equal (rounding only)" \
+  "rank 2: AdamW state for 58 of 178 parameters in 1 slice(s); final weights vs the serial run: equal (rounding only)"
+ok "zero_adamw (ZeRO stage 1 and 2: AdamW on each rank's slices, equal to the serial run)"
 
 # a crash at step 23, restarted by ddprun: resumes from step 20 and ends as a run that never crashed
 run checkpoint_resume 2 "$T/ck" --crash-at 0
