@@ -738,7 +738,11 @@ static ddp_result ddp__zero2_pool_alloc(ddp_reducer *r, const ddp__layout *L) {
     r->pool_room = L->nbuckets;
     r->pool = (void **)ddp__calloc((size_t)L->nbuckets, sizeof *r->pool);
     r->pool_holder = (int *)ddp__calloc((size_t)L->nbuckets, sizeof *r->pool_holder);
-    if (!r->pool || !r->pool_holder) return ddp__fail(r->g, DDP_ERR_OUT_OF_MEMORY, "ddp_reducer_finalize: out of memory");
+    if (!r->pool || !r->pool_holder) {
+        ddp__free(r->pool), ddp__free(r->pool_holder);
+        r->pool = NULL, r->pool_holder = NULL;
+        return ddp__fail(r->g, DDP_ERR_OUT_OF_MEMORY, "ddp_reducer_finalize: out of memory");
+    }
     while (r->npool < DDP__MIN(DDP__ZERO2_POOL, L->nbuckets))
         if ((res = ddp__zero2_pool_grow(r)) != DDP_SUCCESS) return res;
     return DDP_SUCCESS;
