@@ -31,12 +31,16 @@
    end_backward); the median step of each (rank 0's):
        build/bench_reducer flat [ranks=1] [steps=20]
 
-   The zero mode compares ZeRO stage 1 with DDP on the optimizer step it is for: a model of about `floats`
-   f32 in parameters of sizes that do not divide the world size, two reducers on the same group taking
-   turns in blocks of 5 steps: stage 0 (all-reduce, AdamW on the whole model) and stage 1 (reduce-scatter,
-   AdamW on this rank's shards, ddp_reducer_gather_params). A step is: write the gradients, backward
-   (grad_ready in reverse order, no compute), end_backward, AdamW (and the gather). Printed: the median
-   step of each (rank 0's), and the optimizer-state bytes (AdamW's m and v) per rank. */
+   The zero mode compares ZeRO stages 1 and 2 with DDP on the optimizer step they are for: a model of about
+   `floats` f32 in 40 parameters of sizes that do not divide the world size (0.5 to 1.5 times floats / 40,
+   odd) and one of 7, buckets of 1 MiB (every stage), three reducers on the same group taking turns in
+   blocks of 5 steps: stage 0 (all-reduce, AdamW on the whole model), stage 1 (reduce-scatter, AdamW on
+   this rank's shards, ddp_reducer_gather_params) and stage 2 (the same, the gradient slices kept by the
+   reducer; the program computes every gradient into ONE scratch buffer of the largest parameter's size
+   just before its grad_ready). A step is: write the gradients, backward (grad_ready in reverse order, no
+   compute), end_backward, AdamW (and the gather). Printed: the median step of each (rank 0's), the
+   optimizer-state bytes (AdamW's m and v) per rank, and the gradient memory per rank: the reducer's
+   (statistics' gradient_bytes) and the program's gradient buffers. */
 #define DDP_IMPLEMENTATION
 #include "ddp.h"
 #include "bench_util.h" /* free_port */
@@ -369,8 +373,10 @@ static int flat_rank_main(int steps, int fd) {
 
 /* ---- the zero mode ---- */
 
-#define ZERO_NP 5
+#define ZERO_NP 41 /* 40 of about floats / 40, and one of 7 */
 #define ZERO_BLOCK 5
+#define ZERO_STAGES 3
+#define ZERO_CAP ((size_t)1 << 20)
 
 static void zero_adamw(float *p, const float *g, float *m, float *v, size_t n, int t) {
     const float b1 = 0.9f, b2 = 0.999f, eps = 1e-8f, lr = 1e-3f, wd = 1e-2f;
@@ -386,26 +392,33 @@ static void zero_adamw(float *p, const float *g, float *m, float *v, size_t n, i
 
 typedef struct zero_model {
     ddp_reducer *red;
-    float *w[ZERO_NP], *gw[ZERO_NP], **m, **v;
+    float *w[ZERO_NP], *gw[ZERO_NP], *scratch, **m, **v;
     size_t count[ZERO_NP], *n; /* per optimizer tensor: elements */
     const ddp_shard *sh;
     int tensors, t;
-    double state_bytes;
+    double state_bytes, grad_bytes; /* AdamW's m and v; the program's gradient buffers */
 } zero_model;
 
 static int zero_model_build(ddp_group *g, int stage, int floats, zero_model *z) {
-    static const double share[ZERO_NP] = {0.25, 0.5, 0.001, 0.0, 0.249}; /* + a 7-element parameter */
     ddp_reducer_desc d;
+    size_t largest = 0;
     int p;
     memset(z, 0, sizeof *z);
     memset(&d, 0, sizeof d);
     d.zero_stage = stage;
+    d.first_bucket_bytes = d.bucket_cap_bytes = ZERO_CAP;
     if (ddp_reducer_create(g, &d, &z->red)) return fprintf(stderr, "reducer: %s\n", ddp_last_error(g)), 1;
+    for (p = 0; p < ZERO_NP; p++) { /* odd sizes: no world size divides them */
+        z->count[p] = p == ZERO_NP - 1 ? 7 : (size_t)((0.5 + (double)(p % 11) / 10.0) * floats / (ZERO_NP - 1)) | 1;
+        largest = z->count[p] > largest ? z->count[p] : largest;
+    }
+    if (stage == 2 && !(z->scratch = (float *)calloc(largest, sizeof(float)))) return 1; /* every gradient, in turn */
+    z->grad_bytes = (double)largest * sizeof(float) * (stage == 2);
     for (p = 0; p < ZERO_NP; p++) {
         char name[16];
-        z->count[p] = share[p] > 0 ? (size_t)(share[p] * floats) | 1 : 7; /* odd: no world size divides them */
         z->w[p] = (float *)calloc(z->count[p], sizeof(float));
-        z->gw[p] = (float *)calloc(z->count[p], sizeof(float));
+        z->gw[p] = stage == 2 ? z->scratch : (float *)calloc(z->count[p], sizeof(float));
+        if (stage != 2) z->grad_bytes += (double)z->count[p] * sizeof(float);
         snprintf(name, sizeof name, "p%d", p);
         if (!z->w[p] || !z->gw[p] || ddp_reducer_add_param(z->red, name, z->w[p], z->gw[p], z->count[p], DDP_F32, NULL))
             return fprintf(stderr, "reducer: %s\n", ddp_last_error(g)), 1;
@@ -441,33 +454,43 @@ static int zero_step(ddp_group *g, zero_model *z, int stage) {
     return stage && ddp_reducer_gather_params(z->red) ? 1 : 0;
 }
 
-/* Rank 0 writes {median step stage 0, median step stage 1, state bytes stage 0, state bytes stage 1}. */
+/* Rank 0 writes, per stage 0, 1, 2: {median step (ms), optimizer state bytes, reducer gradient_bytes,
+   program gradient bytes, buckets}. */
+#define ZERO_OUT 5
 static int zero_rank_main(int floats, int steps, int fd) {
     ddp_group *g;
-    zero_model z[2];
-    double *t[2], out[4];
-    int k, i, b, p, n[2] = {0, 0};
+    zero_model z[ZERO_STAGES];
+    double *t[ZERO_STAGES], out[ZERO_STAGES * ZERO_OUT];
+    int k, i, b, p, n[ZERO_STAGES] = {0, 0, 0};
     if (ddp_init(NULL, &g) != DDP_SUCCESS) return fprintf(stderr, "ddp_init: %s\n", ddp_last_error(NULL)), 1;
-    for (k = 0; k < 2; k++) {
+    for (k = 0; k < ZERO_STAGES; k++) {
         if (zero_model_build(g, k, floats, &z[k])) return 1;
         t[k] = (double *)malloc(sizeof(double) * (size_t)steps);
     }
-    for (b = -2; n[0] < steps || n[1] < steps; b++) { /* two warm-up blocks, then turns */
-        k = (b + 2) % 2;
+    for (b = -ZERO_STAGES; n[0] < steps || n[1] < steps || n[2] < steps; b++) { /* a warm-up block each, then turns */
+        k = (b + ZERO_STAGES) % ZERO_STAGES;
         for (i = 0; i < ZERO_BLOCK; i++) {
             double t0 = now();
             if (zero_step(g, &z[k], k)) return fprintf(stderr, "step: %s\n", ddp_last_error(g)), 1;
             if (b >= 0 && n[k] < steps) t[k][n[k]++] = now() - t0;
         }
     }
-    for (k = 0; k < 2; k++) {
+    for (k = 0; k < ZERO_STAGES; k++) {
+        ddp_reducer_statistics st;
+        ddp_reducer_get_statistics(z[k].red, &st);
         qsort(t[k], (size_t)steps, sizeof(double), cmp_double);
-        out[k] = t[k][steps / 2] * 1e3;
-        out[2 + k] = z[k].state_bytes;
+        out[k * ZERO_OUT + 0] = t[k][steps / 2] * 1e3;
+        out[k * ZERO_OUT + 1] = z[k].state_bytes;
+        out[k * ZERO_OUT + 2] = (double)st.gradient_bytes;
+        out[k * ZERO_OUT + 3] = z[k].grad_bytes;
+        out[k * ZERO_OUT + 4] = st.buckets;
         ddp_reducer_destroy(z[k].red);
-        for (p = 0; p < ZERO_NP; p++) free(z[k].w[p]), free(z[k].gw[p]);
+        for (p = 0; p < ZERO_NP; p++) {
+            free(z[k].w[p]);
+            if (!z[k].scratch) free(z[k].gw[p]);
+        }
         for (p = 0; p < z[k].tensors; p++) free(z[k].m[p]), free(z[k].v[p]);
-        free(z[k].m), free(z[k].v), free(z[k].n), free(t[k]);
+        free(z[k].scratch), free(z[k].m), free(z[k].v), free(z[k].n), free(t[k]);
     }
     if (ddp_rank(g) == 0 && write(fd, out, sizeof out) != (ssize_t)sizeof out) return 1;
     ddp_destroy(g);
@@ -534,16 +557,20 @@ static int flat_main(int argc, char **argv) {
 
 /* bench_reducer zero [ranks] [steps] [floats] */
 static int zero_main(int argc, char **argv) {
-    int R = argc > 2 ? atoi(argv[2]) : 2, steps = argc > 3 ? atoi(argv[3]) : 60, floats = argc > 4 ? atoi(argv[4]) : 4000000;
-    double out[4];
+    static const char *const what[ZERO_STAGES] = {"stage 0 (all-reduce, full AdamW)", "stage 1 (reduce-scatter, shards)",
+                                                  "stage 2 (+ gradient slices only)"};
+    int R = argc > 2 ? atoi(argv[2]) : 2, steps = argc > 3 ? atoi(argv[3]) : 60, floats = argc > 4 ? atoi(argv[4]) : 4000000, k;
+    double out[ZERO_STAGES * ZERO_OUT];
     if (R < 1 || R > 64 || steps < 1 || floats < 1000) return fprintf(stderr, "usage: bench_reducer zero [ranks] [steps] [floats >= 1000]\n"), 2;
     if (run_ddp(R, floats, steps, 5, out, sizeof out)) return fprintf(stderr, "bench_reducer: a rank failed\n"), 1;
-    printf("bench_reducer zero: %d ranks, about %d f32 parameters (sizes not divisible by the world size), AdamW, median of "
-           "%d steps each, taking turns in blocks of %d (transport %s)\n", R, floats, steps, ZERO_BLOCK,
-           getenv("DDP_TRANSPORT") ? getenv("DDP_TRANSPORT") : "auto");
-    printf("  stage 0 (all-reduce, full AdamW):            %8.2f ms/step, optimizer state %.0f bytes per rank\n", out[0], out[2]);
-    printf("  stage 1 (reduce-scatter, shard AdamW, gather): %6.2f ms/step, optimizer state %.0f bytes per rank "
-           "(%.3f of stage 0; ratio of step times %.2f)\n", out[1], out[3], out[3] / out[2], out[1] / out[0]);
+    printf("bench_reducer zero: %d ranks, about %d f32 parameters in %d tensors (sizes not divisible by the world size), "
+           "%g buckets of about %zu KiB, AdamW, median of %d steps each, taking turns in blocks of %d (transport %s)\n", R, floats,
+           ZERO_NP, out[4], ZERO_CAP >> 10, steps, ZERO_BLOCK, getenv("DDP_TRANSPORT") ? getenv("DDP_TRANSPORT") : "auto");
+    printf("  %-34s %9s %6s %16s %16s %16s\n", "", "ms/step", "ratio", "AdamW state B", "reducer grad B", "program grad B");
+    for (k = 0; k < ZERO_STAGES; k++) {
+        const double *o = out + k * ZERO_OUT;
+        printf("  %-34s %9.2f %6.2f %16.0f %16.0f %16.0f\n", what[k], o[0], o[0] / out[0], o[1], o[2], o[3]);
+    }
     return 0;
 }
 

@@ -22,8 +22,14 @@
    the final weights are still the serial run's. (Per-rank files instead: ddp_checkpoint_save_slices
    with one ddp_slice per slice, see "ZeRO checkpoints" in ddp.h.)
 
+   --stage 2 (DeepSpeed's ZeRO stage 2): the reducer also keeps only this rank's slices of the averaged
+   gradients (sh[j].grad then points into the reducer) and reduces through 2 borrowed comm buffers, so its
+   gradient memory is about 1/world of the model's plus those buffers; the program's gradient buffers are
+   only read at grad_ready (a program may then compute every gradient into one scratch buffer). The loop is
+   the same.
+
    Run:  make build/zero_adamw build/ddprun
-         build/ddprun --nproc-per-node 3 build/zero_adamw     (1 to 4 ranks or more)
+         build/ddprun --nproc-per-node 3 build/zero_adamw [--stage 2]     (1 to 4 ranks or more)
          build/ddprun --nproc-per-node 3 build/zero_adamw --save /tmp/z.safetensors
          build/ddprun --nproc-per-node 2 build/zero_adamw --resume /tmp/z.safetensors */
 #define DDP_IMPLEMENTATION
@@ -159,6 +165,7 @@ static void ckpt_tensors(mlp *m, float *fm, float *fv, ddp_tensor *t, char (*tn)
 
 int main(int argc, char **argv) {
     static mlp m;
+    ddp_reducer_statistics rs;
     ddp_group *g;
     ddp_reducer *red;
     ddp_reducer_desc d;
@@ -168,14 +175,19 @@ int main(int argc, char **argv) {
     ddp_tensor t[3 * NPARAM];
     char tn[3 * NPARAM][32];
     ddp_meta meta;
-    const char *save = argc == 3 && !strcmp(argv[1], "--save") ? argv[2] : NULL;
-    const char *resume = argc == 3 && !strcmp(argv[1], "--resume") ? argv[2] : NULL;
+    const char *save = NULL, *resume = NULL;
     size_t mine = 0, total = 0, at;
-    int p, j, n, step = 0, rank, world;
+    int p, j, n, step = 0, rank, world, stage = 1, a;
     int64_t first = 0, world_before = 0;
     double diff;
-    if (argc != 1 && !save && !resume) {
-        fprintf(stderr, "usage: zero_adamw [--save PATH | --resume PATH]\n");
+    for (a = 1; a + 1 < argc; a += 2) {
+        if (!strcmp(argv[a], "--stage")) stage = atoi(argv[a + 1]);
+        else if (!strcmp(argv[a], "--save")) save = argv[a + 1];
+        else if (!strcmp(argv[a], "--resume")) resume = argv[a + 1];
+        else break;
+    }
+    if (a != argc || (stage != 1 && stage != 2)) {
+        fprintf(stderr, "usage: zero_adamw [--stage 1|2] [--save PATH | --resume PATH]\n");
         return 2;
     }
     if (ddp_init(NULL, &g) != DDP_SUCCESS) {
@@ -186,7 +198,7 @@ int main(int argc, char **argv) {
     memset(&meta, 0, sizeof meta); /* an empty map */
     init(&m);
     memset(&d, 0, sizeof d);
-    d.zero_stage = 1; /* reduce-scatter: each rank gets the averaged gradients of its slices */
+    d.zero_stage = stage; /* reduce-scatter: each rank gets the averaged gradients of its slices */
     TRY(ddp_reducer_create(g, &d, &red));
     for (p = 0; p < NPARAM; p++) TRY(ddp_reducer_add_param(red, names[p], m.w[p], m.grad[p], (size_t)sizes[p], DDP_F32, NULL));
     TRY(ddp_reducer_finalize(red));
@@ -230,6 +242,10 @@ int main(int argc, char **argv) {
     if (!save)
         printf("rank %d: AdamW state for %zu of %zu parameters in %d slice(s); final weights vs the serial run: %s\n", rank,
                mine, total, n, diff < 1e-5 ? "equal (rounding only)" : "DIFFERENT");
+    TRY(ddp_reducer_get_statistics(red, &rs));
+    if (rank == 0 && !save)
+        printf("zero_stage %d: the reducer holds %llu bytes of gradient memory per rank (the model's gradients: %zu)\n",
+               stage, (unsigned long long)rs.gradient_bytes, total * sizeof(float));
     free(am), free(av), free(fm), free(fv);
     ddp_meta_free(&meta);
     ddp_reducer_destroy(red);

@@ -27,6 +27,10 @@
                               grad or storage only (see "ZeRO stage 1" below); gather_params all-gathers
                               the owned parameter values through a staging bucket (the comm bucket when
                               c == g)
+     zero_stage = 2            grad --(x 1/world, g -> c)--> a pool buffer the bucket borrows (2 buffers of
+                              the largest padded bucket, in rotation) --reduce-scatter--> this rank's
+                              slice, kept by the reducer in g (c -> g when the reduce-scatter is waited
+                              for); nothing goes back to the program's grad (see "ZeRO stage 2" below)
 
    Bucket assignment (PyTorch's compute_bucket_assignment_by_size): walk the parameters in a given order
    (reverse registration at first, then the observed ready order); each dtype has one open bucket; add the
@@ -143,11 +147,15 @@ typedef struct ddp__bucket {
     void *storage;        /* gradient_as_bucket_view, or flat: the gradients themselves; else NULL */
     int flat;             /* storage is the program's own gradient memory (its gradients lie side by side) */
     void *comm;           /* what is all-reduced; == storage for a view without compression; zero_stage: the
-                             reducer's own, padded with zeros to world * per elements */
+                             reducer's own, padded with zeros to world * per elements; zero_stage 2: a
+                             pool buffer, borrowed from the first gradient until the reduce-scatter is
+                             waited for (NULL otherwise) */
     size_t per;           /* zero_stage: elements of each rank's slice, ceil(count / world) */
-    void *owned;          /* zero_stage: the reduce-scatter's result, this rank's slice (per, comm dtype) */
+    void *owned;          /* zero_stage: the reduce-scatter's result, this rank's slice (per, comm dtype);
+                             zero_stage 2: the averaged gradient of the slice (per, the gradients' dtype) */
     void *gather;         /* zero_stage: gather_params' staging (world * per, the gradients' dtype; == comm
-                             when that has the same dtype) */
+                             when that has the same dtype); zero_stage 2: a pool buffer during gather_params */
+    int slot;             /* zero_stage 2: the pool buffer that comm is, while the bucket holds one */
     int pending;          /* gradients still to come in this backward pass */
     ddp_work *work;       /* its all-reduce, while in flight */
 } ddp__bucket;
@@ -187,6 +195,10 @@ struct ddp_reducer {
     ddp_shard *shards; /* zero_stage: this rank's pieces of the model, in bucket order */
     int nshards;
     int *shard_bucket; /* per shard: its bucket */
+    void **pool;       /* zero_stage 2: npool full-size comm buffers (room for nbuckets), see "ZeRO stage 2" */
+    int *pool_holder;  /* per pool buffer: the bucket that holds it, -1 when free */
+    int npool, pool_room;
+    size_t pool_bytes, pool_land; /* bytes per buffer; where the reduce-scatter lands under compression */
     void *bstage;      /* staging for coalesced buffer broadcasts */
     size_t bstage_bytes;
 
@@ -211,6 +223,7 @@ struct ddp_reducer {
 static size_t ddp__reducer_n(const ddp_reducer *r) { return (size_t)(unsigned)r->nparams; } /* never negative */
 static int ddp__reducer_is_view(const ddp_reducer *r) { return r->desc.gradient_as_bucket_view; }
 static int ddp__reducer_zero(const ddp_reducer *r) { return r->desc.zero_stage != 0; }
+static int ddp__zero2(const ddp_reducer *r) { return r->desc.zero_stage == 2; }
 /* Gradients scaled and reduced in place in the bucket (a view without compression). */
 static int ddp__bucket_in_place(const ddp__bucket *b) { return b->storage != NULL && b->comm == b->storage; }
 static size_t ddp__tensor_bytes(const ddp__rtensor *t) { return t->count * ddp_dtype_size(t->dtype); }
@@ -222,9 +235,10 @@ static ddp_result ddp__zero_check_desc(ddp_group *g, const ddp_reducer_desc *d) 
     if (d->zero_stage < 0 || d->zero_stage > 2)
         return ddp__fail(g, DDP_ERR_INVALID_ARGUMENT, "ddp_reducer_create: zero_stage %d is not 0 (DDP), 1 (ZeRO-1: "
                          "optimizer state sharded) or 2 (ZeRO-2)", d->zero_stage);
-    if (d->zero_stage == 2)
-        return ddp__fail(g, DDP_ERR_INVALID_ARGUMENT, "ddp_reducer_create: zero_stage 2 (ZeRO-2: the non-owned gradients "
-                         "freed) is not implemented yet; use zero_stage = 1, which shards the optimizer state");
+    if (d->zero_stage == 2 && d->gradient_as_bucket_view)
+        return ddp__fail(g, DDP_ERR_INVALID_ARGUMENT, "ddp_reducer_create: zero_stage = 2 with gradient_as_bucket_view = 1 "
+                         "is not supported: the buckets would have to hold every gradient, which is what ZeRO-2 frees; "
+                         "register your own gradient buffers (gradient_as_bucket_view = 0) or use zero_stage = 1");
     if (d->zero_stage && d->uneven_inputs)
         return ddp__fail(g, DDP_ERR_INVALID_ARGUMENT, "ddp_reducer_create: zero_stage = %d with uneven_inputs = 1 is not "
                          "supported: a rank that joined still owns slices of the model, which only the program's optimizer "
@@ -553,9 +567,9 @@ static void ddp__layout_free(ddp_reducer *r, ddp__layout *L) {
     int b;
     for (b = 0; b < L->nbuckets && L->buckets; b++) {
         ddp__bucket *k = &L->buckets[b];
-        if (k->gather && k->gather != k->comm) r->ops->release(r->g, k->gather);
+        if (k->gather && k->gather != k->comm && !ddp__zero2(r)) r->ops->release(r->g, k->gather);
         if (k->owned) r->ops->release(r->g, k->owned);
-        if (k->comm && k->comm != k->storage) r->ops->release(r->g, k->comm);
+        if (k->comm && k->comm != k->storage && !ddp__zero2(r)) r->ops->release(r->g, k->comm); /* 2: the pool's */
         if (k->storage && !k->flat) r->ops->release(r->g, k->storage);
     }
     ddp__free(L->buckets);
@@ -663,6 +677,12 @@ static int ddp__bucket_flat(ddp_reducer *r, ddp__layout *L, int b) {
 static ddp_result ddp__zero_bucket_alloc(ddp_reducer *r, ddp__bucket *k, int b) {
     size_t world = (size_t)ddp_world_size(r->g), cs = ddp_dtype_size(k->comm_dtype), gs = ddp_dtype_size(k->dtype);
     k->per = (k->count + world - 1) / world;
+    if (ddp__zero2(r)) { /* only the owned slice, in the gradients' dtype; comm and gather come from the pool */
+        if (!(k->owned = r->ops->alloc(r->g, k->per * gs)))
+            return ddp__fail(r->g, DDP_ERR_OUT_OF_MEMORY, "out of memory for gradient bucket %d's slice (zero_stage 2: %zu "
+                             "elements)", b, k->per);
+        return DDP_SUCCESS;
+    }
     k->comm = r->ops->alloc(r->g, k->per * world * cs);
     k->owned = k->comm ? r->ops->alloc(r->g, k->per * cs) : NULL;
     k->gather = k->comm_dtype == k->dtype ? k->comm : k->owned ? r->ops->alloc(r->g, k->per * world * gs) : NULL;
@@ -670,6 +690,110 @@ static ddp_result ddp__zero_bucket_alloc(ddp_reducer *r, ddp__bucket *k, int b) 
         return ddp__fail(r->g, DDP_ERR_OUT_OF_MEMORY, "out of memory for gradient bucket %d (zero_stage: %zu elements "
                          "padded to %zu)", b, k->count, k->per * world);
     return DDP_SUCCESS;
+}
+
+/* ---- ZeRO stage 2: the pool of comm buffers ----
+   Under zero_stage = 2 a bucket owns only its slice (per elements, the gradients' dtype). The padded
+   full-size buffer that the gradients are scaled into and reduce-scattered from is borrowed from a pool
+   of DDP__ZERO2_POOL buffers, each big enough for the largest bucket (world * per elements in the larger
+   of the comm and gradient dtypes, as gather_params stages the parameters in them too) plus, under
+   compression, a landing area of per comm-dtype elements for the reduce-scatter's result:
+     grad_ready, first gradient of bucket b: take a free buffer; if none is free, wait for the oldest
+       reduce-scatter in flight (buckets start in order, so the lowest-numbered started bucket), finish
+       it and take its buffer; if every buffer is held by a bucket that has not started (gradients that
+       arrive far out of bucket order) the pool grows by one (at most one buffer per bucket). The buffer's
+       padding [count, world * per) is zeroed then (an earlier, larger bucket may have written it).
+     finish (the wait in grad_ready or end_backward): under compression the slice is converted from the
+       landing area into the owned slice; the buffer is free again.
+   Between passes every buffer is free; gather_params uses them in rotation. */
+#define DDP__ZERO2_POOL 2
+
+static uint64_t ddp__layout_gradient_bytes(const ddp_reducer *r, const ddp__layout *L);
+
+/* One more pool buffer (the arrays have room for one per bucket). */
+static ddp_result ddp__zero2_pool_grow(ddp_reducer *r) {
+    void *mem;
+    if (r->npool >= r->pool_room || !(mem = r->ops->alloc(r->g, r->pool_bytes)))
+        return ddp__fail(r->g, DDP_ERR_OUT_OF_MEMORY, "zero_stage 2: out of memory for comm buffer %d of the pool (%zu bytes)",
+                         r->npool, r->pool_bytes);
+    r->pool[r->npool] = mem;
+    r->pool_holder[r->npool++] = -1;
+    r->stats.gradient_bytes = ddp__layout_gradient_bytes(r, &r->L);
+    return DDP_SUCCESS;
+}
+
+static ddp_result ddp__zero2_pool_alloc(ddp_reducer *r, const ddp__layout *L) {
+    size_t world = (size_t)ddp_world_size(r->g), land = 0, full = 0;
+    ddp_result res;
+    int b;
+    if (r->pool) return DDP_SUCCESS; /* the layout is built once under ZeRO; a retried finalize keeps the pool */
+    for (b = 0; b < L->nbuckets; b++) {
+        const ddp__bucket *k = &L->buckets[b];
+        size_t cs = ddp_dtype_size(k->comm_dtype), gs = ddp_dtype_size(k->dtype);
+        full = DDP__MAX(full, k->per * world * DDP__MAX(cs, gs));
+        if (cs != gs) land = DDP__MAX(land, k->per * cs);
+    }
+    r->pool_land = (full + 63) / 64 * 64;
+    r->pool_bytes = r->pool_land + land;
+    r->pool_room = L->nbuckets;
+    r->pool = (void **)ddp__calloc((size_t)L->nbuckets, sizeof *r->pool);
+    r->pool_holder = (int *)ddp__calloc((size_t)L->nbuckets, sizeof *r->pool_holder);
+    if (!r->pool || !r->pool_holder) {
+        ddp__free(r->pool), ddp__free(r->pool_holder);
+        r->pool = NULL, r->pool_holder = NULL;
+        return ddp__fail(r->g, DDP_ERR_OUT_OF_MEMORY, "ddp_reducer_finalize: out of memory");
+    }
+    while (r->npool < DDP__MIN(DDP__ZERO2_POOL, L->nbuckets))
+        if ((res = ddp__zero2_pool_grow(r)) != DDP_SUCCESS) return res;
+    return DDP_SUCCESS;
+}
+
+/* Where bucket k's reduce-scatter writes this rank's slice: the owned slice itself, or under
+   compression the landing area of its pool buffer. */
+static void *ddp__zero2_land(const ddp_reducer *r, const ddp__bucket *k) {
+    if (k->comm_dtype == k->dtype) return k->owned;
+    return (char *)r->pool[k->slot] + r->pool_land;
+}
+
+/* Bucket k's reduce-scatter was waited for (done: successfully): its slice into the owned slice, its
+   buffer back to the pool. */
+static void ddp__zero2_finish(ddp_reducer *r, ddp__bucket *k, int done) {
+    if (done && k->comm_dtype != k->dtype)
+        r->ops->copy_out(r->g, k->owned, k->dtype, ddp__zero2_land(r, k), k->comm_dtype, k->per);
+    r->pool_holder[k->slot] = -1;
+    k->comm = NULL;
+}
+
+/* Bucket b's first gradient arrives: give it a pool buffer (see above). */
+static ddp_result ddp__zero2_acquire(ddp_reducer *r, int b) {
+    ddp__bucket *k = &r->L.buckets[b];
+    size_t world = (size_t)ddp_world_size(r->g), cs = ddp_dtype_size(k->comm_dtype);
+    ddp_result res;
+    for (;;) {
+        int s, oldest = -1;
+        for (s = 0; s < r->npool && r->pool_holder[s] >= 0; s++) {
+            const ddp__bucket *h = &r->L.buckets[r->pool_holder[s]];
+            if (h->work && (oldest < 0 || r->pool_holder[s] < r->pool_holder[oldest])) oldest = s;
+        }
+        if (s < r->npool) { /* free */
+            r->pool_holder[s] = b;
+            k->slot = s;
+            k->comm = r->pool[s];
+            r->ops->zero(r->g, (char *)k->comm + k->count * cs, (k->per * world - k->count) * cs);
+            return DDP_SUCCESS;
+        }
+        if (oldest >= 0) {
+            ddp__bucket *h = &r->L.buckets[r->pool_holder[oldest]];
+            res = ddp_wait(h->work);
+            h->work = NULL;
+            ddp__zero2_finish(r, h, res == DDP_SUCCESS);
+            if (res) return r->failed = res;
+            continue;
+        }
+        ddp__log(r->g, DDP_LOG_DEBUG, "reducer: zero_stage 2: the gradients of %d buckets arrived before any could start; "
+                 "the pool grows to %d comm buffers", r->npool + 1, r->npool + 1);
+        if ((res = ddp__zero2_pool_grow(r)) != DDP_SUCCESS) return r->failed = res;
+    }
 }
 
 /* Give a layout its memory: the comm buckets, and the gradient storage for views (flat buckets have the
@@ -680,7 +804,7 @@ static ddp_result ddp__layout_alloc(ddp_reducer *r, ddp__layout *L) {
     for (b = 0; b < L->nbuckets; b++) {
         ddp__bucket *k = &L->buckets[b];
         size_t gbytes = k->count * ddp_dtype_size(k->dtype), cbytes = k->count * ddp_dtype_size(k->comm_dtype);
-        if (!ddp__reducer_is_view(r) && ddp__bucket_flat(r, L, b)) L->flat_buckets++;
+        if (!ddp__reducer_is_view(r) && !ddp__zero2(r) && ddp__bucket_flat(r, L, b)) L->flat_buckets++;
         else if (ddp__reducer_is_view(r) && !(k->storage = r->ops->alloc(r->g, gbytes)))
             return ddp__fail(r->g, DDP_ERR_OUT_OF_MEMORY, "out of memory for gradient bucket %d (%zu bytes)", b, gbytes);
         if (ddp__reducer_zero(r)) {
@@ -690,7 +814,26 @@ static ddp_result ddp__layout_alloc(ddp_reducer *r, ddp__layout *L) {
         else if (!(k->comm = r->ops->alloc(r->g, cbytes)))
             return ddp__fail(r->g, DDP_ERR_OUT_OF_MEMORY, "out of memory for gradient bucket %d (%zu bytes)", b, cbytes);
     }
-    return DDP_SUCCESS;
+    return ddp__zero2(r) ? ddp__zero2_pool_alloc(r, L) : DDP_SUCCESS;
+}
+
+/* Bytes of gradient memory the reducer holds for a layout (statistics' gradient_bytes): storage it
+   allocated (views; flat storage is the program's), comm buffers, owned slices, gather staging, the pool. */
+static uint64_t ddp__layout_gradient_bytes(const ddp_reducer *r, const ddp__layout *L) {
+    uint64_t total = (uint64_t)r->npool * r->pool_bytes, world = (uint64_t)ddp_world_size(r->g);
+    int b;
+    for (b = 0; b < L->nbuckets; b++) {
+        const ddp__bucket *k = &L->buckets[b];
+        uint64_t gs = ddp_dtype_size(k->dtype), cs = ddp_dtype_size(k->comm_dtype);
+        if (k->storage && !k->flat) total += k->count * gs;
+        if (ddp__zero2(r))
+            total += k->per * gs;
+        else if (ddp__reducer_zero(r))
+            total += k->per * world * cs + k->per * cs + (k->gather != k->comm ? k->per * world * gs : 0);
+        else if (k->comm != k->storage)
+            total += k->count * cs;
+    }
+    return total;
 }
 
 /* Where parameter i's gradient is in a layout's storage (views only). */
@@ -735,6 +878,7 @@ static ddp_result ddp__reducer_relayout(ddp_reducer *r, const int *walk, int *ta
     r->L = L;
     r->stats.buckets = L.nbuckets;
     r->stats.flat_buckets = L.flat_buckets;
+    r->stats.gradient_bytes = ddp__layout_gradient_bytes(r, &r->L);
     return DDP_SUCCESS;
 }
 
@@ -783,7 +927,8 @@ static ddp_result ddp__zero_shards(ddp_reducer *r) {
             s->offset = a - po;
             s->count = e - a;
             s->param_data = (char *)r->params[i].data + s->offset * ddp_dtype_size(r->params[i].dtype);
-            s->grad = ddp__zero_grad_at(r, i, s->offset);
+            s->grad = ddp__zero2(r) ? (void *)((char *)k->owned + (a - lo) * ddp_dtype_size(k->dtype))
+                                    : (void *)ddp__zero_grad_at(r, i, s->offset);
             r->shard_bucket[r->nshards++] = b;
         }
     }
@@ -813,12 +958,42 @@ DDP_API int ddp_reducer_shards(ddp_reducer *r, const ddp_shard **out) {
     return r->nshards;
 }
 
-/* Every bucket's owned parameter values into its staging buffer at this rank's slice, all_gathers in
-   flight together (send = this rank's slice of recv, in place), then every parameter of the bucket
-   copied back from the gathered buffer as each finishes (the owned part comes back unchanged). */
+/* Bucket b's staging buffer gets this rank's owned parameter values at its slice (shards from *j on,
+   which are in bucket order): a plain copy, as the staging has the parameters' dtype. */
+static void ddp__zero_gather_fill(ddp_reducer *r, int b, int *j) {
+    const ddp__bucket *k = &r->L.buckets[b];
+    for (; *j < r->nshards && r->shard_bucket[*j] == b; ++*j) {
+        const ddp_shard *s = &r->shards[*j];
+        size_t at = r->L.param_offset[s->param] + s->offset;
+        r->ops->copy_out(r->g, (char *)k->gather + at * ddp_dtype_size(k->dtype), k->dtype, s->param_data, k->dtype, s->count);
+    }
+}
+
+/* Wait for bucket k's all_gather (if in flight) and copy every parameter of the bucket back from it (the
+   owned part comes back unchanged). Returns res, or the wait's error when res was a success. */
+static ddp_result ddp__zero_gather_finish(ddp_reducer *r, ddp__bucket *k, ddp_result res) {
+    ddp_result waited;
+    int j;
+    if (!k->work) return res;
+    waited = ddp_wait(k->work);
+    k->work = NULL;
+    if (!res) res = waited;
+    for (j = k->first; j < k->first + k->n && !res; j++) {
+        int i = r->L.params[j];
+        r->ops->copy_out(r->g, r->params[i].data, r->params[i].dtype,
+                         (char *)k->gather + r->L.param_offset[i] * ddp_dtype_size(k->dtype), k->dtype, r->params[i].count);
+    }
+    if (ddp__zero2(r)) k->gather = NULL; /* the pool buffer is free again */
+    return res;
+}
+
+/* Every bucket's owned parameter values into its staging buffer at this rank's slice, then an all_gather
+   (send = this rank's slice of recv, in place), and every parameter copied back as each finishes. Stage 1:
+   all in flight together, each bucket has its staging. Stage 2: the pool's buffers in rotation, so bucket
+   b waits for bucket b - npool's all_gather to finish before it takes that buffer. */
 DDP_API ddp_result ddp_reducer_gather_params(ddp_reducer *r) {
-    ddp_result res = ddp__reducer_usable(r, "ddp_reducer_gather_params"), waited;
-    int b, j;
+    ddp_result res = ddp__reducer_usable(r, "ddp_reducer_gather_params");
+    int b, j = 0;
     if (res) return res;
     if (!ddp__reducer_zero(r))
         return ddp__fail(r->g, DDP_ERR_STATE, "ddp_reducer_gather_params: the reducer was created with zero_stage = 0; "
@@ -826,31 +1001,21 @@ DDP_API ddp_result ddp_reducer_gather_params(ddp_reducer *r) {
     if (r->in_backward)
         return ddp__fail(r->g, DDP_ERR_STATE, "ddp_reducer_gather_params: called during a backward pass; call it after "
                          "end_backward and the optimizer step on this rank's shards");
-    for (j = 0; j < r->nshards; j++) {
-        const ddp_shard *s = &r->shards[j];
-        const ddp__bucket *k = &r->L.buckets[r->shard_bucket[j]];
-        size_t at = r->L.param_offset[s->param] + s->offset;
-        r->ops->copy_out(r->g, (char *)k->gather + at * ddp_dtype_size(k->dtype), k->dtype, s->param_data, k->dtype,
-                         s->count); /* a plain copy: the bucket has the parameters' dtype */
-    }
     for (b = 0; b < r->L.nbuckets && !res; b++) {
         ddp__bucket *k = &r->L.buckets[b];
         size_t gs = ddp_dtype_size(k->dtype);
+        if (ddp__zero2(r)) {
+            if (b >= r->npool) res = ddp__zero_gather_finish(r, &r->L.buckets[b - r->npool], res);
+            if (res) break;
+            k->gather = r->pool[b % r->npool];
+        }
+        ddp__zero_gather_fill(r, b, &j);
         res = ddp_all_gather_async(r->g, (char *)k->gather + (size_t)ddp_rank(r->g) * k->per * gs, k->gather, k->per,
                                    k->dtype, &k->work);
     }
-    for (b = 0; b < r->L.nbuckets; b++) {
-        ddp__bucket *k = &r->L.buckets[b];
-        if (!k->work) continue;
-        waited = ddp_wait(k->work);
-        k->work = NULL;
-        if (!res) res = waited;
-        for (j = k->first; j < k->first + k->n && !res; j++) {
-            int i = r->L.params[j];
-            r->ops->copy_out(r->g, r->params[i].data, r->params[i].dtype,
-                             (char *)k->gather + r->L.param_offset[i] * ddp_dtype_size(k->dtype), k->dtype, r->params[i].count);
-        }
-    }
+    for (b = 0; b < r->L.nbuckets; b++) res = ddp__zero_gather_finish(r, &r->L.buckets[b], res);
+    if (ddp__zero2(r))
+        for (b = 0; b < r->L.nbuckets; b++) r->L.buckets[b].gather = NULL;
     if (res) return r->failed = res;
     return DDP_SUCCESS;
 }
@@ -1009,6 +1174,7 @@ DDP_API ddp_result ddp_reducer_begin_backward(ddp_reducer *r) {
    or with zero_stage a SUM reduce-scatter of the padded buffer into this rank's slice (k->owned).
    The one place that chooses a bucket's collective, for the ranks with data and the joined ones alike. */
 static ddp_result ddp__bucket_start(ddp_reducer *r, ddp__bucket *k, void *data) {
+    if (ddp__zero2(r)) return ddp_reduce_scatter_async(r->g, data, ddp__zero2_land(r, k), k->per, k->comm_dtype, DDP_SUM, &k->work);
     if (ddp__reducer_zero(r)) return ddp_reduce_scatter_async(r->g, data, k->owned, k->per, k->comm_dtype, DDP_SUM, &k->work);
     return ddp_all_reduce_async(r->g, data, k->count, k->comm_dtype, DDP_SUM, &k->work);
 }
@@ -1054,6 +1220,9 @@ DDP_API ddp_result ddp_reducer_grad_ready(ddp_reducer *r, int index) {
     r->used[index] = 1;
     if (!r->pass_sync) return DDP_SUCCESS;
     if (r->rebuild_pending) r->order[r->norder++] = index;
+    if (ddp__zero2(r) && !r->L.buckets[r->L.param_bucket[index]].comm &&
+        (res = ddp__zero2_acquire(r, r->L.param_bucket[index])) != DDP_SUCCESS)
+        return res;
     ddp__reducer_take(r, index);
     return ddp__reducer_start_ready(r);
 }
@@ -1173,7 +1342,8 @@ static ddp_result ddp__reducer_collect(ddp_reducer *r, ddp_work *used_work) {
             first = res;
             snprintf(why, sizeof why, "%s", ddp_last_error(r->g));
         }
-        if (first) continue;
+        if (ddp__zero2(r)) ddp__zero2_finish(r, k, !first); /* the slice stays in the reducer */
+        if (first || ddp__zero2(r)) continue;
         for (j = k->first; j < k->first + k->n; j++)
             if (!find_unused || r->used[r->L.params[j]]) ddp__reducer_give_back(r, r->L.params[j]);
     }
@@ -1278,6 +1448,8 @@ DDP_API ddp_result ddp_reducer_zero_grad(ddp_reducer *r) {
             r->ops->zero(r->g, r->L.buckets[i].storage, r->L.buckets[i].count * ddp_dtype_size(r->L.buckets[i].dtype));
         return DDP_SUCCESS;
     }
+    for (i = 0; ddp__zero2(r) && i < r->L.nbuckets; i++) /* the shards' gradients, which live here */
+        r->ops->zero(r->g, r->L.buckets[i].owned, r->L.buckets[i].per * ddp_dtype_size(r->L.buckets[i].dtype));
     for (i = 0; i < r->nparams; i++) r->ops->zero(r->g, r->params[i].grad, ddp__tensor_bytes(&r->params[i]));
     return DDP_SUCCESS;
 }
@@ -1353,6 +1525,9 @@ DDP_API void ddp_reducer_destroy(ddp_reducer *r) {
     ddp__free(r->join_table);
     ddp__free(r->shards);
     ddp__free(r->shard_bucket);
+    for (i = 0; i < r->npool; i++) r->ops->release(r->g, r->pool[i]);
+    ddp__free(r->pool);
+    ddp__free(r->pool_holder);
     ddp__free(r);
 }
 

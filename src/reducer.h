@@ -109,8 +109,38 @@
      part). The buckets keep their first layout (no rebuild in ready order), so the shards never move.
      Not with uneven_inputs (a joined rank owns slices that nobody would update: the program has to run its
      optimizer, which the library cannot do for it) nor find_unused_parameters: ddp_reducer_create refuses
-     both with DDP_ERR_INVALID_ARGUMENT. zero_stage = 2 (freeing the non-owned gradients) is not
-     implemented yet and refused alike.
+     both with DDP_ERR_INVALID_ARGUMENT.
+
+   - ZeRO stage 2 (DeepSpeed stage 2: gradient memory 1/world): zero_stage = 2 is stage 1 (the same slice
+     rule, shards, gather_params and program loop) with the gradients sharded too. The reducer keeps, per
+     bucket, only this rank's slice of the averaged gradient (per elements, in the gradients' dtype), plus
+     a pool of 2 comm buffers of the largest padded bucket (world * per elements) that the buckets borrow
+     in turn: a bucket takes one at its first grad_ready (a free one; else it waits for the oldest
+     reduce-scatter in flight and takes that buffer), the gradients are scaled into it, and its
+     reduce-scatter leaves this rank's slice in the reducer's memory. So:
+       * ddp_shard.grad points into the reducer (not into the program's gradient buffer); nothing is
+         written back to the program's gradients, which keep what the program wrote.
+       * The program's gradient buffers are only READ, at grad_ready of a synchronised pass. A program
+         may therefore compute every gradient into ONE scratch buffer (register it for every parameter:
+         write parameter i's gradient, call grad_ready(i), reuse the buffer for the next), or into
+         buffers it frees or reuses after grad_ready. Under no_sync the gradients accumulate in the
+         program's buffers as usual and are read at the sync pass's grad_ready: no_sync needs a full
+         gradient buffer per parameter in the program (what DeepSpeed also keeps for accumulation).
+       * ddp_reducer_zero_grad zeroes the program's gradient buffers and the reducer's slices.
+       * Gradient memory per rank (statistics' gradient_bytes): the slices (model / world, rounded up
+         per bucket) + 2 x the largest padded bucket, against the buckets' model-sized memory under
+         stage 0. A bucket holds whole parameters, so the pool is at least twice the largest parameter:
+         keep bucket_cap_bytes small (a few MiB) and stage 2 pays when no parameter is a large part of the
+         model. Gradients that arrive far out of bucket order (all buffers held by buckets still filling)
+         grow the pool by one buffer at a time (at most one per bucket; gradient_bytes shows it).
+       * Compression (comm_dtype): gradients are scaled into the pool buffer in comm_dtype, reduce-
+         scattered in comm_dtype into a landing area of the pool buffer, and converted into the slice in
+         the gradients' dtype when the reduce-scatter is waited for (the optimizer reads the gradients'
+         dtype as under stage 1).
+       * Flat gradient memory (llm.c's grads_memory) is read as separate gradients (copied into the pool
+         buffer; flat_buckets = 0). gradient_as_bucket_view = 1 is refused (DDP_ERR_INVALID_ARGUMENT: the
+         buckets would hold every gradient, which is what stage 2 frees), as are uneven_inputs and
+         find_unused_parameters, as for stage 1.
 
    Differences from PyTorch 1.13, none of which changes the averaged gradients beyond rounding:
    - The first iteration uses the 1 MiB / 25 MiB buckets in reverse registration order (torch 1.13 puts
@@ -142,13 +172,14 @@ typedef struct ddp_reducer_desc {
                                      runs out, instead of shadowing (Join's throw_on_early_termination) */
     int zero_stage;               /* 0 = DDP (all-reduce); 1 = ZeRO-1: each rank gets the averaged gradients of
                                      its slices only and keeps optimizer state for them (see "ZeRO" above);
-                                     2 (gradients sharded too) is not implemented yet */
+                                     2 = ZeRO-2: the same, and the reducer keeps only those slices of the
+                                     gradients (see "ZeRO stage 2" above) */
 } ddp_reducer_desc;
 
-/* One piece of this rank's slice under zero_stage = 1 (see "ZeRO" above): elements
+/* One piece of this rank's slice under zero_stage = 1 or 2 (see "ZeRO" above): elements
    [offset, offset + count) of parameter `param`. param_data and grad point at element `offset` of the
-   parameter's values and of its averaged gradient (the program's grad buffer, or the bucket with
-   gradient_as_bucket_view; in the backend's memory). */
+   parameter's values and of its averaged gradient (stage 1: the program's grad buffer, or the bucket with
+   gradient_as_bucket_view; stage 2: the reducer's slice memory; in the backend's memory). */
 typedef struct ddp_shard {
     int param;
     size_t offset, count;
@@ -181,6 +212,9 @@ typedef struct ddp_reducer_statistics {
     int last_ready_rank;           /* the rank whose gradients were all there last (the straggler) */
     double total_straggler_wait_seconds; /* sums over all synchronised iterations */
     double total_transfer_seconds;
+    uint64_t gradient_bytes;       /* gradient memory the reducer holds on this rank now: its buckets and comm
+                                      buffers, zero_stage's owned slices and staging, zero_stage 2's pool (not
+                                      the program's own gradient buffers, nor flat buckets, which are those) */
 } ddp_reducer_statistics;
 
 /* ddp_reducer_create: a reducer for the gradients of one model replica on group g (every rank of g takes
@@ -227,9 +261,10 @@ DDP_API ddp_result ddp_reducer_begin_backward(ddp_reducer *r);
    hook). In a synchronised pass its value is taken now (and its bucket's all-reduce may start): do not
    write to it again until end_backward returns (with gradient_as_bucket_view, or in a flat bucket, it is
    scaled by 1/world_size in place now, as PyTorch does, and holds the sum of the ranks' shares once
-   end_backward returns). DDP_ERR_STATE (naming the parameter) when called twice
+   end_backward returns). Under zero_stage = 2 it is only read, here: the program may reuse the buffer
+   as soon as this returns. DDP_ERR_STATE (naming the parameter) when called twice
    in one backward or outside begin/end; DDP_ERR_INVALID_ARGUMENT for a bad index; an error of the
-   all-reduce it starts. */
+   all-reduce it starts (zero_stage 2: or of the reduce-scatter it waits for to free a comm buffer). */
 DDP_API ddp_result ddp_reducer_grad_ready(ddp_reducer *r, int index);
 
 /* ddp_reducer_end_backward: collective in a synchronised pass. Starts what is left, waits for every
@@ -278,18 +313,18 @@ DDP_API ddp_result ddp_reducer_stats(const ddp_reducer *r, ddp_reducer_statistic
    -1 for a bad index or before finalize. For tests and for tuning bucket sizes. */
 DDP_API int ddp_reducer_param_bucket(const ddp_reducer *r, int index, size_t *offset);
 
-/* ddp_reducer_shards: zero_stage = 1: this rank's pieces of the model (see "ZeRO" above), in bucket
+/* ddp_reducer_shards: zero_stage = 1 or 2: this rank's pieces of the model (see "ZeRO" above), in bucket
    order; *out points into the reducer (valid until it is destroyed). The list is fixed at finalize and
    the same every step; their gradients are averaged after each synchronised end_backward. Returns how
    many (0 when this rank owns nothing, or without zero_stage: *out = NULL then); -1 for a NULL argument or
    before finalize. */
 DDP_API int ddp_reducer_shards(ddp_reducer *r, const ddp_shard **out);
 
-/* ddp_reducer_gather_params: zero_stage = 1, collective: every rank contributes the current values of the
-   parameter elements it owns (after its optimizer step on its shards) and receives everyone else's, so
-   every rank has the whole updated model. One all_gather per bucket, in the parameters' dtype, all in
-   flight at once through a staging buffer per bucket (the comm buffer when it has the parameters'
-   dtype). Not during a backward pass (DDP_ERR_STATE); DDP_ERR_STATE without zero_stage; any error of the
+/* ddp_reducer_gather_params: zero_stage = 1 or 2, collective: every rank contributes the current values of
+   the parameter elements it owns (after its optimizer step on its shards) and receives everyone else's, so
+   every rank has the whole updated model. One all_gather per bucket, in the parameters' dtype: stage 1 all
+   in flight at once through a staging buffer per bucket (the comm buffer when it has the parameters'
+   dtype); stage 2 through the pool's buffers in rotation (2 in flight). Not during a backward pass (DDP_ERR_STATE); DDP_ERR_STATE without zero_stage; any error of the
    all_gathers. */
 DDP_API ddp_result ddp_reducer_gather_params(ddp_reducer *r);
 

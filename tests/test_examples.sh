@@ -78,7 +78,11 @@ run zero_adamw 3
 has "rank 0: AdamW state for 60 of 178 parameters in 4 slice(s); final weights vs the serial run: equal (rounding only)" \
   "rank 1: AdamW state for 60 of 178 parameters in 1 slice(s); final weights vs the serial run: equal (rounding only)" \
   "rank 2: AdamW state for 58 of 178 parameters in 1 slice(s); final weights vs the serial run: equal (rounding only)"
-ok "zero_adamw (ZeRO stage 1: AdamW on each rank's slices, equal to the serial run)"
+run zero_adamw 3 --stage 2
+has "rank 0: AdamW state for 60 of 178 parameters in 4 slice(s); final weights vs the serial run: equal (rounding only)" \
+  "rank 1: AdamW state for 60 of 178 parameters in 1 slice(s); final weights vs the serial run: equal (rounding only)" \
+  "rank 2: AdamW state for 58 of 178 parameters in 1 slice(s); final weights vs the serial run: equal (rounding only)"
+ok "zero_adamw (ZeRO stage 1 and 2: AdamW on each rank's slices, equal to the serial run)"
 # its AdamW state consolidated on rank 0 halfway (3 ranks), resumed on 2 ranks: still the serial run's weights
 run zero_adamw 3 --save "$T/zero.safetensors"
 has "saved weights and AdamW state at step 5 to $T/zero.safetensors"
@@ -86,7 +90,9 @@ run zero_adamw 2 --resume "$T/zero.safetensors"
 has "resumed from $T/zero.safetensors at step 5 (saved by 3 ranks) on 2 ranks" \
   "rank 0: AdamW state for 89 of 178 parameters in 4 slice(s); final weights vs the serial run: equal (rounding only)" \
   "rank 1: AdamW state for 89 of 178 parameters in 1 slice(s); final weights vs the serial run: equal (rounding only)"
-ok "zero_adamw --save on 3 ranks, --resume on 2 (consolidated AdamW state)"
+run zero_adamw 2 --stage 2 --resume "$T/zero.safetensors"
+has "rank 0: AdamW state for 89 of 178 parameters in 4 slice(s); final weights vs the serial run: equal (rounding only)"
+ok "zero_adamw --save on 3 ranks, --resume on 2 with stage 1 and with stage 2 (consolidated AdamW state)"
 
 # a crash at step 23, restarted by ddprun: resumes from step 20 and ends as a run that never crashed
 run checkpoint_resume 2 "$T/ck" --crash-at 0

@@ -1,7 +1,8 @@
-/* ZeRO stage 1 (torch's ZeroRedundancyOptimizer with DDP, DeepSpeed stage 1): zero_stage = 1 reduce-scatters
-   each bucket, ddp_reducer_shards lists this rank's slices, the program runs AdamW on exactly those, and
-   ddp_reducer_gather_params all-gathers the updated slices. Parameter sizes that do not divide the world
-   size (7, 1000, 333, 4097) in several buckets, on 1-4 ranks:
+/* ZeRO stage 1 and 2 (torch's ZeroRedundancyOptimizer with DDP, DeepSpeed stage 1/2): zero_stage = 1
+   reduce-scatters each bucket, ddp_reducer_shards lists this rank's slices, the program runs AdamW on exactly
+   those, and ddp_reducer_gather_params all-gathers the updated slices; zero_stage = 2 does the same through
+   a pool of 2 comm buffers and keeps only the owned slices (the shards' grad points into the reducer).
+   Parameter sizes that do not divide the world size (7, 1000, 333, 4097) in several buckets, on 1-4 ranks:
    (a) ownership: every element of every parameter is owned by exactly one rank (an all-reduce of the
        ranks' ownership maps, computed in the test from the shard lists), and each rank's shards are what
        the documented rule gives (bucket of count elements, per = ceil(count / world), rank r owns bucket
@@ -10,9 +11,17 @@
        full AdamW on every rank, same data, side by side on the same group: after every step the shards'
        gradients equal stage 0's averaged gradients and every parameter equals stage 0's (1e-6 of |value| + 1;
        bf16 compression: 2e-2, as test_reducer), plain, no_sync x2, bf16, one flat grads_memory and
-       gradient_as_bucket_view; shared memory by default, DDP_TRANSPORT=tcp too.
-   (c) the refused combinations: zero_stage 2, uneven_inputs, find_unused_parameters; gather_params
-       without zero_stage; ranks with different zero_stage: DDP_ERR_MISMATCH on every rank at finalize. */
+       gradient_as_bucket_view; shared memory by default, DDP_TRANSPORT=tcp too. ZeRO-2 likewise (but
+       view), and: 4 buckets for a pool of 2 (buckets wait for the oldest reduce-scatter to take its
+       buffer; gradient_bytes shows the pool stayed at 2), gradients ready in forward order (the pool
+       grows to one buffer per bucket), ONE scratch gradient buffer shared by every parameter (each
+       gradient computed into it just before grad_ready and overwritten with NaN just after), the shards'
+       gradients in the reducer's memory (not the program's) and zeroed by zero_grad.
+   (c) the refused combinations: zero_stage 2 with gradient_as_bucket_view, uneven_inputs,
+       find_unused_parameters; gather_params without zero_stage; ranks with different zero_stage (0 against
+       1, 1 against 2): DDP_ERR_MISMATCH on every rank at finalize.
+   (d) gradient memory (statistics' gradient_bytes) for 64 buckets: stage 0 = the buckets, stage 1 = padded
+       comm + slices, stage 2 = slices + 2 pool buffers <= stage 0 / world + the pool, each by its formula. */
 #include "testlib.h"
 
 #define NP 4
@@ -23,15 +32,24 @@ typedef struct mode {
     const char *name;
     int view, accum, flat;
     ddp_dtype comm;
-    double tol; /* relative, parameters and gradients */
+    double tol;     /* relative, parameters and gradients */
+    size_t cap;     /* bucket cap and first bucket bytes (0: 4096: buckets {4097}, {333, 1000}, {7}) */
+    int nbuckets;   /* what that cap gives */
+    int scratch;    /* zero_stage 2 only: one gradient buffer for every parameter */
+    int forward;    /* gradients ready in registration order (against the buckets' order) */
+    int npool;      /* zero_stage 2: comm buffers the pool ends with */
 } mode;
 
 static const mode MODES[] = {
-    {"plain", 0, 1, 0, DDP_DTYPE_DEFAULT, 1e-6},
-    {"no_sync x2", 0, 2, 0, DDP_DTYPE_DEFAULT, 1e-6},
-    {"bf16", 0, 1, 0, DDP_BF16, 2e-2}, /* test_reducer's bf16 tolerance: bf16 keeps 8 significant bits */
-    {"flat grads_memory", 0, 1, 1, DDP_DTYPE_DEFAULT, 1e-6},
-    {"view+no_sync x2", 1, 2, 0, DDP_DTYPE_DEFAULT, 1e-6},
+    {"plain", 0, 1, 0, DDP_DTYPE_DEFAULT, 1e-6, 0, 3, 0, 0, 2},
+    {"no_sync x2", 0, 2, 0, DDP_DTYPE_DEFAULT, 1e-6, 0, 3, 0, 0, 2},
+    {"bf16", 0, 1, 0, DDP_BF16, 2e-2, 0, 3, 0, 0, 2}, /* test_reducer's bf16 tolerance: bf16 keeps 8 significant bits */
+    {"flat grads_memory", 0, 1, 1, DDP_DTYPE_DEFAULT, 1e-6, 0, 3, 0, 0, 2},
+    {"view+no_sync x2", 1, 2, 0, DDP_DTYPE_DEFAULT, 1e-6, 0, 3, 0, 0, 2},
+    {"4 buckets", 0, 1, 0, DDP_DTYPE_DEFAULT, 1e-6, 1024, 4, 0, 0, 2},     /* {4097}, {333}, {1000}, {7} */
+    {"4 buckets bf16", 0, 1, 0, DDP_BF16, 2e-2, 1024, 4, 0, 0, 2},
+    {"forward order", 0, 1, 0, DDP_DTYPE_DEFAULT, 1e-6, 1024, 4, 0, 1, 4},
+    {"scratch grad", 0, 1, 0, DDP_DTYPE_DEFAULT, 1e-6, 1024, 4, 1, 0, 2},
 };
 
 /* AdamW (torch.optim.AdamW): m, v, bias correction, decoupled weight decay; step t counts from 1. */
@@ -64,7 +82,7 @@ static int close_enough(double got, double want, double tol, double scale) { ret
 
 typedef struct model {
     ddp_reducer *red;
-    float *param[NP], *grad[NP], *grads_memory;
+    float *param[NP], *grad[NP], *grads_memory, *scratch;
 } model;
 
 static void model_build(ddp_group *g, const mode *md, int zero, model *M) {
@@ -76,15 +94,17 @@ static void model_build(ddp_group *g, const mode *md, int zero, model *M) {
     d.zero_stage = zero;
     d.gradient_as_bucket_view = md->view;
     d.comm_dtype = md->comm;
-    d.first_bucket_bytes = d.bucket_cap_bytes = 4096; /* buckets {4097}, {333, 1000}, {7} */
+    d.first_bucket_bytes = d.bucket_cap_bytes = md->cap ? md->cap : 4096;
     CHECK_OK(ddp_reducer_create(g, &d, &M->red), g);
     for (p = 0; p < NP; p++) total += COUNT[p];
     if (md->flat) M->grads_memory = (float *)calloc(total, sizeof(float));
+    if (md->scratch && zero == 2) M->scratch = (float *)calloc(COUNT[NP - 1], sizeof(float)); /* the largest */
     for (p = 0, total = 0; p < NP; p++) {
         char name[16];
         snprintf(name, sizeof name, "p%d", p);
         M->param[p] = (float *)malloc(COUNT[p] * sizeof(float));
-        M->grad[p] = md->view ? NULL : md->flat ? M->grads_memory + total : (float *)calloc(COUNT[p], sizeof(float));
+        M->grad[p] = md->view ? NULL : M->scratch ? M->scratch : md->flat ? M->grads_memory + total
+                   : (float *)calloc(COUNT[p], sizeof(float));
         total += COUNT[p];
         for (i = 0; i < COUNT[p]; i++) M->param[p][i] = ddp_rank(g) == 0 ? init_value(p, i) : 99.0f; /* rank 0's */
         CHECK_OK(ddp_reducer_add_param(M->red, name, M->param[p], M->grad[p], COUNT[p], DDP_F32, NULL), g);
@@ -97,25 +117,62 @@ static void model_free(model *M) {
     ddp_reducer_destroy(M->red);
     for (p = 0; p < NP; p++) {
         free(M->param[p]);
-        if (!M->grads_memory) free(M->grad[p]);
+        if (!M->grads_memory && !M->scratch) free(M->grad[p]);
     }
     free(M->grads_memory);
+    free(M->scratch);
 }
 
-/* One step's backward: accum micro-batches, the last synchronised. */
+/* One step's backward: accum micro-batches, the last synchronised. With one scratch buffer each gradient
+   is written into it just before grad_ready and spoiled (NaN) just after: the reducer must have taken it. */
 static void backward(ddp_group *g, const mode *md, model *M, int s) {
-    int m, p;
+    int m, q, p;
     size_t i;
     for (m = 0; m < md->accum; m++) {
         CHECK_OK(ddp_reducer_set_sync(M->red, m == md->accum - 1), g);
         CHECK_OK(ddp_reducer_begin_backward(M->red), g);
-        for (p = NP - 1; p >= 0; p--) {
-            float *gp = (float *)ddp_reducer_grad(M->red, p);
-            for (i = 0; i < COUNT[p]; i++) gp[i] += grad_of(ddp_rank(g), s, m, p, i, M->param[p][i]);
+        for (q = 0; q < NP; q++) {
+            float *gp;
+            p = md->forward ? q : NP - 1 - q;
+            gp = (float *)ddp_reducer_grad(M->red, p);
+            if (M->scratch)
+                for (i = 0; i < COUNT[p]; i++) gp[i] = grad_of(ddp_rank(g), s, m, p, i, M->param[p][i]);
+            else
+                for (i = 0; i < COUNT[p]; i++) gp[i] += grad_of(ddp_rank(g), s, m, p, i, M->param[p][i]);
             CHECK_OK(ddp_reducer_grad_ready(M->red, p), g);
+            if (M->scratch)
+                for (i = 0; i < COUNT[NP - 1]; i++) M->scratch[i] = NAN;
         }
         CHECK_OK(ddp_reducer_end_backward(M->red), g);
     }
+}
+
+/* Does pointer x lie in one of the program's gradient buffers? */
+static int in_program_grads(const model *M, const void *x) {
+    int p;
+    for (p = 0; p < NP; p++)
+        if (M->grad[p] && (const float *)x >= M->grad[p] && (const float *)x < M->grad[p] + COUNT[p]) return 1;
+    return 0;
+}
+
+/* zero_stage 2's gradient_bytes by the documented layout: the owned slices (per = ceil(count / world)
+   elements of f32 per bucket) + npool buffers of world * max(per) f32 rounded up to 64 bytes, + under
+   compression a landing area of max(per) comm elements. */
+static uint64_t stage2_bytes(ddp_reducer *red, int world, int npool, size_t comm_size) {
+    size_t count[2 * NP] = {0}, per, maxper = 0, off, total = 0, pool;
+    int p, b, nb = 0;
+    for (p = 0; p < NP; p++) {
+        b = ddp_reducer_param_bucket(red, p, &off);
+        count[b] += COUNT[p];
+        nb = b + 1 > nb ? b + 1 : nb;
+    }
+    for (b = 0; b < nb; b++) {
+        per = (count[b] + (size_t)world - 1) / (size_t)world;
+        total += per * sizeof(float);
+        maxper = per > maxper ? per : maxper;
+    }
+    pool = ((size_t)world * maxper * sizeof(float) + 63) / 64 * 64 + (comm_size != sizeof(float) ? maxper * comm_size : 0);
+    return total + (uint64_t)npool * pool;
 }
 
 /* (a) every element owned by exactly one rank, and the shards are the documented rule's. */
@@ -159,20 +216,20 @@ static void check_ownership(ddp_group *g, const char *what, ddp_reducer *red) {
     free(owners);
 }
 
-static void train(ddp_group *g, const mode *md) {
+static void train(ddp_group *g, const mode *md, int stage) {
     int world = ddp_world_size(g), rank = ddp_rank(g), s, p, j, n;
-    model A, B; /* A: stage 0 with full AdamW; B: ZeRO-1 */
+    model A, B; /* A: stage 0 with full AdamW; B: ZeRO-1 or 2 */
     float *mA[NP], *vA[NP], **mB, **vB;
     const ddp_shard *sh;
     size_t i, state = 0, total = 0;
     model_build(g, md, 0, &A);
-    model_build(g, md, 1, &B);
+    model_build(g, md, stage, &B);
     check_ownership(g, md->name, B.red);
     {
         ddp_reducer_statistics st;
         CHECK_OK(ddp_reducer_get_statistics(B.red, &st), g);
-        CHECK(st.buckets == 3 && (st.flat_buckets == 3) == (md->flat != 0), "%s: %d buckets, %d flat", md->name, st.buckets,
-              st.flat_buckets);
+        CHECK(st.buckets == md->nbuckets && (stage == 2 ? st.flat_buckets == 0 : !md->flat || st.flat_buckets == md->nbuckets),
+              "%s, stage %d: %d buckets, %d flat (stage 2 copies)", md->name, stage, st.buckets, st.flat_buckets);
     }
     n = ddp_reducer_shards(B.red, &sh);
     mB = (float **)calloc((size_t)n + 1, sizeof *mB);
@@ -196,11 +253,16 @@ static void train(ddp_group *g, const mode *md) {
         for (j = 0; j < n; j++) { /* the shards' gradients are stage 0's averages */
             const float *ga = (const float *)ddp_reducer_grad(A.red, sh[j].param) + sh[j].offset;
             const float *gb = (const float *)sh[j].grad;
-            CHECK(gb == (const float *)ddp_reducer_grad(B.red, sh[j].param) + sh[j].offset, "%s: shard %d's grad pointer",
-                  md->name, j);
+            if (stage == 1)
+                CHECK(gb == (const float *)ddp_reducer_grad(B.red, sh[j].param) + sh[j].offset, "%s: shard %d's grad pointer",
+                      md->name, j);
+            else /* the reducer's owned slice, never the program's buffers */
+                CHECK(!in_program_grads(&B, gb) && !in_program_grads(&B, gb + sh[j].count - 1), "%s, stage 2: shard %d's "
+                      "grad points into the program's gradient buffers", md->name, j);
             for (i = 0; i < sh[j].count; i++)
-                CHECK(close_enough(gb[i], ga[i], md->tol, 1.0), "%s, %d ranks, rank %d step %d: grad p%d[%zu] = %.8g, stage 0 "
-                      "%.8g", md->name, world, rank, s, sh[j].param, sh[j].offset + i, (double)gb[i], (double)ga[i]);
+                CHECK(close_enough(gb[i], ga[i], md->tol, 1.0), "%s, stage %d, %d ranks, rank %d step %d: grad p%d[%zu] = "
+                      "%.8g, stage 0 %.8g", md->name, stage, world, rank, s, sh[j].param, sh[j].offset + i, (double)gb[i],
+                      (double)ga[i]);
         }
         for (p = 0; p < NP; p++) adamw(A.param[p], (const float *)ddp_reducer_grad(A.red, p), mA[p], vA[p], COUNT[p], s + 1);
         for (j = 0; j < n; j++)
@@ -208,15 +270,26 @@ static void train(ddp_group *g, const mode *md) {
         CHECK_OK(ddp_reducer_gather_params(B.red), g);
         for (p = 0; p < NP; p++)
             for (i = 0; i < COUNT[p]; i++)
-                CHECK(close_enough(B.param[p][i], A.param[p][i], md->tol, 1.0), "%s, %d ranks, rank %d after step %d: "
-                      "p%d[%zu] = %.8g, stage 0 %.8g", md->name, world, rank, s, p, i, (double)B.param[p][i],
+                CHECK(close_enough(B.param[p][i], A.param[p][i], md->tol, 1.0), "%s, stage %d, %d ranks, rank %d after step "
+                      "%d: p%d[%zu] = %.8g, stage 0 %.8g", md->name, stage, world, rank, s, p, i, (double)B.param[p][i],
                       (double)A.param[p][i]);
         CHECK_OK(ddp_reducer_zero_grad(A.red), g);
         CHECK_OK(ddp_reducer_zero_grad(B.red), g);
+        for (j = 0; j < n; j++) /* zero_grad reaches the shards' gradients wherever they live */
+            for (i = 0; i < sh[j].count; i++)
+                CHECK(((const float *)sh[j].grad)[i] == 0.0f, "%s, stage %d: shard %d's gradient [%zu] = %g after zero_grad",
+                      md->name, stage, j, i, (double)((const float *)sh[j].grad)[i]);
+    }
+    if (stage == 2) {
+        ddp_reducer_statistics st;
+        uint64_t want = stage2_bytes(B.red, world, md->npool, md->comm == DDP_BF16 ? 2 : sizeof(float));
+        CHECK_OK(ddp_reducer_get_statistics(B.red, &st), g);
+        CHECK(st.gradient_bytes == want, "%s, stage 2, %d ranks: gradient_bytes %llu, want %llu (%d pool buffers)", md->name,
+              world, (unsigned long long)st.gradient_bytes, (unsigned long long)want, md->npool);
     }
     if (rank == 0)
-        printf("  %-18s %d ranks: ZeRO-1 = stage 0 for %d AdamW steps; optimizer state %zu of %zu bytes on rank 0\n",
-               md->name, world, STEPS, state, 2 * total * sizeof(float));
+        printf("  %-18s stage %d, %d ranks: = stage 0 for %d AdamW steps; optimizer state %zu of %zu bytes on rank 0\n",
+               md->name, stage, world, STEPS, state, 2 * total * sizeof(float));
     for (j = 0; j < n; j++) free(mB[j]), free(vB[j]);
     for (p = 0; p < NP; p++) free(mA[p]), free(vA[p]);
     free(mB);
@@ -225,26 +298,90 @@ static void train(ddp_group *g, const mode *md) {
     model_free(&B);
 }
 
+/* (d) gradient memory for a model of MP parameters of MC f32, two per bucket (MB buckets), stage 0, 1, 2,
+   after one synchronised pass (the pool must not have grown with gradients in bucket order). The
+   gradients of stage 0 and 1 lie apart (a gap after each), so no bucket is flat (flat buckets are the
+   program's memory and count 0); stage 2 uses one scratch gradient buffer for every parameter. */
+#define MP 64
+#define MC 1000
+#define MB (MP / 2)
+static void memory(ddp_group *g) {
+    int world = ddp_world_size(g), stage, p;
+    size_t per = (2 * MC + (size_t)world - 1) / (size_t)world, pool = ((size_t)world * per * 4 + 63) / 64 * 64, i;
+    uint64_t got[3], want[3];
+    float *param = (float *)calloc((size_t)MP * MC, sizeof(float)), *grad = (float *)calloc((size_t)MP * MC * 2, sizeof(float));
+    want[0] = (uint64_t)MP * MC * 4;                              /* a comm bucket per bucket */
+    want[1] = (uint64_t)MB * (per * (size_t)world * 4 + per * 4); /* padded comm + the slice (gather = comm) */
+    want[2] = (uint64_t)MB * per * 4 + 2 * pool;                  /* the slices + the pool of 2 */
+    for (stage = 0; stage <= 2; stage++) {
+        ddp_reducer_desc d;
+        ddp_reducer *red;
+        ddp_reducer_statistics st;
+        memset(&d, 0, sizeof d);
+        d.zero_stage = stage;
+        d.first_bucket_bytes = d.bucket_cap_bytes = 2 * MC * 4; /* two parameters per bucket */
+        CHECK_OK(ddp_reducer_create(g, &d, &red), g);
+        for (p = 0; p < MP; p++) {
+            char name[16];
+            snprintf(name, sizeof name, "w%d", p);
+            CHECK_OK(ddp_reducer_add_param(red, name, param + (size_t)p * MC, stage == 2 ? grad : grad + (size_t)p * 2 * MC,
+                                           MC, DDP_F32, NULL), g);
+        }
+        CHECK_OK(ddp_reducer_finalize(red), g);
+        CHECK_OK(ddp_reducer_begin_backward(red), g);
+        for (p = MP - 1; p >= 0; p--) {
+            for (i = 0; i < MC; i++) grad[(stage == 2 ? 0 : (size_t)p * 2 * MC) + i] = (float)p;
+            CHECK_OK(ddp_reducer_grad_ready(red, p), g);
+        }
+        CHECK_OK(ddp_reducer_end_backward(red), g);
+        CHECK_OK(ddp_reducer_get_statistics(red, &st), g);
+        CHECK(st.buckets == MB && st.flat_buckets == 0, "memory: stage %d: %d buckets", stage, st.buckets);
+        if (stage == 2) { /* every parameter's averaged gradient is p (to rounding: p * (1/world) summed), in its owner's slice */
+            const ddp_shard *sh;
+            int n = ddp_reducer_shards(red, &sh), j;
+            for (j = 0; j < n; j++)
+                for (i = 0; i < sh[j].count; i++)
+                    CHECK(close_enough(((const float *)sh[j].grad)[i], sh[j].param, 1e-6, 1.0), "memory: stage 2: w%d[%zu] = %.8g, want %d",
+                          sh[j].param, sh[j].offset + i, (double)((const float *)sh[j].grad)[i], sh[j].param);
+        }
+        got[stage] = st.gradient_bytes;
+        CHECK(got[stage] == want[stage], "memory, %d ranks: stage %d holds %llu gradient bytes, want %llu", world, stage,
+              (unsigned long long)got[stage], (unsigned long long)want[stage]);
+        ddp_reducer_destroy(red);
+    }
+    CHECK(got[2] <= got[0] / (uint64_t)world + 2 * pool + MB * 4, "memory, %d ranks: stage 2 holds %llu bytes, stage 0 %llu",
+          world, (unsigned long long)got[2], (unsigned long long)got[0]); /* padding: under one element per bucket */
+    if (ddp_rank(g) == 0)
+        printf("  gradient_bytes, %d buckets of %d f32, %d ranks: stage 0 %llu, stage 1 %llu, stage 2 %llu\n", MB, 2 * MC, world,
+               (unsigned long long)got[0], (unsigned long long)got[1], (unsigned long long)got[2]);
+    free(param);
+    free(grad);
+}
+
 static int train_main(int rank, int n, void *arg) {
     ddp_group *g;
     size_t k;
     (void)rank, (void)n, (void)arg;
     CHECK_OK(ddp_init(NULL, &g), NULL);
-    for (k = 0; k < sizeof MODES / sizeof MODES[0]; k++) train(g, &MODES[k]);
+    for (k = 0; k < sizeof MODES / sizeof MODES[0]; k++) {
+        if (!MODES[k].scratch) train(g, &MODES[k], 1);
+        if (!MODES[k].view) train(g, &MODES[k], 2);
+    }
+    memory(g);
     CHECK_OK(ddp_destroy(g), NULL);
     return 0;
 }
 
 /* (c) what is refused, clearly. */
-static void refused(ddp_group *g, int stage, int uneven, int unused, const char *want) {
+static void refused(ddp_group *g, int stage, int uneven, int unused, int view, const char *want) {
     ddp_reducer_desc d;
     ddp_reducer *r = (ddp_reducer *)&d;
     ddp_result res;
     memset(&d, 0, sizeof d);
-    d.zero_stage = stage, d.uneven_inputs = uneven, d.find_unused_parameters = unused;
+    d.zero_stage = stage, d.uneven_inputs = uneven, d.find_unused_parameters = unused, d.gradient_as_bucket_view = view;
     res = ddp_reducer_create(g, &d, &r);
     CHECK(res == DDP_ERR_INVALID_ARGUMENT && r == NULL && strstr(ddp_last_error(g), want), "zero_stage %d, uneven_inputs "
-          "%d, find_unused %d: %s: %s", stage, uneven, unused, ddp_result_string(res), ddp_last_error(g));
+          "%d, find_unused %d, view %d: %s: %s", stage, uneven, unused, view, ddp_result_string(res), ddp_last_error(g));
 }
 
 static int refuse_main(int rank, int n, void *arg) {
@@ -254,10 +391,12 @@ static int refuse_main(int rank, int n, void *arg) {
     const ddp_shard *sh = (const ddp_shard *)w;
     (void)rank, (void)n, (void)arg;
     CHECK_OK(ddp_init(NULL, &g), NULL);
-    refused(g, 2, 0, 0, "zero_stage 2 (ZeRO-2: the non-owned gradients freed) is not implemented yet");
-    refused(g, 3, 0, 0, "zero_stage 3 is not 0");
-    refused(g, 1, 1, 0, "zero_stage = 1 with uneven_inputs = 1 is not supported");
-    refused(g, 1, 0, 1, "zero_stage = 1 with find_unused_parameters = 1 is not supported");
+    refused(g, 2, 0, 0, 1, "zero_stage = 2 with gradient_as_bucket_view = 1 is not supported");
+    refused(g, 3, 0, 0, 0, "zero_stage 3 is not 0");
+    refused(g, 1, 1, 0, 0, "zero_stage = 1 with uneven_inputs = 1 is not supported");
+    refused(g, 1, 0, 1, 0, "zero_stage = 1 with find_unused_parameters = 1 is not supported");
+    refused(g, 2, 1, 0, 0, "zero_stage = 2 with uneven_inputs = 1 is not supported");
+    refused(g, 2, 0, 1, 0, "zero_stage = 2 with find_unused_parameters = 1 is not supported");
     CHECK_OK(ddp_reducer_create(g, NULL, &r), g);
     CHECK_OK(ddp_reducer_add_param(r, "w", w, gw, 3, DDP_F32, NULL), g);
     CHECK(ddp_reducer_shards(r, &sh) == -1 && sh == NULL, "shards before finalize");
@@ -270,27 +409,31 @@ static int refuse_main(int rank, int n, void *arg) {
     return 0;
 }
 
-/* Ranks that disagree about zero_stage would issue a reduce-scatter against an all-reduce: finalize says
-   so on every rank, at once. */
+/* Ranks that disagree about zero_stage would issue a reduce-scatter against an all-reduce (or a pool
+   reuse against a bucket's own buffer): finalize says so on every rank, at once. arg: rank 1's stage;
+   the others use stage - 1. */
 static int disagree_main(int rank, int n, void *arg) {
+    int other = *(const int *)arg;
+    char want[96];
     ddp_group *g;
     ddp_reducer *r;
     ddp_reducer_desc d;
     float w[5] = {0}, gw[5];
     ddp_result res;
     double t0;
-    (void)n, (void)arg;
+    (void)n;
     CHECK_OK(ddp_init(NULL, &g), NULL);
     memset(&d, 0, sizeof d);
-    d.zero_stage = rank == 1;
+    d.zero_stage = rank == 1 ? other : other - 1;
+    snprintf(want, sizeof want, "different zero_stage: rank 0 has %d, rank 1 has %d", other - 1, other);
     CHECK_OK(ddp_reducer_create(g, &d, &r), g);
     CHECK_OK(ddp_reducer_add_param(r, "w", w, gw, 5, DDP_F32, NULL), g);
     t0 = tl_now();
     res = ddp_reducer_finalize(r);
-    CHECK(res == DDP_ERR_MISMATCH && strstr(ddp_last_error(g), "different zero_stage: rank 0 has 0, rank 1 has 1"),
-          "rank %d: zero_stage 0 against 1: %s: %s", rank, ddp_result_string(res), ddp_last_error(g));
+    CHECK(res == DDP_ERR_MISMATCH && strstr(ddp_last_error(g), want), "rank %d: zero_stage %d against %d: %s: %s", rank,
+          other - 1, other, ddp_result_string(res), ddp_last_error(g));
     CHECK(tl_now() - t0 < 10, "rank %d: the mismatch took %.1f s", rank, tl_now() - t0);
-    if (rank == 0) printf("  zero_stage 0 against 1: %.2f ms: %s\n", (tl_now() - t0) * 1e3, ddp_last_error(g));
+    if (rank == 0) printf("  zero_stage %d against %d: %.2f ms: %s\n", other - 1, other, (tl_now() - t0) * 1e3, ddp_last_error(g));
     CHECK_OK(ddp_barrier(g), g); /* the group is still usable */
     ddp_reducer_destroy(r);
     CHECK_OK(ddp_destroy(g), NULL);
@@ -298,14 +441,17 @@ static int disagree_main(int rank, int n, void *arg) {
 }
 
 int main(void) {
-    int world;
+    int world, other;
     for (world = 1; world <= 4; world++) {
-        CHECK(tl_run_ranks(world, train_main, NULL, 120) == 0, "ZeRO-1 training, %d ranks", world);
-        printf("ZeRO-1, %d ranks: every element owned once, as the rule says; every mode equals stage 0 + AdamW\n", world);
+        CHECK(tl_run_ranks(world, train_main, NULL, 120) == 0, "ZeRO-1 and 2 training, %d ranks", world);
+        printf("ZeRO-1 and 2, %d ranks: every element owned once, as the rule says; every mode equals stage 0 + AdamW\n",
+               world);
     }
     CHECK(tl_run_ranks(2, refuse_main, NULL, 60) == 0, "refused combinations");
-    CHECK(tl_run_ranks(2, disagree_main, NULL, 60) == 0, "zero_stage differs between ranks");
-    CHECK(tl_run_ranks(3, disagree_main, NULL, 60) == 0, "zero_stage differs between ranks");
+    for (other = 1; other <= 2; other++) {
+        CHECK(tl_run_ranks(2, disagree_main, &other, 60) == 0, "zero_stage differs between ranks");
+        CHECK(tl_run_ranks(3, disagree_main, &other, 60) == 0, "zero_stage differs between ranks");
+    }
     printf("test_reducer_zero: ok\n");
     return 0;
 }
