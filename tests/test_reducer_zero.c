@@ -11,7 +11,7 @@
        gradients equal stage 0's averaged gradients and every parameter equals stage 0's (1e-6 of |value| + 1;
        bf16 compression: 2e-2, as test_reducer), plain, no_sync x2, bf16, one flat grads_memory and
        gradient_as_bucket_view; shared memory by default, DDP_TRANSPORT=tcp too.
-   (c) the refused combinations: zero_stage 2, uneven_inputs, find_unused_parameters; gather_params
+   (c) the refused combinations: zero_stage 2, find_unused_parameters (uneven_inputs works: test_reducer_join); gather_params
        without zero_stage; ranks with different zero_stage: DDP_ERR_MISMATCH on every rank at finalize. */
 #include "testlib.h"
 
@@ -256,7 +256,6 @@ static int refuse_main(int rank, int n, void *arg) {
     CHECK_OK(ddp_init(NULL, &g), NULL);
     refused(g, 2, 0, 0, "zero_stage 2 (ZeRO-2: the non-owned gradients freed) is not implemented yet");
     refused(g, 3, 0, 0, "zero_stage 3 is not 0");
-    refused(g, 1, 1, 0, "zero_stage = 1 with uneven_inputs = 1 is not supported");
     refused(g, 1, 0, 1, "zero_stage = 1 with find_unused_parameters = 1 is not supported");
     CHECK_OK(ddp_reducer_create(g, NULL, &r), g);
     CHECK_OK(ddp_reducer_add_param(r, "w", w, gw, 3, DDP_F32, NULL), g);
