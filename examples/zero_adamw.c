@@ -15,8 +15,17 @@
    Every rank then repeats the run serially, one process averaging the ranks' batch gradients and running
    AdamW on the whole model, and checks that its weights are that run's.
 
+   --uneven: rank r has 10 - 4r batches (rank 3 none), as torch's
+       with Join([model, opt]): for batch in my_shard: ...
+   (uneven_inputs = 1). A rank whose data has ended still owns its slices, so it keeps stepping them: it
+   loops ddp_reducer_join_step, which shadows one step of the ranks with data and leaves in its slices'
+   gradients that step's average (sum over the ranks with data / world size, its own part zero), runs
+   AdamW on them and calls gather_params with the others, until every rank has joined. The serial run
+   then averages, at each step, the batches of the ranks that still had data.
+
    Run:  make build/zero_adamw build/ddprun
-         build/ddprun --nproc-per-node 3 build/zero_adamw     (1 to 4 ranks or more) */
+         build/ddprun --nproc-per-node 3 build/zero_adamw     (1 to 4 ranks or more)
+         build/ddprun --nproc-per-node 4 build/zero_adamw --uneven */
 #define DDP_IMPLEMENTATION
 #include "ddp.h"
 
@@ -105,15 +114,20 @@ static void adamw(float *w, const float *grad, float *m, float *v, size_t n, int
     }
 }
 
-/* The serial run: each step averages the ranks' batch gradients and runs AdamW on the whole model. */
-static double serial_difference(const mlp *ddp, int world) {
+/* Rank r's batches: STEPS, or with --uneven 10 - 4r (none from rank 3 on). */
+static int batches(int r, int uneven) { return !uneven ? STEPS : STEPS - 4 * r > 0 ? STEPS - 4 * r : 0; }
+
+/* The serial run: each step averages the batch gradients of the ranks that have a batch in it (divided by
+   the whole world size) and runs AdamW on the whole model. */
+static double serial_difference(const mlp *ddp, int world, int uneven) {
     static mlp one;
     static float m[NPARAM][HID * IN], v[NPARAM][HID * IN];
     double worst = 0;
     int s, r, p, i;
     init(&one);
     for (s = 0; s < STEPS; s++) {
-        for (r = 0; r < world; r++) accumulate(&one, r, s, 1.0f / (float)world);
+        for (r = 0; r < world; r++)
+            if (s < batches(r, uneven)) accumulate(&one, r, s, 1.0f / (float)world);
         for (p = 0; p < NPARAM; p++) {
             adamw(one.w[p], one.grad[p], m[p], v[p], (size_t)sizes[p], s + 1);
             memset(one.grad[p], 0, sizeof one.grad[p]);
@@ -132,7 +146,13 @@ static double serial_difference(const mlp *ddp, int world) {
         }                                                                                      \
     } while (0)
 
-int main(void) {
+/* AdamW step t on this rank's slices only. */
+static void optimizer_step(const ddp_shard *sh, int n, float **am, float **av, int t) {
+    int j;
+    for (j = 0; j < n; j++) adamw((float *)sh[j].param_data, (const float *)sh[j].grad, am[j], av[j], sh[j].count, t);
+}
+
+int main(int argc, char **argv) {
     static mlp m;
     ddp_group *g;
     ddp_reducer *red;
@@ -140,16 +160,18 @@ int main(void) {
     const ddp_shard *sh;
     float **am, **av; /* AdamW's state: for this rank's slices only */
     size_t mine = 0, total = 0;
-    int p, j, n, step, rank, world;
+    int p, j, n, step, rank, world, all_joined = 0, uneven = argc > 1 && !strcmp(argv[1], "--uneven"), mine_batches;
     double diff;
     if (ddp_init(NULL, &g) != DDP_SUCCESS) {
         fprintf(stderr, "ddp_init failed: %s\n", ddp_last_error(NULL));
         return 1;
     }
     rank = ddp_rank(g), world = ddp_world_size(g);
+    mine_batches = batches(rank, uneven);
     init(&m);
     memset(&d, 0, sizeof d);
     d.zero_stage = 1; /* reduce-scatter: each rank gets the averaged gradients of its slices */
+    d.uneven_inputs = uneven;
     TRY(ddp_reducer_create(g, &d, &red));
     for (p = 0; p < NPARAM; p++) TRY(ddp_reducer_add_param(red, names[p], m.w[p], m.grad[p], (size_t)sizes[p], DDP_F32, NULL));
     TRY(ddp_reducer_finalize(red));
@@ -164,19 +186,26 @@ int main(void) {
     }
     for (p = 0; p < NPARAM; p++) total += (size_t)sizes[p];
 
-    for (step = 0; step < STEPS; step++) {
+    for (step = 0; step < mine_batches; step++) {
         TRY(ddp_reducer_begin_backward(red));
         accumulate(&m, rank, step, 1.0f); /* backward; a real program calls grad_ready per layer */
         for (p = NPARAM - 1; p >= 0; p--) TRY(ddp_reducer_grad_ready(red, p));
         TRY(ddp_reducer_end_backward(red)); /* this rank's slices now hold the averaged gradient */
-        for (j = 0; j < n; j++)             /* the optimizer on this rank's slices only */
-            adamw((float *)sh[j].param_data, (const float *)sh[j].grad, am[j], av[j], sh[j].count, step + 1);
-        TRY(ddp_reducer_gather_params(red)); /* every rank gets every updated slice */
+        optimizer_step(sh, n, am, av, step + 1); /* the optimizer on this rank's slices only */
+        TRY(ddp_reducer_gather_params(red));      /* every rank gets every updated slice */
         TRY(ddp_reducer_zero_grad(red));
     }
-    diff = serial_difference(&m, world);
-    printf("rank %d: AdamW state for %zu of %zu parameters in %d slice(s); final weights vs the serial run: %s\n", rank,
-           mine, total, n, diff < 1e-5 ? "equal (rounding only)" : "DIFFERENT");
+    while (uneven) { /* no data left: shadow the others' steps, still stepping this rank's slices */
+        TRY(ddp_reducer_join_step(red, &all_joined)); /* one step of the ranks with data */
+        if (all_joined) break;                        /* every rank has joined: the models are equal */
+        optimizer_step(sh, n, am, av, ++step);        /* the slices hold that step's averaged gradient */
+        TRY(ddp_reducer_gather_params(red));          /* with the others' gather_params */
+    }
+    diff = serial_difference(&m, world, uneven);
+    if (uneven) printf("rank %d: %d batches, then %d steps as a joined rank; ", rank, mine_batches, step - mine_batches);
+    else printf("rank %d: ", rank);
+    printf("AdamW state for %zu of %zu parameters in %d slice(s); final weights vs the serial run: %s\n", mine, total, n,
+           diff < 1e-5 ? "equal (rounding only)" : "DIFFERENT");
     for (j = 0; j < n; j++) free(am[j]), free(av[j]);
     free(am), free(av);
     ddp_reducer_destroy(red);
