@@ -7,7 +7,9 @@
        VARIANT: plain | accum (no_sync on all but the last micro-batch, gradient_as_bucket_view) |
        fp16 (comm_dtype DDP_F16) | join (uneven inputs: rank r trains DIR/steps.txt's r-th number of steps,
        then calls ddp_reducer_join; no_sync and views as accum) | joinfail (the same with join_fail_early:
-       every rank stops with DDP_ERR_UNEVEN_INPUTS at the first run-out step). Rank 0 writes
+       every rank stops with DDP_ERR_UNEVEN_INPUTS at the first run-out step) | zerojoin (zero_stage = 1
+       and uneven inputs: AdamW with lr LR, weight decay 1e-2 on this rank's shards, gather_params; out of
+       data, the ddp_reducer_join_step loop with the same AdamW step and gather_params). Rank 0 writes
        DIR/ddp_final.bin; in the join variants the last rank does, which ran out first.
    reducer_peer layout FIRST CAP N SIZE... ORDER...
        One rank: N f32 parameters of SIZE elements; prints the initial bucket of each parameter, then runs
@@ -74,6 +76,24 @@ static void fwd_bwd(const job *J, float **P, float **G, const float *x, const fl
     for (l = 1; l <= L; l++) free(h[l]);
 }
 
+/* zerojoin: torch.optim.AdamW (betas 0.9, 0.999, eps 1e-8, weight_decay 1e-2) on each shard, step t from 1;
+   m and v hold the state of every shard one after another. */
+static void adamw_shards(ddp_reducer *red, float lr, float *m, float *v, int t) {
+    const float b1 = 0.9f, b2 = 0.999f, eps = 1e-8f, wd = 1e-2f;
+    float c1 = 1.0f - powf(b1, (float)t), c2 = 1.0f - powf(b2, (float)t);
+    const ddp_shard *sh;
+    int n = ddp_reducer_shards(red, &sh), j;
+    size_t at = 0, i;
+    for (j = 0; j < n; j++)
+        for (i = 0; i < sh[j].count; i++, at++) {
+            float *w = (float *)sh[j].param_data + i, g = ((const float *)sh[j].grad)[i];
+            *w -= lr * wd * *w;
+            m[at] = b1 * m[at] + (1.0f - b1) * g;
+            v[at] = b2 * v[at] + (1.0f - b2) * g * g;
+            *w -= lr * (m[at] / c1) / (sqrtf(v[at] / c2) + eps);
+        }
+}
+
 /* The join variants: how many steps rank trains (DIR/steps.txt: one number per rank). */
 static int rank_steps(const job *J, int rank) {
     char path[1024];
@@ -89,8 +109,10 @@ static int rank_steps(const job *J, int rank) {
 
 static int train_rank(int rank, int n, void *arg) {
     const job *J = (const job *)arg;
-    int join = !strncmp(J->variant, "join", 4), fail_early = !strcmp(J->variant, "joinfail");
-    int L = J->layers, k, step, micro, view = !strcmp(J->variant, "accum") || (join && !fail_early);
+    int zero = !strcmp(J->variant, "zerojoin"), join = !strncmp(J->variant, "join", 4) || zero;
+    int fail_early = !strcmp(J->variant, "joinfail");
+    int L = J->layers, k, step, micro, view = !strcmp(J->variant, "accum") || (join && !fail_early && !zero);
+    float *am = NULL, *av = NULL; /* zerojoin: AdamW's state, for this rank's shards only */
     int steps = join ? rank_steps(J, rank) : J->steps, writer = join ? n - 1 : 0;
     size_t cnt[2 * MAXL], total = 0, off = 0, nx, nt;
     float *P[2 * MAXL], *G[2 * MAXL], *init, *data;
@@ -114,6 +136,7 @@ static int train_rank(int rank, int n, void *arg) {
     if (!strcmp(J->variant, "fp16")) d.comm_dtype = DDP_F16;
     d.uneven_inputs = join;
     d.join_fail_early = fail_early;
+    d.zero_stage = zero;
     CHECK_OK(ddp_reducer_create(g, &d, &red), g);
     for (k = 0; k < 2 * L; k++) {
         char name[32];
@@ -129,6 +152,13 @@ static int train_rank(int rank, int n, void *arg) {
         CHECK_OK(ddp_reducer_add_param(red, name, P[k], G[k], cnt[k], DDP_F32, NULL), g);
     }
     CHECK_OK(ddp_reducer_finalize(red), g);
+    if (zero) {
+        const ddp_shard *sh;
+        size_t owned = 0;
+        for (k = ddp_reducer_shards(red, &sh) - 1; k >= 0; k--) owned += sh[k].count;
+        am = (float *)calloc(owned + 1, sizeof(float));
+        av = (float *)calloc(owned + 1, sizeof(float));
+    }
     for (step = 0; step < steps; step++) {
         float *grad[2 * MAXL];
         ddp_result res;
@@ -143,13 +173,26 @@ static int train_rank(int rank, int n, void *arg) {
             CHECK_OK(ddp_reducer_end_backward(red), g);
         }
         if (micro < J->accum) break; /* joinfail: every rank stops here */
+        if (zero) {
+            adamw_shards(red, J->lr, am, av, step + 1);
+            CHECK_OK(ddp_reducer_gather_params(red), g);
+            CHECK_OK(ddp_reducer_zero_grad(red), g);
+            continue;
+        }
         for (k = 0; k < 2 * L; k++) { /* re-read: views move after the first step */
             float *gk = (float *)ddp_reducer_grad(red, k);
             for (size_t i = 0; i < cnt[k]; i++) P[k][i] -= J->lr * gk[i];
         }
         CHECK_OK(ddp_reducer_zero_grad(red), g);
     }
-    if (join && step == steps) { /* out of data (joinfail: the ranks with data stopped above instead) */
+    while (zero) { /* out of data: shadow the others' steps, still stepping this rank's shards */
+        int all_joined = 0;
+        CHECK_OK(ddp_reducer_join_step(red, &all_joined), g);
+        if (all_joined) break;
+        adamw_shards(red, J->lr, am, av, ++step);
+        CHECK_OK(ddp_reducer_gather_params(red), g);
+    }
+    if (join && !zero && step == steps) { /* out of data (joinfail: the ranks with data stopped above instead) */
         ddp_result res = ddp_reducer_join(red);
         if (fail_early) {
             CHECK(res == DDP_ERR_UNEVEN_INPUTS, "rank %d: join returned %s (%s)", rank, ddp_result_string(res), ddp_last_error(g));
@@ -170,6 +213,7 @@ static int train_rank(int rank, int n, void *arg) {
     ddp_reducer_destroy(red);
     CHECK_OK(ddp_destroy(g), NULL);
     for (k = 0; k < 2 * L; k++) free(P[k]), free(G[k]);
+    free(am), free(av);
     free(init);
     free(data);
     return 0;
