@@ -15130,7 +15130,9 @@ DDP_API int ddp_launcher_main(int argc, char **argv) {
                               the "used" map; wait for each bucket and copy it back; start the timing
                               exchange (see "timing"); after the first synchronised pass, rebuild the
                               buckets in rank 0's ready order once
-     join                     (uneven_inputs) shadow the others' passes until every rank has joined
+     join, join_step          (uneven_inputs) shadow the others' passes until every rank has joined
+                              (join_step: one pass per call; under zero_stage the program steps its
+                              shards and gathers between the calls)
 
    Where gradients live (g = the gradients' dtype, c = the communication dtype):
      plain                     program's grad --(x 1/world, g -> c)--> comm bucket --all-reduce--> grad
@@ -16679,11 +16681,11 @@ static ddp_result ddp__join_step(ddp_reducer *r, const char *fn, int *all_joined
         int flags = r->join_joined ? 0 : DDP__JOIN_FIRST;
         if ((res = ddp__join_exchange(r, fn, DDP__JOIN_JOINED, flags, &v)) != DDP_SUCCESS) return res;
         r->join_joined = 1;
-        if (v.active == 0 && v.disagree < 0) break;
-        r->join_joined = 0;
-        if (v.disagree >= 0) return ddp__join_disagree(r, fn, &v);
-        if (r->desc.join_fail_early) return ddp__join_uneven(r, fn, &v);
-        r->join_joined = 1;
+        if (v.active == 0) break;
+        if (v.disagree >= 0 || r->desc.join_fail_early) {
+            r->join_joined = 0; /* this rank's join ends with the error */
+            return v.disagree >= 0 ? ddp__join_disagree(r, fn, &v) : ddp__join_uneven(r, fn, &v);
+        }
         if (v.kind == DDP__JOIN_BUFFERS)
             res = ddp__reducer_broadcast(r, r->buffers, r->nbuffers, r->bstage, r->bstage_bytes, v.last_active);
         else if (v.sync && (res = ddp__join_shadow_backward(r)) == DDP_SUCCESS) {
