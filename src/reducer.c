@@ -1369,10 +1369,10 @@ DDP_API void ddp_reducer_destroy(ddp_reducer *r) {
    (*all_joined = 1); ddp_reducer_join is its loop. With zero_stage the shadow is the reduce-scatter of
    zeros, and its result, the active ranks' sum / initial world size, goes into this rank's owned gradient
    elements: the program runs its optimizer on ddp_reducer_shards and calls ddp_reducer_gather_params,
-   which meets the active ranks' gather_params of the same step (torch's _ZeROJoinHook runs zero.step()). Every rank sees every record, so every
-   rank checks the same things and reaches the same verdict: active ranks announcing different things (a
-   no_sync pass against a synchronised one, a buffer broadcast against a backward pass) are DDP_ERR_MISMATCH
-   on every rank; with join_fail_early, a round with both active and joined ranks is DDP_ERR_UNEVEN_INPUTS
+   which meets the active ranks' gather_params of the same step (torch's _ZeROJoinHook runs zero.step()).
+   Every rank sees every record, so every rank checks the same things and reaches the same verdict: active
+   ranks announcing different things (a no_sync pass against a synchronised one, a buffer broadcast against
+   a backward pass) are DDP_ERR_MISMATCH on every rank; with join_fail_early, a round with both active and joined ranks is DDP_ERR_UNEVEN_INPUTS
    on every rank. Either way every rank took part in the same all_gathers: the group stays usable.
    Cost when the ranks are even: one all_gather of 12 bytes per rank per backward pass (torch: two 4-byte
    all-reduces per forward). */
