@@ -279,8 +279,8 @@ DDP_API ddp_result ddp_reducer_broadcast_buffers(ddp_reducer *r);
    shadows the reducer's collectives of the ranks that still have data, with zero gradients, until every
    rank has called ddp_reducer_join; then every rank gets the parameters and buffers of the highest-ranked
    last joiner (the loop of ddp_reducer_join_step). The program's gradients are left as they were. Under
-   zero_stage DDP_ERR_STATE: the optimizer must run between the steps, use ddp_reducer_join_step. Return: DDP_SUCCESS when every rank has
-   joined; DDP_ERR_UNEVEN_INPUTS with join_fail_early while some rank still has data (every rank gets it,
+   zero_stage DDP_ERR_STATE: the optimizer must run between the steps, use ddp_reducer_join_step.
+   Return: DDP_SUCCESS when every rank has joined; DDP_ERR_UNEVEN_INPUTS with join_fail_early while some rank still has data (every rank gets it,
    naming the ranks and the step); DDP_ERR_MISMATCH when the ranks with data make different reducer calls
    (a no_sync pass against a synchronised one: every rank gets it); DDP_ERR_STATE without uneven_inputs or
    during a backward pass; any error of the collectives. */
