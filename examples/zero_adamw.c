@@ -22,6 +22,14 @@
    the final weights are still the serial run's. (Per-rank files instead: ddp_checkpoint_save_slices
    with one ddp_slice per slice, see "ZeRO checkpoints" in ddp.h.)
 
+   --uneven: rank r has 10 - 4r batches (rank 3 none), as torch's
+       with Join([model, opt]): for batch in my_shard: ...
+   (uneven_inputs = 1). A rank whose data has ended still owns its slices, so it keeps stepping them: it
+   loops ddp_reducer_join_step, which shadows one step of the ranks with data and leaves in its slices'
+   gradients that step's average (sum over the ranks with data / world size, its own part zero), runs
+   AdamW on them and calls gather_params with the others, until every rank has joined. The serial run
+   then averages, at each step, the batches of the ranks that still had data.
+
    --stage 2 (DeepSpeed's ZeRO stage 2): the reducer also keeps only this rank's slices of the averaged
    gradients (sh[j].grad then points into the reducer) and reduces through 2 borrowed comm buffers, so its
    gradient memory is about 1/world of the model's plus those buffers; the program's gradient buffers are
@@ -31,7 +39,8 @@
    Run:  make build/zero_adamw build/ddprun
          build/ddprun --nproc-per-node 3 build/zero_adamw [--stage 2]     (1 to 4 ranks or more)
          build/ddprun --nproc-per-node 3 build/zero_adamw --save /tmp/z.safetensors
-         build/ddprun --nproc-per-node 2 build/zero_adamw --resume /tmp/z.safetensors */
+         build/ddprun --nproc-per-node 2 build/zero_adamw --resume /tmp/z.safetensors
+         build/ddprun --nproc-per-node 4 build/zero_adamw --uneven */
 #define DDP_IMPLEMENTATION
 #include "ddp.h"
 
@@ -120,9 +129,13 @@ static void adamw(float *w, const float *grad, float *m, float *v, size_t n, int
     }
 }
 
-/* The serial run: each step averages the ranks' batch gradients and runs AdamW on the whole model (the
-   first `first` steps over the batches of world_before ranks: those of a resumed run's checkpoint). */
-static double serial_difference(const mlp *ddp, int world_before, int first, int world) {
+/* Rank r's batches: STEPS, or with --uneven 10 - 4r (none from rank 3 on). */
+static int batches(int r, int uneven) { return !uneven ? STEPS : STEPS - 4 * r > 0 ? STEPS - 4 * r : 0; }
+
+/* The serial run: each step averages the batch gradients of the ranks that have a batch in it (divided by
+   the whole world size) and runs AdamW on the whole model (the first `first` steps over the batches of
+   world_before ranks: those of a resumed run's checkpoint). */
+static double serial_difference(const mlp *ddp, int world_before, int first, int world, int uneven) {
     static mlp one;
     static float m[NPARAM][HID * IN], v[NPARAM][HID * IN];
     double worst = 0;
@@ -130,7 +143,8 @@ static double serial_difference(const mlp *ddp, int world_before, int first, int
     init(&one);
     for (s = 0; s < STEPS; s++) {
         int w = s < first ? world_before : world;
-        for (r = 0; r < w; r++) accumulate(&one, r, s, 1.0f / (float)w);
+        for (r = 0; r < w; r++)
+            if (s < batches(r, uneven)) accumulate(&one, r, s, 1.0f / (float)w);
         for (p = 0; p < NPARAM; p++) {
             adamw(one.w[p], one.grad[p], m[p], v[p], (size_t)sizes[p], s + 1);
             memset(one.grad[p], 0, sizeof one.grad[p]);
@@ -148,6 +162,14 @@ static double serial_difference(const mlp *ddp, int world_before, int first, int
             return 1;                                                                          \
         }                                                                                      \
     } while (0)
+
+/* AdamW step t on this rank's slices only (their state concatenated in am, av). */
+static void optimizer_step(const ddp_shard *sh, int n, float *am, float *av, int t) {
+    size_t at = 0;
+    int j;
+    for (j = 0; j < n; at += sh[j].count, j++)
+        adamw((float *)sh[j].param_data, (const float *)sh[j].grad, am + at, av + at, sh[j].count, t);
+}
 
 /* The consolidated checkpoint's tensors: per parameter its weights, m and v (m, v: full arrays). */
 static void ckpt_tensors(mlp *m, float *fm, float *fv, ddp_tensor *t, char (*tn)[32]) {
@@ -176,18 +198,20 @@ int main(int argc, char **argv) {
     char tn[3 * NPARAM][32];
     ddp_meta meta;
     const char *save = NULL, *resume = NULL;
-    size_t mine = 0, total = 0, at;
-    int p, j, n, step = 0, rank, world, stage = 1, a;
+    size_t mine = 0, total = 0;
+    int p, j, n, step = 0, rank, world, stage = 1, uneven = 0, all_joined = 0, mine_batches, a;
     int64_t first = 0, world_before = 0;
     double diff;
-    for (a = 1; a + 1 < argc; a += 2) {
-        if (!strcmp(argv[a], "--stage")) stage = atoi(argv[a + 1]);
-        else if (!strcmp(argv[a], "--save")) save = argv[a + 1];
-        else if (!strcmp(argv[a], "--resume")) resume = argv[a + 1];
+    for (a = 1; a < argc; a++) {
+        if (!strcmp(argv[a], "--uneven")) uneven = 1;
+        else if (a + 1 == argc) break;
+        else if (!strcmp(argv[a], "--stage")) stage = atoi(argv[++a]);
+        else if (!strcmp(argv[a], "--save")) save = argv[++a];
+        else if (!strcmp(argv[a], "--resume")) resume = argv[++a];
         else break;
     }
-    if (a != argc || (stage != 1 && stage != 2)) {
-        fprintf(stderr, "usage: zero_adamw [--stage 1|2] [--save PATH | --resume PATH]\n");
+    if (a != argc || (stage != 1 && stage != 2) || (uneven && (stage != 1 || save || resume))) {
+        fprintf(stderr, "usage: zero_adamw [--stage 1|2] [--save PATH | --resume PATH] | --uneven\n");
         return 2;
     }
     if (ddp_init(NULL, &g) != DDP_SUCCESS) {
@@ -195,10 +219,12 @@ int main(int argc, char **argv) {
         return 1;
     }
     rank = ddp_rank(g), world = ddp_world_size(g);
+    mine_batches = batches(rank, uneven);
     memset(&meta, 0, sizeof meta); /* an empty map */
     init(&m);
     memset(&d, 0, sizeof d);
     d.zero_stage = stage; /* reduce-scatter: each rank gets the averaged gradients of its slices */
+    d.uneven_inputs = uneven;
     TRY(ddp_reducer_create(g, &d, &red));
     for (p = 0; p < NPARAM; p++) TRY(ddp_reducer_add_param(red, names[p], m.w[p], m.grad[p], (size_t)sizes[p], DDP_F32, NULL));
     TRY(ddp_reducer_finalize(red));
@@ -220,7 +246,7 @@ int main(int argc, char **argv) {
                    (long long)world_before, world);
     }
 
-    for (step = (int)first; step < STEPS; step++) {
+    for (step = (int)first; step < mine_batches; step++) {
         if (save && step == STEPS / 2) { /* consolidate_state_dict(to=0), then rank 0 writes */
             TRY(ddp_reducer_consolidate_state(red, DDP_F32, 2, (const void *const *)st, mine, full, total, 0));
             TRY(ddp_meta_set_int(&meta, DDP_META_STEP, step));
@@ -233,15 +259,22 @@ int main(int argc, char **argv) {
         accumulate(&m, rank, step, 1.0f); /* backward; a real program calls grad_ready per layer */
         for (p = NPARAM - 1; p >= 0; p--) TRY(ddp_reducer_grad_ready(red, p));
         TRY(ddp_reducer_end_backward(red)); /* this rank's slices now hold the averaged gradient */
-        for (j = 0, at = 0; j < n; at += sh[j].count, j++) /* the optimizer on this rank's slices only */
-            adamw((float *)sh[j].param_data, (const float *)sh[j].grad, am + at, av + at, sh[j].count, step + 1);
-        TRY(ddp_reducer_gather_params(red)); /* every rank gets every updated slice */
+        optimizer_step(sh, n, am, av, step + 1); /* the optimizer on this rank's slices only */
+        TRY(ddp_reducer_gather_params(red));      /* every rank gets every updated slice */
         TRY(ddp_reducer_zero_grad(red));
     }
-    diff = save ? 0 : serial_difference(&m, (int)world_before, (int)first, world);
+    while (uneven) { /* no data left: shadow the others' steps, still stepping this rank's slices */
+        TRY(ddp_reducer_join_step(red, &all_joined)); /* one step of the ranks with data */
+        if (all_joined) break;                        /* every rank has joined: the models are equal */
+        optimizer_step(sh, n, am, av, ++step);        /* the slices hold that step's averaged gradient */
+        TRY(ddp_reducer_gather_params(red));          /* with the others' gather_params */
+    }
+    diff = save ? 0 : serial_difference(&m, (int)world_before, (int)first, world, uneven);
+    if (uneven) printf("rank %d: %d batches, then %d steps as a joined rank; ", rank, mine_batches, step - mine_batches);
+    else if (!save) printf("rank %d: ", rank);
     if (!save)
-        printf("rank %d: AdamW state for %zu of %zu parameters in %d slice(s); final weights vs the serial run: %s\n", rank,
-               mine, total, n, diff < 1e-5 ? "equal (rounding only)" : "DIFFERENT");
+        printf("AdamW state for %zu of %zu parameters in %d slice(s); final weights vs the serial run: %s\n", mine, total,
+               n, diff < 1e-5 ? "equal (rounding only)" : "DIFFERENT");
     TRY(ddp_reducer_get_statistics(red, &rs));
     if (rank == 0 && !save)
         printf("zero_stage %d: the reducer holds %llu bytes of gradient memory per rank (the model's gradients: %zu)\n",

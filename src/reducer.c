@@ -16,7 +16,9 @@
                               the "used" map; wait for each bucket and copy it back; start the timing
                               exchange (see "timing"); after the first synchronised pass, rebuild the
                               buckets in rank 0's ready order once
-     join                     (uneven_inputs) shadow the others' passes until every rank has joined
+     join, join_step          (uneven_inputs) shadow the others' passes until every rank has joined
+                              (join_step: one pass per call; under zero_stage the program steps its
+                              shards and gathers between the calls)
 
    Where gradients live (g = the gradients' dtype, c = the communication dtype):
      plain                     program's grad --(x 1/world, g -> c)--> comm bucket --all-reduce--> grad
@@ -205,6 +207,9 @@ struct ddp_reducer {
     /* uneven_inputs (Join): see "uneven inputs" below */
     int32_t *join_table;  /* world records of DDP__JOIN_FIELDS: the last round's announcements */
     int join_steps;       /* backward passes this rank announced since the last join */
+    int join_joined;      /* this rank is in a join: its first round was announced, not every rank joined yet */
+    int join_gather_due;  /* zero_stage: a shadowed pass gave this joined rank's shards averaged gradients; the
+                             program's optimizer step and gather_params come before the next join_step */
     void *shadow;         /* joined rank: zeros for the buckets whose comm memory is the program's gradient */
     size_t shadow_bytes;
 
@@ -239,11 +244,11 @@ static ddp_result ddp__zero_check_desc(ddp_group *g, const ddp_reducer_desc *d) 
         return ddp__fail(g, DDP_ERR_INVALID_ARGUMENT, "ddp_reducer_create: zero_stage = 2 with gradient_as_bucket_view = 1 "
                          "is not supported: the buckets would have to hold every gradient, which is what ZeRO-2 frees; "
                          "register your own gradient buffers (gradient_as_bucket_view = 0) or use zero_stage = 1");
-    if (d->zero_stage && d->uneven_inputs)
-        return ddp__fail(g, DDP_ERR_INVALID_ARGUMENT, "ddp_reducer_create: zero_stage = %d with uneven_inputs = 1 is not "
-                         "supported: a rank that joined still owns slices of the model, which only the program's optimizer "
-                         "could update; give every rank the same number of batches (ddp_sampler with drop_last) or use "
-                         "zero_stage = 0", d->zero_stage);
+    if (d->zero_stage == 2 && d->uneven_inputs)
+        return ddp__fail(g, DDP_ERR_INVALID_ARGUMENT, "ddp_reducer_create: zero_stage = 2 with uneven_inputs = 1 is not "
+                         "supported yet; use zero_stage = 1 (a joined rank shadows the others with "
+                         "ddp_reducer_join_step and steps its optimizer on its shards) or give every rank the same number "
+                         "of batches (ddp_sampler with drop_last)");
     if (d->zero_stage && d->find_unused_parameters)
         return ddp__fail(g, DDP_ERR_INVALID_ARGUMENT, "ddp_reducer_create: zero_stage = %d with find_unused_parameters = 1 "
                          "is not supported; give every parameter a gradient in every synchronised pass (zeros for an "
@@ -1017,6 +1022,7 @@ DDP_API ddp_result ddp_reducer_gather_params(ddp_reducer *r) {
     if (ddp__zero2(r))
         for (b = 0; b < r->L.nbuckets; b++) r->L.buckets[b].gather = NULL;
     if (res) return r->failed = res;
+    r->join_gather_due = 0;
     return DDP_SUCCESS;
 }
 
@@ -1549,10 +1555,15 @@ DDP_API void ddp_reducer_destroy(ddp_reducer *r) {
      STEP without SYNC      nothing: the active ranks only accumulate locally
      BUFFERS                the buffer broadcast, from the highest active rank (torch's _find_common_rank)
    Active ranks scale their gradients by 1/(initial world size) as always, so the average includes the
-   joined ranks' zeros (torch's divide_by_initial_world_size=True). Every rank sees every record, so every
-   rank checks the same things and reaches the same verdict: active ranks announcing different things (a
-   no_sync pass against a synchronised one, a buffer broadcast against a backward pass) are DDP_ERR_MISMATCH
-   on every rank; with join_fail_early, a round with both active and joined ranks is DDP_ERR_UNEVEN_INPUTS
+   joined ranks' zeros (torch's divide_by_initial_world_size=True). ddp_reducer_join_step answers rounds
+   until it has shadowed one synchronised pass (it returns, *all_joined = 0) or no active rank is left
+   (*all_joined = 1); ddp_reducer_join is its loop. With zero_stage the shadow is the reduce-scatter of
+   zeros, and its result, the active ranks' sum / initial world size, goes into this rank's owned gradient
+   elements: the program runs its optimizer on ddp_reducer_shards and calls ddp_reducer_gather_params,
+   which meets the active ranks' gather_params of the same step (torch's _ZeROJoinHook runs zero.step()).
+   Every rank sees every record, so every rank checks the same things and reaches the same verdict: active
+   ranks announcing different things (a no_sync pass against a synchronised one, a buffer broadcast against
+   a backward pass) are DDP_ERR_MISMATCH on every rank; with join_fail_early, a round with both active and joined ranks is DDP_ERR_UNEVEN_INPUTS
    on every rank. Either way every rank took part in the same all_gathers: the group stays usable.
    Cost when the ranks are even: one all_gather of 12 bytes per rank per backward pass (torch: two 4-byte
    all-reduces per forward). */
@@ -1685,7 +1696,8 @@ static ddp_result ddp__join_shadow_memory(ddp_reducer *r) {
 
 /* A synchronised backward pass of the active ranks, shadowed: zeros into every bucket's all-reduce (all
    in flight at once, started in bucket order like the active ranks'), the used map, the rebuild. The
-   program's gradients are not touched. */
+   program's gradients are not touched, except under zero_stage: the reduce-scatter's result (the active
+   ranks' average) goes to this rank's owned elements, for its optimizer step. */
 static ddp_result ddp__join_shadow_backward(ddp_reducer *r) {
     ddp_work *used_work = NULL;
     ddp_result res, waited;
@@ -1712,6 +1724,7 @@ static ddp_result ddp__join_shadow_backward(ddp_reducer *r) {
         }
     if (used_work && (waited = ddp_wait(used_work)) != DDP_SUCCESS && !res) res = waited;
     if (res) return r->failed = res;
+    for (b = 0; ddp__reducer_zero(r) && b < r->nparams; b++) ddp__zero_give_back(r, b);
     r->stats.shadowed_iterations++;
     ddp__timing_finish(r);
     if ((res = ddp__timing_start(r, 1)) != DDP_SUCCESS) return res;
@@ -1719,32 +1732,74 @@ static ddp_result ddp__join_shadow_backward(ddp_reducer *r) {
     return DDP_SUCCESS;
 }
 
-DDP_API ddp_result ddp_reducer_join(ddp_reducer *r) {
-    ddp_result res = ddp__reducer_usable(r, "ddp_reducer_join");
-    ddp__join_round v;
-    int flags = DDP__JOIN_FIRST;
+/* What join and join_step refuse before any round (nothing collective has happened then). */
+static ddp_result ddp__join_check(ddp_reducer *r, const char *fn) {
+    ddp_result res = ddp__reducer_usable(r, fn);
     if (res) return res;
     if (!r->desc.uneven_inputs)
-        return ddp__fail(r->g, DDP_ERR_STATE, "ddp_reducer_join: the reducer was created without uneven_inputs; set "
-                         "uneven_inputs = 1 in its ddp_reducer_desc (on every rank) to let ranks run out of data");
+        return ddp__fail(r->g, DDP_ERR_STATE, "%s: the reducer was created without uneven_inputs; set uneven_inputs = 1 "
+                         "in its ddp_reducer_desc (on every rank) to let ranks run out of data", fn);
     if (r->in_backward)
-        return ddp__fail(r->g, DDP_ERR_STATE, "ddp_reducer_join: called during a backward pass; end it first "
-                         "(ddp_reducer_end_backward), then join when there is no data left");
+        return ddp__fail(r->g, DDP_ERR_STATE, "%s: called during a backward pass; end it first (ddp_reducer_end_backward), "
+                         "then join when there is no data left", fn);
+    if (r->join_gather_due)
+        return ddp__fail(r->g, DDP_ERR_STATE, "%s: the last join step gave this rank's shards the averaged gradients; run "
+                         "the optimizer on ddp_reducer_shards and call ddp_reducer_gather_params (the ranks with data are "
+                         "in theirs) before the next ddp_reducer_join_step", fn);
+    return DDP_SUCCESS;
+}
+
+/* Rounds until one synchronised pass of the active ranks is shadowed (*all_joined = 0) or none is left
+   (*all_joined = 1: the final model and buffers from the last joiner). An error ends this rank's join:
+   the next call announces a first round again. */
+static ddp_result ddp__join_step(ddp_reducer *r, const char *fn, int *all_joined) {
+    ddp__join_round v;
+    ddp_result res;
     for (;;) {
-        if ((res = ddp__join_exchange(r, "ddp_reducer_join", DDP__JOIN_JOINED, flags, &v)) != DDP_SUCCESS) return res;
-        flags = 0;
-        if (v.disagree >= 0) return ddp__join_disagree(r, "ddp_reducer_join", &v);
+        int flags = r->join_joined ? 0 : DDP__JOIN_FIRST;
+        if ((res = ddp__join_exchange(r, fn, DDP__JOIN_JOINED, flags, &v)) != DDP_SUCCESS) return res;
+        r->join_joined = 1;
         if (v.active == 0) break;
-        if (r->desc.join_fail_early) return ddp__join_uneven(r, "ddp_reducer_join", &v);
+        if (v.disagree >= 0 || r->desc.join_fail_early) {
+            r->join_joined = 0; /* this rank's join ends with the error */
+            return v.disagree >= 0 ? ddp__join_disagree(r, fn, &v) : ddp__join_uneven(r, fn, &v);
+        }
         if (v.kind == DDP__JOIN_BUFFERS)
             res = ddp__reducer_broadcast(r, r->buffers, r->nbuffers, r->bstage, r->bstage_bytes, v.last_active);
-        else if (v.sync)
-            res = ddp__join_shadow_backward(r);
+        else if (v.sync && (res = ddp__join_shadow_backward(r)) == DDP_SUCCESS) {
+            r->join_gather_due = ddp__reducer_zero(r);
+            return DDP_SUCCESS;
+        }
         if (res) return r->failed = res;
     }
+    r->join_joined = 0;
     r->join_steps = 0;
-    if ((res = ddp__reducer_sync_states(r, v.last_joiner >= 0 ? v.last_joiner : 0, "ddp_reducer_join")) != DDP_SUCCESS)
+    if ((res = ddp__reducer_sync_states(r, v.last_joiner >= 0 ? v.last_joiner : 0, fn)) != DDP_SUCCESS)
         return r->failed = res;
+    *all_joined = 1;
+    return DDP_SUCCESS;
+}
+
+DDP_API ddp_result ddp_reducer_join_step(ddp_reducer *r, int *all_joined) {
+    ddp_result res;
+    if (all_joined) *all_joined = 0;
+    if ((res = ddp__join_check(r, "ddp_reducer_join_step")) != DDP_SUCCESS) return res;
+    if (!all_joined) return ddp__fail(r->g, DDP_ERR_INVALID_ARGUMENT, "ddp_reducer_join_step: all_joined is NULL");
+    return ddp__join_step(r, "ddp_reducer_join_step", all_joined);
+}
+
+/* join_step's loop, for stage 0: between shadowed passes this rank has nothing to do. */
+DDP_API ddp_result ddp_reducer_join(ddp_reducer *r) {
+    ddp_result res = ddp__join_check(r, "ddp_reducer_join");
+    int all_joined = 0;
+    if (res) return res;
+    if (ddp__reducer_zero(r))
+        return ddp__fail(r->g, DDP_ERR_STATE, "ddp_reducer_join: zero_stage = %d: a joined rank still owns slices of the "
+                         "model, which its optimizer must update at every step of the others: call "
+                         "ddp_reducer_join_step(r, &all_joined) in a loop, with the optimizer step on ddp_reducer_shards "
+                         "and ddp_reducer_gather_params after each step that returns all_joined = 0", r->desc.zero_stage);
+    while (!all_joined)
+        if ((res = ddp__join_step(r, "ddp_reducer_join", &all_joined)) != DDP_SUCCESS) return res;
     return DDP_SUCCESS;
 }
 /* ==================== end src/reducer.c ==================== */

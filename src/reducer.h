@@ -66,6 +66,10 @@
      Every rank calls ddp_reducer_join when its data ends, the last ones too (they return at once):
          for (batch = 0; batch < my_batches; batch++) { forward; begin_backward; ...; end_backward; step; }
          ddp_reducer_join(red);          // DDP_SUCCESS once every rank has joined; models equal again
+     ddp_reducer_join is the loop of ddp_reducer_join_step(r, &all_joined), which shadows ONE synchronised
+     pass of the others and returns (all_joined = 0), or returns all_joined = 1 once every rank has joined;
+     the program writes that loop itself under zero_stage (see "ZeRO" below), where the joined rank must
+     run its optimizer on its shards between the steps.
      join_fail_early = 1 (torch's throw_on_early_termination): instead, at the step where the first rank runs
      out, every rank gets DDP_ERR_UNEVEN_INPUTS (from begin_backward or broadcast_buffers on the ranks with
      data, from ddp_reducer_join on the others) naming the ranks that ran out and the step; the group and
@@ -107,9 +111,26 @@
      compression (the reduce-scatter runs in comm_dtype), flat gradient memory and gradient_as_bucket_view
      (the gradients then go through the reducer's padded comm buffer: one copy in and out of the owned
      part). The buckets keep their first layout (no rebuild in ready order), so the shards never move.
-     Not with uneven_inputs (a joined rank owns slices that nobody would update: the program has to run its
-     optimizer, which the library cannot do for it) nor find_unused_parameters: ddp_reducer_create refuses
-     both with DDP_ERR_INVALID_ARGUMENT.
+     With uneven_inputs (torch's ZeroRedundancyOptimizer + DDP under Join): a joined rank still owns its
+     slices, so it keeps stepping them. Instead of ddp_reducer_join (refused under zero_stage, DDP_ERR_STATE)
+     the rank that has no data left writes the loop:
+         for (;;) {
+             ddp_reducer_join_step(red, &all_joined);    // shadows one pass of the ranks with data
+             if (all_joined) break;                      // every rank joined: models and buffers equal
+             for (j = 0; j < n; j++) adamw(sh[j].param_data, sh[j].grad, sh[j].count, &state[j]);
+             ddp_reducer_gather_params(red);             // meets the others' gather_params of that step
+         }
+     The ranks with data step as always (end_backward, optimizer on their shards, gather_params). Each
+     join_step that returns all_joined = 0 writes into this rank's owned gradient elements (sh[j].grad) the
+     average of that pass: the sum over the ranks with data / INITIAL world size (this rank contributes
+     zero, as DDP's divide_by_initial_world_size), so every shard follows the same optimizer run as the
+     serial model whose gradient is that average; the step counter (AdamW's t) advances on the joined rank
+     too. The gradient elements it does not own are not touched. Calling join_step again before
+     gather_params is DDP_ERR_STATE (the ranks with data are in their gather_params). join_fail_early
+     works as for stage 0. (torch's _ZeROJoinHook runs zero.step() on the joined rank with whatever its
+     param.grad holds, as DDP's join hook throws away the all-reduced zeros: its stale last gradient; here
+     the joined rank's shards get the step's true average.) zero_stage = 2 with uneven_inputs is refused.
+     Not with find_unused_parameters: ddp_reducer_create refuses it with DDP_ERR_INVALID_ARGUMENT.
 
    - ZeRO stage 2 (DeepSpeed stage 2: gradient memory 1/world): zero_stage = 2 is stage 1 (the same slice
      rule, shards, gather_params and program loop) with the gradients sharded too. The reducer keeps, per
@@ -204,7 +225,7 @@ typedef struct ddp_reducer_statistics {
     double total_comm_seconds; /* sums over all synchronised iterations */
     double total_wait_seconds;
     uint64_t shadowed_iterations; /* uneven_inputs: synchronised passes of the others that this rank shadowed
-                                     with zero gradients in ddp_reducer_join */
+                                     with zero gradients in ddp_reducer_join(_step) */
     /* wait_seconds split in two (last synchronised pass; see "Timing" above):
        straggler_wait_seconds + transfer_seconds == wait_seconds */
     double straggler_wait_seconds; /* waiting for a slower rank: until the last rank had all its gradients */
@@ -292,12 +313,26 @@ DDP_API ddp_result ddp_reducer_broadcast_buffers(ddp_reducer *r);
 /* ddp_reducer_join: this rank has no data left (uneven_inputs = 1; see "Uneven inputs" above). Collective:
    shadows the reducer's collectives of the ranks that still have data, with zero gradients, until every
    rank has called ddp_reducer_join; then every rank gets the parameters and buffers of the highest-ranked
-   last joiner. The program's gradients are left as they were. Return: DDP_SUCCESS when every rank has
-   joined; DDP_ERR_UNEVEN_INPUTS with join_fail_early while some rank still has data (every rank gets it,
+   last joiner (the loop of ddp_reducer_join_step). The program's gradients are left as they were. Under
+   zero_stage DDP_ERR_STATE: the optimizer must run between the steps, use ddp_reducer_join_step.
+   Return: DDP_SUCCESS when every rank has joined; DDP_ERR_UNEVEN_INPUTS with join_fail_early while some rank still has data (every rank gets it,
    naming the ranks and the step); DDP_ERR_MISMATCH when the ranks with data make different reducer calls
    (a no_sync pass against a synchronised one: every rank gets it); DDP_ERR_STATE without uneven_inputs or
    during a backward pass; any error of the collectives. */
 DDP_API ddp_result ddp_reducer_join(ddp_reducer *r);
+
+/* ddp_reducer_join_step: one step of ddp_reducer_join (uneven_inputs = 1). Collective with the ranks that
+   still have data: answers their buffer broadcasts and no_sync passes, shadows ONE synchronised backward
+   pass (zeros into its all-reduces, or with zero_stage its reduce-scatters) and returns with
+   *all_joined = 0; or, once every rank has joined, syncs the final model and buffers as ddp_reducer_join
+   does and returns *all_joined = 1. Under zero_stage = 1, after a return with *all_joined = 0 this rank's
+   owned gradient elements (ddp_reducer_shards' grad) hold that pass's average (the ranks with data's sum /
+   initial world size): run the optimizer on the shards, then ddp_reducer_gather_params, then call
+   join_step again (see "ZeRO" above). At stage 0 the loop may do nothing between the calls (that is
+   ddp_reducer_join). Errors: those of ddp_reducer_join (an error ends this rank's join; calling again
+   starts it anew); DDP_ERR_STATE when under zero_stage the last step's gather_params has not been called;
+   DDP_ERR_INVALID_ARGUMENT for a NULL all_joined. */
+DDP_API ddp_result ddp_reducer_join_step(ddp_reducer *r, int *all_joined);
 
 /* ddp_reducer_get_statistics: fill *out (see ddp_reducer_statistics). Waits for the last synchronised
    pass's timing exchange (every rank started it in end_backward; a small-message latency at most).

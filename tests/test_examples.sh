@@ -93,6 +93,13 @@ has "resumed from $T/zero.safetensors at step 5 (saved by 3 ranks) on 2 ranks" \
 run zero_adamw 2 --stage 2 --resume "$T/zero.safetensors"
 has "rank 0: AdamW state for 89 of 178 parameters in 4 slice(s); final weights vs the serial run: equal (rounding only)"
 ok "zero_adamw --save on 3 ranks, --resume on 2 with stage 1 and with stage 2 (consolidated AdamW state)"
+# the same with uneven data: rank r has 10 - 4r batches, rank 3 none; the joined ranks keep stepping their slices
+run zero_adamw 4 --uneven
+has "rank 0: 10 batches, then 0 steps as a joined rank; AdamW state for 45 of 178 parameters in 3 slice(s); final weights vs the serial run: equal (rounding only)" \
+  "rank 1: 6 batches, then 4 steps as a joined rank; AdamW state for 45 of 178 parameters in 2 slice(s); final weights vs the serial run: equal (rounding only)" \
+  "rank 2: 2 batches, then 8 steps as a joined rank; AdamW state for 45 of 178 parameters in 1 slice(s); final weights vs the serial run: equal (rounding only)" \
+  "rank 3: 0 batches, then 10 steps as a joined rank; AdamW state for 43 of 178 parameters in 1 slice(s); final weights vs the serial run: equal (rounding only)"
+ok "zero_adamw --uneven (ZeRO stage 1 with Join: the join_step loop)"
 
 # a crash at step 23, restarted by ddprun: resumes from step 20 and ends as a run that never crashed
 run checkpoint_resume 2 "$T/ck" --crash-at 0

@@ -5,8 +5,10 @@
 # unit, see reducer_torch.py), uneven inputs on 3 ranks (`with ddp.join():` against ddp_reducer_join, one rank
 # without data, no_sync steps; and throw_on_early_termination against join_fail_early) within 1e-5, ZeRO
 # (ZeroRedundancyOptimizer with AdamW against zero_stage = 1 + AdamW on the shards: weights, and
-# consolidate_state_dict's exp_avg / exp_avg_sq against ddp_reducer_consolidate_state's, within 1e-4), and the
-# bucket layouts against torch's own dist._compute_bucket_assignment_by_size.
+# consolidate_state_dict's exp_avg / exp_avg_sq against ddp_reducer_consolidate_state's, within 1e-4), ZeRO-1
+# with uneven inputs (ZeroRedundancyOptimizer(AdamW) + `with Join([ddp, opt]):` against zero_stage = 1 and the
+# ddp_reducer_join_step loop; torch's join hook patched to give the joined rank the averaged gradient, see
+# reducer_torch.py) within 1e-4, and the bucket layouts against torch's own dist._compute_bucket_assignment_by_size.
 # Skips (exit 77) only when /usr/bin/python3 cannot import torch.
 set -eu
 cd "$(dirname "$0")/.."

@@ -7,7 +7,10 @@
    alone and it shadowed exactly the synchronised passes it missed. On 2, 3 and 4 ranks, plain, views,
    no_sync accumulation, find_unused_parameters, bf16 compression and buffers. join_fail_early: every rank
    gets DDP_ERR_UNEVEN_INPUTS at the step where the first rank runs out, naming it, and the group and the
-   reducer stay usable. Ranks with data that disagree about no_sync: DDP_ERR_MISMATCH on every rank. */
+   reducer stay usable (also with zero_stage = 1, the joined ranks in ddp_reducer_join_step). Ranks with data
+   that disagree about no_sync: DDP_ERR_MISMATCH on every rank. ZeRO-1 with uneven inputs (the join_step
+   loop, AdamW on the shards of every rank, joined ones included) against a serial AdamW reference: see
+   "ZeRO stage 1 with uneven inputs" below. */
 #include "testlib.h"
 
 #define NP 4
@@ -135,7 +138,19 @@ static void train(ddp_group *g, const mode *md, const shards *sh) {
         float *gp = (float *)ddp_reducer_grad(red, p);
         for (i = 0; i < COUNT[p]; i++) gp[i] = before[p][i] = (float)(rank + 0.5 * (double)i);
     }
-    CHECK_OK(ddp_reducer_join(red), g);
+    if (md->accum > 1) { /* the loop ddp_reducer_join is, by hand: one return per synchronised pass shadowed
+                            (the no_sync passes and buffer broadcasts between them answered inside) */
+        int all_joined = 0, returns = 0;
+        for (;;) {
+            CHECK_OK(ddp_reducer_join_step(red, &all_joined), g);
+            if (all_joined) break;
+            returns++;
+        }
+        CHECK(returns == steps - mine, "%s rank %d: join_step returned %d times before all_joined, want %d", md->name, rank,
+              returns, steps - mine);
+    } else {
+        CHECK_OK(ddp_reducer_join(red), g);
+    }
     for (p = 0; p < NP; p++) {
         const float *gp = (const float *)ddp_reducer_grad(red, p);
         for (i = 0; i < COUNT[p]; i++) {
@@ -174,6 +189,7 @@ static int train_main(int rank, int n, void *arg) {
 /* ---- join_fail_early ---- */
 
 static float fw[8], fgw[8];
+static int fail_zero; /* the same with zero_stage = 1 (set before the ranks start) */
 
 static ddp_reducer *fail_model(ddp_group *g) {
     ddp_reducer *r;
@@ -181,6 +197,7 @@ static ddp_reducer *fail_model(ddp_group *g) {
     memset(&d, 0, sizeof d);
     d.uneven_inputs = 1;
     d.join_fail_early = 1;
+    d.zero_stage = fail_zero;
     CHECK_OK(ddp_reducer_create(g, &d, &r), g);
     CHECK_OK(ddp_reducer_add_param(r, "w", fw, fgw, 8, DDP_F32, NULL), g);
     CHECK_OK(ddp_reducer_finalize(r), g);
@@ -209,7 +226,12 @@ static int fail_main(int rank, int n, void *arg) {
     r = fail_model(g);
     for (s = 0; s < sh->len[rank] && s < first; s++) one_step(g, r, (float)rank);
     t0 = tl_now();
-    res = sh->len[rank] > first ? ddp_reducer_begin_backward(r) : ddp_reducer_join(r);
+    if (fail_zero && sh->len[rank] == first) {
+        int all_joined = 0;
+        res = ddp_reducer_join_step(r, &all_joined);
+    } else {
+        res = sh->len[rank] > first ? ddp_reducer_begin_backward(r) : ddp_reducer_join(r);
+    }
     CHECK(res == DDP_ERR_UNEVEN_INPUTS, "rank %d: %s (%s)", rank, ddp_result_string(res), ddp_last_error(g));
     CHECK(tl_now() - t0 < 10, "rank %d: the error took %.1f s", rank, tl_now() - t0);
     { /* "rank 1" or "ranks 2, 3": every rank whose shard is the shortest */
@@ -222,13 +244,28 @@ static int fail_main(int rank, int n, void *arg) {
     CHECK(strstr(ddp_last_error(g), want) != NULL, "rank %d: the message lacks \"%s\": %s", rank, want, ddp_last_error(g));
     snprintf(want, sizeof want, "ran out of data after %d step%s", first, first == 1 ? "" : "s");
     CHECK(strstr(ddp_last_error(g), want) != NULL, "rank %d: the message lacks \"%s\": %s", rank, want, ddp_last_error(g));
-    if (rank == 0) printf("  fail early, %d ranks, detected in %.1f ms: %s\n", n, (tl_now() - t0) * 1e3, ddp_last_error(g));
+    if (rank == 0) printf("  fail early%s, %d ranks, detected in %.1f ms: %s\n", fail_zero ? " (zero_stage 1, join_step)" : "",
+                          n, (tl_now() - t0) * 1e3, ddp_last_error(g));
     /* the group and the reducer are still usable: a collective, then a synchronised step on every rank */
     CHECK_OK(ddp_all_reduce(g, &ones, 1, DDP_F32, DDP_SUM), g);
     CHECK(ones == (float)n, "rank %d: all_reduce after the error gave %g", rank, (double)ones);
     one_step(g, r, (float)(rank + 1));
-    CHECK(fabsf(fgw[3] - (float)(n + 1) / 2.0f) < 1e-6f, "rank %d: the step after the error averaged %g", rank, (double)fgw[3]);
-    CHECK_OK(ddp_reducer_join(r), g); /* everyone at once: returns, nothing to shadow */
+    if (fail_zero) { /* the elements this rank owns are averaged */
+        const ddp_shard *sh;
+        int j, all_joined = 0, ns = ddp_reducer_shards(r, &sh);
+        size_t i;
+        for (j = 0; j < ns; j++)
+            for (i = 0; i < sh[j].count; i++)
+                CHECK(fabsf(((const float *)sh[j].grad)[i] - (float)(n + 1) / 2.0f) < 1e-6f, "rank %d: the step after the "
+                      "error averaged %g", rank, (double)((const float *)sh[j].grad)[i]);
+        CHECK_OK(ddp_reducer_gather_params(r), g);
+        CHECK_OK(ddp_reducer_join_step(r, &all_joined), g); /* everyone at once: returns, nothing to shadow */
+        CHECK(all_joined == 1, "rank %d: join_step with every rank joined returned all_joined = %d", rank, all_joined);
+    } else {
+        CHECK(fabsf(fgw[3] - (float)(n + 1) / 2.0f) < 1e-6f, "rank %d: the step after the error averaged %g", rank,
+              (double)fgw[3]);
+        CHECK_OK(ddp_reducer_join(r), g); /* everyone at once: returns, nothing to shadow */
+    }
     ddp_reducer_destroy(r);
     CHECK_OK(ddp_destroy(g), NULL);
     return 0;
@@ -290,9 +327,253 @@ static int disagree_main(int rank, int n, void *arg) {
     return 0;
 }
 
+/* ---- ZeRO stage 1 with uneven inputs: the join_step loop ----
+   Every rank runs AdamW on its shards only; a rank without data loops ddp_reducer_join_step, steps its
+   shards with the averaged gradients each call gives and calls gather_params with the others. Reference,
+   serial and computed here: one full model, and at step s the gradient sum over the ranks with data in
+   step s of their gradients / INITIAL world size, AdamW on every element (step counter s + 1). After
+   every step on every rank (with data or joined) the shards' gradients equal the reference's and every
+   parameter equals the reference model; a joined rank's gradient elements it does not own are untouched. */
+
+#define ZNP 4
+static const size_t ZCOUNT[ZNP] = {7, 333, 1001, 61}; /* no size divides 2, 3 or 4 */
+#define ZMAX 1001
+#define ZLR 1e-2f
+#define ZWD 1e-2f
+
+typedef struct zmode {
+    const char *name;
+    int view, accum, flat, buffers;
+    ddp_dtype comm;
+    double tol;
+} zmode;
+
+static const zmode ZMODES[] = {
+    {"zero1", 0, 1, 0, 0, DDP_DTYPE_DEFAULT, 1e-5},
+    {"zero1+accum+buffers", 0, 2, 0, 1, DDP_DTYPE_DEFAULT, 1e-5},
+    {"zero1+view", 1, 1, 0, 0, DDP_DTYPE_DEFAULT, 1e-5},
+    {"zero1+flat", 0, 1, 1, 0, DDP_DTYPE_DEFAULT, 1e-5},
+    {"zero1+bf16+view+accum", 1, 2, 0, 0, DDP_BF16, 2e-2},
+};
+
+/* AdamW (torch.optim.AdamW), step t from 1. */
+static void zadamw(float *p, const float *g, float *m, float *v, size_t n, int t) {
+    const float b1 = 0.9f, b2 = 0.999f, eps = 1e-8f;
+    float c1 = 1.0f - powf(b1, (float)t), c2 = 1.0f - powf(b2, (float)t);
+    size_t i;
+    for (i = 0; i < n; i++) {
+        p[i] -= ZLR * ZWD * p[i];
+        m[i] = b1 * m[i] + (1.0f - b1) * g[i];
+        v[i] = b2 * v[i] + (1.0f - b2) * g[i] * g[i];
+        p[i] -= ZLR * (m[i] / c1) / (sqrtf(v[i] / c2) + eps);
+    }
+}
+
+/* Rank r's gradient in step s, micro-batch m: a sign per element and step shared by every rank (the
+   average never cancels to rounding noise, which AdamW would magnify), a size per rank, and a term in
+   the parameter's value (a stale parameter shows). */
+static float zcontrib(int r, int s, int m, int p, size_t i, float param) {
+    float sign = ((s + p + (int)i) % 3) ? 1.0f : -1.0f;
+    return sign * (1.0f + (float)((r * 7 + s * 3 + m * 2 + p * 13 + (int)i * 5) % 11) * 0.125f) + 0.05f * param;
+}
+
+static int zclose(double got, double want, double tol) { return fabs(got - want) <= tol * (fabs(want) + 1.0); }
+
+typedef struct zref { /* the serial model */
+    float param[ZNP][ZMAX], m[ZNP][ZMAX], v[ZNP][ZMAX], grad[ZNP][ZMAX];
+} zref;
+
+/* The reference's step s: averaged gradient of the ranks with data, then AdamW on the whole model. */
+static void zref_step(zref *Z, const zmode *md, const shards *sh, int s) {
+    int p, r, m;
+    size_t i;
+    for (p = 0; p < ZNP; p++) {
+        for (i = 0; i < ZCOUNT[p]; i++) {
+            float sum = 0;
+            for (r = 0; r < sh->R; r++)
+                for (m = 0; sh->len[r] > s && m < md->accum; m++) sum += zcontrib(r, s, m, p, i, Z->param[p][i]);
+            Z->grad[p][i] = sum / (float)sh->R;
+        }
+        zadamw(Z->param[p], Z->grad[p], Z->m[p], Z->v[p], ZCOUNT[p], s + 1);
+    }
+}
+
+typedef struct zrun { /* one rank's ZeRO-1 model */
+    ddp_reducer *red;
+    float *param[ZNP], *grad[ZNP], *grads_memory, buf[2];
+    const ddp_shard *sh;
+    int n;
+    float **m, **v;
+} zrun;
+
+static void zrun_build(ddp_group *g, const zmode *md, zrun *Z) {
+    ddp_reducer_desc d;
+    size_t total = 0, i;
+    int p, j;
+    memset(&d, 0, sizeof d);
+    memset(Z, 0, sizeof *Z);
+    d.zero_stage = 1;
+    d.uneven_inputs = 1;
+    d.gradient_as_bucket_view = md->view;
+    d.comm_dtype = md->comm;
+    d.first_bucket_bytes = d.bucket_cap_bytes = 1024; /* several buckets, slices across parameters */
+    CHECK_OK(ddp_reducer_create(g, &d, &Z->red), g);
+    for (p = 0; p < ZNP; p++) total += ZCOUNT[p];
+    if (md->flat) CHECK((Z->grads_memory = (float *)calloc(total, sizeof(float))) != NULL, "out of memory");
+    for (p = 0, total = 0; p < ZNP; total += ZCOUNT[p], p++) {
+        char name[16];
+        snprintf(name, sizeof name, "p%d", p);
+        Z->param[p] = (float *)malloc(ZCOUNT[p] * sizeof(float));
+        Z->grad[p] = md->view ? NULL : md->flat ? Z->grads_memory + total : (float *)calloc(ZCOUNT[p], sizeof(float));
+        for (i = 0; i < ZCOUNT[p]; i++) Z->param[p][i] = ddp_rank(g) == 0 ? (float)init_value(p, i) : 99.0f;
+        CHECK_OK(ddp_reducer_add_param(Z->red, name, Z->param[p], Z->grad[p], ZCOUNT[p], DDP_F32, NULL), g);
+    }
+    if (md->buffers) CHECK_OK(ddp_reducer_add_buffer(Z->red, "running", Z->buf, 2, DDP_F32), g);
+    CHECK_OK(ddp_reducer_finalize(Z->red), g);
+    Z->n = ddp_reducer_shards(Z->red, &Z->sh);
+    CHECK(Z->n >= 0, "ddp_reducer_shards: %d", Z->n);
+    Z->m = (float **)calloc((size_t)Z->n + 1, sizeof *Z->m);
+    Z->v = (float **)calloc((size_t)Z->n + 1, sizeof *Z->v);
+    for (j = 0; j < Z->n; j++) { /* optimizer state for the shards only */
+        Z->m[j] = (float *)calloc(Z->sh[j].count, sizeof(float));
+        Z->v[j] = (float *)calloc(Z->sh[j].count, sizeof(float));
+    }
+}
+
+static void zrun_free(zrun *Z) {
+    int p, j;
+    ddp_reducer_destroy(Z->red);
+    for (j = 0; j < Z->n; j++) free(Z->m[j]), free(Z->v[j]);
+    free(Z->m), free(Z->v);
+    for (p = 0; p < ZNP; p++) {
+        free(Z->param[p]);
+        if (!Z->grads_memory) free(Z->grad[p]);
+    }
+    free(Z->grads_memory);
+}
+
+/* The program's optimizer step on its shards (AdamW step t), then gather_params. Checks the shards'
+   gradients against the reference's averaged gradient of that step first. */
+static void zrun_step(ddp_group *g, const zmode *md, const shards *sh, zrun *Z, const zref *R, int t, const char *who) {
+    int j;
+    size_t i;
+    for (j = 0; j < Z->n; j++) {
+        const ddp_shard *s = &Z->sh[j];
+        const float *gp = (const float *)s->grad;
+        for (i = 0; i < s->count; i++)
+            CHECK(zclose(gp[i], R->grad[s->param][s->offset + i], md->tol), "%s, %d ranks, rank %d (%s) step %d: shard grad "
+                  "p%d[%zu] = %.8g, reference %.8g", md->name, sh->R, ddp_rank(g), who, t, s->param, s->offset + i,
+                  (double)gp[i], (double)R->grad[s->param][s->offset + i]);
+        zadamw((float *)s->param_data, gp, Z->m[j], Z->v[j], s->count, t);
+    }
+    CHECK_OK(ddp_reducer_gather_params(Z->red), g);
+}
+
+static void zcheck_params(ddp_group *g, const zmode *md, const shards *sh, const zrun *Z, const zref *R, int s, const char *who) {
+    int p;
+    size_t i;
+    for (p = 0; p < ZNP; p++)
+        for (i = 0; i < ZCOUNT[p]; i++)
+            CHECK(zclose(Z->param[p][i], R->param[p][i], md->tol), "%s, %d ranks, rank %d (%s) after step %d: p%d[%zu] = %.8g, "
+                  "reference %.8g", md->name, sh->R, ddp_rank(g), who, s, p, i, (double)Z->param[p][i], (double)R->param[p][i]);
+}
+
+/* A joined rank's gradient elements outside its shards: set to a mark before the join, never written. */
+static void zmark_unowned(zrun *Z, int check, const char *what) {
+    static unsigned char owned[ZNP][ZMAX];
+    int p, j;
+    size_t i;
+    memset(owned, 0, sizeof owned);
+    for (j = 0; j < Z->n; j++) memset(&owned[Z->sh[j].param][Z->sh[j].offset], 1, Z->sh[j].count);
+    for (p = 0; p < ZNP; p++) {
+        float *gp = (float *)ddp_reducer_grad(Z->red, p);
+        for (i = 0; i < ZCOUNT[p]; i++) {
+            float mark = 1000.0f + (float)p + (float)i * 0.5f;
+            if (owned[p][i]) continue;
+            if (check) CHECK(gp[i] == mark, "%s: join_step wrote gradient p%d[%zu], which this rank does not own", what, p, i);
+            gp[i] = mark;
+        }
+    }
+}
+
+static void zero_train(ddp_group *g, const zmode *md, const shards *sh) {
+    int rank = ddp_rank(g), mine = sh->len[rank], steps = longest(sh), s, m, p, all_joined = 0;
+    zrun Z;
+    zref *R = (zref *)calloc(1, sizeof *R);
+    ddp_reducer_statistics st;
+    ddp_result res;
+    size_t i;
+    CHECK(R != NULL, "out of memory");
+    for (p = 0; p < ZNP; p++)
+        for (i = 0; i < ZCOUNT[p]; i++) R->param[p][i] = (float)init_value(p, i);
+    zrun_build(g, md, &Z);
+    for (s = 0; s < mine; s++) { /* the ranks with data: as always */
+        if (md->buffers) {
+            Z.buf[0] = Z.buf[1] = (float)(rank * 100 + s);
+            CHECK_OK(ddp_reducer_broadcast_buffers(Z.red), g);
+            CHECK(Z.buf[1] == (float)(highest_active(sh, s) * 100 + s), "%s rank %d step %d: buffer %g", md->name, rank, s,
+                  (double)Z.buf[1]);
+        }
+        for (m = 0; m < md->accum; m++) {
+            CHECK_OK(ddp_reducer_set_sync(Z.red, m == md->accum - 1), g);
+            CHECK_OK(ddp_reducer_begin_backward(Z.red), g);
+            for (p = ZNP - 1; p >= 0; p--) {
+                float *gp = (float *)ddp_reducer_grad(Z.red, p);
+                for (i = 0; i < ZCOUNT[p]; i++) gp[i] += zcontrib(rank, s, m, p, i, Z.param[p][i]);
+                CHECK_OK(ddp_reducer_grad_ready(Z.red, p), g);
+            }
+            CHECK_OK(ddp_reducer_end_backward(Z.red), g);
+        }
+        zref_step(R, md, sh, s);
+        zrun_step(g, md, sh, &Z, R, s + 1, "with data");
+        zcheck_params(g, md, sh, &Z, R, s, "with data");
+        CHECK_OK(ddp_reducer_zero_grad(Z.red), g);
+    }
+    res = ddp_reducer_join(Z.red); /* refused at once, nothing collective: the optimizer must run */
+    CHECK(res == DDP_ERR_STATE && strstr(ddp_last_error(g), "ddp_reducer_join_step"), "%s rank %d: ddp_reducer_join under "
+          "zero_stage: %s: %s", md->name, rank, ddp_result_string(res), ddp_last_error(g));
+    zmark_unowned(&Z, 0, md->name);
+    for (s = mine;; s++) { /* joined: shadow one step, step the shards, gather */
+        CHECK_OK(ddp_reducer_join_step(Z.red, &all_joined), g);
+        if (all_joined) break;
+        CHECK(s < steps, "%s rank %d: join_step shadowed step %d of %d", md->name, rank, s, steps);
+        zmark_unowned(&Z, 1, md->name);
+        if (s == mine) {
+            res = ddp_reducer_join_step(Z.red, &all_joined);
+            CHECK(res == DDP_ERR_STATE && strstr(ddp_last_error(g), "ddp_reducer_gather_params"), "%s rank %d: join_step "
+                  "before gather_params: %s: %s", md->name, rank, ddp_result_string(res), ddp_last_error(g));
+        }
+        zref_step(R, md, sh, s);
+        zrun_step(g, md, sh, &Z, R, s + 1, "joined");
+        zcheck_params(g, md, sh, &Z, R, s, "joined");
+    }
+    CHECK(s == steps, "%s rank %d: the join ended after step %d, the longest shard has %d", md->name, rank, s, steps);
+    zcheck_params(g, md, sh, &Z, R, s, "after the join");
+    CHECK(!md->buffers || Z.buf[0] == (float)(highest_active(sh, steps - 1) * 100 + steps - 1), "%s rank %d: buffer after "
+          "the join %g", md->name, rank, (double)Z.buf[0]);
+    CHECK_OK(ddp_reducer_get_statistics(Z.red, &st), g);
+    CHECK(st.shadowed_iterations == (uint64_t)(steps - mine) && st.iterations == (uint64_t)mine, "%s rank %d: shadowed "
+          "%llu, iterations %llu", md->name, rank, (unsigned long long)st.shadowed_iterations,
+          (unsigned long long)st.iterations);
+    zrun_free(&Z);
+    free(R);
+}
+
+static int zero_main(int rank, int n, void *arg) {
+    const shards *sh = (const shards *)arg;
+    ddp_group *g;
+    size_t k;
+    (void)rank, (void)n;
+    CHECK_OK(ddp_init(NULL, &g), NULL);
+    for (k = 0; k < sizeof ZMODES / sizeof ZMODES[0]; k++) zero_train(g, &ZMODES[k], sh);
+    CHECK_OK(ddp_destroy(g), NULL);
+    return 0;
+}
+
 int main(void) {
     static const shards TRAIN[] = {{2, {5, 3}}, {3, {4, 0, 6}}, {4, {3, 5, 0, 5}}, {3, {0, 4, 2}}, {1, {3}}};
     static const shards FAIL[] = {{3, {4, 2, 5}}, {2, {3, 0}}, {4, {3, 3, 1, 1}}};
+    static const shards ZERO[] = {{2, {3, 4}}, {3, {3, 0, 5}}, {4, {0, 4, 5, 6}}, {3, {3, 4, 5}}, {1, {3}}};
     size_t k;
     for (k = 0; k < sizeof TRAIN / sizeof TRAIN[0]; k++) {
         CHECK(tl_run_ranks(TRAIN[k].R, train_main, (void *)&TRAIN[k], 60) == 0, "join training, %d ranks", TRAIN[k].R);
@@ -302,6 +583,14 @@ int main(void) {
     }
     for (k = 0; k < sizeof FAIL / sizeof FAIL[0]; k++)
         CHECK(tl_run_ranks(FAIL[k].R, fail_main, (void *)&FAIL[k], 60) == 0, "join_fail_early, %d ranks", FAIL[k].R);
+    for (fail_zero = 1, k = 0; k < sizeof FAIL / sizeof FAIL[0]; k++)
+        CHECK(tl_run_ranks(FAIL[k].R, fail_main, (void *)&FAIL[k], 60) == 0, "join_fail_early, zero_stage 1, %d ranks", FAIL[k].R);
+    for (k = 0; k < sizeof ZERO / sizeof ZERO[0]; k++) {
+        CHECK(tl_run_ranks(ZERO[k].R, zero_main, (void *)&ZERO[k], 60) == 0, "ZeRO-1 join training, %d ranks", ZERO[k].R);
+        printf("ZeRO-1 + join_step, %d ranks, shards of", ZERO[k].R);
+        for (int r = 0; r < ZERO[k].R; r++) printf(" %d", ZERO[k].len[r]);
+        printf(" steps: every rank's AdamW on its shards equals the serial reference\n");
+    }
     CHECK(tl_run_ranks(2, disagree_main, NULL, 60) == 0, "no_sync disagreement");
     printf("test_reducer_join: ok\n");
     return 0;

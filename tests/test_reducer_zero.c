@@ -17,9 +17,10 @@
        grows to one buffer per bucket), ONE scratch gradient buffer shared by every parameter (each
        gradient computed into it just before grad_ready and overwritten with NaN just after), the shards'
        gradients in the reducer's memory (not the program's) and zeroed by zero_grad.
-   (c) the refused combinations: zero_stage 2 with gradient_as_bucket_view, uneven_inputs,
-       find_unused_parameters; gather_params without zero_stage; ranks with different zero_stage (0 against
-       1, 1 against 2): DDP_ERR_MISMATCH on every rank at finalize.
+   (c) the refused combinations: zero_stage 2 with gradient_as_bucket_view or uneven_inputs,
+       find_unused_parameters (stage 1 with uneven_inputs works: test_reducer_join); gather_params
+       without zero_stage; ranks with different zero_stage (0 against 1, 1 against 2): DDP_ERR_MISMATCH on
+       every rank at finalize.
    (d) gradient memory (statistics' gradient_bytes) for 64 buckets: stage 0 = the buckets, stage 1 = padded
        comm + slices, stage 2 = slices + 2 pool buffers <= stage 0 / world + the pool, each by its formula. */
 #include "testlib.h"
@@ -393,7 +394,6 @@ static int refuse_main(int rank, int n, void *arg) {
     CHECK_OK(ddp_init(NULL, &g), NULL);
     refused(g, 2, 0, 0, 1, "zero_stage = 2 with gradient_as_bucket_view = 1 is not supported");
     refused(g, 3, 0, 0, 0, "zero_stage 3 is not 0");
-    refused(g, 1, 1, 0, 0, "zero_stage = 1 with uneven_inputs = 1 is not supported");
     refused(g, 1, 0, 1, 0, "zero_stage = 1 with find_unused_parameters = 1 is not supported");
     refused(g, 2, 1, 0, 0, "zero_stage = 2 with uneven_inputs = 1 is not supported");
     refused(g, 2, 0, 1, 0, "zero_stage = 2 with find_unused_parameters = 1 is not supported");

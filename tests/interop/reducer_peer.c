@@ -10,7 +10,9 @@
        every rank stops with DDP_ERR_UNEVEN_INPUTS at the first run-out step) | zero (zero_stage = 1, buckets
        of 256 elements so that slices cut parameters, AdamW (torch's defaults, lr LR) on this rank's
        ddp_reducer_shards, gather_params; then ddp_reducer_consolidate_state gathers m and v to rank 0,
-       which writes DIR/ddp_exp_avg.bin and DIR/ddp_exp_avg_sq.bin, the parameters' order). Rank 0 writes
+       which writes DIR/ddp_exp_avg.bin and DIR/ddp_exp_avg_sq.bin, the parameters' order) | zerojoin
+       (zero_stage = 1 and uneven inputs: the same AdamW step and gather_params; out of data, the
+       ddp_reducer_join_step loop with that step and gather_params). Rank 0 writes
        DIR/ddp_final.bin; in the join variants the last rank does, which ran out first.
    reducer_peer layout FIRST CAP N SIZE... ORDER...
        One rank: N f32 parameters of SIZE elements; prints the initial bucket of each parameter, then runs
@@ -139,9 +141,10 @@ static void zero_save(const job *J, ddp_group *g, ddp_reducer *red, float *m, fl
 
 static int train_rank(int rank, int n, void *arg) {
     const job *J = (const job *)arg;
-    int join = !strncmp(J->variant, "join", 4), fail_early = !strcmp(J->variant, "joinfail");
-    int L = J->layers, k, step, micro, view = !strcmp(J->variant, "accum") || (join && !fail_early);
-    int steps = join ? rank_steps(J, rank) : J->steps, writer = join ? n - 1 : 0, zero = !strcmp(J->variant, "zero");
+    int zero = !strncmp(J->variant, "zero", 4), zerojoin = !strcmp(J->variant, "zerojoin");
+    int join = !strncmp(J->variant, "join", 4) || zerojoin, fail_early = !strcmp(J->variant, "joinfail");
+    int L = J->layers, k, step, micro, view = !strcmp(J->variant, "accum") || (join && !fail_early && !zero);
+    int steps = join ? rank_steps(J, rank) : J->steps, writer = join ? n - 1 : 0;
     size_t cnt[2 * MAXL], total = 0, off = 0, nx, nt;
     float *P[2 * MAXL], *G[2 * MAXL], *init, *data, *zm = NULL, *zv = NULL;
     ddp_group *g;
@@ -196,14 +199,24 @@ static int train_rank(int rank, int n, void *arg) {
             CHECK_OK(ddp_reducer_end_backward(red), g);
         }
         if (micro < J->accum) break; /* joinfail: every rank stops here */
-        if (zero) zero_step(g, red, zm, zv, step + 1, J->lr);
-        for (k = 0; k < 2 * L && !zero; k++) { /* re-read: views move after the first step */
+        if (zero) { /* AdamW on this rank's shards, gather_params */
+            zero_step(g, red, zm, zv, step + 1, J->lr);
+            CHECK_OK(ddp_reducer_zero_grad(red), g);
+            continue;
+        }
+        for (k = 0; k < 2 * L; k++) { /* re-read: views move after the first step */
             float *gk = (float *)ddp_reducer_grad(red, k);
             for (size_t i = 0; i < cnt[k]; i++) P[k][i] -= J->lr * gk[i];
         }
         CHECK_OK(ddp_reducer_zero_grad(red), g);
     }
-    if (join && step == steps) { /* out of data (joinfail: the ranks with data stopped above instead) */
+    while (zerojoin) { /* out of data: shadow the others' steps, still stepping this rank's shards */
+        int all_joined = 0;
+        CHECK_OK(ddp_reducer_join_step(red, &all_joined), g);
+        if (all_joined) break;
+        zero_step(g, red, zm, zv, ++step, J->lr); /* AdamW on the shards, gather_params */
+    }
+    if (join && !zero && step == steps) { /* out of data (joinfail: the ranks with data stopped above instead) */
         ddp_result res = ddp_reducer_join(red);
         if (fail_early) {
             CHECK(res == DDP_ERR_UNEVEN_INPUTS, "rank %d: join returned %s (%s)", rank, ddp_result_string(res), ddp_last_error(g));
@@ -212,7 +225,7 @@ static int train_rank(int rank, int n, void *arg) {
             CHECK_OK(res, g);
         }
     }
-    if (zero) zero_save(J, g, red, zm, zv, total);
+    if (zero && !zerojoin) zero_save(J, g, red, zm, zv, total);
     free(zm), free(zv);
     if (rank == writer) {
         char path[1024];
