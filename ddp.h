@@ -125,6 +125,7 @@
    [SECTION] hier: hierarchical all_reduce for a group that spans hosts with several ranks on a host src/hier.c
    [SECTION] mpi: the mpi backend, collectives through the MPI library (built with -DDDP_MPI) src/mpi.c
    [SECTION] nccl: the nccl backend, collectives on device memory through NCCL (built with -DDDP_CUDA) src/nccl.c
+   [SECTION] devbuf: device buffers on the cpu and mpi backends, staged through pinned host memory src/devbuf.c
    [SECTION] group: ddp_init (torch.distributed.init_process_group), launcher environments, src/group.c
    [SECTION] launcher: ddp_spawn (torch.multiprocessing.spawn) and ddprun (torchrun) src/launcher.c
    [SECTION] reducer: DistributedDataParallel's Reducer: model check, buckets, overlapped all-reduce src/reducer.c
@@ -1770,6 +1771,35 @@ DDP_API ddp_result ddp__cuda_nccl_wait(ddp__cuda_nccl *c, void *event, double ti
    ddp__cuda_nccl_wait returns at once with the error). Does not release the event. */
 DDP_API int ddp__cuda_nccl_test(ddp__cuda_nccl *c, void *event);
 
+/* ---- cuda-stage: device buffers on the cpu and mpi backends (src/devbuf.c), staged through pinned
+   host memory (torch's Gloo backend with CUDA tensors). These calls (and ddp__cuda_is_device_pointer
+   above) need no NCCL: ddp_cuda.cu defines them for every build, also for the tests' CPU harness. A
+   ddp__cuda_stage is one group's pinned staging memory: one call at a time uses it. ---- */
+typedef struct ddp__cuda_stage ddp__cuda_stage;
+
+/* ddp__cuda_stage_host: *host receives at least bytes of pinned host memory (cudaMallocHost) from *s,
+   which is made on first use (*s NULL) and grown when too small. It first waits for the copies that
+   the previous user of *s queued out of that memory (ddp__cuda_stage_queued), so a call never
+   overwrites what a queued copy still reads. Return: DDP_SUCCESS; DDP_ERR_OUT_OF_MEMORY; DDP_ERR_SYSTEM
+   when CUDA fails (the message has its text). */
+DDP_API ddp_result ddp__cuda_stage_host(ddp__cuda_stage **s, size_t bytes, void **host, char *err, size_t err_size);
+
+/* ddp__cuda_stage_copy: queue a copy of bytes from src to dst (device or pinned host memory, either
+   side: cudaMemcpyAsync with cudaMemcpyDefault) on stream (a cudaStream_t; NULL = the legacy default
+   stream). Return: DDP_SUCCESS or DDP_ERR_SYSTEM. */
+DDP_API ddp_result ddp__cuda_stage_copy(void *dst, const void *src, size_t bytes, void *stream, char *err, size_t err_size);
+
+/* ddp__cuda_stage_sync: wait until the work queued on stream so far is done (cudaStreamSynchronize). */
+DDP_API ddp_result ddp__cuda_stage_sync(void *stream, char *err, size_t err_size);
+
+/* ddp__cuda_stage_queued: the copies out of s's memory have been queued on stream: record an event
+   after them that the next ddp__cuda_stage_host waits for (when the event cannot be recorded there,
+   e.g. a stream of another device than the current one, it waits for the stream now instead). */
+DDP_API ddp_result ddp__cuda_stage_queued(ddp__cuda_stage *s, void *stream, char *err, size_t err_size);
+
+/* ddp__cuda_stage_free: wait for s's queued copies, free its pinned memory and s. NULL: no-op. */
+DDP_API void ddp__cuda_stage_free(ddp__cuda_stage *s);
+
 #endif /* DDP__CUDA_GLUE_INCLUDED */
 /* ==================== end src/cuda_glue.h ==================== */
 
@@ -2352,6 +2382,7 @@ struct ddp_group {
     ddp__shm *shm;         /* shm.c's segment, when the group's ranks share one host */
     struct ddp__mpi *mpi;  /* mpi.c's communicator on the mpi backend */
     struct ddp__nccl *nccl; /* nccl.c's communicator on the nccl backend */
+    struct ddp__devbuf *devbuf; /* devbuf.c: the stream and pinned memory that stage device buffers (NULL: none yet) */
     struct ddp__trace *trace; /* trace.c's flight recorder (NULL: off) */
     struct ddp__ck_async *ck_async; /* checkpoint.c's background save (NULL: no async save yet) */
 };
@@ -2534,6 +2565,34 @@ static DDP__UNUSED ddp_result ddp__nccl_built(char *err); /* can backend "nccl" 
 /* Give the connected group g an NCCL communicator (a subgroup: parent's device and stream) and install
    the nccl backend; host-memory calls keep going to the backend g had. Collective over g. */
 static DDP__UNUSED ddp_result ddp__nccl_attach(ddp_group *g, const struct ddp__nccl *parent);
+
+/* ---- devbuf.c: device buffers on the cpu and mpi backends, staged through pinned host memory ---- */
+/* What one staged call copies: up to two regions of device memory (a call's send and recv buffers, or
+   one when they overlap), each with its place in the group's pinned memory. */
+typedef struct ddp__devbuf_region {
+    char *device, *host;
+    size_t bytes;
+    int in, out; /* copied to host memory before the call / back to the device after it */
+} ddp__devbuf_region;
+typedef struct ddp__devbuf_plan {
+    int n;
+    ddp__devbuf_region region[2];
+} ddp__devbuf_plan;
+/* 1 when k (validated) has a buffer in device memory that g must stage (a build with DDP_CUDA, a group
+   of any backend but nccl); else 0. Looks at the buffers this rank reads or writes only. */
+static DDP__UNUSED int ddp__devbuf_wanted(ddp_group *g, const ddp__call *k);
+/* Stage k: copy its device buffers that the call reads into pinned host memory (on g's stream, then
+   wait for it) and make *host_call, k on the host copies. A failure breaks the group (c names the call). */
+static DDP__UNUSED ddp_result ddp__devbuf_stage(ddp_group *g, const ddp__call *k, const ddp__coll *c, ddp__call *host_call,
+                                                ddp__devbuf_plan *plan);
+/* After the host call succeeded: queue the copies of what it wrote back to the device on g's stream. */
+static DDP__UNUSED ddp_result ddp__devbuf_unstage(ddp_group *g, const ddp__coll *c, const ddp__devbuf_plan *plan);
+/* ddp_set_stream on a group that stages (every backend but nccl, with DDP_CUDA); the stream now set. */
+static DDP__UNUSED ddp_result ddp__devbuf_set_stream(ddp_group *g, void *stream);
+static DDP__UNUSED void *ddp__devbuf_stream(const ddp_group *g);
+/* A new subgroup starts with its parent's stream. */
+static DDP__UNUSED ddp_result ddp__devbuf_inherit(ddp_group *sub, const ddp_group *parent);
+static DDP__UNUSED void ddp__devbuf_free(ddp_group *g); /* waits for queued copies; g->devbuf = NULL */
 
 /* ---- group.c ---- */
 static DDP__UNUSED ddp_group *ddp__group_alloc(int rank, int world_size);
@@ -7513,6 +7572,19 @@ static ddp_result ddp__run(ddp_group *g, const ddp__backend *b, const ddp__call 
     return r;
 }
 
+/* Run k on backend b, through pinned host copies when a buffer of k is device memory on a group whose
+   backend takes host memory only (devbuf.c). On the calling thread (the async calls run such a call
+   here too: ddp__collective_async). */
+static ddp_result ddp__run_staged(ddp_group *g, const ddp__backend *b, const ddp__call *k, const ddp__coll *c) {
+    ddp__devbuf_plan plan;
+    ddp__call host_call;
+    ddp_result r;
+    if (g->broken || !ddp__devbuf_wanted(g, k)) return ddp__run(g, b, k, c);
+    if ((r = ddp__devbuf_stage(g, k, c, &host_call, &plan)) != DDP_SUCCESS) return r;
+    if ((r = ddp__run(g, b, &host_call, c)) != DDP_SUCCESS) return r;
+    return ddp__devbuf_unstage(g, c, &plan);
+}
+
 /* The sum of a split-size list (world entries), or UINT64_MAX when it passes 2^63 (too large anyway). */
 static uint64_t ddp__counts_sum(const size_t *counts, int n) {
     uint64_t sum = 0;
@@ -7723,7 +7795,7 @@ static ddp_result ddp__collective_on(ddp_group *g, const ddp__backend *b, const 
     ddp__drain(g);
     if (g->broken) return ddp__fail(g, DDP_ERR_STATE, "%s", ddp__broken_message(g, k, c_msg));
     ddp__fingerprint(g, k, &c);
-    r = ddp__run(g, b, k, &c);
+    r = ddp__run_staged(g, b, k, &c);
     if (r) return ddp__fail(g, r, "%s", g->broken_msg);
     return DDP_SUCCESS;
 }
@@ -7815,12 +7887,35 @@ static ddp_result ddp__enqueue(ddp_group *g, const ddp__call *k, const ddp__coll
     return DDP_SUCCESS;
 }
 
+/* An async call with device buffers on a group that stages them (devbuf.c): run now, after the queued
+   work, on the calling thread (the staging uses the caller's stream and the group's one pinned
+   area); the ddp_work returned is complete. A failure is returned here, with no work. */
+static ddp_result ddp__collective_staged(ddp_group *g, const ddp__call *k, ddp_work **out) {
+    ddp_work *w = (ddp_work *)ddp__calloc(1, sizeof *w);
+    ddp_result r;
+    if (!w) return ddp__fail(g, DDP_ERR_OUT_OF_MEMORY, "out of memory allocating a ddp_work");
+    if ((r = ddp__collective_on(g, g->backend, k)) != DDP_SUCCESS) {
+        ddp__free(w);
+        return r;
+    }
+    w->g = g;
+    w->call = *k;
+    w->done = 1;
+    if (!ddp__work_issue(g, w)) {
+        ddp__free(w);
+        return ddp__fail(g, DDP_ERR_OUT_OF_MEMORY, "out of memory recording a ddp_work (the collective completed)");
+    }
+    *out = w;
+    return DDP_SUCCESS;
+}
+
 static ddp_result ddp__collective_async(ddp_group *g, const ddp__call *k, ddp_work **out) {
     ddp_result r;
     if ((r = ddp__group_check(g, ddp__coll_name(k->kind))) != DDP_SUCCESS) return r;
     if (!out) return ddp__fail(g, DDP_ERR_INVALID_ARGUMENT, "%s_async: the ddp_work **out argument is NULL", ddp__coll_name(k->kind));
     *out = NULL;
     if ((r = ddp__validate(g, k)) != DDP_SUCCESS) return r;
+    if (ddp__devbuf_wanted(g, k)) return ddp__collective_staged(g, k, out);
     if (g->backend->enqueue && g->backend->enqueue(g, k, out, &r)) { /* the backend took it (nccl: device work) */
         if (r == DDP_SUCCESS && !ddp__work_issue(g, *out)) {
             r = ddp__fail(g, DDP_ERR_OUT_OF_MEMORY, "out of memory recording a ddp_work; the collective was queued: "
@@ -8079,7 +8174,7 @@ static ddp_result ddp__p2p(ddp_group *g, ddp__coll_kind kind, const void *send, 
     ddp__drain(g);
     ddp__p2p_describe(g, &k, &c, kind, send, recv, count, t, peer, tag);
     if (g->broken) return ddp__fail(g, DDP_ERR_STATE, "%s", ddp__broken_message(g, &k, msg));
-    if ((r = ddp__run(g, g->backend, &k, &c)) != DDP_SUCCESS) return ddp__fail(g, r, "%s", g->broken_msg);
+    if ((r = ddp__run_staged(g, g->backend, &k, &c)) != DDP_SUCCESS) return ddp__fail(g, r, "%s", g->broken_msg);
     return DDP_SUCCESS;
 }
 
@@ -8099,6 +8194,12 @@ static ddp_result ddp__p2p_async_check(ddp_group *g, const char *name, ddp__coll
     *out = NULL;
     if (g->broken) return ddp__fail(g, DDP_ERR_STATE, "%s: the group is broken by an earlier error and cannot be used; "
                                     "destroy it. The error was: %.800s", name, g->broken_msg);
+#if defined(DDP_CUDA)
+    if (count && !g->nccl && ddp__cuda_is_device_pointer(buf) == 1) /* devbuf.c stages within one call only */
+        return ddp__fail(g, DDP_ERR_UNSUPPORTED, "%s: the buffer is device memory; on backend \"%s\" device buffers are "
+                         "staged through host memory within a call, which %s outlives: use ddp_%s (staged), or copy "
+                         "the buffer to host memory", name, g->backend->family, name, kind == DDP__SEND ? "send" : "recv");
+#endif
     return DDP_SUCCESS;
 }
 
@@ -12082,9 +12183,7 @@ static int ddp__nccl_test_work(ddp_work *w) { return ddp__cuda_nccl_test(w->g->n
 DDP_API ddp_result ddp_set_stream(ddp_group *g, void *cuda_stream) {
     ddp_result r = ddp__group_check(g, "ddp_set_stream"); /* NULL: DDP_ERR_INVALID_ARGUMENT; destroyed: DDP_ERR_STATE */
     if (r) return r;
-    if (!g->nccl)
-        return ddp__fail(g, DDP_ERR_UNSUPPORTED, "ddp_set_stream: the group's backend is \"%s\"; CUDA streams belong to "
-                         "the nccl backend", g->backend->family);
+    if (!g->nccl) return ddp__devbuf_set_stream(g, cuda_stream); /* the stream that stages device buffers (devbuf.c) */
     ddp__cuda_nccl_set_stream(g->nccl->comm, cuda_stream);
     return DDP_SUCCESS;
 }
@@ -12229,12 +12328,256 @@ DDP_API ddp_result ddp_set_stream(ddp_group *g, void *cuda_stream) {
     ddp_result r = ddp__group_check(g, "ddp_set_stream");
     (void)cuda_stream;
     if (r) return r;
-    return ddp__fail(g, DDP_ERR_UNSUPPORTED, "ddp_set_stream: the group's backend is \"%s\"; CUDA streams belong to the "
-                     "nccl backend (a build with -DDDP_CUDA)", g->backend->family);
+    return ddp__fail(g, DDP_ERR_UNSUPPORTED, "ddp_set_stream: this build has no CUDA (the group's backend is \"%s\"): "
+                     "compile the implementation with -DDDP_CUDA and link ddp_cuda.o for device buffers and streams",
+                     g->backend->family);
 }
 
 #endif /* DDP_CUDA */
 /* ==================== end src/nccl.c ==================== */
+
+/* ==================== begin src/devbuf.c ==================== */
+/* [SECTION] devbuf: device buffers on the cpu and mpi backends, staged through pinned host memory
+   (torch's Gloo backend with CUDA tensors: ProcessGroupGloo copies them to pinned host memory on the
+   current stream, runs the host algorithm, and copies the result back)
+
+   In a build with -DDDP_CUDA (the implementation file) linked with ddp_cuda.o, every collective and
+   ddp_send / ddp_recv of a group whose backend is cpu (shm, tcp, hier) or mpi also takes buffers in
+   device memory (cudaMalloc'd or managed; ddp__cuda_is_device_pointer asks cudaPointerGetAttributes).
+   So several ranks can share one GPU (NCCL refuses two ranks on one device), and a machine with one GPU
+   runs a multi-rank job end to end. Each rank decides for itself: ranks may pass different kinds of
+   memory, and one buffer of a call may be host memory while the other is device memory.
+
+   One call, on the calling thread (collectives.c's ddp__run_staged):
+     1. the plan: the device buffers this rank reads or writes (send and recv, with their real extents:
+        count x world size where the count is per rank, the sums of the split sizes for the _v calls;
+        gather's recv and scatter's send on the root only), merged into one region when they overlap
+        (the in-place forms); a region is copied in when the call reads it (and always when merged),
+        copied out when it writes it;
+     2. the group's pinned memory (ddp__cuda_stage_host: cudaMallocHost, kept and grown as needed,
+        freed with the group) after the copies the previous call queued out of it are done;
+     3. device -> pinned copies on the group's stream (ddp_set_stream; NULL = the legacy default
+        stream), then cudaStreamSynchronize: the call reads what the caller's work queued on that
+        stream before the call wrote;
+     4. the host collective on the pinned copies, through the group's backend as any host call;
+     5. pinned -> device copies queued on the stream, and an event after them (waited for before the
+        pinned memory is used again). The call returns without waiting for them.
+   Ordering: the result is ready for the work queued on the group's stream after the call returns (as
+   NCCL's results are), and for the host after a cudaStreamSynchronize or a cudaMemcpy from that stream;
+   work on another stream must wait for the group's stream (an event) first, as with NCCL.
+   The async variants stage the same way inside the call: they return a ddp_work that is already
+   complete (ddp_wait returns its result at once). ddp_isend / ddp_irecv refuse device memory
+   (DDP_ERR_UNSUPPORTED): their buffers outlive the call, which one shared staging area cannot serve.
+   A CUDA failure while staging breaks the group (every rank fails, as for any error in a collective). */
+
+#ifdef DDP_CUDA
+
+struct ddp__devbuf {
+    void *stream;           /* cudaStream_t; NULL = the legacy default stream */
+    ddp__cuda_stage *stage; /* ddp_cuda.cu's pinned memory; NULL until the first staged call */
+};
+
+static struct ddp__devbuf *ddp__devbuf_of(ddp_group *g) {
+    if (!g->devbuf) g->devbuf = (struct ddp__devbuf *)ddp__calloc(1, sizeof *g->devbuf);
+    return g->devbuf;
+}
+
+static uint64_t ddp__devbuf_sum(const size_t *counts, int n) {
+    uint64_t sum = 0;
+    int i;
+    for (i = 0; i < n; i++) sum += (uint64_t)counts[i]; /* validated: the sums fit */
+    return sum;
+}
+
+/* The elements of k's send and recv buffers that this rank reads or writes (0: none), and whether the
+   call reads recv (the in-place calls) and writes it (every call but broadcast on its root). */
+static void ddp__devbuf_extents(const ddp_group *g, const ddp__call *k, uint64_t *send_n, uint64_t *recv_n, int *recv_in,
+                                int *recv_out) {
+    uint64_t n = (uint64_t)g->world_size, count = (uint64_t)k->count;
+    int root = g->rank == k->root;
+    *send_n = 0, *recv_n = 0, *recv_in = 0, *recv_out = 1;
+    switch (k->kind) {
+    case DDP__ALL_REDUCE:
+    case DDP__REDUCE: *recv_n = count, *recv_in = 1; break; /* reduce: the non-roots' buffers as the backend leaves them */
+    case DDP__BROADCAST: *recv_n = count, *recv_in = root, *recv_out = !root; break;
+    case DDP__ALL_GATHER: *send_n = count, *recv_n = count * n; break;
+    case DDP__REDUCE_SCATTER: *send_n = count * n, *recv_n = count; break;
+    case DDP__GATHER: *send_n = count, *recv_n = root ? count * n : 0; break;
+    case DDP__SCATTER: *send_n = root ? count * n : 0, *recv_n = count; break;
+    case DDP__ALL_TO_ALL: *send_n = count * n, *recv_n = count * n; break;
+    case DDP__ALL_TO_ALL_V:
+        *send_n = ddp__devbuf_sum(k->send_counts, g->world_size);
+        *recv_n = ddp__devbuf_sum(k->recv_counts, g->world_size);
+        break;
+    case DDP__ALL_GATHER_V: *send_n = count, *recv_n = ddp__devbuf_sum(k->recv_counts, g->world_size); break;
+    case DDP__SEND: *send_n = count; break;
+    case DDP__RECV: *recv_n = count; break;
+    default: break; /* barrier, monitored_barrier, broadcast_bytes: no buffers of the caller's */
+    }
+}
+
+static int ddp__devbuf_is_device(const void *p, uint64_t elements) {
+    return elements && p && ddp__cuda_is_device_pointer(p) == 1;
+}
+
+static int ddp__devbuf_wanted(ddp_group *g, const ddp__call *k) {
+    uint64_t send_n, recv_n;
+    int recv_in, recv_out;
+    if (g->nccl) return 0; /* NCCL takes device memory itself */
+    ddp__devbuf_extents(g, k, &send_n, &recv_n, &recv_in, &recv_out);
+    return ddp__devbuf_is_device(k->send, send_n) || ddp__devbuf_is_device(k->buf, recv_n);
+}
+
+/* Step 1: the regions. Two regions that overlap become one, copied in (it holds what the call reads)
+   and out (it holds what it writes). */
+static void ddp__devbuf_plan_of(const ddp_group *g, const ddp__call *k, ddp__devbuf_plan *plan) {
+    uint64_t send_n, recv_n;
+    size_t es = ddp_dtype_size(k->dtype);
+    int recv_in, recv_out;
+    ddp__devbuf_region *a, *b;
+    memset(plan, 0, sizeof *plan);
+    ddp__devbuf_extents(g, k, &send_n, &recv_n, &recv_in, &recv_out);
+    if (ddp__devbuf_is_device(k->send, send_n)) {
+        a = &plan->region[plan->n++];
+        a->device = (char *)k->send, a->bytes = (size_t)send_n * es, a->in = 1;
+    }
+    if (ddp__devbuf_is_device(k->buf, recv_n)) {
+        a = &plan->region[plan->n++];
+        a->device = (char *)k->buf, a->bytes = (size_t)recv_n * es, a->in = recv_in, a->out = recv_out;
+    }
+    if (plan->n < 2) return;
+    a = &plan->region[0], b = &plan->region[1];
+    if (a->device < b->device + b->bytes && b->device < a->device + a->bytes) {
+        char *lo = DDP__MIN(a->device, b->device), *hi = DDP__MAX(a->device + a->bytes, b->device + b->bytes);
+        a->out |= b->out;
+        a->in = 1;
+        a->device = lo, a->bytes = (size_t)(hi - lo);
+        plan->n = 1;
+    }
+}
+
+/* Where p (a device pointer of a region, or host memory) is for the host call. */
+static void *ddp__devbuf_host_of(const ddp__devbuf_plan *plan, const void *p) {
+    int i;
+    for (i = 0; p && i < plan->n; i++) {
+        const ddp__devbuf_region *r = &plan->region[i];
+        if ((const char *)p >= r->device && (const char *)p < r->device + r->bytes)
+            return r->host + ((const char *)p - r->device);
+    }
+    return (void *)p;
+}
+
+static ddp_result ddp__devbuf_fail(ddp_group *g, const ddp__coll *c, ddp_result r, const char *step, const char *err) {
+    char desc[160];
+    ddp__coll_describe(g, c, desc, sizeof desc);
+    return ddp__coll_fail(g, r, "%s on rank %d: %s device memory through pinned host memory failed: %s", desc, g->rank,
+                          step, err);
+}
+
+static ddp_result ddp__devbuf_stage(ddp_group *g, const ddp__call *k, const ddp__coll *c, ddp__call *host_call,
+                                     ddp__devbuf_plan *plan) {
+    char err[DDP__ERR_MAX] = "";
+    struct ddp__devbuf *d = ddp__devbuf_of(g);
+    size_t total = 0, at = 0;
+    char *host = NULL;
+    ddp_result r = DDP_SUCCESS;
+    int i, copied = 0;
+    if (!d) return ddp__coll_fail(g, DDP_ERR_OUT_OF_MEMORY, "rank %d: out of memory staging device buffers", g->rank);
+    ddp__devbuf_plan_of(g, k, plan);
+    for (i = 0; i < plan->n; i++) total += (plan->region[i].bytes + 63) & ~(size_t)63; /* each region 64-byte aligned */
+    if ((r = ddp__cuda_stage_host(&d->stage, total ? total : 1, (void **)&host, err, sizeof err)) != DDP_SUCCESS)
+        return ddp__devbuf_fail(g, c, r, "staging", err);
+    for (i = 0; i < plan->n && r == DDP_SUCCESS; i++) {
+        ddp__devbuf_region *reg = &plan->region[i];
+        reg->host = host + at;
+        at += (reg->bytes + 63) & ~(size_t)63;
+        if (reg->in && reg->bytes) {
+            r = ddp__cuda_stage_copy(reg->host, reg->device, reg->bytes, d->stream, err, sizeof err);
+            copied = 1;
+        }
+    }
+    if (r == DDP_SUCCESS && copied) r = ddp__cuda_stage_sync(d->stream, err, sizeof err);
+    if (r != DDP_SUCCESS) return ddp__devbuf_fail(g, c, r, "copying", err);
+    *host_call = *k;
+    host_call->send = ddp__devbuf_host_of(plan, k->send);
+    host_call->buf = ddp__devbuf_host_of(plan, k->buf);
+    return DDP_SUCCESS;
+}
+
+static ddp_result ddp__devbuf_unstage(ddp_group *g, const ddp__coll *c, const ddp__devbuf_plan *plan) {
+    char err[DDP__ERR_MAX] = "";
+    struct ddp__devbuf *d = g->devbuf;
+    ddp_result r = DDP_SUCCESS;
+    int i, copied = 0;
+    for (i = 0; i < plan->n && r == DDP_SUCCESS; i++) {
+        const ddp__devbuf_region *reg = &plan->region[i];
+        if (!reg->out || !reg->bytes) continue;
+        r = ddp__cuda_stage_copy(reg->device, reg->host, reg->bytes, d->stream, err, sizeof err);
+        copied = 1;
+    }
+    if (r == DDP_SUCCESS && copied) r = ddp__cuda_stage_queued(d->stage, d->stream, err, sizeof err);
+    return r == DDP_SUCCESS ? r : ddp__devbuf_fail(g, c, r, "copying the result back to", err);
+}
+
+static ddp_result ddp__devbuf_set_stream(ddp_group *g, void *stream) {
+    struct ddp__devbuf *d = ddp__devbuf_of(g);
+    if (!d) return ddp__fail(g, DDP_ERR_OUT_OF_MEMORY, "ddp_set_stream: out of memory");
+    d->stream = stream;
+    return DDP_SUCCESS;
+}
+
+static void *ddp__devbuf_stream(const ddp_group *g) { return g->devbuf ? g->devbuf->stream : NULL; }
+
+static ddp_result ddp__devbuf_inherit(ddp_group *sub, const ddp_group *parent) {
+    if (!parent->devbuf || !parent->devbuf->stream) return DDP_SUCCESS;
+    return ddp__devbuf_set_stream(sub, parent->devbuf->stream);
+}
+
+static void ddp__devbuf_free(ddp_group *g) {
+    if (!g->devbuf) return;
+    ddp__cuda_stage_free(g->devbuf->stage);
+    ddp__free(g->devbuf);
+    g->devbuf = NULL;
+}
+
+#else /* !DDP_CUDA: every pointer is host memory */
+
+struct ddp__devbuf {
+    int unused;
+};
+
+static int ddp__devbuf_wanted(ddp_group *g, const ddp__call *k) {
+    (void)g, (void)k;
+    return 0;
+}
+static ddp_result ddp__devbuf_stage(ddp_group *g, const ddp__call *k, const ddp__coll *c, ddp__call *host_call,
+                                     ddp__devbuf_plan *plan) {
+    (void)c;
+    memset(plan, 0, sizeof *plan);
+    *host_call = *k;
+    (void)g;
+    return DDP_SUCCESS;
+}
+static ddp_result ddp__devbuf_unstage(ddp_group *g, const ddp__coll *c, const ddp__devbuf_plan *plan) {
+    (void)g, (void)c, (void)plan;
+    return DDP_SUCCESS;
+}
+static ddp_result ddp__devbuf_set_stream(ddp_group *g, void *stream) {
+    (void)stream;
+    return ddp__fail(g, DDP_ERR_UNSUPPORTED, "ddp_set_stream: CUDA streams need a build with -DDDP_CUDA");
+}
+static void *ddp__devbuf_stream(const ddp_group *g) {
+    (void)g;
+    return NULL;
+}
+static ddp_result ddp__devbuf_inherit(ddp_group *sub, const ddp_group *parent) {
+    (void)sub, (void)parent;
+    return DDP_SUCCESS;
+}
+static void ddp__devbuf_free(ddp_group *g) { (void)g; }
+
+#endif /* DDP_CUDA */
+/* ==================== end src/devbuf.c ==================== */
 
 /* ==================== begin src/group.c ==================== */
 /* [SECTION] group: ddp_init (torch.distributed.init_process_group), launcher environments,
@@ -13181,6 +13524,7 @@ static void ddp__group_free(ddp_group *g) {
     pthread_mutex_destroy(&g->mesh.p2p_mu);
     pthread_cond_destroy(&g->async.cv);
     ddp__free(g->scratch);
+    ddp__devbuf_free(g);
     ddp__p2p_stash_free(g);
     ddp__free(g->mesh.peers);
     ddp__free(g->mesh.linked);
@@ -13619,6 +13963,11 @@ DDP_API ddp_result ddp_new_group(ddp_group *g, const int *ranks, int n, ddp_grou
     snprintf(name, sizeof name, "sub%llu", (unsigned long long)g->member.subgroups_made);
     if ((r = ddp__subgroup_open(g, ranks, n, me, name, comm, "ddp_new_group", &sub)) != DDP_SUCCESS) return r;
     if (g->nccl && (r = ddp__nccl_attach(sub, g->nccl)) != DDP_SUCCESS) { /* its own communicator */
+        ddp__fail(g, r, "ddp_new_group: %s", sub->error);
+        ddp_destroy(sub);
+        return r;
+    }
+    if (!g->nccl && (r = ddp__devbuf_inherit(sub, g)) != DDP_SUCCESS) { /* the stream that stages device buffers */
         ddp__fail(g, r, "ddp_new_group: %s", sub->error);
         ddp_destroy(sub);
         return r;
