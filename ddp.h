@@ -37,7 +37,8 @@
        DDP_MALLOC(sz) DDP_REALLOC(p,sz) DDP_FREE(p)
                                allocator hooks; define all three or none
        DDP_ASSERT(x)           internal invariant checks (default: assert from <assert.h>)
-       DDP_CUDA                declare the ddp_cuda.cu entry points (build ddp_cuda.cu with nvcc)
+       DDP_CUDA                declare the ddp_cuda.cu entry points (build ddp_cuda.cu with nvcc); backend
+                               nccl; device buffers on the cpu and mpi backends (staged: ddp_set_stream)
        DDP_MPI                 add the MPI backend (compile with mpicc)
 
    ENVIRONMENT (what the library reads; where ddp_init_desc has a field for one, the field wins)
@@ -92,6 +93,8 @@
        util, dtype, net, auth, store    errors and logging; element types; sockets; the key-value store
        transport                        framed messages between ranks over a TCP mesh, abort propagation
        collectives                      the public collectives: validate, fingerprint, dispatch, async work
+       devbuf                           device buffers on backends without NCCL: pinned host copies
+                                        around the call (collectives.c's ddp__run_staged)
        backends: tcp, shm, hier, mpi, nccl   each fills one ddp__backend table (run, enqueue, wait, test,
                                         close, and the reducer's memory functions); collectives.c reaches
                                         a backend only through it, and backends set up through internal
@@ -322,6 +325,8 @@ DDP_API uint16_t ddp_f32_to_bf16(float f);
    x element size, x world size for all_gather / reduce_scatter) would reach 2^47 bytes (128 TiB) is
    DDP_ERR_INVALID_ARGUMENT, naming the count and the limit. In-place: pass the same pointer
    (all_gather / reduce_scatter: send may alias this rank's slice of recv, or recv itself).
+   Buffers are host memory; in a build with -DDDP_CUDA also device memory: NCCL's on the nccl backend,
+   staged through pinned host memory on the cpu and mpi backends (ddp_set_stream says how).
    Thread safety: a group's collectives must be issued from one thread at a time, in one order. */
 
 /* buf <- op over all ranks' buf */
@@ -385,14 +390,15 @@ DDP_API ddp_result ddp_monitored_barrier(ddp_group *g, double timeout_seconds);
    receive while its peer does the same, in either order. A send and its recv must come in the same
    order relative to the collectives on both ranks: a recv that meets the peer's next collective instead
    of the message is DDP_ERR_MISMATCH. dst / src must be another rank of g. On the nccl backend: host
-   memory only so far. */
+   memory only so far; on the cpu and mpi backends device memory is staged (ddp_set_stream). */
 DDP_API ddp_result ddp_send(ddp_group *g, const void *buf, size_t count, ddp_dtype t, int dst, int tag);
 DDP_API ddp_result ddp_recv(ddp_group *g, void *buf, size_t count, ddp_dtype t, int src, int tag);
 /* isend / irecv: return at once with a handle for ddp_wait / ddp_test. An isend is queued with the group's
    async collectives (in issue order); an irecv is posted at once, and any later call that reads the
    connections (a queued call, a collective over TCP, a send, ddp_wait, ddp_test) may finish it, so every
    rank may post its irecv before its isend. The buffer must stay valid and untouched until ddp_wait
-   returns. On the mpi backend they are MPI_Isend / MPI_Irecv. */
+   returns. On the mpi backend they are MPI_Isend / MPI_Irecv. Host memory only (device memory is
+   DDP_ERR_UNSUPPORTED: use ddp_send / ddp_recv, which stage it). */
 DDP_API ddp_result ddp_isend(ddp_group *g, const void *buf, size_t count, ddp_dtype t, int dst, int tag, ddp_work **w);
 DDP_API ddp_result ddp_irecv(ddp_group *g, void *buf, size_t count, ddp_dtype t, int src, int tag, ddp_work **w);
 
@@ -433,13 +439,24 @@ DDP_API ddp_result ddp_wait(ddp_work *w);
    ddp_wait fails at once (the reason is in ddp_last_error(NULL)). Does not release w. */
 DDP_API int ddp_test(ddp_work *w);
 
-/* ddp_set_stream: the CUDA stream (a cudaStream_t) that the nccl backend queues g's collectives on
-   (torch orders NCCL work after the current stream). NULL = the legacy default stream, the initial
-   setting. On the nccl backend, buffers in device memory go to NCCL: a collective is queued on the
-   stream after the caller's earlier work there, and the synchronous call returns once it has completed
-   (ddp_wait, for the async variants); buffers in host memory run on the cpu path. Subgroups made later
-   start with g's stream. Return: DDP_SUCCESS; DDP_ERR_UNSUPPORTED on a group of another backend;
-   DDP_ERR_INVALID_ARGUMENT for a NULL group. Thread safety: as the collectives. */
+/* ddp_set_stream: the CUDA stream (a cudaStream_t) that g's work on device memory is ordered on (torch
+   uses the current stream). NULL = the legacy default stream, the initial setting. Needs a build with
+   -DDDP_CUDA (the implementation file) linked with ddp_cuda.o.
+   On the nccl backend, buffers in device memory go to NCCL: a collective is queued on the stream after
+   the caller's earlier work there, and the synchronous call returns once it has completed (ddp_wait,
+   for the async variants); buffers in host memory run on the cpu path.
+   On the cpu and mpi backends (torch's Gloo with CUDA tensors), every collective and ddp_send /
+   ddp_recv also takes device buffers (cudaMalloc'd or managed; either buffer of a call, on any rank):
+   they are staged through pinned host memory (cudaMallocHost, kept by the group and grown as needed,
+   freed with it): copied to it on the stream after the caller's earlier work there (then the call
+   waits for the stream), the host collective runs, and the result is copied back to device memory
+   queued on the stream. The call returns once the host collective is done: the result is ready for
+   work queued on the stream after the call (and for the host after a cudaStreamSynchronize of it).
+   The async variants stage inside the call and return completed work; ddp_isend / ddp_irecv refuse
+   device memory (DDP_ERR_UNSUPPORTED). So several ranks can share one GPU (NCCL refuses that) and one
+   GPU runs a multi-rank job. Subgroups made later start with g's stream. Return: DDP_SUCCESS;
+   DDP_ERR_UNSUPPORTED in a build without DDP_CUDA; DDP_ERR_INVALID_ARGUMENT for a NULL group.
+   Thread safety: as the collectives. */
 DDP_API ddp_result ddp_set_stream(ddp_group *g, void *cuda_stream);
 
 /* ---- Library buffers (single-copy collectives) ----------------------------------------------
@@ -1831,6 +1848,8 @@ DDP_API void ddp__cuda_stage_free(ddp__cuda_stage *s);
          shm                      shared memory among the ranks of one host
          hier                     hierarchical all_reduce for groups that span hosts
          mpi, nccl                MPI and NCCL libraries
+       devbuf                   device buffers on the backends without NCCL, staged through pinned host
+                                memory around the backend's run (collectives.c calls it; DDP_CUDA)
        group                    ddp_init, rendezvous, the table of ranks, which backend a group gets, subgroups
        launcher                 ddp_spawn, ddprun
        reducer, sampler, syncbn, safetensors, checkpoint    built on the public API
@@ -12467,11 +12486,13 @@ static void *ddp__devbuf_host_of(const ddp__devbuf_plan *plan, const void *p) {
     return (void *)p;
 }
 
+/* A CUDA failure while staging breaks the group; step says which (the message names the call and rank). */
 static ddp_result ddp__devbuf_fail(ddp_group *g, const ddp__coll *c, ddp_result r, const char *step, const char *err) {
     char desc[160];
     ddp__coll_describe(g, c, desc, sizeof desc);
-    return ddp__coll_fail(g, r, "%s on rank %d: %s device memory through pinned host memory failed: %s", desc, g->rank,
-                          step, err);
+    return ddp__coll_fail(g, r, "%s on rank %d: %s failed: %s (backend %s stages device buffers through pinned host "
+                          "memory: is each buffer device memory of at least the call's elements?)", desc, g->rank, step,
+                          err, g->backend->family);
 }
 
 static ddp_result ddp__devbuf_stage(ddp_group *g, const ddp__call *k, const ddp__coll *c, ddp__call *host_call,
@@ -12486,7 +12507,7 @@ static ddp_result ddp__devbuf_stage(ddp_group *g, const ddp__call *k, const ddp_
     ddp__devbuf_plan_of(g, k, plan);
     for (i = 0; i < plan->n; i++) total += (plan->region[i].bytes + 63) & ~(size_t)63; /* each region 64-byte aligned */
     if ((r = ddp__cuda_stage_host(&d->stage, total ? total : 1, (void **)&host, err, sizeof err)) != DDP_SUCCESS)
-        return ddp__devbuf_fail(g, c, r, "staging", err);
+        return ddp__devbuf_fail(g, c, r, "getting pinned host memory to stage device buffers", err);
     for (i = 0; i < plan->n && r == DDP_SUCCESS; i++) {
         ddp__devbuf_region *reg = &plan->region[i];
         reg->host = host + at;
@@ -12497,7 +12518,7 @@ static ddp_result ddp__devbuf_stage(ddp_group *g, const ddp__call *k, const ddp_
         }
     }
     if (r == DDP_SUCCESS && copied) r = ddp__cuda_stage_sync(d->stream, err, sizeof err);
-    if (r != DDP_SUCCESS) return ddp__devbuf_fail(g, c, r, "copying", err);
+    if (r != DDP_SUCCESS) return ddp__devbuf_fail(g, c, r, "copying device memory to pinned host memory", err);
     *host_call = *k;
     host_call->send = ddp__devbuf_host_of(plan, k->send);
     host_call->buf = ddp__devbuf_host_of(plan, k->buf);
@@ -12516,7 +12537,8 @@ static ddp_result ddp__devbuf_unstage(ddp_group *g, const ddp__coll *c, const dd
         copied = 1;
     }
     if (r == DDP_SUCCESS && copied) r = ddp__cuda_stage_queued(d->stage, d->stream, err, sizeof err);
-    return r == DDP_SUCCESS ? r : ddp__devbuf_fail(g, c, r, "copying the result back to", err);
+    if (r == DDP_SUCCESS) return r;
+    return ddp__devbuf_fail(g, c, r, "copying the result from pinned host memory to device memory", err);
 }
 
 static ddp_result ddp__devbuf_set_stream(ddp_group *g, void *stream) {

@@ -129,11 +129,13 @@ static void *ddp__devbuf_host_of(const ddp__devbuf_plan *plan, const void *p) {
     return (void *)p;
 }
 
+/* A CUDA failure while staging breaks the group; step says which (the message names the call and rank). */
 static ddp_result ddp__devbuf_fail(ddp_group *g, const ddp__coll *c, ddp_result r, const char *step, const char *err) {
     char desc[160];
     ddp__coll_describe(g, c, desc, sizeof desc);
-    return ddp__coll_fail(g, r, "%s on rank %d: %s device memory through pinned host memory failed: %s", desc, g->rank,
-                          step, err);
+    return ddp__coll_fail(g, r, "%s on rank %d: %s failed: %s (backend %s stages device buffers through pinned host "
+                          "memory: is each buffer device memory of at least the call's elements?)", desc, g->rank, step,
+                          err, g->backend->family);
 }
 
 static ddp_result ddp__devbuf_stage(ddp_group *g, const ddp__call *k, const ddp__coll *c, ddp__call *host_call,
@@ -148,7 +150,7 @@ static ddp_result ddp__devbuf_stage(ddp_group *g, const ddp__call *k, const ddp_
     ddp__devbuf_plan_of(g, k, plan);
     for (i = 0; i < plan->n; i++) total += (plan->region[i].bytes + 63) & ~(size_t)63; /* each region 64-byte aligned */
     if ((r = ddp__cuda_stage_host(&d->stage, total ? total : 1, (void **)&host, err, sizeof err)) != DDP_SUCCESS)
-        return ddp__devbuf_fail(g, c, r, "staging", err);
+        return ddp__devbuf_fail(g, c, r, "getting pinned host memory to stage device buffers", err);
     for (i = 0; i < plan->n && r == DDP_SUCCESS; i++) {
         ddp__devbuf_region *reg = &plan->region[i];
         reg->host = host + at;
@@ -159,7 +161,7 @@ static ddp_result ddp__devbuf_stage(ddp_group *g, const ddp__call *k, const ddp_
         }
     }
     if (r == DDP_SUCCESS && copied) r = ddp__cuda_stage_sync(d->stream, err, sizeof err);
-    if (r != DDP_SUCCESS) return ddp__devbuf_fail(g, c, r, "copying", err);
+    if (r != DDP_SUCCESS) return ddp__devbuf_fail(g, c, r, "copying device memory to pinned host memory", err);
     *host_call = *k;
     host_call->send = ddp__devbuf_host_of(plan, k->send);
     host_call->buf = ddp__devbuf_host_of(plan, k->buf);
@@ -178,7 +180,8 @@ static ddp_result ddp__devbuf_unstage(ddp_group *g, const ddp__coll *c, const dd
         copied = 1;
     }
     if (r == DDP_SUCCESS && copied) r = ddp__cuda_stage_queued(d->stage, d->stream, err, sizeof err);
-    return r == DDP_SUCCESS ? r : ddp__devbuf_fail(g, c, r, "copying the result back to", err);
+    if (r == DDP_SUCCESS) return r;
+    return ddp__devbuf_fail(g, c, r, "copying the result from pinned host memory to device memory", err);
 }
 
 static ddp_result ddp__devbuf_set_stream(ddp_group *g, void *stream) {

@@ -18,6 +18,8 @@
          shm                      shared memory among the ranks of one host
          hier                     hierarchical all_reduce for groups that span hosts
          mpi, nccl                MPI and NCCL libraries
+       devbuf                   device buffers on the backends without NCCL, staged through pinned host
+                                memory around the backend's run (collectives.c calls it; DDP_CUDA)
        group                    ddp_init, rendezvous, the table of ranks, which backend a group gets, subgroups
        launcher                 ddp_spawn, ddprun
        reducer, sampler, syncbn, safetensors, checkpoint    built on the public API

@@ -476,6 +476,38 @@ static int rank_main(int rank, int n, void *arg) {
     return 0;
 }
 
+/* A copy that CUDA refuses while staging (rank n-1's device buffer is shorter than the count: the
+   harness, as cudaMemcpyAsync, refuses a range past its allocation) breaks the group: that rank gets
+   DDP_ERR_SYSTEM naming the copy, every other rank an error naming that rank, none hangs; later calls
+   are DDP_ERR_STATE. */
+static int rank_fault(int rank, int n, void *arg) {
+    ddp_group *g = NULL;
+    int bad = n - 1;
+    double t0;
+    ddp_result r;
+    (void)arg;
+    CHECK_OK(ddp_init(NULL, &g), NULL);
+    void *d = rank == bad ? dev(8 * sizeof(float)) : dev_filled(DDP_F32, 1000, rank, 190);
+    t0 = tl_now();
+    r = ddp_all_reduce(g, d, 1000, DDP_F32, DDP_SUM);
+    CHECK(r != DDP_SUCCESS, "rank %d: an all_reduce whose staging failed on rank %d succeeded", rank, bad);
+    if (rank == bad)
+        CHECK(r == DDP_ERR_SYSTEM && strstr(ddp_last_error(g), "cudaMemcpyAsync") &&
+              strstr(ddp_last_error(g), "pinned host memory"), "the failing rank: %d %s", (int)r, ddp_last_error(g));
+    else {
+        char who[32];
+        snprintf(who, sizeof who, "rank %d", bad);
+        CHECK(strstr(ddp_last_error(g), who), "rank %d does not name rank %d: %s", rank, bad, ddp_last_error(g));
+    }
+    CHECK(tl_now() - t0 < 10, "rank %d took %.1f s to fail", rank, tl_now() - t0);
+    if (rank == 0)
+        printf("staging refused on rank %d: rank 0 failed after %.2f ms: %s\n", bad, (tl_now() - t0) * 1e3, ddp_last_error(g));
+    CHECK(ddp_barrier(g) == DDP_ERR_STATE, "a call after the failure");
+    cudaFree(d);
+    ddp_destroy(g);
+    return 0;
+}
+
 /* The harness itself: a host access to device memory is a SIGSEGV (so an unstaged call cannot pass). */
 static void check_guard(void) {
     pid_t pid;
@@ -505,6 +537,8 @@ int main(void) {
             printf("%d ranks over %s: every collective on device buffers, staged (%.1f s)\n", n,
                    t ? "tcp" : "shared memory", tl_now() - t0);
         }
+    setenv("DDP_TRANSPORT", "auto", 1);
+    CHECK(tl_run_ranks(3, rank_fault, NULL, 60) == 0, "a staging copy refused on one rank");
     printf("ok\n");
     return 0;
 }
