@@ -2606,6 +2606,13 @@ static DDP__UNUSED ddp_result ddp__devbuf_stage(ddp_group *g, const ddp__call *k
                                                 ddp__devbuf_plan *plan);
 /* After the host call succeeded: queue the copies of what it wrote back to the device on g's stream. */
 static DDP__UNUSED ddp_result ddp__devbuf_unstage(ddp_group *g, const ddp__coll *c, const ddp__devbuf_plan *plan);
+/* reducer.c's copies (dst = src converted) when dst or src is device memory on a group that stages:
+   begin returns 0 when neither is (nothing to do), 1 when *dst and *src now point into the group's
+   pinned memory (src's bytes copied in; convert there, then end copies dst back to the device), -1
+   when staging failed (the group is broken; skip the copy). */
+static DDP__UNUSED int ddp__devbuf_copy_begin(ddp_group *g, void **dst, size_t dst_bytes, const void **src,
+                                              size_t src_bytes, ddp__devbuf_plan *plan);
+static DDP__UNUSED void ddp__devbuf_copy_end(ddp_group *g, const ddp__devbuf_plan *plan);
 /* ddp_set_stream on a group that stages (every backend but nccl, with DDP_CUDA); the stream now set. */
 static DDP__UNUSED ddp_result ddp__devbuf_set_stream(ddp_group *g, void *stream);
 static DDP__UNUSED void *ddp__devbuf_stream(const ddp_group *g);
@@ -12447,22 +12454,20 @@ static int ddp__devbuf_wanted(ddp_group *g, const ddp__call *k) {
     return ddp__devbuf_is_device(k->send, send_n) || ddp__devbuf_is_device(k->buf, recv_n);
 }
 
-/* Step 1: the regions. Two regions that overlap become one, copied in (it holds what the call reads)
-   and out (it holds what it writes). */
-static void ddp__devbuf_plan_of(const ddp_group *g, const ddp__call *k, ddp__devbuf_plan *plan) {
-    uint64_t send_n, recv_n;
-    size_t es = ddp_dtype_size(k->dtype);
-    int recv_in, recv_out;
+/* Step 1: the regions of a source (read) and a destination (read when dst_in, written when dst_out),
+   each only when it is device memory. Two regions that overlap become one, copied in (it holds what the
+   call reads) and out (it holds what it writes). */
+static void ddp__devbuf_plan_two(ddp__devbuf_plan *plan, const void *src, size_t src_bytes, void *dst, size_t dst_bytes,
+                                 int dst_in, int dst_out) {
     ddp__devbuf_region *a, *b;
     memset(plan, 0, sizeof *plan);
-    ddp__devbuf_extents(g, k, &send_n, &recv_n, &recv_in, &recv_out);
-    if (ddp__devbuf_is_device(k->send, send_n)) {
+    if (ddp__devbuf_is_device(src, src_bytes)) {
         a = &plan->region[plan->n++];
-        a->device = (char *)k->send, a->bytes = (size_t)send_n * es, a->in = 1;
+        a->device = (char *)src, a->bytes = src_bytes, a->in = 1;
     }
-    if (ddp__devbuf_is_device(k->buf, recv_n)) {
+    if (ddp__devbuf_is_device(dst, dst_bytes)) {
         a = &plan->region[plan->n++];
-        a->device = (char *)k->buf, a->bytes = (size_t)recv_n * es, a->in = recv_in, a->out = recv_out;
+        a->device = (char *)dst, a->bytes = dst_bytes, a->in = dst_in, a->out = dst_out;
     }
     if (plan->n < 2) return;
     a = &plan->region[0], b = &plan->region[1];
@@ -12473,6 +12478,14 @@ static void ddp__devbuf_plan_of(const ddp_group *g, const ddp__call *k, ddp__dev
         a->device = lo, a->bytes = (size_t)(hi - lo);
         plan->n = 1;
     }
+}
+
+static void ddp__devbuf_plan_of(const ddp_group *g, const ddp__call *k, ddp__devbuf_plan *plan) {
+    uint64_t send_n, recv_n;
+    size_t es = ddp_dtype_size(k->dtype);
+    int recv_in, recv_out;
+    ddp__devbuf_extents(g, k, &send_n, &recv_n, &recv_in, &recv_out);
+    ddp__devbuf_plan_two(plan, k->send, (size_t)send_n * es, k->buf, (size_t)recv_n * es, recv_in, recv_out);
 }
 
 /* Where p (a device pointer of a region, or host memory) is for the host call. */
@@ -12489,14 +12502,15 @@ static void *ddp__devbuf_host_of(const ddp__devbuf_plan *plan, const void *p) {
 /* A CUDA failure while staging breaks the group; step says which (the message names the call and rank). */
 static ddp_result ddp__devbuf_fail(ddp_group *g, const ddp__coll *c, ddp_result r, const char *step, const char *err) {
     char desc[160];
-    ddp__coll_describe(g, c, desc, sizeof desc);
+    if (c) ddp__coll_describe(g, c, desc, sizeof desc);
+    else snprintf(desc, sizeof desc, "the reducer's copy of a gradient or parameter"); /* ddp__devbuf_copy_begin */
     return ddp__coll_fail(g, r, "%s on rank %d: %s failed: %s (backend %s stages device buffers through pinned host "
                           "memory: is each buffer device memory of at least the call's elements?)", desc, g->rank, step,
                           err, g->backend->family);
 }
 
-static ddp_result ddp__devbuf_stage(ddp_group *g, const ddp__call *k, const ddp__coll *c, ddp__call *host_call,
-                                     ddp__devbuf_plan *plan) {
+/* Steps 2 and 3 for a plan: its regions' places in the pinned memory, and the copies in. */
+static ddp_result ddp__devbuf_stage_plan(ddp_group *g, const ddp__coll *c, ddp__devbuf_plan *plan) {
     char err[DDP__ERR_MAX] = "";
     struct ddp__devbuf *d = ddp__devbuf_of(g);
     size_t total = 0, at = 0;
@@ -12504,7 +12518,6 @@ static ddp_result ddp__devbuf_stage(ddp_group *g, const ddp__call *k, const ddp_
     ddp_result r = DDP_SUCCESS;
     int i, copied = 0;
     if (!d) return ddp__coll_fail(g, DDP_ERR_OUT_OF_MEMORY, "rank %d: out of memory staging device buffers", g->rank);
-    ddp__devbuf_plan_of(g, k, plan);
     for (i = 0; i < plan->n; i++) total += (plan->region[i].bytes + 63) & ~(size_t)63; /* each region 64-byte aligned */
     if ((r = ddp__cuda_stage_host(&d->stage, total ? total : 1, (void **)&host, err, sizeof err)) != DDP_SUCCESS)
         return ddp__devbuf_fail(g, c, r, "getting pinned host memory to stage device buffers", err);
@@ -12519,6 +12532,14 @@ static ddp_result ddp__devbuf_stage(ddp_group *g, const ddp__call *k, const ddp_
     }
     if (r == DDP_SUCCESS && copied) r = ddp__cuda_stage_sync(d->stream, err, sizeof err);
     if (r != DDP_SUCCESS) return ddp__devbuf_fail(g, c, r, "copying device memory to pinned host memory", err);
+    return DDP_SUCCESS;
+}
+
+static ddp_result ddp__devbuf_stage(ddp_group *g, const ddp__call *k, const ddp__coll *c, ddp__call *host_call,
+                                   ddp__devbuf_plan *plan) {
+    ddp_result r;
+    ddp__devbuf_plan_of(g, k, plan);
+    if ((r = ddp__devbuf_stage_plan(g, c, plan)) != DDP_SUCCESS) return r;
     *host_call = *k;
     host_call->send = ddp__devbuf_host_of(plan, k->send);
     host_call->buf = ddp__devbuf_host_of(plan, k->buf);
@@ -12540,6 +12561,23 @@ static ddp_result ddp__devbuf_unstage(ddp_group *g, const ddp__coll *c, const dd
     if (r == DDP_SUCCESS) return r;
     return ddp__devbuf_fail(g, c, r, "copying the result from pinned host memory to device memory", err);
 }
+
+/* The reducer's copies (reducer.c's host memory functions) when a gradient or parameter is device
+   memory: the same staging, synchronous on the way in (the reducer converts at once) and queued on the
+   way out. The reducer runs them on the thread that issues the group's calls, one at a time, as the
+   staged collectives, so they share the group's pinned memory. */
+static int ddp__devbuf_copy_begin(ddp_group *g, void **dst, size_t dst_bytes, const void **src, size_t src_bytes,
+                                  ddp__devbuf_plan *plan) {
+    if (g->nccl) return 0;
+    ddp__devbuf_plan_two(plan, *src, src_bytes, *dst, dst_bytes, 0, 1);
+    if (!plan->n) return 0;
+    if (ddp__devbuf_stage_plan(g, NULL, plan) != DDP_SUCCESS) return -1;
+    *src = ddp__devbuf_host_of(plan, *src);
+    *dst = ddp__devbuf_host_of(plan, *dst);
+    return 1;
+}
+
+static void ddp__devbuf_copy_end(ddp_group *g, const ddp__devbuf_plan *plan) { ddp__devbuf_unstage(g, NULL, plan); }
 
 static ddp_result ddp__devbuf_set_stream(ddp_group *g, void *stream) {
     struct ddp__devbuf *d = ddp__devbuf_of(g);
@@ -12584,6 +12622,12 @@ static ddp_result ddp__devbuf_unstage(ddp_group *g, const ddp__coll *c, const dd
     (void)g, (void)c, (void)plan;
     return DDP_SUCCESS;
 }
+static int ddp__devbuf_copy_begin(ddp_group *g, void **dst, size_t dst_bytes, const void **src, size_t src_bytes,
+                                  ddp__devbuf_plan *plan) {
+    (void)g, (void)dst, (void)dst_bytes, (void)src, (void)src_bytes, (void)plan;
+    return 0;
+}
+static void ddp__devbuf_copy_end(ddp_group *g, const ddp__devbuf_plan *plan) { (void)g, (void)plan; }
 static ddp_result ddp__devbuf_set_stream(ddp_group *g, void *stream) {
     (void)stream;
     return ddp__fail(g, DDP_ERR_UNSUPPORTED, "ddp_set_stream: CUDA streams need a build with -DDDP_CUDA");
@@ -15508,8 +15552,12 @@ enum { DDP__JOIN_SYNC = 1, DDP__JOIN_FIRST = 2 };                         /* and
 static void *ddp__host_alloc(ddp_group *g, size_t bytes) { return ddp_alloc(g, bytes); }
 static void ddp__host_release(ddp_group *g, void *p) { ddp_free(g, p); }
 static void ddp__host_zero(ddp_group *g, void *dst, size_t bytes) {
-    (void)g;
+    ddp__devbuf_plan plan;
+    const void *none = NULL;
+    int staged = bytes ? ddp__devbuf_copy_begin(g, &dst, bytes, &none, 0, &plan) : 0; /* device memory: devbuf.c */
+    if (staged < 0) return;
     if (bytes) memset(dst, 0, bytes);
+    if (staged) ddp__devbuf_copy_end(g, &plan);
 }
 
 /* One element of a floating dtype, as f32 (f64 keeps its precision through ddp__load_f64). */
@@ -15530,10 +15578,9 @@ static void ddp__put_f32(void *p, ddp_dtype t, size_t i, float v) {
     }
 }
 
-static void ddp__host_copy_in_scaled(ddp_group *g, void *dst, ddp_dtype dst_t, const void *src, ddp_dtype src_t,
-                                    size_t count, double scale) {
+static void ddp__host_convert_scaled(void *dst, ddp_dtype dst_t, const void *src, ddp_dtype src_t, size_t count,
+                                     double scale) {
     size_t i;
-    (void)g;
     if (dst_t == src_t && scale == 1.0) {
         if (dst != src && count) memcpy(dst, src, count * ddp_dtype_size(dst_t));
         return;
@@ -15560,9 +15607,8 @@ static void ddp__host_copy_in_scaled(ddp_group *g, void *dst, ddp_dtype dst_t, c
     }
 }
 
-static void ddp__host_copy_out(ddp_group *g, void *dst, ddp_dtype dst_t, const void *src, ddp_dtype src_t, size_t count) {
+static void ddp__host_convert(void *dst, ddp_dtype dst_t, const void *src, ddp_dtype src_t, size_t count) {
     size_t i;
-    (void)g;
     if (dst_t == src_t) {
         if (dst != src && count) memcpy(dst, src, count * ddp_dtype_size(dst_t));
         return;
@@ -15572,6 +15618,27 @@ static void ddp__host_copy_out(ddp_group *g, void *dst, ddp_dtype dst_t, const v
         return;
     }
     for (i = 0; i < count; i++) ddp__put_f32(dst, dst_t, i, ddp__get_f32(src, src_t, i));
+}
+
+/* The copies on host memory; a gradient or parameter in device memory (on the cpu and mpi backends, in a
+   build with DDP_CUDA) is staged through the group's pinned memory around them (devbuf.c). */
+static void ddp__host_copy_in_scaled(ddp_group *g, void *dst, ddp_dtype dst_t, const void *src, ddp_dtype src_t,
+                                    size_t count, double scale) {
+    ddp__devbuf_plan plan;
+    int staged = count ? ddp__devbuf_copy_begin(g, &dst, count * ddp_dtype_size(dst_t), &src,
+                                                count * ddp_dtype_size(src_t), &plan) : 0;
+    if (staged < 0) return;
+    ddp__host_convert_scaled(dst, dst_t, src, src_t, count, scale);
+    if (staged) ddp__devbuf_copy_end(g, &plan);
+}
+
+static void ddp__host_copy_out(ddp_group *g, void *dst, ddp_dtype dst_t, const void *src, ddp_dtype src_t, size_t count) {
+    ddp__devbuf_plan plan;
+    int staged = count ? ddp__devbuf_copy_begin(g, &dst, count * ddp_dtype_size(dst_t), &src,
+                                                count * ddp_dtype_size(src_t), &plan) : 0;
+    if (staged < 0) return;
+    ddp__host_convert(dst, dst_t, src, src_t, count);
+    if (staged) ddp__devbuf_copy_end(g, &plan);
 }
 
 /* ---- the reducer's state ---- */

@@ -90,22 +90,20 @@ static int ddp__devbuf_wanted(ddp_group *g, const ddp__call *k) {
     return ddp__devbuf_is_device(k->send, send_n) || ddp__devbuf_is_device(k->buf, recv_n);
 }
 
-/* Step 1: the regions. Two regions that overlap become one, copied in (it holds what the call reads)
-   and out (it holds what it writes). */
-static void ddp__devbuf_plan_of(const ddp_group *g, const ddp__call *k, ddp__devbuf_plan *plan) {
-    uint64_t send_n, recv_n;
-    size_t es = ddp_dtype_size(k->dtype);
-    int recv_in, recv_out;
+/* Step 1: the regions of a source (read) and a destination (read when dst_in, written when dst_out),
+   each only when it is device memory. Two regions that overlap become one, copied in (it holds what the
+   call reads) and out (it holds what it writes). */
+static void ddp__devbuf_plan_two(ddp__devbuf_plan *plan, const void *src, size_t src_bytes, void *dst, size_t dst_bytes,
+                                 int dst_in, int dst_out) {
     ddp__devbuf_region *a, *b;
     memset(plan, 0, sizeof *plan);
-    ddp__devbuf_extents(g, k, &send_n, &recv_n, &recv_in, &recv_out);
-    if (ddp__devbuf_is_device(k->send, send_n)) {
+    if (ddp__devbuf_is_device(src, src_bytes)) {
         a = &plan->region[plan->n++];
-        a->device = (char *)k->send, a->bytes = (size_t)send_n * es, a->in = 1;
+        a->device = (char *)src, a->bytes = src_bytes, a->in = 1;
     }
-    if (ddp__devbuf_is_device(k->buf, recv_n)) {
+    if (ddp__devbuf_is_device(dst, dst_bytes)) {
         a = &plan->region[plan->n++];
-        a->device = (char *)k->buf, a->bytes = (size_t)recv_n * es, a->in = recv_in, a->out = recv_out;
+        a->device = (char *)dst, a->bytes = dst_bytes, a->in = dst_in, a->out = dst_out;
     }
     if (plan->n < 2) return;
     a = &plan->region[0], b = &plan->region[1];
@@ -116,6 +114,14 @@ static void ddp__devbuf_plan_of(const ddp_group *g, const ddp__call *k, ddp__dev
         a->device = lo, a->bytes = (size_t)(hi - lo);
         plan->n = 1;
     }
+}
+
+static void ddp__devbuf_plan_of(const ddp_group *g, const ddp__call *k, ddp__devbuf_plan *plan) {
+    uint64_t send_n, recv_n;
+    size_t es = ddp_dtype_size(k->dtype);
+    int recv_in, recv_out;
+    ddp__devbuf_extents(g, k, &send_n, &recv_n, &recv_in, &recv_out);
+    ddp__devbuf_plan_two(plan, k->send, (size_t)send_n * es, k->buf, (size_t)recv_n * es, recv_in, recv_out);
 }
 
 /* Where p (a device pointer of a region, or host memory) is for the host call. */
@@ -132,14 +138,15 @@ static void *ddp__devbuf_host_of(const ddp__devbuf_plan *plan, const void *p) {
 /* A CUDA failure while staging breaks the group; step says which (the message names the call and rank). */
 static ddp_result ddp__devbuf_fail(ddp_group *g, const ddp__coll *c, ddp_result r, const char *step, const char *err) {
     char desc[160];
-    ddp__coll_describe(g, c, desc, sizeof desc);
+    if (c) ddp__coll_describe(g, c, desc, sizeof desc);
+    else snprintf(desc, sizeof desc, "the reducer's copy of a gradient or parameter"); /* ddp__devbuf_copy_begin */
     return ddp__coll_fail(g, r, "%s on rank %d: %s failed: %s (backend %s stages device buffers through pinned host "
                           "memory: is each buffer device memory of at least the call's elements?)", desc, g->rank, step,
                           err, g->backend->family);
 }
 
-static ddp_result ddp__devbuf_stage(ddp_group *g, const ddp__call *k, const ddp__coll *c, ddp__call *host_call,
-                                     ddp__devbuf_plan *plan) {
+/* Steps 2 and 3 for a plan: its regions' places in the pinned memory, and the copies in. */
+static ddp_result ddp__devbuf_stage_plan(ddp_group *g, const ddp__coll *c, ddp__devbuf_plan *plan) {
     char err[DDP__ERR_MAX] = "";
     struct ddp__devbuf *d = ddp__devbuf_of(g);
     size_t total = 0, at = 0;
@@ -147,7 +154,6 @@ static ddp_result ddp__devbuf_stage(ddp_group *g, const ddp__call *k, const ddp_
     ddp_result r = DDP_SUCCESS;
     int i, copied = 0;
     if (!d) return ddp__coll_fail(g, DDP_ERR_OUT_OF_MEMORY, "rank %d: out of memory staging device buffers", g->rank);
-    ddp__devbuf_plan_of(g, k, plan);
     for (i = 0; i < plan->n; i++) total += (plan->region[i].bytes + 63) & ~(size_t)63; /* each region 64-byte aligned */
     if ((r = ddp__cuda_stage_host(&d->stage, total ? total : 1, (void **)&host, err, sizeof err)) != DDP_SUCCESS)
         return ddp__devbuf_fail(g, c, r, "getting pinned host memory to stage device buffers", err);
@@ -162,6 +168,14 @@ static ddp_result ddp__devbuf_stage(ddp_group *g, const ddp__call *k, const ddp_
     }
     if (r == DDP_SUCCESS && copied) r = ddp__cuda_stage_sync(d->stream, err, sizeof err);
     if (r != DDP_SUCCESS) return ddp__devbuf_fail(g, c, r, "copying device memory to pinned host memory", err);
+    return DDP_SUCCESS;
+}
+
+static ddp_result ddp__devbuf_stage(ddp_group *g, const ddp__call *k, const ddp__coll *c, ddp__call *host_call,
+                                   ddp__devbuf_plan *plan) {
+    ddp_result r;
+    ddp__devbuf_plan_of(g, k, plan);
+    if ((r = ddp__devbuf_stage_plan(g, c, plan)) != DDP_SUCCESS) return r;
     *host_call = *k;
     host_call->send = ddp__devbuf_host_of(plan, k->send);
     host_call->buf = ddp__devbuf_host_of(plan, k->buf);
@@ -183,6 +197,23 @@ static ddp_result ddp__devbuf_unstage(ddp_group *g, const ddp__coll *c, const dd
     if (r == DDP_SUCCESS) return r;
     return ddp__devbuf_fail(g, c, r, "copying the result from pinned host memory to device memory", err);
 }
+
+/* The reducer's copies (reducer.c's host memory functions) when a gradient or parameter is device
+   memory: the same staging, synchronous on the way in (the reducer converts at once) and queued on the
+   way out. The reducer runs them on the thread that issues the group's calls, one at a time, as the
+   staged collectives, so they share the group's pinned memory. */
+static int ddp__devbuf_copy_begin(ddp_group *g, void **dst, size_t dst_bytes, const void **src, size_t src_bytes,
+                                  ddp__devbuf_plan *plan) {
+    if (g->nccl) return 0;
+    ddp__devbuf_plan_two(plan, *src, src_bytes, *dst, dst_bytes, 0, 1);
+    if (!plan->n) return 0;
+    if (ddp__devbuf_stage_plan(g, NULL, plan) != DDP_SUCCESS) return -1;
+    *src = ddp__devbuf_host_of(plan, *src);
+    *dst = ddp__devbuf_host_of(plan, *dst);
+    return 1;
+}
+
+static void ddp__devbuf_copy_end(ddp_group *g, const ddp__devbuf_plan *plan) { ddp__devbuf_unstage(g, NULL, plan); }
 
 static ddp_result ddp__devbuf_set_stream(ddp_group *g, void *stream) {
     struct ddp__devbuf *d = ddp__devbuf_of(g);
@@ -227,6 +258,12 @@ static ddp_result ddp__devbuf_unstage(ddp_group *g, const ddp__coll *c, const dd
     (void)g, (void)c, (void)plan;
     return DDP_SUCCESS;
 }
+static int ddp__devbuf_copy_begin(ddp_group *g, void **dst, size_t dst_bytes, const void **src, size_t src_bytes,
+                                  ddp__devbuf_plan *plan) {
+    (void)g, (void)dst, (void)dst_bytes, (void)src, (void)src_bytes, (void)plan;
+    return 0;
+}
+static void ddp__devbuf_copy_end(ddp_group *g, const ddp__devbuf_plan *plan) { (void)g, (void)plan; }
 static ddp_result ddp__devbuf_set_stream(ddp_group *g, void *stream) {
     (void)stream;
     return ddp__fail(g, DDP_ERR_UNSUPPORTED, "ddp_set_stream: CUDA streams need a build with -DDDP_CUDA");

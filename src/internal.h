@@ -782,6 +782,13 @@ static DDP__UNUSED ddp_result ddp__devbuf_stage(ddp_group *g, const ddp__call *k
                                                 ddp__devbuf_plan *plan);
 /* After the host call succeeded: queue the copies of what it wrote back to the device on g's stream. */
 static DDP__UNUSED ddp_result ddp__devbuf_unstage(ddp_group *g, const ddp__coll *c, const ddp__devbuf_plan *plan);
+/* reducer.c's copies (dst = src converted) when dst or src is device memory on a group that stages:
+   begin returns 0 when neither is (nothing to do), 1 when *dst and *src now point into the group's
+   pinned memory (src's bytes copied in; convert there, then end copies dst back to the device), -1
+   when staging failed (the group is broken; skip the copy). */
+static DDP__UNUSED int ddp__devbuf_copy_begin(ddp_group *g, void **dst, size_t dst_bytes, const void **src,
+                                              size_t src_bytes, ddp__devbuf_plan *plan);
+static DDP__UNUSED void ddp__devbuf_copy_end(ddp_group *g, const ddp__devbuf_plan *plan);
 /* ddp_set_stream on a group that stages (every backend but nccl, with DDP_CUDA); the stream now set. */
 static DDP__UNUSED ddp_result ddp__devbuf_set_stream(ddp_group *g, void *stream);
 static DDP__UNUSED void *ddp__devbuf_stream(const ddp_group *g);

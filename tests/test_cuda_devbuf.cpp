@@ -443,6 +443,118 @@ static void t_p2p_async_refused(ddp_group *g, int rank, int n) {
     cudaFree(d);
 }
 
+/* ---- the reducer with parameters and gradients in device memory ----
+   Side by side on one group: a reducer over host buffers and one over device buffers holding the same
+   values (parameters differ by rank, so finalize's broadcast from rank 0 shows); after finalize and each
+   of 3 steps (the gradients set, ready in reverse order, averaged), the device buffers must equal the
+   host ones bit for bit (the same host arithmetic runs on both: staging only moves the bytes). Modes:
+   plain (f32, bf16 and f64 parameters, separate buffers), flat (two f32 gradients side by side in one
+   device allocation: the bucket is that memory), bf16 compression, find_unused_parameters (one
+   parameter without a gradient on odd ranks). Then zero_grad zeroes the device gradients. */
+struct rmodel {
+    void *param[3], *grad[3];
+    char *flat; /* flat mode: the allocation holding grad[0] and grad[1] */
+};
+static const size_t r_count[3] = {1000, 333, 7};
+
+static ddp_dtype r_dtype(int flat, int i) { return flat ? (i < 2 ? DDP_F32 : DDP_F64) : (i == 0 ? DDP_F32 : i == 1 ? DDP_BF16 : DDP_F64); }
+
+static void r_fill(void *p, int device, ddp_dtype t, size_t count, int rank, int salt) {
+    size_t bytes = count * ddp_dtype_size(t);
+    void *h = calloc(1, bytes);
+    for (size_t i = 0; i < count; i++) put(h, t, i, val(rank, i, salt) - 6); /* -6..6 */
+    if (device) CHECK(cudaMemcpy(p, h, bytes, cudaMemcpyHostToDevice) == cudaSuccess, "h2d");
+    else memcpy(p, h, bytes);
+    free(h);
+}
+
+static void r_model(rmodel *m, int device, int flat, int rank) {
+    memset(m, 0, sizeof *m);
+    if (flat) {
+        size_t bytes = (r_count[0] + r_count[1]) * sizeof(float);
+        m->flat = device ? (char *)dev(bytes) : (char *)malloc(bytes);
+    }
+    for (int i = 0; i < 3; i++) {
+        size_t bytes = r_count[i] * ddp_dtype_size(r_dtype(flat, i));
+        m->param[i] = device ? dev(bytes) : malloc(bytes);
+        m->grad[i] = flat && i < 2 ? (void *)(m->flat + (i ? r_count[0] * sizeof(float) : 0)) : device ? dev(bytes) : malloc(bytes);
+        r_fill(m->param[i], device, r_dtype(flat, i), r_count[i], rank, 200 + i);
+        r_fill(m->grad[i], device, r_dtype(flat, i), r_count[i], rank, 210 + i);
+    }
+}
+
+static void r_free(rmodel *m, int device) {
+    for (int i = 0; i < 3; i++) {
+        if (device) cudaFree(m->param[i]);
+        else free(m->param[i]);
+        if (m->flat && i < 2) continue;
+        if (device) cudaFree(m->grad[i]);
+        else free(m->grad[i]);
+    }
+    if (m->flat) {
+        if (device) cudaFree(m->flat);
+        else free(m->flat);
+    }
+}
+
+static void r_same(const char *what, const void *host, const void *d, size_t bytes) {
+    char *h = (char *)host_of(d, DDP_U8, bytes);
+    CHECK(memcmp(h, host, bytes) == 0, "reducer: %s differs between the host and the device model", what);
+    free(h);
+}
+
+static void t_reducer(ddp_group *g, int rank, int n) {
+    static const char *names[3] = {"w", "b", "s"};
+    (void)n;
+    for (int mode = 0; mode < 4; mode++) { /* plain, flat, bf16 compression, find_unused */
+        int flat = mode == 1;
+        rmodel hm, dm;
+        ddp_reducer *red[2];
+        ddp_reducer_desc desc;
+        memset(&desc, 0, sizeof desc);
+        if (mode == 2) desc.comm_dtype = DDP_BF16;
+        if (mode == 3) desc.find_unused_parameters = 1;
+        r_model(&hm, 0, flat, rank);
+        r_model(&dm, 1, flat, rank);
+        for (int d = 0; d < 2; d++) {
+            rmodel *m = d ? &dm : &hm;
+            CHECK_OK(ddp_reducer_create(g, &desc, &red[d]), g);
+            for (int i = 0; i < 3; i++)
+                CHECK_OK(ddp_reducer_add_param(red[d], names[i], m->param[i], m->grad[i], r_count[i], r_dtype(flat, i), NULL), g);
+            CHECK_OK(ddp_reducer_finalize(red[d]), g);
+        }
+        for (int i = 0; i < 3; i++)
+            r_same("a parameter after finalize", hm.param[i], dm.param[i], r_count[i] * ddp_dtype_size(r_dtype(flat, i)));
+        for (int step = 0; step < 3; step++)
+            for (int d = 0; d < 2; d++) {
+                rmodel *m = d ? &dm : &hm;
+                CHECK_OK(ddp_reducer_begin_backward(red[d]), g);
+                for (int i = 2; i >= 0; i--) {
+                    if (mode == 3 && i == 1 && rank % 2) continue; /* unused on odd ranks */
+                    r_fill(m->grad[i], d, r_dtype(flat, i), r_count[i], rank, 220 + 3 * step + i);
+                    CHECK_OK(ddp_reducer_grad_ready(red[d], i), g);
+                }
+                CHECK_OK(ddp_reducer_end_backward(red[d]), g);
+                if (d)
+                    for (int i = 0; i < 3; i++)
+                        r_same("a gradient after end_backward", hm.grad[i], dm.grad[i],
+                               r_count[i] * ddp_dtype_size(r_dtype(flat, i)));
+            }
+        if (flat) {
+            ddp_reducer_statistics st;
+            CHECK_OK(ddp_reducer_get_statistics(red[1], &st), g);
+            CHECK(st.flat_buckets >= 1, "flat mode: %d flat buckets on device memory", st.flat_buckets);
+        }
+        CHECK_OK(ddp_reducer_zero_grad(red[1]), g);
+        for (int i = 0; i < 3; i++)
+            check_dev("a gradient after zero_grad", dm.grad[i], r_dtype(flat, i), r_count[i], [](size_t) { return 0.0; });
+        ddp_reducer_destroy(red[0]);
+        ddp_reducer_destroy(red[1]);
+        r_free(&hm, 0);
+        r_free(&dm, 1);
+    }
+}
+
 static int rank_main(int rank, int n, void *arg) {
     ddp_group *g = NULL;
     const ddp_harness::memory_stats_t before = ddp_harness::memory_stats;
@@ -464,6 +576,7 @@ static int rank_main(int rank, int n, void *arg) {
     t_back_to_back(g, rank, n);
     t_subgroup(g, rank, n);
     t_p2p_async_refused(g, rank, n);
+    t_reducer(g, rank, n);
     {
         const ddp_harness::memory_stats_t &now = ddp_harness::memory_stats;
         CHECK(now.async_d2h > before.async_d2h && now.async_h2d > before.async_h2d, "no staging copies were queued");
