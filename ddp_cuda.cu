@@ -1468,6 +1468,8 @@ struct ddp__cuda_stage {
     bool pending;       /* copies out of host may still be running: wait for queued before reuse */
 };
 
+static ddp_result ddp__cu_stage_fail(char *err, size_t err_size, ddp_result code, const char *fmt, ...)
+    __attribute__((format(printf, 4, 5)));
 static ddp_result ddp__cu_stage_fail(char *err, size_t err_size, ddp_result code, const char *fmt, ...) {
     va_list ap;
     if (!err || !err_size) return code;
