@@ -53,6 +53,7 @@ IMPLEMENTATION = [
     "src/hier.c",           # [SECTION] hier: the hierarchical backend for groups spanning hosts
     "src/mpi.c",            # [SECTION] mpi: the mpi backend (collectives through MPI, with -DDDP_MPI)
     "src/nccl.c",           # [SECTION] nccl: the nccl backend (NCCL on device memory, with -DDDP_CUDA)
+    "src/devbuf.c",         # [SECTION] devbuf: device buffers on the cpu and mpi backends, staged through pinned host memory
     "src/group.c",          # [SECTION] group: ddp_init, rendezvous, the mesh, the backend, subgroups
     "src/launcher.c",       # [SECTION] launcher: ddp_spawn, ddprun
     "src/reducer.c",

@@ -37,7 +37,8 @@
        DDP_MALLOC(sz) DDP_REALLOC(p,sz) DDP_FREE(p)
                                allocator hooks; define all three or none
        DDP_ASSERT(x)           internal invariant checks (default: assert from <assert.h>)
-       DDP_CUDA                declare the ddp_cuda.cu entry points (build ddp_cuda.cu with nvcc)
+       DDP_CUDA                declare the ddp_cuda.cu entry points (build ddp_cuda.cu with nvcc); backend
+                               nccl; device buffers on the cpu and mpi backends (staged: ddp_set_stream)
        DDP_MPI                 add the MPI backend (compile with mpicc)
 
    ENVIRONMENT (what the library reads; where ddp_init_desc has a field for one, the field wins)
@@ -92,6 +93,8 @@
        util, dtype, net, auth, store    errors and logging; element types; sockets; the key-value store
        transport                        framed messages between ranks over a TCP mesh, abort propagation
        collectives                      the public collectives: validate, fingerprint, dispatch, async work
+       devbuf                           device buffers on backends without NCCL: pinned host copies
+                                        around the call (collectives.c's ddp__run_staged)
        backends: tcp, shm, hier, mpi, nccl   each fills one ddp__backend table (run, enqueue, wait, test,
                                         close, and the reducer's memory functions); collectives.c reaches
                                         a backend only through it, and backends set up through internal
@@ -125,6 +128,7 @@
    [SECTION] hier: hierarchical all_reduce for a group that spans hosts with several ranks on a host src/hier.c
    [SECTION] mpi: the mpi backend, collectives through the MPI library (built with -DDDP_MPI) src/mpi.c
    [SECTION] nccl: the nccl backend, collectives on device memory through NCCL (built with -DDDP_CUDA) src/nccl.c
+   [SECTION] devbuf: device buffers on the cpu and mpi backends, staged through pinned host memory src/devbuf.c
    [SECTION] group: ddp_init (torch.distributed.init_process_group), launcher environments, src/group.c
    [SECTION] launcher: ddp_spawn (torch.multiprocessing.spawn) and ddprun (torchrun) src/launcher.c
    [SECTION] reducer: DistributedDataParallel's Reducer: model check, buckets, overlapped all-reduce src/reducer.c
@@ -322,6 +326,8 @@ DDP_API uint16_t ddp_f32_to_bf16(float f);
    x element size, x world size for all_gather / reduce_scatter) would reach 2^47 bytes (128 TiB) is
    DDP_ERR_INVALID_ARGUMENT, naming the count and the limit. In-place: pass the same pointer
    (all_gather / reduce_scatter: send may alias this rank's slice of recv, or recv itself).
+   Buffers are host memory; in a build with -DDDP_CUDA also device memory: NCCL's on the nccl backend,
+   staged through pinned host memory on the cpu and mpi backends (ddp_set_stream says how).
    Thread safety: a group's collectives must be issued from one thread at a time, in one order. */
 
 /* buf <- op over all ranks' buf */
@@ -385,14 +391,15 @@ DDP_API ddp_result ddp_monitored_barrier(ddp_group *g, double timeout_seconds);
    receive while its peer does the same, in either order. A send and its recv must come in the same
    order relative to the collectives on both ranks: a recv that meets the peer's next collective instead
    of the message is DDP_ERR_MISMATCH. dst / src must be another rank of g. On the nccl backend: host
-   memory only so far. */
+   memory only so far; on the cpu and mpi backends device memory is staged (ddp_set_stream). */
 DDP_API ddp_result ddp_send(ddp_group *g, const void *buf, size_t count, ddp_dtype t, int dst, int tag);
 DDP_API ddp_result ddp_recv(ddp_group *g, void *buf, size_t count, ddp_dtype t, int src, int tag);
 /* isend / irecv: return at once with a handle for ddp_wait / ddp_test. An isend is queued with the group's
    async collectives (in issue order); an irecv is posted at once, and any later call that reads the
    connections (a queued call, a collective over TCP, a send, ddp_wait, ddp_test) may finish it, so every
    rank may post its irecv before its isend. The buffer must stay valid and untouched until ddp_wait
-   returns. On the mpi backend they are MPI_Isend / MPI_Irecv. */
+   returns. On the mpi backend they are MPI_Isend / MPI_Irecv. Host memory only (device memory is
+   DDP_ERR_UNSUPPORTED: use ddp_send / ddp_recv, which stage it). */
 DDP_API ddp_result ddp_isend(ddp_group *g, const void *buf, size_t count, ddp_dtype t, int dst, int tag, ddp_work **w);
 DDP_API ddp_result ddp_irecv(ddp_group *g, void *buf, size_t count, ddp_dtype t, int src, int tag, ddp_work **w);
 
@@ -433,13 +440,24 @@ DDP_API ddp_result ddp_wait(ddp_work *w);
    ddp_wait fails at once (the reason is in ddp_last_error(NULL)). Does not release w. */
 DDP_API int ddp_test(ddp_work *w);
 
-/* ddp_set_stream: the CUDA stream (a cudaStream_t) that the nccl backend queues g's collectives on
-   (torch orders NCCL work after the current stream). NULL = the legacy default stream, the initial
-   setting. On the nccl backend, buffers in device memory go to NCCL: a collective is queued on the
-   stream after the caller's earlier work there, and the synchronous call returns once it has completed
-   (ddp_wait, for the async variants); buffers in host memory run on the cpu path. Subgroups made later
-   start with g's stream. Return: DDP_SUCCESS; DDP_ERR_UNSUPPORTED on a group of another backend;
-   DDP_ERR_INVALID_ARGUMENT for a NULL group. Thread safety: as the collectives. */
+/* ddp_set_stream: the CUDA stream (a cudaStream_t) that g's work on device memory is ordered on (torch
+   uses the current stream). NULL = the legacy default stream, the initial setting. Needs a build with
+   -DDDP_CUDA (the implementation file) linked with ddp_cuda.o.
+   On the nccl backend, buffers in device memory go to NCCL: a collective is queued on the stream after
+   the caller's earlier work there, and the synchronous call returns once it has completed (ddp_wait,
+   for the async variants); buffers in host memory run on the cpu path.
+   On the cpu and mpi backends (torch's Gloo with CUDA tensors), every collective and ddp_send /
+   ddp_recv also takes device buffers (cudaMalloc'd or managed; either buffer of a call, on any rank):
+   they are staged through pinned host memory (cudaMallocHost, kept by the group and grown as needed,
+   freed with it): copied to it on the stream after the caller's earlier work there (then the call
+   waits for the stream), the host collective runs, and the result is copied back to device memory
+   queued on the stream. The call returns once the host collective is done: the result is ready for
+   work queued on the stream after the call (and for the host after a cudaStreamSynchronize of it).
+   The async variants stage inside the call and return completed work; ddp_isend / ddp_irecv refuse
+   device memory (DDP_ERR_UNSUPPORTED). So several ranks can share one GPU (NCCL refuses that) and one
+   GPU runs a multi-rank job. Subgroups made later start with g's stream. Return: DDP_SUCCESS;
+   DDP_ERR_UNSUPPORTED in a build without DDP_CUDA; DDP_ERR_INVALID_ARGUMENT for a NULL group.
+   Thread safety: as the collectives. */
 DDP_API ddp_result ddp_set_stream(ddp_group *g, void *cuda_stream);
 
 /* ---- Library buffers (single-copy collectives) ----------------------------------------------
@@ -606,6 +624,14 @@ DDP_API int ddp_launcher_main(int argc, char **argv);
      keeps its gradients adjacent, as reverse registration order does.)
    - Compression: comm_dtype DDP_F16 / DDP_BF16 sends the buckets in half precision, like PyTorch's
      fp16_compress_hook / bf16_compress_hook (cast, divide by the world size, all-reduce, cast back).
+   - Device memory on the cpu and mpi backends (a build with -DDDP_CUDA; torch's DDP over Gloo with CUDA
+     tensors): parameters and gradients may be device memory. Buckets stay in host memory; each copy
+     between a gradient and its bucket is staged through the group's pinned memory on its stream
+     (ddp_set_stream): grad_ready copies the gradient to the host after the work queued on that stream
+     (waiting for it), end_backward queues the averaged values back on the stream; flat device gradients
+     are a bucket in device memory that each all-reduce stages. Exact (the same host arithmetic), and
+     slow: a stream synchronisation per gradient. For several ranks on one GPU and for tests; the nccl
+     backend keeps buckets on the device.
 
    - Uneven inputs (torch's `with model.join():`, the Join context manager): with uneven_inputs = 1 ranks
      may run out of data at different steps. Each rank with data announces every backward pass (and every
@@ -1880,6 +1906,35 @@ DDP_API ddp_result ddp__cuda_nccl_wait(ddp__cuda_nccl *c, void *event, double ti
    ddp__cuda_nccl_wait returns at once with the error). Does not release the event. */
 DDP_API int ddp__cuda_nccl_test(ddp__cuda_nccl *c, void *event);
 
+/* ---- cuda-stage: device buffers on the cpu and mpi backends (src/devbuf.c), staged through pinned
+   host memory (torch's Gloo backend with CUDA tensors). These calls (and ddp__cuda_is_device_pointer
+   above) need no NCCL: ddp_cuda.cu defines them for every build, also for the tests' CPU harness. A
+   ddp__cuda_stage is one group's pinned staging memory: one call at a time uses it. ---- */
+typedef struct ddp__cuda_stage ddp__cuda_stage;
+
+/* ddp__cuda_stage_host: *host receives at least bytes of pinned host memory (cudaMallocHost) from *s,
+   which is made on first use (*s NULL) and grown when too small. It first waits for the copies that
+   the previous user of *s queued out of that memory (ddp__cuda_stage_queued), so a call never
+   overwrites what a queued copy still reads. Return: DDP_SUCCESS; DDP_ERR_OUT_OF_MEMORY; DDP_ERR_SYSTEM
+   when CUDA fails (the message has its text). */
+DDP_API ddp_result ddp__cuda_stage_host(ddp__cuda_stage **s, size_t bytes, void **host, char *err, size_t err_size);
+
+/* ddp__cuda_stage_copy: queue a copy of bytes from src to dst (device or pinned host memory, either
+   side: cudaMemcpyAsync with cudaMemcpyDefault) on stream (a cudaStream_t; NULL = the legacy default
+   stream). Return: DDP_SUCCESS or DDP_ERR_SYSTEM. */
+DDP_API ddp_result ddp__cuda_stage_copy(void *dst, const void *src, size_t bytes, void *stream, char *err, size_t err_size);
+
+/* ddp__cuda_stage_sync: wait until the work queued on stream so far is done (cudaStreamSynchronize). */
+DDP_API ddp_result ddp__cuda_stage_sync(void *stream, char *err, size_t err_size);
+
+/* ddp__cuda_stage_queued: the copies out of s's memory have been queued on stream: record an event
+   after them that the next ddp__cuda_stage_host waits for (when the event cannot be recorded there,
+   e.g. a stream of another device than the current one, it waits for the stream now instead). */
+DDP_API ddp_result ddp__cuda_stage_queued(ddp__cuda_stage *s, void *stream, char *err, size_t err_size);
+
+/* ddp__cuda_stage_free: wait for s's queued copies, free its pinned memory and s. NULL: no-op. */
+DDP_API void ddp__cuda_stage_free(ddp__cuda_stage *s);
+
 #endif /* DDP__CUDA_GLUE_INCLUDED */
 /* ==================== end src/cuda_glue.h ==================== */
 
@@ -1911,6 +1966,8 @@ DDP_API int ddp__cuda_nccl_test(ddp__cuda_nccl *c, void *event);
          shm                      shared memory among the ranks of one host
          hier                     hierarchical all_reduce for groups that span hosts
          mpi, nccl                MPI and NCCL libraries
+       devbuf                   device buffers on the backends without NCCL, staged through pinned host
+                                memory around the backend's run (collectives.c calls it; DDP_CUDA)
        group                    ddp_init, rendezvous, the table of ranks, which backend a group gets, subgroups
        launcher                 ddp_spawn, ddprun
        reducer, sampler, syncbn, safetensors, checkpoint    built on the public API
@@ -2462,6 +2519,7 @@ struct ddp_group {
     ddp__shm *shm;         /* shm.c's segment, when the group's ranks share one host */
     struct ddp__mpi *mpi;  /* mpi.c's communicator on the mpi backend */
     struct ddp__nccl *nccl; /* nccl.c's communicator on the nccl backend */
+    struct ddp__devbuf *devbuf; /* devbuf.c: the stream and pinned memory that stage device buffers (NULL: none yet) */
     struct ddp__trace *trace; /* trace.c's flight recorder (NULL: off) */
     struct ddp__ck_async *ck_async; /* checkpoint.c's background save (NULL: no async save yet) */
 };
@@ -2644,6 +2702,41 @@ static DDP__UNUSED ddp_result ddp__nccl_built(char *err); /* can backend "nccl" 
 /* Give the connected group g an NCCL communicator (a subgroup: parent's device and stream) and install
    the nccl backend; host-memory calls keep going to the backend g had. Collective over g. */
 static DDP__UNUSED ddp_result ddp__nccl_attach(ddp_group *g, const struct ddp__nccl *parent);
+
+/* ---- devbuf.c: device buffers on the cpu and mpi backends, staged through pinned host memory ---- */
+/* What one staged call copies: up to two regions of device memory (a call's send and recv buffers, or
+   one when they overlap), each with its place in the group's pinned memory. */
+typedef struct ddp__devbuf_region {
+    char *device, *host;
+    size_t bytes;
+    int in, out; /* copied to host memory before the call / back to the device after it */
+} ddp__devbuf_region;
+typedef struct ddp__devbuf_plan {
+    int n;
+    ddp__devbuf_region region[2];
+} ddp__devbuf_plan;
+/* 1 when k (validated) has a buffer in device memory that g must stage (a build with DDP_CUDA, a group
+   of any backend but nccl); else 0. Looks at the buffers this rank reads or writes only. */
+static DDP__UNUSED int ddp__devbuf_wanted(ddp_group *g, const ddp__call *k);
+/* Stage k: copy its device buffers that the call reads into pinned host memory (on g's stream, then
+   wait for it) and make *host_call, k on the host copies. A failure breaks the group (c names the call). */
+static DDP__UNUSED ddp_result ddp__devbuf_stage(ddp_group *g, const ddp__call *k, const ddp__coll *c, ddp__call *host_call,
+                                                ddp__devbuf_plan *plan);
+/* After the host call succeeded: queue the copies of what it wrote back to the device on g's stream. */
+static DDP__UNUSED ddp_result ddp__devbuf_unstage(ddp_group *g, const ddp__coll *c, const ddp__devbuf_plan *plan);
+/* reducer.c's copies (dst = src converted) when dst or src is device memory on a group that stages:
+   begin returns 0 when neither is (nothing to do), 1 when *dst and *src now point into the group's
+   pinned memory (src's bytes copied in; convert there, then end copies dst back to the device), -1
+   when staging failed (the group is broken; skip the copy). */
+static DDP__UNUSED int ddp__devbuf_copy_begin(ddp_group *g, void **dst, size_t dst_bytes, const void **src,
+                                              size_t src_bytes, ddp__devbuf_plan *plan);
+static DDP__UNUSED void ddp__devbuf_copy_end(ddp_group *g, const ddp__devbuf_plan *plan);
+/* ddp_set_stream on a group that stages (every backend but nccl, with DDP_CUDA); the stream now set. */
+static DDP__UNUSED ddp_result ddp__devbuf_set_stream(ddp_group *g, void *stream);
+static DDP__UNUSED void *ddp__devbuf_stream(const ddp_group *g);
+/* A new subgroup starts with its parent's stream. */
+static DDP__UNUSED ddp_result ddp__devbuf_inherit(ddp_group *sub, const ddp_group *parent);
+static DDP__UNUSED void ddp__devbuf_free(ddp_group *g); /* waits for queued copies; g->devbuf = NULL */
 
 /* ---- group.c ---- */
 static DDP__UNUSED ddp_group *ddp__group_alloc(int rank, int world_size);
@@ -7627,6 +7720,19 @@ static ddp_result ddp__run(ddp_group *g, const ddp__backend *b, const ddp__call 
     return r;
 }
 
+/* Run k on backend b, through pinned host copies when a buffer of k is device memory on a group whose
+   backend takes host memory only (devbuf.c). On the calling thread (the async calls run such a call
+   here too: ddp__collective_async). */
+static ddp_result ddp__run_staged(ddp_group *g, const ddp__backend *b, const ddp__call *k, const ddp__coll *c) {
+    ddp__devbuf_plan plan;
+    ddp__call host_call;
+    ddp_result r;
+    if (g->broken || !ddp__devbuf_wanted(g, k)) return ddp__run(g, b, k, c);
+    if ((r = ddp__devbuf_stage(g, k, c, &host_call, &plan)) != DDP_SUCCESS) return r;
+    if ((r = ddp__run(g, b, &host_call, c)) != DDP_SUCCESS) return r;
+    return ddp__devbuf_unstage(g, c, &plan);
+}
+
 /* The sum of a split-size list (world entries), or UINT64_MAX when it passes 2^63 (too large anyway). */
 static uint64_t ddp__counts_sum(const size_t *counts, int n) {
     uint64_t sum = 0;
@@ -7837,7 +7943,7 @@ static ddp_result ddp__collective_on(ddp_group *g, const ddp__backend *b, const 
     ddp__drain(g);
     if (g->broken) return ddp__fail(g, DDP_ERR_STATE, "%s", ddp__broken_message(g, k, c_msg));
     ddp__fingerprint(g, k, &c);
-    r = ddp__run(g, b, k, &c);
+    r = ddp__run_staged(g, b, k, &c);
     if (r) return ddp__fail(g, r, "%s", g->broken_msg);
     return DDP_SUCCESS;
 }
@@ -7929,12 +8035,35 @@ static ddp_result ddp__enqueue(ddp_group *g, const ddp__call *k, const ddp__coll
     return DDP_SUCCESS;
 }
 
+/* An async call with device buffers on a group that stages them (devbuf.c): run now, after the queued
+   work, on the calling thread (the staging uses the caller's stream and the group's one pinned
+   area); the ddp_work returned is complete. A failure is returned here, with no work. */
+static ddp_result ddp__collective_staged(ddp_group *g, const ddp__call *k, ddp_work **out) {
+    ddp_work *w = (ddp_work *)ddp__calloc(1, sizeof *w);
+    ddp_result r;
+    if (!w) return ddp__fail(g, DDP_ERR_OUT_OF_MEMORY, "out of memory allocating a ddp_work");
+    if ((r = ddp__collective_on(g, g->backend, k)) != DDP_SUCCESS) {
+        ddp__free(w);
+        return r;
+    }
+    w->g = g;
+    w->call = *k;
+    w->done = 1;
+    if (!ddp__work_issue(g, w)) {
+        ddp__free(w);
+        return ddp__fail(g, DDP_ERR_OUT_OF_MEMORY, "out of memory recording a ddp_work (the collective completed)");
+    }
+    *out = w;
+    return DDP_SUCCESS;
+}
+
 static ddp_result ddp__collective_async(ddp_group *g, const ddp__call *k, ddp_work **out) {
     ddp_result r;
     if ((r = ddp__group_check(g, ddp__coll_name(k->kind))) != DDP_SUCCESS) return r;
     if (!out) return ddp__fail(g, DDP_ERR_INVALID_ARGUMENT, "%s_async: the ddp_work **out argument is NULL", ddp__coll_name(k->kind));
     *out = NULL;
     if ((r = ddp__validate(g, k)) != DDP_SUCCESS) return r;
+    if (ddp__devbuf_wanted(g, k)) return ddp__collective_staged(g, k, out);
     if (g->backend->enqueue && g->backend->enqueue(g, k, out, &r)) { /* the backend took it (nccl: device work) */
         if (r == DDP_SUCCESS && !ddp__work_issue(g, *out)) {
             r = ddp__fail(g, DDP_ERR_OUT_OF_MEMORY, "out of memory recording a ddp_work; the collective was queued: "
@@ -8193,7 +8322,7 @@ static ddp_result ddp__p2p(ddp_group *g, ddp__coll_kind kind, const void *send, 
     ddp__drain(g);
     ddp__p2p_describe(g, &k, &c, kind, send, recv, count, t, peer, tag);
     if (g->broken) return ddp__fail(g, DDP_ERR_STATE, "%s", ddp__broken_message(g, &k, msg));
-    if ((r = ddp__run(g, g->backend, &k, &c)) != DDP_SUCCESS) return ddp__fail(g, r, "%s", g->broken_msg);
+    if ((r = ddp__run_staged(g, g->backend, &k, &c)) != DDP_SUCCESS) return ddp__fail(g, r, "%s", g->broken_msg);
     return DDP_SUCCESS;
 }
 
@@ -8213,6 +8342,12 @@ static ddp_result ddp__p2p_async_check(ddp_group *g, const char *name, ddp__coll
     *out = NULL;
     if (g->broken) return ddp__fail(g, DDP_ERR_STATE, "%s: the group is broken by an earlier error and cannot be used; "
                                     "destroy it. The error was: %.800s", name, g->broken_msg);
+#if defined(DDP_CUDA)
+    if (count && !g->nccl && ddp__cuda_is_device_pointer(buf) == 1) /* devbuf.c stages within one call only */
+        return ddp__fail(g, DDP_ERR_UNSUPPORTED, "%s: the buffer is device memory; on backend \"%s\" device buffers are "
+                         "staged through host memory within a call, which %s outlives: use ddp_%s (staged), or copy "
+                         "the buffer to host memory", name, g->backend->family, name, kind == DDP__SEND ? "send" : "recv");
+#endif
     return DDP_SUCCESS;
 }
 
@@ -12196,9 +12331,7 @@ static int ddp__nccl_test_work(ddp_work *w) { return ddp__cuda_nccl_test(w->g->n
 DDP_API ddp_result ddp_set_stream(ddp_group *g, void *cuda_stream) {
     ddp_result r = ddp__group_check(g, "ddp_set_stream"); /* NULL: DDP_ERR_INVALID_ARGUMENT; destroyed: DDP_ERR_STATE */
     if (r) return r;
-    if (!g->nccl)
-        return ddp__fail(g, DDP_ERR_UNSUPPORTED, "ddp_set_stream: the group's backend is \"%s\"; CUDA streams belong to "
-                         "the nccl backend", g->backend->family);
+    if (!g->nccl) return ddp__devbuf_set_stream(g, cuda_stream); /* the stream that stages device buffers (devbuf.c) */
     ddp__cuda_nccl_set_stream(g->nccl->comm, cuda_stream);
     return DDP_SUCCESS;
 }
@@ -12343,12 +12476,296 @@ DDP_API ddp_result ddp_set_stream(ddp_group *g, void *cuda_stream) {
     ddp_result r = ddp__group_check(g, "ddp_set_stream");
     (void)cuda_stream;
     if (r) return r;
-    return ddp__fail(g, DDP_ERR_UNSUPPORTED, "ddp_set_stream: the group's backend is \"%s\"; CUDA streams belong to the "
-                     "nccl backend (a build with -DDDP_CUDA)", g->backend->family);
+    return ddp__fail(g, DDP_ERR_UNSUPPORTED, "ddp_set_stream: this build has no CUDA (the group's backend is \"%s\"): "
+                     "compile the implementation with -DDDP_CUDA and link ddp_cuda.o for device buffers and streams",
+                     g->backend->family);
 }
 
 #endif /* DDP_CUDA */
 /* ==================== end src/nccl.c ==================== */
+
+/* ==================== begin src/devbuf.c ==================== */
+/* [SECTION] devbuf: device buffers on the cpu and mpi backends, staged through pinned host memory
+   (torch's Gloo backend with CUDA tensors: ProcessGroupGloo copies them to pinned host memory on the
+   current stream, runs the host algorithm, and copies the result back)
+
+   In a build with -DDDP_CUDA (the implementation file) linked with ddp_cuda.o, every collective and
+   ddp_send / ddp_recv of a group whose backend is cpu (shm, tcp, hier) or mpi also takes buffers in
+   device memory (cudaMalloc'd or managed; ddp__cuda_is_device_pointer asks cudaPointerGetAttributes).
+   So several ranks can share one GPU (NCCL refuses two ranks on one device), and a machine with one GPU
+   runs a multi-rank job end to end. Each rank decides for itself: ranks may pass different kinds of
+   memory, and one buffer of a call may be host memory while the other is device memory.
+
+   One call, on the calling thread (collectives.c's ddp__run_staged):
+     1. the plan: the device buffers this rank reads or writes (send and recv, with their real extents:
+        count x world size where the count is per rank, the sums of the split sizes for the _v calls;
+        gather's recv and scatter's send on the root only), merged into one region when they overlap
+        (the in-place forms); a region is copied in when the call reads it (and always when merged),
+        copied out when it writes it;
+     2. the group's pinned memory (ddp__cuda_stage_host: cudaMallocHost, kept and grown as needed,
+        freed with the group) after the copies the previous call queued out of it are done;
+     3. device -> pinned copies on the group's stream (ddp_set_stream; NULL = the legacy default
+        stream), then cudaStreamSynchronize: the call reads what the caller's work queued on that
+        stream before the call wrote;
+     4. the host collective on the pinned copies, through the group's backend as any host call;
+     5. pinned -> device copies queued on the stream, and an event after them (waited for before the
+        pinned memory is used again). The call returns without waiting for them.
+   Ordering: the result is ready for the work queued on the group's stream after the call returns (as
+   NCCL's results are), and for the host after a cudaStreamSynchronize or a cudaMemcpy from that stream;
+   work on another stream must wait for the group's stream (an event) first, as with NCCL.
+   The async variants stage the same way inside the call: they return a ddp_work that is already
+   complete (ddp_wait returns its result at once). ddp_isend / ddp_irecv refuse device memory
+   (DDP_ERR_UNSUPPORTED): their buffers outlive the call, which one shared staging area cannot serve.
+   A CUDA failure while staging breaks the group (every rank fails, as for any error in a collective). */
+
+#ifdef DDP_CUDA
+
+struct ddp__devbuf {
+    void *stream;           /* cudaStream_t; NULL = the legacy default stream */
+    ddp__cuda_stage *stage; /* ddp_cuda.cu's pinned memory; NULL until the first staged call */
+};
+
+static struct ddp__devbuf *ddp__devbuf_of(ddp_group *g) {
+    if (!g->devbuf) g->devbuf = (struct ddp__devbuf *)ddp__calloc(1, sizeof *g->devbuf);
+    return g->devbuf;
+}
+
+static uint64_t ddp__devbuf_sum(const size_t *counts, int n) {
+    uint64_t sum = 0;
+    int i;
+    for (i = 0; i < n; i++) sum += (uint64_t)counts[i]; /* validated: the sums fit */
+    return sum;
+}
+
+/* The elements of k's send and recv buffers that this rank reads or writes (0: none), and whether the
+   call reads recv (the in-place calls) and writes it (every call but broadcast on its root). */
+static void ddp__devbuf_extents(const ddp_group *g, const ddp__call *k, uint64_t *send_n, uint64_t *recv_n, int *recv_in,
+                                int *recv_out) {
+    uint64_t n = (uint64_t)g->world_size, count = (uint64_t)k->count;
+    int root = g->rank == k->root;
+    *send_n = 0, *recv_n = 0, *recv_in = 0, *recv_out = 1;
+    switch (k->kind) {
+    case DDP__ALL_REDUCE:
+    case DDP__REDUCE: *recv_n = count, *recv_in = 1; break; /* reduce: the non-roots' buffers as the backend leaves them */
+    case DDP__BROADCAST: *recv_n = count, *recv_in = root, *recv_out = !root; break;
+    case DDP__ALL_GATHER: *send_n = count, *recv_n = count * n; break;
+    case DDP__REDUCE_SCATTER: *send_n = count * n, *recv_n = count; break;
+    case DDP__GATHER: *send_n = count, *recv_n = root ? count * n : 0; break;
+    case DDP__SCATTER: *send_n = root ? count * n : 0, *recv_n = count; break;
+    case DDP__ALL_TO_ALL: *send_n = count * n, *recv_n = count * n; break;
+    case DDP__ALL_TO_ALL_V:
+        *send_n = ddp__devbuf_sum(k->send_counts, g->world_size);
+        *recv_n = ddp__devbuf_sum(k->recv_counts, g->world_size);
+        break;
+    case DDP__ALL_GATHER_V: *send_n = count, *recv_n = ddp__devbuf_sum(k->recv_counts, g->world_size); break;
+    case DDP__SEND: *send_n = count; break;
+    case DDP__RECV: *recv_n = count; break;
+    default: break; /* barrier, monitored_barrier, broadcast_bytes: no buffers of the caller's */
+    }
+}
+
+static int ddp__devbuf_is_device(const void *p, uint64_t elements) {
+    return elements && p && ddp__cuda_is_device_pointer(p) == 1;
+}
+
+static int ddp__devbuf_wanted(ddp_group *g, const ddp__call *k) {
+    uint64_t send_n, recv_n;
+    int recv_in, recv_out;
+    if (g->nccl) return 0; /* NCCL takes device memory itself */
+    ddp__devbuf_extents(g, k, &send_n, &recv_n, &recv_in, &recv_out);
+    return ddp__devbuf_is_device(k->send, send_n) || ddp__devbuf_is_device(k->buf, recv_n);
+}
+
+/* Step 1: the regions of a source (read) and a destination (read when dst_in, written when dst_out),
+   each only when it is device memory. Two regions that overlap become one, copied in (it holds what the
+   call reads) and out (it holds what it writes). */
+static void ddp__devbuf_plan_two(ddp__devbuf_plan *plan, const void *src, size_t src_bytes, void *dst, size_t dst_bytes,
+                                 int dst_in, int dst_out) {
+    ddp__devbuf_region *a, *b;
+    memset(plan, 0, sizeof *plan);
+    if (ddp__devbuf_is_device(src, src_bytes)) {
+        a = &plan->region[plan->n++];
+        a->device = (char *)src, a->bytes = src_bytes, a->in = 1;
+    }
+    if (ddp__devbuf_is_device(dst, dst_bytes)) {
+        a = &plan->region[plan->n++];
+        a->device = (char *)dst, a->bytes = dst_bytes, a->in = dst_in, a->out = dst_out;
+    }
+    if (plan->n < 2) return;
+    a = &plan->region[0], b = &plan->region[1];
+    if (a->device < b->device + b->bytes && b->device < a->device + a->bytes) {
+        char *lo = DDP__MIN(a->device, b->device), *hi = DDP__MAX(a->device + a->bytes, b->device + b->bytes);
+        a->out |= b->out;
+        a->in = 1;
+        a->device = lo, a->bytes = (size_t)(hi - lo);
+        plan->n = 1;
+    }
+}
+
+static void ddp__devbuf_plan_of(const ddp_group *g, const ddp__call *k, ddp__devbuf_plan *plan) {
+    uint64_t send_n, recv_n;
+    size_t es = ddp_dtype_size(k->dtype);
+    int recv_in, recv_out;
+    ddp__devbuf_extents(g, k, &send_n, &recv_n, &recv_in, &recv_out);
+    ddp__devbuf_plan_two(plan, k->send, (size_t)send_n * es, k->buf, (size_t)recv_n * es, recv_in, recv_out);
+}
+
+/* Where p (a device pointer of a region, or host memory) is for the host call. */
+static void *ddp__devbuf_host_of(const ddp__devbuf_plan *plan, const void *p) {
+    int i;
+    for (i = 0; p && i < plan->n; i++) {
+        const ddp__devbuf_region *r = &plan->region[i];
+        if ((const char *)p >= r->device && (const char *)p < r->device + r->bytes)
+            return r->host + ((const char *)p - r->device);
+    }
+    return (void *)p;
+}
+
+/* A CUDA failure while staging breaks the group; step says which (the message names the call and rank). */
+static ddp_result ddp__devbuf_fail(ddp_group *g, const ddp__coll *c, ddp_result r, const char *step, const char *err) {
+    char desc[160];
+    if (c) ddp__coll_describe(g, c, desc, sizeof desc);
+    else snprintf(desc, sizeof desc, "the reducer's copy of a gradient or parameter"); /* ddp__devbuf_copy_begin */
+    return ddp__coll_fail(g, r, "%s on rank %d: %s failed: %s (backend %s stages device buffers through pinned host "
+                          "memory: is each buffer device memory of at least the call's elements?)", desc, g->rank, step,
+                          err, g->backend->family);
+}
+
+/* Steps 2 and 3 for a plan: its regions' places in the pinned memory, and the copies in. */
+static ddp_result ddp__devbuf_stage_plan(ddp_group *g, const ddp__coll *c, ddp__devbuf_plan *plan) {
+    char err[DDP__ERR_MAX] = "";
+    struct ddp__devbuf *d = ddp__devbuf_of(g);
+    size_t total = 0, at = 0;
+    char *host = NULL;
+    ddp_result r = DDP_SUCCESS;
+    int i, copied = 0;
+    if (!d) return ddp__coll_fail(g, DDP_ERR_OUT_OF_MEMORY, "rank %d: out of memory staging device buffers", g->rank);
+    for (i = 0; i < plan->n; i++) total += (plan->region[i].bytes + 63) & ~(size_t)63; /* each region 64-byte aligned */
+    if ((r = ddp__cuda_stage_host(&d->stage, total ? total : 1, (void **)&host, err, sizeof err)) != DDP_SUCCESS)
+        return ddp__devbuf_fail(g, c, r, "getting pinned host memory to stage device buffers", err);
+    for (i = 0; i < plan->n && r == DDP_SUCCESS; i++) {
+        ddp__devbuf_region *reg = &plan->region[i];
+        reg->host = host + at;
+        at += (reg->bytes + 63) & ~(size_t)63;
+        if (reg->in && reg->bytes) {
+            r = ddp__cuda_stage_copy(reg->host, reg->device, reg->bytes, d->stream, err, sizeof err);
+            copied = 1;
+        }
+    }
+    if (r == DDP_SUCCESS && copied) r = ddp__cuda_stage_sync(d->stream, err, sizeof err);
+    if (r != DDP_SUCCESS) return ddp__devbuf_fail(g, c, r, "copying device memory to pinned host memory", err);
+    return DDP_SUCCESS;
+}
+
+static ddp_result ddp__devbuf_stage(ddp_group *g, const ddp__call *k, const ddp__coll *c, ddp__call *host_call,
+                                   ddp__devbuf_plan *plan) {
+    ddp_result r;
+    ddp__devbuf_plan_of(g, k, plan);
+    if ((r = ddp__devbuf_stage_plan(g, c, plan)) != DDP_SUCCESS) return r;
+    *host_call = *k;
+    host_call->send = ddp__devbuf_host_of(plan, k->send);
+    host_call->buf = ddp__devbuf_host_of(plan, k->buf);
+    return DDP_SUCCESS;
+}
+
+static ddp_result ddp__devbuf_unstage(ddp_group *g, const ddp__coll *c, const ddp__devbuf_plan *plan) {
+    char err[DDP__ERR_MAX] = "";
+    struct ddp__devbuf *d = g->devbuf;
+    ddp_result r = DDP_SUCCESS;
+    int i, copied = 0;
+    for (i = 0; i < plan->n && r == DDP_SUCCESS; i++) {
+        const ddp__devbuf_region *reg = &plan->region[i];
+        if (!reg->out || !reg->bytes) continue;
+        r = ddp__cuda_stage_copy(reg->device, reg->host, reg->bytes, d->stream, err, sizeof err);
+        copied = 1;
+    }
+    if (r == DDP_SUCCESS && copied) r = ddp__cuda_stage_queued(d->stage, d->stream, err, sizeof err);
+    if (r == DDP_SUCCESS) return r;
+    return ddp__devbuf_fail(g, c, r, "copying the result from pinned host memory to device memory", err);
+}
+
+/* The reducer's copies (reducer.c's host memory functions) when a gradient or parameter is device
+   memory: the same staging, synchronous on the way in (the reducer converts at once) and queued on the
+   way out. The reducer runs them on the thread that issues the group's calls, one at a time, as the
+   staged collectives, so they share the group's pinned memory. */
+static int ddp__devbuf_copy_begin(ddp_group *g, void **dst, size_t dst_bytes, const void **src, size_t src_bytes,
+                                  ddp__devbuf_plan *plan) {
+    if (g->nccl) return 0;
+    ddp__devbuf_plan_two(plan, *src, src_bytes, *dst, dst_bytes, 0, 1);
+    if (!plan->n) return 0;
+    if (ddp__devbuf_stage_plan(g, NULL, plan) != DDP_SUCCESS) return -1;
+    *src = ddp__devbuf_host_of(plan, *src);
+    *dst = ddp__devbuf_host_of(plan, *dst);
+    return 1;
+}
+
+static void ddp__devbuf_copy_end(ddp_group *g, const ddp__devbuf_plan *plan) { ddp__devbuf_unstage(g, NULL, plan); }
+
+static ddp_result ddp__devbuf_set_stream(ddp_group *g, void *stream) {
+    struct ddp__devbuf *d = ddp__devbuf_of(g);
+    if (!d) return ddp__fail(g, DDP_ERR_OUT_OF_MEMORY, "ddp_set_stream: out of memory");
+    d->stream = stream;
+    return DDP_SUCCESS;
+}
+
+static void *ddp__devbuf_stream(const ddp_group *g) { return g->devbuf ? g->devbuf->stream : NULL; }
+
+static ddp_result ddp__devbuf_inherit(ddp_group *sub, const ddp_group *parent) {
+    if (!parent->devbuf || !parent->devbuf->stream) return DDP_SUCCESS;
+    return ddp__devbuf_set_stream(sub, parent->devbuf->stream);
+}
+
+static void ddp__devbuf_free(ddp_group *g) {
+    if (!g->devbuf) return;
+    ddp__cuda_stage_free(g->devbuf->stage);
+    ddp__free(g->devbuf);
+    g->devbuf = NULL;
+}
+
+#else /* !DDP_CUDA: every pointer is host memory */
+
+struct ddp__devbuf {
+    int unused;
+};
+
+static int ddp__devbuf_wanted(ddp_group *g, const ddp__call *k) {
+    (void)g, (void)k;
+    return 0;
+}
+static ddp_result ddp__devbuf_stage(ddp_group *g, const ddp__call *k, const ddp__coll *c, ddp__call *host_call,
+                                     ddp__devbuf_plan *plan) {
+    (void)c;
+    memset(plan, 0, sizeof *plan);
+    *host_call = *k;
+    (void)g;
+    return DDP_SUCCESS;
+}
+static ddp_result ddp__devbuf_unstage(ddp_group *g, const ddp__coll *c, const ddp__devbuf_plan *plan) {
+    (void)g, (void)c, (void)plan;
+    return DDP_SUCCESS;
+}
+static int ddp__devbuf_copy_begin(ddp_group *g, void **dst, size_t dst_bytes, const void **src, size_t src_bytes,
+                                  ddp__devbuf_plan *plan) {
+    (void)g, (void)dst, (void)dst_bytes, (void)src, (void)src_bytes, (void)plan;
+    return 0;
+}
+static void ddp__devbuf_copy_end(ddp_group *g, const ddp__devbuf_plan *plan) { (void)g, (void)plan; }
+static ddp_result ddp__devbuf_set_stream(ddp_group *g, void *stream) {
+    (void)stream;
+    return ddp__fail(g, DDP_ERR_UNSUPPORTED, "ddp_set_stream: CUDA streams need a build with -DDDP_CUDA");
+}
+static void *ddp__devbuf_stream(const ddp_group *g) {
+    (void)g;
+    return NULL;
+}
+static ddp_result ddp__devbuf_inherit(ddp_group *sub, const ddp_group *parent) {
+    (void)sub, (void)parent;
+    return DDP_SUCCESS;
+}
+static void ddp__devbuf_free(ddp_group *g) { (void)g; }
+
+#endif /* DDP_CUDA */
+/* ==================== end src/devbuf.c ==================== */
 
 /* ==================== begin src/group.c ==================== */
 /* [SECTION] group: ddp_init (torch.distributed.init_process_group), launcher environments,
@@ -13295,6 +13712,7 @@ static void ddp__group_free(ddp_group *g) {
     pthread_mutex_destroy(&g->mesh.p2p_mu);
     pthread_cond_destroy(&g->async.cv);
     ddp__free(g->scratch);
+    ddp__devbuf_free(g);
     ddp__p2p_stash_free(g);
     ddp__free(g->mesh.peers);
     ddp__free(g->mesh.linked);
@@ -13733,6 +14151,11 @@ DDP_API ddp_result ddp_new_group(ddp_group *g, const int *ranks, int n, ddp_grou
     snprintf(name, sizeof name, "sub%llu", (unsigned long long)g->member.subgroups_made);
     if ((r = ddp__subgroup_open(g, ranks, n, me, name, comm, "ddp_new_group", &sub)) != DDP_SUCCESS) return r;
     if (g->nccl && (r = ddp__nccl_attach(sub, g->nccl)) != DDP_SUCCESS) { /* its own communicator */
+        ddp__fail(g, r, "ddp_new_group: %s", sub->error);
+        ddp_destroy(sub);
+        return r;
+    }
+    if (!g->nccl && (r = ddp__devbuf_inherit(sub, g)) != DDP_SUCCESS) { /* the stream that stages device buffers */
         ddp__fail(g, r, "ddp_new_group: %s", sub->error);
         ddp_destroy(sub);
         return r;
@@ -15257,8 +15680,12 @@ enum { DDP__JOIN_SYNC = 1, DDP__JOIN_FIRST = 2 };                         /* and
 static void *ddp__host_alloc(ddp_group *g, size_t bytes) { return ddp_alloc(g, bytes); }
 static void ddp__host_release(ddp_group *g, void *p) { ddp_free(g, p); }
 static void ddp__host_zero(ddp_group *g, void *dst, size_t bytes) {
-    (void)g;
+    ddp__devbuf_plan plan;
+    const void *none = NULL;
+    int staged = bytes ? ddp__devbuf_copy_begin(g, &dst, bytes, &none, 0, &plan) : 0; /* device memory: devbuf.c */
+    if (staged < 0) return;
     if (bytes) memset(dst, 0, bytes);
+    if (staged) ddp__devbuf_copy_end(g, &plan);
 }
 
 /* One element of a floating dtype, as f32 (f64 keeps its precision through ddp__load_f64). */
@@ -15279,10 +15706,9 @@ static void ddp__put_f32(void *p, ddp_dtype t, size_t i, float v) {
     }
 }
 
-static void ddp__host_copy_in_scaled(ddp_group *g, void *dst, ddp_dtype dst_t, const void *src, ddp_dtype src_t,
-                                    size_t count, double scale) {
+static void ddp__host_convert_scaled(void *dst, ddp_dtype dst_t, const void *src, ddp_dtype src_t, size_t count,
+                                     double scale) {
     size_t i;
-    (void)g;
     if (dst_t == src_t && scale == 1.0) {
         if (dst != src && count) memcpy(dst, src, count * ddp_dtype_size(dst_t));
         return;
@@ -15309,9 +15735,8 @@ static void ddp__host_copy_in_scaled(ddp_group *g, void *dst, ddp_dtype dst_t, c
     }
 }
 
-static void ddp__host_copy_out(ddp_group *g, void *dst, ddp_dtype dst_t, const void *src, ddp_dtype src_t, size_t count) {
+static void ddp__host_convert(void *dst, ddp_dtype dst_t, const void *src, ddp_dtype src_t, size_t count) {
     size_t i;
-    (void)g;
     if (dst_t == src_t) {
         if (dst != src && count) memcpy(dst, src, count * ddp_dtype_size(dst_t));
         return;
@@ -15321,6 +15746,27 @@ static void ddp__host_copy_out(ddp_group *g, void *dst, ddp_dtype dst_t, const v
         return;
     }
     for (i = 0; i < count; i++) ddp__put_f32(dst, dst_t, i, ddp__get_f32(src, src_t, i));
+}
+
+/* The copies on host memory; a gradient or parameter in device memory (on the cpu and mpi backends, in a
+   build with DDP_CUDA) is staged through the group's pinned memory around them (devbuf.c). */
+static void ddp__host_copy_in_scaled(ddp_group *g, void *dst, ddp_dtype dst_t, const void *src, ddp_dtype src_t,
+                                    size_t count, double scale) {
+    ddp__devbuf_plan plan;
+    int staged = count ? ddp__devbuf_copy_begin(g, &dst, count * ddp_dtype_size(dst_t), &src,
+                                                count * ddp_dtype_size(src_t), &plan) : 0;
+    if (staged < 0) return;
+    ddp__host_convert_scaled(dst, dst_t, src, src_t, count, scale);
+    if (staged) ddp__devbuf_copy_end(g, &plan);
+}
+
+static void ddp__host_copy_out(ddp_group *g, void *dst, ddp_dtype dst_t, const void *src, ddp_dtype src_t, size_t count) {
+    ddp__devbuf_plan plan;
+    int staged = count ? ddp__devbuf_copy_begin(g, &dst, count * ddp_dtype_size(dst_t), &src,
+                                                count * ddp_dtype_size(src_t), &plan) : 0;
+    if (staged < 0) return;
+    ddp__host_convert(dst, dst_t, src, src_t, count);
+    if (staged) ddp__devbuf_copy_end(g, &plan);
 }
 
 /* ---- the reducer's state ---- */

@@ -11,6 +11,7 @@
    [SECTION] cuda-syncbn: SyncBatchNorm kernels and their C entry points
    [SECTION] cuda-reducer: gradient bucket copies and the inf/nan check (multi-tensor kernels)
    [SECTION] cuda-nccl: the nccl backend's communicator, collectives on a stream, events, the watchdog
+   [SECTION] cuda-stage: device buffers on the cpu and mpi backends, staged through pinned host memory
 
    The kernels are written so that the CPU execution harness of the tests (tests/cuda_harness) runs
    their source too: every launch goes through DDP__CU_LAUNCH; blockDim, threadIdx and blockIdx are
@@ -1310,16 +1311,6 @@ DDP_API void ddp__cuda_nccl_set_stream(ddp__cuda_nccl *c, void *stream) {
 DDP_API void *ddp__cuda_nccl_stream(const ddp__cuda_nccl *c) { return c ? (void *)c->stream : NULL; }
 DDP_API int ddp__cuda_nccl_device_of(const ddp__cuda_nccl *c) { return c ? c->device : -1; }
 
-DDP_API int ddp__cuda_is_device_pointer(const void *p) {
-    cudaPointerAttributes at;
-    if (!p) return 0;
-    if (cudaPointerGetAttributes(&at, p) != cudaSuccess) {
-        cudaGetLastError(); /* older runtimes fail on plain host memory; not sticky */
-        return 0;
-    }
-    return at.type == cudaMemoryTypeDevice || at.type == cudaMemoryTypeManaged;
-}
-
 DDP_API ddp_result ddp__cuda_nccl_enqueue(ddp__cuda_nccl *c, ddp__cuda_coll kind, const void *send, void *recv, size_t count,
                                          ddp_dtype dtype, ddp_op op, int root, void **event, char *err, size_t err_size) {
     ddp__cu_msg m = {err, err_size};
@@ -1462,3 +1453,128 @@ DDP_API int ddp__cuda_nccl_test(ddp__cuda_nccl *c, void *event) {
 
 } /* extern "C" */
 #endif /* !DDP_CUDA_HARNESS */
+
+/* [SECTION] cuda-stage: device buffers on the cpu and mpi backends, staged through pinned host memory
+   (src/devbuf.c decides what to copy; src/cuda_glue.h documents the calls). Plain runtime calls, no
+   NCCL, so they are built everywhere, also under the tests' CPU harness (tests/cuda_harness), which
+   emulates them: device allocations the host cannot touch, copies that run only when synchronised. */
+extern "C" {
+
+struct ddp__cuda_stage {
+    void *host;         /* pinned (cudaMallocHost) */
+    size_t size;        /* bytes at host */
+    cudaEvent_t queued; /* recorded after the last copies out of host; NULL until the first */
+    int event_device;   /* the device queued was made on (an event is recorded on its own device's streams) */
+    bool pending;       /* copies out of host may still be running: wait for queued before reuse */
+};
+
+static ddp_result ddp__cu_stage_fail(char *err, size_t err_size, ddp_result code, const char *fmt, ...)
+    __attribute__((format(printf, 4, 5)));
+static ddp_result ddp__cu_stage_fail(char *err, size_t err_size, ddp_result code, const char *fmt, ...) {
+    va_list ap;
+    if (!err || !err_size) return code;
+    va_start(ap, fmt);
+    vsnprintf(err, err_size, fmt, ap);
+    va_end(ap);
+    return code;
+}
+
+DDP_API int ddp__cuda_is_device_pointer(const void *p) {
+    cudaPointerAttributes at;
+    if (!p) return 0;
+    if (cudaPointerGetAttributes(&at, p) != cudaSuccess) {
+        cudaGetLastError(); /* older runtimes fail on plain host memory; not sticky */
+        return 0;
+    }
+    return at.type == cudaMemoryTypeDevice || at.type == cudaMemoryTypeManaged;
+}
+
+/* Wait for the copies still reading s->host. */
+static ddp_result ddp__cu_stage_settle(ddp__cuda_stage *s, char *err, size_t err_size) {
+    cudaError_t ce;
+    if (!s->pending) return DDP_SUCCESS;
+    s->pending = false;
+    if ((ce = cudaEventSynchronize(s->queued)) != cudaSuccess)
+        return ddp__cu_stage_fail(err, err_size, DDP_ERR_SYSTEM, "waiting for the previous copy from pinned host memory to "
+                                  "the device failed: %s (%s)", cudaGetErrorName(ce), cudaGetErrorString(ce));
+    return DDP_SUCCESS;
+}
+
+DDP_API ddp_result ddp__cuda_stage_host(ddp__cuda_stage **sp, size_t bytes, void **host, char *err, size_t err_size) {
+    ddp__cuda_stage *s = *sp;
+    cudaError_t ce;
+    ddp_result r;
+    void *p = NULL;
+    *host = NULL;
+    if (!s) {
+        if (!(s = new (std::nothrow) ddp__cuda_stage()))
+            return ddp__cu_stage_fail(err, err_size, DDP_ERR_OUT_OF_MEMORY, "out of memory");
+        *sp = s;
+    }
+    if ((r = ddp__cu_stage_settle(s, err, err_size)) != DDP_SUCCESS) return r;
+    if (bytes > s->size) { /* grow by at least half, so that slowly growing calls do not reallocate each time */
+        size_t want = bytes > s->size + s->size / 2 ? bytes : s->size + s->size / 2;
+        if (s->host) cudaFreeHost(s->host);
+        s->host = NULL;
+        s->size = 0;
+        if ((ce = cudaMallocHost(&p, want)) != cudaSuccess) {
+            cudaGetLastError();
+            return ddp__cu_stage_fail(err, err_size, ce == cudaErrorMemoryAllocation ? DDP_ERR_OUT_OF_MEMORY : DDP_ERR_SYSTEM,
+                                      "cudaMallocHost(%zu bytes) for staging device buffers failed: %s (%s)", want,
+                                      cudaGetErrorName(ce), cudaGetErrorString(ce));
+        }
+        s->host = p;
+        s->size = want;
+    }
+    *host = s->host;
+    return DDP_SUCCESS;
+}
+
+DDP_API ddp_result ddp__cuda_stage_copy(void *dst, const void *src, size_t bytes, void *stream, char *err, size_t err_size) {
+    cudaError_t ce;
+    if (!bytes) return DDP_SUCCESS;
+    if ((ce = cudaMemcpyAsync(dst, src, bytes, cudaMemcpyDefault, (cudaStream_t)stream)) != cudaSuccess) {
+        cudaGetLastError();
+        return ddp__cu_stage_fail(err, err_size, DDP_ERR_SYSTEM, "cudaMemcpyAsync of %zu bytes from %p to %p failed: %s (%s)",
+                                  bytes, src, dst, cudaGetErrorName(ce), cudaGetErrorString(ce));
+    }
+    return DDP_SUCCESS;
+}
+
+DDP_API ddp_result ddp__cuda_stage_sync(void *stream, char *err, size_t err_size) {
+    cudaError_t ce = cudaStreamSynchronize((cudaStream_t)stream);
+    if (ce == cudaSuccess) return DDP_SUCCESS;
+    cudaGetLastError();
+    return ddp__cu_stage_fail(err, err_size, DDP_ERR_SYSTEM, "cudaStreamSynchronize failed: %s (%s)", cudaGetErrorName(ce),
+                              cudaGetErrorString(ce));
+}
+
+DDP_API ddp_result ddp__cuda_stage_queued(ddp__cuda_stage *s, void *stream, char *err, size_t err_size) {
+    int device = 0;
+    cudaGetDevice(&device);
+    if (s->queued && s->event_device != device) { /* made on another device: make one on this one */
+        cudaEventDestroy(s->queued);
+        s->queued = NULL;
+    }
+    if (!s->queued && cudaEventCreateWithFlags(&s->queued, cudaEventDisableTiming) != cudaSuccess) {
+        cudaGetLastError();
+        s->queued = NULL;
+    }
+    s->event_device = device;
+    if (s->queued && cudaEventRecord(s->queued, (cudaStream_t)stream) == cudaSuccess) {
+        s->pending = true;
+        return DDP_SUCCESS;
+    }
+    cudaGetLastError(); /* no event on this stream: wait for the copies now */
+    return ddp__cuda_stage_sync(stream, err, err_size);
+}
+
+DDP_API void ddp__cuda_stage_free(ddp__cuda_stage *s) {
+    if (!s) return;
+    ddp__cu_stage_settle(s, NULL, 0);
+    if (s->queued) cudaEventDestroy(s->queued);
+    if (s->host) cudaFreeHost(s->host);
+    delete s;
+}
+
+} /* extern "C" */

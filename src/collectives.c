@@ -101,6 +101,19 @@ static ddp_result ddp__run(ddp_group *g, const ddp__backend *b, const ddp__call 
     return r;
 }
 
+/* Run k on backend b, through pinned host copies when a buffer of k is device memory on a group whose
+   backend takes host memory only (devbuf.c). On the calling thread (the async calls run such a call
+   here too: ddp__collective_async). */
+static ddp_result ddp__run_staged(ddp_group *g, const ddp__backend *b, const ddp__call *k, const ddp__coll *c) {
+    ddp__devbuf_plan plan;
+    ddp__call host_call;
+    ddp_result r;
+    if (g->broken || !ddp__devbuf_wanted(g, k)) return ddp__run(g, b, k, c);
+    if ((r = ddp__devbuf_stage(g, k, c, &host_call, &plan)) != DDP_SUCCESS) return r;
+    if ((r = ddp__run(g, b, &host_call, c)) != DDP_SUCCESS) return r;
+    return ddp__devbuf_unstage(g, c, &plan);
+}
+
 /* The sum of a split-size list (world entries), or UINT64_MAX when it passes 2^63 (too large anyway). */
 static uint64_t ddp__counts_sum(const size_t *counts, int n) {
     uint64_t sum = 0;
@@ -311,7 +324,7 @@ static ddp_result ddp__collective_on(ddp_group *g, const ddp__backend *b, const 
     ddp__drain(g);
     if (g->broken) return ddp__fail(g, DDP_ERR_STATE, "%s", ddp__broken_message(g, k, c_msg));
     ddp__fingerprint(g, k, &c);
-    r = ddp__run(g, b, k, &c);
+    r = ddp__run_staged(g, b, k, &c);
     if (r) return ddp__fail(g, r, "%s", g->broken_msg);
     return DDP_SUCCESS;
 }
@@ -403,12 +416,35 @@ static ddp_result ddp__enqueue(ddp_group *g, const ddp__call *k, const ddp__coll
     return DDP_SUCCESS;
 }
 
+/* An async call with device buffers on a group that stages them (devbuf.c): run now, after the queued
+   work, on the calling thread (the staging uses the caller's stream and the group's one pinned
+   area); the ddp_work returned is complete. A failure is returned here, with no work. */
+static ddp_result ddp__collective_staged(ddp_group *g, const ddp__call *k, ddp_work **out) {
+    ddp_work *w = (ddp_work *)ddp__calloc(1, sizeof *w);
+    ddp_result r;
+    if (!w) return ddp__fail(g, DDP_ERR_OUT_OF_MEMORY, "out of memory allocating a ddp_work");
+    if ((r = ddp__collective_on(g, g->backend, k)) != DDP_SUCCESS) {
+        ddp__free(w);
+        return r;
+    }
+    w->g = g;
+    w->call = *k;
+    w->done = 1;
+    if (!ddp__work_issue(g, w)) {
+        ddp__free(w);
+        return ddp__fail(g, DDP_ERR_OUT_OF_MEMORY, "out of memory recording a ddp_work (the collective completed)");
+    }
+    *out = w;
+    return DDP_SUCCESS;
+}
+
 static ddp_result ddp__collective_async(ddp_group *g, const ddp__call *k, ddp_work **out) {
     ddp_result r;
     if ((r = ddp__group_check(g, ddp__coll_name(k->kind))) != DDP_SUCCESS) return r;
     if (!out) return ddp__fail(g, DDP_ERR_INVALID_ARGUMENT, "%s_async: the ddp_work **out argument is NULL", ddp__coll_name(k->kind));
     *out = NULL;
     if ((r = ddp__validate(g, k)) != DDP_SUCCESS) return r;
+    if (ddp__devbuf_wanted(g, k)) return ddp__collective_staged(g, k, out);
     if (g->backend->enqueue && g->backend->enqueue(g, k, out, &r)) { /* the backend took it (nccl: device work) */
         if (r == DDP_SUCCESS && !ddp__work_issue(g, *out)) {
             r = ddp__fail(g, DDP_ERR_OUT_OF_MEMORY, "out of memory recording a ddp_work; the collective was queued: "
@@ -667,7 +703,7 @@ static ddp_result ddp__p2p(ddp_group *g, ddp__coll_kind kind, const void *send, 
     ddp__drain(g);
     ddp__p2p_describe(g, &k, &c, kind, send, recv, count, t, peer, tag);
     if (g->broken) return ddp__fail(g, DDP_ERR_STATE, "%s", ddp__broken_message(g, &k, msg));
-    if ((r = ddp__run(g, g->backend, &k, &c)) != DDP_SUCCESS) return ddp__fail(g, r, "%s", g->broken_msg);
+    if ((r = ddp__run_staged(g, g->backend, &k, &c)) != DDP_SUCCESS) return ddp__fail(g, r, "%s", g->broken_msg);
     return DDP_SUCCESS;
 }
 
@@ -687,6 +723,12 @@ static ddp_result ddp__p2p_async_check(ddp_group *g, const char *name, ddp__coll
     *out = NULL;
     if (g->broken) return ddp__fail(g, DDP_ERR_STATE, "%s: the group is broken by an earlier error and cannot be used; "
                                     "destroy it. The error was: %.800s", name, g->broken_msg);
+#if defined(DDP_CUDA)
+    if (count && !g->nccl && ddp__cuda_is_device_pointer(buf) == 1) /* devbuf.c stages within one call only */
+        return ddp__fail(g, DDP_ERR_UNSUPPORTED, "%s: the buffer is device memory; on backend \"%s\" device buffers are "
+                         "staged through host memory within a call, which %s outlives: use ddp_%s (staged), or copy "
+                         "the buffer to host memory", name, g->backend->family, name, kind == DDP__SEND ? "send" : "recv");
+#endif
     return DDP_SUCCESS;
 }
 

@@ -114,4 +114,33 @@ DDP_API ddp_result ddp__cuda_nccl_wait(ddp__cuda_nccl *c, void *event, double ti
    ddp__cuda_nccl_wait returns at once with the error). Does not release the event. */
 DDP_API int ddp__cuda_nccl_test(ddp__cuda_nccl *c, void *event);
 
+/* ---- cuda-stage: device buffers on the cpu and mpi backends (src/devbuf.c), staged through pinned
+   host memory (torch's Gloo backend with CUDA tensors). These calls (and ddp__cuda_is_device_pointer
+   above) need no NCCL: ddp_cuda.cu defines them for every build, also for the tests' CPU harness. A
+   ddp__cuda_stage is one group's pinned staging memory: one call at a time uses it. ---- */
+typedef struct ddp__cuda_stage ddp__cuda_stage;
+
+/* ddp__cuda_stage_host: *host receives at least bytes of pinned host memory (cudaMallocHost) from *s,
+   which is made on first use (*s NULL) and grown when too small. It first waits for the copies that
+   the previous user of *s queued out of that memory (ddp__cuda_stage_queued), so a call never
+   overwrites what a queued copy still reads. Return: DDP_SUCCESS; DDP_ERR_OUT_OF_MEMORY; DDP_ERR_SYSTEM
+   when CUDA fails (the message has its text). */
+DDP_API ddp_result ddp__cuda_stage_host(ddp__cuda_stage **s, size_t bytes, void **host, char *err, size_t err_size);
+
+/* ddp__cuda_stage_copy: queue a copy of bytes from src to dst (device or pinned host memory, either
+   side: cudaMemcpyAsync with cudaMemcpyDefault) on stream (a cudaStream_t; NULL = the legacy default
+   stream). Return: DDP_SUCCESS or DDP_ERR_SYSTEM. */
+DDP_API ddp_result ddp__cuda_stage_copy(void *dst, const void *src, size_t bytes, void *stream, char *err, size_t err_size);
+
+/* ddp__cuda_stage_sync: wait until the work queued on stream so far is done (cudaStreamSynchronize). */
+DDP_API ddp_result ddp__cuda_stage_sync(void *stream, char *err, size_t err_size);
+
+/* ddp__cuda_stage_queued: the copies out of s's memory have been queued on stream: record an event
+   after them that the next ddp__cuda_stage_host waits for (when the event cannot be recorded there,
+   e.g. a stream of another device than the current one, it waits for the stream now instead). */
+DDP_API ddp_result ddp__cuda_stage_queued(ddp__cuda_stage *s, void *stream, char *err, size_t err_size);
+
+/* ddp__cuda_stage_free: wait for s's queued copies, free its pinned memory and s. NULL: no-op. */
+DDP_API void ddp__cuda_stage_free(ddp__cuda_stage *s);
+
 #endif /* DDP__CUDA_GLUE_INCLUDED */

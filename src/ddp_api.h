@@ -176,6 +176,8 @@ DDP_API uint16_t ddp_f32_to_bf16(float f);
    x element size, x world size for all_gather / reduce_scatter) would reach 2^47 bytes (128 TiB) is
    DDP_ERR_INVALID_ARGUMENT, naming the count and the limit. In-place: pass the same pointer
    (all_gather / reduce_scatter: send may alias this rank's slice of recv, or recv itself).
+   Buffers are host memory; in a build with -DDDP_CUDA also device memory: NCCL's on the nccl backend,
+   staged through pinned host memory on the cpu and mpi backends (ddp_set_stream says how).
    Thread safety: a group's collectives must be issued from one thread at a time, in one order. */
 
 /* buf <- op over all ranks' buf */
@@ -239,14 +241,15 @@ DDP_API ddp_result ddp_monitored_barrier(ddp_group *g, double timeout_seconds);
    receive while its peer does the same, in either order. A send and its recv must come in the same
    order relative to the collectives on both ranks: a recv that meets the peer's next collective instead
    of the message is DDP_ERR_MISMATCH. dst / src must be another rank of g. On the nccl backend: host
-   memory only so far. */
+   memory only so far; on the cpu and mpi backends device memory is staged (ddp_set_stream). */
 DDP_API ddp_result ddp_send(ddp_group *g, const void *buf, size_t count, ddp_dtype t, int dst, int tag);
 DDP_API ddp_result ddp_recv(ddp_group *g, void *buf, size_t count, ddp_dtype t, int src, int tag);
 /* isend / irecv: return at once with a handle for ddp_wait / ddp_test. An isend is queued with the group's
    async collectives (in issue order); an irecv is posted at once, and any later call that reads the
    connections (a queued call, a collective over TCP, a send, ddp_wait, ddp_test) may finish it, so every
    rank may post its irecv before its isend. The buffer must stay valid and untouched until ddp_wait
-   returns. On the mpi backend they are MPI_Isend / MPI_Irecv. */
+   returns. On the mpi backend they are MPI_Isend / MPI_Irecv. Host memory only (device memory is
+   DDP_ERR_UNSUPPORTED: use ddp_send / ddp_recv, which stage it). */
 DDP_API ddp_result ddp_isend(ddp_group *g, const void *buf, size_t count, ddp_dtype t, int dst, int tag, ddp_work **w);
 DDP_API ddp_result ddp_irecv(ddp_group *g, void *buf, size_t count, ddp_dtype t, int src, int tag, ddp_work **w);
 
@@ -287,13 +290,24 @@ DDP_API ddp_result ddp_wait(ddp_work *w);
    ddp_wait fails at once (the reason is in ddp_last_error(NULL)). Does not release w. */
 DDP_API int ddp_test(ddp_work *w);
 
-/* ddp_set_stream: the CUDA stream (a cudaStream_t) that the nccl backend queues g's collectives on
-   (torch orders NCCL work after the current stream). NULL = the legacy default stream, the initial
-   setting. On the nccl backend, buffers in device memory go to NCCL: a collective is queued on the
-   stream after the caller's earlier work there, and the synchronous call returns once it has completed
-   (ddp_wait, for the async variants); buffers in host memory run on the cpu path. Subgroups made later
-   start with g's stream. Return: DDP_SUCCESS; DDP_ERR_UNSUPPORTED on a group of another backend;
-   DDP_ERR_INVALID_ARGUMENT for a NULL group. Thread safety: as the collectives. */
+/* ddp_set_stream: the CUDA stream (a cudaStream_t) that g's work on device memory is ordered on (torch
+   uses the current stream). NULL = the legacy default stream, the initial setting. Needs a build with
+   -DDDP_CUDA (the implementation file) linked with ddp_cuda.o.
+   On the nccl backend, buffers in device memory go to NCCL: a collective is queued on the stream after
+   the caller's earlier work there, and the synchronous call returns once it has completed (ddp_wait,
+   for the async variants); buffers in host memory run on the cpu path.
+   On the cpu and mpi backends (torch's Gloo with CUDA tensors), every collective and ddp_send /
+   ddp_recv also takes device buffers (cudaMalloc'd or managed; either buffer of a call, on any rank):
+   they are staged through pinned host memory (cudaMallocHost, kept by the group and grown as needed,
+   freed with it): copied to it on the stream after the caller's earlier work there (then the call
+   waits for the stream), the host collective runs, and the result is copied back to device memory
+   queued on the stream. The call returns once the host collective is done: the result is ready for
+   work queued on the stream after the call (and for the host after a cudaStreamSynchronize of it).
+   The async variants stage inside the call and return completed work; ddp_isend / ddp_irecv refuse
+   device memory (DDP_ERR_UNSUPPORTED). So several ranks can share one GPU (NCCL refuses that) and one
+   GPU runs a multi-rank job. Subgroups made later start with g's stream. Return: DDP_SUCCESS;
+   DDP_ERR_UNSUPPORTED in a build without DDP_CUDA; DDP_ERR_INVALID_ARGUMENT for a NULL group.
+   Thread safety: as the collectives. */
 DDP_API ddp_result ddp_set_stream(ddp_group *g, void *cuda_stream);
 
 /* ---- Library buffers (single-copy collectives) ----------------------------------------------

@@ -943,6 +943,7 @@ static void ddp__group_free(ddp_group *g) {
     pthread_mutex_destroy(&g->mesh.p2p_mu);
     pthread_cond_destroy(&g->async.cv);
     ddp__free(g->scratch);
+    ddp__devbuf_free(g);
     ddp__p2p_stash_free(g);
     ddp__free(g->mesh.peers);
     ddp__free(g->mesh.linked);
@@ -1381,6 +1382,11 @@ DDP_API ddp_result ddp_new_group(ddp_group *g, const int *ranks, int n, ddp_grou
     snprintf(name, sizeof name, "sub%llu", (unsigned long long)g->member.subgroups_made);
     if ((r = ddp__subgroup_open(g, ranks, n, me, name, comm, "ddp_new_group", &sub)) != DDP_SUCCESS) return r;
     if (g->nccl && (r = ddp__nccl_attach(sub, g->nccl)) != DDP_SUCCESS) { /* its own communicator */
+        ddp__fail(g, r, "ddp_new_group: %s", sub->error);
+        ddp_destroy(sub);
+        return r;
+    }
+    if (!g->nccl && (r = ddp__devbuf_inherit(sub, g)) != DDP_SUCCESS) { /* the stream that stages device buffers */
         ddp__fail(g, r, "ddp_new_group: %s", sub->error);
         ddp_destroy(sub);
         return r;

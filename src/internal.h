@@ -18,6 +18,8 @@
          shm                      shared memory among the ranks of one host
          hier                     hierarchical all_reduce for groups that span hosts
          mpi, nccl                MPI and NCCL libraries
+       devbuf                   device buffers on the backends without NCCL, staged through pinned host
+                                memory around the backend's run (collectives.c calls it; DDP_CUDA)
        group                    ddp_init, rendezvous, the table of ranks, which backend a group gets, subgroups
        launcher                 ddp_spawn, ddprun
        reducer, sampler, syncbn, safetensors, checkpoint    built on the public API
@@ -575,6 +577,7 @@ struct ddp_group {
     ddp__shm *shm;         /* shm.c's segment, when the group's ranks share one host */
     struct ddp__mpi *mpi;  /* mpi.c's communicator on the mpi backend */
     struct ddp__nccl *nccl; /* nccl.c's communicator on the nccl backend */
+    struct ddp__devbuf *devbuf; /* devbuf.c: the stream and pinned memory that stage device buffers (NULL: none yet) */
     struct ddp__trace *trace; /* trace.c's flight recorder (NULL: off) */
     struct ddp__ck_async *ck_async; /* checkpoint.c's background save (NULL: no async save yet) */
 };
@@ -757,6 +760,41 @@ static DDP__UNUSED ddp_result ddp__nccl_built(char *err); /* can backend "nccl" 
 /* Give the connected group g an NCCL communicator (a subgroup: parent's device and stream) and install
    the nccl backend; host-memory calls keep going to the backend g had. Collective over g. */
 static DDP__UNUSED ddp_result ddp__nccl_attach(ddp_group *g, const struct ddp__nccl *parent);
+
+/* ---- devbuf.c: device buffers on the cpu and mpi backends, staged through pinned host memory ---- */
+/* What one staged call copies: up to two regions of device memory (a call's send and recv buffers, or
+   one when they overlap), each with its place in the group's pinned memory. */
+typedef struct ddp__devbuf_region {
+    char *device, *host;
+    size_t bytes;
+    int in, out; /* copied to host memory before the call / back to the device after it */
+} ddp__devbuf_region;
+typedef struct ddp__devbuf_plan {
+    int n;
+    ddp__devbuf_region region[2];
+} ddp__devbuf_plan;
+/* 1 when k (validated) has a buffer in device memory that g must stage (a build with DDP_CUDA, a group
+   of any backend but nccl); else 0. Looks at the buffers this rank reads or writes only. */
+static DDP__UNUSED int ddp__devbuf_wanted(ddp_group *g, const ddp__call *k);
+/* Stage k: copy its device buffers that the call reads into pinned host memory (on g's stream, then
+   wait for it) and make *host_call, k on the host copies. A failure breaks the group (c names the call). */
+static DDP__UNUSED ddp_result ddp__devbuf_stage(ddp_group *g, const ddp__call *k, const ddp__coll *c, ddp__call *host_call,
+                                                ddp__devbuf_plan *plan);
+/* After the host call succeeded: queue the copies of what it wrote back to the device on g's stream. */
+static DDP__UNUSED ddp_result ddp__devbuf_unstage(ddp_group *g, const ddp__coll *c, const ddp__devbuf_plan *plan);
+/* reducer.c's copies (dst = src converted) when dst or src is device memory on a group that stages:
+   begin returns 0 when neither is (nothing to do), 1 when *dst and *src now point into the group's
+   pinned memory (src's bytes copied in; convert there, then end copies dst back to the device), -1
+   when staging failed (the group is broken; skip the copy). */
+static DDP__UNUSED int ddp__devbuf_copy_begin(ddp_group *g, void **dst, size_t dst_bytes, const void **src,
+                                              size_t src_bytes, ddp__devbuf_plan *plan);
+static DDP__UNUSED void ddp__devbuf_copy_end(ddp_group *g, const ddp__devbuf_plan *plan);
+/* ddp_set_stream on a group that stages (every backend but nccl, with DDP_CUDA); the stream now set. */
+static DDP__UNUSED ddp_result ddp__devbuf_set_stream(ddp_group *g, void *stream);
+static DDP__UNUSED void *ddp__devbuf_stream(const ddp_group *g);
+/* A new subgroup starts with its parent's stream. */
+static DDP__UNUSED ddp_result ddp__devbuf_inherit(ddp_group *sub, const ddp_group *parent);
+static DDP__UNUSED void ddp__devbuf_free(ddp_group *g); /* waits for queued copies; g->devbuf = NULL */
 
 /* ---- group.c ---- */
 static DDP__UNUSED ddp_group *ddp__group_alloc(int rank, int world_size);

@@ -407,9 +407,7 @@ static int ddp__nccl_test_work(ddp_work *w) { return ddp__cuda_nccl_test(w->g->n
 DDP_API ddp_result ddp_set_stream(ddp_group *g, void *cuda_stream) {
     ddp_result r = ddp__group_check(g, "ddp_set_stream"); /* NULL: DDP_ERR_INVALID_ARGUMENT; destroyed: DDP_ERR_STATE */
     if (r) return r;
-    if (!g->nccl)
-        return ddp__fail(g, DDP_ERR_UNSUPPORTED, "ddp_set_stream: the group's backend is \"%s\"; CUDA streams belong to "
-                         "the nccl backend", g->backend->family);
+    if (!g->nccl) return ddp__devbuf_set_stream(g, cuda_stream); /* the stream that stages device buffers (devbuf.c) */
     ddp__cuda_nccl_set_stream(g->nccl->comm, cuda_stream);
     return DDP_SUCCESS;
 }
@@ -554,8 +552,9 @@ DDP_API ddp_result ddp_set_stream(ddp_group *g, void *cuda_stream) {
     ddp_result r = ddp__group_check(g, "ddp_set_stream");
     (void)cuda_stream;
     if (r) return r;
-    return ddp__fail(g, DDP_ERR_UNSUPPORTED, "ddp_set_stream: the group's backend is \"%s\"; CUDA streams belong to the "
-                     "nccl backend (a build with -DDDP_CUDA)", g->backend->family);
+    return ddp__fail(g, DDP_ERR_UNSUPPORTED, "ddp_set_stream: this build has no CUDA (the group's backend is \"%s\"): "
+                     "compile the implementation with -DDDP_CUDA and link ddp_cuda.o for device buffers and streams",
+                     g->backend->family);
 }
 
 #endif /* DDP_CUDA */

@@ -65,8 +65,12 @@ enum { DDP__JOIN_SYNC = 1, DDP__JOIN_FIRST = 2 };                         /* and
 static void *ddp__host_alloc(ddp_group *g, size_t bytes) { return ddp_alloc(g, bytes); }
 static void ddp__host_release(ddp_group *g, void *p) { ddp_free(g, p); }
 static void ddp__host_zero(ddp_group *g, void *dst, size_t bytes) {
-    (void)g;
+    ddp__devbuf_plan plan;
+    const void *none = NULL;
+    int staged = bytes ? ddp__devbuf_copy_begin(g, &dst, bytes, &none, 0, &plan) : 0; /* device memory: devbuf.c */
+    if (staged < 0) return;
     if (bytes) memset(dst, 0, bytes);
+    if (staged) ddp__devbuf_copy_end(g, &plan);
 }
 
 /* One element of a floating dtype, as f32 (f64 keeps its precision through ddp__load_f64). */
@@ -87,10 +91,9 @@ static void ddp__put_f32(void *p, ddp_dtype t, size_t i, float v) {
     }
 }
 
-static void ddp__host_copy_in_scaled(ddp_group *g, void *dst, ddp_dtype dst_t, const void *src, ddp_dtype src_t,
-                                    size_t count, double scale) {
+static void ddp__host_convert_scaled(void *dst, ddp_dtype dst_t, const void *src, ddp_dtype src_t, size_t count,
+                                     double scale) {
     size_t i;
-    (void)g;
     if (dst_t == src_t && scale == 1.0) {
         if (dst != src && count) memcpy(dst, src, count * ddp_dtype_size(dst_t));
         return;
@@ -117,9 +120,8 @@ static void ddp__host_copy_in_scaled(ddp_group *g, void *dst, ddp_dtype dst_t, c
     }
 }
 
-static void ddp__host_copy_out(ddp_group *g, void *dst, ddp_dtype dst_t, const void *src, ddp_dtype src_t, size_t count) {
+static void ddp__host_convert(void *dst, ddp_dtype dst_t, const void *src, ddp_dtype src_t, size_t count) {
     size_t i;
-    (void)g;
     if (dst_t == src_t) {
         if (dst != src && count) memcpy(dst, src, count * ddp_dtype_size(dst_t));
         return;
@@ -129,6 +131,27 @@ static void ddp__host_copy_out(ddp_group *g, void *dst, ddp_dtype dst_t, const v
         return;
     }
     for (i = 0; i < count; i++) ddp__put_f32(dst, dst_t, i, ddp__get_f32(src, src_t, i));
+}
+
+/* The copies on host memory; a gradient or parameter in device memory (on the cpu and mpi backends, in a
+   build with DDP_CUDA) is staged through the group's pinned memory around them (devbuf.c). */
+static void ddp__host_copy_in_scaled(ddp_group *g, void *dst, ddp_dtype dst_t, const void *src, ddp_dtype src_t,
+                                    size_t count, double scale) {
+    ddp__devbuf_plan plan;
+    int staged = count ? ddp__devbuf_copy_begin(g, &dst, count * ddp_dtype_size(dst_t), &src,
+                                                count * ddp_dtype_size(src_t), &plan) : 0;
+    if (staged < 0) return;
+    ddp__host_convert_scaled(dst, dst_t, src, src_t, count, scale);
+    if (staged) ddp__devbuf_copy_end(g, &plan);
+}
+
+static void ddp__host_copy_out(ddp_group *g, void *dst, ddp_dtype dst_t, const void *src, ddp_dtype src_t, size_t count) {
+    ddp__devbuf_plan plan;
+    int staged = count ? ddp__devbuf_copy_begin(g, &dst, count * ddp_dtype_size(dst_t), &src,
+                                                count * ddp_dtype_size(src_t), &plan) : 0;
+    if (staged < 0) return;
+    ddp__host_convert(dst, dst_t, src, src_t, count);
+    if (staged) ddp__devbuf_copy_end(g, &plan);
 }
 
 /* ---- the reducer's state ---- */

@@ -52,6 +52,14 @@
      keeps its gradients adjacent, as reverse registration order does.)
    - Compression: comm_dtype DDP_F16 / DDP_BF16 sends the buckets in half precision, like PyTorch's
      fp16_compress_hook / bf16_compress_hook (cast, divide by the world size, all-reduce, cast back).
+   - Device memory on the cpu and mpi backends (a build with -DDDP_CUDA; torch's DDP over Gloo with CUDA
+     tensors): parameters and gradients may be device memory. Buckets stay in host memory; each copy
+     between a gradient and its bucket is staged through the group's pinned memory on its stream
+     (ddp_set_stream): grad_ready copies the gradient to the host after the work queued on that stream
+     (waiting for it), end_backward queues the averaged values back on the stream; flat device gradients
+     are a bucket in device memory that each all-reduce stages. Exact (the same host arithmetic), and
+     slow: a stream synchronisation per gradient. For several ranks on one GPU and for tests; the nccl
+     backend keeps buckets on the device.
 
    - Uneven inputs (torch's `with model.join():`, the Join context manager): with uneven_inputs = 1 ranks
      may run out of data at different steps. Each rank with data announces every backward pass (and every

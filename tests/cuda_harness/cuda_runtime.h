@@ -29,8 +29,10 @@
      and sets cudaErrorInvalidConfiguration; a nonzero dynamic shared memory size, which is not
      emulated, sets cudaErrorInvalidValue.
    Not emulated, so using them is a compile error rather than a silent mistake: atomics, dynamic
-   shared memory, __constant__, textures, cooperative groups, device-side launches, and the memory API
-   (device memory is host memory here: pass ordinary pointers).
+   shared memory, __constant__, textures, cooperative groups, device-side launches. Kernels may be
+   passed ordinary host pointers; the memory API at the end of this file (cudaMalloc, cudaMallocHost,
+   cudaMemcpy(Async), streams, events, cudaPointerGetAttributes) emulates device memory that the host
+   cannot touch, for the code that stages device buffers (tests/test_cuda_devbuf.sh).
 
    Fibers switch with a few lines of x86-64 assembly (the callee-saved registers and the stack
    pointer); on other machines, or with -DDDP_HARNESS_UCONTEXT, with ucontext's swapcontext (portable
@@ -103,7 +105,9 @@ typedef struct CUstream_st *cudaStream_t;
 typedef enum cudaError {
     cudaSuccess = 0,
     cudaErrorInvalidValue = 1,
+    cudaErrorMemoryAllocation = 2,
     cudaErrorInvalidConfiguration = 9,
+    cudaErrorInvalidResourceHandle = 400,
     cudaErrorLaunchFailure = 719
 } cudaError_t;
 
@@ -558,6 +562,11 @@ inline void run(dim3 grid, dim3 block, size_t shmem, void (*body)(const void *),
 #endif
 }
 
+/* The memory API's part in a launch (below): queued copies run first, and the kernel may touch device
+   memory while it runs. */
+inline void memory_before_launch();
+inline void memory_after_launch();
+
 /* What DDP__CU_LAUNCH(kernel, grid, block, shmem, stream) becomes: launch(...)(args...) converts the
    arguments to the kernel's parameter types, as a <<<>>> launch does, and runs the grid. Every thread
    calls the kernel with its own copy of the arguments. */
@@ -571,10 +580,12 @@ struct launcher {
             void (*kernel)(P...);
             std::tuple<P...> args;
         } c = {kernel, std::tuple<P...>(args...)};
+        memory_before_launch();
         run(grid, block, shmem, [](const void *p) {
             const call *k = static_cast<const call *>(p);
             std::apply(k->kernel, k->args);
         }, &c);
+        memory_after_launch();
     }
 };
 
@@ -625,8 +636,17 @@ inline cudaError_t cudaGetLastError() {
     return e;
 }
 inline cudaError_t cudaPeekAtLastError() { return ddp_harness::S.last_error; }
-inline cudaError_t cudaDeviceSynchronize() { return cudaSuccess; }
-inline cudaError_t cudaStreamSynchronize(cudaStream_t) { return cudaSuccess; }
+namespace ddp_harness {
+inline void flush_all_copies(); /* the memory API's (below): queued copies run */
+}
+inline cudaError_t cudaDeviceSynchronize() {
+    ddp_harness::flush_all_copies();
+    return cudaSuccess;
+}
+inline cudaError_t cudaStreamSynchronize(cudaStream_t) {
+    ddp_harness::flush_all_copies();
+    return cudaSuccess;
+}
 
 inline const char *cudaGetErrorName(cudaError_t e) {
     switch (e) {
@@ -634,6 +654,8 @@ inline const char *cudaGetErrorName(cudaError_t e) {
     case cudaErrorInvalidValue: return "cudaErrorInvalidValue";
     case cudaErrorInvalidConfiguration: return "cudaErrorInvalidConfiguration";
     case cudaErrorLaunchFailure: return "cudaErrorLaunchFailure";
+    case cudaErrorMemoryAllocation: return "cudaErrorMemoryAllocation";
+    case cudaErrorInvalidResourceHandle: return "cudaErrorInvalidResourceHandle";
     }
     return "cudaErrorUnknown";
 }
@@ -709,5 +731,264 @@ inline __nv_bfloat16 __float2bfloat16_rn(float f) {
     return b;
 }
 inline __nv_bfloat16 __float2bfloat16(float f) { return __float2bfloat16_rn(f); }
+
+/* ---- memory API: device allocations the host cannot touch, pinned host memory, copies that run when
+   synchronised (tests/test_cuda_devbuf.sh; the kernels' test passes ordinary pointers and needs none).
+   - cudaMalloc gives pages of their own mapped PROT_NONE: a host access to device memory that does
+     not go through this API is a SIGSEGV. The API's own copies and memsets, and kernels while they
+     run, open them (PROT_READ|PROT_WRITE) and close them again.
+   - cudaMallocHost is "pinned" host memory (ordinary memory, recorded); everything else is pageable.
+   - cudaMemcpyAsync only queues its copy (checked at once: a device range must lie inside one
+     allocation). Queued copies run in queue order when something synchronises: cudaStreamSynchronize
+     or cudaDeviceSynchronize (all of them; a legal schedule for any stream), cudaEventSynchronize (those
+     queued before the event was recorded), cudaMemcpy, cudaFree(Host) and kernel launches (all). So a
+     program that reads a copy's destination, or writes its source, before synchronising sees the
+     difference, as it could on a GPU. An async copy between device and pageable host memory runs at
+     once (the runtime stages those synchronously) and is counted in memory_stats.pageable_async.
+   - cudaPointerGetAttributes: cudaMemoryTypeDevice inside a cudaMalloc'd range, cudaMemoryTypeHost
+     inside a cudaMallocHost'd one, cudaMemoryTypeUnregistered otherwise.
+   - Streams are tokens (cudaStreamCreate); memory_stats counts the async copies per direction and
+     remembers the last stream one was queued on. One thread at a time, as the rest of the harness. */
+#include <unistd.h>
+#include <vector>
+
+typedef struct CUevent_st *cudaEvent_t;
+enum cudaMemoryType { cudaMemoryTypeUnregistered = 0, cudaMemoryTypeHost = 1, cudaMemoryTypeDevice = 2, cudaMemoryTypeManaged = 3 };
+enum cudaMemcpyKind {
+    cudaMemcpyHostToHost = 0,
+    cudaMemcpyHostToDevice = 1,
+    cudaMemcpyDeviceToHost = 2,
+    cudaMemcpyDeviceToDevice = 3,
+    cudaMemcpyDefault = 4
+};
+struct cudaPointerAttributes {
+    enum cudaMemoryType type;
+    int device;
+    void *devicePointer;
+    void *hostPointer;
+};
+#define cudaEventDefault 0x00
+#define cudaEventDisableTiming 0x02
+
+namespace ddp_harness {
+
+struct allocation {
+    char *p;
+    size_t bytes, mapped;
+    bool device;
+};
+struct queued_copy {
+    void *dst;
+    const void *src;
+    size_t bytes;
+    uint64_t seq;
+};
+struct memory_stats_t {
+    uint64_t async_d2h, async_h2d, async_d2d, pageable_async, syncs;
+    cudaStream_t last_stream; /* of the last async copy */
+};
+inline std::vector<allocation> allocations;
+inline std::vector<queued_copy> queued;
+inline uint64_t copy_seq;
+inline memory_stats_t memory_stats;
+inline size_t page_bytes() { return (size_t)sysconf(_SC_PAGESIZE); }
+
+inline allocation *find_allocation(const void *p) {
+    for (auto &a : allocations)
+        if ((const char *)p >= a.p && (const char *)p < a.p + a.bytes) return &a;
+    return nullptr;
+}
+inline void protect(const allocation *a, bool open) {
+    if (a && a->device && mprotect(a->p, a->mapped, open ? PROT_READ | PROT_WRITE : PROT_NONE) != 0) {
+        perror("cuda harness: mprotect");
+        abort();
+    }
+}
+inline void run_copy(const queued_copy &c) {
+    allocation *d = find_allocation(c.dst), *s = find_allocation(c.src);
+    protect(d, true);
+    protect(s, true);
+    memmove(c.dst, c.src, c.bytes);
+    protect(d, false);
+    protect(s, false);
+}
+/* Run the queued copies numbered below `until` (all: UINT64_MAX), in queue order. */
+inline void flush_copies(uint64_t until = UINT64_MAX) {
+    size_t i = 0;
+    while (i < queued.size() && queued[i].seq < until) run_copy(queued[i++]);
+    queued.erase(queued.begin(), queued.begin() + (std::ptrdiff_t)i);
+}
+/* A range of bytes at p: inside one allocation when p is in one (else host memory the caller owns). */
+inline bool range_ok(const void *p, size_t bytes) {
+    const allocation *a = find_allocation(p);
+    return !a || (size_t)((const char *)a->p + a->bytes - (const char *)p) >= bytes;
+}
+inline bool is_device(const void *p) {
+    const allocation *a = find_allocation(p);
+    return a && a->device;
+}
+inline cudaError_t check_copy(void *dst, const void *src, size_t bytes, cudaMemcpyKind kind) {
+    char msg[200];
+    if (!dst || !src || !range_ok(dst, bytes) || !range_ok(src, bytes)) {
+        snprintf(msg, sizeof msg, "cudaMemcpy of %zu bytes from %p to %p: a pointer is NULL or the range runs past its "
+                 "allocation", bytes, src, dst);
+        set_error(cudaErrorInvalidValue, msg);
+        return cudaErrorInvalidValue;
+    }
+    if ((kind == cudaMemcpyHostToDevice && (is_device(src) || !is_device(dst))) ||
+        (kind == cudaMemcpyDeviceToHost && (!is_device(src) || is_device(dst))) ||
+        (kind == cudaMemcpyDeviceToDevice && (!is_device(src) || !is_device(dst))) ||
+        (kind == cudaMemcpyHostToHost && (is_device(src) || is_device(dst)))) {
+        snprintf(msg, sizeof msg, "cudaMemcpy kind %d does not match the memory at %p -> %p", (int)kind, src, dst);
+        set_error(cudaErrorInvalidValue, msg);
+        return cudaErrorInvalidValue;
+    }
+    return cudaSuccess;
+}
+inline void flush_all_copies() {
+    memory_stats.syncs++;
+    flush_copies();
+}
+inline void memory_before_launch() {
+    flush_copies();
+    for (auto &a : allocations) protect(&a, true);
+}
+inline void memory_after_launch() {
+    for (auto &a : allocations) protect(&a, false);
+}
+
+} // namespace ddp_harness
+
+inline cudaError_t cudaMalloc(void **p, size_t bytes) {
+    using namespace ddp_harness;
+    const size_t mapped = ((bytes ? bytes : 1) + page_bytes() - 1) / page_bytes() * page_bytes();
+    void *m = mmap(nullptr, mapped, PROT_NONE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
+    *p = nullptr;
+    if (m == MAP_FAILED) return cudaErrorMemoryAllocation;
+    allocations.push_back(allocation{(char *)m, bytes ? bytes : 1, mapped, true});
+    *p = m;
+    return cudaSuccess;
+}
+template <typename T>
+inline cudaError_t cudaMalloc(T **p, size_t bytes) {
+    return cudaMalloc((void **)p, bytes);
+}
+inline cudaError_t cudaFree(void *p) {
+    using namespace ddp_harness;
+    if (!p) return cudaSuccess;
+    flush_copies();
+    for (size_t i = 0; i < allocations.size(); i++)
+        if (allocations[i].p == p && allocations[i].device) {
+            munmap(p, allocations[i].mapped);
+            allocations.erase(allocations.begin() + (std::ptrdiff_t)i);
+            return cudaSuccess;
+        }
+    set_error(cudaErrorInvalidValue, "cudaFree of a pointer that cudaMalloc did not return");
+    return cudaErrorInvalidValue;
+}
+inline cudaError_t cudaMallocHost(void **p, size_t bytes) {
+    using namespace ddp_harness;
+    void *m = malloc(bytes ? bytes : 1);
+    *p = m;
+    if (!m) return cudaErrorMemoryAllocation;
+    allocations.push_back(allocation{(char *)m, bytes ? bytes : 1, 0, false});
+    return cudaSuccess;
+}
+inline cudaError_t cudaFreeHost(void *p) {
+    using namespace ddp_harness;
+    if (!p) return cudaSuccess;
+    flush_copies();
+    for (size_t i = 0; i < allocations.size(); i++)
+        if (allocations[i].p == p && !allocations[i].device) {
+            free(p);
+            allocations.erase(allocations.begin() + (std::ptrdiff_t)i);
+            return cudaSuccess;
+        }
+    set_error(cudaErrorInvalidValue, "cudaFreeHost of a pointer that cudaMallocHost did not return");
+    return cudaErrorInvalidValue;
+}
+inline cudaError_t cudaMemcpy(void *dst, const void *src, size_t bytes, cudaMemcpyKind kind) {
+    using namespace ddp_harness;
+    cudaError_t e = check_copy(dst, src, bytes, kind);
+    if (e != cudaSuccess || !bytes) return e;
+    flush_copies();
+    run_copy(queued_copy{dst, src, bytes, 0});
+    return cudaSuccess;
+}
+inline cudaError_t cudaMemcpyAsync(void *dst, const void *src, size_t bytes, cudaMemcpyKind kind, cudaStream_t stream = 0) {
+    using namespace ddp_harness;
+    cudaError_t e = check_copy(dst, src, bytes, kind);
+    const allocation *d = find_allocation(dst), *s = find_allocation(src);
+    if (e != cudaSuccess || !bytes) return e;
+    memory_stats.last_stream = stream;
+    if (is_device(src) && is_device(dst)) memory_stats.async_d2d++;
+    else if (is_device(src)) memory_stats.async_d2h++;
+    else if (is_device(dst)) memory_stats.async_h2d++;
+    if ((is_device(src) || is_device(dst)) && (!d || !s)) { /* pageable host memory: synchronous */
+        memory_stats.pageable_async++;
+        flush_copies();
+        run_copy(queued_copy{dst, src, bytes, 0});
+        return cudaSuccess;
+    }
+    queued.push_back(queued_copy{dst, src, bytes, copy_seq++});
+    return cudaSuccess;
+}
+inline cudaError_t cudaMemset(void *dst, int value, size_t bytes) {
+    using namespace ddp_harness;
+    allocation *a = find_allocation(dst);
+    if (!range_ok(dst, bytes)) {
+        set_error(cudaErrorInvalidValue, "cudaMemset runs past its allocation");
+        return cudaErrorInvalidValue;
+    }
+    flush_copies();
+    protect(a, true);
+    memset(dst, value, bytes);
+    protect(a, false);
+    return cudaSuccess;
+}
+inline cudaError_t cudaPointerGetAttributes(cudaPointerAttributes *at, const void *p) {
+    const ddp_harness::allocation *a = ddp_harness::find_allocation(p);
+    at->type = !a ? cudaMemoryTypeUnregistered : a->device ? cudaMemoryTypeDevice : cudaMemoryTypeHost;
+    at->device = a ? 0 : -2;
+    at->devicePointer = a && a->device ? (void *)p : nullptr;
+    at->hostPointer = a && !a->device ? (void *)p : nullptr;
+    return cudaSuccess;
+}
+inline cudaError_t cudaGetDevice(int *device) {
+    *device = 0;
+    return cudaSuccess;
+}
+inline cudaError_t cudaStreamCreate(cudaStream_t *s) {
+    *s = (cudaStream_t)malloc(1);
+    return *s ? cudaSuccess : cudaErrorMemoryAllocation;
+}
+inline cudaError_t cudaStreamDestroy(cudaStream_t s) {
+    ddp_harness::flush_copies();
+    free((void *)s);
+    return cudaSuccess;
+}
+/* An event is the number of the next copy to be queued when it was recorded. */
+inline cudaError_t cudaEventCreateWithFlags(cudaEvent_t *e, unsigned flags) {
+    (void)flags;
+    *e = (cudaEvent_t)calloc(1, sizeof(uint64_t));
+    return *e ? cudaSuccess : cudaErrorMemoryAllocation;
+}
+inline cudaError_t cudaEventCreate(cudaEvent_t *e) { return cudaEventCreateWithFlags(e, cudaEventDefault); }
+inline cudaError_t cudaEventRecord(cudaEvent_t e, cudaStream_t s = 0) {
+    (void)s;
+    if (!e) return cudaErrorInvalidResourceHandle;
+    *(uint64_t *)(void *)e = ddp_harness::copy_seq;
+    return cudaSuccess;
+}
+inline cudaError_t cudaEventSynchronize(cudaEvent_t e) {
+    if (!e) return cudaErrorInvalidResourceHandle;
+    ddp_harness::memory_stats.syncs++;
+    ddp_harness::flush_copies(*(uint64_t *)(void *)e);
+    return cudaSuccess;
+}
+inline cudaError_t cudaEventDestroy(cudaEvent_t e) {
+    free((void *)e);
+    return cudaSuccess;
+}
 
 #endif /* DDP_CUDA_HARNESS_RUNTIME_H */
