@@ -211,7 +211,7 @@ val() { sed -n "s/^$1=//p" "$benches" | tail -n 1; }
   else
     echo "- device: $gpu_name; compute capability ${cc:-unknown}; built for sm_$sm"
   fi
-  echo "- nvcc: $("$NVCC" --version 2>/dev/null | tail -n 1)"
+  echo "- nvcc: $NVCC, $(tail -n 1 "$out/logs/nvcc-version.log" 2>/dev/null)"
   echo "- total time: $(($(date +%s) - t_start)) s (budget $budget s)"
   echo
   echo "| step | result | seconds | detail |"
