@@ -23,7 +23,7 @@ tools/gpu-check.sh >/dev/null 2>&1
 device_rows=(
   "test: SyncBN on device vs the CPU code" "test: reducer on device" "test: tests/test_nccl.sh"
   "test: train_gpu under ddprun" "bench: SyncBN forward+backward vs copy bandwidth" "bench: torch BatchNorm"
-  "bench: reducer step overhead" "bench: all_reduce busbw")
+  "bench: reducer step overhead" "bench: all_reduce busbw" "test: SyncBN + reducer, 2 ranks (nccl, 2 GPUs)")
 check_no_device_rows() { # $1: report
   local r
   for r in "${device_rows[@]}"; do
@@ -45,7 +45,7 @@ done
 check_no_device_rows "$tmp/report.md"
 grep -q '^## Failures' "$tmp/report.md" || fail "the report has no Failures section"
 grep -q 'fake nvcc: refusing' "$tmp/report.md" || fail "the report does not quote the failing logs"
-echo "failing builds: 3 FAIL rows, 8 'no device' rows, the logs quoted, exit 1"
+echo "failing builds: 3 FAIL rows, 9 'no device' rows, the logs quoted, exit 1"
 
 echo "== (3) a step that hangs: its timeout, then the budget"
 printf '#!/bin/sh\nsleep 300\n' >"$tmp/nvcc" && chmod +x "$tmp/nvcc"

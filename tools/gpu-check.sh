@@ -132,15 +132,7 @@ if [ "$dry" = 1 ]; then
            "test: tests/test_nccl.sh (NCCL, 1 rank)" "test: train_gpu under ddprun (and resume)"; do
     no_device "$t" "$reason"
   done
-  gpus=$(nvidia-smi -L 2>/dev/null | grep -c '^GPU ')
-  if [ "$gpus" -ge 2 ]; then # SyncBN's exchange through NCCL needs a GPU per rank
-    # shellcheck disable=SC2016 # expanded by the inner shell
-    step nccl2 "test: SyncBN + reducer, 2 ranks (nccl, 2 GPUs)" 240 \
-      bash -c 'DDP_BACKEND=nccl "$0" --nproc-per-node 2 "$1" syncbn && DDP_BACKEND=nccl "$0" --nproc-per-node 2 "$1" reducer' \
-      "$B/ddprun" "$B/gpu_check"
-  else
-    row "test: SyncBN + reducer, 2 ranks (nccl, 2 GPUs)" "not run" 0 "one GPU: NCCL needs a GPU per rank (the cpu backend rows below share one)"
-  fi
+  no_device "test: SyncBN + reducer, 2 ranks (nccl, 2 GPUs)" "$reason"
   if [ -n "$devbuf_test" ]; then
     for n in 2 4; do no_device "test: SyncBN + reducer, $n ranks on one GPU (cpu backend, device buffers)" "$reason"; done
     no_device "test: $devbuf_test" "$reason"
@@ -160,6 +152,15 @@ else
   step train_gpu "test: train_gpu under ddprun (and resume)" 240 bash -c 'set -o pipefail; cd "$(mktemp -d)" &&
     DDP_BACKEND=nccl "$0" --nproc-per-node 1 "$1" && DDP_BACKEND=nccl "$0" --nproc-per-node 1 "$1" | tee resume.log &&
     grep -q resuming resume.log' "$B/ddprun" "$B/train_gpu"
+  gpus=$(nvidia-smi -L 2>/dev/null | grep -c '^GPU ')
+  if [ "$gpus" -ge 2 ]; then # SyncBN's exchange through NCCL needs a GPU per rank
+    # shellcheck disable=SC2016 # expanded by the inner shell
+    step nccl2 "test: SyncBN + reducer, 2 ranks (nccl, 2 GPUs)" 240 \
+      bash -c 'DDP_BACKEND=nccl "$0" --nproc-per-node 2 "$1" syncbn && DDP_BACKEND=nccl "$0" --nproc-per-node 2 "$1" reducer' \
+      "$B/ddprun" "$B/gpu_check"
+  else
+    row "test: SyncBN + reducer, 2 ranks (nccl, 2 GPUs)" "not run" 0 "one GPU: NCCL needs a GPU per rank (the cpu backend rows below share one)"
+  fi
   if [ -n "$devbuf_test" ]; then
     for n in 2 4; do
       # shellcheck disable=SC2016 # expanded by the inner shell
