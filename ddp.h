@@ -1207,7 +1207,20 @@ DDP_API ddp_result ddp_sampler_index_at(ddp_sampler *s, uint64_t k, int64_t *out
    product of the spatial sizes (1 for BatchNorm1d's (N, C) input). Data is f32; statistics are
    accumulated in f64. The CPU code makes one pass over x per stage. The per-element and per-channel
    formulas are the static inline DDP_HOST_DEVICE helpers at the end of this section, shared with
-   the CUDA kernels of ddp_cuda.cu. */
+   the CUDA kernels of ddp_cuda.cu.
+
+   Device memory (a build with DDP_CUDA, linked with ddp_cuda.o): when x is device memory (cudaMalloc'd
+   or managed; detected through CUDA at each call), forward and backward run ddp_cuda.cu's kernels as
+   torch's SyncBatchNorm does on CUDA (batch_norm_stats -> all_gather -> gather_stats_with_counts ->
+   elemt; backward_reduce -> all_reduce -> backward_elemt), queued on the group's stream (ddp_set_stream;
+   the legacy default stream without the nccl backend) with no host synchronisation. y, dy, dx,
+   grad_weight, grad_bias and the descriptor's weight, bias and running stats are then device memory
+   too (a host array is DDP_ERR_INVALID_ARGUMENT naming it). On the nccl backend the collectives are
+   async and waited one step later (this layer's next forward / backward, or ddp_syncbn_destroy, which
+   must come before ddp_destroy of the group): a failed collective is reported by the next call. A
+   rank with an empty batch takes the device path when the layer ran on the device before or its
+   weight or running_mean is device memory. Global n == 1 over 2+ ranks is not detected on the device
+   (as torch's SyncBatchNorm: the running stats are left unchanged); on one rank it is an error. */
 
 typedef struct ddp_syncbn ddp_syncbn; /* a SyncBatchNorm layer's state (opaque) */
 
@@ -1934,6 +1947,54 @@ DDP_API ddp_result ddp__cuda_stage_queued(ddp__cuda_stage *s, void *stream, char
 
 /* ddp__cuda_stage_free: wait for s's queued copies, free its pinned memory and s. NULL: no-op. */
 DDP_API void ddp__cuda_stage_free(ddp__cuda_stage *s);
+
+/* ---- SyncBatchNorm on device memory (gpucheck): ddp_syncbn_forward/backward's device path ----------
+   torch's SyncBatchNorm on CUDA, queued on one stream with no host synchronisation:
+     forward (synced)  ddp_cuda_bn_stats -> exchange GATHER of the records -> ddp_cuda_bn_gather_stats -> elemt
+     forward (local)   the same on this rank's record alone, no exchange (one rank, or eval without
+                       running stats)
+     forward (eval)    ddp_cuda_bn_eval_stats -> elemt
+     backward          ddp_cuda_bn_backward_reduce -> exchange REDUCE of the sums (synced only)
+                       -> ddp_cuda_bn_backward_elemt (sums NULL in eval)
+   The exchange is the caller's: src/syncbn.c passes the group's collective (queued on the same stream
+   on the nccl backend); the tests pass a simulation of other ranks. The kernels only queue work. */
+enum { DDP__CUDA_BN_SYNCED = 1, DDP__CUDA_BN_LOCAL, DDP__CUDA_BN_EVAL };
+enum { DDP__CUDA_BN_GATHER = 1, DDP__CUDA_BN_REDUCE };
+
+/* exchange(user, DDP__CUDA_BN_GATHER, records, 2C + 1): all_gather in place, this rank's record at
+   records + rank * (2C + 1); exchange(user, DDP__CUDA_BN_REDUCE, sums, 2C): all_reduce SUM in place.
+   Device memory, f64. Return DDP_SUCCESS or the collective's error. */
+typedef ddp_result (*ddp__cuda_bn_exchange)(void *user, int what, double *buf, size_t count);
+
+/* A layer's device state: what every call of the device path needs. */
+typedef struct ddp__cuda_bn {
+    ddp_cuda_bn_args a;                /* batch, spatial, channels, layout, stream, err (dtype DDP_F32) */
+    int nranks, rank;                  /* of the exchange (1 and 0 without one) */
+    double eps;
+    const float *weight, *bias;        /* device, C floats each, or NULL (1 and 0) */
+    float *running_mean, *running_var; /* device, C floats each, or both NULL */
+    float *work, *mean, *invstd;       /* device scratch: DDP_CUDA_BN_WORK_FLOATS(C), C, C floats */
+    double *records, *sums, *count;    /* device scratch: nranks * (2C + 1), 2C, 1 doubles */
+    ddp__cuda_bn_exchange exchange;
+    void *user;
+} ddp__cuda_bn;
+
+/* ddp__cuda_bn_forward: y = BatchNorm(x) in mode DDP__CUDA_BN_SYNCED, _LOCAL or _EVAL; the running
+   stats (if any) move by factor in the first two when the global count is >= 2. Leaves mean, invstd
+   and count for backward. Return: DDP_SUCCESS, the kernels' errors, or the exchange's. */
+DDP_API ddp_result ddp__cuda_bn_forward(ddp__cuda_bn *b, int mode, const void *x, void *y, double factor);
+
+/* ddp__cuda_bn_backward: after a forward in the same mode; grad_weight, grad_bias (device, C floats,
+   NULL = not wanted) accumulate this rank's local sums; dx NULL = not wanted (the exchange still runs
+   when synced). */
+DDP_API ddp_result ddp__cuda_bn_backward(ddp__cuda_bn *b, int mode, const void *dy, const void *x, void *dx,
+                                        float *grad_weight, float *grad_bias);
+
+/* Device memory on the calling thread's current device (zeroed; NULL for 0 bytes), and its release
+   (NULL: no-op). Not in the CPU harness of the tests. */
+DDP_API ddp_result ddp__cuda_device_alloc(size_t bytes, void **out, char *err, size_t err_size);
+DDP_API void ddp__cuda_device_free(void *p);
+/* ---- end of SyncBatchNorm on device memory ---- */
 
 #endif /* DDP__CUDA_GLUE_INCLUDED */
 /* ==================== end src/cuda_glue.h ==================== */
@@ -18185,6 +18246,19 @@ DDP_API ddp_result ddp_sampler_index_at(ddp_sampler *s, uint64_t k, int64_t *out
 /* What the last forward saved for backward. */
 enum { DDP__BN_SAVED_NONE = 0, DDP__BN_SAVED_SYNCED, DDP__BN_SAVED_LOCAL, DDP__BN_SAVED_EVAL };
 
+#ifdef DDP_CUDA
+/* The device path (a build with DDP_CUDA and ddp_cuda.o; see ddp__bn_dev_forward): the kernels' state,
+   and the group's collectives of the last step that are waited one step later. */
+typedef struct ddp__bn_device {
+    ddp__cuda_bn cu;
+    int ready;             /* the scratch in cu is allocated (a forward ran on the device) */
+    int mode;              /* the last forward's DDP__CUDA_BN_* mode on the device; 0: it ran on the host */
+    ddp_work *pending[2];  /* the last all_gather [0] and all_reduce [1] on the nccl backend, not yet waited */
+    char err[DDP__ERR_MAX]; /* the kernels' messages */
+} ddp__bn_device;
+static void ddp__bn_dev_release(ddp_syncbn *bn);
+#endif
+
 struct ddp_syncbn {
     ddp_group *errors; /* the group given to create: errors are reported there (NULL: thread-local) */
     ddp_group *group;  /* statistics are merged over it; NULL = no communication */
@@ -18203,6 +18277,9 @@ struct ddp_syncbn {
     double *sums;    /* 2C: per-channel accumulators of the current pass */
     double *shift;   /* C: per-channel shift of the statistics pass; then mean in f64 for backward */
     float *coef;     /* 3C: per-channel factors of the element-wise passes */
+#ifdef DDP_CUDA
+    ddp__bn_device dev; /* the device path (x in device memory): scratch, pending collectives */
+#endif
 };
 
 /* ---- the column kernels: w columns of `rows` rows, row r at x + r * stride ----
@@ -18533,6 +18610,9 @@ DDP_API ddp_result ddp_syncbn_create(ddp_group *g, const ddp_syncbn_desc *d, ddp
 
 DDP_API void ddp_syncbn_destroy(ddp_syncbn *bn) {
     if (!bn) return;
+#ifdef DDP_CUDA
+    ddp__bn_dev_release(bn);
+#endif
     ddp__free(bn->mean);
     ddp__free(bn->invstd);
     ddp__free(bn->coef);
@@ -18583,6 +18663,178 @@ static ddp_result ddp__bn_comm_failed(ddp_syncbn *bn, ddp_result r, const char *
     snprintf(msg, sizeof msg, "%s", ddp_last_error(bn->group)); /* copied first: it may be the same buffer */
     return ddp__fail(bn->errors, r, "%s failed: %s", what, msg);
 }
+
+#ifdef DDP_CUDA
+/* ---- the device path: x in device memory (torch's SyncBatchNorm on CUDA) ----
+   When x is device memory (the glue's ddp__cuda_is_device_pointer; for an empty batch: when the layer
+   ran on the device before or its weight or running_mean is device memory), forward and backward run
+   ddp_cuda.cu's kernels through ddp__cuda_bn_forward/backward (src/cuda_glue.h), all queued on the
+   group's stream (ddp_set_stream on the nccl backend; the legacy default stream otherwise), and the
+   host never waits for the device:
+   - y, dy, dx, grad_weight, grad_bias and the layer's weight, bias and running stats are then device
+     memory too (checked: the message names the host array);
+   - the exchange is the group's collective on the device records / sums: on the nccl backend an async
+     all_gather / all_reduce queued on the same stream behind the statistics kernel, its ddp_work waited
+     (the watchdog) one step later, just before the next all_gather (all_reduce) of this layer, or in
+     ddp_syncbn_destroy; so a failure of step k's collective is reported by step k + 1's call (the group
+     is broken meanwhile, so every other collective fails too). Other backends: the synchronous
+     collective (the cpu backend stages device buffers through host memory);
+   - the count check that needs the global count: n == 1 on one rank (or without exchange) is
+     DDP_ERR_INVALID_ARGUMENT as on the host; n == 1 over 2+ ranks is not detected (as torch's
+     SyncBatchNorm), the running stats are then left unchanged.
+   Scratch (C-sized statistics, the nranks records) is allocated on the current device at the first
+   device forward and freed by ddp_syncbn_destroy. */
+
+static int ddp__bn_dev_wanted(const ddp_syncbn *bn, const void *x, int64_t count) {
+    if (count > 0) return ddp__cuda_is_device_pointer(x);
+    return bn->dev.ready || ddp__cuda_is_device_pointer(bn->weight) || ddp__cuda_is_device_pointer(bn->running_mean);
+}
+
+/* Wait for the pending collective of a slot (0: all_gather, 1: all_reduce), if any. */
+static ddp_result ddp__bn_dev_settle(ddp_syncbn *bn, int slot) {
+    ddp_work *w = bn->dev.pending[slot];
+    ddp_result r;
+    if (!w) return DDP_SUCCESS;
+    bn->dev.pending[slot] = NULL;
+    r = ddp_wait(w);
+    if (r == DDP_SUCCESS) return r;
+    return ddp__bn_comm_failed(bn, r, slot ? "ddp_syncbn_backward: the previous step's all_reduce of sum_dy and sum_dy_xmu"
+                                           : "ddp_syncbn_forward: the previous step's all_gather of the batch statistics");
+}
+
+/* The kernels' exchange: the group's collective on device memory (see the top of this part). */
+static ddp_result ddp__bn_dev_exchange(void *user, int what, double *buf, size_t count) {
+    ddp_syncbn *bn = (ddp_syncbn *)user;
+    const int slot = what == DDP__CUDA_BN_REDUCE;
+    const char *step = slot ? "ddp_syncbn_backward: all_reduce of sum_dy and sum_dy_xmu"
+                            : "ddp_syncbn_forward: all_gather of the batch statistics";
+    double *mine = buf + (size_t)bn->rank * count;
+    ddp_result r = ddp__bn_dev_settle(bn, slot);
+    if (r != DDP_SUCCESS) return r;
+    if (bn->group->nccl)
+        r = slot ? ddp_all_reduce_async(bn->group, buf, count, DDP_F64, DDP_SUM, &bn->dev.pending[slot])
+                 : ddp_all_gather_async(bn->group, mine, buf, count, DDP_F64, &bn->dev.pending[slot]);
+    else
+        r = slot ? ddp_all_reduce(bn->group, buf, count, DDP_F64, DDP_SUM)
+                 : ddp_all_gather(bn->group, mine, buf, count, DDP_F64);
+    return r == DDP_SUCCESS ? r : ddp__bn_comm_failed(bn, r, step);
+}
+
+/* The first of the given arrays that is not device memory (NULL: all are, or are NULL). */
+static const char *ddp__bn_dev_host_array(const void *const *arrays, const char *const *names, int n) {
+    int i;
+    for (i = 0; i < n; i++)
+        if (arrays[i] && !ddp__cuda_is_device_pointer(arrays[i])) return names[i];
+    return NULL;
+}
+
+/* Check the layer's arrays and the call's, allocate the scratch once, describe the call to the kernels. */
+static ddp_result ddp__bn_dev_prepare(ddp_syncbn *bn, const char *fn, const void *const *call, const char *const *names,
+                                      int n, int64_t batch, int64_t spatial) {
+    const void *layer[4];
+    static const char *const layer_names[4] = {"weight", "bias", "running_mean", "running_var"};
+    ddp__cuda_bn *cu = &bn->dev.cu;
+    const size_t C = (size_t)bn->channels;
+    const char *host;
+    layer[0] = bn->weight, layer[1] = bn->bias, layer[2] = bn->running_mean, layer[3] = bn->running_var;
+    if ((host = ddp__bn_dev_host_array(call, names, n)) != NULL || (host = ddp__bn_dev_host_array(layer, layer_names, 4)))
+        return ddp__fail(bn->errors, DDP_ERR_INVALID_ARGUMENT,
+                         "%s: %s is host memory, but this call runs on the device (x of the forward is device "
+                         "memory): then every array of the layer and of the call is device memory (cudaMalloc'd)",
+                         fn, host);
+    if (!bn->dev.ready) {
+        void *p[6] = {NULL, NULL, NULL, NULL, NULL, NULL};
+        const size_t bytes[6] = {DDP_CUDA_BN_WORK_FLOATS(C) * sizeof(float), C * sizeof(float), C * sizeof(float),
+                                 (size_t)bn->nranks * (2 * C + 1) * sizeof(double), 2 * C * sizeof(double), sizeof(double)};
+        ddp_result r = DDP_SUCCESS;
+        int i;
+        for (i = 0; i < 6 && r == DDP_SUCCESS; i++) r = ddp__cuda_device_alloc(bytes[i], &p[i], bn->dev.err, sizeof bn->dev.err);
+        if (r != DDP_SUCCESS) {
+            for (i = 0; i < 6; i++) ddp__cuda_device_free(p[i]);
+            return ddp__fail(bn->errors, r, "%s: device scratch for %d channels: %s", fn, bn->channels, bn->dev.err);
+        }
+        cu->work = (float *)p[0], cu->mean = (float *)p[1], cu->invstd = (float *)p[2];
+        cu->records = (double *)p[3], cu->sums = (double *)p[4], cu->count = (double *)p[5];
+        bn->dev.ready = 1;
+    }
+    cu->a.dtype = DDP_F32;
+    cu->a.batch = batch;
+    cu->a.spatial = spatial;
+    cu->a.channels = bn->channels;
+    cu->a.channels_last = bn->channels_last;
+    cu->a.stream = bn->group && bn->group->nccl ? ddp__cuda_nccl_stream(bn->group->nccl->comm) : NULL;
+    cu->a.err = bn->dev.err;
+    cu->a.err_size = sizeof bn->dev.err;
+    cu->nranks = bn->nranks;
+    cu->rank = bn->rank;
+    cu->eps = bn->eps;
+    cu->weight = bn->weight, cu->bias = bn->bias;
+    cu->running_mean = bn->running_mean, cu->running_var = bn->running_var;
+    cu->exchange = ddp__bn_dev_exchange;
+    cu->user = bn;
+    bn->dev.err[0] = '\0';
+    return DDP_SUCCESS;
+}
+
+/* A failed kernel call (its message in dev.err) or exchange (already reported). */
+static ddp_result ddp__bn_dev_failed(ddp_syncbn *bn, const char *fn, ddp_result r) {
+    if (!bn->dev.err[0]) return r;
+    return ddp__fail(bn->errors, r, "%s (device): %s", fn, bn->dev.err);
+}
+
+static ddp_result ddp__bn_dev_forward(ddp_syncbn *bn, const float *x, float *y, int64_t batch, int64_t spatial,
+                                      int training) {
+    const char *fn = "ddp_syncbn_forward";
+    const void *call[2];
+    static const char *const names[2] = {"x", "y"};
+    int mode = training || !bn->running_mean ? (training && bn->nranks > 1 ? DDP__CUDA_BN_SYNCED : DDP__CUDA_BN_LOCAL)
+                                             : DDP__CUDA_BN_EVAL;
+    double factor = 0;
+    ddp_result r;
+    call[0] = x, call[1] = y;
+    if ((r = ddp__bn_dev_prepare(bn, fn, call, names, 2, batch, spatial)) != DDP_SUCCESS) return r;
+    if (mode == DDP__CUDA_BN_LOCAL && batch * spatial == 1)
+        return ddp__fail(bn->errors, DDP_ERR_INVALID_ARGUMENT,
+                         "%s: expected more than 1 value per channel when training, got 1 in the batch (batch=%lld, "
+                         "spatial=%lld on this rank); running stats left unchanged",
+                         fn, (long long)batch, (long long)spatial);
+    if (training && bn->running_mean) {
+        bn->num_batches_tracked++;
+        factor = ddp__bn_factor(bn->momentum, bn->num_batches_tracked);
+    }
+    if ((r = ddp__cuda_bn_forward(&bn->dev.cu, mode, x, y, factor)) != DDP_SUCCESS) return ddp__bn_dev_failed(bn, fn, r);
+    bn->dev.mode = mode;
+    bn->saved = mode == DDP__CUDA_BN_SYNCED ? DDP__BN_SAVED_SYNCED : mode == DDP__CUDA_BN_LOCAL ? DDP__BN_SAVED_LOCAL
+                                                                                                : DDP__BN_SAVED_EVAL;
+    return DDP_SUCCESS;
+}
+
+static ddp_result ddp__bn_dev_backward(ddp_syncbn *bn, const float *x, const float *dy, float *dx, float *grad_weight,
+                                       float *grad_bias, int64_t batch, int64_t spatial) {
+    const char *fn = "ddp_syncbn_backward";
+    const void *call[5];
+    static const char *const names[5] = {"x", "dy", "dx", "grad_weight", "grad_bias"};
+    ddp_result r;
+    call[0] = x, call[1] = dy, call[2] = dx, call[3] = grad_weight, call[4] = grad_bias;
+    if (!bn->dev.mode)
+        return ddp__fail(bn->errors, DDP_ERR_INVALID_ARGUMENT,
+                         "%s: x is device memory but the last forward ran on host memory; pass that forward's arrays", fn);
+    if ((r = ddp__bn_dev_prepare(bn, fn, call, names, 5, batch, spatial)) != DDP_SUCCESS) return r;
+    r = ddp__cuda_bn_backward(&bn->dev.cu, bn->dev.mode, dy, x, dx, grad_weight, grad_bias);
+    return r == DDP_SUCCESS ? r : ddp__bn_dev_failed(bn, fn, r);
+}
+
+/* Wait for what is still pending (errors were or will be reported by the group) and free the scratch. */
+static void ddp__bn_dev_release(ddp_syncbn *bn) {
+    ddp__cuda_bn *cu = &bn->dev.cu;
+    int i;
+    for (i = 0; i < 2; i++)
+        if (bn->dev.pending[i]) ddp_wait(bn->dev.pending[i]);
+    if (!bn->dev.ready) return;
+    ddp__cuda_device_free(cu->work), ddp__cuda_device_free(cu->mean), ddp__cuda_device_free(cu->invstd);
+    ddp__cuda_device_free(cu->records), ddp__cuda_device_free(cu->sums), ddp__cuda_device_free(cu->count);
+}
+#endif /* DDP_CUDA */
 
 /* This rank's record [mean(C), M2(C), count] from one pass over x. */
 static void ddp__bn_local_stats(ddp_syncbn *bn, const float *x, int64_t batch, int64_t spatial, double *record) {
@@ -18648,6 +18900,15 @@ DDP_API ddp_result ddp_syncbn_forward(ddp_syncbn *bn, const float *x, float *y, 
     r = ddp__bn_check(bn, fn, batch, spatial, x, "x", y, "y", &count);
     if (r != DDP_SUCCESS) return r;
     bn->saved = DDP__BN_SAVED_NONE;
+#ifdef DDP_CUDA
+    bn->dev.mode = 0;
+    if (ddp__bn_dev_wanted(bn, x, count)) {
+        r = ddp__bn_dev_forward(bn, x, y, batch, spatial, training);
+        bn->saved_batch = batch;
+        bn->saved_spatial = spatial;
+        return r;
+    }
+#endif
     if (training || !bn->running_mean) {
         r = ddp__bn_batch_stats(bn, x, batch, spatial, training);
         if (r != DDP_SUCCESS) return r;
@@ -18690,6 +18951,10 @@ DDP_API ddp_result ddp_syncbn_backward(ddp_syncbn *bn, const float *x, const flo
                          "forward's input",
                          fn, (long long)batch, (long long)spatial, (long long)bn->saved_batch,
                          (long long)bn->saved_spatial);
+#ifdef DDP_CUDA
+    if (ddp__bn_dev_wanted(bn, x, count) || bn->dev.mode)
+        return ddp__bn_dev_backward(bn, x, dy, dx, grad_weight, grad_bias, batch, spatial);
+#endif
     C = bn->channels;
     eval = bn->saved == DDP__BN_SAVED_EVAL;
     sum_dy = bn->sums;

@@ -640,6 +640,45 @@ DDP_API ddp_result ddp_cuda_bn_backward_elemt(const ddp_cuda_bn_args *a, const v
 
 } /* extern "C" */
 
+/* ---- SyncBatchNorm on device memory (gpucheck): the device path of ddp_syncbn_forward/backward ----
+   The sequence of torch's SyncBatchNorm on CUDA (see src/cuda_glue.h), every step queued on b->a.stream;
+   the exchange (the group's collective) is the caller's. */
+
+extern "C" {
+
+DDP_API ddp_result ddp__cuda_bn_forward(ddp__cuda_bn *b, int mode, const void *x, void *y, double factor) {
+    ddp_result r;
+    const int C = b->a.channels;
+    if (mode == DDP__CUDA_BN_EVAL) {
+        r = ddp_cuda_bn_eval_stats(&b->a, b->running_mean, b->running_var, b->eps, b->mean, b->invstd);
+    } else {
+        const int synced = mode == DDP__CUDA_BN_SYNCED && b->nranks > 1;
+        double *mine = b->records + (synced ? (int64_t)b->rank * (2 * C + 1) : 0);
+        r = ddp_cuda_bn_stats(&b->a, x, b->work, mine);
+        if (r == DDP_SUCCESS && synced) r = b->exchange(b->user, DDP__CUDA_BN_GATHER, b->records, (size_t)(2 * C + 1));
+        if (r == DDP_SUCCESS)
+            r = ddp_cuda_bn_gather_stats(&b->a, b->records, synced ? b->nranks : 1, b->eps, factor, b->running_mean,
+                                         b->running_var, b->mean, b->invstd, b->count);
+    }
+    if (r != DDP_SUCCESS) return r;
+    return ddp_cuda_bn_elemt(&b->a, x, y, b->weight, b->bias, b->mean, b->invstd);
+}
+
+DDP_API ddp_result ddp__cuda_bn_backward(ddp__cuda_bn *b, int mode, const void *dy, const void *x, void *dx,
+                                        float *grad_weight, float *grad_bias) {
+    ddp_result r = DDP_SUCCESS;
+    const int eval = mode == DDP__CUDA_BN_EVAL;
+    if (!eval || grad_weight || grad_bias)
+        r = ddp_cuda_bn_backward_reduce(&b->a, dy, x, b->mean, b->invstd, b->work, b->sums, grad_weight, grad_bias);
+    if (r == DDP_SUCCESS && mode == DDP__CUDA_BN_SYNCED && b->nranks > 1)
+        r = b->exchange(b->user, DDP__CUDA_BN_REDUCE, b->sums, 2 * (size_t)b->a.channels);
+    if (r != DDP_SUCCESS || !dx) return r;
+    return ddp_cuda_bn_backward_elemt(&b->a, dy, x, dx, b->weight, b->mean, b->invstd, eval ? NULL : b->sums, b->count,
+                                      b->work);
+}
+
+} /* extern "C" */
+
 /* [SECTION] cuda-reducer: gradient bucket copies and the inf/nan check (multi-tensor kernels)
    Mirrors the device side of torch's DDP Reducer (torch/csrc/distributed/c10d/reducer.cpp: a ready
    gradient is copied into its bucket view and divided by the world size, the bucket is copied back
@@ -1450,6 +1489,31 @@ DDP_API int ddp__cuda_nccl_test(ddp__cuda_nccl *c, void *event) {
     ddp__cu_device_scope scope(c->device);
     return cudaEventQuery(e->ev) != cudaErrorNotReady;
 }
+
+/* ---- device memory for the SyncBatchNorm device path (gpucheck) ---- */
+DDP_API ddp_result ddp__cuda_device_alloc(size_t bytes, void **out, char *err, size_t err_size) {
+    ddp__cu_msg m = {err, err_size};
+    cudaError_t ce;
+    void *p = NULL;
+    int device = -1;
+    *out = NULL;
+    if (!bytes) return DDP_SUCCESS;
+    cudaGetDevice(&device);
+    if ((ce = cudaMalloc(&p, bytes)) != cudaSuccess)
+        return ddp__cu_fail(&m, DDP_ERR_OUT_OF_MEMORY, "cudaMalloc(%zu bytes) on device %d failed: %s", bytes, device,
+                            cudaGetErrorString(ce));
+    if ((ce = cudaMemset(p, 0, bytes)) != cudaSuccess) {
+        cudaFree(p);
+        return ddp__cu_fail(&m, DDP_ERR_SYSTEM, "cudaMemset failed: %s", cudaGetErrorString(ce));
+    }
+    *out = p;
+    return DDP_SUCCESS;
+}
+
+DDP_API void ddp__cuda_device_free(void *p) {
+    if (p) cudaFree(p);
+}
+/* ---- end of device memory for the SyncBatchNorm device path ---- */
 
 } /* extern "C" */
 #endif /* !DDP_CUDA_HARNESS */

@@ -143,4 +143,52 @@ DDP_API ddp_result ddp__cuda_stage_queued(ddp__cuda_stage *s, void *stream, char
 /* ddp__cuda_stage_free: wait for s's queued copies, free its pinned memory and s. NULL: no-op. */
 DDP_API void ddp__cuda_stage_free(ddp__cuda_stage *s);
 
+/* ---- SyncBatchNorm on device memory (gpucheck): ddp_syncbn_forward/backward's device path ----------
+   torch's SyncBatchNorm on CUDA, queued on one stream with no host synchronisation:
+     forward (synced)  ddp_cuda_bn_stats -> exchange GATHER of the records -> ddp_cuda_bn_gather_stats -> elemt
+     forward (local)   the same on this rank's record alone, no exchange (one rank, or eval without
+                       running stats)
+     forward (eval)    ddp_cuda_bn_eval_stats -> elemt
+     backward          ddp_cuda_bn_backward_reduce -> exchange REDUCE of the sums (synced only)
+                       -> ddp_cuda_bn_backward_elemt (sums NULL in eval)
+   The exchange is the caller's: src/syncbn.c passes the group's collective (queued on the same stream
+   on the nccl backend); the tests pass a simulation of other ranks. The kernels only queue work. */
+enum { DDP__CUDA_BN_SYNCED = 1, DDP__CUDA_BN_LOCAL, DDP__CUDA_BN_EVAL };
+enum { DDP__CUDA_BN_GATHER = 1, DDP__CUDA_BN_REDUCE };
+
+/* exchange(user, DDP__CUDA_BN_GATHER, records, 2C + 1): all_gather in place, this rank's record at
+   records + rank * (2C + 1); exchange(user, DDP__CUDA_BN_REDUCE, sums, 2C): all_reduce SUM in place.
+   Device memory, f64. Return DDP_SUCCESS or the collective's error. */
+typedef ddp_result (*ddp__cuda_bn_exchange)(void *user, int what, double *buf, size_t count);
+
+/* A layer's device state: what every call of the device path needs. */
+typedef struct ddp__cuda_bn {
+    ddp_cuda_bn_args a;                /* batch, spatial, channels, layout, stream, err (dtype DDP_F32) */
+    int nranks, rank;                  /* of the exchange (1 and 0 without one) */
+    double eps;
+    const float *weight, *bias;        /* device, C floats each, or NULL (1 and 0) */
+    float *running_mean, *running_var; /* device, C floats each, or both NULL */
+    float *work, *mean, *invstd;       /* device scratch: DDP_CUDA_BN_WORK_FLOATS(C), C, C floats */
+    double *records, *sums, *count;    /* device scratch: nranks * (2C + 1), 2C, 1 doubles */
+    ddp__cuda_bn_exchange exchange;
+    void *user;
+} ddp__cuda_bn;
+
+/* ddp__cuda_bn_forward: y = BatchNorm(x) in mode DDP__CUDA_BN_SYNCED, _LOCAL or _EVAL; the running
+   stats (if any) move by factor in the first two when the global count is >= 2. Leaves mean, invstd
+   and count for backward. Return: DDP_SUCCESS, the kernels' errors, or the exchange's. */
+DDP_API ddp_result ddp__cuda_bn_forward(ddp__cuda_bn *b, int mode, const void *x, void *y, double factor);
+
+/* ddp__cuda_bn_backward: after a forward in the same mode; grad_weight, grad_bias (device, C floats,
+   NULL = not wanted) accumulate this rank's local sums; dx NULL = not wanted (the exchange still runs
+   when synced). */
+DDP_API ddp_result ddp__cuda_bn_backward(ddp__cuda_bn *b, int mode, const void *dy, const void *x, void *dx,
+                                        float *grad_weight, float *grad_bias);
+
+/* Device memory on the calling thread's current device (zeroed; NULL for 0 bytes), and its release
+   (NULL: no-op). Not in the CPU harness of the tests. */
+DDP_API ddp_result ddp__cuda_device_alloc(size_t bytes, void **out, char *err, size_t err_size);
+DDP_API void ddp__cuda_device_free(void *p);
+/* ---- end of SyncBatchNorm on device memory ---- */
+
 #endif /* DDP__CUDA_GLUE_INCLUDED */

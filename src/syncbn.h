@@ -22,7 +22,20 @@
    product of the spatial sizes (1 for BatchNorm1d's (N, C) input). Data is f32; statistics are
    accumulated in f64. The CPU code makes one pass over x per stage. The per-element and per-channel
    formulas are the static inline DDP_HOST_DEVICE helpers at the end of this section, shared with
-   the CUDA kernels of ddp_cuda.cu. */
+   the CUDA kernels of ddp_cuda.cu.
+
+   Device memory (a build with DDP_CUDA, linked with ddp_cuda.o): when x is device memory (cudaMalloc'd
+   or managed; detected through CUDA at each call), forward and backward run ddp_cuda.cu's kernels as
+   torch's SyncBatchNorm does on CUDA (batch_norm_stats -> all_gather -> gather_stats_with_counts ->
+   elemt; backward_reduce -> all_reduce -> backward_elemt), queued on the group's stream (ddp_set_stream;
+   the legacy default stream without the nccl backend) with no host synchronisation. y, dy, dx,
+   grad_weight, grad_bias and the descriptor's weight, bias and running stats are then device memory
+   too (a host array is DDP_ERR_INVALID_ARGUMENT naming it). On the nccl backend the collectives are
+   async and waited one step later (this layer's next forward / backward, or ddp_syncbn_destroy, which
+   must come before ddp_destroy of the group): a failed collective is reported by the next call. A
+   rank with an empty batch takes the device path when the layer ran on the device before or its
+   weight or running_mean is device memory. Global n == 1 over 2+ ranks is not detected on the device
+   (as torch's SyncBatchNorm: the running stats are left unchanged); on one rank it is an error. */
 
 typedef struct ddp_syncbn ddp_syncbn; /* a SyncBatchNorm layer's state (opaque) */
 

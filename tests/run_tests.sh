@@ -31,6 +31,7 @@ FULL="
   test_interop_checkpoint test_interop_ddprun test_interop_reducer test_interop_sampler test_interop_store
   test_interop_syncbn test_interop_torch_current test_launchers test_mpi test_cmake test_cuda_compile test_nccl
   test_netns test_scale test_scale_table
+  test_gpu_check
 "
 
 BUILD=${BUILD:-build}

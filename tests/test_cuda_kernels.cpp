@@ -5,6 +5,9 @@
      over 1 to 3 simulated ranks), both layouts and f32/f16/bf16, every stage (stats, gather_stats,
      eval_stats, elemt, backward_reduce, backward_elemt) against f64 two-pass formulas, with tolerances
      that fit f32 accumulation plus the rounding of the output dtype.
+   - SyncBatchNorm's device path (ddp_syncbn_forward/backward on device memory): the glue's sequence
+     ddp__cuda_bn_forward/backward on 1-3 simulated ranks (the exchange plays the collectives), every
+     rank's y, dx, local gradients, running stats and an eval step against BatchNorm over the whole batch.
    - Reducer: bucket copy-in / copy-out for every pair of f32/f64/f16/bf16, packed and scattered
      offsets, tensor counts across the per-launch table size, odd sizes across chunk boundaries, NULL
      gradients; the inf/nan check and unscale with infinities and NaNs in chosen places. These are exact
@@ -14,6 +17,7 @@
      and caught without it, and every misuse it promises to report.
    Usage: test_cuda_kernels [--quick]   (--quick: the harness tests and a few shapes) */
 #define DDP_CUDA
+#define DDP__CUDA_GLUE /* also the private glue's declarations: ddp__cuda_bn_forward/backward (SyncBN's device path) */
 #include "ddp.h" /* the declarations only: the test is independent of the library's own code */
 
 #include "cuda_runtime.h" /* the harness (tests/cuda_harness), for its own tests */
@@ -660,6 +664,189 @@ static void test_syncbn_errors() {
     CHECK(ddp_cuda_bn_stats(NULL, NULL, work, record) == DDP_ERR_INVALID_ARGUMENT, "NULL args");
 }
 
+/* ---- SyncBN's device path (ddp_syncbn_forward/backward on device memory): the glue's sequence ----
+   ddp__cuda_bn_forward/backward, which src/syncbn.c calls for x in device memory, run here for each
+   rank of R simulated ranks, with an exchange that plays the group's collectives: the all_gather
+   fills the other ranks' records by running the statistics kernel on their batches, the all_reduce
+   adds their backward sums. Every rank's y, dx, local parameter gradients and running stats, then an
+   eval forward + backward, are checked against BatchNorm over the concatenated batch in f64 (two-pass,
+   textbook formulas written here). */
+
+struct dev_rank {
+    std::vector<float> x, dy;
+    int64_t batch;
+};
+
+struct dev_sim {
+    int C, channels_last, me;
+    int64_t S;
+    const std::vector<dev_rank> *ranks;
+    int gathers, reduces;
+};
+
+static ddp_cuda_bn_args dev_args(const dev_sim &sim, int64_t batch, char *err) {
+    ddp_cuda_bn_args a;
+    memset(&a, 0, sizeof a);
+    a.dtype = DDP_F32, a.batch = batch, a.spatial = sim.S, a.channels = sim.C, a.channels_last = sim.channels_last;
+    a.err = err, a.err_size = 256;
+    return a;
+}
+
+static ddp_result dev_exchange(void *user, int what, double *buf, size_t count) {
+    dev_sim *sim = (dev_sim *)user;
+    const std::vector<dev_rank> &ranks = *sim->ranks;
+    const int C = sim->C;
+    char err[256] = "";
+    std::vector<float> work = nan_work(C), mean(C), invstd(C), gw(C), gb(C);
+    std::vector<double> sums(2 * C);
+    if (what == DDP__CUDA_BN_GATHER) {
+        sim->gathers++;
+        CHECK(count == (size_t)(2 * C + 1), "gather of %zu doubles", count);
+        for (int p = 0; p < (int)ranks.size(); p++) {
+            if (p == sim->me) continue;
+            ddp_cuda_bn_args a = dev_args(*sim, ranks[p].batch, err);
+            CHECK_OK(ddp_cuda_bn_stats(&a, ranks[p].x.data(), work.data(), buf + (size_t)p * count), err);
+        }
+        return DDP_SUCCESS;
+    }
+    sim->reduces++;
+    CHECK(what == DDP__CUDA_BN_REDUCE && count == (size_t)(2 * C), "exchange %d of %zu doubles", what, count);
+    return DDP_SUCCESS; /* the sums of the other ranks are added by dev_exchange_sums (needs mean, invstd) */
+}
+
+/* The all_reduce, given the statistics every rank shares (this rank's mean and invstd after forward). */
+struct dev_sim_reduce {
+    dev_sim sim;
+    const float *mean, *invstd;
+};
+
+static ddp_result dev_exchange_sums(void *user, int what, double *buf, size_t count) {
+    dev_sim_reduce *sr = (dev_sim_reduce *)user;
+    const std::vector<dev_rank> &ranks = *sr->sim.ranks;
+    const int C = sr->sim.C;
+    char err[256] = "";
+    if (what == DDP__CUDA_BN_GATHER) return dev_exchange(&sr->sim, what, buf, count);
+    dev_exchange(&sr->sim, what, buf, count);
+    std::vector<float> work = nan_work(C);
+    std::vector<double> sums(2 * C);
+    for (int p = 0; p < (int)ranks.size(); p++) {
+        if (p == sr->sim.me) continue;
+        ddp_cuda_bn_args a = dev_args(sr->sim, ranks[p].batch, err);
+        CHECK_OK(ddp_cuda_bn_backward_reduce(&a, ranks[p].dy.data(), ranks[p].x.data(), sr->mean, sr->invstd, work.data(),
+                                             sums.data(), NULL, NULL),
+                 err);
+        for (size_t i = 0; i < count; i++) buf[i] += sums[i];
+    }
+    return DDP_SUCCESS;
+}
+
+static void run_device_path_case(int C, int64_t S, int channels_last, const std::vector<int64_t> &batches, bool affine) {
+    const int R = (int)batches.size();
+    const double eps = 1e-5, momentum = 0.1;
+    std::vector<dev_rank> ranks(R);
+    std::vector<float> weight(C), bias(C);
+    for (int c = 0; c < C; c++) weight[c] = (float)uniform(0.5, 2.0), bias[c] = (float)uniform(-1, 1);
+    for (int p = 0; p < R; p++) {
+        ranks[p].batch = batches[p];
+        ranks[p].x.resize((size_t)(batches[p] * S * C));
+        ranks[p].dy.resize(ranks[p].x.size());
+        for (size_t i = 0; i < ranks[p].x.size(); i++) ranks[p].x[i] = (float)uniform(-2, 3), ranks[p].dy[i] = (float)uniform(-1, 1);
+    }
+    auto at = [&](int64_t n, int c, int64_t s) { return channels_last ? (n * S + s) * C + c : (n * C + c) * S + s; };
+    /* the f64 reference over the concatenated batch */
+    std::vector<double> mean(C), var(C), invstd(C), sdy(C), sdyxmu(C), n(C);
+    for (int c = 0; c < C; c++) {
+        double sum = 0, m2 = 0;
+        for (const dev_rank &r : ranks)
+            for (int64_t i = 0; i < r.batch; i++)
+                for (int64_t s = 0; s < S; s++) sum += r.x[at(i, c, s)], n[c]++;
+        mean[c] = sum / n[c];
+        for (const dev_rank &r : ranks)
+            for (int64_t i = 0; i < r.batch; i++)
+                for (int64_t s = 0; s < S; s++) {
+                    const double d = r.x[at(i, c, s)] - mean[c];
+                    m2 += d * d;
+                    sdy[c] += r.dy[at(i, c, s)];
+                    sdyxmu[c] += r.dy[at(i, c, s)] * d;
+                }
+        var[c] = m2 / n[c];
+        invstd[c] = 1.0 / sqrt(var[c] + eps);
+    }
+    for (int me = 0; me < R; me++) {
+        const dev_rank &r = ranks[me];
+        const size_t total = r.x.size();
+        char err[256] = "";
+        std::vector<float> work = nan_work(C), bmean(C, NAN), binvstd(C, NAN), rm(C, 0.0f), rv(C, 1.0f), y(total, NAN),
+            dx(total, NAN), gw(C, 0.0f), gb(C, 0.0f);
+        std::vector<double> records((size_t)R * (2 * C + 1), NAN), sums(2 * C, NAN), count(1, NAN);
+        dev_sim_reduce sr;
+        sr.sim = dev_sim{C, channels_last, me, S, &ranks, 0, 0};
+        sr.mean = bmean.data(), sr.invstd = binvstd.data();
+        ddp__cuda_bn b;
+        memset(&b, 0, sizeof b);
+        b.a = dev_args(sr.sim, r.batch, err);
+        b.nranks = R, b.rank = me, b.eps = eps;
+        b.weight = affine ? weight.data() : NULL, b.bias = affine ? bias.data() : NULL;
+        b.running_mean = rm.data(), b.running_var = rv.data();
+        b.work = work.data(), b.mean = bmean.data(), b.invstd = binvstd.data();
+        b.records = records.data(), b.sums = sums.data(), b.count = count.data();
+        b.exchange = dev_exchange_sums, b.user = &sr;
+        const int mode = R > 1 ? DDP__CUDA_BN_SYNCED : DDP__CUDA_BN_LOCAL;
+        CHECK_OK(ddp__cuda_bn_forward(&b, mode, r.x.data(), y.data(), momentum), err);
+        CHECK_OK(ddp__cuda_bn_backward(&b, mode, r.dy.data(), r.x.data(), dx.data(), gw.data(), gb.data()), err);
+        CHECK(sr.sim.gathers == (R > 1) && sr.sim.reduces == (R > 1), "rank %d of %d: %d gathers, %d reduces", me, R,
+              sr.sim.gathers, sr.sim.reduces);
+        for (int c = 0; c < C; c++) {
+            const double w = affine ? weight[c] : 1.0, bb = affine ? bias[c] : 0.0;
+            double lgw = 0, lgb = 0, ymax = 1, dxmax = 1e-3;
+            for (int64_t i = 0; i < r.batch; i++)
+                for (int64_t s = 0; s < S; s++) {
+                    const int64_t j = at(i, c, s);
+                    const double xmu = r.x[j] - mean[c];
+                    const double want_y = xmu * invstd[c] * w + bb;
+                    const double want_dx = (r.dy[j] - sdy[c] / n[c] - xmu * invstd[c] * invstd[c] * sdyxmu[c] / n[c]) * invstd[c] * w;
+                    ymax = std::max(ymax, fabs(want_y)), dxmax = std::max(dxmax, fabs(want_dx));
+                    CHECK(fabs(y[j] - want_y) <= 2e-5 * ymax + 1e-5, "rank %d/%d c %d: y %.9g, want %.9g", me, R, c, y[j], want_y);
+                    CHECK(fabs(dx[j] - want_dx) <= 1e-4 * dxmax, "rank %d/%d c %d: dx %.9g, want %.9g", me, R, c, dx[j], want_dx);
+                    lgw += r.dy[j] * xmu * invstd[c];
+                    lgb += r.dy[j];
+                }
+            CHECK(fabs(gw[c] - lgw) <= 1e-4 * (1 + fabs(lgw)) && fabs(gb[c] - lgb) <= 1e-4 * (1 + fabs(lgb)),
+                  "rank %d/%d c %d: local grad_weight %.9g grad_bias %.9g, want %.9g %.9g", me, R, c, gw[c], gb[c], lgw, lgb);
+            const double want_rm = momentum * mean[c], want_rv = (1 - momentum) + momentum * var[c] * n[c] / (n[c] - 1);
+            CHECK(fabs(rm[c] - want_rm) <= 1e-5 * (1 + fabs(want_rm)) && fabs(rv[c] - want_rv) <= 1e-5 * (1 + want_rv),
+                  "rank %d/%d c %d: running %.9g %.9g, want %.9g %.9g", me, R, c, rm[c], rv[c], want_rm, want_rv);
+        }
+        /* eval with the running stats just updated: no exchange, dx = dy * weight / sqrt(running_var + eps) */
+        std::fill(gw.begin(), gw.end(), 0.0f);
+        CHECK_OK(ddp__cuda_bn_forward(&b, DDP__CUDA_BN_EVAL, r.x.data(), y.data(), 0.0), err);
+        CHECK_OK(ddp__cuda_bn_backward(&b, DDP__CUDA_BN_EVAL, r.dy.data(), r.x.data(), dx.data(), gw.data(), NULL), err);
+        CHECK(sr.sim.gathers == (R > 1) && sr.sim.reduces == (R > 1), "eval exchanged (rank %d of %d)", me, R);
+        for (int c = 0; c < C; c++) {
+            const double w = affine ? weight[c] : 1.0, bb = affine ? bias[c] : 0.0, is = 1.0 / sqrt((double)rv[c] + eps);
+            double lgw = 0;
+            for (int64_t i = 0; i < r.batch; i++)
+                for (int64_t s = 0; s < S; s++) {
+                    const int64_t j = at(i, c, s);
+                    const double want_y = (r.x[j] - (double)rm[c]) * is * w + bb, want_dx = r.dy[j] * is * w;
+                    CHECK(fabs(y[j] - want_y) <= 1e-5 * (1 + fabs(want_y)), "eval rank %d c %d: y %.9g, want %.9g", me, c, y[j], want_y);
+                    CHECK(fabs(dx[j] - want_dx) <= 1e-5 * (1 + fabs(want_dx)), "eval rank %d c %d: dx %.9g, want %.9g", me, c, dx[j], want_dx);
+                    lgw += r.dy[j] * (r.x[j] - (double)rm[c]) * is;
+                }
+            CHECK(fabs(gw[c] - lgw) <= 1e-4 * (1 + fabs(lgw)), "eval rank %d c %d: grad_weight %.9g, want %.9g", me, c, gw[c], lgw);
+        }
+    }
+}
+
+static void test_syncbn_device_path() {
+    run_device_path_case(3, 5, 0, {6}, true);                 /* one rank: local statistics, no exchange */
+    run_device_path_case(5, 1, 1, {4, 0, 3}, true);           /* three ranks, one with an empty batch */
+    run_device_path_case(4, 7, 0, {3, 2}, false);             /* two ranks, planar, no affine parameters */
+    run_device_path_case(33, 3, 1, {2, 5}, true);             /* channels-last, more channels than a warp */
+    printf("syncbn device path: ddp__cuda_bn_forward/backward (stats, exchange, gather_stats, elemt; backward_reduce, "
+           "exchange, backward_elemt; eval) on 1-3 simulated ranks agree with BatchNorm over the whole batch\n");
+}
+
 /* ======================================================================================== reducer */
 
 /* The documented arithmetic: v = g * scale in f32 (f64 when either side is f64), rounded into the
@@ -894,6 +1081,7 @@ int main(int argc, char **argv) {
     test_buckets();
     test_unscale();
     test_syncbn();
+    test_syncbn_device_path();
     printf("ok\n");
     return 0;
 }

@@ -1,0 +1,82 @@
+#!/usr/bin/env bash
+# tools/gpu-check.sh without a GPU. (1) bash -n and shellcheck (when installed) on the script; no OUTDIR
+# is a usage error (exit 2). (2) A failing toolkit (a fake nvcc that exits 1): every build step is a
+# FAIL row, the device steps still get their "no device" rows, the report has a Failures section with the
+# logs, exit 1. (3) The budget: a fake nvcc that hangs is cut off by the step timeout (GPU_CHECK_BUDGET=12)
+# and the steps after it are "not run" instead of waited for (the whole run ends within 60 s). (4) With
+# the real nvcc (SKIP-PART without it): --dry-run builds ddp_cuda.o, tools/gpu_check.cu, ddprun and
+# train_gpu for sm_80 (every warning an error) and writes the report with "no device" rows, exit 0.
+set -u
+cd "$(dirname "$0")/.." || exit 1
+BUILD=${BUILD:-build}
+tmp=$(mktemp -d)
+trap 'rm -rf "$tmp"' EXIT
+fail() { echo "FAIL: $*"; [ -f "$tmp/report.md" ] && cat "$tmp/report.md"; exit 1; }
+
+echo "== (1) syntax, shellcheck, usage"
+bash -n tools/gpu-check.sh || fail "bash -n"
+if command -v shellcheck >/dev/null 2>&1; then shellcheck tools/gpu-check.sh || fail "shellcheck"; else
+  echo "SKIP-PART shellcheck: not installed"; fi
+tools/gpu-check.sh >/dev/null 2>&1
+[ $? = 2 ] || fail "no OUTDIR should be exit 2"
+
+device_rows=(
+  "test: SyncBN on device vs the CPU code" "test: reducer on device" "test: tests/test_nccl.sh"
+  "test: train_gpu under ddprun" "bench: SyncBN forward+backward vs copy bandwidth" "bench: torch BatchNorm"
+  "bench: reducer step overhead" "bench: all_reduce busbw" "test: SyncBN + reducer, 2 ranks (nccl, 2 GPUs)")
+check_no_device_rows() { # $1: report
+  local r
+  for r in "${device_rows[@]}"; do
+    grep -F "| $r" "$1" | grep -q "| no device |" || fail "no 'no device' row for '$r'"
+  done
+  grep -q "| test: 2-4 ranks on one GPU (cpu backend, device buffers) | not built |" "$1" ||
+    ls tests/*devbuf* >/dev/null 2>&1 || fail "no 'not built' row for the cpu backend's device buffers"
+}
+
+echo "== (2) a toolkit that fails: every step recorded, none aborts the rest"
+printf '#!/bin/sh\necho "fake nvcc: refusing $*" >&2\nexit 1\n' >"$tmp/nvcc" && chmod +x "$tmp/nvcc"
+NVCC="$tmp/nvcc" BUILD="$tmp/build" tools/gpu-check.sh --dry-run "$tmp/out2" >"$tmp/log2" 2>&1
+rc=$?
+cp "$tmp/out2/report.md" "$tmp/report.md" 2>/dev/null
+[ $rc = 1 ] || fail "exit $rc with a failing nvcc, want 1"
+for r in "build: ddp_cuda.o for sm_80" "build: tools/gpu_check.cu" "build: ddprun and examples/gpu/train_gpu.cu"; do
+  grep -F "| $r" "$tmp/report.md" | grep -q '\*\*FAIL\*\* (exit' || fail "'$r' is not a FAIL row"
+done
+check_no_device_rows "$tmp/report.md"
+grep -q '^## Failures' "$tmp/report.md" || fail "the report has no Failures section"
+grep -q 'fake nvcc: refusing' "$tmp/report.md" || fail "the report does not quote the failing logs"
+echo "failing builds: 3 FAIL rows, 9 'no device' rows, the logs quoted, exit 1"
+
+echo "== (3) a step that hangs: its timeout, then the budget"
+printf '#!/bin/sh\nsleep 300\n' >"$tmp/nvcc" && chmod +x "$tmp/nvcc"
+t0=$(date +%s)
+GPU_CHECK_BUDGET=12 NVCC="$tmp/nvcc" BUILD="$tmp/build" tools/gpu-check.sh --dry-run "$tmp/out3" >"$tmp/log3" 2>&1
+rc=$?
+t=$(($(date +%s) - t0))
+cp "$tmp/out3/report.md" "$tmp/report.md" 2>/dev/null
+[ $rc = 1 ] || fail "exit $rc with a hanging nvcc, want 1"
+[ $t -lt 60 ] || fail "took $t s with a 12 s budget"
+grep -F "| build: toolkit" "$tmp/report.md" | grep -q 'timed out after' || fail "the hanging step is not 'timed out'"
+grep -F "| build: ddp_cuda.o" "$tmp/report.md" | grep -q '| not run |' || fail "the steps after the budget are not 'not run'"
+check_no_device_rows "$tmp/report.md"
+echo "hanging nvcc: timed out, later steps 'not run', whole run $t s (budget 12 s)"
+
+echo "== (4) --dry-run with the real toolkit"
+NVCC=${NVCC:-$(command -v nvcc || echo /usr/local/cuda/bin/nvcc)}
+if [ ! -x "$NVCC" ]; then
+  echo "SKIP-PART real build: nvcc not found"
+  echo "ok (the real build did not run)"
+  exit 0
+fi
+NVCC="$NVCC" BUILD="$BUILD/gpu-check" GPU_CHECK_NO_DEVICE=1 tools/gpu-check.sh "$tmp/out4" >"$tmp/log4" 2>&1
+rc=$?
+cp "$tmp/out4/report.md" "$tmp/report.md" 2>/dev/null
+[ $rc = 0 ] || { cat "$tmp/log4"; fail "exit $rc in a dry run with nvcc"; }
+for r in "build: ddp_cuda.o for sm_80 (-Werror)" "build: tools/gpu_check.cu (-Werror)" "build: ddprun and examples/gpu/train_gpu.cu"; do
+  grep -F "| $r | ok |" "$tmp/report.md" >/dev/null || fail "'$r' is not ok"
+done
+for f in ddp_cuda.o gpu_check ddprun train_gpu; do [ -x "$BUILD/gpu-check/$f" ] || [ -f "$BUILD/gpu-check/$f" ] || fail "no $f built"; done
+check_no_device_rows "$tmp/report.md"
+grep -q '^- device: \*\*no device\*\*' "$tmp/report.md" || fail "the report's header does not say 'no device'"
+echo "dry run: 3 builds ok for sm_80, every device step 'no device', exit 0"
+echo "ok"

@@ -1,0 +1,195 @@
+/* test_syncbn_device.cpp: ddp_syncbn_forward/backward's device path (src/syncbn.c, x in device memory)
+   without a GPU. Built by tests/test_cuda_kernels.sh: the library's implementation compiled with
+   DDP_CUDA as C++17, linked with ddp_cuda.cu's kernels run on the CPU by the harness
+   (tests/cuda_harness). The glue that needs a real CUDA runtime is played here: "device memory" is
+   memory this test hands out through ddp__cuda_device_alloc / dev_alloc and ddp__cuda_is_device_pointer
+   recognises; the nccl glue is never reached (cpu groups).
+   On 1 rank (plain BatchNorm, no group) and 3 forked ranks (a cpu group: the device path's exchange is
+   then the group's synchronous all_gather / all_reduce of the "device" records and sums, host memory
+   here), a layer on device memory and a layer on host memory get the same batches: y, dx, the local
+   parameter gradients and the running stats agree after 2 training steps and an eval step, every
+   rank with its own batch size (one empty); and the device path's errors: a host weight or a host dy,
+   a host x after a device forward, one value per channel on one rank. */
+#define DDP_CUDA
+#include "testlib.h"
+
+#include <vector>
+
+/* ---- the glue of a CUDA runtime, played on the CPU ---- */
+
+static std::vector<std::pair<char *, size_t>> g_device; /* the blocks of "device memory" */
+
+static void *dev_alloc(size_t bytes) {
+    char *p = (char *)calloc(1, bytes ? bytes : 1);
+    g_device.push_back(std::make_pair(p, bytes ? bytes : 1));
+    return p;
+}
+
+static float *dev_copy(const std::vector<float> &v) {
+    float *d = (float *)dev_alloc(v.size() * sizeof(float));
+    if (!v.empty()) memcpy(d, v.data(), v.size() * sizeof(float));
+    return d;
+}
+
+extern "C" {
+DDP_API int ddp__cuda_is_device_pointer(const void *p) {
+    for (const auto &b : g_device)
+        if ((const char *)p >= b.first && (const char *)p < b.first + b.second) return 1;
+    return 0;
+}
+DDP_API ddp_result ddp__cuda_device_alloc(size_t bytes, void **out, char *, size_t) {
+    *out = bytes ? dev_alloc(bytes) : NULL;
+    return DDP_SUCCESS;
+}
+DDP_API void ddp__cuda_device_free(void *p) {
+    for (size_t i = 0; i < g_device.size(); i++)
+        if (g_device[i].first == p) {
+            free(p);
+            g_device.erase(g_device.begin() + (long)i);
+            return;
+        }
+}
+/* The nccl backend's glue: never called on cpu groups. */
+static ddp_result no_nccl(char *err, size_t n) {
+    if (err && n) snprintf(err, n, "no NCCL in this test");
+    return DDP_ERR_UNSUPPORTED;
+}
+DDP_API ddp_result ddp__cuda_nccl_device(int, int *, char *err, size_t n) { return no_nccl(err, n); }
+DDP_API ddp_result ddp__cuda_nccl_unique_id(unsigned char *, char *err, size_t n) { return no_nccl(err, n); }
+DDP_API ddp_result ddp__cuda_nccl_create(const unsigned char *, int, int, int, ddp__cuda_nccl **, char *err, size_t n) {
+    return no_nccl(err, n);
+}
+DDP_API void ddp__cuda_nccl_destroy(ddp__cuda_nccl *, int) {}
+DDP_API void ddp__cuda_nccl_set_stream(ddp__cuda_nccl *, void *) {}
+DDP_API void *ddp__cuda_nccl_stream(const ddp__cuda_nccl *) { return NULL; }
+DDP_API ddp_result ddp__cuda_nccl_enqueue(ddp__cuda_nccl *, ddp__cuda_coll, const void *, void *, size_t, ddp_dtype, ddp_op,
+                                         int, void **, char *err, size_t n) {
+    return no_nccl(err, n);
+}
+DDP_API ddp_result ddp__cuda_nccl_enqueue_v(ddp__cuda_nccl *, ddp__cuda_coll, const void *, const size_t *, void *,
+                                           const size_t *, ddp_dtype, void **, char *err, size_t n) {
+    return no_nccl(err, n);
+}
+DDP_API ddp_result ddp__cuda_nccl_copy(ddp__cuda_nccl *, void *, const void *, size_t, void **, char *err, size_t n) {
+    return no_nccl(err, n);
+}
+DDP_API ddp_result ddp__cuda_nccl_alloc(ddp__cuda_nccl *, size_t, void **, char *err, size_t n) { return no_nccl(err, n); }
+DDP_API ddp_result ddp__cuda_nccl_zero(ddp__cuda_nccl *, void *, size_t, char *err, size_t n) { return no_nccl(err, n); }
+DDP_API void ddp__cuda_nccl_free(ddp__cuda_nccl *, void *) {}
+DDP_API ddp_result ddp__cuda_nccl_wait(ddp__cuda_nccl *, void *, double, const char *, ddp_result (*)(void *), void *,
+                                      char *err, size_t n) {
+    return no_nccl(err, n);
+}
+DDP_API int ddp__cuda_nccl_test(ddp__cuda_nccl *, void *) { return 1; }
+} /* extern "C" */
+
+/* ---- the device path against the host path ---- */
+
+static double max_rel(const float *a, const std::vector<float> &b) {
+    double num = 0, den = 1;
+    for (size_t i = 0; i < b.size(); i++) {
+        const double d = fabs((double)a[i] - (double)b[i]);
+        if (!(d <= num)) num = d;
+        if (fabs((double)b[i]) > den) den = fabs((double)b[i]);
+    }
+    return num / den;
+}
+
+static void compare_case(ddp_group *g, int rank, int C, int64_t S, int channels_last, int affine, double momentum) {
+    const int64_t batch = rank == 1 ? 0 : 2 + rank, total = batch * S * C; /* rank 1: an empty batch */
+    uint64_t seed = 99 + (uint64_t)rank * 7919 + (uint64_t)C;
+    std::vector<float> x((size_t)total), dy((size_t)total), w((size_t)C), b((size_t)C), rm((size_t)C, 0.0f),
+        rv((size_t)C, 1.0f), y((size_t)total), dx((size_t)total), gw((size_t)C, 0.0f), gb((size_t)C, 0.0f);
+    for (auto &v : x) v = 1.5f + 2.0f * (float)(tl_rand(&seed) >> 40) / 16777216.0f;
+    for (auto &v : dy) v = (float)(tl_rand(&seed) >> 40) / 16777216.0f - 0.5f;
+    for (int c = 0; c < C; c++) w[(size_t)c] = 0.5f + (float)c / (float)C, b[(size_t)c] = 0.1f * (float)c;
+    float *dx_in = dev_copy(x), *ddy = dev_copy(dy), *dy_out = dev_copy(y), *ddx = dev_copy(dx);
+    float *dw = affine ? dev_copy(w) : NULL, *db = affine ? dev_copy(b) : NULL, *drm = dev_copy(rm), *drv = dev_copy(rv);
+    float *dgw = dev_copy(gw), *dgb = dev_copy(gb);
+    ddp_syncbn_desc hd, dd;
+    ddp_syncbn *host, *dev;
+    memset(&hd, 0, sizeof hd);
+    hd.num_features = C, hd.momentum = momentum, hd.channels_last = channels_last;
+    dd = hd;
+    hd.weight = affine ? w.data() : NULL, hd.bias = affine ? b.data() : NULL, hd.running_mean = rm.data(),
+    hd.running_var = rv.data();
+    dd.weight = dw, dd.bias = db, dd.running_mean = drm, dd.running_var = drv;
+    CHECK_OK(ddp_syncbn_create(g, &hd, &host), g);
+    CHECK_OK(ddp_syncbn_create(g, &dd, &dev), g);
+    const size_t blocks_before = g_device.size();
+    for (int step = 0; step < 3; step++) {
+        const int training = step < 2;
+        CHECK_OK(ddp_syncbn_forward(host, x.data(), y.data(), batch, S, training), g);
+        CHECK_OK(ddp_syncbn_backward(host, x.data(), dy.data(), dx.data(), gw.data(), gb.data(), batch, S), g);
+        CHECK_OK(ddp_syncbn_forward(dev, total ? dx_in : NULL, total ? dy_out : NULL, batch, S, training), g);
+        CHECK_OK(ddp_syncbn_backward(dev, total ? dx_in : NULL, total ? ddy : NULL, total ? ddx : NULL, dgw, dgb, batch, S), g);
+        CHECK(g_device.size() == blocks_before + 6, "the device layer has %zu blocks of device scratch, want 6 (did it take "
+              "the device path?)", g_device.size() - blocks_before);
+        const double e[6] = {max_rel(dy_out, y), max_rel(ddx, dx), max_rel(dgw, gw),
+                             max_rel(dgb, gb), max_rel(drm, rm), max_rel(drv, rv)};
+        static const char *names[6] = {"y", "dx", "grad_weight", "grad_bias", "running_mean", "running_var"};
+        for (int k = 0; k < 6; k++)
+            CHECK(e[k] <= 2e-5, "rank %d, C=%d S=%lld %s affine=%d, step %d: %s of the device path differs from the "
+                  "host path by %.3g", rank, C, (long long)S, channels_last ? "channels_last" : "planar", affine, step,
+                  names[k], e[k]);
+    }
+    CHECK(ddp_syncbn_num_batches_tracked(dev) == 2, "num_batches_tracked %lld", (long long)ddp_syncbn_num_batches_tracked(dev));
+    ddp_syncbn_destroy(dev);
+    ddp_syncbn_destroy(host);
+    float *blocks[10] = {dx_in, ddy, dy_out, ddx, dw, db, drm, drv, dgw, dgb};
+    for (float *p : blocks) ddp__cuda_device_free(p);
+}
+
+/* The device path's argument errors, on a layer without a group (no communication). */
+static void device_errors(void) {
+    const int C = 3;
+    std::vector<float> hw((size_t)C, 1.0f), v(12, 1.0f);
+    float *x = dev_copy(v), *y = dev_copy(v), *dw = dev_copy(hw);
+    ddp_syncbn_desc d;
+    ddp_syncbn *bn;
+    memset(&d, 0, sizeof d);
+    d.num_features = C, d.channels_last = 1, d.weight = hw.data(); /* a host weight with device data */
+    CHECK_OK(ddp_syncbn_create(NULL, &d, &bn), NULL);
+    CHECK(ddp_syncbn_forward(bn, x, y, 4, 1, 1) == DDP_ERR_INVALID_ARGUMENT && strstr(ddp_last_error(NULL), "weight is host memory"),
+          "host weight: %s", ddp_last_error(NULL));
+    ddp_syncbn_destroy(bn);
+    d.weight = dw;
+    CHECK_OK(ddp_syncbn_create(NULL, &d, &bn), NULL);
+    CHECK(ddp_syncbn_forward(bn, x, y, 1, 1, 1) == DDP_ERR_INVALID_ARGUMENT &&
+              strstr(ddp_last_error(NULL), "expected more than 1 value per channel"),
+          "one value: %s", ddp_last_error(NULL));
+    CHECK_OK(ddp_syncbn_forward(bn, x, y, 4, 1, 1), NULL);
+    CHECK(ddp_syncbn_backward(bn, x, v.data(), y, NULL, NULL, 4, 1) == DDP_ERR_INVALID_ARGUMENT &&
+              strstr(ddp_last_error(NULL), "dy is host memory"),
+          "host dy: %s", ddp_last_error(NULL));
+    CHECK(ddp_syncbn_backward(bn, v.data(), v.data(), v.data(), NULL, NULL, 4, 1) == DDP_ERR_INVALID_ARGUMENT &&
+              strstr(ddp_last_error(NULL), "x is host memory"),
+          "host x after a device forward: %s", ddp_last_error(NULL));
+    ddp_syncbn_destroy(bn);
+    ddp__cuda_device_free(x), ddp__cuda_device_free(y), ddp__cuda_device_free(dw);
+    printf("device path errors: a host weight, a host dy, a host x after a device forward, 1 value per channel\n");
+}
+
+static int ranked(int rank, int n, void *arg) {
+    ddp_init_desc d;
+    ddp_group *g;
+    (void)arg;
+    memset(&d, 0, sizeof d);
+    CHECK_OK(ddp_init(&d, &g), NULL);
+    compare_case(g, rank, 5, 7, 0, 1, 0.1);
+    compare_case(g, rank, 33, 1, 1, 1, -1.0); /* momentum None */
+    compare_case(g, rank, 4, 9, 1, 0, 0.3);
+    CHECK_OK(ddp_destroy(g), NULL);
+    if (rank == 0) printf("device path = host path on %d ranks (a cpu group: the exchange is its all_gather / all_reduce)\n", n);
+    return 0;
+}
+
+int main(void) {
+    device_errors();
+    compare_case(NULL, 0, 5, 7, 0, 1, 0.1); /* one process, no group: plain BatchNorm */
+    compare_case(NULL, 2, 8, 1, 1, 0, -1.0);
+    printf("device path = host path without a group\n");
+    if (tl_run_ranks(3, ranked, NULL, 60)) return 1;
+    printf("ok\n");
+    return 0;
+}

@@ -1,0 +1,277 @@
+#!/usr/bin/env bash
+# tools/gpu-check.sh: check a GPU machine in one command, and write what happened to a markdown report.
+#
+#   tools/gpu-check.sh [--dry-run] OUTDIR        (run from anywhere; OUTDIR/report.md, OUTDIR/logs/*.log)
+#
+# 1. builds everything for the device's architecture (nvidia-smi --query-gpu=compute_cap, else nvcc's
+#    -arch=native; sm_80 in a dry run): ddp_cuda.o with every warning an error, tools/gpu_check.cu,
+#    ddprun and examples/gpu/train_gpu.cu;
+# 2. runs every GPU test: the SyncBN kernels through ddp_syncbn_* on device memory against the CPU code
+#    and the reducer on device gradients (tools/gpu_check.cu, nccl backend, 1 rank), NCCL on one rank
+#    (tests/test_nccl.sh), 2 and 4 ranks on one GPU through the cpu backend with device buffers (when
+#    this checkout has them: a tests/*devbuf* test; else the rows say "not built"), train_gpu under ddprun
+#    (and its resume from the checkpoint);
+# 3. benchmarks: SyncBN forward+backward GB/s against the device's copy bandwidth and against torch's
+#    BatchNorm on the same device and shape, the reducer's step overhead, all_reduce busbw.
+# Every step has its own timeout and the whole run a 20-minute budget (GPU_CHECK_BUDGET seconds); a
+# failing or timed-out step is recorded in the report and the next one runs. Needs the CUDA toolkit
+# (nvcc, NCCL), python3 with torch for the torch comparison (else that row is "not run"), and the repository.
+#
+# --dry-run, or GPU_CHECK_NO_DEVICE=1: build what builds without a GPU (sm_80) and write the report with
+# "no device" for every step that needs one (tests/test_gpu_check.sh runs this). A machine where
+# nvidia-smi sees no GPU is treated the same way, and the report says so.
+# Environment: BUILD (default build/gpu-check), NVCC, GPU_CHECK_BUDGET (default 1200), PYTHON (python3).
+# Exit status: 0 when no step failed, 1 when one did, 2 for bad usage.
+set -u
+dry=${GPU_CHECK_NO_DEVICE:-0}
+out=""
+for a in "$@"; do
+  case $a in
+    --dry-run) dry=1 ;;
+    -h|--help) sed -n '2,24p' "$0"; exit 0 ;;
+    -*) echo "gpu-check.sh: unknown flag $a (see --help)" >&2; exit 2 ;;
+    *) out=$a ;;
+  esac
+done
+[ -n "$out" ] || { echo "usage: tools/gpu-check.sh [--dry-run] OUTDIR" >&2; exit 2; }
+mkdir -p "$out/logs" || { echo "gpu-check.sh: cannot create $out/logs" >&2; exit 2; }
+out=$(cd "$out" && pwd)
+cd "$(dirname "$0")/.." || exit 2
+repo=$(pwd)
+B=${BUILD:-build/gpu-check}
+mkdir -p "$B"
+B=$(cd "$B" && pwd)
+NVCC=${NVCC:-$(command -v nvcc || echo /usr/local/cuda/bin/nvcc)}
+PYTHON=${PYTHON:-python3}
+budget=${GPU_CHECK_BUDGET:-1200}
+t_start=$(date +%s)
+rows="$out/logs/.rows"
+benches="$out/logs/.benches"
+: >"$rows"
+: >"$benches"
+failed=0
+
+# ---- the step runner: every step is a row | step | result | seconds | detail | ----
+row() { printf '| %s | %s | %s | %s |\n' "$1" "$2" "$3" "$4" >>"$rows"; }
+left() { echo $((budget - ($(date +%s) - t_start))); }
+
+# step ID "TITLE" TIMEOUT COMMAND...: run with its own timeout (cut to what is left of the budget),
+# output in logs/ID.log; the row's detail is the log's last non-empty line (or its SKIP-PART lines).
+step() {
+  local id=$1 title=$2 limit=$3 rc t0 t1 detail status remaining
+  shift 3
+  remaining=$(left)
+  if [ "$remaining" -le 5 ]; then
+    row "$title" "not run" 0 "the ${budget}-second budget was spent"
+    return 1
+  fi
+  [ "$limit" -gt "$remaining" ] && limit=$remaining
+  t0=$(date +%s)
+  timeout --kill-after=10 "$limit" "$@" >"$out/logs/$id.log" 2>&1
+  rc=$?
+  t1=$(date +%s)
+  detail=$(grep -v '^[[:space:]]*$' "$out/logs/$id.log" | tail -n 1 | cut -c1-200 | tr '|' '/')
+  case $rc in
+    0) status=ok
+       if grep -q '^SKIP-PART' "$out/logs/$id.log"; then
+         status="ok (parts skipped)"
+         detail=$(grep '^SKIP-PART' "$out/logs/$id.log" | cut -c1-160 | tr '|' '/' | paste -sd ';' -)
+       fi ;;
+    77) status="skipped" ;;
+    124|137) status="**FAIL** (timed out after ${limit} s)"; failed=1 ;;
+    *) status="**FAIL** (exit $rc)"; failed=1 ;;
+  esac
+  row "$title" "$status" $((t1 - t0)) "${detail:-} (log: logs/$id.log)"
+  return $rc
+}
+
+# A step that needs a device, in a run without one.
+no_device() { row "$1" "no device" 0 "${2:-needs a GPU}"; }
+
+# ---- the machine ----
+gpu_name="" cc="" sm=""
+if [ "$dry" != 1 ]; then
+  if ! command -v nvidia-smi >/dev/null 2>&1 || ! nvidia-smi -L >"$out/logs/nvidia-smi.log" 2>&1 ||
+     ! grep -q '^GPU ' "$out/logs/nvidia-smi.log"; then
+    dry=1
+    no_gpu_reason="nvidia-smi sees no GPU (logs/nvidia-smi.log)"
+  else
+    gpu_name=$(nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader | head -n 1)
+    cc=$(nvidia-smi --query-gpu=compute_cap --format=csv,noheader 2>/dev/null | head -n 1 | tr -d ' .')
+    sm=$cc
+  fi
+fi
+[ "$dry" = 1 ] && sm=80
+if [ -z "$sm" ]; then # an older nvidia-smi without compute_cap: ask nvcc
+  sm=$("$(dirname "$NVCC")/__nvcc_device_query" 2>/dev/null | tr -d ' \n' | cut -d, -f1)
+  [ -n "$sm" ] || sm=80
+fi
+gencode=(-gencode "arch=compute_$sm,code=[sm_$sm,compute_$sm]")
+# shellcheck disable=SC2054 # the commas are nvcc's: -Xcompiler takes one comma-separated list
+strict=(-std=c++17 -O2 -Werror all-warnings -Xcompiler -Wall,-Wextra,-Werror -Xptxas -Werror -I.)
+
+# ---- 1. builds ----
+if ! command -v "$NVCC" >/dev/null 2>&1; then
+  row "build: nvcc" "**FAIL**" 0 "nvcc not found (set NVCC or install the CUDA toolkit)"
+  failed=1
+else
+  step nvcc-version "build: toolkit" 30 "$NVCC" --version
+  step build-ddp_cuda "build: ddp_cuda.o for sm_$sm (-Werror)" 600 "$NVCC" "${strict[@]}" "${gencode[@]}" -c ddp_cuda.cu -o "$B/ddp_cuda.o"
+  step build-gpu_check "build: tools/gpu_check.cu (-Werror)" 600 "$NVCC" "${strict[@]}" "${gencode[@]}" -Xcompiler -pthread \
+    -o "$B/gpu_check" tools/gpu_check.cu "$B/ddp_cuda.o" -lnccl -lm
+  step build-train_gpu "build: ddprun and examples/gpu/train_gpu.cu" 600 \
+    make -s GPU=1 NVCC="$NVCC" NVARCH="${gencode[*]}" BUILD="$B" "$B/ddprun" "$B/train_gpu"
+fi
+
+# ---- 2. tests ----
+nccl=(env DDP_BACKEND=nccl "$B/ddprun" --nproc-per-node) # the environment of this step only
+devbuf_test=$(find tests -maxdepth 2 -name '*devbuf*' \( -name 'test_*.sh' -o -name 'test_*.c' \) 2>/dev/null | sort | head -n 1)
+if [ "$dry" = 1 ]; then
+  reason=${no_gpu_reason:-"dry run (--dry-run or GPU_CHECK_NO_DEVICE=1)"}
+  for t in "test: SyncBN on device vs the CPU code (nccl, 1 rank)" "test: reducer on device (nccl, 1 rank)" \
+           "test: tests/test_nccl.sh (NCCL, 1 rank)" "test: train_gpu under ddprun (and resume)"; do
+    no_device "$t" "$reason"
+  done
+  no_device "test: SyncBN + reducer, 2 ranks (nccl, 2 GPUs)" "$reason"
+  if [ -n "$devbuf_test" ]; then
+    for n in 2 4; do no_device "test: SyncBN + reducer, $n ranks on one GPU (cpu backend, device buffers)" "$reason"; done
+    no_device "test: $devbuf_test" "$reason"
+  else
+    row "test: 2-4 ranks on one GPU (cpu backend, device buffers)" "not built" 0 "no tests/*devbuf* test in this checkout (#22 item 2)"
+  fi
+  for t in "bench: SyncBN forward+backward vs copy bandwidth" "bench: torch BatchNorm, same shape" \
+           "bench: reducer step overhead" "bench: all_reduce busbw (nccl, 1 rank)"; do
+    no_device "$t" "$reason"
+  done
+else
+  step syncbn "test: SyncBN on device vs the CPU code (nccl, 1 rank)" 180 "${nccl[@]}" 1 "$B/gpu_check" syncbn
+  step reducer "test: reducer on device (nccl, 1 rank)" 180 "${nccl[@]}" 1 "$B/gpu_check" reducer
+  step test_nccl "test: tests/test_nccl.sh (NCCL, 1 rank)" 420 env BUILD="$B/tests" NVCC="$NVCC" bash tests/test_nccl.sh
+  # twice in a fresh folder: the second run resumes from the first one's checkpoint
+  # shellcheck disable=SC2016 # expanded by the inner shell
+  step train_gpu "test: train_gpu under ddprun (and resume)" 240 bash -c 'set -o pipefail; cd "$(mktemp -d)" &&
+    DDP_BACKEND=nccl "$0" --nproc-per-node 1 "$1" && DDP_BACKEND=nccl "$0" --nproc-per-node 1 "$1" | tee resume.log &&
+    grep -q resuming resume.log' "$B/ddprun" "$B/train_gpu"
+  gpus=$(nvidia-smi -L 2>/dev/null | grep -c '^GPU ')
+  if [ "$gpus" -ge 2 ]; then # SyncBN's exchange through NCCL needs a GPU per rank
+    # shellcheck disable=SC2016 # expanded by the inner shell
+    step nccl2 "test: SyncBN + reducer, 2 ranks (nccl, 2 GPUs)" 240 \
+      bash -c 'DDP_BACKEND=nccl "$0" --nproc-per-node 2 "$1" syncbn && DDP_BACKEND=nccl "$0" --nproc-per-node 2 "$1" reducer' \
+      "$B/ddprun" "$B/gpu_check"
+  else
+    row "test: SyncBN + reducer, 2 ranks (nccl, 2 GPUs)" "not run" 0 "one GPU: NCCL needs a GPU per rank (the cpu backend rows below share one)"
+  fi
+  if [ -n "$devbuf_test" ]; then
+    for n in 2 4; do
+      # shellcheck disable=SC2016 # expanded by the inner shell
+      step "devbuf$n" "test: SyncBN + reducer, $n ranks on one GPU (cpu backend, device buffers)" 240 \
+        bash -c 'DDP_BACKEND=cpu "$0" --nproc-per-node "$1" "$2" syncbn && DDP_BACKEND=cpu "$0" --nproc-per-node "$1" "$2" reducer' \
+        "$B/ddprun" "$n" "$B/gpu_check"
+    done
+    case $devbuf_test in
+      *.sh) step devbuf "test: $devbuf_test" 420 env BUILD="$B/tests" bash "$devbuf_test" ;;
+      *) step devbuf "test: $devbuf_test" 420 bash -c "make -s BUILD=$B/tests GPU=1 NVARCH='${gencode[*]}' $B/tests/$(basename "$devbuf_test" .c) && $B/tests/$(basename "$devbuf_test" .c)" ;;
+    esac
+  else
+    row "test: 2-4 ranks on one GPU (cpu backend, device buffers)" "not built" 0 "no tests/*devbuf* test in this checkout (#22 item 2)"
+  fi
+
+  # ---- 3. benchmarks ----
+  shape=(32 128 3136) # N C S: a ResNet-50 stage-1 activation (N=32, C=128, 56 x 56), f32
+  step bench-syncbn "bench: SyncBN forward+backward vs copy bandwidth" 180 "${nccl[@]}" 1 "$B/gpu_check" bench-syncbn "${shape[@]}" &&
+    grep -E '^(syncbn|copy)_' "$out/logs/bench-syncbn.log" >>"$benches"
+  step bench-torch "bench: torch BatchNorm, same shape" 180 "$PYTHON" - "${shape[@]}" <<'EOF' && grep -E '^torch_' "$out/logs/bench-torch.log" >>"$benches"
+import sys, time
+import torch
+N, C, S = (int(v) for v in sys.argv[1:4])
+assert torch.cuda.is_available(), "torch sees no CUDA device"
+x = torch.randn(N, C, S, device="cuda", requires_grad=True)
+dy = torch.randn(N, C, S, device="cuda")
+bn = torch.nn.BatchNorm1d(C).cuda()
+def step():
+    x.grad = None
+    bn(x).backward(dy)
+for _ in range(3): step()
+torch.cuda.synchronize()
+t0 = time.perf_counter()
+for _ in range(20): step()
+torch.cuda.synchronize()
+t = (time.perf_counter() - t0) / 20
+print(f"torch_version={torch.__version__}")
+print(f"torch_bn_ms={t * 1e3:.4f}")
+print(f"torch_bn_GBps={8 * 4 * N * C * S / t / 1e9:.1f}")
+EOF
+  step bench-reducer "bench: reducer step overhead" 180 "${nccl[@]}" 1 "$B/gpu_check" bench-reducer &&
+    grep -E '^(reducer|flat)_' "$out/logs/bench-reducer.log" >>"$benches"
+  step bench-allreduce "bench: all_reduce busbw (nccl, 1 rank)" 180 "${nccl[@]}" 1 "$B/gpu_check" bench-allreduce
+  if [ -n "$devbuf_test" ]; then
+    step bench-allreduce-cpu2 "bench: all_reduce busbw (cpu backend, device buffers, 2 ranks)" 180 \
+      env DDP_BACKEND=cpu "$B/ddprun" --nproc-per-node 2 "$B/gpu_check" bench-allreduce
+  fi
+fi
+
+# ---- the report ----
+val() { sed -n "s/^$1=//p" "$benches" | tail -n 1; }
+{
+  echo "# GPU check"
+  echo
+  echo "- date: $(date -u '+%Y-%m-%d %H:%M UTC'); host: $(hostname); commit: $(git -C "$repo" rev-parse --short HEAD 2>/dev/null || echo unknown)"
+  if [ "$dry" = 1 ]; then
+    echo "- device: **no device** (${no_gpu_reason:-dry run}); built for sm_$sm only to check that it builds"
+  else
+    echo "- device: $gpu_name; compute capability ${cc:-unknown}; built for sm_$sm"
+  fi
+  echo "- nvcc: $NVCC, $(tail -n 1 "$out/logs/nvcc-version.log" 2>/dev/null)"
+  echo "- total time: $(($(date +%s) - t_start)) s (budget $budget s)"
+  echo
+  echo "| step | result | seconds | detail |"
+  echo "|---|---|---|---|"
+  cat "$rows"
+  echo
+  echo "## Benchmarks"
+  echo
+  if [ -s "$benches" ]; then
+    sb=$(val syncbn_GBps) cp=$(val copy_GBps) tb=$(val torch_bn_GBps)
+    echo "SyncBN (training forward + backward, f32, shape $(val syncbn_shape); bytes counted as 8 passes over the activation):"
+    echo
+    echo "| measure | value |"
+    echo "|---|---|"
+    echo "| ddp_syncbn_forward + backward (device path) | $(val syncbn_ms) ms, ${sb:-?} GB/s |"
+    echo "| device copy bandwidth (cudaMemcpy D2D, read + write) | ${cp:-?} GB/s |"
+    echo "| SyncBN / copy bandwidth | $(val syncbn_vs_copy) |"
+    echo "| torch $(val torch_version) BatchNorm1d forward + backward | $(val torch_bn_ms) ms, ${tb:-?} GB/s |"
+    if [ -n "$sb" ] && [ -n "$tb" ]; then
+      echo "| ddp / torch | $(awk -v a="$sb" -v b="$tb" 'BEGIN { printf "%.2f", a / b }') |"
+    fi
+    echo "| reducer step ($(val reducer_params) params, $(val reducer_MiB) MiB) | $(val reducer_step_ms) ms |"
+    echo "| one all_reduce of the same bytes | $(val flat_allreduce_ms) ms |"
+    echo "| reducer overhead per step | $(val reducer_overhead_ms) ms |"
+  else
+    echo "(none ran)"
+  fi
+  for f in "$out/logs/bench-allreduce.log" "$out/logs/bench-allreduce-cpu2.log"; do
+    if [ -f "$f" ] && grep -q '^| bytes' "$f"; then
+      echo
+      echo "all_reduce ($(grep '^allreduce ' "$f" | head -n 1 | cut -d' ' -f2-)):"
+      echo
+      grep '^|' "$f"
+    fi
+  done
+  if grep -q 'FAIL' "$rows"; then
+    echo
+    echo "## Failures (last 30 lines of each log)"
+    for f in "$out"/logs/*.log; do
+      id=$(basename "$f" .log)
+      grep -q "FAIL.*logs/$id.log" "$rows" || continue
+      echo
+      echo "### $id"
+      echo
+      echo '```'
+      tail -n 30 "$f"
+      echo '```'
+    done
+  fi
+} >"$out/report.md"
+rm -f "$rows" "$benches"
+echo "gpu-check: report in $out/report.md$([ "$failed" = 1 ] && echo ' (some steps FAILED)')"
+exit "$failed"
