@@ -939,9 +939,33 @@ DDP_API int ddp_reducer_shards(ddp_reducer *r, const ddp_shard **out);
    the parameter elements it owns (after its optimizer step on its shards) and receives everyone else's, so
    every rank has the whole updated model. One all_gather per bucket, in the parameters' dtype: stage 1 all
    in flight at once through a staging buffer per bucket (the comm buffer when it has the parameters'
-   dtype); stage 2 through the pool's buffers in rotation (2 in flight). Not during a backward pass (DDP_ERR_STATE); DDP_ERR_STATE without zero_stage; any error of the
-   all_gathers. */
+   dtype); stage 2 through the pool's buffers in rotation (2 in flight). Not during a backward pass
+   (DDP_ERR_STATE); DDP_ERR_STATE without zero_stage; any error of the all_gathers. It is
+   ddp_reducer_gather_params_async followed by ddp_reducer_wait_param(r, -1). */
 DDP_API ddp_result ddp_reducer_gather_params(ddp_reducer *r);
+
+/* ddp_reducer_gather_params_async / ddp_reducer_wait_param: the same all-gather overlapped with the next
+   forward pass (torch's ZeroRedundancyOptimizer(overlap_with_ddp=True), DeepSpeed's parameter prefetch).
+   gather_params_async starts the buckets' all_gathers in the order forward reads their parameters (the
+   bucket of the first registered parameters first; stage 2: as many as the pool has buffers, the rest
+   when a wait reaches them) and returns. Before forward reads parameter i, the program calls
+   wait_param(r, i): it waits for i's bucket (and starts those before it), after which i holds the
+   updated values on every rank; the other parameters of that bucket are then current too. A parameter
+   read before its wait_param may be stale (it holds its old value, or this rank's update for its owned
+   part). wait_param(r, -1) waits for all; so do the next begin_backward, gather_params(_async) and join
+   step, and destroy, so a program that forgets a wait reads stale values but never leaves a collective
+   unfinished. Per step:
+       ddp_reducer_gather_params_async(red);            // after the optimizer step on the shards
+       for (i = 0; i < nlayers; i++) {                  // forward
+           ddp_reducer_wait_param(red, weight_index[i]); // (and the layer's other parameters)
+           layer_forward(i);
+       }
+       ddp_reducer_begin_backward(red); ...
+   wait_param without a gather in flight returns DDP_SUCCESS at once. Errors: as gather_params;
+   DDP_ERR_INVALID_ARGUMENT for an index that is not a parameter or -1; a failed all_gather stops the
+   reducer (the next call says so). Not collective by itself: every rank's waits may differ. */
+DDP_API ddp_result ddp_reducer_gather_params_async(ddp_reducer *r);
+DDP_API ddp_result ddp_reducer_wait_param(ddp_reducer *r, int index);
 
 /* ZeRO checkpoints (torch's ZeroRedundancyOptimizer.consolidate_state_dict and per-rank shards).
    Optimizer state under zero_stage = 1 lives in the program, per state (AdamW: m and v) one array of
@@ -15907,6 +15931,8 @@ struct ddp_reducer {
     int32_t *join_table;  /* world records of DDP__JOIN_FIELDS: the last round's announcements */
     int join_steps;       /* backward passes this rank announced since the last join */
     int join_joined;      /* this rank is in a join: its first round was announced, not every rank joined yet */
+    int gathering;        /* zero_stage: a gather_params_async whose buckets are not all waited for yet */
+    int gather_next;      /* the next bucket to start, counted in the order forward reads them (last first) */
     int join_gather_due;  /* zero_stage: a shadowed pass gave this joined rank's shards averaged gradients; the
                              program's optimizer step and gather_params come before the next join_step */
     void *shadow;         /* joined rank: zeros for the buckets whose comm memory is the program's gradient */
@@ -16691,13 +16717,57 @@ static ddp_result ddp__zero_gather_finish(ddp_reducer *r, ddp__bucket *k, ddp_re
     return res;
 }
 
-/* Every bucket's owned parameter values into its staging buffer at this rank's slice, then an all_gather
-   (send = this rank's slice of recv, in place), and every parameter copied back as each finishes. Stage 1:
-   all in flight together, each bucket has its staging. Stage 2: the pool's buffers in rotation, so bucket
-   b waits for bucket b - npool's all_gather to finish before it takes that buffer. */
-DDP_API ddp_result ddp_reducer_gather_params(ddp_reducer *r) {
+/* gather_params, overlapped with the next forward (torch's ZeroRedundancyOptimizer with
+   overlap_with_ddp, DeepSpeed's prefetching): each bucket's owned parameter values go into its staging
+   buffer at this rank's slice, then an all_gather (send = this rank's slice of recv, in place); when it
+   is waited for, every parameter of the bucket is copied back from it. Buckets start in the order forward
+   reads their parameters: the LAST bucket first (buckets fill in reverse registration order, so it holds
+   the first registered parameters). Stage 1: every bucket has its staging, all start at once. Stage 2:
+   the pool's buffers in rotation, so the bucket at start position q first finishes the one at q - npool,
+   which held that buffer; the first npool start at once and the rest start when a wait reaches them.
+   ddp_reducer_wait_param waits for one parameter's bucket (starting the ones before it if needed);
+   begin_backward, the next gather and join settle whatever is left, so nothing reads a stale value. */
+static ddp_result ddp__zero_gather_start_next(ddp_reducer *r) {
+    int q = r->gather_next++, b = r->L.nbuckets - 1 - q, j = 0;
+    ddp__bucket *k = &r->L.buckets[b];
+    ddp_result res = DDP_SUCCESS;
+    if (ddp__zero2(r)) {
+        if (q >= r->npool && (res = ddp__zero_gather_finish(r, &r->L.buckets[b + r->npool], res)) != DDP_SUCCESS) return res;
+        k->gather = r->pool[q % r->npool];
+    }
+    while (j < r->nshards && r->shard_bucket[j] != b) j++; /* the bucket's first shard (shards are in bucket order) */
+    ddp__zero_gather_fill(r, b, &j);
+    return ddp_all_gather_async(r->g, (char *)k->gather + (size_t)ddp_rank(r->g) * k->per * ddp_dtype_size(k->dtype), k->gather,
+                                k->per, k->dtype, &k->work);
+}
+
+/* Bucket b's parameters are current: its all_gather (and every one before it in start order) started
+   and waited for. */
+static ddp_result ddp__zero_gather_wait_bucket(ddp_reducer *r, int b) {
+    ddp_result res = DDP_SUCCESS;
+    while (!res && r->gather_next <= r->L.nbuckets - 1 - b) res = ddp__zero_gather_start_next(r);
+    return ddp__zero_gather_finish(r, &r->L.buckets[b], res);
+}
+
+/* Wait for every bucket of an async gather (the first error is kept; every started one is waited for). */
+static ddp_result ddp__zero_gather_settle(ddp_reducer *r) {
+    ddp_result res = DDP_SUCCESS;
+    int b;
+    if (!r->gathering) return DDP_SUCCESS;
+    for (b = r->L.nbuckets - 1; b >= 0; b--) {
+        ddp_result one = res ? ddp__zero_gather_finish(r, &r->L.buckets[b], res) : ddp__zero_gather_wait_bucket(r, b);
+        if (!res) res = one;
+    }
+    if (ddp__zero2(r))
+        for (b = 0; b < r->L.nbuckets; b++) r->L.buckets[b].gather = NULL;
+    r->gathering = 0;
+    if (res) r->failed = res;
+    return res;
+}
+
+DDP_API ddp_result ddp_reducer_gather_params_async(ddp_reducer *r) {
     ddp_result res = ddp__reducer_usable(r, "ddp_reducer_gather_params");
-    int b, j = 0;
+    int first;
     if (res) return res;
     if (!ddp__reducer_zero(r))
         return ddp__fail(r->g, DDP_ERR_STATE, "ddp_reducer_gather_params: the reducer was created with zero_stage = 0; "
@@ -16705,24 +16775,30 @@ DDP_API ddp_result ddp_reducer_gather_params(ddp_reducer *r) {
     if (r->in_backward)
         return ddp__fail(r->g, DDP_ERR_STATE, "ddp_reducer_gather_params: called during a backward pass; call it after "
                          "end_backward and the optimizer step on this rank's shards");
-    for (b = 0; b < r->L.nbuckets && !res; b++) {
-        ddp__bucket *k = &r->L.buckets[b];
-        size_t gs = ddp_dtype_size(k->dtype);
-        if (ddp__zero2(r)) {
-            if (b >= r->npool) res = ddp__zero_gather_finish(r, &r->L.buckets[b - r->npool], res);
-            if (res) break;
-            k->gather = r->pool[b % r->npool];
-        }
-        ddp__zero_gather_fill(r, b, &j);
-        res = ddp_all_gather_async(r->g, (char *)k->gather + (size_t)ddp_rank(r->g) * k->per * gs, k->gather, k->per,
-                                   k->dtype, &k->work);
-    }
-    for (b = 0; b < r->L.nbuckets; b++) res = ddp__zero_gather_finish(r, &r->L.buckets[b], res);
-    if (ddp__zero2(r))
-        for (b = 0; b < r->L.nbuckets; b++) r->L.buckets[b].gather = NULL;
-    if (res) return r->failed = res;
+    if ((res = ddp__zero_gather_settle(r)) != DDP_SUCCESS) return res; /* the previous one, not waited for */
+    r->gathering = 1;
+    r->gather_next = 0;
+    first = ddp__zero2(r) ? DDP__MIN(r->npool, r->L.nbuckets) : r->L.nbuckets;
+    while (!res && r->gather_next < first) res = ddp__zero_gather_start_next(r);
     r->join_gather_due = 0;
-    return DDP_SUCCESS;
+    return res ? ddp__zero_gather_settle(r) : DDP_SUCCESS;
+}
+
+DDP_API ddp_result ddp_reducer_wait_param(ddp_reducer *r, int index) {
+    ddp_result res = ddp__reducer_usable(r, "ddp_reducer_wait_param");
+    if (res) return res;
+    if (index < -1 || index >= r->nparams)
+        return ddp__fail(r->g, DDP_ERR_INVALID_ARGUMENT, "ddp_reducer_wait_param: index %d is not a parameter (0..%d) or -1 "
+                         "(all)", index, r->nparams - 1);
+    if (!r->gathering) return DDP_SUCCESS;
+    if (index < 0) return ddp__zero_gather_settle(r);
+    if ((res = ddp__zero_gather_wait_bucket(r, r->L.param_bucket[index])) != DDP_SUCCESS) ddp__zero_gather_settle(r);
+    return res;
+}
+
+DDP_API ddp_result ddp_reducer_gather_params(ddp_reducer *r) {
+    ddp_result res = ddp_reducer_gather_params_async(r);
+    return res ? res : ddp__zero_gather_settle(r);
 }
 
 DDP_API ddp_result ddp_reducer_finalize(ddp_reducer *r) {
@@ -16861,6 +16937,7 @@ DDP_API ddp_result ddp_reducer_begin_backward(ddp_reducer *r) {
     if (r->in_backward)
         return ddp__fail(r->g, DDP_ERR_STATE, "ddp_reducer_begin_backward: the previous backward pass has not ended; call "
                          "ddp_reducer_end_backward after each backward pass");
+    if ((res = ddp__zero_gather_settle(r)) != DDP_SUCCESS) return res; /* forward has read the parameters */
     ddp__timing_finish(r);
     if (r->desc.uneven_inputs && (res = ddp__join_announce(r, DDP__JOIN_STEP, "ddp_reducer_begin_backward", NULL)) != DDP_SUCCESS)
         return res;
@@ -17209,6 +17286,7 @@ static size_t ddp__reducer_param_count(const ddp_reducer *r, int i) { return r->
 DDP_API void ddp_reducer_destroy(ddp_reducer *r) {
     int i;
     if (!r) return;
+    ddp__zero_gather_settle(r);
     for (i = 0; r->L.buckets && i < r->L.nbuckets; i++)
         if (r->L.buckets[i].work) ddp_wait(r->L.buckets[i].work);
     if (r->ready_work) ddp_wait(r->ready_work);
@@ -17441,6 +17519,7 @@ static ddp_result ddp__join_check(ddp_reducer *r, const char *fn) {
     if (r->in_backward)
         return ddp__fail(r->g, DDP_ERR_STATE, "%s: called during a backward pass; end it first (ddp_reducer_end_backward), "
                          "then join when there is no data left", fn);
+    if ((res = ddp__zero_gather_settle(r)) != DDP_SUCCESS) return res;
     if (r->join_gather_due)
         return ddp__fail(r->g, DDP_ERR_STATE, "%s: the last join step gave this rank's shards the averaged gradients; run "
                          "the optimizer on ddp_reducer_shards and call ddp_reducer_gather_params (the ranks with data are "

@@ -367,9 +367,33 @@ DDP_API int ddp_reducer_shards(ddp_reducer *r, const ddp_shard **out);
    the parameter elements it owns (after its optimizer step on its shards) and receives everyone else's, so
    every rank has the whole updated model. One all_gather per bucket, in the parameters' dtype: stage 1 all
    in flight at once through a staging buffer per bucket (the comm buffer when it has the parameters'
-   dtype); stage 2 through the pool's buffers in rotation (2 in flight). Not during a backward pass (DDP_ERR_STATE); DDP_ERR_STATE without zero_stage; any error of the
-   all_gathers. */
+   dtype); stage 2 through the pool's buffers in rotation (2 in flight). Not during a backward pass
+   (DDP_ERR_STATE); DDP_ERR_STATE without zero_stage; any error of the all_gathers. It is
+   ddp_reducer_gather_params_async followed by ddp_reducer_wait_param(r, -1). */
 DDP_API ddp_result ddp_reducer_gather_params(ddp_reducer *r);
+
+/* ddp_reducer_gather_params_async / ddp_reducer_wait_param: the same all-gather overlapped with the next
+   forward pass (torch's ZeroRedundancyOptimizer(overlap_with_ddp=True), DeepSpeed's parameter prefetch).
+   gather_params_async starts the buckets' all_gathers in the order forward reads their parameters (the
+   bucket of the first registered parameters first; stage 2: as many as the pool has buffers, the rest
+   when a wait reaches them) and returns. Before forward reads parameter i, the program calls
+   wait_param(r, i): it waits for i's bucket (and starts those before it), after which i holds the
+   updated values on every rank; the other parameters of that bucket are then current too. A parameter
+   read before its wait_param may be stale (it holds its old value, or this rank's update for its owned
+   part). wait_param(r, -1) waits for all; so do the next begin_backward, gather_params(_async) and join
+   step, and destroy, so a program that forgets a wait reads stale values but never leaves a collective
+   unfinished. Per step:
+       ddp_reducer_gather_params_async(red);            // after the optimizer step on the shards
+       for (i = 0; i < nlayers; i++) {                  // forward
+           ddp_reducer_wait_param(red, weight_index[i]); // (and the layer's other parameters)
+           layer_forward(i);
+       }
+       ddp_reducer_begin_backward(red); ...
+   wait_param without a gather in flight returns DDP_SUCCESS at once. Errors: as gather_params;
+   DDP_ERR_INVALID_ARGUMENT for an index that is not a parameter or -1; a failed all_gather stops the
+   reducer (the next call says so). Not collective by itself: every rank's waits may differ. */
+DDP_API ddp_result ddp_reducer_gather_params_async(ddp_reducer *r);
+DDP_API ddp_result ddp_reducer_wait_param(ddp_reducer *r, int index);
 
 /* ZeRO checkpoints (torch's ZeroRedundancyOptimizer.consolidate_state_dict and per-rank shards).
    Optimizer state under zero_stage = 1 lives in the program, per state (AdamW: m and v) one array of

@@ -39,18 +39,21 @@ typedef struct mode {
     int scratch;    /* zero_stage 2 only: one gradient buffer for every parameter */
     int forward;    /* gradients ready in registration order (against the buckets' order) */
     int npool;      /* zero_stage 2: comm buffers the pool ends with */
+    int overlap;    /* gather_params_async, then wait_param before each parameter is read (forward order) */
 } mode;
 
 static const mode MODES[] = {
-    {"plain", 0, 1, 0, DDP_DTYPE_DEFAULT, 1e-6, 0, 3, 0, 0, 2},
-    {"no_sync x2", 0, 2, 0, DDP_DTYPE_DEFAULT, 1e-6, 0, 3, 0, 0, 2},
-    {"bf16", 0, 1, 0, DDP_BF16, 2e-2, 0, 3, 0, 0, 2}, /* test_reducer's bf16 tolerance: bf16 keeps 8 significant bits */
-    {"flat grads_memory", 0, 1, 1, DDP_DTYPE_DEFAULT, 1e-6, 0, 3, 0, 0, 2},
-    {"view+no_sync x2", 1, 2, 0, DDP_DTYPE_DEFAULT, 1e-6, 0, 3, 0, 0, 2},
-    {"4 buckets", 0, 1, 0, DDP_DTYPE_DEFAULT, 1e-6, 1024, 4, 0, 0, 2},     /* {4097}, {333}, {1000}, {7} */
-    {"4 buckets bf16", 0, 1, 0, DDP_BF16, 2e-2, 1024, 4, 0, 0, 2},
-    {"forward order", 0, 1, 0, DDP_DTYPE_DEFAULT, 1e-6, 1024, 4, 0, 1, 4},
-    {"scratch grad", 0, 1, 0, DDP_DTYPE_DEFAULT, 1e-6, 1024, 4, 1, 0, 2},
+    {"plain", 0, 1, 0, DDP_DTYPE_DEFAULT, 1e-6, 0, 3, 0, 0, 2, 0},
+    {"no_sync x2", 0, 2, 0, DDP_DTYPE_DEFAULT, 1e-6, 0, 3, 0, 0, 2, 0},
+    {"bf16", 0, 1, 0, DDP_BF16, 2e-2, 0, 3, 0, 0, 2, 0}, /* test_reducer's bf16 tolerance: bf16 keeps 8 significant bits */
+    {"flat grads_memory", 0, 1, 1, DDP_DTYPE_DEFAULT, 1e-6, 0, 3, 0, 0, 2, 0},
+    {"view+no_sync x2", 1, 2, 0, DDP_DTYPE_DEFAULT, 1e-6, 0, 3, 0, 0, 2, 0},
+    {"4 buckets", 0, 1, 0, DDP_DTYPE_DEFAULT, 1e-6, 1024, 4, 0, 0, 2, 0},     /* {4097}, {333}, {1000}, {7} */
+    {"4 buckets bf16", 0, 1, 0, DDP_BF16, 2e-2, 1024, 4, 0, 0, 2, 0},
+    {"forward order", 0, 1, 0, DDP_DTYPE_DEFAULT, 1e-6, 1024, 4, 0, 1, 4, 0},
+    {"scratch grad", 0, 1, 0, DDP_DTYPE_DEFAULT, 1e-6, 1024, 4, 1, 0, 2, 0},
+    {"overlapped gather", 0, 1, 0, DDP_DTYPE_DEFAULT, 1e-6, 1024, 4, 0, 0, 2, 1},
+    {"overlapped gather bf16", 0, 1, 0, DDP_BF16, 2e-2, 1024, 4, 0, 0, 2, 1},
 };
 
 /* AdamW (torch.optim.AdamW): m, v, bias correction, decoupled weight decay; step t counts from 1. */
@@ -268,12 +271,15 @@ static void train(ddp_group *g, const mode *md, int stage) {
         for (p = 0; p < NP; p++) adamw(A.param[p], (const float *)ddp_reducer_grad(A.red, p), mA[p], vA[p], COUNT[p], s + 1);
         for (j = 0; j < n; j++)
             adamw((float *)sh[j].param_data, (const float *)sh[j].grad, mB[j], vB[j], sh[j].count, s + 1);
-        CHECK_OK(ddp_reducer_gather_params(B.red), g);
-        for (p = 0; p < NP; p++)
+        if (md->overlap) CHECK_OK(ddp_reducer_gather_params_async(B.red), g);
+        else CHECK_OK(ddp_reducer_gather_params(B.red), g);
+        for (p = 0; p < NP; p++) { /* forward reads them in registration order */
+            CHECK_OK(ddp_reducer_wait_param(B.red, p), g);
             for (i = 0; i < COUNT[p]; i++)
                 CHECK(close_enough(B.param[p][i], A.param[p][i], md->tol, 1.0), "%s, stage %d, %d ranks, rank %d after step "
                       "%d: p%d[%zu] = %.8g, stage 0 %.8g", md->name, stage, world, rank, s, p, i, (double)B.param[p][i],
                       (double)A.param[p][i]);
+        }
         CHECK_OK(ddp_reducer_zero_grad(A.red), g);
         CHECK_OK(ddp_reducer_zero_grad(B.red), g);
         for (j = 0; j < n; j++) /* zero_grad reaches the shards' gradients wherever they live */
