@@ -269,11 +269,6 @@ static ddp_result ddp__zero_check_desc(ddp_group *g, const ddp_reducer_desc *d) 
         return ddp__fail(g, DDP_ERR_INVALID_ARGUMENT, "ddp_reducer_create: zero_stage = 2 with gradient_as_bucket_view = 1 "
                          "is not supported: the buckets would have to hold every gradient, which is what ZeRO-2 frees; "
                          "register your own gradient buffers (gradient_as_bucket_view = 0) or use zero_stage = 1");
-    if (d->zero_stage == 2 && d->uneven_inputs)
-        return ddp__fail(g, DDP_ERR_INVALID_ARGUMENT, "ddp_reducer_create: zero_stage = 2 with uneven_inputs = 1 is not "
-                         "supported yet; use zero_stage = 1 (a joined rank shadows the others with "
-                         "ddp_reducer_join_step and steps its optimizer on its shards) or give every rank the same number "
-                         "of batches (ddp_sampler with drop_last)");
     if (d->zero_stage && d->find_unused_parameters)
         return ddp__fail(g, DDP_ERR_INVALID_ARGUMENT, "ddp_reducer_create: zero_stage = %d with find_unused_parameters = 1 "
                          "is not supported; give every parameter a gradient in every synchronised pass (zeros for an "
@@ -1774,7 +1769,9 @@ static ddp_result ddp__join_shadow_memory(ddp_reducer *r) {
 /* A synchronised backward pass of the active ranks, shadowed: zeros into every bucket's all-reduce (all
    in flight at once, started in bucket order like the active ranks'), the used map, the rebuild. The
    program's gradients are not touched, except under zero_stage: the reduce-scatter's result (the active
-   ranks' average) goes to this rank's owned elements, for its optimizer step. */
+   ranks' average) goes to this rank's owned elements, for its optimizer step (stage 2: the reducer's
+   owned slices, which the shards point at; each bucket borrows a pool buffer for its zeros as in a pass
+   with data, waiting for the oldest reduce-scatter when none is free). */
 static ddp_result ddp__join_shadow_backward(ddp_reducer *r) {
     ddp_work *used_work = NULL;
     ddp_result res, waited;
@@ -1784,7 +1781,9 @@ static ddp_result ddp__join_shadow_backward(ddp_reducer *r) {
     for (b = 0; b < r->L.nbuckets && !res; b++) {
         ddp__bucket *k = &r->L.buckets[b];
         size_t bytes = k->count * ddp_dtype_size(k->comm_dtype);
-        void *zeros = ddp__bucket_in_place(k) ? (char *)r->shadow + off : k->comm;
+        void *zeros;
+        if (ddp__zero2(r) && (res = ddp__zero2_acquire(r, b)) != DDP_SUCCESS) break;
+        zeros = ddp__bucket_in_place(k) ? (char *)r->shadow + off : k->comm;
         if (ddp__bucket_in_place(k)) off += bytes;
         r->ops->zero(r->g, zeros, bytes);
         res = ddp__bucket_start(r, k, zeros);
@@ -1798,10 +1797,11 @@ static ddp_result ddp__join_shadow_backward(ddp_reducer *r) {
             waited = ddp_wait(r->L.buckets[b].work);
             r->L.buckets[b].work = NULL;
             if (!res) res = waited;
+            if (ddp__zero2(r)) ddp__zero2_finish(r, &r->L.buckets[b], !res); /* the slice stays in the reducer */
         }
     if (used_work && (waited = ddp_wait(used_work)) != DDP_SUCCESS && !res) res = waited;
     if (res) return r->failed = res;
-    for (b = 0; ddp__reducer_zero(r) && b < r->nparams; b++) ddp__zero_give_back(r, b);
+    for (b = 0; ddp__reducer_zero(r) && !ddp__zero2(r) && b < r->nparams; b++) ddp__zero_give_back(r, b);
     r->stats.shadowed_iterations++;
     ddp__timing_finish(r);
     if ((res = ddp__timing_start(r, 1)) != DDP_SUCCESS) return res;

@@ -137,7 +137,8 @@
      gather_params is DDP_ERR_STATE (the ranks with data are in their gather_params). join_fail_early
      works as for stage 0. (torch's _ZeROJoinHook runs zero.step() on the joined rank with whatever its
      param.grad holds, as DDP's join hook throws away the all-reduced zeros: its stale last gradient; here
-     the joined rank's shards get the step's true average.) zero_stage = 2 with uneven_inputs is refused.
+     the joined rank's shards get the step's true average.) zero_stage = 2 works the same way (the
+     averages land in the reducer's slices that sh[j].grad points at).
      Not with find_unused_parameters: ddp_reducer_create refuses it with DDP_ERR_INVALID_ARGUMENT.
 
    - ZeRO stage 2 (DeepSpeed stage 2: gradient memory 1/world): zero_stage = 2 is stage 1 (the same slice
@@ -168,8 +169,8 @@
          dtype as under stage 1).
        * Flat gradient memory (llm.c's grads_memory) is read as separate gradients (copied into the pool
          buffer; flat_buckets = 0). gradient_as_bucket_view = 1 is refused (DDP_ERR_INVALID_ARGUMENT: the
-         buckets would hold every gradient, which is what stage 2 frees), as are uneven_inputs and
-         find_unused_parameters, as for stage 1.
+         buckets would hold every gradient, which is what stage 2 frees), as is find_unused_parameters,
+         as for stage 1. uneven_inputs works as for stage 1 (the ddp_reducer_join_step loop).
 
    Differences from PyTorch 1.13, none of which changes the averaged gradients beyond rounding:
    - The first iteration uses the 1 MiB / 25 MiB buckets in reverse registration order (torch 1.13 puts

@@ -346,14 +346,19 @@ typedef struct zmode {
     int view, accum, flat, buffers;
     ddp_dtype comm;
     double tol;
+    int stage; /* zero_stage 1 or 2 */
 } zmode;
 
 static const zmode ZMODES[] = {
-    {"zero1", 0, 1, 0, 0, DDP_DTYPE_DEFAULT, 1e-5},
-    {"zero1+accum+buffers", 0, 2, 0, 1, DDP_DTYPE_DEFAULT, 1e-5},
-    {"zero1+view", 1, 1, 0, 0, DDP_DTYPE_DEFAULT, 1e-5},
-    {"zero1+flat", 0, 1, 1, 0, DDP_DTYPE_DEFAULT, 1e-5},
-    {"zero1+bf16+view+accum", 1, 2, 0, 0, DDP_BF16, 2e-2},
+    {"zero1", 0, 1, 0, 0, DDP_DTYPE_DEFAULT, 1e-5, 1},
+    {"zero1+accum+buffers", 0, 2, 0, 1, DDP_DTYPE_DEFAULT, 1e-5, 1},
+    {"zero1+view", 1, 1, 0, 0, DDP_DTYPE_DEFAULT, 1e-5, 1},
+    {"zero1+flat", 0, 1, 1, 0, DDP_DTYPE_DEFAULT, 1e-5, 1},
+    {"zero1+bf16+view+accum", 1, 2, 0, 0, DDP_BF16, 2e-2, 1},
+    {"zero2", 0, 1, 0, 0, DDP_DTYPE_DEFAULT, 1e-5, 2}, /* more buckets than pool buffers: the shadow borrows in turn */
+    {"zero2+accum+buffers", 0, 2, 0, 1, DDP_DTYPE_DEFAULT, 1e-5, 2},
+    {"zero2+flat", 0, 1, 1, 0, DDP_DTYPE_DEFAULT, 1e-5, 2},
+    {"zero2+bf16+accum", 0, 2, 0, 0, DDP_BF16, 2e-2, 2},
 };
 
 /* AdamW (torch.optim.AdamW), step t from 1. */
@@ -412,7 +417,7 @@ static void zrun_build(ddp_group *g, const zmode *md, zrun *Z) {
     int p, j;
     memset(&d, 0, sizeof d);
     memset(Z, 0, sizeof *Z);
-    d.zero_stage = 1;
+    d.zero_stage = md->stage;
     d.uneven_inputs = 1;
     d.gradient_as_bucket_view = md->view;
     d.comm_dtype = md->comm;
@@ -586,8 +591,8 @@ int main(void) {
     for (fail_zero = 1, k = 0; k < sizeof FAIL / sizeof FAIL[0]; k++)
         CHECK(tl_run_ranks(FAIL[k].R, fail_main, (void *)&FAIL[k], 60) == 0, "join_fail_early, zero_stage 1, %d ranks", FAIL[k].R);
     for (k = 0; k < sizeof ZERO / sizeof ZERO[0]; k++) {
-        CHECK(tl_run_ranks(ZERO[k].R, zero_main, (void *)&ZERO[k], 60) == 0, "ZeRO-1 join training, %d ranks", ZERO[k].R);
-        printf("ZeRO-1 + join_step, %d ranks, shards of", ZERO[k].R);
+        CHECK(tl_run_ranks(ZERO[k].R, zero_main, (void *)&ZERO[k], 60) == 0, "ZeRO-1 and 2 join training, %d ranks", ZERO[k].R);
+        printf("ZeRO-1 and 2 + join_step, %d ranks, shards of", ZERO[k].R);
         for (int r = 0; r < ZERO[k].R; r++) printf(" %d", ZERO[k].len[r]);
         printf(" steps: every rank's AdamW on its shards equals the serial reference\n");
     }

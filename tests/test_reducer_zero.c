@@ -401,7 +401,6 @@ static int refuse_main(int rank, int n, void *arg) {
     refused(g, 2, 0, 0, 1, "zero_stage = 2 with gradient_as_bucket_view = 1 is not supported");
     refused(g, 3, 0, 0, 0, "zero_stage 3 is not 0");
     refused(g, 1, 0, 1, 0, "zero_stage = 1 with find_unused_parameters = 1 is not supported");
-    refused(g, 2, 1, 0, 0, "zero_stage = 2 with uneven_inputs = 1 is not supported");
     refused(g, 2, 0, 1, 0, "zero_stage = 2 with find_unused_parameters = 1 is not supported");
     CHECK_OK(ddp_reducer_create(g, NULL, &r), g);
     CHECK_OK(ddp_reducer_add_param(r, "w", w, gw, 3, DDP_F32, NULL), g);
