@@ -184,6 +184,9 @@ static int ranked(int rank, int n, void *arg) {
           "rank %d: the exchange's device records were not staged through pinned memory on the group's stream "
           "(%llu device-to-host and %llu host-to-device async copies)", rank,
           (unsigned long long)ddp_harness::memory_stats.async_d2h, (unsigned long long)ddp_harness::memory_stats.async_h2d);
+    CHECK(ddp_harness::last_launch_stream == stream, "rank %d: SyncBN's kernels were queued on stream %p, not on the group's "
+          "stream %p where devbuf.c stages the exchange (a non-blocking stream would not order them)", rank,
+          (void *)ddp_harness::last_launch_stream, (void *)stream);
     CHECK_OK(ddp_destroy(g), NULL);
     cudaStreamDestroy(stream);
     if (rank == 0) printf("device path = host path on %d ranks (a cpu group: the exchange is its all_gather / all_reduce "
