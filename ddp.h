@@ -722,6 +722,9 @@ DDP_API int ddp_launcher_main(int argc, char **argv);
      reduce-scatter leaves this rank's slice in the reducer's memory. So:
        * ddp_shard.grad points into the reducer (not into the program's gradient buffer); nothing is
          written back to the program's gradients, which keep what the program wrote.
+         On the cpu and mpi backends that is host memory, so a model in device memory there (staged
+         by the backend, a build with DDP_CUDA) is refused by ddp_reducer_finalize (DDP_ERR_UNSUPPORTED):
+         use zero_stage = 1 (its shards are slices of the program's device gradients) or backend nccl.
        * The program's gradient buffers are only READ, at grad_ready of a synchronised pass. A program
          may therefore compute every gradient into ONE scratch buffer (register it for every parameter:
          write parameter i's gradient, call grad_ready(i), reuse the buffer for the next), or into
@@ -2016,7 +2019,9 @@ DDP_API ddp_result ddp__cuda_bn_backward(ddp__cuda_bn *b, int mode, const void *
                                         float *grad_weight, float *grad_bias);
 
 /* Device memory on the calling thread's current device (zeroed; NULL for 0 bytes), and its release
-   (NULL: no-op). Not in the CPU harness of the tests. */
+   (NULL: no-op). cudaMalloc + cudaMemset; defined beside the cuda-stage calls, so every build of
+   ddp_cuda.cu has them (also the tests' CPU harness, whose cudaMalloc memory is the same device memory
+   that devbuf.c stages and ddp__cuda_is_device_pointer recognises). */
 DDP_API ddp_result ddp__cuda_device_alloc(size_t bytes, void **out, char *err, size_t err_size);
 DDP_API void ddp__cuda_device_free(void *p);
 /* ---- end of SyncBatchNorm on device memory ---- */
@@ -16797,11 +16802,32 @@ DDP_API ddp_result ddp_reducer_gather_params(ddp_reducer *r) {
     return res ? res : ddp__zero_gather_settle(r);
 }
 
+/* ZeRO-2 keeps the averaged gradient slices in the reducer's own buckets (ddp_reducer_shards' grad),
+   which are the backend's memory: host memory on the cpu and mpi backends. A model in device memory
+   there (devbuf.c stages the rest of the reducer) would have an optimizer kernel read host memory, so
+   that combination is refused; ZeRO-1's shards point into the program's own gradients and work. */
+static ddp_result ddp__zero2_check_memory(ddp_reducer *r) {
+#ifdef DDP_CUDA
+    int i;
+    if (!ddp__zero2(r) || !strcmp(r->ops->family, "nccl")) return DDP_SUCCESS;
+    for (i = 0; i < r->nparams; i++)
+        if (ddp__cuda_is_device_pointer(r->params[i].data) || ddp__cuda_is_device_pointer(r->params[i].grad))
+            return ddp__fail(r->g, DDP_ERR_UNSUPPORTED, "ddp_reducer_finalize: zero_stage = 2 with parameter \"%s\" in device "
+                             "memory on backend %s is not supported: ZeRO-2's gradient slices would be the reducer's host "
+                             "memory, which an optimizer on the device cannot read; use zero_stage = 1 (its shards are "
+                             "slices of your device gradients) or backend nccl", r->params[i].name, r->ops->family);
+#else
+    (void)r;
+#endif
+    return DDP_SUCCESS;
+}
+
 DDP_API ddp_result ddp_reducer_finalize(ddp_reducer *r) {
     ddp_result res;
     int i, n;
     if (!r) return ddp__fail(NULL, DDP_ERR_INVALID_ARGUMENT, "ddp_reducer_finalize: the reducer is NULL");
     if (r->finalized) return ddp__fail(r->g, DDP_ERR_STATE, "ddp_reducer_finalize: already finalized");
+    if ((res = ddp__zero2_check_memory(r)) != DDP_SUCCESS) return res; /* local: every rank's model is alike */
     /* the check comes first, so that a rank with a wrong model still takes part and every rank learns */
     if ((res = ddp__reducer_verify(r)) != DDP_SUCCESS) return res;
     if (r->nparams == 0)
@@ -18749,8 +18775,10 @@ static ddp_result ddp__bn_comm_failed(ddp_syncbn *bn, ddp_result r, const char *
    When x is device memory (the glue's ddp__cuda_is_device_pointer; for an empty batch: when the layer
    ran on the device before or its weight or running_mean is device memory), forward and backward run
    ddp_cuda.cu's kernels through ddp__cuda_bn_forward/backward (src/cuda_glue.h), all queued on the
-   group's stream (ddp_set_stream on the nccl backend; the legacy default stream otherwise), and the
-   host never waits for the device:
+   group's stream (ddp_set_stream; the legacy default stream when none was set or without a group),
+   the stream the exchange's collectives use too (on the cpu backend devbuf.c stages them there, so a
+   non-blocking stream still orders the kernels before the copies), and the host never waits for the
+   device:
    - y, dy, dx, grad_weight, grad_bias and the layer's weight, bias and running stats are then device
      memory too (checked: the message names the host array);
    - the exchange is the group's collective on the device records / sums: on the nccl backend an async
@@ -18842,7 +18870,9 @@ static ddp_result ddp__bn_dev_prepare(ddp_syncbn *bn, const char *fn, const void
     cu->a.spatial = spatial;
     cu->a.channels = bn->channels;
     cu->a.channels_last = bn->channels_last;
-    cu->a.stream = bn->group && bn->group->nccl ? ddp__cuda_nccl_stream(bn->group->nccl->comm) : NULL;
+    cu->a.stream = !bn->group ? NULL
+                   : bn->group->nccl ? ddp__cuda_nccl_stream(bn->group->nccl->comm)
+                                     : ddp__devbuf_stream(bn->group); /* where devbuf.c stages the exchange */
     cu->a.err = bn->dev.err;
     cu->a.err_size = sizeof bn->dev.err;
     cu->nranks = bn->nranks;

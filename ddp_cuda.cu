@@ -1490,30 +1490,6 @@ DDP_API int ddp__cuda_nccl_test(ddp__cuda_nccl *c, void *event) {
     return cudaEventQuery(e->ev) != cudaErrorNotReady;
 }
 
-/* ---- device memory for the SyncBatchNorm device path (gpucheck) ---- */
-DDP_API ddp_result ddp__cuda_device_alloc(size_t bytes, void **out, char *err, size_t err_size) {
-    ddp__cu_msg m = {err, err_size};
-    cudaError_t ce;
-    void *p = NULL;
-    int device = -1;
-    *out = NULL;
-    if (!bytes) return DDP_SUCCESS;
-    cudaGetDevice(&device);
-    if ((ce = cudaMalloc(&p, bytes)) != cudaSuccess)
-        return ddp__cu_fail(&m, DDP_ERR_OUT_OF_MEMORY, "cudaMalloc(%zu bytes) on device %d failed: %s", bytes, device,
-                            cudaGetErrorString(ce));
-    if ((ce = cudaMemset(p, 0, bytes)) != cudaSuccess) {
-        cudaFree(p);
-        return ddp__cu_fail(&m, DDP_ERR_SYSTEM, "cudaMemset failed: %s", cudaGetErrorString(ce));
-    }
-    *out = p;
-    return DDP_SUCCESS;
-}
-
-DDP_API void ddp__cuda_device_free(void *p) {
-    if (p) cudaFree(p);
-}
-/* ---- end of device memory for the SyncBatchNorm device path ---- */
 
 } /* extern "C" */
 #endif /* !DDP_CUDA_HARNESS */
@@ -1639,6 +1615,33 @@ DDP_API void ddp__cuda_stage_free(ddp__cuda_stage *s) {
     if (s->queued) cudaEventDestroy(s->queued);
     if (s->host) cudaFreeHost(s->host);
     delete s;
+}
+
+/* Device memory for the SyncBatchNorm device path (src/syncbn.c): cudaMalloc + cudaMemset on the
+   calling thread's current device. Here, beside the staging calls, so that every build has it (the
+   tests' CPU harness too, whose cudaMalloc memory the host cannot touch and kernels can). */
+DDP_API ddp_result ddp__cuda_device_alloc(size_t bytes, void **out, char *err, size_t err_size) {
+    cudaError_t ce;
+    void *p = NULL;
+    int device = -1;
+    *out = NULL;
+    if (!bytes) return DDP_SUCCESS;
+    cudaGetDevice(&device);
+    if ((ce = cudaMalloc(&p, bytes)) != cudaSuccess) {
+        return ddp__cu_stage_fail(err, err_size, DDP_ERR_OUT_OF_MEMORY, "cudaMalloc(%zu bytes) on device %d failed: %s",
+                                  bytes, device, cudaGetErrorString(ce));
+    }
+    if ((ce = cudaMemset(p, 0, bytes)) != cudaSuccess) {
+        cudaFree(p);
+        return ddp__cu_stage_fail(err, err_size, DDP_ERR_SYSTEM, "cudaMemset of %zu bytes on device %d failed: %s", bytes,
+                                  device, cudaGetErrorString(ce));
+    }
+    *out = p;
+    return DDP_SUCCESS;
+}
+
+DDP_API void ddp__cuda_device_free(void *p) {
+    if (p) cudaFree(p);
 }
 
 } /* extern "C" */

@@ -186,7 +186,9 @@ DDP_API ddp_result ddp__cuda_bn_backward(ddp__cuda_bn *b, int mode, const void *
                                         float *grad_weight, float *grad_bias);
 
 /* Device memory on the calling thread's current device (zeroed; NULL for 0 bytes), and its release
-   (NULL: no-op). Not in the CPU harness of the tests. */
+   (NULL: no-op). cudaMalloc + cudaMemset; defined beside the cuda-stage calls, so every build of
+   ddp_cuda.cu has them (also the tests' CPU harness, whose cudaMalloc memory is the same device memory
+   that devbuf.c stages and ddp__cuda_is_device_pointer recognises). */
 DDP_API ddp_result ddp__cuda_device_alloc(size_t bytes, void **out, char *err, size_t err_size);
 DDP_API void ddp__cuda_device_free(void *p);
 /* ---- end of SyncBatchNorm on device memory ---- */

@@ -1096,11 +1096,32 @@ DDP_API ddp_result ddp_reducer_gather_params(ddp_reducer *r) {
     return res ? res : ddp__zero_gather_settle(r);
 }
 
+/* ZeRO-2 keeps the averaged gradient slices in the reducer's own buckets (ddp_reducer_shards' grad),
+   which are the backend's memory: host memory on the cpu and mpi backends. A model in device memory
+   there (devbuf.c stages the rest of the reducer) would have an optimizer kernel read host memory, so
+   that combination is refused; ZeRO-1's shards point into the program's own gradients and work. */
+static ddp_result ddp__zero2_check_memory(ddp_reducer *r) {
+#ifdef DDP_CUDA
+    int i;
+    if (!ddp__zero2(r) || !strcmp(r->ops->family, "nccl")) return DDP_SUCCESS;
+    for (i = 0; i < r->nparams; i++)
+        if (ddp__cuda_is_device_pointer(r->params[i].data) || ddp__cuda_is_device_pointer(r->params[i].grad))
+            return ddp__fail(r->g, DDP_ERR_UNSUPPORTED, "ddp_reducer_finalize: zero_stage = 2 with parameter \"%s\" in device "
+                             "memory on backend %s is not supported: ZeRO-2's gradient slices would be the reducer's host "
+                             "memory, which an optimizer on the device cannot read; use zero_stage = 1 (its shards are "
+                             "slices of your device gradients) or backend nccl", r->params[i].name, r->ops->family);
+#else
+    (void)r;
+#endif
+    return DDP_SUCCESS;
+}
+
 DDP_API ddp_result ddp_reducer_finalize(ddp_reducer *r) {
     ddp_result res;
     int i, n;
     if (!r) return ddp__fail(NULL, DDP_ERR_INVALID_ARGUMENT, "ddp_reducer_finalize: the reducer is NULL");
     if (r->finalized) return ddp__fail(r->g, DDP_ERR_STATE, "ddp_reducer_finalize: already finalized");
+    if ((res = ddp__zero2_check_memory(r)) != DDP_SUCCESS) return res; /* local: every rank's model is alike */
     /* the check comes first, so that a rank with a wrong model still takes part and every rank learns */
     if ((res = ddp__reducer_verify(r)) != DDP_SUCCESS) return res;
     if (r->nparams == 0)

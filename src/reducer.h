@@ -150,6 +150,9 @@
      reduce-scatter leaves this rank's slice in the reducer's memory. So:
        * ddp_shard.grad points into the reducer (not into the program's gradient buffer); nothing is
          written back to the program's gradients, which keep what the program wrote.
+         On the cpu and mpi backends that is host memory, so a model in device memory there (staged
+         by the backend, a build with DDP_CUDA) is refused by ddp_reducer_finalize (DDP_ERR_UNSUPPORTED):
+         use zero_stage = 1 (its shards are slices of the program's device gradients) or backend nccl.
        * The program's gradient buffers are only READ, at grad_ready of a synchronised pass. A program
          may therefore compute every gradient into ONE scratch buffer (register it for every parameter:
          write parameter i's gradient, call grad_ready(i), reuse the buffer for the next), or into

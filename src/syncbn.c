@@ -455,8 +455,10 @@ static ddp_result ddp__bn_comm_failed(ddp_syncbn *bn, ddp_result r, const char *
    When x is device memory (the glue's ddp__cuda_is_device_pointer; for an empty batch: when the layer
    ran on the device before or its weight or running_mean is device memory), forward and backward run
    ddp_cuda.cu's kernels through ddp__cuda_bn_forward/backward (src/cuda_glue.h), all queued on the
-   group's stream (ddp_set_stream on the nccl backend; the legacy default stream otherwise), and the
-   host never waits for the device:
+   group's stream (ddp_set_stream; the legacy default stream when none was set or without a group),
+   the stream the exchange's collectives use too (on the cpu backend devbuf.c stages them there, so a
+   non-blocking stream still orders the kernels before the copies), and the host never waits for the
+   device:
    - y, dy, dx, grad_weight, grad_bias and the layer's weight, bias and running stats are then device
      memory too (checked: the message names the host array);
    - the exchange is the group's collective on the device records / sums: on the nccl backend an async
@@ -548,7 +550,9 @@ static ddp_result ddp__bn_dev_prepare(ddp_syncbn *bn, const char *fn, const void
     cu->a.spatial = spatial;
     cu->a.channels = bn->channels;
     cu->a.channels_last = bn->channels_last;
-    cu->a.stream = bn->group && bn->group->nccl ? ddp__cuda_nccl_stream(bn->group->nccl->comm) : NULL;
+    cu->a.stream = !bn->group ? NULL
+                   : bn->group->nccl ? ddp__cuda_nccl_stream(bn->group->nccl->comm)
+                                     : ddp__devbuf_stream(bn->group); /* where devbuf.c stages the exchange */
     cu->a.err = bn->dev.err;
     cu->a.err_size = sizeof bn->dev.err;
     cu->nranks = bn->nranks;

@@ -503,6 +503,74 @@ static void r_same(const char *what, const void *host, const void *d, size_t byt
     free(h);
 }
 
+/* ZeRO's optimizer step, as a program runs it on its shards: param -= grad / 4 (exact in every dtype
+   here), host or device memory alike (cudaMemcpyDefault: a kernel on a GPU). */
+static void r_sgd(const ddp_shard *s, ddp_dtype t) {
+    const size_t bytes = s->count * ddp_dtype_size(t);
+    void *p = malloc(bytes), *gr = malloc(bytes);
+    CHECK(cudaMemcpy(p, s->param_data, bytes, cudaMemcpyDefault) == cudaSuccess &&
+              cudaMemcpy(gr, s->grad, bytes, cudaMemcpyDefault) == cudaSuccess, "reading a shard");
+    for (size_t i = 0; i < s->count; i++) put(p, t, i, get(p, t, i) - get(gr, t, i) / 4);
+    CHECK(cudaMemcpy(s->param_data, p, bytes, cudaMemcpyDefault) == cudaSuccess, "writing a shard");
+    free(p), free(gr);
+}
+
+/* ZeRO-1 (zero_stage 1) with device parameters and gradients: the shards point into the program's
+   device memory; 3 steps of reduce-scatter, an optimizer step on the shards and gather_params give the
+   host model's parameters bit for bit. ZeRO-2 is refused on device parameters (its gradient slices
+   would be the reducer's host memory, which a device optimizer cannot read). */
+static void t_reducer_zero(ddp_group *g, int rank) {
+    static const char *names[3] = {"w", "b", "s"};
+    rmodel hm, dm;
+    ddp_reducer *red[2];
+    ddp_reducer_desc desc;
+    memset(&desc, 0, sizeof desc);
+    desc.zero_stage = 1;
+    desc.bucket_cap_bytes = 2048; /* several buckets */
+    r_model(&hm, 0, 0, rank);
+    r_model(&dm, 1, 0, rank);
+    for (int d = 0; d < 2; d++) {
+        rmodel *m = d ? &dm : &hm;
+        CHECK_OK(ddp_reducer_create(g, &desc, &red[d]), g);
+        for (int i = 0; i < 3; i++) CHECK_OK(ddp_reducer_add_param(red[d], names[i], m->param[i], m->grad[i], r_count[i], r_dtype(0, i), NULL), g);
+        CHECK_OK(ddp_reducer_finalize(red[d]), g);
+    }
+    for (int step = 0; step < 3; step++)
+        for (int d = 0; d < 2; d++) {
+            rmodel *m = d ? &dm : &hm;
+            const ddp_shard *sh;
+            CHECK_OK(ddp_reducer_begin_backward(red[d]), g);
+            for (int i = 2; i >= 0; i--) {
+                r_fill(m->grad[i], d, r_dtype(0, i), r_count[i], rank, 230 + 3 * step + i);
+                CHECK_OK(ddp_reducer_grad_ready(red[d], i), g);
+            }
+            CHECK_OK(ddp_reducer_end_backward(red[d]), g);
+            const int ns = ddp_reducer_shards(red[d], &sh);
+            CHECK(ns >= 0, "ddp_reducer_shards: %s", ddp_last_error(g));
+            for (int j = 0; j < ns; j++) {
+                CHECK(!d || (ddp__cuda_is_device_pointer(sh[j].param_data) && ddp__cuda_is_device_pointer(sh[j].grad)),
+                      "zero_stage 1: shard %d of the device model is not device memory", j);
+                r_sgd(&sh[j], r_dtype(0, sh[j].param));
+            }
+            CHECK_OK(ddp_reducer_gather_params(red[d]), g);
+            if (d)
+                for (int i = 0; i < 3; i++)
+                    r_same("a parameter after a ZeRO-1 step", hm.param[i], dm.param[i], r_count[i] * ddp_dtype_size(r_dtype(0, i)));
+        }
+    ddp_reducer_destroy(red[0]);
+    ddp_reducer_destroy(red[1]);
+    /* ZeRO-2: refused at finalize, on every rank alike (every rank's model is device memory) */
+    desc.zero_stage = 2;
+    CHECK_OK(ddp_reducer_create(g, &desc, &red[1]), g);
+    for (int i = 0; i < 3; i++) CHECK_OK(ddp_reducer_add_param(red[1], names[i], dm.param[i], dm.grad[i], r_count[i], r_dtype(0, i), NULL), g);
+    CHECK(ddp_reducer_finalize(red[1]) == DDP_ERR_UNSUPPORTED && strstr(ddp_last_error(g), "zero_stage = 2") &&
+              strstr(ddp_last_error(g), "device memory") && strstr(ddp_last_error(g), "\"w\""),
+          "ZeRO-2 on device parameters with backend cpu: %s", ddp_last_error(g));
+    ddp_reducer_destroy(red[1]);
+    r_free(&hm, 0);
+    r_free(&dm, 1);
+}
+
 static void t_reducer(ddp_group *g, int rank, int n) {
     static const char *names[3] = {"w", "b", "s"};
     (void)n;
@@ -577,6 +645,7 @@ static int rank_main(int rank, int n, void *arg) {
     t_subgroup(g, rank, n);
     t_p2p_async_refused(g, rank, n);
     t_reducer(g, rank, n);
+    t_reducer_zero(g, rank);
     {
         const ddp_harness::memory_stats_t &now = ddp_harness::memory_stats;
         CHECK(now.async_d2h > before.async_d2h && now.async_h2d > before.async_h2d, "no staging copies were queued");

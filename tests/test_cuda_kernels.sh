@@ -36,10 +36,11 @@ build "" "-O2" "-O1" || { echo "FAIL: ddp_cuda.cu or the kernel test does not bu
 "$out/test_cuda_kernels" || { echo "FAIL: kernels (optimised build)"; exit 1; }
 
 # SyncBN's device path in the library (src/syncbn.c with DDP_CUDA) on these kernels: tests/test_syncbn_device.cpp
-# (the library compiled into it, the CUDA runtime's part of the glue played by the test). $1: extra flags, $2: suffix.
+# (the library compiled into it; device memory is the harness's cudaMalloc, the exchange on 3 ranks staged by
+# src/devbuf.c). $1: extra flags, $2: suffix.
 # shellcheck disable=SC2086 # $1: flags, split on purpose
 device_path() {
-  "$CXX" -std=c++17 -Wall -Wextra -Werror -pedantic -I. -O1 -pthread $1 -c tests/test_syncbn_device.cpp \
+  "$CXX" -std=c++17 -Wall -Wextra -Werror -pedantic -I. -Itests/cuda_harness -O1 -pthread $1 -c tests/test_syncbn_device.cpp \
     -o "$out/test_syncbn_device$2.o" &&
     "$CXX" $1 "$out/ddp_cuda$2.o" "$out/test_syncbn_device$2.o" -lm -pthread -o "$out/test_syncbn_device$2" &&
     "$out/test_syncbn_device$2"

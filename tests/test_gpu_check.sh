@@ -23,14 +23,16 @@ tools/gpu-check.sh >/dev/null 2>&1
 device_rows=(
   "test: SyncBN on device vs the CPU code" "test: reducer on device" "test: tests/test_nccl.sh"
   "test: train_gpu under ddprun" "bench: SyncBN forward+backward vs copy bandwidth" "bench: torch BatchNorm"
-  "bench: reducer step overhead" "bench: all_reduce busbw" "test: SyncBN + reducer, 2 ranks (nccl, 2 GPUs)")
+  "bench: reducer step overhead" "bench: all_reduce busbw" "test: SyncBN + reducer, 2 ranks (nccl, 2 GPUs)"
+  "test: collectives + SyncBN + reducer + ZeRO-1 on device buffers, 2 ranks on one GPU (cpu backend)"
+  "test: collectives + SyncBN + reducer + ZeRO-1 on device buffers, 4 ranks on one GPU (cpu backend)"
+  "bench: all_reduce busbw (cpu backend, device buffers, 2 ranks)")
 check_no_device_rows() { # $1: report
   local r
   for r in "${device_rows[@]}"; do
     grep -F "| $r" "$1" | grep -q "| no device |" || fail "no 'no device' row for '$r'"
   done
-  grep -q "| test: 2-4 ranks on one GPU (cpu backend, device buffers) | not built |" "$1" ||
-    ls tests/*devbuf* >/dev/null 2>&1 || fail "no 'not built' row for the cpu backend's device buffers"
+  ! grep -q "tests/test_cuda_devbuf" "$1" || fail "a device row runs the CPU harness's test_cuda_devbuf (no GPU in it)"
 }
 
 echo "== (2) a toolkit that fails: every step recorded, none aborts the rest"
@@ -45,7 +47,7 @@ done
 check_no_device_rows "$tmp/report.md"
 grep -q '^## Failures' "$tmp/report.md" || fail "the report has no Failures section"
 grep -q 'fake nvcc: refusing' "$tmp/report.md" || fail "the report does not quote the failing logs"
-echo "failing builds: 3 FAIL rows, 9 'no device' rows, the logs quoted, exit 1"
+echo "failing builds: 3 FAIL rows, 12 'no device' rows, the logs quoted, exit 1"
 
 echo "== (3) a step that hangs: its timeout, then the budget"
 printf '#!/bin/sh\nsleep 300\n' >"$tmp/nvcc" && chmod +x "$tmp/nvcc"

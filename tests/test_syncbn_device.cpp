@@ -1,54 +1,49 @@
 /* test_syncbn_device.cpp: ddp_syncbn_forward/backward's device path (src/syncbn.c, x in device memory)
    without a GPU. Built by tests/test_cuda_kernels.sh: the library's implementation compiled with
-   DDP_CUDA as C++17, linked with ddp_cuda.cu's kernels run on the CPU by the harness
-   (tests/cuda_harness). The glue that needs a real CUDA runtime is played here: "device memory" is
-   memory this test hands out through ddp__cuda_device_alloc / dev_alloc and ddp__cuda_is_device_pointer
-   recognises; the nccl glue is never reached (cpu groups).
-   On 1 rank (plain BatchNorm, no group) and 3 forked ranks (a cpu group: the device path's exchange is
-   then the group's synchronous all_gather / all_reduce of the "device" records and sums, host memory
-   here), a layer on device memory and a layer on host memory get the same batches: y, dx, the local
-   parameter gradients and the running stats agree after 2 training steps and an eval step, every
-   rank with its own batch size (one empty); and the device path's errors: a host weight or a host dy,
-   a host x after a device forward, one value per channel on one rank. */
+   DDP_CUDA as C++17, linked with ddp_cuda.cu built against the CUDA harness (tests/cuda_harness): its
+   kernels run on the CPU, and its memory API is the one notion of device memory here: cudaMalloc'd
+   pages PROT_NONE to the host (opened while a kernel runs or a copy is made), async copies deferred
+   until synchronised. ddp__cuda_device_alloc / ddp__cuda_is_device_pointer / the cuda-stage calls are
+   ddp_cuda.cu's own; only the NCCL glue (absent from the harness build) is stubbed (cpu groups).
+   On 1 rank (plain BatchNorm, no group) and 3 forked ranks (a cpu group with a stream set by
+   ddp_set_stream: the device path's exchange is the group's all_gather / all_reduce of the device
+   records and sums, staged through pinned host memory by src/devbuf.c), a layer on device memory and
+   a layer on host memory get the same batches: y, dx, the local parameter gradients and the running
+   stats agree after 2 training steps and an eval step, every rank with its own batch size (one
+   empty); and the device path's errors: a host weight or a host dy, a host x after a device forward,
+   one value per channel on one rank. */
 #define DDP_CUDA
 #include "testlib.h"
 
+#include <cuda_runtime.h>
 #include <vector>
 
-/* ---- the glue of a CUDA runtime, played on the CPU ---- */
-
-static std::vector<std::pair<char *, size_t>> g_device; /* the blocks of "device memory" */
-
-static void *dev_alloc(size_t bytes) {
-    char *p = (char *)calloc(1, bytes ? bytes : 1);
-    g_device.push_back(std::make_pair(p, bytes ? bytes : 1));
-    return p;
-}
+/* ---- device memory: the harness's cudaMalloc (PROT_NONE to the host; kernels and the memory API open
+   it), the same memory ddp__cuda_device_alloc gives and ddp__cuda_is_device_pointer recognises ---- */
 
 static float *dev_copy(const std::vector<float> &v) {
-    float *d = (float *)dev_alloc(v.size() * sizeof(float));
-    if (!v.empty()) memcpy(d, v.data(), v.size() * sizeof(float));
-    return d;
+    void *d = NULL;
+    const size_t bytes = v.size() * sizeof(float);
+    CHECK(ddp__cuda_device_alloc(bytes ? bytes : 1, &d, NULL, 0) == DDP_SUCCESS && d, "ddp__cuda_device_alloc(%zu)", bytes);
+    if (bytes) CHECK(cudaMemcpy(d, v.data(), bytes, cudaMemcpyHostToDevice) == cudaSuccess, "cudaMemcpy to the device");
+    return (float *)d;
+}
+
+/* The host's copy of n floats of device memory (a cudaMemcpy: it waits for the queued copies). */
+static std::vector<float> host_copy(const float *d, size_t n) {
+    std::vector<float> h(n);
+    if (n) CHECK(cudaMemcpy(h.data(), d, n * sizeof(float), cudaMemcpyDeviceToHost) == cudaSuccess, "cudaMemcpy to the host");
+    return h;
+}
+
+/* The number of live cudaMalloc blocks (the staging's pinned memory not counted). */
+static size_t device_blocks(void) {
+    size_t n = 0;
+    for (const auto &a : ddp_harness::allocations) n += a.device;
+    return n;
 }
 
 extern "C" {
-DDP_API int ddp__cuda_is_device_pointer(const void *p) {
-    for (const auto &b : g_device)
-        if ((const char *)p >= b.first && (const char *)p < b.first + b.second) return 1;
-    return 0;
-}
-DDP_API ddp_result ddp__cuda_device_alloc(size_t bytes, void **out, char *, size_t) {
-    *out = bytes ? dev_alloc(bytes) : NULL;
-    return DDP_SUCCESS;
-}
-DDP_API void ddp__cuda_device_free(void *p) {
-    for (size_t i = 0; i < g_device.size(); i++)
-        if (g_device[i].first == p) {
-            free(p);
-            g_device.erase(g_device.begin() + (long)i);
-            return;
-        }
-}
 /* The nccl backend's glue: never called on cpu groups. */
 static ddp_result no_nccl(char *err, size_t n) {
     if (err && n) snprintf(err, n, "no NCCL in this test");
@@ -85,7 +80,8 @@ DDP_API int ddp__cuda_nccl_test(ddp__cuda_nccl *, void *) { return 1; }
 
 /* ---- the device path against the host path ---- */
 
-static double max_rel(const float *a, const std::vector<float> &b) {
+static double max_rel(const float *device, const std::vector<float> &b) {
+    const std::vector<float> a = host_copy(device, b.size());
     double num = 0, den = 1;
     for (size_t i = 0; i < b.size(); i++) {
         const double d = fabs((double)a[i] - (double)b[i]);
@@ -116,15 +112,15 @@ static void compare_case(ddp_group *g, int rank, int C, int64_t S, int channels_
     dd.weight = dw, dd.bias = db, dd.running_mean = drm, dd.running_var = drv;
     CHECK_OK(ddp_syncbn_create(g, &hd, &host), g);
     CHECK_OK(ddp_syncbn_create(g, &dd, &dev), g);
-    const size_t blocks_before = g_device.size();
+    const size_t blocks_before = device_blocks();
     for (int step = 0; step < 3; step++) {
         const int training = step < 2;
         CHECK_OK(ddp_syncbn_forward(host, x.data(), y.data(), batch, S, training), g);
         CHECK_OK(ddp_syncbn_backward(host, x.data(), dy.data(), dx.data(), gw.data(), gb.data(), batch, S), g);
         CHECK_OK(ddp_syncbn_forward(dev, total ? dx_in : NULL, total ? dy_out : NULL, batch, S, training), g);
         CHECK_OK(ddp_syncbn_backward(dev, total ? dx_in : NULL, total ? ddy : NULL, total ? ddx : NULL, dgw, dgb, batch, S), g);
-        CHECK(g_device.size() == blocks_before + 6, "the device layer has %zu blocks of device scratch, want 6 (did it take "
-              "the device path?)", g_device.size() - blocks_before);
+        CHECK(device_blocks() == blocks_before + 6, "the device layer has %zu blocks of device scratch, want 6 (did it take "
+              "the device path?)", device_blocks() - blocks_before);
         const double e[6] = {max_rel(dy_out, y), max_rel(ddx, dx), max_rel(dgw, gw),
                              max_rel(dgb, gb), max_rel(drm, rm), max_rel(drv, rv)};
         static const char *names[6] = {"y", "dx", "grad_weight", "grad_bias", "running_mean", "running_var"};
@@ -170,17 +166,31 @@ static void device_errors(void) {
     printf("device path errors: a host weight, a host dy, a host x after a device forward, 1 value per channel\n");
 }
 
+static cudaStream_t stream; /* the group's, in the ranked cases */
+
 static int ranked(int rank, int n, void *arg) {
     ddp_init_desc d;
     ddp_group *g;
     (void)arg;
     memset(&d, 0, sizeof d);
     CHECK_OK(ddp_init(&d, &g), NULL);
+    CHECK(cudaStreamCreate(&stream) == cudaSuccess, "cudaStreamCreate");
+    CHECK_OK(ddp_set_stream(g, stream), g);
     compare_case(g, rank, 5, 7, 0, 1, 0.1);
     compare_case(g, rank, 33, 1, 1, 1, -1.0); /* momentum None */
     compare_case(g, rank, 4, 9, 1, 0, 0.3);
+    CHECK(ddp_harness::memory_stats.async_d2h > 0 && ddp_harness::memory_stats.async_h2d > 0 &&
+              ddp_harness::memory_stats.last_stream == stream,
+          "rank %d: the exchange's device records were not staged through pinned memory on the group's stream "
+          "(%llu device-to-host and %llu host-to-device async copies)", rank,
+          (unsigned long long)ddp_harness::memory_stats.async_d2h, (unsigned long long)ddp_harness::memory_stats.async_h2d);
+    CHECK(ddp_harness::last_launch_stream == stream, "rank %d: SyncBN's kernels were queued on stream %p, not on the group's "
+          "stream %p where devbuf.c stages the exchange (a non-blocking stream would not order them)", rank,
+          (void *)ddp_harness::last_launch_stream, (void *)stream);
     CHECK_OK(ddp_destroy(g), NULL);
-    if (rank == 0) printf("device path = host path on %d ranks (a cpu group: the exchange is its all_gather / all_reduce)\n", n);
+    cudaStreamDestroy(stream);
+    if (rank == 0) printf("device path = host path on %d ranks (a cpu group: the exchange is its all_gather / all_reduce "
+                          "on device memory, staged by devbuf.c)\n", n);
     return 0;
 }
 

@@ -8,9 +8,10 @@
 #    ddprun and examples/gpu/train_gpu.cu;
 # 2. runs every GPU test: the SyncBN kernels through ddp_syncbn_* on device memory against the CPU code
 #    and the reducer on device gradients (tools/gpu_check.cu, nccl backend, 1 rank), NCCL on one rank
-#    (tests/test_nccl.sh), 2 and 4 ranks on one GPU through the cpu backend with device buffers (when
-#    this checkout has them: a tests/*devbuf* test; else the rows say "not built"), train_gpu under ddprun
-#    (and its resume from the checkpoint);
+#    (tests/test_nccl.sh), 2 and 4 ranks on one GPU through the cpu backend with device buffers
+#    (gpu_check devbuf under ddprun with DDP_BACKEND=cpu: collectives on cudaMalloc'd buffers against
+#    host references, SyncBN's device path against its host path, the reducer, ZeRO-1), train_gpu under
+#    ddprun (and its resume from the checkpoint);
 # 3. benchmarks: SyncBN forward+backward GB/s against the device's copy bandwidth and against torch's
 #    BatchNorm on the same device and shape, the reducer's step overhead, all_reduce busbw.
 # Every step has its own timeout and the whole run a 20-minute budget (GPU_CHECK_BUDGET seconds); a
@@ -125,7 +126,7 @@ fi
 
 # ---- 2. tests ----
 nccl=(env DDP_BACKEND=nccl "$B/ddprun" --nproc-per-node) # the environment of this step only
-devbuf_test=$(find tests -maxdepth 2 -name '*devbuf*' \( -name 'test_*.sh' -o -name 'test_*.c' \) 2>/dev/null | sort | head -n 1)
+devbuf_title() { echo "test: collectives + SyncBN + reducer + ZeRO-1 on device buffers, $1 ranks on one GPU (cpu backend)"; }
 if [ "$dry" = 1 ]; then
   reason=${no_gpu_reason:-"dry run (--dry-run or GPU_CHECK_NO_DEVICE=1)"}
   for t in "test: SyncBN on device vs the CPU code (nccl, 1 rank)" "test: reducer on device (nccl, 1 rank)" \
@@ -133,14 +134,10 @@ if [ "$dry" = 1 ]; then
     no_device "$t" "$reason"
   done
   no_device "test: SyncBN + reducer, 2 ranks (nccl, 2 GPUs)" "$reason"
-  if [ -n "$devbuf_test" ]; then
-    for n in 2 4; do no_device "test: SyncBN + reducer, $n ranks on one GPU (cpu backend, device buffers)" "$reason"; done
-    no_device "test: $devbuf_test" "$reason"
-  else
-    row "test: 2-4 ranks on one GPU (cpu backend, device buffers)" "not built" 0 "no tests/*devbuf* test in this checkout (#22 item 2)"
-  fi
+  for n in 2 4; do no_device "$(devbuf_title $n)" "$reason"; done
   for t in "bench: SyncBN forward+backward vs copy bandwidth" "bench: torch BatchNorm, same shape" \
-           "bench: reducer step overhead" "bench: all_reduce busbw (nccl, 1 rank)"; do
+           "bench: reducer step overhead" "bench: all_reduce busbw (nccl, 1 rank)" \
+           "bench: all_reduce busbw (cpu backend, device buffers, 2 ranks)"; do
     no_device "$t" "$reason"
   done
 else
@@ -161,20 +158,10 @@ else
   else
     row "test: SyncBN + reducer, 2 ranks (nccl, 2 GPUs)" "not run" 0 "one GPU: NCCL needs a GPU per rank (the cpu backend rows below share one)"
   fi
-  if [ -n "$devbuf_test" ]; then
-    for n in 2 4; do
-      # shellcheck disable=SC2016 # expanded by the inner shell
-      step "devbuf$n" "test: SyncBN + reducer, $n ranks on one GPU (cpu backend, device buffers)" 240 \
-        bash -c 'DDP_BACKEND=cpu "$0" --nproc-per-node "$1" "$2" syncbn && DDP_BACKEND=cpu "$0" --nproc-per-node "$1" "$2" reducer' \
-        "$B/ddprun" "$n" "$B/gpu_check"
-    done
-    case $devbuf_test in
-      *.sh) step devbuf "test: $devbuf_test" 420 env BUILD="$B/tests" bash "$devbuf_test" ;;
-      *) step devbuf "test: $devbuf_test" 420 bash -c "make -s BUILD=$B/tests GPU=1 NVARCH='${gencode[*]}' $B/tests/$(basename "$devbuf_test" .c) && $B/tests/$(basename "$devbuf_test" .c)" ;;
-    esac
-  else
-    row "test: 2-4 ranks on one GPU (cpu backend, device buffers)" "not built" 0 "no tests/*devbuf* test in this checkout (#22 item 2)"
-  fi
+  # several ranks share the one GPU: the cpu backend stages the device buffers (src/devbuf.c)
+  for n in 2 4; do
+    step "devbuf$n" "$(devbuf_title $n)" 240 env DDP_BACKEND=cpu "$B/ddprun" --nproc-per-node "$n" "$B/gpu_check" devbuf
+  done
 
   # ---- 3. benchmarks ----
   shape=(32 128 3136) # N C S: a ResNet-50 stage-1 activation (N=32, C=128, 56 x 56), f32
@@ -204,10 +191,8 @@ EOF
   step bench-reducer "bench: reducer step overhead" 180 "${nccl[@]}" 1 "$B/gpu_check" bench-reducer &&
     grep -E '^(reducer|flat)_' "$out/logs/bench-reducer.log" >>"$benches"
   step bench-allreduce "bench: all_reduce busbw (nccl, 1 rank)" 180 "${nccl[@]}" 1 "$B/gpu_check" bench-allreduce
-  if [ -n "$devbuf_test" ]; then
-    step bench-allreduce-cpu2 "bench: all_reduce busbw (cpu backend, device buffers, 2 ranks)" 180 \
-      env DDP_BACKEND=cpu "$B/ddprun" --nproc-per-node 2 "$B/gpu_check" bench-allreduce
-  fi
+  step bench-allreduce-cpu2 "bench: all_reduce busbw (cpu backend, device buffers, 2 ranks)" 180 \
+    env DDP_BACKEND=cpu "$B/ddprun" --nproc-per-node 2 "$B/gpu_check" bench-allreduce
 fi
 
 # ---- the report ----

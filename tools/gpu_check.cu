@@ -7,6 +7,13 @@
                                both layouts, with and without affine parameters
      gpu_check reducer         the reducer on device gradients: finalize broadcasts rank 0's parameters,
                                end_backward leaves the average over ranks
+     gpu_check devbuf          several ranks on one GPU: the cpu backend with device buffers (run it with
+                               DDP_BACKEND=cpu), the group's stream a non-blocking one (ddp_set_stream):
+                               all_reduce, all_gather, broadcast and reduce_scatter of cudaMalloc'd
+                               buffers (an input queued on the stream just before the call) against host
+                               references, then the syncbn and reducer checks above on that group, and
+                               ZeRO-1 (zero_stage 1) on device parameters against the same steps on host
+                               memory; ZeRO-2 on device parameters must be refused
      gpu_check bench-syncbn [N C S]   SyncBN forward+backward (training) GB/s on the device path, and
                                the device's copy bandwidth (cudaMemcpy device to device) on the same bytes
      gpu_check bench-allreduce ddp_all_reduce of device memory, 4 KiB .. 256 MiB: algbw and busbw
@@ -25,6 +32,7 @@
 #include <stdlib.h>
 #include <string.h>
 #include <time.h>
+#include <algorithm>
 #include <vector>
 
 #define CUDA_OK(call)                                                                                  \
@@ -46,7 +54,7 @@
 
 static ddp_group *g_group;
 static int g_rank, g_world;
-static cudaStream_t g_stream; /* the group's stream on the nccl backend; the legacy default stream otherwise */
+static cudaStream_t g_stream; /* the group's stream on the nccl backend and in devbuf mode; else NULL (legacy default) */
 
 static double now(void) {
     struct timespec ts;
@@ -54,7 +62,7 @@ static double now(void) {
     return (double)ts.tv_sec + (double)ts.tv_nsec * 1e-9;
 }
 
-static void start(void) {
+static void start(int own_stream) {
     ddp_init_desc d;
     memset(&d, 0, sizeof d);
     DDP_OK(ddp_init(&d, &g_group), NULL);
@@ -64,6 +72,10 @@ static void start(void) {
         DDP_OK(ddp_set_stream(g_group, g_stream), g_group);
     } else {
         CUDA_OK(cudaSetDevice(0)); /* several ranks on one GPU: the cpu backend with device buffers */
+        if (own_stream) { /* devbuf: staging and SyncBN's kernels on a stream that does not sync with the default one */
+            CUDA_OK(cudaStreamCreateWithFlags(&g_stream, cudaStreamNonBlocking));
+            DDP_OK(ddp_set_stream(g_group, g_stream), g_group);
+        }
     }
 }
 
@@ -78,6 +90,7 @@ static float *to_device(const float *host, size_t n) {
     if (!host) return NULL;
     CUDA_OK(cudaMalloc(&d, n * sizeof(float) + 1));
     CUDA_OK(cudaMemcpy(d, host, n * sizeof(float), cudaMemcpyHostToDevice));
+    CUDA_OK(cudaDeviceSynchronize()); /* a pageable copy may still be in flight for a non-blocking stream */
     return d;
 }
 
@@ -91,6 +104,7 @@ static float *dalloc(int64_t n, int fill) {
 
 static std::vector<float> to_host(const float *dev, size_t n) {
     std::vector<float> h(n);
+    CUDA_OK(cudaDeviceSynchronize()); /* the group's stream too, when it is a non-blocking one */
     if (n) CUDA_OK(cudaMemcpy(h.data(), dev, n * sizeof(float), cudaMemcpyDeviceToHost));
     return h;
 }
@@ -227,6 +241,154 @@ static int check_reducer(void) {
     return 0;
 }
 
+/* ---- devbuf: the cpu backend's collectives on device buffers (several ranks on one GPU) ---- */
+
+/* Rank r's element i: a small integer, exact in f32 and in sums over the ranks. */
+static float dv(int r, int64_t i) { return (float)((r + 1) * ((int)(i % 17) - 8)); }
+static double dv_sum(int64_t i) { return (double)((int)(i % 17) - 8) * g_world * (g_world + 1) / 2.0; }
+
+/* A device buffer of n elements f(i), queued on the group's stream from a device source (so the call
+   that follows must read what its stream queued before it, not what the host last saw). */
+template <typename F>
+static float *queued_input(int64_t n, F f) {
+    std::vector<float> h((size_t)n);
+    for (int64_t i = 0; i < n; i++) h[(size_t)i] = f(i);
+    float *src = to_device(h.data(), (size_t)n), *dst = dalloc(n, 0);
+    CUDA_OK(cudaDeviceSynchronize());
+    CUDA_OK(cudaMemcpyAsync(dst, src, (size_t)n * sizeof(float), cudaMemcpyDeviceToDevice, g_stream));
+    CUDA_OK(cudaFreeAsync(src, g_stream));
+    return dst;
+}
+
+static int devbuf_compare(const char *what, const float *dev, int64_t n, double (*want)(int64_t, void *), void *arg) {
+    std::vector<float> h = to_host(dev, (size_t)n);
+    for (int64_t i = 0; i < n; i++)
+        if ((double)h[(size_t)i] != want(i, arg)) {
+            printf("FAIL devbuf rank %d/%d (backend %s): %s element %lld is %.9g, want %.9g\n", g_rank, g_world,
+                   ddp_backend_name(g_group), what, (long long)i, (double)h[(size_t)i], want(i, arg));
+            exit(1); /* the other ranks then fail on their next collective */
+        }
+    return 0;
+}
+
+static int check_devbuf_collectives(void) {
+    const int64_t n = 1000003, W = g_world; /* odd, 4 MB: more than one staging chunk of the transports */
+    const int root = 1 % g_world;
+    float *a = queued_input(n, [](int64_t i) { return dv(g_rank, i); });
+    DDP_OK(ddp_all_reduce(g_group, a, (size_t)n, DDP_F32, DDP_SUM), g_group);
+    devbuf_compare("all_reduce(sum)", a, n, [](int64_t i, void *) { return dv_sum(i); }, NULL);
+    float *send = queued_input(n, [](int64_t i) { return dv(g_rank, i) + 0.5f; }), *all = dalloc(n * W, 0);
+    DDP_OK(ddp_all_gather(g_group, send, all, (size_t)n, DDP_F32), g_group);
+    devbuf_compare("all_gather", all, n * W, [](int64_t i, void *p) {
+        const int64_t per = *(const int64_t *)p;
+        return (double)dv((int)(i / per), i % per) + 0.5; }, (void *)&n);
+    float *b = queued_input(n, [](int64_t i) { return dv(g_rank, i) * 3; });
+    DDP_OK(ddp_broadcast(g_group, b, (size_t)n, DDP_F32, root), g_group);
+    devbuf_compare("broadcast", b, n, [](int64_t i, void *p) { return (double)dv(*(const int *)p, i) * 3; }, (void *)&root);
+    float *rs_in = queued_input(n * W, [](int64_t i) { return dv(g_rank, i); }), *rs_out = dalloc(n, 0);
+    DDP_OK(ddp_reduce_scatter(g_group, rs_in, rs_out, (size_t)n, DDP_F32, DDP_SUM), g_group);
+    devbuf_compare("reduce_scatter(sum)", rs_out, n, [](int64_t i, void *p) {
+        return dv_sum((int64_t)g_rank * *(const int64_t *)p + i); }, (void *)&n);
+    cudaFree(a), cudaFree(send), cudaFree(all), cudaFree(b), cudaFree(rs_in), cudaFree(rs_out);
+    if (g_rank == 0)
+        printf("ok devbuf: all_reduce, all_gather, broadcast, reduce_scatter of %lld floats of device memory on %d rank(s), "
+               "backend %s, a non-blocking stream\n", (long long)n, g_world, ddp_backend_name(g_group));
+    return 0;
+}
+
+/* ZeRO-1 on device parameters: 2 steps (the same gradients; SGD on the shards, here through the host as a
+   kernel would do on the device) give the same parameters as the same reducer over host memory; ZeRO-2
+   on device parameters is refused by finalize. */
+static void zero_sgd(const ddp_shard *sh, int n) {
+    for (int j = 0; j < n; j++) {
+        std::vector<float> p(sh[j].count), gr(sh[j].count);
+        CUDA_OK(cudaMemcpy(p.data(), sh[j].param_data, sh[j].count * 4, cudaMemcpyDefault));
+        CUDA_OK(cudaMemcpy(gr.data(), sh[j].grad, sh[j].count * 4, cudaMemcpyDefault));
+        for (size_t i = 0; i < sh[j].count; i++) p[i] -= 0.25f * gr[i];
+        CUDA_OK(cudaMemcpy(sh[j].param_data, p.data(), sh[j].count * 4, cudaMemcpyDefault));
+    }
+}
+
+static int check_devbuf_zero(void) {
+    const int64_t sizes[3] = {70001, 5, 4096};
+    std::vector<float> hp[3], hg[3];
+    float *dp[3], *dg[3];
+    ddp_reducer *red[2];
+    ddp_reducer_desc desc;
+    memset(&desc, 0, sizeof desc);
+    desc.zero_stage = 1;
+    desc.bucket_cap_bytes = 64 << 10;
+    for (int p = 0; p < 3; p++) {
+        hp[p].resize((size_t)sizes[p]), hg[p].resize((size_t)sizes[p]);
+        for (int64_t i = 0; i < sizes[p]; i++) hp[p][(size_t)i] = (float)(g_rank + p) + 0.001f * (float)(i % 1000);
+        dp[p] = to_device(hp[p].data(), hp[p].size()), dg[p] = dalloc(sizes[p], 0);
+    }
+    for (int d = 0; d < 2; d++) {
+        DDP_OK(ddp_reducer_create(g_group, &desc, &red[d]), g_group);
+        for (int p = 0; p < 3; p++) {
+            char name[16];
+            snprintf(name, sizeof name, "p%d", p);
+            DDP_OK(ddp_reducer_add_param(red[d], name, d ? (void *)dp[p] : hp[p].data(), d ? (void *)dg[p] : hg[p].data(),
+                                         (size_t)sizes[p], DDP_F32, NULL), g_group);
+        }
+        DDP_OK(ddp_reducer_finalize(red[d]), g_group);
+    }
+    for (int step = 0; step < 2; step++)
+        for (int d = 0; d < 2; d++) {
+            const ddp_shard *sh;
+            DDP_OK(ddp_reducer_begin_backward(red[d]), g_group);
+            for (int p = 2; p >= 0; p--) {
+                std::vector<float> v((size_t)sizes[p]);
+                for (int64_t i = 0; i < sizes[p]; i++) v[(size_t)i] = dv(g_rank, i + p + step);
+                if (d) {
+                    CUDA_OK(cudaMemcpy(dg[p], v.data(), v.size() * 4, cudaMemcpyHostToDevice));
+                    CUDA_OK(cudaDeviceSynchronize());
+                } else {
+                    std::copy(v.begin(), v.end(), hg[p].begin()); /* registered: keep its storage */
+                }
+                DDP_OK(ddp_reducer_grad_ready(red[d], p), g_group);
+            }
+            DDP_OK(ddp_reducer_end_backward(red[d]), g_group);
+            CUDA_OK(cudaDeviceSynchronize());
+            const int nsh = ddp_reducer_shards(red[d], &sh);
+            if (nsh < 0) DDP_OK(DDP_ERR_STATE, g_group);
+            zero_sgd(sh, nsh);
+            DDP_OK(ddp_reducer_gather_params(red[d]), g_group);
+        }
+    for (int p = 0; p < 3; p++) {
+        std::vector<float> got = to_host(dp[p], (size_t)sizes[p]);
+        if (memcmp(got.data(), hp[p].data(), got.size() * 4) != 0) {
+            printf("FAIL devbuf rank %d/%d: ZeRO-1 parameter p%d on device memory differs from the same steps on host memory\n",
+                   g_rank, g_world, p);
+            exit(1);
+        }
+    }
+    ddp_reducer_destroy(red[0]), ddp_reducer_destroy(red[1]);
+    desc.zero_stage = 2;
+    DDP_OK(ddp_reducer_create(g_group, &desc, &red[1]), g_group);
+    for (int p = 0; p < 3; p++) DDP_OK(ddp_reducer_add_param(red[1], p ? "q" : "p", dp[p], dg[p], (size_t)sizes[p], DDP_F32, NULL), g_group);
+    const ddp_result r2 = ddp_reducer_finalize(red[1]);
+    if (strcmp(ddp_backend_name(g_group), "nccl") && r2 != DDP_ERR_UNSUPPORTED) {
+        printf("FAIL devbuf rank %d: ZeRO-2 on device parameters with backend %s: finalize returned %d, want "
+               "DDP_ERR_UNSUPPORTED (%s)\n", g_rank, ddp_backend_name(g_group), (int)r2, ddp_last_error(g_group));
+        exit(1);
+    }
+    ddp_reducer_destroy(red[1]);
+    for (int p = 0; p < 3; p++) cudaFree(dp[p]), cudaFree(dg[p]);
+    if (g_rank == 0)
+        printf("ok devbuf: ZeRO-1 on device parameters = on host memory over %d rank(s); ZeRO-2 on device parameters "
+               "refused (backend %s)\n", g_world, ddp_backend_name(g_group));
+    return 0;
+}
+
+static int check_devbuf(void) {
+    int bad = check_devbuf_collectives();
+    bad |= check_syncbn();
+    bad |= check_reducer();
+    bad |= check_devbuf_zero();
+    return bad;
+}
+
 /* ---- benchmarks ---- */
 
 /* Seconds per call of fn over iters calls after warm calls, the device synchronised around. */
@@ -322,13 +484,14 @@ static int bench_reducer(void) {
 int main(int argc, char **argv) {
     const char *what = argc > 1 ? argv[1] : "";
     int rc;
-    if (strcmp(what, "syncbn") && strcmp(what, "reducer") && strcmp(what, "bench-syncbn") &&
+    if (strcmp(what, "syncbn") && strcmp(what, "reducer") && strcmp(what, "devbuf") && strcmp(what, "bench-syncbn") &&
         strcmp(what, "bench-allreduce") && strcmp(what, "bench-reducer")) {
-        fprintf(stderr, "usage: gpu_check syncbn | reducer | bench-syncbn [N C S] | bench-allreduce | bench-reducer\n");
+        fprintf(stderr, "usage: gpu_check syncbn | reducer | devbuf | bench-syncbn [N C S] | bench-allreduce | bench-reducer\n");
         return 2;
     }
-    start();
+    start(!strcmp(what, "devbuf"));
     if (!strcmp(what, "syncbn")) rc = check_syncbn();
+    else if (!strcmp(what, "devbuf")) rc = check_devbuf();
     else if (!strcmp(what, "reducer")) rc = check_reducer();
     else if (!strcmp(what, "bench-syncbn"))
         rc = bench_syncbn(argc > 4 ? atoll(argv[2]) : 32, argc > 4 ? atoi(argv[3]) : 128, argc > 4 ? atoll(argv[4]) : 56 * 56);

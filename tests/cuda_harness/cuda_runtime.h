@@ -589,9 +589,13 @@ struct launcher {
     }
 };
 
+/* The stream of the last launch: streams are otherwise ignored, but a test can check where a library
+   queued its kernels (e.g. on the stream its copies use). */
+inline cudaStream_t last_launch_stream;
+
 template <typename... P>
 inline launcher<P...> launch(void (*kernel)(P...), dim3 grid, dim3 block, size_t shmem, cudaStream_t stream) {
-    (void)stream;
+    last_launch_stream = stream;
     return launcher<P...>{kernel, grid, block, shmem};
 }
 
