@@ -190,7 +190,7 @@ static ddp_result ddp__ck_snapshot(ddp_group *g, void *stream, const char *path,
     size_t at = 0;
     int i, queued = 0;
     ddp_result r = DDP_SUCCESS;
-    (void)stream, (void)path;
+    (void)g, (void)stream, (void)path;
     for (i = 0; i < n && r == DDP_SUCCESS; i++) {
         uint64_t bytes;
         int dev;
