@@ -20348,9 +20348,10 @@ static ddp_result ddp__ck_atomic_write(ddp_group *g, const char *path, const ddp
     return r;
 }
 
-/* One process writes one file: checks, header, atomic write. */
+/* One process writes one file: checks, device tensors to pinned memory, header, atomic write. staged: t
+   is an async save's staging copy, host memory (the background thread then makes no CUDA call). */
 static ddp_result ddp__ck_write_file(ddp_group *g, const char *path, const ddp_tensor *t, int n, const ddp_meta *meta,
-                                     const ddp_meta *extra) {
+                                     const ddp_meta *extra, int staged) {
     ddp__ck_buf hdr;
     char err[DDP__ERR_MAX];
     ddp_tensor *made = NULL;
@@ -20361,7 +20362,7 @@ static ddp_result ddp__ck_write_file(ddp_group *g, const char *path, const ddp_t
     if (!path || !*path) return ddp__fail(g, DDP_ERR_INVALID_ARGUMENT, "checkpoint save: path is NULL or empty");
     if ((r = ddp__ck_check_tensors(g, "checkpoint save", t, n)) != DDP_SUCCESS) return r;
     if ((r = ddp__ck_check_meta(g, path, meta)) != DDP_SUCCESS) return r;
-    r = ddp__ck_host_view(g, path, t, n, &t, &made, &stage); /* device tensors: a pinned host copy */
+    r = staged ? DDP_SUCCESS : ddp__ck_host_view(g, path, t, n, &t, &made, &stage); /* device tensors: a pinned host copy */
     if (r == DDP_SUCCESS && (r = ddp__ck_build_header(path, t, n, meta, extra, &hdr, err)) != DDP_SUCCESS) ddp__fail(g, r, "%s", err);
     if (r == DDP_SUCCESS) r = ddp__ck_atomic_write(g, path, &hdr, t, n);
     ddp__free(made);
@@ -20583,11 +20584,11 @@ static ddp_result ddp__ck_check_rotation(ddp_group *g, const char *path, const d
 
 /* Rank 0's part of a save: write the file, then rotate (keep_last). Errors go to g (may be NULL). */
 static ddp_result ddp__ck_save_on_root(ddp_group *g, const char *path, const ddp_tensor *t, int n, const ddp_meta *meta,
-                                       const ddp_checkpoint_save_desc *desc) {
+                                       const ddp_checkpoint_save_desc *desc, int staged) {
     ddp__ck_family fam;
     int64_t number = 0;
     ddp_result r = ddp__ck_check_rotation(g, path ? path : "", desc, &fam, &number);
-    if (r == DDP_SUCCESS) r = ddp__ck_write_file(g, path, t, n, meta, NULL);
+    if (r == DDP_SUCCESS) r = ddp__ck_write_file(g, path, t, n, meta, NULL, staged);
     if (r == DDP_SUCCESS && fam.dir) {
         static const char *const tails[] = {"", ".tmp"};
         int64_t cutoff = ddp__ck_cutoff(g, &fam, desc->keep_last, number);
@@ -20604,7 +20605,7 @@ DDP_API ddp_result ddp_checkpoint_save_ex(ddp_group *g, const char *path, const 
     ddp_result r = DDP_SUCCESS;
     if (g && !ddp__live_has(g, DDP__LIVE_GROUP)) return ddp__group_check(g, "ddp_checkpoint_save_ex");
     ddp__ck_async_settle(g); /* a background save in flight finishes first */
-    if (ddp__ck_rank(g) == 0) r = ddp__ck_save_on_root(g, path, t, n, meta, desc);
+    if (ddp__ck_rank(g) == 0) r = ddp__ck_save_on_root(g, path, t, n, meta, desc, 0);
     return ddp__ck_agree(g, r, "checkpoint save");
 }
 
@@ -20697,7 +20698,7 @@ static void *ddp__ck_async_main(void *arg) {
     ddp_result r = a->pre;
     ddp_work *w = a->work;
     if (r != DDP_SUCCESS) ddp__fail(a->sub, r, "%s", a->pre_msg);
-    else if (a->rank == 0) r = ddp__ck_save_on_root(a->sub, a->path, a->t, a->n, a->has_meta ? &a->meta : NULL, a->has_desc ? &a->desc : NULL);
+    else if (a->rank == 0) r = ddp__ck_save_on_root(a->sub, a->path, a->t, a->n, a->has_meta ? &a->meta : NULL, a->has_desc ? &a->desc : NULL, 1);
     r = ddp__ck_agree(a->sub, r, DDP__CK_ASYNC_WHAT);
     pthread_mutex_lock(&a->mu);
     w->result = r;
@@ -21260,12 +21261,12 @@ DDP_API ddp_result ddp_checkpoint_save_shard(ddp_group *g, const char *path, con
     if (world > 1 && (r = ddp_broadcast(g, &id, 1, DDP_I64, 0)) != DDP_SUCCESS) goto done;
     shard = ddp__ck_shard_path(path, rank);
     if (!shard || ddp__ck_shard_keys(&extra, rank, world, id) != DDP_SUCCESS) r = ddp__fail(g, DDP_ERR_OUT_OF_MEMORY, "%s: out of memory", what);
-    else r = ddp__ck_write_file(g, shard, t, n, meta, &extra);
+    else r = ddp__ck_write_file(g, shard, t, n, meta, &extra, 0);
     if ((r = ddp__ck_agree(g, r, what)) != DDP_SUCCESS) goto done;
     if (rank == 0) {
         ddp_meta_free(&extra);
         if (ddp__ck_shard_keys(&extra, -1, world, id) != DDP_SUCCESS) r = ddp__fail(g, DDP_ERR_OUT_OF_MEMORY, "%s: out of memory", what);
-        else r = ddp__ck_write_file(g, path, NULL, 0, NULL, &extra);
+        else r = ddp__ck_write_file(g, path, NULL, 0, NULL, &extra, 0);
         if (r == DDP_SUCCESS && fam.dir) {
             static const char *const tails[] = {"", ".tmp"};
             cutoff = ddp__ck_cutoff(g, &fam, desc->keep_last, number);

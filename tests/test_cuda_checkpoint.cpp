@@ -9,7 +9,7 @@
      save        of the device tensors = byte for byte the file saved from host copies of the same values
      save_async  the same, while the program overwrites its device tensors right after the call returns
      load        into device tensors (every rank reads; rank 0 reads and broadcasts) gives the values back
-     shards      save_shard / load_shard of per-rank device tensors
+     shards      save_shard / load_shard of per-rank device tensors; save_slices of device slices
      faults      a device copy that CUDA refuses (a tensor longer than its allocation) fails the save and the
                  async save on every rank, naming the copy on rank 0; no file, no .tmp left
    Every staging copy goes through pinned host memory (the harness counts pageable async copies). */
@@ -19,6 +19,7 @@
 #include <cuda_runtime.h>
 #include <string>
 #include <deque>
+#include <vector>
 
 /* ---- the NCCL glue, which the harness build of ddp_cuda.cu leaves out: never reached here ---- */
 static ddp_result nccl_absent(char *err, size_t err_size) {
@@ -211,6 +212,27 @@ static void t_shards(ddp_group *g, int rank, int n) {
     release(back);
 }
 
+/* save_slices (a shard save) of device slices of one global f32 tensor; load_slices into host memory
+   (its reads are host memcpys: device slices are not taken there yet) gives the whole tensor back. */
+static void t_slices(ddp_group *g, int rank, int n) {
+    std::string path = dir + "/slices" + std::to_string(n) + ".safetensors";
+    const size_t per = 37, total = per * (size_t)n;
+    std::vector<float> mine(per), all(total, -1.0f);
+    ddp_slice s;
+    void *d = NULL;
+    for (size_t j = 0; j < per; j++) mine[j] = (float)(rank * 1000 + (int)j);
+    CHECK(cudaMalloc(&d, per * sizeof(float)) == cudaSuccess, "cudaMalloc");
+    CHECK(cudaMemcpy(d, mine.data(), per * sizeof(float), cudaMemcpyHostToDevice) == cudaSuccess, "cudaMemcpy");
+    memset(&s, 0, sizeof s);
+    s.name = "global.weight", s.dtype = DDP_F32, s.global_count = total, s.offset = per * (size_t)rank, s.count = per, s.data = d;
+    CHECK_OK(ddp_checkpoint_save_slices(g, path.c_str(), &s, 1, NULL, NULL), g);
+    s.offset = 0, s.count = total, s.data = all.data();
+    CHECK_OK(ddp_checkpoint_load_slices(g, path.c_str(), &s, 1, NULL), g);
+    for (size_t j = 0; j < total; j++)
+        CHECK(all[j] == (float)((int)(j / per) * 1000 + (int)(j % per)), "load_slices: element %zu is %g", j, (double)all[j]);
+    cudaFree(d);
+}
+
 /* Rank 0's tensor 0 claims more elements than its allocation holds: the harness (as cudaMemcpyAsync)
    refuses the copy. The save fails on every rank; no file, no .tmp. */
 static void t_fault(ddp_group *g, int rank, int n) {
@@ -253,6 +275,7 @@ static int rank_main(int rank, int n, void *arg) {
     CHECK_OK(ddp_set_stream(g, stream), g);
     t_save_load(g, rank, n);
     t_shards(g, rank, n);
+    t_slices(g, rank, n);
     t_fault(g, rank, n);
     {
         const ddp_harness::memory_stats_t &now = ddp_harness::memory_stats;
@@ -273,7 +296,7 @@ int main(void) {
     for (int n = 1; n <= 3; n++) {
         double t0 = tl_now();
         CHECK(tl_run_ranks(n, rank_main, NULL, 120) == 0, "%d rank(s)", n);
-        printf("%d rank(s): save, save_async, load (local and broadcast), shards of device tensors (%.1f s)\n", n, tl_now() - t0);
+        printf("%d rank(s): save, save_async, load (local and broadcast), shards and slices of device tensors (%.1f s)\n", n, tl_now() - t0);
     }
     CHECK(system(("rm -rf " + dir).c_str()) == 0, "rm");
     printf("ok\n");
