@@ -1408,7 +1408,8 @@ DDP_API ddp_result ddp_meta_get_resume(const ddp_meta *m, ddp_resume_state *s);
 
 /* Device tensors: in a build with -DDDP_CUDA linked with ddp_cuda.o, a tensor's data may be device
    memory (cudaMalloc'd or managed), mixed freely with host tensors, in ddp_checkpoint_save(_ex),
-   _save_async(_ex), _save_shard, _load(_ex) and _load_shard. The file is written from and read into
+   _save_async(_ex), _save_shard, _save_slices, _load(_ex) and _load_shard (not yet _load_slices: it
+   refuses device slices with DDP_ERR_UNSUPPORTED). The file is written from and read into
    pinned host memory (cudaMallocHost), so it is byte for byte the one host tensors with the same values
    give. The copies are cudaMemcpyAsync on the group's stream (ddp_set_stream; default the legacy default
    stream) followed by cudaStreamSynchronize of that stream, on the calling thread: they see what the
@@ -21555,6 +21556,12 @@ DDP_API ddp_result ddp_checkpoint_load_slices(ddp_group *g, const char *path, dd
     if (g && !ddp__live_has(g, DDP__LIVE_GROUP)) return ddp__group_check(g, "ddp_checkpoint_load_slices");
     ddp__ck_async_settle(g);
     r = ddp__slices_check(g, what, s, n);
+#ifdef DDP_CUDA
+    for (i = 0; r == DDP_SUCCESS && i < n; i++) /* the pieces are copied with memcpy below */
+        if (s[i].count && ddp__cuda_is_device_pointer(s[i].data) == 1)
+            r = ddp__fail(g, DDP_ERR_UNSUPPORTED, "%s: slice \"%.64s\" is in device memory, which ddp_checkpoint_load_slices does not "
+                          "take yet: load it into host memory and copy it to the device", what, s[i].name);
+#endif
     if (r == DDP_SUCCESS && n > 0 && !(found = (uint64_t *)ddp__calloc((size_t)n, sizeof *found)))
         r = ddp__fail(g, DDP_ERR_OUT_OF_MEMORY, "%s: out of memory", what);
     if (r == DDP_SUCCESS) r = ddp__ck_read_marker(g, path, &world, &id);

@@ -106,7 +106,8 @@ DDP_API ddp_result ddp_meta_get_resume(const ddp_meta *m, ddp_resume_state *s);
 
 /* Device tensors: in a build with -DDDP_CUDA linked with ddp_cuda.o, a tensor's data may be device
    memory (cudaMalloc'd or managed), mixed freely with host tensors, in ddp_checkpoint_save(_ex),
-   _save_async(_ex), _save_shard, _load(_ex) and _load_shard. The file is written from and read into
+   _save_async(_ex), _save_shard, _save_slices, _load(_ex) and _load_shard (not yet _load_slices: it
+   refuses device slices with DDP_ERR_UNSUPPORTED). The file is written from and read into
    pinned host memory (cudaMallocHost), so it is byte for byte the one host tensors with the same values
    give. The copies are cudaMemcpyAsync on the group's stream (ddp_set_stream; default the legacy default
    stream) followed by cudaStreamSynchronize of that stream, on the calling thread: they see what the

@@ -226,6 +226,9 @@ static void t_slices(ddp_group *g, int rank, int n) {
     memset(&s, 0, sizeof s);
     s.name = "global.weight", s.dtype = DDP_F32, s.global_count = total, s.offset = per * (size_t)rank, s.count = per, s.data = d;
     CHECK_OK(ddp_checkpoint_save_slices(g, path.c_str(), &s, 1, NULL, NULL), g);
+    s.offset = 0, s.count = per, s.data = d; /* a device destination is refused on every rank, not a fault */
+    CHECK(ddp_checkpoint_load_slices(g, path.c_str(), &s, 1, NULL) == DDP_ERR_UNSUPPORTED && strstr(ddp_last_error(g), "device memory"),
+          "load_slices into device memory: %s", ddp_last_error(g));
     s.offset = 0, s.count = total, s.data = all.data();
     CHECK_OK(ddp_checkpoint_load_slices(g, path.c_str(), &s, 1, NULL), g);
     for (size_t j = 0; j < total; j++)
