@@ -20029,6 +20029,7 @@ static ddp_result ddp__ck_build_header(const char *path, const ddp_tensor *t, in
    this file:
      files         argument checks, then tmp file -> fsync -> rename -> fsync(directory); reads at an
                    offset with the checksum computed on the way
+     device tensors  (DDP_CUDA) copies to and from pinned host memory on the group's stream
      collectives   agreement on the outcome (every rank fails together), chunked broadcasts
      rotation      keep_last and ddp_checkpoint_latest: files that differ in one run of digits
      save, load    rank 0 writes; every rank reads, or rank 0 reads and broadcasts
@@ -20188,7 +20189,7 @@ static int ddp__ck_any_on_device(const ddp_tensor *t, int n) {
 }
 
 /* The bytes that ddp__ck_snapshot needs at base: 64-byte aligned pieces of every tensor (all) or of the
-   device tensors only. 0 when they do not fit in a size_t / 2. */
+   device tensors only; *too_large (and 0) past SIZE_MAX / 4 bytes. */
 static size_t ddp__ck_snapshot_bytes(const ddp_tensor *t, int n, int all, int *too_large) {
     size_t total = 0;
     int i;
