@@ -4,6 +4,7 @@
    this file:
      files         argument checks, then tmp file -> fsync -> rename -> fsync(directory); reads at an
                    offset with the checksum computed on the way
+     device tensors  (DDP_CUDA) copies to and from pinned host memory on the group's stream
      collectives   agreement on the outcome (every rank fails together), chunked broadcasts
      rotation      keep_last and ddp_checkpoint_latest: files that differ in one run of digits
      save, load    rank 0 writes; every rank reads, or rank 0 reads and broadcasts
@@ -122,6 +123,176 @@ static ddp_result ddp__ck_sync_dir(ddp_group *g, const char *path) {
     return r;
 }
 
+/* ---- device tensors ----
+   In a build with -DDDP_CUDA linked with ddp_cuda.o, a tensor's data may be device memory (cudaMalloc'd
+   or managed; ddp__cuda_is_device_pointer). The file is always written from and read into host memory:
+     save        (ddp__ck_write_file: save, save_ex, save_shard) the device tensors are copied into pinned
+                 host memory (ddp__cuda_stage_host, made for the call and freed after it) with
+                 cudaMemcpyAsync on the group's stream (ddp_set_stream; NULL = the legacy default stream),
+                 then the stream is synchronised: the copies see what the program queued on that stream
+                 before the call. The checksums and the write read the pinned copy.
+     async save  the snapshot (step 1 below) copies the device tensors into the save's staging buffer,
+                 which is pinned memory then, on the group's stream, and synchronises before returning:
+                 the program may overwrite its device tensors right after the call (torch's async_save
+                 stages to the CPU first too). The staging is synchronous on the caller's thread, not on
+                 a side stream: the caller waits for one device-to-host copy of the state.
+     load        each device tensor is read into pinned host memory (its checksum verified there), then
+                 copied to the device on the group's stream and synchronised before the call returns.
+                 The broadcast load stages rank 0's reads the same way; the other ranks receive into
+                 device memory through the collective (devbuf.c or NCCL) and check the checksum on a
+                 host copy.
+   A CUDA failure while staging is the save's (load's) error on every rank (the agreement); no file is
+   written. Without DDP_CUDA every pointer is host memory and none of this runs. */
+#ifdef DDP_CUDA
+static int ddp__ck_on_device(const void *p, uint64_t bytes) { return bytes && p && ddp__cuda_is_device_pointer(p) == 1; }
+#else
+static int ddp__ck_on_device(const void *p, uint64_t bytes) {
+    (void)p, (void)bytes;
+    return 0;
+}
+#endif
+
+static void *ddp__ck_stream(ddp_group *g) { return g ? ddp__devbuf_stream(g) : NULL; }
+
+static int ddp__ck_any_on_device(const ddp_tensor *t, int n) {
+    int i;
+    for (i = 0; i < n; i++) {
+        uint64_t bytes;
+        ddp__ck_tensor_bytes(&t[i], &bytes);
+        if (ddp__ck_on_device(t[i].data, bytes)) return 1;
+    }
+    return 0;
+}
+
+/* The bytes that ddp__ck_snapshot needs at base: 64-byte aligned pieces of every tensor (all) or of the
+   device tensors only; *too_large (and 0) past SIZE_MAX / 4 bytes. */
+static size_t ddp__ck_snapshot_bytes(const ddp_tensor *t, int n, int all, int *too_large) {
+    size_t total = 0;
+    int i;
+    *too_large = 0;
+    for (i = 0; i < n; i++) {
+        uint64_t bytes;
+        ddp__ck_tensor_bytes(&t[i], &bytes);
+        if (!all && !ddp__ck_on_device(t[i].data, bytes)) continue;
+        if (bytes > (uint64_t)(SIZE_MAX / 4) - total) {
+            *too_large = 1;
+            return 0;
+        }
+        total += ((size_t)bytes + 63) & ~(size_t)63;
+    }
+    return total;
+}
+
+/* out[i] = t[i], with the data of every tensor (all) or of the device tensors copied to base (laid out as
+   ddp__ck_snapshot_bytes counts): host tensors with memcpy, device tensors with cudaMemcpyAsync on
+   stream, which is then synchronised. Errors are reported on g (NULL: the thread's last error). */
+static ddp_result ddp__ck_snapshot(ddp_group *g, void *stream, const char *path, const ddp_tensor *t, int n, int all, char *base,
+                                   ddp_tensor *out) {
+    size_t at = 0;
+    int i, queued = 0;
+    ddp_result r = DDP_SUCCESS;
+    (void)g, (void)stream, (void)path;
+    for (i = 0; i < n && r == DDP_SUCCESS; i++) {
+        uint64_t bytes;
+        int dev;
+        out[i] = t[i];
+        ddp__ck_tensor_bytes(&t[i], &bytes);
+        dev = ddp__ck_on_device(t[i].data, bytes);
+        if (!all && !dev) continue;
+        out[i].data = base + at;
+        at += ((size_t)bytes + 63) & ~(size_t)63;
+        if (!dev) {
+            if (bytes) memcpy(out[i].data, t[i].data, (size_t)bytes);
+            continue;
+        }
+#ifdef DDP_CUDA
+        {
+            char err[DDP__ERR_MAX];
+            if (ddp__cuda_stage_copy(out[i].data, t[i].data, (size_t)bytes, stream, err, sizeof err) != DDP_SUCCESS)
+                r = ddp__fail(g, DDP_ERR_SYSTEM, "checkpoint save of %s: copying tensor \"%.64s\" (%llu bytes) from device memory to "
+                              "pinned host memory failed: %s", path, t[i].name, (unsigned long long)bytes, err);
+            queued = 1;
+        }
+#endif
+    }
+#ifdef DDP_CUDA
+    if (queued) { /* wait even after a failed copy: none may still write to base once we return */
+        char err[DDP__ERR_MAX];
+        if (ddp__cuda_stage_sync(stream, err, sizeof err) != DDP_SUCCESS && r == DDP_SUCCESS)
+            r = ddp__fail(g, DDP_ERR_SYSTEM, "checkpoint save of %s: waiting for the copies of device tensors to pinned host memory "
+                          "failed: %s", path, err);
+    }
+#endif
+    (void)queued;
+    return r;
+}
+
+#ifdef DDP_CUDA
+static void ddp__ck_stage_free(void *stage) { ddp__cuda_stage_free((ddp__cuda_stage *)stage); }
+
+/* A sync save's host view of t: *out = t when no tensor is on the device; else a new array (the caller
+   frees it and *stage) whose device tensors point into pinned memory holding their bytes. */
+static ddp_result ddp__ck_host_view(ddp_group *g, const char *path, const ddp_tensor *t, int n, const ddp_tensor **out,
+                                    ddp_tensor **made, void **stage) {
+    char err[DDP__ERR_MAX];
+    void *host = NULL;
+    int too_large;
+    size_t total;
+    ddp_result r;
+    *out = t, *made = NULL, *stage = NULL;
+    if (!ddp__ck_any_on_device(t, n)) return DDP_SUCCESS;
+    total = ddp__ck_snapshot_bytes(t, n, 0, &too_large);
+    if (too_large) return ddp__fail(g, DDP_ERR_OUT_OF_MEMORY, "checkpoint save of %s: the device tensors are too large to stage", path);
+    if ((r = ddp__cuda_stage_host((ddp__cuda_stage **)stage, total, &host, err, sizeof err)) != DDP_SUCCESS)
+        return ddp__fail(g, r, "checkpoint save of %s: pinned host memory for %zu bytes of device tensors: %s", path, total, err);
+    if (!(*made = (ddp_tensor *)ddp__calloc((size_t)n + 1, sizeof **made)))
+        return ddp__fail(g, DDP_ERR_OUT_OF_MEMORY, "checkpoint save of %s: out of memory", path);
+    if ((r = ddp__ck_snapshot(g, ddp__ck_stream(g), path, t, n, 0, (char *)host, *made)) != DDP_SUCCESS) return r;
+    *out = *made;
+    return DDP_SUCCESS;
+}
+
+/* Load: bytes of the file into device memory dst, through pinned host memory; the checksum register is
+   updated on the host copy. */
+static ddp_result ddp__ck_read_to_device(ddp_group *g, int fd, void *dst, uint64_t bytes, uint64_t off, const char *path,
+                                         const char *name, uint32_t *crc) {
+    ddp__cuda_stage *stage = NULL;
+    char err[DDP__ERR_MAX];
+    void *host = NULL, *stream = ddp__ck_stream(g);
+    ddp_result r = ddp__cuda_stage_host(&stage, (size_t)bytes, &host, err, sizeof err);
+    if (r != DDP_SUCCESS) r = ddp__fail(g, r, "checkpoint load of %s: pinned host memory for tensor \"%.64s\": %s", path, name, err);
+    if (r == DDP_SUCCESS) r = ddp__ck_read_at(g, fd, host, bytes, off, path, crc);
+    if (r == DDP_SUCCESS && (r = ddp__cuda_stage_copy(dst, host, (size_t)bytes, stream, err, sizeof err)) != DDP_SUCCESS)
+        r = ddp__fail(g, r, "checkpoint load of %s: copying tensor \"%.64s\" to device memory failed: %s", path, name, err);
+    if (r == DDP_SUCCESS && (r = ddp__cuda_stage_sync(stream, err, sizeof err)) != DDP_SUCCESS)
+        r = ddp__fail(g, r, "checkpoint load of %s: waiting for the copy of tensor \"%.64s\" to device memory failed: %s", path, name, err);
+    ddp__cuda_stage_free(stage);
+    return r;
+}
+
+/* The CRC32C of bytes of device memory (a broadcast load's arrival check), on a pinned host copy. */
+static ddp_result ddp__ck_device_crc(ddp_group *g, const void *src, uint64_t bytes, const char *path, uint32_t *crc) {
+    ddp__cuda_stage *stage = NULL;
+    char err[DDP__ERR_MAX];
+    void *host = NULL, *stream = ddp__ck_stream(g);
+    ddp_result r = ddp__cuda_stage_host(&stage, (size_t)bytes, &host, err, sizeof err);
+    if (r == DDP_SUCCESS) r = ddp__cuda_stage_copy(host, src, (size_t)bytes, stream, err, sizeof err);
+    if (r == DDP_SUCCESS) r = ddp__cuda_stage_sync(stream, err, sizeof err);
+    if (r == DDP_SUCCESS) *crc = ddp__ck_crc32c(host, (size_t)bytes, 1);
+    else ddp__fail(g, r, "checkpoint load of %s: copying a tensor from device memory to check its checksum failed: %s", path, err);
+    ddp__cuda_stage_free(stage);
+    return r;
+}
+#else
+static void ddp__ck_stage_free(void *stage) { (void)stage; }
+static ddp_result ddp__ck_host_view(ddp_group *g, const char *path, const ddp_tensor *t, int n, const ddp_tensor **out,
+                                    ddp_tensor **made, void **stage) {
+    (void)g, (void)path, (void)n;
+    *out = t, *made = NULL, *stage = NULL;
+    return DDP_SUCCESS;
+}
+#endif
+
 /* Write header + tensor data to "<path>.tmp", fsync, rename over path, fsync the directory. On any
    failure the temporary file is removed and path is untouched. */
 static ddp_result ddp__ck_atomic_write(ddp_group *g, const char *path, const ddp__ck_buf *hdr, const ddp_tensor *t, int n) {
@@ -155,20 +326,25 @@ static ddp_result ddp__ck_atomic_write(ddp_group *g, const char *path, const ddp
     return r;
 }
 
-/* One process writes one file: checks, header, atomic write. */
+/* One process writes one file: checks, device tensors to pinned memory, header, atomic write. staged: t
+   is an async save's staging copy, host memory (the background thread then makes no CUDA call). */
 static ddp_result ddp__ck_write_file(ddp_group *g, const char *path, const ddp_tensor *t, int n, const ddp_meta *meta,
-                                     const ddp_meta *extra) {
+                                     const ddp_meta *extra, int staged) {
     ddp__ck_buf hdr;
     char err[DDP__ERR_MAX];
+    ddp_tensor *made = NULL;
+    void *stage = NULL;
     ddp_result r;
     memset(&hdr, 0, sizeof hdr);
     if (!ddp__ck_little_endian()) return ddp__fail(g, DDP_ERR_UNSUPPORTED, "checkpoint: safetensors is little-endian and this host is not");
     if (!path || !*path) return ddp__fail(g, DDP_ERR_INVALID_ARGUMENT, "checkpoint save: path is NULL or empty");
     if ((r = ddp__ck_check_tensors(g, "checkpoint save", t, n)) != DDP_SUCCESS) return r;
     if ((r = ddp__ck_check_meta(g, path, meta)) != DDP_SUCCESS) return r;
-    r = ddp__ck_build_header(path, t, n, meta, extra, &hdr, err);
-    if (r != DDP_SUCCESS) ddp__fail(g, r, "%s", err);
+    r = staged ? DDP_SUCCESS : ddp__ck_host_view(g, path, t, n, &t, &made, &stage); /* device tensors: a pinned host copy */
+    if (r == DDP_SUCCESS && (r = ddp__ck_build_header(path, t, n, meta, extra, &hdr, err)) != DDP_SUCCESS) ddp__fail(g, r, "%s", err);
     if (r == DDP_SUCCESS) r = ddp__ck_atomic_write(g, path, &hdr, t, n);
+    ddp__free(made);
+    ddp__ck_stage_free(stage);
     ddp__free(hdr.p);
     return r;
 }
@@ -386,11 +562,11 @@ static ddp_result ddp__ck_check_rotation(ddp_group *g, const char *path, const d
 
 /* Rank 0's part of a save: write the file, then rotate (keep_last). Errors go to g (may be NULL). */
 static ddp_result ddp__ck_save_on_root(ddp_group *g, const char *path, const ddp_tensor *t, int n, const ddp_meta *meta,
-                                       const ddp_checkpoint_save_desc *desc) {
+                                       const ddp_checkpoint_save_desc *desc, int staged) {
     ddp__ck_family fam;
     int64_t number = 0;
     ddp_result r = ddp__ck_check_rotation(g, path ? path : "", desc, &fam, &number);
-    if (r == DDP_SUCCESS) r = ddp__ck_write_file(g, path, t, n, meta, NULL);
+    if (r == DDP_SUCCESS) r = ddp__ck_write_file(g, path, t, n, meta, NULL, staged);
     if (r == DDP_SUCCESS && fam.dir) {
         static const char *const tails[] = {"", ".tmp"};
         int64_t cutoff = ddp__ck_cutoff(g, &fam, desc->keep_last, number);
@@ -407,7 +583,7 @@ DDP_API ddp_result ddp_checkpoint_save_ex(ddp_group *g, const char *path, const 
     ddp_result r = DDP_SUCCESS;
     if (g && !ddp__live_has(g, DDP__LIVE_GROUP)) return ddp__group_check(g, "ddp_checkpoint_save_ex");
     ddp__ck_async_settle(g); /* a background save in flight finishes first */
-    if (ddp__ck_rank(g) == 0) r = ddp__ck_save_on_root(g, path, t, n, meta, desc);
+    if (ddp__ck_rank(g) == 0) r = ddp__ck_save_on_root(g, path, t, n, meta, desc, 0);
     return ddp__ck_agree(g, r, "checkpoint save");
 }
 
@@ -458,6 +634,7 @@ struct ddp__ck_async {
     ddp_checkpoint_save_desc desc;
     char *stage;        /* the tensor bytes; kept between saves */
     size_t stage_cap;
+    void *pinned;       /* ddp__cuda_stage: the staging memory instead when a tensor is on the device (DDP_CUDA) */
     ddp_result pre;     /* an error found while staging (rank 0), delivered through the agreement */
     char pre_msg[DDP__ERR_MAX];
 };
@@ -499,7 +676,7 @@ static void *ddp__ck_async_main(void *arg) {
     ddp_result r = a->pre;
     ddp_work *w = a->work;
     if (r != DDP_SUCCESS) ddp__fail(a->sub, r, "%s", a->pre_msg);
-    else if (a->rank == 0) r = ddp__ck_save_on_root(a->sub, a->path, a->t, a->n, a->has_meta ? &a->meta : NULL, a->has_desc ? &a->desc : NULL);
+    else if (a->rank == 0) r = ddp__ck_save_on_root(a->sub, a->path, a->t, a->n, a->has_meta ? &a->meta : NULL, a->has_desc ? &a->desc : NULL, 1);
     r = ddp__ck_agree(a->sub, r, DDP__CK_ASYNC_WHAT);
     pthread_mutex_lock(&a->mu);
     w->result = r;
@@ -552,6 +729,7 @@ static void ddp__ck_async_end(ddp_group *g) {
         else ddp__group_free(a->sub);
     }
     ddp__free(a->stage);
+    ddp__ck_stage_free(a->pinned);
     pthread_mutex_destroy(&a->mu);
     pthread_cond_destroy(&a->cv);
     ddp__free(a);
@@ -594,44 +772,51 @@ static ddp_result ddp__ck_async_state(ddp_group *g, struct ddp__ck_async **out) 
     return DDP_SUCCESS;
 }
 
-/* Rank 0: copy the tensors into the staging buffer (64-byte aligned pieces), their names, the metadata and
-   options (a->path is set already). An error is kept in a->pre, delivered through the agreement. */
-static void ddp__ck_async_stage(struct ddp__ck_async *a, const char *path, const ddp_tensor *t, int n, const ddp_meta *meta,
-                                const ddp_checkpoint_save_desc *desc) {
-    size_t total = 0, names = 0, at = 0, nat = 0;
+/* Rank 0: copy the tensors into the staging buffer (64-byte aligned pieces; pinned memory when a tensor
+   is on the device, copied on g's stream and synchronised), their names, the metadata and options
+   (a->path is set already). An error is kept in a->pre, delivered through the agreement. */
+static void ddp__ck_async_stage(ddp_group *g, struct ddp__ck_async *a, const char *path, const ddp_tensor *t, int n,
+                                const ddp_meta *meta, const ddp_checkpoint_save_desc *desc) {
+    size_t total = 0, names = 0, nat = 0;
+    char *base = NULL;
+    int too_large = 0, on_device = 0;
     ddp_result r;
     int i;
     if (!path || !*path) r = ddp__fail(NULL, DDP_ERR_INVALID_ARGUMENT, "checkpoint save: path is NULL or empty");
     else r = ddp__ck_check_tensors(NULL, "checkpoint save", t, n);
-    for (i = 0; r == DDP_SUCCESS && i < n; i++) {
-        uint64_t bytes;
-        ddp__ck_tensor_bytes(&t[i], &bytes);
-        if (bytes > (uint64_t)(SIZE_MAX / 2) - total) r = ddp__fail(NULL, DDP_ERR_OUT_OF_MEMORY, "checkpoint save of %s: the tensors are too large to stage", path);
-        total += ((size_t)bytes + 63) & ~(size_t)63;
-        names += strlen(t[i].name) + 1;
+    if (r == DDP_SUCCESS) {
+        total = ddp__ck_snapshot_bytes(t, n, 1, &too_large);
+        on_device = ddp__ck_any_on_device(t, n);
+        for (i = 0; i < n; i++) names += strlen(t[i].name) + 1;
+        if (too_large) r = ddp__fail(NULL, DDP_ERR_OUT_OF_MEMORY, "checkpoint save of %s: the tensors are too large to stage", path);
     }
-    if (r == DDP_SUCCESS && total > a->stage_cap) {
+#ifdef DDP_CUDA
+    if (r == DDP_SUCCESS && on_device) {
+        char err[DDP__ERR_MAX];
+        void *host = NULL;
+        if ((r = ddp__cuda_stage_host((ddp__cuda_stage **)&a->pinned, total, &host, err, sizeof err)) != DDP_SUCCESS)
+            ddp__fail(NULL, r, "checkpoint save of %s: pinned host memory for the %zu-byte staging copy: %s", path, total, err);
+        base = (char *)host;
+    }
+#endif
+    if (r == DDP_SUCCESS && !on_device && total > a->stage_cap) {
         ddp__free(a->stage);
         a->stage_cap = 0;
         if (!(a->stage = (char *)ddp__malloc(total)))
             r = ddp__fail(NULL, DDP_ERR_OUT_OF_MEMORY, "checkpoint save of %s: out of memory for the %zu-byte staging copy", path, total);
         else a->stage_cap = total;
     }
+    if (r == DDP_SUCCESS && !on_device) base = a->stage;
     if (r == DDP_SUCCESS) {
         a->t = (ddp_tensor *)ddp__calloc((size_t)n + 1, sizeof *a->t);
         a->names = (char *)ddp__malloc(names + 1);
         if (!a->path || !a->t || !a->names) r = ddp__fail(NULL, DDP_ERR_OUT_OF_MEMORY, "checkpoint save of %s: out of memory", path);
     }
+    if (r == DDP_SUCCESS) r = ddp__ck_snapshot(NULL, ddp__ck_stream(g), path, t, n, 1, base, a->t);
     for (i = 0; r == DDP_SUCCESS && i < n; i++) {
-        uint64_t bytes;
         size_t len = strlen(t[i].name) + 1;
-        ddp__ck_tensor_bytes(&t[i], &bytes);
-        a->t[i] = t[i];
         a->t[i].name = (const char *)memcpy(a->names + nat, t[i].name, len);
-        a->t[i].data = a->stage + at;
-        if (bytes) memcpy(a->stage + at, t[i].data, (size_t)bytes);
         nat += len;
-        at += ((size_t)bytes + 63) & ~(size_t)63;
     }
     a->n = n;
     a->has_meta = meta != NULL;
@@ -670,7 +855,7 @@ DDP_API ddp_result ddp_checkpoint_save_async_ex(ddp_group *g, const char *path, 
         return ddp__fail(g, DDP_ERR_OUT_OF_MEMORY, "ddp_checkpoint_save_async: out of memory recording a ddp_work");
     }
     a->path = ddp__ck_cat(path ? path : "", ""); /* every rank: its messages name the file (NULL: out of memory, staged as such) */
-    if (a->rank == 0) ddp__ck_async_stage(a, path, t, n, meta, desc);
+    if (a->rank == 0) ddp__ck_async_stage(g, a, path, t, n, meta, desc);
     a->work = w;
     if (pthread_create(&a->thread, NULL, ddp__ck_async_main, a) == 0) a->thread_live = 1;
     else {
@@ -783,7 +968,12 @@ static ddp_result ddp__ck_read_tensor(ddp_group *g, const char *path, int fd, ui
                                       const ddp__ck_entry *e, void *dst) {
     uint64_t bytes = e->end - e->begin;
     uint32_t want, got = 0xFFFFFFFFu;
-    ddp_result r = ddp__ck_read_at(g, fd, dst, bytes, data_start + e->begin, path, &got);
+    ddp_result r;
+#ifdef DDP_CUDA
+    if (ddp__ck_on_device(dst, bytes)) r = ddp__ck_read_to_device(g, fd, dst, bytes, data_start + e->begin, path, e->name, &got);
+    else
+#endif
+        r = ddp__ck_read_at(g, fd, dst, bytes, data_start + e->begin, path, &got);
     if (r != DDP_SUCCESS) return r;
     got = ~got;
     if (ddp__ck_stored_crc(h, e->name, &want) <= 0) return DDP_SUCCESS;
@@ -953,7 +1143,18 @@ static ddp_result ddp__ck_load_bcast(ddp_group *g, const char *path, ddp_tensor 
         uint32_t want;
         if ((r = ddp__ck_bcast(g, to, sel[2 * j + 1], scratch)) != DDP_SUCCESS) goto done;
         if (root || !to || sel[2 * j] >= (uint64_t)k.h.n) continue;
-        if (ddp__ck_stored_crc(&k.h, k.h.e[sel[2 * j]].name, &want) > 0 && ddp__ck_crc32c(to, (size_t)sel[2 * j + 1], 1) != want)
+        if (ddp__ck_stored_crc(&k.h, k.h.e[sel[2 * j]].name, &want) <= 0) continue;
+#ifdef DDP_CUDA
+        if (ddp__ck_on_device(to, sel[2 * j + 1])) {
+            uint32_t got = 0;
+            if ((mine = ddp__ck_device_crc(g, to, sel[2 * j + 1], path, &got)) != DDP_SUCCESS) continue;
+            if (got != want)
+                mine = ddp__fail(g, DDP_ERR_FORMAT, "checkpoint load of %s: tensor \"%.64s\" arrived from rank 0 with a wrong checksum", path,
+                                 k.h.e[sel[2 * j]].name);
+            continue;
+        }
+#endif
+        if (ddp__ck_crc32c(to, (size_t)sel[2 * j + 1], 1) != want)
             mine = ddp__fail(g, DDP_ERR_FORMAT, "checkpoint load of %s: tensor \"%.64s\" arrived from rank 0 with a wrong checksum", path,
                              k.h.e[sel[2 * j]].name);
     }
@@ -1038,12 +1239,12 @@ DDP_API ddp_result ddp_checkpoint_save_shard(ddp_group *g, const char *path, con
     if (world > 1 && (r = ddp_broadcast(g, &id, 1, DDP_I64, 0)) != DDP_SUCCESS) goto done;
     shard = ddp__ck_shard_path(path, rank);
     if (!shard || ddp__ck_shard_keys(&extra, rank, world, id) != DDP_SUCCESS) r = ddp__fail(g, DDP_ERR_OUT_OF_MEMORY, "%s: out of memory", what);
-    else r = ddp__ck_write_file(g, shard, t, n, meta, &extra);
+    else r = ddp__ck_write_file(g, shard, t, n, meta, &extra, 0);
     if ((r = ddp__ck_agree(g, r, what)) != DDP_SUCCESS) goto done;
     if (rank == 0) {
         ddp_meta_free(&extra);
         if (ddp__ck_shard_keys(&extra, -1, world, id) != DDP_SUCCESS) r = ddp__fail(g, DDP_ERR_OUT_OF_MEMORY, "%s: out of memory", what);
-        else r = ddp__ck_write_file(g, path, NULL, 0, NULL, &extra);
+        else r = ddp__ck_write_file(g, path, NULL, 0, NULL, &extra, 0);
         if (r == DDP_SUCCESS && fam.dir) {
             static const char *const tails[] = {"", ".tmp"};
             cutoff = ddp__ck_cutoff(g, &fam, desc->keep_last, number);

@@ -104,6 +104,29 @@ DDP_API ddp_result ddp_meta_get_resume(const ddp_meta *m, ddp_resume_state *s);
 
 /* ---- Save and load -------------------------------------------------------------------------- */
 
+/* Device tensors: in a build with -DDDP_CUDA linked with ddp_cuda.o, a tensor's data may be device
+   memory (cudaMalloc'd or managed), mixed freely with host tensors, in ddp_checkpoint_save(_ex),
+   _save_async(_ex), _save_shard, _save_slices, _load(_ex) and _load_shard (not yet _load_slices: it
+   refuses device slices with DDP_ERR_UNSUPPORTED). The file is written from and read into
+   pinned host memory (cudaMallocHost), so it is byte for byte the one host tensors with the same values
+   give. The copies are cudaMemcpyAsync on the group's stream (ddp_set_stream; default the legacy default
+   stream) followed by cudaStreamSynchronize of that stream, on the calling thread: they see what the
+   program queued on that stream before the call, and a load's values are on the device when it returns.
+     save        rank 0 (each rank for a shard) copies its device tensors to pinned memory made for the
+                 call, then writes from there (cost: one device-to-host copy of the state and one
+                 cudaMallocHost per save).
+     save_async  the snapshot copies the device tensors into the save's staging buffer (pinned memory
+                 then, kept for the next async save) and synchronises before the call returns, so the
+                 program may overwrite its device tensors at once (torch's async_save stages to the CPU
+                 first too). This staging is synchronous, not on a side stream: the call costs one
+                 device-to-host copy of the state (about state bytes / PCIe bandwidth); the write is
+                 in the background as for host tensors.
+     load        each device tensor is read into pinned memory (its checksum verified there) and copied
+                 to the device; with broadcast = 1 rank 0 does the same, the other ranks receive into
+                 device memory through the group's collective and verify the checksum on a host copy.
+   A CUDA error while copying (a tensor longer than its allocation, a bad pointer) is DDP_ERR_SYSTEM on
+   every rank, naming the tensor and the copy; no file is written (path and "<path>.tmp" untouched). */
+
 /* Save options; zero-initialised (or NULL) means the defaults. */
 typedef struct ddp_checkpoint_save_desc {
     /* > 0: after a successful save, delete the older checkpoints of the same family, keeping the
@@ -149,7 +172,7 @@ DDP_API ddp_result ddp_checkpoint_save_ex(ddp_group *g, const char *path, const 
    async_save): the call copies the tensors (and meta, path, desc) into one staging buffer on rank 0 and
    returns; a background thread then writes the same file as ddp_checkpoint_save would (same format,
    checksums, tmp + fsync + rename, keep_last) and completes *w. The tensors may change as soon as the
-   call returns. Collective over g when g is not NULL, as ddp_checkpoint_save; the ranks agree on the
+   call returns (device tensors too: see "Device tensors" above). Collective over g when g is not NULL, as ddp_checkpoint_save; the ranks agree on the
    outcome in the background on a private group of the same ranks (made at the first async save), so
    the program's own collectives go on meanwhile. ddp_wait(*w) returns DDP_SUCCESS on a rank once the
    file is complete and durable; a failure anywhere (rank 0 could not write: the message names the

@@ -149,6 +149,12 @@ DDP_API ddp_result ddp_checkpoint_load_slices(ddp_group *g, const char *path, dd
     if (g && !ddp__live_has(g, DDP__LIVE_GROUP)) return ddp__group_check(g, "ddp_checkpoint_load_slices");
     ddp__ck_async_settle(g);
     r = ddp__slices_check(g, what, s, n);
+#ifdef DDP_CUDA
+    for (i = 0; r == DDP_SUCCESS && i < n; i++) /* the pieces are copied with memcpy below */
+        if (s[i].count && ddp__cuda_is_device_pointer(s[i].data) == 1)
+            r = ddp__fail(g, DDP_ERR_UNSUPPORTED, "%s: slice \"%.64s\" is in device memory, which ddp_checkpoint_load_slices does not "
+                          "take yet: load it into host memory and copy it to the device", what, s[i].name);
+#endif
     if (r == DDP_SUCCESS && n > 0 && !(found = (uint64_t *)ddp__calloc((size_t)n, sizeof *found)))
         r = ddp__fail(g, DDP_ERR_OUT_OF_MEMORY, "%s: out of memory", what);
     if (r == DDP_SUCCESS) r = ddp__ck_read_marker(g, path, &world, &id);
