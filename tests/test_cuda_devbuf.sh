@@ -6,22 +6,4 @@
 # and whose async copies run only when synchronised; then 2, 3 and 4 ranks over shared memory and TCP
 # run every collective on device buffers against serial references. Needs neither a GPU nor the CUDA
 # toolkit. SAN=1 builds and runs it under AddressSanitizer + UndefinedBehaviorSanitizer instead.
-set -u
-cd "$(dirname "$0")/.."
-BUILD=${BUILD:-build}
-CXX=${CXX:-g++}
-out="$BUILD/cuda_harness"
-mkdir -p "$out"
-make -s ddp.h >/dev/null || { echo "FAIL: cannot generate ddp.h"; exit 1; } # regenerated only when src/ changed
-flags=(-std=c++17 -Wall -Wextra -Werror -pedantic -I. -Itests -Itests/cuda_harness -pthread)
-name=test_cuda_devbuf opt=(-O1) lflags=()
-if [ "${SAN:-0}" = 1 ]; then
-  name=test_cuda_devbuf-san
-  opt=(-O1 -g1 -fsanitize=address,undefined -fno-omit-frame-pointer -fno-sanitize-recover=all)
-  lflags=("${opt[@]}")
-fi
-"$CXX" "${flags[@]}" "${opt[@]}" -x c++ -c ddp_cuda.cu -o "$out/ddp_cuda_$name.o" &&
-  "$CXX" "${flags[@]}" "${opt[@]}" -c tests/test_cuda_devbuf.cpp -o "$out/$name.o" &&
-  "$CXX" "${lflags[@]}" -pthread "$out/ddp_cuda_$name.o" "$out/$name.o" -lm -o "$out/$name" ||
-  { echo "FAIL: ddp_cuda.cu or tests/test_cuda_devbuf.cpp does not build with $CXX and the harness"; exit 1; }
-"$out/$name" || { echo "FAIL: device buffers on the cpu backend"; exit 1; }
+exec "$(dirname "$0")/cuda_harness/run_test.sh" test_cuda_devbuf "device buffers on the cpu backend"
