@@ -5,7 +5,7 @@
 # runs it under AddressSanitizer + UndefinedBehaviorSanitizer instead. Used by tests/test_cuda_devbuf.sh
 # and tests/test_cuda_checkpoint.sh.
 set -u
-cd "$(dirname "$0")/../.."
+cd "$(dirname "$0")/../.." || exit 1
 test=$1 what=$2
 BUILD=${BUILD:-build}
 CXX=${CXX:-g++}
