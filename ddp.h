@@ -352,7 +352,13 @@ DDP_API ddp_result ddp_barrier(ddp_group *g);
    send = recv + root*count. */
 DDP_API ddp_result ddp_gather(ddp_group *g, const void *send, void *recv, size_t count, ddp_dtype t, int root);
 /* scatter: recv (count elements) <- root's send[rank*count ...]. In place on the root: recv = send +
-   root*count. */
+   root*count.
+   Small gathers and scatters over shared memory (up to 2 KiB of data per writer) run ahead, as MPI's
+   eager sends: a scatter's root and a gather's other ranks return as soon as their data is copied
+   (their buffers are theirs again), and a scatter's other ranks wait for the root alone, up to 30 calls
+   ahead of the slowest rank. A mismatch found late (another root, count or collective on some rank) is
+   still an error on every rank, but a rank that ran ahead gets it from a later call on the group (at
+   the latest its next call of another kind, or ddp_destroy). */
 DDP_API ddp_result ddp_scatter(ddp_group *g, const void *send, void *recv, size_t count, ddp_dtype t, int root);
 /* all_to_all (torch's all_to_all_single with equal splits): recv[r*count_per_rank ...] <- rank r's
    send[rank*count_per_rank ...], for every r. send may equal recv (in place). */
@@ -9974,17 +9980,19 @@ static void ddp__lib_free_all(ddp_group *g) {
    map one shared segment and the collectives move data through it instead of TCP. The TCP mesh stays
    up beside it: it carries the ABORT frames and shows a dead peer (its sockets close).
 
-   Segment: a header, one control block per rank, per rank a staging area in two halves, then per
-   rank an arena for ddp_alloc (sparse: it takes memory only where blocks are allocated).
+   Segment: a header, one control block per rank, per rank a staging area in two halves, per rank a
+   ring of small slots (see "Running ahead"), then per rank an arena for ddp_alloc (sparse: it takes
+   memory only where blocks are allocated).
 
-       | header | ctl 0 | ... | rank 0: half 0 | half 1 | ... | arena 0 | arena 1 | ... | arena n-1 |
+       | header | ctl 0 | ... | rank 0: half 0 | half 1 | ... | ring 0 | ... | arena 0 | ... | arena n-1 |
 
    Every algorithm is a sequence of steps numbered by the group (g->shm_step), the same on every rank.
    A step: write my part into my half (step % 2), publish `posted = step`, wait until every rank has
    posted step, read what I need. Two halves are enough: a rank starts writing half h for step t only
    after all ranks posted t-1, and each rank posted t-1 only after it had finished reading step t-2,
    the last user of half h. The first step of each collective also compares every rank's fingerprint
-   (seq, collective, dtype, op, root, count), so a mismatch fails every rank inside the same call.
+   (seq, collective, dtype, op, root, count), so a mismatch fails every rank inside the same call (but
+   see "Running ahead" below for small gathers and scatters).
 
    all_reduce, small messages (one-shot): copy in, one step, every rank reduces all n inputs itself.
    all_reduce, large (two-shot, in rounds small enough to stay in cache from copy-in to copy-out):
@@ -10021,9 +10029,24 @@ static void ddp__lib_free_all(ddp_group *g) {
    Waiting: spin a little (the peer is usually a few hundred nanoseconds away; 256 pauses, or only 16
    when the host has more of the group's ranks than CPUs, where the peer being waited for is likely
    queued behind this very rank), then yield for up to a millisecond (a peer on the same core runs at
-   once), then sleep on a futex in the header; posters
-   wake sleepers only when someone sleeps, so the fast path makes no system call. While sleeping a
-   rank wakes every millisecond to check the TCP mesh for a lost or aborting peer and its deadline. */
+   once), then sleep on a futex in the header; posters bump it and wake sleepers only when someone
+   sleeps, so the fast path makes no system call and writes no shared line. While sleeping a
+   rank wakes every millisecond to check the TCP mesh for a lost or aborting peer and its deadline.
+
+   Running ahead (small gather and scatter, as MPI's eager sends): the ranks that write (a small
+   scatter's root, a small gather's other ranks) put their data in a ring of DDP__SHM_AHEAD slots of
+   their own, slot seq % DDP__SHM_AHEAD, post the step and return without waiting for anyone; a small
+   scatter's other ranks wait for the root alone and copy their block out of its slot; a small
+   gather's root waits for all, as in any step. The waits for every rank and the fingerprint checks
+   that a rank skipped are queued and made later: all of them before its next collective of another
+   kind writes anything (ddp__shm_settle), and the oldest whenever it would otherwise reuse a slot
+   that another rank may still read (ddp__shm_make_room: every rank must have begun the collective
+   after the slot's last one). So a producer runs up to DDP__SHM_AHEAD - 2 calls ahead of its
+   consumers, and the halves keep their invariant, as if every rank had waited. Fingerprints are kept
+   for 2 x DDP__SHM_AHEAD collectives, so none is rewritten before every rank has made the checks it
+   owes on it. A mismatch is still an error on every rank: the first rank to compare the two
+   fingerprints fails, the others learn it from the break, at the latest in their next collective of
+   another kind (or ddp_destroy's barrier), and a rank that finds it late says so in its message. */
 
 #include <linux/futex.h>
 #include <sys/statvfs.h>
@@ -10048,17 +10071,27 @@ typedef struct ddp__shm_header {
     char pad[24];
 } ddp__shm_header;
 
+/* Ring slots per rank (a rank runs at most DDP__SHM_AHEAD - 2 calls ahead), and fingerprints per rank:
+   twice as many, so that a fingerprint is rewritten only after every rank has made the checks it
+   owes on it (a rank that ran ahead makes them at the latest DDP__SHM_AHEAD - 2 calls later). */
+#define DDP__SHM_AHEAD 32
+#define DDP__SHM_FPS (2 * DDP__SHM_AHEAD)
+#define DDP__SHM_SLOT_BYTES ((size_t)2 << 10) /* a ring slot: the data of one small gather or scatter */
+
+typedef struct ddp__shm_fp { /* the fingerprint of one of this rank's collectives, at seq % DDP__SHM_FPS */
+    uint64_t seq, count;
+    uint64_t lib;  /* arena offset of this rank's buffer, or DDP__SHM_NOT_LIB */
+    uint64_t addr; /* its address in this rank's own address space, for CMA (0: not published) */
+    int32_t root;
+    uint8_t kind, dtype, op, pad;
+    char line[24]; /* one cache line each */
+} ddp__shm_fp;
+
 typedef struct ddp__shm_ctl {
     uint64_t posted;  /* last step whose data this rank has placed */
     uint64_t reduced; /* last step whose reduced segment this rank has placed (two-shot) */
-    struct {          /* the fingerprint of this rank's collective, by seq parity */
-        uint64_t seq, count;
-        uint64_t lib;  /* arena offset of this rank's buffer, or DDP__SHM_NOT_LIB */
-        uint64_t addr; /* its address in this rank's own address space, for CMA (0: not published) */
-        int32_t root;
-        uint8_t kind, dtype, op, pad;
-    } fp[2];
-    char pad[32];
+    char pad[48];
+    ddp__shm_fp fp[DDP__SHM_FPS];
 } ddp__shm_ctl;
 
 
@@ -10068,12 +10101,18 @@ struct ddp__shm {
     ddp__shm_header *hdr;
     ddp__shm_ctl *ctl; /* world entries */
     char *data;        /* world * 2 halves */
+    char *ring;        /* world * DDP__SHM_AHEAD slots, see "Running ahead" */
     size_t half;       /* bytes of one half */
     uint64_t step;     /* steps taken by this group */
     ddp__arena arena;  /* ddp_alloc's arenas (alloc.c): base NULL when there are none */
     int cma;     /* every rank can reach every other with process_vm_readv/writev (probed at set-up) */
     unsigned spins; /* pauses before a waiting rank starts to yield its core */
     pid_t *pids; /* world entries: each rank's process id, for CMA (NULL when cma is 0) */
+    struct {        /* the steps this rank posted without waiting, oldest first (see "Running ahead") */
+        ddp__coll coll[DDP__SHM_AHEAD];
+        uint64_t step[DDP__SHM_AHEAD];
+        unsigned first, n;
+    } owed;
 };
 
 #define DDP__LOAD(p) __atomic_load_n((p), __ATOMIC_ACQUIRE)
@@ -10083,11 +10122,23 @@ static char *ddp__shm_half(const ddp__shm *s, int rank, uint64_t step) {
     return s->data + ((size_t)rank * 2 + (size_t)(step & 1)) * s->half;
 }
 
+/* Rank j's fingerprint of collective seq, and its ring slot for it. */
+static ddp__shm_fp *ddp__shm_fp_of(const ddp__shm *s, int j, uint64_t seq) { return &s->ctl[j].fp[seq % DDP__SHM_FPS]; }
+static char *ddp__shm_slot(const ddp__shm *s, int j, uint64_t seq) {
+    return s->ring + ((size_t)j * DDP__SHM_AHEAD + (size_t)(seq % DDP__SHM_AHEAD)) * DDP__SHM_SLOT_BYTES;
+}
+
+/* Post: store the counter, then wake sleepers if there are any. The wake word is bumped only then, so
+   the fast path writes no shared line but this rank's own. No lost wake-up: in the single order of
+   sequentially consistent operations, either this load of sleepers comes after a sleeper's increment
+   (and the bump makes its FUTEX_WAIT return), or before it, and then the sleeper's re-check of the
+   counter, which follows its increment, sees this store. */
 static void ddp__shm_publish(ddp__shm *s, uint64_t *counter, uint64_t step) {
-    DDP__STORE(counter, step);
-    __atomic_add_fetch(&s->hdr->wake, 1, __ATOMIC_SEQ_CST);
-    if (__atomic_load_n(&s->hdr->sleepers, __ATOMIC_SEQ_CST))
+    __atomic_store_n(counter, step, __ATOMIC_SEQ_CST);
+    if (__atomic_load_n(&s->hdr->sleepers, __ATOMIC_SEQ_CST)) {
+        __atomic_add_fetch(&s->hdr->wake, 1, __ATOMIC_SEQ_CST);
         syscall(SYS_futex, &s->hdr->wake, FUTEX_WAKE, INT_MAX, NULL, NULL, 0);
+    }
 }
 
 static void ddp__cpu_relax(void) {
@@ -10100,35 +10151,35 @@ static void ddp__cpu_relax(void) {
 
 /* Compare rank j's fingerprint with ours. A rank already past this collective (newer seq) has
    itself checked ours before finishing, so it is skipped. */
-static ddp_result ddp__shm_check_fp(ddp_group *g, const ddp__coll *c, int j) {
-    const ddp__shm_ctl *k = &g->shm->ctl[j];
-    int par = (int)(c->seq & 1);
+static ddp_result ddp__shm_check_fp(ddp_group *g, const ddp__coll *c, int j, int late) {
+    const ddp__shm_fp *k = ddp__shm_fp_of(g->shm, j, c->seq);
     ddp__coll t;
     char ours[160], theirs[160];
-    t.seq = DDP__LOAD(&k->fp[par].seq);
+    t.seq = DDP__LOAD(&k->seq);
     if (t.seq > c->seq) return DDP_SUCCESS;
-    t.count = k->fp[par].count;
-    t.root = k->fp[par].root;
-    t.kind = k->fp[par].kind;
-    t.dtype = k->fp[par].dtype;
-    t.op = k->fp[par].op;
+    t.count = k->count;
+    t.root = k->root;
+    t.kind = k->kind;
+    t.dtype = k->dtype;
+    t.op = k->op;
     if (t.seq == c->seq && t.count == c->count && t.root == c->root && t.kind == c->kind && t.dtype == c->dtype && t.op == c->op)
         return DDP_SUCCESS;
     ddp__coll_describe(g, c, ours, sizeof ours);
     ddp__coll_describe(g, &t, theirs, sizeof theirs);
     return ddp__coll_fail(g, DDP_ERR_MISMATCH, "collective mismatch: rank %d called %s while rank %d called %s; every "
-                          "rank must call the same collectives in the same order with the same count, dtype, op and root",
-                          j, theirs, g->rank, ours);
+                          "rank must call the same collectives in the same order with the same count, dtype, op and root%s",
+                          j, theirs, g->rank, ours, late ? " (found after this rank had run ahead: small gathers and scatters "
+                          "return without waiting for every rank)" : "");
 }
 
 /* The number of the newest collective that rank j has entered over shared memory (0: none, or no
    segment): a recv waiting for j's message sees from it that j went on to a collective instead. */
 static uint64_t ddp__shm_peer_seq(const ddp_group *g, int j) {
-    uint64_t a, b;
+    uint64_t newest = 0;
+    int i;
     if (!g->shm) return 0;
-    a = DDP__LOAD(&g->shm->ctl[j].fp[0].seq);
-    b = DDP__LOAD(&g->shm->ctl[j].fp[1].seq);
-    return DDP__MAX(a, b);
+    for (i = 0; i < DDP__SHM_FPS; i++) newest = DDP__MAX(newest, DDP__LOAD(&g->shm->ctl[j].fp[i].seq));
+    return newest;
 }
 
 /* Called by ddp__group_break (transport.c): make every rank's next wait notice at once. */
@@ -10154,13 +10205,14 @@ static ddp_result ddp__shm_check_abort(ddp_group *g, const ddp__coll *c) {
     return ddp__coll_fail(g, DDP_ERR_PEER_LOST, "another rank broke the group (its reason did not arrive); see the other ranks' errors");
 }
 
-/* Wait until every rank's counter (posted or reduced: `which`) reaches step; on a collective's first
-   step also check the fingerprints. */
-static ddp_result ddp__shm_wait_all(ddp_group *g, const ddp__coll *c, int which, uint64_t step, int check) {
+/* Wait until the counters (posted or reduced: `which`) of ranks from..to-1 reach step; on a
+   collective's first step (check 1) also check their fingerprints; check 2: the same, for a step this
+   rank ran ahead of. */
+static ddp_result ddp__shm_wait(ddp_group *g, const ddp__coll *c, int which, uint64_t step, int check, int from, int to) {
     ddp__shm *s = g->shm;
     double deadline = 0;
     int j;
-    for (j = 0; j < g->world_size; j++) {
+    for (j = from; j < to; j++) {
         uint64_t *counter = which ? &s->ctl[j].reduced : &s->ctl[j].posted;
         unsigned spins = 0;
         double yield_until = 0;
@@ -10183,7 +10235,7 @@ static ddp_result ddp__shm_wait_all(ddp_group *g, const ddp__coll *c, int which,
                 uint32_t w = __atomic_load_n(&s->hdr->wake, __ATOMIC_SEQ_CST);
                 struct timespec ts = {0, 1000000};
                 __atomic_add_fetch(&s->hdr->sleepers, 1, __ATOMIC_SEQ_CST);
-                if (DDP__LOAD(counter) < step) syscall(SYS_futex, &s->hdr->wake, FUTEX_WAIT, w, &ts, NULL, 0);
+                if (__atomic_load_n(counter, __ATOMIC_SEQ_CST) < step) syscall(SYS_futex, &s->hdr->wake, FUTEX_WAIT, w, &ts, NULL, 0);
                 __atomic_sub_fetch(&s->hdr->sleepers, 1, __ATOMIC_SEQ_CST);
             }
             /* Only the rank waited for, and only if it has still not posted: a rank that posted this
@@ -10197,32 +10249,75 @@ static ddp_result ddp__shm_wait_all(ddp_group *g, const ddp__coll *c, int which,
             if (ddp__now() > deadline) return ddp__peer_timed_out(g, j, c);
         }
         if (check) {
-            ddp_result r = ddp__shm_check_fp(g, c, j);
+            ddp_result r = ddp__shm_check_fp(g, c, j, check == 2);
             if (r) return r;
         }
     }
     return ddp__shm_check_abort(g, c); /* a post made before its rank gave up does not count */
 }
 
+static ddp_result ddp__shm_wait_all(ddp_group *g, const ddp__coll *c, int which, uint64_t step, int check) {
+    return ddp__shm_wait(g, c, which, step, check, 0, g->world_size);
+}
+
 /* One step: (the caller has written its half) publish, wait for all, check fingerprints if first.
    The first step also publishes lib, where this rank's buffer is in its arena (DDP__SHM_NOT_LIB: not).
    A first step for CMA also publishes addr, where the buffer is in this process (0: not published). */
-static ddp_result ddp__shm_step_at(ddp_group *g, const ddp__coll *c, uint64_t step, int first, uint64_t lib, uint64_t addr) {
+static void ddp__shm_post(ddp_group *g, const ddp__coll *c, uint64_t step, int first, uint64_t lib, uint64_t addr) {
     ddp__shm *s = g->shm;
     if (first) {
-        ddp__shm_ctl *me = &s->ctl[g->rank];
-        int par = (int)(c->seq & 1);
-        me->fp[par].count = c->count;
-        me->fp[par].lib = lib;
-        me->fp[par].addr = addr;
-        me->fp[par].root = c->root;
-        me->fp[par].kind = c->kind;
-        me->fp[par].dtype = c->dtype;
-        me->fp[par].op = c->op;
-        DDP__STORE(&me->fp[par].seq, c->seq);
+        ddp__shm_fp *me = ddp__shm_fp_of(s, g->rank, c->seq);
+        me->count = c->count;
+        me->lib = lib;
+        me->addr = addr;
+        me->root = c->root;
+        me->kind = c->kind;
+        me->dtype = c->dtype;
+        me->op = c->op;
+        DDP__STORE(&me->seq, c->seq);
     }
     ddp__shm_publish(s, &s->ctl[g->rank].posted, step);
+}
+
+static ddp_result ddp__shm_step_at(ddp_group *g, const ddp__coll *c, uint64_t step, int first, uint64_t lib, uint64_t addr) {
+    ddp__shm_post(g, c, step, first, lib, addr);
     return ddp__shm_wait_all(g, c, 0, step, first);
+}
+
+/* Make the oldest wait (and checks) that this rank owes for running ahead. */
+static ddp_result ddp__shm_settle_oldest(ddp_group *g) {
+    ddp__shm *s = g->shm;
+    unsigned i = s->owed.first;
+    s->owed.first = (i + 1) % DDP__SHM_AHEAD;
+    s->owed.n--;
+    return ddp__shm_wait_all(g, &s->owed.coll[i], 0, s->owed.step[i], 2);
+}
+
+/* Make every wait this rank owes: before a collective that is not a run-ahead writes anything. */
+static ddp_result ddp__shm_settle(ddp_group *g) {
+    ddp_result r = DDP_SUCCESS;
+    while (g->shm->owed.n && r == DDP_SUCCESS) r = ddp__shm_settle_oldest(g);
+    g->shm->owed.n = 0;
+    return r;
+}
+
+/* Room to run ahead into collective c: settle the oldest owed steps until every rank has begun
+   collective c->seq - DDP__SHM_AHEAD + 1, so it is done with the slot that c reuses. */
+static ddp_result ddp__shm_make_room(ddp_group *g, const ddp__coll *c) {
+    ddp__shm *s = g->shm;
+    while (s->owed.n && s->owed.coll[s->owed.first].seq + DDP__SHM_AHEAD < c->seq + 2) {
+        ddp_result r = ddp__shm_settle_oldest(g);
+        if (r) return r;
+    }
+    return DDP_SUCCESS;
+}
+
+/* Queue the wait for every rank (and their fingerprint checks) that this rank owes for step. */
+static void ddp__shm_owe(ddp_group *g, const ddp__coll *c, uint64_t step) {
+    ddp__shm *s = g->shm;
+    unsigned i = (s->owed.first + s->owed.n++) % DDP__SHM_AHEAD;
+    s->owed.coll[i] = *c;
+    s->owed.step[i] = step;
 }
 
 static ddp_result ddp__shm_step(ddp_group *g, const ddp__coll *c, uint64_t step, int first, uint64_t lib) {
@@ -10238,14 +10333,14 @@ static ddp_result ddp__shm_finish(ddp_group *g, const ddp__coll *c) { return ddp
 /* Rank j's buffer as published in this collective's first step (it stays put until the collective ends). */
 static char *ddp__lib_peer(ddp_group *g, const ddp__coll *c, int j) {
     ddp__shm *s = g->shm;
-    return s->arena.base + (size_t)j * s->arena.bytes + (size_t)s->ctl[j].fp[c->seq & 1].lib;
+    return s->arena.base + (size_t)j * s->arena.bytes + (size_t)ddp__shm_fp_of(s, j, c->seq)->lib;
 }
 
 /* How many ranks published a library buffer in this collective's first step (read after that step,
    when every rank has published; the same answer on every rank). */
 static int ddp__lib_count(ddp_group *g, const ddp__coll *c) {
     int j, k = 0;
-    for (j = 0; j < g->world_size; j++) k += g->shm->ctl[j].fp[c->seq & 1].lib != DDP__SHM_NOT_LIB;
+    for (j = 0; j < g->world_size; j++) k += ddp__shm_fp_of(g->shm, j, c->seq)->lib != DDP__SHM_NOT_LIB;
     return k;
 }
 
@@ -10312,7 +10407,7 @@ static ddp_result ddp__cma_move(ddp_group *g, const ddp__coll *c, int j, char *l
    arena when it published a library buffer, else with process_vm_readv/writev through scratch. */
 static ddp_result ddp__shm_all_reduce_direct(ddp_group *g, const ddp__coll *c, void *buf, size_t count, ddp_dtype t,
                                              ddp_op op, int cma) {
-    int n = g->world_size, r = g->rank, par = (int)(c->seq & 1), j;
+    int n = g->world_size, r = g->rank, j;
     size_t es = ddp_dtype_size(t), per = (cma ? DDP__SHM_CMA_CHUNK : DDP__SHM_DIRECT_CHUNK) / es, off, len, k, m;
     char *mine, *tmp = NULL;
     ddp_result res;
@@ -10333,19 +10428,21 @@ static ddp_result ddp__shm_all_reduce_direct(ddp_group *g, const ddp__coll *c, v
         mine = (char *)buf + at;
         for (j = 0; j < n; j++) {
             if (j == r) continue;
-            if (g->shm->ctl[j].fp[par].lib != DDP__SHM_NOT_LIB) {
+            const ddp__shm_fp *fp = ddp__shm_fp_of(g->shm, j, c->seq);
+            if (fp->lib != DDP__SHM_NOT_LIB) {
                 ddp__reduce(mine, ddp__lib_peer(g, c, j) + at, m, t, op);
                 continue;
             }
-            if ((res = ddp__cma_move(g, c, j, tmp, g->shm->ctl[j].fp[par].addr + at, m * es, 0)) != DDP_SUCCESS) return res;
+            if ((res = ddp__cma_move(g, c, j, tmp, fp->addr + at, m * es, 0)) != DDP_SUCCESS) return res;
             ddp__reduce(mine, tmp, m, t, op);
         }
         if (op == DDP_AVG) ddp__divide(mine, m, t, n);
         for (j = 0; j < n; j++) {
             if (j == r) continue;
-            if (g->shm->ctl[j].fp[par].lib != DDP__SHM_NOT_LIB)
+            const ddp__shm_fp *fp = ddp__shm_fp_of(g->shm, j, c->seq);
+            if (fp->lib != DDP__SHM_NOT_LIB)
                 memcpy(ddp__lib_peer(g, c, j) + at, mine, m * es);
-            else if ((res = ddp__cma_move(g, c, j, mine, g->shm->ctl[j].fp[par].addr + at, m * es, 1)) != DDP_SUCCESS)
+            else if ((res = ddp__cma_move(g, c, j, mine, fp->addr + at, m * es, 1)) != DDP_SUCCESS)
                 return res;
         }
     }
@@ -10436,7 +10533,7 @@ static ddp_result ddp__shm_broadcast(ddp_group *g, const ddp__coll *c, void *buf
         char *p = (char *)buf + done * es;
         if (g->rank == root && m && lib == DDP__SHM_NOT_LIB) memcpy(ddp__shm_half(s, root, step), p, m * es);
         if ((res = ddp__shm_step(g, c, step, first, lib)) != DDP_SUCCESS) return res;
-        if (first && may_lib && s->ctl[root].fp[c->seq & 1].lib != DDP__SHM_NOT_LIB) {
+        if (first && may_lib && ddp__shm_fp_of(s, root, c->seq)->lib != DDP__SHM_NOT_LIB) {
             ddp__lib_note(g, c);
             if (g->rank != root) memcpy(buf, ddp__lib_peer(g, c, root), count * es);
             return ddp__shm_finish(g, c);
@@ -10537,20 +10634,20 @@ static ddp_result ddp__shm_reduce_scatter(ddp_group *g, const ddp__coll *c, cons
 
 /* Where rank j published its buffer in this collective's first step is reachable: an arena or CMA. */
 static int ddp__shm_reachable(ddp_group *g, const ddp__coll *c, int j) {
-    const ddp__shm_ctl *k = &g->shm->ctl[j];
-    return k->fp[c->seq & 1].lib != DDP__SHM_NOT_LIB || (g->shm->cma && k->fp[c->seq & 1].addr != 0);
+    const ddp__shm_fp *k = ddp__shm_fp_of(g->shm, j, c->seq);
+    return k->lib != DDP__SHM_NOT_LIB || (g->shm->cma && k->addr != 0);
 }
 
 /* Copy bytes between local memory and rank j's published buffer at offset `at` (write: into it). */
 static ddp_result ddp__shm_peer_move(ddp_group *g, const ddp__coll *c, int j, char *local, size_t at, size_t bytes, int write) {
-    const ddp__shm_ctl *k = &g->shm->ctl[j];
+    const ddp__shm_fp *k = ddp__shm_fp_of(g->shm, j, c->seq);
     if (!bytes) return DDP_SUCCESS;
-    if (k->fp[c->seq & 1].lib != DDP__SHM_NOT_LIB) {
+    if (k->lib != DDP__SHM_NOT_LIB) {
         char *peer = ddp__lib_peer(g, c, j) + at;
         memcpy(write ? peer : local, write ? local : peer, bytes);
         return DDP_SUCCESS;
     }
-    return ddp__cma_move(g, c, j, local, k->fp[c->seq & 1].addr + at, bytes, write);
+    return ddp__cma_move(g, c, j, local, k->addr + at, bytes, write);
 }
 
 /* The first step of a single-copy all_to_all/gather/scatter: publish buf (or nothing, when publish is 0). */
@@ -10612,6 +10709,19 @@ static ddp_result ddp__shm_all_to_all(ddp_group *g, const ddp__coll *c, const vo
     return DDP_SUCCESS;
 }
 
+/* Does a gather or scatter of cpr elements of t per rank go through the ring slots ("Running ahead")?
+   The same answer on every rank that made the same call. */
+static int ddp__shm_rings(const ddp_group *g, size_t cpr, ddp_dtype t, int scatter) {
+    return g->world_size > 1 && cpr * ddp_dtype_size(t) * (size_t)(scatter ? g->world_size : 1) <= DDP__SHM_SLOT_BYTES;
+}
+
+/* Is call k one that this rank runs ahead of: a small scatter (any rank), or a small gather's other rank? */
+static int ddp__shm_runs_ahead(const ddp_group *g, const ddp__call *k) {
+    int scatter = k->kind == DDP__SCATTER;
+    if (!scatter && k->kind != DDP__GATHER) return 0;
+    return ddp__shm_rings(g, k->count, k->dtype, scatter) && (scatter || g->rank != k->root);
+}
+
 /* gather (scatter = 0: the root's recv <- every rank's send) and scatter (the root's send -> every rank's recv). */
 static ddp_result ddp__shm_rooted(ddp_group *g, const ddp__coll *c, const void *send, void *recv, size_t cpr, ddp_dtype t,
                                   int root, int scatter) {
@@ -10635,6 +10745,29 @@ static ddp_result ddp__shm_rooted(ddp_group *g, const ddp__coll *c, const void *
     }
     if (r == root && own != big + (size_t)r * block) /* in place: it is there */
         memcpy(scatter ? own : big + (size_t)r * block, scatter ? big + (size_t)r * block : own, block);
+    if (ddp__shm_rings(g, cpr, t, scatter)) { /* small: through the ring slots, see "Running ahead" */
+        uint64_t step = ++s->step;
+        if (!scatter && r == root) { /* reads every rank's slot: waits for all, as a step does (it owes nothing) */
+            if ((res = ddp__shm_step(g, c, step, 1, DDP__SHM_NOT_LIB)) != DDP_SUCCESS) return res;
+            for (j = 0; j < n && block; j++)
+                if (j != r) memcpy(big + (size_t)j * block, ddp__shm_slot(s, j, c->seq), block);
+            return DDP_SUCCESS;
+        }
+        if ((res = ddp__shm_make_room(g, c)) != DDP_SUCCESS) return res;
+        if (scatter && r == root) {
+            for (j = 0; j < n && block; j++)
+                if (j != r) memcpy(ddp__shm_slot(s, r, c->seq) + (size_t)j * block, big + (size_t)j * block, block);
+        } else if (!scatter && block) {
+            memcpy(ddp__shm_slot(s, r, c->seq), own, block);
+        }
+        ddp__shm_post(g, c, step, 1, DDP__SHM_NOT_LIB, 0);
+        if (scatter && r != root) { /* waits for the root alone; the others are owed */
+            if ((res = ddp__shm_wait(g, c, 0, step, 1, root, root + 1)) != DDP_SUCCESS) return res;
+            if (block) memcpy(own, ddp__shm_slot(s, root, c->seq) + (size_t)r * block, block);
+        }
+        ddp__shm_owe(g, c, step);
+        return DDP_SUCCESS;
+    }
     do {
         size_t m = DDP__MIN(cpr - done, per);
         uint64_t step = ++s->step;
@@ -10877,7 +11010,8 @@ static ddp_result ddp__shm_call(ddp_group *g, const ddp__call *k, const ddp__col
 static ddp_result ddp__shm_run(ddp_group *g, const ddp__call *k, const ddp__coll *c) {
     ddp_result r;
     g->running_seq = c->seq;
-    r = ddp__shm_call(g, k, c);
+    r = ddp__shm_runs_ahead(g, k) ? DDP_SUCCESS : ddp__shm_settle(g); /* see "Running ahead" */
+    if (r == DDP_SUCCESS) r = ddp__shm_call(g, k, c);
     g->running_seq = 0;
     return r;
 }
@@ -10961,7 +11095,7 @@ static ddp_result ddp__shm_setup(ddp_group *g) {
     ddp_result r;
     half = DDP__MIN(DDP__MAX(((size_t)8 << 20) / (size_t)g->world_size, (size_t)256 << 10), (size_t)4 << 20);
     half &= ~(size_t)63; /* every half starts on a cache line, so every dtype is aligned */
-    head = sizeof(ddp__shm_header) + (size_t)g->world_size * (sizeof(ddp__shm_ctl) + 2 * half);
+    head = sizeof(ddp__shm_header) + (size_t)g->world_size * (sizeof(ddp__shm_ctl) + 2 * half + DDP__SHM_AHEAD * DDP__SHM_SLOT_BYTES);
     arenas_at = (head + DDP__ARENA_ALIGN - 1) & ~(DDP__ARENA_ALIGN - 1);
     memset(&info, 0, sizeof info);
     if (g->rank == 0) {
@@ -11028,6 +11162,7 @@ static ddp_result ddp__shm_setup(ddp_group *g) {
     s->hdr = (ddp__shm_header *)s->base;
     s->ctl = (ddp__shm_ctl *)((char *)s->base + sizeof(ddp__shm_header));
     s->data = (char *)(s->ctl + g->world_size);
+    s->ring = s->data + (size_t)g->world_size * 2 * half;
     s->arena.fd = -1;
     if (ok[1]) { /* every rank mapped every arena */
         s->arena.base = (char *)s->base + arenas_at;

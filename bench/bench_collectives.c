@@ -1,10 +1,13 @@
 /* bench_collectives: nccl-tests style table for ddp.h's collectives.
 
-   Usage (under any launcher):  ddprun --nproc-per-node 2 build/bench_collectives [--lib] [op] [max_bytes] [min_bytes]
+   Usage (under any launcher):  ddprun --nproc-per-node 2 build/bench_collectives [--lib] [--loop] [op] [max_bytes] [min_bytes]
      op: all_reduce (default) | all_gather | reduce_scatter | broadcast | barrier (one row, size 0)
          | all_to_all | gather | scatter (root 0) | all_to_all_v | all_gather_v: for these, size is the bytes
          per rank (count x 4; the _v calls' blocks are uneven, 1/2, 1 or 3/2 of it, as in the MPI peer)
      --lib: the buffers come from ddp_alloc (library buffers: single-copy over shared memory), not malloc
+     --loop (all_to_all ... all_gather_v): time as nccl-tests does, the whole loop of back-to-back calls on
+         every rank, divided by the calls and averaged over the ranks (without it: rank 0 times each call
+         on its own; for gather and scatter that is the root's time alone, which hides ranks still waiting)
    Sizes grow x4 from min_bytes (default 4) to max_bytes (default 256 MiB), f32, sum. Before every
    iteration the buffer is rewritten (untimed; all_to_all, gather, scatter: once per size); each collective call is timed on its own and the
    table gives the mean; after the loop the last iteration's result is checked on every rank.
@@ -36,7 +39,7 @@ static size_t split(int from, int to, size_t per) { return per / 2 + per * (size
 
 /* all_to_all, gather, scatter (root 0), all_to_all_v, all_gather_v: blocks of `bytes` per rank (the _v
    calls: on average), send and recv of n blocks each. */
-static int bench_per_rank(ddp_group *g, const char *op, int lib, size_t max_bytes, size_t min_bytes) {
+static int bench_per_rank(ddp_group *g, const char *op, int lib, int loop, size_t max_bytes, size_t min_bytes) {
     int rank = ddp_rank(g), n = ddp_world_size(g), bad = 0, a2a = !strcmp(op, "all_to_all"), gather = !strcmp(op, "gather");
     int a2av = !strcmp(op, "all_to_all_v"), agv = !strcmp(op, "all_gather_v");
     size_t whole = max_bytes * (size_t)n * 3 / 2 + 64, bytes, *sc = (size_t *)calloc((size_t)n * 3, sizeof *sc), *rc = sc + n,
@@ -55,7 +58,7 @@ static int bench_per_rank(ddp_group *g, const char *op, int lib, size_t max_byte
     for (bytes = min_bytes < 4 ? 4 : min_bytes; bytes <= max_bytes; bytes *= 4) {
         size_t per = bytes / 4, i, at;
         int iters = bytes < 16384 ? 200 : 20, it, j, v = a2av || agv; /* 20 at every large size: a mean of 5 was one descheduling away from 2x */
-        double total = 0, alg;
+        double total = 0, alg, start = 0;
         for (j = 0; j < n; j++) { /* the blocks' sizes: per, or uneven for the _v calls */
             sc[j] = a2av ? split(rank, j, per) : per;
             rc[j] = a2av ? split(j, rank, per) : per;
@@ -72,16 +75,21 @@ static int bench_per_rank(ddp_group *g, const char *op, int lib, size_t max_byte
             ddp_result r;
             if (it == 0 && ddp_barrier(g) != DDP_SUCCESS) return 1; /* after the warm-up, start together (as the peer does) */
             t0 = now();
+            if (it == 0) start = t0;
             if (a2a) r = ddp_all_to_all(g, a, b, per, DDP_F32);
             else if (gather) r = ddp_gather(g, a, b, per, DDP_F32, 0);
             else if (a2av) r = ddp_all_to_all_v(g, a, sc, b, rc, DDP_F32);
             else if (agv) r = ddp_all_gather_v(g, a, counts[rank], b, counts, DDP_F32);
             else r = ddp_scatter(g, a, b, per, DDP_F32, 0);
-            if (it >= 0) total += now() - t0;
+            if (it >= 0 && !loop) total += now() - t0;
             if (r != DDP_SUCCESS) {
                 fprintf(stderr, "rank %d: %s\n", rank, ddp_last_error(g));
                 return 1;
             }
+        }
+        if (loop) { /* nccl-tests: every rank's time for the whole loop, averaged over the ranks */
+            total = now() - start;
+            if (ddp_all_reduce(g, &total, 1, DDP_F64, DDP_AVG) != DDP_SUCCESS) return 1;
         }
         for (j = 0, at = 0; j < n && !bad && (a2a || a2av || agv || (gather && rank == 0) || (!gather && j == 0)); j++) {
             size_t len = a2av ? rc[j] : agv ? counts[j] : per; /* the last call's result: block j of recv */
@@ -113,9 +121,10 @@ static int bench_per_rank(ddp_group *g, const char *op, int lib, size_t max_byte
 }
 
 int main(int argc, char **argv) {
-    int lib = argc > 1 && strcmp(argv[1], "--lib") == 0;
+    int lib = argc > 1 && strcmp(argv[1], "--lib") == 0, loop;
     const char *op;
     if (lib) argc--, argv++;
+    if ((loop = argc > 1 && strcmp(argv[1], "--loop") == 0)) argc--, argv++;
     op = argc > 1 ? argv[1] : "all_reduce";
     size_t max_bytes = argc > 2 ? strtoull(argv[2], NULL, 10) : (size_t)256 << 20;
     size_t min_bytes = argc > 3 ? strtoull(argv[3], NULL, 10) : 4, bytes;
@@ -136,7 +145,7 @@ int main(int argc, char **argv) {
                         "all_to_all_v, all_gather_v)\n", op);
         return 2;
     }
-    if (per_rank) return bench_per_rank(g, op, lib, max_bytes, min_bytes);
+    if (per_rank) return bench_per_rank(g, op, lib, loop, max_bytes, min_bytes);
     a = (float *)(lib ? ddp_alloc(g, max_bytes + 64) : malloc(max_bytes + 64));
     b = (float *)(lib ? ddp_alloc(g, max_bytes + 64) : malloc(max_bytes + 64));
     if (!a || !b) {

@@ -2,7 +2,9 @@
 # all_to_all and gather (and scatter) of ddp.h beside Open MPI, one host, in one run: medians of R rounds.
 #   bench/compare_collectives.sh [rounds=5] [max_bytes_per_rank=4194304] [min_bytes_per_rank=16]
 #   OPS="all_to_all gather" (any of all_to_all gather scatter all_to_all_v all_gather_v), RANKS="2 4", TRANSPORT=shm (or tcp: DDP_TRANSPORT=tcp
-#   for ddp.h and --mca btl tcp,self for Open MPI), LIB=1: ddp.h on ddp_alloc buffers.
+#   for ddp.h and --mca btl tcp,self for Open MPI), LIB=1: ddp.h on ddp_alloc buffers, TIMING=loop: both time as
+#   nccl-tests does (every rank's whole loop of back-to-back calls, averaged over the ranks; default: rank 0
+#   times each call on its own, which for gather and scatter is the root's time alone).
 # Each round runs, for every op and rank count, build/bench_collectives under ddprun and
 # bench/peers/mpi_alltoall.c under mpirun, one after the other (interleaved, so load changes hit both alike);
 # the table gives per size (bytes per rank) the median time per call of each (us), ddp.h's algbw
@@ -23,15 +25,17 @@ export OMP_NUM_THREADS=${OMP_NUM_THREADS:-1}
 ddp_env=() mpi_opt=() lib=()
 [ "$TRANSPORT" = tcp ] && ddp_env=(DDP_TRANSPORT=tcp) && mpi_opt=(--mca btl tcp,self)
 [ "${LIB:-0}" = 1 ] && lib=(--lib)
+loop=() mpi_loop=()
+[ "${TIMING:-call}" = loop ] && loop=(--loop) mpi_loop=(loop)
 for r in $(seq 1 "$rounds"); do
   for op in $OPS; do
     for n in $RANKS; do
-      env "${ddp_env[@]}" "$BUILD/ddprun" --nproc-per-node "$n" --standalone "$BUILD/bench_collectives" "${lib[@]}" "$op" "$max" "$min" > "$out/ddp.$op.$n.$r"
-      [ $have_mpi = 1 ] && mpirun --allow-run-as-root --oversubscribe -np "$n" "${mpi_opt[@]}" "$out/mpi_alltoall" "$op" "$max" "$min" > "$out/mpi.$op.$n.$r"
+      env "${ddp_env[@]}" "$BUILD/ddprun" --nproc-per-node "$n" --standalone "$BUILD/bench_collectives" "${lib[@]}" "${loop[@]}" "$op" "$max" "$min" > "$out/ddp.$op.$n.$r"
+      [ $have_mpi = 1 ] && mpirun --allow-run-as-root --oversubscribe -np "$n" "${mpi_opt[@]}" "$out/mpi_alltoall" "$op" "$max" "$min" "${mpi_loop[@]}" > "$out/mpi.$op.$n.$r"
     done
   done
 done
-python3 - "$out" "$rounds" "$OPS" "$RANKS" "$TRANSPORT${LIB:+ lib=$LIB}" <<'PY'
+python3 - "$out" "$rounds" "$OPS" "$RANKS" "$TRANSPORT${LIB:+ lib=$LIB}${TIMING:+ timing=$TIMING}" <<'PY'
 import sys, statistics, os
 out, rounds, ops, ranks, transport = sys.argv[1], int(sys.argv[2]), sys.argv[3].split(), sys.argv[4].split(), sys.argv[5]
 def table(name):  # {bytes per rank: median time_us}; both programs print ... time_us algbw busbw

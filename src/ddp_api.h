@@ -202,7 +202,13 @@ DDP_API ddp_result ddp_barrier(ddp_group *g);
    send = recv + root*count. */
 DDP_API ddp_result ddp_gather(ddp_group *g, const void *send, void *recv, size_t count, ddp_dtype t, int root);
 /* scatter: recv (count elements) <- root's send[rank*count ...]. In place on the root: recv = send +
-   root*count. */
+   root*count.
+   Small gathers and scatters over shared memory (up to 2 KiB of data per writer) run ahead, as MPI's
+   eager sends: a scatter's root and a gather's other ranks return as soon as their data is copied
+   (their buffers are theirs again), and a scatter's other ranks wait for the root alone, up to 30 calls
+   ahead of the slowest rank. A mismatch found late (another root, count or collective on some rank) is
+   still an error on every rank, but a rank that ran ahead gets it from a later call on the group (at
+   the latest its next call of another kind, or ddp_destroy). */
 DDP_API ddp_result ddp_scatter(ddp_group *g, const void *send, void *recv, size_t count, ddp_dtype t, int root);
 /* all_to_all (torch's all_to_all_single with equal splits): recv[r*count_per_rank ...] <- rank r's
    send[rank*count_per_rank ...], for every r. send may equal recv (in place). */

@@ -8,14 +8,16 @@
 
            size    time_us  algbw_GBs  busbw_GBs
 
-   size is the bytes per rank (one block), time_us the mean time of one call, algbw = size x n / time
+   size is the bytes per rank (one block), time_us the mean time of one call on rank 0 (with a fourth
+   argument "loop": as nccl-tests, every rank's time for the whole loop of back-to-back calls divided by
+   the calls, averaged over the ranks, as bench_collectives --loop), algbw = size x n / time
    (the whole send or receive buffer, as nccl-tests' alltoall), busbw = algbw * (n - 1) / n. Each size runs
    two warm-up calls and a barrier, then 200 timed calls below 16 KiB and 20 from there (as
    bench_collectives).
 
    Build and run (as root, Open MPI needs --allow-run-as-root; --oversubscribe lets ranks exceed cores):
        mpicc -O2 -o mpi_alltoall bench/peers/mpi_alltoall.c
-       mpirun --allow-run-as-root --oversubscribe -np 2 ./mpi_alltoall all_to_all 4194304 8 */
+       mpirun --allow-run-as-root --oversubscribe -np 2 ./mpi_alltoall all_to_all 4194304 8 [loop] */
 #include <mpi.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -42,6 +44,7 @@ int main(int argc, char **argv) {
     const char *op = argc > 1 ? argv[1] : "all_to_all";
     size_t max_bytes = argc > 2 ? strtoull(argv[2], NULL, 10) : (size_t)4 << 20;
     size_t min_bytes = argc > 3 ? strtoull(argv[3], NULL, 10) : 8;
+    int loop = argc > 4 && !strcmp(argv[4], "loop");
     if (strcmp(op, "all_to_all") && strcmp(op, "gather") && strcmp(op, "scatter") && strcmp(op, "all_to_all_v") &&
         strcmp(op, "all_gather_v")) {
         if (rank == 0) fprintf(stderr, "mpi_alltoall: unknown op %s (all_to_all, gather, scatter, all_to_all_v, all_gather_v)\n", op);
@@ -67,11 +70,16 @@ int main(int argc, char **argv) {
         call(op, a, b, count, v, rank);
         call(op, a, b, count, v, rank);
         MPI_Barrier(MPI_COMM_WORLD);
-        double total = 0;
+        double total = 0, start = MPI_Wtime();
         for (int i = 0; i < iters; i++) { /* each call timed on its own, as bench_collectives does */
             double t0 = MPI_Wtime();
             call(op, a, b, count, v, rank);
             total += MPI_Wtime() - t0;
+        }
+        if (loop) { /* nccl-tests: the whole loop on every rank, averaged over the ranks */
+            total = MPI_Wtime() - start;
+            MPI_Allreduce(MPI_IN_PLACE, &total, 1, MPI_DOUBLE, MPI_SUM, MPI_COMM_WORLD);
+            total /= n;
         }
         double t = total / iters, algbw = (double)bytes * n / t / 1e9;
         if (rank == 0) printf("%12zu %10.2f %10.3f %10.3f\n", bytes, t * 1e6, algbw, algbw * (n - 1) / n);
