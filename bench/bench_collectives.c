@@ -69,7 +69,10 @@ static int bench_per_rank(ddp_group *g, const char *op, int lib, int loop, size_
         for (j = 0, at = 0; j < (agv ? 1 : n); at += sc[j], j++) /* block j: what this rank sends to rank j (scatter: the */
             for (i = 0; i < (agv ? counts[rank] : sc[j]); i++)   /* root's block for j; all_gather_v: its one block) */
                 a[at + i] = cell(rank, gather || agv ? 0 : j, i, (int)bytes & 15);
-        memset(b, 0, whole);
+        /* only what this size uses: ranks that finish their loop first (a small gather's other ranks run
+           ahead) would otherwise clear the whole buffer (24 MiB per rank at 4 MiB) while the root still
+           runs, and on oversubscribed cores that time was charged to the root's last calls */
+        memset(b, 0, bytes * (size_t)n * 3 / 2 + 64); /* <= whole */
         for (it = -2; it < iters; it++) {
             double t0;
             ddp_result r;
