@@ -6,7 +6,8 @@
    (the split sizes of all_to_all_v and all_gather_v differ by rank and include zeros), over shared
    memory (the default on one host) and TCP (DDP_TRANSPORT=tcp). Then the failures: a rank that disagrees
    on the root, on the split sizes or on the counts, or calls another collective, is DDP_ERR_MISMATCH on
-   every rank; so is a recv of another size than its send, or one that meets the peer's next collective;
+   every rank (a rank that ran ahead of a small scatter over shared memory gets it from its next call);
+   small gathers and scatters that run ahead deliver every block right (run_ahead); so is a recv of another size than its send, or one that meets the peer's next collective;
    ddp_send / ddp_recv around the ring (every dtype, up to 1 MiB while the peer sends too, tags out of
    order, a message crossing a collective), ddp_irecv posted before ddp_isend on every rank, before a
    barrier, and finished by ddp_test; overlapping all_to_all_v buffers are refused; a rank that does not come to monitored_barrier
