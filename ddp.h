@@ -10036,10 +10036,11 @@ static void ddp__lib_free_all(ddp_group *g) {
    Running ahead (small gather and scatter, as MPI's eager sends): the ranks that write (a small
    scatter's root, a small gather's other ranks) put their data in a ring of DDP__SHM_AHEAD slots of
    their own, slot seq % DDP__SHM_AHEAD, post the step and return without waiting for anyone; a small
-   scatter's other ranks wait for the root alone and copy their block out of its slot; a small
-   gather's root waits for all, as in any step. The waits for every rank and the fingerprint checks
-   that a rank skipped are queued and made later: all of them before its next collective of another
-   kind writes anything (ddp__shm_settle), and the oldest whenever it would otherwise reuse a slot
+   scatter's other ranks wait for the root alone (at 2 ranks, everyone: they owe nothing) and copy
+   their block out of its slot; a small gather's root waits for all, as in any step. The waits for
+   every rank and the fingerprint checks that a rank skipped are queued and made later: all of them
+   before its next collective of another kind writes anything (ddp__shm_settle; monitored_barrier
+   excepted), and the oldest whenever it would otherwise reuse a slot
    that another rank may still read (ddp__shm_make_room: every rank must have begun the collective
    after the slot's last one). So a producer runs up to DDP__SHM_AHEAD - 2 calls ahead of its
    consumers, and the halves keep their invariant, as if every rank had waited. Fingerprints are kept
@@ -10764,6 +10765,7 @@ static ddp_result ddp__shm_rooted(ddp_group *g, const ddp__coll *c, const void *
         if (scatter && r != root) { /* waits for the root alone; the others are owed */
             if ((res = ddp__shm_wait(g, c, 0, step, 1, root, root + 1)) != DDP_SUCCESS) return res;
             if (block) memcpy(own, ddp__shm_slot(s, root, c->seq) + (size_t)r * block, block);
+            if (n == 2) return DDP_SUCCESS; /* the root is every other rank: nothing is owed */
         }
         ddp__shm_owe(g, c, step);
         return DDP_SUCCESS;
