@@ -309,13 +309,19 @@ static ddp_result ddp__shm_step_at(ddp_group *g, const ddp__coll *c, uint64_t st
     return ddp__shm_wait_all(g, c, 0, step, first);
 }
 
-/* Make the oldest wait (and checks) that this rank owes for running ahead. */
+/* Make the oldest wait (and checks) that this rank owes for running ahead. A break found here is that
+   collective's: ddp__shm_abort publishes its number, which fails at once every rank still inside it. */
 static ddp_result ddp__shm_settle_oldest(ddp_group *g) {
     ddp__shm *s = g->shm;
     unsigned i = s->owed.first;
+    uint64_t running = g->running_seq;
+    ddp_result r;
     s->owed.first = (i + 1) % DDP__SHM_AHEAD;
     s->owed.n--;
-    return ddp__shm_wait_all(g, &s->owed.coll[i], 0, s->owed.step[i], 2);
+    g->running_seq = s->owed.coll[i].seq;
+    r = ddp__shm_wait_all(g, &s->owed.coll[i], 0, s->owed.step[i], 2);
+    g->running_seq = running;
+    return r;
 }
 
 /* Make every wait this rank owes: before a collective that is not a run-ahead writes anything. */
