@@ -10996,6 +10996,10 @@ static ddp_result ddp__shm_all_gather_v(ddp_group *g, const ddp__call *k, const 
 }
 
 static ddp_result ddp__shm_call(ddp_group *g, const ddp__call *k, const ddp__coll *c) {
+    ddp_result r;
+    if (k->kind == DDP__MONITORED_BARRIER) /* rank 0 must see who is missing: TCP's deadlines. It writes nothing */
+        return ddp__tcp_run(g, k, c);        /* here, so what a rank owes for running ahead waits for the next call */
+    if (!ddp__shm_runs_ahead(g, k) && (r = ddp__shm_settle(g)) != DDP_SUCCESS) return r; /* see "Running ahead" */
     switch (k->kind) {
     case DDP__ALL_REDUCE: return ddp__shm_reduce_impl(g, c, k->buf, k->count, k->dtype, k->op, -1);
     case DDP__REDUCE: return ddp__shm_reduce_impl(g, c, k->buf, k->count, k->dtype, k->op, k->root);
@@ -11008,7 +11012,7 @@ static ddp_result ddp__shm_call(ddp_group *g, const ddp__call *k, const ddp__col
     case DDP__SCATTER: return ddp__shm_rooted(g, c, k->send, k->buf, k->count, k->dtype, k->root, 1);
     case DDP__ALL_TO_ALL_V: return ddp__shm_all_to_all_v(g, k, c);
     case DDP__ALL_GATHER_V: return ddp__shm_all_gather_v(g, k, c);
-    default: return ddp__tcp_run(g, k, c); /* monitored_barrier: rank 0 must see who is missing: TCP's deadlines */
+    default: return ddp__tcp_run(g, k, c);
     }
 }
 
@@ -11018,10 +11022,7 @@ static ddp_result ddp__shm_call(ddp_group *g, const ddp__call *k, const ddp__col
 static ddp_result ddp__shm_run(ddp_group *g, const ddp__call *k, const ddp__coll *c) {
     ddp_result r;
     g->running_seq = c->seq;
-    /* see "Running ahead"; monitored_barrier runs over TCP with its own deadline (to name a missing
-       rank in time) and writes nothing here: what is owed waits for the next call */
-    r = ddp__shm_runs_ahead(g, k) || k->kind == DDP__MONITORED_BARRIER ? DDP_SUCCESS : ddp__shm_settle(g);
-    if (r == DDP_SUCCESS) r = ddp__shm_call(g, k, c);
+    r = ddp__shm_call(g, k, c);
     g->running_seq = 0;
     return r;
 }

@@ -124,10 +124,10 @@ static int bench_per_rank(ddp_group *g, const char *op, int lib, int loop, size_
 }
 
 int main(int argc, char **argv) {
-    int lib = argc > 1 && strcmp(argv[1], "--lib") == 0, loop;
+    int lib = 0, loop = 0;
     const char *op;
-    if (lib) argc--, argv++;
-    if ((loop = argc > 1 && strcmp(argv[1], "--loop") == 0)) argc--, argv++;
+    for (; argc > 1 && (!strcmp(argv[1], "--lib") || !strcmp(argv[1], "--loop")); argc--, argv++) /* flags, any order */
+        *(!strcmp(argv[1], "--lib") ? &lib : &loop) = 1;
     op = argc > 1 ? argv[1] : "all_reduce";
     size_t max_bytes = argc > 2 ? strtoull(argv[2], NULL, 10) : (size_t)256 << 20;
     size_t min_bytes = argc > 3 ? strtoull(argv[3], NULL, 10) : 4, bytes;
