@@ -56,7 +56,7 @@ static double recorder_ns(ddp_group *g) {
     c.seq = g->seq + 1000;
     t0 = now();
     for (i = 0; i < n; i++, c.seq++) {
-        ddp__trace_queued(g, &c);
+        ddp__trace_queued(g, &c, 0); /* as an async call: queued, then started */
         ddp__trace_started(g, &c);
         ddp__trace_ended(g, &c, DDP_SUCCESS);
     }

@@ -675,7 +675,7 @@ static DDP__UNUSED ddp_result ddp__collective(ddp_group *g, const ddp__call *k);
 /* Run k now on backend b, fingerprinted as g's next collective, on the calling thread: set-up code
    uses the TCP mesh this way before (or beside) the group's own backend. */
 static DDP__UNUSED ddp_result ddp__collective_on(ddp_group *g, const ddp__backend *b, const ddp__call *k);
-static DDP__UNUSED void ddp__fingerprint(ddp_group *g, const ddp__call *k, ddp__coll *c); /* takes the next seq */
+static DDP__UNUSED void ddp__fingerprint(ddp_group *g, const ddp__call *k, ddp__coll *c, int now); /* takes the next seq; now: runs at once */
 /* The message for a call on a group that an earlier error broke; written to out (DDP__ERR_MAX). */
 static DDP__UNUSED const char *ddp__broken_message(const ddp_group *g, const ddp__call *k, char *out);
 static DDP__UNUSED void ddp__drain(ddp_group *g);         /* wait until no async work is queued */
@@ -693,7 +693,7 @@ static DDP__UNUSED ddp_result ddp__group_abort(ddp_group *g, ddp_result code, co
 /* ---- trace.c: the flight recorder, each group's last DDP_TRACE_SIZE collectives ---- */
 static DDP__UNUSED void ddp__trace_open(ddp_group *g);  /* group.c: a new group's recorder (none if off) */
 static DDP__UNUSED void ddp__trace_close(ddp_group *g); /* group.c: before g is freed */
-static DDP__UNUSED void ddp__trace_queued(ddp_group *g, const ddp__coll *c); /* c took its seq (fingerprint) */
+static DDP__UNUSED void ddp__trace_queued(ddp_group *g, const ddp__coll *c, int started); /* c took its seq (fingerprint) */
 static DDP__UNUSED void ddp__trace_started(ddp_group *g, const ddp__coll *c); /* a backend runs it now */
 static DDP__UNUSED void ddp__trace_ended(ddp_group *g, const ddp__coll *c, ddp_result r); /* done or failed */
 /* ddp__group_break: mark what was in progress failed and write the recorder out (DDP_TRACE_DIR, else the log). */

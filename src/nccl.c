@@ -373,7 +373,7 @@ static int ddp__nccl_enqueue_async(ddp_group *g, const ddp__call *k, ddp_work **
     w->call = *k;
     w->owner = g->backend;
     pthread_mutex_lock(&g->async.mu);
-    ddp__fingerprint(g, k, &w->coll);
+    ddp__fingerprint(g, k, &w->coll, 0);
     pthread_mutex_unlock(&g->async.mu);
     r = ddp__nccl_check(g, k, &w->coll, &where); /* DEVICE (or MIXED) here: an error unless every rank agrees */
     if (r == DDP_SUCCESS) r = ddp__nccl_enqueue(g, k, &w->coll, &w->handle);

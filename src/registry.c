@@ -86,15 +86,32 @@ static void ddp__live_erase(size_t i) {
     }
 }
 
+/* Every call on a group asks whether the group is live, and a mutex costs more than a small collective
+   (two uncontended lock/unlock pairs were a third of a 64-byte gather's time). So each thread remembers
+   the last group it found live and how many groups had been removed then: while that number stays the
+   same, no group has gone, so the same pointer is still live. Only a group's removal changes it. */
+static uint64_t ddp__live_groups_removed; /* atomic: written under ddp__live_mu, read without it */
+static DDP__THREAD_LOCAL const void *ddp__live_last_group;
+static DDP__THREAD_LOCAL uint64_t ddp__live_last_removed;
+
 /* 1 when p is live as kind; with take, it is removed as well (so two callers cannot both take it). */
 static int ddp__live_check(const void *p, int kind, int take) {
     int found = 0;
+    uint64_t removed;
     if (!p) return 0;
+    if (kind == DDP__LIVE_GROUP && !take && p == ddp__live_last_group &&
+        __atomic_load_n(&ddp__live_groups_removed, __ATOMIC_ACQUIRE) == ddp__live_last_removed)
+        return 1;
     pthread_mutex_lock(&ddp__live_mu);
+    removed = ddp__live_groups_removed;
     if (ddp__live_cap) {
         size_t i = ddp__live_find(p);
         found = ddp__live_table[i].p == p && ddp__live_table[i].kind == kind;
         if (found && take) ddp__live_erase(i);
+    }
+    if (found && kind == DDP__LIVE_GROUP) {
+        if (take) __atomic_store_n(&ddp__live_groups_removed, removed + 1, __ATOMIC_RELEASE);
+        else ddp__live_last_group = p, ddp__live_last_removed = removed;
     }
     pthread_mutex_unlock(&ddp__live_mu);
     return found;

@@ -430,7 +430,7 @@ static int rank_gpu(int rank, int n, void *arg) {
 static ddp_result run_check(ddp_group *g, const ddp__call *k, int *where) {
     ddp__coll c;
     memset(&c, 0, sizeof c);
-    ddp__fingerprint(g, k, &c);
+    ddp__fingerprint(g, k, &c, 1);
     *where = ddp__nccl_where(g, k);
     return ddp__nccl_check(g, k, &c, where);
 }
