@@ -12,21 +12,11 @@
 #define DDP_IMPLEMENTATION
 #include "ddp.h"
 
+#include "bench_util.h"
+
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
-#include <time.h>
-
-static double now(void) {
-    struct timespec ts;
-    clock_gettime(CLOCK_MONOTONIC, &ts);
-    return (double)ts.tv_sec + (double)ts.tv_nsec * 1e-9;
-}
-
-static int by_value(const void *a, const void *b) {
-    double x = *(const double *)a, y = *(const double *)b;
-    return (x > y) - (x < y);
-}
 
 static ddp_result call(ddp_group *g, int op, float *send, float *recv, size_t count, const size_t *counts) {
     switch (op) {
@@ -70,16 +60,16 @@ int main(int argc, char **argv) {
     for (rep = 0; rep < reps; rep++) {
         double t0;
         if (ddp_barrier(g) != DDP_SUCCESS) break;
-        t0 = now();
+        t0 = bench_now();
         for (i = 0; i < calls; i++)
             if (call(g, op, send, recv, count, counts) != DDP_SUCCESS) {
                 fprintf(stderr, "bench_latency: rank %d: %s\n", rank, ddp_last_error(g));
                 return 1;
             }
-        t[rep] = (now() - t0) / (double)calls * 1e6;
+        t[rep] = (bench_now() - t0) / (double)calls * 1e6;
         if (rank == 0) printf("%s count %zu ranks %d: %.3f us per call\n", name, count, n, t[rep]);
     }
-    qsort(t, (size_t)reps, sizeof *t, by_value);
+    qsort(t, (size_t)reps, sizeof *t, bench_cmp_double);
     if (rank == 0) printf("median_us %.4f\n", t[reps / 2]);
     free(send), free(recv), free(counts), free(t);
     return ddp_destroy(g) == DDP_SUCCESS ? 0 : 1;

@@ -13,24 +13,14 @@
 #define DDP_IMPLEMENTATION
 #include "ddp.h"
 
+#include "bench_util.h"
+
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
-#include <time.h>
-
-static double now(void) {
-    struct timespec ts;
-    clock_gettime(CLOCK_MONOTONIC, &ts);
-    return (double)ts.tv_sec + (double)ts.tv_nsec * 1e-9;
-}
-
-static int cmp(const void *a, const void *b) {
-    double x = *(const double *)a, y = *(const double *)b;
-    return x < y ? -1 : x > y;
-}
 
 static double median(double *v, int n) {
-    qsort(v, (size_t)n, sizeof *v, cmp);
+    qsort(v, (size_t)n, sizeof *v, bench_cmp_double);
     return n % 2 ? v[n / 2] : (v[n / 2 - 1] + v[n / 2]) / 2;
 }
 
@@ -40,10 +30,10 @@ static double time_calls(ddp_group *g, int iters) {
     double t0;
     int i;
     if (ddp_barrier(g) != DDP_SUCCESS) return -1;
-    t0 = now();
+    t0 = bench_now();
     for (i = 0; i < iters; i++)
         if (ddp_all_reduce(g, &x, 1, DDP_F32, DDP_SUM) != DDP_SUCCESS) return -1;
-    return (now() - t0) / iters;
+    return (bench_now() - t0) / iters;
 }
 
 /* ns for the recorder's three transitions of one collective, on a group's ring of 64. */
@@ -54,13 +44,13 @@ static double recorder_ns(ddp_group *g) {
     memset(&c, 0, sizeof c);
     c.kind = DDP__ALL_REDUCE, c.count = 1, c.dtype = DDP_F32, c.op = DDP_SUM, c.root = -1;
     c.seq = g->seq + 1000;
-    t0 = now();
+    t0 = bench_now();
     for (i = 0; i < n; i++, c.seq++) {
         ddp__trace_queued(g, &c, 0); /* as an async call: queued, then started */
         ddp__trace_started(g, &c);
         ddp__trace_ended(g, &c, DDP_SUCCESS);
     }
-    return (now() - t0) / n * 1e9;
+    return (bench_now() - t0) / n * 1e9;
 }
 
 int main(int argc, char **argv) {
