@@ -165,7 +165,9 @@ static ddp__shm_fp *ddp__shm_fp_of(const ddp__shm *s, int j, uint64_t seq) { ret
 static ddp__shm_stamp *ddp__shm_slot_stamp(const ddp__shm *s, int j, uint64_t seq) {
     return (ddp__shm_stamp *)(void *)(s->ring + ((size_t)j * DDP__SHM_AHEAD + (size_t)(seq % DDP__SHM_AHEAD)) * DDP__SHM_SLOT_STRIDE);
 }
-static char *ddp__shm_slot(const ddp__shm *s, int j, uint64_t seq) { return (char *)ddp__shm_slot_stamp(s, j, seq) + DDP__SHM_SLOT_DATA; }
+static char *ddp__shm_slot(const ddp__shm *s, int j, uint64_t seq) {
+    return (char *)ddp__shm_slot_stamp(s, j, seq) + DDP__SHM_SLOT_DATA;
+}
 
 static void ddp__shm_stamp_write(ddp__shm_stamp *k, const ddp__coll *c) {
     k->count = c->count;
@@ -256,6 +258,8 @@ static ddp_result ddp__shm_check_abort(ddp_group *g, const ddp__coll *c) {
     return ddp__coll_fail(g, DDP_ERR_PEER_LOST, "another rank broke the group (its reason did not arrive); see the other ranks' errors");
 }
 
+static uint64_t *ddp__shm_counter(const ddp__shm *s, int j, int which) { return which ? &s->ctl[j].reduced : &s->ctl[j].posted; }
+
 /* Has rank j posted step (which 0) or its reduced segment of step (which 1)? On a collective's first
    step (check 1) the fingerprint says it: a rank writes it after its data and before its counter, and
    it sits in a line of its own for this collective, so a waiter fetches one line, not the counter's and
@@ -269,7 +273,7 @@ static int ddp__shm_posted(const ddp__shm *s, int j, const ddp__coll *c, int whi
         if (seq != c->seq) return seq > c->seq;
         return DDP__LOAD(&k->step) >= step || !ddp__shm_stamp_is(&k->id, seq, c);
     }
-    return DDP__LOAD(which ? &s->ctl[j].reduced : &s->ctl[j].posted) >= step;
+    return DDP__LOAD(ddp__shm_counter(s, j, which)) >= step;
 }
 
 /* Wait until ranks from..to-1 have posted step (or reduced it: `which`); on a collective's first step
@@ -301,7 +305,7 @@ static ddp_result ddp__shm_wait(ddp_group *g, const ddp__coll *c, int which, uin
                 struct timespec ts = {0, 1000000};
                 __atomic_add_fetch(&s->hdr->sleepers, 1, __ATOMIC_SEQ_CST);
                 /* the counter, not the fingerprint: ddp__shm_publish's argument needs the counter's order */
-                if (__atomic_load_n(which ? &s->ctl[j].reduced : &s->ctl[j].posted, __ATOMIC_SEQ_CST) < step)
+                if (__atomic_load_n(ddp__shm_counter(s, j, which), __ATOMIC_SEQ_CST) < step)
                     syscall(SYS_futex, &s->hdr->wake, FUTEX_WAIT, w, &ts, NULL, 0);
                 __atomic_sub_fetch(&s->hdr->sleepers, 1, __ATOMIC_SEQ_CST);
             }
@@ -311,7 +315,8 @@ static ddp_result ddp__shm_wait(ddp_group *g, const ddp__coll *c, int which, uin
                says so in the header (ddp__shm_check_abort). It posts before it closes, so reading the
                counter after seeing the hang-up is enough. */
             g->mesh.waiting_for = j;
-            if ((lost = ddp__hung_up_peer(g, j)) >= 0 && !ddp__shm_posted(s, j, c, which, step, check)) return ddp__peer_failed(g, lost, c);
+            if ((lost = ddp__hung_up_peer(g, j)) >= 0 && !ddp__shm_posted(s, j, c, which, step, check))
+                return ddp__peer_failed(g, lost, c);
             if (deadline == 0) deadline = ddp__now() + g->timeout;
             if (ddp__now() > deadline) return ddp__peer_timed_out(g, j, c);
         }

@@ -49,7 +49,7 @@ struct ddp__trace {
     ddp_group *g;
     ddp__trace_entry *ring;
     uint64_t size;
-    uint64_t mask;       /* size - 1 when size is a power of two (the default), else 0: a division costs ~40 cycles */
+    uint64_t mask;       /* size - 1 when size is a power of two (the default), else 0: no 64-bit division per state change */
     int dumped;          /* the dump at the break was written (by the thread that broke the group) */
     int waiting_for;     /* at the break: the rank this one waited for (-1: none known); atomic */
     int break_code;      /* at the break: the ddp_result; atomic (other threads' dumps read it) */
