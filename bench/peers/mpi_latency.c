@@ -20,7 +20,11 @@ int main(int argc, char **argv) {
     double *t;
     MPI_Comm w = MPI_COMM_WORLD;
     for (op = 0; op < 7 && strcmp(name, ops[op]) != 0; op++) {}
-    if (op == 7 || calls < 1 || reps < 1) return 2;
+    if (op == 7 || calls < 1 || reps < 1) {
+        fprintf(stderr, "usage: mpi_latency [all_reduce|barrier|all_to_all|gather|scatter|all_to_all_v|all_gather_v] "
+                        "[count] [calls >= 1] [reps >= 1]\n");
+        return 2;
+    }
     MPI_Init(&argc, &argv);
     MPI_Comm_size(w, &n), MPI_Comm_rank(w, &rank);
     send = calloc((size_t)count * n + 1, sizeof *send), recv = calloc((size_t)count * n + 1, sizeof *recv);
