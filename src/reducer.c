@@ -269,10 +269,11 @@ static ddp_result ddp__zero_check_desc(ddp_group *g, const ddp_reducer_desc *d) 
         return ddp__fail(g, DDP_ERR_INVALID_ARGUMENT, "ddp_reducer_create: zero_stage = 2 with gradient_as_bucket_view = 1 "
                          "is not supported: the buckets would have to hold every gradient, which is what ZeRO-2 frees; "
                          "register your own gradient buffers (gradient_as_bucket_view = 0) or use zero_stage = 1");
-    if (d->zero_stage && d->find_unused_parameters)
-        return ddp__fail(g, DDP_ERR_INVALID_ARGUMENT, "ddp_reducer_create: zero_stage = %d with find_unused_parameters = 1 "
-                         "is not supported; give every parameter a gradient in every synchronised pass (zeros for an "
-                         "unused one) or use zero_stage = 0", d->zero_stage);
+    if (d->zero_stage && d->find_unused_parameters && d->uneven_inputs)
+        return ddp__fail(g, DDP_ERR_INVALID_ARGUMENT, "ddp_reducer_create: zero_stage = %d with both find_unused_parameters = 1 "
+                         "and uneven_inputs = 1 is not supported; drop one of them (give every parameter a gradient in "
+                         "every synchronised pass, zeros for an unused one, or keep the ranks' data even) or use "
+                         "zero_stage = 0", d->zero_stage);
     return DDP_SUCCESS;
 }
 
@@ -921,6 +922,16 @@ static void ddp__zero_owned(const ddp_reducer *r, const ddp__bucket *k, size_t *
     *hi = DDP__MIN(k->count, *lo + k->per);
 }
 
+/* This rank's piece of parameter i: bucket elements [*a, *e) of its bucket, whose owned range starts at
+   *lo. Returns 0 when it owns none of the parameter. */
+static int ddp__zero_piece(const ddp_reducer *r, int i, size_t *lo, size_t *a, size_t *e) {
+    size_t hi, po = r->L.param_offset[i];
+    ddp__zero_owned(r, &r->L.buckets[r->L.param_bucket[i]], lo, &hi);
+    *a = DDP__MAX(*lo, po);
+    *e = DDP__MIN(hi, po + r->params[i].count);
+    return *a < *e;
+}
+
 /* Where parameter i's gradient element e is (the program's buffer, or the bucket's storage). */
 static char *ddp__zero_grad_at(const ddp_reducer *r, int i, size_t e) {
     const ddp__bucket *k = &r->L.buckets[r->L.param_bucket[i]];
@@ -941,15 +952,13 @@ static ddp_result ddp__zero_shards(ddp_reducer *r) {
     if (!r->shards || !r->shard_bucket) return ddp__fail(r->g, DDP_ERR_OUT_OF_MEMORY, "ddp_reducer_finalize: out of memory");
     for (b = 0; b < r->L.nbuckets; b++) {
         const ddp__bucket *k = &r->L.buckets[b];
-        size_t lo, hi;
-        ddp__zero_owned(r, k, &lo, &hi);
         for (j = k->first; j < k->first + k->n; j++) {
             int i = r->L.params[j];
-            size_t po = r->L.param_offset[i], a = DDP__MAX(lo, po), e = DDP__MIN(hi, po + r->params[i].count);
+            size_t lo, a, e;
             ddp_shard *s = &r->shards[r->nshards];
-            if (a >= e) continue;
+            if (!ddp__zero_piece(r, i, &lo, &a, &e)) continue;
             s->param = i;
-            s->offset = a - po;
+            s->offset = a - r->L.param_offset[i];
             s->count = e - a;
             s->param_data = (char *)r->params[i].data + s->offset * ddp_dtype_size(r->params[i].dtype);
             s->grad = ddp__zero2(r) ? (void *)((char *)k->owned + (a - lo) * ddp_dtype_size(k->dtype))
@@ -963,12 +972,9 @@ static ddp_result ddp__zero_shards(ddp_reducer *r) {
 /* The averaged gradient of this rank's part of parameter i goes back where the program reads it. */
 static void ddp__zero_give_back(ddp_reducer *r, int i) {
     const ddp__bucket *k = &r->L.buckets[r->L.param_bucket[i]];
-    size_t lo, hi, po = r->L.param_offset[i], a, e;
-    ddp__zero_owned(r, k, &lo, &hi);
-    a = DDP__MAX(lo, po);
-    e = DDP__MIN(hi, po + r->params[i].count);
-    if (a >= e) return;
-    r->ops->copy_out(r->g, ddp__zero_grad_at(r, i, a - po), r->params[i].dtype,
+    size_t lo, a, e;
+    if (!ddp__zero_piece(r, i, &lo, &a, &e)) return;
+    r->ops->copy_out(r->g, ddp__zero_grad_at(r, i, a - r->L.param_offset[i]), r->params[i].dtype,
                      (char *)k->owned + (a - lo) * ddp_dtype_size(k->comm_dtype), k->comm_dtype, e - a);
 }
 
@@ -1357,15 +1363,41 @@ static ddp_result ddp__reducer_missing(ddp_reducer *r) {
     return ddp__fail(r->g, DDP_ERR_STATE, "%s", msg);
 }
 
-/* find_unused_parameters: fill the slots of the parameters not ready in this pass. One that got a gradient
-   in an earlier no_sync pass contributes what it accumulated; the others contribute zero (views without
-   compression first save their gradient, which is restored if no rank used the parameter). */
+/* find_unused_parameters: what of parameter i's gradient must survive the pass in case no rank uses it
+   (ddp__reducer_finish_unused puts it back then), saved into / restored from the stash at `at`: a view's
+   gradient without compression (its bucket is reduced in place), or under zero_stage 2 this rank's owned
+   piece of it (the reduce-scatter lands there). Returns its bytes (0: nothing to keep); at NULL: only
+   the size. */
+static size_t ddp__unused_keep(ddp_reducer *r, int i, char *at, int restore) {
+    ddp__bucket *k = &r->L.buckets[r->L.param_bucket[i]];
+    const ddp__rtensor *p = &r->params[i];
+    size_t count = p->count, lo, a, e;
+    char *grad;
+    if (ddp__zero2(r)) {
+        if (!ddp__zero_piece(r, i, &lo, &a, &e)) return 0;
+        grad = (char *)k->owned + (a - lo) * ddp_dtype_size(k->dtype);
+        count = e - a;
+    } else if (ddp__bucket_in_place(k)) {
+        grad = (char *)k->storage + r->L.param_offset[i] * ddp_dtype_size(k->dtype);
+    } else {
+        return 0;
+    }
+    if (at) r->ops->copy_out(r->g, restore ? grad : at, p->dtype, restore ? at : grad, p->dtype, count);
+    return count * ddp_dtype_size(p->dtype);
+}
+
+/* find_unused_parameters: fill the slots of the parameters not ready in this pass, bucket by bucket in
+   bucket order, starting each as soon as it is complete (so under zero_stage 2 a bucket that needs a
+   pool buffer finds the buckets before it started, and waits for the oldest instead of growing the
+   pool). One that got a gradient in an earlier no_sync pass contributes what it accumulated; the others
+   contribute zero, after what they must keep went into the stash (ddp__unused_keep). */
 static ddp_result ddp__reducer_fill_unused(ddp_reducer *r) {
     size_t need = 0, off = 0;
-    int i;
+    ddp_result res;
+    int b, j, i;
     r->stats.unused_parameters = 0;
     for (i = 0; i < r->nparams; i++)
-        if (!r->used[i] && ddp__bucket_in_place(&r->L.buckets[r->L.param_bucket[i]])) need += ddp__tensor_bytes(&r->params[i]);
+        if (!r->used[i]) need += ddp__unused_keep(r, i, NULL, 0);
     if (need > r->stash_bytes) { /* grows only when more parameters go unused than ever before */
         if (r->stash) r->ops->release(r->g, r->stash);
         r->stash_bytes = 0;
@@ -1373,22 +1405,24 @@ static ddp_result ddp__reducer_fill_unused(ddp_reducer *r) {
             return ddp__fail(r->g, DDP_ERR_OUT_OF_MEMORY, "ddp_reducer_end_backward: out of memory (%zu bytes)", need);
         r->stash_bytes = need;
     }
-    for (i = 0; i < r->nparams; i++) {
-        ddp__bucket *k = &r->L.buckets[r->L.param_bucket[i]];
+    for (b = 0; b < r->L.nbuckets; b++) {
+        ddp__bucket *k = &r->L.buckets[b];
         size_t cs = ddp_dtype_size(k->comm_dtype);
-        char *slot = (char *)k->comm + r->L.param_offset[i] * cs;
-        if (r->ready[i]) continue;
-        if (r->used[i]) {
-            ddp__reducer_take(r, i);
-            continue;
+        if (!k->pending) continue;
+        if (ddp__zero2(r) && !k->comm && (res = ddp__zero2_acquire(r, b)) != DDP_SUCCESS) return res;
+        for (j = k->first; j < k->first + k->n; j++) {
+            i = r->L.params[j];
+            if (r->ready[i]) continue;
+            if (r->used[i]) {
+                ddp__reducer_take(r, i);
+                continue;
+            }
+            r->stats.unused_parameters++;
+            off += ddp__unused_keep(r, i, (char *)r->stash + off, 0);
+            r->ops->zero(r->g, (char *)k->comm + r->L.param_offset[i] * cs, r->params[i].count * cs);
+            k->pending--;
         }
-        r->stats.unused_parameters++;
-        if (ddp__bucket_in_place(k)) {
-            r->ops->copy_out(r->g, (char *)r->stash + off, r->params[i].dtype, slot, k->comm_dtype, r->params[i].count);
-            off += ddp__tensor_bytes(&r->params[i]);
-        }
-        r->ops->zero(r->g, slot, r->params[i].count * cs);
-        k->pending--;
+        if ((res = ddp__reducer_start_ready(r)) != DDP_SUCCESS) return res;
     }
     return DDP_SUCCESS;
 }
@@ -1407,22 +1441,19 @@ static void ddp__reducer_give_back(ddp_reducer *r, int i) {
                      r->params[i].dtype, src, k->comm_dtype, r->params[i].count);
 }
 
-/* After the used map: gradients of parameters unused here but used elsewhere come back; those no rank
-   used keep their old value. */
+/* After the used map: gradients of parameters unused here but used elsewhere come back (zero_stage 2:
+   they are in the owned slices already); those no rank used keep their old value (out of the stash, in
+   the order ddp__reducer_fill_unused filled it). */
 static void ddp__reducer_finish_unused(ddp_reducer *r) {
     size_t off = 0;
-    int i;
-    for (i = 0; i < r->nparams; i++) {
-        ddp__bucket *k = &r->L.buckets[r->L.param_bucket[i]];
-        if (r->used[i]) continue;
-        if (r->used_global[i]) {
-            ddp__reducer_give_back(r, i);
-        } else if (ddp__bucket_in_place(k)) {
-            r->ops->copy_out(r->g, (char *)k->storage + r->L.param_offset[i] * ddp_dtype_size(k->dtype), r->params[i].dtype,
-                             (char *)r->stash + off, r->params[i].dtype, r->params[i].count);
+    int b, j;
+    for (b = 0; b < r->L.nbuckets; b++)
+        for (j = r->L.buckets[b].first; j < r->L.buckets[b].first + r->L.buckets[b].n; j++) {
+            int i = r->L.params[j];
+            if (r->used[i]) continue;
+            if (r->used_global[i] && !ddp__zero2(r)) ddp__reducer_give_back(r, i);
+            off += ddp__unused_keep(r, i, r->used_global[i] ? NULL : (char *)r->stash + off, 1);
         }
-        if (ddp__bucket_in_place(k)) off += ddp__tensor_bytes(&r->params[i]);
-    }
 }
 
 /* Wait for every bucket in order, giving each back as soon as it is done (the gradients of unused
@@ -1581,6 +1612,12 @@ DDP_API int ddp_reducer_param_bucket(const ddp_reducer *r, int index, size_t *of
     if (!r || !r->L.buckets || index < 0 || index >= r->nparams) return -1;
     if (offset) *offset = r->L.param_offset[index];
     return r->L.param_bucket[index];
+}
+
+DDP_API int ddp_reducer_param_used(const ddp_reducer *r, int index) {
+    if (!r || !r->finalized || index < 0 || index >= r->nparams) return -1;
+    if (!r->stats.iterations && !r->stats.shadowed_iterations) return 0;
+    return r->desc.find_unused_parameters ? r->used_global[index] != 0 : 1;
 }
 
 /* For zero_state.c: a reducer whose ZeRO shards can be read (finalized, healthy, zero_stage, not in a
@@ -1822,6 +1859,7 @@ static ddp_result ddp__join_shadow_backward(ddp_reducer *r) {
         }
     if (used_work && (waited = ddp_wait(used_work)) != DDP_SUCCESS && !res) res = waited;
     if (res) return r->failed = res;
+    if (used_work) r->ops->copy_out(r->g, r->used_global, DDP_U8, r->used_comm, DDP_U8, ddp__reducer_n(r));
     for (b = 0; ddp__reducer_zero(r) && !ddp__zero2(r) && b < r->nparams; b++) ddp__zero_give_back(r, b);
     r->stats.shadowed_iterations++;
     ddp__timing_finish(r);

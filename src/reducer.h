@@ -39,8 +39,10 @@
      accumulated sum.
    - find_unused_parameters: a parameter that got no gradient since the last synchronised backward counts
      as zero on this rank; a "used" map is all-reduced after the buckets, and the gradient of a parameter
-     that no rank used is left exactly as it was. Without the option, a missing gradient is an error that
-     names the parameters (PyTorch's "Expected to have finished reduction in the prior iteration ...").
+     that no rank used is left exactly as it was. ddp_reducer_param_used(r, i) says afterwards whether any
+     rank used parameter i (torch: its .grad is not None; an optimizer that skips such parameters asks it).
+     Without the option, a missing gradient is an error that names the parameters (PyTorch's "Expected to
+     have finished reduction in the prior iteration ...").
    - gradient_as_bucket_view: the gradient memory is the bucket itself (no copy in or out, half the memory).
      The program then writes gradients where ddp_reducer_grad(r, i) points.
    - Flat gradient memory (llm.c keeps every gradient in one grads_memory): when the gradients of a bucket
@@ -119,6 +121,13 @@
      compression (the reduce-scatter runs in comm_dtype), flat gradient memory and gradient_as_bucket_view
      (the gradients then go through the reducer's padded comm buffer: one copy in and out of the owned
      part). The buckets keep their first layout (no rebuild in ready order), so the shards never move.
+     With find_unused_parameters (experts, branches a rank skips): as under stage 0, a parameter without a
+     gradient on this rank contributes zeros, a parameter some rank used gets the average over all ranks
+     in this rank's owned elements, and the owned gradient elements of a parameter that NO rank used keep
+     exactly what they held before the pass (stage 2: the reducer's slice, saved before the reduce-scatter
+     and put back). torch's optimizers skip a parameter whose .grad is None: skip the shards of parameters
+     for which ddp_reducer_param_used returns 0 to do the same (AdamW would otherwise decay the weight and
+     its moments on a zero gradient). Not together with uneven_inputs (refused, DDP_ERR_INVALID_ARGUMENT).
      With uneven_inputs (torch's ZeroRedundancyOptimizer + DDP under Join): a joined rank still owns its
      slices, so it keeps stepping them. Instead of ddp_reducer_join (refused under zero_stage, DDP_ERR_STATE)
      the rank that has no data left writes the loop:
@@ -139,7 +148,7 @@
      param.grad holds, as DDP's join hook throws away the all-reduced zeros: its stale last gradient; here
      the joined rank's shards get the step's true average.) zero_stage = 2 works the same way (the
      averages land in the reducer's slices that sh[j].grad points at).
-     Not with find_unused_parameters: ddp_reducer_create refuses it with DDP_ERR_INVALID_ARGUMENT.
+     Not with find_unused_parameters too: ddp_reducer_create refuses that with DDP_ERR_INVALID_ARGUMENT.
 
    - ZeRO stage 2 (DeepSpeed stage 2: gradient memory 1/world): zero_stage = 2 is stage 1 (the same slice
      rule, shards, gather_params and program loop) with the gradients sharded too. The reducer keeps, per
@@ -172,8 +181,9 @@
          dtype as under stage 1).
        * Flat gradient memory (llm.c's grads_memory) is read as separate gradients (copied into the pool
          buffer; flat_buckets = 0). gradient_as_bucket_view = 1 is refused (DDP_ERR_INVALID_ARGUMENT: the
-         buckets would hold every gradient, which is what stage 2 frees), as is find_unused_parameters,
-         as for stage 1. uneven_inputs works as for stage 1 (the ddp_reducer_join_step loop).
+         buckets would hold every gradient, which is what stage 2 frees). find_unused_parameters works
+         as for stage 1 (a bucket whose gradients never came borrows its pool buffer at end_backward,
+         and may grow the pool as gradients far out of order do). uneven_inputs works as for stage 1 (the ddp_reducer_join_step loop).
 
    Differences from PyTorch 1.13, none of which changes the averaged gradients beyond rounding:
    - The first iteration uses the 1 MiB / 25 MiB buckets in reverse registration order (torch 1.13 puts
@@ -359,6 +369,14 @@ DDP_API ddp_result ddp_reducer_stats(const ddp_reducer *r, ddp_reducer_statistic
    the order they are all-reduced), and, when offset is not NULL, its element offset in the bucket.
    -1 for a bad index or before finalize. For tests and for tuning bucket sizes. */
 DDP_API int ddp_reducer_param_bucket(const ddp_reducer *r, int index, size_t *offset);
+
+/* ddp_reducer_param_used: did parameter index get a gradient on any rank in the last synchronised
+   backward pass (on a joined rank: the last pass it shadowed)? 1: yes; 0: no rank called grad_ready for
+   it (possible only with find_unused_parameters; its gradient was left as it was), or no synchronised
+   pass has ended yet; -1: a bad index, or before finalize. torch's counterpart: param.grad is not None
+   after backward, given zero_grad(set_to_none=True); an optimizer that skips parameters without a
+   gradient skips those for which this returns 0 (under zero_stage: the shards of such parameters). */
+DDP_API int ddp_reducer_param_used(const ddp_reducer *r, int index);
 
 /* ddp_reducer_shards: zero_stage = 1 or 2: this rank's pieces of the model (see "ZeRO" above), in bucket
    order; *out points into the reducer (valid until it is destroyed). The list is fixed at finalize and

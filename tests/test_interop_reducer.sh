@@ -8,7 +8,9 @@
 # consolidate_state_dict's exp_avg / exp_avg_sq against ddp_reducer_consolidate_state's, within 1e-4), ZeRO-1
 # with uneven inputs (ZeroRedundancyOptimizer(AdamW) + `with Join([ddp, opt]):` against zero_stage = 1 and the
 # ddp_reducer_join_step loop; torch's join hook patched to give the joined rank the averaged gradient, see
-# reducer_torch.py) within 1e-4, and the bucket layouts against torch's own dist._compute_bucket_assignment_by_size.
+# reducer_torch.py) within 1e-4, ZeRO with find_unused_parameters=True (two heads, one unused on a rank or on
+# both; set_to_none=True, so AdamW skips a .grad of None) against zero_stage = 1 and 2 with find_unused_parameters
+# and ddp_reducer_param_used within 1e-4, and the bucket layouts against torch's own dist._compute_bucket_assignment_by_size.
 # Skips (exit 77) only when /usr/bin/python3 cannot import torch.
 set -eu
 cd "$(dirname "$0")/.."

@@ -17,8 +17,13 @@
        grows to one buffer per bucket), ONE scratch gradient buffer shared by every parameter (each
        gradient computed into it just before grad_ready and overwritten with NaN just after), the shards'
        gradients in the reducer's memory (not the program's) and zeroed by zero_grad.
-   (c) the refused combinations: zero_stage 2 with gradient_as_bucket_view or uneven_inputs,
-       find_unused_parameters (stage 1 with uneven_inputs works: test_reducer_join); gather_params
+       find_unused_parameters (stage 1 and 2, plain, 4 buckets, bf16, no_sync x2, view): ranks skip
+       parameters (skips()), a parameter used on no rank in a step gets 42 written into its gradient (stage
+       0: the program's buffer; ZeRO: its shards' gradients) before backward, which must still be 42 after
+       it; ddp_reducer_param_used against the test's own rule; AdamW skips unused parameters on both sides.
+   (c) the refused combinations: zero_stage 2 with gradient_as_bucket_view, zero_stage with both
+       find_unused_parameters and uneven_inputs (stage 1 and 2 with uneven_inputs alone work:
+       test_reducer_join); gather_params
        without zero_stage; ranks with different zero_stage (0 against 1, 1 against 2): DDP_ERR_MISMATCH on
        every rank at finalize.
    (d) gradient memory (statistics' gradient_bytes) for 64 buckets: stage 0 = the buckets, stage 1 = padded
@@ -40,20 +45,26 @@ typedef struct mode {
     int forward;    /* gradients ready in registration order (against the buckets' order) */
     int npool;      /* zero_stage 2: comm buffers the pool ends with */
     int overlap;    /* gather_params_async, then wait_param before each parameter is read (forward order) */
+    int unused;     /* find_unused_parameters: ranks skip parameters (see skips()) */
 } mode;
 
 static const mode MODES[] = {
-    {"plain", 0, 1, 0, DDP_DTYPE_DEFAULT, 1e-6, 0, 3, 0, 0, 2, 0},
-    {"no_sync x2", 0, 2, 0, DDP_DTYPE_DEFAULT, 1e-6, 0, 3, 0, 0, 2, 0},
-    {"bf16", 0, 1, 0, DDP_BF16, 2e-2, 0, 3, 0, 0, 2, 0}, /* test_reducer's bf16 tolerance: bf16 keeps 8 significant bits */
-    {"flat grads_memory", 0, 1, 1, DDP_DTYPE_DEFAULT, 1e-6, 0, 3, 0, 0, 2, 0},
-    {"view+no_sync x2", 1, 2, 0, DDP_DTYPE_DEFAULT, 1e-6, 0, 3, 0, 0, 2, 0},
-    {"4 buckets", 0, 1, 0, DDP_DTYPE_DEFAULT, 1e-6, 1024, 4, 0, 0, 2, 0},     /* {4097}, {333}, {1000}, {7} */
-    {"4 buckets bf16", 0, 1, 0, DDP_BF16, 2e-2, 1024, 4, 0, 0, 2, 0},
-    {"forward order", 0, 1, 0, DDP_DTYPE_DEFAULT, 1e-6, 1024, 4, 0, 1, 4, 0},
-    {"scratch grad", 0, 1, 0, DDP_DTYPE_DEFAULT, 1e-6, 1024, 4, 1, 0, 2, 0},
-    {"overlapped gather", 0, 1, 0, DDP_DTYPE_DEFAULT, 1e-6, 1024, 4, 0, 0, 2, 1},
-    {"overlapped gather bf16", 0, 1, 0, DDP_BF16, 2e-2, 1024, 4, 0, 0, 2, 1},
+    {"plain", 0, 1, 0, DDP_DTYPE_DEFAULT, 1e-6, 0, 3, 0, 0, 2, 0, 0},
+    {"no_sync x2", 0, 2, 0, DDP_DTYPE_DEFAULT, 1e-6, 0, 3, 0, 0, 2, 0, 0},
+    {"bf16", 0, 1, 0, DDP_BF16, 2e-2, 0, 3, 0, 0, 2, 0, 0}, /* test_reducer's bf16 tolerance: bf16 keeps 8 significant bits */
+    {"flat grads_memory", 0, 1, 1, DDP_DTYPE_DEFAULT, 1e-6, 0, 3, 0, 0, 2, 0, 0},
+    {"view+no_sync x2", 1, 2, 0, DDP_DTYPE_DEFAULT, 1e-6, 0, 3, 0, 0, 2, 0, 0},
+    {"4 buckets", 0, 1, 0, DDP_DTYPE_DEFAULT, 1e-6, 1024, 4, 0, 0, 2, 0, 0},     /* {4097}, {333}, {1000}, {7} */
+    {"4 buckets bf16", 0, 1, 0, DDP_BF16, 2e-2, 1024, 4, 0, 0, 2, 0, 0},
+    {"forward order", 0, 1, 0, DDP_DTYPE_DEFAULT, 1e-6, 1024, 4, 0, 1, 4, 0, 0},
+    {"scratch grad", 0, 1, 0, DDP_DTYPE_DEFAULT, 1e-6, 1024, 4, 1, 0, 2, 0, 0},
+    {"overlapped gather", 0, 1, 0, DDP_DTYPE_DEFAULT, 1e-6, 1024, 4, 0, 0, 2, 1, 0},
+    {"overlapped gather bf16", 0, 1, 0, DDP_BF16, 2e-2, 1024, 4, 0, 0, 2, 1, 0},
+    {"find_unused", 0, 1, 0, DDP_DTYPE_DEFAULT, 1e-6, 0, 3, 0, 0, 2, 0, 1},
+    {"find_unused 4 buckets", 0, 1, 0, DDP_DTYPE_DEFAULT, 1e-6, 1024, 4, 0, 0, 2, 0, 1},
+    {"find_unused bf16", 0, 1, 0, DDP_BF16, 2e-2, 1024, 4, 0, 0, 2, 0, 1},
+    {"find_unused no_sync x2", 0, 2, 0, DDP_DTYPE_DEFAULT, 1e-6, 0, 3, 0, 0, 2, 0, 1},
+    {"find_unused view", 1, 1, 0, DDP_DTYPE_DEFAULT, 1e-6, 0, 3, 0, 0, 2, 0, 1},
 };
 
 /* AdamW (torch.optim.AdamW): m, v, bias correction, decoupled weight decay; step t counts from 1. */
@@ -84,6 +95,26 @@ static float grad_of(int r, int s, int m, int p, size_t i, float param) {
    parameters are of size ~1 too. */
 static int close_enough(double got, double want, double tol, double scale) { return fabs(got - want) <= tol * (fabs(want) + scale); }
 
+/* find_unused modes: does rank r leave parameter p without a gradient in step s (every micro-batch)? p0 on
+   every rank in odd steps (no rank uses it: its gradient must be left as it was); the others on some ranks
+   (used elsewhere: the average over all ranks, this rank's part zero), on every rank only with 1 rank. */
+static int skips(int r, int s, int p) { return p == 0 ? s % 2 == 1 : (r + s + p) % 3 == 0; }
+
+/* ... and in micro-batch m of accum: with accumulation, some parameters also skip the synchronised
+   micro-batch alone (a gradient from an earlier no_sync pass, not ready in the synchronised one). */
+static int skips_micro(int r, int s, int m, int accum, int p) {
+    return skips(r, s, p) || (accum > 1 && m == accum - 1 && p != 0 && (r + s + p) % 3 == 1);
+}
+
+static int used_anywhere(int world, int s, int p) {
+    int r;
+    for (r = 0; r < world; r++)
+        if (!skips(r, s, p)) return 1;
+    return 0;
+}
+
+#define KEPT 42.0f /* what a test writes into the gradients of a parameter that no rank uses in the step */
+
 typedef struct model {
     ddp_reducer *red;
     float *param[NP], *grad[NP], *grads_memory, *scratch;
@@ -96,6 +127,7 @@ static void model_build(ddp_group *g, const mode *md, int zero, model *M) {
     memset(&d, 0, sizeof d);
     memset(M, 0, sizeof *M);
     d.zero_stage = zero;
+    d.find_unused_parameters = md->unused;
     d.gradient_as_bucket_view = md->view;
     d.comm_dtype = md->comm;
     d.first_bucket_bytes = d.bucket_cap_bytes = md->cap ? md->cap : 4096;
@@ -138,6 +170,7 @@ static void backward(ddp_group *g, const mode *md, model *M, int s) {
         for (q = 0; q < NP; q++) {
             float *gp;
             p = md->forward ? q : NP - 1 - q;
+            if (md->unused && skips_micro(ddp_rank(g), s, m, md->accum, p)) continue;
             gp = (float *)ddp_reducer_grad(M->red, p);
             if (M->scratch)
                 for (i = 0; i < COUNT[p]; i++) gp[i] = grad_of(ddp_rank(g), s, m, p, i, M->param[p][i]);
@@ -252,8 +285,26 @@ static void train(ddp_group *g, const mode *md, int stage) {
     CHECK(state <= 2 * sizeof(float) * (total / (size_t)world + 3), "%s rank %d: %zu bytes of optimizer state, model %zu "
           "elements on %d ranks", md->name, rank, state, total, world);
     for (s = 0; s < STEPS; s++) {
+        int used[NP];
+        for (p = 0; p < NP; p++) { /* a gradient no rank touches in this step must come out as it went in */
+            float *ga = (float *)ddp_reducer_grad(A.red, p);
+            used[p] = !md->unused || used_anywhere(world, s, p);
+            for (i = 0; i < COUNT[p] && !used[p]; i++) ga[i] = KEPT;
+            for (j = 0; j < n && !used[p]; j++)
+                if (sh[j].param == p)
+                    for (i = 0; i < sh[j].count; i++) ((float *)sh[j].grad)[i] = KEPT;
+        }
         backward(g, md, &A, s);
         backward(g, md, &B, s);
+        for (p = 0; p < NP; p++) {
+            const float *ga = (const float *)ddp_reducer_grad(A.red, p);
+            CHECK(ddp_reducer_param_used(A.red, p) == used[p] && ddp_reducer_param_used(B.red, p) == used[p], "%s, stage %d, "
+                  "step %d: ddp_reducer_param_used(p%d) = %d (stage 0: %d), want %d", md->name, stage, s, p,
+                  ddp_reducer_param_used(B.red, p), ddp_reducer_param_used(A.red, p), used[p]);
+            for (i = 0; i < COUNT[p] && !used[p]; i++)
+                CHECK(ga[i] == KEPT, "%s, stage 0, step %d: p%d[%zu] = %g: no rank used it, its gradient must stay %g",
+                      md->name, s, p, i, (double)ga[i], (double)KEPT);
+        }
         for (j = 0; j < n; j++) { /* the shards' gradients are stage 0's averages */
             const float *ga = (const float *)ddp_reducer_grad(A.red, sh[j].param) + sh[j].offset;
             const float *gb = (const float *)sh[j].grad;
@@ -263,14 +314,19 @@ static void train(ddp_group *g, const mode *md, int stage) {
             else /* the reducer's owned slice, never the program's buffers */
                 CHECK(!in_program_grads(&B, gb) && !in_program_grads(&B, gb + sh[j].count - 1), "%s, stage 2: shard %d's "
                       "grad points into the program's gradient buffers", md->name, j);
+            for (i = 0; i < sh[j].count && !used[sh[j].param]; i++)
+                CHECK(gb[i] == KEPT, "%s, stage %d, step %d: shard %d (p%d) grad [%zu] = %g: no rank used it, it must stay %g",
+                      md->name, stage, s, j, sh[j].param, i, (double)gb[i], (double)KEPT);
             for (i = 0; i < sh[j].count; i++)
                 CHECK(close_enough(gb[i], ga[i], md->tol, 1.0), "%s, stage %d, %d ranks, rank %d step %d: grad p%d[%zu] = "
                       "%.8g, stage 0 %.8g", md->name, stage, world, rank, s, sh[j].param, sh[j].offset + i, (double)gb[i],
                       (double)ga[i]);
         }
-        for (p = 0; p < NP; p++) adamw(A.param[p], (const float *)ddp_reducer_grad(A.red, p), mA[p], vA[p], COUNT[p], s + 1);
+        for (p = 0; p < NP; p++) /* torch's optimizers skip a parameter whose .grad is None */
+            if (used[p]) adamw(A.param[p], (const float *)ddp_reducer_grad(A.red, p), mA[p], vA[p], COUNT[p], s + 1);
         for (j = 0; j < n; j++)
-            adamw((float *)sh[j].param_data, (const float *)sh[j].grad, mB[j], vB[j], sh[j].count, s + 1);
+            if (ddp_reducer_param_used(B.red, sh[j].param))
+                adamw((float *)sh[j].param_data, (const float *)sh[j].grad, mB[j], vB[j], sh[j].count, s + 1);
         if (md->overlap) CHECK_OK(ddp_reducer_gather_params_async(B.red), g);
         else CHECK_OK(ddp_reducer_gather_params(B.red), g);
         for (p = 0; p < NP; p++) { /* forward reads them in registration order */
@@ -287,12 +343,16 @@ static void train(ddp_group *g, const mode *md, int stage) {
                 CHECK(((const float *)sh[j].grad)[i] == 0.0f, "%s, stage %d: shard %d's gradient [%zu] = %g after zero_grad",
                       md->name, stage, j, i, (double)((const float *)sh[j].grad)[i]);
     }
-    if (stage == 2) {
+    if (stage == 2) { /* find_unused: a bucket whose gradients never came may find the pool held by later ones */
         ddp_reducer_statistics st;
-        uint64_t want = stage2_bytes(B.red, world, md->npool, md->comm == DDP_BF16 ? 2 : sizeof(float));
+        int npool, fits = 0;
         CHECK_OK(ddp_reducer_get_statistics(B.red, &st), g);
-        CHECK(st.gradient_bytes == want, "%s, stage 2, %d ranks: gradient_bytes %llu, want %llu (%d pool buffers)", md->name,
-              world, (unsigned long long)st.gradient_bytes, (unsigned long long)want, md->npool);
+        for (npool = md->npool; npool <= (md->unused ? md->nbuckets : md->npool); npool++)
+            fits |= st.gradient_bytes == stage2_bytes(B.red, world, npool, md->comm == DDP_BF16 ? 2 : sizeof(float));
+        CHECK(fits, "%s, stage 2, %d ranks: gradient_bytes %llu, want %llu (%d pool buffers%s)", md->name, world,
+              (unsigned long long)st.gradient_bytes,
+              (unsigned long long)stage2_bytes(B.red, world, md->npool, md->comm == DDP_BF16 ? 2 : sizeof(float)), md->npool,
+              md->unused ? " or up to one per bucket" : "");
     }
     if (rank == 0)
         printf("  %-18s stage %d, %d ranks: = stage 0 for %d AdamW steps; optimizer state %zu of %zu bytes on rank 0\n",
@@ -400,8 +460,8 @@ static int refuse_main(int rank, int n, void *arg) {
     CHECK_OK(ddp_init(NULL, &g), NULL);
     refused(g, 2, 0, 0, 1, "zero_stage = 2 with gradient_as_bucket_view = 1 is not supported");
     refused(g, 3, 0, 0, 0, "zero_stage 3 is not 0");
-    refused(g, 1, 0, 1, 0, "zero_stage = 1 with find_unused_parameters = 1 is not supported");
-    refused(g, 2, 0, 1, 0, "zero_stage = 2 with find_unused_parameters = 1 is not supported");
+    refused(g, 1, 1, 1, 0, "zero_stage = 1 with both find_unused_parameters = 1 and uneven_inputs = 1 is not supported");
+    refused(g, 2, 1, 1, 0, "zero_stage = 2 with both find_unused_parameters = 1 and uneven_inputs = 1 is not supported");
     CHECK_OK(ddp_reducer_create(g, NULL, &r), g);
     CHECK_OK(ddp_reducer_add_param(r, "w", w, gw, 3, DDP_F32, NULL), g);
     CHECK(ddp_reducer_shards(r, &sh) == -1 && sh == NULL, "shards before finalize");

@@ -12,14 +12,20 @@
        ddp_reducer_shards, gather_params; then ddp_reducer_consolidate_state gathers m and v to rank 0,
        which writes DIR/ddp_exp_avg.bin and DIR/ddp_exp_avg_sq.bin, the parameters' order) | zerojoin
        (zero_stage = 1 and uneven inputs: the same AdamW step and gather_params; out of data, the
-       ddp_reducer_join_step loop with that step and gather_params). Rank 0 writes
-       DIR/ddp_final.bin; in the join variants the last rank does, which ran out first.
+       ddp_reducer_join_step loop with that step and gather_params) | zerounused, zero2unused (zero_stage
+       1 / 2 with find_unused_parameters: the last layer is one of two heads of the same shape, the second
+       registered after all the others (torch's heads.1); step s on rank r uses head_of(r, s), so a head is
+       unused on one rank, or on both in every third step; AdamW skips the shards of parameters that
+       ddp_reducer_param_used says no rank used, and counts its step t per parameter, as torch's AdamW
+       does for a .grad of None). Rank 0 writes DIR/ddp_final.bin; in the join variants the last rank
+       does, which ran out first.
    reducer_peer layout FIRST CAP N SIZE... ORDER...
        One rank: N f32 parameters of SIZE elements; prints the initial bucket of each parameter, then runs
        one backward pass reporting gradients in ORDER and prints the rebuilt buckets. */
 #include "testlib.h"
 
 #define MAXL 8
+#define MAXP (2 * MAXL + 2) /* the layers' weights and biases, and a second head's */
 
 typedef struct job {
     const char *dir, *variant;
@@ -38,8 +44,13 @@ static float *read_file(const char *dir, const char *name, size_t n) {
     return buf;
 }
 
-/* y = x W^T + b per layer, tanh between; loss = mean((y - t)^2); gradients ADDED to G (2 per layer). */
-static void fwd_bwd(const job *J, float **P, float **G, const float *x, const float *t, int n, ddp_reducer *red) {
+/* The unused variants' head on rank r in step s: each rank its own (the other unused here, used there),
+   and in every third step both head 0 (head 1 unused everywhere). tests/interop/reducer_torch.py: the same. */
+static int head_of(int r, int s) { return s % 3 == 2 ? 0 : (r + s) % 2; }
+
+/* y = x W^T + b per layer, tanh between; loss = mean((y - t)^2); gradients ADDED to G (2 per layer).
+   Layer l's weight is parameter w[l], its bias w[l] + 1. */
+static void fwd_bwd(const job *J, float **P, float **G, const int *w, const float *x, const float *t, int n, ddp_reducer *red) {
     int L = J->layers, l, s, i, j;
     float *h[MAXL + 1], *dz, *dh;
     h[0] = (float *)x;
@@ -48,8 +59,8 @@ static void fwd_bwd(const job *J, float **P, float **G, const float *x, const fl
         h[l + 1] = (float *)malloc(sizeof(float) * (size_t)(n * out));
         for (s = 0; s < n; s++)
             for (j = 0; j < out; j++) {
-                float z = P[2 * l + 1][j];
-                for (i = 0; i < in; i++) z += h[l][s * in + i] * P[2 * l][j * in + i];
+                float z = P[w[l] + 1][j];
+                for (i = 0; i < in; i++) z += h[l][s * in + i] * P[w[l]][j * in + i];
                 h[l + 1][s * out + j] = l < L - 1 ? tanhf(z) : z;
             }
     }
@@ -59,17 +70,17 @@ static void fwd_bwd(const job *J, float **P, float **G, const float *x, const fl
         int in = J->dims[l], out = J->dims[l + 1];
         for (s = 0; s < n; s++)
             for (j = 0; j < out; j++) {
-                G[2 * l + 1][j] += dz[s * out + j];
-                for (i = 0; i < in; i++) G[2 * l][j * in + i] += dz[s * out + j] * h[l][s * in + i];
+                G[w[l] + 1][j] += dz[s * out + j];
+                for (i = 0; i < in; i++) G[w[l]][j * in + i] += dz[s * out + j] * h[l][s * in + i];
             }
-        CHECK_OK(ddp_reducer_grad_ready(red, 2 * l), NULL);
-        CHECK_OK(ddp_reducer_grad_ready(red, 2 * l + 1), NULL);
+        CHECK_OK(ddp_reducer_grad_ready(red, w[l]), NULL);
+        CHECK_OK(ddp_reducer_grad_ready(red, w[l] + 1), NULL);
         if (l == 0) break;
         dh = (float *)calloc((size_t)(n * in), sizeof(float));
         for (s = 0; s < n; s++)
             for (i = 0; i < in; i++) {
                 float a = 0, hv = h[l][s * in + i];
-                for (j = 0; j < out; j++) a += dz[s * out + j] * P[2 * l][j * in + i];
+                for (j = 0; j < out; j++) a += dz[s * out + j] * P[w[l]][j * in + i];
                 dh[s * in + i] = a * (1.0f - hv * hv);
             }
         free(dz);
@@ -106,13 +117,17 @@ static void adamw(float *p, const float *g, float *m, float *v, size_t n, int t,
     }
 }
 
-/* zero: AdamW on this rank's shards (state for those only), then every rank gets every parameter. */
-static void zero_step(ddp_group *g, ddp_reducer *red, float *m, float *v, int t, float lr) {
+/* zero: AdamW on this rank's shards (state for those only), then every rank gets every parameter. A
+   parameter no rank used in the pass is skipped, and t counts each parameter's own steps (torch's AdamW
+   skips a .grad of None and keeps a step count per parameter). */
+static void zero_step(ddp_group *g, ddp_reducer *red, float *m, float *v, int *t, int nparams, float lr) {
     const ddp_shard *sh;
     int n = ddp_reducer_shards(red, &sh), j;
     size_t at = 0;
+    for (j = 0; j < nparams; j++) t[j] += ddp_reducer_param_used(red, j) == 1;
     for (j = 0; j < n; at += sh[j].count, j++)
-        adamw((float *)sh[j].param_data, (const float *)sh[j].grad, m + at, v + at, sh[j].count, t, lr);
+        if (ddp_reducer_param_used(red, sh[j].param) == 1)
+            adamw((float *)sh[j].param_data, (const float *)sh[j].grad, m + at, v + at, sh[j].count, t[sh[j].param], lr);
     CHECK_OK(ddp_reducer_gather_params(red), g);
 }
 
@@ -145,8 +160,9 @@ static int train_rank(int rank, int n, void *arg) {
     int join = !strncmp(J->variant, "join", 4) || zerojoin, fail_early = !strcmp(J->variant, "joinfail");
     int L = J->layers, k, step, micro, view = !strcmp(J->variant, "accum") || (join && !fail_early && !zero);
     int steps = join ? rank_steps(J, rank) : J->steps, writer = join ? n - 1 : 0;
-    size_t cnt[2 * MAXL], total = 0, off = 0, nx, nt;
-    float *P[2 * MAXL], *G[2 * MAXL], *init, *data, *zm = NULL, *zv = NULL;
+    int unused = strstr(J->variant, "unused") != NULL, np = 2 * L + 2 * unused, w[MAXL], t[MAXP] = {0};
+    size_t cnt[MAXP], total = 0, off = 0, nx, nt;
+    float *P[MAXP], *G[MAXP], *init, *data, *zm = NULL, *zv = NULL;
     ddp_group *g;
     ddp_reducer *red;
     ddp_reducer_desc d;
@@ -156,6 +172,7 @@ static int train_rank(int rank, int n, void *arg) {
         cnt[2 * k + 1] = (size_t)J->dims[k + 1];
         total += cnt[2 * k] + cnt[2 * k + 1];
     }
+    for (k = 2 * L; k < np; k++) total += cnt[k] = cnt[k - 2]; /* the second head: the last layer's shape */
     nx = (size_t)J->steps * (size_t)J->accum * (size_t)(J->R * J->B) * (size_t)J->dims[0];
     nt = (size_t)J->steps * (size_t)J->accum * (size_t)(J->R * J->B) * (size_t)J->dims[L];
     init = read_file(J->dir, "init.bin", total);
@@ -167,10 +184,11 @@ static int train_rank(int rank, int n, void *arg) {
     if (!strcmp(J->variant, "fp16")) d.comm_dtype = DDP_F16;
     d.uneven_inputs = join;
     d.join_fail_early = fail_early;
-    d.zero_stage = zero;
+    d.zero_stage = zero ? 1 + !strcmp(J->variant, "zero2unused") : 0;
+    d.find_unused_parameters = unused;
     if (zero) d.bucket_cap_bytes = d.first_bucket_bytes = 1024; /* slices cut parameters */
     CHECK_OK(ddp_reducer_create(g, &d, &red), g);
-    for (k = 0; k < 2 * L; k++) {
+    for (k = 0; k < np; k++) {
         char name[32];
         snprintf(name, sizeof name, "%d.%s", 2 * (k / 2), k % 2 ? "bias" : "weight");
         /* every rank but 0 starts from garbage: finalize broadcasts rank 0's weights */
@@ -186,21 +204,23 @@ static int train_rank(int rank, int n, void *arg) {
     CHECK_OK(ddp_reducer_finalize(red), g);
     if (zero) zm = (float *)calloc(total, sizeof(float)), zv = (float *)calloc(total, sizeof(float)); /* >= the shards */
     for (step = 0; step < steps; step++) {
-        float *grad[2 * MAXL];
+        float *grad[MAXP];
         ddp_result res;
-        for (k = 0; k < 2 * L; k++) grad[k] = (float *)ddp_reducer_grad(red, k);
+        for (k = 0; k < np; k++) grad[k] = (float *)ddp_reducer_grad(red, k);
+        for (k = 0; k < L; k++) w[k] = 2 * k;
+        if (unused && head_of(rank, step)) w[L - 1] = 2 * L;
         for (micro = 0; micro < J->accum; micro++) {
             size_t base = ((size_t)step * (size_t)J->accum + (size_t)micro) * (size_t)(J->R * J->B) + (size_t)(rank * J->B);
             CHECK_OK(ddp_reducer_set_sync(red, micro == J->accum - 1), g);
             res = ddp_reducer_begin_backward(red);
             if (fail_early && res == DDP_ERR_UNEVEN_INPUTS) break;
             CHECK_OK(res, g);
-            fwd_bwd(J, P, grad, data + base * (size_t)J->dims[0], data + nx + base * (size_t)J->dims[L], J->B, red);
+            fwd_bwd(J, P, grad, w, data + base * (size_t)J->dims[0], data + nx + base * (size_t)J->dims[L], J->B, red);
             CHECK_OK(ddp_reducer_end_backward(red), g);
         }
         if (micro < J->accum) break; /* joinfail: every rank stops here */
         if (zero) { /* AdamW on this rank's shards, gather_params */
-            zero_step(g, red, zm, zv, step + 1, J->lr);
+            zero_step(g, red, zm, zv, t, np, J->lr);
             CHECK_OK(ddp_reducer_zero_grad(red), g);
             continue;
         }
@@ -214,7 +234,7 @@ static int train_rank(int rank, int n, void *arg) {
         int all_joined = 0;
         CHECK_OK(ddp_reducer_join_step(red, &all_joined), g);
         if (all_joined) break;
-        zero_step(g, red, zm, zv, ++step, J->lr); /* AdamW on the shards, gather_params */
+        zero_step(g, red, zm, zv, t, np, J->lr); /* AdamW on the shards, gather_params */
     }
     if (join && !zero && step == steps) { /* out of data (joinfail: the ranks with data stopped above instead) */
         ddp_result res = ddp_reducer_join(red);
@@ -233,12 +253,12 @@ static int train_rank(int rank, int n, void *arg) {
         snprintf(path, sizeof path, "%s/ddp_final.bin", J->dir);
         f = fopen(path, "wb");
         CHECK(f != NULL, "cannot write %s", path);
-        for (k = 0; k < 2 * L; k++) fwrite(P[k], sizeof(float), cnt[k], f);
+        for (k = 0; k < np; k++) fwrite(P[k], sizeof(float), cnt[k], f);
         fclose(f);
     }
     ddp_reducer_destroy(red);
     CHECK_OK(ddp_destroy(g), NULL);
-    for (k = 0; k < 2 * L; k++) free(P[k]), free(G[k]);
+    for (k = 0; k < np; k++) free(P[k]), free(G[k]);
     free(init);
     free(data);
     return 0;

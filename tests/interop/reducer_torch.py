@@ -45,6 +45,13 @@ from the same files; the final weights must agree within the variant's tolerance
             equals the serial run to 6e-8 in that trial, and ddp.h within 2.1e-7 absolute. Tolerance
             1e-4: AdamW moves every weight by ~lr a step whatever its gradient's size, so a weight near
             zero (the 0.01 floor) carries ~1e-7 of rounding, 1e-5 relative.
+    zerounused  ZeRO with find_unused_parameters=True (torch) / zero_stage = 1 and,           1e-4
+    zero2unused  zero_stage = 2, with find_unused_parameters (ddp.h): the last Linear is one of two
+            heads of the same shape (heads.0, heads.1, registered last); step s on rank r uses
+            head_of(r, s): each rank its own (a head unused here, used there), and in every third
+            step both use head 0 (head 1 unused everywhere: DDP leaves its .grad None, and AdamW
+            skips it; ddp.h's side skips the shards for which ddp_reducer_param_used is 0).
+            torch zeroes gradients with set_to_none=True here.
 Then the bucket layouts: torch's own dist._compute_bucket_assignment_by_size against the reducer's initial
 (reverse registration order) and rebuilt (ready order) buckets. Exit 0 when everything matches."""
 import os
@@ -61,7 +68,10 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 
 DIMS = [16, 32, 24, 8]
 R, B, STEPS, LR = 2, 4, 20, 0.1
-TOL = {"plain": 1e-5, "accum": 1e-5, "fp16": 1e-3, "join": 1e-5, "joinfail": 1e-5, "zero": 1e-4, "zerojoin": 1e-4}
+TOL = {"plain": 1e-5, "accum": 1e-5, "fp16": 1e-3, "join": 1e-5, "joinfail": 1e-5, "zero": 1e-4, "zerojoin": 1e-4,
+       "zerounused": 1e-4, "zero2unused": 1e-4}
+SEED = {"plain": 0, "accum": 1, "fp16": 2, "join": 3, "joinfail": 4, "zero": 5, "zerojoin": 6, "zerounused": 7,
+        "zero2unused": 7}
 ZERO_LR, ZERO_WD = 1e-2, 1e-2  # zero, zerojoin: AdamW (weight_decay: torch.optim.AdamW's default)
 JOIN_STEPS = {"join": [STEPS, 9, 0], "joinfail": [STEPS, 11, 7], "zerojoin": [STEPS, 9, 0]}
 
@@ -84,7 +94,29 @@ def ranks(variant):
     return 3 if variant in JOIN_STEPS else R
 
 
-def make_model():
+def head_of(rank, step):
+    """The unused variants' head of rank in step (reducer_peer.c: the same)."""
+    return 0 if step % 3 == 2 else (rank + step) % 2
+
+
+class TwoHeads(torch.nn.Module):
+    """The MLP with its last Linear as one of two heads: forward(x, k) = heads[k](trunk(x))."""
+
+    def __init__(self):
+        super().__init__()
+        layers = []
+        for i in range(len(DIMS) - 2):
+            layers += [torch.nn.Linear(DIMS[i], DIMS[i + 1]), torch.nn.Tanh()]
+        self.trunk = torch.nn.Sequential(*layers)
+        self.heads = torch.nn.ModuleList([torch.nn.Linear(DIMS[-2], DIMS[-1]) for _ in range(2)])
+
+    def forward(self, x, k):
+        return self.heads[k](self.trunk(x))
+
+
+def make_model(variant="plain"):
+    if variant.endswith("unused"):
+        return TwoHeads()
     layers = []
     for i in range(len(DIMS) - 1):
         layers.append(torch.nn.Linear(DIMS[i], DIMS[i + 1]))
@@ -126,7 +158,8 @@ def worker(rank, workdir, variant, accum, port):
     torch.set_num_threads(1)
     R = ranks(variant)
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=R)
-    model = make_model()
+    model = make_model(variant)
+    unused = variant.endswith("unused")
     init = torch.from_numpy(_read(workdir, "init.bin"))
     off = 0
     with torch.no_grad():
@@ -136,6 +169,8 @@ def worker(rank, workdir, variant, accum, port):
     kwargs = {}
     if variant in ("accum", "join"):
         kwargs = dict(gradient_as_bucket_view=True, bucket_cap_mb=1024 / 2**20)
+    if unused:
+        kwargs = dict(find_unused_parameters=True)
     ddp = DDP(model, **kwargs)
     if variant == "fp16":
         native = int(torch.__version__.split(".")[0]) < 2 or gloo_has_f16()  # 1.13: as before, no probe
@@ -159,15 +194,16 @@ def worker(rank, workdir, variant, accum, port):
 
     def train(steps):
         for step in range(steps):
-            opt.zero_grad(set_to_none=False)
+            opt.zero_grad(set_to_none=unused)
             for micro in range(accum):
                 xs = x[step, micro, rank * B:(rank + 1) * B]
                 ts = t[step, micro, rank * B:(rank + 1) * B]
+                args = (xs, head_of(rank, step)) if unused else (xs,)
                 if micro < accum - 1:
                     with ddp.no_sync():
-                        loss_fn(ddp(xs), ts).backward()
+                        loss_fn(ddp(*args), ts).backward()
                 else:
-                    loss_fn(ddp(xs), ts).backward()
+                    loss_fn(ddp(*args), ts).backward()
             opt.step()
 
     if variant == "zerojoin":
@@ -232,8 +268,8 @@ def run_variant(peer, workdir, variant):
     import numpy as np
     accum = 2 if variant in ("accum", "join") else 1
     R = ranks(variant)
-    torch.manual_seed({"plain": 0, "accum": 1, "fp16": 2, "join": 3, "joinfail": 4, "zero": 5, "zerojoin": 6}[variant])
-    flat(make_model()).numpy().astype("<f4").tofile(os.path.join(workdir, "init.bin"))
+    torch.manual_seed(SEED[variant])
+    flat(make_model(variant)).numpy().astype("<f4").tofile(os.path.join(workdir, "init.bin"))
     if variant in JOIN_STEPS:
         with open(os.path.join(workdir, "steps.txt"), "w") as f:
             f.write(" ".join(str(n) for n in JOIN_STEPS[variant]) + "\n")
@@ -313,7 +349,7 @@ def check_layouts(peer):
 def main():
     peer, workdir = sys.argv[1], sys.argv[2]
     ok = True
-    variants = sys.argv[3:] or ["plain", "accum", "fp16", "join", "joinfail", "zero", "zerojoin"]
+    variants = sys.argv[3:] or ["plain", "accum", "fp16", "join", "joinfail", "zero", "zerojoin", "zerounused", "zero2unused"]
     for variant in variants:
         ok &= run_variant(peer, workdir, variant)
     ok &= check_layouts(peer)
