@@ -2274,6 +2274,15 @@ extern int getnameinfo(const struct sockaddr *restrict sa, socklen_t salen, char
 #define DDP__ERR_MAX 1024 /* bytes of an error message, terminator included */
 #define DDP__MIN(a, b) ((a) < (b) ? (a) : (b))
 #define DDP__MAX(a, b) ((a) > (b) ? (a) : (b))
+/* Ask for the cache line at p before it is needed: for writing (the sampler's shuffle targets), or for
+   reading (peers' lines in shared memory, so that the misses of several overlap). */
+#if defined(__GNUC__) || defined(__clang__)
+#define DDP__PREFETCH(p) __builtin_prefetch((p), 1)
+#define DDP__PREFETCH_READ(p) __builtin_prefetch((p), 0)
+#else
+#define DDP__PREFETCH(p) ((void)(p))
+#define DDP__PREFETCH_READ(p) ((void)(p))
+#endif
 
 /* ---- util.c: errors, logging, environment, time, memory ---- */
 /* Format a message into buf (DDP__ERR_MAX bytes) and return code: `return ddp__fail_to(...)`. */
@@ -11002,6 +11011,14 @@ static ddp_result ddp__shm_all_to_all_v(ddp_group *g, const ddp__call *k, const 
     if ((res = ddp__shm_publish_buffer(g, c, rp, at * es, s->cma || s->arena.base)) != DDP_SUCCESS) return res;
     step = s->step;
     total = largest = 0;
+    /* every peer's numbers and my slot in its half, asked for at once: their misses overlap instead of
+       coming one after the other (64 B blocks, 2 ranks: 6-10% less time per call; all_gather_v's block
+       is in the line after its numbers, which the core fetches with them, and it gained nothing) */
+    for (j = 0; j < n; j++)
+        if (j != r) {
+            DDP__PREFETCH_READ(ddp__shm_meta(s, j, step));
+            DDP__PREFETCH_READ(ddp__shm_half(s, j, step) + base + (size_t)r * per * es);
+        }
     for (j = 0; j < n; j++) { /* the sizes, then what every rank decides alike */
         const uint64_t *m = ddp__shm_meta(s, j, step);
         for (i = 0; i < n && full; i++)
@@ -18164,12 +18181,6 @@ DDP_API ddp_result ddp_reducer_shard_state(ddp_reducer *r, ddp_dtype t, int nsta
 #define DDP__RANDPERM_AHEAD 64
 #define DDP__FEISTEL_MIN_BITS 8 /* the streaming bijection's smallest domain: 2^8 */
 #define DDP__FEISTEL_ROUNDS ((int)(sizeof(((ddp_sampler *)0)->feistel_keys) / sizeof(uint64_t)))
-
-#if defined(__GNUC__) || defined(__clang__)
-#define DDP__PREFETCH(p) __builtin_prefetch((p), 1)
-#else
-#define DDP__PREFETCH(p) ((void)(p))
-#endif
 
 /* ---- MT19937: the generator behind torch.Generator on the CPU ----
    manual_seed(s) runs Matsumoto and Nishimura's init_genrand on the low 32 bits of s (torch's at::mt19937,

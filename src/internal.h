@@ -194,6 +194,15 @@ extern int getnameinfo(const struct sockaddr *restrict sa, socklen_t salen, char
 #define DDP__ERR_MAX 1024 /* bytes of an error message, terminator included */
 #define DDP__MIN(a, b) ((a) < (b) ? (a) : (b))
 #define DDP__MAX(a, b) ((a) > (b) ? (a) : (b))
+/* Ask for the cache line at p before it is needed: for writing (the sampler's shuffle targets), or for
+   reading (peers' lines in shared memory, so that the misses of several overlap). */
+#if defined(__GNUC__) || defined(__clang__)
+#define DDP__PREFETCH(p) __builtin_prefetch((p), 1)
+#define DDP__PREFETCH_READ(p) __builtin_prefetch((p), 0)
+#else
+#define DDP__PREFETCH(p) ((void)(p))
+#define DDP__PREFETCH_READ(p) ((void)(p))
+#endif
 
 /* ---- util.c: errors, logging, environment, time, memory ---- */
 /* Format a message into buf (DDP__ERR_MAX bytes) and return code: `return ddp__fail_to(...)`. */

