@@ -4,7 +4,9 @@
 #   OPS="all_to_all gather" (any of all_to_all gather scatter all_to_all_v all_gather_v), RANKS="2 4", TRANSPORT=shm (or tcp: DDP_TRANSPORT=tcp
 #   for ddp.h and --mca btl tcp,self for Open MPI), LIB=1: ddp.h on ddp_alloc buffers, TIMING=loop: both time as
 #   nccl-tests does (every rank's whole loop of back-to-back calls, averaged over the ranks; default: rank 0
-#   times each call on its own, which for gather and scatter is the root's time alone).
+#   times each call on its own, which for gather and scatter is the root's time alone), NOISE=1: Open MPI runs
+#   twice per round and a column mpi/mpi gives the ratio of its two medians (an A/A comparison: how far two
+#   runs of the same program differ on this machine, so ddp/mpi within that distance of 1 is a tie).
 # Each round runs, for every op and rank count, build/bench_collectives under ddprun and
 # bench/peers/mpi_alltoall.c under mpirun, one after the other (interleaved, so load changes hit both alike);
 # the table gives per size (bytes per rank) the median time per call of each (us), ddp.h's algbw
@@ -32,6 +34,7 @@ for r in $(seq 1 "$rounds"); do
     for n in $RANKS; do
       env "${ddp_env[@]}" "$BUILD/ddprun" --nproc-per-node "$n" --standalone "$BUILD/bench_collectives" "${lib[@]}" "${loop[@]}" "$op" "$max" "$min" > "$out/ddp.$op.$n.$r"
       [ $have_mpi = 1 ] && mpirun --allow-run-as-root --oversubscribe -np "$n" "${mpi_opt[@]}" "$out/mpi_alltoall" "$op" "$max" "$min" "${mpi_loop[@]}" > "$out/mpi.$op.$n.$r"
+      [ $have_mpi = 1 ] && [ "${NOISE:-0}" = 1 ] && mpirun --allow-run-as-root --oversubscribe -np "$n" "${mpi_opt[@]}" "$out/mpi_alltoall" "$op" "$max" "$min" "${mpi_loop[@]}" > "$out/mpi2.$op.$n.$r"
     done
   done
 done
@@ -51,11 +54,13 @@ def size(b):
     return f"{b >> 20} MiB" if b >= 1 << 20 and b % (1 << 20) == 0 else f"{b >> 10} KiB" if b >= 1024 and b % 1024 == 0 else f"{b} B"
 for op in ops:
     for n in ranks:
-        d, m = table(f"ddp.{op}.{n}"), table(f"mpi.{op}.{n}")
+        d, m, m2 = table(f"ddp.{op}.{n}"), table(f"mpi.{op}.{n}"), table(f"mpi2.{op}.{n}")
         print(f"\n{op}, {n} ranks, ddp.h {transport} vs Open MPI, median of {rounds} rounds (size = bytes per rank)")
-        print(f"{'size':>8} {'ddp_us':>10} {'ddp_algbw':>10} {'mpi_us':>10} {'mpi_algbw':>10} {'ddp/mpi':>8}")
+        print(f"{'size':>8} {'ddp_us':>10} {'ddp_algbw':>10} {'mpi_us':>10} {'mpi_algbw':>10} {'ddp/mpi':>8}" +
+              (f" {'mpi/mpi':>8}" if m2 else ""))
         for b in sorted(d):
             mt = m.get(b)
             print(f"{size(b):>8} {d[b]:>10.2f} {b * int(n) / d[b] / 1e3:>10.3f} " +
-                  (f"{mt:>10.2f} {b * int(n) / mt / 1e3:>10.3f} {d[b] / mt:>8.2f}" if mt else f"{'-':>10} {'-':>10} {'-':>8}"))
+                  (f"{mt:>10.2f} {b * int(n) / mt / 1e3:>10.3f} {d[b] / mt:>8.2f}" if mt else f"{'-':>10} {'-':>10} {'-':>8}") +
+                  (f" {mt / m2[b]:>8.2f}" if mt and m2.get(b) else ""))
 PY
