@@ -269,11 +269,6 @@ static ddp_result ddp__zero_check_desc(ddp_group *g, const ddp_reducer_desc *d) 
         return ddp__fail(g, DDP_ERR_INVALID_ARGUMENT, "ddp_reducer_create: zero_stage = 2 with gradient_as_bucket_view = 1 "
                          "is not supported: the buckets would have to hold every gradient, which is what ZeRO-2 frees; "
                          "register your own gradient buffers (gradient_as_bucket_view = 0) or use zero_stage = 1");
-    if (d->zero_stage && d->find_unused_parameters && d->uneven_inputs)
-        return ddp__fail(g, DDP_ERR_INVALID_ARGUMENT, "ddp_reducer_create: zero_stage = %d with both find_unused_parameters = 1 "
-                         "and uneven_inputs = 1 is not supported; drop one of them (give every parameter a gradient in "
-                         "every synchronised pass, zeros for an unused one, or keep the ranks' data even) or use "
-                         "zero_stage = 0", d->zero_stage);
     return DDP_SUCCESS;
 }
 
@@ -1391,6 +1386,17 @@ static size_t ddp__unused_keep(ddp_reducer *r, int i, char *at, int restore) {
    pool buffer finds the buckets before it started, and waits for the oldest instead of growing the
    pool). One that got a gradient in an earlier no_sync pass contributes what it accumulated; the others
    contribute zero, after what they must keep went into the stash (ddp__unused_keep). */
+/* The stash holds at least `need` bytes; it grows only when more must be kept than ever before. */
+static ddp_result ddp__stash_reserve(ddp_reducer *r, size_t need, const char *fn) {
+    if (need <= r->stash_bytes) return DDP_SUCCESS;
+    if (r->stash) r->ops->release(r->g, r->stash);
+    r->stash_bytes = 0;
+    if (!(r->stash = r->ops->alloc(r->g, need)))
+        return ddp__fail(r->g, DDP_ERR_OUT_OF_MEMORY, "%s: out of memory (%zu bytes)", fn, need);
+    r->stash_bytes = need;
+    return DDP_SUCCESS;
+}
+
 static ddp_result ddp__reducer_fill_unused(ddp_reducer *r) {
     size_t need = 0, off = 0;
     ddp_result res;
@@ -1398,13 +1404,7 @@ static ddp_result ddp__reducer_fill_unused(ddp_reducer *r) {
     r->stats.unused_parameters = 0;
     for (i = 0; i < r->nparams; i++)
         if (!r->used[i]) need += ddp__unused_keep(r, i, NULL, 0);
-    if (need > r->stash_bytes) { /* grows only when more parameters go unused than ever before */
-        if (r->stash) r->ops->release(r->g, r->stash);
-        r->stash_bytes = 0;
-        if (!(r->stash = r->ops->alloc(r->g, need)))
-            return ddp__fail(r->g, DDP_ERR_OUT_OF_MEMORY, "ddp_reducer_end_backward: out of memory (%zu bytes)", need);
-        r->stash_bytes = need;
-    }
+    if ((res = ddp__stash_reserve(r, need, "ddp_reducer_end_backward")) != DDP_SUCCESS) return res;
     for (b = 0; b < r->L.nbuckets; b++) {
         ddp__bucket *k = &r->L.buckets[b];
         size_t cs = ddp_dtype_size(k->comm_dtype);
@@ -1833,14 +1833,19 @@ static ddp_result ddp__join_shadow_memory(ddp_reducer *r) {
 static ddp_result ddp__join_shadow_backward(ddp_reducer *r) {
     ddp_work *used_work = NULL;
     ddp_result res, waited;
-    size_t off = 0;
-    int b;
+    size_t off = 0, kept = 0;
+    int b, j, keep = ddp__zero2(r) && r->desc.find_unused_parameters, i;
     if ((res = ddp__join_shadow_memory(r)) != DDP_SUCCESS) return res;
+    for (i = 0; keep && i < r->nparams; i++) kept += ddp__unused_keep(r, i, NULL, 0);
+    if (keep && (res = ddp__stash_reserve(r, kept, "ddp_reducer_join_step")) != DDP_SUCCESS) return r->failed = res;
+    kept = 0;
     for (b = 0; b < r->L.nbuckets && !res; b++) {
         ddp__bucket *k = &r->L.buckets[b];
         size_t bytes = k->count * ddp_dtype_size(k->comm_dtype);
         void *zeros;
         if (ddp__zero2(r) && (res = ddp__zero2_acquire(r, b)) != DDP_SUCCESS) break;
+        for (j = k->first; keep && j < k->first + k->n; j++) /* no parameter is used here: any may be unused everywhere */
+            kept += ddp__unused_keep(r, r->L.params[j], (char *)r->stash + kept, 0);
         zeros = ddp__bucket_in_place(k) ? (char *)r->shadow + off : k->comm;
         if (ddp__bucket_in_place(k)) off += bytes;
         r->ops->zero(r->g, zeros, bytes);
@@ -1860,7 +1865,13 @@ static ddp_result ddp__join_shadow_backward(ddp_reducer *r) {
     if (used_work && (waited = ddp_wait(used_work)) != DDP_SUCCESS && !res) res = waited;
     if (res) return r->failed = res;
     if (used_work) r->ops->copy_out(r->g, r->used_global, DDP_U8, r->used_comm, DDP_U8, ddp__reducer_n(r));
-    for (b = 0; ddp__reducer_zero(r) && !ddp__zero2(r) && b < r->nparams; b++) ddp__zero_give_back(r, b);
+    for (i = 0; ddp__reducer_zero(r) && !ddp__zero2(r) && i < r->nparams; i++) /* no rank used it: keep what it held */
+        if (!r->desc.find_unused_parameters || r->used_global[i]) ddp__zero_give_back(r, i);
+    for (b = 0, kept = 0; keep && b < r->L.nbuckets; b++)
+        for (j = r->L.buckets[b].first; j < r->L.buckets[b].first + r->L.buckets[b].n; j++) {
+            i = r->L.params[j];
+            kept += ddp__unused_keep(r, i, r->used_global[i] ? NULL : (char *)r->stash + kept, 1);
+        }
     r->stats.shadowed_iterations++;
     ddp__timing_finish(r);
     if ((res = ddp__timing_start(r, 1)) != DDP_SUCCESS) return res;

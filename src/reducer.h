@@ -127,7 +127,7 @@
      exactly what they held before the pass (stage 2: the reducer's slice, saved before the reduce-scatter
      and put back). torch's optimizers skip a parameter whose .grad is None: skip the shards of parameters
      for which ddp_reducer_param_used returns 0 to do the same (AdamW would otherwise decay the weight and
-     its moments on a zero gradient). Not together with uneven_inputs (refused, DDP_ERR_INVALID_ARGUMENT).
+     its moments on a zero gradient).
      With uneven_inputs (torch's ZeroRedundancyOptimizer + DDP under Join): a joined rank still owns its
      slices, so it keeps stepping them. Instead of ddp_reducer_join (refused under zero_stage, DDP_ERR_STATE)
      the rank that has no data left writes the loop:
@@ -148,7 +148,8 @@
      param.grad holds, as DDP's join hook throws away the all-reduced zeros: its stale last gradient; here
      the joined rank's shards get the step's true average.) zero_stage = 2 works the same way (the
      averages land in the reducer's slices that sh[j].grad points at).
-     Not with find_unused_parameters too: ddp_reducer_create refuses that with DDP_ERR_INVALID_ARGUMENT.
+     With find_unused_parameters, the parameters no rank with data used keep their shards' gradients
+     (ddp_reducer_param_used is 0 for them on the joined rank too).
 
    - ZeRO stage 2 (DeepSpeed stage 2: gradient memory 1/world): zero_stage = 2 is stage 1 (the same slice
      rule, shards, gather_params and program loop) with the gradients sharded too. The reducer keeps, per

@@ -333,7 +333,12 @@ static int disagree_main(int rank, int n, void *arg) {
    serial and computed here: one full model, and at step s the gradient sum over the ranks with data in
    step s of their gradients / INITIAL world size, AdamW on every element (step counter s + 1). After
    every step on every rank (with data or joined) the shards' gradients equal the reference's and every
-   parameter equals the reference model; a joined rank's gradient elements it does not own are untouched. */
+   parameter equals the reference model; a joined rank's gradient elements it does not own are untouched.
+   The +unused modes add find_unused_parameters: ranks with data skip parameters (zskips()); the reference
+   averages over all ranks what those that used a parameter contributed, and a parameter no rank used in a
+   step keeps its gradient (the test writes 42 into its shards' gradients before the step, on every rank,
+   joined or not: still 42 after it), is not stepped by AdamW and has its own step count (torch's AdamW on
+   a .grad of None); ddp_reducer_param_used must say which. */
 
 #define ZNP 4
 static const size_t ZCOUNT[ZNP] = {7, 333, 1001, 61}; /* no size divides 2, 3 or 4 */
@@ -346,20 +351,31 @@ typedef struct zmode {
     int view, accum, flat, buffers;
     ddp_dtype comm;
     double tol;
-    int stage; /* zero_stage 1 or 2 */
+    int stage;  /* zero_stage 1 or 2 */
+    int unused; /* find_unused_parameters, and ranks skip parameters (zskips) */
 } zmode;
 
 static const zmode ZMODES[] = {
-    {"zero1", 0, 1, 0, 0, DDP_DTYPE_DEFAULT, 1e-5, 1},
-    {"zero1+accum+buffers", 0, 2, 0, 1, DDP_DTYPE_DEFAULT, 1e-5, 1},
-    {"zero1+view", 1, 1, 0, 0, DDP_DTYPE_DEFAULT, 1e-5, 1},
-    {"zero1+flat", 0, 1, 1, 0, DDP_DTYPE_DEFAULT, 1e-5, 1},
-    {"zero1+bf16+view+accum", 1, 2, 0, 0, DDP_BF16, 2e-2, 1},
-    {"zero2", 0, 1, 0, 0, DDP_DTYPE_DEFAULT, 1e-5, 2}, /* more buckets than pool buffers: the shadow borrows in turn */
-    {"zero2+accum+buffers", 0, 2, 0, 1, DDP_DTYPE_DEFAULT, 1e-5, 2},
-    {"zero2+flat", 0, 1, 1, 0, DDP_DTYPE_DEFAULT, 1e-5, 2},
-    {"zero2+bf16+accum", 0, 2, 0, 0, DDP_BF16, 2e-2, 2},
+    {"zero1", 0, 1, 0, 0, DDP_DTYPE_DEFAULT, 1e-5, 1, 0},
+    {"zero1+accum+buffers", 0, 2, 0, 1, DDP_DTYPE_DEFAULT, 1e-5, 1, 0},
+    {"zero1+view", 1, 1, 0, 0, DDP_DTYPE_DEFAULT, 1e-5, 1, 0},
+    {"zero1+flat", 0, 1, 1, 0, DDP_DTYPE_DEFAULT, 1e-5, 1, 0},
+    {"zero1+bf16+view+accum", 1, 2, 0, 0, DDP_BF16, 2e-2, 1, 0},
+    {"zero2", 0, 1, 0, 0, DDP_DTYPE_DEFAULT, 1e-5, 2, 0}, /* more buckets than pool buffers: the shadow borrows in turn */
+    {"zero2+accum+buffers", 0, 2, 0, 1, DDP_DTYPE_DEFAULT, 1e-5, 2, 0},
+    {"zero2+flat", 0, 1, 1, 0, DDP_DTYPE_DEFAULT, 1e-5, 2, 0},
+    {"zero2+bf16+accum", 0, 2, 0, 0, DDP_BF16, 2e-2, 2, 0},
+    {"zero1+unused", 0, 1, 0, 0, DDP_DTYPE_DEFAULT, 1e-5, 1, 1},
+    {"zero1+unused+view+accum", 1, 2, 0, 0, DDP_DTYPE_DEFAULT, 1e-5, 1, 1},
+    {"zero2+unused", 0, 1, 0, 0, DDP_DTYPE_DEFAULT, 1e-5, 2, 1},
+    {"zero2+unused+accum+bf16", 0, 2, 0, 0, DDP_BF16, 2e-2, 2, 1},
 };
+
+/* +unused modes: does rank r leave parameter p without a gradient in step s? p0 on every rank in odd steps
+   (no rank uses it), the others on some ranks (on all of them only when few ranks have data). */
+static int zskips(const zmode *md, int r, int s, int p) { return md->unused && (p == 0 ? s % 2 == 1 : (r + s + p) % 3 == 0); }
+
+#define ZKEPT 42.0f /* written into the gradients of a parameter no rank uses in the step: it must stay */
 
 /* AdamW (torch.optim.AdamW), step t from 1. */
 static void zadamw(float *p, const float *g, float *m, float *v, size_t n, int t) {
@@ -386,21 +402,40 @@ static int zclose(double got, double want, double tol) { return fabs(got - want)
 
 typedef struct zref { /* the serial model */
     float param[ZNP][ZMAX], m[ZNP][ZMAX], v[ZNP][ZMAX], grad[ZNP][ZMAX];
+    int used[ZNP], t[ZNP]; /* the last step: did any rank use the parameter; AdamW steps taken per parameter */
 } zref;
 
-/* The reference's step s: averaged gradient of the ranks with data, then AdamW on the whole model. */
+/* Does any rank with data in step s use parameter p? */
+static int zused(const zmode *md, const shards *sh, int s, int p) {
+    int r;
+    for (r = 0; r < sh->R; r++)
+        if (sh->len[r] > s && !zskips(md, r, s, p)) return 1;
+    return 0;
+}
+
+/* The reference's step s: averaged gradient of the ranks with data (those that used the parameter), then
+   AdamW on every parameter some rank used. */
 static void zref_step(zref *Z, const zmode *md, const shards *sh, int s) {
     int p, r, m;
     size_t i;
     for (p = 0; p < ZNP; p++) {
+        if (!(Z->used[p] = zused(md, sh, s, p))) continue;
         for (i = 0; i < ZCOUNT[p]; i++) {
             float sum = 0;
             for (r = 0; r < sh->R; r++)
-                for (m = 0; sh->len[r] > s && m < md->accum; m++) sum += zcontrib(r, s, m, p, i, Z->param[p][i]);
+                for (m = 0; sh->len[r] > s && !zskips(md, r, s, p) && m < md->accum; m++) sum += zcontrib(r, s, m, p, i, Z->param[p][i]);
             Z->grad[p][i] = sum / (float)sh->R;
         }
-        zadamw(Z->param[p], Z->grad[p], Z->m[p], Z->v[p], ZCOUNT[p], s + 1);
+        zadamw(Z->param[p], Z->grad[p], Z->m[p], Z->v[p], ZCOUNT[p], ++Z->t[p]);
     }
+}
+
+/* Before step s: 42 into this rank's shards' gradients of the parameters no rank uses in it. */
+static void zmark_kept(const zmode *md, const shards *sh, const ddp_shard *shs, int n, int s) {
+    int j;
+    size_t i;
+    for (j = 0; j < n; j++)
+        for (i = 0; i < shs[j].count && !zused(md, sh, s, shs[j].param); i++) ((float *)shs[j].grad)[i] = ZKEPT;
 }
 
 typedef struct zrun { /* one rank's ZeRO-1 model */
@@ -419,6 +454,7 @@ static void zrun_build(ddp_group *g, const zmode *md, zrun *Z) {
     memset(Z, 0, sizeof *Z);
     d.zero_stage = md->stage;
     d.uneven_inputs = 1;
+    d.find_unused_parameters = md->unused;
     d.gradient_as_bucket_view = md->view;
     d.comm_dtype = md->comm;
     d.first_bucket_bytes = d.bucket_cap_bytes = 1024; /* several buckets, slices across parameters */
@@ -457,19 +493,29 @@ static void zrun_free(zrun *Z) {
     free(Z->grads_memory);
 }
 
-/* The program's optimizer step on its shards (AdamW step t), then gather_params. Checks the shards'
-   gradients against the reference's averaged gradient of that step first. */
+/* The program's optimizer step on its shards (AdamW, each parameter's own step count), then
+   gather_params. Checks the shards' gradients against the reference's averaged gradient of step t first
+   (a parameter no rank used: still 42, and ddp_reducer_param_used 0). */
 static void zrun_step(ddp_group *g, const zmode *md, const shards *sh, zrun *Z, const zref *R, int t, const char *who) {
     int j;
     size_t i;
     for (j = 0; j < Z->n; j++) {
         const ddp_shard *s = &Z->sh[j];
         const float *gp = (const float *)s->grad;
+        CHECK(ddp_reducer_param_used(Z->red, s->param) == R->used[s->param], "%s, %d ranks, rank %d (%s) step %d: "
+              "ddp_reducer_param_used(p%d) = %d, want %d", md->name, sh->R, ddp_rank(g), who, t, s->param,
+              ddp_reducer_param_used(Z->red, s->param), R->used[s->param]);
+        if (!R->used[s->param]) {
+            for (i = 0; i < s->count; i++)
+                CHECK(gp[i] == ZKEPT, "%s, %d ranks, rank %d (%s) step %d: shard grad p%d[%zu] = %g: no rank used it, it must "
+                      "stay %g", md->name, sh->R, ddp_rank(g), who, t, s->param, s->offset + i, (double)gp[i], (double)ZKEPT);
+            continue;
+        }
         for (i = 0; i < s->count; i++)
             CHECK(zclose(gp[i], R->grad[s->param][s->offset + i], md->tol), "%s, %d ranks, rank %d (%s) step %d: shard grad "
                   "p%d[%zu] = %.8g, reference %.8g", md->name, sh->R, ddp_rank(g), who, t, s->param, s->offset + i,
                   (double)gp[i], (double)R->grad[s->param][s->offset + i]);
-        zadamw((float *)s->param_data, gp, Z->m[j], Z->v[j], s->count, t);
+        zadamw((float *)s->param_data, gp, Z->m[j], Z->v[j], s->count, R->t[s->param]);
     }
     CHECK_OK(ddp_reducer_gather_params(Z->red), g);
 }
@@ -519,11 +565,13 @@ static void zero_train(ddp_group *g, const zmode *md, const shards *sh) {
             CHECK(Z.buf[1] == (float)(highest_active(sh, s) * 100 + s), "%s rank %d step %d: buffer %g", md->name, rank, s,
                   (double)Z.buf[1]);
         }
+        zmark_kept(md, sh, Z.sh, Z.n, s);
         for (m = 0; m < md->accum; m++) {
             CHECK_OK(ddp_reducer_set_sync(Z.red, m == md->accum - 1), g);
             CHECK_OK(ddp_reducer_begin_backward(Z.red), g);
             for (p = ZNP - 1; p >= 0; p--) {
                 float *gp = (float *)ddp_reducer_grad(Z.red, p);
+                if (zskips(md, rank, s, p)) continue;
                 for (i = 0; i < ZCOUNT[p]; i++) gp[i] += zcontrib(rank, s, m, p, i, Z.param[p][i]);
                 CHECK_OK(ddp_reducer_grad_ready(Z.red, p), g);
             }
@@ -539,6 +587,7 @@ static void zero_train(ddp_group *g, const zmode *md, const shards *sh) {
           "zero_stage: %s: %s", md->name, rank, ddp_result_string(res), ddp_last_error(g));
     zmark_unowned(&Z, 0, md->name);
     for (s = mine;; s++) { /* joined: shadow one step, step the shards, gather */
+        zmark_kept(md, sh, Z.sh, Z.n, s);
         CHECK_OK(ddp_reducer_join_step(Z.red, &all_joined), g);
         if (all_joined) break;
         CHECK(s < steps, "%s rank %d: join_step shadowed step %d of %d", md->name, rank, s, steps);

@@ -21,9 +21,8 @@
        parameters (skips()), a parameter used on no rank in a step gets 42 written into its gradient (stage
        0: the program's buffer; ZeRO: its shards' gradients) before backward, which must still be 42 after
        it; ddp_reducer_param_used against the test's own rule; AdamW skips unused parameters on both sides.
-   (c) the refused combinations: zero_stage 2 with gradient_as_bucket_view, zero_stage with both
-       find_unused_parameters and uneven_inputs (stage 1 and 2 with uneven_inputs alone work:
-       test_reducer_join); gather_params
+   (c) the refused combinations: zero_stage 2 with gradient_as_bucket_view (stage 1 and 2 with
+       uneven_inputs, with or without find_unused_parameters, work: test_reducer_join); gather_params
        without zero_stage; ranks with different zero_stage (0 against 1, 1 against 2): DDP_ERR_MISMATCH on
        every rank at finalize.
    (d) gradient memory (statistics' gradient_bytes) for 64 buckets: stage 0 = the buckets, stage 1 = padded
@@ -460,8 +459,6 @@ static int refuse_main(int rank, int n, void *arg) {
     CHECK_OK(ddp_init(NULL, &g), NULL);
     refused(g, 2, 0, 0, 1, "zero_stage = 2 with gradient_as_bucket_view = 1 is not supported");
     refused(g, 3, 0, 0, 0, "zero_stage 3 is not 0");
-    refused(g, 1, 1, 1, 0, "zero_stage = 1 with both find_unused_parameters = 1 and uneven_inputs = 1 is not supported");
-    refused(g, 2, 1, 1, 0, "zero_stage = 2 with both find_unused_parameters = 1 and uneven_inputs = 1 is not supported");
     CHECK_OK(ddp_reducer_create(g, NULL, &r), g);
     CHECK_OK(ddp_reducer_add_param(r, "w", w, gw, 3, DDP_F32, NULL), g);
     CHECK(ddp_reducer_shards(r, &sh) == -1 && sh == NULL, "shards before finalize");
