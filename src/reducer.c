@@ -1381,11 +1381,6 @@ static size_t ddp__unused_keep(ddp_reducer *r, int i, char *at, int restore) {
     return count * ddp_dtype_size(p->dtype);
 }
 
-/* find_unused_parameters: fill the slots of the parameters not ready in this pass, bucket by bucket in
-   bucket order, starting each as soon as it is complete (so under zero_stage 2 a bucket that needs a
-   pool buffer finds the buckets before it started, and waits for the oldest instead of growing the
-   pool). One that got a gradient in an earlier no_sync pass contributes what it accumulated; the others
-   contribute zero, after what they must keep went into the stash (ddp__unused_keep). */
 /* The stash holds at least `need` bytes; it grows only when more must be kept than ever before. */
 static ddp_result ddp__stash_reserve(ddp_reducer *r, size_t need, const char *fn) {
     if (need <= r->stash_bytes) return DDP_SUCCESS;
@@ -1397,6 +1392,11 @@ static ddp_result ddp__stash_reserve(ddp_reducer *r, size_t need, const char *fn
     return DDP_SUCCESS;
 }
 
+/* find_unused_parameters: fill the slots of the parameters not ready in this pass, bucket by bucket in
+   bucket order, starting each as soon as it is complete (so under zero_stage 2 a bucket that needs a
+   pool buffer finds the buckets before it started, and waits for the oldest instead of growing the
+   pool). One that got a gradient in an earlier no_sync pass contributes what it accumulated; the others
+   contribute zero, after what they must keep went into the stash (ddp__unused_keep). */
 static ddp_result ddp__reducer_fill_unused(ddp_reducer *r) {
     size_t need = 0, off = 0;
     ddp_result res;
@@ -1867,7 +1867,7 @@ static ddp_result ddp__join_shadow_backward(ddp_reducer *r) {
     if (used_work) r->ops->copy_out(r->g, r->used_global, DDP_U8, r->used_comm, DDP_U8, ddp__reducer_n(r));
     for (i = 0; ddp__reducer_zero(r) && !ddp__zero2(r) && i < r->nparams; i++) /* no rank used it: keep what it held */
         if (!r->desc.find_unused_parameters || r->used_global[i]) ddp__zero_give_back(r, i);
-    for (b = 0, kept = 0; keep && b < r->L.nbuckets; b++)
+    for (b = 0, kept = 0; keep && b < r->L.nbuckets; b++) /* saved above, in this order, for every parameter */
         for (j = r->L.buckets[b].first; j < r->L.buckets[b].first + r->L.buckets[b].n; j++) {
             i = r->L.params[j];
             kept += ddp__unused_keep(r, i, r->used_global[i] ? NULL : (char *)r->stash + kept, 1);
