@@ -1381,8 +1381,13 @@ static size_t ddp__unused_keep(ddp_reducer *r, int i, char *at, int restore) {
     return count * ddp_dtype_size(p->dtype);
 }
 
-/* The stash holds at least `need` bytes; it grows only when more must be kept than ever before. */
-static ddp_result ddp__stash_reserve(ddp_reducer *r, size_t need, const char *fn) {
+/* The stash can hold what the parameters not used here (all: every parameter, as in a joined rank's
+   shadow pass) keep across the pass; it grows only when more must be kept than ever before. */
+static ddp_result ddp__stash_reserve(ddp_reducer *r, int all, const char *fn) {
+    size_t need = 0;
+    int i;
+    for (i = 0; i < r->nparams; i++)
+        if (all || !r->used[i]) need += ddp__unused_keep(r, i, NULL, 0);
     if (need <= r->stash_bytes) return DDP_SUCCESS;
     if (r->stash) r->ops->release(r->g, r->stash);
     r->stash_bytes = 0;
@@ -1398,13 +1403,11 @@ static ddp_result ddp__stash_reserve(ddp_reducer *r, size_t need, const char *fn
    pool). One that got a gradient in an earlier no_sync pass contributes what it accumulated; the others
    contribute zero, after what they must keep went into the stash (ddp__unused_keep). */
 static ddp_result ddp__reducer_fill_unused(ddp_reducer *r) {
-    size_t need = 0, off = 0;
+    size_t off = 0;
     ddp_result res;
     int b, j, i;
     r->stats.unused_parameters = 0;
-    for (i = 0; i < r->nparams; i++)
-        if (!r->used[i]) need += ddp__unused_keep(r, i, NULL, 0);
-    if ((res = ddp__stash_reserve(r, need, "ddp_reducer_end_backward")) != DDP_SUCCESS) return res;
+    if ((res = ddp__stash_reserve(r, 0, "ddp_reducer_end_backward")) != DDP_SUCCESS) return res;
     for (b = 0; b < r->L.nbuckets; b++) {
         ddp__bucket *k = &r->L.buckets[b];
         size_t cs = ddp_dtype_size(k->comm_dtype);
@@ -1441,16 +1444,16 @@ static void ddp__reducer_give_back(ddp_reducer *r, int i) {
                      r->params[i].dtype, src, k->comm_dtype, r->params[i].count);
 }
 
-/* After the used map: gradients of parameters unused here but used elsewhere come back (zero_stage 2:
-   they are in the owned slices already); those no rank used keep their old value (out of the stash, in
-   the order ddp__reducer_fill_unused filled it). */
-static void ddp__reducer_finish_unused(ddp_reducer *r) {
+/* After the used map: gradients of parameters unused here (all: every parameter, a joined rank's shadow
+   pass under zero_stage) but used elsewhere come back (zero_stage 2: they are in the owned slices
+   already); those no rank used keep their old value (out of the stash, in the order it was filled). */
+static void ddp__reducer_finish_unused(ddp_reducer *r, int all) {
     size_t off = 0;
     int b, j;
     for (b = 0; b < r->L.nbuckets; b++)
         for (j = r->L.buckets[b].first; j < r->L.buckets[b].first + r->L.buckets[b].n; j++) {
             int i = r->L.params[j];
-            if (r->used[i]) continue;
+            if (!all && r->used[i]) continue;
             if (r->used_global[i] && !ddp__zero2(r)) ddp__reducer_give_back(r, i);
             off += ddp__unused_keep(r, i, r->used_global[i] ? NULL : (char *)r->stash + off, 1);
         }
@@ -1484,7 +1487,7 @@ static ddp_result ddp__reducer_collect(ddp_reducer *r, ddp_work *used_work) {
         }
         if (!first) {
             r->ops->copy_out(r->g, r->used_global, DDP_U8, r->used_comm, DDP_U8, ddp__reducer_n(r));
-            ddp__reducer_finish_unused(r);
+            ddp__reducer_finish_unused(r, 0);
         }
     }
     /* the first failure says what happened; later ones only say that the group is broken */
@@ -1615,7 +1618,13 @@ DDP_API int ddp_reducer_param_bucket(const ddp_reducer *r, int index, size_t *of
 }
 
 DDP_API int ddp_reducer_param_used(const ddp_reducer *r, int index) {
-    if (!r || !r->finalized || index < 0 || index >= r->nparams) return -1;
+    if (!r || !r->finalized || index < 0 || index >= r->nparams) {
+        if (!r) ddp__fail(NULL, DDP_ERR_INVALID_ARGUMENT, "ddp_reducer_param_used: the reducer is NULL");
+        else if (!r->finalized) ddp__fail(r->g, DDP_ERR_STATE, "ddp_reducer_param_used: call ddp_reducer_finalize first");
+        else ddp__fail(r->g, DDP_ERR_INVALID_ARGUMENT, "ddp_reducer_param_used: index %d is not a parameter (0 .. %d)", index,
+                       r->nparams - 1);
+        return -1;
+    }
     if (!r->stats.iterations && !r->stats.shadowed_iterations) return 0;
     return r->desc.find_unused_parameters ? r->used_global[index] != 0 : 1;
 }
@@ -1834,11 +1843,9 @@ static ddp_result ddp__join_shadow_backward(ddp_reducer *r) {
     ddp_work *used_work = NULL;
     ddp_result res, waited;
     size_t off = 0, kept = 0;
-    int b, j, keep = ddp__zero2(r) && r->desc.find_unused_parameters, i;
+    int b, j, keep = ddp__reducer_zero(r) && r->desc.find_unused_parameters, i;
     if ((res = ddp__join_shadow_memory(r)) != DDP_SUCCESS) return res;
-    for (i = 0; keep && i < r->nparams; i++) kept += ddp__unused_keep(r, i, NULL, 0);
-    if (keep && (res = ddp__stash_reserve(r, kept, "ddp_reducer_join_step")) != DDP_SUCCESS) return r->failed = res;
-    kept = 0;
+    if (keep && (res = ddp__stash_reserve(r, 1, "ddp_reducer_join_step")) != DDP_SUCCESS) return r->failed = res;
     for (b = 0; b < r->L.nbuckets && !res; b++) {
         ddp__bucket *k = &r->L.buckets[b];
         size_t bytes = k->count * ddp_dtype_size(k->comm_dtype);
@@ -1865,13 +1872,8 @@ static ddp_result ddp__join_shadow_backward(ddp_reducer *r) {
     if (used_work && (waited = ddp_wait(used_work)) != DDP_SUCCESS && !res) res = waited;
     if (res) return r->failed = res;
     if (used_work) r->ops->copy_out(r->g, r->used_global, DDP_U8, r->used_comm, DDP_U8, ddp__reducer_n(r));
-    for (i = 0; ddp__reducer_zero(r) && !ddp__zero2(r) && i < r->nparams; i++) /* no rank used it: keep what it held */
-        if (!r->desc.find_unused_parameters || r->used_global[i]) ddp__zero_give_back(r, i);
-    for (b = 0, kept = 0; keep && b < r->L.nbuckets; b++) /* saved above, in this order, for every parameter */
-        for (j = r->L.buckets[b].first; j < r->L.buckets[b].first + r->L.buckets[b].n; j++) {
-            i = r->L.params[j];
-            kept += ddp__unused_keep(r, i, r->used_global[i] ? NULL : (char *)r->stash + kept, 1);
-        }
+    if (keep) ddp__reducer_finish_unused(r, 1); /* a parameter no rank used keeps what it held */
+    for (i = 0; !keep && ddp__reducer_zero(r) && !ddp__zero2(r) && i < r->nparams; i++) ddp__zero_give_back(r, i);
     r->stats.shadowed_iterations++;
     ddp__timing_finish(r);
     if ((res = ddp__timing_start(r, 1)) != DDP_SUCCESS) return res;

@@ -374,7 +374,7 @@ DDP_API int ddp_reducer_param_bucket(const ddp_reducer *r, int index, size_t *of
 /* ddp_reducer_param_used: did parameter index get a gradient on any rank in the last synchronised
    backward pass (on a joined rank: the last pass it shadowed)? 1: yes; 0: no rank called grad_ready for
    it (possible only with find_unused_parameters; its gradient was left as it was), or no synchronised
-   pass has ended yet; -1: a bad index, or before finalize. torch's counterpart: param.grad is not None
+   pass has ended yet; -1: a NULL reducer, a bad index, or before finalize (ddp_last_error says which). torch's counterpart: param.grad is not None
    after backward, given zero_grad(set_to_none=True); an optimizer that skips parameters without a
    gradient skips those for which this returns 0 (under zero_stage: the shards of such parameters). */
 DDP_API int ddp_reducer_param_used(const ddp_reducer *r, int index);

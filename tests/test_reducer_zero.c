@@ -295,6 +295,9 @@ static void train(ddp_group *g, const mode *md, int stage) {
         }
         backward(g, md, &A, s);
         backward(g, md, &B, s);
+        CHECK(ddp_reducer_param_used(B.red, NP) == -1 && strstr(ddp_last_error(g), "index 4 is not a parameter (0 .. 3)") &&
+              ddp_reducer_param_used(NULL, 0) == -1 && strstr(ddp_last_error(NULL), "the reducer is NULL"),
+              "ddp_reducer_param_used with a bad argument: %s", ddp_last_error(g));
         for (p = 0; p < NP; p++) {
             const float *ga = (const float *)ddp_reducer_grad(A.red, p);
             CHECK(ddp_reducer_param_used(A.red, p) == used[p] && ddp_reducer_param_used(B.red, p) == used[p], "%s, stage %d, "
