@@ -11,7 +11,9 @@
 # GPUs (gather, scatter, all_to_all(_v), all_gather_v through grouped ncclSend/ncclRecv included, and
 # their split sizes / counts that differ), checked against host math; without one the script passes for (1) and (2) and prints
 # "SKIP-PART gpu part: ...", which tests/run_tests.sh counts as a skipped entry (likewise the 2-GPU part).
-# Skips (77) when nvcc or nccl.h is absent.
+# Skips (77) when nvcc or nccl.h is absent (tools/nccl-env.sh looks for NCCL, a pip wheel's too).
+# PREBUILT=1: use the test program already in $BUILD/nccl when it loads (built on another machine with
+# BUILD_ONLY=1, which builds part (1) and runs nothing): tools/gpu-check.sh --build-only / --prebuilt.
 set -u
 cd "$(dirname "$0")/.."
 BUILD=${BUILD:-build}
@@ -24,32 +26,39 @@ if ! command -v "$NVCC" >/dev/null 2>&1; then
   fi
 fi
 CUDA_HOME=${CUDA_HOME:-$(dirname "$(dirname "$(command -v "$NVCC")")")}
-[ -f "$CUDA_HOME/include/nccl.h" ] || [ -f /usr/include/nccl.h ] || { echo "skipped: nccl.h not found"; exit 77; }
+. tools/nccl-env.sh # NCCL_INCLUDE, NCCL_LIB; also a pip wheel's NCCL (the GPU machines' torch brings one)
+[ -n "$NCCL_INCLUDE" ] || { echo "skipped: nccl.h not found (set NCCL_HOME)"; exit 77; }
 out="$BUILD/nccl"
 mkdir -p "$out"
 [ -f ddp.h ] || { echo "FAIL: no ddp.h (make header writes it)"; exit 1; }
-
-listed=$("$NVCC" --list-gpu-arch 2>/dev/null)
-gencode=() built=""
-for sm in 75 80 90; do
-  if grep -qx "compute_$sm" <<<"$listed"; then gencode+=(-gencode "arch=compute_$sm,code=sm_$sm"); built="$built sm_$sm"; fi
-done
-[ ${#gencode[@]} -gt 0 ] || { echo "FAIL: this nvcc supports none of sm_75/80/90"; exit 1; }
-echo "== (1) build for:$built"
-strict=(-std=c++17 -O2 -Werror all-warnings -Xcompiler -Wall,-Wextra,-Werror -Xptxas -Werror -I.)
-"$NVCC" "${strict[@]}" "${gencode[@]}" -c ddp_cuda.cu -o "$out/ddp_cuda.o" || { echo "FAIL: ddp_cuda.cu"; exit 1; }
 inc=(-I. -isystem "$CUDA_HOME/include") # CUDA's headers are not -pedantic C99: system headers
-"$CC" -std=c99 -Wall -Wextra -Werror -pedantic -O2 -pthread "${inc[@]}" -DDDP_CUDA -c tests/nccl/test_nccl.c -o "$out/test_nccl.o" ||
-  { echo "FAIL: tests/nccl/test_nccl.c as C99 with -DDDP_CUDA"; exit 1; }
-"$CXX" -std=c++17 -Wall -Wextra -Werror -pedantic -O2 -pthread "${inc[@]}" -DDDP_CUDA -x c++ -c tests/nccl/test_nccl.c \
-  -o "$out/test_nccl_cpp.o" || { echo "FAIL: tests/nccl/test_nccl.c as C++17 with -DDDP_CUDA"; exit 1; }
-"$NVCC" "${gencode[@]}" -Xcompiler -pthread -o "$out/test_nccl" "$out/test_nccl.o" "$out/ddp_cuda.o" -lnccl -lm ||
-  { echo "FAIL: linking with nvcc, ddp_cuda.o and -lnccl"; exit 1; }
-echo "test program: C99 and C++17 with -DDDP_CUDA, linked by nvcc with ddp_cuda.o -lnccl"
-if ! make -s GPU=1 BUILD="$BUILD/gpu" NVCC="$NVCC" "$BUILD/gpu/train_gpu" >"$out/make_gpu.log" 2>&1; then
-  cat "$out/make_gpu.log"; echo "FAIL: make GPU=1 cannot build examples/gpu/train_gpu.cu"; exit 1
+if [ "${PREBUILT:-0}" = 1 ] && [ -x "$out/test_nccl" ] && ! ldd "$out/test_nccl" | grep -q 'not found'; then
+  # built on another machine (tools/gpu-check.sh --build-only there, --prebuilt here): part (1) ran there
+  echo "== (1) prebuilt: $out/test_nccl ($(cat "$out/.prebuilt" 2>/dev/null || echo 'origin unknown'))"
+else
+  listed=$("$NVCC" --list-gpu-arch 2>/dev/null)
+  gencode=() built=""
+  for sm in 75 80 90; do
+    if grep -qx "compute_$sm" <<<"$listed"; then gencode+=(-gencode "arch=compute_$sm,code=sm_$sm"); built="$built sm_$sm"; fi
+  done
+  [ ${#gencode[@]} -gt 0 ] || { echo "FAIL: this nvcc supports none of sm_75/80/90"; exit 1; }
+  echo "== (1) build for:$built"
+  strict=(-std=c++17 -O2 -Werror all-warnings -Xcompiler -Wall,-Wextra,-Werror -Xptxas -Werror -I.)
+  "$NVCC" "${strict[@]}" "${gencode[@]}" -c ddp_cuda.cu -o "$out/ddp_cuda.o" || { echo "FAIL: ddp_cuda.cu"; exit 1; }
+  "$CC" -std=c99 -Wall -Wextra -Werror -pedantic -O2 -pthread "${inc[@]}" -DDDP_CUDA -c tests/nccl/test_nccl.c -o "$out/test_nccl.o" ||
+    { echo "FAIL: tests/nccl/test_nccl.c as C99 with -DDDP_CUDA"; exit 1; }
+  "$CXX" -std=c++17 -Wall -Wextra -Werror -pedantic -O2 -pthread "${inc[@]}" -DDDP_CUDA -x c++ -c tests/nccl/test_nccl.c \
+    -o "$out/test_nccl_cpp.o" || { echo "FAIL: tests/nccl/test_nccl.c as C++17 with -DDDP_CUDA"; exit 1; }
+  "$NVCC" "${gencode[@]}" -Xcompiler -pthread -o "$out/test_nccl" "$out/test_nccl.o" "$out/ddp_cuda.o" -lnccl -lm ||
+    { echo "FAIL: linking with nvcc, ddp_cuda.o and -lnccl"; exit 1; }
+  echo "test program: C99 and C++17 with -DDDP_CUDA, linked by nvcc with ddp_cuda.o -lnccl"
+  if ! make -s GPU=1 BUILD="$BUILD/gpu" NVCC="$NVCC" "$BUILD/gpu/train_gpu" >"$out/make_gpu.log" 2>&1; then
+    cat "$out/make_gpu.log"; echo "FAIL: make GPU=1 cannot build examples/gpu/train_gpu.cu"; exit 1
+  fi
+  echo "make GPU=1: examples/gpu/train_gpu.cu built"
+  echo "built on $(hostname), commit $(git rev-parse --short HEAD 2>/dev/null || echo unknown), for:$built" >"$out/.prebuilt"
 fi
-echo "make GPU=1: examples/gpu/train_gpu.cu built"
+[ "${BUILD_ONLY:-0}" = 1 ] && { echo "built (BUILD_ONLY=1: nothing run)"; exit 0; }
 
 devices=$("$out/test_nccl" devices) || { echo "FAIL: cannot count CUDA devices"; exit 1; }
 "$out/test_nccl" check || { echo "FAIL: the nccl backend's call check (cpu groups, host memory)"; exit 1; }

@@ -2,6 +2,8 @@
 # tools/gpu-check.sh: check a GPU machine in one command, and write what happened to a markdown report.
 #
 #   tools/gpu-check.sh [--dry-run] OUTDIR        (run from anywhere; OUTDIR/report.md, OUTDIR/logs/*.log)
+#   tools/gpu-check.sh --build-only --sm 90 OUTDIR   build for sm_90 on a machine without the GPU, then stop
+#   tools/gpu-check.sh --prebuilt OUTDIR          on the GPU machine: use that build (BUILD) where it loads
 #
 # 1. builds everything for the device's architecture (nvidia-smi --query-gpu=compute_cap, else nvcc's
 #    -arch=native; sm_80 in a dry run): ddp_cuda.o with every warning an error, tools/gpu_check.cu,
@@ -11,30 +13,46 @@
 #    (tests/test_nccl.sh), 2 and 4 ranks on one GPU through the cpu backend with device buffers
 #    (gpu_check devbuf under ddprun with DDP_BACKEND=cpu: collectives on cudaMalloc'd buffers against
 #    host references, SyncBN's device path against its host path, the reducer, ZeRO-1), train_gpu under
-#    ddprun (and its resume from the checkpoint);
+#    ddprun (and its resume from the checkpoint); and against the machine's own PyTorch (2.x, whose
+#    torchrun keeps its store in libuv's server): plain torchrun driving ddp.h ranks through its agent
+#    store (one node of 3 ranks; two nodes of 2 through the c10d rendezvous), and the sampler against its
+#    DistributedSampler (tests/interop/sampler_torch.py's 560 cases and one large N);
 # 3. benchmarks: SyncBN forward+backward GB/s against the device's copy bandwidth and against torch's
 #    BatchNorm on the same device and shape, the reducer's step overhead, all_reduce busbw.
 # Every step has its own timeout and the whole run a 20-minute budget (GPU_CHECK_BUDGET seconds); a
 # failing or timed-out step is recorded in the report and the next one runs. Needs the CUDA toolkit
 # (nvcc, NCCL), python3 with torch for the torch comparison (else that row is "not run"), and the repository.
 #
+# --build-only [--sm N]: build everything for sm_N (default: as above) and stop, writing no report;
+# --prebuilt: skip each build whose output is already in BUILD and loads (ldd finds its libraries), as
+# one made by --build-only on another machine and carried over: the device's minutes go to the tests.
 # --dry-run, or GPU_CHECK_NO_DEVICE=1: build what builds without a GPU (sm_80) and write the report with
 # "no device" for every step that needs one (tests/test_gpu_check.sh runs this). A machine where
 # nvidia-smi sees no GPU is treated the same way, and the report says so.
-# Environment: BUILD (default build/gpu-check), NVCC, GPU_CHECK_BUDGET (default 1200), PYTHON (python3).
+# Environment: BUILD (default build/gpu-check), NVCC, GPU_CHECK_BUDGET (default 1200), GPU_CHECK_STEP_MAX
+# (no step gets a longer timeout than this; default: the budget), GPU_CHECK_ONLY (the ids of the steps to
+# run, as their logs are named, e.g. "devbuf2 bench-reducer": a rerun of some; builds always run),
+# PYTHON (python3). NCCL is found by
+# tools/nccl-env.sh (the CUDA toolkit, the system, NCCL_HOME, or the wheel that pip's torch brings).
 # Exit status: 0 when no step failed, 1 when one did, 2 for bad usage.
 set -u
 dry=${GPU_CHECK_NO_DEVICE:-0}
-out=""
+out="" build_only=0 prebuilt=0 want_sm=""
 for a in "$@"; do
   case $a in
     --dry-run) dry=1 ;;
-    -h|--help) sed -n '2,24p' "$0"; exit 0 ;;
+    --build-only) build_only=1 ;;
+    --prebuilt) prebuilt=1 ;;
+    --sm) want_sm=next ;;
+    -h|--help) sed -n '2,34p' "$0"; exit 0 ;;
     -*) echo "gpu-check.sh: unknown flag $a (see --help)" >&2; exit 2 ;;
-    *) out=$a ;;
+    *) if [ "$want_sm" = next ]; then want_sm=$a; else out=$a; fi ;;
   esac
 done
-[ -n "$out" ] || { echo "usage: tools/gpu-check.sh [--dry-run] OUTDIR" >&2; exit 2; }
+usage="usage: tools/gpu-check.sh [--dry-run | --build-only [--sm N] | --prebuilt] OUTDIR"
+[ -n "$out" ] || { echo "$usage" >&2; exit 2; }
+case $want_sm in next) echo "$usage (--sm takes a number: 90 for sm_90)" >&2; exit 2 ;; esac
+[ "$build_only" = 1 ] && dry=1
 mkdir -p "$out/logs" || { echo "gpu-check.sh: cannot create $out/logs" >&2; exit 2; }
 out=$(cd "$out" && pwd)
 cd "$(dirname "$0")/.." || exit 2
@@ -45,6 +63,7 @@ B=$(cd "$B" && pwd)
 NVCC=${NVCC:-$(command -v nvcc || echo /usr/local/cuda/bin/nvcc)}
 PYTHON=${PYTHON:-python3}
 budget=${GPU_CHECK_BUDGET:-1200}
+step_max=${GPU_CHECK_STEP_MAX:-$budget}
 t_start=$(date +%s)
 rows="$out/logs/.rows"
 benches="$out/logs/.benches"
@@ -61,12 +80,18 @@ left() { echo $((budget - ($(date +%s) - t_start))); }
 step() {
   local id=$1 title=$2 limit=$3 rc t0 t1 detail status remaining
   shift 3
+  if [ -n "${GPU_CHECK_ONLY:-}" ] && [ "${id#build}" = "$id" ] && [ "$id" != nvcc-version ] &&
+     [[ " $GPU_CHECK_ONLY " != *" $id "* ]]; then
+    row "$title" "not selected" 0 "GPU_CHECK_ONLY=$GPU_CHECK_ONLY"
+    return 1
+  fi
   remaining=$(left)
   if [ "$remaining" -le 5 ]; then
     row "$title" "not run" 0 "the ${budget}-second budget was spent"
     return 1
   fi
   [ "$limit" -gt "$remaining" ] && limit=$remaining
+  [ "$limit" -gt "$step_max" ] && limit=$step_max
   t0=$(date +%s)
   timeout --kill-after=10 "$limit" "$@" >"$out/logs/$id.log" 2>&1
   rc=$?
@@ -103,6 +128,7 @@ if [ "$dry" != 1 ]; then
   fi
 fi
 [ "$dry" = 1 ] && sm=80
+[ -n "$want_sm" ] && sm=$want_sm
 if [ -z "$sm" ]; then # an older nvidia-smi without compute_cap: ask nvcc
   sm=$("$(dirname "$NVCC")/__nvcc_device_query" 2>/dev/null | tr -d ' \n' | cut -d, -f1)
   [ -n "$sm" ] || sm=80
@@ -111,21 +137,63 @@ gencode=(-gencode "arch=compute_$sm,code=[sm_$sm,compute_$sm]")
 # shellcheck disable=SC2054 # the commas are nvcc's: -Xcompiler takes one comma-separated list
 strict=(-std=c++17 -O2 -Werror all-warnings -Xcompiler -Wall,-Wextra,-Werror -Xptxas -Werror -I.)
 
+CUDA_HOME=${CUDA_HOME:-$(dirname "$(dirname "$NVCC")")}
+# shellcheck disable=SC1091 # tools/nccl-env.sh, read at run time
+. tools/nccl-env.sh # NCCL_INCLUDE, NCCL_LIB, and the search paths when NCCL lies outside the toolkit
+
 # ---- 1. builds ----
+# loads FILE...: every FILE is there and the loader finds every library it needs (a --prebuilt build)
+loads() {
+  local f
+  for f in "$@"; do [ -x "$f" ] && ! ldd "$f" 2>/dev/null | grep -q 'not found' || return 1; done
+}
+# build ID TITLE FILE COMMAND...: a build step, or a "prebuilt" row when --prebuilt finds FILE ready
+build() {
+  local id=$1 title=$2 file=$3
+  shift 3
+  if [ "$prebuilt" = 1 ] && { [ "${file%.o}" != "$file" ] && [ -f "$file" ] || loads "$file"; }; then
+    row "$title" "prebuilt" 0 "$(cat "$B/.prebuilt" 2>/dev/null || echo "found in $B")"
+  else
+    step "$id" "$title" 600 "$@"
+  fi
+}
 if ! command -v "$NVCC" >/dev/null 2>&1; then
   row "build: nvcc" "**FAIL**" 0 "nvcc not found (set NVCC or install the CUDA toolkit)"
   failed=1
 else
   step nvcc-version "build: toolkit" 30 "$NVCC" --version
-  step build-ddp_cuda "build: ddp_cuda.o for sm_$sm (-Werror)" 600 "$NVCC" "${strict[@]}" "${gencode[@]}" -c ddp_cuda.cu -o "$B/ddp_cuda.o"
-  step build-gpu_check "build: tools/gpu_check.cu (-Werror)" 600 "$NVCC" "${strict[@]}" "${gencode[@]}" -Xcompiler -pthread \
-    -o "$B/gpu_check" tools/gpu_check.cu "$B/ddp_cuda.o" -lnccl -lm
-  step build-train_gpu "build: ddprun and examples/gpu/train_gpu.cu" 600 \
+  [ -n "$NCCL_INCLUDE" ] || row "build: NCCL" "**FAIL**" 0 "nccl.h not found (tools/nccl-env.sh; set NCCL_HOME)"
+  build build-ddp_cuda "build: ddp_cuda.o for sm_$sm (-Werror)" "$B/ddp_cuda.o" \
+    "$NVCC" "${strict[@]}" "${gencode[@]}" -c ddp_cuda.cu -o "$B/ddp_cuda.o"
+  build build-gpu_check "build: tools/gpu_check.cu (-Werror)" "$B/gpu_check" \
+    "$NVCC" "${strict[@]}" "${gencode[@]}" -Xcompiler -pthread -o "$B/gpu_check" tools/gpu_check.cu "$B/ddp_cuda.o" -lnccl -lm
+  build build-train_gpu "build: ddprun and examples/gpu/train_gpu.cu" "$B/train_gpu" \
     make -s GPU=1 NVCC="$NVCC" NVARCH="${gencode[*]}" BUILD="$B" "$B/ddprun" "$B/train_gpu"
+fi
+# the torch interop programs: plain C, no CUDA (a ddp.h program for torchrun, and the sampler's checker)
+cflags=(-std=c99 -O2 -pthread -I. -Itests)
+# shellcheck disable=SC2016 # expanded by the inner shell
+build build-interop "build: the torch interop programs (allreduce, store_peer, sampler_check)" "$B/sampler_check" \
+  bash -c '"$0" "${@:2}" -o "$1/allreduce" tests/progs/allreduce.c -lm &&
+    "$0" "${@:2}" -o "$1/store_peer" tests/interop/store_peer.c -lm &&
+    "$0" "${@:2}" -o "$1/sampler_check" tests/interop/sampler_check.c -lm' "${CC:-cc}" "$B" "${cflags[@]}"
+if [ "$build_only" = 1 ]; then
+  # test_nccl.sh's own build (its part 1) into BUILD/tests, for --prebuilt's run of it
+  build build-test_nccl "build: tests/test_nccl.sh's programs" "$B/tests/nccl/test_nccl" \
+    env BUILD="$B/tests" NVCC="$NVCC" BUILD_ONLY=1 bash tests/test_nccl.sh
+  echo "built on $(hostname), commit $(git -C "$repo" rev-parse --short HEAD 2>/dev/null || echo unknown), for sm_$sm" >"$B/.prebuilt"
+  cat "$rows"
+  rm -f "$rows" "$benches"
+  echo "gpu-check: built in $B for sm_$sm$([ "$failed" = 1 ] && echo ' (some builds FAILED)')"
+  exit "$failed"
 fi
 
 # ---- 2. tests ----
 nccl=(env DDP_BACKEND=nccl "$B/ddprun" --nproc-per-node) # the environment of this step only
+torch_titles=("torch: plain torchrun, 1 node of 3 ddp.h ranks (its agent store)"
+              "torch: plain torchrun, 2 nodes of 2 ddp.h ranks (c10d rendezvous)"
+              "torch: tests/interop/store_interop.py (its TCPStore both ways, mixed workers)"
+              "torch: DistributedSampler, 560 cases and N = 214748364, against ddp.h's")
 devbuf_title() { echo "test: collectives + SyncBN + reducer + ZeRO-1 on device buffers, $1 ranks on one GPU (cpu backend)"; }
 if [ "$dry" = 1 ]; then
   reason=${no_gpu_reason:-"dry run (--dry-run or GPU_CHECK_NO_DEVICE=1)"}
@@ -135,6 +203,7 @@ if [ "$dry" = 1 ]; then
   done
   no_device "test: SyncBN + reducer, 2 ranks (nccl, 2 GPUs)" "$reason"
   for n in 2 4; do no_device "$(devbuf_title $n)" "$reason"; done
+  for t in "${torch_titles[@]}"; do no_device "$t" "run on the GPU machine, against its own torch"; done
   for t in "bench: SyncBN forward+backward vs copy bandwidth" "bench: torch BatchNorm, same shape" \
            "bench: reducer step overhead" "bench: all_reduce busbw (nccl, 1 rank)" \
            "bench: all_reduce busbw (cpu backend, device buffers, 2 ranks)"; do
@@ -143,7 +212,8 @@ if [ "$dry" = 1 ]; then
 else
   step syncbn "test: SyncBN on device vs the CPU code (nccl, 1 rank)" 180 "${nccl[@]}" 1 "$B/gpu_check" syncbn
   step reducer "test: reducer on device (nccl, 1 rank)" 180 "${nccl[@]}" 1 "$B/gpu_check" reducer
-  step test_nccl "test: tests/test_nccl.sh (NCCL, 1 rank)" 420 env BUILD="$B/tests" NVCC="$NVCC" bash tests/test_nccl.sh
+  step test_nccl "test: tests/test_nccl.sh (NCCL, 1 rank)" 420 env BUILD="$B/tests" NVCC="$NVCC" PREBUILT="$prebuilt" \
+    bash tests/test_nccl.sh
   # twice in a fresh folder: the second run resumes from the first one's checkpoint
   # shellcheck disable=SC2016 # expanded by the inner shell
   step train_gpu "test: train_gpu under ddprun (and resume)" 240 bash -c 'set -o pipefail; cd "$(mktemp -d)" &&
@@ -162,6 +232,45 @@ else
   for n in 2 4; do
     step "devbuf$n" "$(devbuf_title $n)" 240 env DDP_BACKEND=cpu "$B/ddprun" --nproc-per-node "$n" "$B/gpu_check" devbuf
   done
+
+  # against the machine's own torch: torchrun (torch 2.x keeps its store in libuv's server) and the sampler
+  scratch=$(mktemp -d)
+  # torchrun_ranks NODES PER_NODE: NODES torchrun agents on this host run tests/progs/allreduce (ddp_init
+  # from torchrun's environment, two all_reduces checked in the program); every rank must say "ok"
+  # shellcheck disable=SC2317 # called by the steps' inner shells (export -f)
+  torchrun_ranks() {
+    local nodes=$1 per=$2 port=$((29700 + RANDOM % 2000)) n rc=0 ok
+    if [ "$nodes" = 1 ]; then
+      "$PYTHON" -m torch.distributed.run --standalone --nproc_per_node "$per" --no_python "$B/allreduce" \
+        >"$scratch/torchrun.0" 2>&1 || rc=$?
+    else
+      for ((n = 0; n < nodes; n++)); do
+        "$PYTHON" -m torch.distributed.run --nnodes "$nodes" --nproc_per_node "$per" --rdzv_backend c10d \
+          --rdzv_endpoint "127.0.0.1:$port" --rdzv_id gpu-check --no_python "$B/allreduce" >"$scratch/torchrun.$n" 2>&1 &
+      done
+      for ((n = 0; n < nodes; n++)); do wait -n || rc=$?; done
+    fi
+    cat "$scratch"/torchrun.*
+    ok=$(cat "$scratch"/torchrun.* | grep -c "of $((nodes * per)): all_reduce ok")
+    rm -f "$scratch"/torchrun.*
+    echo "torchrun: $nodes node(s) x $per: exit $rc, $ok of $((nodes * per)) ddp.h ranks ok"
+    [ "$rc" = 0 ] && [ "$ok" = $((nodes * per)) ]
+  }
+  export -f torchrun_ranks
+  export PYTHON B scratch
+  step torchrun1 "${torch_titles[0]}" 120 bash -c 'torchrun_ranks 1 3'
+  step torchrun2 "${torch_titles[1]}" 120 bash -c 'torchrun_ranks 2 2'
+  step store-interop "${torch_titles[2]}" 180 "$PYTHON" tests/interop/store_interop.py "$B/store_peer" "$B/allreduce"
+  # shellcheck disable=SC2016 # expanded by the inner shell
+  # shellcheck disable=SC2016 # expanded by the inner shell
+  step sampler "${torch_titles[3]}" 240 bash -c 'set -e; n=214748364
+    "$PYTHON" -c "import torch; print(\"against torch\", torch.__version__)"
+    "$PYTHON" tests/interop/sampler_torch.py >"$scratch/cases"; "$B/sampler_check" <"$scratch/cases"
+    "$PYTHON" tests/interop/sampler_torch_large.py $n 1000 7 5 2 >"$scratch/torch_large"
+    "$B/sampler_check" slice $n 1000 7 5 2 0 >"$scratch/ddp_large"
+    cmp "$scratch/ddp_large" "$scratch/torch_large"
+    echo "N=$n: the $(wc -l <"$scratch/ddp_large") indices of rank 7 of 1000 are torch'"'"'s"'
+  rm -rf "$scratch"
 
   # ---- 3. benchmarks ----
   shape=(32 128 3136) # N C S: a ResNet-50 stage-1 activation (N=32, C=128, 56 x 56), f32
@@ -228,9 +337,10 @@ val() { sed -n "s/^$1=//p" "$benches" | tail -n 1; }
     if [ -n "$sb" ] && [ -n "$tb" ]; then
       echo "| ddp / torch | $(awk -v a="$sb" -v b="$tb" 'BEGIN { printf "%.2f", a / b }') |"
     fi
-    echo "| reducer step ($(val reducer_params) params, $(val reducer_MiB) MiB) | $(val reducer_step_ms) ms |"
+    echo "| reducer step ($(val reducer_params) params, $(val reducer_MiB) MiB, $(val reducer_ranks) rank(s), $(val reducer_backend)), gradients in separate allocations | $(val reducer_step_ms) ms |"
+    echo "| the same, gradients side by side in one allocation (reduced in place) | $(val reducer_inplace_step_ms) ms |"
     echo "| one all_reduce of the same bytes | $(val flat_allreduce_ms) ms |"
-    echo "| reducer overhead per step | $(val reducer_overhead_ms) ms |"
+    echo "| reducer overhead per step (separate / in place) | $(val reducer_overhead_ms) / $(val reducer_inplace_overhead_ms) ms |"
   else
     echo "(none ran)"
   fi

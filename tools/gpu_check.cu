@@ -18,7 +18,8 @@
                                the device's copy bandwidth (cudaMemcpy device to device) on the same bytes
      gpu_check bench-allreduce ddp_all_reduce of device memory, 4 KiB .. 256 MiB: algbw and busbw
      gpu_check bench-reducer   the reducer's step (begin_backward, grad_ready x P, end_backward) against
-                               one all_reduce of the same bytes: its overhead per step
+                               one all_reduce of the same bytes: its overhead per step, with the gradients
+                               in P allocations (copied into buckets) and as slices of one (reduced in place)
    Every check prints "ok ..." and exits 0, or prints FAIL and exits 1. Benchmarks print key=value
    lines (rank 0) that gpu-check.sh puts in its report.
    Build: nvcc -std=c++17 -O2 -I. -o gpu_check tools/gpu_check.cu ddp_cuda.o -lnccl (gpu-check.sh does). */
@@ -366,7 +367,11 @@ static int check_devbuf_zero(void) {
     ddp_reducer_destroy(red[0]), ddp_reducer_destroy(red[1]);
     desc.zero_stage = 2;
     DDP_OK(ddp_reducer_create(g_group, &desc, &red[1]), g_group);
-    for (int p = 0; p < 3; p++) DDP_OK(ddp_reducer_add_param(red[1], p ? "q" : "p", dp[p], dg[p], (size_t)sizes[p], DDP_F32, NULL), g_group);
+    for (int p = 0; p < 3; p++) {
+        char name[16];
+        snprintf(name, sizeof name, "z%d", p);
+        DDP_OK(ddp_reducer_add_param(red[1], name, dp[p], dg[p], (size_t)sizes[p], DDP_F32, NULL), g_group);
+    }
     const ddp_result r2 = ddp_reducer_finalize(red[1]);
     if (strcmp(ddp_backend_name(g_group), "nccl") && r2 != DDP_ERR_UNSUPPORTED) {
         printf("FAIL devbuf rank %d: ZeRO-2 on device parameters with backend %s: finalize returned %d, want "
@@ -449,35 +454,47 @@ static int bench_allreduce(void) {
     return 0;
 }
 
-static int bench_reducer(void) {
-    const int P = 64;
-    const int64_t numel = 256 * 1024; /* 64 x 1 MiB of f32: 64 MiB of gradients */
+/* One reducer step (begin_backward, grad_ready of every parameter in reverse, end_backward) over P
+   parameters of numel floats, in seconds. flat = 0: every parameter and gradient its own cudaMalloc, so the
+   buckets copy the gradients in and out; flat = 1: the gradients are slices of one allocation, in order,
+   which the reducer reduces in place (no copies, as for llm.c's grads_memory). */
+static double reducer_step(int P, int64_t numel, int flat) {
     std::vector<float *> params(P), grads(P);
     std::vector<int> idx(P);
-    float *flat;
+    float *all_grads = flat ? dalloc((int64_t)P * numel, 0) : NULL;
     ddp_reducer *red;
     DDP_OK(ddp_reducer_create(g_group, NULL, &red), g_group);
     for (int p = 0; p < P; p++) {
-        params[p] = dalloc(numel, 0), grads[p] = dalloc(numel, 0);
+        params[p] = dalloc(numel, 0), grads[p] = flat ? all_grads + (size_t)p * numel : dalloc(numel, 0);
         char name[16];
         snprintf(name, sizeof name, "p%d", p);
         DDP_OK(ddp_reducer_add_param(red, name, params[p], grads[p], numel, DDP_F32, &idx[p]), g_group);
     }
     DDP_OK(ddp_reducer_finalize(red), g_group);
-    flat = dalloc((int64_t)P * numel, 0);
-    const double t_red = timed(2, 10, [&] {
+    const double t = timed(2, 10, [&] {
         DDP_OK(ddp_reducer_begin_backward(red), g_group);
         for (int p = P - 1; p >= 0; p--) DDP_OK(ddp_reducer_grad_ready(red, idx[p]), g_group);
         DDP_OK(ddp_reducer_end_backward(red), g_group);
     });
-    const double t_flat = timed(2, 10, [&] { DDP_OK(ddp_all_reduce(g_group, flat, (size_t)P * numel, DDP_F32, DDP_SUM), g_group); });
-    if (g_rank == 0)
-        printf("reducer_params=%d reducer_MiB=%d ranks=%d backend=%s\nreducer_step_ms=%.3f\nflat_allreduce_ms=%.3f\n"
-               "reducer_overhead_ms=%.3f\n", P, (int)(P * numel * 4 >> 20), g_world, ddp_backend_name(g_group),
-               t_red * 1e3, t_flat * 1e3, (t_red - t_flat) * 1e3);
     ddp_reducer_destroy(red);
-    for (int p = 0; p < P; p++) cudaFree(params[p]), cudaFree(grads[p]);
+    for (int p = 0; p < P; p++) cudaFree(params[p]);
+    if (flat) cudaFree(all_grads);
+    else for (int p = 0; p < P; p++) cudaFree(grads[p]);
+    return t;
+}
+
+static int bench_reducer(void) {
+    const int P = 64;
+    const int64_t numel = 256 * 1024; /* 64 x 1 MiB of f32: 64 MiB of gradients */
+    const double t_red = reducer_step(P, numel, 0), t_red_flat = reducer_step(P, numel, 1);
+    float *flat = dalloc((int64_t)P * numel, 0);
+    const double t_flat = timed(2, 10, [&] { DDP_OK(ddp_all_reduce(g_group, flat, (size_t)P * numel, DDP_F32, DDP_SUM), g_group); });
     cudaFree(flat);
+    if (g_rank == 0)
+        printf("reducer_params=%d\nreducer_MiB=%d\nreducer_ranks=%d\nreducer_backend=%s\nreducer_step_ms=%.3f\n"
+               "reducer_inplace_step_ms=%.3f\nflat_allreduce_ms=%.3f\nreducer_overhead_ms=%.3f\n"
+               "reducer_inplace_overhead_ms=%.3f\n", P, (int)(P * numel * 4 >> 20), g_world, ddp_backend_name(g_group),
+               t_red * 1e3, t_red_flat * 1e3, t_flat * 1e3, (t_red - t_flat) * 1e3, (t_red_flat - t_flat) * 1e3);
     return 0;
 }
 
