@@ -696,7 +696,10 @@ DDP_API ddp_result ddp__cuda_bn_backward(ddp__cuda_bn *b, int mode, const void *
        blocks      0  1  2         3       4  5            block 4: largest k with first_chunk[k] <= 4: g2 */
 
 #define DDP__CU_MT_TENSORS 48
-#define DDP__CU_MT_CHUNK 4096
+/* 1024 elements: 4 per thread of a block, so a 1 MiB f32 gradient is 256 blocks. With 4096 (64 blocks on an
+   H200's 132 multiprocessors) one such copy took 8.4-9.4 us (ncu), ~230 GB/s, and a reducer step of 64 of
+   them was almost all of it (docs/GPU.md). */
+#define DDP__CU_MT_CHUNK 1024
 
 struct ddp__cu_mt_table {
     int count;                               /* tensors, all of them non-empty */

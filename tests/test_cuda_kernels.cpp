@@ -861,11 +861,11 @@ static ddp_dtype pick(int i) {
     return t[i % 4];
 }
 
-/* Random tensor sizes: mostly small and odd, some empty, some across the 4096-element chunks. */
+/* Random tensor sizes: mostly small and odd, some empty, some across the 1024-element chunks. */
 static int64_t random_numel() {
-    const int64_t special[] = {0, 1, 4095, 4096, 4097, 8191, 12289, 3};
+    const int64_t special[] = {0, 1, 1023, 1024, 1025, 4095, 4096, 4097, 8191, 12289, 3};
     const int64_t r = irand(20);
-    if (r < 3) return special[irand(8)];
+    if (r < 3) return special[irand((int64_t)(sizeof special / sizeof special[0]))];
     if (r < 5) return 1000 + irand(9000);
     return 1 + irand(300);
 }

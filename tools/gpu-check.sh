@@ -205,7 +205,8 @@ if [ "$dry" = 1 ]; then
   for n in 2 4; do no_device "$(devbuf_title $n)" "$reason"; done
   for t in "${torch_titles[@]}"; do no_device "$t" "run on the GPU machine, against its own torch"; done
   for t in "bench: SyncBN forward+backward vs copy bandwidth" "bench: torch BatchNorm, same shape" \
-           "bench: reducer step overhead" "bench: all_reduce busbw (nccl, 1 rank)" \
+           "bench: reducer step overhead" "bench: torch DDP step overhead, the same gradients (1 rank, nccl)" \
+           "bench: all_reduce busbw (nccl, 1 rank)" \
            "bench: all_reduce busbw (cpu backend, device buffers, 2 ranks)"; do
     no_device "$t" "$reason"
   done
@@ -299,6 +300,8 @@ print(f"torch_bn_GBps={8 * 4 * N * C * S / t / 1e9:.1f}")
 EOF
   step bench-reducer "bench: reducer step overhead" 180 "${nccl[@]}" 1 "$B/gpu_check" bench-reducer &&
     grep -E '^(reducer|flat)_' "$out/logs/bench-reducer.log" >>"$benches"
+  step bench-torch-ddp "bench: torch DDP step overhead, the same gradients (1 rank, nccl)" 120 \
+    "$PYTHON" bench/peers/torch_ddp_gpu.py && grep -E '^torch_(ddp|plain)_' "$out/logs/bench-torch-ddp.log" >>"$benches"
   step bench-allreduce "bench: all_reduce busbw (nccl, 1 rank)" 180 "${nccl[@]}" 1 "$B/gpu_check" bench-allreduce
   step bench-allreduce-cpu2 "bench: all_reduce busbw (cpu backend, device buffers, 2 ranks)" 180 \
     env DDP_BACKEND=cpu "$B/ddprun" --nproc-per-node 2 "$B/gpu_check" bench-allreduce
@@ -341,6 +344,7 @@ val() { sed -n "s/^$1=//p" "$benches" | tail -n 1; }
     echo "| the same, gradients side by side in one allocation (reduced in place) | $(val reducer_inplace_step_ms) ms |"
     echo "| one all_reduce of the same bytes | $(val flat_allreduce_ms) ms |"
     echo "| reducer overhead per step (separate / in place) | $(val reducer_overhead_ms) / $(val reducer_inplace_overhead_ms) ms |"
+    echo "| torch $(val torch_ddp_version) DDP overhead per step, the same gradients (bucket copies / gradient_as_bucket_view; bench/peers/torch_ddp_gpu.py) | $(val torch_ddp_overhead_ms) / $(val torch_ddp_view_overhead_ms) ms |"
   else
     echo "(none ran)"
   fi
