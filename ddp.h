@@ -1981,8 +1981,7 @@ DDP_API ddp_result ddp__cuda_nccl_zero(ddp__cuda_nccl *c, void *dst, size_t byte
 DDP_API void ddp__cuda_nccl_free(ddp__cuda_nccl *c, void *p);
 
 /* ddp__cuda_nccl_wait: the watchdog (torch's ProcessGroupNCCL watchdog, on the waiting thread). Polls the
-   event (cudaEventQuery) until the work before it is complete, without sleeping for the first 2 ms, then
-   sleeping 10 us doubling to 1 ms between polls; meanwhile checks ncclCommGetAsyncError,
+   event (cudaEventQuery) until the work before it is complete; meanwhile checks ncclCommGetAsyncError,
    the deadline (timeout seconds after the event was recorded) and, when watch is not NULL,
    watch(user) (ddp.h looks at the other ranks' connections there). On an NCCL error, a CUDA error, the
    deadline or a failed watch, the communicator is aborted (ncclCommAbort), so that no rank hangs.

@@ -1009,9 +1009,6 @@ static double ddp__cu_now(void) {
     return (double)ts.tv_sec + (double)ts.tv_nsec * 1e-9;
 }
 
-/* How long ddp__cuda_nccl_wait polls its event without sleeping before it backs off (10 us doubling to 1 ms). */
-#define DDP__CU_SPIN_SECONDS 2e-3
-
 static void ddp__cu_sleep(double seconds) {
     struct timespec ts;
     ts.tv_sec = (time_t)seconds;
@@ -1449,21 +1446,13 @@ DDP_API ddp_result ddp__cuda_nccl_wait(ddp__cuda_nccl *c, void *event, double ti
     ddp__cu_msg m = {err, err_size};
     ddp__cu_event *e = (ddp__cu_event *)event;
     ddp_result r = DDP_SUCCESS;
-    double nap = 1e-5, spin_until;
-    unsigned polls = 0;
+    double nap = 1e-6;
     if (!c || !e) return ddp__cu_fail(&m, DDP_ERR_INVALID_ARGUMENT, "ddp__cuda_nccl_wait: c or event is NULL");
     ddp__cu_device_scope scope(c->device);
-    spin_until = ddp__cu_now() + DDP__CU_SPIN_SECONDS;
-    for (;; polls++) {
+    for (;;) {
         cudaError_t ce = cudaEventQuery(e->ev);
         ncclResult_t async = ncclSuccess;
         if (ce == cudaSuccess) break;
-        /* Spin first: most waits (a bucket's all-reduce, a kernel) end within microseconds, and the
-           shortest sleep costs ~50 us of timer slack, so sleeping from the first poll made each wait
-           cost that much (measured on an H200: the reducer's step over 4 buckets of 64 MiB, in place on
-           one rank, 0.63 ms with sleeps from the start; docs/GPU.md). The checks below cost a system
-           call (the watch polls sockets): while spinning they run every 64th poll. */
-        if (ce == cudaErrorNotReady && (polls & 63) != 0 && ddp__cu_now() < spin_until) continue;
         if (ce != cudaErrorNotReady) {
             r = ddp__cu_fail(&m, DDP_ERR_SYSTEM, "%s: CUDA error while waiting for it: %s (%s); the NCCL communicator "
                              "was aborted", what, cudaGetErrorName(ce), cudaGetErrorString(ce));
@@ -1488,7 +1477,6 @@ DDP_API ddp_result ddp__cuda_nccl_wait(ddp__cuda_nccl *c, void *event, double ti
             ddp__cu_fail(&m, r, "%s: another rank failed; the NCCL communicator was aborted", what);
             break;
         }
-        if (ddp__cu_now() < spin_until) continue;
         ddp__cu_sleep(nap);
         nap = nap < 1e-3 ? nap * 2 : 1e-3;
     }
