@@ -5,7 +5,10 @@ GPU, one rank, backend nccl. A step is forward + backward of loss = sum_i (p_i *
 backward writes every gradient (one elementwise kernel each, as a layer's would), then a device
 synchronize. DDP's overhead is the median step under DistributedDataParallel (bucket_cap_mb 25, as
 ddp.h's) minus the median step of the same module without DDP; with gradient_as_bucket_view=True too
-(gradients that are views of the buckets: ddp.h's "in place" row). 20 timed steps after 5 warm-up steps.
+(gradients that are views of the buckets: ddp.h's "in place" row). The three modules are timed in turn,
+ROUNDS times (20 timed steps after 5 warm-up steps each time), and each figure is the median of its
+rounds' medians: the step is mostly Python autograd (~5.5 ms on an H200), whose drift between one
+block of steps and the next was as large as DDP's overhead when the three ran once each.
 
 Run (on a GPU machine with torch):
     python3 bench/peers/torch_ddp_gpu.py
@@ -20,7 +23,7 @@ import torch
 import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-P, NUMEL, STEPS, WARMUP = 64, 256 * 1024, 20, 5
+P, NUMEL, STEPS, WARMUP, ROUNDS = 64, 256 * 1024, 20, 5, 7
 
 
 class Params(torch.nn.Module):
@@ -57,9 +60,10 @@ if __name__ == "__main__":
     torch.cuda.set_device(dev)
     dist.init_process_group("nccl", init_method=f"tcp://127.0.0.1:{free_port()}", rank=0, world_size=1)
     cs = [torch.randn(NUMEL, device=dev) for _ in range(P)]
-    plain = median_step(Params().to(dev), cs)
-    ddp = median_step(DDP(Params().to(dev), device_ids=[0], bucket_cap_mb=25), cs)
-    view = median_step(DDP(Params().to(dev), device_ids=[0], bucket_cap_mb=25, gradient_as_bucket_view=True), cs)
+    nets = [Params().to(dev), DDP(Params().to(dev), device_ids=[0], bucket_cap_mb=25),
+            DDP(Params().to(dev), device_ids=[0], bucket_cap_mb=25, gradient_as_bucket_view=True)]
+    rounds = [[median_step(net, cs) for net in nets] for _ in range(ROUNDS)]
+    plain, ddp, view = (sorted(r[k] for r in rounds)[ROUNDS // 2] for k in range(3))
     dist.destroy_process_group()
     print(f"torch_ddp_version={torch.__version__}")
     print(f"torch_plain_step_ms={plain * 1e3:.3f}")
@@ -67,3 +71,4 @@ if __name__ == "__main__":
     print(f"torch_ddp_view_step_ms={view * 1e3:.3f}")
     print(f"torch_ddp_overhead_ms={(ddp - plain) * 1e3:.3f}")
     print(f"torch_ddp_view_overhead_ms={(view - plain) * 1e3:.3f}")
+    print("rounds (plain, ddp, view ms): " + "; ".join(", ".join(f"{t * 1e3:.2f}" for t in r) for r in rounds))
