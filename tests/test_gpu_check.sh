@@ -5,7 +5,9 @@
 # logs, exit 1. (3) The budget: a fake nvcc that hangs is cut off by the step timeout (GPU_CHECK_BUDGET=12)
 # and the steps after it are "not run" instead of waited for (the whole run ends within 60 s). (4) With
 # the real nvcc (SKIP-PART without it): --dry-run builds ddp_cuda.o, tools/gpu_check.cu, ddprun and
-# train_gpu for sm_80 (every warning an error) and writes the report with "no device" rows, exit 0.
+# train_gpu for sm_80 (every warning an error) and writes the report with "no device" rows, exit 0; (5) then
+# --prebuilt reuses that build ("prebuilt" rows, nothing rebuilt). (1b) tools/nccl-env.sh finds a fake
+# torch wheel's NCCL (include, lib, the search paths, the libnccl.so link for -lnccl).
 set -u
 cd "$(dirname "$0")/.." || exit 1
 BUILD=${BUILD:-build}
@@ -19,6 +21,26 @@ if command -v shellcheck >/dev/null 2>&1; then shellcheck tools/gpu-check.sh || 
   echo "SKIP-PART shellcheck: not installed"; fi
 tools/gpu-check.sh >/dev/null 2>&1
 [ $? = 2 ] || fail "no OUTDIR should be exit 2"
+tools/gpu-check.sh --build-only "$tmp/o" --sm >/dev/null 2>&1
+[ $? = 2 ] || fail "--sm without a number should be exit 2"
+
+echo "== (1b) tools/nccl-env.sh finds the NCCL of pip's torch wheel"
+if [ -f /usr/include/nccl.h ] || [ -n "${NCCL_HOME:-}" ]; then
+  echo "SKIP-PART nccl-env wheel: this machine has a system NCCL (found first)"
+else
+  mkdir -p "$tmp/site/nvidia/nccl/lib" "$tmp/site/nvidia/nccl/include"
+  : >"$tmp/site/nvidia/nccl/lib/libnccl.so.2"
+  : >"$tmp/site/nvidia/nccl/include/nccl.h"
+  printf '#!/bin/sh\necho %s\n' "$tmp/site" >"$tmp/fakepy" && chmod +x "$tmp/fakepy"
+  # shellcheck disable=SC2016 # expanded by the inner shell
+  got=$(env -u CPATH -u LIBRARY_PATH -u LD_LIBRARY_PATH CUDA_HOME=/nonexistent PYTHON="$tmp/fakepy" TMPDIR="$tmp" \
+    bash -c '. tools/nccl-env.sh; echo "$NCCL_INCLUDE|$NCCL_LIB|$CPATH|$LD_LIBRARY_PATH|$LIBRARY_PATH"')
+  want="$tmp/site/nvidia/nccl/include|$tmp/site/nvidia/nccl/lib|$tmp/site/nvidia/nccl/include|$tmp/site/nvidia/nccl/lib|$tmp/ddp-nccl-link.$(id -u)"
+  [ "$got" = "$want" ] || fail "nccl-env.sh with a wheel: got '$got', want '$want'"
+  [ "$(readlink "$tmp/ddp-nccl-link.$(id -u)/libnccl.so")" = "$tmp/site/nvidia/nccl/lib/libnccl.so.2" ] ||
+    fail "nccl-env.sh made no libnccl.so link for -lnccl"
+  echo "a wheel's NCCL: include, lib, the search paths and the libnccl.so link"
+fi
 
 device_rows=(
   "test: SyncBN on device vs the CPU code" "test: reducer on device" "test: tests/test_nccl.sh"
@@ -81,4 +103,16 @@ for f in ddp_cuda.o gpu_check ddprun train_gpu; do [ -x "$BUILD/gpu-check/$f" ] 
 check_no_device_rows "$tmp/report.md"
 grep -q '^- device: \*\*no device\*\*' "$tmp/report.md" || fail "the report's header does not say 'no device'"
 echo "dry run: 3 builds ok for sm_80, every device step 'no device', exit 0"
+
+echo "== (5) --prebuilt over that build: nothing rebuilt"
+before=$(stat -c %Y "$BUILD/gpu-check/ddp_cuda.o" "$BUILD/gpu-check/gpu_check")
+NVCC="$NVCC" BUILD="$BUILD/gpu-check" GPU_CHECK_NO_DEVICE=1 tools/gpu-check.sh --prebuilt "$tmp/out5" >"$tmp/log5" 2>&1
+rc=$?
+cp "$tmp/out5/report.md" "$tmp/report.md" 2>/dev/null
+[ $rc = 0 ] || { cat "$tmp/log5"; fail "exit $rc with --prebuilt"; }
+for r in "build: ddp_cuda.o for sm_80 (-Werror)" "build: tools/gpu_check.cu (-Werror)" "build: ddprun and examples/gpu/train_gpu.cu"; do
+  grep -F "| $r | prebuilt |" "$tmp/report.md" >/dev/null || fail "'$r' is not 'prebuilt'"
+done
+[ "$(stat -c %Y "$BUILD/gpu-check/ddp_cuda.o" "$BUILD/gpu-check/gpu_check")" = "$before" ] || fail "--prebuilt rebuilt"
+echo "prebuilt: 3 'prebuilt' rows, nothing rebuilt"
 echo "ok"
