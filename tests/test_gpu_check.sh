@@ -92,13 +92,20 @@ if [ ! -x "$NVCC" ]; then
   echo "ok (the real build did not run)"
   exit 0
 fi
-NVCC="$NVCC" BUILD="$BUILD/gpu-check" GPU_CHECK_NO_DEVICE=1 tools/gpu-check.sh "$tmp/out4" >"$tmp/log4" 2>&1
-rc=$?
-cp "$tmp/out4/report.md" "$tmp/report.md" 2>/dev/null
-[ $rc = 0 ] || { cat "$tmp/log4"; fail "exit $rc in a dry run with nvcc"; }
-for r in "build: ddp_cuda.o for sm_80 (-Werror)" "build: tools/gpu_check.cu (-Werror)" "build: ddprun and examples/gpu/train_gpu.cu"; do
-  grep -F "| $r | ok |" "$tmp/report.md" >/dev/null || fail "'$r' is not ok"
-done
+# dry_run N STATUS [FLAG...]: a dry run with the real nvcc into $BUILD/gpu-check (report $tmp/outN), exit 0,
+# each of the 3 builds with STATUS ("ok": built; "prebuilt": taken from the build there)
+dry_run() {
+  local n=$1 status=$2 rc r
+  shift 2
+  NVCC="$NVCC" BUILD="$BUILD/gpu-check" GPU_CHECK_NO_DEVICE=1 tools/gpu-check.sh "$@" "$tmp/out$n" >"$tmp/log$n" 2>&1
+  rc=$?
+  cp "$tmp/out$n/report.md" "$tmp/report.md" 2>/dev/null
+  [ $rc = 0 ] || { cat "$tmp/log$n"; fail "exit $rc in a dry run with nvcc $*"; }
+  for r in "build: ddp_cuda.o for sm_80 (-Werror)" "build: tools/gpu_check.cu (-Werror)" "build: ddprun and examples/gpu/train_gpu.cu"; do
+    grep -F "| $r | $status |" "$tmp/report.md" >/dev/null || fail "'$r' is not '$status' ($*)"
+  done
+}
+dry_run 4 ok
 for f in ddp_cuda.o gpu_check ddprun train_gpu; do [ -x "$BUILD/gpu-check/$f" ] || [ -f "$BUILD/gpu-check/$f" ] || fail "no $f built"; done
 check_no_device_rows "$tmp/report.md"
 grep -q '^- device: \*\*no device\*\*' "$tmp/report.md" || fail "the report's header does not say 'no device'"
@@ -106,13 +113,7 @@ echo "dry run: 3 builds ok for sm_80, every device step 'no device', exit 0"
 
 echo "== (5) --prebuilt over that build: nothing rebuilt"
 before=$(stat -c %Y "$BUILD/gpu-check/ddp_cuda.o" "$BUILD/gpu-check/gpu_check")
-NVCC="$NVCC" BUILD="$BUILD/gpu-check" GPU_CHECK_NO_DEVICE=1 tools/gpu-check.sh --prebuilt "$tmp/out5" >"$tmp/log5" 2>&1
-rc=$?
-cp "$tmp/out5/report.md" "$tmp/report.md" 2>/dev/null
-[ $rc = 0 ] || { cat "$tmp/log5"; fail "exit $rc with --prebuilt"; }
-for r in "build: ddp_cuda.o for sm_80 (-Werror)" "build: tools/gpu_check.cu (-Werror)" "build: ddprun and examples/gpu/train_gpu.cu"; do
-  grep -F "| $r | prebuilt |" "$tmp/report.md" >/dev/null || fail "'$r' is not 'prebuilt'"
-done
+dry_run 5 prebuilt --prebuilt
 [ "$(stat -c %Y "$BUILD/gpu-check/ddp_cuda.o" "$BUILD/gpu-check/gpu_check")" = "$before" ] || fail "--prebuilt rebuilt"
 echo "prebuilt: 3 'prebuilt' rows, nothing rebuilt"
 echo "ok"
