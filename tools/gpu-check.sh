@@ -319,6 +319,7 @@ val() { sed -n "s/^$1=//p" "$benches" | tail -n 1; }
     echo "- device: $gpu_name; compute capability ${cc:-unknown}; built for sm_$sm"
   fi
   echo "- nvcc: $NVCC, $(tail -n 1 "$out/logs/nvcc-version.log" 2>/dev/null)"
+  echo "- NCCL: ${NCCL_LIB:-not found} (header: ${NCCL_INCLUDE:-not found}; tools/nccl-env.sh)"
   echo "- total time: $(($(date +%s) - t_start)) s (budget $budget s)"
   echo
   echo "| step | result | seconds | detail |"
