@@ -7,7 +7,9 @@
 # the real nvcc (SKIP-PART without it): --dry-run builds ddp_cuda.o, tools/gpu_check.cu, ddprun and
 # train_gpu for sm_80 (every warning an error) and writes the report with "no device" rows, exit 0; (5) then
 # --prebuilt reuses that build ("prebuilt" rows, nothing rebuilt). (1b) tools/nccl-env.sh finds a fake
-# torch wheel's NCCL (include, lib, the search paths, the libnccl.so link for -lnccl).
+# torch wheel's NCCL (include, lib, the search paths, the libnccl.so link for -lnccl). (6) With a fake
+# nvidia-smi and GPU_CHECK_ONLY: the torch rows are "not run" without torch, and with the machine's torch
+# (1.13 here) plain torchrun drives ddp.h ranks on 1 and 2 nodes and the sampler matches its own.
 set -u
 cd "$(dirname "$0")/.." || exit 1
 BUILD=${BUILD:-build}
@@ -116,4 +118,35 @@ before=$(stat -c %Y "$BUILD/gpu-check/ddp_cuda.o" "$BUILD/gpu-check/gpu_check")
 dry_run 5 prebuilt --prebuilt
 [ "$(stat -c %Y "$BUILD/gpu-check/ddp_cuda.o" "$BUILD/gpu-check/gpu_check")" = "$before" ] || fail "--prebuilt rebuilt"
 echo "prebuilt: 3 'prebuilt' rows, nothing rebuilt"
+
+echo "== (6) the torch rows, on a stand-in GPU machine (a fake nvidia-smi; only the torch steps selected)"
+mkdir -p "$tmp/smi"
+printf '#!/bin/sh\ncase "$*" in -L) echo "GPU 0: stand-in (UUID: none)" ;; *compute_cap*) echo 8.0 ;; *) echo "stand-in, 0 MiB, 0" ;; esac\n' \
+  >"$tmp/smi/nvidia-smi" && chmod +x "$tmp/smi/nvidia-smi"
+torch_rows() { # N PYTHON: the torch steps of a --prebuilt run over (4)'s build, report $tmp/outN
+  PATH="$tmp/smi:$PATH" PYTHON=$2 NVCC="$NVCC" BUILD="$BUILD/gpu-check" GPU_CHECK_BUDGET=300 \
+    GPU_CHECK_ONLY="torchrun1 torchrun2 sampler" tools/gpu-check.sh --prebuilt "$tmp/out$1" >"$tmp/log$1" 2>&1
+}
+torch_rows 6 "$tmp/no-such-python"
+rc=$?
+cp "$tmp/out6/report.md" "$tmp/report.md" 2>/dev/null
+[ $rc = 0 ] || { cat "$tmp/log6"; fail "exit $rc without torch"; }
+[ "$(grep -c '^| torch: .* | not run | 0 | .* has no torch |$' "$tmp/report.md")" = 4 ] || fail "without torch, the 4 torch rows are not 'not run'"
+grep -F '| test: SyncBN on device vs the CPU code' "$tmp/report.md" | grep -q '| not selected |' ||
+  fail "GPU_CHECK_ONLY did not leave the device steps out"
+avail_kib=$(awk '/MemAvailable/ {print $2}' /proc/meminfo)
+if [ "$avail_kib" -lt $((4 * 1024 * 1024)) ]; then
+  echo "SKIP-PART torch rows with torch: the sampler's N = 214748364 needs 4 GiB free, $((avail_kib / 1024)) MiB available"
+elif PY=$(command -v /usr/bin/python3 python3 | head -n 1) && "$PY" -c 'import torch' 2>/dev/null; then
+  torch_rows 7 "$PY"
+  rc=$?
+  cp "$tmp/out7/report.md" "$tmp/report.md" 2>/dev/null
+  [ $rc = 0 ] || { cat "$tmp/out7/report.md"; fail "exit $rc in the torch rows with $PY"; }
+  for r in "torch: plain torchrun, 1 node of 3" "torch: plain torchrun, 2 nodes of 2" "torch: DistributedSampler"; do
+    grep -F "| $r" "$tmp/report.md" | grep -q '| ok |' || fail "'$r' is not ok"
+  done
+  echo "torch rows: 'not run' without torch; torchrun (1 and 2 nodes) and the sampler ok with $("$PY" -c 'import torch; print(torch.__version__)')"
+else
+  echo "SKIP-PART torch rows with torch: no python3 with torch (the 'not run' rows were checked)"
+fi
 echo "ok"

@@ -7,7 +7,7 @@
 #
 # 1. builds everything for the device's architecture (nvidia-smi --query-gpu=compute_cap, else nvcc's
 #    -arch=native; sm_80 in a dry run): ddp_cuda.o with every warning an error, tools/gpu_check.cu,
-#    ddprun and examples/gpu/train_gpu.cu;
+#    ddprun and examples/gpu/train_gpu.cu, and the torch rows' C programs;
 # 2. runs every GPU test: the SyncBN kernels through ddp_syncbn_* on device memory against the CPU code
 #    and the reducer on device gradients (tools/gpu_check.cu, nccl backend, 1 rank), NCCL on one rank
 #    (tests/test_nccl.sh), 2 and 4 ranks on one GPU through the cpu backend with device buffers
@@ -21,7 +21,7 @@
 #    BatchNorm on the same device and shape, the reducer's step overhead, all_reduce busbw.
 # Every step has its own timeout and the whole run a 20-minute budget (GPU_CHECK_BUDGET seconds); a
 # failing or timed-out step is recorded in the report and the next one runs. Needs the CUDA toolkit
-# (nvcc, NCCL), python3 with torch for the torch comparison (else that row is "not run"), and the repository.
+# (nvcc, NCCL), python3 with torch for the torch rows (else they are "not run"), and the repository.
 #
 # --build-only [--sm N]: build everything for sm_N (default: as above) and stop, writing no report;
 # --prebuilt: skip each build whose output is already in BUILD and loads (ldd finds its libraries), as
@@ -32,8 +32,8 @@
 # Environment: BUILD (default build/gpu-check), NVCC, GPU_CHECK_BUDGET (default 1200), GPU_CHECK_STEP_MAX
 # (no step gets a longer timeout than this; default: the budget), GPU_CHECK_ONLY (the ids of the steps to
 # run, as their logs are named, e.g. "devbuf2 bench-reducer": a rerun of some; builds always run),
-# PYTHON (python3). NCCL is found by
-# tools/nccl-env.sh (the CUDA toolkit, the system, NCCL_HOME, or the wheel that pip's torch brings).
+# PYTHON (python3). NCCL is found by tools/nccl-env.sh (the CUDA toolkit, the system, NCCL_HOME, or the
+# wheel that pip's torch brings).
 # Exit status: 0 when no step failed, 1 when one did, 2 for bad usage.
 set -u
 dry=${GPU_CHECK_NO_DEVICE:-0}
@@ -236,17 +236,24 @@ else
 
   # against the machine's own torch: torchrun (torch 2.x keeps its store in libuv's server) and the sampler
   scratch=$(mktemp -d)
+  torch_version=$("$PYTHON" -c 'import torch; print(torch.__version__)' 2>/dev/null) || torch_version=""
+  # torch_step ID TITLE LIMIT COMMAND...: a step that needs torch ("not run" without it)
+  torch_step() {
+    if [ -n "$torch_version" ]; then step "$@"; else row "$2" "not run" 0 "$PYTHON has no torch"; return 1; fi
+  }
   # torchrun_ranks NODES PER_NODE: NODES torchrun agents on this host run tests/progs/allreduce (ddp_init
   # from torchrun's environment, two all_reduces checked in the program); every rank must say "ok"
   # shellcheck disable=SC2317 # called by the steps' inner shells (export -f)
   torchrun_ranks() {
-    local nodes=$1 per=$2 port=$((29700 + RANDOM % 2000)) n rc=0 ok
+    local nodes=$1 per=$2 port=$((29700 + RANDOM % 2000)) n rc=0 ok old=()
+    # torch 1.x's torchrun on Python 3.11 stops with "'NoneType' object has no attribute 'get'" without these
+    [ "${torch_version%%.*}" = 1 ] && old=(--redirects 1 --tee 1)
     if [ "$nodes" = 1 ]; then
-      "$PYTHON" -m torch.distributed.run --standalone --nproc_per_node "$per" --no_python "$B/allreduce" \
+      "$PYTHON" -m torch.distributed.run "${old[@]}" --standalone --nproc_per_node "$per" --no_python "$B/allreduce" \
         >"$scratch/torchrun.0" 2>&1 || rc=$?
     else
       for ((n = 0; n < nodes; n++)); do
-        "$PYTHON" -m torch.distributed.run --nnodes "$nodes" --nproc_per_node "$per" --rdzv_backend c10d \
+        "$PYTHON" -m torch.distributed.run "${old[@]}" --nnodes "$nodes" --nproc_per_node "$per" --rdzv_backend c10d \
           --rdzv_endpoint "127.0.0.1:$port" --rdzv_id gpu-check --no_python "$B/allreduce" >"$scratch/torchrun.$n" 2>&1 &
       done
       for ((n = 0; n < nodes; n++)); do wait -n || rc=$?; done
@@ -258,17 +265,18 @@ else
     [ "$rc" = 0 ] && [ "$ok" = $((nodes * per)) ]
   }
   export -f torchrun_ranks
-  export PYTHON B scratch
-  step torchrun1 "${torch_titles[0]}" 120 bash -c 'torchrun_ranks 1 3'
-  step torchrun2 "${torch_titles[1]}" 120 bash -c 'torchrun_ranks 2 2'
-  step store-interop "${torch_titles[2]}" 180 "$PYTHON" tests/interop/store_interop.py "$B/store_peer" "$B/allreduce"
+  export PYTHON B scratch torch_version
+  torch_step torchrun1 "${torch_titles[0]}" 120 bash -c 'torchrun_ranks 1 3'
+  torch_step torchrun2 "${torch_titles[1]}" 120 bash -c 'torchrun_ranks 2 2'
+  torch_step store-interop "${torch_titles[2]}" 180 "$PYTHON" tests/interop/store_interop.py "$B/store_peer" "$B/allreduce"
+  # the large N: torch 2.x's randperm is ddp.h's permutation 0 (DDP_PERMUTATION_TORCH), torch 1.x's is 1
   # shellcheck disable=SC2016 # expanded by the inner shell
-  # shellcheck disable=SC2016 # expanded by the inner shell
-  step sampler "${torch_titles[3]}" 240 bash -c 'set -e; n=214748364
-    "$PYTHON" -c "import torch; print(\"against torch\", torch.__version__)"
+  torch_step sampler "${torch_titles[3]}" 240 bash -c 'set -e; n=214748364 perm=0
+    [ "${torch_version%%.*}" = 1 ] && perm=1
+    echo "against torch $torch_version (ddp.h permutation $perm)"
     "$PYTHON" tests/interop/sampler_torch.py >"$scratch/cases"; "$B/sampler_check" <"$scratch/cases"
     "$PYTHON" tests/interop/sampler_torch_large.py $n 1000 7 5 2 >"$scratch/torch_large"
-    "$B/sampler_check" slice $n 1000 7 5 2 0 >"$scratch/ddp_large"
+    "$B/sampler_check" slice $n 1000 7 5 2 $perm >"$scratch/ddp_large"
     cmp "$scratch/ddp_large" "$scratch/torch_large"
     echo "N=$n: the $(wc -l <"$scratch/ddp_large") indices of rank 7 of 1000 are torch'"'"'s"'
   rm -rf "$scratch"
@@ -277,7 +285,7 @@ else
   shape=(32 128 3136) # N C S: a ResNet-50 stage-1 activation (N=32, C=128, 56 x 56), f32
   step bench-syncbn "bench: SyncBN forward+backward vs copy bandwidth" 180 "${nccl[@]}" 1 "$B/gpu_check" bench-syncbn "${shape[@]}" &&
     grep -E '^(syncbn|copy)_' "$out/logs/bench-syncbn.log" >>"$benches"
-  step bench-torch "bench: torch BatchNorm, same shape" 180 "$PYTHON" - "${shape[@]}" <<'EOF' && grep -E '^torch_' "$out/logs/bench-torch.log" >>"$benches"
+  torch_step bench-torch "bench: torch BatchNorm, same shape" 180 "$PYTHON" - "${shape[@]}" <<'EOF' && grep -E '^torch_' "$out/logs/bench-torch.log" >>"$benches"
 import sys, time
 import torch
 N, C, S = (int(v) for v in sys.argv[1:4])
@@ -300,7 +308,7 @@ print(f"torch_bn_GBps={8 * 4 * N * C * S / t / 1e9:.1f}")
 EOF
   step bench-reducer "bench: reducer step overhead" 180 "${nccl[@]}" 1 "$B/gpu_check" bench-reducer &&
     grep -E '^(reducer|flat)_' "$out/logs/bench-reducer.log" >>"$benches"
-  step bench-torch-ddp "bench: torch DDP step overhead, the same gradients (1 rank, nccl)" 120 \
+  torch_step bench-torch-ddp "bench: torch DDP step overhead, the same gradients (1 rank, nccl)" 120 \
     "$PYTHON" bench/peers/torch_ddp_gpu.py && grep -E '^torch_(ddp|plain)_' "$out/logs/bench-torch-ddp.log" >>"$benches"
   step bench-allreduce "bench: all_reduce busbw (nccl, 1 rank)" 180 "${nccl[@]}" 1 "$B/gpu_check" bench-allreduce
   step bench-allreduce-cpu2 "bench: all_reduce busbw (cpu backend, device buffers, 2 ranks)" 180 \
