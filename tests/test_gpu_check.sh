@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # tools/gpu-check.sh without a GPU. (1) bash -n and shellcheck (when installed) on the script; no OUTDIR
-# is a usage error (exit 2). (2) A failing toolkit (a fake nvcc that exits 1): every build step is a
+# is a usage error (exit 2), and so are --sm without a number or with another word, and a
+# GPU_CHECK_STEP_MAX that is not a number. (2) A failing toolkit (a fake nvcc that exits 1): every build step is a
 # FAIL row, the device steps still get their "no device" rows, the report has a Failures section with the
 # logs, exit 1. (3) The budget: a fake nvcc that hangs is cut off by the step timeout (GPU_CHECK_BUDGET=12)
 # and the steps after it are "not run" instead of waited for (the whole run ends within 60 s). (4) With
@@ -8,7 +9,7 @@
 # train_gpu for sm_80 (every warning an error) and writes the report with "no device" rows, exit 0; (5) then
 # --prebuilt reuses that build ("prebuilt" rows, nothing rebuilt). (1b) tools/nccl-env.sh finds a fake
 # torch wheel's NCCL (include, lib, the search paths, the libnccl.so link for -lnccl). (6) With a fake
-# nvidia-smi and GPU_CHECK_ONLY: the torch rows are "not run" without torch, and with the machine's torch
+# nvidia-smi and GPU_CHECK_ONLY: an id that names no step is a FAIL row; the torch rows are "not run" without torch, and with the machine's torch
 # (1.13 here) plain torchrun drives ddp.h ranks on 1 and 2 nodes and the sampler matches its own.
 set -u
 cd "$(dirname "$0")/.." || exit 1
@@ -25,6 +26,12 @@ tools/gpu-check.sh >/dev/null 2>&1
 [ $? = 2 ] || fail "no OUTDIR should be exit 2"
 tools/gpu-check.sh --build-only "$tmp/o" --sm >/dev/null 2>&1
 [ $? = 2 ] || fail "--sm without a number should be exit 2"
+tools/gpu-check.sh --build-only --sm 9.0 "$tmp/o" 2>"$tmp/usage" >/dev/null
+rc=$?
+if ! { [ $rc = 2 ] && grep -q "not '9.0'" "$tmp/usage"; }; then fail "--sm 9.0 should be exit 2 naming it"; fi
+GPU_CHECK_STEP_MAX=1m tools/gpu-check.sh --dry-run "$tmp/o" 2>"$tmp/usage" >/dev/null
+rc=$?
+if ! { [ $rc = 2 ] && grep -q "GPU_CHECK_STEP_MAX is '1m'" "$tmp/usage"; }; then fail "GPU_CHECK_STEP_MAX=1m should be exit 2 naming it"; fi
 
 echo "== (1b) tools/nccl-env.sh finds the NCCL of pip's torch wheel"
 if [ -f /usr/include/nccl.h ] || [ -n "${NCCL_HOME:-}" ]; then
@@ -131,9 +138,17 @@ torch_rows 6 "$tmp/no-such-python"
 rc=$?
 cp "$tmp/out6/report.md" "$tmp/report.md" 2>/dev/null
 [ $rc = 0 ] || { cat "$tmp/log6"; fail "exit $rc without torch"; }
-[ "$(grep -c '^| torch: .* | not run | 0 | .* has no torch |$' "$tmp/report.md")" = 4 ] || fail "without torch, the 4 torch rows are not 'not run'"
+[ "$(grep -c '^| torch: .* | not run | 0 | .* has no torch |$' "$tmp/report.md")" = 3 ] ||
+  fail "without torch, the 3 selected torch rows are not 'not run'"
+grep -F '| torch: tests/interop/store_interop.py' "$tmp/report.md" | grep -q '| not selected |' ||
+  fail "without torch, the torch row GPU_CHECK_ONLY left out is not 'not selected'"
 grep -F '| test: SyncBN on device vs the CPU code' "$tmp/report.md" | grep -q '| not selected |' ||
   fail "GPU_CHECK_ONLY did not leave the device steps out"
+PATH="$tmp/smi:$PATH" NVCC="$NVCC" BUILD="$BUILD/gpu-check" GPU_CHECK_ONLY="torchrun1 sampelr" tools/gpu-check.sh --prebuilt \
+  "$tmp/out8" >"$tmp/log8" 2>&1
+rc=$?
+cp "$tmp/out8/report.md" "$tmp/report.md" 2>/dev/null
+if ! { [ $rc = 1 ] && grep -q "no step has the id 'sampelr'" "$tmp/report.md"; }; then fail "GPU_CHECK_ONLY with a typo: exit $rc, want 1 naming it"; fi
 avail_kib=$(awk '/MemAvailable/ {print $2}' /proc/meminfo)
 if [ "$avail_kib" -lt $((4 * 1024 * 1024)) ]; then
   echo "SKIP-PART torch rows with torch: the sampler's N = 214748364 needs 4 GiB free, $((avail_kib / 1024)) MiB available"

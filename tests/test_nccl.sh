@@ -26,13 +26,13 @@ if ! command -v "$NVCC" >/dev/null 2>&1; then
   fi
 fi
 CUDA_HOME=${CUDA_HOME:-$(dirname "$(dirname "$(command -v "$NVCC")")")}
-. tools/nccl-env.sh # NCCL_INCLUDE, NCCL_LIB; also a pip wheel's NCCL (the GPU machines' torch brings one)
+. tools/nccl-env.sh # NCCL_INCLUDE, NCCL_LIB, nccl_env_loads; also a pip wheel's NCCL (pip's torch brings one)
 [ -n "$NCCL_INCLUDE" ] || { echo "skipped: nccl.h not found (set NCCL_HOME)"; exit 77; }
 out="$BUILD/nccl"
 mkdir -p "$out"
 [ -f ddp.h ] || { echo "FAIL: no ddp.h (make header writes it)"; exit 1; }
 inc=(-I. -isystem "$CUDA_HOME/include") # CUDA's headers are not -pedantic C99: system headers
-if [ "${PREBUILT:-0}" = 1 ] && [ -x "$out/test_nccl" ] && ! ldd "$out/test_nccl" | grep -q 'not found'; then
+if [ "${PREBUILT:-0}" = 1 ] && nccl_env_loads "$out/test_nccl"; then
   # built on another machine (tools/gpu-check.sh --build-only there, --prebuilt here): part (1) ran there
   echo "== (1) prebuilt: $out/test_nccl ($(cat "$out/.prebuilt" 2>/dev/null || echo 'origin unknown'))"
 else

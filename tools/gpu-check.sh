@@ -51,7 +51,10 @@ for a in "$@"; do
 done
 usage="usage: tools/gpu-check.sh [--dry-run | --build-only [--sm N] | --prebuilt] OUTDIR"
 [ -n "$out" ] || { echo "$usage" >&2; exit 2; }
-case $want_sm in next) echo "$usage (--sm takes a number: 90 for sm_90)" >&2; exit 2 ;; esac
+case $want_sm in next|*[!0-9]*) echo "$usage (--sm takes a number: 90 for sm_90, not '$want_sm')" >&2; exit 2 ;; esac
+for v in GPU_CHECK_BUDGET GPU_CHECK_STEP_MAX; do
+  case ${!v:-1} in ''|*[!0-9]*|0) echo "gpu-check.sh: $v is '${!v}': give a number of seconds above 0" >&2; exit 2 ;; esac
+done
 [ "$build_only" = 1 ] && dry=1
 mkdir -p "$out/logs" || { echo "gpu-check.sh: cannot create $out/logs" >&2; exit 2; }
 out=$(cd "$out" && pwd)
@@ -66,6 +69,7 @@ budget=${GPU_CHECK_BUDGET:-1200}
 step_max=${GPU_CHECK_STEP_MAX:-$budget}
 t_start=$(date +%s)
 rows="$out/logs/.rows"
+known=" " # the ids of the steps, as selected() saw them
 benches="$out/logs/.benches"
 : >"$rows"
 : >"$benches"
@@ -75,16 +79,24 @@ failed=0
 row() { printf '| %s | %s | %s | %s |\n' "$1" "$2" "$3" "$4" >>"$rows"; }
 left() { echo $((budget - ($(date +%s) - t_start))); }
 
+# selected ID "TITLE": whether GPU_CHECK_ONLY lets step ID run (builds always do); a "not selected" row
+# when it does not. Every ID asked about is remembered, so that an ID in GPU_CHECK_ONLY that names no
+# step can be reported.
+selected() {
+  known="$known$1 "
+  if [ -n "${GPU_CHECK_ONLY:-}" ] && [ "${1#build}" = "$1" ] && [ "$1" != nvcc-version ] &&
+     [[ " $GPU_CHECK_ONLY " != *" $1 "* ]]; then
+    row "$2" "not selected" 0 "GPU_CHECK_ONLY=$GPU_CHECK_ONLY"
+    return 1
+  fi
+}
+
 # step ID "TITLE" TIMEOUT COMMAND...: run with its own timeout (cut to what is left of the budget),
 # output in logs/ID.log; the row's detail is the log's last non-empty line (or its SKIP-PART lines).
 step() {
   local id=$1 title=$2 limit=$3 rc t0 t1 detail status remaining
   shift 3
-  if [ -n "${GPU_CHECK_ONLY:-}" ] && [ "${id#build}" = "$id" ] && [ "$id" != nvcc-version ] &&
-     [[ " $GPU_CHECK_ONLY " != *" $id "* ]]; then
-    row "$title" "not selected" 0 "GPU_CHECK_ONLY=$GPU_CHECK_ONLY"
-    return 1
-  fi
+  selected "$id" "$title" || return 1
   remaining=$(left)
   if [ "$remaining" -le 5 ]; then
     row "$title" "not run" 0 "the ${budget}-second budget was spent"
@@ -139,19 +151,14 @@ strict=(-std=c++17 -O2 -Werror all-warnings -Xcompiler -Wall,-Wextra,-Werror -Xp
 
 CUDA_HOME=${CUDA_HOME:-$(dirname "$(dirname "$NVCC")")}
 # shellcheck disable=SC1091 # tools/nccl-env.sh, read at run time
-. tools/nccl-env.sh # NCCL_INCLUDE, NCCL_LIB, and the search paths when NCCL lies outside the toolkit
+. tools/nccl-env.sh # NCCL_INCLUDE, NCCL_LIB, the search paths when NCCL lies outside the toolkit; nccl_env_loads
 
 # ---- 1. builds ----
-# loads FILE...: every FILE is there and the loader finds every library it needs (a --prebuilt build)
-loads() {
-  local f
-  for f in "$@"; do [ -x "$f" ] && ! ldd "$f" 2>/dev/null | grep -q 'not found' || return 1; done
-}
 # build ID TITLE FILE COMMAND...: a build step, or a "prebuilt" row when --prebuilt finds FILE ready
 build() {
   local id=$1 title=$2 file=$3
   shift 3
-  if [ "$prebuilt" = 1 ] && { [ "${file%.o}" != "$file" ] && [ -f "$file" ] || loads "$file"; }; then
+  if [ "$prebuilt" = 1 ] && nccl_env_loads "$file"; then
     row "$title" "prebuilt" 0 "$(cat "$B/.prebuilt" 2>/dev/null || echo "found in $B")"
   else
     step "$id" "$title" 600 "$@"
@@ -239,7 +246,7 @@ else
   torch_version=$("$PYTHON" -c 'import torch; print(torch.__version__)' 2>/dev/null) || torch_version=""
   # torch_step ID TITLE LIMIT COMMAND...: a step that needs torch ("not run" without it)
   torch_step() {
-    if [ -n "$torch_version" ]; then step "$@"; else row "$2" "not run" 0 "$PYTHON has no torch"; return 1; fi
+    if [ -n "$torch_version" ]; then step "$@"; else selected "$1" "$2" && row "$2" "not run" 0 "$PYTHON has no torch"; return 1; fi
   }
   # torchrun_ranks NODES PER_NODE: NODES torchrun agents on this host run tests/progs/allreduce (ddp_init
   # from torchrun's environment, two all_reduces checked in the program); every rank must say "ok"
@@ -313,6 +320,15 @@ EOF
   step bench-allreduce "bench: all_reduce busbw (nccl, 1 rank)" 180 "${nccl[@]}" 1 "$B/gpu_check" bench-allreduce
   step bench-allreduce-cpu2 "bench: all_reduce busbw (cpu backend, device buffers, 2 ranks)" 180 \
     env DDP_BACKEND=cpu "$B/ddprun" --nproc-per-node 2 "$B/gpu_check" bench-allreduce
+fi
+
+# GPU_CHECK_ONLY naming a step that does not exist (a typo) would otherwise run nothing and say nothing
+if [ "$dry" != 1 ]; then
+  for id in ${GPU_CHECK_ONLY:-}; do
+    [[ "$known" == *" $id "* ]] && continue
+    row "GPU_CHECK_ONLY: $id" "**FAIL**" 0 "no step has the id '$id' (the ids are the logs' names: syncbn, devbuf2, bench-reducer, ...)"
+    failed=1
+  done
 fi
 
 # ---- the report ----

@@ -2,7 +2,8 @@
 # tools/nccl-env.sh: find NCCL's header and library, for a shell script to source (gpu-check.sh and
 # tests/test_nccl.sh do).
 #
-#   . tools/nccl-env.sh    sets NCCL_INCLUDE and NCCL_LIB (folders), or leaves them empty where none is found
+#   . tools/nccl-env.sh    sets NCCL_INCLUDE and NCCL_LIB (folders), or leaves them empty where none is found,
+#                          and defines nccl_env_loads FILE... (below)
 #
 # Where it looks, in this order: NCCL_HOME (its include/ and lib/), the CUDA toolkit (CUDA_HOME, else
 # /usr/local/cuda), the system's folders (/usr/include with /usr/lib/<triplet> or /usr/lib64), and last
@@ -53,3 +54,13 @@ if [ -n "$NCCL_LIB" ]; then
 fi
 unset nccl_env_cuda nccl_env_py nccl_env_pair nccl_env_site nccl_env_so nccl_env_link
 unset -f nccl_env_found
+
+# nccl_env_loads FILE...: every FILE is there and, when it is a program, the loader finds every library
+# it needs (libnccl.so.2 above all) with the paths set above: a build made on another machine can run here.
+nccl_env_loads() {
+  local f
+  for f in "$@"; do
+    [ -f "$f" ] || return 1
+    [ ! -x "$f" ] || ! ldd "$f" 2>/dev/null | grep -q 'not found' || return 1
+  done
+}
