@@ -15,7 +15,6 @@ Run (on a GPU machine with torch):
 Output (key=value lines, for gpu-check.sh's report):
     torch_ddp_step_ms=...  torch_plain_step_ms=...  torch_ddp_overhead_ms=...  torch_ddp_view_overhead_ms=...
 """
-import os
 import socket
 import time
 
