@@ -2381,6 +2381,9 @@ static DDP__UNUSED void ddp__store_server_stats(const ddp__store_server *s, ddp_
 #define DDP__RDZV_ABORTED "abort:" /* a rendezvous table that holds "code|message" instead of records */
 static DDP__UNUSED void ddp__store_server_abort_key(ddp__store_server *s, const char *abort_key, const char *table_key,
                                                     const char *ready_key);
+/* Rank 0's own client cannot connect to this server (group.c, ddp__rank0_cannot_connect): the server
+   thread publishes why under the rendezvous keys above, as when it cannot accept a rank. Once per server. */
+static DDP__UNUSED void ddp__store_server_publish_failure(ddp__store_server *s, const char *why);
 /* Joins the thread and closes everything. A request still on its way is lost (its client sees
    DDP_ERR_PEER_LOST), so stop only once every client's last call has been answered: e.g. each rank's last
    call is an add that rank 0 counts (a barrier's final WAIT is not enough). NULL is a no-op. */
@@ -4453,7 +4456,9 @@ typedef struct ddp__store_conn {
 
 struct ddp__store_server {
     int listen_fd, port;
-    int pipe_rd, pipe_wr; /* stop signal */
+    int pipe_rd, pipe_wr; /* wakes the thread: to stop (stopping) or to publish rank 0's failure (failure_due) */
+    int stopping, failure_given, failure_due;
+    char failure[DDP__ERR_MAX]; /* ddp__store_server_publish_failure's reason: written once, then failure_due */
     pthread_t thread;
     ddp_log_level log_level;
     char where[96];
@@ -5279,13 +5284,13 @@ static void ddp__srv_put_absent(ddp__store_server *s, const char *key, const cha
     if (ddp__kv_put(&s->kv, key, klen, h, copy, vlen) > 0) ddp__srv_wake(s, key, klen, h);
 }
 
-static void ddp__srv_publish_abort(ddp__store_server *s, const char *why) {
+static void ddp__srv_publish_abort(ddp__store_server *s, const char *what, const char *why) {
     char host[128], value[DDP__ERR_MAX + 16], marker[DDP__ERR_MAX + 32];
     if (!__atomic_load_n(&s->abort_key_set, __ATOMIC_ACQUIRE)) return;
     if (gethostname(host, sizeof host) != 0) snprintf(host, sizeof host, "?");
     host[sizeof host - 1] = '\0';
-    snprintf(value, sizeof value, "%d|rank 0 (host %.64s, pid %d), serving the store on %.96s, cannot accept every rank's "
-             "connection: %.700s", (int)DDP_ERR_SYSTEM, host, (int)getpid(), s->where, why);
+    snprintf(value, sizeof value, "%d|rank 0 (host %.64s, pid %d), serving the store on %.96s, %s: %.700s",
+             (int)DDP_ERR_SYSTEM, host, (int)getpid(), s->where, what, why);
     snprintf(marker, sizeof marker, "%s%s", DDP__RDZV_ABORTED, value);
     ddp__srv_put_absent(s, s->abort_key, value);
     ddp__srv_put_absent(s, s->table_key, marker);
@@ -5322,7 +5327,7 @@ static int ddp__srv_accept(ddp__store_server *s) {
             ddp__srv_log(s, DDP_LOG_WARN, "cannot accept a client (%s); not accepting for 0.1 s", err);
         if (no_fds) {
             s->out_of_fds = 1;
-            ddp__srv_publish_abort(s, err);
+            ddp__srv_publish_abort(s, "cannot accept every rank's connection", err);
         }
         s->accept_paused_until = ddp__now() + 0.1;
         epoll_ctl(s->epfd, EPOLL_CTL_DEL, s->listen_fd, NULL);
@@ -5413,9 +5418,18 @@ static void *ddp__srv_main(void *arg) {
         for (i = 0; i < left; i++) /* requests left over from the last round */
             if (!s->touched[i]->dead) ddp__srv_serve(s, s->touched[i], 0);
         for (k = 0; k < n; k++) {
-            if (ev[k].data.ptr == (void *)&s->pipe_rd) stop = 1; /* tagged by their fields' addresses */
-            else if (ev[k].data.ptr == (void *)&s->listen_fd) accept_due = 1;
-            else ddp__srv_serve(s, (ddp__store_conn *)ev[k].data.ptr, ev[k].events);
+            if (ev[k].data.ptr == (void *)&s->pipe_rd) { /* tagged by their fields' addresses */
+                char drain[16];
+                while (read(s->pipe_rd, drain, sizeof drain) > 0) {
+                }
+                stop = __atomic_load_n(&s->stopping, __ATOMIC_ACQUIRE);
+                if (__atomic_exchange_n(&s->failure_due, 0, __ATOMIC_ACQ_REL))
+                    ddp__srv_publish_abort(s, "cannot connect to it itself", s->failure);
+            } else if (ev[k].data.ptr == (void *)&s->listen_fd) {
+                accept_due = 1;
+            } else {
+                ddp__srv_serve(s, (ddp__store_conn *)ev[k].data.ptr, ev[k].events);
+            }
         }
         if (stop) break;
         for (k = 0; accept_due && k < DDP__SRV_ACCEPTS && ddp__srv_accept(s) == 0; k++) {
@@ -5509,11 +5523,23 @@ static void ddp__store_server_stats(const ddp__store_server *s, ddp__server_stat
         out->cpu_seconds = (double)cpu.tv_sec + (double)cpu.tv_nsec * 1e-9;
 }
 
-static void ddp__store_server_stop(ddp__store_server *s) {
+static void ddp__srv_wake_thread(ddp__store_server *s) {
     char b = 1;
-    if (!s) return;
     while (write(s->pipe_wr, &b, 1) < 0 && errno == EINTR) {
     }
+}
+
+static void ddp__store_server_publish_failure(ddp__store_server *s, const char *why) {
+    if (!s || __atomic_exchange_n(&s->failure_given, 1, __ATOMIC_ACQ_REL)) return; /* once: the thread reads it unlocked */
+    snprintf(s->failure, sizeof s->failure, "%s", why);
+    __atomic_store_n(&s->failure_due, 1, __ATOMIC_RELEASE);
+    ddp__srv_wake_thread(s);
+}
+
+static void ddp__store_server_stop(ddp__store_server *s) {
+    if (!s) return;
+    __atomic_store_n(&s->stopping, 1, __ATOMIC_RELEASE);
+    ddp__srv_wake_thread(s);
     pthread_join(s->thread, NULL);
     ddp__store_server_close(s);
 }
@@ -13426,6 +13452,8 @@ static ddp_result ddp__rdzv_fail_all(ddp_group *g, ddp_result code) {
     int64_t seen = 0;
     double until = ddp__now() + DDP__MIN(g->timeout, 5.0);
     if (!g->member.store) return code;
+    /* the group fails here: a store that is gone (rank 0 exited) costs each call seconds, not the timeout */
+    ddp__store_set_timeout(g->member.store, DDP__MIN(g->timeout, 5.0));
     snprintf(msg, sizeof msg, "%s", g->error);
     ddp__key(g, key, sizeof key, "abort", -1);
     if (ddp_store_check(g->member.store, key, &exists) != DDP_SUCCESS) return code;
@@ -14314,6 +14342,26 @@ static ddp_result ddp__init_failed_locally(ddp_group *g, ddp_result code, const 
     return ddp__fail(g, code, "rank %d (host %s, pid %d) cannot take part: %s", g->rank, host, (int)getpid(), msg);
 }
 
+/* Rank 0 started the store server but cannot connect to it: the other ranks' connections took the last
+   descriptors (a low RLIMIT_NOFILE). They would wait the whole timeout for a job record that rank 0 never
+   writes, so its server publishes why under the rendezvous keys, and they fail with that (ddp__rdzv_job
+   reads the abort key while it waits). Their leaving frees descriptors: rank 0 connects then, within a
+   few seconds, and waits as any failing rank 0 does until they have read it (ddp__rdzv_fail_all). err
+   keeps this rank's own reason. */
+static void ddp__rank0_cannot_connect(ddp_group *g, const ddp__launch *L, ddp_result r, const char *err) {
+    char why[DDP__ERR_MAX];
+    double until = ddp__now() + DDP__MIN(g->timeout, 5.0);
+    ddp__store_server_publish_failure(g->member.store_server, err);
+    while (!g->member.store && ddp__now() < until) {
+        if (ddp__store_connect(L->master_addr, L->master_port, NULL, until - ddp__now(), &g->member.store, why) != DDP_SUCCESS)
+            ddp__sleep(0.05);
+    }
+    if (!g->member.store) return;
+    g->member.owns_store = 1;
+    ddp__fail(g, r, "%s", err);
+    ddp__rdzv_fail_all(g, r);
+}
+
 DDP_API ddp_result ddp_init(const ddp_init_desc *desc, ddp_group **out) {
     ddp_init_desc zero;
     ddp__launch L;
@@ -14378,7 +14426,9 @@ DDP_API ddp_result ddp_init(const ddp_init_desc *desc, ddp_group **out) {
         /* Rank 0 holds a descriptor back for its own client while its server starts: the other ranks'
            clients, connecting at once, could otherwise take the last ones under a low RLIMIT_NOFILE, and
            rank 0 would fail without a connection to publish why (the server, short of descriptors, then
-           pauses accepting for 0.1 s, in which the client takes the one given back). */
+           pauses accepting for 0.1 s, in which the client takes the one given back). That narrows the
+           window without closing it (the server may take the descriptor back first): what then follows
+           is ddp__rank0_cannot_connect. */
         int spare = L.rank == 0 ? open("/dev/null", O_RDONLY | O_CLOEXEC) : -1;
         if (L.rank == 0) r = ddp__store_server_start(L.master_addr, L.master_port, g->log_level, &g->member.store_server, err);
         if (L.rank == 0 && r != DDP_SUCCESS) r = ddp__rank0_port_taken(g, &L, r, err);
@@ -14391,6 +14441,7 @@ DDP_API ddp_result ddp_init(const ddp_init_desc *desc, ddp_group **out) {
         }
         if (spare >= 0) close(spare);
         if (r == DDP_SUCCESS) r = ddp__store_connect(L.master_addr, L.master_port, NULL, timeout, &g->member.store, err);
+        if (r != DDP_SUCCESS && g->member.store_server) ddp__rank0_cannot_connect(g, &L, r, err);
         ddp__route_address(L.master_addr, L.master_port, g->member.address, sizeof g->member.address);
     }
     if (r) {

@@ -267,6 +267,8 @@ static ddp_result ddp__rdzv_fail_all(ddp_group *g, ddp_result code) {
     int64_t seen = 0;
     double until = ddp__now() + DDP__MIN(g->timeout, 5.0);
     if (!g->member.store) return code;
+    /* the group fails here: a store that is gone (rank 0 exited) costs each call seconds, not the timeout */
+    ddp__store_set_timeout(g->member.store, DDP__MIN(g->timeout, 5.0));
     snprintf(msg, sizeof msg, "%s", g->error);
     ddp__key(g, key, sizeof key, "abort", -1);
     if (ddp_store_check(g->member.store, key, &exists) != DDP_SUCCESS) return code;
@@ -1155,6 +1157,26 @@ static ddp_result ddp__init_failed_locally(ddp_group *g, ddp_result code, const 
     return ddp__fail(g, code, "rank %d (host %s, pid %d) cannot take part: %s", g->rank, host, (int)getpid(), msg);
 }
 
+/* Rank 0 started the store server but cannot connect to it: the other ranks' connections took the last
+   descriptors (a low RLIMIT_NOFILE). They would wait the whole timeout for a job record that rank 0 never
+   writes, so its server publishes why under the rendezvous keys, and they fail with that (ddp__rdzv_job
+   reads the abort key while it waits). Their leaving frees descriptors: rank 0 connects then, within a
+   few seconds, and waits as any failing rank 0 does until they have read it (ddp__rdzv_fail_all). err
+   keeps this rank's own reason. */
+static void ddp__rank0_cannot_connect(ddp_group *g, const ddp__launch *L, ddp_result r, const char *err) {
+    char why[DDP__ERR_MAX];
+    double until = ddp__now() + DDP__MIN(g->timeout, 5.0);
+    ddp__store_server_publish_failure(g->member.store_server, err);
+    while (!g->member.store && ddp__now() < until) {
+        if (ddp__store_connect(L->master_addr, L->master_port, NULL, until - ddp__now(), &g->member.store, why) != DDP_SUCCESS)
+            ddp__sleep(0.05);
+    }
+    if (!g->member.store) return;
+    g->member.owns_store = 1;
+    ddp__fail(g, r, "%s", err);
+    ddp__rdzv_fail_all(g, r);
+}
+
 DDP_API ddp_result ddp_init(const ddp_init_desc *desc, ddp_group **out) {
     ddp_init_desc zero;
     ddp__launch L;
@@ -1219,7 +1241,9 @@ DDP_API ddp_result ddp_init(const ddp_init_desc *desc, ddp_group **out) {
         /* Rank 0 holds a descriptor back for its own client while its server starts: the other ranks'
            clients, connecting at once, could otherwise take the last ones under a low RLIMIT_NOFILE, and
            rank 0 would fail without a connection to publish why (the server, short of descriptors, then
-           pauses accepting for 0.1 s, in which the client takes the one given back). */
+           pauses accepting for 0.1 s, in which the client takes the one given back). That narrows the
+           window without closing it (the server may take the descriptor back first): what then follows
+           is ddp__rank0_cannot_connect. */
         int spare = L.rank == 0 ? open("/dev/null", O_RDONLY | O_CLOEXEC) : -1;
         if (L.rank == 0) r = ddp__store_server_start(L.master_addr, L.master_port, g->log_level, &g->member.store_server, err);
         if (L.rank == 0 && r != DDP_SUCCESS) r = ddp__rank0_port_taken(g, &L, r, err);
@@ -1232,6 +1256,7 @@ DDP_API ddp_result ddp_init(const ddp_init_desc *desc, ddp_group **out) {
         }
         if (spare >= 0) close(spare);
         if (r == DDP_SUCCESS) r = ddp__store_connect(L.master_addr, L.master_port, NULL, timeout, &g->member.store, err);
+        if (r != DDP_SUCCESS && g->member.store_server) ddp__rank0_cannot_connect(g, &L, r, err);
         ddp__route_address(L.master_addr, L.master_port, g->member.address, sizeof g->member.address);
     }
     if (r) {

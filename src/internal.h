@@ -300,6 +300,9 @@ static DDP__UNUSED void ddp__store_server_stats(const ddp__store_server *s, ddp_
 #define DDP__RDZV_ABORTED "abort:" /* a rendezvous table that holds "code|message" instead of records */
 static DDP__UNUSED void ddp__store_server_abort_key(ddp__store_server *s, const char *abort_key, const char *table_key,
                                                     const char *ready_key);
+/* Rank 0's own client cannot connect to this server (group.c, ddp__rank0_cannot_connect): the server
+   thread publishes why under the rendezvous keys above, as when it cannot accept a rank. Once per server. */
+static DDP__UNUSED void ddp__store_server_publish_failure(ddp__store_server *s, const char *why);
 /* Joins the thread and closes everything. A request still on its way is lost (its client sees
    DDP_ERR_PEER_LOST), so stop only once every client's last call has been answered: e.g. each rank's last
    call is an add that rank 0 counts (a barrier's final WAIT is not enough). NULL is a no-op. */

@@ -361,7 +361,9 @@ typedef struct ddp__store_conn {
 
 struct ddp__store_server {
     int listen_fd, port;
-    int pipe_rd, pipe_wr; /* stop signal */
+    int pipe_rd, pipe_wr; /* wakes the thread: to stop (stopping) or to publish rank 0's failure (failure_due) */
+    int stopping, failure_given, failure_due;
+    char failure[DDP__ERR_MAX]; /* ddp__store_server_publish_failure's reason: written once, then failure_due */
     pthread_t thread;
     ddp_log_level log_level;
     char where[96];
@@ -1187,13 +1189,13 @@ static void ddp__srv_put_absent(ddp__store_server *s, const char *key, const cha
     if (ddp__kv_put(&s->kv, key, klen, h, copy, vlen) > 0) ddp__srv_wake(s, key, klen, h);
 }
 
-static void ddp__srv_publish_abort(ddp__store_server *s, const char *why) {
+static void ddp__srv_publish_abort(ddp__store_server *s, const char *what, const char *why) {
     char host[128], value[DDP__ERR_MAX + 16], marker[DDP__ERR_MAX + 32];
     if (!__atomic_load_n(&s->abort_key_set, __ATOMIC_ACQUIRE)) return;
     if (gethostname(host, sizeof host) != 0) snprintf(host, sizeof host, "?");
     host[sizeof host - 1] = '\0';
-    snprintf(value, sizeof value, "%d|rank 0 (host %.64s, pid %d), serving the store on %.96s, cannot accept every rank's "
-             "connection: %.700s", (int)DDP_ERR_SYSTEM, host, (int)getpid(), s->where, why);
+    snprintf(value, sizeof value, "%d|rank 0 (host %.64s, pid %d), serving the store on %.96s, %s: %.700s",
+             (int)DDP_ERR_SYSTEM, host, (int)getpid(), s->where, what, why);
     snprintf(marker, sizeof marker, "%s%s", DDP__RDZV_ABORTED, value);
     ddp__srv_put_absent(s, s->abort_key, value);
     ddp__srv_put_absent(s, s->table_key, marker);
@@ -1230,7 +1232,7 @@ static int ddp__srv_accept(ddp__store_server *s) {
             ddp__srv_log(s, DDP_LOG_WARN, "cannot accept a client (%s); not accepting for 0.1 s", err);
         if (no_fds) {
             s->out_of_fds = 1;
-            ddp__srv_publish_abort(s, err);
+            ddp__srv_publish_abort(s, "cannot accept every rank's connection", err);
         }
         s->accept_paused_until = ddp__now() + 0.1;
         epoll_ctl(s->epfd, EPOLL_CTL_DEL, s->listen_fd, NULL);
@@ -1321,9 +1323,18 @@ static void *ddp__srv_main(void *arg) {
         for (i = 0; i < left; i++) /* requests left over from the last round */
             if (!s->touched[i]->dead) ddp__srv_serve(s, s->touched[i], 0);
         for (k = 0; k < n; k++) {
-            if (ev[k].data.ptr == (void *)&s->pipe_rd) stop = 1; /* tagged by their fields' addresses */
-            else if (ev[k].data.ptr == (void *)&s->listen_fd) accept_due = 1;
-            else ddp__srv_serve(s, (ddp__store_conn *)ev[k].data.ptr, ev[k].events);
+            if (ev[k].data.ptr == (void *)&s->pipe_rd) { /* tagged by their fields' addresses */
+                char drain[16];
+                while (read(s->pipe_rd, drain, sizeof drain) > 0) {
+                }
+                stop = __atomic_load_n(&s->stopping, __ATOMIC_ACQUIRE);
+                if (__atomic_exchange_n(&s->failure_due, 0, __ATOMIC_ACQ_REL))
+                    ddp__srv_publish_abort(s, "cannot connect to it", s->failure);
+            } else if (ev[k].data.ptr == (void *)&s->listen_fd) {
+                accept_due = 1;
+            } else {
+                ddp__srv_serve(s, (ddp__store_conn *)ev[k].data.ptr, ev[k].events);
+            }
         }
         if (stop) break;
         for (k = 0; accept_due && k < DDP__SRV_ACCEPTS && ddp__srv_accept(s) == 0; k++) {
@@ -1417,11 +1428,23 @@ static void ddp__store_server_stats(const ddp__store_server *s, ddp__server_stat
         out->cpu_seconds = (double)cpu.tv_sec + (double)cpu.tv_nsec * 1e-9;
 }
 
-static void ddp__store_server_stop(ddp__store_server *s) {
+static void ddp__srv_wake_thread(ddp__store_server *s) {
     char b = 1;
-    if (!s) return;
     while (write(s->pipe_wr, &b, 1) < 0 && errno == EINTR) {
     }
+}
+
+static void ddp__store_server_publish_failure(ddp__store_server *s, const char *why) {
+    if (!s || __atomic_exchange_n(&s->failure_given, 1, __ATOMIC_ACQ_REL)) return; /* once: the thread reads it unlocked */
+    snprintf(s->failure, sizeof s->failure, "%s", why);
+    __atomic_store_n(&s->failure_due, 1, __ATOMIC_RELEASE);
+    ddp__srv_wake_thread(s);
+}
+
+static void ddp__store_server_stop(ddp__store_server *s) {
+    if (!s) return;
+    __atomic_store_n(&s->stopping, 1, __ATOMIC_RELEASE);
+    ddp__srv_wake_thread(s);
     pthread_join(s->thread, NULL);
     ddp__store_server_close(s);
 }

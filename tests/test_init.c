@@ -7,6 +7,7 @@
 
 #include <dirent.h>
 #include <sys/resource.h>
+#include <sys/syscall.h>
 
 static int port;        /* a free port for the scenario */
 static char job_id[64]; /* for launchers that do not set MASTER_PORT */
@@ -740,17 +741,41 @@ static int nofile_soft_low(int rank, int n, void *arg) {
     return 0;
 }
 
-/* Soft and hard limit `limit` on the ranks in `who` (-1: all): rank 0 runs out of descriptors (in its
+/* Soft and hard limit `limit` on the ranks in `who` (-1: all, -2: none): rank 0 runs out of descriptors (in its
    mesh, or with a lower limit in its store server, which cannot accept every rank). Every rank fails
    within seconds (the timeout is 30 s), naming RLIMIT_NOFILE and `ulimit -n`, never "lost rank 0". */
 static void nofile_hard_low(int rank, int limit, int who) {
     ddp_init_desc d;
     memset(&d, 0, sizeof d);
     d.timeout_seconds = 30;
-    if (who < 0 || who == rank) set_nofile((rlim_t)limit, (rlim_t)limit);
+    if (who == -1 || who == rank) set_nofile((rlim_t)limit, (rlim_t)limit);
     expect_prompt_failure(&d, DDP_ERR_SYSTEM, "RLIMIT_NOFILE", "ulimit -n", 10.0, rank, "a hard open-file limit too low");
     if (rank != 0) /* the reason comes from rank 0, which ran out */
         CHECK(strstr(ddp_last_error(NULL), "rank 0 (host"), "rank %d: \"%s\" does not name rank 0", rank, ddp_last_error(NULL));
+}
+
+/* Rank 0's own client cannot get a descriptor once its server runs: under a low limit the server can
+   accept the other ranks into the last ones first (ddp_init's spare descriptor narrows that window, and
+   the scenario above hits it now and then). Made certain here: rank 0's second TCP socket() (the first
+   is its server's listener) fails with EMFILE, as it would then. Its server publishes why, and every rank
+   fails within seconds naming it, rather than waiting the timeout for a job record rank 0 never writes. */
+static int fail_stream_socket_at; /* this process's Nth TCP socket() fails with EMFILE; 0: none */
+
+int socket(int domain, int type, int protocol) {
+    static int calls;
+    if (fail_stream_socket_at && (domain == AF_INET || domain == AF_INET6) &&
+        (type & ~(SOCK_NONBLOCK | SOCK_CLOEXEC)) == SOCK_STREAM && ++calls == fail_stream_socket_at) {
+        errno = EMFILE;
+        return -1;
+    }
+    return (int)syscall(SYS_socket, domain, type, protocol);
+}
+
+static int nofile_own_store(int rank, int n, void *arg) {
+    (void)n, (void)arg;
+    if (rank == 0) fail_stream_socket_at = 2;
+    nofile_hard_low(rank, 0, -2);
+    return 0;
 }
 
 static int nofile_hard_low_mesh(int rank, int n, void *arg) {
@@ -801,6 +826,7 @@ int main(int argc, char **argv) {
         {"open-file limit: soft limit low, hard high", NOFILE_WORLD, nofile_soft_low},
         {"open-file limit: hard limit low (mesh)", NOFILE_WORLD, nofile_hard_low_mesh},
         {"open-file limit: hard limit low on rank 0 (store)", NOFILE_WORLD, nofile_hard_low_store},
+        {"open-file limit: rank 0 cannot connect to its own store", 4, nofile_own_store},
     };
     size_t i;
     int failed = 0;
