@@ -3748,7 +3748,7 @@ static ddp_result ddp__net_connect_once(const char *host, int port, double deadl
 
 /* Start connecting to host:port without waiting (its first address): the caller polls *fd_out for
    POLLOUT and reads SO_ERROR (link.c dials this way inside a step's poll). *refused = 1 when the
-   refusal came at once (nothing listens there). */
+   refusal (or a reset) came at once (nothing listens there, or the listener closed). */
 static ddp_result ddp__net_connect_start(const char *host, int port, int *fd_out, int *refused, char *err) {
     struct addrinfo *res = NULL;
     int fd, e;
@@ -3767,7 +3767,7 @@ static ddp_result ddp__net_connect_start(const char *host, int port, int *fd_out
     freeaddrinfo(res);
     if (e) {
         close(fd);
-        *refused = e == ECONNREFUSED;
+        *refused = e == ECONNREFUSED || e == ECONNRESET;
         return ddp__fail_to(err, DDP_ERR_SYSTEM, "connect: %s", strerror(e));
     }
     *fd_out = fd;
@@ -5424,7 +5424,7 @@ static void *ddp__srv_main(void *arg) {
                 }
                 stop = __atomic_load_n(&s->stopping, __ATOMIC_ACQUIRE);
                 if (__atomic_exchange_n(&s->failure_due, 0, __ATOMIC_ACQ_REL))
-                    ddp__srv_publish_abort(s, "cannot connect to it itself", s->failure);
+                    ddp__srv_publish_abort(s, "cannot connect to it", s->failure);
             } else if (ev[k].data.ptr == (void *)&s->listen_fd) {
                 accept_due = 1;
             } else {
@@ -6681,12 +6681,13 @@ static int ddp__shake_send_hello(ddp_group *g, ddp__shake *s) {
 }
 
 /* A dial's connect finished (POLLOUT): connected, or refused. 1: go on, 0: refused (dropped), -1: failed
-   otherwise (err set). */
+   otherwise (err set). A reset counts as a refusal, and so does a connection that breaks under the first
+   bytes: the rank's listener closed (it exited, or failed) with this dial still in its backlog. */
 static int ddp__shake_connected(ddp_group *g, ddp__shake *s, char *err) {
     int e = 0;
     socklen_t len = sizeof e;
     if (getsockopt(s->fd, SOL_SOCKET, SO_ERROR, &e, &len) != 0) e = errno;
-    if (e == ECONNREFUSED) return 0;
+    if (e == ECONNREFUSED || e == ECONNRESET) return 0;
     if (e != 0) {
         snprintf(err, DDP__ERR_MAX, "connect: %s", strerror(e));
         return -1;
@@ -6696,14 +6697,9 @@ static int ddp__shake_connected(ddp_group *g, ddp__shake *s, char *err) {
         ddp__auth_nonce(s->cn);
         memcpy(s->buf + 8, s->cn, DDP__AUTH_NONCE);
         s->step = DDP__SHAKE_ANSWER, s->have = 0, s->need = DDP__AUTH_NONCE + DDP__AUTH_MAC;
-        if (ddp__net_send(s->fd, s->buf, 8 + DDP__AUTH_NONCE, ddp__now() + 1.0, err) != DDP_SUCCESS) return -1;
-        return 1;
+        return ddp__net_send(s->fd, s->buf, 8 + DDP__AUTH_NONCE, ddp__now() + 1.0, err) == DDP_SUCCESS ? 1 : 0;
     }
-    if (!ddp__shake_send_hello(g, s)) {
-        snprintf(err, DDP__ERR_MAX, "the connection closed during the hello");
-        return -1;
-    }
-    return 1;
+    return ddp__shake_send_hello(g, s) ? 1 : 0;
 }
 
 /* Bytes arrived for a dial in s->step (all s->need of them). 1: go on (or kept/duplicate: s->fd is -1

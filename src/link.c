@@ -135,12 +135,13 @@ static int ddp__shake_send_hello(ddp_group *g, ddp__shake *s) {
 }
 
 /* A dial's connect finished (POLLOUT): connected, or refused. 1: go on, 0: refused (dropped), -1: failed
-   otherwise (err set). */
+   otherwise (err set). A reset counts as a refusal, and so does a connection that breaks under the first
+   bytes: the rank's listener closed (it exited, or failed) with this dial still in its backlog. */
 static int ddp__shake_connected(ddp_group *g, ddp__shake *s, char *err) {
     int e = 0;
     socklen_t len = sizeof e;
     if (getsockopt(s->fd, SOL_SOCKET, SO_ERROR, &e, &len) != 0) e = errno;
-    if (e == ECONNREFUSED) return 0;
+    if (e == ECONNREFUSED || e == ECONNRESET) return 0;
     if (e != 0) {
         snprintf(err, DDP__ERR_MAX, "connect: %s", strerror(e));
         return -1;
@@ -150,14 +151,9 @@ static int ddp__shake_connected(ddp_group *g, ddp__shake *s, char *err) {
         ddp__auth_nonce(s->cn);
         memcpy(s->buf + 8, s->cn, DDP__AUTH_NONCE);
         s->step = DDP__SHAKE_ANSWER, s->have = 0, s->need = DDP__AUTH_NONCE + DDP__AUTH_MAC;
-        if (ddp__net_send(s->fd, s->buf, 8 + DDP__AUTH_NONCE, ddp__now() + 1.0, err) != DDP_SUCCESS) return -1;
-        return 1;
+        return ddp__net_send(s->fd, s->buf, 8 + DDP__AUTH_NONCE, ddp__now() + 1.0, err) == DDP_SUCCESS ? 1 : 0;
     }
-    if (!ddp__shake_send_hello(g, s)) {
-        snprintf(err, DDP__ERR_MAX, "the connection closed during the hello");
-        return -1;
-    }
-    return 1;
+    return ddp__shake_send_hello(g, s) ? 1 : 0;
 }
 
 /* Bytes arrived for a dial in s->step (all s->need of them). 1: go on (or kept/duplicate: s->fd is -1

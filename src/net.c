@@ -126,7 +126,7 @@ static ddp_result ddp__net_connect_once(const char *host, int port, double deadl
 
 /* Start connecting to host:port without waiting (its first address): the caller polls *fd_out for
    POLLOUT and reads SO_ERROR (link.c dials this way inside a step's poll). *refused = 1 when the
-   refusal came at once (nothing listens there). */
+   refusal (or a reset) came at once (nothing listens there, or the listener closed). */
 static ddp_result ddp__net_connect_start(const char *host, int port, int *fd_out, int *refused, char *err) {
     struct addrinfo *res = NULL;
     int fd, e;
@@ -145,7 +145,7 @@ static ddp_result ddp__net_connect_start(const char *host, int port, int *fd_out
     freeaddrinfo(res);
     if (e) {
         close(fd);
-        *refused = e == ECONNREFUSED;
+        *refused = e == ECONNREFUSED || e == ECONNRESET;
         return ddp__fail_to(err, DDP_ERR_SYSTEM, "connect: %s", strerror(e));
     }
     *fd_out = fd;
