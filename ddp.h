@@ -10955,10 +10955,13 @@ static ddp_result ddp__shm_rooted(ddp_group *g, const ddp__coll *c, const void *
    alike; above it, each rank checks its own row and column (what j sends me is what I expect; what j
    expects from me is what I send) and one more step follows, which a rank that failed never posts (it
    breaks the group), so the others fail there. Then, from the same published numbers, the same decision
-   on every rank: single-copy (each rank pushes its blocks into the receivers' buffers) when the average
-   rank's share is above DDP__SHM_MOVE_DIRECT_BYTES and every rank that receives from others published a
-   reachable buffer; else staged, `per` elements of every block a round, as many rounds as the largest
-   block needs. */
+   on every rank: single-copy when the average rank's share is above DDP__SHM_MOVE_DIRECT_BYTES and every
+   rank published a reachable buffer where one is needed; else staged, `per` elements of every block a
+   round, as many rounds as the largest block needs. Single-copy all_to_all_v pushes: each rank writes its
+   blocks into the receivers' recv buffers (published by every rank that receives from others), as
+   all_to_all does. all_gather_v pulls: each rank reads every peer's block out of the peer's send buffer
+   (published by every rank with a block), which took 0.72-0.95 of the time of pushing on 2 ranks at 256
+   KiB - 4 MiB a rank (bench/README.md; pulling made all_to_all no faster, so it pushes still). */
 
 #define DDP__SHM_V_FULL_CHECK 32 /* ranks up to which all_to_all_v checks the whole matrix of sizes (n^2 reads) */
 
@@ -11092,7 +11095,7 @@ static void ddp__agv_unpack(const ddp__shm *s, uint64_t step, size_t base, char 
 
 static ddp_result ddp__shm_all_gather_v(ddp_group *g, const ddp__call *k, const ddp__coll *c) {
     ddp__shm *s = g->shm;
-    int n = g->world_size, r = g->rank, j, i, all = 1, here = 1, apart;
+    int n = g->world_size, r = g->rank, j, all = 1, here = 1, apart;
     size_t es = ddp_dtype_size(k->dtype), base = ddp__shm_v_slots_at(3), per = (s->half - base) / es, count = k->count;
     size_t mine = 0, total = 0, largest = 0;
     const size_t *counts = k->recv_counts;
@@ -11105,13 +11108,14 @@ static ddp_result ddp__shm_all_gather_v(ddp_group *g, const ddp__call *k, const 
         total += counts[j];
         largest = DDP__MAX(largest, counts[j]);
     }
-    /* peers write into recv while this rank reads send: publish recv only if they overlap nowhere but in place */
+    /* peers read send while this rank writes recv: publish send only if they overlap nowhere but in place */
     apart = sp == rp + mine * es || !ddp__overlap(sp, count * es, rp, total * es);
     half = ddp__shm_half(s, r, s->step + 1);
     meta = (uint64_t *)(void *)half;
     meta[0] = count, meta[1] = hash, meta[2] = total * es <= DDP__SHM_MOVE_DIRECT_BYTES && largest <= per;
     if (meta[2] && count) memcpy(half + base, sp, count * es); /* my block comes in this step */
-    if ((res = ddp__shm_publish_buffer(g, c, rp, total * es, apart && (s->cma || s->arena.base))) != DDP_SUCCESS) return res;
+    if ((res = ddp__shm_publish_buffer(g, c, sp, count * es, apart && count && (s->cma || s->arena.base))) != DDP_SUCCESS)
+        return res;
     step = s->step;
     for (j = 0; j < n; j++) {
         const uint64_t *m = ddp__shm_meta(s, j, step);
@@ -11122,16 +11126,16 @@ static ddp_result ddp__shm_all_gather_v(ddp_group *g, const ddp__call *k, const 
                                   "same total); every rank must pass the same counts", desc, j, r);
         }
         here &= m[2] == 1;
-        all &= ddp__shm_reachable(g, c, j) || total == counts[j]; /* reachable, or it receives from itself alone */
+        all &= counts[j] == 0 || ddp__shm_reachable(g, c, j); /* its block can be read (every rank decides alike) */
     }
     if (here) { /* every block came in the first step: its round 0 */
         ddp__agv_unpack(s, step, base, rp, counts, n, r, per, es, 0);
     } else if (all && ddp__shm_v_direct(g, (uint64_t)total * (uint64_t)n, es)) {
+        size_t at = 0;
         ddp__shm_move_note(g, c);
         if (sp != rp + mine * es && count) memcpy(rp + mine * es, sp, count * es);
-        for (i = 1; i < n; i++)
-            if ((res = ddp__shm_peer_move(g, c, (r + i) % n, (char *)(uintptr_t)sp, mine * es, count * es, 1)) != DDP_SUCCESS)
-                return res;
+        for (j = 0; j < n; at += counts[j], j++) /* pulled: every peer's block out of its send buffer */
+            if (j != r && (res = ddp__shm_peer_move(g, c, j, rp + at * es, 0, counts[j] * es, 0)) != DDP_SUCCESS) return res;
         return ddp__shm_finish(g, c);
     } else {
         rounds = (largest + per - 1) / per; /* at least 1: some block did not fit */
