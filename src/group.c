@@ -1168,7 +1168,8 @@ static void ddp__rank0_cannot_connect(ddp_group *g, const ddp__launch *L, ddp_re
     double until = ddp__now() + DDP__MIN(g->timeout, 5.0);
     ddp__store_server_publish_failure(g->member.store_server, err);
     while (!g->member.store && ddp__now() < until) {
-        if (ddp__store_connect(L->master_addr, L->master_port, NULL, until - ddp__now(), &g->member.store, why) != DDP_SUCCESS)
+        double left = DDP__MAX(until - ddp__now(), 0.01); /* never 0, which a store takes as its default 300 s */
+        if (ddp__store_connect(L->master_addr, L->master_port, NULL, left, &g->member.store, why) != DDP_SUCCESS)
             ddp__sleep(0.05);
     }
     if (!g->member.store) return;
