@@ -741,17 +741,22 @@ static int nofile_soft_low(int rank, int n, void *arg) {
     return 0;
 }
 
-/* Soft and hard limit `limit` on the ranks in `who` (-1: all, -2: none): rank 0 runs out of descriptors (in its
-   mesh, or with a lower limit in its store server, which cannot accept every rank). Every rank fails
-   within seconds (the timeout is 30 s), naming RLIMIT_NOFILE and `ulimit -n`, never "lost rank 0". */
-static void nofile_hard_low(int rank, int limit, int who) {
+/* Rank 0 runs out of descriptors: every rank fails within seconds (the timeout is 30 s), naming
+   RLIMIT_NOFILE and `ulimit -n`, never "lost rank 0". */
+static void expect_rank0_out_of_descriptors(int rank) {
     ddp_init_desc d;
     memset(&d, 0, sizeof d);
     d.timeout_seconds = 30;
-    if (who == -1 || who == rank) set_nofile((rlim_t)limit, (rlim_t)limit);
     expect_prompt_failure(&d, DDP_ERR_SYSTEM, "RLIMIT_NOFILE", "ulimit -n", 10.0, rank, "a hard open-file limit too low");
     if (rank != 0) /* the reason comes from rank 0, which ran out */
         CHECK(strstr(ddp_last_error(NULL), "rank 0 (host"), "rank %d: \"%s\" does not name rank 0", rank, ddp_last_error(NULL));
+}
+
+/* Soft and hard limit `limit` on the ranks in `who` (-1: all): rank 0 runs out of descriptors (in its
+   mesh, or with a lower limit in its store server, which cannot accept every rank). */
+static void nofile_hard_low(int rank, int limit, int who) {
+    if (who < 0 || who == rank) set_nofile((rlim_t)limit, (rlim_t)limit);
+    expect_rank0_out_of_descriptors(rank);
 }
 
 /* Rank 0's own client cannot get a descriptor once its server runs: under a low limit the server can
@@ -774,7 +779,7 @@ int socket(int domain, int type, int protocol) {
 static int nofile_own_store(int rank, int n, void *arg) {
     (void)n, (void)arg;
     if (rank == 0) fail_stream_socket_at = 2;
-    nofile_hard_low(rank, 0, -2);
+    expect_rank0_out_of_descriptors(rank);
     return 0;
 }
 
