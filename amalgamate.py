@@ -56,12 +56,12 @@ IMPLEMENTATION = [
     "src/devbuf.c",         # [SECTION] devbuf: device buffers on the cpu and mpi backends, staged through pinned host memory
     "src/group.c",          # [SECTION] group: ddp_init, rendezvous, the mesh, the backend, subgroups
     "src/launcher.c",       # [SECTION] launcher: ddp_spawn, ddprun
-    "src/reducer.c",
+    "src/reducer.c",        # [SECTION] reducer: DistributedDataParallel's Reducer: buckets, overlapped all-reduce, Join, ZeRO
     "src/zero_state.c",     # [SECTION] zero-state: ZeRO-1 optimizer state consolidated on one rank, split back
-    "src/sampler.c",
-    "src/syncbn.c",
+    "src/sampler.c",        # [SECTION] sampler: DistributedSampler, MT19937 and torch.randperm, streaming permutation
+    "src/syncbn.c",         # [SECTION] syncbn: SyncBatchNorm on the CPU, f32 data, f64 statistics
     "src/safetensors.c",    # [SECTION] safetensors: the file format, CRC32C, UTF-8, header parser and writer, ddp_meta
-    "src/checkpoint.c",
+    "src/checkpoint.c",     # [SECTION] checkpoint: atomic save, load everywhere or broadcast, shards, keep_last, async
     "src/reshard.c",        # [SECTION] reshard: slices of global tensors, saved by N ranks and loaded by M
 ]
 
@@ -78,14 +78,39 @@ def piece(path):
 
 def sections():
     """The [SECTION] index at the top of ddp.h, read from the banners in the pieces: a line that opens
-    a comment with [SECTION] (a mention of a section inside a comment's text is no banner)."""
+    a comment with [SECTION] (a mention of a section inside a comment's text is no banner). A title
+    that its first line leaves unfinished (open brackets, or a last word such as "or" or a comma)
+    runs on over the banner's next lines, so that the index never cuts one mid-phrase."""
+    def unfinished(title):
+        return (title.count("(") > title.count(")") or title.endswith(",")
+                or title.split()[-1] in ("or", "and", "of", "the", "a", "to", "in"))
+
     found = []
     for path in PUBLIC + PRIVATE + IMPLEMENTATION:
-        for line in (ROOT / path).read_text().splitlines():
+        lines = (ROOT / path).read_text().splitlines()
+        for i, line in enumerate(lines):
             m = re.match(r"/\*\s*\[SECTION\]\s*(.+?)\s*(\*/)?$", line)
-            if m:
-                found.append(f"   [SECTION] {m.group(1):<58} {path}")
+            if not m:
+                continue
+            title, ended = m.group(1), bool(m.group(2))
+            for more in lines[i + 1:]:
+                if ended or not unfinished(title) or not more.strip():
+                    break
+                words = more.strip()
+                ended = words.endswith("*/")
+                title += " " + (words[:-2].rstrip() if ended else words)
+            found.append(f"   [SECTION] {title}\n{'':<15}{path}")
     return "\n".join(found)
+
+
+BANNER = re.compile(r"/\*\s*=+\s*(begin|end)\s+src/")
+
+
+def banners_inside():
+    """Lines of the pieces that look like the begin/end banners piece() writes: pasted from ddp.h,
+    they would end up in it twice and mislead a reader about where a piece ends."""
+    return [f"{path}:{n}: {line.strip()}" for path in PUBLIC + PRIVATE + IMPLEMENTATION
+            for n, line in enumerate((ROOT / path).read_text().splitlines(), 1) if BANNER.search(line)]
 
 
 def build():
@@ -193,6 +218,10 @@ def main():
                 print(f"amalgamate.py: the table {table} (ENV_TABLES) is not in src/ any more: update ENV_TABLES",
                       file=sys.stderr)
                 ok = False
+        for where in banners_inside():
+            print(f"{where}: a begin/end banner inside a piece (amalgamate.py writes those): delete it",
+                  file=sys.stderr)
+            ok = False
         for path, errors in pieces_alone().items():
             print(f"{path} does not compile on its own (cc -std=c99 -fsyntax-only -Isrc {path}): declare what it "
                   f"uses from other pieces in src/internal.h", file=sys.stderr)

@@ -94,6 +94,7 @@ static int ddp__is_p2p(int kind) { return kind == DDP__SEND || kind == DDP__RECV
 static ddp_result ddp__run(ddp_group *g, const ddp__backend *b, const ddp__call *k, const ddp__coll *c) {
     int p2p = ddp__is_p2p(k->kind);
     ddp_result r;
+    DDP_ASSERT(k->root >= -1 && k->root < g->world_size); /* validated (-1: a call without a root) */
     if (g->broken) {
         if (!p2p) ddp__trace_ended(g, c, DDP_ERR_STATE);
         return DDP_ERR_STATE;

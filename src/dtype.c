@@ -129,6 +129,7 @@ static float ddp__combine_f32(float a, float b, ddp_op op) {
 
 static void ddp__reduce(void *dst, const void *src, size_t count, ddp_dtype t, ddp_op op) {
     size_t i;
+    DDP_ASSERT(ddp__dtype_valid(t) && ddp__op_valid(op)); /* the public calls checked both */
     switch (t) {
     case DDP_F32: DDP__REDUCE_FLOAT(float); break;
     case DDP_F64: DDP__REDUCE_FLOAT(double); break;
@@ -165,6 +166,7 @@ static void ddp__reduce(void *dst, const void *src, size_t count, ddp_dtype t, d
 
 static void ddp__divide(void *buf, size_t count, ddp_dtype t, int n) {
     size_t i;
+    DDP_ASSERT(ddp__dtype_valid(t) && n > 0); /* AVG divides by a group's size */
     switch (t) {
     case DDP_F32: DDP__DIVIDE_LOOP(float, a / (float)n); break;
     case DDP_F64: DDP__DIVIDE_LOOP(double, a / (double)n); break;

@@ -1952,6 +1952,4 @@ DDP_API ddp_result ddp_reducer_join(ddp_reducer *r) {
         if ((res = ddp__join_step(r, "ddp_reducer_join", &all_joined)) != DDP_SUCCESS) return res;
     return DDP_SUCCESS;
 }
-/* ==================== end src/reducer.c ==================== */
 
-/* ==================== begin src/sampler.c ==================== */

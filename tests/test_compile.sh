@@ -2,7 +2,7 @@
 # The header compiles warning-free as C99 and C++17 (gcc and clang, -Wall -Wextra -Werror -pedantic),
 # the implementation in one translation unit links with a second that only includes the API, the
 # implementation may come after system headers (strict C99, gnu99, C++17),
-# DDP_STATIC and the allocator hooks work, giving only some hooks is a clear #error, and the header
+# DDP_STATIC, the allocator hooks and DDP_ASSERT work, giving only some hooks is a clear #error, and the header
 # compiles under nvcc as C++ when nvcc is installed.
 set -eu
 cd "$(dirname "$0")/.."
@@ -46,7 +46,7 @@ for cc in gcc clang; do
     echo "FAIL: defining only DDP_MALLOC compiled"; exit 1
   fi
   grep -q "define all of DDP_MALLOC, DDP_REALLOC and DDP_FREE" "$out/err.txt" || { cat "$out/err.txt"; exit 1; }
-  echo "$cc: C99 and C++17, -O0, -O2 and -O3, two translation units, ddp.h after system headers, hooks, DDP_STATIC: ok"
+  echo "$cc: C99 and C++17, -O0, -O2 and -O3, two translation units, ddp.h after system headers, hooks (allocator, DDP_ASSERT), DDP_STATIC: ok"
 done
 nvcc=$(command -v nvcc || echo /usr/local/cuda/bin/nvcc)
 if [ -x "$nvcc" ]; then

@@ -41,19 +41,8 @@
 #include <time.h>
 #include <unistd.h>
 
-#include <errno.h>
-#include <math.h>
-#include <netinet/in.h>
 #include <sched.h>
-#include <signal.h>
 #include <stdint.h>
-#include <stdio.h>
-#include <stdlib.h>
-#include <string.h>
-#include <sys/socket.h>
-#include <sys/wait.h>
-#include <time.h>
-#include <unistd.h>
 
 /* Every helper is static and may go unused by a given test. */
 #if defined(__GNUC__)
