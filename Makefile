@@ -41,8 +41,9 @@ $(BUILD)/ddprun: tools/ddprun.c ddp.h | $(BUILD)
 	$(CC) $(CFLAGS) $(SANFLAGS) -o $@ $< $(LDLIBS)
 # The implementation is compiled once per build (ddp_impl.o, with the build's sanitizer) and linked into
 # every test that includes testlib.h and uses only the public API; the others (private ddp__ names,
-# their own DDP_MALLOC) compile it themselves. The sanitizer runs build ~20 tests: this saves minutes.
-SHARED_IMPL_TESTS := $(patsubst tests/%.c,$(BUILD)/%,$(shell grep -l 'testlib.h' tests/test_*.c | xargs grep -L 'ddp__\|DDP__\|DDP_MALLOC'))
+# their own DDP_MALLOC or testlib.h's allocation hooks, TL_ALLOC_HOOKS) compile it themselves. The
+# sanitizer runs build ~20 tests: this saves minutes.
+SHARED_IMPL_TESTS := $(patsubst tests/%.c,$(BUILD)/%,$(shell grep -l 'testlib.h' tests/test_*.c | xargs grep -L 'ddp__\|DDP__\|DDP_MALLOC\|TL_ALLOC_HOOKS'))
 $(BUILD)/ddp_impl.o: ddp.h | $(BUILD)
 	printf '#define DDP_IMPLEMENTATION\n#include "ddp.h"\n' | $(CC) $(CFLAGS) $(SANFLAGS) -x c -c - -o $@
 $(SHARED_IMPL_TESTS): $(BUILD)/test_%: tests/test_%.c $(wildcard tests/*.h) ddp.h $(BUILD)/ddp_impl.o | $(BUILD)

@@ -40,23 +40,34 @@ IMPLEMENTATION = [
     "src/util.c",           # [SECTION] util: errors, logging, environment parsing, time
     "src/registry.c",       # [SECTION] registry: live groups and work handles (no use after free)
     "src/dtype.c",          # [SECTION] dtype: sizes, f16/bf16 conversion, element-wise reduction
+    "src/alloc.c",          # [SECTION] alloc: ddp_alloc, library buffers in shared-memory arenas
     "src/net.c",            # [SECTION] net: sockets with deadlines
     "src/auth.c",           # [SECTION] auth: DDP_AUTH_TOKEN, HMAC-SHA256 challenge on every connection
-    "src/store.c",          # [SECTION] store: rendezvous key-value store (c10d TCPStore protocol), file store
+    "src/store_state.h",    # [SECTION] store-state: the store's constants, its handle, the calls between its pieces
+    "src/store.c",          # [SECTION] store: rendezvous key-value store (c10d TCPStore protocols), wire numbers, hash table
+    "src/store_server.c",   # [SECTION] store-server: the server: one thread, an epoll loop, parsing and answering requests
+    "src/store_client.c",   # [SECTION] store-client: a handle's errors, the TCP client of either protocol
+    "src/store_file.c",     # [SECTION] store-file: the file store, an append-only log under flock() (torch's FileStore)
+    "src/store_api.c",      # [SECTION] store-api: ddp_store_* on either kind of handle, their argument checks
+    "src/trace.c",          # [SECTION] trace: the flight recorder, each group's last collectives
     "src/link.c",           # [SECTION] link: connections between ranks, made on first use
     "src/transport.c",      # [SECTION] transport: framed messages between ranks, abort propagation
+    "src/devbuf.c",         # [SECTION] devbuf: device buffers on the cpu and mpi backends, staged through pinned host memory
+    "src/hostmem.c",        # [SECTION] hostmem: the memory slots of the host backends (ddp_alloc, conversions, staging)
     "src/collectives.c",    # [SECTION] collectives: validation, fingerprints, dispatch, async work
-    "src/trace.c",          # [SECTION] trace: the flight recorder, each group's last collectives
     "src/tcp.c",            # [SECTION] tcp: the tcp backend, ring and recursive doubling over the mesh
-    "src/alloc.c",          # [SECTION] alloc: ddp_alloc, library buffers in shared-memory arenas
     "src/shm.c",            # [SECTION] shm: the shared-memory backend within one host
     "src/hier.c",           # [SECTION] hier: the hierarchical backend for groups spanning hosts
     "src/mpi.c",            # [SECTION] mpi: the mpi backend (collectives through MPI, with -DDDP_MPI)
     "src/nccl.c",           # [SECTION] nccl: the nccl backend (NCCL on device memory, with -DDDP_CUDA)
-    "src/devbuf.c",         # [SECTION] devbuf: device buffers on the cpu and mpi backends, staged through pinned host memory
-    "src/group.c",          # [SECTION] group: ddp_init, rendezvous, the mesh, the backend, subgroups
+    "src/launch_env.c",     # [SECTION] launch-env: rank, world size, rank 0's address from the launcher
+    "src/rendezvous.c",     # [SECTION] rendezvous: records, rank 0's table, the job's identity, lost ranks
+    "src/group.c",          # [SECTION] group: ddp_init, the mesh, the backend, subgroups, ddp_destroy
     "src/launcher.c",       # [SECTION] launcher: ddp_spawn, ddprun
-    "src/reducer.c",        # [SECTION] reducer: DistributedDataParallel's Reducer: buckets, overlapped all-reduce, Join, ZeRO
+    "src/reducer_state.h",  # [SECTION] reducer-state: the Reducer's state, shared by its three pieces
+    "src/reducer.c",        # [SECTION] reducer: DistributedDataParallel's Reducer: the model, finalize, buckets, timing
+    "src/reducer_zero.c",   # [SECTION] reducer-zero: ZeRO stage 1 and 2: slices of the buckets, the comm pool
+    "src/reducer_pass.c",   # [SECTION] reducer-pass: backward, between passes, uneven inputs (Join)
     "src/zero_state.c",     # [SECTION] zero-state: ZeRO-1 optimizer state consolidated on one rank, split back
     "src/sampler.c",        # [SECTION] sampler: DistributedSampler, MT19937 and torch.randperm, streaming permutation
     "src/syncbn.c",         # [SECTION] syncbn: SyncBatchNorm on the CPU, f32 data, f64 statistics
@@ -203,6 +214,59 @@ def pieces_alone():
     return failed
 
 
+# The layers: the implementation's pieces in manifest order are its layers, bottom up (internal.h says
+# what each is for). A piece may call what an earlier piece defines, never what a later one does: a
+# lower layer reaches up only through a table or hook that the upper one fills (ddp__backend's slots,
+# the set-up's hooks). upward_calls() is that check, over a call graph read from the source: every
+# function a piece defines at file scope, and every ddp_/ddp__ name another piece mentions (a call, or
+# a function put in a table).
+def strip_comments_and_strings(text):
+    """The code without its comments, string literals and character literals (one pass, left to right, so
+    that "tcp://" is a string and '"' a character, not the start of a comment or a string); newlines kept."""
+    token = re.compile(r"/\*.*?\*/|//[^\n]*|\"(?:\\.|[^\"\\\n])*\"|'(?:\\.|[^'\\\n])*'", re.S)
+
+    def blank(m):
+        word = m.group(0)
+        return "\n" * word.count("\n") if word[0] == "/" else word[0] * 2
+    return token.sub(blank, text)
+
+
+def defined_functions(text):
+    """Names of the functions a piece defines: a name and its parameter list at the start of a line,
+    followed by a body."""
+    names = []
+    for m in re.finditer(r"^[A-Za-z][^;={}()\n]*?\b(ddp_\w+)\s*\(", text, re.M):
+        depth, j = 0, m.end() - 1
+        while j < len(text):
+            depth += {"(": 1, ")": -1}.get(text[j], 0)
+            if depth == 0:
+                break
+            j += 1
+        if text[j + 1:j + 80].lstrip().startswith("{"):
+            names.append(m.group(1))
+    return names
+
+
+def upward_calls():
+    """[(caller's file, line, name, callee's file)]: each place where a piece names a function that a later
+    piece of the manifest defines (once per piece and name)."""
+    pieces = [p for p in IMPLEMENTATION if p.endswith(".c")]
+    texts = {p: strip_comments_and_strings((ROOT / p).read_text()) for p in pieces}
+    owner = {}
+    for p in pieces:
+        for name in defined_functions(texts[p]):
+            owner.setdefault(name, p)
+    found = []
+    for i, p in enumerate(pieces):
+        seen = set()
+        for m in re.finditer(r"\b(ddp_\w+)\b", texts[p]):
+            callee = owner.get(m.group(1))
+            if callee and pieces.index(callee) > i and m.group(1) not in seen:
+                seen.add(m.group(1))
+                found.append((p, texts[p].count("\n", 0, m.start()) + 1, m.group(1), callee))
+    return found
+
+
 def main():
     fresh = build()
     target = ROOT / "ddp.h"
@@ -222,6 +286,11 @@ def main():
             print(f"{where}: a begin/end banner inside a piece (amalgamate.py writes those): delete it",
                   file=sys.stderr)
             ok = False
+        for caller, line, name, callee in upward_calls():
+            print(f"{caller}:{line}: names {name}, which {callee} defines: a piece calls only the pieces before it "
+                  f"in amalgamate.py's manifest (the layers, internal.h); move the code down, or reach up through "
+                  f"a table or hook that the upper piece fills", file=sys.stderr)
+            ok = False
         for path, errors in pieces_alone().items():
             print(f"{path} does not compile on its own (cc -std=c99 -fsyntax-only -Isrc {path}): declare what it "
                   f"uses from other pieces in src/internal.h", file=sys.stderr)
@@ -234,7 +303,7 @@ def main():
         if not ok:
             return 1
         print("ddp.h is up to date; its ENVIRONMENT block lists every variable the code reads; every piece "
-              "compiles on its own")
+              "compiles on its own and calls only the pieces before it")
         return 0
     target.write_text(fresh)
     print(f"wrote ddp.h ({fresh.count(chr(10))} lines)")

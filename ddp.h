@@ -88,56 +88,109 @@
                            ddp_cuda_coll, DDP_CUDA_ALL_REDUCE..., DDP_CUDA_NCCL_ID_BYTES) is private: renamed
                            ddp__cuda_* / DDP__CUDA_* and no longer declared for programs (use the group's
                            collectives). The private ddp__bn_* helpers left the public part too.
+       2026-11-28 (0.1.0): ddp_checkpoint_load (and _load_ex, _load_shard, broadcast loads) reads safetensors
+                           files without ddp.h's checksums (torch's, numpy's) by default, verifying those a
+                           file has; ddp_checkpoint_load_desc.require_checksums = 1 refuses them as before.
+                           allow_missing_checksums still compiles and changes nothing.
 
-   HOW IT IS BUILT (the implementation's layers, bottom up; the [SECTION] internal block lists them too)
-       util, dtype, net, auth, store    errors and logging; element types; sockets; the key-value store
-       transport                        framed messages between ranks over a TCP mesh, abort propagation
-       collectives                      the public collectives: validate, fingerprint, dispatch, async work
-       devbuf                           device buffers on backends without NCCL: pinned host copies
-                                        around the call (collectives.c's ddp__run_staged)
-       backends: tcp, shm, hier, mpi, nccl   each fills one ddp__backend table (run, enqueue, wait, test,
-                                        close, and the reducer's memory functions); collectives.c reaches
-                                        a backend only through it, and backends set up through internal
-                                        mesh calls, never through the public collectives
-       group                            ddp_init: launcher environment, rendezvous, mesh, which backend
-       launcher, reducer, sampler, syncbn, safetensors, checkpoint   built on the public API
+   HOW IT IS BUILT
+       One implementation in layers, bottom up, each calling only the layers below it: the list and what
+       each layer does are in the [SECTION] internal block (src/internal.h); the [SECTION] markers below
+       are in the same order. `python3 amalgamate.py --check` fails on a call that runs back up.
 
    INDEX (search for the [SECTION] markers)
-   [SECTION] api: version, results, dtypes, ops, logging, groups, collectives, store, launch src/ddp_api.h
-   [SECTION] reducer: DistributedDataParallel's gradient Reducer (bucketed, overlapped all-reduce) src/reducer.h
-   [SECTION] sampler: torch.utils.data.distributed.DistributedSampler, bit-exact; eval and streaming modes src/sampler.h
-   [SECTION] syncbn: torch.nn.SyncBatchNorm (and plain BatchNorm1d/2d/3d) forward and backward src/syncbn.h
-   [SECTION] checkpoint: safetensors save/load, resume state, per-rank shards (torch.save / load patterns) src/checkpoint.h
-   [SECTION] cuda: entry points implemented in ddp_cuda.cu (declared with DDP_CUDA) src/cuda_api.h
-   [SECTION] bn-math: SyncBatchNorm formulas shared by the CPU code (src/syncbn.c) and the CUDA kernels src/bn_math.h
-   [SECTION] cuda-glue: the nccl backend's communicator, implemented in ddp_cuda.cu (with DDP_CUDA) src/cuda_glue.h
-   [SECTION] internal: includes, allocator hooks, private helpers and types shared by the pieces src/internal.h
-   [SECTION] util: errors, logging, environment parsing, time, memory   src/util.c
-   [SECTION] registry: which groups and work handles are alive, so that a call on a destroyed group or src/registry.c
-   [SECTION] dtype: sizes and names, f16/bf16 conversion, element-wise reduction src/dtype.c
-   [SECTION] net: TCP sockets with deadlines                            src/net.c
-   [SECTION] auth: DDP_AUTH_TOKEN, a shared secret that every connection proves (HMAC-SHA256) src/auth.c
-   [SECTION] store: rendezvous key-value store (c10d TCPStore protocols of torch 1.13 and 2.x), file store src/store.c
-   [SECTION] link: connections between the ranks of a group, made on first use src/link.c
-   [SECTION] transport: framed messages between the ranks of a group, failure detection, abort src/transport.c
-   [SECTION] collectives: ddp_all_reduce ... ddp_gather, ddp_scatter, ddp_all_to_all(_v), ddp_all_gather_v, ddp_broadcast_bytes, ddp_monitored_barrier src/collectives.c
-   [SECTION] trace: the flight recorder, each group's last collectives, written out when the group breaks src/trace.c
-   [SECTION] tcp: the tcp backend, collective algorithms over the TCP mesh (Gloo's and MPI's ring, src/tcp.c
-   [SECTION] alloc: ddp_alloc / ddp_free, library buffers that collectives use in place src/alloc.c
-   [SECTION] shm: shared-memory transport for the ranks of a group that share one host src/shm.c
-   [SECTION] hier: hierarchical all_reduce for a group that spans hosts with several ranks on a host src/hier.c
-   [SECTION] mpi: the mpi backend, collectives through the MPI library (built with -DDDP_MPI) src/mpi.c
-   [SECTION] nccl: the nccl backend, collectives on device memory through NCCL (built with -DDDP_CUDA) src/nccl.c
-   [SECTION] devbuf: device buffers on the cpu and mpi backends, staged through pinned host memory src/devbuf.c
-   [SECTION] group: ddp_init (torch.distributed.init_process_group), launcher environments, src/group.c
-   [SECTION] launcher: ddp_spawn (torch.multiprocessing.spawn) and ddprun (torchrun) src/launcher.c
-   [SECTION] reducer: DistributedDataParallel's Reducer: model check, buckets, overlapped all-reduce src/reducer.c
-   [SECTION] zero-state: ZeRO-1 optimizer state consolidated on one rank, split back (reducer.h) src/zero_state.c
-   [SECTION] sampler: DistributedSampler, MT19937 and torch.randperm, Feistel streaming permutation src/sampler.c
-   [SECTION] syncbn (implementation): SyncBatchNorm on the CPU, f32 data, f64 statistics src/syncbn.c
-   [SECTION] safetensors: the file format (Hugging Face safetensors), CRC32C, UTF-8, ddp_meta src/safetensors.c
-   [SECTION] checkpoint: atomic save on rank 0, load everywhere or broadcast, shards, keep_last, latest src/checkpoint.c
-   [SECTION] reshard: slices of global tensors, saved by N ranks and loaded by M (checkpoint.h) src/reshard.c
+   [SECTION] api: version, results, dtypes, ops, logging, groups, collectives, store, launch
+               src/ddp_api.h
+   [SECTION] reducer: DistributedDataParallel's gradient Reducer (bucketed, overlapped all-reduce)
+               src/reducer.h
+   [SECTION] sampler: torch.utils.data.distributed.DistributedSampler, bit-exact; eval and streaming modes
+               src/sampler.h
+   [SECTION] syncbn: torch.nn.SyncBatchNorm (and plain BatchNorm1d/2d/3d) forward and backward
+               src/syncbn.h
+   [SECTION] checkpoint: safetensors save/load, resume state, per-rank shards (torch.save / load patterns)
+               src/checkpoint.h
+   [SECTION] cuda: entry points implemented in ddp_cuda.cu (declared with DDP_CUDA)
+               src/cuda_api.h
+   [SECTION] bn-math: SyncBatchNorm formulas shared by the CPU code (src/syncbn.c) and the CUDA kernels
+               src/bn_math.h
+   [SECTION] cuda-glue: the nccl backend's communicator, implemented in ddp_cuda.cu (with DDP_CUDA)
+               src/cuda_glue.h
+   [SECTION] internal: includes, allocator hooks, private helpers and types shared by the pieces
+               src/internal.h
+   [SECTION] util: errors, logging, environment parsing, time, memory
+               src/util.c
+   [SECTION] registry: which groups and work handles are alive, so that a call on a destroyed group or a spent ddp_work is an error instead of a use after free
+               src/registry.c
+   [SECTION] dtype: sizes and names, f16/bf16 conversion, element-wise reduction
+               src/dtype.c
+   [SECTION] alloc: ddp_alloc / ddp_free, library buffers that collectives use in place
+               src/alloc.c
+   [SECTION] net: TCP sockets with deadlines
+               src/net.c
+   [SECTION] auth: DDP_AUTH_TOKEN, a shared secret that every connection proves (HMAC-SHA256)
+               src/auth.c
+   [SECTION] store-state: the store's constants, its handle, and the calls between its pieces
+               src/store_state.h
+   [SECTION] store: rendezvous key-value store (c10d TCPStore protocols of torch 1.13 and 2.x), file store
+               src/store.c
+   [SECTION] store-server: the store's server: one thread, an epoll loop, parsing and answering requests
+               src/store_server.c
+   [SECTION] store-client: the store's client: a handle's errors, the TCP client of either protocol
+               src/store_client.c
+   [SECTION] store-file: the file store: an append-only log of records under flock(), as torch's FileStore
+               src/store_file.c
+   [SECTION] store-api: the store's calls on either kind of handle: ddp_store_* and their argument checks
+               src/store_api.c
+   [SECTION] trace: the flight recorder, each group's last collectives, written out when the group breaks
+               src/trace.c
+   [SECTION] link: connections between the ranks of a group, made on first use
+               src/link.c
+   [SECTION] transport: framed messages between the ranks of a group, failure detection, abort
+               src/transport.c
+   [SECTION] devbuf: device buffers on the cpu and mpi backends, staged through pinned host memory
+               src/devbuf.c
+   [SECTION] hostmem: the memory slots of the host backends (cpu: shm, tcp, hier; mpi)
+               src/hostmem.c
+   [SECTION] collectives: ddp_all_reduce ... ddp_gather, ddp_scatter, ddp_all_to_all(_v), ddp_all_gather_v, ddp_broadcast_bytes, ddp_monitored_barrier
+               src/collectives.c
+   [SECTION] tcp: the tcp backend, collective algorithms over the TCP mesh (Gloo's and MPI's ring, recursive-doubling and Bruck algorithms)
+               src/tcp.c
+   [SECTION] shm: shared-memory transport for the ranks of a group that share one host
+               src/shm.c
+   [SECTION] hier: hierarchical all_reduce for a group that spans hosts with several ranks on a host
+               src/hier.c
+   [SECTION] mpi: the mpi backend, collectives through the MPI library (built with -DDDP_MPI)
+               src/mpi.c
+   [SECTION] nccl: the nccl backend, collectives on device memory through NCCL (built with -DDDP_CUDA)
+               src/nccl.c
+   [SECTION] launch-env: who am I and where is rank 0: the launchers' environments (torchrun/ddprun, Open MPI, MPICH/Hydra, SLURM), init_method, the timeout
+               src/launch_env.c
+   [SECTION] rendezvous: each rank's record, rank 0's table of them, the job's identity in the store, a rank lost inside ddp_init
+               src/rendezvous.c
+   [SECTION] group: ddp_init (torch.distributed.init_process_group), the mesh of connections, which
+               src/group.c
+   [SECTION] launcher: ddp_spawn (torch.multiprocessing.spawn) and ddprun (torchrun)
+               src/launcher.c
+   [SECTION] reducer-state: the Reducer's state and the calls between its three pieces
+               src/reducer_state.h
+   [SECTION] reducer: DistributedDataParallel's Reducer: model check, buckets, overlapped all-reduce
+               src/reducer.c
+   [SECTION] reducer-zero: ZeRO stage 1 and 2 in the Reducer: slices of the buckets, the comm pool
+               src/reducer_zero.c
+   [SECTION] reducer-pass: the Reducer's passes: backward, between passes, uneven inputs (Join)
+               src/reducer_pass.c
+   [SECTION] zero-state: ZeRO-1 optimizer state consolidated on one rank, split back (reducer.h)
+               src/zero_state.c
+   [SECTION] sampler: DistributedSampler, MT19937 and torch.randperm, Feistel streaming permutation
+               src/sampler.c
+   [SECTION] syncbn (implementation): SyncBatchNorm on the CPU, f32 data, f64 statistics
+               src/syncbn.c
+   [SECTION] safetensors: the file format (Hugging Face safetensors), CRC32C, UTF-8, ddp_meta
+               src/safetensors.c
+   [SECTION] checkpoint: atomic save on rank 0, load everywhere or broadcast, shards, keep_last, latest
+               src/checkpoint.c
+   [SECTION] reshard: slices of global tensors, saved by N ranks and loaded by M (checkpoint.h)
+               src/reshard.c
 */
 
 #ifndef DDP_H_INCLUDED
@@ -358,7 +411,8 @@ DDP_API ddp_result ddp_gather(ddp_group *g, const void *send, void *recv, size_t
    (their buffers are theirs again), and a scatter's other ranks wait for the root alone, up to 30 calls
    ahead of the slowest rank. A mismatch found late (another root, count or collective on some rank) is
    still an error on every rank, but a rank that ran ahead gets it from a later call on the group (at
-   the latest its next call of another kind, or ddp_destroy). */
+   the latest its next call of another kind, or ddp_destroy). No rank gets wrong data meanwhile: each
+   block of a receive buffer is either left as it was or exactly what the rank's own call delivers. */
 DDP_API ddp_result ddp_scatter(ddp_group *g, const void *send, void *recv, size_t count, ddp_dtype t, int root);
 /* all_to_all (torch's all_to_all_single with equal splits): recv[r*count_per_rank ...] <- rank r's
    send[rank*count_per_rank ...], for every r. send may equal recv (in place). */
@@ -1079,7 +1133,8 @@ DDP_API void ddp_reducer_destroy(ddp_reducer *r);
        for (epoch = 0; epoch < epochs; epoch++) {
            int64_t batch[64];
            size_t got;
-           ddp_sampler_set_epoch(&s, epoch);                  // a new shuffle each epoch, as in PyTorch
+           ddp_sampler_set_epoch(&s, epoch);                  // a new shuffle each epoch, as in PyTorch;
+                                                              // forgotten: the same order again (warned)
            while ((r = ddp_sampler_next_batch(&s, 64, batch, &got)) == DDP_SUCCESS && got > 0)
                train_on(batch, got);
            if (r != DDP_SUCCESS) ...                          // out of memory for the permutation
@@ -1137,6 +1192,8 @@ typedef struct ddp_sampler {
     uint64_t shard_epoch;
     uint64_t shard_base;
     int epoch_done;             /* the current epoch was handed out to its end */
+    int pass_ended;             /* next_batch returned the 0 that ends a pass: its next call starts a new one */
+    int repeat_warned;          /* the warning for a new pass without set_epoch was logged (once per sampler) */
     int feistel_bits;           /* streaming: the bijection's domain is [0, 2^feistel_bits) */
     uint64_t feistel_keys[8];   /* streaming: one key per round, from seed + epoch */
 } ddp_sampler;
@@ -1155,10 +1212,10 @@ DDP_API ddp_result ddp_sampler_init(ddp_sampler *s, const ddp_sampler_desc *d);
 DDP_API void ddp_sampler_free(ddp_sampler *s);
 
 /* ddp_sampler_set_epoch: start epoch `epoch` (torch's set_epoch): the shuffle uses seed + epoch, and the
-   position goes back to 0. Call it before every epoch with a new number: without it the order would
-   repeat, so next_batch hands out nothing once an epoch is done (and calling it again with the same epoch
-   after a finished, shuffled epoch logs a warning). Cheap: the permutation is made on first use.
-   Ignores a sampler that is not initialised. */
+   position goes back to 0. Call it before every epoch with a new number: without it every epoch repeats
+   the same order, as in torch (next_batch then starts a new pass over the same epoch and warns once, see
+   below; calling set_epoch again with the same epoch after a finished, shuffled epoch also warns). Cheap:
+   the permutation is made on first use. Ignores a sampler that is not initialised. */
 DDP_API void ddp_sampler_set_epoch(ddp_sampler *s, uint64_t epoch);
 
 /* ddp_sampler_epoch: the epoch set last (0 after init). */
@@ -1176,11 +1233,22 @@ DDP_API uint64_t ddp_sampler_num_samples(const ddp_sampler *s);
 DDP_API ddp_result ddp_sampler_indices(ddp_sampler *s, int64_t *out);
 
 /* ddp_sampler_next_batch: the next (up to) batch_size indices of this epoch, from the current position;
-   the position moves past them. *got is batch_size, less for the last batch of the epoch, and 0 once the
-   epoch is done (until ddp_sampler_set_epoch or ddp_sampler_set_position). Allocates nothing, except at
-   the first call of a shuffled epoch with a torch permutation, which makes the permutation (the slow step:
-   about 3 s and 4 bytes per sample at N = 1e8 on a 2-core VM, where torch takes 28 s and 4.8 GiB; later
-   calls are copies).
+   the position moves past them. *got is batch_size, less for the last batch of the epoch, and 0 once at
+   the end of the pass: that 0 is the end of a `for` loop over torch's sampler (StopIteration), so
+   `while (next_batch(...) == DDP_SUCCESS && got)` runs one epoch. Allocates nothing, except at the first
+   call of a shuffled epoch with a torch permutation, which makes the permutation (the slow step: about
+   3 s and 4 bytes per sample at N = 1e8 on a 2-core VM, where torch takes 28 s and 4.8 GiB; later calls
+   are copies).
+   After that 0, without ddp_sampler_set_epoch (or set_position, set_global_position, resume) in between,
+   the next call starts a NEW PASS over the same epoch, as iterating a torch DistributedSampler again
+   without set_epoch does: position 0, the same indices in the same order, padding and drop_last alike
+   (after a resume point, ddp_sampler_set_global_position, the new pass is the whole epoch, as torch's
+   would be: the resume point continues one pass only). Forgetting set_epoch is thus torch's bug, an
+   order repeated every epoch, not an empty epoch. When the order depends on the epoch (shuffled and
+   N > 1) such a new pass logs a warning naming ddp_sampler_set_epoch, once per sampler (the first time;
+   a sampler of no_shuffle, whose order set_epoch would not change, does not warn). It is logged without a
+   group: DDP_LOG_LEVEL's level, warn by default, on stderr. To go over the same epoch again on purpose,
+   without the warning: ddp_sampler_set_position(s, 0).
    Parameters: batch_size (> 0), out (room for batch_size indices), got (receives the count).
    Return: DDP_SUCCESS; DDP_ERR_OUT_OF_MEMORY; DDP_ERR_INVALID_ARGUMENT (batch_size 0, NULL pointers, a
            sampler that is not initialised). On error *got is 0 and the position is unchanged. */
@@ -1195,6 +1263,8 @@ DDP_API uint64_t ddp_sampler_position(const ddp_sampler *s);
    then set_position(saved position); the next batch is the one that came next before). The position
    counts this rank's indices (from the resume point after ddp_sampler_set_global_position), so resume
    with the same num_replicas and rank; on another num_replicas use ddp_sampler_resume (below).
+   set_position(num_samples) resumes at the epoch's very end: next_batch returns the 0 that ends the pass.
+   set_position(0) goes over the current epoch again (a new pass, without next_batch's warning).
    Return: DDP_SUCCESS, or DDP_ERR_INVALID_ARGUMENT when position > num_samples or s is not initialised. */
 DDP_API ddp_result ddp_sampler_set_position(ddp_sampler *s, uint64_t position);
 
@@ -1268,9 +1338,11 @@ DDP_API ddp_result ddp_sampler_index_at(ddp_sampler *s, uint64_t k, int64_t *out
    elemt; backward_reduce -> all_reduce -> backward_elemt), queued on the group's stream (ddp_set_stream;
    the legacy default stream without the nccl backend) with no host synchronisation. y, dy, dx,
    grad_weight, grad_bias and the descriptor's weight, bias and running stats are then device memory
-   too (a host array is DDP_ERR_INVALID_ARGUMENT naming it). On the nccl backend the collectives are
-   async and waited one step later (this layer's next forward / backward, or ddp_syncbn_destroy, which
-   must come before ddp_destroy of the group): a failed collective is reported by the next call. A
+   too (a host array is DDP_ERR_INVALID_ARGUMENT naming it), except num_batches_tracked: the host
+   counts, so that counter stays host memory (pageable, pinned or managed; never cudaMalloc'd). On the
+   nccl backend the collectives are async and waited one step later (this layer's next forward /
+   backward, or ddp_syncbn_destroy, which must come before ddp_destroy of the group): a failed
+   collective is reported by the next call. A
    rank with an empty batch takes the device path when the layer ran on the device before or its
    weight or running_mean is device memory. Global n == 1 over 2+ ranks is not detected on the device
    (as torch's SyncBatchNorm: the running stats are left unchanged); on one rank it is an error. */
@@ -1290,7 +1362,35 @@ typedef struct ddp_syncbn_desc {
     float *running_mean; /* C floats, caller-owned, updated by training forwards; with running_var, */
     float *running_var;  /* both or neither; NULL = track_running_stats=False */
     ddp_group *group;   /* statistics are merged over this (sub)group; NULL = the group given to create */
+    int64_t *num_batches_tracked; /* 1 int64, caller-owned host memory: the layer's counter of training
+                           forwards (torch's num_batches_tracked buffer), read and advanced there by every
+                           training forward; its value at create is the count so far (0 for a new layer,
+                           >= 0). Only with running stats. NULL = the layer keeps the counter itself. Either
+                           way ddp_syncbn_num_batches_tracked / _set_num_batches_tracked read and write it. */
 } ddp_syncbn_desc;
+
+/* num_batches_tracked as a buffer, like torch's BatchNorm (a 0-d int64 tensor in its state_dict, which
+   DDP broadcasts with the running stats under broadcast_buffers=True): point the descriptor at the
+   program's counter, then register and save it like running_mean and running_var:
+
+       float mean[64] = {0}, var[64];             // var: 64 ones, as torch initialises it
+       int64_t nbt = 0;
+       ddp_syncbn_desc d = {0};
+       d.num_features = 64, d.running_mean = mean, d.running_var = var, d.num_batches_tracked = &nbt;
+       ddp_syncbn_create(g, &d, &bn);
+       ddp_reducer_add_buffer(red, "bn.running_mean", mean, 64, DDP_F32);
+       ddp_reducer_add_buffer(red, "bn.running_var", var, 64, DDP_F32);
+       ddp_reducer_add_buffer(red, "bn.num_batches_tracked", &nbt, 1, DDP_I64);  // rank 0's count everywhere
+       ddp_tensor t[3] = {{"bn.running_mean", DDP_F32, 1, {64}, mean},
+                          {"bn.running_var", DDP_F32, 1, {64}, var},
+                          {"bn.num_batches_tracked", DDP_I64, 0, {0}, &nbt}};   // ndim 0: torch's shape []
+       ddp_checkpoint_save(g, "ckpt.safetensors", t, 3, NULL);   // ... later, into a fresh layer:
+       ddp_checkpoint_load(g, "ckpt.safetensors", t, 3, NULL);   // nbt restored: momentum None goes on
+                                                                 // with factor 1 / (nbt + 1)
+   A training forward that finds the counter negative is DDP_ERR_INVALID_ARGUMENT on that rank, before
+   any communication (as any bad argument), nothing changed. With a device model (running stats in
+   device memory) the counter is still host memory: a host tensor beside the device ones in the same
+   checkpoint, and a host buffer of the reducer beside device buffers on the cpu backends. */
 
 /* ddp_syncbn_create: make a SyncBatchNorm layer.
    Parameters: g: the group whose ranks share batch statistics, or NULL for a plain single-process
@@ -1341,11 +1441,13 @@ DDP_API ddp_result ddp_syncbn_backward(ddp_syncbn *bn, const float *x, const flo
                                        float *grad_bias, int64_t batch, int64_t spatial);
 
 /* The number of training forwards of a layer with running stats, empty batches included (torch's
-   num_batches_tracked buffer); 0 for a layer without running stats, or NULL. */
+   num_batches_tracked buffer; *desc.num_batches_tracked when the program gave that counter); 0 for a
+   layer without running stats, or NULL. */
 DDP_API int64_t ddp_syncbn_num_batches_tracked(const ddp_syncbn *bn);
 
 /* Restore num_batches_tracked, e.g. from a checkpoint (it sets the cumulative-average factor when
-   momentum is None). Return: DDP_SUCCESS, or DDP_ERR_INVALID_ARGUMENT for a negative value. */
+   momentum is None); writes the program's counter when it gave one. Return: DDP_SUCCESS, or
+   DDP_ERR_INVALID_ARGUMENT for a negative value. */
 DDP_API ddp_result ddp_syncbn_set_num_batches_tracked(ddp_syncbn *bn, int64_t value);
 
 /* The private formulas that the CPU code and the CUDA kernels share are in src/bn_math.h (in ddp.h,
@@ -1356,7 +1458,9 @@ DDP_API ddp_result ddp_syncbn_set_num_batches_tracked(ddp_syncbn *bn, int64_t va
 /* [SECTION] checkpoint: safetensors save/load, resume state, per-rank shards (torch.save / load patterns)
    Mirrors the usual PyTorch DDP checkpoint recipe: `if rank == 0: torch.save(...)`, `dist.barrier()`,
    then `torch.load(..., map_location=...)` on every rank; the file format is safetensors, so Python tools
-   (safetensors, or twenty lines of json + numpy) read our files and we read theirs.
+   (safetensors, or twenty lines of json + numpy) read our files and we read theirs: any valid
+   safetensors file loads (safetensors.torch.save_file's included), its checksums verified when it has
+   ddp.h's (below). ddp_checkpoint_list tells what a file holds, to size the buffers before loading.
 
    File layout (safetensors): an 8-byte little-endian header length N, N bytes of JSON, then the tensor
    data, raw and little-endian, with no gaps:
@@ -1366,6 +1470,11 @@ DDP_API ddp_result ddp_syncbn_set_num_batches_tracked(ddp_syncbn *bn, int64_t va
    U8 I32 I64. Every tensor's CRC32C (Castagnoli, as iSCSI and ext4 use) is kept in the metadata as
    "ddp.crc32c.<name>" (8 lowercase hex digits) and verified on load. Metadata keys starting with
    "ddp.crc32c." or "ddp.shard." are the library's; the rest belong to the caller.
+   Checksums on load, by every load path alike (load, load_ex, broadcast, load_shard, load_slices):
+   a tensor with a checksum is verified (a mismatch or a malformed value is DDP_ERR_FORMAT); a tensor
+   without one (a file from another writer: safetensors, torch, numpy) loads unverified, unless the
+   load descriptor's require_checksums asks to refuse it. A truncated or inconsistent file (header
+   length, offsets or sizes that do not add up to the file's size, bad JSON) is refused always.
    The tensor data is host memory in the host's byte order, and safetensors is little-endian: on a
    big-endian host every call here returns DDP_ERR_UNSUPPORTED.
 
@@ -1487,8 +1596,9 @@ typedef struct ddp_checkpoint_save_desc {
     /* > 0: after a successful save, delete the older checkpoints of the same family, keeping the
        keep_last newest (this one included). The family of ".../ckpt_000300.safetensors" is every file
        of that directory whose name differs only in that last run of digits (ckpt_000100.safetensors,
-       ckpt_200.safetensors, ...), ordered by the number; path must have such a run of digits.
-       Leftover "<name>.tmp" files of older family members (from a crash) are deleted too.
+       ckpt_200.safetensors, ...), ordered by the number; path must have such a run of 1 to 18 digits
+       (a file whose run is longer, e.g. ckpt_12345678901234567890.safetensors, is not a member and is
+       left alone). Leftover "<name>.tmp" files of older family members (from a crash) are deleted too.
        0 (default): delete nothing. */
     int keep_last;
 } ddp_checkpoint_save_desc;
@@ -1504,9 +1614,15 @@ typedef struct ddp_checkpoint_load_desc {
     /* 1: tensors in the file that t[] does not list are skipped, as load_state_dict(strict=False).
        0 (default): they are DDP_ERR_MISMATCH, naming one. Tensors listed in t[] must always be there. */
     int allow_unexpected;
-    /* 1: accept tensors without a "ddp.crc32c.<name>" checksum (files from other safetensors writers);
-       checksums that are present are still verified. 0 (default): a missing checksum is DDP_ERR_FORMAT. */
+    /* Kept so that programs that set it still compile: accepting tensors without a checksum is the
+       default now, so this changes nothing (setting it together with require_checksums is
+       DDP_ERR_INVALID_ARGUMENT). */
     int allow_missing_checksums;
+    /* 1: every tensor loaded must have its "ddp.crc32c.<name>" checksum (files ddp.h wrote); one
+       without is DDP_ERR_FORMAT naming it. 0 (default): tensors without a checksum (files from other
+       safetensors writers, e.g. torch's) load unverified; checksums that are present are always
+       verified. */
+    int require_checksums;
 } ddp_checkpoint_load_desc;
 
 /* ddp_checkpoint_save: write the n tensors t[] and the metadata meta (may be NULL) to path, durably and
@@ -1551,17 +1667,53 @@ DDP_API ddp_result ddp_checkpoint_save_async_ex(ddp_group *g, const char *path, 
 /* ddp_checkpoint_load: read path into the n tensors t[] and (when meta is not NULL) replace meta's
    contents with the file's metadata (the library's "ddp.crc32c.*"/"ddp.shard.*" keys left out).
    Each t[i] says what the caller expects: name, dtype and shape must match the file exactly, or the
-   error names the tensor and both sides. Checksums are verified. Collective over g when g is not NULL
-   (see desc->broadcast); a failure on any rank is an error on every rank, naming that rank.
+   error names the tensor and both sides. Checksums are verified where the file has them (any valid
+   safetensors file loads; desc->require_checksums refuses one without). Collective over g when g is
+   not NULL (see desc->broadcast); a failure on any rank is an error on every rank, naming that rank.
    Return: DDP_SUCCESS; DDP_ERR_IO (cannot open or read); DDP_ERR_FORMAT (not a valid safetensors file,
-   or a checksum does not match: the message says what is wrong); DDP_ERR_MISMATCH (names, dtypes or
-   shapes differ from t[]); DDP_ERR_UNSUPPORTED (a dtype ddp.h lacks in a tensor you asked for, more
-   than 8 dimensions, big-endian host); DDP_ERR_INVALID_ARGUMENT; the group's errors. On an error the
+   a checksum does not match, or is missing under require_checksums: the message says what is wrong);
+   DDP_ERR_MISMATCH (names, dtypes or shapes differ from t[]); DDP_ERR_UNSUPPORTED (a dtype ddp.h lacks
+   in a tensor you asked for, more than 8 dimensions, big-endian host); DDP_ERR_INVALID_ARGUMENT (also
+   require_checksums together with allow_missing_checksums); the group's errors. On an error the
    contents of the tensors and of meta are unspecified.
    Thread safety: as ddp_checkpoint_save. */
 DDP_API ddp_result ddp_checkpoint_load(ddp_group *g, const char *path, ddp_tensor *t, int n, ddp_meta *meta);
 DDP_API ddp_result ddp_checkpoint_load_ex(ddp_group *g, const char *path, ddp_tensor *t, int n, ddp_meta *meta,
                                           const ddp_checkpoint_load_desc *desc);
+
+/* ddp_checkpoint_list: what the file at path holds, to size buffers before ddp_checkpoint_load (a
+   data set or a model of unknown size). Reads the header only, never the data, and validates it as
+   strictly as a load does (the JSON, the dtypes, offsets consistent with each other and with the
+   file's size), so a truncated or inconsistent file is an error here too; checksums are not verified
+   (the load does that). Local: not collective, no group (every rank may call it, or rank 0 and
+   broadcast the shapes).
+   Parameters: *tensors receives a new array of *n tensors, in the order the file's header lists them
+   (for a file ddp.h wrote: the order of t[] at the save; safetensors' own writer lists them in the
+   order of their data), each with its name (a copy owned by the array), dtype, ndim and shape, and
+   data NULL. A tensor of a safetensors dtype ddp.h cannot load (BOOL, I16, U16, U32, U64, F8_E5M2,
+   F8_E4M3) has dtype DDP_DTYPE_DEFAULT: skip it with allow_unexpected. meta (may be NULL) receives the
+   metadata as ddp_checkpoint_load gives it (its contents replaced; the library's keys left out).
+   Free the array with ddp_checkpoint_list_free(*tensors, *n) (it is not NULL on success, even for a
+   file without tensors).
+   Return: DDP_SUCCESS; DDP_ERR_IO (cannot open or read); DDP_ERR_FORMAT (not a valid safetensors file:
+   the message says what is wrong); DDP_ERR_UNSUPPORTED (a tensor with more than 8 dimensions, a
+   big-endian host); DDP_ERR_INVALID_ARGUMENT (path, tensors or n NULL); DDP_ERR_OUT_OF_MEMORY. On an
+   error *tensors is NULL, *n is 0 and meta is unchanged; the message is in ddp_last_error(NULL).
+   Thread safety: any thread.
+   Example: load a file of unknown shapes.
+       ddp_tensor *t; int n, i;
+       if (ddp_checkpoint_list("data.safetensors", &t, &n, NULL) != DDP_SUCCESS) die(ddp_last_error(NULL));
+       for (i = 0; i < n; i++) {
+           size_t count = 1; int d;
+           for (d = 0; d < t[i].ndim; d++) count *= (size_t)t[i].shape[d];
+           t[i].data = malloc(count * ddp_dtype_size(t[i].dtype)); (a DDP_DTYPE_DEFAULT tensor: leave it
+       }                                                           out and set allow_unexpected)
+       ddp_checkpoint_load(NULL, "data.safetensors", t, n, NULL);
+       ... use t[i].data; free each, then ddp_checkpoint_list_free(t, n); */
+DDP_API ddp_result ddp_checkpoint_list(const char *path, ddp_tensor **tensors, int *n, ddp_meta *meta);
+/* ddp_checkpoint_list_free: free an array from ddp_checkpoint_list and its names (not the data
+   pointers, which the program set). NULL is a no-op. */
+DDP_API void ddp_checkpoint_list_free(ddp_tensor *t, int n);
 
 /* ---- Per-rank shards (e.g. ZeRO-style optimizer state) ---------------------------------------
    ddp_checkpoint_save_shard: every rank saves its own t[] and meta to "<path>.rank<r>" (r in decimal),
@@ -1570,7 +1722,10 @@ DDP_API ddp_result ddp_checkpoint_load_ex(ddp_group *g, const char *path, ddp_te
    "ddp.shard.save_id" that every shard of this save carries too. Before any shard is written, rank 0
    removes an old marker at path, so a save cut short is never taken for a complete one (use distinct
    paths, e.g. a step number with keep_last, to always keep a complete previous checkpoint).
-   keep_last: rank 0 deletes old markers, then each rank its own old shards. Collective over g.
+   keep_last: rank 0 deletes the old markers, then the old shards go, every "<old marker>.rank<r>" (and
+   its ".tmp") whichever group wrote it: rank q deletes those with r % world_size == q, its own and
+   those of ranks the group no longer has (a save resumed on fewer ranks), so each file has exactly one
+   deleter and no two ranks race on a name. Collective over g.
    ddp_checkpoint_load_shard: check that the marker exists (else DDP_ERR_IO: the save did not finish,
    or the path is wrong), that it was written by a group of this size (else DDP_ERR_MISMATCH), then
    load this rank's shard as ddp_checkpoint_load does and check that it belongs to that save
@@ -1590,12 +1745,22 @@ DDP_API ddp_result ddp_checkpoint_load_shard(ddp_group *g, const char *path, ddp
    elements are not stored. ddp_checkpoint_load_slices: every rank asks for any slices - the world size
    and the split may differ from the save's (resharding, as torch.distributed.checkpoint) - and gets them
    from whichever shards hold them: it reads the header of every shard and each saved piece that overlaps
-   one of its requests (checksum verified), and copies the overlap. Every requested element must be
-   found: a gap, another dtype or another global_count is DDP_ERR_MISMATCH naming the tensor and the
-   elements. meta (may be NULL) receives the metadata of rank 0's shard. Both are collective over g (g
-   NULL: one process); a failure on any rank is an error on every rank, naming the rank.
+   one of its requests (checksum verified), and copies the overlap. meta (may be NULL) receives the
+   metadata of rank 0's shard. Both are collective over g (g NULL: one process); a failure on any rank
+   is an error on every rank, naming the rank.
+   Each element is saved by exactly one rank: before any file is written, the ranks exchange their
+   slices (an all_gather of name, dtype, global_count, offset and count) and every rank checks the same
+   list, so all refuse together, with the same DDP_ERR_INVALID_ARGUMENT, and none writes, when two
+   slices of a tensor overlap ("rank 0 saves "w" [0, 6) and rank 1 saves "w" [0, 4)": a tensor every
+   rank holds whole, replicated, belongs in ddp_checkpoint_save, saved once) or disagree on
+   global_count or dtype. Ranges nobody saves are allowed at save time.
+   Every requested element must be found exactly once: a hole (elements no rank saved: the message
+   names the first missing range, "lacks elements [8, 10) of "w""), another dtype or another
+   global_count is DDP_ERR_MISMATCH; elements two saved pieces hold (a save from before the overlap
+   check) are DDP_ERR_FORMAT naming the range and both ranks, as which copy is right cannot be told.
    Return: as ddp_checkpoint_save_shard / ddp_checkpoint_load_shard; DDP_ERR_INVALID_ARGUMENT for a slice
-   outside its tensor, without a name or data; DDP_ERR_FORMAT for a shard that holds other tensors.
+   outside its tensor, without a name or data, or overlapping another (save); DDP_ERR_FORMAT for a
+   shard that holds other tensors or pieces that overlap (load).
    Thread safety: as ddp_checkpoint_save. */
 typedef struct ddp_slice {
     const char *name;
@@ -1609,9 +1774,9 @@ DDP_API ddp_result ddp_checkpoint_save_slices(ddp_group *g, const char *path, co
 DDP_API ddp_result ddp_checkpoint_load_slices(ddp_group *g, const char *path, ddp_slice *s, int n, ddp_meta *meta);
 
 /* ddp_checkpoint_latest: find the newest checkpoint of a family, to resume from. pattern is a path
-   whose file name holds one '*' standing for a run of digits ("ckpt/model_*.safetensors"); the file
-   (or shard marker) with the largest number wins. A name with any other text in the place of the '*'
-   (such as "<name>.tmp" leftovers) never matches. Not collective; rank 0 may call it and broadcast.
+   whose file name holds one '*' standing for a run of 1 to 18 digits ("ckpt/model_*.safetensors"); the
+   file (or shard marker) with the largest number wins. A name with any other text in the place of the
+   '*' (such as "<name>.tmp" leftovers), or a longer run of digits, never matches. Not collective; rank 0 may call it and broadcast.
    Parameters: out receives the path (capacity bytes, terminator included); number (may be NULL)
    receives its number.
    Return: DDP_SUCCESS with out = "" and *number = -1 when there is none yet; DDP_ERR_INVALID_ARGUMENT
@@ -2089,27 +2254,35 @@ DDP_API void ddp__cuda_device_free(void *p);
    Every private name starts with ddp__ and every private function is static: the implementation is
    one translation unit. It compiles as C99 and as C++17, so casts from void * are explicit.
 
-   The layers, bottom up (each piece calls only pieces above it in this list, never a public
-   collective below the collectives layer; this file declares every cross-file function and type,
-   grouped by the piece that defines it):
+   THE LAYERS, bottom up: the one list of them (docs/ARCHITECTURE.md and the header's preamble point
+   here). It is the order of the pieces in amalgamate.py's manifest, and `amalgamate.py --check` keeps
+   it true: a piece calls only the pieces before it. A lower layer reaches up only through a slot that
+   the upper one fills (a ddp__backend table, the set-up's hooks in ddp__mesh.setup, ddp_group.end_upper),
+   never by name. This file declares every cross-file function and type, grouped by the piece that defines it.
 
-       util, dtype              errors, logging, environment, time; element types and reduction
+       util, registry           errors, logging, environment, time; which groups and work handles are live
+       dtype, alloc             element types, reduction, conversions; ddp_alloc's arenas and heap blocks
        net, auth, store         sockets with deadlines; DDP_AUTH_TOKEN; the rendezvous key-value store
-       link, transport          one layer: connections between ranks made on first use (link), framed
-                                messages over them, failure detection, abort (transport); during
-                                ddp_init's set-up they ask group.c whether a missing rank is gone
-       collectives              the public collectives: validate, fingerprint, dispatch, async work
+       trace                    the flight recorder, and the names of collectives in every message
+       link                     connections between ranks, made on first use; failures go up as codes
+       transport                framed messages over the links, failure detection, breaking the group
+                                (the backends' abort slots); ddp_init's set-up lends it hooks to ask the store
+       devbuf, hostmem          device buffers staged through pinned host memory; the host backends'
+                                memory slots (the reducer's buckets)
+       collectives              the public collectives: validate, fingerprint, dispatch, async work, and
+                                ddp__agree_outcome for the multi-step calls above
        backends                 each fills a ddp__backend table, the only way calls reach it:
          tcp                      ring, recursive-doubling, tree algorithms between ranks (also set-up)
-         alloc                    ddp_alloc: library buffers in the shared segment's arenas
          shm                      shared memory among the ranks of one host
-         hier                     hierarchical all_reduce for groups that span hosts
-         mpi, nccl                MPI and NCCL libraries
-       devbuf                   device buffers on the backends without NCCL, staged through pinned host
-                                memory around the backend's run (collectives.c calls it; DDP_CUDA)
-       group                    ddp_init, rendezvous, the table of ranks, which backend a group gets, subgroups
+         hier                     hierarchical all_reduce for groups that span hosts (its stage groups
+                                  are group.c's)
+         mpi, nccl                the MPI and NCCL libraries
+       group                    ddp_init, rendezvous, the table of ranks, which backend a group gets,
+                                subgroups, ddp_destroy
        launcher                 ddp_spawn, ddprun
-       reducer, sampler, syncbn, safetensors, checkpoint    built on the public API
+       reducer, zero_state      DistributedDataParallel's Reducer, ZeRO; built on the collectives
+       sampler, syncbn          DistributedSampler; SyncBatchNorm
+       safetensors, checkpoint, reshard    the file format; saves and loads; slices across world sizes
 
    A new collective is one ddp__coll_kind, one public function (collectives.c) and one case in each
    backend's run function. */
@@ -2358,7 +2531,8 @@ static DDP__UNUSED ddp_result ddp__net_poll(int fd, short events, double deadlin
 static DDP__UNUSED void ddp__net_local_address(int fd, char *host, size_t cap);
 static DDP__UNUSED void ddp__net_configure(int fd); /* non-blocking, close-on-exec, TCP_NODELAY */
 
-/* ---- store.c: the rendezvous key-value store (c10d TCPStore protocols of torch 1.13 and 2.x; file store) ---- */
+/* ---- store.c, store_server.c, store_client.c, store_file.c, store_api.c: the rendezvous key-value store (c10d
+   TCPStore protocols of torch 1.13 and 2.x; file store); store_state.h is their private header ---- */
 typedef struct ddp__store_server ddp__store_server;
 /* Start serving on host:port (host as MASTER_ADDR; NULL = all interfaces; port 0 = any free port) on a
    background thread. Errors (port in use, address not on this host) come from ddp__net_listen with clear
@@ -2401,6 +2575,11 @@ static DDP__UNUSED int ddp__store_torch_prefix(const char *prefix_store, char *b
 static DDP__UNUSED ddp_result ddp__store_open_file(const char *path, double timeout, ddp_store **out, char *err);
 static DDP__UNUSED void ddp__store_free(ddp_store *s); /* closes the connection or the file; NULL is a no-op */
 static DDP__UNUSED void ddp__store_set_timeout(ddp_store *s, double timeout);
+/* s is rank 0's own client of the server in this process: a lost connection is not "did rank 0 exit?". */
+static DDP__UNUSED void ddp__store_mark_own(ddp_store *s);
+/* Wait at most `seconds` for the server to close this idle TCP client's connection (ddp_destroy: rank 0's
+   store has stopped). 1: closed, or no TCP connection to wait on; 0: still open. */
+static DDP__UNUSED int ddp__store_await_close(ddp_store *s, double seconds);
 /* torch's compare_set: when key holds expected (or is missing and expected_size is 0) it becomes desired.
    Copies at most capacity bytes of the value the key holds afterwards to current; *size = its full size.
    (When the key is missing and expected_size > 0, torch answers with expected: so does this.) */
@@ -2497,7 +2676,17 @@ typedef struct ddp__call {
    (host for cpu and mpi, device for nccl): alloc (zeroed; NULL when out of memory), release, zero,
    copy_in_scaled (dst = src * scale, converted from src_t to dst_t in f32 (f64 for f64), rounded
    once; dst may equal src when the dtypes do) and copy_out (dst = src converted; it also moves the
-   reducer's used map between host memory and the backend's). */
+   reducer's used map between host memory and the backend's); the host versions are hostmem.c's.
+   Optional (NULL: nothing to do, or the mesh's own), so that the layers below call no backend by name:
+     abort        the group breaks (transport.c ddp__group_break): wake every rank waiting inside the
+                  backend at once (shm: the segment's abort word and futex)
+     peer_seq     the newest collective number peer `peer` has entered, as the backend sees it (shm:
+                  the segment's fingerprints), 0 when it cannot tell; a recv uses it to see that its
+                  source went on to a collective without sending
+     p2p_start    ddp_isend / ddp_irecv through the backend's own point-to-point calls (mpi): start w's
+                  transfer, setting w->owner to a table whose wait and test finish it (and run takes
+                  the blocking ddp_send / ddp_recv); NULL: the mesh's messages (transport.c)
+     p2p_release  on a work owner: cancel a started transfer nobody waited for (the group ends) */
 typedef struct ddp__backend {
     const char *name;   /* the transport, for messages: "tcp", "shm", "hier", "mpi", "nccl", "alone" */
     const char *family; /* ddp_backend_name(): "cpu", "mpi" or "nccl" */
@@ -2512,6 +2701,10 @@ typedef struct ddp__backend {
     void (*copy_in_scaled)(ddp_group *g, void *dst, ddp_dtype dst_t, const void *src, ddp_dtype src_t, size_t count,
                            double scale);
     void (*copy_out)(ddp_group *g, void *dst, ddp_dtype dst_t, const void *src, ddp_dtype src_t, size_t count);
+    void (*abort)(ddp_group *g);
+    uint64_t (*peer_seq)(const ddp_group *g, int peer);
+    ddp_result (*p2p_start)(ddp_group *g, ddp_work *w);
+    void (*p2p_release)(ddp_work *w);
 } ddp__backend;
 
 /* One TCP connection to another member of the group (made on first use: link.c). */
@@ -2563,6 +2756,18 @@ typedef struct ddp__shake {
 /* The links of a group: its listening socket, the table of where every rank listens, the connections
    made so far (group.c fills the table and opens the listener; link.c makes connections on first use;
    transport.c moves frames on them). */
+/* What ddp_init's set-up (group.c) lends the mesh while it runs, so that a rank lost on the way is also
+   looked for in the store: link.c and transport.c call up only through these.
+     watch  every so often while a step waits on a rank it has no connection with: a failure another rank
+            published in the store, or rank `peer`'s process gone from this node, fails g (error in g->error;
+            published); else DDP_SUCCESS
+     lost   rank `peer`'s port refuses connections (`how`): published, so every rank fails naming it; the
+            message in g->error */
+typedef struct ddp__setup_hooks {
+    ddp_result (*watch)(ddp_group *g, int peer);
+    ddp_result (*lost)(ddp_group *g, int peer, const char *how);
+} ddp__setup_hooks;
+
 typedef struct ddp__mesh {
     ddp__peer *peers;        /* world_size entries, indexed by rank in this group */
     ddp__peer_info *dir;     /* world_size entries: the rendezvous table (NULL before it) */
@@ -2573,7 +2778,7 @@ typedef struct ddp__mesh {
     int listen_fd;           /* peers dial this; open for the group's life (-1: none) */
     ddp__shake *shakes;      /* DDP__SHAKES_MAX: connections being made */
     int nshakes;
-    int in_setup;            /* ddp_init's own set-up runs: a rank lost on the way is looked for in the store too */
+    const struct ddp__setup_hooks *setup; /* while ddp_init's own set-up runs (group.c), else NULL */
     struct pollfd *pollfds;  /* world_size + DDP__SHAKES_MAX + 1 entries: what one exchange step waits on */
     int *poll_owner;         /* the rank of each pollfds entry (link.c's own entries: below -1) */
     int waiting_for;         /* the rank this one waits for in the current step, -1 if none (for messages) */
@@ -2589,6 +2794,7 @@ typedef struct ddp__membership {
     ddp_store *store;        /* shared with subgroups; the world group owns it (NULL when alone) */
     int owns_store;
     struct ddp__store_server *store_server; /* rank 0 of the world group serves the store */
+    int rank0_serves;        /* the world group's store is rank 0's TCP server (not a file, not torchrun's agent) */
     char address[128];       /* this host's address that peers connect to */
     char prefix[96];         /* this group's store keys start with it */
     ddp_group *parent;       /* NULL for the world group (and hier.c's stage groups) */
@@ -2632,7 +2838,8 @@ typedef struct ddp__lib {
     size_t heap_n, heap_cap;
 } ddp__lib;
 
-/* hier.c: the stage groups of a group that spans hosts with several ranks on a host. */
+/* hier.c: the stage groups of a group that spans hosts with several ranks on a host (group.c opens and
+   ends them: ddp__hier_open, ddp__hier_stages_end). */
 typedef struct ddp__hier {
     ddp_group *host;    /* the ranks of this host (NULL if only this one) */
     ddp_group *leaders; /* the first rank of every host, on those ranks (else NULL) */
@@ -2673,6 +2880,10 @@ struct ddp_group {
     struct ddp__devbuf *devbuf; /* devbuf.c: the stream and pinned memory that stage device buffers (NULL: none yet) */
     struct ddp__trace *trace; /* trace.c's flight recorder (NULL: off) */
     struct ddp__ck_async *ck_async; /* checkpoint.c's background save (NULL: no async save yet) */
+    /* The end of what an upper layer keeps with the group (checkpoint.c's background save, its private
+       group: ddp__ck_async_end), called first by ddp_destroy and by ddp__group_free; idempotent; NULL:
+       nothing. The layers below reach up only through such slots, never by name. */
+    void (*end_upper)(ddp_group *g);
 };
 
 struct ddp_work {
@@ -2703,9 +2914,6 @@ static DDP__UNUSED ddp_result ddp__link_check_refused(ddp_group *g, const ddp__c
 static DDP__UNUSED uint64_t ddp__link_group_hash(const ddp_group *g);
 
 /* ---- transport.c: framed messages on the mesh, failure detection, breaking the group ---- */
-static DDP__UNUSED const char *ddp__coll_name(int kind); /* "all_reduce", ... */
-/* "all_reduce(count=1024, f32, sum) as collective #7", numbered from g's seq_base */
-static DDP__UNUSED void ddp__coll_describe(const ddp_group *g, const ddp__coll *c, char *out, size_t cap);
 /* Record the first error that breaks g and tell every peer (ABORT frames, a half-close, the shared
    segment's abort word): every rank waiting on anything fails at once with the same message. */
 static DDP__UNUSED ddp_result ddp__group_break(ddp_group *g, ddp_result code, const char *msg);
@@ -2756,6 +2964,9 @@ static DDP__UNUSED ddp_result ddp__sizes_differ(ddp_group *g, const ddp__coll *c
                                                uint64_t expected);
 
 /* ---- collectives.c: the public collectives' machinery ---- */
+/* Every rank's outcome of a multi-step call (checkpoints, ZeRO state): the first failure (lowest rank) is
+   every rank's error, with its message; mine when g is NULL or of one rank. Collective. */
+static DDP__UNUSED ddp_result ddp__agree_outcome(ddp_group *g, ddp_result mine, const char *what);
 /* Chunk i of `count` elements cut into n nearly equal parts (the first count % n get one more). */
 static DDP__UNUSED void ddp__chunk(size_t count, int n, int i, size_t *off, size_t *len);
 static DDP__UNUSED void *ddp__scratch(ddp_group *g, size_t bytes); /* g's staging memory; NULL when out of memory */
@@ -2783,7 +2994,10 @@ static DDP__UNUSED int ddp__work_issue(ddp_group *g, ddp_work *w); /* record w a
    gradient): finish queued work, then break the group so every rank fails with msg. */
 static DDP__UNUSED ddp_result ddp__group_abort(ddp_group *g, ddp_result code, const char *msg);
 
-/* ---- trace.c: the flight recorder, each group's last DDP_TRACE_SIZE collectives ---- */
+/* ---- trace.c: the flight recorder, each group's last DDP_TRACE_SIZE collectives; collectives' names ---- */
+static DDP__UNUSED const char *ddp__coll_name(int kind); /* "all_reduce", ... */
+/* "all_reduce(count=1024, f32, sum) as collective #7", numbered from g's seq_base */
+static DDP__UNUSED void ddp__coll_describe(const ddp_group *g, const ddp__coll *c, char *out, size_t cap);
 static DDP__UNUSED void ddp__trace_open(ddp_group *g);  /* group.c: a new group's recorder (none if off) */
 static DDP__UNUSED void ddp__trace_close(ddp_group *g); /* group.c: before g is freed */
 static DDP__UNUSED void ddp__trace_queued(ddp_group *g, const ddp__coll *c, int started); /* c took its seq (fingerprint) */
@@ -2828,24 +3042,19 @@ static DDP__UNUSED void ddp__lib_free_all(ddp_group *g); /* the group is going a
 /* Map one segment for a group whose ranks all share this host and install the shm backend. Collective
    over the mesh; a failure to set up shared memory is not an error (the group stays on TCP). */
 static DDP__UNUSED ddp_result ddp__shm_setup(ddp_group *g);
-static DDP__UNUSED void ddp__shm_abort(ddp_group *g); /* ddp__group_break: wake every waiting rank */
-/* The newest collective number rank j has entered over the segment (0: none or no segment). */
-static DDP__UNUSED uint64_t ddp__shm_peer_seq(const ddp_group *g, int j);
 
 /* ---- hier.c: the hierarchical backend ---- */
-/* keys: every rank's host key. Makes the stage groups when some host has several ranks, and installs the
-   hier backend. Collective over the mesh. */
-static DDP__UNUSED ddp_result ddp__hier_setup(ddp_group *g, const uint64_t *keys);
+typedef struct ddp__hier_map { /* ddp__hier_plan's answer */
+    int *host, nhost, my_index;      /* the ranks of this rank's host; this rank is host[my_index] */
+    int *leaders, nlead, lead_index; /* the first rank of every host; this rank is leaders[lead_index] if it leads */
+} ddp__hier_map;
+static DDP__UNUSED int ddp__hier_plan(const uint64_t *keys, int n, int rank, ddp__hier_map *m);
+static DDP__UNUSED void ddp__hier_install(ddp_group *g, int nhosts); /* after group.c opened the stage groups */
 
 /* ---- mpi.c: the mpi backend ---- */
 static DDP__UNUSED ddp_result ddp__mpi_world(int *rank, int *world_size, struct ddp__mpi **out, char *err);
 static DDP__UNUSED ddp_result ddp__mpi_split(ddp_group *parent, int me, struct ddp__mpi **out);
 static DDP__UNUSED void ddp__mpi_attach(ddp_group *g, struct ddp__mpi *m); /* g's communicator and backend */
-/* ddp_isend / ddp_irecv on the mpi backend: start w's call (w->call, w->coll filled) as MPI_Isend / MPI_Irecv;
-   w's owner then waits for it (ddp__mpi_p2p_wait), and ddp__mpi_p2p_release cancels it when the group ends. */
-static DDP__UNUSED ddp_result ddp__mpi_p2p_start(ddp_group *g, ddp_work *w);
-static DDP__UNUSED ddp_result ddp__mpi_p2p_wait(ddp_work *w);
-static DDP__UNUSED void ddp__mpi_p2p_release(ddp_work *w);
 static DDP__UNUSED void ddp__mpi_free(struct ddp__mpi *m);
 
 /* ---- nccl.c: the nccl backend ---- */
@@ -2889,6 +3098,40 @@ static DDP__UNUSED void *ddp__devbuf_stream(const ddp_group *g);
 static DDP__UNUSED ddp_result ddp__devbuf_inherit(ddp_group *sub, const ddp_group *parent);
 static DDP__UNUSED void ddp__devbuf_free(ddp_group *g); /* waits for queued copies; g->devbuf = NULL */
 
+/* ---- launch_env.c: rank, world size and rank 0's address, from the descriptor or the launcher ---- */
+typedef struct ddp__launch {
+    int rank, world_size;
+    int local_rank, local_world_size; /* -1 when the launcher did not say */
+    const char *source;               /* where rank and world size came from, for messages */
+    char master_addr[256];
+    int master_port;                  /* 0: none given */
+    const char *file_path;            /* init_method file:// */
+    int restart_count;
+    int agent_store;                  /* TORCHELASTIC_USE_AGENT_STORE=True: torchrun's agent serves the store */
+} ddp__launch;
+static DDP__UNUSED ddp_result ddp__read_launch(const ddp_init_desc *d, ddp__launch *L, char *err);
+static DDP__UNUSED double ddp__read_timeout(const ddp_init_desc *d, char *err, ddp_result *res);
+
+/* ---- rendezvous.c: records, the table, the job's identity, a rank lost inside ddp_init ---- */
+/* What each rank publishes about itself: "world=W port=P pid=PID addr=A host=H node=N". */
+typedef struct ddp__record {
+    int world, port, pid;
+    char addr[128], host[128];
+    unsigned long long node; /* ddp__node_key() of its process; 0 when not published */
+} ddp__record;
+static DDP__UNUSED void ddp__key(const ddp_group *g, char *out, size_t cap, const char *name, int index);
+static DDP__UNUSED ddp_result ddp__rdzv_check_abort(ddp_group *g, int *aborted);
+static DDP__UNUSED void ddp__rdzv_publish(ddp_group *g, ddp_result code);
+static DDP__UNUSED ddp_result ddp__rdzv_fail_all(ddp_group *g, ddp_result code);
+static DDP__UNUSED uint64_t ddp__host_key(void);
+static DDP__UNUSED unsigned long long ddp__node_key(void);
+static DDP__UNUSED int ddp__pid_gone(int pid, unsigned long long its_node, unsigned long long node);
+static DDP__UNUSED ddp_result ddp__rdzv_lost(ddp_group *g, int i, const ddp__record *r, const char *how);
+static DDP__UNUSED ddp_result ddp__rdzv_job(ddp_group *g, const char *where, int file_store, int *foreign);
+static DDP__UNUSED ddp_result ddp__rank0_port_taken(ddp_group *g, const ddp__launch *L, ddp_result r, char *err);
+static DDP__UNUSED ddp_result ddp__rendezvous(ddp_group *g, const char *addr, int port, const char *where);
+static DDP__UNUSED void ddp__route_address(const char *master, int port, char *out, size_t cap);
+
 /* ---- group.c ---- */
 static DDP__UNUSED ddp_group *ddp__group_alloc(int rank, int world_size);
 static DDP__UNUSED void ddp__group_free(ddp_group *g); /* connections closed without goodbye */
@@ -2897,17 +3140,6 @@ static DDP__UNUSED void ddp__subgroup_unlink(ddp_group *parent, ddp_group *sub);
 /* Make and connect the group of the parent's ranks `ranks` (see group.c); hier.c's stages use it too. */
 static DDP__UNUSED ddp_result ddp__subgroup_open(ddp_group *g, const int *ranks, int n, int me, const char *name,
                                                  struct ddp__mpi *comm, const char *what, ddp_group **out);
-/* During ddp_init's set-up (g->mesh.in_setup), for link.c: a failure another rank published in the store,
-   or rank `peer`'s process gone from this node, fails g (error in g->error; published); else DDP_SUCCESS. */
-static DDP__UNUSED ddp_result ddp__setup_watch(ddp_group *g, int peer);
-/* During the set-up: rank `peer` is gone (`how`); published so every rank fails naming it. */
-static DDP__UNUSED ddp_result ddp__setup_lost(ddp_group *g, int peer, const char *how);
-
-/* ---- checkpoint.c ---- */
-/* The group ends (ddp_destroy, before its barrier): finish a background save in flight (its work keeps
-   the outcome), close the save's private group, free the staging buffer. Idempotent. */
-static DDP__UNUSED void ddp__ck_async_end(ddp_group *g);
-static DDP__UNUSED int ddp__ck_async_owns(const ddp_work *w); /* w came from ddp_checkpoint_save_async */
 
 /* ---- safetensors.c: the format that checkpoint.c's policy reads and writes: its limits and reserved
    key prefixes, the dtype table, the parsed header, the writer's buffer ---- */
@@ -2938,6 +3170,7 @@ typedef struct ddp__ck_entry {
     int ndim;         /* may exceed 8; then only the first 8 dimensions are kept */
     int64_t shape[8];
     uint64_t begin, end; /* byte offsets into the data section */
+    int order;        /* position among the header's tensor entries (0 = first listed; ddp_checkpoint_list's order) */
 } ddp__ck_entry;
 
 typedef struct ddp__ck_header {
@@ -3002,15 +3235,18 @@ static DDP__UNUSED ddp_result ddp__ck_copy_meta(ddp_group *g, const ddp__ck_head
 /* The completion marker of a shard save at path: its world size and save id. */
 static DDP__UNUSED ddp_result ddp__ck_read_marker(ddp_group *g, const char *path, int64_t *world, uint64_t *id);
 static DDP__UNUSED char *ddp__ck_shard_path(const char *path, int rank); /* "<path>.rank<r>"; NULL out of memory */
-/* Every rank's outcome of a checkpoint step: the first failure (lowest rank) is every rank's error. */
-static DDP__UNUSED ddp_result ddp__ck_agree(ddp_group *g, ddp_result mine, const char *what);
 static DDP__UNUSED void ddp__ck_async_settle(ddp_group *g); /* wait for an async save in flight */
 
 /* ---- reducer.c: what zero_state.c reads of a reducer ---- */
 static DDP__UNUSED ddp_result ddp__reducer_zero_model(ddp_reducer *r, const char *fn, ddp_group **g, int *nparams);
 static DDP__UNUSED size_t ddp__reducer_param_count(const ddp_reducer *r, int i);
 
-/* ---- reducer.c: host memory for the reducer's buckets (every backend but nccl uses these) ---- */
+/* ---- dtype.c: conversions between the floating dtypes ---- */
+static DDP__UNUSED void ddp__host_convert_scaled(void *dst, ddp_dtype dst_t, const void *src, ddp_dtype src_t, size_t count,
+                                                 double scale);
+static DDP__UNUSED void ddp__host_convert(void *dst, ddp_dtype dst_t, const void *src, ddp_dtype src_t, size_t count);
+
+/* ---- hostmem.c: host memory for the reducer's buckets (every backend but nccl uses these) ---- */
 static DDP__UNUSED void *ddp__host_alloc(ddp_group *g, size_t bytes);
 static DDP__UNUSED void ddp__host_release(ddp_group *g, void *p);
 static DDP__UNUSED void ddp__host_zero(ddp_group *g, void *dst, size_t bytes);
@@ -3118,8 +3354,6 @@ static void ddp__log(const ddp_group *g, ddp_log_level level, const char *fmt, .
 
 static char *ddp__error_buffer(ddp_group *g) { return g ? g->error : ddp__thread_error; }
 
-/* A destroyed group's message went with it: this thread's last error then (registry.c knows which are live). */
-DDP_API const char *ddp_last_error(const ddp_group *g) { return g && ddp__live_has(g, DDP__LIVE_GROUP) ? g->error : ddp__thread_error; }
 
 /* ---- environment ---- */
 
@@ -3429,6 +3663,11 @@ static ddp_result ddp__group_check(const ddp_group *g, const char *fn) {
                          "its subgroups", fn, (const void *)g);
     return DDP_SUCCESS;
 }
+
+/* A destroyed group's message went with it: this thread's last error then. */
+DDP_API const char *ddp_last_error(const ddp_group *g) {
+    return g && ddp__live_has(g, DDP__LIVE_GROUP) ? g->error : ddp__error_buffer(NULL);
+}
 /* ==================== end src/registry.c ==================== */
 
 /* ==================== begin src/dtype.c ==================== */
@@ -3562,6 +3801,7 @@ static float ddp__combine_f32(float a, float b, ddp_op op) {
 
 static void ddp__reduce(void *dst, const void *src, size_t count, ddp_dtype t, ddp_op op) {
     size_t i;
+    DDP_ASSERT(ddp__dtype_valid(t) && ddp__op_valid(op)); /* the public calls checked both */
     switch (t) {
     case DDP_F32: DDP__REDUCE_FLOAT(float); break;
     case DDP_F64: DDP__REDUCE_FLOAT(double); break;
@@ -3598,6 +3838,7 @@ static void ddp__reduce(void *dst, const void *src, size_t count, ddp_dtype t, d
 
 static void ddp__divide(void *buf, size_t count, ddp_dtype t, int n) {
     size_t i;
+    DDP_ASSERT(ddp__dtype_valid(t) && n > 0); /* AVG divides by a group's size */
     switch (t) {
     case DDP_F32: DDP__DIVIDE_LOOP(float, a / (float)n); break;
     case DDP_F64: DDP__DIVIDE_LOOP(double, a / (double)n); break;
@@ -3618,7 +3859,329 @@ static void ddp__divide(void *buf, size_t count, ddp_dtype t, int n) {
     default: break;
     }
 }
+
+/* ---- conversions between the floating dtypes (the reducer's compression, its scaled copies) ---- */
+
+/* One element of a floating dtype, as f32 (f64 keeps its precision through ddp__load_f64). */
+static float ddp__get_f32(const void *p, ddp_dtype t, size_t i) {
+    switch (t) {
+    case DDP_F32: return ((const float *)p)[i];
+    case DDP_F64: return (float)((const double *)p)[i];
+    case DDP_F16: return ddp_f16_to_f32(((const uint16_t *)p)[i]);
+    default: return ddp_bf16_to_f32(((const uint16_t *)p)[i]);
+    }
+}
+static void ddp__put_f32(void *p, ddp_dtype t, size_t i, float v) {
+    switch (t) {
+    case DDP_F32: ((float *)p)[i] = v; break;
+    case DDP_F64: ((double *)p)[i] = (double)v; break;
+    case DDP_F16: ((uint16_t *)p)[i] = ddp_f32_to_f16(v); break;
+    default: ((uint16_t *)p)[i] = ddp_f32_to_bf16(v); break;
+    }
+}
+
+static void ddp__host_convert_scaled(void *dst, ddp_dtype dst_t, const void *src, ddp_dtype src_t, size_t count,
+                                     double scale) {
+    size_t i;
+    if (dst_t == src_t && scale == 1.0) {
+        if (dst != src && count) memcpy(dst, src, count * ddp_dtype_size(dst_t));
+        return;
+    }
+    if (dst_t == DDP_F32 && src_t == DDP_F32) { /* the common case, kept simple enough to vectorise */
+        float *d = (float *)dst, s = (float)scale;
+        const float *x = (const float *)src;
+        for (i = 0; i < count; i++) d[i] = x[i] * s;
+        return;
+    }
+    if (dst_t == DDP_F64 || src_t == DDP_F64) {
+        for (i = 0; i < count; i++) {
+            double v = (src_t == DDP_F64 ? ((const double *)src)[i] : (double)ddp__get_f32(src, src_t, i)) * scale;
+            if (dst_t == DDP_F64)
+                ((double *)dst)[i] = v;
+            else
+                ddp__put_f32(dst, dst_t, i, (float)v);
+        }
+        return;
+    }
+    {
+        float s = (float)scale;
+        for (i = 0; i < count; i++) ddp__put_f32(dst, dst_t, i, ddp__get_f32(src, src_t, i) * s);
+    }
+}
+
+static void ddp__host_convert(void *dst, ddp_dtype dst_t, const void *src, ddp_dtype src_t, size_t count) {
+    size_t i;
+    if (dst_t == src_t) {
+        if (dst != src && count) memcpy(dst, src, count * ddp_dtype_size(dst_t));
+        return;
+    }
+    if (dst_t == DDP_F64) {
+        for (i = 0; i < count; i++) ((double *)dst)[i] = (double)ddp__get_f32(src, src_t, i);
+        return;
+    }
+    for (i = 0; i < count; i++) ddp__put_f32(dst, dst_t, i, ddp__get_f32(src, src_t, i));
+}
 /* ==================== end src/dtype.c ==================== */
+
+/* ==================== begin src/alloc.c ==================== */
+/* [SECTION] alloc: ddp_alloc / ddp_free, library buffers that collectives use in place
+   On a group whose ranks share one host, every rank maps one shared segment (shm.c), which ends with
+   an arena per rank: address space reserved for ddp_alloc, taking memory only where blocks are handed
+   out. A buffer in an arena can be read and written by every rank of the group, so collectives on it
+   need no staging copies (shm.c's single-copy algorithms ask ddp__lib_offset whether a buffer is one).
+   Elsewhere, or when the arena is full, ddp_alloc gives plain aligned heap memory.
+
+   This rank's arena is carved into page-multiple blocks, listed in offset order: first fit, else the
+   top grows. A block's pages are reserved with fallocate when it is handed out (a full /dev/shm then
+   means plain memory instead of SIGBUS later) and punched out when it is freed, so a block always
+   starts zero-filled and freed memory goes back to the system. One spin lock (g->lib.lock) guards the
+   block list and the heap list: ddp_alloc and ddp_free may be called from any thread. */
+
+#include <sys/statvfs.h>
+
+static void ddp__lib_lock(ddp_group *g) {
+    while (__atomic_exchange_n(&g->lib.lock, 1, __ATOMIC_ACQUIRE)) sched_yield();
+}
+static void ddp__lib_unlock(ddp_group *g) { __atomic_store_n(&g->lib.lock, 0, __ATOMIC_RELEASE); }
+
+/* The index of the arena block holding offset off (the blocks cover [0, top)); -1 when off >= top. */
+static long ddp__block_find(const ddp__arena *a, size_t off) {
+    size_t lo = 0, hi = a->nblocks;
+    if (off >= a->top) return -1;
+    while (hi - lo > 1) { /* the last block whose start is <= off */
+        size_t mid = lo + (hi - lo) / 2;
+        if (a->blocks[mid].off <= off)
+            lo = mid;
+        else
+            hi = mid;
+    }
+    return (long)lo;
+}
+
+/* The arena offset of [p, p + bytes) when it lies inside one live block of this rank's arena. */
+static uint64_t ddp__lib_offset(ddp_group *g, const void *p, size_t bytes) {
+    ddp__arena *a = g->lib.arena;
+    uint64_t off = DDP__SHM_NOT_LIB;
+    long i;
+    size_t at;
+    if (!a || !a->base) return off;
+    at = (size_t)((uintptr_t)p - (uintptr_t)(a->base + (size_t)g->rank * a->bytes));
+    if ((uintptr_t)p < (uintptr_t)a->base || at >= a->bytes) return off;
+    ddp__lib_lock(g);
+    i = ddp__block_find(a, at);
+    if (i >= 0 && a->blocks[i].state == 1 && bytes <= a->blocks[i].off + a->blocks[i].size - at) off = at;
+    ddp__lib_unlock(g);
+    return off;
+}
+
+/* Each rank's arena (rank 0 decides): DDP_SHM_ARENA_BYTES, else what /dev/shm can hold (the machine's
+   memory when /dev/shm is unlimited), at most 64 GiB, and at most 8 TiB of address space over all ranks
+   (every rank maps every arena). Only address space: pages are taken as blocks are allocated. */
+static size_t ddp__arena_size(ddp_group *g, int fd) {
+    char err[DDP__ERR_MAX];
+    long v = 0;
+    struct statvfs st;
+    uint64_t want = 0, cap = DDP__MIN((uint64_t)64 << 30, ((uint64_t)8 << 40) / (uint64_t)g->world_size);
+    int k = ddp__env_int("DDP_SHM_ARENA_BYTES", 0, (long)((uint64_t)1 << 46), &v, err);
+    if (k < 0) ddp__log(g, DDP_LOG_WARN, "%s; using the default arena size", err);
+    if (k > 0) return (size_t)((uint64_t)v & ~(uint64_t)(DDP__LIB_PAGE - 1));
+    if (fstatvfs(fd, &st) == 0) want = (uint64_t)st.f_blocks * (uint64_t)st.f_frsize;
+    if (want == 0) want = (uint64_t)sysconf(_SC_PHYS_PAGES) * (uint64_t)sysconf(_SC_PAGESIZE);
+    want = DDP__MIN(want, cap);
+    if (want > (uint64_t)(SIZE_MAX / 4)) want = (uint64_t)(SIZE_MAX / 4);
+    return (size_t)(want & ~(uint64_t)(DDP__ARENA_ALIGN - 1));
+}
+
+
+/* ---- the arena's block list ---- */
+
+/* Insert a block before index i of this rank's list. 0 when out of memory. */
+static int ddp__block_insert(ddp__arena *a, size_t i, size_t off, size_t size, int state) {
+    if (a->nblocks == a->cap) {
+        size_t cap = a->cap ? 2 * a->cap : 16;
+        ddp__block *b = (ddp__block *)ddp__malloc(cap * sizeof *b);
+        if (!b) return 0;
+        if (a->nblocks) memcpy(b, a->blocks, a->nblocks * sizeof *b);
+        ddp__free(a->blocks);
+        a->blocks = b;
+        a->cap = cap;
+    }
+    memmove(a->blocks + i + 1, a->blocks + i, (a->nblocks - i) * sizeof *a->blocks);
+    a->blocks[i].off = off;
+    a->blocks[i].size = size;
+    a->blocks[i].state = state;
+    a->nblocks++;
+    return 1;
+}
+
+static void ddp__block_remove(ddp__arena *a, size_t i) {
+    memmove(a->blocks + i, a->blocks + i + 1, (a->nblocks - i - 1) * sizeof *a->blocks);
+    a->nblocks--;
+}
+
+/* Mark block i free and merge it with free neighbours; a free block at the end goes back above top. */
+static void ddp__block_release(ddp__arena *a, size_t i) {
+    a->blocks[i].state = 0;
+    if (i + 1 < a->nblocks && a->blocks[i + 1].state == 0) {
+        a->blocks[i].size += a->blocks[i + 1].size;
+        ddp__block_remove(a, i + 1);
+    }
+    if (i > 0 && a->blocks[i - 1].state == 0) {
+        a->blocks[i - 1].size += a->blocks[i].size;
+        ddp__block_remove(a, i--);
+    }
+    if (i + 1 == a->nblocks) {
+        a->top = a->blocks[i].off;
+        ddp__block_remove(a, i);
+    }
+}
+
+/* Take need bytes (whole pages) of this rank's arena: the block's offset, or -1 when there is no room. */
+static long ddp__block_take(ddp__arena *a, size_t need) {
+    size_t i, off;
+    for (i = 0; i < a->nblocks; i++) {
+        if (a->blocks[i].state != 0 || a->blocks[i].size < need) continue;
+        if (a->blocks[i].size > need && !ddp__block_insert(a, i + 1, a->blocks[i].off + need, a->blocks[i].size - need, 0))
+            return -1;
+        a->blocks[i].size = need;
+        a->blocks[i].state = 1;
+        return (long)a->blocks[i].off;
+    }
+    if (need > a->bytes - a->top || !ddp__block_insert(a, a->nblocks, a->top, need, 1)) return -1;
+    off = a->top;
+    a->top += need;
+    return (long)off;
+}
+
+static void *ddp__arena_alloc(ddp_group *g, size_t bytes) {
+    ddp__arena *a = g->lib.arena;
+    size_t need = (DDP__MAX(bytes, (size_t)1) + DDP__LIB_PAGE - 1) & ~(DDP__LIB_PAGE - 1);
+    char *mine;
+    long off;
+    int err;
+    if (!a || !a->base) return NULL;
+    mine = a->base + (size_t)g->rank * a->bytes;
+    ddp__lib_lock(g);
+    off = ddp__block_take(a, need);
+    ddp__lib_unlock(g);
+    if (off < 0) return NULL;
+    err = posix_fallocate(a->fd, a->file_off + (off_t)((size_t)g->rank * a->bytes + (size_t)off), (off_t)need);
+    if (err != 0) {
+        ddp__log(g, DDP_LOG_INFO, "ddp_alloc: cannot reserve %zu bytes of shared memory (%s): plain memory instead, "
+                 "which collectives stage through the segment", need, strerror(err));
+        ddp__lib_lock(g);
+        ddp__block_release(a, (size_t)ddp__block_find(a, (size_t)off));
+        ddp__lib_unlock(g);
+        return NULL;
+    }
+    return mine + off;
+}
+
+/* 1 when p was a live block of this rank's arena (now freed), 0 when it is not one. */
+static int ddp__arena_free(ddp_group *g, void *p) {
+    ddp__arena *a = g->lib.arena;
+    size_t at, size;
+    off_t file_at;
+    long i;
+    if (!a || !a->base || (uintptr_t)p < (uintptr_t)(a->base + (size_t)g->rank * a->bytes)) return 0;
+    at = (size_t)((uintptr_t)p - (uintptr_t)(a->base + (size_t)g->rank * a->bytes));
+    if (at >= a->bytes) return 0;
+    ddp__lib_lock(g);
+    i = ddp__block_find(a, at);
+    if (i < 0 || a->blocks[i].off != at || a->blocks[i].state != 1) {
+        ddp__lib_unlock(g);
+        return 0;
+    }
+    a->blocks[i].state = 2; /* being freed: neither handed out again nor freed twice meanwhile */
+    size = a->blocks[i].size;
+    ddp__lib_unlock(g);
+    /* give the pages back; should the file system refuse, zero them so the next block starts zero-filled */
+    file_at = a->file_off + (off_t)((size_t)g->rank * a->bytes + at);
+    if (fallocate(a->fd, FALLOC_FL_PUNCH_HOLE | FALLOC_FL_KEEP_SIZE, file_at, (off_t)size) != 0) memset(p, 0, size);
+    ddp__lib_lock(g);
+    ddp__block_release(a, (size_t)ddp__block_find(a, at));
+    ddp__lib_unlock(g);
+    return 1;
+}
+
+static void *ddp__heap_alloc(ddp_group *g, size_t bytes) {
+    char *raw = (char *)ddp__malloc(bytes + 63), *user;
+    int ok = 1;
+    if (!raw) return NULL;
+    user = (char *)(((uintptr_t)raw + 63) & ~(uintptr_t)63);
+    if (bytes) memset(user, 0, bytes);
+    ddp__lib_lock(g);
+    if (g->lib.heap_n == g->lib.heap_cap) {
+        size_t cap = g->lib.heap_cap ? 2 * g->lib.heap_cap : 16;
+        ddp__heap_block *b = (ddp__heap_block *)ddp__malloc(cap * sizeof *b);
+        if (b) {
+            if (g->lib.heap_n) memcpy(b, g->lib.heap, g->lib.heap_n * sizeof *b);
+            ddp__free(g->lib.heap);
+            g->lib.heap = b;
+            g->lib.heap_cap = cap;
+        } else {
+            ok = 0;
+        }
+    }
+    if (ok) {
+        g->lib.heap[g->lib.heap_n].user = user;
+        g->lib.heap[g->lib.heap_n++].raw = raw;
+    }
+    ddp__lib_unlock(g);
+    if (!ok) ddp__free(raw);
+    return ok ? user : NULL;
+}
+
+/* 1 when p was a live heap block (now freed), 0 when it is not one. */
+static int ddp__heap_free(ddp_group *g, void *p) {
+    void *raw = NULL;
+    size_t i;
+    ddp__lib_lock(g);
+    for (i = 0; i < g->lib.heap_n && !raw; i++)
+        if (g->lib.heap[i].user == p) {
+            raw = g->lib.heap[i].raw;
+            g->lib.heap[i] = g->lib.heap[--g->lib.heap_n];
+        }
+    ddp__lib_unlock(g);
+    ddp__free(raw);
+    return raw != NULL;
+}
+
+DDP_API void *ddp_alloc(ddp_group *g, size_t bytes) {
+    void *p;
+    if (ddp__group_check(g, "ddp_alloc") != DDP_SUCCESS) return NULL;
+    if (bytes > SIZE_MAX / 4) {
+        ddp__fail(g, DDP_ERR_INVALID_ARGUMENT, "ddp_alloc: %zu bytes is more than any machine can hold", bytes);
+        return NULL;
+    }
+    if ((p = ddp__arena_alloc(g, bytes)) == NULL && (p = ddp__heap_alloc(g, bytes)) == NULL)
+        ddp__fail(g, DDP_ERR_OUT_OF_MEMORY, "ddp_alloc: out of memory for %zu bytes", bytes);
+    return p;
+}
+
+DDP_API void ddp_free(ddp_group *g, void *p) {
+    char msg[DDP__ERR_MAX];
+    if (!p) return;
+    if (!g) {
+        ddp__fail(NULL, DDP_ERR_INVALID_ARGUMENT, "ddp_free: the group is NULL; pass the group the memory came from");
+        return;
+    }
+    if (ddp__group_check(g, "ddp_free") != DDP_SUCCESS) return; /* its blocks went with it */
+    if (ddp__arena_free(g, p) || ddp__heap_free(g, p)) return;
+    snprintf(msg, sizeof msg, "ddp_free: %p is not a live block from ddp_alloc on this group (rank %d): freed already, "
+             "allocated on another group, or not from ddp_alloc; it was left alone", p, g->rank);
+    ddp__log(g, DDP_LOG_ERROR, "%s", msg);
+    ddp__fail(g, DDP_ERR_INVALID_ARGUMENT, "%s", msg);
+}
+
+static void ddp__lib_free_all(ddp_group *g) {
+    size_t i;
+    for (i = 0; i < g->lib.heap_n; i++) ddp__free(g->lib.heap[i].raw);
+    ddp__free(g->lib.heap);
+    g->lib.heap = NULL;
+    g->lib.heap_n = g->lib.heap_cap = 0;
+}
+/* ==================== end src/alloc.c ==================== */
 
 /* ==================== begin src/net.c ==================== */
 /* [SECTION] net: TCP sockets with deadlines
@@ -4093,6 +4656,140 @@ static int ddp__auth_server(int fd, const char *token, double deadline, char *er
 }
 /* ==================== end src/auth.c ==================== */
 
+/* ==================== begin src/store_state.h ==================== */
+/* [SECTION] store-state: the store's constants, its handle, and the calls between its pieces
+   store.c (the protocol, key text, the hash table), store_server.c (the server), store_client.c (the
+   ddp_store handle's errors and the TCP client), store_file.c (the file store) and store_api.c (the calls on
+   either kind) share these; nothing else in the library does (internal.h declares what the rest calls). */
+#ifndef DDP__STORE_STATE_H
+#define DDP__STORE_STATE_H
+/* (each piece includes internal.h first) */
+
+#define DDP__STORE_MAX_KEY ((size_t)4096)           /* bytes in one key, prefix included */
+#define DDP__STORE_MAX_VALUE ((size_t)64 << 20)     /* bytes in one value */
+#define DDP__STORE_MAX_WAIT_KEYS ((uint64_t)16384)  /* keys in one WAIT or CHECK */
+#define DDP__STORE_MAX_HELD ((size_t)1 << 30)       /* server: stored keys and values plus every buffer */
+#define DDP__STORE_MIN_HELD ((size_t)1 << 20)       /* the least DDP_STORE_MAX_BYTES may set */
+#define DDP__STORE_SMALL_ENTRY ((size_t)64 << 10)   /* entries that may use the budget's reserved last eighth */
+#define DDP__STORE_ANNOUNCE "\0ddp.h/status"        /* CHECK of this key alone: answer my next request's status */
+#define DDP__STORE_ANNOUNCE_LEN ((size_t)13)
+#define DDP__STATUS_DONE 0
+#define DDP__STATUS_REFUSED 2
+#define DDP__STORE_OUT_HIGH ((size_t)1 << 20)       /* server: replies piled up for a client that does not read */
+#define DDP__STORE_FILE_REFS "ddp/file_store_users" /* file store: how many handles have it open */
+#define DDP__STORE_FILE_MAGIC "DDPFS001"            /* file store: the first 8 bytes of the file */
+
+/* torch 1.13's c10d::QueryType, CheckResponseType and WaitResponseType. */
+#define DDP__Q_SET 0
+#define DDP__Q_COMPARE_SET 1
+#define DDP__Q_GET 2
+#define DDP__Q_ADD 3
+#define DDP__Q_CHECK 4
+#define DDP__Q_WAIT 5
+#define DDP__Q_GETNUMKEYS 6
+#define DDP__Q_WATCH_KEY 7
+#define DDP__Q_DELETE_KEY 8
+#define DDP__CHECK_READY 0
+#define DDP__CHECK_NOT_READY 1
+#define DDP__WAIT_STOP_WAITING 0
+#define DDP__WAIT_CANCELED 1
+/* Queries only torch 2.x's protocol has, by the numbers the store's pieces use inside (never on the wire as these). */
+#define DDP__Q_VALIDATE 0x40
+#define DDP__Q_APPEND 0x41
+#define DDP__Q_MULTI_GET 0x42
+#define DDP__Q_MULTI_SET 0x43
+#define DDP__Q_CANCEL_WAIT 0x44
+#define DDP__Q_PING 0x45
+#define DDP__Q_UNKNOWN 0xff
+/* torch 2.x (c10d::detail::QueryType in TCPStoreBackend.hpp): VALIDATE 0, SET 1, COMPARE_SET 2, GET 3, ADD 4,
+   CHECK 5, WAIT 6, GETNUMKEYS 7, DELETE_KEY 8, APPEND 9, MULTI_GET 10, MULTI_SET 11, CANCEL_WAIT 12, PING 13,
+   then QUEUE_PUSH, QUEUE_POP, QUEUE_LEN, LIST_KEYS (not served here). Every connection's first query is
+   VALIDATE with this magic (a uint32); VALIDATE has no reply. */
+#define DDP__V2_MAGIC 0x3C85F7CEu
+#define DDP__V2_VALIDATE 0
+#define DDP__V2_PING 13
+
+/* ---- the hash table's entries (store.c; the server's data, a file store's replayed state) ---- */
+
+typedef struct ddp__kv {
+    struct ddp__kv *next;
+    void *owner; /* server: the ddp__store_conn charged for it (NULL: its writer left; always NULL in a file store) */
+    uint64_t hash;
+    size_t key_len, value_len;
+    unsigned char *value;
+    char *key; /* allocated with the entry, right after it */
+} ddp__kv;
+
+typedef struct ddp__kv_table {
+    ddp__kv **slots;
+    size_t nslots, count;
+    size_t bytes; /* entries, keys and values: what the server counts against its budget */
+} ddp__kv_table;
+
+#define DDP__KV_ENTRY_BYTES(klen, vlen) (sizeof(ddp__kv) + (klen) + (vlen))
+
+/* ---- a store handle: its kind's operations (the TCP client's or the file store's) and its state ---- */
+
+typedef struct ddp__store_ops {
+    ddp_result (*set)(ddp_store *s, const char *key, const void *value, size_t size);
+    ddp_result (*get)(ddp_store *s, const char *key, void *value, size_t capacity, size_t *size);
+    ddp_result (*add)(ddp_store *s, const char *key, int64_t delta, int64_t *result);
+    ddp_result (*check)(ddp_store *s, const char *const *keys, int n, int *exists);
+    ddp_result (*wait)(ddp_store *s, const char *const *keys, int n, double timeout);
+    ddp_result (*del)(ddp_store *s, const char *key, int *deleted);
+    ddp_result (*compare_set)(ddp_store *s, const char *key, const void *expected, size_t expected_size,
+                              const void *desired, size_t desired_size, void *current, size_t capacity, size_t *size);
+    ddp_result (*num_keys)(ddp_store *s, int64_t *n);
+    void (*close)(ddp_store *s);
+} ddp__store_ops;
+
+struct ddp_store {
+    const ddp__store_ops *ops;
+    double timeout;
+    char where[320]; /* "the store at host:port", "the file store /path": for messages */
+    char error[DDP__ERR_MAX];
+    /* tcp */
+    char *host, *prefix;
+    int port, fd;
+    int proto;          /* 1: torch 1.13's protocol, 2: torch 2.x's, 0: not known yet (found out on connecting) */
+    const char *proto_why; /* how it was chosen, for messages */
+    int own_server;        /* this process serves the store (rank 0's own client): messages say so */
+    size_t prefix_len;
+    unsigned char *msg; /* the request being built */
+    unsigned char msg_type;
+    size_t msg_type_at; /* where the request's type byte is: after the announcing CHECK, or 0 */
+    size_t msg_len, msg_cap;
+    int msg_oom;
+    /* file */
+    char *path;
+    int file_fd;
+    ddp__kv_table kv; /* the file's records replayed up to file_off */
+    uint64_t file_off;
+    dev_t file_dev;
+    ino_t file_ino;
+};
+
+/* ---- store.c: the protocol's query numbers, pieces shared by the server, the client and the file store ---- */
+static DDP__UNUSED unsigned char ddp__store_wire_type(int proto, int q);
+static DDP__UNUSED int ddp__store_query_of(int proto, unsigned char b);
+static DDP__UNUSED const char *ddp__store_key_text(const void *key, size_t n, char *buf, size_t cap);
+static DDP__UNUSED uint64_t ddp__store_hash(const void *p, size_t n);
+static DDP__UNUSED int ddp__store_parse_int(const unsigned char *v, size_t n, int64_t *out);
+static DDP__UNUSED int ddp__store_add_int(int64_t old, int64_t delta, int64_t *sum);
+static DDP__UNUSED ddp__kv *ddp__kv_find(const ddp__kv_table *t, const void *key, size_t n, uint64_t h);
+static DDP__UNUSED int ddp__kv_put(ddp__kv_table *t, const void *key, size_t n, uint64_t h, unsigned char *value, size_t vlen);
+static DDP__UNUSED int ddp__kv_remove(ddp__kv_table *t, const void *key, size_t n, uint64_t h);
+static DDP__UNUSED void ddp__kv_clear(ddp__kv_table *t);
+static DDP__UNUSED unsigned char *ddp__store_dup(const void *p, size_t n);
+
+/* ---- store_client.c: a handle's errors and allocation (for store_file.c and store_api.c) ---- */
+static DDP__UNUSED ddp_result ddp__store_fail(ddp_store *s, ddp_result code, const char *fmt, ...) DDP__PRINTF(3, 4);
+static DDP__UNUSED const char *ddp__store_keys_text(const char *const *keys, int n, char *buf, size_t cap);
+static DDP__UNUSED ddp_store *ddp__store_alloc(const ddp__store_ops *ops, double timeout);
+
+#endif /* DDP__STORE_STATE_H */
+/* ==================== end src/store_state.h ==================== */
+
 /* ==================== begin src/store.c ==================== */
 /* [SECTION] store: rendezvous key-value store (c10d TCPStore protocols of torch 1.13 and 2.x), file store
    Mirrors torch.distributed.TCPStore (torch/csrc/distributed/c10d/TCPStore.cpp, torch 1.13; torch 2.x's
@@ -4164,54 +4861,14 @@ static int ddp__auth_server(int fd, const char *token, double deadline, char *er
    exclusive lock, so it is atomic. Each opener adds 1 to a reference key and takes 1 off when it closes:
    the one that brings it to 0 deletes the file, as FileStore does, so every user must open it before any
    closes it (a rendezvous guarantees that). A file left by a crashed run still holds that run's keys: use a
-   fresh path for each run, as with FileStore. The format is ddp.h's own. */
-#include <sys/epoll.h>
+   fresh path for each run, as with FileStore. The format is ddp.h's own.
 
-#define DDP__STORE_MAX_KEY ((size_t)4096)           /* bytes in one key, prefix included */
-#define DDP__STORE_MAX_VALUE ((size_t)64 << 20)     /* bytes in one value */
-#define DDP__STORE_MAX_WAIT_KEYS ((uint64_t)16384)  /* keys in one WAIT or CHECK */
-#define DDP__STORE_MAX_HELD ((size_t)1 << 30)       /* server: stored keys and values plus every buffer */
-#define DDP__STORE_MIN_HELD ((size_t)1 << 20)       /* the least DDP_STORE_MAX_BYTES may set */
-#define DDP__STORE_SMALL_ENTRY ((size_t)64 << 10)   /* entries that may use the budget's reserved last eighth */
-#define DDP__STORE_ANNOUNCE "\0ddp.h/status"        /* CHECK of this key alone: answer my next request's status */
-#define DDP__STORE_ANNOUNCE_LEN ((size_t)13)
-#define DDP__STATUS_DONE 0
-#define DDP__STATUS_REFUSED 2
-#define DDP__STORE_OUT_HIGH ((size_t)1 << 20)       /* server: replies piled up for a client that does not read */
-#define DDP__STORE_FILE_REFS "ddp/file_store_users" /* file store: how many handles have it open */
-#define DDP__STORE_FILE_MAGIC "DDPFS001"            /* file store: the first 8 bytes of the file */
+   The pieces: store_state.h (the constants, the handle, the calls between the pieces), this file (the
+   query numbers on the wire, key text, the hash table), store_server.c (the server), store_client.c (the
+   handle's errors and the TCP client), store_file.c (the file store), store_api.c (the calls on either
+   kind: ddp_store_* and the checks of their arguments). */
 
-/* torch 1.13's c10d::QueryType, CheckResponseType and WaitResponseType. */
-#define DDP__Q_SET 0
-#define DDP__Q_COMPARE_SET 1
-#define DDP__Q_GET 2
-#define DDP__Q_ADD 3
-#define DDP__Q_CHECK 4
-#define DDP__Q_WAIT 5
-#define DDP__Q_GETNUMKEYS 6
-#define DDP__Q_WATCH_KEY 7
-#define DDP__Q_DELETE_KEY 8
-#define DDP__CHECK_READY 0
-#define DDP__CHECK_NOT_READY 1
-#define DDP__WAIT_STOP_WAITING 0
-#define DDP__WAIT_CANCELED 1
-/* Queries only torch 2.x's protocol has, by the numbers this file uses inside (never on the wire as these). */
-#define DDP__Q_VALIDATE 0x40
-#define DDP__Q_APPEND 0x41
-#define DDP__Q_MULTI_GET 0x42
-#define DDP__Q_MULTI_SET 0x43
-#define DDP__Q_CANCEL_WAIT 0x44
-#define DDP__Q_PING 0x45
-#define DDP__Q_UNKNOWN 0xff
-/* torch 2.x (c10d::detail::QueryType in TCPStoreBackend.hpp): VALIDATE 0, SET 1, COMPARE_SET 2, GET 3, ADD 4,
-   CHECK 5, WAIT 6, GETNUMKEYS 7, DELETE_KEY 8, APPEND 9, MULTI_GET 10, MULTI_SET 11, CANCEL_WAIT 12, PING 13,
-   then QUEUE_PUSH, QUEUE_POP, QUEUE_LEN, LIST_KEYS (not served here). Every connection's first query is
-   VALIDATE with this magic (a uint32); VALIDATE has no reply. */
-#define DDP__V2_MAGIC 0x3C85F7CEu
-#define DDP__V2_VALIDATE 0
-#define DDP__V2_PING 13
-
-/* The wire byte of query q (1.13 numbering above) in protocol proto (1: torch 1.13, 2: torch 2.x). */
+/* The wire byte of query q (1.13 numbering, store_state.h) in protocol proto (1: torch 1.13, 2: torch 2.x). */
 static unsigned char ddp__store_wire_type(int proto, int q) {
     if (proto != 2) return (unsigned char)q;
     switch (q) {
@@ -4291,24 +4948,8 @@ static int ddp__store_add_int(int64_t old, int64_t delta, int64_t *sum) {
     return 0;
 }
 
-/* ---- a hash table of byte-string keys and values (the server's data, a file store's replayed state) ---- */
-
-typedef struct ddp__kv {
-    struct ddp__kv *next;
-    void *owner; /* server: the ddp__store_conn charged for it (NULL: its writer left; always NULL in a file store) */
-    uint64_t hash;
-    size_t key_len, value_len;
-    unsigned char *value;
-    char *key; /* allocated with the entry, right after it */
-} ddp__kv;
-
-typedef struct ddp__kv_table {
-    ddp__kv **slots;
-    size_t nslots, count;
-    size_t bytes; /* entries, keys and values: what the server counts against its budget */
-} ddp__kv_table;
-
-#define DDP__KV_ENTRY_BYTES(klen, vlen) (sizeof(ddp__kv) + (klen) + (vlen))
+/* ---- a hash table of byte-string keys and values (the server's data, a file store's replayed state) ----
+   (its entries' types are in store_state.h) */
 
 static ddp__kv *ddp__kv_find(const ddp__kv_table *t, const void *key, size_t n, uint64_t h) {
     ddp__kv *e;
@@ -4402,6 +5043,12 @@ static unsigned char *ddp__store_dup(const void *p, size_t n) {
     if (d && n) memcpy(d, p, n);
     return d;
 }
+/* ==================== end src/store.c ==================== */
+
+/* ==================== begin src/store_server.c ==================== */
+/* [SECTION] store-server: the store's server: one thread, an epoll loop, parsing and answering requests
+   (store.c's head comment describes the protocols, the server, its budget and shares, and refusals). */
+#include <sys/epoll.h>
 
 /* ---- reading a request whose bytes are all there ---- */
 
@@ -4423,7 +5070,7 @@ static const unsigned char *ddp__rd_str(ddp__rd *r, size_t *len) {
     return r->p + r->at - *len;
 }
 
-/* ======================================== server ======================================== */
+/* ---- connections and the server ---- */
 
 typedef struct ddp__store_wait_key {
     uint64_t hash;
@@ -4520,7 +5167,7 @@ static int ddp__srv_over_budget(const ddp__store_server *s, size_t more) {
     return s->kv.bytes + s->buffers + more > s->max_held;
 }
 
-/* The budget and what follows from it (see "Budget and shares" above). */
+/* The budget and what follows from it (see "Budget and shares" in store.c). */
 static void ddp__srv_set_budget(ddp__store_server *s, size_t max_held) {
     s->max_held = max_held;
     s->share = max_held / 8;
@@ -5450,13 +6097,17 @@ static void *ddp__srv_main(void *arg) {
 
 static void ddp__store_server_close(ddp__store_server *s) {
     size_t i;
+    /* The listener first: a client that sees its connection close below and dials again at once (a rank
+       going from ddp_destroy to its next ddp_init) is refused, and retries until the next server listens,
+       rather than reaching this one's listen queue and being reset when it closes. */
+    if (s->listen_fd >= 0) close(s->listen_fd);
+    s->listen_fd = -1;
     for (i = 0; i < s->nconns; i++) ddp__srv_free_conn(s, s->conns[i]);
     DDP_FREE(s->conns);
     DDP_FREE(s->touched);
     if (s->epfd >= 0) close(s->epfd);
     ddp__kv_clear(&s->kv);
     ddp__free(s->token);
-    if (s->listen_fd >= 0) close(s->listen_fd);
     if (s->pipe_rd >= 0) close(s->pipe_rd);
     if (s->pipe_wr >= 0) close(s->pipe_wr);
     ddp__free(s);
@@ -5543,46 +6194,12 @@ static void ddp__store_server_stop(ddp__store_server *s) {
     pthread_join(s->thread, NULL);
     ddp__store_server_close(s);
 }
+/* ==================== end src/store_server.c ==================== */
 
-/* ======================================== client ======================================== */
-
-typedef struct ddp__store_ops {
-    ddp_result (*set)(ddp_store *s, const char *key, const void *value, size_t size);
-    ddp_result (*get)(ddp_store *s, const char *key, void *value, size_t capacity, size_t *size);
-    ddp_result (*add)(ddp_store *s, const char *key, int64_t delta, int64_t *result);
-    ddp_result (*check)(ddp_store *s, const char *const *keys, int n, int *exists);
-    ddp_result (*wait)(ddp_store *s, const char *const *keys, int n, double timeout);
-    ddp_result (*del)(ddp_store *s, const char *key, int *deleted);
-    ddp_result (*compare_set)(ddp_store *s, const char *key, const void *expected, size_t expected_size,
-                              const void *desired, size_t desired_size, void *current, size_t capacity, size_t *size);
-    ddp_result (*num_keys)(ddp_store *s, int64_t *n);
-    void (*close)(ddp_store *s);
-} ddp__store_ops;
-
-struct ddp_store {
-    const ddp__store_ops *ops;
-    double timeout;
-    char where[320]; /* "the store at host:port", "the file store /path": for messages */
-    char error[DDP__ERR_MAX];
-    /* tcp */
-    char *host, *prefix;
-    int port, fd;
-    int proto;          /* 1: torch 1.13's protocol, 2: torch 2.x's, 0: not known yet (found out on connecting) */
-    const char *proto_why; /* how it was chosen, for messages */
-    size_t prefix_len;
-    unsigned char *msg; /* the request being built */
-    unsigned char msg_type;
-    size_t msg_type_at; /* where the request's type byte is: after the announcing CHECK, or 0 */
-    size_t msg_len, msg_cap;
-    int msg_oom;
-    /* file */
-    char *path;
-    int file_fd;
-    ddp__kv_table kv; /* the file's records replayed up to file_off */
-    uint64_t file_off;
-    dev_t file_dev;
-    ino_t file_ino;
-};
+/* ==================== begin src/store_client.c ==================== */
+/* [SECTION] store-client: the store's client: a handle's errors, the TCP client of either protocol
+   (store.c's head comment describes the protocols and the client; store_state.h the handle,
+   store_file.c the other kind of handle, store_api.c the calls on either kind). */
 
 static ddp_result ddp__store_fail(ddp_store *s, ddp_result code, const char *fmt, ...) DDP__PRINTF(3, 4);
 static ddp_result ddp__store_fail(ddp_store *s, ddp_result code, const char *fmt, ...) {
@@ -5780,7 +6397,7 @@ static void ddp__msg_begin(ddp_store *s, unsigned char type) {
 }
 
 /* Start a request that the server may refuse: CHECK of DDP__STORE_ANNOUNCE first, so that a ddp.h server
-   answers it with a status byte (see "Refusals" at the top; ddp__tcp_recv_status reads it). */
+   answers it with a status byte (see "Refusals" at the top of store.c; ddp__tcp_recv_status reads it). */
 static void ddp__msg_begin_announced(ddp_store *s, unsigned char type) {
     unsigned char check = DDP__Q_CHECK;
     s->msg_len = 0;
@@ -5816,6 +6433,11 @@ static ddp_result ddp__tcp_broken(ddp_store *s, ddp_result r, const char *why, c
         return ddp__store_fail(s, DDP_ERR_TIMEOUT, "timed out after %.3g s %s in %s; is every rank running and "
                                                    "doing the same steps? (DDP_TIMEOUT sets the timeout)",
                                seconds, doing, s->where);
+    if (s->own_server) /* rank 0 did not exit: it is this process */
+        return ddp__store_fail(s, r == DDP_ERR_PEER_LOST ? DDP_ERR_PEER_LOST : r,
+                               "lost the connection to %s while %s (%s): this process (rank 0) serves that store, and "
+                               "its server closed this process's own connection (DDP_LOG_LEVEL=debug logs why)",
+                               s->where, doing, why);
     return ddp__store_fail(s, r == DDP_ERR_PEER_LOST ? DDP_ERR_PEER_LOST : r,
                            "lost the connection to %s while %s (%s); did rank 0, which serves the store, exit?%s "
                            "(this client spoke torch %s's TCPStore protocol, %s; a server of the other one, torch %s, "
@@ -6098,7 +6720,42 @@ static int ddp__store_torch_prefix(const char *prefix_store, char *buf, size_t c
     return n >= 0 && (size_t)n < cap ? 0 : -1;
 }
 
-/* ---- file store ---- */
+/* ---- both kinds ---- */
+
+static void ddp__store_free(ddp_store *s) {
+    if (!s) return;
+    s->ops->close(s);
+    ddp__free(s);
+}
+
+static void ddp__store_set_timeout(ddp_store *s, double timeout) { s->timeout = timeout > 0 ? timeout : 300.0; }
+
+static void ddp__store_mark_own(ddp_store *s) {
+    if (s) s->own_server = 1;
+}
+
+/* Wait until the server hangs up this client's idle connection (it stopped), at most `seconds`. Nothing
+   is in flight, so any byte is unexpected: read and dropped. 1: closed (or no TCP connection to wait on),
+   0: still open at the end. */
+static int ddp__store_await_close(ddp_store *s, double seconds) {
+    double deadline = ddp__now() + seconds;
+    if (!s || s->ops != &ddp__tcp_ops || s->fd < 0) return 1;
+    for (;;) {
+        char sink[256], why[DDP__ERR_MAX];
+        ssize_t n;
+        if (ddp__net_poll(s->fd, POLLIN, deadline, why) != DDP_SUCCESS) return 0; /* the deadline, or poll failed */
+        n = recv(s->fd, sink, sizeof sink, 0);
+        if (n == 0 || (n < 0 && errno != EAGAIN && errno != EWOULDBLOCK && errno != EINTR)) {
+            ddp__tcp_disconnect(s);
+            return 1;
+        }
+    }
+}
+/* ==================== end src/store_client.c ==================== */
+
+/* ==================== begin src/store_file.c ==================== */
+/* [SECTION] store-file: the file store: an append-only log of records under flock(), as torch's FileStore
+   (store.c's head comment describes it; store_state.h the handle it fills). */
 
 /* Take the file's lock (LOCK_SH or LOCK_EX) before the deadline: a holder only keeps it for one operation. */
 static ddp_result ddp__file_lock(ddp_store *s, int how, double deadline, const char *doing) {
@@ -6446,16 +7103,11 @@ static ddp_result ddp__store_open_file(const char *path, double timeout, ddp_sto
     *out = s;
     return DDP_SUCCESS;
 }
+/* ==================== end src/store_file.c ==================== */
 
-/* ---- both kinds ---- */
-
-static void ddp__store_free(ddp_store *s) {
-    if (!s) return;
-    s->ops->close(s);
-    ddp__free(s);
-}
-
-static void ddp__store_set_timeout(ddp_store *s, double timeout) { s->timeout = timeout > 0 ? timeout : 300.0; }
+/* ==================== begin src/store_api.c ==================== */
+/* [SECTION] store-api: the store's calls on either kind of handle: ddp_store_* and their argument checks
+   (the TCP client is store_client.c's, the file store store_file.c's; each fills the handle's ops). */
 
 /* Checks shared by the public calls; messages go to the store (or this thread's buffer without one). */
 static ddp_result ddp__store_check_key(ddp_store *s, const char *key, const char *call) {
@@ -6542,446 +7194,42 @@ DDP_API ddp_result ddp_store_delete(ddp_store *s, const char *key, int *deleted)
 }
 
 DDP_API const char *ddp_store_last_error(const ddp_store *s) { return s ? s->error : ddp_last_error(NULL); }
-/* ==================== end src/store.c ==================== */
+/* ==================== end src/store_api.c ==================== */
 
-/* ==================== begin src/link.c ==================== */
-/* [SECTION] link: connections between the ranks of a group, made on first use
-   After the rendezvous every rank knows where every other rank listens (the table, g->mesh.dir) and keeps
-   its own listening socket open for the group's life. No connection is made in advance: the first
-   time an algorithm's step sends to a rank this one has no connection with, it dials that rank
-   (ddp__link_want); a rank waiting in any step also accepts whatever connects to it. So a rank holds
-   the connections its collectives use and no others: the dissemination barrier that ends ddp_init
-   makes the ring neighbours and the ranks 2^k away (2 ceil(log2 N) connections), recursive doubling,
-   the binomial tree and the ring add at most about as many again: O(log N) sockets a rank instead of
-   the N - 1 of a full mesh.
+/* ==================== begin src/trace.c ==================== */
+/* [SECTION] trace: the flight recorder, each group's last collectives, written out when the group breaks
+   (torch's NCCL flight recorder: TORCH_NCCL_TRACE_BUFFER_SIZE, TORCH_NCCL_DUMP_ON_TIMEOUT)
 
-   Who dials: the SENDER of a step, never the receiver, so that a frame a rank sends always reaches its
-   receiver, whatever that rank is doing inside the same collective; tcp.c's argument that a mismatch is an
-   error on every rank rests on this. Two ranks that send to each other at once both dial; each side
-   decides alone, with the same answer: the connection dialed by the higher rank is kept.
+   Every group keeps a ring of its last DDP_TRACE_SIZE collectives (default 64; 0 turns the recorder
+   off). Entry seq % size holds collective #seq: its fingerprint (collective, count, dtype, op, root),
+   its state (queued, in progress, done, failed) and the monotonic times it was queued, started and
+   ended (coarse clock: 1-4 ms resolution). A transition is one clock read and a few relaxed stores
+   into the slot; nothing allocates, locks or makes a system call (bench/bench_trace.c measures it).
 
-   A handshake, dialing side (one ddp__shake, moved on as bytes arrive, inside the poll of the step):
-       connect -> [DDP_AUTH_TOKEN: hello + nonce, answer, proof, verdict (auth.c)] -> group hello -> ack
-   accepting side, the mirror: [auth] -> group hello -> ack 1 (kept: the connection is this peer's from
-   now on) or ack 0 (a duplicate: a connection to that rank exists already, or this rank is the higher
-   one and dials it too). The dialer sends nothing else before the ack, so a connection carries frames
-   only once both sides have kept it. The group hello names the rank, the world size and a hash of the
-   group's store prefix: a stray connection, another group's or another program's, is refused with a
-   warning; at most DDP__PENDING_MAX unidentified connections wait at once, each for at most
-   DDP__PENDING_SECONDS (the oldest goes first).
+   Writers: the thread that issues a call writes the whole entry (queued; async calls under the
+   async queue's mutex, so slots are written in seq order), the thread that runs it (the caller, or
+   the progress thread) moves its state. Every field is an atomic (relaxed, the state word release/
+   acquire): a reader on another thread or in a signal handler sees each field whole, and checks the
+   state word before and after copying an entry, so it skips an entry being rewritten. The state word
+   is seq << 3 | state, so a late update for a slot that a newer collective took is dropped (only
+   possible with more than `size` async calls outstanding).
 
-   A dial that is refused means nothing listens there any more: the rank exited or left the group. The
-   dialer retries for DDP__REFUSED_GRACE s, watching its other connections meanwhile (the ABORT of a
-   rank that failed with a reason arrives there, and is the better message), then fails the step naming
-   the rank as lost. During ddp_init's own set-up the store is asked too (group.c ddp__setup_watch): a
-   rank that failed there published why. */
+   Dump: "ddp trace rank R (host H, pid P), group G, world W, restart K: ..." then one line per entry,
+   oldest first. When a group breaks (ddp__group_break: a timeout, a lost peer, an ABORT from a peer, a
+   mismatch, any error that ends the group), once:
+     DDP_TRACE_DIR set: every live group of this process into DDP_TRACE_DIR/ddp_trace_rank<R>_pid<P>.txt
+                        (R the world rank; written to a temporary file, then renamed over it)
+     else:              this group's last DDP__TRACE_LOG_LINES entries into its log at error level.
+   On SIGUSR1, when DDP_TRACE_DIR is set or DDP_TRACE_SIGNAL=1 (and DDP_TRACE_SIGNAL is not 0): the
+   same file, or stderr without DDP_TRACE_DIR; on SIGTERM the file too (with DDP_TRACE_DIR only), before
+   the process ends as it would have: the rank that ddprun stops because the others failed is often the
+   one that was behind, stuck outside the library where no error reaches it. The handler formats straight from the rings with
+   async-signal-safe calls only (its own number formatting into a stack buffer, open, write, rename;
+   no locks, no stdio), so it also reports a rank that is stuck outside the library; then it calls the
+   handler that was installed before, if any. It is installed once per process and stays.
+   ddprun reads the files when a job fails (launcher.c: ddp__launch_trace_summary). */
 
-#define DDP__HELLO_MAGIC 0x48444450u /* "PDDH": first words on a connection between ranks */
-#define DDP__PENDING_SECONDS 10      /* an accepted connection has this long to say which rank it is */
-#define DDP__REFUSED_GRACE 1.0       /* a port refusing this long: its rank is gone */
-
-typedef struct ddp__hello {
-    uint32_t magic;
-    int32_t rank, world;
-    uint32_t pad;
-    uint64_t group; /* ddp__link_group_hash: a stray connection from another group is refused */
-} ddp__hello;
-
-/* Handshake steps. Accepting: the auth hello, its proof, the group hello. Dialing: the connect, the
-   auth answer, the verdict, the ack. */
-enum { DDP__SHAKE_AUTH_HELLO, DDP__SHAKE_AUTH_PROOF, DDP__SHAKE_HELLO, DDP__SHAKE_CONNECTING, DDP__SHAKE_ANSWER,
-       DDP__SHAKE_VERDICT, DDP__SHAKE_ACK };
-
-static uint64_t ddp__link_group_hash(const ddp_group *g) { return ddp__hash(g->member.prefix); }
-
-static void ddp__link_hello(const ddp_group *g, ddp__hello *h) {
-    memset(h, 0, sizeof *h);
-    h->magic = DDP__HELLO_MAGIC;
-    h->rank = g->rank;
-    h->world = g->world_size;
-    h->group = ddp__link_group_hash(g);
-}
-
-/* ---- the table ---- */
-
-static const char *ddp__peer_name(const ddp_group *g, int i, char *buf, size_t cap) {
-    if (g->mesh.dir && i >= 0 && i < g->world_size)
-        snprintf(buf, cap, "host %.100s, pid %d", g->mesh.names + g->mesh.dir[i].host, g->mesh.dir[i].pid);
-    else
-        snprintf(buf, cap, "rank %d", i);
-    return buf;
-}
-
-static void ddp__link_keep(ddp_group *g, int rank, int fd) {
-    g->mesh.peers[rank].fd = fd;
-    g->mesh.peers[rank].awaits_dial = 0;
-    g->mesh.peers[rank].refused_since = 0;
-    g->mesh.linked[g->mesh.nlinked++] = rank;
-    ddp__log(g, DDP_LOG_DEBUG, "connected to rank %d (%d connections)", rank, g->mesh.nlinked);
-}
-
-static void ddp__shake_drop(ddp_group *g, int i) {
-    if (g->mesh.shakes[i].fd >= 0) close(g->mesh.shakes[i].fd);
-    memmove(g->mesh.shakes + i, g->mesh.shakes + i + 1, (size_t)(g->mesh.nshakes - i - 1) * sizeof *g->mesh.shakes);
-    g->mesh.nshakes--;
-}
-
-static ddp__shake *ddp__shake_add(ddp_group *g, int fd, int rank, int dialing, int step, size_t need, double deadline) {
-    ddp__shake *s = &g->mesh.shakes[g->mesh.nshakes++];
-    memset(s, 0, sizeof *s);
-    s->fd = fd, s->rank = rank, s->dialing = dialing, s->step = step, s->need = need, s->deadline = deadline;
-    return s;
-}
-
-static int ddp__link_dialing(const ddp_group *g, int rank) {
-    int i;
-    for (i = 0; i < g->mesh.nshakes; i++)
-        if (g->mesh.shakes[i].dialing && g->mesh.shakes[i].rank == rank) return 1;
-    return 0;
-}
-
-/* ---- dialing ---- */
-
-/* rank's port refused a dial (or closed it before the ack): dial again shortly; ddp__link_check_refused
-   calls it gone once this has lasted DDP__REFUSED_GRACE s. */
-static void ddp__link_refused(ddp_group *g, int rank) {
-    ddp__peer *p = &g->mesh.peers[rank];
-    if (!p->refused_since) p->refused_since = ddp__now();
-    p->dial_after = ddp__now() + 0.02;
-}
-
-static ddp_result ddp__link_want(ddp_group *g, int peer) {
-    ddp__peer *p = &g->mesh.peers[peer];
-    const ddp__peer_info *d = &g->mesh.dir[peer];
-    char err[DDP__ERR_MAX], name[DDP__PEER_NAME_MAX];
-    int fd = -1, refused = 0;
-    ddp_result r;
-    if (p->fd >= 0 || p->awaits_dial || ddp__link_dialing(g, peer) || ddp__now() < p->dial_after) return DDP_SUCCESS;
-    if (g->mesh.nshakes == DDP__SHAKES_MAX) ddp__shake_drop(g, 0); /* full of strays: the oldest goes */
-    r = ddp__net_connect_start(g->mesh.names + d->addr, d->port, &fd, &refused, err);
-    if (r == DDP_SUCCESS) {
-        ddp__shake_add(g, fd, peer, 1, DDP__SHAKE_CONNECTING, 0, 0);
-        return DDP_SUCCESS;
-    }
-    if (refused) {
-        ddp__link_refused(g, peer);
-        return DDP_SUCCESS;
-    }
-    return ddp__coll_fail(g, r, "connecting to rank %d (%s) at %s:%d: %s", peer, ddp__peer_name(g, peer, name, sizeof name),
-                          g->mesh.names + d->addr, d->port, err);
-}
-
-/* The dialer's next bytes after `s->step` completed: send what the protocol says and wait for the answer. */
-static int ddp__shake_send_hello(ddp_group *g, ddp__shake *s) {
-    ddp__hello h;
-    char err[DDP__ERR_MAX];
-    ddp__link_hello(g, &h);
-    s->step = DDP__SHAKE_ACK, s->have = 0, s->need = 1;
-    return ddp__net_send(s->fd, &h, sizeof h, ddp__now() + 1.0, err) == DDP_SUCCESS;
-}
-
-/* A dial's connect finished (POLLOUT): connected, or refused. 1: go on, 0: refused (dropped), -1: failed
-   otherwise (err set). A reset counts as a refusal, and so does a connection that breaks under the first
-   bytes: the rank's listener closed (it exited, or failed) with this dial still in its backlog. */
-static int ddp__shake_connected(ddp_group *g, ddp__shake *s, char *err) {
-    int e = 0;
-    socklen_t len = sizeof e;
-    if (getsockopt(s->fd, SOL_SOCKET, SO_ERROR, &e, &len) != 0) e = errno;
-    if (e == ECONNREFUSED || e == ECONNRESET) return 0;
-    if (e != 0) {
-        snprintf(err, DDP__ERR_MAX, "connect: %s", strerror(e));
-        return -1;
-    }
-    if (ddp__auth_token()) {
-        memcpy(s->buf, DDP__AUTH_MAGIC, 8);
-        ddp__auth_nonce(s->cn);
-        memcpy(s->buf + 8, s->cn, DDP__AUTH_NONCE);
-        s->step = DDP__SHAKE_ANSWER, s->have = 0, s->need = DDP__AUTH_NONCE + DDP__AUTH_MAC;
-        return ddp__net_send(s->fd, s->buf, 8 + DDP__AUTH_NONCE, ddp__now() + 1.0, err) == DDP_SUCCESS ? 1 : 0;
-    }
-    return ddp__shake_send_hello(g, s) ? 1 : 0;
-}
-
-/* Bytes arrived for a dial in s->step (all s->need of them). 1: go on (or kept/duplicate: s->fd is -1
-   then), -1: failed (err). */
-static int ddp__shake_dial_step(ddp_group *g, ddp__shake *s, char *err) {
-    unsigned char want[DDP__AUTH_MAC];
-    if (s->step == DDP__SHAKE_ANSWER) {
-        ddp__auth_proof(ddp__auth_token(), "server", s->cn, s->buf, want);
-        if (!ddp__auth_equal(want, s->buf + DDP__AUTH_NONCE, DDP__AUTH_MAC)) {
-            snprintf(err, DDP__ERR_MAX, "it does not know this process's DDP_AUTH_TOKEN (its proof is wrong): every rank "
-                     "needs the same token");
-            return -1;
-        }
-        ddp__auth_proof(ddp__auth_token(), "client", s->cn, s->buf, want);
-        s->step = DDP__SHAKE_VERDICT, s->have = 0, s->need = 1;
-        if (ddp__net_send(s->fd, want, sizeof want, ddp__now() + 1.0, err) != DDP_SUCCESS) return -1;
-        return 1;
-    }
-    if (s->step == DDP__SHAKE_VERDICT) {
-        if (s->buf[0] != 1) {
-            snprintf(err, DDP__ERR_MAX, "it refused this process's DDP_AUTH_TOKEN: every rank needs the same token");
-            return -1;
-        }
-        if (!ddp__shake_send_hello(g, s)) {
-            snprintf(err, DDP__ERR_MAX, "the connection closed during the hello");
-            return -1;
-        }
-        return 1;
-    }
-    /* DDP__SHAKE_ACK */
-    if (s->buf[0] == 1 && g->mesh.peers[s->rank].fd < 0) {
-        ddp__link_keep(g, s->rank, s->fd);
-    } else { /* a duplicate: the peer dials this rank as well, and its dial wins */
-        close(s->fd);
-        if (g->mesh.peers[s->rank].fd < 0) g->mesh.peers[s->rank].awaits_dial = 1;
-    }
-    s->fd = -1;
-    return 1;
-}
-
-/* ---- accepting ---- */
-
-/* The accepting side's next step after s->need bytes arrived. 1: go on (or kept: s->fd is -1 then),
-   -1: refused (why in *refusal). */
-static int ddp__shake_accept_step(ddp_group *g, ddp__shake *s, const char **refusal) {
-    unsigned char reply[DDP__AUTH_NONCE + DDP__AUTH_MAC], verdict, ack;
-    char why[DDP__ERR_MAX];
-    ddp__hello h;
-    if (s->step == DDP__SHAKE_AUTH_HELLO) {
-        if (ddp__auth_answer(ddp__auth_token(), s->buf, s->cn, s->sn, reply) != 0) {
-            *refusal = "it did not authenticate (no DDP_AUTH_TOKEN on its side?)";
-            return -1;
-        }
-        if (ddp__net_send(s->fd, reply, sizeof reply, ddp__now() + 1.0, why) != DDP_SUCCESS) {
-            *refusal = "it broke off the authentication";
-            return -1;
-        }
-        s->step = DDP__SHAKE_AUTH_PROOF, s->have = 0, s->need = DDP__AUTH_MAC;
-        return 1;
-    }
-    if (s->step == DDP__SHAKE_AUTH_PROOF) {
-        verdict = (unsigned char)ddp__auth_check(ddp__auth_token(), s->cn, s->sn, s->buf);
-        ddp__net_send(s->fd, &verdict, 1, ddp__now() + 1.0, why);
-        if (!verdict) {
-            *refusal = "its DDP_AUTH_TOKEN is different";
-            return -1;
-        }
-        s->step = DDP__SHAKE_HELLO, s->have = 0, s->need = sizeof(ddp__hello);
-        return 1;
-    }
-    memcpy(&h, s->buf, sizeof h);
-    if (h.magic != DDP__HELLO_MAGIC || h.world != g->world_size || h.group != ddp__link_group_hash(g) || h.rank < 0 ||
-        h.rank >= g->world_size || h.rank == g->rank) {
-        *refusal = "it is not a rank of this group";
-        return -1;
-    }
-    /* Keep it unless this rank has a connection to h.rank already, or dials it too and is the higher rank. */
-    ack = g->mesh.peers[h.rank].fd < 0 && !(g->rank > h.rank && ddp__link_dialing(g, h.rank));
-    if (ddp__net_send(s->fd, &ack, 1, ddp__now() + 1.0, why) != DDP_SUCCESS) ack = 0;
-    if (ack) ddp__link_keep(g, h.rank, s->fd);
-    else close(s->fd);
-    s->fd = -1;
-    return 1;
-}
-
-/* Take what arrived on the listening socket: every connection waiting there, each as a handshake. */
-static ddp_result ddp__link_accept(ddp_group *g) {
-    for (;;) {
-        int fd = accept(g->mesh.listen_fd, NULL, NULL);
-        char err[DDP__ERR_MAX], name[DDP__PEER_NAME_MAX];
-        if (fd < 0) {
-            if (errno == EAGAIN || errno == EWOULDBLOCK || errno == EINTR || errno == ECONNABORTED) return DDP_SUCCESS;
-            if (ddp__out_of_descriptors(errno)) ddp__fail_descriptors(err, errno, "it cannot accept a connection from another rank");
-            else snprintf(err, sizeof err, "accept: %s", strerror(errno));
-            return ddp__coll_fail(g, DDP_ERR_SYSTEM, "rank %d (%s): %s", g->rank, ddp__peer_name(g, g->rank, name, sizeof name), err);
-        }
-        ddp__net_configure(fd);
-        if (g->mesh.nshakes == DDP__SHAKES_MAX) {
-            ddp__log(g, DDP_LOG_WARN, "refused a connection to this rank's port: %d others were waiting to identify "
-                     "themselves", DDP__PENDING_MAX);
-            ddp__shake_drop(g, 0);
-        }
-        if (ddp__auth_token()) ddp__shake_add(g, fd, -1, 0, DDP__SHAKE_AUTH_HELLO, 8 + DDP__AUTH_NONCE, ddp__now() + DDP__PENDING_SECONDS);
-        else ddp__shake_add(g, fd, -1, 0, DDP__SHAKE_HELLO, sizeof(ddp__hello), ddp__now() + DDP__PENDING_SECONDS);
-    }
-}
-
-/* ---- inside a step's poll ---- */
-
-static int ddp__link_poll_entries(ddp_group *g, struct pollfd *fds, int *owner, double *wake) {
-    int i, n = 0;
-    if (g->mesh.listen_fd >= 0) {
-        fds[n].fd = g->mesh.listen_fd, fds[n].events = POLLIN, fds[n].revents = 0;
-        owner[n++] = -2;
-    }
-    for (i = 0; i < g->mesh.nshakes; i++) {
-        ddp__shake *s = &g->mesh.shakes[i];
-        fds[n].fd = s->fd, fds[n].events = s->step == DDP__SHAKE_CONNECTING ? POLLOUT : POLLIN, fds[n].revents = 0;
-        owner[n++] = -3 - i;
-        if (!s->dialing && s->deadline < *wake) *wake = s->deadline;
-    }
-    return n;
-}
-
-/* Read what s waits for; 1 when all s->need bytes are there, 0 not yet, -1 closed or failed. */
-static int ddp__shake_read(ddp__shake *s) {
-    ssize_t k = recv(s->fd, s->buf + s->have, s->need - s->have, 0);
-    if (k < 0 && (errno == EAGAIN || errno == EWOULDBLOCK || errno == EINTR)) return 0;
-    if (k <= 0) return -1;
-    s->have += (size_t)k;
-    return s->have == s->need;
-}
-
-/* One handshake had an event. Returns a failure of the step (a dial that cannot go on), else success. */
-static ddp_result ddp__shake_event(ddp_group *g, int i, short re, int *progressed) {
-    ddp__shake *s = &g->mesh.shakes[i];
-    char err[DDP__ERR_MAX] = "", name[DDP__PEER_NAME_MAX];
-    const char *refusal = NULL;
-    int got = 0, rank = s->rank;
-    if (s->step == DDP__SHAKE_CONNECTING) {
-        if (!(re & (POLLOUT | POLLERR | POLLHUP))) return DDP_SUCCESS;
-        got = ddp__shake_connected(g, s, err);
-    } else {
-        got = ddp__shake_read(s);
-        if (got == 0) return DDP_SUCCESS;
-        if (got < 0 && !s->dialing) {
-            refusal = "it closed the connection before saying which rank it is";
-        } else if (got > 0) {
-            got = s->dialing ? ddp__shake_dial_step(g, s, err) : ddp__shake_accept_step(g, s, &refusal);
-        }
-    }
-    if (got == 0 || (got < 0 && s->dialing && !err[0])) {
-        /* refused, or closed before the ack (the rank went away, or its accept failed): try again shortly,
-           watching the other connections for its ABORT, until DDP__REFUSED_GRACE says it is gone */
-        ddp__link_refused(g, rank);
-        ddp__shake_drop(g, i);
-        return DDP_SUCCESS;
-    }
-    *progressed = 1;
-    if (got > 0) {
-        if (s->fd < 0) ddp__shake_drop(g, i); /* kept, or a duplicate closed */
-        return DDP_SUCCESS;
-    }
-    if (!s->dialing) {
-        ddp__log(g, DDP_LOG_WARN, "refused a connection to this rank's port: %s", refusal ? refusal : err);
-        ddp__shake_drop(g, i);
-        return DDP_SUCCESS;
-    }
-    ddp__shake_drop(g, i);
-    return ddp__coll_fail(g, DDP_ERR_INIT, "connecting to rank %d (%s): %s", rank, ddp__peer_name(g, rank, name, sizeof name),
-                          err);
-}
-
-static ddp_result ddp__link_progress(ddp_group *g, const struct pollfd *fds, const int *owner, int n, int *progressed) {
-    int i, done = 0;
-    ddp_result r;
-    double now = ddp__now();
-    /* Handshakes first, from the last entry back, so that dropping one leaves the indices of the rest. */
-    for (i = n - 1; i >= 0; i--) {
-        int k = -3 - owner[i];
-        if (owner[i] > -3 || !fds[i].revents) continue;
-        if ((r = ddp__shake_event(g, k, fds[i].revents, progressed)) != DDP_SUCCESS) return r;
-    }
-    for (i = g->mesh.nshakes - 1; i >= 0; i--) /* accepted ones that never said who they are */
-        if (!g->mesh.shakes[i].dialing && now >= g->mesh.shakes[i].deadline) {
-            ddp__log(g, DDP_LOG_WARN, "refused a connection to this rank's port: it did not say which rank it is "
-                     "within %d s", DDP__PENDING_SECONDS);
-            ddp__shake_drop(g, i);
-        }
-    for (i = 0; i < n; i++)
-        if (owner[i] == -2 && (fds[i].revents & POLLIN)) done = 1;
-    if (done && (r = ddp__link_accept(g)) != DDP_SUCCESS) return r;
-    return DDP_SUCCESS;
-}
-
-/* Has the port of `peer`, needed by this step, refused connections for DDP__REFUSED_GRACE s? Then it is
-   lost (during the set-up, the store is asked first: group.c). */
-static ddp_result ddp__link_check_refused(ddp_group *g, const ddp__coll *c, int peer) {
-    char desc[160], name[DDP__PEER_NAME_MAX], how[320], msg[DDP__ERR_MAX];
-    const ddp__peer_info *d = &g->mesh.dir[peer];
-    ddp_result r;
-    if (peer < 0 || !g->mesh.peers[peer].refused_since || g->mesh.peers[peer].fd >= 0) return DDP_SUCCESS;
-    if (ddp__now() - g->mesh.peers[peer].refused_since < DDP__REFUSED_GRACE) return DDP_SUCCESS;
-    snprintf(how, sizeof how, "its port %.128s:%d refuses connections (nothing listens there any more)",
-             g->mesh.names + d->addr, d->port);
-    if (g->mesh.in_setup) {
-        r = ddp__setup_lost(g, peer, how);
-        snprintf(msg, sizeof msg, "%s", g->error);
-        return ddp__group_break(g, r, msg);
-    }
-    ddp__coll_describe(g, c, desc, sizeof desc);
-    return ddp__coll_fail(g, DDP_ERR_PEER_LOST, "lost rank %d (%s): %s: its process exited or it left the group, while "
-                          "this rank was in %s", peer, ddp__peer_name(g, peer, name, sizeof name), how, desc);
-}
-
-static void ddp__link_close_all(ddp_group *g) {
-    int i;
-    for (i = 0; g->mesh.peers && i < g->mesh.nlinked; i++) {
-        ddp__peer *p = &g->mesh.peers[g->mesh.linked[i]];
-        if (p->fd >= 0) close(p->fd);
-        p->fd = -1;
-    }
-    g->mesh.nlinked = 0;
-    while (g->mesh.nshakes > 0) ddp__shake_drop(g, g->mesh.nshakes - 1);
-    if (g->mesh.listen_fd >= 0) close(g->mesh.listen_fd);
-    g->mesh.listen_fd = -1;
-}
-/* ==================== end src/link.c ==================== */
-
-/* ==================== begin src/transport.c ==================== */
-/* [SECTION] transport: framed messages between the ranks of a group, failure detection, abort
-   Two ranks share one TCP connection once a step has sent from one to the other (link.c makes them on
-   first use). Everything sent is a frame: a fixed header, then `bytes` of payload.
-
-       magic | kind | collective fingerprint (seq, coll, dtype, op, root, count) | sender | bytes | code
-
-   The fingerprint is what makes cross-rank mistakes errors instead of hangs (PyTorch offers this only
-   with TORCH_DISTRIBUTED_DEBUG=DETAIL): the receiver compares it with its own, and any difference is
-   DDP_ERR_MISMATCH with both sides named.
-
-   Every frame that reaches a waiting rank is checked, not only the one it waits for. Ranks that
-   disagree about a call may run different algorithms (all_reduce picks one by size), and then a
-   mismatched frame can sit in a connection its receiver is not reading while every rank waits on
-   another: 4 ranks, 0 and 1 in the ring, 2 and 3 in recursive doubling, 0 waits on 3, 3 on 1, 1 on 0.
-   So a step also polls the other connections for input, and looks at a frame header that arrives
-   there with MSG_PEEK, without taking it (connections are at a frame boundary between steps: frames
-   are read whole within one). An ABORT fails the step; a frame of the same collective number with a
-   different fingerprint is DDP_ERR_MISMATCH. A frame of this collective, of another number (a peer
-   already past this one) or a BYE is early data: the peer is marked quiet until the next collective (by its number), so poll does not wake for
-   it again.
-   Nothing extra happens when nothing unexpected arrives: the same poll call watches one more event
-   per connection. tcp.c says why this makes every mismatch an error on every rank.
-
-   Failure handling. While a rank waits, it also watches every other connection it has for a hang-up
-   (O(log N) of them: link.c). When a rank fails a collective (mismatch, timeout, lost peer) it "breaks"
-   the group: it sends an ABORT frame carrying the error to every rank it is connected with and shuts
-   those connections down. Each of them sees the hang-up within milliseconds, reads the ABORT frame,
-   fails with the same code and message, and breaks in turn: the ABORT floods the graph of connections,
-   which holds the ring from ddp_init's barrier on (connected, diameter O(log N) once the barrier's
-   2^k links are there), so it reaches every rank that waits in a collective, and every other rank when
-   it next calls one. A connection that closes without an ABORT frame means the process is gone:
-   DDP_ERR_PEER_LOST, and that message is what floods.
-   A graceful ddp_destroy sends BYE after a final barrier and waits for the peers' BYE before closing,
-   so an orderly exit is never mistaken for a crash. */
-
-#define DDP__FRAME_MAGIC 0x44445031u /* "DDP1" */
-#define DDP__MAX_FRAME_BYTES ((uint64_t)1 << 40)
-
-/* P2P: a point-to-point message (ddp_send), its `root` field carrying the tag, `seq` 0 (no collective). */
-enum { DDP__FRAME_DATA = 1, DDP__FRAME_ABORT = 2, DDP__FRAME_BYE = 3, DDP__FRAME_P2P = 4 };
-
-typedef struct ddp__frame {
-    uint32_t magic;
-    uint8_t kind; /* DDP__FRAME_* */
-    uint8_t coll, dtype, op;
-    int32_t root;
-    int32_t src; /* sender's rank in the group */
-    uint64_t seq, count;
-    uint64_t bytes; /* payload that follows */
-    int32_t code;   /* ABORT: the ddp_result */
-    uint32_t reserved;
-} ddp__frame;
+/* ---- naming a collective (in the recorder, and in every error message that names a call) ---- */
 
 static const char *ddp__coll_name(int kind) {
     static const char *names[] = {"?",       "all_reduce", "broadcast",  "reduce",       "all_gather",
@@ -7020,1659 +7268,6 @@ static void ddp__coll_describe(const ddp_group *g, const ddp__coll *c, char *out
              c->kind == DDP__ALL_GATHER_V ? "total count" : "count", (unsigned long long)c->count,
              ddp_dtype_name((ddp_dtype)c->dtype), extra, number);
 }
-
-static int ddp__coll_equal(const ddp__coll *a, const ddp__frame *f) {
-    return a->seq == f->seq && a->count == f->count && a->kind == f->coll && a->dtype == f->dtype && a->op == f->op &&
-           a->root == f->root;
-}
-
-/* ---- breaking the group ---- */
-
-/* Record the first error that breaks g, tell every peer (ABORT frame with the message) and shut the
-   connections down so that peers waiting on anything notice at once. */
-static ddp_result ddp__group_break_relaying(ddp_group *g, ddp_result code, const char *msg, const char *wire);
-static ddp_result ddp__group_break(ddp_group *g, ddp_result code, const char *msg) {
-    return ddp__group_break_relaying(g, code, msg, msg);
-}
-
-/* ddp__group_break, with `wire` as the reason the ABORT frames carry: a rank that fails with another
-   rank's reason says so in its own message ("reported by rank 3; this rank was in ...") but passes the
-   reason on as it came, so that the message does not grow at each hop of the flood. */
-static ddp_result ddp__group_break_relaying(ddp_group *g, ddp_result code, const char *msg, const char *wire) {
-    int i;
-    if (g->broken) return g->broken;
-    g->broken = code;
-    snprintf(g->broken_msg, sizeof g->broken_msg, "%s", msg);
-    ddp__log(g, DDP_LOG_ERROR, "%s", msg);
-    ddp__shm_abort(g);
-    for (i = 0; i < g->mesh.nlinked; i++) {
-        ddp__peer *p = &g->mesh.peers[g->mesh.linked[i]];
-        ddp__frame f;
-        char err[DDP__ERR_MAX];
-        size_t len = strlen(wire) + 1;
-        if (p->fd < 0 || p->gone) continue;
-        if (p->send_owed > 0 && p->send_owed <= ((uint64_t)256 << 20)) { /* finish the interrupted frame */
-            static const char zeros[4096] = {0};
-            while (p->send_owed > 0) {
-                size_t k = (size_t)DDP__MIN(p->send_owed, (uint64_t)sizeof zeros);
-                if (ddp__net_send(p->fd, zeros, k, ddp__now() + 0.5, err) != DDP_SUCCESS) break;
-                p->send_owed -= k;
-            }
-        }
-        if (p->send_owed > 0) { /* cannot resynchronise the stream: the peer will see a plain hang-up */
-            shutdown(p->fd, SHUT_WR);
-            continue;
-        }
-        memset(&f, 0, sizeof f);
-        f.magic = DDP__FRAME_MAGIC;
-        f.kind = DDP__FRAME_ABORT;
-        f.src = g->rank;
-        f.bytes = len;
-        f.code = code;
-        /* Best effort and brief: the peer may be the one that is stuck. */
-        if (ddp__net_send(p->fd, &f, sizeof f, ddp__now() + 0.5, err) == DDP_SUCCESS)
-            ddp__net_send(p->fd, wire, len, ddp__now() + 0.5, err);
-        /* Half-close only: a full close with unread data would make the kernel send a reset, which
-           throws away the ABORT frame queued at the peer before the peer reads it. */
-        shutdown(p->fd, SHUT_WR);
-    }
-    ddp__trace_break(g, code); /* after the ABORTs: peers learn first, then this rank writes its recorder */
-    return code;
-}
-
-/* Fail the current operation: break the group with this message and copy it to the caller's buffer. */
-static ddp_result ddp__coll_fail(ddp_group *g, ddp_result code, const char *fmt, ...) {
-    char msg[DDP__ERR_MAX];
-    va_list ap;
-    va_start(ap, fmt);
-    vsnprintf(msg, sizeof msg, fmt, ap);
-    va_end(ap);
-    return ddp__group_break(g, code, msg);
-}
-
-/* A peer's connection closed or errored: read what it sent last. An ABORT frame carries the reason
-   (another rank's error, re-raised here); otherwise the process is gone. `first` is a frame header
-   already read from the peer (or NULL). */
-static ddp_result ddp__peer_failed_after(ddp_group *g, int peer, const ddp__coll *c, const ddp__frame *first) {
-    ddp__peer *p = &g->mesh.peers[peer];
-    char desc[160], err[DDP__ERR_MAX], name[DDP__PEER_NAME_MAX], msg[DDP__ERR_MAX];
-    double deadline = ddp__now() + 1.0;
-    ddp__frame f;
-    ddp__coll_describe(g, c, desc, sizeof desc);
-    p->gone = 1;
-    for (;;) {
-        if (first) {
-            f = *first;
-            first = NULL;
-        } else if (ddp__net_recv(p->fd, &f, sizeof f, deadline, err) != DDP_SUCCESS) {
-            break;
-        }
-        if (f.magic != DDP__FRAME_MAGIC) break;
-        if (f.kind == DDP__FRAME_ABORT && f.bytes > 0 && f.bytes <= DDP__ERR_MAX) {
-            char reason[DDP__ERR_MAX];
-            if (ddp__net_recv(p->fd, reason, (size_t)f.bytes, deadline, err) != DDP_SUCCESS) break;
-            reason[f.bytes - 1] = '\0';
-            if (g->mesh.waiting_for >= 0 && g->mesh.waiting_for != peer) /* the reporter may have waited for us: say whom we waited for */
-                snprintf(msg, sizeof msg, "%.600s (reported by rank %d; this rank was in %.150s, waiting for rank %d (%.120s))", reason,
-                         peer, desc, g->mesh.waiting_for, ddp__peer_name(g, g->mesh.waiting_for, name, sizeof name));
-            else
-                snprintf(msg, sizeof msg, "%.600s (reported by rank %d; this rank was in %.150s)", reason, peer, desc);
-            return ddp__group_break_relaying(g, ddp__peer_code(f.code, DDP_ERR_FORMAT), msg, reason);
-        }
-        if (f.kind == DDP__FRAME_BYE)
-            return ddp__coll_fail(g, DDP_ERR_PEER_LOST,
-                                  "rank %d left the group (called ddp_destroy) while this rank was in %s; every rank "
-                                  "must make the same collective calls", peer, desc);
-        { /* skip a data frame's payload */
-            char sink[4096];
-            uint64_t left = f.bytes;
-            while (left > 0) {
-                size_t k = (size_t)DDP__MIN(left, (uint64_t)sizeof sink);
-                if (ddp__net_recv(p->fd, sink, k, deadline, err) != DDP_SUCCESS) break;
-                left -= k;
-            }
-            if (left > 0) break;
-        }
-    }
-    return ddp__coll_fail(g, DDP_ERR_PEER_LOST, "lost rank %d (%s): its process exited or its connection dropped, while this rank was in %s",
-                          peer, ddp__peer_name(g, peer, name, sizeof name), desc);
-}
-
-static ddp_result ddp__peer_failed(ddp_group *g, int peer, const ddp__coll *c) { return ddp__peer_failed_after(g, peer, c, NULL); }
-
-/* A peer that is alive (its connection is open) made no progress for the group's timeout. Across hosts
-   a cut link looks just like this: TCP sees no error until its own, much longer, retransmission limit. */
-static ddp_result ddp__peer_timed_out(ddp_group *g, int peer, const ddp__coll *c) {
-    char desc[160], name[DDP__PEER_NAME_MAX];
-    ddp__coll_describe(g, c, desc, sizeof desc);
-    if (g->mesh.peers[peer].fd < 0)
-        return ddp__coll_fail(g, DDP_ERR_TIMEOUT, "timed out after %.0f s in %s waiting for rank %d (%s), which never "
-                              "connected to this rank: is it stuck, stopped, in a different collective, or is the network "
-                              "to it down? (DDP_TIMEOUT sets the limit)", g->timeout, desc, peer,
-                              ddp__peer_name(g, peer, name, sizeof name));
-    return ddp__coll_fail(g, DDP_ERR_TIMEOUT, "timed out after %.0f s in %s waiting for rank %d (%s), which is alive but "
-                          "not taking part: is it stuck, stopped, in a different collective, or is the network to it "
-                          "down? (DDP_TIMEOUT sets the limit)", g->timeout, desc, peer, ddp__peer_name(g, peer, name, sizeof name));
-}
-
-/* The first peer whose connection hung up (exited, or aborted the group), looking only at peer `only`
-   (-1: at every peer), without waiting; -1 when none. Nothing else happens: the caller decides. */
-static int ddp__hung_up_peer(ddp_group *g, int only) {
-    int i, n = 0;
-    for (i = 0; i < g->mesh.nlinked; i++) {
-        int peer = g->mesh.linked[i];
-        if (g->mesh.peers[peer].fd < 0 || (only >= 0 && peer != only)) continue;
-        g->mesh.pollfds[n].fd = g->mesh.peers[peer].fd;
-        g->mesh.pollfds[n].events = POLLRDHUP;
-        g->mesh.pollfds[n].revents = 0;
-        g->mesh.poll_owner[n++] = peer;
-    }
-    if (poll(g->mesh.pollfds, (nfds_t)n, 0) <= 0) return -1;
-    for (i = 0; i < n; i++)
-        if (g->mesh.pollfds[i].revents & (POLLRDHUP | POLLHUP | POLLERR)) return g->mesh.poll_owner[i];
-    return -1;
-}
-
-/* A peer that hung up fails the current collective. For transports that wait elsewhere (shared memory). */
-static ddp_result ddp__check_peers(ddp_group *g, const ddp__coll *c) {
-    int peer = ddp__hung_up_peer(g, -1);
-    return peer < 0 ? DDP_SUCCESS : ddp__peer_failed(g, peer, c);
-}
-
-/* ---- one step of an algorithm: send to one peer while receiving from another ---- */
-
-static void ddp__frame_init(ddp__frame *f, const ddp_group *g, const ddp__coll *c, int kind, uint64_t bytes) {
-    memset(f, 0, sizeof *f);
-    f->magic = DDP__FRAME_MAGIC;
-    f->kind = (uint8_t)kind;
-    f->coll = c->kind;
-    f->dtype = c->dtype;
-    f->op = c->op;
-    f->root = c->root;
-    f->src = g->rank;
-    f->seq = c->seq;
-    f->count = c->count;
-    f->bytes = bytes;
-}
-
-/* The call a collective's frame describes (for messages naming the sender's call). */
-static ddp__coll ddp__frame_coll(const ddp__frame *f) {
-    ddp__coll t;
-    memset(&t, 0, sizeof t);
-    t.seq = f->seq;
-    t.count = f->count;
-    t.kind = f->coll;
-    t.dtype = f->dtype;
-    t.op = f->op;
-    t.root = f->root;
-    t.tag = -1;
-    return t;
-}
-
-/* all_to_all_v / all_gather_v: rank `sender` sends `sent` elements to rank `receiver`, whose sizes say
-   `expected` (found by either of the two: TCP frames here, shared memory's first step in shm.c). */
-static ddp_result ddp__sizes_differ(ddp_group *g, const ddp__coll *c, int sender, int receiver, uint64_t sent,
-                                    uint64_t expected) {
-    char ours[160];
-    ddp__coll_describe(g, c, ours, sizeof ours);
-    if (c->kind == DDP__ALL_TO_ALL_V)
-        return ddp__coll_fail(g, DDP_ERR_MISMATCH, "split sizes differ in %s: rank %d sends %llu elements to rank %d "
-                              "(its send_counts[%d]) while rank %d expects %llu from rank %d (its recv_counts[%d]); "
-                              "rank i's send_counts[j] must equal rank j's recv_counts[i]", ours, sender,
-                              (unsigned long long)sent, receiver, receiver, receiver, (unsigned long long)expected, sender,
-                              sender);
-    return ddp__coll_fail(g, DDP_ERR_MISMATCH, "counts differ in %s: rank %d sent a block of %llu elements where "
-                          "rank %d's counts say %llu; every rank must pass the same counts", ours, sender,
-                          (unsigned long long)sent, receiver, (unsigned long long)expected);
-}
-
-/* The header just received from `peer` is complete: is it the frame this step expects? */
-static ddp_result ddp__check_frame(ddp_group *g, const ddp__coll *c, int peer, const ddp__frame *f, size_t expect) {
-    char ours[160], theirs[160];
-    if (f->magic != DDP__FRAME_MAGIC)
-        return ddp__coll_fail(g, DDP_ERR_FORMAT, "corrupt message from rank %d (bad magic 0x%08x): is something else "
-                              "connected to this rank's port?", peer, (unsigned)f->magic);
-    if (f->kind == DDP__FRAME_ABORT || f->kind == DDP__FRAME_BYE) return ddp__peer_failed_after(g, peer, c, f);
-    if (f->kind != DDP__FRAME_DATA) return ddp__coll_fail(g, DDP_ERR_FORMAT, "corrupt message from rank %d (kind %d)", peer, f->kind);
-    if (!ddp__coll_equal(c, f)) {
-        ddp__coll t = ddp__frame_coll(f);
-        ddp__coll_describe(g, c, ours, sizeof ours);
-        ddp__coll_describe(g, &t, theirs, sizeof theirs);
-        return ddp__coll_fail(g, DDP_ERR_MISMATCH, "collective mismatch: rank %d called %s while rank %d called %s; every "
-                              "rank must call the same collectives in the same order with the same count, dtype, op and root",
-                              peer, theirs, g->rank, ours);
-    }
-    if (f->bytes != expect && (c->kind == DDP__ALL_TO_ALL_V || c->kind == DDP__ALL_GATHER_V)) { /* sizes per rank */
-        size_t es = ddp_dtype_size((ddp_dtype)c->dtype);
-        return ddp__sizes_differ(g, c, peer, g->rank, f->bytes / es, expect / es);
-    }
-    if (f->bytes != expect)
-        return ddp__coll_fail(g, DDP_ERR_FORMAT, "rank %d sent %llu bytes where %llu were expected in %s",
-                              peer, (unsigned long long)f->bytes, (unsigned long long)expect, ddp__coll_name(c->kind));
-    return DDP_SUCCESS;
-}
-
-/* Is a frame from a peer that this step does not read fine in collective c? Only a frame with c's
-   number and another fingerprint shows a mismatch: when ranks disagree about #X, no rank gets past
-   #X, so every frame in flight has number X. A frame of c, of another number (a peer already past c:
-   numbers never restart, ddp_init's own collectives included) or a BYE (the peer passed ddp_destroy's
-   barrier, which is then ours too) is early data. */
-static int ddp__frame_is_early(const ddp__coll *c, const ddp__frame *f) {
-    if (f->magic != DDP__FRAME_MAGIC) return 0;
-    if (f->kind == DDP__FRAME_BYE) return 1;
-    if (f->kind != DDP__FRAME_DATA) return 0;
-    return f->seq != c->seq || ddp__coll_equal(c, f);
-}
-
-/* ---- point-to-point matching: posted receives and the stash ----
-   A rank reads whatever reaches it in order, connection by connection. A message (a P2P frame) goes to
-   the first posted receive with its source and tag (ddp_irecv's, and ddp_recv's own while it waits),
-   else it is read whole into the group's stash, in arrival order; a receive, when it is posted, first
-   takes the oldest stashed message with its source and tag. That is MPI's matching (by source and tag,
-   in order), and it is done wherever a frame is met: in a collective's step, a peek, a send or a recv.
-   So a send never waits for its receive to be posted, except that its bytes must fit the kernel's
-   buffers or be read by the receiver's next call into the library. Both lists are guarded by
-   mesh.p2p_mu: ddp_irecv posts from the program's thread while the progress thread may read frames. */
-typedef struct ddp__p2p_msg {
-    struct ddp__p2p_msg *next;
-    int src, tag;
-    uint8_t dtype;
-    uint64_t count;
-    size_t bytes;
-    unsigned char data[1]; /* bytes of payload (allocated with the message) */
-} ddp__p2p_msg;
-
-/* "recv(src=1, tag=3, count=4, f32)" for a posted receive. */
-static const char *ddp__posted_describe(const ddp__posted *p, char *out, size_t cap) {
-    snprintf(out, cap, "recv(src=%d, tag=%d, count=%llu, %s)", p->src, p->tag, (unsigned long long)p->count,
-             ddp_dtype_name((ddp_dtype)p->dtype));
-    return out;
-}
-
-/* Does message f fit posted receive p? If not: DDP_ERR_MISMATCH naming both (the group breaks). */
-static ddp_result ddp__posted_fits(ddp_group *g, const ddp__posted *p, const ddp__frame *f) {
-    char ours[160];
-    if (f->bytes == p->bytes && f->dtype == p->dtype) return DDP_SUCCESS;
-    return ddp__coll_fail(g, DDP_ERR_MISMATCH, "%s: rank %d sent %llu elements of %s with tag %d where this rank expects "
-                          "%llu of %s; a send and its recv must agree on count and dtype",
-                          ddp__posted_describe(p, ours, sizeof ours), p->src, (unsigned long long)f->count,
-                          ddp_dtype_name((ddp_dtype)f->dtype), (int)f->root, (unsigned long long)p->count,
-                          ddp_dtype_name((ddp_dtype)p->dtype));
-}
-
-/* Mark p finished with r (under p2p_mu by the caller). */
-static void ddp__posted_finish(ddp__posted *p, ddp_result r) {
-    p->result = r;
-    p->done = 1;
-}
-
-/* The P2P frame f (header already taken) from `peer`: to the first posted receive that matches, else into
-   the stash. The payload is read under p2p_mu, so a receive posted meanwhile cannot miss it. */
-static ddp_result ddp__p2p_deliver(ddp_group *g, const ddp__coll *c, int peer, const ddp__frame *f) {
-    char err[DDP__ERR_MAX];
-    ddp__posted *p, *prev = NULL;
-    ddp__p2p_msg *m;
-    ddp_result r = DDP_SUCCESS;
-    if (f->bytes > DDP__MAX_BUFFER_BYTES)
-        return ddp__coll_fail(g, DDP_ERR_FORMAT, "corrupt message from rank %d (a point-to-point message of %llu bytes)", peer,
-                              (unsigned long long)f->bytes);
-    pthread_mutex_lock(&g->mesh.p2p_mu);
-    for (p = g->mesh.posted; p && !(p->src == peer && p->tag == f->root); prev = p, p = p->next)
-        ;
-    if (p) { /* unlinked whatever happens next: it is this message's receive */
-        if (prev) prev->next = p->next;
-        else g->mesh.posted = p->next;
-        if ((r = ddp__posted_fits(g, p, f)) == DDP_SUCCESS && p->bytes &&
-            ddp__net_recv(g->mesh.peers[peer].fd, p->buf, p->bytes, ddp__now() + g->timeout, err) != DDP_SUCCESS)
-            r = DDP_ERR_PEER_LOST;
-        ddp__posted_finish(p, r);
-        pthread_mutex_unlock(&g->mesh.p2p_mu);
-        return r == DDP_ERR_PEER_LOST ? ddp__peer_failed(g, peer, c) : r;
-    }
-    m = (ddp__p2p_msg *)ddp__malloc(offsetof(ddp__p2p_msg, data) + (size_t)f->bytes + 1);
-    if (!m) {
-        pthread_mutex_unlock(&g->mesh.p2p_mu);
-        return ddp__coll_fail(g, DDP_ERR_OUT_OF_MEMORY, "out of memory keeping a message of %llu bytes that rank %d sent "
-                              "(tag %d) before this rank's recv for it", (unsigned long long)f->bytes, peer, (int)f->root);
-    }
-    m->next = NULL;
-    m->src = peer;
-    m->tag = f->root;
-    m->dtype = f->dtype;
-    m->count = f->count;
-    m->bytes = (size_t)f->bytes;
-    if (m->bytes && ddp__net_recv(g->mesh.peers[peer].fd, m->data, m->bytes, ddp__now() + g->timeout, err) != DDP_SUCCESS) {
-        pthread_mutex_unlock(&g->mesh.p2p_mu);
-        ddp__free(m);
-        return ddp__peer_failed(g, peer, c);
-    }
-    if (g->mesh.stash_tail) g->mesh.stash_tail->next = m;
-    else g->mesh.stash = m;
-    g->mesh.stash_tail = m;
-    pthread_mutex_unlock(&g->mesh.p2p_mu);
-    return DDP_SUCCESS;
-}
-
-/* Post receive p: the oldest stashed message from its source with its tag finishes it at once; else it
-   waits at the end of the posted list. Returns p's result when it finished here (DDP_SUCCESS when it was
-   posted). */
-static ddp_result ddp__p2p_post(ddp_group *g, ddp__posted *p) {
-    ddp__p2p_msg *m, *prev = NULL;
-    ddp__posted **at;
-    ddp_result r = DDP_SUCCESS;
-    pthread_mutex_lock(&g->mesh.p2p_mu);
-    for (m = g->mesh.stash; m && !(m->src == p->src && m->tag == p->tag); prev = m, m = m->next)
-        ;
-    if (m) {
-        ddp__frame f;
-        if (prev) prev->next = m->next;
-        else g->mesh.stash = m->next;
-        if (g->mesh.stash_tail == m) g->mesh.stash_tail = prev;
-        memset(&f, 0, sizeof f);
-        f.dtype = m->dtype;
-        f.count = m->count;
-        f.root = m->tag;
-        f.bytes = m->bytes;
-        if ((r = ddp__posted_fits(g, p, &f)) == DDP_SUCCESS && p->bytes) memcpy(p->buf, m->data, p->bytes);
-        ddp__free(m);
-        ddp__posted_finish(p, r);
-    } else {
-        for (at = &g->mesh.posted; *at; at = &(*at)->next)
-            ;
-        p->next = NULL;
-        *at = p;
-    }
-    pthread_mutex_unlock(&g->mesh.p2p_mu);
-    return r;
-}
-
-/* Take p off the posted list if it is still there (its wait failed). */
-static void ddp__p2p_unpost(ddp_group *g, ddp__posted *p) {
-    ddp__posted **at;
-    pthread_mutex_lock(&g->mesh.p2p_mu);
-    for (at = &g->mesh.posted; *at && *at != p; at = &(*at)->next)
-        ;
-    if (*at) *at = p->next;
-    pthread_mutex_unlock(&g->mesh.p2p_mu);
-}
-
-static int ddp__posted_done(ddp_group *g, const ddp__posted *p) {
-    int done;
-    pthread_mutex_lock(&g->mesh.p2p_mu);
-    done = p->done;
-    pthread_mutex_unlock(&g->mesh.p2p_mu);
-    return done;
-}
-
-/* The group ends: messages nobody received are named; posted receives are dropped (their handles go with
-   the group). */
-static void ddp__p2p_stash_free(ddp_group *g) {
-    while (g->mesh.stash) {
-        ddp__p2p_msg *m = g->mesh.stash;
-        g->mesh.stash = m->next;
-        ddp__log(g, DDP_LOG_WARN, "rank %d sent this rank a message (tag %d, %zu bytes) that no ddp_recv took before the "
-                 "group ended", m->src, m->tag, m->bytes);
-        ddp__free(m);
-    }
-    g->mesh.stash_tail = NULL;
-    g->mesh.posted = NULL;
-}
-
-/* A peer this step does not read from has something for us: look at its frame header without taking
-   it (the connection is at a frame boundary: frames are read whole within a step). Early data marks
-   the peer quiet for the rest of c, so poll does not wake for it again; an ABORT, a corrupt frame or a
-   different collective fails c as ddp__check_frame does. Only part of a header: look again shortly. */
-static ddp_result ddp__peek_peer(ddp_group *g, const ddp__coll *c, int peer) {
-    ddp__peer *p = &g->mesh.peers[peer];
-    ddp__frame f;
-    ssize_t k = recv(p->fd, &f, sizeof f, MSG_PEEK | MSG_DONTWAIT);
-    if (k < 0 && (errno == EAGAIN || errno == EWOULDBLOCK || errno == EINTR)) return DDP_SUCCESS;
-    if (k <= 0) return ddp__peer_failed(g, peer, c);
-    if ((size_t)k < sizeof f) {
-        p->peek_later = 1;
-        return DDP_SUCCESS;
-    }
-    if (f.magic == DDP__FRAME_MAGIC && f.kind == DDP__FRAME_P2P) { /* a message: to its receive or the stash */
-        if (recv(p->fd, &f, sizeof f, MSG_DONTWAIT) != (ssize_t)sizeof f) return ddp__peer_failed(g, peer, c);
-        return ddp__p2p_deliver(g, c, peer, &f);
-    }
-    if (ddp__frame_is_early(c, &f)) {
-        p->quiet_seq = c->seq;
-        return DDP_SUCCESS;
-    }
-    if (f.magic == DDP__FRAME_MAGIC && f.kind == DDP__FRAME_ABORT) { /* take the header: the reason follows it */
-        if (recv(p->fd, &f, sizeof f, MSG_DONTWAIT) != (ssize_t)sizeof f) return ddp__peer_failed(g, peer, c);
-        return ddp__peer_failed_after(g, peer, c, &f);
-    }
-    return ddp__check_frame(g, c, peer, &f, (size_t)f.bytes);
-}
-
-/* What to wait for on peer i in this step: hang-ups always; POLLOUT while sending to it; POLLIN while
-   receiving from it, and also from any other peer not yet seen quiet in this collective (a frame there
-   may show a mismatch: see the top of the file). *soon: look again within a millisecond. */
-static short ddp__poll_events(ddp_group *g, const ddp__coll *c, const ddp__step *s, int i, int sending, int receiving, int *soon) {
-    ddp__peer *p = &g->mesh.peers[i];
-    short ev = POLLRDHUP;
-    if (i == s->send_peer && sending) ev |= POLLOUT;
-    if (i == s->recv_peer && receiving) return ev | POLLIN;
-    if (p->peek_later) {
-        p->peek_later = 0;
-        *soon = 1;
-    } else if (p->quiet_seq != c->seq) {
-        ev |= POLLIN;
-    }
-    return ev;
-}
-
-/* Before a small step (at most DDP__TCP_SPIN_MAX_BYTES each way) blocks in poll(), it polls without
-   blocking for DDP__TCP_SPIN_SECONDS after its last progress, yielding the core between looks: on
-   loopback (and fast networks) the answer often comes within a few microseconds, and waking a rank
-   blocked in poll() costs more than that (Open MPI's TCP transport spins the same way). Large steps
-   block at once: there a wake-up is small beside the transfer, and spinning would only burn a core. When
-   this host has more ranks than CPUs (ddp__oversubscribed, as shm.c decides) a small step looks once,
-   yields once (the core goes to a rank that can run, often the one being waited for) and then blocks:
-   no spin. Measured on 2 cores, 8 ranks, 4-64 B all_reduce: as fast as the 50 us
-   spin, while blocking without the one yield was 25-30 % slower. */
-#define DDP__TCP_SPIN_SECONDS 50e-6
-#define DDP__TCP_SPIN_MAX_BYTES ((size_t)64 << 10)
-
-static ddp_result ddp__exchange(ddp_group *g, const ddp__coll *c, const ddp__step *s) {
-    ddp__frame out, in;
-    size_t sent = 0, received = 0;          /* bytes of header + payload so far */
-    size_t send_total = s->send_peer >= 0 ? sizeof out + s->send_bytes : 0;
-    size_t recv_total = s->recv_peer >= 0 ? sizeof in + s->recv_bytes : 0;
-    struct pollfd *fds = g->mesh.pollfds;
-    int *owner = g->mesh.poll_owner;
-    int spin = s->send_bytes <= DDP__TCP_SPIN_MAX_BYTES && s->recv_bytes <= DDP__TCP_SPIN_MAX_BYTES;
-    double spin_for = ddp__oversubscribed(g->local_world_size) ? 0 : DDP__TCP_SPIN_SECONDS;
-    double deadline = s->deadline > 0 ? s->deadline : ddp__now() + g->timeout, spin_until = spin ? ddp__now() + spin_for : 0;
-    double watch_every = DDP__WATCH_PERIOD, next_watch = ddp__now() + watch_every;
-    if (g->broken) return g->broken;
-    if (s->send_peer >= 0) ddp__frame_init(&out, g, c, s->p2p ? DDP__FRAME_P2P : DDP__FRAME_DATA, s->send_bytes);
-    if (s->p2p) out.root = c->tag, out.seq = 0; /* the receiver matches by source and tag */
-    while (sent < send_total || received < recv_total) {
-        int n = 0, npeers, i, rc, progressed = 0, soon = 0;
-        double wake = deadline;
-        ddp_result r;
-        g->mesh.waiting_for = received < recv_total ? s->recv_peer : s->send_peer;
-        if (sent < send_total && g->mesh.peers[s->send_peer].fd < 0) { /* the sender dials (link.c) */
-            if ((r = ddp__link_want(g, s->send_peer)) != DDP_SUCCESS ||
-                (r = ddp__link_check_refused(g, c, s->send_peer)) != DDP_SUCCESS)
-                return r;
-            wake = DDP__MIN(wake, g->mesh.peers[s->send_peer].dial_after);
-        }
-        if (g->mesh.in_setup && g->mesh.peers[g->mesh.waiting_for].fd < 0) { /* a rank lost inside ddp_init */
-            if (ddp__now() >= next_watch) {
-                if ((r = ddp__setup_watch(g, g->mesh.waiting_for)) != DDP_SUCCESS) {
-                    char msg[DDP__ERR_MAX];
-                    snprintf(msg, sizeof msg, "%s", g->error);
-                    return ddp__group_break(g, r, msg);
-                }
-                next_watch = ddp__now() + watch_every;
-                watch_every = DDP__MIN(watch_every * 2, 2.0);
-            }
-            wake = DDP__MIN(wake, next_watch);
-        }
-        for (i = 0; i < g->mesh.nlinked; i++) {
-            int peer = g->mesh.linked[i];
-            if (g->mesh.peers[peer].fd < 0) continue;
-            fds[n].fd = g->mesh.peers[peer].fd;
-            fds[n].events = ddp__poll_events(g, c, s, peer, sent < send_total, received < recv_total, &soon);
-            fds[n].revents = 0;
-            owner[n++] = peer;
-        }
-        npeers = n;
-        n += ddp__link_poll_entries(g, fds + n, owner + n, &wake);
-        rc = 0;
-        if (spin) {
-            int yielded = 0;
-            while ((rc = poll(fds, (nfds_t)n, 0)) == 0 && (ddp__now() < spin_until || !yielded++)) sched_yield();
-        }
-        if (rc == 0)
-            rc = poll(fds, (nfds_t)n, soon ? 1 : (int)DDP__MAX(1.0, DDP__MIN(1000.0, (wake - ddp__now()) * 1000.0)));
-        if (rc < 0 && errno != EINTR) return ddp__coll_fail(g, DDP_ERR_SYSTEM, "poll failed: %s", strerror(errno));
-        if (rc > 0 && n > npeers && (r = ddp__link_progress(g, fds + npeers, owner + npeers, n - npeers, &progressed)))
-            return r;
-        /* Progress first: a peer that broke the group after sending what this step needs (it moved
-           on to a later collective and failed there) must not fail this step; that error comes with
-           the next collective. */
-        for (i = 0; i < npeers && rc > 0; i++) {
-            int peer = owner[i], fd = fds[i].fd;
-            short re = fds[i].revents;
-            if (!re) continue;
-            if (peer == s->recv_peer && received < recv_total && (re & (POLLIN | POLLRDHUP | POLLHUP | POLLERR))) {
-                ssize_t k;
-                if (received < sizeof in) {
-                    k = recv(fd, (char *)&in + received, sizeof in - received, 0);
-                } else {
-                    k = recv(fd, (char *)s->recv_buf + (received - sizeof in), recv_total - received, 0);
-                }
-                if (k == 0) return ddp__peer_failed(g, peer, c);
-                if (k < 0 && errno != EAGAIN && errno != EWOULDBLOCK && errno != EINTR) return ddp__peer_failed(g, peer, c);
-                if (k > 0) {
-                    received += (size_t)k;
-                    progressed = 1;
-                    if (received == sizeof in) {
-                        ddp_result r;
-                        if (in.magic == DDP__FRAME_MAGIC && in.kind == DDP__FRAME_P2P) {
-                            if ((r = ddp__p2p_deliver(g, c, peer, &in)) != DDP_SUCCESS) return r;
-                            received = 0; /* a message, matched or stashed; the frame we wait for follows */
-                        } else if ((r = ddp__check_frame(g, c, peer, &in, s->recv_bytes)) != DDP_SUCCESS) {
-                            return r;
-                        }
-                    }
-                }
-                fds[i].revents = 0;
-                continue;
-            }
-            /* A send-only peer that hung up: read its ABORT before sending (data sent to a closed
-               socket draws a reset that would destroy the frame). */
-            if (peer == s->send_peer && sent < send_total && (re & POLLOUT) && !(re & (POLLHUP | POLLERR | POLLRDHUP))) {
-                struct iovec iov[2];
-                struct msghdr mh;
-                ssize_t k;
-                int nv = 0;
-                memset(&mh, 0, sizeof mh);
-                if (sent < sizeof out) {
-                    iov[nv].iov_base = (char *)&out + sent;
-                    iov[nv++].iov_len = sizeof out - sent;
-                    if (s->send_bytes) {
-                        iov[nv].iov_base = (void *)s->send_buf;
-                        iov[nv++].iov_len = s->send_bytes;
-                    }
-                } else {
-                    iov[nv].iov_base = (char *)s->send_buf + (sent - sizeof out);
-                    iov[nv++].iov_len = send_total - sent;
-                }
-                mh.msg_iov = iov;
-                mh.msg_iovlen = (size_t)nv;
-                k = sendmsg(fd, &mh, MSG_NOSIGNAL);
-                if (k < 0 && errno != EAGAIN && errno != EWOULDBLOCK && errno != EINTR) return ddp__peer_failed(g, peer, c);
-                if (k > 0) {
-                    sent += (size_t)k;
-                    progressed = 1;
-                    g->mesh.peers[peer].send_owed = send_total - sent; /* header and payload still owed */
-                }
-                fds[i].revents = 0;
-            }
-        }
-        if (sent == send_total && received == recv_total) break;
-        for (i = 0; i < npeers && rc > 0; i++) /* then failures */
-            if (fds[i].revents & (POLLRDHUP | POLLHUP | POLLERR)) return ddp__peer_failed(g, owner[i], c);
-        for (i = 0; i < npeers && rc > 0; i++) { /* then frames from peers this step does not read */
-            ddp_result r;
-            if ((fds[i].revents & POLLIN) && (r = ddp__peek_peer(g, c, owner[i])) != DDP_SUCCESS) return r;
-        }
-        if (progressed && (s->deadline <= 0 || sent > 0 || received > 0)) { /* a handshake's progress does not
-                                                                               move a step's own deadline */
-            deadline = ddp__now() + g->timeout;
-            if (spin) spin_until = ddp__now() + spin_for;
-        } else if (ddp__now() > deadline) {
-            if (s->soft && sent == 0 && received == 0) return DDP_ERR_TIMEOUT;
-            return ddp__peer_timed_out(g, g->mesh.waiting_for, c);
-        }
-    }
-    return DDP_SUCCESS;
-}
-
-/* ---- point-to-point: ddp_send, ddp_recv and ddp_irecv's wait over the mesh, whatever the backend ----
-   A send is one frame to the peer (the sender dials, as in a collective's step), written while this
-   rank keeps reading what reaches it, so two ranks sending each other large messages at once both get
-   through (each matches or stashes the other's). A receive is posted (the stash first) and then waits,
-   reading whatever arrives, until a message finishes it. The source's stream showing a collective's
-   frame where the message should be means the source went on without sending: DDP_ERR_MISMATCH (else
-   both would wait for each other until the timeout). */
-/* A recv over shared memory: has its source gone on to a collective without sending? Its collectives
-   over the segment send this rank nothing, so the segment's fingerprints say it: the source entered a
-   collective this rank has not, and no byte from it waits in the connection (it wrote any message
-   before it entered; the sender dials, so no connection means no message). Seen twice 10 ms apart, to
-   leave bytes in flight on the loopback time to land; *since holds the first sighting (0: none). */
-static int ddp__p2p_peer_went_on(ddp_group *g, int src, double *since) {
-    int fd = g->mesh.peers[src].fd, pending = 0;
-    if (ddp__shm_peer_seq(g, src) <= g->seq || (fd >= 0 && (ioctl(fd, FIONREAD, &pending) != 0 || pending > 0))) {
-        *since = 0;
-        return 0;
-    }
-    if (*since == 0) *since = ddp__now();
-    return ddp__now() - *since >= 0.01;
-}
-
-/* "rank 1 called barrier() as collective #2 before sending what this rank's recv(...) waits for". */
-static ddp_result ddp__p2p_went_on(ddp_group *g, const ddp__posted *p, const char *theirs) {
-    char ours[160];
-    return ddp__coll_fail(g, DDP_ERR_MISMATCH, "rank %d called %s before sending what this rank's %s waits for; a send and "
-                          "its recv must come in the same order relative to the collectives on both ranks", p->src, theirs,
-                          ddp__posted_describe(p, ours, sizeof ours));
-}
-
-/* The head of `peer`'s stream while waiting for p: a message is delivered (ddp__peek_peer); from p's
-   source, a collective's frame is the mismatch above. */
-static ddp_result ddp__p2p_look(ddp_group *g, const ddp__coll *c, const ddp__posted *p, int peer) {
-    ddp__frame f;
-    if (peer == p->src && recv(g->mesh.peers[peer].fd, &f, sizeof f, MSG_PEEK | MSG_DONTWAIT) == (ssize_t)sizeof f &&
-        f.magic == DDP__FRAME_MAGIC && (f.kind == DDP__FRAME_DATA || f.kind == DDP__FRAME_BYE)) {
-        if (f.kind == DDP__FRAME_BYE) return ddp__peer_failed_after(g, peer, c, &f); /* "left the group" */
-        char theirs[160];
-        ddp__coll t = ddp__frame_coll(&f);
-        ddp__coll_describe(g, &t, theirs, sizeof theirs);
-        return ddp__p2p_went_on(g, p, theirs);
-    }
-    return ddp__peek_peer(g, c, peer);
-}
-
-/* Read what reaches this rank until posted receive p is finished (once: look one time, without waiting). */
-static ddp_result ddp__p2p_wait(ddp_group *g, const ddp__coll *c, ddp__posted *p, int once) {
-    struct pollfd *fds = g->mesh.pollfds;
-    int *owner = g->mesh.poll_owner;
-    double deadline = ddp__now() + g->timeout, ahead_since = 0;
-    for (;;) {
-        int n = 0, npeers, i, rc, progressed = 0, soon = 0;
-        double wake = deadline;
-        ddp_result r;
-        if (ddp__posted_done(g, p)) return p->result;
-        if (g->broken) return g->broken;
-        g->mesh.waiting_for = p->src;
-        for (i = 0; i < g->mesh.nlinked; i++) {
-            int peer = g->mesh.linked[i];
-            ddp__peer *q = &g->mesh.peers[peer];
-            if (q->fd < 0) continue;
-            fds[n].fd = q->fd;
-            fds[n].events = POLLRDHUP;
-            if (q->peek_later) q->peek_later = 0, soon = 1;
-            else if (q->quiet_seq != c->seq || peer == p->src) fds[n].events |= POLLIN;
-            fds[n].revents = 0;
-            owner[n++] = peer;
-        }
-        npeers = n;
-        n += ddp__link_poll_entries(g, fds + n, owner + n, &wake);
-        rc = poll(fds, (nfds_t)n, once ? 0 : soon ? 1 : (int)DDP__MAX(1.0, DDP__MIN(g->shm ? 10.0 : 1000.0,
-                                                                                    (wake - ddp__now()) * 1000.0)));
-        if (rc < 0 && errno != EINTR) return ddp__coll_fail(g, DDP_ERR_SYSTEM, "poll failed: %s", strerror(errno));
-        if (rc > 0 && n > npeers && (r = ddp__link_progress(g, fds + npeers, owner + npeers, n - npeers, &progressed)))
-            return r;
-        for (i = 0; i < npeers && rc > 0; i++) {
-            if (fds[i].revents & POLLIN) {
-                if ((r = ddp__p2p_look(g, c, p, owner[i])) != DDP_SUCCESS) return r;
-                progressed = 1;
-            } else if (fds[i].revents & (POLLRDHUP | POLLHUP | POLLERR)) {
-                return ddp__peer_failed(g, owner[i], c);
-            }
-        }
-        if (ddp__posted_done(g, p)) return p->result;
-        if (ddp__p2p_peer_went_on(g, p->src, &ahead_since)) { /* over shared memory: see above */
-            char theirs[64];
-            snprintf(theirs, sizeof theirs, "collective #%llu", (unsigned long long)(ddp__shm_peer_seq(g, p->src) - g->seq_base));
-            return ddp__p2p_went_on(g, p, theirs);
-        }
-        if (once) return DDP_SUCCESS;
-        if (progressed) deadline = ddp__now() + g->timeout;
-        else if (ddp__now() > deadline) return ddp__peer_timed_out(g, p->src, c);
-    }
-}
-
-static ddp_result ddp__p2p_run(ddp_group *g, const ddp__call *k, const ddp__coll *c) {
-    size_t bytes = k->count * ddp_dtype_size(k->dtype);
-    ddp__posted p;
-    ddp_result r;
-    if (k->kind == DDP__SEND) {
-        ddp__step st;
-        memset(&st, 0, sizeof st);
-        st.recv_peer = -1;
-        st.p2p = 1;
-        st.send_peer = k->root;
-        st.send_buf = k->send;
-        st.send_bytes = bytes;
-        return ddp__exchange(g, c, &st);
-    }
-    memset(&p, 0, sizeof p);
-    p.src = k->root;
-    p.tag = k->tag;
-    p.buf = k->buf;
-    p.bytes = bytes;
-    p.count = k->count;
-    p.dtype = (uint8_t)k->dtype;
-    if ((r = ddp__p2p_post(g, &p)) != DDP_SUCCESS) return r;
-    r = ddp__p2p_wait(g, c, &p, 0);
-    ddp__p2p_unpost(g, &p); /* when it failed before a message came */
-    return r;
-}
-
-/* ---- closing connections ---- */
-
-/* Close every connection of a group that failed: half-close, then read until each peer closes too
-   (at most `seconds` in all), so that the close never carries a reset that destroys the ABORT frame
-   a slower peer has yet to read. */
-static void ddp__close_after_failure(ddp_group *g, double seconds) {
-    double deadline = ddp__now() + seconds;
-    char sink[4096];
-    int i;
-    for (i = 0; i < g->mesh.nlinked; i++)
-        if (g->mesh.peers[g->mesh.linked[i]].fd >= 0) shutdown(g->mesh.peers[g->mesh.linked[i]].fd, SHUT_WR);
-    for (i = 0; i < g->mesh.nlinked; i++) {
-        ddp__peer *p = &g->mesh.peers[g->mesh.linked[i]];
-        if (p->fd < 0) continue;
-        while (ddp__now() < deadline) {
-            ssize_t k = recv(p->fd, sink, sizeof sink, 0);
-            if (k == 0 || (k < 0 && errno != EAGAIN && errno != EWOULDBLOCK && errno != EINTR)) break;
-            if (k < 0) {
-                struct pollfd pf;
-                pf.fd = p->fd;
-                pf.events = POLLIN;
-                poll(&pf, 1, (int)DDP__MAX(1.0, (deadline - ddp__now()) * 1000.0));
-            }
-        }
-    }
-    ddp__link_close_all(g);
-}
-
-/* ---- graceful goodbye (ddp_destroy, after a final barrier) ---- */
-
-/* Send BYE to every connected peer, then read each one's BYE, so that no peer sees our close while it
-   still waits on anything: it has already passed the same barrier. */
-static void ddp__say_goodbye(ddp_group *g, double seconds) {
-    ddp__coll none;
-    ddp__frame f;
-    char err[DDP__ERR_MAX];
-    int i;
-    double deadline = ddp__now() + seconds;
-    memset(&none, 0, sizeof none);
-    ddp__frame_init(&f, g, &none, DDP__FRAME_BYE, 0);
-    for (i = 0; i < g->mesh.nlinked; i++) {
-        ddp__peer *p = &g->mesh.peers[g->mesh.linked[i]];
-        if (p->fd >= 0 && !p->gone) ddp__net_send(p->fd, &f, sizeof f, deadline, err);
-    }
-    for (i = 0; i < g->mesh.nlinked; i++) {
-        ddp__peer *p = &g->mesh.peers[g->mesh.linked[i]];
-        ddp__frame in;
-        ddp_result r;
-        if (p->fd < 0 || p->gone) continue;
-        while ((r = ddp__net_recv(p->fd, &in, sizeof in, deadline, err)) == DDP_SUCCESS && in.magic == DDP__FRAME_MAGIC &&
-               in.kind == DDP__FRAME_P2P && in.bytes <= DDP__MAX_BUFFER_BYTES) { /* a message nobody received */
-            ddp__log(g, DDP_LOG_WARN, "rank %d sent this rank a message (tag %d, %llu bytes) that no ddp_recv took before "
-                     "ddp_destroy", g->mesh.linked[i], (int)in.root, (unsigned long long)in.bytes);
-            while (in.bytes > 0) {
-                char sink[4096];
-                size_t n = (size_t)DDP__MIN(in.bytes, (uint64_t)sizeof sink);
-                if ((r = ddp__net_recv(p->fd, sink, n, deadline, err)) != DDP_SUCCESS) break;
-                in.bytes -= n;
-            }
-            if (r) break;
-        }
-        if (r != DDP_SUCCESS || in.kind != DDP__FRAME_BYE)
-            ddp__log(g, DDP_LOG_DEBUG, "rank %d did not say goodbye cleanly: %s", g->mesh.linked[i], err);
-    }
-}
-/* ==================== end src/transport.c ==================== */
-
-/* ==================== begin src/collectives.c ==================== */
-/* [SECTION] collectives: ddp_all_reduce ... ddp_gather, ddp_scatter, ddp_all_to_all(_v), ddp_all_gather_v, ddp_broadcast_bytes, ddp_monitored_barrier
-   The public collectives, their fingerprints, dispatch to the backend, async work (torch.distributed's
-   all_reduce, broadcast, reduce, all_gather, reduce_scatter, barrier, gather, scatter, all_to_all_single
-   with and without split sizes, all_gather of uneven tensors, broadcast_object_list, monitored_barrier).
-
-   A call goes through four steps, the same for every collective and every backend:
-     1. validate the arguments on the caller's thread (a bad call never reaches the wire);
-     2. take the group's next sequence number: the fingerprint (seq, collective, count, dtype, op,
-        root) that every message of the call carries (transport.c, shm.c) and that ranks compare;
-     3. synchronous: wait for queued async work, then run it on the calling thread through
-        g->backend->run; asynchronous: queue it for the group's progress thread (or give it to the
-        backend's enqueue, which nccl uses to queue device work on its stream at once);
-     4. on failure the group is broken (every rank fails; later calls return DDP_ERR_STATE) and the
-        message lands in ddp_last_error(g) and in this thread's ddp_last_error(NULL).
-   The algorithms live in the backends (tcp.c, shm.c, hier.c, mpi.c, nccl.c); tcp.c explains why a
-   mismatch is an error on every rank. */
-
-/* Chunk i of `count` elements cut into n nearly equal parts (the first count % n get one more). */
-static void ddp__chunk(size_t count, int n, int i, size_t *off, size_t *len) {
-    size_t base = count / (size_t)n, rem = count % (size_t)n, ui = (size_t)i;
-    *off = ui * base + DDP__MIN(ui, rem);
-    *len = base + (ui < rem ? 1 : 0);
-}
-
-/* Staging memory owned by the group (one collective runs at a time on a group). */
-static void *ddp__scratch(ddp_group *g, size_t bytes) {
-    if (bytes > g->scratch_size) {
-        void *p = ddp__malloc(bytes);
-        if (!p) return NULL;
-        ddp__free(g->scratch);
-        g->scratch = p;
-        g->scratch_size = bytes;
-    }
-    return g->scratch;
-}
-
-static ddp_result ddp__no_memory(ddp_group *g, size_t bytes) {
-    return ddp__coll_fail(g, DDP_ERR_OUT_OF_MEMORY, "out of memory: could not allocate %zu bytes of staging memory", bytes);
-}
-
-static ddp__call ddp__make_call(ddp__coll_kind kind, const void *send, void *buf, size_t count, ddp_dtype t, ddp_op op,
-                                int root) {
-    ddp__call k; /* field by field, no memset: a memset then narrower stores then the copy out read back
-                    as wide loads stalled store forwarding: 57 -> 41 ns per call on a group of one */
-    k.kind = kind;
-    k.send = send;
-    k.buf = buf;
-    k.count = count;
-    k.dtype = t;
-    k.op = op;
-    k.root = root;
-    k.send_counts = k.recv_counts = NULL;
-    k.bytes = NULL;
-    k.bytes_size = NULL;
-    k.seconds = 0;
-    k.tag = 0;
-    return k;
-}
-
-/* ---- running a call ---- */
-
-/* broadcast_bytes (torch's broadcast_object_list): two broadcasts under the call's one fingerprint, the
-   size and then the data, into a buffer that the receivers allocate in between. Every backend runs a
-   broadcast with any fingerprint, and both runs carry the same one (shm's first step republishes it). */
-static ddp_result ddp__broadcast_bytes_run(ddp_group *g, const ddp__backend *b, const ddp__call *k, const ddp__coll *c) {
-    uint64_t size = g->rank == k->root ? (uint64_t)*k->bytes_size : 0; /* sent as its 8 bytes: ranks share a byte order */
-    ddp__call part = ddp__make_call(DDP__BROADCAST, NULL, &size, 8, DDP_U8, DDP_SUM, k->root);
-    char *data = g->rank == k->root ? (char *)*k->bytes : NULL;
-    ddp_result r = b->run(g, &part, c);
-    if (r) return r;
-    if (size > DDP__MAX_BUFFER_BYTES) /* the root checked its own size: this is no size the root sent */
-        return ddp__coll_fail(g, DDP_ERR_FORMAT, "broadcast_bytes: rank %d received a size of %llu bytes from the root",
-                              g->rank, (unsigned long long)size);
-    if (g->rank != k->root && !(data = (char *)ddp__malloc(size ? (size_t)size : 1)))
-        return ddp__coll_fail(g, DDP_ERR_OUT_OF_MEMORY, "broadcast_bytes: rank %d is out of memory for the root's %llu bytes",
-                              g->rank, (unsigned long long)size);
-    part = ddp__make_call(DDP__BROADCAST, NULL, data, (size_t)size, DDP_U8, DDP_SUM, k->root);
-    if ((r = b->run(g, &part, c)) != DDP_SUCCESS) {
-        if (g->rank != k->root) ddp__free(data);
-        return r;
-    }
-    if (g->rank != k->root) {
-        *k->bytes = data;
-        *k->bytes_size = (size_t)size;
-    }
-    return DDP_SUCCESS;
-}
-
-/* send and recv: no collective number, so the flight recorder (which files calls by it) leaves them out. */
-static int ddp__is_p2p(int kind) { return kind == DDP__SEND || kind == DDP__RECV; }
-
-/* Run k on backend b (point-to-point over the mesh, or MPI's own on the mpi backend). */
-static ddp_result ddp__run(ddp_group *g, const ddp__backend *b, const ddp__call *k, const ddp__coll *c) {
-    int p2p = ddp__is_p2p(k->kind);
-    ddp_result r;
-    if (g->broken) {
-        if (!p2p) ddp__trace_ended(g, c, DDP_ERR_STATE);
-        return DDP_ERR_STATE;
-    }
-    g->mesh.waiting_for = -1;
-    if (p2p) return g->mpi ? b->run(g, k, c) : ddp__p2p_run(g, k, c);
-    ddp__trace_started(g, c);
-    r = k->kind == DDP__BROADCAST_BYTES ? ddp__broadcast_bytes_run(g, b, k, c) : b->run(g, k, c);
-    ddp__trace_ended(g, c, r);
-    return r;
-}
-
-/* Run k on backend b, through pinned host copies when a buffer of k is device memory on a group whose
-   backend takes host memory only (devbuf.c). On the calling thread (the async calls run such a call
-   here too: ddp__collective_async). */
-static ddp_result ddp__run_staged(ddp_group *g, const ddp__backend *b, const ddp__call *k, const ddp__coll *c) {
-    ddp__devbuf_plan plan;
-    ddp__call host_call;
-    ddp_result r;
-    if (g->broken || !ddp__devbuf_wanted(g, k)) return ddp__run(g, b, k, c);
-    if ((r = ddp__devbuf_stage(g, k, c, &host_call, &plan)) != DDP_SUCCESS) return r;
-    if ((r = ddp__run(g, b, &host_call, c)) != DDP_SUCCESS) return r;
-    return ddp__devbuf_unstage(g, c, &plan);
-}
-
-/* The sum of a split-size list (world entries), or UINT64_MAX when it passes 2^63 (too large anyway). */
-static uint64_t ddp__counts_sum(const size_t *counts, int n) {
-    uint64_t sum = 0;
-    int i;
-    for (i = 0; i < n; i++) {
-        if ((uint64_t)counts[i] > ((uint64_t)1 << 63) - sum) return UINT64_MAX;
-        sum += (uint64_t)counts[i];
-    }
-    return sum;
-}
-
-/* The elements of a call's largest buffer, for the size limit: count x world size for the calls whose
-   count is per rank, the sums of the split sizes for the _v calls (the larger side), else count. */
-static uint64_t ddp__call_elements(const ddp_group *g, const ddp__call *k) {
-    switch (k->kind) {
-    case DDP__ALL_GATHER:
-    case DDP__REDUCE_SCATTER:
-    case DDP__GATHER:
-    case DDP__SCATTER:
-    case DDP__ALL_TO_ALL: return (uint64_t)k->count * (uint64_t)g->world_size; /* count <= 2^47 here (checked first) */
-    case DDP__ALL_TO_ALL_V: {
-        uint64_t a = ddp__counts_sum(k->send_counts, g->world_size), b = ddp__counts_sum(k->recv_counts, g->world_size);
-        return DDP__MAX(a, b);
-    }
-    case DDP__ALL_GATHER_V: return ddp__counts_sum(k->recv_counts, g->world_size);
-    default: return k->count;
-    }
-}
-
-static int ddp__takes_root(int kind) {
-    return kind == DDP__BROADCAST || kind == DDP__REDUCE || kind == DDP__GATHER || kind == DDP__SCATTER ||
-           kind == DDP__BROADCAST_BYTES;
-}
-
-/* Check a call's arguments on the caller's thread; a bad call never reaches the wire. Each buffer is
-   checked only where the call reads or writes it: gather's recv and scatter's send on the root alone.
-   The caller has checked that g is live (ddp__group_check). */
-static ddp_result ddp__validate(ddp_group *g, const ddp__call *k) {
-    const char *name = ddp__coll_name(k->kind);
-    size_t es;
-    uint64_t elements, limit;
-    int root, v = k->kind == DDP__ALL_TO_ALL_V || k->kind == DDP__ALL_GATHER_V;
-    root = g->rank == k->root;
-    if (k->kind == DDP__BARRIER) return DDP_SUCCESS;
-    if (k->kind == DDP__MONITORED_BARRIER) {
-        if (!(k->seconds == k->seconds) || k->seconds > 1e9) /* NaN, or beyond any job */
-            return ddp__fail(g, DDP_ERR_INVALID_ARGUMENT, "%s: timeout_seconds %g is not a number of seconds (<= 0: the "
-                             "group's timeout)", name, k->seconds);
-        return DDP_SUCCESS;
-    }
-    if (!ddp__dtype_valid(k->dtype))
-        return ddp__fail(g, DDP_ERR_INVALID_ARGUMENT, "%s: dtype %d is not a ddp_dtype (DDP_F32 ... DDP_I64)", name, (int)k->dtype);
-    if ((k->kind == DDP__ALL_REDUCE || k->kind == DDP__REDUCE || k->kind == DDP__REDUCE_SCATTER) && !ddp__op_valid(k->op))
-        return ddp__fail(g, DDP_ERR_INVALID_ARGUMENT, "%s: op %d is not a ddp_op (DDP_SUM, DDP_AVG, DDP_PROD, DDP_MIN, DDP_MAX)",
-                         name, (int)k->op);
-    if (ddp__takes_root(k->kind) && (k->root < 0 || k->root >= g->world_size))
-        return ddp__fail(g, DDP_ERR_INVALID_ARGUMENT, "%s: root %d is not a rank of this group (world size %d)", name, k->root,
-                         g->world_size);
-    if (k->kind == DDP__BROADCAST_BYTES) {
-        if (!k->bytes || !k->bytes_size)
-            return ddp__fail(g, DDP_ERR_INVALID_ARGUMENT, "%s: the %s argument is NULL (every rank passes both: the root "
-                             "its data and size, the others where to put them)", name, !k->bytes ? "data" : "size");
-        if (root && *k->bytes_size > DDP__MAX_BUFFER_BYTES)
-            return ddp__fail(g, DDP_ERR_INVALID_ARGUMENT, "%s: size %zu is above the limit of 2^47 bytes (128 TiB)", name,
-                             *k->bytes_size);
-        if (root && *k->bytes_size && !*k->bytes)
-            return ddp__fail(g, DDP_ERR_INVALID_ARGUMENT, "%s: the root's data is NULL with size %zu", name, *k->bytes_size);
-        return DDP_SUCCESS;
-    }
-    if (k->kind == DDP__ALL_TO_ALL_V && (!k->send_counts || !k->recv_counts))
-        return ddp__fail(g, DDP_ERR_INVALID_ARGUMENT, "%s: %s is NULL; pass world-size entries (0 for no elements)", name,
-                         !k->send_counts ? "send_counts" : "recv_counts");
-    if (k->kind == DDP__ALL_TO_ALL_V && k->send_counts[g->rank] != k->recv_counts[g->rank])
-        return ddp__fail(g, DDP_ERR_INVALID_ARGUMENT, "%s: send_counts[%d] is %zu but recv_counts[%d] is %zu on rank %d: "
-                         "the block a rank sends itself is the block it receives from itself", name, g->rank,
-                         k->send_counts[g->rank], g->rank, k->recv_counts[g->rank], g->rank);
-    if (k->kind == DDP__ALL_GATHER_V && !k->recv_counts)
-        return ddp__fail(g, DDP_ERR_INVALID_ARGUMENT, "%s: counts is NULL; pass world-size entries, one per rank", name);
-    if (k->kind == DDP__ALL_GATHER_V && k->recv_counts[g->rank] != k->count)
-        return ddp__fail(g, DDP_ERR_INVALID_ARGUMENT, "%s: count is %zu but counts[%d] (this rank's entry) is %zu; they "
-                         "must be equal", name, k->count, g->rank, k->recv_counts[g->rank]);
-    es = ddp_dtype_size(k->dtype);
-    limit = DDP__MAX_BUFFER_BYTES / es;
-    elements = k->count > limit ? UINT64_MAX : ddp__call_elements(g, k);
-    if (elements > limit) {
-        if (v)
-            return ddp__fail(g, DDP_ERR_INVALID_ARGUMENT, "%s: the counts add up to more than %llu elements of %s, the limit "
-                             "for one buffer (2^47 bytes, 128 TiB); are they computed right?", name,
-                             (unsigned long long)limit, ddp_dtype_name(k->dtype));
-        int per_rank = k->kind != DDP__ALL_REDUCE && k->kind != DDP__BROADCAST && k->kind != DDP__REDUCE;
-        limit /= per_rank ? (uint64_t)g->world_size : 1;
-        return ddp__fail(g, DDP_ERR_INVALID_ARGUMENT, "%s: count %zu is above the limit of %llu elements of %s%s: the call's "
-                         "largest buffer (count x %zu bytes%s) must stay under 2^47 bytes (128 TiB), more than any "
-                         "process can map; is the count computed right?", name, k->count, (unsigned long long)limit,
-                         ddp_dtype_name(k->dtype), per_rank ? " per rank" : "", es, per_rank ? " x the world size" : "");
-    }
-    { /* the buffers this rank touches, and how many elements each holds (in-place calls: buf alone) */
-        uint64_t send_n = 0, recv_n = k->count;
-        switch (k->kind) {
-        case DDP__ALL_GATHER:
-        case DDP__REDUCE_SCATTER:
-        case DDP__ALL_TO_ALL: send_n = k->count; break;
-        case DDP__GATHER: send_n = k->count, recv_n = root ? k->count : 0; break;
-        case DDP__SCATTER: send_n = root ? k->count : 0; break;
-        case DDP__ALL_TO_ALL_V:
-            send_n = ddp__counts_sum(k->send_counts, g->world_size);
-            recv_n = ddp__counts_sum(k->recv_counts, g->world_size);
-            break;
-        case DDP__ALL_GATHER_V: send_n = k->count, recv_n = elements; break;
-        default: break;
-        }
-        if (recv_n && !k->buf)
-            return ddp__fail(g, DDP_ERR_INVALID_ARGUMENT, "%s: the %sbuffer is NULL with %llu elements to %s", name,
-                             k->kind == DDP__ALL_REDUCE || k->kind == DDP__BROADCAST || k->kind == DDP__REDUCE ? "" : "recv ",
-                             (unsigned long long)recv_n, k->kind == DDP__REDUCE || k->kind == DDP__ALL_REDUCE ? "reduce" : "receive");
-        if (send_n && !k->send)
-            return ddp__fail(g, DDP_ERR_INVALID_ARGUMENT, "%s: the send buffer is NULL with %llu elements to send", name,
-                             (unsigned long long)send_n);
-        if (k->kind == DDP__ALL_TO_ALL_V && send_n && recv_n) { /* blocks move in an order of their own: no in place */
-            uintptr_t s0 = (uintptr_t)k->send, r0 = (uintptr_t)k->buf;
-            if (s0 < r0 + recv_n * es && r0 < s0 + send_n * es)
-                return ddp__fail(g, DDP_ERR_INVALID_ARGUMENT, "%s: the send and recv buffers overlap; all_to_all_v does "
-                                 "not run in place (ddp_all_to_all does): pass separate buffers", name);
-        }
-    }
-    return DDP_SUCCESS;
-}
-
-/* The fingerprint: what every rank must agree on. The _v calls' split sizes differ from rank to rank by
-   design; all_gather_v's total is in it, and each frame's size is checked against what its receiver
-   expects (transport.c). */
-static void ddp__fingerprint(ddp_group *g, const ddp__call *k, ddp__coll *c, int now) {
-    int takes_op = k->kind == DDP__ALL_REDUCE || k->kind == DDP__REDUCE || k->kind == DDP__REDUCE_SCATTER;
-    int no_data = k->kind == DDP__BARRIER || k->kind == DDP__MONITORED_BARRIER || k->kind == DDP__BROADCAST_BYTES;
-    c->seq = ++g->seq;
-    c->kind = (uint8_t)k->kind;
-    c->count = no_data || k->kind == DDP__ALL_TO_ALL_V ? 0
-               : k->kind == DDP__ALL_GATHER_V         ? ddp__counts_sum(k->recv_counts, g->world_size)
-                                                       : k->count;
-    c->dtype = (uint8_t)(no_data ? 0 : k->dtype);
-    c->op = (uint8_t)(takes_op ? k->op : DDP__NO_OP);
-    c->root = ddp__takes_root(k->kind) ? k->root : -1;
-    c->tag = -1;
-    ddp__trace_queued(g, c, now);
-}
-
-/* The message for a call on a group that an earlier error broke; written to out (DDP__ERR_MAX). */
-static const char *ddp__broken_message(const ddp_group *g, const ddp__call *k, char *out) {
-    snprintf(out, DDP__ERR_MAX, "%s: the group is broken by an earlier error and cannot be used; destroy it. The "
-             "error was: %.800s", ddp__coll_name(k->kind), g->broken_msg);
-    return out;
-}
-
-/* ---- the progress thread: runs queued work in issue order ---- */
-
-static void *ddp__progress_main(void *arg) {
-    ddp_group *g = (ddp_group *)arg;
-    pthread_mutex_lock(&g->async.mu);
-    for (;;) {
-        ddp_work *w;
-        ddp_result r;
-        while (!g->async.head && !g->async.stop) pthread_cond_wait(&g->async.cv, &g->async.mu);
-        if (!g->async.head) break;
-        w = g->async.head;
-        pthread_mutex_unlock(&g->async.mu);
-        if (g->broken) {
-            r = DDP_ERR_STATE;
-            if (!ddp__is_p2p(w->call.kind)) ddp__trace_ended(g, &w->coll, r);
-            ddp__broken_message(g, &w->call, w->error);
-        } else if ((r = ddp__run(g, g->backend, &w->call, &w->coll)) != DDP_SUCCESS) {
-            snprintf(w->error, sizeof w->error, "%s", g->broken_msg);
-        }
-        pthread_mutex_lock(&g->async.mu);
-        w->result = r;
-        w->done = 1;
-        /* dequeued only when done: "queue empty" means "nothing in flight" */
-        __atomic_store_n(&g->async.head, w->next, __ATOMIC_RELEASE);
-        if (!g->async.head) g->async.tail = NULL;
-        pthread_cond_broadcast(&g->async.cv);
-    }
-    pthread_mutex_unlock(&g->async.mu);
-    return NULL;
-}
-
-/* Wait until every queued async collective has finished (so a synchronous one runs after them). */
-static void ddp__drain(ddp_group *g) {
-    if (!__atomic_load_n(&g->async.head, __ATOMIC_ACQUIRE)) return; /* nothing queued or in flight (only this thread queues) */
-    pthread_mutex_lock(&g->async.mu);
-    while (g->async.head) pthread_cond_wait(&g->async.cv, &g->async.mu);
-    pthread_mutex_unlock(&g->async.mu);
-}
-
-/* Stop the progress thread (group teardown); queued work is finished first. */
-static void ddp__progress_stop(ddp_group *g) {
-    if (!g->async.running) return;
-    pthread_mutex_lock(&g->async.mu);
-    g->async.stop = 1;
-    pthread_cond_broadcast(&g->async.cv);
-    pthread_mutex_unlock(&g->async.mu);
-    pthread_join(g->async.thread, NULL);
-    g->async.running = 0;
-}
-
-static ddp_result ddp__collective_on(ddp_group *g, const ddp__backend *b, const ddp__call *k) {
-    char c_msg[DDP__ERR_MAX];
-    ddp__coll c;
-    ddp_result r = ddp__validate(g, k);
-    if (r) return r;
-    ddp__drain(g);
-    if (g->broken) return ddp__fail(g, DDP_ERR_STATE, "%s", ddp__broken_message(g, k, c_msg));
-    ddp__fingerprint(g, k, &c, 1);
-    r = ddp__run_staged(g, b, k, &c);
-    if (r) return ddp__fail(g, r, "%s", g->broken_msg);
-    return DDP_SUCCESS;
-}
-
-static ddp_result ddp__collective(ddp_group *g, const ddp__call *k) {
-    ddp_result r = ddp__group_check(g, ddp__coll_name(k->kind)); /* before g->backend is read */
-    if (r) return r;
-    return ddp__collective_on(g, g->backend, k);
-}
-
-/* ---- work handles ----
-   Every handle an async call returns is live (registry.c) and on its group's `issued` list until
-   ddp_wait takes it, which happens once: a second ddp_wait (or ddp_test) on it finds it gone and fails
-   without touching it. A group that ends frees the handles nobody waited on (ddp__work_release_all). */
-
-/* Record w as issued on g and live; 0 when out of memory (w is then not returned). */
-static int ddp__work_issue(ddp_group *g, ddp_work *w) {
-    if (!ddp__live_add(w, DDP__LIVE_WORK)) return 0;
-    pthread_mutex_lock(&g->async.mu);
-    w->issued_prev = NULL;
-    w->issued_next = g->async.issued;
-    if (g->async.issued) g->async.issued->issued_prev = w;
-    g->async.issued = w;
-    pthread_mutex_unlock(&g->async.mu);
-    return 1;
-}
-
-static void ddp__work_unlink(ddp_group *g, ddp_work *w) {
-    pthread_mutex_lock(&g->async.mu);
-    if (w->issued_prev) w->issued_prev->issued_next = w->issued_next;
-    else g->async.issued = w->issued_next;
-    if (w->issued_next) w->issued_next->issued_prev = w->issued_prev;
-    w->issued_prev = w->issued_next = NULL;
-    pthread_mutex_unlock(&g->async.mu);
-}
-
-/* The group is going away (its progress thread stopped): free the handles nobody waited on, so a later
-   ddp_wait on one is an error instead of a use after free. */
-static ddp_result ddp__irecv_wait(ddp_work *w);
-static void ddp__work_release_all(ddp_group *g) {
-    while (g->async.issued) {
-        ddp_work *w = g->async.issued;
-        g->async.issued = w->issued_next;
-        ddp__live_remove(w, DDP__LIVE_WORK);
-        if (w->owner && w->owner->wait == ddp__irecv_wait) ddp__free(w->handle); /* its posted receive */
-        if (w->owner && w->owner->wait == ddp__mpi_p2p_wait) ddp__mpi_p2p_release(w);
-        ddp__free(w);
-    }
-}
-
-static ddp_result ddp__spent_work(const char *fn, const ddp_work *w) {
-    return ddp__fail(NULL, DDP_ERR_INVALID_ARGUMENT, "%s: work handle %p is not live: it was already waited on (call "
-                     "ddp_wait exactly once per handle), or its group was destroyed (which releases the handles not "
-                     "waited on), or it never came from an async collective", fn, (const void *)w);
-}
-
-/* Queue k (validated) for the progress thread: fingerprinted as g's next collective, or, for an isend,
-   under its own description `p2p`. */
-static ddp_result ddp__enqueue(ddp_group *g, const ddp__call *k, const ddp__coll *p2p, ddp_work **out) {
-    ddp_work *w = (ddp_work *)ddp__calloc(1, sizeof *w);
-    if (!w) return ddp__fail(g, DDP_ERR_OUT_OF_MEMORY, "out of memory allocating a ddp_work");
-    if (!ddp__work_issue(g, w)) {
-        ddp__free(w);
-        return ddp__fail(g, DDP_ERR_OUT_OF_MEMORY, "out of memory recording a ddp_work");
-    }
-    w->g = g;
-    w->call = *k;
-    pthread_mutex_lock(&g->async.mu);
-    if (!g->async.running) {
-        if (pthread_create(&g->async.thread, NULL, ddp__progress_main, g) != 0) {
-            pthread_mutex_unlock(&g->async.mu);
-            ddp__live_remove(w, DDP__LIVE_WORK);
-            ddp__work_unlink(g, w);
-            ddp__free(w);
-            return ddp__fail(g, DDP_ERR_SYSTEM, "could not start the progress thread: %s", strerror(errno));
-        }
-        g->async.running = 1;
-    }
-    if (p2p) w->coll = *p2p;
-    else ddp__fingerprint(g, k, &w->coll, 0); /* under the lock: seq order is issue order */
-    if (g->async.tail)
-        g->async.tail->next = w;
-    else
-        __atomic_store_n(&g->async.head, w, __ATOMIC_RELEASE); /* ddp__drain reads it without the lock */
-    g->async.tail = w;
-    pthread_cond_broadcast(&g->async.cv);
-    pthread_mutex_unlock(&g->async.mu);
-    *out = w;
-    return DDP_SUCCESS;
-}
-
-/* An async call with device buffers on a group that stages them (devbuf.c): run now, after the queued
-   work, on the calling thread (the staging uses the caller's stream and the group's one pinned
-   area); the ddp_work returned is complete. A failure is returned here, with no work. */
-static ddp_result ddp__collective_staged(ddp_group *g, const ddp__call *k, ddp_work **out) {
-    ddp_work *w = (ddp_work *)ddp__calloc(1, sizeof *w);
-    ddp_result r;
-    if (!w) return ddp__fail(g, DDP_ERR_OUT_OF_MEMORY, "out of memory allocating a ddp_work");
-    if ((r = ddp__collective_on(g, g->backend, k)) != DDP_SUCCESS) {
-        ddp__free(w);
-        return r;
-    }
-    w->g = g;
-    w->call = *k;
-    w->done = 1;
-    if (!ddp__work_issue(g, w)) {
-        ddp__free(w);
-        return ddp__fail(g, DDP_ERR_OUT_OF_MEMORY, "out of memory recording a ddp_work (the collective completed)");
-    }
-    *out = w;
-    return DDP_SUCCESS;
-}
-
-static ddp_result ddp__collective_async(ddp_group *g, const ddp__call *k, ddp_work **out) {
-    ddp_result r;
-    if ((r = ddp__group_check(g, ddp__coll_name(k->kind))) != DDP_SUCCESS) return r;
-    if (!out) return ddp__fail(g, DDP_ERR_INVALID_ARGUMENT, "%s_async: the ddp_work **out argument is NULL", ddp__coll_name(k->kind));
-    *out = NULL;
-    if ((r = ddp__validate(g, k)) != DDP_SUCCESS) return r;
-    if (ddp__devbuf_wanted(g, k)) return ddp__collective_staged(g, k, out);
-    if (g->backend->enqueue && g->backend->enqueue(g, k, out, &r)) { /* the backend took it (nccl: device work) */
-        if (r == DDP_SUCCESS && !ddp__work_issue(g, *out)) {
-            r = ddp__fail(g, DDP_ERR_OUT_OF_MEMORY, "out of memory recording a ddp_work; the collective was queued: "
-                          "destroy the group");
-            *out = NULL;
-        }
-        return r;
-    }
-    return ddp__enqueue(g, k, NULL, out);
-}
-
-static ddp_result ddp__group_abort(ddp_group *g, ddp_result code, const char *msg) {
-    ddp__drain(g);
-    return ddp__group_break(g, code, msg);
-}
-
-DDP_API ddp_result ddp_wait(ddp_work *w) {
-    ddp_group *g;
-    ddp_result r;
-    if (!w) return ddp__fail(NULL, DDP_ERR_INVALID_ARGUMENT, "ddp_wait: the work handle is NULL");
-    if (!ddp__live_take(w, DDP__LIVE_WORK)) return ddp__spent_work("ddp_wait", w);
-    g = w->g;
-    if (g) ddp__work_unlink(g, w); /* an async checkpoint save without a group has none */
-    if (w->owner) { /* the backend's own work (nccl: device work; an irecv; a checkpoint save), freed by its wait */
-        ddp__coll c = w->coll;
-        int traced = !ddp__is_p2p(c.kind) && !ddp__ck_async_owns(w);
-        r = w->owner->wait(w);
-        if (traced) ddp__trace_ended(g, &c, r);
-        return r;
-    }
-    pthread_mutex_lock(&g->async.mu);
-    while (!w->done) pthread_cond_wait(&g->async.cv, &g->async.mu);
-    pthread_mutex_unlock(&g->async.mu);
-    r = w->result;
-    if (r) ddp__fail(g, r, "%s", w->error);
-    ddp__free(w);
-    return r;
-}
-
-DDP_API int ddp_test(ddp_work *w) {
-    int done;
-    if (!w) return 1;
-    if (!ddp__live_has(w, DDP__LIVE_WORK)) { /* ddp_wait would not block: it fails at once */
-        ddp__spent_work("ddp_test", w);
-        return 1;
-    }
-    if (w->owner) return w->owner->test(w);
-    pthread_mutex_lock(&w->g->async.mu);
-    done = w->done;
-    pthread_mutex_unlock(&w->g->async.mu);
-    return done;
-}
-
-/* ---- the public collectives: describe the call, then run it now or queue it ---- */
-
-DDP_API ddp_result ddp_all_reduce(ddp_group *g, void *buf, size_t count, ddp_dtype t, ddp_op op) {
-    ddp__call k = ddp__make_call(DDP__ALL_REDUCE, NULL, buf, count, t, op, -1);
-    return ddp__collective(g, &k);
-}
-DDP_API ddp_result ddp_broadcast(ddp_group *g, void *buf, size_t count, ddp_dtype t, int root) {
-    ddp__call k = ddp__make_call(DDP__BROADCAST, NULL, buf, count, t, DDP_SUM, root);
-    return ddp__collective(g, &k);
-}
-DDP_API ddp_result ddp_reduce(ddp_group *g, void *buf, size_t count, ddp_dtype t, ddp_op op, int root) {
-    ddp__call k = ddp__make_call(DDP__REDUCE, NULL, buf, count, t, op, root);
-    return ddp__collective(g, &k);
-}
-DDP_API ddp_result ddp_all_gather(ddp_group *g, const void *send, void *recv, size_t count_per_rank, ddp_dtype t) {
-    ddp__call k = ddp__make_call(DDP__ALL_GATHER, send, recv, count_per_rank, t, DDP_SUM, -1);
-    return ddp__collective(g, &k);
-}
-DDP_API ddp_result ddp_reduce_scatter(ddp_group *g, const void *send, void *recv, size_t count_per_rank, ddp_dtype t,
-                                      ddp_op op) {
-    ddp__call k = ddp__make_call(DDP__REDUCE_SCATTER, send, recv, count_per_rank, t, op, -1);
-    return ddp__collective(g, &k);
-}
-DDP_API ddp_result ddp_barrier(ddp_group *g) {
-    ddp__call k = ddp__make_call(DDP__BARRIER, NULL, NULL, 0, DDP_U8, DDP_SUM, -1);
-    return ddp__collective(g, &k);
-}
-
-DDP_API ddp_result ddp_all_reduce_async(ddp_group *g, void *buf, size_t count, ddp_dtype t, ddp_op op, ddp_work **w) {
-    ddp__call k = ddp__make_call(DDP__ALL_REDUCE, NULL, buf, count, t, op, -1);
-    return ddp__collective_async(g, &k, w);
-}
-DDP_API ddp_result ddp_broadcast_async(ddp_group *g, void *buf, size_t count, ddp_dtype t, int root, ddp_work **w) {
-    ddp__call k = ddp__make_call(DDP__BROADCAST, NULL, buf, count, t, DDP_SUM, root);
-    return ddp__collective_async(g, &k, w);
-}
-DDP_API ddp_result ddp_reduce_async(ddp_group *g, void *buf, size_t count, ddp_dtype t, ddp_op op, int root, ddp_work **w) {
-    ddp__call k = ddp__make_call(DDP__REDUCE, NULL, buf, count, t, op, root);
-    return ddp__collective_async(g, &k, w);
-}
-DDP_API ddp_result ddp_all_gather_async(ddp_group *g, const void *send, void *recv, size_t count_per_rank, ddp_dtype t,
-                                        ddp_work **w) {
-    ddp__call k = ddp__make_call(DDP__ALL_GATHER, send, recv, count_per_rank, t, DDP_SUM, -1);
-    return ddp__collective_async(g, &k, w);
-}
-DDP_API ddp_result ddp_reduce_scatter_async(ddp_group *g, const void *send, void *recv, size_t count_per_rank, ddp_dtype t,
-                                            ddp_op op, ddp_work **w) {
-    ddp__call k = ddp__make_call(DDP__REDUCE_SCATTER, send, recv, count_per_rank, t, op, -1);
-    return ddp__collective_async(g, &k, w);
-}
-DDP_API ddp_result ddp_barrier_async(ddp_group *g, ddp_work **w) {
-    ddp__call k = ddp__make_call(DDP__BARRIER, NULL, NULL, 0, DDP_U8, DDP_SUM, -1);
-    return ddp__collective_async(g, &k, w);
-}
-
-/* ---- gather, scatter, all_to_all, the uneven calls, broadcast_bytes, monitored_barrier ---- */
-
-static ddp__call ddp__v_call(ddp__coll_kind kind, const void *send, const size_t *send_counts, void *recv,
-                             const size_t *recv_counts, size_t count, ddp_dtype t) {
-    ddp__call k = ddp__make_call(kind, send, recv, count, t, DDP_SUM, -1);
-    k.send_counts = send_counts;
-    k.recv_counts = recv_counts;
-    return k;
-}
-
-static ddp__call ddp__bytes_call(void **data, size_t *size, int root) {
-    ddp__call k = ddp__make_call(DDP__BROADCAST_BYTES, NULL, NULL, 0, DDP_U8, DDP_SUM, root);
-    k.bytes = data;
-    k.bytes_size = size;
-    return k;
-}
-
-static ddp__call ddp__monitored_call(double seconds) {
-    ddp__call k = ddp__make_call(DDP__MONITORED_BARRIER, NULL, NULL, 0, DDP_U8, DDP_SUM, -1);
-    k.seconds = seconds;
-    return k;
-}
-
-DDP_API ddp_result ddp_gather(ddp_group *g, const void *send, void *recv, size_t count, ddp_dtype t, int root) {
-    ddp__call k = ddp__make_call(DDP__GATHER, send, recv, count, t, DDP_SUM, root);
-    return ddp__collective(g, &k);
-}
-DDP_API ddp_result ddp_scatter(ddp_group *g, const void *send, void *recv, size_t count, ddp_dtype t, int root) {
-    ddp__call k = ddp__make_call(DDP__SCATTER, send, recv, count, t, DDP_SUM, root);
-    return ddp__collective(g, &k);
-}
-DDP_API ddp_result ddp_all_to_all(ddp_group *g, const void *send, void *recv, size_t count_per_rank, ddp_dtype t) {
-    ddp__call k = ddp__make_call(DDP__ALL_TO_ALL, send, recv, count_per_rank, t, DDP_SUM, -1);
-    return ddp__collective(g, &k);
-}
-DDP_API ddp_result ddp_all_to_all_v(ddp_group *g, const void *send, const size_t *send_counts, void *recv,
-                                    const size_t *recv_counts, ddp_dtype t) {
-    ddp__call k = ddp__v_call(DDP__ALL_TO_ALL_V, send, send_counts, recv, recv_counts, 0, t);
-    return ddp__collective(g, &k);
-}
-DDP_API ddp_result ddp_all_gather_v(ddp_group *g, const void *send, size_t count, void *recv, const size_t *counts,
-                                    ddp_dtype t) {
-    ddp__call k = ddp__v_call(DDP__ALL_GATHER_V, send, NULL, recv, counts, count, t);
-    return ddp__collective(g, &k);
-}
-DDP_API ddp_result ddp_broadcast_bytes(ddp_group *g, void **data, size_t *size, int root) {
-    ddp__call k = ddp__bytes_call(data, size, root);
-    return ddp__collective(g, &k);
-}
-DDP_API void ddp_free_bytes(void *data) { ddp__free(data); }
-DDP_API ddp_result ddp_monitored_barrier(ddp_group *g, double timeout_seconds) {
-    ddp__call k = ddp__monitored_call(timeout_seconds);
-    return ddp__collective(g, &k);
-}
-
-DDP_API ddp_result ddp_gather_async(ddp_group *g, const void *send, void *recv, size_t count, ddp_dtype t, int root,
-                                    ddp_work **w) {
-    ddp__call k = ddp__make_call(DDP__GATHER, send, recv, count, t, DDP_SUM, root);
-    return ddp__collective_async(g, &k, w);
-}
-DDP_API ddp_result ddp_scatter_async(ddp_group *g, const void *send, void *recv, size_t count, ddp_dtype t, int root,
-                                     ddp_work **w) {
-    ddp__call k = ddp__make_call(DDP__SCATTER, send, recv, count, t, DDP_SUM, root);
-    return ddp__collective_async(g, &k, w);
-}
-DDP_API ddp_result ddp_all_to_all_async(ddp_group *g, const void *send, void *recv, size_t count_per_rank, ddp_dtype t,
-                                        ddp_work **w) {
-    ddp__call k = ddp__make_call(DDP__ALL_TO_ALL, send, recv, count_per_rank, t, DDP_SUM, -1);
-    return ddp__collective_async(g, &k, w);
-}
-DDP_API ddp_result ddp_all_to_all_v_async(ddp_group *g, const void *send, const size_t *send_counts, void *recv,
-                                          const size_t *recv_counts, ddp_dtype t, ddp_work **w) {
-    ddp__call k = ddp__v_call(DDP__ALL_TO_ALL_V, send, send_counts, recv, recv_counts, 0, t);
-    return ddp__collective_async(g, &k, w);
-}
-DDP_API ddp_result ddp_all_gather_v_async(ddp_group *g, const void *send, size_t count, void *recv, const size_t *counts,
-                                          ddp_dtype t, ddp_work **w) {
-    ddp__call k = ddp__v_call(DDP__ALL_GATHER_V, send, NULL, recv, counts, count, t);
-    return ddp__collective_async(g, &k, w);
-}
-DDP_API ddp_result ddp_broadcast_bytes_async(ddp_group *g, void **data, size_t *size, int root, ddp_work **w) {
-    ddp__call k = ddp__bytes_call(data, size, root);
-    return ddp__collective_async(g, &k, w);
-}
-DDP_API ddp_result ddp_monitored_barrier_async(ddp_group *g, double timeout_seconds, ddp_work **w) {
-    ddp__call k = ddp__monitored_call(timeout_seconds);
-    return ddp__collective_async(g, &k, w);
-}
-
-/* ---- point-to-point: ddp_send, ddp_recv, ddp_isend, ddp_irecv ----
-   Not collectives: two ranks take part, so a call takes no collective number (the fingerprint that every
-   rank compares); it is described by its peer and tag under a number of its own (see ddp__mesh). It goes
-   over the TCP mesh whatever the backend (transport.c's matching; the mpi backend sends with MPI).
-   ddp_send / ddp_recv run on the calling thread after the group's queued async work, as the synchronous
-   collectives do. ddp_isend is queued for the progress thread like an async collective (a send never
-   waits for its receive). ddp_irecv is not queued: it is posted at once (a message already stashed
-   finishes it there), so a later queued call, or any call that reads frames, can finish it; ddp_wait
-   first lets the queued work run, then reads until its message comes; ddp_test looks once when no
-   queued work runs. So the exchange patterns work in any order: irecv then isend on every rank, or an
-   irecv posted before collectives that its sender calls first. */
-
-/* The arguments of a send or recv, checked on the caller's thread (a bad call breaks nothing). */
-static ddp_result ddp__p2p_check(ddp_group *g, const char *name, ddp__coll_kind kind, const void *buf, size_t count,
-                                 ddp_dtype t, int peer, int tag) {
-    ddp_result r = ddp__group_check(g, name);
-    if (r) return r;
-    if (!ddp__dtype_valid(t))
-        return ddp__fail(g, DDP_ERR_INVALID_ARGUMENT, "%s: dtype %d is not a ddp_dtype (DDP_F32 ... DDP_I64)", name, (int)t);
-    if (peer < 0 || peer >= g->world_size || peer == g->rank)
-        return ddp__fail(g, DDP_ERR_INVALID_ARGUMENT, "%s: %s %d is not another rank of this group (rank %d of %d)", name,
-                         kind == DDP__SEND ? "dst" : "src", peer, g->rank, g->world_size);
-    if (tag < 0) return ddp__fail(g, DDP_ERR_INVALID_ARGUMENT, "%s: tag %d is negative", name, tag);
-    if (count > DDP__MAX_BUFFER_BYTES / ddp_dtype_size(t))
-        return ddp__fail(g, DDP_ERR_INVALID_ARGUMENT, "%s: count %zu is above the limit of 2^47 bytes (128 TiB) of %s", name,
-                         count, ddp_dtype_name(t));
-    if (count && !buf) return ddp__fail(g, DDP_ERR_INVALID_ARGUMENT, "%s: the buffer is NULL with count %zu", name, count);
-#if defined(DDP_CUDA)
-    if (count && g->nccl && ddp__cuda_is_device_pointer(buf) == 1)
-        return ddp__fail(g, DDP_ERR_UNSUPPORTED, "%s: the nccl backend sends and receives host memory only so far "
-                         "(ncclSend/ncclRecv for device memory are not built yet): copy the buffer to host memory", name);
-#endif
-    return DDP_SUCCESS;
-}
-
-/* The call and its description: the peer in root, its own number (no collective's). */
-static void ddp__p2p_describe(ddp_group *g, ddp__call *k, ddp__coll *c, ddp__coll_kind kind, const void *send, void *recv,
-                              size_t count, ddp_dtype t, int peer, int tag) {
-    *k = ddp__make_call(kind, send, recv, count, t, DDP_SUM, peer);
-    k->tag = tag;
-    memset(c, 0, sizeof *c);
-    c->seq = UINT64_MAX - ++g->mesh.p2p_calls; /* see ddp__mesh */
-    c->kind = (uint8_t)kind;
-    c->count = count;
-    c->dtype = (uint8_t)t;
-    c->op = DDP__NO_OP;
-    c->root = peer;
-    c->tag = tag;
-}
-
-static ddp_result ddp__p2p(ddp_group *g, ddp__coll_kind kind, const void *send, void *recv, size_t count, ddp_dtype t,
-                           int peer, int tag) {
-    const char *name = ddp__coll_name(kind);
-    char msg[DDP__ERR_MAX];
-    ddp__call k;
-    ddp__coll c;
-    ddp_result r = ddp__p2p_check(g, name, kind, kind == DDP__SEND ? send : recv, count, t, peer, tag);
-    if (r) return r;
-    ddp__drain(g);
-    ddp__p2p_describe(g, &k, &c, kind, send, recv, count, t, peer, tag);
-    if (g->broken) return ddp__fail(g, DDP_ERR_STATE, "%s", ddp__broken_message(g, &k, msg));
-    if ((r = ddp__run_staged(g, g->backend, &k, &c)) != DDP_SUCCESS) return ddp__fail(g, r, "%s", g->broken_msg);
-    return DDP_SUCCESS;
-}
-
-DDP_API ddp_result ddp_send(ddp_group *g, const void *buf, size_t count, ddp_dtype t, int dst, int tag) {
-    return ddp__p2p(g, DDP__SEND, buf, NULL, count, t, dst, tag);
-}
-DDP_API ddp_result ddp_recv(ddp_group *g, void *buf, size_t count, ddp_dtype t, int src, int tag) {
-    return ddp__p2p(g, DDP__RECV, NULL, buf, count, t, src, tag);
-}
-
-/* Checks shared by ddp_isend and ddp_irecv; *out = NULL. */
-static ddp_result ddp__p2p_async_check(ddp_group *g, const char *name, ddp__coll_kind kind, const void *buf, size_t count,
-                                       ddp_dtype t, int peer, int tag, ddp_work **out) {
-    ddp_result r = ddp__p2p_check(g, name, kind, buf, count, t, peer, tag);
-    if (r) return r;
-    if (!out) return ddp__fail(g, DDP_ERR_INVALID_ARGUMENT, "%s: the ddp_work **out argument is NULL", name);
-    *out = NULL;
-    if (g->broken) return ddp__fail(g, DDP_ERR_STATE, "%s: the group is broken by an earlier error and cannot be used; "
-                                    "destroy it. The error was: %.800s", name, g->broken_msg);
-#if defined(DDP_CUDA)
-    if (count && !g->nccl && ddp__cuda_is_device_pointer(buf) == 1) /* devbuf.c stages within one call only */
-        return ddp__fail(g, DDP_ERR_UNSUPPORTED, "%s: the buffer is device memory; on backend \"%s\" device buffers are "
-                         "staged through host memory within a call, which %s outlives: use ddp_%s (staged), or copy "
-                         "the buffer to host memory", name, g->backend->family, name, kind == DDP__SEND ? "send" : "recv");
-#endif
-    return DDP_SUCCESS;
-}
-
-/* On the mpi backend: MPI's own nonblocking calls, started now (mpi.c). */
-static ddp_result ddp__mpi_p2p_async(ddp_group *g, ddp__coll_kind kind, const void *send, void *recv, size_t count,
-                                     ddp_dtype t, int peer, int tag, ddp_work **out) {
-    ddp_work *w = (ddp_work *)ddp__calloc(1, sizeof *w);
-    ddp_result r;
-    if (!w) return ddp__fail(g, DDP_ERR_OUT_OF_MEMORY, "out of memory allocating a ddp_work");
-    w->g = g;
-    ddp__p2p_describe(g, &w->call, &w->coll, kind, send, recv, count, t, peer, tag);
-    ddp__drain(g); /* in issue order with the queued collectives */
-    if ((r = ddp__mpi_p2p_start(g, w)) != DDP_SUCCESS || !ddp__work_issue(g, w)) {
-        if (r == DDP_SUCCESS) { /* started, and nobody can wait for it: the group cannot go on */
-            ddp__mpi_p2p_release(w);
-            r = ddp__group_abort(g, DDP_ERR_OUT_OF_MEMORY, "out of memory recording a ddp_work");
-        }
-        ddp__free(w);
-        return r;
-    }
-    *out = w;
-    return DDP_SUCCESS;
-}
-
-DDP_API ddp_result ddp_isend(ddp_group *g, const void *buf, size_t count, ddp_dtype t, int dst, int tag, ddp_work **w) {
-    ddp__call k;
-    ddp__coll c;
-    ddp_result r = ddp__p2p_async_check(g, "isend", DDP__SEND, buf, count, t, dst, tag, w);
-    if (r) return r;
-    if (g->mpi) return ddp__mpi_p2p_async(g, DDP__SEND, buf, NULL, count, t, dst, tag, w);
-    ddp__p2p_describe(g, &k, &c, DDP__SEND, buf, NULL, count, t, dst, tag);
-    return ddp__enqueue(g, &k, &c, w);
-}
-
-/* An irecv's handle: its wait and test (ddp_work.owner); w->handle is its posted receive. */
-static ddp_result ddp__irecv_wait(ddp_work *w) {
-    ddp_group *g = w->g;
-    ddp__posted *p = (ddp__posted *)w->handle;
-    ddp_result r;
-    ddp__drain(g); /* queued work first: it may bring the message, and it reads the connections meanwhile */
-    if (ddp__posted_done(g, p)) r = p->result;
-    else if (g->broken) r = g->broken;
-    else r = ddp__p2p_wait(g, &w->coll, p, 0);
-    if (!ddp__posted_done(g, p)) ddp__p2p_unpost(g, p);
-    if (r) ddp__fail(g, r, "%s", g->broken ? g->broken_msg : "irecv failed");
-    ddp__free(p);
-    ddp__free(w);
-    return r;
-}
-
-static int ddp__irecv_test(ddp_work *w) {
-    ddp_group *g = w->g;
-    ddp__posted *p = (ddp__posted *)w->handle;
-    int idle;
-    if (ddp__posted_done(g, p) || g->broken) return 1;
-    pthread_mutex_lock(&g->async.mu);
-    idle = g->async.head == NULL; /* no queued work reads the connections now, and only this thread queues more */
-    pthread_mutex_unlock(&g->async.mu);
-    if (idle) ddp__p2p_wait(g, &w->coll, p, 1);
-    return ddp__posted_done(g, p) || g->broken != DDP_SUCCESS;
-}
-
-static const ddp__backend ddp__irecv_owner = {"p2p", "cpu", NULL, NULL, ddp__irecv_wait, ddp__irecv_test, NULL,
-                                              NULL, NULL, NULL, NULL, NULL};
-
-DDP_API ddp_result ddp_irecv(ddp_group *g, void *buf, size_t count, ddp_dtype t, int src, int tag, ddp_work **out) {
-    ddp__posted *p;
-    ddp_work *w;
-    ddp_result r = ddp__p2p_async_check(g, "irecv", DDP__RECV, buf, count, t, src, tag, out);
-    if (r) return r;
-    if (g->mpi) return ddp__mpi_p2p_async(g, DDP__RECV, NULL, buf, count, t, src, tag, out);
-    w = (ddp_work *)ddp__calloc(1, sizeof *w);
-    p = (ddp__posted *)ddp__calloc(1, sizeof *p);
-    if (!w || !p || !ddp__work_issue(g, w)) {
-        ddp__free(w);
-        ddp__free(p);
-        return ddp__fail(g, DDP_ERR_OUT_OF_MEMORY, "irecv: out of memory allocating a ddp_work");
-    }
-    w->g = g;
-    w->owner = &ddp__irecv_owner;
-    w->handle = p;
-    ddp__p2p_describe(g, &w->call, &w->coll, DDP__RECV, NULL, buf, count, t, src, tag);
-    p->src = src;
-    p->tag = tag;
-    p->buf = buf;
-    p->bytes = count * ddp_dtype_size(t);
-    p->count = count;
-    p->dtype = (uint8_t)t;
-    if ((r = ddp__p2p_post(g, p)) != DDP_SUCCESS) { /* a stashed message of another size: the group is broken */
-        ddp__live_remove(w, DDP__LIVE_WORK);
-        ddp__work_unlink(g, w);
-        ddp__free(p);
-        ddp__free(w);
-        return ddp__fail(g, r, "%s", g->broken_msg);
-    }
-    *out = w;
-    return DDP_SUCCESS;
-}
-/* ==================== end src/collectives.c ==================== */
-
-/* ==================== begin src/trace.c ==================== */
-/* [SECTION] trace: the flight recorder, each group's last collectives, written out when the group breaks
-   (torch's NCCL flight recorder: TORCH_NCCL_TRACE_BUFFER_SIZE, TORCH_NCCL_DUMP_ON_TIMEOUT)
-
-   Every group keeps a ring of its last DDP_TRACE_SIZE collectives (default 64; 0 turns the recorder
-   off). Entry seq % size holds collective #seq: its fingerprint (collective, count, dtype, op, root),
-   its state (queued, in progress, done, failed) and the monotonic times it was queued, started and
-   ended (coarse clock: 1-4 ms resolution). A transition is one clock read and a few relaxed stores
-   into the slot; nothing allocates, locks or makes a system call (bench/bench_trace.c measures it).
-
-   Writers: the thread that issues a call writes the whole entry (queued; async calls under the
-   async queue's mutex, so slots are written in seq order), the thread that runs it (the caller, or
-   the progress thread) moves its state. Every field is an atomic (relaxed, the state word release/
-   acquire): a reader on another thread or in a signal handler sees each field whole, and checks the
-   state word before and after copying an entry, so it skips an entry being rewritten. The state word
-   is seq << 3 | state, so a late update for a slot that a newer collective took is dropped (only
-   possible with more than `size` async calls outstanding).
-
-   Dump: "ddp trace rank R (host H, pid P), group G, world W, restart K: ..." then one line per entry,
-   oldest first. When a group breaks (ddp__group_break: a timeout, a lost peer, an ABORT from a peer, a
-   mismatch, any error that ends the group), once:
-     DDP_TRACE_DIR set: every live group of this process into DDP_TRACE_DIR/ddp_trace_rank<R>_pid<P>.txt
-                        (R the world rank; written to a temporary file, then renamed over it)
-     else:              this group's last DDP__TRACE_LOG_LINES entries into its log at error level.
-   On SIGUSR1, when DDP_TRACE_DIR is set or DDP_TRACE_SIGNAL=1 (and DDP_TRACE_SIGNAL is not 0): the
-   same file, or stderr without DDP_TRACE_DIR; on SIGTERM the file too (with DDP_TRACE_DIR only), before
-   the process ends as it would have: the rank that ddprun stops because the others failed is often the
-   one that was behind, stuck outside the library where no error reaches it. The handler formats straight from the rings with
-   async-signal-safe calls only (its own number formatting into a stack buffer, open, write, rename;
-   no locks, no stdio), so it also reports a rank that is stuck outside the library; then it calls the
-   handler that was installed before, if any. It is installed once per process and stays.
-   ddprun reads the files when a job fails (launcher.c: ddp__launch_trace_summary). */
 
 #define DDP__TRACE_DEFAULT 64
 #define DDP__TRACE_MAX 1000000
@@ -9100,6 +7695,2450 @@ static void ddp__trace_break(ddp_group *g, ddp_result code) {
     ddp__trace_format(t, DDP__TRACE_LOG_LINES, ddp__trace_emit_log, g);
 }
 /* ==================== end src/trace.c ==================== */
+
+/* ==================== begin src/link.c ==================== */
+/* [SECTION] link: connections between the ranks of a group, made on first use
+   After the rendezvous every rank knows where every other rank listens (the table, g->mesh.dir) and keeps
+   its own listening socket open for the group's life. No connection is made in advance: the first
+   time an algorithm's step sends to a rank this one has no connection with, it dials that rank
+   (ddp__link_want); a rank waiting in any step also accepts whatever connects to it. So a rank holds
+   the connections its collectives use and no others: the dissemination barrier that ends ddp_init
+   makes the ring neighbours and the ranks 2^k away (2 ceil(log2 N) connections), recursive doubling,
+   the binomial tree and the ring add at most about as many again: O(log N) sockets a rank instead of
+   the N - 1 of a full mesh.
+
+   Who dials: the SENDER of a step, never the receiver, so that a frame a rank sends always reaches its
+   receiver, whatever that rank is doing inside the same collective; tcp.c's argument that a mismatch is an
+   error on every rank rests on this. Two ranks that send to each other at once both dial; each side
+   decides alone, with the same answer: the connection dialed by the higher rank is kept.
+
+   A handshake, dialing side (one ddp__shake, moved on as bytes arrive, inside the poll of the step):
+       connect -> [DDP_AUTH_TOKEN: hello + nonce, answer, proof, verdict (auth.c)] -> group hello -> ack
+   accepting side, the mirror: [auth] -> group hello -> ack 1 (kept: the connection is this peer's from
+   now on) or ack 0 (a duplicate: a connection to that rank exists already, or this rank is the higher
+   one and dials it too). The dialer sends nothing else before the ack, so a connection carries frames
+   only once both sides have kept it. The group hello names the rank, the world size and a hash of the
+   group's store prefix: a stray connection, another group's or another program's, is refused with a
+   warning; at most DDP__PENDING_MAX unidentified connections wait at once, each for at most
+   DDP__PENDING_SECONDS (the oldest goes first).
+
+   A dial that is refused means nothing listens there any more: the rank exited or left the group. The
+   dialer retries for DDP__REFUSED_GRACE s, watching its other connections meanwhile (the ABORT of a
+   rank that failed with a reason arrives there, and is the better message), then fails the step naming
+   the rank as lost. During ddp_init's own set-up the store is asked too (g->mesh.setup, the hooks that
+   group.c lends the mesh meanwhile): a rank that failed there published why.
+
+   A failure here returns its code with the message in g->error, and breaking the group is left to the
+   caller (transport.c's steps), the layer above: link.c sends no ABORT and calls nothing above it. */
+
+#define DDP__HELLO_MAGIC 0x48444450u /* "PDDH": first words on a connection between ranks */
+#define DDP__PENDING_SECONDS 10      /* an accepted connection has this long to say which rank it is */
+#define DDP__REFUSED_GRACE 1.0       /* a port refusing this long: its rank is gone */
+
+typedef struct ddp__hello {
+    uint32_t magic;
+    int32_t rank, world;
+    uint32_t pad;
+    uint64_t group; /* ddp__link_group_hash: a stray connection from another group is refused */
+} ddp__hello;
+
+/* Handshake steps. Accepting: the auth hello, its proof, the group hello. Dialing: the connect, the
+   auth answer, the verdict, the ack. */
+enum { DDP__SHAKE_AUTH_HELLO, DDP__SHAKE_AUTH_PROOF, DDP__SHAKE_HELLO, DDP__SHAKE_CONNECTING, DDP__SHAKE_ANSWER,
+       DDP__SHAKE_VERDICT, DDP__SHAKE_ACK };
+
+static uint64_t ddp__link_group_hash(const ddp_group *g) { return ddp__hash(g->member.prefix); }
+
+static void ddp__link_hello(const ddp_group *g, ddp__hello *h) {
+    memset(h, 0, sizeof *h);
+    h->magic = DDP__HELLO_MAGIC;
+    h->rank = g->rank;
+    h->world = g->world_size;
+    h->group = ddp__link_group_hash(g);
+}
+
+/* ---- the table ---- */
+
+static const char *ddp__peer_name(const ddp_group *g, int i, char *buf, size_t cap) {
+    if (g->mesh.dir && i >= 0 && i < g->world_size)
+        snprintf(buf, cap, "host %.100s, pid %d", g->mesh.names + g->mesh.dir[i].host, g->mesh.dir[i].pid);
+    else
+        snprintf(buf, cap, "rank %d", i);
+    return buf;
+}
+
+static void ddp__link_keep(ddp_group *g, int rank, int fd) {
+    g->mesh.peers[rank].fd = fd;
+    g->mesh.peers[rank].awaits_dial = 0;
+    g->mesh.peers[rank].refused_since = 0;
+    g->mesh.linked[g->mesh.nlinked++] = rank;
+    ddp__log(g, DDP_LOG_DEBUG, "connected to rank %d (%d connections)", rank, g->mesh.nlinked);
+}
+
+static void ddp__shake_drop(ddp_group *g, int i) {
+    if (g->mesh.shakes[i].fd >= 0) close(g->mesh.shakes[i].fd);
+    memmove(g->mesh.shakes + i, g->mesh.shakes + i + 1, (size_t)(g->mesh.nshakes - i - 1) * sizeof *g->mesh.shakes);
+    g->mesh.nshakes--;
+}
+
+static ddp__shake *ddp__shake_add(ddp_group *g, int fd, int rank, int dialing, int step, size_t need, double deadline) {
+    ddp__shake *s = &g->mesh.shakes[g->mesh.nshakes++];
+    memset(s, 0, sizeof *s);
+    s->fd = fd, s->rank = rank, s->dialing = dialing, s->step = step, s->need = need, s->deadline = deadline;
+    return s;
+}
+
+static int ddp__link_dialing(const ddp_group *g, int rank) {
+    int i;
+    for (i = 0; i < g->mesh.nshakes; i++)
+        if (g->mesh.shakes[i].dialing && g->mesh.shakes[i].rank == rank) return 1;
+    return 0;
+}
+
+/* ---- dialing ---- */
+
+/* rank's port refused a dial (or closed it before the ack): dial again shortly; ddp__link_check_refused
+   calls it gone once this has lasted DDP__REFUSED_GRACE s. */
+static void ddp__link_refused(ddp_group *g, int rank) {
+    ddp__peer *p = &g->mesh.peers[rank];
+    if (!p->refused_since) p->refused_since = ddp__now();
+    p->dial_after = ddp__now() + 0.02;
+}
+
+static ddp_result ddp__link_want(ddp_group *g, int peer) {
+    ddp__peer *p = &g->mesh.peers[peer];
+    const ddp__peer_info *d = &g->mesh.dir[peer];
+    char err[DDP__ERR_MAX], name[DDP__PEER_NAME_MAX];
+    int fd = -1, refused = 0;
+    ddp_result r;
+    if (p->fd >= 0 || p->awaits_dial || ddp__link_dialing(g, peer) || ddp__now() < p->dial_after) return DDP_SUCCESS;
+    if (g->mesh.nshakes == DDP__SHAKES_MAX) ddp__shake_drop(g, 0); /* full of strays: the oldest goes */
+    r = ddp__net_connect_start(g->mesh.names + d->addr, d->port, &fd, &refused, err);
+    if (r == DDP_SUCCESS) {
+        ddp__shake_add(g, fd, peer, 1, DDP__SHAKE_CONNECTING, 0, 0);
+        return DDP_SUCCESS;
+    }
+    if (refused) {
+        ddp__link_refused(g, peer);
+        return DDP_SUCCESS;
+    }
+    return ddp__fail(g, r, "connecting to rank %d (%s) at %s:%d: %s", peer, ddp__peer_name(g, peer, name, sizeof name),
+                     g->mesh.names + d->addr, d->port, err);
+}
+
+/* The dialer's next bytes after `s->step` completed: send what the protocol says and wait for the answer. */
+static int ddp__shake_send_hello(ddp_group *g, ddp__shake *s) {
+    ddp__hello h;
+    char err[DDP__ERR_MAX];
+    ddp__link_hello(g, &h);
+    s->step = DDP__SHAKE_ACK, s->have = 0, s->need = 1;
+    return ddp__net_send(s->fd, &h, sizeof h, ddp__now() + 1.0, err) == DDP_SUCCESS;
+}
+
+/* A dial's connect finished (POLLOUT): connected, or refused. 1: go on, 0: refused (dropped), -1: failed
+   otherwise (err set). A reset counts as a refusal, and so does a connection that breaks under the first
+   bytes: the rank's listener closed (it exited, or failed) with this dial still in its backlog. */
+static int ddp__shake_connected(ddp_group *g, ddp__shake *s, char *err) {
+    int e = 0;
+    socklen_t len = sizeof e;
+    if (getsockopt(s->fd, SOL_SOCKET, SO_ERROR, &e, &len) != 0) e = errno;
+    if (e == ECONNREFUSED || e == ECONNRESET) return 0;
+    if (e != 0) {
+        snprintf(err, DDP__ERR_MAX, "connect: %s", strerror(e));
+        return -1;
+    }
+    if (ddp__auth_token()) {
+        memcpy(s->buf, DDP__AUTH_MAGIC, 8);
+        ddp__auth_nonce(s->cn);
+        memcpy(s->buf + 8, s->cn, DDP__AUTH_NONCE);
+        s->step = DDP__SHAKE_ANSWER, s->have = 0, s->need = DDP__AUTH_NONCE + DDP__AUTH_MAC;
+        return ddp__net_send(s->fd, s->buf, 8 + DDP__AUTH_NONCE, ddp__now() + 1.0, err) == DDP_SUCCESS ? 1 : 0;
+    }
+    return ddp__shake_send_hello(g, s) ? 1 : 0;
+}
+
+/* Bytes arrived for a dial in s->step (all s->need of them). 1: go on (or kept/duplicate: s->fd is -1
+   then), -1: failed (err). */
+static int ddp__shake_dial_step(ddp_group *g, ddp__shake *s, char *err) {
+    unsigned char want[DDP__AUTH_MAC];
+    if (s->step == DDP__SHAKE_ANSWER) {
+        ddp__auth_proof(ddp__auth_token(), "server", s->cn, s->buf, want);
+        if (!ddp__auth_equal(want, s->buf + DDP__AUTH_NONCE, DDP__AUTH_MAC)) {
+            snprintf(err, DDP__ERR_MAX, "it does not know this process's DDP_AUTH_TOKEN (its proof is wrong): every rank "
+                     "needs the same token");
+            return -1;
+        }
+        ddp__auth_proof(ddp__auth_token(), "client", s->cn, s->buf, want);
+        s->step = DDP__SHAKE_VERDICT, s->have = 0, s->need = 1;
+        if (ddp__net_send(s->fd, want, sizeof want, ddp__now() + 1.0, err) != DDP_SUCCESS) return -1;
+        return 1;
+    }
+    if (s->step == DDP__SHAKE_VERDICT) {
+        if (s->buf[0] != 1) {
+            snprintf(err, DDP__ERR_MAX, "it refused this process's DDP_AUTH_TOKEN: every rank needs the same token");
+            return -1;
+        }
+        if (!ddp__shake_send_hello(g, s)) {
+            snprintf(err, DDP__ERR_MAX, "the connection closed during the hello");
+            return -1;
+        }
+        return 1;
+    }
+    /* DDP__SHAKE_ACK */
+    if (s->buf[0] == 1 && g->mesh.peers[s->rank].fd < 0) {
+        ddp__link_keep(g, s->rank, s->fd);
+    } else { /* a duplicate: the peer dials this rank as well, and its dial wins */
+        close(s->fd);
+        if (g->mesh.peers[s->rank].fd < 0) g->mesh.peers[s->rank].awaits_dial = 1;
+    }
+    s->fd = -1;
+    return 1;
+}
+
+/* ---- accepting ---- */
+
+/* The accepting side's next step after s->need bytes arrived. 1: go on (or kept: s->fd is -1 then),
+   -1: refused (why in *refusal). */
+static int ddp__shake_accept_step(ddp_group *g, ddp__shake *s, const char **refusal) {
+    unsigned char reply[DDP__AUTH_NONCE + DDP__AUTH_MAC], verdict, ack;
+    char why[DDP__ERR_MAX];
+    ddp__hello h;
+    if (s->step == DDP__SHAKE_AUTH_HELLO) {
+        if (ddp__auth_answer(ddp__auth_token(), s->buf, s->cn, s->sn, reply) != 0) {
+            *refusal = "it did not authenticate (no DDP_AUTH_TOKEN on its side?)";
+            return -1;
+        }
+        if (ddp__net_send(s->fd, reply, sizeof reply, ddp__now() + 1.0, why) != DDP_SUCCESS) {
+            *refusal = "it broke off the authentication";
+            return -1;
+        }
+        s->step = DDP__SHAKE_AUTH_PROOF, s->have = 0, s->need = DDP__AUTH_MAC;
+        return 1;
+    }
+    if (s->step == DDP__SHAKE_AUTH_PROOF) {
+        verdict = (unsigned char)ddp__auth_check(ddp__auth_token(), s->cn, s->sn, s->buf);
+        ddp__net_send(s->fd, &verdict, 1, ddp__now() + 1.0, why);
+        if (!verdict) {
+            *refusal = "its DDP_AUTH_TOKEN is different";
+            return -1;
+        }
+        s->step = DDP__SHAKE_HELLO, s->have = 0, s->need = sizeof(ddp__hello);
+        return 1;
+    }
+    memcpy(&h, s->buf, sizeof h);
+    if (h.magic != DDP__HELLO_MAGIC || h.world != g->world_size || h.group != ddp__link_group_hash(g) || h.rank < 0 ||
+        h.rank >= g->world_size || h.rank == g->rank) {
+        *refusal = "it is not a rank of this group";
+        return -1;
+    }
+    /* Keep it unless this rank has a connection to h.rank already, or dials it too and is the higher rank. */
+    ack = g->mesh.peers[h.rank].fd < 0 && !(g->rank > h.rank && ddp__link_dialing(g, h.rank));
+    if (ddp__net_send(s->fd, &ack, 1, ddp__now() + 1.0, why) != DDP_SUCCESS) ack = 0;
+    if (ack) ddp__link_keep(g, h.rank, s->fd);
+    else close(s->fd);
+    s->fd = -1;
+    return 1;
+}
+
+/* Take what arrived on the listening socket: every connection waiting there, each as a handshake. */
+static ddp_result ddp__link_accept(ddp_group *g) {
+    for (;;) {
+        int fd = accept(g->mesh.listen_fd, NULL, NULL);
+        char err[DDP__ERR_MAX], name[DDP__PEER_NAME_MAX];
+        if (fd < 0) {
+            if (errno == EAGAIN || errno == EWOULDBLOCK || errno == EINTR || errno == ECONNABORTED) return DDP_SUCCESS;
+            if (ddp__out_of_descriptors(errno)) ddp__fail_descriptors(err, errno, "it cannot accept a connection from another rank");
+            else snprintf(err, sizeof err, "accept: %s", strerror(errno));
+            return ddp__fail(g, DDP_ERR_SYSTEM, "rank %d (%s): %s", g->rank, ddp__peer_name(g, g->rank, name, sizeof name), err);
+        }
+        ddp__net_configure(fd);
+        if (g->mesh.nshakes == DDP__SHAKES_MAX) {
+            ddp__log(g, DDP_LOG_WARN, "refused a connection to this rank's port: %d others were waiting to identify "
+                     "themselves", DDP__PENDING_MAX);
+            ddp__shake_drop(g, 0);
+        }
+        if (ddp__auth_token()) ddp__shake_add(g, fd, -1, 0, DDP__SHAKE_AUTH_HELLO, 8 + DDP__AUTH_NONCE, ddp__now() + DDP__PENDING_SECONDS);
+        else ddp__shake_add(g, fd, -1, 0, DDP__SHAKE_HELLO, sizeof(ddp__hello), ddp__now() + DDP__PENDING_SECONDS);
+    }
+}
+
+/* ---- inside a step's poll ---- */
+
+static int ddp__link_poll_entries(ddp_group *g, struct pollfd *fds, int *owner, double *wake) {
+    int i, n = 0;
+    if (g->mesh.listen_fd >= 0) {
+        fds[n].fd = g->mesh.listen_fd, fds[n].events = POLLIN, fds[n].revents = 0;
+        owner[n++] = -2;
+    }
+    for (i = 0; i < g->mesh.nshakes; i++) {
+        ddp__shake *s = &g->mesh.shakes[i];
+        fds[n].fd = s->fd, fds[n].events = s->step == DDP__SHAKE_CONNECTING ? POLLOUT : POLLIN, fds[n].revents = 0;
+        owner[n++] = -3 - i;
+        if (!s->dialing && s->deadline < *wake) *wake = s->deadline;
+    }
+    return n;
+}
+
+/* Read what s waits for; 1 when all s->need bytes are there, 0 not yet, -1 closed or failed. */
+static int ddp__shake_read(ddp__shake *s) {
+    ssize_t k = recv(s->fd, s->buf + s->have, s->need - s->have, 0);
+    if (k < 0 && (errno == EAGAIN || errno == EWOULDBLOCK || errno == EINTR)) return 0;
+    if (k <= 0) return -1;
+    s->have += (size_t)k;
+    return s->have == s->need;
+}
+
+/* One handshake had an event. Returns a failure of the step (a dial that cannot go on), else success. */
+static ddp_result ddp__shake_event(ddp_group *g, int i, short re, int *progressed) {
+    ddp__shake *s = &g->mesh.shakes[i];
+    char err[DDP__ERR_MAX] = "", name[DDP__PEER_NAME_MAX];
+    const char *refusal = NULL;
+    int got = 0, rank = s->rank;
+    if (s->step == DDP__SHAKE_CONNECTING) {
+        if (!(re & (POLLOUT | POLLERR | POLLHUP))) return DDP_SUCCESS;
+        got = ddp__shake_connected(g, s, err);
+    } else {
+        got = ddp__shake_read(s);
+        if (got == 0) return DDP_SUCCESS;
+        if (got < 0 && !s->dialing) {
+            refusal = "it closed the connection before saying which rank it is";
+        } else if (got > 0) {
+            got = s->dialing ? ddp__shake_dial_step(g, s, err) : ddp__shake_accept_step(g, s, &refusal);
+        }
+    }
+    if (got == 0 || (got < 0 && s->dialing && !err[0])) {
+        /* refused, or closed before the ack (the rank went away, or its accept failed): try again shortly,
+           watching the other connections for its ABORT, until DDP__REFUSED_GRACE says it is gone */
+        ddp__link_refused(g, rank);
+        ddp__shake_drop(g, i);
+        return DDP_SUCCESS;
+    }
+    *progressed = 1;
+    if (got > 0) {
+        if (s->fd < 0) ddp__shake_drop(g, i); /* kept, or a duplicate closed */
+        return DDP_SUCCESS;
+    }
+    if (!s->dialing) {
+        ddp__log(g, DDP_LOG_WARN, "refused a connection to this rank's port: %s", refusal ? refusal : err);
+        ddp__shake_drop(g, i);
+        return DDP_SUCCESS;
+    }
+    ddp__shake_drop(g, i);
+    return ddp__fail(g, DDP_ERR_INIT, "connecting to rank %d (%s): %s", rank, ddp__peer_name(g, rank, name, sizeof name),
+                     err);
+}
+
+static ddp_result ddp__link_progress(ddp_group *g, const struct pollfd *fds, const int *owner, int n, int *progressed) {
+    int i, done = 0;
+    ddp_result r;
+    double now = ddp__now();
+    /* Handshakes first, from the last entry back, so that dropping one leaves the indices of the rest. */
+    for (i = n - 1; i >= 0; i--) {
+        int k = -3 - owner[i];
+        if (owner[i] > -3 || !fds[i].revents) continue;
+        if ((r = ddp__shake_event(g, k, fds[i].revents, progressed)) != DDP_SUCCESS) return r;
+    }
+    for (i = g->mesh.nshakes - 1; i >= 0; i--) /* accepted ones that never said who they are */
+        if (!g->mesh.shakes[i].dialing && now >= g->mesh.shakes[i].deadline) {
+            ddp__log(g, DDP_LOG_WARN, "refused a connection to this rank's port: it did not say which rank it is "
+                     "within %d s", DDP__PENDING_SECONDS);
+            ddp__shake_drop(g, i);
+        }
+    for (i = 0; i < n; i++)
+        if (owner[i] == -2 && (fds[i].revents & POLLIN)) done = 1;
+    if (done && (r = ddp__link_accept(g)) != DDP_SUCCESS) return r;
+    return DDP_SUCCESS;
+}
+
+/* Has the port of `peer`, needed by this step, refused connections for DDP__REFUSED_GRACE s? Then it is
+   lost (during the set-up, the store is asked first: group.c). */
+static ddp_result ddp__link_check_refused(ddp_group *g, const ddp__coll *c, int peer) {
+    char desc[160], name[DDP__PEER_NAME_MAX], how[320];
+    const ddp__peer_info *d = &g->mesh.dir[peer];
+    if (peer < 0 || !g->mesh.peers[peer].refused_since || g->mesh.peers[peer].fd >= 0) return DDP_SUCCESS;
+    if (ddp__now() - g->mesh.peers[peer].refused_since < DDP__REFUSED_GRACE) return DDP_SUCCESS;
+    snprintf(how, sizeof how, "its port %.128s:%d refuses connections (nothing listens there any more)",
+             g->mesh.names + d->addr, d->port);
+    if (g->mesh.setup) return g->mesh.setup->lost(g, peer, how);
+    ddp__coll_describe(g, c, desc, sizeof desc);
+    return ddp__fail(g, DDP_ERR_PEER_LOST, "lost rank %d (%s): %s: its process exited or it left the group, while "
+                     "this rank was in %s", peer, ddp__peer_name(g, peer, name, sizeof name), how, desc);
+}
+
+static void ddp__link_close_all(ddp_group *g) {
+    int i;
+    for (i = 0; g->mesh.peers && i < g->mesh.nlinked; i++) {
+        ddp__peer *p = &g->mesh.peers[g->mesh.linked[i]];
+        if (p->fd >= 0) close(p->fd);
+        p->fd = -1;
+    }
+    g->mesh.nlinked = 0;
+    while (g->mesh.nshakes > 0) ddp__shake_drop(g, g->mesh.nshakes - 1);
+    if (g->mesh.listen_fd >= 0) close(g->mesh.listen_fd);
+    g->mesh.listen_fd = -1;
+}
+/* ==================== end src/link.c ==================== */
+
+/* ==================== begin src/transport.c ==================== */
+/* [SECTION] transport: framed messages between the ranks of a group, failure detection, abort
+   Two ranks share one TCP connection once a step has sent from one to the other (link.c makes them on
+   first use). Everything sent is a frame: a fixed header, then `bytes` of payload.
+
+       magic | kind | collective fingerprint (seq, coll, dtype, op, root, count) | sender | bytes | code
+
+   The fingerprint is what makes cross-rank mistakes errors instead of hangs (PyTorch offers this only
+   with TORCH_DISTRIBUTED_DEBUG=DETAIL): the receiver compares it with its own, and any difference is
+   DDP_ERR_MISMATCH with both sides named.
+
+   Every frame that reaches a waiting rank is checked, not only the one it waits for. Ranks that
+   disagree about a call may run different algorithms (all_reduce picks one by size), and then a
+   mismatched frame can sit in a connection its receiver is not reading while every rank waits on
+   another: 4 ranks, 0 and 1 in the ring, 2 and 3 in recursive doubling, 0 waits on 3, 3 on 1, 1 on 0.
+   So a step also polls the other connections for input, and looks at a frame header that arrives
+   there with MSG_PEEK, without taking it (connections are at a frame boundary between steps: frames
+   are read whole within one). An ABORT fails the step; a frame of the same collective number with a
+   different fingerprint is DDP_ERR_MISMATCH. A frame of this collective, of another number (a peer
+   already past this one) or a BYE is early data: the peer is marked quiet until the next collective (by its number), so poll does not wake for
+   it again.
+   Nothing extra happens when nothing unexpected arrives: the same poll call watches one more event
+   per connection. tcp.c says why this makes every mismatch an error on every rank.
+
+   Failure handling. While a rank waits, it also watches every other connection it has for a hang-up
+   (O(log N) of them: link.c). When a rank fails a collective (mismatch, timeout, lost peer) it "breaks"
+   the group: it sends an ABORT frame carrying the error to every rank it is connected with and shuts
+   those connections down. Each of them sees the hang-up within milliseconds, reads the ABORT frame,
+   fails with the same code and message, and breaks in turn: the ABORT floods the graph of connections,
+   which holds the ring from ddp_init's barrier on (connected, diameter O(log N) once the barrier's
+   2^k links are there), so it reaches every rank that waits in a collective, and every other rank when
+   it next calls one. A connection that closes without an ABORT frame means the process is gone:
+   DDP_ERR_PEER_LOST, and that message is what floods.
+   A graceful ddp_destroy sends BYE after a final barrier and waits for the peers' BYE before closing,
+   so an orderly exit is never mistaken for a crash. */
+
+#define DDP__FRAME_MAGIC 0x44445031u /* "DDP1" */
+#define DDP__MAX_FRAME_BYTES ((uint64_t)1 << 40)
+
+/* P2P: a point-to-point message (ddp_send), its `root` field carrying the tag, `seq` 0 (no collective). */
+enum { DDP__FRAME_DATA = 1, DDP__FRAME_ABORT = 2, DDP__FRAME_BYE = 3, DDP__FRAME_P2P = 4 };
+
+typedef struct ddp__frame {
+    uint32_t magic;
+    uint8_t kind; /* DDP__FRAME_* */
+    uint8_t coll, dtype, op;
+    int32_t root;
+    int32_t src; /* sender's rank in the group */
+    uint64_t seq, count;
+    uint64_t bytes; /* payload that follows */
+    int32_t code;   /* ABORT: the ddp_result */
+    uint32_t reserved;
+} ddp__frame;
+
+static int ddp__coll_equal(const ddp__coll *a, const ddp__frame *f) {
+    return a->seq == f->seq && a->count == f->count && a->kind == f->coll && a->dtype == f->dtype && a->op == f->op &&
+           a->root == f->root;
+}
+
+/* ---- breaking the group ---- */
+
+/* Wake every rank waiting inside the group's backends (the backend's abort slot, and the host
+   transport's under nccl). */
+static void ddp__backends_abort(ddp_group *g) {
+    if (g->backend->abort) g->backend->abort(g);
+    if (g->host_backend != g->backend && g->host_backend->abort) g->host_backend->abort(g);
+}
+
+/* Record the first error that breaks g, tell every peer (ABORT frame with the message) and shut the
+   connections down so that peers waiting on anything notice at once. */
+static ddp_result ddp__group_break_relaying(ddp_group *g, ddp_result code, const char *msg, const char *wire);
+static ddp_result ddp__group_break(ddp_group *g, ddp_result code, const char *msg) {
+    return ddp__group_break_relaying(g, code, msg, msg);
+}
+
+/* ddp__group_break, with `wire` as the reason the ABORT frames carry: a rank that fails with another
+   rank's reason says so in its own message ("reported by rank 3; this rank was in ...") but passes the
+   reason on as it came, so that the message does not grow at each hop of the flood. */
+static ddp_result ddp__group_break_relaying(ddp_group *g, ddp_result code, const char *msg, const char *wire) {
+    int i;
+    if (g->broken) return g->broken;
+    g->broken = code;
+    snprintf(g->broken_msg, sizeof g->broken_msg, "%s", msg);
+    ddp__log(g, DDP_LOG_ERROR, "%s", msg);
+    ddp__backends_abort(g);
+    for (i = 0; i < g->mesh.nlinked; i++) {
+        ddp__peer *p = &g->mesh.peers[g->mesh.linked[i]];
+        ddp__frame f;
+        char err[DDP__ERR_MAX];
+        size_t len = strlen(wire) + 1;
+        if (p->fd < 0 || p->gone) continue;
+        if (p->send_owed > 0 && p->send_owed <= ((uint64_t)256 << 20)) { /* finish the interrupted frame */
+            static const char zeros[4096] = {0};
+            while (p->send_owed > 0) {
+                size_t k = (size_t)DDP__MIN(p->send_owed, (uint64_t)sizeof zeros);
+                if (ddp__net_send(p->fd, zeros, k, ddp__now() + 0.5, err) != DDP_SUCCESS) break;
+                p->send_owed -= k;
+            }
+        }
+        if (p->send_owed > 0) { /* cannot resynchronise the stream: the peer will see a plain hang-up */
+            shutdown(p->fd, SHUT_WR);
+            continue;
+        }
+        memset(&f, 0, sizeof f);
+        f.magic = DDP__FRAME_MAGIC;
+        f.kind = DDP__FRAME_ABORT;
+        f.src = g->rank;
+        f.bytes = len;
+        f.code = code;
+        /* Best effort and brief: the peer may be the one that is stuck. */
+        if (ddp__net_send(p->fd, &f, sizeof f, ddp__now() + 0.5, err) == DDP_SUCCESS)
+            ddp__net_send(p->fd, wire, len, ddp__now() + 0.5, err);
+        /* Half-close only: a full close with unread data would make the kernel send a reset, which
+           throws away the ABORT frame queued at the peer before the peer reads it. */
+        shutdown(p->fd, SHUT_WR);
+    }
+    ddp__trace_break(g, code); /* after the ABORTs: peers learn first, then this rank writes its recorder */
+    return code;
+}
+
+/* Break the group with the message that a call below (link.c) or lent from above (the set-up's hooks)
+   left in g->error with its code r. */
+static ddp_result ddp__break_with_error(ddp_group *g, ddp_result r) {
+    char msg[DDP__ERR_MAX];
+    snprintf(msg, sizeof msg, "%s", g->error);
+    return ddp__group_break(g, r, msg);
+}
+
+/* Fail the current operation: break the group with this message and copy it to the caller's buffer. */
+static ddp_result ddp__coll_fail(ddp_group *g, ddp_result code, const char *fmt, ...) {
+    char msg[DDP__ERR_MAX];
+    va_list ap;
+    va_start(ap, fmt);
+    vsnprintf(msg, sizeof msg, fmt, ap);
+    va_end(ap);
+    return ddp__group_break(g, code, msg);
+}
+
+/* A peer's connection closed or errored: read what it sent last. An ABORT frame carries the reason
+   (another rank's error, re-raised here); otherwise the process is gone. `first` is a frame header
+   already read from the peer (or NULL). */
+static ddp_result ddp__peer_failed_after(ddp_group *g, int peer, const ddp__coll *c, const ddp__frame *first) {
+    ddp__peer *p = &g->mesh.peers[peer];
+    char desc[160], err[DDP__ERR_MAX], name[DDP__PEER_NAME_MAX], msg[DDP__ERR_MAX];
+    double deadline = ddp__now() + 1.0;
+    ddp__frame f;
+    ddp__coll_describe(g, c, desc, sizeof desc);
+    p->gone = 1;
+    for (;;) {
+        if (first) {
+            f = *first;
+            first = NULL;
+        } else if (ddp__net_recv(p->fd, &f, sizeof f, deadline, err) != DDP_SUCCESS) {
+            break;
+        }
+        if (f.magic != DDP__FRAME_MAGIC) break;
+        if (f.kind == DDP__FRAME_ABORT && f.bytes > 0 && f.bytes <= DDP__ERR_MAX) {
+            char reason[DDP__ERR_MAX];
+            if (ddp__net_recv(p->fd, reason, (size_t)f.bytes, deadline, err) != DDP_SUCCESS) break;
+            reason[f.bytes - 1] = '\0';
+            if (g->mesh.waiting_for >= 0 && g->mesh.waiting_for != peer) /* the reporter may have waited for us: say whom we waited for */
+                snprintf(msg, sizeof msg, "%.600s (reported by rank %d; this rank was in %.150s, waiting for rank %d (%.120s))", reason,
+                         peer, desc, g->mesh.waiting_for, ddp__peer_name(g, g->mesh.waiting_for, name, sizeof name));
+            else
+                snprintf(msg, sizeof msg, "%.600s (reported by rank %d; this rank was in %.150s)", reason, peer, desc);
+            return ddp__group_break_relaying(g, ddp__peer_code(f.code, DDP_ERR_FORMAT), msg, reason);
+        }
+        if (f.kind == DDP__FRAME_BYE)
+            return ddp__coll_fail(g, DDP_ERR_PEER_LOST,
+                                  "rank %d left the group (called ddp_destroy) while this rank was in %s; every rank "
+                                  "must make the same collective calls", peer, desc);
+        { /* skip a data frame's payload */
+            char sink[4096];
+            uint64_t left = f.bytes;
+            while (left > 0) {
+                size_t k = (size_t)DDP__MIN(left, (uint64_t)sizeof sink);
+                if (ddp__net_recv(p->fd, sink, k, deadline, err) != DDP_SUCCESS) break;
+                left -= k;
+            }
+            if (left > 0) break;
+        }
+    }
+    return ddp__coll_fail(g, DDP_ERR_PEER_LOST, "lost rank %d (%s): its process exited or its connection dropped, while this rank was in %s",
+                          peer, ddp__peer_name(g, peer, name, sizeof name), desc);
+}
+
+static ddp_result ddp__peer_failed(ddp_group *g, int peer, const ddp__coll *c) { return ddp__peer_failed_after(g, peer, c, NULL); }
+
+/* A peer that is alive (its connection is open) made no progress for the group's timeout. Across hosts
+   a cut link looks just like this: TCP sees no error until its own, much longer, retransmission limit. */
+static ddp_result ddp__peer_timed_out(ddp_group *g, int peer, const ddp__coll *c) {
+    char desc[160], name[DDP__PEER_NAME_MAX];
+    ddp__coll_describe(g, c, desc, sizeof desc);
+    if (g->mesh.peers[peer].fd < 0)
+        return ddp__coll_fail(g, DDP_ERR_TIMEOUT, "timed out after %.0f s in %s waiting for rank %d (%s), which never "
+                              "connected to this rank: is it stuck, stopped, in a different collective, or is the network "
+                              "to it down? (DDP_TIMEOUT sets the limit)", g->timeout, desc, peer,
+                              ddp__peer_name(g, peer, name, sizeof name));
+    return ddp__coll_fail(g, DDP_ERR_TIMEOUT, "timed out after %.0f s in %s waiting for rank %d (%s), which is alive but "
+                          "not taking part: is it stuck, stopped, in a different collective, or is the network to it "
+                          "down? (DDP_TIMEOUT sets the limit)", g->timeout, desc, peer, ddp__peer_name(g, peer, name, sizeof name));
+}
+
+/* The first peer whose connection hung up (exited, or aborted the group), looking only at peer `only`
+   (-1: at every peer), without waiting; -1 when none. Nothing else happens: the caller decides. */
+static int ddp__hung_up_peer(ddp_group *g, int only) {
+    int i, n = 0;
+    for (i = 0; i < g->mesh.nlinked; i++) {
+        int peer = g->mesh.linked[i];
+        if (g->mesh.peers[peer].fd < 0 || (only >= 0 && peer != only)) continue;
+        g->mesh.pollfds[n].fd = g->mesh.peers[peer].fd;
+        g->mesh.pollfds[n].events = POLLRDHUP;
+        g->mesh.pollfds[n].revents = 0;
+        g->mesh.poll_owner[n++] = peer;
+    }
+    if (poll(g->mesh.pollfds, (nfds_t)n, 0) <= 0) return -1;
+    for (i = 0; i < n; i++)
+        if (g->mesh.pollfds[i].revents & (POLLRDHUP | POLLHUP | POLLERR)) return g->mesh.poll_owner[i];
+    return -1;
+}
+
+/* A peer that hung up fails the current collective. For transports that wait elsewhere (shared memory). */
+static ddp_result ddp__check_peers(ddp_group *g, const ddp__coll *c) {
+    int peer = ddp__hung_up_peer(g, -1);
+    return peer < 0 ? DDP_SUCCESS : ddp__peer_failed(g, peer, c);
+}
+
+/* ---- one step of an algorithm: send to one peer while receiving from another ---- */
+
+static void ddp__frame_init(ddp__frame *f, const ddp_group *g, const ddp__coll *c, int kind, uint64_t bytes) {
+    memset(f, 0, sizeof *f);
+    f->magic = DDP__FRAME_MAGIC;
+    f->kind = (uint8_t)kind;
+    f->coll = c->kind;
+    f->dtype = c->dtype;
+    f->op = c->op;
+    f->root = c->root;
+    f->src = g->rank;
+    f->seq = c->seq;
+    f->count = c->count;
+    f->bytes = bytes;
+}
+
+/* The call a collective's frame describes (for messages naming the sender's call). */
+static ddp__coll ddp__frame_coll(const ddp__frame *f) {
+    ddp__coll t;
+    memset(&t, 0, sizeof t);
+    t.seq = f->seq;
+    t.count = f->count;
+    t.kind = f->coll;
+    t.dtype = f->dtype;
+    t.op = f->op;
+    t.root = f->root;
+    t.tag = -1;
+    return t;
+}
+
+/* all_to_all_v / all_gather_v: rank `sender` sends `sent` elements to rank `receiver`, whose sizes say
+   `expected` (found by either of the two: TCP frames here, shared memory's first step in shm.c). */
+static ddp_result ddp__sizes_differ(ddp_group *g, const ddp__coll *c, int sender, int receiver, uint64_t sent,
+                                    uint64_t expected) {
+    char ours[160];
+    ddp__coll_describe(g, c, ours, sizeof ours);
+    if (c->kind == DDP__ALL_TO_ALL_V)
+        return ddp__coll_fail(g, DDP_ERR_MISMATCH, "split sizes differ in %s: rank %d sends %llu elements to rank %d "
+                              "(its send_counts[%d]) while rank %d expects %llu from rank %d (its recv_counts[%d]); "
+                              "rank i's send_counts[j] must equal rank j's recv_counts[i]", ours, sender,
+                              (unsigned long long)sent, receiver, receiver, receiver, (unsigned long long)expected, sender,
+                              sender);
+    return ddp__coll_fail(g, DDP_ERR_MISMATCH, "counts differ in %s: rank %d sent a block of %llu elements where "
+                          "rank %d's counts say %llu; every rank must pass the same counts", ours, sender,
+                          (unsigned long long)sent, receiver, (unsigned long long)expected);
+}
+
+/* The header just received from `peer` is complete: is it the frame this step expects? */
+static ddp_result ddp__check_frame(ddp_group *g, const ddp__coll *c, int peer, const ddp__frame *f, size_t expect) {
+    char ours[160], theirs[160];
+    if (f->magic != DDP__FRAME_MAGIC)
+        return ddp__coll_fail(g, DDP_ERR_FORMAT, "corrupt message from rank %d (bad magic 0x%08x): is something else "
+                              "connected to this rank's port?", peer, (unsigned)f->magic);
+    if (f->kind == DDP__FRAME_ABORT || f->kind == DDP__FRAME_BYE) return ddp__peer_failed_after(g, peer, c, f);
+    if (f->kind != DDP__FRAME_DATA) return ddp__coll_fail(g, DDP_ERR_FORMAT, "corrupt message from rank %d (kind %d)", peer, f->kind);
+    if (!ddp__coll_equal(c, f)) {
+        ddp__coll t = ddp__frame_coll(f);
+        ddp__coll_describe(g, c, ours, sizeof ours);
+        ddp__coll_describe(g, &t, theirs, sizeof theirs);
+        return ddp__coll_fail(g, DDP_ERR_MISMATCH, "collective mismatch: rank %d called %s while rank %d called %s; every "
+                              "rank must call the same collectives in the same order with the same count, dtype, op and root",
+                              peer, theirs, g->rank, ours);
+    }
+    if (f->bytes != expect && (c->kind == DDP__ALL_TO_ALL_V || c->kind == DDP__ALL_GATHER_V)) { /* sizes per rank */
+        size_t es = ddp_dtype_size((ddp_dtype)c->dtype);
+        return ddp__sizes_differ(g, c, peer, g->rank, f->bytes / es, expect / es);
+    }
+    if (f->bytes != expect)
+        return ddp__coll_fail(g, DDP_ERR_FORMAT, "rank %d sent %llu bytes where %llu were expected in %s",
+                              peer, (unsigned long long)f->bytes, (unsigned long long)expect, ddp__coll_name(c->kind));
+    return DDP_SUCCESS;
+}
+
+/* Is a frame from a peer that this step does not read fine in collective c? Only a frame with c's
+   number and another fingerprint shows a mismatch: when ranks disagree about #X, no rank gets past
+   #X, so every frame in flight has number X. A frame of c, of another number (a peer already past c:
+   numbers never restart, ddp_init's own collectives included) or a BYE (the peer passed ddp_destroy's
+   barrier, which is then ours too) is early data. */
+static int ddp__frame_is_early(const ddp__coll *c, const ddp__frame *f) {
+    if (f->magic != DDP__FRAME_MAGIC) return 0;
+    if (f->kind == DDP__FRAME_BYE) return 1;
+    if (f->kind != DDP__FRAME_DATA) return 0;
+    return f->seq != c->seq || ddp__coll_equal(c, f);
+}
+
+/* ---- point-to-point matching: posted receives and the stash ----
+   A rank reads whatever reaches it in order, connection by connection. A message (a P2P frame) goes to
+   the first posted receive with its source and tag (ddp_irecv's, and ddp_recv's own while it waits),
+   else it is read whole into the group's stash, in arrival order; a receive, when it is posted, first
+   takes the oldest stashed message with its source and tag. That is MPI's matching (by source and tag,
+   in order), and it is done wherever a frame is met: in a collective's step, a peek, a send or a recv.
+   So a send never waits for its receive to be posted, except that its bytes must fit the kernel's
+   buffers or be read by the receiver's next call into the library. Both lists are guarded by
+   mesh.p2p_mu: ddp_irecv posts from the program's thread while the progress thread may read frames. */
+typedef struct ddp__p2p_msg {
+    struct ddp__p2p_msg *next;
+    int src, tag;
+    uint8_t dtype;
+    uint64_t count;
+    size_t bytes;
+    unsigned char data[1]; /* bytes of payload (allocated with the message) */
+} ddp__p2p_msg;
+
+/* "recv(src=1, tag=3, count=4, f32)" for a posted receive. */
+static const char *ddp__posted_describe(const ddp__posted *p, char *out, size_t cap) {
+    snprintf(out, cap, "recv(src=%d, tag=%d, count=%llu, %s)", p->src, p->tag, (unsigned long long)p->count,
+             ddp_dtype_name((ddp_dtype)p->dtype));
+    return out;
+}
+
+/* Does message f fit posted receive p? If not: DDP_ERR_MISMATCH naming both (the group breaks). */
+static ddp_result ddp__posted_fits(ddp_group *g, const ddp__posted *p, const ddp__frame *f) {
+    char ours[160];
+    if (f->bytes == p->bytes && f->dtype == p->dtype) return DDP_SUCCESS;
+    return ddp__coll_fail(g, DDP_ERR_MISMATCH, "%s: rank %d sent %llu elements of %s with tag %d where this rank expects "
+                          "%llu of %s; a send and its recv must agree on count and dtype",
+                          ddp__posted_describe(p, ours, sizeof ours), p->src, (unsigned long long)f->count,
+                          ddp_dtype_name((ddp_dtype)f->dtype), (int)f->root, (unsigned long long)p->count,
+                          ddp_dtype_name((ddp_dtype)p->dtype));
+}
+
+/* Mark p finished with r (under p2p_mu by the caller). */
+static void ddp__posted_finish(ddp__posted *p, ddp_result r) {
+    p->result = r;
+    p->done = 1;
+}
+
+/* The P2P frame f (header already taken) from `peer`: to the first posted receive that matches, else into
+   the stash. The payload is read under p2p_mu, so a receive posted meanwhile cannot miss it. */
+static ddp_result ddp__p2p_deliver(ddp_group *g, const ddp__coll *c, int peer, const ddp__frame *f) {
+    char err[DDP__ERR_MAX];
+    ddp__posted *p, *prev = NULL;
+    ddp__p2p_msg *m;
+    ddp_result r = DDP_SUCCESS;
+    if (f->bytes > DDP__MAX_BUFFER_BYTES)
+        return ddp__coll_fail(g, DDP_ERR_FORMAT, "corrupt message from rank %d (a point-to-point message of %llu bytes)", peer,
+                              (unsigned long long)f->bytes);
+    pthread_mutex_lock(&g->mesh.p2p_mu);
+    for (p = g->mesh.posted; p && !(p->src == peer && p->tag == f->root); prev = p, p = p->next)
+        ;
+    if (p) { /* unlinked whatever happens next: it is this message's receive */
+        if (prev) prev->next = p->next;
+        else g->mesh.posted = p->next;
+        if ((r = ddp__posted_fits(g, p, f)) == DDP_SUCCESS && p->bytes &&
+            ddp__net_recv(g->mesh.peers[peer].fd, p->buf, p->bytes, ddp__now() + g->timeout, err) != DDP_SUCCESS)
+            r = DDP_ERR_PEER_LOST;
+        ddp__posted_finish(p, r);
+        pthread_mutex_unlock(&g->mesh.p2p_mu);
+        return r == DDP_ERR_PEER_LOST ? ddp__peer_failed(g, peer, c) : r;
+    }
+    m = (ddp__p2p_msg *)ddp__malloc(offsetof(ddp__p2p_msg, data) + (size_t)f->bytes + 1);
+    if (!m) {
+        pthread_mutex_unlock(&g->mesh.p2p_mu);
+        return ddp__coll_fail(g, DDP_ERR_OUT_OF_MEMORY, "out of memory keeping a message of %llu bytes that rank %d sent "
+                              "(tag %d) before this rank's recv for it", (unsigned long long)f->bytes, peer, (int)f->root);
+    }
+    m->next = NULL;
+    m->src = peer;
+    m->tag = f->root;
+    m->dtype = f->dtype;
+    m->count = f->count;
+    m->bytes = (size_t)f->bytes;
+    if (m->bytes && ddp__net_recv(g->mesh.peers[peer].fd, m->data, m->bytes, ddp__now() + g->timeout, err) != DDP_SUCCESS) {
+        pthread_mutex_unlock(&g->mesh.p2p_mu);
+        ddp__free(m);
+        return ddp__peer_failed(g, peer, c);
+    }
+    if (g->mesh.stash_tail) g->mesh.stash_tail->next = m;
+    else g->mesh.stash = m;
+    g->mesh.stash_tail = m;
+    pthread_mutex_unlock(&g->mesh.p2p_mu);
+    return DDP_SUCCESS;
+}
+
+/* Post receive p: the oldest stashed message from its source with its tag finishes it at once; else it
+   waits at the end of the posted list. Returns p's result when it finished here (DDP_SUCCESS when it was
+   posted). */
+static ddp_result ddp__p2p_post(ddp_group *g, ddp__posted *p) {
+    ddp__p2p_msg *m, *prev = NULL;
+    ddp__posted **at;
+    ddp_result r = DDP_SUCCESS;
+    pthread_mutex_lock(&g->mesh.p2p_mu);
+    for (m = g->mesh.stash; m && !(m->src == p->src && m->tag == p->tag); prev = m, m = m->next)
+        ;
+    if (m) {
+        ddp__frame f;
+        if (prev) prev->next = m->next;
+        else g->mesh.stash = m->next;
+        if (g->mesh.stash_tail == m) g->mesh.stash_tail = prev;
+        memset(&f, 0, sizeof f);
+        f.dtype = m->dtype;
+        f.count = m->count;
+        f.root = m->tag;
+        f.bytes = m->bytes;
+        if ((r = ddp__posted_fits(g, p, &f)) == DDP_SUCCESS && p->bytes) memcpy(p->buf, m->data, p->bytes);
+        ddp__free(m);
+        ddp__posted_finish(p, r);
+    } else {
+        for (at = &g->mesh.posted; *at; at = &(*at)->next)
+            ;
+        p->next = NULL;
+        *at = p;
+    }
+    pthread_mutex_unlock(&g->mesh.p2p_mu);
+    return r;
+}
+
+/* Take p off the posted list if it is still there (its wait failed). */
+static void ddp__p2p_unpost(ddp_group *g, ddp__posted *p) {
+    ddp__posted **at;
+    pthread_mutex_lock(&g->mesh.p2p_mu);
+    for (at = &g->mesh.posted; *at && *at != p; at = &(*at)->next)
+        ;
+    if (*at) *at = p->next;
+    pthread_mutex_unlock(&g->mesh.p2p_mu);
+}
+
+static int ddp__posted_done(ddp_group *g, const ddp__posted *p) {
+    int done;
+    pthread_mutex_lock(&g->mesh.p2p_mu);
+    done = p->done;
+    pthread_mutex_unlock(&g->mesh.p2p_mu);
+    return done;
+}
+
+/* The group ends: messages nobody received are named; posted receives are dropped (their handles go with
+   the group). */
+static void ddp__p2p_stash_free(ddp_group *g) {
+    while (g->mesh.stash) {
+        ddp__p2p_msg *m = g->mesh.stash;
+        g->mesh.stash = m->next;
+        ddp__log(g, DDP_LOG_WARN, "rank %d sent this rank a message (tag %d, %zu bytes) that no ddp_recv took before the "
+                 "group ended", m->src, m->tag, m->bytes);
+        ddp__free(m);
+    }
+    g->mesh.stash_tail = NULL;
+    g->mesh.posted = NULL;
+}
+
+/* A peer this step does not read from has something for us: look at its frame header without taking
+   it (the connection is at a frame boundary: frames are read whole within a step). Early data marks
+   the peer quiet for the rest of c, so poll does not wake for it again; an ABORT, a corrupt frame or a
+   different collective fails c as ddp__check_frame does. Only part of a header: look again shortly. */
+static ddp_result ddp__peek_peer(ddp_group *g, const ddp__coll *c, int peer) {
+    ddp__peer *p = &g->mesh.peers[peer];
+    ddp__frame f;
+    ssize_t k = recv(p->fd, &f, sizeof f, MSG_PEEK | MSG_DONTWAIT);
+    if (k < 0 && (errno == EAGAIN || errno == EWOULDBLOCK || errno == EINTR)) return DDP_SUCCESS;
+    if (k <= 0) return ddp__peer_failed(g, peer, c);
+    if ((size_t)k < sizeof f) {
+        p->peek_later = 1;
+        return DDP_SUCCESS;
+    }
+    if (f.magic == DDP__FRAME_MAGIC && f.kind == DDP__FRAME_P2P) { /* a message: to its receive or the stash */
+        if (recv(p->fd, &f, sizeof f, MSG_DONTWAIT) != (ssize_t)sizeof f) return ddp__peer_failed(g, peer, c);
+        return ddp__p2p_deliver(g, c, peer, &f);
+    }
+    if (ddp__frame_is_early(c, &f)) {
+        p->quiet_seq = c->seq;
+        return DDP_SUCCESS;
+    }
+    if (f.magic == DDP__FRAME_MAGIC && f.kind == DDP__FRAME_ABORT) { /* take the header: the reason follows it */
+        if (recv(p->fd, &f, sizeof f, MSG_DONTWAIT) != (ssize_t)sizeof f) return ddp__peer_failed(g, peer, c);
+        return ddp__peer_failed_after(g, peer, c, &f);
+    }
+    return ddp__check_frame(g, c, peer, &f, (size_t)f.bytes);
+}
+
+/* What to wait for on peer i in this step: hang-ups always; POLLOUT while sending to it; POLLIN while
+   receiving from it, and also from any other peer not yet seen quiet in this collective (a frame there
+   may show a mismatch: see the top of the file). *soon: look again within a millisecond. */
+static short ddp__poll_events(ddp_group *g, const ddp__coll *c, const ddp__step *s, int i, int sending, int receiving, int *soon) {
+    ddp__peer *p = &g->mesh.peers[i];
+    short ev = POLLRDHUP;
+    if (i == s->send_peer && sending) ev |= POLLOUT;
+    if (i == s->recv_peer && receiving) return ev | POLLIN;
+    if (p->peek_later) {
+        p->peek_later = 0;
+        *soon = 1;
+    } else if (p->quiet_seq != c->seq) {
+        ev |= POLLIN;
+    }
+    return ev;
+}
+
+/* Before a small step (at most DDP__TCP_SPIN_MAX_BYTES each way) blocks in poll(), it polls without
+   blocking for DDP__TCP_SPIN_SECONDS after its last progress, yielding the core between looks: on
+   loopback (and fast networks) the answer often comes within a few microseconds, and waking a rank
+   blocked in poll() costs more than that (Open MPI's TCP transport spins the same way). Large steps
+   block at once: there a wake-up is small beside the transfer, and spinning would only burn a core. When
+   this host has more ranks than CPUs (ddp__oversubscribed, as shm.c decides) a small step looks once,
+   yields once (the core goes to a rank that can run, often the one being waited for) and then blocks:
+   no spin. Measured on 2 cores, 8 ranks, 4-64 B all_reduce: as fast as the 50 us
+   spin, while blocking without the one yield was 25-30 % slower. */
+#define DDP__TCP_SPIN_SECONDS 50e-6
+#define DDP__TCP_SPIN_MAX_BYTES ((size_t)64 << 10)
+
+static ddp_result ddp__exchange(ddp_group *g, const ddp__coll *c, const ddp__step *s) {
+    ddp__frame out, in;
+    size_t sent = 0, received = 0;          /* bytes of header + payload so far */
+    size_t send_total = s->send_peer >= 0 ? sizeof out + s->send_bytes : 0;
+    size_t recv_total = s->recv_peer >= 0 ? sizeof in + s->recv_bytes : 0;
+    struct pollfd *fds = g->mesh.pollfds;
+    int *owner = g->mesh.poll_owner;
+    int spin = s->send_bytes <= DDP__TCP_SPIN_MAX_BYTES && s->recv_bytes <= DDP__TCP_SPIN_MAX_BYTES;
+    double spin_for = ddp__oversubscribed(g->local_world_size) ? 0 : DDP__TCP_SPIN_SECONDS;
+    double deadline = s->deadline > 0 ? s->deadline : ddp__now() + g->timeout, spin_until = spin ? ddp__now() + spin_for : 0;
+    double watch_every = DDP__WATCH_PERIOD, next_watch = ddp__now() + watch_every;
+    if (g->broken) return g->broken;
+    if (s->send_peer >= 0) ddp__frame_init(&out, g, c, s->p2p ? DDP__FRAME_P2P : DDP__FRAME_DATA, s->send_bytes);
+    if (s->p2p) out.root = c->tag, out.seq = 0; /* the receiver matches by source and tag */
+    while (sent < send_total || received < recv_total) {
+        int n = 0, npeers, i, rc, progressed = 0, soon = 0;
+        double wake = deadline;
+        ddp_result r;
+        g->mesh.waiting_for = received < recv_total ? s->recv_peer : s->send_peer;
+        if (sent < send_total && g->mesh.peers[s->send_peer].fd < 0) { /* the sender dials (link.c) */
+            if ((r = ddp__link_want(g, s->send_peer)) != DDP_SUCCESS ||
+                (r = ddp__link_check_refused(g, c, s->send_peer)) != DDP_SUCCESS)
+                return ddp__break_with_error(g, r);
+            wake = DDP__MIN(wake, g->mesh.peers[s->send_peer].dial_after);
+        }
+        if (g->mesh.setup && g->mesh.peers[g->mesh.waiting_for].fd < 0) { /* a rank lost inside ddp_init */
+            if (ddp__now() >= next_watch) {
+                if ((r = g->mesh.setup->watch(g, g->mesh.waiting_for)) != DDP_SUCCESS) return ddp__break_with_error(g, r);
+                next_watch = ddp__now() + watch_every;
+                watch_every = DDP__MIN(watch_every * 2, 2.0);
+            }
+            wake = DDP__MIN(wake, next_watch);
+        }
+        for (i = 0; i < g->mesh.nlinked; i++) {
+            int peer = g->mesh.linked[i];
+            if (g->mesh.peers[peer].fd < 0) continue;
+            fds[n].fd = g->mesh.peers[peer].fd;
+            fds[n].events = ddp__poll_events(g, c, s, peer, sent < send_total, received < recv_total, &soon);
+            fds[n].revents = 0;
+            owner[n++] = peer;
+        }
+        npeers = n;
+        n += ddp__link_poll_entries(g, fds + n, owner + n, &wake);
+        rc = 0;
+        if (spin) {
+            int yielded = 0;
+            while ((rc = poll(fds, (nfds_t)n, 0)) == 0 && (ddp__now() < spin_until || !yielded++)) sched_yield();
+        }
+        if (rc == 0)
+            rc = poll(fds, (nfds_t)n, soon ? 1 : (int)DDP__MAX(1.0, DDP__MIN(1000.0, (wake - ddp__now()) * 1000.0)));
+        if (rc < 0 && errno != EINTR) return ddp__coll_fail(g, DDP_ERR_SYSTEM, "poll failed: %s", strerror(errno));
+        if (rc > 0 && n > npeers && (r = ddp__link_progress(g, fds + npeers, owner + npeers, n - npeers, &progressed)))
+            return ddp__break_with_error(g, r);
+        /* Progress first: a peer that broke the group after sending what this step needs (it moved
+           on to a later collective and failed there) must not fail this step; that error comes with
+           the next collective. */
+        for (i = 0; i < npeers && rc > 0; i++) {
+            int peer = owner[i], fd = fds[i].fd;
+            short re = fds[i].revents;
+            if (!re) continue;
+            if (peer == s->recv_peer && received < recv_total && (re & (POLLIN | POLLRDHUP | POLLHUP | POLLERR))) {
+                ssize_t k;
+                if (received < sizeof in) {
+                    k = recv(fd, (char *)&in + received, sizeof in - received, 0);
+                } else {
+                    k = recv(fd, (char *)s->recv_buf + (received - sizeof in), recv_total - received, 0);
+                }
+                if (k == 0) return ddp__peer_failed(g, peer, c);
+                if (k < 0 && errno != EAGAIN && errno != EWOULDBLOCK && errno != EINTR) return ddp__peer_failed(g, peer, c);
+                if (k > 0) {
+                    received += (size_t)k;
+                    progressed = 1;
+                    if (received == sizeof in) {
+                        ddp_result r;
+                        if (in.magic == DDP__FRAME_MAGIC && in.kind == DDP__FRAME_P2P) {
+                            if ((r = ddp__p2p_deliver(g, c, peer, &in)) != DDP_SUCCESS) return r;
+                            received = 0; /* a message, matched or stashed; the frame we wait for follows */
+                        } else if ((r = ddp__check_frame(g, c, peer, &in, s->recv_bytes)) != DDP_SUCCESS) {
+                            return r;
+                        }
+                    }
+                }
+                fds[i].revents = 0;
+                continue;
+            }
+            /* A send-only peer that hung up: read its ABORT before sending (data sent to a closed
+               socket draws a reset that would destroy the frame). */
+            if (peer == s->send_peer && sent < send_total && (re & POLLOUT) && !(re & (POLLHUP | POLLERR | POLLRDHUP))) {
+                struct iovec iov[2];
+                struct msghdr mh;
+                ssize_t k;
+                int nv = 0;
+                memset(&mh, 0, sizeof mh);
+                if (sent < sizeof out) {
+                    iov[nv].iov_base = (char *)&out + sent;
+                    iov[nv++].iov_len = sizeof out - sent;
+                    if (s->send_bytes) {
+                        iov[nv].iov_base = (void *)s->send_buf;
+                        iov[nv++].iov_len = s->send_bytes;
+                    }
+                } else {
+                    iov[nv].iov_base = (char *)s->send_buf + (sent - sizeof out);
+                    iov[nv++].iov_len = send_total - sent;
+                }
+                mh.msg_iov = iov;
+                mh.msg_iovlen = (size_t)nv;
+                k = sendmsg(fd, &mh, MSG_NOSIGNAL);
+                if (k < 0 && errno != EAGAIN && errno != EWOULDBLOCK && errno != EINTR) return ddp__peer_failed(g, peer, c);
+                if (k > 0) {
+                    sent += (size_t)k;
+                    progressed = 1;
+                    g->mesh.peers[peer].send_owed = send_total - sent; /* header and payload still owed */
+                }
+                fds[i].revents = 0;
+            }
+        }
+        if (sent == send_total && received == recv_total) break;
+        for (i = 0; i < npeers && rc > 0; i++) /* then failures */
+            if (fds[i].revents & (POLLRDHUP | POLLHUP | POLLERR)) return ddp__peer_failed(g, owner[i], c);
+        for (i = 0; i < npeers && rc > 0; i++) { /* then frames from peers this step does not read */
+            ddp_result r;
+            if ((fds[i].revents & POLLIN) && (r = ddp__peek_peer(g, c, owner[i])) != DDP_SUCCESS) return r;
+        }
+        if (progressed && (s->deadline <= 0 || sent > 0 || received > 0)) { /* a handshake's progress does not
+                                                                               move a step's own deadline */
+            deadline = ddp__now() + g->timeout;
+            if (spin) spin_until = ddp__now() + spin_for;
+        } else if (ddp__now() > deadline) {
+            if (s->soft && sent == 0 && received == 0) return DDP_ERR_TIMEOUT;
+            return ddp__peer_timed_out(g, g->mesh.waiting_for, c);
+        }
+    }
+    return DDP_SUCCESS;
+}
+
+/* ---- point-to-point: ddp_send, ddp_recv and ddp_irecv's wait over the mesh, whatever the backend ----
+   A send is one frame to the peer (the sender dials, as in a collective's step), written while this
+   rank keeps reading what reaches it, so two ranks sending each other large messages at once both get
+   through (each matches or stashes the other's). A receive is posted (the stash first) and then waits,
+   reading whatever arrives, until a message finishes it. The source's stream showing a collective's
+   frame where the message should be means the source went on without sending: DDP_ERR_MISMATCH (else
+   both would wait for each other until the timeout). */
+/* A recv over shared memory: has its source gone on to a collective without sending? Its collectives
+   over the segment send this rank nothing, so the segment's fingerprints say it: the source entered a
+   collective this rank has not, and no byte from it waits in the connection (it wrote any message
+   before it entered; the sender dials, so no connection means no message). Seen twice 10 ms apart, to
+   leave bytes in flight on the loopback time to land; *since holds the first sighting (0: none). */
+static uint64_t ddp__host_peer_seq(const ddp_group *g, int peer) {
+    return g->host_backend->peer_seq ? g->host_backend->peer_seq(g, peer) : 0;
+}
+static int ddp__p2p_peer_went_on(ddp_group *g, int src, double *since) {
+    int fd = g->mesh.peers[src].fd, pending = 0;
+    if (ddp__host_peer_seq(g, src) <= g->seq || (fd >= 0 && (ioctl(fd, FIONREAD, &pending) != 0 || pending > 0))) {
+        *since = 0;
+        return 0;
+    }
+    if (*since == 0) *since = ddp__now();
+    return ddp__now() - *since >= 0.01;
+}
+
+/* "rank 1 called barrier() as collective #2 before sending what this rank's recv(...) waits for". */
+static ddp_result ddp__p2p_went_on(ddp_group *g, const ddp__posted *p, const char *theirs) {
+    char ours[160];
+    return ddp__coll_fail(g, DDP_ERR_MISMATCH, "rank %d called %s before sending what this rank's %s waits for; a send and "
+                          "its recv must come in the same order relative to the collectives on both ranks", p->src, theirs,
+                          ddp__posted_describe(p, ours, sizeof ours));
+}
+
+/* The head of `peer`'s stream while waiting for p: a message is delivered (ddp__peek_peer); from p's
+   source, a collective's frame is the mismatch above. */
+static ddp_result ddp__p2p_look(ddp_group *g, const ddp__coll *c, const ddp__posted *p, int peer) {
+    ddp__frame f;
+    if (peer == p->src && recv(g->mesh.peers[peer].fd, &f, sizeof f, MSG_PEEK | MSG_DONTWAIT) == (ssize_t)sizeof f &&
+        f.magic == DDP__FRAME_MAGIC && (f.kind == DDP__FRAME_DATA || f.kind == DDP__FRAME_BYE)) {
+        if (f.kind == DDP__FRAME_BYE) return ddp__peer_failed_after(g, peer, c, &f); /* "left the group" */
+        char theirs[160];
+        ddp__coll t = ddp__frame_coll(&f);
+        ddp__coll_describe(g, &t, theirs, sizeof theirs);
+        return ddp__p2p_went_on(g, p, theirs);
+    }
+    return ddp__peek_peer(g, c, peer);
+}
+
+/* Read what reaches this rank until posted receive p is finished (once: look one time, without waiting). */
+static ddp_result ddp__p2p_wait(ddp_group *g, const ddp__coll *c, ddp__posted *p, int once) {
+    struct pollfd *fds = g->mesh.pollfds;
+    int *owner = g->mesh.poll_owner;
+    double deadline = ddp__now() + g->timeout, ahead_since = 0;
+    for (;;) {
+        int n = 0, npeers, i, rc, progressed = 0, soon = 0;
+        double wake = deadline;
+        ddp_result r;
+        if (ddp__posted_done(g, p)) return p->result;
+        if (g->broken) return g->broken;
+        g->mesh.waiting_for = p->src;
+        for (i = 0; i < g->mesh.nlinked; i++) {
+            int peer = g->mesh.linked[i];
+            ddp__peer *q = &g->mesh.peers[peer];
+            if (q->fd < 0) continue;
+            fds[n].fd = q->fd;
+            fds[n].events = POLLRDHUP;
+            if (q->peek_later) q->peek_later = 0, soon = 1;
+            else if (q->quiet_seq != c->seq || peer == p->src) fds[n].events |= POLLIN;
+            fds[n].revents = 0;
+            owner[n++] = peer;
+        }
+        npeers = n;
+        n += ddp__link_poll_entries(g, fds + n, owner + n, &wake);
+        rc = poll(fds, (nfds_t)n, once ? 0 : soon ? 1 : (int)DDP__MAX(1.0, DDP__MIN(g->shm ? 10.0 : 1000.0,
+                                                                                    (wake - ddp__now()) * 1000.0)));
+        if (rc < 0 && errno != EINTR) return ddp__coll_fail(g, DDP_ERR_SYSTEM, "poll failed: %s", strerror(errno));
+        if (rc > 0 && n > npeers && (r = ddp__link_progress(g, fds + npeers, owner + npeers, n - npeers, &progressed)))
+            return ddp__break_with_error(g, r);
+        for (i = 0; i < npeers && rc > 0; i++) {
+            if (fds[i].revents & POLLIN) {
+                if ((r = ddp__p2p_look(g, c, p, owner[i])) != DDP_SUCCESS) return r;
+                progressed = 1;
+            } else if (fds[i].revents & (POLLRDHUP | POLLHUP | POLLERR)) {
+                return ddp__peer_failed(g, owner[i], c);
+            }
+        }
+        if (ddp__posted_done(g, p)) return p->result;
+        if (ddp__p2p_peer_went_on(g, p->src, &ahead_since)) { /* over shared memory: see above */
+            char theirs[64];
+            snprintf(theirs, sizeof theirs, "collective #%llu", (unsigned long long)(ddp__host_peer_seq(g, p->src) - g->seq_base));
+            return ddp__p2p_went_on(g, p, theirs);
+        }
+        if (once) return DDP_SUCCESS;
+        if (progressed) deadline = ddp__now() + g->timeout;
+        else if (ddp__now() > deadline) return ddp__peer_timed_out(g, p->src, c);
+    }
+}
+
+static ddp_result ddp__p2p_run(ddp_group *g, const ddp__call *k, const ddp__coll *c) {
+    size_t bytes = k->count * ddp_dtype_size(k->dtype);
+    ddp__posted p;
+    ddp_result r;
+    if (k->kind == DDP__SEND) {
+        ddp__step st;
+        memset(&st, 0, sizeof st);
+        st.recv_peer = -1;
+        st.p2p = 1;
+        st.send_peer = k->root;
+        st.send_buf = k->send;
+        st.send_bytes = bytes;
+        return ddp__exchange(g, c, &st);
+    }
+    memset(&p, 0, sizeof p);
+    p.src = k->root;
+    p.tag = k->tag;
+    p.buf = k->buf;
+    p.bytes = bytes;
+    p.count = k->count;
+    p.dtype = (uint8_t)k->dtype;
+    if ((r = ddp__p2p_post(g, &p)) != DDP_SUCCESS) return r;
+    r = ddp__p2p_wait(g, c, &p, 0);
+    ddp__p2p_unpost(g, &p); /* when it failed before a message came */
+    return r;
+}
+
+/* ---- closing connections ---- */
+
+/* Close every connection of a group that failed: half-close, then read until each peer closes too
+   (at most `seconds` in all), so that the close never carries a reset that destroys the ABORT frame
+   a slower peer has yet to read. */
+static void ddp__close_after_failure(ddp_group *g, double seconds) {
+    double deadline = ddp__now() + seconds;
+    char sink[4096];
+    int i;
+    for (i = 0; i < g->mesh.nlinked; i++)
+        if (g->mesh.peers[g->mesh.linked[i]].fd >= 0) shutdown(g->mesh.peers[g->mesh.linked[i]].fd, SHUT_WR);
+    for (i = 0; i < g->mesh.nlinked; i++) {
+        ddp__peer *p = &g->mesh.peers[g->mesh.linked[i]];
+        if (p->fd < 0) continue;
+        while (ddp__now() < deadline) {
+            ssize_t k = recv(p->fd, sink, sizeof sink, 0);
+            if (k == 0 || (k < 0 && errno != EAGAIN && errno != EWOULDBLOCK && errno != EINTR)) break;
+            if (k < 0) {
+                struct pollfd pf;
+                pf.fd = p->fd;
+                pf.events = POLLIN;
+                poll(&pf, 1, (int)DDP__MAX(1.0, (deadline - ddp__now()) * 1000.0));
+            }
+        }
+    }
+    ddp__link_close_all(g);
+}
+
+/* ---- graceful goodbye (ddp_destroy, after a final barrier) ---- */
+
+/* Send BYE to every connected peer, then read each one's BYE, so that no peer sees our close while it
+   still waits on anything: it has already passed the same barrier. */
+static void ddp__say_goodbye(ddp_group *g, double seconds) {
+    ddp__coll none;
+    ddp__frame f;
+    char err[DDP__ERR_MAX];
+    int i;
+    double deadline = ddp__now() + seconds;
+    memset(&none, 0, sizeof none);
+    ddp__frame_init(&f, g, &none, DDP__FRAME_BYE, 0);
+    for (i = 0; i < g->mesh.nlinked; i++) {
+        ddp__peer *p = &g->mesh.peers[g->mesh.linked[i]];
+        if (p->fd >= 0 && !p->gone) ddp__net_send(p->fd, &f, sizeof f, deadline, err);
+    }
+    for (i = 0; i < g->mesh.nlinked; i++) {
+        ddp__peer *p = &g->mesh.peers[g->mesh.linked[i]];
+        ddp__frame in;
+        ddp_result r;
+        if (p->fd < 0 || p->gone) continue;
+        while ((r = ddp__net_recv(p->fd, &in, sizeof in, deadline, err)) == DDP_SUCCESS && in.magic == DDP__FRAME_MAGIC &&
+               in.kind == DDP__FRAME_P2P && in.bytes <= DDP__MAX_BUFFER_BYTES) { /* a message nobody received */
+            ddp__log(g, DDP_LOG_WARN, "rank %d sent this rank a message (tag %d, %llu bytes) that no ddp_recv took before "
+                     "ddp_destroy", g->mesh.linked[i], (int)in.root, (unsigned long long)in.bytes);
+            while (in.bytes > 0) {
+                char sink[4096];
+                size_t n = (size_t)DDP__MIN(in.bytes, (uint64_t)sizeof sink);
+                if ((r = ddp__net_recv(p->fd, sink, n, deadline, err)) != DDP_SUCCESS) break;
+                in.bytes -= n;
+            }
+            if (r) break;
+        }
+        if (r != DDP_SUCCESS || in.kind != DDP__FRAME_BYE)
+            ddp__log(g, DDP_LOG_DEBUG, "rank %d did not say goodbye cleanly: %s", g->mesh.linked[i], err);
+    }
+}
+/* ==================== end src/transport.c ==================== */
+
+/* ==================== begin src/devbuf.c ==================== */
+/* [SECTION] devbuf: device buffers on the cpu and mpi backends, staged through pinned host memory
+   (torch's Gloo backend with CUDA tensors: ProcessGroupGloo copies them to pinned host memory on the
+   current stream, runs the host algorithm, and copies the result back)
+
+   In a build with -DDDP_CUDA (the implementation file) linked with ddp_cuda.o, every collective and
+   ddp_send / ddp_recv of a group whose backend is cpu (shm, tcp, hier) or mpi also takes buffers in
+   device memory (cudaMalloc'd or managed; ddp__cuda_is_device_pointer asks cudaPointerGetAttributes).
+   So several ranks can share one GPU (NCCL refuses two ranks on one device), and a machine with one GPU
+   runs a multi-rank job end to end. Each rank decides for itself: ranks may pass different kinds of
+   memory, and one buffer of a call may be host memory while the other is device memory.
+
+   One call, on the calling thread (collectives.c's ddp__run_staged):
+     1. the plan: the device buffers this rank reads or writes (send and recv, with their real extents:
+        count x world size where the count is per rank, the sums of the split sizes for the _v calls;
+        gather's recv and scatter's send on the root only), merged into one region when they overlap
+        (the in-place forms); a region is copied in when the call reads it (and always when merged),
+        copied out when it writes it;
+     2. the group's pinned memory (ddp__cuda_stage_host: cudaMallocHost, kept and grown as needed,
+        freed with the group) after the copies the previous call queued out of it are done;
+     3. device -> pinned copies on the group's stream (ddp_set_stream; NULL = the legacy default
+        stream), then cudaStreamSynchronize: the call reads what the caller's work queued on that
+        stream before the call wrote;
+     4. the host collective on the pinned copies, through the group's backend as any host call;
+     5. pinned -> device copies queued on the stream, and an event after them (waited for before the
+        pinned memory is used again). The call returns without waiting for them.
+   Ordering: the result is ready for the work queued on the group's stream after the call returns (as
+   NCCL's results are), and for the host after a cudaStreamSynchronize or a cudaMemcpy from that stream;
+   work on another stream must wait for the group's stream (an event) first, as with NCCL.
+   The async variants stage the same way inside the call: they return a ddp_work that is already
+   complete (ddp_wait returns its result at once). ddp_isend / ddp_irecv refuse device memory
+   (DDP_ERR_UNSUPPORTED): their buffers outlive the call, which one shared staging area cannot serve.
+   A CUDA failure while staging breaks the group (every rank fails, as for any error in a collective). */
+
+#ifdef DDP_CUDA
+
+struct ddp__devbuf {
+    void *stream;           /* cudaStream_t; NULL = the legacy default stream */
+    ddp__cuda_stage *stage; /* ddp_cuda.cu's pinned memory; NULL until the first staged call */
+};
+
+static struct ddp__devbuf *ddp__devbuf_of(ddp_group *g) {
+    if (!g->devbuf) g->devbuf = (struct ddp__devbuf *)ddp__calloc(1, sizeof *g->devbuf);
+    return g->devbuf;
+}
+
+static uint64_t ddp__devbuf_sum(const size_t *counts, int n) {
+    uint64_t sum = 0;
+    int i;
+    for (i = 0; i < n; i++) sum += (uint64_t)counts[i]; /* validated: the sums fit */
+    return sum;
+}
+
+/* The elements of k's send and recv buffers that this rank reads or writes (0: none), and whether the
+   call reads recv (the in-place calls) and writes it (every call but broadcast on its root). */
+static void ddp__devbuf_extents(const ddp_group *g, const ddp__call *k, uint64_t *send_n, uint64_t *recv_n, int *recv_in,
+                                int *recv_out) {
+    uint64_t n = (uint64_t)g->world_size, count = (uint64_t)k->count;
+    int root = g->rank == k->root;
+    *send_n = 0, *recv_n = 0, *recv_in = 0, *recv_out = 1;
+    switch (k->kind) {
+    case DDP__ALL_REDUCE:
+    case DDP__REDUCE: *recv_n = count, *recv_in = 1; break; /* reduce: the non-roots' buffers as the backend leaves them */
+    case DDP__BROADCAST: *recv_n = count, *recv_in = root, *recv_out = !root; break;
+    case DDP__ALL_GATHER: *send_n = count, *recv_n = count * n; break;
+    case DDP__REDUCE_SCATTER: *send_n = count * n, *recv_n = count; break;
+    case DDP__GATHER: *send_n = count, *recv_n = root ? count * n : 0; break;
+    case DDP__SCATTER: *send_n = root ? count * n : 0, *recv_n = count; break;
+    case DDP__ALL_TO_ALL: *send_n = count * n, *recv_n = count * n; break;
+    case DDP__ALL_TO_ALL_V:
+        *send_n = ddp__devbuf_sum(k->send_counts, g->world_size);
+        *recv_n = ddp__devbuf_sum(k->recv_counts, g->world_size);
+        break;
+    case DDP__ALL_GATHER_V: *send_n = count, *recv_n = ddp__devbuf_sum(k->recv_counts, g->world_size); break;
+    case DDP__SEND: *send_n = count; break;
+    case DDP__RECV: *recv_n = count; break;
+    default: break; /* barrier, monitored_barrier, broadcast_bytes: no buffers of the caller's */
+    }
+}
+
+static int ddp__devbuf_is_device(const void *p, uint64_t elements) {
+    return elements && p && ddp__cuda_is_device_pointer(p) == 1;
+}
+
+static int ddp__devbuf_wanted(ddp_group *g, const ddp__call *k) {
+    uint64_t send_n, recv_n;
+    int recv_in, recv_out;
+    if (g->nccl) return 0; /* NCCL takes device memory itself */
+    ddp__devbuf_extents(g, k, &send_n, &recv_n, &recv_in, &recv_out);
+    return ddp__devbuf_is_device(k->send, send_n) || ddp__devbuf_is_device(k->buf, recv_n);
+}
+
+/* Step 1: the regions of a source (read) and a destination (read when dst_in, written when dst_out),
+   each only when it is device memory. Two regions that overlap become one, copied in (it holds what the
+   call reads) and out (it holds what it writes). */
+static void ddp__devbuf_plan_two(ddp__devbuf_plan *plan, const void *src, size_t src_bytes, void *dst, size_t dst_bytes,
+                                 int dst_in, int dst_out) {
+    ddp__devbuf_region *a, *b;
+    memset(plan, 0, sizeof *plan);
+    if (ddp__devbuf_is_device(src, src_bytes)) {
+        a = &plan->region[plan->n++];
+        a->device = (char *)src, a->bytes = src_bytes, a->in = 1;
+    }
+    if (ddp__devbuf_is_device(dst, dst_bytes)) {
+        a = &plan->region[plan->n++];
+        a->device = (char *)dst, a->bytes = dst_bytes, a->in = dst_in, a->out = dst_out;
+    }
+    if (plan->n < 2) return;
+    a = &plan->region[0], b = &plan->region[1];
+    if (a->device < b->device + b->bytes && b->device < a->device + a->bytes) {
+        char *lo = DDP__MIN(a->device, b->device), *hi = DDP__MAX(a->device + a->bytes, b->device + b->bytes);
+        a->out |= b->out;
+        a->in = 1;
+        a->device = lo, a->bytes = (size_t)(hi - lo);
+        plan->n = 1;
+    }
+}
+
+static void ddp__devbuf_plan_of(const ddp_group *g, const ddp__call *k, ddp__devbuf_plan *plan) {
+    uint64_t send_n, recv_n;
+    size_t es = ddp_dtype_size(k->dtype);
+    int recv_in, recv_out;
+    ddp__devbuf_extents(g, k, &send_n, &recv_n, &recv_in, &recv_out);
+    ddp__devbuf_plan_two(plan, k->send, (size_t)send_n * es, k->buf, (size_t)recv_n * es, recv_in, recv_out);
+}
+
+/* Where p (a device pointer of a region, or host memory) is for the host call. */
+static void *ddp__devbuf_host_of(const ddp__devbuf_plan *plan, const void *p) {
+    int i;
+    for (i = 0; p && i < plan->n; i++) {
+        const ddp__devbuf_region *r = &plan->region[i];
+        if ((const char *)p >= r->device && (const char *)p < r->device + r->bytes)
+            return r->host + ((const char *)p - r->device);
+    }
+    return (void *)p;
+}
+
+/* A CUDA failure while staging breaks the group; step says which (the message names the call and rank). */
+static ddp_result ddp__devbuf_fail(ddp_group *g, const ddp__coll *c, ddp_result r, const char *step, const char *err) {
+    char desc[160];
+    if (c) ddp__coll_describe(g, c, desc, sizeof desc);
+    else snprintf(desc, sizeof desc, "the reducer's copy of a gradient or parameter"); /* ddp__devbuf_copy_begin */
+    return ddp__coll_fail(g, r, "%s on rank %d: %s failed: %s (backend %s stages device buffers through pinned host "
+                          "memory: is each buffer device memory of at least the call's elements?)", desc, g->rank, step,
+                          err, g->backend->family);
+}
+
+/* Steps 2 and 3 for a plan: its regions' places in the pinned memory, and the copies in. */
+static ddp_result ddp__devbuf_stage_plan(ddp_group *g, const ddp__coll *c, ddp__devbuf_plan *plan) {
+    char err[DDP__ERR_MAX] = "";
+    struct ddp__devbuf *d = ddp__devbuf_of(g);
+    size_t total = 0, at = 0;
+    char *host = NULL;
+    ddp_result r = DDP_SUCCESS;
+    int i, copied = 0;
+    if (!d) return ddp__coll_fail(g, DDP_ERR_OUT_OF_MEMORY, "rank %d: out of memory staging device buffers", g->rank);
+    for (i = 0; i < plan->n; i++) total += (plan->region[i].bytes + 63) & ~(size_t)63; /* each region 64-byte aligned */
+    if ((r = ddp__cuda_stage_host(&d->stage, total ? total : 1, (void **)&host, err, sizeof err)) != DDP_SUCCESS)
+        return ddp__devbuf_fail(g, c, r, "getting pinned host memory to stage device buffers", err);
+    for (i = 0; i < plan->n && r == DDP_SUCCESS; i++) {
+        ddp__devbuf_region *reg = &plan->region[i];
+        reg->host = host + at;
+        at += (reg->bytes + 63) & ~(size_t)63;
+        if (reg->in && reg->bytes) {
+            r = ddp__cuda_stage_copy(reg->host, reg->device, reg->bytes, d->stream, err, sizeof err);
+            copied = 1;
+        }
+    }
+    if (r == DDP_SUCCESS && copied) r = ddp__cuda_stage_sync(d->stream, err, sizeof err);
+    if (r != DDP_SUCCESS) return ddp__devbuf_fail(g, c, r, "copying device memory to pinned host memory", err);
+    return DDP_SUCCESS;
+}
+
+static ddp_result ddp__devbuf_stage(ddp_group *g, const ddp__call *k, const ddp__coll *c, ddp__call *host_call,
+                                   ddp__devbuf_plan *plan) {
+    ddp_result r;
+    ddp__devbuf_plan_of(g, k, plan);
+    if ((r = ddp__devbuf_stage_plan(g, c, plan)) != DDP_SUCCESS) return r;
+    *host_call = *k;
+    host_call->send = ddp__devbuf_host_of(plan, k->send);
+    host_call->buf = ddp__devbuf_host_of(plan, k->buf);
+    return DDP_SUCCESS;
+}
+
+static ddp_result ddp__devbuf_unstage(ddp_group *g, const ddp__coll *c, const ddp__devbuf_plan *plan) {
+    char err[DDP__ERR_MAX] = "";
+    struct ddp__devbuf *d = g->devbuf;
+    ddp_result r = DDP_SUCCESS;
+    int i, copied = 0;
+    for (i = 0; i < plan->n && r == DDP_SUCCESS; i++) {
+        const ddp__devbuf_region *reg = &plan->region[i];
+        if (!reg->out || !reg->bytes) continue;
+        r = ddp__cuda_stage_copy(reg->device, reg->host, reg->bytes, d->stream, err, sizeof err);
+        copied = 1;
+    }
+    if (r == DDP_SUCCESS && copied) r = ddp__cuda_stage_queued(d->stage, d->stream, err, sizeof err);
+    if (r == DDP_SUCCESS) return r;
+    return ddp__devbuf_fail(g, c, r, "copying the result from pinned host memory to device memory", err);
+}
+
+/* The reducer's copies (reducer.c's host memory functions) when a gradient or parameter is device
+   memory: the same staging, synchronous on the way in (the reducer converts at once) and queued on the
+   way out. The reducer runs them on the thread that issues the group's calls, one at a time, as the
+   staged collectives, so they share the group's pinned memory. */
+static int ddp__devbuf_copy_begin(ddp_group *g, void **dst, size_t dst_bytes, const void **src, size_t src_bytes,
+                                  ddp__devbuf_plan *plan) {
+    if (g->nccl) return 0;
+    ddp__devbuf_plan_two(plan, *src, src_bytes, *dst, dst_bytes, 0, 1);
+    if (!plan->n) return 0;
+    if (ddp__devbuf_stage_plan(g, NULL, plan) != DDP_SUCCESS) return -1;
+    *src = ddp__devbuf_host_of(plan, *src);
+    *dst = ddp__devbuf_host_of(plan, *dst);
+    return 1;
+}
+
+static void ddp__devbuf_copy_end(ddp_group *g, const ddp__devbuf_plan *plan) { ddp__devbuf_unstage(g, NULL, plan); }
+
+static ddp_result ddp__devbuf_set_stream(ddp_group *g, void *stream) {
+    struct ddp__devbuf *d = ddp__devbuf_of(g);
+    if (!d) return ddp__fail(g, DDP_ERR_OUT_OF_MEMORY, "ddp_set_stream: out of memory");
+    d->stream = stream;
+    return DDP_SUCCESS;
+}
+
+static void *ddp__devbuf_stream(const ddp_group *g) { return g->devbuf ? g->devbuf->stream : NULL; }
+
+static ddp_result ddp__devbuf_inherit(ddp_group *sub, const ddp_group *parent) {
+    if (!parent->devbuf || !parent->devbuf->stream) return DDP_SUCCESS;
+    return ddp__devbuf_set_stream(sub, parent->devbuf->stream);
+}
+
+static void ddp__devbuf_free(ddp_group *g) {
+    if (!g->devbuf) return;
+    ddp__cuda_stage_free(g->devbuf->stage);
+    ddp__free(g->devbuf);
+    g->devbuf = NULL;
+}
+
+#else /* !DDP_CUDA: every pointer is host memory */
+
+struct ddp__devbuf {
+    int unused;
+};
+
+static int ddp__devbuf_wanted(ddp_group *g, const ddp__call *k) {
+    (void)g, (void)k;
+    return 0;
+}
+static ddp_result ddp__devbuf_stage(ddp_group *g, const ddp__call *k, const ddp__coll *c, ddp__call *host_call,
+                                     ddp__devbuf_plan *plan) {
+    (void)c;
+    memset(plan, 0, sizeof *plan);
+    *host_call = *k;
+    (void)g;
+    return DDP_SUCCESS;
+}
+static ddp_result ddp__devbuf_unstage(ddp_group *g, const ddp__coll *c, const ddp__devbuf_plan *plan) {
+    (void)g, (void)c, (void)plan;
+    return DDP_SUCCESS;
+}
+static int ddp__devbuf_copy_begin(ddp_group *g, void **dst, size_t dst_bytes, const void **src, size_t src_bytes,
+                                  ddp__devbuf_plan *plan) {
+    (void)g, (void)dst, (void)dst_bytes, (void)src, (void)src_bytes, (void)plan;
+    return 0;
+}
+static void ddp__devbuf_copy_end(ddp_group *g, const ddp__devbuf_plan *plan) { (void)g, (void)plan; }
+static ddp_result ddp__devbuf_set_stream(ddp_group *g, void *stream) {
+    (void)stream;
+    return ddp__fail(g, DDP_ERR_UNSUPPORTED, "ddp_set_stream: CUDA streams need a build with -DDDP_CUDA");
+}
+static void *ddp__devbuf_stream(const ddp_group *g) {
+    (void)g;
+    return NULL;
+}
+static ddp_result ddp__devbuf_inherit(ddp_group *sub, const ddp_group *parent) {
+    (void)sub, (void)parent;
+    return DDP_SUCCESS;
+}
+static void ddp__devbuf_free(ddp_group *g) { (void)g; }
+
+#endif /* DDP_CUDA */
+/* ==================== end src/devbuf.c ==================== */
+
+/* ==================== begin src/hostmem.c ==================== */
+/* [SECTION] hostmem: the memory slots of the host backends (cpu: shm, tcp, hier; mpi)
+   What the reducer asks of a backend's memory: the alloc, release, zero, copy_in_scaled and copy_out
+   slots of ddp__backend (internal.h). Buckets are in the backend's memory (host memory for cpu and mpi;
+   device memory for nccl, where the copies run on the group's stream). Besides these, finalize and the rebuild pass small host arrays to
+   ddp_all_gather and ddp_broadcast (the model check, the ready order) and broadcast parameters and
+   buffers where they are: a backend whose collectives take device memory accepts host memory for
+   those (nccl runs them on its host transport). The functions below are the host versions, which every
+   backend but nccl uses. */
+
+/* Bucket memory comes from ddp_alloc (zero-filled): on a group that shares one host it lives in this
+   rank's arena of the shared segment, so the buckets' all-reduces read the peers' buckets directly (the
+   single-copy design, (3p-1)N bytes of memory traffic instead of (5p+1)N); elsewhere it is heap memory. */
+static void *ddp__host_alloc(ddp_group *g, size_t bytes) { return ddp_alloc(g, bytes); }
+static void ddp__host_release(ddp_group *g, void *p) { ddp_free(g, p); }
+static void ddp__host_zero(ddp_group *g, void *dst, size_t bytes) {
+    ddp__devbuf_plan plan;
+    const void *none = NULL;
+    int staged = bytes ? ddp__devbuf_copy_begin(g, &dst, bytes, &none, 0, &plan) : 0; /* device memory: devbuf.c */
+    if (staged < 0) return;
+    if (bytes) memset(dst, 0, bytes);
+    if (staged) ddp__devbuf_copy_end(g, &plan);
+}
+
+/* The copies on host memory; a gradient or parameter in device memory (on the cpu and mpi backends, in a
+   build with DDP_CUDA) is staged through the group's pinned memory around them (devbuf.c). */
+static void ddp__host_copy_in_scaled(ddp_group *g, void *dst, ddp_dtype dst_t, const void *src, ddp_dtype src_t,
+                                    size_t count, double scale) {
+    ddp__devbuf_plan plan;
+    int staged = count ? ddp__devbuf_copy_begin(g, &dst, count * ddp_dtype_size(dst_t), &src,
+                                                count * ddp_dtype_size(src_t), &plan) : 0;
+    if (staged < 0) return;
+    ddp__host_convert_scaled(dst, dst_t, src, src_t, count, scale);
+    if (staged) ddp__devbuf_copy_end(g, &plan);
+}
+
+static void ddp__host_copy_out(ddp_group *g, void *dst, ddp_dtype dst_t, const void *src, ddp_dtype src_t, size_t count) {
+    ddp__devbuf_plan plan;
+    int staged = count ? ddp__devbuf_copy_begin(g, &dst, count * ddp_dtype_size(dst_t), &src,
+                                                count * ddp_dtype_size(src_t), &plan) : 0;
+    if (staged < 0) return;
+    ddp__host_convert(dst, dst_t, src, src_t, count);
+    if (staged) ddp__devbuf_copy_end(g, &plan);
+}
+/* ==================== end src/hostmem.c ==================== */
+
+/* ==================== begin src/collectives.c ==================== */
+/* [SECTION] collectives: ddp_all_reduce ... ddp_gather, ddp_scatter, ddp_all_to_all(_v), ddp_all_gather_v, ddp_broadcast_bytes, ddp_monitored_barrier
+   The public collectives, their fingerprints, dispatch to the backend, async work (torch.distributed's
+   all_reduce, broadcast, reduce, all_gather, reduce_scatter, barrier, gather, scatter, all_to_all_single
+   with and without split sizes, all_gather of uneven tensors, broadcast_object_list, monitored_barrier).
+
+   A call goes through four steps, the same for every collective and every backend:
+     1. validate the arguments on the caller's thread (a bad call never reaches the wire);
+     2. take the group's next sequence number: the fingerprint (seq, collective, count, dtype, op,
+        root) that every message of the call carries (transport.c, shm.c) and that ranks compare;
+     3. synchronous: wait for queued async work, then run it on the calling thread through
+        g->backend->run; asynchronous: queue it for the group's progress thread (or give it to the
+        backend's enqueue, which nccl uses to queue device work on its stream at once);
+     4. on failure the group is broken (every rank fails; later calls return DDP_ERR_STATE) and the
+        message lands in ddp_last_error(g) and in this thread's ddp_last_error(NULL).
+   The algorithms live in the backends (tcp.c, shm.c, hier.c, mpi.c, nccl.c); tcp.c explains why a
+   mismatch is an error on every rank. */
+
+/* Chunk i of `count` elements cut into n nearly equal parts (the first count % n get one more). */
+static void ddp__chunk(size_t count, int n, int i, size_t *off, size_t *len) {
+    size_t base = count / (size_t)n, rem = count % (size_t)n, ui = (size_t)i;
+    *off = ui * base + DDP__MIN(ui, rem);
+    *len = base + (ui < rem ? 1 : 0);
+}
+
+/* Staging memory owned by the group (one collective runs at a time on a group). */
+static void *ddp__scratch(ddp_group *g, size_t bytes) {
+    if (bytes > g->scratch_size) {
+        void *p = ddp__malloc(bytes);
+        if (!p) return NULL;
+        ddp__free(g->scratch);
+        g->scratch = p;
+        g->scratch_size = bytes;
+    }
+    return g->scratch;
+}
+
+static ddp_result ddp__no_memory(ddp_group *g, size_t bytes) {
+    return ddp__coll_fail(g, DDP_ERR_OUT_OF_MEMORY, "out of memory: could not allocate %zu bytes of staging memory", bytes);
+}
+
+static ddp__call ddp__make_call(ddp__coll_kind kind, const void *send, void *buf, size_t count, ddp_dtype t, ddp_op op,
+                                int root) {
+    ddp__call k; /* field by field, no memset: a memset then narrower stores then the copy out read back
+                    as wide loads stalled store forwarding: 57 -> 41 ns per call on a group of one */
+    k.kind = kind;
+    k.send = send;
+    k.buf = buf;
+    k.count = count;
+    k.dtype = t;
+    k.op = op;
+    k.root = root;
+    k.send_counts = k.recv_counts = NULL;
+    k.bytes = NULL;
+    k.bytes_size = NULL;
+    k.seconds = 0;
+    k.tag = 0;
+    return k;
+}
+
+/* ---- running a call ---- */
+
+/* broadcast_bytes (torch's broadcast_object_list): two broadcasts under the call's one fingerprint, the
+   size and then the data, into a buffer that the receivers allocate in between. Every backend runs a
+   broadcast with any fingerprint, and both runs carry the same one (shm's first step republishes it). */
+static ddp_result ddp__broadcast_bytes_run(ddp_group *g, const ddp__backend *b, const ddp__call *k, const ddp__coll *c) {
+    uint64_t size = g->rank == k->root ? (uint64_t)*k->bytes_size : 0; /* sent as its 8 bytes: ranks share a byte order */
+    ddp__call part = ddp__make_call(DDP__BROADCAST, NULL, &size, 8, DDP_U8, DDP_SUM, k->root);
+    char *data = g->rank == k->root ? (char *)*k->bytes : NULL;
+    ddp_result r = b->run(g, &part, c);
+    if (r) return r;
+    if (size > DDP__MAX_BUFFER_BYTES) /* the root checked its own size: this is no size the root sent */
+        return ddp__coll_fail(g, DDP_ERR_FORMAT, "broadcast_bytes: rank %d received a size of %llu bytes from the root",
+                              g->rank, (unsigned long long)size);
+    if (g->rank != k->root && !(data = (char *)ddp__malloc(size ? (size_t)size : 1)))
+        return ddp__coll_fail(g, DDP_ERR_OUT_OF_MEMORY, "broadcast_bytes: rank %d is out of memory for the root's %llu bytes",
+                              g->rank, (unsigned long long)size);
+    part = ddp__make_call(DDP__BROADCAST, NULL, data, (size_t)size, DDP_U8, DDP_SUM, k->root);
+    if ((r = b->run(g, &part, c)) != DDP_SUCCESS) {
+        if (g->rank != k->root) ddp__free(data);
+        return r;
+    }
+    if (g->rank != k->root) {
+        *k->bytes = data;
+        *k->bytes_size = (size_t)size;
+    }
+    return DDP_SUCCESS;
+}
+
+/* send and recv: no collective number, so the flight recorder (which files calls by it) leaves them out. */
+static int ddp__is_p2p(int kind) { return kind == DDP__SEND || kind == DDP__RECV; }
+
+/* Run k on backend b (point-to-point over the mesh, or MPI's own on the mpi backend). */
+static ddp_result ddp__run(ddp_group *g, const ddp__backend *b, const ddp__call *k, const ddp__coll *c) {
+    int p2p = ddp__is_p2p(k->kind);
+    ddp_result r;
+    DDP_ASSERT(k->root >= -1 && k->root < g->world_size); /* validated (-1: a call without a root) */
+    if (g->broken) {
+        if (!p2p) ddp__trace_ended(g, c, DDP_ERR_STATE);
+        return DDP_ERR_STATE;
+    }
+    g->mesh.waiting_for = -1;
+    if (p2p) return b->p2p_start ? b->run(g, k, c) : ddp__p2p_run(g, k, c); /* the backend's own, or the mesh's */
+    ddp__trace_started(g, c);
+    r = k->kind == DDP__BROADCAST_BYTES ? ddp__broadcast_bytes_run(g, b, k, c) : b->run(g, k, c);
+    ddp__trace_ended(g, c, r);
+    return r;
+}
+
+/* Run k on backend b, through pinned host copies when a buffer of k is device memory on a group whose
+   backend takes host memory only (devbuf.c). On the calling thread (the async calls run such a call
+   here too: ddp__collective_async). */
+static ddp_result ddp__run_staged(ddp_group *g, const ddp__backend *b, const ddp__call *k, const ddp__coll *c) {
+    ddp__devbuf_plan plan;
+    ddp__call host_call;
+    ddp_result r;
+    if (g->broken || !ddp__devbuf_wanted(g, k)) return ddp__run(g, b, k, c);
+    if ((r = ddp__devbuf_stage(g, k, c, &host_call, &plan)) != DDP_SUCCESS) return r;
+    if ((r = ddp__run(g, b, &host_call, c)) != DDP_SUCCESS) return r;
+    return ddp__devbuf_unstage(g, c, &plan);
+}
+
+/* The sum of a split-size list (world entries), or UINT64_MAX when it passes 2^63 (too large anyway). */
+static uint64_t ddp__counts_sum(const size_t *counts, int n) {
+    uint64_t sum = 0;
+    int i;
+    for (i = 0; i < n; i++) {
+        if ((uint64_t)counts[i] > ((uint64_t)1 << 63) - sum) return UINT64_MAX;
+        sum += (uint64_t)counts[i];
+    }
+    return sum;
+}
+
+/* The elements of a call's largest buffer, for the size limit: count x world size for the calls whose
+   count is per rank, the sums of the split sizes for the _v calls (the larger side), else count. */
+static uint64_t ddp__call_elements(const ddp_group *g, const ddp__call *k) {
+    switch (k->kind) {
+    case DDP__ALL_GATHER:
+    case DDP__REDUCE_SCATTER:
+    case DDP__GATHER:
+    case DDP__SCATTER:
+    case DDP__ALL_TO_ALL: return (uint64_t)k->count * (uint64_t)g->world_size; /* count <= 2^47 here (checked first) */
+    case DDP__ALL_TO_ALL_V: {
+        uint64_t a = ddp__counts_sum(k->send_counts, g->world_size), b = ddp__counts_sum(k->recv_counts, g->world_size);
+        return DDP__MAX(a, b);
+    }
+    case DDP__ALL_GATHER_V: return ddp__counts_sum(k->recv_counts, g->world_size);
+    default: return k->count;
+    }
+}
+
+static int ddp__takes_root(int kind) {
+    return kind == DDP__BROADCAST || kind == DDP__REDUCE || kind == DDP__GATHER || kind == DDP__SCATTER ||
+           kind == DDP__BROADCAST_BYTES;
+}
+
+/* Check a call's arguments on the caller's thread; a bad call never reaches the wire. Each buffer is
+   checked only where the call reads or writes it: gather's recv and scatter's send on the root alone.
+   The caller has checked that g is live (ddp__group_check). */
+static ddp_result ddp__validate(ddp_group *g, const ddp__call *k) {
+    const char *name = ddp__coll_name(k->kind);
+    size_t es;
+    uint64_t elements, limit;
+    int root, v = k->kind == DDP__ALL_TO_ALL_V || k->kind == DDP__ALL_GATHER_V;
+    root = g->rank == k->root;
+    if (k->kind == DDP__BARRIER) return DDP_SUCCESS;
+    if (k->kind == DDP__MONITORED_BARRIER) {
+        if (!(k->seconds == k->seconds) || k->seconds > 1e9) /* NaN, or beyond any job */
+            return ddp__fail(g, DDP_ERR_INVALID_ARGUMENT, "%s: timeout_seconds %g is not a number of seconds (<= 0: the "
+                             "group's timeout)", name, k->seconds);
+        return DDP_SUCCESS;
+    }
+    if (!ddp__dtype_valid(k->dtype))
+        return ddp__fail(g, DDP_ERR_INVALID_ARGUMENT, "%s: dtype %d is not a ddp_dtype (DDP_F32 ... DDP_I64)", name, (int)k->dtype);
+    if ((k->kind == DDP__ALL_REDUCE || k->kind == DDP__REDUCE || k->kind == DDP__REDUCE_SCATTER) && !ddp__op_valid(k->op))
+        return ddp__fail(g, DDP_ERR_INVALID_ARGUMENT, "%s: op %d is not a ddp_op (DDP_SUM, DDP_AVG, DDP_PROD, DDP_MIN, DDP_MAX)",
+                         name, (int)k->op);
+    if (ddp__takes_root(k->kind) && (k->root < 0 || k->root >= g->world_size))
+        return ddp__fail(g, DDP_ERR_INVALID_ARGUMENT, "%s: root %d is not a rank of this group (world size %d)", name, k->root,
+                         g->world_size);
+    if (k->kind == DDP__BROADCAST_BYTES) {
+        if (!k->bytes || !k->bytes_size)
+            return ddp__fail(g, DDP_ERR_INVALID_ARGUMENT, "%s: the %s argument is NULL (every rank passes both: the root "
+                             "its data and size, the others where to put them)", name, !k->bytes ? "data" : "size");
+        if (root && *k->bytes_size > DDP__MAX_BUFFER_BYTES)
+            return ddp__fail(g, DDP_ERR_INVALID_ARGUMENT, "%s: size %zu is above the limit of 2^47 bytes (128 TiB)", name,
+                             *k->bytes_size);
+        if (root && *k->bytes_size && !*k->bytes)
+            return ddp__fail(g, DDP_ERR_INVALID_ARGUMENT, "%s: the root's data is NULL with size %zu", name, *k->bytes_size);
+        return DDP_SUCCESS;
+    }
+    if (k->kind == DDP__ALL_TO_ALL_V && (!k->send_counts || !k->recv_counts))
+        return ddp__fail(g, DDP_ERR_INVALID_ARGUMENT, "%s: %s is NULL; pass world-size entries (0 for no elements)", name,
+                         !k->send_counts ? "send_counts" : "recv_counts");
+    if (k->kind == DDP__ALL_TO_ALL_V && k->send_counts[g->rank] != k->recv_counts[g->rank])
+        return ddp__fail(g, DDP_ERR_INVALID_ARGUMENT, "%s: send_counts[%d] is %zu but recv_counts[%d] is %zu on rank %d: "
+                         "the block a rank sends itself is the block it receives from itself", name, g->rank,
+                         k->send_counts[g->rank], g->rank, k->recv_counts[g->rank], g->rank);
+    if (k->kind == DDP__ALL_GATHER_V && !k->recv_counts)
+        return ddp__fail(g, DDP_ERR_INVALID_ARGUMENT, "%s: counts is NULL; pass world-size entries, one per rank", name);
+    if (k->kind == DDP__ALL_GATHER_V && k->recv_counts[g->rank] != k->count)
+        return ddp__fail(g, DDP_ERR_INVALID_ARGUMENT, "%s: count is %zu but counts[%d] (this rank's entry) is %zu; they "
+                         "must be equal", name, k->count, g->rank, k->recv_counts[g->rank]);
+    es = ddp_dtype_size(k->dtype);
+    limit = DDP__MAX_BUFFER_BYTES / es;
+    elements = k->count > limit ? UINT64_MAX : ddp__call_elements(g, k);
+    if (elements > limit) {
+        if (v)
+            return ddp__fail(g, DDP_ERR_INVALID_ARGUMENT, "%s: the counts add up to more than %llu elements of %s, the limit "
+                             "for one buffer (2^47 bytes, 128 TiB); are they computed right?", name,
+                             (unsigned long long)limit, ddp_dtype_name(k->dtype));
+        int per_rank = k->kind != DDP__ALL_REDUCE && k->kind != DDP__BROADCAST && k->kind != DDP__REDUCE;
+        limit /= per_rank ? (uint64_t)g->world_size : 1;
+        return ddp__fail(g, DDP_ERR_INVALID_ARGUMENT, "%s: count %zu is above the limit of %llu elements of %s%s: the call's "
+                         "largest buffer (count x %zu bytes%s) must stay under 2^47 bytes (128 TiB), more than any "
+                         "process can map; is the count computed right?", name, k->count, (unsigned long long)limit,
+                         ddp_dtype_name(k->dtype), per_rank ? " per rank" : "", es, per_rank ? " x the world size" : "");
+    }
+    { /* the buffers this rank touches, and how many elements each holds (in-place calls: buf alone) */
+        uint64_t send_n = 0, recv_n = k->count;
+        switch (k->kind) {
+        case DDP__ALL_GATHER:
+        case DDP__REDUCE_SCATTER:
+        case DDP__ALL_TO_ALL: send_n = k->count; break;
+        case DDP__GATHER: send_n = k->count, recv_n = root ? k->count : 0; break;
+        case DDP__SCATTER: send_n = root ? k->count : 0; break;
+        case DDP__ALL_TO_ALL_V:
+            send_n = ddp__counts_sum(k->send_counts, g->world_size);
+            recv_n = ddp__counts_sum(k->recv_counts, g->world_size);
+            break;
+        case DDP__ALL_GATHER_V: send_n = k->count, recv_n = elements; break;
+        default: break;
+        }
+        if (recv_n && !k->buf)
+            return ddp__fail(g, DDP_ERR_INVALID_ARGUMENT, "%s: the %sbuffer is NULL with %llu elements to %s", name,
+                             k->kind == DDP__ALL_REDUCE || k->kind == DDP__BROADCAST || k->kind == DDP__REDUCE ? "" : "recv ",
+                             (unsigned long long)recv_n, k->kind == DDP__REDUCE || k->kind == DDP__ALL_REDUCE ? "reduce" : "receive");
+        if (send_n && !k->send)
+            return ddp__fail(g, DDP_ERR_INVALID_ARGUMENT, "%s: the send buffer is NULL with %llu elements to send", name,
+                             (unsigned long long)send_n);
+        if (k->kind == DDP__ALL_TO_ALL_V && send_n && recv_n) { /* blocks move in an order of their own: no in place */
+            uintptr_t s0 = (uintptr_t)k->send, r0 = (uintptr_t)k->buf;
+            if (s0 < r0 + recv_n * es && r0 < s0 + send_n * es)
+                return ddp__fail(g, DDP_ERR_INVALID_ARGUMENT, "%s: the send and recv buffers overlap; all_to_all_v does "
+                                 "not run in place (ddp_all_to_all does): pass separate buffers", name);
+        }
+    }
+    return DDP_SUCCESS;
+}
+
+/* The fingerprint: what every rank must agree on. The _v calls' split sizes differ from rank to rank by
+   design; all_gather_v's total is in it, and each frame's size is checked against what its receiver
+   expects (transport.c). */
+static void ddp__fingerprint(ddp_group *g, const ddp__call *k, ddp__coll *c, int now) {
+    int takes_op = k->kind == DDP__ALL_REDUCE || k->kind == DDP__REDUCE || k->kind == DDP__REDUCE_SCATTER;
+    int no_data = k->kind == DDP__BARRIER || k->kind == DDP__MONITORED_BARRIER || k->kind == DDP__BROADCAST_BYTES;
+    c->seq = ++g->seq;
+    c->kind = (uint8_t)k->kind;
+    c->count = no_data || k->kind == DDP__ALL_TO_ALL_V ? 0
+               : k->kind == DDP__ALL_GATHER_V         ? ddp__counts_sum(k->recv_counts, g->world_size)
+                                                       : k->count;
+    c->dtype = (uint8_t)(no_data ? 0 : k->dtype);
+    c->op = (uint8_t)(takes_op ? k->op : DDP__NO_OP);
+    c->root = ddp__takes_root(k->kind) ? k->root : -1;
+    c->tag = -1;
+    ddp__trace_queued(g, c, now);
+}
+
+/* The message for a call on a group that an earlier error broke; written to out (DDP__ERR_MAX). */
+static const char *ddp__broken_message(const ddp_group *g, const ddp__call *k, char *out) {
+    snprintf(out, DDP__ERR_MAX, "%s: the group is broken by an earlier error and cannot be used; destroy it. The "
+             "error was: %.800s", ddp__coll_name(k->kind), g->broken_msg);
+    return out;
+}
+
+/* ---- the progress thread: runs queued work in issue order ---- */
+
+static void *ddp__progress_main(void *arg) {
+    ddp_group *g = (ddp_group *)arg;
+    pthread_mutex_lock(&g->async.mu);
+    for (;;) {
+        ddp_work *w;
+        ddp_result r;
+        while (!g->async.head && !g->async.stop) pthread_cond_wait(&g->async.cv, &g->async.mu);
+        if (!g->async.head) break;
+        w = g->async.head;
+        pthread_mutex_unlock(&g->async.mu);
+        if (g->broken) {
+            r = DDP_ERR_STATE;
+            if (!ddp__is_p2p(w->call.kind)) ddp__trace_ended(g, &w->coll, r);
+            ddp__broken_message(g, &w->call, w->error);
+        } else if ((r = ddp__run(g, g->backend, &w->call, &w->coll)) != DDP_SUCCESS) {
+            snprintf(w->error, sizeof w->error, "%s", g->broken_msg);
+        }
+        pthread_mutex_lock(&g->async.mu);
+        w->result = r;
+        w->done = 1;
+        /* dequeued only when done: "queue empty" means "nothing in flight" */
+        __atomic_store_n(&g->async.head, w->next, __ATOMIC_RELEASE);
+        if (!g->async.head) g->async.tail = NULL;
+        pthread_cond_broadcast(&g->async.cv);
+    }
+    pthread_mutex_unlock(&g->async.mu);
+    return NULL;
+}
+
+/* Wait until every queued async collective has finished (so a synchronous one runs after them). */
+static void ddp__drain(ddp_group *g) {
+    if (!__atomic_load_n(&g->async.head, __ATOMIC_ACQUIRE)) return; /* nothing queued or in flight (only this thread queues) */
+    pthread_mutex_lock(&g->async.mu);
+    while (g->async.head) pthread_cond_wait(&g->async.cv, &g->async.mu);
+    pthread_mutex_unlock(&g->async.mu);
+}
+
+/* Stop the progress thread (group teardown); queued work is finished first. */
+static void ddp__progress_stop(ddp_group *g) {
+    if (!g->async.running) return;
+    pthread_mutex_lock(&g->async.mu);
+    g->async.stop = 1;
+    pthread_cond_broadcast(&g->async.cv);
+    pthread_mutex_unlock(&g->async.mu);
+    pthread_join(g->async.thread, NULL);
+    g->async.running = 0;
+}
+
+static ddp_result ddp__collective_on(ddp_group *g, const ddp__backend *b, const ddp__call *k) {
+    char c_msg[DDP__ERR_MAX];
+    ddp__coll c;
+    ddp_result r = ddp__validate(g, k);
+    if (r) return r;
+    ddp__drain(g);
+    if (g->broken) return ddp__fail(g, DDP_ERR_STATE, "%s", ddp__broken_message(g, k, c_msg));
+    ddp__fingerprint(g, k, &c, 1);
+    r = ddp__run_staged(g, b, k, &c);
+    if (r) return ddp__fail(g, r, "%s", g->broken_msg);
+    return DDP_SUCCESS;
+}
+
+static ddp_result ddp__collective(ddp_group *g, const ddp__call *k) {
+    ddp_result r = ddp__group_check(g, ddp__coll_name(k->kind)); /* before g->backend is read */
+    if (r) return r;
+    return ddp__collective_on(g, g->backend, k);
+}
+
+/* ---- work handles ----
+   Every handle an async call returns is live (registry.c) and on its group's `issued` list until
+   ddp_wait takes it, which happens once: a second ddp_wait (or ddp_test) on it finds it gone and fails
+   without touching it. A group that ends frees the handles nobody waited on (ddp__work_release_all). */
+
+/* Record w as issued on g and live; 0 when out of memory (w is then not returned). */
+static int ddp__work_issue(ddp_group *g, ddp_work *w) {
+    if (!ddp__live_add(w, DDP__LIVE_WORK)) return 0;
+    pthread_mutex_lock(&g->async.mu);
+    w->issued_prev = NULL;
+    w->issued_next = g->async.issued;
+    if (g->async.issued) g->async.issued->issued_prev = w;
+    g->async.issued = w;
+    pthread_mutex_unlock(&g->async.mu);
+    return 1;
+}
+
+static void ddp__work_unlink(ddp_group *g, ddp_work *w) {
+    pthread_mutex_lock(&g->async.mu);
+    if (w->issued_prev) w->issued_prev->issued_next = w->issued_next;
+    else g->async.issued = w->issued_next;
+    if (w->issued_next) w->issued_next->issued_prev = w->issued_prev;
+    w->issued_prev = w->issued_next = NULL;
+    pthread_mutex_unlock(&g->async.mu);
+}
+
+/* The group is going away (its progress thread stopped): free the handles nobody waited on, so a later
+   ddp_wait on one is an error instead of a use after free. */
+static ddp_result ddp__irecv_wait(ddp_work *w);
+static void ddp__work_release_all(ddp_group *g) {
+    while (g->async.issued) {
+        ddp_work *w = g->async.issued;
+        g->async.issued = w->issued_next;
+        ddp__live_remove(w, DDP__LIVE_WORK);
+        if (w->owner && w->owner->wait == ddp__irecv_wait) ddp__free(w->handle); /* its posted receive */
+        if (w->owner && w->owner->p2p_release) w->owner->p2p_release(w); /* a backend's own (mpi) */
+        ddp__free(w);
+    }
+}
+
+static ddp_result ddp__spent_work(const char *fn, const ddp_work *w) {
+    return ddp__fail(NULL, DDP_ERR_INVALID_ARGUMENT, "%s: work handle %p is not live: it was already waited on (call "
+                     "ddp_wait exactly once per handle), or its group was destroyed (which releases the handles not "
+                     "waited on), or it never came from an async collective", fn, (const void *)w);
+}
+
+/* Queue k (validated) for the progress thread: fingerprinted as g's next collective, or, for an isend,
+   under its own description `p2p`. */
+static ddp_result ddp__enqueue(ddp_group *g, const ddp__call *k, const ddp__coll *p2p, ddp_work **out) {
+    ddp_work *w = (ddp_work *)ddp__calloc(1, sizeof *w);
+    if (!w) return ddp__fail(g, DDP_ERR_OUT_OF_MEMORY, "out of memory allocating a ddp_work");
+    if (!ddp__work_issue(g, w)) {
+        ddp__free(w);
+        return ddp__fail(g, DDP_ERR_OUT_OF_MEMORY, "out of memory recording a ddp_work");
+    }
+    w->g = g;
+    w->call = *k;
+    pthread_mutex_lock(&g->async.mu);
+    if (!g->async.running) {
+        if (pthread_create(&g->async.thread, NULL, ddp__progress_main, g) != 0) {
+            pthread_mutex_unlock(&g->async.mu);
+            ddp__live_remove(w, DDP__LIVE_WORK);
+            ddp__work_unlink(g, w);
+            ddp__free(w);
+            return ddp__fail(g, DDP_ERR_SYSTEM, "could not start the progress thread: %s", strerror(errno));
+        }
+        g->async.running = 1;
+    }
+    if (p2p) w->coll = *p2p;
+    else ddp__fingerprint(g, k, &w->coll, 0); /* under the lock: seq order is issue order */
+    if (g->async.tail)
+        g->async.tail->next = w;
+    else
+        __atomic_store_n(&g->async.head, w, __ATOMIC_RELEASE); /* ddp__drain reads it without the lock */
+    g->async.tail = w;
+    pthread_cond_broadcast(&g->async.cv);
+    pthread_mutex_unlock(&g->async.mu);
+    *out = w;
+    return DDP_SUCCESS;
+}
+
+/* An async call with device buffers on a group that stages them (devbuf.c): run now, after the queued
+   work, on the calling thread (the staging uses the caller's stream and the group's one pinned
+   area); the ddp_work returned is complete. A failure is returned here, with no work. */
+static ddp_result ddp__collective_staged(ddp_group *g, const ddp__call *k, ddp_work **out) {
+    ddp_work *w = (ddp_work *)ddp__calloc(1, sizeof *w);
+    ddp_result r;
+    if (!w) return ddp__fail(g, DDP_ERR_OUT_OF_MEMORY, "out of memory allocating a ddp_work");
+    if ((r = ddp__collective_on(g, g->backend, k)) != DDP_SUCCESS) {
+        ddp__free(w);
+        return r;
+    }
+    w->g = g;
+    w->call = *k;
+    w->done = 1;
+    if (!ddp__work_issue(g, w)) {
+        ddp__free(w);
+        return ddp__fail(g, DDP_ERR_OUT_OF_MEMORY, "out of memory recording a ddp_work (the collective completed)");
+    }
+    *out = w;
+    return DDP_SUCCESS;
+}
+
+static ddp_result ddp__collective_async(ddp_group *g, const ddp__call *k, ddp_work **out) {
+    ddp_result r;
+    if ((r = ddp__group_check(g, ddp__coll_name(k->kind))) != DDP_SUCCESS) return r;
+    if (!out) return ddp__fail(g, DDP_ERR_INVALID_ARGUMENT, "%s_async: the ddp_work **out argument is NULL", ddp__coll_name(k->kind));
+    *out = NULL;
+    if ((r = ddp__validate(g, k)) != DDP_SUCCESS) return r;
+    if (ddp__devbuf_wanted(g, k)) return ddp__collective_staged(g, k, out);
+    if (g->backend->enqueue && g->backend->enqueue(g, k, out, &r)) { /* the backend took it (nccl: device work) */
+        if (r == DDP_SUCCESS && !ddp__work_issue(g, *out)) {
+            r = ddp__fail(g, DDP_ERR_OUT_OF_MEMORY, "out of memory recording a ddp_work; the collective was queued: "
+                          "destroy the group");
+            *out = NULL;
+        }
+        return r;
+    }
+    return ddp__enqueue(g, k, NULL, out);
+}
+
+static ddp_result ddp__group_abort(ddp_group *g, ddp_result code, const char *msg) {
+    ddp__drain(g);
+    return ddp__group_break(g, code, msg);
+}
+
+DDP_API ddp_result ddp_wait(ddp_work *w) {
+    ddp_group *g;
+    ddp_result r;
+    if (!w) return ddp__fail(NULL, DDP_ERR_INVALID_ARGUMENT, "ddp_wait: the work handle is NULL");
+    if (!ddp__live_take(w, DDP__LIVE_WORK)) return ddp__spent_work("ddp_wait", w);
+    g = w->g;
+    if (g) ddp__work_unlink(g, w); /* an async checkpoint save without a group has none */
+    if (w->owner) { /* the backend's own work (nccl: device work; an irecv; a checkpoint save), freed by its wait */
+        ddp__coll c = w->coll;
+        int traced = c.kind != 0 && !ddp__is_p2p(c.kind); /* kind 0: no collective (a checkpoint save) */
+        r = w->owner->wait(w);
+        if (traced) ddp__trace_ended(g, &c, r);
+        return r;
+    }
+    pthread_mutex_lock(&g->async.mu);
+    while (!w->done) pthread_cond_wait(&g->async.cv, &g->async.mu);
+    pthread_mutex_unlock(&g->async.mu);
+    r = w->result;
+    if (r) ddp__fail(g, r, "%s", w->error);
+    ddp__free(w);
+    return r;
+}
+
+DDP_API int ddp_test(ddp_work *w) {
+    int done;
+    if (!w) return 1;
+    if (!ddp__live_has(w, DDP__LIVE_WORK)) { /* ddp_wait would not block: it fails at once */
+        ddp__spent_work("ddp_test", w);
+        return 1;
+    }
+    if (w->owner) return w->owner->test(w);
+    pthread_mutex_lock(&w->g->async.mu);
+    done = w->done;
+    pthread_mutex_unlock(&w->g->async.mu);
+    return done;
+}
+
+/* ---- the public collectives: describe the call, then run it now or queue it ---- */
+
+DDP_API ddp_result ddp_all_reduce(ddp_group *g, void *buf, size_t count, ddp_dtype t, ddp_op op) {
+    ddp__call k = ddp__make_call(DDP__ALL_REDUCE, NULL, buf, count, t, op, -1);
+    return ddp__collective(g, &k);
+}
+DDP_API ddp_result ddp_broadcast(ddp_group *g, void *buf, size_t count, ddp_dtype t, int root) {
+    ddp__call k = ddp__make_call(DDP__BROADCAST, NULL, buf, count, t, DDP_SUM, root);
+    return ddp__collective(g, &k);
+}
+DDP_API ddp_result ddp_reduce(ddp_group *g, void *buf, size_t count, ddp_dtype t, ddp_op op, int root) {
+    ddp__call k = ddp__make_call(DDP__REDUCE, NULL, buf, count, t, op, root);
+    return ddp__collective(g, &k);
+}
+DDP_API ddp_result ddp_all_gather(ddp_group *g, const void *send, void *recv, size_t count_per_rank, ddp_dtype t) {
+    ddp__call k = ddp__make_call(DDP__ALL_GATHER, send, recv, count_per_rank, t, DDP_SUM, -1);
+    return ddp__collective(g, &k);
+}
+DDP_API ddp_result ddp_reduce_scatter(ddp_group *g, const void *send, void *recv, size_t count_per_rank, ddp_dtype t,
+                                      ddp_op op) {
+    ddp__call k = ddp__make_call(DDP__REDUCE_SCATTER, send, recv, count_per_rank, t, op, -1);
+    return ddp__collective(g, &k);
+}
+DDP_API ddp_result ddp_barrier(ddp_group *g) {
+    ddp__call k = ddp__make_call(DDP__BARRIER, NULL, NULL, 0, DDP_U8, DDP_SUM, -1);
+    return ddp__collective(g, &k);
+}
+
+DDP_API ddp_result ddp_all_reduce_async(ddp_group *g, void *buf, size_t count, ddp_dtype t, ddp_op op, ddp_work **w) {
+    ddp__call k = ddp__make_call(DDP__ALL_REDUCE, NULL, buf, count, t, op, -1);
+    return ddp__collective_async(g, &k, w);
+}
+DDP_API ddp_result ddp_broadcast_async(ddp_group *g, void *buf, size_t count, ddp_dtype t, int root, ddp_work **w) {
+    ddp__call k = ddp__make_call(DDP__BROADCAST, NULL, buf, count, t, DDP_SUM, root);
+    return ddp__collective_async(g, &k, w);
+}
+DDP_API ddp_result ddp_reduce_async(ddp_group *g, void *buf, size_t count, ddp_dtype t, ddp_op op, int root, ddp_work **w) {
+    ddp__call k = ddp__make_call(DDP__REDUCE, NULL, buf, count, t, op, root);
+    return ddp__collective_async(g, &k, w);
+}
+DDP_API ddp_result ddp_all_gather_async(ddp_group *g, const void *send, void *recv, size_t count_per_rank, ddp_dtype t,
+                                        ddp_work **w) {
+    ddp__call k = ddp__make_call(DDP__ALL_GATHER, send, recv, count_per_rank, t, DDP_SUM, -1);
+    return ddp__collective_async(g, &k, w);
+}
+DDP_API ddp_result ddp_reduce_scatter_async(ddp_group *g, const void *send, void *recv, size_t count_per_rank, ddp_dtype t,
+                                            ddp_op op, ddp_work **w) {
+    ddp__call k = ddp__make_call(DDP__REDUCE_SCATTER, send, recv, count_per_rank, t, op, -1);
+    return ddp__collective_async(g, &k, w);
+}
+DDP_API ddp_result ddp_barrier_async(ddp_group *g, ddp_work **w) {
+    ddp__call k = ddp__make_call(DDP__BARRIER, NULL, NULL, 0, DDP_U8, DDP_SUM, -1);
+    return ddp__collective_async(g, &k, w);
+}
+
+/* ---- gather, scatter, all_to_all, the uneven calls, broadcast_bytes, monitored_barrier ---- */
+
+static ddp__call ddp__v_call(ddp__coll_kind kind, const void *send, const size_t *send_counts, void *recv,
+                             const size_t *recv_counts, size_t count, ddp_dtype t) {
+    ddp__call k = ddp__make_call(kind, send, recv, count, t, DDP_SUM, -1);
+    k.send_counts = send_counts;
+    k.recv_counts = recv_counts;
+    return k;
+}
+
+static ddp__call ddp__bytes_call(void **data, size_t *size, int root) {
+    ddp__call k = ddp__make_call(DDP__BROADCAST_BYTES, NULL, NULL, 0, DDP_U8, DDP_SUM, root);
+    k.bytes = data;
+    k.bytes_size = size;
+    return k;
+}
+
+static ddp__call ddp__monitored_call(double seconds) {
+    ddp__call k = ddp__make_call(DDP__MONITORED_BARRIER, NULL, NULL, 0, DDP_U8, DDP_SUM, -1);
+    k.seconds = seconds;
+    return k;
+}
+
+DDP_API ddp_result ddp_gather(ddp_group *g, const void *send, void *recv, size_t count, ddp_dtype t, int root) {
+    ddp__call k = ddp__make_call(DDP__GATHER, send, recv, count, t, DDP_SUM, root);
+    return ddp__collective(g, &k);
+}
+DDP_API ddp_result ddp_scatter(ddp_group *g, const void *send, void *recv, size_t count, ddp_dtype t, int root) {
+    ddp__call k = ddp__make_call(DDP__SCATTER, send, recv, count, t, DDP_SUM, root);
+    return ddp__collective(g, &k);
+}
+DDP_API ddp_result ddp_all_to_all(ddp_group *g, const void *send, void *recv, size_t count_per_rank, ddp_dtype t) {
+    ddp__call k = ddp__make_call(DDP__ALL_TO_ALL, send, recv, count_per_rank, t, DDP_SUM, -1);
+    return ddp__collective(g, &k);
+}
+DDP_API ddp_result ddp_all_to_all_v(ddp_group *g, const void *send, const size_t *send_counts, void *recv,
+                                    const size_t *recv_counts, ddp_dtype t) {
+    ddp__call k = ddp__v_call(DDP__ALL_TO_ALL_V, send, send_counts, recv, recv_counts, 0, t);
+    return ddp__collective(g, &k);
+}
+DDP_API ddp_result ddp_all_gather_v(ddp_group *g, const void *send, size_t count, void *recv, const size_t *counts,
+                                    ddp_dtype t) {
+    ddp__call k = ddp__v_call(DDP__ALL_GATHER_V, send, NULL, recv, counts, count, t);
+    return ddp__collective(g, &k);
+}
+DDP_API ddp_result ddp_broadcast_bytes(ddp_group *g, void **data, size_t *size, int root) {
+    ddp__call k = ddp__bytes_call(data, size, root);
+    return ddp__collective(g, &k);
+}
+DDP_API void ddp_free_bytes(void *data) { ddp__free(data); }
+DDP_API ddp_result ddp_monitored_barrier(ddp_group *g, double timeout_seconds) {
+    ddp__call k = ddp__monitored_call(timeout_seconds);
+    return ddp__collective(g, &k);
+}
+
+DDP_API ddp_result ddp_gather_async(ddp_group *g, const void *send, void *recv, size_t count, ddp_dtype t, int root,
+                                    ddp_work **w) {
+    ddp__call k = ddp__make_call(DDP__GATHER, send, recv, count, t, DDP_SUM, root);
+    return ddp__collective_async(g, &k, w);
+}
+DDP_API ddp_result ddp_scatter_async(ddp_group *g, const void *send, void *recv, size_t count, ddp_dtype t, int root,
+                                     ddp_work **w) {
+    ddp__call k = ddp__make_call(DDP__SCATTER, send, recv, count, t, DDP_SUM, root);
+    return ddp__collective_async(g, &k, w);
+}
+DDP_API ddp_result ddp_all_to_all_async(ddp_group *g, const void *send, void *recv, size_t count_per_rank, ddp_dtype t,
+                                        ddp_work **w) {
+    ddp__call k = ddp__make_call(DDP__ALL_TO_ALL, send, recv, count_per_rank, t, DDP_SUM, -1);
+    return ddp__collective_async(g, &k, w);
+}
+DDP_API ddp_result ddp_all_to_all_v_async(ddp_group *g, const void *send, const size_t *send_counts, void *recv,
+                                          const size_t *recv_counts, ddp_dtype t, ddp_work **w) {
+    ddp__call k = ddp__v_call(DDP__ALL_TO_ALL_V, send, send_counts, recv, recv_counts, 0, t);
+    return ddp__collective_async(g, &k, w);
+}
+DDP_API ddp_result ddp_all_gather_v_async(ddp_group *g, const void *send, size_t count, void *recv, const size_t *counts,
+                                          ddp_dtype t, ddp_work **w) {
+    ddp__call k = ddp__v_call(DDP__ALL_GATHER_V, send, NULL, recv, counts, count, t);
+    return ddp__collective_async(g, &k, w);
+}
+DDP_API ddp_result ddp_broadcast_bytes_async(ddp_group *g, void **data, size_t *size, int root, ddp_work **w) {
+    ddp__call k = ddp__bytes_call(data, size, root);
+    return ddp__collective_async(g, &k, w);
+}
+DDP_API ddp_result ddp_monitored_barrier_async(ddp_group *g, double timeout_seconds, ddp_work **w) {
+    ddp__call k = ddp__monitored_call(timeout_seconds);
+    return ddp__collective_async(g, &k, w);
+}
+
+/* ---- point-to-point: ddp_send, ddp_recv, ddp_isend, ddp_irecv ----
+   Not collectives: two ranks take part, so a call takes no collective number (the fingerprint that every
+   rank compares); it is described by its peer and tag under a number of its own (see ddp__mesh). It goes
+   over the TCP mesh whatever the backend (transport.c's matching; the mpi backend sends with MPI).
+   ddp_send / ddp_recv run on the calling thread after the group's queued async work, as the synchronous
+   collectives do. ddp_isend is queued for the progress thread like an async collective (a send never
+   waits for its receive). ddp_irecv is not queued: it is posted at once (a message already stashed
+   finishes it there), so a later queued call, or any call that reads frames, can finish it; ddp_wait
+   first lets the queued work run, then reads until its message comes; ddp_test looks once when no
+   queued work runs. So the exchange patterns work in any order: irecv then isend on every rank, or an
+   irecv posted before collectives that its sender calls first. */
+
+/* The arguments of a send or recv, checked on the caller's thread (a bad call breaks nothing). */
+static ddp_result ddp__p2p_check(ddp_group *g, const char *name, ddp__coll_kind kind, const void *buf, size_t count,
+                                 ddp_dtype t, int peer, int tag) {
+    ddp_result r = ddp__group_check(g, name);
+    if (r) return r;
+    if (!ddp__dtype_valid(t))
+        return ddp__fail(g, DDP_ERR_INVALID_ARGUMENT, "%s: dtype %d is not a ddp_dtype (DDP_F32 ... DDP_I64)", name, (int)t);
+    if (peer < 0 || peer >= g->world_size || peer == g->rank)
+        return ddp__fail(g, DDP_ERR_INVALID_ARGUMENT, "%s: %s %d is not another rank of this group (rank %d of %d)", name,
+                         kind == DDP__SEND ? "dst" : "src", peer, g->rank, g->world_size);
+    if (tag < 0) return ddp__fail(g, DDP_ERR_INVALID_ARGUMENT, "%s: tag %d is negative", name, tag);
+    if (count > DDP__MAX_BUFFER_BYTES / ddp_dtype_size(t))
+        return ddp__fail(g, DDP_ERR_INVALID_ARGUMENT, "%s: count %zu is above the limit of 2^47 bytes (128 TiB) of %s", name,
+                         count, ddp_dtype_name(t));
+    if (count && !buf) return ddp__fail(g, DDP_ERR_INVALID_ARGUMENT, "%s: the buffer is NULL with count %zu", name, count);
+#if defined(DDP_CUDA)
+    if (count && g->nccl && ddp__cuda_is_device_pointer(buf) == 1)
+        return ddp__fail(g, DDP_ERR_UNSUPPORTED, "%s: the nccl backend sends and receives host memory only so far "
+                         "(ncclSend/ncclRecv for device memory are not built yet): copy the buffer to host memory", name);
+#endif
+    return DDP_SUCCESS;
+}
+
+/* The call and its description: the peer in root, its own number (no collective's). */
+static void ddp__p2p_describe(ddp_group *g, ddp__call *k, ddp__coll *c, ddp__coll_kind kind, const void *send, void *recv,
+                              size_t count, ddp_dtype t, int peer, int tag) {
+    *k = ddp__make_call(kind, send, recv, count, t, DDP_SUM, peer);
+    k->tag = tag;
+    memset(c, 0, sizeof *c);
+    c->seq = UINT64_MAX - ++g->mesh.p2p_calls; /* see ddp__mesh */
+    c->kind = (uint8_t)kind;
+    c->count = count;
+    c->dtype = (uint8_t)t;
+    c->op = DDP__NO_OP;
+    c->root = peer;
+    c->tag = tag;
+}
+
+static ddp_result ddp__p2p(ddp_group *g, ddp__coll_kind kind, const void *send, void *recv, size_t count, ddp_dtype t,
+                           int peer, int tag) {
+    const char *name = ddp__coll_name(kind);
+    char msg[DDP__ERR_MAX];
+    ddp__call k;
+    ddp__coll c;
+    ddp_result r = ddp__p2p_check(g, name, kind, kind == DDP__SEND ? send : recv, count, t, peer, tag);
+    if (r) return r;
+    ddp__drain(g);
+    ddp__p2p_describe(g, &k, &c, kind, send, recv, count, t, peer, tag);
+    if (g->broken) return ddp__fail(g, DDP_ERR_STATE, "%s", ddp__broken_message(g, &k, msg));
+    if ((r = ddp__run_staged(g, g->backend, &k, &c)) != DDP_SUCCESS) return ddp__fail(g, r, "%s", g->broken_msg);
+    return DDP_SUCCESS;
+}
+
+DDP_API ddp_result ddp_send(ddp_group *g, const void *buf, size_t count, ddp_dtype t, int dst, int tag) {
+    return ddp__p2p(g, DDP__SEND, buf, NULL, count, t, dst, tag);
+}
+DDP_API ddp_result ddp_recv(ddp_group *g, void *buf, size_t count, ddp_dtype t, int src, int tag) {
+    return ddp__p2p(g, DDP__RECV, NULL, buf, count, t, src, tag);
+}
+
+/* Checks shared by ddp_isend and ddp_irecv; *out = NULL. */
+static ddp_result ddp__p2p_async_check(ddp_group *g, const char *name, ddp__coll_kind kind, const void *buf, size_t count,
+                                       ddp_dtype t, int peer, int tag, ddp_work **out) {
+    ddp_result r = ddp__p2p_check(g, name, kind, buf, count, t, peer, tag);
+    if (r) return r;
+    if (!out) return ddp__fail(g, DDP_ERR_INVALID_ARGUMENT, "%s: the ddp_work **out argument is NULL", name);
+    *out = NULL;
+    if (g->broken) return ddp__fail(g, DDP_ERR_STATE, "%s: the group is broken by an earlier error and cannot be used; "
+                                    "destroy it. The error was: %.800s", name, g->broken_msg);
+#if defined(DDP_CUDA)
+    if (count && !g->nccl && ddp__cuda_is_device_pointer(buf) == 1) /* devbuf.c stages within one call only */
+        return ddp__fail(g, DDP_ERR_UNSUPPORTED, "%s: the buffer is device memory; on backend \"%s\" device buffers are "
+                         "staged through host memory within a call, which %s outlives: use ddp_%s (staged), or copy "
+                         "the buffer to host memory", name, g->backend->family, name, kind == DDP__SEND ? "send" : "recv");
+#endif
+    return DDP_SUCCESS;
+}
+
+/* On a backend with point-to-point calls of its own (mpi: MPI's nonblocking calls), started now. */
+static ddp_result ddp__backend_p2p_async(ddp_group *g, ddp__coll_kind kind, const void *send, void *recv, size_t count,
+                                     ddp_dtype t, int peer, int tag, ddp_work **out) {
+    ddp_work *w = (ddp_work *)ddp__calloc(1, sizeof *w);
+    ddp_result r;
+    if (!w) return ddp__fail(g, DDP_ERR_OUT_OF_MEMORY, "out of memory allocating a ddp_work");
+    w->g = g;
+    ddp__p2p_describe(g, &w->call, &w->coll, kind, send, recv, count, t, peer, tag);
+    ddp__drain(g); /* in issue order with the queued collectives */
+    if ((r = g->backend->p2p_start(g, w)) != DDP_SUCCESS || !ddp__work_issue(g, w)) {
+        if (r == DDP_SUCCESS) { /* started, and nobody can wait for it: the group cannot go on */
+            w->owner->p2p_release(w);
+            r = ddp__group_abort(g, DDP_ERR_OUT_OF_MEMORY, "out of memory recording a ddp_work");
+        }
+        ddp__free(w);
+        return r;
+    }
+    *out = w;
+    return DDP_SUCCESS;
+}
+
+DDP_API ddp_result ddp_isend(ddp_group *g, const void *buf, size_t count, ddp_dtype t, int dst, int tag, ddp_work **w) {
+    ddp__call k;
+    ddp__coll c;
+    ddp_result r = ddp__p2p_async_check(g, "isend", DDP__SEND, buf, count, t, dst, tag, w);
+    if (r) return r;
+    if (g->backend->p2p_start) return ddp__backend_p2p_async(g, DDP__SEND, buf, NULL, count, t, dst, tag, w);
+    ddp__p2p_describe(g, &k, &c, DDP__SEND, buf, NULL, count, t, dst, tag);
+    return ddp__enqueue(g, &k, &c, w);
+}
+
+/* An irecv's handle: its wait and test (ddp_work.owner); w->handle is its posted receive. */
+static ddp_result ddp__irecv_wait(ddp_work *w) {
+    ddp_group *g = w->g;
+    ddp__posted *p = (ddp__posted *)w->handle;
+    ddp_result r;
+    ddp__drain(g); /* queued work first: it may bring the message, and it reads the connections meanwhile */
+    if (ddp__posted_done(g, p)) r = p->result;
+    else if (g->broken) r = g->broken;
+    else r = ddp__p2p_wait(g, &w->coll, p, 0);
+    if (!ddp__posted_done(g, p)) ddp__p2p_unpost(g, p);
+    if (r) ddp__fail(g, r, "%s", g->broken ? g->broken_msg : "irecv failed");
+    ddp__free(p);
+    ddp__free(w);
+    return r;
+}
+
+static int ddp__irecv_test(ddp_work *w) {
+    ddp_group *g = w->g;
+    ddp__posted *p = (ddp__posted *)w->handle;
+    int idle;
+    if (ddp__posted_done(g, p) || g->broken) return 1;
+    pthread_mutex_lock(&g->async.mu);
+    idle = g->async.head == NULL; /* no queued work reads the connections now, and only this thread queues more */
+    pthread_mutex_unlock(&g->async.mu);
+    if (idle) ddp__p2p_wait(g, &w->coll, p, 1);
+    return ddp__posted_done(g, p) || g->broken != DDP_SUCCESS;
+}
+
+static const ddp__backend ddp__irecv_owner = {"p2p", "cpu", NULL, NULL, ddp__irecv_wait, ddp__irecv_test, NULL,
+                                              NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL};
+
+DDP_API ddp_result ddp_irecv(ddp_group *g, void *buf, size_t count, ddp_dtype t, int src, int tag, ddp_work **out) {
+    ddp__posted *p;
+    ddp_work *w;
+    ddp_result r = ddp__p2p_async_check(g, "irecv", DDP__RECV, buf, count, t, src, tag, out);
+    if (r) return r;
+    if (g->backend->p2p_start) return ddp__backend_p2p_async(g, DDP__RECV, NULL, buf, count, t, src, tag, out);
+    w = (ddp_work *)ddp__calloc(1, sizeof *w);
+    p = (ddp__posted *)ddp__calloc(1, sizeof *p);
+    if (!w || !p || !ddp__work_issue(g, w)) {
+        ddp__free(w);
+        ddp__free(p);
+        return ddp__fail(g, DDP_ERR_OUT_OF_MEMORY, "irecv: out of memory allocating a ddp_work");
+    }
+    w->g = g;
+    w->owner = &ddp__irecv_owner;
+    w->handle = p;
+    ddp__p2p_describe(g, &w->call, &w->coll, DDP__RECV, NULL, buf, count, t, src, tag);
+    p->src = src;
+    p->tag = tag;
+    p->buf = buf;
+    p->bytes = count * ddp_dtype_size(t);
+    p->count = count;
+    p->dtype = (uint8_t)t;
+    if ((r = ddp__p2p_post(g, p)) != DDP_SUCCESS) { /* a stashed message of another size: the group is broken */
+        ddp__live_remove(w, DDP__LIVE_WORK);
+        ddp__work_unlink(g, w);
+        ddp__free(p);
+        ddp__free(w);
+        return ddp__fail(g, r, "%s", g->broken_msg);
+    }
+    *out = w;
+    return DDP_SUCCESS;
+}
+
+/* ---- agreeing on an outcome ----
+   For the library's own multi-step calls (checkpoints, ZeRO state): each rank passes its local result,
+   and the first failure (lowest rank) becomes every rank's error with that rank's message, so an error
+   anywhere is an error everywhere and nobody is left waiting in a later collective. A group of one (or
+   none: g NULL) returns mine. */
+
+/* This rank's own failure, worded as the other ranks word it ("checkpoint save failed on rank 0: ..."),
+   so that every rank's message names the operation and the rank that failed. */
+static ddp_result ddp__failed_here(ddp_group *g, ddp_result mine, const char *what, const char *own) {
+    return ddp__fail(g, mine, "%s failed on rank %d: %.900s", what, g->rank, own);
+}
+
+static ddp_result ddp__agree_outcome(ddp_group *g, ddp_result mine, const char *what) {
+    int32_t code = (int32_t)mine, *codes;
+    char *msgs, own[DDP__ERR_MAX];
+    int w, i, bad = -1;
+    ddp_result r;
+    if (!g || g->world_size <= 1) return mine;
+    w = g->world_size;
+    memset(own, 0, sizeof own);
+    if (mine != DDP_SUCCESS) snprintf(own, sizeof own, "%s", ddp_last_error(g));
+    codes = (int32_t *)ddp__calloc((size_t)w, sizeof *codes);
+    if (!codes) return ddp__fail(g, DDP_ERR_OUT_OF_MEMORY, "%s: out of memory agreeing on the outcome", what);
+    r = ddp_all_gather(g, &code, codes, 1, DDP_I32);
+    for (i = 0; r == DDP_SUCCESS && i < w && bad < 0; i++)
+        if (codes[i] != 0) bad = i;
+    if (r != DDP_SUCCESS || bad < 0) {
+        ddp__free(codes);
+        /* this rank's own failure says more than a collective that broke after it */
+        return (r != DDP_SUCCESS && mine != DDP_SUCCESS) ? ddp__failed_here(g, mine, what, own) : r;
+    }
+    msgs = (char *)ddp__calloc((size_t)w, DDP__ERR_MAX);
+    r = msgs ? ddp_all_gather(g, own, msgs, DDP__ERR_MAX, DDP_U8) : DDP_ERR_OUT_OF_MEMORY;
+    if (mine != DDP_SUCCESS) r = ddp__failed_here(g, mine, what, own);
+    else if (r == DDP_SUCCESS) {
+        msgs[(size_t)bad * DDP__ERR_MAX + DDP__ERR_MAX - 1] = '\0';
+        r = ddp__fail(g, (ddp_result)codes[bad], "%s failed on rank %d: %s", what, bad, msgs + (size_t)bad * DDP__ERR_MAX);
+    } else if (!msgs) r = ddp__fail(g, DDP_ERR_OUT_OF_MEMORY, "%s failed on rank %d (out of memory fetching its message)", what, bad);
+    ddp__free(msgs);
+    ddp__free(codes);
+    return r;
+}
+/* ==================== end src/collectives.c ==================== */
 
 /* ==================== begin src/tcp.c ==================== */
 /* [SECTION] tcp: the tcp backend, collective algorithms over the TCP mesh (Gloo's and MPI's ring,
@@ -9741,7 +10780,8 @@ static void ddp__tcp_backend_close(ddp_group *g, int orderly) { (void)g, (void)o
 /* Every group starts on it (set-up runs over the mesh) and keeps it when its ranks share no host. */
 static const ddp__backend ddp__backend_tcp = {
     "tcp", "cpu", ddp__tcp_run, NULL, NULL, NULL, ddp__tcp_backend_close,
-    ddp__host_alloc, ddp__host_release, ddp__host_zero, ddp__host_copy_in_scaled, ddp__host_copy_out};
+    ddp__host_alloc, ddp__host_release, ddp__host_zero, ddp__host_copy_in_scaled, ddp__host_copy_out,
+    NULL, NULL, NULL, NULL};
 
 /* A single rank has nobody to talk to: only the data movement of the collective remains. */
 static ddp_result ddp__alone_run(ddp_group *g, const ddp__call *k, const ddp__coll *c) {
@@ -9768,7 +10808,8 @@ static void ddp__alone_close(ddp_group *g, int orderly) { (void)g, (void)orderly
 /* A group of one rank: no mesh. */
 static const ddp__backend ddp__backend_alone = {
     "alone", "cpu", ddp__alone_run, NULL, NULL, NULL, ddp__alone_close,
-    ddp__host_alloc, ddp__host_release, ddp__host_zero, ddp__host_copy_in_scaled, ddp__host_copy_out};
+    ddp__host_alloc, ddp__host_release, ddp__host_zero, ddp__host_copy_in_scaled, ddp__host_copy_out,
+    NULL, NULL, NULL, NULL};
 
 static const ddp__backend *ddp__initial_backend(int world_size) {
     return world_size > 1 ? &ddp__backend_tcp : &ddp__backend_alone;
@@ -9793,266 +10834,6 @@ static ddp_result ddp__mesh_barrier(ddp_group *g) {
     return ddp__collective_on(g, &ddp__backend_tcp, &k);
 }
 /* ==================== end src/tcp.c ==================== */
-
-/* ==================== begin src/alloc.c ==================== */
-/* [SECTION] alloc: ddp_alloc / ddp_free, library buffers that collectives use in place
-   On a group whose ranks share one host, every rank maps one shared segment (shm.c), which ends with
-   an arena per rank: address space reserved for ddp_alloc, taking memory only where blocks are handed
-   out. A buffer in an arena can be read and written by every rank of the group, so collectives on it
-   need no staging copies (shm.c's single-copy algorithms ask ddp__lib_offset whether a buffer is one).
-   Elsewhere, or when the arena is full, ddp_alloc gives plain aligned heap memory.
-
-   This rank's arena is carved into page-multiple blocks, listed in offset order: first fit, else the
-   top grows. A block's pages are reserved with fallocate when it is handed out (a full /dev/shm then
-   means plain memory instead of SIGBUS later) and punched out when it is freed, so a block always
-   starts zero-filled and freed memory goes back to the system. One spin lock (g->lib.lock) guards the
-   block list and the heap list: ddp_alloc and ddp_free may be called from any thread. */
-
-#include <sys/statvfs.h>
-
-static void ddp__lib_lock(ddp_group *g) {
-    while (__atomic_exchange_n(&g->lib.lock, 1, __ATOMIC_ACQUIRE)) sched_yield();
-}
-static void ddp__lib_unlock(ddp_group *g) { __atomic_store_n(&g->lib.lock, 0, __ATOMIC_RELEASE); }
-
-/* The index of the arena block holding offset off (the blocks cover [0, top)); -1 when off >= top. */
-static long ddp__block_find(const ddp__arena *a, size_t off) {
-    size_t lo = 0, hi = a->nblocks;
-    if (off >= a->top) return -1;
-    while (hi - lo > 1) { /* the last block whose start is <= off */
-        size_t mid = lo + (hi - lo) / 2;
-        if (a->blocks[mid].off <= off)
-            lo = mid;
-        else
-            hi = mid;
-    }
-    return (long)lo;
-}
-
-/* The arena offset of [p, p + bytes) when it lies inside one live block of this rank's arena. */
-static uint64_t ddp__lib_offset(ddp_group *g, const void *p, size_t bytes) {
-    ddp__arena *a = g->lib.arena;
-    uint64_t off = DDP__SHM_NOT_LIB;
-    long i;
-    size_t at;
-    if (!a || !a->base) return off;
-    at = (size_t)((uintptr_t)p - (uintptr_t)(a->base + (size_t)g->rank * a->bytes));
-    if ((uintptr_t)p < (uintptr_t)a->base || at >= a->bytes) return off;
-    ddp__lib_lock(g);
-    i = ddp__block_find(a, at);
-    if (i >= 0 && a->blocks[i].state == 1 && bytes <= a->blocks[i].off + a->blocks[i].size - at) off = at;
-    ddp__lib_unlock(g);
-    return off;
-}
-
-/* Each rank's arena (rank 0 decides): DDP_SHM_ARENA_BYTES, else what /dev/shm can hold (the machine's
-   memory when /dev/shm is unlimited), at most 64 GiB, and at most 8 TiB of address space over all ranks
-   (every rank maps every arena). Only address space: pages are taken as blocks are allocated. */
-static size_t ddp__arena_size(ddp_group *g, int fd) {
-    char err[DDP__ERR_MAX];
-    long v = 0;
-    struct statvfs st;
-    uint64_t want = 0, cap = DDP__MIN((uint64_t)64 << 30, ((uint64_t)8 << 40) / (uint64_t)g->world_size);
-    int k = ddp__env_int("DDP_SHM_ARENA_BYTES", 0, (long)((uint64_t)1 << 46), &v, err);
-    if (k < 0) ddp__log(g, DDP_LOG_WARN, "%s; using the default arena size", err);
-    if (k > 0) return (size_t)((uint64_t)v & ~(uint64_t)(DDP__LIB_PAGE - 1));
-    if (fstatvfs(fd, &st) == 0) want = (uint64_t)st.f_blocks * (uint64_t)st.f_frsize;
-    if (want == 0) want = (uint64_t)sysconf(_SC_PHYS_PAGES) * (uint64_t)sysconf(_SC_PAGESIZE);
-    want = DDP__MIN(want, cap);
-    if (want > (uint64_t)(SIZE_MAX / 4)) want = (uint64_t)(SIZE_MAX / 4);
-    return (size_t)(want & ~(uint64_t)(DDP__ARENA_ALIGN - 1));
-}
-
-
-/* ---- the arena's block list ---- */
-
-/* Insert a block before index i of this rank's list. 0 when out of memory. */
-static int ddp__block_insert(ddp__arena *a, size_t i, size_t off, size_t size, int state) {
-    if (a->nblocks == a->cap) {
-        size_t cap = a->cap ? 2 * a->cap : 16;
-        ddp__block *b = (ddp__block *)ddp__malloc(cap * sizeof *b);
-        if (!b) return 0;
-        if (a->nblocks) memcpy(b, a->blocks, a->nblocks * sizeof *b);
-        ddp__free(a->blocks);
-        a->blocks = b;
-        a->cap = cap;
-    }
-    memmove(a->blocks + i + 1, a->blocks + i, (a->nblocks - i) * sizeof *a->blocks);
-    a->blocks[i].off = off;
-    a->blocks[i].size = size;
-    a->blocks[i].state = state;
-    a->nblocks++;
-    return 1;
-}
-
-static void ddp__block_remove(ddp__arena *a, size_t i) {
-    memmove(a->blocks + i, a->blocks + i + 1, (a->nblocks - i - 1) * sizeof *a->blocks);
-    a->nblocks--;
-}
-
-/* Mark block i free and merge it with free neighbours; a free block at the end goes back above top. */
-static void ddp__block_release(ddp__arena *a, size_t i) {
-    a->blocks[i].state = 0;
-    if (i + 1 < a->nblocks && a->blocks[i + 1].state == 0) {
-        a->blocks[i].size += a->blocks[i + 1].size;
-        ddp__block_remove(a, i + 1);
-    }
-    if (i > 0 && a->blocks[i - 1].state == 0) {
-        a->blocks[i - 1].size += a->blocks[i].size;
-        ddp__block_remove(a, i--);
-    }
-    if (i + 1 == a->nblocks) {
-        a->top = a->blocks[i].off;
-        ddp__block_remove(a, i);
-    }
-}
-
-/* Take need bytes (whole pages) of this rank's arena: the block's offset, or -1 when there is no room. */
-static long ddp__block_take(ddp__arena *a, size_t need) {
-    size_t i, off;
-    for (i = 0; i < a->nblocks; i++) {
-        if (a->blocks[i].state != 0 || a->blocks[i].size < need) continue;
-        if (a->blocks[i].size > need && !ddp__block_insert(a, i + 1, a->blocks[i].off + need, a->blocks[i].size - need, 0))
-            return -1;
-        a->blocks[i].size = need;
-        a->blocks[i].state = 1;
-        return (long)a->blocks[i].off;
-    }
-    if (need > a->bytes - a->top || !ddp__block_insert(a, a->nblocks, a->top, need, 1)) return -1;
-    off = a->top;
-    a->top += need;
-    return (long)off;
-}
-
-static void *ddp__arena_alloc(ddp_group *g, size_t bytes) {
-    ddp__arena *a = g->lib.arena;
-    size_t need = (DDP__MAX(bytes, (size_t)1) + DDP__LIB_PAGE - 1) & ~(DDP__LIB_PAGE - 1);
-    char *mine;
-    long off;
-    int err;
-    if (!a || !a->base) return NULL;
-    mine = a->base + (size_t)g->rank * a->bytes;
-    ddp__lib_lock(g);
-    off = ddp__block_take(a, need);
-    ddp__lib_unlock(g);
-    if (off < 0) return NULL;
-    err = posix_fallocate(a->fd, a->file_off + (off_t)((size_t)g->rank * a->bytes + (size_t)off), (off_t)need);
-    if (err != 0) {
-        ddp__log(g, DDP_LOG_INFO, "ddp_alloc: cannot reserve %zu bytes of shared memory (%s): plain memory instead, "
-                 "which collectives stage through the segment", need, strerror(err));
-        ddp__lib_lock(g);
-        ddp__block_release(a, (size_t)ddp__block_find(a, (size_t)off));
-        ddp__lib_unlock(g);
-        return NULL;
-    }
-    return mine + off;
-}
-
-/* 1 when p was a live block of this rank's arena (now freed), 0 when it is not one. */
-static int ddp__arena_free(ddp_group *g, void *p) {
-    ddp__arena *a = g->lib.arena;
-    size_t at, size;
-    off_t file_at;
-    long i;
-    if (!a || !a->base || (uintptr_t)p < (uintptr_t)(a->base + (size_t)g->rank * a->bytes)) return 0;
-    at = (size_t)((uintptr_t)p - (uintptr_t)(a->base + (size_t)g->rank * a->bytes));
-    if (at >= a->bytes) return 0;
-    ddp__lib_lock(g);
-    i = ddp__block_find(a, at);
-    if (i < 0 || a->blocks[i].off != at || a->blocks[i].state != 1) {
-        ddp__lib_unlock(g);
-        return 0;
-    }
-    a->blocks[i].state = 2; /* being freed: neither handed out again nor freed twice meanwhile */
-    size = a->blocks[i].size;
-    ddp__lib_unlock(g);
-    /* give the pages back; should the file system refuse, zero them so the next block starts zero-filled */
-    file_at = a->file_off + (off_t)((size_t)g->rank * a->bytes + at);
-    if (fallocate(a->fd, FALLOC_FL_PUNCH_HOLE | FALLOC_FL_KEEP_SIZE, file_at, (off_t)size) != 0) memset(p, 0, size);
-    ddp__lib_lock(g);
-    ddp__block_release(a, (size_t)ddp__block_find(a, at));
-    ddp__lib_unlock(g);
-    return 1;
-}
-
-static void *ddp__heap_alloc(ddp_group *g, size_t bytes) {
-    char *raw = (char *)ddp__malloc(bytes + 63), *user;
-    int ok = 1;
-    if (!raw) return NULL;
-    user = (char *)(((uintptr_t)raw + 63) & ~(uintptr_t)63);
-    if (bytes) memset(user, 0, bytes);
-    ddp__lib_lock(g);
-    if (g->lib.heap_n == g->lib.heap_cap) {
-        size_t cap = g->lib.heap_cap ? 2 * g->lib.heap_cap : 16;
-        ddp__heap_block *b = (ddp__heap_block *)ddp__malloc(cap * sizeof *b);
-        if (b) {
-            if (g->lib.heap_n) memcpy(b, g->lib.heap, g->lib.heap_n * sizeof *b);
-            ddp__free(g->lib.heap);
-            g->lib.heap = b;
-            g->lib.heap_cap = cap;
-        } else {
-            ok = 0;
-        }
-    }
-    if (ok) {
-        g->lib.heap[g->lib.heap_n].user = user;
-        g->lib.heap[g->lib.heap_n++].raw = raw;
-    }
-    ddp__lib_unlock(g);
-    if (!ok) ddp__free(raw);
-    return ok ? user : NULL;
-}
-
-/* 1 when p was a live heap block (now freed), 0 when it is not one. */
-static int ddp__heap_free(ddp_group *g, void *p) {
-    void *raw = NULL;
-    size_t i;
-    ddp__lib_lock(g);
-    for (i = 0; i < g->lib.heap_n && !raw; i++)
-        if (g->lib.heap[i].user == p) {
-            raw = g->lib.heap[i].raw;
-            g->lib.heap[i] = g->lib.heap[--g->lib.heap_n];
-        }
-    ddp__lib_unlock(g);
-    ddp__free(raw);
-    return raw != NULL;
-}
-
-DDP_API void *ddp_alloc(ddp_group *g, size_t bytes) {
-    void *p;
-    if (ddp__group_check(g, "ddp_alloc") != DDP_SUCCESS) return NULL;
-    if (bytes > SIZE_MAX / 4) {
-        ddp__fail(g, DDP_ERR_INVALID_ARGUMENT, "ddp_alloc: %zu bytes is more than any machine can hold", bytes);
-        return NULL;
-    }
-    if ((p = ddp__arena_alloc(g, bytes)) == NULL && (p = ddp__heap_alloc(g, bytes)) == NULL)
-        ddp__fail(g, DDP_ERR_OUT_OF_MEMORY, "ddp_alloc: out of memory for %zu bytes", bytes);
-    return p;
-}
-
-DDP_API void ddp_free(ddp_group *g, void *p) {
-    char msg[DDP__ERR_MAX];
-    if (!p) return;
-    if (!g) {
-        ddp__fail(NULL, DDP_ERR_INVALID_ARGUMENT, "ddp_free: the group is NULL; pass the group the memory came from");
-        return;
-    }
-    if (ddp__group_check(g, "ddp_free") != DDP_SUCCESS) return; /* its blocks went with it */
-    if (ddp__arena_free(g, p) || ddp__heap_free(g, p)) return;
-    snprintf(msg, sizeof msg, "ddp_free: %p is not a live block from ddp_alloc on this group (rank %d): freed already, "
-             "allocated on another group, or not from ddp_alloc; it was left alone", p, g->rank);
-    ddp__log(g, DDP_LOG_ERROR, "%s", msg);
-    ddp__fail(g, DDP_ERR_INVALID_ARGUMENT, "%s", msg);
-}
-
-static void ddp__lib_free_all(ddp_group *g) {
-    size_t i;
-    for (i = 0; i < g->lib.heap_n; i++) ddp__free(g->lib.heap[i].raw);
-    ddp__free(g->lib.heap);
-    g->lib.heap = NULL;
-    g->lib.heap_n = g->lib.heap_cap = 0;
-}
-/* ==================== end src/alloc.c ==================== */
 
 /* ==================== begin src/shm.c ==================== */
 /* [SECTION] shm: shared-memory transport for the ranks of a group that share one host
@@ -10291,7 +11072,7 @@ static uint64_t ddp__shm_peer_seq(const ddp_group *g, int j) {
     return newest;
 }
 
-/* Called by ddp__group_break (transport.c): make every rank's next wait notice at once. */
+/* The backend's abort slot (ddp__group_break, transport.c): make every rank's next wait notice at once. */
 static void ddp__shm_abort(ddp_group *g) {
     uint64_t seq = g->running_seq ? g->running_seq : 1, zero = 0; /* outside a collective: fail every one */
     if (!g->shm) return;
@@ -11199,7 +11980,8 @@ static void ddp__shm_close(ddp_group *g, int orderly) {
 /* Every rank of the group on this host. Library buffers (ddp_alloc) live in the segment's arenas. */
 static const ddp__backend ddp__backend_shm = {
     "shm", "cpu", ddp__shm_run, NULL, NULL, NULL, ddp__shm_close,
-    ddp__host_alloc, ddp__host_release, ddp__host_zero, ddp__host_copy_in_scaled, ddp__host_copy_out};
+    ddp__host_alloc, ddp__host_release, ddp__host_zero, ddp__host_copy_in_scaled, ddp__host_copy_out,
+    ddp__shm_abort, ddp__shm_peer_seq, NULL, NULL};
 
 /* Can this rank read every peer's memory with process_vm_readv? pub holds, per rank, its pid, the
    address of a word in its process and the word's value; each peer's word must read back as published
@@ -11378,8 +12160,8 @@ done:
 
    Only the leaders' stage crosses hosts, with what a ring over the H hosts needs: 2(H-1)/H of the
    buffer each way per host; the host stages run at memory speed. Both groups are made when the group
-   is set up (every rank computes the same host map from the host keys that group.c gathers) and live
-   as long as it. A host with one rank has no host group; a group with one rank per host has neither
+   is set up (every rank computes the same host map, ddp__hier_plan, from the host keys that group.c
+   gathers; group.c opens them as subgroups, ddp__hier_open) and live as long as it. A host with one rank has no host group; a group with one rank per host has neither
    and stays on the tcp backend, and so does a group under DDP_TRANSPORT=tcp (no host keys then).
    Everything else (small all_reduces, the other collectives) runs on the tcp backend's algorithms.
 
@@ -11391,20 +12173,9 @@ done:
    group itself with the same message, so every rank fails, whichever stage it waits in.
    Op AVG runs as SUM in the stages and divides once at the end, as the ring does. */
 
-/* The end of a group: its stage groups go first (ddp_destroy after the group's own barrier: every rank
-   is there, so their barriers meet), or are just freed when the group is failing. */
-static void ddp__hier_close(ddp_group *g, int orderly) {
-    ddp_group *stages[2];
-    int i;
-    stages[0] = g->hier.host;
-    stages[1] = g->hier.leaders;
-    g->hier.host = g->hier.leaders = NULL;
-    for (i = 0; i < 2; i++) {
-        if (!stages[i]) continue;
-        if (orderly) ddp_destroy(stages[i]);
-        else ddp__group_free(stages[i]);
-    }
-}
+/* The stage groups are group.c's, which made them (ddp__hier_open) and ends them with the group
+   (ddp__hier_stages_end): the backend itself holds nothing else. */
+static void ddp__hier_close(ddp_group *g, int orderly) { (void)g, (void)orderly; }
 
 /* A stage failed and its group is broken: break the other stage's group and the group itself with the
    same message, so ranks waiting anywhere in this all_reduce fail too. */
@@ -11454,44 +12225,39 @@ static ddp_result ddp__hier_run(ddp_group *g, const ddp__call *k, const ddp__col
 
 static const ddp__backend ddp__backend_hier = {
     "hier", "cpu", ddp__hier_run, NULL, NULL, NULL, ddp__hier_close,
-    ddp__host_alloc, ddp__host_release, ddp__host_zero, ddp__host_copy_in_scaled, ddp__host_copy_out};
+    ddp__host_alloc, ddp__host_release, ddp__host_zero, ddp__host_copy_in_scaled, ddp__host_copy_out,
+    NULL, NULL, NULL, NULL};
 
-/* Called by group.c's set-up when the group's ranks are not all on one host; keys holds every rank's
-   host key. Collective: every rank derives the same host map, so all decide alike. */
-static ddp_result ddp__hier_setup(ddp_group *g, const uint64_t *keys) {
-    int n = g->world_size, i, j, nhost = 0, nlead = 0, my_index = 0, lead_index = 0, shared = 0;
-    int *host = (int *)ddp__calloc((size_t)n, sizeof *host), *leaders = (int *)ddp__calloc((size_t)n, sizeof *leaders);
-    char name[32];
-    ddp_result r = DDP_SUCCESS;
-    if (!host || !leaders) {
-        ddp__free(host);
-        ddp__free(leaders);
-        return ddp__fail(g, DDP_ERR_OUT_OF_MEMORY, "out of memory mapping the group's hosts");
-    }
+/* The host map of a group whose ranks are not all on one host (keys: every rank's host key), as group.c's
+   set-up needs it to open the stage groups: host[] the ranks of this rank's host (nhost, this rank at
+   host[my_index]), leaders[] the first rank of every host (nlead, this rank at leaders[lead_index] when it
+   leads its host). Every rank derives the same map, so all decide alike. Returns 1 when some host has
+   several ranks (the hierarchical all_reduce is worth it), 0 when not, -1 when out of memory; the caller
+   frees host and leaders. */
+static int ddp__hier_plan(const uint64_t *keys, int n, int rank, ddp__hier_map *m) {
+    int i, j, shared = 0;
+    memset(m, 0, sizeof *m);
+    m->host = (int *)ddp__calloc((size_t)n, sizeof *m->host);
+    m->leaders = (int *)ddp__calloc((size_t)n, sizeof *m->leaders);
+    if (!m->host || !m->leaders) return -1;
     for (i = 0; i < n; i++) { /* a host's leader is its lowest rank */
         for (j = 0; j < i && keys[j] != keys[i]; j++) continue;
-        if (j == i) leaders[nlead++] = i;
+        if (j == i) m->leaders[m->nlead++] = i;
         else shared = 1;
-        if (i == g->rank) lead_index = nlead - 1; /* used only when this rank leads its host */
-        if (keys[i] != keys[g->rank]) continue;
-        if (i == g->rank) my_index = nhost;
-        host[nhost++] = i;
+        if (i == rank) m->lead_index = m->nlead - 1; /* used only when this rank leads its host */
+        if (keys[i] != keys[rank]) continue;
+        if (i == rank) m->my_index = m->nhost;
+        m->host[m->nhost++] = i;
     }
-    if (shared) {
-        snprintf(name, sizeof name, "host%d", host[0]);
-        if (nhost > 1) r = ddp__subgroup_open(g, host, nhost, my_index, name, NULL, "setting up the hierarchical all_reduce", &g->hier.host);
-        if (r == DDP_SUCCESS && host[0] == g->rank)
-            r = ddp__subgroup_open(g, leaders, nlead, lead_index, "leaders", NULL, "setting up the hierarchical all_reduce",
-                                   &g->hier.leaders);
-        if (r == DDP_SUCCESS) {
-            g->backend = g->host_backend = &ddp__backend_hier;
-            ddp__log(g, DDP_LOG_INFO, "%d ranks on %d hosts: large all_reduces run hierarchically (shared memory within a "
-                     "host, TCP between hosts)", n, nlead);
-        }
-    }
-    ddp__free(host);
-    ddp__free(leaders);
-    return r;
+    return shared;
+}
+
+/* The stage groups are open (g->hier.host, g->hier.leaders, either may be NULL): large all_reduces go
+   through them from now on. */
+static void ddp__hier_install(ddp_group *g, int nhosts) {
+    g->backend = g->host_backend = &ddp__backend_hier;
+    ddp__log(g, DDP_LOG_INFO, "%d ranks on %d hosts: large all_reduces run hierarchically (shared memory within a "
+             "host, TCP between hosts)", g->world_size, nhosts);
 }
 /* ==================== end src/hier.c ==================== */
 
@@ -12218,8 +12984,9 @@ static int ddp__mpi_p2p_test(ddp_work *w) {
     return q->done;
 }
 
+static void ddp__mpi_p2p_release(ddp_work *w);
 static const ddp__backend ddp__mpi_p2p_owner = {"mpi", "mpi", NULL, NULL, ddp__mpi_p2p_wait, ddp__mpi_p2p_test, NULL,
-                                                NULL, NULL, NULL, NULL, NULL};
+                                                NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, ddp__mpi_p2p_release};
 
 static ddp_result ddp__mpi_p2p_start(ddp_group *g, ddp_work *w) {
     const ddp__call *k = &w->call;
@@ -12310,13 +13077,6 @@ static ddp_result ddp__mpi_p2p_start(ddp_group *g, ddp_work *w) {
     return ddp__fail(g, DDP_ERR_STATE, "internal error: an mpi group in a build without DDP_MPI");
 }
 
-static ddp_result ddp__mpi_p2p_wait(ddp_work *w) {
-    (void)w;
-    return DDP_ERR_STATE;
-}
-
-static void ddp__mpi_p2p_release(ddp_work *w) { (void)w; }
-
 #endif /* DDP_MPI */
 
 static void ddp__mpi_close(ddp_group *g, int orderly) {
@@ -12327,7 +13087,8 @@ static void ddp__mpi_close(ddp_group *g, int orderly) {
 
 static const ddp__backend ddp__backend_mpi = {
     "mpi", "mpi", ddp__mpi_run, NULL, NULL, NULL, ddp__mpi_close,
-    ddp__host_alloc, ddp__host_release, ddp__host_zero, ddp__host_copy_in_scaled, ddp__host_copy_out};
+    ddp__host_alloc, ddp__host_release, ddp__host_zero, ddp__host_copy_in_scaled, ddp__host_copy_out,
+    NULL, NULL, ddp__mpi_p2p_start, NULL};
 
 /* g runs on communicator m from now on; its local rank and size are MPI's (-1 when MPI could not tell). */
 static void ddp__mpi_attach(ddp_group *g, struct ddp__mpi *m) {
@@ -12834,7 +13595,8 @@ static void ddp__nccl_copy_out(ddp_group *g, void *dst, ddp_dtype dst_t, const v
 /* Collectives on device memory through NCCL, on host memory through the group's transport. */
 static const ddp__backend ddp__backend_nccl = {
     "nccl", "nccl", ddp__nccl_run, ddp__nccl_enqueue_async, ddp__nccl_wait_work, ddp__nccl_test_work, ddp__nccl_close,
-    ddp__nccl_alloc, ddp__nccl_release, ddp__nccl_zero, ddp__nccl_copy_in_scaled, ddp__nccl_copy_out};
+    ddp__nccl_alloc, ddp__nccl_release, ddp__nccl_zero, ddp__nccl_copy_in_scaled, ddp__nccl_copy_out,
+    NULL, NULL, NULL, NULL};
 
 /* Give g an NCCL communicator: on the device chosen by local rank for the world group (parent NULL),
    on the parent's device and stream for a subgroup. Collective over g, which must be connected (mesh
@@ -12900,316 +13662,10 @@ DDP_API ddp_result ddp_set_stream(ddp_group *g, void *cuda_stream) {
 #endif /* DDP_CUDA */
 /* ==================== end src/nccl.c ==================== */
 
-/* ==================== begin src/devbuf.c ==================== */
-/* [SECTION] devbuf: device buffers on the cpu and mpi backends, staged through pinned host memory
-   (torch's Gloo backend with CUDA tensors: ProcessGroupGloo copies them to pinned host memory on the
-   current stream, runs the host algorithm, and copies the result back)
-
-   In a build with -DDDP_CUDA (the implementation file) linked with ddp_cuda.o, every collective and
-   ddp_send / ddp_recv of a group whose backend is cpu (shm, tcp, hier) or mpi also takes buffers in
-   device memory (cudaMalloc'd or managed; ddp__cuda_is_device_pointer asks cudaPointerGetAttributes).
-   So several ranks can share one GPU (NCCL refuses two ranks on one device), and a machine with one GPU
-   runs a multi-rank job end to end. Each rank decides for itself: ranks may pass different kinds of
-   memory, and one buffer of a call may be host memory while the other is device memory.
-
-   One call, on the calling thread (collectives.c's ddp__run_staged):
-     1. the plan: the device buffers this rank reads or writes (send and recv, with their real extents:
-        count x world size where the count is per rank, the sums of the split sizes for the _v calls;
-        gather's recv and scatter's send on the root only), merged into one region when they overlap
-        (the in-place forms); a region is copied in when the call reads it (and always when merged),
-        copied out when it writes it;
-     2. the group's pinned memory (ddp__cuda_stage_host: cudaMallocHost, kept and grown as needed,
-        freed with the group) after the copies the previous call queued out of it are done;
-     3. device -> pinned copies on the group's stream (ddp_set_stream; NULL = the legacy default
-        stream), then cudaStreamSynchronize: the call reads what the caller's work queued on that
-        stream before the call wrote;
-     4. the host collective on the pinned copies, through the group's backend as any host call;
-     5. pinned -> device copies queued on the stream, and an event after them (waited for before the
-        pinned memory is used again). The call returns without waiting for them.
-   Ordering: the result is ready for the work queued on the group's stream after the call returns (as
-   NCCL's results are), and for the host after a cudaStreamSynchronize or a cudaMemcpy from that stream;
-   work on another stream must wait for the group's stream (an event) first, as with NCCL.
-   The async variants stage the same way inside the call: they return a ddp_work that is already
-   complete (ddp_wait returns its result at once). ddp_isend / ddp_irecv refuse device memory
-   (DDP_ERR_UNSUPPORTED): their buffers outlive the call, which one shared staging area cannot serve.
-   A CUDA failure while staging breaks the group (every rank fails, as for any error in a collective). */
-
-#ifdef DDP_CUDA
-
-struct ddp__devbuf {
-    void *stream;           /* cudaStream_t; NULL = the legacy default stream */
-    ddp__cuda_stage *stage; /* ddp_cuda.cu's pinned memory; NULL until the first staged call */
-};
-
-static struct ddp__devbuf *ddp__devbuf_of(ddp_group *g) {
-    if (!g->devbuf) g->devbuf = (struct ddp__devbuf *)ddp__calloc(1, sizeof *g->devbuf);
-    return g->devbuf;
-}
-
-static uint64_t ddp__devbuf_sum(const size_t *counts, int n) {
-    uint64_t sum = 0;
-    int i;
-    for (i = 0; i < n; i++) sum += (uint64_t)counts[i]; /* validated: the sums fit */
-    return sum;
-}
-
-/* The elements of k's send and recv buffers that this rank reads or writes (0: none), and whether the
-   call reads recv (the in-place calls) and writes it (every call but broadcast on its root). */
-static void ddp__devbuf_extents(const ddp_group *g, const ddp__call *k, uint64_t *send_n, uint64_t *recv_n, int *recv_in,
-                                int *recv_out) {
-    uint64_t n = (uint64_t)g->world_size, count = (uint64_t)k->count;
-    int root = g->rank == k->root;
-    *send_n = 0, *recv_n = 0, *recv_in = 0, *recv_out = 1;
-    switch (k->kind) {
-    case DDP__ALL_REDUCE:
-    case DDP__REDUCE: *recv_n = count, *recv_in = 1; break; /* reduce: the non-roots' buffers as the backend leaves them */
-    case DDP__BROADCAST: *recv_n = count, *recv_in = root, *recv_out = !root; break;
-    case DDP__ALL_GATHER: *send_n = count, *recv_n = count * n; break;
-    case DDP__REDUCE_SCATTER: *send_n = count * n, *recv_n = count; break;
-    case DDP__GATHER: *send_n = count, *recv_n = root ? count * n : 0; break;
-    case DDP__SCATTER: *send_n = root ? count * n : 0, *recv_n = count; break;
-    case DDP__ALL_TO_ALL: *send_n = count * n, *recv_n = count * n; break;
-    case DDP__ALL_TO_ALL_V:
-        *send_n = ddp__devbuf_sum(k->send_counts, g->world_size);
-        *recv_n = ddp__devbuf_sum(k->recv_counts, g->world_size);
-        break;
-    case DDP__ALL_GATHER_V: *send_n = count, *recv_n = ddp__devbuf_sum(k->recv_counts, g->world_size); break;
-    case DDP__SEND: *send_n = count; break;
-    case DDP__RECV: *recv_n = count; break;
-    default: break; /* barrier, monitored_barrier, broadcast_bytes: no buffers of the caller's */
-    }
-}
-
-static int ddp__devbuf_is_device(const void *p, uint64_t elements) {
-    return elements && p && ddp__cuda_is_device_pointer(p) == 1;
-}
-
-static int ddp__devbuf_wanted(ddp_group *g, const ddp__call *k) {
-    uint64_t send_n, recv_n;
-    int recv_in, recv_out;
-    if (g->nccl) return 0; /* NCCL takes device memory itself */
-    ddp__devbuf_extents(g, k, &send_n, &recv_n, &recv_in, &recv_out);
-    return ddp__devbuf_is_device(k->send, send_n) || ddp__devbuf_is_device(k->buf, recv_n);
-}
-
-/* Step 1: the regions of a source (read) and a destination (read when dst_in, written when dst_out),
-   each only when it is device memory. Two regions that overlap become one, copied in (it holds what the
-   call reads) and out (it holds what it writes). */
-static void ddp__devbuf_plan_two(ddp__devbuf_plan *plan, const void *src, size_t src_bytes, void *dst, size_t dst_bytes,
-                                 int dst_in, int dst_out) {
-    ddp__devbuf_region *a, *b;
-    memset(plan, 0, sizeof *plan);
-    if (ddp__devbuf_is_device(src, src_bytes)) {
-        a = &plan->region[plan->n++];
-        a->device = (char *)src, a->bytes = src_bytes, a->in = 1;
-    }
-    if (ddp__devbuf_is_device(dst, dst_bytes)) {
-        a = &plan->region[plan->n++];
-        a->device = (char *)dst, a->bytes = dst_bytes, a->in = dst_in, a->out = dst_out;
-    }
-    if (plan->n < 2) return;
-    a = &plan->region[0], b = &plan->region[1];
-    if (a->device < b->device + b->bytes && b->device < a->device + a->bytes) {
-        char *lo = DDP__MIN(a->device, b->device), *hi = DDP__MAX(a->device + a->bytes, b->device + b->bytes);
-        a->out |= b->out;
-        a->in = 1;
-        a->device = lo, a->bytes = (size_t)(hi - lo);
-        plan->n = 1;
-    }
-}
-
-static void ddp__devbuf_plan_of(const ddp_group *g, const ddp__call *k, ddp__devbuf_plan *plan) {
-    uint64_t send_n, recv_n;
-    size_t es = ddp_dtype_size(k->dtype);
-    int recv_in, recv_out;
-    ddp__devbuf_extents(g, k, &send_n, &recv_n, &recv_in, &recv_out);
-    ddp__devbuf_plan_two(plan, k->send, (size_t)send_n * es, k->buf, (size_t)recv_n * es, recv_in, recv_out);
-}
-
-/* Where p (a device pointer of a region, or host memory) is for the host call. */
-static void *ddp__devbuf_host_of(const ddp__devbuf_plan *plan, const void *p) {
-    int i;
-    for (i = 0; p && i < plan->n; i++) {
-        const ddp__devbuf_region *r = &plan->region[i];
-        if ((const char *)p >= r->device && (const char *)p < r->device + r->bytes)
-            return r->host + ((const char *)p - r->device);
-    }
-    return (void *)p;
-}
-
-/* A CUDA failure while staging breaks the group; step says which (the message names the call and rank). */
-static ddp_result ddp__devbuf_fail(ddp_group *g, const ddp__coll *c, ddp_result r, const char *step, const char *err) {
-    char desc[160];
-    if (c) ddp__coll_describe(g, c, desc, sizeof desc);
-    else snprintf(desc, sizeof desc, "the reducer's copy of a gradient or parameter"); /* ddp__devbuf_copy_begin */
-    return ddp__coll_fail(g, r, "%s on rank %d: %s failed: %s (backend %s stages device buffers through pinned host "
-                          "memory: is each buffer device memory of at least the call's elements?)", desc, g->rank, step,
-                          err, g->backend->family);
-}
-
-/* Steps 2 and 3 for a plan: its regions' places in the pinned memory, and the copies in. */
-static ddp_result ddp__devbuf_stage_plan(ddp_group *g, const ddp__coll *c, ddp__devbuf_plan *plan) {
-    char err[DDP__ERR_MAX] = "";
-    struct ddp__devbuf *d = ddp__devbuf_of(g);
-    size_t total = 0, at = 0;
-    char *host = NULL;
-    ddp_result r = DDP_SUCCESS;
-    int i, copied = 0;
-    if (!d) return ddp__coll_fail(g, DDP_ERR_OUT_OF_MEMORY, "rank %d: out of memory staging device buffers", g->rank);
-    for (i = 0; i < plan->n; i++) total += (plan->region[i].bytes + 63) & ~(size_t)63; /* each region 64-byte aligned */
-    if ((r = ddp__cuda_stage_host(&d->stage, total ? total : 1, (void **)&host, err, sizeof err)) != DDP_SUCCESS)
-        return ddp__devbuf_fail(g, c, r, "getting pinned host memory to stage device buffers", err);
-    for (i = 0; i < plan->n && r == DDP_SUCCESS; i++) {
-        ddp__devbuf_region *reg = &plan->region[i];
-        reg->host = host + at;
-        at += (reg->bytes + 63) & ~(size_t)63;
-        if (reg->in && reg->bytes) {
-            r = ddp__cuda_stage_copy(reg->host, reg->device, reg->bytes, d->stream, err, sizeof err);
-            copied = 1;
-        }
-    }
-    if (r == DDP_SUCCESS && copied) r = ddp__cuda_stage_sync(d->stream, err, sizeof err);
-    if (r != DDP_SUCCESS) return ddp__devbuf_fail(g, c, r, "copying device memory to pinned host memory", err);
-    return DDP_SUCCESS;
-}
-
-static ddp_result ddp__devbuf_stage(ddp_group *g, const ddp__call *k, const ddp__coll *c, ddp__call *host_call,
-                                   ddp__devbuf_plan *plan) {
-    ddp_result r;
-    ddp__devbuf_plan_of(g, k, plan);
-    if ((r = ddp__devbuf_stage_plan(g, c, plan)) != DDP_SUCCESS) return r;
-    *host_call = *k;
-    host_call->send = ddp__devbuf_host_of(plan, k->send);
-    host_call->buf = ddp__devbuf_host_of(plan, k->buf);
-    return DDP_SUCCESS;
-}
-
-static ddp_result ddp__devbuf_unstage(ddp_group *g, const ddp__coll *c, const ddp__devbuf_plan *plan) {
-    char err[DDP__ERR_MAX] = "";
-    struct ddp__devbuf *d = g->devbuf;
-    ddp_result r = DDP_SUCCESS;
-    int i, copied = 0;
-    for (i = 0; i < plan->n && r == DDP_SUCCESS; i++) {
-        const ddp__devbuf_region *reg = &plan->region[i];
-        if (!reg->out || !reg->bytes) continue;
-        r = ddp__cuda_stage_copy(reg->device, reg->host, reg->bytes, d->stream, err, sizeof err);
-        copied = 1;
-    }
-    if (r == DDP_SUCCESS && copied) r = ddp__cuda_stage_queued(d->stage, d->stream, err, sizeof err);
-    if (r == DDP_SUCCESS) return r;
-    return ddp__devbuf_fail(g, c, r, "copying the result from pinned host memory to device memory", err);
-}
-
-/* The reducer's copies (reducer.c's host memory functions) when a gradient or parameter is device
-   memory: the same staging, synchronous on the way in (the reducer converts at once) and queued on the
-   way out. The reducer runs them on the thread that issues the group's calls, one at a time, as the
-   staged collectives, so they share the group's pinned memory. */
-static int ddp__devbuf_copy_begin(ddp_group *g, void **dst, size_t dst_bytes, const void **src, size_t src_bytes,
-                                  ddp__devbuf_plan *plan) {
-    if (g->nccl) return 0;
-    ddp__devbuf_plan_two(plan, *src, src_bytes, *dst, dst_bytes, 0, 1);
-    if (!plan->n) return 0;
-    if (ddp__devbuf_stage_plan(g, NULL, plan) != DDP_SUCCESS) return -1;
-    *src = ddp__devbuf_host_of(plan, *src);
-    *dst = ddp__devbuf_host_of(plan, *dst);
-    return 1;
-}
-
-static void ddp__devbuf_copy_end(ddp_group *g, const ddp__devbuf_plan *plan) { ddp__devbuf_unstage(g, NULL, plan); }
-
-static ddp_result ddp__devbuf_set_stream(ddp_group *g, void *stream) {
-    struct ddp__devbuf *d = ddp__devbuf_of(g);
-    if (!d) return ddp__fail(g, DDP_ERR_OUT_OF_MEMORY, "ddp_set_stream: out of memory");
-    d->stream = stream;
-    return DDP_SUCCESS;
-}
-
-static void *ddp__devbuf_stream(const ddp_group *g) { return g->devbuf ? g->devbuf->stream : NULL; }
-
-static ddp_result ddp__devbuf_inherit(ddp_group *sub, const ddp_group *parent) {
-    if (!parent->devbuf || !parent->devbuf->stream) return DDP_SUCCESS;
-    return ddp__devbuf_set_stream(sub, parent->devbuf->stream);
-}
-
-static void ddp__devbuf_free(ddp_group *g) {
-    if (!g->devbuf) return;
-    ddp__cuda_stage_free(g->devbuf->stage);
-    ddp__free(g->devbuf);
-    g->devbuf = NULL;
-}
-
-#else /* !DDP_CUDA: every pointer is host memory */
-
-struct ddp__devbuf {
-    int unused;
-};
-
-static int ddp__devbuf_wanted(ddp_group *g, const ddp__call *k) {
-    (void)g, (void)k;
-    return 0;
-}
-static ddp_result ddp__devbuf_stage(ddp_group *g, const ddp__call *k, const ddp__coll *c, ddp__call *host_call,
-                                     ddp__devbuf_plan *plan) {
-    (void)c;
-    memset(plan, 0, sizeof *plan);
-    *host_call = *k;
-    (void)g;
-    return DDP_SUCCESS;
-}
-static ddp_result ddp__devbuf_unstage(ddp_group *g, const ddp__coll *c, const ddp__devbuf_plan *plan) {
-    (void)g, (void)c, (void)plan;
-    return DDP_SUCCESS;
-}
-static int ddp__devbuf_copy_begin(ddp_group *g, void **dst, size_t dst_bytes, const void **src, size_t src_bytes,
-                                  ddp__devbuf_plan *plan) {
-    (void)g, (void)dst, (void)dst_bytes, (void)src, (void)src_bytes, (void)plan;
-    return 0;
-}
-static void ddp__devbuf_copy_end(ddp_group *g, const ddp__devbuf_plan *plan) { (void)g, (void)plan; }
-static ddp_result ddp__devbuf_set_stream(ddp_group *g, void *stream) {
-    (void)stream;
-    return ddp__fail(g, DDP_ERR_UNSUPPORTED, "ddp_set_stream: CUDA streams need a build with -DDDP_CUDA");
-}
-static void *ddp__devbuf_stream(const ddp_group *g) {
-    (void)g;
-    return NULL;
-}
-static ddp_result ddp__devbuf_inherit(ddp_group *sub, const ddp_group *parent) {
-    (void)sub, (void)parent;
-    return DDP_SUCCESS;
-}
-static void ddp__devbuf_free(ddp_group *g) { (void)g; }
-
-#endif /* DDP_CUDA */
-/* ==================== end src/devbuf.c ==================== */
-
-/* ==================== begin src/group.c ==================== */
-/* [SECTION] group: ddp_init (torch.distributed.init_process_group), launcher environments,
-   rendezvous, the mesh of connections, subgroups (new_group), ddp_destroy
-
-   ddp_init in five steps:
-     1. who am I: rank and world size from the descriptor or the launcher's environment
-        (ddp__read_launch: torchrun/ddprun, Open MPI, MPICH/Hydra, SLURM, in that order);
-     2. where is the master: init_method, descriptor, MASTER_ADDR/MASTER_PORT, launcher defaults;
-     3. the store: rank 0 serves it (store.c) and every rank connects (or a file store);
-     4. rendezvous (ddp__rendezvous): each rank claims its rank by publishing "world size, address,
-        port, pid, host", rank 0 gathers the records and publishes them as one table,
-        every other rank waits for that table once: O(1) store requests per rank (see "the table of
-        records" below); any disagreement is published (an "abort" key, and as the table's value) and
-        wakes every waiting rank, so a bad rank fails everyone quickly instead of leaving them to time out;
-     5. the mesh: one TCP connection per pair of ranks, then a barrier over it. */
-
-
-typedef struct ddp__launch {
-    int rank, world_size;
-    int local_rank, local_world_size; /* -1 when the launcher did not say */
-    const char *source;               /* where rank and world size came from, for messages */
-    char master_addr[256];
-    int master_port;                  /* 0: none given */
-    const char *file_path;            /* init_method file:// */
-    int restart_count;
-    int agent_store;                  /* TORCHELASTIC_USE_AGENT_STORE=True: torchrun's agent serves the store */
-} ddp__launch;
+/* ==================== begin src/launch_env.c ==================== */
+/* [SECTION] launch-env: who am I and where is rank 0: the launchers' environments (torchrun/ddprun,
+   Open MPI, MPICH/Hydra, SLURM), init_method, the timeout
+   ddp_init's steps 1 and 2 (group.c lists the five): the descriptor first, then the environment. */
 
 /* Launchers, in the order they are consulted (the first whose rank variable is set wins). */
 static const struct {
@@ -13399,6 +13855,12 @@ static double ddp__read_timeout(const ddp_init_desc *d, char *err, ddp_result *r
     }
     return t;
 }
+/* ==================== end src/launch_env.c ==================== */
+
+/* ==================== begin src/rendezvous.c ==================== */
+/* [SECTION] rendezvous: each rank's record, rank 0's table of them, the job's identity in the store, a
+   rank lost inside ddp_init
+   ddp_init's step 4 (group.c lists the five), through the store (store.c). */
 
 /* ---- rendezvous through the store ---- */
 
@@ -13501,13 +13963,6 @@ static ddp_result ddp__rdzv_check_abort(ddp_group *g, int *aborted) {
     return ddp__rdzv_fail_published(g, value);
 }
 
-/* What each rank publishes about itself: "world=W port=P pid=PID addr=A host=H node=N". */
-typedef struct ddp__record {
-    int world, port, pid;
-    char addr[128], host[128];
-    unsigned long long node; /* ddp__node_key() of its process; 0 when not published */
-} ddp__record;
-
 static int ddp__record_parse(const char *value, ddp__record *r) {
     memset(r, 0, sizeof *r);
     return sscanf(value, "world=%d port=%d pid=%d addr=%127s host=%127s node=%llx", &r->world, &r->port, &r->pid, r->addr,
@@ -13555,7 +14010,24 @@ static int ddp__table_parse(const char *line, ddp__record *rec, int i, int world
    set-up's waits back off to 2 s); the rank that notices publishes an abort naming the lost rank
    (ddp__rdzv_lost), which every waiting rank reads within that period. Ranks on other nodes are
    noticed by the refused connection of the rank that dials them (link.c). */
-static uint64_t ddp__host_key(void);
+/* Ranks share memory only within one host and one network namespace (tests put "hosts" in
+   namespaces on one machine; each namespace counts as a host). */
+static uint64_t ddp__host_key(void) {
+    char buf[512] = "", ns[128] = "";
+    FILE *f;
+    ssize_t k = readlink("/proc/self/ns/net", ns, sizeof ns - 1);
+    if (k > 0) ns[k] = '\0';
+    gethostname(buf, 200);
+    buf[200] = '\0';
+    snprintf(buf + strlen(buf), sizeof buf - strlen(buf), "|%s|", ns);
+    if ((f = fopen("/proc/sys/kernel/random/boot_id", "r")) != NULL) {
+        size_t len = strlen(buf);
+        if (fgets(buf + len, (int)(sizeof buf - len), f) == NULL) buf[len] = '\0';
+        fclose(f);
+    }
+    return ddp__hash(buf);
+}
+
 
 static unsigned long long ddp__node_key(void) {
     char ns[128] = "", buf[200];
@@ -14075,6 +14547,25 @@ static void ddp__route_address(const char *master, int port, char *out, size_t c
     if (fd >= 0) close(fd);
     freeaddrinfo(res);
 }
+/* ==================== end src/rendezvous.c ==================== */
+
+/* ==================== begin src/group.c ==================== */
+/* [SECTION] group: ddp_init (torch.distributed.init_process_group), the mesh of connections, which
+   backend a group gets, subgroups (new_group), ddp_destroy
+
+   ddp_init in five steps:
+     1. who am I: rank and world size from the descriptor or the launcher's environment
+        (ddp__read_launch: torchrun/ddprun, Open MPI, MPICH/Hydra, SLURM, in that order);
+     2. where is the master: init_method, descriptor, MASTER_ADDR/MASTER_PORT, launcher defaults;
+     3. the store: rank 0 serves it (store.c) and every rank connects (or a file store);
+     4. rendezvous (ddp__rendezvous): each rank claims its rank by publishing "world size, address,
+        port, pid, host", rank 0 gathers the records and publishes them as one table,
+        every other rank waits for that table once: O(1) store requests per rank (see "the table of
+        records" below); any disagreement is published (an "abort" key, and as the table's value) and
+        wakes every waiting rank, so a bad rank fails everyone quickly instead of leaving them to time out;
+     5. the mesh: one TCP connection per pair of ranks, then a barrier over it.
+   Steps 1 and 2 are launch_env.c's, step 4 is rendezvous.c's; this file strings them together. */
+
 
 /* ---- group life cycle ---- */
 
@@ -14111,13 +14602,51 @@ static ddp_group *ddp__group_alloc(int rank, int world_size) {
     return g;
 }
 
+/* The hierarchical all_reduce's stage groups (hier.c), for a group whose ranks are not all on one host
+   (keys: every rank's host key): opened when some host has several ranks, and the hier backend installed.
+   Collective over the mesh: every rank derives the same host map. */
+static ddp_result ddp__hier_open(ddp_group *g, const uint64_t *keys) {
+    const char *what = "setting up the hierarchical all_reduce";
+    char name[32];
+    ddp__hier_map m;
+    ddp_result r = DDP_SUCCESS;
+    int shared = ddp__hier_plan(keys, g->world_size, g->rank, &m);
+    if (shared < 0) r = ddp__fail(g, DDP_ERR_OUT_OF_MEMORY, "out of memory mapping the group's hosts");
+    if (shared > 0) {
+        snprintf(name, sizeof name, "host%d", m.host[0]);
+        if (m.nhost > 1) r = ddp__subgroup_open(g, m.host, m.nhost, m.my_index, name, NULL, what, &g->hier.host);
+        if (r == DDP_SUCCESS && m.host[0] == g->rank)
+            r = ddp__subgroup_open(g, m.leaders, m.nlead, m.lead_index, "leaders", NULL, what, &g->hier.leaders);
+        if (r == DDP_SUCCESS) ddp__hier_install(g, m.nlead);
+    }
+    ddp__free(m.host);
+    ddp__free(m.leaders);
+    return r;
+}
+
+/* The end of a group: its stage groups go first (ddp_destroy after the group's own barrier: every rank
+   is there, so their barriers meet), or are just freed when the group is failing. */
+static void ddp__hier_stages_end(ddp_group *g, int orderly) {
+    ddp_group *stages[2];
+    int i;
+    stages[0] = g->hier.host;
+    stages[1] = g->hier.leaders;
+    g->hier.host = g->hier.leaders = NULL;
+    for (i = 0; i < 2; i++) {
+        if (!stages[i]) continue;
+        if (orderly) ddp_destroy(stages[i]);
+        else ddp__group_free(stages[i]);
+    }
+}
+
 /* Free everything g holds (connections closed without goodbye: for failed inits and after goodbye).
    Also frees a group whose allocation stopped half way (its arrays may be NULL). */
 static void ddp__group_free(ddp_group *g) {
     ddp__live_remove(g, DDP__LIVE_GROUP); /* from here on, calls on g fail instead of reading freed memory */
     ddp__progress_stop(g);
-    ddp__ck_async_end(g); /* before its work handle is released */
+    if (g->end_upper) g->end_upper(g); /* an async checkpoint save: before its work handle is released */
     ddp__work_release_all(g);
+    ddp__hier_stages_end(g, 0);
     if (g->backend) g->backend->close(g, 0);
     if (g->broken) ddp__close_after_failure(g, 1.0);
     ddp__lib_free_all(g);
@@ -14141,24 +14670,6 @@ static void ddp__group_free(ddp_group *g) {
     ddp__free(g->mesh.poll_owner);
     ddp__free(g->world_ranks);
     ddp__free(g);
-}
-
-/* Ranks share memory only within one host and one network namespace (tests put "hosts" in
-   namespaces on one machine; each namespace counts as a host). */
-static uint64_t ddp__host_key(void) {
-    char buf[512] = "", ns[128] = "";
-    FILE *f;
-    ssize_t k = readlink("/proc/self/ns/net", ns, sizeof ns - 1);
-    if (k > 0) ns[k] = '\0';
-    gethostname(buf, 200);
-    buf[200] = '\0';
-    snprintf(buf + strlen(buf), sizeof buf - strlen(buf), "|%s|", ns);
-    if ((f = fopen("/proc/sys/kernel/random/boot_id", "r")) != NULL) {
-        size_t len = strlen(buf);
-        if (fgets(buf + len, (int)(sizeof buf - len), f) == NULL) buf[len] = '\0';
-        fclose(f);
-    }
-    return ddp__hash(buf);
 }
 
 /* Which transport carries the group's collectives, decided alike on every rank from what every rank
@@ -14220,16 +14731,22 @@ static ddp_result ddp__choose_transport(ddp_group *g) {
             ddp__log(g, DDP_LOG_INFO, "DDP_TRANSPORT=tcp is set on rank %d (%s)%s: the whole group stays on TCP", tcp_rank,
                      ddp__peer_name(g, tcp_rank, name, sizeof name), tcp_ranks > 1 ? " and others" : "");
     } else if (r == DDP_SUCCESS) {
-        r = same ? ddp__shm_setup(g) : ddp__hier_setup(g, keys);
+        r = same ? ddp__shm_setup(g) : ddp__hier_open(g, keys);
     }
     ddp__free(all);
     return r;
 }
 
+/* The set-up's hooks (ddp__setup_hooks in internal.h): defined below, lent to the mesh by ddp__group_connect. */
+static ddp_result ddp__setup_watch(ddp_group *g, int peer);
+static ddp_result ddp__setup_lost(ddp_group *g, int peer, const char *how);
+static const ddp__setup_hooks ddp__setup_hooks_of_init = {ddp__setup_watch, ddp__setup_lost};
+
 /* Rendezvous and connect a freshly allocated group whose store and prefix are set: after the table,
    the group's own barrier makes the first connections (link.c: the ring and the ranks 2^k away), and
-   the set-up's collectives run with in_setup on, so that a rank lost on the way is also looked for in
-   the store (ddp__setup_watch). The listening socket stays open for the group's life. */
+   the set-up's collectives run with the set-up's hooks lent to the mesh, so that a rank lost on the way
+   is also looked for in the store (ddp__setup_watch). The listening socket stays open for the group's
+   life. */
 static ddp_result ddp__group_connect(ddp_group *g, const char *where) {
     char err[DDP__ERR_MAX];
     int port = 0, aborted = 0;
@@ -14241,15 +14758,15 @@ static ddp_result ddp__group_connect(ddp_group *g, const char *where) {
         ddp__rdzv_publish(g, r); /* before its listener closes: a rank that then loses this one finds why */
         return r;
     }
-    g->mesh.in_setup = 1;
+    g->mesh.setup = &ddp__setup_hooks_of_init;
     if ((r = ddp__mesh_barrier(g)) == DDP_SUCCESS && (r = ddp__choose_transport(g)) == DDP_SUCCESS &&
         (r = ddp__rdzv_check_abort(g, &aborted)) == DDP_SUCCESS && aborted)
         r = DDP_ERR_INIT;
-    g->mesh.in_setup = 0;
+    g->mesh.setup = NULL;
     return r;
 }
 
-/* link.c's look at the store during the set-up (see internal.h). */
+/* The mesh's look at the store during the set-up (ddp__setup_hooks in internal.h). */
 static ddp_result ddp__setup_watch(ddp_group *g, int peer) {
     char how[64];
     int aborted = 0;
@@ -14443,6 +14960,8 @@ DDP_API ddp_result ddp_init(const ddp_init_desc *desc, ddp_group **out) {
         if (spare >= 0) close(spare);
         if (r == DDP_SUCCESS) r = ddp__store_connect(L.master_addr, L.master_port, NULL, timeout, &g->member.store, err);
         if (r != DDP_SUCCESS && g->member.store_server) ddp__rank0_cannot_connect(g, &L, r, err);
+        if (g->member.store_server) ddp__store_mark_own(g->member.store);
+        g->member.rank0_serves = 1;
         ddp__route_address(L.master_addr, L.master_port, g->member.address, sizeof g->member.address);
     }
     if (r) {
@@ -14496,11 +15015,33 @@ static ddp_result ddp__destroy_subgroups(ddp_group *g) {
     return first;
 }
 
+/* The world group's store ends with ddp_destroy on every rank, not later: a process may call ddp_init again
+   at once, on the same MASTER_PORT, and must meet the next group's store there, never this one's (whose
+   keys say that every rank has joined: "another job"), nor this one while it closes (a connection reset
+   mid-request: "lost the store"). So after the closing barrier (no rank uses the store any more) rank 0
+   stops its server, listener first (ddp__store_server_close), and every other rank, before it returns,
+   waits for its own connection to that server to close (ddp__destroy_await_store): a redial then meets a
+   refusal, retried until rank 0's next server listens, as at a first ddp_init. */
+static void ddp__destroy_store(ddp_group *g) {
+    if (!g->member.store_server) return;
+    ddp__store_server_stop(g->member.store_server);
+    g->member.store_server = NULL;
+}
+
+static void ddp__destroy_await_store(ddp_group *g) {
+    double seconds = DDP__MIN(g->timeout, 10.0);
+    if (g->rank == 0 || !g->member.rank0_serves || !g->member.owns_store || !g->member.store) return;
+    if (!ddp__store_await_close(g->member.store, seconds))
+        ddp__log(g, DDP_LOG_WARN, "ddp_destroy: rank 0's store was still open %.3g s after the closing barrier (is "
+                 "rank 0 stuck in ddp_destroy?); a ddp_init on the same MASTER_PORT now may meet that store and fail",
+                 seconds);
+}
+
 DDP_API ddp_result ddp_destroy(ddp_group *g) {
     ddp_result r = DDP_SUCCESS, subs;
     if (!g) return DDP_SUCCESS;
     if ((r = ddp__group_check(g, "ddp_destroy")) != DDP_SUCCESS) return r;
-    ddp__ck_async_end(g); /* a checkpoint save in flight finishes first (its own group meets here on every rank) */
+    if (g->end_upper) g->end_upper(g); /* a checkpoint save in flight finishes first (its own group meets here on every rank) */
     subs = ddp__destroy_subgroups(g);
     ddp__drain(g);
     if (g->world_size > 1 && !g->broken) {
@@ -14508,8 +15049,11 @@ DDP_API ddp_result ddp_destroy(ddp_group *g) {
         if (r) {
             ddp__fail(NULL, r, "ddp_destroy: %s", g->error);
         } else {
-            g->backend->close(g, 1); /* hier.c's stage groups say goodbye among themselves first */
+            ddp__hier_stages_end(g, 1); /* the stage groups say goodbye among themselves first */
+            g->backend->close(g, 1);
+            ddp__destroy_store(g);
             ddp__say_goodbye(g, DDP__MIN(g->timeout, 10.0));
+            ddp__destroy_await_store(g);
         }
     }
     ddp__group_free(g);
@@ -14628,6 +15172,7 @@ static ddp_result ddp__private_store(ddp_group *g) {
         r = ddp__store_connect("127.0.0.1", ddp__store_server_port(g->member.store_server), NULL, g->timeout, &g->member.store, err);
     if (r == DDP_SUCCESS) {
         g->member.owns_store = 1;
+        ddp__store_mark_own(g->member.store);
         return DDP_SUCCESS;
     }
     ddp__store_server_stop(g->member.store_server);
@@ -16055,48 +16600,13 @@ DDP_API int ddp_launcher_main(int argc, char **argv) {
 }
 /* ==================== end src/launcher.c ==================== */
 
-/* ==================== begin src/reducer.c ==================== */
-/* [SECTION] reducer: DistributedDataParallel's Reducer: model check, buckets, overlapped all-reduce
-   (torch/csrc/distributed/c10d/reducer.cpp, torch/nn/parallel/distributed.py)
-
-   Life of a reducer:
-     add_param / add_buffer   the model, in registration (forward) order
-     finalize                 1. all_gather a fingerprint {params, buffers, hash of names, counts, dtypes};
-                                 if the ranks differ, all_gather fixed-size records of every entry and
-                                 name the first that differs (the same message on every rank)
-                              2. broadcast parameters and buffers from rank 0 (small ones coalesced)
-                              3. buckets in reverse registration order
-     begin_backward           (uneven_inputs) the join round, see "uneven inputs" at the end; every bucket
-                              waits for all of its gradients
-     grad_ready(i)            copy gradient i * (1/world) into its bucket slot; start every complete
-                              bucket that is next in line (buckets start strictly in order)
-     end_backward             (find_unused) zero the missing gradients' slots, start the rest, all-reduce
-                              the "used" map; wait for each bucket and copy it back; start the timing
-                              exchange (see "timing"); after the first synchronised pass, rebuild the
-                              buckets in rank 0's ready order once
-     join, join_step          (uneven_inputs) shadow the others' passes until every rank has joined
-                              (join_step: one pass per call; under zero_stage the program steps its
-                              shards and gathers between the calls)
-
-   Where gradients live (g = the gradients' dtype, c = the communication dtype):
-     plain                     program's grad --(x 1/world, g -> c)--> comm bucket --all-reduce--> grad
-     gradient_as_bucket_view   storage bucket (g) IS the grad; comm bucket = storage when c == g (the
-                              scaling is then in place), else a separate c-typed copy as above
-     zero_stage = 1            grad or storage --(x 1/world)--> the reducer's own comm bucket, padded to
-                              world slices --reduce-scatter--> this rank's slice --> the owned part of the
-                              grad or storage only (see "ZeRO stage 1" below); gather_params all-gathers
-                              the owned parameter values through a staging bucket (the comm bucket when
-                              c == g)
-     zero_stage = 2            grad --(x 1/world, g -> c)--> a pool buffer the bucket borrows (2 buffers of
-                              the largest padded bucket, in rotation) --reduce-scatter--> this rank's
-                              slice, kept by the reducer in g (c -> g when the reduce-scatter is waited
-                              for); nothing goes back to the program's grad (see "ZeRO stage 2" below)
-
-   Bucket assignment (PyTorch's compute_bucket_assignment_by_size): walk the parameters in a given order
-   (reverse registration at first, then the observed ready order); each dtype has one open bucket; add the
-   parameter to it; when the bucket's bytes reach its limit, close it; the first bucket of a dtype has
-   limit first_bucket_bytes, later ones bucket_cap_bytes. Buckets are numbered by the walk position of
-   their first parameter, which is the order they fill in, and so the order they are all-reduced in. */
+/* ==================== begin src/reducer_state.h ==================== */
+/* [SECTION] reducer-state: the Reducer's state and the calls between its three pieces
+   reducer.c (the model, finalize, bucket layout, timing), reducer_zero.c (ZeRO's slices and pool) and
+   reducer_pass.c (backward, between passes, Join) share these; nothing else in the library does. */
+#ifndef DDP__REDUCER_STATE_H
+#define DDP__REDUCER_STATE_H
+/* (each piece includes internal.h first) */
 
 #define DDP__REDUCER_DEFAULT_CAP ((size_t)25 << 20)        /* DDP's bucket_cap_mb = 25 */
 #define DDP__REDUCER_DEFAULT_FIRST ((size_t)1 << 20)       /* dist._DEFAULT_FIRST_BUCKET_BYTES */
@@ -16107,109 +16617,6 @@ DDP_API int ddp_launcher_main(int argc, char **argv) {
 #define DDP__JOIN_FIELDS 3                                 /* a join record: kind, flags, steps */
 enum { DDP__JOIN_JOINED = 0, DDP__JOIN_STEP = 1, DDP__JOIN_BUFFERS = 2 }; /* a join record's kind */
 enum { DDP__JOIN_SYNC = 1, DDP__JOIN_FIRST = 2 };                         /* and its flags */
-
-/* ---- the backend's memory: what the reducer asks of a backend (ddp__backend in internal.h) ----
-   Buckets are in the backend's memory (host memory for cpu and mpi; device memory for nccl, where the
-   copies run on the group's stream). Besides these, finalize and the rebuild pass small host arrays to
-   ddp_all_gather and ddp_broadcast (the model check, the ready order) and broadcast parameters and
-   buffers where they are: a backend whose collectives take device memory accepts host memory for
-   those (nccl runs them on its host transport). The functions below are the host versions, which every
-   backend but nccl uses. */
-
-/* Bucket memory comes from ddp_alloc (zero-filled): on a group that shares one host it lives in this
-   rank's arena of the shared segment, so the buckets' all-reduces read the peers' buckets directly (the
-   single-copy design, (3p-1)N bytes of memory traffic instead of (5p+1)N); elsewhere it is heap memory. */
-static void *ddp__host_alloc(ddp_group *g, size_t bytes) { return ddp_alloc(g, bytes); }
-static void ddp__host_release(ddp_group *g, void *p) { ddp_free(g, p); }
-static void ddp__host_zero(ddp_group *g, void *dst, size_t bytes) {
-    ddp__devbuf_plan plan;
-    const void *none = NULL;
-    int staged = bytes ? ddp__devbuf_copy_begin(g, &dst, bytes, &none, 0, &plan) : 0; /* device memory: devbuf.c */
-    if (staged < 0) return;
-    if (bytes) memset(dst, 0, bytes);
-    if (staged) ddp__devbuf_copy_end(g, &plan);
-}
-
-/* One element of a floating dtype, as f32 (f64 keeps its precision through ddp__load_f64). */
-static float ddp__get_f32(const void *p, ddp_dtype t, size_t i) {
-    switch (t) {
-    case DDP_F32: return ((const float *)p)[i];
-    case DDP_F64: return (float)((const double *)p)[i];
-    case DDP_F16: return ddp_f16_to_f32(((const uint16_t *)p)[i]);
-    default: return ddp_bf16_to_f32(((const uint16_t *)p)[i]);
-    }
-}
-static void ddp__put_f32(void *p, ddp_dtype t, size_t i, float v) {
-    switch (t) {
-    case DDP_F32: ((float *)p)[i] = v; break;
-    case DDP_F64: ((double *)p)[i] = (double)v; break;
-    case DDP_F16: ((uint16_t *)p)[i] = ddp_f32_to_f16(v); break;
-    default: ((uint16_t *)p)[i] = ddp_f32_to_bf16(v); break;
-    }
-}
-
-static void ddp__host_convert_scaled(void *dst, ddp_dtype dst_t, const void *src, ddp_dtype src_t, size_t count,
-                                     double scale) {
-    size_t i;
-    if (dst_t == src_t && scale == 1.0) {
-        if (dst != src && count) memcpy(dst, src, count * ddp_dtype_size(dst_t));
-        return;
-    }
-    if (dst_t == DDP_F32 && src_t == DDP_F32) { /* the common case, kept simple enough to vectorise */
-        float *d = (float *)dst, s = (float)scale;
-        const float *x = (const float *)src;
-        for (i = 0; i < count; i++) d[i] = x[i] * s;
-        return;
-    }
-    if (dst_t == DDP_F64 || src_t == DDP_F64) {
-        for (i = 0; i < count; i++) {
-            double v = (src_t == DDP_F64 ? ((const double *)src)[i] : (double)ddp__get_f32(src, src_t, i)) * scale;
-            if (dst_t == DDP_F64)
-                ((double *)dst)[i] = v;
-            else
-                ddp__put_f32(dst, dst_t, i, (float)v);
-        }
-        return;
-    }
-    {
-        float s = (float)scale;
-        for (i = 0; i < count; i++) ddp__put_f32(dst, dst_t, i, ddp__get_f32(src, src_t, i) * s);
-    }
-}
-
-static void ddp__host_convert(void *dst, ddp_dtype dst_t, const void *src, ddp_dtype src_t, size_t count) {
-    size_t i;
-    if (dst_t == src_t) {
-        if (dst != src && count) memcpy(dst, src, count * ddp_dtype_size(dst_t));
-        return;
-    }
-    if (dst_t == DDP_F64) {
-        for (i = 0; i < count; i++) ((double *)dst)[i] = (double)ddp__get_f32(src, src_t, i);
-        return;
-    }
-    for (i = 0; i < count; i++) ddp__put_f32(dst, dst_t, i, ddp__get_f32(src, src_t, i));
-}
-
-/* The copies on host memory; a gradient or parameter in device memory (on the cpu and mpi backends, in a
-   build with DDP_CUDA) is staged through the group's pinned memory around them (devbuf.c). */
-static void ddp__host_copy_in_scaled(ddp_group *g, void *dst, ddp_dtype dst_t, const void *src, ddp_dtype src_t,
-                                    size_t count, double scale) {
-    ddp__devbuf_plan plan;
-    int staged = count ? ddp__devbuf_copy_begin(g, &dst, count * ddp_dtype_size(dst_t), &src,
-                                                count * ddp_dtype_size(src_t), &plan) : 0;
-    if (staged < 0) return;
-    ddp__host_convert_scaled(dst, dst_t, src, src_t, count, scale);
-    if (staged) ddp__devbuf_copy_end(g, &plan);
-}
-
-static void ddp__host_copy_out(ddp_group *g, void *dst, ddp_dtype dst_t, const void *src, ddp_dtype src_t, size_t count) {
-    ddp__devbuf_plan plan;
-    int staged = count ? ddp__devbuf_copy_begin(g, &dst, count * ddp_dtype_size(dst_t), &src,
-                                                count * ddp_dtype_size(src_t), &plan) : 0;
-    if (staged < 0) return;
-    ddp__host_convert(dst, dst_t, src, src_t, count);
-    if (staged) ddp__devbuf_copy_end(g, &plan);
-}
 
 /* ---- the reducer's state ---- */
 
@@ -16314,6 +16721,81 @@ static int ddp__zero2(const ddp_reducer *r) { return r->desc.zero_stage == 2; }
 /* Gradients scaled and reduced in place in the bucket (a view without compression). */
 static int ddp__bucket_in_place(const ddp__bucket *b) { return b->storage != NULL && b->comm == b->storage; }
 static size_t ddp__tensor_bytes(const ddp__rtensor *t) { return t->count * ddp_dtype_size(t->dtype); }
+
+/* ---- reducer.c: the model, finalize, the bucket layout, timing (for reducer_zero.c, reducer_pass.c) ---- */
+static DDP__UNUSED ddp_result ddp__reducer_verify(ddp_reducer *r);
+static DDP__UNUSED ddp_result ddp__reducer_broadcast(ddp_reducer *r, ddp__rtensor *ts, int n, void *stage, size_t stage_bytes,
+                                                     int root);
+static DDP__UNUSED size_t ddp__stage_bytes(const ddp__rtensor *ts, int n);
+static DDP__UNUSED ddp_result ddp__reducer_sync_states(ddp_reducer *r, int root, const char *fn);
+static DDP__UNUSED void ddp__layout_free(ddp_reducer *r, ddp__layout *L);
+static DDP__UNUSED ddp_result ddp__layout_assign(ddp_reducer *r, const int *walk, ddp__layout *L);
+static DDP__UNUSED int ddp__layout_same(const ddp_reducer *r, const ddp__layout *a, const ddp__layout *b);
+static DDP__UNUSED int ddp__bucket_flat(ddp_reducer *r, ddp__layout *L, int b);
+static DDP__UNUSED ddp_result ddp__zero_bucket_alloc(ddp_reducer *r, ddp__bucket *k, int b);
+static DDP__UNUSED ddp_result ddp__reducer_usable(ddp_reducer *r, const char *fn);
+static DDP__UNUSED double ddp__wall_seconds(void);
+static DDP__UNUSED ddp_result ddp__timing_start(ddp_reducer *r, int shadow);
+static DDP__UNUSED void ddp__timing_finish(ddp_reducer *r);
+
+/* ---- reducer_zero.c: ZeRO stage 1 and 2 (for reducer_pass.c) ---- */
+static DDP__UNUSED void *ddp__zero2_land(const ddp_reducer *r, const ddp__bucket *k);
+static DDP__UNUSED void ddp__zero2_finish(ddp_reducer *r, ddp__bucket *k, int done);
+static DDP__UNUSED ddp_result ddp__zero2_acquire(ddp_reducer *r, int b);
+static DDP__UNUSED void *ddp__layout_view(const ddp_reducer *r, const ddp__layout *L, int i);
+static DDP__UNUSED ddp_result ddp__reducer_relayout(ddp_reducer *r, const int *walk, int *taken);
+static DDP__UNUSED int ddp__zero_piece(const ddp_reducer *r, int i, size_t *lo, size_t *a, size_t *e);
+static DDP__UNUSED void ddp__zero_give_back(ddp_reducer *r, int i);
+static DDP__UNUSED ddp_result ddp__zero_gather_settle(ddp_reducer *r);
+
+#endif /* DDP__REDUCER_STATE_H */
+/* ==================== end src/reducer_state.h ==================== */
+
+/* ==================== begin src/reducer.c ==================== */
+/* [SECTION] reducer: DistributedDataParallel's Reducer: model check, buckets, overlapped all-reduce
+   (torch/csrc/distributed/c10d/reducer.cpp, torch/nn/parallel/distributed.py)
+
+   Life of a reducer:
+     add_param / add_buffer   the model, in registration (forward) order
+     finalize                 1. all_gather a fingerprint {params, buffers, hash of names, counts, dtypes};
+                                 if the ranks differ, all_gather fixed-size records of every entry and
+                                 name the first that differs (the same message on every rank)
+                              2. broadcast parameters and buffers from rank 0 (small ones coalesced)
+                              3. buckets in reverse registration order
+     begin_backward           (uneven_inputs) the join round, see "uneven inputs" at the end; every bucket
+                              waits for all of its gradients
+     grad_ready(i)            copy gradient i * (1/world) into its bucket slot; start every complete
+                              bucket that is next in line (buckets start strictly in order)
+     end_backward             (find_unused) zero the missing gradients' slots, start the rest, all-reduce
+                              the "used" map; wait for each bucket and copy it back; start the timing
+                              exchange (see "timing"); after the first synchronised pass, rebuild the
+                              buckets in rank 0's ready order once
+     join, join_step          (uneven_inputs) shadow the others' passes until every rank has joined
+                              (join_step: one pass per call; under zero_stage the program steps its
+                              shards and gathers between the calls)
+
+   Where gradients live (g = the gradients' dtype, c = the communication dtype):
+     plain                     program's grad --(x 1/world, g -> c)--> comm bucket --all-reduce--> grad
+     gradient_as_bucket_view   storage bucket (g) IS the grad; comm bucket = storage when c == g (the
+                              scaling is then in place), else a separate c-typed copy as above
+     zero_stage = 1            grad or storage --(x 1/world)--> the reducer's own comm bucket, padded to
+                              world slices --reduce-scatter--> this rank's slice --> the owned part of the
+                              grad or storage only (see "ZeRO stage 1" below); gather_params all-gathers
+                              the owned parameter values through a staging bucket (the comm bucket when
+                              c == g)
+     zero_stage = 2            grad --(x 1/world, g -> c)--> a pool buffer the bucket borrows (2 buffers of
+                              the largest padded bucket, in rotation) --reduce-scatter--> this rank's
+                              slice, kept by the reducer in g (c -> g when the reduce-scatter is waited
+                              for); nothing goes back to the program's grad (see "ZeRO stage 2" below)
+
+   Bucket assignment (PyTorch's compute_bucket_assignment_by_size): walk the parameters in a given order
+   (reverse registration at first, then the observed ready order); each dtype has one open bucket; add the
+   parameter to it; when the bucket's bytes reach its limit, close it; the first bucket of a dtype has
+   limit first_bucket_bytes, later ones bucket_cap_bytes. Buckets are numbered by the walk position of
+   their first parameter, which is the order they fill in, and so the order they are all-reduced in.
+
+   The pieces: reducer_state.h (the state), this file (creation, finalize, bucket layout, timing),
+   reducer_zero.c (ZeRO's slices and comm pool), reducer_pass.c (backward, between passes, Join). */
 
 /* ---- creation and registration ---- */
 
@@ -16770,6 +17252,86 @@ static ddp_result ddp__zero_bucket_alloc(ddp_reducer *r, ddp__bucket *k, int b) 
     return DDP_SUCCESS;
 }
 
+/* The reducer can run a pass or an optimizer-side call: finalized and not failed. */
+static ddp_result ddp__reducer_usable(ddp_reducer *r, const char *fn) {
+    if (!r) return ddp__fail(NULL, DDP_ERR_INVALID_ARGUMENT, "%s: the reducer is NULL", fn);
+    if (!r->finalized) return ddp__fail(r->g, DDP_ERR_STATE, "%s: call ddp_reducer_finalize first", fn);
+    if (r->failed)
+        return ddp__fail(r->g, DDP_ERR_STATE, "%s: the reducer stopped after an earlier error (%s); destroy it and the "
+                         "group", fn, ddp_result_string(r->failed));
+    return DDP_SUCCESS;
+}
+
+/* ---- timing: waiting for a slower rank, or moving data ----
+   wait_seconds (the time inside end_backward) mixes two things: waiting for a rank whose backward is
+   slower (no all-reduce can finish before every rank has started it) and moving the data that backward
+   did not hide. To split them, every synchronised pass ends with an asynchronous all_gather of one int64
+   per rank: the wall-clock time at which that rank started its last bucket ("ready": all of its
+   gradients were there). From it, T_last = the latest ready time, and on this rank
+       straggler_wait = clamp(min(T_last, t_done) - t_enter, 0, wait)     t_enter: end_backward's entry
+       transfer       = wait - straggler_wait
+   The exposed wait before the last rank was ready is waiting for that rank; the rest is communication.
+   The last rank itself has straggler_wait 0. The all_gather runs on the progress thread while the
+   program goes on (its optimizer step); the split is completed at the next begin_backward or
+   ddp_reducer_get_statistics, which wait for it. Cost: 8 bytes per rank per synchronised pass, off the
+   critical path. Hosts' wall clocks differ by their synchronisation error (NTP: typically well under a
+   millisecond on a LAN), which bounds the split's error between hosts; within a host it is exact. A
+   joined rank (uneven_inputs) takes part with 0 (never the last). */
+
+static double ddp__wall_seconds(void) {
+    struct timespec ts;
+    clock_gettime(CLOCK_REALTIME, &ts);
+    return (double)ts.tv_sec + (double)ts.tv_nsec * 1e-9;
+}
+
+/* The split of the pass that ended at r->t_done, given when the last rank was ready (monotonic). */
+static void ddp__timing_account(ddp_reducer *r, double t_last, int last_rank) {
+    double wait = r->t_done - r->t_enter, straggler = DDP__MIN(t_last, r->t_done) - r->t_enter;
+    if (straggler < 0) straggler = 0;
+    r->stats.straggler_wait_seconds = straggler;
+    r->stats.transfer_seconds = wait - straggler;
+    r->stats.last_ready_rank = last_rank;
+    r->stats.total_straggler_wait_seconds += straggler;
+    r->stats.total_transfer_seconds += wait - straggler;
+}
+
+/* end_backward (and a joined rank's shadow pass, `shadow`): start the all_gather of ready times. */
+static ddp_result ddp__timing_start(ddp_reducer *r, int shadow) {
+    int world = ddp_world_size(r->g);
+    char *comm = (char *)r->ready_comm;
+    ddp_result res;
+    if (world == 1 || !strcmp(r->ops->family, "nccl")) { /* nccl: no host sync each step (reducer.h) */
+        if (!shadow) ddp__timing_account(r, world == 1 ? r->t_ready : r->t_enter, world == 1 ? 0 : -1);
+        return DDP_SUCCESS;
+    }
+    r->ready_ns[world] = shadow ? 0 : (int64_t)((r->t_ready + r->wall_minus_mono) * 1e9);
+    r->ops->copy_out(r->g, comm + (size_t)world * 8, DDP_I64, &r->ready_ns[world], DDP_I64, 1);
+    if ((res = ddp_all_gather_async(r->g, comm + (size_t)world * 8, comm, 1, DDP_I64, &r->ready_work)) != DDP_SUCCESS)
+        return r->failed = res;
+    r->ready_discard = shadow;
+    return DDP_SUCCESS;
+}
+
+/* Wait for the last pass's all_gather and split its wait. A failure is the group's (its next collective
+   says so); that pass's split is then left out. */
+static void ddp__timing_finish(ddp_reducer *r) {
+    int world = ddp_world_size(r->g), k, last = 0;
+    ddp_result res;
+    if (!r->ready_work) return;
+    res = ddp_wait(r->ready_work);
+    r->ready_work = NULL;
+    if (res || r->ready_discard) return;
+    r->ops->copy_out(r->g, r->ready_ns, DDP_I64, r->ready_comm, DDP_I64, (size_t)world);
+    for (k = 1; k < world; k++)
+        if (r->ready_ns[k] > r->ready_ns[last]) last = k;
+    ddp__timing_account(r, (double)r->ready_ns[last] * 1e-9 - r->wall_minus_mono, last);
+}
+/* ==================== end src/reducer.c ==================== */
+
+/* ==================== begin src/reducer_zero.c ==================== */
+/* [SECTION] reducer-zero: ZeRO stage 1 and 2 in the Reducer: slices of the buckets, the comm pool
+   (reducer.c's head comment says where gradients live at each stage; reducer.h the API). */
+
 /* ---- ZeRO stage 2: the pool of comm buffers ----
    Under zero_stage = 2 a bucket owns only its slice (per elements, the gradients' dtype). The padded
    full-size buffer that the gradients are scaled into and reduce-scattered from is borrowed from a pool
@@ -16965,8 +17527,6 @@ static ddp_result ddp__reducer_relayout(ddp_reducer *r, const int *walk, int *ta
    elements [r * per, min(count, (r + 1) * per)). The reduce-scatter of the padded comm buffer gives each
    rank exactly that slice of the sum of the 1/world-scaled gradients. A shard is the intersection of the
    owned range with one parameter's range [param_offset, param_offset + param count) in the bucket. */
-
-static ddp_result ddp__reducer_usable(ddp_reducer *r, const char *fn);
 
 /* This rank's range of bucket k, in bucket elements ([*lo, *hi), empty when *lo >= *hi). */
 static void ddp__zero_owned(const ddp_reducer *r, const ddp__bucket *k, size_t *lo, size_t *hi) {
@@ -17219,71 +17779,11 @@ DDP_API ddp_result ddp_reducer_finalize(ddp_reducer *r) {
     r->rebuild_pending = !r->desc.find_unused_parameters && !ddp__reducer_zero(r); /* ZeRO: shards never move */
     return DDP_SUCCESS;
 }
+/* ==================== end src/reducer_zero.c ==================== */
 
-/* ---- timing: waiting for a slower rank, or moving data ----
-   wait_seconds (the time inside end_backward) mixes two things: waiting for a rank whose backward is
-   slower (no all-reduce can finish before every rank has started it) and moving the data that backward
-   did not hide. To split them, every synchronised pass ends with an asynchronous all_gather of one int64
-   per rank: the wall-clock time at which that rank started its last bucket ("ready": all of its
-   gradients were there). From it, T_last = the latest ready time, and on this rank
-       straggler_wait = clamp(min(T_last, t_done) - t_enter, 0, wait)     t_enter: end_backward's entry
-       transfer       = wait - straggler_wait
-   The exposed wait before the last rank was ready is waiting for that rank; the rest is communication.
-   The last rank itself has straggler_wait 0. The all_gather runs on the progress thread while the
-   program goes on (its optimizer step); the split is completed at the next begin_backward or
-   ddp_reducer_get_statistics, which wait for it. Cost: 8 bytes per rank per synchronised pass, off the
-   critical path. Hosts' wall clocks differ by their synchronisation error (NTP: typically well under a
-   millisecond on a LAN), which bounds the split's error between hosts; within a host it is exact. A
-   joined rank (uneven_inputs) takes part with 0 (never the last). */
-
-static double ddp__wall_seconds(void) {
-    struct timespec ts;
-    clock_gettime(CLOCK_REALTIME, &ts);
-    return (double)ts.tv_sec + (double)ts.tv_nsec * 1e-9;
-}
-
-/* The split of the pass that ended at r->t_done, given when the last rank was ready (monotonic). */
-static void ddp__timing_account(ddp_reducer *r, double t_last, int last_rank) {
-    double wait = r->t_done - r->t_enter, straggler = DDP__MIN(t_last, r->t_done) - r->t_enter;
-    if (straggler < 0) straggler = 0;
-    r->stats.straggler_wait_seconds = straggler;
-    r->stats.transfer_seconds = wait - straggler;
-    r->stats.last_ready_rank = last_rank;
-    r->stats.total_straggler_wait_seconds += straggler;
-    r->stats.total_transfer_seconds += wait - straggler;
-}
-
-/* end_backward (and a joined rank's shadow pass, `shadow`): start the all_gather of ready times. */
-static ddp_result ddp__timing_start(ddp_reducer *r, int shadow) {
-    int world = ddp_world_size(r->g);
-    char *comm = (char *)r->ready_comm;
-    ddp_result res;
-    if (world == 1 || !strcmp(r->ops->family, "nccl")) { /* nccl: no host sync each step (reducer.h) */
-        if (!shadow) ddp__timing_account(r, world == 1 ? r->t_ready : r->t_enter, world == 1 ? 0 : -1);
-        return DDP_SUCCESS;
-    }
-    r->ready_ns[world] = shadow ? 0 : (int64_t)((r->t_ready + r->wall_minus_mono) * 1e9);
-    r->ops->copy_out(r->g, comm + (size_t)world * 8, DDP_I64, &r->ready_ns[world], DDP_I64, 1);
-    if ((res = ddp_all_gather_async(r->g, comm + (size_t)world * 8, comm, 1, DDP_I64, &r->ready_work)) != DDP_SUCCESS)
-        return r->failed = res;
-    r->ready_discard = shadow;
-    return DDP_SUCCESS;
-}
-
-/* Wait for the last pass's all_gather and split its wait. A failure is the group's (its next collective
-   says so); that pass's split is then left out. */
-static void ddp__timing_finish(ddp_reducer *r) {
-    int world = ddp_world_size(r->g), k, last = 0;
-    ddp_result res;
-    if (!r->ready_work) return;
-    res = ddp_wait(r->ready_work);
-    r->ready_work = NULL;
-    if (res || r->ready_discard) return;
-    r->ops->copy_out(r->g, r->ready_ns, DDP_I64, r->ready_comm, DDP_I64, (size_t)world);
-    for (k = 1; k < world; k++)
-        if (r->ready_ns[k] > r->ready_ns[last]) last = k;
-    ddp__timing_account(r, (double)r->ready_ns[last] * 1e-9 - r->wall_minus_mono, last);
-}
+/* ==================== begin src/reducer_pass.c ==================== */
+/* [SECTION] reducer-pass: the Reducer's passes: backward, between passes, uneven inputs (Join)
+   (reducer.c's head comment has the life of a reducer; reducer.h the API). */
 
 /* ---- backward ---- */
 
@@ -17293,15 +17793,6 @@ DDP_API void *ddp_reducer_grad(ddp_reducer *r, int index) {
     if (!r || index < 0 || index >= r->nparams) return NULL;
     if (!ddp__reducer_is_view(r)) return r->params[index].grad;
     return r->L.buckets ? ddp__layout_view(r, &r->L, index) : NULL;
-}
-
-static ddp_result ddp__reducer_usable(ddp_reducer *r, const char *fn) {
-    if (!r) return ddp__fail(NULL, DDP_ERR_INVALID_ARGUMENT, "%s: the reducer is NULL", fn);
-    if (!r->finalized) return ddp__fail(r->g, DDP_ERR_STATE, "%s: call ddp_reducer_finalize first", fn);
-    if (r->failed)
-        return ddp__fail(r->g, DDP_ERR_STATE, "%s: the reducer stopped after an earlier error (%s); destroy it and the "
-                         "group", fn, ddp_result_string(r->failed));
-    return DDP_SUCCESS;
 }
 
 DDP_API ddp_result ddp_reducer_begin_backward(ddp_reducer *r) {
@@ -18009,10 +18500,7 @@ DDP_API ddp_result ddp_reducer_join(ddp_reducer *r) {
         if ((res = ddp__join_step(r, "ddp_reducer_join", &all_joined)) != DDP_SUCCESS) return res;
     return DDP_SUCCESS;
 }
-/* ==================== end src/reducer.c ==================== */
-
-/* ==================== begin src/sampler.c ==================== */
-/* ==================== end src/reducer.c ==================== */
+/* ==================== end src/reducer_pass.c ==================== */
 
 /* ==================== begin src/zero_state.c ==================== */
 /* [SECTION] zero-state: ZeRO-1 optimizer state consolidated on one rank, split back (reducer.h) */
@@ -18076,12 +18564,12 @@ static ddp_result ddp__zs_check(ddp_group *g, const char *fn, ddp_dtype t, int n
     return DDP_SUCCESS;
 }
 
-/* Step 1: the first rank with a bad argument fails every rank with its message (ddp__ck_agree); then
+/* Step 1: the first rank with a bad argument fails every rank with its message (ddp__agree_outcome); then
    every rank's record, and ranks that differ from rank 0 fail every rank. */
 static ddp_result ddp__zs_agree(ddp_group *g, const char *fn, ddp_result local, const int64_t *mine, int64_t *all) {
     int world = ddp_world_size(g), k, f;
     static const char *const field[] = {"nstates", "dtype", "root"};
-    ddp_result res = ddp__ck_agree(g, local, fn);
+    ddp_result res = ddp__agree_outcome(g, local, fn);
     if (!res) res = ddp_all_gather(g, mine, all, DDP__ZS_FIELDS, DDP_I64);
     for (k = 0; !res && k < world; k++)
         for (f = DDP__ZS_NSTATES; f <= DDP__ZS_ROOT; f++)
@@ -18104,7 +18592,7 @@ static ddp_result ddp__zs_shard_lists(ddp_group *g, const ddp_shard *sh, int n, 
     for (k = 0; counts && k < world; k++) total += counts[k] = 3 * (size_t)all[k * DDP__ZS_FIELDS + DDP__ZS_NSHARDS];
     *lists = (uint64_t *)ddp__calloc(total + 1, sizeof **lists);
     if (!counts || !mine || !*lists) res = ddp__fail(g, DDP_ERR_OUT_OF_MEMORY, "ddp_reducer_consolidate_state: out of memory");
-    res = ddp__ck_agree(g, res, "ddp_reducer_consolidate_state"); /* no rank waits for one that cannot take part */
+    res = ddp__agree_outcome(g, res, "ddp_reducer_consolidate_state"); /* no rank waits for one that cannot take part */
     for (j = 0; !res && j < n; j++) {
         mine[3 * j] = (uint64_t)sh[j].param;
         mine[3 * j + 1] = sh[j].offset;
@@ -18142,7 +18630,7 @@ static ddp_result ddp__zs_gather(ddp_group *g, ddp_dtype t, int nstates, const v
     if ((mine < most && !pad) || (rank == root && !stage))
         res = ddp__fail(g, DDP_ERR_OUT_OF_MEMORY, "ddp_reducer_consolidate_state: rank %d: out of memory for %zu elements",
                         rank, rank == root ? (size_t)world * most : most);
-    res = ddp__ck_agree(g, res, "ddp_reducer_consolidate_state");
+    res = ddp__agree_outcome(g, res, "ddp_reducer_consolidate_state");
     for (s = 0; !res && s < nstates; s++) {
         const void *send = shard_state[s];
         if (pad) {
@@ -18528,6 +19016,7 @@ DDP_API void ddp_sampler_set_epoch(ddp_sampler *s, uint64_t epoch) {
     s->epoch = epoch;
     s->position = 0;
     s->epoch_done = 0;
+    s->pass_ended = 0;
     if (s->base != 0) { /* a resume point of the previous epoch does not carry over */
         s->base = 0;
         ddp__sampler_count(s);
@@ -18636,21 +19125,64 @@ DDP_API ddp_result ddp_sampler_indices(ddp_sampler *s, int64_t *out) {
     return DDP_SUCCESS;
 }
 
+/* A call of next_batch after the 0 that ended a pass, with no set_epoch (or set_position, ...) since: a new
+   pass over the same epoch, from its start, as iterating a torch DistributedSampler again without
+   set_epoch recomputes the same list (torch/utils/data/distributed.py, __iter__: seed + epoch). The whole
+   epoch, also after a resume point (base): that continued one pass. Warns once per sampler, when the
+   order depends on the epoch: forgetting set_epoch is torch's most common sampler bug. */
+static void ddp__sampler_new_pass(ddp_sampler *s) {
+    if (!s->repeat_warned && ddp__sampler_shuffles(s)) {
+        s->repeat_warned = 1;
+        ddp__log(NULL, DDP_LOG_WARN,
+                 "ddp_sampler_next_batch: a new pass over epoch %llu without ddp_sampler_set_epoch: it repeats "
+                 "the previous pass's order, as torch's DistributedSampler does. Call ddp_sampler_set_epoch(s, "
+                 "epoch) before every epoch for a new shuffle (ddp_sampler_set_position(s, 0) repeats an epoch "
+                 "on purpose). Logged once per sampler",
+                 (unsigned long long)s->epoch);
+    }
+    s->pass_ended = 0;
+    s->epoch_done = 0;
+    s->position = 0;
+    if (s->base != 0) {
+        s->base = 0;
+        ddp__sampler_count(s);
+    }
+}
+
 DDP_API ddp_result ddp_sampler_next_batch(ddp_sampler *s, size_t batch_size, int64_t *out, size_t *got) {
-    uint64_t count;
+    uint64_t count, old_position = 0, old_base = 0;
     ddp_result res;
+    int new_pass;
     if (got) *got = 0;
     if (!ddp__sampler_ok(s)) return ddp__sampler_not_initialised("ddp_sampler_next_batch");
     if (batch_size == 0 || !out || !got)
         return ddp__fail(NULL, DDP_ERR_INVALID_ARGUMENT, "ddp_sampler_next_batch: %s",
                          batch_size == 0 ? "batch_size is 0; it must be > 0" : !out ? "out is NULL" : "got is NULL");
+    new_pass = s->pass_ended;
+    if (new_pass) {
+        old_position = s->position;
+        old_base = s->base;
+        ddp__sampler_new_pass(s);
+    }
     count = DDP__MIN((uint64_t)batch_size, s->num_samples - s->position);
-    if (count == 0) {
+    if (count == 0) { /* the end of the pass: the 0 that ends a loop over the epoch, once */
         s->epoch_done = 1;
+        s->pass_ended = 1;
         return DDP_SUCCESS;
     }
     res = ddp__sampler_prepare(s, "ddp_sampler_next_batch");
-    if (res != DDP_SUCCESS) return res;
+    if (res != DDP_SUCCESS) {
+        if (new_pass) { /* as it was: the pass stays ended, the position unchanged */
+            s->position = old_position;
+            s->pass_ended = 1;
+            s->epoch_done = 1;
+            if (s->base != old_base) {
+                s->base = old_base;
+                ddp__sampler_count(s);
+            }
+        }
+        return res;
+    }
     ddp__sampler_fill(s, s->position, count, out);
     s->position += count;
     if (s->position == s->num_samples) s->epoch_done = 1;
@@ -18668,6 +19200,7 @@ DDP_API ddp_result ddp_sampler_set_position(ddp_sampler *s, uint64_t position) {
                          (unsigned long long)position, (unsigned long long)s->num_samples);
     s->position = position;
     s->epoch_done = position == s->num_samples;
+    s->pass_ended = 0; /* this pass goes on from position (at num_samples: next_batch ends it) */
     return DDP_SUCCESS;
 }
 
@@ -18690,6 +19223,7 @@ DDP_API ddp_result ddp_sampler_set_global_position(ddp_sampler *s, uint64_t glob
     ddp__sampler_count(s);
     s->position = 0;
     s->epoch_done = s->num_samples == 0;
+    s->pass_ended = 0;
     return DDP_SUCCESS;
 }
 
@@ -18768,7 +19302,8 @@ struct ddp_syncbn {
     int channels, channels_last;
     double eps, momentum; /* momentum < 0: cumulative average */
     float *weight, *bias, *running_mean, *running_var;
-    int64_t num_batches_tracked;
+    int64_t *num_batches_tracked; /* the program's counter (desc.num_batches_tracked) or &own_count; host memory */
+    int64_t own_count;            /* the counter when the program gives none */
 
     int saved; /* DDP__BN_SAVED_*: what mean/invstd hold */
     int64_t saved_batch, saved_spatial;
@@ -19078,6 +19613,15 @@ DDP_API ddp_result ddp_syncbn_create(ddp_group *g, const ddp_syncbn_desc *d, ddp
                          "ddp_syncbn_create: running_mean is %s but running_var is %s; give both (track running "
                          "stats) or neither",
                          d->running_mean ? "set" : "NULL", d->running_var ? "set" : "NULL");
+    if (d->num_batches_tracked && !d->running_mean)
+        return ddp__fail(g, DDP_ERR_INVALID_ARGUMENT,
+                         "ddp_syncbn_create: num_batches_tracked is set but running_mean and running_var are NULL; a "
+                         "layer without running stats has no num_batches_tracked (torch: track_running_stats=False)");
+    if (d->num_batches_tracked && *d->num_batches_tracked < 0)
+        return ddp__fail(g, DDP_ERR_INVALID_ARGUMENT,
+                         "ddp_syncbn_create: *num_batches_tracked is %lld; it counts batches, so it is >= 0 (0 for a "
+                         "new layer)",
+                         (long long)*d->num_batches_tracked);
     bn = (ddp_syncbn *)ddp__calloc(1, sizeof *bn);
     if (!bn) return ddp__fail(g, DDP_ERR_OUT_OF_MEMORY, "ddp_syncbn_create: out of memory");
     bn->errors = g;
@@ -19092,6 +19636,7 @@ DDP_API ddp_result ddp_syncbn_create(ddp_group *g, const ddp_syncbn_desc *d, ddp
     bn->bias = d->bias;
     bn->running_mean = d->running_mean;
     bn->running_var = d->running_var;
+    bn->num_batches_tracked = d->num_batches_tracked ? d->num_batches_tracked : &bn->own_count;
     C = (size_t)bn->channels;
     bn->mean = (float *)ddp__calloc(C, sizeof(float));
     bn->invstd = (float *)ddp__calloc(C, sizeof(float));
@@ -19124,7 +19669,7 @@ DDP_API void ddp_syncbn_destroy(ddp_syncbn *bn) {
     ddp__free(bn);
 }
 
-DDP_API int64_t ddp_syncbn_num_batches_tracked(const ddp_syncbn *bn) { return bn ? bn->num_batches_tracked : 0; }
+DDP_API int64_t ddp_syncbn_num_batches_tracked(const ddp_syncbn *bn) { return bn ? *bn->num_batches_tracked : 0; }
 
 DDP_API ddp_result ddp_syncbn_set_num_batches_tracked(ddp_syncbn *bn, int64_t value) {
     if (!bn) return ddp__fail(NULL, DDP_ERR_INVALID_ARGUMENT, "ddp_syncbn_set_num_batches_tracked: bn is NULL");
@@ -19132,7 +19677,7 @@ DDP_API ddp_result ddp_syncbn_set_num_batches_tracked(ddp_syncbn *bn, int64_t va
         return ddp__fail(bn->errors, DDP_ERR_INVALID_ARGUMENT,
                          "ddp_syncbn_set_num_batches_tracked: value is %lld; it counts batches, so it is >= 0",
                          (long long)value);
-    bn->num_batches_tracked = value;
+    *bn->num_batches_tracked = value;
     return DDP_SUCCESS;
 }
 
@@ -19305,8 +19850,7 @@ static ddp_result ddp__bn_dev_forward(ddp_syncbn *bn, const float *x, float *y, 
                          "spatial=%lld on this rank); running stats left unchanged",
                          fn, (long long)batch, (long long)spatial);
     if (training && bn->running_mean) {
-        bn->num_batches_tracked++;
-        factor = ddp__bn_factor(bn->momentum, bn->num_batches_tracked);
+        factor = ddp__bn_factor(bn->momentum, ++*bn->num_batches_tracked);
     }
     if ((r = ddp__cuda_bn_forward(&bn->dev.cu, mode, x, y, factor)) != DDP_SUCCESS) return ddp__bn_dev_failed(bn, fn, r);
     bn->dev.mode = mode;
@@ -19380,8 +19924,7 @@ static ddp_result ddp__bn_batch_stats(ddp_syncbn *bn, const float *x, int64_t ba
                          "(batch=%lld, spatial=%lld on this rank); running stats left unchanged",
                          synced ? "over all ranks of the group" : "in the batch", (long long)batch, (long long)spatial);
     if (training && bn->running_mean) { /* counted even for an empty batch, as torch's module does */
-        bn->num_batches_tracked++;
-        factor = ddp__bn_factor(bn->momentum, bn->num_batches_tracked);
+        factor = ddp__bn_factor(bn->momentum, ++*bn->num_batches_tracked);
     }
     for (c = 0; c < C; c++) {
         ddp__bn_merge_ranks(records, synced ? bn->nranks : 1, C, c, &n, &mean, &m2);
@@ -19405,6 +19948,10 @@ DDP_API ddp_result ddp_syncbn_forward(ddp_syncbn *bn, const float *x, float *y, 
     if (!bn) return ddp__fail(NULL, DDP_ERR_INVALID_ARGUMENT, "ddp_syncbn_forward: bn is NULL");
     r = ddp__bn_check(bn, fn, batch, spatial, x, "x", y, "y", &count);
     if (r != DDP_SUCCESS) return r;
+    if (training && bn->running_mean && *bn->num_batches_tracked < 0) /* the program's counter, written directly */
+        return ddp__fail(bn->errors, DDP_ERR_INVALID_ARGUMENT,
+                         "%s: num_batches_tracked is %lld; it counts batches, so it is >= 0 (nothing changed)", fn,
+                         (long long)*bn->num_batches_tracked);
     bn->saved = DDP__BN_SAVED_NONE;
 #ifdef DDP_CUDA
     bn->dev.mode = 0;
@@ -20275,9 +20822,10 @@ static ddp_result ddp__ck_parse(const char *json, size_t len, uint64_t data_len,
                     h->e = ne;
                     h->cap = cap;
                 }
-                e = &h->e[h->n++];
+                e = &h->e[h->n];
                 memset(e, 0, sizeof *e);
                 e->name = name;
+                e->order = h->n++;
                 if ((r = ddp__ck_tensor(&j, e)) != DDP_SUCCESS) goto fail;
             }
             more = ddp__ck_next(&j, '}', "expected ',' or '}' after a header member");
@@ -20516,6 +21064,7 @@ static ddp_result ddp__ck_build_header(const char *path, const ddp_tensor *t, in
      collectives   agreement on the outcome (every rank fails together), chunked broadcasts
      rotation      keep_last and ddp_checkpoint_latest: files that differ in one run of digits
      save, load    rank 0 writes; every rank reads, or rank 0 reads and broadcasts
+     list          what a file holds, from its header alone
      async save    staged copy on the caller's thread, written and agreed on in the background
      shards        one file per rank, then a completion marker written last */
 
@@ -20857,46 +21406,10 @@ static ddp_result ddp__ck_write_file(ddp_group *g, const char *path, const ddp_t
 }
 
 /* ---- collectives ----
-   Every collective entry point ends with ddp__ck_agree: the ranks exchange their outcome, so an error
-   anywhere (rank 0 could not write, rank 3 could not read) is an error everywhere, carrying the
-   failing rank's message; nobody is left waiting in a later collective. */
+   Every collective entry point ends with ddp__agree_outcome (collectives.c): the ranks exchange their
+   outcome, so an error anywhere (rank 0 could not write, rank 3 could not read) is an error everywhere,
+   carrying the failing rank's message; nobody is left waiting in a later collective. */
 
-/* This rank's own failure, worded as the other ranks word it ("checkpoint save failed on rank 0: ..."),
-   so that every rank's message names the operation and the rank that failed. */
-static ddp_result ddp__ck_failed_here(ddp_group *g, ddp_result mine, const char *what, const char *own) {
-    return ddp__fail(g, mine, "%s failed on rank %d: %.900s", what, ddp_rank(g), own);
-}
-
-static ddp_result ddp__ck_agree(ddp_group *g, ddp_result mine, const char *what) {
-    int32_t code = (int32_t)mine, *codes;
-    char *msgs, own[DDP__ERR_MAX];
-    int w, i, bad = -1;
-    ddp_result r;
-    if (ddp_world_size(g) <= 1) return mine;
-    w = ddp_world_size(g);
-    memset(own, 0, sizeof own);
-    if (mine != DDP_SUCCESS) snprintf(own, sizeof own, "%s", ddp_last_error(g));
-    codes = (int32_t *)ddp__calloc((size_t)w, sizeof *codes);
-    if (!codes) return ddp__fail(g, DDP_ERR_OUT_OF_MEMORY, "%s: out of memory agreeing on the outcome", what);
-    r = ddp_all_gather(g, &code, codes, 1, DDP_I32);
-    for (i = 0; r == DDP_SUCCESS && i < w && bad < 0; i++)
-        if (codes[i] != 0) bad = i;
-    if (r != DDP_SUCCESS || bad < 0) {
-        ddp__free(codes);
-        /* this rank's own failure says more than a collective that broke after it */
-        return (r != DDP_SUCCESS && mine != DDP_SUCCESS) ? ddp__ck_failed_here(g, mine, what, own) : r;
-    }
-    msgs = (char *)ddp__calloc((size_t)w, DDP__ERR_MAX);
-    r = msgs ? ddp_all_gather(g, own, msgs, DDP__ERR_MAX, DDP_U8) : DDP_ERR_OUT_OF_MEMORY;
-    if (mine != DDP_SUCCESS) r = ddp__ck_failed_here(g, mine, what, own);
-    else if (r == DDP_SUCCESS) {
-        msgs[(size_t)bad * DDP__ERR_MAX + DDP__ERR_MAX - 1] = '\0';
-        r = ddp__fail(g, (ddp_result)codes[bad], "%s failed on rank %d: %s", what, bad, msgs + (size_t)bad * DDP__ERR_MAX);
-    } else if (!msgs) r = ddp__fail(g, DDP_ERR_OUT_OF_MEMORY, "%s failed on rank %d (out of memory fetching its message)", what, bad);
-    ddp__free(msgs);
-    ddp__free(codes);
-    return r;
-}
 
 /* Broadcast bytes from rank 0 in DDP__CK_CHUNK pieces (the same split on every rank). dst NULL: receive
    and discard, through scratch (DDP__CK_CHUNK bytes). */
@@ -20915,9 +21428,9 @@ static int ddp__ck_rank(const ddp_group *g) { return ddp_rank(g); }
 static int ddp__ck_world(const ddp_group *g) { return ddp_world_size(g); }
 
 /* ---- rotation ----
-   A family is <dir>/<prefix><digits><suffix>; a member's number is its digits. keep_last keeps the K
-   largest numbers; files with smaller numbers go, together with their ".tmp" leftovers (and, for
-   shards, each rank's "<member>.rank<r>" files). */
+   A family is <dir>/<prefix><digits><suffix>; a member's number is its digits (1 to 18 of them).
+   keep_last keeps the K largest numbers; files with smaller numbers go, together with their ".tmp"
+   leftovers (and, for shards, every "<member>.rank<r>" file, whichever group size wrote it). */
 
 typedef struct ddp__ck_family {
     char *dir, *prefix, *suffix;
@@ -20959,19 +21472,50 @@ static int ddp__ck_family_of_path(ddp__ck_family *f, const char *path, int64_t *
     return ddp__ck_family_split(f, path, a, b) ? 1 : -1;
 }
 
-/* Does name belong to the family, followed by exactly tail? Sets *number (at most 18 digits). */
-static int ddp__ck_family_match(const ddp__ck_family *f, const char *name, const char *tail, int64_t *number) {
-    size_t np = strlen(f->prefix), ns = strlen(f->suffix), nt = strlen(tail), len = strlen(name), k = 0;
+/* Does name belong to the family? Sets *number and *tail (what follows the suffix). The number has
+   1 to 18 digits: a longer run is not a member (it might not fit an int64_t, so the digit count is
+   checked before each multiplication). */
+static int ddp__ck_family_member(const ddp__ck_family *f, const char *name, int64_t *number, const char **tail) {
+    size_t np = strlen(f->prefix), ns = strlen(f->suffix), k;
     int64_t v = 0;
     if (strncmp(name, f->prefix, np) != 0) return 0;
-    while (np + k < len && name[np + k] >= '0' && name[np + k] <= '9') {
+    for (k = 0; name[np + k] >= '0' && name[np + k] <= '9'; k++) {
+        if (k == 18) return 0;
         v = v * 10 + (name[np + k] - '0');
-        if (++k > 18) return 0;
     }
-    if (k == 0 || len != np + k + ns + nt) return 0;
-    if (strncmp(name + np + k, f->suffix, ns) != 0 || strcmp(name + np + k + ns, tail) != 0) return 0;
+    if (k == 0 || strncmp(name + np + k, f->suffix, ns) != 0) return 0;
+    *number = v;
+    *tail = name + np + k + ns;
+    return 1;
+}
+
+/* Does name belong to the family, followed by exactly tail? Sets *number. */
+static int ddp__ck_family_match(const ddp__ck_family *f, const char *name, const char *tail, int64_t *number) {
+    const char *rest;
+    int64_t v;
+    if (!ddp__ck_family_member(f, name, &v, &rest) || strcmp(rest, tail) != 0) return 0;
     *number = v;
     return 1;
+}
+
+/* Which files of an old member a caller deletes, by what follows the member's name:
+     rank < 0   the member itself and its ".tmp" leftover (rank 0, for a plain save or a shard marker)
+     rank >= 0  the shards "<member>.rank<r>" and their ".tmp" leftovers with r % world == rank: each
+                rank its own and those of ranks the group no longer has (a save on fewer ranks than the
+                old one), so every shard file has exactly one deleter and no two ranks race on a name */
+static int ddp__ck_tail_doomed(const char *tail, int rank, int world) {
+    int64_t r = 0;
+    int k;
+    if (rank < 0) return strcmp(tail, "") == 0 || strcmp(tail, ".tmp") == 0;
+    if (strncmp(tail, ".rank", 5) != 0) return 0;
+    tail += 5;
+    for (k = 0; tail[k] >= '0' && tail[k] <= '9'; k++) {
+        if (k == 10) return 0; /* more digits than an int has */
+        r = r * 10 + (tail[k] - '0');
+    }
+    if (k == 0 || (k > 1 && tail[0] == '0') || r > INT_MAX) return 0; /* "%d" writes no leading zero */
+    if (tail[k] != '\0' && strcmp(tail + k, ".tmp") != 0) return 0;
+    return r % world == rank;
 }
 
 static char *ddp__ck_join(const char *dir, const char *name) {
@@ -20989,9 +21533,9 @@ static int ddp__ck_cmp_i64_desc(const void *a, const void *b) {
     return x > y ? -1 : x < y ? 1 : 0;
 }
 
-/* Delete the family's files whose number is below cutoff and whose name ends (after the suffix) in
-   one of tails. Failures are logged, not returned: the new checkpoint is already safe. */
-static void ddp__ck_delete_below(ddp_group *g, const ddp__ck_family *f, int64_t cutoff, const char *const *tails, int ntails) {
+/* Delete the family's files whose number is below cutoff and that ddp__ck_tail_doomed gives to
+   rank (of world). Failures are logged, not returned: the new checkpoint is already safe. */
+static void ddp__ck_delete_below(ddp_group *g, const ddp__ck_family *f, int64_t cutoff, int rank, int world) {
     DIR *d = opendir(f->dir);
     struct dirent *de;
     int deleted = 0;
@@ -21001,16 +21545,13 @@ static void ddp__ck_delete_below(ddp_group *g, const ddp__ck_family *f, int64_t 
     }
     while ((de = readdir(d)) != NULL) {
         int64_t num;
-        int i;
-        for (i = 0; i < ntails; i++) {
-            char *full;
-            if (!ddp__ck_family_match(f, de->d_name, tails[i], &num) || num >= cutoff) continue;
-            full = ddp__ck_join(f->dir, de->d_name);
-            if (full && unlink(full) == 0) deleted++;
-            else ddp__log(g, DDP_LOG_WARN, "checkpoint keep_last: cannot delete %s: %s", full ? full : de->d_name, strerror(errno));
-            ddp__free(full);
-            break;
-        }
+        const char *tail;
+        char *full;
+        if (!ddp__ck_family_member(f, de->d_name, &num, &tail) || num >= cutoff || !ddp__ck_tail_doomed(tail, rank, world)) continue;
+        full = ddp__ck_join(f->dir, de->d_name);
+        if (full && unlink(full) == 0) deleted++;
+        else ddp__log(g, DDP_LOG_WARN, "checkpoint keep_last: cannot delete %s: %s", full ? full : de->d_name, strerror(errno));
+        ddp__free(full);
     }
     closedir(d);
     if (deleted) {
@@ -21061,7 +21602,7 @@ static ddp_result ddp__ck_check_rotation(ddp_group *g, const char *path, const d
     k = ddp__ck_family_of_path(f, path, number);
     if (k < 0) return ddp__fail(g, DDP_ERR_OUT_OF_MEMORY, "checkpoint save: out of memory");
     if (k == 0)
-        return ddp__fail(g, DDP_ERR_INVALID_ARGUMENT, "checkpoint save: keep_last needs a number in the file name of %s (e.g. ckpt_000100.safetensors)", path);
+        return ddp__fail(g, DDP_ERR_INVALID_ARGUMENT, "checkpoint save: keep_last needs a number in the file name of %s (a run of 1 to 18 digits, e.g. ckpt_000100.safetensors)", path);
     return DDP_SUCCESS;
 }
 
@@ -21075,9 +21616,8 @@ static ddp_result ddp__ck_save_on_root(ddp_group *g, const char *path, const ddp
     ddp_result r = ddp__ck_check_rotation(g, path ? path : "", desc, &fam, &number);
     if (r == DDP_SUCCESS) r = ddp__ck_write_file(g, path, t, n, meta, NULL, staged);
     if (r == DDP_SUCCESS && fam.dir) {
-        static const char *const tails[] = {"", ".tmp"};
         int64_t cutoff = ddp__ck_cutoff(g, &fam, desc->keep_last, number);
-        if (cutoff != INT64_MIN) ddp__ck_delete_below(g, &fam, cutoff, tails, 2);
+        if (cutoff != INT64_MIN) ddp__ck_delete_below(g, &fam, cutoff, -1, 1);
     }
     ddp__ck_family_free(&fam);
     return r;
@@ -21091,7 +21631,7 @@ DDP_API ddp_result ddp_checkpoint_save_ex(ddp_group *g, const char *path, const 
     if (g && !ddp__live_has(g, DDP__LIVE_GROUP)) return ddp__group_check(g, "ddp_checkpoint_save_ex");
     ddp__ck_async_settle(g); /* a background save in flight finishes first */
     if (ddp__ck_rank(g) == 0) r = ddp__ck_save_on_root(g, path, t, n, meta, desc, 0);
-    return ddp__ck_agree(g, r, "checkpoint save");
+    return ddp__agree_outcome(g, r, "checkpoint save");
 }
 
 DDP_API ddp_result ddp_checkpoint_save(ddp_group *g, const char *path, const ddp_tensor *t, int n, const ddp_meta *meta) {
@@ -21107,7 +21647,7 @@ DDP_API ddp_result ddp_checkpoint_save(ddp_group *g, const char *path, const ddp
         all the caller waits for.
      2. a background thread per save: rank 0 writes the staged tensors exactly as ddp_checkpoint_save
         does (same function: tmp file, fsync, rename, directory fsync, CRCs, keep_last), then every
-        rank's thread agrees on the outcome (ddp__ck_agree) and completes the ddp_work.
+        rank's thread agrees on the outcome (ddp__agree_outcome) and completes the ddp_work.
    Ordering with the program's later collectives: the agreement of step 2 runs on a private group of
    the same ranks (made once, at the first async save, through the group's store: every rank makes it
    at the same call, since the save is collective), never on the program's group, so it cannot
@@ -21184,7 +21724,7 @@ static void *ddp__ck_async_main(void *arg) {
     ddp_work *w = a->work;
     if (r != DDP_SUCCESS) ddp__fail(a->sub, r, "%s", a->pre_msg);
     else if (a->rank == 0) r = ddp__ck_save_on_root(a->sub, a->path, a->t, a->n, a->has_meta ? &a->meta : NULL, a->has_desc ? &a->desc : NULL, 1);
-    r = ddp__ck_agree(a->sub, r, DDP__CK_ASYNC_WHAT);
+    r = ddp__agree_outcome(a->sub, r, DDP__CK_ASYNC_WHAT);
     pthread_mutex_lock(&a->mu);
     w->result = r;
     if (r != DDP_SUCCESS) {
@@ -21223,10 +21763,11 @@ static int ddp__ck_async_test(ddp_work *w) {
 }
 
 static const ddp__backend ddp__ck_async_owner = {"checkpoint", "checkpoint", NULL, NULL, ddp__ck_async_wait, ddp__ck_async_test,
-                                                 NULL, NULL, NULL, NULL, NULL, NULL};
+                                                 NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL};
 
-static int ddp__ck_async_owns(const ddp_work *w) { return w->owner == &ddp__ck_async_owner; }
-
+/* The group ends (g->end_upper, from ddp_destroy before its barrier, or from the group's end): finish a
+   background save in flight (its work keeps the outcome), close the save's private group, free the
+   staging buffer. Idempotent. */
 static void ddp__ck_async_end(ddp_group *g) {
     struct ddp__ck_async *a = g->ck_async;
     if (!a) return;
@@ -21274,6 +21815,7 @@ static ddp_result ddp__ck_async_state(ddp_group *g, struct ddp__ck_async **out) 
             }
         }
         *slot = a;
+        if (g) g->end_upper = ddp__ck_async_end; /* ddp_destroy and the group's end finish it first */
     }
     *out = a;
     return DDP_SUCCESS;
@@ -21389,9 +21931,9 @@ static ddp_result ddp__ck_open(ddp_group *g, const char *path, int *fd, char **r
     ddp_result r;
     *raw = NULL;
     *fd = open(path, O_RDONLY | O_CLOEXEC);
-    if (*fd < 0) return ddp__fail(g, DDP_ERR_IO, "checkpoint load: cannot open %s: %s", path, strerror(errno));
+    if (*fd < 0) return ddp__fail(g, DDP_ERR_IO, "checkpoint: cannot open %s: %s", path, strerror(errno));
     if (fstat(*fd, &st) != 0 || !S_ISREG(st.st_mode)) {
-        r = ddp__fail(g, DDP_ERR_IO, "checkpoint load: %s is not a regular file", path);
+        r = ddp__fail(g, DDP_ERR_IO, "checkpoint: %s is not a regular file", path);
         goto fail;
     }
     r = ddp__ck_read_at(g, *fd, prefix, DDP__MIN((uint64_t)8, (uint64_t)st.st_size), 0, path, NULL);
@@ -21433,6 +21975,9 @@ static void ddp__ck_describe(char *out, size_t cap, const char *dtype, int ndim,
 static ddp_result ddp__ck_match(ddp_group *g, const char *path, const ddp__ck_header *h, const ddp_tensor *t, int n,
                                 const ddp_checkpoint_load_desc *d, ddp__ck_entry **matched) {
     int i, used = 0;
+    if (d && d->require_checksums && d->allow_missing_checksums)
+        return ddp__fail(g, DDP_ERR_INVALID_ARGUMENT, "checkpoint load of %s: require_checksums and allow_missing_checksums are both set "
+                         "(allow_missing_checksums is the default now and changes nothing: clear it)", path);
     for (i = 0; i < n; i++) {
         ddp__ck_entry *e = ddp__ck_lookup(h, t[i].name);
         uint32_t crc;
@@ -21450,9 +21995,10 @@ static ddp_result ddp__ck_match(ddp_group *g, const char *path, const ddp__ck_he
         }
         k = ddp__ck_stored_crc(h, e->name, &crc);
         if (k < 0) return ddp__fail(g, DDP_ERR_FORMAT, "checkpoint %s: the checksum of tensor \"%.64s\" is not 8 hex digits", path, e->name);
-        if (k == 0 && !(d && d->allow_missing_checksums))
-            return ddp__fail(g, DDP_ERR_FORMAT, "checkpoint %s: tensor \"%.64s\" has no " DDP__CK_CRC_PREFIX " checksum (a file from another writer? "
-                             "set allow_missing_checksums to load it)", path, e->name);
+        if (k == 0 && d && d->require_checksums)
+            return ddp__fail(g, DDP_ERR_FORMAT, "checkpoint %s: tensor \"%.64s\" has no " DDP__CK_CRC_PREFIX " checksum and require_checksums is set "
+                             "(a file from another safetensors writer, such as torch's: clear require_checksums to load it unverified)",
+                             path, e->name);
         matched[i] = e;
         used++;
     }
@@ -21470,11 +22016,13 @@ static ddp_result ddp__ck_match(ddp_group *g, const char *path, const ddp__ck_he
     return DDP_SUCCESS;
 }
 
-/* Read t[i]'s data from the file and verify its checksum. */
+/* Read t[i]'s data from the file and verify its checksum when the file has one (ddp.h always writes
+   them; other writers' files have none); a malformed checksum is refused. */
 static ddp_result ddp__ck_read_tensor(ddp_group *g, const char *path, int fd, uint64_t data_start, const ddp__ck_header *h,
                                       const ddp__ck_entry *e, void *dst) {
     uint64_t bytes = e->end - e->begin;
     uint32_t want, got = 0xFFFFFFFFu;
+    int k;
     ddp_result r;
 #ifdef DDP_CUDA
     if (ddp__ck_on_device(dst, bytes)) r = ddp__ck_read_to_device(g, fd, dst, bytes, data_start + e->begin, path, e->name, &got);
@@ -21483,7 +22031,9 @@ static ddp_result ddp__ck_read_tensor(ddp_group *g, const char *path, int fd, ui
         r = ddp__ck_read_at(g, fd, dst, bytes, data_start + e->begin, path, &got);
     if (r != DDP_SUCCESS) return r;
     got = ~got;
-    if (ddp__ck_stored_crc(h, e->name, &want) <= 0) return DDP_SUCCESS;
+    k = ddp__ck_stored_crc(h, e->name, &want);
+    if (k < 0) return ddp__fail(g, DDP_ERR_FORMAT, "checkpoint %s: the checksum of tensor \"%.64s\" is not 8 hex digits", path, e->name);
+    if (k == 0) return DDP_SUCCESS; /* another writer's file: nothing to verify against */
     if (got != want)
         return ddp__fail(g, DDP_ERR_FORMAT, "checkpoint %s: tensor \"%.64s\" is corrupt: its data has CRC32C %08x but the header records %08x",
                          path, e->name, (unsigned)got, (unsigned)want);
@@ -21617,7 +22167,7 @@ static ddp_result ddp__ck_load_bcast(ddp_group *g, const char *path, ddp_tensor 
         scratch = (char *)ddp__malloc(DDP__CK_CHUNK);
         r = scratch ? DDP_SUCCESS : ddp__fail(g, DDP_ERR_OUT_OF_MEMORY, "checkpoint load: out of memory for a broadcast buffer");
     }
-    if ((r = ddp__ck_agree(g, r, what)) != DDP_SUCCESS) goto done;
+    if ((r = ddp__agree_outcome(g, r, what)) != DDP_SUCCESS) goto done;
     if (root) {
         info[0] = k.hlen;
         info[1] = (uint64_t)n;
@@ -21666,7 +22216,7 @@ static ddp_result ddp__ck_load_bcast(ddp_group *g, const char *path, ddp_tensor 
                              k.h.e[sel[2 * j]].name);
     }
     if (!root && mine == DDP_SUCCESS) mine = ddp__ck_copy_meta(g, &k.h, meta);
-    r = ddp__ck_agree(g, mine, what);
+    r = ddp__agree_outcome(g, mine, what);
 done:
     ddp__ck_kept_free(&k);
     ddp__free(sel);
@@ -21680,11 +22230,88 @@ DDP_API ddp_result ddp_checkpoint_load_ex(ddp_group *g, const char *path, ddp_te
     if (g && !ddp__live_has(g, DDP__LIVE_GROUP)) return ddp__group_check(g, "ddp_checkpoint_load_ex");
     ddp__ck_async_settle(g); /* a background save in flight finishes first (it may be this very file) */
     if (desc && desc->broadcast && ddp_world_size(g) > 1) return ddp__ck_load_bcast(g, path, t, n, meta, desc);
-    return ddp__ck_agree(g, ddp__ck_load_local(g, path, t, n, meta, desc, NULL, NULL), "checkpoint load");
+    return ddp__agree_outcome(g, ddp__ck_load_local(g, path, t, n, meta, desc, NULL, NULL), "checkpoint load");
 }
 
 DDP_API ddp_result ddp_checkpoint_load(ddp_group *g, const char *path, ddp_tensor *t, int n, ddp_meta *meta) {
     return ddp_checkpoint_load_ex(g, path, t, n, meta, NULL);
+}
+
+/* ---- list ----
+   ddp_checkpoint_list: what a file holds, from its header alone. ddp__ck_open reads the 8-byte length
+   and the JSON and parses it exactly as a load does (the layout checked against the file's size: no
+   gap, overlap or truncation), so a file that lists is one whose header a load accepts; the data is
+   never read, so a wrong checksum is the load's to find (a malformed one is refused here too). The
+   entries come back in the order the header lists them (ddp__ck_entry.order, kept by the parser,
+   which sorts its entries by data offset): for a file ddp.h wrote that is the order of t[] at save.
+   Names are copies owned by the array (ddp_checkpoint_list_free). */
+static int ddp__ck_cmp_order(const void *a, const void *b) {
+    int x = (*(const ddp__ck_entry *const *)a)->order, y = (*(const ddp__ck_entry *const *)b)->order;
+    return (x > y) - (x < y);
+}
+
+DDP_API void ddp_checkpoint_list_free(ddp_tensor *t, int n) {
+    int i;
+    if (!t) return;
+    for (i = 0; i < n; i++) ddp__free((void *)t[i].name);
+    ddp__free(t);
+}
+
+DDP_API ddp_result ddp_checkpoint_list(const char *path, ddp_tensor **tensors, int *n, ddp_meta *meta) {
+    ddp__ck_header h;
+    ddp__ck_entry **by_order = NULL;
+    ddp_tensor *out = NULL;
+    ddp_meta got;
+    char *raw = NULL;
+    uint64_t hlen = 0;
+    int fd = -1, i;
+    ddp_result r;
+    if (tensors) *tensors = NULL;
+    if (n) *n = 0;
+    if (!tensors || !n) return ddp__fail(NULL, DDP_ERR_INVALID_ARGUMENT, "ddp_checkpoint_list: the tensors or n argument is NULL");
+    if (!ddp__ck_little_endian()) return ddp__fail(NULL, DDP_ERR_UNSUPPORTED, "checkpoint: safetensors is little-endian and this host is not");
+    if (!path || !*path) return ddp__fail(NULL, DDP_ERR_INVALID_ARGUMENT, "ddp_checkpoint_list: path is NULL or empty");
+    if ((r = ddp__ck_open(NULL, path, &fd, &raw, &hlen, &h)) != DDP_SUCCESS) return r;
+    close(fd);
+    ddp__free(raw);
+    memset(&got, 0, sizeof got);
+    by_order = (ddp__ck_entry **)ddp__calloc((size_t)h.n + 1, sizeof *by_order);
+    out = (ddp_tensor *)ddp__calloc((size_t)h.n + 1, sizeof *out); /* + 1: never NULL on success, even for no tensors */
+    if (!by_order || !out) r = ddp__fail(NULL, DDP_ERR_OUT_OF_MEMORY, "ddp_checkpoint_list of %s: out of memory", path);
+    for (i = 0; r == DDP_SUCCESS && i < h.n; i++) by_order[i] = &h.e[i];
+    if (r == DDP_SUCCESS && h.n) qsort((void *)by_order, (size_t)h.n, sizeof *by_order, ddp__ck_cmp_order);
+    for (i = 0; r == DDP_SUCCESS && i < h.n; i++) {
+        const ddp__ck_entry *e = by_order[i];
+        uint32_t crc;
+        if (e->ndim > 8)
+            r = ddp__fail(NULL, DDP_ERR_UNSUPPORTED, "checkpoint %s: tensor \"%.64s\" has %d dimensions, more than the 8 a ddp_tensor holds",
+                          path, e->name, e->ndim);
+        else if (ddp__ck_stored_crc(&h, e->name, &crc) < 0)
+            r = ddp__fail(NULL, DDP_ERR_FORMAT, "checkpoint %s: the checksum of tensor \"%.64s\" is not 8 hex digits", path, e->name);
+        else if (!(out[i].name = ddp__strdup(e->name)))
+            r = ddp__fail(NULL, DDP_ERR_OUT_OF_MEMORY, "ddp_checkpoint_list of %s: out of memory", path);
+        else {
+            out[i].dtype = ddp__ck_dtypes[e->st].dtype; /* DDP_DTYPE_DEFAULT for BOOL, U16, F8_E4M3, ... */
+            out[i].ndim = e->ndim;
+            memcpy(out[i].shape, e->shape, sizeof out[i].shape);
+            out[i].data = NULL;
+        }
+    }
+    if (r == DDP_SUCCESS && meta) r = ddp__ck_copy_meta(NULL, &h, &got);
+    if (r == DDP_SUCCESS) {
+        *tensors = out;
+        *n = h.n;
+        if (meta) {
+            ddp_meta_free(meta);
+            *meta = got;
+        }
+    } else {
+        ddp_checkpoint_list_free(out, out ? h.n : 0); /* names not yet copied are NULL (calloc) */
+        ddp_meta_free(&got);
+    }
+    ddp__free((void *)by_order);
+    ddp__ck_header_free(&h);
+    return r;
 }
 
 /* ---- shards ---- */
@@ -21720,7 +22347,8 @@ static ddp_result ddp__ck_shard_keys(ddp_meta *m, int rank, int world, uint64_t 
      1. rank 0 deletes the old marker at path, durably, and draws a save id (broadcast)
      2. every rank writes "<path>.rank<r>" durably, stamped with rank, world size and save id
      3. rank 0 writes the marker durably (only now is the set complete), deletes old markers (keep_last)
-     4. with keep_last, rank 0 broadcasts the cutoff and every rank deletes its own old shards */
+     4. with keep_last, rank 0 broadcasts the cutoff and every rank deletes the old shards of the ranks r
+        with r % world == rank: its own, and those of ranks an older, larger group had */
 DDP_API ddp_result ddp_checkpoint_save_shard(ddp_group *g, const char *path, const ddp_tensor *t, int n, const ddp_meta *meta,
                                              const ddp_checkpoint_save_desc *desc) {
     static const char *what = "checkpoint shard save";
@@ -21742,33 +22370,24 @@ DDP_API ddp_result ddp_checkpoint_save_shard(ddp_group *g, const char *path, con
         if (unlink(path) != 0 && errno != ENOENT) r = ddp__fail(g, DDP_ERR_IO, "%s: cannot remove the old completion marker %s: %s", what, path, strerror(errno));
         else r = ddp__ck_sync_dir(g, path);
     }
-    if ((r = ddp__ck_agree(g, r, what)) != DDP_SUCCESS) goto done;
+    if ((r = ddp__agree_outcome(g, r, what)) != DDP_SUCCESS) goto done;
     if (world > 1 && (r = ddp_broadcast(g, &id, 1, DDP_I64, 0)) != DDP_SUCCESS) goto done;
     shard = ddp__ck_shard_path(path, rank);
     if (!shard || ddp__ck_shard_keys(&extra, rank, world, id) != DDP_SUCCESS) r = ddp__fail(g, DDP_ERR_OUT_OF_MEMORY, "%s: out of memory", what);
     else r = ddp__ck_write_file(g, shard, t, n, meta, &extra, 0);
-    if ((r = ddp__ck_agree(g, r, what)) != DDP_SUCCESS) goto done;
+    if ((r = ddp__agree_outcome(g, r, what)) != DDP_SUCCESS) goto done;
     if (rank == 0) {
         ddp_meta_free(&extra);
         if (ddp__ck_shard_keys(&extra, -1, world, id) != DDP_SUCCESS) r = ddp__fail(g, DDP_ERR_OUT_OF_MEMORY, "%s: out of memory", what);
         else r = ddp__ck_write_file(g, path, NULL, 0, NULL, &extra, 0);
         if (r == DDP_SUCCESS && fam.dir) {
-            static const char *const tails[] = {"", ".tmp"};
             cutoff = ddp__ck_cutoff(g, &fam, desc->keep_last, number);
-            if (cutoff != INT64_MIN) ddp__ck_delete_below(g, &fam, cutoff, tails, 2);
+            if (cutoff != INT64_MIN) ddp__ck_delete_below(g, &fam, cutoff, -1, 1);
         }
     }
-    if ((r = ddp__ck_agree(g, r, what)) != DDP_SUCCESS || !fam.dir) goto done;
+    if ((r = ddp__agree_outcome(g, r, what)) != DDP_SUCCESS || !fam.dir) goto done;
     if (world > 1 && (r = ddp_broadcast(g, &cutoff, 1, DDP_I64, 0)) != DDP_SUCCESS) goto done;
-    if (cutoff != INT64_MIN) {
-        char own[32], own_tmp[40];
-        const char *tails[2];
-        snprintf(own, sizeof own, ".rank%d", rank);
-        snprintf(own_tmp, sizeof own_tmp, ".rank%d.tmp", rank);
-        tails[0] = own;
-        tails[1] = own_tmp;
-        ddp__ck_delete_below(g, &fam, cutoff, tails, 2);
-    }
+    if (cutoff != INT64_MIN) ddp__ck_delete_below(g, &fam, cutoff, rank, world);
 done:
     ddp__free(shard);
     ddp_meta_free(&extra);
@@ -21821,7 +22440,7 @@ DDP_API ddp_result ddp_checkpoint_load_shard(ddp_group *g, const char *path, ddp
     if (!bcast || rank == 0) r = ddp__ck_read_marker(g, path, &info[0], &id);
     if (bcast) {
         info[1] = (int64_t)id;
-        if ((r = ddp__ck_agree(g, r, what)) != DDP_SUCCESS) return r;
+        if ((r = ddp__agree_outcome(g, r, what)) != DDP_SUCCESS) return r;
         if ((r = ddp_broadcast(g, info, 2, DDP_I64, 0)) != DDP_SUCCESS) return r;
         id = (uint64_t)info[1];
     }
@@ -21837,7 +22456,7 @@ DDP_API ddp_result ddp_checkpoint_load_shard(ddp_group *g, const char *path, ddp
         r = ddp__ck_load_local(g, shard, t, n, meta, desc, &x, NULL);
     }
     ddp__free(shard);
-    return ddp__ck_agree(g, r, what);
+    return ddp__agree_outcome(g, r, what);
 }
 
 /* ---- latest ---- */
@@ -21893,14 +22512,19 @@ DDP_API ddp_result ddp_checkpoint_latest(const char *pattern, char *out, size_t 
 /* [SECTION] reshard: slices of global tensors, saved by N ranks and loaded by M (checkpoint.h) */
 /* A slice is elements [offset, offset + count) of a one-dimensional global tensor of global_count
    elements. Saving is a shard save (ddp_checkpoint_save_shard: one file a rank, then the completion
-   marker) in which each slice is the tensor "<name>@<offset>/<global_count>". Loading needs no
-   agreement on who held what: every rank reads the header of every shard of the save (the marker says
-   how many), and for each saved piece that overlaps one of its requests reads the piece (its checksum
-   verified) and copies the overlap. Counting the elements copied into each request finds gaps; the
-   pieces of one save do not overlap (each element was saved by one rank), so the count is exact. Cost:
-   every rank opens N headers and reads the pieces it needs, about 2/M of the data when the two
-   partitions are even. As torch.distributed.checkpoint's resharding, without a planner: the ranges are
-   the plan. */
+   marker) in which each slice is the tensor "<name>@<offset>/<global_count>". Before anything is
+   written the ranks exchange what they are about to save (all_gather_v of (name, dtype, global_count,
+   offset, count) records) and each checks the same gathered list: the slices of one tensor must agree
+   on dtype and global_count and must not overlap (each element saved by one rank), else every rank
+   returns the same refusal and none writes a file. Loading needs no agreement on who held what: every
+   rank reads the header of every shard of the save (the marker says how many), and for each saved
+   piece that overlaps one of its requests reads the piece (its checksum verified) and copies the
+   overlap, noting the interval it filled. Sorted, those intervals must tile each request: a hole is an
+   element no rank saved, and an element filled twice comes from a save that overlapped (written before
+   the save refused that), whose right copy cannot be told. Cost: the save's check holds every rank's
+   list on every rank (28 bytes and the name per slice); a load opens N headers on every rank and reads
+   the pieces it needs, about 2/M of the data when the two partitions are even. As
+   torch.distributed.checkpoint's resharding, without a planner: the ranges are the plan. */
 
 #define DDP__SLICE_SEP '@'
 
@@ -21923,36 +22547,182 @@ static ddp_result ddp__slices_check(ddp_group *g, const char *what, const ddp_sl
     return DDP_SUCCESS;
 }
 
+/* The shard-save tensors of the slices: "<name>@<offset>/<global_count>", empty slices left out.
+   *t and *names are the caller's to free; *k is how many tensors there are. */
+static ddp_result ddp__slices_as_tensors(ddp_group *g, const char *what, const ddp_slice *s, int n, ddp_tensor **t, char **names,
+                                         int *k) {
+    int i;
+    *k = 0;
+    if (n == 0) return DDP_SUCCESS;
+    *t = (ddp_tensor *)ddp__calloc((size_t)n, sizeof **t);
+    *names = (char *)ddp__calloc((size_t)n, 128);
+    if (!*t || !*names) return ddp__fail(g, DDP_ERR_OUT_OF_MEMORY, "%s: out of memory", what);
+    for (i = 0; i < n; i++) {
+        char *name = *names + (size_t)i * 128;
+        ddp_tensor *e = &(*t)[*k];
+        if (!s[i].count) continue; /* nothing to store */
+        if (snprintf(name, 128, "%s%c%zu/%zu", s[i].name, DDP__SLICE_SEP, s[i].offset, s[i].global_count) >= 128)
+            return ddp__fail(g, DDP_ERR_INVALID_ARGUMENT, "%s: slice name \"%.64s...\" is too long (at most 80 bytes)", what, s[i].name);
+        e->name = name;
+        e->dtype = s[i].dtype;
+        e->ndim = 1;
+        e->shape[0] = (int64_t)s[i].count;
+        e->data = s[i].data;
+        (*k)++;
+    }
+    return DDP_SUCCESS;
+}
+
+/* ---- the save's overlap check ----
+   Each rank packs a record per stored slice: offset, count, global_count (u64 each), dtype (i32), then
+   the name and its terminator; the records of all ranks are gathered (all_gather of the byte counts,
+   then all_gather_v), unpacked, sorted by (name, offset, rank) and scanned. */
+#define DDP__SLICE_REC_FIXED 28
+
+typedef struct ddp__slice_rec {
+    const char *name; /* into the gathered bytes */
+    uint64_t offset, count, global;
+    int32_t dtype;
+    int rank;
+} ddp__slice_rec;
+
+static size_t ddp__slices_packed_size(const ddp_slice *s, int n) {
+    size_t bytes = 0;
+    int i;
+    for (i = 0; i < n; i++)
+        if (s[i].count) bytes += DDP__SLICE_REC_FIXED + strlen(s[i].name) + 1;
+    return bytes;
+}
+
+static void ddp__slices_pack(const ddp_slice *s, int n, char *out) {
+    int i;
+    for (i = 0; i < n; i++) {
+        uint64_t v[3];
+        int32_t dt = (int32_t)s[i].dtype;
+        size_t len = strlen(s[i].name) + 1;
+        if (!s[i].count) continue;
+        v[0] = s[i].offset, v[1] = s[i].count, v[2] = s[i].global_count;
+        memcpy(out, v, sizeof v);
+        memcpy(out + 24, &dt, 4);
+        memcpy(out + DDP__SLICE_REC_FIXED, s[i].name, len);
+        out += DDP__SLICE_REC_FIXED + len;
+    }
+}
+
+/* Unpack rank r's bytes [p, end) into rec[*m ...]; 0 when they are not whole records. */
+static int ddp__slices_unpack(const char *p, const char *end, int r, ddp__slice_rec *rec, size_t *m) {
+    while (p < end) {
+        uint64_t v[3];
+        const char *nul;
+        if ((size_t)(end - p) <= DDP__SLICE_REC_FIXED || !(nul = (const char *)memchr(p + DDP__SLICE_REC_FIXED, 0,
+                                                                                          (size_t)(end - p) - DDP__SLICE_REC_FIXED)))
+            return 0;
+        memcpy(v, p, sizeof v);
+        memcpy(&rec[*m].dtype, p + 24, 4);
+        rec[*m].offset = v[0], rec[*m].count = v[1], rec[*m].global = v[2];
+        rec[*m].name = p + DDP__SLICE_REC_FIXED;
+        rec[*m].rank = r;
+        (*m)++;
+        p = nul + 1;
+    }
+    return 1;
+}
+
+static int ddp__slice_rec_cmp(const void *a, const void *b) {
+    const ddp__slice_rec *x = (const ddp__slice_rec *)a, *y = (const ddp__slice_rec *)b;
+    int c = strcmp(x->name, y->name);
+    if (c) return c;
+    if (x->offset != y->offset) return x->offset < y->offset ? -1 : 1;
+    if (x->rank != y->rank) return x->rank < y->rank ? -1 : 1;
+    return x->count < y->count ? -1 : x->count > y->count;
+}
+
+/* The verdict on the gathered records (the same list, so the same verdict, on every rank): within a
+   name, sorted by offset, every record must have the first one's dtype and global_count and start at
+   or after the end of the one reaching furthest so far. */
+static ddp_result ddp__slices_verdict(ddp_group *g, const char *path, ddp__slice_rec *rec, size_t m) {
+    size_t i, first = 0, far = 0;
+    qsort(rec, m, sizeof *rec, ddp__slice_rec_cmp);
+    for (i = 0; i < m; i++) {
+        const ddp__slice_rec *a, *b = &rec[i];
+        if (i == 0 || strcmp(rec[i - 1].name, b->name) != 0) {
+            first = far = i;
+            continue;
+        }
+        a = &rec[first];
+        if (b->global != a->global || b->dtype != a->dtype)
+            return ddp__fail(g, DDP_ERR_INVALID_ARGUMENT, "checkpoint slice save of %s: rank %d saves \"%.64s\" as %llu elements of %s "
+                             "but rank %d as %llu elements of %s (global_count, dtype): the slices of one tensor must agree on both",
+                             path, a->rank, a->name, (unsigned long long)a->global, ddp__ck_st_name((ddp_dtype)a->dtype), b->rank,
+                             (unsigned long long)b->global, ddp__ck_st_name((ddp_dtype)b->dtype));
+        a = &rec[far];
+        if (b->offset < a->offset + a->count)
+            return ddp__fail(g, DDP_ERR_INVALID_ARGUMENT, "checkpoint slice save of %s: rank %d saves \"%.64s\" [%llu, %llu) and rank %d "
+                             "saves \"%.64s\" [%llu, %llu): the slices of a tensor must not overlap (each element saved by one "
+                             "rank); a tensor every rank holds whole (replicated) is saved once, with ddp_checkpoint_save",
+                             path, a->rank, a->name, (unsigned long long)a->offset, (unsigned long long)(a->offset + a->count), b->rank,
+                             b->name, (unsigned long long)b->offset, (unsigned long long)(b->offset + b->count));
+        if (b->offset + b->count > a->offset + a->count) far = i;
+    }
+    return DDP_SUCCESS;
+}
+
+/* The save's check that the ranks' slices fit together, before any file is written. Collective over g.
+   res is this rank's outcome so far (its arguments), agreed on first; mine (mine_len bytes) are its
+   packed records. Every allocation comes before an agreement, so all ranks take the same path through
+   the collectives, and the verdict, computed from the same gathered bytes, is the same everywhere. */
+static ddp_result ddp__slices_disjoint(ddp_group *g, const char *what, const char *path, ddp_result res, const char *mine,
+                                       size_t mine_len) {
+    int w = ddp_world_size(g), r;
+    int64_t len = (int64_t)mine_len, *lens = (int64_t *)ddp__calloc((size_t)w, sizeof *lens);
+    size_t *counts = (size_t *)ddp__calloc((size_t)w, sizeof *counts), total = 0, m = 0;
+    char *all = NULL;
+    ddp__slice_rec *rec = NULL;
+    if (res == DDP_SUCCESS && (!lens || !counts)) res = ddp__fail(g, DDP_ERR_OUT_OF_MEMORY, "%s: out of memory", what);
+    if ((res = ddp__agree_outcome(g, res, what)) != DDP_SUCCESS) goto done;
+    if (w > 1 && (res = ddp_all_gather(g, &len, lens, 1, DDP_I64)) != DDP_SUCCESS) goto done;
+    if (w == 1) lens[0] = len;
+    for (r = 0; r < w; r++) counts[r] = (size_t)lens[r], total += counts[r];
+    all = (char *)ddp__malloc(total + 1);
+    rec = (ddp__slice_rec *)ddp__calloc(total / (DDP__SLICE_REC_FIXED + 2) + 1, sizeof *rec);
+    res = all && rec ? DDP_SUCCESS : ddp__fail(g, DDP_ERR_OUT_OF_MEMORY, "%s: out of memory for the %zu bytes of every rank's slices", what, total);
+    if ((res = ddp__agree_outcome(g, res, what)) != DDP_SUCCESS) goto done;
+    if (w > 1 && total) res = ddp_all_gather_v(g, mine, mine_len, all, counts, DDP_U8); /* total: the same everywhere */
+    else if (mine_len) memcpy(all, mine, mine_len);
+    for (r = 0, total = 0; res == DDP_SUCCESS && r < w; total += counts[r], r++)
+        if (!ddp__slices_unpack(all + total, all + total + counts[r], r, rec, &m))
+            res = ddp__fail(g, DDP_ERR_FORMAT, "%s: rank %d's list of slices arrived malformed", what, r);
+    if (res == DDP_SUCCESS) res = ddp__slices_verdict(g, path, rec, m);
+done:
+    ddp__free(lens);
+    ddp__free(counts);
+    ddp__free(all);
+    ddp__free(rec);
+    return res;
+}
+
+/* Steps: check the arguments and build the tensors; agree; check with every rank's slices that they
+   fit together (ddp__slices_disjoint: the same verdict everywhere); then the shard save. */
 DDP_API ddp_result ddp_checkpoint_save_slices(ddp_group *g, const char *path, const ddp_slice *s, int n, const ddp_meta *meta,
                                               const ddp_checkpoint_save_desc *desc) {
     static const char *what = "checkpoint slice save";
     ddp_tensor *t = NULL;
-    char *names = NULL;
-    int i, k = 0;
+    char *names = NULL, *mine = NULL;
+    size_t mine_len = 0;
+    int k = 0;
     ddp_result r;
     if (g && !ddp__live_has(g, DDP__LIVE_GROUP)) return ddp__group_check(g, "ddp_checkpoint_save_slices");
+    ddp__ck_async_settle(g);
     r = ddp__slices_check(g, what, s, n);
-    if (r == DDP_SUCCESS && n > 0) {
-        t = (ddp_tensor *)ddp__calloc((size_t)n, sizeof *t);
-        names = (char *)ddp__calloc((size_t)n, 128);
-        if (!t || !names) r = ddp__fail(g, DDP_ERR_OUT_OF_MEMORY, "%s: out of memory", what);
-    }
-    for (i = 0; r == DDP_SUCCESS && i < n; i++) {
-        char *name = names + (size_t)i * 128;
-        if (!s[i].count) continue; /* nothing to store */
-        if (snprintf(name, 128, "%s%c%zu/%zu", s[i].name, DDP__SLICE_SEP, s[i].offset, s[i].global_count) >= 128)
-            r = ddp__fail(g, DDP_ERR_INVALID_ARGUMENT, "%s: slice name \"%.64s...\" is too long (at most 80 bytes)", what, s[i].name);
-        t[k].name = name;
-        t[k].dtype = s[i].dtype;
-        t[k].ndim = 1;
-        t[k].shape[0] = (int64_t)s[i].count;
-        t[k].data = s[i].data;
-        k++;
-    }
-    /* a bad argument here still meets the other ranks' first agreement inside the shard save */
-    r = r == DDP_SUCCESS ? ddp_checkpoint_save_shard(g, path, t, k, meta, desc) : ddp__ck_agree(g, r, what);
+    if (r == DDP_SUCCESS) r = ddp__slices_as_tensors(g, what, s, n, &t, &names, &k);
+    if (r == DDP_SUCCESS && !(mine = (char *)ddp__malloc((mine_len = ddp__slices_packed_size(s, n)) + 1)))
+        r = ddp__fail(g, DDP_ERR_OUT_OF_MEMORY, "%s: out of memory", what);
+    if (r == DDP_SUCCESS) ddp__slices_pack(s, n, mine);
+    r = ddp__slices_disjoint(g, what, path ? path : "(null)", r, mine, mine_len);
+    if (r == DDP_SUCCESS) r = ddp_checkpoint_save_shard(g, path, t, k, meta, desc);
     ddp__free(t);
     ddp__free(names);
+    ddp__free(mine);
     return r;
 }
 
@@ -21968,9 +22738,31 @@ static int ddp__slice_parse(const char *piece, size_t *name_len, uint64_t *offse
     return *end == '\0';
 }
 
-/* Copy what saved piece e of shard `file` holds of the requests; found[i] counts request i's elements. */
-static ddp_result ddp__slice_take(ddp_group *g, const char *file, int fd, uint64_t data_start, const ddp__ck_header *h,
-                                  const ddp__ck_entry *e, ddp_slice *s, int n, uint64_t *found) {
+/* The intervals copied into the requests: [lo, hi) of request req, from the shard of rank `shard`. */
+typedef struct ddp__slice_got {
+    int req, shard;
+    uint64_t lo, hi;
+} ddp__slice_got;
+typedef struct ddp__slice_gots {
+    ddp__slice_got *v;
+    size_t n, cap;
+} ddp__slice_gots;
+
+static int ddp__slice_note(ddp__slice_gots *got, int req, int shard, uint64_t lo, uint64_t hi) {
+    if (got->n == got->cap) {
+        size_t cap = got->cap ? 2 * got->cap : 64;
+        ddp__slice_got *p = (ddp__slice_got *)DDP_REALLOC(got->v, cap * sizeof *p);
+        if (!p) return 0;
+        got->v = p, got->cap = cap;
+    }
+    got->v[got->n].req = req, got->v[got->n].shard = shard, got->v[got->n].lo = lo, got->v[got->n].hi = hi;
+    got->n++;
+    return 1;
+}
+
+/* Copy what saved piece e of shard k (file) holds of the requests, noting each interval copied. */
+static ddp_result ddp__slice_take(ddp_group *g, const char *file, int k, int fd, uint64_t data_start, const ddp__ck_header *h,
+                                  const ddp__ck_entry *e, ddp_slice *s, int n, ddp__slice_gots *got) {
     size_t name_len;
     uint64_t off, global, count = e->ndim == 1 ? (uint64_t)e->shape[0] : 0;
     char *piece = NULL;
@@ -21998,18 +22790,61 @@ static ddp_result ddp__slice_take(ddp_group *g, const char *file, int fd, uint64
                                  (unsigned long long)(e->end - e->begin));
             r = ddp__ck_read_tensor(g, file, fd, data_start, h, e, piece);
         }
-        if (r == DDP_SUCCESS) {
+        if (r == DDP_SUCCESS && !ddp__slice_note(got, i, k, lo, hi)) r = ddp__fail(g, DDP_ERR_OUT_OF_MEMORY, "checkpoint %s: out of memory", file);
+        if (r == DDP_SUCCESS)
             memcpy((char *)s[i].data + (size_t)(lo - s[i].offset) * es, piece + (size_t)(lo - off) * es, (size_t)(hi - lo) * es);
-            found[i] += hi - lo;
-        }
     }
     ddp__free(piece);
     return r;
 }
 
+static int ddp__slice_got_cmp(const void *a, const void *b) {
+    const ddp__slice_got *x = (const ddp__slice_got *)a, *y = (const ddp__slice_got *)b;
+    if (x->req != y->req) return x->req < y->req ? -1 : 1;
+    if (x->lo != y->lo) return x->lo < y->lo ? -1 : 1;
+    if (x->hi != y->hi) return x->hi < y->hi ? -1 : 1;
+    return x->shard < y->shard ? -1 : x->shard > y->shard;
+}
+
+/* Did the copied intervals fill every request exactly once? Sorted by (request, start), each request's
+   intervals must start where the filled part ends: later is a hole (elements no rank saved), earlier
+   an element filled twice (the save overlapped: which copy is right cannot be told). The first such
+   range of the first request with one is the error. */
+static ddp_result ddp__slices_covered(ddp_group *g, const char *what, const char *path, int64_t world, const ddp_slice *s, int n,
+                                      ddp__slice_gots *got) {
+    size_t j = 0;
+    int i;
+    if (got->n) qsort(got->v, got->n, sizeof *got->v, ddp__slice_got_cmp);
+    for (i = 0; i < n; i++) {
+        uint64_t pos = s[i].offset, end = (uint64_t)(s[i].offset + s[i].count);
+        int by = -1; /* the shard whose piece reaches pos */
+        for (; j < got->n && got->v[j].req == i && got->v[j].lo <= pos; j++) {
+            const ddp__slice_got *x = &got->v[j];
+            if (x->lo < pos) {
+                char where[64];
+                if (by == x->shard) snprintf(where, sizeof where, "in the shard of rank %d", by);
+                else snprintf(where, sizeof where, "in the shards of rank %d and rank %d", by, x->shard);
+                return ddp__fail(g, DDP_ERR_FORMAT, "%s: %s holds elements [%llu, %llu) of \"%.64s\" twice, %s: the save's slices "
+                                 "overlap (a save from before ddp_checkpoint_save_slices refused that), and which copy is right "
+                                 "cannot be told: save the tensor again, in slices that do not overlap, or whole with "
+                                 "ddp_checkpoint_save", what, path, (unsigned long long)x->lo, (unsigned long long)DDP__MIN(x->hi, pos),
+                                 s[i].name, where);
+            }
+            pos = x->hi, by = x->shard;
+        }
+        if (j < got->n && got->v[j].req == i) end = got->v[j].lo; /* a hole before the next piece */
+        if (pos < end)
+            return ddp__fail(g, DDP_ERR_MISMATCH, "%s: %s lacks elements [%llu, %llu) of \"%.64s\", which this rank asked for "
+                             "([%zu, %zu) of %zu): the save, by %lld ranks, did not cover them", what, path, (unsigned long long)pos,
+                             (unsigned long long)end, s[i].name, s[i].offset, s[i].offset + s[i].count, s[i].global_count,
+                             (long long)world);
+    }
+    return DDP_SUCCESS;
+}
+
 /* Everything shard k of the save holds of the requests (and, for k = 0, its metadata into meta). */
 static ddp_result ddp__slices_from_shard(ddp_group *g, const char *path, int k, int64_t world, uint64_t id, ddp_slice *s,
-                                         int n, uint64_t *found, ddp_meta *meta) {
+                                         int n, ddp__slice_gots *got, ddp_meta *meta) {
     char *file = ddp__ck_shard_path(path, k), *raw = NULL, id_text[32];
     ddp__ck_header h;
     ddp__ck_shard_expect x;
@@ -22022,7 +22857,7 @@ static ddp_result ddp__slices_from_shard(ddp_group *g, const char *path, int k, 
     if ((r = ddp__ck_open(g, file, &fd, &raw, &hlen, &h)) == DDP_SUCCESS) {
         r = ddp__ck_check_shard(g, file, &h, &x);
         if (r == DDP_SUCCESS && meta) r = ddp__ck_copy_meta(g, &h, meta);
-        for (e = 0; r == DDP_SUCCESS && e < h.n; e++) r = ddp__slice_take(g, file, fd, 8 + hlen, &h, &h.e[e], s, n, found);
+        for (e = 0; r == DDP_SUCCESS && e < h.n; e++) r = ddp__slice_take(g, file, k, fd, 8 + hlen, &h, &h.e[e], s, n, got);
         ddp__ck_header_free(&h);
         ddp__free(raw);
         close(fd);
@@ -22033,30 +22868,26 @@ static ddp_result ddp__slices_from_shard(ddp_group *g, const char *path, int k, 
 
 DDP_API ddp_result ddp_checkpoint_load_slices(ddp_group *g, const char *path, ddp_slice *s, int n, ddp_meta *meta) {
     static const char *what = "checkpoint slice load";
-    uint64_t *found = NULL, id = 0;
+    ddp__slice_gots got;
+    uint64_t id = 0;
     int64_t world = 0;
-    int i, k;
+    int k;
     ddp_result r;
     if (g && !ddp__live_has(g, DDP__LIVE_GROUP)) return ddp__group_check(g, "ddp_checkpoint_load_slices");
     ddp__ck_async_settle(g);
+    memset(&got, 0, sizeof got);
     r = ddp__slices_check(g, what, s, n);
 #ifdef DDP_CUDA
-    for (i = 0; r == DDP_SUCCESS && i < n; i++) /* the pieces are copied with memcpy below */
-        if (s[i].count && ddp__cuda_is_device_pointer(s[i].data) == 1)
+    for (k = 0; r == DDP_SUCCESS && k < n; k++) /* the pieces are copied with memcpy below */
+        if (s[k].count && ddp__cuda_is_device_pointer(s[k].data) == 1)
             r = ddp__fail(g, DDP_ERR_UNSUPPORTED, "%s: slice \"%.64s\" is in device memory, which ddp_checkpoint_load_slices does not "
-                          "take yet: load it into host memory and copy it to the device", what, s[i].name);
+                          "take yet: load it into host memory and copy it to the device", what, s[k].name);
 #endif
-    if (r == DDP_SUCCESS && n > 0 && !(found = (uint64_t *)ddp__calloc((size_t)n, sizeof *found)))
-        r = ddp__fail(g, DDP_ERR_OUT_OF_MEMORY, "%s: out of memory", what);
     if (r == DDP_SUCCESS) r = ddp__ck_read_marker(g, path, &world, &id);
-    for (k = 0; r == DDP_SUCCESS && k < world; k++) r = ddp__slices_from_shard(g, path, k, world, id, s, n, found, k ? NULL : meta);
-    for (i = 0; r == DDP_SUCCESS && i < n; i++)
-        if (found[i] != s[i].count)
-            r = ddp__fail(g, DDP_ERR_MISMATCH, "%s: %s holds %llu of the %zu elements [%zu, %zu) of \"%.64s\" that this rank asked "
-                          "for (saved by %lld ranks): the save did not cover them", what, path, (unsigned long long)found[i],
-                          s[i].count, s[i].offset, s[i].offset + s[i].count, s[i].name, (long long)world);
-    ddp__free(found);
-    return ddp__ck_agree(g, r, what);
+    for (k = 0; r == DDP_SUCCESS && k < world; k++) r = ddp__slices_from_shard(g, path, k, world, id, s, n, &got, k ? NULL : meta);
+    if (r == DDP_SUCCESS) r = ddp__slices_covered(g, what, path, world, s, n, &got);
+    ddp__free(got.v);
+    return ddp__agree_outcome(g, r, what);
 }
 /* ==================== end src/reshard.c ==================== */
 

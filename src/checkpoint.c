@@ -8,6 +8,7 @@
      collectives   agreement on the outcome (every rank fails together), chunked broadcasts
      rotation      keep_last and ddp_checkpoint_latest: files that differ in one run of digits
      save, load    rank 0 writes; every rank reads, or rank 0 reads and broadcasts
+     list          what a file holds, from its header alone
      async save    staged copy on the caller's thread, written and agreed on in the background
      shards        one file per rank, then a completion marker written last */
 #include "internal.h"
@@ -350,46 +351,10 @@ static ddp_result ddp__ck_write_file(ddp_group *g, const char *path, const ddp_t
 }
 
 /* ---- collectives ----
-   Every collective entry point ends with ddp__ck_agree: the ranks exchange their outcome, so an error
-   anywhere (rank 0 could not write, rank 3 could not read) is an error everywhere, carrying the
-   failing rank's message; nobody is left waiting in a later collective. */
+   Every collective entry point ends with ddp__agree_outcome (collectives.c): the ranks exchange their
+   outcome, so an error anywhere (rank 0 could not write, rank 3 could not read) is an error everywhere,
+   carrying the failing rank's message; nobody is left waiting in a later collective. */
 
-/* This rank's own failure, worded as the other ranks word it ("checkpoint save failed on rank 0: ..."),
-   so that every rank's message names the operation and the rank that failed. */
-static ddp_result ddp__ck_failed_here(ddp_group *g, ddp_result mine, const char *what, const char *own) {
-    return ddp__fail(g, mine, "%s failed on rank %d: %.900s", what, ddp_rank(g), own);
-}
-
-static ddp_result ddp__ck_agree(ddp_group *g, ddp_result mine, const char *what) {
-    int32_t code = (int32_t)mine, *codes;
-    char *msgs, own[DDP__ERR_MAX];
-    int w, i, bad = -1;
-    ddp_result r;
-    if (ddp_world_size(g) <= 1) return mine;
-    w = ddp_world_size(g);
-    memset(own, 0, sizeof own);
-    if (mine != DDP_SUCCESS) snprintf(own, sizeof own, "%s", ddp_last_error(g));
-    codes = (int32_t *)ddp__calloc((size_t)w, sizeof *codes);
-    if (!codes) return ddp__fail(g, DDP_ERR_OUT_OF_MEMORY, "%s: out of memory agreeing on the outcome", what);
-    r = ddp_all_gather(g, &code, codes, 1, DDP_I32);
-    for (i = 0; r == DDP_SUCCESS && i < w && bad < 0; i++)
-        if (codes[i] != 0) bad = i;
-    if (r != DDP_SUCCESS || bad < 0) {
-        ddp__free(codes);
-        /* this rank's own failure says more than a collective that broke after it */
-        return (r != DDP_SUCCESS && mine != DDP_SUCCESS) ? ddp__ck_failed_here(g, mine, what, own) : r;
-    }
-    msgs = (char *)ddp__calloc((size_t)w, DDP__ERR_MAX);
-    r = msgs ? ddp_all_gather(g, own, msgs, DDP__ERR_MAX, DDP_U8) : DDP_ERR_OUT_OF_MEMORY;
-    if (mine != DDP_SUCCESS) r = ddp__ck_failed_here(g, mine, what, own);
-    else if (r == DDP_SUCCESS) {
-        msgs[(size_t)bad * DDP__ERR_MAX + DDP__ERR_MAX - 1] = '\0';
-        r = ddp__fail(g, (ddp_result)codes[bad], "%s failed on rank %d: %s", what, bad, msgs + (size_t)bad * DDP__ERR_MAX);
-    } else if (!msgs) r = ddp__fail(g, DDP_ERR_OUT_OF_MEMORY, "%s failed on rank %d (out of memory fetching its message)", what, bad);
-    ddp__free(msgs);
-    ddp__free(codes);
-    return r;
-}
 
 /* Broadcast bytes from rank 0 in DDP__CK_CHUNK pieces (the same split on every rank). dst NULL: receive
    and discard, through scratch (DDP__CK_CHUNK bytes). */
@@ -408,9 +373,9 @@ static int ddp__ck_rank(const ddp_group *g) { return ddp_rank(g); }
 static int ddp__ck_world(const ddp_group *g) { return ddp_world_size(g); }
 
 /* ---- rotation ----
-   A family is <dir>/<prefix><digits><suffix>; a member's number is its digits. keep_last keeps the K
-   largest numbers; files with smaller numbers go, together with their ".tmp" leftovers (and, for
-   shards, each rank's "<member>.rank<r>" files). */
+   A family is <dir>/<prefix><digits><suffix>; a member's number is its digits (1 to 18 of them).
+   keep_last keeps the K largest numbers; files with smaller numbers go, together with their ".tmp"
+   leftovers (and, for shards, every "<member>.rank<r>" file, whichever group size wrote it). */
 
 typedef struct ddp__ck_family {
     char *dir, *prefix, *suffix;
@@ -452,19 +417,50 @@ static int ddp__ck_family_of_path(ddp__ck_family *f, const char *path, int64_t *
     return ddp__ck_family_split(f, path, a, b) ? 1 : -1;
 }
 
-/* Does name belong to the family, followed by exactly tail? Sets *number (at most 18 digits). */
-static int ddp__ck_family_match(const ddp__ck_family *f, const char *name, const char *tail, int64_t *number) {
-    size_t np = strlen(f->prefix), ns = strlen(f->suffix), nt = strlen(tail), len = strlen(name), k = 0;
+/* Does name belong to the family? Sets *number and *tail (what follows the suffix). The number has
+   1 to 18 digits: a longer run is not a member (it might not fit an int64_t, so the digit count is
+   checked before each multiplication). */
+static int ddp__ck_family_member(const ddp__ck_family *f, const char *name, int64_t *number, const char **tail) {
+    size_t np = strlen(f->prefix), ns = strlen(f->suffix), k;
     int64_t v = 0;
     if (strncmp(name, f->prefix, np) != 0) return 0;
-    while (np + k < len && name[np + k] >= '0' && name[np + k] <= '9') {
+    for (k = 0; name[np + k] >= '0' && name[np + k] <= '9'; k++) {
+        if (k == 18) return 0;
         v = v * 10 + (name[np + k] - '0');
-        if (++k > 18) return 0;
     }
-    if (k == 0 || len != np + k + ns + nt) return 0;
-    if (strncmp(name + np + k, f->suffix, ns) != 0 || strcmp(name + np + k + ns, tail) != 0) return 0;
+    if (k == 0 || strncmp(name + np + k, f->suffix, ns) != 0) return 0;
+    *number = v;
+    *tail = name + np + k + ns;
+    return 1;
+}
+
+/* Does name belong to the family, followed by exactly tail? Sets *number. */
+static int ddp__ck_family_match(const ddp__ck_family *f, const char *name, const char *tail, int64_t *number) {
+    const char *rest;
+    int64_t v;
+    if (!ddp__ck_family_member(f, name, &v, &rest) || strcmp(rest, tail) != 0) return 0;
     *number = v;
     return 1;
+}
+
+/* Which files of an old member a caller deletes, by what follows the member's name:
+     rank < 0   the member itself and its ".tmp" leftover (rank 0, for a plain save or a shard marker)
+     rank >= 0  the shards "<member>.rank<r>" and their ".tmp" leftovers with r % world == rank: each
+                rank its own and those of ranks the group no longer has (a save on fewer ranks than the
+                old one), so every shard file has exactly one deleter and no two ranks race on a name */
+static int ddp__ck_tail_doomed(const char *tail, int rank, int world) {
+    int64_t r = 0;
+    int k;
+    if (rank < 0) return strcmp(tail, "") == 0 || strcmp(tail, ".tmp") == 0;
+    if (strncmp(tail, ".rank", 5) != 0) return 0;
+    tail += 5;
+    for (k = 0; tail[k] >= '0' && tail[k] <= '9'; k++) {
+        if (k == 10) return 0; /* more digits than an int has */
+        r = r * 10 + (tail[k] - '0');
+    }
+    if (k == 0 || (k > 1 && tail[0] == '0') || r > INT_MAX) return 0; /* "%d" writes no leading zero */
+    if (tail[k] != '\0' && strcmp(tail + k, ".tmp") != 0) return 0;
+    return r % world == rank;
 }
 
 static char *ddp__ck_join(const char *dir, const char *name) {
@@ -482,9 +478,9 @@ static int ddp__ck_cmp_i64_desc(const void *a, const void *b) {
     return x > y ? -1 : x < y ? 1 : 0;
 }
 
-/* Delete the family's files whose number is below cutoff and whose name ends (after the suffix) in
-   one of tails. Failures are logged, not returned: the new checkpoint is already safe. */
-static void ddp__ck_delete_below(ddp_group *g, const ddp__ck_family *f, int64_t cutoff, const char *const *tails, int ntails) {
+/* Delete the family's files whose number is below cutoff and that ddp__ck_tail_doomed gives to
+   rank (of world). Failures are logged, not returned: the new checkpoint is already safe. */
+static void ddp__ck_delete_below(ddp_group *g, const ddp__ck_family *f, int64_t cutoff, int rank, int world) {
     DIR *d = opendir(f->dir);
     struct dirent *de;
     int deleted = 0;
@@ -494,16 +490,13 @@ static void ddp__ck_delete_below(ddp_group *g, const ddp__ck_family *f, int64_t 
     }
     while ((de = readdir(d)) != NULL) {
         int64_t num;
-        int i;
-        for (i = 0; i < ntails; i++) {
-            char *full;
-            if (!ddp__ck_family_match(f, de->d_name, tails[i], &num) || num >= cutoff) continue;
-            full = ddp__ck_join(f->dir, de->d_name);
-            if (full && unlink(full) == 0) deleted++;
-            else ddp__log(g, DDP_LOG_WARN, "checkpoint keep_last: cannot delete %s: %s", full ? full : de->d_name, strerror(errno));
-            ddp__free(full);
-            break;
-        }
+        const char *tail;
+        char *full;
+        if (!ddp__ck_family_member(f, de->d_name, &num, &tail) || num >= cutoff || !ddp__ck_tail_doomed(tail, rank, world)) continue;
+        full = ddp__ck_join(f->dir, de->d_name);
+        if (full && unlink(full) == 0) deleted++;
+        else ddp__log(g, DDP_LOG_WARN, "checkpoint keep_last: cannot delete %s: %s", full ? full : de->d_name, strerror(errno));
+        ddp__free(full);
     }
     closedir(d);
     if (deleted) {
@@ -554,7 +547,7 @@ static ddp_result ddp__ck_check_rotation(ddp_group *g, const char *path, const d
     k = ddp__ck_family_of_path(f, path, number);
     if (k < 0) return ddp__fail(g, DDP_ERR_OUT_OF_MEMORY, "checkpoint save: out of memory");
     if (k == 0)
-        return ddp__fail(g, DDP_ERR_INVALID_ARGUMENT, "checkpoint save: keep_last needs a number in the file name of %s (e.g. ckpt_000100.safetensors)", path);
+        return ddp__fail(g, DDP_ERR_INVALID_ARGUMENT, "checkpoint save: keep_last needs a number in the file name of %s (a run of 1 to 18 digits, e.g. ckpt_000100.safetensors)", path);
     return DDP_SUCCESS;
 }
 
@@ -568,9 +561,8 @@ static ddp_result ddp__ck_save_on_root(ddp_group *g, const char *path, const ddp
     ddp_result r = ddp__ck_check_rotation(g, path ? path : "", desc, &fam, &number);
     if (r == DDP_SUCCESS) r = ddp__ck_write_file(g, path, t, n, meta, NULL, staged);
     if (r == DDP_SUCCESS && fam.dir) {
-        static const char *const tails[] = {"", ".tmp"};
         int64_t cutoff = ddp__ck_cutoff(g, &fam, desc->keep_last, number);
-        if (cutoff != INT64_MIN) ddp__ck_delete_below(g, &fam, cutoff, tails, 2);
+        if (cutoff != INT64_MIN) ddp__ck_delete_below(g, &fam, cutoff, -1, 1);
     }
     ddp__ck_family_free(&fam);
     return r;
@@ -584,7 +576,7 @@ DDP_API ddp_result ddp_checkpoint_save_ex(ddp_group *g, const char *path, const 
     if (g && !ddp__live_has(g, DDP__LIVE_GROUP)) return ddp__group_check(g, "ddp_checkpoint_save_ex");
     ddp__ck_async_settle(g); /* a background save in flight finishes first */
     if (ddp__ck_rank(g) == 0) r = ddp__ck_save_on_root(g, path, t, n, meta, desc, 0);
-    return ddp__ck_agree(g, r, "checkpoint save");
+    return ddp__agree_outcome(g, r, "checkpoint save");
 }
 
 DDP_API ddp_result ddp_checkpoint_save(ddp_group *g, const char *path, const ddp_tensor *t, int n, const ddp_meta *meta) {
@@ -600,7 +592,7 @@ DDP_API ddp_result ddp_checkpoint_save(ddp_group *g, const char *path, const ddp
         all the caller waits for.
      2. a background thread per save: rank 0 writes the staged tensors exactly as ddp_checkpoint_save
         does (same function: tmp file, fsync, rename, directory fsync, CRCs, keep_last), then every
-        rank's thread agrees on the outcome (ddp__ck_agree) and completes the ddp_work.
+        rank's thread agrees on the outcome (ddp__agree_outcome) and completes the ddp_work.
    Ordering with the program's later collectives: the agreement of step 2 runs on a private group of
    the same ranks (made once, at the first async save, through the group's store: every rank makes it
    at the same call, since the save is collective), never on the program's group, so it cannot
@@ -677,7 +669,7 @@ static void *ddp__ck_async_main(void *arg) {
     ddp_work *w = a->work;
     if (r != DDP_SUCCESS) ddp__fail(a->sub, r, "%s", a->pre_msg);
     else if (a->rank == 0) r = ddp__ck_save_on_root(a->sub, a->path, a->t, a->n, a->has_meta ? &a->meta : NULL, a->has_desc ? &a->desc : NULL, 1);
-    r = ddp__ck_agree(a->sub, r, DDP__CK_ASYNC_WHAT);
+    r = ddp__agree_outcome(a->sub, r, DDP__CK_ASYNC_WHAT);
     pthread_mutex_lock(&a->mu);
     w->result = r;
     if (r != DDP_SUCCESS) {
@@ -716,10 +708,11 @@ static int ddp__ck_async_test(ddp_work *w) {
 }
 
 static const ddp__backend ddp__ck_async_owner = {"checkpoint", "checkpoint", NULL, NULL, ddp__ck_async_wait, ddp__ck_async_test,
-                                                 NULL, NULL, NULL, NULL, NULL, NULL};
+                                                 NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL};
 
-static int ddp__ck_async_owns(const ddp_work *w) { return w->owner == &ddp__ck_async_owner; }
-
+/* The group ends (g->end_upper, from ddp_destroy before its barrier, or from the group's end): finish a
+   background save in flight (its work keeps the outcome), close the save's private group, free the
+   staging buffer. Idempotent. */
 static void ddp__ck_async_end(ddp_group *g) {
     struct ddp__ck_async *a = g->ck_async;
     if (!a) return;
@@ -767,6 +760,7 @@ static ddp_result ddp__ck_async_state(ddp_group *g, struct ddp__ck_async **out) 
             }
         }
         *slot = a;
+        if (g) g->end_upper = ddp__ck_async_end; /* ddp_destroy and the group's end finish it first */
     }
     *out = a;
     return DDP_SUCCESS;
@@ -882,9 +876,9 @@ static ddp_result ddp__ck_open(ddp_group *g, const char *path, int *fd, char **r
     ddp_result r;
     *raw = NULL;
     *fd = open(path, O_RDONLY | O_CLOEXEC);
-    if (*fd < 0) return ddp__fail(g, DDP_ERR_IO, "checkpoint load: cannot open %s: %s", path, strerror(errno));
+    if (*fd < 0) return ddp__fail(g, DDP_ERR_IO, "checkpoint: cannot open %s: %s", path, strerror(errno));
     if (fstat(*fd, &st) != 0 || !S_ISREG(st.st_mode)) {
-        r = ddp__fail(g, DDP_ERR_IO, "checkpoint load: %s is not a regular file", path);
+        r = ddp__fail(g, DDP_ERR_IO, "checkpoint: %s is not a regular file", path);
         goto fail;
     }
     r = ddp__ck_read_at(g, *fd, prefix, DDP__MIN((uint64_t)8, (uint64_t)st.st_size), 0, path, NULL);
@@ -926,6 +920,9 @@ static void ddp__ck_describe(char *out, size_t cap, const char *dtype, int ndim,
 static ddp_result ddp__ck_match(ddp_group *g, const char *path, const ddp__ck_header *h, const ddp_tensor *t, int n,
                                 const ddp_checkpoint_load_desc *d, ddp__ck_entry **matched) {
     int i, used = 0;
+    if (d && d->require_checksums && d->allow_missing_checksums)
+        return ddp__fail(g, DDP_ERR_INVALID_ARGUMENT, "checkpoint load of %s: require_checksums and allow_missing_checksums are both set "
+                         "(allow_missing_checksums is the default now and changes nothing: clear it)", path);
     for (i = 0; i < n; i++) {
         ddp__ck_entry *e = ddp__ck_lookup(h, t[i].name);
         uint32_t crc;
@@ -943,9 +940,10 @@ static ddp_result ddp__ck_match(ddp_group *g, const char *path, const ddp__ck_he
         }
         k = ddp__ck_stored_crc(h, e->name, &crc);
         if (k < 0) return ddp__fail(g, DDP_ERR_FORMAT, "checkpoint %s: the checksum of tensor \"%.64s\" is not 8 hex digits", path, e->name);
-        if (k == 0 && !(d && d->allow_missing_checksums))
-            return ddp__fail(g, DDP_ERR_FORMAT, "checkpoint %s: tensor \"%.64s\" has no " DDP__CK_CRC_PREFIX " checksum (a file from another writer? "
-                             "set allow_missing_checksums to load it)", path, e->name);
+        if (k == 0 && d && d->require_checksums)
+            return ddp__fail(g, DDP_ERR_FORMAT, "checkpoint %s: tensor \"%.64s\" has no " DDP__CK_CRC_PREFIX " checksum and require_checksums is set "
+                             "(a file from another safetensors writer, such as torch's: clear require_checksums to load it unverified)",
+                             path, e->name);
         matched[i] = e;
         used++;
     }
@@ -963,11 +961,13 @@ static ddp_result ddp__ck_match(ddp_group *g, const char *path, const ddp__ck_he
     return DDP_SUCCESS;
 }
 
-/* Read t[i]'s data from the file and verify its checksum. */
+/* Read t[i]'s data from the file and verify its checksum when the file has one (ddp.h always writes
+   them; other writers' files have none); a malformed checksum is refused. */
 static ddp_result ddp__ck_read_tensor(ddp_group *g, const char *path, int fd, uint64_t data_start, const ddp__ck_header *h,
                                       const ddp__ck_entry *e, void *dst) {
     uint64_t bytes = e->end - e->begin;
     uint32_t want, got = 0xFFFFFFFFu;
+    int k;
     ddp_result r;
 #ifdef DDP_CUDA
     if (ddp__ck_on_device(dst, bytes)) r = ddp__ck_read_to_device(g, fd, dst, bytes, data_start + e->begin, path, e->name, &got);
@@ -976,7 +976,9 @@ static ddp_result ddp__ck_read_tensor(ddp_group *g, const char *path, int fd, ui
         r = ddp__ck_read_at(g, fd, dst, bytes, data_start + e->begin, path, &got);
     if (r != DDP_SUCCESS) return r;
     got = ~got;
-    if (ddp__ck_stored_crc(h, e->name, &want) <= 0) return DDP_SUCCESS;
+    k = ddp__ck_stored_crc(h, e->name, &want);
+    if (k < 0) return ddp__fail(g, DDP_ERR_FORMAT, "checkpoint %s: the checksum of tensor \"%.64s\" is not 8 hex digits", path, e->name);
+    if (k == 0) return DDP_SUCCESS; /* another writer's file: nothing to verify against */
     if (got != want)
         return ddp__fail(g, DDP_ERR_FORMAT, "checkpoint %s: tensor \"%.64s\" is corrupt: its data has CRC32C %08x but the header records %08x",
                          path, e->name, (unsigned)got, (unsigned)want);
@@ -1110,7 +1112,7 @@ static ddp_result ddp__ck_load_bcast(ddp_group *g, const char *path, ddp_tensor 
         scratch = (char *)ddp__malloc(DDP__CK_CHUNK);
         r = scratch ? DDP_SUCCESS : ddp__fail(g, DDP_ERR_OUT_OF_MEMORY, "checkpoint load: out of memory for a broadcast buffer");
     }
-    if ((r = ddp__ck_agree(g, r, what)) != DDP_SUCCESS) goto done;
+    if ((r = ddp__agree_outcome(g, r, what)) != DDP_SUCCESS) goto done;
     if (root) {
         info[0] = k.hlen;
         info[1] = (uint64_t)n;
@@ -1159,7 +1161,7 @@ static ddp_result ddp__ck_load_bcast(ddp_group *g, const char *path, ddp_tensor 
                              k.h.e[sel[2 * j]].name);
     }
     if (!root && mine == DDP_SUCCESS) mine = ddp__ck_copy_meta(g, &k.h, meta);
-    r = ddp__ck_agree(g, mine, what);
+    r = ddp__agree_outcome(g, mine, what);
 done:
     ddp__ck_kept_free(&k);
     ddp__free(sel);
@@ -1173,11 +1175,88 @@ DDP_API ddp_result ddp_checkpoint_load_ex(ddp_group *g, const char *path, ddp_te
     if (g && !ddp__live_has(g, DDP__LIVE_GROUP)) return ddp__group_check(g, "ddp_checkpoint_load_ex");
     ddp__ck_async_settle(g); /* a background save in flight finishes first (it may be this very file) */
     if (desc && desc->broadcast && ddp_world_size(g) > 1) return ddp__ck_load_bcast(g, path, t, n, meta, desc);
-    return ddp__ck_agree(g, ddp__ck_load_local(g, path, t, n, meta, desc, NULL, NULL), "checkpoint load");
+    return ddp__agree_outcome(g, ddp__ck_load_local(g, path, t, n, meta, desc, NULL, NULL), "checkpoint load");
 }
 
 DDP_API ddp_result ddp_checkpoint_load(ddp_group *g, const char *path, ddp_tensor *t, int n, ddp_meta *meta) {
     return ddp_checkpoint_load_ex(g, path, t, n, meta, NULL);
+}
+
+/* ---- list ----
+   ddp_checkpoint_list: what a file holds, from its header alone. ddp__ck_open reads the 8-byte length
+   and the JSON and parses it exactly as a load does (the layout checked against the file's size: no
+   gap, overlap or truncation), so a file that lists is one whose header a load accepts; the data is
+   never read, so a wrong checksum is the load's to find (a malformed one is refused here too). The
+   entries come back in the order the header lists them (ddp__ck_entry.order, kept by the parser,
+   which sorts its entries by data offset): for a file ddp.h wrote that is the order of t[] at save.
+   Names are copies owned by the array (ddp_checkpoint_list_free). */
+static int ddp__ck_cmp_order(const void *a, const void *b) {
+    int x = (*(const ddp__ck_entry *const *)a)->order, y = (*(const ddp__ck_entry *const *)b)->order;
+    return (x > y) - (x < y);
+}
+
+DDP_API void ddp_checkpoint_list_free(ddp_tensor *t, int n) {
+    int i;
+    if (!t) return;
+    for (i = 0; i < n; i++) ddp__free((void *)t[i].name);
+    ddp__free(t);
+}
+
+DDP_API ddp_result ddp_checkpoint_list(const char *path, ddp_tensor **tensors, int *n, ddp_meta *meta) {
+    ddp__ck_header h;
+    ddp__ck_entry **by_order = NULL;
+    ddp_tensor *out = NULL;
+    ddp_meta got;
+    char *raw = NULL;
+    uint64_t hlen = 0;
+    int fd = -1, i;
+    ddp_result r;
+    if (tensors) *tensors = NULL;
+    if (n) *n = 0;
+    if (!tensors || !n) return ddp__fail(NULL, DDP_ERR_INVALID_ARGUMENT, "ddp_checkpoint_list: the tensors or n argument is NULL");
+    if (!ddp__ck_little_endian()) return ddp__fail(NULL, DDP_ERR_UNSUPPORTED, "checkpoint: safetensors is little-endian and this host is not");
+    if (!path || !*path) return ddp__fail(NULL, DDP_ERR_INVALID_ARGUMENT, "ddp_checkpoint_list: path is NULL or empty");
+    if ((r = ddp__ck_open(NULL, path, &fd, &raw, &hlen, &h)) != DDP_SUCCESS) return r;
+    close(fd);
+    ddp__free(raw);
+    memset(&got, 0, sizeof got);
+    by_order = (ddp__ck_entry **)ddp__calloc((size_t)h.n + 1, sizeof *by_order);
+    out = (ddp_tensor *)ddp__calloc((size_t)h.n + 1, sizeof *out); /* + 1: never NULL on success, even for no tensors */
+    if (!by_order || !out) r = ddp__fail(NULL, DDP_ERR_OUT_OF_MEMORY, "ddp_checkpoint_list of %s: out of memory", path);
+    for (i = 0; r == DDP_SUCCESS && i < h.n; i++) by_order[i] = &h.e[i];
+    if (r == DDP_SUCCESS && h.n) qsort((void *)by_order, (size_t)h.n, sizeof *by_order, ddp__ck_cmp_order);
+    for (i = 0; r == DDP_SUCCESS && i < h.n; i++) {
+        const ddp__ck_entry *e = by_order[i];
+        uint32_t crc;
+        if (e->ndim > 8)
+            r = ddp__fail(NULL, DDP_ERR_UNSUPPORTED, "checkpoint %s: tensor \"%.64s\" has %d dimensions, more than the 8 a ddp_tensor holds",
+                          path, e->name, e->ndim);
+        else if (ddp__ck_stored_crc(&h, e->name, &crc) < 0)
+            r = ddp__fail(NULL, DDP_ERR_FORMAT, "checkpoint %s: the checksum of tensor \"%.64s\" is not 8 hex digits", path, e->name);
+        else if (!(out[i].name = ddp__strdup(e->name)))
+            r = ddp__fail(NULL, DDP_ERR_OUT_OF_MEMORY, "ddp_checkpoint_list of %s: out of memory", path);
+        else {
+            out[i].dtype = ddp__ck_dtypes[e->st].dtype; /* DDP_DTYPE_DEFAULT for BOOL, U16, F8_E4M3, ... */
+            out[i].ndim = e->ndim;
+            memcpy(out[i].shape, e->shape, sizeof out[i].shape);
+            out[i].data = NULL;
+        }
+    }
+    if (r == DDP_SUCCESS && meta) r = ddp__ck_copy_meta(NULL, &h, &got);
+    if (r == DDP_SUCCESS) {
+        *tensors = out;
+        *n = h.n;
+        if (meta) {
+            ddp_meta_free(meta);
+            *meta = got;
+        }
+    } else {
+        ddp_checkpoint_list_free(out, out ? h.n : 0); /* names not yet copied are NULL (calloc) */
+        ddp_meta_free(&got);
+    }
+    ddp__free((void *)by_order);
+    ddp__ck_header_free(&h);
+    return r;
 }
 
 /* ---- shards ---- */
@@ -1213,7 +1292,8 @@ static ddp_result ddp__ck_shard_keys(ddp_meta *m, int rank, int world, uint64_t 
      1. rank 0 deletes the old marker at path, durably, and draws a save id (broadcast)
      2. every rank writes "<path>.rank<r>" durably, stamped with rank, world size and save id
      3. rank 0 writes the marker durably (only now is the set complete), deletes old markers (keep_last)
-     4. with keep_last, rank 0 broadcasts the cutoff and every rank deletes its own old shards */
+     4. with keep_last, rank 0 broadcasts the cutoff and every rank deletes the old shards of the ranks r
+        with r % world == rank: its own, and those of ranks an older, larger group had */
 DDP_API ddp_result ddp_checkpoint_save_shard(ddp_group *g, const char *path, const ddp_tensor *t, int n, const ddp_meta *meta,
                                              const ddp_checkpoint_save_desc *desc) {
     static const char *what = "checkpoint shard save";
@@ -1235,33 +1315,24 @@ DDP_API ddp_result ddp_checkpoint_save_shard(ddp_group *g, const char *path, con
         if (unlink(path) != 0 && errno != ENOENT) r = ddp__fail(g, DDP_ERR_IO, "%s: cannot remove the old completion marker %s: %s", what, path, strerror(errno));
         else r = ddp__ck_sync_dir(g, path);
     }
-    if ((r = ddp__ck_agree(g, r, what)) != DDP_SUCCESS) goto done;
+    if ((r = ddp__agree_outcome(g, r, what)) != DDP_SUCCESS) goto done;
     if (world > 1 && (r = ddp_broadcast(g, &id, 1, DDP_I64, 0)) != DDP_SUCCESS) goto done;
     shard = ddp__ck_shard_path(path, rank);
     if (!shard || ddp__ck_shard_keys(&extra, rank, world, id) != DDP_SUCCESS) r = ddp__fail(g, DDP_ERR_OUT_OF_MEMORY, "%s: out of memory", what);
     else r = ddp__ck_write_file(g, shard, t, n, meta, &extra, 0);
-    if ((r = ddp__ck_agree(g, r, what)) != DDP_SUCCESS) goto done;
+    if ((r = ddp__agree_outcome(g, r, what)) != DDP_SUCCESS) goto done;
     if (rank == 0) {
         ddp_meta_free(&extra);
         if (ddp__ck_shard_keys(&extra, -1, world, id) != DDP_SUCCESS) r = ddp__fail(g, DDP_ERR_OUT_OF_MEMORY, "%s: out of memory", what);
         else r = ddp__ck_write_file(g, path, NULL, 0, NULL, &extra, 0);
         if (r == DDP_SUCCESS && fam.dir) {
-            static const char *const tails[] = {"", ".tmp"};
             cutoff = ddp__ck_cutoff(g, &fam, desc->keep_last, number);
-            if (cutoff != INT64_MIN) ddp__ck_delete_below(g, &fam, cutoff, tails, 2);
+            if (cutoff != INT64_MIN) ddp__ck_delete_below(g, &fam, cutoff, -1, 1);
         }
     }
-    if ((r = ddp__ck_agree(g, r, what)) != DDP_SUCCESS || !fam.dir) goto done;
+    if ((r = ddp__agree_outcome(g, r, what)) != DDP_SUCCESS || !fam.dir) goto done;
     if (world > 1 && (r = ddp_broadcast(g, &cutoff, 1, DDP_I64, 0)) != DDP_SUCCESS) goto done;
-    if (cutoff != INT64_MIN) {
-        char own[32], own_tmp[40];
-        const char *tails[2];
-        snprintf(own, sizeof own, ".rank%d", rank);
-        snprintf(own_tmp, sizeof own_tmp, ".rank%d.tmp", rank);
-        tails[0] = own;
-        tails[1] = own_tmp;
-        ddp__ck_delete_below(g, &fam, cutoff, tails, 2);
-    }
+    if (cutoff != INT64_MIN) ddp__ck_delete_below(g, &fam, cutoff, rank, world);
 done:
     ddp__free(shard);
     ddp_meta_free(&extra);
@@ -1314,7 +1385,7 @@ DDP_API ddp_result ddp_checkpoint_load_shard(ddp_group *g, const char *path, ddp
     if (!bcast || rank == 0) r = ddp__ck_read_marker(g, path, &info[0], &id);
     if (bcast) {
         info[1] = (int64_t)id;
-        if ((r = ddp__ck_agree(g, r, what)) != DDP_SUCCESS) return r;
+        if ((r = ddp__agree_outcome(g, r, what)) != DDP_SUCCESS) return r;
         if ((r = ddp_broadcast(g, info, 2, DDP_I64, 0)) != DDP_SUCCESS) return r;
         id = (uint64_t)info[1];
     }
@@ -1330,7 +1401,7 @@ DDP_API ddp_result ddp_checkpoint_load_shard(ddp_group *g, const char *path, ddp
         r = ddp__ck_load_local(g, shard, t, n, meta, desc, &x, NULL);
     }
     ddp__free(shard);
-    return ddp__ck_agree(g, r, what);
+    return ddp__agree_outcome(g, r, what);
 }
 
 /* ---- latest ---- */

@@ -1,7 +1,9 @@
 /* [SECTION] checkpoint: safetensors save/load, resume state, per-rank shards (torch.save / load patterns)
    Mirrors the usual PyTorch DDP checkpoint recipe: `if rank == 0: torch.save(...)`, `dist.barrier()`,
    then `torch.load(..., map_location=...)` on every rank; the file format is safetensors, so Python tools
-   (safetensors, or twenty lines of json + numpy) read our files and we read theirs.
+   (safetensors, or twenty lines of json + numpy) read our files and we read theirs: any valid
+   safetensors file loads (safetensors.torch.save_file's included), its checksums verified when it has
+   ddp.h's (below). ddp_checkpoint_list tells what a file holds, to size the buffers before loading.
 
    File layout (safetensors): an 8-byte little-endian header length N, N bytes of JSON, then the tensor
    data, raw and little-endian, with no gaps:
@@ -11,6 +13,11 @@
    U8 I32 I64. Every tensor's CRC32C (Castagnoli, as iSCSI and ext4 use) is kept in the metadata as
    "ddp.crc32c.<name>" (8 lowercase hex digits) and verified on load. Metadata keys starting with
    "ddp.crc32c." or "ddp.shard." are the library's; the rest belong to the caller.
+   Checksums on load, by every load path alike (load, load_ex, broadcast, load_shard, load_slices):
+   a tensor with a checksum is verified (a mismatch or a malformed value is DDP_ERR_FORMAT); a tensor
+   without one (a file from another writer: safetensors, torch, numpy) loads unverified, unless the
+   load descriptor's require_checksums asks to refuse it. A truncated or inconsistent file (header
+   length, offsets or sizes that do not add up to the file's size, bad JSON) is refused always.
    The tensor data is host memory in the host's byte order, and safetensors is little-endian: on a
    big-endian host every call here returns DDP_ERR_UNSUPPORTED.
 
@@ -132,8 +139,9 @@ typedef struct ddp_checkpoint_save_desc {
     /* > 0: after a successful save, delete the older checkpoints of the same family, keeping the
        keep_last newest (this one included). The family of ".../ckpt_000300.safetensors" is every file
        of that directory whose name differs only in that last run of digits (ckpt_000100.safetensors,
-       ckpt_200.safetensors, ...), ordered by the number; path must have such a run of digits.
-       Leftover "<name>.tmp" files of older family members (from a crash) are deleted too.
+       ckpt_200.safetensors, ...), ordered by the number; path must have such a run of 1 to 18 digits
+       (a file whose run is longer, e.g. ckpt_12345678901234567890.safetensors, is not a member and is
+       left alone). Leftover "<name>.tmp" files of older family members (from a crash) are deleted too.
        0 (default): delete nothing. */
     int keep_last;
 } ddp_checkpoint_save_desc;
@@ -149,9 +157,15 @@ typedef struct ddp_checkpoint_load_desc {
     /* 1: tensors in the file that t[] does not list are skipped, as load_state_dict(strict=False).
        0 (default): they are DDP_ERR_MISMATCH, naming one. Tensors listed in t[] must always be there. */
     int allow_unexpected;
-    /* 1: accept tensors without a "ddp.crc32c.<name>" checksum (files from other safetensors writers);
-       checksums that are present are still verified. 0 (default): a missing checksum is DDP_ERR_FORMAT. */
+    /* Kept so that programs that set it still compile: accepting tensors without a checksum is the
+       default now, so this changes nothing (setting it together with require_checksums is
+       DDP_ERR_INVALID_ARGUMENT). */
     int allow_missing_checksums;
+    /* 1: every tensor loaded must have its "ddp.crc32c.<name>" checksum (files ddp.h wrote); one
+       without is DDP_ERR_FORMAT naming it. 0 (default): tensors without a checksum (files from other
+       safetensors writers, e.g. torch's) load unverified; checksums that are present are always
+       verified. */
+    int require_checksums;
 } ddp_checkpoint_load_desc;
 
 /* ddp_checkpoint_save: write the n tensors t[] and the metadata meta (may be NULL) to path, durably and
@@ -196,17 +210,53 @@ DDP_API ddp_result ddp_checkpoint_save_async_ex(ddp_group *g, const char *path, 
 /* ddp_checkpoint_load: read path into the n tensors t[] and (when meta is not NULL) replace meta's
    contents with the file's metadata (the library's "ddp.crc32c.*"/"ddp.shard.*" keys left out).
    Each t[i] says what the caller expects: name, dtype and shape must match the file exactly, or the
-   error names the tensor and both sides. Checksums are verified. Collective over g when g is not NULL
-   (see desc->broadcast); a failure on any rank is an error on every rank, naming that rank.
+   error names the tensor and both sides. Checksums are verified where the file has them (any valid
+   safetensors file loads; desc->require_checksums refuses one without). Collective over g when g is
+   not NULL (see desc->broadcast); a failure on any rank is an error on every rank, naming that rank.
    Return: DDP_SUCCESS; DDP_ERR_IO (cannot open or read); DDP_ERR_FORMAT (not a valid safetensors file,
-   or a checksum does not match: the message says what is wrong); DDP_ERR_MISMATCH (names, dtypes or
-   shapes differ from t[]); DDP_ERR_UNSUPPORTED (a dtype ddp.h lacks in a tensor you asked for, more
-   than 8 dimensions, big-endian host); DDP_ERR_INVALID_ARGUMENT; the group's errors. On an error the
+   a checksum does not match, or is missing under require_checksums: the message says what is wrong);
+   DDP_ERR_MISMATCH (names, dtypes or shapes differ from t[]); DDP_ERR_UNSUPPORTED (a dtype ddp.h lacks
+   in a tensor you asked for, more than 8 dimensions, big-endian host); DDP_ERR_INVALID_ARGUMENT (also
+   require_checksums together with allow_missing_checksums); the group's errors. On an error the
    contents of the tensors and of meta are unspecified.
    Thread safety: as ddp_checkpoint_save. */
 DDP_API ddp_result ddp_checkpoint_load(ddp_group *g, const char *path, ddp_tensor *t, int n, ddp_meta *meta);
 DDP_API ddp_result ddp_checkpoint_load_ex(ddp_group *g, const char *path, ddp_tensor *t, int n, ddp_meta *meta,
                                           const ddp_checkpoint_load_desc *desc);
+
+/* ddp_checkpoint_list: what the file at path holds, to size buffers before ddp_checkpoint_load (a
+   data set or a model of unknown size). Reads the header only, never the data, and validates it as
+   strictly as a load does (the JSON, the dtypes, offsets consistent with each other and with the
+   file's size), so a truncated or inconsistent file is an error here too; checksums are not verified
+   (the load does that). Local: not collective, no group (every rank may call it, or rank 0 and
+   broadcast the shapes).
+   Parameters: *tensors receives a new array of *n tensors, in the order the file's header lists them
+   (for a file ddp.h wrote: the order of t[] at the save; safetensors' own writer lists them in the
+   order of their data), each with its name (a copy owned by the array), dtype, ndim and shape, and
+   data NULL. A tensor of a safetensors dtype ddp.h cannot load (BOOL, I16, U16, U32, U64, F8_E5M2,
+   F8_E4M3) has dtype DDP_DTYPE_DEFAULT: skip it with allow_unexpected. meta (may be NULL) receives the
+   metadata as ddp_checkpoint_load gives it (its contents replaced; the library's keys left out).
+   Free the array with ddp_checkpoint_list_free(*tensors, *n) (it is not NULL on success, even for a
+   file without tensors).
+   Return: DDP_SUCCESS; DDP_ERR_IO (cannot open or read); DDP_ERR_FORMAT (not a valid safetensors file:
+   the message says what is wrong); DDP_ERR_UNSUPPORTED (a tensor with more than 8 dimensions, a
+   big-endian host); DDP_ERR_INVALID_ARGUMENT (path, tensors or n NULL); DDP_ERR_OUT_OF_MEMORY. On an
+   error *tensors is NULL, *n is 0 and meta is unchanged; the message is in ddp_last_error(NULL).
+   Thread safety: any thread.
+   Example: load a file of unknown shapes.
+       ddp_tensor *t; int n, i;
+       if (ddp_checkpoint_list("data.safetensors", &t, &n, NULL) != DDP_SUCCESS) die(ddp_last_error(NULL));
+       for (i = 0; i < n; i++) {
+           size_t count = 1; int d;
+           for (d = 0; d < t[i].ndim; d++) count *= (size_t)t[i].shape[d];
+           t[i].data = malloc(count * ddp_dtype_size(t[i].dtype)); (a DDP_DTYPE_DEFAULT tensor: leave it
+       }                                                           out and set allow_unexpected)
+       ddp_checkpoint_load(NULL, "data.safetensors", t, n, NULL);
+       ... use t[i].data; free each, then ddp_checkpoint_list_free(t, n); */
+DDP_API ddp_result ddp_checkpoint_list(const char *path, ddp_tensor **tensors, int *n, ddp_meta *meta);
+/* ddp_checkpoint_list_free: free an array from ddp_checkpoint_list and its names (not the data
+   pointers, which the program set). NULL is a no-op. */
+DDP_API void ddp_checkpoint_list_free(ddp_tensor *t, int n);
 
 /* ---- Per-rank shards (e.g. ZeRO-style optimizer state) ---------------------------------------
    ddp_checkpoint_save_shard: every rank saves its own t[] and meta to "<path>.rank<r>" (r in decimal),
@@ -215,7 +265,10 @@ DDP_API ddp_result ddp_checkpoint_load_ex(ddp_group *g, const char *path, ddp_te
    "ddp.shard.save_id" that every shard of this save carries too. Before any shard is written, rank 0
    removes an old marker at path, so a save cut short is never taken for a complete one (use distinct
    paths, e.g. a step number with keep_last, to always keep a complete previous checkpoint).
-   keep_last: rank 0 deletes old markers, then each rank its own old shards. Collective over g.
+   keep_last: rank 0 deletes the old markers, then the old shards go, every "<old marker>.rank<r>" (and
+   its ".tmp") whichever group wrote it: rank q deletes those with r % world_size == q, its own and
+   those of ranks the group no longer has (a save resumed on fewer ranks), so each file has exactly one
+   deleter and no two ranks race on a name. Collective over g.
    ddp_checkpoint_load_shard: check that the marker exists (else DDP_ERR_IO: the save did not finish,
    or the path is wrong), that it was written by a group of this size (else DDP_ERR_MISMATCH), then
    load this rank's shard as ddp_checkpoint_load does and check that it belongs to that save
@@ -235,12 +288,22 @@ DDP_API ddp_result ddp_checkpoint_load_shard(ddp_group *g, const char *path, ddp
    elements are not stored. ddp_checkpoint_load_slices: every rank asks for any slices - the world size
    and the split may differ from the save's (resharding, as torch.distributed.checkpoint) - and gets them
    from whichever shards hold them: it reads the header of every shard and each saved piece that overlaps
-   one of its requests (checksum verified), and copies the overlap. Every requested element must be
-   found: a gap, another dtype or another global_count is DDP_ERR_MISMATCH naming the tensor and the
-   elements. meta (may be NULL) receives the metadata of rank 0's shard. Both are collective over g (g
-   NULL: one process); a failure on any rank is an error on every rank, naming the rank.
+   one of its requests (checksum verified), and copies the overlap. meta (may be NULL) receives the
+   metadata of rank 0's shard. Both are collective over g (g NULL: one process); a failure on any rank
+   is an error on every rank, naming the rank.
+   Each element is saved by exactly one rank: before any file is written, the ranks exchange their
+   slices (an all_gather of name, dtype, global_count, offset and count) and every rank checks the same
+   list, so all refuse together, with the same DDP_ERR_INVALID_ARGUMENT, and none writes, when two
+   slices of a tensor overlap ("rank 0 saves "w" [0, 6) and rank 1 saves "w" [0, 4)": a tensor every
+   rank holds whole, replicated, belongs in ddp_checkpoint_save, saved once) or disagree on
+   global_count or dtype. Ranges nobody saves are allowed at save time.
+   Every requested element must be found exactly once: a hole (elements no rank saved: the message
+   names the first missing range, "lacks elements [8, 10) of "w""), another dtype or another
+   global_count is DDP_ERR_MISMATCH; elements two saved pieces hold (a save from before the overlap
+   check) are DDP_ERR_FORMAT naming the range and both ranks, as which copy is right cannot be told.
    Return: as ddp_checkpoint_save_shard / ddp_checkpoint_load_shard; DDP_ERR_INVALID_ARGUMENT for a slice
-   outside its tensor, without a name or data; DDP_ERR_FORMAT for a shard that holds other tensors.
+   outside its tensor, without a name or data, or overlapping another (save); DDP_ERR_FORMAT for a
+   shard that holds other tensors or pieces that overlap (load).
    Thread safety: as ddp_checkpoint_save. */
 typedef struct ddp_slice {
     const char *name;
@@ -254,9 +317,9 @@ DDP_API ddp_result ddp_checkpoint_save_slices(ddp_group *g, const char *path, co
 DDP_API ddp_result ddp_checkpoint_load_slices(ddp_group *g, const char *path, ddp_slice *s, int n, ddp_meta *meta);
 
 /* ddp_checkpoint_latest: find the newest checkpoint of a family, to resume from. pattern is a path
-   whose file name holds one '*' standing for a run of digits ("ckpt/model_*.safetensors"); the file
-   (or shard marker) with the largest number wins. A name with any other text in the place of the '*'
-   (such as "<name>.tmp" leftovers) never matches. Not collective; rank 0 may call it and broadcast.
+   whose file name holds one '*' standing for a run of 1 to 18 digits ("ckpt/model_*.safetensors"); the
+   file (or shard marker) with the largest number wins. A name with any other text in the place of the
+   '*' (such as "<name>.tmp" leftovers), or a longer run of digits, never matches. Not collective; rank 0 may call it and broadcast.
    Parameters: out receives the path (capacity bytes, terminator included); number (may be NULL)
    receives its number.
    Return: DDP_SUCCESS with out = "" and *number = -1 when there is none yet; DDP_ERR_INVALID_ARGUMENT

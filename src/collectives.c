@@ -100,7 +100,7 @@ static ddp_result ddp__run(ddp_group *g, const ddp__backend *b, const ddp__call 
         return DDP_ERR_STATE;
     }
     g->mesh.waiting_for = -1;
-    if (p2p) return g->mpi ? b->run(g, k, c) : ddp__p2p_run(g, k, c);
+    if (p2p) return b->p2p_start ? b->run(g, k, c) : ddp__p2p_run(g, k, c); /* the backend's own, or the mesh's */
     ddp__trace_started(g, c);
     r = k->kind == DDP__BROADCAST_BYTES ? ddp__broadcast_bytes_run(g, b, k, c) : b->run(g, k, c);
     ddp__trace_ended(g, c, r);
@@ -377,7 +377,7 @@ static void ddp__work_release_all(ddp_group *g) {
         g->async.issued = w->issued_next;
         ddp__live_remove(w, DDP__LIVE_WORK);
         if (w->owner && w->owner->wait == ddp__irecv_wait) ddp__free(w->handle); /* its posted receive */
-        if (w->owner && w->owner->wait == ddp__mpi_p2p_wait) ddp__mpi_p2p_release(w);
+        if (w->owner && w->owner->p2p_release) w->owner->p2p_release(w); /* a backend's own (mpi) */
         ddp__free(w);
     }
 }
@@ -477,7 +477,7 @@ DDP_API ddp_result ddp_wait(ddp_work *w) {
     if (g) ddp__work_unlink(g, w); /* an async checkpoint save without a group has none */
     if (w->owner) { /* the backend's own work (nccl: device work; an irecv; a checkpoint save), freed by its wait */
         ddp__coll c = w->coll;
-        int traced = !ddp__is_p2p(c.kind) && !ddp__ck_async_owns(w);
+        int traced = c.kind != 0 && !ddp__is_p2p(c.kind); /* kind 0: no collective (a checkpoint save) */
         r = w->owner->wait(w);
         if (traced) ddp__trace_ended(g, &c, r);
         return r;
@@ -739,8 +739,8 @@ static ddp_result ddp__p2p_async_check(ddp_group *g, const char *name, ddp__coll
     return DDP_SUCCESS;
 }
 
-/* On the mpi backend: MPI's own nonblocking calls, started now (mpi.c). */
-static ddp_result ddp__mpi_p2p_async(ddp_group *g, ddp__coll_kind kind, const void *send, void *recv, size_t count,
+/* On a backend with point-to-point calls of its own (mpi: MPI's nonblocking calls), started now. */
+static ddp_result ddp__backend_p2p_async(ddp_group *g, ddp__coll_kind kind, const void *send, void *recv, size_t count,
                                      ddp_dtype t, int peer, int tag, ddp_work **out) {
     ddp_work *w = (ddp_work *)ddp__calloc(1, sizeof *w);
     ddp_result r;
@@ -748,9 +748,9 @@ static ddp_result ddp__mpi_p2p_async(ddp_group *g, ddp__coll_kind kind, const vo
     w->g = g;
     ddp__p2p_describe(g, &w->call, &w->coll, kind, send, recv, count, t, peer, tag);
     ddp__drain(g); /* in issue order with the queued collectives */
-    if ((r = ddp__mpi_p2p_start(g, w)) != DDP_SUCCESS || !ddp__work_issue(g, w)) {
+    if ((r = g->backend->p2p_start(g, w)) != DDP_SUCCESS || !ddp__work_issue(g, w)) {
         if (r == DDP_SUCCESS) { /* started, and nobody can wait for it: the group cannot go on */
-            ddp__mpi_p2p_release(w);
+            w->owner->p2p_release(w);
             r = ddp__group_abort(g, DDP_ERR_OUT_OF_MEMORY, "out of memory recording a ddp_work");
         }
         ddp__free(w);
@@ -765,7 +765,7 @@ DDP_API ddp_result ddp_isend(ddp_group *g, const void *buf, size_t count, ddp_dt
     ddp__coll c;
     ddp_result r = ddp__p2p_async_check(g, "isend", DDP__SEND, buf, count, t, dst, tag, w);
     if (r) return r;
-    if (g->mpi) return ddp__mpi_p2p_async(g, DDP__SEND, buf, NULL, count, t, dst, tag, w);
+    if (g->backend->p2p_start) return ddp__backend_p2p_async(g, DDP__SEND, buf, NULL, count, t, dst, tag, w);
     ddp__p2p_describe(g, &k, &c, DDP__SEND, buf, NULL, count, t, dst, tag);
     return ddp__enqueue(g, &k, &c, w);
 }
@@ -799,14 +799,14 @@ static int ddp__irecv_test(ddp_work *w) {
 }
 
 static const ddp__backend ddp__irecv_owner = {"p2p", "cpu", NULL, NULL, ddp__irecv_wait, ddp__irecv_test, NULL,
-                                              NULL, NULL, NULL, NULL, NULL};
+                                              NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL};
 
 DDP_API ddp_result ddp_irecv(ddp_group *g, void *buf, size_t count, ddp_dtype t, int src, int tag, ddp_work **out) {
     ddp__posted *p;
     ddp_work *w;
     ddp_result r = ddp__p2p_async_check(g, "irecv", DDP__RECV, buf, count, t, src, tag, out);
     if (r) return r;
-    if (g->mpi) return ddp__mpi_p2p_async(g, DDP__RECV, NULL, buf, count, t, src, tag, out);
+    if (g->backend->p2p_start) return ddp__backend_p2p_async(g, DDP__RECV, NULL, buf, count, t, src, tag, out);
     w = (ddp_work *)ddp__calloc(1, sizeof *w);
     p = (ddp__posted *)ddp__calloc(1, sizeof *p);
     if (!w || !p || !ddp__work_issue(g, w)) {
@@ -833,4 +833,47 @@ DDP_API ddp_result ddp_irecv(ddp_group *g, void *buf, size_t count, ddp_dtype t,
     }
     *out = w;
     return DDP_SUCCESS;
+}
+
+/* ---- agreeing on an outcome ----
+   For the library's own multi-step calls (checkpoints, ZeRO state): each rank passes its local result,
+   and the first failure (lowest rank) becomes every rank's error with that rank's message, so an error
+   anywhere is an error everywhere and nobody is left waiting in a later collective. A group of one (or
+   none: g NULL) returns mine. */
+
+/* This rank's own failure, worded as the other ranks word it ("checkpoint save failed on rank 0: ..."),
+   so that every rank's message names the operation and the rank that failed. */
+static ddp_result ddp__failed_here(ddp_group *g, ddp_result mine, const char *what, const char *own) {
+    return ddp__fail(g, mine, "%s failed on rank %d: %.900s", what, g->rank, own);
+}
+
+static ddp_result ddp__agree_outcome(ddp_group *g, ddp_result mine, const char *what) {
+    int32_t code = (int32_t)mine, *codes;
+    char *msgs, own[DDP__ERR_MAX];
+    int w, i, bad = -1;
+    ddp_result r;
+    if (!g || g->world_size <= 1) return mine;
+    w = g->world_size;
+    memset(own, 0, sizeof own);
+    if (mine != DDP_SUCCESS) snprintf(own, sizeof own, "%s", ddp_last_error(g));
+    codes = (int32_t *)ddp__calloc((size_t)w, sizeof *codes);
+    if (!codes) return ddp__fail(g, DDP_ERR_OUT_OF_MEMORY, "%s: out of memory agreeing on the outcome", what);
+    r = ddp_all_gather(g, &code, codes, 1, DDP_I32);
+    for (i = 0; r == DDP_SUCCESS && i < w && bad < 0; i++)
+        if (codes[i] != 0) bad = i;
+    if (r != DDP_SUCCESS || bad < 0) {
+        ddp__free(codes);
+        /* this rank's own failure says more than a collective that broke after it */
+        return (r != DDP_SUCCESS && mine != DDP_SUCCESS) ? ddp__failed_here(g, mine, what, own) : r;
+    }
+    msgs = (char *)ddp__calloc((size_t)w, DDP__ERR_MAX);
+    r = msgs ? ddp_all_gather(g, own, msgs, DDP__ERR_MAX, DDP_U8) : DDP_ERR_OUT_OF_MEMORY;
+    if (mine != DDP_SUCCESS) r = ddp__failed_here(g, mine, what, own);
+    else if (r == DDP_SUCCESS) {
+        msgs[(size_t)bad * DDP__ERR_MAX + DDP__ERR_MAX - 1] = '\0';
+        r = ddp__fail(g, (ddp_result)codes[bad], "%s failed on rank %d: %s", what, bad, msgs + (size_t)bad * DDP__ERR_MAX);
+    } else if (!msgs) r = ddp__fail(g, DDP_ERR_OUT_OF_MEMORY, "%s failed on rank %d (out of memory fetching its message)", what, bad);
+    ddp__free(msgs);
+    ddp__free(codes);
+    return r;
 }

@@ -208,7 +208,8 @@ DDP_API ddp_result ddp_gather(ddp_group *g, const void *send, void *recv, size_t
    (their buffers are theirs again), and a scatter's other ranks wait for the root alone, up to 30 calls
    ahead of the slowest rank. A mismatch found late (another root, count or collective on some rank) is
    still an error on every rank, but a rank that ran ahead gets it from a later call on the group (at
-   the latest its next call of another kind, or ddp_destroy). */
+   the latest its next call of another kind, or ddp_destroy). No rank gets wrong data meanwhile: each
+   block of a receive buffer is either left as it was or exactly what the rank's own call delivers. */
 DDP_API ddp_result ddp_scatter(ddp_group *g, const void *send, void *recv, size_t count, ddp_dtype t, int root);
 /* all_to_all (torch's all_to_all_single with equal splits): recv[r*count_per_rank ...] <- rank r's
    send[rank*count_per_rank ...], for every r. send may equal recv (in place). */

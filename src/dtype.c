@@ -187,3 +187,65 @@ static void ddp__divide(void *buf, size_t count, ddp_dtype t, int n) {
     default: break;
     }
 }
+
+/* ---- conversions between the floating dtypes (the reducer's compression, its scaled copies) ---- */
+
+/* One element of a floating dtype, as f32 (f64 keeps its precision through ddp__load_f64). */
+static float ddp__get_f32(const void *p, ddp_dtype t, size_t i) {
+    switch (t) {
+    case DDP_F32: return ((const float *)p)[i];
+    case DDP_F64: return (float)((const double *)p)[i];
+    case DDP_F16: return ddp_f16_to_f32(((const uint16_t *)p)[i]);
+    default: return ddp_bf16_to_f32(((const uint16_t *)p)[i]);
+    }
+}
+static void ddp__put_f32(void *p, ddp_dtype t, size_t i, float v) {
+    switch (t) {
+    case DDP_F32: ((float *)p)[i] = v; break;
+    case DDP_F64: ((double *)p)[i] = (double)v; break;
+    case DDP_F16: ((uint16_t *)p)[i] = ddp_f32_to_f16(v); break;
+    default: ((uint16_t *)p)[i] = ddp_f32_to_bf16(v); break;
+    }
+}
+
+static void ddp__host_convert_scaled(void *dst, ddp_dtype dst_t, const void *src, ddp_dtype src_t, size_t count,
+                                     double scale) {
+    size_t i;
+    if (dst_t == src_t && scale == 1.0) {
+        if (dst != src && count) memcpy(dst, src, count * ddp_dtype_size(dst_t));
+        return;
+    }
+    if (dst_t == DDP_F32 && src_t == DDP_F32) { /* the common case, kept simple enough to vectorise */
+        float *d = (float *)dst, s = (float)scale;
+        const float *x = (const float *)src;
+        for (i = 0; i < count; i++) d[i] = x[i] * s;
+        return;
+    }
+    if (dst_t == DDP_F64 || src_t == DDP_F64) {
+        for (i = 0; i < count; i++) {
+            double v = (src_t == DDP_F64 ? ((const double *)src)[i] : (double)ddp__get_f32(src, src_t, i)) * scale;
+            if (dst_t == DDP_F64)
+                ((double *)dst)[i] = v;
+            else
+                ddp__put_f32(dst, dst_t, i, (float)v);
+        }
+        return;
+    }
+    {
+        float s = (float)scale;
+        for (i = 0; i < count; i++) ddp__put_f32(dst, dst_t, i, ddp__get_f32(src, src_t, i) * s);
+    }
+}
+
+static void ddp__host_convert(void *dst, ddp_dtype dst_t, const void *src, ddp_dtype src_t, size_t count) {
+    size_t i;
+    if (dst_t == src_t) {
+        if (dst != src && count) memcpy(dst, src, count * ddp_dtype_size(dst_t));
+        return;
+    }
+    if (dst_t == DDP_F64) {
+        for (i = 0; i < count; i++) ((double *)dst)[i] = (double)ddp__get_f32(src, src_t, i);
+        return;
+    }
+    for (i = 0; i < count; i++) ddp__put_f32(dst, dst_t, i, ddp__get_f32(src, src_t, i));
+}

@@ -11,8 +11,8 @@
 
    Only the leaders' stage crosses hosts, with what a ring over the H hosts needs: 2(H-1)/H of the
    buffer each way per host; the host stages run at memory speed. Both groups are made when the group
-   is set up (every rank computes the same host map from the host keys that group.c gathers) and live
-   as long as it. A host with one rank has no host group; a group with one rank per host has neither
+   is set up (every rank computes the same host map, ddp__hier_plan, from the host keys that group.c
+   gathers; group.c opens them as subgroups, ddp__hier_open) and live as long as it. A host with one rank has no host group; a group with one rank per host has neither
    and stays on the tcp backend, and so does a group under DDP_TRANSPORT=tcp (no host keys then).
    Everything else (small all_reduces, the other collectives) runs on the tcp backend's algorithms.
 
@@ -25,20 +25,9 @@
    Op AVG runs as SUM in the stages and divides once at the end, as the ring does. */
 #include "internal.h"
 
-/* The end of a group: its stage groups go first (ddp_destroy after the group's own barrier: every rank
-   is there, so their barriers meet), or are just freed when the group is failing. */
-static void ddp__hier_close(ddp_group *g, int orderly) {
-    ddp_group *stages[2];
-    int i;
-    stages[0] = g->hier.host;
-    stages[1] = g->hier.leaders;
-    g->hier.host = g->hier.leaders = NULL;
-    for (i = 0; i < 2; i++) {
-        if (!stages[i]) continue;
-        if (orderly) ddp_destroy(stages[i]);
-        else ddp__group_free(stages[i]);
-    }
-}
+/* The stage groups are group.c's, which made them (ddp__hier_open) and ends them with the group
+   (ddp__hier_stages_end): the backend itself holds nothing else. */
+static void ddp__hier_close(ddp_group *g, int orderly) { (void)g, (void)orderly; }
 
 /* A stage failed and its group is broken: break the other stage's group and the group itself with the
    same message, so ranks waiting anywhere in this all_reduce fail too. */
@@ -88,42 +77,37 @@ static ddp_result ddp__hier_run(ddp_group *g, const ddp__call *k, const ddp__col
 
 static const ddp__backend ddp__backend_hier = {
     "hier", "cpu", ddp__hier_run, NULL, NULL, NULL, ddp__hier_close,
-    ddp__host_alloc, ddp__host_release, ddp__host_zero, ddp__host_copy_in_scaled, ddp__host_copy_out};
+    ddp__host_alloc, ddp__host_release, ddp__host_zero, ddp__host_copy_in_scaled, ddp__host_copy_out,
+    NULL, NULL, NULL, NULL};
 
-/* Called by group.c's set-up when the group's ranks are not all on one host; keys holds every rank's
-   host key. Collective: every rank derives the same host map, so all decide alike. */
-static ddp_result ddp__hier_setup(ddp_group *g, const uint64_t *keys) {
-    int n = g->world_size, i, j, nhost = 0, nlead = 0, my_index = 0, lead_index = 0, shared = 0;
-    int *host = (int *)ddp__calloc((size_t)n, sizeof *host), *leaders = (int *)ddp__calloc((size_t)n, sizeof *leaders);
-    char name[32];
-    ddp_result r = DDP_SUCCESS;
-    if (!host || !leaders) {
-        ddp__free(host);
-        ddp__free(leaders);
-        return ddp__fail(g, DDP_ERR_OUT_OF_MEMORY, "out of memory mapping the group's hosts");
-    }
+/* The host map of a group whose ranks are not all on one host (keys: every rank's host key), as group.c's
+   set-up needs it to open the stage groups: host[] the ranks of this rank's host (nhost, this rank at
+   host[my_index]), leaders[] the first rank of every host (nlead, this rank at leaders[lead_index] when it
+   leads its host). Every rank derives the same map, so all decide alike. Returns 1 when some host has
+   several ranks (the hierarchical all_reduce is worth it), 0 when not, -1 when out of memory; the caller
+   frees host and leaders. */
+static int ddp__hier_plan(const uint64_t *keys, int n, int rank, ddp__hier_map *m) {
+    int i, j, shared = 0;
+    memset(m, 0, sizeof *m);
+    m->host = (int *)ddp__calloc((size_t)n, sizeof *m->host);
+    m->leaders = (int *)ddp__calloc((size_t)n, sizeof *m->leaders);
+    if (!m->host || !m->leaders) return -1;
     for (i = 0; i < n; i++) { /* a host's leader is its lowest rank */
         for (j = 0; j < i && keys[j] != keys[i]; j++) continue;
-        if (j == i) leaders[nlead++] = i;
+        if (j == i) m->leaders[m->nlead++] = i;
         else shared = 1;
-        if (i == g->rank) lead_index = nlead - 1; /* used only when this rank leads its host */
-        if (keys[i] != keys[g->rank]) continue;
-        if (i == g->rank) my_index = nhost;
-        host[nhost++] = i;
+        if (i == rank) m->lead_index = m->nlead - 1; /* used only when this rank leads its host */
+        if (keys[i] != keys[rank]) continue;
+        if (i == rank) m->my_index = m->nhost;
+        m->host[m->nhost++] = i;
     }
-    if (shared) {
-        snprintf(name, sizeof name, "host%d", host[0]);
-        if (nhost > 1) r = ddp__subgroup_open(g, host, nhost, my_index, name, NULL, "setting up the hierarchical all_reduce", &g->hier.host);
-        if (r == DDP_SUCCESS && host[0] == g->rank)
-            r = ddp__subgroup_open(g, leaders, nlead, lead_index, "leaders", NULL, "setting up the hierarchical all_reduce",
-                                   &g->hier.leaders);
-        if (r == DDP_SUCCESS) {
-            g->backend = g->host_backend = &ddp__backend_hier;
-            ddp__log(g, DDP_LOG_INFO, "%d ranks on %d hosts: large all_reduces run hierarchically (shared memory within a "
-                     "host, TCP between hosts)", n, nlead);
-        }
-    }
-    ddp__free(host);
-    ddp__free(leaders);
-    return r;
+    return shared;
+}
+
+/* The stage groups are open (g->hier.host, g->hier.leaders, either may be NULL): large all_reduces go
+   through them from now on. */
+static void ddp__hier_install(ddp_group *g, int nhosts) {
+    g->backend = g->host_backend = &ddp__backend_hier;
+    ddp__log(g, DDP_LOG_INFO, "%d ranks on %d hosts: large all_reduces run hierarchically (shared memory within a "
+             "host, TCP between hosts)", g->world_size, nhosts);
 }

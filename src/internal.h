@@ -2,27 +2,35 @@
    Every private name starts with ddp__ and every private function is static: the implementation is
    one translation unit. It compiles as C99 and as C++17, so casts from void * are explicit.
 
-   The layers, bottom up (each piece calls only pieces above it in this list, never a public
-   collective below the collectives layer; this file declares every cross-file function and type,
-   grouped by the piece that defines it):
+   THE LAYERS, bottom up: the one list of them (docs/ARCHITECTURE.md and the header's preamble point
+   here). It is the order of the pieces in amalgamate.py's manifest, and `amalgamate.py --check` keeps
+   it true: a piece calls only the pieces before it. A lower layer reaches up only through a slot that
+   the upper one fills (a ddp__backend table, the set-up's hooks in ddp__mesh.setup, ddp_group.end_upper),
+   never by name. This file declares every cross-file function and type, grouped by the piece that defines it.
 
-       util, dtype              errors, logging, environment, time; element types and reduction
+       util, registry           errors, logging, environment, time; which groups and work handles are live
+       dtype, alloc             element types, reduction, conversions; ddp_alloc's arenas and heap blocks
        net, auth, store         sockets with deadlines; DDP_AUTH_TOKEN; the rendezvous key-value store
-       link, transport          one layer: connections between ranks made on first use (link), framed
-                                messages over them, failure detection, abort (transport); during
-                                ddp_init's set-up they ask group.c whether a missing rank is gone
-       collectives              the public collectives: validate, fingerprint, dispatch, async work
+       trace                    the flight recorder, and the names of collectives in every message
+       link                     connections between ranks, made on first use; failures go up as codes
+       transport                framed messages over the links, failure detection, breaking the group
+                                (the backends' abort slots); ddp_init's set-up lends it hooks to ask the store
+       devbuf, hostmem          device buffers staged through pinned host memory; the host backends'
+                                memory slots (the reducer's buckets)
+       collectives              the public collectives: validate, fingerprint, dispatch, async work, and
+                                ddp__agree_outcome for the multi-step calls above
        backends                 each fills a ddp__backend table, the only way calls reach it:
          tcp                      ring, recursive-doubling, tree algorithms between ranks (also set-up)
-         alloc                    ddp_alloc: library buffers in the shared segment's arenas
          shm                      shared memory among the ranks of one host
-         hier                     hierarchical all_reduce for groups that span hosts
-         mpi, nccl                MPI and NCCL libraries
-       devbuf                   device buffers on the backends without NCCL, staged through pinned host
-                                memory around the backend's run (collectives.c calls it; DDP_CUDA)
-       group                    ddp_init, rendezvous, the table of ranks, which backend a group gets, subgroups
+         hier                     hierarchical all_reduce for groups that span hosts (its stage groups
+                                  are group.c's)
+         mpi, nccl                the MPI and NCCL libraries
+       group                    ddp_init, rendezvous, the table of ranks, which backend a group gets,
+                                subgroups, ddp_destroy
        launcher                 ddp_spawn, ddprun
-       reducer, sampler, syncbn, safetensors, checkpoint    built on the public API
+       reducer, zero_state      DistributedDataParallel's Reducer, ZeRO; built on the collectives
+       sampler, syncbn          DistributedSampler; SyncBatchNorm
+       safetensors, checkpoint, reshard    the file format; saves and loads; slices across world sizes
 
    A new collective is one ddp__coll_kind, one public function (collectives.c) and one case in each
    backend's run function. */
@@ -277,7 +285,8 @@ static DDP__UNUSED ddp_result ddp__net_poll(int fd, short events, double deadlin
 static DDP__UNUSED void ddp__net_local_address(int fd, char *host, size_t cap);
 static DDP__UNUSED void ddp__net_configure(int fd); /* non-blocking, close-on-exec, TCP_NODELAY */
 
-/* ---- store.c: the rendezvous key-value store (c10d TCPStore protocols of torch 1.13 and 2.x; file store) ---- */
+/* ---- store.c, store_server.c, store_client.c, store_file.c, store_api.c: the rendezvous key-value store (c10d
+   TCPStore protocols of torch 1.13 and 2.x; file store); store_state.h is their private header ---- */
 typedef struct ddp__store_server ddp__store_server;
 /* Start serving on host:port (host as MASTER_ADDR; NULL = all interfaces; port 0 = any free port) on a
    background thread. Errors (port in use, address not on this host) come from ddp__net_listen with clear
@@ -320,6 +329,11 @@ static DDP__UNUSED int ddp__store_torch_prefix(const char *prefix_store, char *b
 static DDP__UNUSED ddp_result ddp__store_open_file(const char *path, double timeout, ddp_store **out, char *err);
 static DDP__UNUSED void ddp__store_free(ddp_store *s); /* closes the connection or the file; NULL is a no-op */
 static DDP__UNUSED void ddp__store_set_timeout(ddp_store *s, double timeout);
+/* s is rank 0's own client of the server in this process: a lost connection is not "did rank 0 exit?". */
+static DDP__UNUSED void ddp__store_mark_own(ddp_store *s);
+/* Wait at most `seconds` for the server to close this idle TCP client's connection (ddp_destroy: rank 0's
+   store has stopped). 1: closed, or no TCP connection to wait on; 0: still open. */
+static DDP__UNUSED int ddp__store_await_close(ddp_store *s, double seconds);
 /* torch's compare_set: when key holds expected (or is missing and expected_size is 0) it becomes desired.
    Copies at most capacity bytes of the value the key holds afterwards to current; *size = its full size.
    (When the key is missing and expected_size > 0, torch answers with expected: so does this.) */
@@ -416,7 +430,17 @@ typedef struct ddp__call {
    (host for cpu and mpi, device for nccl): alloc (zeroed; NULL when out of memory), release, zero,
    copy_in_scaled (dst = src * scale, converted from src_t to dst_t in f32 (f64 for f64), rounded
    once; dst may equal src when the dtypes do) and copy_out (dst = src converted; it also moves the
-   reducer's used map between host memory and the backend's). */
+   reducer's used map between host memory and the backend's); the host versions are hostmem.c's.
+   Optional (NULL: nothing to do, or the mesh's own), so that the layers below call no backend by name:
+     abort        the group breaks (transport.c ddp__group_break): wake every rank waiting inside the
+                  backend at once (shm: the segment's abort word and futex)
+     peer_seq     the newest collective number peer `peer` has entered, as the backend sees it (shm:
+                  the segment's fingerprints), 0 when it cannot tell; a recv uses it to see that its
+                  source went on to a collective without sending
+     p2p_start    ddp_isend / ddp_irecv through the backend's own point-to-point calls (mpi): start w's
+                  transfer, setting w->owner to a table whose wait and test finish it (and run takes
+                  the blocking ddp_send / ddp_recv); NULL: the mesh's messages (transport.c)
+     p2p_release  on a work owner: cancel a started transfer nobody waited for (the group ends) */
 typedef struct ddp__backend {
     const char *name;   /* the transport, for messages: "tcp", "shm", "hier", "mpi", "nccl", "alone" */
     const char *family; /* ddp_backend_name(): "cpu", "mpi" or "nccl" */
@@ -431,6 +455,10 @@ typedef struct ddp__backend {
     void (*copy_in_scaled)(ddp_group *g, void *dst, ddp_dtype dst_t, const void *src, ddp_dtype src_t, size_t count,
                            double scale);
     void (*copy_out)(ddp_group *g, void *dst, ddp_dtype dst_t, const void *src, ddp_dtype src_t, size_t count);
+    void (*abort)(ddp_group *g);
+    uint64_t (*peer_seq)(const ddp_group *g, int peer);
+    ddp_result (*p2p_start)(ddp_group *g, ddp_work *w);
+    void (*p2p_release)(ddp_work *w);
 } ddp__backend;
 
 /* One TCP connection to another member of the group (made on first use: link.c). */
@@ -482,6 +510,18 @@ typedef struct ddp__shake {
 /* The links of a group: its listening socket, the table of where every rank listens, the connections
    made so far (group.c fills the table and opens the listener; link.c makes connections on first use;
    transport.c moves frames on them). */
+/* What ddp_init's set-up (group.c) lends the mesh while it runs, so that a rank lost on the way is also
+   looked for in the store: link.c and transport.c call up only through these.
+     watch  every so often while a step waits on a rank it has no connection with: a failure another rank
+            published in the store, or rank `peer`'s process gone from this node, fails g (error in g->error;
+            published); else DDP_SUCCESS
+     lost   rank `peer`'s port refuses connections (`how`): published, so every rank fails naming it; the
+            message in g->error */
+typedef struct ddp__setup_hooks {
+    ddp_result (*watch)(ddp_group *g, int peer);
+    ddp_result (*lost)(ddp_group *g, int peer, const char *how);
+} ddp__setup_hooks;
+
 typedef struct ddp__mesh {
     ddp__peer *peers;        /* world_size entries, indexed by rank in this group */
     ddp__peer_info *dir;     /* world_size entries: the rendezvous table (NULL before it) */
@@ -492,7 +532,7 @@ typedef struct ddp__mesh {
     int listen_fd;           /* peers dial this; open for the group's life (-1: none) */
     ddp__shake *shakes;      /* DDP__SHAKES_MAX: connections being made */
     int nshakes;
-    int in_setup;            /* ddp_init's own set-up runs: a rank lost on the way is looked for in the store too */
+    const struct ddp__setup_hooks *setup; /* while ddp_init's own set-up runs (group.c), else NULL */
     struct pollfd *pollfds;  /* world_size + DDP__SHAKES_MAX + 1 entries: what one exchange step waits on */
     int *poll_owner;         /* the rank of each pollfds entry (link.c's own entries: below -1) */
     int waiting_for;         /* the rank this one waits for in the current step, -1 if none (for messages) */
@@ -508,6 +548,7 @@ typedef struct ddp__membership {
     ddp_store *store;        /* shared with subgroups; the world group owns it (NULL when alone) */
     int owns_store;
     struct ddp__store_server *store_server; /* rank 0 of the world group serves the store */
+    int rank0_serves;        /* the world group's store is rank 0's TCP server (not a file, not torchrun's agent) */
     char address[128];       /* this host's address that peers connect to */
     char prefix[96];         /* this group's store keys start with it */
     ddp_group *parent;       /* NULL for the world group (and hier.c's stage groups) */
@@ -551,7 +592,8 @@ typedef struct ddp__lib {
     size_t heap_n, heap_cap;
 } ddp__lib;
 
-/* hier.c: the stage groups of a group that spans hosts with several ranks on a host. */
+/* hier.c: the stage groups of a group that spans hosts with several ranks on a host (group.c opens and
+   ends them: ddp__hier_open, ddp__hier_stages_end). */
 typedef struct ddp__hier {
     ddp_group *host;    /* the ranks of this host (NULL if only this one) */
     ddp_group *leaders; /* the first rank of every host, on those ranks (else NULL) */
@@ -592,6 +634,10 @@ struct ddp_group {
     struct ddp__devbuf *devbuf; /* devbuf.c: the stream and pinned memory that stage device buffers (NULL: none yet) */
     struct ddp__trace *trace; /* trace.c's flight recorder (NULL: off) */
     struct ddp__ck_async *ck_async; /* checkpoint.c's background save (NULL: no async save yet) */
+    /* The end of what an upper layer keeps with the group (checkpoint.c's background save, its private
+       group: ddp__ck_async_end), called first by ddp_destroy and by ddp__group_free; idempotent; NULL:
+       nothing. The layers below reach up only through such slots, never by name. */
+    void (*end_upper)(ddp_group *g);
 };
 
 struct ddp_work {
@@ -622,9 +668,6 @@ static DDP__UNUSED ddp_result ddp__link_check_refused(ddp_group *g, const ddp__c
 static DDP__UNUSED uint64_t ddp__link_group_hash(const ddp_group *g);
 
 /* ---- transport.c: framed messages on the mesh, failure detection, breaking the group ---- */
-static DDP__UNUSED const char *ddp__coll_name(int kind); /* "all_reduce", ... */
-/* "all_reduce(count=1024, f32, sum) as collective #7", numbered from g's seq_base */
-static DDP__UNUSED void ddp__coll_describe(const ddp_group *g, const ddp__coll *c, char *out, size_t cap);
 /* Record the first error that breaks g and tell every peer (ABORT frames, a half-close, the shared
    segment's abort word): every rank waiting on anything fails at once with the same message. */
 static DDP__UNUSED ddp_result ddp__group_break(ddp_group *g, ddp_result code, const char *msg);
@@ -675,6 +718,9 @@ static DDP__UNUSED ddp_result ddp__sizes_differ(ddp_group *g, const ddp__coll *c
                                                uint64_t expected);
 
 /* ---- collectives.c: the public collectives' machinery ---- */
+/* Every rank's outcome of a multi-step call (checkpoints, ZeRO state): the first failure (lowest rank) is
+   every rank's error, with its message; mine when g is NULL or of one rank. Collective. */
+static DDP__UNUSED ddp_result ddp__agree_outcome(ddp_group *g, ddp_result mine, const char *what);
 /* Chunk i of `count` elements cut into n nearly equal parts (the first count % n get one more). */
 static DDP__UNUSED void ddp__chunk(size_t count, int n, int i, size_t *off, size_t *len);
 static DDP__UNUSED void *ddp__scratch(ddp_group *g, size_t bytes); /* g's staging memory; NULL when out of memory */
@@ -702,7 +748,10 @@ static DDP__UNUSED int ddp__work_issue(ddp_group *g, ddp_work *w); /* record w a
    gradient): finish queued work, then break the group so every rank fails with msg. */
 static DDP__UNUSED ddp_result ddp__group_abort(ddp_group *g, ddp_result code, const char *msg);
 
-/* ---- trace.c: the flight recorder, each group's last DDP_TRACE_SIZE collectives ---- */
+/* ---- trace.c: the flight recorder, each group's last DDP_TRACE_SIZE collectives; collectives' names ---- */
+static DDP__UNUSED const char *ddp__coll_name(int kind); /* "all_reduce", ... */
+/* "all_reduce(count=1024, f32, sum) as collective #7", numbered from g's seq_base */
+static DDP__UNUSED void ddp__coll_describe(const ddp_group *g, const ddp__coll *c, char *out, size_t cap);
 static DDP__UNUSED void ddp__trace_open(ddp_group *g);  /* group.c: a new group's recorder (none if off) */
 static DDP__UNUSED void ddp__trace_close(ddp_group *g); /* group.c: before g is freed */
 static DDP__UNUSED void ddp__trace_queued(ddp_group *g, const ddp__coll *c, int started); /* c took its seq (fingerprint) */
@@ -747,24 +796,19 @@ static DDP__UNUSED void ddp__lib_free_all(ddp_group *g); /* the group is going a
 /* Map one segment for a group whose ranks all share this host and install the shm backend. Collective
    over the mesh; a failure to set up shared memory is not an error (the group stays on TCP). */
 static DDP__UNUSED ddp_result ddp__shm_setup(ddp_group *g);
-static DDP__UNUSED void ddp__shm_abort(ddp_group *g); /* ddp__group_break: wake every waiting rank */
-/* The newest collective number rank j has entered over the segment (0: none or no segment). */
-static DDP__UNUSED uint64_t ddp__shm_peer_seq(const ddp_group *g, int j);
 
 /* ---- hier.c: the hierarchical backend ---- */
-/* keys: every rank's host key. Makes the stage groups when some host has several ranks, and installs the
-   hier backend. Collective over the mesh. */
-static DDP__UNUSED ddp_result ddp__hier_setup(ddp_group *g, const uint64_t *keys);
+typedef struct ddp__hier_map { /* ddp__hier_plan's answer */
+    int *host, nhost, my_index;      /* the ranks of this rank's host; this rank is host[my_index] */
+    int *leaders, nlead, lead_index; /* the first rank of every host; this rank is leaders[lead_index] if it leads */
+} ddp__hier_map;
+static DDP__UNUSED int ddp__hier_plan(const uint64_t *keys, int n, int rank, ddp__hier_map *m);
+static DDP__UNUSED void ddp__hier_install(ddp_group *g, int nhosts); /* after group.c opened the stage groups */
 
 /* ---- mpi.c: the mpi backend ---- */
 static DDP__UNUSED ddp_result ddp__mpi_world(int *rank, int *world_size, struct ddp__mpi **out, char *err);
 static DDP__UNUSED ddp_result ddp__mpi_split(ddp_group *parent, int me, struct ddp__mpi **out);
 static DDP__UNUSED void ddp__mpi_attach(ddp_group *g, struct ddp__mpi *m); /* g's communicator and backend */
-/* ddp_isend / ddp_irecv on the mpi backend: start w's call (w->call, w->coll filled) as MPI_Isend / MPI_Irecv;
-   w's owner then waits for it (ddp__mpi_p2p_wait), and ddp__mpi_p2p_release cancels it when the group ends. */
-static DDP__UNUSED ddp_result ddp__mpi_p2p_start(ddp_group *g, ddp_work *w);
-static DDP__UNUSED ddp_result ddp__mpi_p2p_wait(ddp_work *w);
-static DDP__UNUSED void ddp__mpi_p2p_release(ddp_work *w);
 static DDP__UNUSED void ddp__mpi_free(struct ddp__mpi *m);
 
 /* ---- nccl.c: the nccl backend ---- */
@@ -808,6 +852,40 @@ static DDP__UNUSED void *ddp__devbuf_stream(const ddp_group *g);
 static DDP__UNUSED ddp_result ddp__devbuf_inherit(ddp_group *sub, const ddp_group *parent);
 static DDP__UNUSED void ddp__devbuf_free(ddp_group *g); /* waits for queued copies; g->devbuf = NULL */
 
+/* ---- launch_env.c: rank, world size and rank 0's address, from the descriptor or the launcher ---- */
+typedef struct ddp__launch {
+    int rank, world_size;
+    int local_rank, local_world_size; /* -1 when the launcher did not say */
+    const char *source;               /* where rank and world size came from, for messages */
+    char master_addr[256];
+    int master_port;                  /* 0: none given */
+    const char *file_path;            /* init_method file:// */
+    int restart_count;
+    int agent_store;                  /* TORCHELASTIC_USE_AGENT_STORE=True: torchrun's agent serves the store */
+} ddp__launch;
+static DDP__UNUSED ddp_result ddp__read_launch(const ddp_init_desc *d, ddp__launch *L, char *err);
+static DDP__UNUSED double ddp__read_timeout(const ddp_init_desc *d, char *err, ddp_result *res);
+
+/* ---- rendezvous.c: records, the table, the job's identity, a rank lost inside ddp_init ---- */
+/* What each rank publishes about itself: "world=W port=P pid=PID addr=A host=H node=N". */
+typedef struct ddp__record {
+    int world, port, pid;
+    char addr[128], host[128];
+    unsigned long long node; /* ddp__node_key() of its process; 0 when not published */
+} ddp__record;
+static DDP__UNUSED void ddp__key(const ddp_group *g, char *out, size_t cap, const char *name, int index);
+static DDP__UNUSED ddp_result ddp__rdzv_check_abort(ddp_group *g, int *aborted);
+static DDP__UNUSED void ddp__rdzv_publish(ddp_group *g, ddp_result code);
+static DDP__UNUSED ddp_result ddp__rdzv_fail_all(ddp_group *g, ddp_result code);
+static DDP__UNUSED uint64_t ddp__host_key(void);
+static DDP__UNUSED unsigned long long ddp__node_key(void);
+static DDP__UNUSED int ddp__pid_gone(int pid, unsigned long long its_node, unsigned long long node);
+static DDP__UNUSED ddp_result ddp__rdzv_lost(ddp_group *g, int i, const ddp__record *r, const char *how);
+static DDP__UNUSED ddp_result ddp__rdzv_job(ddp_group *g, const char *where, int file_store, int *foreign);
+static DDP__UNUSED ddp_result ddp__rank0_port_taken(ddp_group *g, const ddp__launch *L, ddp_result r, char *err);
+static DDP__UNUSED ddp_result ddp__rendezvous(ddp_group *g, const char *addr, int port, const char *where);
+static DDP__UNUSED void ddp__route_address(const char *master, int port, char *out, size_t cap);
+
 /* ---- group.c ---- */
 static DDP__UNUSED ddp_group *ddp__group_alloc(int rank, int world_size);
 static DDP__UNUSED void ddp__group_free(ddp_group *g); /* connections closed without goodbye */
@@ -816,17 +894,6 @@ static DDP__UNUSED void ddp__subgroup_unlink(ddp_group *parent, ddp_group *sub);
 /* Make and connect the group of the parent's ranks `ranks` (see group.c); hier.c's stages use it too. */
 static DDP__UNUSED ddp_result ddp__subgroup_open(ddp_group *g, const int *ranks, int n, int me, const char *name,
                                                  struct ddp__mpi *comm, const char *what, ddp_group **out);
-/* During ddp_init's set-up (g->mesh.in_setup), for link.c: a failure another rank published in the store,
-   or rank `peer`'s process gone from this node, fails g (error in g->error; published); else DDP_SUCCESS. */
-static DDP__UNUSED ddp_result ddp__setup_watch(ddp_group *g, int peer);
-/* During the set-up: rank `peer` is gone (`how`); published so every rank fails naming it. */
-static DDP__UNUSED ddp_result ddp__setup_lost(ddp_group *g, int peer, const char *how);
-
-/* ---- checkpoint.c ---- */
-/* The group ends (ddp_destroy, before its barrier): finish a background save in flight (its work keeps
-   the outcome), close the save's private group, free the staging buffer. Idempotent. */
-static DDP__UNUSED void ddp__ck_async_end(ddp_group *g);
-static DDP__UNUSED int ddp__ck_async_owns(const ddp_work *w); /* w came from ddp_checkpoint_save_async */
 
 /* ---- safetensors.c: the format that checkpoint.c's policy reads and writes: its limits and reserved
    key prefixes, the dtype table, the parsed header, the writer's buffer ---- */
@@ -857,6 +924,7 @@ typedef struct ddp__ck_entry {
     int ndim;         /* may exceed 8; then only the first 8 dimensions are kept */
     int64_t shape[8];
     uint64_t begin, end; /* byte offsets into the data section */
+    int order;        /* position among the header's tensor entries (0 = first listed; ddp_checkpoint_list's order) */
 } ddp__ck_entry;
 
 typedef struct ddp__ck_header {
@@ -921,15 +989,18 @@ static DDP__UNUSED ddp_result ddp__ck_copy_meta(ddp_group *g, const ddp__ck_head
 /* The completion marker of a shard save at path: its world size and save id. */
 static DDP__UNUSED ddp_result ddp__ck_read_marker(ddp_group *g, const char *path, int64_t *world, uint64_t *id);
 static DDP__UNUSED char *ddp__ck_shard_path(const char *path, int rank); /* "<path>.rank<r>"; NULL out of memory */
-/* Every rank's outcome of a checkpoint step: the first failure (lowest rank) is every rank's error. */
-static DDP__UNUSED ddp_result ddp__ck_agree(ddp_group *g, ddp_result mine, const char *what);
 static DDP__UNUSED void ddp__ck_async_settle(ddp_group *g); /* wait for an async save in flight */
 
 /* ---- reducer.c: what zero_state.c reads of a reducer ---- */
 static DDP__UNUSED ddp_result ddp__reducer_zero_model(ddp_reducer *r, const char *fn, ddp_group **g, int *nparams);
 static DDP__UNUSED size_t ddp__reducer_param_count(const ddp_reducer *r, int i);
 
-/* ---- reducer.c: host memory for the reducer's buckets (every backend but nccl uses these) ---- */
+/* ---- dtype.c: conversions between the floating dtypes ---- */
+static DDP__UNUSED void ddp__host_convert_scaled(void *dst, ddp_dtype dst_t, const void *src, ddp_dtype src_t, size_t count,
+                                                 double scale);
+static DDP__UNUSED void ddp__host_convert(void *dst, ddp_dtype dst_t, const void *src, ddp_dtype src_t, size_t count);
+
+/* ---- hostmem.c: host memory for the reducer's buckets (every backend but nccl uses these) ---- */
 static DDP__UNUSED void *ddp__host_alloc(ddp_group *g, size_t bytes);
 static DDP__UNUSED void ddp__host_release(ddp_group *g, void *p);
 static DDP__UNUSED void ddp__host_zero(ddp_group *g, void *dst, size_t bytes);

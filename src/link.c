@@ -26,8 +26,11 @@
    A dial that is refused means nothing listens there any more: the rank exited or left the group. The
    dialer retries for DDP__REFUSED_GRACE s, watching its other connections meanwhile (the ABORT of a
    rank that failed with a reason arrives there, and is the better message), then fails the step naming
-   the rank as lost. During ddp_init's own set-up the store is asked too (group.c ddp__setup_watch): a
-   rank that failed there published why. */
+   the rank as lost. During ddp_init's own set-up the store is asked too (g->mesh.setup, the hooks that
+   group.c lends the mesh meanwhile): a rank that failed there published why.
+
+   A failure here returns its code with the message in g->error, and breaking the group is left to the
+   caller (transport.c's steps), the layer above: link.c sends no ABORT and calls nothing above it. */
 #include "internal.h"
 
 #define DDP__HELLO_MAGIC 0x48444450u /* "PDDH": first words on a connection between ranks */
@@ -121,8 +124,8 @@ static ddp_result ddp__link_want(ddp_group *g, int peer) {
         ddp__link_refused(g, peer);
         return DDP_SUCCESS;
     }
-    return ddp__coll_fail(g, r, "connecting to rank %d (%s) at %s:%d: %s", peer, ddp__peer_name(g, peer, name, sizeof name),
-                          g->mesh.names + d->addr, d->port, err);
+    return ddp__fail(g, r, "connecting to rank %d (%s) at %s:%d: %s", peer, ddp__peer_name(g, peer, name, sizeof name),
+                     g->mesh.names + d->addr, d->port, err);
 }
 
 /* The dialer's next bytes after `s->step` completed: send what the protocol says and wait for the answer. */
@@ -248,7 +251,7 @@ static ddp_result ddp__link_accept(ddp_group *g) {
             if (errno == EAGAIN || errno == EWOULDBLOCK || errno == EINTR || errno == ECONNABORTED) return DDP_SUCCESS;
             if (ddp__out_of_descriptors(errno)) ddp__fail_descriptors(err, errno, "it cannot accept a connection from another rank");
             else snprintf(err, sizeof err, "accept: %s", strerror(errno));
-            return ddp__coll_fail(g, DDP_ERR_SYSTEM, "rank %d (%s): %s", g->rank, ddp__peer_name(g, g->rank, name, sizeof name), err);
+            return ddp__fail(g, DDP_ERR_SYSTEM, "rank %d (%s): %s", g->rank, ddp__peer_name(g, g->rank, name, sizeof name), err);
         }
         ddp__net_configure(fd);
         if (g->mesh.nshakes == DDP__SHAKES_MAX) {
@@ -323,8 +326,8 @@ static ddp_result ddp__shake_event(ddp_group *g, int i, short re, int *progresse
         return DDP_SUCCESS;
     }
     ddp__shake_drop(g, i);
-    return ddp__coll_fail(g, DDP_ERR_INIT, "connecting to rank %d (%s): %s", rank, ddp__peer_name(g, rank, name, sizeof name),
-                          err);
+    return ddp__fail(g, DDP_ERR_INIT, "connecting to rank %d (%s): %s", rank, ddp__peer_name(g, rank, name, sizeof name),
+                     err);
 }
 
 static ddp_result ddp__link_progress(ddp_group *g, const struct pollfd *fds, const int *owner, int n, int *progressed) {
@@ -352,21 +355,16 @@ static ddp_result ddp__link_progress(ddp_group *g, const struct pollfd *fds, con
 /* Has the port of `peer`, needed by this step, refused connections for DDP__REFUSED_GRACE s? Then it is
    lost (during the set-up, the store is asked first: group.c). */
 static ddp_result ddp__link_check_refused(ddp_group *g, const ddp__coll *c, int peer) {
-    char desc[160], name[DDP__PEER_NAME_MAX], how[320], msg[DDP__ERR_MAX];
+    char desc[160], name[DDP__PEER_NAME_MAX], how[320];
     const ddp__peer_info *d = &g->mesh.dir[peer];
-    ddp_result r;
     if (peer < 0 || !g->mesh.peers[peer].refused_since || g->mesh.peers[peer].fd >= 0) return DDP_SUCCESS;
     if (ddp__now() - g->mesh.peers[peer].refused_since < DDP__REFUSED_GRACE) return DDP_SUCCESS;
     snprintf(how, sizeof how, "its port %.128s:%d refuses connections (nothing listens there any more)",
              g->mesh.names + d->addr, d->port);
-    if (g->mesh.in_setup) {
-        r = ddp__setup_lost(g, peer, how);
-        snprintf(msg, sizeof msg, "%s", g->error);
-        return ddp__group_break(g, r, msg);
-    }
+    if (g->mesh.setup) return g->mesh.setup->lost(g, peer, how);
     ddp__coll_describe(g, c, desc, sizeof desc);
-    return ddp__coll_fail(g, DDP_ERR_PEER_LOST, "lost rank %d (%s): %s: its process exited or it left the group, while "
-                          "this rank was in %s", peer, ddp__peer_name(g, peer, name, sizeof name), how, desc);
+    return ddp__fail(g, DDP_ERR_PEER_LOST, "lost rank %d (%s): %s: its process exited or it left the group, while "
+                     "this rank was in %s", peer, ddp__peer_name(g, peer, name, sizeof name), how, desc);
 }
 
 static void ddp__link_close_all(ddp_group *g) {

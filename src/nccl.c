@@ -494,7 +494,8 @@ static void ddp__nccl_copy_out(ddp_group *g, void *dst, ddp_dtype dst_t, const v
 /* Collectives on device memory through NCCL, on host memory through the group's transport. */
 static const ddp__backend ddp__backend_nccl = {
     "nccl", "nccl", ddp__nccl_run, ddp__nccl_enqueue_async, ddp__nccl_wait_work, ddp__nccl_test_work, ddp__nccl_close,
-    ddp__nccl_alloc, ddp__nccl_release, ddp__nccl_zero, ddp__nccl_copy_in_scaled, ddp__nccl_copy_out};
+    ddp__nccl_alloc, ddp__nccl_release, ddp__nccl_zero, ddp__nccl_copy_in_scaled, ddp__nccl_copy_out,
+    NULL, NULL, NULL, NULL};
 
 /* Give g an NCCL communicator: on the device chosen by local rank for the world group (parent NULL),
    on the parent's device and stream for a subgroup. Collective over g, which must be connected (mesh

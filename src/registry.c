@@ -130,3 +130,8 @@ static ddp_result ddp__group_check(const ddp_group *g, const char *fn) {
                          "its subgroups", fn, (const void *)g);
     return DDP_SUCCESS;
 }
+
+/* A destroyed group's message went with it: this thread's last error then. */
+DDP_API const char *ddp_last_error(const ddp_group *g) {
+    return g && ddp__live_has(g, DDP__LIVE_GROUP) ? g->error : ddp__error_buffer(NULL);
+}

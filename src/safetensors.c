@@ -776,9 +776,10 @@ static ddp_result ddp__ck_parse(const char *json, size_t len, uint64_t data_len,
                     h->e = ne;
                     h->cap = cap;
                 }
-                e = &h->e[h->n++];
+                e = &h->e[h->n];
                 memset(e, 0, sizeof *e);
                 e->name = name;
+                e->order = h->n++;
                 if ((r = ddp__ck_tensor(&j, e)) != DDP_SUCCESS) goto fail;
             }
             more = ddp__ck_next(&j, '}', "expected ',' or '}' after a header member");

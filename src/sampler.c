@@ -304,6 +304,7 @@ DDP_API void ddp_sampler_set_epoch(ddp_sampler *s, uint64_t epoch) {
     s->epoch = epoch;
     s->position = 0;
     s->epoch_done = 0;
+    s->pass_ended = 0;
     if (s->base != 0) { /* a resume point of the previous epoch does not carry over */
         s->base = 0;
         ddp__sampler_count(s);
@@ -412,21 +413,64 @@ DDP_API ddp_result ddp_sampler_indices(ddp_sampler *s, int64_t *out) {
     return DDP_SUCCESS;
 }
 
+/* A call of next_batch after the 0 that ended a pass, with no set_epoch (or set_position, ...) since: a new
+   pass over the same epoch, from its start, as iterating a torch DistributedSampler again without
+   set_epoch recomputes the same list (torch/utils/data/distributed.py, __iter__: seed + epoch). The whole
+   epoch, also after a resume point (base): that continued one pass. Warns once per sampler, when the
+   order depends on the epoch: forgetting set_epoch is torch's most common sampler bug. */
+static void ddp__sampler_new_pass(ddp_sampler *s) {
+    if (!s->repeat_warned && ddp__sampler_shuffles(s)) {
+        s->repeat_warned = 1;
+        ddp__log(NULL, DDP_LOG_WARN,
+                 "ddp_sampler_next_batch: a new pass over epoch %llu without ddp_sampler_set_epoch: it repeats "
+                 "the previous pass's order, as torch's DistributedSampler does. Call ddp_sampler_set_epoch(s, "
+                 "epoch) before every epoch for a new shuffle (ddp_sampler_set_position(s, 0) repeats an epoch "
+                 "on purpose). Logged once per sampler",
+                 (unsigned long long)s->epoch);
+    }
+    s->pass_ended = 0;
+    s->epoch_done = 0;
+    s->position = 0;
+    if (s->base != 0) {
+        s->base = 0;
+        ddp__sampler_count(s);
+    }
+}
+
 DDP_API ddp_result ddp_sampler_next_batch(ddp_sampler *s, size_t batch_size, int64_t *out, size_t *got) {
-    uint64_t count;
+    uint64_t count, old_position = 0, old_base = 0;
     ddp_result res;
+    int new_pass;
     if (got) *got = 0;
     if (!ddp__sampler_ok(s)) return ddp__sampler_not_initialised("ddp_sampler_next_batch");
     if (batch_size == 0 || !out || !got)
         return ddp__fail(NULL, DDP_ERR_INVALID_ARGUMENT, "ddp_sampler_next_batch: %s",
                          batch_size == 0 ? "batch_size is 0; it must be > 0" : !out ? "out is NULL" : "got is NULL");
+    new_pass = s->pass_ended;
+    if (new_pass) {
+        old_position = s->position;
+        old_base = s->base;
+        ddp__sampler_new_pass(s);
+    }
     count = DDP__MIN((uint64_t)batch_size, s->num_samples - s->position);
-    if (count == 0) {
+    if (count == 0) { /* the end of the pass: the 0 that ends a loop over the epoch, once */
         s->epoch_done = 1;
+        s->pass_ended = 1;
         return DDP_SUCCESS;
     }
     res = ddp__sampler_prepare(s, "ddp_sampler_next_batch");
-    if (res != DDP_SUCCESS) return res;
+    if (res != DDP_SUCCESS) {
+        if (new_pass) { /* as it was: the pass stays ended, the position unchanged */
+            s->position = old_position;
+            s->pass_ended = 1;
+            s->epoch_done = 1;
+            if (s->base != old_base) {
+                s->base = old_base;
+                ddp__sampler_count(s);
+            }
+        }
+        return res;
+    }
     ddp__sampler_fill(s, s->position, count, out);
     s->position += count;
     if (s->position == s->num_samples) s->epoch_done = 1;
@@ -444,6 +488,7 @@ DDP_API ddp_result ddp_sampler_set_position(ddp_sampler *s, uint64_t position) {
                          (unsigned long long)position, (unsigned long long)s->num_samples);
     s->position = position;
     s->epoch_done = position == s->num_samples;
+    s->pass_ended = 0; /* this pass goes on from position (at num_samples: next_batch ends it) */
     return DDP_SUCCESS;
 }
 
@@ -466,6 +511,7 @@ DDP_API ddp_result ddp_sampler_set_global_position(ddp_sampler *s, uint64_t glob
     ddp__sampler_count(s);
     s->position = 0;
     s->epoch_done = s->num_samples == 0;
+    s->pass_ended = 0;
     return DDP_SUCCESS;
 }
 

@@ -36,7 +36,8 @@
        for (epoch = 0; epoch < epochs; epoch++) {
            int64_t batch[64];
            size_t got;
-           ddp_sampler_set_epoch(&s, epoch);                  // a new shuffle each epoch, as in PyTorch
+           ddp_sampler_set_epoch(&s, epoch);                  // a new shuffle each epoch, as in PyTorch;
+                                                              // forgotten: the same order again (warned)
            while ((r = ddp_sampler_next_batch(&s, 64, batch, &got)) == DDP_SUCCESS && got > 0)
                train_on(batch, got);
            if (r != DDP_SUCCESS) ...                          // out of memory for the permutation
@@ -94,6 +95,8 @@ typedef struct ddp_sampler {
     uint64_t shard_epoch;
     uint64_t shard_base;
     int epoch_done;             /* the current epoch was handed out to its end */
+    int pass_ended;             /* next_batch returned the 0 that ends a pass: its next call starts a new one */
+    int repeat_warned;          /* the warning for a new pass without set_epoch was logged (once per sampler) */
     int feistel_bits;           /* streaming: the bijection's domain is [0, 2^feistel_bits) */
     uint64_t feistel_keys[8];   /* streaming: one key per round, from seed + epoch */
 } ddp_sampler;
@@ -112,10 +115,10 @@ DDP_API ddp_result ddp_sampler_init(ddp_sampler *s, const ddp_sampler_desc *d);
 DDP_API void ddp_sampler_free(ddp_sampler *s);
 
 /* ddp_sampler_set_epoch: start epoch `epoch` (torch's set_epoch): the shuffle uses seed + epoch, and the
-   position goes back to 0. Call it before every epoch with a new number: without it the order would
-   repeat, so next_batch hands out nothing once an epoch is done (and calling it again with the same epoch
-   after a finished, shuffled epoch logs a warning). Cheap: the permutation is made on first use.
-   Ignores a sampler that is not initialised. */
+   position goes back to 0. Call it before every epoch with a new number: without it every epoch repeats
+   the same order, as in torch (next_batch then starts a new pass over the same epoch and warns once, see
+   below; calling set_epoch again with the same epoch after a finished, shuffled epoch also warns). Cheap:
+   the permutation is made on first use. Ignores a sampler that is not initialised. */
 DDP_API void ddp_sampler_set_epoch(ddp_sampler *s, uint64_t epoch);
 
 /* ddp_sampler_epoch: the epoch set last (0 after init). */
@@ -133,11 +136,22 @@ DDP_API uint64_t ddp_sampler_num_samples(const ddp_sampler *s);
 DDP_API ddp_result ddp_sampler_indices(ddp_sampler *s, int64_t *out);
 
 /* ddp_sampler_next_batch: the next (up to) batch_size indices of this epoch, from the current position;
-   the position moves past them. *got is batch_size, less for the last batch of the epoch, and 0 once the
-   epoch is done (until ddp_sampler_set_epoch or ddp_sampler_set_position). Allocates nothing, except at
-   the first call of a shuffled epoch with a torch permutation, which makes the permutation (the slow step:
-   about 3 s and 4 bytes per sample at N = 1e8 on a 2-core VM, where torch takes 28 s and 4.8 GiB; later
-   calls are copies).
+   the position moves past them. *got is batch_size, less for the last batch of the epoch, and 0 once at
+   the end of the pass: that 0 is the end of a `for` loop over torch's sampler (StopIteration), so
+   `while (next_batch(...) == DDP_SUCCESS && got)` runs one epoch. Allocates nothing, except at the first
+   call of a shuffled epoch with a torch permutation, which makes the permutation (the slow step: about
+   3 s and 4 bytes per sample at N = 1e8 on a 2-core VM, where torch takes 28 s and 4.8 GiB; later calls
+   are copies).
+   After that 0, without ddp_sampler_set_epoch (or set_position, set_global_position, resume) in between,
+   the next call starts a NEW PASS over the same epoch, as iterating a torch DistributedSampler again
+   without set_epoch does: position 0, the same indices in the same order, padding and drop_last alike
+   (after a resume point, ddp_sampler_set_global_position, the new pass is the whole epoch, as torch's
+   would be: the resume point continues one pass only). Forgetting set_epoch is thus torch's bug, an
+   order repeated every epoch, not an empty epoch. When the order depends on the epoch (shuffled and
+   N > 1) such a new pass logs a warning naming ddp_sampler_set_epoch, once per sampler (the first time;
+   a sampler of no_shuffle, whose order set_epoch would not change, does not warn). It is logged without a
+   group: DDP_LOG_LEVEL's level, warn by default, on stderr. To go over the same epoch again on purpose,
+   without the warning: ddp_sampler_set_position(s, 0).
    Parameters: batch_size (> 0), out (room for batch_size indices), got (receives the count).
    Return: DDP_SUCCESS; DDP_ERR_OUT_OF_MEMORY; DDP_ERR_INVALID_ARGUMENT (batch_size 0, NULL pointers, a
            sampler that is not initialised). On error *got is 0 and the position is unchanged. */
@@ -152,6 +166,8 @@ DDP_API uint64_t ddp_sampler_position(const ddp_sampler *s);
    then set_position(saved position); the next batch is the one that came next before). The position
    counts this rank's indices (from the resume point after ddp_sampler_set_global_position), so resume
    with the same num_replicas and rank; on another num_replicas use ddp_sampler_resume (below).
+   set_position(num_samples) resumes at the epoch's very end: next_batch returns the 0 that ends the pass.
+   set_position(0) goes over the current epoch again (a new pass, without next_batch's warning).
    Return: DDP_SUCCESS, or DDP_ERR_INVALID_ARGUMENT when position > num_samples or s is not initialised. */
 DDP_API ddp_result ddp_sampler_set_position(ddp_sampler *s, uint64_t position);
 

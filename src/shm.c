@@ -235,7 +235,7 @@ static uint64_t ddp__shm_peer_seq(const ddp_group *g, int j) {
     return newest;
 }
 
-/* Called by ddp__group_break (transport.c): make every rank's next wait notice at once. */
+/* The backend's abort slot (ddp__group_break, transport.c): make every rank's next wait notice at once. */
 static void ddp__shm_abort(ddp_group *g) {
     uint64_t seq = g->running_seq ? g->running_seq : 1, zero = 0; /* outside a collective: fail every one */
     if (!g->shm) return;
@@ -1143,7 +1143,8 @@ static void ddp__shm_close(ddp_group *g, int orderly) {
 /* Every rank of the group on this host. Library buffers (ddp_alloc) live in the segment's arenas. */
 static const ddp__backend ddp__backend_shm = {
     "shm", "cpu", ddp__shm_run, NULL, NULL, NULL, ddp__shm_close,
-    ddp__host_alloc, ddp__host_release, ddp__host_zero, ddp__host_copy_in_scaled, ddp__host_copy_out};
+    ddp__host_alloc, ddp__host_release, ddp__host_zero, ddp__host_copy_in_scaled, ddp__host_copy_out,
+    ddp__shm_abort, ddp__shm_peer_seq, NULL, NULL};
 
 /* Can this rank read every peer's memory with process_vm_readv? pub holds, per rank, its pid, the
    address of a word in its process and the word's value; each peer's word must read back as published

@@ -52,7 +52,8 @@ struct ddp_syncbn {
     int channels, channels_last;
     double eps, momentum; /* momentum < 0: cumulative average */
     float *weight, *bias, *running_mean, *running_var;
-    int64_t num_batches_tracked;
+    int64_t *num_batches_tracked; /* the program's counter (desc.num_batches_tracked) or &own_count; host memory */
+    int64_t own_count;            /* the counter when the program gives none */
 
     int saved; /* DDP__BN_SAVED_*: what mean/invstd hold */
     int64_t saved_batch, saved_spatial;
@@ -362,6 +363,15 @@ DDP_API ddp_result ddp_syncbn_create(ddp_group *g, const ddp_syncbn_desc *d, ddp
                          "ddp_syncbn_create: running_mean is %s but running_var is %s; give both (track running "
                          "stats) or neither",
                          d->running_mean ? "set" : "NULL", d->running_var ? "set" : "NULL");
+    if (d->num_batches_tracked && !d->running_mean)
+        return ddp__fail(g, DDP_ERR_INVALID_ARGUMENT,
+                         "ddp_syncbn_create: num_batches_tracked is set but running_mean and running_var are NULL; a "
+                         "layer without running stats has no num_batches_tracked (torch: track_running_stats=False)");
+    if (d->num_batches_tracked && *d->num_batches_tracked < 0)
+        return ddp__fail(g, DDP_ERR_INVALID_ARGUMENT,
+                         "ddp_syncbn_create: *num_batches_tracked is %lld; it counts batches, so it is >= 0 (0 for a "
+                         "new layer)",
+                         (long long)*d->num_batches_tracked);
     bn = (ddp_syncbn *)ddp__calloc(1, sizeof *bn);
     if (!bn) return ddp__fail(g, DDP_ERR_OUT_OF_MEMORY, "ddp_syncbn_create: out of memory");
     bn->errors = g;
@@ -376,6 +386,7 @@ DDP_API ddp_result ddp_syncbn_create(ddp_group *g, const ddp_syncbn_desc *d, ddp
     bn->bias = d->bias;
     bn->running_mean = d->running_mean;
     bn->running_var = d->running_var;
+    bn->num_batches_tracked = d->num_batches_tracked ? d->num_batches_tracked : &bn->own_count;
     C = (size_t)bn->channels;
     bn->mean = (float *)ddp__calloc(C, sizeof(float));
     bn->invstd = (float *)ddp__calloc(C, sizeof(float));
@@ -408,7 +419,7 @@ DDP_API void ddp_syncbn_destroy(ddp_syncbn *bn) {
     ddp__free(bn);
 }
 
-DDP_API int64_t ddp_syncbn_num_batches_tracked(const ddp_syncbn *bn) { return bn ? bn->num_batches_tracked : 0; }
+DDP_API int64_t ddp_syncbn_num_batches_tracked(const ddp_syncbn *bn) { return bn ? *bn->num_batches_tracked : 0; }
 
 DDP_API ddp_result ddp_syncbn_set_num_batches_tracked(ddp_syncbn *bn, int64_t value) {
     if (!bn) return ddp__fail(NULL, DDP_ERR_INVALID_ARGUMENT, "ddp_syncbn_set_num_batches_tracked: bn is NULL");
@@ -416,7 +427,7 @@ DDP_API ddp_result ddp_syncbn_set_num_batches_tracked(ddp_syncbn *bn, int64_t va
         return ddp__fail(bn->errors, DDP_ERR_INVALID_ARGUMENT,
                          "ddp_syncbn_set_num_batches_tracked: value is %lld; it counts batches, so it is >= 0",
                          (long long)value);
-    bn->num_batches_tracked = value;
+    *bn->num_batches_tracked = value;
     return DDP_SUCCESS;
 }
 
@@ -589,8 +600,7 @@ static ddp_result ddp__bn_dev_forward(ddp_syncbn *bn, const float *x, float *y, 
                          "spatial=%lld on this rank); running stats left unchanged",
                          fn, (long long)batch, (long long)spatial);
     if (training && bn->running_mean) {
-        bn->num_batches_tracked++;
-        factor = ddp__bn_factor(bn->momentum, bn->num_batches_tracked);
+        factor = ddp__bn_factor(bn->momentum, ++*bn->num_batches_tracked);
     }
     if ((r = ddp__cuda_bn_forward(&bn->dev.cu, mode, x, y, factor)) != DDP_SUCCESS) return ddp__bn_dev_failed(bn, fn, r);
     bn->dev.mode = mode;
@@ -664,8 +674,7 @@ static ddp_result ddp__bn_batch_stats(ddp_syncbn *bn, const float *x, int64_t ba
                          "(batch=%lld, spatial=%lld on this rank); running stats left unchanged",
                          synced ? "over all ranks of the group" : "in the batch", (long long)batch, (long long)spatial);
     if (training && bn->running_mean) { /* counted even for an empty batch, as torch's module does */
-        bn->num_batches_tracked++;
-        factor = ddp__bn_factor(bn->momentum, bn->num_batches_tracked);
+        factor = ddp__bn_factor(bn->momentum, ++*bn->num_batches_tracked);
     }
     for (c = 0; c < C; c++) {
         ddp__bn_merge_ranks(records, synced ? bn->nranks : 1, C, c, &n, &mean, &m2);
@@ -689,6 +698,10 @@ DDP_API ddp_result ddp_syncbn_forward(ddp_syncbn *bn, const float *x, float *y, 
     if (!bn) return ddp__fail(NULL, DDP_ERR_INVALID_ARGUMENT, "ddp_syncbn_forward: bn is NULL");
     r = ddp__bn_check(bn, fn, batch, spatial, x, "x", y, "y", &count);
     if (r != DDP_SUCCESS) return r;
+    if (training && bn->running_mean && *bn->num_batches_tracked < 0) /* the program's counter, written directly */
+        return ddp__fail(bn->errors, DDP_ERR_INVALID_ARGUMENT,
+                         "%s: num_batches_tracked is %lld; it counts batches, so it is >= 0 (nothing changed)", fn,
+                         (long long)*bn->num_batches_tracked);
     bn->saved = DDP__BN_SAVED_NONE;
 #ifdef DDP_CUDA
     bn->dev.mode = 0;

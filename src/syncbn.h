@@ -30,9 +30,11 @@
    elemt; backward_reduce -> all_reduce -> backward_elemt), queued on the group's stream (ddp_set_stream;
    the legacy default stream without the nccl backend) with no host synchronisation. y, dy, dx,
    grad_weight, grad_bias and the descriptor's weight, bias and running stats are then device memory
-   too (a host array is DDP_ERR_INVALID_ARGUMENT naming it). On the nccl backend the collectives are
-   async and waited one step later (this layer's next forward / backward, or ddp_syncbn_destroy, which
-   must come before ddp_destroy of the group): a failed collective is reported by the next call. A
+   too (a host array is DDP_ERR_INVALID_ARGUMENT naming it), except num_batches_tracked: the host
+   counts, so that counter stays host memory (pageable, pinned or managed; never cudaMalloc'd). On the
+   nccl backend the collectives are async and waited one step later (this layer's next forward /
+   backward, or ddp_syncbn_destroy, which must come before ddp_destroy of the group): a failed
+   collective is reported by the next call. A
    rank with an empty batch takes the device path when the layer ran on the device before or its
    weight or running_mean is device memory. Global n == 1 over 2+ ranks is not detected on the device
    (as torch's SyncBatchNorm: the running stats are left unchanged); on one rank it is an error. */
@@ -52,7 +54,35 @@ typedef struct ddp_syncbn_desc {
     float *running_mean; /* C floats, caller-owned, updated by training forwards; with running_var, */
     float *running_var;  /* both or neither; NULL = track_running_stats=False */
     ddp_group *group;   /* statistics are merged over this (sub)group; NULL = the group given to create */
+    int64_t *num_batches_tracked; /* 1 int64, caller-owned host memory: the layer's counter of training
+                           forwards (torch's num_batches_tracked buffer), read and advanced there by every
+                           training forward; its value at create is the count so far (0 for a new layer,
+                           >= 0). Only with running stats. NULL = the layer keeps the counter itself. Either
+                           way ddp_syncbn_num_batches_tracked / _set_num_batches_tracked read and write it. */
 } ddp_syncbn_desc;
+
+/* num_batches_tracked as a buffer, like torch's BatchNorm (a 0-d int64 tensor in its state_dict, which
+   DDP broadcasts with the running stats under broadcast_buffers=True): point the descriptor at the
+   program's counter, then register and save it like running_mean and running_var:
+
+       float mean[64] = {0}, var[64];             // var: 64 ones, as torch initialises it
+       int64_t nbt = 0;
+       ddp_syncbn_desc d = {0};
+       d.num_features = 64, d.running_mean = mean, d.running_var = var, d.num_batches_tracked = &nbt;
+       ddp_syncbn_create(g, &d, &bn);
+       ddp_reducer_add_buffer(red, "bn.running_mean", mean, 64, DDP_F32);
+       ddp_reducer_add_buffer(red, "bn.running_var", var, 64, DDP_F32);
+       ddp_reducer_add_buffer(red, "bn.num_batches_tracked", &nbt, 1, DDP_I64);  // rank 0's count everywhere
+       ddp_tensor t[3] = {{"bn.running_mean", DDP_F32, 1, {64}, mean},
+                          {"bn.running_var", DDP_F32, 1, {64}, var},
+                          {"bn.num_batches_tracked", DDP_I64, 0, {0}, &nbt}};   // ndim 0: torch's shape []
+       ddp_checkpoint_save(g, "ckpt.safetensors", t, 3, NULL);   // ... later, into a fresh layer:
+       ddp_checkpoint_load(g, "ckpt.safetensors", t, 3, NULL);   // nbt restored: momentum None goes on
+                                                                 // with factor 1 / (nbt + 1)
+   A training forward that finds the counter negative is DDP_ERR_INVALID_ARGUMENT on that rank, before
+   any communication (as any bad argument), nothing changed. With a device model (running stats in
+   device memory) the counter is still host memory: a host tensor beside the device ones in the same
+   checkpoint, and a host buffer of the reducer beside device buffers on the cpu backends. */
 
 /* ddp_syncbn_create: make a SyncBatchNorm layer.
    Parameters: g: the group whose ranks share batch statistics, or NULL for a plain single-process
@@ -103,11 +133,13 @@ DDP_API ddp_result ddp_syncbn_backward(ddp_syncbn *bn, const float *x, const flo
                                        float *grad_bias, int64_t batch, int64_t spatial);
 
 /* The number of training forwards of a layer with running stats, empty batches included (torch's
-   num_batches_tracked buffer); 0 for a layer without running stats, or NULL. */
+   num_batches_tracked buffer; *desc.num_batches_tracked when the program gave that counter); 0 for a
+   layer without running stats, or NULL. */
 DDP_API int64_t ddp_syncbn_num_batches_tracked(const ddp_syncbn *bn);
 
 /* Restore num_batches_tracked, e.g. from a checkpoint (it sets the cumulative-average factor when
-   momentum is None). Return: DDP_SUCCESS, or DDP_ERR_INVALID_ARGUMENT for a negative value. */
+   momentum is None); writes the program's counter when it gave one. Return: DDP_SUCCESS, or
+   DDP_ERR_INVALID_ARGUMENT for a negative value. */
 DDP_API ddp_result ddp_syncbn_set_num_batches_tracked(ddp_syncbn *bn, int64_t value);
 
 /* The private formulas that the CPU code and the CUDA kernels share are in src/bn_math.h (in ddp.h,

@@ -638,7 +638,8 @@ static void ddp__tcp_backend_close(ddp_group *g, int orderly) { (void)g, (void)o
 /* Every group starts on it (set-up runs over the mesh) and keeps it when its ranks share no host. */
 static const ddp__backend ddp__backend_tcp = {
     "tcp", "cpu", ddp__tcp_run, NULL, NULL, NULL, ddp__tcp_backend_close,
-    ddp__host_alloc, ddp__host_release, ddp__host_zero, ddp__host_copy_in_scaled, ddp__host_copy_out};
+    ddp__host_alloc, ddp__host_release, ddp__host_zero, ddp__host_copy_in_scaled, ddp__host_copy_out,
+    NULL, NULL, NULL, NULL};
 
 /* A single rank has nobody to talk to: only the data movement of the collective remains. */
 static ddp_result ddp__alone_run(ddp_group *g, const ddp__call *k, const ddp__coll *c) {
@@ -665,7 +666,8 @@ static void ddp__alone_close(ddp_group *g, int orderly) { (void)g, (void)orderly
 /* A group of one rank: no mesh. */
 static const ddp__backend ddp__backend_alone = {
     "alone", "cpu", ddp__alone_run, NULL, NULL, NULL, ddp__alone_close,
-    ddp__host_alloc, ddp__host_release, ddp__host_zero, ddp__host_copy_in_scaled, ddp__host_copy_out};
+    ddp__host_alloc, ddp__host_release, ddp__host_zero, ddp__host_copy_in_scaled, ddp__host_copy_out,
+    NULL, NULL, NULL, NULL};
 
 static const ddp__backend *ddp__initial_backend(int world_size) {
     return world_size > 1 ? &ddp__backend_tcp : &ddp__backend_alone;

@@ -31,6 +31,46 @@
    ddprun reads the files when a job fails (launcher.c: ddp__launch_trace_summary). */
 #include "internal.h"
 
+/* ---- naming a collective (in the recorder, and in every error message that names a call) ---- */
+
+static const char *ddp__coll_name(int kind) {
+    static const char *names[] = {"?",       "all_reduce", "broadcast",  "reduce",       "all_gather",
+                                  "reduce_scatter", "barrier", "gather", "scatter", "all_to_all", "all_to_all_v",
+                                  "all_gather_v", "broadcast_bytes", "monitored_barrier", "send", "recv"};
+    return (kind > 0 && kind < DDP__COLL_KINDS) ? names[kind] : "an unknown operation";
+}
+
+/* "all_reduce(count=1024, f32, sum) as collective #7". Numbers count from the end of the group's own
+   set-up (g->seq_base, the same on every rank), so the program's first call is #1; a call of the set-up
+   itself, in a failing ddp_init, shows its number within the set-up. */
+static void ddp__coll_describe(const ddp_group *g, const ddp__coll *c, char *out, size_t cap) {
+    char extra[48] = "";
+    unsigned long long number = (unsigned long long)(c->seq - g->seq_base);
+    if (c->kind == DDP__BARRIER || c->kind == DDP__MONITORED_BARRIER) {
+        snprintf(out, cap, "%s() as collective #%llu", ddp__coll_name(c->kind), number);
+        return;
+    }
+    if (c->kind == DDP__SEND || c->kind == DDP__RECV) { /* no collective number (and g->seq may be changing:
+                                                            an isend runs on the progress thread) */
+        snprintf(out, cap, "%s(%s=%d, tag=%d, count=%llu, %s)", ddp__coll_name(c->kind), c->kind == DDP__SEND ? "dst" : "src",
+                 (int)c->root, (int)c->tag, (unsigned long long)c->count, ddp_dtype_name((ddp_dtype)c->dtype));
+        return;
+    }
+    if (c->kind == DDP__BROADCAST_BYTES) {
+        snprintf(out, cap, "broadcast_bytes(root=%d) as collective #%llu", (int)c->root, number);
+        return;
+    }
+    if (c->kind == DDP__ALL_TO_ALL_V) { /* the split sizes are per rank: frames check them */
+        snprintf(out, cap, "all_to_all_v(%s) as collective #%llu", ddp_dtype_name((ddp_dtype)c->dtype), number);
+        return;
+    }
+    if (c->op != DDP__NO_OP) snprintf(extra, sizeof extra, ", %s", ddp_op_name((ddp_op)c->op));
+    if (c->root >= 0) snprintf(extra + strlen(extra), sizeof extra - strlen(extra), ", root=%d", (int)c->root);
+    snprintf(out, cap, "%s(%s=%llu, %s%s) as collective #%llu", ddp__coll_name(c->kind),
+             c->kind == DDP__ALL_GATHER_V ? "total count" : "count", (unsigned long long)c->count,
+             ddp_dtype_name((ddp_dtype)c->dtype), extra, number);
+}
+
 #define DDP__TRACE_DEFAULT 64
 #define DDP__TRACE_MAX 1000000
 #define DDP__TRACE_LOG_LINES 10 /* entries a dump into the log shows (the file has them all) */

@@ -52,50 +52,19 @@ typedef struct ddp__frame {
     uint32_t reserved;
 } ddp__frame;
 
-static const char *ddp__coll_name(int kind) {
-    static const char *names[] = {"?",       "all_reduce", "broadcast",  "reduce",       "all_gather",
-                                  "reduce_scatter", "barrier", "gather", "scatter", "all_to_all", "all_to_all_v",
-                                  "all_gather_v", "broadcast_bytes", "monitored_barrier", "send", "recv"};
-    return (kind > 0 && kind < DDP__COLL_KINDS) ? names[kind] : "an unknown operation";
-}
-
-/* "all_reduce(count=1024, f32, sum) as collective #7". Numbers count from the end of the group's own
-   set-up (g->seq_base, the same on every rank), so the program's first call is #1; a call of the set-up
-   itself, in a failing ddp_init, shows its number within the set-up. */
-static void ddp__coll_describe(const ddp_group *g, const ddp__coll *c, char *out, size_t cap) {
-    char extra[48] = "";
-    unsigned long long number = (unsigned long long)(c->seq - g->seq_base);
-    if (c->kind == DDP__BARRIER || c->kind == DDP__MONITORED_BARRIER) {
-        snprintf(out, cap, "%s() as collective #%llu", ddp__coll_name(c->kind), number);
-        return;
-    }
-    if (c->kind == DDP__SEND || c->kind == DDP__RECV) { /* no collective number (and g->seq may be changing:
-                                                            an isend runs on the progress thread) */
-        snprintf(out, cap, "%s(%s=%d, tag=%d, count=%llu, %s)", ddp__coll_name(c->kind), c->kind == DDP__SEND ? "dst" : "src",
-                 (int)c->root, (int)c->tag, (unsigned long long)c->count, ddp_dtype_name((ddp_dtype)c->dtype));
-        return;
-    }
-    if (c->kind == DDP__BROADCAST_BYTES) {
-        snprintf(out, cap, "broadcast_bytes(root=%d) as collective #%llu", (int)c->root, number);
-        return;
-    }
-    if (c->kind == DDP__ALL_TO_ALL_V) { /* the split sizes are per rank: frames check them */
-        snprintf(out, cap, "all_to_all_v(%s) as collective #%llu", ddp_dtype_name((ddp_dtype)c->dtype), number);
-        return;
-    }
-    if (c->op != DDP__NO_OP) snprintf(extra, sizeof extra, ", %s", ddp_op_name((ddp_op)c->op));
-    if (c->root >= 0) snprintf(extra + strlen(extra), sizeof extra - strlen(extra), ", root=%d", (int)c->root);
-    snprintf(out, cap, "%s(%s=%llu, %s%s) as collective #%llu", ddp__coll_name(c->kind),
-             c->kind == DDP__ALL_GATHER_V ? "total count" : "count", (unsigned long long)c->count,
-             ddp_dtype_name((ddp_dtype)c->dtype), extra, number);
-}
-
 static int ddp__coll_equal(const ddp__coll *a, const ddp__frame *f) {
     return a->seq == f->seq && a->count == f->count && a->kind == f->coll && a->dtype == f->dtype && a->op == f->op &&
            a->root == f->root;
 }
 
 /* ---- breaking the group ---- */
+
+/* Wake every rank waiting inside the group's backends (the backend's abort slot, and the host
+   transport's under nccl). */
+static void ddp__backends_abort(ddp_group *g) {
+    if (g->backend->abort) g->backend->abort(g);
+    if (g->host_backend != g->backend && g->host_backend->abort) g->host_backend->abort(g);
+}
 
 /* Record the first error that breaks g, tell every peer (ABORT frame with the message) and shut the
    connections down so that peers waiting on anything notice at once. */
@@ -113,7 +82,7 @@ static ddp_result ddp__group_break_relaying(ddp_group *g, ddp_result code, const
     g->broken = code;
     snprintf(g->broken_msg, sizeof g->broken_msg, "%s", msg);
     ddp__log(g, DDP_LOG_ERROR, "%s", msg);
-    ddp__shm_abort(g);
+    ddp__backends_abort(g);
     for (i = 0; i < g->mesh.nlinked; i++) {
         ddp__peer *p = &g->mesh.peers[g->mesh.linked[i]];
         ddp__frame f;
@@ -147,6 +116,14 @@ static ddp_result ddp__group_break_relaying(ddp_group *g, ddp_result code, const
     }
     ddp__trace_break(g, code); /* after the ABORTs: peers learn first, then this rank writes its recorder */
     return code;
+}
+
+/* Break the group with the message that a call below (link.c) or lent from above (the set-up's hooks)
+   left in g->error with its code r. */
+static ddp_result ddp__break_with_error(ddp_group *g, ddp_result r) {
+    char msg[DDP__ERR_MAX];
+    snprintf(msg, sizeof msg, "%s", g->error);
+    return ddp__group_break(g, r, msg);
 }
 
 /* Fail the current operation: break the group with this message and copy it to the caller's buffer. */
@@ -567,16 +544,12 @@ static ddp_result ddp__exchange(ddp_group *g, const ddp__coll *c, const ddp__ste
         if (sent < send_total && g->mesh.peers[s->send_peer].fd < 0) { /* the sender dials (link.c) */
             if ((r = ddp__link_want(g, s->send_peer)) != DDP_SUCCESS ||
                 (r = ddp__link_check_refused(g, c, s->send_peer)) != DDP_SUCCESS)
-                return r;
+                return ddp__break_with_error(g, r);
             wake = DDP__MIN(wake, g->mesh.peers[s->send_peer].dial_after);
         }
-        if (g->mesh.in_setup && g->mesh.peers[g->mesh.waiting_for].fd < 0) { /* a rank lost inside ddp_init */
+        if (g->mesh.setup && g->mesh.peers[g->mesh.waiting_for].fd < 0) { /* a rank lost inside ddp_init */
             if (ddp__now() >= next_watch) {
-                if ((r = ddp__setup_watch(g, g->mesh.waiting_for)) != DDP_SUCCESS) {
-                    char msg[DDP__ERR_MAX];
-                    snprintf(msg, sizeof msg, "%s", g->error);
-                    return ddp__group_break(g, r, msg);
-                }
+                if ((r = g->mesh.setup->watch(g, g->mesh.waiting_for)) != DDP_SUCCESS) return ddp__break_with_error(g, r);
                 next_watch = ddp__now() + watch_every;
                 watch_every = DDP__MIN(watch_every * 2, 2.0);
             }
@@ -601,7 +574,7 @@ static ddp_result ddp__exchange(ddp_group *g, const ddp__coll *c, const ddp__ste
             rc = poll(fds, (nfds_t)n, soon ? 1 : (int)DDP__MAX(1.0, DDP__MIN(1000.0, (wake - ddp__now()) * 1000.0)));
         if (rc < 0 && errno != EINTR) return ddp__coll_fail(g, DDP_ERR_SYSTEM, "poll failed: %s", strerror(errno));
         if (rc > 0 && n > npeers && (r = ddp__link_progress(g, fds + npeers, owner + npeers, n - npeers, &progressed)))
-            return r;
+            return ddp__break_with_error(g, r);
         /* Progress first: a peer that broke the group after sending what this step needs (it moved
            on to a later collective and failed there) must not fail this step; that error comes with
            the next collective. */
@@ -696,9 +669,12 @@ static ddp_result ddp__exchange(ddp_group *g, const ddp__coll *c, const ddp__ste
    collective this rank has not, and no byte from it waits in the connection (it wrote any message
    before it entered; the sender dials, so no connection means no message). Seen twice 10 ms apart, to
    leave bytes in flight on the loopback time to land; *since holds the first sighting (0: none). */
+static uint64_t ddp__host_peer_seq(const ddp_group *g, int peer) {
+    return g->host_backend->peer_seq ? g->host_backend->peer_seq(g, peer) : 0;
+}
 static int ddp__p2p_peer_went_on(ddp_group *g, int src, double *since) {
     int fd = g->mesh.peers[src].fd, pending = 0;
-    if (ddp__shm_peer_seq(g, src) <= g->seq || (fd >= 0 && (ioctl(fd, FIONREAD, &pending) != 0 || pending > 0))) {
+    if (ddp__host_peer_seq(g, src) <= g->seq || (fd >= 0 && (ioctl(fd, FIONREAD, &pending) != 0 || pending > 0))) {
         *since = 0;
         return 0;
     }
@@ -758,7 +734,7 @@ static ddp_result ddp__p2p_wait(ddp_group *g, const ddp__coll *c, ddp__posted *p
                                                                                     (wake - ddp__now()) * 1000.0)));
         if (rc < 0 && errno != EINTR) return ddp__coll_fail(g, DDP_ERR_SYSTEM, "poll failed: %s", strerror(errno));
         if (rc > 0 && n > npeers && (r = ddp__link_progress(g, fds + npeers, owner + npeers, n - npeers, &progressed)))
-            return r;
+            return ddp__break_with_error(g, r);
         for (i = 0; i < npeers && rc > 0; i++) {
             if (fds[i].revents & POLLIN) {
                 if ((r = ddp__p2p_look(g, c, p, owner[i])) != DDP_SUCCESS) return r;
@@ -770,7 +746,7 @@ static ddp_result ddp__p2p_wait(ddp_group *g, const ddp__coll *c, ddp__posted *p
         if (ddp__posted_done(g, p)) return p->result;
         if (ddp__p2p_peer_went_on(g, p->src, &ahead_since)) { /* over shared memory: see above */
             char theirs[64];
-            snprintf(theirs, sizeof theirs, "collective #%llu", (unsigned long long)(ddp__shm_peer_seq(g, p->src) - g->seq_base));
+            snprintf(theirs, sizeof theirs, "collective #%llu", (unsigned long long)(ddp__host_peer_seq(g, p->src) - g->seq_base));
             return ddp__p2p_went_on(g, p, theirs);
         }
         if (once) return DDP_SUCCESS;

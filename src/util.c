@@ -96,8 +96,6 @@ static void ddp__log(const ddp_group *g, ddp_log_level level, const char *fmt, .
 
 static char *ddp__error_buffer(ddp_group *g) { return g ? g->error : ddp__thread_error; }
 
-/* A destroyed group's message went with it: this thread's last error then (registry.c knows which are live). */
-DDP_API const char *ddp_last_error(const ddp_group *g) { return g && ddp__live_has(g, DDP__LIVE_GROUP) ? g->error : ddp__thread_error; }
 
 /* ---- environment ---- */
 

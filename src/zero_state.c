@@ -60,12 +60,12 @@ static ddp_result ddp__zs_check(ddp_group *g, const char *fn, ddp_dtype t, int n
     return DDP_SUCCESS;
 }
 
-/* Step 1: the first rank with a bad argument fails every rank with its message (ddp__ck_agree); then
+/* Step 1: the first rank with a bad argument fails every rank with its message (ddp__agree_outcome); then
    every rank's record, and ranks that differ from rank 0 fail every rank. */
 static ddp_result ddp__zs_agree(ddp_group *g, const char *fn, ddp_result local, const int64_t *mine, int64_t *all) {
     int world = ddp_world_size(g), k, f;
     static const char *const field[] = {"nstates", "dtype", "root"};
-    ddp_result res = ddp__ck_agree(g, local, fn);
+    ddp_result res = ddp__agree_outcome(g, local, fn);
     if (!res) res = ddp_all_gather(g, mine, all, DDP__ZS_FIELDS, DDP_I64);
     for (k = 0; !res && k < world; k++)
         for (f = DDP__ZS_NSTATES; f <= DDP__ZS_ROOT; f++)
@@ -88,7 +88,7 @@ static ddp_result ddp__zs_shard_lists(ddp_group *g, const ddp_shard *sh, int n, 
     for (k = 0; counts && k < world; k++) total += counts[k] = 3 * (size_t)all[k * DDP__ZS_FIELDS + DDP__ZS_NSHARDS];
     *lists = (uint64_t *)ddp__calloc(total + 1, sizeof **lists);
     if (!counts || !mine || !*lists) res = ddp__fail(g, DDP_ERR_OUT_OF_MEMORY, "ddp_reducer_consolidate_state: out of memory");
-    res = ddp__ck_agree(g, res, "ddp_reducer_consolidate_state"); /* no rank waits for one that cannot take part */
+    res = ddp__agree_outcome(g, res, "ddp_reducer_consolidate_state"); /* no rank waits for one that cannot take part */
     for (j = 0; !res && j < n; j++) {
         mine[3 * j] = (uint64_t)sh[j].param;
         mine[3 * j + 1] = sh[j].offset;
@@ -126,7 +126,7 @@ static ddp_result ddp__zs_gather(ddp_group *g, ddp_dtype t, int nstates, const v
     if ((mine < most && !pad) || (rank == root && !stage))
         res = ddp__fail(g, DDP_ERR_OUT_OF_MEMORY, "ddp_reducer_consolidate_state: rank %d: out of memory for %zu elements",
                         rank, rank == root ? (size_t)world * most : most);
-    res = ddp__ck_agree(g, res, "ddp_reducer_consolidate_state");
+    res = ddp__agree_outcome(g, res, "ddp_reducer_consolidate_state");
     for (s = 0; !res && s < nstates; s++) {
         const void *send = shard_state[s];
         if (pad) {

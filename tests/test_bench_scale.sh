@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# bench/bench_scale.c, the scale benchmark of docs/SCALE.md, on small worlds: every rank gets through
+# bench/bench_scale.c, the scale benchmark of docs/SCALE.md, on small worlds (2, 8 and 24 ranks): every rank gets through
 # ddp_init, a barrier and ddp_destroy, with ranks as threads and as processes, and each row's numbers
 # hold what any store-based rendezvous must: rank 0's store served at least one request and one
 # connection per rank, its thread used some CPU (from 8 ranks: 2 ranks take under the 1 ms printed), every other rank holds at least its own connections

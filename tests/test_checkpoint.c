@@ -1,7 +1,14 @@
 /* Checkpoints without a group (a single process): round trip of every dtype (f16/bf16, 0-d, empty,
-   8-d), the file layout read back by hand, metadata and resume state, strict header parsing (a table
-   of malformed headers, every truncation, every corrupted byte), mismatches named, keep_last
-   rotation, ddp_checkpoint_latest, per-rank shards and their completion marker, async save. */
+   8-d), the file layout read back by hand, metadata and resume state (the global sample position too),
+   strict header parsing (a table of malformed headers, every truncation, every corrupted byte),
+   mismatches named, keep_last rotation (19- and 20-digit names beside it are passed over, with no UBSan
+   report), ddp_checkpoint_latest, per-rank shards and their completion marker (rotation removes a larger
+   group's shards too), slices (two overlapping ones refused at save, a hole and an old file's overlap
+   named at load). Files laid out as safetensors.torch.save_file writes them (no checksums) load by
+   default and require_checksums refuses them; truncated or inconsistent ones and wrong checksums are
+   refused. ddp_checkpoint_list: the header's order, every dtype and shape, metadata, and the load's
+   verdict on every malformed header. Async save: the file is byte-identical to the synchronous save
+   although the tensors are overwritten right after the call; keep_last; errors come from ddp_wait. */
 #include "testlib.h"
 
 #include <dirent.h>
@@ -16,20 +23,6 @@ static const char *at(const char *name) {
     k = (k + 1) % 64;
     snprintf(buf[k], sizeof buf[k], "%s/%s", dir, name);
     return buf[k];
-}
-
-static void rm_rf(const char *d) {
-    DIR *dd = opendir(d);
-    struct dirent *e;
-    char p[1024];
-    if (!dd) return;
-    while ((e = readdir(dd)) != NULL) {
-        if (!strcmp(e->d_name, ".") || !strcmp(e->d_name, "..")) continue;
-        snprintf(p, sizeof p, "%s/%s", d, e->d_name);
-        unlink(p);
-    }
-    closedir(dd);
-    rmdir(d);
 }
 
 static int exists(const char *p) {
@@ -256,11 +249,14 @@ static void same_data(const set *a, const set *b, int n) {
     }
 }
 
-static ddp_result load_opts(const char *p, ddp_tensor *t, int n, ddp_meta *m, int unexpected, int missing_crc) {
+/* crc: 0 the default (checksums verified where present), 1 allow_missing_checksums (the old flag, now
+   the default: changes nothing), 2 require_checksums, 3 both (a contradiction) */
+static ddp_result load_opts(const char *p, ddp_tensor *t, int n, ddp_meta *m, int unexpected, int crc) {
     ddp_checkpoint_load_desc d;
     memset(&d, 0, sizeof d);
     d.allow_unexpected = unexpected;
-    d.allow_missing_checksums = missing_crc;
+    d.allow_missing_checksums = crc & 1;
+    d.require_checksums = (crc & 2) != 0;
     return ddp_checkpoint_load_ex(NULL, p, t, n, m, &d);
 }
 
@@ -486,6 +482,18 @@ static void test_malformed(void) {
         r = load_opts(p, NULL, 0, NULL, 1, 1);
         if (!cases[i].needle) CHECK(r == DDP_SUCCESS, "case %zu %s: %s", i, cases[i].json, ddp_last_error(NULL));
         else expect_err(r, DDP_ERR_FORMAT, cases[i].needle, cases[i].json);
+        { /* the header-only listing is as strict: the same verdict, the same message */
+            static ddp_tensor sentinel;
+            ddp_tensor *lt = &sentinel; /* a failed list must set it to NULL */
+            int ln = -1;
+            r = ddp_checkpoint_list(p, &lt, &ln, NULL);
+            if (!cases[i].needle && strstr(cases[i].json, "[1,1,1,1,1,1,1,1,1,2]")) /* 10 dims: loadable only when skipped */
+                expect_err(r, DDP_ERR_UNSUPPORTED, "10 dimensions", cases[i].json);
+            else if (!cases[i].needle) CHECK(r == DDP_SUCCESS && lt, "list case %zu %s: %s", i, cases[i].json, ddp_last_error(NULL));
+            else expect_err(r, DDP_ERR_FORMAT, cases[i].needle, cases[i].json);
+            if (r != DDP_SUCCESS) CHECK(!lt && ln == 0, "a failed list left %p, %d", (void *)lt, ln);
+            ddp_checkpoint_list_free(lt, ln);
+        }
     }
     /* length prefix: beyond the file, beyond the 100 MB limit, shorter than 8 bytes */
     {
@@ -512,7 +520,8 @@ static void test_malformed(void) {
         t.data = buf;
         expect_err(load_opts(p, &t, 1, NULL, 0, 1), DDP_ERR_MISMATCH, "BOOL [3] in the file but U8 [3]", "BOOL tensor");
     }
-    /* checksums: missing ones are refused unless allowed; a malformed one is refused always */
+    /* checksums: a missing one loads (another writer's file) unless required; a malformed or wrong one is
+       refused always */
     {
         ddp_tensor t;
         float v[2];
@@ -523,14 +532,331 @@ static void test_malformed(void) {
         t.shape[0] = 2;
         t.data = v;
         write_raw(p, "{\"a\":{\"dtype\":\"F32\",\"shape\":[2],\"data_offsets\":[0,8]}}", data, 8);
-        expect_err(load_opts(p, &t, 1, NULL, 0, 0), DDP_ERR_FORMAT, "no ddp.crc32c. checksum", "missing checksum");
+        CHECK_OK(load_opts(p, &t, 1, NULL, 0, 0), NULL);
         CHECK_OK(load_opts(p, &t, 1, NULL, 0, 1), NULL);
+        expect_err(load_opts(p, &t, 1, NULL, 0, 2), DDP_ERR_FORMAT, "no ddp.crc32c. checksum and require_checksums", "missing checksum required");
+        expect_err(load_opts(p, &t, 1, NULL, 0, 3), DDP_ERR_INVALID_ARGUMENT, "both set", "require and allow_missing");
         write_raw(p, "{\"__metadata__\":{\"ddp.crc32c.a\":\"xyz\"},\"a\":{\"dtype\":\"F32\",\"shape\":[2],\"data_offsets\":[0,8]}}", data, 8);
-        expect_err(load_opts(p, &t, 1, NULL, 0, 1), DDP_ERR_FORMAT, "not 8 hex digits", "malformed checksum");
+        expect_err(load_opts(p, &t, 1, NULL, 0, 0), DDP_ERR_FORMAT, "not 8 hex digits", "malformed checksum");
+        expect_err(load_opts(p, &t, 1, NULL, 0, 1), DDP_ERR_FORMAT, "not 8 hex digits", "malformed checksum (allow_missing)");
         write_raw(p, "{\"__metadata__\":{\"ddp.crc32c.a\":\"00000001\"},\"a\":{\"dtype\":\"F32\",\"shape\":[2],\"data_offsets\":[0,8]}}", data, 8);
-        expect_err(load_opts(p, &t, 1, NULL, 0, 1), DDP_ERR_FORMAT, "is corrupt", "wrong checksum");
+        expect_err(load_opts(p, &t, 1, NULL, 0, 0), DDP_ERR_FORMAT, "is corrupt", "wrong checksum");
+        expect_err(load_opts(p, &t, 1, NULL, 0, 1), DDP_ERR_FORMAT, "is corrupt", "wrong checksum (allow_missing)");
     }
     printf("malformed headers: %zu cases ok\n", sizeof cases / sizeof cases[0]);
+}
+
+/* ---- files from other writers, and ddp_checkpoint_list (issue #35) ----
+   An independent safetensors writer laying a file out as the Rust safetensors crate behind
+   safetensors.torch.save_file does (safetensors/src/tensor.rs, prepare() and Metadata's Serialize):
+   the tensors sorted by its Dtype enum (declared in increasing alignment: BOOL U8 I8 F8_E5M2 F8_E4M3
+   I16 U16 F16 BF16 I32 U32 F32 F64 I64 U64), last first, then by name; the header lists them in that
+   order, "__metadata__" first and only when there is metadata; the data back to back; compact JSON
+   padded with spaces to a multiple of 8 bytes; no ddp.crc32c keys (unless asked for, to test files
+   that carry some). The data byte at offset k of the data section is (k * 37 + 11) & 0xFF. */
+typedef struct foreign {
+    const char *name, *st; /* safetensors dtype name */
+    size_t size;           /* bytes per element */
+    ddp_dtype dt;
+    int ndim;
+    int64_t shape[8];
+} foreign;
+
+#define NF 8
+static const foreign FOREIGN[NF] = {
+    {"w", "F32", 4, DDP_F32, 2, {2, 3}},  {"b", "F64", 8, DDP_F64, 1, {3}},        {"step", "I64", 8, DDP_I64, 0, {0}},
+    {"e", "F16", 2, DDP_F16, 2, {0, 4}},  {"m", "U8", 1, DDP_U8, 1, {5}},          {"h", "BF16", 2, DDP_BF16, 1, {2}},
+    {"i", "I32", 4, DDP_I32, 2, {1, 1}},  {"z", "I8", 1, DDP_I8, 3, {2, 0, 1}},
+};
+/* the writer's order, worked out by hand from the rule above */
+static const char *const FOREIGN_ORDER[NF] = {"step", "b", "w", "i", "h", "e", "z", "m"};
+
+static size_t foreign_bytes(const foreign *f) {
+    size_t n = f->size;
+    int d;
+    for (d = 0; d < f->ndim; d++) n *= (size_t)f->shape[d];
+    return n;
+}
+
+static int crate_dtype_rank(const char *st) {
+    static const char *const order[] = {"BOOL", "U8", "I8", "F8_E5M2", "F8_E4M3", "I16", "U16", "F16", "BF16", "I32", "U32", "F32", "F64", "I64", "U64"};
+    int i;
+    for (i = 0; i < (int)(sizeof order / sizeof order[0]); i++)
+        if (!strcmp(order[i], st)) return i;
+    return -1;
+}
+
+static int cmp_foreign(const void *a, const void *b) {
+    const foreign *x = *(const foreign *const *)a, *y = *(const foreign *const *)b;
+    int rx = crate_dtype_rank(x->st), ry = crate_dtype_rank(y->st);
+    if (rx != ry) return rx > ry ? -1 : 1;
+    return strcmp(x->name, y->name);
+}
+
+/* The file image (malloc'd, *size bytes); offs[i] receives FOREIGN[i]'s data offset. meta_json: the
+   members of "__metadata__" (NULL: none). crc: 0 no checksums (as torch writes), 1 one per tensor,
+   2 one per tensor with w's wrong, 3 for every other tensor in the file's order only. grow: bytes the
+   header claims for m beyond what the file holds (its shape and the later offsets grow with it). */
+static unsigned char *foreign_image(const char *meta_json, int crc, int grow, size_t *offs, size_t *size) {
+    const foreign *order[NF];
+    char json[4096];
+    size_t len = 0, at = 0, data_len = 0, hpad, i, k;
+    unsigned char *img, data[256];
+    int d, first = 1;
+    for (i = 0; i < NF; i++) order[i] = &FOREIGN[i];
+    qsort((void *)order, NF, sizeof order[0], cmp_foreign);
+    for (i = 0; i < NF; i++) data_len += foreign_bytes(order[i]);
+    CHECK(data_len <= sizeof data, "foreign data too large");
+    for (k = 0; k < data_len; k++) data[k] = (unsigned char)(k * 37 + 11);
+    len += (size_t)snprintf(json + len, sizeof json - len, "{");
+    if (meta_json || crc) {
+        len += (size_t)snprintf(json + len, sizeof json - len, "\"__metadata__\":{%s", meta_json ? meta_json : "");
+        first = !meta_json || !*meta_json;
+        for (i = 0, at = 0; crc && i < NF; at += foreign_bytes(order[i]), i++) {
+            uint32_t c = ref_crc32c(data + at, foreign_bytes(order[i]));
+            if (crc == 3 && i % 2) continue;
+            if (crc == 2 && !strcmp(order[i]->name, "w")) c ^= 1;
+            len += (size_t)snprintf(json + len, sizeof json - len, "%s\"ddp.crc32c.%s\":\"%08x\"", first ? "" : ",", order[i]->name, (unsigned)c);
+            first = 0;
+        }
+        len += (size_t)snprintf(json + len, sizeof json - len, "},");
+    }
+    for (i = 0, at = 0; i < NF; i++) {
+        const foreign *f = order[i];
+        int64_t d0 = f->shape[0] + (!strcmp(f->name, "m") ? grow : 0);
+        size_t bytes = foreign_bytes(f) + (!strcmp(f->name, "m") ? (size_t)grow : 0);
+        offs[f - FOREIGN] = at;
+        len += (size_t)snprintf(json + len, sizeof json - len, "%s\"%s\":{\"dtype\":\"%s\",\"shape\":[", i ? "," : "", f->name, f->st);
+        for (d = 0; d < f->ndim; d++) len += (size_t)snprintf(json + len, sizeof json - len, d ? ",%lld" : "%lld", (long long)(d ? f->shape[d] : d0));
+        len += (size_t)snprintf(json + len, sizeof json - len, "],\"data_offsets\":[%zu,%zu]}", at, at + bytes);
+        at += bytes;
+    }
+    len += (size_t)snprintf(json + len, sizeof json - len, "}");
+    hpad = (8 - (8 + len) % 8) % 8;
+    CHECK(len + hpad < sizeof json, "foreign header too long");
+    memset(json + len, ' ', hpad);
+    len += hpad;
+    *size = 8 + len + data_len;
+    img = (unsigned char *)malloc(*size);
+    for (i = 0; i < 8; i++) img[i] = (unsigned char)((uint64_t)len >> (8 * i));
+    memcpy(img + 8, json, len);
+    memcpy(img + 8 + len, data, data_len);
+    return img;
+}
+
+/* Buffers for FOREIGN, in the table's order (not the file's): what a program expecting them lists. */
+static void foreign_tensors(ddp_tensor *t) {
+    int i;
+    for (i = 0; i < NF; i++) {
+        memset(&t[i], 0, sizeof t[i]);
+        t[i].name = FOREIGN[i].name;
+        t[i].dtype = FOREIGN[i].dt;
+        t[i].ndim = FOREIGN[i].ndim;
+        memcpy(t[i].shape, FOREIGN[i].shape, sizeof t[i].shape);
+        t[i].data = calloc(1, foreign_bytes(&FOREIGN[i]) + 1);
+    }
+}
+
+/* t[i] (FOREIGN[i]'s buffer) holds the bytes the writer put at offs[i] */
+static void foreign_check_data(const ddp_tensor *t, const size_t *offs) {
+    int i;
+    size_t k;
+    for (i = 0; i < NF; i++)
+        for (k = 0; k < foreign_bytes(&FOREIGN[i]); k++)
+            CHECK(((const unsigned char *)t[i].data)[k] == (unsigned char)((offs[i] + k) * 37 + 11), "tensor %s byte %zu", FOREIGN[i].name, k);
+}
+
+static void foreign_free(ddp_tensor *t) {
+    int i;
+    for (i = 0; i < NF; i++) free(t[i].data);
+}
+
+static void test_foreign(void) {
+    char p[512], q[512];
+    unsigned char *img;
+    size_t size, i, offs[NF];
+    ddp_tensor t[NF];
+    ddp_meta got = {0, 0, 0};
+    snprintf(p, sizeof p, "%s", at("foreign.safetensors"));
+    snprintf(q, sizeof q, "%s", at("foreign_cut.safetensors"));
+    foreign_tensors(t);
+
+    /* as torch writes it (no checksums): plain load reads it; require_checksums refuses it */
+    img = foreign_image("\"format\":\"pt\"", 0, 0, offs, &size);
+    write_file(p, img, size);
+    CHECK_OK(ddp_checkpoint_load(NULL, p, t, NF, &got), NULL);
+    foreign_check_data(t, offs);
+    CHECK(got.count == 1 && strcmp(ddp_meta_get(&got, "format"), "pt") == 0, "metadata of a torch file (count %d)", got.count);
+    CHECK_OK(load_opts(p, t, NF, NULL, 0, 1), NULL); /* the old flag: still compiles, changes nothing */
+    expect_err(load_opts(p, t, NF, NULL, 0, 2), DDP_ERR_FORMAT, "require_checksums", "require_checksums on a torch file");
+    {
+        ddp_checkpoint_load_desc d;
+        memset(&d, 0, sizeof d);
+        d.broadcast = 1; /* without a group this is the local path: the same verdicts */
+        CHECK_OK(ddp_checkpoint_load_ex(NULL, p, t, NF, NULL, &d), NULL);
+        d.require_checksums = 1;
+        expect_err(ddp_checkpoint_load_ex(NULL, p, t, NF, NULL, &d), DDP_ERR_FORMAT, "require_checksums", "require_checksums (broadcast desc)");
+    }
+    /* truncated anywhere, or one byte too many: refused, by the load and by the listing */
+    for (i = 0; i < size; i++) {
+        ddp_tensor *lt = NULL;
+        int ln = 0;
+        write_file(q, img, i);
+        expect_err(ddp_checkpoint_load(NULL, q, t, NF, NULL), DDP_ERR_FORMAT, NULL, "truncated torch file");
+        expect_err(ddp_checkpoint_list(q, &lt, &ln, NULL), DDP_ERR_FORMAT, NULL, "list of a truncated torch file");
+    }
+    {
+        unsigned char *longer = (unsigned char *)malloc(size + 1);
+        memcpy(longer, img, size);
+        longer[size] = 0;
+        write_file(q, longer, size + 1);
+        expect_err(ddp_checkpoint_load(NULL, q, t, NF, NULL), DDP_ERR_FORMAT, "trailing bytes", "torch file with a trailing byte");
+        free(longer);
+    }
+    free(img);
+    /* a header that claims one byte more for m than the file holds */
+    img = foreign_image(NULL, 0, 1, offs, &size);
+    write_file(q, img, size);
+    expect_err(ddp_checkpoint_load(NULL, q, t, NF, NULL), DDP_ERR_FORMAT, "truncated", "offsets past the end of the file");
+    expect_err(load_opts(q, NULL, 0, NULL, 1, 0), DDP_ERR_FORMAT, "truncated", "offsets past the end (nothing asked for)");
+    free(img);
+
+    /* checksums where present are verified: all right, one wrong, some missing */
+    img = foreign_image(NULL, 1, 0, offs, &size);
+    write_file(q, img, size);
+    CHECK_OK(ddp_checkpoint_load(NULL, q, t, NF, NULL), NULL);
+    CHECK_OK(load_opts(q, t, NF, NULL, 0, 2), NULL);
+    foreign_check_data(t, offs);
+    {
+        size_t data_len = 0;
+        for (i = 0; i < NF; i++) data_len += foreign_bytes(&FOREIGN[i]);
+        img[size - data_len + offs[0] + 2] ^= 0x10; /* a bit of w's data (FOREIGN[0]) */
+    }
+    write_file(q, img, size);
+    expect_err(ddp_checkpoint_load(NULL, q, t, NF, NULL), DDP_ERR_FORMAT, "\"w\" is corrupt", "flipped bit under a checksum");
+    free(img);
+    img = foreign_image(NULL, 2, 0, offs, &size);
+    write_file(q, img, size);
+    expect_err(ddp_checkpoint_load(NULL, q, t, NF, NULL), DDP_ERR_FORMAT, "\"w\" is corrupt", "wrong checksum");
+    expect_err(load_opts(q, t, NF, NULL, 0, 1), DDP_ERR_FORMAT, "\"w\" is corrupt", "wrong checksum (allow_missing_checksums)");
+    free(img);
+    img = foreign_image(NULL, 3, 0, offs, &size);
+    write_file(q, img, size);
+    CHECK_OK(ddp_checkpoint_load(NULL, q, t, NF, NULL), NULL);
+    foreign_check_data(t, offs);
+    expect_err(load_opts(q, t, NF, NULL, 0, 2), DDP_ERR_FORMAT, "\"b\" has no ddp.crc32c. checksum", "some checksums, required");
+    free(img);
+
+    ddp_meta_free(&got);
+    foreign_free(t);
+    printf("files from other writers: ok (torch's layout loads without checksums; truncations and bad checksums refused)\n");
+}
+
+static void expect_listed(const ddp_tensor *lt, int ln, const ddp_tensor *want, int n, const char *what) {
+    int i, d;
+    CHECK(ln == n && lt, "%s: %d tensors listed, want %d", what, ln, n);
+    for (i = 0; i < n; i++) {
+        CHECK(strcmp(lt[i].name, want[i].name) == 0, "%s: tensor %d is \"%s\", want \"%s\"", what, i, lt[i].name, want[i].name);
+        CHECK(lt[i].dtype == want[i].dtype && lt[i].ndim == want[i].ndim && lt[i].data == NULL, "%s: \"%s\" dtype %d ndim %d", what,
+              lt[i].name, (int)lt[i].dtype, lt[i].ndim);
+        for (d = 0; d < want[i].ndim; d++) CHECK(lt[i].shape[d] == want[i].shape[d], "%s: \"%s\" dim %d", what, lt[i].name, d);
+    }
+}
+
+static void test_list(void) {
+    char p[512];
+    unsigned char *img;
+    size_t size, offs[NF];
+    ddp_tensor *lt = NULL, want[NF], t[NF];
+    ddp_meta got = {0, 0, 0}, m = {0, 0, 0};
+    int ln = 0, i, k;
+    set s;
+    snprintf(p, sizeof p, "%s", at("list.safetensors"));
+
+    /* another writer's file: in the header's order, every dtype and shape (0-d, zero-length dims), the
+       metadata without the library's keys */
+    img = foreign_image("\"format\":\"pt\",\"note\":\"x\"", 1, 0, offs, &size);
+    write_file(p, img, size);
+    free(img);
+    for (i = 0; i < NF; i++)
+        for (k = 0; k < NF; k++)
+            if (!strcmp(FOREIGN[k].name, FOREIGN_ORDER[i])) {
+                memset(&want[i], 0, sizeof want[i]);
+                want[i].name = FOREIGN[k].name;
+                want[i].dtype = FOREIGN[k].dt;
+                want[i].ndim = FOREIGN[k].ndim;
+                memcpy(want[i].shape, FOREIGN[k].shape, sizeof want[i].shape);
+            }
+    CHECK_OK(ddp_meta_set(&got, "stale", "1"), NULL);
+    CHECK_OK(ddp_checkpoint_list(p, &lt, &ln, &got), NULL);
+    expect_listed(lt, ln, want, NF, "torch-layout file");
+    CHECK(got.count == 2 && !strcmp(ddp_meta_get(&got, "format"), "pt") && !strcmp(ddp_meta_get(&got, "note"), "x"),
+          "listed metadata (count %d)", got.count);
+    /* the usage of checkpoint.h: size the buffers from the listing, then load */
+    for (i = 0; i < ln; i++) {
+        size_t count = 1;
+        for (k = 0; k < lt[i].ndim; k++) count *= (size_t)lt[i].shape[k];
+        lt[i].data = malloc(count * ddp_dtype_size(lt[i].dtype) + 1);
+    }
+    CHECK_OK(ddp_checkpoint_load(NULL, p, lt, ln, NULL), NULL);
+    memset(t, 0, sizeof t);
+    for (i = 0; i < NF; i++) /* in FOREIGN's order, to compare */
+        for (k = 0; k < ln; k++)
+            if (!strcmp(lt[k].name, FOREIGN[i].name)) t[i] = lt[k];
+    foreign_check_data(t, offs);
+    for (i = 0; i < ln; i++) free(lt[i].data);
+    ddp_checkpoint_list_free(lt, ln);
+    CHECK_OK(ddp_checkpoint_list(p, &lt, &ln, NULL), NULL); /* meta NULL */
+    expect_listed(lt, ln, want, NF, "torch-layout file, meta NULL");
+    ddp_checkpoint_list_free(lt, ln);
+
+    /* a file ddp.h saved: the order of t[] at the save, every dtype, 0-d, an empty tensor, 8 dims */
+    make_set(&s, 21);
+    CHECK_OK(ddp_meta_set_int(&m, DDP_META_STEP, 7), NULL);
+    CHECK_OK(ddp_checkpoint_save(NULL, p, s.t, s.n, &m), NULL);
+    CHECK_OK(ddp_checkpoint_list(p, &lt, &ln, &got), NULL);
+    expect_listed(lt, ln, s.t, s.n, "ddp.h file");
+    CHECK(got.count == 1 && !strcmp(ddp_meta_get(&got, DDP_META_STEP), "7"), "listed metadata of a ddp.h file (count %d)", got.count);
+    ddp_checkpoint_list_free(lt, ln);
+    free_set(&s);
+
+    /* the header's order, not the data's: three tensors at data offset 0, listed z, y, x */
+    write_raw(p, "{\"z\":{\"dtype\":\"I8\",\"shape\":[0],\"data_offsets\":[0,0]},\"y\":{\"dtype\":\"I8\",\"shape\":[0],\"data_offsets\":[0,0]},"
+                 "\"x\":{\"dtype\":\"I8\",\"shape\":[2],\"data_offsets\":[0,2]}}", "ab", 2);
+    CHECK_OK(ddp_checkpoint_list(p, &lt, &ln, NULL), NULL);
+    CHECK(ln == 3 && !strcmp(lt[0].name, "z") && !strcmp(lt[1].name, "y") && !strcmp(lt[2].name, "x"), "header order");
+    ddp_checkpoint_list_free(lt, ln);
+    /* a dtype ddp.h cannot load: listed as DDP_DTYPE_DEFAULT with its shape */
+    write_raw(p, "{\"b\":{\"dtype\":\"BOOL\",\"shape\":[3],\"data_offsets\":[0,3]},\"u\":{\"dtype\":\"U16\",\"shape\":[],\"data_offsets\":[3,5]}}",
+              "abcde", 5);
+    CHECK_OK(ddp_checkpoint_list(p, &lt, &ln, NULL), NULL);
+    CHECK(ln == 2 && lt[0].dtype == DDP_DTYPE_DEFAULT && lt[0].ndim == 1 && lt[0].shape[0] == 3 && lt[1].dtype == DDP_DTYPE_DEFAULT &&
+              lt[1].ndim == 0,
+          "dtypes ddp.h lacks");
+    ddp_checkpoint_list_free(lt, ln);
+    /* no tensors: an empty, non-NULL array */
+    write_raw(p, "{\"__metadata__\":{\"k\":\"v\"}}", NULL, 0);
+    CHECK_OK(ddp_checkpoint_list(p, &lt, &ln, &got), NULL);
+    CHECK(ln == 0 && lt && got.count == 1, "empty file: n %d", ln);
+    ddp_checkpoint_list_free(lt, ln);
+
+    /* bad files and arguments: the error, nothing returned, meta unchanged */
+    write_raw(p, "{\"__metadata__\":{\"ddp.crc32c.a\":\"xyz\"},\"a\":{\"dtype\":\"F32\",\"shape\":[2],\"data_offsets\":[0,8]}}", "01234567", 8);
+    lt = want;
+    expect_err(ddp_checkpoint_list(p, &lt, &ln, &got), DDP_ERR_FORMAT, "not 8 hex digits", "list: malformed checksum");
+    CHECK(!lt && ln == 0 && got.count == 1 && !strcmp(ddp_meta_get(&got, "k"), "v"), "a failed list changed its outputs");
+    write_raw(p, "{\"a\":{\"dtype\":\"F32\",\"shape\":[2],\"data_offsets\":[0,8]}}", "0123456", 7);
+    expect_err(ddp_checkpoint_list(p, &lt, &ln, &got), DDP_ERR_FORMAT, "truncated", "list: data shorter than the offsets");
+    expect_err(ddp_checkpoint_list(at("absent.safetensors"), &lt, &ln, NULL), DDP_ERR_IO, "absent.safetensors", "list: missing file");
+    expect_err(ddp_checkpoint_list(dir, &lt, &ln, NULL), DDP_ERR_IO, "not a regular file", "list: a directory");
+    expect_err(ddp_checkpoint_list(NULL, &lt, &ln, NULL), DDP_ERR_INVALID_ARGUMENT, "path", "list: NULL path");
+    expect_err(ddp_checkpoint_list(p, NULL, &ln, NULL), DDP_ERR_INVALID_ARGUMENT, "NULL", "list: NULL tensors");
+    expect_err(ddp_checkpoint_list(p, &lt, NULL, NULL), DDP_ERR_INVALID_ARGUMENT, "NULL", "list: NULL n");
+    CHECK(got.count == 1, "a failed list changed meta");
+    ddp_checkpoint_list_free(NULL, 3);
+    ddp_meta_free(&got);
+    ddp_meta_free(&m);
+    printf("ddp_checkpoint_list: ok (header order, every dtype and shape, metadata, errors)\n");
 }
 
 /* Every truncation and every single corrupted byte of a real file must be refused, never loaded. */
@@ -581,15 +907,7 @@ static void test_corruption(void) {
     printf("corruption: every truncation and inverted byte refused\n");
 }
 
-static int count_files(const char *prefix) {
-    DIR *d = opendir(dir);
-    struct dirent *e;
-    int n = 0;
-    while ((e = readdir(d)) != NULL)
-        if (strncmp(e->d_name, prefix, strlen(prefix)) == 0) n++;
-    closedir(d);
-    return n;
-}
+static int count_files(const char *prefix) { return tl_count_files(dir, prefix, NULL); }
 
 static void test_rotation(void) {
     set s;
@@ -621,11 +939,65 @@ static void test_rotation(void) {
     CHECK(!exists(at("rot_000400.safetensors")) && exists(at("rot_000500.safetensors")), "numeric order");
     CHECK_OK(ddp_checkpoint_latest(at("rot_*.safetensors"), latest, sizeof latest, &num), NULL);
     CHECK(num == 9999, "latest %lld", (long long)num);
+    /* runs of 19 and 20 digits are not members (issue #35: the digit count was checked after v * 10 + d,
+       a signed overflow that UBSan reports in latest and in rotation): both pass them over */
+    write_file(at("rot_9999999999999999999.safetensors"), "x", 1);
+    write_file(at("rot_99999999999999999999.safetensors"), "x", 1);
+    write_file(at("rot_9999999999999999999.safetensors.tmp"), "x", 1);
+    CHECK_OK(ddp_checkpoint_latest(at("rot_*.safetensors"), latest, sizeof latest, &num), NULL);
+    CHECK(num == 9999, "latest beside 19- and 20-digit names: %lld", (long long)num);
+    CHECK_OK(ddp_checkpoint_save_ex(NULL, at("rot_10000.safetensors"), s.t, 2, NULL, &sd), NULL);
+    CHECK(!exists(at("rot_000500.safetensors")) && exists(at("rot_9999.safetensors")) && exists(at("rot_10000.safetensors")) &&
+              exists(at("rot_9999999999999999999.safetensors")) && exists(at("rot_99999999999999999999.safetensors")) &&
+              exists(at("rot_9999999999999999999.safetensors.tmp")),
+          "keep_last 2 beside 19- and 20-digit names kept the wrong files");
+    CHECK(count_files("rot_") == 7, "files left: %d", count_files("rot_"));
+    CHECK_OK(ddp_checkpoint_latest(at("rot_*.safetensors"), latest, sizeof latest, &num), NULL);
+    CHECK(num == 10000, "latest %lld", (long long)num);
+    expect_err(ddp_checkpoint_save_ex(NULL, at("rot_9999999999999999999.safetensors"), s.t, 2, NULL, &sd), DDP_ERR_INVALID_ARGUMENT,
+               "1 to 18 digits", "keep_last with a 19-digit number");
     expect_err(ddp_checkpoint_save_ex(NULL, at("nodigits.safetensors"), s.t, 2, NULL, &sd), DDP_ERR_INVALID_ARGUMENT, "number in the file name", "keep_last without a number");
     expect_err(ddp_checkpoint_latest(at("rot.safetensors"), latest, sizeof latest, &num), DDP_ERR_INVALID_ARGUMENT, "one '*'", "pattern without *");
     expect_err(ddp_checkpoint_latest(at("rot_*.safetensors"), latest, 8, &num), DDP_ERR_INVALID_ARGUMENT, "too few", "small buffer");
     free_set(&s);
     printf("rotation and latest: ok\n");
+}
+
+/* Slices in one process (issue #35): two slices of one tensor that overlap are refused before anything
+   is written, naming both ranges; a hole is named at load; a file of the old kind whose one shard holds
+   two overlapping pieces (written here with ddp_checkpoint_save_shard and the slice names, as the old
+   save_slices wrote it) names the range held twice. */
+static void test_slices_single(void) {
+    float w[10], back[10];
+    ddp_slice s[2];
+    ddp_tensor t[2];
+    int i;
+    for (i = 0; i < 10; i++) w[i] = (float)i * 1.5f;
+    memset(s, 0, sizeof s);
+    for (i = 0; i < 2; i++) s[i].name = "w", s[i].dtype = DDP_F32, s[i].global_count = 10;
+    s[0].offset = 0, s[0].count = 6, s[0].data = w;
+    s[1].offset = 4, s[1].count = 6, s[1].data = w + 4;
+    expect_err(ddp_checkpoint_save_slices(NULL, at("sl_overlap.safetensors"), s, 2, NULL, NULL), DDP_ERR_INVALID_ARGUMENT,
+               "rank 0 saves \"w\" [0, 6) and rank 0 saves \"w\" [4, 10)", "overlapping slices in one process");
+    CHECK(!exists(at("sl_overlap.safetensors")) && !exists(at("sl_overlap.safetensors.rank0")), "a refused slice save wrote a file");
+    s[1].offset = 6, s[1].count = 2, s[1].data = w + 6;
+    CHECK_OK(ddp_checkpoint_save_slices(NULL, at("sl_holed.safetensors"), s, 2, NULL, NULL), NULL);
+    memset(back, 0, sizeof back);
+    s[0].count = 10, s[0].data = back;
+    expect_err(ddp_checkpoint_load_slices(NULL, at("sl_holed.safetensors"), s, 1, NULL), DDP_ERR_MISMATCH,
+               "lacks elements [8, 10) of \"w\"", "a hole at the end");
+    s[0].count = 8;
+    CHECK_OK(ddp_checkpoint_load_slices(NULL, at("sl_holed.safetensors"), s, 1, NULL), NULL);
+    CHECK(memcmp(back, w, 8 * sizeof w[0]) == 0, "[0, 8) of the holed save");
+    memset(t, 0, sizeof t);
+    for (i = 0; i < 2; i++) t[i].dtype = DDP_F32, t[i].ndim = 1, t[i].shape[0] = 6;
+    t[0].name = "w@0/10", t[0].data = w;
+    t[1].name = "w@4/10", t[1].data = w + 4;
+    CHECK_OK(ddp_checkpoint_save_shard(NULL, at("sl_old.safetensors"), t, 2, NULL, NULL), NULL);
+    s[0].count = 10;
+    expect_err(ddp_checkpoint_load_slices(NULL, at("sl_old.safetensors"), s, 1, NULL), DDP_ERR_FORMAT,
+               "holds elements [4, 6) of \"w\" twice, in the shard of rank 0", "an old file with overlapping pieces");
+    printf("slices in one process: overlap refused at save, a hole and an old overlap named at load\n");
 }
 
 static void test_shards(void) {
@@ -646,6 +1018,12 @@ static void test_shards(void) {
     CHECK_OK(ddp_checkpoint_load_shard(NULL, p, back.t, 4, &got, NULL), NULL);
     same_data(&s, &back, 4);
     CHECK(got.count == 1 && strcmp(ddp_meta_get(&got, DDP_META_STEP), "10") == 0, "shard metadata (count %d)", got.count);
+    { /* ddp.h's shards carry every checksum: require_checksums loads them */
+        ddp_checkpoint_load_desc d;
+        memset(&d, 0, sizeof d);
+        d.require_checksums = 1;
+        CHECK_OK(ddp_checkpoint_load_shard(NULL, p, back.t, 4, NULL, &d), NULL);
+    }
     /* the shard is a safetensors file of its own: plain load works; the marker has no tensors */
     CHECK_OK(ddp_checkpoint_load(NULL, shard, back.t, 4, NULL), NULL);
     CHECK_OK(ddp_checkpoint_load(NULL, p, NULL, 0, NULL), NULL);
@@ -660,11 +1038,18 @@ static void test_shards(void) {
     /* a marker that is not one */
     CHECK_OK(ddp_checkpoint_save(NULL, p, s.t, 1, NULL), NULL);
     expect_err(ddp_checkpoint_load_shard(NULL, p, back.t, 4, NULL, NULL), DDP_ERR_FORMAT, "not a shard completion marker", "plain file as marker");
-    /* keep_last deletes old markers and shards together */
+    /* keep_last deletes old markers and shards together, the shards of a larger group's ranks too (a
+       resume on fewer ranks, issue #35); a ".rank" with more digits than an int is no shard name */
     memset(&sd, 0, sizeof sd);
     sd.keep_last = 1;
+    write_file(at("opt_000010.safetensors.rank7"), "x", 1);
+    write_file(at("opt_000010.safetensors.rank3.tmp"), "x", 1);
+    write_file(at("opt_000010.safetensors.rank99999999999"), "x", 1);
     CHECK_OK(ddp_checkpoint_save_shard(NULL, at("opt_000020.safetensors"), s.t, 4, &m, &sd), NULL);
     CHECK(!exists(p) && !exists(shard) && exists(at("opt_000020.safetensors")) && exists(at("opt_000020.safetensors.rank0")), "shard rotation");
+    CHECK(!exists(at("opt_000010.safetensors.rank7")) && !exists(at("opt_000010.safetensors.rank3.tmp")) &&
+              exists(at("opt_000010.safetensors.rank99999999999")),
+          "shard rotation of a larger group's shards");
     {
         char latest[512];
         int64_t num;
@@ -788,11 +1173,14 @@ int main(void) {
     test_round_trip();
     test_mismatch();
     test_malformed();
+    test_foreign();
+    test_list();
     test_corruption();
     test_rotation();
     test_shards();
+    test_slices_single();
     test_async();
-    rm_rf(dir);
+    tl_rm_dir(dir);
     printf("all checkpoint tests passed\n");
     return 0;
 }

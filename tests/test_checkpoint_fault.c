@@ -156,18 +156,7 @@ static int64_t run_and_kill(int64_t first, int rotate, int naive, const unsigned
     return last;
 }
 
-static int family_members(void) {
-    DIR *d = opendir(dir);
-    struct dirent *e;
-    int n = 0;
-    size_t len;
-    while ((e = readdir(d)) != NULL) {
-        len = strlen(e->d_name);
-        if (strncmp(e->d_name, "rot_", 4) == 0 && len > 12 && strcmp(e->d_name + len - 12, ".safetensors") == 0) n++;
-    }
-    closedir(d);
-    return n;
-}
+static int family_members(void) { return tl_count_files(dir, "rot_", ".safetensors"); }
 
 int main(void) {
     char path[512], latest[512], prev[512];
@@ -277,17 +266,7 @@ int main(void) {
         CHECK(caught > 0, "the verification never caught the naive writer: the fault test cannot fail");
     }
 
-    {
-        DIR *d = opendir(dir);
-        struct dirent *e;
-        while ((e = readdir(d)) != NULL) {
-            if (e->d_name[0] == '.') continue;
-            snprintf(path, sizeof path, "%s/%s", dir, e->d_name);
-            unlink(path);
-        }
-        closedir(d);
-        rmdir(dir);
-    }
+    tl_rm_dir(dir);
     printf("fault test passed\n");
     return 0;
 }

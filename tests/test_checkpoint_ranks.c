@@ -4,12 +4,21 @@
      exist, so success shows the data came by broadcast)
    - failures anywhere are errors everywhere, naming the rank: rank 0 cannot read (broadcast), rank 1
      cannot read (every rank reads), rank 0 has a bad argument (save), lists differ (broadcast)
+   - a file without checksums (another writer's) loads by broadcast and by every rank; require_checksums
+     refuses it on every rank
    - shards: each rank's own data round trips; a stale shard of rank 1 fails every rank; a shard set
      saved by another world size is DDP_ERR_MISMATCH; keep_last removes every rank's old shards
    - async save: collectives run while it writes, the file is rank 0's data at the call, a failure is
      every rank's, ddp_destroy with a save in flight finishes it, a rank dying during it fails the others' ddp_wait
    - resize resume: 4 processes take part of an epoch and save, 3 processes resume and finish it; every
-     index once (with and without drop_last) */
+     index once (with and without drop_last)
+   - slices of 3 global tensors saved on 4/3/2/1 ranks and loaded on 3/5/1/4: every element back; another
+     global_count, or a tensor nobody saved, fails on every rank
+   - on 3 ranks: slices that overlap, a replicated tensor saved whole by every rank, or slices that
+     disagree on global_count are refused at save on every rank, and no file is written; a hole ([8, 10))
+     or a range an old save holds twice is named at load
+   - keep_last after a resume on fewer ranks (4 -> 2) removes the shards of the ranks the group no longer
+     has: every rotated shard */
 #include "testlib.h"
 
 #include <dirent.h>
@@ -114,6 +123,39 @@ static int rank_main(int rank, int n, void *arg) {
         expect_fail(g, ddp_checkpoint_load_ex(g, p, &one, 1, NULL, &sub), DDP_ERR_MISMATCH, rank == 0 ? "rank 1" : "step",
                     "different lists with broadcast");
     }
+    /* a file from another writer (as safetensors.torch.save_file writes it: no ddp.crc32c checksums) loads
+       by every path; require_checksums refuses it on every rank, whichever rank asked (issue #35) */
+    {
+        char json[160];
+        int len = snprintf(json, sizeof json, "{\"step\":{\"dtype\":\"I64\",\"shape\":[],\"data_offsets\":[0,8]},"
+                                              "\"w\":{\"dtype\":\"F32\",\"shape\":[10,%d],\"data_offsets\":[8,%d]}}", N / 10, 8 + 4 * N);
+        ddp_checkpoint_load_desc req = bd;
+        at("torch.safetensors", q, sizeof q);
+        if (rank == 0) {
+            FILE *f = fopen(q, "wb");
+            unsigned char prefix[8];
+            int k;
+            while ((8 + len) % 8) json[len++] = ' ';
+            for (k = 0; k < 8; k++) prefix[k] = (unsigned char)((uint64_t)len >> (8 * k));
+            CHECK(f && fwrite(prefix, 1, 8, f) == 8 && fwrite(json, 1, (size_t)len, f) == (size_t)len &&
+                      fwrite(&want.step, 8, 1, f) == 1 && fwrite(want.w, sizeof want.w, 1, f) == 1 && fclose(f) == 0,
+                  "writing %s", q);
+        }
+        CHECK_OK(ddp_barrier(g), g);
+        model_init(&got, 7);
+        CHECK_OK(ddp_checkpoint_load_ex(g, rank == 0 ? q : "/nonexistent/torch.safetensors", got.t, 2, NULL, &bd), g);
+        CHECK(same(&got, &want), "rank %d: broadcast load of a file without checksums", rank);
+        model_init(&got, 7);
+        CHECK_OK(ddp_checkpoint_load(g, q, got.t, 2, NULL), g);
+        CHECK(same(&got, &want), "rank %d: load of a file without checksums", rank);
+        req.require_checksums = 1;
+        expect_fail(g, ddp_checkpoint_load_ex(g, q, got.t, 2, NULL, &req), DDP_ERR_FORMAT, rank == 0 ? "require_checksums" : "rank 0",
+                    "require_checksums (broadcast)");
+        req.broadcast = 0;
+        req.require_checksums = rank == 1;
+        expect_fail(g, ddp_checkpoint_load_ex(g, q, got.t, 2, NULL, &req), DDP_ERR_FORMAT, rank == 1 ? "require_checksums" : "rank 1",
+                    "require_checksums on rank 1");
+    }
     /* a save that fails on one rank (issue #18): on every rank the message names the save, the path, the
        rank that failed and the OS error (not the collective that carried the news) */
     {
@@ -182,14 +224,10 @@ static int rank_main(int rank, int n, void *arg) {
         }
         CHECK_OK(ddp_barrier(g), g);
         if (rank == 0) {
-            DIR *d = opendir(dir);
-            struct dirent *e;
-            int count = 0;
             char prefix[32];
+            int count;
             snprintf(prefix, sizeof prefix, "opt_w%d_", n);
-            while ((e = readdir(d)) != NULL)
-                if (strncmp(e->d_name, prefix, strlen(prefix)) == 0) count++;
-            closedir(d);
+            count = tl_count_files(dir, prefix, NULL);
             CHECK(count == 1 + n, "keep_last 1 left %d files of opt_w%d (want %d)", count, n, 1 + n);
         }
         model_init(&got, 7);
@@ -448,8 +486,8 @@ static int slices_main(int rank, int n, void *arg) {
             ddp_slice miss;
             memset(&miss, 0, sizeof miss);
             miss.name = "never_saved", miss.dtype = DDP_F32, miss.global_count = 4, miss.count = rank == 0 ? 4 : 0, miss.data = f[0];
-            expect_fail(g, ddp_checkpoint_load_slices(g, p, &miss, 1, NULL), DDP_ERR_MISMATCH, "holds 0 of the 4 elements",
-                        "a slice nobody saved");
+            expect_fail(g, ddp_checkpoint_load_slices(g, p, &miss, 1, NULL), DDP_ERR_MISMATCH,
+                        rank == 0 ? "lacks elements [0, 4) of \"never_saved\"" : "rank 0", "a slice nobody saved");
         }
         s[1].global_count = 8, s[1].offset = 0, s[1].count = rank == n - 1 ? 8 : 0; /* the last rank asks for more than exists */
         expect_fail(g, ddp_checkpoint_load_slices(g, p, s, 3, NULL), DDP_ERR_MISMATCH, "global_count", "a slice of another size");
@@ -473,6 +511,145 @@ static void test_slices(void) {
         printf("slices: saved on %d ranks, loaded on %d: every element of 3 tensors back; a gap or another global_count fails on every rank\n",
                pairs[i][0], pairs[i][1]);
     }
+}
+
+/* ---- slices that do not fit together (issue #35) ----
+   On 3 ranks, "w" of 10 f32 elements (w[i] = i + 1), into files each rank checks are not written:
+   - rank 0 saves [0, 6), rank 1 [0, 4), rank 2 nothing: refused on every rank, naming both ranks and
+     ranges (the old save took it, and its load of [0, 10) returned success with elements 6-9 never
+     written and 0-3 from rank 1)
+   - every rank saves all of "w" (a replicated tensor): refused the same way, pointing to
+     ddp_checkpoint_save (the old load of it said "holds 30 of the 10 elements ... did not cover them")
+   - rank 1 says global_count 12: refused, naming both sizes
+   - rank 0 saves [0, 6), rank 1 [6, 8): a load of [0, 10) fails on every rank naming the hole [8, 10);
+     [0, 8) loads
+   - files of the old kind (written here with ddp_checkpoint_save_shard and the slice names, as the old
+     save wrote them): the issue's save and the replicated one; their loads name the range held twice
+     and both ranks, instead of a success with wrong data or a count of 30 out of 10 */
+static void no_files(ddp_group *g, const char *p) {
+    char q[600];
+    snprintf(q, sizeof q, "%s.rank%d", p, ddp_rank(g));
+    CHECK_OK(ddp_barrier(g), g);
+    CHECK(access(p, F_OK) != 0 && access(q, F_OK) != 0, "rank %d: a refused slice save left %s or %s", ddp_rank(g), p, q);
+}
+
+static void old_kind_save(ddp_group *g, const char *p, const float *w, size_t count) {
+    ddp_tensor t;
+    memset(&t, 0, sizeof t);
+    t.name = "w@0/10", t.dtype = DDP_F32, t.ndim = 1, t.shape[0] = (int64_t)count, t.data = (void *)(uintptr_t)w;
+    CHECK_OK(ddp_checkpoint_save_shard(g, p, &t, count ? 1 : 0, NULL, NULL), g);
+}
+
+static int slice_errors_main(int rank, int n, void *arg) {
+    ddp_group *g;
+    ddp_slice s;
+    float w[10], back[10];
+    char p[512];
+    double t0;
+    int i;
+    (void)n, (void)arg;
+    CHECK_OK(ddp_init(NULL, &g), NULL);
+    for (i = 0; i < 10; i++) w[i] = (float)(i + 1);
+    memset(&s, 0, sizeof s);
+    s.name = "w", s.dtype = DDP_F32, s.global_count = 10, s.data = w;
+
+    s.count = rank == 0 ? 6 : rank == 1 ? 4 : 0;
+    t0 = tl_now();
+    expect_fail(g, ddp_checkpoint_save_slices(g, at("overlap.safetensors", p, sizeof p), &s, 1, NULL, NULL), DDP_ERR_INVALID_ARGUMENT,
+                "checkpoint slice save of ", "overlapping slices");
+    if (rank == 0) printf("3 ranks: overlapping slices refused at save after %.3f ms: %s\n", (tl_now() - t0) * 1e3, ddp_last_error(g));
+    CHECK(strstr(ddp_last_error(g), "rank 0 saves \"w\" [0, 6) and rank 1 saves \"w\" [0, 4)") &&
+              strstr(ddp_last_error(g), "is saved once, with ddp_checkpoint_save"),
+          "rank %d: the refusal does not name both ranks and ranges: %s", rank, ddp_last_error(g));
+    no_files(g, p);
+
+    s.count = 10; /* a replicated tensor */
+    expect_fail(g, ddp_checkpoint_save_slices(g, at("whole.safetensors", p, sizeof p), &s, 1, NULL, NULL), DDP_ERR_INVALID_ARGUMENT,
+                "rank 0 saves \"w\" [0, 10) and rank 1 saves \"w\" [0, 10)", "every rank saves the whole tensor");
+    CHECK(strstr(ddp_last_error(g), "is saved once, with ddp_checkpoint_save"), "rank %d: no pointer to ddp_checkpoint_save: %s", rank,
+          ddp_last_error(g));
+    no_files(g, p);
+
+    s.offset = rank == 1 ? 5 : 0, s.count = rank == 1 ? 5 : rank == 0 ? 5 : 0, s.global_count = rank == 1 ? 12 : 10;
+    expect_fail(g, ddp_checkpoint_save_slices(g, at("sizes.safetensors", p, sizeof p), &s, 1, NULL, NULL), DDP_ERR_INVALID_ARGUMENT,
+                "rank 0 saves \"w\" as 10 elements of F32 but rank 1 as 12 elements of F32", "global_count differs");
+    no_files(g, p);
+
+    s.global_count = 10, s.offset = 0, s.count = 0; /* nobody stores anything: nothing to exchange, a valid save */
+    CHECK_OK(ddp_checkpoint_save_slices(g, at("empty.safetensors", p, sizeof p), &s, 1, NULL, NULL), g);
+    CHECK_OK(ddp_checkpoint_load_slices(g, p, &s, 1, NULL), g);
+    s.offset = rank == 1 ? 6 : 0, s.count = rank == 0 ? 6 : rank == 1 ? 2 : 0, s.data = w + s.offset;
+    CHECK_OK(ddp_checkpoint_save_slices(g, at("holed.safetensors", p, sizeof p), &s, 1, NULL, NULL), g);
+    s.data = back, s.offset = 0, s.count = rank == 0 ? 10 : 0;
+    t0 = tl_now();
+    expect_fail(g, ddp_checkpoint_load_slices(g, p, &s, 1, NULL), DDP_ERR_MISMATCH,
+                rank == 0 ? "lacks elements [8, 10) of \"w\", which this rank asked for ([0, 10) of 10)" : "rank 0", "a hole at the end");
+    if (rank == 0) printf("3 ranks: a hole refused at load after %.3f ms: %s\n", (tl_now() - t0) * 1e3, ddp_last_error(g));
+    memset(back, 0, sizeof back);
+    s.count = 8;
+    CHECK_OK(ddp_checkpoint_load_slices(g, p, &s, 1, NULL), g);
+    CHECK(memcmp(back, w, 8 * sizeof w[0]) == 0, "rank %d: [0, 8) of the holed save", rank);
+
+    old_kind_save(g, at("old_overlap.safetensors", p, sizeof p), w, rank == 0 ? 6 : rank == 1 ? 4 : 0);
+    s.count = rank == 0 ? 10 : 0;
+    expect_fail(g, ddp_checkpoint_load_slices(g, p, &s, 1, NULL), DDP_ERR_FORMAT,
+                rank == 0 ? "holds elements [0, 4) of \"w\" twice, in the shards of rank 1 and rank 0" : "rank 0", "an old overlapping save");
+    old_kind_save(g, at("old_whole.safetensors", p, sizeof p), w, 10);
+    expect_fail(g, ddp_checkpoint_load_slices(g, p, &s, 1, NULL), DDP_ERR_FORMAT,
+                rank == 0 ? "holds elements [0, 10) of \"w\" twice, in the shards of rank 0 and rank 1" : "rank 0", "an old replicated save");
+    if (rank == 0) printf("3 ranks: an old replicated save at load: %s\n", ddp_last_error(g));
+    CHECK_OK(ddp_destroy(g), NULL);
+    return 0;
+}
+
+/* keep_last after a resume on fewer ranks (issue #35): steps 1-3 saved as shards by 4 ranks, then 4-6 by
+   2 ranks, keep_last 1 throughout, and a leftover "<step 2>.rank3.tmp" between the two runs: only step
+   6's marker and its 2 shards remain (the old rotation, each rank deleting its own shards, left step 3's
+   .rank2 and .rank3 forever). */
+static int resized_rotation_main(int rank, int n, void *arg) {
+    int first = *(const int *)arg, v;
+    ddp_group *g;
+    ddp_checkpoint_save_desc sd;
+    model m;
+    char name[64], p[512];
+    (void)n;
+    CHECK_OK(ddp_init(NULL, &g), NULL);
+    memset(&sd, 0, sizeof sd);
+    sd.keep_last = 1;
+    model_init(&m, 40 + (uint64_t)rank);
+    for (v = first; v < first + 3; v++) {
+        snprintf(name, sizeof name, "resized_%06d.safetensors", v);
+        CHECK_OK(ddp_checkpoint_save_shard(g, at(name, p, sizeof p), m.t, 2, NULL, &sd), g);
+    }
+    CHECK_OK(ddp_destroy(g), NULL);
+    return 0;
+}
+
+static void test_resized_rotation(void) {
+    static const char *const want[] = {"resized_000006.safetensors", "resized_000006.safetensors.rank0",
+                                       "resized_000006.safetensors.rank1"};
+    int first = 1, count = 0, k;
+    char p[512];
+    DIR *d;
+    struct dirent *e;
+    CHECK(tl_run_ranks(4, resized_rotation_main, &first, 120) == 0, "steps 1-3 on 4 ranks failed");
+    { /* a crash leftover */
+        FILE *f = fopen(at("resized_000002.safetensors.rank3.tmp", p, sizeof p), "wb");
+        CHECK(f && fputs("junk", f) >= 0 && fclose(f) == 0, "write %s", p);
+    }
+    first = 4;
+    CHECK(tl_run_ranks(2, resized_rotation_main, &first, 120) == 0, "steps 4-6 on 2 ranks failed");
+    d = opendir(dir);
+    while ((e = readdir(d)) != NULL) {
+        int known = 0;
+        if (strncmp(e->d_name, "resized_", 8) != 0) continue;
+        for (k = 0; k < 3; k++) known |= strcmp(e->d_name, want[k]) == 0;
+        CHECK(known, "keep_last 1 after 4 -> 2 ranks left %s", e->d_name);
+        count++;
+    }
+    closedir(d);
+    CHECK(count == 3, "keep_last 1 after 4 -> 2 ranks left %d files (want step 6's marker and 2 shards)", count);
+    printf("keep_last after a resume on fewer ranks: steps 1-3 on 4 ranks, 4-6 on 2: only step 6's marker and 2 shards remain\n");
 }
 
 int main(void) {
@@ -503,17 +680,11 @@ int main(void) {
     test_resize_resume_ranks(0);
     test_resize_resume_ranks(1);
     test_slices();
-    {
-        DIR *d = opendir(dir);
-        struct dirent *e;
-        while ((e = readdir(d)) != NULL) {
-            if (e->d_name[0] == '.') continue;
-            snprintf(p, sizeof p, "%s/%s", dir, e->d_name);
-            unlink(p);
-        }
-        closedir(d);
-        rmdir(dir);
-    }
+    CHECK(tl_run_ranks(3, slice_errors_main, NULL, 120) == 0, "slices that do not fit together, on 3 ranks");
+    printf("slices on 3 ranks: overlapping, replicated and differently sized saves refused on every rank, no file written; a hole "
+           "and an old overlapping save named at load\n");
+    test_resized_rotation();
+    tl_rm_dir(dir);
     printf("checkpoint ranks: ok\n");
     return 0;
 }

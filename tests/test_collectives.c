@@ -26,13 +26,6 @@ static int64_t value(int r, size_t i, ddp_dtype t, ddp_op op, int salt) {
     return (int64_t)(h % 7) - 3;
 }
 
-/* The serial reference for element i of op over ranks 0..n-1 (testlib.h's tl_reduce_small). */
-static double expected(int n, size_t i, ddp_dtype t, ddp_op op, int salt) {
-    return tl_expected(value, n, i, t, op, salt);
-}
-static void fill(void *buf, size_t count, int r, ddp_dtype t, ddp_op op, int salt) {
-    tl_fill(value, buf, count, r, t, op, salt);
-}
 
 static int worker(int rank, int n, void *arg) {
     ddp_group *g;
@@ -58,36 +51,38 @@ static int worker(int rank, int n, void *arg) {
                 if (big && op != DDP_SUM && op != DDP_AVG && (t != DDP_F32 || op != DDP_MAX) && t != DDP_I8) continue;
                 salt++;
                 /* all_reduce (always in place) */
-                fill(a, count, rank, t, op, salt);
+                tl_fill(value, a, count, rank, t, op, salt);
                 snprintf(what, sizeof what, "all_reduce(%s, %s, count %zu)", ddp_dtype_name(t), ddp_op_name(op), count);
                 CHECK_OK(ddp_all_reduce(g, a, count, t, op), g);
-                for (i = 0; i < count; i++) tl_check_equal(a, i, t, expected(n, i, t, op, salt), what, rank);
+                for (i = 0; i < count; i++) tl_check_equal(a, i, t, tl_expected(value, n, i, t, op, salt), what, rank);
                 /* reduce to each root in turn (a few roots for the big count) */
                 for (root = 0; root < n; root += big ? (n > 1 ? n - 1 : 1) : 1) {
-                    fill(a, count, rank, t, op, salt);
+                    tl_fill(value, a, count, rank, t, op, salt);
                     snprintf(what, sizeof what, "reduce(%s, %s, count %zu, root %d)", ddp_dtype_name(t), ddp_op_name(op), count, root);
                     CHECK_OK(ddp_reduce(g, a, count, t, op, root), g);
                     for (i = 0; i < count; i++)
-                        tl_check_equal(a, i, t, rank == root ? expected(n, i, t, op, salt) : (double)value(rank, i, t, op, salt), what, rank);
+                        tl_check_equal(a, i, t, rank == root ? tl_expected(value, n, i, t, op, salt) : (double)value(rank, i, t, op, salt),
+                                       what, rank);
                 }
                 /* reduce_scatter: out of place, then in place (send + rank * count == recv) */
                 {
                     size_t k, total = count * (size_t)n;
                     for (k = 0; k < 2; k++) {
                         unsigned char *recv = k == 0 ? b : a + (size_t)rank * count * es;
-                        fill(a, total, rank, t, op, salt);
+                        tl_fill(value, a, total, rank, t, op, salt);
                         snprintf(what, sizeof what, "reduce_scatter(%s, %s, count %zu, %s)", ddp_dtype_name(t), ddp_op_name(op),
                                  count, k ? "in place" : "out of place");
                         CHECK_OK(ddp_reduce_scatter(g, a, recv, count, t, op), g);
                         for (i = 0; i < count; i++)
-                            tl_check_equal(recv, i, t, expected(n, (size_t)rank * count + i, t, op, salt), what, rank);
+                            tl_check_equal(recv, i, t, tl_expected(value, n, (size_t)rank * count + i, t, op, salt), what,
+                                           rank);
                     }
                 }
             }
             /* broadcast from every root; all_gather out of place and in place */
             salt++;
             for (root = 0; root < n; root += big ? (n > 1 ? n - 1 : 1) : 1) {
-                fill(a, count, rank, t, DDP_SUM, salt);
+                tl_fill(value, a, count, rank, t, DDP_SUM, salt);
                 snprintf(what, sizeof what, "broadcast(%s, count %zu, root %d)", ddp_dtype_name(t), count, root);
                 CHECK_OK(ddp_broadcast(g, a, count, t, root), g);
                 for (i = 0; i < count; i++) tl_check_equal(a, i, t, (double)value(root, i, t, DDP_SUM, salt), what, rank);
@@ -96,7 +91,7 @@ static int worker(int rank, int n, void *arg) {
                 size_t k, r;
                 unsigned char *send = i == 0 ? b : a + (size_t)rank * count * es;
                 memset(a, 0xee, count * es * (size_t)n);
-                fill(send, count, rank, t, DDP_SUM, salt);
+                tl_fill(value, send, count, rank, t, DDP_SUM, salt);
                 snprintf(what, sizeof what, "all_gather(%s, count %zu, %s)", ddp_dtype_name(t), count, i ? "in place" : "out of place");
                 CHECK_OK(ddp_all_gather(g, send, a, count, t), g);
                 for (r = 0; r < (size_t)n; r++)
@@ -156,25 +151,7 @@ static int worker(int rank, int n, void *arg) {
 }
 
 int main(int argc, char **argv) {
-    static const char *transports[2] = {"auto", "tcp"};
-    int sizes[8] = {1, 2, 3, 4, 8}, nsizes = 5, i, t;
-    if (argc > 1) {
-        nsizes = 0;
-        for (i = 1; i < argc && nsizes < 8; i++) sizes[nsizes++] = atoi(argv[i]);
-    }
     setenv("DDP_TIMEOUT", "120", 0);
-    if (getenv("TEST_EXTERNAL_LAUNCH")) /* started by a launcher (tests/test_netns.sh): be one rank */
-        return worker(atoi(getenv("RANK")), atoi(getenv("WORLD_SIZE")), NULL);
-    for (t = 0; t < 2; t++) {
-        setenv("DDP_TRANSPORT", transports[t], 1);
-        for (i = 0; i < nsizes; i++) {
-            double t0 = tl_now();
-            if (sizes[i] == 1 && t == 1) continue; /* one rank uses no transport */
-            CHECK(tl_run_ranks(sizes[i], worker, NULL, 900) == 0, "world size %d over %s failed", sizes[i], transports[t]);
-            printf("world size %d over %s: every collective x dtype x op x count matches the serial reference (%.1f s)\n",
-                   sizes[i], t ? "tcp" : "shared memory", tl_now() - t0);
-            fflush(stdout);
-        }
-    }
+    tl_sweep(argc, argv, worker, 900, "every collective x dtype x op x count matches the serial reference", NULL);
     return 0;
 }

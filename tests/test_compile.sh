@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
-# The header compiles warning-free as C99 and C++17 (gcc and clang, -Wall -Wextra -Werror -pedantic),
-# the implementation in one translation unit links with a second that only includes the API, the
-# implementation may come after system headers (strict C99, gnu99, C++17),
-# DDP_STATIC, the allocator hooks and DDP_ASSERT work, giving only some hooks is a clear #error, and the header
+# The header compiles warning-free as C99 and C++17 (gcc and clang, -Wall -Wextra -Werror -pedantic, at
+# -O0, -O2 and -O3), the implementation in one translation unit links with a second that only includes
+# the API, the implementation may come after system headers (strict C99, gnu99, C++17; each program is
+# run), DDP_STATIC, the allocator hooks and DDP_ASSERT work, giving only some hooks is a clear #error, and the header
 # compiles under nvcc as C++ when nvcc is installed.
 set -eu
 cd "$(dirname "$0")/.."

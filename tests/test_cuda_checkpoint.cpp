@@ -22,6 +22,7 @@
 #include <vector>
 
 #include "nccl_absent.h" /* the NCCL glue, never reached here */
+#include "device_ranks.h" /* device_rank_begin / device_rank_end */
 
 /* ---- tensors ---- */
 
@@ -230,25 +231,14 @@ static void t_fault(ddp_group *g, int rank, int n) {
 }
 
 static int rank_main(int rank, int n, void *arg) {
-    ddp_group *g = NULL;
-    const ddp_harness::memory_stats_t before = ddp_harness::memory_stats;
+    ddp_harness::memory_stats_t before;
+    ddp_group *g = device_rank_begin(&stream, &before);
     (void)arg;
-    CHECK(cudaStreamCreate(&stream) == cudaSuccess, "cudaStreamCreate");
-    CHECK_OK(ddp_init(NULL, &g), NULL);
-    CHECK_OK(ddp_set_stream(g, stream), g);
     t_save_load(g, rank, n);
     t_shards(g, rank, n);
     t_slices(g, rank, n);
     t_fault(g, rank, n);
-    {
-        const ddp_harness::memory_stats_t &now = ddp_harness::memory_stats;
-        CHECK(now.async_d2h > before.async_d2h && now.async_h2d > before.async_h2d, "no staging copies were queued");
-        CHECK(now.pageable_async == before.pageable_async, "%llu async copies used pageable host memory, not pinned",
-              (unsigned long long)(now.pageable_async - before.pageable_async));
-        CHECK(now.last_stream == stream, "the last staging copy was not on the group's stream");
-    }
-    CHECK_OK(ddp_destroy(g), NULL);
-    cudaStreamDestroy(stream);
+    device_rank_end(g, stream, before); /* every copy staged through pinned memory on the group's stream */
     return 0;
 }
 

@@ -11,47 +11,26 @@
    counts and split sizes with zeros, the in-place forms, host and device buffers mixed within a rank
    and across ranks, the async variants, calls back to back without a read in between, a subgroup (its
    stream is the parent's), and isend/irecv refusing device memory; against serial references computed
-   here. The copies must go through pinned memory on the group's stream (the harness counts them). */
+   here. The reducer on device parameters and gradients is bit for bit equal to one on host buffers (plain,
+   flat, bf16, find_unused; zero_grad; ZeRO-1: 3 optimizer steps on the shards + gather_params), and
+   ZeRO-2 on device parameters is refused by finalize. The copies must go through pinned memory on the
+   group's stream (the harness counts them); a copy refused on one rank fails every rank. SAN=1 (the
+   script's): under ASan+UBSan. */
 #define DDP_CUDA
 #include "testlib.h"
 
 #include <cuda_runtime.h>
 
 #include "nccl_absent.h" /* the NCCL glue, never reached here */
+#include "device_ranks.h" /* device_rank_begin / device_rank_end */
 
 /* ---- values and buffers ---- */
 
 static const ddp_dtype all_dtypes[] = {DDP_F32, DDP_F64, DDP_F16, DDP_BF16, DDP_I8, DDP_U8, DDP_I32, DDP_I64};
 #define NDTYPES (int)(sizeof all_dtypes / sizeof all_dtypes[0])
 
-static void put(void *p, ddp_dtype t, size_t i, double v) {
-    switch (t) {
-    case DDP_F32: ((float *)p)[i] = (float)v; break;
-    case DDP_F64: ((double *)p)[i] = v; break;
-    case DDP_F16: ((uint16_t *)p)[i] = ddp_f32_to_f16((float)v); break;
-    case DDP_BF16: ((uint16_t *)p)[i] = ddp_f32_to_bf16((float)v); break;
-    case DDP_I8: ((int8_t *)p)[i] = (int8_t)v; break;
-    case DDP_U8: ((uint8_t *)p)[i] = (uint8_t)v; break;
-    case DDP_I32: ((int32_t *)p)[i] = (int32_t)v; break;
-    default: ((int64_t *)p)[i] = (int64_t)v; break;
-    }
-}
-
-static double get(const void *p, ddp_dtype t, size_t i) {
-    switch (t) {
-    case DDP_F32: return ((const float *)p)[i];
-    case DDP_F64: return ((const double *)p)[i];
-    case DDP_F16: return ddp_f16_to_f32(((const uint16_t *)p)[i]);
-    case DDP_BF16: return ddp_bf16_to_f32(((const uint16_t *)p)[i]);
-    case DDP_I8: return ((const int8_t *)p)[i];
-    case DDP_U8: return ((const uint8_t *)p)[i];
-    case DDP_I32: return ((const int32_t *)p)[i];
-    default: return (double)((const int64_t *)p)[i];
-    }
-}
-
 /* Rank r's element i of a buffer labelled salt: a small integer (0..12), exact in every dtype and in
-   sums of 4 ranks (also int8, f16 and bf16). */
+   sums of 4 ranks (also int8, f16 and bf16); written and read with testlib.h's tl_store_value / tl_load_value. */
 static double val(int rank, size_t i, int salt) { return (double)((rank * 7 + (int)(i % 1000) * 3 + salt) % 13); }
 
 static cudaStream_t stream;
@@ -66,7 +45,7 @@ static void *dev(size_t bytes) {
 static void *dev_filled(ddp_dtype t, size_t count, int rank, int salt) {
     size_t bytes = (count ? count : 1) * ddp_dtype_size(t), i;
     void *h = malloc(bytes), *d = dev(bytes);
-    for (i = 0; i < count; i++) put(h, t, i, val(rank, i, salt));
+    for (i = 0; i < count; i++) tl_store_value(h, i, t, val(rank, i, salt));
     CHECK(cudaMemcpy(d, h, bytes, cudaMemcpyHostToDevice) == cudaSuccess, "cudaMemcpy to the device");
     free(h);
     return d;
@@ -96,7 +75,7 @@ static void check_dev(const char *what, const void *d, ddp_dtype t, size_t count
     void *h = host_of(d, t, count);
     size_t i;
     for (i = 0; i < count; i++) {
-        double got = get(h, t, i), want = expect(i);
+        double got = tl_load_value(h, i, t), want = expect(i);
         CHECK(fabs(got - want) <= tol * fabs(want), "%s (%s): element %zu is %g, expected %g", what, ddp_dtype_name(t), i,
               got, want);
     }
@@ -257,7 +236,7 @@ static void t_all_to_all_v(ddp_group *g, int rank, int n) {
         int salt = 110 + d;
         void *h = malloc((stot ? stot : 1) * es), *send = dev_garbage(t, stot), *recv = dev_garbage(t, rtot);
         for (int p = 0; p < n; p++)
-            for (size_t j = 0; j < sc[p]; j++) put(h, t, soff[p] + j, val(rank, j, salt + p));
+            for (size_t j = 0; j < sc[p]; j++) tl_store_value(h, soff[p] + j, t, val(rank, j, salt + p));
         CHECK(cudaMemcpy(send, h, (stot ? stot : 1) * es, cudaMemcpyHostToDevice) == cudaSuccess, "h2d");
         free(h);
         CHECK_OK(ddp_all_to_all_v(g, send, sc, recv, rc, t), g);
@@ -430,7 +409,7 @@ static ddp_dtype r_dtype(int flat, int i) { return flat ? (i < 2 ? DDP_F32 : DDP
 static void r_fill(void *p, int device, ddp_dtype t, size_t count, int rank, int salt) {
     size_t bytes = count * ddp_dtype_size(t);
     void *h = calloc(1, bytes);
-    for (size_t i = 0; i < count; i++) put(h, t, i, val(rank, i, salt) - 6); /* -6..6 */
+    for (size_t i = 0; i < count; i++) tl_store_value(h, i, t, val(rank, i, salt) - 6); /* -6..6 */
     if (device) CHECK(cudaMemcpy(p, h, bytes, cudaMemcpyHostToDevice) == cudaSuccess, "h2d");
     else memcpy(p, h, bytes);
     free(h);
@@ -478,7 +457,7 @@ static void r_sgd(const ddp_shard *s, ddp_dtype t) {
     void *p = malloc(bytes), *gr = malloc(bytes);
     CHECK(cudaMemcpy(p, s->param_data, bytes, cudaMemcpyDefault) == cudaSuccess &&
               cudaMemcpy(gr, s->grad, bytes, cudaMemcpyDefault) == cudaSuccess, "reading a shard");
-    for (size_t i = 0; i < s->count; i++) put(p, t, i, get(p, t, i) - get(gr, t, i) / 4);
+    for (size_t i = 0; i < s->count; i++) tl_store_value(p, i, t, tl_load_value(p, i, t) - tl_load_value(gr, i, t) / 4);
     CHECK(cudaMemcpy(s->param_data, p, bytes, cudaMemcpyDefault) == cudaSuccess, "writing a shard");
     free(p), free(gr);
 }
@@ -592,12 +571,9 @@ static void t_reducer(ddp_group *g, int rank, int n) {
 }
 
 static int rank_main(int rank, int n, void *arg) {
-    ddp_group *g = NULL;
-    const ddp_harness::memory_stats_t before = ddp_harness::memory_stats;
+    ddp_harness::memory_stats_t before;
+    ddp_group *g = device_rank_begin(&stream, &before); /* its ddp_set_stream: refused on a cpu group before device buffers were staged */
     (void)arg;
-    CHECK(cudaStreamCreate(&stream) == cudaSuccess, "cudaStreamCreate");
-    CHECK_OK(ddp_init(NULL, &g), NULL);
-    CHECK_OK(ddp_set_stream(g, stream), g); /* refused on a cpu group before device buffers were staged */
     t_all_reduce(g, rank, n);
     t_broadcast_reduce(g, rank, n);
     t_all_gather(g, rank, n);
@@ -614,15 +590,8 @@ static int rank_main(int rank, int n, void *arg) {
     t_p2p_async_refused(g, rank, n);
     t_reducer(g, rank, n);
     t_reducer_zero(g, rank);
-    {
-        const ddp_harness::memory_stats_t &now = ddp_harness::memory_stats;
-        CHECK(now.async_d2h > before.async_d2h && now.async_h2d > before.async_h2d, "no staging copies were queued");
-        CHECK(now.pageable_async == before.pageable_async, "%llu async copies used pageable host memory, not pinned",
-              (unsigned long long)(now.pageable_async - before.pageable_async));
-    }
     CHECK(!strcmp(ddp_backend_name(g), "cpu"), "backend %s", ddp_backend_name(g));
-    CHECK_OK(ddp_destroy(g), NULL);
-    cudaStreamDestroy(stream);
+    device_rank_end(g, stream, before); /* every copy staged through pinned memory on the group's stream */
     return 0;
 }
 

@@ -29,17 +29,9 @@
 #include <string.h>
 #include <vector>
 
-/* CHECK(cond, "format", ...): on failure print where and why, and exit 1 (as tests/testlib.h, which
-   this test does not include: it would compile the whole library into it, doubling the build time). */
-#define CHECK(cond, ...)                                                                      \
-    do {                                                                                      \
-        if (!(cond)) {                                                                        \
-            fprintf(stderr, "%s:%d: CHECK(%s) failed: ", __FILE__, __LINE__, #cond);          \
-            fprintf(stderr, __VA_ARGS__);                                                     \
-            fprintf(stderr, "\n");                                                            \
-            exit(1);                                                                          \
-        }                                                                                     \
-    } while (0)
+/* CHECK(cond, "format", ...): on failure print where and why, and exit 1 (tests/check.h, not testlib.h,
+   which would compile the whole library into this test, doubling the build time). */
+#include "check.h"
 
 /* CHECK_OK(call, err): the entry point must succeed; prints its message (the args' err buffer) if not. */
 #define CHECK_OK(call, err)                                                                   \

@@ -13,15 +13,12 @@
 #     (load_state_dict(strict=True): torch's names and shapes), whose accuracy on the held-out points
 #     (regenerated here in Python) is the demo's own last "eval acc".
 set -u
-cd "$(dirname "$0")/.."
-BUILD=${BUILD:-build}
+# shellcheck source=tests/testlib.sh
+. "$(dirname "$0")/testlib.sh"
 DDPRUN=$BUILD/ddprun DEMO=$BUILD/train_demo CHECK=$BUILD/demo_check
 make -s BUILD="$BUILD" SAN="${SAN:-}" "$DDPRUN" "$DEMO" "$CHECK" || { echo "cannot build $DEMO and $CHECK"; exit 1; }
 ARGS="--epochs 6 --samples 4000"   # 32 steps an epoch on 4 ranks of batch 32
-T=$(mktemp -d /tmp/test_demo.XXXXXX)
-trap 'rm -rf "$T"' EXIT
-fail() { echo "FAIL: $*"; exit 1; }
-ok() { echo "ok: $*"; }
+tl_tmpdir test_demo
 
 # demo NAME NPROC EXTRA...: run the demo on NPROC ranks with --dir $T/NAME, output in $T/NAME.log; must exit 0
 demo() {
@@ -108,9 +105,9 @@ grep -q "on 4 ranks; resume with the same" "$T/two.log" || { cat "$T/two.log"; f
 ok "--resume with another world size is refused"
 
 # 5. the weights in torch
-if /usr/bin/python3 -c "import torch, numpy" 2>/dev/null; then
+if "$PY" -c "import torch, numpy" 2>/dev/null; then
   want=$(grep "^epoch   6/6" "$T/full.log" | sed 's/.*eval acc *\([0-9.]*\)%.*/\1/')
-  /usr/bin/python3 - "$T/full/final.safetensors" "$want" <<'PY' || fail "the weights in torch"
+  "$PY" - "$T/full/final.safetensors" "$want" <<'PY' || fail "the weights in torch"
 import json, math, struct, sys
 import numpy as np, torch, torch.nn as nn
 raw = open(sys.argv[1], "rb").read()
@@ -157,5 +154,5 @@ sys.exit(0 if abs(acc - float(sys.argv[2])) <= 0.25 else 1)
 PY
   ok "the final weights load into the torch model and score the same accuracy"
 else
-  echo "SKIP-PART torch part: torch and numpy not installed for /usr/bin/python3 (the weights in torch not checked)"
+  echo "SKIP-PART torch part: torch and numpy not installed for $PY (the weights in torch not checked)"
 fi

@@ -12,15 +12,7 @@ typedef struct scenario {
     int (*fn)(int rank, int n, void *arg);
 } scenario;
 
-static ddp_group *join(double timeout) {
-    ddp_init_desc d;
-    ddp_group *g;
-    memset(&d, 0, sizeof d);
-    d.timeout_seconds = timeout;
-    d.log_level = DDP_LOG_NONE;
-    CHECK_OK(ddp_init(&d, &g), NULL);
-    return g;
-}
+static ddp_group *join(double timeout) { return tl_init(timeout, DDP_LOG_NONE, NULL); }
 
 /* Expect code r with a message containing every given fragment (NULL-terminated). */
 static void expect_error(ddp_group *g, ddp_result r, ddp_result want, int rank, const char *what, ...) {

@@ -1,22 +1,21 @@
 #!/usr/bin/env bash
-# Every teaching example under examples/ runs briefly on 2 (some also 3) ranks under build/ddprun and
-# prints what it must; each example also verifies its own results and exits non-zero when one is wrong.
+# Every teaching example under examples/ runs briefly on 2-4 ranks under build/ddprun and prints what it
+# must; each example also verifies its own results and exits non-zero when one is wrong. checkpoint_resume
+# crashes on purpose and is restarted (ddprun --max-restarts, and by hand with --resume) to end with the
+# uninterrupted run's weights, and a job saved on 4 ranks is resumed on 3 in the middle of an epoch.
 # The sampler's shards are compared with torch 1.13's DistributedSampler (values below, produced by
 #   /usr/bin/python3 -c "from torch.utils.data.distributed import DistributedSampler as S; ..."
 # for 10 samples on 3 replicas). launchers runs under ddprun, alone, under a hand-made SLURM environment
 # and, when installed, Open MPI's mpirun. Every example also compiles as C++17.
 # (train_demo has its own test, tests/test_demo.sh.)
 set -u
-cd "$(dirname "$0")/.."
-BUILD=${BUILD:-build}
+# shellcheck source=tests/testlib.sh
+. "$(dirname "$0")/testlib.sh"
 DDPRUN=$BUILD/ddprun
 EXAMPLES="hello_allreduce hello_collectives sampler grad_accumulation join_uneven zero_adamw checkpoint_resume launchers"
 make -s BUILD="$BUILD" SAN="${SAN:-}" "$DDPRUN" $(for e in $EXAMPLES; do echo "$BUILD/$e"; done) ||
   { echo "cannot build the examples"; exit 1; }
-T=$(mktemp -d /tmp/test_examples.XXXXXX)
-trap 'rm -rf "$T"' EXIT
-fail() { echo "FAIL: $*"; exit 1; }
-ok() { echo "ok: $*"; }
+tl_tmpdir test_examples
 
 # run NAME NPROC ARGS...: ddprun NPROC ranks of build/NAME; its output in $OUT; fails on a non-zero exit
 run() {

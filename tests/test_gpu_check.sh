@@ -6,11 +6,13 @@
 # logs, exit 1. (3) The budget: a fake nvcc that hangs is cut off by the step timeout (GPU_CHECK_BUDGET=12)
 # and the steps after it are "not run" instead of waited for (the whole run ends within 60 s). (4) With
 # the real nvcc (SKIP-PART without it): --dry-run builds ddp_cuda.o, tools/gpu_check.cu, ddprun and
-# train_gpu for sm_80 (every warning an error) and writes the report with "no device" rows, exit 0; (5) then
+# train_gpu for sm_80 (every warning an error) and writes the report with "no device" rows (among them the
+# 2- and 4-ranks-on-one-GPU rows: gpu_check devbuf under ddprun, DDP_BACKEND=cpu), exit 0; (5) then
 # --prebuilt reuses that build ("prebuilt" rows, nothing rebuilt). (1b) tools/nccl-env.sh finds a fake
 # torch wheel's NCCL (include, lib, the search paths, the libnccl.so link for -lnccl). (6) With a fake
 # nvidia-smi and GPU_CHECK_ONLY: an id that names no step is a FAIL row; the torch rows are "not run" without torch, and with the machine's torch
-# (1.13 here) plain torchrun drives ddp.h ranks on 1 and 2 nodes and the sampler matches its own.
+# (1.13 here) plain torchrun drives ddp.h ranks on 1 and 2 nodes and the sampler matches its own at
+# N = 214748364.
 set -u
 cd "$(dirname "$0")/.." || exit 1
 BUILD=${BUILD:-build}

@@ -35,16 +35,10 @@ static int hier_count(void) { return __atomic_load_n(&hierarchical_calls, __ATOM
 
 /* Join the group, the last p->other ranks as another host. */
 static ddp_group *join(int rank, int n, const plan *p) {
-    ddp_init_desc d;
-    ddp_group *g;
     if (rank >= n - p->other)
         CHECK(unshare(CLONE_NEWUTS) == 0 && sethostname("ddp-other-host", 14) == 0, "rank %d: cannot play another host: %s",
               rank, strerror(errno));
-    memset(&d, 0, sizeof d);
-    d.log_level = DDP_LOG_DEBUG;
-    d.log_fn = watch_log;
-    CHECK_OK(ddp_init(&d, &g), NULL);
-    return g;
+    return tl_init_logged(watch_log);
 }
 
 /* Small integers, so that every dtype holds every sum, product, min and max exactly (u8: shifted up

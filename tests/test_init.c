@@ -1,8 +1,16 @@
 /* ddp_init: every launcher environment (torchrun, Open MPI, MPICH/Hydra, SLURM), the descriptor,
-   tcp:// and file:// init methods, a single process, timeouts from the environment and the
-   descriptor, subgroups, and every init error: unreachable master, port in use, ranks that disagree
-   on the world size, two processes claiming one rank, another job on the port, rank >= world size,
-   malformed environment values. Each process sets its own environment before ddp_init, as a launcher would. */
+   tcp:// and file:// init methods, a single process (and its own store), timeouts from the environment
+   and the descriptor, subgroups (destroyed with their parent), and every init error: unreachable master,
+   port in use, ranks that disagree on the world size, two processes claiming one rank, another job on
+   the port, rank >= world size, malformed environment values (LOCAL_RANK checks included). Failures
+   during the rendezvous: ranks lost or stuck inside ddp_init, silent sockets on the mesh ports, two
+   RANK=0, strangers on MASTER_PORT, a local failure published, a rank that never starts (named by
+   rank 0 on every rank). A 48-rank rendezvous is served in at most 30 store requests a rank
+   (ddp__store_server_stats). The open-file limit: a low soft limit is raised; a hard limit too low is
+   named on every rank, also when rank 0's own store client gets no descriptor. ddp_init right after
+   ddp_destroy: 200 cycles of init / all_reduce (checked) / destroy on 2 ranks and one MASTER_PORT
+   (rank 1 never meets rank 0's previous store, only a refusal it retries; before: every run failed
+   within 2-60 cycles). Each process sets its own environment before ddp_init, as a launcher would. */
 #include "testlib.h"
 
 #include <dirent.h>
@@ -795,6 +803,39 @@ static int nofile_hard_low_store(int rank, int n, void *arg) {
     return 0;
 }
 
+/* Issue #35 item 2: ddp_init right after ddp_destroy in the same process, 200 times without a pause, on
+   the same MASTER_PORT (2 ranks, each cycle an all_reduce checked). Rank 1 redials rank 0's port as soon
+   as its ddp_destroy returns: it must never meet rank 0's previous store (still serving: "belongs to
+   another job", every rank having joined; or closing: "lost the connection to the store"), only a
+   refusal, retried until rank 0's next store listens (every 50 cycles rank 0 starts 20 ms late to make
+   sure of that case, and rank 1 too, the other way round). Before the fix every run failed within 3-60
+   cycles. TEST_INIT_CYCLES sets the count (stress runs); TEST_DEBUG=1 prints the time per cycle. */
+static int init_destroy_cycles(int rank, int n, void *arg) {
+    int cycles = getenv("TEST_INIT_CYCLES") ? atoi(getenv("TEST_INIT_CYCLES")) : 200, c;
+    double t0 = tl_now();
+    (void)arg;
+    setenv("DDP_TIMEOUT", "20", 1);
+    for (c = 0; c < cycles; c++) {
+        ddp_group *g = NULL;
+        int64_t x = (int64_t)(rank + 1) * (c + 1);
+        ddp_result r;
+        if (c % 50 == (rank == 0 ? 10 : 35)) usleep(20 * 1000);
+        r = ddp_init(NULL, &g);
+        CHECK(r == DDP_SUCCESS, "rank %d, cycle %d of %d: ddp_init returned %s: %s", rank, c + 1, cycles,
+              ddp_result_string(r), ddp_last_error(NULL));
+        CHECK(ddp_rank(g) == rank && ddp_world_size(g) == n, "cycle %d: group is rank %d of %d", c + 1, ddp_rank(g), ddp_world_size(g));
+        CHECK_OK(ddp_all_reduce(g, &x, 1, DDP_I64, DDP_SUM), g);
+        CHECK(x == (int64_t)(c + 1) * n * (n + 1) / 2, "rank %d, cycle %d: all_reduce gave %lld, expected %lld", rank, c + 1,
+              (long long)x, (long long)(c + 1) * n * (n + 1) / 2);
+        r = ddp_destroy(g);
+        CHECK(r == DDP_SUCCESS, "rank %d, cycle %d of %d: ddp_destroy returned %s: %s", rank, c + 1, cycles,
+              ddp_result_string(r), ddp_last_error(NULL));
+    }
+    if (rank == 0 && getenv("TEST_DEBUG"))
+        fprintf(stderr, "%d init/all_reduce/destroy cycles: %.2f ms a cycle\n", cycles, (tl_now() - t0) * 1e3 / cycles);
+    return 0;
+}
+
 typedef struct scenario {
     const char *name;
     int world;
@@ -828,6 +869,7 @@ int main(int argc, char **argv) {
         {"malformed DDP_TIMEOUT on one rank", 3, local_failure_published},
         {"a rank never starts", 3, rank_never_starts},
         {"rendezvous store requests per rank", 48, rendezvous_requests},
+        {"ddp_init right after ddp_destroy, 200 cycles", 2, init_destroy_cycles},
         {"open-file limit: soft limit low, hard high", NOFILE_WORLD, nofile_soft_low},
         {"open-file limit: hard limit low (mesh)", NOFILE_WORLD, nofile_hard_low_mesh},
         {"open-file limit: hard limit low on rank 0 (store)", NOFILE_WORLD, nofile_hard_low_store},

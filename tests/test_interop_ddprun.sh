@@ -14,21 +14,14 @@
 #   MASTER_PORT, TORCHELASTIC_RUN_ID (standalone)       both a fresh free port / a random UUID
 # Skips (77) when torch is not installed.
 set -u
-cd "$(dirname "$0")/.."
-BUILD=${BUILD:-build}
+# shellcheck source=tests/testlib.sh
+. "$(dirname "$0")/testlib.sh"
 DDPRUN=$BUILD/ddprun
-PY=/usr/bin/python3
-if ! "$PY" -c "import torch.distributed.run" 2>/dev/null; then
-  echo "skipped: torch is not installed for $PY (apt-get install python3-torch)"
-  exit 77
-fi
+tl_need_python torch.distributed.run python3-torch
 make -s BUILD="$BUILD" SAN="${SAN:-}" "$DDPRUN" || { echo "cannot build $DDPRUN"; exit 1; }
-${CC:-cc} -std=c99 -Wall -Wextra -Werror -pedantic -O2 -g -pthread -I. -Itests -o "$BUILD/progs_print_env" \
-  tests/progs/print_env.c -lm || { echo "cannot build tests/progs/print_env.c"; exit 1; }
 PRINT_ENV=$BUILD/progs_print_env
-T=$(mktemp -d /tmp/test_interop_ddprun.XXXXXX)
-trap 'rm -rf "$T"' EXIT
-fail() { echo "FAIL: $*"; exit 1; }
+SANFLAGS='' tl_cc "$PRINT_ENV" tests/progs/print_env.c || { echo "cannot build tests/progs/print_env.c"; exit 1; }
+tl_tmpdir test_interop_ddprun
 unset OMP_NUM_THREADS # both launchers then set it to 1
 # torch 1.13 takes only the underscore spellings (torch/distributed/run.py of 1.13: --nproc_per_node ...) and,
 # on Python 3.11, --redirects/--tee other than 0 (torch/distributed/elastic/multiprocessing/api.py: Std.from_str("0")

@@ -4,6 +4,8 @@
 #     shuffle, drop_last) combinations -- n = 0 and 1, n < R, seeds >= 2^32 and negative -- plus evaluation
 #     mode against torch's permutation, and torch's random64 word order. Each is read back through
 #     indices(), the batch iterator, a mid-epoch resume and index_at (tests/interop/sampler_check.c).
+#     Plus 80 multi-pass cases: one sampler iterated 2 or 3 times without set_epoch in between (torch
+#     repeats the order; so must next_batch after the 0 that ends a pass) or with set_epoch before each.
 #  2. The large-N regime of current torch's randperm (N >= 214748364, the inside-out shuffle that torch 2.7
 #     introduced) is not in torch 1.13: it is checked against an independent C++ reference written from
 #     current torch's source (tests/interop/sampler_ref.cpp, std::mt19937), at N = 214748364 (where the
@@ -12,24 +14,11 @@
 #     skipped part ("SKIP-PART large-N part: ...", counted by tests/run_tests.sh). SAMPLER_TORCH_LARGE=1
 #     also compares the legacy regime at N = 214748364 with torch 1.13 itself (a minute or two more).
 set -euo pipefail
-cd "$(dirname "$0")/.."
-BUILD=${BUILD:-build}
-PY=/usr/bin/python3
-if ! "$PY" -c "import torch" 2>/dev/null; then
-  echo "skipped: torch is not importable by $PY (apt-get install python3-torch)"
-  exit 77
-fi
-mkdir -p "$BUILD/interop"
+# shellcheck source=tests/testlib.sh
+. "$(dirname "$0")/testlib.sh"
+tl_need_python torch python3-torch
 W="$BUILD/interop"
-[ -f ddp.h ] || { echo "no ddp.h (make header writes it)"; exit 1; }
-if [ -z "${SANFLAGS:-}" ]; then  # as the Makefile sets them, when only SAN is given
-  case "${SAN:-}" in
-    address) SANFLAGS="-fsanitize=address,undefined -fno-omit-frame-pointer -fno-sanitize-recover=all" ;;
-    thread) SANFLAGS="-fsanitize=thread" ;;
-  esac
-fi
-${CC:-cc} -std=c99 -Wall -Wextra -Werror -pedantic -O2 -g -pthread -I. -Itests -o "$W/sampler_check" \
-  tests/interop/sampler_check.c -lm ${SANFLAGS:-}
+tl_cc "$W/sampler_check" tests/interop/sampler_check.c
 
 "$PY" tests/interop/sampler_torch.py > "$W/sampler_cases.txt"
 "$W/sampler_check" < "$W/sampler_cases.txt"

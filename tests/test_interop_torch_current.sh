@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
-# ddp.h against CURRENT torch (2.x: Debian sid's python3-torch, in the chroot tools/torch-current.sh makes),
+# ddp.h against CURRENT torch (2.x: Debian sid's python3-torch, 2.14.1 when last run, in the chroot
+# tools/torch-current.sh makes),
 # beside the torch 1.13 suites (test_interop_store.sh, test_interop_sampler.sh, ...):
 #  1. the store both ways in torch 2.x's TCPStore protocol (tests/interop/store_interop.py): torch 2.x's
 #     client against ddp.h's server step by step beside torch's own server, ddp.h's client against torch's
@@ -15,7 +16,8 @@
 #     tests/interop/syncbn_check.py with current torch's BatchNorm1d/2d/3d (1e-5 relative, as for 1.13).
 #  4. reducer: tests/interop/reducer_torch.py with current torch's DistributedDataParallel (gloo, 2 ranks,
 #     tcp:// rendezvous with USE_LIBUV=0, GLOO_SOCKET_IFNAME=lo): final weights within 1e-5 (plain, accum)
-#     and 1e-3 (fp16_compress_hook), uneven inputs on 3 ranks (ddp.join(), with and without
+#     and 1e-3 (fp16_compress_hook; this gloo has no float16 all_reduce, so it is compared with an equivalent
+#     hook and a SKIP-PART line says so), uneven inputs on 3 ranks (ddp.join(), with and without
 #     throw_on_early_termination, against ddp_reducer_join) within 1e-5, ZeroRedundancyOptimizer(AdamW) and
 #     its consolidate_state_dict against zero_stage = 1 and ddp_reducer_consolidate_state within 1e-4, ZeRO-1 +
 #     uneven inputs (ZeroRedundancyOptimizer(AdamW) + Join against the ddp_reducer_join_step loop; 1.02e-05
@@ -24,15 +26,16 @@
 #     (tests/interop/safetensors_torch.py: names, dtypes, shapes, values, bytes, checksums, metadata) and by
 #     the json+numpy reader (safetensors_check.py) under current numpy; files written by
 #     safetensors.torch.save_file (with and without checksums) loaded by ddp.h, one of them corrupted and
-#     refused. Without python3-safetensors in the chroot the package half prints a SKIP-PART line.
+#     refused (python3-safetensors 0.8.0 when last run). Without python3-safetensors in the chroot the
+#     package half prints a SKIP-PART line.
 # The ddp.h programs are built here and run on the host or (the store and reducer peers, started by the
 # Python scripts) inside the chroot; everything they exchange lies under $BUILD/interop-current, inside the
 # clone, which the chroot sees at the same path. Each step of parts 3-5 runs under `timeout`.
 # Skips (exit 77) when the chroot is absent (make it: tools/torch-current.sh create, about 2 GB and a few
 # minutes) or when not root (chroot needs it).
 set -euo pipefail
-cd "$(dirname "$0")/.."
-BUILD=${BUILD:-build}
+# shellcheck source=tests/testlib.sh
+. "$(dirname "$0")/testlib.sh"
 TC=tools/torch-current.sh
 if [ "$(id -u)" -ne 0 ] && ! sudo -n true 2>/dev/null; then
   echo "skipped: the current-torch chroot needs root (chroot, bind mounts)"
@@ -43,22 +46,10 @@ if ! ver=$($TC status 2>/dev/null | tail -1); then
   exit 77
 fi
 echo "current torch: $ver (chroot $($TC root))"
-case "${SAN:-}" in
-  address) SANFLAGS="-fsanitize=address,undefined -fno-omit-frame-pointer -fno-sanitize-recover=all" ;;
-  thread) SANFLAGS="-fsanitize=thread" ;;
-  *) SANFLAGS="" ;;
-esac
 W="$BUILD/interop-current"
-mkdir -p "$W"
-# shellcheck disable=SC2086
-${CC:-cc} -std=c99 -Wall -Wextra -Werror -pedantic -O2 -g -pthread -I. -Itests tests/interop/store_peer.c \
-  -o "$W/store_peer" -lm $SANFLAGS
-# shellcheck disable=SC2086
-${CC:-cc} -std=c99 -Wall -Wextra -Werror -pedantic -O2 -g -pthread -I. tests/progs/allreduce.c \
-  -o "$W/allreduce" -lm $SANFLAGS
-# shellcheck disable=SC2086
-${CC:-cc} -std=c99 -Wall -Wextra -Werror -pedantic -O2 -g -pthread -I. -Itests -o "$W/sampler_check" \
-  tests/interop/sampler_check.c -lm $SANFLAGS
+tl_cc "$W/store_peer" tests/interop/store_peer.c
+tl_cc "$W/allreduce" tests/progs/allreduce.c
+tl_cc "$W/sampler_check" tests/interop/sampler_check.c
 
 echo "== store (torch 2.x's TCPStore protocol)"
 $TC run python3 tests/interop/store_interop.py "$W/store_peer" "$W/allreduce"
@@ -102,9 +93,7 @@ in_chroot() {  # in_chroot SECONDS CMD ARG...: CMD in the chroot, killed after S
 }
 
 echo "== syncbn: SyncBatchNorm vs current torch's BatchNorm1d/2d/3d (tolerance 1e-5 relative)"
-# shellcheck disable=SC2086
-${CC:-cc} -std=c99 -Wall -Wextra -Werror -pedantic -O2 -g -pthread -I. -Itests -o "$W/syncbn_dump" \
-  tests/interop/syncbn_dump.c -lm $SANFLAGS
+tl_cc "$W/syncbn_dump" tests/interop/syncbn_dump.c
 rm -rf "$W/syncbn"
 dirs=()
 for ranks in 1 2 3 4 8; do
@@ -115,18 +104,14 @@ done
 step 300 "syncbn_check.py with current torch" in_chroot 300 python3 tests/interop/syncbn_check.py "${dirs[@]}"
 
 echo "== reducer: ddp.h's reducer vs current torch's DistributedDataParallel (gloo; 1e-5, fp16 1e-3)"
-# shellcheck disable=SC2086
-${CC:-cc} -std=c99 -Wall -Wextra -Werror -pedantic -O2 -g -pthread -I. -Itests tests/interop/reducer_peer.c \
-  -o "$W/reducer_peer" -lm $SANFLAGS
+tl_cc "$W/reducer_peer" tests/interop/reducer_peer.c
 rm -rf "$W/reducer"
 mkdir -p "$W/reducer"
 step 420 "reducer_torch.py with current torch" \
   in_chroot 420 python3 tests/interop/reducer_torch.py "$W/reducer_peer" "$W/reducer"
 
 echo "== checkpoint: safetensors files between ddp.h and current torch"
-# shellcheck disable=SC2086
-${CC:-cc} -std=c99 -Wall -Wextra -Werror -pedantic -O1 -g -pthread -I. -Itests tests/interop/safetensors_helper.c \
-  -o "$W/safetensors_helper" -lm $SANFLAGS
+tl_cc "$W/safetensors_helper" tests/interop/safetensors_helper.c -O1
 C="$W/checkpoint"
 rm -rf "$C"
 mkdir -p "$C"

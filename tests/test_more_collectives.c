@@ -6,12 +6,20 @@
    (the split sizes of all_to_all_v and all_gather_v differ by rank and include zeros), over shared
    memory (the default on one host) and TCP (DDP_TRANSPORT=tcp). Then the failures: a rank that disagrees
    on the root, on the split sizes or on the counts, or calls another collective, is DDP_ERR_MISMATCH on
-   every rank (a rank that ran ahead of a small scatter over shared memory gets it from its next call);
-   small gathers and scatters that run ahead deliver every block right (run_ahead); so is a recv of another size than its send, or one that meets the peer's next collective;
+   every rank (a rank that ran ahead of a small scatter over shared memory gets it from its next call),
+   and no rank's receive buffer gets wrong data meanwhile (root_data: 18 cases of gathers and scatters
+   with mismatched roots, 2-4 ranks, both transports; each block is the sentinel or exactly the rank's
+   own call's result); so is a recv of another size than its send, or one that meets the peer's next
+   collective. Small gathers and scatters that run ahead deliver every block right (run_ahead: 600 calls
+   in runs of 100 with late consumers, every block checked; fails when a writer may run one slot further).
    ddp_send / ddp_recv around the ring (every dtype, up to 1 MiB while the peer sends too, tags out of
    order, a message crossing a collective), ddp_irecv posted before ddp_isend on every rank, before a
-   barrier, and finished by ddp_test; overlapping all_to_all_v buffers are refused; a rank that does not come to monitored_barrier
-   is named by it. Usage: test_more_collectives [world sizes...]. */
+   barrier, and finished by ddp_test; overlapping all_to_all_v buffers are refused; a rank that does not
+   come to monitored_barrier is named by it, also right after a small scatter that ran ahead of it.
+   Large calls over shared memory (big_worker: 70,001-300,000 elements a rank, staged and single-copy,
+   library and plain buffers, DDP_SHM_CMA=0 at 8 ranks) match the reference and go single-copy on library
+   buffers. Usage: test_more_collectives [world sizes...]; test_more_collectives --root-data [N] runs only
+   the mismatched-root data check, N times over both transports. */
 #include "testlib.h"
 
 static const ddp_dtype dtypes[] = {DDP_F32, DDP_F64, DDP_F16, DDP_BF16, DDP_I8, DDP_U8, DDP_I32, DDP_I64};
@@ -412,6 +420,99 @@ static int run_ahead(int rank, int n, void *arg) {
     return 0;
 }
 
+/* Mismatched roots never deliver wrong data (README, "errors"): ranks call the same gather or scatter
+   with different roots. Small calls over shared memory run ahead, so a rank may return DDP_SUCCESS and
+   get DDP_ERR_MISMATCH from its next collective (a barrier here); every rank gets it at the call or
+   there. Meanwhile every receive buffer (filled with a sentinel first, also on ranks that are not a
+   root in their own view) holds, block by block, either the untouched sentinel or exactly what a
+   correct call with this rank's root delivers there: a gather root's block j is what rank j sends that
+   root, a scatter's buffer what that root sends this rank (value() depends on both ends, so data meant
+   for another root would show). The cases: 2, 3 and 4 ranks; roots that make every rank a root, none,
+   or some; counts that go through the ring slots (running ahead) and one that goes in steps. */
+typedef struct root_case {
+    int scatter, n, roots[4];
+    size_t count;
+} root_case;
+static const root_case root_cases[] = {
+    {1, 2, {0, 1}, 1},       {1, 2, {1, 0}, 3},       {1, 3, {0, 0, 1}, 5},    {1, 3, {0, 1, 2}, 2},
+    {1, 3, {2, 0, 0}, 4},    {1, 4, {0, 0, 0, 1}, 1}, {1, 4, {1, 1, 0, 0}, 7}, {1, 4, {3, 2, 1, 0}, 3},
+    {1, 4, {2, 2, 2, 0}, 100},
+    {0, 2, {0, 1}, 1},       {0, 2, {1, 0}, 3},       {0, 3, {0, 0, 1}, 5},    {0, 3, {0, 1, 2}, 2},
+    {0, 3, {2, 0, 0}, 4},    {0, 4, {0, 0, 0, 1}, 1}, {0, 4, {1, 1, 0, 0}, 7}, {0, 4, {3, 2, 1, 0}, 3},
+    {0, 4, {1, 2, 2, 2}, 300},
+};
+#define N_ROOT_CASES (sizeof root_cases / sizeof root_cases[0])
+#define SENTINEL (-7)
+
+/* The n elements of buf at `at`: all the sentinel (1), all what `from` sends `to` (2), or neither (0). */
+static int block_state(const int64_t *buf, size_t at, size_t n, int from, int to, int tag) {
+    size_t i, sentinel = 0, right = 0;
+    for (i = 0; i < n; i++) {
+        sentinel += buf[at + i] == SENTINEL;
+        right += buf[at + i] == value(from, to, i, tag);
+    }
+    return sentinel == n ? 1 : right == n ? 2 : 0;
+}
+
+static int root_data(int rank, int n, void *arg) {
+    const root_case *rc = (const root_case *)arg;
+    const int root = rc->roots[rank], tag = (int)(rc - root_cases) + 1000;
+    const size_t count = rc->count;
+    const char *kind = rc->scatter ? "scatter" : "gather";
+    int64_t send[4 * 300], recv[4 * 300];
+    ddp_group *g;
+    ddp_result first, r, at;
+    size_t i;
+    int j, st;
+    g = join(&first);
+    CHECK_OK(first, g);
+    for (i = 0; i < 4 * 300; i++) send[i] = -1, recv[i] = SENTINEL;
+    if (rc->scatter) {
+        for (j = 0; j < n && rank == root; j++)
+            for (i = 0; i < count; i++) send[(size_t)j * count + i] = value(root, j, i, tag);
+        r = ddp_scatter(g, rank == root ? send : NULL, recv, count, DDP_I64, root);
+    } else {
+        for (i = 0; i < count; i++) send[i] = value(rank, root, i, tag);
+        r = ddp_gather(g, send, recv, count, DDP_I64, root); /* recv also on the others: it must stay untouched */
+    }
+    at = r; /* where the error surfaced: at the call, or at the next collective */
+    if (r == DDP_SUCCESS) {
+        CHECK(rc->scatter || rank != root, "%s with roots differing on %d ranks: rank %d returned success as a gather root",
+              kind, n, rank);
+        r = ddp_barrier(g);
+    }
+    expect_failure(r, DDP_ERR_MISMATCH, "mismatch", rank, at == DDP_SUCCESS ? "the call after a gather or scatter with "
+                   "another root on some rank" : "gather or scatter with another root on some rank");
+    /* only now look: after the error, wherever it surfaced */
+    if (rc->scatter) {
+        st = block_state(recv, 0, count, root, rank, tag);
+        CHECK(st, "scatter (count %zu) on %d ranks, rank %d (root %d): its receive buffer holds neither the sentinel nor "
+              "root %d's block for it", count, n, rank, root, root);
+    } else {
+        for (j = 0; j < n; j++) {
+            st = block_state(recv, (size_t)j * count, count, j, root, tag);
+            CHECK(rank == root ? st != 0 : st == 1, "gather (count %zu) on %d ranks, rank %d (root %d): block %d of its "
+                  "receive buffer %s", count, n, rank, root, j, rank == root ? "holds neither the sentinel nor what "
+                  "that rank sends this root" : "was written, but this rank is not its root");
+        }
+    }
+    for (i = (rc->scatter ? 1 : (size_t)n) * count; i < 4 * 300; i++)
+        CHECK(recv[i] == SENTINEL, "%s on %d ranks, rank %d: element %zu past the receive buffer's end was written", kind,
+              n, rank, i);
+    ddp_destroy(g);
+    return 0;
+}
+
+/* Every root_case, each in fresh processes, over the transport that DDP_TRANSPORT names. */
+static void root_data_cases(const char *transport) {
+    size_t k;
+    for (k = 0; k < N_ROOT_CASES; k++)
+        CHECK(tl_run_ranks(root_cases[k].n, root_data, (void *)&root_cases[k], 60) == 0,
+              "%s with roots %d %d %d %d on %d ranks, count %zu, over %s: no rank may get wrong data",
+              root_cases[k].scatter ? "scatter" : "gather", root_cases[k].roots[0], root_cases[k].roots[1],
+              root_cases[k].roots[2], root_cases[k].roots[3], root_cases[k].n, root_cases[k].count, transport);
+}
+
 static int split_mismatch(int rank, int n, void *arg) {
     ddp_group *g;
     ddp_result first;
@@ -569,63 +670,61 @@ static int big_worker(int rank, int n, void *arg) {
     return 0;
 }
 
+/* After the sweep's runs over shared memory on 2 or more ranks: the large calls (big_worker). */
+static void big_runs(int n, int t) {
+    int cma;
+    if (t != 0 || n < 2) return;
+    for (cma = 1; cma >= (n == 8 ? 0 : 1); cma--) { /* plain buffers staged in rounds at 8 ranks */
+        double t0 = tl_now();
+        setenv("DDP_SHM_CMA", cma ? "1" : "0", 1);
+        CHECK(tl_run_ranks(n, big_worker, NULL, 600) == 0, "large calls, world size %d over shared memory%s failed", n,
+              cma ? "" : " with DDP_SHM_CMA=0");
+        printf("world size %d over shared memory%s: gather, scatter, all_to_all(_v), all_gather_v of 70,001-300,000 "
+               "elements per rank, library and plain buffers, match the serial reference, single-copy on library "
+               "buffers (%.1f s)\n", n, cma ? "" : " (DDP_SHM_CMA=0)", tl_now() - t0);
+    }
+    unsetenv("DDP_SHM_CMA");
+}
+
 int main(int argc, char **argv) {
-    static const char *transports[2] = {"auto", "tcp"};
-    int sizes[8] = {1, 2, 3, 4, 8}, nsizes = 5, i, t;
-    if (argc > 1) {
-        nsizes = 0;
-        for (i = 1; i < argc && nsizes < 8; i++) sizes[nsizes++] = atoi(argv[i]);
-    }
+    int i, t;
     setenv("DDP_TIMEOUT", "60", 0);
-    if (getenv("TEST_EXTERNAL_LAUNCH")) /* started by a launcher (tests/test_netns.sh): be one rank */
-        return worker(atoi(getenv("RANK")), atoi(getenv("WORLD_SIZE")), NULL);
-    for (t = 0; t < 2; t++) {
-        setenv("DDP_TRANSPORT", transports[t], 1);
-        for (i = 0; i < nsizes; i++) {
-            double t0 = tl_now();
-            if (sizes[i] == 1 && t == 1) continue; /* one rank uses no transport */
-            CHECK(tl_run_ranks(sizes[i], worker, NULL, 600) == 0, "world size %d over %s failed", sizes[i], transports[t]);
-            printf("world size %d over %s: gather, scatter, all_to_all(_v), all_gather_v, broadcast_bytes, "
-                   "monitored_barrier match the serial reference (%.1f s)\n", sizes[i], t ? "tcp" : "shared memory",
-                   tl_now() - t0);
-            fflush(stdout);
-            if (t == 0 && sizes[i] > 1) {
-                int cma;
-                for (cma = 1; cma >= (sizes[i] == 8 ? 0 : 1); cma--) { /* plain buffers staged in rounds at 8 ranks */
-                    t0 = tl_now();
-                    setenv("DDP_SHM_CMA", cma ? "1" : "0", 1);
-                    CHECK(tl_run_ranks(sizes[i], big_worker, NULL, 600) == 0, "large calls, world size %d over shared memory%s "
-                          "failed", sizes[i], cma ? "" : " with DDP_SHM_CMA=0");
-                    printf("world size %d over shared memory%s: gather, scatter, all_to_all(_v), all_gather_v of 70,001-300,000 "
-                           "elements per rank, library and plain buffers, match the serial reference, single-copy on library "
-                           "buffers (%.1f s)\n", sizes[i], cma ? "" : " (DDP_SHM_CMA=0)", tl_now() - t0);
-                }
-                unsetenv("DDP_SHM_CMA");
+    if (argc > 1 && strcmp(argv[1], "--root-data") == 0) { /* only the mismatched-root data check, N times */
+        int times = argc > 2 ? atoi(argv[2]) : 1;
+        setenv("DDP_TIMEOUT", "20", 1);
+        for (i = 0; i < times; i++)
+            for (t = 0; t < 2; t++) {
+                setenv("DDP_TRANSPORT", tl_transport(t), 1);
+                root_data_cases(tl_transport(t));
             }
-        }
+        printf("mismatched roots: no wrong data, DDP_ERR_MISMATCH on every rank (%d rounds)\n", times);
+        return 0;
     }
+    tl_sweep(argc, argv, worker, 600, "gather, scatter, all_to_all(_v), all_gather_v, broadcast_bytes, monitored_barrier "
+             "match the serial reference", big_runs);
     setenv("DDP_TIMEOUT", "20", 1);
     for (t = 0; t < 2; t++) {
-        setenv("DDP_TRANSPORT", transports[t], 1);
-        CHECK(tl_run_ranks(4, root_mismatch, NULL, 60) == 0, "root mismatch over %s", transports[t]);
+        setenv("DDP_TRANSPORT", tl_transport(t), 1);
+        CHECK(tl_run_ranks(4, root_mismatch, NULL, 60) == 0, "root mismatch over %s", tl_transport(t));
+        root_data_cases(tl_transport(t));
         for (i = 2; i <= 3; i++) /* at 2 ranks a scatter's other rank owes nothing; at 3 it owes the third */
             CHECK(tl_run_ranks(i, run_ahead, NULL, 60) == 0, "small gathers and scatters running ahead on %d ranks over %s", i,
-                  transports[t]);
-        CHECK(tl_run_ranks(4, split_mismatch, NULL, 60) == 0, "split-size mismatch over %s", transports[t]);
+                  tl_transport(t));
+        CHECK(tl_run_ranks(4, split_mismatch, NULL, 60) == 0, "split-size mismatch over %s", tl_transport(t));
         /* above 32 ranks shared memory checks rows and columns, not the whole matrix (src/shm.c) */
-        CHECK(tl_run_ranks(34, split_mismatch, NULL, 120) == 0, "split-size mismatch on 34 ranks over %s", transports[t]);
-        CHECK(tl_run_ranks(3, counts_mismatch, NULL, 60) == 0, "counts mismatch over %s", transports[t]);
-        CHECK(tl_run_ranks(4, monitored_missing, NULL, 60) == 0, "monitored_barrier with a rank missing over %s", transports[t]);
+        CHECK(tl_run_ranks(34, split_mismatch, NULL, 120) == 0, "split-size mismatch on 34 ranks over %s", tl_transport(t));
+        CHECK(tl_run_ranks(3, counts_mismatch, NULL, 60) == 0, "counts mismatch over %s", tl_transport(t));
+        CHECK(tl_run_ranks(4, monitored_missing, NULL, 60) == 0, "monitored_barrier with a rank missing over %s", tl_transport(t));
         if (t == 0)
             CHECK(tl_run_ranks(4, monitored_missing, &t, 60) == 0, "monitored_barrier with a rank missing after a small scatter");
-        CHECK(tl_run_ranks(4, kind_mismatch, NULL, 60) == 0, "all_gather_v against all_reduce over %s", transports[t]);
+        CHECK(tl_run_ranks(4, kind_mismatch, NULL, 60) == 0, "all_gather_v against all_reduce over %s", tl_transport(t));
         {
             int which;
             for (which = 0; which < 2; which++)
-                CHECK(tl_run_ranks(3, p2p_mismatch, &which, 60) == 0, "point-to-point mismatch %d over %s", which, transports[t]);
+                CHECK(tl_run_ranks(3, p2p_mismatch, &which, 60) == 0, "point-to-point mismatch %d over %s", which, tl_transport(t));
         }
         printf("over %s: roots, split sizes, counts and calls that differ are DDP_ERR_MISMATCH on every rank; "
-               "monitored_barrier names the missing rank\n", t ? "tcp" : "shared memory");
+               "monitored_barrier names the missing rank\n", tl_transport_name(t));
     }
     return 0;
 }

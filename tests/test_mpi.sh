@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The mpi backend: tests/mpi/test_mpi_backend.c built with mpicc -DDDP_MPI (warning-free, C99 and
 # C++17) and run under Open MPI's mpirun on 1, 2, 3 and 4 ranks; every result is checked in the
-# program against serial math. Also: without -DDDP_MPI, asking for backend "mpi" is a clear error.
+# program against serial math (the reducer with uneven inputs and ZeRO stage 1 included). Also: without -DDDP_MPI, asking for backend "mpi" is a clear error.
 # Skips (77) when mpicc/mpirun are absent (apt-get install -y openmpi-bin libopenmpi-dev).
 set -u
 cd "$(dirname "$0")/.."

@@ -4,30 +4,11 @@
    use, a parameter no rank uses), gradient_as_bucket_view, and f16/bf16 compression.
    The reference is serial math written here: one process, the whole batch, no library.
    Tolerance: max over elements of |a - b| / max(|b|, 0.01) <= 1e-5 (f32 communication), 2e-2 for bf16
-   and 2e-3 for f16 compression (bf16 keeps 8 significant bits, f16 11). Also: library allocations per steady-state iteration. */
-#include <stddef.h>
-/* Allocation counters behind the library's allocator hooks (defined after the include). */
-static long tc_allocs, tc_frees;
-static void *tc_malloc(size_t n);
-static void *tc_realloc(void *p, size_t n);
-static void tc_free(void *p);
-#define DDP_MALLOC(n) tc_malloc(n)
-#define DDP_REALLOC(p, n) tc_realloc(p, n)
-#define DDP_FREE(p) tc_free(p)
+   and 2e-3 for f16 compression (bf16 keeps 8 significant bits, f16 11). Flat buckets on one grads_memory
+   (malloc'd and ddp_alloc'd): every bucket flat, and the rebuild keeps them so. Also: library
+   allocations per steady-state iteration (testlib.h's allocation hooks). */
+#define TL_ALLOC_HOOKS /* the library's allocations counted by testlib.h's hooks (tl_allocs, tl_frees) */
 #include "testlib.h"
-
-static void *tc_malloc(size_t n) {
-    __atomic_fetch_add(&tc_allocs, 1, __ATOMIC_RELAXED);
-    return malloc(n);
-}
-static void *tc_realloc(void *p, size_t n) {
-    if (!p) __atomic_fetch_add(&tc_allocs, 1, __ATOMIC_RELAXED);
-    return realloc(p, n);
-}
-static void tc_free(void *p) {
-    if (p) __atomic_fetch_add(&tc_frees, 1, __ATOMIC_RELAXED);
-    free(p);
-}
 
 #define STEPS 20
 #define BATCH 3     /* per rank */
@@ -308,8 +289,8 @@ static void run_variant(ddp_group *g, const variant *v) {
     CHECK_OK(ddp_reducer_finalize(cx.red), g);
     for (step = 0; step < STEPS; step++) {
         if (step == 5) {
-            allocs_before = __atomic_load_n(&tc_allocs, __ATOMIC_RELAXED);
-            frees_before = __atomic_load_n(&tc_frees, __ATOMIC_RELAXED);
+            allocs_before = __atomic_load_n(&tl_allocs, __ATOMIC_RELAXED);
+            frees_before = __atomic_load_n(&tl_frees, __ATOMIC_RELAXED);
         }
         /* pointers are re-read every step: with bucket views they move after the first step */
         for (k = 0; k < m.np; k++) G[k] = (float *)ddp_reducer_grad(cx.red, cx.idx[k]);
@@ -337,8 +318,8 @@ static void run_variant(ddp_group *g, const variant *v) {
         }
         CHECK_OK(ddp_reducer_zero_grad(cx.red), g);
         if (step == 5 + 9) {
-            long allocs = __atomic_load_n(&tc_allocs, __ATOMIC_RELAXED) - allocs_before;
-            long frees = __atomic_load_n(&tc_frees, __ATOMIC_RELAXED) - frees_before;
+            long allocs = __atomic_load_n(&tl_allocs, __ATOMIC_RELAXED) - allocs_before;
+            long frees = __atomic_load_n(&tl_frees, __ATOMIC_RELAXED) - frees_before;
             CHECK_OK(ddp_reducer_get_statistics(cx.red, &st), g);
             /* the only allocations are the collectives' own work handles, one per all-reduce and one for the
                statistics' timing all_gather, each freed by its wait */

@@ -3,7 +3,9 @@
    the first synchronised pass (views move and keep their gradients; not with find_unused_parameters;
    not before a synchronised pass), buckets starting as soon as they are complete and strictly in order
    (white-box: the test sees the reducer's state), f16/bf16 rounding: scaled in f32, rounded once, and
-   the statistics' split of end_backward's wait into waiting for a late rank and moving data. */
+   the statistics' split of end_backward's wait into waiting for a late rank and moving data: a rank 200 ms
+   late in backward is the others' straggler_wait (>= 150 ms, transfer < 100 ms) and last_ready_rank, and
+   the late rank waits for nobody. */
 #include "testlib.h"
 
 typedef struct expect {

@@ -1,5 +1,5 @@
-/* Reducer errors: misuse is DDP_ERR_STATE naming the parameter; bad arguments are
-   DDP_ERR_INVALID_ARGUMENT; different models on different ranks are DDP_ERR_MISMATCH on every rank naming
+/* Reducer errors: misuse is DDP_ERR_STATE naming the parameter; bad arguments (a duplicate name included)
+   are DDP_ERR_INVALID_ARGUMENT; different models on different ranks are DDP_ERR_MISMATCH on every rank naming
    the first differing entry; a missing gradient without find_unused_parameters fails every rank quickly
    (no hang) with the parameter's name; finalize makes every rank hold rank 0's parameters and buffers. */
 #include "testlib.h"

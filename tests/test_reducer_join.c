@@ -4,14 +4,21 @@
    rank with data holds sum over the ranks with data of their gradients / INITIAL world size (torch's
    divide_by_initial_world_size); after the join every rank holds the parameters of that SGD run (the
    last joiner's), buffers come from the highest rank with data, a joined rank's own gradients are left
-   alone and it shadowed exactly the synchronised passes it missed. On 2, 3 and 4 ranks, plain, views,
-   no_sync accumulation, find_unused_parameters, bf16 compression and buffers. join_fail_early: every rank
+   alone and it shadowed exactly the synchronised passes it missed. On 1-4 ranks (one shard empty), plain,
+   views, no_sync accumulation, find_unused_parameters, bf16 compression, buffers and flat gradients (one
+   grads_memory). join_fail_early: every rank
    gets DDP_ERR_UNEVEN_INPUTS at the step where the first rank runs out, naming it, and the group and the
    reducer stay usable (also with zero_stage = 1, the joined ranks in ddp_reducer_join_step). Ranks with data
-   that disagree about no_sync: DDP_ERR_MISMATCH on every rank. ZeRO-1 with uneven inputs (the join_step
-   loop, AdamW on the shards of every rank, joined ones included) against a serial AdamW reference: see
-   "ZeRO stage 1 with uneven inputs" below. */
+   that disagree about no_sync: DDP_ERR_MISMATCH on every rank. ZeRO-1 and ZeRO-2 (4 buckets, a pool of 2)
+   with uneven inputs on 1-4 ranks (shards of 3,4 / 3,0,5 / 0,4,5,6 / 3,4,5 steps, and 3 on one rank;
+   parameters of 7, 333, 1001, 61 elements): ranks with data and joined ranks (the join_step loop) run
+   AdamW on their shards only, against a serial AdamW reference (tests/ref_optim.h; each step's sum over
+   the ranks with data / initial world size): shard gradients and every parameter after every step (1e-5
+   relative; bf16 2e-2), plain, no_sync x2 + buffers, view, flat, bf16, find_unused; a joined rank's
+   unowned gradients untouched; ddp_reducer_join on a ZeRO reducer and join_step before gather_params:
+   DDP_ERR_STATE. See "ZeRO stage 1 with uneven inputs" below. */
 #include "testlib.h"
+#include "ref_optim.h" /* ref_adamw: the serial AdamW of the ZeRO part */
 
 #define NP 4
 #define MAXR 4
@@ -175,17 +182,6 @@ static void train(ddp_group *g, const mode *md, const shards *sh) {
     free(grads_memory);
 }
 
-static int train_main(int rank, int n, void *arg) {
-    const shards *sh = (const shards *)arg;
-    ddp_group *g;
-    size_t k;
-    (void)rank, (void)n;
-    CHECK_OK(ddp_init(NULL, &g), NULL);
-    for (k = 0; k < sizeof MODES / sizeof MODES[0]; k++) train(g, &MODES[k], sh);
-    CHECK_OK(ddp_destroy(g), NULL);
-    return 0;
-}
-
 /* ---- join_fail_early ---- */
 
 static float fw[8], fgw[8];
@@ -343,8 +339,6 @@ static int disagree_main(int rank, int n, void *arg) {
 #define ZNP 4
 static const size_t ZCOUNT[ZNP] = {7, 333, 1001, 61}; /* no size divides 2, 3 or 4 */
 #define ZMAX 1001
-#define ZLR 1e-2f
-#define ZWD 1e-2f
 
 typedef struct zmode {
     const char *name;
@@ -376,19 +370,6 @@ static const zmode ZMODES[] = {
 static int zskips(const zmode *md, int r, int s, int p) { return md->unused && (p == 0 ? s % 2 == 1 : (r + s + p) % 3 == 0); }
 
 #define ZKEPT 42.0f /* written into the gradients of a parameter no rank uses in the step: it must stay */
-
-/* AdamW (torch.optim.AdamW), step t from 1. */
-static void zadamw(float *p, const float *g, float *m, float *v, size_t n, int t) {
-    const float b1 = 0.9f, b2 = 0.999f, eps = 1e-8f;
-    float c1 = 1.0f - powf(b1, (float)t), c2 = 1.0f - powf(b2, (float)t);
-    size_t i;
-    for (i = 0; i < n; i++) {
-        p[i] -= ZLR * ZWD * p[i];
-        m[i] = b1 * m[i] + (1.0f - b1) * g[i];
-        v[i] = b2 * v[i] + (1.0f - b2) * g[i] * g[i];
-        p[i] -= ZLR * (m[i] / c1) / (sqrtf(v[i] / c2) + eps);
-    }
-}
 
 /* Rank r's gradient in step s, micro-batch m: a sign per element and step shared by every rank (the
    average never cancels to rounding noise, which AdamW would magnify), a size per rank, and a term in
@@ -426,7 +407,7 @@ static void zref_step(zref *Z, const zmode *md, const shards *sh, int s) {
                 for (m = 0; sh->len[r] > s && !zskips(md, r, s, p) && m < md->accum; m++) sum += zcontrib(r, s, m, p, i, Z->param[p][i]);
             Z->grad[p][i] = sum / (float)sh->R;
         }
-        zadamw(Z->param[p], Z->grad[p], Z->m[p], Z->v[p], ZCOUNT[p], ++Z->t[p]);
+        ref_adamw(Z->param[p], Z->grad[p], Z->m[p], Z->v[p], ZCOUNT[p], ++Z->t[p]);
     }
 }
 
@@ -515,7 +496,7 @@ static void zrun_step(ddp_group *g, const zmode *md, const shards *sh, zrun *Z, 
             CHECK(zclose(gp[i], R->grad[s->param][s->offset + i], md->tol), "%s, %d ranks, rank %d (%s) step %d: shard grad "
                   "p%d[%zu] = %.8g, reference %.8g", md->name, sh->R, ddp_rank(g), who, t, s->param, s->offset + i,
                   (double)gp[i], (double)R->grad[s->param][s->offset + i]);
-        zadamw((float *)s->param_data, gp, Z->m[j], Z->v[j], s->count, R->t[s->param]);
+        ref_adamw((float *)s->param_data, gp, Z->m[j], Z->v[j], s->count, R->t[s->param]);
     }
     CHECK_OK(ddp_reducer_gather_params(Z->red), g);
 }
@@ -613,13 +594,17 @@ static void zero_train(ddp_group *g, const zmode *md, const shards *sh) {
     free(R);
 }
 
-static int zero_main(int rank, int n, void *arg) {
+/* One rank of a training run on shards arg: every mode of the join test (MODES, train), or with zero_modes
+   set before the ranks start, every mode of the ZeRO part (ZMODES, zero_train). */
+static int zero_modes;
+static int train_main(int rank, int n, void *arg) {
     const shards *sh = (const shards *)arg;
     ddp_group *g;
     size_t k;
     (void)rank, (void)n;
     CHECK_OK(ddp_init(NULL, &g), NULL);
-    for (k = 0; k < sizeof ZMODES / sizeof ZMODES[0]; k++) zero_train(g, &ZMODES[k], sh);
+    for (k = 0; !zero_modes && k < sizeof MODES / sizeof MODES[0]; k++) train(g, &MODES[k], sh);
+    for (k = 0; zero_modes && k < sizeof ZMODES / sizeof ZMODES[0]; k++) zero_train(g, &ZMODES[k], sh);
     CHECK_OK(ddp_destroy(g), NULL);
     return 0;
 }
@@ -639,8 +624,8 @@ int main(void) {
         CHECK(tl_run_ranks(FAIL[k].R, fail_main, (void *)&FAIL[k], 60) == 0, "join_fail_early, %d ranks", FAIL[k].R);
     for (fail_zero = 1, k = 0; k < sizeof FAIL / sizeof FAIL[0]; k++)
         CHECK(tl_run_ranks(FAIL[k].R, fail_main, (void *)&FAIL[k], 60) == 0, "join_fail_early, zero_stage 1, %d ranks", FAIL[k].R);
-    for (k = 0; k < sizeof ZERO / sizeof ZERO[0]; k++) {
-        CHECK(tl_run_ranks(ZERO[k].R, zero_main, (void *)&ZERO[k], 60) == 0, "ZeRO-1 and 2 join training, %d ranks", ZERO[k].R);
+    for (zero_modes = 1, k = 0; k < sizeof ZERO / sizeof ZERO[0]; k++) {
+        CHECK(tl_run_ranks(ZERO[k].R, train_main, (void *)&ZERO[k], 60) == 0, "ZeRO-1 and 2 join training, %d ranks", ZERO[k].R);
         printf("ZeRO-1 and 2 + join_step, %d ranks, shards of", ZERO[k].R);
         for (int r = 0; r < ZERO[k].R; r++) printf(" %d", ZERO[k].len[r]);
         printf(" steps: every rank's AdamW on its shards equals the serial reference\n");

@@ -8,15 +8,18 @@
        the documented rule gives (bucket of count elements, per = ceil(count / world), rank r owns bucket
        elements [r * per, min(count, (r + 1) * per)), computed here from ddp_reducer_param_bucket);
    (b) training: a ZeRO-1 reducer whose AdamW state covers only its shards, against a stage 0 reducer with
-       full AdamW on every rank, same data, side by side on the same group: after every step the shards'
-       gradients equal stage 0's averaged gradients and every parameter equals stage 0's (1e-6 of |value| + 1;
+       full AdamW on every rank (both tests/ref_optim.h's), same data, side by side on the same group: after
+       each of 5 steps the shards' gradients equal stage 0's averaged gradients and every parameter equals stage 0's (1e-6 of |value| + 1;
        bf16 compression: 2e-2, as test_reducer), plain, no_sync x2, bf16, one flat grads_memory and
        gradient_as_bucket_view; shared memory by default, DDP_TRANSPORT=tcp too. ZeRO-2 likewise (but
        view), and: 4 buckets for a pool of 2 (buckets wait for the oldest reduce-scatter to take its
        buffer; gradient_bytes shows the pool stayed at 2), gradients ready in forward order (the pool
        grows to one buffer per bucket), ONE scratch gradient buffer shared by every parameter (each
        gradient computed into it just before grad_ready and overwritten with NaN just after), the shards'
-       gradients in the reducer's memory (not the program's) and zeroed by zero_grad.
+       gradients in the reducer's memory (not the program's) and zeroed by zero_grad; gradient_bytes by its
+       formula. Overlapped gather (4 buckets, stage 1 and 2, f32 and bf16): ddp_reducer_gather_params_async,
+       then ddp_reducer_wait_param before each parameter is read in forward order: every parameter equals
+       stage 0's right after its wait.
        find_unused_parameters (stage 1 and 2, plain, 4 buckets, bf16, no_sync x2, view): ranks skip
        parameters (skips()), a parameter used on no rank in a step gets 42 written into its gradient (stage
        0: the program's buffer; ZeRO: its shards' gradients) before backward, which must still be 42 after
@@ -25,9 +28,11 @@
        uneven_inputs, with or without find_unused_parameters, work: test_reducer_join); gather_params
        without zero_stage; ranks with different zero_stage (0 against 1, 1 against 2): DDP_ERR_MISMATCH on
        every rank at finalize.
-   (d) gradient memory (statistics' gradient_bytes) for 64 buckets: stage 0 = the buckets, stage 1 = padded
-       comm + slices, stage 2 = slices + 2 pool buffers <= stage 0 / world + the pool, each by its formula. */
+   (d) gradient memory (statistics' gradient_bytes) for 64 parameters in 32 buckets: stage 0 = the
+       buckets, stage 1 = padded comm + slices, stage 2 = slices + 2 pool buffers <= stage 0 / world + the
+       pool, each by its formula. */
 #include "testlib.h"
+#include "ref_optim.h" /* ref_adamw: AdamW (torch.optim.AdamW), the program's optimizer on both sides */
 
 #define NP 4
 #define STEPS 5
@@ -65,21 +70,6 @@ static const mode MODES[] = {
     {"find_unused no_sync x2", 0, 2, 0, DDP_DTYPE_DEFAULT, 1e-6, 0, 3, 0, 0, 2, 0, 1},
     {"find_unused view", 1, 1, 0, DDP_DTYPE_DEFAULT, 1e-6, 0, 3, 0, 0, 2, 0, 1},
 };
-
-/* AdamW (torch.optim.AdamW): m, v, bias correction, decoupled weight decay; step t counts from 1. */
-#define LR 1e-2f
-#define WD 1e-2f
-static void adamw(float *p, const float *g, float *m, float *v, size_t n, int t) {
-    const float b1 = 0.9f, b2 = 0.999f, eps = 1e-8f;
-    float c1 = 1.0f - powf(b1, (float)t), c2 = 1.0f - powf(b2, (float)t);
-    size_t i;
-    for (i = 0; i < n; i++) {
-        p[i] -= LR * WD * p[i];
-        m[i] = b1 * m[i] + (1.0f - b1) * g[i];
-        v[i] = b2 * v[i] + (1.0f - b2) * g[i] * g[i];
-        p[i] -= LR * (m[i] / c1) / (sqrtf(v[i] / c2) + eps);
-    }
-}
 
 static float init_value(int p, size_t i) { return (float)((p * 31 + (int)i * 17) % 23) * 0.1f - 1.0f; }
 
@@ -325,10 +315,10 @@ static void train(ddp_group *g, const mode *md, int stage) {
                       (double)ga[i]);
         }
         for (p = 0; p < NP; p++) /* torch's optimizers skip a parameter whose .grad is None */
-            if (used[p]) adamw(A.param[p], (const float *)ddp_reducer_grad(A.red, p), mA[p], vA[p], COUNT[p], s + 1);
+            if (used[p]) ref_adamw(A.param[p], (const float *)ddp_reducer_grad(A.red, p), mA[p], vA[p], COUNT[p], s + 1);
         for (j = 0; j < n; j++)
             if (ddp_reducer_param_used(B.red, sh[j].param))
-                adamw((float *)sh[j].param_data, (const float *)sh[j].grad, mB[j], vB[j], sh[j].count, s + 1);
+                ref_adamw((float *)sh[j].param_data, (const float *)sh[j].grad, mB[j], vB[j], sh[j].count, s + 1);
         if (md->overlap) CHECK_OK(ddp_reducer_gather_params_async(B.red), g);
         else CHECK_OK(ddp_reducer_gather_params(B.red), g);
         for (p = 0; p < NP; p++) { /* forward reads them in registration order */

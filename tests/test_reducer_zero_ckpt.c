@@ -16,28 +16,16 @@
      land exactly at that element of the full arrays, and shard_state gives each rank its values back;
    - errors: a shard_count that is not the rank's total (one rank) or a wrong full_count on root is
      DDP_ERR_INVALID_ARGUMENT on every rank with that rank's message, at once; ranks that pass different
-     nstates likewise; zero_stage 0 is DDP_ERR_STATE. */
+     nstates, or a root that is no rank, likewise; zero_stage 0 is DDP_ERR_STATE.
+   AdamW on both sides is tests/ref_optim.h's. */
 #include "testlib.h"
+#include "ref_optim.h" /* ref_adamw: the program's AdamW on the shards (or on everything at stage 0) */
 
 #define NP 4
 #define N_STEPS 4
 #define M_STEPS 3
 static const size_t COUNT[NP] = {7, 1000, 333, 4097};
 static char dir[256];
-
-#define LR 1e-2f
-#define WD 1e-2f
-static void adamw(float *p, const float *g, float *m, float *v, size_t n, int t) {
-    const float b1 = 0.9f, b2 = 0.999f, eps = 1e-8f;
-    float c1 = 1.0f - powf(b1, (float)t), c2 = 1.0f - powf(b2, (float)t);
-    size_t i;
-    for (i = 0; i < n; i++) {
-        p[i] -= LR * WD * p[i];
-        m[i] = b1 * m[i] + (1.0f - b1) * g[i];
-        v[i] = b2 * v[i] + (1.0f - b2) * g[i] * g[i];
-        p[i] -= LR * (m[i] / c1) / (sqrtf(v[i] / c2) + eps);
-    }
-}
 
 static float init_value(int p, size_t i) { return (float)((p * 31 + (int)i * 17) % 23) * 0.1f - 1.0f; }
 /* Global sample k of step s (rank r of W takes samples r, r + W, ... of 6): the same data whatever the
@@ -102,10 +90,10 @@ static void step(ddp_group *g, model *M, int zero, int s) {
     CHECK_OK(ddp_reducer_end_backward(M->red), g);
     if (zero) {
         for (j = 0; j < M->n; at += M->sh[j].count, j++)
-            adamw((float *)M->sh[j].param_data, (const float *)M->sh[j].grad, M->m + at, M->v + at, M->sh[j].count, s + 1);
+            ref_adamw((float *)M->sh[j].param_data, (const float *)M->sh[j].grad, M->m + at, M->v + at, M->sh[j].count, s + 1);
         CHECK_OK(ddp_reducer_gather_params(M->red), g);
     } else {
-        for (p = 0; p < NP; at += COUNT[p], p++) adamw(M->param[p], M->grad[p], M->m + at, M->v + at, COUNT[p], s + 1);
+        for (p = 0; p < NP; at += COUNT[p], p++) ref_adamw(M->param[p], M->grad[p], M->m + at, M->v + at, COUNT[p], s + 1);
     }
     CHECK_OK(ddp_reducer_zero_grad(M->red), g);
 }

@@ -1,42 +1,13 @@
 /* DistributedSampler tests that need no PyTorch (tests/test_interop_sampler.sh compares with torch 1.13).
    References: MT19937's published outputs; torch 1.13 outputs recorded here; DistributedSampler's padding
-   and striding rewritten serially below; exhaustive and chi-square checks of the streaming permutation. */
-#include <stddef.h>
-
-/* The library's allocations go through these hooks, so the tests can see what the sampler holds. */
-static void *test_malloc(size_t size);
-static void *test_realloc(void *p, size_t size);
-static void test_free(void *p);
-#define DDP_MALLOC(sz) test_malloc(sz)
-#define DDP_REALLOC(p, sz) test_realloc(p, sz)
-#define DDP_FREE(p) test_free(p)
+   and striding rewritten serially below; exhaustive and chi-square checks of the streaming permutation.
+   Also: resume on another number of replicas (406 cases against the permutation); passes without
+   set_epoch (torch's recorded order again, and the once-per-sampler warning captured from stderr); the
+   memory the sampler holds (testlib.h's allocation hooks) and failing allocations. */
+/* The library's allocations go through testlib.h's hooks, so the tests can see what the sampler holds
+   (tl_live_bytes, tl_peak_bytes) and make its allocations fail (tl_fail_allocs). */
+#define TL_ALLOC_HOOKS
 #include "testlib.h"
-
-/* Bytes the library holds, and the most it held; the group's threads allocate too, hence the lock. */
-static size_t live_bytes, peak_bytes;
-static pthread_mutex_t hook_mu = PTHREAD_MUTEX_INITIALIZER;
-
-static void *test_realloc(void *p, size_t size) {
-    size_t *block = p ? (size_t *)p - 2 : NULL, old = block ? block[0] : 0;
-    block = (size_t *)realloc(block, size + 2 * sizeof(size_t));
-    if (!block) return NULL;
-    block[0] = size;
-    pthread_mutex_lock(&hook_mu);
-    live_bytes = live_bytes - old + size;
-    peak_bytes = DDP__MAX(peak_bytes, live_bytes);
-    pthread_mutex_unlock(&hook_mu);
-    return block + 2;
-}
-
-static void *test_malloc(size_t size) { return test_realloc(NULL, size); }
-
-static void test_free(void *p) {
-    if (!p) return;
-    pthread_mutex_lock(&hook_mu);
-    live_bytes -= ((size_t *)p - 2)[0];
-    pthread_mutex_unlock(&hook_mu);
-    free((size_t *)p - 2);
-}
 
 static ddp_sampler_desc desc_of(uint64_t n, int replicas, int rank, uint64_t seed) {
     ddp_sampler_desc d;
@@ -72,6 +43,61 @@ static void expect_indices(const ddp_sampler_desc *d, uint64_t epoch, const int6
               (unsigned long long)d->dataset_size, d->num_replicas, d->rank, (unsigned long long)d->seed,
               (unsigned long long)epoch, (unsigned long long)i, (long long)got[i], (long long)want[i]);
     free(got);
+}
+
+/* stderr (fd 2, where the library logs) into a temporary file between capture_begin and capture_end. A
+   CHECK that fails in between exits: capture_restore (atexit) then shows what was captured. */
+static FILE *cap_tmp;
+static int cap_saved = -1;
+
+static void capture_restore(void) {
+    char buf[4096];
+    size_t n;
+    if (cap_saved < 0) return;
+    fflush(stderr);
+    dup2(cap_saved, 2);
+    close(cap_saved);
+    cap_saved = -1;
+    rewind(cap_tmp);
+    while ((n = fread(buf, 1, sizeof buf, cap_tmp)) > 0) fwrite(buf, 1, n, stderr);
+    fclose(cap_tmp);
+}
+
+static void capture_begin(void) {
+    static int registered;
+    if (!registered) atexit(capture_restore);
+    registered = 1;
+    fflush(stderr);
+    cap_tmp = tmpfile();
+    cap_saved = dup(2);
+    CHECK(cap_tmp && cap_saved >= 0, "tmpfile / dup");
+    CHECK(dup2(fileno(cap_tmp), 2) == 2, "dup2");
+}
+
+/* Ends the capture: how many times needle was written (needle NULL: how many bytes); text (cap bytes, may
+   be NULL) receives the output. */
+static int capture_end(char *text, size_t cap, const char *needle) {
+    static char all[1 << 16];
+    size_t n;
+    int count = 0;
+    const char *p;
+    fflush(stderr);
+    dup2(cap_saved, 2);
+    close(cap_saved);
+    cap_saved = -1;
+    rewind(cap_tmp);
+    n = fread(all, 1, sizeof all - 1, cap_tmp);
+    all[n] = 0;
+    fclose(cap_tmp);
+    if (!needle) count = (int)n;
+    else
+        for (p = all; (p = strstr(p, needle)) != NULL; p += strlen(needle)) count++;
+    if (text && cap) {
+        n = DDP__MIN(n, cap - 1);
+        memcpy(text, all, n);
+        text[n] = 0;
+    }
+    return count;
 }
 
 /* MT19937 against its published outputs (init_genrand(5489): the C++ standard's std::mt19937 check value),
@@ -356,6 +382,7 @@ static void test_streaming_huge(void) {
 /* The batch iterator and resume agree with ddp_sampler_indices. */
 static void test_batches_and_resume(void) {
     uint64_t rng = 5, trial;
+    unsetenv("DDP_LOG_LEVEL"); /* the default level: the new pass below warns */
     for (trial = 0; trial < 60; trial++) {
         ddp_sampler_desc d = desc_of(tl_rand(&rng) % 2000, 1 + (int)(tl_rand(&rng) % 5), 0, tl_rand(&rng));
         ddp_sampler s;
@@ -388,8 +415,13 @@ static void test_batches_and_resume(void) {
             pos += got;
         }
         CHECK(pos == count && ddp_sampler_position(&s) == count, "the epoch ends at num_samples");
+        capture_begin(); /* without set_epoch: a new pass, the same order (torch's), one warning */
         CHECK_OK(ddp_sampler_next_batch(&s, batch, buf, &got), NULL);
-        CHECK(got == 0, "no wrap-around without set_epoch");
+        k = (uint64_t)capture_end(NULL, 0, "[ddp] warning");
+        CHECK(k == (uint64_t)(d.dataset_size > 1), "n=%llu: %llu warnings about set_epoch", (unsigned long long)d.dataset_size,
+              (unsigned long long)k);
+        CHECK(got == DDP__MIN(batch, (size_t)count) && ddp_sampler_position(&s) == got, "a new pass from the start");
+        for (k = 0; k < got; k++) CHECK(buf[k] == all[k], "the new pass repeats the order");
         for (k = 0; k < count; k += 1 + count / 7) {
             CHECK_OK(ddp_sampler_index_at(&s, k, &x), NULL);
             CHECK(x == all[k], "index_at");
@@ -638,24 +670,24 @@ static void test_memory(void) {
     ddp_sampler s;
     ddp_sampler_desc d = desc_of(1000000, 8, 3, 1);
     int64_t x;
-    size_t live0 = live_bytes;
-    peak_bytes = live_bytes;
+    size_t live0 = tl_live_bytes;
+    tl_peak_bytes = tl_live_bytes;
     CHECK_OK(ddp_sampler_init(&s, &d), NULL);
-    CHECK(live_bytes == live0, "init allocates nothing");
+    CHECK(tl_live_bytes == live0, "init allocates nothing");
     CHECK_OK(ddp_sampler_index_at(&s, 0, &x), NULL);
-    CHECK(peak_bytes - live0 == 4000000, "the shuffle needs 4 bytes per sample, took %zu", peak_bytes - live0);
-    CHECK(live_bytes - live0 == 125000 * 4, "afterwards only this rank's share is kept, not %zu bytes", live_bytes - live0);
+    CHECK(tl_peak_bytes - live0 == 4000000, "the shuffle needs 4 bytes per sample, took %zu", tl_peak_bytes - live0);
+    CHECK(tl_live_bytes - live0 == 125000 * 4, "afterwards only this rank's share is kept, not %zu bytes", tl_live_bytes - live0);
     ddp_sampler_set_epoch(&s, 1);
     CHECK_OK(ddp_sampler_index_at(&s, 0, &x), NULL);
-    CHECK(peak_bytes - live0 == 4000000, "the old share is freed before the next shuffle");
+    CHECK(tl_peak_bytes - live0 == 4000000, "the old share is freed before the next shuffle");
     ddp_sampler_set_epoch(&s, 1); /* the same epoch again, not finished: no warning, nothing redone */
     ddp_sampler_free(&s);
-    CHECK(live_bytes == live0, "free releases everything");
+    CHECK(tl_live_bytes == live0, "free releases everything");
     d.permutation = DDP_PERMUTATION_STREAMING;
-    peak_bytes = live_bytes;
+    tl_peak_bytes = tl_live_bytes;
     CHECK_OK(ddp_sampler_init(&s, &d), NULL);
     CHECK_OK(ddp_sampler_index_at(&s, 124999, &x), NULL);
-    CHECK(peak_bytes == live0, "streaming allocates nothing");
+    CHECK(tl_peak_bytes == live0, "streaming allocates nothing");
     ddp_sampler_free(&s);
 }
 
@@ -687,6 +719,222 @@ static void test_same_epoch_warning(void) {
     CHECK(fread(text, 1, sizeof text - 1, tmp) > 0 && strstr(text, "repeats the same order"),
           "set_epoch(4) after epoch 4 should warn, stderr had \"%s\"", text);
     fclose(tmp);
+    ddp_sampler_free(&s);
+}
+
+/* ---- a new pass without set_epoch (issue #35): torch's order again, and one warning ---- */
+
+/* One pass of next_batch, as a torch `for` loop: batches until the 0 that ends it (once); returns the count. */
+static uint64_t one_pass(ddp_sampler *s, size_t batch, int64_t *out, uint64_t room) {
+    uint64_t pos = 0;
+    size_t got;
+    int64_t *buf = (int64_t *)malloc(batch * sizeof *buf);
+    CHECK(buf, "malloc");
+    for (;;) {
+        CHECK_OK(ddp_sampler_next_batch(s, batch, buf, &got), NULL);
+        if (got == 0) break;
+        CHECK(pos + got <= room, "a pass longer than %llu", (unsigned long long)room);
+        memcpy(out + pos, buf, got * sizeof *buf);
+        pos += got;
+    }
+    free(buf);
+    return pos;
+}
+
+/* torch 1.13, recorded with (L(n) a dataset of length n):
+     s = DistributedSampler(L(n), num_replicas=R, rank=rank, shuffle=..., seed=seed, drop_last=...)
+     if epoch is not None: s.set_epoch(epoch)
+     passes = [list(s) for _ in range(3)]      # all three equal: __iter__ recomputes from seed + epoch
+     s.set_epoch((epoch or 0) + 1); nxt = list(s)
+   Eval mode (ddp.h's own) from torch's permutation: randperm(n, seed + epoch)[rank::R], no padding.
+   Padding: n = 10 on 4 ranks (rank 3's last index repeats the list's start), n = 23 on 5 (rank 4's). */
+typedef struct pass_case {
+    uint64_t n;
+    int replicas, rank;
+    uint64_t seed;
+    int epoch; /* the set_epoch before the passes; -1: never called (epoch 0) */
+    int no_shuffle, drop_last, mode;
+    uint64_t count;
+    int64_t want[5], next[5]; /* every pass; the pass after set_epoch(epoch + 1) */
+} pass_case;
+
+static const pass_case pass_cases[] = {
+    {10, 4, 3, 5, -1, 0, 0, 0, 3, {6, 2, 4}, {1, 2, 7}},
+    {10, 4, 3, 5, -1, 0, 1, 0, 2, {6, 2}, {1, 2}},
+    {10, 4, 3, 5, -1, 1, 0, 0, 3, {3, 7, 1}, {3, 7, 1}},
+    {10, 4, 3, 5, -1, 1, 1, 0, 2, {3, 7}, {3, 7}},
+    {10, 4, 3, 5, -1, 0, 0, 1, 2, {6, 2}, {1, 2}},
+    {10, 4, 3, 5, -1, 1, 0, 1, 2, {3, 7}, {3, 7}},
+    {23, 5, 4, 11, 3, 0, 0, 0, 5, {13, 2, 19, 4, 7}, {6, 7, 11, 21, 4}},
+    {23, 5, 4, 11, 3, 0, 1, 0, 4, {13, 2, 19, 4}, {6, 7, 11, 21}},
+    {23, 5, 4, 11, 3, 1, 0, 0, 5, {4, 9, 14, 19, 1}, {4, 9, 14, 19, 1}},
+    {23, 5, 4, 11, 3, 1, 1, 0, 4, {4, 9, 14, 19}, {4, 9, 14, 19}},
+    {23, 5, 4, 11, 3, 0, 0, 1, 4, {13, 2, 19, 4}, {6, 7, 11, 21}},
+    {23, 5, 4, 11, 3, 1, 0, 1, 4, {4, 9, 14, 19}, {4, 9, 14, 19}},
+    {23, 5, 2, 11, 3, 0, 0, 0, 5, {9, 3, 22, 1, 15}, {5, 18, 10, 9, 12}},
+    {23, 5, 2, 11, 3, 0, 1, 0, 4, {9, 3, 22, 1}, {5, 18, 10, 9}},
+    {23, 5, 2, 11, 3, 1, 0, 0, 5, {2, 7, 12, 17, 22}, {2, 7, 12, 17, 22}},
+    {23, 5, 2, 11, 3, 1, 1, 0, 4, {2, 7, 12, 17}, {2, 7, 12, 17}},
+    {23, 5, 2, 11, 3, 0, 0, 1, 5, {9, 3, 22, 1, 15}, {5, 18, 10, 9, 12}},
+    {23, 5, 2, 11, 3, 1, 0, 1, 5, {2, 7, 12, 17, 22}, {2, 7, 12, 17, 22}},
+};
+
+/* Two and three passes without set_epoch hand out torch's order again (the old code handed out nothing
+   after the first); the 0 that ends a pass comes once; one warning per sampler when it shuffles; none
+   with set_epoch every epoch. Torch's permutation and the legacy one (equal at these n) against torch's
+   recorded output; the streaming permutation against ddp_sampler_indices. */
+static void test_passes_without_set_epoch(void) {
+    static const size_t batches[] = {1, 2, 4, 64};
+    size_t c, b;
+    int perm, pass;
+    unsetenv("DDP_LOG_LEVEL"); /* the default configuration: warnings on */
+    for (c = 0; c < sizeof pass_cases / sizeof pass_cases[0]; c++)
+        for (perm = 0; perm < 3; perm++)
+            for (b = 0; b < sizeof batches / sizeof batches[0]; b++) {
+                const pass_case *pc = &pass_cases[c];
+                ddp_sampler_desc d = desc_of(pc->n, pc->replicas, pc->rank, pc->seed);
+                ddp_sampler s;
+                uint64_t epoch = pc->epoch < 0 ? 0 : (uint64_t)pc->epoch, k, got, count;
+                int64_t out[8], want[5], next[5], *ref;
+                char text[2048];
+                int warnings;
+                d.no_shuffle = pc->no_shuffle, d.drop_last = pc->drop_last, d.mode = (ddp_sampler_mode)pc->mode;
+                d.permutation = (ddp_sampler_permutation)perm;
+                memcpy(want, pc->want, sizeof want);
+                memcpy(next, pc->next, sizeof next);
+                if (perm == DDP_PERMUTATION_STREAMING) { /* not torch's order: its own, from indices() */
+                    ref = indices_of(&d, epoch, &count);
+                    CHECK(count == pc->count, "streaming: %llu indices", (unsigned long long)count);
+                    memcpy(want, ref, (size_t)count * sizeof *ref);
+                    free(ref);
+                    ref = indices_of(&d, epoch + 1, &count);
+                    memcpy(next, ref, (size_t)count * sizeof *ref);
+                    free(ref);
+                }
+                CHECK_OK(ddp_sampler_init(&s, &d), NULL);
+                if (pc->epoch >= 0) ddp_sampler_set_epoch(&s, epoch);
+                CHECK(ddp_sampler_num_samples(&s) == pc->count, "case %zu: num_samples", c);
+                capture_begin();
+                for (pass = 0; pass < 3; pass++) {
+                    memset(out, 0xff, sizeof out);
+                    got = one_pass(&s, batches[b], out, 8);
+                    CHECK(got == pc->count, "case %zu perm %d batch %zu pass %d: %llu indices, torch %llu", c, perm,
+                          batches[b], pass, (unsigned long long)got, (unsigned long long)pc->count);
+                    for (k = 0; k < got; k++)
+                        CHECK(out[k] == want[k], "case %zu perm %d batch %zu pass %d: index %llu is %lld, torch has %lld",
+                              c, perm, batches[b], pass, (unsigned long long)k, (long long)out[k], (long long)want[k]);
+                    CHECK(ddp_sampler_position(&s) == pc->count && ddp_sampler_epoch(&s) == epoch, "position");
+                }
+                warnings = capture_end(text, sizeof text, "[ddp] warning");
+                CHECK(warnings == !pc->no_shuffle, "case %zu: %d warnings in 3 passes "
+                      "(want %d): \"%s\"", c, warnings, !pc->no_shuffle, text);
+                if (warnings) CHECK(strstr(text, "ddp_sampler_set_epoch") && strstr(text, "repeats"), "the warning: \"%s\"", text);
+                capture_begin(); /* set_epoch before each pass: the next epochs' orders, no warning */
+                ddp_sampler_set_epoch(&s, epoch + 1);
+                got = one_pass(&s, batches[b], out, 8);
+                CHECK(got == pc->count, "after set_epoch: %llu indices", (unsigned long long)got);
+                for (k = 0; k < got; k++)
+                    CHECK(out[k] == next[k], "case %zu perm %d: after set_epoch(%llu) index %llu is %lld, torch has %lld",
+                          c, perm, (unsigned long long)epoch + 1, (unsigned long long)k, (long long)out[k],
+                          (long long)next[k]);
+                ddp_sampler_set_epoch(&s, epoch + 2);
+                got = one_pass(&s, batches[b], out, 8);
+                CHECK(got == pc->count, "after set_epoch: %llu indices", (unsigned long long)got);
+                CHECK(capture_end(text, sizeof text, NULL) == 0, "set_epoch every epoch logged \"%s\"", text);
+                ddp_sampler_free(&s);
+            }
+}
+
+/* The warning: in the default configuration (no DDP_LOG_LEVEL), once per sampler, naming
+   ddp_sampler_set_epoch; none with set_epoch every epoch, none for an order set_epoch would not change
+   (no_shuffle), none for set_position(0) (a pass repeated on purpose); DDP_LOG_LEVEL=error silences it. */
+static void test_repeat_warning(void) {
+    ddp_sampler s, t;
+    ddp_sampler_desc d = desc_of(10, 2, 0, 0);
+    int64_t first[5], out[5];
+    char text[2048];
+    int epoch, n;
+    unsetenv("DDP_LOG_LEVEL");
+    CHECK_OK(ddp_sampler_init(&s, &d), NULL); /* a torch loop that forgets set_epoch, over 3 epochs */
+    capture_begin();
+    for (epoch = 0; epoch < 3; epoch++) {
+        CHECK(one_pass(&s, 2, epoch ? out : first, 5) == 5, "epoch %d: 5 indices", epoch);
+        if (epoch) CHECK(memcmp(out, first, sizeof out) == 0, "epoch %d repeats epoch 0's order, as torch", epoch);
+    }
+    n = capture_end(text, sizeof text, "[ddp] warning");
+    CHECK(n == 1 && strstr(text, "ddp_sampler_set_epoch") && strstr(text, "epoch 0"),
+          "one warning naming ddp_sampler_set_epoch in 3 epochs, got %d: \"%s\"", n, text);
+    printf("without set_epoch, once per sampler: %s", text);
+    CHECK_OK(ddp_sampler_init(&t, &d), NULL); /* another sampler warns once too */
+    capture_begin();
+    for (epoch = 0; epoch < 3; epoch++) one_pass(&t, 3, out, 5);
+    CHECK(capture_end(NULL, 0, "[ddp] warning") == 1, "once per sampler");
+    ddp_sampler_free(&t);
+    capture_begin(); /* set_position(0): the same epoch again on purpose, no warning */
+    CHECK_OK(ddp_sampler_set_position(&s, 0), NULL);
+    CHECK(one_pass(&s, 4, out, 5) == 5 && memcmp(out, first, sizeof out) == 0, "set_position(0) repeats the epoch");
+    CHECK(capture_end(text, sizeof text, NULL) == 0, "set_position(0) logged \"%s\"", text);
+    ddp_sampler_free(&s);
+    capture_begin(); /* set_epoch every epoch: silent */
+    CHECK_OK(ddp_sampler_init(&s, &d), NULL);
+    for (epoch = 0; epoch < 3; epoch++) {
+        ddp_sampler_set_epoch(&s, (uint64_t)epoch);
+        CHECK(one_pass(&s, 2, out, 5) == 5, "5 indices");
+    }
+    ddp_sampler_free(&s);
+    d.no_shuffle = 1; /* no shuffle: set_epoch would change nothing, so nothing to warn about */
+    CHECK_OK(ddp_sampler_init(&s, &d), NULL);
+    for (epoch = 0; epoch < 3; epoch++) CHECK(one_pass(&s, 2, out, 5) == 5, "5 indices");
+    ddp_sampler_free(&s);
+    setenv("DDP_LOG_LEVEL", "error", 1); /* the level is the user's to lower */
+    d.no_shuffle = 0;
+    CHECK_OK(ddp_sampler_init(&s, &d), NULL);
+    for (epoch = 0; epoch < 3; epoch++) CHECK(one_pass(&s, 2, out, 5) == 5, "5 indices");
+    ddp_sampler_free(&s);
+    unsetenv("DDP_LOG_LEVEL");
+    CHECK(capture_end(text, sizeof text, NULL) == 0, "nothing to warn about, but stderr had \"%s\"", text);
+}
+
+/* The end of a pass with the resume calls: set_position(num_samples) resumes at the very end (one 0,
+   then a new pass); set_position after a finished pass continues that pass; a pass resumed at a global
+   position is followed by a whole epoch; an allocation failure at a new pass leaves the state as it was. */
+static void test_pass_end_and_resume(void) {
+    ddp_sampler s;
+    ddp_sampler_desc d = desc_of(103, 4, 1, 9);
+    int64_t all[26], out[32], batch[8];
+    uint64_t count, k;
+    size_t got;
+    int64_t *ref = indices_of(&d, 2, &count);
+    CHECK(count == 26, "ceil(103 / 4)");
+    memcpy(all, ref, sizeof all);
+    free(ref);
+    CHECK_OK(ddp_sampler_init(&s, &d), NULL);
+    ddp_sampler_set_epoch(&s, 2);
+    CHECK_OK(ddp_sampler_set_position(&s, 26), NULL); /* a checkpoint taken at the epoch's end */
+    CHECK_OK(ddp_sampler_next_batch(&s, 8, batch, &got), NULL);
+    CHECK(got == 0 && ddp_sampler_position(&s) == 26, "resumed at the end: the pass ends at once");
+    capture_begin();
+    CHECK(one_pass(&s, 8, out, 32) == 26 && memcmp(out, all, sizeof all) == 0, "then a new pass, the same order");
+    CHECK(capture_end(NULL, 0, "[ddp] warning") == 1, "and the warning");
+    CHECK_OK(ddp_sampler_set_position(&s, 20), NULL); /* after the pass's 0: set_position continues from 20 */
+    CHECK(one_pass(&s, 4, out, 32) == 6 && memcmp(out, all + 20, 6 * sizeof *out) == 0, "set_position(20)");
+    ddp_sampler_free(&s);
+
+    CHECK_OK(ddp_sampler_init(&s, &d), NULL); /* resumed at global position 40 (on any number of ranks) */
+    CHECK_OK(ddp_sampler_resume(&s, 2, 40), NULL);
+    CHECK(ddp_sampler_num_samples(&s) == 16, "ceil(63 / 4) of the rest");
+    for (k = 0; k < 16; k++) CHECK_OK(ddp_sampler_index_at(&s, k, &out[k]), NULL);
+    CHECK(one_pass(&s, 5, out + 16, 16) == 16 && memcmp(out, out + 16, 16 * sizeof *out) == 0, "the rest");
+    tl_fail_allocs = 1; /* the new pass needs the whole epoch's permutation again: make that fail */
+    capture_begin();
+    CHECK(ddp_sampler_next_batch(&s, 8, batch, &got) == DDP_ERR_OUT_OF_MEMORY && got == 0, "out of memory");
+    capture_end(NULL, 0, NULL);
+    tl_fail_allocs = 0;
+    CHECK(ddp_sampler_position(&s) == 16 && ddp_sampler_num_samples(&s) == 16 &&
+          ddp_sampler_global_position(&s) == 103, "a failed new pass changes nothing");
+    CHECK(one_pass(&s, 8, out, 32) == 26 && memcmp(out, all, sizeof all) == 0,
+          "the pass after a resumed one is the whole epoch, as torch's next iteration");
+    CHECK(ddp_sampler_num_samples(&s) == 26 && ddp_sampler_global_position(&s) == 103, "the whole epoch");
     ddp_sampler_free(&s);
 }
 
@@ -826,6 +1074,9 @@ int main(void) {
     test_epochs_differ_and_legacy_equal_below_split();
     test_memory();
     test_same_epoch_warning();
+    test_passes_without_set_epoch();
+    test_repeat_warning();
+    test_pass_end_and_resume();
     test_errors();
     test_ranks_with_collectives();
     printf("test_sampler: all passed\n");

@@ -1,7 +1,9 @@
 #!/usr/bin/env bash
 # The multi-process tests again, built with AddressSanitizer + UndefinedBehaviorSanitizer (and
 # LeakSanitizer, which runs at each rank's exit) and with ThreadSanitizer (the progress thread and
-# the store server thread). Any report fails the run (-fno-sanitize-recover, halt_on_error).
+# the store server thread); under ASan also the single-process tests below, and under both two scripts
+# (test_ddprun, test_examples) with their programs built with the sanitizer. Any report fails the run
+# (-fno-sanitize-recover, halt_on_error).
 # The large-count collective cases are skipped (TEST_QUICK): they run the same code as small ones.
 # SANITIZERS="address thread" picks which; this script runs ASan+UBSan by default, and
 # tests/test_sanitizers_thread.sh runs it for TSan (two tests, so each gets run_tests.sh's time limit).

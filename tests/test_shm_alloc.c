@@ -43,15 +43,6 @@ static int64_t value(int r, size_t i, ddp_dtype t, ddp_op op, int salt) {
     return (int64_t)((h >> 7) % 9) - 4;
 }
 
-static double expected(int n, size_t i, ddp_dtype t, ddp_op op, int salt) {
-    return tl_expected(value, n, i, t, op, salt);
-}
-static void fill(void *buf, size_t count, int r, ddp_dtype t, ddp_op op, int salt) {
-    tl_fill(value, buf, count, r, t, op, salt);
-}
-static void check_all(const void *buf, size_t count, ddp_dtype t, int n, ddp_op op, int salt, const char *what, int rank) {
-    tl_check_reduced(value, buf, count, t, n, op, salt, what, rank);
-}
 
 /* ---- groups whose debug log is watched for "single-copy" ---- */
 
@@ -114,12 +105,12 @@ static int all_reduce_ops(ddp_group *g, const coll_arg *a, size_t di, size_t cou
         if (getenv("TEST_QUICK") && ((big && (t != DDP_F32 || op != DDP_SUM)) || (count > 7 && (op == DDP_PROD || op == DDP_MIN))))
             continue;
         b = buf_get(g, plain, count * es, (size_t)64 * (size_t)(rank % 3));
-        fill(b.p, count, rank, t, op, ++salt);
+        tl_fill(value, b.p, count, rank, t, op, ++salt);
         snprintf(what, sizeof what, "all_reduce(%s, %s, count %zu)%s", ddp_dtype_name(t), ddp_op_name(op), count,
                  a->mixed ? " mixed" : "");
         before = copies();
         CHECK_OK(ddp_all_reduce(g, b.p, count, t, op), g);
-        check_all(b.p, count, t, n, op, salt, what, rank);
+        tl_check_reduced(value, b.p, count, t, n, op, salt, what, rank);
         if (big) CHECK((copies() > before) == (!a->mixed && !a->tcp), "rank %d: %s: single-copy or not, wrongly", rank, what);
         buf_put(g, &b);
     }
@@ -135,7 +126,7 @@ static int broadcast_gather(ddp_group *g, const coll_arg *a, ddp_dtype t, size_t
     salt++;
     for (root = 0; root < n; root += n - 1) { /* the first and the last rank */
         b = buf_get(g, plain, count * es, 64);
-        fill(b.p, count, rank, t, DDP_SUM, salt);
+        tl_fill(value, b.p, count, rank, t, DDP_SUM, salt);
         snprintf(what, sizeof what, "broadcast(%s, count %zu, root %d)%s", ddp_dtype_name(t), count, root, a->mixed ? " mixed" : "");
         before = copies();
         CHECK_OK(ddp_broadcast(g, b.p, count, t, root), g);
@@ -156,7 +147,7 @@ static int broadcast_gather(ddp_group *g, const coll_arg *a, ddp_dtype t, size_t
         } else {
             send = (char *)recv.p + (size_t)rank * count * es;
         }
-        fill(send, count, rank, t, DDP_SUM, salt);
+        tl_fill(value, send, count, rank, t, DDP_SUM, salt);
         snprintf(what, sizeof what, "all_gather(%s, count %zu, %s)%s", ddp_dtype_name(t), count, k ? "in place" : "out of place",
                  a->mixed ? " mixed" : "");
         before = copies();
@@ -177,16 +168,16 @@ static int reduce_scatter(ddp_group *g, const coll_arg *a, ddp_dtype t, size_t c
     int rank = ddp_rank(g), n = ddp_world_size(g), plain = a->mixed && rank % 2 == 1;
     size_t es = ddp_dtype_size(t), i;
     buffer b = buf_get(g, plain, count * es * (size_t)n, 0), recv = buf_get(g, plain, count * es, 0);
-    fill(b.p, count, rank, t, DDP_MAX, ++salt);
+    tl_fill(value, b.p, count, rank, t, DDP_MAX, ++salt);
     CHECK_OK(ddp_reduce(g, b.p, count, t, DDP_MAX, n - 1), g);
     for (i = 0; i < count; i++) {
-        double want = rank == n - 1 ? expected(n, i, t, DDP_MAX, salt) : (double)value(rank, i, t, DDP_MAX, salt);
+        double want = rank == n - 1 ? tl_expected(value, n, i, t, DDP_MAX, salt) : (double)value(rank, i, t, DDP_MAX, salt);
         CHECK(tl_load_value(b.p, i, t) == want, "rank %d: reduce(%s, count %zu): element %zu", rank, ddp_dtype_name(t), count, i);
     }
-    fill(b.p, count * (size_t)n, rank, t, DDP_SUM, ++salt);
+    tl_fill(value, b.p, count * (size_t)n, rank, t, DDP_SUM, ++salt);
     CHECK_OK(ddp_reduce_scatter(g, b.p, recv.p, count, t, DDP_SUM), g);
     for (i = 0; i < count; i++)
-        CHECK(tl_load_value(recv.p, i, t) == expected(n, (size_t)rank * count + i, t, DDP_SUM, salt),
+        CHECK(tl_load_value(recv.p, i, t) == tl_expected(value, n, (size_t)rank * count + i, t, DDP_SUM, salt),
               "rank %d: reduce_scatter(%s, count %zu): element %zu", rank, ddp_dtype_name(t), count, i);
     buf_put(g, &b);
     buf_put(g, &recv);
@@ -222,12 +213,13 @@ static int coll_worker(int rank, int n, void *arg) {
         ddp_work *w[Q];
         for (k = 0; k < Q; k++) {
             b[k] = buf_get(g, a->mixed && rank % 2 == 1, count * 4, 0);
-            fill(b[k].p, count, rank, DDP_F32, DDP_SUM, salt + k);
+            tl_fill(value, b[k].p, count, rank, DDP_F32, DDP_SUM, salt + k);
             CHECK_OK(ddp_all_reduce_async(g, b[k].p, count, DDP_F32, DDP_SUM, &w[k]), g);
         }
         for (k = Q - 1; k >= 0; k--) CHECK_OK(ddp_wait(w[k]), g);
         for (k = 0; k < Q; k++) {
-            for (i = 0; i < count; i += 97) CHECK(tl_load_value(b[k].p, i, DDP_F32) == expected(n, i, DDP_F32, DDP_SUM, salt + k), "async %d", k);
+            for (i = 0; i < count; i += 97)
+                CHECK(tl_load_value(b[k].p, i, DDP_F32) == tl_expected(value, n, i, DDP_F32, DDP_SUM, salt + k), "async %d", k);
             buf_put(g, &b[k]);
         }
     }
@@ -383,9 +375,9 @@ static int alloc_worker(int rank, int n, void *arg) {
     }
     big = buf_get(g, 0, count * 4, 0);
     for (k = 0; k < 10; k++) {
-        fill(big.p, count, rank, DDP_F32, DDP_SUM, 1000 + k);
+        tl_fill(value, big.p, count, rank, DDP_F32, DDP_SUM, 1000 + k);
         CHECK_OK(ddp_all_reduce(g, big.p, count, DDP_F32, DDP_SUM), g);
-        check_all(big.p, count, DDP_F32, n, DDP_SUM, 1000 + k, "all_reduce beside allocating threads", rank);
+        tl_check_reduced(value, big.p, count, DDP_F32, n, DDP_SUM, 1000 + k, "all_reduce beside allocating threads", rank);
     }
     for (k = 0; k < 3; k++) pthread_join(th[k], NULL);
     /* freed memory comes back zero-filled */
@@ -406,15 +398,15 @@ static int small_arena_worker(int rank, int n, void *arg) {
     size_t fits = ((size_t)256 << 10) / 4 + 5, spills = ((size_t)2 << 20) / 4 + 5;
     buffer a = buf_get(g, 0, fits * 4, 0), b = buf_get(g, 0, spills * 4, 0);
     int before, arena_bytes = *(const int *)arg;
-    fill(a.p, fits, rank, DDP_F32, DDP_SUM, 1);
-    fill(b.p, spills, rank, DDP_F32, DDP_SUM, 2);
+    tl_fill(value, a.p, fits, rank, DDP_F32, DDP_SUM, 1);
+    tl_fill(value, b.p, spills, rank, DDP_F32, DDP_SUM, 2);
     before = copies();
     CHECK_OK(ddp_all_reduce(g, a.p, fits, DDP_F32, DDP_SUM), g);
-    check_all(a.p, fits, DDP_F32, n, DDP_SUM, 1, "all_reduce in a 1 MiB arena", rank);
+    tl_check_reduced(value, a.p, fits, DDP_F32, n, DDP_SUM, 1, "all_reduce in a 1 MiB arena", rank);
     CHECK((copies() > before) == (arena_bytes > 0), "rank %d: a block that fits the arena went single-copy: %d", rank, copies() > before);
     before = copies();
     CHECK_OK(ddp_all_reduce(g, b.p, spills, DDP_F32, DDP_SUM), g);
-    check_all(b.p, spills, DDP_F32, n, DDP_SUM, 2, "all_reduce of a block bigger than the arena", rank);
+    tl_check_reduced(value, b.p, spills, DDP_F32, n, DDP_SUM, 2, "all_reduce of a block bigger than the arena", rank);
     CHECK(copies() == before, "rank %d: a block bigger than the arena went single-copy", rank);
     buf_put(g, &a);
     buf_put(g, &b);
@@ -439,7 +431,7 @@ static int crash_worker(int rank, int n, void *arg) {
     ddp_result r = DDP_SUCCESS;
     (void)n;
     CHECK(write(c->pid_pipe, &pid, sizeof pid) == (ssize_t)sizeof pid, "write");
-    fill(b.p, count, rank, DDP_F32, DDP_SUM, 3);
+    tl_fill(value, b.p, count, rank, DDP_F32, DDP_SUM, 3);
     CHECK_OK(ddp_barrier(g), g);
     t0 = tl_now();
     for (it = 0; r == DDP_SUCCESS; it++) {

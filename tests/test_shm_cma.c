@@ -48,15 +48,6 @@ static int64_t value(int r, size_t i, ddp_dtype t, ddp_op op, int salt) {
     return (int64_t)(h % 11) - 5;
 }
 
-static double expected(int n, size_t i, ddp_dtype t, ddp_op op, int salt) {
-    return tl_expected(value, n, i, t, op, salt);
-}
-static void fill(void *buf, size_t count, int r, ddp_dtype t, ddp_op op, int salt) {
-    tl_fill(value, buf, count, r, t, op, salt);
-}
-static void check_all(const void *buf, size_t count, ddp_dtype t, int n, ddp_op op, int salt, const char *what, int rank) {
-    tl_check_reduced(value, buf, count, t, n, op, salt, what, rank);
-}
 
 /* ---- groups whose log is watched ---- */
 
@@ -90,12 +81,12 @@ static int one(ddp_group *g, const case_arg *a, ddp_dtype t, ddp_op op, size_t c
     char what[160];
     CHECK(block != NULL, "out of memory for %zu elements", count);
     p = lib ? block : block + shift;
-    fill(p, count, rank, t, op, ++salt);
+    tl_fill(value, p, count, rank, t, op, ++salt);
     snprintf(what, sizeof what, "all_reduce(%s, %s, count %zu, %zu bytes)%s", ddp_dtype_name(t), ddp_op_name(op), count,
              count * es, lib ? " library buffer" : a->mixed ? " malloc, mixed" : " malloc");
     before = calls();
     CHECK_OK(ddp_all_reduce(g, p, count, t, op), g);
-    check_all(p, count, t, n, op, salt, what, rank);
+    tl_check_reduced(value, p, count, t, n, op, salt, what, rank);
     CHECK((calls() > before) == (a->expect && count * es >= CMA_MIN), "rank %d: %s: %s cross-memory attach", rank, what,
           calls() > before ? "went through" : "did not go through");
     if (lib) ddp_free(g, block);
@@ -152,12 +143,13 @@ static int worker(int rank, int n, void *arg) {
         int before = calls();
         for (k = 0; k < Q; k++) {
             CHECK((b[k] = (float *)malloc(count * 4)) != NULL, "out of memory");
-            fill(b[k], count, rank, DDP_F32, DDP_SUM, salt + k);
+            tl_fill(value, b[k], count, rank, DDP_F32, DDP_SUM, salt + k);
             CHECK_OK(ddp_all_reduce_async(g, b[k], count, DDP_F32, DDP_SUM, &w[k]), g);
         }
         for (k = Q - 1; k >= 0; k--) CHECK_OK(ddp_wait(w[k]), g);
         for (k = 0; k < Q; k++) {
-            for (i = 0; i < count; i++) CHECK(b[k][i] == expected(n, i, DDP_F32, DDP_SUM, salt + k), "rank %d: async %d: element %zu", rank, k, i);
+            for (i = 0; i < count; i++)
+                CHECK(b[k][i] == tl_expected(value, n, i, DDP_F32, DDP_SUM, salt + k), "rank %d: async %d: element %zu", rank, k, i);
             free(b[k]);
         }
         CHECK((calls() - before == Q) == (a->expect != 0), "rank %d: async: %d of %d went through cross-memory attach", rank,
@@ -186,9 +178,9 @@ static int refused_worker(int rank, int n, void *arg) {
     (void)n;
     (void)arg;
     CHECK(b != NULL, "out of memory");
-    fill(b, count, rank, DDP_F32, DDP_SUM, 5);
+    tl_fill(value, b, count, rank, DDP_F32, DDP_SUM, 5);
     CHECK_OK(ddp_all_reduce(g, b, count, DDP_F32, DDP_SUM), g);
-    check_all(b, count, DDP_F32, n, DDP_SUM, 5, "all_reduce before the filter", rank);
+    tl_check_reduced(value, b, count, DDP_F32, n, DDP_SUM, 5, "all_reduce before the filter", rank);
     if (rank == 1) refuse_cma();
     r = ddp_all_reduce(g, b, count, DDP_F32, DDP_SUM);
     CHECK(r == DDP_ERR_SYSTEM, "rank %d: got %s (%s), expected DDP_ERR_SYSTEM", rank, ddp_result_string(r), ddp_last_error(g));
@@ -209,7 +201,7 @@ static int crash_worker(int rank, int n, void *arg) {
     ddp_result r = DDP_SUCCESS;
     (void)n;
     CHECK(b != NULL, "out of memory");
-    fill(b, count, rank, DDP_F32, DDP_SUM, 3);
+    tl_fill(value, b, count, rank, DDP_F32, DDP_SUM, 3);
     CHECK_OK(ddp_barrier(g), g);
     t0 = tl_now();
     for (it = 0; r == DDP_SUCCESS; it++) {

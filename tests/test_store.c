@@ -1,18 +1,18 @@
 /* The rendezvous store: the TCP server and client (torch 1.13's TCPStore protocol) and the file store.
    Values are checked against data each process regenerates independently; the raw-socket parts speak the
    protocol by hand, so the server is not only checked through our own client. The server runs on a thread
-   of the test process or of one forked rank; no process forks while a server thread runs. */
+   of the test process or of one forked rank; no process forks while a server thread runs. Also: the
+   server's budget, per-client shares and refusals ("store full", ADD overflow); 300 clients waiting at
+   once on the epoll server, a quarter of them hanging up; a stopping server closes its listener before its
+   clients' connections (a redial right after the close is refused); rank 0's own client does not ask
+   whether rank 0 exited. */
 #include "testlib.h"
 
 #include <fcntl.h>
 #include <sys/stat.h>
 
-#define CHECK_STORE(call, s)                                                                          \
-    do {                                                                                              \
-        ddp_result r_ = (call);                                                                       \
-        CHECK(r_ == DDP_SUCCESS, "%s returned %d (%s): %s", #call, (int)r_, ddp_result_string(r_),    \
-              ddp_store_last_error(s));                                                               \
-    } while (0)
+/* CHECK_STORE(call, store): CHECK_OK for store calls (prints ddp_store_last_error(store)). */
+#define CHECK_STORE(call, s) TL_CHECK_SUCCESS(call, #call, ddp_store_last_error(s))
 
 /* A value of size bytes for (seed, size) with plenty of zero bytes in it. */
 static void fill(unsigned char *buf, size_t size, uint64_t seed) {
@@ -765,6 +765,59 @@ static void test_status_wire(void) {
 
 /* ---- connecting and serving errors ---- */
 
+/* Issue #35 item 2: a stopping server closes its listener before its clients' connections, so a client
+   that sees its connection close and dials again at once (a rank going from ddp_destroy to its next
+   ddp_init) is refused, and retries, instead of reaching the dying server's listen queue and being reset
+   mid-request. Its keys (10,000 of them here, freed only after that) hold the old order's window open. ddp__store_await_close sees the
+   close; rank 0's own client (ddp__store_mark_own) then does not ask whether rank 0 exited. */
+static void *stop_server(void *srv) { /* as rank 0 would, in another process */
+    ddp__store_server_stop((ddp__store_server *)srv);
+    return NULL;
+}
+
+static void test_stop_order(void) {
+    ddp__store_server *srv;
+    ddp_store *own = NULL, *other = NULL;
+    char err[DDP__ERR_MAX], key[32];
+    struct sockaddr_in a;
+    int port, i, fd, rc, e;
+    double t0;
+    pthread_t stopper;
+    ddp_result r;
+    CHECK_OK(ddp__store_server_start("127.0.0.1", 0, DDP_LOG_DEFAULT, &srv, err), NULL);
+    port = ddp__store_server_port(srv);
+    CHECK(ddp__store_connect("127.0.0.1", port, NULL, 5, &own, err) == DDP_SUCCESS, "%s", err);
+    CHECK(ddp__store_connect("127.0.0.1", port, NULL, 5, &other, err) == DDP_SUCCESS, "%s", err);
+    ddp__store_mark_own(own);
+    for (i = 0; i < 10000; i++) {
+        snprintf(key, sizeof key, "k%d", i);
+        CHECK_STORE(ddp_store_set(own, key, "v", 1), own);
+    }
+    CHECK_STORE(ddp_store_set(other, "x", "1", 1), other);
+    CHECK(ddp__store_await_close(other, 0.05) == 0, "ddp__store_await_close: a running server's connection closed");
+    CHECK(pthread_create(&stopper, NULL, stop_server, srv) == 0, "pthread_create failed");
+    t0 = tl_now();
+    CHECK(ddp__store_await_close(other, 5) == 1, "ddp__store_await_close: the stopped server's connection still open");
+    CHECK(tl_now() - t0 < 1.0, "ddp__store_await_close took %.2f s", tl_now() - t0);
+    memset(&a, 0, sizeof a);
+    a.sin_family = AF_INET;
+    a.sin_port = htons((uint16_t)port);
+    a.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+    fd = socket(AF_INET, SOCK_STREAM, 0);
+    rc = connect(fd, (struct sockaddr *)&a, sizeof a);
+    e = errno;
+    close(fd);
+    pthread_join(stopper, NULL);
+    CHECK(rc != 0 && e == ECONNREFUSED, "dialing a stopped server's port right after its connection closed: %s "
+          "(expected a refusal: the listener closes first)", rc == 0 ? "connected" : strerror(e));
+    r = ddp_store_set(own, "y", "1", 1);
+    CHECK(r == DDP_ERR_PEER_LOST, "set on a stopped own server: %d %s", (int)r, ddp_store_last_error(own));
+    CHECK(contains(ddp_store_last_error(own), "this process (rank 0) serves that store") &&
+          !contains(ddp_store_last_error(own), "did rank 0"), "own client's message: %s", ddp_store_last_error(own));
+    ddp__store_free(own);
+    ddp__store_free(other);
+}
+
 static void test_errors(void) {
     ddp__store_server *srv, *second = NULL;
     ddp_store *s = NULL;
@@ -791,6 +844,7 @@ static void test_errors(void) {
     CHECK(contains(err, "127.0.0.1") && contains(err, "rank 0"), "message: %s", err);
     r = ddp__store_connect("127.0.0.1", 0, NULL, 0.5, &s, err);
     CHECK(r == DDP_ERR_INVALID_ARGUMENT, "port 0: %d", (int)r);
+    test_stop_order();
 }
 
 /* ---- several processes: rank 0 serves, after the others have started connecting ---- */

@@ -1,6 +1,9 @@
 /* SyncBatchNorm without a group (plain BatchNorm): forward/backward in both layouts, every spatial
    size class, affine and running stats on/off, momentum and its cumulative form, eval mode, in-place
-   use, and argument errors. Compared with the serial f64 reference in test_syncbn_ref.h. */
+   use, and argument errors. Compared with the serial f64 reference in test_syncbn_ref.h. The counter
+   num_batches_tracked at the program's int64_t (desc.num_batches_tracked): it advances there, and a
+   checkpoint of it (a 0-d I64 tensor) restores a fresh layer that goes on with the same momentum=None
+   factor. */
 #include "testlib.h"
 #include "test_syncbn_ref.h"
 
@@ -263,6 +266,98 @@ static void test_cumulative(void) {
     ddp_syncbn_destroy(bn);
 }
 
+/* desc.num_batches_tracked: the counter lives at the program's int64_t and advances there; a 0-d I64
+   ddp_tensor over it (torch's "num_batches_tracked", shape []) goes through ddp_checkpoint_save / load
+   into a fresh layer, which then goes on with the same cumulative factor 1 / num_batches_tracked
+   (momentum None) as a layer that never stopped (the reference ref_bn, run without interruption). */
+static void test_counter_storage(void) {
+    enum { N = 5, C = 3, S = 4, STEPS = 7, SAVED = 4 };
+    float x[N * C * S], dy[N * C * S], y[N * C * S], dx[N * C * S], rm[C] = {0, 0, 0}, rv[C] = {1, 1, 1};
+    float rm2[C] = {9, 9, 9}, rv2[C] = {9, 9, 9};
+    double ry[N * C * S], rdx[N * C * S], rgw[C], rgb[C], rrm[C] = {0, 0, 0}, rrv[C] = {1, 1, 1};
+    int64_t nbt = 0, nbt2 = 0;
+    char dir[256], path[300], header[4096];
+    ddp_tensor t[3];
+    ddp_syncbn_desc d;
+    ddp_syncbn *bn, *bn2 = NULL;
+    ref_bn ref;
+    uint64_t st = 77, hlen = 0;
+    int step;
+    FILE *f;
+    shape sh = {N, C, S, 0, 0, 1, -1};
+    memset(&d, 0, sizeof d);
+    d.num_features = C, d.momentum = -1, d.running_mean = rm, d.running_var = rv, d.num_batches_tracked = &nbt;
+    CHECK_OK(ddp_syncbn_create(NULL, &d, &bn), NULL);
+    memset(&ref, 0, sizeof ref);
+    ref.C = C, ref.eps = 1e-5, ref.momentum = -1, ref.track = 1, ref.running_mean = rrm, ref.running_var = rrv;
+    snprintf(dir, sizeof dir, "%s/syncbn_nbt_XXXXXX", getenv("TMPDIR") ? getenv("TMPDIR") : "/tmp");
+    CHECK(mkdtemp(dir), "mkdtemp");
+    snprintf(path, sizeof path, "%s/bn.safetensors", dir);
+    memset(t, 0, sizeof t);
+    t[0].name = "bn.running_mean", t[0].dtype = DDP_F32, t[0].ndim = 1, t[0].shape[0] = C, t[0].data = rm;
+    t[1].name = "bn.running_var", t[1].dtype = DDP_F32, t[1].ndim = 1, t[1].shape[0] = C, t[1].data = rv;
+    t[2].name = "bn.num_batches_tracked", t[2].dtype = DDP_I64, t[2].ndim = 0, t[2].data = &nbt; /* shape [] */
+    for (step = 1; step <= STEPS; step++) {
+        ddp_syncbn *cur = step <= SAVED ? bn : bn2;
+        ref_fill(x, N * C * S, &st, (float)step - 3.0f, 1.0f + 0.25f * (float)step);
+        ref_fill(dy, N * C * S, &st, 0.1f, 1.0f);
+        CHECK_OK(ddp_syncbn_forward(cur, x, y, N, S, 1), NULL);
+        CHECK_OK(ddp_syncbn_backward(cur, x, dy, dx, NULL, NULL, N, S), NULL);
+        ref_bn_train(&ref, x, dy, N, S, ry, rdx, rgw, rgb);
+        check_rel("counter storage: y", &sh, step, y, ry, N * C * S);
+        check_rel("counter storage: running_mean", &sh, step, step <= SAVED ? rm : rm2, rrm, C);
+        check_rel("counter storage: running_var", &sh, step, step <= SAVED ? rv : rv2, rrv, C);
+        CHECK((step <= SAVED ? nbt : nbt2) == step && ddp_syncbn_num_batches_tracked(cur) == step,
+              "step %d: the program's counter is %lld (the getter says %lld)", step,
+              (long long)(step <= SAVED ? nbt : nbt2), (long long)ddp_syncbn_num_batches_tracked(cur));
+        if (step == SAVED) {
+            CHECK_OK(ddp_checkpoint_save(NULL, path, t, 3, NULL), NULL);
+            /* the file says what torch's state_dict holds: a 0-d int64 tensor */
+            CHECK((f = fopen(path, "rb")) != NULL, "open %s", path);
+            CHECK(fread(&hlen, 8, 1, f) == 1 && hlen < sizeof header && fread(header, 1, (size_t)hlen, f) == hlen,
+                  "read the safetensors header");
+            fclose(f);
+            header[hlen] = '\0';
+            CHECK(strstr(header, "\"bn.num_batches_tracked\":{\"dtype\":\"I64\",\"shape\":[]"), "header: %s", header);
+            /* a fresh layer (torch: a new module, then load_state_dict), its counter loaded in place */
+            d.running_mean = rm2, d.running_var = rv2, d.num_batches_tracked = &nbt2;
+            CHECK_OK(ddp_syncbn_create(NULL, &d, &bn2), NULL);
+            t[0].data = rm2, t[1].data = rv2, t[2].data = &nbt2;
+            CHECK_OK(ddp_checkpoint_load(NULL, path, t, 3, NULL), NULL);
+            CHECK(nbt2 == SAVED && ddp_syncbn_num_batches_tracked(bn2) == SAVED && memcmp(rm2, rm, sizeof rm) == 0 &&
+                      memcmp(rv2, rv, sizeof rv) == 0,
+                  "loaded counter %lld (getter %lld), want %d", (long long)nbt2,
+                  (long long)ddp_syncbn_num_batches_tracked(bn2), SAVED);
+        }
+    }
+    CHECK(nbt == SAVED, "the first layer's counter moved after it stopped: %lld", (long long)nbt);
+    /* the getter and setter work on the program's counter */
+    CHECK_OK(ddp_syncbn_set_num_batches_tracked(bn2, 41), NULL);
+    CHECK(nbt2 == 41 && ddp_syncbn_num_batches_tracked(bn2) == 41, "setter: counter %lld", (long long)nbt2);
+    nbt2 = 12;
+    CHECK(ddp_syncbn_num_batches_tracked(bn2) == 12, "getter after the program wrote the counter");
+    CHECK_OK(ddp_syncbn_forward(bn2, x, y, N, S, 0), NULL); /* eval: not counted */
+    CHECK(nbt2 == 12, "eval counted");
+    /* errors: a negative counter (at create, or written by the program), a counter without running stats */
+    nbt2 = -2;
+    memcpy(rm, rm2, sizeof rm);
+    CHECK(ddp_syncbn_forward(bn2, x, y, N, S, 1) == DDP_ERR_INVALID_ARGUMENT &&
+              strstr(ddp_last_error(NULL), "num_batches_tracked is -2"),
+          "negative counter at forward: %s", ddp_last_error(NULL));
+    CHECK(nbt2 == -2 && memcmp(rm, rm2, sizeof rm) == 0, "a refused forward changed state");
+    ddp_syncbn_destroy(bn2);
+    CHECK(ddp_syncbn_create(NULL, &d, &bn2) == DDP_ERR_INVALID_ARGUMENT && strstr(ddp_last_error(NULL), "-2"),
+          "negative counter at create: %s", ddp_last_error(NULL));
+    nbt2 = 0;
+    d.running_mean = NULL, d.running_var = NULL;
+    CHECK(ddp_syncbn_create(NULL, &d, &bn2) == DDP_ERR_INVALID_ARGUMENT &&
+              strstr(ddp_last_error(NULL), "track_running_stats=False"),
+          "counter without running stats: %s", ddp_last_error(NULL));
+    ddp_syncbn_destroy(bn);
+    remove(path);
+    rmdir(dir);
+}
+
 int main(void) {
     static const shape shapes[] = {
         {9, 5, 1, 0, 1, 1, 0},       /* BatchNorm1d (N, C) */
@@ -282,6 +377,7 @@ int main(void) {
     test_in_place();
     test_offset();
     test_cumulative();
+    test_counter_storage();
     test_errors();
     printf("test_syncbn: ok (largest relative error %.2g, tolerance %.0e)\n", worst, TOL);
     return 0;

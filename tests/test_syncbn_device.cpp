@@ -10,7 +10,7 @@
    records and sums, staged through pinned host memory by src/devbuf.c), a layer on device memory and
    a layer on host memory get the same batches: y, dx, the local parameter gradients and the running
    stats agree after 2 training steps and an eval step, every rank with its own batch size (one
-   empty); and the device path's errors: a host weight or a host dy, a host x after a device forward,
+   empty), the device layer counting in the program's host int64_t (desc.num_batches_tracked); and the device path's errors: a host weight or a host dy, a host x after a device forward,
    one value per channel on one rank. */
 #define DDP_CUDA
 #include "testlib.h"
@@ -104,12 +104,13 @@ static void compare_case(ddp_group *g, int rank, int C, int64_t S, int channels_
     float *dgw = dev_copy(gw), *dgb = dev_copy(gb);
     ddp_syncbn_desc hd, dd;
     ddp_syncbn *host, *dev;
+    int64_t dev_nbt = 0; /* the device layer's counter: host memory of the program (desc.num_batches_tracked) */
     memset(&hd, 0, sizeof hd);
     hd.num_features = C, hd.momentum = momentum, hd.channels_last = channels_last;
     dd = hd;
     hd.weight = affine ? w.data() : NULL, hd.bias = affine ? b.data() : NULL, hd.running_mean = rm.data(),
     hd.running_var = rv.data();
-    dd.weight = dw, dd.bias = db, dd.running_mean = drm, dd.running_var = drv;
+    dd.weight = dw, dd.bias = db, dd.running_mean = drm, dd.running_var = drv, dd.num_batches_tracked = &dev_nbt;
     CHECK_OK(ddp_syncbn_create(g, &hd, &host), g);
     CHECK_OK(ddp_syncbn_create(g, &dd, &dev), g);
     const size_t blocks_before = device_blocks();
@@ -129,7 +130,8 @@ static void compare_case(ddp_group *g, int rank, int C, int64_t S, int channels_
                   "host path by %.3g", rank, C, (long long)S, channels_last ? "channels_last" : "planar", affine, step,
                   names[k], e[k]);
     }
-    CHECK(ddp_syncbn_num_batches_tracked(dev) == 2, "num_batches_tracked %lld", (long long)ddp_syncbn_num_batches_tracked(dev));
+    CHECK(ddp_syncbn_num_batches_tracked(dev) == 2 && dev_nbt == 2, "num_batches_tracked %lld, the program's counter %lld",
+          (long long)ddp_syncbn_num_batches_tracked(dev), (long long)dev_nbt);
     ddp_syncbn_destroy(dev);
     ddp_syncbn_destroy(host);
     float *blocks[10] = {dx_in, ddy, dy_out, ddx, dw, db, drm, drv, dgw, dgb};

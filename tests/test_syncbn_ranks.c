@@ -2,7 +2,9 @@
    counts torch treats specially (1 value per channel over all ranks: an error on every rank; none at
    all: nothing to do). Every rank builds all ranks' data and checks its own slice against the serial
    f64 BatchNorm of test_syncbn_ref.h on the concatenated batch; the sums over ranks of the local
-   grad_weight/grad_bias go through shared memory to the parent, which checks them. */
+   grad_weight/grad_bias go through shared memory to the parent, which checks them. The counter at the
+   program's int64_t (desc.num_batches_tracked), registered as a reducer buffer with the running stats,
+   is broadcast from rank 0 by finalize and ddp_reducer_broadcast_buffers (run_buffers). */
 #include "testlib.h"
 #include "test_syncbn_ref.h"
 
@@ -215,6 +217,61 @@ static int run_lost(int rank, int R, void *arg) {
     return 0;
 }
 
+/* desc.num_batches_tracked registered as a buffer of the reducer with the running stats (torch's DDP
+   broadcast_buffers=True): ddp_reducer_finalize and ddp_reducer_broadcast_buffers give every rank rank
+   0's counter (an I64 buffer) and stats, and the synced forwards then advance the counter in place on
+   every rank alike (momentum None: the same factor 1 / num_batches_tracked everywhere). */
+static int run_buffers(int rank, int R, void *arg) {
+    enum { C = 3 };
+    ddp_group *g;
+    ddp_syncbn *bn;
+    ddp_syncbn_desc d;
+    ddp_reducer *red;
+    ddp_reducer_desc rd;
+    float rm[C], rv[C], w[C] = {1, 1, 1}, gw[C] = {0, 0, 0}, x[4 * C], y[4 * C], all_rm[2 * C];
+    int64_t nbt = rank == 0 ? 5 : 17, all_nbt[2];
+    uint64_t st = 31 + (uint64_t)rank;
+    int c, step, iw;
+    (void)arg;
+    CHECK(R == 2, "run_buffers is written for 2 ranks");
+    CHECK_OK(ddp_init(NULL, &g), NULL);
+    for (c = 0; c < C; c++) rm[c] = (float)(rank * 10 + c), rv[c] = 1.0f + (float)rank;
+    memset(&d, 0, sizeof d);
+    d.num_features = C, d.momentum = -1, d.weight = w, d.running_mean = rm, d.running_var = rv, d.num_batches_tracked = &nbt;
+    CHECK_OK(ddp_syncbn_create(g, &d, &bn), g);
+    memset(&rd, 0, sizeof rd);
+    CHECK_OK(ddp_reducer_create(g, &rd, &red), g);
+    CHECK_OK(ddp_reducer_add_param(red, "bn.weight", w, gw, C, DDP_F32, &iw), g);
+    CHECK_OK(ddp_reducer_add_buffer(red, "bn.running_mean", rm, C, DDP_F32), g);
+    CHECK_OK(ddp_reducer_add_buffer(red, "bn.running_var", rv, C, DDP_F32), g);
+    CHECK_OK(ddp_reducer_add_buffer(red, "bn.num_batches_tracked", &nbt, 1, DDP_I64), g);
+    CHECK_OK(ddp_reducer_finalize(red), g); /* rank 0's state everywhere */
+    CHECK(nbt == 5 && ddp_syncbn_num_batches_tracked(bn) == 5 && rm[2] == 2.0f && rv[0] == 1.0f,
+          "rank %d after finalize: counter %lld, running_mean[2] %g, running_var[0] %g (rank 0's: 5, 2, 1)", rank,
+          (long long)nbt, rm[2], rv[0]);
+    for (step = 1; step <= 3; step++) {
+        if (step == 3) { /* a rank drifts (its own checkpoint, say): the broadcast before forward fixes it */
+            if (rank == 1) nbt = 100, rm[0] += 1.0f;
+            CHECK_OK(ddp_reducer_broadcast_buffers(red), g);
+            CHECK(nbt == 7, "rank %d: counter %lld after broadcast_buffers, rank 0's is 7", rank, (long long)nbt);
+        }
+        ref_fill(x, 4 * C, &st, (float)rank, 1.0f);
+        CHECK_OK(ddp_syncbn_forward(bn, x, y, 4, 1, 1), g);
+        CHECK(nbt == 5 + step && ddp_syncbn_num_batches_tracked(bn) == 5 + step, "rank %d step %d: counter %lld", rank,
+              step, (long long)nbt);
+    }
+    CHECK_OK(ddp_all_gather(g, &nbt, all_nbt, 1, DDP_I64), g);
+    CHECK_OK(ddp_all_gather(g, rm, all_rm, C, DDP_F32), g);
+    CHECK(all_nbt[0] == 8 && all_nbt[1] == 8 && memcmp(all_rm, all_rm + C, sizeof rm) == 0,
+          "rank %d: counters %lld and %lld, running stats %s", rank, (long long)all_nbt[0], (long long)all_nbt[1],
+          memcmp(all_rm, all_rm + C, sizeof rm) ? "differ" : "equal");
+    if (rank == 0) printf("num_batches_tracked as a reducer buffer: rank 0's counter on both ranks, advanced in place\n");
+    ddp_reducer_destroy(red);
+    ddp_syncbn_destroy(bn);
+    CHECK_OK(ddp_destroy(g), NULL);
+    return 0;
+}
+
 int main(void) {
     static const scenario scenarios[] = {
         {3, 5, 0, 0, 7, {4, 0, 3}},         /* channels-first, lanes tail, an empty rank */
@@ -229,6 +286,7 @@ int main(void) {
     for (i = 0; i < sizeof scenarios / sizeof scenarios[0]; i++) run_scenario(&scenarios[i]);
     CHECK(tl_run_ranks(2, run_counts, NULL, 60) == 0, "count checks on 2 ranks");
     CHECK(tl_run_ranks(3, run_counts, NULL, 60) == 0, "count checks on 3 ranks");
+    CHECK(tl_run_ranks(2, run_buffers, NULL, 60) == 0, "num_batches_tracked as a reducer buffer on 2 ranks");
     setenv("DDP_TIMEOUT", "20", 1);
     CHECK(tl_run_ranks(2, run_lost, NULL, 60) == 0, "lost peer");
     printf("test_syncbn_ranks: ok\n");

@@ -9,7 +9,8 @@
      - DDP_TRACE_SIZE=3 keeps the last three; DDP_TRACE_SIZE=0 writes nothing;
      - without DDP_TRACE_DIR the dump goes into the error log (the group's log function).
    Rank 1 makes the sixth call async, so its group breaks (and its dump is written) on the progress
-   thread. Before the recorder none of these files or log lines existed. */
+   thread. Before the recorder none of these files or log lines existed. Also run under ASan and TSan by
+   the sanitizer tests. */
 #include "testlib.h"
 #include <dirent.h>
 
@@ -23,16 +24,7 @@ static void capture(ddp_log_level level, int rank, const char *msg, void *user) 
     if (level == DDP_LOG_ERROR && strstr(msg, "#6 all_reduce(count=7, f32, max) failed after")) log_entries++;
 }
 
-static ddp_group *join(void) {
-    ddp_init_desc d;
-    ddp_group *g;
-    memset(&d, 0, sizeof d);
-    d.timeout_seconds = 2;
-    d.log_level = DDP_LOG_ERROR;
-    d.log_fn = capture;
-    CHECK_OK(ddp_init(&d, &g), NULL);
-    return g;
-}
+static ddp_group *join(void) { return tl_init(2, DDP_LOG_ERROR, capture); }
 
 static char *slurp(const char *path) {
     static char buf[1 << 16];

@@ -9,12 +9,28 @@
 #ifndef DDP_TEST_SHARED_IMPLEMENTATION
 #define DDP_IMPLEMENTATION
 #endif
+/* A test that defines TL_ALLOC_HOOKS before including testlib.h gets the library's allocations (DDP_MALLOC,
+   DDP_REALLOC, DDP_FREE) through the counting hooks below (tl_allocs ...); the Makefile compiles the
+   implementation into such a test. */
+#ifdef TL_ALLOC_HOOKS
+#ifdef DDP_TEST_SHARED_IMPLEMENTATION
+#error "TL_ALLOC_HOOKS needs the implementation compiled into the test, not the shared one (the Makefile: SHARED_IMPL_TESTS)"
+#endif
+#include <stddef.h>
+static void *tl_hook_malloc(size_t size);
+static void *tl_hook_realloc(void *p, size_t size);
+static void tl_hook_free(void *p);
+#define DDP_MALLOC(size) tl_hook_malloc(size)
+#define DDP_REALLOC(p, size) tl_hook_realloc(p, size)
+#define DDP_FREE(p) tl_hook_free(p)
+#endif
 #include "ddp.h"
 
 /* The system headers the implementation includes, which the tests rely on too (with the shared
    implementation they do not come with ddp.h). */
 #include <arpa/inet.h>
 #include <assert.h>
+#include <dirent.h>
 #include <errno.h>
 #include <fcntl.h>
 #include <float.h>
@@ -51,25 +67,54 @@
 #define TL_FN static
 #endif
 
-/* CHECK(cond, "format", ...): on failure print where and why, and exit 1. */
-#define CHECK(cond, ...)                                                                      \
+#include "check.h" /* CHECK(cond, "format", ...): on failure print where and why, and exit 1 */
+
+/* TL_CHECK_SUCCESS(call, text, message): the call must return DDP_SUCCESS; prints its text (#call), the
+   code and message (a string: the object's last error) if not. */
+#define TL_CHECK_SUCCESS(call, text, message)                                                 \
     do {                                                                                      \
-        if (!(cond)) {                                                                        \
-            fprintf(stderr, "%s:%d: CHECK(%s) failed: ", __FILE__, __LINE__, #cond);          \
-            fprintf(stderr, __VA_ARGS__);                                                     \
-            fprintf(stderr, "\n");                                                            \
-            fflush(stderr);                                                                   \
-            exit(1);                                                                          \
-        }                                                                                     \
+        ddp_result r_ = (call);                                                               \
+        CHECK(r_ == DDP_SUCCESS, "%s returned %d (%s): %s", text, (int)r_, ddp_result_string(r_), (message)); \
     } while (0)
 
 /* CHECK_OK(call, group): the call must return DDP_SUCCESS; prints ddp_last_error(group) if not. */
-#define CHECK_OK(call, g)                                                                     \
-    do {                                                                                      \
-        ddp_result r_ = (call);                                                               \
-        CHECK(r_ == DDP_SUCCESS, "%s returned %d (%s): %s", #call, (int)r_, ddp_result_string(r_), \
-              ddp_last_error(g));                                                             \
-    } while (0)
+#define CHECK_OK(call, g) TL_CHECK_SUCCESS(call, #call, ddp_last_error(g))
+
+#ifdef TL_ALLOC_HOOKS
+/* What the allocation hooks saw: allocations (malloc, and realloc of NULL) and frees (of non-NULL) made; the
+   bytes the library holds now and the most it held (a test may reset tl_peak_bytes). tl_fail_allocs nonzero
+   makes new allocations fail (out of memory; reallocations still work). The group's threads allocate too:
+   the counts are atomic and the bytes under a lock. */
+static long tl_allocs, tl_frees;
+static size_t tl_live_bytes, tl_peak_bytes;
+static int tl_fail_allocs;
+static pthread_mutex_t tl_hook_mu = PTHREAD_MUTEX_INITIALIZER;
+
+static void *tl_hook_realloc(void *p, size_t size) {
+    size_t *block = p ? (size_t *)p - 2 : NULL, old = block ? block[0] : 0; /* a header of 2 words keeps 16-byte alignment */
+    if (tl_fail_allocs && !p) return NULL;
+    if (!p) __atomic_fetch_add(&tl_allocs, 1, __ATOMIC_RELAXED);
+    block = (size_t *)realloc(block, size + 2 * sizeof(size_t));
+    if (!block) return NULL;
+    block[0] = size;
+    pthread_mutex_lock(&tl_hook_mu);
+    tl_live_bytes = tl_live_bytes - old + size;
+    if (tl_peak_bytes < tl_live_bytes) tl_peak_bytes = tl_live_bytes;
+    pthread_mutex_unlock(&tl_hook_mu);
+    return block + 2;
+}
+
+static void *tl_hook_malloc(size_t size) { return tl_hook_realloc(NULL, size); }
+
+static void tl_hook_free(void *p) {
+    if (!p) return;
+    __atomic_fetch_add(&tl_frees, 1, __ATOMIC_RELAXED);
+    pthread_mutex_lock(&tl_hook_mu);
+    tl_live_bytes -= ((size_t *)p - 2)[0];
+    pthread_mutex_unlock(&tl_hook_mu);
+    free((size_t *)p - 2);
+}
+#endif
 
 /* A TCP port that was free a moment ago (bind to port 0 and read what the kernel gave). */
 TL_FN int tl_free_port(void) {
@@ -168,6 +213,38 @@ TL_FN int tl_run_ranks_status(int n, int (*fn)(int rank, int n, void *arg), void
             fprintf(stderr, "tl_run_ranks: rank %d killed by signal %d\n", i, WTERMSIG(status[i]));
     }
     return failed;
+}
+
+/* The two transports a multi-process test runs over: DDP_TRANSPORT's value (t = 0: "auto", shared memory
+   between the ranks of one host; t = 1: "tcp") and what to call it in a message. */
+TL_FN const char *tl_transport(int t) { return t ? "tcp" : "auto"; }
+TL_FN const char *tl_transport_name(int t) { return t ? "tcp" : "shared memory"; }
+
+/* The world-size x transport sweep of the collective tests' main (test_collectives, test_more_collectives).
+   Started by a launcher (TEST_EXTERNAL_LAUNCH set: tests/test_netns.sh) the process is one rank: it runs
+   worker(RANK, WORLD_SIZE) and exits with its code. Otherwise worker runs on each world size of the command
+   line (argv[1..], at most 8; default 1 2 3 4 8), over shared memory and then over TCP (one rank uses no
+   transport: only once), within timeout_s each; a failure ends the test. After each run it prints "world
+   size N over TRANSPORT: <what> (S s)", then calls after(n, t) when given (more runs on that world size). */
+TL_FN void tl_sweep(int argc, char **argv, int (*worker)(int rank, int n, void *arg), double timeout_s, const char *what,
+                    void (*after)(int n, int t)) {
+    int sizes[8] = {1, 2, 3, 4, 8}, nsizes = 5, i, t;
+    if (getenv("TEST_EXTERNAL_LAUNCH")) exit(worker(atoi(getenv("RANK")), atoi(getenv("WORLD_SIZE")), NULL));
+    if (argc > 1) {
+        nsizes = 0;
+        for (i = 1; i < argc && nsizes < 8; i++) sizes[nsizes++] = atoi(argv[i]);
+    }
+    for (t = 0; t < 2; t++) {
+        setenv("DDP_TRANSPORT", tl_transport(t), 1);
+        for (i = 0; i < nsizes; i++) {
+            double t0 = tl_now();
+            if (sizes[i] == 1 && t == 1) continue; /* one rank uses no transport */
+            CHECK(tl_run_ranks(sizes[i], worker, NULL, timeout_s) == 0, "world size %d over %s failed", sizes[i], tl_transport(t));
+            printf("world size %d over %s: %s (%.1f s)\n", sizes[i], tl_transport_name(t), what, tl_now() - t0);
+            fflush(stdout);
+            if (after) after(sizes[i], t);
+        }
+    }
 }
 
 /* Deterministic pseudo-random numbers for test data (splitmix64). */
@@ -271,6 +348,36 @@ TL_FN double tl_reduce_small(const int64_t *vals, int n, ddp_dtype t, ddp_op op)
 
 TL_FN int tl_is_float(ddp_dtype t) { return t == DDP_F32 || t == DDP_F64 || t == DDP_F16 || t == DDP_BF16; }
 
+/* Remove directory dir and the files in it (not recursive: the tests' directories hold plain files). */
+TL_FN void tl_rm_dir(const char *dir) {
+    DIR *d = opendir(dir);
+    struct dirent *e;
+    char path[1024];
+    if (!d) return;
+    while ((e = readdir(d)) != NULL) {
+        if (!strcmp(e->d_name, ".") || !strcmp(e->d_name, "..")) continue;
+        snprintf(path, sizeof path, "%s/%s", dir, e->d_name);
+        unlink(path);
+    }
+    closedir(d);
+    rmdir(dir);
+}
+
+/* How many entries of directory dir have a name that starts with prefix and (suffix not NULL) ends with suffix. */
+TL_FN int tl_count_files(const char *dir, const char *prefix, const char *suffix) {
+    DIR *d = opendir(dir);
+    struct dirent *e;
+    int n = 0;
+    CHECK(d != NULL, "cannot open %s: %s", dir, strerror(errno));
+    while ((e = readdir(d)) != NULL) {
+        size_t len = strlen(e->d_name);
+        if (strncmp(e->d_name, prefix, strlen(prefix)) != 0) continue;
+        n += !suffix || (len >= strlen(suffix) && strcmp(e->d_name + len - strlen(suffix), suffix) == 0);
+    }
+    closedir(d);
+    return n;
+}
+
 /* malloc that never returns NULL (a test fails instead); 0 bytes gives a valid pointer. */
 TL_FN unsigned char *tl_xalloc(size_t n) {
     unsigned char *p = (unsigned char *)malloc(n ? n : 1);
@@ -311,17 +418,22 @@ TL_FN void tl_check_reduced(tl_value_fn value, const void *buf, size_t count, dd
     for (i = 0; i < count; i++) tl_check_equal(buf, i, t, tl_expected(value, n, i, t, op, salt), what, rank);
 }
 
-/* ddp_init from the environment with the debug log going to log_fn (which the test uses to watch
-   what path a collective took). */
-TL_FN ddp_group *tl_init_logged(ddp_log_fn log_fn) {
+/* ddp_init from the environment with a descriptor that sets only these (0 / DDP_LOG_DEFAULT / NULL: the
+   library's defaults); a failure ends the test. */
+TL_FN ddp_group *tl_init(double timeout_s, ddp_log_level log_level, ddp_log_fn log_fn) {
     ddp_init_desc d;
-    ddp_group *g;
+    ddp_group *g = NULL;
     memset(&d, 0, sizeof d);
-    d.log_level = DDP_LOG_DEBUG;
+    d.timeout_seconds = timeout_s;
+    d.log_level = log_level;
     d.log_fn = log_fn;
     CHECK_OK(ddp_init(&d, &g), NULL);
     return g;
 }
+
+/* ddp_init from the environment with the debug log going to log_fn (which the test uses to watch
+   what path a collective took). */
+TL_FN ddp_group *tl_init_logged(ddp_log_fn log_fn) { return tl_init(0, DDP_LOG_DEBUG, log_fn); }
 
 /* Can this process play another host (a UTS namespace of its own: root or CAP_SYS_ADMIN)? Tried in a
    child. Tests that need several hosts on one machine put ranks in such namespaces with another name. */

@@ -202,6 +202,10 @@ torch_titles=("torch: plain torchrun, 1 node of 3 ddp.h ranks (its agent store)"
               "torch: tests/interop/store_interop.py (its TCPStore both ways, mixed workers)"
               "torch: DistributedSampler, 560 cases and N = 214748364, against ddp.h's")
 devbuf_title() { echo "test: collectives + SyncBN + reducer + ZeRO-1 on device buffers, $1 ranks on one GPU (cpu backend)"; }
+version_title="info: the NCCL ddp.h loaded (ncclGetVersion) and torch's"
+multi_title="test: SyncBN + reducer, 2 ranks on one GPU (nccl, NCCL_MULTI_RANK_GPU_ENABLE=1)"
+# version_at_least A B: version A (x.y.z) is B or later
+version_at_least() { [ -n "$1" ] && printf '%s\n%s\n' "$2" "$1" | sort -V -C; }
 if [ "$dry" = 1 ]; then
   reason=${no_gpu_reason:-"dry run (--dry-run or GPU_CHECK_NO_DEVICE=1)"}
   for t in "test: SyncBN on device vs the CPU code (nccl, 1 rank)" "test: reducer on device (nccl, 1 rank)" \
@@ -209,6 +213,8 @@ if [ "$dry" = 1 ]; then
     no_device "$t" "$reason"
   done
   no_device "test: SyncBN + reducer, 2 ranks (nccl, 2 GPUs)" "$reason"
+  no_device "$version_title" "$reason"
+  no_device "$multi_title" "$reason"
   for n in 2 4; do no_device "$(devbuf_title $n)" "$reason"; done
   for t in "${torch_titles[@]}"; do no_device "$t" "run on the GPU machine, against its own torch"; done
   for t in "bench: SyncBN forward+backward vs copy bandwidth" "bench: torch BatchNorm, same shape" \
@@ -235,6 +241,22 @@ else
       "$B/ddprun" "$B/gpu_check"
   else
     row "test: SyncBN + reducer, 2 ranks (nccl, 2 GPUs)" "not run" 0 "one GPU: NCCL needs a GPU per rank (the cpu backend rows below share one)"
+  fi
+  # The NCCL that ddp.h's programs load and torch's own. From NCCL 2.30.3 on, ranks may share a GPU
+  # (NCCL_MULTI_RANK_GPU_ENABLE=1): then the nccl backend runs with 2 ranks on this one GPU.
+  torch_nccl=$("$PYTHON" -c 'import torch; print(".".join(map(str, torch.cuda.nccl.version())))' 2>/dev/null) ||
+    torch_nccl="none (no torch with CUDA)"
+  # shellcheck disable=SC2016 # expanded by the inner shell
+  step nccl-version "$version_title" 30 bash -c '"$0" nccl-version && echo "torch_nccl_version=$1"' "$B/gpu_check" \
+    "$torch_nccl"
+  nccl_version=$(sed -n 's/^nccl_version=//p' "$out/logs/nccl-version.log" 2>/dev/null | tail -n 1)
+  if version_at_least "$nccl_version" 2.30.3; then
+    # shellcheck disable=SC2016 # expanded by the inner shell
+    step nccl-multi "$multi_title" 240 bash -c 'export NCCL_MULTI_RANK_GPU_ENABLE=1 DDP_BACKEND=nccl;
+      "$0" --nproc-per-node 2 "$1" syncbn && "$0" --nproc-per-node 2 "$1" reducer' "$B/ddprun" "$B/gpu_check"
+  else
+    selected nccl-multi "$multi_title" &&
+      row "$multi_title" "not run" 0 "NCCL ${nccl_version:-of unknown version} is older than 2.30.3: two ranks cannot share a GPU"
   fi
   # several ranks share the one GPU: the cpu backend stages the device buffers (src/devbuf.c)
   for n in 2 4; do
@@ -343,7 +365,7 @@ val() { sed -n "s/^$1=//p" "$benches" | tail -n 1; }
     echo "- device: $gpu_name; compute capability ${cc:-unknown}; built for sm_$sm"
   fi
   echo "- nvcc: $NVCC, $(tail -n 1 "$out/logs/nvcc-version.log" 2>/dev/null)"
-  echo "- NCCL: ${NCCL_LIB:-not found} (header: ${NCCL_INCLUDE:-not found}; tools/nccl-env.sh)"
+  echo "- NCCL: ${NCCL_LIB:-not found} (header: ${NCCL_INCLUDE:-not found}; tools/nccl-env.sh); loaded: ${nccl_version:-not seen} (ncclGetVersion); torch's: ${torch_nccl:-not seen}"
   echo "- total time: $(($(date +%s) - t_start)) s (budget $budget s)"
   echo
   echo "| step | result | seconds | detail |"

@@ -20,6 +20,7 @@
      gpu_check bench-reducer   the reducer's step (begin_backward, grad_ready x P, end_backward) against
                                one all_reduce of the same bytes: its overhead per step, with the gradients
                                in P allocations (copied into buckets) and as slices of one (reduced in place)
+     gpu_check nccl-version    the NCCL this program loaded (ncclGetVersion): "nccl_version=X.Y.Z"; no group
    Every check prints "ok ..." and exits 0, or prints FAIL and exits 1. Benchmarks print key=value
    lines (rank 0) that gpu-check.sh puts in its report.
    Build: nvcc -std=c++17 -O2 -I. -o gpu_check tools/gpu_check.cu ddp_cuda.o -lnccl (gpu-check.sh does). */
@@ -28,6 +29,7 @@
 #include "ddp.h"
 
 #include <cuda_runtime.h>
+#include <nccl.h>
 #include <math.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -143,12 +145,13 @@ static int syncbn_case(int C, int64_t S, int channels_last, int affine, double m
     float *dgw = to_device(gw.data(), C), *dgb = to_device(gb.data(), C);
     ddp_syncbn_desc hd, dd;
     ddp_syncbn *host_bn, *dev_bn;
+    int64_t dev_nbt = 0; /* the device layer's num_batches_tracked: host memory of the program */
     memset(&hd, 0, sizeof hd);
     hd.num_features = C, hd.momentum = momentum, hd.channels_last = channels_last;
     dd = hd;
     hd.weight = affine ? w.data() : NULL, hd.bias = affine ? b.data() : NULL, hd.running_mean = rm.data(),
     hd.running_var = rv.data();
-    dd.weight = dw, dd.bias = db, dd.running_mean = drm, dd.running_var = drv;
+    dd.weight = dw, dd.bias = db, dd.running_mean = drm, dd.running_var = drv, dd.num_batches_tracked = &dev_nbt;
     DDP_OK(ddp_syncbn_create(g_group, &hd, &host_bn), g_group);
     DDP_OK(ddp_syncbn_create(g_group, &dd, &dev_bn), g_group);
     double worst = 0;
@@ -173,9 +176,36 @@ static int syncbn_case(int C, int64_t S, int channels_last, int affine, double m
             }
         }
     }
-    if (ddp_syncbn_num_batches_tracked(dev_bn) != 2) {
-        printf("FAIL syncbn: num_batches_tracked %lld, want 2\n", (long long)ddp_syncbn_num_batches_tracked(dev_bn));
+    if (ddp_syncbn_num_batches_tracked(dev_bn) != 2 || dev_nbt != 2) {
+        printf("FAIL syncbn: num_batches_tracked %lld (the program's counter %lld), want 2\n",
+               (long long)ddp_syncbn_num_batches_tracked(dev_bn), (long long)dev_nbt);
         return 1;
+    }
+    { /* the device running stats and the host counter as buffers of a reducer: rank 0's on every rank */
+        ddp_reducer *red;
+        ddp_reducer_desc rd;
+        int iw;
+        float *dpar = to_device(w.data(), C), *dgrad = to_device(gw.data(), C);
+        const std::vector<float> rm0 = to_host(drm, C);
+        memset(&rd, 0, sizeof rd);
+        DDP_OK(ddp_reducer_create(g_group, &rd, &red), g_group);
+        DDP_OK(ddp_reducer_add_param(red, "bn.weight", dpar, dgrad, C, DDP_F32, &iw), g_group);
+        DDP_OK(ddp_reducer_add_buffer(red, "bn.running_mean", drm, C, DDP_F32), g_group);
+        DDP_OK(ddp_reducer_add_buffer(red, "bn.num_batches_tracked", &dev_nbt, 1, DDP_I64), g_group);
+        DDP_OK(ddp_reducer_finalize(red), g_group);
+        dev_nbt = 2 + 10 * g_rank; /* a rank drifts: the broadcast gives it rank 0's 2 back */
+        DDP_OK(ddp_reducer_broadcast_buffers(red), g_group);
+        CUDA_OK(cudaDeviceSynchronize());
+        std::vector<float> all((size_t)C * g_world);
+        DDP_OK(ddp_all_gather(g_group, rm0.data(), all.data(), C, DDP_F32), g_group);
+        const std::vector<float> rm1 = to_host(drm, C);
+        if (dev_nbt != 2 || memcmp(rm1.data(), all.data(), sizeof(float) * C) != 0) {
+            printf("FAIL syncbn rank %d: after broadcast_buffers the counter is %lld (want 2) and running_mean %s rank 0's\n",
+                   g_rank, (long long)dev_nbt, memcmp(rm1.data(), all.data(), sizeof(float) * C) ? "differs from" : "is");
+            return 1;
+        }
+        ddp_reducer_destroy(red);
+        cudaFree(dpar), cudaFree(dgrad);
     }
     ddp_syncbn_destroy(dev_bn);
     ddp_syncbn_destroy(host_bn);
@@ -308,6 +338,10 @@ static void zero_sgd(const ddp_shard *sh, int n) {
         for (size_t i = 0; i < sh[j].count; i++) p[i] -= 0.25f * gr[i];
         CUDA_OK(cudaMemcpy(sh[j].param_data, p.data(), sh[j].count * 4, cudaMemcpyDefault));
     }
+    /* A pageable host-to-device cudaMemcpy may return before its DMA lands, and the group's stream is a
+       non-blocking one, which does not wait for the legacy stream: without this, gather_params may read
+       a shard's old values (seen once on an H200 at 2 ranks). */
+    CUDA_OK(cudaDeviceSynchronize());
 }
 
 static int check_devbuf_zero(void) {
@@ -498,12 +532,28 @@ static int bench_reducer(void) {
     return 0;
 }
 
+/* The NCCL the dynamic loader gave this program (not the header's): NCCL_VERSION_CODE's encoding,
+   major * 10000 + minor * 100 + patch from 2.9 on. */
+static int print_nccl_version(void) {
+    int v = 0;
+    ncclResult_t rc = ncclGetVersion(&v);
+    if (rc != ncclSuccess) {
+        printf("FAIL ncclGetVersion: %s\n", ncclGetErrorString(rc));
+        return 1;
+    }
+    printf("nccl_version=%d.%d.%d\nok nccl-version (code %d; header %d)\n", v / 10000, v / 100 % 100, v % 100, v,
+           NCCL_VERSION_CODE);
+    return 0;
+}
+
 int main(int argc, char **argv) {
     const char *what = argc > 1 ? argv[1] : "";
     int rc;
+    if (!strcmp(what, "nccl-version")) return print_nccl_version();
     if (strcmp(what, "syncbn") && strcmp(what, "reducer") && strcmp(what, "devbuf") && strcmp(what, "bench-syncbn") &&
         strcmp(what, "bench-allreduce") && strcmp(what, "bench-reducer")) {
-        fprintf(stderr, "usage: gpu_check syncbn | reducer | devbuf | bench-syncbn [N C S] | bench-allreduce | bench-reducer\n");
+        fprintf(stderr, "usage: gpu_check syncbn | reducer | devbuf | bench-syncbn [N C S] | bench-allreduce | bench-reducer | "
+                "nccl-version\n");
         return 2;
     }
     start(!strcmp(what, "devbuf"));

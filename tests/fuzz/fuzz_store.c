@@ -1,4 +1,4 @@
-/* libFuzzer target for the store server's request handling (src/store.c): what a hostile or broken
+/* libFuzzer target for the store server's request handling (src/store_server.c): what a hostile or broken
    client can send. The input is cut into messages for two in-memory connections (no sockets): each
    piece starts with one control byte, whose low bit picks the connection and whose other bits how
    many of the following bytes arrive now (so requests are also seen split across reads, and a WAIT on

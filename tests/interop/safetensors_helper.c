@@ -1,9 +1,14 @@
 /* The ddp.h side of tests/test_interop_checkpoint.sh: writes and reads the sample that
    tests/interop/safetensors_io.py describes (same names, dtypes, shapes, value formula, metadata).
      safetensors_helper write FILE          save the sample with ddp_checkpoint_save
-     safetensors_helper read FILE           load FILE (from Python) and compare every byte and key
-     safetensors_helper read-nocrc FILE     the same for a file without checksums: refused by
-                                            default, loaded with allow_missing_checksums
+     safetensors_helper read FILE           load FILE (from Python) and compare every byte and key;
+                                            ddp_checkpoint_list gives the sample's names, dtypes and
+                                            shapes (in any order) and its metadata
+     safetensors_helper read-nocrc FILE     the same for a file without checksums: plain
+                                            ddp_checkpoint_load reads it, require_checksums refuses it
+     safetensors_helper list-ordered FILE   ddp_checkpoint_list gives the sample in its own order (the
+                                            order safetensors_io.py's header lists it; its data is in
+                                            reverse order)
      safetensors_helper expect-corrupt FILE loading must fail with DDP_ERR_FORMAT (bad checksum) */
 #define DDP_IMPLEMENTATION
 #include "ddp.h"
@@ -127,6 +132,29 @@ static void compare(ddp_tensor *got, const ddp_meta *meta) {
     ddp_meta_free(&m);
 }
 
+/* ddp_checkpoint_list of FILE: the sample's tensors, each once (in the sample's order when ordered),
+   data NULL, and the sample's metadata. */
+static void check_list(const char *path, int ordered) {
+    ddp_tensor *lt = NULL;
+    ddp_meta m = {0, 0, 0};
+    int n = 0, k, j, d;
+    if (ddp_checkpoint_list(path, &lt, &n, &m) != DDP_SUCCESS) FAIL("list: %s", ddp_last_error(NULL));
+    if (n != NS) FAIL("list: %d tensors, the sample has %d", n, NS);
+    for (k = 0; k < NS; k++) {
+        for (j = 0; j < n && strcmp(lt[j].name, SAMPLE[k].name) != 0; j++) {
+        }
+        if (j == n) FAIL("list: no tensor \"%s\"", SAMPLE[k].name);
+        if (ordered && j != k) FAIL("list: \"%s\" is entry %d, the header lists it as %d", SAMPLE[k].name, j, k);
+        if (lt[j].dtype != SAMPLE[k].dtype || lt[j].ndim != SAMPLE[k].ndim || lt[j].data)
+            FAIL("list: \"%s\" has dtype %s, %d dims", SAMPLE[k].name, ddp_dtype_name(lt[j].dtype), lt[j].ndim);
+        for (d = 0; d < SAMPLE[k].ndim; d++)
+            if (lt[j].shape[d] != SAMPLE[k].shape[d]) FAIL("list: \"%s\" dimension %d is %lld", SAMPLE[k].name, d, (long long)lt[j].shape[d]);
+    }
+    if (!ddp_meta_get(&m, "note") || strcmp(ddp_meta_get(&m, "note"), NOTE) != 0) FAIL("list: the metadata lacks the note");
+    ddp_checkpoint_list_free(lt, n);
+    ddp_meta_free(&m);
+}
+
 static void free_all(ddp_tensor *t) {
     int k;
     for (k = 0; k < NS; k++) free(t[k].data);
@@ -137,7 +165,7 @@ int main(int argc, char **argv) {
     ddp_meta m = {0, 0, 0};
     ddp_checkpoint_load_desc d;
     ddp_result r;
-    if (argc != 3) FAIL("usage: %s write|read|read-nocrc|expect-corrupt FILE", argv[0]);
+    if (argc != 3) FAIL("usage: %s write|read|read-nocrc|list-ordered|expect-corrupt FILE", argv[0]);
     memset(&d, 0, sizeof d);
     if (strcmp(argv[1], "write") == 0) {
         make(t, 1);
@@ -147,14 +175,19 @@ int main(int argc, char **argv) {
     } else if (strcmp(argv[1], "read") == 0 || strcmp(argv[1], "read-nocrc") == 0) {
         make(t, 0);
         if (strcmp(argv[1], "read-nocrc") == 0) {
-            r = ddp_checkpoint_load(NULL, argv[2], t, NS, &m);
-            if (r != DDP_ERR_FORMAT || !strstr(ddp_last_error(NULL), "allow_missing_checksums"))
-                FAIL("a file without checksums was not refused by default: %s", ddp_last_error(NULL));
-            d.allow_missing_checksums = 1;
+            d.require_checksums = 1;
+            r = ddp_checkpoint_load_ex(NULL, argv[2], t, NS, &m, &d);
+            if (r != DDP_ERR_FORMAT || !strstr(ddp_last_error(NULL), "require_checksums"))
+                FAIL("a file without checksums was not refused with require_checksums: %s", ddp_last_error(NULL));
         }
-        if (ddp_checkpoint_load_ex(NULL, argv[2], t, NS, &m, &d) != DDP_SUCCESS) FAIL("load: %s", ddp_last_error(NULL));
+        if (ddp_checkpoint_load(NULL, argv[2], t, NS, &m) != DDP_SUCCESS) FAIL("load: %s", ddp_last_error(NULL));
         compare(t, &m);
-        printf("ddp.h read %s: %d tensors and %d metadata keys equal\n", argv[2], NS, m.count);
+        check_list(argv[2], 0);
+        printf("ddp.h read %s: %d tensors and %d metadata keys equal; listed alike\n", argv[2], NS, m.count);
+    } else if (strcmp(argv[1], "list-ordered") == 0) {
+        make(t, 0);
+        check_list(argv[2], 1);
+        printf("ddp.h listed %s: %d tensors in the header's order\n", argv[2], NS);
     } else if (strcmp(argv[1], "expect-corrupt") == 0) {
         make(t, 0);
         r = ddp_checkpoint_load(NULL, argv[2], t, NS, &m);

@@ -1,6 +1,8 @@
 /* Checks ddp.h's sampler against the cases tests/interop/sampler_torch.py recorded from torch 1.13 (stdin).
    Every case is read back through four paths: ddp_sampler_indices, ddp_sampler_next_batch over a whole
-   epoch, a resume from the middle (set_position), and ddp_sampler_index_at.
+   epoch, a resume from the middle (set_position), and ddp_sampler_index_at. Multi-pass cases (P): one
+   sampler iterated two or three times, without set_epoch in between (torch repeats the order, and so
+   must next_batch after the 0 that ends a pass) or with set_epoch(epoch + i) before each pass.
    Also, for the large-N regime (tests/test_interop_sampler.sh):
      sampler_check slice N R RANK SEED EPOCH PERMUTATION   prints that rank's indices, one per line */
 #include "testlib.h"
@@ -55,11 +57,81 @@ static void check_case(const ddp_sampler_desc *d, uint64_t epoch, const int64_t 
     free(got);
 }
 
+/* One indices line of a case: count values, or "-" when there are none. */
+static void read_indices(int64_t *want, unsigned long long count, const char *head) {
+    unsigned long long k;
+    for (k = 0; k < count; k++) {
+        long long v;
+        CHECK(scanf("%lld", &v) == 1, "short index list in case %s", head);
+        want[k] = v;
+    }
+    if (count == 0) {
+        char dash[2];
+        CHECK(scanf(" %1s", dash) == 1 && dash[0] == '-', "expected '-' after %s", head);
+    }
+}
+
+/* P n R rank seed epoch shuffle drop_last mode each passes count, then one line per pass. The warning a
+   new pass without set_epoch logs is test_sampler's to check; it is silenced here (DDP_LOG_LEVEL). */
+static void check_passes(const char *head, size_t batch) {
+    unsigned long long n, seed, count, k;
+    long long epoch;
+    int replicas, rank, shuffle, drop_last, mode, each, passes, i;
+    ddp_sampler_desc d;
+    ddp_sampler s;
+    int64_t *want, *got, *buf;
+    CHECK(sscanf(head, "P %llu %d %d %llu %lld %d %d %d %d %d %llu", &n, &replicas, &rank, &seed, &epoch, &shuffle,
+                 &drop_last, &mode, &each, &passes, &count) == 11 && passes > 0, "bad line %s", head);
+    want = (int64_t *)malloc((size_t)(count + 1) * sizeof(int64_t));
+    got = (int64_t *)malloc((size_t)(count + 1) * sizeof(int64_t));
+    buf = (int64_t *)malloc(batch * sizeof(int64_t));
+    CHECK(want && got && buf, "malloc");
+    setenv("DDP_LOG_LEVEL", "error", 1);
+    memset(&d, 0, sizeof d);
+    d.dataset_size = n, d.num_replicas = replicas, d.rank = rank, d.seed = seed;
+    d.no_shuffle = !shuffle, d.drop_last = drop_last, d.mode = (ddp_sampler_mode)mode;
+    CHECK_OK(ddp_sampler_init(&s, &d), NULL);
+    if (epoch >= 0 && !each) ddp_sampler_set_epoch(&s, (uint64_t)epoch);
+    for (i = 0; i < passes; i++) {
+        uint64_t pos = 0;
+        size_t m;
+        read_indices(want, count, head);
+        if (each) ddp_sampler_set_epoch(&s, (uint64_t)(epoch < 0 ? 0 : epoch) + (uint64_t)i);
+        for (;;) { /* one `for` loop over the sampler: batches until the 0 that ends the pass */
+            CHECK_OK(ddp_sampler_next_batch(&s, batch, buf, &m), NULL);
+            if (m == 0) break;
+            if (pos + m > count) break;
+            memcpy(got + pos, buf, m * sizeof *buf);
+            pos += m;
+        }
+        if (pos != count) {
+            if (++failures <= 10)
+                fprintf(stderr, "MISMATCH (pass %d) case \"%s\": next_batch handed out %llu indices, torch %llu\n", i,
+                        head, (unsigned long long)pos, count);
+            continue;
+        }
+        for (k = 0; k < count; k++)
+            if (got[k] != want[k]) {
+                char what[32];
+                snprintf(what, sizeof what, "pass %d", i);
+                fail(what, head, k, got[k], want[k]);
+                break;
+            }
+    }
+    ddp_sampler_free(&s);
+    free(want);
+    free(got);
+    free(buf);
+}
+
 static int check_cases(void) {
     char head[256];
-    int cases = 0, gens = 0;
+    int cases = 0, gens = 0, pass_cases = 0;
     while (fscanf(stdin, " %255[^\n]", head) == 1) {
-        if (head[0] == 'G') { /* torch's random64 */
+        if (head[0] == 'P') { /* several passes over one sampler */
+            check_passes(head, 1 + (size_t)(pass_cases % 9));
+            pass_cases++;
+        } else if (head[0] == 'G') { /* torch's random64 */
             unsigned long long seed, count, v, i;
             int off = 0;
             ddp__mt19937 g;
@@ -78,7 +150,7 @@ static int check_cases(void) {
             }
             gens++;
         } else {
-            unsigned long long n, seed, epoch, count, k;
+            unsigned long long n, seed, epoch, count;
             int replicas, rank, shuffle, drop_last, mode;
             ddp_sampler_desc d;
             int64_t *want;
@@ -86,15 +158,7 @@ static int check_cases(void) {
                          &drop_last, &mode, &count) == 9, "bad line %s", head);
             want = (int64_t *)malloc((size_t)(count + 1) * sizeof(int64_t));
             CHECK(want, "malloc");
-            for (k = 0; k < count; k++) {
-                long long v;
-                CHECK(scanf("%lld", &v) == 1, "short index list in case %s", head);
-                want[k] = v;
-            }
-            if (count == 0) {
-                char dash[2];
-                CHECK(scanf(" %1s", dash) == 1 && dash[0] == '-', "expected '-' after %s", head);
-            }
+            read_indices(want, count, head);
             memset(&d, 0, sizeof d);
             d.dataset_size = n;
             d.num_replicas = replicas;
@@ -108,7 +172,8 @@ static int check_cases(void) {
             cases++;
         }
     }
-    printf("%d cases and %d generator streams checked against torch: %d mismatches\n", cases, gens, failures);
+    printf("%d cases, %d multi-pass cases and %d generator streams checked against torch: %d mismatches\n", cases,
+           pass_cases, gens, failures);
     return failures ? 1 : 0;
 }
 

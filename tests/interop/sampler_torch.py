@@ -5,6 +5,11 @@ Writes to stdout, one record per case (tests/interop/sampler_check.c reads them)
   C n R rank seed epoch shuffle drop_last mode count
   v...                                    the indices ("-" when there are none)
 seed is written as the uint64 a C program passes (a negative Python seed wraps, as manual_seed does).
+  P n R rank seed epoch shuffle drop_last mode each passes count
+  v... (one line per pass)                several passes over one sampler (issue #35):
+                                            each 0: set_epoch(epoch) once (epoch -1: never), then `passes`
+                                                    passes without set_epoch: torch repeats the same order
+                                            each 1: set_epoch(epoch + i) before pass i
 mode 0: list(DistributedSampler(...)) after set_epoch(epoch).
 mode 1: ddp.h's evaluation mode, derived from torch's own permutation: perm[rank::R] (no padding).
 """
@@ -42,6 +47,25 @@ def eval_case(n, replicas, rank, seed, epoch, shuffle):
     else:
         perm = list(range(n))
     return perm[rank::replicas]
+
+
+def passes_case(n, replicas, rank, seed, epoch, shuffle, drop_last, mode, each, passes):
+    """Every pass of one sampler iterated `passes` times (list(s) is one `for` loop over it)."""
+    s = DistributedSampler(Length(n), num_replicas=replicas, rank=rank, shuffle=shuffle, seed=seed,
+                           drop_last=drop_last)
+    if epoch >= 0 and not each:
+        s.set_epoch(epoch)
+    out = []
+    for i in range(passes):
+        if each:
+            s.set_epoch(max(epoch, 0) + i)
+        if mode == 0:
+            out.append(list(s))
+        else:
+            out.append(eval_case(n, replicas, rank, seed, s.epoch, shuffle))
+    if not each:  # torch's __iter__ recomputes the list from seed + epoch: every pass the same
+        assert all(p == out[0] for p in out)
+    return out
 
 
 def emit(out, n, replicas, rank, seed, epoch, shuffle, drop_last, mode, indices):
@@ -124,8 +148,30 @@ def main():
         emit(out, n, replicas, rank, seed, epoch, shuffle, False, 1, eval_case(n, replicas, rank, seed, epoch, shuffle))
         eval_cases += 1
 
-    print(f"torch {torch.__version__}: {torch_cases} DistributedSampler cases, {eval_cases} evaluation-mode cases",
-          file=sys.stderr)
+    # several passes over one sampler, without set_epoch (the same order again) and with it (issue #35)
+    pass_cases = 0
+    for i in range(80):
+        n = rng.choice([0, 1, 2, 10, 23, random_n(rng) % 3000])
+        replicas = rng.choice([1, 2, 3, 4, 5, 8, rng.randrange(1, 40)])
+        if rng.random() < 0.1:
+            replicas = max(1, n + rng.randrange(1, 5))   # n < R
+        rank = rng.randrange(replicas)
+        seed = random_seed(rng)
+        epoch = rng.choice([-1, 0, rng.randrange(100)])
+        shuffle = rng.random() < 0.75
+        mode = 1 if i % 5 == 4 else 0
+        drop_last = mode == 0 and rng.random() < 0.4
+        each = i % 3 == 2
+        passes = rng.choice([2, 3])
+        lists = passes_case(n, replicas, rank, seed, epoch, shuffle, drop_last, mode, each, passes)
+        out.write(f"P {n} {replicas} {rank} {seed % U64} {epoch} {int(shuffle)} {int(drop_last)} {mode} {int(each)} "
+                  f"{passes} {len(lists[0])}\n")
+        for p in lists:
+            out.write((" ".join(map(str, p)) if p else "-") + "\n")
+        pass_cases += 1
+
+    print(f"torch {torch.__version__}: {torch_cases} DistributedSampler cases, {eval_cases} evaluation-mode cases, "
+          f"{pass_cases} multi-pass cases", file=sys.stderr)
 
 
 if __name__ == "__main__":

@@ -1,0 +1,721 @@
+/* [SECTION] reducer-pass: the Reducer's passes: backward, between passes, uneven inputs (Join)
+   (reducer.c's head comment has the life of a reducer; reducer.h the API). */
+#include "internal.h"
+#include "reducer_state.h"
+
+/* ---- backward ---- */
+
+static ddp_result ddp__join_announce(ddp_reducer *r, int kind, const char *fn, int *root);
+
+DDP_API void *ddp_reducer_grad(ddp_reducer *r, int index) {
+    if (!r || index < 0 || index >= r->nparams) return NULL;
+    if (!ddp__reducer_is_view(r)) return r->params[index].grad;
+    return r->L.buckets ? ddp__layout_view(r, &r->L, index) : NULL;
+}
+
+DDP_API ddp_result ddp_reducer_begin_backward(ddp_reducer *r) {
+    ddp_result res = ddp__reducer_usable(r, "ddp_reducer_begin_backward");
+    int b;
+    if (res) return res;
+    if (r->in_backward)
+        return ddp__fail(r->g, DDP_ERR_STATE, "ddp_reducer_begin_backward: the previous backward pass has not ended; call "
+                         "ddp_reducer_end_backward after each backward pass");
+    if ((res = ddp__zero_gather_settle(r)) != DDP_SUCCESS) return res; /* forward has read the parameters */
+    ddp__timing_finish(r);
+    if (r->desc.uneven_inputs && (res = ddp__join_announce(r, DDP__JOIN_STEP, "ddp_reducer_begin_backward", NULL)) != DDP_SUCCESS)
+        return res;
+    r->in_backward = 1;
+    r->pass_sync = r->sync;
+    r->next_bucket = 0;
+    r->norder = 0;
+    memset(r->ready, 0, ddp__reducer_n(r));
+    for (b = 0; b < r->L.nbuckets; b++) r->L.buckets[b].pending = r->L.buckets[b].n;
+    r->t_begin = ddp__now();
+    r->t_first_start = 0;
+    return DDP_SUCCESS;
+}
+
+/* Start bucket k's collective on `data` (its comm memory; a joined rank's zeros): DDP's SUM all-reduce,
+   or with zero_stage a SUM reduce-scatter of the padded buffer into this rank's slice (k->owned).
+   The one place that chooses a bucket's collective, for the ranks with data and the joined ones alike. */
+static ddp_result ddp__bucket_start(ddp_reducer *r, ddp__bucket *k, void *data) {
+    if (ddp__zero2(r)) return ddp_reduce_scatter_async(r->g, data, ddp__zero2_land(r, k), k->per, k->comm_dtype, DDP_SUM, &k->work);
+    if (ddp__reducer_zero(r)) return ddp_reduce_scatter_async(r->g, data, k->owned, k->per, k->comm_dtype, DDP_SUM, &k->work);
+    return ddp_all_reduce_async(r->g, data, k->count, k->comm_dtype, DDP_SUM, &k->work);
+}
+
+/* Start every complete bucket that is next in line. */
+static ddp_result ddp__reducer_start_ready(ddp_reducer *r) {
+    while (r->next_bucket < r->L.nbuckets && r->L.buckets[r->next_bucket].pending == 0) {
+        ddp__bucket *k = &r->L.buckets[r->next_bucket];
+        ddp_result res = ddp__bucket_start(r, k, k->comm);
+        if (res) return r->failed = res;
+        if (!r->t_first_start) r->t_first_start = ddp__now();
+        if (++r->next_bucket == r->L.nbuckets) r->t_ready = ddp__now();
+    }
+    return DDP_SUCCESS;
+}
+
+/* Copy parameter i's gradient into its bucket slot, times 1/world (in place for views). */
+static void ddp__reducer_take(ddp_reducer *r, int i) {
+    ddp__bucket *k = &r->L.buckets[r->L.param_bucket[i]];
+    const ddp__rtensor *p = &r->params[i];
+    size_t off = r->L.param_offset[i];
+    const void *src = k->storage ? (const void *)((char *)k->storage + off * ddp_dtype_size(k->dtype)) : p->grad;
+    r->ops->copy_in_scaled(r->g, (char *)k->comm + off * ddp_dtype_size(k->comm_dtype), k->comm_dtype, src, p->dtype,
+                           p->count, 1.0 / (double)ddp_world_size(r->g));
+    k->pending--;
+}
+
+DDP_API ddp_result ddp_reducer_grad_ready(ddp_reducer *r, int index) {
+    ddp_result res = ddp__reducer_usable(r, "ddp_reducer_grad_ready");
+    if (res) return res;
+    if (index < 0 || index >= r->nparams)
+        return ddp__fail(r->g, DDP_ERR_INVALID_ARGUMENT, "ddp_reducer_grad_ready: index %d is not a parameter (0 .. %d)",
+                         index, r->nparams - 1);
+    if (!r->in_backward)
+        return ddp__fail(r->g, DDP_ERR_STATE, "ddp_reducer_grad_ready(\"%s\"): not in a backward pass; call "
+                         "ddp_reducer_begin_backward first", r->params[index].name);
+    if (r->ready[index])
+        return ddp__fail(r->g, DDP_ERR_STATE, "ddp_reducer_grad_ready(\"%s\"): called twice in one backward pass; a "
+                         "gradient is reduced once per pass (PyTorch: \"Expected to mark a variable ready only once\"). "
+                         "A parameter used twice in forward gets one gradient: add both parts, then call it once",
+                         r->params[index].name);
+    r->ready[index] = 1;
+    r->used[index] = 1;
+    if (!r->pass_sync) return DDP_SUCCESS;
+    if (r->rebuild_pending) r->order[r->norder++] = index;
+    if (ddp__zero2(r) && !r->L.buckets[r->L.param_bucket[index]].comm &&
+        (res = ddp__zero2_acquire(r, r->L.param_bucket[index])) != DDP_SUCCESS)
+        return res;
+    ddp__reducer_take(r, index);
+    return ddp__reducer_start_ready(r);
+}
+
+/* A gradient is missing without find_unused_parameters. The ranks may now have started different
+   buckets, so they cannot agree on later collectives: finish what this rank started (every rank either
+   completes those or fails), then break the group so every rank fails at once with this message. */
+static ddp_result ddp__reducer_missing(ddp_reducer *r) {
+    char msg[DDP__ERR_MAX];
+    size_t len;
+    int i, missing = 0, listed = 0, b;
+    for (i = 0; i < r->nparams; i++) missing += !r->ready[i];
+    len = (size_t)snprintf(msg, sizeof msg, "ddp_reducer_end_backward: rank %d: %d parameter%s got no gradient in this "
+                           "backward pass:", ddp_rank(r->g), missing, missing == 1 ? "" : "s");
+    for (i = 0; i < r->nparams && len < 600; i++)
+        if (!r->ready[i]) {
+            len += (size_t)snprintf(msg + len, sizeof msg - len, "%s \"%s\"", listed ? "," : "", r->params[i].name);
+            listed++;
+        }
+    if (listed < missing && len < sizeof msg) len += (size_t)snprintf(msg + len, sizeof msg - len, " and %d more", missing - listed);
+    if (len < sizeof msg)
+        snprintf(msg + len, sizeof msg - len, ". Call ddp_reducer_grad_ready for every parameter in every synchronised "
+                 "backward, or set find_unused_parameters = 1 (PyTorch: \"Expected to have finished reduction in the "
+                 "prior iteration\"). %s", ddp_world_size(r->g) > 1 ? "The group is broken; destroy it and the reducer"
+                 : "Destroy the reducer");
+    for (b = 0; b < r->next_bucket; b++)
+        if (r->L.buckets[b].work) {
+            ddp_wait(r->L.buckets[b].work);
+            r->L.buckets[b].work = NULL;
+        }
+    if (ddp_world_size(r->g) > 1) ddp__group_abort(r->g, DDP_ERR_STATE, msg);
+    r->failed = DDP_ERR_STATE;
+    r->in_backward = 0;
+    return ddp__fail(r->g, DDP_ERR_STATE, "%s", msg);
+}
+
+/* find_unused_parameters: what of parameter i's gradient must survive the pass in case no rank uses it
+   (ddp__reducer_finish_unused puts it back then), saved into / restored from the stash at `at`: a view's
+   gradient without compression (its bucket is reduced in place), or under zero_stage 2 this rank's owned
+   piece of it (the reduce-scatter lands there). Returns its bytes (0: nothing to keep); at NULL: only
+   the size. */
+static size_t ddp__unused_keep(ddp_reducer *r, int i, char *at, int restore) {
+    ddp__bucket *k = &r->L.buckets[r->L.param_bucket[i]];
+    const ddp__rtensor *p = &r->params[i];
+    size_t count = p->count, lo, a, e;
+    char *grad;
+    if (ddp__zero2(r)) {
+        if (!ddp__zero_piece(r, i, &lo, &a, &e)) return 0;
+        grad = (char *)k->owned + (a - lo) * ddp_dtype_size(k->dtype);
+        count = e - a;
+    } else if (ddp__bucket_in_place(k)) {
+        grad = (char *)k->storage + r->L.param_offset[i] * ddp_dtype_size(k->dtype);
+    } else {
+        return 0;
+    }
+    if (at) r->ops->copy_out(r->g, restore ? grad : at, p->dtype, restore ? at : grad, p->dtype, count);
+    return count * ddp_dtype_size(p->dtype);
+}
+
+/* The stash can hold what the parameters not used here (all: every parameter, as in a joined rank's
+   shadow pass) keep across the pass; it grows only when more must be kept than ever before. */
+static ddp_result ddp__stash_reserve(ddp_reducer *r, int all, const char *fn) {
+    size_t need = 0;
+    int i;
+    for (i = 0; i < r->nparams; i++)
+        if (all || !r->used[i]) need += ddp__unused_keep(r, i, NULL, 0);
+    if (need <= r->stash_bytes) return DDP_SUCCESS;
+    if (r->stash) r->ops->release(r->g, r->stash);
+    r->stash_bytes = 0;
+    if (!(r->stash = r->ops->alloc(r->g, need)))
+        return ddp__fail(r->g, DDP_ERR_OUT_OF_MEMORY, "%s: out of memory (%zu bytes)", fn, need);
+    r->stash_bytes = need;
+    return DDP_SUCCESS;
+}
+
+/* find_unused_parameters: fill the slots of the parameters not ready in this pass, bucket by bucket in
+   bucket order, starting each as soon as it is complete (so under zero_stage 2 a bucket that needs a
+   pool buffer finds the buckets before it started, and waits for the oldest instead of growing the
+   pool). One that got a gradient in an earlier no_sync pass contributes what it accumulated; the others
+   contribute zero, after what they must keep went into the stash (ddp__unused_keep). */
+static ddp_result ddp__reducer_fill_unused(ddp_reducer *r) {
+    size_t off = 0;
+    ddp_result res;
+    int b, j, i;
+    r->stats.unused_parameters = 0;
+    if ((res = ddp__stash_reserve(r, 0, "ddp_reducer_end_backward")) != DDP_SUCCESS) return res;
+    for (b = 0; b < r->L.nbuckets; b++) {
+        ddp__bucket *k = &r->L.buckets[b];
+        size_t cs = ddp_dtype_size(k->comm_dtype);
+        if (!k->pending) continue;
+        if (ddp__zero2(r) && !k->comm && (res = ddp__zero2_acquire(r, b)) != DDP_SUCCESS) return res;
+        for (j = k->first; j < k->first + k->n; j++) {
+            i = r->L.params[j];
+            if (r->ready[i]) continue;
+            if (r->used[i]) {
+                ddp__reducer_take(r, i);
+                continue;
+            }
+            r->stats.unused_parameters++;
+            off += ddp__unused_keep(r, i, (char *)r->stash + off, 0);
+            r->ops->zero(r->g, (char *)k->comm + r->L.param_offset[i] * cs, r->params[i].count * cs);
+            k->pending--;
+        }
+        if ((res = ddp__reducer_start_ready(r)) != DDP_SUCCESS) return res;
+    }
+    return DDP_SUCCESS;
+}
+
+/* The reduced value of parameter i goes back to where the program reads its gradient. */
+static void ddp__reducer_give_back(ddp_reducer *r, int i) {
+    ddp__bucket *k = &r->L.buckets[r->L.param_bucket[i]];
+    size_t off = r->L.param_offset[i];
+    const void *src = (char *)k->comm + off * ddp_dtype_size(k->comm_dtype);
+    if (ddp__reducer_zero(r)) {
+        ddp__zero_give_back(r, i);
+        return;
+    }
+    if (ddp__bucket_in_place(k)) return;
+    r->ops->copy_out(r->g, k->storage ? (void *)((char *)k->storage + off * ddp_dtype_size(k->dtype)) : r->params[i].grad,
+                     r->params[i].dtype, src, k->comm_dtype, r->params[i].count);
+}
+
+/* After the used map: gradients of parameters unused here (all: every parameter, a joined rank's shadow
+   pass under zero_stage) but used elsewhere come back (zero_stage 2: they are in the owned slices
+   already); those no rank used keep their old value (out of the stash, in the order it was filled). */
+static void ddp__reducer_finish_unused(ddp_reducer *r, int all) {
+    size_t off = 0;
+    int b, j;
+    for (b = 0; b < r->L.nbuckets; b++)
+        for (j = r->L.buckets[b].first; j < r->L.buckets[b].first + r->L.buckets[b].n; j++) {
+            int i = r->L.params[j];
+            if (!all && r->used[i]) continue;
+            if (r->used_global[i] && !ddp__zero2(r)) ddp__reducer_give_back(r, i);
+            off += ddp__unused_keep(r, i, r->used_global[i] ? NULL : (char *)r->stash + off, 1);
+        }
+}
+
+/* Wait for every bucket in order, giving each back as soon as it is done (the gradients of unused
+   parameters wait for the used map). Returns the first error; every handle is released. */
+static ddp_result ddp__reducer_collect(ddp_reducer *r, ddp_work *used_work) {
+    ddp_result first = DDP_SUCCESS, res;
+    char why[DDP__ERR_MAX];
+    int b, j, find_unused = r->desc.find_unused_parameters;
+    for (b = 0; b < r->L.nbuckets; b++) {
+        ddp__bucket *k = &r->L.buckets[b];
+        if (!k->work) continue;
+        res = ddp_wait(k->work);
+        k->work = NULL;
+        if (res && !first) {
+            first = res;
+            snprintf(why, sizeof why, "%s", ddp_last_error(r->g));
+        }
+        if (ddp__zero2(r)) ddp__zero2_finish(r, k, !first); /* the slice stays in the reducer */
+        if (first || ddp__zero2(r)) continue;
+        for (j = k->first; j < k->first + k->n; j++)
+            if (!find_unused || r->used[r->L.params[j]]) ddp__reducer_give_back(r, r->L.params[j]);
+    }
+    if (used_work) {
+        res = ddp_wait(used_work);
+        if (res && !first) {
+            first = res;
+            snprintf(why, sizeof why, "%s", ddp_last_error(r->g));
+        }
+        if (!first) {
+            r->ops->copy_out(r->g, r->used_global, DDP_U8, r->used_comm, DDP_U8, ddp__reducer_n(r));
+            ddp__reducer_finish_unused(r, 0);
+        }
+    }
+    /* the first failure says what happened; later ones only say that the group is broken */
+    if (!first) return DDP_SUCCESS;
+    return ddp__fail(r->g, first, "%s%s", strncmp(why, "ddp_reducer_", 12) ? "ddp_reducer_end_backward: " : "", why);
+}
+
+/* Once, after the first synchronised pass: buckets in the order rank 0 saw the gradients ready. */
+static ddp_result ddp__reducer_rebuild(ddp_reducer *r) {
+    ddp_result res;
+    int taken;
+    r->rebuild_pending = 0;
+    if ((res = ddp_broadcast(r->g, r->order, ddp__reducer_n(r), DDP_I32, 0)) != DDP_SUCCESS) return r->failed = res;
+    if ((res = ddp__reducer_relayout(r, r->order, &taken)) != DDP_SUCCESS) return r->failed = res;
+    r->stats.rebuilt = taken;
+    return DDP_SUCCESS;
+}
+
+DDP_API ddp_result ddp_reducer_end_backward(ddp_reducer *r) {
+    ddp_result res = ddp__reducer_usable(r, "ddp_reducer_end_backward");
+    ddp_work *used_work = NULL;
+    double t_enter = ddp__now(), t_done;
+    int i;
+    if (res) return res;
+    if (!r->in_backward)
+        return ddp__fail(r->g, DDP_ERR_STATE, "ddp_reducer_end_backward: no backward pass to end; call "
+                         "ddp_reducer_begin_backward before the backward pass");
+    if (!r->pass_sync) {
+        r->in_backward = 0;
+        r->stats.local_iterations++;
+        return DDP_SUCCESS;
+    }
+    if (r->desc.find_unused_parameters) {
+        if ((res = ddp__reducer_fill_unused(r)) != DDP_SUCCESS) r->failed = res;
+    } else {
+        for (i = 0; i < r->nparams; i++)
+            if (!r->ready[i]) return ddp__reducer_missing(r);
+        r->stats.unused_parameters = 0;
+    }
+    if (!res) res = ddp__reducer_start_ready(r);
+    if (!res && r->desc.find_unused_parameters) { /* PyTorch's local_used_map, reduced after the buckets */
+        r->ops->copy_out(r->g, r->used_comm, DDP_U8, r->used, DDP_U8, ddp__reducer_n(r));
+        if ((res = ddp_all_reduce_async(r->g, r->used_comm, ddp__reducer_n(r), DDP_U8, DDP_MAX, &used_work)) != DDP_SUCCESS)
+            r->failed = res;
+    }
+    {
+        ddp_result waited = ddp__reducer_collect(r, used_work);
+        if (!res) res = waited;
+    }
+    r->in_backward = 0;
+    memset(r->used, 0, ddp__reducer_n(r));
+    if (res) return r->failed = res;
+    t_done = ddp__now();
+    r->stats.iterations++;
+    r->stats.bytes_reduced = r->desc.find_unused_parameters ? (uint64_t)r->nparams : 0;
+    for (i = 0; i < r->L.nbuckets; i++)
+        r->stats.bytes_reduced += r->L.buckets[i].count * ddp_dtype_size(r->L.buckets[i].comm_dtype);
+    r->stats.backward_seconds = t_enter - r->t_begin;
+    r->stats.comm_seconds = r->t_first_start ? t_done - r->t_first_start : 0;
+    r->stats.wait_seconds = t_done - t_enter;
+    r->stats.total_comm_seconds += r->stats.comm_seconds;
+    r->stats.total_wait_seconds += r->stats.wait_seconds;
+    r->t_enter = t_enter;
+    r->t_done = t_done;
+    r->wall_minus_mono = ddp__wall_seconds() - ddp__now();
+    if ((res = ddp__timing_start(r, 0)) != DDP_SUCCESS) return res;
+    if (r->rebuild_pending) return ddp__reducer_rebuild(r);
+    return DDP_SUCCESS;
+}
+
+/* ---- between backward passes ---- */
+
+DDP_API ddp_result ddp_reducer_set_sync(ddp_reducer *r, int sync) {
+    if (!r) return ddp__fail(NULL, DDP_ERR_INVALID_ARGUMENT, "ddp_reducer_set_sync: the reducer is NULL");
+    if (r->in_backward)
+        return ddp__fail(r->g, DDP_ERR_STATE, "ddp_reducer_set_sync(%d): called during a backward pass; set it before "
+                         "ddp_reducer_begin_backward (as DDP's no_sync() wraps forward and backward)", sync);
+    r->sync = sync != 0;
+    return DDP_SUCCESS;
+}
+
+DDP_API ddp_result ddp_reducer_zero_grad(ddp_reducer *r) {
+    int i;
+    if (!r) return ddp__fail(NULL, DDP_ERR_INVALID_ARGUMENT, "ddp_reducer_zero_grad: the reducer is NULL");
+    if (r->in_backward)
+        return ddp__fail(r->g, DDP_ERR_STATE, "ddp_reducer_zero_grad: called during a backward pass; zero the "
+                         "gradients after end_backward (after the optimizer step)");
+    if (ddp__reducer_is_view(r)) {
+        for (i = 0; i < r->L.nbuckets; i++)
+            r->ops->zero(r->g, r->L.buckets[i].storage, r->L.buckets[i].count * ddp_dtype_size(r->L.buckets[i].dtype));
+        return DDP_SUCCESS;
+    }
+    for (i = 0; ddp__zero2(r) && i < r->L.nbuckets; i++) /* the shards' gradients, which live here */
+        r->ops->zero(r->g, r->L.buckets[i].owned, r->L.buckets[i].per * ddp_dtype_size(r->L.buckets[i].dtype));
+    for (i = 0; i < r->nparams; i++) r->ops->zero(r->g, r->params[i].grad, ddp__tensor_bytes(&r->params[i]));
+    return DDP_SUCCESS;
+}
+
+DDP_API ddp_result ddp_reducer_broadcast_buffers(ddp_reducer *r) {
+    ddp_result res = ddp__reducer_usable(r, "ddp_reducer_broadcast_buffers");
+    int root = 0;
+    if (res) return res;
+    if (r->in_backward)
+        return ddp__fail(r->g, DDP_ERR_STATE, "ddp_reducer_broadcast_buffers: called during a backward pass; call it "
+                         "before the forward pass");
+    if (r->desc.uneven_inputs && (res = ddp__join_announce(r, DDP__JOIN_BUFFERS, "ddp_reducer_broadcast_buffers", &root)) != DDP_SUCCESS)
+        return res;
+    return ddp__reducer_broadcast(r, r->buffers, r->nbuffers, r->bstage, r->bstage_bytes, root);
+}
+
+DDP_API ddp_result ddp_reducer_get_statistics(const ddp_reducer *r, ddp_reducer_statistics *out) {
+    if (!r || !out)
+        return ddp__fail(r ? r->g : NULL, DDP_ERR_INVALID_ARGUMENT, "ddp_reducer_get_statistics: NULL argument");
+    ddp__timing_finish((ddp_reducer *)r); /* the reducer is the caller's, not const memory: const only in the API */
+    *out = r->stats;
+    return DDP_SUCCESS;
+}
+
+/* The deprecated name (until 2026-11-24) of ddp_reducer_get_statistics. */
+DDP_API ddp_result ddp_reducer_stats(const ddp_reducer *r, ddp_reducer_statistics *out) {
+    return ddp_reducer_get_statistics(r, out);
+}
+
+DDP_API int ddp_reducer_param_bucket(const ddp_reducer *r, int index, size_t *offset) {
+    if (!r || !r->L.buckets || index < 0 || index >= r->nparams) return -1;
+    if (offset) *offset = r->L.param_offset[index];
+    return r->L.param_bucket[index];
+}
+
+DDP_API int ddp_reducer_param_used(const ddp_reducer *r, int index) {
+    if (!r || !r->finalized || index < 0 || index >= r->nparams) {
+        if (!r) ddp__fail(NULL, DDP_ERR_INVALID_ARGUMENT, "ddp_reducer_param_used: the reducer is NULL");
+        else if (!r->finalized) ddp__fail(r->g, DDP_ERR_STATE, "ddp_reducer_param_used: call ddp_reducer_finalize first");
+        else ddp__fail(r->g, DDP_ERR_INVALID_ARGUMENT, "ddp_reducer_param_used: index %d is not a parameter (0 .. %d)", index,
+                       r->nparams - 1);
+        return -1;
+    }
+    if (!r->stats.iterations && !r->stats.shadowed_iterations) return 0;
+    return r->desc.find_unused_parameters ? r->used_global[index] != 0 : 1;
+}
+
+/* For zero_state.c: a reducer whose ZeRO shards can be read (finalized, healthy, zero_stage, not in a
+   backward pass), its group, and its parameters' element counts. */
+static ddp_result ddp__reducer_zero_model(ddp_reducer *r, const char *fn, ddp_group **g, int *nparams) {
+    ddp_result res = ddp__reducer_usable(r, fn);
+    if (res) return res;
+    if (!ddp__reducer_zero(r))
+        return ddp__fail(r->g, DDP_ERR_STATE, "%s: the reducer was created with zero_stage = 0: every rank holds the "
+                         "whole optimizer state; save it as it is (set zero_stage = 1 to shard it)", fn);
+    if (r->in_backward)
+        return ddp__fail(r->g, DDP_ERR_STATE, "%s: called during a backward pass; call it between steps", fn);
+    *g = r->g;
+    *nparams = r->nparams;
+    return DDP_SUCCESS;
+}
+static size_t ddp__reducer_param_count(const ddp_reducer *r, int i) { return r->params[i].count; }
+
+DDP_API void ddp_reducer_destroy(ddp_reducer *r) {
+    int i;
+    if (!r) return;
+    ddp__zero_gather_settle(r);
+    for (i = 0; r->L.buckets && i < r->L.nbuckets; i++)
+        if (r->L.buckets[i].work) ddp_wait(r->L.buckets[i].work);
+    if (r->ready_work) ddp_wait(r->ready_work);
+    if (r->ready_comm) r->ops->release(r->g, r->ready_comm);
+    ddp__free(r->ready_ns);
+    ddp__layout_free(r, &r->L);
+    for (i = 0; i < r->nparams; i++) ddp__free(r->params[i].name);
+    for (i = 0; i < r->nbuffers; i++) ddp__free(r->buffers[i].name);
+    ddp__free(r->params);
+    ddp__free(r->buffers);
+    ddp__free(r->ready);
+    ddp__free(r->used);
+    ddp__free(r->order);
+    ddp__free(r->used_global);
+    if (r->used_comm) r->ops->release(r->g, r->used_comm);
+    if (r->stash) r->ops->release(r->g, r->stash);
+    if (r->bstage) r->ops->release(r->g, r->bstage);
+    if (r->shadow) r->ops->release(r->g, r->shadow);
+    ddp__free(r->join_table);
+    ddp__free(r->shards);
+    ddp__free(r->shard_bucket);
+    for (i = 0; i < r->npool; i++) r->ops->release(r->g, r->pool[i]);
+    ddp__free(r->pool);
+    ddp__free(r->pool_holder);
+    ddp__free(r);
+}
+
+/* ---- uneven inputs: torch's Join context manager with DistributedDataParallel ----
+   (torch/distributed/algorithms/join.py; _DDPJoinHook and the join parts of DistributedDataParallel in
+   torch/nn/parallel/distributed.py)
+
+   With uneven_inputs, each collective step of the reducer is announced first: every rank that still has
+   data all_gathers a record {kind, flags, steps} at the start of every backward pass (begin_backward: kind
+   STEP, flag SYNC unless under no_sync; torch's per-forward join all-reduce and its
+   _check_global_requires_backward_grad_sync in one) and of every ddp_reducer_broadcast_buffers (kind
+   BUFFERS). A rank without data calls ddp_reducer_join, which takes part in the same all_gathers with kind
+   JOINED (flag FIRST in its first round) and answers each round as the active ranks' records say:
+     no active rank left    the join is over: parameters and buffers are broadcast from the highest rank
+                            among the last joiners (torch's _sync_final_model), and every rank returns
+     STEP with SYNC         one SUM all-reduce of zeros per bucket, in bucket order and comm dtype (torch's
+                            _match_all_reduce_for_bwd_pass), the used map with zeros (find_unused_parameters,
+                            _match_unused_params_allreduce), then the bucket rebuild if it is still pending
+     STEP without SYNC      nothing: the active ranks only accumulate locally
+     BUFFERS                the buffer broadcast, from the highest active rank (torch's _find_common_rank)
+   Active ranks scale their gradients by 1/(initial world size) as always, so the average includes the
+   joined ranks' zeros (torch's divide_by_initial_world_size=True). ddp_reducer_join_step answers rounds
+   until it has shadowed one synchronised pass (it returns, *all_joined = 0) or no active rank is left
+   (*all_joined = 1); ddp_reducer_join is its loop. With zero_stage the shadow is the reduce-scatter of
+   zeros, and its result, the active ranks' sum / initial world size, goes into this rank's owned gradient
+   elements: the program runs its optimizer on ddp_reducer_shards and calls ddp_reducer_gather_params,
+   which meets the active ranks' gather_params of the same step (torch's _ZeROJoinHook runs zero.step()).
+   Every rank sees every record, so every rank checks the same things and reaches the same verdict: active
+   ranks announcing different things (a no_sync pass against a synchronised one, a buffer broadcast against
+   a backward pass) are DDP_ERR_MISMATCH on every rank; with join_fail_early, a round with both active and joined ranks is DDP_ERR_UNEVEN_INPUTS
+   on every rank. Either way every rank took part in the same all_gathers: the group stays usable.
+   Cost when the ranks are even: one all_gather of 12 bytes per rank per backward pass (torch: two 4-byte
+   all-reduces per forward). */
+
+typedef struct ddp__join_round { /* what one round's records say */
+    int active, joined;  /* ranks with data / ranks in ddp_reducer_join */
+    int first_active;    /* the lowest active rank, whose record the others must match (-1: none) */
+    int last_active;     /* the highest active rank: buffers come from it */
+    int last_joiner;     /* the highest rank in its first join round (-1: none) */
+    int disagree;        /* the first active rank whose announcement differs from first_active's (-1: none) */
+    int kind, sync;      /* first_active's announcement */
+    int steps;           /* first_active's passes since the last join */
+    int joined_steps;    /* the first joined rank's */
+} ddp__join_round;
+
+/* One round: every rank all_gathers {kind, flags, this rank's passes since the last join}. A failure
+   (most often another collective of a rank with data, meeting this all_gather) breaks the group. */
+static ddp_result ddp__join_exchange(ddp_reducer *r, const char *fn, int kind, int flags, ddp__join_round *v) {
+    int world = ddp_world_size(r->g), k;
+    int32_t *mine = r->join_table + (size_t)world * DDP__JOIN_FIELDS;
+    ddp_result res;
+    mine[0] = kind;
+    mine[1] = flags;
+    mine[2] = r->join_steps;
+    if ((res = ddp_all_gather(r->g, mine, r->join_table, DDP__JOIN_FIELDS, DDP_I32)) != DDP_SUCCESS) {
+        char why[DDP__ERR_MAX];
+        snprintf(why, sizeof why, "%s", ddp_last_error(r->g));
+        r->failed = res;
+        return ddp__fail(r->g, res, "%s: the join round (uneven_inputs: an all_gather of 3 x i32 at every backward pass, "
+                         "buffer broadcast and join) failed: %s. Until every rank has joined, the ranks with data may "
+                         "issue only the reducer's collectives (ddp_reducer_join shadows nothing else)", fn, why);
+    }
+    memset(v, 0, sizeof *v);
+    v->first_active = v->last_active = v->last_joiner = v->disagree = -1;
+    for (k = 0; k < world; k++) {
+        const int32_t *e = r->join_table + (size_t)k * DDP__JOIN_FIELDS;
+        int sync = (e[1] & DDP__JOIN_SYNC) != 0;
+        if (e[0] == DDP__JOIN_JOINED) {
+            if (!v->joined++) v->joined_steps = e[2];
+            if (e[1] & DDP__JOIN_FIRST) v->last_joiner = k;
+            continue;
+        }
+        v->active++;
+        v->last_active = k;
+        if (v->first_active < 0) {
+            v->first_active = k;
+            v->kind = e[0];
+            v->sync = sync;
+            v->steps = e[2];
+        } else if (v->disagree < 0 && (e[0] != v->kind || sync != v->sync)) {
+            v->disagree = k;
+        }
+    }
+    return DDP_SUCCESS;
+}
+
+static const char *ddp__join_kind_name(int kind, int sync) {
+    if (kind == DDP__JOIN_BUFFERS) return "ddp_reducer_broadcast_buffers";
+    return sync ? "a synchronised backward pass" : "a backward pass under no_sync (ddp_reducer_set_sync(r, 0))";
+}
+
+static ddp_result ddp__join_disagree(ddp_reducer *r, const char *fn, const ddp__join_round *v) {
+    const int32_t *e = r->join_table + (size_t)v->disagree * DDP__JOIN_FIELDS;
+    return ddp__fail(r->g, DDP_ERR_MISMATCH, "%s: uneven_inputs: the ranks that still have data disagree at step %d: "
+                     "rank %d began %s, rank %d began %s. Every rank with data must make the same reducer calls in the "
+                     "same order (the same set_sync, ddp_reducer_broadcast_buffers on all or none); the group is still "
+                     "usable", fn, v->steps + 1, v->first_active, ddp__join_kind_name(v->kind, v->sync), v->disagree,
+                     ddp__join_kind_name(e[0], (e[1] & DDP__JOIN_SYNC) != 0));
+}
+
+/* "0, 2, 5" for the ranks whose record is (or is not) JOINED; the first 24, then "and N more". */
+static void ddp__join_list(const ddp_reducer *r, int joined, char *out, size_t cap) {
+    int world = ddp_world_size(r->g), k, listed = 0, more = 0;
+    size_t len = 0;
+    out[0] = '\0';
+    for (k = 0; k < world; k++) {
+        if ((r->join_table[(size_t)k * DDP__JOIN_FIELDS] == DDP__JOIN_JOINED) != joined) continue;
+        if (listed == 24) {
+            more++;
+            continue;
+        }
+        if (len < cap) len += (size_t)snprintf(out + len, cap - len, "%s%d", listed ? ", " : "", k);
+        listed++;
+    }
+    if (more && len < cap) snprintf(out + len, cap - len, " and %d more", more);
+}
+
+/* join_fail_early: some ranks ran out while others have data. Every rank builds this same message. */
+static ddp_result ddp__join_uneven(ddp_reducer *r, const char *fn, const ddp__join_round *v) {
+    char joined[200], active[200];
+    ddp__join_list(r, 1, joined, sizeof joined);
+    ddp__join_list(r, 0, active, sizeof active);
+    r->join_steps = 0; /* every rank stops this epoch here; a later one counts from 0 again */
+    return ddp__fail(r->g, DDP_ERR_UNEVEN_INPUTS, "%s: uneven inputs at step %d: rank%s %s ran out of data after %d "
+                     "step%s (called ddp_reducer_join) while rank%s %s still had data. join_fail_early = 1 stops every "
+                     "rank here (torch's throw_on_early_termination); the group and the reducer are still usable. End "
+                     "the epoch on every rank, or set join_fail_early = 0 to let the ranks without data shadow the others",
+                     fn, v->steps + 1, v->joined == 1 ? "" : "s", joined, v->joined_steps, v->joined_steps == 1 ? "" : "s",
+                     v->active == 1 ? "" : "s", active);
+}
+
+/* The active side of a round: announce a backward pass or a buffer broadcast; *root gets the rank whose
+   buffers every rank takes (the highest active one, as torch's _find_common_rank). */
+static ddp_result ddp__join_announce(ddp_reducer *r, int kind, const char *fn, int *root) {
+    ddp__join_round v;
+    ddp_result res = ddp__join_exchange(r, fn, kind, kind == DDP__JOIN_STEP && r->sync ? DDP__JOIN_SYNC : 0, &v);
+    if (res) return res;
+    if (v.disagree >= 0) return ddp__join_disagree(r, fn, &v);
+    if (v.joined && r->desc.join_fail_early) return ddp__join_uneven(r, fn, &v);
+    if (kind == DDP__JOIN_STEP) r->join_steps++;
+    if (root) *root = v.last_active;
+    return DDP_SUCCESS;
+}
+
+/* Zeros for the buckets whose comm memory is the program's gradient (views without compression); the
+   other buckets' comm memory is the reducer's own and carries the zeros itself. */
+static ddp_result ddp__join_shadow_memory(ddp_reducer *r) {
+    size_t need = 0;
+    int b;
+    for (b = 0; b < r->L.nbuckets; b++)
+        if (ddp__bucket_in_place(&r->L.buckets[b])) need += r->L.buckets[b].count * ddp_dtype_size(r->L.buckets[b].comm_dtype);
+    if (need <= r->shadow_bytes) return DDP_SUCCESS;
+    if (r->shadow) r->ops->release(r->g, r->shadow);
+    r->shadow_bytes = 0;
+    if (!(r->shadow = r->ops->alloc(r->g, need)))
+        return ddp__fail(r->g, DDP_ERR_OUT_OF_MEMORY, "ddp_reducer_join: out of memory (%zu bytes of zero buckets)", need);
+    r->shadow_bytes = need;
+    return DDP_SUCCESS;
+}
+
+/* A synchronised backward pass of the active ranks, shadowed: zeros into every bucket's all-reduce (all
+   in flight at once, started in bucket order like the active ranks'), the used map, the rebuild. The
+   program's gradients are not touched, except under zero_stage: the reduce-scatter's result (the active
+   ranks' average) goes to this rank's owned elements, for its optimizer step (stage 2: the reducer's
+   owned slices, which the shards point at; each bucket borrows a pool buffer for its zeros as in a pass
+   with data, waiting for the oldest reduce-scatter when none is free). */
+static ddp_result ddp__join_shadow_backward(ddp_reducer *r) {
+    ddp_work *used_work = NULL;
+    ddp_result res, waited;
+    size_t off = 0, kept = 0;
+    int b, j, keep = ddp__reducer_zero(r) && r->desc.find_unused_parameters, i;
+    if ((res = ddp__join_shadow_memory(r)) != DDP_SUCCESS) return res;
+    if (keep && (res = ddp__stash_reserve(r, 1, "ddp_reducer_join_step")) != DDP_SUCCESS) return r->failed = res;
+    for (b = 0; b < r->L.nbuckets && !res; b++) {
+        ddp__bucket *k = &r->L.buckets[b];
+        size_t bytes = k->count * ddp_dtype_size(k->comm_dtype);
+        void *zeros;
+        if (ddp__zero2(r) && (res = ddp__zero2_acquire(r, b)) != DDP_SUCCESS) break;
+        for (j = k->first; keep && j < k->first + k->n; j++) /* no parameter is used here: any may be unused everywhere */
+            kept += ddp__unused_keep(r, r->L.params[j], (char *)r->stash + kept, 0);
+        zeros = ddp__bucket_in_place(k) ? (char *)r->shadow + off : k->comm;
+        if (ddp__bucket_in_place(k)) off += bytes;
+        r->ops->zero(r->g, zeros, bytes);
+        res = ddp__bucket_start(r, k, zeros);
+    }
+    if (!res && r->desc.find_unused_parameters) {
+        r->ops->zero(r->g, r->used_comm, ddp__reducer_n(r));
+        res = ddp_all_reduce_async(r->g, r->used_comm, ddp__reducer_n(r), DDP_U8, DDP_MAX, &used_work);
+    }
+    for (b = 0; b < r->L.nbuckets; b++)
+        if (r->L.buckets[b].work) {
+            waited = ddp_wait(r->L.buckets[b].work);
+            r->L.buckets[b].work = NULL;
+            if (!res) res = waited;
+            if (ddp__zero2(r)) ddp__zero2_finish(r, &r->L.buckets[b], !res); /* the slice stays in the reducer */
+        }
+    if (used_work && (waited = ddp_wait(used_work)) != DDP_SUCCESS && !res) res = waited;
+    if (res) return r->failed = res;
+    if (used_work) r->ops->copy_out(r->g, r->used_global, DDP_U8, r->used_comm, DDP_U8, ddp__reducer_n(r));
+    if (keep) ddp__reducer_finish_unused(r, 1); /* a parameter no rank used keeps what it held */
+    for (i = 0; !keep && ddp__reducer_zero(r) && !ddp__zero2(r) && i < r->nparams; i++) ddp__zero_give_back(r, i);
+    r->stats.shadowed_iterations++;
+    ddp__timing_finish(r);
+    if ((res = ddp__timing_start(r, 1)) != DDP_SUCCESS) return res;
+    if (r->rebuild_pending) return ddp__reducer_rebuild(r);
+    return DDP_SUCCESS;
+}
+
+/* What join and join_step refuse before any round (nothing collective has happened then). */
+static ddp_result ddp__join_check(ddp_reducer *r, const char *fn) {
+    ddp_result res = ddp__reducer_usable(r, fn);
+    if (res) return res;
+    if (!r->desc.uneven_inputs)
+        return ddp__fail(r->g, DDP_ERR_STATE, "%s: the reducer was created without uneven_inputs; set uneven_inputs = 1 "
+                         "in its ddp_reducer_desc (on every rank) to let ranks run out of data", fn);
+    if (r->in_backward)
+        return ddp__fail(r->g, DDP_ERR_STATE, "%s: called during a backward pass; end it first (ddp_reducer_end_backward), "
+                         "then join when there is no data left", fn);
+    if ((res = ddp__zero_gather_settle(r)) != DDP_SUCCESS) return res;
+    if (r->join_gather_due)
+        return ddp__fail(r->g, DDP_ERR_STATE, "%s: the last join step gave this rank's shards the averaged gradients; run "
+                         "the optimizer on ddp_reducer_shards and call ddp_reducer_gather_params (the ranks with data are "
+                         "in theirs) before the next ddp_reducer_join_step", fn);
+    return DDP_SUCCESS;
+}
+
+/* Rounds until one synchronised pass of the active ranks is shadowed (*all_joined = 0) or none is left
+   (*all_joined = 1: the final model and buffers from the last joiner). An error ends this rank's join:
+   the next call announces a first round again. */
+static ddp_result ddp__join_step(ddp_reducer *r, const char *fn, int *all_joined) {
+    ddp__join_round v;
+    ddp_result res;
+    for (;;) {
+        int flags = r->join_joined ? 0 : DDP__JOIN_FIRST;
+        if ((res = ddp__join_exchange(r, fn, DDP__JOIN_JOINED, flags, &v)) != DDP_SUCCESS) return res;
+        r->join_joined = 1;
+        if (v.active == 0) break;
+        if (v.disagree >= 0 || r->desc.join_fail_early) {
+            r->join_joined = 0; /* this rank's join ends with the error */
+            return v.disagree >= 0 ? ddp__join_disagree(r, fn, &v) : ddp__join_uneven(r, fn, &v);
+        }
+        if (v.kind == DDP__JOIN_BUFFERS)
+            res = ddp__reducer_broadcast(r, r->buffers, r->nbuffers, r->bstage, r->bstage_bytes, v.last_active);
+        else if (v.sync && (res = ddp__join_shadow_backward(r)) == DDP_SUCCESS) {
+            r->join_gather_due = ddp__reducer_zero(r);
+            return DDP_SUCCESS;
+        }
+        if (res) return r->failed = res;
+    }
+    r->join_joined = 0;
+    r->join_steps = 0;
+    if ((res = ddp__reducer_sync_states(r, v.last_joiner >= 0 ? v.last_joiner : 0, fn)) != DDP_SUCCESS)
+        return r->failed = res;
+    *all_joined = 1;
+    return DDP_SUCCESS;
+}
+
+DDP_API ddp_result ddp_reducer_join_step(ddp_reducer *r, int *all_joined) {
+    ddp_result res;
+    if (all_joined) *all_joined = 0;
+    if ((res = ddp__join_check(r, "ddp_reducer_join_step")) != DDP_SUCCESS) return res;
+    if (!all_joined) return ddp__fail(r->g, DDP_ERR_INVALID_ARGUMENT, "ddp_reducer_join_step: all_joined is NULL");
+    return ddp__join_step(r, "ddp_reducer_join_step", all_joined);
+}
+
+/* join_step's loop, for stage 0: between shadowed passes this rank has nothing to do. */
+DDP_API ddp_result ddp_reducer_join(ddp_reducer *r) {
+    ddp_result res = ddp__join_check(r, "ddp_reducer_join");
+    int all_joined = 0;
+    if (res) return res;
+    if (ddp__reducer_zero(r))
+        return ddp__fail(r->g, DDP_ERR_STATE, "ddp_reducer_join: zero_stage = %d: a joined rank still owns slices of the "
+                         "model, which its optimizer must update at every step of the others: call "
+                         "ddp_reducer_join_step(r, &all_joined) in a loop, with the optimizer step on ddp_reducer_shards "
+                         "and ddp_reducer_gather_params after each step that returns all_joined = 0", r->desc.zero_stage);
+    while (!all_joined)
+        if ((res = ddp__join_step(r, "ddp_reducer_join", &all_joined)) != DDP_SUCCESS) return res;
+    return DDP_SUCCESS;
+}
+

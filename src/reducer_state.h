@@ -1,0 +1,148 @@
+/* [SECTION] reducer-state: the Reducer's state and the calls between its three pieces
+   reducer.c (the model, finalize, bucket layout, timing), reducer_zero.c (ZeRO's slices and pool) and
+   reducer_pass.c (backward, between passes, Join) share these; nothing else in the library does. */
+#ifndef DDP__REDUCER_STATE_H
+#define DDP__REDUCER_STATE_H
+/* (each piece includes internal.h first) */
+
+#define DDP__REDUCER_DEFAULT_CAP ((size_t)25 << 20)        /* DDP's bucket_cap_mb = 25 */
+#define DDP__REDUCER_DEFAULT_FIRST ((size_t)1 << 20)       /* dist._DEFAULT_FIRST_BUCKET_BYTES */
+#define DDP__REDUCER_BROADCAST_CHUNK ((size_t)250 << 20)   /* DDP's broadcast_bucket_size */
+#define DDP__REDUCER_SMALL_TENSOR ((size_t)1 << 20)        /* smaller tensors are coalesced for broadcast */
+#define DDP__REDUCER_NAME_RECORD 72                        /* name bytes in a mismatch record */
+#define DDP__VERIFY_FIELDS 5                               /* a model record: see ddp__reducer_verify */
+#define DDP__JOIN_FIELDS 3                                 /* a join record: kind, flags, steps */
+enum { DDP__JOIN_JOINED = 0, DDP__JOIN_STEP = 1, DDP__JOIN_BUFFERS = 2 }; /* a join record's kind */
+enum { DDP__JOIN_SYNC = 1, DDP__JOIN_FIRST = 2 };                         /* and its flags */
+
+/* ---- the reducer's state ---- */
+
+typedef struct ddp__rtensor { /* a registered parameter or buffer */
+    char *name;
+    void *data;  /* the parameter's values, or the buffer */
+    void *grad;  /* the program's gradient (plain mode); NULL for views and buffers */
+    size_t count;
+    ddp_dtype dtype;
+} ddp__rtensor;
+
+typedef struct ddp__bucket {
+    ddp_dtype dtype;      /* the gradients' */
+    ddp_dtype comm_dtype; /* what travels */
+    int first, n;         /* its parameters are layout.params[first .. first + n) */
+    size_t count;         /* elements */
+    void *storage;        /* gradient_as_bucket_view, or flat: the gradients themselves; else NULL */
+    int flat;             /* storage is the program's own gradient memory (its gradients lie side by side) */
+    void *comm;           /* what is all-reduced; == storage for a view without compression; zero_stage: the
+                             reducer's own, padded with zeros to world * per elements; zero_stage 2: a
+                             pool buffer, borrowed from the first gradient until the reduce-scatter is
+                             waited for (NULL otherwise) */
+    size_t per;           /* zero_stage: elements of each rank's slice, ceil(count / world) */
+    void *owned;          /* zero_stage: the reduce-scatter's result, this rank's slice (per, comm dtype);
+                             zero_stage 2: the averaged gradient of the slice (per, the gradients' dtype) */
+    void *gather;         /* zero_stage: gather_params' staging (world * per, the gradients' dtype; == comm
+                             when that has the same dtype); zero_stage 2: a pool buffer during gather_params */
+    int slot;             /* zero_stage 2: the pool buffer that comm is, while the bucket holds one */
+    int pending;          /* gradients still to come in this backward pass */
+    ddp_work *work;       /* its all-reduce, while in flight */
+} ddp__bucket;
+
+typedef struct ddp__layout {
+    ddp__bucket *buckets;
+    int nbuckets;
+    int *params;          /* parameter indices, grouped by bucket, in walk order */
+    int *param_bucket;    /* per parameter */
+    size_t *param_offset; /* per parameter: element offset in its bucket */
+    int flat_buckets;     /* buckets that are slices of the program's gradient memory */
+} ddp__layout;
+
+struct ddp_reducer {
+    ddp_group *g;
+    const ddp__backend *ops; /* its group's backend: bucket memory and copies */
+    ddp_reducer_desc desc; /* defaults filled in */
+    ddp__rtensor *params, *buffers;
+    int nparams, nbuffers, cap_params, cap_buffers;
+    int finalized;
+    ddp_result failed; /* an error that stopped the reducer (the group is broken); 0 when healthy */
+
+    ddp__layout L;
+    int in_backward;   /* between begin_backward and end_backward */
+    int sync;          /* set_sync: applies to the next backward pass */
+    int pass_sync;     /* the current pass is synchronised */
+    int next_bucket;   /* the next bucket to start */
+    unsigned char *ready; /* per parameter: grad_ready in this backward pass */
+    unsigned char *used;  /* per parameter: grad_ready since the last synchronised backward */
+    unsigned char *used_comm; /* find_unused: the used map as all-reduced (MAX), backend memory */
+    unsigned char *used_global; /* find_unused: its result, back in host memory */
+    int *order;        /* ready order of the first synchronised pass, for the rebuild */
+    int norder;
+    int rebuild_pending;
+    void *stash;       /* view without compression + find_unused: gradients of unused parameters */
+    size_t stash_bytes;
+    ddp_shard *shards; /* zero_stage: this rank's pieces of the model, in bucket order */
+    int nshards;
+    int *shard_bucket; /* per shard: its bucket */
+    void **pool;       /* zero_stage 2: npool full-size comm buffers (room for nbuckets), see "ZeRO stage 2" */
+    int *pool_holder;  /* per pool buffer: the bucket that holds it, -1 when free */
+    int npool, pool_room;
+    size_t pool_bytes, pool_land; /* bytes per buffer; where the reduce-scatter lands under compression */
+    void *bstage;      /* staging for coalesced buffer broadcasts */
+    size_t bstage_bytes;
+
+    /* uneven_inputs (Join): see "uneven inputs" below */
+    int32_t *join_table;  /* world records of DDP__JOIN_FIELDS: the last round's announcements */
+    int join_steps;       /* backward passes this rank announced since the last join */
+    int join_joined;      /* this rank is in a join: its first round was announced, not every rank joined yet */
+    int gathering;        /* zero_stage: a gather_params_async whose buckets are not all waited for yet */
+    int gather_next;      /* the next bucket to start, counted in the order forward reads them (last first) */
+    int join_gather_due;  /* zero_stage: a shadowed pass gave this joined rank's shards averaged gradients; the
+                             program's optimizer step and gather_params come before the next join_step */
+    void *shadow;         /* joined rank: zeros for the buckets whose comm memory is the program's gradient */
+    size_t shadow_bytes;
+
+    /* timing: see "straggler or transfer" below */
+    int64_t *ready_ns;    /* world + 1: every rank's ready time (wall clock, ns), then this rank's own */
+    void *ready_comm;     /* the same in the backend's memory, for the all_gather */
+    ddp_work *ready_work; /* that all_gather, in flight from end_backward until the pass's timing is done */
+    int ready_discard;    /* the pass in flight was a joined rank's shadow: nothing to account */
+    double t_ready;       /* this pass: the last bucket started (this rank's gradients all there) */
+    double t_enter, t_done, wall_minus_mono; /* this pass: end_backward's entry and end; clock offset */
+
+    ddp_reducer_statistics stats;
+    double t_begin, t_first_start;
+};
+
+static size_t ddp__reducer_n(const ddp_reducer *r) { return (size_t)(unsigned)r->nparams; } /* never negative */
+static int ddp__reducer_is_view(const ddp_reducer *r) { return r->desc.gradient_as_bucket_view; }
+static int ddp__reducer_zero(const ddp_reducer *r) { return r->desc.zero_stage != 0; }
+static int ddp__zero2(const ddp_reducer *r) { return r->desc.zero_stage == 2; }
+/* Gradients scaled and reduced in place in the bucket (a view without compression). */
+static int ddp__bucket_in_place(const ddp__bucket *b) { return b->storage != NULL && b->comm == b->storage; }
+static size_t ddp__tensor_bytes(const ddp__rtensor *t) { return t->count * ddp_dtype_size(t->dtype); }
+
+/* ---- reducer.c: the model, finalize, the bucket layout, timing (for reducer_zero.c, reducer_pass.c) ---- */
+static DDP__UNUSED ddp_result ddp__reducer_verify(ddp_reducer *r);
+static DDP__UNUSED ddp_result ddp__reducer_broadcast(ddp_reducer *r, ddp__rtensor *ts, int n, void *stage, size_t stage_bytes,
+                                                     int root);
+static DDP__UNUSED size_t ddp__stage_bytes(const ddp__rtensor *ts, int n);
+static DDP__UNUSED ddp_result ddp__reducer_sync_states(ddp_reducer *r, int root, const char *fn);
+static DDP__UNUSED void ddp__layout_free(ddp_reducer *r, ddp__layout *L);
+static DDP__UNUSED ddp_result ddp__layout_assign(ddp_reducer *r, const int *walk, ddp__layout *L);
+static DDP__UNUSED int ddp__layout_same(const ddp_reducer *r, const ddp__layout *a, const ddp__layout *b);
+static DDP__UNUSED int ddp__bucket_flat(ddp_reducer *r, ddp__layout *L, int b);
+static DDP__UNUSED ddp_result ddp__zero_bucket_alloc(ddp_reducer *r, ddp__bucket *k, int b);
+static DDP__UNUSED ddp_result ddp__reducer_usable(ddp_reducer *r, const char *fn);
+static DDP__UNUSED double ddp__wall_seconds(void);
+static DDP__UNUSED ddp_result ddp__timing_start(ddp_reducer *r, int shadow);
+static DDP__UNUSED void ddp__timing_finish(ddp_reducer *r);
+
+/* ---- reducer_zero.c: ZeRO stage 1 and 2 (for reducer_pass.c) ---- */
+static DDP__UNUSED void *ddp__zero2_land(const ddp_reducer *r, const ddp__bucket *k);
+static DDP__UNUSED void ddp__zero2_finish(ddp_reducer *r, ddp__bucket *k, int done);
+static DDP__UNUSED ddp_result ddp__zero2_acquire(ddp_reducer *r, int b);
+static DDP__UNUSED void *ddp__layout_view(const ddp_reducer *r, const ddp__layout *L, int i);
+static DDP__UNUSED ddp_result ddp__reducer_relayout(ddp_reducer *r, const int *walk, int *taken);
+static DDP__UNUSED int ddp__zero_piece(const ddp_reducer *r, int i, size_t *lo, size_t *a, size_t *e);
+static DDP__UNUSED void ddp__zero_give_back(ddp_reducer *r, int i);
+static DDP__UNUSED ddp_result ddp__zero_gather_settle(ddp_reducer *r);
+
+#endif /* DDP__REDUCER_STATE_H */
