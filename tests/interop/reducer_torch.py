@@ -243,10 +243,11 @@ def free_port():
         return s.getsockname()[1]
 
 
-def run_torch(workdir, variant, accum, seconds=60, attempts=4):
-    """torch's side, the reference (a few seconds). torch 1.13's gloo has been seen (about once in five CI runs,
-    fp16 variant) to leave a worker spinning after its peer finished: such a run is killed after `seconds` and
-    tried again on a new port, up to `attempts` times. The reference only ever waits on torch itself; ddp.h's
+def run_torch(workdir, variant, accum, seconds=40, attempts=6):
+    """torch's side, the reference (a few seconds: 5-6 s for joinfail on the loaded 2-core machine). torch 1.13's
+    gloo has been seen (about once in five CI runs, fp16 variant; four times in a row once, joinfail variant) to
+    leave a worker spinning after its peer finished: such a run is killed after `seconds` and tried again on a
+    new port, up to `attempts` times (at most 240 s in all, as 4 x 60 s before). The reference only ever waits on torch itself; ddp.h's
     side runs afterwards in its own process."""
     for attempt in range(1, attempts + 1):
         ctx = mp.start_processes(worker, args=(workdir, variant, accum, free_port()), nprocs=ranks(variant), start_method="spawn",
