@@ -14,6 +14,8 @@
 # "N passed, N failed, N skipped"; exits 1 when any failed. tests/README.md lists every test.
 set -u
 cd "$(dirname "$0")/.."
+# `make test` runs this script with make's job server in MAKEFLAGS; the tests' own make calls start afresh
+unset MAKEFLAGS MFLAGS
 
 # The tier of every test, in this one place (tests/README.md describes each). A test missing here runs
 # only in the full tier, and the runner says so.
@@ -47,6 +49,14 @@ tier_of() {
   elif [[ " $(echo $FULL) " == *" $1 "* ]]; then echo full
   else echo unknown; fi
 }
+# CPU time (user + system) of the runner's finished children so far, in ms, into $cpu_ms: a test's share is
+# the difference around it (the processes it waited for), shown beside its wall time in the slowest list.
+# `times` runs in this shell (a $(...) subshell would count its own children), its output through a file.
+children_cpu_ms() {
+  times >"$BUILD/logs/.times"
+  cpu_ms=$(tail -n 1 "$BUILD/logs/.times" | awk '{ t = 0; for (i = 1; i <= 2; i++) { split($i, p, "m"); sub("s", "", p[2]);
+                                                    t += p[1] * 60 + p[2] } printf "%d\n", t * 1000 }')
+}
 run_one() {
   local name=$1; shift
   seen="$seen$name "
@@ -60,13 +70,17 @@ run_one() {
   local log="$BUILD/logs/$name.log" start end rc limit=$TIMEOUT
   # the sanitizer runs build ~20 instrumented programs first: 6-12 minutes seen on a 2-core machine
   case $name in test_sanitizers*) limit=$((TIMEOUT * 2)) ;; esac
+  local cpu0 cpu1
+  children_cpu_ms; cpu0=$cpu_ms
   start=$(date +%s%N)
   timeout --kill-after=10 "$limit" "$@" >"$log" 2>&1
   rc=$?
   end=$(date +%s%N)
-  local ms=$(( (end - start) / 1000000 )) secs
+  children_cpu_ms; cpu1=$cpu_ms
+  local ms=$(( (end - start) / 1000000 )) secs cpu
   secs=$(printf '%d.%d' $((ms / 1000)) $(((ms % 1000) / 100)))
-  times="$times$secs $name"$'\n'
+  cpu=$(( (cpu1 - cpu0) / 1000 ))
+  times="$times$secs $name $cpu"$'\n'
   if [ $rc -eq 0 ]; then
     passed=$((passed + 1)); echo "PASS $name (${secs}s)"
     local part
@@ -95,8 +109,8 @@ for n in ${TESTS:-}; do
   echo "FAIL $n: no such test (no $BUILD/$n program -- run make first -- and no tests/$n.sh)"
 done
 if [ -n "$times" ]; then
-  echo "slowest:"
-  printf '%s' "$times" | sort -rn | head -n 10 | awk '{ printf "  %8.1fs  %s\n", $1, $2 }'
+  echo "slowest (wall seconds, CPU seconds of its processes):"
+  printf '%s' "$times" | sort -rn | head -n 10 | awk '{ printf "  %8.1fs  %7ds cpu  %s\n", $1, $3, $2 }'
 fi
 suite_end=$(date +%s%N)
 wall=$(( (suite_end - suite_start) / 1000000000 ))

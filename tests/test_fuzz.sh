@@ -10,7 +10,7 @@
 # is set; the corpus in $BUILD/fuzz_<target>/corpus is kept between such runs), and FUZZ_TARGETS to
 # pick targets. Add what a run finds to the unit tests (tests/test_checkpoint.c, tests/test_store.c).
 set -u
-cd "$(dirname "$0")/.."
+cd "$(dirname "$0")/.." || exit 1
 BUILD=${BUILD:-build}
 CLANG=${CLANG:-clang}
 TARGETS=${FUZZ_TARGETS:-checkpoint store frames}
@@ -84,22 +84,37 @@ PY
 }
 
 failed=""
-for t in $TARGETS; do
-  out="$BUILD/fuzz_$t"
+# Each target builds and runs in the background beside the others (the machine's cores; libFuzzer is
+# single-threaded), its output kept apart and printed in order afterwards.
+fuzz_target() {  # fuzz_target T: build, seed and fuzz one target; exit 0 when nothing was found
+  local t=$1 out="$BUILD/fuzz_$1" dict="" rc
   if [ -z "${FUZZ_SECONDS:-}" ]; then rm -rf "$out/corpus"; fi # the reproducible run starts from the seeds alone
   mkdir -p "$out/corpus"
   "$CLANG" -std=c99 -Wall -Wextra -Werror -pedantic -gline-tables-only -O1 -pthread -I. \
     -fsanitize=fuzzer,address,undefined -fno-sanitize-recover=all \
-    "tests/fuzz/fuzz_$t.c" -o "$out/fuzz_$t" -lm || exit 1
-  "seeds_$t" "$out/corpus" || exit 1
-  dict=""; [ -f "tests/fuzz/$t.dict" ] && dict="-dict=tests/fuzz/$t.dict"
+    "tests/fuzz/fuzz_$t.c" -o "$out/fuzz_$t" -lm || return 1
+  "seeds_$t" "$out/corpus" || return 1
+  [ -f "tests/fuzz/$t.dict" ] && dict="-dict=tests/fuzz/$t.dict"
   echo "== fuzz_$t: $what"
+  # shellcheck disable=SC2086 # $budget and $dict are lists of options
   "$out/fuzz_$t" $budget -max_len=4096 -timeout=10 -rss_limit_mb=2048 $dict -artifact_prefix="$out/" \
     -print_final_stats=1 "$out/corpus" 2>&1 | tail -n 12
   rc=${PIPESTATUS[0]}
   if [ "$rc" -ne 0 ]; then
-    echo "fuzz_$t found a failure (exit $rc); the input is in $out/ (crash-*, leak-*, timeout-*)"; failed="$failed $t"
+    echo "fuzz_$t found a failure (exit $rc); the input is in $out/ (crash-*, leak-*, timeout-*)"; return 1
   fi
+}
+pids=()
+for t in $TARGETS; do
+  mkdir -p "$BUILD/fuzz_$t"
+  fuzz_target "$t" >"$BUILD/fuzz_$t/run.log" 2>&1 &
+  pids+=($!)
+done
+i=0
+for t in $TARGETS; do
+  wait "${pids[$i]}" || failed="$failed $t"
+  cat "$BUILD/fuzz_$t/run.log"
+  i=$((i + 1))
 done
 [ -z "$failed" ] || { echo "FAIL:$failed"; exit 1; }
 echo "fuzz: no failures in $TARGETS ($what each)"

@@ -133,7 +133,7 @@ static ddp_reducer *six(ddp_group *g, int view, int find_unused, float **params,
     d.find_unused_parameters = find_unused;
     CHECK_OK(ddp_reducer_create(g, &d, &r), g);
     for (k = 0; k < 6; k++) {
-        char name[8];
+        char name[16];
         snprintf(name, sizeof name, "p%d", k);
         params[k] = (float *)calloc(SIZES[k], sizeof(float));
         grads[k] = view ? NULL : (float *)calloc(SIZES[k], sizeof(float));

@@ -177,13 +177,15 @@ else
   build build-train_gpu "build: ddprun and examples/gpu/train_gpu.cu" "$B/train_gpu" \
     make -s GPU=1 NVCC="$NVCC" NVARCH="${gencode[*]}" BUILD="$B" "$B/ddprun" "$B/train_gpu"
 fi
-# the torch interop programs: plain C, no CUDA (a ddp.h program for torchrun, and the sampler's checker)
+# the torch interop programs: plain C, no CUDA (a ddp.h program for torchrun, and the sampler's checker), the
+# three compiled at once
 cflags=(-std=c99 -O2 -pthread -I. -Itests)
 # shellcheck disable=SC2016 # expanded by the inner shell
 build build-interop "build: the torch interop programs (allreduce, store_peer, sampler_check)" "$B/sampler_check" \
-  bash -c '"$0" "${@:2}" -o "$1/allreduce" tests/progs/allreduce.c -lm &&
-    "$0" "${@:2}" -o "$1/store_peer" tests/interop/store_peer.c -lm &&
-    "$0" "${@:2}" -o "$1/sampler_check" tests/interop/sampler_check.c -lm' "${CC:-cc}" "$B" "${cflags[@]}"
+  bash -c '"$0" "${@:2}" -o "$1/allreduce" tests/progs/allreduce.c -lm & a=$!
+    "$0" "${@:2}" -o "$1/store_peer" tests/interop/store_peer.c -lm & b=$!
+    "$0" "${@:2}" -o "$1/sampler_check" tests/interop/sampler_check.c -lm; c=$?
+    wait $a && wait $b && [ $c = 0 ]' "${CC:-cc}" "$B" "${cflags[@]}"
 if [ "$build_only" = 1 ]; then
   # test_nccl.sh's own build (its part 1) into BUILD/tests, for --prebuilt's run of it
   build build-test_nccl "build: tests/test_nccl.sh's programs" "$B/tests/nccl/test_nccl" \

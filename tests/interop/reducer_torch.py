@@ -229,6 +229,7 @@ def worker(rank, workdir, variant, accum, port):
             for key in ("exp_avg", "exp_avg_sq"):
                 torch.cat([state[i][key].reshape(-1) for i in range(n)]).numpy().tofile(
                     os.path.join(workdir, f"torch_{key}.bin"))
+    dist.barrier()  # nobody tears its connections down while a peer still uses them (see run_torch)
     dist.destroy_process_group()
 
 
@@ -245,24 +246,31 @@ def free_port():
 
 def run_torch(workdir, variant, accum, seconds=40, attempts=6):
     """torch's side, the reference (a few seconds: 5-6 s for joinfail on the loaded 2-core machine). torch 1.13's
-    gloo has been seen (about once in five CI runs, fp16 variant; four times in a row once, joinfail variant) to
-    leave a worker spinning after its peer finished: such a run is killed after `seconds` and tried again on a
-    new port, up to `attempts` times (at most 240 s in all, as 4 x 60 s before). The reference only ever waits on torch itself; ddp.h's
-    side runs afterwards in its own process."""
+    gloo has been seen to leave a worker spinning after its peer finished (about once in five CI runs, fp16
+    variant; four times in a row once, joinfail variant), and to abort a worker in C++ ("terminate called
+    without an active exception", SIGABRT; once in CI, zerounused or zero2unused). Such a run is killed after
+    `seconds` (or when a worker dies of a signal) and tried again on a new port, up to `attempts` times. A Python
+    exception in a worker is no such case: it fails at once. The reference only ever waits on torch itself;
+    ddp.h's side runs afterwards in its own process."""
     for attempt in range(1, attempts + 1):
-        ctx = mp.start_processes(worker, args=(workdir, variant, accum, free_port()), nprocs=ranks(variant), start_method="spawn",
-                                 join=False)
+        ctx = mp.start_processes(worker, args=(workdir, variant, accum, free_port()), nprocs=ranks(variant),
+                                 start_method="spawn", join=False)
         deadline = time.time() + seconds
-        while not ctx.join(timeout=1):
-            if time.time() > deadline:
-                break
-        else:
-            return
+        why = f"did not finish within {seconds} s"
+        try:
+            while not ctx.join(timeout=1):
+                if time.time() > deadline:
+                    break
+            else:
+                return
+        except mp.ProcessExitedException as e:  # a signal or a C++ abort: torch's own failure (above)
+            why = str(e)
         for p in ctx.processes:
             if p.is_alive():
                 p.kill()
-        print(f"torch reference ({variant}) did not finish within {seconds} s (attempt {attempt}); killed it", flush=True)
-    raise RuntimeError(f"torch reference ({variant}) hung {attempts} times")
+            p.join()
+        print(f"torch reference ({variant}) {why} (attempt {attempt}); killed it", flush=True)
+    raise RuntimeError(f"torch reference ({variant}) failed {attempts} times")
 
 
 def run_variant(peer, workdir, variant):
