@@ -84,11 +84,14 @@ $(BUILD)/%: bench/%.c $(wildcard bench/*.h) ddp.h | $(BUILD)
 	$(CC) $(CFLAGS) $(SANFLAGS) -o $@ $< $(LDLIBS)
 
 # The README's main job: train examples/train_demo.c on 4 CPU ranks launched by ddprun, on a free port
-# (--standalone). DEMO_FLAGS=--resume continues from the last checkpoint. make demo-check: a short run
+# (--standalone). DEMO_FLAGS=--resume continues from the last checkpoint; DEMO_FLAGS=--timeline has ddprun
+# write the job's timeline to $(BUILD)/demo_timeline.json (docs/TIMELINE.md). make demo-check: a short run
 # (--quick) keeping a checkpoint after every step, then tests/demo_check.c retakes each step as one
 # process and prints the largest difference (DEMO_FLAGS go to both).
+DEMO_TIMELINE = $(if $(filter --timeline,$(DEMO_FLAGS)),--timeline $(BUILD)/demo_timeline.json)
 demo: $(BUILD)/ddprun $(BUILD)/train_demo
-	$(BUILD)/ddprun --standalone --nproc-per-node 4 $(BUILD)/train_demo --dir $(BUILD)/demo_ckpt $(DEMO_FLAGS)
+	$(BUILD)/ddprun --standalone --nproc-per-node 4 $(DEMO_TIMELINE) $(BUILD)/train_demo --dir $(BUILD)/demo_ckpt \
+	    $(filter-out --timeline,$(DEMO_FLAGS))
 demo-check: $(BUILD)/ddprun $(BUILD)/train_demo $(BUILD)/demo_check
 	$(BUILD)/ddprun --standalone --nproc-per-node 4 $(BUILD)/train_demo --quick --save-every 1 --keep 0 \
 	    --dir $(BUILD)/demo_check_ckpt $(DEMO_FLAGS)

@@ -50,6 +50,7 @@ IMPLEMENTATION = [
     "src/store_file.c",     # [SECTION] store-file: the file store, an append-only log under flock() (torch's FileStore)
     "src/store_api.c",      # [SECTION] store-api: ddp_store_* on either kind of handle, their argument checks
     "src/trace.c",          # [SECTION] trace: the flight recorder, each group's last collectives
+    "src/timeline.c",       # [SECTION] timeline: Chrome trace events of collectives, reducer passes, saves, ranges
     "src/link.c",           # [SECTION] link: connections between ranks, made on first use
     "src/transport.c",      # [SECTION] transport: framed messages between ranks, abort propagation
     "src/devbuf.c",         # [SECTION] devbuf: device buffers on the cpu and mpi backends, staged through pinned host memory

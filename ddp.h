@@ -78,6 +78,11 @@
                          SIGTERM into DDP_TRACE_DIR before the process ends as it would have; each then
                          calls the handler installed before. 0: neither. Default: 1 when DDP_TRACE_DIR is
                          set (ddprun sets it to a directory of its own unless you do), else 0
+       DDP_TIMELINE      PATH: each rank writes a Chrome trace of its collectives, reducer passes, saves and
+                         ranges to PATH with %r replaced by its rank (no %r: trace.json -> trace.rank0.json);
+                         ddprun --timeline FILE sets it and merges the files into FILE (docs/TIMELINE.md)
+       DDP_TIMELINE_SYNC auto (default): ranks on rank 0's machine share its clock, the others' offsets are
+                         measured at ddp_init; all: measure every rank's
        DDP_RESTART_COUNT set by ddprun --max-restarts (also TORCHELASTIC_RESTART_COUNT)
        OMP_NUM_THREADS   unset: ddprun sets it to 1 for its workers when nproc > 1 (as torchrun does)
 
@@ -143,6 +148,8 @@
                src/store_api.c
    [SECTION] trace: the flight recorder, each group's last collectives, written out when the group breaks
                src/trace.c
+   [SECTION] timeline: every rank's collectives, the reducer's passes and buckets, checkpoint saves and the program's own ranges as Chrome trace events (Horovod's HOROVOD_TIMELINE, torch's profiler, NVTX ranges)
+               src/timeline.c
    [SECTION] link: connections between the ranks of a group, made on first use
                src/link.c
    [SECTION] transport: framed messages between the ranks of a group, failure detection, abort
@@ -312,6 +319,7 @@ typedef struct ddp_init_desc {
     ddp_log_level log_level; /* DDP_LOG_DEFAULT: DDP_LOG_LEVEL from the environment, else warn */
     ddp_log_fn log_fn;       /* NULL: stderr with a "[ddp rank N]" prefix */
     void *log_user;
+    const char *timeline;    /* NULL: DDP_TIMELINE; a path: each rank writes a Chrome trace there (ddp_timeline_begin) */
 } ddp_init_desc;
 
 /* ddp_init: join the process group. Collective: every rank of the world calls it.
@@ -332,6 +340,24 @@ DDP_API ddp_result ddp_init(const ddp_init_desc *desc, ddp_group **out);
    job fails, prints one line per rank: the last collective it finished and the one it was in, with the
    ranks behind flagged. The cost: a coarse clock read and a few stores per state change, ~15 ns on a
    0.22 us shared-memory all_reduce (bench/bench_trace.c). */
+/* The timeline (Horovod's HOROVOD_TIMELINE, torch's profiler): with DDP_TIMELINE=PATH (or desc.timeline)
+   each rank writes Chrome trace events (ui.perfetto.dev, chrome://tracing) into PATH with "%r" replaced by
+   its rank (without "%r": trace.json -> trace.rank0.json): every collective (named after its call, args
+   seq, count, dtype, bytes), the reducer's passes (reducer.backward), its buckets (reducer.bucket) and
+   the wait in end_backward with the straggler named (reducer.wait), checkpoint saves (checkpoint.save,
+   checkpoint.save_async) and the program's own ranges. pid = world rank, ts in us on rank 0's clock.
+   The file is valid JSON after every flush (at ddp_destroy of the world group, when a group breaks, on
+   SIGUSR1, and every 192 KiB). ddprun --timeline FILE merges a job's files into FILE.
+   ddp_timeline_begin / ddp_timeline_end: a range of the program's own on the calling thread's lane (they
+   nest, as NVTX's push / pop); no-ops returning DDP_SUCCESS when the timeline is off. end without a begin
+   on the same thread: DDP_ERR_STATE.
+   ddp_timeline_merge: the events of n timeline files (a rank's file; one cut short by a killed process
+   loses its unfinished line only; a missing one is left out with a warning) into one file at out,
+   written whole or not at all. Not collective. */
+DDP_API ddp_result ddp_timeline_begin(ddp_group *g, const char *name);
+DDP_API ddp_result ddp_timeline_end(ddp_group *g);
+DDP_API ddp_result ddp_timeline_merge(const char *out, const char *const *inputs, int n);
+
 /* ddp_destroy: finish outstanding async work, say goodbye to the peers, free the group.
    Collective on the group (all ranks call it). Subgroups made from g that are still alive are
    destroyed first (as torch's destroy_process_group()), in the order they were made; their pointers
@@ -2264,6 +2290,7 @@ DDP_API void ddp__cuda_device_free(void *p);
        dtype, alloc             element types, reduction, conversions; ddp_alloc's arenas and heap blocks
        net, auth, store         sockets with deadlines; DDP_AUTH_TOKEN; the rendezvous key-value store
        trace                    the flight recorder, and the names of collectives in every message
+       timeline                 Chrome trace events (DDP_TIMELINE): collectives, reducer passes, saves, ranges
        link                     connections between ranks, made on first use; failures go up as codes
        transport                framed messages over the links, failure detection, breaking the group
                                 (the backends' abort slots); ddp_init's set-up lends it hooks to ask the store
@@ -2472,6 +2499,7 @@ static DDP__UNUSED ddp_log_level ddp__env_log_level(void);
 static DDP__UNUSED int ddp__env_int(const char *name, long lo, long hi, long *value, char *err);
 static DDP__UNUSED const char *ddp__env(const char *name); /* NULL when unset or empty */
 static DDP__UNUSED double ddp__now(void);                  /* monotonic seconds */
+static DDP__UNUSED double ddp__wall_seconds(void);         /* CLOCK_REALTIME seconds */
 static DDP__UNUSED void *ddp__malloc(size_t size);         /* NULL on failure; size 0 allowed */
 static DDP__UNUSED void *ddp__calloc(size_t n, size_t size);
 static DDP__UNUSED void ddp__free(void *p);
@@ -2645,6 +2673,7 @@ typedef struct ddp__coll {
     uint8_t op;     /* DDP__NO_OP when the collective takes none */
     int32_t root;   /* -1 when the collective has none; send / recv: the peer */
     int32_t tag;    /* send / recv: the message's tag; -1 for the collectives */
+    double t_queued; /* when an async call was queued (ddp__now), for the timeline; 0: not queued, or it is off */
 } ddp__coll;
 
 /* One call's arguments, for the synchronous path and the async queue alike. */
@@ -2897,6 +2926,7 @@ struct ddp_work {
     ddp_work *issued_prev, *issued_next; /* on g->async.issued until ddp_wait takes it (collectives.c) */
     const ddp__backend *owner; /* the backend that took it (enqueue), which waits for it; NULL: the progress thread */
     void *handle;              /* the owner's: nccl's CUDA event */
+    double times[3];           /* the progress thread's run: start, end (ddp__now) and its lane, for the timeline */
 };
 
 /* ---- link.c: connections made on first use ---- */
@@ -2967,6 +2997,9 @@ static DDP__UNUSED ddp_result ddp__sizes_differ(ddp_group *g, const ddp__coll *c
 /* Every rank's outcome of a multi-step call (checkpoints, ZeRO state): the first failure (lowest rank) is
    every rank's error, with its message; mine when g is NULL or of one rank. Collective. */
 static DDP__UNUSED ddp_result ddp__agree_outcome(ddp_group *g, ddp_result mine, const char *what);
+/* ddp_wait, giving when the progress thread ran w (times[0] start, times[1] end, ddp__now; times[2] its
+   timeline lane; all 0 when the timeline is off or the work was not the progress thread's) */
+static DDP__UNUSED ddp_result ddp__wait_times(ddp_work *w, double *times);
 /* Chunk i of `count` elements cut into n nearly equal parts (the first count % n get one more). */
 static DDP__UNUSED void ddp__chunk(size_t count, int n, int i, size_t *off, size_t *len);
 static DDP__UNUSED void *ddp__scratch(ddp_group *g, size_t bytes); /* g's staging memory; NULL when out of memory */
@@ -3005,6 +3038,24 @@ static DDP__UNUSED void ddp__trace_started(ddp_group *g, const ddp__coll *c); /*
 static DDP__UNUSED void ddp__trace_ended(ddp_group *g, const ddp__coll *c, ddp_result r); /* done or failed */
 /* ddp__group_break: mark what was in progress failed and write the recorder out (DDP_TRACE_DIR, else the log). */
 static DDP__UNUSED void ddp__trace_break(ddp_group *g, ddp_result code);
+
+/* ---- timeline.c: Chrome trace events (DDP_TIMELINE); every function is a no-op while it is off ---- */
+static DDP__UNUSED int ddp__timeline_on(void); /* callers skip their clock reads when it is off */
+/* group.c: open this rank's file; mono0 (ddp__now) lies `base` seconds after rank 0's open on rank 0's clock */
+static DDP__UNUSED ddp_result ddp__tl_open(ddp_group *g, const char *path, double mono0, double base);
+static DDP__UNUSED void ddp__timeline_close_of(const ddp_group *g); /* group.c: g ends (the world's closes the file) */
+static DDP__UNUSED void ddp__timeline_flush(void); /* a group broke */
+/* collectives.c: c ran from started to ended (ddp__now) with result r */
+static DDP__UNUSED void ddp__timeline_coll(ddp_group *g, const ddp__coll *c, double started, double ended, ddp_result r);
+/* a complete event with numeric args names[i] = values[i] and, when key, key = "value" (the reducer, checkpoints) */
+static DDP__UNUSED void ddp__timeline_span(const char *name, double start, double end, const char *const *names,
+                                           const double *values, int n, const char *key, const char *value);
+/* the same on lane `lane` (0: this thread's): an event of another thread's run (the reducer's buckets) */
+static DDP__UNUSED void ddp__timeline_span_on(int lane, const char *name, double start, double end, const char *const *names,
+                                              const double *values, int n, const char *key, const char *value);
+static DDP__UNUSED int ddp__timeline_lane(void); /* this thread's lane */
+static DDP__UNUSED void ddp__timeline_lane_saver(void);                   /* this thread is the async saver */
+static DDP__UNUSED void ddp__timeline_lane_progress(const ddp_group *g);  /* this thread is g's progress thread */
 
 /* ---- tcp.c: the algorithms over the mesh ---- */
 static DDP__UNUSED ddp_result ddp__tcp_run(ddp_group *g, const ddp__call *k, const ddp__coll *c);
@@ -3384,6 +3435,13 @@ static int ddp__env_int(const char *name, long lo, long hi, long *value, char *e
 static double ddp__now(void) {
     struct timespec ts;
     clock_gettime(CLOCK_MONOTONIC, &ts);
+    return (double)ts.tv_sec + (double)ts.tv_nsec * 1e-9;
+}
+
+/* CLOCK_REALTIME in seconds: comparable between processes (between machines as far as NTP keeps them) */
+static double ddp__wall_seconds(void) {
+    struct timespec ts;
+    clock_gettime(CLOCK_REALTIME, &ts);
     return (double)ts.tv_sec + (double)ts.tv_nsec * 1e-9;
 }
 
@@ -7696,6 +7754,503 @@ static void ddp__trace_break(ddp_group *g, ddp_result code) {
 }
 /* ==================== end src/trace.c ==================== */
 
+/* ==================== begin src/timeline.c ==================== */
+/* [SECTION] timeline: every rank's collectives, the reducer's passes and buckets, checkpoint saves and the
+   program's own ranges as Chrome trace events (Horovod's HOROVOD_TIMELINE, torch's profiler, NVTX ranges)
+
+   DDP_TIMELINE=PATH (or ddp_init_desc.timeline) turns it on at ddp_init of the world group: each rank
+   writes its own file, PATH with "%r" replaced by its rank (without "%r": ".rank<R>" before PATH's
+   extension, trace.json -> trace.rank0.json). ddprun --timeline FILE sets that up for its workers and
+   merges their files into FILE when the job ends, failed or not (ddp_timeline_merge, also a tool for the
+   files of other launchers). ui.perfetto.dev and chrome://tracing open both.
+
+   The file: {"traceEvents":[ one event a line ],"displayTimeUnit":"ms"}, always whole: each flush writes
+   the buffered events where the previous flush ended and the closing "]...}" after them (pwrite), so a
+   file is valid JSON after every flush, including a killed rank's last one. Events (the names are part
+   of the interface; DESIGN.md and docs/TIMELINE.md list them):
+     - a collective: "X" (complete) named after its call (all_reduce, broadcast, ..., barrier, send,
+       recv) from the start of its run to its end, args {seq, count, dtype, bytes, ranks, queued_us:
+       how long it waited in the async queue before it ran, ok};
+     - reducer.backward (begin_backward to the end of end_backward; args {iteration, sync}),
+       reducer.wait (the wait inside end_backward; args {iteration, straggler: the rank whose gradients
+       were all there last, straggler_wait_us, transfer_us}, written once the split is known, at the
+       next pass), reducer.bucket (a bucket's collective from its start to its end, on the lane that ran
+       it; args {index, bytes, ready_us: the time from the bucket's last gradient to its start});
+     - checkpoint.save / checkpoint.save_async (args {path}); the latter on the saver's lane;
+     - the program's ranges: ddp_timeline_begin(g, name) / ddp_timeline_end(g), "B"/"E" on the calling
+       thread's lane (they nest, as NVTX's push/pop).
+   pid is the world rank, tid a lane: 1 the program's threads, 2 the async checkpoint saver, 3 the world
+   group's progress thread (the async collectives, the reducer's buckets), 4 and up other groups' progress
+   threads; metadata events name them and sort the ranks.
+
+   Clock: CLOCK_MONOTONIC, mapped at open onto CLOCK_REALTIME and counted in us from rank 0's open, in rank
+   0's clock. Ranks on rank 0's machine (the same boot id: network namespaces included) share its clock;
+   every other rank measures its offset at init, as NCCL's and Horovod's timelines do: 8 round trips with
+   rank 0 (send/recv of two doubles), the offset of the one with the shortest round trip
+   (offset = t_local_mid - t_rank0; error at most half that round trip). DDP_TIMELINE_SYNC=all measures
+   every rank (tests; machines whose ranks do not share a clock).
+
+   Cost: an event is a clock read and a snprintf into a process-wide buffer under a spin flag (no system
+   call); a write (pwrite) once 192 KiB are buffered, so memory stays bounded. Flushed at the world
+   group's ddp_destroy, when a group breaks (beside the flight recorder's dump) and on SIGUSR1 (the
+   handler writes the buffer unless a thread is appending to it at that moment, which then writes it
+   when it is done; async-signal-safe: pwrite only). Off, a call costs one load of a NULL pointer. */
+
+enum { DDP__TL_PROGRAM = 1, DDP__TL_SAVER = 2, DDP__TL_PROGRESS = 3 };
+
+#define DDP__TL_BUF_BYTES ((size_t)256 << 10)
+#define DDP__TL_FLUSH_AT ((size_t)192 << 10) /* an event takes well under the 64 KiB left (names are cut) */
+#define DDP__TL_NAME_MAX 200                 /* bytes of a user's range name kept */
+#define DDP__TL_TAIL "\n],\"displayTimeUnit\":\"ms\"}\n"
+
+struct ddp__timeline {
+    int fd;
+    int rank;
+    int lock;         /* atomic: 1 while a thread appends or flushes */
+    int flush_wanted; /* atomic: SIGUSR1 came while the lock was held */
+    int next_lane;    /* atomic: the next progress lane of a group other than the world */
+    const ddp_group *world;
+    off_t events_end; /* where the next flush writes; the tail follows what it writes */
+    double mono0;     /* CLOCK_MONOTONIC at open ... */
+    double base;      /* ... is this many seconds after rank 0's open, in rank 0's clock */
+    size_t len;
+    unsigned long long lost; /* events a failed write lost */
+    char path[1024];
+    char buf[DDP__TL_BUF_BYTES];
+};
+
+static struct ddp__timeline *ddp__tl;          /* the process's timeline (atomic pointer); NULL: off */
+static int ddp__tl_handlers_running;           /* SIGUSR1 handlers inside the timeline now */
+static int ddp__tl_signal_installed;           /* the handler stays installed once installed */
+static struct sigaction ddp__tl_old_usr1;
+static DDP__THREAD_LOCAL int ddp__tl_lane;     /* this thread's lane; 0: the program's */
+static DDP__THREAD_LOCAL int ddp__tl_depth;    /* this thread's open ranges (ddp_timeline_begin) */
+
+static struct ddp__timeline *ddp__tl_get(void) { return __atomic_load_n(&ddp__tl, __ATOMIC_ACQUIRE); }
+
+/* Is the timeline on? (one load; the callers skip their clock reads when it is not) */
+static int ddp__timeline_on(void) { return ddp__tl_get() != NULL; }
+
+/* ---- writing ---- */
+
+/* Write the buffer where the events end, then the tail after it; on a failure the buffered events are
+   lost (counted) and the file stays as it was. Async-signal-safe. */
+static void ddp__tl_write(struct ddp__timeline *t) {
+    size_t done = 0;
+    while (done < t->len) {
+        ssize_t w = pwrite(t->fd, t->buf + done, t->len - done, t->events_end + (off_t)done);
+        if (w < 0 && errno == EINTR) continue;
+        if (w <= 0) {
+            t->lost++;
+            t->len = 0;
+            return;
+        }
+        done += (size_t)w;
+    }
+    t->events_end += (off_t)t->len;
+    t->len = 0;
+    while (pwrite(t->fd, DDP__TL_TAIL, sizeof DDP__TL_TAIL - 1, t->events_end) < 0 && errno == EINTR) {
+    }
+}
+
+static void ddp__tl_lock(struct ddp__timeline *t) {
+    while (__atomic_exchange_n(&t->lock, 1, __ATOMIC_ACQUIRE)) sched_yield();
+}
+
+static void ddp__tl_unlock(struct ddp__timeline *t) {
+    if (t->len >= DDP__TL_FLUSH_AT || __atomic_exchange_n(&t->flush_wanted, 0, __ATOMIC_RELAXED)) ddp__tl_write(t);
+    __atomic_store_n(&t->lock, 0, __ATOMIC_RELEASE);
+}
+
+/* Append text to the buffer (the lock held); cut at the buffer's end (never reached: see FLUSH_AT). */
+static void ddp__tl_put(struct ddp__timeline *t, const char *fmt, ...) {
+    va_list ap;
+    int n;
+    va_start(ap, fmt);
+    n = vsnprintf(t->buf + t->len, DDP__TL_BUF_BYTES - t->len, fmt, ap);
+    va_end(ap);
+    if (n > 0) t->len += DDP__MIN((size_t)n, DDP__TL_BUF_BYTES - t->len - 1);
+}
+
+/* A JSON string's body from s (at most max bytes of it): quotes, backslashes and control characters
+   escaped, bytes that are not UTF-8 replaced by '?' (a JSON parser rejects them). */
+static void ddp__tl_put_string(struct ddp__timeline *t, const char *s, size_t max) {
+    size_t i, n = strlen(s);
+    if (n > max) n = max;
+    for (i = 0; i < n && t->len + 8 < DDP__TL_BUF_BYTES; i++) {
+        unsigned char c = (unsigned char)s[i];
+        size_t k, extra = c >= 0xF0 && c < 0xF5 ? 3 : c >= 0xE0 ? 2 : c >= 0xC2 ? 1 : 0;
+        if (c == '"' || c == '\\') {
+            t->buf[t->len++] = '\\';
+            t->buf[t->len++] = (char)c;
+        } else if (c < 0x20) {
+            ddp__tl_put(t, "\\u%04x", c);
+        } else if (c < 0x80) {
+            t->buf[t->len++] = (char)c;
+        } else {
+            int ok = extra > 0 && i + extra < n;
+            for (k = 1; ok && k <= extra; k++) ok = ((unsigned char)s[i + k] & 0xC0) == 0x80;
+            if (!ok) {
+                t->buf[t->len++] = '?';
+                continue;
+            }
+            for (k = 0; k <= extra; k++) t->buf[t->len++] = s[i + k];
+            i += extra;
+        }
+    }
+}
+
+/* us on the job's clock of a monotonic time (seconds, ddp__now) */
+static double ddp__tl_us(const struct ddp__timeline *t, double mono) { return (mono - t->mono0 + t->base) * 1e6; }
+
+/* The hot path formats by hand: a snprintf call costs ~150 ns here (~400 with a %.3f), an event has ten
+   fields, and the buffer always has room for one event (see FLUSH_AT). */
+static void ddp__tl_raw(struct ddp__timeline *t, const char *s) {
+    size_t n = strlen(s);
+    memcpy(t->buf + t->len, s, n);
+    t->len += n;
+}
+
+static void ddp__tl_u64(struct ddp__timeline *t, unsigned long long v) {
+    char digits[24];
+    int n = 0;
+    do digits[n++] = (char)('0' + v % 10);
+    while ((v /= 10) != 0);
+    while (n) t->buf[t->len++] = digits[--n];
+}
+
+static void ddp__tl_int(struct ddp__timeline *t, long long v) {
+    if (v < 0) t->buf[t->len++] = '-';
+    ddp__tl_u64(t, v < 0 ? (unsigned long long)-v : (unsigned long long)v);
+}
+
+/* ,"key":N.NNN (microseconds, 3 decimals) */
+static void ddp__tl_put_us(struct ddp__timeline *t, const char *key, double us) {
+    long long ns = (long long)(us * 1000.0 + (us < 0 ? -0.5 : 0.5));
+    unsigned long long a = (unsigned long long)(ns < 0 ? -ns : ns);
+    ddp__tl_raw(t, ",\"");
+    ddp__tl_raw(t, key);
+    ddp__tl_raw(t, ns < 0 ? "\":-" : "\":");
+    ddp__tl_u64(t, a / 1000);
+    t->buf[t->len++] = '.';
+    t->buf[t->len++] = (char)('0' + a % 1000 / 100);
+    t->buf[t->len++] = (char)('0' + a % 100 / 10);
+    t->buf[t->len++] = (char)('0' + a % 10);
+}
+
+/* This thread's lane (the tid of its events). */
+static int ddp__timeline_lane(void) { return ddp__tl_lane ? ddp__tl_lane : DDP__TL_PROGRAM; }
+
+/* Start an event line: ",\n{"name":"...","ph":"X","pid":R,"tid":T,"ts":...,"dur":..." (dur when end >= 0);
+   lane 0: this thread's. */
+static void ddp__tl_head(struct ddp__timeline *t, int lane, const char *name, char ph, double start, double end) {
+    ddp__tl_raw(t, ",\n{\"name\":\"");
+    ddp__tl_put_string(t, name, DDP__TL_NAME_MAX);
+    ddp__tl_raw(t, ph == 'X' ? "\",\"ph\":\"X\",\"pid\":" : ph == 'B' ? "\",\"ph\":\"B\",\"pid\":" : "\",\"ph\":\"E\",\"pid\":");
+    ddp__tl_int(t, t->rank);
+    ddp__tl_raw(t, ",\"tid\":");
+    ddp__tl_int(t, lane ? lane : ddp__timeline_lane());
+    ddp__tl_put_us(t, "ts", ddp__tl_us(t, start));
+    if (end >= 0) ddp__tl_put_us(t, "dur", end > start ? (end - start) * 1e6 : 0.0);
+}
+
+/* ---- the events ---- */
+
+/* A collective of g (its fingerprint c) that ran from `started` to `ended` after waiting in the async
+   queue since c->t_queued (0: it ran on the calling thread), with result r. */
+static void ddp__timeline_coll(ddp_group *g, const ddp__coll *c, double started, double ended, ddp_result r) {
+    struct ddp__timeline *t = ddp__tl_get();
+    size_t es;
+    if (!t) return;
+    es = c->dtype ? ddp_dtype_size((ddp_dtype)c->dtype) : 0;
+    ddp__tl_lock(t);
+    ddp__tl_head(t, 0, ddp__coll_name(c->kind), 'X', started, ended);
+    if (c->kind == DDP__SEND || c->kind == DDP__RECV) { /* no collective number: the peer and the tag */
+        ddp__tl_raw(t, ",\"args\":{\"peer\":");
+        ddp__tl_int(t, c->root);
+        ddp__tl_raw(t, ",\"tag\":");
+        ddp__tl_int(t, c->tag);
+    } else {
+        ddp__tl_raw(t, ",\"args\":{\"seq\":");
+        ddp__tl_u64(t, (unsigned long long)(c->seq - g->seq_base));
+    }
+    ddp__tl_raw(t, ",\"count\":");
+    ddp__tl_u64(t, (unsigned long long)c->count);
+    ddp__tl_raw(t, ",\"dtype\":\"");
+    ddp__tl_raw(t, c->dtype ? ddp_dtype_name((ddp_dtype)c->dtype) : "none");
+    ddp__tl_raw(t, "\",\"bytes\":");
+    ddp__tl_u64(t, (unsigned long long)(c->count * es));
+    ddp__tl_raw(t, ",\"ranks\":");
+    ddp__tl_int(t, g->world_size);
+    ddp__tl_put_us(t, "queued_us", c->t_queued > 0 && started > c->t_queued ? (started - c->t_queued) * 1e6 : 0.0);
+    ddp__tl_raw(t, r == DDP_SUCCESS ? ",\"ok\":true}}" : ",\"ok\":false}}");
+    ddp__tl_unlock(t);
+}
+
+/* A complete event on `lane` (0: this thread's) with numeric arguments names[i] = values[i] (n of them)
+   and, when key, key = "value". */
+static void ddp__timeline_span_on(int lane, const char *name, double start, double end, const char *const *names,
+                                  const double *values, int n, const char *key, const char *value) {
+    struct ddp__timeline *t = ddp__tl_get();
+    int i;
+    if (!t) return;
+    ddp__tl_lock(t);
+    ddp__tl_head(t, lane, name, 'X', start, end);
+    ddp__tl_put(t, ",\"args\":{");
+    for (i = 0; i < n; i++) ddp__tl_put(t, "%s\"%s\":%.17g", i ? "," : "", names[i], values[i]);
+    if (key) {
+        ddp__tl_put(t, "%s\"%s\":\"", n ? "," : "", key);
+        ddp__tl_put_string(t, value, 1000);
+        ddp__tl_put(t, "\"");
+    }
+    ddp__tl_put(t, "}}");
+    ddp__tl_unlock(t);
+}
+
+static void ddp__timeline_span(const char *name, double start, double end, const char *const *names, const double *values,
+                               int n, const char *key, const char *value) {
+    ddp__timeline_span_on(0, name, start, end, names, values, n, key, value);
+}
+
+/* This thread's lane: the async checkpoint saver, or the progress thread of g (the world group's: 3). */
+static void ddp__timeline_lane_saver(void) { ddp__tl_lane = DDP__TL_SAVER; }
+static void ddp__timeline_lane_progress(const ddp_group *g) {
+    struct ddp__timeline *t = ddp__tl_get();
+    if (!t || g == t->world) {
+        ddp__tl_lane = DDP__TL_PROGRESS;
+        return;
+    }
+    ddp__tl_lane = DDP__TL_PROGRESS + __atomic_add_fetch(&t->next_lane, 1, __ATOMIC_RELAXED);
+    ddp__tl_lock(t);
+    ddp__tl_put(t, ",\n{\"name\":\"thread_name\",\"ph\":\"M\",\"pid\":%d,\"tid\":%d,\"args\":{\"name\":\"progress (a group "
+                   "of %d ranks)\"}}", t->rank, ddp__tl_lane, g->world_size);
+    ddp__tl_unlock(t);
+}
+
+/* Write what is buffered (a group broke; the world group ends). */
+static void ddp__timeline_flush(void) {
+    struct ddp__timeline *t = ddp__tl_get();
+    if (!t) return;
+    ddp__tl_lock(t);
+    ddp__tl_write(t);
+    __atomic_store_n(&t->lock, 0, __ATOMIC_RELEASE);
+}
+
+static void ddp__tl_on_signal(int sig, siginfo_t *info, void *ctx) {
+    int saved = errno;
+    struct ddp__timeline *t;
+    __atomic_add_fetch(&ddp__tl_handlers_running, 1, __ATOMIC_ACQ_REL);
+    t = ddp__tl_get();
+    if (t) {
+        if (!__atomic_exchange_n(&t->lock, 1, __ATOMIC_ACQUIRE)) {
+            ddp__tl_write(t);
+            __atomic_store_n(&t->lock, 0, __ATOMIC_RELEASE);
+        } else {
+            __atomic_store_n(&t->flush_wanted, 1, __ATOMIC_RELAXED); /* its holder writes when it lets go */
+        }
+    }
+    __atomic_sub_fetch(&ddp__tl_handlers_running, 1, __ATOMIC_ACQ_REL);
+    errno = saved;
+    if (ddp__tl_old_usr1.sa_flags & SA_SIGINFO) {
+        if (ddp__tl_old_usr1.sa_sigaction) ddp__tl_old_usr1.sa_sigaction(sig, info, ctx);
+    } else if (ddp__tl_old_usr1.sa_handler != SIG_DFL && ddp__tl_old_usr1.sa_handler != SIG_IGN) {
+        ddp__tl_old_usr1.sa_handler(sig);
+    }
+}
+
+/* ---- open and close ---- */
+
+/* The file name of `rank` for PATH (see the top): out has cap bytes; 0 when it does not fit. */
+static int ddp__tl_file_name(const char *path, int rank, char *out, size_t cap) {
+    const char *mark = strstr(path, "%r"), *slash = strrchr(path, '/'), *dot = strrchr(path, '.');
+    int n;
+    if (mark) n = snprintf(out, cap, "%.*s%d%s", (int)(mark - path), path, rank, mark + 2);
+    else if (dot && (!slash || dot > slash + 1)) n = snprintf(out, cap, "%.*s.rank%d%s", (int)(dot - path), path, rank, dot);
+    else n = snprintf(out, cap, "%s.rank%d", path, rank);
+    return n > 0 && (size_t)n < cap;
+}
+
+/* Open this rank's file and write its header (metadata: the rank's name and order, the lanes' names).
+   base: where this process's CLOCK_MONOTONIC now (mono0) lies on the job's clock. */
+static ddp_result ddp__tl_open(ddp_group *g, const char *path, double mono0, double base) {
+    struct ddp__timeline *t;
+    struct sigaction sa;
+    char header[1024];
+    int n;
+    if (!(t = (struct ddp__timeline *)ddp__calloc(1, sizeof *t))) return ddp__fail(g, DDP_ERR_OUT_OF_MEMORY, "timeline: out of memory");
+    if (!ddp__tl_file_name(path, g->rank, t->path, sizeof t->path)) {
+        ddp__free(t);
+        return ddp__fail(g, DDP_ERR_INVALID_ARGUMENT, "timeline: the path \"%.300s\" is too long", path);
+    }
+    t->fd = open(t->path, O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0644);
+    if (t->fd < 0) {
+        ddp_result r = ddp__fail(g, DDP_ERR_SYSTEM, "timeline: cannot create %s: %s (DDP_TIMELINE or ddp_init_desc.timeline "
+                                 "names each rank's file; its directory must exist and be writable)", t->path, strerror(errno));
+        ddp__free(t);
+        return r;
+    }
+    t->rank = g->rank;
+    t->world = g;
+    t->mono0 = mono0;
+    t->base = base;
+    n = snprintf(header, sizeof header,
+                 "{\"traceEvents\":[\n{\"name\":\"process_name\",\"ph\":\"M\",\"pid\":%d,\"tid\":0,\"args\":{\"name\":\"rank %d\"}}"
+                 ",\n{\"name\":\"process_sort_index\",\"ph\":\"M\",\"pid\":%d,\"tid\":0,\"args\":{\"sort_index\":%d}}"
+                 ",\n{\"name\":\"thread_name\",\"ph\":\"M\",\"pid\":%d,\"tid\":%d,\"args\":{\"name\":\"program\"}}"
+                 ",\n{\"name\":\"thread_name\",\"ph\":\"M\",\"pid\":%d,\"tid\":%d,\"args\":{\"name\":\"checkpoint saver\"}}"
+                 ",\n{\"name\":\"thread_name\",\"ph\":\"M\",\"pid\":%d,\"tid\":%d,\"args\":{\"name\":\"progress (world)\"}}",
+                 g->rank, g->rank, g->rank, g->rank, g->rank, DDP__TL_PROGRAM, g->rank, DDP__TL_SAVER, g->rank, DDP__TL_PROGRESS);
+    memcpy(t->buf, header, (size_t)n);
+    t->len = (size_t)n;
+    ddp__tl_write(t);
+    if (!ddp__tl_signal_installed) {
+        memset(&sa, 0, sizeof sa);
+        sa.sa_sigaction = ddp__tl_on_signal;
+        sa.sa_flags = SA_SIGINFO | SA_RESTART;
+        sigemptyset(&sa.sa_mask);
+        if (sigaction(SIGUSR1, &sa, &ddp__tl_old_usr1) == 0) ddp__tl_signal_installed = 1;
+    }
+    __atomic_store_n(&ddp__tl, t, __ATOMIC_RELEASE);
+    ddp__log(g, DDP_LOG_INFO, "timeline: writing %s", t->path);
+    return DDP_SUCCESS;
+}
+
+/* Group g ends: when it is the timeline's world group, write the rest and close the file. */
+static void ddp__timeline_close_of(const ddp_group *g) {
+    struct ddp__timeline *t = ddp__tl_get();
+    if (!t || t->world != g) return;
+    ddp__tl_lock(t);
+    __atomic_store_n(&ddp__tl, (struct ddp__timeline *)NULL, __ATOMIC_RELEASE);
+    ddp__tl_write(t);
+    __atomic_store_n(&t->lock, 0, __ATOMIC_RELEASE);
+    while (__atomic_load_n(&ddp__tl_handlers_running, __ATOMIC_ACQUIRE)) sched_yield();
+    close(t->fd);
+    ddp__free(t);
+}
+
+/* ---- the program's ranges ---- */
+
+DDP_API ddp_result ddp_timeline_begin(ddp_group *g, const char *name) {
+    struct ddp__timeline *t;
+    ddp_result r = ddp__group_check(g, "ddp_timeline_begin");
+    if (r) return r;
+    if (!name) return ddp__fail(g, DDP_ERR_INVALID_ARGUMENT, "ddp_timeline_begin: the name is NULL");
+    if (!(t = ddp__tl_get())) return DDP_SUCCESS;
+    ddp__tl_lock(t);
+    ddp__tl_head(t, 0, name, 'B', ddp__now(), -1);
+    ddp__tl_put(t, "}");
+    ddp__tl_unlock(t);
+    ddp__tl_depth++;
+    return DDP_SUCCESS;
+}
+
+DDP_API ddp_result ddp_timeline_end(ddp_group *g) {
+    struct ddp__timeline *t;
+    ddp_result r = ddp__group_check(g, "ddp_timeline_end");
+    if (r) return r;
+    if (!(t = ddp__tl_get())) return DDP_SUCCESS;
+    if (ddp__tl_depth == 0)
+        return ddp__fail(g, DDP_ERR_STATE, "ddp_timeline_end: no range is open on this thread; each ddp_timeline_end "
+                         "closes the last ddp_timeline_begin of the same thread");
+    ddp__tl_depth--;
+    ddp__tl_lock(t);
+    ddp__tl_head(t, 0, "", 'E', ddp__now(), -1);
+    ddp__tl_put(t, "}");
+    ddp__tl_unlock(t);
+    return DDP_SUCCESS;
+}
+
+/* ---- merging the ranks' files ----
+   Each input is a timeline file as written above: one event a line (each but the last ending in a comma)
+   between the first line and the tail.
+   A line is taken when it is one whole JSON object (its braces balance outside strings): a file cut
+   short by a killed process loses its unfinished line only. Missing inputs are skipped with a warning
+   (a rank that never started); an input that is not a timeline file is an error. */
+
+/* Is line (n bytes) one whole object "{...}"? */
+static int ddp__tl_whole(const char *line, size_t n) {
+    size_t i;
+    int depth = 0, in_string = 0;
+    if (n < 2 || line[0] != '{' || line[n - 1] != '}') return 0;
+    for (i = 0; i < n; i++) {
+        char c = line[i];
+        if (in_string) {
+            if (c == '\\') i++;
+            else if (c == '"') in_string = 0;
+        } else if (c == '"') {
+            in_string = 1;
+        } else if (c == '{' || c == '[') {
+            depth++;
+        } else if ((c == '}' || c == ']') && --depth == 0 && i != n - 1) {
+            return 0;
+        }
+    }
+    return depth == 0 && !in_string;
+}
+
+/* Copy the events of file `path` to out (each preceded by ",\n" except the very first: *first). */
+static ddp_result ddp__tl_merge_one(const char *path, FILE *out, int *first, size_t *events) {
+    FILE *in = fopen(path, "rb");
+    char *line = NULL;
+    size_t cap = 0, lineno = 0;
+    ssize_t n;
+    if (!in) {
+        ddp__log(NULL, DDP_LOG_WARN, "ddp_timeline_merge: %s: %s (left out)", path, strerror(errno));
+        return DDP_SUCCESS;
+    }
+    while ((n = getline(&line, &cap, in)) >= 0) {
+        size_t len = (size_t)n;
+        const char *ev = line;
+        while (len && (line[len - 1] == '\n' || line[len - 1] == '\r')) len--;
+        if (lineno++ == 0) {
+            if (strncmp(line, "{\"traceEvents\":[", 16) != 0) {
+                free(line);
+                fclose(in);
+                return ddp__fail(NULL, DDP_ERR_FORMAT, "ddp_timeline_merge: %s is not a ddp.h timeline file (its first line "
+                                 "is not {\"traceEvents\":[)", path);
+            }
+            continue;
+        }
+        if (len && ev[len - 1] == ',') len--; /* the writer ends each event line but the last with a comma */
+        if (!ddp__tl_whole(ev, len)) continue; /* the tail, or a line cut short */
+        fputs(*first ? "\n" : ",\n", out);
+        fwrite(ev, 1, len, out);
+        *first = 0;
+        ++*events;
+    }
+    free(line); /* getline's buffer: the C library's malloc */
+    fclose(in);
+    return DDP_SUCCESS;
+}
+
+DDP_API ddp_result ddp_timeline_merge(const char *out_path, const char *const *inputs, int n) {
+    char tmp[1100];
+    FILE *out;
+    int i, first = 1;
+    size_t events = 0;
+    ddp_result r = DDP_SUCCESS;
+    if (!out_path || (!inputs && n > 0) || n < 0)
+        return ddp__fail(NULL, DDP_ERR_INVALID_ARGUMENT, "ddp_timeline_merge: %s", !out_path ? "the output path is NULL"
+                         : n < 0 ? "n is negative" : "inputs is NULL");
+    if (snprintf(tmp, sizeof tmp, "%s.tmp.%d", out_path, (int)getpid()) >= (int)sizeof tmp)
+        return ddp__fail(NULL, DDP_ERR_INVALID_ARGUMENT, "ddp_timeline_merge: the output path is too long");
+    if (!(out = fopen(tmp, "wb")))
+        return ddp__fail(NULL, DDP_ERR_SYSTEM, "ddp_timeline_merge: cannot create %s: %s", tmp, strerror(errno));
+    fputs("{\"traceEvents\":[", out);
+    for (i = 0; i < n && r == DDP_SUCCESS; i++) {
+        if (!inputs[i]) r = ddp__fail(NULL, DDP_ERR_INVALID_ARGUMENT, "ddp_timeline_merge: inputs[%d] is NULL", i);
+        else r = ddp__tl_merge_one(inputs[i], out, &first, &events);
+    }
+    fputs(DDP__TL_TAIL, out);
+    if (fclose(out) != 0 && r == DDP_SUCCESS)
+        r = ddp__fail(NULL, DDP_ERR_SYSTEM, "ddp_timeline_merge: writing %s failed: %s", tmp, strerror(errno));
+    if (r == DDP_SUCCESS && rename(tmp, out_path) != 0)
+        r = ddp__fail(NULL, DDP_ERR_SYSTEM, "ddp_timeline_merge: cannot rename %s to %s: %s", tmp, out_path, strerror(errno));
+    if (r != DDP_SUCCESS) unlink(tmp);
+    return r;
+}
+/* ==================== end src/timeline.c ==================== */
+
 /* ==================== begin src/link.c ==================== */
 /* [SECTION] link: connections between the ranks of a group, made on first use
    After the rendezvous every rank knows where every other rank listens (the table, g->mesh.dir) and keeps
@@ -8196,6 +8751,7 @@ static ddp_result ddp__group_break_relaying(ddp_group *g, ddp_result code, const
         shutdown(p->fd, SHUT_WR);
     }
     ddp__trace_break(g, code); /* after the ABORTs: peers learn first, then this rank writes its recorder */
+    ddp__timeline_flush();  /* and its timeline: the events up to the break are on disk */
     return code;
 }
 
@@ -9352,8 +9908,11 @@ static ddp_result ddp__broadcast_bytes_run(ddp_group *g, const ddp__backend *b, 
 static int ddp__is_p2p(int kind) { return kind == DDP__SEND || kind == DDP__RECV; }
 
 /* Run k on backend b (point-to-point over the mesh, or MPI's own on the mpi backend). */
-static ddp_result ddp__run(ddp_group *g, const ddp__backend *b, const ddp__call *k, const ddp__coll *c) {
+/* times (NULL: not wanted): the run's start and end (ddp__now) and this thread's lane while the timeline is
+   on (else left alone: 0 from the work's calloc). */
+static ddp_result ddp__run(ddp_group *g, const ddp__backend *b, const ddp__call *k, const ddp__coll *c, double *times) {
     int p2p = ddp__is_p2p(k->kind);
+    double t0 = ddp__timeline_on() ? ddp__now() : 0;
     ddp_result r;
     DDP_ASSERT(k->root >= -1 && k->root < g->world_size); /* validated (-1: a call without a root) */
     if (g->broken) {
@@ -9361,10 +9920,18 @@ static ddp_result ddp__run(ddp_group *g, const ddp__backend *b, const ddp__call 
         return DDP_ERR_STATE;
     }
     g->mesh.waiting_for = -1;
-    if (p2p) return b->p2p_start ? b->run(g, k, c) : ddp__p2p_run(g, k, c); /* the backend's own, or the mesh's */
-    ddp__trace_started(g, c);
-    r = k->kind == DDP__BROADCAST_BYTES ? ddp__broadcast_bytes_run(g, b, k, c) : b->run(g, k, c);
-    ddp__trace_ended(g, c, r);
+    if (p2p) {
+        r = b->p2p_start ? b->run(g, k, c) : ddp__p2p_run(g, k, c); /* the backend's own, or the mesh's */
+    } else {
+        ddp__trace_started(g, c);
+        r = k->kind == DDP__BROADCAST_BYTES ? ddp__broadcast_bytes_run(g, b, k, c) : b->run(g, k, c);
+        ddp__trace_ended(g, c, r);
+    }
+    if (t0 > 0) {
+        double t1 = ddp__now();
+        ddp__timeline_coll(g, c, t0, t1, r);
+        if (times) times[0] = t0, times[1] = t1, times[2] = ddp__timeline_lane();
+    }
     return r;
 }
 
@@ -9375,9 +9942,9 @@ static ddp_result ddp__run_staged(ddp_group *g, const ddp__backend *b, const ddp
     ddp__devbuf_plan plan;
     ddp__call host_call;
     ddp_result r;
-    if (g->broken || !ddp__devbuf_wanted(g, k)) return ddp__run(g, b, k, c);
+    if (g->broken || !ddp__devbuf_wanted(g, k)) return ddp__run(g, b, k, c, NULL);
     if ((r = ddp__devbuf_stage(g, k, c, &host_call, &plan)) != DDP_SUCCESS) return r;
-    if ((r = ddp__run(g, b, &host_call, c)) != DDP_SUCCESS) return r;
+    if ((r = ddp__run(g, b, &host_call, c, NULL)) != DDP_SUCCESS) return r;
     return ddp__devbuf_unstage(g, c, &plan);
 }
 
@@ -9524,6 +10091,7 @@ static void ddp__fingerprint(ddp_group *g, const ddp__call *k, ddp__coll *c, int
     c->op = (uint8_t)(takes_op ? k->op : DDP__NO_OP);
     c->root = ddp__takes_root(k->kind) ? k->root : -1;
     c->tag = -1;
+    c->t_queued = 0; /* ddp__enqueue's, for the timeline */
     ddp__trace_queued(g, c, now);
 }
 
@@ -9538,6 +10106,7 @@ static const char *ddp__broken_message(const ddp_group *g, const ddp__call *k, c
 
 static void *ddp__progress_main(void *arg) {
     ddp_group *g = (ddp_group *)arg;
+    ddp__timeline_lane_progress(g);
     pthread_mutex_lock(&g->async.mu);
     for (;;) {
         ddp_work *w;
@@ -9550,7 +10119,7 @@ static void *ddp__progress_main(void *arg) {
             r = DDP_ERR_STATE;
             if (!ddp__is_p2p(w->call.kind)) ddp__trace_ended(g, &w->coll, r);
             ddp__broken_message(g, &w->call, w->error);
-        } else if ((r = ddp__run(g, g->backend, &w->call, &w->coll)) != DDP_SUCCESS) {
+        } else if ((r = ddp__run(g, g->backend, &w->call, &w->coll, w->times)) != DDP_SUCCESS) {
             snprintf(w->error, sizeof w->error, "%s", g->broken_msg);
         }
         pthread_mutex_lock(&g->async.mu);
@@ -9673,6 +10242,7 @@ static ddp_result ddp__enqueue(ddp_group *g, const ddp__call *k, const ddp__coll
     }
     if (p2p) w->coll = *p2p;
     else ddp__fingerprint(g, k, &w->coll, 0); /* under the lock: seq order is issue order */
+    if (ddp__timeline_on()) w->coll.t_queued = ddp__now();
     if (g->async.tail)
         g->async.tail->next = w;
     else
@@ -9729,9 +10299,12 @@ static ddp_result ddp__group_abort(ddp_group *g, ddp_result code, const char *ms
     return ddp__group_break(g, code, msg);
 }
 
-DDP_API ddp_result ddp_wait(ddp_work *w) {
+/* ddp_wait, also giving when the progress thread ran w (times: start and end, ddp__now; both 0 when the
+   timeline is off or another owner ran it, e.g. nccl's device work): the reducer's buckets on the timeline. */
+static ddp_result ddp__wait_times(ddp_work *w, double *times) {
     ddp_group *g;
     ddp_result r;
+    times[0] = times[1] = times[2] = 0;
     if (!w) return ddp__fail(NULL, DDP_ERR_INVALID_ARGUMENT, "ddp_wait: the work handle is NULL");
     if (!ddp__live_take(w, DDP__LIVE_WORK)) return ddp__spent_work("ddp_wait", w);
     g = w->g;
@@ -9748,8 +10321,14 @@ DDP_API ddp_result ddp_wait(ddp_work *w) {
     pthread_mutex_unlock(&g->async.mu);
     r = w->result;
     if (r) ddp__fail(g, r, "%s", w->error);
+    memcpy(times, w->times, sizeof w->times);
     ddp__free(w);
     return r;
+}
+
+DDP_API ddp_result ddp_wait(ddp_work *w) {
+    double times[3];
+    return ddp__wait_times(w, times);
 }
 
 DDP_API int ddp_test(ddp_work *w) {
@@ -14788,6 +15367,8 @@ static ddp_result ddp__setup_lost(ddp_group *g, int peer, const char *how) {
 }
 
 /* ddp_init for backend "mpi": everything comes from MPI_COMM_WORLD (mpi.c); no store, no sockets. */
+static ddp_result ddp__init_done(ddp_group *g, int nccl, const char *timeline, ddp_group **out);
+
 static ddp_result ddp__init_mpi(const ddp_init_desc *desc, ddp_group **out) {
     char err[DDP__ERR_MAX];
     int rank = 0, world = 1;
@@ -14809,8 +15390,7 @@ static ddp_result ddp__init_mpi(const ddp_init_desc *desc, ddp_group **out) {
     g->log_user = desc->log_user;
     ddp__log(g, DDP_LOG_INFO, "joined: rank %d of %d on the mpi backend (local rank %d of %d)", rank, world, g->local_rank,
              g->local_world_size);
-    *out = g;
-    return DDP_SUCCESS;
+    return ddp__init_done(g, 0, desc->timeline, out);
 }
 
 /* Join the store that torchrun's agent serves (TORCHELASTIC_USE_AGENT_STORE=True). Keys go under the
@@ -14831,13 +15411,92 @@ static ddp_result ddp__connect_agent_store(const ddp__launch *L, double timeout,
     return r;
 }
 
+/* ---- the timeline's clock (timeline.c writes the events; see its top) ----
+   A rank on rank 0's machine shares its CLOCK_REALTIME: the key is the boot id (network namespaces share
+   it). Any other rank (every rank with DDP_TIMELINE_SYNC=all) measures its clock against rank 0's, which
+   answers each such rank in turn, DDP__TL_SYNC_ROUNDS round trips each (a send of 0 and a reply of rank
+   0's clock): offset = rank 0's reply - the midpoint of the round trip, from the shortest round trip.
+   Collective; every rank agrees on the outcome (a rank that cannot create its file fails ddp_init
+   everywhere). */
+
+#define DDP__TL_SYNC_ROUNDS 8
+
+/* This machine's clock: a hash of its boot id (0 when unreadable: then it is measured) */
+static uint64_t ddp__clock_key(void) {
+    char id[128] = "";
+    FILE *f = fopen("/proc/sys/kernel/random/boot_id", "r");
+    if (f) {
+        if (!fgets(id, sizeof id, f)) id[0] = '\0';
+        fclose(f);
+    }
+    return id[0] ? ddp__hash(id) | 1 : 0;
+}
+
+/* This rank's clock minus rank 0's, in seconds (0 on rank 0 and wherever it is not measured). */
+static ddp_result ddp__timeline_offset(ddp_group *g, int sync_all, double *offset) {
+    uint64_t mine = ddp__clock_key(), *keys = (uint64_t *)ddp__calloc((size_t)g->world_size, sizeof *keys);
+    ddp_result r;
+    int j, round;
+    *offset = 0;
+    if (!keys) return ddp__fail(g, DDP_ERR_OUT_OF_MEMORY, "timeline: out of memory");
+    if ((r = ddp_all_gather(g, &mine, keys, 1, DDP_I64)) != DDP_SUCCESS) goto done;
+    for (j = 1; j < g->world_size && r == DDP_SUCCESS; j++) {
+        double best = -1;
+        if (!sync_all && keys[j] && keys[j] == keys[0]) continue; /* the same clock as rank 0 */
+        if (g->rank != 0 && g->rank != j) continue;
+        for (round = 0; round < DDP__TL_SYNC_ROUNDS && r == DDP_SUCCESS; round++) {
+            double t[2] = {0, 0}, sent, back;
+            if (g->rank == 0) {
+                if ((r = ddp_recv(g, t, 1, DDP_F64, j, 0)) == DDP_SUCCESS) {
+                    t[0] = ddp__wall_seconds();
+                    r = ddp_send(g, t, 1, DDP_F64, j, 0);
+                }
+                continue;
+            }
+            sent = ddp__wall_seconds();
+            if ((r = ddp_send(g, t, 1, DDP_F64, 0, 0)) == DDP_SUCCESS && (r = ddp_recv(g, t, 1, DDP_F64, 0, 0)) == DDP_SUCCESS) {
+                back = ddp__wall_seconds();
+                if (best < 0 || back - sent < best) {
+                    best = back - sent;
+                    *offset = (sent + back) / 2 - t[0];
+                }
+            }
+        }
+    }
+done:
+    ddp__free(keys);
+    return r;
+}
+
+/* Open this rank's timeline when DDP_TIMELINE or desc->timeline asks (the world group, after set-up). */
+static ddp_result ddp__timeline_start(ddp_group *g, const char *wanted) {
+    const char *path = wanted ? wanted : ddp__env("DDP_TIMELINE"), *sync = ddp__env("DDP_TIMELINE_SYNC");
+    double mono0, wall0, offset = 0, origin;
+    ddp_result r = DDP_SUCCESS;
+    if (!path || !*path) return DDP_SUCCESS;
+    if (sync && strcmp(sync, "all") != 0 && strcmp(sync, "auto") != 0)
+        return ddp__fail(g, DDP_ERR_INVALID_ARGUMENT, "DDP_TIMELINE_SYNC is \"%s\"; it is auto (measure the clocks of "
+                         "other machines only) or all", sync);
+    if (ddp__timeline_on()) { /* a second world group at the same time: its events go to the first's file */
+        ddp__log(g, DDP_LOG_WARN, "timeline: a timeline is already open in this process; this group's events go there");
+        return DDP_SUCCESS;
+    }
+    if (g->world_size > 1) r = ddp__timeline_offset(g, sync && !strcmp(sync, "all"), &offset);
+    wall0 = ddp__wall_seconds();
+    mono0 = ddp__now();
+    origin = wall0 - offset; /* rank 0's: every rank's clock counts from the moment rank 0 got here */
+    if (r == DDP_SUCCESS && g->world_size > 1) r = ddp_broadcast(g, &origin, 1, DDP_F64, 0);
+    if (r == DDP_SUCCESS) r = ddp__tl_open(g, path, mono0, wall0 - offset - origin);
+    return ddp__agree_outcome(g, r, "opening the timeline (DDP_TIMELINE)");
+}
+
 /* The last step of ddp_init. Backend "nccl": the connected group gets its communicator (nccl.c); when
    that fails (on every rank alike: the ranks agree on each step), the group is taken down in order. */
-static ddp_result ddp__init_done(ddp_group *g, int nccl, ddp_group **out) {
+static ddp_result ddp__init_done(ddp_group *g, int nccl, const char *timeline, ddp_group **out) {
     char msg[DDP__ERR_MAX];
     int rank = g->rank, world = g->world_size;
     ddp_result r;
-    if (nccl && (r = ddp__nccl_attach(g, NULL)) != DDP_SUCCESS) {
+    if ((nccl && (r = ddp__nccl_attach(g, NULL)) != DDP_SUCCESS) || (r = ddp__timeline_start(g, timeline)) != DDP_SUCCESS) {
         snprintf(msg, sizeof msg, "%s", g->error);
         ddp_destroy(g);
         return ddp__fail(NULL, r, "ddp_init (rank %d of %d): %s", rank, world, msg);
@@ -14927,7 +15586,7 @@ DDP_API ddp_result ddp_init(const ddp_init_desc *desc, ddp_group **out) {
     if (L.world_size == 1 && !L.file_path && !L.master_port) { /* alone: nothing to connect */
         g->local_rank = 0;
         g->local_world_size = 1;
-        return ddp__init_done(g, nccl, out);
+        return ddp__init_done(g, nccl, desc->timeline, out);
     }
     ddp__fd_prepare(g, L.world_size, L.rank); /* the soft limit on open files up to the hard one */
 
@@ -14983,7 +15642,7 @@ DDP_API ddp_result ddp_init(const ddp_init_desc *desc, ddp_group **out) {
     ddp__store_server_abort_key(g->member.store_server, NULL, NULL, NULL);
     ddp__log(g, DDP_LOG_INFO, "joined: rank %d of %d (local rank %d of %d)", g->rank, g->world_size, g->local_rank,
              g->local_world_size);
-    return ddp__init_done(g, nccl, out);
+    return ddp__init_done(g, nccl, desc->timeline, out);
 }
 
 /* Subgroups are listed on their parent in the order they were made, which is the same on every rank
@@ -15056,6 +15715,7 @@ DDP_API ddp_result ddp_destroy(ddp_group *g) {
             ddp__destroy_await_store(g);
         }
     }
+    ddp__timeline_close_of(g);
     ddp__group_free(g);
     return r ? r : subs;
 }
@@ -16085,7 +16745,8 @@ DDP_API ddp_result ddp_spawn(int nprocs, int (*fn)(int rank, int world_size, voi
 typedef struct ddp__launch_args {
     ddp__launch_env env;
     int standalone, port_given, help, nnodes_given, node_rank_given, run_id_given;
-    char **program; /* NULL-terminated argv of the program */
+    char timeline[900]; /* --timeline FILE ("" none) */
+    char **program;     /* NULL-terminated argv of the program */
 } ddp__launch_args;
 
 static const char ddp__launch_usage[] =
@@ -16117,7 +16778,13 @@ static const char ddp__launch_usage[] =
     "                        with more workers than CPUs nothing is bound. \"none\": never bind (use\n"
     "                        this when the program sets its own affinity or several jobs share the CPUs)\n"
     "  --no-python           accepted and ignored: ddprun always runs PROGRAM itself\n"
+    "  --timeline FILE       the workers write Chrome traces (DDP_TIMELINE) that ddprun merges into\n"
+    "                        FILE when the job ends, failed or not: open it in ui.perfetto.dev or\n"
+    "                        chrome://tracing (with --nnodes > 1 each node writes its ranks into its\n"
+    "                        own FILE; ddprun --merge-timeline joins the nodes' files)\n"
     "  -h, --help            this text\n"
+    "\n"
+    "ddprun --merge-timeline OUT IN...   merge timeline files (each rank's, or each node's) into OUT.\n"
     "\n"
     "Each worker gets RANK, LOCAL_RANK, WORLD_SIZE, LOCAL_WORLD_SIZE, GROUP_RANK (= node rank),\n"
     "GROUP_WORLD_SIZE (= nnodes), ROLE_RANK, ROLE_WORLD_SIZE, ROLE_NAME, MASTER_ADDR, MASTER_PORT,\n"
@@ -16244,6 +16911,7 @@ static ddp_result ddp__launch_apply(ddp__launch_args *a, const char *name, const
         return ddp__launch_copy(name, v, a->env.run_id, sizeof a->env.run_id, err);
     }
     if (!strcmp(name, "role")) return ddp__launch_copy(name, v, a->env.role, sizeof a->env.role, err);
+    if (!strcmp(name, "timeline")) return ddp__launch_copy(name, v, a->timeline, sizeof a->timeline, err);
     if (!strcmp(name, "cpu-bind")) {
         if (strcmp(v, "auto") && strcmp(v, "none"))
             return ddp__fail_to(err, DDP_ERR_INVALID_ARGUMENT, "--cpu-bind \"%s\": expected auto or none", v);
@@ -16259,7 +16927,7 @@ static int ddp__launch_is_switch(const char *name) {
 
 static int ddp__launch_takes_value(const char *name) {
     static const char *names[] = {"nproc-per-node", "nnodes", "node-rank", "master-addr", "master-port",
-                                  "max-restarts", "rdzv-id", "role", "cpu-bind"};
+                                  "max-restarts", "rdzv-id", "role", "cpu-bind", "timeline"};
     size_t i;
     for (i = 0; i < sizeof names / sizeof names[0]; i++)
         if (!strcmp(name, names[i])) return 1;
@@ -16527,6 +17195,60 @@ static void ddp__launch_trace_end(const char *dir, int own, int code) {
     rmdir(dir);
 }
 
+/* --timeline FILE: the workers' files go to a directory of ddprun's own beside FILE (DDP_TIMELINE=
+   DIR/rank%r.json); 1 when it made it (in dir). */
+static int ddp__launch_timeline_begin(const char *file, char *dir, size_t cap) {
+    const char *slash = strrchr(file, '/');
+    int n = slash ? snprintf(dir, cap, "%.*s/.ddprun_timeline.XXXXXX", (int)(slash - file), file)
+                  : snprintf(dir, cap, ".ddprun_timeline.XXXXXX");
+    char pattern[1100];
+    if (n <= 0 || (size_t)n >= cap || !mkdtemp(dir)) {
+        fprintf(stderr, "ddprun: --timeline %s: cannot make a directory beside it for the workers' files: %s\n", file,
+                strerror(errno));
+        dir[0] = '\0';
+        return 0;
+    }
+    snprintf(pattern, sizeof pattern, "%s/rank%%r.json", dir);
+    setenv("DDP_TIMELINE", pattern, 1);
+    return 1;
+}
+
+/* Merge this node's ranks' files (rank order) into FILE, then remove them and the directory. */
+static void ddp__launch_timeline_end(const ddp__launch_args *a, const char *file, const char *dir) {
+    int i, n = a->env.nproc, first = a->env.node_rank * a->env.nproc;
+    char **paths = (char **)ddp__calloc((size_t)n, sizeof *paths);
+    int ok = paths != NULL;
+    for (i = 0; ok && i < n; i++) {
+        if (!(paths[i] = (char *)ddp__malloc(strlen(dir) + 32))) ok = 0;
+        else sprintf(paths[i], "%s/rank%d.json", dir, first + i);
+    }
+    if (!ok) fprintf(stderr, "ddprun: --timeline: out of memory\n");
+    else if (ddp_timeline_merge(file, (const char *const *)paths, n) != DDP_SUCCESS)
+        fprintf(stderr, "ddprun: --timeline: %s\n", ddp_last_error(NULL));
+    else
+        fprintf(stderr, "ddprun: timeline of ranks %d..%d in %s (ui.perfetto.dev, chrome://tracing)\n", first, first + n - 1,
+                file);
+    for (i = 0; paths && i < n; i++) {
+        if (paths[i]) unlink(paths[i]);
+        ddp__free(paths[i]);
+    }
+    ddp__free(paths);
+    rmdir(dir);
+}
+
+/* ddprun --merge-timeline OUT IN...: exit 0 when OUT was written. */
+static int ddp__launch_merge_main(int argc, char **argv) {
+    if (argc < 4) {
+        fprintf(stderr, "ddprun: usage: ddprun --merge-timeline OUT IN...\n");
+        return 2;
+    }
+    if (ddp_timeline_merge(argv[2], (const char *const *)(argv + 3), argc - 3) != DDP_SUCCESS) {
+        fprintf(stderr, "ddprun: %s\n", ddp_last_error(NULL));
+        return 1;
+    }
+    return 0;
+}
+
 /* Start the group, restart it after failures while restarts are left; returns ddprun's exit code. */
 static int ddp__launch_run(ddp__launch_args *a, ddp__launch_group *lg) {
     char err[DDP__ERR_MAX], msg[DDP__ERR_MAX];
@@ -16559,8 +17281,9 @@ DDP_API int ddp_launcher_main(int argc, char **argv) {
     ddp__launch_args a;
     ddp__launch_group lg;
     struct sigaction old[DDP__LAUNCH_NFORWARDED], old_chld;
-    char err[DDP__ERR_MAX], trace_dir[512];
-    int code, trace_own;
+    char err[DDP__ERR_MAX], trace_dir[512], timeline_dir[1000];
+    int code, trace_own, timeline_own = 0;
+    if (argc > 1 && !strcmp(argv[1], "--merge-timeline")) return ddp__launch_merge_main(argc, argv);
     if (ddp__launch_parse(&a, argc, argv, err) != 0 || (!a.help && ddp__launch_validate(&a, err) != 0)) {
         fprintf(stderr, "ddprun: %s\nTry 'ddprun --help'.\n", err);
         return 2;
@@ -16588,10 +17311,15 @@ DDP_API int ddp_launcher_main(int argc, char **argv) {
         fprintf(stderr, "ddprun: out of memory for %d worker records\n", a.env.nproc);
         return 1;
     }
+    if (a.timeline[0] && !(timeline_own = ddp__launch_timeline_begin(a.timeline, timeline_dir, sizeof timeline_dir))) {
+        ddp__free(lg.w);
+        return 1;
+    }
     trace_own = ddp__launch_trace_begin(trace_dir, sizeof trace_dir);
     ddp__launch_catch(old);
     ddp__launch_sigchld_default(&old_chld);
     code = ddp__launch_run(&a, &lg);
+    if (timeline_own) ddp__launch_timeline_end(&a, a.timeline, timeline_dir);
     ddp__launch_trace_end(trace_dir, trace_own, code);
     ddp__launch_sigchld_restore(&old_chld);
     ddp__launch_uncatch(old);
@@ -16647,6 +17375,7 @@ typedef struct ddp__bucket {
     int slot;             /* zero_stage 2: the pool buffer that comm is, while the bucket holds one */
     int pending;          /* gradients still to come in this backward pass */
     ddp_work *work;       /* its all-reduce, while in flight */
+    double t_started;     /* when this pass started it (ddp__now; the timeline's reducer.bucket), 0 when off */
 } ddp__bucket;
 
 typedef struct ddp__layout {
@@ -16708,6 +17437,7 @@ struct ddp_reducer {
     ddp_work *ready_work; /* that all_gather, in flight from end_backward until the pass's timing is done */
     int ready_discard;    /* the pass in flight was a joined rank's shadow: nothing to account */
     double t_ready;       /* this pass: the last bucket started (this rank's gradients all there) */
+    double timed_pass;    /* the number of the pass that t_enter / t_done time (the timeline's reducer.wait) */
     double t_enter, t_done, wall_minus_mono; /* this pass: end_backward's entry and end; clock offset */
 
     ddp_reducer_statistics stats;
@@ -17278,12 +18008,6 @@ static ddp_result ddp__reducer_usable(ddp_reducer *r, const char *fn) {
    millisecond on a LAN), which bounds the split's error between hosts; within a host it is exact. A
    joined rank (uneven_inputs) takes part with 0 (never the last). */
 
-static double ddp__wall_seconds(void) {
-    struct timespec ts;
-    clock_gettime(CLOCK_REALTIME, &ts);
-    return (double)ts.tv_sec + (double)ts.tv_nsec * 1e-9;
-}
-
 /* The split of the pass that ended at r->t_done, given when the last rank was ready (monotonic). */
 static void ddp__timing_account(ddp_reducer *r, double t_last, int last_rank) {
     double wait = r->t_done - r->t_enter, straggler = DDP__MIN(t_last, r->t_done) - r->t_enter;
@@ -17293,6 +18017,13 @@ static void ddp__timing_account(ddp_reducer *r, double t_last, int last_rank) {
     r->stats.last_ready_rank = last_rank;
     r->stats.total_straggler_wait_seconds += straggler;
     r->stats.total_transfer_seconds += wait - straggler;
+    if (ddp__timeline_on()) { /* reducer.wait: the wait inside that pass's end_backward, split */
+        static const char *const names[4] = {"iteration", "straggler", "straggler_wait_us", "transfer_us"};
+        double values[4];
+        values[0] = r->timed_pass, values[1] = last_rank;
+        values[2] = straggler * 1e6, values[3] = (wait - straggler) * 1e6;
+        ddp__timeline_span("reducer.wait", r->t_enter, r->t_done, names, values, 4, NULL, NULL);
+    }
 }
 
 /* end_backward (and a joined rank's shadow pass, `shadow`): start the all_gather of ready times. */
@@ -17830,8 +18561,9 @@ static ddp_result ddp__bucket_start(ddp_reducer *r, ddp__bucket *k, void *data) 
 static ddp_result ddp__reducer_start_ready(ddp_reducer *r) {
     while (r->next_bucket < r->L.nbuckets && r->L.buckets[r->next_bucket].pending == 0) {
         ddp__bucket *k = &r->L.buckets[r->next_bucket];
-        ddp_result res = ddp__bucket_start(r, k, k->comm);
-        if (res) return r->failed = res;
+        ddp_result res;
+        k->t_started = ddp__timeline_on() ? ddp__now() : 0;
+        if ((res = ddp__bucket_start(r, k, k->comm)) != DDP_SUCCESS) return r->failed = res;
         if (!r->t_first_start) r->t_first_start = ddp__now();
         if (++r->next_bucket == r->L.nbuckets) r->t_ready = ddp__now();
     }
@@ -18015,9 +18747,17 @@ static ddp_result ddp__reducer_collect(ddp_reducer *r, ddp_work *used_work) {
     int b, j, find_unused = r->desc.find_unused_parameters;
     for (b = 0; b < r->L.nbuckets; b++) {
         ddp__bucket *k = &r->L.buckets[b];
+        double ran[3];
         if (!k->work) continue;
-        res = ddp_wait(k->work);
+        res = ddp__wait_times(k->work, ran);
         k->work = NULL;
+        if (ran[1] > 0 && k->t_started > 0) { /* the timeline: the bucket's collective, on the lane that ran it */
+            static const char *const names[3] = {"index", "bytes", "ready_us"};
+            double values[3];
+            values[0] = b, values[1] = (double)(k->count * ddp_dtype_size(k->comm_dtype));
+            values[2] = ran[0] > k->t_started ? (ran[0] - k->t_started) * 1e6 : 0;
+            ddp__timeline_span_on((int)ran[2], "reducer.bucket", ran[0], ran[1], names, values, 3, NULL, NULL);
+        }
         if (res && !first) {
             first = res;
             snprintf(why, sizeof why, "%s", ddp_last_error(r->g));
@@ -18054,6 +18794,16 @@ static ddp_result ddp__reducer_rebuild(ddp_reducer *r) {
     return DDP_SUCCESS;
 }
 
+/* The timeline's reducer.backward: this pass, from begin_backward to `end` (its reducer.wait follows
+   once the straggler is known: ddp__timing_account). */
+static void ddp__reducer_timeline_pass(const ddp_reducer *r, double end) {
+    static const char *const names[2] = {"iteration", "sync"};
+    double values[2];
+    if (!ddp__timeline_on()) return;
+    values[0] = (double)(r->stats.iterations + r->stats.local_iterations), values[1] = r->pass_sync;
+    ddp__timeline_span("reducer.backward", r->t_begin, end, names, values, 2, NULL, NULL);
+}
+
 DDP_API ddp_result ddp_reducer_end_backward(ddp_reducer *r) {
     ddp_result res = ddp__reducer_usable(r, "ddp_reducer_end_backward");
     ddp_work *used_work = NULL;
@@ -18066,6 +18816,7 @@ DDP_API ddp_result ddp_reducer_end_backward(ddp_reducer *r) {
     if (!r->pass_sync) {
         r->in_backward = 0;
         r->stats.local_iterations++;
+        ddp__reducer_timeline_pass(r, t_enter);
         return DDP_SUCCESS;
     }
     if (r->desc.find_unused_parameters) {
@@ -18100,7 +18851,9 @@ DDP_API ddp_result ddp_reducer_end_backward(ddp_reducer *r) {
     r->stats.total_wait_seconds += r->stats.wait_seconds;
     r->t_enter = t_enter;
     r->t_done = t_done;
+    r->timed_pass = (double)(r->stats.iterations + r->stats.local_iterations);
     r->wall_minus_mono = ddp__wall_seconds() - ddp__now();
+    ddp__reducer_timeline_pass(r, t_done);
     if ((res = ddp__timing_start(r, 0)) != DDP_SUCCESS) return res;
     if (r->rebuild_pending) return ddp__reducer_rebuild(r);
     return DDP_SUCCESS;
@@ -21628,10 +22381,13 @@ static void ddp__ck_async_settle(ddp_group *g);
 DDP_API ddp_result ddp_checkpoint_save_ex(ddp_group *g, const char *path, const ddp_tensor *t, int n, const ddp_meta *meta,
                                           const ddp_checkpoint_save_desc *desc) {
     ddp_result r = DDP_SUCCESS;
+    double t0 = ddp__timeline_on() ? ddp__now() : 0;
     if (g && !ddp__live_has(g, DDP__LIVE_GROUP)) return ddp__group_check(g, "ddp_checkpoint_save_ex");
     ddp__ck_async_settle(g); /* a background save in flight finishes first */
     if (ddp__ck_rank(g) == 0) r = ddp__ck_save_on_root(g, path, t, n, meta, desc, 0);
-    return ddp__agree_outcome(g, r, "checkpoint save");
+    r = ddp__agree_outcome(g, r, "checkpoint save");
+    if (t0 > 0) ddp__timeline_span("checkpoint.save", t0, ddp__now(), NULL, NULL, 0, "path", path ? path : "");
+    return r;
 }
 
 DDP_API ddp_result ddp_checkpoint_save(ddp_group *g, const char *path, const ddp_tensor *t, int n, const ddp_meta *meta) {
@@ -21722,9 +22478,12 @@ static void *ddp__ck_async_main(void *arg) {
     struct ddp__ck_async *a = (struct ddp__ck_async *)arg;
     ddp_result r = a->pre;
     ddp_work *w = a->work;
+    double t0 = ddp__timeline_on() ? ddp__now() : 0;
+    ddp__timeline_lane_saver();
     if (r != DDP_SUCCESS) ddp__fail(a->sub, r, "%s", a->pre_msg);
     else if (a->rank == 0) r = ddp__ck_save_on_root(a->sub, a->path, a->t, a->n, a->has_meta ? &a->meta : NULL, a->has_desc ? &a->desc : NULL, 1);
     r = ddp__agree_outcome(a->sub, r, DDP__CK_ASYNC_WHAT);
+    if (t0 > 0) ddp__timeline_span("checkpoint.save_async", t0, ddp__now(), NULL, NULL, 0, "path", a->path ? a->path : "");
     pthread_mutex_lock(&a->mu);
     w->result = r;
     if (r != DDP_SUCCESS) {

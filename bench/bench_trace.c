@@ -8,7 +8,8 @@
    two settings alternates. Prints the median over the rounds of the mean time per call for each and
    their difference. Then,
    on rank 0 alone, the recorder's own cost: the three transitions of one collective (queued, started,
-   done) called directly, in ns. Defaults: 41 rounds of 2000 calls. BENCH_TRACE_NULL=1 keeps the
+   done) called directly, in ns, and a timeline event's (src/timeline.c: what DDP_TIMELINE adds to a
+   collective), into a file under $TMPDIR. Defaults: 41 rounds of 2000 calls. BENCH_TRACE_NULL=1 keeps the
    recorder on in both halves (an A/A run: the difference it shows is the measurement's own noise). */
 #define DDP_IMPLEMENTATION
 #include "ddp.h"
@@ -53,6 +54,30 @@ static double recorder_ns(ddp_group *g) {
     return (bench_now() - t0) / n * 1e9;
 }
 
+/* ns for one timeline event of a collective (clock reads, formatting, the buffer's flag; the writes it
+   causes every 192 KiB included), into a file under $TMPDIR; -1 when it cannot be opened. */
+static double timeline_ns(ddp_group *g) {
+    ddp__coll c;
+    char path[512];
+    const char *tmp = getenv("TMPDIR");
+    int i, n = 1000000;
+    double t0, ns;
+    if (ddp__timeline_on()) return -1; /* DDP_TIMELINE is set: measure with it unset */
+    snprintf(path, sizeof path, "%s/bench_trace_timeline.%d.json", tmp ? tmp : "/tmp", (int)getpid());
+    if (ddp__tl_open(g, path, ddp__now(), 0) != DDP_SUCCESS) return -1;
+    memset(&c, 0, sizeof c);
+    c.kind = DDP__ALL_REDUCE, c.count = 1, c.dtype = DDP_F32, c.op = DDP_SUM, c.root = -1, c.seq = g->seq;
+    t0 = bench_now();
+    for (i = 0; i < n; i++, c.seq++) {
+        double s = ddp__now();
+        ddp__timeline_coll(g, &c, s, ddp__now(), DDP_SUCCESS);
+    }
+    ns = (bench_now() - t0) / n * 1e9;
+    ddp__timeline_close_of(g);
+    remove(path);
+    return ns;
+}
+
 int main(int argc, char **argv) {
     int rounds = argc > 1 ? atoi(argv[1]) : 41, iters = argc > 2 ? atoi(argv[2]) : 2000, r, n, i;
     double *on, *off, m_on, m_off;
@@ -92,6 +117,8 @@ int main(int argc, char **argv) {
         printf("recorder off (as DDP_TRACE_SIZE=0): median %.3f us per call\n", m_off * 1e6);
         printf("difference: %+.3f us per call (%+.1f %%)\n", (m_on - m_off) * 1e6, (m_on - m_off) / m_off * 100);
         printf("the recorder alone: %.1f ns per collective (queued + started + done)\n", recorder_ns(g));
+        printf("a timeline event (DDP_TIMELINE): %.1f ns per collective (2 clock reads, a formatted line, its share "
+               "of the writes)\n", timeline_ns(g));
     }
     free(on), free(off);
     return ddp_destroy(g) == DDP_SUCCESS ? 0 : 1;

@@ -573,10 +573,13 @@ static void ddp__ck_async_settle(ddp_group *g);
 DDP_API ddp_result ddp_checkpoint_save_ex(ddp_group *g, const char *path, const ddp_tensor *t, int n, const ddp_meta *meta,
                                           const ddp_checkpoint_save_desc *desc) {
     ddp_result r = DDP_SUCCESS;
+    double t0 = ddp__timeline_on() ? ddp__now() : 0;
     if (g && !ddp__live_has(g, DDP__LIVE_GROUP)) return ddp__group_check(g, "ddp_checkpoint_save_ex");
     ddp__ck_async_settle(g); /* a background save in flight finishes first */
     if (ddp__ck_rank(g) == 0) r = ddp__ck_save_on_root(g, path, t, n, meta, desc, 0);
-    return ddp__agree_outcome(g, r, "checkpoint save");
+    r = ddp__agree_outcome(g, r, "checkpoint save");
+    if (t0 > 0) ddp__timeline_span("checkpoint.save", t0, ddp__now(), NULL, NULL, 0, "path", path ? path : "");
+    return r;
 }
 
 DDP_API ddp_result ddp_checkpoint_save(ddp_group *g, const char *path, const ddp_tensor *t, int n, const ddp_meta *meta) {
@@ -667,9 +670,12 @@ static void *ddp__ck_async_main(void *arg) {
     struct ddp__ck_async *a = (struct ddp__ck_async *)arg;
     ddp_result r = a->pre;
     ddp_work *w = a->work;
+    double t0 = ddp__timeline_on() ? ddp__now() : 0;
+    ddp__timeline_lane_saver();
     if (r != DDP_SUCCESS) ddp__fail(a->sub, r, "%s", a->pre_msg);
     else if (a->rank == 0) r = ddp__ck_save_on_root(a->sub, a->path, a->t, a->n, a->has_meta ? &a->meta : NULL, a->has_desc ? &a->desc : NULL, 1);
     r = ddp__agree_outcome(a->sub, r, DDP__CK_ASYNC_WHAT);
+    if (t0 > 0) ddp__timeline_span("checkpoint.save_async", t0, ddp__now(), NULL, NULL, 0, "path", a->path ? a->path : "");
     pthread_mutex_lock(&a->mu);
     w->result = r;
     if (r != DDP_SUCCESS) {

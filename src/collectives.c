@@ -91,8 +91,11 @@ static ddp_result ddp__broadcast_bytes_run(ddp_group *g, const ddp__backend *b, 
 static int ddp__is_p2p(int kind) { return kind == DDP__SEND || kind == DDP__RECV; }
 
 /* Run k on backend b (point-to-point over the mesh, or MPI's own on the mpi backend). */
-static ddp_result ddp__run(ddp_group *g, const ddp__backend *b, const ddp__call *k, const ddp__coll *c) {
+/* times (NULL: not wanted): the run's start and end (ddp__now) and this thread's lane while the timeline is
+   on (else left alone: 0 from the work's calloc). */
+static ddp_result ddp__run(ddp_group *g, const ddp__backend *b, const ddp__call *k, const ddp__coll *c, double *times) {
     int p2p = ddp__is_p2p(k->kind);
+    double t0 = ddp__timeline_on() ? ddp__now() : 0;
     ddp_result r;
     DDP_ASSERT(k->root >= -1 && k->root < g->world_size); /* validated (-1: a call without a root) */
     if (g->broken) {
@@ -100,10 +103,18 @@ static ddp_result ddp__run(ddp_group *g, const ddp__backend *b, const ddp__call 
         return DDP_ERR_STATE;
     }
     g->mesh.waiting_for = -1;
-    if (p2p) return b->p2p_start ? b->run(g, k, c) : ddp__p2p_run(g, k, c); /* the backend's own, or the mesh's */
-    ddp__trace_started(g, c);
-    r = k->kind == DDP__BROADCAST_BYTES ? ddp__broadcast_bytes_run(g, b, k, c) : b->run(g, k, c);
-    ddp__trace_ended(g, c, r);
+    if (p2p) {
+        r = b->p2p_start ? b->run(g, k, c) : ddp__p2p_run(g, k, c); /* the backend's own, or the mesh's */
+    } else {
+        ddp__trace_started(g, c);
+        r = k->kind == DDP__BROADCAST_BYTES ? ddp__broadcast_bytes_run(g, b, k, c) : b->run(g, k, c);
+        ddp__trace_ended(g, c, r);
+    }
+    if (t0 > 0) {
+        double t1 = ddp__now();
+        ddp__timeline_coll(g, c, t0, t1, r);
+        if (times) times[0] = t0, times[1] = t1, times[2] = ddp__timeline_lane();
+    }
     return r;
 }
 
@@ -114,9 +125,9 @@ static ddp_result ddp__run_staged(ddp_group *g, const ddp__backend *b, const ddp
     ddp__devbuf_plan plan;
     ddp__call host_call;
     ddp_result r;
-    if (g->broken || !ddp__devbuf_wanted(g, k)) return ddp__run(g, b, k, c);
+    if (g->broken || !ddp__devbuf_wanted(g, k)) return ddp__run(g, b, k, c, NULL);
     if ((r = ddp__devbuf_stage(g, k, c, &host_call, &plan)) != DDP_SUCCESS) return r;
-    if ((r = ddp__run(g, b, &host_call, c)) != DDP_SUCCESS) return r;
+    if ((r = ddp__run(g, b, &host_call, c, NULL)) != DDP_SUCCESS) return r;
     return ddp__devbuf_unstage(g, c, &plan);
 }
 
@@ -263,6 +274,7 @@ static void ddp__fingerprint(ddp_group *g, const ddp__call *k, ddp__coll *c, int
     c->op = (uint8_t)(takes_op ? k->op : DDP__NO_OP);
     c->root = ddp__takes_root(k->kind) ? k->root : -1;
     c->tag = -1;
+    c->t_queued = 0; /* ddp__enqueue's, for the timeline */
     ddp__trace_queued(g, c, now);
 }
 
@@ -277,6 +289,7 @@ static const char *ddp__broken_message(const ddp_group *g, const ddp__call *k, c
 
 static void *ddp__progress_main(void *arg) {
     ddp_group *g = (ddp_group *)arg;
+    ddp__timeline_lane_progress(g);
     pthread_mutex_lock(&g->async.mu);
     for (;;) {
         ddp_work *w;
@@ -289,7 +302,7 @@ static void *ddp__progress_main(void *arg) {
             r = DDP_ERR_STATE;
             if (!ddp__is_p2p(w->call.kind)) ddp__trace_ended(g, &w->coll, r);
             ddp__broken_message(g, &w->call, w->error);
-        } else if ((r = ddp__run(g, g->backend, &w->call, &w->coll)) != DDP_SUCCESS) {
+        } else if ((r = ddp__run(g, g->backend, &w->call, &w->coll, w->times)) != DDP_SUCCESS) {
             snprintf(w->error, sizeof w->error, "%s", g->broken_msg);
         }
         pthread_mutex_lock(&g->async.mu);
@@ -412,6 +425,7 @@ static ddp_result ddp__enqueue(ddp_group *g, const ddp__call *k, const ddp__coll
     }
     if (p2p) w->coll = *p2p;
     else ddp__fingerprint(g, k, &w->coll, 0); /* under the lock: seq order is issue order */
+    if (ddp__timeline_on()) w->coll.t_queued = ddp__now();
     if (g->async.tail)
         g->async.tail->next = w;
     else
@@ -468,9 +482,12 @@ static ddp_result ddp__group_abort(ddp_group *g, ddp_result code, const char *ms
     return ddp__group_break(g, code, msg);
 }
 
-DDP_API ddp_result ddp_wait(ddp_work *w) {
+/* ddp_wait, also giving when the progress thread ran w (times: start and end, ddp__now; both 0 when the
+   timeline is off or another owner ran it, e.g. nccl's device work): the reducer's buckets on the timeline. */
+static ddp_result ddp__wait_times(ddp_work *w, double *times) {
     ddp_group *g;
     ddp_result r;
+    times[0] = times[1] = times[2] = 0;
     if (!w) return ddp__fail(NULL, DDP_ERR_INVALID_ARGUMENT, "ddp_wait: the work handle is NULL");
     if (!ddp__live_take(w, DDP__LIVE_WORK)) return ddp__spent_work("ddp_wait", w);
     g = w->g;
@@ -487,8 +504,14 @@ DDP_API ddp_result ddp_wait(ddp_work *w) {
     pthread_mutex_unlock(&g->async.mu);
     r = w->result;
     if (r) ddp__fail(g, r, "%s", w->error);
+    memcpy(times, w->times, sizeof w->times);
     ddp__free(w);
     return r;
+}
+
+DDP_API ddp_result ddp_wait(ddp_work *w) {
+    double times[3];
+    return ddp__wait_times(w, times);
 }
 
 DDP_API int ddp_test(ddp_work *w) {

@@ -109,6 +109,7 @@ typedef struct ddp_init_desc {
     ddp_log_level log_level; /* DDP_LOG_DEFAULT: DDP_LOG_LEVEL from the environment, else warn */
     ddp_log_fn log_fn;       /* NULL: stderr with a "[ddp rank N]" prefix */
     void *log_user;
+    const char *timeline;    /* NULL: DDP_TIMELINE; a path: each rank writes a Chrome trace there (ddp_timeline_begin) */
 } ddp_init_desc;
 
 /* ddp_init: join the process group. Collective: every rank of the world calls it.
@@ -129,6 +130,24 @@ DDP_API ddp_result ddp_init(const ddp_init_desc *desc, ddp_group **out);
    job fails, prints one line per rank: the last collective it finished and the one it was in, with the
    ranks behind flagged. The cost: a coarse clock read and a few stores per state change, ~15 ns on a
    0.22 us shared-memory all_reduce (bench/bench_trace.c). */
+/* The timeline (Horovod's HOROVOD_TIMELINE, torch's profiler): with DDP_TIMELINE=PATH (or desc.timeline)
+   each rank writes Chrome trace events (ui.perfetto.dev, chrome://tracing) into PATH with "%r" replaced by
+   its rank (without "%r": trace.json -> trace.rank0.json): every collective (named after its call, args
+   seq, count, dtype, bytes), the reducer's passes (reducer.backward), its buckets (reducer.bucket) and
+   the wait in end_backward with the straggler named (reducer.wait), checkpoint saves (checkpoint.save,
+   checkpoint.save_async) and the program's own ranges. pid = world rank, ts in us on rank 0's clock.
+   The file is valid JSON after every flush (at ddp_destroy of the world group, when a group breaks, on
+   SIGUSR1, and every 192 KiB). ddprun --timeline FILE merges a job's files into FILE.
+   ddp_timeline_begin / ddp_timeline_end: a range of the program's own on the calling thread's lane (they
+   nest, as NVTX's push / pop); no-ops returning DDP_SUCCESS when the timeline is off. end without a begin
+   on the same thread: DDP_ERR_STATE.
+   ddp_timeline_merge: the events of n timeline files (a rank's file; one cut short by a killed process
+   loses its unfinished line only; a missing one is left out with a warning) into one file at out,
+   written whole or not at all. Not collective. */
+DDP_API ddp_result ddp_timeline_begin(ddp_group *g, const char *name);
+DDP_API ddp_result ddp_timeline_end(ddp_group *g);
+DDP_API ddp_result ddp_timeline_merge(const char *out, const char *const *inputs, int n);
+
 /* ddp_destroy: finish outstanding async work, say goodbye to the peers, free the group.
    Collective on the group (all ranks call it). Subgroups made from g that are still alive are
    destroyed first (as torch's destroy_process_group()), in the order they were made; their pointers

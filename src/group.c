@@ -237,6 +237,8 @@ static ddp_result ddp__setup_lost(ddp_group *g, int peer, const char *how) {
 }
 
 /* ddp_init for backend "mpi": everything comes from MPI_COMM_WORLD (mpi.c); no store, no sockets. */
+static ddp_result ddp__init_done(ddp_group *g, int nccl, const char *timeline, ddp_group **out);
+
 static ddp_result ddp__init_mpi(const ddp_init_desc *desc, ddp_group **out) {
     char err[DDP__ERR_MAX];
     int rank = 0, world = 1;
@@ -258,8 +260,7 @@ static ddp_result ddp__init_mpi(const ddp_init_desc *desc, ddp_group **out) {
     g->log_user = desc->log_user;
     ddp__log(g, DDP_LOG_INFO, "joined: rank %d of %d on the mpi backend (local rank %d of %d)", rank, world, g->local_rank,
              g->local_world_size);
-    *out = g;
-    return DDP_SUCCESS;
+    return ddp__init_done(g, 0, desc->timeline, out);
 }
 
 /* Join the store that torchrun's agent serves (TORCHELASTIC_USE_AGENT_STORE=True). Keys go under the
@@ -280,13 +281,92 @@ static ddp_result ddp__connect_agent_store(const ddp__launch *L, double timeout,
     return r;
 }
 
+/* ---- the timeline's clock (timeline.c writes the events; see its top) ----
+   A rank on rank 0's machine shares its CLOCK_REALTIME: the key is the boot id (network namespaces share
+   it). Any other rank (every rank with DDP_TIMELINE_SYNC=all) measures its clock against rank 0's, which
+   answers each such rank in turn, DDP__TL_SYNC_ROUNDS round trips each (a send of 0 and a reply of rank
+   0's clock): offset = rank 0's reply - the midpoint of the round trip, from the shortest round trip.
+   Collective; every rank agrees on the outcome (a rank that cannot create its file fails ddp_init
+   everywhere). */
+
+#define DDP__TL_SYNC_ROUNDS 8
+
+/* This machine's clock: a hash of its boot id (0 when unreadable: then it is measured) */
+static uint64_t ddp__clock_key(void) {
+    char id[128] = "";
+    FILE *f = fopen("/proc/sys/kernel/random/boot_id", "r");
+    if (f) {
+        if (!fgets(id, sizeof id, f)) id[0] = '\0';
+        fclose(f);
+    }
+    return id[0] ? ddp__hash(id) | 1 : 0;
+}
+
+/* This rank's clock minus rank 0's, in seconds (0 on rank 0 and wherever it is not measured). */
+static ddp_result ddp__timeline_offset(ddp_group *g, int sync_all, double *offset) {
+    uint64_t mine = ddp__clock_key(), *keys = (uint64_t *)ddp__calloc((size_t)g->world_size, sizeof *keys);
+    ddp_result r;
+    int j, round;
+    *offset = 0;
+    if (!keys) return ddp__fail(g, DDP_ERR_OUT_OF_MEMORY, "timeline: out of memory");
+    if ((r = ddp_all_gather(g, &mine, keys, 1, DDP_I64)) != DDP_SUCCESS) goto done;
+    for (j = 1; j < g->world_size && r == DDP_SUCCESS; j++) {
+        double best = -1;
+        if (!sync_all && keys[j] && keys[j] == keys[0]) continue; /* the same clock as rank 0 */
+        if (g->rank != 0 && g->rank != j) continue;
+        for (round = 0; round < DDP__TL_SYNC_ROUNDS && r == DDP_SUCCESS; round++) {
+            double t[2] = {0, 0}, sent, back;
+            if (g->rank == 0) {
+                if ((r = ddp_recv(g, t, 1, DDP_F64, j, 0)) == DDP_SUCCESS) {
+                    t[0] = ddp__wall_seconds();
+                    r = ddp_send(g, t, 1, DDP_F64, j, 0);
+                }
+                continue;
+            }
+            sent = ddp__wall_seconds();
+            if ((r = ddp_send(g, t, 1, DDP_F64, 0, 0)) == DDP_SUCCESS && (r = ddp_recv(g, t, 1, DDP_F64, 0, 0)) == DDP_SUCCESS) {
+                back = ddp__wall_seconds();
+                if (best < 0 || back - sent < best) {
+                    best = back - sent;
+                    *offset = (sent + back) / 2 - t[0];
+                }
+            }
+        }
+    }
+done:
+    ddp__free(keys);
+    return r;
+}
+
+/* Open this rank's timeline when DDP_TIMELINE or desc->timeline asks (the world group, after set-up). */
+static ddp_result ddp__timeline_start(ddp_group *g, const char *wanted) {
+    const char *path = wanted ? wanted : ddp__env("DDP_TIMELINE"), *sync = ddp__env("DDP_TIMELINE_SYNC");
+    double mono0, wall0, offset = 0, origin;
+    ddp_result r = DDP_SUCCESS;
+    if (!path || !*path) return DDP_SUCCESS;
+    if (sync && strcmp(sync, "all") != 0 && strcmp(sync, "auto") != 0)
+        return ddp__fail(g, DDP_ERR_INVALID_ARGUMENT, "DDP_TIMELINE_SYNC is \"%s\"; it is auto (measure the clocks of "
+                         "other machines only) or all", sync);
+    if (ddp__timeline_on()) { /* a second world group at the same time: its events go to the first's file */
+        ddp__log(g, DDP_LOG_WARN, "timeline: a timeline is already open in this process; this group's events go there");
+        return DDP_SUCCESS;
+    }
+    if (g->world_size > 1) r = ddp__timeline_offset(g, sync && !strcmp(sync, "all"), &offset);
+    wall0 = ddp__wall_seconds();
+    mono0 = ddp__now();
+    origin = wall0 - offset; /* rank 0's: every rank's clock counts from the moment rank 0 got here */
+    if (r == DDP_SUCCESS && g->world_size > 1) r = ddp_broadcast(g, &origin, 1, DDP_F64, 0);
+    if (r == DDP_SUCCESS) r = ddp__tl_open(g, path, mono0, wall0 - offset - origin);
+    return ddp__agree_outcome(g, r, "opening the timeline (DDP_TIMELINE)");
+}
+
 /* The last step of ddp_init. Backend "nccl": the connected group gets its communicator (nccl.c); when
    that fails (on every rank alike: the ranks agree on each step), the group is taken down in order. */
-static ddp_result ddp__init_done(ddp_group *g, int nccl, ddp_group **out) {
+static ddp_result ddp__init_done(ddp_group *g, int nccl, const char *timeline, ddp_group **out) {
     char msg[DDP__ERR_MAX];
     int rank = g->rank, world = g->world_size;
     ddp_result r;
-    if (nccl && (r = ddp__nccl_attach(g, NULL)) != DDP_SUCCESS) {
+    if ((nccl && (r = ddp__nccl_attach(g, NULL)) != DDP_SUCCESS) || (r = ddp__timeline_start(g, timeline)) != DDP_SUCCESS) {
         snprintf(msg, sizeof msg, "%s", g->error);
         ddp_destroy(g);
         return ddp__fail(NULL, r, "ddp_init (rank %d of %d): %s", rank, world, msg);
@@ -376,7 +456,7 @@ DDP_API ddp_result ddp_init(const ddp_init_desc *desc, ddp_group **out) {
     if (L.world_size == 1 && !L.file_path && !L.master_port) { /* alone: nothing to connect */
         g->local_rank = 0;
         g->local_world_size = 1;
-        return ddp__init_done(g, nccl, out);
+        return ddp__init_done(g, nccl, desc->timeline, out);
     }
     ddp__fd_prepare(g, L.world_size, L.rank); /* the soft limit on open files up to the hard one */
 
@@ -432,7 +512,7 @@ DDP_API ddp_result ddp_init(const ddp_init_desc *desc, ddp_group **out) {
     ddp__store_server_abort_key(g->member.store_server, NULL, NULL, NULL);
     ddp__log(g, DDP_LOG_INFO, "joined: rank %d of %d (local rank %d of %d)", g->rank, g->world_size, g->local_rank,
              g->local_world_size);
-    return ddp__init_done(g, nccl, out);
+    return ddp__init_done(g, nccl, desc->timeline, out);
 }
 
 /* Subgroups are listed on their parent in the order they were made, which is the same on every rank
@@ -505,6 +585,7 @@ DDP_API ddp_result ddp_destroy(ddp_group *g) {
             ddp__destroy_await_store(g);
         }
     }
+    ddp__timeline_close_of(g);
     ddp__group_free(g);
     return r ? r : subs;
 }

@@ -12,6 +12,7 @@
        dtype, alloc             element types, reduction, conversions; ddp_alloc's arenas and heap blocks
        net, auth, store         sockets with deadlines; DDP_AUTH_TOKEN; the rendezvous key-value store
        trace                    the flight recorder, and the names of collectives in every message
+       timeline                 Chrome trace events (DDP_TIMELINE): collectives, reducer passes, saves, ranges
        link                     connections between ranks, made on first use; failures go up as codes
        transport                framed messages over the links, failure detection, breaking the group
                                 (the backends' abort slots); ddp_init's set-up lends it hooks to ask the store
@@ -226,6 +227,7 @@ static DDP__UNUSED ddp_log_level ddp__env_log_level(void);
 static DDP__UNUSED int ddp__env_int(const char *name, long lo, long hi, long *value, char *err);
 static DDP__UNUSED const char *ddp__env(const char *name); /* NULL when unset or empty */
 static DDP__UNUSED double ddp__now(void);                  /* monotonic seconds */
+static DDP__UNUSED double ddp__wall_seconds(void);         /* CLOCK_REALTIME seconds */
 static DDP__UNUSED void *ddp__malloc(size_t size);         /* NULL on failure; size 0 allowed */
 static DDP__UNUSED void *ddp__calloc(size_t n, size_t size);
 static DDP__UNUSED void ddp__free(void *p);
@@ -399,6 +401,7 @@ typedef struct ddp__coll {
     uint8_t op;     /* DDP__NO_OP when the collective takes none */
     int32_t root;   /* -1 when the collective has none; send / recv: the peer */
     int32_t tag;    /* send / recv: the message's tag; -1 for the collectives */
+    double t_queued; /* when an async call was queued (ddp__now), for the timeline; 0: not queued, or it is off */
 } ddp__coll;
 
 /* One call's arguments, for the synchronous path and the async queue alike. */
@@ -651,6 +654,7 @@ struct ddp_work {
     ddp_work *issued_prev, *issued_next; /* on g->async.issued until ddp_wait takes it (collectives.c) */
     const ddp__backend *owner; /* the backend that took it (enqueue), which waits for it; NULL: the progress thread */
     void *handle;              /* the owner's: nccl's CUDA event */
+    double times[3];           /* the progress thread's run: start, end (ddp__now) and its lane, for the timeline */
 };
 
 /* ---- link.c: connections made on first use ---- */
@@ -721,6 +725,9 @@ static DDP__UNUSED ddp_result ddp__sizes_differ(ddp_group *g, const ddp__coll *c
 /* Every rank's outcome of a multi-step call (checkpoints, ZeRO state): the first failure (lowest rank) is
    every rank's error, with its message; mine when g is NULL or of one rank. Collective. */
 static DDP__UNUSED ddp_result ddp__agree_outcome(ddp_group *g, ddp_result mine, const char *what);
+/* ddp_wait, giving when the progress thread ran w (times[0] start, times[1] end, ddp__now; times[2] its
+   timeline lane; all 0 when the timeline is off or the work was not the progress thread's) */
+static DDP__UNUSED ddp_result ddp__wait_times(ddp_work *w, double *times);
 /* Chunk i of `count` elements cut into n nearly equal parts (the first count % n get one more). */
 static DDP__UNUSED void ddp__chunk(size_t count, int n, int i, size_t *off, size_t *len);
 static DDP__UNUSED void *ddp__scratch(ddp_group *g, size_t bytes); /* g's staging memory; NULL when out of memory */
@@ -759,6 +766,24 @@ static DDP__UNUSED void ddp__trace_started(ddp_group *g, const ddp__coll *c); /*
 static DDP__UNUSED void ddp__trace_ended(ddp_group *g, const ddp__coll *c, ddp_result r); /* done or failed */
 /* ddp__group_break: mark what was in progress failed and write the recorder out (DDP_TRACE_DIR, else the log). */
 static DDP__UNUSED void ddp__trace_break(ddp_group *g, ddp_result code);
+
+/* ---- timeline.c: Chrome trace events (DDP_TIMELINE); every function is a no-op while it is off ---- */
+static DDP__UNUSED int ddp__timeline_on(void); /* callers skip their clock reads when it is off */
+/* group.c: open this rank's file; mono0 (ddp__now) lies `base` seconds after rank 0's open on rank 0's clock */
+static DDP__UNUSED ddp_result ddp__tl_open(ddp_group *g, const char *path, double mono0, double base);
+static DDP__UNUSED void ddp__timeline_close_of(const ddp_group *g); /* group.c: g ends (the world's closes the file) */
+static DDP__UNUSED void ddp__timeline_flush(void); /* a group broke */
+/* collectives.c: c ran from started to ended (ddp__now) with result r */
+static DDP__UNUSED void ddp__timeline_coll(ddp_group *g, const ddp__coll *c, double started, double ended, ddp_result r);
+/* a complete event with numeric args names[i] = values[i] and, when key, key = "value" (the reducer, checkpoints) */
+static DDP__UNUSED void ddp__timeline_span(const char *name, double start, double end, const char *const *names,
+                                           const double *values, int n, const char *key, const char *value);
+/* the same on lane `lane` (0: this thread's): an event of another thread's run (the reducer's buckets) */
+static DDP__UNUSED void ddp__timeline_span_on(int lane, const char *name, double start, double end, const char *const *names,
+                                              const double *values, int n, const char *key, const char *value);
+static DDP__UNUSED int ddp__timeline_lane(void); /* this thread's lane */
+static DDP__UNUSED void ddp__timeline_lane_saver(void);                   /* this thread is the async saver */
+static DDP__UNUSED void ddp__timeline_lane_progress(const ddp_group *g);  /* this thread is g's progress thread */
 
 /* ---- tcp.c: the algorithms over the mesh ---- */
 static DDP__UNUSED ddp_result ddp__tcp_run(ddp_group *g, const ddp__call *k, const ddp__coll *c);

@@ -892,7 +892,8 @@ DDP_API ddp_result ddp_spawn(int nprocs, int (*fn)(int rank, int world_size, voi
 typedef struct ddp__launch_args {
     ddp__launch_env env;
     int standalone, port_given, help, nnodes_given, node_rank_given, run_id_given;
-    char **program; /* NULL-terminated argv of the program */
+    char timeline[900]; /* --timeline FILE ("" none) */
+    char **program;     /* NULL-terminated argv of the program */
 } ddp__launch_args;
 
 static const char ddp__launch_usage[] =
@@ -924,7 +925,13 @@ static const char ddp__launch_usage[] =
     "                        with more workers than CPUs nothing is bound. \"none\": never bind (use\n"
     "                        this when the program sets its own affinity or several jobs share the CPUs)\n"
     "  --no-python           accepted and ignored: ddprun always runs PROGRAM itself\n"
+    "  --timeline FILE       the workers write Chrome traces (DDP_TIMELINE) that ddprun merges into\n"
+    "                        FILE when the job ends, failed or not: open it in ui.perfetto.dev or\n"
+    "                        chrome://tracing (with --nnodes > 1 each node writes its ranks into its\n"
+    "                        own FILE; ddprun --merge-timeline joins the nodes' files)\n"
     "  -h, --help            this text\n"
+    "\n"
+    "ddprun --merge-timeline OUT IN...   merge timeline files (each rank's, or each node's) into OUT.\n"
     "\n"
     "Each worker gets RANK, LOCAL_RANK, WORLD_SIZE, LOCAL_WORLD_SIZE, GROUP_RANK (= node rank),\n"
     "GROUP_WORLD_SIZE (= nnodes), ROLE_RANK, ROLE_WORLD_SIZE, ROLE_NAME, MASTER_ADDR, MASTER_PORT,\n"
@@ -1051,6 +1058,7 @@ static ddp_result ddp__launch_apply(ddp__launch_args *a, const char *name, const
         return ddp__launch_copy(name, v, a->env.run_id, sizeof a->env.run_id, err);
     }
     if (!strcmp(name, "role")) return ddp__launch_copy(name, v, a->env.role, sizeof a->env.role, err);
+    if (!strcmp(name, "timeline")) return ddp__launch_copy(name, v, a->timeline, sizeof a->timeline, err);
     if (!strcmp(name, "cpu-bind")) {
         if (strcmp(v, "auto") && strcmp(v, "none"))
             return ddp__fail_to(err, DDP_ERR_INVALID_ARGUMENT, "--cpu-bind \"%s\": expected auto or none", v);
@@ -1066,7 +1074,7 @@ static int ddp__launch_is_switch(const char *name) {
 
 static int ddp__launch_takes_value(const char *name) {
     static const char *names[] = {"nproc-per-node", "nnodes", "node-rank", "master-addr", "master-port",
-                                  "max-restarts", "rdzv-id", "role", "cpu-bind"};
+                                  "max-restarts", "rdzv-id", "role", "cpu-bind", "timeline"};
     size_t i;
     for (i = 0; i < sizeof names / sizeof names[0]; i++)
         if (!strcmp(name, names[i])) return 1;
@@ -1334,6 +1342,60 @@ static void ddp__launch_trace_end(const char *dir, int own, int code) {
     rmdir(dir);
 }
 
+/* --timeline FILE: the workers' files go to a directory of ddprun's own beside FILE (DDP_TIMELINE=
+   DIR/rank%r.json); 1 when it made it (in dir). */
+static int ddp__launch_timeline_begin(const char *file, char *dir, size_t cap) {
+    const char *slash = strrchr(file, '/');
+    int n = slash ? snprintf(dir, cap, "%.*s/.ddprun_timeline.XXXXXX", (int)(slash - file), file)
+                  : snprintf(dir, cap, ".ddprun_timeline.XXXXXX");
+    char pattern[1100];
+    if (n <= 0 || (size_t)n >= cap || !mkdtemp(dir)) {
+        fprintf(stderr, "ddprun: --timeline %s: cannot make a directory beside it for the workers' files: %s\n", file,
+                strerror(errno));
+        dir[0] = '\0';
+        return 0;
+    }
+    snprintf(pattern, sizeof pattern, "%s/rank%%r.json", dir);
+    setenv("DDP_TIMELINE", pattern, 1);
+    return 1;
+}
+
+/* Merge this node's ranks' files (rank order) into FILE, then remove them and the directory. */
+static void ddp__launch_timeline_end(const ddp__launch_args *a, const char *file, const char *dir) {
+    int i, n = a->env.nproc, first = a->env.node_rank * a->env.nproc;
+    char **paths = (char **)ddp__calloc((size_t)n, sizeof *paths);
+    int ok = paths != NULL;
+    for (i = 0; ok && i < n; i++) {
+        if (!(paths[i] = (char *)ddp__malloc(strlen(dir) + 32))) ok = 0;
+        else sprintf(paths[i], "%s/rank%d.json", dir, first + i);
+    }
+    if (!ok) fprintf(stderr, "ddprun: --timeline: out of memory\n");
+    else if (ddp_timeline_merge(file, (const char *const *)paths, n) != DDP_SUCCESS)
+        fprintf(stderr, "ddprun: --timeline: %s\n", ddp_last_error(NULL));
+    else
+        fprintf(stderr, "ddprun: timeline of ranks %d..%d in %s (ui.perfetto.dev, chrome://tracing)\n", first, first + n - 1,
+                file);
+    for (i = 0; paths && i < n; i++) {
+        if (paths[i]) unlink(paths[i]);
+        ddp__free(paths[i]);
+    }
+    ddp__free(paths);
+    rmdir(dir);
+}
+
+/* ddprun --merge-timeline OUT IN...: exit 0 when OUT was written. */
+static int ddp__launch_merge_main(int argc, char **argv) {
+    if (argc < 4) {
+        fprintf(stderr, "ddprun: usage: ddprun --merge-timeline OUT IN...\n");
+        return 2;
+    }
+    if (ddp_timeline_merge(argv[2], (const char *const *)(argv + 3), argc - 3) != DDP_SUCCESS) {
+        fprintf(stderr, "ddprun: %s\n", ddp_last_error(NULL));
+        return 1;
+    }
+    return 0;
+}
+
 /* Start the group, restart it after failures while restarts are left; returns ddprun's exit code. */
 static int ddp__launch_run(ddp__launch_args *a, ddp__launch_group *lg) {
     char err[DDP__ERR_MAX], msg[DDP__ERR_MAX];
@@ -1366,8 +1428,9 @@ DDP_API int ddp_launcher_main(int argc, char **argv) {
     ddp__launch_args a;
     ddp__launch_group lg;
     struct sigaction old[DDP__LAUNCH_NFORWARDED], old_chld;
-    char err[DDP__ERR_MAX], trace_dir[512];
-    int code, trace_own;
+    char err[DDP__ERR_MAX], trace_dir[512], timeline_dir[1000];
+    int code, trace_own, timeline_own = 0;
+    if (argc > 1 && !strcmp(argv[1], "--merge-timeline")) return ddp__launch_merge_main(argc, argv);
     if (ddp__launch_parse(&a, argc, argv, err) != 0 || (!a.help && ddp__launch_validate(&a, err) != 0)) {
         fprintf(stderr, "ddprun: %s\nTry 'ddprun --help'.\n", err);
         return 2;
@@ -1395,10 +1458,15 @@ DDP_API int ddp_launcher_main(int argc, char **argv) {
         fprintf(stderr, "ddprun: out of memory for %d worker records\n", a.env.nproc);
         return 1;
     }
+    if (a.timeline[0] && !(timeline_own = ddp__launch_timeline_begin(a.timeline, timeline_dir, sizeof timeline_dir))) {
+        ddp__free(lg.w);
+        return 1;
+    }
     trace_own = ddp__launch_trace_begin(trace_dir, sizeof trace_dir);
     ddp__launch_catch(old);
     ddp__launch_sigchld_default(&old_chld);
     code = ddp__launch_run(&a, &lg);
+    if (timeline_own) ddp__launch_timeline_end(&a, a.timeline, timeline_dir);
     ddp__launch_trace_end(trace_dir, trace_own, code);
     ddp__launch_sigchld_restore(&old_chld);
     ddp__launch_uncatch(old);

@@ -526,12 +526,6 @@ static ddp_result ddp__reducer_usable(ddp_reducer *r, const char *fn) {
    millisecond on a LAN), which bounds the split's error between hosts; within a host it is exact. A
    joined rank (uneven_inputs) takes part with 0 (never the last). */
 
-static double ddp__wall_seconds(void) {
-    struct timespec ts;
-    clock_gettime(CLOCK_REALTIME, &ts);
-    return (double)ts.tv_sec + (double)ts.tv_nsec * 1e-9;
-}
-
 /* The split of the pass that ended at r->t_done, given when the last rank was ready (monotonic). */
 static void ddp__timing_account(ddp_reducer *r, double t_last, int last_rank) {
     double wait = r->t_done - r->t_enter, straggler = DDP__MIN(t_last, r->t_done) - r->t_enter;
@@ -541,6 +535,13 @@ static void ddp__timing_account(ddp_reducer *r, double t_last, int last_rank) {
     r->stats.last_ready_rank = last_rank;
     r->stats.total_straggler_wait_seconds += straggler;
     r->stats.total_transfer_seconds += wait - straggler;
+    if (ddp__timeline_on()) { /* reducer.wait: the wait inside that pass's end_backward, split */
+        static const char *const names[4] = {"iteration", "straggler", "straggler_wait_us", "transfer_us"};
+        double values[4];
+        values[0] = r->timed_pass, values[1] = last_rank;
+        values[2] = straggler * 1e6, values[3] = (wait - straggler) * 1e6;
+        ddp__timeline_span("reducer.wait", r->t_enter, r->t_done, names, values, 4, NULL, NULL);
+    }
 }
 
 /* end_backward (and a joined rank's shadow pass, `shadow`): start the all_gather of ready times. */

@@ -48,8 +48,9 @@ static ddp_result ddp__bucket_start(ddp_reducer *r, ddp__bucket *k, void *data) 
 static ddp_result ddp__reducer_start_ready(ddp_reducer *r) {
     while (r->next_bucket < r->L.nbuckets && r->L.buckets[r->next_bucket].pending == 0) {
         ddp__bucket *k = &r->L.buckets[r->next_bucket];
-        ddp_result res = ddp__bucket_start(r, k, k->comm);
-        if (res) return r->failed = res;
+        ddp_result res;
+        k->t_started = ddp__timeline_on() ? ddp__now() : 0;
+        if ((res = ddp__bucket_start(r, k, k->comm)) != DDP_SUCCESS) return r->failed = res;
         if (!r->t_first_start) r->t_first_start = ddp__now();
         if (++r->next_bucket == r->L.nbuckets) r->t_ready = ddp__now();
     }
@@ -233,9 +234,17 @@ static ddp_result ddp__reducer_collect(ddp_reducer *r, ddp_work *used_work) {
     int b, j, find_unused = r->desc.find_unused_parameters;
     for (b = 0; b < r->L.nbuckets; b++) {
         ddp__bucket *k = &r->L.buckets[b];
+        double ran[3];
         if (!k->work) continue;
-        res = ddp_wait(k->work);
+        res = ddp__wait_times(k->work, ran);
         k->work = NULL;
+        if (ran[1] > 0 && k->t_started > 0) { /* the timeline: the bucket's collective, on the lane that ran it */
+            static const char *const names[3] = {"index", "bytes", "ready_us"};
+            double values[3];
+            values[0] = b, values[1] = (double)(k->count * ddp_dtype_size(k->comm_dtype));
+            values[2] = ran[0] > k->t_started ? (ran[0] - k->t_started) * 1e6 : 0;
+            ddp__timeline_span_on((int)ran[2], "reducer.bucket", ran[0], ran[1], names, values, 3, NULL, NULL);
+        }
         if (res && !first) {
             first = res;
             snprintf(why, sizeof why, "%s", ddp_last_error(r->g));
@@ -272,6 +281,16 @@ static ddp_result ddp__reducer_rebuild(ddp_reducer *r) {
     return DDP_SUCCESS;
 }
 
+/* The timeline's reducer.backward: this pass, from begin_backward to `end` (its reducer.wait follows
+   once the straggler is known: ddp__timing_account). */
+static void ddp__reducer_timeline_pass(const ddp_reducer *r, double end) {
+    static const char *const names[2] = {"iteration", "sync"};
+    double values[2];
+    if (!ddp__timeline_on()) return;
+    values[0] = (double)(r->stats.iterations + r->stats.local_iterations), values[1] = r->pass_sync;
+    ddp__timeline_span("reducer.backward", r->t_begin, end, names, values, 2, NULL, NULL);
+}
+
 DDP_API ddp_result ddp_reducer_end_backward(ddp_reducer *r) {
     ddp_result res = ddp__reducer_usable(r, "ddp_reducer_end_backward");
     ddp_work *used_work = NULL;
@@ -284,6 +303,7 @@ DDP_API ddp_result ddp_reducer_end_backward(ddp_reducer *r) {
     if (!r->pass_sync) {
         r->in_backward = 0;
         r->stats.local_iterations++;
+        ddp__reducer_timeline_pass(r, t_enter);
         return DDP_SUCCESS;
     }
     if (r->desc.find_unused_parameters) {
@@ -318,7 +338,9 @@ DDP_API ddp_result ddp_reducer_end_backward(ddp_reducer *r) {
     r->stats.total_wait_seconds += r->stats.wait_seconds;
     r->t_enter = t_enter;
     r->t_done = t_done;
+    r->timed_pass = (double)(r->stats.iterations + r->stats.local_iterations);
     r->wall_minus_mono = ddp__wall_seconds() - ddp__now();
+    ddp__reducer_timeline_pass(r, t_done);
     if ((res = ddp__timing_start(r, 0)) != DDP_SUCCESS) return res;
     if (r->rebuild_pending) return ddp__reducer_rebuild(r);
     return DDP_SUCCESS;

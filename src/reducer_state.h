@@ -44,6 +44,7 @@ typedef struct ddp__bucket {
     int slot;             /* zero_stage 2: the pool buffer that comm is, while the bucket holds one */
     int pending;          /* gradients still to come in this backward pass */
     ddp_work *work;       /* its all-reduce, while in flight */
+    double t_started;     /* when this pass started it (ddp__now; the timeline's reducer.bucket), 0 when off */
 } ddp__bucket;
 
 typedef struct ddp__layout {
@@ -105,6 +106,7 @@ struct ddp_reducer {
     ddp_work *ready_work; /* that all_gather, in flight from end_backward until the pass's timing is done */
     int ready_discard;    /* the pass in flight was a joined rank's shadow: nothing to account */
     double t_ready;       /* this pass: the last bucket started (this rank's gradients all there) */
+    double timed_pass;    /* the number of the pass that t_enter / t_done time (the timeline's reducer.wait) */
     double t_enter, t_done, wall_minus_mono; /* this pass: end_backward's entry and end; clock offset */
 
     ddp_reducer_statistics stats;

@@ -115,6 +115,7 @@ static ddp_result ddp__group_break_relaying(ddp_group *g, ddp_result code, const
         shutdown(p->fd, SHUT_WR);
     }
     ddp__trace_break(g, code); /* after the ABORTs: peers learn first, then this rank writes its recorder */
+    ddp__timeline_flush();  /* and its timeline: the events up to the break are on disk */
     return code;
 }
 

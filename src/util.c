@@ -129,6 +129,13 @@ static double ddp__now(void) {
     return (double)ts.tv_sec + (double)ts.tv_nsec * 1e-9;
 }
 
+/* CLOCK_REALTIME in seconds: comparable between processes (between machines as far as NTP keeps them) */
+static double ddp__wall_seconds(void) {
+    struct timespec ts;
+    clock_gettime(CLOCK_REALTIME, &ts);
+    return (double)ts.tv_sec + (double)ts.tv_nsec * 1e-9;
+}
+
 static void ddp__sleep(double seconds) {
     struct timespec ts;
     if (seconds <= 0) return;

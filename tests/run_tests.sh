@@ -10,10 +10,11 @@
 # ("SKIP name (<part>): <why>"), so what did not run is never counted as passed.
 # Each test's output goes to $BUILD/logs/NAME.log and is printed when it fails. Each test may run
 # TEST_TIMEOUT seconds (default 900; twice that for the sanitizer runs).
-# Ends with the ten slowest tests, the suite's wall time and, as the last line,
+# A few heavy tests that leave a core idle run side by side with another (TOGETHER below).
+# Ends with the ten slowest tests (wall and CPU seconds), the suite's wall time and, as the last line,
 # "N passed, N failed, N skipped"; exits 1 when any failed. tests/README.md lists every test.
 set -u
-cd "$(dirname "$0")/.."
+cd "$(dirname "$0")/.." || exit 1
 # `make test` runs this script with make's job server in MAKEFLAGS; the tests' own make calls start afresh
 unset MAKEFLAGS MFLAGS
 
@@ -26,7 +27,7 @@ QUICK="
   test_reducer_zero test_reducer_zero_ckpt
   test_sampler
   test_shm_alloc test_shm_cma test_spawn test_store test_syncbn test_syncbn_ranks test_tcp_algorithms
-  test_ddprun test_examples test_demo test_trace test_bench_scale test_cuda_devbuf test_cuda_checkpoint
+  test_ddprun test_examples test_demo test_trace test_timeline test_bench_scale test_cuda_devbuf test_cuda_checkpoint
 "
 FULL="
   test_compile test_faults test_cuda_kernels test_sanitizers test_sanitizers_thread test_valgrind test_fuzz
@@ -52,42 +53,64 @@ tier_of() {
 # CPU time (user + system) of the runner's finished children so far, in ms, into $cpu_ms: a test's share is
 # the difference around it (the processes it waited for), shown beside its wall time in the slowest list.
 # `times` runs in this shell (a $(...) subshell would count its own children), its output through a file.
-children_cpu_ms() {
-  times >"$BUILD/logs/.times"
-  cpu_ms=$(tail -n 1 "$BUILD/logs/.times" | awk '{ t = 0; for (i = 1; i <= 2; i++) { split($i, p, "m"); sub("s", "", p[2]);
+children_cpu_ms() {  # children_cpu_ms NAME (the file it goes through is NAME's: tests of a group run at once)
+  times >"$BUILD/logs/.times.$1"
+  cpu_ms=$(tail -n 1 "$BUILD/logs/.times.$1" | awk '{ t = 0; for (i = 1; i <= 2; i++) { split($i, p, "m"); sub("s", "", p[2]);
                                                     t += p[1] * 60 + p[2] } printf "%d\n", t * 1000 }')
 }
-run_one() {
-  local name=$1; shift
-  seen="$seen$name "
-  local tier; tier=$(tier_of "$name")
+# Tests that run side by side, a group a line: they share no files, ports or build directories, and each
+# group's members together keep about two cores busy where one alone leaves one idle (the sanitizer runs use
+# ~1.3 cores each; the current-torch chroot's Python, gpu-check's nvcc builds, MPI's and NCCL's builds one
+# each). A group starts when the runner reaches its first member; the others wait for it. CPU seconds
+# printed for a test are its own processes' either way.
+TOGETHER="
+  test_sanitizers test_sanitizers_thread
+  test_gpu_check test_interop_torch_current
+  test_mpi test_nccl
+"
+# selected NAME: does NAME run in this invocation (TESTS, TIER)? Says so when it is in no tier.
+selected() {
+  local tier; tier=$(tier_of "$1")
   if [ -n "${TESTS:-}" ]; then
-    [[ " $TESTS " == *" $name "* ]] || return
+    [[ " $TESTS " == *" $1 "* ]]
   else
-    [ "$tier" = unknown ] && echo "note: $name is in no tier in tests/run_tests.sh: it runs in the full tier only"
-    [ "$TIER" = quick ] && [ "$tier" != quick ] && return
+    [ "$tier" = unknown ] && echo "note: $1 is in no tier in tests/run_tests.sh: it runs in the full tier only"
+    ! { [ "$TIER" = quick ] && [ "$tier" != quick ]; }
   fi
-  local log="$BUILD/logs/$name.log" start end rc limit=$TIMEOUT
+}
+# command_of NAME: how NAME runs (its program, or its script), empty when it has neither
+command_of() {
+  if [ -x "$BUILD/$1" ] && [ -f "$BUILD/$1" ]; then echo "$BUILD/$1"
+  elif [ -f "tests/$1.sh" ]; then echo "bash tests/$1.sh"; fi
+}
+# exec_one NAME: run it under its time limit, its output into its log and "rc ms cpu_ms" into its result
+exec_one() {
+  local name=$1 log="$BUILD/logs/$1.log" start end rc limit=$TIMEOUT cpu0 cmd
+  cmd=$(command_of "$name")
   # the sanitizer runs build ~20 instrumented programs first: 6-12 minutes seen on a 2-core machine
   case $name in test_sanitizers*) limit=$((TIMEOUT * 2)) ;; esac
-  local cpu0 cpu1
-  children_cpu_ms; cpu0=$cpu_ms
+  children_cpu_ms "$name"; cpu0=$cpu_ms
   start=$(date +%s%N)
-  timeout --kill-after=10 "$limit" "$@" >"$log" 2>&1
+  # shellcheck disable=SC2086 # the command is a program path, or "bash" and a script path
+  timeout --kill-after=10 "$limit" $cmd >"$log" 2>&1
   rc=$?
   end=$(date +%s%N)
-  children_cpu_ms; cpu1=$cpu_ms
-  local ms=$(( (end - start) / 1000000 )) secs cpu
+  children_cpu_ms "$name"
+  rm -f "$BUILD/logs/.times.$name"
+  echo "$rc $(( (end - start) / 1000000 )) $(( cpu_ms - cpu0 ))" >"$BUILD/logs/$name.result"
+}
+# report_one NAME: its line (PASS, SKIP, FAIL with the log's end), the counters, the slowest list's entry
+report_one() {
+  local name=$1 log="$BUILD/logs/$1.log" rc ms cpu secs part
+  read -r rc ms cpu <"$BUILD/logs/$name.result"
   secs=$(printf '%d.%d' $((ms / 1000)) $(((ms % 1000) / 100)))
-  cpu=$(( (cpu1 - cpu0) / 1000 ))
-  times="$times$secs $name $cpu"$'\n'
-  if [ $rc -eq 0 ]; then
+  times="$times$secs $name $((cpu / 1000))"$'\n'
+  if [ "$rc" -eq 0 ]; then
     passed=$((passed + 1)); echo "PASS $name (${secs}s)"
-    local part
     while IFS= read -r part; do
       skipped=$((skipped + 1)); echo "SKIP $name (${part%%:*}):${part#*:}"
     done < <(sed -n 's/^SKIP-PART //p' "$log")
-  elif [ $rc -eq 77 ]; then
+  elif [ "$rc" -eq 77 ]; then
     skipped=$((skipped + 1)); echo "SKIP $name: $(tail -n 1 "$log")"
   else
     failed=$((failed + 1)); failures="$failures $name"
@@ -95,13 +118,33 @@ run_one() {
     tail -n 40 "$log" | sed 's/^/    /'
   fi
 }
+# group_of NAME: the members of NAME's TOGETHER line (NAME alone when it is in none)
+group_of() {
+  local line
+  while IFS= read -r line; do
+    [[ " $line " == *" $1 "* ]] && { echo $line; return; }
+  done <<<"$TOGETHER"
+  echo "$1"
+}
+run_one() {
+  local name=$1 members="" m
+  [[ "$seen" == *" $name "* ]] && return # ran with its group
+  for m in $(group_of "$name"); do
+    seen="$seen$m "
+    selected "$m" && [ -n "$(command_of "$m")" ] && members="$members $m"
+  done
+  [ -n "$members" ] || return
+  for m in $members; do exec_one "$m" & done
+  wait
+  for m in $members; do report_one "$m"; done
+}
 for t in "$BUILD"/test_*; do
   [ -x "$t" ] && [ -f "$t" ] || continue
-  run_one "$(basename "$t")" "$t"
+  run_one "$(basename "$t")"
 done
 for s in tests/test_*.sh; do
   [ -f "$s" ] || continue
-  run_one "$(basename "$s" .sh)" bash "$s"
+  run_one "$(basename "$s" .sh)"
 done
 for n in ${TESTS:-}; do
   [[ "$seen" == *" $n "* ]] && continue

@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # Several hosts on one machine: two network namespaces, two ranks in each. Ranks in different namespaces
-# count as different hosts, so the group talks TCP across the link between them. Three runs:
+# count as different hosts, so the group talks TCP across the link between them. Three runs (and a timeline
+# across the hosts after the first):
 #  1. a plain veth link: the full collectives test (every collective x dtype x op x count) passes, and so
 #     does tests/test_more_collectives.c (gather, scatter, all_to_all(_v), all_gather_v, ...);
 #  2. an impaired link, 5 ms delay each way + 1% loss + 10% of packets reordered (held 1-2 ms longer):
@@ -86,6 +87,23 @@ run_hosts() {
 
 run_hosts "plain veth link"
 run_hosts "plain veth link" "$more"
+
+# the timeline across the two hosts: every rank measures its clock against rank 0's over the link
+# (DDP_TIMELINE_SYNC=all; the namespaces share one clock, so the offsets must come out near 0), each host's
+# two files are merged, then the hosts' (ddprun --merge-timeline), and rank 0's broadcast (after 50 ms) must
+# start before it ends on the other three
+tl_job=$BUILD/timeline_job
+${CC:-cc} -std=c99 -Wall -Wextra -Werror -pedantic -O2 -g -pthread $SANFLAGS -I. -o "$tl_job" tests/progs/timeline_job.c -lm ||
+  fail "cannot build tests/progs/timeline_job.c"
+make -s BUILD="$BUILD" SAN="${SAN:-}" "$BUILD/ddprun" || fail "cannot build ddprun"
+RANK_ENV="DDP_TIMEOUT=60 DDP_TIMELINE=$T/tl_%r.json DDP_TIMELINE_SYNC=all" start_hosts "$T/tl" "$tl_job" bcast
+rc=0; for p in $PIDS; do wait "$p" || rc=1; done; PIDS=""
+[ $rc = 0 ] || { tail -n 5 "$T"/tl.*; fail "timeline_job bcast across two namespace hosts"; }
+"$BUILD/ddprun" --merge-timeline "$T/tl_a.json" "$T/tl_0.json" "$T/tl_1.json" &&
+  "$BUILD/ddprun" --merge-timeline "$T/tl_b.json" "$T/tl_2.json" "$T/tl_3.json" &&
+  "$BUILD/ddprun" --merge-timeline "$T/tl_all.json" "$T/tl_a.json" "$T/tl_b.json" || fail "merging the hosts' timelines"
+python3 tests/timeline_check.py "$T/tl_all.json" --ranks 4 --bcast-ordered || fail "the two hosts' timeline"
+ok "timeline across 2 hosts: clocks measured over the link, hosts merged, the broadcast in order"
 
 # ---- the impaired link: real netem, or the relay over TUN ----
 # NETEM_DELAY (ms), NETEM_LOSS and NETEM_REORDER (%) and NETEM_SEED change the impairments, for experiments

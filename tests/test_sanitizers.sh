@@ -3,7 +3,7 @@
 # LeakSanitizer, which runs at each rank's exit) and with ThreadSanitizer (the progress thread and
 # the store server thread); under ASan also the single-process tests below, and under both two scripts
 # (test_ddprun, test_examples) with their programs built with the sanitizer. Any report fails the run
-# (-fno-sanitize-recover, halt_on_error).
+# (-fno-sanitize-recover, halt_on_error). Two of the programs run again with DDP_TIMELINE set.
 # The large-count collective cases are skipped (TEST_QUICK): they run the same code as small ones.
 # SANITIZERS="address thread" picks which; this script runs ASan+UBSan by default, and
 # tests/test_sanitizers_thread.sh runs it for TSan (two tests, so each gets run_tests.sh's time limit).
@@ -28,6 +28,16 @@ for san in ${SANITIZERS:-address}; do
     echo "== $t under $san sanitizer"
     if [ "$t" = test_collectives ]; then build-$san/$t 1 2 3 4; else build-$san/$t; fi
   done
+  # the timeline (its buffer is shared by the program's thread, the progress thread and the saver) on the
+  # async collectives and the reducer's passes; each rank's last file must be valid
+  tl=$(mktemp -d)
+  for t in test_collectives test_reducer; do
+    echo "== $t with DDP_TIMELINE under $san sanitizer"
+    if [ "$t" = test_collectives ]; then DDP_TIMELINE=$tl/$t.%r.json build-$san/$t 2 3 >/dev/null
+    else DDP_TIMELINE=$tl/$t.%r.json build-$san/$t >/dev/null; fi
+    python3 tests/timeline_check.py "$tl/$t.0.json"
+  done
+  rm -rf "$tl"
   for t in $scripts; do
     echo "== $t (its programs under $san sanitizer)"
     BUILD=build-$san SAN=$san bash tests/$t.sh
