@@ -2392,6 +2392,10 @@ extern int gethostname(char *name, size_t len);
 #endif
 #if defined(__GLIBC__) && !defined(__USE_UNIX98) && !defined(__USE_XOPEN2K8)
 extern ssize_t pread(int fd, void *buf, size_t nbytes, off_t offset) DDP__OFF64(pread);
+extern ssize_t pwrite(int fd, const void *buf, size_t n, off_t offset) DDP__OFF64(pwrite);
+#endif
+#if defined(__GLIBC__) && !defined(__USE_XOPEN2K8)
+extern ssize_t getline(char **restrict lineptr, size_t *restrict n, FILE *restrict stream);
 #endif
 #if defined(__GLIBC__) && !defined(__USE_XOPEN_EXTENDED) && !defined(__USE_XOPEN2K)
 extern ssize_t readlink(const char *restrict path, char *restrict buf, size_t len);

@@ -244,7 +244,7 @@ def free_port():
         return s.getsockname()[1]
 
 
-def run_torch(workdir, variant, accum, seconds=40, attempts=6):
+def run_torch(workdir, variant, accum, seconds=25, attempts=6):
     """torch's side, the reference (a few seconds: 5-6 s for joinfail on the loaded 2-core machine). torch 1.13's
     gloo has been seen to leave a worker spinning after its peer finished (about once in five CI runs, fp16
     variant; four times in a row once, joinfail variant), and to abort a worker in C++ ("terminate called
