@@ -3047,7 +3047,9 @@ static DDP__UNUSED void ddp__trace_break(ddp_group *g, ddp_result code);
 static DDP__UNUSED int ddp__timeline_on(void); /* callers skip their clock reads when it is off */
 /* group.c: open this rank's file; mono0 (ddp__now) lies `base` seconds after rank 0's open on rank 0's clock */
 static DDP__UNUSED ddp_result ddp__tl_open(ddp_group *g, const char *path, double mono0, double base);
-static DDP__UNUSED void ddp__timeline_close_of(const ddp_group *g); /* group.c: g ends (the world's closes the file) */
+static DDP__UNUSED void ddp__timeline_close_of(const ddp_group *g);
+/* rank's file for a DDP_TIMELINE path (%r replaced, else .rank<R> before the extension); 0 if over cap */
+static DDP__UNUSED int ddp__tl_file_name(const char *path, int rank, char *out, size_t cap); /* group.c: g ends (the world's closes the file) */
 static DDP__UNUSED void ddp__timeline_flush(void); /* a group broke */
 /* collectives.c: c ran from started to ended (ddp__now) with result r */
 static DDP__UNUSED void ddp__timeline_coll(ddp_group *g, const ddp__coll *c, double started, double ended, ddp_result r);
@@ -3179,6 +3181,7 @@ static DDP__UNUSED ddp_result ddp__rdzv_check_abort(ddp_group *g, int *aborted);
 static DDP__UNUSED void ddp__rdzv_publish(ddp_group *g, ddp_result code);
 static DDP__UNUSED ddp_result ddp__rdzv_fail_all(ddp_group *g, ddp_result code);
 static DDP__UNUSED uint64_t ddp__host_key(void);
+static DDP__UNUSED void ddp__boot_id(char *out, size_t cap); /* "" when unreadable */
 static DDP__UNUSED unsigned long long ddp__node_key(void);
 static DDP__UNUSED int ddp__pid_gone(int pid, unsigned long long its_node, unsigned long long node);
 static DDP__UNUSED ddp_result ddp__rdzv_lost(ddp_group *g, int i, const ddp__record *r, const char *how);
@@ -14595,19 +14598,23 @@ static int ddp__table_parse(const char *line, ddp__record *rec, int i, int world
    noticed by the refused connection of the rank that dials them (link.c). */
 /* Ranks share memory only within one host and one network namespace (tests put "hosts" in
    namespaces on one machine; each namespace counts as a host). */
+/* This boot's id (/proc/sys/kernel/random/boot_id; "" when unreadable) into out: one machine, one clock. */
+static void ddp__boot_id(char *out, size_t cap) {
+    FILE *f = fopen("/proc/sys/kernel/random/boot_id", "r");
+    out[0] = '\0';
+    if (!f) return;
+    if (fgets(out, (int)cap, f) == NULL) out[0] = '\0';
+    fclose(f);
+}
+
 static uint64_t ddp__host_key(void) {
     char buf[512] = "", ns[128] = "";
-    FILE *f;
     ssize_t k = readlink("/proc/self/ns/net", ns, sizeof ns - 1);
     if (k > 0) ns[k] = '\0';
     gethostname(buf, 200);
     buf[200] = '\0';
     snprintf(buf + strlen(buf), sizeof buf - strlen(buf), "|%s|", ns);
-    if ((f = fopen("/proc/sys/kernel/random/boot_id", "r")) != NULL) {
-        size_t len = strlen(buf);
-        if (fgets(buf + len, (int)(sizeof buf - len), f) == NULL) buf[len] = '\0';
-        fclose(f);
-    }
+    ddp__boot_id(buf + strlen(buf), sizeof buf - strlen(buf));
     return ddp__hash(buf);
 }
 
@@ -15427,12 +15434,8 @@ static ddp_result ddp__connect_agent_store(const ddp__launch *L, double timeout,
 
 /* This machine's clock: a hash of its boot id (0 when unreadable: then it is measured) */
 static uint64_t ddp__clock_key(void) {
-    char id[128] = "";
-    FILE *f = fopen("/proc/sys/kernel/random/boot_id", "r");
-    if (f) {
-        if (!fgets(id, sizeof id, f)) id[0] = '\0';
-        fclose(f);
-    }
+    char id[128];
+    ddp__boot_id(id, sizeof id);
     return id[0] ? ddp__hash(id) | 1 : 0;
 }
 
@@ -17199,6 +17202,8 @@ static void ddp__launch_trace_end(const char *dir, int own, int code) {
     rmdir(dir);
 }
 
+#define DDP__LAUNCH_TIMELINE_FILE "rank%r.json" /* each worker's file in ddprun's directory (DDP_TIMELINE) */
+
 /* --timeline FILE: the workers' files go to a directory of ddprun's own beside FILE (DDP_TIMELINE=
    DIR/rank%r.json); 1 when it made it (in dir). */
 static int ddp__launch_timeline_begin(const char *file, char *dir, size_t cap) {
@@ -17212,7 +17217,7 @@ static int ddp__launch_timeline_begin(const char *file, char *dir, size_t cap) {
         dir[0] = '\0';
         return 0;
     }
-    snprintf(pattern, sizeof pattern, "%s/rank%%r.json", dir);
+    snprintf(pattern, sizeof pattern, "%s/%s", dir, DDP__LAUNCH_TIMELINE_FILE);
     setenv("DDP_TIMELINE", pattern, 1);
     return 1;
 }
@@ -17220,13 +17225,13 @@ static int ddp__launch_timeline_begin(const char *file, char *dir, size_t cap) {
 /* Merge this node's ranks' files (rank order) into FILE, then remove them and the directory. */
 static void ddp__launch_timeline_end(const ddp__launch_args *a, const char *file, const char *dir) {
     int i, n = a->env.nproc, first = a->env.node_rank * a->env.nproc;
-    char **paths = (char **)ddp__calloc((size_t)n, sizeof *paths);
+    char **paths = (char **)ddp__calloc((size_t)n, sizeof *paths), pattern[1100];
     int ok = paths != NULL;
-    for (i = 0; ok && i < n; i++) {
-        if (!(paths[i] = (char *)ddp__malloc(strlen(dir) + 32))) ok = 0;
-        else sprintf(paths[i], "%s/rank%d.json", dir, first + i);
-    }
-    if (!ok) fprintf(stderr, "ddprun: --timeline: out of memory\n");
+    snprintf(pattern, sizeof pattern, "%s/%s", dir, DDP__LAUNCH_TIMELINE_FILE); /* what the workers were given */
+    for (i = 0; ok && i < n; i++)
+        ok = (paths[i] = (char *)ddp__malloc(sizeof pattern + 16)) != NULL &&
+             ddp__tl_file_name(pattern, first + i, paths[i], sizeof pattern + 16);
+    if (!ok) fprintf(stderr, "ddprun: --timeline: out of memory or a path too long in %s\n", dir);
     else if (ddp_timeline_merge(file, (const char *const *)paths, n) != DDP_SUCCESS)
         fprintf(stderr, "ddprun: --timeline: %s\n", ddp_last_error(NULL));
     else

@@ -293,12 +293,8 @@ static ddp_result ddp__connect_agent_store(const ddp__launch *L, double timeout,
 
 /* This machine's clock: a hash of its boot id (0 when unreadable: then it is measured) */
 static uint64_t ddp__clock_key(void) {
-    char id[128] = "";
-    FILE *f = fopen("/proc/sys/kernel/random/boot_id", "r");
-    if (f) {
-        if (!fgets(id, sizeof id, f)) id[0] = '\0';
-        fclose(f);
-    }
+    char id[128];
+    ddp__boot_id(id, sizeof id);
     return id[0] ? ddp__hash(id) | 1 : 0;
 }
 

@@ -775,7 +775,9 @@ static DDP__UNUSED void ddp__trace_break(ddp_group *g, ddp_result code);
 static DDP__UNUSED int ddp__timeline_on(void); /* callers skip their clock reads when it is off */
 /* group.c: open this rank's file; mono0 (ddp__now) lies `base` seconds after rank 0's open on rank 0's clock */
 static DDP__UNUSED ddp_result ddp__tl_open(ddp_group *g, const char *path, double mono0, double base);
-static DDP__UNUSED void ddp__timeline_close_of(const ddp_group *g); /* group.c: g ends (the world's closes the file) */
+static DDP__UNUSED void ddp__timeline_close_of(const ddp_group *g);
+/* rank's file for a DDP_TIMELINE path (%r replaced, else .rank<R> before the extension); 0 if over cap */
+static DDP__UNUSED int ddp__tl_file_name(const char *path, int rank, char *out, size_t cap); /* group.c: g ends (the world's closes the file) */
 static DDP__UNUSED void ddp__timeline_flush(void); /* a group broke */
 /* collectives.c: c ran from started to ended (ddp__now) with result r */
 static DDP__UNUSED void ddp__timeline_coll(ddp_group *g, const ddp__coll *c, double started, double ended, ddp_result r);
@@ -907,6 +909,7 @@ static DDP__UNUSED ddp_result ddp__rdzv_check_abort(ddp_group *g, int *aborted);
 static DDP__UNUSED void ddp__rdzv_publish(ddp_group *g, ddp_result code);
 static DDP__UNUSED ddp_result ddp__rdzv_fail_all(ddp_group *g, ddp_result code);
 static DDP__UNUSED uint64_t ddp__host_key(void);
+static DDP__UNUSED void ddp__boot_id(char *out, size_t cap); /* "" when unreadable */
 static DDP__UNUSED unsigned long long ddp__node_key(void);
 static DDP__UNUSED int ddp__pid_gone(int pid, unsigned long long its_node, unsigned long long node);
 static DDP__UNUSED ddp_result ddp__rdzv_lost(ddp_group *g, int i, const ddp__record *r, const char *how);

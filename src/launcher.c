@@ -1342,6 +1342,8 @@ static void ddp__launch_trace_end(const char *dir, int own, int code) {
     rmdir(dir);
 }
 
+#define DDP__LAUNCH_TIMELINE_FILE "rank%r.json" /* each worker's file in ddprun's directory (DDP_TIMELINE) */
+
 /* --timeline FILE: the workers' files go to a directory of ddprun's own beside FILE (DDP_TIMELINE=
    DIR/rank%r.json); 1 when it made it (in dir). */
 static int ddp__launch_timeline_begin(const char *file, char *dir, size_t cap) {
@@ -1355,7 +1357,7 @@ static int ddp__launch_timeline_begin(const char *file, char *dir, size_t cap) {
         dir[0] = '\0';
         return 0;
     }
-    snprintf(pattern, sizeof pattern, "%s/rank%%r.json", dir);
+    snprintf(pattern, sizeof pattern, "%s/%s", dir, DDP__LAUNCH_TIMELINE_FILE);
     setenv("DDP_TIMELINE", pattern, 1);
     return 1;
 }
@@ -1363,13 +1365,13 @@ static int ddp__launch_timeline_begin(const char *file, char *dir, size_t cap) {
 /* Merge this node's ranks' files (rank order) into FILE, then remove them and the directory. */
 static void ddp__launch_timeline_end(const ddp__launch_args *a, const char *file, const char *dir) {
     int i, n = a->env.nproc, first = a->env.node_rank * a->env.nproc;
-    char **paths = (char **)ddp__calloc((size_t)n, sizeof *paths);
+    char **paths = (char **)ddp__calloc((size_t)n, sizeof *paths), pattern[1100];
     int ok = paths != NULL;
-    for (i = 0; ok && i < n; i++) {
-        if (!(paths[i] = (char *)ddp__malloc(strlen(dir) + 32))) ok = 0;
-        else sprintf(paths[i], "%s/rank%d.json", dir, first + i);
-    }
-    if (!ok) fprintf(stderr, "ddprun: --timeline: out of memory\n");
+    snprintf(pattern, sizeof pattern, "%s/%s", dir, DDP__LAUNCH_TIMELINE_FILE); /* what the workers were given */
+    for (i = 0; ok && i < n; i++)
+        ok = (paths[i] = (char *)ddp__malloc(sizeof pattern + 16)) != NULL &&
+             ddp__tl_file_name(pattern, first + i, paths[i], sizeof pattern + 16);
+    if (!ok) fprintf(stderr, "ddprun: --timeline: out of memory or a path too long in %s\n", dir);
     else if (ddp_timeline_merge(file, (const char *const *)paths, n) != DDP_SUCCESS)
         fprintf(stderr, "ddprun: --timeline: %s\n", ddp_last_error(NULL));
     else

@@ -153,19 +153,23 @@ static int ddp__table_parse(const char *line, ddp__record *rec, int i, int world
    noticed by the refused connection of the rank that dials them (link.c). */
 /* Ranks share memory only within one host and one network namespace (tests put "hosts" in
    namespaces on one machine; each namespace counts as a host). */
+/* This boot's id (/proc/sys/kernel/random/boot_id; "" when unreadable) into out: one machine, one clock. */
+static void ddp__boot_id(char *out, size_t cap) {
+    FILE *f = fopen("/proc/sys/kernel/random/boot_id", "r");
+    out[0] = '\0';
+    if (!f) return;
+    if (fgets(out, (int)cap, f) == NULL) out[0] = '\0';
+    fclose(f);
+}
+
 static uint64_t ddp__host_key(void) {
     char buf[512] = "", ns[128] = "";
-    FILE *f;
     ssize_t k = readlink("/proc/self/ns/net", ns, sizeof ns - 1);
     if (k > 0) ns[k] = '\0';
     gethostname(buf, 200);
     buf[200] = '\0';
     snprintf(buf + strlen(buf), sizeof buf - strlen(buf), "|%s|", ns);
-    if ((f = fopen("/proc/sys/kernel/random/boot_id", "r")) != NULL) {
-        size_t len = strlen(buf);
-        if (fgets(buf + len, (int)(sizeof buf - len), f) == NULL) buf[len] = '\0';
-        fclose(f);
-    }
+    ddp__boot_id(buf + strlen(buf), sizeof buf - strlen(buf));
     return ddp__hash(buf);
 }
 
