@@ -67,6 +67,7 @@ IMPLEMENTATION = [
     "src/launcher.c",       # [SECTION] launcher: ddp_spawn, ddprun
     "src/reducer_state.h",  # [SECTION] reducer-state: the Reducer's state, shared by its three pieces
     "src/reducer.c",        # [SECTION] reducer: DistributedDataParallel's Reducer: the model, finalize, buckets, timing
+    "src/reducer_fsdp.c",   # [SECTION] reducer-fsdp: FSDP units: zero_stage 3's gather pool and unit gradients
     "src/reducer_zero.c",   # [SECTION] reducer-zero: ZeRO stage 1 and 2: slices of the buckets, the comm pool
     "src/reducer_pass.c",   # [SECTION] reducer-pass: backward, between passes, uneven inputs (Join)
     "src/zero_state.c",     # [SECTION] zero-state: ZeRO-1 optimizer state consolidated on one rank, split back

@@ -182,6 +182,8 @@
                src/reducer_state.h
    [SECTION] reducer: DistributedDataParallel's Reducer: model check, buckets, overlapped all-reduce
                src/reducer.c
+   [SECTION] reducer-fsdp: FSDP units: ZeRO stage 3's gather pool, gathered parameters, unit gradients
+               src/reducer_fsdp.c
    [SECTION] reducer-zero: ZeRO stage 1 and 2 in the Reducer: slices of the buckets, the comm pool
                src/reducer_zero.c
    [SECTION] reducer-pass: the Reducer's passes: backward, between passes, uneven inputs (Join)
@@ -875,7 +877,13 @@ typedef struct ddp_reducer_desc {
     int zero_stage;               /* 0 = DDP (all-reduce); 1 = ZeRO-1: each rank gets the averaged gradients of
                                      its slices only and keeps optimizer state for them (see "ZeRO" above);
                                      2 = ZeRO-2: the same, and the reducer keeps only those slices of the
-                                     gradients (see "ZeRO stage 2" above) */
+                                     gradients (see "ZeRO stage 2" above); 3 = ZeRO-3 / FSDP FULL_SHARD: the
+                                     parameters too, gathered unit by unit (see "FSDP" below) */
+    ddp_dtype param_dtype;        /* zero_stage 3: the dtype of the gathered parameters and of the gradients the
+                                     program writes (FSDP2's MixedPrecisionPolicy.param_dtype: DDP_BF16 or DDP_F16);
+                                     DDP_DTYPE_DEFAULT: the parameters' own. The shards keep the registered dtype */
+    int prefetch;                 /* zero_stage 3: gathers in flight besides the unit in use; the pool holds
+                                     1 + prefetch units (FSDP2's implicit prefetch is 1, DeepSpeed's 2) */
 } ddp_reducer_desc;
 
 /* One piece of this rank's slice under zero_stage = 1 or 2 (see "ZeRO" above): elements
@@ -916,7 +924,15 @@ typedef struct ddp_reducer_statistics {
     double total_transfer_seconds;
     uint64_t gradient_bytes;       /* gradient memory the reducer holds on this rank now: its buckets and comm
                                       buffers, zero_stage's owned slices and staging, zero_stage 2's pool (not
-                                      the program's own gradient buffers, nor flat buckets, which are those) */
+                                      the program's own gradient buffers, nor flat buckets, which are those);
+                                      zero_stage 3: also the units' gradient buffers (ddp_fsdp_grad) */
+    /* zero_stage 3 (see "FSDP" below) */
+    uint64_t param_bytes_peak;     /* parameter memory the reducer held at most: the master shards and the
+                                      gathered unit buffers (the pool and the KEEP units'), not staging */
+    double gather_seconds;         /* sum over the units' all-gathers: from issue to their end */
+    double gather_wait_seconds;    /* sum of the time spent inside ddp_fsdp_wait: the gathering not hidden */
+    uint64_t unprefetched_waits;   /* ddp_fsdp_wait calls on a unit no ddp_fsdp_gather had started */
+    uint64_t gathers;              /* all-gathers of units issued */
 } ddp_reducer_statistics;
 
 /* ddp_reducer_create: a reducer for the gradients of one model replica on group g (every rank of g takes
@@ -1114,6 +1130,94 @@ DDP_API ddp_result ddp_reducer_consolidate_state(ddp_reducer *r, ddp_dtype t, in
    naming both numbers; DDP_ERR_STATE as above. */
 DDP_API ddp_result ddp_reducer_shard_state(ddp_reducer *r, ddp_dtype t, int nstates, const void *const *full,
                                            size_t full_count, void *const *shard_state, size_t shard_count);
+
+/* FSDP: ZeRO stage 3 (torch's FullyShardedDataParallel / fully_shard, DeepSpeed stage 3). zero_stage = 3
+   shards the parameters as stage 2 shards the gradients. The program groups its parameters into UNITS,
+   usually one per layer: ddp_fsdp_unit(r, name, flags) opens a unit, and the parameters registered after
+   it (ddp_reducer_add_param, grad = NULL) belong to it until the next ddp_fsdp_unit. Each unit is one
+   bucket (no cap-based cutting), so the slice rule is stage 1's: per = ceil(unit count / world), rank r
+   owns unit elements [r * per, min(count, (r + 1) * per)), in the unit's bucket order. At finalize rank
+   0's values are broadcast (as at every stage), each rank copies its slices into its MASTER SHARDS (the
+   registered dtype; ddp_shard.param_data points there) and the program may free its parameter memory.
+   Per rank, the reducer then holds: the master shards (~1/world of the model), the averaged gradient
+   slices (stage 2's), a pool of 1 + prefetch gather buffers of the largest unit, in param_dtype, and a
+   buffer of its own for each DDP_FSDP_KEEP unit (a root that stays gathered: tied embeddings). A step:
+       ddp_fsdp_wait(red, u[0]);                            // (gathers it: nothing was prefetched)
+       for (l = 0; l < L; l++) {                            // forward
+           if (l + 1 < L) ddp_fsdp_gather(red, u[l + 1]);   // prefetch: overlaps layer l's compute
+           layer_forward(l, ddp_fsdp_param(red, i_w[l]), ...);
+           if (l + 1 < L) ddp_fsdp_release(red, u[l]);      // the last stays for backward
+           if (l + 1 < L) ddp_fsdp_wait(red, u[l + 1]);
+       }
+       ddp_reducer_begin_backward(red);
+       for (l = L - 1; l >= 0; l--) {                       // backward, last unit first
+           ddp_fsdp_wait(red, u[l]);  if (l) ddp_fsdp_gather(red, u[l - 1]);
+           layer_backward(l, ddp_fsdp_param(red, i_w[l]), ddp_fsdp_grad(red, i_w[l]), ...);  // += into it
+           ddp_fsdp_grads_ready(red, u[l]);                 // x 1/world, reduce-scatter into the slice
+           ddp_fsdp_release(red, u[l]);
+       }
+       ddp_reducer_end_backward(red);                       // the slices hold the averaged gradients
+       n = ddp_reducer_shards(red, &sh);                    // optimizer on the master shards, as at stage 2
+   Rules:
+   - Gather and wait are collective: every rank gathers the same units in the same order. The unit is part
+     of the collective's fingerprint, so ranks that gather different units fail with DDP_ERR_MISMATCH
+     naming both (the same holds for the reduce-scatters): never a hang, never mixed data.
+   - ddp_fsdp_gather starts the unit's all-gather into a free pool buffer (the master slice cast to
+     param_dtype). With no free buffer it is DDP_ERR_STATE naming the units holding them, before any
+     collective starts: release a unit first, or raise prefetch. Gathering a unit that is gathered or in
+     flight does nothing. ddp_fsdp_wait waits for it (gathering it first if no gather was started: correct
+     without prefetch, only slower; statistics' unprefetched_waits counts these). ddp_fsdp_param(i) is
+     valid from the wait of i's unit to its release (NULL otherwise); ddp_fsdp_release gives the buffer
+     back (waiting for a gather still in flight). A DDP_FSDP_KEEP unit has its own buffer: release does
+     nothing, and it stays gathered until end_backward.
+   - ddp_fsdp_grad(i) (in a backward pass): where parameter i's gradient goes, in param_dtype (or the
+     registered dtype), zeroed at the unit's first ddp_fsdp_grad in the pass, so the program adds into it.
+     Gradient buffers come from a pool that grows by one buffer of the largest unit when every buffer is
+     taken (units whose gradients are computed at the same time); a KEEP unit's is its own. After
+     ddp_fsdp_grads_ready(u) the buffer is read (x 1/world, cast to comm_dtype, the reduce-scatter starts
+     when it is next in order, as stage 2's buckets) and goes back to the pool: do not write to it again.
+     A unit without ddp_fsdp_grads_ready in a pass is an error at end_backward naming its parameters, as
+     a missing gradient, unless find_unused_parameters (zeros from this rank; untouched if no rank used it).
+   - end_backward waits for the reduce-scatters and reshards EVERY unit (the pool is free again; the
+     optimizer step that follows changes the shards, so nothing gathered before it stays readable).
+   - no_sync (set_sync(r, 0)): every pass still reduce-scatters, and the averaged gradients of the passes
+     since the last synchronised one ACCUMULATE in the slices (FSDP2's default keeps unsharded gradients
+     instead: memory 1/world here, communication every micro-step); the synchronised pass adds its own,
+     then the optimizer runs. Not bit-identical to stages 0-2's no_sync, which sum before averaging.
+   - param_dtype DDP_BF16/DDP_F16: gathered parameters and ddp_fsdp_grad's buffers have that dtype; the
+     reduce-scatter runs in comm_dtype (default: the registered dtype, FSDP2's reduce_dtype = f32), the
+     master shards and ddp_reducer_shards' gradients keep the registered dtype.
+   - Host memory, on the cpu (shm, tcp, hier) and mpi backends. Refused (DDP_ERR_UNSUPPORTED) for now: the
+     nccl backend and device parameters, uneven_inputs (a joined rank would have to shadow the gathers),
+     gradient_as_bucket_view, ddp_reducer_gather_params (the units are gathered as they are used).
+   - Units at stages 0-2: ddp_fsdp_unit cuts the buckets there too (one bucket per unit, params registered
+     with their gradients as usual; no rebuild), so stage 3 can be compared with stage 2 bucket for bucket;
+     gather/wait/param/release/grad/grads_ready are stage 3's only.
+   - Memory (statistics): param_bytes_peak = the master shards (per elements of each unit, registered
+     dtype) + (1 + prefetch) gather buffers (world * per of the largest unit, param_dtype) + each KEEP
+     unit's (world * per, param_dtype); gradient_bytes = stage 2's (slices + its pool of 2) + the gradient
+     buffers (each the largest unit's count in param_dtype) + each KEEP unit's. */
+#define DDP_FSDP_KEEP 1 /* ddp_fsdp_unit flag: the unit stays gathered from its first wait to end_backward */
+
+/* ddp_fsdp_unit: open a unit (before finalize; any zero_stage, see above): the parameters registered next
+   belong to it. name is copied (messages name units by it). flags: 0 or DDP_FSDP_KEEP. Returns the unit's id
+   (0, 1, ... in order) or a negative ddp_result: DDP_ERR_INVALID_ARGUMENT (NULL or empty name, unknown
+   flags, the previous unit has no parameters), DDP_ERR_STATE after finalize. */
+DDP_API int ddp_fsdp_unit(ddp_reducer *r, const char *name, int flags);
+/* ddp_fsdp_gather: start unit's all-gather (collective; see the rules above). */
+DDP_API ddp_result ddp_fsdp_gather(ddp_reducer *r, int unit);
+/* ddp_fsdp_wait: unit's parameters are readable when it returns (gathers first if needed; collective then). */
+DDP_API ddp_result ddp_fsdp_wait(ddp_reducer *r, int unit);
+/* ddp_fsdp_param: where parameter index is while its unit is gathered (param_dtype); NULL otherwise. */
+DDP_API void *ddp_fsdp_param(ddp_reducer *r, int index);
+/* ddp_fsdp_release: unit's gather buffer goes back to the pool (a KEEP unit: nothing happens). */
+DDP_API ddp_result ddp_fsdp_release(ddp_reducer *r, int unit);
+/* ddp_fsdp_grad: where parameter index's gradient goes in this backward pass (zeroed at its unit's first
+   call in the pass); NULL outside a pass, for a bad index, or when out of memory (ddp_last_error says). */
+DDP_API void *ddp_fsdp_grad(ddp_reducer *r, int index);
+/* ddp_fsdp_grads_ready: every gradient of unit is written: scaled, reduce-scattered (asynchronously, in
+   bucket order) into this rank's slices. Once per unit and pass; DDP_ERR_STATE outside a pass or twice. */
+DDP_API ddp_result ddp_fsdp_grads_ready(ddp_reducer *r, int unit);
 
 /* ddp_reducer_destroy: wait for any all-reduce in flight and free the reducer. Not collective. NULL is a
    no-op. */
@@ -2667,6 +2771,10 @@ typedef enum ddp__coll_kind {
 } ddp__coll_kind;
 #define DDP__NO_OP 0xff
 
+/* ddp__coll.purpose: an FSDP unit's collective (reducer_fsdp.c), phase DDP__PHASE_*, unit >= 0. */
+enum { DDP__PHASE_GATHER = 1, DDP__PHASE_REDUCE = 2 };
+#define DDP__PURPOSE(phase, unit) ((uint32_t)(phase) << 24 | (uint32_t)((unit) + 1))
+
 typedef struct ddp__coll {
     uint64_t seq;   /* the group's collective number: 1 for its first (its own set-up included), never restarts */
     uint64_t count; /* the call's count (per rank for all_gather / reduce_scatter / gather / scatter / all_to_all;
@@ -2677,6 +2785,8 @@ typedef struct ddp__coll {
     uint8_t op;     /* DDP__NO_OP when the collective takes none */
     int32_t root;   /* -1 when the collective has none; send / recv: the peer */
     int32_t tag;    /* send / recv: the message's tag; -1 for the collectives */
+    uint32_t purpose; /* what the library issued it for (DDP__PURPOSE: an FSDP unit's gather or reduce-scatter),
+                         0 for the program's own calls: ranks that gather different units fail, never mix data */
     double t_queued; /* when an async call was queued (ddp__now), for the timeline; 0: not queued, or it is off */
 } ddp__coll;
 
@@ -2897,6 +3007,8 @@ struct ddp_group {
     uint64_t seq;        /* collectives issued so far (set-up included); carried in every message */
     uint64_t seq_base;   /* seq when ddp_init (or ddp_new_group) returned: messages number calls from it */
     uint64_t running_seq; /* seq of the collective running now (0 between collectives) */
+    uint32_t purpose;     /* the purpose the next collectives are fingerprinted with (ddp__coll.purpose); set
+                             around its calls by the library layer that issues them, 0 otherwise */
     ddp_result broken;   /* set once a collective failed: every later call fails with it */
     char broken_msg[DDP__ERR_MAX];
     void *scratch;       /* staging memory for the algorithms, grown on demand (one call runs at a time) */
@@ -3002,7 +3114,7 @@ static DDP__UNUSED ddp_result ddp__sizes_differ(ddp_group *g, const ddp__coll *c
    every rank's error, with its message; mine when g is NULL or of one rank. Collective. */
 static DDP__UNUSED ddp_result ddp__agree_outcome(ddp_group *g, ddp_result mine, const char *what);
 /* ddp_wait, giving when the progress thread ran w (times[0] start, times[1] end, ddp__now; times[2] its
-   timeline lane; all 0 when the timeline is off or the work was not the progress thread's) */
+   timeline lane, 0 while the timeline is off; all 0 when the work was not the progress thread's) */
 static DDP__UNUSED ddp_result ddp__wait_times(ddp_work *w, double *times);
 /* Chunk i of `count` elements cut into n nearly equal parts (the first count % n get one more). */
 static DDP__UNUSED void ddp__chunk(size_t count, int n, int i, size_t *off, size_t *len);
@@ -7306,8 +7418,17 @@ static const char *ddp__coll_name(int kind) {
 /* "all_reduce(count=1024, f32, sum) as collective #7". Numbers count from the end of the group's own
    set-up (g->seq_base, the same on every rank), so the program's first call is #1; a call of the set-up
    itself, in a failing ddp_init, shows its number within the set-up. */
+/* " for FSDP unit 5's all-gather" (see DDP__PURPOSE), or "" for a call the program made itself. */
+static const char *ddp__purpose_describe(uint32_t purpose, char *out, size_t cap) {
+    static const char *const phases[] = {"", "all-gather", "reduce-scatter"};
+    unsigned phase = purpose >> 24;
+    if (!purpose) return "";
+    snprintf(out, cap, " for FSDP unit %u's %s", (purpose & 0xffffffu) - 1, phase < 3 ? phases[phase] : "collective");
+    return out;
+}
+
 static void ddp__coll_describe(const ddp_group *g, const ddp__coll *c, char *out, size_t cap) {
-    char extra[48] = "";
+    char extra[48] = "", purpose[48];
     unsigned long long number = (unsigned long long)(c->seq - g->seq_base);
     if (c->kind == DDP__BARRIER || c->kind == DDP__MONITORED_BARRIER) {
         snprintf(out, cap, "%s() as collective #%llu", ddp__coll_name(c->kind), number);
@@ -7329,9 +7450,9 @@ static void ddp__coll_describe(const ddp_group *g, const ddp__coll *c, char *out
     }
     if (c->op != DDP__NO_OP) snprintf(extra, sizeof extra, ", %s", ddp_op_name((ddp_op)c->op));
     if (c->root >= 0) snprintf(extra + strlen(extra), sizeof extra - strlen(extra), ", root=%d", (int)c->root);
-    snprintf(out, cap, "%s(%s=%llu, %s%s) as collective #%llu", ddp__coll_name(c->kind),
+    snprintf(out, cap, "%s(%s=%llu, %s%s) as collective #%llu%s", ddp__coll_name(c->kind),
              c->kind == DDP__ALL_GATHER_V ? "total count" : "count", (unsigned long long)c->count,
-             ddp_dtype_name((ddp_dtype)c->dtype), extra, number);
+             ddp_dtype_name((ddp_dtype)c->dtype), extra, number, ddp__purpose_describe(c->purpose, purpose, sizeof purpose));
 }
 
 #define DDP__TRACE_DEFAULT 64
@@ -8692,12 +8813,12 @@ typedef struct ddp__frame {
     uint64_t seq, count;
     uint64_t bytes; /* payload that follows */
     int32_t code;   /* ABORT: the ddp_result */
-    uint32_t reserved;
+    uint32_t purpose; /* DATA: the call's ddp__coll.purpose */
 } ddp__frame;
 
 static int ddp__coll_equal(const ddp__coll *a, const ddp__frame *f) {
     return a->seq == f->seq && a->count == f->count && a->kind == f->coll && a->dtype == f->dtype && a->op == f->op &&
-           a->root == f->root;
+           a->root == f->root && a->purpose == f->purpose;
 }
 
 /* ---- breaking the group ---- */
@@ -8882,6 +9003,7 @@ static void ddp__frame_init(ddp__frame *f, const ddp_group *g, const ddp__coll *
     f->src = g->rank;
     f->seq = c->seq;
     f->count = c->count;
+    f->purpose = c->purpose;
     f->bytes = bytes;
 }
 
@@ -8896,6 +9018,7 @@ static ddp__coll ddp__frame_coll(const ddp__frame *f) {
     t.op = f->op;
     t.root = f->root;
     t.tag = -1;
+    t.purpose = f->purpose;
     return t;
 }
 
@@ -9915,11 +10038,11 @@ static ddp_result ddp__broadcast_bytes_run(ddp_group *g, const ddp__backend *b, 
 static int ddp__is_p2p(int kind) { return kind == DDP__SEND || kind == DDP__RECV; }
 
 /* Run k on backend b (point-to-point over the mesh, or MPI's own on the mpi backend). */
-/* times (NULL: not wanted): the run's start and end (ddp__now) and this thread's lane while the timeline is
-   on (else left alone: 0 from the work's calloc). */
+/* times (NULL: not wanted): the run's start and end (ddp__now) and this thread's timeline lane (0 while the
+   timeline is off). */
 static ddp_result ddp__run(ddp_group *g, const ddp__backend *b, const ddp__call *k, const ddp__coll *c, double *times) {
     int p2p = ddp__is_p2p(k->kind);
-    double t0 = ddp__timeline_on() ? ddp__now() : 0;
+    double t0 = times || ddp__timeline_on() ? ddp__now() : 0;
     ddp_result r;
     DDP_ASSERT(k->root >= -1 && k->root < g->world_size); /* validated (-1: a call without a root) */
     if (g->broken) {
@@ -9936,7 +10059,7 @@ static ddp_result ddp__run(ddp_group *g, const ddp__backend *b, const ddp__call 
     }
     if (t0 > 0) {
         double t1 = ddp__now();
-        ddp__timeline_coll(g, c, t0, t1, r);
+        if (ddp__timeline_on()) ddp__timeline_coll(g, c, t0, t1, r);
         if (times) times[0] = t0, times[1] = t1, times[2] = ddp__timeline_lane();
     }
     return r;
@@ -10098,6 +10221,7 @@ static void ddp__fingerprint(ddp_group *g, const ddp__call *k, ddp__coll *c, int
     c->op = (uint8_t)(takes_op ? k->op : DDP__NO_OP);
     c->root = ddp__takes_root(k->kind) ? k->root : -1;
     c->tag = -1;
+    c->purpose = g->purpose;
     c->t_queued = 0; /* ddp__enqueue's, for the timeline */
     ddp__trace_queued(g, c, now);
 }
@@ -10306,8 +10430,8 @@ static ddp_result ddp__group_abort(ddp_group *g, ddp_result code, const char *ms
     return ddp__group_break(g, code, msg);
 }
 
-/* ddp_wait, also giving when the progress thread ran w (times: start and end, ddp__now; both 0 when the
-   timeline is off or another owner ran it, e.g. nccl's device work): the reducer's buckets on the timeline. */
+/* ddp_wait, also giving when the progress thread ran w (times: start and end, ddp__now; both 0 when another
+   owner ran it, e.g. nccl's device work): the reducer's buckets on the timeline, FSDP's gather time. */
 static ddp_result ddp__wait_times(ddp_work *w, double *times) {
     ddp_group *g;
     ddp_result r;
@@ -11533,6 +11657,7 @@ typedef struct ddp__shm_stamp { /* which collective a rank called: written befor
     uint64_t seq, count;           /* seq last, with release: a reader that sees seq sees the rest */
     int32_t root;
     uint8_t kind, dtype, op, pad;
+    uint32_t purpose;
 } ddp__shm_stamp;
 
 typedef struct ddp__shm_fp { /* the fingerprint of one of this rank's collectives, at seq % DDP__SHM_FPS */
@@ -11540,7 +11665,7 @@ typedef struct ddp__shm_fp { /* the fingerprint of one of this rank's collective
     uint64_t lib;  /* arena offset of this rank's buffer, or DDP__SHM_NOT_LIB */
     uint64_t addr; /* its address in this rank's own address space, for CMA (0: not published) */
     uint64_t step; /* the step that published it (broadcast_bytes publishes twice under one seq) */
-    char line[16]; /* one cache line each */
+    char line[8];  /* one cache line each */
 } ddp__shm_fp;
 
 /* A ring slot begins with the stamp of the call whose data follows it, in the same cache line, so a
@@ -11598,12 +11723,14 @@ static void ddp__shm_stamp_write(ddp__shm_stamp *k, const ddp__coll *c) {
     k->kind = c->kind;
     k->dtype = c->dtype;
     k->op = c->op;
+    k->purpose = c->purpose;
     DDP__STORE(&k->seq, c->seq);
 }
 
 /* Does stamp k (read after its seq: acquire) describe collective c? */
 static int ddp__shm_stamp_is(const ddp__shm_stamp *k, uint64_t seq, const ddp__coll *c) {
-    return seq == c->seq && k->count == c->count && k->root == c->root && k->kind == c->kind && k->dtype == c->dtype && k->op == c->op;
+    return seq == c->seq && k->count == c->count && k->root == c->root && k->kind == c->kind && k->dtype == c->dtype && k->op == c->op &&
+           k->purpose == c->purpose;
 }
 
 /* Post: store the counter, then wake sleepers if there are any. The wake word is bumped only then, so
@@ -11640,6 +11767,7 @@ static ddp_result ddp__shm_check_fp(ddp_group *g, const ddp__coll *c, int j, int
     t.kind = k->kind;
     t.dtype = k->dtype;
     t.op = k->op;
+    t.purpose = k->purpose;
     ddp__coll_describe(g, c, ours, sizeof ours);
     ddp__coll_describe(g, &t, theirs, sizeof theirs);
     return ddp__coll_fail(g, DDP_ERR_MISMATCH, "collective mismatch: rank %d called %s while rank %d called %s; every "
@@ -13138,6 +13266,7 @@ static ddp_result ddp__mpi_check(ddp_group *g, const ddp__call *k, const ddp__co
     mine.dtype = c->dtype;
     mine.op = c->op;
     mine.root = c->root;
+    mine.purpose = c->purpose;
     h = ddp__hash_bytes(h, &mine, sizeof mine);
     for (i = 0; k->kind == DDP__ALL_GATHER_V && i < g->world_size; i++) {
         uint64_t v = (uint64_t)k->recv_counts[i];
@@ -17363,7 +17492,27 @@ typedef struct ddp__rtensor { /* a registered parameter or buffer */
     void *grad;  /* the program's gradient (plain mode); NULL for views and buffers */
     size_t count;
     ddp_dtype dtype;
+    int unit;    /* parameters: the FSDP unit it belongs to (ddp_fsdp_unit), -1 for none */
 } ddp__rtensor;
+
+/* An FSDP unit (reducer_fsdp.c): parameters registered together, one bucket, gathered as one. */
+enum { DDP__UNIT_SHARDED = 0, DDP__UNIT_GATHERING, DDP__UNIT_GATHERED }; /* its parameters' state */
+typedef struct ddp__unit {
+    char *name;
+    int flags;        /* DDP_FSDP_KEEP */
+    int first, n;     /* its parameters: params[first .. first + n) */
+    int bucket;       /* its bucket (set at finalize) */
+    int state;        /* DDP__UNIT_* */
+    void *gathered;   /* the gathered unit (param_dtype, world * per elements) while not SHARDED */
+    int slot;         /* the gather pool buffer it holds, -1 for none (a KEEP unit's buffer is its own) */
+    void *own;        /* zero_stage 3, KEEP: its own gather buffer; its own gradient buffer follows (grad_own) */
+    void *grad_own;
+    void *grad;       /* its gradient buffer in the current pass (NULL until ddp_fsdp_grad takes one) */
+    int grad_slot;    /* the gradient pool buffer that grad is, -1 for none or a KEEP unit's own */
+    int grads_done;   /* ddp_fsdp_grads_ready was called in this pass */
+    ddp_work *work;   /* its all-gather while in flight */
+    double t_issued;  /* when that was issued (statistics' gather_seconds) */
+} ddp__unit;
 
 typedef struct ddp__bucket {
     ddp_dtype dtype;      /* the gradients' */
@@ -17383,6 +17532,10 @@ typedef struct ddp__bucket {
                              when that has the same dtype); zero_stage 2: a pool buffer during gather_params */
     int slot;             /* zero_stage 2: the pool buffer that comm is, while the bucket holds one */
     int pending;          /* gradients still to come in this backward pass */
+    void *master;         /* zero_stage 3: this rank's slice of the parameters (per, the registered dtype): the
+                             master shard the optimizer steps (ddp_shard.param_data points into it) */
+    int unit;             /* the FSDP unit this bucket is, -1 for none */
+    size_t stash_at;      /* zero_stage 3 with find_unused: where the stash mirrors its owned slice */
     ddp_work *work;       /* its all-reduce, while in flight */
     double t_started;     /* when this pass started it (ddp__now; the timeline's reducer.bucket), 0 when off */
 } ddp__bucket;
@@ -17426,6 +17579,18 @@ struct ddp_reducer {
     int *pool_holder;  /* per pool buffer: the bucket that holds it, -1 when free */
     int npool, pool_room;
     size_t pool_bytes, pool_land; /* bytes per buffer; where the reduce-scatter lands under compression */
+    ddp__unit *units;  /* FSDP units (ddp_fsdp_unit), in registration order */
+    int nunits, cap_units;
+    void **gpool;      /* zero_stage 3: 1 + prefetch gather buffers of gpool_bytes, see reducer_fsdp.c */
+    int *gpool_holder; /* per gather buffer: the unit that holds it, -1 when free */
+    int ngpool;
+    size_t gpool_bytes;
+    void **gradpool;   /* zero_stage 3: gradient buffers of gradpool_bytes (room for one per unit) */
+    int *gradpool_holder;
+    int ngradpool;
+    size_t gradpool_bytes;
+    int accumulate;    /* zero_stage 3: this pass adds its averaged gradients to the slices (no_sync before) */
+    int pass_user_sync; /* zero_stage 3: the pass was begun under set_sync(1) (every pass reduce-scatters) */
     void *bstage;      /* staging for coalesced buffer broadcasts */
     size_t bstage_bytes;
 
@@ -17456,7 +17621,8 @@ struct ddp_reducer {
 static size_t ddp__reducer_n(const ddp_reducer *r) { return (size_t)(unsigned)r->nparams; } /* never negative */
 static int ddp__reducer_is_view(const ddp_reducer *r) { return r->desc.gradient_as_bucket_view; }
 static int ddp__reducer_zero(const ddp_reducer *r) { return r->desc.zero_stage != 0; }
-static int ddp__zero2(const ddp_reducer *r) { return r->desc.zero_stage == 2; }
+static int ddp__zero2(const ddp_reducer *r) { return r->desc.zero_stage >= 2; } /* gradients sharded: 2 and 3 */
+static int ddp__fsdp(const ddp_reducer *r) { return r->desc.zero_stage == 3; }  /* parameters sharded too */
 /* Gradients scaled and reduced in place in the bucket (a view without compression). */
 static int ddp__bucket_in_place(const ddp__bucket *b) { return b->storage != NULL && b->comm == b->storage; }
 static size_t ddp__tensor_bytes(const ddp__rtensor *t) { return t->count * ddp_dtype_size(t->dtype); }
@@ -17486,6 +17652,15 @@ static DDP__UNUSED ddp_result ddp__reducer_relayout(ddp_reducer *r, const int *w
 static DDP__UNUSED int ddp__zero_piece(const ddp_reducer *r, int i, size_t *lo, size_t *a, size_t *e);
 static DDP__UNUSED void ddp__zero_give_back(ddp_reducer *r, int i);
 static DDP__UNUSED ddp_result ddp__zero_gather_settle(ddp_reducer *r);
+
+/* ---- reducer_fsdp.c: FSDP units (for reducer_pass.c) ---- */
+static DDP__UNUSED ddp_dtype ddp__fsdp_dtype(const ddp_reducer *r, const ddp__bucket *k); /* gathered / unit grads */
+static DDP__UNUSED ddp_result ddp__fsdp_finalize(ddp_reducer *r);
+static DDP__UNUSED ddp_result ddp__fsdp_check(ddp_reducer *r, int unit, const char *fn);
+static DDP__UNUSED ddp_result ddp__fsdp_reshard_all(ddp_reducer *r);
+static DDP__UNUSED void *ddp__fsdp_grad_take(ddp_reducer *r, ddp__unit *u);
+static DDP__UNUSED void ddp__fsdp_grad_put_back(ddp_reducer *r, ddp__unit *u);
+static DDP__UNUSED void ddp__fsdp_free(ddp_reducer *r);
 
 #endif /* DDP__REDUCER_STATE_H */
 /* ==================== end src/reducer_state.h ==================== */
@@ -17540,13 +17715,32 @@ static DDP__UNUSED ddp_result ddp__zero_gather_settle(ddp_reducer *r);
 
 /* zero_stage: what is implemented, and the combinations refused (see "ZeRO" in reducer.h). */
 static ddp_result ddp__zero_check_desc(ddp_group *g, const ddp_reducer_desc *d) {
-    if (d->zero_stage < 0 || d->zero_stage > 2)
+    if (d->zero_stage < 0 || d->zero_stage > 3)
         return ddp__fail(g, DDP_ERR_INVALID_ARGUMENT, "ddp_reducer_create: zero_stage %d is not 0 (DDP), 1 (ZeRO-1: "
-                         "optimizer state sharded) or 2 (ZeRO-2)", d->zero_stage);
-    if (d->zero_stage == 2 && d->gradient_as_bucket_view)
-        return ddp__fail(g, DDP_ERR_INVALID_ARGUMENT, "ddp_reducer_create: zero_stage = 2 with gradient_as_bucket_view = 1 "
+                         "optimizer state sharded), 2 (ZeRO-2: gradients too) or 3 (ZeRO-3 / FSDP: parameters too)",
+                         d->zero_stage);
+    if (d->zero_stage >= 2 && d->gradient_as_bucket_view)
+        return ddp__fail(g, DDP_ERR_INVALID_ARGUMENT, "ddp_reducer_create: zero_stage = %d with gradient_as_bucket_view = 1 "
                          "is not supported: the buckets would have to hold every gradient, which is what ZeRO-2 frees; "
-                         "register your own gradient buffers (gradient_as_bucket_view = 0) or use zero_stage = 1");
+                         "register your own gradient buffers (gradient_as_bucket_view = 0) or use zero_stage = 1",
+                         d->zero_stage);
+    if (d->zero_stage != 3 && (d->param_dtype != DDP_DTYPE_DEFAULT || d->prefetch))
+        return ddp__fail(g, DDP_ERR_INVALID_ARGUMENT, "ddp_reducer_create: param_dtype and prefetch are zero_stage 3's (the "
+                         "gathered parameters); at zero_stage %d leave them 0", d->zero_stage);
+    if (d->zero_stage != 3) return DDP_SUCCESS;
+    if (d->param_dtype != DDP_DTYPE_DEFAULT && !(ddp__dtype_valid(d->param_dtype) && ddp__dtype_is_float(d->param_dtype)))
+        return ddp__fail(g, DDP_ERR_INVALID_ARGUMENT, "ddp_reducer_create: param_dtype %d is not DDP_DTYPE_DEFAULT or a "
+                         "floating dtype (DDP_BF16 or DDP_F16 for mixed precision)", (int)d->param_dtype);
+    if (d->prefetch < 0 || d->prefetch > 64)
+        return ddp__fail(g, DDP_ERR_INVALID_ARGUMENT, "ddp_reducer_create: prefetch %d is not 0 .. 64 (gathers in flight "
+                         "besides the unit in use)", d->prefetch);
+    if (d->uneven_inputs)
+        return ddp__fail(g, DDP_ERR_UNSUPPORTED, "ddp_reducer_create: zero_stage 3 with uneven_inputs is not supported: a "
+                         "rank without data would have to shadow every unit's gathers; end the epoch on every rank at "
+                         "the same step (ddp_sampler's drop_last, or a step count agreed with ddp_all_reduce)");
+    if (!strcmp(g->backend->family, "nccl"))
+        return ddp__fail(g, DDP_ERR_UNSUPPORTED, "ddp_reducer_create: zero_stage 3 runs on host memory (backends cpu and "
+                         "mpi); the nccl backend is not supported yet: use zero_stage 2 there");
     return DDP_SUCCESS;
 }
 
@@ -17596,6 +17790,7 @@ static ddp_result ddp__reducer_append(ddp_reducer *r, ddp__rtensor **arr, int *n
     e->grad = grad;
     e->count = count;
     e->dtype = t;
+    e->unit = -1;
     (*n)++;
     return DDP_SUCCESS;
 }
@@ -17641,15 +17836,28 @@ DDP_API ddp_result ddp_reducer_add_param(ddp_reducer *r, const char *name, void 
         return ddp__fail(r->g, DDP_ERR_INVALID_ARGUMENT, "ddp_reducer_add_param(\"%s\"): dtype %s has no gradients; "
                          "parameters are f32, f64, f16 or bf16 (register integer state with ddp_reducer_add_buffer)",
                          name, ddp_dtype_name(t));
+    if (ddp__fsdp(r) && grad)
+        return ddp__fail(r->g, DDP_ERR_INVALID_ARGUMENT, "ddp_reducer_add_param(\"%s\"): at zero_stage 3 gradients live in "
+                         "the units' buffers: pass grad = NULL and write them where ddp_fsdp_grad() points", name);
+    if (ddp__fsdp(r) && !r->nunits)
+        return ddp__fail(r->g, DDP_ERR_INVALID_ARGUMENT, "ddp_reducer_add_param(\"%s\"): at zero_stage 3 every parameter "
+                         "belongs to a unit: call ddp_fsdp_unit first", name);
     if (ddp__reducer_is_view(r) && grad)
         return ddp__fail(r->g, DDP_ERR_INVALID_ARGUMENT, "ddp_reducer_add_param(\"%s\"): with gradient_as_bucket_view the "
                          "gradient lives in the bucket: pass grad = NULL and write it where ddp_reducer_grad() points", name);
-    if (!ddp__reducer_is_view(r) && !grad)
+    if (!ddp__reducer_is_view(r) && !ddp__fsdp(r) && !grad)
         return ddp__fail(r->g, DDP_ERR_INVALID_ARGUMENT, "ddp_reducer_add_param(\"%s\"): the gradient pointer is NULL "
                          "(pass the gradient buffer, or set gradient_as_bucket_view)", name);
     if (r->nparams == INT_MAX / 2) return ddp__fail(r->g, DDP_ERR_INVALID_ARGUMENT, "ddp_reducer_add_param: too many parameters");
+    if (r->nunits && r->units[r->nunits - 1].n && t != r->params[r->units[r->nunits - 1].first].dtype)
+        return ddp__fail(r->g, DDP_ERR_INVALID_ARGUMENT, "ddp_reducer_add_param(\"%s\"): dtype %s in unit \"%s\", whose "
+                         "parameters are %s: a unit is one bucket of one dtype; open another unit for it", name,
+                         ddp_dtype_name(t), r->units[r->nunits - 1].name,
+                         ddp_dtype_name(r->params[r->units[r->nunits - 1].first].dtype));
     if ((res = ddp__reducer_append(r, &r->params, &r->nparams, &r->cap_params, name, param, grad, count, t)) != DDP_SUCCESS)
         return res;
+    r->params[r->nparams - 1].unit = r->nunits - 1;
+    if (r->nunits) r->units[r->nunits - 1].n++;
     if (index) *index = r->nparams - 1;
     return DDP_SUCCESS;
 }
@@ -17736,8 +17944,9 @@ static ddp_result ddp__reducer_name_mismatch(ddp_reducer *r, const uint64_t *pri
         return res;
     }
     snprintf(msg, sizeof msg, "ddp_reducer_finalize: the ranks registered different models (rank 0: %llu parameters and "
-             "%llu buffers, this rank %d: %d and %d), and the order of entries differs nowhere that a record shows; "
-             "register the same parameters and buffers (names, counts, dtypes) in the same order on every rank",
+             "%llu buffers, this rank %d: %d and %d), and the order of entries differs nowhere that a record shows: "
+             "the FSDP units (ddp_fsdp_unit: where each starts, its flags) may differ; register the same units, "
+             "parameters and buffers (names, counts, dtypes) in the same order on every rank",
              (unsigned long long)prints[1], (unsigned long long)prints[2], ddp_rank(g), r->nparams, r->nbuffers);
     for (j = 0; j < n; j++) {
         const ddp__model_record *ref = &all[j];
@@ -17775,6 +17984,11 @@ static ddp_result ddp__reducer_verify(ddp_reducer *r) {
     mine[4] = (uint64_t)r->desc.zero_stage;
     for (i = 0; i < r->nparams; i++) mine[3] = ddp__rtensor_hash(mine[3], &r->params[i]);
     for (i = 0; i < r->nbuffers; i++) mine[3] = ddp__rtensor_hash(mine[3] ^ 0x9e3779b97f4a7c15ull, &r->buffers[i]);
+    for (i = 0; i < r->nunits; i++) { /* the units: where each starts, and its flags */
+        uint64_t unit[2];
+        unit[0] = (uint64_t)r->units[i].first, unit[1] = (uint64_t)r->units[i].flags;
+        mine[3] = ddp__hash_bytes(mine[3] ^ 0x51ed270b27d3a5c1ull, unit, sizeof unit);
+    }
     all = (uint64_t *)ddp__calloc((size_t)world * DDP__VERIFY_FIELDS, sizeof *all);
     if (!all) return ddp__fail(g, DDP_ERR_OUT_OF_MEMORY, "ddp_reducer_finalize: out of memory");
     if ((res = ddp_all_gather(g, mine, all, DDP__VERIFY_FIELDS, DDP_I64)) != DDP_SUCCESS) {
@@ -17868,6 +18082,7 @@ static void ddp__layout_free(ddp_reducer *r, ddp__layout *L) {
         ddp__bucket *k = &L->buckets[b];
         if (k->gather && k->gather != k->comm && !ddp__zero2(r)) r->ops->release(r->g, k->gather);
         if (k->owned) r->ops->release(r->g, k->owned);
+        if (k->master) r->ops->release(r->g, k->master);
         if (k->comm && k->comm != k->storage && !ddp__zero2(r)) r->ops->release(r->g, k->comm); /* 2: the pool's */
         if (k->storage && !k->flat) r->ops->release(r->g, k->storage);
     }
@@ -17900,12 +18115,14 @@ static ddp_result ddp__layout_assign(ddp_reducer *r, const int *walk, ddp__layou
         int t = (int)p->dtype;
         size_t limit = seen[t] ? r->desc.bucket_cap_bytes : r->desc.first_bucket_bytes;
         ddp__bucket *k;
+        if (p->unit >= 0 && open[t] >= 0 && L->buckets[open[t]].unit != p->unit) open[t] = -1; /* a unit: a bucket */
         if (open[t] < 0) {
             open[t] = L->nbuckets++;
             filled[t] = 0;
             k = &L->buckets[open[t]];
             k->dtype = p->dtype;
             k->comm_dtype = r->desc.comm_dtype == DDP_DTYPE_DEFAULT ? p->dtype : r->desc.comm_dtype;
+            k->unit = p->unit;
         }
         k = &L->buckets[open[t]];
         L->param_bucket[walk[i]] = open[t];
@@ -17913,7 +18130,7 @@ static ddp_result ddp__layout_assign(ddp_reducer *r, const int *walk, ddp__layou
         k->count += p->count;
         k->n++;
         filled[t] += ddp__tensor_bytes(p);
-        if (filled[t] >= limit) { /* the parameter that crosses the limit stays in the bucket */
+        if (filled[t] >= limit && p->unit < 0) { /* the parameter that crosses the limit stays in the bucket */
             open[t] = -1;
             seen[t] = 1;
         }
@@ -17978,8 +18195,11 @@ static ddp_result ddp__zero_bucket_alloc(ddp_reducer *r, ddp__bucket *k, int b) 
     k->per = (k->count + world - 1) / world;
     if (ddp__zero2(r)) { /* only the owned slice, in the gradients' dtype; comm and gather come from the pool */
         if (!(k->owned = r->ops->alloc(r->g, k->per * gs)))
-            return ddp__fail(r->g, DDP_ERR_OUT_OF_MEMORY, "out of memory for gradient bucket %d's slice (zero_stage 2: %zu "
-                             "elements)", b, k->per);
+            return ddp__fail(r->g, DDP_ERR_OUT_OF_MEMORY, "out of memory for gradient bucket %d's slice (zero_stage %d: %zu "
+                             "elements)", b, r->desc.zero_stage, k->per);
+        if (ddp__fsdp(r) && !(k->master = r->ops->alloc(r->g, k->per * gs))) /* padded with zeros: ddp_alloc's */
+            return ddp__fail(r->g, DDP_ERR_OUT_OF_MEMORY, "out of memory for unit %d's master shard (zero_stage 3: %zu "
+                             "elements)", k->unit, k->per);
         return DDP_SUCCESS;
     }
     k->comm = r->ops->alloc(r->g, k->per * world * cs);
@@ -18068,6 +18288,320 @@ static void ddp__timing_finish(ddp_reducer *r) {
 }
 /* ==================== end src/reducer.c ==================== */
 
+/* ==================== begin src/reducer_fsdp.c ==================== */
+/* [SECTION] reducer-fsdp: FSDP units: ZeRO stage 3's gather pool, gathered parameters, unit gradients
+   (reducer.h "FSDP" has the API and its rules; reducer_pass.c sends the unit gradients on).
+
+   A unit is a run of registered parameters and one bucket (reducer.c's layout cuts buckets at unit
+   boundaries). At zero_stage 3 each rank keeps the bucket's slice of the parameters, its MASTER shard
+   (per elements, the registered dtype, padded with zeros), besides stage 2's gradient slice. Gathering
+   a unit:
+       take a free buffer of the gather pool (1 + prefetch buffers of world * per elements of the largest
+       unit, in param_dtype; a KEEP unit has its own buffer)
+       copy the master shard into the buffer at rank * per, cast to param_dtype
+       all_gather in place (send = this rank's part of the buffer), fingerprinted with the unit and the
+       phase (DDP__PURPOSE): ranks gathering different units fail with DDP_ERR_MISMATCH naming both
+   The buffer then holds the unit in its bucket layout: parameter i at its bucket offset. Nothing is
+   allocated after finalize, except the gradient pool, which grows by one buffer when every one is taken
+   (as stage 2's comm pool does). A unit's gradient buffer (param_dtype, the unit's count) is taken at the
+   first ddp_fsdp_grad of a pass, zeroed, read by ddp_fsdp_grads_ready (reducer_pass.c: x 1/world into
+   stage 2's comm pool, reduce-scatter) and given back there; a KEEP unit's is its own. */
+
+/* The dtype of a bucket's gathered parameters and of the gradients the program writes for it. */
+static ddp_dtype ddp__fsdp_dtype(const ddp_reducer *r, const ddp__bucket *k) {
+    return ddp__fsdp(r) && r->desc.param_dtype != DDP_DTYPE_DEFAULT ? r->desc.param_dtype : k->dtype;
+}
+
+DDP_API int ddp_fsdp_unit(ddp_reducer *r, const char *name, int flags) {
+    ddp__unit *u;
+    if (!r) return ddp__fail(NULL, DDP_ERR_INVALID_ARGUMENT, "ddp_fsdp_unit: the reducer is NULL");
+    if (!name || !*name) return ddp__fail(r->g, DDP_ERR_INVALID_ARGUMENT, "ddp_fsdp_unit: the name is NULL or empty");
+    if (r->finalized)
+        return ddp__fail(r->g, DDP_ERR_STATE, "ddp_fsdp_unit(\"%s\"): the reducer is already finalized; open every unit "
+                         "before ddp_reducer_finalize", name);
+    if (flags & ~DDP_FSDP_KEEP)
+        return ddp__fail(r->g, DDP_ERR_INVALID_ARGUMENT, "ddp_fsdp_unit(\"%s\"): flags 0x%x: the only flag is DDP_FSDP_KEEP",
+                         name, (unsigned)flags);
+    if (r->nunits && r->units[r->nunits - 1].n == 0)
+        return ddp__fail(r->g, DDP_ERR_INVALID_ARGUMENT, "ddp_fsdp_unit(\"%s\"): unit \"%s\" got no parameters; register a "
+                         "unit's parameters (ddp_reducer_add_param) before opening the next", name,
+                         r->units[r->nunits - 1].name);
+    if (r->nunits == 0 && r->nparams)
+        return ddp__fail(r->g, DDP_ERR_INVALID_ARGUMENT, "ddp_fsdp_unit(\"%s\"): %d parameters were registered before the "
+                         "first unit; with units, every parameter belongs to one: open the first unit before registering",
+                         name, r->nparams);
+    if (r->nunits == r->cap_units) {
+        int nc = r->cap_units ? r->cap_units * 2 : 16;
+        ddp__unit *p = (ddp__unit *)DDP_REALLOC(r->units, (size_t)nc * sizeof *p);
+        if (!p) return ddp__fail(r->g, DDP_ERR_OUT_OF_MEMORY, "ddp_fsdp_unit(\"%s\"): out of memory", name);
+        r->units = p;
+        r->cap_units = nc;
+    }
+    u = &r->units[r->nunits];
+    memset(u, 0, sizeof *u);
+    if (!(u->name = ddp__strdup(name))) return ddp__fail(r->g, DDP_ERR_OUT_OF_MEMORY, "ddp_fsdp_unit(\"%s\"): out of memory", name);
+    u->flags = flags;
+    u->first = r->nparams;
+    u->slot = u->grad_slot = -1;
+    return r->nunits++;
+}
+
+/* ---- at finalize ---- */
+
+/* Stage 3's memory besides the buckets' (reducer.c gives each its master shard and slice): the gather
+   pool, the KEEP units' buffers, one gradient buffer to start the gradient pool; then the master shards
+   get this rank's slices of the (broadcast) initial values. Called once the layout and shards exist. */
+static ddp_result ddp__fsdp_finalize(ddp_reducer *r) {
+    size_t world = (size_t)ddp_world_size(r->g), gather = 0, grads = 0;
+    int b, s;
+    if (!ddp__fsdp(r)) return DDP_SUCCESS;
+    for (b = 0; b < r->L.nbuckets; b++) {
+        const ddp__bucket *k = &r->L.buckets[b];
+        size_t ps = ddp_dtype_size(ddp__fsdp_dtype(r, k));
+        r->units[k->unit].bucket = b;
+        if (r->units[k->unit].flags & DDP_FSDP_KEEP) continue;
+        gather = DDP__MAX(gather, k->per * world * ps);
+        grads = DDP__MAX(grads, k->count * ps);
+    }
+    r->gpool_bytes = gather, r->gradpool_bytes = grads;
+    r->ngpool = 1 + r->desc.prefetch;
+    r->gpool = (void **)ddp__calloc((size_t)r->ngpool, sizeof *r->gpool);
+    r->gpool_holder = (int *)ddp__calloc((size_t)r->ngpool, sizeof *r->gpool_holder);
+    r->gradpool = (void **)ddp__calloc((size_t)r->nunits, sizeof *r->gradpool);
+    r->gradpool_holder = (int *)ddp__calloc((size_t)r->nunits, sizeof *r->gradpool_holder);
+    if (!r->gpool || !r->gpool_holder || !r->gradpool || !r->gradpool_holder) goto oom;
+    for (s = 0; s < r->ngpool; s++) r->gpool_holder[s] = -1;
+    for (s = 0; s < r->ngpool && gather; s++)
+        if (!(r->gpool[s] = r->ops->alloc(r->g, gather))) goto oom;
+    for (b = 0; b < r->L.nbuckets; b++) {
+        const ddp__bucket *k = &r->L.buckets[b];
+        ddp__unit *u = &r->units[k->unit];
+        size_t ps = ddp_dtype_size(ddp__fsdp_dtype(r, k));
+        if (!(u->flags & DDP_FSDP_KEEP)) continue;
+        if (!(u->own = r->ops->alloc(r->g, k->per * world * ps)) || !(u->grad_own = r->ops->alloc(r->g, k->count * ps))) goto oom;
+    }
+    for (s = 0; s < r->nshards; s++) { /* the master shards: this rank's slices of the initial values */
+        const ddp_shard *sh = &r->shards[s];
+        const ddp__rtensor *p = &r->params[sh->param];
+        r->ops->copy_out(r->g, sh->param_data, p->dtype, (char *)p->data + sh->offset * ddp_dtype_size(p->dtype), p->dtype,
+                         sh->count);
+    }
+    r->stats.param_bytes_peak = (uint64_t)r->ngpool * gather;
+    for (b = 0; b < r->L.nbuckets; b++) {
+        const ddp__bucket *k = &r->L.buckets[b];
+        r->stats.param_bytes_peak += k->per * ddp_dtype_size(k->dtype);
+        if (r->units[k->unit].flags & DDP_FSDP_KEEP)
+            r->stats.param_bytes_peak += k->per * world * ddp_dtype_size(ddp__fsdp_dtype(r, k));
+    }
+    return DDP_SUCCESS;
+oom:
+    return ddp__fail(r->g, DDP_ERR_OUT_OF_MEMORY, "ddp_reducer_finalize: zero_stage 3: out of memory for the gather pool "
+                     "(%d x %zu bytes) or a KEEP unit's buffers", r->ngpool, gather);
+}
+
+/* ---- gathering ---- */
+
+/* Unit id valid at zero_stage 3, the reducer usable: else the error, naming fn. */
+static ddp_result ddp__fsdp_check(ddp_reducer *r, int unit, const char *fn) {
+    ddp_result res = ddp__reducer_usable(r, fn);
+    if (res) return res;
+    if (!ddp__fsdp(r))
+        return ddp__fail(r->g, DDP_ERR_STATE, "%s: the reducer was created with zero_stage = %d; units are gathered and "
+                         "released at zero_stage = 3 only (at stages 0-2 every rank holds every parameter)", fn,
+                         r->desc.zero_stage);
+    if (unit < 0 || unit >= r->nunits)
+        return ddp__fail(r->g, DDP_ERR_INVALID_ARGUMENT, "%s: unit %d is not a unit (0 .. %d)", fn, unit, r->nunits - 1);
+    return DDP_SUCCESS;
+}
+
+/* "3 (\"layer3\"), 4 (\"layer4\")": the units holding the gather pool, for the overrun message. */
+static void ddp__fsdp_holders(const ddp_reducer *r, char *out, size_t cap) {
+    size_t len = 0;
+    int s;
+    out[0] = '\0';
+    for (s = 0; s < r->ngpool && len < cap; s++)
+        len += (size_t)snprintf(out + len, cap - len, "%s%d (\"%s\")", s ? ", " : "", r->gpool_holder[s],
+                                r->units[r->gpool_holder[s]].name);
+}
+
+DDP_API ddp_result ddp_fsdp_gather(ddp_reducer *r, int unit) {
+    ddp_result res = ddp__fsdp_check(r, unit, "ddp_fsdp_gather");
+    ddp__unit *u;
+    ddp__bucket *k;
+    ddp_dtype pt;
+    size_t ps, mine;
+    int s = 0;
+    if (res) return res;
+    u = &r->units[unit];
+    if (u->state != DDP__UNIT_SHARDED) return DDP_SUCCESS; /* gathered or on its way */
+    k = &r->L.buckets[u->bucket];
+    if (u->flags & DDP_FSDP_KEEP) {
+        u->gathered = u->own;
+    } else {
+        char held[400];
+        while (s < r->ngpool && r->gpool_holder[s] >= 0) s++;
+        if (s == r->ngpool) {
+            ddp__fsdp_holders(r, held, sizeof held);
+            return ddp__fail(r->g, DDP_ERR_STATE, "ddp_fsdp_gather(unit %d \"%s\"): the gather pool is full: its %d "
+                             "buffers (1 + prefetch %d) hold units %s. Release a unit (ddp_fsdp_release) before gathering "
+                             "the next, or raise prefetch in ddp_reducer_desc; nothing was started", unit, u->name,
+                             r->ngpool, r->desc.prefetch, held);
+        }
+        r->gpool_holder[s] = unit;
+        u->slot = s;
+        u->gathered = r->gpool[s];
+    }
+    pt = ddp__fsdp_dtype(r, k);
+    ps = ddp_dtype_size(pt);
+    mine = (size_t)ddp_rank(r->g) * k->per * ps;
+    r->ops->copy_out(r->g, (char *)u->gathered + mine, pt, k->master, k->dtype, k->per);
+    u->t_issued = ddp__now();
+    r->g->purpose = DDP__PURPOSE(DDP__PHASE_GATHER, unit);
+    res = ddp_all_gather_async(r->g, (char *)u->gathered + mine, u->gathered, k->per, pt, &u->work);
+    r->g->purpose = 0;
+    r->stats.gathers++;
+    u->state = DDP__UNIT_GATHERING;
+    if (res) r->failed = res;
+    return res;
+}
+
+/* Wait for u's all-gather in flight (if any): its time into the statistics. */
+static ddp_result ddp__fsdp_finish(ddp_reducer *r, ddp__unit *u) {
+    double ran[3];
+    ddp_result res;
+    if (u->state != DDP__UNIT_GATHERING) return DDP_SUCCESS;
+    res = ddp__wait_times(u->work, ran);
+    u->work = NULL;
+    u->state = DDP__UNIT_GATHERED;
+    r->stats.gather_seconds += (ran[1] > 0 ? ran[1] : ddp__now()) - u->t_issued;
+    if (res) r->failed = res;
+    return res;
+}
+
+DDP_API ddp_result ddp_fsdp_wait(ddp_reducer *r, int unit) {
+    ddp_result res = ddp__fsdp_check(r, unit, "ddp_fsdp_wait");
+    double t0 = ddp__now();
+    ddp__unit *u;
+    if (res) return res;
+    u = &r->units[unit];
+    if (u->state == DDP__UNIT_SHARDED) {
+        r->stats.unprefetched_waits++;
+        if ((res = ddp_fsdp_gather(r, unit)) != DDP_SUCCESS) return res;
+    }
+    res = ddp__fsdp_finish(r, u);
+    r->stats.gather_wait_seconds += ddp__now() - t0;
+    return res;
+}
+
+DDP_API void *ddp_fsdp_param(ddp_reducer *r, int index) {
+    const ddp__unit *u;
+    const ddp__bucket *k;
+    if (!r || !r->finalized || !ddp__fsdp(r) || index < 0 || index >= r->nparams) return NULL;
+    u = &r->units[r->params[index].unit];
+    if (u->state != DDP__UNIT_GATHERED) return NULL;
+    k = &r->L.buckets[u->bucket];
+    return (char *)u->gathered + r->L.param_offset[index] * ddp_dtype_size(ddp__fsdp_dtype(r, k));
+}
+
+/* Back to SHARDED: a gather in flight is waited for first; the pool buffer is free again. */
+static ddp_result ddp__fsdp_reshard(ddp_reducer *r, ddp__unit *u) {
+    ddp_result res = ddp__fsdp_finish(r, u);
+    if (u->slot >= 0) r->gpool_holder[u->slot] = -1;
+    u->slot = -1;
+    u->gathered = NULL;
+    u->state = DDP__UNIT_SHARDED;
+    return res;
+}
+
+DDP_API ddp_result ddp_fsdp_release(ddp_reducer *r, int unit) {
+    ddp_result res = ddp__fsdp_check(r, unit, "ddp_fsdp_release");
+    if (res) return res;
+    if (r->units[unit].flags & DDP_FSDP_KEEP) return DDP_SUCCESS; /* resharded by end_backward */
+    return ddp__fsdp_reshard(r, &r->units[unit]);
+}
+
+/* end_backward (and destroy): every unit sharded again, KEEP units too; every gradient buffer back. The
+   first error is returned; every gather in flight is waited for. */
+static ddp_result ddp__fsdp_reshard_all(ddp_reducer *r) {
+    ddp_result res = DDP_SUCCESS, one;
+    int i;
+    for (i = 0; i < r->nunits && ddp__fsdp(r); i++) {
+        if ((one = ddp__fsdp_reshard(r, &r->units[i])) != DDP_SUCCESS && !res) res = one;
+        ddp__fsdp_grad_put_back(r, &r->units[i]);
+        r->units[i].grads_done = 0;
+    }
+    return res;
+}
+
+/* ---- unit gradients ---- */
+
+/* u's gradient buffer for this pass, zeroed: its own (KEEP), else a free buffer of the gradient pool,
+   which grows by one when all are taken. NULL when out of memory (the error is set). */
+static void *ddp__fsdp_grad_take(ddp_reducer *r, ddp__unit *u) {
+    const ddp__bucket *k = &r->L.buckets[u->bucket];
+    int s = 0;
+    if (u->grad) return u->grad;
+    if (u->flags & DDP_FSDP_KEEP) {
+        u->grad = u->grad_own;
+    } else {
+        while (s < r->ngradpool && r->gradpool_holder[s] >= 0) s++;
+        if (s == r->ngradpool) {
+            if (!(r->gradpool[s] = r->ops->alloc(r->g, r->gradpool_bytes))) {
+                ddp__fail(r->g, DDP_ERR_OUT_OF_MEMORY, "ddp_fsdp_grad: out of memory for gradient buffer %d (%zu bytes)", s,
+                          r->gradpool_bytes);
+                return NULL;
+            }
+            r->ngradpool++;
+            r->stats.gradient_bytes += r->gradpool_bytes;
+        }
+        r->gradpool_holder[s] = (int)(u - r->units);
+        u->grad_slot = s;
+        u->grad = r->gradpool[s];
+    }
+    r->ops->zero(r->g, u->grad, k->count * ddp_dtype_size(ddp__fsdp_dtype(r, k)));
+    return u->grad;
+}
+
+/* u's gradient buffer goes back (a pool buffer is free again; a KEEP unit's stays its own). */
+static void ddp__fsdp_grad_put_back(ddp_reducer *r, ddp__unit *u) {
+    if (u->grad_slot >= 0) r->gradpool_holder[u->grad_slot] = -1;
+    u->grad_slot = -1;
+    u->grad = NULL;
+}
+
+DDP_API void *ddp_fsdp_grad(ddp_reducer *r, int index) {
+    ddp__unit *u;
+    if (!r || index < 0 || index >= r->nparams || ddp__fsdp_check(r, r->params[index].unit, "ddp_fsdp_grad")) return NULL;
+    u = &r->units[r->params[index].unit];
+    if (!r->in_backward || u->grads_done) {
+        ddp__fail(r->g, DDP_ERR_STATE, "ddp_fsdp_grad(\"%s\"): %s", r->params[index].name, !r->in_backward ?
+                  "not in a backward pass; call ddp_reducer_begin_backward first" :
+                  "its unit's gradients were handed over (ddp_fsdp_grads_ready) in this pass already");
+        return NULL;
+    }
+    if (!ddp__fsdp_grad_take(r, u)) return NULL;
+    return (char *)u->grad + r->L.param_offset[index] * ddp_dtype_size(ddp__fsdp_dtype(r, &r->L.buckets[u->bucket]));
+}
+
+/* destroy: the memory of the units and the pools (every gather was waited for by reshard_all). */
+static void ddp__fsdp_free(ddp_reducer *r) {
+    int i;
+    for (i = 0; i < r->nunits; i++) {
+        if (r->units[i].own) r->ops->release(r->g, r->units[i].own);
+        if (r->units[i].grad_own) r->ops->release(r->g, r->units[i].grad_own);
+        ddp__free(r->units[i].name);
+    }
+    for (i = 0; r->gpool && i < r->ngpool; i++)
+        if (r->gpool[i]) r->ops->release(r->g, r->gpool[i]);
+    for (i = 0; i < r->ngradpool; i++) r->ops->release(r->g, r->gradpool[i]);
+    ddp__free(r->units);
+    ddp__free(r->gpool);
+    ddp__free(r->gpool_holder);
+    ddp__free(r->gradpool);
+    ddp__free(r->gradpool_holder);
+}
+/* ==================== end src/reducer_fsdp.c ==================== */
+
 /* ==================== begin src/reducer_zero.c ==================== */
 /* [SECTION] reducer-zero: ZeRO stage 1 and 2 in the Reducer: slices of the buckets, the comm pool
    (reducer.c's head comment says where gradients live at each stage; reducer.h the API). */
@@ -18111,7 +18645,7 @@ static ddp_result ddp__zero2_pool_alloc(ddp_reducer *r, const ddp__layout *L) {
         const ddp__bucket *k = &L->buckets[b];
         size_t cs = ddp_dtype_size(k->comm_dtype), gs = ddp_dtype_size(k->dtype);
         full = DDP__MAX(full, k->per * world * DDP__MAX(cs, gs));
-        if (cs != gs) land = DDP__MAX(land, k->per * cs);
+        if (cs != gs || ddp__fsdp(r)) land = DDP__MAX(land, k->per * cs); /* 3: no_sync lands there to add */
     }
     r->pool_land = (full + 63) / 64 * 64;
     r->pool_bytes = r->pool_land + land;
@@ -18129,17 +18663,27 @@ static ddp_result ddp__zero2_pool_alloc(ddp_reducer *r, const ddp__layout *L) {
 }
 
 /* Where bucket k's reduce-scatter writes this rank's slice: the owned slice itself, or under
-   compression the landing area of its pool buffer. */
+   compression (and at zero_stage 3 in a pass that accumulates) the landing area of its pool buffer. */
 static void *ddp__zero2_land(const ddp_reducer *r, const ddp__bucket *k) {
-    if (k->comm_dtype == k->dtype) return k->owned;
+    if (k->comm_dtype == k->dtype && !r->accumulate) return k->owned;
     return (char *)r->pool[k->slot] + r->pool_land;
 }
 
-/* Bucket k's reduce-scatter was waited for (done: successfully): its slice into the owned slice, its
-   buffer back to the pool. */
+/* Bucket k's reduce-scatter was waited for (done: successfully): its slice into the owned slice (added
+   to it when the pass accumulates: zero_stage 3 after no_sync passes; the converted slice goes through
+   the pool buffer's start, free by now), its buffer back to the pool. */
 static void ddp__zero2_finish(ddp_reducer *r, ddp__bucket *k, int done) {
-    if (done && k->comm_dtype != k->dtype)
-        r->ops->copy_out(r->g, k->owned, k->dtype, ddp__zero2_land(r, k), k->comm_dtype, k->per);
+    void *land = ddp__zero2_land(r, k);
+    if (done && r->accumulate) {
+        void *sum = land;
+        if (k->comm_dtype != k->dtype) {
+            sum = r->pool[k->slot];
+            r->ops->copy_out(r->g, sum, k->dtype, land, k->comm_dtype, k->per);
+        }
+        ddp__reduce(k->owned, sum, k->per, k->dtype, DDP_SUM); /* host memory: zero_stage 3's backends */
+    } else if (done && land != k->owned) {
+        r->ops->copy_out(r->g, k->owned, k->dtype, land, k->comm_dtype, k->per);
+    }
     r->pool_holder[k->slot] = -1;
     k->comm = NULL;
 }
@@ -18200,12 +18744,15 @@ static ddp_result ddp__layout_alloc(ddp_reducer *r, ddp__layout *L) {
 /* Bytes of gradient memory the reducer holds for a layout (statistics' gradient_bytes): storage it
    allocated (views; flat storage is the program's), comm buffers, owned slices, gather staging, the pool. */
 static uint64_t ddp__layout_gradient_bytes(const ddp_reducer *r, const ddp__layout *L) {
-    uint64_t total = (uint64_t)r->npool * r->pool_bytes, world = (uint64_t)ddp_world_size(r->g);
+    uint64_t total = (uint64_t)r->npool * r->pool_bytes + (uint64_t)r->ngradpool * r->gradpool_bytes;
+    uint64_t world = (uint64_t)ddp_world_size(r->g);
     int b;
     for (b = 0; b < L->nbuckets; b++) {
         const ddp__bucket *k = &L->buckets[b];
         uint64_t gs = ddp_dtype_size(k->dtype), cs = ddp_dtype_size(k->comm_dtype);
         if (k->storage && !k->flat) total += k->count * gs;
+        if (ddp__fsdp(r) && (r->units[k->unit].flags & DDP_FSDP_KEEP))
+            total += k->count * ddp_dtype_size(ddp__fsdp_dtype(r, k)); /* a KEEP unit's own gradient buffer */
         if (ddp__zero2(r))
             total += k->per * gs;
         else if (ddp__reducer_zero(r))
@@ -18312,7 +18859,8 @@ static ddp_result ddp__zero_shards(ddp_reducer *r) {
             s->param = i;
             s->offset = a - r->L.param_offset[i];
             s->count = e - a;
-            s->param_data = (char *)r->params[i].data + s->offset * ddp_dtype_size(r->params[i].dtype);
+            s->param_data = ddp__fsdp(r) ? (void *)((char *)k->master + (a - lo) * ddp_dtype_size(k->dtype))
+                                         : (void *)((char *)r->params[i].data + s->offset * ddp_dtype_size(r->params[i].dtype));
             s->grad = ddp__zero2(r) ? (void *)((char *)k->owned + (a - lo) * ddp_dtype_size(k->dtype))
                                     : (void *)ddp__zero_grad_at(r, i, s->offset);
             r->shard_bucket[r->nshards++] = b;
@@ -18425,6 +18973,10 @@ DDP_API ddp_result ddp_reducer_gather_params_async(ddp_reducer *r) {
     if (!ddp__reducer_zero(r))
         return ddp__fail(r->g, DDP_ERR_STATE, "ddp_reducer_gather_params: the reducer was created with zero_stage = 0; "
                          "every rank already has every parameter (set zero_stage = 1 to shard the optimizer)");
+    if (ddp__fsdp(r))
+        return ddp__fail(r->g, DDP_ERR_STATE, "ddp_reducer_gather_params: at zero_stage 3 each rank keeps only its master "
+                         "shards, which the optimizer updates in place; the units are gathered when they are used "
+                         "(ddp_fsdp_gather / ddp_fsdp_wait)");
     if (r->in_backward)
         return ddp__fail(r->g, DDP_ERR_STATE, "ddp_reducer_gather_params: called during a backward pass; call it after "
                          "end_backward and the optimizer step on this rank's shards");
@@ -18464,10 +19016,11 @@ static ddp_result ddp__zero2_check_memory(ddp_reducer *r) {
     if (!ddp__zero2(r) || !strcmp(r->ops->family, "nccl")) return DDP_SUCCESS;
     for (i = 0; i < r->nparams; i++)
         if (ddp__cuda_is_device_pointer(r->params[i].data) || ddp__cuda_is_device_pointer(r->params[i].grad))
-            return ddp__fail(r->g, DDP_ERR_UNSUPPORTED, "ddp_reducer_finalize: zero_stage = 2 with parameter \"%s\" in device "
-                             "memory on backend %s is not supported: ZeRO-2's gradient slices would be the reducer's host "
+            return ddp__fail(r->g, DDP_ERR_UNSUPPORTED, "ddp_reducer_finalize: zero_stage = %d with parameter \"%s\" in device "
+                             "memory on backend %s is not supported: ZeRO's gradient slices would be the reducer's host "
                              "memory, which an optimizer on the device cannot read; use zero_stage = 1 (its shards are "
-                             "slices of your device gradients) or backend nccl", r->params[i].name, r->ops->family);
+                             "slices of your device gradients) or backend nccl", r->desc.zero_stage, r->params[i].name,
+                             r->ops->family);
 #else
     (void)r;
 #endif
@@ -18516,7 +19069,12 @@ DDP_API ddp_result ddp_reducer_finalize(ddp_reducer *r) {
         r->finalized = 0;
         return res;
     }
-    r->rebuild_pending = !r->desc.find_unused_parameters && !ddp__reducer_zero(r); /* ZeRO: shards never move */
+    if ((res = ddp__fsdp_finalize(r)) != DDP_SUCCESS) {
+        r->finalized = 0;
+        return res;
+    }
+    /* no rebuild under ZeRO (shards never move) nor with units (they are the buckets) */
+    r->rebuild_pending = !r->desc.find_unused_parameters && !ddp__reducer_zero(r) && !r->nunits;
     return DDP_SUCCESS;
 }
 /* ==================== end src/reducer_zero.c ==================== */
@@ -18547,7 +19105,8 @@ DDP_API ddp_result ddp_reducer_begin_backward(ddp_reducer *r) {
     if (r->desc.uneven_inputs && (res = ddp__join_announce(r, DDP__JOIN_STEP, "ddp_reducer_begin_backward", NULL)) != DDP_SUCCESS)
         return res;
     r->in_backward = 1;
-    r->pass_sync = r->sync;
+    r->pass_sync = r->sync || ddp__fsdp(r); /* zero_stage 3 reduce-scatters in every pass (see "FSDP") */
+    r->pass_user_sync = r->sync;
     r->next_bucket = 0;
     r->norder = 0;
     memset(r->ready, 0, ddp__reducer_n(r));
@@ -18561,9 +19120,13 @@ DDP_API ddp_result ddp_reducer_begin_backward(ddp_reducer *r) {
    or with zero_stage a SUM reduce-scatter of the padded buffer into this rank's slice (k->owned).
    The one place that chooses a bucket's collective, for the ranks with data and the joined ones alike. */
 static ddp_result ddp__bucket_start(ddp_reducer *r, ddp__bucket *k, void *data) {
-    if (ddp__zero2(r)) return ddp_reduce_scatter_async(r->g, data, ddp__zero2_land(r, k), k->per, k->comm_dtype, DDP_SUM, &k->work);
-    if (ddp__reducer_zero(r)) return ddp_reduce_scatter_async(r->g, data, k->owned, k->per, k->comm_dtype, DDP_SUM, &k->work);
-    return ddp_all_reduce_async(r->g, data, k->count, k->comm_dtype, DDP_SUM, &k->work);
+    ddp_result res;
+    if (k->unit >= 0) r->g->purpose = DDP__PURPOSE(DDP__PHASE_REDUCE, k->unit); /* ranks must agree on the unit */
+    if (ddp__zero2(r)) res = ddp_reduce_scatter_async(r->g, data, ddp__zero2_land(r, k), k->per, k->comm_dtype, DDP_SUM, &k->work);
+    else if (ddp__reducer_zero(r)) res = ddp_reduce_scatter_async(r->g, data, k->owned, k->per, k->comm_dtype, DDP_SUM, &k->work);
+    else res = ddp_all_reduce_async(r->g, data, k->count, k->comm_dtype, DDP_SUM, &k->work);
+    r->g->purpose = 0;
+    return res;
 }
 
 /* Start every complete bucket that is next in line. */
@@ -18579,15 +19142,19 @@ static ddp_result ddp__reducer_start_ready(ddp_reducer *r) {
     return DDP_SUCCESS;
 }
 
-/* Copy parameter i's gradient into its bucket slot, times 1/world (in place for views). */
-static void ddp__reducer_take(ddp_reducer *r, int i) {
+/* Copy parameter i's gradient into its bucket slot, times 1/world (in place for views): from src, of
+   dtype t (the program's gradient; at zero_stage 3 its unit's gradient buffer, in param_dtype). */
+static void ddp__reducer_take_from(ddp_reducer *r, int i, const void *src, ddp_dtype t) {
     ddp__bucket *k = &r->L.buckets[r->L.param_bucket[i]];
-    const ddp__rtensor *p = &r->params[i];
-    size_t off = r->L.param_offset[i];
-    const void *src = k->storage ? (const void *)((char *)k->storage + off * ddp_dtype_size(k->dtype)) : p->grad;
-    r->ops->copy_in_scaled(r->g, (char *)k->comm + off * ddp_dtype_size(k->comm_dtype), k->comm_dtype, src, p->dtype,
-                           p->count, 1.0 / (double)ddp_world_size(r->g));
+    r->ops->copy_in_scaled(r->g, (char *)k->comm + r->L.param_offset[i] * ddp_dtype_size(k->comm_dtype), k->comm_dtype, src, t,
+                           r->params[i].count, 1.0 / (double)ddp_world_size(r->g));
     k->pending--;
+}
+static void ddp__reducer_take(ddp_reducer *r, int i) {
+    const ddp__bucket *k = &r->L.buckets[r->L.param_bucket[i]];
+    const ddp__rtensor *p = &r->params[i];
+    const void *src = k->storage ? (const void *)((char *)k->storage + r->L.param_offset[i] * ddp_dtype_size(k->dtype)) : p->grad;
+    ddp__reducer_take_from(r, i, src, p->dtype);
 }
 
 DDP_API ddp_result ddp_reducer_grad_ready(ddp_reducer *r, int index) {
@@ -18596,6 +19163,9 @@ DDP_API ddp_result ddp_reducer_grad_ready(ddp_reducer *r, int index) {
     if (index < 0 || index >= r->nparams)
         return ddp__fail(r->g, DDP_ERR_INVALID_ARGUMENT, "ddp_reducer_grad_ready: index %d is not a parameter (0 .. %d)",
                          index, r->nparams - 1);
+    if (ddp__fsdp(r))
+        return ddp__fail(r->g, DDP_ERR_STATE, "ddp_reducer_grad_ready(\"%s\"): at zero_stage 3 a unit's gradients are "
+                         "handed over together: call ddp_fsdp_grads_ready(r, unit)", r->params[index].name);
     if (!r->in_backward)
         return ddp__fail(r->g, DDP_ERR_STATE, "ddp_reducer_grad_ready(\"%s\"): not in a backward pass; call "
                          "ddp_reducer_begin_backward first", r->params[index].name);
@@ -18651,7 +19221,9 @@ static ddp_result ddp__reducer_missing(ddp_reducer *r) {
    (ddp__reducer_finish_unused puts it back then), saved into / restored from the stash at `at`: a view's
    gradient without compression (its bucket is reduced in place), or under zero_stage 2 this rank's owned
    piece of it (the reduce-scatter lands there). Returns its bytes (0: nothing to keep); at NULL: only
-   the size. */
+   the size. At zero_stage 3, where units may be handed over unused in the middle of backward (see
+   ddp_fsdp_grads_ready), the stash mirrors every bucket's owned slice at a fixed place (the bucket's
+   stash_at) and `at` only says whether to copy. */
 static size_t ddp__unused_keep(ddp_reducer *r, int i, char *at, int restore) {
     ddp__bucket *k = &r->L.buckets[r->L.param_bucket[i]];
     const ddp__rtensor *p = &r->params[i];
@@ -18661,6 +19233,7 @@ static size_t ddp__unused_keep(ddp_reducer *r, int i, char *at, int restore) {
         if (!ddp__zero_piece(r, i, &lo, &a, &e)) return 0;
         grad = (char *)k->owned + (a - lo) * ddp_dtype_size(k->dtype);
         count = e - a;
+        if (at && ddp__fsdp(r)) at = (char *)r->stash + k->stash_at + (a - lo) * ddp_dtype_size(k->dtype);
     } else if (ddp__bucket_in_place(k)) {
         grad = (char *)k->storage + r->L.param_offset[i] * ddp_dtype_size(k->dtype);
     } else {
@@ -18675,8 +19248,12 @@ static size_t ddp__unused_keep(ddp_reducer *r, int i, char *at, int restore) {
 static ddp_result ddp__stash_reserve(ddp_reducer *r, int all, const char *fn) {
     size_t need = 0;
     int i;
-    for (i = 0; i < r->nparams; i++)
+    for (i = 0; i < r->nparams && !ddp__fsdp(r); i++)
         if (all || !r->used[i]) need += ddp__unused_keep(r, i, NULL, 0);
+    for (i = 0; i < r->L.nbuckets && ddp__fsdp(r); i++) { /* zero_stage 3: a mirror of the owned slices */
+        r->L.buckets[i].stash_at = need;
+        need += r->L.buckets[i].per * ddp_dtype_size(r->L.buckets[i].dtype);
+    }
     if (need <= r->stash_bytes) return DDP_SUCCESS;
     if (r->stash) r->ops->release(r->g, r->stash);
     r->stash_bytes = 0;
@@ -18691,32 +19268,76 @@ static ddp_result ddp__stash_reserve(ddp_reducer *r, int all, const char *fn) {
    pool buffer finds the buckets before it started, and waits for the oldest instead of growing the
    pool). One that got a gradient in an earlier no_sync pass contributes what it accumulated; the others
    contribute zero, after what they must keep went into the stash (ddp__unused_keep). */
+/* Parameter i got no gradient on this rank: it contributes zero, after what it must keep went into the
+   stash at *off (ddp__unused_keep). */
+static void ddp__reducer_take_zero(ddp_reducer *r, int i, size_t *off) {
+    ddp__bucket *k = &r->L.buckets[r->L.param_bucket[i]];
+    size_t cs = ddp_dtype_size(k->comm_dtype);
+    *off += ddp__unused_keep(r, i, (char *)r->stash + *off, 0);
+    r->ops->zero(r->g, (char *)k->comm + r->L.param_offset[i] * cs, r->params[i].count * cs);
+    k->pending--;
+}
+
 static ddp_result ddp__reducer_fill_unused(ddp_reducer *r) {
     size_t off = 0;
     ddp_result res;
     int b, j, i;
     r->stats.unused_parameters = 0;
+    for (i = 0; i < r->nparams; i++) r->stats.unused_parameters += !r->used[i];
     if ((res = ddp__stash_reserve(r, 0, "ddp_reducer_end_backward")) != DDP_SUCCESS) return res;
     for (b = 0; b < r->L.nbuckets; b++) {
         ddp__bucket *k = &r->L.buckets[b];
-        size_t cs = ddp_dtype_size(k->comm_dtype);
         if (!k->pending) continue;
         if (ddp__zero2(r) && !k->comm && (res = ddp__zero2_acquire(r, b)) != DDP_SUCCESS) return res;
         for (j = k->first; j < k->first + k->n; j++) {
             i = r->L.params[j];
             if (r->ready[i]) continue;
-            if (r->used[i]) {
-                ddp__reducer_take(r, i);
-                continue;
-            }
-            r->stats.unused_parameters++;
-            off += ddp__unused_keep(r, i, (char *)r->stash + off, 0);
-            r->ops->zero(r->g, (char *)k->comm + r->L.param_offset[i] * cs, r->params[i].count * cs);
-            k->pending--;
+            if (r->used[i]) ddp__reducer_take(r, i);
+            else ddp__reducer_take_zero(r, i, &off);
         }
         if ((res = ddp__reducer_start_ready(r)) != DDP_SUCCESS) return res;
     }
     return DDP_SUCCESS;
+}
+
+/* zero_stage 3: grad_ready for every parameter of the unit at once, from its gradient buffer, which then
+   goes back to the pool. A unit whose gradients were never taken in this pass contributes zeros; with
+   find_unused_parameters it is also "not used on this rank" (as a parameter without grad_ready). */
+DDP_API ddp_result ddp_fsdp_grads_ready(ddp_reducer *r, int unit) {
+    ddp_result res = ddp__fsdp_check(r, unit, "ddp_fsdp_grads_ready");
+    ddp__unit *u;
+    ddp__bucket *k;
+    size_t ps;
+    int i;
+    if (res) return res;
+    u = &r->units[unit];
+    k = &r->L.buckets[u->bucket];
+    if (!r->in_backward)
+        return ddp__fail(r->g, DDP_ERR_STATE, "ddp_fsdp_grads_ready(unit %d \"%s\"): not in a backward pass; call "
+                         "ddp_reducer_begin_backward first", unit, u->name);
+    if (u->grads_done)
+        return ddp__fail(r->g, DDP_ERR_STATE, "ddp_fsdp_grads_ready(unit %d \"%s\"): called twice in one backward pass; a "
+                         "unit's gradients are reduced once per pass", unit, u->name);
+    if (!k->comm && (res = ddp__zero2_acquire(r, u->bucket)) != DDP_SUCCESS) return res;
+    if (!u->grad && r->desc.find_unused_parameters) { /* not used on this rank: zeros, and the used map says so */
+        size_t off = 0;
+        if ((res = ddp__stash_reserve(r, 1, "ddp_fsdp_grads_ready")) != DDP_SUCCESS) return r->failed = res;
+        for (i = u->first; i < u->first + u->n; i++) {
+            r->ready[i] = 1;
+            ddp__reducer_take_zero(r, i, &off);
+        }
+        u->grads_done = 1;
+        return ddp__reducer_start_ready(r);
+    }
+    if (!ddp__fsdp_grad_take(r, u)) return DDP_ERR_OUT_OF_MEMORY;
+    ps = ddp_dtype_size(ddp__fsdp_dtype(r, k));
+    for (i = u->first; i < u->first + u->n; i++) {
+        r->ready[i] = r->used[i] = 1;
+        ddp__reducer_take_from(r, i, (char *)u->grad + r->L.param_offset[i] * ps, ddp__fsdp_dtype(r, k));
+    }
+    u->grads_done = 1;
+    ddp__fsdp_grad_put_back(r, u);
+    return ddp__reducer_start_ready(r);
 }
 
 /* The reduced value of parameter i goes back to where the program reads its gradient. */
@@ -18847,9 +19468,15 @@ DDP_API ddp_result ddp_reducer_end_backward(ddp_reducer *r) {
     }
     r->in_backward = 0;
     memset(r->used, 0, ddp__reducer_n(r));
+    if (ddp__fsdp(r)) {
+        ddp_result resharded = ddp__fsdp_reshard_all(r);
+        if (!res) res = resharded;
+        r->accumulate = !r->pass_user_sync; /* the next pass adds to this one's slices */
+    }
     if (res) return r->failed = res;
     t_done = ddp__now();
-    r->stats.iterations++;
+    if (ddp__fsdp(r) && !r->pass_user_sync) r->stats.local_iterations++;
+    else r->stats.iterations++;
     r->stats.bytes_reduced = r->desc.find_unused_parameters ? (uint64_t)r->nparams : 0;
     for (i = 0; i < r->L.nbuckets; i++)
         r->stats.bytes_reduced += r->L.buckets[i].count * ddp_dtype_size(r->L.buckets[i].comm_dtype);
@@ -18892,7 +19519,8 @@ DDP_API ddp_result ddp_reducer_zero_grad(ddp_reducer *r) {
     }
     for (i = 0; ddp__zero2(r) && i < r->L.nbuckets; i++) /* the shards' gradients, which live here */
         r->ops->zero(r->g, r->L.buckets[i].owned, r->L.buckets[i].per * ddp_dtype_size(r->L.buckets[i].dtype));
-    for (i = 0; i < r->nparams; i++) r->ops->zero(r->g, r->params[i].grad, ddp__tensor_bytes(&r->params[i]));
+    for (i = 0; i < r->nparams; i++)
+        if (r->params[i].grad) r->ops->zero(r->g, r->params[i].grad, ddp__tensor_bytes(&r->params[i])); /* 3: none */
     return DDP_SUCCESS;
 }
 
@@ -18959,6 +19587,7 @@ DDP_API void ddp_reducer_destroy(ddp_reducer *r) {
     int i;
     if (!r) return;
     ddp__zero_gather_settle(r);
+    ddp__fsdp_reshard_all(r); /* gathers in flight are waited for */
     for (i = 0; r->L.buckets && i < r->L.nbuckets; i++)
         if (r->L.buckets[i].work) ddp_wait(r->L.buckets[i].work);
     if (r->ready_work) ddp_wait(r->ready_work);
@@ -18983,6 +19612,7 @@ DDP_API void ddp_reducer_destroy(ddp_reducer *r) {
     for (i = 0; i < r->npool; i++) r->ops->release(r->g, r->pool[i]);
     ddp__free(r->pool);
     ddp__free(r->pool_holder);
+    ddp__fsdp_free(r);
     ddp__free(r);
 }
 

@@ -91,11 +91,11 @@ static ddp_result ddp__broadcast_bytes_run(ddp_group *g, const ddp__backend *b, 
 static int ddp__is_p2p(int kind) { return kind == DDP__SEND || kind == DDP__RECV; }
 
 /* Run k on backend b (point-to-point over the mesh, or MPI's own on the mpi backend). */
-/* times (NULL: not wanted): the run's start and end (ddp__now) and this thread's lane while the timeline is
-   on (else left alone: 0 from the work's calloc). */
+/* times (NULL: not wanted): the run's start and end (ddp__now) and this thread's timeline lane (0 while the
+   timeline is off). */
 static ddp_result ddp__run(ddp_group *g, const ddp__backend *b, const ddp__call *k, const ddp__coll *c, double *times) {
     int p2p = ddp__is_p2p(k->kind);
-    double t0 = ddp__timeline_on() ? ddp__now() : 0;
+    double t0 = times || ddp__timeline_on() ? ddp__now() : 0;
     ddp_result r;
     DDP_ASSERT(k->root >= -1 && k->root < g->world_size); /* validated (-1: a call without a root) */
     if (g->broken) {
@@ -112,7 +112,7 @@ static ddp_result ddp__run(ddp_group *g, const ddp__backend *b, const ddp__call 
     }
     if (t0 > 0) {
         double t1 = ddp__now();
-        ddp__timeline_coll(g, c, t0, t1, r);
+        if (ddp__timeline_on()) ddp__timeline_coll(g, c, t0, t1, r);
         if (times) times[0] = t0, times[1] = t1, times[2] = ddp__timeline_lane();
     }
     return r;
@@ -274,6 +274,7 @@ static void ddp__fingerprint(ddp_group *g, const ddp__call *k, ddp__coll *c, int
     c->op = (uint8_t)(takes_op ? k->op : DDP__NO_OP);
     c->root = ddp__takes_root(k->kind) ? k->root : -1;
     c->tag = -1;
+    c->purpose = g->purpose;
     c->t_queued = 0; /* ddp__enqueue's, for the timeline */
     ddp__trace_queued(g, c, now);
 }
@@ -482,8 +483,8 @@ static ddp_result ddp__group_abort(ddp_group *g, ddp_result code, const char *ms
     return ddp__group_break(g, code, msg);
 }
 
-/* ddp_wait, also giving when the progress thread ran w (times: start and end, ddp__now; both 0 when the
-   timeline is off or another owner ran it, e.g. nccl's device work): the reducer's buckets on the timeline. */
+/* ddp_wait, also giving when the progress thread ran w (times: start and end, ddp__now; both 0 when another
+   owner ran it, e.g. nccl's device work): the reducer's buckets on the timeline, FSDP's gather time. */
 static ddp_result ddp__wait_times(ddp_work *w, double *times) {
     ddp_group *g;
     ddp_result r;

@@ -395,6 +395,10 @@ typedef enum ddp__coll_kind {
 } ddp__coll_kind;
 #define DDP__NO_OP 0xff
 
+/* ddp__coll.purpose: an FSDP unit's collective (reducer_fsdp.c), phase DDP__PHASE_*, unit >= 0. */
+enum { DDP__PHASE_GATHER = 1, DDP__PHASE_REDUCE = 2 };
+#define DDP__PURPOSE(phase, unit) ((uint32_t)(phase) << 24 | (uint32_t)((unit) + 1))
+
 typedef struct ddp__coll {
     uint64_t seq;   /* the group's collective number: 1 for its first (its own set-up included), never restarts */
     uint64_t count; /* the call's count (per rank for all_gather / reduce_scatter / gather / scatter / all_to_all;
@@ -405,6 +409,8 @@ typedef struct ddp__coll {
     uint8_t op;     /* DDP__NO_OP when the collective takes none */
     int32_t root;   /* -1 when the collective has none; send / recv: the peer */
     int32_t tag;    /* send / recv: the message's tag; -1 for the collectives */
+    uint32_t purpose; /* what the library issued it for (DDP__PURPOSE: an FSDP unit's gather or reduce-scatter),
+                         0 for the program's own calls: ranks that gather different units fail, never mix data */
     double t_queued; /* when an async call was queued (ddp__now), for the timeline; 0: not queued, or it is off */
 } ddp__coll;
 
@@ -625,6 +631,8 @@ struct ddp_group {
     uint64_t seq;        /* collectives issued so far (set-up included); carried in every message */
     uint64_t seq_base;   /* seq when ddp_init (or ddp_new_group) returned: messages number calls from it */
     uint64_t running_seq; /* seq of the collective running now (0 between collectives) */
+    uint32_t purpose;     /* the purpose the next collectives are fingerprinted with (ddp__coll.purpose); set
+                             around its calls by the library layer that issues them, 0 otherwise */
     ddp_result broken;   /* set once a collective failed: every later call fails with it */
     char broken_msg[DDP__ERR_MAX];
     void *scratch;       /* staging memory for the algorithms, grown on demand (one call runs at a time) */
@@ -730,7 +738,7 @@ static DDP__UNUSED ddp_result ddp__sizes_differ(ddp_group *g, const ddp__coll *c
    every rank's error, with its message; mine when g is NULL or of one rank. Collective. */
 static DDP__UNUSED ddp_result ddp__agree_outcome(ddp_group *g, ddp_result mine, const char *what);
 /* ddp_wait, giving when the progress thread ran w (times[0] start, times[1] end, ddp__now; times[2] its
-   timeline lane; all 0 when the timeline is off or the work was not the progress thread's) */
+   timeline lane, 0 while the timeline is off; all 0 when the work was not the progress thread's) */
 static DDP__UNUSED ddp_result ddp__wait_times(ddp_work *w, double *times);
 /* Chunk i of `count` elements cut into n nearly equal parts (the first count % n get one more). */
 static DDP__UNUSED void ddp__chunk(size_t count, int n, int i, size_t *off, size_t *len);

@@ -289,6 +289,7 @@ static ddp_result ddp__mpi_check(ddp_group *g, const ddp__call *k, const ddp__co
     mine.dtype = c->dtype;
     mine.op = c->op;
     mine.root = c->root;
+    mine.purpose = c->purpose;
     h = ddp__hash_bytes(h, &mine, sizeof mine);
     for (i = 0; k->kind == DDP__ALL_GATHER_V && i < g->world_size; i++) {
         uint64_t v = (uint64_t)k->recv_counts[i];

@@ -49,13 +49,32 @@
 
 /* zero_stage: what is implemented, and the combinations refused (see "ZeRO" in reducer.h). */
 static ddp_result ddp__zero_check_desc(ddp_group *g, const ddp_reducer_desc *d) {
-    if (d->zero_stage < 0 || d->zero_stage > 2)
+    if (d->zero_stage < 0 || d->zero_stage > 3)
         return ddp__fail(g, DDP_ERR_INVALID_ARGUMENT, "ddp_reducer_create: zero_stage %d is not 0 (DDP), 1 (ZeRO-1: "
-                         "optimizer state sharded) or 2 (ZeRO-2)", d->zero_stage);
-    if (d->zero_stage == 2 && d->gradient_as_bucket_view)
-        return ddp__fail(g, DDP_ERR_INVALID_ARGUMENT, "ddp_reducer_create: zero_stage = 2 with gradient_as_bucket_view = 1 "
+                         "optimizer state sharded), 2 (ZeRO-2: gradients too) or 3 (ZeRO-3 / FSDP: parameters too)",
+                         d->zero_stage);
+    if (d->zero_stage >= 2 && d->gradient_as_bucket_view)
+        return ddp__fail(g, DDP_ERR_INVALID_ARGUMENT, "ddp_reducer_create: zero_stage = %d with gradient_as_bucket_view = 1 "
                          "is not supported: the buckets would have to hold every gradient, which is what ZeRO-2 frees; "
-                         "register your own gradient buffers (gradient_as_bucket_view = 0) or use zero_stage = 1");
+                         "register your own gradient buffers (gradient_as_bucket_view = 0) or use zero_stage = 1",
+                         d->zero_stage);
+    if (d->zero_stage != 3 && (d->param_dtype != DDP_DTYPE_DEFAULT || d->prefetch))
+        return ddp__fail(g, DDP_ERR_INVALID_ARGUMENT, "ddp_reducer_create: param_dtype and prefetch are zero_stage 3's (the "
+                         "gathered parameters); at zero_stage %d leave them 0", d->zero_stage);
+    if (d->zero_stage != 3) return DDP_SUCCESS;
+    if (d->param_dtype != DDP_DTYPE_DEFAULT && !(ddp__dtype_valid(d->param_dtype) && ddp__dtype_is_float(d->param_dtype)))
+        return ddp__fail(g, DDP_ERR_INVALID_ARGUMENT, "ddp_reducer_create: param_dtype %d is not DDP_DTYPE_DEFAULT or a "
+                         "floating dtype (DDP_BF16 or DDP_F16 for mixed precision)", (int)d->param_dtype);
+    if (d->prefetch < 0 || d->prefetch > 64)
+        return ddp__fail(g, DDP_ERR_INVALID_ARGUMENT, "ddp_reducer_create: prefetch %d is not 0 .. 64 (gathers in flight "
+                         "besides the unit in use)", d->prefetch);
+    if (d->uneven_inputs)
+        return ddp__fail(g, DDP_ERR_UNSUPPORTED, "ddp_reducer_create: zero_stage 3 with uneven_inputs is not supported: a "
+                         "rank without data would have to shadow every unit's gathers; end the epoch on every rank at "
+                         "the same step (ddp_sampler's drop_last, or a step count agreed with ddp_all_reduce)");
+    if (!strcmp(g->backend->family, "nccl"))
+        return ddp__fail(g, DDP_ERR_UNSUPPORTED, "ddp_reducer_create: zero_stage 3 runs on host memory (backends cpu and "
+                         "mpi); the nccl backend is not supported yet: use zero_stage 2 there");
     return DDP_SUCCESS;
 }
 
@@ -105,6 +124,7 @@ static ddp_result ddp__reducer_append(ddp_reducer *r, ddp__rtensor **arr, int *n
     e->grad = grad;
     e->count = count;
     e->dtype = t;
+    e->unit = -1;
     (*n)++;
     return DDP_SUCCESS;
 }
@@ -150,15 +170,28 @@ DDP_API ddp_result ddp_reducer_add_param(ddp_reducer *r, const char *name, void 
         return ddp__fail(r->g, DDP_ERR_INVALID_ARGUMENT, "ddp_reducer_add_param(\"%s\"): dtype %s has no gradients; "
                          "parameters are f32, f64, f16 or bf16 (register integer state with ddp_reducer_add_buffer)",
                          name, ddp_dtype_name(t));
+    if (ddp__fsdp(r) && grad)
+        return ddp__fail(r->g, DDP_ERR_INVALID_ARGUMENT, "ddp_reducer_add_param(\"%s\"): at zero_stage 3 gradients live in "
+                         "the units' buffers: pass grad = NULL and write them where ddp_fsdp_grad() points", name);
+    if (ddp__fsdp(r) && !r->nunits)
+        return ddp__fail(r->g, DDP_ERR_INVALID_ARGUMENT, "ddp_reducer_add_param(\"%s\"): at zero_stage 3 every parameter "
+                         "belongs to a unit: call ddp_fsdp_unit first", name);
     if (ddp__reducer_is_view(r) && grad)
         return ddp__fail(r->g, DDP_ERR_INVALID_ARGUMENT, "ddp_reducer_add_param(\"%s\"): with gradient_as_bucket_view the "
                          "gradient lives in the bucket: pass grad = NULL and write it where ddp_reducer_grad() points", name);
-    if (!ddp__reducer_is_view(r) && !grad)
+    if (!ddp__reducer_is_view(r) && !ddp__fsdp(r) && !grad)
         return ddp__fail(r->g, DDP_ERR_INVALID_ARGUMENT, "ddp_reducer_add_param(\"%s\"): the gradient pointer is NULL "
                          "(pass the gradient buffer, or set gradient_as_bucket_view)", name);
     if (r->nparams == INT_MAX / 2) return ddp__fail(r->g, DDP_ERR_INVALID_ARGUMENT, "ddp_reducer_add_param: too many parameters");
+    if (r->nunits && r->units[r->nunits - 1].n && t != r->params[r->units[r->nunits - 1].first].dtype)
+        return ddp__fail(r->g, DDP_ERR_INVALID_ARGUMENT, "ddp_reducer_add_param(\"%s\"): dtype %s in unit \"%s\", whose "
+                         "parameters are %s: a unit is one bucket of one dtype; open another unit for it", name,
+                         ddp_dtype_name(t), r->units[r->nunits - 1].name,
+                         ddp_dtype_name(r->params[r->units[r->nunits - 1].first].dtype));
     if ((res = ddp__reducer_append(r, &r->params, &r->nparams, &r->cap_params, name, param, grad, count, t)) != DDP_SUCCESS)
         return res;
+    r->params[r->nparams - 1].unit = r->nunits - 1;
+    if (r->nunits) r->units[r->nunits - 1].n++;
     if (index) *index = r->nparams - 1;
     return DDP_SUCCESS;
 }
@@ -245,8 +278,9 @@ static ddp_result ddp__reducer_name_mismatch(ddp_reducer *r, const uint64_t *pri
         return res;
     }
     snprintf(msg, sizeof msg, "ddp_reducer_finalize: the ranks registered different models (rank 0: %llu parameters and "
-             "%llu buffers, this rank %d: %d and %d), and the order of entries differs nowhere that a record shows; "
-             "register the same parameters and buffers (names, counts, dtypes) in the same order on every rank",
+             "%llu buffers, this rank %d: %d and %d), and the order of entries differs nowhere that a record shows: "
+             "the FSDP units (ddp_fsdp_unit: where each starts, its flags) may differ; register the same units, "
+             "parameters and buffers (names, counts, dtypes) in the same order on every rank",
              (unsigned long long)prints[1], (unsigned long long)prints[2], ddp_rank(g), r->nparams, r->nbuffers);
     for (j = 0; j < n; j++) {
         const ddp__model_record *ref = &all[j];
@@ -284,6 +318,11 @@ static ddp_result ddp__reducer_verify(ddp_reducer *r) {
     mine[4] = (uint64_t)r->desc.zero_stage;
     for (i = 0; i < r->nparams; i++) mine[3] = ddp__rtensor_hash(mine[3], &r->params[i]);
     for (i = 0; i < r->nbuffers; i++) mine[3] = ddp__rtensor_hash(mine[3] ^ 0x9e3779b97f4a7c15ull, &r->buffers[i]);
+    for (i = 0; i < r->nunits; i++) { /* the units: where each starts, and its flags */
+        uint64_t unit[2];
+        unit[0] = (uint64_t)r->units[i].first, unit[1] = (uint64_t)r->units[i].flags;
+        mine[3] = ddp__hash_bytes(mine[3] ^ 0x51ed270b27d3a5c1ull, unit, sizeof unit);
+    }
     all = (uint64_t *)ddp__calloc((size_t)world * DDP__VERIFY_FIELDS, sizeof *all);
     if (!all) return ddp__fail(g, DDP_ERR_OUT_OF_MEMORY, "ddp_reducer_finalize: out of memory");
     if ((res = ddp_all_gather(g, mine, all, DDP__VERIFY_FIELDS, DDP_I64)) != DDP_SUCCESS) {
@@ -377,6 +416,7 @@ static void ddp__layout_free(ddp_reducer *r, ddp__layout *L) {
         ddp__bucket *k = &L->buckets[b];
         if (k->gather && k->gather != k->comm && !ddp__zero2(r)) r->ops->release(r->g, k->gather);
         if (k->owned) r->ops->release(r->g, k->owned);
+        if (k->master) r->ops->release(r->g, k->master);
         if (k->comm && k->comm != k->storage && !ddp__zero2(r)) r->ops->release(r->g, k->comm); /* 2: the pool's */
         if (k->storage && !k->flat) r->ops->release(r->g, k->storage);
     }
@@ -409,12 +449,14 @@ static ddp_result ddp__layout_assign(ddp_reducer *r, const int *walk, ddp__layou
         int t = (int)p->dtype;
         size_t limit = seen[t] ? r->desc.bucket_cap_bytes : r->desc.first_bucket_bytes;
         ddp__bucket *k;
+        if (p->unit >= 0 && open[t] >= 0 && L->buckets[open[t]].unit != p->unit) open[t] = -1; /* a unit: a bucket */
         if (open[t] < 0) {
             open[t] = L->nbuckets++;
             filled[t] = 0;
             k = &L->buckets[open[t]];
             k->dtype = p->dtype;
             k->comm_dtype = r->desc.comm_dtype == DDP_DTYPE_DEFAULT ? p->dtype : r->desc.comm_dtype;
+            k->unit = p->unit;
         }
         k = &L->buckets[open[t]];
         L->param_bucket[walk[i]] = open[t];
@@ -422,7 +464,7 @@ static ddp_result ddp__layout_assign(ddp_reducer *r, const int *walk, ddp__layou
         k->count += p->count;
         k->n++;
         filled[t] += ddp__tensor_bytes(p);
-        if (filled[t] >= limit) { /* the parameter that crosses the limit stays in the bucket */
+        if (filled[t] >= limit && p->unit < 0) { /* the parameter that crosses the limit stays in the bucket */
             open[t] = -1;
             seen[t] = 1;
         }
@@ -487,8 +529,11 @@ static ddp_result ddp__zero_bucket_alloc(ddp_reducer *r, ddp__bucket *k, int b) 
     k->per = (k->count + world - 1) / world;
     if (ddp__zero2(r)) { /* only the owned slice, in the gradients' dtype; comm and gather come from the pool */
         if (!(k->owned = r->ops->alloc(r->g, k->per * gs)))
-            return ddp__fail(r->g, DDP_ERR_OUT_OF_MEMORY, "out of memory for gradient bucket %d's slice (zero_stage 2: %zu "
-                             "elements)", b, k->per);
+            return ddp__fail(r->g, DDP_ERR_OUT_OF_MEMORY, "out of memory for gradient bucket %d's slice (zero_stage %d: %zu "
+                             "elements)", b, r->desc.zero_stage, k->per);
+        if (ddp__fsdp(r) && !(k->master = r->ops->alloc(r->g, k->per * gs))) /* padded with zeros: ddp_alloc's */
+            return ddp__fail(r->g, DDP_ERR_OUT_OF_MEMORY, "out of memory for unit %d's master shard (zero_stage 3: %zu "
+                             "elements)", k->unit, k->per);
         return DDP_SUCCESS;
     }
     k->comm = r->ops->alloc(r->g, k->per * world * cs);

@@ -217,7 +217,13 @@ typedef struct ddp_reducer_desc {
     int zero_stage;               /* 0 = DDP (all-reduce); 1 = ZeRO-1: each rank gets the averaged gradients of
                                      its slices only and keeps optimizer state for them (see "ZeRO" above);
                                      2 = ZeRO-2: the same, and the reducer keeps only those slices of the
-                                     gradients (see "ZeRO stage 2" above) */
+                                     gradients (see "ZeRO stage 2" above); 3 = ZeRO-3 / FSDP FULL_SHARD: the
+                                     parameters too, gathered unit by unit (see "FSDP" below) */
+    ddp_dtype param_dtype;        /* zero_stage 3: the dtype of the gathered parameters and of the gradients the
+                                     program writes (FSDP2's MixedPrecisionPolicy.param_dtype: DDP_BF16 or DDP_F16);
+                                     DDP_DTYPE_DEFAULT: the parameters' own. The shards keep the registered dtype */
+    int prefetch;                 /* zero_stage 3: gathers in flight besides the unit in use; the pool holds
+                                     1 + prefetch units (FSDP2's implicit prefetch is 1, DeepSpeed's 2) */
 } ddp_reducer_desc;
 
 /* One piece of this rank's slice under zero_stage = 1 or 2 (see "ZeRO" above): elements
@@ -258,7 +264,15 @@ typedef struct ddp_reducer_statistics {
     double total_transfer_seconds;
     uint64_t gradient_bytes;       /* gradient memory the reducer holds on this rank now: its buckets and comm
                                       buffers, zero_stage's owned slices and staging, zero_stage 2's pool (not
-                                      the program's own gradient buffers, nor flat buckets, which are those) */
+                                      the program's own gradient buffers, nor flat buckets, which are those);
+                                      zero_stage 3: also the units' gradient buffers (ddp_fsdp_grad) */
+    /* zero_stage 3 (see "FSDP" below) */
+    uint64_t param_bytes_peak;     /* parameter memory the reducer held at most: the master shards and the
+                                      gathered unit buffers (the pool and the KEEP units'), not staging */
+    double gather_seconds;         /* sum over the units' all-gathers: from issue to their end */
+    double gather_wait_seconds;    /* sum of the time spent inside ddp_fsdp_wait: the gathering not hidden */
+    uint64_t unprefetched_waits;   /* ddp_fsdp_wait calls on a unit no ddp_fsdp_gather had started */
+    uint64_t gathers;              /* all-gathers of units issued */
 } ddp_reducer_statistics;
 
 /* ddp_reducer_create: a reducer for the gradients of one model replica on group g (every rank of g takes
@@ -456,6 +470,94 @@ DDP_API ddp_result ddp_reducer_consolidate_state(ddp_reducer *r, ddp_dtype t, in
    naming both numbers; DDP_ERR_STATE as above. */
 DDP_API ddp_result ddp_reducer_shard_state(ddp_reducer *r, ddp_dtype t, int nstates, const void *const *full,
                                            size_t full_count, void *const *shard_state, size_t shard_count);
+
+/* FSDP: ZeRO stage 3 (torch's FullyShardedDataParallel / fully_shard, DeepSpeed stage 3). zero_stage = 3
+   shards the parameters as stage 2 shards the gradients. The program groups its parameters into UNITS,
+   usually one per layer: ddp_fsdp_unit(r, name, flags) opens a unit, and the parameters registered after
+   it (ddp_reducer_add_param, grad = NULL) belong to it until the next ddp_fsdp_unit. Each unit is one
+   bucket (no cap-based cutting), so the slice rule is stage 1's: per = ceil(unit count / world), rank r
+   owns unit elements [r * per, min(count, (r + 1) * per)), in the unit's bucket order. At finalize rank
+   0's values are broadcast (as at every stage), each rank copies its slices into its MASTER SHARDS (the
+   registered dtype; ddp_shard.param_data points there) and the program may free its parameter memory.
+   Per rank, the reducer then holds: the master shards (~1/world of the model), the averaged gradient
+   slices (stage 2's), a pool of 1 + prefetch gather buffers of the largest unit, in param_dtype, and a
+   buffer of its own for each DDP_FSDP_KEEP unit (a root that stays gathered: tied embeddings). A step:
+       ddp_fsdp_wait(red, u[0]);                            // (gathers it: nothing was prefetched)
+       for (l = 0; l < L; l++) {                            // forward
+           if (l + 1 < L) ddp_fsdp_gather(red, u[l + 1]);   // prefetch: overlaps layer l's compute
+           layer_forward(l, ddp_fsdp_param(red, i_w[l]), ...);
+           if (l + 1 < L) ddp_fsdp_release(red, u[l]);      // the last stays for backward
+           if (l + 1 < L) ddp_fsdp_wait(red, u[l + 1]);
+       }
+       ddp_reducer_begin_backward(red);
+       for (l = L - 1; l >= 0; l--) {                       // backward, last unit first
+           ddp_fsdp_wait(red, u[l]);  if (l) ddp_fsdp_gather(red, u[l - 1]);
+           layer_backward(l, ddp_fsdp_param(red, i_w[l]), ddp_fsdp_grad(red, i_w[l]), ...);  // += into it
+           ddp_fsdp_grads_ready(red, u[l]);                 // x 1/world, reduce-scatter into the slice
+           ddp_fsdp_release(red, u[l]);
+       }
+       ddp_reducer_end_backward(red);                       // the slices hold the averaged gradients
+       n = ddp_reducer_shards(red, &sh);                    // optimizer on the master shards, as at stage 2
+   Rules:
+   - Gather and wait are collective: every rank gathers the same units in the same order. The unit is part
+     of the collective's fingerprint, so ranks that gather different units fail with DDP_ERR_MISMATCH
+     naming both (the same holds for the reduce-scatters): never a hang, never mixed data.
+   - ddp_fsdp_gather starts the unit's all-gather into a free pool buffer (the master slice cast to
+     param_dtype). With no free buffer it is DDP_ERR_STATE naming the units holding them, before any
+     collective starts: release a unit first, or raise prefetch. Gathering a unit that is gathered or in
+     flight does nothing. ddp_fsdp_wait waits for it (gathering it first if no gather was started: correct
+     without prefetch, only slower; statistics' unprefetched_waits counts these). ddp_fsdp_param(i) is
+     valid from the wait of i's unit to its release (NULL otherwise); ddp_fsdp_release gives the buffer
+     back (waiting for a gather still in flight). A DDP_FSDP_KEEP unit has its own buffer: release does
+     nothing, and it stays gathered until end_backward.
+   - ddp_fsdp_grad(i) (in a backward pass): where parameter i's gradient goes, in param_dtype (or the
+     registered dtype), zeroed at the unit's first ddp_fsdp_grad in the pass, so the program adds into it.
+     Gradient buffers come from a pool that grows by one buffer of the largest unit when every buffer is
+     taken (units whose gradients are computed at the same time); a KEEP unit's is its own. After
+     ddp_fsdp_grads_ready(u) the buffer is read (x 1/world, cast to comm_dtype, the reduce-scatter starts
+     when it is next in order, as stage 2's buckets) and goes back to the pool: do not write to it again.
+     A unit without ddp_fsdp_grads_ready in a pass is an error at end_backward naming its parameters, as
+     a missing gradient, unless find_unused_parameters (zeros from this rank; untouched if no rank used it).
+   - end_backward waits for the reduce-scatters and reshards EVERY unit (the pool is free again; the
+     optimizer step that follows changes the shards, so nothing gathered before it stays readable).
+   - no_sync (set_sync(r, 0)): every pass still reduce-scatters, and the averaged gradients of the passes
+     since the last synchronised one ACCUMULATE in the slices (FSDP2's default keeps unsharded gradients
+     instead: memory 1/world here, communication every micro-step); the synchronised pass adds its own,
+     then the optimizer runs. Not bit-identical to stages 0-2's no_sync, which sum before averaging.
+   - param_dtype DDP_BF16/DDP_F16: gathered parameters and ddp_fsdp_grad's buffers have that dtype; the
+     reduce-scatter runs in comm_dtype (default: the registered dtype, FSDP2's reduce_dtype = f32), the
+     master shards and ddp_reducer_shards' gradients keep the registered dtype.
+   - Host memory, on the cpu (shm, tcp, hier) and mpi backends. Refused (DDP_ERR_UNSUPPORTED) for now: the
+     nccl backend and device parameters, uneven_inputs (a joined rank would have to shadow the gathers),
+     gradient_as_bucket_view, ddp_reducer_gather_params (the units are gathered as they are used).
+   - Units at stages 0-2: ddp_fsdp_unit cuts the buckets there too (one bucket per unit, params registered
+     with their gradients as usual; no rebuild), so stage 3 can be compared with stage 2 bucket for bucket;
+     gather/wait/param/release/grad/grads_ready are stage 3's only.
+   - Memory (statistics): param_bytes_peak = the master shards (per elements of each unit, registered
+     dtype) + (1 + prefetch) gather buffers (world * per of the largest unit, param_dtype) + each KEEP
+     unit's (world * per, param_dtype); gradient_bytes = stage 2's (slices + its pool of 2) + the gradient
+     buffers (each the largest unit's count in param_dtype) + each KEEP unit's. */
+#define DDP_FSDP_KEEP 1 /* ddp_fsdp_unit flag: the unit stays gathered from its first wait to end_backward */
+
+/* ddp_fsdp_unit: open a unit (before finalize; any zero_stage, see above): the parameters registered next
+   belong to it. name is copied (messages name units by it). flags: 0 or DDP_FSDP_KEEP. Returns the unit's id
+   (0, 1, ... in order) or a negative ddp_result: DDP_ERR_INVALID_ARGUMENT (NULL or empty name, unknown
+   flags, the previous unit has no parameters), DDP_ERR_STATE after finalize. */
+DDP_API int ddp_fsdp_unit(ddp_reducer *r, const char *name, int flags);
+/* ddp_fsdp_gather: start unit's all-gather (collective; see the rules above). */
+DDP_API ddp_result ddp_fsdp_gather(ddp_reducer *r, int unit);
+/* ddp_fsdp_wait: unit's parameters are readable when it returns (gathers first if needed; collective then). */
+DDP_API ddp_result ddp_fsdp_wait(ddp_reducer *r, int unit);
+/* ddp_fsdp_param: where parameter index is while its unit is gathered (param_dtype); NULL otherwise. */
+DDP_API void *ddp_fsdp_param(ddp_reducer *r, int index);
+/* ddp_fsdp_release: unit's gather buffer goes back to the pool (a KEEP unit: nothing happens). */
+DDP_API ddp_result ddp_fsdp_release(ddp_reducer *r, int unit);
+/* ddp_fsdp_grad: where parameter index's gradient goes in this backward pass (zeroed at its unit's first
+   call in the pass); NULL outside a pass, for a bad index, or when out of memory (ddp_last_error says). */
+DDP_API void *ddp_fsdp_grad(ddp_reducer *r, int index);
+/* ddp_fsdp_grads_ready: every gradient of unit is written: scaled, reduce-scattered (asynchronously, in
+   bucket order) into this rank's slices. Once per unit and pass; DDP_ERR_STATE outside a pass or twice. */
+DDP_API ddp_result ddp_fsdp_grads_ready(ddp_reducer *r, int unit);
 
 /* ddp_reducer_destroy: wait for any all-reduce in flight and free the reducer. Not collective. NULL is a
    no-op. */

@@ -25,7 +25,8 @@ DDP_API ddp_result ddp_reducer_begin_backward(ddp_reducer *r) {
     if (r->desc.uneven_inputs && (res = ddp__join_announce(r, DDP__JOIN_STEP, "ddp_reducer_begin_backward", NULL)) != DDP_SUCCESS)
         return res;
     r->in_backward = 1;
-    r->pass_sync = r->sync;
+    r->pass_sync = r->sync || ddp__fsdp(r); /* zero_stage 3 reduce-scatters in every pass (see "FSDP") */
+    r->pass_user_sync = r->sync;
     r->next_bucket = 0;
     r->norder = 0;
     memset(r->ready, 0, ddp__reducer_n(r));
@@ -39,9 +40,13 @@ DDP_API ddp_result ddp_reducer_begin_backward(ddp_reducer *r) {
    or with zero_stage a SUM reduce-scatter of the padded buffer into this rank's slice (k->owned).
    The one place that chooses a bucket's collective, for the ranks with data and the joined ones alike. */
 static ddp_result ddp__bucket_start(ddp_reducer *r, ddp__bucket *k, void *data) {
-    if (ddp__zero2(r)) return ddp_reduce_scatter_async(r->g, data, ddp__zero2_land(r, k), k->per, k->comm_dtype, DDP_SUM, &k->work);
-    if (ddp__reducer_zero(r)) return ddp_reduce_scatter_async(r->g, data, k->owned, k->per, k->comm_dtype, DDP_SUM, &k->work);
-    return ddp_all_reduce_async(r->g, data, k->count, k->comm_dtype, DDP_SUM, &k->work);
+    ddp_result res;
+    if (k->unit >= 0) r->g->purpose = DDP__PURPOSE(DDP__PHASE_REDUCE, k->unit); /* ranks must agree on the unit */
+    if (ddp__zero2(r)) res = ddp_reduce_scatter_async(r->g, data, ddp__zero2_land(r, k), k->per, k->comm_dtype, DDP_SUM, &k->work);
+    else if (ddp__reducer_zero(r)) res = ddp_reduce_scatter_async(r->g, data, k->owned, k->per, k->comm_dtype, DDP_SUM, &k->work);
+    else res = ddp_all_reduce_async(r->g, data, k->count, k->comm_dtype, DDP_SUM, &k->work);
+    r->g->purpose = 0;
+    return res;
 }
 
 /* Start every complete bucket that is next in line. */
@@ -57,15 +62,19 @@ static ddp_result ddp__reducer_start_ready(ddp_reducer *r) {
     return DDP_SUCCESS;
 }
 
-/* Copy parameter i's gradient into its bucket slot, times 1/world (in place for views). */
-static void ddp__reducer_take(ddp_reducer *r, int i) {
+/* Copy parameter i's gradient into its bucket slot, times 1/world (in place for views): from src, of
+   dtype t (the program's gradient; at zero_stage 3 its unit's gradient buffer, in param_dtype). */
+static void ddp__reducer_take_from(ddp_reducer *r, int i, const void *src, ddp_dtype t) {
     ddp__bucket *k = &r->L.buckets[r->L.param_bucket[i]];
-    const ddp__rtensor *p = &r->params[i];
-    size_t off = r->L.param_offset[i];
-    const void *src = k->storage ? (const void *)((char *)k->storage + off * ddp_dtype_size(k->dtype)) : p->grad;
-    r->ops->copy_in_scaled(r->g, (char *)k->comm + off * ddp_dtype_size(k->comm_dtype), k->comm_dtype, src, p->dtype,
-                           p->count, 1.0 / (double)ddp_world_size(r->g));
+    r->ops->copy_in_scaled(r->g, (char *)k->comm + r->L.param_offset[i] * ddp_dtype_size(k->comm_dtype), k->comm_dtype, src, t,
+                           r->params[i].count, 1.0 / (double)ddp_world_size(r->g));
     k->pending--;
+}
+static void ddp__reducer_take(ddp_reducer *r, int i) {
+    const ddp__bucket *k = &r->L.buckets[r->L.param_bucket[i]];
+    const ddp__rtensor *p = &r->params[i];
+    const void *src = k->storage ? (const void *)((char *)k->storage + r->L.param_offset[i] * ddp_dtype_size(k->dtype)) : p->grad;
+    ddp__reducer_take_from(r, i, src, p->dtype);
 }
 
 DDP_API ddp_result ddp_reducer_grad_ready(ddp_reducer *r, int index) {
@@ -74,6 +83,9 @@ DDP_API ddp_result ddp_reducer_grad_ready(ddp_reducer *r, int index) {
     if (index < 0 || index >= r->nparams)
         return ddp__fail(r->g, DDP_ERR_INVALID_ARGUMENT, "ddp_reducer_grad_ready: index %d is not a parameter (0 .. %d)",
                          index, r->nparams - 1);
+    if (ddp__fsdp(r))
+        return ddp__fail(r->g, DDP_ERR_STATE, "ddp_reducer_grad_ready(\"%s\"): at zero_stage 3 a unit's gradients are "
+                         "handed over together: call ddp_fsdp_grads_ready(r, unit)", r->params[index].name);
     if (!r->in_backward)
         return ddp__fail(r->g, DDP_ERR_STATE, "ddp_reducer_grad_ready(\"%s\"): not in a backward pass; call "
                          "ddp_reducer_begin_backward first", r->params[index].name);
@@ -129,7 +141,9 @@ static ddp_result ddp__reducer_missing(ddp_reducer *r) {
    (ddp__reducer_finish_unused puts it back then), saved into / restored from the stash at `at`: a view's
    gradient without compression (its bucket is reduced in place), or under zero_stage 2 this rank's owned
    piece of it (the reduce-scatter lands there). Returns its bytes (0: nothing to keep); at NULL: only
-   the size. */
+   the size. At zero_stage 3, where units may be handed over unused in the middle of backward (see
+   ddp_fsdp_grads_ready), the stash mirrors every bucket's owned slice at a fixed place (the bucket's
+   stash_at) and `at` only says whether to copy. */
 static size_t ddp__unused_keep(ddp_reducer *r, int i, char *at, int restore) {
     ddp__bucket *k = &r->L.buckets[r->L.param_bucket[i]];
     const ddp__rtensor *p = &r->params[i];
@@ -139,6 +153,7 @@ static size_t ddp__unused_keep(ddp_reducer *r, int i, char *at, int restore) {
         if (!ddp__zero_piece(r, i, &lo, &a, &e)) return 0;
         grad = (char *)k->owned + (a - lo) * ddp_dtype_size(k->dtype);
         count = e - a;
+        if (at && ddp__fsdp(r)) at = (char *)r->stash + k->stash_at + (a - lo) * ddp_dtype_size(k->dtype);
     } else if (ddp__bucket_in_place(k)) {
         grad = (char *)k->storage + r->L.param_offset[i] * ddp_dtype_size(k->dtype);
     } else {
@@ -153,8 +168,12 @@ static size_t ddp__unused_keep(ddp_reducer *r, int i, char *at, int restore) {
 static ddp_result ddp__stash_reserve(ddp_reducer *r, int all, const char *fn) {
     size_t need = 0;
     int i;
-    for (i = 0; i < r->nparams; i++)
+    for (i = 0; i < r->nparams && !ddp__fsdp(r); i++)
         if (all || !r->used[i]) need += ddp__unused_keep(r, i, NULL, 0);
+    for (i = 0; i < r->L.nbuckets && ddp__fsdp(r); i++) { /* zero_stage 3: a mirror of the owned slices */
+        r->L.buckets[i].stash_at = need;
+        need += r->L.buckets[i].per * ddp_dtype_size(r->L.buckets[i].dtype);
+    }
     if (need <= r->stash_bytes) return DDP_SUCCESS;
     if (r->stash) r->ops->release(r->g, r->stash);
     r->stash_bytes = 0;
@@ -169,32 +188,76 @@ static ddp_result ddp__stash_reserve(ddp_reducer *r, int all, const char *fn) {
    pool buffer finds the buckets before it started, and waits for the oldest instead of growing the
    pool). One that got a gradient in an earlier no_sync pass contributes what it accumulated; the others
    contribute zero, after what they must keep went into the stash (ddp__unused_keep). */
+/* Parameter i got no gradient on this rank: it contributes zero, after what it must keep went into the
+   stash at *off (ddp__unused_keep). */
+static void ddp__reducer_take_zero(ddp_reducer *r, int i, size_t *off) {
+    ddp__bucket *k = &r->L.buckets[r->L.param_bucket[i]];
+    size_t cs = ddp_dtype_size(k->comm_dtype);
+    *off += ddp__unused_keep(r, i, (char *)r->stash + *off, 0);
+    r->ops->zero(r->g, (char *)k->comm + r->L.param_offset[i] * cs, r->params[i].count * cs);
+    k->pending--;
+}
+
 static ddp_result ddp__reducer_fill_unused(ddp_reducer *r) {
     size_t off = 0;
     ddp_result res;
     int b, j, i;
     r->stats.unused_parameters = 0;
+    for (i = 0; i < r->nparams; i++) r->stats.unused_parameters += !r->used[i];
     if ((res = ddp__stash_reserve(r, 0, "ddp_reducer_end_backward")) != DDP_SUCCESS) return res;
     for (b = 0; b < r->L.nbuckets; b++) {
         ddp__bucket *k = &r->L.buckets[b];
-        size_t cs = ddp_dtype_size(k->comm_dtype);
         if (!k->pending) continue;
         if (ddp__zero2(r) && !k->comm && (res = ddp__zero2_acquire(r, b)) != DDP_SUCCESS) return res;
         for (j = k->first; j < k->first + k->n; j++) {
             i = r->L.params[j];
             if (r->ready[i]) continue;
-            if (r->used[i]) {
-                ddp__reducer_take(r, i);
-                continue;
-            }
-            r->stats.unused_parameters++;
-            off += ddp__unused_keep(r, i, (char *)r->stash + off, 0);
-            r->ops->zero(r->g, (char *)k->comm + r->L.param_offset[i] * cs, r->params[i].count * cs);
-            k->pending--;
+            if (r->used[i]) ddp__reducer_take(r, i);
+            else ddp__reducer_take_zero(r, i, &off);
         }
         if ((res = ddp__reducer_start_ready(r)) != DDP_SUCCESS) return res;
     }
     return DDP_SUCCESS;
+}
+
+/* zero_stage 3: grad_ready for every parameter of the unit at once, from its gradient buffer, which then
+   goes back to the pool. A unit whose gradients were never taken in this pass contributes zeros; with
+   find_unused_parameters it is also "not used on this rank" (as a parameter without grad_ready). */
+DDP_API ddp_result ddp_fsdp_grads_ready(ddp_reducer *r, int unit) {
+    ddp_result res = ddp__fsdp_check(r, unit, "ddp_fsdp_grads_ready");
+    ddp__unit *u;
+    ddp__bucket *k;
+    size_t ps;
+    int i;
+    if (res) return res;
+    u = &r->units[unit];
+    k = &r->L.buckets[u->bucket];
+    if (!r->in_backward)
+        return ddp__fail(r->g, DDP_ERR_STATE, "ddp_fsdp_grads_ready(unit %d \"%s\"): not in a backward pass; call "
+                         "ddp_reducer_begin_backward first", unit, u->name);
+    if (u->grads_done)
+        return ddp__fail(r->g, DDP_ERR_STATE, "ddp_fsdp_grads_ready(unit %d \"%s\"): called twice in one backward pass; a "
+                         "unit's gradients are reduced once per pass", unit, u->name);
+    if (!k->comm && (res = ddp__zero2_acquire(r, u->bucket)) != DDP_SUCCESS) return res;
+    if (!u->grad && r->desc.find_unused_parameters) { /* not used on this rank: zeros, and the used map says so */
+        size_t off = 0;
+        if ((res = ddp__stash_reserve(r, 1, "ddp_fsdp_grads_ready")) != DDP_SUCCESS) return r->failed = res;
+        for (i = u->first; i < u->first + u->n; i++) {
+            r->ready[i] = 1;
+            ddp__reducer_take_zero(r, i, &off);
+        }
+        u->grads_done = 1;
+        return ddp__reducer_start_ready(r);
+    }
+    if (!ddp__fsdp_grad_take(r, u)) return DDP_ERR_OUT_OF_MEMORY;
+    ps = ddp_dtype_size(ddp__fsdp_dtype(r, k));
+    for (i = u->first; i < u->first + u->n; i++) {
+        r->ready[i] = r->used[i] = 1;
+        ddp__reducer_take_from(r, i, (char *)u->grad + r->L.param_offset[i] * ps, ddp__fsdp_dtype(r, k));
+    }
+    u->grads_done = 1;
+    ddp__fsdp_grad_put_back(r, u);
+    return ddp__reducer_start_ready(r);
 }
 
 /* The reduced value of parameter i goes back to where the program reads its gradient. */
@@ -325,9 +388,15 @@ DDP_API ddp_result ddp_reducer_end_backward(ddp_reducer *r) {
     }
     r->in_backward = 0;
     memset(r->used, 0, ddp__reducer_n(r));
+    if (ddp__fsdp(r)) {
+        ddp_result resharded = ddp__fsdp_reshard_all(r);
+        if (!res) res = resharded;
+        r->accumulate = !r->pass_user_sync; /* the next pass adds to this one's slices */
+    }
     if (res) return r->failed = res;
     t_done = ddp__now();
-    r->stats.iterations++;
+    if (ddp__fsdp(r) && !r->pass_user_sync) r->stats.local_iterations++;
+    else r->stats.iterations++;
     r->stats.bytes_reduced = r->desc.find_unused_parameters ? (uint64_t)r->nparams : 0;
     for (i = 0; i < r->L.nbuckets; i++)
         r->stats.bytes_reduced += r->L.buckets[i].count * ddp_dtype_size(r->L.buckets[i].comm_dtype);
@@ -370,7 +439,8 @@ DDP_API ddp_result ddp_reducer_zero_grad(ddp_reducer *r) {
     }
     for (i = 0; ddp__zero2(r) && i < r->L.nbuckets; i++) /* the shards' gradients, which live here */
         r->ops->zero(r->g, r->L.buckets[i].owned, r->L.buckets[i].per * ddp_dtype_size(r->L.buckets[i].dtype));
-    for (i = 0; i < r->nparams; i++) r->ops->zero(r->g, r->params[i].grad, ddp__tensor_bytes(&r->params[i]));
+    for (i = 0; i < r->nparams; i++)
+        if (r->params[i].grad) r->ops->zero(r->g, r->params[i].grad, ddp__tensor_bytes(&r->params[i])); /* 3: none */
     return DDP_SUCCESS;
 }
 
@@ -437,6 +507,7 @@ DDP_API void ddp_reducer_destroy(ddp_reducer *r) {
     int i;
     if (!r) return;
     ddp__zero_gather_settle(r);
+    ddp__fsdp_reshard_all(r); /* gathers in flight are waited for */
     for (i = 0; r->L.buckets && i < r->L.nbuckets; i++)
         if (r->L.buckets[i].work) ddp_wait(r->L.buckets[i].work);
     if (r->ready_work) ddp_wait(r->ready_work);
@@ -461,6 +532,7 @@ DDP_API void ddp_reducer_destroy(ddp_reducer *r) {
     for (i = 0; i < r->npool; i++) r->ops->release(r->g, r->pool[i]);
     ddp__free(r->pool);
     ddp__free(r->pool_holder);
+    ddp__fsdp_free(r);
     ddp__free(r);
 }
 

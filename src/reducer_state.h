@@ -23,7 +23,27 @@ typedef struct ddp__rtensor { /* a registered parameter or buffer */
     void *grad;  /* the program's gradient (plain mode); NULL for views and buffers */
     size_t count;
     ddp_dtype dtype;
+    int unit;    /* parameters: the FSDP unit it belongs to (ddp_fsdp_unit), -1 for none */
 } ddp__rtensor;
+
+/* An FSDP unit (reducer_fsdp.c): parameters registered together, one bucket, gathered as one. */
+enum { DDP__UNIT_SHARDED = 0, DDP__UNIT_GATHERING, DDP__UNIT_GATHERED }; /* its parameters' state */
+typedef struct ddp__unit {
+    char *name;
+    int flags;        /* DDP_FSDP_KEEP */
+    int first, n;     /* its parameters: params[first .. first + n) */
+    int bucket;       /* its bucket (set at finalize) */
+    int state;        /* DDP__UNIT_* */
+    void *gathered;   /* the gathered unit (param_dtype, world * per elements) while not SHARDED */
+    int slot;         /* the gather pool buffer it holds, -1 for none (a KEEP unit's buffer is its own) */
+    void *own;        /* zero_stage 3, KEEP: its own gather buffer; its own gradient buffer follows (grad_own) */
+    void *grad_own;
+    void *grad;       /* its gradient buffer in the current pass (NULL until ddp_fsdp_grad takes one) */
+    int grad_slot;    /* the gradient pool buffer that grad is, -1 for none or a KEEP unit's own */
+    int grads_done;   /* ddp_fsdp_grads_ready was called in this pass */
+    ddp_work *work;   /* its all-gather while in flight */
+    double t_issued;  /* when that was issued (statistics' gather_seconds) */
+} ddp__unit;
 
 typedef struct ddp__bucket {
     ddp_dtype dtype;      /* the gradients' */
@@ -43,6 +63,10 @@ typedef struct ddp__bucket {
                              when that has the same dtype); zero_stage 2: a pool buffer during gather_params */
     int slot;             /* zero_stage 2: the pool buffer that comm is, while the bucket holds one */
     int pending;          /* gradients still to come in this backward pass */
+    void *master;         /* zero_stage 3: this rank's slice of the parameters (per, the registered dtype): the
+                             master shard the optimizer steps (ddp_shard.param_data points into it) */
+    int unit;             /* the FSDP unit this bucket is, -1 for none */
+    size_t stash_at;      /* zero_stage 3 with find_unused: where the stash mirrors its owned slice */
     ddp_work *work;       /* its all-reduce, while in flight */
     double t_started;     /* when this pass started it (ddp__now; the timeline's reducer.bucket), 0 when off */
 } ddp__bucket;
@@ -86,6 +110,18 @@ struct ddp_reducer {
     int *pool_holder;  /* per pool buffer: the bucket that holds it, -1 when free */
     int npool, pool_room;
     size_t pool_bytes, pool_land; /* bytes per buffer; where the reduce-scatter lands under compression */
+    ddp__unit *units;  /* FSDP units (ddp_fsdp_unit), in registration order */
+    int nunits, cap_units;
+    void **gpool;      /* zero_stage 3: 1 + prefetch gather buffers of gpool_bytes, see reducer_fsdp.c */
+    int *gpool_holder; /* per gather buffer: the unit that holds it, -1 when free */
+    int ngpool;
+    size_t gpool_bytes;
+    void **gradpool;   /* zero_stage 3: gradient buffers of gradpool_bytes (room for one per unit) */
+    int *gradpool_holder;
+    int ngradpool;
+    size_t gradpool_bytes;
+    int accumulate;    /* zero_stage 3: this pass adds its averaged gradients to the slices (no_sync before) */
+    int pass_user_sync; /* zero_stage 3: the pass was begun under set_sync(1) (every pass reduce-scatters) */
     void *bstage;      /* staging for coalesced buffer broadcasts */
     size_t bstage_bytes;
 
@@ -116,7 +152,8 @@ struct ddp_reducer {
 static size_t ddp__reducer_n(const ddp_reducer *r) { return (size_t)(unsigned)r->nparams; } /* never negative */
 static int ddp__reducer_is_view(const ddp_reducer *r) { return r->desc.gradient_as_bucket_view; }
 static int ddp__reducer_zero(const ddp_reducer *r) { return r->desc.zero_stage != 0; }
-static int ddp__zero2(const ddp_reducer *r) { return r->desc.zero_stage == 2; }
+static int ddp__zero2(const ddp_reducer *r) { return r->desc.zero_stage >= 2; } /* gradients sharded: 2 and 3 */
+static int ddp__fsdp(const ddp_reducer *r) { return r->desc.zero_stage == 3; }  /* parameters sharded too */
 /* Gradients scaled and reduced in place in the bucket (a view without compression). */
 static int ddp__bucket_in_place(const ddp__bucket *b) { return b->storage != NULL && b->comm == b->storage; }
 static size_t ddp__tensor_bytes(const ddp__rtensor *t) { return t->count * ddp_dtype_size(t->dtype); }
@@ -146,5 +183,14 @@ static DDP__UNUSED ddp_result ddp__reducer_relayout(ddp_reducer *r, const int *w
 static DDP__UNUSED int ddp__zero_piece(const ddp_reducer *r, int i, size_t *lo, size_t *a, size_t *e);
 static DDP__UNUSED void ddp__zero_give_back(ddp_reducer *r, int i);
 static DDP__UNUSED ddp_result ddp__zero_gather_settle(ddp_reducer *r);
+
+/* ---- reducer_fsdp.c: FSDP units (for reducer_pass.c) ---- */
+static DDP__UNUSED ddp_dtype ddp__fsdp_dtype(const ddp_reducer *r, const ddp__bucket *k); /* gathered / unit grads */
+static DDP__UNUSED ddp_result ddp__fsdp_finalize(ddp_reducer *r);
+static DDP__UNUSED ddp_result ddp__fsdp_check(ddp_reducer *r, int unit, const char *fn);
+static DDP__UNUSED ddp_result ddp__fsdp_reshard_all(ddp_reducer *r);
+static DDP__UNUSED void *ddp__fsdp_grad_take(ddp_reducer *r, ddp__unit *u);
+static DDP__UNUSED void ddp__fsdp_grad_put_back(ddp_reducer *r, ddp__unit *u);
+static DDP__UNUSED void ddp__fsdp_free(ddp_reducer *r);
 
 #endif /* DDP__REDUCER_STATE_H */

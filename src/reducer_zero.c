@@ -42,7 +42,7 @@ static ddp_result ddp__zero2_pool_alloc(ddp_reducer *r, const ddp__layout *L) {
         const ddp__bucket *k = &L->buckets[b];
         size_t cs = ddp_dtype_size(k->comm_dtype), gs = ddp_dtype_size(k->dtype);
         full = DDP__MAX(full, k->per * world * DDP__MAX(cs, gs));
-        if (cs != gs) land = DDP__MAX(land, k->per * cs);
+        if (cs != gs || ddp__fsdp(r)) land = DDP__MAX(land, k->per * cs); /* 3: no_sync lands there to add */
     }
     r->pool_land = (full + 63) / 64 * 64;
     r->pool_bytes = r->pool_land + land;
@@ -60,17 +60,27 @@ static ddp_result ddp__zero2_pool_alloc(ddp_reducer *r, const ddp__layout *L) {
 }
 
 /* Where bucket k's reduce-scatter writes this rank's slice: the owned slice itself, or under
-   compression the landing area of its pool buffer. */
+   compression (and at zero_stage 3 in a pass that accumulates) the landing area of its pool buffer. */
 static void *ddp__zero2_land(const ddp_reducer *r, const ddp__bucket *k) {
-    if (k->comm_dtype == k->dtype) return k->owned;
+    if (k->comm_dtype == k->dtype && !r->accumulate) return k->owned;
     return (char *)r->pool[k->slot] + r->pool_land;
 }
 
-/* Bucket k's reduce-scatter was waited for (done: successfully): its slice into the owned slice, its
-   buffer back to the pool. */
+/* Bucket k's reduce-scatter was waited for (done: successfully): its slice into the owned slice (added
+   to it when the pass accumulates: zero_stage 3 after no_sync passes; the converted slice goes through
+   the pool buffer's start, free by now), its buffer back to the pool. */
 static void ddp__zero2_finish(ddp_reducer *r, ddp__bucket *k, int done) {
-    if (done && k->comm_dtype != k->dtype)
-        r->ops->copy_out(r->g, k->owned, k->dtype, ddp__zero2_land(r, k), k->comm_dtype, k->per);
+    void *land = ddp__zero2_land(r, k);
+    if (done && r->accumulate) {
+        void *sum = land;
+        if (k->comm_dtype != k->dtype) {
+            sum = r->pool[k->slot];
+            r->ops->copy_out(r->g, sum, k->dtype, land, k->comm_dtype, k->per);
+        }
+        ddp__reduce(k->owned, sum, k->per, k->dtype, DDP_SUM); /* host memory: zero_stage 3's backends */
+    } else if (done && land != k->owned) {
+        r->ops->copy_out(r->g, k->owned, k->dtype, land, k->comm_dtype, k->per);
+    }
     r->pool_holder[k->slot] = -1;
     k->comm = NULL;
 }
@@ -131,12 +141,15 @@ static ddp_result ddp__layout_alloc(ddp_reducer *r, ddp__layout *L) {
 /* Bytes of gradient memory the reducer holds for a layout (statistics' gradient_bytes): storage it
    allocated (views; flat storage is the program's), comm buffers, owned slices, gather staging, the pool. */
 static uint64_t ddp__layout_gradient_bytes(const ddp_reducer *r, const ddp__layout *L) {
-    uint64_t total = (uint64_t)r->npool * r->pool_bytes, world = (uint64_t)ddp_world_size(r->g);
+    uint64_t total = (uint64_t)r->npool * r->pool_bytes + (uint64_t)r->ngradpool * r->gradpool_bytes;
+    uint64_t world = (uint64_t)ddp_world_size(r->g);
     int b;
     for (b = 0; b < L->nbuckets; b++) {
         const ddp__bucket *k = &L->buckets[b];
         uint64_t gs = ddp_dtype_size(k->dtype), cs = ddp_dtype_size(k->comm_dtype);
         if (k->storage && !k->flat) total += k->count * gs;
+        if (ddp__fsdp(r) && (r->units[k->unit].flags & DDP_FSDP_KEEP))
+            total += k->count * ddp_dtype_size(ddp__fsdp_dtype(r, k)); /* a KEEP unit's own gradient buffer */
         if (ddp__zero2(r))
             total += k->per * gs;
         else if (ddp__reducer_zero(r))
@@ -243,7 +256,8 @@ static ddp_result ddp__zero_shards(ddp_reducer *r) {
             s->param = i;
             s->offset = a - r->L.param_offset[i];
             s->count = e - a;
-            s->param_data = (char *)r->params[i].data + s->offset * ddp_dtype_size(r->params[i].dtype);
+            s->param_data = ddp__fsdp(r) ? (void *)((char *)k->master + (a - lo) * ddp_dtype_size(k->dtype))
+                                         : (void *)((char *)r->params[i].data + s->offset * ddp_dtype_size(r->params[i].dtype));
             s->grad = ddp__zero2(r) ? (void *)((char *)k->owned + (a - lo) * ddp_dtype_size(k->dtype))
                                     : (void *)ddp__zero_grad_at(r, i, s->offset);
             r->shard_bucket[r->nshards++] = b;
@@ -356,6 +370,10 @@ DDP_API ddp_result ddp_reducer_gather_params_async(ddp_reducer *r) {
     if (!ddp__reducer_zero(r))
         return ddp__fail(r->g, DDP_ERR_STATE, "ddp_reducer_gather_params: the reducer was created with zero_stage = 0; "
                          "every rank already has every parameter (set zero_stage = 1 to shard the optimizer)");
+    if (ddp__fsdp(r))
+        return ddp__fail(r->g, DDP_ERR_STATE, "ddp_reducer_gather_params: at zero_stage 3 each rank keeps only its master "
+                         "shards, which the optimizer updates in place; the units are gathered when they are used "
+                         "(ddp_fsdp_gather / ddp_fsdp_wait)");
     if (r->in_backward)
         return ddp__fail(r->g, DDP_ERR_STATE, "ddp_reducer_gather_params: called during a backward pass; call it after "
                          "end_backward and the optimizer step on this rank's shards");
@@ -395,10 +413,11 @@ static ddp_result ddp__zero2_check_memory(ddp_reducer *r) {
     if (!ddp__zero2(r) || !strcmp(r->ops->family, "nccl")) return DDP_SUCCESS;
     for (i = 0; i < r->nparams; i++)
         if (ddp__cuda_is_device_pointer(r->params[i].data) || ddp__cuda_is_device_pointer(r->params[i].grad))
-            return ddp__fail(r->g, DDP_ERR_UNSUPPORTED, "ddp_reducer_finalize: zero_stage = 2 with parameter \"%s\" in device "
-                             "memory on backend %s is not supported: ZeRO-2's gradient slices would be the reducer's host "
+            return ddp__fail(r->g, DDP_ERR_UNSUPPORTED, "ddp_reducer_finalize: zero_stage = %d with parameter \"%s\" in device "
+                             "memory on backend %s is not supported: ZeRO's gradient slices would be the reducer's host "
                              "memory, which an optimizer on the device cannot read; use zero_stage = 1 (its shards are "
-                             "slices of your device gradients) or backend nccl", r->params[i].name, r->ops->family);
+                             "slices of your device gradients) or backend nccl", r->desc.zero_stage, r->params[i].name,
+                             r->ops->family);
 #else
     (void)r;
 #endif
@@ -447,7 +466,12 @@ DDP_API ddp_result ddp_reducer_finalize(ddp_reducer *r) {
         r->finalized = 0;
         return res;
     }
-    r->rebuild_pending = !r->desc.find_unused_parameters && !ddp__reducer_zero(r); /* ZeRO: shards never move */
+    if ((res = ddp__fsdp_finalize(r)) != DDP_SUCCESS) {
+        r->finalized = 0;
+        return res;
+    }
+    /* no rebuild under ZeRO (shards never move) nor with units (they are the buckets) */
+    r->rebuild_pending = !r->desc.find_unused_parameters && !ddp__reducer_zero(r) && !r->nunits;
     return DDP_SUCCESS;
 }
 

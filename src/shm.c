@@ -110,6 +110,7 @@ typedef struct ddp__shm_stamp { /* which collective a rank called: written befor
     uint64_t seq, count;           /* seq last, with release: a reader that sees seq sees the rest */
     int32_t root;
     uint8_t kind, dtype, op, pad;
+    uint32_t purpose;
 } ddp__shm_stamp;
 
 typedef struct ddp__shm_fp { /* the fingerprint of one of this rank's collectives, at seq % DDP__SHM_FPS */
@@ -117,7 +118,7 @@ typedef struct ddp__shm_fp { /* the fingerprint of one of this rank's collective
     uint64_t lib;  /* arena offset of this rank's buffer, or DDP__SHM_NOT_LIB */
     uint64_t addr; /* its address in this rank's own address space, for CMA (0: not published) */
     uint64_t step; /* the step that published it (broadcast_bytes publishes twice under one seq) */
-    char line[16]; /* one cache line each */
+    char line[8];  /* one cache line each */
 } ddp__shm_fp;
 
 /* A ring slot begins with the stamp of the call whose data follows it, in the same cache line, so a
@@ -175,12 +176,14 @@ static void ddp__shm_stamp_write(ddp__shm_stamp *k, const ddp__coll *c) {
     k->kind = c->kind;
     k->dtype = c->dtype;
     k->op = c->op;
+    k->purpose = c->purpose;
     DDP__STORE(&k->seq, c->seq);
 }
 
 /* Does stamp k (read after its seq: acquire) describe collective c? */
 static int ddp__shm_stamp_is(const ddp__shm_stamp *k, uint64_t seq, const ddp__coll *c) {
-    return seq == c->seq && k->count == c->count && k->root == c->root && k->kind == c->kind && k->dtype == c->dtype && k->op == c->op;
+    return seq == c->seq && k->count == c->count && k->root == c->root && k->kind == c->kind && k->dtype == c->dtype && k->op == c->op &&
+           k->purpose == c->purpose;
 }
 
 /* Post: store the counter, then wake sleepers if there are any. The wake word is bumped only then, so
@@ -217,6 +220,7 @@ static ddp_result ddp__shm_check_fp(ddp_group *g, const ddp__coll *c, int j, int
     t.kind = k->kind;
     t.dtype = k->dtype;
     t.op = k->op;
+    t.purpose = k->purpose;
     ddp__coll_describe(g, c, ours, sizeof ours);
     ddp__coll_describe(g, &t, theirs, sizeof theirs);
     return ddp__coll_fail(g, DDP_ERR_MISMATCH, "collective mismatch: rank %d called %s while rank %d called %s; every "

@@ -43,8 +43,17 @@ static const char *ddp__coll_name(int kind) {
 /* "all_reduce(count=1024, f32, sum) as collective #7". Numbers count from the end of the group's own
    set-up (g->seq_base, the same on every rank), so the program's first call is #1; a call of the set-up
    itself, in a failing ddp_init, shows its number within the set-up. */
+/* " for FSDP unit 5's all-gather" (see DDP__PURPOSE), or "" for a call the program made itself. */
+static const char *ddp__purpose_describe(uint32_t purpose, char *out, size_t cap) {
+    static const char *const phases[] = {"", "all-gather", "reduce-scatter"};
+    unsigned phase = purpose >> 24;
+    if (!purpose) return "";
+    snprintf(out, cap, " for FSDP unit %u's %s", (purpose & 0xffffffu) - 1, phase < 3 ? phases[phase] : "collective");
+    return out;
+}
+
 static void ddp__coll_describe(const ddp_group *g, const ddp__coll *c, char *out, size_t cap) {
-    char extra[48] = "";
+    char extra[48] = "", purpose[48];
     unsigned long long number = (unsigned long long)(c->seq - g->seq_base);
     if (c->kind == DDP__BARRIER || c->kind == DDP__MONITORED_BARRIER) {
         snprintf(out, cap, "%s() as collective #%llu", ddp__coll_name(c->kind), number);
@@ -66,9 +75,9 @@ static void ddp__coll_describe(const ddp_group *g, const ddp__coll *c, char *out
     }
     if (c->op != DDP__NO_OP) snprintf(extra, sizeof extra, ", %s", ddp_op_name((ddp_op)c->op));
     if (c->root >= 0) snprintf(extra + strlen(extra), sizeof extra - strlen(extra), ", root=%d", (int)c->root);
-    snprintf(out, cap, "%s(%s=%llu, %s%s) as collective #%llu", ddp__coll_name(c->kind),
+    snprintf(out, cap, "%s(%s=%llu, %s%s) as collective #%llu%s", ddp__coll_name(c->kind),
              c->kind == DDP__ALL_GATHER_V ? "total count" : "count", (unsigned long long)c->count,
-             ddp_dtype_name((ddp_dtype)c->dtype), extra, number);
+             ddp_dtype_name((ddp_dtype)c->dtype), extra, number, ddp__purpose_describe(c->purpose, purpose, sizeof purpose));
 }
 
 #define DDP__TRACE_DEFAULT 64

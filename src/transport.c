@@ -49,12 +49,12 @@ typedef struct ddp__frame {
     uint64_t seq, count;
     uint64_t bytes; /* payload that follows */
     int32_t code;   /* ABORT: the ddp_result */
-    uint32_t reserved;
+    uint32_t purpose; /* DATA: the call's ddp__coll.purpose */
 } ddp__frame;
 
 static int ddp__coll_equal(const ddp__coll *a, const ddp__frame *f) {
     return a->seq == f->seq && a->count == f->count && a->kind == f->coll && a->dtype == f->dtype && a->op == f->op &&
-           a->root == f->root;
+           a->root == f->root && a->purpose == f->purpose;
 }
 
 /* ---- breaking the group ---- */
@@ -239,6 +239,7 @@ static void ddp__frame_init(ddp__frame *f, const ddp_group *g, const ddp__coll *
     f->src = g->rank;
     f->seq = c->seq;
     f->count = c->count;
+    f->purpose = c->purpose;
     f->bytes = bytes;
 }
 
@@ -253,6 +254,7 @@ static ddp__coll ddp__frame_coll(const ddp__frame *f) {
     t.op = f->op;
     t.root = f->root;
     t.tag = -1;
+    t.purpose = f->purpose;
     return t;
 }
 

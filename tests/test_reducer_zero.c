@@ -451,7 +451,8 @@ static int refuse_main(int rank, int n, void *arg) {
     (void)rank, (void)n, (void)arg;
     CHECK_OK(ddp_init(NULL, &g), NULL);
     refused(g, 2, 0, 0, 1, "zero_stage = 2 with gradient_as_bucket_view = 1 is not supported");
-    refused(g, 3, 0, 0, 0, "zero_stage 3 is not 0");
+    refused(g, 4, 0, 0, 0, "zero_stage 4 is not 0");
+    refused(g, 3, 0, 0, 1, "zero_stage = 3 with gradient_as_bucket_view = 1");
     CHECK_OK(ddp_reducer_create(g, NULL, &r), g);
     CHECK_OK(ddp_reducer_add_param(r, "w", w, gw, 3, DDP_F32, NULL), g);
     CHECK(ddp_reducer_shards(r, &sh) == -1 && sh == NULL, "shards before finalize");

@@ -1,0 +1,421 @@
+/* FSDP / ZeRO-3 (zero_stage = 3): units gathered from master shards, gradients reduce-scattered from the
+   units' buffers. A model of 5 units (a KEEP root "emb" and 4 layers of a weight and a bias; layers 1 and 4
+   have the same size) trained for STEPS steps of AdamW on the shards, against two references:
+   (a) the same model at zero_stage 2 with the same units as buckets, side by side on the same group, its
+       program holding every parameter and gradient: after every pass stage 3's shard gradients, and after
+       every step its master shards, equal stage 2's bit for bit; every gathered parameter equals stage 2's
+       after its gather_params (param_dtype bf16: its bf16 rounding, the stage 2 program rounding weights
+       and gradients to bf16 at use as a bf16 program would);
+   (b) a serial reference computed in the test: every rank's gradient (a function of the weights, the
+       rank and the step) averaged in f64, AdamW (tests/ref_optim.h) on the whole model: within 1e-6 of
+       |value| + 1 (bf16 communication: 2e-2).
+   Modes: prefetch 0, 1, 2; no_sync x2 (every micro-step reduce-scatters and the slices accumulate: equal to
+   stage 2 within 1e-6, as the sums are taken in another order); comm_dtype bf16; find_unused_parameters
+   (ranks skip units by a rule, a unit skipped everywhere keeps its gradient slice and AdamW skips it on both
+   sides); param_dtype bf16. World sizes 1-4 over shared memory, 2-4 over TCP.
+   Then, on 2 and 3 ranks: param_bytes_peak and gradient_bytes by the documented formulas, computed here
+   from the unit sizes; a gather beyond the pool is DDP_ERR_STATE naming the units that hold it, with no
+   collective started (the group goes on); the refused calls and combinations; and ranks gathering different
+   units of the same size (1 and 4) fail with DDP_ERR_MISMATCH naming both units on every rank. */
+#include "testlib.h"
+#include "ref_optim.h"
+
+#define NU 5          /* units: root + 4 layers */
+#define NP 9          /* parameters: emb, then w and b per layer */
+#define STEPS 4
+static const size_t COUNT[NP] = {37, 1000, 7, 333, 7, 257, 7, 1000, 7};
+static const int UNIT_OF[NP] = {0, 1, 1, 2, 2, 3, 3, 4, 4};
+
+typedef struct mode {
+    const char *name;
+    int prefetch, accum, unused;
+    ddp_dtype comm, param;
+    double tol;   /* against the serial reference */
+    int exact;    /* stage 3 equals stage 2 bit for bit */
+} mode;
+
+static const mode MODES[] = {
+    {"prefetch 1", 1, 1, 0, DDP_DTYPE_DEFAULT, DDP_DTYPE_DEFAULT, 1e-6, 1},
+    {"prefetch 0", 0, 1, 0, DDP_DTYPE_DEFAULT, DDP_DTYPE_DEFAULT, 1e-6, 1},
+    {"prefetch 2", 2, 1, 0, DDP_DTYPE_DEFAULT, DDP_DTYPE_DEFAULT, 1e-6, 1},
+    {"no_sync x2", 1, 2, 0, DDP_DTYPE_DEFAULT, DDP_DTYPE_DEFAULT, 1e-6, 0},
+    {"bf16 comm", 1, 1, 0, DDP_BF16, DDP_DTYPE_DEFAULT, 2e-2, 1},
+    {"find_unused", 1, 1, 1, DDP_DTYPE_DEFAULT, DDP_DTYPE_DEFAULT, 1e-6, 1},
+    {"param_dtype bf16", 1, 1, 0, DDP_DTYPE_DEFAULT, DDP_BF16, 1e-6, 1},
+};
+
+/* Rank r skips unit u (find_unused) at step s, micro-step a; never the root. Unit 2 is skipped by every rank
+   at step 1 (a unit no rank used). */
+static int skips(const mode *m, int u, int r, int s, int a) {
+    if (!m->unused || u == 0) return 0;
+    if (u == 2 && s == 1) return 1;
+    return (u + s + r + a) % 3 == 0;
+}
+
+static float initial(int i, size_t j) { return (float)(((int)(j * 7 + (size_t)i * 13) % 23) - 11) * 0.03f; }
+
+/* The gradient a rank computes for parameter i from its (possibly bf16-rounded) weights w. */
+static float grad_of(float w, int rank, int step, int a, int i, size_t j) {
+    return sinf(w * 1.7f + 0.3f * (float)rank + 0.01f * (float)j + 0.5f * (float)step + 0.2f * (float)a + 0.1f * (float)i) *
+           (1.0f + 0.25f * (float)rank);
+}
+static float at_use(const mode *m, float x) { return m->param == DDP_BF16 ? tl_ref_bf16(x) : x; }
+
+typedef struct side { /* one reducer and the program's state for it */
+    ddp_reducer *r;
+    float *p[NP], *gr[NP]; /* stage 2: the program's parameters and gradients */
+    const ddp_shard *sh;
+    int nsh;
+    float **m, **v;
+} side;
+
+static ddp_reducer *make(ddp_group *g, const mode *m, int stage, float **p, float **gr) {
+    ddp_reducer_desc d;
+    ddp_reducer *r;
+    int i, u = -1, rank = ddp_rank(g);
+    size_t j;
+    memset(&d, 0, sizeof d);
+    d.zero_stage = stage;
+    d.comm_dtype = m->comm;
+    d.find_unused_parameters = m->unused;
+    if (stage == 3) d.prefetch = m->prefetch, d.param_dtype = m->param;
+    CHECK_OK(ddp_reducer_create(g, &d, &r), NULL);
+    for (i = 0; i < NP; i++) {
+        char name[32];
+        if (UNIT_OF[i] != u) {
+            u = UNIT_OF[i];
+            snprintf(name, sizeof name, u ? "layer%d" : "root", u);
+            CHECK(ddp_fsdp_unit(r, name, u ? 0 : DDP_FSDP_KEEP) == u, "unit %d", u);
+        }
+        p[i] = (float *)calloc(COUNT[i], sizeof(float));
+        gr[i] = (float *)calloc(COUNT[i], sizeof(float));
+        for (j = 0; j < COUNT[i]; j++) p[i][j] = rank ? 99.0f : initial(i, j); /* rank 0's values win */
+        snprintf(name, sizeof name, i ? "l%d.%c" : "emb", UNIT_OF[i], i % 2 ? 'w' : 'b');
+        CHECK_OK(ddp_reducer_add_param(r, name, p[i], stage == 3 ? NULL : gr[i], COUNT[i], DDP_F32, NULL), NULL);
+    }
+    CHECK_OK(ddp_reducer_finalize(r), NULL);
+    return r;
+}
+
+static void side_init(side *s, ddp_group *g, const mode *m, int stage) {
+    int j;
+    memset(s, 0, sizeof *s);
+    s->r = make(g, m, stage, s->p, s->gr);
+    s->nsh = ddp_reducer_shards(s->r, &s->sh);
+    CHECK(s->nsh >= 0, "shards");
+    s->m = (float **)calloc((size_t)s->nsh + 1, sizeof *s->m);
+    s->v = (float **)calloc((size_t)s->nsh + 1, sizeof *s->v);
+    for (j = 0; j < s->nsh; j++) {
+        s->m[j] = (float *)calloc(s->sh[j].count, sizeof(float));
+        s->v[j] = (float *)calloc(s->sh[j].count, sizeof(float));
+    }
+}
+
+static void side_free(side *s) {
+    int i;
+    ddp_reducer_destroy(s->r);
+    for (i = 0; i < NP; i++) free(s->p[i]), free(s->gr[i]);
+    for (i = 0; i < s->nsh; i++) free(s->m[i]), free(s->v[i]);
+    free(s->m), free(s->v);
+}
+
+static void adamw_shards(side *s, int t) {
+    int j;
+    for (j = 0; j < s->nsh; j++)
+        if (ddp_reducer_param_used(s->r, s->sh[j].param))
+            ref_adamw((float *)s->sh[j].param_data, (const float *)s->sh[j].grad, s->m[j], s->v[j], s->sh[j].count, t);
+}
+
+static int close_enough(double a, double b, double tol) { return fabs(a - b) <= tol * (fabs(b) + 1); }
+
+/* Stage 3's parameters of unit u, gathered: equal to stage 2's (at use: bf16-rounded). */
+static void check_gathered(side *s3, side *s2, const mode *m, int u, const char *when) {
+    int i;
+    size_t j;
+    for (i = 0; i < NP; i++) {
+        const void *got = ddp_fsdp_param(s3->r, i);
+        if (UNIT_OF[i] != u) continue;
+        CHECK(got, "%s: parameter %d of gathered unit %d is NULL", m->name, i, u);
+        for (j = 0; j < COUNT[i]; j++) {
+            float have = m->param == DDP_BF16 ? tl_decode_bf16(((const uint16_t *)got)[j]) : ((const float *)got)[j];
+            CHECK(m->exact ? have == at_use(m, s2->p[i][j]) : close_enough(have, s2->p[i][j], 1e-6), "%s, %s: unit %d param %d[%zu]: stage 3 %.9g, stage 2 %.9g", m->name, when,
+                  u, i, j, have, at_use(m, s2->p[i][j]));
+        }
+    }
+}
+
+/* The serial model: every rank's gradient from the same weights, averaged in f64; AdamW on the whole. */
+typedef struct serial {
+    float *p[NP], *m[NP], *v[NP];
+    double *acc[NP];
+} serial;
+
+static void serial_step(serial *ref, const mode *m, int world, int step) {
+    int i, r, a, u;
+    size_t j;
+    for (i = 0; i < NP; i++) memset(ref->acc[i], 0, COUNT[i] * sizeof(double));
+    for (u = 0; u < NU; u++) {
+        int used = 0;
+        for (a = 0; a < m->accum; a++)
+            for (r = 0; r < world; r++) {
+                if (skips(m, u, r, step, a)) continue;
+                used = 1;
+                for (i = 0; i < NP; i++)
+                    for (j = 0; UNIT_OF[i] == u && j < COUNT[i]; j++) {
+                        float gval = grad_of(at_use(m, ref->p[i][j]), r, step, a, i, j);
+                        ref->acc[i][j] += (double)at_use(m, gval) / world;
+                    }
+            }
+        for (i = 0; i < NP && used; i++) {
+            float *gf;
+            if (UNIT_OF[i] != u) continue;
+            gf = (float *)malloc(COUNT[i] * sizeof(float));
+            for (j = 0; j < COUNT[i]; j++) gf[j] = (float)ref->acc[i][j];
+            ref_adamw(ref->p[i], gf, ref->m[i], ref->v[i], COUNT[i], step + 1);
+            free(gf);
+        }
+    }
+}
+
+/* g2: stage 2's own group (the same ranks): with find_unused the two reducers' collectives interleave
+   differently on different ranks (a skipped unit's reduce-scatter moves to end_backward at stage 2). */
+static void train(ddp_group *g, ddp_group *g2, const mode *m) {
+    int rank = ddp_rank(g), world = ddp_world_size(g), step, a, u, i, j;
+    side s2, s3;
+    serial ref;
+    ddp_reducer_statistics st;
+    size_t e;
+    side_init(&s2, g2, m, 2);
+    side_init(&s3, g, m, 3);
+    CHECK(s2.nsh == s3.nsh, "%s: %d shards at stage 2, %d at stage 3", m->name, s2.nsh, s3.nsh);
+    for (j = 0; j < s3.nsh; j++)
+        CHECK(s2.sh[j].param == s3.sh[j].param && s2.sh[j].offset == s3.sh[j].offset && s2.sh[j].count == s3.sh[j].count,
+              "%s: shard %d differs", m->name, j);
+    for (i = 0; i < NP; i++) {
+        ref.p[i] = (float *)malloc(COUNT[i] * sizeof(float));
+        ref.m[i] = (float *)calloc(COUNT[i], sizeof(float));
+        ref.v[i] = (float *)calloc(COUNT[i], sizeof(float));
+        ref.acc[i] = (double *)calloc(COUNT[i], sizeof(double));
+        for (e = 0; e < COUNT[i]; e++) ref.p[i][e] = initial(i, e);
+    }
+    for (step = 0; step < STEPS; step++) {
+        for (a = 0; a < m->accum; a++) {
+            int sync = a == m->accum - 1;
+            CHECK_OK(ddp_reducer_set_sync(s2.r, sync), NULL);
+            CHECK_OK(ddp_reducer_set_sync(s3.r, sync), NULL);
+            /* forward: unit by unit, prefetching as far as the pool allows (the last one stays for backward) */
+            CHECK_OK(ddp_fsdp_wait(s3.r, 0), NULL);
+            for (u = 1; u <= m->prefetch && u < NU; u++) CHECK_OK(ddp_fsdp_gather(s3.r, u), NULL);
+            for (u = 0; u < NU; u++) {
+                CHECK_OK(ddp_fsdp_wait(s3.r, u), NULL);
+                check_gathered(&s3, &s2, m, u, "forward");
+                if (u + 1 < NU) CHECK_OK(ddp_fsdp_release(s3.r, u), NULL);
+                if (u + 1 + m->prefetch < NU) CHECK_OK(ddp_fsdp_gather(s3.r, u + 1 + m->prefetch), NULL);
+            }
+            /* backward, last unit first; the next one down prefetched */
+            CHECK_OK(ddp_reducer_begin_backward(s2.r), NULL);
+            CHECK_OK(ddp_reducer_begin_backward(s3.r), NULL);
+            for (u = NU - 1; u >= 0; u--) {
+                CHECK_OK(ddp_fsdp_wait(s3.r, u), NULL);
+                if (u > 1 && m->prefetch) CHECK_OK(ddp_fsdp_gather(s3.r, u - 1), NULL);
+                if (skips(m, u, rank, step, a)) { /* handed over without its gradients: not used on this rank */
+                    CHECK_OK(ddp_fsdp_grads_ready(s3.r, u), NULL);
+                    CHECK_OK(ddp_fsdp_release(s3.r, u), NULL);
+                    continue;
+                }
+                for (i = NP - 1; i >= 0; i--) {
+                    float *g3;
+                    const void *w3 = ddp_fsdp_param(s3.r, i);
+                    if (UNIT_OF[i] != u) continue;
+                    g3 = (float *)ddp_fsdp_grad(s3.r, i);
+                    CHECK(g3 && w3, "%s: unit %d: grad %p, param %p", m->name, u, (void *)g3, w3);
+                    for (e = 0; e < COUNT[i]; e++) {
+                        float w = m->param == DDP_BF16 ? tl_decode_bf16(((const uint16_t *)w3)[e]) : ((const float *)w3)[e];
+                        float gval = at_use(m, grad_of(w, rank, step, a, i, e));
+                        if (m->param == DDP_BF16) tl_store_value(g3, e, DDP_BF16, tl_load_value(g3, e, DDP_BF16) + gval);
+                        else g3[e] += gval;
+                        /* stage 2's program: the same gradient from its own weights, accumulated under no_sync */
+                        s2.gr[i][e] += at_use(m, grad_of(at_use(m, s2.p[i][e]), rank, step, a, i, e));
+                    }
+                    CHECK_OK(ddp_reducer_grad_ready(s2.r, i), NULL);
+                }
+                CHECK_OK(ddp_fsdp_grads_ready(s3.r, u), NULL);
+                CHECK_OK(ddp_fsdp_release(s3.r, u), NULL);
+            }
+            CHECK_OK(ddp_reducer_end_backward(s2.r), NULL);
+            CHECK_OK(ddp_reducer_end_backward(s3.r), NULL);
+            CHECK(ddp_fsdp_param(s3.r, 0) == NULL, "%s: the KEEP unit is still gathered after end_backward", m->name);
+        }
+        for (j = 0; j < s3.nsh; j++)
+            for (e = 0; e < s3.sh[j].count; e++) {
+                float a3 = ((const float *)s3.sh[j].grad)[e], a2 = ((const float *)s2.sh[j].grad)[e];
+                CHECK(m->exact ? a3 == a2 : close_enough(a3, a2, 1e-6), "%s, step %d: shard %d gradient [%zu]: stage 3 "
+                      "%.9g, stage 2 %.9g", m->name, step, j, e, a3, a2);
+            }
+        adamw_shards(&s2, step + 1);
+        adamw_shards(&s3, step + 1);
+        serial_step(&ref, m, world, step);
+        for (j = 0; j < s3.nsh; j++)
+            for (e = 0; e < s3.sh[j].count; e++) {
+                float a3 = ((const float *)s3.sh[j].param_data)[e], a2 = ((const float *)s2.sh[j].param_data)[e];
+                float want = ref.p[s3.sh[j].param][s3.sh[j].offset + e];
+                CHECK(m->exact ? a3 == a2 : close_enough(a3, a2, 1e-6), "%s, step %d: shard %d [%zu]: stage 3 %.9g, stage "
+                      "2 %.9g", m->name, step, j, e, a3, a2);
+                CHECK(close_enough(a3, want, m->tol), "%s, step %d: shard %d [%zu]: stage 3 %.9g, serial %.9g", m->name, step,
+                      j, e, a3, want);
+            }
+        CHECK_OK(ddp_reducer_gather_params(s2.r), NULL);
+        CHECK_OK(ddp_reducer_zero_grad(s2.r), NULL);
+        CHECK_OK(ddp_reducer_zero_grad(s3.r), NULL);
+    }
+    CHECK_OK(ddp_reducer_get_statistics(s3.r, &st), NULL);
+    CHECK(st.iterations == STEPS && st.local_iterations == (uint64_t)(STEPS * (m->accum - 1)), "%s: %llu iterations, %llu "
+          "local", m->name, (unsigned long long)st.iterations, (unsigned long long)st.local_iterations);
+    CHECK(st.unprefetched_waits == (uint64_t)(STEPS * m->accum * (m->prefetch ? 1 : NU - 1)),
+          "%s: %llu unprefetched waits", m->name, (unsigned long long)st.unprefetched_waits);
+    CHECK(st.gather_seconds >= 0 && st.gather_wait_seconds >= 0 && st.gathers > 0, "%s: gather statistics", m->name);
+    for (i = 0; i < NP; i++) free(ref.p[i]), free(ref.m[i]), free(ref.v[i]), free(ref.acc[i]);
+    side_free(&s2);
+    side_free(&s3);
+}
+
+static int train_main(int rank, int n, void *arg) {
+    ddp_group *g = tl_init(60, DDP_LOG_DEFAULT, NULL), *g2;
+    int all[4] = {0, 1, 2, 3};
+    size_t k;
+    (void)rank, (void)arg;
+    CHECK_OK(ddp_new_group(g, all, n, &g2), NULL);
+    for (k = 0; k < sizeof MODES / sizeof MODES[0]; k++) train(g, g2, &MODES[k]);
+    CHECK_OK(ddp_destroy(g2), NULL);
+    CHECK_OK(ddp_destroy(g), NULL);
+    return 0;
+}
+
+/* The memory statistics by their formulas (reducer.h "FSDP"), from the unit sizes. */
+static void memory(ddp_group *g, int prefetch, ddp_dtype param) {
+    mode m = MODES[0];
+    float *p[NP], *gr[NP];
+    ddp_reducer_statistics st;
+    size_t world = (size_t)ddp_world_size(g), ps = param == DDP_BF16 ? 2 : 4, per[NU], count[NU], masters = 0, largest = 0;
+    size_t grad_largest = 0, slices = 0, pool = 0;
+    uint64_t want;
+    int i, u;
+    ddp_reducer *r;
+    m.prefetch = prefetch, m.param = param;
+    memset(count, 0, sizeof count);
+    for (i = 0; i < NP; i++) count[UNIT_OF[i]] += COUNT[i];
+    for (u = 0; u < NU; u++) {
+        per[u] = (count[u] + world - 1) / world;
+        masters += per[u] * 4;
+        slices += per[u] * 4;
+        if (u) largest = per[u] * world > largest ? per[u] * world : largest;
+        if (u) grad_largest = count[u] > grad_largest ? count[u] : grad_largest;
+        pool = per[u] * world * 4 > pool ? per[u] * world * 4 : pool; /* stage 2's comm pool: f32 */
+    }
+    r = make(g, &m, 3, p, gr);
+    CHECK_OK(ddp_reducer_get_statistics(r, &st), NULL);
+    want = masters + (uint64_t)(1 + prefetch) * largest * ps + per[0] * world * ps;
+    CHECK(st.param_bytes_peak == want, "param_bytes_peak %llu, formula %llu (prefetch %d, %s)",
+          (unsigned long long)st.param_bytes_peak, (unsigned long long)want, prefetch, ddp_dtype_name(param));
+    /* stage 2's: slices + 2 comm buffers (each with its landing area of per elements at stage 3, 64-aligned) */
+    {
+        size_t land = 0, full = (pool + 63) / 64 * 64;
+        for (u = 0; u < NU; u++) land = per[u] * 4 > land ? per[u] * 4 : land;
+        want = slices + 2 * (full + land) + count[0] * ps;
+        CHECK(st.gradient_bytes == want, "gradient_bytes %llu, formula %llu before any pass",
+              (unsigned long long)st.gradient_bytes, (unsigned long long)want);
+        CHECK_OK(ddp_reducer_begin_backward(r), NULL);
+        for (u = NU - 1; u >= 0; u--) {
+            for (i = 0; i < NP; i++)
+                if (UNIT_OF[i] == u) CHECK(ddp_fsdp_grad(r, i), "grad");
+            CHECK_OK(ddp_fsdp_grads_ready(r, u), NULL);
+        }
+        CHECK_OK(ddp_reducer_end_backward(r), NULL);
+        CHECK_OK(ddp_reducer_get_statistics(r, &st), NULL);
+        want += grad_largest * ps; /* one gradient buffer: each unit gave its own back before the next took one */
+        CHECK(st.gradient_bytes == want, "gradient_bytes %llu, formula %llu after a pass", (unsigned long long)st.gradient_bytes,
+              (unsigned long long)want);
+    }
+    ddp_reducer_destroy(r);
+    for (i = 0; i < NP; i++) free(p[i]), free(gr[i]);
+}
+
+static void expect(ddp_group *g, ddp_result res, ddp_result want, const char *text, const char *what) {
+    CHECK(res == want && strstr(ddp_last_error(g), text), "%s: %s (want %s): %s", what, ddp_result_string(res),
+          ddp_result_string(want), ddp_last_error(g));
+}
+
+/* Refused calls, the pool overrun, then (last: it breaks the group) ranks that gather different units. */
+static int errors_main(int rank, int n, void *arg) {
+    ddp_group *g = tl_init(60, DDP_LOG_DEFAULT, NULL);
+    mode m = MODES[1]; /* prefetch 0: a pool of one buffer */
+    float *p[NP], *gr[NP], x[4] = {0}, gx[4];
+    ddp_reducer *r, *bad;
+    ddp_reducer_desc d;
+    ddp_result res;
+    double t0;
+    int prefetch, i;
+    (void)arg;
+    for (prefetch = 0; prefetch <= 2; prefetch++) memory(g, prefetch, prefetch == 1 ? DDP_BF16 : DDP_DTYPE_DEFAULT);
+    memset(&d, 0, sizeof d);
+    d.zero_stage = 3;
+    CHECK_OK(ddp_reducer_create(g, &d, &bad), NULL);
+    expect(g, ddp_reducer_add_param(bad, "x", x, NULL, 4, DDP_F32, NULL), DDP_ERR_INVALID_ARGUMENT, "call ddp_fsdp_unit first",
+           "a parameter outside a unit");
+    CHECK(ddp_fsdp_unit(bad, "u", 0) == 0, "unit");
+    expect(g, ddp_reducer_add_param(bad, "x", x, gx, 4, DDP_F32, NULL), DDP_ERR_INVALID_ARGUMENT, "pass grad = NULL",
+           "a gradient buffer at stage 3");
+    expect(g, (ddp_result)ddp_fsdp_unit(bad, "v", 0), DDP_ERR_INVALID_ARGUMENT, "got no parameters", "an empty unit");
+    ddp_reducer_destroy(bad);
+    d.uneven_inputs = 1;
+    expect(g, ddp_reducer_create(g, &d, &bad), DDP_ERR_UNSUPPORTED, "uneven_inputs", "stage 3 with uneven_inputs");
+    d.uneven_inputs = 0, d.zero_stage = 2, d.prefetch = 1;
+    expect(g, ddp_reducer_create(g, &d, &bad), DDP_ERR_INVALID_ARGUMENT, "zero_stage 3's", "prefetch at stage 2");
+
+    r = make(g, &m, 3, p, gr);
+    expect(g, ddp_reducer_gather_params(r), DDP_ERR_STATE, "ddp_fsdp_gather", "gather_params at stage 3");
+    CHECK_OK(ddp_reducer_begin_backward(r), NULL);
+    expect(g, ddp_reducer_grad_ready(r, 1), DDP_ERR_STATE, "ddp_fsdp_grads_ready", "grad_ready at stage 3");
+    CHECK_OK(ddp_fsdp_grads_ready(r, 4), NULL);
+    expect(g, ddp_fsdp_grads_ready(r, 4), DDP_ERR_STATE, "called twice", "grads_ready twice");
+    CHECK(ddp_fsdp_grad(r, 7) == NULL, "a gradient after grads_ready");
+    for (i = 3; i >= 0; i--) CHECK_OK(ddp_fsdp_grads_ready(r, i), NULL);
+    CHECK_OK(ddp_reducer_end_backward(r), NULL);
+    /* the pool: one buffer. A second gather fails on every rank before any collective; the group goes on */
+    CHECK_OK(ddp_fsdp_gather(r, 1), NULL);
+    CHECK_OK(ddp_fsdp_gather(r, 1), NULL); /* in flight already: nothing */
+    expect(g, ddp_fsdp_gather(r, 2), DDP_ERR_STATE, "hold units 1 (\"layer1\")", "a gather beyond the pool");
+    CHECK_OK(ddp_fsdp_wait(r, 1), NULL);
+    CHECK_OK(ddp_fsdp_release(r, 1), NULL);
+    CHECK(ddp_fsdp_param(r, 1) == NULL, "a released unit's parameter");
+    CHECK_OK(ddp_fsdp_wait(r, 2), NULL);
+    CHECK_OK(ddp_fsdp_wait(r, 0), NULL); /* KEEP: its own buffer, beside the pool's */
+    CHECK(ddp_fsdp_param(r, 0) && ddp_fsdp_param(r, 3), "gathered");
+    CHECK_OK(ddp_fsdp_release(r, 2), NULL);
+    CHECK_OK(ddp_barrier(g), NULL);
+    /* rank 1 gathers unit 4 while the others gather unit 1 (the same size): every rank fails, naming both */
+    t0 = tl_now();
+    res = ddp_fsdp_wait(r, rank == 1 ? 4 : 1);
+    CHECK(res == DDP_ERR_MISMATCH, "different units: %s: %s", ddp_result_string(res), ddp_last_error(g));
+    CHECK(strstr(ddp_last_error(g), "FSDP unit 1's all-gather") && strstr(ddp_last_error(g), "FSDP unit 4's all-gather"),
+          "the message names both units: %s", ddp_last_error(g));
+    CHECK(tl_now() - t0 < 5, "the mismatch took %.1f s", tl_now() - t0);
+    if (rank == 0) printf("ranks gathering different units (%d ranks): %s\n", n, ddp_last_error(g));
+    ddp_reducer_destroy(r);
+    for (i = 0; i < NP; i++) free(p[i]), free(gr[i]);
+    ddp_destroy(g);
+    return 0;
+}
+
+int main(int argc, char **argv) {
+    static char *sizes[] = {NULL, (char *)"1", (char *)"2", (char *)"3", (char *)"4"};
+    int n;
+    if (argc == 1) sizes[0] = argv[0], argc = 5, argv = sizes;
+    tl_sweep(argc, argv, train_main, 120, "zero_stage 3 equals zero_stage 2 and the serial reference in every mode", NULL);
+    for (n = 2; n <= 3; n++) {
+        setenv("DDP_TRANSPORT", tl_transport(n - 2), 1);
+        CHECK(tl_run_ranks(n, errors_main, NULL, 60) == 0, "errors, %d ranks", n);
+    }
+    printf("test_reducer_fsdp: ok\n");
+    return 0;
+}
