@@ -111,12 +111,15 @@ struct ddp_reducer {
 
     ddp_reducer_statistics stats;
     double t_begin, t_first_start;
+
+    ddp__amp_pass amp;    /* grad_stats / loss_scale: the last synchronised pass's norm and inf count (amp.c) */
 };
 
 static size_t ddp__reducer_n(const ddp_reducer *r) { return (size_t)(unsigned)r->nparams; } /* never negative */
 static int ddp__reducer_is_view(const ddp_reducer *r) { return r->desc.gradient_as_bucket_view; }
 static int ddp__reducer_zero(const ddp_reducer *r) { return r->desc.zero_stage != 0; }
 static int ddp__zero2(const ddp_reducer *r) { return r->desc.zero_stage == 2; }
+static int ddp__grad_stats_on(const ddp_reducer *r) { return r->desc.grad_stats || r->desc.loss_scale; }
 /* Gradients scaled and reduced in place in the bucket (a view without compression). */
 static int ddp__bucket_in_place(const ddp__bucket *b) { return b->storage != NULL && b->comm == b->storage; }
 static size_t ddp__tensor_bytes(const ddp__rtensor *t) { return t->count * ddp_dtype_size(t->dtype); }
