@@ -182,7 +182,7 @@
                src/launcher.c
    [SECTION] amp-impl: GradScaler's update, the inf/NaN check and unscale, the gradient statistics of a pass
                src/amp.c
-   [SECTION] reducer-state: the Reducer's state and the calls between its three pieces
+   [SECTION] reducer-state: the Reducer's state and the calls between its pieces
                src/reducer_state.h
    [SECTION] reducer: DistributedDataParallel's Reducer: model check, buckets, overlapped all-reduce
                src/reducer.c
@@ -17623,9 +17623,10 @@ static ddp_result ddp__amp_finish(ddp_group *g, ddp__amp_pass *a, int reduce) {
 /* ==================== end src/amp.c ==================== */
 
 /* ==================== begin src/reducer_state.h ==================== */
-/* [SECTION] reducer-state: the Reducer's state and the calls between its three pieces
-   reducer.c (the model, finalize, bucket layout, timing), reducer_zero.c (ZeRO's slices and pool) and
-   reducer_pass.c (backward, between passes, Join) share these; nothing else in the library does. */
+/* [SECTION] reducer-state: the Reducer's state and the calls between its pieces
+   reducer.c (the model, finalize, bucket layout, timing), reducer_zero.c (ZeRO's slices and pool),
+   reducer_pass.c (backward, between passes, Join) and reducer_amp.c (grad_stats' results) share these;
+   nothing else in the library does. */
 #ifndef DDP__REDUCER_STATE_H
 #define DDP__REDUCER_STATE_H
 /* (each piece includes internal.h first) */

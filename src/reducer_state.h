@@ -1,6 +1,7 @@
-/* [SECTION] reducer-state: the Reducer's state and the calls between its three pieces
-   reducer.c (the model, finalize, bucket layout, timing), reducer_zero.c (ZeRO's slices and pool) and
-   reducer_pass.c (backward, between passes, Join) share these; nothing else in the library does. */
+/* [SECTION] reducer-state: the Reducer's state and the calls between its pieces
+   reducer.c (the model, finalize, bucket layout, timing), reducer_zero.c (ZeRO's slices and pool),
+   reducer_pass.c (backward, between passes, Join) and reducer_amp.c (grad_stats' results) share these;
+   nothing else in the library does. */
 #ifndef DDP__REDUCER_STATE_H
 #define DDP__REDUCER_STATE_H
 /* (each piece includes internal.h first) */
