@@ -22,6 +22,7 @@ ROOT = Path(__file__).resolve().parent
 # Public API: every declaration a user program sees.
 PUBLIC = [
     "src/ddp_api.h",        # version, results, dtypes, ops, logging, groups, collectives, store, launch
+    "src/amp.h",            # [SECTION] amp: torch.amp.GradScaler, the inf/NaN check, the gradient norm's parts
     "src/reducer.h",        # [SECTION] reducer: DistributedDataParallel's gradient Reducer
     "src/sampler.h",        # [SECTION] sampler: torch.utils.data.distributed.DistributedSampler
     "src/syncbn.h",         # [SECTION] syncbn: torch.nn.SyncBatchNorm
@@ -65,11 +66,13 @@ IMPLEMENTATION = [
     "src/rendezvous.c",     # [SECTION] rendezvous: records, rank 0's table, the job's identity, lost ranks
     "src/group.c",          # [SECTION] group: ddp_init, the mesh, the backend, subgroups, ddp_destroy
     "src/launcher.c",       # [SECTION] launcher: ddp_spawn, ddprun
+    "src/amp.c",            # [SECTION] amp-impl: GradScaler's update, the inf/NaN check, a pass's gradient statistics
     "src/reducer_state.h",  # [SECTION] reducer-state: the Reducer's state, shared by its three pieces
     "src/reducer.c",        # [SECTION] reducer: DistributedDataParallel's Reducer: the model, finalize, buckets, timing
     "src/reducer_fsdp.c",   # [SECTION] reducer-fsdp: FSDP units: zero_stage 3's gather pool and unit gradients
     "src/reducer_zero.c",   # [SECTION] reducer-zero: ZeRO stage 1 and 2: slices of the buckets, the comm pool
     "src/reducer_pass.c",   # [SECTION] reducer-pass: backward, between passes, uneven inputs (Join)
+    "src/reducer_amp.c",    # [SECTION] reducer-amp: grad_stats and loss_scale: the norm, found_inf, clipping
     "src/zero_state.c",     # [SECTION] zero-state: ZeRO-1 optimizer state consolidated on one rank, split back
     "src/sampler.c",        # [SECTION] sampler: DistributedSampler, MT19937 and torch.randperm, streaming permutation
     "src/syncbn.c",         # [SECTION] syncbn: SyncBatchNorm on the CPU, f32 data, f64 statistics

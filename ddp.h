@@ -106,6 +106,8 @@
    INDEX (search for the [SECTION] markers)
    [SECTION] api: version, results, dtypes, ops, logging, groups, collectives, store, launch
                src/ddp_api.h
+   [SECTION] amp: torch.amp.GradScaler, the inf/NaN check and the gradient norm's parts (mixed precision)
+               src/amp.h
    [SECTION] reducer: DistributedDataParallel's gradient Reducer (bucketed, overlapped all-reduce)
                src/reducer.h
    [SECTION] sampler: torch.utils.data.distributed.DistributedSampler, bit-exact; eval and streaming modes
@@ -178,7 +180,9 @@
                src/group.c
    [SECTION] launcher: ddp_spawn (torch.multiprocessing.spawn) and ddprun (torchrun)
                src/launcher.c
-   [SECTION] reducer-state: the Reducer's state and the calls between its three pieces
+   [SECTION] amp-impl: GradScaler's update, the inf/NaN check and unscale, the gradient statistics of a pass
+               src/amp.c
+   [SECTION] reducer-state: the Reducer's state and the calls between its pieces
                src/reducer_state.h
    [SECTION] reducer: DistributedDataParallel's Reducer: model check, buckets, overlapped all-reduce
                src/reducer.c
@@ -188,6 +192,8 @@
                src/reducer_zero.c
    [SECTION] reducer-pass: the Reducer's passes: backward, between passes, uneven inputs (Join)
                src/reducer_pass.c
+   [SECTION] reducer-amp: the Reducer's gradient statistics: grad_norm, found_inf, clip_grad_norm_
+               src/reducer_amp.c
    [SECTION] zero-state: ZeRO-1 optimizer state consolidated on one rank, split back (reducer.h)
                src/zero_state.c
    [SECTION] sampler: DistributedSampler, MT19937 and torch.randperm, Feistel streaming permutation
@@ -657,6 +663,76 @@ DDP_API ddp_result ddp_spawn(int nprocs, int (*fn)(int rank, int world_size, voi
 DDP_API int ddp_launcher_main(int argc, char **argv);
 /* ==================== end src/ddp_api.h ==================== */
 
+/* ==================== begin src/amp.h ==================== */
+/* [SECTION] amp: torch.amp.GradScaler, the inf/NaN check and the gradient norm's parts (mixed precision) */
+/* Mirrors torch.amp.GradScaler (dynamic loss scaling) and the two reductions torch.nn.utils.clip_grad_norm_
+   and a sharded GradScaler need across ranks. With the reducer (reducer.h "Mixed precision") set
+   ddp_reducer_desc.grad_stats and loss_scale and these come for free in end_backward; the calls below are
+   for programs that keep their own gradients:
+       ddp_grad_scaler s;
+       ddp_grad_scaler_init(&s);                          // scale 65536, x2 after 2000 clean steps, x0.5 on inf
+       for (step = 0; ...) {
+           forward; loss *= s.scale; backward;            // scaler.scale(loss).backward()
+           all_reduce the gradients (average);
+           found = 0;                                     // scaler.unscale_(optimizer):
+           ddp_non_finite_check_and_unscale(grad, n, DDP_F32, 1.0 / s.scale, &found);   // each gradient
+           ddp_any_nonfinite(g, found, &found);           // only when the ranks hold different gradients
+           if (ddp_grad_scaler_update(&s, found)) sgd_step(...);   // scaler.step(opt); scaler.update()
+       }
+   torch's arithmetic, exactly: the scale is an f32 tensor in torch, so ddp_grad_scaler_update rounds
+   every new scale to f32 (s.scale always holds an f32 value); the reciprocal is taken in f64 and rounded
+   to f32 (GradScaler.unscale_: self._scale.double().reciprocal().float()), and gradients are multiplied
+   by that f32 in f32 (f64 gradients: in f64; f16/bf16: in f32, rounded back), as
+   _amp_foreach_non_finite_check_and_unscale_ does (aten/src/ATen/native/cpu/AmpGradScalerKernels.cpp).
+   With a scale that is a power of two (torch's defaults keep it one) unscaling is exact, barring
+   underflow. */
+
+/* torch.amp.GradScaler's state: scale (init_scale), growth_factor, backoff_factor, growth_interval and
+   the _growth_tracker (consecutive steps without inf/NaN since the last change of scale). */
+typedef struct ddp_grad_scaler {
+    double scale, growth_factor, backoff_factor;
+    int growth_interval, growth_tracker;
+} ddp_grad_scaler;
+
+/* ddp_grad_scaler_init: torch.amp.GradScaler's defaults: scale 65536.0 (2^16), growth_factor 2.0,
+   backoff_factor 0.5, growth_interval 2000, growth_tracker 0. A program may change the fields after
+   (torch's constructor arguments). NULL: nothing happens. */
+DDP_API void ddp_grad_scaler_init(ddp_grad_scaler *s);
+
+/* ddp_grad_scaler_update: GradScaler.step's decision and GradScaler.update (torch's _amp_update_scale_)
+   for a step whose gradients had found_inf (nonzero: some inf or NaN; every rank must pass the same,
+   e.g. ddp_reducer_found_inf or ddp_any_nonfinite):
+       found_inf:  scale = f32(scale * backoff_factor), growth_tracker = 0        -> 0: skip the step
+       otherwise:  growth_tracker + 1; when that reaches growth_interval:
+                   scale = f32(scale * growth_factor) unless that is inf (kept then), growth_tracker = 0
+                                                                                   -> 1: take the step
+   Return: 1 (run the optimizer), 0 (skip it), -1 for a NULL s or a negative found_inf (an error of
+   ddp_reducer_found_inf; s is not changed; ddp_last_error(NULL) says which). */
+DDP_API int ddp_grad_scaler_update(ddp_grad_scaler *s, int found_inf);
+
+/* ddp_non_finite_check_and_unscale: the host twin of ddp_cuda_non_finite_check_and_unscale
+   (torch._amp_foreach_non_finite_check_and_unscale_ on one tensor): every element of data (count of t:
+   DDP_F32, DDP_F64, DDP_F16 or DDP_BF16, host memory) is multiplied in place by inv_scale rounded to f32
+   (left as it is when that is 1; arithmetic as above), and *found_inf is set to 1 when some element was
+   an infinity or a NaN (checked before the multiply). *found_inf is never cleared: zero it before the
+   first tensor of a step. Pass inv_scale = 1.0 / s.scale for torch's reciprocal.
+   Return: DDP_SUCCESS; DDP_ERR_INVALID_ARGUMENT for NULL pointers (data may be NULL when count is 0), a
+   dtype that is not floating or an inv_scale that is not finite and positive (ddp_last_error(NULL)). */
+DDP_API ddp_result ddp_non_finite_check_and_unscale(void *data, size_t count, ddp_dtype t, double inv_scale, int *found_inf);
+
+/* ddp_any_nonfinite: collective; *global = 1 on every rank when any rank passed a nonzero local (its
+   gradients had an inf or NaN), else 0: one all_reduce MAX of an i32 (ShardedGradScaler's all-reduce of
+   found_inf; needed when the ranks hold different gradients, as under ZeRO; after a DDP all-reduce every
+   rank sees the same infs already). Return: DDP_SUCCESS or the all_reduce's error. */
+DDP_API ddp_result ddp_any_nonfinite(ddp_group *g, int local, int *global);
+
+/* ddp_sum_sq: collective; *total = the sum over the ranks of local (each rank's sum of squares of the
+   gradient elements it owns, in f64): one all_reduce SUM of an f64, the same bits on every rank.
+   sqrt(*total) is clip_grad_norm_'s total norm (FSDP's all-reduce of local_norm ** 2). Return:
+   DDP_SUCCESS or the all_reduce's error. */
+DDP_API ddp_result ddp_sum_sq(ddp_group *g, double local, double *total);
+/* ==================== end src/amp.h ==================== */
+
 /* ==================== begin src/reducer.h ==================== */
 /* [SECTION] reducer: DistributedDataParallel's gradient Reducer (bucketed, overlapped all-reduce) */
 /* Mirrors torch.nn.parallel.DistributedDataParallel and its C++ Reducer (torch/csrc/distributed/c10d/
@@ -846,6 +922,30 @@ DDP_API int ddp_launcher_main(int argc, char **argv);
          as for stage 1 (a bucket whose gradients never came borrows its pool buffer at end_backward,
          and may grow the pool as gradients far out of order do). uneven_inputs works as for stage 1 (the ddp_reducer_join_step loop).
 
+   - Mixed precision (torch.amp.GradScaler + torch.nn.utils.clip_grad_norm_; FSDP's ShardedGradScaler):
+     with grad_stats = 1 each synchronised end_backward also sums, in f64, the squares of the averaged
+     gradient elements this rank owns and counts those that are inf or NaN, in the pass that already
+     writes or reads them (stage 0: the copy back, or one read of an in-place / flat bucket: every rank
+     owns every element and holds the same average, so nothing is communicated; stage 1: the copy of the
+     owned slices back; stage 2: the owned slices as they land), then, under zero_stage, all-reduces the
+     16 bytes once (SUM in f64: the same bits on every rank). ddp_reducer_grad_norm,
+     ddp_reducer_found_inf and ddp_reducer_clip_coef read the result; ddp_reducer_clip_grad_norm scales
+     the owned gradients as torch's clip_grad_norm_ does. With loss_scale = &scaler (ddp_grad_scaler, amp.h)
+     the same pass multiplies the averaged gradients by 1 / scaler.scale (torch's reciprocal: f64, rounded
+     to f32; the multiply in f32), AFTER the reduction, so an f16 comm_dtype carries scaled values as
+     torch's order requires; scaler.scale is read at begin_backward of the pass, so call
+     ddp_grad_scaler_update after end_backward (it then sets the next pass's scale). A step:
+         ddp_grad_scaler s;  ddp_grad_scaler_init(&s);  d.loss_scale = &s;    // implies grad_stats = 1
+         forward; loss *= s.scale; begin_backward; backward + grad_ready ...; end_backward;
+         coef = ddp_reducer_clip_coef(red, 1.0);                              // optional: fold into the step
+         if (ddp_grad_scaler_update(&s, ddp_reducer_found_inf(red)))         // same answer on every rank
+             adamw_step(...);                                                 // else skipped, scale halved
+     The numbers describe the gradients the optimizer reads: averaged, unscaled, in the gradients' dtype.
+     With find_unused_parameters the parameters no rank used are neither counted nor unscaled (their
+     gradient was left as it was; torch skips a .grad that is None). Gradients in device memory (backend
+     nccl, or a device model on the cpu and mpi backends) are refused at finalize (DDP_ERR_UNSUPPORTED):
+     the pass would need device kernels; use ddp_cuda_non_finite_check_and_unscale there.
+
    Differences from PyTorch 1.13, none of which changes the averaged gradients beyond rounding:
    - The first iteration uses the 1 MiB / 25 MiB buckets in reverse registration order (torch 1.13 puts
      everything in one bucket for that iteration unless find_unused_parameters is set, and with it cuts
@@ -884,6 +984,10 @@ typedef struct ddp_reducer_desc {
                                      DDP_DTYPE_DEFAULT: the parameters' own. The shards keep the registered dtype */
     int prefetch;                 /* zero_stage 3: gathers in flight besides the unit in use; the pool holds
                                      1 + prefetch units (FSDP2's implicit prefetch is 1, DeepSpeed's 2) */
+    int grad_stats;               /* 1: each synchronised end_backward also computes the gradients' L2 norm and
+                                     whether any is inf/NaN (see "Mixed precision" above) */
+    ddp_grad_scaler *loss_scale;  /* not NULL: the averaged gradients are unscaled by 1 / loss_scale->scale in
+                                     end_backward (torch's GradScaler.unscale_); implies grad_stats */
 } ddp_reducer_desc;
 
 /* One piece of this rank's slice under zero_stage = 1 or 2 (see "ZeRO" above): elements
@@ -1218,6 +1322,33 @@ DDP_API void *ddp_fsdp_grad(ddp_reducer *r, int index);
 /* ddp_fsdp_grads_ready: every gradient of unit is written: scaled, reduce-scattered (asynchronously, in
    bucket order) into this rank's slices. Once per unit and pass; DDP_ERR_STATE outside a pass or twice. */
 DDP_API ddp_result ddp_fsdp_grads_ready(ddp_reducer *r, int unit);
+
+/* ddp_reducer_grad_norm: grad_stats (or loss_scale): the L2 norm, sqrt of the f64 sum of squares, of the
+   gradients after the last synchronised end_backward (see "Mixed precision" above), the same bits on
+   every rank (under zero_stage: over every rank's owned elements). inf or NaN when some gradient is
+   (found_inf). Errors: DDP_ERR_STATE when the reducer was created without grad_stats or no synchronised
+   pass has ended (or the last one failed); DDP_ERR_INVALID_ARGUMENT for NULL pointers. */
+DDP_API ddp_result ddp_reducer_grad_norm(ddp_reducer *r, double *norm);
+
+/* ddp_reducer_found_inf: grad_stats: 1 when some averaged gradient element of the last synchronised pass
+   was inf or NaN on any rank (before unscaling; under zero_stage all-reduced, so every rank agrees), else
+   0. -1 on the errors of ddp_reducer_grad_norm (ddp_last_error says which). */
+DDP_API int ddp_reducer_found_inf(const ddp_reducer *r);
+
+/* ddp_reducer_clip_coef: grad_stats: torch.nn.utils.clip_grad_norm_'s coefficient for the last pass:
+   max_norm / (norm + 1e-6), clamped to at most 1.0 (in f64; NaN when the norm is NaN, 0 when it is inf).
+   A program folds it into its optimizer (multiplies the gradient by it as it reads it, as llm.c does),
+   which costs no pass over the gradients. Return: the coefficient, or -1.0 on the errors of
+   ddp_reducer_grad_norm and for a max_norm that is not positive. */
+DDP_API double ddp_reducer_clip_coef(ddp_reducer *r, double max_norm);
+
+/* ddp_reducer_clip_grad_norm: torch.nn.utils.clip_grad_norm_(params, max_norm) for torch-shaped code:
+   *total_norm (may be NULL) gets ddp_reducer_grad_norm's norm, and every gradient element this rank owns
+   (stage 0: every parameter's gradient where ddp_reducer_grad says; zero_stage: ddp_reducer_shards'
+   grad) is multiplied in place by ddp_reducer_clip_coef's coefficient (in f32; f64 for f64 gradients),
+   except those of parameters no rank used (find_unused_parameters). Not collective. Not during a backward
+   pass (DDP_ERR_STATE); otherwise the errors of ddp_reducer_clip_coef, as ddp_result. */
+DDP_API ddp_result ddp_reducer_clip_grad_norm(ddp_reducer *r, double max_norm, double *total_norm);
 
 /* ddp_reducer_destroy: wait for any all-reduce in flight and free the reducer. Not collective. NULL is a
    no-op. */
@@ -2411,6 +2542,7 @@ DDP_API void ddp__cuda_device_free(void *p);
        group                    ddp_init, rendezvous, the table of ranks, which backend a group gets,
                                 subgroups, ddp_destroy
        launcher                 ddp_spawn, ddprun
+       amp                      GradScaler's update, the inf/NaN check, a pass's gradient statistics
        reducer, zero_state      DistributedDataParallel's Reducer, ZeRO; built on the collectives
        sampler, syncbn          DistributedSampler; SyncBatchNorm
        safetensors, checkpoint, reshard    the file format; saves and loads; slices across world sizes
@@ -3415,6 +3547,21 @@ static DDP__UNUSED size_t ddp__reducer_param_count(const ddp_reducer *r, int i);
 static DDP__UNUSED void ddp__host_convert_scaled(void *dst, ddp_dtype dst_t, const void *src, ddp_dtype src_t, size_t count,
                                                  double scale);
 static DDP__UNUSED void ddp__host_convert(void *dst, ddp_dtype dst_t, const void *src, ddp_dtype src_t, size_t count);
+/* One element of a floating dtype as f32 (f64 rounded), and back (rounded to nearest even). */
+static DDP__UNUSED float ddp__get_f32(const void *p, ddp_dtype t, size_t i);
+static DDP__UNUSED void ddp__put_f32(void *p, ddp_dtype t, size_t i, float v);
+
+/* ---- amp.c: a pass's gradient statistics (the reducer's grad_stats and loss_scale) ---- */
+typedef struct ddp__amp_pass {
+    int on;          /* grad_stats or loss_scale: unscale and count in this pass */
+    float inv_scale; /* the pass's 1 / loss_scale->scale as torch computes it (1: none) */
+    double sum[2];   /* sum of squares, non-finite count: this rank's pieces, then (ZeRO) all ranks' */
+    int valid;       /* sum describes the last synchronised pass, complete */
+} ddp__amp_pass;
+static DDP__UNUSED void ddp__amp_begin(ddp__amp_pass *a, int on, const ddp_grad_scaler *s);
+static DDP__UNUSED void ddp__amp_add(ddp__amp_pass *a, void *data, ddp_dtype t, size_t count);
+static DDP__UNUSED ddp_result ddp__amp_finish(ddp_group *g, ddp__amp_pass *a, int reduce);
+static DDP__UNUSED size_t ddp__amp_scan(void *data, size_t count, ddp_dtype t, float inv, double *sumsq);
 
 /* ---- hostmem.c: host memory for the reducer's buckets (every backend but nccl uses these) ---- */
 static DDP__UNUSED void *ddp__host_alloc(ddp_group *g, size_t bytes);
@@ -17466,10 +17613,149 @@ DDP_API int ddp_launcher_main(int argc, char **argv) {
 }
 /* ==================== end src/launcher.c ==================== */
 
+/* ==================== begin src/amp.c ==================== */
+/* [SECTION] amp-impl: GradScaler's update, the inf/NaN check and unscale, the gradient statistics of a pass
+   (amp.h has the API and torch's arithmetic; the reducer's passes use ddp__amp_begin/add/finish). */
+
+/* GradScaler.unscale_'s inverse scale: 1 / scale in f64, then f32 (torch's scale tensor is f32 too). */
+static float ddp__amp_inv_scale(double scale) { return (float)(1.0 / (double)(float)scale); }
+
+/* The one element loop of _amp_foreach_non_finite_check_and_unscale_ (and of clip_grad_norm_'s multiply):
+   data[i] *= inv (f32; f64 data in f64; f16/bf16 in f32, rounded back; inv == 1 leaves data as it is).
+   Returns how many elements were inf or NaN before the multiply; adds the squares of the values after it
+   (in f64) to *sumsq when sumsq is not NULL. */
+static size_t ddp__amp_scan(void *data, size_t count, ddp_dtype t, float inv, double *sumsq) {
+    size_t i, bad = 0;
+    double s = 0;
+    if (t == DDP_F32) {
+        float *p = (float *)data;
+        for (i = 0; i < count; i++) {
+            float v = p[i];
+            bad += !(fabsf(v) <= FLT_MAX); /* NaN compares false */
+            if (inv != 1.0f) p[i] = v = v * inv;
+            s += (double)v * (double)v;
+        }
+    } else if (t == DDP_F64) {
+        double *p = (double *)data, m = (double)inv;
+        for (i = 0; i < count; i++) {
+            double v = p[i];
+            bad += !(fabs(v) <= DBL_MAX);
+            if (inv != 1.0f) p[i] = v = v * m;
+            s += v * v;
+        }
+    } else {
+        for (i = 0; i < count; i++) {
+            float v = ddp__get_f32(data, t, i);
+            bad += !(fabsf(v) <= FLT_MAX);
+            if (inv != 1.0f) {
+                ddp__put_f32(data, t, i, v * inv);
+                v = ddp__get_f32(data, t, i); /* the value the optimizer reads: rounded to t */
+            }
+            s += (double)v * (double)v;
+        }
+    }
+    if (sumsq) *sumsq += s;
+    return bad;
+}
+
+/* ---- the public helpers ---- */
+
+DDP_API void ddp_grad_scaler_init(ddp_grad_scaler *s) {
+    if (!s) return;
+    s->scale = 65536.0;
+    s->growth_factor = 2.0;
+    s->backoff_factor = 0.5;
+    s->growth_interval = 2000;
+    s->growth_tracker = 0;
+}
+
+/* torch's _amp_update_scale_cpu_kernel: the products are f64 (f32 scale times a double factor) stored
+   into the f32 scale tensor; a grown scale that overflows f32 is not taken. */
+DDP_API int ddp_grad_scaler_update(ddp_grad_scaler *s, int found_inf) {
+    float scale;
+    if (!s || found_inf < 0) {
+        ddp__fail(NULL, DDP_ERR_INVALID_ARGUMENT, "ddp_grad_scaler_update: %s", !s ? "the scaler is NULL" :
+                  "found_inf is negative (an error of ddp_reducer_found_inf?); the scaler is left as it was");
+        return -1;
+    }
+    scale = (float)s->scale; /* torch's scale tensor holds an f32 from the start */
+    if (found_inf) {
+        scale = (float)(scale * s->backoff_factor);
+        s->growth_tracker = 0;
+    } else if (s->growth_tracker + 1 == s->growth_interval) {
+        float grown = (float)(scale * s->growth_factor);
+        if (fabsf(grown) <= FLT_MAX) scale = grown;
+        s->growth_tracker = 0;
+    } else {
+        s->growth_tracker++;
+    }
+    s->scale = scale;
+    return !found_inf;
+}
+
+DDP_API ddp_result ddp_non_finite_check_and_unscale(void *data, size_t count, ddp_dtype t, double inv_scale, int *found_inf) {
+    const char *fn = "ddp_non_finite_check_and_unscale";
+    if (!found_inf || (!data && count))
+        return ddp__fail(NULL, DDP_ERR_INVALID_ARGUMENT, "%s: %s is NULL", fn, found_inf ? "data" : "found_inf");
+    if (!ddp__dtype_is_float(t))
+        return ddp__fail(NULL, DDP_ERR_INVALID_ARGUMENT, "%s: dtype %s is not a floating dtype (DDP_F32, DDP_F64, DDP_F16 "
+                         "or DDP_BF16)", fn, ddp_dtype_name(t));
+    if (!((float)inv_scale > 0 && (float)inv_scale <= FLT_MAX))
+        return ddp__fail(NULL, DDP_ERR_INVALID_ARGUMENT, "%s: inv_scale %g is not a finite positive f32; pass 1.0 / "
+                         "scaler.scale", fn, inv_scale);
+    if (ddp__amp_scan(data, count, t, (float)inv_scale, NULL)) *found_inf = 1;
+    return DDP_SUCCESS;
+}
+
+DDP_API ddp_result ddp_any_nonfinite(ddp_group *g, int local, int *global) {
+    int32_t flag = local != 0;
+    ddp_result res;
+    if (!global) return ddp__fail(g, DDP_ERR_INVALID_ARGUMENT, "ddp_any_nonfinite: global is NULL");
+    if ((res = ddp_all_reduce(g, &flag, 1, DDP_I32, DDP_MAX)) != DDP_SUCCESS) return res;
+    *global = flag;
+    return DDP_SUCCESS;
+}
+
+DDP_API ddp_result ddp_sum_sq(ddp_group *g, double local, double *total) {
+    ddp_result res;
+    if (!total) return ddp__fail(g, DDP_ERR_INVALID_ARGUMENT, "ddp_sum_sq: total is NULL");
+    if ((res = ddp_all_reduce(g, &local, 1, DDP_F64, DDP_SUM)) != DDP_SUCCESS) return res;
+    *total = local;
+    return DDP_SUCCESS;
+}
+
+/* ---- a pass's gradient statistics (the reducer's grad_stats and loss_scale) ----
+   The reducer calls ddp__amp_begin when a synchronised pass begins, ddp__amp_add on each piece of
+   averaged gradient this rank owns, in the pass that already writes or reads it (unscaling it in place
+   with the scale read at begin), and ddp__amp_finish once the pass is complete: with reduce (the ranks own
+   different pieces, ZeRO) one all_reduce SUM of 16 bytes, {sum of squares, non-finite count} in f64, so
+   every rank ends with the same bits (counts are exact in f64 up to 2^53). */
+
+static void ddp__amp_begin(ddp__amp_pass *a, int on, const ddp_grad_scaler *s) {
+    a->on = on;
+    a->inv_scale = s ? ddp__amp_inv_scale(s->scale) : 1.0f;
+    a->sum[0] = a->sum[1] = 0;
+    a->valid = 0;
+}
+
+static void ddp__amp_add(ddp__amp_pass *a, void *data, ddp_dtype t, size_t count) {
+    if (a->on) a->sum[1] += (double)ddp__amp_scan(data, count, t, a->inv_scale, &a->sum[0]);
+}
+
+static ddp_result ddp__amp_finish(ddp_group *g, ddp__amp_pass *a, int reduce) {
+    ddp_result res;
+    if (!a->on) return DDP_SUCCESS;
+    if (reduce && (res = ddp_all_reduce(g, a->sum, 2, DDP_F64, DDP_SUM)) != DDP_SUCCESS) return res;
+    a->valid = 1;
+    return DDP_SUCCESS;
+}
+/* ==================== end src/amp.c ==================== */
+
 /* ==================== begin src/reducer_state.h ==================== */
-/* [SECTION] reducer-state: the Reducer's state and the calls between its three pieces
-   reducer.c (the model, finalize, bucket layout, timing), reducer_zero.c (ZeRO's slices and pool) and
-   reducer_pass.c (backward, between passes, Join) share these; nothing else in the library does. */
+/* [SECTION] reducer-state: the Reducer's state and the calls between its pieces
+   reducer.c (the model, finalize, bucket layout, timing), reducer_zero.c (ZeRO's slices and pool),
+   reducer_pass.c (backward, between passes, Join) and reducer_amp.c (grad_stats' results) share these;
+   nothing else in the library does. */
 #ifndef DDP__REDUCER_STATE_H
 #define DDP__REDUCER_STATE_H
 /* (each piece includes internal.h first) */
@@ -17616,6 +17902,8 @@ struct ddp_reducer {
 
     ddp_reducer_statistics stats;
     double t_begin, t_first_start;
+
+    ddp__amp_pass amp;    /* grad_stats / loss_scale: the last synchronised pass's norm and inf count (amp.c) */
 };
 
 static size_t ddp__reducer_n(const ddp_reducer *r) { return (size_t)(unsigned)r->nparams; } /* never negative */
@@ -17623,6 +17911,7 @@ static int ddp__reducer_is_view(const ddp_reducer *r) { return r->desc.gradient_
 static int ddp__reducer_zero(const ddp_reducer *r) { return r->desc.zero_stage != 0; }
 static int ddp__zero2(const ddp_reducer *r) { return r->desc.zero_stage >= 2; } /* gradients sharded: 2 and 3 */
 static int ddp__fsdp(const ddp_reducer *r) { return r->desc.zero_stage == 3; }  /* parameters sharded too */
+static int ddp__grad_stats_on(const ddp_reducer *r) { return r->desc.grad_stats || r->desc.loss_scale; }
 /* Gradients scaled and reduced in place in the bucket (a view without compression). */
 static int ddp__bucket_in_place(const ddp__bucket *b) { return b->storage != NULL && b->comm == b->storage; }
 static size_t ddp__tensor_bytes(const ddp__rtensor *t) { return t->count * ddp_dtype_size(t->dtype); }
@@ -18671,7 +18960,8 @@ static void *ddp__zero2_land(const ddp_reducer *r, const ddp__bucket *k) {
 
 /* Bucket k's reduce-scatter was waited for (done: successfully): its slice into the owned slice (added
    to it when the pass accumulates: zero_stage 3 after no_sync passes; the converted slice goes through
-   the pool buffer's start, free by now), its buffer back to the pool. */
+   the pool buffer's start, free by now), its buffer back to the pool. grad_stats: the slice is unscaled
+   and counted (its padding past the bucket's end holds the reduce-scatter of zeros: it adds nothing). */
 static void ddp__zero2_finish(ddp_reducer *r, ddp__bucket *k, int done) {
     void *land = ddp__zero2_land(r, k);
     if (done && r->accumulate) {
@@ -18684,6 +18974,7 @@ static void ddp__zero2_finish(ddp_reducer *r, ddp__bucket *k, int done) {
     } else if (done && land != k->owned) {
         r->ops->copy_out(r->g, k->owned, k->dtype, land, k->comm_dtype, k->per);
     }
+    if (done) ddp__amp_add(&r->amp, k->owned, k->dtype, k->per);
     r->pool_holder[k->slot] = -1;
     k->comm = NULL;
 }
@@ -18876,6 +19167,7 @@ static void ddp__zero_give_back(ddp_reducer *r, int i) {
     if (!ddp__zero_piece(r, i, &lo, &a, &e)) return;
     r->ops->copy_out(r->g, ddp__zero_grad_at(r, i, a - r->L.param_offset[i]), r->params[i].dtype,
                      (char *)k->owned + (a - lo) * ddp_dtype_size(k->comm_dtype), k->comm_dtype, e - a);
+    ddp__amp_add(&r->amp, ddp__zero_grad_at(r, i, a - r->L.param_offset[i]), r->params[i].dtype, e - a); /* grad_stats */
 }
 
 DDP_API int ddp_reducer_shards(ddp_reducer *r, const ddp_shard **out) {
@@ -19027,12 +19319,35 @@ static ddp_result ddp__zero2_check_memory(ddp_reducer *r) {
     return DDP_SUCCESS;
 }
 
+/* grad_stats and loss_scale read and write the averaged gradients on the host, in the pass that gives
+   them back: gradients in device memory (backend nccl; a device model staged by the cpu and mpi
+   backends) would need device kernels there, so that combination is refused. */
+static ddp_result ddp__grad_stats_check_memory(ddp_reducer *r) {
+#ifdef DDP_CUDA
+    int i;
+    const char *why = "the reducer computes them on the host; unset grad_stats and loss_scale and run "
+                      "ddp_cuda_non_finite_check_and_unscale (and your own norm) on the device gradients";
+    if (!ddp__grad_stats_on(r)) return DDP_SUCCESS;
+    if (!strcmp(r->ops->family, "nccl"))
+        return ddp__fail(r->g, DDP_ERR_UNSUPPORTED, "ddp_reducer_finalize: grad_stats / loss_scale on backend nccl (device "
+                         "gradients) is not supported: %s", why);
+    for (i = 0; i < r->nparams; i++)
+        if (ddp__cuda_is_device_pointer(r->params[i].grad))
+            return ddp__fail(r->g, DDP_ERR_UNSUPPORTED, "ddp_reducer_finalize: grad_stats / loss_scale with the gradient of "
+                             "\"%s\" in device memory is not supported: %s", r->params[i].name, why);
+#else
+    (void)r;
+#endif
+    return DDP_SUCCESS;
+}
+
 DDP_API ddp_result ddp_reducer_finalize(ddp_reducer *r) {
     ddp_result res;
     int i, n;
     if (!r) return ddp__fail(NULL, DDP_ERR_INVALID_ARGUMENT, "ddp_reducer_finalize: the reducer is NULL");
     if (r->finalized) return ddp__fail(r->g, DDP_ERR_STATE, "ddp_reducer_finalize: already finalized");
     if ((res = ddp__zero2_check_memory(r)) != DDP_SUCCESS) return res; /* local: every rank's model is alike */
+    if ((res = ddp__grad_stats_check_memory(r)) != DDP_SUCCESS) return res;
     /* the check comes first, so that a rank with a wrong model still takes part and every rank learns */
     if ((res = ddp__reducer_verify(r)) != DDP_SUCCESS) return res;
     if (r->nparams == 0)
@@ -19107,6 +19422,8 @@ DDP_API ddp_result ddp_reducer_begin_backward(ddp_reducer *r) {
     r->in_backward = 1;
     r->pass_sync = r->sync || ddp__fsdp(r); /* zero_stage 3 reduce-scatters in every pass (see "FSDP") */
     r->pass_user_sync = r->sync;
+    /* grad_stats: the synchronised pass (zero_stage 3: not the no_sync passes, whose slices it adds to) */
+    if (r->pass_sync) ddp__amp_begin(&r->amp, ddp__grad_stats_on(r) && r->sync, r->desc.loss_scale); /* reads the scale */
     r->next_bucket = 0;
     r->norder = 0;
     memset(r->ready, 0, ddp__reducer_n(r));
@@ -19340,18 +19657,19 @@ DDP_API ddp_result ddp_fsdp_grads_ready(ddp_reducer *r, int unit) {
     return ddp__reducer_start_ready(r);
 }
 
-/* The reduced value of parameter i goes back to where the program reads its gradient. */
+/* The reduced value of parameter i goes back to where the program reads its gradient (grad_stats: and
+   is unscaled and counted there, while it is in cache). */
 static void ddp__reducer_give_back(ddp_reducer *r, int i) {
     ddp__bucket *k = &r->L.buckets[r->L.param_bucket[i]];
     size_t off = r->L.param_offset[i];
     const void *src = (char *)k->comm + off * ddp_dtype_size(k->comm_dtype);
+    void *grad = k->storage ? (void *)((char *)k->storage + off * ddp_dtype_size(k->dtype)) : r->params[i].grad;
     if (ddp__reducer_zero(r)) {
         ddp__zero_give_back(r, i);
         return;
     }
-    if (ddp__bucket_in_place(k)) return;
-    r->ops->copy_out(r->g, k->storage ? (void *)((char *)k->storage + off * ddp_dtype_size(k->dtype)) : r->params[i].grad,
-                     r->params[i].dtype, src, k->comm_dtype, r->params[i].count);
+    if (!ddp__bucket_in_place(k)) r->ops->copy_out(r->g, grad, r->params[i].dtype, src, k->comm_dtype, r->params[i].count);
+    ddp__amp_add(&r->amp, grad, r->params[i].dtype, r->params[i].count);
 }
 
 /* After the used map: gradients of parameters unused here (all: every parameter, a joined rank's shadow
@@ -19474,6 +19792,8 @@ DDP_API ddp_result ddp_reducer_end_backward(ddp_reducer *r) {
         r->accumulate = !r->pass_user_sync; /* the next pass adds to this one's slices */
     }
     if (res) return r->failed = res;
+    /* grad_stats: the pass's sums complete; under ZeRO one 16-byte all-reduce (the joined ranks' shadow too) */
+    if ((res = ddp__amp_finish(r->g, &r->amp, ddp__reducer_zero(r))) != DDP_SUCCESS) return r->failed = res;
     t_done = ddp__now();
     if (ddp__fsdp(r) && !r->pass_user_sync) r->stats.local_iterations++;
     else r->stats.iterations++;
@@ -19785,6 +20105,7 @@ static ddp_result ddp__join_shadow_backward(ddp_reducer *r) {
     size_t off = 0, kept = 0;
     int b, j, keep = ddp__reducer_zero(r) && r->desc.find_unused_parameters, i;
     if ((res = ddp__join_shadow_memory(r)) != DDP_SUCCESS) return res;
+    if (ddp__reducer_zero(r)) ddp__amp_begin(&r->amp, ddp__grad_stats_on(r), r->desc.loss_scale); /* its shards' stats */
     if (keep && (res = ddp__stash_reserve(r, 1, "ddp_reducer_join_step")) != DDP_SUCCESS) return r->failed = res;
     for (b = 0; b < r->L.nbuckets && !res; b++) {
         ddp__bucket *k = &r->L.buckets[b];
@@ -19814,6 +20135,7 @@ static ddp_result ddp__join_shadow_backward(ddp_reducer *r) {
     if (used_work) r->ops->copy_out(r->g, r->used_global, DDP_U8, r->used_comm, DDP_U8, ddp__reducer_n(r));
     if (keep) ddp__reducer_finish_unused(r, 1); /* a parameter no rank used keeps what it held */
     for (i = 0; !keep && ddp__reducer_zero(r) && !ddp__zero2(r) && i < r->nparams; i++) ddp__zero_give_back(r, i);
+    if (ddp__reducer_zero(r) && (res = ddp__amp_finish(r->g, &r->amp, 1)) != DDP_SUCCESS) return r->failed = res;
     r->stats.shadowed_iterations++;
     ddp__timing_finish(r);
     if ((res = ddp__timing_start(r, 1)) != DDP_SUCCESS) return res;
@@ -19893,6 +20215,85 @@ DDP_API ddp_result ddp_reducer_join(ddp_reducer *r) {
     return DDP_SUCCESS;
 }
 /* ==================== end src/reducer_pass.c ==================== */
+
+/* ==================== begin src/reducer_amp.c ==================== */
+/* [SECTION] reducer-amp: the Reducer's gradient statistics: grad_norm, found_inf, clip_grad_norm_
+   (reducer.h "Mixed precision" has the API; the passes fill r->amp through amp.c's ddp__amp_begin / add /
+   finish). torch.nn.utils.clip_grad_norm_:
+       total_norm = ||(||g_1||, ..., ||g_n||)||_2          (here: sqrt of one f64 sum of squares)
+       clip_coef  = max_norm / (total_norm + 1e-6),  clamped to <= 1
+       g_i       *= clip_coef                             (always; a no-op when the coefficient is 1) */
+
+/* The statistics of the last synchronised pass can be read (fn names the caller in the message). */
+static ddp_result ddp__grad_stats_ready(const ddp_reducer *r, const char *fn) {
+    if (!r) return ddp__fail(NULL, DDP_ERR_INVALID_ARGUMENT, "%s: the reducer is NULL", fn);
+    if (!ddp__grad_stats_on(r))
+        return ddp__fail(r->g, DDP_ERR_STATE, "%s: the reducer was created without grad_stats; set ddp_reducer_desc."
+                         "grad_stats = 1 (or loss_scale) on every rank to have end_backward compute the norm and found_inf",
+                         fn);
+    if (!r->amp.valid)
+        return ddp__fail(r->g, DDP_ERR_STATE, "%s: %s; call it after ddp_reducer_end_backward of a synchronised pass", fn,
+                         r->in_backward ? "a synchronised backward pass is in progress"
+                         : r->stats.iterations ? "the last synchronised backward pass failed"
+                         : "no synchronised backward pass has ended yet");
+    return DDP_SUCCESS;
+}
+
+/* clip_grad_norm_'s total norm and coefficient for the last pass. */
+static ddp_result ddp__reducer_clip(ddp_reducer *r, double max_norm, const char *fn, double *norm, double *coef) {
+    ddp_result res = ddp__grad_stats_ready(r, fn);
+    if (res) return res;
+    if (!(max_norm > 0)) return ddp__fail(r->g, DDP_ERR_INVALID_ARGUMENT, "%s: max_norm %g is not positive", fn, max_norm);
+    *norm = sqrt(r->amp.sum[0]);
+    *coef = max_norm / (*norm + 1e-6);
+    if (*coef > 1.0) *coef = 1.0; /* a NaN norm gives NaN, as torch.clamp does */
+    return DDP_SUCCESS;
+}
+
+DDP_API ddp_result ddp_reducer_grad_norm(ddp_reducer *r, double *norm) {
+    ddp_result res = ddp__grad_stats_ready(r, "ddp_reducer_grad_norm");
+    if (res) return res;
+    if (!norm) return ddp__fail(r->g, DDP_ERR_INVALID_ARGUMENT, "ddp_reducer_grad_norm: norm is NULL");
+    *norm = sqrt(r->amp.sum[0]);
+    return DDP_SUCCESS;
+}
+
+DDP_API int ddp_reducer_found_inf(const ddp_reducer *r) {
+    if (ddp__grad_stats_ready(r, "ddp_reducer_found_inf")) return -1;
+    return r->amp.sum[1] > 0;
+}
+
+DDP_API double ddp_reducer_clip_coef(ddp_reducer *r, double max_norm) {
+    double norm = 0, coef = 0;
+    return ddp__reducer_clip(r, max_norm, "ddp_reducer_clip_coef", &norm, &coef) ? -1.0 : coef;
+}
+
+/* The multiply runs over what the optimizer reads: the shards under ZeRO, every gradient at stage 0; a
+   parameter that no rank used keeps its gradient, as torch skips a .grad that is None. */
+DDP_API ddp_result ddp_reducer_clip_grad_norm(ddp_reducer *r, double max_norm, double *total_norm) {
+    const ddp_shard *sh;
+    double norm = 0, coef = 0;
+    ddp_result res = ddp__reducer_clip(r, max_norm, "ddp_reducer_clip_grad_norm", &norm, &coef);
+    int i, n;
+    if (res) return res;
+    if (r->in_backward)
+        return ddp__fail(r->g, DDP_ERR_STATE, "ddp_reducer_clip_grad_norm: called during a backward pass; call it after "
+                         "ddp_reducer_end_backward");
+    if (total_norm) *total_norm = norm;
+    if (coef == 1.0) return DDP_SUCCESS;
+    if (ddp__reducer_zero(r)) {
+        n = ddp_reducer_shards(r, &sh);
+        for (i = 0; i < n; i++)
+            if (ddp_reducer_param_used(r, sh[i].param))
+                ddp__amp_scan(sh[i].grad, sh[i].count, r->params[sh[i].param].dtype, (float)coef, NULL);
+        return DDP_SUCCESS;
+    }
+    for (i = 0; i < r->nparams; i++)
+        if (ddp_reducer_param_used(r, i))
+            ddp__amp_scan(ddp_reducer_grad(r, i), r->params[i].count, r->params[i].dtype, (float)coef, NULL);
+    return DDP_SUCCESS;
+}
+/* ==================== end src/reducer_amp.c ==================== */
 
 /* ==================== begin src/zero_state.c ==================== */
 /* [SECTION] zero-state: ZeRO-1 optimizer state consolidated on one rank, split back (reducer.h) */

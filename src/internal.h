@@ -29,6 +29,7 @@
        group                    ddp_init, rendezvous, the table of ranks, which backend a group gets,
                                 subgroups, ddp_destroy
        launcher                 ddp_spawn, ddprun
+       amp                      GradScaler's update, the inf/NaN check, a pass's gradient statistics
        reducer, zero_state      DistributedDataParallel's Reducer, ZeRO; built on the collectives
        sampler, syncbn          DistributedSampler; SyncBatchNorm
        safetensors, checkpoint, reshard    the file format; saves and loads; slices across world sizes
@@ -42,6 +43,7 @@
 #define DDP_IMPLEMENTATION
 #endif
 #include "ddp_api.h"
+#include "amp.h"
 #include "reducer.h"
 #include "sampler.h"
 #include "syncbn.h"
@@ -1039,6 +1041,21 @@ static DDP__UNUSED size_t ddp__reducer_param_count(const ddp_reducer *r, int i);
 static DDP__UNUSED void ddp__host_convert_scaled(void *dst, ddp_dtype dst_t, const void *src, ddp_dtype src_t, size_t count,
                                                  double scale);
 static DDP__UNUSED void ddp__host_convert(void *dst, ddp_dtype dst_t, const void *src, ddp_dtype src_t, size_t count);
+/* One element of a floating dtype as f32 (f64 rounded), and back (rounded to nearest even). */
+static DDP__UNUSED float ddp__get_f32(const void *p, ddp_dtype t, size_t i);
+static DDP__UNUSED void ddp__put_f32(void *p, ddp_dtype t, size_t i, float v);
+
+/* ---- amp.c: a pass's gradient statistics (the reducer's grad_stats and loss_scale) ---- */
+typedef struct ddp__amp_pass {
+    int on;          /* grad_stats or loss_scale: unscale and count in this pass */
+    float inv_scale; /* the pass's 1 / loss_scale->scale as torch computes it (1: none) */
+    double sum[2];   /* sum of squares, non-finite count: this rank's pieces, then (ZeRO) all ranks' */
+    int valid;       /* sum describes the last synchronised pass, complete */
+} ddp__amp_pass;
+static DDP__UNUSED void ddp__amp_begin(ddp__amp_pass *a, int on, const ddp_grad_scaler *s);
+static DDP__UNUSED void ddp__amp_add(ddp__amp_pass *a, void *data, ddp_dtype t, size_t count);
+static DDP__UNUSED ddp_result ddp__amp_finish(ddp_group *g, ddp__amp_pass *a, int reduce);
+static DDP__UNUSED size_t ddp__amp_scan(void *data, size_t count, ddp_dtype t, float inv, double *sumsq);
 
 /* ---- hostmem.c: host memory for the reducer's buckets (every backend but nccl uses these) ---- */
 static DDP__UNUSED void *ddp__host_alloc(ddp_group *g, size_t bytes);

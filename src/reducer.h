@@ -186,6 +186,30 @@
          as for stage 1 (a bucket whose gradients never came borrows its pool buffer at end_backward,
          and may grow the pool as gradients far out of order do). uneven_inputs works as for stage 1 (the ddp_reducer_join_step loop).
 
+   - Mixed precision (torch.amp.GradScaler + torch.nn.utils.clip_grad_norm_; FSDP's ShardedGradScaler):
+     with grad_stats = 1 each synchronised end_backward also sums, in f64, the squares of the averaged
+     gradient elements this rank owns and counts those that are inf or NaN, in the pass that already
+     writes or reads them (stage 0: the copy back, or one read of an in-place / flat bucket: every rank
+     owns every element and holds the same average, so nothing is communicated; stage 1: the copy of the
+     owned slices back; stage 2: the owned slices as they land), then, under zero_stage, all-reduces the
+     16 bytes once (SUM in f64: the same bits on every rank). ddp_reducer_grad_norm,
+     ddp_reducer_found_inf and ddp_reducer_clip_coef read the result; ddp_reducer_clip_grad_norm scales
+     the owned gradients as torch's clip_grad_norm_ does. With loss_scale = &scaler (ddp_grad_scaler, amp.h)
+     the same pass multiplies the averaged gradients by 1 / scaler.scale (torch's reciprocal: f64, rounded
+     to f32; the multiply in f32), AFTER the reduction, so an f16 comm_dtype carries scaled values as
+     torch's order requires; scaler.scale is read at begin_backward of the pass, so call
+     ddp_grad_scaler_update after end_backward (it then sets the next pass's scale). A step:
+         ddp_grad_scaler s;  ddp_grad_scaler_init(&s);  d.loss_scale = &s;    // implies grad_stats = 1
+         forward; loss *= s.scale; begin_backward; backward + grad_ready ...; end_backward;
+         coef = ddp_reducer_clip_coef(red, 1.0);                              // optional: fold into the step
+         if (ddp_grad_scaler_update(&s, ddp_reducer_found_inf(red)))         // same answer on every rank
+             adamw_step(...);                                                 // else skipped, scale halved
+     The numbers describe the gradients the optimizer reads: averaged, unscaled, in the gradients' dtype.
+     With find_unused_parameters the parameters no rank used are neither counted nor unscaled (their
+     gradient was left as it was; torch skips a .grad that is None). Gradients in device memory (backend
+     nccl, or a device model on the cpu and mpi backends) are refused at finalize (DDP_ERR_UNSUPPORTED):
+     the pass would need device kernels; use ddp_cuda_non_finite_check_and_unscale there.
+
    Differences from PyTorch 1.13, none of which changes the averaged gradients beyond rounding:
    - The first iteration uses the 1 MiB / 25 MiB buckets in reverse registration order (torch 1.13 puts
      everything in one bucket for that iteration unless find_unused_parameters is set, and with it cuts
@@ -224,6 +248,10 @@ typedef struct ddp_reducer_desc {
                                      DDP_DTYPE_DEFAULT: the parameters' own. The shards keep the registered dtype */
     int prefetch;                 /* zero_stage 3: gathers in flight besides the unit in use; the pool holds
                                      1 + prefetch units (FSDP2's implicit prefetch is 1, DeepSpeed's 2) */
+    int grad_stats;               /* 1: each synchronised end_backward also computes the gradients' L2 norm and
+                                     whether any is inf/NaN (see "Mixed precision" above) */
+    ddp_grad_scaler *loss_scale;  /* not NULL: the averaged gradients are unscaled by 1 / loss_scale->scale in
+                                     end_backward (torch's GradScaler.unscale_); implies grad_stats */
 } ddp_reducer_desc;
 
 /* One piece of this rank's slice under zero_stage = 1 or 2 (see "ZeRO" above): elements
@@ -558,6 +586,33 @@ DDP_API void *ddp_fsdp_grad(ddp_reducer *r, int index);
 /* ddp_fsdp_grads_ready: every gradient of unit is written: scaled, reduce-scattered (asynchronously, in
    bucket order) into this rank's slices. Once per unit and pass; DDP_ERR_STATE outside a pass or twice. */
 DDP_API ddp_result ddp_fsdp_grads_ready(ddp_reducer *r, int unit);
+
+/* ddp_reducer_grad_norm: grad_stats (or loss_scale): the L2 norm, sqrt of the f64 sum of squares, of the
+   gradients after the last synchronised end_backward (see "Mixed precision" above), the same bits on
+   every rank (under zero_stage: over every rank's owned elements). inf or NaN when some gradient is
+   (found_inf). Errors: DDP_ERR_STATE when the reducer was created without grad_stats or no synchronised
+   pass has ended (or the last one failed); DDP_ERR_INVALID_ARGUMENT for NULL pointers. */
+DDP_API ddp_result ddp_reducer_grad_norm(ddp_reducer *r, double *norm);
+
+/* ddp_reducer_found_inf: grad_stats: 1 when some averaged gradient element of the last synchronised pass
+   was inf or NaN on any rank (before unscaling; under zero_stage all-reduced, so every rank agrees), else
+   0. -1 on the errors of ddp_reducer_grad_norm (ddp_last_error says which). */
+DDP_API int ddp_reducer_found_inf(const ddp_reducer *r);
+
+/* ddp_reducer_clip_coef: grad_stats: torch.nn.utils.clip_grad_norm_'s coefficient for the last pass:
+   max_norm / (norm + 1e-6), clamped to at most 1.0 (in f64; NaN when the norm is NaN, 0 when it is inf).
+   A program folds it into its optimizer (multiplies the gradient by it as it reads it, as llm.c does),
+   which costs no pass over the gradients. Return: the coefficient, or -1.0 on the errors of
+   ddp_reducer_grad_norm and for a max_norm that is not positive. */
+DDP_API double ddp_reducer_clip_coef(ddp_reducer *r, double max_norm);
+
+/* ddp_reducer_clip_grad_norm: torch.nn.utils.clip_grad_norm_(params, max_norm) for torch-shaped code:
+   *total_norm (may be NULL) gets ddp_reducer_grad_norm's norm, and every gradient element this rank owns
+   (stage 0: every parameter's gradient where ddp_reducer_grad says; zero_stage: ddp_reducer_shards'
+   grad) is multiplied in place by ddp_reducer_clip_coef's coefficient (in f32; f64 for f64 gradients),
+   except those of parameters no rank used (find_unused_parameters). Not collective. Not during a backward
+   pass (DDP_ERR_STATE); otherwise the errors of ddp_reducer_clip_coef, as ddp_result. */
+DDP_API ddp_result ddp_reducer_clip_grad_norm(ddp_reducer *r, double max_norm, double *total_norm);
 
 /* ddp_reducer_destroy: wait for any all-reduce in flight and free the reducer. Not collective. NULL is a
    no-op. */

@@ -27,6 +27,8 @@ DDP_API ddp_result ddp_reducer_begin_backward(ddp_reducer *r) {
     r->in_backward = 1;
     r->pass_sync = r->sync || ddp__fsdp(r); /* zero_stage 3 reduce-scatters in every pass (see "FSDP") */
     r->pass_user_sync = r->sync;
+    /* grad_stats: the synchronised pass (zero_stage 3: not the no_sync passes, whose slices it adds to) */
+    if (r->pass_sync) ddp__amp_begin(&r->amp, ddp__grad_stats_on(r) && r->sync, r->desc.loss_scale); /* reads the scale */
     r->next_bucket = 0;
     r->norder = 0;
     memset(r->ready, 0, ddp__reducer_n(r));
@@ -260,18 +262,19 @@ DDP_API ddp_result ddp_fsdp_grads_ready(ddp_reducer *r, int unit) {
     return ddp__reducer_start_ready(r);
 }
 
-/* The reduced value of parameter i goes back to where the program reads its gradient. */
+/* The reduced value of parameter i goes back to where the program reads its gradient (grad_stats: and
+   is unscaled and counted there, while it is in cache). */
 static void ddp__reducer_give_back(ddp_reducer *r, int i) {
     ddp__bucket *k = &r->L.buckets[r->L.param_bucket[i]];
     size_t off = r->L.param_offset[i];
     const void *src = (char *)k->comm + off * ddp_dtype_size(k->comm_dtype);
+    void *grad = k->storage ? (void *)((char *)k->storage + off * ddp_dtype_size(k->dtype)) : r->params[i].grad;
     if (ddp__reducer_zero(r)) {
         ddp__zero_give_back(r, i);
         return;
     }
-    if (ddp__bucket_in_place(k)) return;
-    r->ops->copy_out(r->g, k->storage ? (void *)((char *)k->storage + off * ddp_dtype_size(k->dtype)) : r->params[i].grad,
-                     r->params[i].dtype, src, k->comm_dtype, r->params[i].count);
+    if (!ddp__bucket_in_place(k)) r->ops->copy_out(r->g, grad, r->params[i].dtype, src, k->comm_dtype, r->params[i].count);
+    ddp__amp_add(&r->amp, grad, r->params[i].dtype, r->params[i].count);
 }
 
 /* After the used map: gradients of parameters unused here (all: every parameter, a joined rank's shadow
@@ -394,6 +397,8 @@ DDP_API ddp_result ddp_reducer_end_backward(ddp_reducer *r) {
         r->accumulate = !r->pass_user_sync; /* the next pass adds to this one's slices */
     }
     if (res) return r->failed = res;
+    /* grad_stats: the pass's sums complete; under ZeRO one 16-byte all-reduce (the joined ranks' shadow too) */
+    if ((res = ddp__amp_finish(r->g, &r->amp, ddp__reducer_zero(r))) != DDP_SUCCESS) return r->failed = res;
     t_done = ddp__now();
     if (ddp__fsdp(r) && !r->pass_user_sync) r->stats.local_iterations++;
     else r->stats.iterations++;
@@ -705,6 +710,7 @@ static ddp_result ddp__join_shadow_backward(ddp_reducer *r) {
     size_t off = 0, kept = 0;
     int b, j, keep = ddp__reducer_zero(r) && r->desc.find_unused_parameters, i;
     if ((res = ddp__join_shadow_memory(r)) != DDP_SUCCESS) return res;
+    if (ddp__reducer_zero(r)) ddp__amp_begin(&r->amp, ddp__grad_stats_on(r), r->desc.loss_scale); /* its shards' stats */
     if (keep && (res = ddp__stash_reserve(r, 1, "ddp_reducer_join_step")) != DDP_SUCCESS) return r->failed = res;
     for (b = 0; b < r->L.nbuckets && !res; b++) {
         ddp__bucket *k = &r->L.buckets[b];
@@ -734,6 +740,7 @@ static ddp_result ddp__join_shadow_backward(ddp_reducer *r) {
     if (used_work) r->ops->copy_out(r->g, r->used_global, DDP_U8, r->used_comm, DDP_U8, ddp__reducer_n(r));
     if (keep) ddp__reducer_finish_unused(r, 1); /* a parameter no rank used keeps what it held */
     for (i = 0; !keep && ddp__reducer_zero(r) && !ddp__zero2(r) && i < r->nparams; i++) ddp__zero_give_back(r, i);
+    if (ddp__reducer_zero(r) && (res = ddp__amp_finish(r->g, &r->amp, 1)) != DDP_SUCCESS) return r->failed = res;
     r->stats.shadowed_iterations++;
     ddp__timing_finish(r);
     if ((res = ddp__timing_start(r, 1)) != DDP_SUCCESS) return res;

@@ -1,6 +1,7 @@
-/* [SECTION] reducer-state: the Reducer's state and the calls between its three pieces
-   reducer.c (the model, finalize, bucket layout, timing), reducer_zero.c (ZeRO's slices and pool) and
-   reducer_pass.c (backward, between passes, Join) share these; nothing else in the library does. */
+/* [SECTION] reducer-state: the Reducer's state and the calls between its pieces
+   reducer.c (the model, finalize, bucket layout, timing), reducer_zero.c (ZeRO's slices and pool),
+   reducer_pass.c (backward, between passes, Join) and reducer_amp.c (grad_stats' results) share these;
+   nothing else in the library does. */
 #ifndef DDP__REDUCER_STATE_H
 #define DDP__REDUCER_STATE_H
 /* (each piece includes internal.h first) */
@@ -147,6 +148,8 @@ struct ddp_reducer {
 
     ddp_reducer_statistics stats;
     double t_begin, t_first_start;
+
+    ddp__amp_pass amp;    /* grad_stats / loss_scale: the last synchronised pass's norm and inf count (amp.c) */
 };
 
 static size_t ddp__reducer_n(const ddp_reducer *r) { return (size_t)(unsigned)r->nparams; } /* never negative */
@@ -154,6 +157,7 @@ static int ddp__reducer_is_view(const ddp_reducer *r) { return r->desc.gradient_
 static int ddp__reducer_zero(const ddp_reducer *r) { return r->desc.zero_stage != 0; }
 static int ddp__zero2(const ddp_reducer *r) { return r->desc.zero_stage >= 2; } /* gradients sharded: 2 and 3 */
 static int ddp__fsdp(const ddp_reducer *r) { return r->desc.zero_stage == 3; }  /* parameters sharded too */
+static int ddp__grad_stats_on(const ddp_reducer *r) { return r->desc.grad_stats || r->desc.loss_scale; }
 /* Gradients scaled and reduced in place in the bucket (a view without compression). */
 static int ddp__bucket_in_place(const ddp__bucket *b) { return b->storage != NULL && b->comm == b->storage; }
 static size_t ddp__tensor_bytes(const ddp__rtensor *t) { return t->count * ddp_dtype_size(t->dtype); }

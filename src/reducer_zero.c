@@ -68,7 +68,8 @@ static void *ddp__zero2_land(const ddp_reducer *r, const ddp__bucket *k) {
 
 /* Bucket k's reduce-scatter was waited for (done: successfully): its slice into the owned slice (added
    to it when the pass accumulates: zero_stage 3 after no_sync passes; the converted slice goes through
-   the pool buffer's start, free by now), its buffer back to the pool. */
+   the pool buffer's start, free by now), its buffer back to the pool. grad_stats: the slice is unscaled
+   and counted (its padding past the bucket's end holds the reduce-scatter of zeros: it adds nothing). */
 static void ddp__zero2_finish(ddp_reducer *r, ddp__bucket *k, int done) {
     void *land = ddp__zero2_land(r, k);
     if (done && r->accumulate) {
@@ -81,6 +82,7 @@ static void ddp__zero2_finish(ddp_reducer *r, ddp__bucket *k, int done) {
     } else if (done && land != k->owned) {
         r->ops->copy_out(r->g, k->owned, k->dtype, land, k->comm_dtype, k->per);
     }
+    if (done) ddp__amp_add(&r->amp, k->owned, k->dtype, k->per);
     r->pool_holder[k->slot] = -1;
     k->comm = NULL;
 }
@@ -273,6 +275,7 @@ static void ddp__zero_give_back(ddp_reducer *r, int i) {
     if (!ddp__zero_piece(r, i, &lo, &a, &e)) return;
     r->ops->copy_out(r->g, ddp__zero_grad_at(r, i, a - r->L.param_offset[i]), r->params[i].dtype,
                      (char *)k->owned + (a - lo) * ddp_dtype_size(k->comm_dtype), k->comm_dtype, e - a);
+    ddp__amp_add(&r->amp, ddp__zero_grad_at(r, i, a - r->L.param_offset[i]), r->params[i].dtype, e - a); /* grad_stats */
 }
 
 DDP_API int ddp_reducer_shards(ddp_reducer *r, const ddp_shard **out) {
@@ -424,12 +427,35 @@ static ddp_result ddp__zero2_check_memory(ddp_reducer *r) {
     return DDP_SUCCESS;
 }
 
+/* grad_stats and loss_scale read and write the averaged gradients on the host, in the pass that gives
+   them back: gradients in device memory (backend nccl; a device model staged by the cpu and mpi
+   backends) would need device kernels there, so that combination is refused. */
+static ddp_result ddp__grad_stats_check_memory(ddp_reducer *r) {
+#ifdef DDP_CUDA
+    int i;
+    const char *why = "the reducer computes them on the host; unset grad_stats and loss_scale and run "
+                      "ddp_cuda_non_finite_check_and_unscale (and your own norm) on the device gradients";
+    if (!ddp__grad_stats_on(r)) return DDP_SUCCESS;
+    if (!strcmp(r->ops->family, "nccl"))
+        return ddp__fail(r->g, DDP_ERR_UNSUPPORTED, "ddp_reducer_finalize: grad_stats / loss_scale on backend nccl (device "
+                         "gradients) is not supported: %s", why);
+    for (i = 0; i < r->nparams; i++)
+        if (ddp__cuda_is_device_pointer(r->params[i].grad))
+            return ddp__fail(r->g, DDP_ERR_UNSUPPORTED, "ddp_reducer_finalize: grad_stats / loss_scale with the gradient of "
+                             "\"%s\" in device memory is not supported: %s", r->params[i].name, why);
+#else
+    (void)r;
+#endif
+    return DDP_SUCCESS;
+}
+
 DDP_API ddp_result ddp_reducer_finalize(ddp_reducer *r) {
     ddp_result res;
     int i, n;
     if (!r) return ddp__fail(NULL, DDP_ERR_INVALID_ARGUMENT, "ddp_reducer_finalize: the reducer is NULL");
     if (r->finalized) return ddp__fail(r->g, DDP_ERR_STATE, "ddp_reducer_finalize: already finalized");
     if ((res = ddp__zero2_check_memory(r)) != DDP_SUCCESS) return res; /* local: every rank's model is alike */
+    if ((res = ddp__grad_stats_check_memory(r)) != DDP_SUCCESS) return res;
     /* the check comes first, so that a rank with a wrong model still takes part and every rank learns */
     if ((res = ddp__reducer_verify(r)) != DDP_SUCCESS) return res;
     if (r->nparams == 0)

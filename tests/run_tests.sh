@@ -21,7 +21,7 @@ unset MAKEFLAGS MFLAGS
 # The tier of every test, in this one place (tests/README.md describes each). A test missing here runs
 # only in the full tier, and the runner says so.
 QUICK="
-  test_auth test_checkpoint test_checkpoint_fault test_checkpoint_ranks test_collectives test_dtype
+  test_amp test_auth test_checkpoint test_checkpoint_fault test_checkpoint_ranks test_collectives test_dtype
   test_more_collectives
   test_errors test_hier test_init test_reducer test_reducer_buckets test_reducer_errors test_reducer_join
   test_reducer_zero test_reducer_zero_ckpt test_reducer_fsdp

@@ -13,7 +13,7 @@
    stream is the parent's), and isend/irecv refusing device memory; against serial references computed
    here. The reducer on device parameters and gradients is bit for bit equal to one on host buffers (plain,
    flat, bf16, find_unused; zero_grad; ZeRO-1: 3 optimizer steps on the shards + gather_params), and
-   ZeRO-2 on device parameters is refused by finalize. The copies must go through pinned memory on the
+   ZeRO-2 and grad_stats on device parameters are refused by finalize. The copies must go through pinned memory on the
    group's stream (the harness counts them); a copy refused on one rank fails every rank. SAN=1 (the
    script's): under ASan+UBSan. */
 #define DDP_CUDA
@@ -513,6 +513,15 @@ static void t_reducer_zero(ddp_group *g, int rank) {
     CHECK(ddp_reducer_finalize(red[1]) == DDP_ERR_UNSUPPORTED && strstr(ddp_last_error(g), "zero_stage = 2") &&
               strstr(ddp_last_error(g), "device memory") && strstr(ddp_last_error(g), "\"w\""),
           "ZeRO-2 on device parameters with backend cpu: %s", ddp_last_error(g));
+    ddp_reducer_destroy(red[1]);
+    /* grad_stats (the norm and inf check on the host, in the pass back): refused alike, at every stage */
+    desc.zero_stage = 1;
+    desc.grad_stats = 1;
+    CHECK_OK(ddp_reducer_create(g, &desc, &red[1]), g);
+    for (int i = 0; i < 3; i++) CHECK_OK(ddp_reducer_add_param(red[1], names[i], dm.param[i], dm.grad[i], r_count[i], r_dtype(0, i), NULL), g);
+    CHECK(ddp_reducer_finalize(red[1]) == DDP_ERR_UNSUPPORTED && strstr(ddp_last_error(g), "grad_stats") &&
+              strstr(ddp_last_error(g), "device memory") && strstr(ddp_last_error(g), "\"w\""),
+          "grad_stats on device gradients with backend cpu: %s", ddp_last_error(g));
     ddp_reducer_destroy(red[1]);
     r_free(&hm, 0);
     r_free(&dm, 1);

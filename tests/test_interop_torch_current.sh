@@ -22,7 +22,11 @@
 #     its consolidate_state_dict against zero_stage = 1 and ddp_reducer_consolidate_state within 1e-4, ZeRO-1 +
 #     uneven inputs (ZeroRedundancyOptimizer(AdamW) + Join against the ddp_reducer_join_step loop; 1.02e-05
 #     measured on torch 2.14) within 1e-4, and the bucket layouts of _compute_bucket_assignment_by_size.
-#  5. checkpoint: ddp.h's file read by the safetensors package into torch tensors
+#  5. amp (tests/interop/amp_torch.py, ~6 s): ddp_grad_scaler_update against torch.amp.GradScaler("cpu")
+#     driven with scale/step/update over 2 x 2000 steps of a fixed found_inf pattern (torch's defaults but
+#     growth_interval 7, down into f32 subnormals; 1.5 / 0.7 / 3 from 1000.1, up to FLT_MAX): the same scale
+#     bits and skip decisions; ddp_reducer_clip_coef within one f32 ulp of clip_grad_norm_'s coefficient.
+#  6. checkpoint: ddp.h's file read by the safetensors package into torch tensors
 #     (tests/interop/safetensors_torch.py: names, dtypes, shapes, values, bytes, checksums, metadata) and by
 #     the json+numpy reader (safetensors_check.py) under current numpy; files written by
 #     safetensors.torch.save_file (with and without checksums) loaded by ddp.h, one of them corrupted and
@@ -109,6 +113,10 @@ rm -rf "$W/reducer"
 mkdir -p "$W/reducer"
 step 420 "reducer_torch.py with current torch" \
   in_chroot 420 python3 tests/interop/reducer_torch.py "$W/reducer_peer" "$W/reducer"
+
+echo "== amp: ddp_grad_scaler and ddp_reducer_clip_coef vs torch.amp.GradScaler(\"cpu\") and clip_grad_norm_"
+tl_cc "$W/amp_peer" tests/interop/amp_peer.c
+step 60 "amp_torch.py with current torch" in_chroot 60 python3 tests/interop/amp_torch.py "$W/amp_peer"
 
 echo "== checkpoint: safetensors files between ddp.h and current torch"
 tl_cc "$W/safetensors_helper" tests/interop/safetensors_helper.c -O1

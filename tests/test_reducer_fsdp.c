@@ -32,16 +32,22 @@ typedef struct mode {
     ddp_dtype comm, param;
     double tol;   /* against the serial reference */
     int exact;    /* stage 3 equals stage 2 bit for bit */
+    int stats;    /* grad_stats: the norm equals stage 2's (bits) and the serial one (1e-5) */
+    double scale; /* loss_scale: a ddp_grad_scaler starting here (0: none); the program scales its gradients */
+    int inf_step; /* the step at which the last rank writes an inf into unit 2's gradient (-1: none) */
 } mode;
 
 static const mode MODES[] = {
-    {"prefetch 1", 1, 1, 0, DDP_DTYPE_DEFAULT, DDP_DTYPE_DEFAULT, 1e-6, 1},
-    {"prefetch 0", 0, 1, 0, DDP_DTYPE_DEFAULT, DDP_DTYPE_DEFAULT, 1e-6, 1},
-    {"prefetch 2", 2, 1, 0, DDP_DTYPE_DEFAULT, DDP_DTYPE_DEFAULT, 1e-6, 1},
-    {"no_sync x2", 1, 2, 0, DDP_DTYPE_DEFAULT, DDP_DTYPE_DEFAULT, 1e-6, 0},
-    {"bf16 comm", 1, 1, 0, DDP_BF16, DDP_DTYPE_DEFAULT, 2e-2, 1},
-    {"find_unused", 1, 1, 1, DDP_DTYPE_DEFAULT, DDP_DTYPE_DEFAULT, 1e-6, 1},
-    {"param_dtype bf16", 1, 1, 0, DDP_DTYPE_DEFAULT, DDP_BF16, 1e-6, 1},
+    {"prefetch 1", 1, 1, 0, DDP_DTYPE_DEFAULT, DDP_DTYPE_DEFAULT, 1e-6, 1, 0, 0, -1},
+    {"prefetch 0", 0, 1, 0, DDP_DTYPE_DEFAULT, DDP_DTYPE_DEFAULT, 1e-6, 1, 0, 0, -1},
+    {"prefetch 2", 2, 1, 0, DDP_DTYPE_DEFAULT, DDP_DTYPE_DEFAULT, 1e-6, 1, 0, 0, -1},
+    {"no_sync x2", 1, 2, 0, DDP_DTYPE_DEFAULT, DDP_DTYPE_DEFAULT, 1e-6, 0, 1, 0, -1},
+    {"bf16 comm", 1, 1, 0, DDP_BF16, DDP_DTYPE_DEFAULT, 2e-2, 1, 0, 0, -1},
+    {"find_unused", 1, 1, 1, DDP_DTYPE_DEFAULT, DDP_DTYPE_DEFAULT, 1e-6, 1, 1, 0, -1},
+    {"param_dtype bf16", 1, 1, 0, DDP_DTYPE_DEFAULT, DDP_BF16, 1e-6, 1, 0, 0, -1},
+    {"grad_stats", 1, 1, 0, DDP_DTYPE_DEFAULT, DDP_DTYPE_DEFAULT, 1e-6, 1, 1, 0, -1},
+    {"loss_scale, an inf at step 1", 1, 1, 0, DDP_DTYPE_DEFAULT, DDP_DTYPE_DEFAULT, 1e-6, 1, 1, 1024, 1},
+    {"loss_scale, no_sync x2", 1, 2, 0, DDP_DTYPE_DEFAULT, DDP_DTYPE_DEFAULT, 1e-6, 0, 1, 4096, 2},
 };
 
 /* Rank r skips unit u (find_unused) at step s, micro-step a; never the root. Unit 2 is skipped by every rank
@@ -63,13 +69,14 @@ static float at_use(const mode *m, float x) { return m->param == DDP_BF16 ? tl_r
 
 typedef struct side { /* one reducer and the program's state for it */
     ddp_reducer *r;
+    ddp_grad_scaler scaler;
     float *p[NP], *gr[NP]; /* stage 2: the program's parameters and gradients */
     const ddp_shard *sh;
     int nsh;
     float **m, **v;
 } side;
 
-static ddp_reducer *make(ddp_group *g, const mode *m, int stage, float **p, float **gr) {
+static ddp_reducer *make(ddp_group *g, const mode *m, int stage, float **p, float **gr, ddp_grad_scaler *scaler) {
     ddp_reducer_desc d;
     ddp_reducer *r;
     int i, u = -1, rank = ddp_rank(g);
@@ -79,6 +86,12 @@ static ddp_reducer *make(ddp_group *g, const mode *m, int stage, float **p, floa
     d.comm_dtype = m->comm;
     d.find_unused_parameters = m->unused;
     if (stage == 3) d.prefetch = m->prefetch, d.param_dtype = m->param;
+    d.grad_stats = m->stats;
+    if (m->scale > 0) {
+        ddp_grad_scaler_init(scaler);
+        scaler->scale = m->scale;
+        d.loss_scale = scaler;
+    }
     CHECK_OK(ddp_reducer_create(g, &d, &r), NULL);
     for (i = 0; i < NP; i++) {
         char name[32];
@@ -100,7 +113,7 @@ static ddp_reducer *make(ddp_group *g, const mode *m, int stage, float **p, floa
 static void side_init(side *s, ddp_group *g, const mode *m, int stage) {
     int j;
     memset(s, 0, sizeof *s);
-    s->r = make(g, m, stage, s->p, s->gr);
+    s->r = make(g, m, stage, s->p, s->gr, &s->scaler);
     s->nsh = ddp_reducer_shards(s->r, &s->sh);
     CHECK(s->nsh >= 0, "shards");
     s->m = (float **)calloc((size_t)s->nsh + 1, sizeof *s->m);
@@ -126,7 +139,7 @@ static void adamw_shards(side *s, int t) {
             ref_adamw((float *)s->sh[j].param_data, (const float *)s->sh[j].grad, s->m[j], s->v[j], s->sh[j].count, t);
 }
 
-static int close_enough(double a, double b, double tol) { return fabs(a - b) <= tol * (fabs(b) + 1); }
+static int close_enough(double a, double b, double tol) { return a == b || fabs(a - b) <= tol * (fabs(b) + 1); }
 
 /* Stage 3's parameters of unit u, gathered: equal to stage 2's (at use: bf16-rounded). */
 static void check_gathered(side *s3, side *s2, const mode *m, int u, const char *when) {
@@ -148,9 +161,11 @@ static void check_gathered(side *s3, side *s2, const mode *m, int u, const char 
 typedef struct serial {
     float *p[NP], *m[NP], *v[NP];
     double *acc[NP];
+    int used[NU];
 } serial;
 
-static void serial_step(serial *ref, const mode *m, int world, int step) {
+/* The serial gradients of a step (unscaled), averaged in f64, into ref->acc. */
+static void serial_grads(serial *ref, const mode *m, int world, int step) {
     int i, r, a, u;
     size_t j;
     for (i = 0; i < NP; i++) memset(ref->acc[i], 0, COUNT[i] * sizeof(double));
@@ -166,21 +181,42 @@ static void serial_step(serial *ref, const mode *m, int world, int step) {
                         ref->acc[i][j] += (double)at_use(m, gval) / world;
                     }
             }
-        for (i = 0; i < NP && used; i++) {
+        ref->used[u] = used;
+    }
+}
+
+/* The norm of the step's averaged gradients (the units some rank used). */
+static double serial_norm(serial *ref, const mode *m, int world, int step) {
+    double sum = 0;
+    int i;
+    size_t j;
+    serial_grads(ref, m, world, step);
+    for (i = 0; i < NP; i++)
+        for (j = 0; ref->used[UNIT_OF[i]] && j < COUNT[i]; j++) sum += ref->acc[i][j] * ref->acc[i][j];
+    return sqrt(sum);
+}
+
+/* AdamW (its t-th step) on the whole serial model with the step's averaged gradients. */
+static void serial_step(serial *ref, const mode *m, int world, int step, int t) {
+    int i, u;
+    size_t j;
+    serial_grads(ref, m, world, step);
+    for (u = 0; u < NU; u++)
+        for (i = 0; i < NP && ref->used[u]; i++) {
             float *gf;
             if (UNIT_OF[i] != u) continue;
             gf = (float *)malloc(COUNT[i] * sizeof(float));
             for (j = 0; j < COUNT[i]; j++) gf[j] = (float)ref->acc[i][j];
-            ref_adamw(ref->p[i], gf, ref->m[i], ref->v[i], COUNT[i], step + 1);
+            ref_adamw(ref->p[i], gf, ref->m[i], ref->v[i], COUNT[i], t);
             free(gf);
         }
-    }
 }
 
 /* g2: stage 2's own group (the same ranks): with find_unused the two reducers' collectives interleave
    differently on different ranks (a skipped unit's reduce-scatter moves to end_backward at stage 2). */
 static void train(ddp_group *g, ddp_group *g2, const mode *m) {
-    int rank = ddp_rank(g), world = ddp_world_size(g), step, a, u, i, j;
+    int rank = ddp_rank(g), world = ddp_world_size(g), step, a, u, i, j, t = 0;
+    float S; /* the loss scale the program multiplies its gradients by (scaler.scale(loss)) */
     side s2, s3;
     serial ref;
     ddp_reducer_statistics st;
@@ -199,6 +235,7 @@ static void train(ddp_group *g, ddp_group *g2, const mode *m) {
         for (e = 0; e < COUNT[i]; e++) ref.p[i][e] = initial(i, e);
     }
     for (step = 0; step < STEPS; step++) {
+        S = m->scale > 0 ? (float)s3.scaler.scale : 1.0f;
         for (a = 0; a < m->accum; a++) {
             int sync = a == m->accum - 1;
             CHECK_OK(ddp_reducer_set_sync(s2.r, sync), NULL);
@@ -231,12 +268,14 @@ static void train(ddp_group *g, ddp_group *g2, const mode *m) {
                     CHECK(g3 && w3, "%s: unit %d: grad %p, param %p", m->name, u, (void *)g3, w3);
                     for (e = 0; e < COUNT[i]; e++) {
                         float w = m->param == DDP_BF16 ? tl_decode_bf16(((const uint16_t *)w3)[e]) : ((const float *)w3)[e];
-                        float gval = at_use(m, grad_of(w, rank, step, a, i, e));
+                        float gval = at_use(m, grad_of(w, rank, step, a, i, e)) * S;
                         if (m->param == DDP_BF16) tl_store_value(g3, e, DDP_BF16, tl_load_value(g3, e, DDP_BF16) + gval);
                         else g3[e] += gval;
                         /* stage 2's program: the same gradient from its own weights, accumulated under no_sync */
-                        s2.gr[i][e] += at_use(m, grad_of(at_use(m, s2.p[i][e]), rank, step, a, i, e));
+                        s2.gr[i][e] += at_use(m, grad_of(at_use(m, s2.p[i][e]), rank, step, a, i, e)) * S;
                     }
+                    if (step == m->inf_step && rank == world - 1 && u == 2 && a == 0) /* one rank overflows */
+                        g3[0] = s2.gr[i][0] = INFINITY;
                     CHECK_OK(ddp_reducer_grad_ready(s2.r, i), NULL);
                 }
                 CHECK_OK(ddp_fsdp_grads_ready(s3.r, u), NULL);
@@ -252,9 +291,39 @@ static void train(ddp_group *g, ddp_group *g2, const mode *m) {
                 CHECK(m->exact ? a3 == a2 : close_enough(a3, a2, 1e-6), "%s, step %d: shard %d gradient [%zu]: stage 3 "
                       "%.9g, stage 2 %.9g", m->name, step, j, e, a3, a2);
             }
-        adamw_shards(&s2, step + 1);
-        adamw_shards(&s3, step + 1);
-        serial_step(&ref, m, world, step);
+        if (m->stats) { /* the norm and found_inf: the same on every rank, stage 3's = stage 2's */
+            double n2, n3, both[2];
+            int inf3 = ddp_reducer_found_inf(s3.r);
+            CHECK_OK(ddp_reducer_grad_norm(s2.r, &n2), NULL);
+            CHECK_OK(ddp_reducer_grad_norm(s3.r, &n3), NULL);
+            CHECK(inf3 == (step == m->inf_step) && ddp_reducer_found_inf(s2.r) == inf3, "%s, step %d: found_inf %d (stage 2: "
+                  "%d)", m->name, step, inf3, ddp_reducer_found_inf(s2.r));
+            CHECK(m->exact ? n3 == n2 || (n3 != n3 && n2 != n2) : close_enough(n3, n2, 1e-6), "%s, step %d: norm %.17g, "
+                  "stage 2 %.17g", m->name, step, n3, n2);
+            both[0] = n3, both[1] = -n3;
+            if (!inf3) {
+                CHECK_OK(ddp_all_reduce(g, both, 2, DDP_F64, DDP_MAX), NULL);
+                CHECK(both[0] == n3 && -both[1] == n3, "%s: the norm differs between ranks", m->name);
+                CHECK(close_enough(n3, serial_norm(&ref, m, world, step), 1e-5), "%s, step %d: norm %.9g, serial %.9g", m->name,
+                      step, n3, serial_norm(&ref, m, world, step));
+            }
+        }
+        if (m->scale > 0) { /* GradScaler.step + update: every rank skips the step with the inf */
+            int take = ddp_grad_scaler_update(&s3.scaler, ddp_reducer_found_inf(s3.r));
+            CHECK(take == ddp_grad_scaler_update(&s2.scaler, ddp_reducer_found_inf(s2.r)), "%s: scalers differ", m->name);
+            CHECK(take == (step != m->inf_step) && s3.scaler.scale == (step >= m->inf_step ? m->scale / 2 : m->scale),
+                  "%s, step %d: step %d, scale %g", m->name, step, take, s3.scaler.scale);
+            if (!take) {
+                CHECK_OK(ddp_reducer_gather_params(s2.r), NULL);
+                CHECK_OK(ddp_reducer_zero_grad(s2.r), NULL);
+                CHECK_OK(ddp_reducer_zero_grad(s3.r), NULL);
+                continue;
+            }
+        }
+        t++;
+        adamw_shards(&s2, t);
+        adamw_shards(&s3, t);
+        serial_step(&ref, m, world, step, t);
         for (j = 0; j < s3.nsh; j++)
             for (e = 0; e < s3.sh[j].count; e++) {
                 float a3 = ((const float *)s3.sh[j].param_data)[e], a2 = ((const float *)s2.sh[j].param_data)[e];
@@ -312,7 +381,7 @@ static void memory(ddp_group *g, int prefetch, ddp_dtype param) {
         if (u) grad_largest = count[u] > grad_largest ? count[u] : grad_largest;
         pool = per[u] * world * 4 > pool ? per[u] * world * 4 : pool; /* stage 2's comm pool: f32 */
     }
-    r = make(g, &m, 3, p, gr);
+    r = make(g, &m, 3, p, gr, NULL);
     CHECK_OK(ddp_reducer_get_statistics(r, &st), NULL);
     want = masters + (uint64_t)(1 + prefetch) * largest * ps + per[0] * world * ps;
     CHECK(st.param_bytes_peak == want, "param_bytes_peak %llu, formula %llu (prefetch %d, %s)",
@@ -372,7 +441,7 @@ static int errors_main(int rank, int n, void *arg) {
     d.uneven_inputs = 0, d.zero_stage = 2, d.prefetch = 1;
     expect(g, ddp_reducer_create(g, &d, &bad), DDP_ERR_INVALID_ARGUMENT, "zero_stage 3's", "prefetch at stage 2");
 
-    r = make(g, &m, 3, p, gr);
+    r = make(g, &m, 3, p, gr, NULL);
     expect(g, ddp_reducer_gather_params(r), DDP_ERR_STATE, "ddp_fsdp_gather", "gather_params at stage 3");
     CHECK_OK(ddp_reducer_begin_backward(r), NULL);
     expect(g, ddp_reducer_grad_ready(r, 1), DDP_ERR_STATE, "ddp_fsdp_grads_ready", "grad_ready at stage 3");
