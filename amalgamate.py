@@ -79,6 +79,7 @@ IMPLEMENTATION = [
     "src/safetensors.c",    # [SECTION] safetensors: the file format, CRC32C, UTF-8, header parser and writer, ddp_meta
     "src/checkpoint.c",     # [SECTION] checkpoint: atomic save, load everywhere or broadcast, shards, keep_last, async
     "src/reshard.c",        # [SECTION] reshard: slices of global tensors, saved by N ranks and loaded by M
+    "src/fsdp_checkpoint.c", # [SECTION] fsdp-checkpoint: a zero_stage 3 model saved whole, unit by unit
 ]
 
 LOCAL_INCLUDE = re.compile(r'^\s*#\s*include\s+"([^"]+)"\s*$')

@@ -206,6 +206,8 @@
                src/checkpoint.c
    [SECTION] reshard: slices of global tensors, saved by N ranks and loaded by M (checkpoint.h)
                src/reshard.c
+   [SECTION] fsdp-checkpoint: the full model of a zero_stage 3 reducer in one safetensors file, unit by unit
+               src/fsdp_checkpoint.c
 */
 
 #ifndef DDP_H_INCLUDED
@@ -1319,6 +1321,9 @@ DDP_API ddp_result ddp_fsdp_release(ddp_reducer *r, int unit);
 /* ddp_fsdp_grad: where parameter index's gradient goes in this backward pass (zeroed at its unit's first
    call in the pass); NULL outside a pass, for a bad index, or when out of memory (ddp_last_error says). */
 DDP_API void *ddp_fsdp_grad(ddp_reducer *r, int index);
+/* ddp_reducer_param_shape: parameter param's shape (ndim 1 .. 8 dimensions whose product is its count; 0:
+   none), for ddp_fsdp_save_full, which otherwise writes 1-D tensors. Before finalize; any zero_stage. */
+DDP_API ddp_result ddp_reducer_param_shape(ddp_reducer *r, int param, int ndim, const int64_t *shape);
 /* ddp_fsdp_grads_ready: every gradient of unit is written: scaled, reduce-scattered (asynchronously, in
    bucket order) into this rank's slices. Once per unit and pass; DDP_ERR_STATE outside a pass or twice. */
 DDP_API ddp_result ddp_fsdp_grads_ready(ddp_reducer *r, int unit);
@@ -2033,6 +2038,28 @@ typedef struct ddp_slice {
 DDP_API ddp_result ddp_checkpoint_save_slices(ddp_group *g, const char *path, const ddp_slice *s, int n, const ddp_meta *meta,
                                               const ddp_checkpoint_save_desc *desc);
 DDP_API ddp_result ddp_checkpoint_load_slices(ddp_group *g, const char *path, ddp_slice *s, int n, ddp_meta *meta);
+
+/* ---- FSDP checkpoints (zero_stage 3; reducer.h "FSDP") -----------------------------------------------
+   Sharded (torch's SHARDED_STATE_DICT): each rank saves its master shards (and optimizer state) as slices,
+   one ddp_slice per ddp_reducer_shards entry and state: {"h3.qkvw", t, global_count = the parameter's
+   count, offset = shard.offset, count = shard.count, data = shard.param_data (or the state's piece)};
+   ddp_checkpoint_save_slices / ddp_checkpoint_load_slices with the loading reducer's shards reload on
+   any world size, communication-free.
+   Whole (torch's FULL_STATE_DICT, rank0_only): ddp_fsdp_save_full(r, path, root, meta) writes one
+   ordinary safetensors file of the whole model on rank root, streaming it unit by unit: root lays out
+   the file from the registered names, dtypes and shapes (ddp_reducer_param_shape; else 1-D tensors of
+   the registered counts), then gathers each unit's master shards and writes its parameters, so root
+   holds one unit (the largest gathered master: world * per elements) besides its own state, never the
+   model. The values are the master shards' (the registered dtype, never param_dtype copies). torch reads
+   the file with safetensors.torch.load_file; written atomically, checksummed per tensor, as
+   ddp_checkpoint_save's. Collective over the reducer's group; between passes; an error on any rank is
+   every rank's (DDP_ERR_STATE: not zero_stage 3, during a backward pass; DDP_ERR_INVALID_ARGUMENT: bad
+   root; DDP_ERR_IO; a gather's error).
+   Loading a whole file into stage 3: ddp_checkpoint_load_slices also takes an ordinary safetensors file
+   (ddp_checkpoint_save's, torch's, ddp_fsdp_save_full's): each slice is read from the tensor of its name
+   (flattened; global_count must be its element count), and a rank reads only its slices' bytes. A slice
+   that is a whole tensor is checked against the tensor's checksum; a part of one cannot be. */
+DDP_API ddp_result ddp_fsdp_save_full(ddp_reducer *r, const char *path, int root, const ddp_meta *meta);
 
 /* ddp_checkpoint_latest: find the newest checkpoint of a family, to resume from. pattern is a path
    whose file name holds one '*' standing for a run of 1 to 18 digits ("ckpt/model_*.safetensors"); the
@@ -3517,7 +3544,7 @@ static DDP__UNUSED int ddp__ck_tensor_bytes(const ddp_tensor *t, uint64_t *bytes
 static DDP__UNUSED int ddp__ck_reserved(const char *key); /* a key of the library's (ddp.crc32c.*, ddp.shard.*) */
 /* The JSON header of t[0..n) with metadata user and extra, into b; on error err (DDP__ERR_MAX bytes). */
 static DDP__UNUSED ddp_result ddp__ck_build_header(const char *path, const ddp_tensor *t, int n, const ddp_meta *user,
-                                                   const ddp_meta *extra, ddp__ck_buf *b, char *err);
+                                                   const ddp_meta *extra, const uint32_t *crcs, ddp__ck_buf *b, char *err);
 
 /* ---- checkpoint.c: the pieces reshard.c reads shards with ---- */
 /* What a shard must say about itself (load_shard); NULL for plain files. */
@@ -3528,6 +3555,9 @@ typedef struct ddp__ck_shard_expect {
 /* Open path and parse its header (h, its raw bytes in *raw, the JSON length *hlen); the caller closes
    *fd and frees h and *raw. */
 static DDP__UNUSED ddp_result ddp__ck_open(ddp_group *g, const char *path, int *fd, char **raw, uint64_t *hlen, ddp__ck_header *h);
+/* Read n bytes at file offset off into data (crc, may be NULL: a running CRC32C register, updated). */
+static DDP__UNUSED ddp_result ddp__ck_read_at(ddp_group *g, int fd, void *data, uint64_t n, uint64_t off, const char *path,
+                                              uint32_t *crc);
 /* Read entry e's data (the data section starts at data_start) into dst and verify its checksum. */
 static DDP__UNUSED ddp_result ddp__ck_read_tensor(ddp_group *g, const char *path, int fd, uint64_t data_start,
                                                   const ddp__ck_header *h, const ddp__ck_entry *e, void *dst);
@@ -3538,10 +3568,30 @@ static DDP__UNUSED ddp_result ddp__ck_copy_meta(ddp_group *g, const ddp__ck_head
 static DDP__UNUSED ddp_result ddp__ck_read_marker(ddp_group *g, const char *path, int64_t *world, uint64_t *id);
 static DDP__UNUSED char *ddp__ck_shard_path(const char *path, int rank); /* "<path>.rank<r>"; NULL out of memory */
 static DDP__UNUSED void ddp__ck_async_settle(ddp_group *g); /* wait for an async save in flight */
+/* A safetensors file written tensor by tensor, at the places its header gives (checkpoint.c). */
+typedef struct ddp__ck_out {
+    const char *path;
+    char *tmp;
+    int fd, n;
+    const ddp_tensor *t;
+    const ddp_meta *meta;
+    uint32_t *crc;      /* per tensor, once written */
+    uint64_t *at;       /* n + 1: where each tensor's data starts in the data section */
+    uint64_t data_start;
+} ddp__ck_out;
+static DDP__UNUSED ddp_result ddp__ck_out_open(ddp_group *g, const char *path, const ddp_tensor *t, int n,
+                                                  const ddp_meta *meta, ddp__ck_out *s);
+static DDP__UNUSED ddp_result ddp__ck_out_write(ddp_group *g, ddp__ck_out *s, int i, const void *data);
+static DDP__UNUSED ddp_result ddp__ck_out_close(ddp_group *g, ddp__ck_out *s, ddp_result ok);
 
 /* ---- reducer.c: what zero_state.c reads of a reducer ---- */
 static DDP__UNUSED ddp_result ddp__reducer_zero_model(ddp_reducer *r, const char *fn, ddp_group **g, int *nparams);
 static DDP__UNUSED size_t ddp__reducer_param_count(const ddp_reducer *r, int i);
+/* ---- reducer_fsdp.c: the FSDP model, for fsdp_checkpoint.c ---- */
+static DDP__UNUSED ddp_result ddp__fsdp_model(ddp_reducer *r, const char *fn, ddp_group **g, int *nunits, int *nparams);
+static DDP__UNUSED void ddp__fsdp_param_tensor(const ddp_reducer *r, int i, ddp_tensor *t, int *unit, size_t *at);
+static DDP__UNUSED size_t ddp__fsdp_master_bytes(const ddp_reducer *r);
+static DDP__UNUSED ddp_result ddp__fsdp_gather_master(ddp_reducer *r, int u, void *buf, int root);
 
 /* ---- dtype.c: conversions between the floating dtypes ---- */
 static DDP__UNUSED void ddp__host_convert_scaled(void *dst, ddp_dtype dst_t, const void *src, ddp_dtype src_t, size_t count,
@@ -17779,6 +17829,8 @@ typedef struct ddp__rtensor { /* a registered parameter or buffer */
     size_t count;
     ddp_dtype dtype;
     int unit;    /* parameters: the FSDP unit it belongs to (ddp_fsdp_unit), -1 for none */
+    int ndim;    /* parameters: the shape ddp_reducer_param_shape gave (0: none; saved as 1-D) */
+    int64_t shape[8];
 } ddp__rtensor;
 
 /* An FSDP unit (reducer_fsdp.c): parameters registered together, one bucket, gathered as one. */
@@ -18080,6 +18132,7 @@ static ddp_result ddp__reducer_append(ddp_reducer *r, ddp__rtensor **arr, int *n
     e->count = count;
     e->dtype = t;
     e->unit = -1;
+    e->ndim = 0;
     (*n)++;
     return DDP_SUCCESS;
 }
@@ -18635,6 +18688,26 @@ DDP_API int ddp_fsdp_unit(ddp_reducer *r, const char *name, int flags) {
     return r->nunits++;
 }
 
+DDP_API ddp_result ddp_reducer_param_shape(ddp_reducer *r, int param, int ndim, const int64_t *shape) {
+    int64_t numel = 1;
+    int d;
+    if (!r) return ddp__fail(NULL, DDP_ERR_INVALID_ARGUMENT, "ddp_reducer_param_shape: the reducer is NULL");
+    if (r->finalized) return ddp__fail(r->g, DDP_ERR_STATE, "ddp_reducer_param_shape: call it before ddp_reducer_finalize");
+    if (param < 0 || param >= r->nparams)
+        return ddp__fail(r->g, DDP_ERR_INVALID_ARGUMENT, "ddp_reducer_param_shape: %d is not a parameter (0 .. %d)", param,
+                         r->nparams - 1);
+    if (ndim < 0 || ndim > 8 || (ndim && !shape))
+        return ddp__fail(r->g, DDP_ERR_INVALID_ARGUMENT, "ddp_reducer_param_shape(\"%s\"): ndim %d is not 0 .. 8 (with a "
+                         "shape)", r->params[param].name, ndim);
+    for (d = 0; d < ndim; d++) numel = shape[d] >= 0 && numel <= INT64_MAX / (shape[d] ? shape[d] : 1) ? numel * shape[d] : -1;
+    if (ndim && numel != (int64_t)r->params[param].count)
+        return ddp__fail(r->g, DDP_ERR_INVALID_ARGUMENT, "ddp_reducer_param_shape(\"%s\"): the shape holds %lld elements, the "
+                         "parameter %zu", r->params[param].name, (long long)numel, r->params[param].count);
+    r->params[param].ndim = ndim;
+    for (d = 0; d < ndim; d++) r->params[param].shape[d] = shape[d];
+    return DDP_SUCCESS;
+}
+
 /* ---- at finalize ---- */
 
 /* Stage 3's memory besides the buckets' (reducer.c gives each its master shard and slice): the gather
@@ -18870,6 +18943,53 @@ DDP_API void *ddp_fsdp_grad(ddp_reducer *r, int index) {
     }
     if (!ddp__fsdp_grad_take(r, u)) return NULL;
     return (char *)u->grad + r->L.param_offset[index] * ddp_dtype_size(ddp__fsdp_dtype(r, &r->L.buckets[u->bucket]));
+}
+
+/* ---- for fsdp_checkpoint.c ---- */
+
+/* A zero_stage 3 reducer between passes (fn names the caller): its group, units and parameters. */
+static ddp_result ddp__fsdp_model(ddp_reducer *r, const char *fn, ddp_group **g, int *nunits, int *nparams) {
+    ddp_result res = ddp__reducer_usable(r, fn);
+    if (res) return res;
+    if (!ddp__fsdp(r))
+        return ddp__fail(r->g, DDP_ERR_STATE, "%s: the reducer was created with zero_stage = %d; at stages 0-2 every rank "
+                         "holds the whole model: save it with ddp_checkpoint_save", fn, r->desc.zero_stage);
+    if (r->in_backward) return ddp__fail(r->g, DDP_ERR_STATE, "%s: called during a backward pass; call it between steps", fn);
+    *g = r->g, *nunits = r->nunits, *nparams = r->nparams;
+    return DDP_SUCCESS;
+}
+
+/* Parameter i as a tensor of the full model (name, registered dtype, its shape or 1-D; data NULL), its
+   unit, and where it sits in that unit's gathered master (elements). */
+static void ddp__fsdp_param_tensor(const ddp_reducer *r, int i, ddp_tensor *t, int *unit, size_t *at) {
+    const ddp__rtensor *p = &r->params[i];
+    int d;
+    memset(t, 0, sizeof *t);
+    t->name = p->name, t->dtype = p->dtype;
+    t->ndim = p->ndim ? p->ndim : 1;
+    t->shape[0] = (int64_t)p->count;
+    for (d = 0; d < p->ndim; d++) t->shape[d] = p->shape[d];
+    *unit = p->unit;
+    *at = r->L.param_offset[i];
+}
+
+/* Bytes of the largest unit's gathered master (world * per elements, registered dtype). */
+static size_t ddp__fsdp_master_bytes(const ddp_reducer *r) {
+    size_t most = 0, world = (size_t)ddp_world_size(r->g);
+    int b;
+    for (b = 0; b < r->L.nbuckets; b++)
+        most = DDP__MAX(most, r->L.buckets[b].per * world * ddp_dtype_size(r->L.buckets[b].dtype));
+    return most;
+}
+
+/* Collective: unit u's master shards, every rank's, into buf on root (the unit in its bucket layout). */
+static ddp_result ddp__fsdp_gather_master(ddp_reducer *r, int u, void *buf, int root) {
+    const ddp__bucket *k = &r->L.buckets[r->units[u].bucket];
+    ddp_result res;
+    r->g->purpose = DDP__PURPOSE(DDP__PHASE_GATHER, u);
+    res = ddp_gather(r->g, k->master, buf, k->per, k->dtype, root);
+    r->g->purpose = 0;
+    return res;
 }
 
 /* destroy: the memory of the units and the pools (every gather was waited for by reshard_all). */
@@ -22797,11 +22917,12 @@ static int ddp__ck_reserved(const char *key) {
            strncmp(key, DDP__CK_SHARD_PREFIX, strlen(DDP__CK_SHARD_PREFIX)) == 0;
 }
 
-/* The JSON header: user metadata, the library's keys (extra), a checksum per tensor, then the tensor
+/* The JSON header: user metadata, the library's keys (extra), a checksum per tensor (crcs[i], or
+   computed from t[i].data when crcs is NULL; its length is the same whatever the value), then the tensor
    entries in t[] order with their data back to back; padded with spaces to a multiple of 8. path is for
    messages; on error err (DDP__ERR_MAX bytes) says what is wrong. */
 static ddp_result ddp__ck_build_header(const char *path, const ddp_tensor *t, int n, const ddp_meta *user, const ddp_meta *extra,
-                                       ddp__ck_buf *b, char *err) {
+                                       const uint32_t *crcs, ddp__ck_buf *b, char *err) {
     uint64_t at = 0;
     int i, first = 1;
     char num[64];
@@ -22817,7 +22938,7 @@ static ddp_result ddp__ck_build_header(const char *path, const ddp_tensor *t, in
         char *key = ddp__ck_cat(DDP__CK_CRC_PREFIX, t[i].name);
         if (!key) return ddp__fail_to(err, DDP_ERR_OUT_OF_MEMORY, "checkpoint save of %s: out of memory building the header", path);
         ddp__ck_tensor_bytes(&t[i], &bytes);
-        snprintf(num, sizeof num, "%08x", (unsigned)ddp__ck_crc32c(t[i].data, (size_t)bytes, 1));
+        snprintf(num, sizeof num, "%08x", (unsigned)(crcs ? crcs[i] : ddp__ck_crc32c(t[i].data, (size_t)bytes, 1)));
         ddp__ck_put_kv(b, &first, key, num);
         ddp__free(key);
     }
@@ -23190,11 +23311,99 @@ static ddp_result ddp__ck_write_file(ddp_group *g, const char *path, const ddp_t
     if ((r = ddp__ck_check_tensors(g, "checkpoint save", t, n)) != DDP_SUCCESS) return r;
     if ((r = ddp__ck_check_meta(g, path, meta)) != DDP_SUCCESS) return r;
     r = staged ? DDP_SUCCESS : ddp__ck_host_view(g, path, t, n, &t, &made, &stage); /* device tensors: a pinned host copy */
-    if (r == DDP_SUCCESS && (r = ddp__ck_build_header(path, t, n, meta, extra, &hdr, err)) != DDP_SUCCESS) ddp__fail(g, r, "%s", err);
+    if (r == DDP_SUCCESS && (r = ddp__ck_build_header(path, t, n, meta, extra, NULL, &hdr, err)) != DDP_SUCCESS) ddp__fail(g, r, "%s", err);
     if (r == DDP_SUCCESS) r = ddp__ck_atomic_write(g, path, &hdr, t, n);
     ddp__free(made);
     ddp__ck_stage_free(stage);
     ddp__free(hdr.p);
+    return r;
+}
+
+/* ---- a file written tensor by tensor (ddp_fsdp_save_full: root never holds the model) ----
+   The header is laid out first from the tensors' names, dtypes and shapes, with placeholder checksums of
+   the same length, so every tensor's place is known; each tensor is written at its place when it comes
+   (its checksum taken as it goes); then the header is written again with the checksums, the file synced
+   and renamed over path. The file appears whole or not at all, as ddp_checkpoint_save's. */
+static ddp_result ddp__ck_out_header(ddp_group *g, ddp__ck_out *s, int final) {
+    ddp__ck_buf hdr;
+    unsigned char prefix[8];
+    char err[DDP__ERR_MAX];
+    ddp_result r;
+    int i;
+    memset(&hdr, 0, sizeof hdr);
+    if ((r = ddp__ck_build_header(s->path, s->t, s->n, s->meta, NULL, s->crc, &hdr, err)) != DDP_SUCCESS) {
+        ddp__free(hdr.p);
+        return ddp__fail(g, r, "%s", err);
+    }
+    if (final && 8 + hdr.len != s->data_start) /* the same lengths: cannot differ */
+        r = ddp__fail(g, DDP_ERR_STATE, "checkpoint save of %s: the header changed length", s->path);
+    s->data_start = 8 + hdr.len;
+    for (i = 0; i < 8; i++) prefix[i] = (unsigned char)((uint64_t)hdr.len >> (8 * i));
+    if (r == DDP_SUCCESS && pwrite(s->fd, prefix, 8, 0) != 8) r = ddp__fail(g, DDP_ERR_IO, "checkpoint save: writing %s failed: %s", s->tmp, strerror(errno));
+    if (r == DDP_SUCCESS && pwrite(s->fd, hdr.p, hdr.len, 8) != (ssize_t)hdr.len)
+        r = ddp__fail(g, DDP_ERR_IO, "checkpoint save: writing %s failed: %s", s->tmp, strerror(errno));
+    ddp__free(hdr.p);
+    return r;
+}
+
+/* Start writing path (through path.tmp): t[i] name the tensors, in file order (their data is not read). */
+static ddp_result ddp__ck_out_open(ddp_group *g, const char *path, const ddp_tensor *t, int n, const ddp_meta *meta,
+                                      ddp__ck_out *s) {
+    ddp_result r;
+    int i;
+    memset(s, 0, sizeof *s);
+    s->fd = -1;
+    if (!ddp__ck_little_endian()) return ddp__fail(g, DDP_ERR_UNSUPPORTED, "checkpoint: safetensors is little-endian and this host is not");
+    if (!path || !*path) return ddp__fail(g, DDP_ERR_INVALID_ARGUMENT, "checkpoint save: path is NULL or empty");
+    if ((r = ddp__ck_check_meta(g, path, meta)) != DDP_SUCCESS) return r;
+    s->path = path, s->t = t, s->n = n, s->meta = meta;
+    s->crc = (uint32_t *)ddp__calloc((size_t)n + 1, sizeof *s->crc);
+    s->at = (uint64_t *)ddp__calloc((size_t)n + 1, sizeof *s->at);
+    s->tmp = ddp__ck_cat(path, ".tmp");
+    if (!s->crc || !s->at || !s->tmp) return ddp__fail(g, DDP_ERR_OUT_OF_MEMORY, "checkpoint save of %s: out of memory", path);
+    for (i = 1; i <= n; i++) {
+        uint64_t bytes;
+        ddp__ck_tensor_bytes(&t[i - 1], &bytes);
+        s->at[i] = s->at[i - 1] + bytes;
+    }
+    if ((s->fd = open(s->tmp, O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0666)) < 0)
+        return ddp__fail(g, DDP_ERR_IO, "checkpoint save: cannot create %s: %s (does the directory exist and is it writable?)",
+                         s->tmp, strerror(errno));
+    return ddp__ck_out_header(g, s, 0);
+}
+
+/* Tensor i's data (all of it). */
+static ddp_result ddp__ck_out_write(ddp_group *g, ddp__ck_out *s, int i, const void *data) {
+    uint64_t bytes = s->at[i + 1] - s->at[i], off = s->data_start + s->at[i];
+    const char *p = (const char *)data;
+    s->crc[i] = ddp__ck_crc32c(data, (size_t)bytes, 1);
+    while (bytes > 0) {
+        ssize_t w = pwrite(s->fd, p, (size_t)DDP__MIN(bytes, (uint64_t)1 << 30), (off_t)off);
+        if (w < 0 && errno == EINTR) continue;
+        if (w <= 0) return ddp__fail(g, DDP_ERR_IO, "checkpoint save: writing %s failed: %s", s->tmp, strerror(errno));
+        p += w, off += (uint64_t)w, bytes -= (uint64_t)w;
+    }
+    return DDP_SUCCESS;
+}
+
+/* Finish (ok: every tensor was written): the header with the checksums, fsync, rename; else the
+   temporary file goes. Frees s. Returns ok's result, or the first error. */
+static ddp_result ddp__ck_out_close(ddp_group *g, ddp__ck_out *s, ddp_result ok) {
+    ddp_result r = ok;
+    if (s->fd >= 0) {
+        if (r == DDP_SUCCESS) r = ddp__ck_out_header(g, s, 1);
+        if (r == DDP_SUCCESS && fsync(s->fd) != 0) r = ddp__fail(g, DDP_ERR_IO, "checkpoint save: fsync of %s failed: %s", s->tmp, strerror(errno));
+        if (close(s->fd) != 0 && r == DDP_SUCCESS) r = ddp__fail(g, DDP_ERR_IO, "checkpoint save: closing %s failed: %s", s->tmp, strerror(errno));
+        if (r == DDP_SUCCESS && rename(s->tmp, s->path) != 0)
+            r = ddp__fail(g, DDP_ERR_IO, "checkpoint save: renaming %s to %s failed: %s", s->tmp, s->path, strerror(errno));
+        if (r != DDP_SUCCESS) unlink(s->tmp);
+        else r = ddp__ck_sync_dir(g, s->path);
+    }
+    ddp__free(s->tmp);
+    ddp__free(s->crc);
+    ddp__free(s->at);
+    memset(s, 0, sizeof *s);
+    s->fd = -1;
     return r;
 }
 
@@ -24665,12 +24874,67 @@ static ddp_result ddp__slices_from_shard(ddp_group *g, const char *path, int k, 
     return r;
 }
 
+/* Is path an ordinary safetensors file (tensors, no shard keys: ddp_checkpoint_save's, torch's, or
+   ddp_fsdp_save_full's) rather than a shard save's completion marker? 0 when it cannot be read: the
+   marker's reader then says why. */
+static int ddp__slices_whole_file(const char *path) {
+    ddp__ck_header h;
+    char *raw = NULL;
+    uint64_t hlen;
+    int fd, whole;
+    if (!path || access(path, F_OK) != 0 || ddp__ck_open(NULL, path, &fd, &raw, &hlen, &h) != DDP_SUCCESS) return 0;
+    close(fd);
+    whole = h.n > 0 && !ddp__ck_header_meta(&h, DDP__CK_SHARD_PREFIX "world_size");
+    ddp__ck_header_free(&h);
+    ddp__free(raw);
+    return whole;
+}
+
+/* The requests from an ordinary file: each is a range of the tensor of its name (flattened), read alone,
+   so a rank reads only its slices' bytes. A request that covers its whole tensor is checked against the
+   tensor's checksum; a part of one cannot be (the checksum covers the whole). */
+static ddp_result ddp__slices_from_whole(ddp_group *g, const char *path, ddp_slice *s, int n, ddp__slice_gots *got,
+                                         ddp_meta *meta) {
+    ddp__ck_header h;
+    char *raw = NULL;
+    uint64_t hlen = 0;
+    int fd = -1, i, d;
+    ddp_result r = ddp__ck_open(g, path, &fd, &raw, &hlen, &h);
+    if (r) return r;
+    if (meta) r = ddp__ck_copy_meta(g, &h, meta);
+    for (i = 0; r == DDP_SUCCESS && i < n; i++) {
+        const ddp__ck_entry *e = ddp__ck_lookup(&h, s[i].name);
+        size_t es = ddp_dtype_size(s[i].dtype);
+        uint64_t numel = 1;
+        if (!s[i].count) continue;
+        if (!e) {
+            r = ddp__fail(g, DDP_ERR_MISMATCH, "checkpoint slice load: %s has no tensor \"%.64s\"", path, s[i].name);
+            break;
+        }
+        for (d = 0; d < e->ndim; d++) numel *= (uint64_t)e->shape[d];
+        if (ddp__ck_dtypes[e->st].dtype != s[i].dtype || numel != s[i].global_count) {
+            r = ddp__fail(g, DDP_ERR_MISMATCH, "checkpoint slice load: \"%.64s\" is %llu x %s in %s but %zu x %s in the request "
+                          "(global_count, dtype)", s[i].name, (unsigned long long)numel, ddp__ck_dtypes[e->st].name, path,
+                          s[i].global_count, ddp__ck_st_name(s[i].dtype));
+            break;
+        }
+        if (s[i].offset == 0 && s[i].count == numel) r = ddp__ck_read_tensor(g, path, fd, 8 + hlen, &h, e, s[i].data);
+        else r = ddp__ck_read_at(g, fd, s[i].data, (uint64_t)s[i].count * es, 8 + hlen + e->begin + s[i].offset * es, path, NULL);
+        if (r == DDP_SUCCESS && !ddp__slice_note(got, i, 0, s[i].offset, (uint64_t)(s[i].offset + s[i].count)))
+            r = ddp__fail(g, DDP_ERR_OUT_OF_MEMORY, "checkpoint %s: out of memory", path);
+    }
+    ddp__ck_header_free(&h);
+    ddp__free(raw);
+    close(fd);
+    return r;
+}
+
 DDP_API ddp_result ddp_checkpoint_load_slices(ddp_group *g, const char *path, ddp_slice *s, int n, ddp_meta *meta) {
     static const char *what = "checkpoint slice load";
     ddp__slice_gots got;
     uint64_t id = 0;
     int64_t world = 0;
-    int k;
+    int k, whole = 0;
     ddp_result r;
     if (g && !ddp__live_has(g, DDP__LIVE_GROUP)) return ddp__group_check(g, "ddp_checkpoint_load_slices");
     ddp__ck_async_settle(g);
@@ -24682,13 +24946,72 @@ DDP_API ddp_result ddp_checkpoint_load_slices(ddp_group *g, const char *path, dd
             r = ddp__fail(g, DDP_ERR_UNSUPPORTED, "%s: slice \"%.64s\" is in device memory, which ddp_checkpoint_load_slices does not "
                           "take yet: load it into host memory and copy it to the device", what, s[k].name);
 #endif
-    if (r == DDP_SUCCESS) r = ddp__ck_read_marker(g, path, &world, &id);
-    for (k = 0; r == DDP_SUCCESS && k < world; k++) r = ddp__slices_from_shard(g, path, k, world, id, s, n, &got, k ? NULL : meta);
+    if (r == DDP_SUCCESS && (whole = ddp__slices_whole_file(path)) != 0) {
+        world = 1;
+        r = ddp__slices_from_whole(g, path, s, n, &got, meta);
+    } else if (r == DDP_SUCCESS) {
+        r = ddp__ck_read_marker(g, path, &world, &id);
+    }
+    for (k = 0; r == DDP_SUCCESS && !whole && k < world; k++) r = ddp__slices_from_shard(g, path, k, world, id, s, n, &got, k ? NULL : meta);
     if (r == DDP_SUCCESS) r = ddp__slices_covered(g, what, path, world, s, n, &got);
     ddp__free(got.v);
     return ddp__agree_outcome(g, r, what);
 }
 /* ==================== end src/reshard.c ==================== */
+
+/* ==================== begin src/fsdp_checkpoint.c ==================== */
+/* [SECTION] fsdp-checkpoint: the full model of a zero_stage 3 reducer in one safetensors file, unit by unit
+   (checkpoint.h "FSDP checkpoints" has the API).
+   ddp_fsdp_save_full (torch FSDP's FULL_STATE_DICT with rank0_only and offload_to_cpu, without ever holding
+   the model): root lays the file out from the registered names, dtypes and shapes (ddp__ck_out_open), then
+   for each unit in registration order every rank sends its master shard to root (one gather, the unit's
+   purpose in its fingerprint) and root writes the unit's parameters at their places; last the header
+   with the checksums, fsync and rename. Root holds one unit's master (the largest unit's world * per
+   elements) besides its own state. The outcome is agreed: an error on any rank is every rank's. The
+   file is an ordinary safetensors file: torch's safetensors.torch.load_file reads it, and
+   ddp_checkpoint_load_slices reads each rank's slices back out of it (a model saved whole loads into
+   stage 3 without any rank reading it whole). */
+
+DDP_API ddp_result ddp_fsdp_save_full(ddp_reducer *r, const char *path, int root, const ddp_meta *meta) {
+    static const char *what = "ddp_fsdp_save_full";
+    ddp_group *g = NULL;
+    ddp_tensor *t = NULL;
+    ddp__ck_out out;
+    int nunits = 0, nparams = 0, i, u, *unit_of = NULL;
+    size_t *at = NULL;
+    char *buf = NULL;
+    ddp_result res = ddp__fsdp_model(r, what, &g, &nunits, &nparams), mine = DDP_SUCCESS;
+    if (res) return res;
+    if (root < 0 || root >= ddp_world_size(g))
+        return ddp__fail(g, DDP_ERR_INVALID_ARGUMENT, "%s: root %d is not a rank (0 .. %d)", what, root, ddp_world_size(g) - 1);
+    ddp__ck_async_settle(g);
+    memset(&out, 0, sizeof out);
+    out.fd = -1;
+    t = (ddp_tensor *)ddp__calloc((size_t)nparams, sizeof *t);
+    unit_of = (int *)ddp__calloc((size_t)nparams, sizeof *unit_of);
+    at = (size_t *)ddp__calloc((size_t)nparams, sizeof *at);
+    if (!t || !unit_of || !at) mine = ddp__fail(g, DDP_ERR_OUT_OF_MEMORY, "%s: out of memory", what);
+    for (i = 0; !mine && i < nparams; i++) ddp__fsdp_param_tensor(r, i, &t[i], &unit_of[i], &at[i]);
+    if (!mine && ddp_rank(g) == root) {
+        if (!(buf = (char *)ddp__malloc(ddp__fsdp_master_bytes(r))))
+            mine = ddp__fail(g, DDP_ERR_OUT_OF_MEMORY, "%s: out of memory for a unit (%zu bytes)", what, ddp__fsdp_master_bytes(r));
+        else
+            mine = ddp__ck_out_open(g, path, t, nparams, meta, &out);
+    }
+    res = ddp__agree_outcome(g, mine, what); /* every rank knows whether root can write before any unit moves */
+    for (u = 0; !res && u < nunits; u++) {
+        res = ddp__fsdp_gather_master(r, u, buf, root);
+        for (i = 0; !res && !mine && ddp_rank(g) == root && i < nparams; i++)
+            if (unit_of[i] == u) mine = ddp__ck_out_write(g, &out, i, buf + at[i] * ddp_dtype_size(t[i].dtype));
+    }
+    if (ddp_rank(g) == root) mine = ddp__ck_out_close(g, &out, res ? res : mine);
+    ddp__free(buf);
+    ddp__free(t);
+    ddp__free(unit_of);
+    ddp__free(at);
+    return ddp__agree_outcome(g, res ? res : mine, what);
+}
+/* ==================== end src/fsdp_checkpoint.c ==================== */
 
 #endif /* DDP_IMPLEMENTATION */
 

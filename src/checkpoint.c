@@ -342,11 +342,99 @@ static ddp_result ddp__ck_write_file(ddp_group *g, const char *path, const ddp_t
     if ((r = ddp__ck_check_tensors(g, "checkpoint save", t, n)) != DDP_SUCCESS) return r;
     if ((r = ddp__ck_check_meta(g, path, meta)) != DDP_SUCCESS) return r;
     r = staged ? DDP_SUCCESS : ddp__ck_host_view(g, path, t, n, &t, &made, &stage); /* device tensors: a pinned host copy */
-    if (r == DDP_SUCCESS && (r = ddp__ck_build_header(path, t, n, meta, extra, &hdr, err)) != DDP_SUCCESS) ddp__fail(g, r, "%s", err);
+    if (r == DDP_SUCCESS && (r = ddp__ck_build_header(path, t, n, meta, extra, NULL, &hdr, err)) != DDP_SUCCESS) ddp__fail(g, r, "%s", err);
     if (r == DDP_SUCCESS) r = ddp__ck_atomic_write(g, path, &hdr, t, n);
     ddp__free(made);
     ddp__ck_stage_free(stage);
     ddp__free(hdr.p);
+    return r;
+}
+
+/* ---- a file written tensor by tensor (ddp_fsdp_save_full: root never holds the model) ----
+   The header is laid out first from the tensors' names, dtypes and shapes, with placeholder checksums of
+   the same length, so every tensor's place is known; each tensor is written at its place when it comes
+   (its checksum taken as it goes); then the header is written again with the checksums, the file synced
+   and renamed over path. The file appears whole or not at all, as ddp_checkpoint_save's. */
+static ddp_result ddp__ck_out_header(ddp_group *g, ddp__ck_out *s, int final) {
+    ddp__ck_buf hdr;
+    unsigned char prefix[8];
+    char err[DDP__ERR_MAX];
+    ddp_result r;
+    int i;
+    memset(&hdr, 0, sizeof hdr);
+    if ((r = ddp__ck_build_header(s->path, s->t, s->n, s->meta, NULL, s->crc, &hdr, err)) != DDP_SUCCESS) {
+        ddp__free(hdr.p);
+        return ddp__fail(g, r, "%s", err);
+    }
+    if (final && 8 + hdr.len != s->data_start) /* the same lengths: cannot differ */
+        r = ddp__fail(g, DDP_ERR_STATE, "checkpoint save of %s: the header changed length", s->path);
+    s->data_start = 8 + hdr.len;
+    for (i = 0; i < 8; i++) prefix[i] = (unsigned char)((uint64_t)hdr.len >> (8 * i));
+    if (r == DDP_SUCCESS && pwrite(s->fd, prefix, 8, 0) != 8) r = ddp__fail(g, DDP_ERR_IO, "checkpoint save: writing %s failed: %s", s->tmp, strerror(errno));
+    if (r == DDP_SUCCESS && pwrite(s->fd, hdr.p, hdr.len, 8) != (ssize_t)hdr.len)
+        r = ddp__fail(g, DDP_ERR_IO, "checkpoint save: writing %s failed: %s", s->tmp, strerror(errno));
+    ddp__free(hdr.p);
+    return r;
+}
+
+/* Start writing path (through path.tmp): t[i] name the tensors, in file order (their data is not read). */
+static ddp_result ddp__ck_out_open(ddp_group *g, const char *path, const ddp_tensor *t, int n, const ddp_meta *meta,
+                                      ddp__ck_out *s) {
+    ddp_result r;
+    int i;
+    memset(s, 0, sizeof *s);
+    s->fd = -1;
+    if (!ddp__ck_little_endian()) return ddp__fail(g, DDP_ERR_UNSUPPORTED, "checkpoint: safetensors is little-endian and this host is not");
+    if (!path || !*path) return ddp__fail(g, DDP_ERR_INVALID_ARGUMENT, "checkpoint save: path is NULL or empty");
+    if ((r = ddp__ck_check_meta(g, path, meta)) != DDP_SUCCESS) return r;
+    s->path = path, s->t = t, s->n = n, s->meta = meta;
+    s->crc = (uint32_t *)ddp__calloc((size_t)n + 1, sizeof *s->crc);
+    s->at = (uint64_t *)ddp__calloc((size_t)n + 1, sizeof *s->at);
+    s->tmp = ddp__ck_cat(path, ".tmp");
+    if (!s->crc || !s->at || !s->tmp) return ddp__fail(g, DDP_ERR_OUT_OF_MEMORY, "checkpoint save of %s: out of memory", path);
+    for (i = 1; i <= n; i++) {
+        uint64_t bytes;
+        ddp__ck_tensor_bytes(&t[i - 1], &bytes);
+        s->at[i] = s->at[i - 1] + bytes;
+    }
+    if ((s->fd = open(s->tmp, O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0666)) < 0)
+        return ddp__fail(g, DDP_ERR_IO, "checkpoint save: cannot create %s: %s (does the directory exist and is it writable?)",
+                         s->tmp, strerror(errno));
+    return ddp__ck_out_header(g, s, 0);
+}
+
+/* Tensor i's data (all of it). */
+static ddp_result ddp__ck_out_write(ddp_group *g, ddp__ck_out *s, int i, const void *data) {
+    uint64_t bytes = s->at[i + 1] - s->at[i], off = s->data_start + s->at[i];
+    const char *p = (const char *)data;
+    s->crc[i] = ddp__ck_crc32c(data, (size_t)bytes, 1);
+    while (bytes > 0) {
+        ssize_t w = pwrite(s->fd, p, (size_t)DDP__MIN(bytes, (uint64_t)1 << 30), (off_t)off);
+        if (w < 0 && errno == EINTR) continue;
+        if (w <= 0) return ddp__fail(g, DDP_ERR_IO, "checkpoint save: writing %s failed: %s", s->tmp, strerror(errno));
+        p += w, off += (uint64_t)w, bytes -= (uint64_t)w;
+    }
+    return DDP_SUCCESS;
+}
+
+/* Finish (ok: every tensor was written): the header with the checksums, fsync, rename; else the
+   temporary file goes. Frees s. Returns ok's result, or the first error. */
+static ddp_result ddp__ck_out_close(ddp_group *g, ddp__ck_out *s, ddp_result ok) {
+    ddp_result r = ok;
+    if (s->fd >= 0) {
+        if (r == DDP_SUCCESS) r = ddp__ck_out_header(g, s, 1);
+        if (r == DDP_SUCCESS && fsync(s->fd) != 0) r = ddp__fail(g, DDP_ERR_IO, "checkpoint save: fsync of %s failed: %s", s->tmp, strerror(errno));
+        if (close(s->fd) != 0 && r == DDP_SUCCESS) r = ddp__fail(g, DDP_ERR_IO, "checkpoint save: closing %s failed: %s", s->tmp, strerror(errno));
+        if (r == DDP_SUCCESS && rename(s->tmp, s->path) != 0)
+            r = ddp__fail(g, DDP_ERR_IO, "checkpoint save: renaming %s to %s failed: %s", s->tmp, s->path, strerror(errno));
+        if (r != DDP_SUCCESS) unlink(s->tmp);
+        else r = ddp__ck_sync_dir(g, s->path);
+    }
+    ddp__free(s->tmp);
+    ddp__free(s->crc);
+    ddp__free(s->at);
+    memset(s, 0, sizeof *s);
+    s->fd = -1;
     return r;
 }
 

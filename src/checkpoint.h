@@ -316,6 +316,28 @@ DDP_API ddp_result ddp_checkpoint_save_slices(ddp_group *g, const char *path, co
                                               const ddp_checkpoint_save_desc *desc);
 DDP_API ddp_result ddp_checkpoint_load_slices(ddp_group *g, const char *path, ddp_slice *s, int n, ddp_meta *meta);
 
+/* ---- FSDP checkpoints (zero_stage 3; reducer.h "FSDP") -----------------------------------------------
+   Sharded (torch's SHARDED_STATE_DICT): each rank saves its master shards (and optimizer state) as slices,
+   one ddp_slice per ddp_reducer_shards entry and state: {"h3.qkvw", t, global_count = the parameter's
+   count, offset = shard.offset, count = shard.count, data = shard.param_data (or the state's piece)};
+   ddp_checkpoint_save_slices / ddp_checkpoint_load_slices with the loading reducer's shards reload on
+   any world size, communication-free.
+   Whole (torch's FULL_STATE_DICT, rank0_only): ddp_fsdp_save_full(r, path, root, meta) writes one
+   ordinary safetensors file of the whole model on rank root, streaming it unit by unit: root lays out
+   the file from the registered names, dtypes and shapes (ddp_reducer_param_shape; else 1-D tensors of
+   the registered counts), then gathers each unit's master shards and writes its parameters, so root
+   holds one unit (the largest gathered master: world * per elements) besides its own state, never the
+   model. The values are the master shards' (the registered dtype, never param_dtype copies). torch reads
+   the file with safetensors.torch.load_file; written atomically, checksummed per tensor, as
+   ddp_checkpoint_save's. Collective over the reducer's group; between passes; an error on any rank is
+   every rank's (DDP_ERR_STATE: not zero_stage 3, during a backward pass; DDP_ERR_INVALID_ARGUMENT: bad
+   root; DDP_ERR_IO; a gather's error).
+   Loading a whole file into stage 3: ddp_checkpoint_load_slices also takes an ordinary safetensors file
+   (ddp_checkpoint_save's, torch's, ddp_fsdp_save_full's): each slice is read from the tensor of its name
+   (flattened; global_count must be its element count), and a rank reads only its slices' bytes. A slice
+   that is a whole tensor is checked against the tensor's checksum; a part of one cannot be. */
+DDP_API ddp_result ddp_fsdp_save_full(ddp_reducer *r, const char *path, int root, const ddp_meta *meta);
+
 /* ddp_checkpoint_latest: find the newest checkpoint of a family, to resume from. pattern is a path
    whose file name holds one '*' standing for a run of 1 to 18 digits ("ckpt/model_*.safetensors"); the
    file (or shard marker) with the largest number wins. A name with any other text in the place of the

@@ -1011,7 +1011,7 @@ static DDP__UNUSED int ddp__ck_tensor_bytes(const ddp_tensor *t, uint64_t *bytes
 static DDP__UNUSED int ddp__ck_reserved(const char *key); /* a key of the library's (ddp.crc32c.*, ddp.shard.*) */
 /* The JSON header of t[0..n) with metadata user and extra, into b; on error err (DDP__ERR_MAX bytes). */
 static DDP__UNUSED ddp_result ddp__ck_build_header(const char *path, const ddp_tensor *t, int n, const ddp_meta *user,
-                                                   const ddp_meta *extra, ddp__ck_buf *b, char *err);
+                                                   const ddp_meta *extra, const uint32_t *crcs, ddp__ck_buf *b, char *err);
 
 /* ---- checkpoint.c: the pieces reshard.c reads shards with ---- */
 /* What a shard must say about itself (load_shard); NULL for plain files. */
@@ -1022,6 +1022,9 @@ typedef struct ddp__ck_shard_expect {
 /* Open path and parse its header (h, its raw bytes in *raw, the JSON length *hlen); the caller closes
    *fd and frees h and *raw. */
 static DDP__UNUSED ddp_result ddp__ck_open(ddp_group *g, const char *path, int *fd, char **raw, uint64_t *hlen, ddp__ck_header *h);
+/* Read n bytes at file offset off into data (crc, may be NULL: a running CRC32C register, updated). */
+static DDP__UNUSED ddp_result ddp__ck_read_at(ddp_group *g, int fd, void *data, uint64_t n, uint64_t off, const char *path,
+                                              uint32_t *crc);
 /* Read entry e's data (the data section starts at data_start) into dst and verify its checksum. */
 static DDP__UNUSED ddp_result ddp__ck_read_tensor(ddp_group *g, const char *path, int fd, uint64_t data_start,
                                                   const ddp__ck_header *h, const ddp__ck_entry *e, void *dst);
@@ -1032,10 +1035,30 @@ static DDP__UNUSED ddp_result ddp__ck_copy_meta(ddp_group *g, const ddp__ck_head
 static DDP__UNUSED ddp_result ddp__ck_read_marker(ddp_group *g, const char *path, int64_t *world, uint64_t *id);
 static DDP__UNUSED char *ddp__ck_shard_path(const char *path, int rank); /* "<path>.rank<r>"; NULL out of memory */
 static DDP__UNUSED void ddp__ck_async_settle(ddp_group *g); /* wait for an async save in flight */
+/* A safetensors file written tensor by tensor, at the places its header gives (checkpoint.c). */
+typedef struct ddp__ck_out {
+    const char *path;
+    char *tmp;
+    int fd, n;
+    const ddp_tensor *t;
+    const ddp_meta *meta;
+    uint32_t *crc;      /* per tensor, once written */
+    uint64_t *at;       /* n + 1: where each tensor's data starts in the data section */
+    uint64_t data_start;
+} ddp__ck_out;
+static DDP__UNUSED ddp_result ddp__ck_out_open(ddp_group *g, const char *path, const ddp_tensor *t, int n,
+                                                  const ddp_meta *meta, ddp__ck_out *s);
+static DDP__UNUSED ddp_result ddp__ck_out_write(ddp_group *g, ddp__ck_out *s, int i, const void *data);
+static DDP__UNUSED ddp_result ddp__ck_out_close(ddp_group *g, ddp__ck_out *s, ddp_result ok);
 
 /* ---- reducer.c: what zero_state.c reads of a reducer ---- */
 static DDP__UNUSED ddp_result ddp__reducer_zero_model(ddp_reducer *r, const char *fn, ddp_group **g, int *nparams);
 static DDP__UNUSED size_t ddp__reducer_param_count(const ddp_reducer *r, int i);
+/* ---- reducer_fsdp.c: the FSDP model, for fsdp_checkpoint.c ---- */
+static DDP__UNUSED ddp_result ddp__fsdp_model(ddp_reducer *r, const char *fn, ddp_group **g, int *nunits, int *nparams);
+static DDP__UNUSED void ddp__fsdp_param_tensor(const ddp_reducer *r, int i, ddp_tensor *t, int *unit, size_t *at);
+static DDP__UNUSED size_t ddp__fsdp_master_bytes(const ddp_reducer *r);
+static DDP__UNUSED ddp_result ddp__fsdp_gather_master(ddp_reducer *r, int u, void *buf, int root);
 
 /* ---- dtype.c: conversions between the floating dtypes ---- */
 static DDP__UNUSED void ddp__host_convert_scaled(void *dst, ddp_dtype dst_t, const void *src, ddp_dtype src_t, size_t count,

@@ -125,6 +125,7 @@ static ddp_result ddp__reducer_append(ddp_reducer *r, ddp__rtensor **arr, int *n
     e->count = count;
     e->dtype = t;
     e->unit = -1;
+    e->ndim = 0;
     (*n)++;
     return DDP_SUCCESS;
 }

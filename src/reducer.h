@@ -583,6 +583,9 @@ DDP_API ddp_result ddp_fsdp_release(ddp_reducer *r, int unit);
 /* ddp_fsdp_grad: where parameter index's gradient goes in this backward pass (zeroed at its unit's first
    call in the pass); NULL outside a pass, for a bad index, or when out of memory (ddp_last_error says). */
 DDP_API void *ddp_fsdp_grad(ddp_reducer *r, int index);
+/* ddp_reducer_param_shape: parameter param's shape (ndim 1 .. 8 dimensions whose product is its count; 0:
+   none), for ddp_fsdp_save_full, which otherwise writes 1-D tensors. Before finalize; any zero_stage. */
+DDP_API ddp_result ddp_reducer_param_shape(ddp_reducer *r, int param, int ndim, const int64_t *shape);
 /* ddp_fsdp_grads_ready: every gradient of unit is written: scaled, reduce-scattered (asynchronously, in
    bucket order) into this rank's slices. Once per unit and pass; DDP_ERR_STATE outside a pass or twice. */
 DDP_API ddp_result ddp_fsdp_grads_ready(ddp_reducer *r, int unit);

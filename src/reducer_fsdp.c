@@ -57,6 +57,26 @@ DDP_API int ddp_fsdp_unit(ddp_reducer *r, const char *name, int flags) {
     return r->nunits++;
 }
 
+DDP_API ddp_result ddp_reducer_param_shape(ddp_reducer *r, int param, int ndim, const int64_t *shape) {
+    int64_t numel = 1;
+    int d;
+    if (!r) return ddp__fail(NULL, DDP_ERR_INVALID_ARGUMENT, "ddp_reducer_param_shape: the reducer is NULL");
+    if (r->finalized) return ddp__fail(r->g, DDP_ERR_STATE, "ddp_reducer_param_shape: call it before ddp_reducer_finalize");
+    if (param < 0 || param >= r->nparams)
+        return ddp__fail(r->g, DDP_ERR_INVALID_ARGUMENT, "ddp_reducer_param_shape: %d is not a parameter (0 .. %d)", param,
+                         r->nparams - 1);
+    if (ndim < 0 || ndim > 8 || (ndim && !shape))
+        return ddp__fail(r->g, DDP_ERR_INVALID_ARGUMENT, "ddp_reducer_param_shape(\"%s\"): ndim %d is not 0 .. 8 (with a "
+                         "shape)", r->params[param].name, ndim);
+    for (d = 0; d < ndim; d++) numel = shape[d] >= 0 && numel <= INT64_MAX / (shape[d] ? shape[d] : 1) ? numel * shape[d] : -1;
+    if (ndim && numel != (int64_t)r->params[param].count)
+        return ddp__fail(r->g, DDP_ERR_INVALID_ARGUMENT, "ddp_reducer_param_shape(\"%s\"): the shape holds %lld elements, the "
+                         "parameter %zu", r->params[param].name, (long long)numel, r->params[param].count);
+    r->params[param].ndim = ndim;
+    for (d = 0; d < ndim; d++) r->params[param].shape[d] = shape[d];
+    return DDP_SUCCESS;
+}
+
 /* ---- at finalize ---- */
 
 /* Stage 3's memory besides the buckets' (reducer.c gives each its master shard and slice): the gather
@@ -292,6 +312,53 @@ DDP_API void *ddp_fsdp_grad(ddp_reducer *r, int index) {
     }
     if (!ddp__fsdp_grad_take(r, u)) return NULL;
     return (char *)u->grad + r->L.param_offset[index] * ddp_dtype_size(ddp__fsdp_dtype(r, &r->L.buckets[u->bucket]));
+}
+
+/* ---- for fsdp_checkpoint.c ---- */
+
+/* A zero_stage 3 reducer between passes (fn names the caller): its group, units and parameters. */
+static ddp_result ddp__fsdp_model(ddp_reducer *r, const char *fn, ddp_group **g, int *nunits, int *nparams) {
+    ddp_result res = ddp__reducer_usable(r, fn);
+    if (res) return res;
+    if (!ddp__fsdp(r))
+        return ddp__fail(r->g, DDP_ERR_STATE, "%s: the reducer was created with zero_stage = %d; at stages 0-2 every rank "
+                         "holds the whole model: save it with ddp_checkpoint_save", fn, r->desc.zero_stage);
+    if (r->in_backward) return ddp__fail(r->g, DDP_ERR_STATE, "%s: called during a backward pass; call it between steps", fn);
+    *g = r->g, *nunits = r->nunits, *nparams = r->nparams;
+    return DDP_SUCCESS;
+}
+
+/* Parameter i as a tensor of the full model (name, registered dtype, its shape or 1-D; data NULL), its
+   unit, and where it sits in that unit's gathered master (elements). */
+static void ddp__fsdp_param_tensor(const ddp_reducer *r, int i, ddp_tensor *t, int *unit, size_t *at) {
+    const ddp__rtensor *p = &r->params[i];
+    int d;
+    memset(t, 0, sizeof *t);
+    t->name = p->name, t->dtype = p->dtype;
+    t->ndim = p->ndim ? p->ndim : 1;
+    t->shape[0] = (int64_t)p->count;
+    for (d = 0; d < p->ndim; d++) t->shape[d] = p->shape[d];
+    *unit = p->unit;
+    *at = r->L.param_offset[i];
+}
+
+/* Bytes of the largest unit's gathered master (world * per elements, registered dtype). */
+static size_t ddp__fsdp_master_bytes(const ddp_reducer *r) {
+    size_t most = 0, world = (size_t)ddp_world_size(r->g);
+    int b;
+    for (b = 0; b < r->L.nbuckets; b++)
+        most = DDP__MAX(most, r->L.buckets[b].per * world * ddp_dtype_size(r->L.buckets[b].dtype));
+    return most;
+}
+
+/* Collective: unit u's master shards, every rank's, into buf on root (the unit in its bucket layout). */
+static ddp_result ddp__fsdp_gather_master(ddp_reducer *r, int u, void *buf, int root) {
+    const ddp__bucket *k = &r->L.buckets[r->units[u].bucket];
+    ddp_result res;
+    r->g->purpose = DDP__PURPOSE(DDP__PHASE_GATHER, u);
+    res = ddp_gather(r->g, k->master, buf, k->per, k->dtype, root);
+    r->g->purpose = 0;
+    return res;
 }
 
 /* destroy: the memory of the units and the pools (every gather was waited for by reshard_all). */

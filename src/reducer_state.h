@@ -25,6 +25,8 @@ typedef struct ddp__rtensor { /* a registered parameter or buffer */
     size_t count;
     ddp_dtype dtype;
     int unit;    /* parameters: the FSDP unit it belongs to (ddp_fsdp_unit), -1 for none */
+    int ndim;    /* parameters: the shape ddp_reducer_param_shape gave (0: none; saved as 1-D) */
+    int64_t shape[8];
 } ddp__rtensor;
 
 /* An FSDP unit (reducer_fsdp.c): parameters registered together, one bucket, gathered as one. */

@@ -356,12 +356,67 @@ static ddp_result ddp__slices_from_shard(ddp_group *g, const char *path, int k, 
     return r;
 }
 
+/* Is path an ordinary safetensors file (tensors, no shard keys: ddp_checkpoint_save's, torch's, or
+   ddp_fsdp_save_full's) rather than a shard save's completion marker? 0 when it cannot be read: the
+   marker's reader then says why. */
+static int ddp__slices_whole_file(const char *path) {
+    ddp__ck_header h;
+    char *raw = NULL;
+    uint64_t hlen;
+    int fd, whole;
+    if (!path || access(path, F_OK) != 0 || ddp__ck_open(NULL, path, &fd, &raw, &hlen, &h) != DDP_SUCCESS) return 0;
+    close(fd);
+    whole = h.n > 0 && !ddp__ck_header_meta(&h, DDP__CK_SHARD_PREFIX "world_size");
+    ddp__ck_header_free(&h);
+    ddp__free(raw);
+    return whole;
+}
+
+/* The requests from an ordinary file: each is a range of the tensor of its name (flattened), read alone,
+   so a rank reads only its slices' bytes. A request that covers its whole tensor is checked against the
+   tensor's checksum; a part of one cannot be (the checksum covers the whole). */
+static ddp_result ddp__slices_from_whole(ddp_group *g, const char *path, ddp_slice *s, int n, ddp__slice_gots *got,
+                                         ddp_meta *meta) {
+    ddp__ck_header h;
+    char *raw = NULL;
+    uint64_t hlen = 0;
+    int fd = -1, i, d;
+    ddp_result r = ddp__ck_open(g, path, &fd, &raw, &hlen, &h);
+    if (r) return r;
+    if (meta) r = ddp__ck_copy_meta(g, &h, meta);
+    for (i = 0; r == DDP_SUCCESS && i < n; i++) {
+        const ddp__ck_entry *e = ddp__ck_lookup(&h, s[i].name);
+        size_t es = ddp_dtype_size(s[i].dtype);
+        uint64_t numel = 1;
+        if (!s[i].count) continue;
+        if (!e) {
+            r = ddp__fail(g, DDP_ERR_MISMATCH, "checkpoint slice load: %s has no tensor \"%.64s\"", path, s[i].name);
+            break;
+        }
+        for (d = 0; d < e->ndim; d++) numel *= (uint64_t)e->shape[d];
+        if (ddp__ck_dtypes[e->st].dtype != s[i].dtype || numel != s[i].global_count) {
+            r = ddp__fail(g, DDP_ERR_MISMATCH, "checkpoint slice load: \"%.64s\" is %llu x %s in %s but %zu x %s in the request "
+                          "(global_count, dtype)", s[i].name, (unsigned long long)numel, ddp__ck_dtypes[e->st].name, path,
+                          s[i].global_count, ddp__ck_st_name(s[i].dtype));
+            break;
+        }
+        if (s[i].offset == 0 && s[i].count == numel) r = ddp__ck_read_tensor(g, path, fd, 8 + hlen, &h, e, s[i].data);
+        else r = ddp__ck_read_at(g, fd, s[i].data, (uint64_t)s[i].count * es, 8 + hlen + e->begin + s[i].offset * es, path, NULL);
+        if (r == DDP_SUCCESS && !ddp__slice_note(got, i, 0, s[i].offset, (uint64_t)(s[i].offset + s[i].count)))
+            r = ddp__fail(g, DDP_ERR_OUT_OF_MEMORY, "checkpoint %s: out of memory", path);
+    }
+    ddp__ck_header_free(&h);
+    ddp__free(raw);
+    close(fd);
+    return r;
+}
+
 DDP_API ddp_result ddp_checkpoint_load_slices(ddp_group *g, const char *path, ddp_slice *s, int n, ddp_meta *meta) {
     static const char *what = "checkpoint slice load";
     ddp__slice_gots got;
     uint64_t id = 0;
     int64_t world = 0;
-    int k;
+    int k, whole = 0;
     ddp_result r;
     if (g && !ddp__live_has(g, DDP__LIVE_GROUP)) return ddp__group_check(g, "ddp_checkpoint_load_slices");
     ddp__ck_async_settle(g);
@@ -373,8 +428,13 @@ DDP_API ddp_result ddp_checkpoint_load_slices(ddp_group *g, const char *path, dd
             r = ddp__fail(g, DDP_ERR_UNSUPPORTED, "%s: slice \"%.64s\" is in device memory, which ddp_checkpoint_load_slices does not "
                           "take yet: load it into host memory and copy it to the device", what, s[k].name);
 #endif
-    if (r == DDP_SUCCESS) r = ddp__ck_read_marker(g, path, &world, &id);
-    for (k = 0; r == DDP_SUCCESS && k < world; k++) r = ddp__slices_from_shard(g, path, k, world, id, s, n, &got, k ? NULL : meta);
+    if (r == DDP_SUCCESS && (whole = ddp__slices_whole_file(path)) != 0) {
+        world = 1;
+        r = ddp__slices_from_whole(g, path, s, n, &got, meta);
+    } else if (r == DDP_SUCCESS) {
+        r = ddp__ck_read_marker(g, path, &world, &id);
+    }
+    for (k = 0; r == DDP_SUCCESS && !whole && k < world; k++) r = ddp__slices_from_shard(g, path, k, world, id, s, n, &got, k ? NULL : meta);
     if (r == DDP_SUCCESS) r = ddp__slices_covered(g, what, path, world, s, n, &got);
     ddp__free(got.v);
     return ddp__agree_outcome(g, r, what);

@@ -958,11 +958,12 @@ static int ddp__ck_reserved(const char *key) {
            strncmp(key, DDP__CK_SHARD_PREFIX, strlen(DDP__CK_SHARD_PREFIX)) == 0;
 }
 
-/* The JSON header: user metadata, the library's keys (extra), a checksum per tensor, then the tensor
+/* The JSON header: user metadata, the library's keys (extra), a checksum per tensor (crcs[i], or
+   computed from t[i].data when crcs is NULL; its length is the same whatever the value), then the tensor
    entries in t[] order with their data back to back; padded with spaces to a multiple of 8. path is for
    messages; on error err (DDP__ERR_MAX bytes) says what is wrong. */
 static ddp_result ddp__ck_build_header(const char *path, const ddp_tensor *t, int n, const ddp_meta *user, const ddp_meta *extra,
-                                       ddp__ck_buf *b, char *err) {
+                                       const uint32_t *crcs, ddp__ck_buf *b, char *err) {
     uint64_t at = 0;
     int i, first = 1;
     char num[64];
@@ -978,7 +979,7 @@ static ddp_result ddp__ck_build_header(const char *path, const ddp_tensor *t, in
         char *key = ddp__ck_cat(DDP__CK_CRC_PREFIX, t[i].name);
         if (!key) return ddp__fail_to(err, DDP_ERR_OUT_OF_MEMORY, "checkpoint save of %s: out of memory building the header", path);
         ddp__ck_tensor_bytes(&t[i], &bytes);
-        snprintf(num, sizeof num, "%08x", (unsigned)ddp__ck_crc32c(t[i].data, (size_t)bytes, 1));
+        snprintf(num, sizeof num, "%08x", (unsigned)(crcs ? crcs[i] : ddp__ck_crc32c(t[i].data, (size_t)bytes, 1)));
         ddp__ck_put_kv(b, &first, key, num);
         ddp__free(key);
     }

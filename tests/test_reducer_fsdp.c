@@ -20,22 +20,9 @@
 #include "testlib.h"
 #include "ref_optim.h"
 
-#define NU 5          /* units: root + 4 layers */
-#define NP 9          /* parameters: emb, then w and b per layer */
-#define STEPS 4
-static const size_t COUNT[NP] = {37, 1000, 7, 333, 7, 257, 7, 1000, 7};
-static const int UNIT_OF[NP] = {0, 1, 1, 2, 2, 3, 3, 4, 4};
+#include "fsdp_model.h"
 
-typedef struct mode {
-    const char *name;
-    int prefetch, accum, unused;
-    ddp_dtype comm, param;
-    double tol;   /* against the serial reference */
-    int exact;    /* stage 3 equals stage 2 bit for bit */
-    int stats;    /* grad_stats: the norm equals stage 2's (bits) and the serial one (1e-5) */
-    double scale; /* loss_scale: a ddp_grad_scaler starting here (0: none); the program scales its gradients */
-    int inf_step; /* the step at which the last rank writes an inf into unit 2's gradient (-1: none) */
-} mode;
+#define STEPS 4
 
 static const mode MODES[] = {
     {"prefetch 1", 1, 1, 0, DDP_DTYPE_DEFAULT, DDP_DTYPE_DEFAULT, 1e-6, 1, 0, 0, -1},
@@ -49,97 +36,6 @@ static const mode MODES[] = {
     {"loss_scale, an inf at step 1", 1, 1, 0, DDP_DTYPE_DEFAULT, DDP_DTYPE_DEFAULT, 1e-6, 1, 1, 1024, 1},
     {"loss_scale, no_sync x2", 1, 2, 0, DDP_DTYPE_DEFAULT, DDP_DTYPE_DEFAULT, 1e-6, 0, 1, 4096, 2},
 };
-
-/* Rank r skips unit u (find_unused) at step s, micro-step a; never the root. Unit 2 is skipped by every rank
-   at step 1 (a unit no rank used). */
-static int skips(const mode *m, int u, int r, int s, int a) {
-    if (!m->unused || u == 0) return 0;
-    if (u == 2 && s == 1) return 1;
-    return (u + s + r + a) % 3 == 0;
-}
-
-static float initial(int i, size_t j) { return (float)(((int)(j * 7 + (size_t)i * 13) % 23) - 11) * 0.03f; }
-
-/* The gradient a rank computes for parameter i from its (possibly bf16-rounded) weights w. */
-static float grad_of(float w, int rank, int step, int a, int i, size_t j) {
-    return sinf(w * 1.7f + 0.3f * (float)rank + 0.01f * (float)j + 0.5f * (float)step + 0.2f * (float)a + 0.1f * (float)i) *
-           (1.0f + 0.25f * (float)rank);
-}
-static float at_use(const mode *m, float x) { return m->param == DDP_BF16 ? tl_ref_bf16(x) : x; }
-
-typedef struct side { /* one reducer and the program's state for it */
-    ddp_reducer *r;
-    ddp_grad_scaler scaler;
-    float *p[NP], *gr[NP]; /* stage 2: the program's parameters and gradients */
-    const ddp_shard *sh;
-    int nsh;
-    float **m, **v;
-} side;
-
-static ddp_reducer *make(ddp_group *g, const mode *m, int stage, float **p, float **gr, ddp_grad_scaler *scaler) {
-    ddp_reducer_desc d;
-    ddp_reducer *r;
-    int i, u = -1, rank = ddp_rank(g);
-    size_t j;
-    memset(&d, 0, sizeof d);
-    d.zero_stage = stage;
-    d.comm_dtype = m->comm;
-    d.find_unused_parameters = m->unused;
-    if (stage == 3) d.prefetch = m->prefetch, d.param_dtype = m->param;
-    d.grad_stats = m->stats;
-    if (m->scale > 0) {
-        ddp_grad_scaler_init(scaler);
-        scaler->scale = m->scale;
-        d.loss_scale = scaler;
-    }
-    CHECK_OK(ddp_reducer_create(g, &d, &r), NULL);
-    for (i = 0; i < NP; i++) {
-        char name[32];
-        if (UNIT_OF[i] != u) {
-            u = UNIT_OF[i];
-            snprintf(name, sizeof name, u ? "layer%d" : "root", u);
-            CHECK(ddp_fsdp_unit(r, name, u ? 0 : DDP_FSDP_KEEP) == u, "unit %d", u);
-        }
-        p[i] = (float *)calloc(COUNT[i], sizeof(float));
-        gr[i] = (float *)calloc(COUNT[i], sizeof(float));
-        for (j = 0; j < COUNT[i]; j++) p[i][j] = rank ? 99.0f : initial(i, j); /* rank 0's values win */
-        snprintf(name, sizeof name, i ? "l%d.%c" : "emb", UNIT_OF[i], i % 2 ? 'w' : 'b');
-        CHECK_OK(ddp_reducer_add_param(r, name, p[i], stage == 3 ? NULL : gr[i], COUNT[i], DDP_F32, NULL), NULL);
-    }
-    CHECK_OK(ddp_reducer_finalize(r), NULL);
-    return r;
-}
-
-static void side_init(side *s, ddp_group *g, const mode *m, int stage) {
-    int j;
-    memset(s, 0, sizeof *s);
-    s->r = make(g, m, stage, s->p, s->gr, &s->scaler);
-    s->nsh = ddp_reducer_shards(s->r, &s->sh);
-    CHECK(s->nsh >= 0, "shards");
-    s->m = (float **)calloc((size_t)s->nsh + 1, sizeof *s->m);
-    s->v = (float **)calloc((size_t)s->nsh + 1, sizeof *s->v);
-    for (j = 0; j < s->nsh; j++) {
-        s->m[j] = (float *)calloc(s->sh[j].count, sizeof(float));
-        s->v[j] = (float *)calloc(s->sh[j].count, sizeof(float));
-    }
-}
-
-static void side_free(side *s) {
-    int i;
-    ddp_reducer_destroy(s->r);
-    for (i = 0; i < NP; i++) free(s->p[i]), free(s->gr[i]);
-    for (i = 0; i < s->nsh; i++) free(s->m[i]), free(s->v[i]);
-    free(s->m), free(s->v);
-}
-
-static void adamw_shards(side *s, int t) {
-    int j;
-    for (j = 0; j < s->nsh; j++)
-        if (ddp_reducer_param_used(s->r, s->sh[j].param))
-            ref_adamw((float *)s->sh[j].param_data, (const float *)s->sh[j].grad, s->m[j], s->v[j], s->sh[j].count, t);
-}
-
-static int close_enough(double a, double b, double tol) { return a == b || fabs(a - b) <= tol * (fabs(b) + 1); }
 
 /* Stage 3's parameters of unit u, gathered: equal to stage 2's (at use: bf16-rounded). */
 static void check_gathered(side *s3, side *s2, const mode *m, int u, const char *when) {
@@ -157,61 +53,6 @@ static void check_gathered(side *s3, side *s2, const mode *m, int u, const char 
     }
 }
 
-/* The serial model: every rank's gradient from the same weights, averaged in f64; AdamW on the whole. */
-typedef struct serial {
-    float *p[NP], *m[NP], *v[NP];
-    double *acc[NP];
-    int used[NU];
-} serial;
-
-/* The serial gradients of a step (unscaled), averaged in f64, into ref->acc. */
-static void serial_grads(serial *ref, const mode *m, int world, int step) {
-    int i, r, a, u;
-    size_t j;
-    for (i = 0; i < NP; i++) memset(ref->acc[i], 0, COUNT[i] * sizeof(double));
-    for (u = 0; u < NU; u++) {
-        int used = 0;
-        for (a = 0; a < m->accum; a++)
-            for (r = 0; r < world; r++) {
-                if (skips(m, u, r, step, a)) continue;
-                used = 1;
-                for (i = 0; i < NP; i++)
-                    for (j = 0; UNIT_OF[i] == u && j < COUNT[i]; j++) {
-                        float gval = grad_of(at_use(m, ref->p[i][j]), r, step, a, i, j);
-                        ref->acc[i][j] += (double)at_use(m, gval) / world;
-                    }
-            }
-        ref->used[u] = used;
-    }
-}
-
-/* The norm of the step's averaged gradients (the units some rank used). */
-static double serial_norm(serial *ref, const mode *m, int world, int step) {
-    double sum = 0;
-    int i;
-    size_t j;
-    serial_grads(ref, m, world, step);
-    for (i = 0; i < NP; i++)
-        for (j = 0; ref->used[UNIT_OF[i]] && j < COUNT[i]; j++) sum += ref->acc[i][j] * ref->acc[i][j];
-    return sqrt(sum);
-}
-
-/* AdamW (its t-th step) on the whole serial model with the step's averaged gradients. */
-static void serial_step(serial *ref, const mode *m, int world, int step, int t) {
-    int i, u;
-    size_t j;
-    serial_grads(ref, m, world, step);
-    for (u = 0; u < NU; u++)
-        for (i = 0; i < NP && ref->used[u]; i++) {
-            float *gf;
-            if (UNIT_OF[i] != u) continue;
-            gf = (float *)malloc(COUNT[i] * sizeof(float));
-            for (j = 0; j < COUNT[i]; j++) gf[j] = (float)ref->acc[i][j];
-            ref_adamw(ref->p[i], gf, ref->m[i], ref->v[i], COUNT[i], t);
-            free(gf);
-        }
-}
-
 /* g2: stage 2's own group (the same ranks): with find_unused the two reducers' collectives interleave
    differently on different ranks (a skipped unit's reduce-scatter moves to end_backward at stage 2). */
 static void train(ddp_group *g, ddp_group *g2, const mode *m) {
@@ -227,13 +68,7 @@ static void train(ddp_group *g, ddp_group *g2, const mode *m) {
     for (j = 0; j < s3.nsh; j++)
         CHECK(s2.sh[j].param == s3.sh[j].param && s2.sh[j].offset == s3.sh[j].offset && s2.sh[j].count == s3.sh[j].count,
               "%s: shard %d differs", m->name, j);
-    for (i = 0; i < NP; i++) {
-        ref.p[i] = (float *)malloc(COUNT[i] * sizeof(float));
-        ref.m[i] = (float *)calloc(COUNT[i], sizeof(float));
-        ref.v[i] = (float *)calloc(COUNT[i], sizeof(float));
-        ref.acc[i] = (double *)calloc(COUNT[i], sizeof(double));
-        for (e = 0; e < COUNT[i]; e++) ref.p[i][e] = initial(i, e);
-    }
+    serial_init(&ref);
     for (step = 0; step < STEPS; step++) {
         S = m->scale > 0 ? (float)s3.scaler.scale : 1.0f;
         for (a = 0; a < m->accum; a++) {
@@ -343,7 +178,7 @@ static void train(ddp_group *g, ddp_group *g2, const mode *m) {
     CHECK(st.unprefetched_waits == (uint64_t)(STEPS * m->accum * (m->prefetch ? 1 : NU - 1)),
           "%s: %llu unprefetched waits", m->name, (unsigned long long)st.unprefetched_waits);
     CHECK(st.gather_seconds >= 0 && st.gather_wait_seconds >= 0 && st.gathers > 0, "%s: gather statistics", m->name);
-    for (i = 0; i < NP; i++) free(ref.p[i]), free(ref.m[i]), free(ref.v[i]), free(ref.acc[i]);
+    serial_free(&ref);
     side_free(&s2);
     side_free(&s3);
 }
