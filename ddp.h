@@ -2570,9 +2570,11 @@ DDP_API void ddp__cuda_device_free(void *p);
                                 subgroups, ddp_destroy
        launcher                 ddp_spawn, ddprun
        amp                      GradScaler's update, the inf/NaN check, a pass's gradient statistics
-       reducer, zero_state      DistributedDataParallel's Reducer, ZeRO; built on the collectives
+       reducer, zero_state      DistributedDataParallel's Reducer, ZeRO 1-3 (reducer_fsdp: FSDP units),
+                                grad_stats (reducer_amp); built on the collectives
        sampler, syncbn          DistributedSampler; SyncBatchNorm
        safetensors, checkpoint, reshard    the file format; saves and loads; slices across world sizes
+       fsdp_checkpoint          a zero_stage 3 model saved whole, unit by unit
 
    A new collective is one ddp__coll_kind, one public function (collectives.c) and one case in each
    backend's run function. */

@@ -12,7 +12,7 @@ set -u
 # shellcheck source=tests/testlib.sh
 . "$(dirname "$0")/testlib.sh"
 DDPRUN=$BUILD/ddprun
-EXAMPLES="hello_allreduce hello_collectives sampler grad_accumulation join_uneven zero_adamw checkpoint_resume launchers"
+EXAMPLES="hello_allreduce hello_collectives sampler grad_accumulation join_uneven zero_adamw fsdp checkpoint_resume launchers"
 make -s BUILD="$BUILD" SAN="${SAN:-}" "$DDPRUN" $(for e in $EXAMPLES; do echo "$BUILD/$e"; done) ||
   { echo "cannot build the examples"; exit 1; }
 tl_tmpdir test_examples
@@ -99,6 +99,13 @@ has "rank 0: 10 batches, then 0 steps as a joined rank; AdamW state for 45 of 17
   "rank 2: 2 batches, then 8 steps as a joined rank; AdamW state for 45 of 178 parameters in 1 slice(s); final weights vs the serial run: equal (rounding only)" \
   "rank 3: 0 batches, then 10 steps as a joined rank; AdamW state for 43 of 178 parameters in 1 slice(s); final weights vs the serial run: equal (rounding only)"
 ok "zero_adamw --uneven (ZeRO stage 1 with Join: the join_step loop)"
+
+# FSDP / ZeRO-3: each rank keeps 1/3 of each layer; the layers are gathered as they run; the whole model saved
+run fsdp 3 --save "$T/fsdp.safetensors"
+echo "$OUT" | grep -q "^3 ranks: every slice equals the serial run's weights" || fail "fsdp: the weights"
+has "3 ranks: parameter memory per rank 8000 bytes of the model's 9600 (its shards + 2 gather buffers)" \
+  "saved the whole model to $T/fsdp.safetensors"
+ok "fsdp (ZeRO-3: units gathered layer by layer, AdamW on the slices, equal to the serial run; saved whole)"
 
 # a crash at step 23, restarted by ddprun: resumes from step 20 and ends as a run that never crashed
 run checkpoint_resume 2 "$T/ck" --crash-at 0

@@ -146,4 +146,18 @@ step 60 "flip a bit of safetensors.torch's file" \
   in_chroot 60 python3 tests/interop/safetensors_check.py corrupt "$C/from_torch.safetensors" "$C/corrupt.safetensors"
 step 60 "ddp.h refuses a corrupted safetensors.torch file" \
   timeout -k 10 60 "$W/safetensors_helper" expect-corrupt "$C/corrupt.safetensors"
+
+echo "== fsdp: ddp_fsdp_save_full's whole model (examples/fsdp on 2 ranks) into current torch's nn.Linear layers"
+tl_cc "$W/fsdp" examples/fsdp.c
+make -s build/ddprun >/dev/null
+step 60 "examples/fsdp on 2 ranks --save" \
+  timeout -k 10 60 build/ddprun --nproc-per-node 2 "$W/fsdp" --save "$C/fsdp.safetensors"
+step 120 "safetensors.torch.load_file + load_state_dict of ddp_fsdp_save_full's file" in_chroot 120 python3 -c '
+import sys, torch, safetensors.torch as st
+sd = st.load_file(sys.argv[1])
+model = torch.nn.Sequential(*[torch.nn.Linear(24, 24) for _ in range(4)])
+model.load_state_dict({k.replace("layers.", ""): v for k, v in sd.items()}, strict=True)
+assert all(torch.isfinite(p).all() for p in model.parameters())
+print("torch loaded %d tensors: %s" % (len(sd), sorted((k, tuple(v.shape)) for k, v in sd.items())[:2]))
+' "$C/fsdp.safetensors"
 echo "current torch interop: ok"
