@@ -244,6 +244,43 @@ static void memory(ddp_group *g, int prefetch, ddp_dtype param) {
     for (i = 0; i < NP; i++) free(p[i]), free(gr[i]);
 }
 
+/* G5: 100 passes with a loss scale; in every other one a rank (a different one each time) writes an inf
+   (or a NaN) into one element of a unit's gradient: every rank sees found_inf, skips and halves the scale,
+   in every round; the clean rounds step (test_amp checks the growth rule). */
+static void inf_rounds(ddp_group *g) {
+    mode m = MODES[0];
+    float *p[NP], *gr[NP];
+    ddp_grad_scaler s;
+    ddp_reducer *r;
+    int rank = ddp_rank(g), world = ddp_world_size(g), round, u, i, skipped = 0;
+    double want = 1024;
+    m.scale = 1024;
+    r = make(g, &m, 3, p, gr, &s);
+    for (round = 0; round < 100; round++) {
+        int bad = round % 2 ? -1 : (round / 2) % world, bad_unit = round % NU;
+        CHECK_OK(ddp_reducer_begin_backward(r), NULL);
+        for (u = NU - 1; u >= 0; u--) {
+            for (i = 0; i < NP; i++) {
+                float *gv;
+                if (UNIT_OF[i] != u) continue;
+                gv = (float *)ddp_fsdp_grad(r, i);
+                gv[0] = rank == bad && u == bad_unit ? (round % 4 ? INFINITY : NAN) : 1.0f;
+            }
+            CHECK_OK(ddp_fsdp_grads_ready(r, u), NULL);
+        }
+        CHECK_OK(ddp_reducer_end_backward(r), NULL);
+        CHECK(ddp_reducer_found_inf(r) == (bad >= 0), "round %d: found_inf %d, an inf on rank %d", round,
+              ddp_reducer_found_inf(r), bad);
+        CHECK(ddp_grad_scaler_update(&s, ddp_reducer_found_inf(r)) == (bad < 0), "round %d: the step decision", round);
+        want = bad >= 0 ? want * 0.5 : want; /* torch: x backoff on an inf (never 2000 clean steps in a row here) */
+        skipped += bad >= 0;
+        CHECK(s.scale == want, "round %d: scale %g, want %g", round, s.scale, want);
+    }
+    CHECK(skipped == 50, "skipped %d", skipped);
+    ddp_reducer_destroy(r);
+    for (i = 0; i < NP; i++) free(p[i]), free(gr[i]);
+}
+
 static void expect(ddp_group *g, ddp_result res, ddp_result want, const char *text, const char *what) {
     CHECK(res == want && strstr(ddp_last_error(g), text), "%s: %s (want %s): %s", what, ddp_result_string(res),
           ddp_result_string(want), ddp_last_error(g));
@@ -261,6 +298,7 @@ static int errors_main(int rank, int n, void *arg) {
     int prefetch, i;
     (void)arg;
     for (prefetch = 0; prefetch <= 2; prefetch++) memory(g, prefetch, prefetch == 1 ? DDP_BF16 : DDP_DTYPE_DEFAULT);
+    inf_rounds(g);
     memset(&d, 0, sizeof d);
     d.zero_stage = 3;
     CHECK_OK(ddp_reducer_create(g, &d, &bad), NULL);
@@ -304,7 +342,7 @@ static int errors_main(int rank, int n, void *arg) {
     CHECK(strstr(ddp_last_error(g), "FSDP unit 1's all-gather") && strstr(ddp_last_error(g), "FSDP unit 4's all-gather"),
           "the message names both units: %s", ddp_last_error(g));
     CHECK(tl_now() - t0 < 5, "the mismatch took %.1f s", tl_now() - t0);
-    if (rank == 0) printf("ranks gathering different units (%d ranks): %s\n", n, ddp_last_error(g));
+    if (rank == 0) printf("ranks gathering different units (%d ranks), %.3f s: %s\n", n, tl_now() - t0, ddp_last_error(g));
     ddp_reducer_destroy(r);
     for (i = 0; i < NP; i++) free(p[i]), free(gr[i]);
     ddp_destroy(g);
