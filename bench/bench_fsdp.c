@@ -370,17 +370,32 @@ static int reset_hwm(void) { /* VmHWM := VmRSS (Linux >= 4.0) */
 static int memory(ddp_group *g, int mode, int steps) {
     model m;
     ddp_reducer_statistics st;
-    double base, setup, train, held;
+    double base, setup, train, held, anon, shmem;
     float *w = (float *)calloc((size_t)D * D, sizeof(float)), *warm = (float *)calloc((size_t)4 << 20, sizeof(float));
     int i, rank = ddp_rank(g), resets;
     /* warm up the transport (large collectives) and BLAS (its buffers) before the baseline */
     OK(g, ddp_all_reduce(g, warm, (size_t)4 << 20, DDP_F32, DDP_SUM));
     OK(g, ddp_broadcast(g, warm, (size_t)4 << 20, DDP_F32, 0));
     OK(g, ddp_all_gather(g, warm, warm + ((size_t)2 << 20), (size_t)1 << 20, DDP_F32));
+    for (i = 0; i < 2; i++) { /* two unit-sized gathers and reduce-scatters in flight, as stage 3's */
+        ddp_work *w2[2];
+        size_t per = ((size_t)D * D + D + 1) / 2;
+        float *a = (float *)calloc(4 * per, sizeof(float)), *c = (float *)calloc(4 * per, sizeof(float));
+        if (i == 0) {
+            OK(g, ddp_all_gather_async(g, a, c, per, DDP_F32, &w2[0]));
+            OK(g, ddp_all_gather_async(g, a + 2 * per, c + 2 * per, per, DDP_F32, &w2[1]));
+        } else {
+            OK(g, ddp_reduce_scatter_async(g, a, c, per, DDP_F32, DDP_SUM, &w2[0]));
+            OK(g, ddp_reduce_scatter_async(g, a + 2 * per, c + 2 * per, per, DDP_F32, DDP_SUM, &w2[1]));
+        }
+        OK(g, ddp_wait(w2[0]));
+        OK(g, ddp_wait(w2[1]));
+        free(a), free(c);
+    }
     layer_forward(H[0], w, w, H[1]);
     layer_backward(1, w, w, w);
     free(w), free(warm);
-    base = status_kb("VmRSS:");
+    base = status_kb("VmRSS:"), anon = status_kb("RssAnon:"), shmem = status_kb("RssShmem:");
     resets = reset_hwm();
     model_init(&m, g, mode, 1);
     setup = status_kb("VmHWM:") - base;
@@ -388,13 +403,14 @@ static int memory(ddp_group *g, int mode, int steps) {
     for (i = 0; i < steps; i++) train_step(&m, g);
     settle(&m, g);
     train = status_kb("VmHWM:") - base;
+    anon = status_kb("RssAnon:") - anon, shmem = status_kb("RssShmem:") - shmem;
     stats(&m, &st);
     held = (double)st.param_bytes_peak + (double)st.gradient_bytes + (double)m.program_bytes;
     printf("mem %-6s rank %d: VmHWM growth setup %7.2f MB, train %7.2f MB%s; param_bytes_peak %7.2f MB, "
-           "gradient_bytes %7.2f MB, program %7.2f MB, other %6.2f MB; formula %7.2f MB\n",
+           "gradient_bytes %7.2f MB, program %7.2f MB, other %6.2f MB; formula %7.2f MB; now: anon %+.2f MB, shmem %+.2f MB\n",
            NAMES[mode], rank, setup * 1024 / 1e6, train * 1024 / 1e6, resets ? "" : " (clear_refs refused: peaks include set-up)",
            st.param_bytes_peak / 1e6, st.gradient_bytes / 1e6, m.program_bytes / 1e6, (train * 1024 - held) / 1e6,
-           m.stage == 3 ? formula_bytes(ddp_world_size(g), m.prefetch) / 1e6 : 0.0);
+           m.stage == 3 ? formula_bytes(ddp_world_size(g), m.prefetch) / 1e6 : 0.0, anon * 1024 / 1e6, shmem * 1024 / 1e6);
     ddp_reducer_destroy(m.r);
     return 0;
 }
