@@ -1278,10 +1278,12 @@ DDP_API ddp_result ddp_reducer_shard_state(ddp_reducer *r, ddp_dtype t, int nsta
      nothing, and it stays gathered until end_backward.
    - ddp_fsdp_grad(i) (in a backward pass): where parameter i's gradient goes, in param_dtype (or the
      registered dtype), zeroed at the unit's first ddp_fsdp_grad in the pass, so the program adds into it.
-     Gradient buffers come from a pool that grows by one buffer of the largest unit when every buffer is
-     taken (units whose gradients are computed at the same time); a KEEP unit's is its own. After
-     ddp_fsdp_grads_ready(u) the buffer is read (x 1/world, cast to comm_dtype, the reduce-scatter starts
-     when it is next in order, as stage 2's buckets) and goes back to the pool: do not write to it again.
+     When that dtype is comm_dtype (the default) the buffer is the unit's comm buffer from stage 2's pool
+     of 2 (the gradients then cost no memory of their own: a third unit waits for the oldest reduce-
+     scatter, as stage 2's buckets do); with param_dtype or compression it comes from a gradient pool
+     that grows by one buffer of the largest unit when every buffer is taken; a KEEP unit's is its own.
+     ddp_fsdp_grads_ready(u) scales it by 1/world (cast to comm_dtype) and its reduce-scatter starts when
+     it is next in order: do not write to it again.
      A unit without ddp_fsdp_grads_ready in a pass is an error at end_backward naming its parameters, as
      a missing gradient, unless find_unused_parameters (zeros from this rank; untouched if no rank used it).
    - end_backward waits for the reduce-scatters and reshards EVERY unit (the pool is free again; the
@@ -1301,8 +1303,9 @@ DDP_API ddp_result ddp_reducer_shard_state(ddp_reducer *r, ddp_dtype t, int nsta
      gather/wait/param/release/grad/grads_ready are stage 3's only.
    - Memory (statistics): param_bytes_peak = the master shards (per elements of each unit, registered
      dtype) + (1 + prefetch) gather buffers (world * per of the largest unit, param_dtype) + each KEEP
-     unit's (world * per, param_dtype); gradient_bytes = stage 2's (slices + its pool of 2) + the gradient
-     buffers (each the largest unit's count in param_dtype) + each KEEP unit's. */
+     unit's (world * per, param_dtype); gradient_bytes = stage 2's (slices + its pool of 2) + each KEEP
+     unit's gradient buffer (its count) + with param_dtype or compression the gradient pool's buffers (the
+     largest unit's count in param_dtype each; one when units are handed over one at a time). */
 #define DDP_FSDP_KEEP 1 /* ddp_fsdp_unit flag: the unit stays gathered from its first wait to end_backward */
 
 /* ddp_fsdp_unit: open a unit (before finalize; any zero_stage, see above): the parameters registered next
@@ -18000,8 +18003,8 @@ static DDP__UNUSED ddp_result ddp__zero_gather_settle(ddp_reducer *r);
 static DDP__UNUSED ddp_dtype ddp__fsdp_dtype(const ddp_reducer *r, const ddp__bucket *k); /* gathered / unit grads */
 static DDP__UNUSED ddp_result ddp__fsdp_finalize(ddp_reducer *r);
 static DDP__UNUSED ddp_result ddp__fsdp_check(ddp_reducer *r, int unit, const char *fn);
+static DDP__UNUSED int ddp__fsdp_in_comm(const ddp_reducer *r, const ddp__unit *u);
 static DDP__UNUSED ddp_result ddp__fsdp_reshard_all(ddp_reducer *r);
-static DDP__UNUSED void *ddp__fsdp_grad_take(ddp_reducer *r, ddp__unit *u);
 static DDP__UNUSED void ddp__fsdp_grad_put_back(ddp_reducer *r, ddp__unit *u);
 static DDP__UNUSED void ddp__fsdp_free(ddp_reducer *r);
 
@@ -18647,13 +18650,22 @@ static void ddp__timing_finish(ddp_reducer *r) {
        phase (DDP__PURPOSE): ranks gathering different units fail with DDP_ERR_MISMATCH naming both
    The buffer then holds the unit in its bucket layout: parameter i at its bucket offset. Nothing is
    allocated after finalize, except the gradient pool, which grows by one buffer when every one is taken
-   (as stage 2's comm pool does). A unit's gradient buffer (param_dtype, the unit's count) is taken at the
-   first ddp_fsdp_grad of a pass, zeroed, read by ddp_fsdp_grads_ready (reducer_pass.c: x 1/world into
-   stage 2's comm pool, reduce-scatter) and given back there; a KEEP unit's is its own. */
+   (as stage 2's comm pool does). A unit's gradient buffer is taken at the first ddp_fsdp_grad of a pass
+   (reducer_pass.c), zeroed, and read by ddp_fsdp_grads_ready (x 1/world into stage 2's comm buffer, whose
+   reduce-scatter leaves this rank's slice): when the gradients have the comm dtype it IS that comm
+   buffer, scaled in place (no memory of its own); with param_dtype or compression it is a buffer of the
+   gradient pool (the unit's count in param_dtype), given back after the copy; a KEEP unit's is its own. */
 
 /* The dtype of a bucket's gathered parameters and of the gradients the program writes for it. */
 static ddp_dtype ddp__fsdp_dtype(const ddp_reducer *r, const ddp__bucket *k) {
     return ddp__fsdp(r) && r->desc.param_dtype != DDP_DTYPE_DEFAULT ? r->desc.param_dtype : k->dtype;
+}
+
+/* Does unit u's gradient buffer live in its bucket's comm buffer (reducer_pass.c's ddp__fsdp_grad_take)?
+   When the program's gradients have the comm dtype, are in host memory and the unit is not KEEP. */
+static int ddp__fsdp_in_comm(const ddp_reducer *r, const ddp__unit *u) {
+    const ddp__bucket *k = &r->L.buckets[u->bucket];
+    return !(u->flags & DDP_FSDP_KEEP) && ddp__fsdp_dtype(r, k) == k->comm_dtype;
 }
 
 DDP_API int ddp_fsdp_unit(ddp_reducer *r, const char *name, int flags) {
@@ -18899,52 +18911,11 @@ static ddp_result ddp__fsdp_reshard_all(ddp_reducer *r) {
 
 /* ---- unit gradients ---- */
 
-/* u's gradient buffer for this pass, zeroed: its own (KEEP), else a free buffer of the gradient pool,
-   which grows by one when all are taken. NULL when out of memory (the error is set). */
-static void *ddp__fsdp_grad_take(ddp_reducer *r, ddp__unit *u) {
-    const ddp__bucket *k = &r->L.buckets[u->bucket];
-    int s = 0;
-    if (u->grad) return u->grad;
-    if (u->flags & DDP_FSDP_KEEP) {
-        u->grad = u->grad_own;
-    } else {
-        while (s < r->ngradpool && r->gradpool_holder[s] >= 0) s++;
-        if (s == r->ngradpool) {
-            if (!(r->gradpool[s] = r->ops->alloc(r->g, r->gradpool_bytes))) {
-                ddp__fail(r->g, DDP_ERR_OUT_OF_MEMORY, "ddp_fsdp_grad: out of memory for gradient buffer %d (%zu bytes)", s,
-                          r->gradpool_bytes);
-                return NULL;
-            }
-            r->ngradpool++;
-            r->stats.gradient_bytes += r->gradpool_bytes;
-        }
-        r->gradpool_holder[s] = (int)(u - r->units);
-        u->grad_slot = s;
-        u->grad = r->gradpool[s];
-    }
-    r->ops->zero(r->g, u->grad, k->count * ddp_dtype_size(ddp__fsdp_dtype(r, k)));
-    return u->grad;
-}
-
 /* u's gradient buffer goes back (a pool buffer is free again; a KEEP unit's stays its own). */
 static void ddp__fsdp_grad_put_back(ddp_reducer *r, ddp__unit *u) {
     if (u->grad_slot >= 0) r->gradpool_holder[u->grad_slot] = -1;
     u->grad_slot = -1;
     u->grad = NULL;
-}
-
-DDP_API void *ddp_fsdp_grad(ddp_reducer *r, int index) {
-    ddp__unit *u;
-    if (!r || index < 0 || index >= r->nparams || ddp__fsdp_check(r, r->params[index].unit, "ddp_fsdp_grad")) return NULL;
-    u = &r->units[r->params[index].unit];
-    if (!r->in_backward || u->grads_done) {
-        ddp__fail(r->g, DDP_ERR_STATE, "ddp_fsdp_grad(\"%s\"): %s", r->params[index].name, !r->in_backward ?
-                  "not in a backward pass; call ddp_reducer_begin_backward first" :
-                  "its unit's gradients were handed over (ddp_fsdp_grads_ready) in this pass already");
-        return NULL;
-    }
-    if (!ddp__fsdp_grad_take(r, u)) return NULL;
-    return (char *)u->grad + r->L.param_offset[index] * ddp_dtype_size(ddp__fsdp_dtype(r, &r->L.buckets[u->bucket]));
 }
 
 /* ---- for fsdp_checkpoint.c ---- */
@@ -19056,7 +19027,7 @@ static ddp_result ddp__zero2_pool_alloc(ddp_reducer *r, const ddp__layout *L) {
         const ddp__bucket *k = &L->buckets[b];
         size_t cs = ddp_dtype_size(k->comm_dtype), gs = ddp_dtype_size(k->dtype);
         full = DDP__MAX(full, k->per * world * DDP__MAX(cs, gs));
-        if (cs != gs || ddp__fsdp(r)) land = DDP__MAX(land, k->per * cs); /* 3: no_sync lands there to add */
+        if (cs != gs) land = DDP__MAX(land, k->per * cs);
     }
     r->pool_land = (full + 63) / 64 * 64;
     r->pool_bytes = r->pool_land + land;
@@ -19073,11 +19044,13 @@ static ddp_result ddp__zero2_pool_alloc(ddp_reducer *r, const ddp__layout *L) {
     return DDP_SUCCESS;
 }
 
-/* Where bucket k's reduce-scatter writes this rank's slice: the owned slice itself, or under
-   compression (and at zero_stage 3 in a pass that accumulates) the landing area of its pool buffer. */
+/* Where bucket k's reduce-scatter writes this rank's slice: the owned slice itself; under compression
+   the landing area of its pool buffer; in a pass that accumulates (zero_stage 3 after no_sync passes,
+   without compression) this rank's own slice of the comm buffer, in place. */
 static void *ddp__zero2_land(const ddp_reducer *r, const ddp__bucket *k) {
-    if (k->comm_dtype == k->dtype && !r->accumulate) return k->owned;
-    return (char *)r->pool[k->slot] + r->pool_land;
+    if (k->comm_dtype != k->dtype) return (char *)r->pool[k->slot] + r->pool_land;
+    if (r->accumulate) return (char *)k->comm + (size_t)ddp_rank(r->g) * k->per * ddp_dtype_size(k->comm_dtype);
+    return k->owned;
 }
 
 /* Bucket k's reduce-scatter was waited for (done: successfully): its slice into the owned slice (added
@@ -19737,6 +19710,56 @@ static ddp_result ddp__reducer_fill_unused(ddp_reducer *r) {
         if ((res = ddp__reducer_start_ready(r)) != DDP_SUCCESS) return res;
     }
     return DDP_SUCCESS;
+}
+
+/* u's gradient buffer for this pass, zeroed (see "unit gradients" in reducer_fsdp.c):
+   - a unit whose gradients have the comm dtype (no param_dtype cast, no compression) in host memory: its
+     bucket's comm buffer itself, borrowed from stage 2's pool as a first grad_ready would; grads_ready
+     then scales it in place, so the gradients take no memory of their own (stage 2's formula);
+   - a KEEP unit: its own buffer (held from its first take to end_backward: a tied embedding's gradient
+     is written first and last in backward, and may not hold a pool buffer that long);
+   - else a buffer of the gradient pool, which grows by one when all are taken.
+   NULL when out of memory, or when a pool buffer could not be had (the error is set). */
+static void *ddp__fsdp_grad_take(ddp_reducer *r, ddp__unit *u) {
+    ddp__bucket *k = &r->L.buckets[u->bucket];
+    int s = 0;
+    if (u->grad) return u->grad;
+    if (ddp__fsdp_in_comm(r, u)) {
+        if (!k->comm && ddp__zero2_acquire(r, u->bucket) != DDP_SUCCESS) return NULL;
+        u->grad = k->comm;
+    } else if (u->flags & DDP_FSDP_KEEP) {
+        u->grad = u->grad_own;
+    } else {
+        while (s < r->ngradpool && r->gradpool_holder[s] >= 0) s++;
+        if (s == r->ngradpool) {
+            if (!(r->gradpool[s] = r->ops->alloc(r->g, r->gradpool_bytes))) {
+                ddp__fail(r->g, DDP_ERR_OUT_OF_MEMORY, "ddp_fsdp_grad: out of memory for gradient buffer %d (%zu bytes)", s,
+                          r->gradpool_bytes);
+                return NULL;
+            }
+            r->ngradpool++;
+            r->stats.gradient_bytes += r->gradpool_bytes;
+        }
+        r->gradpool_holder[s] = (int)(u - r->units);
+        u->grad_slot = s;
+        u->grad = r->gradpool[s];
+    }
+    r->ops->zero(r->g, u->grad, k->count * ddp_dtype_size(ddp__fsdp_dtype(r, k)));
+    return u->grad;
+}
+
+DDP_API void *ddp_fsdp_grad(ddp_reducer *r, int index) {
+    ddp__unit *u;
+    if (!r || index < 0 || index >= r->nparams || ddp__fsdp_check(r, r->params[index].unit, "ddp_fsdp_grad")) return NULL;
+    u = &r->units[r->params[index].unit];
+    if (!r->in_backward || u->grads_done) {
+        ddp__fail(r->g, DDP_ERR_STATE, "ddp_fsdp_grad(\"%s\"): %s", r->params[index].name, !r->in_backward ?
+                  "not in a backward pass; call ddp_reducer_begin_backward first" :
+                  "its unit's gradients were handed over (ddp_fsdp_grads_ready) in this pass already");
+        return NULL;
+    }
+    if (!ddp__fsdp_grad_take(r, u)) return NULL;
+    return (char *)u->grad + r->L.param_offset[index] * ddp_dtype_size(ddp__fsdp_dtype(r, &r->L.buckets[u->bucket]));
 }
 
 /* zero_stage 3: grad_ready for every parameter of the unit at once, from its gradient buffer, which then

@@ -540,10 +540,12 @@ DDP_API ddp_result ddp_reducer_shard_state(ddp_reducer *r, ddp_dtype t, int nsta
      nothing, and it stays gathered until end_backward.
    - ddp_fsdp_grad(i) (in a backward pass): where parameter i's gradient goes, in param_dtype (or the
      registered dtype), zeroed at the unit's first ddp_fsdp_grad in the pass, so the program adds into it.
-     Gradient buffers come from a pool that grows by one buffer of the largest unit when every buffer is
-     taken (units whose gradients are computed at the same time); a KEEP unit's is its own. After
-     ddp_fsdp_grads_ready(u) the buffer is read (x 1/world, cast to comm_dtype, the reduce-scatter starts
-     when it is next in order, as stage 2's buckets) and goes back to the pool: do not write to it again.
+     When that dtype is comm_dtype (the default) the buffer is the unit's comm buffer from stage 2's pool
+     of 2 (the gradients then cost no memory of their own: a third unit waits for the oldest reduce-
+     scatter, as stage 2's buckets do); with param_dtype or compression it comes from a gradient pool
+     that grows by one buffer of the largest unit when every buffer is taken; a KEEP unit's is its own.
+     ddp_fsdp_grads_ready(u) scales it by 1/world (cast to comm_dtype) and its reduce-scatter starts when
+     it is next in order: do not write to it again.
      A unit without ddp_fsdp_grads_ready in a pass is an error at end_backward naming its parameters, as
      a missing gradient, unless find_unused_parameters (zeros from this rank; untouched if no rank used it).
    - end_backward waits for the reduce-scatters and reshards EVERY unit (the pool is free again; the
@@ -563,8 +565,9 @@ DDP_API ddp_result ddp_reducer_shard_state(ddp_reducer *r, ddp_dtype t, int nsta
      gather/wait/param/release/grad/grads_ready are stage 3's only.
    - Memory (statistics): param_bytes_peak = the master shards (per elements of each unit, registered
      dtype) + (1 + prefetch) gather buffers (world * per of the largest unit, param_dtype) + each KEEP
-     unit's (world * per, param_dtype); gradient_bytes = stage 2's (slices + its pool of 2) + the gradient
-     buffers (each the largest unit's count in param_dtype) + each KEEP unit's. */
+     unit's (world * per, param_dtype); gradient_bytes = stage 2's (slices + its pool of 2) + each KEEP
+     unit's gradient buffer (its count) + with param_dtype or compression the gradient pool's buffers (the
+     largest unit's count in param_dtype each; one when units are handed over one at a time). */
 #define DDP_FSDP_KEEP 1 /* ddp_fsdp_unit flag: the unit stays gathered from its first wait to end_backward */
 
 /* ddp_fsdp_unit: open a unit (before finalize; any zero_stage, see above): the parameters registered next

@@ -12,15 +12,24 @@
        phase (DDP__PURPOSE): ranks gathering different units fail with DDP_ERR_MISMATCH naming both
    The buffer then holds the unit in its bucket layout: parameter i at its bucket offset. Nothing is
    allocated after finalize, except the gradient pool, which grows by one buffer when every one is taken
-   (as stage 2's comm pool does). A unit's gradient buffer (param_dtype, the unit's count) is taken at the
-   first ddp_fsdp_grad of a pass, zeroed, read by ddp_fsdp_grads_ready (reducer_pass.c: x 1/world into
-   stage 2's comm pool, reduce-scatter) and given back there; a KEEP unit's is its own. */
+   (as stage 2's comm pool does). A unit's gradient buffer is taken at the first ddp_fsdp_grad of a pass
+   (reducer_pass.c), zeroed, and read by ddp_fsdp_grads_ready (x 1/world into stage 2's comm buffer, whose
+   reduce-scatter leaves this rank's slice): when the gradients have the comm dtype it IS that comm
+   buffer, scaled in place (no memory of its own); with param_dtype or compression it is a buffer of the
+   gradient pool (the unit's count in param_dtype), given back after the copy; a KEEP unit's is its own. */
 #include "internal.h"
 #include "reducer_state.h"
 
 /* The dtype of a bucket's gathered parameters and of the gradients the program writes for it. */
 static ddp_dtype ddp__fsdp_dtype(const ddp_reducer *r, const ddp__bucket *k) {
     return ddp__fsdp(r) && r->desc.param_dtype != DDP_DTYPE_DEFAULT ? r->desc.param_dtype : k->dtype;
+}
+
+/* Does unit u's gradient buffer live in its bucket's comm buffer (reducer_pass.c's ddp__fsdp_grad_take)?
+   When the program's gradients have the comm dtype, are in host memory and the unit is not KEEP. */
+static int ddp__fsdp_in_comm(const ddp_reducer *r, const ddp__unit *u) {
+    const ddp__bucket *k = &r->L.buckets[u->bucket];
+    return !(u->flags & DDP_FSDP_KEEP) && ddp__fsdp_dtype(r, k) == k->comm_dtype;
 }
 
 DDP_API int ddp_fsdp_unit(ddp_reducer *r, const char *name, int flags) {
@@ -266,52 +275,11 @@ static ddp_result ddp__fsdp_reshard_all(ddp_reducer *r) {
 
 /* ---- unit gradients ---- */
 
-/* u's gradient buffer for this pass, zeroed: its own (KEEP), else a free buffer of the gradient pool,
-   which grows by one when all are taken. NULL when out of memory (the error is set). */
-static void *ddp__fsdp_grad_take(ddp_reducer *r, ddp__unit *u) {
-    const ddp__bucket *k = &r->L.buckets[u->bucket];
-    int s = 0;
-    if (u->grad) return u->grad;
-    if (u->flags & DDP_FSDP_KEEP) {
-        u->grad = u->grad_own;
-    } else {
-        while (s < r->ngradpool && r->gradpool_holder[s] >= 0) s++;
-        if (s == r->ngradpool) {
-            if (!(r->gradpool[s] = r->ops->alloc(r->g, r->gradpool_bytes))) {
-                ddp__fail(r->g, DDP_ERR_OUT_OF_MEMORY, "ddp_fsdp_grad: out of memory for gradient buffer %d (%zu bytes)", s,
-                          r->gradpool_bytes);
-                return NULL;
-            }
-            r->ngradpool++;
-            r->stats.gradient_bytes += r->gradpool_bytes;
-        }
-        r->gradpool_holder[s] = (int)(u - r->units);
-        u->grad_slot = s;
-        u->grad = r->gradpool[s];
-    }
-    r->ops->zero(r->g, u->grad, k->count * ddp_dtype_size(ddp__fsdp_dtype(r, k)));
-    return u->grad;
-}
-
 /* u's gradient buffer goes back (a pool buffer is free again; a KEEP unit's stays its own). */
 static void ddp__fsdp_grad_put_back(ddp_reducer *r, ddp__unit *u) {
     if (u->grad_slot >= 0) r->gradpool_holder[u->grad_slot] = -1;
     u->grad_slot = -1;
     u->grad = NULL;
-}
-
-DDP_API void *ddp_fsdp_grad(ddp_reducer *r, int index) {
-    ddp__unit *u;
-    if (!r || index < 0 || index >= r->nparams || ddp__fsdp_check(r, r->params[index].unit, "ddp_fsdp_grad")) return NULL;
-    u = &r->units[r->params[index].unit];
-    if (!r->in_backward || u->grads_done) {
-        ddp__fail(r->g, DDP_ERR_STATE, "ddp_fsdp_grad(\"%s\"): %s", r->params[index].name, !r->in_backward ?
-                  "not in a backward pass; call ddp_reducer_begin_backward first" :
-                  "its unit's gradients were handed over (ddp_fsdp_grads_ready) in this pass already");
-        return NULL;
-    }
-    if (!ddp__fsdp_grad_take(r, u)) return NULL;
-    return (char *)u->grad + r->L.param_offset[index] * ddp_dtype_size(ddp__fsdp_dtype(r, &r->L.buckets[u->bucket]));
 }
 
 /* ---- for fsdp_checkpoint.c ---- */

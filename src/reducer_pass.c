@@ -222,6 +222,56 @@ static ddp_result ddp__reducer_fill_unused(ddp_reducer *r) {
     return DDP_SUCCESS;
 }
 
+/* u's gradient buffer for this pass, zeroed (see "unit gradients" in reducer_fsdp.c):
+   - a unit whose gradients have the comm dtype (no param_dtype cast, no compression) in host memory: its
+     bucket's comm buffer itself, borrowed from stage 2's pool as a first grad_ready would; grads_ready
+     then scales it in place, so the gradients take no memory of their own (stage 2's formula);
+   - a KEEP unit: its own buffer (held from its first take to end_backward: a tied embedding's gradient
+     is written first and last in backward, and may not hold a pool buffer that long);
+   - else a buffer of the gradient pool, which grows by one when all are taken.
+   NULL when out of memory, or when a pool buffer could not be had (the error is set). */
+static void *ddp__fsdp_grad_take(ddp_reducer *r, ddp__unit *u) {
+    ddp__bucket *k = &r->L.buckets[u->bucket];
+    int s = 0;
+    if (u->grad) return u->grad;
+    if (ddp__fsdp_in_comm(r, u)) {
+        if (!k->comm && ddp__zero2_acquire(r, u->bucket) != DDP_SUCCESS) return NULL;
+        u->grad = k->comm;
+    } else if (u->flags & DDP_FSDP_KEEP) {
+        u->grad = u->grad_own;
+    } else {
+        while (s < r->ngradpool && r->gradpool_holder[s] >= 0) s++;
+        if (s == r->ngradpool) {
+            if (!(r->gradpool[s] = r->ops->alloc(r->g, r->gradpool_bytes))) {
+                ddp__fail(r->g, DDP_ERR_OUT_OF_MEMORY, "ddp_fsdp_grad: out of memory for gradient buffer %d (%zu bytes)", s,
+                          r->gradpool_bytes);
+                return NULL;
+            }
+            r->ngradpool++;
+            r->stats.gradient_bytes += r->gradpool_bytes;
+        }
+        r->gradpool_holder[s] = (int)(u - r->units);
+        u->grad_slot = s;
+        u->grad = r->gradpool[s];
+    }
+    r->ops->zero(r->g, u->grad, k->count * ddp_dtype_size(ddp__fsdp_dtype(r, k)));
+    return u->grad;
+}
+
+DDP_API void *ddp_fsdp_grad(ddp_reducer *r, int index) {
+    ddp__unit *u;
+    if (!r || index < 0 || index >= r->nparams || ddp__fsdp_check(r, r->params[index].unit, "ddp_fsdp_grad")) return NULL;
+    u = &r->units[r->params[index].unit];
+    if (!r->in_backward || u->grads_done) {
+        ddp__fail(r->g, DDP_ERR_STATE, "ddp_fsdp_grad(\"%s\"): %s", r->params[index].name, !r->in_backward ?
+                  "not in a backward pass; call ddp_reducer_begin_backward first" :
+                  "its unit's gradients were handed over (ddp_fsdp_grads_ready) in this pass already");
+        return NULL;
+    }
+    if (!ddp__fsdp_grad_take(r, u)) return NULL;
+    return (char *)u->grad + r->L.param_offset[index] * ddp_dtype_size(ddp__fsdp_dtype(r, &r->L.buckets[u->bucket]));
+}
+
 /* zero_stage 3: grad_ready for every parameter of the unit at once, from its gradient buffer, which then
    goes back to the pool. A unit whose gradients were never taken in this pass contributes zeros; with
    find_unused_parameters it is also "not used on this rank" (as a parameter without grad_ready). */

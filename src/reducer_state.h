@@ -194,8 +194,8 @@ static DDP__UNUSED ddp_result ddp__zero_gather_settle(ddp_reducer *r);
 static DDP__UNUSED ddp_dtype ddp__fsdp_dtype(const ddp_reducer *r, const ddp__bucket *k); /* gathered / unit grads */
 static DDP__UNUSED ddp_result ddp__fsdp_finalize(ddp_reducer *r);
 static DDP__UNUSED ddp_result ddp__fsdp_check(ddp_reducer *r, int unit, const char *fn);
+static DDP__UNUSED int ddp__fsdp_in_comm(const ddp_reducer *r, const ddp__unit *u);
 static DDP__UNUSED ddp_result ddp__fsdp_reshard_all(ddp_reducer *r);
-static DDP__UNUSED void *ddp__fsdp_grad_take(ddp_reducer *r, ddp__unit *u);
 static DDP__UNUSED void ddp__fsdp_grad_put_back(ddp_reducer *r, ddp__unit *u);
 static DDP__UNUSED void ddp__fsdp_free(ddp_reducer *r);
 

@@ -42,7 +42,7 @@ static ddp_result ddp__zero2_pool_alloc(ddp_reducer *r, const ddp__layout *L) {
         const ddp__bucket *k = &L->buckets[b];
         size_t cs = ddp_dtype_size(k->comm_dtype), gs = ddp_dtype_size(k->dtype);
         full = DDP__MAX(full, k->per * world * DDP__MAX(cs, gs));
-        if (cs != gs || ddp__fsdp(r)) land = DDP__MAX(land, k->per * cs); /* 3: no_sync lands there to add */
+        if (cs != gs) land = DDP__MAX(land, k->per * cs);
     }
     r->pool_land = (full + 63) / 64 * 64;
     r->pool_bytes = r->pool_land + land;
@@ -59,11 +59,13 @@ static ddp_result ddp__zero2_pool_alloc(ddp_reducer *r, const ddp__layout *L) {
     return DDP_SUCCESS;
 }
 
-/* Where bucket k's reduce-scatter writes this rank's slice: the owned slice itself, or under
-   compression (and at zero_stage 3 in a pass that accumulates) the landing area of its pool buffer. */
+/* Where bucket k's reduce-scatter writes this rank's slice: the owned slice itself; under compression
+   the landing area of its pool buffer; in a pass that accumulates (zero_stage 3 after no_sync passes,
+   without compression) this rank's own slice of the comm buffer, in place. */
 static void *ddp__zero2_land(const ddp_reducer *r, const ddp__bucket *k) {
-    if (k->comm_dtype == k->dtype && !r->accumulate) return k->owned;
-    return (char *)r->pool[k->slot] + r->pool_land;
+    if (k->comm_dtype != k->dtype) return (char *)r->pool[k->slot] + r->pool_land;
+    if (r->accumulate) return (char *)k->comm + (size_t)ddp_rank(r->g) * k->per * ddp_dtype_size(k->comm_dtype);
+    return k->owned;
 }
 
 /* Bucket k's reduce-scatter was waited for (done: successfully): its slice into the owned slice (added

@@ -221,11 +221,10 @@ static void memory(ddp_group *g, int prefetch, ddp_dtype param) {
     want = masters + (uint64_t)(1 + prefetch) * largest * ps + per[0] * world * ps;
     CHECK(st.param_bytes_peak == want, "param_bytes_peak %llu, formula %llu (prefetch %d, %s)",
           (unsigned long long)st.param_bytes_peak, (unsigned long long)want, prefetch, ddp_dtype_name(param));
-    /* stage 2's: slices + 2 comm buffers (each with its landing area of per elements at stage 3, 64-aligned) */
+    /* stage 2's: slices + 2 comm buffers (64-aligned; no landing area without compression) + the KEEP unit's */
     {
-        size_t land = 0, full = (pool + 63) / 64 * 64;
-        for (u = 0; u < NU; u++) land = per[u] * 4 > land ? per[u] * 4 : land;
-        want = slices + 2 * (full + land) + count[0] * ps;
+        size_t full = (pool + 63) / 64 * 64;
+        want = slices + 2 * full + count[0] * ps;
         CHECK(st.gradient_bytes == want, "gradient_bytes %llu, formula %llu before any pass",
               (unsigned long long)st.gradient_bytes, (unsigned long long)want);
         CHECK_OK(ddp_reducer_begin_backward(r), NULL);
@@ -236,7 +235,7 @@ static void memory(ddp_group *g, int prefetch, ddp_dtype param) {
         }
         CHECK_OK(ddp_reducer_end_backward(r), NULL);
         CHECK_OK(ddp_reducer_get_statistics(r, &st), NULL);
-        want += grad_largest * ps; /* one gradient buffer: each unit gave its own back before the next took one */
+        if (param == DDP_BF16) want += grad_largest * ps; /* one pool buffer: each unit gave its own back before the next */
         CHECK(st.gradient_bytes == want, "gradient_bytes %llu, formula %llu after a pass", (unsigned long long)st.gradient_bytes,
               (unsigned long long)want);
     }
