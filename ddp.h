@@ -1295,9 +1295,14 @@ DDP_API ddp_result ddp_reducer_shard_state(ddp_reducer *r, ddp_dtype t, int nsta
    - param_dtype DDP_BF16/DDP_F16: gathered parameters and ddp_fsdp_grad's buffers have that dtype; the
      reduce-scatter runs in comm_dtype (default: the registered dtype, FSDP2's reduce_dtype = f32), the
      master shards and ddp_reducer_shards' gradients keep the registered dtype.
-   - Host memory, on the cpu (shm, tcp, hier) and mpi backends. Refused (DDP_ERR_UNSUPPORTED) for now: the
-     nccl backend and device parameters, uneven_inputs (a joined rank would have to shadow the gathers),
-     gradient_as_bucket_view, ddp_reducer_gather_params (the units are gathered as they are used).
+   - Backends cpu (shm, tcp, hier) and mpi. Parameters registered in device memory there (a build with
+     DDP_CUDA) are torch's CPUOffloadPolicy: the gathered units and ddp_fsdp_grad's buffers are device
+     memory, the master shards, gradient slices and so the optimizer (ddp_reducer_shards) host memory,
+     every copy between them staged through the group's pinned memory on its stream (exact; slow: a
+     stream synchronisation per copy). Every parameter must then be device memory. Refused
+     (DDP_ERR_UNSUPPORTED) for now: the nccl backend, uneven_inputs (a joined rank would have to shadow
+     the gathers); DDP_ERR_STATE / DDP_ERR_INVALID_ARGUMENT: gradient_as_bucket_view, and
+     ddp_reducer_gather_params (the units are gathered as they are used).
    - Units at stages 0-2: ddp_fsdp_unit cuts the buckets there too (one bucket per unit, params registered
      with their gradients as usual; no rebuild), so stage 3 can be compared with stage 2 bucket for bucket;
      gather/wait/param/release/grad/grads_ready are stage 3's only.
@@ -17933,6 +17938,7 @@ struct ddp_reducer {
     int ngradpool;
     size_t gradpool_bytes;
     int accumulate;    /* zero_stage 3: this pass adds its averaged gradients to the slices (no_sync before) */
+    int offload;       /* zero_stage 3: the parameters are device memory on a host backend (reducer_fsdp.c) */
     int pass_user_sync; /* zero_stage 3: the pass was begun under set_sync(1) (every pass reduce-scatters) */
     void *bstage;      /* staging for coalesced buffer broadcasts */
     size_t bstage_bytes;
@@ -18004,6 +18010,7 @@ static DDP__UNUSED ddp_dtype ddp__fsdp_dtype(const ddp_reducer *r, const ddp__bu
 static DDP__UNUSED ddp_result ddp__fsdp_finalize(ddp_reducer *r);
 static DDP__UNUSED ddp_result ddp__fsdp_check(ddp_reducer *r, int unit, const char *fn);
 static DDP__UNUSED int ddp__fsdp_in_comm(const ddp_reducer *r, const ddp__unit *u);
+static DDP__UNUSED void *ddp__fsdp_alloc(ddp_reducer *r, size_t bytes);
 static DDP__UNUSED ddp_result ddp__fsdp_reshard_all(ddp_reducer *r);
 static DDP__UNUSED void ddp__fsdp_grad_put_back(ddp_reducer *r, ddp__unit *u);
 static DDP__UNUSED void ddp__fsdp_free(ddp_reducer *r);
@@ -18665,7 +18672,58 @@ static ddp_dtype ddp__fsdp_dtype(const ddp_reducer *r, const ddp__bucket *k) {
    When the program's gradients have the comm dtype, are in host memory and the unit is not KEEP. */
 static int ddp__fsdp_in_comm(const ddp_reducer *r, const ddp__unit *u) {
     const ddp__bucket *k = &r->L.buckets[u->bucket];
-    return !(u->flags & DDP_FSDP_KEEP) && ddp__fsdp_dtype(r, k) == k->comm_dtype;
+    return !(u->flags & DDP_FSDP_KEEP) && ddp__fsdp_dtype(r, k) == k->comm_dtype && !r->offload;
+}
+
+/* ---- device parameters on a host backend (CPUOffloadPolicy) ----
+   With DDP_CUDA, a model registered in device memory on the cpu or mpi backend: what the program reads and
+   writes (the gathered units and the unit gradient buffers) is device memory, the rest stays on the host
+   (master shards, gradient slices, stage 2's comm pool, and so the optimizer: ddp_reducer_shards is host
+   memory). The collectives and copies stage the device side through the group's pinned memory
+   (devbuf.c): a unit's all-gather runs into its device buffer, its gradients go from the device into the
+   host comm buffer, scaled, before their reduce-scatter. torch FSDP2's CPUOffloadPolicy moves the same
+   data the same way. Exact: the same host arithmetic; slow: each copy waits for the group's stream. */
+static void *ddp__fsdp_alloc(ddp_reducer *r, size_t bytes) {
+#ifdef DDP_CUDA
+    if (r->offload) {
+        char err[DDP__ERR_MAX];
+        void *p = NULL;
+        if (ddp__cuda_device_alloc(bytes, &p, err, sizeof err) != DDP_SUCCESS) {
+            ddp__fail(r->g, DDP_ERR_OUT_OF_MEMORY, "zero_stage 3: %s", err);
+            return NULL;
+        }
+        return p;
+    }
+#endif
+    return r->ops->alloc(r->g, bytes);
+}
+
+static void ddp__fsdp_free_mem(ddp_reducer *r, void *p) {
+    if (!p) return;
+#ifdef DDP_CUDA
+    if (r->offload) {
+        ddp__cuda_device_free(p);
+        return;
+    }
+#endif
+    r->ops->release(r->g, p);
+}
+
+/* Device parameters or host ones, alike for every parameter (checked at finalize). */
+static ddp_result ddp__fsdp_memory_kind(ddp_reducer *r) {
+#ifdef DDP_CUDA
+    int i, first = ddp__cuda_is_device_pointer(r->params[0].data) == 1;
+    for (i = 1; i < r->nparams; i++)
+        if ((ddp__cuda_is_device_pointer(r->params[i].data) == 1) != first)
+            return ddp__fail(r->g, DDP_ERR_INVALID_ARGUMENT, "ddp_reducer_finalize: zero_stage 3: parameter \"%s\" is %s memory "
+                             "but \"%s\" is %s: register every parameter in device memory (the units are gathered there) "
+                             "or every one in host memory", r->params[i].name, first ? "host" : "device", r->params[0].name,
+                             first ? "device" : "host");
+    r->offload = first && strcmp(r->ops->family, "nccl") != 0;
+#else
+    (void)r;
+#endif
+    return DDP_SUCCESS;
 }
 
 DDP_API int ddp_fsdp_unit(ddp_reducer *r, const char *name, int flags) {
@@ -18730,7 +18788,9 @@ DDP_API ddp_result ddp_reducer_param_shape(ddp_reducer *r, int param, int ndim, 
 static ddp_result ddp__fsdp_finalize(ddp_reducer *r) {
     size_t world = (size_t)ddp_world_size(r->g), gather = 0, grads = 0;
     int b, s;
+    ddp_result res;
     if (!ddp__fsdp(r)) return DDP_SUCCESS;
+    if ((res = ddp__fsdp_memory_kind(r)) != DDP_SUCCESS) return res;
     for (b = 0; b < r->L.nbuckets; b++) {
         const ddp__bucket *k = &r->L.buckets[b];
         size_t ps = ddp_dtype_size(ddp__fsdp_dtype(r, k));
@@ -18748,13 +18808,13 @@ static ddp_result ddp__fsdp_finalize(ddp_reducer *r) {
     if (!r->gpool || !r->gpool_holder || !r->gradpool || !r->gradpool_holder) goto oom;
     for (s = 0; s < r->ngpool; s++) r->gpool_holder[s] = -1;
     for (s = 0; s < r->ngpool && gather; s++)
-        if (!(r->gpool[s] = r->ops->alloc(r->g, gather))) goto oom;
+        if (!(r->gpool[s] = ddp__fsdp_alloc(r, gather))) goto oom;
     for (b = 0; b < r->L.nbuckets; b++) {
         const ddp__bucket *k = &r->L.buckets[b];
         ddp__unit *u = &r->units[k->unit];
         size_t ps = ddp_dtype_size(ddp__fsdp_dtype(r, k));
         if (!(u->flags & DDP_FSDP_KEEP)) continue;
-        if (!(u->own = r->ops->alloc(r->g, k->per * world * ps)) || !(u->grad_own = r->ops->alloc(r->g, k->count * ps))) goto oom;
+        if (!(u->own = ddp__fsdp_alloc(r, k->per * world * ps)) || !(u->grad_own = ddp__fsdp_alloc(r, k->count * ps))) goto oom;
     }
     for (s = 0; s < r->nshards; s++) { /* the master shards: this rank's slices of the initial values */
         const ddp_shard *sh = &r->shards[s];
@@ -18969,13 +19029,12 @@ static ddp_result ddp__fsdp_gather_master(ddp_reducer *r, int u, void *buf, int 
 static void ddp__fsdp_free(ddp_reducer *r) {
     int i;
     for (i = 0; i < r->nunits; i++) {
-        if (r->units[i].own) r->ops->release(r->g, r->units[i].own);
-        if (r->units[i].grad_own) r->ops->release(r->g, r->units[i].grad_own);
+        ddp__fsdp_free_mem(r, r->units[i].own);
+        ddp__fsdp_free_mem(r, r->units[i].grad_own);
         ddp__free(r->units[i].name);
     }
-    for (i = 0; r->gpool && i < r->ngpool; i++)
-        if (r->gpool[i]) r->ops->release(r->g, r->gpool[i]);
-    for (i = 0; i < r->ngradpool; i++) r->ops->release(r->g, r->gradpool[i]);
+    for (i = 0; r->gpool && i < r->ngpool; i++) ddp__fsdp_free_mem(r, r->gpool[i]);
+    for (i = 0; i < r->ngradpool; i++) ddp__fsdp_free_mem(r, r->gradpool[i]);
     ddp__free(r->units);
     ddp__free(r->gpool);
     ddp__free(r->gpool_holder);
@@ -19400,7 +19459,7 @@ DDP_API ddp_result ddp_reducer_gather_params(ddp_reducer *r) {
 static ddp_result ddp__zero2_check_memory(ddp_reducer *r) {
 #ifdef DDP_CUDA
     int i;
-    if (!ddp__zero2(r) || !strcmp(r->ops->family, "nccl")) return DDP_SUCCESS;
+    if (!ddp__zero2(r) || ddp__fsdp(r) || !strcmp(r->ops->family, "nccl")) return DDP_SUCCESS; /* 3: offload */
     for (i = 0; i < r->nparams; i++)
         if (ddp__cuda_is_device_pointer(r->params[i].data) || ddp__cuda_is_device_pointer(r->params[i].grad))
             return ddp__fail(r->g, DDP_ERR_UNSUPPORTED, "ddp_reducer_finalize: zero_stage = %d with parameter \"%s\" in device "
@@ -19732,7 +19791,7 @@ static void *ddp__fsdp_grad_take(ddp_reducer *r, ddp__unit *u) {
     } else {
         while (s < r->ngradpool && r->gradpool_holder[s] >= 0) s++;
         if (s == r->ngradpool) {
-            if (!(r->gradpool[s] = r->ops->alloc(r->g, r->gradpool_bytes))) {
+            if (!(r->gradpool[s] = ddp__fsdp_alloc(r, r->gradpool_bytes))) {
                 ddp__fail(r->g, DDP_ERR_OUT_OF_MEMORY, "ddp_fsdp_grad: out of memory for gradient buffer %d (%zu bytes)", s,
                           r->gradpool_bytes);
                 return NULL;

@@ -557,9 +557,14 @@ DDP_API ddp_result ddp_reducer_shard_state(ddp_reducer *r, ddp_dtype t, int nsta
    - param_dtype DDP_BF16/DDP_F16: gathered parameters and ddp_fsdp_grad's buffers have that dtype; the
      reduce-scatter runs in comm_dtype (default: the registered dtype, FSDP2's reduce_dtype = f32), the
      master shards and ddp_reducer_shards' gradients keep the registered dtype.
-   - Host memory, on the cpu (shm, tcp, hier) and mpi backends. Refused (DDP_ERR_UNSUPPORTED) for now: the
-     nccl backend and device parameters, uneven_inputs (a joined rank would have to shadow the gathers),
-     gradient_as_bucket_view, ddp_reducer_gather_params (the units are gathered as they are used).
+   - Backends cpu (shm, tcp, hier) and mpi. Parameters registered in device memory there (a build with
+     DDP_CUDA) are torch's CPUOffloadPolicy: the gathered units and ddp_fsdp_grad's buffers are device
+     memory, the master shards, gradient slices and so the optimizer (ddp_reducer_shards) host memory,
+     every copy between them staged through the group's pinned memory on its stream (exact; slow: a
+     stream synchronisation per copy). Every parameter must then be device memory. Refused
+     (DDP_ERR_UNSUPPORTED) for now: the nccl backend, uneven_inputs (a joined rank would have to shadow
+     the gathers); DDP_ERR_STATE / DDP_ERR_INVALID_ARGUMENT: gradient_as_bucket_view, and
+     ddp_reducer_gather_params (the units are gathered as they are used).
    - Units at stages 0-2: ddp_fsdp_unit cuts the buckets there too (one bucket per unit, params registered
      with their gradients as usual; no rebuild), so stage 3 can be compared with stage 2 bucket for bucket;
      gather/wait/param/release/grad/grads_ready are stage 3's only.

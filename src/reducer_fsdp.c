@@ -29,7 +29,58 @@ static ddp_dtype ddp__fsdp_dtype(const ddp_reducer *r, const ddp__bucket *k) {
    When the program's gradients have the comm dtype, are in host memory and the unit is not KEEP. */
 static int ddp__fsdp_in_comm(const ddp_reducer *r, const ddp__unit *u) {
     const ddp__bucket *k = &r->L.buckets[u->bucket];
-    return !(u->flags & DDP_FSDP_KEEP) && ddp__fsdp_dtype(r, k) == k->comm_dtype;
+    return !(u->flags & DDP_FSDP_KEEP) && ddp__fsdp_dtype(r, k) == k->comm_dtype && !r->offload;
+}
+
+/* ---- device parameters on a host backend (CPUOffloadPolicy) ----
+   With DDP_CUDA, a model registered in device memory on the cpu or mpi backend: what the program reads and
+   writes (the gathered units and the unit gradient buffers) is device memory, the rest stays on the host
+   (master shards, gradient slices, stage 2's comm pool, and so the optimizer: ddp_reducer_shards is host
+   memory). The collectives and copies stage the device side through the group's pinned memory
+   (devbuf.c): a unit's all-gather runs into its device buffer, its gradients go from the device into the
+   host comm buffer, scaled, before their reduce-scatter. torch FSDP2's CPUOffloadPolicy moves the same
+   data the same way. Exact: the same host arithmetic; slow: each copy waits for the group's stream. */
+static void *ddp__fsdp_alloc(ddp_reducer *r, size_t bytes) {
+#ifdef DDP_CUDA
+    if (r->offload) {
+        char err[DDP__ERR_MAX];
+        void *p = NULL;
+        if (ddp__cuda_device_alloc(bytes, &p, err, sizeof err) != DDP_SUCCESS) {
+            ddp__fail(r->g, DDP_ERR_OUT_OF_MEMORY, "zero_stage 3: %s", err);
+            return NULL;
+        }
+        return p;
+    }
+#endif
+    return r->ops->alloc(r->g, bytes);
+}
+
+static void ddp__fsdp_free_mem(ddp_reducer *r, void *p) {
+    if (!p) return;
+#ifdef DDP_CUDA
+    if (r->offload) {
+        ddp__cuda_device_free(p);
+        return;
+    }
+#endif
+    r->ops->release(r->g, p);
+}
+
+/* Device parameters or host ones, alike for every parameter (checked at finalize). */
+static ddp_result ddp__fsdp_memory_kind(ddp_reducer *r) {
+#ifdef DDP_CUDA
+    int i, first = ddp__cuda_is_device_pointer(r->params[0].data) == 1;
+    for (i = 1; i < r->nparams; i++)
+        if ((ddp__cuda_is_device_pointer(r->params[i].data) == 1) != first)
+            return ddp__fail(r->g, DDP_ERR_INVALID_ARGUMENT, "ddp_reducer_finalize: zero_stage 3: parameter \"%s\" is %s memory "
+                             "but \"%s\" is %s: register every parameter in device memory (the units are gathered there) "
+                             "or every one in host memory", r->params[i].name, first ? "host" : "device", r->params[0].name,
+                             first ? "device" : "host");
+    r->offload = first && strcmp(r->ops->family, "nccl") != 0;
+#else
+    (void)r;
+#endif
+    return DDP_SUCCESS;
 }
 
 DDP_API int ddp_fsdp_unit(ddp_reducer *r, const char *name, int flags) {
@@ -94,7 +145,9 @@ DDP_API ddp_result ddp_reducer_param_shape(ddp_reducer *r, int param, int ndim, 
 static ddp_result ddp__fsdp_finalize(ddp_reducer *r) {
     size_t world = (size_t)ddp_world_size(r->g), gather = 0, grads = 0;
     int b, s;
+    ddp_result res;
     if (!ddp__fsdp(r)) return DDP_SUCCESS;
+    if ((res = ddp__fsdp_memory_kind(r)) != DDP_SUCCESS) return res;
     for (b = 0; b < r->L.nbuckets; b++) {
         const ddp__bucket *k = &r->L.buckets[b];
         size_t ps = ddp_dtype_size(ddp__fsdp_dtype(r, k));
@@ -112,13 +165,13 @@ static ddp_result ddp__fsdp_finalize(ddp_reducer *r) {
     if (!r->gpool || !r->gpool_holder || !r->gradpool || !r->gradpool_holder) goto oom;
     for (s = 0; s < r->ngpool; s++) r->gpool_holder[s] = -1;
     for (s = 0; s < r->ngpool && gather; s++)
-        if (!(r->gpool[s] = r->ops->alloc(r->g, gather))) goto oom;
+        if (!(r->gpool[s] = ddp__fsdp_alloc(r, gather))) goto oom;
     for (b = 0; b < r->L.nbuckets; b++) {
         const ddp__bucket *k = &r->L.buckets[b];
         ddp__unit *u = &r->units[k->unit];
         size_t ps = ddp_dtype_size(ddp__fsdp_dtype(r, k));
         if (!(u->flags & DDP_FSDP_KEEP)) continue;
-        if (!(u->own = r->ops->alloc(r->g, k->per * world * ps)) || !(u->grad_own = r->ops->alloc(r->g, k->count * ps))) goto oom;
+        if (!(u->own = ddp__fsdp_alloc(r, k->per * world * ps)) || !(u->grad_own = ddp__fsdp_alloc(r, k->count * ps))) goto oom;
     }
     for (s = 0; s < r->nshards; s++) { /* the master shards: this rank's slices of the initial values */
         const ddp_shard *sh = &r->shards[s];
@@ -333,13 +386,12 @@ static ddp_result ddp__fsdp_gather_master(ddp_reducer *r, int u, void *buf, int 
 static void ddp__fsdp_free(ddp_reducer *r) {
     int i;
     for (i = 0; i < r->nunits; i++) {
-        if (r->units[i].own) r->ops->release(r->g, r->units[i].own);
-        if (r->units[i].grad_own) r->ops->release(r->g, r->units[i].grad_own);
+        ddp__fsdp_free_mem(r, r->units[i].own);
+        ddp__fsdp_free_mem(r, r->units[i].grad_own);
         ddp__free(r->units[i].name);
     }
-    for (i = 0; r->gpool && i < r->ngpool; i++)
-        if (r->gpool[i]) r->ops->release(r->g, r->gpool[i]);
-    for (i = 0; i < r->ngradpool; i++) r->ops->release(r->g, r->gradpool[i]);
+    for (i = 0; r->gpool && i < r->ngpool; i++) ddp__fsdp_free_mem(r, r->gpool[i]);
+    for (i = 0; i < r->ngradpool; i++) ddp__fsdp_free_mem(r, r->gradpool[i]);
     ddp__free(r->units);
     ddp__free(r->gpool);
     ddp__free(r->gpool_holder);

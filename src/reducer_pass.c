@@ -242,7 +242,7 @@ static void *ddp__fsdp_grad_take(ddp_reducer *r, ddp__unit *u) {
     } else {
         while (s < r->ngradpool && r->gradpool_holder[s] >= 0) s++;
         if (s == r->ngradpool) {
-            if (!(r->gradpool[s] = r->ops->alloc(r->g, r->gradpool_bytes))) {
+            if (!(r->gradpool[s] = ddp__fsdp_alloc(r, r->gradpool_bytes))) {
                 ddp__fail(r->g, DDP_ERR_OUT_OF_MEMORY, "ddp_fsdp_grad: out of memory for gradient buffer %d (%zu bytes)", s,
                           r->gradpool_bytes);
                 return NULL;

@@ -124,6 +124,7 @@ struct ddp_reducer {
     int ngradpool;
     size_t gradpool_bytes;
     int accumulate;    /* zero_stage 3: this pass adds its averaged gradients to the slices (no_sync before) */
+    int offload;       /* zero_stage 3: the parameters are device memory on a host backend (reducer_fsdp.c) */
     int pass_user_sync; /* zero_stage 3: the pass was begun under set_sync(1) (every pass reduce-scatters) */
     void *bstage;      /* staging for coalesced buffer broadcasts */
     size_t bstage_bytes;
@@ -195,6 +196,7 @@ static DDP__UNUSED ddp_dtype ddp__fsdp_dtype(const ddp_reducer *r, const ddp__bu
 static DDP__UNUSED ddp_result ddp__fsdp_finalize(ddp_reducer *r);
 static DDP__UNUSED ddp_result ddp__fsdp_check(ddp_reducer *r, int unit, const char *fn);
 static DDP__UNUSED int ddp__fsdp_in_comm(const ddp_reducer *r, const ddp__unit *u);
+static DDP__UNUSED void *ddp__fsdp_alloc(ddp_reducer *r, size_t bytes);
 static DDP__UNUSED ddp_result ddp__fsdp_reshard_all(ddp_reducer *r);
 static DDP__UNUSED void ddp__fsdp_grad_put_back(ddp_reducer *r, ddp__unit *u);
 static DDP__UNUSED void ddp__fsdp_free(ddp_reducer *r);

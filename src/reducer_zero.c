@@ -415,7 +415,7 @@ DDP_API ddp_result ddp_reducer_gather_params(ddp_reducer *r) {
 static ddp_result ddp__zero2_check_memory(ddp_reducer *r) {
 #ifdef DDP_CUDA
     int i;
-    if (!ddp__zero2(r) || !strcmp(r->ops->family, "nccl")) return DDP_SUCCESS;
+    if (!ddp__zero2(r) || ddp__fsdp(r) || !strcmp(r->ops->family, "nccl")) return DDP_SUCCESS; /* 3: offload */
     for (i = 0; i < r->nparams; i++)
         if (ddp__cuda_is_device_pointer(r->params[i].data) || ddp__cuda_is_device_pointer(r->params[i].grad))
             return ddp__fail(r->g, DDP_ERR_UNSUPPORTED, "ddp_reducer_finalize: zero_stage = %d with parameter \"%s\" in device "

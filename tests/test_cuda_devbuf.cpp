@@ -13,7 +13,8 @@
    stream is the parent's), and isend/irecv refusing device memory; against serial references computed
    here. The reducer on device parameters and gradients is bit for bit equal to one on host buffers (plain,
    flat, bf16, find_unused; zero_grad; ZeRO-1: 3 optimizer steps on the shards + gather_params), and
-   ZeRO-2 and grad_stats on device parameters are refused by finalize. The copies must go through pinned memory on the
+   ZeRO-2 and grad_stats on device parameters are refused by finalize; FSDP (zero_stage 3) with device
+   parameters (gathered units and unit gradients on the device, shards on the host) equals a host model. The copies must go through pinned memory on the
    group's stream (the harness counts them); a copy refused on one rank fails every rank. SAN=1 (the
    script's): under ASan+UBSan. */
 #define DDP_CUDA
@@ -527,6 +528,63 @@ static void t_reducer_zero(ddp_group *g, int rank) {
     r_free(&dm, 1);
 }
 
+/* FSDP (zero_stage 3) with the model in device memory on backend cpu (CPUOffloadPolicy's data flow): the
+   gathered units and the unit gradient buffers are device memory, the master shards and gradient slices
+   (ddp_reducer_shards) host memory. Three units (a KEEP one of 64 elements, 1000, 333), prefetch 1, two
+   SGD steps on the shards: every gathered parameter and every shard equals a host model's run bit for bit. */
+static void t_reducer_fsdp(ddp_group *g, int rank) {
+    static const size_t count[3] = {64, 1000, 333};
+    void *param[2][3];
+    ddp_reducer *red[2];
+    ddp_reducer_desc desc;
+    memset(&desc, 0, sizeof desc);
+    desc.zero_stage = 3, desc.prefetch = 1;
+    for (int d = 0; d < 2; d++) {
+        CHECK_OK(ddp_reducer_create(g, &desc, &red[d]), g);
+        for (int u = 0; u < 3; u++) {
+            char name[8] = {'u', (char)('0' + u), 0};
+            param[d][u] = d ? dev(count[u] * 4) : malloc(count[u] * 4);
+            r_fill(param[d][u], d, DDP_F32, count[u], rank, 240 + u);
+            CHECK(ddp_fsdp_unit(red[d], name, u ? 0 : DDP_FSDP_KEEP) == u, "unit %d: %s", u, ddp_last_error(g));
+            name[0] = 'w';
+            CHECK_OK(ddp_reducer_add_param(red[d], name, param[d][u], NULL, count[u], DDP_F32, NULL), g);
+        }
+        CHECK_OK(ddp_reducer_finalize(red[d]), g);
+    }
+    for (int step = 0; step <= 2; step++) {
+        for (int d = 0; d < 2; d++) /* forward: every unit gathered */
+            for (int u = 0; u < 3; u++) CHECK_OK(ddp_fsdp_wait(red[d], u), g);
+        for (int u = 0; u < 3; u++) {
+            CHECK(ddp__cuda_is_device_pointer(ddp_fsdp_param(red[1], u)) == 1, "unit %d gathered on the host", u);
+            r_same("a gathered unit", ddp_fsdp_param(red[0], u), ddp_fsdp_param(red[1], u), count[u] * 4);
+        }
+        for (int d = 0; d < 2; d++) CHECK_OK(ddp_fsdp_release(red[d], 1), g); /* the last stays for backward */
+        if (step == 2) break;
+        for (int d = 0; d < 2; d++) {
+            const ddp_shard *sh;
+            CHECK_OK(ddp_reducer_begin_backward(red[d]), g);
+            for (int u = 2; u >= 0; u--) {
+                void *gr = ddp_fsdp_grad(red[d], u);
+                CHECK(gr && (d == 0) != (ddp__cuda_is_device_pointer(gr) == 1), "unit %d's gradient buffer", u);
+                r_fill(gr, d, DDP_F32, count[u], rank, 250 + 3 * step + u);
+                CHECK_OK(ddp_fsdp_grads_ready(red[d], u), g);
+                CHECK_OK(ddp_fsdp_release(red[d], u), g);
+            }
+            CHECK_OK(ddp_reducer_end_backward(red[d]), g);
+            const int ns = ddp_reducer_shards(red[d], &sh);
+            for (int j = 0; j < ns; j++) {
+                CHECK(!ddp__cuda_is_device_pointer(sh[j].param_data) && !ddp__cuda_is_device_pointer(sh[j].grad),
+                      "zero_stage 3: shard %d is not host memory", j);
+                r_sgd(&sh[j], DDP_F32);
+            }
+        }
+    }
+    for (int d = 0; d < 2; d++) {
+        ddp_reducer_destroy(red[d]);
+        for (int u = 0; u < 3; u++) d ? (void)cudaFree(param[d][u]) : free(param[d][u]);
+    }
+}
+
 static void t_reducer(ddp_group *g, int rank, int n) {
     static const char *names[3] = {"w", "b", "s"};
     (void)n;
@@ -599,6 +657,7 @@ static int rank_main(int rank, int n, void *arg) {
     t_p2p_async_refused(g, rank, n);
     t_reducer(g, rank, n);
     t_reducer_zero(g, rank);
+    t_reducer_fsdp(g, rank);
     CHECK(!strcmp(ddp_backend_name(g), "cpu"), "backend %s", ddp_backend_name(g));
     device_rank_end(g, stream, before); /* every copy staged through pinned memory on the group's stream */
     return 0;
