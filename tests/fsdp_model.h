@@ -115,7 +115,7 @@ TL_FN void adamw_shards(side *s, int t) {
             ref_adamw((float *)s->sh[j].param_data, (const float *)s->sh[j].grad, s->m[j], s->v[j], s->sh[j].count, t);
 }
 
-TL_FN int close_enough(double a, double b, double tol) { return a == b || fabs(a - b) <= tol * (fabs(b) + 1); }
+TL_FN int fsdp_close(double a, double b, double tol) { return a == b || fabs(a - b) <= tol * (fabs(b) + 1); }
 
 
 /* The serial model: every rank's gradient from the same weights, averaged in f64; AdamW on the whole. */
@@ -188,6 +188,56 @@ TL_FN void serial_step(serial *ref, const mode *m, int world, int step, int t) {
             ref_adamw(ref->p[i], gf, ref->m[i], ref->v[i], COUNT[i], t);
             free(gf);
         }
+}
+
+/* A short FSDP run for other backends (test_mpi's mpi, test_hier's hierarchy): two units (301 and 150
+   elements), both gathered ahead; the gathered values, the averaged gradient slices (gradient = rank + 1),
+   and after a step on the master shards the next gather, against the closed form. */
+TL_FN void fsdp_two_units(ddp_group *g) {
+    const int me = ddp_rank(g), world = ddp_world_size(g);
+    static const size_t count[2] = {301, 150};
+    float w[2][301], *p;
+    ddp_reducer *r;
+    ddp_reducer_desc d;
+    const ddp_shard *sh;
+    int u, i, j, n, step, idx[2];
+    size_t k;
+    memset(&d, 0, sizeof d);
+    d.zero_stage = 3, d.prefetch = 1;
+    CHECK_OK(ddp_reducer_create(g, &d, &r), g);
+    for (u = 0; u < 2; u++) {
+        for (k = 0; k < count[u]; k++) w[u][k] = me ? 9.0f : 0.5f; /* rank 0's values win */
+        CHECK(ddp_fsdp_unit(r, u ? "b" : "a", 0) == u, "unit %d", u);
+        CHECK_OK(ddp_reducer_add_param(r, u ? "wb" : "wa", w[u], NULL, count[u], DDP_F32, &idx[u]), g);
+    }
+    CHECK_OK(ddp_reducer_finalize(r), g);
+    n = ddp_reducer_shards(r, &sh);
+    for (step = 0; step < 2; step++) {
+        float avg = (float)(world + 1) / 2.0f, want0 = step ? 0.5f - avg : 0.5f;
+        CHECK_OK(ddp_fsdp_gather(r, 0), g);
+        CHECK_OK(ddp_fsdp_gather(r, 1), g);
+        CHECK_OK(ddp_reducer_begin_backward(r), g);
+        for (u = 1; u >= 0; u--) {
+            CHECK_OK(ddp_fsdp_wait(r, u), g);
+            p = (float *)ddp_fsdp_param(r, idx[u]);
+            for (k = 0; k < count[u]; k++)
+                CHECK(fabsf(p[k] - want0) <= 1e-6f, "step %d: unit %d [%zu] = %g, want %g", step, u, k, p[k], want0);
+            p = (float *)ddp_fsdp_grad(r, idx[u]);
+            for (k = 0; k < count[u]; k++) p[k] += (float)(me + 1);
+            CHECK_OK(ddp_fsdp_grads_ready(r, u), g);
+            CHECK_OK(ddp_fsdp_release(r, u), g);
+        }
+        CHECK_OK(ddp_reducer_end_backward(r), g);
+        for (j = 0; j < n; j++)
+            for (k = 0; k < sh[j].count; k++) {
+                CHECK(fabsf(((float *)sh[j].grad)[k] - avg) <= 1e-6f, "fsdp grad = %g, want %g", ((float *)sh[j].grad)[k], avg);
+                ((float *)sh[j].param_data)[k] -= ((float *)sh[j].grad)[k];
+            }
+    }
+    for (i = 0; i < 2; i++) CHECK_OK(ddp_fsdp_wait(r, i), g);
+    for (k = 0; k < count[1]; k++)
+        CHECK(fabsf(((float *)ddp_fsdp_param(r, idx[1]))[k] - (0.5f - (float)(world + 1))) <= 1e-6f, "after 2 steps");
+    ddp_reducer_destroy(r);
 }
 
 #endif

@@ -9,9 +9,12 @@
      that the calls ran hierarchically, and that calls at or below the threshold did not.
    - mismatches across hosts: a rank with another count, a rank in a broadcast, a rank that skips the
      call; every rank must fail with DDP_ERR_MISMATCH (a hang would end in DDP_ERR_TIMEOUT).
+   - FSDP / ZeRO-3 (tests/fsdp_model.h's two-unit run) on 3 + 2 hosts.
    - a rank killed during hierarchical all_reduces: every other rank fails (no hang).
    TEST_QUICK=1: fewer dtypes (sanitizer builds). */
 #include "testlib.h"
+#include "ref_optim.h"
+#include "fsdp_model.h"
 
 #include <sched.h>
 
@@ -125,6 +128,15 @@ static int mismatch_worker(int rank, int n, void *arg) {
 
 /* ---- a rank killed in the middle ---- */
 
+/* FSDP / ZeRO-3 across the hosts: tests/fsdp_model.h's two-unit run (its all-gathers, reduce-scatters
+   and fingerprints cross the TCP link between the hosts). */
+static int fsdp_worker(int rank, int n, void *arg) {
+    ddp_group *g = join(rank, n, (const plan *)arg);
+    fsdp_two_units(g);
+    CHECK_OK(ddp_destroy(g), NULL);
+    return 0;
+}
+
 static int kill_worker(int rank, int n, void *arg) {
     ddp_group *g = join(rank, n, (const plan *)arg);
     size_t count = (size_t)1 << 20;
@@ -181,6 +193,15 @@ int main(void) {
             fflush(stdout);
             failed |= rc;
         }
+    {
+        plan p;
+        double t0 = tl_now();
+        int rc;
+        p.other = 2;
+        rc = tl_run_ranks(5, fsdp_worker, &p, 60);
+        printf("FSDP / ZeRO-3, world 5 (3 + 2 hosts): %s (%.1f s)\n", rc ? "FAILED" : "ok", tl_now() - t0);
+        failed |= rc;
+    }
     {
         plan p;
         double t0 = tl_now();

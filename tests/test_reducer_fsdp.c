@@ -47,7 +47,7 @@ static void check_gathered(side *s3, side *s2, const mode *m, int u, const char 
         CHECK(got, "%s: parameter %d of gathered unit %d is NULL", m->name, i, u);
         for (j = 0; j < COUNT[i]; j++) {
             float have = m->param == DDP_BF16 ? tl_decode_bf16(((const uint16_t *)got)[j]) : ((const float *)got)[j];
-            CHECK(m->exact ? have == at_use(m, s2->p[i][j]) : close_enough(have, s2->p[i][j], 1e-6), "%s, %s: unit %d param %d[%zu]: stage 3 %.9g, stage 2 %.9g", m->name, when,
+            CHECK(m->exact ? have == at_use(m, s2->p[i][j]) : fsdp_close(have, s2->p[i][j], 1e-6), "%s, %s: unit %d param %d[%zu]: stage 3 %.9g, stage 2 %.9g", m->name, when,
                   u, i, j, have, at_use(m, s2->p[i][j]));
         }
     }
@@ -123,7 +123,7 @@ static void train(ddp_group *g, ddp_group *g2, const mode *m) {
         for (j = 0; j < s3.nsh; j++)
             for (e = 0; e < s3.sh[j].count; e++) {
                 float a3 = ((const float *)s3.sh[j].grad)[e], a2 = ((const float *)s2.sh[j].grad)[e];
-                CHECK(m->exact ? a3 == a2 : close_enough(a3, a2, 1e-6), "%s, step %d: shard %d gradient [%zu]: stage 3 "
+                CHECK(m->exact ? a3 == a2 : fsdp_close(a3, a2, 1e-6), "%s, step %d: shard %d gradient [%zu]: stage 3 "
                       "%.9g, stage 2 %.9g", m->name, step, j, e, a3, a2);
             }
         if (m->stats) { /* the norm and found_inf: the same on every rank, stage 3's = stage 2's */
@@ -133,13 +133,13 @@ static void train(ddp_group *g, ddp_group *g2, const mode *m) {
             CHECK_OK(ddp_reducer_grad_norm(s3.r, &n3), NULL);
             CHECK(inf3 == (step == m->inf_step) && ddp_reducer_found_inf(s2.r) == inf3, "%s, step %d: found_inf %d (stage 2: "
                   "%d)", m->name, step, inf3, ddp_reducer_found_inf(s2.r));
-            CHECK(m->exact ? n3 == n2 || (n3 != n3 && n2 != n2) : close_enough(n3, n2, 1e-6), "%s, step %d: norm %.17g, "
+            CHECK(m->exact ? n3 == n2 || (n3 != n3 && n2 != n2) : fsdp_close(n3, n2, 1e-6), "%s, step %d: norm %.17g, "
                   "stage 2 %.17g", m->name, step, n3, n2);
             both[0] = n3, both[1] = -n3;
             if (!inf3) {
                 CHECK_OK(ddp_all_reduce(g, both, 2, DDP_F64, DDP_MAX), NULL);
                 CHECK(both[0] == n3 && -both[1] == n3, "%s: the norm differs between ranks", m->name);
-                CHECK(close_enough(n3, serial_norm(&ref, m, world, step), 1e-5), "%s, step %d: norm %.9g, serial %.9g", m->name,
+                CHECK(fsdp_close(n3, serial_norm(&ref, m, world, step), 1e-5), "%s, step %d: norm %.9g, serial %.9g", m->name,
                       step, n3, serial_norm(&ref, m, world, step));
             }
         }
@@ -163,9 +163,9 @@ static void train(ddp_group *g, ddp_group *g2, const mode *m) {
             for (e = 0; e < s3.sh[j].count; e++) {
                 float a3 = ((const float *)s3.sh[j].param_data)[e], a2 = ((const float *)s2.sh[j].param_data)[e];
                 float want = ref.p[s3.sh[j].param][s3.sh[j].offset + e];
-                CHECK(m->exact ? a3 == a2 : close_enough(a3, a2, 1e-6), "%s, step %d: shard %d [%zu]: stage 3 %.9g, stage "
+                CHECK(m->exact ? a3 == a2 : fsdp_close(a3, a2, 1e-6), "%s, step %d: shard %d [%zu]: stage 3 %.9g, stage "
                       "2 %.9g", m->name, step, j, e, a3, a2);
-                CHECK(close_enough(a3, want, m->tol), "%s, step %d: shard %d [%zu]: stage 3 %.9g, serial %.9g", m->name, step,
+                CHECK(fsdp_close(a3, want, m->tol), "%s, step %d: shard %d [%zu]: stage 3 %.9g, serial %.9g", m->name, step,
                       j, e, a3, want);
             }
         CHECK_OK(ddp_reducer_gather_params(s2.r), NULL);

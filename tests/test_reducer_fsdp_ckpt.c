@@ -183,7 +183,7 @@ static void compare(float *a[NP], float *b[NP], double tol, const char *what) {
     size_t e;
     for (i = 0; i < NP; i++)
         for (e = 0; e < COUNT[i]; e++)
-            CHECK(tol ? close_enough(a[i][e], b[i][e], tol) : a[i][e] == b[i][e], "%s: parameter %d [%zu]: %.9g against %.9g",
+            CHECK(tol ? fsdp_close(a[i][e], b[i][e], tol) : a[i][e] == b[i][e], "%s: parameter %d [%zu]: %.9g against %.9g",
                   what, i, e, a[i][e], b[i][e]);
 }
 

@@ -7,6 +7,8 @@
    collective mismatch that must be DDP_ERR_MISMATCH on every rank naming the rank that differs. */
 #define DDP_MPI
 #include "testlib.h"
+#include "ref_optim.h"
+#include "fsdp_model.h"
 
 #include <mpi.h>
 
@@ -248,55 +250,6 @@ static void check_zero(ddp_group *g) {
     }
     ddp_reducer_destroy(r);
     if (g_rank == 0) printf("ok: ZeRO stage 1 (reduce-scatter, shards, gather_params) on the mpi backend\n");
-}
-
-/* FSDP (zero_stage 3) on the mpi backend: two units (301 and 150 elements), the second prefetched; the
-   gathered values, the averaged gradient slices, and after a step on the master shards the next gather. */
-static void check_fsdp(ddp_group *g) {
-    static const size_t count[2] = {301, 150};
-    float w[2][301], *p;
-    ddp_reducer *r;
-    ddp_reducer_desc d;
-    const ddp_shard *sh;
-    int u, i, j, n, step, idx[2];
-    size_t k;
-    memset(&d, 0, sizeof d);
-    d.zero_stage = 3, d.prefetch = 1;
-    CHECK_OK(ddp_reducer_create(g, &d, &r), g);
-    for (u = 0; u < 2; u++) {
-        for (k = 0; k < count[u]; k++) w[u][k] = g_rank ? 9.0f : 0.5f; /* rank 0's values win */
-        CHECK(ddp_fsdp_unit(r, u ? "b" : "a", 0) == u, "unit %d", u);
-        CHECK_OK(ddp_reducer_add_param(r, u ? "wb" : "wa", w[u], NULL, count[u], DDP_F32, &idx[u]), g);
-    }
-    CHECK_OK(ddp_reducer_finalize(r), g);
-    n = ddp_reducer_shards(r, &sh);
-    for (step = 0; step < 2; step++) {
-        float avg = (float)(g_n + 1) / 2.0f, want0 = step ? 0.5f - avg : 0.5f;
-        CHECK_OK(ddp_fsdp_gather(r, 0), g);
-        CHECK_OK(ddp_fsdp_gather(r, 1), g);
-        CHECK_OK(ddp_reducer_begin_backward(r), g);
-        for (u = 1; u >= 0; u--) {
-            CHECK_OK(ddp_fsdp_wait(r, u), g);
-            p = (float *)ddp_fsdp_param(r, idx[u]);
-            for (k = 0; k < count[u]; k++)
-                CHECK(fabsf(p[k] - want0) <= 1e-6f, "step %d: unit %d [%zu] = %g, want %g", step, u, k, p[k], want0);
-            p = (float *)ddp_fsdp_grad(r, idx[u]);
-            for (k = 0; k < count[u]; k++) p[k] += (float)(g_rank + 1);
-            CHECK_OK(ddp_fsdp_grads_ready(r, u), g);
-            CHECK_OK(ddp_fsdp_release(r, u), g);
-        }
-        CHECK_OK(ddp_reducer_end_backward(r), g);
-        for (j = 0; j < n; j++)
-            for (k = 0; k < sh[j].count; k++) {
-                CHECK(fabsf(((float *)sh[j].grad)[k] - avg) <= 1e-6f, "fsdp grad = %g, want %g", ((float *)sh[j].grad)[k], avg);
-                ((float *)sh[j].param_data)[k] -= ((float *)sh[j].grad)[k];
-            }
-    }
-    for (i = 0; i < 2; i++) CHECK_OK(ddp_fsdp_wait(r, i), g);
-    for (k = 0; k < count[1]; k++)
-        CHECK(fabsf(((float *)ddp_fsdp_param(r, idx[1]))[k] - (0.5f - (float)(g_n + 1))) <= 1e-6f, "after 2 steps");
-    ddp_reducer_destroy(r);
-    if (g_rank == 0) printf("ok: FSDP / ZeRO-3 (units gathered, gradients reduce-scattered, master shards) on the mpi backend\n");
 }
 
 /* ---- gather, scatter, all_to_all, all_to_all_v, all_gather_v, monitored_barrier ---- */
@@ -601,7 +554,8 @@ int main(void) {
     check_reducer(g);
     check_join(g);
     check_zero(g);
-    check_fsdp(g);
+    fsdp_two_units(g); /* tests/fsdp_model.h */
+    if (g_rank == 0) printf("ok: FSDP / ZeRO-3 (units gathered, gradients reduce-scattered, master shards) on the mpi backend\n");
     check_more_collectives(g);
     check_point_to_point(g);
     check_size_mismatches(g);
