@@ -1216,7 +1216,7 @@ DDP_API ddp_result ddp_reducer_wait_param(ddp_reducer *r, int index);
      ddp_checkpoint_load_slices with the same slices of the loading reducer's shards (another world size
      is fine: the slices are read from whichever files hold them). No function of its own is needed. */
 
-/* ddp_reducer_consolidate_state: zero_stage = 1, collective. nstates states (shard_state[0 .. nstates-1],
+/* ddp_reducer_consolidate_state: zero_stage >= 1 (the shards of any stage), collective. nstates states (shard_state[0 .. nstates-1],
    shard_count elements each on every rank) are gathered into full[0 .. nstates-1] (full_count elements
    each) on rank root; full and full_count are read on root only (others may pass NULL, 0). The ranks
    first exchange their arguments: a rank whose shard_count is not its shards' total, root's full_count

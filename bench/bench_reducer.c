@@ -37,8 +37,10 @@
    blocks of 5 steps: stage 0 (all-reduce, AdamW on the whole model), stage 1 (reduce-scatter, AdamW on
    this rank's shards, ddp_reducer_gather_params) and stage 2 (the same, the gradient slices kept by the
    reducer; the program computes every gradient into ONE scratch buffer of the largest parameter's size
-   just before its grad_ready). A step is: write the gradients, backward (grad_ready in reverse order, no
-   compute), end_backward, AdamW (and the gather). Printed: the median step of each (rank 0's), the
+   just before its grad_ready), and stage 2 again with grad_stats = 1 (the norm and found_inf of the
+   averaged gradients, summed as their slices land; one 16-byte all-reduce): its ratio to stage 2's step
+   is what grad_stats costs (FSDP.md G5: at most 3%). A step is: write the gradients, backward (grad_ready
+   in reverse order, no compute), end_backward, AdamW (and the gather). Printed: the median step of each (rank 0's), the
    optimizer-state bytes (AdamW's m and v) per rank, and the gradient memory per rank: the reducer's
    (statistics' gradient_bytes) and the program's gradient buffers. */
 #define DDP_IMPLEMENTATION
@@ -375,7 +377,8 @@ static int flat_rank_main(int steps, int fd) {
 
 #define ZERO_NP 41 /* 40 of about floats / 40, and one of 7 */
 #define ZERO_BLOCK 5
-#define ZERO_STAGES 3
+#define ZERO_STAGES 4 /* stages 0, 1, 2, then stage 2 with grad_stats (the norm and found_inf) */
+#define ZERO_STAGE_OF(k) ((k) < 3 ? (k) : 2)
 #define ZERO_CAP ((size_t)1 << 20)
 
 static void zero_adamw(float *p, const float *g, float *m, float *v, size_t n, int t) {
@@ -399,13 +402,14 @@ typedef struct zero_model {
     double state_bytes, grad_bytes; /* AdamW's m and v; the program's gradient buffers */
 } zero_model;
 
-static int zero_model_build(ddp_group *g, int stage, int floats, zero_model *z) {
+static int zero_model_build(ddp_group *g, int stage, int grad_stats, int floats, zero_model *z) {
     ddp_reducer_desc d;
     size_t largest = 0;
     int p;
     memset(z, 0, sizeof *z);
     memset(&d, 0, sizeof d);
     d.zero_stage = stage;
+    d.grad_stats = grad_stats;
     d.first_bucket_bytes = d.bucket_cap_bytes = ZERO_CAP;
     if (ddp_reducer_create(g, &d, &z->red)) return fprintf(stderr, "reducer: %s\n", ddp_last_error(g)), 1;
     for (p = 0; p < ZERO_NP; p++) { /* odd sizes: no world size divides them */
@@ -461,17 +465,17 @@ static int zero_rank_main(int floats, int steps, int fd) {
     ddp_group *g;
     zero_model z[ZERO_STAGES];
     double *t[ZERO_STAGES], out[ZERO_STAGES * ZERO_OUT];
-    int k, i, b, p, n[ZERO_STAGES] = {0, 0, 0};
+    int k, i, b, p, n[ZERO_STAGES] = {0, 0, 0, 0};
     if (ddp_init(NULL, &g) != DDP_SUCCESS) return fprintf(stderr, "ddp_init: %s\n", ddp_last_error(NULL)), 1;
     for (k = 0; k < ZERO_STAGES; k++) {
-        if (zero_model_build(g, k, floats, &z[k])) return 1;
+        if (zero_model_build(g, ZERO_STAGE_OF(k), k == 3, floats, &z[k])) return 1;
         t[k] = (double *)malloc(sizeof(double) * (size_t)steps);
     }
-    for (b = -ZERO_STAGES; n[0] < steps || n[1] < steps || n[2] < steps; b++) { /* a warm-up block each, then turns */
+    for (b = -ZERO_STAGES; n[0] < steps || n[1] < steps || n[2] < steps || n[3] < steps; b++) { /* a warm-up block each, then turns */
         k = (b + ZERO_STAGES) % ZERO_STAGES;
         for (i = 0; i < ZERO_BLOCK; i++) {
             double t0 = now();
-            if (zero_step(g, &z[k], k)) return fprintf(stderr, "step: %s\n", ddp_last_error(g)), 1;
+            if (zero_step(g, &z[k], ZERO_STAGE_OF(k))) return fprintf(stderr, "step: %s\n", ddp_last_error(g)), 1;
             if (b >= 0 && n[k] < steps) t[k][n[k]++] = now() - t0;
         }
     }
@@ -558,7 +562,7 @@ static int flat_main(int argc, char **argv) {
 /* bench_reducer zero [ranks] [steps] [floats] */
 static int zero_main(int argc, char **argv) {
     static const char *const what[ZERO_STAGES] = {"stage 0 (all-reduce, full AdamW)", "stage 1 (reduce-scatter, shards)",
-                                                  "stage 2 (+ gradient slices only)"};
+                                                  "stage 2 (+ gradient slices only)", "stage 2 + grad_stats (norm, inf)"};
     int R = argc > 2 ? atoi(argv[2]) : 2, steps = argc > 3 ? atoi(argv[3]) : 60, floats = argc > 4 ? atoi(argv[4]) : 4000000, k;
     double out[ZERO_STAGES * ZERO_OUT];
     if (R < 1 || R > 64 || steps < 1 || floats < 1000) return fprintf(stderr, "usage: bench_reducer zero [ranks] [steps] [floats >= 1000]\n"), 2;
@@ -571,6 +575,7 @@ static int zero_main(int argc, char **argv) {
         const double *o = out + k * ZERO_OUT;
         printf("  %-34s %9.2f %6.2f %16.0f %16.0f %16.0f\n", what[k], o[0], o[0] / out[0], o[1], o[2], o[3]);
     }
+    printf("  grad_stats: stage 2's step x %.3f\n", out[3 * ZERO_OUT] / out[2 * ZERO_OUT]);
     return 0;
 }
 

@@ -8,6 +8,8 @@
      loads the parameters from the whole file (ddp_checkpoint_load_slices on an ordinary safetensors file:
      each rank reads only its slices) and the moments from the slices: the two equal each other bit for
      bit, and a serial reference (2 ranks' gradients for S1 steps, then N ranks') within 1e-5;
+   - the AdamW moments consolidated on one rank (ddp_reducer_consolidate_state) equal the serial model's,
+     and ddp_reducer_shard_state gives every rank its own back;
    - the whole file: an ordinary safetensors file (read here with ddp_checkpoint_list / ddp_checkpoint_load,
      no group), "l1.w" 40 x 25 as ddp_reducer_param_shape said, the others 1-D, every tensor equal to the
      serial model after S1 steps within 1e-6; tests/interop/safetensors_io.py (a reader written from the
@@ -72,6 +74,38 @@ static int state_slices(side *s, ddp_slice *out, char (*names)[32], int which) {
 
 static void path_of(char *out, size_t cap, const char *what) { snprintf(out, cap, "%s/%s", dir, what); }
 
+/* The AdamW moments consolidated on the last rank (ddp_reducer_consolidate_state, torch's
+   consolidate_state_dict) equal the serial model's after S1 steps (1e-5), and split back
+   (ddp_reducer_shard_state) they are this rank's own, bit for bit. */
+static void consolidated(ddp_group *g, side *s) {
+    size_t total = 0, mine = 0, off, e;
+    float *full[2], *shard[2], *back[2];
+    serial ref;
+    int i, j, k, t = 0, step, root = ddp_world_size(g) - 1;
+    for (i = 0; i < NP; i++) total += COUNT[i];
+    for (j = 0; j < s->nsh; j++) mine += s->sh[j].count;
+    for (k = 0; k < 2; k++) {
+        full[k] = (float *)calloc(total, sizeof(float)), shard[k] = (float *)calloc(mine + 1, sizeof(float));
+        back[k] = (float *)calloc(mine + 1, sizeof(float));
+        for (j = 0, off = 0; j < s->nsh; off += s->sh[j].count, j++)
+            memcpy(shard[k] + off, k ? s->v[j] : s->m[j], s->sh[j].count * sizeof(float));
+    }
+    CHECK_OK(ddp_reducer_consolidate_state(s->r, DDP_F32, 2, (const void *const *)shard, mine, (void *const *)full, total, root), g);
+    if (ddp_rank(g) == root) {
+        serial_init(&ref);
+        for (step = 0; step < S1; step++) serial_step(&ref, &M, 2, step, ++t);
+        for (i = 0, off = 0; i < NP; off += COUNT[i], i++)
+            for (e = 0; e < COUNT[i]; e++)
+                CHECK(fsdp_close(full[0][off + e], ref.m[i][e], 1e-5) && fsdp_close(full[1][off + e], ref.v[i][e], 1e-5),
+                      "consolidated moments of parameter %d [%zu]: %g %g, serial %g %g", i, e, full[0][off + e], full[1][off + e],
+                      ref.m[i][e], ref.v[i][e]);
+        serial_free(&ref);
+        CHECK_OK(ddp_reducer_shard_state(s->r, DDP_F32, 2, (const void *const *)full, total, (void *const *)back, mine), g);
+        CHECK(!memcmp(back[0], shard[0], mine * 4) && !memcmp(back[1], shard[1], mine * 4), "shard_state of the consolidation");
+    }
+    for (k = 0; k < 2; k++) free(full[k]), free(shard[k]), free(back[k]);
+}
+
 /* arg: NULL saves (2 ranks); else "slices" or "whole": where the parameters come from. */
 static int run_main(int rank, int n, void *arg) {
     ddp_group *g = tl_init(60, DDP_LOG_DEFAULT, NULL);
@@ -89,6 +123,7 @@ static int run_main(int rank, int n, void *arg) {
         CHECK_OK(ddp_checkpoint_save_slices(g, path, sl, state_slices(&s, sl, names, 3), NULL, NULL), NULL);
         path_of(path, sizeof path, "whole.safetensors");
         CHECK_OK(ddp_fsdp_save_full(s.r, path, n - 1, NULL), NULL);
+        consolidated(g, &s);
         snprintf(out, sizeof out, "final_%d.safetensors", n);
     } else {
         path_of(path, sizeof path, "ck");
