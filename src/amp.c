@@ -7,19 +7,51 @@ static float ddp__amp_inv_scale(double scale) { return (float)(1.0 / (double)(fl
 
 /* The one element loop of _amp_foreach_non_finite_check_and_unscale_ (and of clip_grad_norm_'s multiply):
    data[i] *= inv (f32; f64 data in f64; f16/bf16 in f32, rounded back; inv == 1 leaves data as it is).
-   Returns how many elements were inf or NaN before the multiply; adds the squares of the values after it
+   Returns how many elements were inf or NaN before the multiply (f32 with a multiply: how many are after
+   it, which is nonzero exactly when some element was before); adds the squares of the values after it
    (in f64) to *sumsq when sumsq is not NULL. */
+static size_t ddp__amp_count_bad_f32(const float *p, size_t count) {
+    size_t i, bad = 0;
+    for (i = 0; i < count; i++) bad += !(fabsf(p[i]) <= FLT_MAX); /* NaN compares false */
+    return bad;
+}
+
+/* f32, the reducer's common case, in one pass at memory speed: four independent f64 sums of squares (no
+   chain of dependent adds), and v - v summed alongside, which stays 0 unless some v is inf or NaN; only
+   then are they counted, in a second pass (a step that the scaler skips). The count is of the values
+   before the multiply, as torch's (a finite value times an inverse scale above 1 may overflow). */
+static size_t ddp__amp_scan_f32(float *p, size_t count, float inv, double *sumsq) {
+    double s[4] = {0, 0, 0, 0};
+    float poison[4] = {0, 0, 0, 0};
+    size_t i = 0, k;
+    if (inv == 1.0f) {
+        for (; i + 4 <= count; i += 4)
+            for (k = 0; k < 4; k++) s[k] += (double)p[i + k] * (double)p[i + k], poison[k] += p[i + k] - p[i + k];
+    } else {
+        for (; i + 4 <= count; i += 4)
+            for (k = 0; k < 4; k++) {
+                float v = p[i + k];
+                poison[k] += v - v;
+                p[i + k] = v = v * inv;
+                s[k] += (double)v * (double)v;
+            }
+    }
+    for (k = 0; i < count; i++, k++) {
+        float v = p[i];
+        poison[k] += v - v;
+        if (inv != 1.0f) p[i] = v = v * inv;
+        s[k] += (double)v * (double)v;
+    }
+    if (sumsq) *sumsq += (s[0] + s[1]) + (s[2] + s[3]);
+    if (poison[0] + poison[1] + poison[2] + poison[3] == 0.0f) return 0;
+    return ddp__amp_count_bad_f32(p, count); /* >= 1: inf and NaN stay so through the multiply */
+}
+
 static size_t ddp__amp_scan(void *data, size_t count, ddp_dtype t, float inv, double *sumsq) {
     size_t i, bad = 0;
     double s = 0;
     if (t == DDP_F32) {
-        float *p = (float *)data;
-        for (i = 0; i < count; i++) {
-            float v = p[i];
-            bad += !(fabsf(v) <= FLT_MAX); /* NaN compares false */
-            if (inv != 1.0f) p[i] = v = v * inv;
-            s += (double)v * (double)v;
-        }
+        return ddp__amp_scan_f32((float *)data, count, inv, sumsq);
     } else if (t == DDP_F64) {
         double *p = (double *)data, m = (double)inv;
         for (i = 0; i < count; i++) {
