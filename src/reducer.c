@@ -305,8 +305,10 @@ static ddp_result ddp__reducer_name_mismatch(ddp_reducer *r, const uint64_t *pri
 }
 
 /* PyTorch's _verify_param_shape_across_processes, hang-free: a fixed-size all_gather first. Each record
-   is {magic, params, buffers, hash of the model, zero_stage}; the ranks' zero_stage must agree, else they
-   would issue different collectives for the same bucket (a reduce-scatter against an all-reduce). */
+   is {magic, params, buffers, hash of the model and its units, zero_stage | prefetch << 8 | param_dtype <<
+   16}; the ranks' zero_stage must agree, else they would issue different collectives for the same bucket
+   (a reduce-scatter against an all-reduce), and at stage 3 their pools and gather dtypes too (a pool
+   overrun on one rank alone would leave the others waiting in a gather). */
 static ddp_result ddp__reducer_verify(ddp_reducer *r) {
     ddp_group *g = r->g;
     int world = ddp_world_size(g), i, k;
@@ -316,7 +318,8 @@ static ddp_result ddp__reducer_verify(ddp_reducer *r) {
     mine[1] = (uint64_t)r->nparams;
     mine[2] = (uint64_t)r->nbuffers;
     mine[3] = 14695981039346656037ull;
-    mine[4] = (uint64_t)r->desc.zero_stage;
+    /* what makes the ranks issue different collectives: zero_stage; at 3 the pool's size and the gathers' dtype */
+    mine[4] = (uint64_t)r->desc.zero_stage | (uint64_t)r->desc.prefetch << 8 | (uint64_t)r->desc.param_dtype << 16;
     for (i = 0; i < r->nparams; i++) mine[3] = ddp__rtensor_hash(mine[3], &r->params[i]);
     for (i = 0; i < r->nbuffers; i++) mine[3] = ddp__rtensor_hash(mine[3] ^ 0x9e3779b97f4a7c15ull, &r->buffers[i]);
     for (i = 0; i < r->nunits; i++) { /* the units: where each starts, and its flags */
@@ -340,11 +343,17 @@ static ddp_result ddp__reducer_verify(ddp_reducer *r) {
     }
     for (k = 1; k < world; k++)
         if (all[DDP__VERIFY_FIELDS * k + 4] != all[4]) {
-            int theirs = (int)all[DDP__VERIFY_FIELDS * k + 4], first = (int)all[4];
+            uint64_t theirs = all[DDP__VERIFY_FIELDS * k + 4], first = all[4];
             ddp__free(all);
-            return ddp__fail(g, DDP_ERR_MISMATCH, "ddp_reducer_finalize: the ranks created their reducers with different "
-                             "zero_stage: rank 0 has %d, rank %d has %d; every rank must use the same zero_stage in its "
-                             "ddp_reducer_desc", first, k, theirs);
+            if ((theirs & 0xff) != (first & 0xff))
+                return ddp__fail(g, DDP_ERR_MISMATCH, "ddp_reducer_finalize: the ranks created their reducers with different "
+                                 "zero_stage: rank 0 has %d, rank %d has %d; every rank must use the same zero_stage in its "
+                                 "ddp_reducer_desc", (int)(first & 0xff), k, (int)(theirs & 0xff));
+            return ddp__fail(g, DDP_ERR_MISMATCH, "ddp_reducer_finalize: the ranks created their zero_stage 3 reducers with "
+                             "different prefetch / param_dtype: rank 0 has %d / %s, rank %d has %d / %s; every rank must use "
+                             "the same in its ddp_reducer_desc (the pool's size and the gathers' dtype)", (int)(first >> 8 & 0xff),
+                             ddp_dtype_name((ddp_dtype)(first >> 16)), k, (int)(theirs >> 8 & 0xff),
+                             ddp_dtype_name((ddp_dtype)(theirs >> 16)));
         }
     for (k = 0; k < world; k++)
         if (memcmp(&all[DDP__VERIFY_FIELDS * k], &all[0], 4 * sizeof(uint64_t)) != 0) break;

@@ -185,11 +185,6 @@ static ddp_result ddp__stash_reserve(ddp_reducer *r, int all, const char *fn) {
     return DDP_SUCCESS;
 }
 
-/* find_unused_parameters: fill the slots of the parameters not ready in this pass, bucket by bucket in
-   bucket order, starting each as soon as it is complete (so under zero_stage 2 a bucket that needs a
-   pool buffer finds the buckets before it started, and waits for the oldest instead of growing the
-   pool). One that got a gradient in an earlier no_sync pass contributes what it accumulated; the others
-   contribute zero, after what they must keep went into the stash (ddp__unused_keep). */
 /* Parameter i got no gradient on this rank: it contributes zero, after what it must keep went into the
    stash at *off (ddp__unused_keep). */
 static void ddp__reducer_take_zero(ddp_reducer *r, int i, size_t *off) {
@@ -200,6 +195,11 @@ static void ddp__reducer_take_zero(ddp_reducer *r, int i, size_t *off) {
     k->pending--;
 }
 
+/* find_unused_parameters: fill the slots of the parameters not ready in this pass, bucket by bucket in
+   bucket order, starting each as soon as it is complete (so under zero_stage 2 a bucket that needs a
+   pool buffer finds the buckets before it started, and waits for the oldest instead of growing the
+   pool). One that got a gradient in an earlier no_sync pass contributes what it accumulated; the others
+   contribute zero, after what they must keep went into the stash (ddp__unused_keep). */
 static ddp_result ddp__reducer_fill_unused(ddp_reducer *r) {
     size_t off = 0;
     ddp_result res;

@@ -312,6 +312,14 @@ static int errors_main(int rank, int n, void *arg) {
     expect(g, ddp_reducer_create(g, &d, &bad), DDP_ERR_UNSUPPORTED, "uneven_inputs", "stage 3 with uneven_inputs");
     d.uneven_inputs = 0, d.zero_stage = 2, d.prefetch = 1;
     expect(g, ddp_reducer_create(g, &d, &bad), DDP_ERR_INVALID_ARGUMENT, "zero_stage 3's", "prefetch at stage 2");
+    /* ranks with different pools: every rank refuses at finalize (a pool overrun on one rank alone would
+       leave the others waiting in its gather) */
+    d.zero_stage = 3, d.prefetch = rank == 1 ? 2 : 1;
+    CHECK_OK(ddp_reducer_create(g, &d, &bad), NULL);
+    CHECK(ddp_fsdp_unit(bad, "u", 0) == 0, "unit");
+    CHECK_OK(ddp_reducer_add_param(bad, "x", x, NULL, 4, DDP_F32, NULL), NULL);
+    expect(g, ddp_reducer_finalize(bad), DDP_ERR_MISMATCH, "rank 0 has 1 / default, rank 1 has 2 / default", "prefetch differs");
+    ddp_reducer_destroy(bad);
 
     r = make(g, &m, 3, p, gr, NULL);
     expect(g, ddp_reducer_gather_params(r), DDP_ERR_STATE, "ddp_fsdp_gather", "gather_params at stage 3");
