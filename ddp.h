@@ -990,6 +990,10 @@ typedef struct ddp_reducer_desc {
                                      whether any is inf/NaN (see "Mixed precision" above) */
     ddp_grad_scaler *loss_scale;  /* not NULL: the averaged gradients are unscaled by 1 / loss_scale->scale in
                                      end_backward (torch's GradScaler.unscale_); implies grad_stats */
+    int accumulate_unsharded;     /* zero_stage 3: 1 = under no_sync every unit keeps a whole gradient buffer and
+                                     the passes add into it, reduced once in the synchronised pass (FSDP2's
+                                     no_sync: bit for bit stages 0-2's, + the model's gradients in memory);
+                                     0 = every pass reduce-scatters and the slices accumulate (see "FSDP") */
 } ddp_reducer_desc;
 
 /* One piece of this rank's slice under zero_stage = 1 or 2 (see "ZeRO" above): elements
@@ -1289,9 +1293,14 @@ DDP_API ddp_result ddp_reducer_shard_state(ddp_reducer *r, ddp_dtype t, int nsta
    - end_backward waits for the reduce-scatters and reshards EVERY unit (the pool is free again; the
      optimizer step that follows changes the shards, so nothing gathered before it stays readable).
    - no_sync (set_sync(r, 0)): every pass still reduce-scatters, and the averaged gradients of the passes
-     since the last synchronised one ACCUMULATE in the slices (FSDP2's default keeps unsharded gradients
-     instead: memory 1/world here, communication every micro-step); the synchronised pass adds its own,
-     then the optimizer runs. Not bit-identical to stages 0-2's no_sync, which sum before averaging.
+     since the last synchronised one ACCUMULATE in the slices (memory 1/world, communication every
+     micro-step); the synchronised pass adds its own, then the optimizer runs. Not bit-identical to
+     stages 0-2's no_sync, which sum before averaging (within float rounding of it). With
+     accumulate_unsharded = 1 (FSDP2's no_sync) every unit has a whole gradient buffer of its own (the
+     model's gradients in param_dtype: gradient_bytes counts them): ddp_fsdp_grad hands it out zeroed at
+     the first pass after a synchronised one and as it is in the others, so the program's += sums the
+     micro-steps there; a no_sync pass reduces nothing and the synchronised pass reduce-scatters the sum
+     once: bit for bit stages 0-2's result. ddp_reducer_zero_grad drops what was accumulated.
    - param_dtype DDP_BF16/DDP_F16: gathered parameters and ddp_fsdp_grad's buffers have that dtype; the
      reduce-scatter runs in comm_dtype (default: the registered dtype, FSDP2's reduce_dtype = f32), the
      master shards and ddp_reducer_shards' gradients keep the registered dtype.
@@ -1299,9 +1308,14 @@ DDP_API ddp_result ddp_reducer_shard_state(ddp_reducer *r, ddp_dtype t, int nsta
      DDP_CUDA) are torch's CPUOffloadPolicy: the gathered units and ddp_fsdp_grad's buffers are device
      memory, the master shards, gradient slices and so the optimizer (ddp_reducer_shards) host memory,
      every copy between them staged through the group's pinned memory on its stream (exact; slow: a
-     stream synchronisation per copy). Every parameter must then be device memory. Refused
-     (DDP_ERR_UNSUPPORTED) for now: the nccl backend, uneven_inputs (a joined rank would have to shadow
-     the gathers); DDP_ERR_STATE / DDP_ERR_INVALID_ARGUMENT: gradient_as_bucket_view, and
+     stream synchronisation per copy). Every parameter must then be device memory. On the nccl backend
+     everything the reducer holds is device memory (master shards, gradient slices, the pools: the
+     optimizer steps ddp_reducer_shards on the device), every copy and the no_sync accumulation are
+     kernels on the group's stream, the gathers and reduce-scatters NCCL's; ddp_fsdp_save_full's root
+     gathers each unit into a device buffer of the largest unit and copies it to the host. grad_stats and
+     loss_scale are refused there, as at stages 0-2 (device gradients). Refused (DDP_ERR_UNSUPPORTED):
+     uneven_inputs (a joined rank would have to shadow the gathers); DDP_ERR_STATE /
+     DDP_ERR_INVALID_ARGUMENT: gradient_as_bucket_view, and
      ddp_reducer_gather_params (the units are gathered as they are used).
    - Units at stages 0-2: ddp_fsdp_unit cuts the buckets there too (one bucket per unit, params registered
      with their gradients as usual; no rebuild), so stage 3 can be compared with stage 2 bucket for bucket;
@@ -1309,7 +1323,8 @@ DDP_API ddp_result ddp_reducer_shard_state(ddp_reducer *r, ddp_dtype t, int nsta
    - Memory (statistics): param_bytes_peak = the master shards (per elements of each unit, registered
      dtype) + (1 + prefetch) gather buffers (world * per of the largest unit, param_dtype) + each KEEP
      unit's (world * per, param_dtype); gradient_bytes = stage 2's (slices + its pool of 2) + each KEEP
-     unit's gradient buffer (its count) + with param_dtype or compression the gradient pool's buffers (the
+     unit's gradient buffer (its count; every unit's with accumulate_unsharded) + with param_dtype or
+     compression the gradient pool's buffers (the
      largest unit's count in param_dtype each; one when units are handed over one at a time). */
 #define DDP_FSDP_KEEP 1 /* ddp_fsdp_unit flag: the unit stays gathered from its first wait to end_backward */
 
@@ -2535,6 +2550,13 @@ DDP_API ddp_result ddp__cuda_device_alloc(size_t bytes, void **out, char *err, s
 DDP_API void ddp__cuda_device_free(void *p);
 /* ---- end of SyncBatchNorm on device memory ---- */
 
+/* ddp__cuda_bucket_add: grads[i][j] += bucket[offsets[i] + j], converted to a->dtype, the sum taken in the
+   bucket copy's arithmetic (f32; f64 when either side is f64) and rounded once, as the CPU reducer's add
+   (ddp__reduce): the nccl backend's accumulate, which zero_stage 3 uses to add a no_sync pass's averaged
+   slice to the ones before. Parameters and return as ddp_cuda_bucket_copy_out (cuda_api.h). */
+DDP_API ddp_result ddp__cuda_bucket_add(const ddp_cuda_grads_args *a, const void *bucket, ddp_dtype bucket_dtype,
+                                       int64_t bucket_numel, const int64_t *offsets);
+
 #endif /* DDP__CUDA_GLUE_INCLUDED */
 /* ==================== end src/cuda_glue.h ==================== */
 
@@ -2988,7 +3010,8 @@ typedef struct ddp__call {
    (host for cpu and mpi, device for nccl): alloc (zeroed; NULL when out of memory), release, zero,
    copy_in_scaled (dst = src * scale, converted from src_t to dst_t in f32 (f64 for f64), rounded
    once; dst may equal src when the dtypes do) and copy_out (dst = src converted; it also moves the
-   reducer's used map between host memory and the backend's); the host versions are hostmem.c's.
+   reducer's used map between host memory and the backend's) and accumulate (dst += src, both the backend's
+   memory, rounded once as ddp__reduce's sum); the host versions are hostmem.c's.
    Optional (NULL: nothing to do, or the mesh's own), so that the layers below call no backend by name:
      abort        the group breaks (transport.c ddp__group_break): wake every rank waiting inside the
                   backend at once (shm: the segment's abort word and futex)
@@ -3013,6 +3036,7 @@ typedef struct ddp__backend {
     void (*copy_in_scaled)(ddp_group *g, void *dst, ddp_dtype dst_t, const void *src, ddp_dtype src_t, size_t count,
                            double scale);
     void (*copy_out)(ddp_group *g, void *dst, ddp_dtype dst_t, const void *src, ddp_dtype src_t, size_t count);
+    void (*accumulate)(ddp_group *g, void *dst, const void *src, ddp_dtype t, size_t count);
     void (*abort)(ddp_group *g);
     uint64_t (*peer_seq)(const ddp_group *g, int peer);
     ddp_result (*p2p_start)(ddp_group *g, ddp_work *w);
@@ -3601,7 +3625,9 @@ static DDP__UNUSED size_t ddp__reducer_param_count(const ddp_reducer *r, int i);
 static DDP__UNUSED ddp_result ddp__fsdp_model(ddp_reducer *r, const char *fn, ddp_group **g, int *nunits, int *nparams);
 static DDP__UNUSED void ddp__fsdp_param_tensor(const ddp_reducer *r, int i, ddp_tensor *t, int *unit, size_t *at);
 static DDP__UNUSED size_t ddp__fsdp_master_bytes(const ddp_reducer *r);
-static DDP__UNUSED ddp_result ddp__fsdp_gather_master(ddp_reducer *r, int u, void *buf, int root);
+static DDP__UNUSED void *ddp__fsdp_master_stage(ddp_reducer *r, int *failed);
+static DDP__UNUSED void ddp__fsdp_master_unstage(ddp_reducer *r, void *stage);
+static DDP__UNUSED ddp_result ddp__fsdp_gather_master(ddp_reducer *r, int u, void *buf, void *stage, int root);
 
 /* ---- dtype.c: conversions between the floating dtypes ---- */
 static DDP__UNUSED void ddp__host_convert_scaled(void *dst, ddp_dtype dst_t, const void *src, ddp_dtype src_t, size_t count,
@@ -3631,6 +3657,7 @@ static DDP__UNUSED void ddp__host_copy_in_scaled(ddp_group *g, void *dst, ddp_dt
                                                  size_t count, double scale);
 static DDP__UNUSED void ddp__host_copy_out(ddp_group *g, void *dst, ddp_dtype dst_t, const void *src, ddp_dtype src_t,
                                            size_t count);
+static DDP__UNUSED void ddp__host_accumulate(ddp_group *g, void *dst, const void *src, ddp_dtype t, size_t count);
 /* ==================== end src/internal.h ==================== */
 
 /* ==================== begin src/util.c ==================== */
@@ -10108,8 +10135,8 @@ static void ddp__devbuf_free(ddp_group *g) { (void)g; }
 
 /* ==================== begin src/hostmem.c ==================== */
 /* [SECTION] hostmem: the memory slots of the host backends (cpu: shm, tcp, hier; mpi)
-   What the reducer asks of a backend's memory: the alloc, release, zero, copy_in_scaled and copy_out
-   slots of ddp__backend (internal.h). Buckets are in the backend's memory (host memory for cpu and mpi;
+   What the reducer asks of a backend's memory: the alloc, release, zero, copy_in_scaled, copy_out and
+   accumulate slots of ddp__backend (internal.h). Buckets are in the backend's memory (host memory for cpu and mpi;
    device memory for nccl, where the copies run on the group's stream). Besides these, finalize and the rebuild pass small host arrays to
    ddp_all_gather and ddp_broadcast (the model check, the ready order) and broadcast parameters and
    buffers where they are: a backend whose collectives take device memory accepts host memory for
@@ -10149,6 +10176,13 @@ static void ddp__host_copy_out(ddp_group *g, void *dst, ddp_dtype dst_t, const v
     if (staged < 0) return;
     ddp__host_convert(dst, dst_t, src, src_t, count);
     if (staged) ddp__devbuf_copy_end(g, &plan);
+}
+
+/* The reducer's own slices are host memory on these backends (devbuf.c stages only the program's device
+   tensors), so the add needs no staging. */
+static void ddp__host_accumulate(ddp_group *g, void *dst, const void *src, ddp_dtype t, size_t count) {
+    (void)g;
+    ddp__reduce(dst, src, count, t, DDP_SUM);
 }
 /* ==================== end src/hostmem.c ==================== */
 
@@ -10977,7 +11011,7 @@ static int ddp__irecv_test(ddp_work *w) {
 }
 
 static const ddp__backend ddp__irecv_owner = {"p2p", "cpu", NULL, NULL, ddp__irecv_wait, ddp__irecv_test, NULL,
-                                              NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL};
+                                              NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL};
 
 DDP_API ddp_result ddp_irecv(ddp_group *g, void *buf, size_t count, ddp_dtype t, int src, int tag, ddp_work **out) {
     ddp__posted *p;
@@ -11698,6 +11732,7 @@ static void ddp__tcp_backend_close(ddp_group *g, int orderly) { (void)g, (void)o
 static const ddp__backend ddp__backend_tcp = {
     "tcp", "cpu", ddp__tcp_run, NULL, NULL, NULL, ddp__tcp_backend_close,
     ddp__host_alloc, ddp__host_release, ddp__host_zero, ddp__host_copy_in_scaled, ddp__host_copy_out,
+    ddp__host_accumulate,
     NULL, NULL, NULL, NULL};
 
 /* A single rank has nobody to talk to: only the data movement of the collective remains. */
@@ -11726,6 +11761,7 @@ static void ddp__alone_close(ddp_group *g, int orderly) { (void)g, (void)orderly
 static const ddp__backend ddp__backend_alone = {
     "alone", "cpu", ddp__alone_run, NULL, NULL, NULL, ddp__alone_close,
     ddp__host_alloc, ddp__host_release, ddp__host_zero, ddp__host_copy_in_scaled, ddp__host_copy_out,
+    ddp__host_accumulate,
     NULL, NULL, NULL, NULL};
 
 static const ddp__backend *ddp__initial_backend(int world_size) {
@@ -12902,6 +12938,7 @@ static void ddp__shm_close(ddp_group *g, int orderly) {
 static const ddp__backend ddp__backend_shm = {
     "shm", "cpu", ddp__shm_run, NULL, NULL, NULL, ddp__shm_close,
     ddp__host_alloc, ddp__host_release, ddp__host_zero, ddp__host_copy_in_scaled, ddp__host_copy_out,
+    ddp__host_accumulate,
     ddp__shm_abort, ddp__shm_peer_seq, NULL, NULL};
 
 /* Can this rank read every peer's memory with process_vm_readv? pub holds, per rank, its pid, the
@@ -13147,6 +13184,7 @@ static ddp_result ddp__hier_run(ddp_group *g, const ddp__call *k, const ddp__col
 static const ddp__backend ddp__backend_hier = {
     "hier", "cpu", ddp__hier_run, NULL, NULL, NULL, ddp__hier_close,
     ddp__host_alloc, ddp__host_release, ddp__host_zero, ddp__host_copy_in_scaled, ddp__host_copy_out,
+    ddp__host_accumulate,
     NULL, NULL, NULL, NULL};
 
 /* The host map of a group whose ranks are not all on one host (keys: every rank's host key), as group.c's
@@ -13908,7 +13946,7 @@ static int ddp__mpi_p2p_test(ddp_work *w) {
 
 static void ddp__mpi_p2p_release(ddp_work *w);
 static const ddp__backend ddp__mpi_p2p_owner = {"mpi", "mpi", NULL, NULL, ddp__mpi_p2p_wait, ddp__mpi_p2p_test, NULL,
-                                                NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, ddp__mpi_p2p_release};
+                                                NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, ddp__mpi_p2p_release};
 
 static ddp_result ddp__mpi_p2p_start(ddp_group *g, ddp_work *w) {
     const ddp__call *k = &w->call;
@@ -14010,6 +14048,7 @@ static void ddp__mpi_close(ddp_group *g, int orderly) {
 static const ddp__backend ddp__backend_mpi = {
     "mpi", "mpi", ddp__mpi_run, NULL, NULL, NULL, ddp__mpi_close,
     ddp__host_alloc, ddp__host_release, ddp__host_zero, ddp__host_copy_in_scaled, ddp__host_copy_out,
+    ddp__host_accumulate,
     NULL, NULL, ddp__mpi_p2p_start, NULL};
 
 /* g runs on communicator m from now on; its local rank and size are MPI's (-1 when MPI could not tell). */
@@ -14514,10 +14553,21 @@ static void ddp__nccl_copy_out(ddp_group *g, void *dst, ddp_dtype dst_t, const v
     }
 }
 
+/* dst += src (device memory, the same dtype) by the bucket kernel's add, on g's stream. */
+static void ddp__nccl_accumulate(ddp_group *g, void *dst, const void *src, ddp_dtype t, size_t count) {
+    char err[DDP__ERR_MAX] = "";
+    void *slot = dst;
+    int64_t numel = (int64_t)count;
+    ddp_cuda_grads_args a;
+    ddp__nccl_one_tensor(g, &a, &slot, &numel, t, err);
+    ddp__nccl_report(g, ddp__cuda_bucket_add(&a, src, t, numel, NULL), err);
+}
+
 /* Collectives on device memory through NCCL, on host memory through the group's transport. */
 static const ddp__backend ddp__backend_nccl = {
     "nccl", "nccl", ddp__nccl_run, ddp__nccl_enqueue_async, ddp__nccl_wait_work, ddp__nccl_test_work, ddp__nccl_close,
     ddp__nccl_alloc, ddp__nccl_release, ddp__nccl_zero, ddp__nccl_copy_in_scaled, ddp__nccl_copy_out,
+    ddp__nccl_accumulate,
     NULL, NULL, NULL, NULL};
 
 /* Give g an NCCL communicator: on the device chosen by local rank for the world group (parent NULL),
@@ -17886,7 +17936,8 @@ typedef struct ddp__unit {
     void *gathered;   /* the gathered unit (param_dtype, world * per elements) while not SHARDED */
     int slot;         /* the gather pool buffer it holds, -1 for none (a KEEP unit's buffer is its own) */
     void *own;        /* zero_stage 3, KEEP: its own gather buffer; its own gradient buffer follows (grad_own) */
-    void *grad_own;
+    void *grad_own;   /* KEEP units', and every unit's with accumulate_unsharded */
+    int grad_held;    /* accumulate_unsharded: grad_own holds gradients of no_sync passes (not zeroed when taken) */
     void *grad;       /* its gradient buffer in the current pass (NULL until ddp_fsdp_grad takes one) */
     int grad_slot;    /* the gradient pool buffer that grad is, -1 for none or a KEEP unit's own */
     int grads_done;   /* ddp_fsdp_grads_ready was called in this pass */
@@ -18109,8 +18160,8 @@ static ddp_result ddp__zero_check_desc(ddp_group *g, const ddp_reducer_desc *d) 
                          "is not supported: the buckets would have to hold every gradient, which is what ZeRO-2 frees; "
                          "register your own gradient buffers (gradient_as_bucket_view = 0) or use zero_stage = 1",
                          d->zero_stage);
-    if (d->zero_stage != 3 && (d->param_dtype != DDP_DTYPE_DEFAULT || d->prefetch))
-        return ddp__fail(g, DDP_ERR_INVALID_ARGUMENT, "ddp_reducer_create: param_dtype and prefetch are zero_stage 3's (the "
+    if (d->zero_stage != 3 && (d->param_dtype != DDP_DTYPE_DEFAULT || d->prefetch || d->accumulate_unsharded))
+        return ddp__fail(g, DDP_ERR_INVALID_ARGUMENT, "ddp_reducer_create: param_dtype, prefetch and accumulate_unsharded are zero_stage 3's (the "
                          "gathered parameters); at zero_stage %d leave them 0", d->zero_stage);
     if (d->zero_stage != 3) return DDP_SUCCESS;
     if (d->param_dtype != DDP_DTYPE_DEFAULT && !(ddp__dtype_valid(d->param_dtype) && ddp__dtype_is_float(d->param_dtype)))
@@ -18123,9 +18174,6 @@ static ddp_result ddp__zero_check_desc(ddp_group *g, const ddp_reducer_desc *d) 
         return ddp__fail(g, DDP_ERR_UNSUPPORTED, "ddp_reducer_create: zero_stage 3 with uneven_inputs is not supported: a "
                          "rank without data would have to shadow every unit's gathers; end the epoch on every rank at "
                          "the same step (ddp_sampler's drop_last, or a step count agreed with ddp_all_reduce)");
-    if (!strcmp(g->backend->family, "nccl"))
-        return ddp__fail(g, DDP_ERR_UNSUPPORTED, "ddp_reducer_create: zero_stage 3 runs on host memory (backends cpu and "
-                         "mpi); the nccl backend is not supported yet: use zero_stage 2 there");
     return DDP_SUCCESS;
 }
 
@@ -18357,9 +18405,10 @@ static ddp_result ddp__reducer_name_mismatch(ddp_reducer *r, const uint64_t *pri
 
 /* PyTorch's _verify_param_shape_across_processes, hang-free: a fixed-size all_gather first. Each record
    is {magic, params, buffers, hash of the model and its units, zero_stage | prefetch << 8 | param_dtype <<
-   16}; the ranks' zero_stage must agree, else they would issue different collectives for the same bucket
-   (a reduce-scatter against an all-reduce), and at stage 3 their pools and gather dtypes too (a pool
-   overrun on one rank alone would leave the others waiting in a gather). */
+   16 | accumulate_unsharded << 24}; the ranks' zero_stage must agree, else they would issue different
+   collectives for the same bucket (a reduce-scatter against an all-reduce), and at stage 3 their pools,
+   gather dtypes and no_sync modes too (a pool overrun on one rank alone would leave the others waiting in
+   a gather; a no_sync pass reduce-scatters on one rank and not on another). */
 static ddp_result ddp__reducer_verify(ddp_reducer *r) {
     ddp_group *g = r->g;
     int world = ddp_world_size(g), i, k;
@@ -18370,7 +18419,8 @@ static ddp_result ddp__reducer_verify(ddp_reducer *r) {
     mine[2] = (uint64_t)r->nbuffers;
     mine[3] = 14695981039346656037ull;
     /* what makes the ranks issue different collectives: zero_stage; at 3 the pool's size and the gathers' dtype */
-    mine[4] = (uint64_t)r->desc.zero_stage | (uint64_t)r->desc.prefetch << 8 | (uint64_t)r->desc.param_dtype << 16;
+    mine[4] = (uint64_t)r->desc.zero_stage | (uint64_t)r->desc.prefetch << 8 | (uint64_t)r->desc.param_dtype << 16 |
+              (uint64_t)(r->desc.accumulate_unsharded != 0) << 24;
     for (i = 0; i < r->nparams; i++) mine[3] = ddp__rtensor_hash(mine[3], &r->params[i]);
     for (i = 0; i < r->nbuffers; i++) mine[3] = ddp__rtensor_hash(mine[3] ^ 0x9e3779b97f4a7c15ull, &r->buffers[i]);
     for (i = 0; i < r->nunits; i++) { /* the units: where each starts, and its flags */
@@ -18401,10 +18451,11 @@ static ddp_result ddp__reducer_verify(ddp_reducer *r) {
                                  "zero_stage: rank 0 has %d, rank %d has %d; every rank must use the same zero_stage in its "
                                  "ddp_reducer_desc", (int)(first & 0xff), k, (int)(theirs & 0xff));
             return ddp__fail(g, DDP_ERR_MISMATCH, "ddp_reducer_finalize: the ranks created their zero_stage 3 reducers with "
-                             "different prefetch / param_dtype: rank 0 has %d / %s, rank %d has %d / %s; every rank must use "
-                             "the same in its ddp_reducer_desc (the pool's size and the gathers' dtype)", (int)(first >> 8 & 0xff),
-                             ddp_dtype_name((ddp_dtype)(first >> 16)), k, (int)(theirs >> 8 & 0xff),
-                             ddp_dtype_name((ddp_dtype)(theirs >> 16)));
+                             "different prefetch / param_dtype / accumulate_unsharded: rank 0 has %d / %s / %d, rank %d has "
+                             "%d / %s / %d; every rank must use the same in its ddp_reducer_desc (the pool's size, the "
+                             "gathers' dtype, what a no_sync pass reduces)", (int)(first >> 8 & 0xff),
+                             ddp_dtype_name((ddp_dtype)(first >> 16 & 0xff)), (int)(first >> 24 & 1), k, (int)(theirs >> 8 & 0xff),
+                             ddp_dtype_name((ddp_dtype)(theirs >> 16 & 0xff)), (int)(theirs >> 24 & 1));
         }
     for (k = 0; k < world; k++)
         if (memcmp(&all[DDP__VERIFY_FIELDS * k], &all[0], 4 * sizeof(uint64_t)) != 0) break;
@@ -18710,10 +18761,12 @@ static ddp_dtype ddp__fsdp_dtype(const ddp_reducer *r, const ddp__bucket *k) {
 }
 
 /* Does unit u's gradient buffer live in its bucket's comm buffer (reducer_pass.c's ddp__fsdp_grad_take)?
-   When the program's gradients have the comm dtype, are in host memory and the unit is not KEEP. */
+   When the program's gradients have the comm dtype, are in host memory, the unit is not KEEP and its
+   gradients are not kept across no_sync passes (accumulate_unsharded). */
 static int ddp__fsdp_in_comm(const ddp_reducer *r, const ddp__unit *u) {
     const ddp__bucket *k = &r->L.buckets[u->bucket];
-    return !(u->flags & DDP_FSDP_KEEP) && ddp__fsdp_dtype(r, k) == k->comm_dtype && !r->offload;
+    return !(u->flags & DDP_FSDP_KEEP) && ddp__fsdp_dtype(r, k) == k->comm_dtype && !r->offload &&
+           !r->desc.accumulate_unsharded;
 }
 
 /* ---- device parameters on a host backend (CPUOffloadPolicy) ----
@@ -18854,8 +18907,9 @@ static ddp_result ddp__fsdp_finalize(ddp_reducer *r) {
         const ddp__bucket *k = &r->L.buckets[b];
         ddp__unit *u = &r->units[k->unit];
         size_t ps = ddp_dtype_size(ddp__fsdp_dtype(r, k));
-        if (!(u->flags & DDP_FSDP_KEEP)) continue;
-        if (!(u->own = ddp__fsdp_alloc(r, k->per * world * ps)) || !(u->grad_own = ddp__fsdp_alloc(r, k->count * ps))) goto oom;
+        if ((u->flags & DDP_FSDP_KEEP) && !(u->own = ddp__fsdp_alloc(r, k->per * world * ps))) goto oom;
+        if (((u->flags & DDP_FSDP_KEEP) || r->desc.accumulate_unsharded) && !(u->grad_own = ddp__fsdp_alloc(r, k->count * ps)))
+            goto oom;
     }
     for (s = 0; s < r->nshards; s++) { /* the master shards: this rank's slices of the initial values */
         const ddp_shard *sh = &r->shards[s];
@@ -18873,7 +18927,8 @@ static ddp_result ddp__fsdp_finalize(ddp_reducer *r) {
     return DDP_SUCCESS;
 oom:
     return ddp__fail(r->g, DDP_ERR_OUT_OF_MEMORY, "ddp_reducer_finalize: zero_stage 3: out of memory for the gather pool "
-                     "(%d x %zu bytes) or a KEEP unit's buffers", r->ngpool, gather);
+                     "(%d x %zu bytes), a KEEP unit's buffers or (accumulate_unsharded) a unit's gradient buffer", r->ngpool,
+                     gather);
 }
 
 /* ---- gathering ---- */
@@ -19056,14 +19111,30 @@ static size_t ddp__fsdp_master_bytes(const ddp_reducer *r) {
     return most;
 }
 
-/* Collective: unit u's master shards, every rank's, into buf on root (the unit in its bucket layout). */
-static ddp_result ddp__fsdp_gather_master(ddp_reducer *r, int u, void *buf, int root) {
+/* Where root gathers a unit's master before copying it to host memory: NULL on the host backends (into the
+   host buffer directly); on nccl, whose master shards are device memory, a device buffer of the largest
+   unit (*failed: out of memory). ddp__fsdp_master_unstage frees it. */
+static void *ddp__fsdp_master_stage(ddp_reducer *r, int *failed) {
+    void *p = NULL;
+    if (strcmp(r->ops->family, "nccl") == 0 && !(p = r->ops->alloc(r->g, ddp__fsdp_master_bytes(r)))) *failed = 1;
+    return p;
+}
+
+static void ddp__fsdp_master_unstage(ddp_reducer *r, void *stage) {
+    if (stage) r->ops->release(r->g, stage);
+}
+
+/* Collective: unit u's master shards, every rank's, into buf on root (host memory; the unit in its bucket
+   layout), through stage (ddp__fsdp_master_stage) when there is one. */
+static ddp_result ddp__fsdp_gather_master(ddp_reducer *r, int u, void *buf, void *stage, int root) {
     const ddp__bucket *k = &r->L.buckets[r->units[u].bucket];
+    const size_t n = k->per * (size_t)ddp_world_size(r->g);
     ddp_result res;
     r->g->purpose = DDP__PURPOSE(DDP__PHASE_GATHER, u);
-    res = ddp_gather(r->g, k->master, buf, k->per, k->dtype, root);
+    res = ddp_gather(r->g, k->master, stage ? stage : buf, k->per, k->dtype, root);
     r->g->purpose = 0;
-    return res;
+    if (!res && stage && ddp_rank(r->g) == root) r->ops->copy_out(r->g, buf, k->dtype, stage, k->dtype, n);
+    return res; /* a failed copy breaks the group (the backend's copy_out): the next collective fails */
 }
 
 /* destroy: the memory of the units and the pools (every gather was waited for by reshard_all). */
@@ -19165,7 +19236,7 @@ static void ddp__zero2_finish(ddp_reducer *r, ddp__bucket *k, int done) {
             sum = r->pool[k->slot];
             r->ops->copy_out(r->g, sum, k->dtype, land, k->comm_dtype, k->per);
         }
-        ddp__reduce(k->owned, sum, k->per, k->dtype, DDP_SUM); /* host memory: zero_stage 3's backends */
+        r->ops->accumulate(r->g, k->owned, sum, k->dtype, k->per);
     } else if (done && land != k->owned) {
         r->ops->copy_out(r->g, k->owned, k->dtype, land, k->comm_dtype, k->per);
     }
@@ -19237,8 +19308,8 @@ static uint64_t ddp__layout_gradient_bytes(const ddp_reducer *r, const ddp__layo
         const ddp__bucket *k = &L->buckets[b];
         uint64_t gs = ddp_dtype_size(k->dtype), cs = ddp_dtype_size(k->comm_dtype);
         if (k->storage && !k->flat) total += k->count * gs;
-        if (ddp__fsdp(r) && (r->units[k->unit].flags & DDP_FSDP_KEEP))
-            total += k->count * ddp_dtype_size(ddp__fsdp_dtype(r, k)); /* a KEEP unit's own gradient buffer */
+        if (ddp__fsdp(r) && ((r->units[k->unit].flags & DDP_FSDP_KEEP) || r->desc.accumulate_unsharded))
+            total += k->count * ddp_dtype_size(ddp__fsdp_dtype(r, k)); /* a unit's own gradient buffer */
         if (ddp__zero2(r))
             total += k->per * gs;
         else if (ddp__reducer_zero(r))
@@ -19615,7 +19686,8 @@ DDP_API ddp_result ddp_reducer_begin_backward(ddp_reducer *r) {
     if (r->desc.uneven_inputs && (res = ddp__join_announce(r, DDP__JOIN_STEP, "ddp_reducer_begin_backward", NULL)) != DDP_SUCCESS)
         return res;
     r->in_backward = 1;
-    r->pass_sync = r->sync || ddp__fsdp(r); /* zero_stage 3 reduce-scatters in every pass (see "FSDP") */
+    /* zero_stage 3 reduce-scatters in every pass, unless accumulate_unsharded (see "FSDP") */
+    r->pass_sync = r->sync || (ddp__fsdp(r) && !r->desc.accumulate_unsharded);
     r->pass_user_sync = r->sync;
     /* grad_stats: the synchronised pass (zero_stage 3: not the no_sync passes, whose slices it adds to) */
     if (r->pass_sync) ddp__amp_begin(&r->amp, ddp__grad_stats_on(r) && r->sync, r->desc.loss_scale); /* reads the scale */
@@ -19817,7 +19889,9 @@ static ddp_result ddp__reducer_fill_unused(ddp_reducer *r) {
      bucket's comm buffer itself, borrowed from stage 2's pool as a first grad_ready would; grads_ready
      then scales it in place, so the gradients take no memory of their own (stage 2's formula);
    - a KEEP unit: its own buffer (held from its first take to end_backward: a tied embedding's gradient
-     is written first and last in backward, and may not hold a pool buffer that long);
+     is written first and last in backward, and may not hold a pool buffer that long); with
+     accumulate_unsharded every unit's own, zeroed only at the first take after a synchronised pass (the
+     no_sync passes add into it);
    - else a buffer of the gradient pool, which grows by one when all are taken.
    NULL when out of memory, or when a pool buffer could not be had (the error is set). */
 static void *ddp__fsdp_grad_take(ddp_reducer *r, ddp__unit *u) {
@@ -19827,8 +19901,10 @@ static void *ddp__fsdp_grad_take(ddp_reducer *r, ddp__unit *u) {
     if (ddp__fsdp_in_comm(r, u)) {
         if (!k->comm && ddp__zero2_acquire(r, u->bucket) != DDP_SUCCESS) return NULL;
         u->grad = k->comm;
-    } else if (u->flags & DDP_FSDP_KEEP) {
+    } else if (u->grad_own) {
         u->grad = u->grad_own;
+        if (u->grad_held) return u->grad; /* accumulate_unsharded: the no_sync passes' sum so far */
+        u->grad_held = r->desc.accumulate_unsharded;
     } else {
         while (s < r->ngradpool && r->gradpool_holder[s] >= 0) s++;
         if (s == r->ngradpool) {
@@ -19880,6 +19956,16 @@ DDP_API ddp_result ddp_fsdp_grads_ready(ddp_reducer *r, int unit) {
     if (u->grads_done)
         return ddp__fail(r->g, DDP_ERR_STATE, "ddp_fsdp_grads_ready(unit %d \"%s\"): called twice in one backward pass; a "
                          "unit's gradients are reduced once per pass", unit, u->name);
+    if (!r->pass_sync) { /* accumulate_unsharded under no_sync: the gradients stay in the unit's buffer */
+        for (i = u->first; i < u->first + u->n; i++) {
+            r->ready[i] = 1;
+            r->used[i] |= u->grad != NULL;
+        }
+        u->grads_done = 1;
+        ddp__fsdp_grad_put_back(r, u);
+        return DDP_SUCCESS;
+    }
+    if (!u->grad && u->grad_held) u->grad = u->grad_own; /* what the no_sync passes accumulated */
     if (!k->comm && (res = ddp__zero2_acquire(r, u->bucket)) != DDP_SUCCESS) return res;
     if (!u->grad && r->desc.find_unused_parameters) { /* not used on this rank: zeros, and the used map says so */
         size_t off = 0;
@@ -20008,6 +20094,7 @@ DDP_API ddp_result ddp_reducer_end_backward(ddp_reducer *r) {
                          "ddp_reducer_begin_backward before the backward pass");
     if (!r->pass_sync) {
         r->in_backward = 0;
+        if (ddp__fsdp(r) && (res = ddp__fsdp_reshard_all(r)) != DDP_SUCCESS) return r->failed = res;
         r->stats.local_iterations++;
         ddp__reducer_timeline_pass(r, t_enter);
         return DDP_SUCCESS;
@@ -20035,6 +20122,7 @@ DDP_API ddp_result ddp_reducer_end_backward(ddp_reducer *r) {
         ddp_result resharded = ddp__fsdp_reshard_all(r);
         if (!res) res = resharded;
         r->accumulate = !r->pass_user_sync; /* the next pass adds to this one's slices */
+        for (i = 0; i < r->nunits; i++) r->units[i].grad_held = 0; /* accumulate_unsharded: reduced now */
     }
     if (res) return r->failed = res;
     /* grad_stats: the pass's sums complete; under ZeRO one 16-byte all-reduce (the joined ranks' shadow too) */
@@ -20086,6 +20174,7 @@ DDP_API ddp_result ddp_reducer_zero_grad(ddp_reducer *r) {
         r->ops->zero(r->g, r->L.buckets[i].owned, r->L.buckets[i].per * ddp_dtype_size(r->L.buckets[i].dtype));
     for (i = 0; i < r->nparams; i++)
         if (r->params[i].grad) r->ops->zero(r->g, r->params[i].grad, ddp__tensor_bytes(&r->params[i])); /* 3: none */
+    for (i = 0; i < r->nunits; i++) r->units[i].grad_held = 0; /* 3, accumulate_unsharded: zeroed when next taken */
     return DDP_SUCCESS;
 }
 
@@ -23896,7 +23985,7 @@ static int ddp__ck_async_test(ddp_work *w) {
 }
 
 static const ddp__backend ddp__ck_async_owner = {"checkpoint", "checkpoint", NULL, NULL, ddp__ck_async_wait, ddp__ck_async_test,
-                                                 NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL};
+                                                 NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL};
 
 /* The group ends (g->end_upper, from ddp_destroy before its barrier, or from the group's end): finish a
    background save in flight (its work keeps the outcome), close the save's private group, free the
@@ -25092,7 +25181,8 @@ DDP_API ddp_result ddp_checkpoint_load_slices(ddp_group *g, const char *path, dd
    for each unit in registration order every rank sends its master shard to root (one gather, the unit's
    purpose in its fingerprint) and root writes the unit's parameters at their places; last the header
    with the checksums, fsync and rename. Root holds one unit's master (the largest unit's world * per
-   elements) besides its own state. The outcome is agreed: an error on any rank is every rank's. The
+   elements) besides its own state (on the nccl backend, whose shards are device memory, it gathers into
+   a device buffer of that size and copies each unit to the host). The outcome is agreed: an error on any rank is every rank's. The
    file is an ordinary safetensors file: torch's safetensors.torch.load_file reads it, and
    ddp_checkpoint_load_slices reads each rank's slices back out of it (a model saved whole loads into
    stage 3 without any rank reading it whole). */
@@ -25105,6 +25195,8 @@ DDP_API ddp_result ddp_fsdp_save_full(ddp_reducer *r, const char *path, int root
     int nunits = 0, nparams = 0, i, u, *unit_of = NULL;
     size_t *at = NULL;
     char *buf = NULL;
+    void *stage = NULL;
+    int no_stage = 0;
     ddp_result res = ddp__fsdp_model(r, what, &g, &nunits, &nparams), mine = DDP_SUCCESS;
     if (res) return res;
     if (root < 0 || root >= ddp_world_size(g))
@@ -25118,19 +25210,21 @@ DDP_API ddp_result ddp_fsdp_save_full(ddp_reducer *r, const char *path, int root
     if (!t || !unit_of || !at) mine = ddp__fail(g, DDP_ERR_OUT_OF_MEMORY, "%s: out of memory", what);
     for (i = 0; !mine && i < nparams; i++) ddp__fsdp_param_tensor(r, i, &t[i], &unit_of[i], &at[i]);
     if (!mine && ddp_rank(g) == root) {
-        if (!(buf = (char *)ddp__malloc(ddp__fsdp_master_bytes(r))))
+        stage = ddp__fsdp_master_stage(r, &no_stage);
+        if (no_stage || !(buf = (char *)ddp__malloc(ddp__fsdp_master_bytes(r))))
             mine = ddp__fail(g, DDP_ERR_OUT_OF_MEMORY, "%s: out of memory for a unit (%zu bytes)", what, ddp__fsdp_master_bytes(r));
         else
             mine = ddp__ck_out_open(g, path, t, nparams, meta, &out);
     }
     res = ddp__agree_outcome(g, mine, what); /* every rank knows whether root can write before any unit moves */
     for (u = 0; !res && u < nunits; u++) {
-        res = ddp__fsdp_gather_master(r, u, buf, root);
+        res = ddp__fsdp_gather_master(r, u, buf, stage, root);
         for (i = 0; !res && !mine && ddp_rank(g) == root && i < nparams; i++)
             if (unit_of[i] == u) mine = ddp__ck_out_write(g, &out, i, buf + at[i] * ddp_dtype_size(t[i].dtype));
     }
     if (ddp_rank(g) == root) mine = ddp__ck_out_close(g, &out, res ? res : mine);
     ddp__free(buf);
+    ddp__fsdp_master_unstage(r, stage);
     ddp__free(t);
     ddp__free(unit_of);
     ddp__free(at);

@@ -763,8 +763,9 @@ __global__ void ddp__cu_bucket_in(ddp__cu_mt_table t, B *bucket, double scale) {
     }
 }
 
-/* grad[i] = bucket[offset + i] * scale (tensors without gradient are skipped). */
-template <typename G, typename B>
+/* grad[i] = bucket[offset + i] * scale, or with Add grad[i] += bucket[offset + i] * scale, the sum in the
+   copy's arithmetic rounded once to G (as the CPU reducer's add; tensors without gradient are skipped). */
+template <typename G, typename B, bool Add>
 __global__ void ddp__cu_bucket_out(ddp__cu_mt_table t, const B *bucket, double scale) {
     typedef typename ddp__cu_acc<G, B>::type A;
     const A s = (A)scale;
@@ -775,7 +776,8 @@ __global__ void ddp__cu_bucket_out(ddp__cu_mt_table t, const B *bucket, double s
         G *g = (G *)t.ptr[k];
         const B *src = bucket + t.offset[k];
         if (!g) continue;
-        for (int64_t i = begin + threadIdx.x; i < end; i += blockDim.x) ddp__cu_put(g + i, (A)ddp__cu_load(src + i) * s);
+        for (int64_t i = begin + threadIdx.x; i < end; i += blockDim.x)
+            ddp__cu_put(g + i, Add ? (A)ddp__cu_load(g + i) + (A)ddp__cu_load(src + i) * s : (A)ddp__cu_load(src + i) * s);
     }
 }
 
@@ -880,14 +882,18 @@ static unsigned ddp__cu_mt_grid(const ddp__cu_mt_table &t) {
     return (unsigned)(t.chunks < DDP__CU_MAX_GRID ? t.chunks : DDP__CU_MAX_GRID);
 }
 
+/* The directions of a bucket copy: into the bucket, out of it, or out of it added to the tensors. */
+enum ddp__cu_copy_dir { DDP__CU_IN, DDP__CU_OUT, DDP__CU_ADD };
+
 template <typename G, typename B>
 static void ddp__cu_launch_bucket(const ddp_cuda_grads_args *a, const int64_t *offsets, void *bucket, double scale,
-                                  bool in) {
+                                  ddp__cu_copy_dir dir) {
     cudaStream_t st = (cudaStream_t)a->stream;
     void (*const copy_in)(ddp__cu_mt_table, B *, double) = ddp__cu_bucket_in<G, B>;
-    void (*const copy_out)(ddp__cu_mt_table, const B *, double) = ddp__cu_bucket_out<G, B>;
+    void (*const copy_out)(ddp__cu_mt_table, const B *, double) =
+        dir == DDP__CU_ADD ? ddp__cu_bucket_out<G, B, true> : ddp__cu_bucket_out<G, B, false>;
     ddp__cu_mt_launches(a, offsets, [&](const ddp__cu_mt_table &t) {
-        if (in)
+        if (dir == DDP__CU_IN)
             DDP__CU_LAUNCH(copy_in, ddp__cu_mt_grid(t), DDP__CU_THREADS, 0, st)(t, (B *)bucket, scale);
         else
             DDP__CU_LAUNCH(copy_out, ddp__cu_mt_grid(t), DDP__CU_THREADS, 0, st)(t, (const B *)bucket, scale);
@@ -896,18 +902,18 @@ static void ddp__cu_launch_bucket(const ddp_cuda_grads_args *a, const int64_t *o
 
 template <typename G>
 static void ddp__cu_launch_bucket_to(const ddp_cuda_grads_args *a, const int64_t *offsets, void *bucket,
-                                     ddp_dtype bucket_dtype, double scale, bool in) {
+                                     ddp_dtype bucket_dtype, double scale, ddp__cu_copy_dir dir) {
     switch (bucket_dtype) {
-    case DDP_F64: ddp__cu_launch_bucket<G, double>(a, offsets, bucket, scale, in); break;
-    case DDP_F16: ddp__cu_launch_bucket<G, __half>(a, offsets, bucket, scale, in); break;
-    case DDP_BF16: ddp__cu_launch_bucket<G, __nv_bfloat16>(a, offsets, bucket, scale, in); break;
-    default: ddp__cu_launch_bucket<G, float>(a, offsets, bucket, scale, in); break;
+    case DDP_F64: ddp__cu_launch_bucket<G, double>(a, offsets, bucket, scale, dir); break;
+    case DDP_F16: ddp__cu_launch_bucket<G, __half>(a, offsets, bucket, scale, dir); break;
+    case DDP_BF16: ddp__cu_launch_bucket<G, __nv_bfloat16>(a, offsets, bucket, scale, dir); break;
+    default: ddp__cu_launch_bucket<G, float>(a, offsets, bucket, scale, dir); break;
     }
 }
 
 /* Both directions of the bucket copy: checks, then the launches for the gradients' dtype. */
 static ddp_result ddp__cu_bucket_copy(const ddp_cuda_grads_args *a, const char *fn, void *bucket, ddp_dtype bucket_dtype,
-                                      int64_t bucket_numel, const int64_t *offsets, double scale, bool in) {
+                                      int64_t bucket_numel, const int64_t *offsets, double scale, ddp__cu_copy_dir dir) {
     int64_t packed;
     ddp_result r = ddp__cu_check_grads(a, fn, &packed);
     if (r != DDP_SUCCESS) return r;
@@ -915,10 +921,10 @@ static ddp_result ddp__cu_bucket_copy(const ddp_cuda_grads_args *a, const char *
     if (r != DDP_SUCCESS) return r;
     if (bucket_dtype == DDP_DTYPE_DEFAULT) bucket_dtype = a->dtype;
     switch (a->dtype) {
-    case DDP_F64: ddp__cu_launch_bucket_to<double>(a, offsets, bucket, bucket_dtype, scale, in); break;
-    case DDP_F16: ddp__cu_launch_bucket_to<__half>(a, offsets, bucket, bucket_dtype, scale, in); break;
-    case DDP_BF16: ddp__cu_launch_bucket_to<__nv_bfloat16>(a, offsets, bucket, bucket_dtype, scale, in); break;
-    default: ddp__cu_launch_bucket_to<float>(a, offsets, bucket, bucket_dtype, scale, in); break;
+    case DDP_F64: ddp__cu_launch_bucket_to<double>(a, offsets, bucket, bucket_dtype, scale, dir); break;
+    case DDP_F16: ddp__cu_launch_bucket_to<__half>(a, offsets, bucket, bucket_dtype, scale, dir); break;
+    case DDP_BF16: ddp__cu_launch_bucket_to<__nv_bfloat16>(a, offsets, bucket, bucket_dtype, scale, dir); break;
+    default: ddp__cu_launch_bucket_to<float>(a, offsets, bucket, bucket_dtype, scale, dir); break;
     }
     return ddp__cu_launched(a, fn);
 }
@@ -935,13 +941,18 @@ extern "C" {
 
 DDP_API ddp_result ddp_cuda_bucket_copy_in(const ddp_cuda_grads_args *a, void *bucket, ddp_dtype bucket_dtype,
                                            int64_t bucket_numel, const int64_t *offsets, double scale) {
-    return ddp__cu_bucket_copy(a, "ddp_cuda_bucket_copy_in", bucket, bucket_dtype, bucket_numel, offsets, scale, true);
+    return ddp__cu_bucket_copy(a, "ddp_cuda_bucket_copy_in", bucket, bucket_dtype, bucket_numel, offsets, scale, DDP__CU_IN);
 }
 
 DDP_API ddp_result ddp_cuda_bucket_copy_out(const ddp_cuda_grads_args *a, const void *bucket, ddp_dtype bucket_dtype,
                                             int64_t bucket_numel, const int64_t *offsets, double scale) {
     return ddp__cu_bucket_copy(a, "ddp_cuda_bucket_copy_out", (void *)bucket, bucket_dtype, bucket_numel, offsets, scale,
-                               false);
+                               DDP__CU_OUT);
+}
+
+DDP_API ddp_result ddp__cuda_bucket_add(const ddp_cuda_grads_args *a, const void *bucket, ddp_dtype bucket_dtype,
+                                       int64_t bucket_numel, const int64_t *offsets) {
+    return ddp__cu_bucket_copy(a, "ddp__cuda_bucket_add", (void *)bucket, bucket_dtype, bucket_numel, offsets, 1.0, DDP__CU_ADD);
 }
 
 DDP_API ddp_result ddp_cuda_non_finite_check_and_unscale(const ddp_cuda_grads_args *a, float *found_inf,

@@ -802,7 +802,7 @@ static int ddp__ck_async_test(ddp_work *w) {
 }
 
 static const ddp__backend ddp__ck_async_owner = {"checkpoint", "checkpoint", NULL, NULL, ddp__ck_async_wait, ddp__ck_async_test,
-                                                 NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL};
+                                                 NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL};
 
 /* The group ends (g->end_upper, from ddp_destroy before its barrier, or from the group's end): finish a
    background save in flight (its work keeps the outcome), close the save's private group, free the

@@ -823,7 +823,7 @@ static int ddp__irecv_test(ddp_work *w) {
 }
 
 static const ddp__backend ddp__irecv_owner = {"p2p", "cpu", NULL, NULL, ddp__irecv_wait, ddp__irecv_test, NULL,
-                                              NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL};
+                                              NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL};
 
 DDP_API ddp_result ddp_irecv(ddp_group *g, void *buf, size_t count, ddp_dtype t, int src, int tag, ddp_work **out) {
     ddp__posted *p;

@@ -193,4 +193,11 @@ DDP_API ddp_result ddp__cuda_device_alloc(size_t bytes, void **out, char *err, s
 DDP_API void ddp__cuda_device_free(void *p);
 /* ---- end of SyncBatchNorm on device memory ---- */
 
+/* ddp__cuda_bucket_add: grads[i][j] += bucket[offsets[i] + j], converted to a->dtype, the sum taken in the
+   bucket copy's arithmetic (f32; f64 when either side is f64) and rounded once, as the CPU reducer's add
+   (ddp__reduce): the nccl backend's accumulate, which zero_stage 3 uses to add a no_sync pass's averaged
+   slice to the ones before. Parameters and return as ddp_cuda_bucket_copy_out (cuda_api.h). */
+DDP_API ddp_result ddp__cuda_bucket_add(const ddp_cuda_grads_args *a, const void *bucket, ddp_dtype bucket_dtype,
+                                       int64_t bucket_numel, const int64_t *offsets);
+
 #endif /* DDP__CUDA_GLUE_INCLUDED */

@@ -78,6 +78,7 @@ static ddp_result ddp__hier_run(ddp_group *g, const ddp__call *k, const ddp__col
 static const ddp__backend ddp__backend_hier = {
     "hier", "cpu", ddp__hier_run, NULL, NULL, NULL, ddp__hier_close,
     ddp__host_alloc, ddp__host_release, ddp__host_zero, ddp__host_copy_in_scaled, ddp__host_copy_out,
+    ddp__host_accumulate,
     NULL, NULL, NULL, NULL};
 
 /* The host map of a group whose ranks are not all on one host (keys: every rank's host key), as group.c's

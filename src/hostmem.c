@@ -1,6 +1,6 @@
 /* [SECTION] hostmem: the memory slots of the host backends (cpu: shm, tcp, hier; mpi)
-   What the reducer asks of a backend's memory: the alloc, release, zero, copy_in_scaled and copy_out
-   slots of ddp__backend (internal.h). Buckets are in the backend's memory (host memory for cpu and mpi;
+   What the reducer asks of a backend's memory: the alloc, release, zero, copy_in_scaled, copy_out and
+   accumulate slots of ddp__backend (internal.h). Buckets are in the backend's memory (host memory for cpu and mpi;
    device memory for nccl, where the copies run on the group's stream). Besides these, finalize and the rebuild pass small host arrays to
    ddp_all_gather and ddp_broadcast (the model check, the ready order) and broadcast parameters and
    buffers where they are: a backend whose collectives take device memory accepts host memory for
@@ -41,4 +41,11 @@ static void ddp__host_copy_out(ddp_group *g, void *dst, ddp_dtype dst_t, const v
     if (staged < 0) return;
     ddp__host_convert(dst, dst_t, src, src_t, count);
     if (staged) ddp__devbuf_copy_end(g, &plan);
+}
+
+/* The reducer's own slices are host memory on these backends (devbuf.c stages only the program's device
+   tensors), so the add needs no staging. */
+static void ddp__host_accumulate(ddp_group *g, void *dst, const void *src, ddp_dtype t, size_t count) {
+    (void)g;
+    ddp__reduce(dst, src, count, t, DDP_SUM);
 }

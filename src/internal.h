@@ -447,7 +447,8 @@ typedef struct ddp__call {
    (host for cpu and mpi, device for nccl): alloc (zeroed; NULL when out of memory), release, zero,
    copy_in_scaled (dst = src * scale, converted from src_t to dst_t in f32 (f64 for f64), rounded
    once; dst may equal src when the dtypes do) and copy_out (dst = src converted; it also moves the
-   reducer's used map between host memory and the backend's); the host versions are hostmem.c's.
+   reducer's used map between host memory and the backend's) and accumulate (dst += src, both the backend's
+   memory, rounded once as ddp__reduce's sum); the host versions are hostmem.c's.
    Optional (NULL: nothing to do, or the mesh's own), so that the layers below call no backend by name:
      abort        the group breaks (transport.c ddp__group_break): wake every rank waiting inside the
                   backend at once (shm: the segment's abort word and futex)
@@ -472,6 +473,7 @@ typedef struct ddp__backend {
     void (*copy_in_scaled)(ddp_group *g, void *dst, ddp_dtype dst_t, const void *src, ddp_dtype src_t, size_t count,
                            double scale);
     void (*copy_out)(ddp_group *g, void *dst, ddp_dtype dst_t, const void *src, ddp_dtype src_t, size_t count);
+    void (*accumulate)(ddp_group *g, void *dst, const void *src, ddp_dtype t, size_t count);
     void (*abort)(ddp_group *g);
     uint64_t (*peer_seq)(const ddp_group *g, int peer);
     ddp_result (*p2p_start)(ddp_group *g, ddp_work *w);
@@ -1060,7 +1062,9 @@ static DDP__UNUSED size_t ddp__reducer_param_count(const ddp_reducer *r, int i);
 static DDP__UNUSED ddp_result ddp__fsdp_model(ddp_reducer *r, const char *fn, ddp_group **g, int *nunits, int *nparams);
 static DDP__UNUSED void ddp__fsdp_param_tensor(const ddp_reducer *r, int i, ddp_tensor *t, int *unit, size_t *at);
 static DDP__UNUSED size_t ddp__fsdp_master_bytes(const ddp_reducer *r);
-static DDP__UNUSED ddp_result ddp__fsdp_gather_master(ddp_reducer *r, int u, void *buf, int root);
+static DDP__UNUSED void *ddp__fsdp_master_stage(ddp_reducer *r, int *failed);
+static DDP__UNUSED void ddp__fsdp_master_unstage(ddp_reducer *r, void *stage);
+static DDP__UNUSED ddp_result ddp__fsdp_gather_master(ddp_reducer *r, int u, void *buf, void *stage, int root);
 
 /* ---- dtype.c: conversions between the floating dtypes ---- */
 static DDP__UNUSED void ddp__host_convert_scaled(void *dst, ddp_dtype dst_t, const void *src, ddp_dtype src_t, size_t count,
@@ -1090,3 +1094,4 @@ static DDP__UNUSED void ddp__host_copy_in_scaled(ddp_group *g, void *dst, ddp_dt
                                                  size_t count, double scale);
 static DDP__UNUSED void ddp__host_copy_out(ddp_group *g, void *dst, ddp_dtype dst_t, const void *src, ddp_dtype src_t,
                                            size_t count);
+static DDP__UNUSED void ddp__host_accumulate(ddp_group *g, void *dst, const void *src, ddp_dtype t, size_t count);

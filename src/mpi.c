@@ -724,7 +724,7 @@ static int ddp__mpi_p2p_test(ddp_work *w) {
 
 static void ddp__mpi_p2p_release(ddp_work *w);
 static const ddp__backend ddp__mpi_p2p_owner = {"mpi", "mpi", NULL, NULL, ddp__mpi_p2p_wait, ddp__mpi_p2p_test, NULL,
-                                                NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, ddp__mpi_p2p_release};
+                                                NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, ddp__mpi_p2p_release};
 
 static ddp_result ddp__mpi_p2p_start(ddp_group *g, ddp_work *w) {
     const ddp__call *k = &w->call;
@@ -826,6 +826,7 @@ static void ddp__mpi_close(ddp_group *g, int orderly) {
 static const ddp__backend ddp__backend_mpi = {
     "mpi", "mpi", ddp__mpi_run, NULL, NULL, NULL, ddp__mpi_close,
     ddp__host_alloc, ddp__host_release, ddp__host_zero, ddp__host_copy_in_scaled, ddp__host_copy_out,
+    ddp__host_accumulate,
     NULL, NULL, ddp__mpi_p2p_start, NULL};
 
 /* g runs on communicator m from now on; its local rank and size are MPI's (-1 when MPI could not tell). */

@@ -491,10 +491,21 @@ static void ddp__nccl_copy_out(ddp_group *g, void *dst, ddp_dtype dst_t, const v
     }
 }
 
+/* dst += src (device memory, the same dtype) by the bucket kernel's add, on g's stream. */
+static void ddp__nccl_accumulate(ddp_group *g, void *dst, const void *src, ddp_dtype t, size_t count) {
+    char err[DDP__ERR_MAX] = "";
+    void *slot = dst;
+    int64_t numel = (int64_t)count;
+    ddp_cuda_grads_args a;
+    ddp__nccl_one_tensor(g, &a, &slot, &numel, t, err);
+    ddp__nccl_report(g, ddp__cuda_bucket_add(&a, src, t, numel, NULL), err);
+}
+
 /* Collectives on device memory through NCCL, on host memory through the group's transport. */
 static const ddp__backend ddp__backend_nccl = {
     "nccl", "nccl", ddp__nccl_run, ddp__nccl_enqueue_async, ddp__nccl_wait_work, ddp__nccl_test_work, ddp__nccl_close,
     ddp__nccl_alloc, ddp__nccl_release, ddp__nccl_zero, ddp__nccl_copy_in_scaled, ddp__nccl_copy_out,
+    ddp__nccl_accumulate,
     NULL, NULL, NULL, NULL};
 
 /* Give g an NCCL communicator: on the device chosen by local rank for the world group (parent NULL),

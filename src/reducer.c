@@ -58,8 +58,8 @@ static ddp_result ddp__zero_check_desc(ddp_group *g, const ddp_reducer_desc *d) 
                          "is not supported: the buckets would have to hold every gradient, which is what ZeRO-2 frees; "
                          "register your own gradient buffers (gradient_as_bucket_view = 0) or use zero_stage = 1",
                          d->zero_stage);
-    if (d->zero_stage != 3 && (d->param_dtype != DDP_DTYPE_DEFAULT || d->prefetch))
-        return ddp__fail(g, DDP_ERR_INVALID_ARGUMENT, "ddp_reducer_create: param_dtype and prefetch are zero_stage 3's (the "
+    if (d->zero_stage != 3 && (d->param_dtype != DDP_DTYPE_DEFAULT || d->prefetch || d->accumulate_unsharded))
+        return ddp__fail(g, DDP_ERR_INVALID_ARGUMENT, "ddp_reducer_create: param_dtype, prefetch and accumulate_unsharded are zero_stage 3's (the "
                          "gathered parameters); at zero_stage %d leave them 0", d->zero_stage);
     if (d->zero_stage != 3) return DDP_SUCCESS;
     if (d->param_dtype != DDP_DTYPE_DEFAULT && !(ddp__dtype_valid(d->param_dtype) && ddp__dtype_is_float(d->param_dtype)))
@@ -72,9 +72,6 @@ static ddp_result ddp__zero_check_desc(ddp_group *g, const ddp_reducer_desc *d) 
         return ddp__fail(g, DDP_ERR_UNSUPPORTED, "ddp_reducer_create: zero_stage 3 with uneven_inputs is not supported: a "
                          "rank without data would have to shadow every unit's gathers; end the epoch on every rank at "
                          "the same step (ddp_sampler's drop_last, or a step count agreed with ddp_all_reduce)");
-    if (!strcmp(g->backend->family, "nccl"))
-        return ddp__fail(g, DDP_ERR_UNSUPPORTED, "ddp_reducer_create: zero_stage 3 runs on host memory (backends cpu and "
-                         "mpi); the nccl backend is not supported yet: use zero_stage 2 there");
     return DDP_SUCCESS;
 }
 
@@ -306,9 +303,10 @@ static ddp_result ddp__reducer_name_mismatch(ddp_reducer *r, const uint64_t *pri
 
 /* PyTorch's _verify_param_shape_across_processes, hang-free: a fixed-size all_gather first. Each record
    is {magic, params, buffers, hash of the model and its units, zero_stage | prefetch << 8 | param_dtype <<
-   16}; the ranks' zero_stage must agree, else they would issue different collectives for the same bucket
-   (a reduce-scatter against an all-reduce), and at stage 3 their pools and gather dtypes too (a pool
-   overrun on one rank alone would leave the others waiting in a gather). */
+   16 | accumulate_unsharded << 24}; the ranks' zero_stage must agree, else they would issue different
+   collectives for the same bucket (a reduce-scatter against an all-reduce), and at stage 3 their pools,
+   gather dtypes and no_sync modes too (a pool overrun on one rank alone would leave the others waiting in
+   a gather; a no_sync pass reduce-scatters on one rank and not on another). */
 static ddp_result ddp__reducer_verify(ddp_reducer *r) {
     ddp_group *g = r->g;
     int world = ddp_world_size(g), i, k;
@@ -319,7 +317,8 @@ static ddp_result ddp__reducer_verify(ddp_reducer *r) {
     mine[2] = (uint64_t)r->nbuffers;
     mine[3] = 14695981039346656037ull;
     /* what makes the ranks issue different collectives: zero_stage; at 3 the pool's size and the gathers' dtype */
-    mine[4] = (uint64_t)r->desc.zero_stage | (uint64_t)r->desc.prefetch << 8 | (uint64_t)r->desc.param_dtype << 16;
+    mine[4] = (uint64_t)r->desc.zero_stage | (uint64_t)r->desc.prefetch << 8 | (uint64_t)r->desc.param_dtype << 16 |
+              (uint64_t)(r->desc.accumulate_unsharded != 0) << 24;
     for (i = 0; i < r->nparams; i++) mine[3] = ddp__rtensor_hash(mine[3], &r->params[i]);
     for (i = 0; i < r->nbuffers; i++) mine[3] = ddp__rtensor_hash(mine[3] ^ 0x9e3779b97f4a7c15ull, &r->buffers[i]);
     for (i = 0; i < r->nunits; i++) { /* the units: where each starts, and its flags */
@@ -350,10 +349,11 @@ static ddp_result ddp__reducer_verify(ddp_reducer *r) {
                                  "zero_stage: rank 0 has %d, rank %d has %d; every rank must use the same zero_stage in its "
                                  "ddp_reducer_desc", (int)(first & 0xff), k, (int)(theirs & 0xff));
             return ddp__fail(g, DDP_ERR_MISMATCH, "ddp_reducer_finalize: the ranks created their zero_stage 3 reducers with "
-                             "different prefetch / param_dtype: rank 0 has %d / %s, rank %d has %d / %s; every rank must use "
-                             "the same in its ddp_reducer_desc (the pool's size and the gathers' dtype)", (int)(first >> 8 & 0xff),
-                             ddp_dtype_name((ddp_dtype)(first >> 16)), k, (int)(theirs >> 8 & 0xff),
-                             ddp_dtype_name((ddp_dtype)(theirs >> 16)));
+                             "different prefetch / param_dtype / accumulate_unsharded: rank 0 has %d / %s / %d, rank %d has "
+                             "%d / %s / %d; every rank must use the same in its ddp_reducer_desc (the pool's size, the "
+                             "gathers' dtype, what a no_sync pass reduces)", (int)(first >> 8 & 0xff),
+                             ddp_dtype_name((ddp_dtype)(first >> 16 & 0xff)), (int)(first >> 24 & 1), k, (int)(theirs >> 8 & 0xff),
+                             ddp_dtype_name((ddp_dtype)(theirs >> 16 & 0xff)), (int)(theirs >> 24 & 1));
         }
     for (k = 0; k < world; k++)
         if (memcmp(&all[DDP__VERIFY_FIELDS * k], &all[0], 4 * sizeof(uint64_t)) != 0) break;

@@ -252,6 +252,10 @@ typedef struct ddp_reducer_desc {
                                      whether any is inf/NaN (see "Mixed precision" above) */
     ddp_grad_scaler *loss_scale;  /* not NULL: the averaged gradients are unscaled by 1 / loss_scale->scale in
                                      end_backward (torch's GradScaler.unscale_); implies grad_stats */
+    int accumulate_unsharded;     /* zero_stage 3: 1 = under no_sync every unit keeps a whole gradient buffer and
+                                     the passes add into it, reduced once in the synchronised pass (FSDP2's
+                                     no_sync: bit for bit stages 0-2's, + the model's gradients in memory);
+                                     0 = every pass reduce-scatters and the slices accumulate (see "FSDP") */
 } ddp_reducer_desc;
 
 /* One piece of this rank's slice under zero_stage = 1 or 2 (see "ZeRO" above): elements
@@ -551,9 +555,14 @@ DDP_API ddp_result ddp_reducer_shard_state(ddp_reducer *r, ddp_dtype t, int nsta
    - end_backward waits for the reduce-scatters and reshards EVERY unit (the pool is free again; the
      optimizer step that follows changes the shards, so nothing gathered before it stays readable).
    - no_sync (set_sync(r, 0)): every pass still reduce-scatters, and the averaged gradients of the passes
-     since the last synchronised one ACCUMULATE in the slices (FSDP2's default keeps unsharded gradients
-     instead: memory 1/world here, communication every micro-step); the synchronised pass adds its own,
-     then the optimizer runs. Not bit-identical to stages 0-2's no_sync, which sum before averaging.
+     since the last synchronised one ACCUMULATE in the slices (memory 1/world, communication every
+     micro-step); the synchronised pass adds its own, then the optimizer runs. Not bit-identical to
+     stages 0-2's no_sync, which sum before averaging (within float rounding of it). With
+     accumulate_unsharded = 1 (FSDP2's no_sync) every unit has a whole gradient buffer of its own (the
+     model's gradients in param_dtype: gradient_bytes counts them): ddp_fsdp_grad hands it out zeroed at
+     the first pass after a synchronised one and as it is in the others, so the program's += sums the
+     micro-steps there; a no_sync pass reduces nothing and the synchronised pass reduce-scatters the sum
+     once: bit for bit stages 0-2's result. ddp_reducer_zero_grad drops what was accumulated.
    - param_dtype DDP_BF16/DDP_F16: gathered parameters and ddp_fsdp_grad's buffers have that dtype; the
      reduce-scatter runs in comm_dtype (default: the registered dtype, FSDP2's reduce_dtype = f32), the
      master shards and ddp_reducer_shards' gradients keep the registered dtype.
@@ -561,9 +570,14 @@ DDP_API ddp_result ddp_reducer_shard_state(ddp_reducer *r, ddp_dtype t, int nsta
      DDP_CUDA) are torch's CPUOffloadPolicy: the gathered units and ddp_fsdp_grad's buffers are device
      memory, the master shards, gradient slices and so the optimizer (ddp_reducer_shards) host memory,
      every copy between them staged through the group's pinned memory on its stream (exact; slow: a
-     stream synchronisation per copy). Every parameter must then be device memory. Refused
-     (DDP_ERR_UNSUPPORTED) for now: the nccl backend, uneven_inputs (a joined rank would have to shadow
-     the gathers); DDP_ERR_STATE / DDP_ERR_INVALID_ARGUMENT: gradient_as_bucket_view, and
+     stream synchronisation per copy). Every parameter must then be device memory. On the nccl backend
+     everything the reducer holds is device memory (master shards, gradient slices, the pools: the
+     optimizer steps ddp_reducer_shards on the device), every copy and the no_sync accumulation are
+     kernels on the group's stream, the gathers and reduce-scatters NCCL's; ddp_fsdp_save_full's root
+     gathers each unit into a device buffer of the largest unit and copies it to the host. grad_stats and
+     loss_scale are refused there, as at stages 0-2 (device gradients). Refused (DDP_ERR_UNSUPPORTED):
+     uneven_inputs (a joined rank would have to shadow the gathers); DDP_ERR_STATE /
+     DDP_ERR_INVALID_ARGUMENT: gradient_as_bucket_view, and
      ddp_reducer_gather_params (the units are gathered as they are used).
    - Units at stages 0-2: ddp_fsdp_unit cuts the buckets there too (one bucket per unit, params registered
      with their gradients as usual; no rebuild), so stage 3 can be compared with stage 2 bucket for bucket;
@@ -571,7 +585,8 @@ DDP_API ddp_result ddp_reducer_shard_state(ddp_reducer *r, ddp_dtype t, int nsta
    - Memory (statistics): param_bytes_peak = the master shards (per elements of each unit, registered
      dtype) + (1 + prefetch) gather buffers (world * per of the largest unit, param_dtype) + each KEEP
      unit's (world * per, param_dtype); gradient_bytes = stage 2's (slices + its pool of 2) + each KEEP
-     unit's gradient buffer (its count) + with param_dtype or compression the gradient pool's buffers (the
+     unit's gradient buffer (its count; every unit's with accumulate_unsharded) + with param_dtype or
+     compression the gradient pool's buffers (the
      largest unit's count in param_dtype each; one when units are handed over one at a time). */
 #define DDP_FSDP_KEEP 1 /* ddp_fsdp_unit flag: the unit stays gathered from its first wait to end_backward */
 

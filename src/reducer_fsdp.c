@@ -26,10 +26,12 @@ static ddp_dtype ddp__fsdp_dtype(const ddp_reducer *r, const ddp__bucket *k) {
 }
 
 /* Does unit u's gradient buffer live in its bucket's comm buffer (reducer_pass.c's ddp__fsdp_grad_take)?
-   When the program's gradients have the comm dtype, are in host memory and the unit is not KEEP. */
+   When the program's gradients have the comm dtype, are in host memory, the unit is not KEEP and its
+   gradients are not kept across no_sync passes (accumulate_unsharded). */
 static int ddp__fsdp_in_comm(const ddp_reducer *r, const ddp__unit *u) {
     const ddp__bucket *k = &r->L.buckets[u->bucket];
-    return !(u->flags & DDP_FSDP_KEEP) && ddp__fsdp_dtype(r, k) == k->comm_dtype && !r->offload;
+    return !(u->flags & DDP_FSDP_KEEP) && ddp__fsdp_dtype(r, k) == k->comm_dtype && !r->offload &&
+           !r->desc.accumulate_unsharded;
 }
 
 /* ---- device parameters on a host backend (CPUOffloadPolicy) ----
@@ -170,8 +172,9 @@ static ddp_result ddp__fsdp_finalize(ddp_reducer *r) {
         const ddp__bucket *k = &r->L.buckets[b];
         ddp__unit *u = &r->units[k->unit];
         size_t ps = ddp_dtype_size(ddp__fsdp_dtype(r, k));
-        if (!(u->flags & DDP_FSDP_KEEP)) continue;
-        if (!(u->own = ddp__fsdp_alloc(r, k->per * world * ps)) || !(u->grad_own = ddp__fsdp_alloc(r, k->count * ps))) goto oom;
+        if ((u->flags & DDP_FSDP_KEEP) && !(u->own = ddp__fsdp_alloc(r, k->per * world * ps))) goto oom;
+        if (((u->flags & DDP_FSDP_KEEP) || r->desc.accumulate_unsharded) && !(u->grad_own = ddp__fsdp_alloc(r, k->count * ps)))
+            goto oom;
     }
     for (s = 0; s < r->nshards; s++) { /* the master shards: this rank's slices of the initial values */
         const ddp_shard *sh = &r->shards[s];
@@ -189,7 +192,8 @@ static ddp_result ddp__fsdp_finalize(ddp_reducer *r) {
     return DDP_SUCCESS;
 oom:
     return ddp__fail(r->g, DDP_ERR_OUT_OF_MEMORY, "ddp_reducer_finalize: zero_stage 3: out of memory for the gather pool "
-                     "(%d x %zu bytes) or a KEEP unit's buffers", r->ngpool, gather);
+                     "(%d x %zu bytes), a KEEP unit's buffers or (accumulate_unsharded) a unit's gradient buffer", r->ngpool,
+                     gather);
 }
 
 /* ---- gathering ---- */
@@ -372,14 +376,30 @@ static size_t ddp__fsdp_master_bytes(const ddp_reducer *r) {
     return most;
 }
 
-/* Collective: unit u's master shards, every rank's, into buf on root (the unit in its bucket layout). */
-static ddp_result ddp__fsdp_gather_master(ddp_reducer *r, int u, void *buf, int root) {
+/* Where root gathers a unit's master before copying it to host memory: NULL on the host backends (into the
+   host buffer directly); on nccl, whose master shards are device memory, a device buffer of the largest
+   unit (*failed: out of memory). ddp__fsdp_master_unstage frees it. */
+static void *ddp__fsdp_master_stage(ddp_reducer *r, int *failed) {
+    void *p = NULL;
+    if (strcmp(r->ops->family, "nccl") == 0 && !(p = r->ops->alloc(r->g, ddp__fsdp_master_bytes(r)))) *failed = 1;
+    return p;
+}
+
+static void ddp__fsdp_master_unstage(ddp_reducer *r, void *stage) {
+    if (stage) r->ops->release(r->g, stage);
+}
+
+/* Collective: unit u's master shards, every rank's, into buf on root (host memory; the unit in its bucket
+   layout), through stage (ddp__fsdp_master_stage) when there is one. */
+static ddp_result ddp__fsdp_gather_master(ddp_reducer *r, int u, void *buf, void *stage, int root) {
     const ddp__bucket *k = &r->L.buckets[r->units[u].bucket];
+    const size_t n = k->per * (size_t)ddp_world_size(r->g);
     ddp_result res;
     r->g->purpose = DDP__PURPOSE(DDP__PHASE_GATHER, u);
-    res = ddp_gather(r->g, k->master, buf, k->per, k->dtype, root);
+    res = ddp_gather(r->g, k->master, stage ? stage : buf, k->per, k->dtype, root);
     r->g->purpose = 0;
-    return res;
+    if (!res && stage && ddp_rank(r->g) == root) r->ops->copy_out(r->g, buf, k->dtype, stage, k->dtype, n);
+    return res; /* a failed copy breaks the group (the backend's copy_out): the next collective fails */
 }
 
 /* destroy: the memory of the units and the pools (every gather was waited for by reshard_all). */

@@ -25,7 +25,8 @@ DDP_API ddp_result ddp_reducer_begin_backward(ddp_reducer *r) {
     if (r->desc.uneven_inputs && (res = ddp__join_announce(r, DDP__JOIN_STEP, "ddp_reducer_begin_backward", NULL)) != DDP_SUCCESS)
         return res;
     r->in_backward = 1;
-    r->pass_sync = r->sync || ddp__fsdp(r); /* zero_stage 3 reduce-scatters in every pass (see "FSDP") */
+    /* zero_stage 3 reduce-scatters in every pass, unless accumulate_unsharded (see "FSDP") */
+    r->pass_sync = r->sync || (ddp__fsdp(r) && !r->desc.accumulate_unsharded);
     r->pass_user_sync = r->sync;
     /* grad_stats: the synchronised pass (zero_stage 3: not the no_sync passes, whose slices it adds to) */
     if (r->pass_sync) ddp__amp_begin(&r->amp, ddp__grad_stats_on(r) && r->sync, r->desc.loss_scale); /* reads the scale */
@@ -227,7 +228,9 @@ static ddp_result ddp__reducer_fill_unused(ddp_reducer *r) {
      bucket's comm buffer itself, borrowed from stage 2's pool as a first grad_ready would; grads_ready
      then scales it in place, so the gradients take no memory of their own (stage 2's formula);
    - a KEEP unit: its own buffer (held from its first take to end_backward: a tied embedding's gradient
-     is written first and last in backward, and may not hold a pool buffer that long);
+     is written first and last in backward, and may not hold a pool buffer that long); with
+     accumulate_unsharded every unit's own, zeroed only at the first take after a synchronised pass (the
+     no_sync passes add into it);
    - else a buffer of the gradient pool, which grows by one when all are taken.
    NULL when out of memory, or when a pool buffer could not be had (the error is set). */
 static void *ddp__fsdp_grad_take(ddp_reducer *r, ddp__unit *u) {
@@ -237,8 +240,10 @@ static void *ddp__fsdp_grad_take(ddp_reducer *r, ddp__unit *u) {
     if (ddp__fsdp_in_comm(r, u)) {
         if (!k->comm && ddp__zero2_acquire(r, u->bucket) != DDP_SUCCESS) return NULL;
         u->grad = k->comm;
-    } else if (u->flags & DDP_FSDP_KEEP) {
+    } else if (u->grad_own) {
         u->grad = u->grad_own;
+        if (u->grad_held) return u->grad; /* accumulate_unsharded: the no_sync passes' sum so far */
+        u->grad_held = r->desc.accumulate_unsharded;
     } else {
         while (s < r->ngradpool && r->gradpool_holder[s] >= 0) s++;
         if (s == r->ngradpool) {
@@ -290,6 +295,16 @@ DDP_API ddp_result ddp_fsdp_grads_ready(ddp_reducer *r, int unit) {
     if (u->grads_done)
         return ddp__fail(r->g, DDP_ERR_STATE, "ddp_fsdp_grads_ready(unit %d \"%s\"): called twice in one backward pass; a "
                          "unit's gradients are reduced once per pass", unit, u->name);
+    if (!r->pass_sync) { /* accumulate_unsharded under no_sync: the gradients stay in the unit's buffer */
+        for (i = u->first; i < u->first + u->n; i++) {
+            r->ready[i] = 1;
+            r->used[i] |= u->grad != NULL;
+        }
+        u->grads_done = 1;
+        ddp__fsdp_grad_put_back(r, u);
+        return DDP_SUCCESS;
+    }
+    if (!u->grad && u->grad_held) u->grad = u->grad_own; /* what the no_sync passes accumulated */
     if (!k->comm && (res = ddp__zero2_acquire(r, u->bucket)) != DDP_SUCCESS) return res;
     if (!u->grad && r->desc.find_unused_parameters) { /* not used on this rank: zeros, and the used map says so */
         size_t off = 0;
@@ -418,6 +433,7 @@ DDP_API ddp_result ddp_reducer_end_backward(ddp_reducer *r) {
                          "ddp_reducer_begin_backward before the backward pass");
     if (!r->pass_sync) {
         r->in_backward = 0;
+        if (ddp__fsdp(r) && (res = ddp__fsdp_reshard_all(r)) != DDP_SUCCESS) return r->failed = res;
         r->stats.local_iterations++;
         ddp__reducer_timeline_pass(r, t_enter);
         return DDP_SUCCESS;
@@ -445,6 +461,7 @@ DDP_API ddp_result ddp_reducer_end_backward(ddp_reducer *r) {
         ddp_result resharded = ddp__fsdp_reshard_all(r);
         if (!res) res = resharded;
         r->accumulate = !r->pass_user_sync; /* the next pass adds to this one's slices */
+        for (i = 0; i < r->nunits; i++) r->units[i].grad_held = 0; /* accumulate_unsharded: reduced now */
     }
     if (res) return r->failed = res;
     /* grad_stats: the pass's sums complete; under ZeRO one 16-byte all-reduce (the joined ranks' shadow too) */
@@ -496,6 +513,7 @@ DDP_API ddp_result ddp_reducer_zero_grad(ddp_reducer *r) {
         r->ops->zero(r->g, r->L.buckets[i].owned, r->L.buckets[i].per * ddp_dtype_size(r->L.buckets[i].dtype));
     for (i = 0; i < r->nparams; i++)
         if (r->params[i].grad) r->ops->zero(r->g, r->params[i].grad, ddp__tensor_bytes(&r->params[i])); /* 3: none */
+    for (i = 0; i < r->nunits; i++) r->units[i].grad_held = 0; /* 3, accumulate_unsharded: zeroed when next taken */
     return DDP_SUCCESS;
 }
 

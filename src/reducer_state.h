@@ -40,7 +40,8 @@ typedef struct ddp__unit {
     void *gathered;   /* the gathered unit (param_dtype, world * per elements) while not SHARDED */
     int slot;         /* the gather pool buffer it holds, -1 for none (a KEEP unit's buffer is its own) */
     void *own;        /* zero_stage 3, KEEP: its own gather buffer; its own gradient buffer follows (grad_own) */
-    void *grad_own;
+    void *grad_own;   /* KEEP units', and every unit's with accumulate_unsharded */
+    int grad_held;    /* accumulate_unsharded: grad_own holds gradients of no_sync passes (not zeroed when taken) */
     void *grad;       /* its gradient buffer in the current pass (NULL until ddp_fsdp_grad takes one) */
     int grad_slot;    /* the gradient pool buffer that grad is, -1 for none or a KEEP unit's own */
     int grads_done;   /* ddp_fsdp_grads_ready was called in this pass */

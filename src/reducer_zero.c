@@ -80,7 +80,7 @@ static void ddp__zero2_finish(ddp_reducer *r, ddp__bucket *k, int done) {
             sum = r->pool[k->slot];
             r->ops->copy_out(r->g, sum, k->dtype, land, k->comm_dtype, k->per);
         }
-        ddp__reduce(k->owned, sum, k->per, k->dtype, DDP_SUM); /* host memory: zero_stage 3's backends */
+        r->ops->accumulate(r->g, k->owned, sum, k->dtype, k->per);
     } else if (done && land != k->owned) {
         r->ops->copy_out(r->g, k->owned, k->dtype, land, k->comm_dtype, k->per);
     }
@@ -152,8 +152,8 @@ static uint64_t ddp__layout_gradient_bytes(const ddp_reducer *r, const ddp__layo
         const ddp__bucket *k = &L->buckets[b];
         uint64_t gs = ddp_dtype_size(k->dtype), cs = ddp_dtype_size(k->comm_dtype);
         if (k->storage && !k->flat) total += k->count * gs;
-        if (ddp__fsdp(r) && (r->units[k->unit].flags & DDP_FSDP_KEEP))
-            total += k->count * ddp_dtype_size(ddp__fsdp_dtype(r, k)); /* a KEEP unit's own gradient buffer */
+        if (ddp__fsdp(r) && ((r->units[k->unit].flags & DDP_FSDP_KEEP) || r->desc.accumulate_unsharded))
+            total += k->count * ddp_dtype_size(ddp__fsdp_dtype(r, k)); /* a unit's own gradient buffer */
         if (ddp__zero2(r))
             total += k->per * gs;
         else if (ddp__reducer_zero(r))

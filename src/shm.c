@@ -1148,6 +1148,7 @@ static void ddp__shm_close(ddp_group *g, int orderly) {
 static const ddp__backend ddp__backend_shm = {
     "shm", "cpu", ddp__shm_run, NULL, NULL, NULL, ddp__shm_close,
     ddp__host_alloc, ddp__host_release, ddp__host_zero, ddp__host_copy_in_scaled, ddp__host_copy_out,
+    ddp__host_accumulate,
     ddp__shm_abort, ddp__shm_peer_seq, NULL, NULL};
 
 /* Can this rank read every peer's memory with process_vm_readv? pub holds, per rank, its pid, the

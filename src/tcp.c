@@ -639,6 +639,7 @@ static void ddp__tcp_backend_close(ddp_group *g, int orderly) { (void)g, (void)o
 static const ddp__backend ddp__backend_tcp = {
     "tcp", "cpu", ddp__tcp_run, NULL, NULL, NULL, ddp__tcp_backend_close,
     ddp__host_alloc, ddp__host_release, ddp__host_zero, ddp__host_copy_in_scaled, ddp__host_copy_out,
+    ddp__host_accumulate,
     NULL, NULL, NULL, NULL};
 
 /* A single rank has nobody to talk to: only the data movement of the collective remains. */
@@ -667,6 +668,7 @@ static void ddp__alone_close(ddp_group *g, int orderly) { (void)g, (void)orderly
 static const ddp__backend ddp__backend_alone = {
     "alone", "cpu", ddp__alone_run, NULL, NULL, NULL, ddp__alone_close,
     ddp__host_alloc, ddp__host_release, ddp__host_zero, ddp__host_copy_in_scaled, ddp__host_copy_out,
+    ddp__host_accumulate,
     NULL, NULL, NULL, NULL};
 
 static const ddp__backend *ddp__initial_backend(int world_size) {

@@ -18,6 +18,7 @@ typedef struct mode {
     int stats;    /* grad_stats: the norm equals stage 2's (bits) and the serial one (1e-5) */
     double scale; /* loss_scale: a ddp_grad_scaler starting here (0: none); the program scales its gradients */
     int inf_step; /* the step at which the last rank writes an inf into unit 2's gradient (-1: none) */
+    int unsharded; /* stage 3's accumulate_unsharded */
 } mode;
 
 
@@ -60,7 +61,7 @@ TL_FN ddp_reducer *make(ddp_group *g, const mode *m, int stage, float **p, float
     d.zero_stage = stage;
     d.comm_dtype = m->comm;
     d.find_unused_parameters = m->unused;
-    if (stage == 3) d.prefetch = m->prefetch, d.param_dtype = m->param;
+    if (stage == 3) d.prefetch = m->prefetch, d.param_dtype = m->param, d.accumulate_unsharded = m->unsharded;
     d.grad_stats = m->stats;
     if (m->scale > 0) {
         ddp_grad_scaler_init(scaler);

@@ -919,6 +919,18 @@ static void run_bucket_case(int count, ddp_dtype gt, ddp_dtype bt, double scale,
             CHECK(same_value(grads[i].get((size_t)j), want), "copy_out %s -> %s, tensor %d[%lld]: %.9g, want %.9g",
                   dtype_name(bt), dtype_name(gt), i, (long long)j, grads[i].get((size_t)j), want);
         }
+
+    /* the nccl backend's accumulate: grads += bucket, the sum in the copy's arithmetic, rounded once */
+    before = grads;
+    CHECK_OK(ddp__cuda_bucket_add(&a, bucket.data(), bt, bucket_numel, offs), err);
+    for (int i = 0; i < count; i++)
+        for (int64_t j = 0; j < numels[i]; j++) {
+            const double old = before[i].get((size_t)j), b = bucket.get((size_t)(offsets[i] + j));
+            const double sum = gt == DDP_F64 || bt == DDP_F64 ? old + b : (double)((float)old + (float)b);
+            const double want = ptrs[i] ? round_to(gt, sum) : old;
+            CHECK(same_value(grads[i].get((size_t)j), want), "add %s into %s, tensor %d[%lld]: %.9g, want %.9g",
+                  dtype_name(bt), dtype_name(gt), i, (long long)j, grads[i].get((size_t)j), want);
+        }
 }
 
 static void test_buckets() {
@@ -952,7 +964,7 @@ static void test_buckets() {
         CHECK_OK(ddp_cuda_bucket_copy_in(&a, bucket.data(), DDP_DTYPE_DEFAULT, 10000, NULL, 0.25), err);
         for (size_t j = 0; j < 10000; j++) CHECK(bucket.get(j) == before[j] * 0.25, "in place at %zu", j);
     }
-    printf("reducer: %d bucket copy-in/copy-out runs (every pair of f32/f64/f16/bf16, 0..130 tensors, packed and "
+    printf("reducer: %d bucket copy-in/copy-out/add runs (every pair of f32/f64/f16/bf16, 0..130 tensors, packed and "
            "scattered slots, NULL gradients) exact, and in place\n", runs);
 }
 

@@ -54,7 +54,7 @@ else
 fi
 
 device_rows=(
-  "test: SyncBN on device vs the CPU code" "test: reducer on device" "test: tests/test_nccl.sh"
+  "test: SyncBN on device vs the CPU code" "test: reducer + FSDP on device" "test: tests/test_nccl.sh"
   "test: train_gpu under ddprun" "bench: SyncBN forward+backward vs copy bandwidth" "bench: torch BatchNorm"
   "bench: reducer step overhead" "bench: all_reduce busbw" "test: SyncBN + reducer, 2 ranks (nccl, 2 GPUs)"
   "test: collectives + SyncBN + reducer + ZeRO-1 on device buffers, 2 ranks on one GPU (cpu backend)"

@@ -25,16 +25,19 @@
 #define STEPS 4
 
 static const mode MODES[] = {
-    {"prefetch 1", 1, 1, 0, DDP_DTYPE_DEFAULT, DDP_DTYPE_DEFAULT, 1e-6, 1, 0, 0, -1},
-    {"prefetch 0", 0, 1, 0, DDP_DTYPE_DEFAULT, DDP_DTYPE_DEFAULT, 1e-6, 1, 0, 0, -1},
-    {"prefetch 2", 2, 1, 0, DDP_DTYPE_DEFAULT, DDP_DTYPE_DEFAULT, 1e-6, 1, 0, 0, -1},
-    {"no_sync x2", 1, 2, 0, DDP_DTYPE_DEFAULT, DDP_DTYPE_DEFAULT, 1e-6, 0, 1, 0, -1},
-    {"bf16 comm", 1, 1, 0, DDP_BF16, DDP_DTYPE_DEFAULT, 2e-2, 1, 0, 0, -1},
-    {"find_unused", 1, 1, 1, DDP_DTYPE_DEFAULT, DDP_DTYPE_DEFAULT, 1e-6, 1, 1, 0, -1},
-    {"param_dtype bf16", 1, 1, 0, DDP_DTYPE_DEFAULT, DDP_BF16, 1e-6, 1, 0, 0, -1},
-    {"grad_stats", 1, 1, 0, DDP_DTYPE_DEFAULT, DDP_DTYPE_DEFAULT, 1e-6, 1, 1, 0, -1},
-    {"loss_scale, an inf at step 1", 1, 1, 0, DDP_DTYPE_DEFAULT, DDP_DTYPE_DEFAULT, 1e-6, 1, 1, 1024, 1},
-    {"loss_scale, no_sync x2", 1, 2, 0, DDP_DTYPE_DEFAULT, DDP_DTYPE_DEFAULT, 1e-6, 0, 1, 4096, 2},
+    {"prefetch 1", 1, 1, 0, DDP_DTYPE_DEFAULT, DDP_DTYPE_DEFAULT, 1e-6, 1, 0, 0, -1, 0},
+    {"prefetch 0", 0, 1, 0, DDP_DTYPE_DEFAULT, DDP_DTYPE_DEFAULT, 1e-6, 1, 0, 0, -1, 0},
+    {"prefetch 2", 2, 1, 0, DDP_DTYPE_DEFAULT, DDP_DTYPE_DEFAULT, 1e-6, 1, 0, 0, -1, 0},
+    {"no_sync x2", 1, 2, 0, DDP_DTYPE_DEFAULT, DDP_DTYPE_DEFAULT, 1e-6, 0, 1, 0, -1, 0},
+    {"bf16 comm", 1, 1, 0, DDP_BF16, DDP_DTYPE_DEFAULT, 2e-2, 1, 0, 0, -1, 0},
+    {"find_unused", 1, 1, 1, DDP_DTYPE_DEFAULT, DDP_DTYPE_DEFAULT, 1e-6, 1, 1, 0, -1, 0},
+    {"param_dtype bf16", 1, 1, 0, DDP_DTYPE_DEFAULT, DDP_BF16, 1e-6, 1, 0, 0, -1, 0},
+    {"grad_stats", 1, 1, 0, DDP_DTYPE_DEFAULT, DDP_DTYPE_DEFAULT, 1e-6, 1, 1, 0, -1, 0},
+    {"loss_scale, an inf at step 1", 1, 1, 0, DDP_DTYPE_DEFAULT, DDP_DTYPE_DEFAULT, 1e-6, 1, 1, 1024, 1, 0},
+    {"loss_scale, no_sync x2", 1, 2, 0, DDP_DTYPE_DEFAULT, DDP_DTYPE_DEFAULT, 1e-6, 0, 1, 4096, 2, 0},
+    {"no_sync x3, accumulate_unsharded", 1, 3, 0, DDP_DTYPE_DEFAULT, DDP_DTYPE_DEFAULT, 1e-6, 1, 1, 0, -1, 1},
+    {"no_sync x2, find_unused, accumulate_unsharded", 0, 2, 1, DDP_DTYPE_DEFAULT, DDP_DTYPE_DEFAULT, 1e-6, 1, 0, 0, -1, 1},
+    {"no_sync x2, loss_scale, accumulate_unsharded", 1, 2, 0, DDP_DTYPE_DEFAULT, DDP_DTYPE_DEFAULT, 1e-6, 1, 1, 4096, 1, 1},
 };
 
 /* Stage 3's parameters of unit u, gathered: equal to stage 2's (at use: bf16-rounded). */
@@ -196,16 +199,16 @@ static int train_main(int rank, int n, void *arg) {
 }
 
 /* The memory statistics by their formulas (reducer.h "FSDP"), from the unit sizes. */
-static void memory(ddp_group *g, int prefetch, ddp_dtype param) {
+static void memory(ddp_group *g, int prefetch, ddp_dtype param, int unsharded) {
     mode m = MODES[0];
     float *p[NP], *gr[NP];
     ddp_reducer_statistics st;
     size_t world = (size_t)ddp_world_size(g), ps = param == DDP_BF16 ? 2 : 4, per[NU], count[NU], masters = 0, largest = 0;
-    size_t grad_largest = 0, slices = 0, pool = 0;
+    size_t grad_largest = 0, slices = 0, pool = 0, all_units = 0;
     uint64_t want;
     int i, u;
     ddp_reducer *r;
-    m.prefetch = prefetch, m.param = param;
+    m.prefetch = prefetch, m.param = param, m.unsharded = unsharded;
     memset(count, 0, sizeof count);
     for (i = 0; i < NP; i++) count[UNIT_OF[i]] += COUNT[i];
     for (u = 0; u < NU; u++) {
@@ -214,6 +217,7 @@ static void memory(ddp_group *g, int prefetch, ddp_dtype param) {
         slices += per[u] * 4;
         if (u) largest = per[u] * world > largest ? per[u] * world : largest;
         if (u) grad_largest = count[u] > grad_largest ? count[u] : grad_largest;
+        all_units += count[u] * ps;
         pool = per[u] * world * 4 > pool ? per[u] * world * 4 : pool; /* stage 2's comm pool: f32 */
     }
     r = make(g, &m, 3, p, gr, NULL);
@@ -221,10 +225,11 @@ static void memory(ddp_group *g, int prefetch, ddp_dtype param) {
     want = masters + (uint64_t)(1 + prefetch) * largest * ps + per[0] * world * ps;
     CHECK(st.param_bytes_peak == want, "param_bytes_peak %llu, formula %llu (prefetch %d, %s)",
           (unsigned long long)st.param_bytes_peak, (unsigned long long)want, prefetch, ddp_dtype_name(param));
-    /* stage 2's: slices + 2 comm buffers (64-aligned; no landing area without compression) + the KEEP unit's */
+    /* stage 2's: slices + 2 comm buffers (64-aligned; no landing area without compression) + the KEEP unit's
+       (accumulate_unsharded: every unit's) */
     {
         size_t full = (pool + 63) / 64 * 64;
-        want = slices + 2 * full + count[0] * ps;
+        want = slices + 2 * full + (unsharded ? all_units : count[0] * ps);
         CHECK(st.gradient_bytes == want, "gradient_bytes %llu, formula %llu before any pass",
               (unsigned long long)st.gradient_bytes, (unsigned long long)want);
         CHECK_OK(ddp_reducer_begin_backward(r), NULL);
@@ -235,7 +240,7 @@ static void memory(ddp_group *g, int prefetch, ddp_dtype param) {
         }
         CHECK_OK(ddp_reducer_end_backward(r), NULL);
         CHECK_OK(ddp_reducer_get_statistics(r, &st), NULL);
-        if (param == DDP_BF16) want += grad_largest * ps; /* one pool buffer: each unit gave its own back before the next */
+        if (param == DDP_BF16 && !unsharded) want += grad_largest * ps; /* one pool buffer: each unit gave its own back first */
         CHECK(st.gradient_bytes == want, "gradient_bytes %llu, formula %llu after a pass", (unsigned long long)st.gradient_bytes,
               (unsigned long long)want);
     }
@@ -296,7 +301,9 @@ static int errors_main(int rank, int n, void *arg) {
     double t0;
     int prefetch, i;
     (void)arg;
-    for (prefetch = 0; prefetch <= 2; prefetch++) memory(g, prefetch, prefetch == 1 ? DDP_BF16 : DDP_DTYPE_DEFAULT);
+    for (prefetch = 0; prefetch <= 2; prefetch++) memory(g, prefetch, prefetch == 1 ? DDP_BF16 : DDP_DTYPE_DEFAULT, 0);
+    memory(g, 1, DDP_DTYPE_DEFAULT, 1);
+    memory(g, 0, DDP_BF16, 1);
     inf_rounds(g);
     memset(&d, 0, sizeof d);
     d.zero_stage = 3;
@@ -318,8 +325,17 @@ static int errors_main(int rank, int n, void *arg) {
     CHECK_OK(ddp_reducer_create(g, &d, &bad), NULL);
     CHECK(ddp_fsdp_unit(bad, "u", 0) == 0, "unit");
     CHECK_OK(ddp_reducer_add_param(bad, "x", x, NULL, 4, DDP_F32, NULL), NULL);
-    expect(g, ddp_reducer_finalize(bad), DDP_ERR_MISMATCH, "rank 0 has 1 / default, rank 1 has 2 / default", "prefetch differs");
+    expect(g, ddp_reducer_finalize(bad), DDP_ERR_MISMATCH, "rank 0 has 1 / default / 0, rank 1 has 2 / default / 0",
+           "prefetch differs");
     ddp_reducer_destroy(bad);
+    d.prefetch = 1, d.accumulate_unsharded = rank == 1; /* a no_sync pass would reduce-scatter on some ranks only */
+    CHECK_OK(ddp_reducer_create(g, &d, &bad), NULL);
+    CHECK(ddp_fsdp_unit(bad, "u", 0) == 0, "unit");
+    CHECK_OK(ddp_reducer_add_param(bad, "x", x, NULL, 4, DDP_F32, NULL), NULL);
+    expect(g, ddp_reducer_finalize(bad), DDP_ERR_MISMATCH, "rank 0 has 1 / default / 0, rank 1 has 1 / default / 1",
+           "accumulate_unsharded differs");
+    ddp_reducer_destroy(bad);
+    d.accumulate_unsharded = 0;
 
     r = make(g, &m, 3, p, gr, NULL);
     expect(g, ddp_reducer_gather_params(r), DDP_ERR_STATE, "ddp_fsdp_gather", "gather_params at stage 3");

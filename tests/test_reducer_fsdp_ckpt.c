@@ -22,7 +22,7 @@
 #define S1 3
 #define S2 3
 static char dir[256];
-static const mode M = {"prefetch 1", 1, 1, 0, DDP_DTYPE_DEFAULT, DDP_DTYPE_DEFAULT, 1e-6, 1, 0, 0, -1};
+static const mode M = {"prefetch 1", 1, 1, 0, DDP_DTYPE_DEFAULT, DDP_DTYPE_DEFAULT, 1e-6, 1, 0, 0, -1, 0};
 
 /* One step at zero_stage 3: forward with one unit prefetched, backward, AdamW on the shards (step *t + 1). */
 static void s3_step(side *s, int rank, int step, int *t) {

@@ -9,7 +9,7 @@
 #    -arch=native; sm_80 in a dry run): ddp_cuda.o with every warning an error, tools/gpu_check.cu,
 #    ddprun and examples/gpu/train_gpu.cu, and the torch rows' C programs;
 # 2. runs every GPU test: the SyncBN kernels through ddp_syncbn_* on device memory against the CPU code
-#    and the reducer on device gradients (tools/gpu_check.cu, nccl backend, 1 rank), NCCL on one rank
+#    and the reducer on device gradients and zero_stage 3 (tools/gpu_check.cu, nccl backend, 1 rank), NCCL on one rank
 #    (tests/test_nccl.sh), 2 and 4 ranks on one GPU through the cpu backend with device buffers
 #    (gpu_check devbuf under ddprun with DDP_BACKEND=cpu: collectives on cudaMalloc'd buffers against
 #    host references, SyncBN's device path against its host path, the reducer, ZeRO-1), train_gpu under
@@ -210,7 +210,7 @@ multi_title="test: SyncBN + reducer, 2 ranks on one GPU (nccl, NCCL_MULTI_RANK_G
 version_at_least() { [ -n "$1" ] && printf '%s\n%s\n' "$2" "$1" | sort -V -C; }
 if [ "$dry" = 1 ]; then
   reason=${no_gpu_reason:-"dry run (--dry-run or GPU_CHECK_NO_DEVICE=1)"}
-  for t in "test: SyncBN on device vs the CPU code (nccl, 1 rank)" "test: reducer on device (nccl, 1 rank)" \
+  for t in "test: SyncBN on device vs the CPU code (nccl, 1 rank)" "test: reducer + FSDP on device (nccl, 1 rank)" \
            "test: tests/test_nccl.sh (NCCL, 1 rank)" "test: train_gpu under ddprun (and resume)"; do
     no_device "$t" "$reason"
   done
@@ -227,7 +227,7 @@ if [ "$dry" = 1 ]; then
   done
 else
   step syncbn "test: SyncBN on device vs the CPU code (nccl, 1 rank)" 180 "${nccl[@]}" 1 "$B/gpu_check" syncbn
-  step reducer "test: reducer on device (nccl, 1 rank)" 180 "${nccl[@]}" 1 "$B/gpu_check" reducer
+  step reducer "test: reducer + FSDP on device (nccl, 1 rank)" 180 "${nccl[@]}" 1 "$B/gpu_check" reducer
   step test_nccl "test: tests/test_nccl.sh (NCCL, 1 rank)" 420 env BUILD="$B/tests" NVCC="$NVCC" PREBUILT="$prebuilt" \
     bash tests/test_nccl.sh
   # twice in a fresh folder: the second run resumes from the first one's checkpoint

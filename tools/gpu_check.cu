@@ -6,7 +6,8 @@
                                parameter gradients and running stats, 2 training steps and 1 eval step,
                                both layouts, with and without affine parameters
      gpu_check reducer         the reducer on device gradients: finalize broadcasts rank 0's parameters,
-                               end_backward leaves the average over ranks
+                               end_backward leaves the average over ranks; and FSDP (zero_stage 3) on
+                               the nccl backend against its closed form
      gpu_check devbuf          several ranks on one GPU: the cpu backend with device buffers (run it with
                                DDP_BACKEND=cpu), the group's stream a non-blocking one (ddp_set_stream):
                                all_reduce, all_gather, broadcast and reduce_scatter of cudaMalloc'd
@@ -421,16 +422,18 @@ static int check_devbuf_zero(void) {
     return 0;
 }
 
-/* FSDP (zero_stage 3) with device parameters on the cpu backend (CPUOffloadPolicy): the gathered units and
-   the unit gradients in device memory, the shards on the host; 2 steps equal the same reducer over host
-   memory, every gathered parameter and shard bit for bit. The nccl backend refuses zero_stage 3 today. */
+/* FSDP (zero_stage 3) on device parameters, 3 units (a KEEP one), prefetch 1, two SGD steps on the shards:
+   every gathered unit equals, on the cpu backend (CPUOffloadPolicy: shards on the host), the same reducer
+   over host memory, bit for bit; on the nccl backend (everything on the device: shards, pools, NCCL's
+   all-gather and reduce-scatter) the closed form, exact for 1, 2 and 4 ranks (small integers, 1/world a
+   power of two). */
 static int check_devbuf_fsdp(void) {
     const int64_t sizes[3] = {4096, 70001, 5};
+    const int nccl = !strcmp(ddp_backend_name(g_group), "nccl");
     std::vector<float> hp[3];
     float *dp[3];
-    ddp_reducer *red[2];
+    ddp_reducer *red[2] = {NULL, NULL};
     ddp_reducer_desc desc;
-    if (!strcmp(ddp_backend_name(g_group), "nccl")) return 0;
     memset(&desc, 0, sizeof desc);
     desc.zero_stage = 3, desc.prefetch = 1;
     for (int p = 0; p < 3; p++) {
@@ -438,7 +441,7 @@ static int check_devbuf_fsdp(void) {
         for (int64_t i = 0; i < sizes[p]; i++) hp[p][(size_t)i] = (float)p + 0.001f * (float)(i % 1000);
         dp[p] = to_device(hp[p].data(), hp[p].size());
     }
-    for (int d = 0; d < 2; d++) {
+    for (int d = nccl; d < 2; d++) {
         DDP_OK(ddp_reducer_create(g_group, &desc, &red[d]), g_group);
         for (int p = 0; p < 3; p++) {
             char name[16];
@@ -451,19 +454,20 @@ static int check_devbuf_fsdp(void) {
         DDP_OK(ddp_reducer_finalize(red[d]), g_group);
     }
     for (int step = 0; step <= 2; step++) {
-        for (int d = 0; d < 2; d++)
+        for (int d = nccl; d < 2; d++)
             for (int u = 0; u < 3; u++) DDP_OK(ddp_fsdp_wait(red[d], u), g_group);
         CUDA_OK(cudaDeviceSynchronize());
         for (int u = 0; u < 3; u++) {
             std::vector<float> got = to_host((const float *)ddp_fsdp_param(red[1], u), (size_t)sizes[u]);
-            if (memcmp(got.data(), ddp_fsdp_param(red[0], u), got.size() * 4) != 0) {
-                printf("FAIL devbuf rank %d/%d: FSDP unit %d gathered in device memory differs from host memory (step %d)\n",
-                       g_rank, g_world, u, step);
+            const void *want = nccl ? (const void *)hp[u].data() : ddp_fsdp_param(red[0], u);
+            if (memcmp(got.data(), want, got.size() * 4) != 0) {
+                printf("FAIL devbuf rank %d/%d: FSDP unit %d gathered in device memory differs from %s (step %d, backend %s)\n",
+                       g_rank, g_world, u, nccl ? "the closed form" : "host memory", step, ddp_backend_name(g_group));
                 exit(1);
             }
         }
         if (step == 2) break;
-        for (int d = 0; d < 2; d++) {
+        for (int d = nccl; d < 2; d++) {
             const ddp_shard *sh;
             DDP_OK(ddp_fsdp_release(red[d], 1), g_group);
             DDP_OK(ddp_reducer_begin_backward(red[d]), g_group);
@@ -486,12 +490,14 @@ static int check_devbuf_fsdp(void) {
             if (nsh < 0) DDP_OK(DDP_ERR_STATE, g_group);
             zero_sgd(sh, nsh);
         }
+        for (int u = 0; nccl && u < 3; u++) /* the closed form: the same SGD on the averaged gradient */
+            for (int64_t i = 0; i < sizes[u]; i++) hp[u][(size_t)i] -= 0.25f * (float)(dv_sum(i + u + step) / g_world);
     }
     ddp_reducer_destroy(red[0]), ddp_reducer_destroy(red[1]);
     for (int p = 0; p < 3; p++) cudaFree(dp[p]);
     if (g_rank == 0)
-        printf("ok devbuf: FSDP (zero_stage 3) on device parameters = on host memory over %d rank(s) (backend %s)\n", g_world,
-               ddp_backend_name(g_group));
+        printf("ok fsdp: zero_stage 3 on device parameters = %s over %d rank(s) (backend %s)\n",
+               nccl ? "the closed form" : "on host memory", g_world, ddp_backend_name(g_group));
     return 0;
 }
 
@@ -635,7 +641,7 @@ int main(int argc, char **argv) {
     start(!strcmp(what, "devbuf"));
     if (!strcmp(what, "syncbn")) rc = check_syncbn();
     else if (!strcmp(what, "devbuf")) rc = check_devbuf();
-    else if (!strcmp(what, "reducer")) rc = check_reducer();
+    else if (!strcmp(what, "reducer")) rc = check_reducer() | check_devbuf_fsdp(); /* nccl: zero_stage 3 on the device */
     else if (!strcmp(what, "bench-syncbn"))
         rc = bench_syncbn(argc > 4 ? atoll(argv[2]) : 32, argc > 4 ? atoi(argv[3]) : 128, argc > 4 ? atoll(argv[4]) : 56 * 56);
     else if (!strcmp(what, "bench-allreduce")) rc = bench_allreduce();
