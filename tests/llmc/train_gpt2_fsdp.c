@@ -806,11 +806,11 @@ void gpt2_shard(GPT2 *model, ddp_group* group, int zero_stage, int prefetch) {
     if (zero_stage == 3) { free(model->params_memory); model->params_memory = NULL; memset(&model->params, 0, sizeof model->params); }
 }
 
-// The schedule (collectives: every rank makes the same calls). gpt2_fsdp(model, p, g, l) runs before layer l's forward
-// (g NULL) or backward and before the root's parts (l = -1; backward also begins with l = L: begin_backward, and ends
-// with l = -1: end_backward). It is done with the layer before l in that order (backward: reduce-scatter its gradients
-// into the slices; release it), waits for l's unit, prefetches the next, and points p (and g) at l's tensors: at stage 3
-// the gathered unit and its gradient buffers (zeroed at their first ddp_fsdp_grad in a pass: llm.c's kernels add to them).
+// The schedule (collectives: every rank makes the same calls). gpt2_fsdp(model, p, g, l) comes before each part of
+// forward (g NULL; l = -1: the root, then the layers 0 .. L-1) and of backward (l = L: the root, begin_backward; the
+// layers L-1 .. 0; l = -1: end_backward). It is done with the layer before (backward: reduce-scatter its gradients into
+// the slices; release it), waits for l's unit, prefetches the next, and points p (and g) at l's tensors: at stage 3 the
+// gathered unit and its gradient buffers (zeroed at their first ddp_fsdp_grad in a pass: llm.c's kernels add to them).
 void gpt2_fsdp(GPT2 *model, ParameterTensors* p, ParameterTensors* g, int l) {
     ddp_reducer* red = model->red;
     int L = model->config.num_layers, fsdp = model->zero_stage == 3, dir = g == NULL ? 1 : -1, root = l < 0 || l == L;
@@ -1275,8 +1275,8 @@ void print_memory(GPT2 *model, int world) {
 
 // ----------------------------------------------------------------------------
 // main training loop
-int main(int argc, char** argv) {
-    ddp_group* group; // ddp.h: one process per rank (ddprun --nproc-per-node N), rank 0 prints; the options
+int main(int argc, char** argv) { // ddp.h: the options
+    ddp_group* group; // ddp.h: one process per rank (ddprun --nproc-per-node N); rank 0 prints
     ddpCheck(ddp_init(NULL, &group));
     int rank = ddp_rank(group), world = ddp_world_size(group);
     if (rank != 0 && freopen("/dev/null", "w", stdout) == NULL) { exit(EXIT_FAILURE); }
