@@ -7,17 +7,13 @@ This version is the clean, minimal, reference. As such:
 - it _does_ use a few OpenMP pragmas because this is a large speedup at very low cost
 There will be other versions of this code that specialize it and make it fast.
 */
-// ddp.h: llm.c's train_gpt2.c on N CPU ranks with ddp.h's FSDP / ZeRO-3 (or ZeRO-2 with -z 2), launched by
-// `ddprun --nproc-per-node N train_gpt2_fsdp`. Every change is marked "ddp.h"; tests/llmc/README.md lists them.
-#ifndef LLMC_DDP_SHARED
-#define DDP_IMPLEMENTATION // the library, compiled here (the test links its build/ddp_impl.o instead)
-#endif
-#define _GNU_SOURCE // glob, clock_gettime, M_PI under -std=c99 (ddp.h's implementation defines it too)
+// ddp.h: train_gpt2.c on N ranks with ddp.h's FSDP (ZeRO-3). Every change is marked ddp.h (tests/llmc/README.md).
+#define _GNU_SOURCE // ddp.h: glob, clock_gettime, M_PI under -std=c99
 #include "ddp.h"
-#pragma GCC diagnostic ignored "-Wsign-compare"   // ddp.h: llm.c is not written for -Wall -Wextra -Werror:
-#pragma GCC diagnostic ignored "-Wunknown-pragmas" // int/size_t loops, OpenMP without -fopenmp, float_control
-#pragma clang diagnostic ignored "-Wnewline-eof"      // (and clang: llmc/*.h end without a newline)
-#define ddpCheck(call) do { if ((call) != DDP_SUCCESS) { fprintf(stderr, "[ddp.h] %s:%d: %s: %s\n", __FILE__, __LINE__, #call, ddp_last_error(NULL)); exit(EXIT_FAILURE); } } while (0)
+#pragma GCC diagnostic ignored "-Wsign-compare"    // ddp.h: llm.c is not written for -Wall -Wextra -Werror: int/size_t
+#pragma GCC diagnostic ignored "-Wunknown-pragmas" // loops, OpenMP pragmas without -fopenmp (and for clang, llmc/*.h
+#pragma clang diagnostic ignored "-Wnewline-eof"   // end without a newline)
+#define ddpCheck(call) do { if ((call) < 0) { fprintf(stderr, "[ddp.h] %s:%d: %s: %s\n", __FILE__, __LINE__, #call, ddp_last_error(NULL)); exit(EXIT_FAILURE); } } while (0)
 
 #include <stdio.h>
 #include <stdlib.h>
@@ -34,6 +30,8 @@ There will be other versions of this code that specialize it and make it fast.
 // our own utilities
 // defines: fopenCheck, freadCheck, fcloseCheck, fseekCheck, mallocCheck
 #include "llmc/utils.h"
+// defines: tokenizer_init, tokenizer_decode, tokenizer_free
+#include "llmc/tokenizer.h"
 // defines: dataloader_init, dataloader_reset, dataloader_next_batch, dataloader_free
 #include "llmc/dataloader.h"
 
@@ -561,7 +559,6 @@ typedef struct {
     float* lnfw; // (C)
     float* lnfb; // (C)
 } ParameterTensors;
-enum { WTE, WPE, LN1W, LN1B, QKVW, QKVB, ATTPROJW, ATTPROJB, LN2W, LN2B, FCW, FCB, FCPROJW, FCPROJB, LNFW, LNFB }; // ddp.h
 
 void fill_in_parameter_sizes(size_t* param_sizes, GPT2Config config) {
     size_t Vp = config.padded_vocab_size;
@@ -712,7 +709,7 @@ typedef struct {
     int* inputs; // the input tokens for the current forward pass
     int* targets; // the target tokens for the current forward pass
     float mean_loss; // after a forward pass with targets, will be populated with the mean loss
-    ddp_reducer* red; int zero_stage, prefetch; // ddp.h: the model's units, master shards and gradient slices
+    ddp_group* group; ddp_reducer* red; int zero_stage, prefetch; // ddp.h: the ranks; the units, shards and slices
 } GPT2;
 
 void gpt2_build_from_checkpoint(GPT2 *model, const char* checkpoint_path) {
@@ -773,147 +770,81 @@ void gpt2_build_from_checkpoint(GPT2 *model, const char* checkpoint_path) {
     model->mean_loss = -1.0f; // -1.0f will designate no loss
 }
 
-// ddp.h: no checkpoint offline: a model of any config, initialised as train_gpt2.cu's gpt2_build_from_random
-// (GPT-2's schema, numerically torch's: weights ~N(0, 0.02), residual projections ~N(0, 0.02/sqrt(2L)), LN 1, biases 0)
-void gpt2_build_from_random(GPT2 *model, GPT2Config config) {
-    model->config = config;
-    fill_in_parameter_sizes(model->param_sizes, model->config);
-    model->num_parameters = 0;
-    for (size_t i = 0; i < NUM_PARAMETER_TENSORS; i++) { model->num_parameters += model->param_sizes[i]; }
-    model->params_memory = malloc_and_point_parameters(&model->params, model->param_sizes);
-    memset(model->params_memory, 0, model->num_parameters * sizeof(float));
-    mt19937_state init_rng;
-    manual_seed(&init_rng, 42);
-    float residual_scale = 1.0f / sqrtf(2.0f * model->config.num_layers);
-    size_t L = model->config.num_layers;
-    size_t offset = 0;
-    for (int l = 0; l < L; l++) {
-        offset = 0;
-        for (int i = 0; i < NUM_PARAMETER_TENSORS; i++) {
-            if (l == 0 && (i == 2 || i == 8 || i == 14)) { // the layernorm weights are all initialized to 1
-                for (size_t j = 0; j < model->param_sizes[i]; j++) { model->params_memory[offset + j] = 1.0f; }
-            }
-            if ((l == 0 && (i == 0 || i == 1)) || i == 4 || i == 6 || i == 10 || i == 12) {
-                size_t n = model->param_sizes[i], layer_offset = 0;
-                if (i == 0) { n = model->config.vocab_size * model->config.channels; } // V rows, not Vp
-                if (i == 4 || i == 6 || i == 10 || i == 12) { n = n / L; layer_offset = l * n; }
-                float scale = (i == 6 || i == 12) ? 0.02f * residual_scale : 0.02f;
-                normal_(model->params_memory + offset + layer_offset, n, 0.0f, scale, &init_rng);
-            }
-            offset += model->param_sizes[i];
-        }
-    }
-    model->acts_memory = NULL; model->grads_memory = NULL; model->m_memory = NULL; model->v_memory = NULL;
-    model->grads_acts_memory = NULL; model->inputs = NULL; model->targets = NULL;
-    model->batch_size = 0; model->seq_len = 0; model->mean_loss = -1.0f; model->red = NULL;
-}
-
 // ----------------------------------------------------------------------------
-// ddp.h: FSDP. Units: "root" = {wte, wpe, lnfw, lnfb}, kept gathered (DDP_FSDP_KEEP) from its first wait to
-// end_backward, as wte is read first (encoder) and last (the tied LM head); then one unit per layer, its 12
-// strided pieces of ParameterTensors registered as 12 parameters. Parameter index of tensor i of layer l:
-int fsdp_index(int i, int l) { return i < LN1W ? i : i >= LNFW ? i - 12 : 4 + 12 * l + i - LN1W; }
-int is_root(int i) { return i < LN1W || i >= LNFW; }
-float** gpt2_tensor(ParameterTensors* t, int i) { // where tensor i's pointer is
-    float** all[NUM_PARAMETER_TENSORS] = { &t->wte, &t->wpe, &t->ln1w, &t->ln1b, &t->qkvw, &t->qkvb, &t->attprojw,
-        &t->attprojb, &t->ln2w, &t->ln2b, &t->fcw, &t->fcb, &t->fcprojw, &t->fcprojb, &t->lnfw, &t->lnfb };
-    return all[i];
+// ddp.h: FSDP. gpt2_shard registers the model as units: "root" {wte, wpe, lnfw, lnfb}, kept gathered (DDP_FSDP_KEEP)
+// from its first wait to end_backward as wte is used first (encoder) and last (the tied LM head), then "h.l": layer l's
+// 12 strided pieces of ParameterTensors. At stage 3 each rank then keeps 1/N of each unit and params_memory goes (there
+// is no grads_memory); at stage 2 (-z 2, for comparison) the units are the buckets and the model stays whole, as in llm.c.
+float** gpt2_tensor(ParameterTensors* t, int i) { // where tensor i's pointer is, in llm.c's order
+    float** ptrs[] = { &t->wte, &t->wpe, &t->ln1w, &t->ln1b, &t->qkvw, &t->qkvb, &t->attprojw, &t->attprojb,
+                       &t->ln2w, &t->ln2b, &t->fcw, &t->fcb, &t->fcprojw, &t->fcprojb, &t->lnfw, &t->lnfb };
+    return ptrs[i];
 }
-// zero_stage 3: registration copies every piece into this rank's master shards (rank 0's values), after which
-// params_memory goes; grads_memory is never allocated. zero_stage 2 (for comparison): the same units are the
-// buckets, the program keeps params_memory and grads_memory as llm.c does.
-void gpt2_ddp(GPT2 *model, ddp_group* g, int zero_stage, int prefetch) {
-    ddp_reducer_desc d;
-    memset(&d, 0, sizeof d);
-    d.zero_stage = zero_stage;
-    d.prefetch = zero_stage == 3 ? prefetch : 0; // gathers in flight besides the unit in use
-    ddpCheck(ddp_reducer_create(g, &d, &model->red));
-    model->zero_stage = zero_stage, model->prefetch = prefetch;
-    if (zero_stage < 3) {
-        model->grads_memory = malloc_and_point_parameters(&model->grads, model->param_sizes);
-        memset(model->grads_memory, 0, model->num_parameters * sizeof(float));
-    }
+int is_root(int i) { return i < 2 || i >= 14; } // wte, wpe, lnfw, lnfb
+
+void gpt2_shard(GPT2 *model, ddp_group* group, int zero_stage, int prefetch) {
     static const char* names[NUM_PARAMETER_TENSORS] = { "wte", "wpe", "ln1w", "ln1b", "qkvw", "qkvb", "attprojw",
         "attprojb", "ln2w", "ln2b", "fcw", "fcb", "fcprojw", "fcprojb", "lnfw", "lnfb" };
+    ddp_reducer_desc desc = { .zero_stage = zero_stage, .prefetch = zero_stage == 3 ? prefetch : 0 };
+    ddpCheck(ddp_reducer_create(group, &desc, &model->red));
+    model->group = group, model->zero_stage = zero_stage, model->prefetch = prefetch;
+    if (zero_stage == 2) { model->grads_memory = malloc_and_point_parameters(&model->grads, model->param_sizes); }
     int L = model->config.num_layers;
     for (int l = -1; l < L; l++) { // l = -1: the root
-        char name[64];
-        snprintf(name, sizeof name, l < 0 ? "root" : "h.%d", l);
-        if (ddp_fsdp_unit(model->red, name, l < 0 ? DDP_FSDP_KEEP : 0) != l + 1) { ddpCheck(DDP_ERR_STATE); }
+        char unit[32], name[64];
+        snprintf(unit, sizeof unit, l < 0 ? "root" : "h.%d", l);
+        ddpCheck(ddp_fsdp_unit(model->red, unit, l < 0 ? DDP_FSDP_KEEP : 0));
         for (int i = 0; i < NUM_PARAMETER_TENSORS; i++) {
             if (is_root(i) != (l < 0)) { continue; }
-            size_t n = is_root(i) ? model->param_sizes[i] : model->param_sizes[i] / L, at = l < 0 ? 0 : l * n;
-            float* grad = zero_stage < 3 ? *gpt2_tensor(&model->grads, i) + at : NULL;
-            int index;
-            if (l < 0) { snprintf(name, sizeof name, "%s", names[i]); } else { snprintf(name, sizeof name, "h.%d.%s", l, names[i]); }
-            ddpCheck(ddp_reducer_add_param(model->red, name, *gpt2_tensor(&model->params, i) + at, grad, n, DDP_F32, &index));
-            assert(index == fsdp_index(i, l));
+            size_t n = model->param_sizes[i] / (l < 0 ? 1 : L), at = l < 0 ? 0 : l * n;
+            float* grad = zero_stage == 2 ? *gpt2_tensor(&model->grads, i) + at : NULL;
+            snprintf(name, sizeof name, "%s.%s", unit, names[i]);
+            ddpCheck(ddp_reducer_add_param(model->red, name, *gpt2_tensor(&model->params, i) + at, grad, n, DDP_F32, NULL));
         }
     }
-    ddpCheck(ddp_reducer_finalize(model->red));
+    ddpCheck(ddp_reducer_finalize(model->red)); // (rank 0's values on every rank)
     if (zero_stage == 3) { free(model->params_memory); model->params_memory = NULL; memset(&model->params, 0, sizeof model->params); }
 }
-// Tensor i of layer l (the root's: l unused), for forward and backward: at stage 3 the unit's gathered copy
-// (valid from its wait to its release) and its gradient buffer (zeroed at the unit's first call in a backward
-// pass: llm.c's kernels add into it); at stage 2 the model's own memory.
-float* gpt2_param(GPT2 *model, int i, int l) {
-    size_t at = is_root(i) ? 0 : l * model->param_sizes[i] / model->config.num_layers;
-    float* p = model->zero_stage == 3 ? (float*)ddp_fsdp_param(model->red, fsdp_index(i, l)) : *gpt2_tensor(&model->params, i) + at;
-    if (p == NULL) { fprintf(stderr, "[ddp.h] tensor %d of layer %d is not gathered: %s\n", i, l, ddp_last_error(NULL)); exit(1); }
-    return p;
-}
-float* gpt2_grad(GPT2 *model, int i, int l) {
-    size_t at = is_root(i) ? 0 : l * model->param_sizes[i] / model->config.num_layers;
-    float* p = model->zero_stage == 3 ? (float*)ddp_fsdp_grad(model->red, fsdp_index(i, l)) : *gpt2_tensor(&model->grads, i) + at;
-    if (p == NULL) { fprintf(stderr, "[ddp.h] no gradient buffer for tensor %d of layer %d: %s\n", i, l, ddp_last_error(NULL)); exit(1); }
-    return p;
-}
-// The schedule (collectives: every rank makes the same calls in the same order). gpt2_fsdp_root: the forward's
-// start (grads NULL: wait for the root, prefetch the first layers) or the backward's (begin_backward); both point
-// params' (and grads') root tensors at the gathered root.
-void gpt2_fsdp_root(GPT2 *model, ParameterTensors* params, ParameterTensors* grads) {
-    int root[4] = { WTE, WPE, LNFW, LNFB };
-    if (grads != NULL) { ddpCheck(ddp_reducer_begin_backward(model->red)); }
-    if (model->zero_stage == 3 && grads == NULL) {
-        ddpCheck(ddp_fsdp_wait(model->red, 0));
-        for (int k = 0; k < model->prefetch && k < model->config.num_layers; k++) { ddpCheck(ddp_fsdp_gather(model->red, 1 + k)); }
+
+// The schedule (collectives: every rank makes the same calls). gpt2_fsdp(model, p, g, l) comes before each part of
+// forward (g NULL; l = -1: the root, then the layers 0 .. L-1) and of backward (l = L: the root, begin_backward; the
+// layers L-1 .. 0; l = -1: end_backward). It is done with the layer before (backward: reduce-scatter its gradients into
+// the slices; release it), waits for l's unit, prefetches the next, and points p (and g) at l's tensors: at stage 3 the
+// gathered unit and its gradient buffers (zeroed at their first ddp_fsdp_grad in a pass: llm.c's kernels add to them).
+void gpt2_fsdp(GPT2 *model, ParameterTensors* p, ParameterTensors* g, int l) {
+    ddp_reducer* red = model->red;
+    int L = model->config.num_layers, fsdp = model->zero_stage == 3, dir = g == NULL ? 1 : -1, root = l < 0 || l == L;
+    int before = g == NULL && l < 0 ? L - 1 : l - dir; // (forward's root: the last layer, if an eval forward kept it)
+    if (g != NULL && l == L) { ddpCheck(ddp_reducer_begin_backward(red)); }
+    if (fsdp && before >= 0 && before < L) {
+        if (g != NULL) { ddpCheck(ddp_fsdp_grads_ready(red, 1 + before)); }
+        ddpCheck(ddp_fsdp_release(red, 1 + before));
     }
-    for (int k = 0; k < 4; k++) {
-        *gpt2_tensor(params, root[k]) = gpt2_param(model, root[k], 0);
-        if (grads != NULL) { *gpt2_tensor(grads, root[k]) = gpt2_grad(model, root[k], 0); }
-    }
-}
-// Layer l's unit (unit l + 1) at the start of its forward or backward: wait for it, prefetch the next ones.
-void gpt2_fsdp_layer_begin(GPT2 *model, int l, int backward) {
-    if (model->zero_stage < 3) { return; }
-    ddpCheck(ddp_fsdp_wait(model->red, l + 1));
-    for (int k = 1; k <= model->prefetch; k++) {
-        int next = backward ? l - k : l + k;
-        if (next >= 0 && next < model->config.num_layers) { ddpCheck(ddp_fsdp_gather(model->red, next + 1)); }
-    }
-}
-// ... and at its end: forward: release it (the last stays for backward); backward: its gradients are written
-// (reduce-scatter, x 1/world, into this rank's slices), release it.
-void gpt2_fsdp_layer_end(GPT2 *model, int l, int backward) {
-    if (model->zero_stage < 3) {
-        for (int i = LN1W; backward && i < LNFW; i++) { ddpCheck(ddp_reducer_grad_ready(model->red, fsdp_index(i, l))); }
+    if (g != NULL && l < 0) { // the root's gradients (stage 2: all)
+        if (fsdp) { ddpCheck(ddp_fsdp_grads_ready(red, 0)); }
+        for (int i = 0; !fsdp && i < 4 + 12 * L; i++) { ddpCheck(ddp_reducer_grad_ready(red, i)); }
+        ddpCheck(ddp_reducer_end_backward(red));
         return;
     }
-    if (backward) { ddpCheck(ddp_fsdp_grads_ready(model->red, l + 1)); }
-    if (backward || l + 1 < model->config.num_layers) { ddpCheck(ddp_fsdp_release(model->red, l + 1)); }
-}
-// The backward's end: the root's gradients are written; end_backward (the slices hold the averaged gradients).
-void gpt2_fsdp_backward_end(GPT2 *model) {
-    if (model->zero_stage == 3) { ddpCheck(ddp_fsdp_grads_ready(model->red, 0)); }
-    for (int i = 0; model->zero_stage < 3 && i < 4; i++) { ddpCheck(ddp_reducer_grad_ready(model->red, i)); }
-    ddpCheck(ddp_reducer_end_backward(model->red));
+    if (fsdp) { ddpCheck(ddp_fsdp_wait(red, root ? 0 : 1 + l)); }
+    for (int k = 1, next = l + dir; fsdp && k <= model->prefetch && next >= 0 && next < L; k++, next += dir) {
+        ddpCheck(ddp_fsdp_gather(red, 1 + next));
+    }
+    for (int i = 0, index = root ? 0 : 4 + 12 * l; i < NUM_PARAMETER_TENSORS; i++) { // index: gpt2_shard's order
+        if (is_root(i) != root) { continue; }
+        size_t at = root ? 0 : l * model->param_sizes[i] / L;
+        *gpt2_tensor(p, i) = fsdp ? ddp_fsdp_param(red, index) : *gpt2_tensor(&model->params, i) + at;
+        if (g != NULL) { *gpt2_tensor(g, i) = fsdp ? ddp_fsdp_grad(red, index) : *gpt2_tensor(&model->grads, i) + at; }
+        if (*gpt2_tensor(p, i) == NULL || (g != NULL && *gpt2_tensor(g, i) == NULL)) { ddpCheck(DDP_ERR_STATE); }
+        index++;
+    }
 }
 
 void gpt2_forward(GPT2 *model, int* inputs, int* targets, size_t B, size_t T) {
     // targets are optional and could be NULL
 
     // ensure the model was initialized or error out
-    if (model->params_memory == NULL && model->red == NULL) { // ddp.h: or only in the reducer's shards
+    if (model->params_memory == NULL && model->red == NULL) { // ddp.h: or in the reducer's shards only
         printf("Error: model was not initialized properly.\n");
         exit(1);
     }
@@ -969,26 +900,26 @@ void gpt2_forward(GPT2 *model, int* inputs, int* targets, size_t B, size_t T) {
     ParameterTensors params = model->params; // for brevity
     ActivationTensors acts = model->acts;
     float* residual;
-    gpt2_fsdp_root(model, &params, NULL); // ddp.h: the root's wte, wpe, lnfw, lnfb (gathered at stage 3)
+    gpt2_fsdp(model, &params, NULL, -1); // ddp.h: the root's params.X (wte, wpe, lnfw, lnfb)
     encoder_forward(acts.encoded, inputs, params.wte, params.wpe, B, T, C); // encoding goes into residual[0]
     for (int l = 0; l < L; l++) {
-        gpt2_fsdp_layer_begin(model, l, 0); // ddp.h: wait for layer l's unit, prefetch the next
+        gpt2_fsdp(model, &params, NULL, l); // ddp.h: layer l's params.X (so no + l * ... below)
 
         residual = l == 0 ? acts.encoded : acts.residual3 + (l-1) * B * T * C;
 
         // get the pointers of the weights for this layer
-        float* l_ln1w = gpt2_param(model, LN1W, l);
-        float* l_ln1b = gpt2_param(model, LN1B, l);
-        float* l_qkvw = gpt2_param(model, QKVW, l);
-        float* l_qkvb = gpt2_param(model, QKVB, l);
-        float* l_attprojw = gpt2_param(model, ATTPROJW, l);
-        float* l_attprojb = gpt2_param(model, ATTPROJB, l);
-        float* l_ln2w = gpt2_param(model, LN2W, l);
-        float* l_ln2b = gpt2_param(model, LN2B, l);
-        float* l_fcw = gpt2_param(model, FCW, l);
-        float* l_fcb = gpt2_param(model, FCB, l);
-        float* l_fcprojw = gpt2_param(model, FCPROJW, l);
-        float* l_fcprojb = gpt2_param(model, FCPROJB, l);
+        float* l_ln1w = params.ln1w;
+        float* l_ln1b = params.ln1b;
+        float* l_qkvw = params.qkvw;
+        float* l_qkvb = params.qkvb;
+        float* l_attprojw = params.attprojw;
+        float* l_attprojb = params.attprojb;
+        float* l_ln2w = params.ln2w;
+        float* l_ln2b = params.ln2b;
+        float* l_fcw = params.fcw;
+        float* l_fcb = params.fcb;
+        float* l_fcprojw = params.fcprojw;
+        float* l_fcprojb = params.fcprojb;
 
         // get the pointers of the activations for this layer
         float* l_ln1 = acts.ln1 + l * B * T * C;
@@ -1019,7 +950,6 @@ void gpt2_forward(GPT2 *model, int* inputs, int* targets, size_t B, size_t T) {
         gelu_forward(l_fch_gelu, l_fch, B*T*4*C);
         matmul_forward(l_fcproj, l_fch_gelu, l_fcprojw, l_fcprojb, B, T, 4*C, C);
         residual_forward(l_residual3, l_residual2, l_fcproj, B*T*C);
-        gpt2_fsdp_layer_end(model, l, 0); // ddp.h: release it (the last stays gathered for backward)
     }
     residual = acts.residual3 + (L-1) * B * T * C; // last residual is in residual3
     layernorm_forward(acts.lnf, acts.lnf_mean, acts.lnf_rstd, residual, params.lnfw, params.lnfb, B, T, C);
@@ -1033,6 +963,7 @@ void gpt2_forward(GPT2 *model, int* inputs, int* targets, size_t B, size_t T) {
         float mean_loss = 0.0f;
         for (int i=0; i<B*T; i++) { mean_loss += model->acts.losses[i]; }
         mean_loss /= B*T;
+        ddpCheck(ddp_all_reduce(model->group, &mean_loss, 1, DDP_F32, DDP_AVG)); // ddp.h: over the ranks (global batch)
         model->mean_loss = mean_loss;
     } else {
         // if we don't have targets, we don't have a loss
@@ -1041,7 +972,7 @@ void gpt2_forward(GPT2 *model, int* inputs, int* targets, size_t B, size_t T) {
 }
 
 void gpt2_zero_grad(GPT2 *model) {
-    if(model->red != NULL) { ddpCheck(ddp_reducer_zero_grad(model->red)); } // ddp.h: the slices (stage 2: grads_memory too)
+    if(model->grads_memory != NULL) { memset(model->grads_memory, 0, model->num_parameters * sizeof(float)); }
     if(model->grads_acts_memory != NULL) { memset(model->grads_acts_memory, 0, model->num_activations * sizeof(float)); }
 }
 
@@ -1054,7 +985,7 @@ void gpt2_backward(GPT2 *model) {
     }
 
     // lazily allocate the memory for gradients of the weights and activations, if needed
-    if (model->grads_acts_memory == NULL) { // ddp.h: grads_memory is the reducer's business
+    if (model->grads_acts_memory == NULL) { // ddp.h: grads_memory is gpt2_shard's (stage 2) or none (stage 3)
         model->grads_acts_memory = malloc_and_point_activations(&model->grads_acts, model->act_sizes);
         gpt2_zero_grad(model);
     }
@@ -1073,7 +1004,7 @@ void gpt2_backward(GPT2 *model) {
     ParameterTensors grads = model->grads;
     ActivationTensors acts = model->acts;
     ActivationTensors grads_acts = model->grads_acts;
-    gpt2_fsdp_root(model, &params, &grads); // ddp.h: begin_backward; the root's tensors and gradient buffers
+    gpt2_fsdp(model, &params, &grads, L); // ddp.h: begin_backward; the root's params.X and grads.X
 
     // we kick off the chain rule by filling in dlosses with 1.0f/(B*T)
     // technically this is a small, inline backward() pass of calculating
@@ -1088,31 +1019,31 @@ void gpt2_backward(GPT2 *model) {
     layernorm_backward(dresidual, grads.lnfw, grads.lnfb, grads_acts.lnf, residual, params.lnfw, acts.lnf_mean, acts.lnf_rstd, B, T, C);
 
     for (int l = L-1; l >= 0; l--) {
+        gpt2_fsdp(model, &params, &grads, l); // ddp.h: layer l's params.X and grads.X (so no + l * ... below)
 
         residual = l == 0 ? acts.encoded : acts.residual3 + (l-1) * B * T * C;
         dresidual = l == 0 ? grads_acts.encoded : grads_acts.residual3 + (l-1) * B * T * C;
-        gpt2_fsdp_layer_begin(model, l, 1); // ddp.h: wait for layer l's unit, prefetch the one below
 
         // get the pointers of the weights for this layer
-        float* l_ln1w = gpt2_param(model, LN1W, l);
-        float* l_qkvw = gpt2_param(model, QKVW, l);
-        float* l_attprojw = gpt2_param(model, ATTPROJW, l);
-        float* l_ln2w = gpt2_param(model, LN2W, l);
-        float* l_fcw = gpt2_param(model, FCW, l);
-        float* l_fcprojw = gpt2_param(model, FCPROJW, l);
+        float* l_ln1w = params.ln1w;
+        float* l_qkvw = params.qkvw;
+        float* l_attprojw = params.attprojw;
+        float* l_ln2w = params.ln2w;
+        float* l_fcw = params.fcw;
+        float* l_fcprojw = params.fcprojw;
         // get the pointers of the gradients of the weights for this layer
-        float* dl_ln1w = gpt2_grad(model, LN1W, l);
-        float* dl_ln1b = gpt2_grad(model, LN1B, l);
-        float* dl_qkvw = gpt2_grad(model, QKVW, l);
-        float* dl_qkvb = gpt2_grad(model, QKVB, l);
-        float* dl_attprojw = gpt2_grad(model, ATTPROJW, l);
-        float* dl_attprojb = gpt2_grad(model, ATTPROJB, l);
-        float* dl_ln2w = gpt2_grad(model, LN2W, l);
-        float* dl_ln2b = gpt2_grad(model, LN2B, l);
-        float* dl_fcw = gpt2_grad(model, FCW, l);
-        float* dl_fcb = gpt2_grad(model, FCB, l);
-        float* dl_fcprojw = gpt2_grad(model, FCPROJW, l);
-        float* dl_fcprojb = gpt2_grad(model, FCPROJB, l);
+        float* dl_ln1w = grads.ln1w;
+        float* dl_ln1b = grads.ln1b;
+        float* dl_qkvw = grads.qkvw;
+        float* dl_qkvb = grads.qkvb;
+        float* dl_attprojw = grads.attprojw;
+        float* dl_attprojb = grads.attprojb;
+        float* dl_ln2w = grads.ln2w;
+        float* dl_ln2b = grads.ln2b;
+        float* dl_fcw = grads.fcw;
+        float* dl_fcb = grads.fcb;
+        float* dl_fcprojw = grads.fcprojw;
+        float* dl_fcprojb = grads.fcprojb;
         // get the pointers of the activations for this layer
         float* l_ln1 = acts.ln1 + l * B * T * C;
         float* l_ln1_mean = acts.ln1_mean + l * B * T;
@@ -1151,28 +1082,20 @@ void gpt2_backward(GPT2 *model) {
         attention_backward(dl_qkv, dl_preatt, dl_att, dl_atty, l_qkv, l_att, B, T, C, NH);
         matmul_backward(dl_ln1, dl_qkvw, dl_qkvb, dl_qkv, l_ln1, l_qkvw, B, T, C, 3*C);
         layernorm_backward(dresidual, dl_ln1w, dl_ln1b, dl_ln1, residual, l_ln1w, l_ln1_mean, l_ln1_rstd, B, T, C);
-        gpt2_fsdp_layer_end(model, l, 1); // ddp.h: its gradients are done: reduce-scatter them, release it
     }
     encoder_backward(grads.wte, grads.wpe, grads_acts.encoded, model->inputs, B, T, C);
-    gpt2_fsdp_backward_end(model); // ddp.h: the root's gradients too; end_backward averages them into the slices
+    gpt2_fsdp(model, &params, &grads, -1); // ddp.h: end_backward
 }
 
 void gpt2_update(GPT2 *model, float learning_rate, float beta1, float beta2, float eps, float weight_decay, int t) {
     // reference: https://pytorch.org/docs/stable/generated/torch.optim.AdamW.html
 
-    // ddp.h: AdamW on this rank's shards of the model only (ddp_reducer_shards): m and v are sized to them
-    const ddp_shard* shards;
-    size_t num_shards = ddp_reducer_shards(model->red, &shards), num_parameters = 0;
-    for (size_t j = 0; j < num_shards; j++) { num_parameters += shards[j].count; }
     // lazily allocate the memory for m_memory and v_memory
     if (model->m_memory == NULL) {
-        model->m_memory = (float*)calloc(num_parameters + 1, sizeof(float));
-        model->v_memory = (float*)calloc(num_parameters + 1, sizeof(float));
+        model->m_memory = (float*)calloc(model->num_parameters, sizeof(float));
+        model->v_memory = (float*)calloc(model->num_parameters, sizeof(float));
     }
 
-    for (size_t j = 0, at = 0; j < num_shards; at += shards[j++].count) { // ddp.h: each shard, as a model of its own
-    GPT2 shard = { .params_memory = shards[j].param_data, .grads_memory = shards[j].grad, .m_memory = model->m_memory + at,
-                   .v_memory = model->v_memory + at, .num_parameters = shards[j].count }, *model = &shard;
     for (size_t i = 0; i < model->num_parameters; i++) {
         float param = model->params_memory[i];
         float grad = model->grads_memory[i];
@@ -1190,8 +1113,25 @@ void gpt2_update(GPT2 *model, float learning_rate, float beta1, float beta2, flo
         model->v_memory[i] = v;
         model->params_memory[i] -= learning_rate * (m_hat / (sqrtf(v_hat) + eps) + weight_decay * param);
     }
+}
+
+// ddp.h: llm.c's AdamW on this rank's shards only (ddp_reducer_shards), each as a model of its own, with m and v sized
+// to them (1/N of the model); at stage 2 the updated parameters are then all-gathered
+void gpt2_update_shards(GPT2 *model, float learning_rate, float beta1, float beta2, float eps, float weight_decay, int t) {
+    const ddp_shard* shards;
+    int num_shards = ddp_reducer_shards(model->red, &shards);
+    size_t num_parameters = 0;
+    for (int j = 0; j < num_shards; j++) { num_parameters += shards[j].count; }
+    if (model->m_memory == NULL) {
+        model->m_memory = (float*)calloc(num_parameters, sizeof(float));
+        model->v_memory = (float*)calloc(num_parameters, sizeof(float));
     }
-    if (model->zero_stage < 3) { ddpCheck(ddp_reducer_gather_params(model->red)); } // ddp.h: stage 2: all-gather
+    for (size_t j = 0, at = 0; j < num_shards; at += shards[j++].count) {
+        GPT2 shard = { .params_memory = shards[j].param_data, .grads_memory = shards[j].grad, .m_memory = model->m_memory + at,
+                       .v_memory = model->v_memory + at, .num_parameters = shards[j].count };
+        gpt2_update(&shard, learning_rate, beta1, beta2, eps, weight_decay, t);
+    }
+    if (model->zero_stage == 2) { ddpCheck(ddp_reducer_gather_params(model->red)); }
 }
 
 void gpt2_free(GPT2 *model) {
@@ -1236,140 +1176,211 @@ int sample_mult(float* probabilities, int n, float coin) {
 }
 
 // ----------------------------------------------------------------------------
-// ddp.h: no dataset offline either: a token file in llm.c's format (dev/data/data_common.py: 256 int32 of header,
-// magic 20240520, version 1, the count; then uint16 tokens) written by rank 0 when missing. The stream is fixed
-// pseudo-random with structure to learn: tokens 0..63 only, each followed by one of 4 successors of its own.
-void write_synthetic_tokens(const char* path, size_t num_tokens) {
-    char tmp[4096];
-    snprintf(tmp, sizeof tmp, "%s.tmp%d", path, (int)getpid());
-    FILE* f = fopenCheck(tmp, "wb");
-    int header[256] = { 20240520, 1, (int)num_tokens };
-    fwrite(header, sizeof(int), 256, f);
-    uint64_t rng_state = 1337;
-    uint16_t token = 0;
-    for (size_t i = 0; i < num_tokens; i++) {
-        fwrite(&token, sizeof(uint16_t), 1, f);
-        token = (uint16_t)((token * 5 + 1 + 7 * (random_u32(&rng_state) % 4)) % 64);
-    }
+// ddp.h: what the port needs besides FSDP. Offline stand-ins for llm.c's files, in their formats: a checkpoint (256
+// int32 of header, the f32 parameters) initialised as train_gpt2.cu's gpt2_build_from_random (GPT-2's schema as torch
+// draws it: N(0, 0.02), residual projections N(0, 0.02 / sqrt(2L)), layernorm weights 1, biases 0), and a token file
+// (dev/data/data_common.py: 256 int32 of header, uint16 tokens): a fixed pseudo-random stream with structure to learn,
+// tokens 0..63, each followed by one of 4 successors of its own.
+void write_file(const char* path, const int* header, const void* data, size_t size, size_t count) {
+    FILE* f = fopenCheck(path, "wb");
+    fwriteCheck((void*)header, sizeof(int), 256, f);
+    fwriteCheck((void*)data, size, count, f);
     fcloseCheck(f);
-    if (rename(tmp, path) != 0) { printf("Error: cannot rename %s to %s\n", tmp, path); exit(EXIT_FAILURE); }
+}
+void write_random_checkpoint(const char* path, GPT2Config c) {
+    size_t sizes[NUM_PARAMETER_TENSORS], num_parameters = 0, L = c.num_layers;
+    fill_in_parameter_sizes(sizes, c);
+    for (int i = 0; i < NUM_PARAMETER_TENSORS; i++) { num_parameters += sizes[i]; }
+    ParameterTensors p;
+    float* params_memory = malloc_and_point_parameters(&p, sizes);
+    memset(params_memory, 0, num_parameters * sizeof(float));
+    mt19937_state rng;
+    manual_seed(&rng, 42);
+    normal_(p.wte, c.vocab_size * c.channels, 0.0f, 0.02f, &rng); // V rows, not Vp
+    normal_(p.wpe, sizes[1], 0.0f, 0.02f, &rng);
+    for (size_t l = 0; l < L; l++) { // in torch's order
+        float* w[4] = { p.qkvw, p.attprojw, p.fcw, p.fcprojw };
+        size_t n[4] = { sizes[4] / L, sizes[6] / L, sizes[10] / L, sizes[12] / L };
+        for (int k = 0; k < 4; k++) { normal_(w[k] + l * n[k], n[k], 0.0f, k % 2 ? 0.02f * (1.0f / sqrtf(2.0f * L)) : 0.02f, &rng); }
+    }
+    for (size_t i = 0; i < sizes[2]; i++) { p.ln1w[i] = p.ln2w[i] = 1.0f; }
+    for (size_t i = 0; i < sizes[14]; i++) { p.lnfw[i] = 1.0f; }
+    int header[256] = { 20240326, 3, c.max_seq_len, c.vocab_size, c.num_layers, c.num_heads, c.channels, c.padded_vocab_size };
+    write_file(path, header, params_memory, sizeof(float), num_parameters);
+    free(params_memory);
+}
+void write_synthetic_tokens(const char* path, size_t num_tokens) {
+    uint16_t* tokens = (uint16_t*)mallocCheck(num_tokens * sizeof(uint16_t));
+    uint64_t rng_state = 1337;
+    tokens[0] = 0;
+    for (size_t i = 1; i < num_tokens; i++) { tokens[i] = (tokens[i-1] * 5 + 1 + 7 * (random_u32(&rng_state) % 4)) % 64; }
+    int header[256] = { 20240520, 1, (int)num_tokens };
+    write_file(path, header, tokens, sizeof(uint16_t), num_tokens);
+    free(tokens);
 }
 
-// ddp.h: f32 parameter memory per rank under FSDP with these unit sizes (reducer.h, "FSDP", Memory): the master
-// shards (per = ceil(count / world) of each unit) + 1 + prefetch gather buffers of the largest layer unit + the kept
-// root's own buffer.
-size_t fsdp_param_bytes(size_t root, size_t layer, int L, int world, int prefetch) {
-    size_t per_root = (root + world - 1) / world, per_layer = (layer + world - 1) / world;
-    return sizeof(float) * (per_root + L * per_layer + (1 + prefetch) * world * per_layer + world * per_root);
-}
-void fsdp_unit_sizes(GPT2Config config, size_t* root, size_t* layer) {
-    size_t param_sizes[NUM_PARAMETER_TENSORS];
-    fill_in_parameter_sizes(param_sizes, config);
-    *root = *layer = 0;
-    for (int i = 0; i < NUM_PARAMETER_TENSORS; i++) {
-        if (is_root(i)) { *root += param_sizes[i]; } else { *layer += param_sizes[i] / config.num_layers; }
+// The options ("-x value" as in llm.c's train_gpt2.cu): -e checkpoint, -i tokens (training and validation), -c channels
+// and -d layers of a checkpoint written here, -z zero_stage (3, or 2), -p prefetch, -b rows of the global batch (divisible
+// by the world size), -n steps, -l learning rate. Rank 0 writes the stand-ins that are missing.
+typedef struct { const char *checkpoint, *tokens; GPT2Config config; int zero_stage, prefetch, global_B, steps; float lr; } Options;
+Options options(int argc, char** argv, ddp_group* group) {
+    Options o = { "llmc_gpt2.bin", "llmc_tokens.bin", { 64, 500, 512, 4, 4, 48 }, 3, 1, 6, 40, 1e-3f };
+    for (int a = 1; a < argc; a += 2) {
+        const char* v = a + 1 < argc && argv[a][0] == '-' && strlen(argv[a]) == 2 ? argv[a + 1] : "";
+        switch (v[0] != '\0' ? argv[a][1] : '?') {
+            case 'e': o.checkpoint = v; break;             case 'i': o.tokens = v; break;
+            case 'c': o.config.channels = atoi(v); break;  case 'd': o.config.num_layers = atoi(v); break;
+            case 'z': o.zero_stage = atoi(v); break;       case 'p': o.prefetch = atoi(v); break;
+            case 'b': o.global_B = atoi(v); break;         case 'n': o.steps = atoi(v); break;
+            case 'l': o.lr = (float)atof(v); break;
+            default: fprintf(stderr, "usage: %s [-e|-i|-c|-d|-z|-p|-b|-n|-l value]... (tests/llmc/README.md)\n", argv[0]); exit(1);
+        }
     }
+    if ((o.zero_stage != 2 && o.zero_stage != 3) || o.global_B % ddp_world_size(group) != 0) {
+        fprintf(stderr, "Error: -z must be 2 or 3, and -b (%d) divisible by the world size\n", o.global_B); exit(1);
+    }
+    if (ddp_rank(group) == 0 && access(o.checkpoint, F_OK) == -1) { write_random_checkpoint(o.checkpoint, o.config); }
+    if (ddp_rank(group) == 0 && access(o.tokens, F_OK) == -1) { write_synthetic_tokens(o.tokens, 1 << 16); }
+    ddpCheck(ddp_barrier(group));
+    return o;
+}
+
+// The parameter memory per rank (f32), this run's and GPT-2 124M's from its config (FSDP.md G7). At stage 3 reducer.h's
+// formula ("FSDP", Memory): the master shards (per = ceil(count / N) of each unit), 1 + prefetch gather buffers of the
+// largest unit (a layer's) and the kept root's own buffer.
+size_t fsdp_param_bytes(GPT2Config c, int world, int prefetch, size_t* root, size_t* layer) {
+    size_t s[NUM_PARAMETER_TENSORS];
+    fill_in_parameter_sizes(s, c);
+    *root = s[0] + s[1] + s[14] + s[15], *layer = 0;
+    for (int i = 2; i < 14; i++) { *layer += s[i] / c.num_layers; }
+    size_t root_per = (*root + world - 1) / world, layer_per = (*layer + world - 1) / world;
+    return sizeof(float) * ((1 + world) * root_per + (c.num_layers + (1 + prefetch) * world) * layer_per);
+}
+void print_memory(GPT2 *model, int world) {
+    ddp_reducer_statistics stats = { 0 };
+    ddpCheck(ddp_reducer_get_statistics(model->red, &stats));
+    size_t root, layer, bytes = fsdp_param_bytes(model->config, world, model->prefetch, &root, &layer);
+    printf("parameter memory per rank: zero_stage %d on %d ranks", model->zero_stage, world);
+    if (model->zero_stage == 3) { printf(", prefetch %d: %llu bytes (param_bytes_peak; formula %zu); zero_stage 2", model->prefetch, (unsigned long long)stats.param_bytes_peak, bytes); }
+    printf(": %zu bytes (the whole model, f32)\n", model->num_parameters * sizeof(float));
+    GPT2Config c = { 1024, 50257, 50304, 12, 12, 768 }; // GPT-2 124M
+    double mb[3]; // at N = 2, 4, 8
+    for (int k = 0; k < 3; k++) { mb[k] = fsdp_param_bytes(c, 2 << k, model->prefetch, &root, &layer) / 1e6; }
+    size_t total = root + 12 * layer, wte = (size_t)c.padded_vocab_size * c.channels;
+    printf("GPT-2 124M (V %d padded %d, C %d, L %d, maxT %d): %zu parameters; a layer %zu, the root %zu (wte %zu: %.0f%%)\n",
+           c.vocab_size, c.padded_vocab_size, c.channels, c.num_layers, c.max_seq_len, total, layer, root, wte, 100.0 * wte / total);
+    printf("| f32 parameter memory per rank | zero_stage 2 | zero_stage 3, N=2 | N=4 | N=8 |\n|---|---|---|---|---|\n");
+    printf("| GPT-2 124M, root kept, prefetch %d | %.0f MB | %.0f MB | %.0f MB | %.0f MB |\n", model->prefetch, total * 4 / 1e6, mb[0], mb[1], mb[2]);
 }
 
 // ----------------------------------------------------------------------------
 // main training loop
-int main(int argc, char** argv) {
+int main(int argc, char** argv) { // ddp.h: the options
+    ddp_group* group; // ddp.h: one process per rank (ddprun --nproc-per-node N); rank 0 prints
+    ddpCheck(ddp_init(NULL, &group));
+    int rank = ddp_rank(group), world = ddp_world_size(group);
+    if (rank != 0 && freopen("/dev/null", "w", stdout) == NULL) { exit(EXIT_FAILURE); }
+    Options opt = options(argc, argv, group);
 
-    // ddp.h: one process per rank (ddprun --nproc-per-node N); the options of this port (llm.c's has none)
-    const char* train_tokens = "llmc_tokens.bin"; // -i: the token file (written if missing)
-    int zero_stage = 3, prefetch = 1, global_B = 6, num_steps = 40; // -z 2|3, -p, -b rows of all ranks, -n
-    float learning_rate = 1e-3f; // -l
-    GPT2Config config = { .max_seq_len = 64, .vocab_size = 500, .padded_vocab_size = 512, .num_layers = 4,
-                          .num_heads = 4, .channels = 48 }; // -c channels, -d layers
-    for (int a = 1; a + 1 < argc; a += 2) {
-        if (argv[a][0] != '-' || argv[a][2] != '\0') { printf("usage: see tests/llmc/README.md\n"); exit(EXIT_FAILURE); }
-        switch (argv[a][1]) {
-            case 'i': train_tokens = argv[a + 1]; break;
-            case 'z': zero_stage = atoi(argv[a + 1]); break;
-            case 'p': prefetch = atoi(argv[a + 1]); break;
-            case 'b': global_B = atoi(argv[a + 1]); break;
-            case 'n': num_steps = atoi(argv[a + 1]); break;
-            case 'l': learning_rate = (float)atof(argv[a + 1]); break;
-            case 'c': config.channels = atoi(argv[a + 1]); break;
-            case 'd': config.num_layers = atoi(argv[a + 1]); break;
-            default: printf("unknown option %s\n", argv[a]); exit(EXIT_FAILURE);
-        }
-    }
-    ddp_group* g;
-    ddpCheck(ddp_init(NULL, &g));
-    int rank = ddp_rank(g), world = ddp_world_size(g);
-    if ((zero_stage != 2 && zero_stage != 3) || global_B % world != 0) {
-        printf("Error: -z must be 2 or 3 and -b (%d) divide by the world size (%d)\n", global_B, world);
-        exit(EXIT_FAILURE);
-    }
-
-    // build the GPT-2 model from a random init (ddp.h: no checkpoint offline), then shard it
+    // build the GPT-2 model from a checkpoint
     GPT2 model;
-    gpt2_build_from_random(&model, config);
-    if (rank == 0) {
-        printf("[GPT-2] max_seq_len %d, vocab_size %d (padded %d), num_layers %d, num_heads %d, channels %d: %zu parameters\n",
-               config.max_seq_len, config.vocab_size, config.padded_vocab_size, config.num_layers, config.num_heads,
-               config.channels, model.num_parameters);
-    }
-    gpt2_ddp(&model, g, zero_stage, prefetch);
+    gpt2_build_from_checkpoint(&model, opt.checkpoint); // ddp.h: -e
+    gpt2_shard(&model, group, opt.zero_stage, opt.prefetch); // ddp.h
 
-    // build the DataLoader: rank r reads rows [r*B, (r+1)*B) of each global batch of world*B rows (llm.c's own
-    // multi-process DataLoader; no shuffling, so that 1 and N processes see the same global batches)
-    if (rank == 0 && access(train_tokens, F_OK) == -1) { write_synthetic_tokens(train_tokens, 1 << 16); }
-    ddpCheck(ddp_barrier(g));
-    int B = global_B / world; // batch size of this rank
-    int T = 32; // sequence length 32. must be <= maxT
-    DataLoader train_loader;
-    dataloader_init(&train_loader, train_tokens, B, T, rank, world, 0);
+    // build the DataLoaders from tokens files (ddp.h: -i, for both. Rank r reads rows [r*B, (r+1)*B) of each global batch,
+    // in order, so that 1 and N processes train on the same batches)
+    int B = opt.global_B / world; // ddp.h: this rank's rows (-b: the global batch)
+    int T = 32; // sequence length 32 (ddp.h: was 64, for the test's time). must be <= maxT, which is 1024 for GPT-2
+    DataLoader train_loader, val_loader;
+    dataloader_init(&train_loader, opt.tokens, B, T, rank, world, 0); // ddp.h
+    dataloader_init(&val_loader, opt.tokens, B, T, rank, world, 0); // ddp.h
+    printf("train dataset num_batches: %zu\n", train_loader.num_tokens / (B*T));
+    printf("val dataset num_batches: %zu\n", val_loader.num_tokens / (B*T));
+    int val_num_batches = 5;
+
+    // build the Tokenizer
+    Tokenizer tokenizer = { .eot_token = 0 }; // ddp.h: (without the file, llm.c leaves eot_token unset)
+    tokenizer_init(&tokenizer, "gpt2_tokenizer.bin");
+
+    // some memory for generating samples from the model
+    uint64_t rng_state = 1337;
+    int* gen_tokens = (int*)mallocCheck(B * T * sizeof(int));
+    const int genT = 32; // number of steps of inference we will do (ddp.h: was 64, <= T)
 
     // train
     struct timespec start, end;
-    for (int step = 0; step < num_steps; step++) {
+    for (int step = 0; step < opt.steps; step++) { // ddp.h: -n
+
+        // once in a while estimate the validation loss
+        if (step % 10 == 0) {
+            float val_loss = 0.0f;
+            dataloader_reset(&val_loader);
+            for (int i = 0; i < val_num_batches; i++) {
+                dataloader_next_batch(&val_loader);
+                gpt2_forward(&model, val_loader.inputs, val_loader.targets, B, T);
+                val_loss += model.mean_loss;
+            }
+            val_loss /= val_num_batches;
+            printf("val loss %f\n", val_loss);
+        }
+
+        // once in a while do model inference to print generated text
+        if (step > 0 && step % 20 == 0) {
+            // fill up gen_tokens with the GPT2_EOT, which kicks off the generation
+            for(int i = 0; i < B * T; ++i) {
+                gen_tokens[i] = tokenizer.eot_token;
+            }
+            // now sample from the model autoregressively
+            printf("generating:\n---\n");
+            for (int t = 1; t < genT; t++) {
+                // note that inference is very wasteful here because for each token
+                // we re-calculate the forward pass for all of (B,T) positions from scratch
+                // but the inference here is just for sanity checking anyway
+                // and we can maybe optimize a bit more later, with careful tests
+                gpt2_forward(&model, gen_tokens, NULL, B, T);
+                // furthermore, below we're only using b=0 (i.e. the first row) of all B rows
+                // we're in principle running B "inference streams" in parallel here
+                // but only using position 0
+                // get the Vp-dimensional vector probs[0, t-1, :]
+                float* probs = model.acts.probs + (t-1) * model.config.padded_vocab_size;
+                float coin = random_f32(&rng_state);
+                // note we're only sampling from the first V elements, ignoring padding
+                // (the probabilities in the padded region should be zero anyway)
+                int next_token = sample_mult(probs, model.config.vocab_size, coin);
+                gen_tokens[t] = next_token;
+                // print the generated token, either using the Tokenizer or a fallback
+                if (tokenizer.init_ok) {
+                    const char* token_str = tokenizer_decode(&tokenizer, next_token);
+                    safe_printf(token_str);
+                } else {
+                    // fall back to printing the token id
+                    printf("%d ", next_token);
+                }
+                fflush(stdout);
+            }
+            printf("\n---\n");
+        }
+
         // do a training step
         clock_gettime(CLOCK_MONOTONIC, &start);
         dataloader_next_batch(&train_loader);
         gpt2_forward(&model, train_loader.inputs, train_loader.targets, B, T);
         gpt2_zero_grad(&model);
         gpt2_backward(&model);
-        gpt2_update(&model, learning_rate, 0.9f, 0.999f, 1e-8f, 0.0f, step+1);
-        float mean_loss = model.mean_loss; // ddp.h: the loss of the global batch: the mean over the ranks
-        ddpCheck(ddp_all_reduce(g, &mean_loss, 1, DDP_F32, DDP_AVG));
+        gpt2_update_shards(&model, opt.lr, 0.9f, 0.999f, 1e-8f, 0.0f, step+1); // ddp.h: -l
         clock_gettime(CLOCK_MONOTONIC, &end);
         double time_elapsed_s = (end.tv_sec - start.tv_sec) + (end.tv_nsec - start.tv_nsec) / 1e9;
-        if (rank == 0) { printf("step %d: train loss %.9f (took %f ms)\n", step, mean_loss, time_elapsed_s * 1000); }
+        printf("step %d: train loss %.9f (took %f ms)\n", step, model.mean_loss, time_elapsed_s * 1000); // ddp.h: every bit
     }
-
-    // ddp.h: parameter memory per rank, this run's and GPT-2 124M's (computed from its layer sizes)
-    ddp_reducer_statistics stats;
-    ddpCheck(ddp_reducer_get_statistics(model.red, &stats));
-    size_t root, layer;
-    fsdp_unit_sizes(config, &root, &layer);
-    if (rank == 0 && zero_stage == 3) {
-        printf("parameter memory per rank: zero_stage 3 on %d ranks, prefetch %d: %llu bytes (param_bytes_peak; formula %zu); "
-               "zero_stage 2: %zu bytes (the whole model, f32)\n", world, prefetch, (unsigned long long)stats.param_bytes_peak,
-               fsdp_param_bytes(root, layer, config.num_layers, world, prefetch), model.num_parameters * sizeof(float));
-    } else if (rank == 0) {
-        printf("parameter memory per rank: zero_stage 2 on %d ranks: %zu bytes (the whole model, f32)\n", world,
-               model.num_parameters * sizeof(float));
-    }
-    GPT2Config gpt2_124M = { .max_seq_len = 1024, .vocab_size = 50257, .padded_vocab_size = 50304, .num_layers = 12,
-                             .num_heads = 12, .channels = 768 };
-    fsdp_unit_sizes(gpt2_124M, &root, &layer);
-    size_t wte = (size_t)gpt2_124M.padded_vocab_size * gpt2_124M.channels, total = root + 12 * layer;
-    if (rank == 0) {
-        printf("GPT-2 124M (V %d padded %d, C %d, L %d, maxT %d): %zu parameters; a layer %zu, the root %zu (wte %zu: %.0f%%)\n",
-               gpt2_124M.vocab_size, gpt2_124M.padded_vocab_size, gpt2_124M.channels, gpt2_124M.num_layers,
-               gpt2_124M.max_seq_len, total, layer, root, wte, 100.0 * wte / total);
-        printf("| f32 parameter memory per rank | zero_stage 2 | zero_stage 3, N=2 | N=4 | N=8 |\n|---|---|---|---|---|\n");
-        printf("| GPT-2 124M, root kept, prefetch %d | %.0f MB | %.0f MB | %.0f MB | %.0f MB |\n", prefetch, total * 4 / 1e6,
-               fsdp_param_bytes(root, layer, 12, 2, prefetch) / 1e6, fsdp_param_bytes(root, layer, 12, 4, prefetch) / 1e6,
-               fsdp_param_bytes(root, layer, 12, 8, prefetch) / 1e6);
-    }
+    print_memory(&model, world); // ddp.h
 
     // free
     dataloader_free(&train_loader);
+    dataloader_free(&val_loader);
+    tokenizer_free(&tokenizer);
     gpt2_free(&model);
-    ddpCheck(ddp_destroy(g));
+    free(gen_tokens);
+    ddpCheck(ddp_destroy(group)); // ddp.h
     return 0;
 }
 #endif
