@@ -987,7 +987,7 @@ DDP_API ddp_result ddp_cuda_non_finite_check_and_unscale(const ddp_cuda_grads_ar
    the operation and its sequence number. Blocking communicators (NCCL's default mode); the other
    ranks' readiness is agreed over ddp.h's TCP connections before ncclCommInitRank, so a rank without a
    GPU fails every rank quickly instead of leaving them in ncclCommInitRank. */
-#if !defined(DDP_CUDA_HARNESS) /* the CPU harness of the tests runs kernels only */
+#if !defined(DDP_CUDA_HARNESS) || defined(DDP_HARNESS_NCCL) /* the tests' CPU harness: with its fake NCCL only */
 #include <nccl.h>
 #include <time.h>
 
@@ -1506,7 +1506,7 @@ DDP_API int ddp__cuda_nccl_test(ddp__cuda_nccl *c, void *event) {
 
 
 } /* extern "C" */
-#endif /* !DDP_CUDA_HARNESS */
+#endif /* !DDP_CUDA_HARNESS || DDP_HARNESS_NCCL */
 
 /* [SECTION] cuda-stage: device buffers on the cpu and mpi backends, staged through pinned host memory
    (src/devbuf.c decides what to copy; src/cuda_glue.h documents the calls). Plain runtime calls, no

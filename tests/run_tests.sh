@@ -28,6 +28,7 @@ QUICK="
   test_sampler
   test_shm_alloc test_shm_cma test_spawn test_store test_syncbn test_syncbn_ranks test_tcp_algorithms
   test_ddprun test_examples test_demo test_trace test_timeline test_bench_scale test_cuda_devbuf test_cuda_checkpoint
+  test_nccl_harness
 "
 FULL="
   test_compile test_faults test_cuda_kernels test_sanitizers test_sanitizers_thread test_valgrind test_fuzz

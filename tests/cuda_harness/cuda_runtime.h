@@ -107,7 +107,10 @@ typedef enum cudaError {
     cudaErrorInvalidValue = 1,
     cudaErrorMemoryAllocation = 2,
     cudaErrorInvalidConfiguration = 9,
+    cudaErrorNoDevice = 100,
+    cudaErrorInvalidDevice = 101,
     cudaErrorInvalidResourceHandle = 400,
+    cudaErrorNotReady = 600,
     cudaErrorLaunchFailure = 719
 } cudaError_t;
 
@@ -660,12 +663,24 @@ inline const char *cudaGetErrorName(cudaError_t e) {
     case cudaErrorLaunchFailure: return "cudaErrorLaunchFailure";
     case cudaErrorMemoryAllocation: return "cudaErrorMemoryAllocation";
     case cudaErrorInvalidResourceHandle: return "cudaErrorInvalidResourceHandle";
+    case cudaErrorNoDevice: return "cudaErrorNoDevice";
+    case cudaErrorInvalidDevice: return "cudaErrorInvalidDevice";
+    case cudaErrorNotReady: return "cudaErrorNotReady";
     }
     return "cudaErrorUnknown";
 }
 
-/* The harness's report for the errors it raises (the last one's). */
-inline const char *cudaGetErrorString(cudaError_t e) { return e == cudaSuccess ? "no error" : ddp_harness::S.message; }
+/* The harness's report for the errors it raises (the last one's); the runtime's own text for the
+   status codes that are no failure of a launch or a copy. */
+inline const char *cudaGetErrorString(cudaError_t e) {
+    switch (e) {
+    case cudaSuccess: return "no error";
+    case cudaErrorNotReady: return "device not ready";
+    case cudaErrorNoDevice: return "no CUDA-capable device is detected";
+    case cudaErrorInvalidDevice: return "invalid device ordinal";
+    default: return ddp_harness::S.message;
+    }
+}
 
 /* ---- half types ---- */
 
@@ -751,8 +766,18 @@ inline __nv_bfloat16 __float2bfloat16(float f) { return __float2bfloat16_rn(f); 
      once (the runtime stages those synchronously) and is counted in memory_stats.pageable_async.
    - cudaPointerGetAttributes: cudaMemoryTypeDevice inside a cudaMalloc'd range, cudaMemoryTypeHost
      inside a cudaMallocHost'd one, cudaMemoryTypeUnregistered otherwise.
+   - cudaMallocAsync, cudaFreeAsync and cudaMemsetAsync run at once, after the queued copies (a legal
+     schedule: the host cannot look at device memory in between).
    - Streams are tokens (cudaStreamCreate); memory_stats counts the async copies per direction and
-     remembers the last stream one was queued on. One thread at a time, as the rest of the harness. */
+     remembers the last stream one was queued on. One thread at a time, as the rest of the harness.
+   - Events: cudaEventSynchronize runs the copies queued before the event was recorded. cudaEventQuery
+     answers cudaErrorNotReady to the first query after each cudaEventRecord (so that a program's
+     polling loop turns at least once), then runs those copies and answers cudaSuccess; an event never
+     recorded is complete, as in CUDA.
+   - Devices: cudaGetDeviceCount reports DDP_HARNESS_DEVICES (0-64; 0 is cudaErrorNoDevice) or by default 1,
+     4 with the fake NCCL (DDP_HARNESS_NCCL: tests/cuda_harness/nccl.h, one device per rank of up to 4
+     ranks on a host); cudaSetDevice only records the current device (cudaGetDevice, and the device of
+     later allocations in cudaPointerGetAttributes): all devices share the process's memory. */
 #include <unistd.h>
 #include <vector>
 
@@ -780,6 +805,7 @@ struct allocation {
     char *p;
     size_t bytes, mapped;
     bool device;
+    int ordinal; /* the current device when it was allocated */
 };
 struct queued_copy {
     void *dst;
@@ -795,7 +821,28 @@ inline std::vector<allocation> allocations;
 inline std::vector<queued_copy> queued;
 inline uint64_t copy_seq;
 inline memory_stats_t memory_stats;
+inline int current_device;
 inline size_t page_bytes() { return (size_t)sysconf(_SC_PAGESIZE); }
+
+/* The devices cudaGetDeviceCount reports: DDP_HARNESS_DEVICES, else 1 (4 with the fake NCCL). */
+inline int device_count() {
+    const char *v = getenv("DDP_HARNESS_DEVICES");
+    char *end = nullptr;
+    long n;
+    if (!v || !*v) {
+#ifdef DDP_HARNESS_NCCL
+        return 4;
+#else
+        return 1;
+#endif
+    }
+    n = strtol(v, &end, 10);
+    if (*end || n < 0 || n > 64) {
+        fprintf(stderr, "cuda harness: DDP_HARNESS_DEVICES=%s is not a number of devices in [0, 64]\n", v);
+        abort();
+    }
+    return (int)n;
+}
 
 inline allocation *find_allocation(const void *p) {
     for (auto &a : allocations)
@@ -869,7 +916,7 @@ inline cudaError_t cudaMalloc(void **p, size_t bytes) {
     void *m = mmap(nullptr, mapped, PROT_NONE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
     *p = nullptr;
     if (m == MAP_FAILED) return cudaErrorMemoryAllocation;
-    allocations.push_back(allocation{(char *)m, bytes ? bytes : 1, mapped, true});
+    allocations.push_back(allocation{(char *)m, bytes ? bytes : 1, mapped, true, current_device});
     *p = m;
     return cudaSuccess;
 }
@@ -895,7 +942,7 @@ inline cudaError_t cudaMallocHost(void **p, size_t bytes) {
     void *m = malloc(bytes ? bytes : 1);
     *p = m;
     if (!m) return cudaErrorMemoryAllocation;
-    allocations.push_back(allocation{(char *)m, bytes ? bytes : 1, 0, false});
+    allocations.push_back(allocation{(char *)m, bytes ? bytes : 1, 0, false, current_device});
     return cudaSuccess;
 }
 inline cudaError_t cudaFreeHost(void *p) {
@@ -953,14 +1000,33 @@ inline cudaError_t cudaMemset(void *dst, int value, size_t bytes) {
 inline cudaError_t cudaPointerGetAttributes(cudaPointerAttributes *at, const void *p) {
     const ddp_harness::allocation *a = ddp_harness::find_allocation(p);
     at->type = !a ? cudaMemoryTypeUnregistered : a->device ? cudaMemoryTypeDevice : cudaMemoryTypeHost;
-    at->device = a ? 0 : -2;
+    at->device = a ? a->ordinal : -2;
     at->devicePointer = a && a->device ? (void *)p : nullptr;
     at->hostPointer = a && !a->device ? (void *)p : nullptr;
     return cudaSuccess;
 }
+inline cudaError_t cudaGetDeviceCount(int *count) {
+    *count = ddp_harness::device_count();
+    if (*count > 0) return cudaSuccess;
+    ddp_harness::S.last_error = cudaErrorNoDevice; /* as the runtime: also the next cudaGetLastError */
+    return cudaErrorNoDevice;
+}
 inline cudaError_t cudaGetDevice(int *device) {
-    *device = 0;
+    *device = ddp_harness::current_device;
     return cudaSuccess;
+}
+inline cudaError_t cudaSetDevice(int device) {
+    if (device < 0 || device >= ddp_harness::device_count()) {
+        ddp_harness::S.last_error = cudaErrorInvalidDevice;
+        return cudaErrorInvalidDevice;
+    }
+    ddp_harness::current_device = device;
+    return cudaSuccess;
+}
+inline cudaError_t cudaMallocAsync(void **p, size_t bytes, cudaStream_t) { return cudaMalloc(p, bytes); }
+inline cudaError_t cudaFreeAsync(void *p, cudaStream_t) { return cudaFree(p); } /* after the queued copies */
+inline cudaError_t cudaMemsetAsync(void *dst, int value, size_t bytes, cudaStream_t = 0) {
+    return cudaMemset(dst, value, bytes);
 }
 inline cudaError_t cudaStreamCreate(cudaStream_t *s) {
     *s = (cudaStream_t)malloc(1);
@@ -971,23 +1037,39 @@ inline cudaError_t cudaStreamDestroy(cudaStream_t s) {
     free((void *)s);
     return cudaSuccess;
 }
-/* An event is the number of the next copy to be queued when it was recorded. */
+/* An event: the number of the next copy to be queued when it was recorded (0 before the first record:
+   nothing to wait for), and the queries since. */
+namespace ddp_harness {
+struct event_t {
+    uint64_t seq;
+    int queries;
+};
+inline event_t *event_of(cudaEvent_t e) { return (event_t *)(void *)e; }
+} // namespace ddp_harness
 inline cudaError_t cudaEventCreateWithFlags(cudaEvent_t *e, unsigned flags) {
     (void)flags;
-    *e = (cudaEvent_t)calloc(1, sizeof(uint64_t));
+    *e = (cudaEvent_t)calloc(1, sizeof(ddp_harness::event_t));
+    if (*e) ddp_harness::event_of(*e)->queries = 1; /* not recorded: complete */
     return *e ? cudaSuccess : cudaErrorMemoryAllocation;
 }
 inline cudaError_t cudaEventCreate(cudaEvent_t *e) { return cudaEventCreateWithFlags(e, cudaEventDefault); }
 inline cudaError_t cudaEventRecord(cudaEvent_t e, cudaStream_t s = 0) {
     (void)s;
     if (!e) return cudaErrorInvalidResourceHandle;
-    *(uint64_t *)(void *)e = ddp_harness::copy_seq;
+    ddp_harness::event_of(e)->seq = ddp_harness::copy_seq;
+    ddp_harness::event_of(e)->queries = 0;
     return cudaSuccess;
 }
 inline cudaError_t cudaEventSynchronize(cudaEvent_t e) {
     if (!e) return cudaErrorInvalidResourceHandle;
     ddp_harness::memory_stats.syncs++;
-    ddp_harness::flush_copies(*(uint64_t *)(void *)e);
+    ddp_harness::flush_copies(ddp_harness::event_of(e)->seq);
+    return cudaSuccess;
+}
+inline cudaError_t cudaEventQuery(cudaEvent_t e) {
+    if (!e) return cudaErrorInvalidResourceHandle;
+    if (ddp_harness::event_of(e)->queries++ == 0) return cudaErrorNotReady;
+    ddp_harness::flush_copies(ddp_harness::event_of(e)->seq);
     return cudaSuccess;
 }
 inline cudaError_t cudaEventDestroy(cudaEvent_t e) {

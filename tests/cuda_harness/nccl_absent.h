@@ -1,8 +1,11 @@
 /* The NCCL half of ddp_cuda.cu's glue, which the CUDA harness build leaves out (it has no NCCL): every
    call fails with DDP_ERR_UNSUPPORTED. For the harness tests of the cpu backend's device paths
-   (test_cuda_devbuf, test_cuda_checkpoint), which never reach the nccl backend. Include once, after ddp.h. */
+   (test_cuda_devbuf, test_cuda_checkpoint), which never reach the nccl backend. Include once, after ddp.h.
+   Built with the fake NCCL (-DDDP_HARNESS_NCCL: tests/cuda_harness/nccl.h, run_test.sh's NCCL=1),
+   ddp_cuda.cu defines the real glue and this file defines nothing. */
 #ifndef DDP_TEST_NCCL_ABSENT_H
 #define DDP_TEST_NCCL_ABSENT_H
+#ifndef DDP_HARNESS_NCCL
 static ddp_result nccl_absent(char *err, size_t err_size) {
     if (err && err_size) snprintf(err, err_size, "no NCCL in the CUDA harness");
     return DDP_ERR_UNSUPPORTED;
@@ -35,4 +38,5 @@ ddp_result ddp__cuda_nccl_wait(ddp__cuda_nccl *, void *, double, const char *, d
     return nccl_absent(err, err_size);
 }
 int ddp__cuda_nccl_test(ddp__cuda_nccl *, void *) { return 1; }
+#endif /* !DDP_HARNESS_NCCL */
 #endif

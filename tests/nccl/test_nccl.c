@@ -349,6 +349,22 @@ static void check_moves(ddp_group *g, ddp_dtype t) {
     check_all_gather_v(g, t, 1, 0);
 }
 
+/* Before a mismatched call: every rank has returned from its calls before it, met outside ddp.h (a
+   counter in memory mapped before tl_run_ranks forks; main zeroes it before each run). With 3 or more
+   ranks, two ranks could otherwise find the mismatch while a third still finishes the call before it
+   (its peers done with it, its data on the way): their ABORT fails that call there (the group broke,
+   as ddp.h does for a lost peer too), e.g. ddp_init's last agreement, instead of the mismatched one. */
+static volatile int *met;
+
+static void meet(int n) {
+    double deadline = tl_now() + 60;
+    __sync_fetch_and_add(met, 1);
+    while (*met < n) {
+        CHECK(tl_now() < deadline, "the ranks did not all reach the mismatched call within 60 s");
+        usleep(1000);
+    }
+}
+
 /* Sizes per rank that differ (device memory): DDP_ERR_MISMATCH on every rank, the same message as
    the TCP backend's, and nothing queued on NCCL (no hang). what: "split" or "counts". */
 static int rank_gpu_sizes_differ(int rank, int n, void *arg) {
@@ -365,6 +381,7 @@ static int rank_gpu_sizes_differ(int rank, int n, void *arg) {
     CHECK_OK(ddp_init(&d, &g), NULL); /* sets this rank's device: allocate after it */
     send = dev_with(64 * sizeof(float), NULL);
     recv = dev_with(64 * sizeof(float), NULL);
+    meet(n);
     if (strcmp(what, "split") == 0) { /* rank 0 sends rank 1 three elements; rank 1 expects two */
         if (rank == 0) c[1] = 3;
         r = ddp_all_to_all_v(g, send, c, recv, rc, DDP_F32);
@@ -412,7 +429,9 @@ static int rank_gpu(int rank, int n, void *arg) {
     for (k = 0; k < 4; k++) CHECK(host[k] == (k + 1) * n, "host all_reduce [%d] = %d", k, host[k]);
     if (n > 1) { /* a mismatch: rank 0 reduces 4 elements, the others 5; an error everywhere, not a hang */
         void *x = dev_with(5 * sizeof(float), NULL);
-        ddp_result r = ddp_all_reduce(g, x, rank == 0 ? 4 : 5, DDP_F32, DDP_SUM);
+        ddp_result r;
+        meet(n);
+        r = ddp_all_reduce(g, x, rank == 0 ? 4 : 5, DDP_F32, DDP_SUM);
         CHECK(r == DDP_ERR_MISMATCH, "mismatched all_reduce returned %d: %s", (int)r, ddp_last_error(g));
         CHECK(strstr(ddp_last_error(g), "all_reduce"), "message: %s", ddp_last_error(g));
         CU(cudaFree(x));
@@ -540,9 +559,14 @@ int main(int argc, char **argv) {
     if (argc >= 3 && strcmp(argv[1], "gpu") == 0) {
         int n = atoi(argv[2]);
         CHECK(n >= 1 && n <= 64, "bad rank count %s", argv[2]);
+        met = (volatile int *)mmap(NULL, sizeof(int), PROT_READ | PROT_WRITE, MAP_SHARED | MAP_ANONYMOUS, -1, 0);
+        CHECK(met != (volatile int *)MAP_FAILED, "mmap of the ranks' meeting counter");
+        *met = 0;
         CHECK(tl_run_ranks(n, rank_gpu, NULL, 300) == 0, "nccl with %d rank(s)", n);
         if (n >= 2) {
+            *met = 0;
             CHECK(tl_run_ranks(n, rank_gpu_sizes_differ, (void *)"split", 120) == 0, "all_to_all_v split sizes that differ");
+            *met = 0;
             CHECK(tl_run_ranks(n, rank_gpu_sizes_differ, (void *)"counts", 120) == 0, "all_gather_v counts that differ");
         }
         return 0;
