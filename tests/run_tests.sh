@@ -28,7 +28,7 @@ QUICK="
   test_sampler
   test_shm_alloc test_shm_cma test_spawn test_store test_syncbn test_syncbn_ranks test_tcp_algorithms
   test_ddprun test_examples test_demo test_trace test_timeline test_bench_scale test_cuda_devbuf test_cuda_checkpoint
-  test_nccl_harness
+  test_nccl_harness test_nccl_fsdp
 "
 FULL="
   test_compile test_faults test_cuda_kernels test_sanitizers test_sanitizers_thread test_valgrind test_fuzz
@@ -66,10 +66,10 @@ children_cpu_ms() {  # children_cpu_ms NAME (the file it goes through is NAME's:
 # printed for a test are its own processes' either way.
 # Each line runs its slots side by side; a slot "a+b" runs a, then b (the shorter runs of a line chained so
 # that the slots take about as long: the ASan run ~740 s against TSan's ~530 s + gpu_check's ~145 s; current
-# torch's ~340 s against mpi's ~75 s + nccl's ~95 s, on the 2-core CI machine).
+# torch's ~340 s against mpi's ~75 s + nccl's ~95 s + the fake NCCL's two ~30 s, on the 2-core CI machine).
 TOGETHER="
   test_sanitizers test_sanitizers_thread+test_gpu_check
-  test_interop_torch_current test_mpi+test_nccl
+  test_interop_torch_current test_mpi+test_nccl+test_nccl_harness+test_nccl_fsdp
 "
 # selected NAME: does NAME run in this invocation (TESTS, TIER)? Says so when it is in no tier.
 selected() {
