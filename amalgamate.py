@@ -24,6 +24,7 @@ PUBLIC = [
     "src/ddp_api.h",        # version, results, dtypes, ops, logging, groups, collectives, store, launch
     "src/amp.h",            # [SECTION] amp: torch.amp.GradScaler, the inf/NaN check, the gradient norm's parts
     "src/reducer.h",        # [SECTION] reducer: DistributedDataParallel's gradient Reducer
+    "src/ft.h",             # [SECTION] ft: per-step fault tolerance: the step a view runs (the sampler uses it)
     "src/sampler.h",        # [SECTION] sampler: torch.utils.data.distributed.DistributedSampler
     "src/syncbn.h",         # [SECTION] syncbn: torch.nn.SyncBatchNorm
     "src/checkpoint.h",     # [SECTION] checkpoint: safetensors save/load, resume state

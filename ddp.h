@@ -110,6 +110,8 @@
                src/amp.h
    [SECTION] reducer: DistributedDataParallel's gradient Reducer (bucketed, overlapped all-reduce)
                src/reducer.h
+   [SECTION] ft: per-step fault tolerance: the step a view runs (ddp_ft_step)
+               src/ft.h
    [SECTION] sampler: torch.utils.data.distributed.DistributedSampler, bit-exact; eval and streaming modes
                src/sampler.h
    [SECTION] syncbn: torch.nn.SyncBatchNorm (and plain BatchNorm1d/2d/3d) forward and backward
@@ -1383,6 +1385,47 @@ DDP_API ddp_result ddp_reducer_clip_grad_norm(ddp_reducer *r, double max_norm, d
 DDP_API void ddp_reducer_destroy(ddp_reducer *r);
 /* ==================== end src/reducer.h ==================== */
 
+/* ==================== begin src/ft.h ==================== */
+/* [SECTION] ft: per-step fault tolerance: the step a view runs (ddp_ft_step)
+   Fault-tolerant training (issue #39) runs each optimizer step in a VIEW: the members of the job that are
+   alive, ordered by a stable id (the initial ranks keep theirs, joiners come after them); a member's rank
+   is its index in the view. A step ends in one verdict that every member shares: COMMIT (apply the
+   optimizer, go on to the next step) or REDO (a member was lost or admitted: run the same step again in
+   the new view, on the same global batch). The data follows the step, not the rank:
+   ddp_sampler_step_batch gives a rank its share of a step's global batch for any number of members.
+
+   Built so far: the type below and ddp_sampler_step_batch. The view-change protocol that fills a
+   ddp_ft_step (ddp_ft_begin, ddp_ft_commit, ddp_ft_register: membership, the commit vote, joiners with
+   live state) is not built yet; until it is, a program fills the struct itself (gen 0, its ddp_rank and
+   ddp_world_size, joined 0) and counts steps and epochs as the fields below say. */
+
+/* One step of fault-tolerant training: which view runs it, which step of which epoch, and this process's
+   place in the view. The program owns it; ddp_ft_begin (not built yet) is to fill the view's part. */
+typedef struct ddp_ft_step {
+    /* The view's generation: every view change installs a view with a higher gen than any before it, so
+       two views of one job never share a gen. Nothing in the sampler reads it. */
+    uint64_t gen;
+    /* The step of epoch `epoch` that is being run: the number of steps of the epoch committed so far.
+       A successful commit advances it by one; a REDO leaves it, so the same step (the same global batch)
+       runs again in the new view. After the epoch's last commit (from there on ddp_sampler_step_batch hands
+       out 0 indices) the program starts the next epoch itself: epoch++, step = 0. */
+    uint64_t step;
+    /* The epoch: the sampler's shuffle is that of seed + epoch, as torch's set_epoch(epoch) gives (in
+       fault-tolerant mode there is no ddp_sampler_set_epoch: the sampler follows this field). */
+    uint64_t epoch;
+    /* This process's index in the view, 0 <= rank < world_size: its place among the members ordered by
+       stable id. It can change at a view change (when members before it are lost), unlike the stable id. */
+    int rank;
+    /* W: the number of members of the view, >= 1. Fewer than the first view's after a loss (survivors),
+       more after joins. */
+    int world_size;
+    /* Nonzero in the ddp_ft_begin that admitted this process into a running job as a joiner (gen, step,
+       epoch, rank and world_size then come from the view, the registered state from a live donor); 0 for
+       a process that was a member of the view before. */
+    int joined;
+} ddp_ft_step;
+/* ==================== end src/ft.h ==================== */
+
 /* ==================== begin src/sampler.h ==================== */
 /* [SECTION] sampler: torch.utils.data.distributed.DistributedSampler, bit-exact; eval and streaming modes */
 /* Mirrors torch.utils.data.distributed.DistributedSampler: each rank gets its share of a dataset's indices
@@ -1411,6 +1454,8 @@ DDP_API void ddp_reducer_destroy(ddp_reducer *r);
      num_replicas, every index of the epoch handed out once across the change (see below).
    - DDP_PERMUTATION_STREAMING: a keyed Feistel permutation with O(1) memory and random access to any
      index, for datasets too large to shuffle in memory (>= 1e9 samples). NOT the same order as PyTorch's.
+   - Batches indexed by step (ddp_sampler_step_batch, below), for fault-tolerant training (src/ft.h): a
+     step's global batch split over any number of ranks; on num_replicas ranks it is torch's order.
    - The default permutation holds 4 bytes per sample while it shuffles (8 when N > 2^32; torch holds 8 in
      its tensor plus a Python list), then keeps only this rank's share.
 
@@ -1478,6 +1523,7 @@ typedef struct ddp_sampler {
     void *shard;                /* this rank's shuffled indices (uint32 or uint64 each), or NULL */
     int shard_wide;             /* shard entries are uint64 (N > 2^32) */
     int shard_valid;            /* shard holds the indices of shard_epoch */
+    int shard_whole;            /* ... all N of them, the whole permutation (ddp_sampler_step_batch's) */
     uint64_t shard_epoch;
     uint64_t shard_base;
     int epoch_done;             /* the current epoch was handed out to its end */
@@ -1592,6 +1638,42 @@ DDP_API ddp_result ddp_sampler_resume(ddp_sampler *s, uint64_t epoch, uint64_t g
    Return: DDP_SUCCESS; DDP_ERR_OUT_OF_MEMORY; DDP_ERR_INVALID_ARGUMENT when k >= num_samples, out is NULL
            or s is not initialised. */
 DDP_API ddp_result ddp_sampler_index_at(ddp_sampler *s, uint64_t k, int64_t *out);
+
+/* ---- Batches indexed by step, for any number of ranks (fault tolerance, src/ft.h) ----
+   The epoch's dealt-out list is the one above for the descriptor's num_replicas R0: perm padded by
+   repeating it (or cut, with drop_last) to L = total_size positions; eval mode: perm itself, L = N. With a
+   global batch of G indices, step s covers the positions [s*G, (s+1)*G) of that list, and rank r of a
+   view of W members takes
+       s*G + r, s*G + r + W, s*G + r + 2W, ...        (those below (s+1)*G and below L)
+   So:
+   - with W = R0 and G = B*R0 (B: the per-rank batch size), rank r's share of step s is torch's per-rank
+     batch s: indices [s*B, (s+1)*B) of its list, since rank r's k-th index sits at position r + k*R0;
+   - any W splits the same positions: step s's global batch is the same whatever the view's size, the
+     shares of a step differ by at most one, and over an epoch every position is taken exactly once
+     however the view changes between steps (a REDO runs step s again in the new view, on the same batch);
+   - an epoch has ceil(L / G) steps; from step ceil(L / G) on the share is empty.
+   R0 fixes the epoch's padding: in fault-tolerant mode it is the world size of the first view, on every
+   member (joiners too, whose rank in the view may be R0 or more: the descriptor's rank is not used here,
+   st->rank is).
+
+   ddp_sampler_step_batch: this rank's share of step st->step's global batch in epoch st->epoch, in
+   position order. It reads st's step, epoch, rank and world_size, and follows st->epoch: the shuffle is
+   that of seed + st->epoch, as after ddp_sampler_set_epoch(st->epoch) (fault-tolerant mode has no
+   set_epoch). It neither reads nor moves the sampler's own epoch and position (set_epoch, next_batch).
+   *n is 0 past the epoch's last step: then start the next epoch (st->epoch++, st->step = 0).
+   Memory: with a torch permutation the first call of an epoch makes the whole permutation and keeps it,
+   4 bytes per sample (8 when N > 2^32), as much as the shuffle's peak and R0 times what next_batch keeps:
+   a view of any size reads any position. The streaming permutation and no_shuffle need no memory. Calls
+   of indices, next_batch or index_at on the same sampler in between make the permutation again (the
+   slow step): give each use its own sampler.
+   Parameters: s (initialised), st (the step; st->world_size >= 1, 0 <= st->rank < st->world_size),
+               global_batch (G > 0: the step's indices over all ranks; B * R0 for torch's per-rank batch B),
+               idx (room for ceil(G / st->world_size) indices: the most a share holds), n (receives the count).
+   Return: DDP_SUCCESS; DDP_ERR_OUT_OF_MEMORY (the permutation does not fit); DDP_ERR_INVALID_ARGUMENT
+           (NULL pointers, a sampler that is not initialised, G = 0, world_size < 1, rank outside
+           [0, world_size)), with ddp_last_error(NULL) naming it. On error *n is 0. */
+DDP_API ddp_result ddp_sampler_step_batch(ddp_sampler *s, const ddp_ft_step *st, uint64_t global_batch, int64_t *idx,
+                                          size_t *n);
 /* ==================== end src/sampler.h ==================== */
 
 /* ==================== begin src/syncbn.h ==================== */
@@ -21020,22 +21102,29 @@ static uint64_t ddp__mix64(uint64_t z) { /* splitmix64's finaliser: a bijection 
     return z ^ (z >> 31);
 }
 
-static void ddp__feistel_setup(ddp_sampler *s) {
-    uint64_t n = s->desc.dataset_size, top = n > 1 ? n - 1 : 0, state = s->desc.seed + s->epoch;
-    int bits = 0, r;
-    while (bits < 64 && (top >> bits) != 0) bits++; /* top <= INT64_MAX: at most 63 */
-    s->feistel_bits = DDP__MAX(DDP__FEISTEL_MIN_BITS, bits);
-    for (r = 0; r < DDP__FEISTEL_ROUNDS; r++) { /* splitmix64's stream from seed + epoch */
+/* The round keys of epoch `epoch`: splitmix64's stream from seed + epoch. */
+static void ddp__feistel_keys(const ddp_sampler *s, uint64_t epoch, uint64_t *keys) {
+    uint64_t state = s->desc.seed + epoch;
+    int r;
+    for (r = 0; r < DDP__FEISTEL_ROUNDS; r++) {
         state += 0x9e3779b97f4a7c15ull;
-        s->feistel_keys[r] = ddp__mix64(state);
+        keys[r] = ddp__mix64(state);
     }
 }
 
-static uint64_t ddp__feistel(const ddp_sampler *s, uint64_t x) {
+static void ddp__feistel_setup(ddp_sampler *s) {
+    uint64_t n = s->desc.dataset_size, top = n > 1 ? n - 1 : 0;
+    int bits = 0;
+    while (bits < 64 && (top >> bits) != 0) bits++; /* top <= INT64_MAX: at most 63 */
+    s->feistel_bits = DDP__MAX(DDP__FEISTEL_MIN_BITS, bits);
+    ddp__feistel_keys(s, s->epoch, s->feistel_keys);
+}
+
+static uint64_t ddp__feistel(const ddp_sampler *s, const uint64_t *keys, uint64_t x) {
     int lbits = s->feistel_bits / 2, rbits = s->feistel_bits - lbits, r;
     uint64_t left = x >> rbits, right = x & ((1ull << rbits) - 1);
     for (r = 0; r < DDP__FEISTEL_ROUNDS; r++) {
-        uint64_t f = ddp__mix64(right ^ s->feistel_keys[r]) & ((1ull << lbits) - 1);
+        uint64_t f = ddp__mix64(right ^ keys[r]) & ((1ull << lbits) - 1);
         uint64_t new_left = right;
         int w = lbits;
         right = left ^ f;
@@ -21046,9 +21135,10 @@ static uint64_t ddp__feistel(const ddp_sampler *s, uint64_t x) {
     return (left << rbits) | right;
 }
 
-static uint64_t ddp__streaming_index(const ddp_sampler *s, uint64_t j) {
+/* perm[j] of the streaming permutation with round keys `keys` (those of the epoch wanted). */
+static uint64_t ddp__streaming_index(const ddp_sampler *s, const uint64_t *keys, uint64_t j) {
     uint64_t x = j;
-    do x = ddp__feistel(s, x);
+    do x = ddp__feistel(s, keys, x);
     while (x >= s->desc.dataset_size);
     return x;
 }
@@ -21095,17 +21185,24 @@ static ddp_result ddp__sampler_check_desc(const ddp_sampler_desc *d) {
     return DDP_SUCCESS;
 }
 
+/* How many positions torch deals out for an epoch of c indices on the descriptor's R replicas: c padded
+   up to a multiple of R, or cut down to one with drop_last; eval mode deals c, no more, no less. At most
+   c + R - 1 < 2^64, since c <= INT64_MAX. */
+static uint64_t ddp__sampler_dealt(const ddp_sampler_desc *d, uint64_t c) {
+    uint64_t r = (uint64_t)d->num_replicas;
+    if (d->mode == DDP_SAMPLER_EVAL) return c;
+    return (d->drop_last ? c / r : c / r + (c % r != 0)) * r;
+}
+
 /* This rank's count (num_samples) and the positions dealt out (total_size) for the part of the epoch from
    global position base on: c = N - base positions are left, dealt as torch deals an epoch of c. */
 static void ddp__sampler_count(ddp_sampler *s) {
     uint64_t c = s->desc.dataset_size - s->base, r = (uint64_t)s->desc.num_replicas, rank = (uint64_t)s->desc.rank;
-    if (s->desc.mode == DDP_SAMPLER_EVAL) {
+    s->total_size = ddp__sampler_dealt(&s->desc, c);
+    if (s->desc.mode == DDP_SAMPLER_EVAL)
         s->num_samples = c > rank ? (c - 1 - rank) / r + 1 : 0;
-        s->total_size = c;
-    } else {
-        s->num_samples = s->desc.drop_last ? c / r : c / r + (c % r != 0);
-        s->total_size = s->num_samples * r;
-    }
+    else
+        s->num_samples = s->total_size / r;
 }
 
 DDP_API ddp_result ddp_sampler_init(ddp_sampler *s, const ddp_sampler_desc *d) {
@@ -21190,14 +21287,14 @@ static void ddp__sampler_compact(const ddp_sampler *s, void *p) {
     if (padded) ddp__perm_put(p, s->shard_wide, last, tail);
 }
 
-/* Make this epoch's shard if it is needed and not there yet. */
-static ddp_result ddp__sampler_prepare(ddp_sampler *s, const char *fn) {
+/* torch's permutation of epoch `epoch`, whole (N entries), into a new buffer *out that the caller keeps.
+   The old shard is freed first, so that it does not add to the peak. */
+static ddp_result ddp__sampler_shuffle(ddp_sampler *s, uint64_t epoch, const char *fn, void **out) {
     uint64_t n = s->desc.dataset_size;
     size_t elem = s->shard_wide ? sizeof(uint64_t) : sizeof(uint32_t);
     double t0;
-    void *p, *small;
-    if (!ddp__sampler_materialises(s) || (s->shard_valid && s->shard_epoch == s->epoch && s->shard_base == s->base)) return DDP_SUCCESS;
-    ddp__free(s->shard); /* before the big allocation, so the old shard does not add to the peak */
+    void *p;
+    ddp__free(s->shard);
     s->shard = NULL;
     s->shard_valid = 0;
     p = n <= SIZE_MAX / elem ? ddp__malloc((size_t)n * elem) : NULL;
@@ -21208,26 +21305,50 @@ static ddp_result ddp__sampler_prepare(ddp_sampler *s, const char *fn) {
                          fn, (unsigned long long)n, (double)n * (double)elem / 1073741824.0);
     ddp__advise_huge_pages(p, (size_t)n * elem);
     t0 = ddp__now();
-    ddp__randperm(p, s->shard_wide, n, s->desc.seed + s->epoch, s->desc.permutation == DDP_PERMUTATION_TORCH_LEGACY);
+    ddp__randperm(p, s->shard_wide, n, s->desc.seed + epoch, s->desc.permutation == DDP_PERMUTATION_TORCH_LEGACY);
+    ddp__log(NULL, DDP_LOG_DEBUG, "sampler: epoch %llu shuffled %llu indices in %.3f s", (unsigned long long)epoch,
+             (unsigned long long)n, ddp__now() - t0);
+    *out = p;
+    return DDP_SUCCESS;
+}
+
+/* Make this epoch's shard (this rank's share, compacted) if it is needed and not there yet. */
+static ddp_result ddp__sampler_prepare(ddp_sampler *s, const char *fn) {
+    size_t elem = s->shard_wide ? sizeof(uint64_t) : sizeof(uint32_t);
+    void *p, *small;
+    ddp_result res;
+    if (!ddp__sampler_materialises(s) ||
+        (s->shard_valid && !s->shard_whole && s->shard_epoch == s->epoch && s->shard_base == s->base))
+        return DDP_SUCCESS;
+    res = ddp__sampler_shuffle(s, s->epoch, fn, &p);
+    if (res != DDP_SUCCESS) return res;
     ddp__sampler_compact(s, p);
     small = DDP_REALLOC(p, (size_t)s->num_samples * elem); /* give the rest back; keep p if that fails */
     s->shard = small ? small : p;
     s->shard_valid = 1;
+    s->shard_whole = 0;
     s->shard_epoch = s->epoch;
     s->shard_base = s->base;
-    ddp__log(NULL, DDP_LOG_DEBUG, "sampler: epoch %llu shuffled %llu indices in %.3f s",
-             (unsigned long long)s->epoch, (unsigned long long)n, ddp__now() - t0);
     return DDP_SUCCESS;
 }
 
-/* This rank's k-th index (k < num_samples), the shard made if it is needed. */
-static uint64_t ddp__sampler_index(const ddp_sampler *s, uint64_t k) {
+/* padded[j] = perm[j mod N]: position j (below total_size) of the list torch deals out for an epoch, read
+   from that epoch's permutation: the shard when it holds the whole of it (torch's randperm), the streaming
+   bijection with the epoch's round keys, or none at all (no shuffle). */
+static uint64_t ddp__sampler_dealt_at(const ddp_sampler *s, const uint64_t *keys, uint64_t j) {
     uint64_t n = s->desc.dataset_size;
+    if (j >= n) j %= n;
+    if (!ddp__sampler_shuffles(s)) return j;
+    if (s->desc.permutation == DDP_PERMUTATION_STREAMING) return ddp__streaming_index(s, keys, j);
+    return ddp__perm_get(s->shard, s->shard_wide, j);
+}
+
+/* This rank's k-th index (k < num_samples), the shard made if it is needed: its k-th entry, or computed
+   from its position in the dealt-out list. */
+static uint64_t ddp__sampler_index(const ddp_sampler *s, uint64_t k) {
     uint64_t j = s->base + (uint64_t)s->desc.rank + k * (uint64_t)s->desc.num_replicas;
     if (ddp__sampler_materialises(s)) return ddp__perm_get(s->shard, s->shard_wide, k);
-    if (j >= n) j %= n; /* torch's padding repeats the list */
-    if (!ddp__sampler_shuffles(s)) return j;
-    return ddp__streaming_index(s, j);
+    return ddp__sampler_dealt_at(s, s->feistel_keys, j);
 }
 
 static void ddp__sampler_fill(const ddp_sampler *s, uint64_t first, uint64_t count, int64_t *out) {
@@ -21371,6 +21492,84 @@ DDP_API ddp_result ddp_sampler_index_at(ddp_sampler *s, uint64_t k, int64_t *out
     res = ddp__sampler_prepare(s, "ddp_sampler_index_at");
     if (res != DDP_SUCCESS) return res;
     *out = (int64_t)ddp__sampler_index(s, k);
+    return DDP_SUCCESS;
+}
+
+/* ---- the step-indexed batch (src/ft.h; the rule is in src/sampler.h) ----
+   Step s of a view of W takes positions s*G + r + j*W of the epoch's dealt-out list, which is not this
+   rank's strided share for any W but R0: the torch permutation is kept whole (shard_whole), and the
+   streaming one computed with the round keys of st->epoch, not of the sampler's own epoch. */
+
+static ddp_result ddp__sampler_step_check(const ddp_sampler *s, const ddp_ft_step *st, uint64_t global_batch,
+                                          const int64_t *idx, const size_t *n) {
+    if (!ddp__sampler_ok(s)) return ddp__sampler_not_initialised("ddp_sampler_step_batch");
+    if (!st || !idx || !n)
+        return ddp__fail(NULL, DDP_ERR_INVALID_ARGUMENT, "ddp_sampler_step_batch: %s is NULL%s",
+                         !st ? "st" : !idx ? "idx" : "n",
+                         !st ? " (the step: its step, epoch, rank and world_size)"
+                             : !idx ? " (it needs room for ceil(global_batch / st->world_size) indices)" : "");
+    if (global_batch == 0)
+        return ddp__fail(NULL, DDP_ERR_INVALID_ARGUMENT,
+                         "ddp_sampler_step_batch: global_batch is 0; it must be > 0: the step's indices over "
+                         "all ranks, B * %d (num_replicas) for torch's per-rank batch size B",
+                         s->desc.num_replicas);
+    if (st->world_size < 1)
+        return ddp__fail(NULL, DDP_ERR_INVALID_ARGUMENT,
+                         "ddp_sampler_step_batch: st->world_size is %d; it must be >= 1 (the number of members "
+                         "of the view)",
+                         st->world_size);
+    if (st->rank < 0 || st->rank >= st->world_size)
+        return ddp__fail(NULL, DDP_ERR_INVALID_ARGUMENT,
+                         "ddp_sampler_step_batch: st->rank is %d; it must be in [0, %d] for st->world_size %d "
+                         "(this member's index in the view)",
+                         st->rank, st->world_size - 1, st->world_size);
+    return DDP_SUCCESS;
+}
+
+/* This rank's share of step st->step: its first position (*first) and how many positions it takes, every
+   W-th one from there, below the step's end and the list's length L. 0 from step ceil(L / G) on (which
+   also keeps step * G from overflowing). */
+static uint64_t ddp__sampler_step_share(const ddp_sampler *s, const ddp_ft_step *st, uint64_t g, uint64_t *first) {
+    uint64_t len = ddp__sampler_dealt(&s->desc, s->desc.dataset_size), start, span, r = (uint64_t)st->rank;
+    if (st->step >= len / g + (len % g != 0)) return 0;
+    start = st->step * g; /* < len */
+    span = DDP__MIN(g, len - start);
+    *first = start + r;
+    return span > r ? (span - 1 - r) / (uint64_t)st->world_size + 1 : 0;
+}
+
+/* Make epoch's whole torch permutation if it is needed and not there yet. */
+static ddp_result ddp__sampler_prepare_whole(ddp_sampler *s, uint64_t epoch, const char *fn) {
+    void *p;
+    ddp_result res;
+    if (!ddp__sampler_shuffles(s) || s->desc.permutation == DDP_PERMUTATION_STREAMING ||
+        (s->shard_valid && s->shard_whole && s->shard_epoch == epoch))
+        return DDP_SUCCESS;
+    res = ddp__sampler_shuffle(s, epoch, fn, &p);
+    if (res != DDP_SUCCESS) return res;
+    s->shard = p;
+    s->shard_valid = 1;
+    s->shard_whole = 1;
+    s->shard_epoch = epoch;
+    s->shard_base = 0;
+    return DDP_SUCCESS;
+}
+
+DDP_API ddp_result ddp_sampler_step_batch(ddp_sampler *s, const ddp_ft_step *st, uint64_t global_batch, int64_t *idx,
+                                          size_t *n) {
+    uint64_t first = 0, count, w, j, keys[DDP__FEISTEL_ROUNDS];
+    ddp_result res;
+    if (n) *n = 0;
+    res = ddp__sampler_step_check(s, st, global_batch, idx, n);
+    if (res != DDP_SUCCESS) return res;
+    count = ddp__sampler_step_share(s, st, global_batch, &first);
+    if (count == 0) return DDP_SUCCESS;
+    res = ddp__sampler_prepare_whole(s, st->epoch, "ddp_sampler_step_batch");
+    if (res != DDP_SUCCESS) return res;
+    ddp__feistel_keys(s, st->epoch, keys);
+    w = (uint64_t)st->world_size;
+    for (j = 0; j < count; j++) idx[j] = (int64_t)ddp__sampler_dealt_at(s, keys, first + j * w);
+    *n = (size_t)count;
     return DDP_SUCCESS;
 }
 /* ==================== end src/sampler.c ==================== */

@@ -47,6 +47,7 @@
 #include "ddp_api.h"
 #include "amp.h"
 #include "reducer.h"
+#include "ft.h"
 #include "sampler.h"
 #include "syncbn.h"
 #include "checkpoint.h"

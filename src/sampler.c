@@ -181,22 +181,29 @@ static uint64_t ddp__mix64(uint64_t z) { /* splitmix64's finaliser: a bijection 
     return z ^ (z >> 31);
 }
 
-static void ddp__feistel_setup(ddp_sampler *s) {
-    uint64_t n = s->desc.dataset_size, top = n > 1 ? n - 1 : 0, state = s->desc.seed + s->epoch;
-    int bits = 0, r;
-    while (bits < 64 && (top >> bits) != 0) bits++; /* top <= INT64_MAX: at most 63 */
-    s->feistel_bits = DDP__MAX(DDP__FEISTEL_MIN_BITS, bits);
-    for (r = 0; r < DDP__FEISTEL_ROUNDS; r++) { /* splitmix64's stream from seed + epoch */
+/* The round keys of epoch `epoch`: splitmix64's stream from seed + epoch. */
+static void ddp__feistel_keys(const ddp_sampler *s, uint64_t epoch, uint64_t *keys) {
+    uint64_t state = s->desc.seed + epoch;
+    int r;
+    for (r = 0; r < DDP__FEISTEL_ROUNDS; r++) {
         state += 0x9e3779b97f4a7c15ull;
-        s->feistel_keys[r] = ddp__mix64(state);
+        keys[r] = ddp__mix64(state);
     }
 }
 
-static uint64_t ddp__feistel(const ddp_sampler *s, uint64_t x) {
+static void ddp__feistel_setup(ddp_sampler *s) {
+    uint64_t n = s->desc.dataset_size, top = n > 1 ? n - 1 : 0;
+    int bits = 0;
+    while (bits < 64 && (top >> bits) != 0) bits++; /* top <= INT64_MAX: at most 63 */
+    s->feistel_bits = DDP__MAX(DDP__FEISTEL_MIN_BITS, bits);
+    ddp__feistel_keys(s, s->epoch, s->feistel_keys);
+}
+
+static uint64_t ddp__feistel(const ddp_sampler *s, const uint64_t *keys, uint64_t x) {
     int lbits = s->feistel_bits / 2, rbits = s->feistel_bits - lbits, r;
     uint64_t left = x >> rbits, right = x & ((1ull << rbits) - 1);
     for (r = 0; r < DDP__FEISTEL_ROUNDS; r++) {
-        uint64_t f = ddp__mix64(right ^ s->feistel_keys[r]) & ((1ull << lbits) - 1);
+        uint64_t f = ddp__mix64(right ^ keys[r]) & ((1ull << lbits) - 1);
         uint64_t new_left = right;
         int w = lbits;
         right = left ^ f;
@@ -207,9 +214,10 @@ static uint64_t ddp__feistel(const ddp_sampler *s, uint64_t x) {
     return (left << rbits) | right;
 }
 
-static uint64_t ddp__streaming_index(const ddp_sampler *s, uint64_t j) {
+/* perm[j] of the streaming permutation with round keys `keys` (those of the epoch wanted). */
+static uint64_t ddp__streaming_index(const ddp_sampler *s, const uint64_t *keys, uint64_t j) {
     uint64_t x = j;
-    do x = ddp__feistel(s, x);
+    do x = ddp__feistel(s, keys, x);
     while (x >= s->desc.dataset_size);
     return x;
 }
@@ -256,17 +264,24 @@ static ddp_result ddp__sampler_check_desc(const ddp_sampler_desc *d) {
     return DDP_SUCCESS;
 }
 
+/* How many positions torch deals out for an epoch of c indices on the descriptor's R replicas: c padded
+   up to a multiple of R, or cut down to one with drop_last; eval mode deals c, no more, no less. At most
+   c + R - 1 < 2^64, since c <= INT64_MAX. */
+static uint64_t ddp__sampler_dealt(const ddp_sampler_desc *d, uint64_t c) {
+    uint64_t r = (uint64_t)d->num_replicas;
+    if (d->mode == DDP_SAMPLER_EVAL) return c;
+    return (d->drop_last ? c / r : c / r + (c % r != 0)) * r;
+}
+
 /* This rank's count (num_samples) and the positions dealt out (total_size) for the part of the epoch from
    global position base on: c = N - base positions are left, dealt as torch deals an epoch of c. */
 static void ddp__sampler_count(ddp_sampler *s) {
     uint64_t c = s->desc.dataset_size - s->base, r = (uint64_t)s->desc.num_replicas, rank = (uint64_t)s->desc.rank;
-    if (s->desc.mode == DDP_SAMPLER_EVAL) {
+    s->total_size = ddp__sampler_dealt(&s->desc, c);
+    if (s->desc.mode == DDP_SAMPLER_EVAL)
         s->num_samples = c > rank ? (c - 1 - rank) / r + 1 : 0;
-        s->total_size = c;
-    } else {
-        s->num_samples = s->desc.drop_last ? c / r : c / r + (c % r != 0);
-        s->total_size = s->num_samples * r;
-    }
+    else
+        s->num_samples = s->total_size / r;
 }
 
 DDP_API ddp_result ddp_sampler_init(ddp_sampler *s, const ddp_sampler_desc *d) {
@@ -351,14 +366,14 @@ static void ddp__sampler_compact(const ddp_sampler *s, void *p) {
     if (padded) ddp__perm_put(p, s->shard_wide, last, tail);
 }
 
-/* Make this epoch's shard if it is needed and not there yet. */
-static ddp_result ddp__sampler_prepare(ddp_sampler *s, const char *fn) {
+/* torch's permutation of epoch `epoch`, whole (N entries), into a new buffer *out that the caller keeps.
+   The old shard is freed first, so that it does not add to the peak. */
+static ddp_result ddp__sampler_shuffle(ddp_sampler *s, uint64_t epoch, const char *fn, void **out) {
     uint64_t n = s->desc.dataset_size;
     size_t elem = s->shard_wide ? sizeof(uint64_t) : sizeof(uint32_t);
     double t0;
-    void *p, *small;
-    if (!ddp__sampler_materialises(s) || (s->shard_valid && s->shard_epoch == s->epoch && s->shard_base == s->base)) return DDP_SUCCESS;
-    ddp__free(s->shard); /* before the big allocation, so the old shard does not add to the peak */
+    void *p;
+    ddp__free(s->shard);
     s->shard = NULL;
     s->shard_valid = 0;
     p = n <= SIZE_MAX / elem ? ddp__malloc((size_t)n * elem) : NULL;
@@ -369,26 +384,50 @@ static ddp_result ddp__sampler_prepare(ddp_sampler *s, const char *fn) {
                          fn, (unsigned long long)n, (double)n * (double)elem / 1073741824.0);
     ddp__advise_huge_pages(p, (size_t)n * elem);
     t0 = ddp__now();
-    ddp__randperm(p, s->shard_wide, n, s->desc.seed + s->epoch, s->desc.permutation == DDP_PERMUTATION_TORCH_LEGACY);
+    ddp__randperm(p, s->shard_wide, n, s->desc.seed + epoch, s->desc.permutation == DDP_PERMUTATION_TORCH_LEGACY);
+    ddp__log(NULL, DDP_LOG_DEBUG, "sampler: epoch %llu shuffled %llu indices in %.3f s", (unsigned long long)epoch,
+             (unsigned long long)n, ddp__now() - t0);
+    *out = p;
+    return DDP_SUCCESS;
+}
+
+/* Make this epoch's shard (this rank's share, compacted) if it is needed and not there yet. */
+static ddp_result ddp__sampler_prepare(ddp_sampler *s, const char *fn) {
+    size_t elem = s->shard_wide ? sizeof(uint64_t) : sizeof(uint32_t);
+    void *p, *small;
+    ddp_result res;
+    if (!ddp__sampler_materialises(s) ||
+        (s->shard_valid && !s->shard_whole && s->shard_epoch == s->epoch && s->shard_base == s->base))
+        return DDP_SUCCESS;
+    res = ddp__sampler_shuffle(s, s->epoch, fn, &p);
+    if (res != DDP_SUCCESS) return res;
     ddp__sampler_compact(s, p);
     small = DDP_REALLOC(p, (size_t)s->num_samples * elem); /* give the rest back; keep p if that fails */
     s->shard = small ? small : p;
     s->shard_valid = 1;
+    s->shard_whole = 0;
     s->shard_epoch = s->epoch;
     s->shard_base = s->base;
-    ddp__log(NULL, DDP_LOG_DEBUG, "sampler: epoch %llu shuffled %llu indices in %.3f s",
-             (unsigned long long)s->epoch, (unsigned long long)n, ddp__now() - t0);
     return DDP_SUCCESS;
 }
 
-/* This rank's k-th index (k < num_samples), the shard made if it is needed. */
-static uint64_t ddp__sampler_index(const ddp_sampler *s, uint64_t k) {
+/* padded[j] = perm[j mod N]: position j (below total_size) of the list torch deals out for an epoch, read
+   from that epoch's permutation: the shard when it holds the whole of it (torch's randperm), the streaming
+   bijection with the epoch's round keys, or none at all (no shuffle). */
+static uint64_t ddp__sampler_dealt_at(const ddp_sampler *s, const uint64_t *keys, uint64_t j) {
     uint64_t n = s->desc.dataset_size;
+    if (j >= n) j %= n;
+    if (!ddp__sampler_shuffles(s)) return j;
+    if (s->desc.permutation == DDP_PERMUTATION_STREAMING) return ddp__streaming_index(s, keys, j);
+    return ddp__perm_get(s->shard, s->shard_wide, j);
+}
+
+/* This rank's k-th index (k < num_samples), the shard made if it is needed: its k-th entry, or computed
+   from its position in the dealt-out list. */
+static uint64_t ddp__sampler_index(const ddp_sampler *s, uint64_t k) {
     uint64_t j = s->base + (uint64_t)s->desc.rank + k * (uint64_t)s->desc.num_replicas;
     if (ddp__sampler_materialises(s)) return ddp__perm_get(s->shard, s->shard_wide, k);
-    if (j >= n) j %= n; /* torch's padding repeats the list */
-    if (!ddp__sampler_shuffles(s)) return j;
-    return ddp__streaming_index(s, j);
+    return ddp__sampler_dealt_at(s, s->feistel_keys, j);
 }
 
 static void ddp__sampler_fill(const ddp_sampler *s, uint64_t first, uint64_t count, int64_t *out) {
@@ -532,5 +571,83 @@ DDP_API ddp_result ddp_sampler_index_at(ddp_sampler *s, uint64_t k, int64_t *out
     res = ddp__sampler_prepare(s, "ddp_sampler_index_at");
     if (res != DDP_SUCCESS) return res;
     *out = (int64_t)ddp__sampler_index(s, k);
+    return DDP_SUCCESS;
+}
+
+/* ---- the step-indexed batch (src/ft.h; the rule is in src/sampler.h) ----
+   Step s of a view of W takes positions s*G + r + j*W of the epoch's dealt-out list, which is not this
+   rank's strided share for any W but R0: the torch permutation is kept whole (shard_whole), and the
+   streaming one computed with the round keys of st->epoch, not of the sampler's own epoch. */
+
+static ddp_result ddp__sampler_step_check(const ddp_sampler *s, const ddp_ft_step *st, uint64_t global_batch,
+                                          const int64_t *idx, const size_t *n) {
+    if (!ddp__sampler_ok(s)) return ddp__sampler_not_initialised("ddp_sampler_step_batch");
+    if (!st || !idx || !n)
+        return ddp__fail(NULL, DDP_ERR_INVALID_ARGUMENT, "ddp_sampler_step_batch: %s is NULL%s",
+                         !st ? "st" : !idx ? "idx" : "n",
+                         !st ? " (the step: its step, epoch, rank and world_size)"
+                             : !idx ? " (it needs room for ceil(global_batch / st->world_size) indices)" : "");
+    if (global_batch == 0)
+        return ddp__fail(NULL, DDP_ERR_INVALID_ARGUMENT,
+                         "ddp_sampler_step_batch: global_batch is 0; it must be > 0: the step's indices over "
+                         "all ranks, B * %d (num_replicas) for torch's per-rank batch size B",
+                         s->desc.num_replicas);
+    if (st->world_size < 1)
+        return ddp__fail(NULL, DDP_ERR_INVALID_ARGUMENT,
+                         "ddp_sampler_step_batch: st->world_size is %d; it must be >= 1 (the number of members "
+                         "of the view)",
+                         st->world_size);
+    if (st->rank < 0 || st->rank >= st->world_size)
+        return ddp__fail(NULL, DDP_ERR_INVALID_ARGUMENT,
+                         "ddp_sampler_step_batch: st->rank is %d; it must be in [0, %d] for st->world_size %d "
+                         "(this member's index in the view)",
+                         st->rank, st->world_size - 1, st->world_size);
+    return DDP_SUCCESS;
+}
+
+/* This rank's share of step st->step: its first position (*first) and how many positions it takes, every
+   W-th one from there, below the step's end and the list's length L. 0 from step ceil(L / G) on (which
+   also keeps step * G from overflowing). */
+static uint64_t ddp__sampler_step_share(const ddp_sampler *s, const ddp_ft_step *st, uint64_t g, uint64_t *first) {
+    uint64_t len = ddp__sampler_dealt(&s->desc, s->desc.dataset_size), start, span, r = (uint64_t)st->rank;
+    if (st->step >= len / g + (len % g != 0)) return 0;
+    start = st->step * g; /* < len */
+    span = DDP__MIN(g, len - start);
+    *first = start + r;
+    return span > r ? (span - 1 - r) / (uint64_t)st->world_size + 1 : 0;
+}
+
+/* Make epoch's whole torch permutation if it is needed and not there yet. */
+static ddp_result ddp__sampler_prepare_whole(ddp_sampler *s, uint64_t epoch, const char *fn) {
+    void *p;
+    ddp_result res;
+    if (!ddp__sampler_shuffles(s) || s->desc.permutation == DDP_PERMUTATION_STREAMING ||
+        (s->shard_valid && s->shard_whole && s->shard_epoch == epoch))
+        return DDP_SUCCESS;
+    res = ddp__sampler_shuffle(s, epoch, fn, &p);
+    if (res != DDP_SUCCESS) return res;
+    s->shard = p;
+    s->shard_valid = 1;
+    s->shard_whole = 1;
+    s->shard_epoch = epoch;
+    s->shard_base = 0;
+    return DDP_SUCCESS;
+}
+
+DDP_API ddp_result ddp_sampler_step_batch(ddp_sampler *s, const ddp_ft_step *st, uint64_t global_batch, int64_t *idx,
+                                          size_t *n) {
+    uint64_t first = 0, count, w, j, keys[DDP__FEISTEL_ROUNDS];
+    ddp_result res;
+    if (n) *n = 0;
+    res = ddp__sampler_step_check(s, st, global_batch, idx, n);
+    if (res != DDP_SUCCESS) return res;
+    count = ddp__sampler_step_share(s, st, global_batch, &first);
+    if (count == 0) return DDP_SUCCESS;
+    res = ddp__sampler_prepare_whole(s, st->epoch, "ddp_sampler_step_batch");
+    if (res != DDP_SUCCESS) return res;
+    ddp__feistel_keys(s, st->epoch, keys);
+    w = (uint64_t)st->world_size;
+    for (j = 0; j < count; j++) idx[j] = (int64_t)ddp__sampler_dealt_at(s, keys, first + j * w);
+    *n = (size_t)count;
     return DDP_SUCCESS;
 }

@@ -25,6 +25,8 @@
      num_replicas, every index of the epoch handed out once across the change (see below).
    - DDP_PERMUTATION_STREAMING: a keyed Feistel permutation with O(1) memory and random access to any
      index, for datasets too large to shuffle in memory (>= 1e9 samples). NOT the same order as PyTorch's.
+   - Batches indexed by step (ddp_sampler_step_batch, below), for fault-tolerant training (src/ft.h): a
+     step's global batch split over any number of ranks; on num_replicas ranks it is torch's order.
    - The default permutation holds 4 bytes per sample while it shuffles (8 when N > 2^32; torch holds 8 in
      its tensor plus a Python list), then keeps only this rank's share.
 
@@ -92,6 +94,7 @@ typedef struct ddp_sampler {
     void *shard;                /* this rank's shuffled indices (uint32 or uint64 each), or NULL */
     int shard_wide;             /* shard entries are uint64 (N > 2^32) */
     int shard_valid;            /* shard holds the indices of shard_epoch */
+    int shard_whole;            /* ... all N of them, the whole permutation (ddp_sampler_step_batch's) */
     uint64_t shard_epoch;
     uint64_t shard_base;
     int epoch_done;             /* the current epoch was handed out to its end */
@@ -206,3 +209,39 @@ DDP_API ddp_result ddp_sampler_resume(ddp_sampler *s, uint64_t epoch, uint64_t g
    Return: DDP_SUCCESS; DDP_ERR_OUT_OF_MEMORY; DDP_ERR_INVALID_ARGUMENT when k >= num_samples, out is NULL
            or s is not initialised. */
 DDP_API ddp_result ddp_sampler_index_at(ddp_sampler *s, uint64_t k, int64_t *out);
+
+/* ---- Batches indexed by step, for any number of ranks (fault tolerance, src/ft.h) ----
+   The epoch's dealt-out list is the one above for the descriptor's num_replicas R0: perm padded by
+   repeating it (or cut, with drop_last) to L = total_size positions; eval mode: perm itself, L = N. With a
+   global batch of G indices, step s covers the positions [s*G, (s+1)*G) of that list, and rank r of a
+   view of W members takes
+       s*G + r, s*G + r + W, s*G + r + 2W, ...        (those below (s+1)*G and below L)
+   So:
+   - with W = R0 and G = B*R0 (B: the per-rank batch size), rank r's share of step s is torch's per-rank
+     batch s: indices [s*B, (s+1)*B) of its list, since rank r's k-th index sits at position r + k*R0;
+   - any W splits the same positions: step s's global batch is the same whatever the view's size, the
+     shares of a step differ by at most one, and over an epoch every position is taken exactly once
+     however the view changes between steps (a REDO runs step s again in the new view, on the same batch);
+   - an epoch has ceil(L / G) steps; from step ceil(L / G) on the share is empty.
+   R0 fixes the epoch's padding: in fault-tolerant mode it is the world size of the first view, on every
+   member (joiners too, whose rank in the view may be R0 or more: the descriptor's rank is not used here,
+   st->rank is).
+
+   ddp_sampler_step_batch: this rank's share of step st->step's global batch in epoch st->epoch, in
+   position order. It reads st's step, epoch, rank and world_size, and follows st->epoch: the shuffle is
+   that of seed + st->epoch, as after ddp_sampler_set_epoch(st->epoch) (fault-tolerant mode has no
+   set_epoch). It neither reads nor moves the sampler's own epoch and position (set_epoch, next_batch).
+   *n is 0 past the epoch's last step: then start the next epoch (st->epoch++, st->step = 0).
+   Memory: with a torch permutation the first call of an epoch makes the whole permutation and keeps it,
+   4 bytes per sample (8 when N > 2^32), as much as the shuffle's peak and R0 times what next_batch keeps:
+   a view of any size reads any position. The streaming permutation and no_shuffle need no memory. Calls
+   of indices, next_batch or index_at on the same sampler in between make the permutation again (the
+   slow step): give each use its own sampler.
+   Parameters: s (initialised), st (the step; st->world_size >= 1, 0 <= st->rank < st->world_size),
+               global_batch (G > 0: the step's indices over all ranks; B * R0 for torch's per-rank batch B),
+               idx (room for ceil(G / st->world_size) indices: the most a share holds), n (receives the count).
+   Return: DDP_SUCCESS; DDP_ERR_OUT_OF_MEMORY (the permutation does not fit); DDP_ERR_INVALID_ARGUMENT
+           (NULL pointers, a sampler that is not initialised, G = 0, world_size < 1, rank outside
+           [0, world_size)), with ddp_last_error(NULL) naming it. On error *n is 0. */
+DDP_API ddp_result ddp_sampler_step_batch(ddp_sampler *s, const ddp_ft_step *st, uint64_t global_batch, int64_t *idx,
+                                          size_t *n);

@@ -3,7 +3,8 @@
 #  1. 560 recorded cases (tests/interop/sampler_torch.py): 500 random and edge (n, R, rank, seed, epoch,
 #     shuffle, drop_last) combinations -- n = 0 and 1, n < R, seeds >= 2^32 and negative -- plus evaluation
 #     mode against torch's permutation, and torch's random64 word order. Each is read back through
-#     indices(), the batch iterator, a mid-epoch resume and index_at (tests/interop/sampler_check.c).
+#     indices(), the batch iterator, a mid-epoch resume, index_at and step_batch on the R ranks (the
+#     step-indexed batch of fault tolerance, steps of batch * R) (tests/interop/sampler_check.c).
 #     Plus 80 multi-pass cases: one sampler iterated 2 or 3 times without set_epoch in between (torch
 #     repeats the order; so must next_batch after the 0 that ends a pass) or with set_epoch before each.
 #  2. The large-N regime of current torch's randperm (N >= 214748364, the inside-out shuffle that torch 2.7

@@ -1,6 +1,8 @@
 /* Checks ddp.h's sampler against the cases tests/interop/sampler_torch.py recorded from torch 1.13 (stdin).
-   Every case is read back through four paths: ddp_sampler_indices, ddp_sampler_next_batch over a whole
-   epoch, a resume from the middle (set_position), and ddp_sampler_index_at. Multi-pass cases (P): one
+   Every case is read back through five paths: ddp_sampler_indices, ddp_sampler_next_batch over a whole
+   epoch, a resume from the middle (set_position), ddp_sampler_index_at, and ddp_sampler_step_batch on
+   num_replicas ranks with global batch batch * num_replicas (the step-indexed batch of fault-tolerant
+   training is torch's per-rank batch there, step after step). Multi-pass cases (P): one
    sampler iterated two or three times, without set_epoch in between (torch repeats the order, and so
    must next_batch after the 0 that ends a pass) or with set_epoch(epoch + i) before each pass.
    Also, for the large-N regime (tests/test_interop_sampler.sh):
@@ -13,6 +15,32 @@ static void fail(const char *what, const char *line, uint64_t k, int64_t got, in
     if (++failures <= 10)
         fprintf(stderr, "MISMATCH (%s) case \"%s\": index %llu is %lld, torch has %lld\n", what, line,
                 (unsigned long long)k, (long long)got, (long long)want);
+}
+
+/* The step-indexed path: steps of batch * R indices on a view of the R ranks, this rank's shares one after
+   another, until the empty share that ends the epoch; got has room for count + batch indices. */
+static void check_steps(ddp_sampler *s, const ddp_sampler_desc *d, uint64_t epoch, const int64_t *want, uint64_t count,
+                        const char *line, size_t batch, int64_t *got) {
+    ddp_ft_step st;
+    uint64_t pos = 0, k;
+    size_t n;
+    memset(&st, 0, sizeof st);
+    st.epoch = epoch;
+    st.rank = d->rank;
+    st.world_size = d->num_replicas;
+    for (;; st.step++) {
+        CHECK_OK(ddp_sampler_step_batch(s, &st, (uint64_t)batch * (uint64_t)d->num_replicas, got + pos, &n), NULL);
+        if (n == 0 || pos + n > count) break;
+        pos += n;
+    }
+    if (pos != count || n != 0) {
+        if (++failures <= 10)
+            fprintf(stderr, "MISMATCH (step_batch) case \"%s\": %llu indices before the empty step, torch has %llu\n", line,
+                    (unsigned long long)pos, (unsigned long long)count);
+        return;
+    }
+    for (k = 0; k < count; k++)
+        if (got[k] != want[k]) { fail("step_batch", line, k, got[k], want[k]); break; }
 }
 
 static void check_case(const ddp_sampler_desc *d, uint64_t epoch, const int64_t *want, uint64_t count,
@@ -53,6 +81,7 @@ static void check_case(const ddp_sampler_desc *d, uint64_t epoch, const int64_t 
         CHECK_OK(ddp_sampler_index_at(&s, k, &x), NULL);
         if (x != want[k]) { fail("index_at", line, k, x, want[k]); break; }
     }
+    check_steps(&s, d, epoch, want, count, line, batch, got);
     ddp_sampler_free(&s);
     free(got);
 }
