@@ -291,6 +291,17 @@ static void expect(ddp_group *g, ddp_result res, ddp_result want, const char *te
 }
 
 /* Refused calls, the pool overrun, then (last: it breaks the group) ranks that gather different units. */
+/* A one-unit reducer from d whose finalize must be DDP_ERR_MISMATCH on every rank, naming `text`. */
+static void finalize_refused(ddp_group *g, const ddp_reducer_desc *d, const char *text, const char *what) {
+    float x[4] = {0};
+    ddp_reducer *bad;
+    CHECK_OK(ddp_reducer_create(g, d, &bad), NULL);
+    CHECK(ddp_fsdp_unit(bad, "u", 0) == 0, "unit");
+    CHECK_OK(ddp_reducer_add_param(bad, "x", x, NULL, 4, DDP_F32, NULL), NULL);
+    expect(g, ddp_reducer_finalize(bad), DDP_ERR_MISMATCH, text, what);
+    ddp_reducer_destroy(bad);
+}
+
 static int errors_main(int rank, int n, void *arg) {
     ddp_group *g = tl_init(60, DDP_LOG_DEFAULT, NULL);
     mode m = MODES[1]; /* prefetch 0: a pool of one buffer */
@@ -319,22 +330,12 @@ static int errors_main(int rank, int n, void *arg) {
     expect(g, ddp_reducer_create(g, &d, &bad), DDP_ERR_UNSUPPORTED, "uneven_inputs", "stage 3 with uneven_inputs");
     d.uneven_inputs = 0, d.zero_stage = 2, d.prefetch = 1;
     expect(g, ddp_reducer_create(g, &d, &bad), DDP_ERR_INVALID_ARGUMENT, "zero_stage 3's", "prefetch at stage 2");
-    /* ranks with different pools: every rank refuses at finalize (a pool overrun on one rank alone would
-       leave the others waiting in its gather) */
+    /* ranks with different pools, or no_sync modes (a no_sync pass would reduce-scatter on some ranks only):
+       every rank refuses at finalize (a pool overrun on one rank alone would leave the others waiting) */
     d.zero_stage = 3, d.prefetch = rank == 1 ? 2 : 1;
-    CHECK_OK(ddp_reducer_create(g, &d, &bad), NULL);
-    CHECK(ddp_fsdp_unit(bad, "u", 0) == 0, "unit");
-    CHECK_OK(ddp_reducer_add_param(bad, "x", x, NULL, 4, DDP_F32, NULL), NULL);
-    expect(g, ddp_reducer_finalize(bad), DDP_ERR_MISMATCH, "rank 0 has 1 / default / 0, rank 1 has 2 / default / 0",
-           "prefetch differs");
-    ddp_reducer_destroy(bad);
-    d.prefetch = 1, d.accumulate_unsharded = rank == 1; /* a no_sync pass would reduce-scatter on some ranks only */
-    CHECK_OK(ddp_reducer_create(g, &d, &bad), NULL);
-    CHECK(ddp_fsdp_unit(bad, "u", 0) == 0, "unit");
-    CHECK_OK(ddp_reducer_add_param(bad, "x", x, NULL, 4, DDP_F32, NULL), NULL);
-    expect(g, ddp_reducer_finalize(bad), DDP_ERR_MISMATCH, "rank 0 has 1 / default / 0, rank 1 has 1 / default / 1",
-           "accumulate_unsharded differs");
-    ddp_reducer_destroy(bad);
+    finalize_refused(g, &d, "rank 0 has 1 / default / 0, rank 1 has 2 / default / 0", "prefetch differs");
+    d.prefetch = 1, d.accumulate_unsharded = rank == 1;
+    finalize_refused(g, &d, "rank 0 has 1 / default / 0, rank 1 has 1 / default / 1", "accumulate_unsharded differs");
     d.accumulate_unsharded = 0;
 
     r = make(g, &m, 3, p, gr, NULL);

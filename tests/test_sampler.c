@@ -9,6 +9,8 @@
 #define TL_ALLOC_HOOKS
 #include "testlib.h"
 
+#include "sampler_indices.h"
+
 static ddp_sampler_desc desc_of(uint64_t n, int replicas, int rank, uint64_t seed) {
     ddp_sampler_desc d;
     memset(&d, 0, sizeof d);
@@ -19,19 +21,6 @@ static ddp_sampler_desc desc_of(uint64_t n, int replicas, int rank, uint64_t see
     return d;
 }
 
-/* All of one sampler's indices for `epoch` (caller frees); *count receives how many. */
-static int64_t *indices_of(const ddp_sampler_desc *d, uint64_t epoch, uint64_t *count) {
-    ddp_sampler s;
-    int64_t *out;
-    CHECK_OK(ddp_sampler_init(&s, d), NULL);
-    ddp_sampler_set_epoch(&s, epoch);
-    *count = ddp_sampler_num_samples(&s);
-    out = (int64_t *)malloc((size_t)(*count ? *count : 1) * sizeof *out);
-    CHECK(out, "malloc");
-    CHECK_OK(ddp_sampler_indices(&s, out), NULL);
-    ddp_sampler_free(&s);
-    return out;
-}
 
 static void expect_indices(const ddp_sampler_desc *d, uint64_t epoch, const int64_t *want, uint64_t count) {
     uint64_t got_count, i;

@@ -11,6 +11,8 @@
 #define TL_ALLOC_HOOKS
 #include "testlib.h"
 
+#include "sampler_indices.h"
+
 /* A case: the sampler's descriptor (num_replicas is R0) and the epoch. */
 typedef struct step_case {
     ddp_sampler_desc d;
@@ -45,19 +47,6 @@ static char *case_text(const step_case *c, uint64_t g) {
     return text;
 }
 
-/* All of one sampler's indices for `epoch` (caller frees); *count receives how many. */
-static int64_t *indices_of(const ddp_sampler_desc *d, uint64_t epoch, uint64_t *count) {
-    ddp_sampler s;
-    int64_t *out;
-    CHECK_OK(ddp_sampler_init(&s, d), NULL);
-    ddp_sampler_set_epoch(&s, epoch);
-    *count = ddp_sampler_num_samples(&s);
-    out = (int64_t *)malloc((size_t)(*count ? *count : 1) * sizeof *out);
-    CHECK(out, "malloc");
-    CHECK_OK(ddp_sampler_indices(&s, out), NULL);
-    ddp_sampler_free(&s);
-    return out;
-}
 
 /* The epoch's dealt-out list, written out from torch's rules (caller frees): the permutation (the list of
    a 1-replica sampler without drop_last, which is perm itself), repeated to total_size = num_samples * R0
