@@ -771,9 +771,11 @@ DDP_API ddp_result ddp_sum_sq(ddp_group *g, double local, double *total);
      After the first synchronised backward the buckets are rebuilt once, in the order the gradients were
      actually ready on rank 0 (broadcast, so every rank rebuilds alike); not with find_unused_parameters.
    - Overlap. grad_ready copies the gradient into its bucket, multiplied by 1/world_size (the average is
-     taken before the sum, as PyTorch does); when a bucket's last gradient arrives its asynchronous SUM
-     all-reduce starts, while backward continues. Buckets start strictly in order, so every rank issues
-     the same collectives in the same order. end_backward waits for the rest and copies the results back.
+     taken before the sum, as PyTorch does; by this rank's share of the samples in a pass weighted by
+     ddp_reducer_set_local_samples, see "Local samples"); when a bucket's last gradient arrives its
+     asynchronous SUM all-reduce starts, while backward continues. Buckets start strictly in order, so
+     every rank issues the same collectives in the same order. end_backward waits for the rest and copies
+     the results back.
    - no_sync: ddp_reducer_set_sync(r, 0) makes the following backward passes local: gradients accumulate
      in the program's buffers (the program adds to them), and the next synchronised backward averages the
      accumulated sum.
@@ -827,6 +829,42 @@ DDP_API ddp_result ddp_sum_sq(ddp_group *g, double local, double *total);
      another collective (a loss all-reduce for logging) before every rank has joined meets a joined rank's
      join round, DDP_ERR_MISMATCH on both at once (torch hangs), and the group is broken. Cost when the ranks are even: one all_gather of 12 bytes
      per rank per backward pass (torch adds one or two 4-byte all-reduces per forward).
+
+   - Local samples (a batch split unevenly over the ranks: the gradient of the mean loss over ALL samples;
+     torchft divides by the participants): ddp_reducer_set_local_samples(r, n), after begin_backward and
+     before the pass's first gradient hand-over, says that this rank's gradients of the pass are the mean
+     over its n samples. The call all-reduces n, and each gradient is then scaled by n / N instead of
+     1/world_size (N = the sum of n over the ranks, the same on every rank), so end_backward leaves the mean
+     over every rank's samples, sum_r n_r g_r / N, where an unweighted pass leaves sum_r g_r / world_size.
+         ddp_reducer_begin_backward(red);
+         ddp_reducer_set_local_samples(red, my_batch);     // 0 for a rank without samples in this step
+         backward + grad_ready ...;  ddp_reducer_end_backward(red);
+     The rules:
+       * The weight is this pass's: the next begin_backward goes back to 1/world_size. With the same n on
+         every rank the pass is bit for bit an unweighted one (n / (world n) rounds as 1/world_size does).
+       * n = 0: this rank contributes zeros, whatever its gradients hold (NaN too); it still hands every
+         gradient over, as in any synchronised pass. N = 0 (no rank has samples): DDP_ERR_INVALID_ARGUMENT
+         on every rank, and the pass goes on unweighted (finish it; skip the optimizer step).
+       * no_sync: passes under set_sync(r, 0) reduce nothing, so the call is refused there (DDP_ERR_STATE).
+         The synchronised pass that ends the accumulation is weighted by n = the samples of every micro-batch
+         accumulated since the last synchronised pass, and the accumulated gradient must be their mean (the
+         program scales each micro-batch's loss by its samples / n, or by 1 / micro-batches when they are of
+         equal size). zero_stage 3 without accumulate_unsharded reduce-scatters every pass: there each pass,
+         no_sync ones included, may be weighted by its own n, and the slices add up each pass's
+         sum_r n_r g_r / N (equal to stages 0-2 within rounding when a rank's micro-batches are of equal
+         size); with accumulate_unsharded the rule of stages 0-2 holds.
+       * It applies wherever 1/world_size applied: every zero_stage (stage 1 and 2's slices, stage 3's
+         ddp_fsdp_grads_ready), compression (the cast into comm_dtype multiplies by n / N in f32, then
+         rounds once), views and flat buckets (scaled in place), find_unused_parameters (a parameter unused
+         on a rank contributes zero as before; one used in a no_sync pass only contributes its accumulated
+         gradient, weighted), grad_stats and loss_scale (they see the weighted average). The reducer has no
+         gradient_predivide_factor.
+       * uneven_inputs: a joined rank has no samples (it counts n = 0 in the sum; a step's average is over
+         the samples of the ranks with data). So that it takes part in the count, a rank announces every
+         synchronised pass after its first call as weighted in the join round: from then on every
+         synchronised pass must call ddp_reducer_set_local_samples (else DDP_ERR_STATE at the first
+         grad_ready or end_backward), and the first call must come before any rank joins (else DDP_ERR_STATE
+         on every rank with data, before any collective).
 
    - Timing (ddp_reducer_get_statistics): wait_seconds, the time inside end_backward, is split into
      straggler_wait_seconds (waiting for a slower rank) and transfer_seconds (moving data backward did not
@@ -1090,10 +1128,11 @@ DDP_API ddp_result ddp_reducer_begin_backward(ddp_reducer *r);
 /* ddp_reducer_grad_ready: parameter index's gradient is complete for this backward pass (the autograd
    hook). In a synchronised pass its value is taken now (and its bucket's all-reduce may start): do not
    write to it again until end_backward returns (with gradient_as_bucket_view, or in a flat bucket, it is
-   scaled by 1/world_size in place now, as PyTorch does, and holds the sum of the ranks' shares once
-   end_backward returns). Under zero_stage = 2 it is only read, here: the program may reuse the buffer
-   as soon as this returns. DDP_ERR_STATE (naming the parameter) when called twice
-   in one backward or outside begin/end; DDP_ERR_INVALID_ARGUMENT for a bad index; an error of the
+   scaled by 1/world_size, or by set_local_samples' weight, in place now, as PyTorch does, and holds the
+   sum of the ranks' shares once end_backward returns). Under zero_stage = 2 it is only read, here: the
+   program may reuse the buffer as soon as this returns. DDP_ERR_STATE (naming the parameter) when called
+   twice in one backward or outside begin/end (with uneven_inputs also before a set_local_samples that
+   the pass needs, see "Local samples"); DDP_ERR_INVALID_ARGUMENT for a bad index; an error of the
    all-reduce it starts (zero_stage 2: or of the reduce-scatter it waits for to free a comm buffer). */
 DDP_API ddp_result ddp_reducer_grad_ready(ddp_reducer *r, int index);
 
@@ -1108,6 +1147,18 @@ DDP_API ddp_result ddp_reducer_end_backward(ddp_reducer *r);
 /* ddp_reducer_set_sync: 0 = DDP's no_sync(): the following backward passes only accumulate locally;
    1 (the default) = synchronise. Between backward passes only (else DDP_ERR_STATE). */
 DDP_API ddp_result ddp_reducer_set_sync(ddp_reducer *r, int sync);
+
+/* ddp_reducer_set_local_samples: this backward pass's gradients on this rank are the mean over n local
+   samples (0 included): the reducer weights them by n / N, N = the sum of n over the ranks, instead of
+   1/world_size, so that end_backward leaves the mean over every rank's samples (see "Local samples"
+   above). Collective: one all-reduce of 2 x i64; every rank calls it in the same passes. After
+   ddp_reducer_begin_backward and before the pass's first ddp_reducer_grad_ready (zero_stage 3:
+   ddp_fsdp_grads_ready), once per pass; the next begin_backward goes back to 1/world_size.
+   Return: DDP_SUCCESS; DDP_ERR_STATE, before any collective, outside a backward pass, in a no_sync pass
+   that reduces nothing, after a gradient of the pass was handed over, when called twice in a pass, or
+   against the uneven_inputs rules above; DDP_ERR_INVALID_ARGUMENT on every rank when N = 0 or some rank's
+   n is above 2^40 (the pass then goes on unweighted); an error of the all-reduce (the group is broken). */
+DDP_API ddp_result ddp_reducer_set_local_samples(ddp_reducer *r, size_t n);
 
 /* ddp_reducer_zero_grad: set every parameter's gradient to zero (optimizer.zero_grad()). Not during a
    backward pass (DDP_ERR_STATE). */
@@ -3044,8 +3095,9 @@ typedef enum ddp__coll_kind {
 } ddp__coll_kind;
 #define DDP__NO_OP 0xff
 
-/* ddp__coll.purpose: an FSDP unit's collective (reducer_fsdp.c), phase DDP__PHASE_*, unit >= 0. */
-enum { DDP__PHASE_GATHER = 1, DDP__PHASE_REDUCE = 2 };
+/* ddp__coll.purpose: an FSDP unit's collective (reducer_fsdp.c), phase DDP__PHASE_*, unit >= 0; or the reducer's
+   sample count (ddp_reducer_set_local_samples: DDP__PHASE_SAMPLES, unit -1). */
+enum { DDP__PHASE_GATHER = 1, DDP__PHASE_REDUCE = 2, DDP__PHASE_SAMPLES = 3 };
 #define DDP__PURPOSE(phase, unit) ((uint32_t)(phase) << 24 | (uint32_t)((unit) + 1))
 
 typedef struct ddp__coll {
@@ -3058,8 +3110,9 @@ typedef struct ddp__coll {
     uint8_t op;     /* DDP__NO_OP when the collective takes none */
     int32_t root;   /* -1 when the collective has none; send / recv: the peer */
     int32_t tag;    /* send / recv: the message's tag; -1 for the collectives */
-    uint32_t purpose; /* what the library issued it for (DDP__PURPOSE: an FSDP unit's gather or reduce-scatter),
-                         0 for the program's own calls: ranks that gather different units fail, never mix data */
+    uint32_t purpose; /* what the library issued it for (DDP__PURPOSE: an FSDP unit's gather or reduce-scatter, the
+                         reducer's sample count), 0 for the program's own calls: ranks that gather different units
+                         fail, never mix data */
     double t_queued; /* when an async call was queued (ddp__now), for the timeline; 0: not queued, or it is off */
 } ddp__coll;
 
@@ -7739,6 +7792,7 @@ static const char *ddp__purpose_describe(uint32_t purpose, char *out, size_t cap
     static const char *const phases[] = {"", "all-gather", "reduce-scatter"};
     unsigned phase = purpose >> 24;
     if (!purpose) return "";
+    if (phase == DDP__PHASE_SAMPLES) return " for ddp_reducer_set_local_samples' sample count";
     snprintf(out, cap, " for FSDP unit %u's %s", (purpose & 0xffffffu) - 1, phase < 3 ? phases[phase] : "collective");
     return out;
 }
@@ -17992,7 +18046,9 @@ static ddp_result ddp__amp_finish(ddp_group *g, ddp__amp_pass *a, int reduce) {
 #define DDP__VERIFY_FIELDS 5                               /* a model record: see ddp__reducer_verify */
 #define DDP__JOIN_FIELDS 3                                 /* a join record: kind, flags, steps */
 enum { DDP__JOIN_JOINED = 0, DDP__JOIN_STEP = 1, DDP__JOIN_BUFFERS = 2 }; /* a join record's kind */
-enum { DDP__JOIN_SYNC = 1, DDP__JOIN_FIRST = 2 };                         /* and its flags */
+enum { DDP__JOIN_SYNC = 1, DDP__JOIN_FIRST = 2, DDP__JOIN_SAMPLES = 4 }; /* and its flags (SAMPLES: a pass that
+                                                                           ddp_reducer_set_local_samples weights) */
+#define DDP__SAMPLES_MAX ((int64_t)1 << 40) /* ddp_reducer_set_local_samples' n: the sum over any world fits in i64 */
 
 /* ---- the reducer's state ---- */
 
@@ -18105,6 +18161,14 @@ struct ddp_reducer {
     int accumulate;    /* zero_stage 3: this pass adds its averaged gradients to the slices (no_sync before) */
     int offload;       /* zero_stage 3: the parameters are device memory on a host backend (reducer_fsdp.c) */
     int pass_user_sync; /* zero_stage 3: the pass was begun under set_sync(1) (every pass reduce-scatters) */
+    /* local samples (ddp_reducer_set_local_samples): see "local samples" in reducer_pass.c */
+    double grad_scale;  /* this pass: each gradient times this into its bucket: 1/world, or n / (sum of n) */
+    int pass_handed;    /* a gradient was handed over in this pass (grad_ready, ddp_fsdp_grads_ready) */
+    int samples_done;   /* set_local_samples was called in this pass */
+    int samples_sticky; /* set_local_samples was called once: uneven_inputs announces every later synchronised pass
+                           as weighted, so that joined ranks take part in its sample count */
+    int samples_due;    /* uneven_inputs: this pass was announced weighted: set_local_samples must come */
+    int pass_joined;    /* uneven_inputs: ranks that were in a join at this pass's round (they shadow it) */
     void *bstage;      /* staging for coalesced buffer broadcasts */
     size_t bstage_bytes;
 
@@ -18196,6 +18260,7 @@ static DDP__UNUSED void ddp__fsdp_free(ddp_reducer *r);
                               3. buckets in reverse registration order
      begin_backward           (uneven_inputs) the join round, see "uneven inputs" at the end; every bucket
                               waits for all of its gradients
+     set_local_samples(n)     (optional) all-reduce n: this pass scales by n / (sum of n), not 1/world
      grad_ready(i)            copy gradient i * (1/world) into its bucket slot; start every complete
                               bucket that is next in line (buckets start strictly in order)
      end_backward             (find_unused) zero the missing gradients' slots, start the rest, all-reduce
@@ -19765,6 +19830,7 @@ DDP_API ddp_result ddp_reducer_begin_backward(ddp_reducer *r) {
                          "ddp_reducer_end_backward after each backward pass");
     if ((res = ddp__zero_gather_settle(r)) != DDP_SUCCESS) return res; /* forward has read the parameters */
     ddp__timing_finish(r);
+    r->samples_due = r->pass_joined = 0; /* (the join round sets them) */
     if (r->desc.uneven_inputs && (res = ddp__join_announce(r, DDP__JOIN_STEP, "ddp_reducer_begin_backward", NULL)) != DDP_SUCCESS)
         return res;
     r->in_backward = 1;
@@ -19775,10 +19841,87 @@ DDP_API ddp_result ddp_reducer_begin_backward(ddp_reducer *r) {
     if (r->pass_sync) ddp__amp_begin(&r->amp, ddp__grad_stats_on(r) && r->sync, r->desc.loss_scale); /* reads the scale */
     r->next_bucket = 0;
     r->norder = 0;
+    r->grad_scale = 1.0 / (double)ddp_world_size(r->g); /* until ddp_reducer_set_local_samples says otherwise */
+    r->pass_handed = r->samples_done = 0;
     memset(r->ready, 0, ddp__reducer_n(r));
     for (b = 0; b < r->L.nbuckets; b++) r->L.buckets[b].pending = r->L.buckets[b].n;
     r->t_begin = ddp__now();
     r->t_first_start = 0;
+    return DDP_SUCCESS;
+}
+
+/* ---- local samples: a batch split unevenly over the ranks ----
+   Each rank's gradient is the mean over its n local samples; the mean over every rank's samples is
+   sum_r n_r g_r / N with N = sum_r n_r, so rank r's share is n_r / N instead of 1/world. set_local_samples
+   all-reduces {n, n out of range} (two i64, SUM: the same N on every rank, exact) and sets grad_scale, which
+   ddp__reducer_take_from applies wherever 1/world applied: every bucket at every zero_stage, compression
+   (the cast multiplies by it), find_unused's accumulated gradients; begin_backward sets 1/world again. When
+   every n is equal, n / (world n) is 1/world exactly (a correctly rounded quotient of the same real number),
+   so the pass is bit for bit an unweighted one. A joined rank (uneven_inputs) contributes no samples: the
+   ranks with data announce a weighted pass in the join round (flag SAMPLES, from their first
+   set_local_samples on), and the joined rank takes part in its count with n = 0 before it shadows the
+   buckets. */
+
+/* The pass's sample count: every rank's {n, n > DDP__SAMPLES_MAX} summed, in host memory on every backend,
+   as a collective of its own purpose (never mixed with the program's own all-reduce of 2 x i64). */
+static ddp_result ddp__samples_sum(ddp_reducer *r, size_t n, int64_t sums[2]) {
+    ddp_result res;
+    int big = (uint64_t)n > (uint64_t)DDP__SAMPLES_MAX; /* (a 32-bit size_t never is) */
+    sums[0] = big ? 0 : (int64_t)n;
+    sums[1] = big;
+    r->g->purpose = DDP__PURPOSE(DDP__PHASE_SAMPLES, -1);
+    res = ddp_all_reduce(r->g, sums, 2, DDP_I64, DDP_SUM);
+    r->g->purpose = 0;
+    return res;
+}
+
+/* uneven_inputs: a pass announced as weighted must be weighted before its first gradient is handed over
+   (the joined ranks wait in its sample count, which a bucket's all-reduce would meet instead). */
+static ddp_result ddp__samples_check_due(ddp_reducer *r, const char *fn) {
+    if (!r->samples_due || r->samples_done) return DDP_SUCCESS;
+    return ddp__fail(r->g, DDP_ERR_STATE, "%s: uneven_inputs: this rank called ddp_reducer_set_local_samples in an "
+                     "earlier pass, so every synchronised pass after it is announced as weighted and the ranks that "
+                     "joined take part in its sample count: call ddp_reducer_set_local_samples(r, n) in this pass too, "
+                     "after ddp_reducer_begin_backward and before the first gradient is handed over", fn);
+}
+
+DDP_API ddp_result ddp_reducer_set_local_samples(ddp_reducer *r, size_t n) {
+    ddp_result res = ddp__reducer_usable(r, "ddp_reducer_set_local_samples");
+    int64_t sums[2];
+    if (res) return res;
+    if (!r->in_backward)
+        return ddp__fail(r->g, DDP_ERR_STATE, "ddp_reducer_set_local_samples(%zu): not in a backward pass; call it "
+                         "after ddp_reducer_begin_backward and before the pass's first ddp_reducer_grad_ready (zero_stage "
+                         "3: ddp_fsdp_grads_ready)", n);
+    if (!r->pass_sync)
+        return ddp__fail(r->g, DDP_ERR_STATE, "ddp_reducer_set_local_samples(%zu): this pass runs under no_sync "
+                         "(ddp_reducer_set_sync(r, 0)) and reduces nothing; call it in the synchronised pass that ends "
+                         "the accumulation, with n = the samples of every micro-batch accumulated since the last "
+                         "synchronised pass", n);
+    if (r->pass_handed)
+        return ddp__fail(r->g, DDP_ERR_STATE, "ddp_reducer_set_local_samples(%zu): a gradient of this pass was handed "
+                         "over already (and scaled by 1/world_size); call it right after ddp_reducer_begin_backward, "
+                         "before the first ddp_reducer_grad_ready (zero_stage 3: ddp_fsdp_grads_ready)", n);
+    if (r->samples_done)
+        return ddp__fail(r->g, DDP_ERR_STATE, "ddp_reducer_set_local_samples(%zu): called twice in one backward pass; "
+                         "call it once per pass, with the pass's n", n);
+    if (r->pass_joined && !r->samples_due)
+        return ddp__fail(r->g, DDP_ERR_STATE, "ddp_reducer_set_local_samples(%zu): uneven_inputs: %d rank%s joined "
+                         "before the first weighted pass and shadow%s this one unweighted; with uneven_inputs, weight "
+                         "every synchronised pass from one before the first rank runs out of data on (the pass goes on "
+                         "unweighted: 1/world_size)", n, r->pass_joined, r->pass_joined == 1 ? " has" : "s have",
+                         r->pass_joined == 1 ? "s" : "");
+    r->samples_done = r->samples_sticky = 1;
+    if ((res = ddp__samples_sum(r, n, sums)) != DDP_SUCCESS) return r->failed = res;
+    if (sums[1])
+        return ddp__fail(r->g, DDP_ERR_INVALID_ARGUMENT, "ddp_reducer_set_local_samples(%zu): %lld rank%s passed more "
+                         "than 2^40 samples; the pass goes on unweighted (1/world_size)", n, (long long)sums[1],
+                         sums[1] == 1 ? "" : "s");
+    if (!sums[0])
+        return ddp__fail(r->g, DDP_ERR_INVALID_ARGUMENT, "ddp_reducer_set_local_samples(%zu): no rank has samples in "
+                         "this pass (every rank passed n = 0), so there is no mean to take; the pass goes on unweighted "
+                         "(1/world_size): finish it and skip the optimizer step", n);
+    r->grad_scale = (double)n / (double)sums[0];
     return DDP_SUCCESS;
 }
 
@@ -19808,12 +19951,14 @@ static ddp_result ddp__reducer_start_ready(ddp_reducer *r) {
     return DDP_SUCCESS;
 }
 
-/* Copy parameter i's gradient into its bucket slot, times 1/world (in place for views): from src, of
-   dtype t (the program's gradient; at zero_stage 3 its unit's gradient buffer, in param_dtype). */
+/* Copy parameter i's gradient into its bucket slot, times the pass's grad_scale, 1/world or this rank's share
+   of the samples (in place for views): from src, of dtype t (the program's gradient; at zero_stage 3 its
+   unit's gradient buffer, in param_dtype). A share of 0 writes zeros, whatever the gradient holds (NaN too). */
 static void ddp__reducer_take_from(ddp_reducer *r, int i, const void *src, ddp_dtype t) {
     ddp__bucket *k = &r->L.buckets[r->L.param_bucket[i]];
-    r->ops->copy_in_scaled(r->g, (char *)k->comm + r->L.param_offset[i] * ddp_dtype_size(k->comm_dtype), k->comm_dtype, src, t,
-                           r->params[i].count, 1.0 / (double)ddp_world_size(r->g));
+    void *slot = (char *)k->comm + r->L.param_offset[i] * ddp_dtype_size(k->comm_dtype);
+    if (r->grad_scale == 0.0) r->ops->zero(r->g, slot, r->params[i].count * ddp_dtype_size(k->comm_dtype));
+    else r->ops->copy_in_scaled(r->g, slot, k->comm_dtype, src, t, r->params[i].count, r->grad_scale);
     k->pending--;
 }
 static void ddp__reducer_take(ddp_reducer *r, int i) {
@@ -19840,6 +19985,8 @@ DDP_API ddp_result ddp_reducer_grad_ready(ddp_reducer *r, int index) {
                          "gradient is reduced once per pass (PyTorch: \"Expected to mark a variable ready only once\"). "
                          "A parameter used twice in forward gets one gradient: add both parts, then call it once",
                          r->params[index].name);
+    if ((res = ddp__samples_check_due(r, "ddp_reducer_grad_ready")) != DDP_SUCCESS) return res;
+    r->pass_handed = 1;
     r->ready[index] = 1;
     r->used[index] = 1;
     if (!r->pass_sync) return DDP_SUCCESS;
@@ -20038,6 +20185,7 @@ DDP_API ddp_result ddp_fsdp_grads_ready(ddp_reducer *r, int unit) {
     if (u->grads_done)
         return ddp__fail(r->g, DDP_ERR_STATE, "ddp_fsdp_grads_ready(unit %d \"%s\"): called twice in one backward pass; a "
                          "unit's gradients are reduced once per pass", unit, u->name);
+    r->pass_handed = 1;
     if (!r->pass_sync) { /* accumulate_unsharded under no_sync: the gradients stay in the unit's buffer */
         for (i = u->first; i < u->first + u->n; i++) {
             r->ready[i] = 1;
@@ -20181,6 +20329,7 @@ DDP_API ddp_result ddp_reducer_end_backward(ddp_reducer *r) {
         ddp__reducer_timeline_pass(r, t_enter);
         return DDP_SUCCESS;
     }
+    if ((res = ddp__samples_check_due(r, "ddp_reducer_end_backward")) != DDP_SUCCESS) return res;
     if (r->desc.find_unused_parameters) {
         if ((res = ddp__reducer_fill_unused(r)) != DDP_SUCCESS) r->failed = res;
     } else {
@@ -20364,13 +20513,15 @@ DDP_API void ddp_reducer_destroy(ddp_reducer *r) {
    JOINED (flag FIRST in its first round) and answers each round as the active ranks' records say:
      no active rank left    the join is over: parameters and buffers are broadcast from the highest rank
                             among the last joiners (torch's _sync_final_model), and every rank returns
-     STEP with SYNC         one SUM all-reduce of zeros per bucket, in bucket order and comm dtype (torch's
+     STEP with SYNC         (flag SAMPLES: the pass's sample count with n = 0, see "local samples") one SUM
+                            all-reduce of zeros per bucket, in bucket order and comm dtype (torch's
                             _match_all_reduce_for_bwd_pass), the used map with zeros (find_unused_parameters,
                             _match_unused_params_allreduce), then the bucket rebuild if it is still pending
      STEP without SYNC      nothing: the active ranks only accumulate locally
      BUFFERS                the buffer broadcast, from the highest active rank (torch's _find_common_rank)
    Active ranks scale their gradients by 1/(initial world size) as always, so the average includes the
-   joined ranks' zeros (torch's divide_by_initial_world_size=True). ddp_reducer_join_step answers rounds
+   joined ranks' zeros (torch's divide_by_initial_world_size=True); a weighted pass by n / (the active
+   ranks' N), the joined ranks counting no samples. ddp_reducer_join_step answers rounds
    until it has shadowed one synchronised pass (it returns, *all_joined = 0) or no active rank is left
    (*all_joined = 1); ddp_reducer_join is its loop. With zero_stage the shadow is the reduce-scatter of
    zeros, and its result, the active ranks' sum / initial world size, goes into this rank's owned gradient
@@ -20390,6 +20541,7 @@ typedef struct ddp__join_round { /* what one round's records say */
     int last_joiner;     /* the highest rank in its first join round (-1: none) */
     int disagree;        /* the first active rank whose announcement differs from first_active's (-1: none) */
     int kind, sync;      /* first_active's announcement */
+    int samples;         /* and its pass is weighted (ddp_reducer_set_local_samples): the joined ranks count n = 0 */
     int steps;           /* first_active's passes since the last join */
     int joined_steps;    /* the first joined rank's */
 } ddp__join_round;
@@ -20415,7 +20567,7 @@ static ddp_result ddp__join_exchange(ddp_reducer *r, const char *fn, int kind, i
     v->first_active = v->last_active = v->last_joiner = v->disagree = -1;
     for (k = 0; k < world; k++) {
         const int32_t *e = r->join_table + (size_t)k * DDP__JOIN_FIELDS;
-        int sync = (e[1] & DDP__JOIN_SYNC) != 0;
+        int sync = (e[1] & DDP__JOIN_SYNC) != 0, samples = (e[1] & DDP__JOIN_SAMPLES) != 0;
         if (e[0] == DDP__JOIN_JOINED) {
             if (!v->joined++) v->joined_steps = e[2];
             if (e[1] & DDP__JOIN_FIRST) v->last_joiner = k;
@@ -20427,17 +20579,20 @@ static ddp_result ddp__join_exchange(ddp_reducer *r, const char *fn, int kind, i
             v->first_active = k;
             v->kind = e[0];
             v->sync = sync;
+            v->samples = samples;
             v->steps = e[2];
-        } else if (v->disagree < 0 && (e[0] != v->kind || sync != v->sync)) {
+        } else if (v->disagree < 0 && (e[0] != v->kind || sync != v->sync || samples != v->samples)) {
             v->disagree = k;
         }
     }
     return DDP_SUCCESS;
 }
 
-static const char *ddp__join_kind_name(int kind, int sync) {
+static const char *ddp__join_kind_name(int kind, int flags) {
     if (kind == DDP__JOIN_BUFFERS) return "ddp_reducer_broadcast_buffers";
-    return sync ? "a synchronised backward pass" : "a backward pass under no_sync (ddp_reducer_set_sync(r, 0))";
+    if (flags & DDP__JOIN_SAMPLES) return "a synchronised backward pass weighted by ddp_reducer_set_local_samples";
+    if (flags & DDP__JOIN_SYNC) return "a synchronised backward pass";
+    return "a backward pass under no_sync (ddp_reducer_set_sync(r, 0))";
 }
 
 static ddp_result ddp__join_disagree(ddp_reducer *r, const char *fn, const ddp__join_round *v) {
@@ -20445,8 +20600,9 @@ static ddp_result ddp__join_disagree(ddp_reducer *r, const char *fn, const ddp__
     return ddp__fail(r->g, DDP_ERR_MISMATCH, "%s: uneven_inputs: the ranks that still have data disagree at step %d: "
                      "rank %d began %s, rank %d began %s. Every rank with data must make the same reducer calls in the "
                      "same order (the same set_sync, ddp_reducer_broadcast_buffers on all or none); the group is still "
-                     "usable", fn, v->steps + 1, v->first_active, ddp__join_kind_name(v->kind, v->sync), v->disagree,
-                     ddp__join_kind_name(e[0], (e[1] & DDP__JOIN_SYNC) != 0));
+                     "usable", fn, v->steps + 1, v->first_active,
+                     ddp__join_kind_name(v->kind, (v->sync ? DDP__JOIN_SYNC : 0) | (v->samples ? DDP__JOIN_SAMPLES : 0)),
+                     v->disagree, ddp__join_kind_name(e[0], e[1]));
 }
 
 /* "0, 2, 5" for the ranks whose record is (or is not) JOINED; the first 24, then "and N more". */
@@ -20480,15 +20636,18 @@ static ddp_result ddp__join_uneven(ddp_reducer *r, const char *fn, const ddp__jo
                      v->active == 1 ? "" : "s", active);
 }
 
-/* The active side of a round: announce a backward pass or a buffer broadcast; *root gets the rank whose
-   buffers every rank takes (the highest active one, as torch's _find_common_rank). */
+/* The active side of a round: announce a backward pass (weighted, from the first set_local_samples on) or a
+   buffer broadcast; *root gets the rank whose buffers every rank takes (the highest active one, as torch's
+   _find_common_rank). */
 static ddp_result ddp__join_announce(ddp_reducer *r, int kind, const char *fn, int *root) {
     ddp__join_round v;
-    ddp_result res = ddp__join_exchange(r, fn, kind, kind == DDP__JOIN_STEP && r->sync ? DDP__JOIN_SYNC : 0, &v);
+    int step = kind == DDP__JOIN_STEP && r->sync, flags = step ? DDP__JOIN_SYNC : 0;
+    ddp_result res = ddp__join_exchange(r, fn, kind, step && r->samples_sticky ? flags | DDP__JOIN_SAMPLES : flags, &v);
     if (res) return res;
     if (v.disagree >= 0) return ddp__join_disagree(r, fn, &v);
     if (v.joined && r->desc.join_fail_early) return ddp__join_uneven(r, fn, &v);
     if (kind == DDP__JOIN_STEP) r->join_steps++;
+    if (step) r->samples_due = r->samples_sticky, r->pass_joined = v.joined;
     if (root) *root = v.last_active;
     return DDP_SUCCESS;
 }
@@ -20509,17 +20668,20 @@ static ddp_result ddp__join_shadow_memory(ddp_reducer *r) {
     return DDP_SUCCESS;
 }
 
-/* A synchronised backward pass of the active ranks, shadowed: zeros into every bucket's all-reduce (all
+/* A synchronised backward pass of the active ranks, shadowed: its sample count with n = 0 when it is weighted
+   (`samples`), zeros into every bucket's all-reduce (all
    in flight at once, started in bucket order like the active ranks'), the used map, the rebuild. The
    program's gradients are not touched, except under zero_stage: the reduce-scatter's result (the active
    ranks' average) goes to this rank's owned elements, for its optimizer step (stage 2: the reducer's
    owned slices, which the shards point at; each bucket borrows a pool buffer for its zeros as in a pass
    with data, waiting for the oldest reduce-scatter when none is free). */
-static ddp_result ddp__join_shadow_backward(ddp_reducer *r) {
+static ddp_result ddp__join_shadow_backward(ddp_reducer *r, int samples) {
     ddp_work *used_work = NULL;
     ddp_result res, waited;
     size_t off = 0, kept = 0;
     int b, j, keep = ddp__reducer_zero(r) && r->desc.find_unused_parameters, i;
+    int64_t sums[2];
+    if (samples && (res = ddp__samples_sum(r, 0, sums)) != DDP_SUCCESS) return r->failed = res; /* no samples here */
     if ((res = ddp__join_shadow_memory(r)) != DDP_SUCCESS) return res;
     if (ddp__reducer_zero(r)) ddp__amp_begin(&r->amp, ddp__grad_stats_on(r), r->desc.loss_scale); /* its shards' stats */
     if (keep && (res = ddp__stash_reserve(r, 1, "ddp_reducer_join_step")) != DDP_SUCCESS) return r->failed = res;
@@ -20594,7 +20756,7 @@ static ddp_result ddp__join_step(ddp_reducer *r, const char *fn, int *all_joined
         }
         if (v.kind == DDP__JOIN_BUFFERS)
             res = ddp__reducer_broadcast(r, r->buffers, r->nbuffers, r->bstage, r->bstage_bytes, v.last_active);
-        else if (v.sync && (res = ddp__join_shadow_backward(r)) == DDP_SUCCESS) {
+        else if (v.sync && (res = ddp__join_shadow_backward(r, v.samples)) == DDP_SUCCESS) {
             r->join_gather_due = ddp__reducer_zero(r);
             return DDP_SUCCESS;
         }

@@ -400,8 +400,9 @@ typedef enum ddp__coll_kind {
 } ddp__coll_kind;
 #define DDP__NO_OP 0xff
 
-/* ddp__coll.purpose: an FSDP unit's collective (reducer_fsdp.c), phase DDP__PHASE_*, unit >= 0. */
-enum { DDP__PHASE_GATHER = 1, DDP__PHASE_REDUCE = 2 };
+/* ddp__coll.purpose: an FSDP unit's collective (reducer_fsdp.c), phase DDP__PHASE_*, unit >= 0; or the reducer's
+   sample count (ddp_reducer_set_local_samples: DDP__PHASE_SAMPLES, unit -1). */
+enum { DDP__PHASE_GATHER = 1, DDP__PHASE_REDUCE = 2, DDP__PHASE_SAMPLES = 3 };
 #define DDP__PURPOSE(phase, unit) ((uint32_t)(phase) << 24 | (uint32_t)((unit) + 1))
 
 typedef struct ddp__coll {
@@ -414,8 +415,9 @@ typedef struct ddp__coll {
     uint8_t op;     /* DDP__NO_OP when the collective takes none */
     int32_t root;   /* -1 when the collective has none; send / recv: the peer */
     int32_t tag;    /* send / recv: the message's tag; -1 for the collectives */
-    uint32_t purpose; /* what the library issued it for (DDP__PURPOSE: an FSDP unit's gather or reduce-scatter),
-                         0 for the program's own calls: ranks that gather different units fail, never mix data */
+    uint32_t purpose; /* what the library issued it for (DDP__PURPOSE: an FSDP unit's gather or reduce-scatter, the
+                         reducer's sample count), 0 for the program's own calls: ranks that gather different units
+                         fail, never mix data */
     double t_queued; /* when an async call was queued (ddp__now), for the timeline; 0: not queued, or it is off */
 } ddp__coll;
 

@@ -10,6 +10,7 @@
                               3. buckets in reverse registration order
      begin_backward           (uneven_inputs) the join round, see "uneven inputs" at the end; every bucket
                               waits for all of its gradients
+     set_local_samples(n)     (optional) all-reduce n: this pass scales by n / (sum of n), not 1/world
      grad_ready(i)            copy gradient i * (1/world) into its bucket slot; start every complete
                               bucket that is next in line (buckets start strictly in order)
      end_backward             (find_unused) zero the missing gradients' slots, start the rest, all-reduce

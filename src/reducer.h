@@ -31,9 +31,11 @@
      After the first synchronised backward the buckets are rebuilt once, in the order the gradients were
      actually ready on rank 0 (broadcast, so every rank rebuilds alike); not with find_unused_parameters.
    - Overlap. grad_ready copies the gradient into its bucket, multiplied by 1/world_size (the average is
-     taken before the sum, as PyTorch does); when a bucket's last gradient arrives its asynchronous SUM
-     all-reduce starts, while backward continues. Buckets start strictly in order, so every rank issues
-     the same collectives in the same order. end_backward waits for the rest and copies the results back.
+     taken before the sum, as PyTorch does; by this rank's share of the samples in a pass weighted by
+     ddp_reducer_set_local_samples, see "Local samples"); when a bucket's last gradient arrives its
+     asynchronous SUM all-reduce starts, while backward continues. Buckets start strictly in order, so
+     every rank issues the same collectives in the same order. end_backward waits for the rest and copies
+     the results back.
    - no_sync: ddp_reducer_set_sync(r, 0) makes the following backward passes local: gradients accumulate
      in the program's buffers (the program adds to them), and the next synchronised backward averages the
      accumulated sum.
@@ -87,6 +89,42 @@
      another collective (a loss all-reduce for logging) before every rank has joined meets a joined rank's
      join round, DDP_ERR_MISMATCH on both at once (torch hangs), and the group is broken. Cost when the ranks are even: one all_gather of 12 bytes
      per rank per backward pass (torch adds one or two 4-byte all-reduces per forward).
+
+   - Local samples (a batch split unevenly over the ranks: the gradient of the mean loss over ALL samples;
+     torchft divides by the participants): ddp_reducer_set_local_samples(r, n), after begin_backward and
+     before the pass's first gradient hand-over, says that this rank's gradients of the pass are the mean
+     over its n samples. The call all-reduces n, and each gradient is then scaled by n / N instead of
+     1/world_size (N = the sum of n over the ranks, the same on every rank), so end_backward leaves the mean
+     over every rank's samples, sum_r n_r g_r / N, where an unweighted pass leaves sum_r g_r / world_size.
+         ddp_reducer_begin_backward(red);
+         ddp_reducer_set_local_samples(red, my_batch);     // 0 for a rank without samples in this step
+         backward + grad_ready ...;  ddp_reducer_end_backward(red);
+     The rules:
+       * The weight is this pass's: the next begin_backward goes back to 1/world_size. With the same n on
+         every rank the pass is bit for bit an unweighted one (n / (world n) rounds as 1/world_size does).
+       * n = 0: this rank contributes zeros, whatever its gradients hold (NaN too); it still hands every
+         gradient over, as in any synchronised pass. N = 0 (no rank has samples): DDP_ERR_INVALID_ARGUMENT
+         on every rank, and the pass goes on unweighted (finish it; skip the optimizer step).
+       * no_sync: passes under set_sync(r, 0) reduce nothing, so the call is refused there (DDP_ERR_STATE).
+         The synchronised pass that ends the accumulation is weighted by n = the samples of every micro-batch
+         accumulated since the last synchronised pass, and the accumulated gradient must be their mean (the
+         program scales each micro-batch's loss by its samples / n, or by 1 / micro-batches when they are of
+         equal size). zero_stage 3 without accumulate_unsharded reduce-scatters every pass: there each pass,
+         no_sync ones included, may be weighted by its own n, and the slices add up each pass's
+         sum_r n_r g_r / N (equal to stages 0-2 within rounding when a rank's micro-batches are of equal
+         size); with accumulate_unsharded the rule of stages 0-2 holds.
+       * It applies wherever 1/world_size applied: every zero_stage (stage 1 and 2's slices, stage 3's
+         ddp_fsdp_grads_ready), compression (the cast into comm_dtype multiplies by n / N in f32, then
+         rounds once), views and flat buckets (scaled in place), find_unused_parameters (a parameter unused
+         on a rank contributes zero as before; one used in a no_sync pass only contributes its accumulated
+         gradient, weighted), grad_stats and loss_scale (they see the weighted average). The reducer has no
+         gradient_predivide_factor.
+       * uneven_inputs: a joined rank has no samples (it counts n = 0 in the sum; a step's average is over
+         the samples of the ranks with data). So that it takes part in the count, a rank announces every
+         synchronised pass after its first call as weighted in the join round: from then on every
+         synchronised pass must call ddp_reducer_set_local_samples (else DDP_ERR_STATE at the first
+         grad_ready or end_backward), and the first call must come before any rank joins (else DDP_ERR_STATE
+         on every rank with data, before any collective).
 
    - Timing (ddp_reducer_get_statistics): wait_seconds, the time inside end_backward, is split into
      straggler_wait_seconds (waiting for a slower rank) and transfer_seconds (moving data backward did not
@@ -350,10 +388,11 @@ DDP_API ddp_result ddp_reducer_begin_backward(ddp_reducer *r);
 /* ddp_reducer_grad_ready: parameter index's gradient is complete for this backward pass (the autograd
    hook). In a synchronised pass its value is taken now (and its bucket's all-reduce may start): do not
    write to it again until end_backward returns (with gradient_as_bucket_view, or in a flat bucket, it is
-   scaled by 1/world_size in place now, as PyTorch does, and holds the sum of the ranks' shares once
-   end_backward returns). Under zero_stage = 2 it is only read, here: the program may reuse the buffer
-   as soon as this returns. DDP_ERR_STATE (naming the parameter) when called twice
-   in one backward or outside begin/end; DDP_ERR_INVALID_ARGUMENT for a bad index; an error of the
+   scaled by 1/world_size, or by set_local_samples' weight, in place now, as PyTorch does, and holds the
+   sum of the ranks' shares once end_backward returns). Under zero_stage = 2 it is only read, here: the
+   program may reuse the buffer as soon as this returns. DDP_ERR_STATE (naming the parameter) when called
+   twice in one backward or outside begin/end (with uneven_inputs also before a set_local_samples that
+   the pass needs, see "Local samples"); DDP_ERR_INVALID_ARGUMENT for a bad index; an error of the
    all-reduce it starts (zero_stage 2: or of the reduce-scatter it waits for to free a comm buffer). */
 DDP_API ddp_result ddp_reducer_grad_ready(ddp_reducer *r, int index);
 
@@ -368,6 +407,18 @@ DDP_API ddp_result ddp_reducer_end_backward(ddp_reducer *r);
 /* ddp_reducer_set_sync: 0 = DDP's no_sync(): the following backward passes only accumulate locally;
    1 (the default) = synchronise. Between backward passes only (else DDP_ERR_STATE). */
 DDP_API ddp_result ddp_reducer_set_sync(ddp_reducer *r, int sync);
+
+/* ddp_reducer_set_local_samples: this backward pass's gradients on this rank are the mean over n local
+   samples (0 included): the reducer weights them by n / N, N = the sum of n over the ranks, instead of
+   1/world_size, so that end_backward leaves the mean over every rank's samples (see "Local samples"
+   above). Collective: one all-reduce of 2 x i64; every rank calls it in the same passes. After
+   ddp_reducer_begin_backward and before the pass's first ddp_reducer_grad_ready (zero_stage 3:
+   ddp_fsdp_grads_ready), once per pass; the next begin_backward goes back to 1/world_size.
+   Return: DDP_SUCCESS; DDP_ERR_STATE, before any collective, outside a backward pass, in a no_sync pass
+   that reduces nothing, after a gradient of the pass was handed over, when called twice in a pass, or
+   against the uneven_inputs rules above; DDP_ERR_INVALID_ARGUMENT on every rank when N = 0 or some rank's
+   n is above 2^40 (the pass then goes on unweighted); an error of the all-reduce (the group is broken). */
+DDP_API ddp_result ddp_reducer_set_local_samples(ddp_reducer *r, size_t n);
 
 /* ddp_reducer_zero_grad: set every parameter's gradient to zero (optimizer.zero_grad()). Not during a
    backward pass (DDP_ERR_STATE). */

@@ -22,6 +22,7 @@ DDP_API ddp_result ddp_reducer_begin_backward(ddp_reducer *r) {
                          "ddp_reducer_end_backward after each backward pass");
     if ((res = ddp__zero_gather_settle(r)) != DDP_SUCCESS) return res; /* forward has read the parameters */
     ddp__timing_finish(r);
+    r->samples_due = r->pass_joined = 0; /* (the join round sets them) */
     if (r->desc.uneven_inputs && (res = ddp__join_announce(r, DDP__JOIN_STEP, "ddp_reducer_begin_backward", NULL)) != DDP_SUCCESS)
         return res;
     r->in_backward = 1;
@@ -32,10 +33,87 @@ DDP_API ddp_result ddp_reducer_begin_backward(ddp_reducer *r) {
     if (r->pass_sync) ddp__amp_begin(&r->amp, ddp__grad_stats_on(r) && r->sync, r->desc.loss_scale); /* reads the scale */
     r->next_bucket = 0;
     r->norder = 0;
+    r->grad_scale = 1.0 / (double)ddp_world_size(r->g); /* until ddp_reducer_set_local_samples says otherwise */
+    r->pass_handed = r->samples_done = 0;
     memset(r->ready, 0, ddp__reducer_n(r));
     for (b = 0; b < r->L.nbuckets; b++) r->L.buckets[b].pending = r->L.buckets[b].n;
     r->t_begin = ddp__now();
     r->t_first_start = 0;
+    return DDP_SUCCESS;
+}
+
+/* ---- local samples: a batch split unevenly over the ranks ----
+   Each rank's gradient is the mean over its n local samples; the mean over every rank's samples is
+   sum_r n_r g_r / N with N = sum_r n_r, so rank r's share is n_r / N instead of 1/world. set_local_samples
+   all-reduces {n, n out of range} (two i64, SUM: the same N on every rank, exact) and sets grad_scale, which
+   ddp__reducer_take_from applies wherever 1/world applied: every bucket at every zero_stage, compression
+   (the cast multiplies by it), find_unused's accumulated gradients; begin_backward sets 1/world again. When
+   every n is equal, n / (world n) is 1/world exactly (a correctly rounded quotient of the same real number),
+   so the pass is bit for bit an unweighted one. A joined rank (uneven_inputs) contributes no samples: the
+   ranks with data announce a weighted pass in the join round (flag SAMPLES, from their first
+   set_local_samples on), and the joined rank takes part in its count with n = 0 before it shadows the
+   buckets. */
+
+/* The pass's sample count: every rank's {n, n > DDP__SAMPLES_MAX} summed, in host memory on every backend,
+   as a collective of its own purpose (never mixed with the program's own all-reduce of 2 x i64). */
+static ddp_result ddp__samples_sum(ddp_reducer *r, size_t n, int64_t sums[2]) {
+    ddp_result res;
+    int big = (uint64_t)n > (uint64_t)DDP__SAMPLES_MAX; /* (a 32-bit size_t never is) */
+    sums[0] = big ? 0 : (int64_t)n;
+    sums[1] = big;
+    r->g->purpose = DDP__PURPOSE(DDP__PHASE_SAMPLES, -1);
+    res = ddp_all_reduce(r->g, sums, 2, DDP_I64, DDP_SUM);
+    r->g->purpose = 0;
+    return res;
+}
+
+/* uneven_inputs: a pass announced as weighted must be weighted before its first gradient is handed over
+   (the joined ranks wait in its sample count, which a bucket's all-reduce would meet instead). */
+static ddp_result ddp__samples_check_due(ddp_reducer *r, const char *fn) {
+    if (!r->samples_due || r->samples_done) return DDP_SUCCESS;
+    return ddp__fail(r->g, DDP_ERR_STATE, "%s: uneven_inputs: this rank called ddp_reducer_set_local_samples in an "
+                     "earlier pass, so every synchronised pass after it is announced as weighted and the ranks that "
+                     "joined take part in its sample count: call ddp_reducer_set_local_samples(r, n) in this pass too, "
+                     "after ddp_reducer_begin_backward and before the first gradient is handed over", fn);
+}
+
+DDP_API ddp_result ddp_reducer_set_local_samples(ddp_reducer *r, size_t n) {
+    ddp_result res = ddp__reducer_usable(r, "ddp_reducer_set_local_samples");
+    int64_t sums[2];
+    if (res) return res;
+    if (!r->in_backward)
+        return ddp__fail(r->g, DDP_ERR_STATE, "ddp_reducer_set_local_samples(%zu): not in a backward pass; call it "
+                         "after ddp_reducer_begin_backward and before the pass's first ddp_reducer_grad_ready (zero_stage "
+                         "3: ddp_fsdp_grads_ready)", n);
+    if (!r->pass_sync)
+        return ddp__fail(r->g, DDP_ERR_STATE, "ddp_reducer_set_local_samples(%zu): this pass runs under no_sync "
+                         "(ddp_reducer_set_sync(r, 0)) and reduces nothing; call it in the synchronised pass that ends "
+                         "the accumulation, with n = the samples of every micro-batch accumulated since the last "
+                         "synchronised pass", n);
+    if (r->pass_handed)
+        return ddp__fail(r->g, DDP_ERR_STATE, "ddp_reducer_set_local_samples(%zu): a gradient of this pass was handed "
+                         "over already (and scaled by 1/world_size); call it right after ddp_reducer_begin_backward, "
+                         "before the first ddp_reducer_grad_ready (zero_stage 3: ddp_fsdp_grads_ready)", n);
+    if (r->samples_done)
+        return ddp__fail(r->g, DDP_ERR_STATE, "ddp_reducer_set_local_samples(%zu): called twice in one backward pass; "
+                         "call it once per pass, with the pass's n", n);
+    if (r->pass_joined && !r->samples_due)
+        return ddp__fail(r->g, DDP_ERR_STATE, "ddp_reducer_set_local_samples(%zu): uneven_inputs: %d rank%s joined "
+                         "before the first weighted pass and shadow%s this one unweighted; with uneven_inputs, weight "
+                         "every synchronised pass from one before the first rank runs out of data on (the pass goes on "
+                         "unweighted: 1/world_size)", n, r->pass_joined, r->pass_joined == 1 ? " has" : "s have",
+                         r->pass_joined == 1 ? "s" : "");
+    r->samples_done = r->samples_sticky = 1;
+    if ((res = ddp__samples_sum(r, n, sums)) != DDP_SUCCESS) return r->failed = res;
+    if (sums[1])
+        return ddp__fail(r->g, DDP_ERR_INVALID_ARGUMENT, "ddp_reducer_set_local_samples(%zu): %lld rank%s passed more "
+                         "than 2^40 samples; the pass goes on unweighted (1/world_size)", n, (long long)sums[1],
+                         sums[1] == 1 ? "" : "s");
+    if (!sums[0])
+        return ddp__fail(r->g, DDP_ERR_INVALID_ARGUMENT, "ddp_reducer_set_local_samples(%zu): no rank has samples in "
+                         "this pass (every rank passed n = 0), so there is no mean to take; the pass goes on unweighted "
+                         "(1/world_size): finish it and skip the optimizer step", n);
+    r->grad_scale = (double)n / (double)sums[0];
     return DDP_SUCCESS;
 }
 
@@ -65,12 +143,14 @@ static ddp_result ddp__reducer_start_ready(ddp_reducer *r) {
     return DDP_SUCCESS;
 }
 
-/* Copy parameter i's gradient into its bucket slot, times 1/world (in place for views): from src, of
-   dtype t (the program's gradient; at zero_stage 3 its unit's gradient buffer, in param_dtype). */
+/* Copy parameter i's gradient into its bucket slot, times the pass's grad_scale, 1/world or this rank's share
+   of the samples (in place for views): from src, of dtype t (the program's gradient; at zero_stage 3 its
+   unit's gradient buffer, in param_dtype). A share of 0 writes zeros, whatever the gradient holds (NaN too). */
 static void ddp__reducer_take_from(ddp_reducer *r, int i, const void *src, ddp_dtype t) {
     ddp__bucket *k = &r->L.buckets[r->L.param_bucket[i]];
-    r->ops->copy_in_scaled(r->g, (char *)k->comm + r->L.param_offset[i] * ddp_dtype_size(k->comm_dtype), k->comm_dtype, src, t,
-                           r->params[i].count, 1.0 / (double)ddp_world_size(r->g));
+    void *slot = (char *)k->comm + r->L.param_offset[i] * ddp_dtype_size(k->comm_dtype);
+    if (r->grad_scale == 0.0) r->ops->zero(r->g, slot, r->params[i].count * ddp_dtype_size(k->comm_dtype));
+    else r->ops->copy_in_scaled(r->g, slot, k->comm_dtype, src, t, r->params[i].count, r->grad_scale);
     k->pending--;
 }
 static void ddp__reducer_take(ddp_reducer *r, int i) {
@@ -97,6 +177,8 @@ DDP_API ddp_result ddp_reducer_grad_ready(ddp_reducer *r, int index) {
                          "gradient is reduced once per pass (PyTorch: \"Expected to mark a variable ready only once\"). "
                          "A parameter used twice in forward gets one gradient: add both parts, then call it once",
                          r->params[index].name);
+    if ((res = ddp__samples_check_due(r, "ddp_reducer_grad_ready")) != DDP_SUCCESS) return res;
+    r->pass_handed = 1;
     r->ready[index] = 1;
     r->used[index] = 1;
     if (!r->pass_sync) return DDP_SUCCESS;
@@ -295,6 +377,7 @@ DDP_API ddp_result ddp_fsdp_grads_ready(ddp_reducer *r, int unit) {
     if (u->grads_done)
         return ddp__fail(r->g, DDP_ERR_STATE, "ddp_fsdp_grads_ready(unit %d \"%s\"): called twice in one backward pass; a "
                          "unit's gradients are reduced once per pass", unit, u->name);
+    r->pass_handed = 1;
     if (!r->pass_sync) { /* accumulate_unsharded under no_sync: the gradients stay in the unit's buffer */
         for (i = u->first; i < u->first + u->n; i++) {
             r->ready[i] = 1;
@@ -438,6 +521,7 @@ DDP_API ddp_result ddp_reducer_end_backward(ddp_reducer *r) {
         ddp__reducer_timeline_pass(r, t_enter);
         return DDP_SUCCESS;
     }
+    if ((res = ddp__samples_check_due(r, "ddp_reducer_end_backward")) != DDP_SUCCESS) return res;
     if (r->desc.find_unused_parameters) {
         if ((res = ddp__reducer_fill_unused(r)) != DDP_SUCCESS) r->failed = res;
     } else {
@@ -621,13 +705,15 @@ DDP_API void ddp_reducer_destroy(ddp_reducer *r) {
    JOINED (flag FIRST in its first round) and answers each round as the active ranks' records say:
      no active rank left    the join is over: parameters and buffers are broadcast from the highest rank
                             among the last joiners (torch's _sync_final_model), and every rank returns
-     STEP with SYNC         one SUM all-reduce of zeros per bucket, in bucket order and comm dtype (torch's
+     STEP with SYNC         (flag SAMPLES: the pass's sample count with n = 0, see "local samples") one SUM
+                            all-reduce of zeros per bucket, in bucket order and comm dtype (torch's
                             _match_all_reduce_for_bwd_pass), the used map with zeros (find_unused_parameters,
                             _match_unused_params_allreduce), then the bucket rebuild if it is still pending
      STEP without SYNC      nothing: the active ranks only accumulate locally
      BUFFERS                the buffer broadcast, from the highest active rank (torch's _find_common_rank)
    Active ranks scale their gradients by 1/(initial world size) as always, so the average includes the
-   joined ranks' zeros (torch's divide_by_initial_world_size=True). ddp_reducer_join_step answers rounds
+   joined ranks' zeros (torch's divide_by_initial_world_size=True); a weighted pass by n / (the active
+   ranks' N), the joined ranks counting no samples. ddp_reducer_join_step answers rounds
    until it has shadowed one synchronised pass (it returns, *all_joined = 0) or no active rank is left
    (*all_joined = 1); ddp_reducer_join is its loop. With zero_stage the shadow is the reduce-scatter of
    zeros, and its result, the active ranks' sum / initial world size, goes into this rank's owned gradient
@@ -647,6 +733,7 @@ typedef struct ddp__join_round { /* what one round's records say */
     int last_joiner;     /* the highest rank in its first join round (-1: none) */
     int disagree;        /* the first active rank whose announcement differs from first_active's (-1: none) */
     int kind, sync;      /* first_active's announcement */
+    int samples;         /* and its pass is weighted (ddp_reducer_set_local_samples): the joined ranks count n = 0 */
     int steps;           /* first_active's passes since the last join */
     int joined_steps;    /* the first joined rank's */
 } ddp__join_round;
@@ -672,7 +759,7 @@ static ddp_result ddp__join_exchange(ddp_reducer *r, const char *fn, int kind, i
     v->first_active = v->last_active = v->last_joiner = v->disagree = -1;
     for (k = 0; k < world; k++) {
         const int32_t *e = r->join_table + (size_t)k * DDP__JOIN_FIELDS;
-        int sync = (e[1] & DDP__JOIN_SYNC) != 0;
+        int sync = (e[1] & DDP__JOIN_SYNC) != 0, samples = (e[1] & DDP__JOIN_SAMPLES) != 0;
         if (e[0] == DDP__JOIN_JOINED) {
             if (!v->joined++) v->joined_steps = e[2];
             if (e[1] & DDP__JOIN_FIRST) v->last_joiner = k;
@@ -684,17 +771,20 @@ static ddp_result ddp__join_exchange(ddp_reducer *r, const char *fn, int kind, i
             v->first_active = k;
             v->kind = e[0];
             v->sync = sync;
+            v->samples = samples;
             v->steps = e[2];
-        } else if (v->disagree < 0 && (e[0] != v->kind || sync != v->sync)) {
+        } else if (v->disagree < 0 && (e[0] != v->kind || sync != v->sync || samples != v->samples)) {
             v->disagree = k;
         }
     }
     return DDP_SUCCESS;
 }
 
-static const char *ddp__join_kind_name(int kind, int sync) {
+static const char *ddp__join_kind_name(int kind, int flags) {
     if (kind == DDP__JOIN_BUFFERS) return "ddp_reducer_broadcast_buffers";
-    return sync ? "a synchronised backward pass" : "a backward pass under no_sync (ddp_reducer_set_sync(r, 0))";
+    if (flags & DDP__JOIN_SAMPLES) return "a synchronised backward pass weighted by ddp_reducer_set_local_samples";
+    if (flags & DDP__JOIN_SYNC) return "a synchronised backward pass";
+    return "a backward pass under no_sync (ddp_reducer_set_sync(r, 0))";
 }
 
 static ddp_result ddp__join_disagree(ddp_reducer *r, const char *fn, const ddp__join_round *v) {
@@ -702,8 +792,9 @@ static ddp_result ddp__join_disagree(ddp_reducer *r, const char *fn, const ddp__
     return ddp__fail(r->g, DDP_ERR_MISMATCH, "%s: uneven_inputs: the ranks that still have data disagree at step %d: "
                      "rank %d began %s, rank %d began %s. Every rank with data must make the same reducer calls in the "
                      "same order (the same set_sync, ddp_reducer_broadcast_buffers on all or none); the group is still "
-                     "usable", fn, v->steps + 1, v->first_active, ddp__join_kind_name(v->kind, v->sync), v->disagree,
-                     ddp__join_kind_name(e[0], (e[1] & DDP__JOIN_SYNC) != 0));
+                     "usable", fn, v->steps + 1, v->first_active,
+                     ddp__join_kind_name(v->kind, (v->sync ? DDP__JOIN_SYNC : 0) | (v->samples ? DDP__JOIN_SAMPLES : 0)),
+                     v->disagree, ddp__join_kind_name(e[0], e[1]));
 }
 
 /* "0, 2, 5" for the ranks whose record is (or is not) JOINED; the first 24, then "and N more". */
@@ -737,15 +828,18 @@ static ddp_result ddp__join_uneven(ddp_reducer *r, const char *fn, const ddp__jo
                      v->active == 1 ? "" : "s", active);
 }
 
-/* The active side of a round: announce a backward pass or a buffer broadcast; *root gets the rank whose
-   buffers every rank takes (the highest active one, as torch's _find_common_rank). */
+/* The active side of a round: announce a backward pass (weighted, from the first set_local_samples on) or a
+   buffer broadcast; *root gets the rank whose buffers every rank takes (the highest active one, as torch's
+   _find_common_rank). */
 static ddp_result ddp__join_announce(ddp_reducer *r, int kind, const char *fn, int *root) {
     ddp__join_round v;
-    ddp_result res = ddp__join_exchange(r, fn, kind, kind == DDP__JOIN_STEP && r->sync ? DDP__JOIN_SYNC : 0, &v);
+    int step = kind == DDP__JOIN_STEP && r->sync, flags = step ? DDP__JOIN_SYNC : 0;
+    ddp_result res = ddp__join_exchange(r, fn, kind, step && r->samples_sticky ? flags | DDP__JOIN_SAMPLES : flags, &v);
     if (res) return res;
     if (v.disagree >= 0) return ddp__join_disagree(r, fn, &v);
     if (v.joined && r->desc.join_fail_early) return ddp__join_uneven(r, fn, &v);
     if (kind == DDP__JOIN_STEP) r->join_steps++;
+    if (step) r->samples_due = r->samples_sticky, r->pass_joined = v.joined;
     if (root) *root = v.last_active;
     return DDP_SUCCESS;
 }
@@ -766,17 +860,20 @@ static ddp_result ddp__join_shadow_memory(ddp_reducer *r) {
     return DDP_SUCCESS;
 }
 
-/* A synchronised backward pass of the active ranks, shadowed: zeros into every bucket's all-reduce (all
+/* A synchronised backward pass of the active ranks, shadowed: its sample count with n = 0 when it is weighted
+   (`samples`), zeros into every bucket's all-reduce (all
    in flight at once, started in bucket order like the active ranks'), the used map, the rebuild. The
    program's gradients are not touched, except under zero_stage: the reduce-scatter's result (the active
    ranks' average) goes to this rank's owned elements, for its optimizer step (stage 2: the reducer's
    owned slices, which the shards point at; each bucket borrows a pool buffer for its zeros as in a pass
    with data, waiting for the oldest reduce-scatter when none is free). */
-static ddp_result ddp__join_shadow_backward(ddp_reducer *r) {
+static ddp_result ddp__join_shadow_backward(ddp_reducer *r, int samples) {
     ddp_work *used_work = NULL;
     ddp_result res, waited;
     size_t off = 0, kept = 0;
     int b, j, keep = ddp__reducer_zero(r) && r->desc.find_unused_parameters, i;
+    int64_t sums[2];
+    if (samples && (res = ddp__samples_sum(r, 0, sums)) != DDP_SUCCESS) return r->failed = res; /* no samples here */
     if ((res = ddp__join_shadow_memory(r)) != DDP_SUCCESS) return res;
     if (ddp__reducer_zero(r)) ddp__amp_begin(&r->amp, ddp__grad_stats_on(r), r->desc.loss_scale); /* its shards' stats */
     if (keep && (res = ddp__stash_reserve(r, 1, "ddp_reducer_join_step")) != DDP_SUCCESS) return r->failed = res;
@@ -851,7 +948,7 @@ static ddp_result ddp__join_step(ddp_reducer *r, const char *fn, int *all_joined
         }
         if (v.kind == DDP__JOIN_BUFFERS)
             res = ddp__reducer_broadcast(r, r->buffers, r->nbuffers, r->bstage, r->bstage_bytes, v.last_active);
-        else if (v.sync && (res = ddp__join_shadow_backward(r)) == DDP_SUCCESS) {
+        else if (v.sync && (res = ddp__join_shadow_backward(r, v.samples)) == DDP_SUCCESS) {
             r->join_gather_due = ddp__reducer_zero(r);
             return DDP_SUCCESS;
         }

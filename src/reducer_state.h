@@ -14,7 +14,9 @@
 #define DDP__VERIFY_FIELDS 5                               /* a model record: see ddp__reducer_verify */
 #define DDP__JOIN_FIELDS 3                                 /* a join record: kind, flags, steps */
 enum { DDP__JOIN_JOINED = 0, DDP__JOIN_STEP = 1, DDP__JOIN_BUFFERS = 2 }; /* a join record's kind */
-enum { DDP__JOIN_SYNC = 1, DDP__JOIN_FIRST = 2 };                         /* and its flags */
+enum { DDP__JOIN_SYNC = 1, DDP__JOIN_FIRST = 2, DDP__JOIN_SAMPLES = 4 }; /* and its flags (SAMPLES: a pass that
+                                                                           ddp_reducer_set_local_samples weights) */
+#define DDP__SAMPLES_MAX ((int64_t)1 << 40) /* ddp_reducer_set_local_samples' n: the sum over any world fits in i64 */
 
 /* ---- the reducer's state ---- */
 
@@ -127,6 +129,14 @@ struct ddp_reducer {
     int accumulate;    /* zero_stage 3: this pass adds its averaged gradients to the slices (no_sync before) */
     int offload;       /* zero_stage 3: the parameters are device memory on a host backend (reducer_fsdp.c) */
     int pass_user_sync; /* zero_stage 3: the pass was begun under set_sync(1) (every pass reduce-scatters) */
+    /* local samples (ddp_reducer_set_local_samples): see "local samples" in reducer_pass.c */
+    double grad_scale;  /* this pass: each gradient times this into its bucket: 1/world, or n / (sum of n) */
+    int pass_handed;    /* a gradient was handed over in this pass (grad_ready, ddp_fsdp_grads_ready) */
+    int samples_done;   /* set_local_samples was called in this pass */
+    int samples_sticky; /* set_local_samples was called once: uneven_inputs announces every later synchronised pass
+                           as weighted, so that joined ranks take part in its sample count */
+    int samples_due;    /* uneven_inputs: this pass was announced weighted: set_local_samples must come */
+    int pass_joined;    /* uneven_inputs: ranks that were in a join at this pass's round (they shadow it) */
     void *bstage;      /* staging for coalesced buffer broadcasts */
     size_t bstage_bytes;
 

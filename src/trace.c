@@ -48,6 +48,7 @@ static const char *ddp__purpose_describe(uint32_t purpose, char *out, size_t cap
     static const char *const phases[] = {"", "all-gather", "reduce-scatter"};
     unsigned phase = purpose >> 24;
     if (!purpose) return "";
+    if (phase == DDP__PHASE_SAMPLES) return " for ddp_reducer_set_local_samples' sample count";
     snprintf(out, cap, " for FSDP unit %u's %s", (purpose & 0xffffffu) - 1, phase < 3 ? phases[phase] : "collective");
     return out;
 }
