@@ -53,6 +53,8 @@ IMPLEMENTATION = [
     "src/store_api.c",      # [SECTION] store-api: ddp_store_* on either kind of handle, their argument checks
     "src/trace.c",          # [SECTION] trace: the flight recorder, each group's last collectives
     "src/timeline.c",       # [SECTION] timeline: Chrome trace events of collectives, reducer passes, saves, ranges
+    "src/ft_view.h",        # [SECTION] ft-view-state: the view change's data: views, ballots, messages, a member
+    "src/ft_view.c",        # [SECTION] ft-view: the view change of fault tolerance, pure (no I/O): quorum, verdict, next view
     "src/link.c",           # [SECTION] link: connections between ranks, made on first use
     "src/transport.c",      # [SECTION] transport: framed messages between ranks, abort propagation
     "src/devbuf.c",         # [SECTION] devbuf: device buffers on the cpu and mpi backends, staged through pinned host memory

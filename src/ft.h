@@ -6,10 +6,11 @@
    the new view, on the same global batch). The data follows the step, not the rank:
    ddp_sampler_step_batch gives a rank its share of a step's global batch for any number of members.
 
-   Built so far: the type below and ddp_sampler_step_batch. The view-change protocol that fills a
-   ddp_ft_step (ddp_ft_begin, ddp_ft_commit, ddp_ft_register: membership, the commit vote, joiners with
-   live state) is not built yet; until it is, a program fills the struct itself (gen 0, its ddp_rank and
-   ddp_world_size, joined 0) and counts steps and epochs as the fields below say. */
+   Built so far: the type below, ddp_sampler_step_batch, and the view change's decisions (which view,
+   which verdict; src/ft_view.c, private and without I/O). The calls that fill a ddp_ft_step
+   (ddp_ft_begin, ddp_ft_commit, ddp_ft_register: the view change over the ranks' connections, the commit
+   vote, joiners with live state) are not built yet; until they are, a program fills the struct itself
+   (gen 0, its ddp_rank and ddp_world_size, joined 0) and counts steps and epochs as the fields below say. */
 
 /* One step of fault-tolerant training: which view runs it, which step of which epoch, and this process's
    place in the view. The program owns it; ddp_ft_begin (not built yet) is to fill the view's part. */

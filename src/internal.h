@@ -13,6 +13,9 @@
        net, auth, store         sockets with deadlines; DDP_AUTH_TOKEN; the rendezvous key-value store
        trace                    the flight recorder, and the names of collectives in every message
        timeline                 Chrome trace events (DDP_TIMELINE): collectives, reducer passes, saves, ranges
+       ft_view                  fault tolerance's view change (FT.md 2.3), pure decisions with no I/O: the
+                                coordinator, the quorum, the verdict, the next view, a member's answers
+                                (ft_view.h holds its data; the transport above is to carry its messages)
        link                     connections between ranks, made on first use; failures go up as codes
        transport                framed messages over the links, failure detection, breaking the group
                                 (the backends' abort slots); ddp_init's set-up lends it hooks to ask the store
