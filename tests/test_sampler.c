@@ -11,16 +11,6 @@
 
 #include "sampler_indices.h"
 
-static ddp_sampler_desc desc_of(uint64_t n, int replicas, int rank, uint64_t seed) {
-    ddp_sampler_desc d;
-    memset(&d, 0, sizeof d);
-    d.dataset_size = n;
-    d.num_replicas = replicas;
-    d.rank = rank;
-    d.seed = seed;
-    return d;
-}
-
 
 static void expect_indices(const ddp_sampler_desc *d, uint64_t epoch, const int64_t *want, uint64_t count) {
     uint64_t got_count, i;

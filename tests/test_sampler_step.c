@@ -19,15 +19,6 @@ typedef struct step_case {
     uint64_t epoch;
 } step_case;
 
-static ddp_sampler_desc desc_of(uint64_t n, int replicas, uint64_t seed) {
-    ddp_sampler_desc d;
-    memset(&d, 0, sizeof d);
-    d.dataset_size = n;
-    d.num_replicas = replicas;
-    d.seed = seed;
-    return d;
-}
-
 static ddp_ft_step step_of(uint64_t epoch, uint64_t step, int rank, int world) {
     ddp_ft_step st;
     memset(&st, 0, sizeof st);
@@ -124,7 +115,7 @@ static uint64_t torch_order_case(const step_case *c, uint64_t b, int mixed) {
 static step_case random_case(uint64_t *rng, uint64_t max_n) {
     step_case c;
     uint64_t kind = tl_rand(rng) % 10;
-    c.d = desc_of(tl_rand(rng) % max_n, 1 + (int)(tl_rand(rng) % 9), tl_rand(rng));
+    c.d = desc_of(tl_rand(rng) % max_n, 1 + (int)(tl_rand(rng) % 9), 0, tl_rand(rng));
     if (kind == 0) c.d.dataset_size = tl_rand(rng) % 4;  /* 0 and 1 included */
     if (kind == 1) { /* N < R0 */
         c.d.dataset_size = tl_rand(rng) % 20;
@@ -236,7 +227,7 @@ static void test_scenario(void) {
     uint64_t len, step, j, per_step[3] = {0, 0, 0};
     int64_t *padded, share[32];
     unsigned taken[1000] = {0};
-    c.d = desc_of(1000, 4, 7);
+    c.d = desc_of(1000, 4, 0, 7);
     c.epoch = 2;
     padded = padded_of(&c, &len);
     CHECK(len == 1000, "1000 divides by 4: no padding");
@@ -267,7 +258,7 @@ static void test_follows_step_epoch(void) {
         uint64_t epochs[] = {5, 0, 5, 1u << 20, 1}, len, i, k;
         int64_t batch[4], share[12];
         size_t got, n;
-        c.d = desc_of(500, 3, 11);
+        c.d = desc_of(500, 3, 0, 11);
         c.d.permutation = (ddp_sampler_permutation)perm;
         c.d.rank = 1;
         CHECK_OK(ddp_sampler_init(&s, &c.d), NULL);
@@ -310,7 +301,7 @@ static void test_range_ends(void) {
     uint64_t len, k, big[] = {33, 34, 1000, UINT64_MAX / 2, UINT64_MAX};
     int64_t *padded, share[103];
     size_t n, i;
-    c.d = desc_of(101, 3, 1); /* L = 102: one padding position */
+    c.d = desc_of(101, 3, 0, 1); /* L = 102: one padding position */
     c.epoch = 0;
     padded = padded_of(&c, &len);
     CHECK(len == 102, "L");
@@ -332,7 +323,7 @@ static void test_range_ends(void) {
     }
     ddp_sampler_free(&s);
     free(padded);
-    c.d = desc_of(0, 2, 0);
+    c.d = desc_of(0, 2, 0, 0);
     CHECK_OK(ddp_sampler_init(&s, &c.d), NULL);
     {
         ddp_ft_step st = step_of(0, 0, 1, 3);
@@ -351,7 +342,7 @@ static void test_range_ends(void) {
    DDP_ERR_OUT_OF_MEMORY with *n = 0, and the next call works. */
 static void test_memory(void) {
     ddp_sampler s;
-    ddp_sampler_desc d = desc_of(1000000, 8, 1);
+    ddp_sampler_desc d = desc_of(1000000, 8, 0, 1);
     ddp_ft_step st = step_of(0, 3, 5, 6);
     int64_t share[100];
     size_t live0 = tl_live_bytes, n;
@@ -434,7 +425,7 @@ static void expect_error(ddp_result got, const char *what, const char *needle, c
 
 static void test_errors(void) {
     ddp_sampler s, zeroed;
-    ddp_sampler_desc d = desc_of(100, 4, 0);
+    ddp_sampler_desc d = desc_of(100, 4, 0, 0);
     ddp_ft_step st = step_of(0, 0, 0, 4);
     int64_t share[64];
     size_t n = 9;
