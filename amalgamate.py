@@ -68,6 +68,7 @@ IMPLEMENTATION = [
     "src/launch_env.c",     # [SECTION] launch-env: rank, world size, rank 0's address from the launcher
     "src/rendezvous.c",     # [SECTION] rendezvous: records, rank 0's table, the job's identity, lost ranks
     "src/group.c",          # [SECTION] group: ddp_init, the mesh, the backend, subgroups, ddp_destroy
+    "src/ft.c",             # [SECTION] ft-run: fault tolerance at run time: control connections, ddp_ft_begin/commit, new views
     "src/launcher.c",       # [SECTION] launcher: ddp_spawn, ddprun
     "src/amp.c",            # [SECTION] amp-impl: GradScaler's update, the inf/NaN check, a pass's gradient statistics
     "src/reducer_state.h",  # [SECTION] reducer-state: the Reducer's state, shared by its three pieces

@@ -184,6 +184,8 @@
                src/rendezvous.c
    [SECTION] group: ddp_init (torch.distributed.init_process_group), the mesh of connections, which
                src/group.c
+   [SECTION] ft-run: fault-tolerant training at run time: the control connections that carry the view
+               src/ft.c
    [SECTION] launcher: ddp_spawn (torch.multiprocessing.spawn) and ddprun (torchrun)
                src/launcher.c
    [SECTION] amp-impl: GradScaler's update, the inf/NaN check and unscale, the gradient statistics of a pass
@@ -268,8 +270,10 @@ typedef enum ddp_result {
     DDP_ERR_IO = -10,              /* a file could not be read, written or synced */
     DDP_ERR_INIT = -11,            /* rendezvous failed: bad environment, unreachable master, port in use, ... */
     DDP_ERR_WORKER_FAILED = -12,   /* ddp_spawn / ddprun: a worker process failed; the message says how */
-    DDP_ERR_UNEVEN_INPUTS = -13    /* reducer with join_fail_early: a rank ran out of data (the message names
+    DDP_ERR_UNEVEN_INPUTS = -13,   /* reducer with join_fail_early: a rank ran out of data (the message names
                                       it and the step); the group stays usable */
+    DDP_ERR_VIEW_CHANGED = -14     /* fault-tolerant mode (ddp_init_desc.fault_tolerant): a member was lost and
+                                      the survivors formed a new view; redo the step (ddp_ft_begin) */
 } ddp_result;
 
 /* Element types. DDP_DTYPE_DEFAULT (0) exists so that zero-initialised descriptors mean "the natural
@@ -336,6 +340,12 @@ typedef struct ddp_init_desc {
     ddp_log_fn log_fn;       /* NULL: stderr with a "[ddp rank N]" prefix */
     void *log_user;
     const char *timeline;    /* NULL: DDP_TIMELINE; a path: each rank writes a Chrome trace there (ddp_timeline_begin) */
+    /* Fault-tolerant mode (ft.h: ddp_ft_begin / ddp_ft_commit): a lost rank does not break the group; the
+       survivors agree on a new view and redo the step. 0: DDP_FT from the environment (1 = on), else off.
+       The cpu backend only (shm, tcp, hier); mpi and nccl answer DDP_ERR_UNSUPPORTED. */
+    int fault_tolerant;
+    int min_world_size;      /* FT: fewer live members than this fail with DDP_ERR_PEER_LOST (0: DDP_FT_MIN_WORLD_SIZE, else 1) */
+    double suspect_seconds;  /* FT: a member silent this long in a view change is suspected (0: DDP_FT_SUSPECT_SECONDS, else 10) */
 } ddp_init_desc;
 
 /* ddp_init: join the process group. Collective: every rank of the world calls it.
@@ -1449,14 +1459,35 @@ DDP_API void ddp_reducer_destroy(ddp_reducer *r);
    the new view, on the same global batch). The data follows the step, not the rank:
    ddp_sampler_step_batch gives a rank its share of a step's global batch for any number of members.
 
-   Built so far: the type below, ddp_sampler_step_batch, and the view change's decisions (which view,
-   which verdict; src/ft_view.c, private and without I/O). The calls that fill a ddp_ft_step
-   (ddp_ft_begin, ddp_ft_commit, ddp_ft_register: the view change over the ranks' connections, the commit
-   vote, joiners with live state) are not built yet; until they are, a program fills the struct itself
-   (gen 0, its ddp_rank and ddp_world_size, joined 0) and counts steps and epochs as the fields below say. */
+   Turn it on with ddp_init_desc.fault_tolerant = 1 (or DDP_FT=1) on the cpu backend; then a lost member
+   no longer breaks the group: every call that meets the loss answers DDP_ERR_VIEW_CHANGED, and the next
+   ddp_ft_begin / ddp_ft_commit runs a view change among the survivors (src/ft.c, src/ft_view.c: a
+   majority of the view decides, so a network partition never lets both sides go on) and rebuilds the
+   data plane for the new view. The loop:
+
+       ddp_ft_step st = {0};
+       for (;;) {
+           if (ddp_ft_begin(g, &st)) fail;                       view of this step: st.rank, st.world_size
+           if (st.step == steps_per_epoch) { st.epoch++; st.step = 0; if (done) break; continue; }
+           ddp_sampler_step_batch(sampler, &st, G, idx, &n);     this rank's share of the global batch
+           forward; ddp_reducer_begin_backward(r); ddp_reducer_set_local_samples(r, n);
+           backward with ddp_reducer_grad_ready ...; res = ddp_reducer_end_backward(r);
+           if (res == DDP_ERR_VIEW_CHANGED) continue;            the pass is void: redo the step
+           res = ddp_ft_commit(g, &st);                          the vote
+           if (res == DDP_SUCCESS) optimizer_step();             st.step moved on
+           else if (res != DDP_ERR_VIEW_CHANGED) fail;           DDP_ERR_VIEW_CHANGED: redo st.step
+       }
+
+   Built: the calls below on the cpu backend (shm, tcp, hier), survivors going on after a member is lost.
+   Not built yet: ddp_ft_register and joiners (a replacement admitted with live state), ddprun --ft; the
+   mpi and nccl backends answer DDP_ERR_UNSUPPORTED at ddp_init; zero_stage > 0 is refused in this mode.
+   Limits: every pair of members holds a control connection (n - 1 sockets per member); ddp_alloc gives
+   heap memory (each view maps its own shared segment); subgroups made before a view change are broken by
+   it; the reducer keeps its registration order (no bucket rebuild) so every view has the same layout. */
 
 /* One step of fault-tolerant training: which view runs it, which step of which epoch, and this process's
-   place in the view. The program owns it; ddp_ft_begin (not built yet) is to fill the view's part. */
+   place in the view. The program owns it (zero it before the first ddp_ft_begin); ddp_ft_begin fills the
+   view's part (gen, rank, world_size, joined); the program counts epochs and steps as said below. */
 typedef struct ddp_ft_step {
     /* The view's generation: every view change installs a view with a higher gen than any before it, so
        two views of one job never share a gen. Nothing in the sampler reads it. */
@@ -1480,6 +1511,20 @@ typedef struct ddp_ft_step {
        a process that was a member of the view before. */
     int joined;
 } ddp_ft_step;
+
+/* Begin a step: returns the view it runs in (st->gen, rank, world_size, joined), keeping st->epoch and
+   st->step. The first call on a group is collective (it connects the members' control connections).
+   After a pass or a vote that met DDP_ERR_VIEW_CHANGED it runs the view change first (it waits until the
+   survivors agree, at least suspect_seconds when a member is silent rather than gone). Errors: DDP_ERR_STATE
+   (fault tolerance off), DDP_ERR_PEER_LOST (this member is cut off from the majority, was left out of the
+   view, or fewer than min_world_size members are left). */
+DDP_API ddp_result ddp_ft_begin(ddp_group *g, ddp_ft_step *st);
+/* End a step whose reduction finished (ddp_reducer_end_backward returned DDP_SUCCESS): one 8-byte MIN
+   all-reduce decides whether every member finished it. DDP_SUCCESS: apply the optimizer step; st->step
+   has moved on (it may also come after a member was lost, when every member had finished the reduction:
+   the step then holds the lost member's share, counted once). DDP_ERR_VIEW_CHANGED: the step is void in
+   every member; the new view is in st; run st->step again. */
+DDP_API ddp_result ddp_ft_commit(ddp_group *g, ddp_ft_step *st);
 /* ==================== end src/ft.h ==================== */
 
 /* ==================== begin src/sampler.h ==================== */
@@ -3365,6 +3410,15 @@ struct ddp_group {
        group: ddp__ck_async_end), called first by ddp_destroy and by ddp__group_free; idempotent; NULL:
        nothing. The layers below reach up only through such slots, never by name. */
     void (*end_upper)(ddp_group *g);
+    /* Fault-tolerant mode (ft.c): ft_mode is set by ddp_init (desc.fault_tolerant, DDP_FT) on the world group
+       and on each view's data plane; a peer lost then answers DDP_ERR_VIEW_CHANGED (util.c ddp__ft_code), and
+       ddp_alloc stays out of the shared segment (a view change maps a new one). ft is the view change's state,
+       made by the first ddp_ft_begin, and ft_end frees it (ddp_destroy; idempotent). */
+    int ft_mode, ft_min_world;
+    uint64_t ft_views;  /* data planes adopted so far (view changes): a reducer pass begun in an older one is void */
+    double ft_suspect;
+    struct ddp__ft *ft;
+    void (*ft_end)(ddp_group *g);
 };
 
 struct ddp_work {
@@ -3380,6 +3434,16 @@ struct ddp_work {
     void *handle;              /* the owner's: nccl's CUDA event */
     double times[3];           /* the progress thread's run: start, end (ddp__now) and its lane, for the timeline */
 };
+
+/* ---- group.c: a view's data plane (fault tolerance, ft.c) ---- */
+/* A fresh group of n members, this one rank `rank`, connected through `store` under `prefix` (as ddp_init
+   connects one); g carries the error. */
+static DDP__UNUSED ddp_result ddp__group_open_view(ddp_group *g, int rank, int n, ddp_store *store, const char *prefix,
+                                                  double timeout, ddp_group **out);
+/* g (its progress thread idle) takes v's data plane; g's old one is freed with v. */
+static DDP__UNUSED void ddp__group_adopt(ddp_group *g, ddp_group *v);
+/* ---- ft.c ---- */
+static DDP__UNUSED void ddp__ft_test_kill(ddp_group *g, const char *point); /* DDP_FT_TEST_KILL's points in other layers */
 
 /* ---- link.c: connections made on first use ---- */
 /* A step needs a connection to `peer` to send: dial it unless a dial is under way (or the peer's wins). */
@@ -3827,8 +3891,19 @@ static void ddp__note_thread_error(const char *msg) {
     if (msg != ddp__thread_error) snprintf(ddp__thread_error, sizeof ddp__thread_error, "%s", msg);
 }
 
+/* Fault-tolerant mode (ft.c): a group broken by a lost or silent peer is repaired by a view change, so a
+   call that fails for that reason answers DDP_ERR_VIEW_CHANGED (redo the step), with the cause in the
+   message; a mismatch or a misuse stays what it is. */
+static ddp_result ddp__ft_code(const ddp_group *g, ddp_result code) {
+    ddp_result why = g ? g->broken : DDP_SUCCESS;
+    if (!g || !g->ft_mode || (why != DDP_ERR_PEER_LOST && why != DDP_ERR_TIMEOUT && why != DDP_ERR_VIEW_CHANGED))
+        return code;
+    return code == DDP_ERR_PEER_LOST || code == DDP_ERR_TIMEOUT || code == DDP_ERR_STATE ? DDP_ERR_VIEW_CHANGED : code;
+}
+
 static ddp_result ddp__fail(ddp_group *g, ddp_result code, const char *fmt, ...) {
     va_list ap;
+    code = ddp__ft_code(g, code);
     va_start(ap, fmt);
     ddp__vfail_to(ddp__error_buffer(g), code, fmt, ap);
     va_end(ap);
@@ -3853,6 +3928,7 @@ DDP_API const char *ddp_result_string(ddp_result r) {
     case DDP_ERR_INIT: return "DDP_ERR_INIT: process-group initialisation failed";
     case DDP_ERR_WORKER_FAILED: return "DDP_ERR_WORKER_FAILED: a worker process failed";
     case DDP_ERR_UNEVEN_INPUTS: return "DDP_ERR_UNEVEN_INPUTS: a rank ran out of data (uneven inputs)";
+    case DDP_ERR_VIEW_CHANGED: return "DDP_ERR_VIEW_CHANGED: the group lost a member and changed its view; redo the step";
     }
     return "unknown ddp_result";
 }
@@ -8901,6 +8977,7 @@ static DDP__UNUSED void ddp__ft_set_step(ddp__ft_member *m, uint64_t step, ddp__
 static DDP__UNUSED void ddp__ft_admit(ddp__ft_member *m, int joiners);
 static DDP__UNUSED ddp_result ddp__ft_lost(ddp__ft_member *m, uint32_t id, int dead);
 static DDP__UNUSED ddp_result ddp__ft_timeout(ddp__ft_member *m);
+static DDP__UNUSED ddp_result ddp__ft_data_failed(ddp__ft_member *m);
 static DDP__UNUSED ddp_result ddp__ft_receive(ddp__ft_member *m, const ddp__ft_msg *msg);
 
 #endif /* DDP__FT_VIEW_H */
@@ -9559,6 +9636,15 @@ static ddp_result ddp__ft_timeout(ddp__ft_member *m) {
         if (m->phase == DDP__FT_PROPOSED) return ddp__ft_try_choose(m); /* now wait for the ACKs */
     }
     m->phase = DDP__FT_IDLE; /* no quorum of REPORTs or ACKs in time: a higher ballot */
+    return ddp__ft_progress(m);
+}
+
+/* The data plane failed (a collective met a lost peer, a peer's abort, a timeout) and the transport
+   cannot tell who is lost: enter the view change naming nobody; the control connections and the
+   reports say the rest (a view change that finds everyone alive makes a new view of the same members). */
+static ddp_result ddp__ft_data_failed(ddp__ft_member *m) {
+    if (m->out || m->joiner) return DDP_SUCCESS;
+    ddp__ft_enter(m, 0);
     return ddp__ft_progress(m);
 }
 
@@ -14026,7 +14112,7 @@ static ddp_result ddp__shm_setup(ddp_group *g) {
     if (g->rank == 0) {
         snprintf(info.name, sizeof info.name, "/ddp.%d.%llx", (int)getpid(), (unsigned long long)(ddp__hash(g->member.prefix) ^ (uint64_t)ddp__now()));
         fd = shm_open(info.name, O_CREAT | O_EXCL | O_RDWR, 0600);
-        if (fd >= 0) info.arena_bytes = ddp__arena_size(g, fd);
+        if (fd >= 0 && !g->ft_mode) info.arena_bytes = ddp__arena_size(g, fd); /* FT: a view change maps a new segment */
         /* the arenas are a sparse tail; a file system that refuses the size gets none */
         if (fd >= 0 && info.arena_bytes && ftruncate(fd, (off_t)(arenas_at + (size_t)g->world_size * info.arena_bytes)) != 0)
             info.arena_bytes = 0;
@@ -16638,6 +16724,7 @@ static void ddp__hier_stages_end(ddp_group *g, int orderly) {
 static void ddp__group_free(ddp_group *g) {
     ddp__live_remove(g, DDP__LIVE_GROUP); /* from here on, calls on g fail instead of reading freed memory */
     ddp__progress_stop(g);
+    if (g->ft_end) g->ft_end(g); /* fault tolerance's control connections and store (ft.c) */
     if (g->end_upper) g->end_upper(g); /* an async checkpoint save: before its work handle is released */
     ddp__work_release_all(g);
     ddp__hier_stages_end(g, 0);
@@ -16758,6 +16845,85 @@ static ddp_result ddp__group_connect(ddp_group *g, const char *where) {
         r = DDP_ERR_INIT;
     g->mesh.setup = NULL;
     return r;
+}
+
+/* ---- fault tolerance's views (ft.c): a view's data plane is a fresh group, then the program's ----
+   After a view change the members build the new view's data plane as a group of their own (rank = index
+   in the view), through the store of the view's first member under the prefix "ft/<gen>/", exactly as
+   ddp_init connects one: listener, rendezvous, mesh, backend (shm, tcp, hier). Then the program's handle
+   takes it over (ddp__group_adopt): the old data plane (connections, segment, stage groups) goes, and
+   the handle keeps what the program holds: its store, its ddp_alloc blocks (heap memory in FT mode), the
+   progress thread and its work handles, the flight recorder, the device staging, the view change's state. */
+static ddp_result ddp__group_open_view(ddp_group *g, int rank, int n, ddp_store *store, const char *prefix,
+                                       double timeout, ddp_group **out) {
+    char where[160];
+    ddp_group *v;
+    ddp_result r;
+    *out = NULL;
+    if (!(v = ddp__group_alloc(rank, n))) return ddp__fail(g, DDP_ERR_OUT_OF_MEMORY, "out of memory opening the new view");
+    v->timeout = timeout;
+    v->log_level = g->log_level;
+    v->log_fn = g->log_fn;
+    v->log_user = g->log_user;
+    v->ft_mode = 1;
+    v->member.store = store;
+    memcpy(v->member.address, g->member.address, sizeof v->member.address);
+    snprintf(v->member.prefix, sizeof v->member.prefix, "%s", prefix);
+    snprintf(where, sizeof where, "the view's store (%s)", prefix);
+    if (n > 1 && (r = ddp__group_connect(v, where)) != DDP_SUCCESS) {
+        ddp__fail(g, r, "%s", v->error);
+        ddp__group_free(v);
+        return r;
+    }
+    if (n == 1) v->local_rank = 0, v->local_world_size = 1;
+    *out = v;
+    return DDP_SUCCESS;
+}
+
+#define DDP__SWAP(T, a, b) do { T swap_ = (a); (a) = (b); (b) = swap_; } while (0)
+/* g (the program's handle, its progress thread idle) takes view v's data plane; v, holding g's old one, is
+   freed. Subgroups made before stop working: they are broken with a message that says why. */
+static void ddp__group_adopt(ddp_group *g, ddp_group *v) {
+    ddp_group *sub;
+    ddp__mesh m;
+    for (sub = g->member.subgroups; sub; sub = sub->member.next_sibling)
+        ddp__group_break(sub, DDP_ERR_STATE, "the world group changed its view (fault tolerance): a subgroup made "
+                         "before the change cannot be used; destroy it and make it again");
+    DDP__SWAP(int, g->rank, v->rank);
+    DDP__SWAP(int, g->world_size, v->world_size);
+    DDP__SWAP(int, g->local_rank, v->local_rank);
+    DDP__SWAP(int, g->local_world_size, v->local_world_size);
+    DDP__SWAP(int *, g->world_ranks, v->world_ranks);
+    DDP__SWAP(const ddp__backend *, g->backend, v->backend);
+    DDP__SWAP(const ddp__backend *, g->host_backend, v->host_backend);
+    g->ft_views++;
+    g->seq = g->seq_base = v->seq;
+    g->running_seq = 0;
+    g->purpose = 0;
+    v->broken = g->broken = DDP_SUCCESS; /* v: no lingering goodbye for the old connections, whose peers moved on */
+    g->broken_msg[0] = 0;
+    DDP__SWAP(ddp__hier, g->hier, v->hier);
+    DDP__SWAP(ddp__shm *, g->shm, v->shm);
+    m = g->mesh; /* all but the mutex, which stays with its group */
+    g->mesh.peers = v->mesh.peers, v->mesh.peers = m.peers;
+    g->mesh.dir = v->mesh.dir, v->mesh.dir = m.dir;
+    g->mesh.names = v->mesh.names, v->mesh.names = m.names;
+    g->mesh.names_len = v->mesh.names_len, v->mesh.names_len = m.names_len;
+    g->mesh.names_cap = v->mesh.names_cap, v->mesh.names_cap = m.names_cap;
+    g->mesh.linked = v->mesh.linked, v->mesh.linked = m.linked;
+    g->mesh.nlinked = v->mesh.nlinked, v->mesh.nlinked = m.nlinked;
+    g->mesh.listen_fd = v->mesh.listen_fd, v->mesh.listen_fd = m.listen_fd;
+    g->mesh.shakes = v->mesh.shakes, v->mesh.shakes = m.shakes;
+    g->mesh.nshakes = v->mesh.nshakes, v->mesh.nshakes = m.nshakes;
+    g->mesh.pollfds = v->mesh.pollfds, v->mesh.pollfds = m.pollfds;
+    g->mesh.poll_owner = v->mesh.poll_owner, v->mesh.poll_owner = m.poll_owner;
+    g->mesh.waiting_for = -1;
+    g->mesh.stash = v->mesh.stash, v->mesh.stash = m.stash;
+    g->mesh.stash_tail = v->mesh.stash_tail, v->mesh.stash_tail = m.stash_tail;
+    g->mesh.posted = v->mesh.posted, v->mesh.posted = m.posted;
+    g->mesh.p2p_calls = v->mesh.p2p_calls;
+    memcpy(g->member.prefix, v->member.prefix, sizeof g->member.prefix); /* connections made later hash it */
+    ddp__group_free(v);
 }
 
 /* The mesh's look at the store during the set-up (ddp__setup_hooks in internal.h). */
@@ -16950,8 +17116,44 @@ static void ddp__rank0_cannot_connect(ddp_group *g, const ddp__launch *L, ddp_re
     ddp__rdzv_fail_all(g, r);
 }
 
+/* Fault-tolerant mode's settings (ft.c runs it): the descriptor's fields, else DDP_FT, DDP_FT_MIN_WORLD_SIZE,
+   DDP_FT_SUSPECT_SECONDS; out->fault_tolerant stays 0 when it is off. */
+static ddp_result ddp__read_ft(const ddp_init_desc *d, const char *backend, ddp_init_desc *out, char *err) {
+    const char *v;
+    long n = 0;
+    int k;
+    memset(out, 0, sizeof *out);
+    if (d->fault_tolerant < 0 || d->min_world_size < 0 || d->suspect_seconds < 0)
+        return ddp__fail_to(err, DDP_ERR_INVALID_ARGUMENT, "ddp_init_desc: fault_tolerant (%d), min_world_size (%d) and "
+                            "suspect_seconds (%g) must not be negative", d->fault_tolerant, d->min_world_size, d->suspect_seconds);
+    out->fault_tolerant = d->fault_tolerant;
+    if (!out->fault_tolerant && (k = ddp__env_int("DDP_FT", 0, 1, &n, err)) != 0) {
+        if (k < 0) return DDP_ERR_INIT;
+        out->fault_tolerant = (int)n;
+    }
+    if (!out->fault_tolerant) return DDP_SUCCESS;
+    if (strcmp(backend, "mpi") == 0 || strcmp(backend, "nccl") == 0)
+        return ddp__fail_to(err, DDP_ERR_UNSUPPORTED, "fault-tolerant mode (%s) runs on the cpu backend only, not on "
+                            "\"%s\"; use backend cpu, or turn fault tolerance off",
+                            d->fault_tolerant ? "ddp_init_desc.fault_tolerant" : "DDP_FT=1", backend);
+    out->min_world_size = d->min_world_size ? d->min_world_size : 1;
+    if (!d->min_world_size && (k = ddp__env_int("DDP_FT_MIN_WORLD_SIZE", 1, 1 << 30, &n, err)) != 0) {
+        if (k < 0) return DDP_ERR_INIT;
+        out->min_world_size = (int)n;
+    }
+    out->suspect_seconds = d->suspect_seconds > 0 ? d->suspect_seconds : 10.0;
+    if (d->suspect_seconds <= 0 && (v = ddp__env("DDP_FT_SUSPECT_SECONDS")) != NULL) {
+        char *end;
+        double t = strtod(v, &end);
+        if (end == v || *end || !(t > 0) || t > 1e6)
+            return ddp__fail_to(err, DDP_ERR_INIT, "DDP_FT_SUSPECT_SECONDS=\"%s\" is not a positive number of seconds", v);
+        out->suspect_seconds = t;
+    }
+    return DDP_SUCCESS;
+}
+
 DDP_API ddp_result ddp_init(const ddp_init_desc *desc, ddp_group **out) {
-    ddp_init_desc zero;
+    ddp_init_desc zero, ft;
     ddp__launch L;
     ddp_group *g;
     char err[DDP__ERR_MAX], where[320];
@@ -16985,9 +17187,13 @@ DDP_API ddp_result ddp_init(const ddp_init_desc *desc, ddp_group **out) {
         timeout = DDP__EARLY_PUBLISH_SECONDS;
     }
 
+    if ((r = ddp__read_ft(desc, backend, &ft, err)) != DDP_SUCCESS) return ddp__fail(NULL, r, "ddp_init: %s", err);
     g = ddp__group_alloc(L.rank, L.world_size);
     if (!g) return ddp__fail(NULL, DDP_ERR_OUT_OF_MEMORY, "ddp_init: out of memory");
     g->timeout = timeout;
+    g->ft_mode = ft.fault_tolerant;
+    g->ft_min_world = ft.min_world_size;
+    g->ft_suspect = ft.suspect_seconds;
     g->log_level = desc->log_level != DDP_LOG_DEFAULT ? desc->log_level : ddp__env_log_level();
     g->log_fn = desc->log_fn;
     g->log_user = desc->log_user;
@@ -17261,6 +17467,628 @@ DDP_API ddp_store *ddp_group_store(ddp_group *g) {
     return s;
 }
 /* ==================== end src/group.c ==================== */
+
+/* ==================== begin src/ft.c ==================== */
+/* [SECTION] ft-run: fault-tolerant training at run time: the control connections that carry the view
+   change, ddp_ft_begin / ddp_ft_commit, and each new view's data plane
+   ft_view.c decides (which view, which verdict); this file carries its messages and acts on them.
+
+   THE CONTROL CONNECTIONS. The first ddp_ft_begin (collective) gives every member a listening socket and a
+   store server of its own, all-gathers their ports over the group, and connects every pair of members
+   (the higher id dials the lower, says hello with its id and the group's hash, DDP_AUTH_TOKEN's proof
+   when set). They stay quiet while training runs: nothing is read from them until the data plane fails,
+   so the normal path costs nothing but ddp_ft_commit's vote. A closed control connection proves that its
+   process is gone (the kernel closes a killed process's sockets): ddp__ft_lost(id, dead).
+
+   ONE STEP. ddp_ft_begin fills the step's view (gen, rank, world_size); the program runs forward and
+   backward; ddp_ft_commit votes: an 8-byte MIN all-reduce of "this rank finished the step's reduction".
+   When it passes, every member finished, so every member applies the step. When anything fails -- a
+   collective of the step, the reducer, the vote -- the group breaks as it always does (an ABORT flood,
+   the shared segment's abort word: every member blocked anywhere wakes), but in fault-tolerant mode the
+   calls answer DDP_ERR_VIEW_CHANGED (util.c's ddp__ft_code) and the next ddp_ft_begin or ddp_ft_commit
+   runs the view change.
+
+   THE VIEW CHANGE (ddp__ft_change). The member tells ft_view.c that its data plane failed and its step's
+   status (RUNNING, or COMPLETE in the vote); then it polls its control connections, feeding every message
+   to ddp__ft_receive and every hang-up to ddp__ft_lost, and ddp__ft_timeout after suspect_seconds (twice
+   that when it is not the coordinator, so that the coordinator times out on the missing first), until a
+   GO makes it act: the decree's step is applied (COMMIT) or dropped (REDO), and its view is the new one.
+   Then the members build the new view's data plane: a fresh group of the view's members (rank = index in
+   the view) through the store of the view's first member, under the key prefix "ft/<gen>/"
+   (group.c ddp__group_open_view: listener, rendezvous, mesh, shm / tcp / hier as ddp_init chooses), which
+   the program's handle adopts (ddp__group_adopt). A member lost while that runs makes the build fail:
+   another view change follows, from the new gen. The program's ddp_group pointer, its reducer and its
+   work handles stay valid; ddp_alloc hands out heap memory in fault-tolerant mode, since every view maps
+   its own shared segment.
+
+   TESTS' KILL POINTS: DDP_FT_TEST_KILL=id:step:point SIGKILLs the member of stable id `id` when it
+   reaches `point` at committed step `step` (steps counted over all epochs): begin (in ddp_ft_begin),
+   bucket (the reducer, after its first bucket's all-reduce started), vote (before the vote), report
+   (after sending a REPORT), decide (after the first DECIDE of a proposal), go (after the first GO). */
+
+#define DDP__FT_FRAME_MAGIC 0x31544644u /* "DFT1": a control frame: magic, payload bytes, payload */
+#define DDP__FT_HELLO_MAGIC 0x48544644u /* "DFTH": a dialer's hello: magic, id, group hash */
+
+/* Where a member listens (all-gathered at the start), and its control connection. */
+typedef struct ddp__ft_peer {
+    char addr[128];
+    int32_t ctl_port, store_port;
+    int fd;             /* -1: none (never made, or closed) */
+    int hung_up;        /* a send or read found it closed: ddp__ft_lost is due */
+    unsigned char *in;  /* a frame being read */
+    size_t have;
+} ddp__ft_peer;
+
+typedef struct ddp__ft {
+    ddp_group *g;
+    ddp__ft_member m;
+    uint32_t cap;              /* ids are below it: the first view's size (no joiners yet) */
+    ddp__ft_peer *peers;       /* by id */
+    int listen_fd;
+    ddp__store_server *server; /* this member's: it serves the rendezvous of views whose first member it is */
+    ddp_store *store;          /* a client of the current view's first member's store */
+    uint32_t store_of;         /* whose (DDP__FT_NONE: none) */
+    uint64_t gstep;            /* steps committed since the start, over every epoch */
+    size_t msg_max;            /* the largest payload a message of this job can have */
+    unsigned char *out;        /* an outgoing frame */
+    uint32_t *dec_dead, *dec_members; /* a decoded message's arrays */
+    int acted;                 /* a GO was acted on (ft_view.c's act) */
+    uint64_t changes;          /* view changes this member went through */
+    double change_seconds;     /* the last one's, from entering to the new data plane */
+    const char *kill;          /* DDP_FT_TEST_KILL (NULL: none) */
+} ddp__ft;
+
+/* ---- test kill points ---- */
+
+/* DDP_FT_TEST_KILL: a comma-separated list of id:step:point. */
+static void ddp__ft_kill_at(ddp__ft *ft, const char *point) {
+    const char *v = ft->kill, *at;
+    for (at = v; at && *at; at = strchr(at, ',') ? strchr(at, ',') + 1 : NULL) {
+        unsigned long long step;
+        char name[16];
+        int id, used = 0;
+        if (sscanf(at, "%d:%llu:%15[a-z]%n", &id, &step, name, &used) != 3 || (at[used] && at[used] != ',')) {
+            ddp__log(ft->g, DDP_LOG_WARN, "DDP_FT_TEST_KILL=\"%s\" is not a list of id:step:point; ignored", v);
+            ft->kill = NULL;
+            return;
+        }
+        if ((uint32_t)id != ft->m.id || step != ft->gstep || strcmp(point, name) != 0) continue;
+        fprintf(stderr, "[ddp] DDP_FT_TEST_KILL: member %d kills itself at step %llu, point %s\n", id, step, point);
+        fflush(stderr);
+        kill(getpid(), SIGKILL);
+    }
+}
+
+/* ---- the wire: a message as bytes (host byte order: the ranks of one job share an architecture) ---- */
+
+typedef struct ddp__ft_wire {
+    unsigned char *p;
+    size_t n, cap;
+    int bad; /* a read past the end */
+} ddp__ft_wire;
+
+static void ddp__ft_put(ddp__ft_wire *w, const void *v, size_t n) {
+    if (w->n + n > w->cap) {
+        w->bad = 1;
+        return;
+    }
+    memcpy(w->p + w->n, v, n);
+    w->n += n;
+}
+static void ddp__ft_get(ddp__ft_wire *w, void *v, size_t n) {
+    if (w->n + n > w->cap) {
+        w->bad = 1;
+        memset(v, 0, n);
+        return;
+    }
+    memcpy(v, w->p + w->n, n);
+    w->n += n;
+}
+#define DDP__FT_PUT(w, x) ddp__ft_put(w, &(x), sizeof(x))
+#define DDP__FT_GET(w, x) ddp__ft_get(w, &(x), sizeof(x))
+
+static void ddp__ft_put_ballot(ddp__ft_wire *w, ddp__ft_ballot b) {
+    DDP__FT_PUT(w, b.round);
+    DDP__FT_PUT(w, b.coord);
+}
+static void ddp__ft_get_ballot(ddp__ft_wire *w, ddp__ft_ballot *b) {
+    DDP__FT_GET(w, b->round);
+    DDP__FT_GET(w, b->coord);
+}
+
+static size_t ddp__ft_encode(const ddp__ft_msg *msg, unsigned char *buf, size_t cap) {
+    ddp__ft_wire w;
+    int32_t kind = (int32_t)msg->kind, status = (int32_t)msg->status, n_dead = msg->n_dead;
+    int32_t has = msg->has_decide, joining = msg->joining, n = msg->decide.view.n;
+    int32_t verdict = (int32_t)msg->decide.verdict;
+    w.p = buf, w.n = 0, w.cap = cap, w.bad = 0;
+    DDP__FT_PUT(&w, kind);
+    DDP__FT_PUT(&w, msg->from);
+    DDP__FT_PUT(&w, msg->gen);
+    ddp__ft_put_ballot(&w, msg->ballot);
+    ddp__ft_put_ballot(&w, msg->promised);
+    DDP__FT_PUT(&w, n_dead);
+    if (n_dead > 0) ddp__ft_put(&w, msg->dead, (size_t)n_dead * sizeof *msg->dead);
+    DDP__FT_PUT(&w, msg->step);
+    DDP__FT_PUT(&w, status);
+    DDP__FT_PUT(&w, joining);
+    DDP__FT_PUT(&w, has);
+    if (has) {
+        DDP__FT_PUT(&w, msg->decide.base);
+        ddp__ft_put_ballot(&w, msg->decide.ballot);
+        DDP__FT_PUT(&w, msg->decide.view.gen);
+        DDP__FT_PUT(&w, msg->decide.view.next_id);
+        DDP__FT_PUT(&w, n);
+        if (n > 0) ddp__ft_put(&w, msg->decide.view.members, (size_t)n * sizeof(uint32_t));
+        DDP__FT_PUT(&w, msg->decide.step);
+        DDP__FT_PUT(&w, verdict);
+    }
+    return w.bad ? 0 : w.n;
+}
+
+/* Decode into msg; its arrays point at dead / members (cap entries each). 0: malformed. */
+static int ddp__ft_decode(const unsigned char *buf, size_t len, uint32_t cap, uint32_t *dead, uint32_t *members,
+                          ddp__ft_msg *msg) {
+    ddp__ft_wire w;
+    int32_t kind, status, n_dead, has, joining, n = 0, verdict = 0;
+    memset(msg, 0, sizeof *msg);
+    w.p = (unsigned char *)buf, w.n = 0, w.cap = len, w.bad = 0;
+    DDP__FT_GET(&w, kind);
+    DDP__FT_GET(&w, msg->from);
+    DDP__FT_GET(&w, msg->gen);
+    ddp__ft_get_ballot(&w, &msg->ballot);
+    ddp__ft_get_ballot(&w, &msg->promised);
+    DDP__FT_GET(&w, n_dead);
+    if (w.bad || n_dead < 0 || (uint32_t)n_dead > cap) return 0;
+    ddp__ft_get(&w, dead, (size_t)n_dead * sizeof *dead);
+    DDP__FT_GET(&w, msg->step);
+    DDP__FT_GET(&w, status);
+    DDP__FT_GET(&w, joining);
+    DDP__FT_GET(&w, has);
+    if (has) {
+        DDP__FT_GET(&w, msg->decide.base);
+        ddp__ft_get_ballot(&w, &msg->decide.ballot);
+        DDP__FT_GET(&w, msg->decide.view.gen);
+        DDP__FT_GET(&w, msg->decide.view.next_id);
+        DDP__FT_GET(&w, n);
+        if (w.bad || n < 0 || (uint32_t)n > cap) return 0;
+        ddp__ft_get(&w, members, (size_t)n * sizeof *members);
+        DDP__FT_GET(&w, msg->decide.step);
+        DDP__FT_GET(&w, verdict);
+    }
+    if (w.bad || w.n != len || kind < DDP__FT_SUSPECT || kind > DDP__FT_GO || status < DDP__FT_RUNNING ||
+        status > DDP__FT_COMMITTED || (has && verdict != DDP__FT_COMMIT && verdict != DDP__FT_REDO))
+        return 0;
+    msg->kind = (ddp__ft_kind)kind;
+    msg->n_dead = n_dead;
+    msg->dead = dead;
+    msg->status = (ddp__ft_status)status;
+    msg->joining = joining;
+    msg->has_decide = has;
+    msg->decide.view.n = n;
+    msg->decide.view.members = members;
+    msg->decide.verdict = (ddp__ft_verdict)verdict;
+    return 1;
+}
+
+/* ---- sending and acting: ft_view.c's callbacks ---- */
+
+static void ddp__ft_send(void *ctx, uint32_t to, const ddp__ft_msg *msg) {
+    ddp__ft *ft = (ddp__ft *)ctx;
+    ddp__ft_peer *p = to < ft->cap ? &ft->peers[to] : NULL;
+    char err[DDP__ERR_MAX];
+    uint32_t head[2];
+    size_t len;
+    if (!p || p->fd < 0 || p->hung_up) return; /* lost already: ddp__ft_lost says so */
+    len = ddp__ft_encode(msg, ft->out + sizeof head, ft->msg_max);
+    if (!len) {
+        ddp__log(ft->g, DDP_LOG_ERROR, "fault tolerance: a message to member %u does not fit %zu bytes; not sent", to,
+                 ft->msg_max);
+        return;
+    }
+    head[0] = DDP__FT_FRAME_MAGIC;
+    head[1] = (uint32_t)len;
+    memcpy(ft->out, head, sizeof head);
+    /* A live peer reads its control connection whenever it is in a view change; a full socket buffer
+       for this long means it is stuck, which its own timeouts handle. */
+    if (ddp__net_send(p->fd, ft->out, sizeof head + len, ddp__now() + DDP__MAX(ft->g->ft_suspect, 1.0), err) != DDP_SUCCESS)
+        p->hung_up = 1;
+    if (msg->kind == DDP__FT_REPORT) ddp__ft_kill_at(ft, "report");
+    if (msg->kind == DDP__FT_DECIDE) ddp__ft_kill_at(ft, "decide");
+    if (msg->kind == DDP__FT_GO) ddp__ft_kill_at(ft, "go");
+}
+
+static void ddp__ft_act(void *ctx, uint32_t self, const ddp__ft_decide *d, int in_view) {
+    ddp__ft *ft = (ddp__ft *)ctx;
+    (void)self;
+    (void)d;
+    (void)in_view; /* (ft_view.c marks a member left out: m.out) */
+    ft->acted = 1;
+}
+
+/* ---- the control connections ---- */
+
+static void ddp__ft_free(ddp_group *g) {
+    ddp__ft *ft = g->ft;
+    uint32_t i;
+    if (!ft) return;
+    g->ft = NULL;
+    for (i = 0; i < ft->cap && ft->peers; i++) {
+        if (ft->peers[i].fd >= 0) close(ft->peers[i].fd);
+        ddp__free(ft->peers[i].in);
+    }
+    if (ft->listen_fd >= 0) close(ft->listen_fd);
+    ddp__store_free(ft->store);
+    ddp__store_server_stop(ft->server);
+    ddp__ft_member_free(&ft->m);
+    ddp__free(ft->peers);
+    ddp__free(ft->out);
+    ddp__free(ft->dec_dead);
+    ddp__free(ft->dec_members);
+    ddp__free(ft);
+}
+
+/* The hello a dialer sends: magic, its id, the group's hash (a connection from another job is refused). */
+static ddp_result ddp__ft_dial(ddp__ft *ft, uint32_t to, double deadline, char *err) {
+    ddp__ft_peer *p = &ft->peers[to];
+    const char *token = ddp__auth_token();
+    uint32_t hello[4];
+    uint64_t hash = ddp__link_group_hash(ft->g);
+    ddp_result r = ddp__net_connect(p->addr, p->ctl_port, deadline, &p->fd, err);
+    if (r == DDP_SUCCESS && token) r = ddp__auth_client(p->fd, token, "a fault-tolerance peer", deadline, err);
+    hello[0] = DDP__FT_HELLO_MAGIC;
+    hello[1] = ft->m.id;
+    memcpy(hello + 2, &hash, sizeof hash);
+    if (r == DDP_SUCCESS) r = ddp__net_send(p->fd, hello, sizeof hello, deadline, err);
+    return r;
+}
+
+static ddp_result ddp__ft_accept(ddp__ft *ft, double deadline, char *err) {
+    const char *token = ddp__auth_token();
+    uint32_t hello[4];
+    uint64_t hash;
+    int fd = -1;
+    ddp_result r = ddp__net_accept(ft->listen_fd, deadline, &fd, err);
+    if (r == DDP_SUCCESS && token && ddp__auth_server(fd, token, deadline, err) != 0) r = DDP_ERR_INIT;
+    if (r == DDP_SUCCESS) r = ddp__net_recv(fd, hello, sizeof hello, deadline, err);
+    memcpy(&hash, hello + 2, sizeof hash);
+    if (r == DDP_SUCCESS && (hello[0] != DDP__FT_HELLO_MAGIC || hash != ddp__link_group_hash(ft->g) ||
+                             hello[1] <= ft->m.id || hello[1] >= ft->cap || ft->peers[hello[1]].fd >= 0)) {
+        snprintf(err, DDP__ERR_MAX, "a control connection said hello as member %u of another job, or twice", hello[1]);
+        r = DDP_ERR_INIT;
+    }
+    if (r != DDP_SUCCESS) {
+        if (fd >= 0) close(fd);
+        return r;
+    }
+    ft->peers[hello[1]].fd = fd;
+    return DDP_SUCCESS;
+}
+
+/* The first ddp_ft_begin: every member's listener and store, all-gathered; a connection between every pair. */
+typedef struct ddp__ft_addr { /* where a member listens, as all-gathered */
+    char addr[128];
+    int32_t ctl_port, store_port;
+} ddp__ft_addr;
+
+static ddp_result ddp__ft_start(ddp_group *g) {
+    ddp__ft_addr mine, *all = NULL;
+    char err[DDP__ERR_MAX];
+    double deadline;
+    int port = 0, i;
+    uint32_t cap = (uint32_t)g->world_size;
+    ddp__ft *ft = (ddp__ft *)ddp__calloc(1, sizeof *ft);
+    ddp_result r = DDP_SUCCESS;
+    if (!ft) return ddp__fail(g, DDP_ERR_OUT_OF_MEMORY, "ddp_ft_begin: out of memory");
+    ft->g = g;
+    ft->listen_fd = -1;
+    ft->cap = cap;
+    ft->store_of = DDP__FT_NONE;
+    ft->msg_max = 160 + 8 * (size_t)cap;
+    g->ft = ft;
+    g->ft_end = ddp__ft_free;
+    ft->kill = ddp__env("DDP_FT_TEST_KILL");
+    ft->peers = (ddp__ft_peer *)ddp__calloc(cap, sizeof *ft->peers);
+    ft->out = (unsigned char *)ddp__malloc(ft->msg_max + 8);
+    ft->dec_dead = (uint32_t *)ddp__calloc(cap, sizeof(uint32_t));
+    ft->dec_members = (uint32_t *)ddp__calloc(cap, sizeof(uint32_t));
+    all = (ddp__ft_addr *)ddp__calloc(cap, sizeof mine);
+    if (!ft->peers || !ft->out || !ft->dec_dead || !ft->dec_members || !all) r = DDP_ERR_OUT_OF_MEMORY;
+    for (i = 0; r == DDP_SUCCESS && i < (int)cap; i++) {
+        ft->peers[i].fd = -1;
+        if (!(ft->peers[i].in = (unsigned char *)ddp__malloc(ft->msg_max + 8))) r = DDP_ERR_OUT_OF_MEMORY;
+    }
+    if (r == DDP_SUCCESS)
+        r = ddp__ft_member_init(&ft->m, (uint32_t)g->rank, g->world_size, cap, ddp__ft_send, ddp__ft_act, ft);
+    if (r != DDP_SUCCESS) {
+        ddp__free(all);
+        return ddp__fail(g, r, "ddp_ft_begin: out of memory setting up fault tolerance");
+    }
+    memset(&mine, 0, sizeof mine);
+    snprintf(mine.addr, sizeof mine.addr, "%s", g->member.address[0] ? g->member.address : "127.0.0.1");
+    if (g->world_size > 1) {
+        r = ddp__net_listen(mine.addr, 0, &ft->listen_fd, &port, err);
+        mine.ctl_port = port;
+        if (r == DDP_SUCCESS) r = ddp__store_server_start(mine.addr, 0, g->log_level, &ft->server, err);
+        if (r == DDP_SUCCESS) mine.store_port = ddp__store_server_port(ft->server);
+        else mine.ctl_port = 0; /* says "failed" to the others */
+    }
+    /* every member takes part, so that one failure fails all */
+    if (g->world_size > 1) {
+        ddp_result mine_r = r;
+        r = ddp_all_gather(g, &mine, all, sizeof mine, DDP_U8);
+        if (mine_r != DDP_SUCCESS) r = ddp__fail(g, mine_r, "ddp_ft_begin: cannot listen for fault tolerance on %s: %s", mine.addr, err);
+        for (i = 0; r == DDP_SUCCESS && i < (int)cap; i++)
+            if (all[i].ctl_port == 0)
+                r = ddp__fail(g, DDP_ERR_INIT, "ddp_ft_begin: rank %d could not listen for fault tolerance (its message says why)", i);
+    }
+    for (i = 0; r == DDP_SUCCESS && i < (int)cap && g->world_size > 1; i++) {
+        memcpy(ft->peers[i].addr, all[i].addr, sizeof ft->peers[i].addr);
+        ft->peers[i].addr[sizeof ft->peers[i].addr - 1] = 0;
+        ft->peers[i].ctl_port = all[i].ctl_port;
+        ft->peers[i].store_port = all[i].store_port;
+    }
+    ddp__free(all);
+    /* dial the lower ids, accept the higher ones: dependencies point down, so nobody waits in a circle */
+    deadline = ddp__now() + g->timeout;
+    for (i = 0; r == DDP_SUCCESS && i < g->rank; i++)
+        if ((r = ddp__ft_dial(ft, (uint32_t)i, deadline, err)) != DDP_SUCCESS)
+            r = ddp__fail(g, r, "ddp_ft_begin: the control connection to rank %d (%s:%d): %s", i, ft->peers[i].addr,
+                          ft->peers[i].ctl_port, err);
+    for (i = g->rank + 1; r == DDP_SUCCESS && i < g->world_size; i++)
+        if ((r = ddp__ft_accept(ft, deadline, err)) != DDP_SUCCESS)
+            r = ddp__fail(g, r, "ddp_ft_begin: accepting the control connections of higher ranks: %s", err);
+    if (g->world_size > 1) r = ddp__agree_outcome(g, r, "ddp_ft_begin (fault tolerance's control connections)");
+    if (r == DDP_SUCCESS)
+        ddp__log(g, DDP_LOG_INFO, "fault tolerance: %d members connected; suspect_seconds %g, min_world_size %d",
+                 g->world_size, g->ft_suspect, g->ft_min_world);
+    return r;
+}
+
+/* ---- the view change ---- */
+
+/* Read what arrived on member id's connection; each whole frame goes to ft_view.c. */
+static ddp_result ddp__ft_read(ddp__ft *ft, uint32_t id) {
+    ddp__ft_peer *p = &ft->peers[id];
+    for (;;) {
+        uint32_t head[2] = {0, 0};
+        size_t want = p->have < 8 ? 8 : 8 + (memcpy(head, p->in, 8), (size_t)head[1]);
+        ssize_t k;
+        if (p->have >= 8) {
+            memcpy(head, p->in, 8);
+            if (head[0] != DDP__FT_FRAME_MAGIC || head[1] > ft->msg_max) {
+                ddp__log(ft->g, DDP_LOG_ERROR, "fault tolerance: member %u sent a malformed control frame; its connection "
+                         "is closed", id);
+                p->hung_up = 1;
+                return DDP_SUCCESS;
+            }
+        }
+        if (p->have == want && want > 8) {
+            ddp__ft_msg msg;
+            ddp_result r;
+            p->have = 0;
+            if (!ddp__ft_decode(p->in + 8, want - 8, ft->cap, ft->dec_dead, ft->dec_members, &msg) || msg.from != id) {
+                ddp__log(ft->g, DDP_LOG_ERROR, "fault tolerance: member %u sent a malformed message; its connection is "
+                         "closed", id);
+                p->hung_up = 1;
+                return DDP_SUCCESS;
+            }
+            if ((r = ddp__ft_receive(&ft->m, &msg)) == DDP_ERR_STATE)
+                return ddp__fail(ft->g, DDP_ERR_STATE, "fault tolerance: member %u sent a decision this member cannot "
+                                 "act on (it would undo a step applied here); stopping", id);
+            continue;
+        }
+        k = recv(p->fd, p->in + p->have, want - p->have, 0);
+        if (k > 0) {
+            p->have += (size_t)k;
+            continue;
+        }
+        if (k < 0 && (errno == EAGAIN || errno == EWOULDBLOCK || errno == EINTR)) return DDP_SUCCESS;
+        p->hung_up = 1; /* closed (or reset): the process is gone */
+        return DDP_SUCCESS;
+    }
+}
+
+/* Connections found closed: the members are dead (a closed connection proves it). */
+static ddp_result ddp__ft_reap(ddp__ft *ft) {
+    uint32_t i;
+    ddp_result r = DDP_SUCCESS;
+    for (i = 0; i < ft->cap && r == DDP_SUCCESS; i++) {
+        ddp__ft_peer *p = &ft->peers[i];
+        if (!p->hung_up || p->fd < 0) continue;
+        close(p->fd);
+        p->fd = -1;
+        r = ddp__ft_lost(&ft->m, i, 1);
+    }
+    return r;
+}
+
+/* Read every control connection once (waiting up to wait_ms for the first message), then report the
+   connections found closed. Stops early once a GO was acted on: what follows belongs to the new view. */
+static ddp_result ddp__ft_pump(ddp__ft *ft, int wait_ms) {
+    struct pollfd fds[64];
+    uint32_t ids[64], i, start = 0;
+    ddp_result r = DDP_SUCCESS;
+    int n, k;
+    while (start < ft->cap && r == DDP_SUCCESS && !ft->acted) { /* 64 at a time: a larger job polls in turns */
+        for (n = 0, i = start; i < ft->cap && n < 64; i++)
+            if (ft->peers[i].fd >= 0 && !ft->peers[i].hung_up) {
+                fds[n].fd = ft->peers[i].fd, fds[n].events = POLLIN, fds[n].revents = 0;
+                ids[n++] = i;
+            }
+        start = i;
+        if (n > 0 && poll(fds, (nfds_t)n, ft->cap > 64 ? 0 : wait_ms) > 0)
+            for (k = 0; k < n && r == DDP_SUCCESS && !ft->acted; k++)
+                if (fds[k].revents) r = ddp__ft_read(ft, ids[k]);
+        if (n == 0 && wait_ms > 0) ddp__sleep(wait_ms * 1e-3);
+    }
+    if (r == DDP_SUCCESS && !ft->acted) r = ddp__ft_reap(ft);
+    return r;
+}
+
+/* The data plane of the view ft_view.c just installed: a fresh group through its first member's store. */
+static ddp_result ddp__ft_rebuild(ddp__ft *ft) {
+    ddp_group *g = ft->g, *v = NULL;
+    const ddp__ft_view *view = &ft->m.view;
+    uint32_t first = view->members[0];
+    int rank = ddp__ft_rank_of(view, ft->m.id);
+    char err[DDP__ERR_MAX], prefix[48];
+    double timeout = DDP__MAX(2 * g->ft_suspect, 1.0);
+    ddp_result r;
+    if (view->n > 1 && ft->store_of != first) {
+        ddp__store_free(ft->store);
+        ft->store = NULL;
+        ft->store_of = DDP__FT_NONE;
+        if ((r = ddp__store_connect(ft->peers[first].addr, ft->peers[first].store_port, NULL, timeout, &ft->store, err)) != DDP_SUCCESS)
+            return ddp__fail(g, r, "fault tolerance: the store of member %u, the new view's first: %s", first, err);
+        ft->store_of = first;
+    }
+    snprintf(prefix, sizeof prefix, "ft/%llu/", (unsigned long long)view->gen);
+    if ((r = ddp__group_open_view(g, rank, view->n, ft->store, prefix, timeout, &v)) != DDP_SUCCESS) return r;
+    ddp__drain(g);
+    ddp__group_adopt(g, v);
+    return DDP_SUCCESS;
+}
+
+/* Names of the view's members, for messages: "0, 2, 3". */
+static const char *ddp__ft_members_text(const ddp__ft_view *v, char *buf, size_t cap) {
+    size_t len = 0;
+    int i;
+    buf[0] = 0;
+    for (i = 0; i < v->n && len + 16 < cap; i++) len += (size_t)snprintf(buf + len, cap - len, "%s%u", i ? ", " : "", v->members[i]);
+    if (i < v->n) snprintf(buf + len, cap - len, ", ...");
+    return buf;
+}
+
+/* Run a view change to its end: the decree acted on and the new view's data plane adopted. *applied: the
+   steps it committed here (0 or 1). Fails only when this member cannot go on: left out of the view, too
+   few members left (min_world_size), or no quorum within the group's timeout. */
+static ddp_result ddp__ft_change(ddp__ft *ft, int *applied) {
+    ddp_group *g = ft->g;
+    uint64_t step0 = ft->gstep;
+    double t0 = ddp__now(), next_timeout;
+    char members[256];
+    ddp_result r;
+    *applied = 0;
+    ddp__drain(g);
+    if (!g->broken) ddp__group_break(g, DDP_ERR_VIEW_CHANGED, "fault tolerance: this member entered a view change");
+    for (;;) {
+        ft->acted = 0;
+        r = ddp__ft_data_failed(&ft->m);
+        next_timeout = ddp__now() + g->ft_suspect * (ddp__ft_coordinator(&ft->m.view, ft->m.dead, ft->m.suspected) == ft->m.id ? 1 : 2);
+        while (r == DDP_SUCCESS && !ft->acted) {
+            double now;
+            if ((r = ddp__ft_pump(ft, 20)) != DDP_SUCCESS || ft->acted) break;
+            now = ddp__now();
+            if (now >= next_timeout) {
+                r = ddp__ft_timeout(&ft->m);
+                next_timeout = now + g->ft_suspect *
+                                         (ddp__ft_coordinator(&ft->m.view, ft->m.dead, ft->m.suspected) == ft->m.id ? 1 : 2);
+            }
+            if (r == DDP_SUCCESS && now - t0 > g->timeout)
+                r = ddp__fail(g, DDP_ERR_PEER_LOST, "fault tolerance: no view with a quorum of the members formed within "
+                              "%g s (the group's timeout): this member is cut off from the majority, or too many were lost",
+                              g->timeout);
+        }
+        /* what arrived meanwhile: a later GO (others moved on), or a member of the new view found dead
+           (ft_view.c then starts the next change at once) */
+        while (r == DDP_SUCCESS && ft->acted) {
+            ft->acted = 0;
+            r = ddp__ft_pump(ft, 0);
+        }
+        if (r != DDP_SUCCESS) return r == DDP_ERR_FORMAT ? DDP_ERR_STATE : r;
+        *applied = (int)(ft->m.step - step0);
+        ft->gstep = ft->m.step;
+        if (ft->m.out)
+            return ddp__fail(g, DDP_ERR_PEER_LOST, "fault tolerance: the other members formed view %llu without this one "
+                             "(they lost it); it stops here", (unsigned long long)ft->m.view.gen);
+        if (ft->m.view.n < g->ft_min_world)
+            return ddp__fail(g, DDP_ERR_PEER_LOST, "fault tolerance: %d member%s left (%s), fewer than min_world_size %d",
+                             ft->m.view.n, ft->m.view.n == 1 ? "" : "s", ddp__ft_members_text(&ft->m.view, members, sizeof members),
+                             g->ft_min_world);
+        if (ft->m.changing) continue;
+        if ((r = ddp__ft_rebuild(ft)) == DDP_SUCCESS) break;
+        ddp__log(g, DDP_LOG_WARN, "fault tolerance: view %llu's data plane failed to form (%s); changing the view again",
+                 (unsigned long long)ft->m.view.gen, g->error);
+        ddp__ft_set_step(&ft->m, ft->gstep, DDP__FT_RUNNING);
+    }
+    ft->changes++;
+    ft->change_seconds = ddp__now() - t0;
+    ddp__log(g, DDP_LOG_WARN, "fault tolerance: view %llu: members %s (this one rank %d of %d); step %llu %s; %.1f ms",
+             (unsigned long long)ft->m.view.gen, ddp__ft_members_text(&ft->m.view, members, sizeof members), g->rank,
+             g->world_size, (unsigned long long)ft->m.made.step, ft->m.made.verdict == DDP__FT_COMMIT ? "committed" : "redone",
+             ft->change_seconds * 1e3);
+    return DDP_SUCCESS;
+}
+
+/* ---- the public calls ---- */
+
+static ddp_result ddp__ft_check(ddp_group *g, ddp_ft_step *st, const char *fn) {
+    ddp_result r = ddp__group_check(g, fn);
+    if (r) return r;
+    if (!st) return ddp__fail(g, DDP_ERR_INVALID_ARGUMENT, "%s: the ddp_ft_step argument is NULL", fn);
+    if (!g->ft_mode)
+        return ddp__fail(g, DDP_ERR_STATE, "%s: fault tolerance is off; set ddp_init_desc.fault_tolerant = 1 or DDP_FT=1", fn);
+    if (g->member.parent)
+        return ddp__fail(g, DDP_ERR_INVALID_ARGUMENT, "%s: call it on the world group (ddp_init's), not a subgroup", fn);
+    return DDP_SUCCESS;
+}
+
+static void ddp__ft_fill(ddp__ft *ft, ddp_ft_step *st) {
+    st->gen = ft->m.view.gen;
+    st->rank = ft->g->rank;
+    st->world_size = ft->g->world_size;
+    st->joined = 0;
+}
+
+DDP_API ddp_result ddp_ft_begin(ddp_group *g, ddp_ft_step *st) {
+    ddp_result r = ddp__ft_check(g, st, "ddp_ft_begin");
+    int applied = 0;
+    if (r) return r;
+    if (!g->ft && (r = ddp__ft_start(g)) != DDP_SUCCESS) return r;
+    ddp__ft_kill_at(g->ft, "begin");
+    if (g->broken && (r = ddp__ft_change(g->ft, &applied)) != DDP_SUCCESS) return r;
+    if (applied) st->step++; /* cannot come from a RUNNING member (ft_view.c leaves it out), but say it as it is */
+    ddp__ft_set_step(&g->ft->m, g->ft->gstep, DDP__FT_RUNNING);
+    ddp__ft_fill(g->ft, st);
+    return DDP_SUCCESS;
+}
+
+DDP_API ddp_result ddp_ft_commit(ddp_group *g, ddp_ft_step *st) {
+    ddp_result r = ddp__ft_check(g, st, "ddp_ft_commit");
+    int64_t ok = 1;
+    int applied = 0;
+    ddp__ft *ft;
+    if (r) return r;
+    if (!(ft = g->ft)) return ddp__fail(g, DDP_ERR_STATE, "ddp_ft_commit: call ddp_ft_begin first");
+    ddp__ft_kill_at(ft, "vote");
+    if (!g->broken) { /* the step's reduction finished here: COMPLETE, then the vote */
+        ddp__ft_set_step(&ft->m, ft->gstep, DDP__FT_COMPLETE);
+        r = ddp_all_reduce(g, &ok, 1, DDP_I64, DDP_MIN);
+        if (r == DDP_SUCCESS) {
+            ft->gstep++;
+            ddp__ft_set_step(&ft->m, ft->gstep, DDP__FT_RUNNING);
+            st->step++;
+            return DDP_SUCCESS;
+        }
+        if (r != DDP_ERR_VIEW_CHANGED) return r;
+    }
+    if ((r = ddp__ft_change(ft, &applied)) != DDP_SUCCESS) return r;
+    ddp__ft_fill(ft, st);
+    if (applied) {
+        st->step++;
+        return DDP_SUCCESS;
+    }
+    return ddp__fail(g, DDP_ERR_VIEW_CHANGED, "ddp_ft_commit: the view changed (view %llu, %d member%s) before every member "
+                     "finished the step; redo it: call ddp_ft_begin and run step %llu again", (unsigned long long)st->gen,
+                     st->world_size, st->world_size == 1 ? "" : "s", (unsigned long long)st->step);
+}
+
+/* A kill point inside another layer (the reducer's "bucket"), for DDP_FT_TEST_KILL. */
+static void ddp__ft_test_kill(ddp_group *g, const char *point) {
+    if (g && g->ft) ddp__ft_kill_at(g->ft, point);
+}
+/* ==================== end src/ft.c ==================== */
 
 /* ==================== begin src/launcher.c ==================== */
 /* [SECTION] launcher: ddp_spawn (torch.multiprocessing.spawn) and ddprun (torchrun)
@@ -19021,6 +19849,7 @@ struct ddp_reducer {
     int *order;        /* ready order of the first synchronised pass, for the rebuild */
     int norder;
     int rebuild_pending;
+    uint64_t pass_view;  /* the group's ft_views when this pass began (fault-tolerant mode) */
     void *stash;       /* view without compression + find_unused: gradients of unused parameters */
     size_t stash_bytes;
     ddp_shard *shards; /* zero_stage: this rank's pieces of the model, in bucket order */
@@ -19189,6 +20018,9 @@ static ddp_result ddp__zero_check_desc(ddp_group *g, const ddp_reducer_desc *d) 
                          "is not supported: the buckets would have to hold every gradient, which is what ZeRO-2 frees; "
                          "register your own gradient buffers (gradient_as_bucket_view = 0) or use zero_stage = 1",
                          d->zero_stage);
+    if (g && g->ft_mode && d->zero_stage)
+        return ddp__fail(g, DDP_ERR_UNSUPPORTED, "ddp_reducer_create: zero_stage %d in fault-tolerant mode is not supported "
+                         "(a view change would have to re-shard the optimizer state); use zero_stage 0", d->zero_stage);
     if (d->zero_stage != 3 && (d->param_dtype != DDP_DTYPE_DEFAULT || d->prefetch || d->accumulate_unsharded))
         return ddp__fail(g, DDP_ERR_INVALID_ARGUMENT, "ddp_reducer_create: param_dtype, prefetch and accumulate_unsharded are zero_stage 3's (the "
                          "gathered parameters); at zero_stage %d leave them 0", d->zero_stage);
@@ -19687,6 +20519,26 @@ static ddp_result ddp__zero_bucket_alloc(ddp_reducer *r, ddp__bucket *k, int b) 
 }
 
 /* The reducer can run a pass or an optimizer-side call: finalized and not failed. */
+/* A reducer call failed with res: the reducer stops (every later call says so) -- except on
+   DDP_ERR_VIEW_CHANGED (fault-tolerant mode: ft.c repairs the group), which only abandons the pass: the
+   buckets' collectives are waited for (they fail at once on the broken group) and the next
+   begin_backward starts afresh in the new view. Returns res. */
+static ddp_result ddp__reducer_stop(ddp_reducer *r, ddp_result res) {
+    int b;
+    if (res != DDP_ERR_VIEW_CHANGED) return r->failed = res;
+    for (b = 0; b < r->L.nbuckets; b++)
+        if (r->L.buckets[b].work) {
+            ddp_wait(r->L.buckets[b].work);
+            r->L.buckets[b].work = NULL;
+        }
+    if (r->ready_work) {
+        ddp_wait(r->ready_work);
+        r->ready_work = NULL;
+    }
+    r->in_backward = 0;
+    return res;
+}
+
 static ddp_result ddp__reducer_usable(ddp_reducer *r, const char *fn) {
     if (!r) return ddp__fail(NULL, DDP_ERR_INVALID_ARGUMENT, "%s: the reducer is NULL", fn);
     if (!r->finalized) return ddp__fail(r->g, DDP_ERR_STATE, "%s: call ddp_reducer_finalize first", fn);
@@ -19742,7 +20594,7 @@ static ddp_result ddp__timing_start(ddp_reducer *r, int shadow) {
     r->ready_ns[world] = shadow ? 0 : (int64_t)((r->t_ready + r->wall_minus_mono) * 1e9);
     r->ops->copy_out(r->g, comm + (size_t)world * 8, DDP_I64, &r->ready_ns[world], DDP_I64, 1);
     if ((res = ddp_all_gather_async(r->g, comm + (size_t)world * 8, comm, 1, DDP_I64, &r->ready_work)) != DDP_SUCCESS)
-        return r->failed = res;
+        return ddp__reducer_stop(r, res);
     r->ready_discard = shadow;
     return DDP_SUCCESS;
 }
@@ -20022,7 +20874,7 @@ DDP_API ddp_result ddp_fsdp_gather(ddp_reducer *r, int unit) {
     r->g->purpose = 0;
     r->stats.gathers++;
     u->state = DDP__UNIT_GATHERING;
-    if (res) r->failed = res;
+    if (res) ddp__reducer_stop(r, res);
     return res;
 }
 
@@ -20035,7 +20887,7 @@ static ddp_result ddp__fsdp_finish(ddp_reducer *r, ddp__unit *u) {
     u->work = NULL;
     u->state = DDP__UNIT_GATHERED;
     r->stats.gather_seconds += (ran[1] > 0 ? ran[1] : ddp__now()) - u->t_issued;
-    if (res) r->failed = res;
+    if (res) ddp__reducer_stop(r, res);
     return res;
 }
 
@@ -20297,12 +21149,12 @@ static ddp_result ddp__zero2_acquire(ddp_reducer *r, int b) {
             res = ddp_wait(h->work);
             h->work = NULL;
             ddp__zero2_finish(r, h, res == DDP_SUCCESS);
-            if (res) return r->failed = res;
+            if (res) return ddp__reducer_stop(r, res);
             continue;
         }
         ddp__log(r->g, DDP_LOG_DEBUG, "reducer: zero_stage 2: the gradients of %d buckets arrived before any could start; "
                  "the pool grows to %d comm buffers", r->npool + 1, r->npool + 1);
-        if ((res = ddp__zero2_pool_grow(r)) != DDP_SUCCESS) return r->failed = res;
+        if ((res = ddp__zero2_pool_grow(r)) != DDP_SUCCESS) return ddp__reducer_stop(r, res);
     }
 }
 
@@ -20549,7 +21401,7 @@ static ddp_result ddp__zero_gather_settle(ddp_reducer *r) {
     if (ddp__zero2(r))
         for (b = 0; b < r->L.nbuckets; b++) r->L.buckets[b].gather = NULL;
     r->gathering = 0;
-    if (res) r->failed = res;
+    if (res) ddp__reducer_stop(r, res);
     return res;
 }
 
@@ -20684,7 +21536,8 @@ DDP_API ddp_result ddp_reducer_finalize(ddp_reducer *r) {
         return res;
     }
     /* no rebuild under ZeRO (shards never move) nor with units (they are the buckets) */
-    r->rebuild_pending = !r->desc.find_unused_parameters && !ddp__reducer_zero(r) && !r->nunits;
+    /* fault-tolerant mode keeps the registration order (a frozen layout, the same in every view) */
+    r->rebuild_pending = !r->desc.find_unused_parameters && !ddp__reducer_zero(r) && !r->nunits && !r->g->ft_mode;
     return DDP_SUCCESS;
 }
 /* ==================== end src/reducer_zero.c ==================== */
@@ -20707,6 +21560,8 @@ DDP_API ddp_result ddp_reducer_begin_backward(ddp_reducer *r) {
     ddp_result res = ddp__reducer_usable(r, "ddp_reducer_begin_backward");
     int b;
     if (res) return res;
+    if (r->in_backward && r->pass_view != r->g->ft_views) /* the view changed under it: the pass is void */
+        ddp__reducer_stop(r, DDP_ERR_VIEW_CHANGED);
     if (r->in_backward)
         return ddp__fail(r->g, DDP_ERR_STATE, "ddp_reducer_begin_backward: the previous backward pass has not ended; call "
                          "ddp_reducer_end_backward after each backward pass");
@@ -20716,6 +21571,7 @@ DDP_API ddp_result ddp_reducer_begin_backward(ddp_reducer *r) {
     if (r->desc.uneven_inputs && (res = ddp__join_announce(r, DDP__JOIN_STEP, "ddp_reducer_begin_backward", NULL)) != DDP_SUCCESS)
         return res;
     r->in_backward = 1;
+    r->pass_view = r->g->ft_views;
     /* zero_stage 3 reduce-scatters in every pass, unless accumulate_unsharded (see "FSDP") */
     r->pass_sync = r->sync || (ddp__fsdp(r) && !r->desc.accumulate_unsharded);
     r->pass_user_sync = r->sync;
@@ -20794,7 +21650,7 @@ DDP_API ddp_result ddp_reducer_set_local_samples(ddp_reducer *r, size_t n) {
                          "unweighted: 1/world_size)", n, r->pass_joined, r->pass_joined == 1 ? " has" : "s have",
                          r->pass_joined == 1 ? "s" : "");
     r->samples_done = r->samples_sticky = 1;
-    if ((res = ddp__samples_sum(r, n, sums)) != DDP_SUCCESS) return r->failed = res;
+    if ((res = ddp__samples_sum(r, n, sums)) != DDP_SUCCESS) return ddp__reducer_stop(r, res);
     if (sums[1])
         return ddp__fail(r->g, DDP_ERR_INVALID_ARGUMENT, "ddp_reducer_set_local_samples(%zu): %lld rank%s passed more "
                          "than 2^40 samples; the pass goes on unweighted (1/world_size)", n, (long long)sums[1],
@@ -20817,6 +21673,7 @@ static ddp_result ddp__bucket_start(ddp_reducer *r, ddp__bucket *k, void *data) 
     else if (ddp__reducer_zero(r)) res = ddp_reduce_scatter_async(r->g, data, k->owned, k->per, k->comm_dtype, DDP_SUM, &k->work);
     else res = ddp_all_reduce_async(r->g, data, k->count, k->comm_dtype, DDP_SUM, &k->work);
     r->g->purpose = 0;
+    if (r->g->ft) ddp__ft_test_kill(r->g, "bucket"); /* DDP_FT_TEST_KILL: mid-backward, a bucket in flight */
     return res;
 }
 
@@ -20826,7 +21683,7 @@ static ddp_result ddp__reducer_start_ready(ddp_reducer *r) {
         ddp__bucket *k = &r->L.buckets[r->next_bucket];
         ddp_result res;
         k->t_started = ddp__timeline_on() ? ddp__now() : 0;
-        if ((res = ddp__bucket_start(r, k, k->comm)) != DDP_SUCCESS) return r->failed = res;
+        if ((res = ddp__bucket_start(r, k, k->comm)) != DDP_SUCCESS) return ddp__reducer_stop(r, res);
         if (!r->t_first_start) r->t_first_start = ddp__now();
         if (++r->next_bucket == r->L.nbuckets) r->t_ready = ddp__now();
     }
@@ -21081,7 +21938,7 @@ DDP_API ddp_result ddp_fsdp_grads_ready(ddp_reducer *r, int unit) {
     if (!k->comm && (res = ddp__zero2_acquire(r, u->bucket)) != DDP_SUCCESS) return res;
     if (!u->grad && r->desc.find_unused_parameters) { /* not used on this rank: zeros, and the used map says so */
         size_t off = 0;
-        if ((res = ddp__stash_reserve(r, 1, "ddp_fsdp_grads_ready")) != DDP_SUCCESS) return r->failed = res;
+        if ((res = ddp__stash_reserve(r, 1, "ddp_fsdp_grads_ready")) != DDP_SUCCESS) return ddp__reducer_stop(r, res);
         for (i = u->first; i < u->first + u->n; i++) {
             r->ready[i] = 1;
             ddp__reducer_take_zero(r, i, &off);
@@ -21179,8 +22036,8 @@ static ddp_result ddp__reducer_rebuild(ddp_reducer *r) {
     ddp_result res;
     int taken;
     r->rebuild_pending = 0;
-    if ((res = ddp_broadcast(r->g, r->order, ddp__reducer_n(r), DDP_I32, 0)) != DDP_SUCCESS) return r->failed = res;
-    if ((res = ddp__reducer_relayout(r, r->order, &taken)) != DDP_SUCCESS) return r->failed = res;
+    if ((res = ddp_broadcast(r->g, r->order, ddp__reducer_n(r), DDP_I32, 0)) != DDP_SUCCESS) return ddp__reducer_stop(r, res);
+    if ((res = ddp__reducer_relayout(r, r->order, &taken)) != DDP_SUCCESS) return ddp__reducer_stop(r, res);
     r->stats.rebuilt = taken;
     return DDP_SUCCESS;
 }
@@ -21206,14 +22063,14 @@ DDP_API ddp_result ddp_reducer_end_backward(ddp_reducer *r) {
                          "ddp_reducer_begin_backward before the backward pass");
     if (!r->pass_sync) {
         r->in_backward = 0;
-        if (ddp__fsdp(r) && (res = ddp__fsdp_reshard_all(r)) != DDP_SUCCESS) return r->failed = res;
+        if (ddp__fsdp(r) && (res = ddp__fsdp_reshard_all(r)) != DDP_SUCCESS) return ddp__reducer_stop(r, res);
         r->stats.local_iterations++;
         ddp__reducer_timeline_pass(r, t_enter);
         return DDP_SUCCESS;
     }
     if ((res = ddp__samples_check_due(r, "ddp_reducer_end_backward")) != DDP_SUCCESS) return res;
     if (r->desc.find_unused_parameters) {
-        if ((res = ddp__reducer_fill_unused(r)) != DDP_SUCCESS) r->failed = res;
+        if ((res = ddp__reducer_fill_unused(r)) != DDP_SUCCESS) ddp__reducer_stop(r, res);
     } else {
         for (i = 0; i < r->nparams; i++)
             if (!r->ready[i]) return ddp__reducer_missing(r);
@@ -21223,7 +22080,7 @@ DDP_API ddp_result ddp_reducer_end_backward(ddp_reducer *r) {
     if (!res && r->desc.find_unused_parameters) { /* PyTorch's local_used_map, reduced after the buckets */
         r->ops->copy_out(r->g, r->used_comm, DDP_U8, r->used, DDP_U8, ddp__reducer_n(r));
         if ((res = ddp_all_reduce_async(r->g, r->used_comm, ddp__reducer_n(r), DDP_U8, DDP_MAX, &used_work)) != DDP_SUCCESS)
-            r->failed = res;
+            ddp__reducer_stop(r, res);
     }
     {
         ddp_result waited = ddp__reducer_collect(r, used_work);
@@ -21237,9 +22094,9 @@ DDP_API ddp_result ddp_reducer_end_backward(ddp_reducer *r) {
         r->accumulate = !r->pass_user_sync; /* the next pass adds to this one's slices */
         for (i = 0; i < r->nunits; i++) r->units[i].grad_held = 0; /* accumulate_unsharded: reduced now */
     }
-    if (res) return r->failed = res;
+    if (res) return ddp__reducer_stop(r, res);
     /* grad_stats: the pass's sums complete; under ZeRO one 16-byte all-reduce (the joined ranks' shadow too) */
-    if ((res = ddp__amp_finish(r->g, &r->amp, ddp__reducer_zero(r))) != DDP_SUCCESS) return r->failed = res;
+    if ((res = ddp__amp_finish(r->g, &r->amp, ddp__reducer_zero(r))) != DDP_SUCCESS) return ddp__reducer_stop(r, res);
     t_done = ddp__now();
     if (ddp__fsdp(r) && !r->pass_user_sync) r->stats.local_iterations++;
     else r->stats.iterations++;
@@ -21440,7 +22297,7 @@ static ddp_result ddp__join_exchange(ddp_reducer *r, const char *fn, int kind, i
     if ((res = ddp_all_gather(r->g, mine, r->join_table, DDP__JOIN_FIELDS, DDP_I32)) != DDP_SUCCESS) {
         char why[DDP__ERR_MAX];
         snprintf(why, sizeof why, "%s", ddp_last_error(r->g));
-        r->failed = res;
+        ddp__reducer_stop(r, res);
         return ddp__fail(r->g, res, "%s: the join round (uneven_inputs: an all_gather of 3 x i32 at every backward pass, "
                          "buffer broadcast and join) failed: %s. Until every rank has joined, the ranks with data may "
                          "issue only the reducer's collectives (ddp_reducer_join shadows nothing else)", fn, why);
@@ -21563,10 +22420,10 @@ static ddp_result ddp__join_shadow_backward(ddp_reducer *r, int samples) {
     size_t off = 0, kept = 0;
     int b, j, keep = ddp__reducer_zero(r) && r->desc.find_unused_parameters, i;
     int64_t sums[2];
-    if (samples && (res = ddp__samples_sum(r, 0, sums)) != DDP_SUCCESS) return r->failed = res; /* no samples here */
+    if (samples && (res = ddp__samples_sum(r, 0, sums)) != DDP_SUCCESS) return ddp__reducer_stop(r, res); /* no samples here */
     if ((res = ddp__join_shadow_memory(r)) != DDP_SUCCESS) return res;
     if (ddp__reducer_zero(r)) ddp__amp_begin(&r->amp, ddp__grad_stats_on(r), r->desc.loss_scale); /* its shards' stats */
-    if (keep && (res = ddp__stash_reserve(r, 1, "ddp_reducer_join_step")) != DDP_SUCCESS) return r->failed = res;
+    if (keep && (res = ddp__stash_reserve(r, 1, "ddp_reducer_join_step")) != DDP_SUCCESS) return ddp__reducer_stop(r, res);
     for (b = 0; b < r->L.nbuckets && !res; b++) {
         ddp__bucket *k = &r->L.buckets[b];
         size_t bytes = k->count * ddp_dtype_size(k->comm_dtype);
@@ -21591,11 +22448,11 @@ static ddp_result ddp__join_shadow_backward(ddp_reducer *r, int samples) {
             if (ddp__zero2(r)) ddp__zero2_finish(r, &r->L.buckets[b], !res); /* the slice stays in the reducer */
         }
     if (used_work && (waited = ddp_wait(used_work)) != DDP_SUCCESS && !res) res = waited;
-    if (res) return r->failed = res;
+    if (res) return ddp__reducer_stop(r, res);
     if (used_work) r->ops->copy_out(r->g, r->used_global, DDP_U8, r->used_comm, DDP_U8, ddp__reducer_n(r));
     if (keep) ddp__reducer_finish_unused(r, 1); /* a parameter no rank used keeps what it held */
     for (i = 0; !keep && ddp__reducer_zero(r) && !ddp__zero2(r) && i < r->nparams; i++) ddp__zero_give_back(r, i);
-    if (ddp__reducer_zero(r) && (res = ddp__amp_finish(r->g, &r->amp, 1)) != DDP_SUCCESS) return r->failed = res;
+    if (ddp__reducer_zero(r) && (res = ddp__amp_finish(r->g, &r->amp, 1)) != DDP_SUCCESS) return ddp__reducer_stop(r, res);
     r->stats.shadowed_iterations++;
     ddp__timing_finish(r);
     if ((res = ddp__timing_start(r, 1)) != DDP_SUCCESS) return res;
@@ -21642,12 +22499,12 @@ static ddp_result ddp__join_step(ddp_reducer *r, const char *fn, int *all_joined
             r->join_gather_due = ddp__reducer_zero(r);
             return DDP_SUCCESS;
         }
-        if (res) return r->failed = res;
+        if (res) return ddp__reducer_stop(r, res);
     }
     r->join_joined = 0;
     r->join_steps = 0;
     if ((res = ddp__reducer_sync_states(r, v.last_joiner >= 0 ? v.last_joiner : 0, fn)) != DDP_SUCCESS)
-        return r->failed = res;
+        return ddp__reducer_stop(r, res);
     *all_joined = 1;
     return DDP_SUCCESS;
 }

@@ -42,8 +42,10 @@ typedef enum ddp_result {
     DDP_ERR_IO = -10,              /* a file could not be read, written or synced */
     DDP_ERR_INIT = -11,            /* rendezvous failed: bad environment, unreachable master, port in use, ... */
     DDP_ERR_WORKER_FAILED = -12,   /* ddp_spawn / ddprun: a worker process failed; the message says how */
-    DDP_ERR_UNEVEN_INPUTS = -13    /* reducer with join_fail_early: a rank ran out of data (the message names
+    DDP_ERR_UNEVEN_INPUTS = -13,   /* reducer with join_fail_early: a rank ran out of data (the message names
                                       it and the step); the group stays usable */
+    DDP_ERR_VIEW_CHANGED = -14     /* fault-tolerant mode (ddp_init_desc.fault_tolerant): a member was lost and
+                                      the survivors formed a new view; redo the step (ddp_ft_begin) */
 } ddp_result;
 
 /* Element types. DDP_DTYPE_DEFAULT (0) exists so that zero-initialised descriptors mean "the natural
@@ -110,6 +112,12 @@ typedef struct ddp_init_desc {
     ddp_log_fn log_fn;       /* NULL: stderr with a "[ddp rank N]" prefix */
     void *log_user;
     const char *timeline;    /* NULL: DDP_TIMELINE; a path: each rank writes a Chrome trace there (ddp_timeline_begin) */
+    /* Fault-tolerant mode (ft.h: ddp_ft_begin / ddp_ft_commit): a lost rank does not break the group; the
+       survivors agree on a new view and redo the step. 0: DDP_FT from the environment (1 = on), else off.
+       The cpu backend only (shm, tcp, hier); mpi and nccl answer DDP_ERR_UNSUPPORTED. */
+    int fault_tolerant;
+    int min_world_size;      /* FT: fewer live members than this fail with DDP_ERR_PEER_LOST (0: DDP_FT_MIN_WORLD_SIZE, else 1) */
+    double suspect_seconds;  /* FT: a member silent this long in a view change is suspected (0: DDP_FT_SUSPECT_SECONDS, else 10) */
 } ddp_init_desc;
 
 /* ddp_init: join the process group. Collective: every rank of the world calls it.

@@ -6,14 +6,35 @@
    the new view, on the same global batch). The data follows the step, not the rank:
    ddp_sampler_step_batch gives a rank its share of a step's global batch for any number of members.
 
-   Built so far: the type below, ddp_sampler_step_batch, and the view change's decisions (which view,
-   which verdict; src/ft_view.c, private and without I/O). The calls that fill a ddp_ft_step
-   (ddp_ft_begin, ddp_ft_commit, ddp_ft_register: the view change over the ranks' connections, the commit
-   vote, joiners with live state) are not built yet; until they are, a program fills the struct itself
-   (gen 0, its ddp_rank and ddp_world_size, joined 0) and counts steps and epochs as the fields below say. */
+   Turn it on with ddp_init_desc.fault_tolerant = 1 (or DDP_FT=1) on the cpu backend; then a lost member
+   no longer breaks the group: every call that meets the loss answers DDP_ERR_VIEW_CHANGED, and the next
+   ddp_ft_begin / ddp_ft_commit runs a view change among the survivors (src/ft.c, src/ft_view.c: a
+   majority of the view decides, so a network partition never lets both sides go on) and rebuilds the
+   data plane for the new view. The loop:
+
+       ddp_ft_step st = {0};
+       for (;;) {
+           if (ddp_ft_begin(g, &st)) fail;                       view of this step: st.rank, st.world_size
+           if (st.step == steps_per_epoch) { st.epoch++; st.step = 0; if (done) break; continue; }
+           ddp_sampler_step_batch(sampler, &st, G, idx, &n);     this rank's share of the global batch
+           forward; ddp_reducer_begin_backward(r); ddp_reducer_set_local_samples(r, n);
+           backward with ddp_reducer_grad_ready ...; res = ddp_reducer_end_backward(r);
+           if (res == DDP_ERR_VIEW_CHANGED) continue;            the pass is void: redo the step
+           res = ddp_ft_commit(g, &st);                          the vote
+           if (res == DDP_SUCCESS) optimizer_step();             st.step moved on
+           else if (res != DDP_ERR_VIEW_CHANGED) fail;           DDP_ERR_VIEW_CHANGED: redo st.step
+       }
+
+   Built: the calls below on the cpu backend (shm, tcp, hier), survivors going on after a member is lost.
+   Not built yet: ddp_ft_register and joiners (a replacement admitted with live state), ddprun --ft; the
+   mpi and nccl backends answer DDP_ERR_UNSUPPORTED at ddp_init; zero_stage > 0 is refused in this mode.
+   Limits: every pair of members holds a control connection (n - 1 sockets per member); ddp_alloc gives
+   heap memory (each view maps its own shared segment); subgroups made before a view change are broken by
+   it; the reducer keeps its registration order (no bucket rebuild) so every view has the same layout. */
 
 /* One step of fault-tolerant training: which view runs it, which step of which epoch, and this process's
-   place in the view. The program owns it; ddp_ft_begin (not built yet) is to fill the view's part. */
+   place in the view. The program owns it (zero it before the first ddp_ft_begin); ddp_ft_begin fills the
+   view's part (gen, rank, world_size, joined); the program counts epochs and steps as said below. */
 typedef struct ddp_ft_step {
     /* The view's generation: every view change installs a view with a higher gen than any before it, so
        two views of one job never share a gen. Nothing in the sampler reads it. */
@@ -37,3 +58,18 @@ typedef struct ddp_ft_step {
        a process that was a member of the view before. */
     int joined;
 } ddp_ft_step;
+
+/* Begin a step: returns the view it runs in (st->gen, rank, world_size, joined), keeping st->epoch and
+   st->step. The first call on a group is collective (it connects the members' control connections).
+   After a pass or a vote that met DDP_ERR_VIEW_CHANGED it runs the view change first (it waits until the
+   survivors agree, at least suspect_seconds when a member is silent rather than gone). Errors: DDP_ERR_STATE
+   (fault tolerance off), DDP_ERR_PEER_LOST (this member is cut off from the majority, was left out of the
+   view, or fewer than min_world_size members are left). */
+DDP_API ddp_result ddp_ft_begin(ddp_group *g, ddp_ft_step *st);
+/* End a step whose reduction finished (ddp_reducer_end_backward returned DDP_SUCCESS): one 8-byte MIN
+   all-reduce decides whether every member finished it. DDP_SUCCESS: apply the optimizer step; st->step
+   has moved on (it may also come after a member was lost, when every member had finished the reduction:
+   the step then holds the lost member's share, counted once). DDP_ERR_VIEW_CHANGED: the step is void in
+   every member; the new view is in st; run st->step again. */
+DDP_API ddp_result ddp_ft_commit(ddp_group *g, ddp_ft_step *st);
+

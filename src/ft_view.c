@@ -655,6 +655,15 @@ static ddp_result ddp__ft_timeout(ddp__ft_member *m) {
     return ddp__ft_progress(m);
 }
 
+/* The data plane failed (a collective met a lost peer, a peer's abort, a timeout) and the transport
+   cannot tell who is lost: enter the view change naming nobody; the control connections and the
+   reports say the rest (a view change that finds everyone alive makes a new view of the same members). */
+static ddp_result ddp__ft_data_failed(ddp__ft_member *m) {
+    if (m->out || m->joiner) return DDP_SUCCESS;
+    ddp__ft_enter(m, 0);
+    return ddp__ft_progress(m);
+}
+
 /* A message's ids must be below cap, a decree's members ascending. */
 static int ddp__ft_msg_valid(const ddp__ft_member *m, const ddp__ft_msg *msg) {
     int i;

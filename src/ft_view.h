@@ -141,6 +141,7 @@ static DDP__UNUSED void ddp__ft_set_step(ddp__ft_member *m, uint64_t step, ddp__
 static DDP__UNUSED void ddp__ft_admit(ddp__ft_member *m, int joiners);
 static DDP__UNUSED ddp_result ddp__ft_lost(ddp__ft_member *m, uint32_t id, int dead);
 static DDP__UNUSED ddp_result ddp__ft_timeout(ddp__ft_member *m);
+static DDP__UNUSED ddp_result ddp__ft_data_failed(ddp__ft_member *m);
 static DDP__UNUSED ddp_result ddp__ft_receive(ddp__ft_member *m, const ddp__ft_msg *msg);
 
 #endif /* DDP__FT_VIEW_H */

@@ -93,6 +93,7 @@ static void ddp__hier_stages_end(ddp_group *g, int orderly) {
 static void ddp__group_free(ddp_group *g) {
     ddp__live_remove(g, DDP__LIVE_GROUP); /* from here on, calls on g fail instead of reading freed memory */
     ddp__progress_stop(g);
+    if (g->ft_end) g->ft_end(g); /* fault tolerance's control connections and store (ft.c) */
     if (g->end_upper) g->end_upper(g); /* an async checkpoint save: before its work handle is released */
     ddp__work_release_all(g);
     ddp__hier_stages_end(g, 0);
@@ -213,6 +214,85 @@ static ddp_result ddp__group_connect(ddp_group *g, const char *where) {
         r = DDP_ERR_INIT;
     g->mesh.setup = NULL;
     return r;
+}
+
+/* ---- fault tolerance's views (ft.c): a view's data plane is a fresh group, then the program's ----
+   After a view change the members build the new view's data plane as a group of their own (rank = index
+   in the view), through the store of the view's first member under the prefix "ft/<gen>/", exactly as
+   ddp_init connects one: listener, rendezvous, mesh, backend (shm, tcp, hier). Then the program's handle
+   takes it over (ddp__group_adopt): the old data plane (connections, segment, stage groups) goes, and
+   the handle keeps what the program holds: its store, its ddp_alloc blocks (heap memory in FT mode), the
+   progress thread and its work handles, the flight recorder, the device staging, the view change's state. */
+static ddp_result ddp__group_open_view(ddp_group *g, int rank, int n, ddp_store *store, const char *prefix,
+                                       double timeout, ddp_group **out) {
+    char where[160];
+    ddp_group *v;
+    ddp_result r;
+    *out = NULL;
+    if (!(v = ddp__group_alloc(rank, n))) return ddp__fail(g, DDP_ERR_OUT_OF_MEMORY, "out of memory opening the new view");
+    v->timeout = timeout;
+    v->log_level = g->log_level;
+    v->log_fn = g->log_fn;
+    v->log_user = g->log_user;
+    v->ft_mode = 1;
+    v->member.store = store;
+    memcpy(v->member.address, g->member.address, sizeof v->member.address);
+    snprintf(v->member.prefix, sizeof v->member.prefix, "%s", prefix);
+    snprintf(where, sizeof where, "the view's store (%s)", prefix);
+    if (n > 1 && (r = ddp__group_connect(v, where)) != DDP_SUCCESS) {
+        ddp__fail(g, r, "%s", v->error);
+        ddp__group_free(v);
+        return r;
+    }
+    if (n == 1) v->local_rank = 0, v->local_world_size = 1;
+    *out = v;
+    return DDP_SUCCESS;
+}
+
+#define DDP__SWAP(T, a, b) do { T swap_ = (a); (a) = (b); (b) = swap_; } while (0)
+/* g (the program's handle, its progress thread idle) takes view v's data plane; v, holding g's old one, is
+   freed. Subgroups made before stop working: they are broken with a message that says why. */
+static void ddp__group_adopt(ddp_group *g, ddp_group *v) {
+    ddp_group *sub;
+    ddp__mesh m;
+    for (sub = g->member.subgroups; sub; sub = sub->member.next_sibling)
+        ddp__group_break(sub, DDP_ERR_STATE, "the world group changed its view (fault tolerance): a subgroup made "
+                         "before the change cannot be used; destroy it and make it again");
+    DDP__SWAP(int, g->rank, v->rank);
+    DDP__SWAP(int, g->world_size, v->world_size);
+    DDP__SWAP(int, g->local_rank, v->local_rank);
+    DDP__SWAP(int, g->local_world_size, v->local_world_size);
+    DDP__SWAP(int *, g->world_ranks, v->world_ranks);
+    DDP__SWAP(const ddp__backend *, g->backend, v->backend);
+    DDP__SWAP(const ddp__backend *, g->host_backend, v->host_backend);
+    g->ft_views++;
+    g->seq = g->seq_base = v->seq;
+    g->running_seq = 0;
+    g->purpose = 0;
+    v->broken = g->broken = DDP_SUCCESS; /* v: no lingering goodbye for the old connections, whose peers moved on */
+    g->broken_msg[0] = 0;
+    DDP__SWAP(ddp__hier, g->hier, v->hier);
+    DDP__SWAP(ddp__shm *, g->shm, v->shm);
+    m = g->mesh; /* all but the mutex, which stays with its group */
+    g->mesh.peers = v->mesh.peers, v->mesh.peers = m.peers;
+    g->mesh.dir = v->mesh.dir, v->mesh.dir = m.dir;
+    g->mesh.names = v->mesh.names, v->mesh.names = m.names;
+    g->mesh.names_len = v->mesh.names_len, v->mesh.names_len = m.names_len;
+    g->mesh.names_cap = v->mesh.names_cap, v->mesh.names_cap = m.names_cap;
+    g->mesh.linked = v->mesh.linked, v->mesh.linked = m.linked;
+    g->mesh.nlinked = v->mesh.nlinked, v->mesh.nlinked = m.nlinked;
+    g->mesh.listen_fd = v->mesh.listen_fd, v->mesh.listen_fd = m.listen_fd;
+    g->mesh.shakes = v->mesh.shakes, v->mesh.shakes = m.shakes;
+    g->mesh.nshakes = v->mesh.nshakes, v->mesh.nshakes = m.nshakes;
+    g->mesh.pollfds = v->mesh.pollfds, v->mesh.pollfds = m.pollfds;
+    g->mesh.poll_owner = v->mesh.poll_owner, v->mesh.poll_owner = m.poll_owner;
+    g->mesh.waiting_for = -1;
+    g->mesh.stash = v->mesh.stash, v->mesh.stash = m.stash;
+    g->mesh.stash_tail = v->mesh.stash_tail, v->mesh.stash_tail = m.stash_tail;
+    g->mesh.posted = v->mesh.posted, v->mesh.posted = m.posted;
+    g->mesh.p2p_calls = v->mesh.p2p_calls;
+    memcpy(g->member.prefix, v->member.prefix, sizeof g->member.prefix); /* connections made later hash it */
+    ddp__group_free(v);
 }
 
 /* The mesh's look at the store during the set-up (ddp__setup_hooks in internal.h). */
@@ -405,8 +485,44 @@ static void ddp__rank0_cannot_connect(ddp_group *g, const ddp__launch *L, ddp_re
     ddp__rdzv_fail_all(g, r);
 }
 
+/* Fault-tolerant mode's settings (ft.c runs it): the descriptor's fields, else DDP_FT, DDP_FT_MIN_WORLD_SIZE,
+   DDP_FT_SUSPECT_SECONDS; out->fault_tolerant stays 0 when it is off. */
+static ddp_result ddp__read_ft(const ddp_init_desc *d, const char *backend, ddp_init_desc *out, char *err) {
+    const char *v;
+    long n = 0;
+    int k;
+    memset(out, 0, sizeof *out);
+    if (d->fault_tolerant < 0 || d->min_world_size < 0 || d->suspect_seconds < 0)
+        return ddp__fail_to(err, DDP_ERR_INVALID_ARGUMENT, "ddp_init_desc: fault_tolerant (%d), min_world_size (%d) and "
+                            "suspect_seconds (%g) must not be negative", d->fault_tolerant, d->min_world_size, d->suspect_seconds);
+    out->fault_tolerant = d->fault_tolerant;
+    if (!out->fault_tolerant && (k = ddp__env_int("DDP_FT", 0, 1, &n, err)) != 0) {
+        if (k < 0) return DDP_ERR_INIT;
+        out->fault_tolerant = (int)n;
+    }
+    if (!out->fault_tolerant) return DDP_SUCCESS;
+    if (strcmp(backend, "mpi") == 0 || strcmp(backend, "nccl") == 0)
+        return ddp__fail_to(err, DDP_ERR_UNSUPPORTED, "fault-tolerant mode (%s) runs on the cpu backend only, not on "
+                            "\"%s\"; use backend cpu, or turn fault tolerance off",
+                            d->fault_tolerant ? "ddp_init_desc.fault_tolerant" : "DDP_FT=1", backend);
+    out->min_world_size = d->min_world_size ? d->min_world_size : 1;
+    if (!d->min_world_size && (k = ddp__env_int("DDP_FT_MIN_WORLD_SIZE", 1, 1 << 30, &n, err)) != 0) {
+        if (k < 0) return DDP_ERR_INIT;
+        out->min_world_size = (int)n;
+    }
+    out->suspect_seconds = d->suspect_seconds > 0 ? d->suspect_seconds : 10.0;
+    if (d->suspect_seconds <= 0 && (v = ddp__env("DDP_FT_SUSPECT_SECONDS")) != NULL) {
+        char *end;
+        double t = strtod(v, &end);
+        if (end == v || *end || !(t > 0) || t > 1e6)
+            return ddp__fail_to(err, DDP_ERR_INIT, "DDP_FT_SUSPECT_SECONDS=\"%s\" is not a positive number of seconds", v);
+        out->suspect_seconds = t;
+    }
+    return DDP_SUCCESS;
+}
+
 DDP_API ddp_result ddp_init(const ddp_init_desc *desc, ddp_group **out) {
-    ddp_init_desc zero;
+    ddp_init_desc zero, ft;
     ddp__launch L;
     ddp_group *g;
     char err[DDP__ERR_MAX], where[320];
@@ -440,9 +556,13 @@ DDP_API ddp_result ddp_init(const ddp_init_desc *desc, ddp_group **out) {
         timeout = DDP__EARLY_PUBLISH_SECONDS;
     }
 
+    if ((r = ddp__read_ft(desc, backend, &ft, err)) != DDP_SUCCESS) return ddp__fail(NULL, r, "ddp_init: %s", err);
     g = ddp__group_alloc(L.rank, L.world_size);
     if (!g) return ddp__fail(NULL, DDP_ERR_OUT_OF_MEMORY, "ddp_init: out of memory");
     g->timeout = timeout;
+    g->ft_mode = ft.fault_tolerant;
+    g->ft_min_world = ft.min_world_size;
+    g->ft_suspect = ft.suspect_seconds;
     g->log_level = desc->log_level != DDP_LOG_DEFAULT ? desc->log_level : ddp__env_log_level();
     g->log_fn = desc->log_fn;
     g->log_user = desc->log_user;

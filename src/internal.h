@@ -665,6 +665,15 @@ struct ddp_group {
        group: ddp__ck_async_end), called first by ddp_destroy and by ddp__group_free; idempotent; NULL:
        nothing. The layers below reach up only through such slots, never by name. */
     void (*end_upper)(ddp_group *g);
+    /* Fault-tolerant mode (ft.c): ft_mode is set by ddp_init (desc.fault_tolerant, DDP_FT) on the world group
+       and on each view's data plane; a peer lost then answers DDP_ERR_VIEW_CHANGED (util.c ddp__ft_code), and
+       ddp_alloc stays out of the shared segment (a view change maps a new one). ft is the view change's state,
+       made by the first ddp_ft_begin, and ft_end frees it (ddp_destroy; idempotent). */
+    int ft_mode, ft_min_world;
+    uint64_t ft_views;  /* data planes adopted so far (view changes): a reducer pass begun in an older one is void */
+    double ft_suspect;
+    struct ddp__ft *ft;
+    void (*ft_end)(ddp_group *g);
 };
 
 struct ddp_work {
@@ -680,6 +689,16 @@ struct ddp_work {
     void *handle;              /* the owner's: nccl's CUDA event */
     double times[3];           /* the progress thread's run: start, end (ddp__now) and its lane, for the timeline */
 };
+
+/* ---- group.c: a view's data plane (fault tolerance, ft.c) ---- */
+/* A fresh group of n members, this one rank `rank`, connected through `store` under `prefix` (as ddp_init
+   connects one); g carries the error. */
+static DDP__UNUSED ddp_result ddp__group_open_view(ddp_group *g, int rank, int n, ddp_store *store, const char *prefix,
+                                                  double timeout, ddp_group **out);
+/* g (its progress thread idle) takes v's data plane; g's old one is freed with v. */
+static DDP__UNUSED void ddp__group_adopt(ddp_group *g, ddp_group *v);
+/* ---- ft.c ---- */
+static DDP__UNUSED void ddp__ft_test_kill(ddp_group *g, const char *point); /* DDP_FT_TEST_KILL's points in other layers */
 
 /* ---- link.c: connections made on first use ---- */
 /* A step needs a connection to `peer` to send: dial it unless a dial is under way (or the peer's wins). */

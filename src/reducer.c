@@ -59,6 +59,9 @@ static ddp_result ddp__zero_check_desc(ddp_group *g, const ddp_reducer_desc *d) 
                          "is not supported: the buckets would have to hold every gradient, which is what ZeRO-2 frees; "
                          "register your own gradient buffers (gradient_as_bucket_view = 0) or use zero_stage = 1",
                          d->zero_stage);
+    if (g && g->ft_mode && d->zero_stage)
+        return ddp__fail(g, DDP_ERR_UNSUPPORTED, "ddp_reducer_create: zero_stage %d in fault-tolerant mode is not supported "
+                         "(a view change would have to re-shard the optimizer state); use zero_stage 0", d->zero_stage);
     if (d->zero_stage != 3 && (d->param_dtype != DDP_DTYPE_DEFAULT || d->prefetch || d->accumulate_unsharded))
         return ddp__fail(g, DDP_ERR_INVALID_ARGUMENT, "ddp_reducer_create: param_dtype, prefetch and accumulate_unsharded are zero_stage 3's (the "
                          "gathered parameters); at zero_stage %d leave them 0", d->zero_stage);
@@ -557,6 +560,26 @@ static ddp_result ddp__zero_bucket_alloc(ddp_reducer *r, ddp__bucket *k, int b) 
 }
 
 /* The reducer can run a pass or an optimizer-side call: finalized and not failed. */
+/* A reducer call failed with res: the reducer stops (every later call says so) -- except on
+   DDP_ERR_VIEW_CHANGED (fault-tolerant mode: ft.c repairs the group), which only abandons the pass: the
+   buckets' collectives are waited for (they fail at once on the broken group) and the next
+   begin_backward starts afresh in the new view. Returns res. */
+static ddp_result ddp__reducer_stop(ddp_reducer *r, ddp_result res) {
+    int b;
+    if (res != DDP_ERR_VIEW_CHANGED) return r->failed = res;
+    for (b = 0; b < r->L.nbuckets; b++)
+        if (r->L.buckets[b].work) {
+            ddp_wait(r->L.buckets[b].work);
+            r->L.buckets[b].work = NULL;
+        }
+    if (r->ready_work) {
+        ddp_wait(r->ready_work);
+        r->ready_work = NULL;
+    }
+    r->in_backward = 0;
+    return res;
+}
+
 static ddp_result ddp__reducer_usable(ddp_reducer *r, const char *fn) {
     if (!r) return ddp__fail(NULL, DDP_ERR_INVALID_ARGUMENT, "%s: the reducer is NULL", fn);
     if (!r->finalized) return ddp__fail(r->g, DDP_ERR_STATE, "%s: call ddp_reducer_finalize first", fn);
@@ -612,7 +635,7 @@ static ddp_result ddp__timing_start(ddp_reducer *r, int shadow) {
     r->ready_ns[world] = shadow ? 0 : (int64_t)((r->t_ready + r->wall_minus_mono) * 1e9);
     r->ops->copy_out(r->g, comm + (size_t)world * 8, DDP_I64, &r->ready_ns[world], DDP_I64, 1);
     if ((res = ddp_all_gather_async(r->g, comm + (size_t)world * 8, comm, 1, DDP_I64, &r->ready_work)) != DDP_SUCCESS)
-        return r->failed = res;
+        return ddp__reducer_stop(r, res);
     r->ready_discard = shadow;
     return DDP_SUCCESS;
 }

@@ -258,7 +258,7 @@ DDP_API ddp_result ddp_fsdp_gather(ddp_reducer *r, int unit) {
     r->g->purpose = 0;
     r->stats.gathers++;
     u->state = DDP__UNIT_GATHERING;
-    if (res) r->failed = res;
+    if (res) ddp__reducer_stop(r, res);
     return res;
 }
 
@@ -271,7 +271,7 @@ static ddp_result ddp__fsdp_finish(ddp_reducer *r, ddp__unit *u) {
     u->work = NULL;
     u->state = DDP__UNIT_GATHERED;
     r->stats.gather_seconds += (ran[1] > 0 ? ran[1] : ddp__now()) - u->t_issued;
-    if (res) r->failed = res;
+    if (res) ddp__reducer_stop(r, res);
     return res;
 }
 

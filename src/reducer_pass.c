@@ -17,6 +17,8 @@ DDP_API ddp_result ddp_reducer_begin_backward(ddp_reducer *r) {
     ddp_result res = ddp__reducer_usable(r, "ddp_reducer_begin_backward");
     int b;
     if (res) return res;
+    if (r->in_backward && r->pass_view != r->g->ft_views) /* the view changed under it: the pass is void */
+        ddp__reducer_stop(r, DDP_ERR_VIEW_CHANGED);
     if (r->in_backward)
         return ddp__fail(r->g, DDP_ERR_STATE, "ddp_reducer_begin_backward: the previous backward pass has not ended; call "
                          "ddp_reducer_end_backward after each backward pass");
@@ -26,6 +28,7 @@ DDP_API ddp_result ddp_reducer_begin_backward(ddp_reducer *r) {
     if (r->desc.uneven_inputs && (res = ddp__join_announce(r, DDP__JOIN_STEP, "ddp_reducer_begin_backward", NULL)) != DDP_SUCCESS)
         return res;
     r->in_backward = 1;
+    r->pass_view = r->g->ft_views;
     /* zero_stage 3 reduce-scatters in every pass, unless accumulate_unsharded (see "FSDP") */
     r->pass_sync = r->sync || (ddp__fsdp(r) && !r->desc.accumulate_unsharded);
     r->pass_user_sync = r->sync;
@@ -104,7 +107,7 @@ DDP_API ddp_result ddp_reducer_set_local_samples(ddp_reducer *r, size_t n) {
                          "unweighted: 1/world_size)", n, r->pass_joined, r->pass_joined == 1 ? " has" : "s have",
                          r->pass_joined == 1 ? "s" : "");
     r->samples_done = r->samples_sticky = 1;
-    if ((res = ddp__samples_sum(r, n, sums)) != DDP_SUCCESS) return r->failed = res;
+    if ((res = ddp__samples_sum(r, n, sums)) != DDP_SUCCESS) return ddp__reducer_stop(r, res);
     if (sums[1])
         return ddp__fail(r->g, DDP_ERR_INVALID_ARGUMENT, "ddp_reducer_set_local_samples(%zu): %lld rank%s passed more "
                          "than 2^40 samples; the pass goes on unweighted (1/world_size)", n, (long long)sums[1],
@@ -127,6 +130,7 @@ static ddp_result ddp__bucket_start(ddp_reducer *r, ddp__bucket *k, void *data) 
     else if (ddp__reducer_zero(r)) res = ddp_reduce_scatter_async(r->g, data, k->owned, k->per, k->comm_dtype, DDP_SUM, &k->work);
     else res = ddp_all_reduce_async(r->g, data, k->count, k->comm_dtype, DDP_SUM, &k->work);
     r->g->purpose = 0;
+    if (r->g->ft) ddp__ft_test_kill(r->g, "bucket"); /* DDP_FT_TEST_KILL: mid-backward, a bucket in flight */
     return res;
 }
 
@@ -136,7 +140,7 @@ static ddp_result ddp__reducer_start_ready(ddp_reducer *r) {
         ddp__bucket *k = &r->L.buckets[r->next_bucket];
         ddp_result res;
         k->t_started = ddp__timeline_on() ? ddp__now() : 0;
-        if ((res = ddp__bucket_start(r, k, k->comm)) != DDP_SUCCESS) return r->failed = res;
+        if ((res = ddp__bucket_start(r, k, k->comm)) != DDP_SUCCESS) return ddp__reducer_stop(r, res);
         if (!r->t_first_start) r->t_first_start = ddp__now();
         if (++r->next_bucket == r->L.nbuckets) r->t_ready = ddp__now();
     }
@@ -391,7 +395,7 @@ DDP_API ddp_result ddp_fsdp_grads_ready(ddp_reducer *r, int unit) {
     if (!k->comm && (res = ddp__zero2_acquire(r, u->bucket)) != DDP_SUCCESS) return res;
     if (!u->grad && r->desc.find_unused_parameters) { /* not used on this rank: zeros, and the used map says so */
         size_t off = 0;
-        if ((res = ddp__stash_reserve(r, 1, "ddp_fsdp_grads_ready")) != DDP_SUCCESS) return r->failed = res;
+        if ((res = ddp__stash_reserve(r, 1, "ddp_fsdp_grads_ready")) != DDP_SUCCESS) return ddp__reducer_stop(r, res);
         for (i = u->first; i < u->first + u->n; i++) {
             r->ready[i] = 1;
             ddp__reducer_take_zero(r, i, &off);
@@ -489,8 +493,8 @@ static ddp_result ddp__reducer_rebuild(ddp_reducer *r) {
     ddp_result res;
     int taken;
     r->rebuild_pending = 0;
-    if ((res = ddp_broadcast(r->g, r->order, ddp__reducer_n(r), DDP_I32, 0)) != DDP_SUCCESS) return r->failed = res;
-    if ((res = ddp__reducer_relayout(r, r->order, &taken)) != DDP_SUCCESS) return r->failed = res;
+    if ((res = ddp_broadcast(r->g, r->order, ddp__reducer_n(r), DDP_I32, 0)) != DDP_SUCCESS) return ddp__reducer_stop(r, res);
+    if ((res = ddp__reducer_relayout(r, r->order, &taken)) != DDP_SUCCESS) return ddp__reducer_stop(r, res);
     r->stats.rebuilt = taken;
     return DDP_SUCCESS;
 }
@@ -516,14 +520,14 @@ DDP_API ddp_result ddp_reducer_end_backward(ddp_reducer *r) {
                          "ddp_reducer_begin_backward before the backward pass");
     if (!r->pass_sync) {
         r->in_backward = 0;
-        if (ddp__fsdp(r) && (res = ddp__fsdp_reshard_all(r)) != DDP_SUCCESS) return r->failed = res;
+        if (ddp__fsdp(r) && (res = ddp__fsdp_reshard_all(r)) != DDP_SUCCESS) return ddp__reducer_stop(r, res);
         r->stats.local_iterations++;
         ddp__reducer_timeline_pass(r, t_enter);
         return DDP_SUCCESS;
     }
     if ((res = ddp__samples_check_due(r, "ddp_reducer_end_backward")) != DDP_SUCCESS) return res;
     if (r->desc.find_unused_parameters) {
-        if ((res = ddp__reducer_fill_unused(r)) != DDP_SUCCESS) r->failed = res;
+        if ((res = ddp__reducer_fill_unused(r)) != DDP_SUCCESS) ddp__reducer_stop(r, res);
     } else {
         for (i = 0; i < r->nparams; i++)
             if (!r->ready[i]) return ddp__reducer_missing(r);
@@ -533,7 +537,7 @@ DDP_API ddp_result ddp_reducer_end_backward(ddp_reducer *r) {
     if (!res && r->desc.find_unused_parameters) { /* PyTorch's local_used_map, reduced after the buckets */
         r->ops->copy_out(r->g, r->used_comm, DDP_U8, r->used, DDP_U8, ddp__reducer_n(r));
         if ((res = ddp_all_reduce_async(r->g, r->used_comm, ddp__reducer_n(r), DDP_U8, DDP_MAX, &used_work)) != DDP_SUCCESS)
-            r->failed = res;
+            ddp__reducer_stop(r, res);
     }
     {
         ddp_result waited = ddp__reducer_collect(r, used_work);
@@ -547,9 +551,9 @@ DDP_API ddp_result ddp_reducer_end_backward(ddp_reducer *r) {
         r->accumulate = !r->pass_user_sync; /* the next pass adds to this one's slices */
         for (i = 0; i < r->nunits; i++) r->units[i].grad_held = 0; /* accumulate_unsharded: reduced now */
     }
-    if (res) return r->failed = res;
+    if (res) return ddp__reducer_stop(r, res);
     /* grad_stats: the pass's sums complete; under ZeRO one 16-byte all-reduce (the joined ranks' shadow too) */
-    if ((res = ddp__amp_finish(r->g, &r->amp, ddp__reducer_zero(r))) != DDP_SUCCESS) return r->failed = res;
+    if ((res = ddp__amp_finish(r->g, &r->amp, ddp__reducer_zero(r))) != DDP_SUCCESS) return ddp__reducer_stop(r, res);
     t_done = ddp__now();
     if (ddp__fsdp(r) && !r->pass_user_sync) r->stats.local_iterations++;
     else r->stats.iterations++;
@@ -750,7 +754,7 @@ static ddp_result ddp__join_exchange(ddp_reducer *r, const char *fn, int kind, i
     if ((res = ddp_all_gather(r->g, mine, r->join_table, DDP__JOIN_FIELDS, DDP_I32)) != DDP_SUCCESS) {
         char why[DDP__ERR_MAX];
         snprintf(why, sizeof why, "%s", ddp_last_error(r->g));
-        r->failed = res;
+        ddp__reducer_stop(r, res);
         return ddp__fail(r->g, res, "%s: the join round (uneven_inputs: an all_gather of 3 x i32 at every backward pass, "
                          "buffer broadcast and join) failed: %s. Until every rank has joined, the ranks with data may "
                          "issue only the reducer's collectives (ddp_reducer_join shadows nothing else)", fn, why);
@@ -873,10 +877,10 @@ static ddp_result ddp__join_shadow_backward(ddp_reducer *r, int samples) {
     size_t off = 0, kept = 0;
     int b, j, keep = ddp__reducer_zero(r) && r->desc.find_unused_parameters, i;
     int64_t sums[2];
-    if (samples && (res = ddp__samples_sum(r, 0, sums)) != DDP_SUCCESS) return r->failed = res; /* no samples here */
+    if (samples && (res = ddp__samples_sum(r, 0, sums)) != DDP_SUCCESS) return ddp__reducer_stop(r, res); /* no samples here */
     if ((res = ddp__join_shadow_memory(r)) != DDP_SUCCESS) return res;
     if (ddp__reducer_zero(r)) ddp__amp_begin(&r->amp, ddp__grad_stats_on(r), r->desc.loss_scale); /* its shards' stats */
-    if (keep && (res = ddp__stash_reserve(r, 1, "ddp_reducer_join_step")) != DDP_SUCCESS) return r->failed = res;
+    if (keep && (res = ddp__stash_reserve(r, 1, "ddp_reducer_join_step")) != DDP_SUCCESS) return ddp__reducer_stop(r, res);
     for (b = 0; b < r->L.nbuckets && !res; b++) {
         ddp__bucket *k = &r->L.buckets[b];
         size_t bytes = k->count * ddp_dtype_size(k->comm_dtype);
@@ -901,11 +905,11 @@ static ddp_result ddp__join_shadow_backward(ddp_reducer *r, int samples) {
             if (ddp__zero2(r)) ddp__zero2_finish(r, &r->L.buckets[b], !res); /* the slice stays in the reducer */
         }
     if (used_work && (waited = ddp_wait(used_work)) != DDP_SUCCESS && !res) res = waited;
-    if (res) return r->failed = res;
+    if (res) return ddp__reducer_stop(r, res);
     if (used_work) r->ops->copy_out(r->g, r->used_global, DDP_U8, r->used_comm, DDP_U8, ddp__reducer_n(r));
     if (keep) ddp__reducer_finish_unused(r, 1); /* a parameter no rank used keeps what it held */
     for (i = 0; !keep && ddp__reducer_zero(r) && !ddp__zero2(r) && i < r->nparams; i++) ddp__zero_give_back(r, i);
-    if (ddp__reducer_zero(r) && (res = ddp__amp_finish(r->g, &r->amp, 1)) != DDP_SUCCESS) return r->failed = res;
+    if (ddp__reducer_zero(r) && (res = ddp__amp_finish(r->g, &r->amp, 1)) != DDP_SUCCESS) return ddp__reducer_stop(r, res);
     r->stats.shadowed_iterations++;
     ddp__timing_finish(r);
     if ((res = ddp__timing_start(r, 1)) != DDP_SUCCESS) return res;
@@ -952,12 +956,12 @@ static ddp_result ddp__join_step(ddp_reducer *r, const char *fn, int *all_joined
             r->join_gather_due = ddp__reducer_zero(r);
             return DDP_SUCCESS;
         }
-        if (res) return r->failed = res;
+        if (res) return ddp__reducer_stop(r, res);
     }
     r->join_joined = 0;
     r->join_steps = 0;
     if ((res = ddp__reducer_sync_states(r, v.last_joiner >= 0 ? v.last_joiner : 0, fn)) != DDP_SUCCESS)
-        return r->failed = res;
+        return ddp__reducer_stop(r, res);
     *all_joined = 1;
     return DDP_SUCCESS;
 }

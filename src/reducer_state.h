@@ -107,6 +107,7 @@ struct ddp_reducer {
     int *order;        /* ready order of the first synchronised pass, for the rebuild */
     int norder;
     int rebuild_pending;
+    uint64_t pass_view;  /* the group's ft_views when this pass began (fault-tolerant mode) */
     void *stash;       /* view without compression + find_unused: gradients of unused parameters */
     size_t stash_bytes;
     ddp_shard *shards; /* zero_stage: this rank's pieces of the model, in bucket order */

@@ -112,12 +112,12 @@ static ddp_result ddp__zero2_acquire(ddp_reducer *r, int b) {
             res = ddp_wait(h->work);
             h->work = NULL;
             ddp__zero2_finish(r, h, res == DDP_SUCCESS);
-            if (res) return r->failed = res;
+            if (res) return ddp__reducer_stop(r, res);
             continue;
         }
         ddp__log(r->g, DDP_LOG_DEBUG, "reducer: zero_stage 2: the gradients of %d buckets arrived before any could start; "
                  "the pool grows to %d comm buffers", r->npool + 1, r->npool + 1);
-        if ((res = ddp__zero2_pool_grow(r)) != DDP_SUCCESS) return r->failed = res;
+        if ((res = ddp__zero2_pool_grow(r)) != DDP_SUCCESS) return ddp__reducer_stop(r, res);
     }
 }
 
@@ -364,7 +364,7 @@ static ddp_result ddp__zero_gather_settle(ddp_reducer *r) {
     if (ddp__zero2(r))
         for (b = 0; b < r->L.nbuckets; b++) r->L.buckets[b].gather = NULL;
     r->gathering = 0;
-    if (res) r->failed = res;
+    if (res) ddp__reducer_stop(r, res);
     return res;
 }
 
@@ -499,7 +499,8 @@ DDP_API ddp_result ddp_reducer_finalize(ddp_reducer *r) {
         return res;
     }
     /* no rebuild under ZeRO (shards never move) nor with units (they are the buckets) */
-    r->rebuild_pending = !r->desc.find_unused_parameters && !ddp__reducer_zero(r) && !r->nunits;
+    /* fault-tolerant mode keeps the registration order (a frozen layout, the same in every view) */
+    r->rebuild_pending = !r->desc.find_unused_parameters && !ddp__reducer_zero(r) && !r->nunits && !r->g->ft_mode;
     return DDP_SUCCESS;
 }
 

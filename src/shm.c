@@ -1218,7 +1218,7 @@ static ddp_result ddp__shm_setup(ddp_group *g) {
     if (g->rank == 0) {
         snprintf(info.name, sizeof info.name, "/ddp.%d.%llx", (int)getpid(), (unsigned long long)(ddp__hash(g->member.prefix) ^ (uint64_t)ddp__now()));
         fd = shm_open(info.name, O_CREAT | O_EXCL | O_RDWR, 0600);
-        if (fd >= 0) info.arena_bytes = ddp__arena_size(g, fd);
+        if (fd >= 0 && !g->ft_mode) info.arena_bytes = ddp__arena_size(g, fd); /* FT: a view change maps a new segment */
         /* the arenas are a sparse tail; a file system that refuses the size gets none */
         if (fd >= 0 && info.arena_bytes && ftruncate(fd, (off_t)(arenas_at + (size_t)g->world_size * info.arena_bytes)) != 0)
             info.arena_bytes = 0;

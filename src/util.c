@@ -22,8 +22,19 @@ static void ddp__note_thread_error(const char *msg) {
     if (msg != ddp__thread_error) snprintf(ddp__thread_error, sizeof ddp__thread_error, "%s", msg);
 }
 
+/* Fault-tolerant mode (ft.c): a group broken by a lost or silent peer is repaired by a view change, so a
+   call that fails for that reason answers DDP_ERR_VIEW_CHANGED (redo the step), with the cause in the
+   message; a mismatch or a misuse stays what it is. */
+static ddp_result ddp__ft_code(const ddp_group *g, ddp_result code) {
+    ddp_result why = g ? g->broken : DDP_SUCCESS;
+    if (!g || !g->ft_mode || (why != DDP_ERR_PEER_LOST && why != DDP_ERR_TIMEOUT && why != DDP_ERR_VIEW_CHANGED))
+        return code;
+    return code == DDP_ERR_PEER_LOST || code == DDP_ERR_TIMEOUT || code == DDP_ERR_STATE ? DDP_ERR_VIEW_CHANGED : code;
+}
+
 static ddp_result ddp__fail(ddp_group *g, ddp_result code, const char *fmt, ...) {
     va_list ap;
+    code = ddp__ft_code(g, code);
     va_start(ap, fmt);
     ddp__vfail_to(ddp__error_buffer(g), code, fmt, ap);
     va_end(ap);
@@ -48,6 +59,7 @@ DDP_API const char *ddp_result_string(ddp_result r) {
     case DDP_ERR_INIT: return "DDP_ERR_INIT: process-group initialisation failed";
     case DDP_ERR_WORKER_FAILED: return "DDP_ERR_WORKER_FAILED: a worker process failed";
     case DDP_ERR_UNEVEN_INPUTS: return "DDP_ERR_UNEVEN_INPUTS: a rank ran out of data (uneven inputs)";
+    case DDP_ERR_VIEW_CHANGED: return "DDP_ERR_VIEW_CHANGED: the group lost a member and changed its view; redo the step";
     }
     return "unknown ddp_result";
 }

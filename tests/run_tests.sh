@@ -25,7 +25,7 @@ QUICK="
   test_more_collectives
   test_errors test_hier test_init test_reducer test_reducer_buckets test_reducer_errors test_reducer_join
   test_reducer_zero test_reducer_zero_ckpt test_reducer_fsdp test_reducer_fsdp_ckpt test_reducer_samples test_llmc_fsdp
-  test_sampler test_sampler_step test_ft_view
+  test_sampler test_sampler_step test_ft_view test_ft
   test_shm_alloc test_shm_cma test_spawn test_store test_syncbn test_syncbn_ranks test_tcp_algorithms
   test_ddprun test_examples test_demo test_trace test_timeline test_bench_scale test_cuda_devbuf test_cuda_checkpoint
   test_nccl_harness test_nccl_fsdp

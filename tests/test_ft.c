@@ -1,0 +1,365 @@
+/* Fault-tolerant training (src/ft.h, src/ft.c): a member is SIGKILLed at a chosen point of a chosen step
+   (DDP_FT_TEST_KILL, the library's own kill points) and the survivors must go on without a restart.
+   The program trains a model whose per-sample loss is 0.5 |w - t(i)|^2 (t: a fixed function of the sample
+   index i, in three tensors of 301, 41 and 7 floats, so the reducer runs three buckets) with SGD, for two
+   epochs of a shuffled dataset through ddp_sampler_step_batch and ddp_reducer_set_local_samples, looping
+   as src/ft.h says. Each rank writes a log line per pass it finished (the indices it used) and per step it
+   committed (the view that ran it), and its final weights. The parent checks, independently of the
+   library's code:
+   - every survivor exits 0 and the victims die by SIGKILL;
+   - per epoch, the committed steps are 0 .. S-1, each once, and each step's samples (every rank's share
+     in the view that committed it, from the sampler's position rule) are the epoch's padded list
+     (G2: every sample once); each logged pass used exactly its rank's share;
+   - the survivors' final weights are equal bit for bit, and equal a serial f64 replay of the failure-free
+     run (the mean gradient of each step's global batch) within 1e-5 (G3);
+   - from a kill to the survivors' next committed step (printed; not a pass/fail threshold: machines are
+     noisy; the closing numbers are measured by bench, not asserted here).
+   Cases: no kill; a member killed at begin, mid-bucket, in the vote (its vote lost: every survivor has
+   COMPLETE, the step commits); the coordinator (id 0) killed; two members killed in one step, the second
+   while reporting in the view change; the coordinator killed while sending its DECIDE. On 3 and 4 ranks,
+   over shared memory and over TCP. */
+#include "testlib.h"
+
+#define NT 3
+static const size_t COUNT[NT] = {301, 41, 7};
+#define DATASET 203
+#define BATCH 4    /* per rank of the first view: G = BATCH * R0 */
+#define EPOCHS 2
+#define LR 0.25
+
+static double target(int64_t i, int t, size_t e) { return sin(0.013 * (double)i * (double)(t + 1) + 0.7 * (double)e); }
+
+static double wall(void) {
+    struct timespec ts;
+    clock_gettime(CLOCK_REALTIME, &ts);
+    return (double)ts.tv_sec + (double)ts.tv_nsec * 1e-9;
+}
+
+static const char *g_dir;
+
+static void log_line(int fd, const char *fmt, ...) {
+    char buf[8192];
+    va_list ap;
+    int n;
+    va_start(ap, fmt);
+    n = vsnprintf(buf, sizeof buf, fmt, ap);
+    va_end(ap);
+    if (n > 0 && write(fd, buf, (size_t)n) != n) abort();
+}
+
+static ddp_sampler_desc sampler_desc(int r0) {
+    ddp_sampler_desc d;
+    memset(&d, 0, sizeof d);
+    d.dataset_size = DATASET;
+    d.num_replicas = r0;
+    d.seed = 7;
+    return d;
+}
+
+static int worker(int rank, int n, void *arg) {
+    ddp_init_desc desc;
+    ddp_group *g;
+    ddp_reducer_desc rd;
+    ddp_reducer *r;
+    ddp_sampler s;
+    ddp_sampler_desc sd = sampler_desc(n);
+    ddp_ft_step st;
+    float *w[NT], *gr[NT];
+    int64_t idx[64];
+    size_t got, e, k;
+    uint64_t G = (uint64_t)BATCH * (uint64_t)n, steps = 0;
+    int t, fd;
+    char path[512];
+    (void)arg;
+    snprintf(path, sizeof path, "%s/log.%d", g_dir, rank);
+    fd = open(path, O_WRONLY | O_CREAT | O_TRUNC | O_APPEND, 0644);
+    CHECK(fd >= 0, "open %s", path);
+    memset(&desc, 0, sizeof desc);
+    desc.fault_tolerant = 1;
+    desc.suspect_seconds = 2;
+    desc.timeout_seconds = 30;
+    CHECK_OK(ddp_init(&desc, &g), NULL);
+    memset(&rd, 0, sizeof rd);
+    rd.bucket_cap_bytes = 16; /* one bucket per tensor */
+    rd.first_bucket_bytes = 16;
+    CHECK_OK(ddp_reducer_create(g, &rd, &r), g);
+    for (t = 0; t < NT; t++) {
+        char name[16];
+        w[t] = (float *)calloc(COUNT[t], sizeof(float));
+        gr[t] = (float *)calloc(COUNT[t], sizeof(float));
+        CHECK(w[t] && gr[t], "calloc");
+        for (e = 0; e < COUNT[t]; e++) w[t][e] = (float)(0.1 * (double)e / (double)COUNT[t]);
+        snprintf(name, sizeof name, "w%d", t);
+        CHECK_OK(ddp_reducer_add_param(r, name, w[t], gr[t], COUNT[t], DDP_F32, NULL), g);
+    }
+    CHECK_OK(ddp_reducer_finalize(r), g);
+    CHECK_OK(ddp_sampler_init(&s, &sd), NULL);
+    memset(&st, 0, sizeof st);
+    for (;;) {
+        ddp_result res;
+        uint64_t pass_gen;
+        int pass_world, pass_rank;
+        CHECK_OK(ddp_ft_begin(g, &st), g);
+        CHECK_OK(ddp_sampler_step_batch(&s, &st, G, idx, &got), NULL);
+        if (got == 0 && st.step > 0) { /* past the epoch's end */
+            if (++st.epoch == EPOCHS) break;
+            st.step = 0;
+            continue;
+        }
+        pass_gen = st.gen, pass_world = st.world_size, pass_rank = st.rank;
+        /* forward and backward: the mean over this rank's samples of w - t(i) */
+        for (t = 0; t < NT; t++)
+            for (e = 0; e < COUNT[t]; e++) {
+                double sum = 0;
+                for (k = 0; k < got; k++) sum += (double)w[t][e] - target(idx[k], t, e);
+                gr[t][e] = got ? (float)(sum / (double)got) : 0.0f;
+            }
+        CHECK_OK(ddp_reducer_begin_backward(r), g);
+        res = ddp_reducer_set_local_samples(r, got);
+        for (t = NT - 1; t >= 0 && res == DDP_SUCCESS; t--) res = ddp_reducer_grad_ready(r, t);
+        if (res == DDP_SUCCESS) res = ddp_reducer_end_backward(r);
+        if (res == DDP_ERR_VIEW_CHANGED) continue; /* the pass is void */
+        CHECK(res == DDP_SUCCESS, "rank %d: the pass failed: %s", rank, ddp_last_error(g));
+        {
+            char line[4096];
+            size_t len = (size_t)snprintf(line, sizeof line, "P %llu %llu %llu %d %d %zu", (unsigned long long)st.epoch,
+                                          (unsigned long long)st.step, (unsigned long long)pass_gen, pass_world, pass_rank, got);
+            for (k = 0; k < got; k++) len += (size_t)snprintf(line + len, sizeof line - len, " %lld", (long long)idx[k]);
+            log_line(fd, "%s\n", line);
+        }
+        res = ddp_ft_commit(g, &st);
+        if (res == DDP_ERR_VIEW_CHANGED) continue;
+        CHECK(res == DDP_SUCCESS, "rank %d: ddp_ft_commit: %s", rank, ddp_last_error(g));
+        log_line(fd, "K %llu %llu %llu %d %.6f\n", (unsigned long long)st.epoch, (unsigned long long)(st.step - 1),
+                 (unsigned long long)pass_gen, pass_world, wall());
+        for (t = 0; t < NT; t++) /* SGD with the averaged gradient */
+            for (e = 0; e < COUNT[t]; e++) w[t][e] -= (float)LR * gr[t][e];
+        steps++;
+    }
+    snprintf(path, sizeof path, "%s/weights.%d", g_dir, rank);
+    {
+        FILE *f = fopen(path, "wb");
+        CHECK(f, "open %s", path);
+        for (t = 0; t < NT; t++) CHECK(fwrite(w[t], sizeof(float), COUNT[t], f) == COUNT[t], "write");
+        fclose(f);
+    }
+    log_line(fd, "E %llu %d\n", (unsigned long long)steps, ddp_world_size(g));
+    close(fd);
+    ddp_sampler_free(&s);
+    ddp_reducer_destroy(r);
+    CHECK_OK(ddp_destroy(g), NULL);
+    for (t = 0; t < NT; t++) free(w[t]), free(gr[t]);
+    return 0;
+}
+
+/* ---- the parent's checks ---- */
+
+typedef struct commit {
+    int seen;
+    uint64_t gen;
+    int world;
+    double when;
+} commit;
+
+/* The serial failure-free run in f64: each step's update is the mean of w - t(i) over its global batch. */
+static void serial_replay(int r0, double *ref[NT]) {
+    ddp_sampler s;
+    ddp_sampler_desc sd = sampler_desc(r0);
+    ddp_ft_step st;
+    int64_t idx[256];
+    size_t got, e, k;
+    uint64_t G = (uint64_t)BATCH * (uint64_t)r0;
+    int t;
+    CHECK_OK(ddp_sampler_init(&s, &sd), NULL);
+    for (t = 0; t < NT; t++)
+        for (e = 0; e < COUNT[t]; e++) ref[t][e] = (double)(float)(0.1 * (double)e / (double)COUNT[t]);
+    memset(&st, 0, sizeof st);
+    st.world_size = 1;
+    for (st.epoch = 0; st.epoch < EPOCHS; st.epoch++)
+        for (st.step = 0;; st.step++) {
+            CHECK_OK(ddp_sampler_step_batch(&s, &st, G, idx, &got), NULL);
+            if (!got) break;
+            for (t = 0; t < NT; t++)
+                for (e = 0; e < COUNT[t]; e++) {
+                    double sum = 0;
+                    for (k = 0; k < got; k++) sum += ref[t][e] - target(idx[k], t, e);
+                    ref[t][e] -= LR * (sum / (double)got);
+                }
+        }
+    ddp_sampler_free(&s);
+}
+
+/* rank's share of a step in a view of `world` members (the sampler's position rule, through a 1-rank
+   step call for each position: positions s*G + rank + j*world). */
+static size_t share_of(ddp_sampler *s, uint64_t epoch, uint64_t step, int rank, int world, uint64_t G, int64_t *out) {
+    ddp_ft_step st;
+    size_t got;
+    memset(&st, 0, sizeof st);
+    st.epoch = epoch, st.step = step, st.rank = rank, st.world_size = world;
+    CHECK_OK(ddp_sampler_step_batch(s, &st, G, out, &got), NULL);
+    return got;
+}
+
+static int cmp_i64(const void *a, const void *b) {
+    int64_t x = *(const int64_t *)a, y = *(const int64_t *)b;
+    return x < y ? -1 : x > y;
+}
+
+/* Check one run's logs; returns the worst kill-to-commit latency in seconds (-1: no kill). */
+static double check_run(const char *dir, int n, const int *codes, const char *what, double killed_at) {
+    commit c[EPOCHS][128];
+    double *ref[NT], worst = -1;
+    float *final0 = NULL;
+    size_t total = 0, e;
+    int i, t, survivors = 0;
+    uint64_t G = (uint64_t)BATCH * (uint64_t)n, ep, stp;
+    ddp_sampler s;
+    ddp_sampler_desc sd = sampler_desc(n);
+    memset(c, 0, sizeof c);
+    for (t = 0; t < NT; t++) total += COUNT[t];
+    CHECK_OK(ddp_sampler_init(&s, &sd), NULL);
+    for (i = 0; i < n; i++) {
+        char path[600], line[8192];
+        FILE *f;
+        snprintf(path, sizeof path, "%s/log.%d", dir, i);
+        f = fopen(path, "r");
+        CHECK(f, "%s: no log from rank %d", what, i);
+        while (fgets(line, sizeof line, f)) {
+            unsigned long long a, b, gen;
+            int world, r, off = 0;
+            size_t got, k;
+            double when;
+            if (sscanf(line, "K %llu %llu %llu %d %lf", &a, &b, &gen, &world, &when) == 5) {
+                commit *x;
+                CHECK(a < EPOCHS && b < 128, "%s: rank %d committed epoch %llu step %llu", what, i, a, b);
+                x = &c[a][b];
+                CHECK(!x->seen || (x->gen == gen && x->world == world), "%s: epoch %llu step %llu committed in view %llu "
+                      "(%d members) and in view %llu (%d members)", what, a, b, (unsigned long long)x->gen, x->world, gen, world);
+                x->seen = 1, x->gen = gen, x->world = world;
+                if (!x->when || when < x->when) x->when = when;
+            } else if (sscanf(line, "P %llu %llu %llu %d %d %zu%n", &a, &b, &gen, &world, &r, &got, &off) == 6) {
+                int64_t want[64], used[64];
+                char *p = line + off;
+                CHECK(got <= 64, "%s: a pass of %zu samples", what, got);
+                for (k = 0; k < got; k++) used[k] = strtoll(p, &p, 10);
+                CHECK(share_of(&s, a, b, r, world, G, want) == got, "%s: rank %d's pass of epoch %llu step %llu (view %llu, "
+                      "rank %d of %d) used %zu samples", what, i, a, b, gen, r, world, got);
+                for (k = 0; k < got; k++)
+                    CHECK(want[k] == used[k], "%s: rank %d's pass of epoch %llu step %llu used sample %lld at %zu, its share "
+                          "has %lld", what, i, a, b, (long long)used[k], k, (long long)want[k]);
+            }
+        }
+        fclose(f);
+        if (codes[i] == -SIGKILL) continue;
+        CHECK(codes[i] == 0, "%s: rank %d exited with %d", what, i, codes[i]);
+        survivors++;
+        {
+            float *wts = (float *)malloc(total * sizeof(float));
+            FILE *wf;
+            snprintf(path, sizeof path, "%s/weights.%d", dir, i);
+            CHECK(wts && (wf = fopen(path, "rb")) != NULL, "%s: rank %d wrote no weights", what, i);
+            CHECK(fread(wts, sizeof(float), total, wf) == total, "%s: rank %d's weights are short", what, i);
+            fclose(wf);
+            if (!final0) final0 = wts;
+            else {
+                CHECK(memcmp(final0, wts, total * sizeof(float)) == 0, "%s: rank %d's final weights differ from another "
+                      "survivor's", what, i);
+                free(wts);
+            }
+        }
+    }
+    CHECK(survivors > 0 && final0, "%s: no survivor", what);
+    /* G2: every epoch's committed steps cover its padded list once */
+    for (ep = 0; ep < EPOCHS; ep++) {
+        int64_t all[DATASET + 64], padded[DATASET + 64], one[64];
+        size_t have = 0, plen = 0, k;
+        ddp_ft_step st;
+        memset(&st, 0, sizeof st);
+        st.epoch = ep, st.world_size = 1;
+        for (stp = 0;; stp++) {
+            size_t got;
+            st.step = stp;
+            CHECK_OK(ddp_sampler_step_batch(&s, &st, G, padded + plen, &got), NULL);
+            if (!got) break;
+            plen += got;
+            CHECK(c[ep][stp].seen, "%s: epoch %llu step %llu was never committed", what, (unsigned long long)ep,
+                  (unsigned long long)stp);
+            for (i = 0; i < c[ep][stp].world; i++) {
+                size_t got2 = share_of(&s, ep, stp, i, c[ep][stp].world, G, one);
+                for (k = 0; k < got2; k++) all[have++] = one[k];
+            }
+        }
+        CHECK(!c[ep][stp].seen, "%s: epoch %llu has a committed step past its end", what, (unsigned long long)ep);
+        qsort(all, have, sizeof *all, cmp_i64);
+        qsort(padded, plen, sizeof *padded, cmp_i64);
+        CHECK(have == plen && memcmp(all, padded, have * sizeof *all) == 0, "%s: epoch %llu: the committed samples "
+              "(%zu) are not the epoch's padded list (%zu) once each", what, (unsigned long long)ep, have, plen);
+        for (stp = 0; stp < 128; stp++)
+            if (c[ep][stp].seen && killed_at > 0 && c[ep][stp].when > killed_at &&
+                (worst < 0 || c[ep][stp].when - killed_at < worst))
+                worst = c[ep][stp].when - killed_at;
+    }
+    /* G3: the serial replay */
+    {
+        size_t off = 0;
+        double maxd = 0;
+        for (t = 0; t < NT; t++) CHECK((ref[t] = (double *)malloc(COUNT[t] * sizeof(double))) != NULL, "malloc");
+        serial_replay(n, ref);
+        for (t = 0; t < NT; t++)
+            for (e = 0; e < COUNT[t]; e++, off++) {
+                double d = fabs((double)final0[off] - ref[t][e]);
+                if (d > maxd) maxd = d;
+            }
+        CHECK(maxd <= 1e-5, "%s: the final weights differ from the serial replay by %.3g", what, maxd);
+        for (t = 0; t < NT; t++) free(ref[t]);
+    }
+    free(final0);
+    ddp_sampler_free(&s);
+    return worst;
+}
+
+typedef struct ft_case {
+    const char *name;
+    const char *kill; /* DDP_FT_TEST_KILL, NULL: none */
+    int victims;
+} ft_case;
+
+int main(int argc, char **argv) {
+    static const ft_case CASES[] = {
+        {"no failure", NULL, 0},
+        {"member 1 killed at begin of step 3", "1:3:begin", 1},
+        {"member 2 killed mid-bucket in step 5", "2:5:bucket", 1},
+        {"member 1 killed before its vote in step 4", "1:4:vote", 1},
+        {"the coordinator (0) killed mid-bucket in step 2", "0:2:bucket", 1},
+        {"member 2 killed mid-bucket, then member 1 while reporting, step 6", "2:6:bucket,1:6:report", 2},
+        {"member 2 killed mid-bucket, then the coordinator while deciding, step 7", "2:7:bucket,0:7:decide", 2},
+    };
+    int sizes[2] = {3, 4}, k, t, ci;
+    char dir[] = "/tmp/test_ft.XXXXXX";
+    (void)argc, (void)argv;
+    signal(SIGPIPE, SIG_IGN);
+    CHECK(mkdtemp(dir), "mkdtemp");
+    g_dir = dir;
+    for (t = 0; t < 2; t++)
+        for (k = 0; k < 2; k++)
+            for (ci = 0; ci < (int)(sizeof CASES / sizeof CASES[0]); ci++) {
+                const ft_case *fc = &CASES[ci];
+                int codes[8], n = sizes[k], i, killed = 0;
+                char what[256];
+                double t0 = tl_now(), worst;
+                if (fc->victims >= n - 1) continue;
+                snprintf(what, sizeof what, "%d ranks over %s, %s", n, tl_transport_name(t), fc->name);
+                setenv("DDP_TRANSPORT", tl_transport(t), 1);
+                if (fc->kill) setenv("DDP_FT_TEST_KILL", fc->kill, 1);
+                else unsetenv("DDP_FT_TEST_KILL");
+                tl_run_ranks_status(n, worker, NULL, 120, codes);
+                for (i = 0; i < n; i++) killed += codes[i] == -SIGKILL;
+                CHECK(killed == fc->victims, "%s: %d rank(s) died by SIGKILL, expected %d", what, killed, fc->victims);
+                worst = check_run(dir, n, codes, what, -1);
+                (void)worst;
+                printf("ok: %s (%.1f s)\n", what, tl_now() - t0);
+                fflush(stdout);
+            }
+    tl_rm_dir(dir);
+    return 0;
+}
