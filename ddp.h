@@ -70,6 +70,13 @@
        DDP_SHM_ARENA_BYTES  address space reserved per rank for ddp_alloc buffers in the shared segment
                          (default: what /dev/shm can hold, at most 64 GiB)
        DDP_TRACE_SIZE    collectives each group's flight recorder keeps (default 64; 0 turns it off)
+       DDP_FT            1: fault-tolerant mode (ddp_init_desc.fault_tolerant; ft.h): a lost rank is a view
+                         change, not an error (cpu backend only)
+       DDP_FT_SUSPECT_SECONDS  fault-tolerant mode: a member silent this long in a view change is
+                         suspected (default 10)
+       DDP_FT_MIN_WORLD_SIZE  fault-tolerant mode: fewer live members than this fail (default 1)
+       DDP_FT_TEST_KILL  tests: id:step:point[,...]: member `id` SIGKILLs itself at committed step `step`,
+                         point begin | bucket | vote | report | decide | go
        DDP_TRACE_DIR     when a group breaks (timeout, lost peer, abort, mismatch), each rank writes its
                          recorders to DIR/ddp_trace_rank<R>_pid<P>.txt (unset: its last 10 into the error
                          log); ddprun summarises the files, one line per rank, when a job fails (unset:
@@ -2768,7 +2775,7 @@ DDP_API ddp_result ddp__cuda_bucket_add(const ddp_cuda_grads_args *a, const void
        timeline                 Chrome trace events (DDP_TIMELINE): collectives, reducer passes, saves, ranges
        ft_view                  fault tolerance's view change (FT.md 2.3), pure decisions with no I/O: the
                                 coordinator, the quorum, the verdict, the next view, a member's answers
-                                (ft_view.h holds its data; the transport above is to carry its messages)
+                                (ft_view.h holds its data; ft.c, above, carries its messages)
        link                     connections between ranks, made on first use; failures go up as codes
        transport                framed messages over the links, failure detection, breaking the group
                                 (the backends' abort slots); ddp_init's set-up lends it hooks to ask the store
@@ -2784,6 +2791,9 @@ DDP_API ddp_result ddp__cuda_bucket_add(const ddp_cuda_grads_args *a, const void
          mpi, nccl                the MPI and NCCL libraries
        group                    ddp_init, rendezvous, the table of ranks, which backend a group gets,
                                 subgroups, ddp_destroy
+       ft (ft.c)                fault tolerance at run time: control connections between the members,
+                                ddp_ft_begin / ddp_ft_commit, the view change (ft_view's decisions) and
+                                each new view's data plane (a fresh group the program's handle adopts)
        launcher                 ddp_spawn, ddprun
        amp                      GradScaler's update, the inf/NaN check, a pass's gradient statistics
        reducer, zero_state      DistributedDataParallel's Reducer, ZeRO 1-3 (reducer_fsdp: FSDP units),
@@ -3413,8 +3423,10 @@ struct ddp_group {
     /* Fault-tolerant mode (ft.c): ft_mode is set by ddp_init (desc.fault_tolerant, DDP_FT) on the world group
        and on each view's data plane; a peer lost then answers DDP_ERR_VIEW_CHANGED (util.c ddp__ft_code), and
        ddp_alloc stays out of the shared segment (a view change maps a new one). ft is the view change's state,
-       made by the first ddp_ft_begin, and ft_end frees it (ddp_destroy; idempotent). */
+       made by the first ddp_ft_begin, and ft_end frees it (ddp_destroy; idempotent). Until ft_running, a
+       failure is what it would be without fault tolerance. */
     int ft_mode, ft_min_world;
+    int ft_running;     /* ft.c's control connections are up (the first ddp_ft_begin succeeded) */
     uint64_t ft_views;  /* data planes adopted so far (view changes): a reducer pass begun in an older one is void */
     double ft_suspect;
     struct ddp__ft *ft;
@@ -3891,12 +3903,13 @@ static void ddp__note_thread_error(const char *msg) {
     if (msg != ddp__thread_error) snprintf(ddp__thread_error, sizeof ddp__thread_error, "%s", msg);
 }
 
-/* Fault-tolerant mode (ft.c): a group broken by a lost or silent peer is repaired by a view change, so a
-   call that fails for that reason answers DDP_ERR_VIEW_CHANGED (redo the step), with the cause in the
-   message; a mismatch or a misuse stays what it is. */
+/* Fault-tolerant mode (ft.c), once ddp_ft_begin has set it up: a group broken by a lost or silent peer is
+   repaired by a view change, so a call that fails for that reason answers DDP_ERR_VIEW_CHANGED (redo the
+   step), with the cause in the message; a mismatch or a misuse stays what it is, and so does a failure
+   before (ddp_init's, the first ddp_ft_begin's). */
 static ddp_result ddp__ft_code(const ddp_group *g, ddp_result code) {
     ddp_result why = g ? g->broken : DDP_SUCCESS;
-    if (!g || !g->ft_mode || (why != DDP_ERR_PEER_LOST && why != DDP_ERR_TIMEOUT && why != DDP_ERR_VIEW_CHANGED))
+    if (!g || !g->ft_running || (why != DDP_ERR_PEER_LOST && why != DDP_ERR_TIMEOUT && why != DDP_ERR_VIEW_CHANGED))
         return code;
     return code == DDP_ERR_PEER_LOST || code == DDP_ERR_TIMEOUT || code == DDP_ERR_STATE ? DDP_ERR_VIEW_CHANGED : code;
 }
@@ -8835,8 +8848,8 @@ DDP_API ddp_result ddp_timeline_merge(const char *out_path, const char *const *i
 
 /* ==================== begin src/ft_view.h ==================== */
 /* [SECTION] ft-view-state: the data of fault tolerance's view change: views, ballots, messages, a member
-   ft_view.c decides with these (the protocol and its safety argument are at its top); the transport that
-   will carry them between the ranks as frames is not built yet. Ids are stable ids (FT.md 2.3): the
+   ft_view.c decides with these (the protocol and its safety argument are at its top); ft.c carries them
+   between the members on their control connections. Ids are stable ids (FT.md 2.3): the
    first view's ranks keep theirs, joiners get new ones, none is ever used twice. */
 #ifndef DDP__FT_VIEW_H
 #define DDP__FT_VIEW_H
@@ -8986,10 +8999,11 @@ static DDP__UNUSED ddp_result ddp__ft_receive(ddp__ft_member *m, const ddp__ft_m
 /* ==================== begin src/ft_view.c ==================== */
 /* [SECTION] ft-view: the view change of fault-tolerant training: coordinator, quorum, verdict, next view,
    and what a member does with each message (FT.md 2.3, 2.6)
-   Pure: no sockets, no clock, no threads, so that every interleaving can be tried. The transport (not built
-   yet) calls in when a message arrives (ddp__ft_receive), a connection closes or times out (ddp__ft_lost),
-   suspect_seconds pass with no progress (ddp__ft_timeout), the step moves (ddp__ft_set_step) or joiners
-   wait (ddp__ft_admit); a member answers through its send function and acts through its act function.
+   Pure: no sockets, no clock, no threads, so that every interleaving can be tried. The transport (ft.c)
+   calls in when a message arrives (ddp__ft_receive), a connection closes or times out (ddp__ft_lost), the
+   data plane fails (ddp__ft_data_failed), suspect_seconds pass with no progress (ddp__ft_timeout), the
+   step moves (ddp__ft_set_step) or joiners wait (ddp__ft_admit); a member answers through its send
+   function and acts through its act function.
    tests/test_ft_view.c runs 2-7 members through a simulated network, with crashes at every send and
    partitions, and checks every run.
 
@@ -17839,6 +17853,7 @@ static ddp_result ddp__ft_start(ddp_group *g) {
         if ((r = ddp__ft_accept(ft, deadline, err)) != DDP_SUCCESS)
             r = ddp__fail(g, r, "ddp_ft_begin: accepting the control connections of higher ranks: %s", err);
     if (g->world_size > 1) r = ddp__agree_outcome(g, r, "ddp_ft_begin (fault tolerance's control connections)");
+    g->ft_running = r == DDP_SUCCESS;
     if (r == DDP_SUCCESS)
         ddp__log(g, DDP_LOG_INFO, "fault tolerance: %d members connected; suspect_seconds %g, min_world_size %d",
                  g->world_size, g->ft_suspect, g->ft_min_world);
@@ -18045,6 +18060,9 @@ DDP_API ddp_result ddp_ft_begin(ddp_group *g, ddp_ft_step *st) {
     ddp_result r = ddp__ft_check(g, st, "ddp_ft_begin");
     int applied = 0;
     if (r) return r;
+    if (!g->ft_running && g->ft)
+        return ddp__fail(g, DDP_ERR_STATE, "ddp_ft_begin: fault tolerance failed to start on this group (the first "
+                         "ddp_ft_begin said why); destroy the group");
     if (!g->ft && (r = ddp__ft_start(g)) != DDP_SUCCESS) return r;
     ddp__ft_kill_at(g->ft, "begin");
     if (g->broken && (r = ddp__ft_change(g->ft, &applied)) != DDP_SUCCESS) return r;
@@ -18060,7 +18078,7 @@ DDP_API ddp_result ddp_ft_commit(ddp_group *g, ddp_ft_step *st) {
     int applied = 0;
     ddp__ft *ft;
     if (r) return r;
-    if (!(ft = g->ft)) return ddp__fail(g, DDP_ERR_STATE, "ddp_ft_commit: call ddp_ft_begin first");
+    if (!(ft = g->ft) || !g->ft_running) return ddp__fail(g, DDP_ERR_STATE, "ddp_ft_commit: call ddp_ft_begin first");
     ddp__ft_kill_at(ft, "vote");
     if (!g->broken) { /* the step's reduction finished here: COMPLETE, then the vote */
         ddp__ft_set_step(&ft->m, ft->gstep, DDP__FT_COMPLETE);
@@ -19931,6 +19949,8 @@ static DDP__UNUSED int ddp__layout_same(const ddp_reducer *r, const ddp__layout 
 static DDP__UNUSED int ddp__bucket_flat(ddp_reducer *r, ddp__layout *L, int b);
 static DDP__UNUSED ddp_result ddp__zero_bucket_alloc(ddp_reducer *r, ddp__bucket *k, int b);
 static DDP__UNUSED ddp_result ddp__reducer_usable(ddp_reducer *r, const char *fn);
+/* A call failed with res: the reducer stops, except on DDP_ERR_VIEW_CHANGED, which abandons the pass. Returns res. */
+static DDP__UNUSED ddp_result ddp__reducer_stop(ddp_reducer *r, ddp_result res);
 static DDP__UNUSED double ddp__wall_seconds(void);
 static DDP__UNUSED ddp_result ddp__timing_start(ddp_reducer *r, int shadow);
 static DDP__UNUSED void ddp__timing_finish(ddp_reducer *r);

@@ -370,6 +370,7 @@ static ddp_result ddp__ft_start(ddp_group *g) {
         if ((r = ddp__ft_accept(ft, deadline, err)) != DDP_SUCCESS)
             r = ddp__fail(g, r, "ddp_ft_begin: accepting the control connections of higher ranks: %s", err);
     if (g->world_size > 1) r = ddp__agree_outcome(g, r, "ddp_ft_begin (fault tolerance's control connections)");
+    g->ft_running = r == DDP_SUCCESS;
     if (r == DDP_SUCCESS)
         ddp__log(g, DDP_LOG_INFO, "fault tolerance: %d members connected; suspect_seconds %g, min_world_size %d",
                  g->world_size, g->ft_suspect, g->ft_min_world);
@@ -576,6 +577,9 @@ DDP_API ddp_result ddp_ft_begin(ddp_group *g, ddp_ft_step *st) {
     ddp_result r = ddp__ft_check(g, st, "ddp_ft_begin");
     int applied = 0;
     if (r) return r;
+    if (!g->ft_running && g->ft)
+        return ddp__fail(g, DDP_ERR_STATE, "ddp_ft_begin: fault tolerance failed to start on this group (the first "
+                         "ddp_ft_begin said why); destroy the group");
     if (!g->ft && (r = ddp__ft_start(g)) != DDP_SUCCESS) return r;
     ddp__ft_kill_at(g->ft, "begin");
     if (g->broken && (r = ddp__ft_change(g->ft, &applied)) != DDP_SUCCESS) return r;
@@ -591,7 +595,7 @@ DDP_API ddp_result ddp_ft_commit(ddp_group *g, ddp_ft_step *st) {
     int applied = 0;
     ddp__ft *ft;
     if (r) return r;
-    if (!(ft = g->ft)) return ddp__fail(g, DDP_ERR_STATE, "ddp_ft_commit: call ddp_ft_begin first");
+    if (!(ft = g->ft) || !g->ft_running) return ddp__fail(g, DDP_ERR_STATE, "ddp_ft_commit: call ddp_ft_begin first");
     ddp__ft_kill_at(ft, "vote");
     if (!g->broken) { /* the step's reduction finished here: COMPLETE, then the vote */
         ddp__ft_set_step(&ft->m, ft->gstep, DDP__FT_COMPLETE);

@@ -1,9 +1,10 @@
 /* [SECTION] ft-view: the view change of fault-tolerant training: coordinator, quorum, verdict, next view,
    and what a member does with each message (FT.md 2.3, 2.6)
-   Pure: no sockets, no clock, no threads, so that every interleaving can be tried. The transport (not built
-   yet) calls in when a message arrives (ddp__ft_receive), a connection closes or times out (ddp__ft_lost),
-   suspect_seconds pass with no progress (ddp__ft_timeout), the step moves (ddp__ft_set_step) or joiners
-   wait (ddp__ft_admit); a member answers through its send function and acts through its act function.
+   Pure: no sockets, no clock, no threads, so that every interleaving can be tried. The transport (ft.c)
+   calls in when a message arrives (ddp__ft_receive), a connection closes or times out (ddp__ft_lost), the
+   data plane fails (ddp__ft_data_failed), suspect_seconds pass with no progress (ddp__ft_timeout), the
+   step moves (ddp__ft_set_step) or joiners wait (ddp__ft_admit); a member answers through its send
+   function and acts through its act function.
    tests/test_ft_view.c runs 2-7 members through a simulated network, with crashes at every send and
    partitions, and checks every run.
 

@@ -1,6 +1,6 @@
 /* [SECTION] ft-view-state: the data of fault tolerance's view change: views, ballots, messages, a member
-   ft_view.c decides with these (the protocol and its safety argument are at its top); the transport that
-   will carry them between the ranks as frames is not built yet. Ids are stable ids (FT.md 2.3): the
+   ft_view.c decides with these (the protocol and its safety argument are at its top); ft.c carries them
+   between the members on their control connections. Ids are stable ids (FT.md 2.3): the
    first view's ranks keep theirs, joiners get new ones, none is ever used twice. */
 #ifndef DDP__FT_VIEW_H
 #define DDP__FT_VIEW_H

@@ -15,7 +15,7 @@
        timeline                 Chrome trace events (DDP_TIMELINE): collectives, reducer passes, saves, ranges
        ft_view                  fault tolerance's view change (FT.md 2.3), pure decisions with no I/O: the
                                 coordinator, the quorum, the verdict, the next view, a member's answers
-                                (ft_view.h holds its data; the transport above is to carry its messages)
+                                (ft_view.h holds its data; ft.c, above, carries its messages)
        link                     connections between ranks, made on first use; failures go up as codes
        transport                framed messages over the links, failure detection, breaking the group
                                 (the backends' abort slots); ddp_init's set-up lends it hooks to ask the store
@@ -31,6 +31,9 @@
          mpi, nccl                the MPI and NCCL libraries
        group                    ddp_init, rendezvous, the table of ranks, which backend a group gets,
                                 subgroups, ddp_destroy
+       ft (ft.c)                fault tolerance at run time: control connections between the members,
+                                ddp_ft_begin / ddp_ft_commit, the view change (ft_view's decisions) and
+                                each new view's data plane (a fresh group the program's handle adopts)
        launcher                 ddp_spawn, ddprun
        amp                      GradScaler's update, the inf/NaN check, a pass's gradient statistics
        reducer, zero_state      DistributedDataParallel's Reducer, ZeRO 1-3 (reducer_fsdp: FSDP units),
@@ -668,8 +671,10 @@ struct ddp_group {
     /* Fault-tolerant mode (ft.c): ft_mode is set by ddp_init (desc.fault_tolerant, DDP_FT) on the world group
        and on each view's data plane; a peer lost then answers DDP_ERR_VIEW_CHANGED (util.c ddp__ft_code), and
        ddp_alloc stays out of the shared segment (a view change maps a new one). ft is the view change's state,
-       made by the first ddp_ft_begin, and ft_end frees it (ddp_destroy; idempotent). */
+       made by the first ddp_ft_begin, and ft_end frees it (ddp_destroy; idempotent). Until ft_running, a
+       failure is what it would be without fault tolerance. */
     int ft_mode, ft_min_world;
+    int ft_running;     /* ft.c's control connections are up (the first ddp_ft_begin succeeded) */
     uint64_t ft_views;  /* data planes adopted so far (view changes): a reducer pass begun in an older one is void */
     double ft_suspect;
     struct ddp__ft *ft;

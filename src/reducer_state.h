@@ -189,6 +189,8 @@ static DDP__UNUSED int ddp__layout_same(const ddp_reducer *r, const ddp__layout 
 static DDP__UNUSED int ddp__bucket_flat(ddp_reducer *r, ddp__layout *L, int b);
 static DDP__UNUSED ddp_result ddp__zero_bucket_alloc(ddp_reducer *r, ddp__bucket *k, int b);
 static DDP__UNUSED ddp_result ddp__reducer_usable(ddp_reducer *r, const char *fn);
+/* A call failed with res: the reducer stops, except on DDP_ERR_VIEW_CHANGED, which abandons the pass. Returns res. */
+static DDP__UNUSED ddp_result ddp__reducer_stop(ddp_reducer *r, ddp_result res);
 static DDP__UNUSED double ddp__wall_seconds(void);
 static DDP__UNUSED ddp_result ddp__timing_start(ddp_reducer *r, int shadow);
 static DDP__UNUSED void ddp__timing_finish(ddp_reducer *r);

@@ -22,12 +22,13 @@ static void ddp__note_thread_error(const char *msg) {
     if (msg != ddp__thread_error) snprintf(ddp__thread_error, sizeof ddp__thread_error, "%s", msg);
 }
 
-/* Fault-tolerant mode (ft.c): a group broken by a lost or silent peer is repaired by a view change, so a
-   call that fails for that reason answers DDP_ERR_VIEW_CHANGED (redo the step), with the cause in the
-   message; a mismatch or a misuse stays what it is. */
+/* Fault-tolerant mode (ft.c), once ddp_ft_begin has set it up: a group broken by a lost or silent peer is
+   repaired by a view change, so a call that fails for that reason answers DDP_ERR_VIEW_CHANGED (redo the
+   step), with the cause in the message; a mismatch or a misuse stays what it is, and so does a failure
+   before (ddp_init's, the first ddp_ft_begin's). */
 static ddp_result ddp__ft_code(const ddp_group *g, ddp_result code) {
     ddp_result why = g ? g->broken : DDP_SUCCESS;
-    if (!g || !g->ft_mode || (why != DDP_ERR_PEER_LOST && why != DDP_ERR_TIMEOUT && why != DDP_ERR_VIEW_CHANGED))
+    if (!g || !g->ft_running || (why != DDP_ERR_PEER_LOST && why != DDP_ERR_TIMEOUT && why != DDP_ERR_VIEW_CHANGED))
         return code;
     return code == DDP_ERR_PEER_LOST || code == DDP_ERR_TIMEOUT || code == DDP_ERR_STATE ? DDP_ERR_VIEW_CHANGED : code;
 }

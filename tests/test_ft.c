@@ -24,7 +24,7 @@
 static const size_t COUNT[NT] = {301, 41, 7};
 #define DATASET 203
 #define BATCH 4    /* per rank of the first view: G = BATCH * R0 */
-#define EPOCHS 2
+#define MAX_EPOCHS 64
 #define LR 0.25
 
 static double target(int64_t i, int t, size_t e) { return sin(0.013 * (double)i * (double)(t + 1) + 0.7 * (double)e); }
@@ -36,6 +36,8 @@ static double wall(void) {
 }
 
 static const char *g_dir;
+static int g_epochs = 2;          /* random rounds train longer ... */
+static unsigned g_compute_us = 0; /* ... with some compute in each step, so that a kill lands mid-run */
 
 static void log_line(int fd, const char *fmt, ...) {
     char buf[8192];
@@ -76,7 +78,7 @@ static int worker(int rank, int n, void *arg) {
     CHECK(fd >= 0, "open %s", path);
     memset(&desc, 0, sizeof desc);
     desc.fault_tolerant = 1;
-    desc.suspect_seconds = 2;
+    desc.suspect_seconds = 1; /* (a member lost while a view forms costs 2 x this) */
     desc.timeout_seconds = 30;
     CHECK_OK(ddp_init(&desc, &g), NULL);
     memset(&rd, 0, sizeof rd);
@@ -102,11 +104,12 @@ static int worker(int rank, int n, void *arg) {
         CHECK_OK(ddp_ft_begin(g, &st), g);
         CHECK_OK(ddp_sampler_step_batch(&s, &st, G, idx, &got), NULL);
         if (got == 0 && st.step > 0) { /* past the epoch's end */
-            if (++st.epoch == EPOCHS) break;
+            if (++st.epoch == (uint64_t)g_epochs) break;
             st.step = 0;
             continue;
         }
         pass_gen = st.gen, pass_world = st.world_size, pass_rank = st.rank;
+        if (g_compute_us) usleep(g_compute_us);
         /* forward and backward: the mean over this rank's samples of w - t(i) */
         for (t = 0; t < NT; t++)
             for (e = 0; e < COUNT[t]; e++) {
@@ -175,7 +178,7 @@ static void serial_replay(int r0, double *ref[NT]) {
         for (e = 0; e < COUNT[t]; e++) ref[t][e] = (double)(float)(0.1 * (double)e / (double)COUNT[t]);
     memset(&st, 0, sizeof st);
     st.world_size = 1;
-    for (st.epoch = 0; st.epoch < EPOCHS; st.epoch++)
+    for (st.epoch = 0; st.epoch < (uint64_t)g_epochs; st.epoch++)
         for (st.step = 0;; st.step++) {
             CHECK_OK(ddp_sampler_step_batch(&s, &st, G, idx, &got), NULL);
             if (!got) break;
@@ -207,7 +210,7 @@ static int cmp_i64(const void *a, const void *b) {
 
 /* Check one run's logs; returns the worst kill-to-commit latency in seconds (-1: no kill). */
 static double check_run(const char *dir, int n, const int *codes, const char *what, double killed_at) {
-    commit c[EPOCHS][128];
+    static commit c[MAX_EPOCHS][128];
     double *ref[NT], worst = -1;
     float *final0 = NULL;
     size_t total = 0, e;
@@ -231,7 +234,7 @@ static double check_run(const char *dir, int n, const int *codes, const char *wh
             double when;
             if (sscanf(line, "K %llu %llu %llu %d %lf", &a, &b, &gen, &world, &when) == 5) {
                 commit *x;
-                CHECK(a < EPOCHS && b < 128, "%s: rank %d committed epoch %llu step %llu", what, i, a, b);
+                CHECK(a < (unsigned long long)g_epochs && b < 128, "%s: rank %d committed epoch %llu step %llu", what, i, a, b);
                 x = &c[a][b];
                 CHECK(!x->seen || (x->gen == gen && x->world == world), "%s: epoch %llu step %llu committed in view %llu "
                       "(%d members) and in view %llu (%d members)", what, a, b, (unsigned long long)x->gen, x->world, gen, world);
@@ -270,7 +273,7 @@ static double check_run(const char *dir, int n, const int *codes, const char *wh
     }
     CHECK(survivors > 0 && final0, "%s: no survivor", what);
     /* G2: every epoch's committed steps cover its padded list once */
-    for (ep = 0; ep < EPOCHS; ep++) {
+    for (ep = 0; ep < (uint64_t)g_epochs; ep++) {
         int64_t all[DATASET + 64], padded[DATASET + 64], one[64];
         size_t have = 0, plen = 0, k;
         ddp_ft_step st;
@@ -318,6 +321,112 @@ static double check_run(const char *dir, int n, const int *codes, const char *wh
     return worst;
 }
 
+/* Fork n ranks as tl_run_ranks does; once `victim` has logged `after` lines, wait `delay` s and SIGKILL
+   it (its wall time in *killed_at; 0 when it had finished already). codes as tl_run_ranks_status's. */
+static void run_with_kill(int n, int victim, int after, double delay, int *codes, double *killed_at) {
+    pid_t pids[8];
+    int status[8], done = 0, i;
+    char port[16], path[600];
+    double deadline = tl_now() + 120;
+    snprintf(port, sizeof port, "%d", tl_free_port());
+    for (i = 0; i < n; i++) { /* the last round's logs */
+        snprintf(path, sizeof path, "%s/log.%d", g_dir, i);
+        unlink(path);
+    }
+    fflush(stdout);
+    fflush(stderr);
+    for (i = 0; i < n; i++) {
+        pids[i] = fork();
+        if (pids[i] == 0) {
+            char v[16];
+            snprintf(v, sizeof v, "%d", i);
+            setenv("RANK", v, 1);
+            setenv("LOCAL_RANK", v, 1);
+            snprintf(v, sizeof v, "%d", n);
+            setenv("WORLD_SIZE", v, 1);
+            setenv("LOCAL_WORLD_SIZE", v, 1);
+            setenv("MASTER_ADDR", "127.0.0.1", 1);
+            setenv("MASTER_PORT", port, 1);
+            exit(worker(i, n, NULL));
+        }
+        status[i] = -1;
+    }
+    *killed_at = 0;
+    snprintf(path, sizeof path, "%s/log.%d", g_dir, victim);
+    for (;;) { /* the victim is training: it has logged `after` lines */
+        FILE *f = fopen(path, "r");
+        int lines = 0, ch;
+        if (f) {
+            while ((ch = fgetc(f)) != EOF) lines += ch == '\n';
+            fclose(f);
+        }
+        if (lines >= after || tl_now() > deadline) break;
+        usleep(1000);
+    }
+    usleep((useconds_t)(delay * 1e6));
+    if (waitpid(pids[victim], &status[victim], WNOHANG) == 0) {
+        *killed_at = wall();
+        kill(pids[victim], SIGKILL);
+    } else {
+        done++;
+    }
+    while (done < n) {
+        int st;
+        pid_t p = waitpid(-1, &st, WNOHANG);
+        if (p > 0) {
+            for (i = 0; i < n; i++)
+                if (pids[i] == p) status[i] = st;
+            done++;
+            continue;
+        }
+        if (tl_now() > deadline) {
+            for (i = 0; i < n; i++)
+                if (status[i] == -1) kill(pids[i], SIGKILL);
+            deadline = tl_now() + 1e9;
+        }
+        usleep(2000);
+    }
+    for (i = 0; i < n; i++)
+        codes[i] = WIFEXITED(status[i]) ? WEXITSTATUS(status[i]) : WIFSIGNALED(status[i]) ? -WTERMSIG(status[i]) : -1000;
+}
+
+static int cmp_double(const void *a, const void *b) {
+    double x = *(const double *)a, y = *(const double *)b;
+    return x < y ? -1 : x > y;
+}
+
+/* `rounds` rounds: 4 ranks (3 every third round), shared memory and TCP in turn, a random rank SIGKILLed
+   from outside at a random moment of a longer run (40 epochs, 1 ms of compute a step). Prints the time
+   from the kill to the survivors' next committed step: median and worst. */
+static void random_rounds(int rounds, unsigned seed) {
+    double lat[1000];
+    int nlat = 0, round;
+    srand(seed);
+    g_epochs = 40;
+    g_compute_us = 1000;
+    unsetenv("DDP_FT_TEST_KILL");
+    for (round = 0; round < rounds && round < 1000; round++) {
+        int n = round % 3 == 2 ? 3 : 4, t = round % 2, victim = rand() % n, codes[8], i, killed = 0;
+        double killed_at, worst, t0 = tl_now(), delay = (double)(rand() % 300) * 1e-3;
+        char what[200];
+        snprintf(what, sizeof what, "random round %d: %d ranks over %s, rank %d killed %.0f ms into training", round, n,
+                 tl_transport_name(t), victim, delay * 1e3);
+        setenv("DDP_TRANSPORT", tl_transport(t), 1);
+        run_with_kill(n, victim, 3, delay, codes, &killed_at);
+        for (i = 0; i < n; i++) killed += codes[i] == -SIGKILL;
+        CHECK(killed == (killed_at > 0), "%s: %d rank(s) died by SIGKILL", what, killed);
+        worst = check_run(g_dir, n, codes, what, killed_at);
+        if (worst >= 0) lat[nlat++] = worst;
+        printf("ok: %s; next commit %.1f ms after the kill (%.1f s)\n", what, worst * 1e3, tl_now() - t0);
+        fflush(stdout);
+    }
+    if (nlat) {
+        qsort(lat, (size_t)nlat, sizeof *lat, cmp_double);
+        printf("kill to the survivors' next committed step over %d rounds: median %.1f ms, worst %.1f ms "
+               "(each step computes 1 ms)\n", nlat, lat[nlat / 2] * 1e3, lat[nlat - 1] * 1e3);
+    }
+}
+
 typedef struct ft_case {
     const char *name;
     const char *kill; /* DDP_FT_TEST_KILL, NULL: none */
@@ -336,10 +445,14 @@ int main(int argc, char **argv) {
     };
     int sizes[2] = {3, 4}, k, t, ci;
     char dir[] = "/tmp/test_ft.XXXXXX";
-    (void)argc, (void)argv;
     signal(SIGPIPE, SIG_IGN);
     CHECK(mkdtemp(dir), "mkdtemp");
     g_dir = dir;
+    if (argc >= 3 && strcmp(argv[1], "--random") == 0) { /* FT_ROUNDS: tests/README.md */
+        random_rounds(atoi(argv[2]), argc >= 4 ? (unsigned)atoi(argv[3]) : (unsigned)time(NULL));
+        tl_rm_dir(dir);
+        return 0;
+    }
     for (t = 0; t < 2; t++)
         for (k = 0; k < 2; k++)
             for (ci = 0; ci < (int)(sizeof CASES / sizeof CASES[0]); ci++) {
@@ -360,6 +473,7 @@ int main(int argc, char **argv) {
                 printf("ok: %s (%.1f s)\n", what, tl_now() - t0);
                 fflush(stdout);
             }
+    random_rounds(getenv("FT_ROUNDS") ? atoi(getenv("FT_ROUNDS")) : getenv("TEST_QUICK") ? 2 : 6, (unsigned)time(NULL));
     tl_rm_dir(dir);
     return 0;
 }

@@ -11,7 +11,7 @@ set -eu
 cd "$(dirname "$0")/.."
 export ASAN_OPTIONS=detect_leaks=1:halt_on_error=1 UBSAN_OPTIONS=halt_on_error=1:print_stacktrace=1
 export TSAN_OPTIONS=halt_on_error=1:second_deadlock_stack=1 TEST_QUICK=1
-threaded="test_errors test_init test_collectives test_more_collectives test_tcp_algorithms test_hier test_shm_alloc test_shm_cma test_store test_auth test_spawn test_checkpoint test_checkpoint_ranks test_syncbn_ranks test_reducer test_reducer_errors test_reducer_join test_reducer_zero test_reducer_fsdp test_reducer_fsdp_ckpt test_reducer_samples test_amp test_trace ${SANITIZER_EXTRA_TESTS:-}"
+threaded="test_errors test_init test_collectives test_more_collectives test_tcp_algorithms test_hier test_shm_alloc test_shm_cma test_store test_auth test_spawn test_checkpoint test_checkpoint_ranks test_syncbn_ranks test_reducer test_reducer_errors test_reducer_join test_reducer_zero test_reducer_fsdp test_reducer_fsdp_ckpt test_reducer_samples test_ft test_amp test_trace ${SANITIZER_EXTRA_TESTS:-}"
 # (test_checkpoint is single-process, but its async saves run a background thread)
 # single-process tests: no threads for ThreadSanitizer to watch, but parsers and allocation paths for ASan
 single="test_checkpoint_fault test_sampler test_sampler_step test_ft_view test_syncbn test_reducer_buckets test_dtype"
