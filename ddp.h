@@ -17189,6 +17189,7 @@ DDP_API ddp_result ddp_init(const ddp_init_desc *desc, ddp_group **out) {
         return ddp__fail(NULL, DDP_ERR_INVALID_ARGUMENT, "backend \"%s\"%s is not one of auto, cpu, nccl, mpi", backend,
                          desc->backend && *desc->backend ? "" : " (from DDP_BACKEND)");
     }
+    if ((r = ddp__read_ft(desc, backend, &ft, err)) != DDP_SUCCESS) return ddp__fail(NULL, r, "ddp_init: %s", err);
     if (strcmp(backend, "mpi") == 0) return ddp__init_mpi(desc, out);
     if ((r = ddp__read_launch(desc, &L, err)) != DDP_SUCCESS) return ddp__fail(NULL, r, "ddp_init: %s", err);
     /* alone, nobody else needs to hear of it; otherwise the ranks check DDP_TRANSPORT together (ddp__choose_transport) */
@@ -17201,7 +17202,6 @@ DDP_API ddp_result ddp_init(const ddp_init_desc *desc, ddp_group **out) {
         timeout = DDP__EARLY_PUBLISH_SECONDS;
     }
 
-    if ((r = ddp__read_ft(desc, backend, &ft, err)) != DDP_SUCCESS) return ddp__fail(NULL, r, "ddp_init: %s", err);
     g = ddp__group_alloc(L.rank, L.world_size);
     if (!g) return ddp__fail(NULL, DDP_ERR_OUT_OF_MEMORY, "ddp_init: out of memory");
     g->timeout = timeout;
@@ -17981,7 +17981,7 @@ static const char *ddp__ft_members_text(const ddp__ft_view *v, char *buf, size_t
 static ddp_result ddp__ft_change(ddp__ft *ft, int *applied) {
     ddp_group *g = ft->g;
     uint64_t step0 = ft->gstep;
-    double t0 = ddp__now(), next_timeout;
+    double t0 = ddp__now(), next_timeout, limit = DDP__MAX(g->timeout, 10 * g->ft_suspect);
     char members[256];
     ddp_result r;
     *applied = 0;
@@ -18000,10 +18000,11 @@ static ddp_result ddp__ft_change(ddp__ft *ft, int *applied) {
                 next_timeout = now + g->ft_suspect *
                                          (ddp__ft_coordinator(&ft->m.view, ft->m.dead, ft->m.suspected) == ft->m.id ? 1 : 2);
             }
-            if (r == DDP_SUCCESS && now - t0 > g->timeout)
+            if (r == DDP_SUCCESS && now - t0 > limit) {
+                g->ft_running = 0; /* the end here: plain errors from now on */
                 r = ddp__fail(g, DDP_ERR_PEER_LOST, "fault tolerance: no view with a quorum of the members formed within "
-                              "%g s (the group's timeout): this member is cut off from the majority, or too many were lost",
-                              g->timeout);
+                              "%g s: this member is cut off from the majority, or too many were lost", limit);
+            }
         }
         /* what arrived meanwhile: a later GO (others moved on), or a member of the new view found dead
            (ft_view.c then starts the next change at once) */
@@ -18014,13 +18015,17 @@ static ddp_result ddp__ft_change(ddp__ft *ft, int *applied) {
         if (r != DDP_SUCCESS) return r == DDP_ERR_FORMAT ? DDP_ERR_STATE : r;
         *applied = (int)(ft->m.step - step0);
         ft->gstep = ft->m.step;
-        if (ft->m.out)
+        if (ft->m.out) {
+            g->ft_running = 0; /* the end here: plain errors from now on */
             return ddp__fail(g, DDP_ERR_PEER_LOST, "fault tolerance: the other members formed view %llu without this one "
                              "(they lost it); it stops here", (unsigned long long)ft->m.view.gen);
-        if (ft->m.view.n < g->ft_min_world)
+        }
+        if (ft->m.view.n < g->ft_min_world) {
+            g->ft_running = 0; /* the end here: plain errors from now on */
             return ddp__fail(g, DDP_ERR_PEER_LOST, "fault tolerance: %d member%s left (%s), fewer than min_world_size %d",
                              ft->m.view.n, ft->m.view.n == 1 ? "" : "s", ddp__ft_members_text(&ft->m.view, members, sizeof members),
                              g->ft_min_world);
+        }
         if (ft->m.changing) continue;
         if ((r = ddp__ft_rebuild(ft)) == DDP_SUCCESS) break;
         ddp__log(g, DDP_LOG_WARN, "fault tolerance: view %llu's data plane failed to form (%s); changing the view again",

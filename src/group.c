@@ -544,6 +544,7 @@ DDP_API ddp_result ddp_init(const ddp_init_desc *desc, ddp_group **out) {
         return ddp__fail(NULL, DDP_ERR_INVALID_ARGUMENT, "backend \"%s\"%s is not one of auto, cpu, nccl, mpi", backend,
                          desc->backend && *desc->backend ? "" : " (from DDP_BACKEND)");
     }
+    if ((r = ddp__read_ft(desc, backend, &ft, err)) != DDP_SUCCESS) return ddp__fail(NULL, r, "ddp_init: %s", err);
     if (strcmp(backend, "mpi") == 0) return ddp__init_mpi(desc, out);
     if ((r = ddp__read_launch(desc, &L, err)) != DDP_SUCCESS) return ddp__fail(NULL, r, "ddp_init: %s", err);
     /* alone, nobody else needs to hear of it; otherwise the ranks check DDP_TRANSPORT together (ddp__choose_transport) */
@@ -556,7 +557,6 @@ DDP_API ddp_result ddp_init(const ddp_init_desc *desc, ddp_group **out) {
         timeout = DDP__EARLY_PUBLISH_SECONDS;
     }
 
-    if ((r = ddp__read_ft(desc, backend, &ft, err)) != DDP_SUCCESS) return ddp__fail(NULL, r, "ddp_init: %s", err);
     g = ddp__group_alloc(L.rank, L.world_size);
     if (!g) return ddp__fail(NULL, DDP_ERR_OUT_OF_MEMORY, "ddp_init: out of memory");
     g->timeout = timeout;

@@ -38,6 +38,7 @@ static double wall(void) {
 static const char *g_dir;
 static int g_epochs = 2;          /* random rounds train longer ... */
 static unsigned g_compute_us = 0; /* ... with some compute in each step, so that a kill lands mid-run */
+static int g_out = -1;            /* the rank expected to be left out of the view (stopped, not killed) */
 
 static void log_line(int fd, const char *fmt, ...) {
     char buf[8192];
@@ -72,6 +73,7 @@ static int worker(int rank, int n, void *arg) {
     uint64_t G = (uint64_t)BATCH * (uint64_t)n, steps = 0;
     int t, fd;
     char path[512];
+    ddp_result res;
     (void)arg;
     snprintf(path, sizeof path, "%s/log.%d", g_dir, rank);
     fd = open(path, O_WRONLY | O_CREAT | O_TRUNC | O_APPEND, 0644);
@@ -79,7 +81,7 @@ static int worker(int rank, int n, void *arg) {
     memset(&desc, 0, sizeof desc);
     desc.fault_tolerant = 1;
     desc.suspect_seconds = 1; /* (a member lost while a view forms costs 2 x this) */
-    desc.timeout_seconds = 30;
+    desc.timeout_seconds = getenv("FT_TEST_TIMEOUT") ? atof(getenv("FT_TEST_TIMEOUT")) : 30;
     CHECK_OK(ddp_init(&desc, &g), NULL);
     memset(&rd, 0, sizeof rd);
     rd.bucket_cap_bytes = 16; /* one bucket per tensor */
@@ -98,10 +100,14 @@ static int worker(int rank, int n, void *arg) {
     CHECK_OK(ddp_sampler_init(&s, &sd), NULL);
     memset(&st, 0, sizeof st);
     for (;;) {
-        ddp_result res;
         uint64_t pass_gen;
         int pass_world, pass_rank;
-        CHECK_OK(ddp_ft_begin(g, &st), g);
+        res = ddp_ft_begin(g, &st);
+        if (res == DDP_ERR_PEER_LOST && strstr(ddp_last_error(g), "without this one")) { /* left out */
+            log_line(fd, "O %s\n", ddp_last_error(g));
+            exit(3);
+        }
+        CHECK(res == DDP_SUCCESS, "rank %d: ddp_ft_begin: %s", rank, ddp_last_error(g));
         CHECK_OK(ddp_sampler_step_batch(&s, &st, G, idx, &got), NULL);
         if (got == 0 && st.step > 0) { /* past the epoch's end */
             if (++st.epoch == (uint64_t)g_epochs) break;
@@ -132,6 +138,10 @@ static int worker(int rank, int n, void *arg) {
         }
         res = ddp_ft_commit(g, &st);
         if (res == DDP_ERR_VIEW_CHANGED) continue;
+        if (res == DDP_ERR_PEER_LOST && strstr(ddp_last_error(g), "without this one")) {
+            log_line(fd, "O %s\n", ddp_last_error(g));
+            exit(3);
+        }
         CHECK(res == DDP_SUCCESS, "rank %d: ddp_ft_commit: %s", rank, ddp_last_error(g));
         log_line(fd, "K %llu %llu %llu %d %.6f\n", (unsigned long long)st.epoch, (unsigned long long)(st.step - 1),
                  (unsigned long long)pass_gen, pass_world, wall());
@@ -253,7 +263,7 @@ static double check_run(const char *dir, int n, const int *codes, const char *wh
             }
         }
         fclose(f);
-        if (codes[i] == -SIGKILL) continue;
+        if (codes[i] == -SIGKILL || (codes[i] == 3 && i == g_out)) continue; /* lost; left out (it said so) */
         CHECK(codes[i] == 0, "%s: rank %d exited with %d", what, i, codes[i]);
         survivors++;
         {
@@ -321,9 +331,11 @@ static double check_run(const char *dir, int n, const int *codes, const char *wh
     return worst;
 }
 
-/* Fork n ranks as tl_run_ranks does; once `victim` has logged `after` lines, wait `delay` s and SIGKILL
-   it (its wall time in *killed_at; 0 when it had finished already). codes as tl_run_ranks_status's. */
-static void run_with_kill(int n, int victim, int after, double delay, int *codes, double *killed_at) {
+/* Fork n ranks as tl_run_ranks does; once `victim` has logged `after` lines, wait `delay` s and send it
+   `sig` (the time in *killed_at; 0 when it had finished already); SIGSTOP is followed by SIGCONT after
+   cont_after s. codes as tl_run_ranks_status's. */
+static void run_with_signal(int n, int victim, int after, double delay, int sig, double cont_after, int *codes,
+                            double *killed_at) {
     pid_t pids[8];
     int status[8], done = 0, i;
     char port[16], path[600];
@@ -366,7 +378,11 @@ static void run_with_kill(int n, int victim, int after, double delay, int *codes
     usleep((useconds_t)(delay * 1e6));
     if (waitpid(pids[victim], &status[victim], WNOHANG) == 0) {
         *killed_at = wall();
-        kill(pids[victim], SIGKILL);
+        kill(pids[victim], sig);
+        if (sig == SIGSTOP) { /* resumed once the others went on without it */
+            usleep((useconds_t)(cont_after * 1e6));
+            kill(pids[victim], SIGCONT);
+        }
     } else {
         done++;
     }
@@ -412,7 +428,7 @@ static void random_rounds(int rounds, unsigned seed) {
         snprintf(what, sizeof what, "random round %d: %d ranks over %s, rank %d killed %.0f ms into training", round, n,
                  tl_transport_name(t), victim, delay * 1e3);
         setenv("DDP_TRANSPORT", tl_transport(t), 1);
-        run_with_kill(n, victim, 3, delay, codes, &killed_at);
+        run_with_signal(n, victim, 3, delay, SIGKILL, 0, codes, &killed_at);
         for (i = 0; i < n; i++) killed += codes[i] == -SIGKILL;
         CHECK(killed == (killed_at > 0), "%s: %d rank(s) died by SIGKILL", what, killed);
         worst = check_run(g_dir, n, codes, what, killed_at);
@@ -425,6 +441,75 @@ static void random_rounds(int rounds, unsigned seed) {
         printf("kill to the survivors' next committed step over %d rounds: median %.1f ms, worst %.1f ms "
                "(each step computes 1 ms)\n", nlat, lat[nlat / 2] * 1e3, lat[nlat - 1] * 1e3);
     }
+}
+
+/* A member stopped (SIGSTOP), not killed: nothing closes. The others' collective times out (the group's
+   timeout, 2 s here), the coordinator suspects the silent member after suspect_seconds and the rest go on
+   without it; resumed, it learns that it was left out and fails saying so (exit 3 here). */
+static void stopped_member(void) {
+    int codes[8], t;
+    double when;
+    for (t = 0; t < 2; t++) {
+        char what[160];
+        double t0 = tl_now();
+        snprintf(what, sizeof what, "4 ranks over %s, member 2 stopped for 5 s", tl_transport_name(t));
+        setenv("DDP_TRANSPORT", tl_transport(t), 1);
+        setenv("FT_TEST_TIMEOUT", "2", 1);
+        unsetenv("DDP_FT_TEST_KILL");
+        g_epochs = 20, g_compute_us = 1000, g_out = 2;
+        run_with_signal(4, 2, 3, 0.05, SIGSTOP, 5.0, codes, &when);
+        CHECK(codes[2] == 3, "%s: the stopped member exited with %d, not 3 (left out)", what, codes[2]);
+        check_run(g_dir, 4, codes, what, when);
+        printf("ok: %s: the others went on without it, and it stopped saying so (%.1f s)\n", what, tl_now() - t0);
+        fflush(stdout);
+    }
+    unsetenv("FT_TEST_TIMEOUT");
+    g_epochs = 2, g_compute_us = 0, g_out = -1;
+}
+
+/* Misuse: the calls without fault tolerance; backends and stages it refuses. */
+static int errors_main(int rank, int n, void *arg) {
+    ddp_group *g;
+    ddp_init_desc desc;
+    ddp_ft_step st;
+    ddp_reducer *r = NULL;
+    ddp_reducer_desc rd;
+    (void)n, (void)arg;
+    memset(&st, 0, sizeof st);
+    memset(&desc, 0, sizeof desc);
+    CHECK_OK(ddp_init(&desc, &g), NULL);
+    CHECK(ddp_ft_begin(g, &st) == DDP_ERR_STATE && strstr(ddp_last_error(g), "fault tolerance is off"),
+          "ddp_ft_begin without fault tolerance: %s", ddp_last_error(g));
+    CHECK(ddp_ft_commit(g, &st) == DDP_ERR_STATE, "ddp_ft_commit without fault tolerance");
+    CHECK_OK(ddp_destroy(g), NULL);
+    desc.fault_tolerant = 1;
+    desc.backend = "mpi";
+    CHECK(ddp_init(&desc, &g) == DDP_ERR_UNSUPPORTED && strstr(ddp_last_error(NULL), "cpu backend only"),
+          "fault tolerance on mpi: %s", ddp_last_error(NULL));
+    desc.backend = NULL;
+    desc.min_world_size = -1;
+    CHECK(ddp_init(&desc, &g) == DDP_ERR_INVALID_ARGUMENT, "min_world_size -1");
+    desc.min_world_size = 0;
+    CHECK_OK(ddp_init(&desc, &g), NULL);
+    CHECK(ddp_ft_commit(g, &st) == DDP_ERR_STATE && strstr(ddp_last_error(g), "ddp_ft_begin first"), "commit first");
+    CHECK(ddp_ft_begin(g, NULL) == DDP_ERR_INVALID_ARGUMENT, "NULL step");
+    memset(&rd, 0, sizeof rd);
+    rd.zero_stage = 1;
+    CHECK(ddp_reducer_create(g, &rd, &r) == DDP_ERR_UNSUPPORTED && strstr(ddp_last_error(g), "fault-tolerant"),
+          "zero_stage 1 in fault-tolerant mode: %s", ddp_last_error(g));
+    CHECK_OK(ddp_ft_begin(g, &st), g);
+    CHECK(st.rank == rank && st.world_size == 2 && st.gen == 0 && !st.joined, "the first view");
+    CHECK_OK(ddp_ft_commit(g, &st), g);
+    CHECK(st.step == 1, "the step moved on");
+    CHECK_OK(ddp_destroy(g), NULL);
+    return 0;
+}
+
+static void errors(void) {
+    setenv("DDP_TRANSPORT", "auto", 1);
+    unsetenv("DDP_FT_TEST_KILL");
+    CHECK(tl_run_ranks(2, errors_main, NULL, 60) == 0, "errors failed");
+    printf("ok: errors\n");
 }
 
 typedef struct ft_case {
@@ -473,6 +558,8 @@ int main(int argc, char **argv) {
                 printf("ok: %s (%.1f s)\n", what, tl_now() - t0);
                 fflush(stdout);
             }
+    stopped_member();
+    errors();
     random_rounds(getenv("FT_ROUNDS") ? atoi(getenv("FT_ROUNDS")) : getenv("TEST_QUICK") ? 2 : 6, (unsigned)time(NULL));
     tl_rm_dir(dir);
     return 0;
