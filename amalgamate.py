@@ -43,6 +43,7 @@ IMPLEMENTATION = [
     "src/registry.c",       # [SECTION] registry: live groups and work handles (no use after free)
     "src/dtype.c",          # [SECTION] dtype: sizes, f16/bf16 conversion, element-wise reduction
     "src/alloc.c",          # [SECTION] alloc: ddp_alloc, library buffers in shared-memory arenas
+    "src/crc32c.c",         # [SECTION] crc32c: CRC-32C (checkpoints' checksums, fault tolerance's state transfer)
     "src/net.c",            # [SECTION] net: sockets with deadlines
     "src/auth.c",           # [SECTION] auth: DDP_AUTH_TOKEN, HMAC-SHA256 challenge on every connection
     "src/store_state.h",    # [SECTION] store-state: the store's constants, its handle, the calls between its pieces

@@ -72,6 +72,8 @@
        DDP_TRACE_SIZE    collectives each group's flight recorder keeps (default 64; 0 turns it off)
        DDP_FT            1: fault-tolerant mode (ddp_init_desc.fault_tolerant; ft.h): a lost rank is a view
                          change, not an error (cpu backend only)
+       DDP_FT_JOIN       1: this process replaces a lost worker of a fault-tolerant job (ddprun --ft sets it):
+                         ddp_init finds the job's store and ddp_ft_begin asks to be admitted
        DDP_FT_SUSPECT_SECONDS  fault-tolerant mode: a member silent this long in a view change is
                          suspected (default 10)
        DDP_FT_MIN_WORLD_SIZE  fault-tolerant mode: fewer live members than this fail (default 1)
@@ -141,6 +143,8 @@
                src/dtype.c
    [SECTION] alloc: ddp_alloc / ddp_free, library buffers that collectives use in place
                src/alloc.c
+   [SECTION] crc32c: CRC-32C of a buffer (checkpoints' per-tensor checksums, fault tolerance's state transfer)
+               src/crc32c.c
    [SECTION] net: TCP sockets with deadlines
                src/net.c
    [SECTION] auth: DDP_AUTH_TOKEN, a shared secret that every connection proves (HMAC-SHA256)
@@ -215,7 +219,7 @@
                src/sampler.c
    [SECTION] syncbn (implementation): SyncBatchNorm on the CPU, f32 data, f64 statistics
                src/syncbn.c
-   [SECTION] safetensors: the file format (Hugging Face safetensors), CRC32C, UTF-8, ddp_meta
+   [SECTION] safetensors: the file format (Hugging Face safetensors), UTF-8, ddp_meta
                src/safetensors.c
    [SECTION] checkpoint: atomic save on rank 0, load everywhere or broadcast, shards, keep_last, latest
                src/checkpoint.c
@@ -1485,9 +1489,16 @@ DDP_API void ddp_reducer_destroy(ddp_reducer *r);
            else if (res != DDP_ERR_VIEW_CHANGED) fail;           DDP_ERR_VIEW_CHANGED: redo st.step
        }
 
-   Built: the calls below on the cpu backend (shm, tcp, hier), survivors going on after a member is lost.
-   Not built yet: ddp_ft_register and joiners (a replacement admitted with live state), ddprun --ft; the
-   mpi and nccl backends answer DDP_ERR_UNSUPPORTED at ddp_init; zero_stage > 0 is refused in this mode.
+   A replacement joins at a step boundary: a process started with DDP_FT_JOIN=1 (ddprun --ft restarts a
+   lost worker so) makes its reducer as the members did (ddp_reducer_finalize is local on it), registers
+   the same state with ddp_ft_register, and its first ddp_ft_begin asks the view's first member for an
+   id (found through the job's store); the next vote counts it, the view change after it admits it, and
+   the new view's rank 0 sends it every registered buffer (CRC-32C checked) with the epoch and step: its
+   ddp_ft_begin returns with st->joined = 1 and the step the members run next.
+
+   Built: the calls below on the cpu backend (shm, tcp, hier). The mpi and nccl backends answer
+   DDP_ERR_UNSUPPORTED at ddp_init; zero_stage > 0 is refused in this mode. A joiner needs the job's store
+   (rank 0's, or ddprun's under --ft) and a view with a member from before it (the state's donor).
    Limits: every pair of members holds a control connection (n - 1 sockets per member); ddp_alloc gives
    heap memory (each view maps its own shared segment); subgroups made before a view change are broken by
    it; the reducer keeps its registration order (no bucket rebuild) so every view has the same layout. */
@@ -1519,6 +1530,10 @@ typedef struct ddp_ft_step {
     int joined;
 } ddp_ft_step;
 
+/* Name state a joiner must receive (the parameters, the optimizer's moments, counters): `bytes` bytes at
+   `data`, sent as they are when a joiner is admitted (after the step's optimizer update). Every process
+   registers the same names and sizes in the same order, before its first ddp_ft_begin. */
+DDP_API ddp_result ddp_ft_register(ddp_group *g, const char *name, void *data, size_t bytes);
 /* Begin a step: returns the view it runs in (st->gen, rank, world_size, joined), keeping st->epoch and
    st->step. The first call on a group is collective (it connects the members' control connections).
    After a pass or a vote that met DDP_ERR_VIEW_CHANGED it runs the view change first (it waits until the
@@ -2770,6 +2785,7 @@ DDP_API ddp_result ddp__cuda_bucket_add(const ddp_cuda_grads_args *a, const void
 
        util, registry           errors, logging, environment, time; which groups and work handles are live
        dtype, alloc             element types, reduction, conversions; ddp_alloc's arenas and heap blocks
+       crc32c                   CRC-32C of a buffer (checkpoints, fault tolerance's state transfer)
        net, auth, store         sockets with deadlines; DDP_AUTH_TOKEN; the rendezvous key-value store
        trace                    the flight recorder, and the names of collectives in every message
        timeline                 Chrome trace events (DDP_TIMELINE): collectives, reducer passes, saves, ranges
@@ -3427,6 +3443,7 @@ struct ddp_group {
        failure is what it would be without fault tolerance. */
     int ft_mode, ft_min_world;
     int ft_running;     /* ft.c's control connections are up (the first ddp_ft_begin succeeded) */
+    int ft_join;        /* a joiner (DDP_FT_JOIN=1): alone until the first ddp_ft_begin admits it */
     uint64_t ft_views;  /* data planes adopted so far (view changes): a reducer pass begun in an older one is void */
     double ft_suspect;
     struct ddp__ft *ft;
@@ -4077,7 +4094,7 @@ static uint64_t ddp__hash(const char *s) { /* FNV-1a */
 }
 
 static ddp_result ddp__peer_code(long code, ddp_result fallback) {
-    return code <= DDP_ERR_INVALID_ARGUMENT && code >= DDP_ERR_UNEVEN_INPUTS ? (ddp_result)code : fallback;
+    return code <= DDP_ERR_INVALID_ARGUMENT && code >= DDP_ERR_VIEW_CHANGED ? (ddp_result)code : fallback; /* the last code */
 }
 
 /* ---- open files ----
@@ -4825,6 +4842,125 @@ static void ddp__lib_free_all(ddp_group *g) {
     g->lib.heap_n = g->lib.heap_cap = 0;
 }
 /* ==================== end src/alloc.c ==================== */
+
+/* ==================== begin src/crc32c.c ==================== */
+/* [SECTION] crc32c: CRC-32C of a buffer (checkpoints' per-tensor checksums, fault tolerance's state transfer)
+   CRC-32C, reflected polynomial 0x82F63B78, initial value and final xor 0xFFFFFFFF; "123456789" gives
+   0xE3069283. Portable path: slicing-by-8 (eight 256-entry tables, eight bytes per step); with
+   SSE4.2, the instruction. */
+
+static uint32_t ddp__ck_crc_table[8][256];
+static pthread_once_t ddp__ck_crc_once = PTHREAD_ONCE_INIT;
+
+static void ddp__ck_crc_init(void) {
+    uint32_t i, k;
+    for (i = 0; i < 256; i++) {
+        uint32_t c = i;
+        for (k = 0; k < 8; k++) c = (c >> 1) ^ (0x82F63B78u & (0u - (c & 1u)));
+        ddp__ck_crc_table[0][i] = c;
+    }
+    for (i = 0; i < 256; i++)
+        for (k = 1; k < 8; k++)
+            ddp__ck_crc_table[k][i] = (ddp__ck_crc_table[k - 1][i] >> 8) ^ ddp__ck_crc_table[0][ddp__ck_crc_table[k - 1][i] & 0xffu];
+}
+
+/* crc is the running value without the final xor (start with 0xFFFFFFFF). */
+static uint32_t ddp__ck_crc_soft(uint32_t crc, const unsigned char *p, size_t n) {
+    pthread_once(&ddp__ck_crc_once, ddp__ck_crc_init);
+    while (n >= 8) {
+        uint32_t lo, hi;
+        memcpy(&lo, p, 4);
+        memcpy(&hi, p + 4, 4);
+        lo ^= crc;
+        crc = ddp__ck_crc_table[7][lo & 0xffu] ^ ddp__ck_crc_table[6][(lo >> 8) & 0xffu] ^
+              ddp__ck_crc_table[5][(lo >> 16) & 0xffu] ^ ddp__ck_crc_table[4][lo >> 24] ^
+              ddp__ck_crc_table[3][hi & 0xffu] ^ ddp__ck_crc_table[2][(hi >> 8) & 0xffu] ^
+              ddp__ck_crc_table[1][(hi >> 16) & 0xffu] ^ ddp__ck_crc_table[0][hi >> 24];
+        p += 8;
+        n -= 8;
+    }
+    while (n--) crc = (crc >> 8) ^ ddp__ck_crc_table[0][(crc ^ *p++) & 0xffu];
+    return crc;
+}
+
+#if defined(__x86_64__) && (defined(__GNUC__) || defined(__clang__))
+#define DDP__CK_HAVE_HW_CRC 1
+/* The SSE4.2 crc32 instruction computes exactly this CRC, eight bytes at a time. It takes 3 cycles but
+   can start every cycle, so three independent streams run over three adjacent lanes of
+   DDP__CK_LANE bytes and are then joined: crc(A B) = shift(crc(A)) ^ crc0(B), where crc0 starts from
+   0 and shift appends DDP__CK_LANE zero bytes. shift is linear over GF(2): it is four table lookups,
+   built once from its values on the 32 unit vectors. */
+#define DDP__CK_LANE 4096
+static uint32_t ddp__ck_shift_table[4][256];
+static pthread_once_t ddp__ck_shift_once = PTHREAD_ONCE_INIT;
+
+__attribute__((target("sse4.2"))) static void ddp__ck_shift_init(void) {
+    uint32_t basis[32];
+    int b, k, i;
+    for (b = 0; b < 32; b++) {
+        unsigned long long c = 1ull << b;
+        for (i = 0; i < DDP__CK_LANE / 8; i++) c = __builtin_ia32_crc32di(c, 0);
+        basis[b] = (uint32_t)c;
+    }
+    for (k = 0; k < 4; k++)
+        for (i = 0; i < 256; i++) {
+            uint32_t v = 0;
+            for (b = 0; b < 8; b++)
+                if ((i >> b) & 1) v ^= basis[8 * k + b];
+            ddp__ck_shift_table[k][i] = v;
+        }
+}
+
+static uint32_t ddp__ck_shift(uint32_t c) {
+    return ddp__ck_shift_table[0][c & 0xffu] ^ ddp__ck_shift_table[1][(c >> 8) & 0xffu] ^ ddp__ck_shift_table[2][(c >> 16) & 0xffu] ^
+           ddp__ck_shift_table[3][c >> 24];
+}
+
+__attribute__((target("sse4.2"))) static uint32_t ddp__ck_crc_hw(uint32_t crc, const unsigned char *p, size_t n) {
+    unsigned long long c = crc;
+    if (n >= 3 * DDP__CK_LANE) pthread_once(&ddp__ck_shift_once, ddp__ck_shift_init);
+    while (n >= 3 * DDP__CK_LANE) {
+        unsigned long long c1 = 0, c2 = 0, v0, v1, v2;
+        size_t j;
+        for (j = 0; j < DDP__CK_LANE; j += 8) {
+            memcpy(&v0, p + j, 8);
+            memcpy(&v1, p + DDP__CK_LANE + j, 8);
+            memcpy(&v2, p + 2 * DDP__CK_LANE + j, 8);
+            c = __builtin_ia32_crc32di(c, v0);
+            c1 = __builtin_ia32_crc32di(c1, v1);
+            c2 = __builtin_ia32_crc32di(c2, v2);
+        }
+        c = ddp__ck_shift(ddp__ck_shift((uint32_t)c) ^ (uint32_t)c1) ^ (uint32_t)c2;
+        p += 3 * DDP__CK_LANE;
+        n -= 3 * DDP__CK_LANE;
+    }
+    while (n >= 8) {
+        unsigned long long v;
+        memcpy(&v, p, 8);
+        c = __builtin_ia32_crc32di(c, v);
+        p += 8;
+        n -= 8;
+    }
+    crc = (uint32_t)c;
+    while (n--) crc = __builtin_ia32_crc32qi(crc, *p++);
+    return crc;
+}
+#endif
+
+/* Running CRC32C register (start with 0xFFFFFFFF, finish with ~) over n more bytes. use_hw: 1 to take
+   the instruction when the CPU has it (0 is for the tests). */
+static uint32_t ddp__ck_crc_update(uint32_t reg, const void *data, size_t n, int use_hw) {
+    const unsigned char *p = (const unsigned char *)data;
+#ifdef DDP__CK_HAVE_HW_CRC
+    if (use_hw && __builtin_cpu_supports("sse4.2")) return ddp__ck_crc_hw(reg, p, n);
+#else
+    (void)use_hw;
+#endif
+    return ddp__ck_crc_soft(reg, p, n);
+}
+
+static uint32_t ddp__ck_crc32c(const void *data, size_t n, int use_hw) { return ~ddp__ck_crc_update(0xFFFFFFFFu, data, n, use_hw); }
+/* ==================== end src/crc32c.c ==================== */
 
 /* ==================== begin src/net.c ==================== */
 /* [SECTION] net: TCP sockets with deadlines
@@ -7133,7 +7269,7 @@ static ddp_result ddp__tcp_recv_status(ddp_store *s, double deadline, double sec
         memcpy(&code, head, 4);
         memcpy(&len, head + 4, 8);
     }
-    if (status != DDP__STATUS_REFUSED || len >= sizeof why || code >= 0 || code < (int32_t)DDP_ERR_UNEVEN_INPUTS) {
+    if (status != DDP__STATUS_REFUSED || len >= sizeof why || code >= 0 || code < (int32_t)DDP_ERR_VIEW_CHANGED) {
         ddp__tcp_disconnect(s);
         return ddp__store_fail(s, DDP_ERR_FORMAT, "%s answered status %u while %s (expected 0, 1 or a refusal); is it a "
                                                   "torch 1.13, torch 2.x or ddp.h store?", s->where, status, doing);
@@ -17174,7 +17310,7 @@ DDP_API ddp_result ddp_init(const ddp_init_desc *desc, ddp_group **out) {
     const char *backend;
     char early_msg[DDP__ERR_MAX];
     double timeout;
-    int nccl, foreign = 0, told = 0;
+    int nccl, foreign = 0, told = 0, joining;
     ddp_result r, early = DDP_SUCCESS;
     if (!out) return ddp__fail(NULL, DDP_ERR_INVALID_ARGUMENT, "ddp_init: the out argument is NULL");
     *out = NULL;
@@ -17202,10 +17338,13 @@ DDP_API ddp_result ddp_init(const ddp_init_desc *desc, ddp_group **out) {
         timeout = DDP__EARLY_PUBLISH_SECONDS;
     }
 
-    g = ddp__group_alloc(L.rank, L.world_size);
+    joining = ft.fault_tolerant && ddp__env("DDP_FT_JOIN") && strcmp(ddp__env("DDP_FT_JOIN"), "1") == 0;
+    /* a joiner (ddprun --ft restarting a lost worker) is a group of its own until ddp_ft_begin admits it */
+    g = joining ? ddp__group_alloc(0, 1) : ddp__group_alloc(L.rank, L.world_size);
     if (!g) return ddp__fail(NULL, DDP_ERR_OUT_OF_MEMORY, "ddp_init: out of memory");
     g->timeout = timeout;
     g->ft_mode = ft.fault_tolerant;
+    g->ft_join = joining;
     g->ft_min_world = ft.min_world_size;
     g->ft_suspect = ft.suspect_seconds;
     g->log_level = desc->log_level != DDP_LOG_DEFAULT ? desc->log_level : ddp__env_log_level();
@@ -17237,10 +17376,11 @@ DDP_API ddp_result ddp_init(const ddp_init_desc *desc, ddp_group **out) {
            pauses accepting for 0.1 s, in which the client takes the one given back). That narrows the
            window without closing it (the server may take the descriptor back first): what then follows
            is ddp__rank0_cannot_connect. */
-        int spare = L.rank == 0 ? open("/dev/null", O_RDONLY | O_CLOEXEC) : -1;
-        if (L.rank == 0) r = ddp__store_server_start(L.master_addr, L.master_port, g->log_level, &g->member.store_server, err);
-        if (L.rank == 0 && r != DDP_SUCCESS) r = ddp__rank0_port_taken(g, &L, r, err);
-        if (L.rank == 0 && r == DDP_SUCCESS) { /* where its server says that it cannot accept a rank: */
+        int serve = L.rank == 0 && !joining; /* a joiner finds the job's store, whatever its RANK */
+        int spare = serve ? open("/dev/null", O_RDONLY | O_CLOEXEC) : -1;
+        if (serve) r = ddp__store_server_start(L.master_addr, L.master_port, g->log_level, &g->member.store_server, err);
+        if (serve && r != DDP_SUCCESS) r = ddp__rank0_port_taken(g, &L, r, err);
+        if (serve && r == DDP_SUCCESS) { /* where its server says that it cannot accept a rank: */
             char abort_key[256], table_key[256], ready_key[256]; /* as ddp__rdzv_abort publishes it */
             ddp__key(g, abort_key, sizeof abort_key, "abort", -1);
             ddp__key(g, table_key, sizeof table_key, "table", -1);
@@ -17260,6 +17400,12 @@ DDP_API ddp_result ddp_init(const ddp_init_desc *desc, ddp_group **out) {
         return ddp__fail(NULL, r, "ddp_init (rank %d of %d, from %s): %s", L.rank, L.world_size, L.source, err);
     }
     g->member.owns_store = 1;
+    if (joining) { /* no rendezvous: the job runs; ddp_ft_begin asks to be admitted (ft.c) */
+        g->local_rank = 0;
+        g->local_world_size = 1;
+        ddp__log(g, DDP_LOG_INFO, "fault tolerance: a joiner (DDP_FT_JOIN=1), through %s", where);
+        return ddp__init_done(g, nccl, desc->timeline, out);
+    }
     ddp__log(g, DDP_LOG_INFO, "joining: rank %d of %d from %s, through %s", L.rank, L.world_size, L.source, where);
     if ((r = ddp__rdzv_job(g, where, L.file_path != NULL, &foreign)) != DDP_SUCCESS ||
         (early && (told = 1, r = ddp__init_failed_locally(g, early, early_msg)) != DDP_SUCCESS) ||
@@ -17523,6 +17669,39 @@ DDP_API ddp_store *ddp_group_store(ddp_group *g) {
 #define DDP__FT_FRAME_MAGIC 0x31544644u /* "DFT1": a control frame: magic, payload bytes, payload */
 #define DDP__FT_HELLO_MAGIC 0x48544644u /* "DFTH": a dialer's hello: magic, id, group hash */
 
+#define DDP__FT_JOIN_MAGIC 0x4a544644u  /* "DFTJ": a joiner's hello, and the id it is given back */
+#define DDP__FT_VIEW_MAGIC 0x56544644u  /* "DFTV": the view's record in the program's store */
+
+/* Where a member listens: control connections and its store server. */
+typedef struct ddp__ft_addr {
+    char addr[128];
+    int32_t ctl_port, store_port;
+    uint32_t id;
+    uint32_t pad;
+} ddp__ft_addr;
+
+/* What a dialer says first. */
+typedef struct ddp__ft_hello {
+    uint32_t magic; /* DDP__FT_HELLO_MAGIC (a member), DDP__FT_JOIN_MAGIC (a joiner asking for an id) */
+    uint32_t id;
+    uint64_t hash;  /* the job's (the world group's mesh hash): another job's connection is refused */
+    ddp__ft_addr where;
+} ddp__ft_hello;
+
+/* The view's record (ddp__ft_publish), followed by n ddp__ft_addr. */
+typedef struct ddp__ft_record {
+    uint32_t magic, cap;
+    uint64_t gen, hash;
+    uint32_t n, pad;
+} ddp__ft_record;
+
+/* A buffer ddp_ft_register named: sent to joiners. */
+typedef struct ddp__ft_reg {
+    char name[64];
+    void *data;
+    size_t bytes;
+} ddp__ft_reg;
+
 /* Where a member listens (all-gathered at the start), and its control connection. */
 typedef struct ddp__ft_peer {
     char addr[128];
@@ -17536,7 +17715,7 @@ typedef struct ddp__ft_peer {
 typedef struct ddp__ft {
     ddp_group *g;
     ddp__ft_member m;
-    uint32_t cap;              /* ids are below it: the first view's size (no joiners yet) */
+    uint32_t cap;              /* ids are below it: the first view's members, then the joiners it may admit */
     ddp__ft_peer *peers;       /* by id */
     int listen_fd;
     ddp__store_server *server; /* this member's: it serves the rendezvous of views whose first member it is */
@@ -17546,10 +17725,20 @@ typedef struct ddp__ft {
     size_t msg_max;            /* the largest payload a message of this job can have */
     unsigned char *out;        /* an outgoing frame */
     uint32_t *dec_dead, *dec_members; /* a decoded message's arrays */
+    struct pollfd *pfds;       /* cap entries: what ddp__ft_pump polls */
+    uint32_t *pids;            /* the id of each */
     int acted;                 /* a GO was acted on (ft_view.c's act) */
     uint64_t changes;          /* view changes this member went through */
     double change_seconds;     /* the last one's, from entering to the new data plane */
     const char *kill;          /* DDP_FT_TEST_KILL (NULL: none) */
+    uint64_t hash;             /* the job's, said in every hello */
+    ddp__ft_addr me;           /* where this member listens */
+    int pending;               /* the view's first member: joiners accepted and given ids, not yet admitted */
+    int admit;                 /* joiners the last vote announced: the next ddp_ft_begin admits them */
+    uint32_t transfer_from;    /* joiners from this id on wait for the state (ddp_ft_begin sends it); NONE: none */
+    uint32_t join_via;         /* a joiner: the member it asked (its connection closing means: ask again) */
+    ddp__ft_reg *regs;         /* ddp_ft_register's buffers, in the order registered */
+    int nregs, regs_cap;
 } ddp__ft;
 
 /* ---- test kill points ---- */
@@ -17739,104 +17928,177 @@ static void ddp__ft_free(ddp_group *g) {
     ddp__free(ft->out);
     ddp__free(ft->dec_dead);
     ddp__free(ft->dec_members);
+    ddp__free(ft->pfds);
+    ddp__free(ft->pids);
+    ddp__free(ft->regs);
     ddp__free(ft);
 }
 
-/* The hello a dialer sends: magic, its id, the group's hash (a connection from another job is refused). */
-static ddp_result ddp__ft_dial(ddp__ft *ft, uint32_t to, double deadline, char *err) {
-    ddp__ft_peer *p = &ft->peers[to];
-    const char *token = ddp__auth_token();
-    uint32_t hello[4];
-    uint64_t hash = ddp__link_group_hash(ft->g);
-    ddp_result r = ddp__net_connect(p->addr, p->ctl_port, deadline, &p->fd, err);
-    if (r == DDP_SUCCESS && token) r = ddp__auth_client(p->fd, token, "a fault-tolerance peer", deadline, err);
-    hello[0] = DDP__FT_HELLO_MAGIC;
-    hello[1] = ft->m.id;
-    memcpy(hello + 2, &hash, sizeof hash);
-    if (r == DDP_SUCCESS) r = ddp__net_send(p->fd, hello, sizeof hello, deadline, err);
-    return r;
+/* The state made before the control connections: what ddp_ft_register records goes here. */
+static ddp__ft *ddp__ft_state(ddp_group *g) {
+    if (!g->ft && (g->ft = (ddp__ft *)ddp__calloc(1, sizeof *g->ft)) != NULL) {
+        g->ft->g = g;
+        g->ft->listen_fd = -1;
+        g->ft->store_of = DDP__FT_NONE;
+        g->ft->transfer_from = g->ft->join_via = DDP__FT_NONE;
+        g->ft->kill = ddp__env("DDP_FT_TEST_KILL");
+        g->ft_end = ddp__ft_free;
+    }
+    return g->ft;
 }
 
-static ddp_result ddp__ft_accept(ddp__ft *ft, double deadline, char *err) {
-    const char *token = ddp__auth_token();
-    uint32_t hello[4];
-    uint64_t hash;
-    int fd = -1;
-    ddp_result r = ddp__net_accept(ft->listen_fd, deadline, &fd, err);
-    if (r == DDP_SUCCESS && token && ddp__auth_server(fd, token, deadline, err) != 0) r = DDP_ERR_INIT;
-    if (r == DDP_SUCCESS) r = ddp__net_recv(fd, hello, sizeof hello, deadline, err);
-    memcpy(&hash, hello + 2, sizeof hash);
-    if (r == DDP_SUCCESS && (hello[0] != DDP__FT_HELLO_MAGIC || hash != ddp__link_group_hash(ft->g) ||
-                             hello[1] <= ft->m.id || hello[1] >= ft->cap || ft->peers[hello[1]].fd >= 0)) {
-        snprintf(err, DDP__ERR_MAX, "a control connection said hello as member %u of another job, or twice", hello[1]);
-        r = DDP_ERR_INIT;
-    }
-    if (r != DDP_SUCCESS) {
-        if (fd >= 0) close(fd);
-        return r;
-    }
-    ft->peers[hello[1]].fd = fd;
-    return DDP_SUCCESS;
-}
-
-/* The first ddp_ft_begin: every member's listener and store, all-gathered; a connection between every pair. */
-typedef struct ddp__ft_addr { /* where a member listens, as all-gathered */
-    char addr[128];
-    int32_t ctl_port, store_port;
-} ddp__ft_addr;
-
-static ddp_result ddp__ft_start(ddp_group *g) {
-    ddp__ft_addr mine, *all = NULL;
-    char err[DDP__ERR_MAX];
-    double deadline;
-    int port = 0, i;
-    uint32_t cap = (uint32_t)g->world_size;
-    ddp__ft *ft = (ddp__ft *)ddp__calloc(1, sizeof *ft);
-    ddp_result r = DDP_SUCCESS;
-    if (!ft) return ddp__fail(g, DDP_ERR_OUT_OF_MEMORY, "ddp_ft_begin: out of memory");
-    ft->g = g;
-    ft->listen_fd = -1;
+/* The arrays sized by cap (ids below it: the first view's members and the joiners the job may admit). */
+static ddp_result ddp__ft_arrays(ddp__ft *ft, uint32_t cap) {
+    uint32_t i;
     ft->cap = cap;
-    ft->store_of = DDP__FT_NONE;
     ft->msg_max = 160 + 8 * (size_t)cap;
-    g->ft = ft;
-    g->ft_end = ddp__ft_free;
-    ft->kill = ddp__env("DDP_FT_TEST_KILL");
     ft->peers = (ddp__ft_peer *)ddp__calloc(cap, sizeof *ft->peers);
     ft->out = (unsigned char *)ddp__malloc(ft->msg_max + 8);
     ft->dec_dead = (uint32_t *)ddp__calloc(cap, sizeof(uint32_t));
     ft->dec_members = (uint32_t *)ddp__calloc(cap, sizeof(uint32_t));
-    all = (ddp__ft_addr *)ddp__calloc(cap, sizeof mine);
-    if (!ft->peers || !ft->out || !ft->dec_dead || !ft->dec_members || !all) r = DDP_ERR_OUT_OF_MEMORY;
-    for (i = 0; r == DDP_SUCCESS && i < (int)cap; i++) {
-        ft->peers[i].fd = -1;
-        if (!(ft->peers[i].in = (unsigned char *)ddp__malloc(ft->msg_max + 8))) r = DDP_ERR_OUT_OF_MEMORY;
+    ft->pfds = (struct pollfd *)ddp__calloc(cap, sizeof *ft->pfds);
+    ft->pids = (uint32_t *)ddp__calloc(cap, sizeof *ft->pids);
+    if (!ft->peers || !ft->out || !ft->dec_dead || !ft->dec_members || !ft->pfds || !ft->pids) return DDP_ERR_OUT_OF_MEMORY;
+    for (i = 0; i < cap; i++) ft->peers[i].fd = -1;
+    for (i = 0; i < cap; i++)
+        if (!(ft->peers[i].in = (unsigned char *)ddp__malloc(ft->msg_max + 8))) return DDP_ERR_OUT_OF_MEMORY;
+    return DDP_SUCCESS;
+}
+
+/* This member's listener and store server (their ports in *me). */
+static ddp_result ddp__ft_listen(ddp__ft *ft, ddp__ft_addr *me, char *err) {
+    ddp_group *g = ft->g;
+    int port = 0;
+    ddp_result r;
+    memset(me, 0, sizeof *me);
+    snprintf(me->addr, sizeof me->addr, "%s", g->member.address[0] ? g->member.address : "127.0.0.1");
+    r = ddp__net_listen(me->addr, 0, &ft->listen_fd, &port, err);
+    me->ctl_port = port;
+    if (r == DDP_SUCCESS) r = ddp__store_server_start(me->addr, 0, g->log_level, &ft->server, err);
+    if (r == DDP_SUCCESS) me->store_port = ddp__store_server_port(ft->server);
+    return r;
+}
+
+/* Dial member `to` and say hello (magic, id, the job's hash, where this member listens). */
+static ddp_result ddp__ft_dial(ddp__ft *ft, uint32_t to, uint32_t magic, double deadline, char *err) {
+    ddp__ft_peer *p = &ft->peers[to];
+    const char *token = ddp__auth_token();
+    ddp__ft_hello h;
+    ddp_result r = ddp__net_connect(p->addr, p->ctl_port, deadline, &p->fd, err);
+    if (r == DDP_SUCCESS && token) r = ddp__auth_client(p->fd, token, "a fault-tolerance peer", deadline, err);
+    memset(&h, 0, sizeof h);
+    h.magic = magic;
+    h.id = ft->m.id;
+    h.hash = ft->hash;
+    h.where = ft->me;
+    if (r == DDP_SUCCESS) r = ddp__net_send(p->fd, &h, sizeof h, deadline, err);
+    if (r != DDP_SUCCESS && p->fd >= 0) {
+        close(p->fd);
+        p->fd = -1;
     }
+    return r;
+}
+
+/* Accept one connection and read its hello (a member's, or a joiner's asking to be admitted). */
+static ddp_result ddp__ft_accept_hello(ddp__ft *ft, double deadline, int *fd, ddp__ft_hello *h, char *err) {
+    const char *token = ddp__auth_token();
+    ddp_result r = ddp__net_accept(ft->listen_fd, deadline, fd, err);
+    if (r == DDP_SUCCESS && token && ddp__auth_server(*fd, token, deadline, err) != 0) r = DDP_ERR_INIT;
+    if (r == DDP_SUCCESS) r = ddp__net_recv(*fd, h, sizeof *h, deadline, err);
+    if (r == DDP_SUCCESS && ((h->magic != DDP__FT_HELLO_MAGIC && h->magic != DDP__FT_JOIN_MAGIC) || h->hash != ft->hash)) {
+        snprintf(err, DDP__ERR_MAX, "a control connection said hello as a member of another job");
+        r = DDP_ERR_INIT;
+    }
+    if (r != DDP_SUCCESS && *fd >= 0) {
+        close(*fd);
+        *fd = -1;
+    }
+    h->where.addr[sizeof h->where.addr - 1] = 0;
+    return r;
+}
+
+/* Accept a member's connection (id above this member's at the start; a joiner admitted since). */
+static ddp_result ddp__ft_accept(ddp__ft *ft, double deadline, char *err) {
+    ddp__ft_hello h;
+    int fd = -1;
+    ddp_result r = ddp__ft_accept_hello(ft, deadline, &fd, &h, err);
+    if (r == DDP_SUCCESS && (h.magic != DDP__FT_HELLO_MAGIC || h.id == ft->m.id || h.id >= ft->cap || ft->peers[h.id].fd >= 0)) {
+        snprintf(err, DDP__ERR_MAX, "a control connection said hello as member %u twice, or out of turn", h.id);
+        close(fd);
+        return DDP_ERR_INIT;
+    }
+    if (r != DDP_SUCCESS) return r;
+    ft->peers[h.id].fd = fd;
+    ft->peers[h.id].hung_up = 0;
+    ft->peers[h.id].have = 0;
+    memcpy(ft->peers[h.id].addr, h.where.addr, sizeof h.where.addr);
+    ft->peers[h.id].ctl_port = h.where.ctl_port;
+    ft->peers[h.id].store_port = h.where.store_port;
+    return DDP_SUCCESS;
+}
+
+/* The job's record of its view in the program's store ("ddp_ft/view"), where a joiner finds the members:
+   written by the view's first member at the start and after every view change. Best effort: a store
+   that is gone (rank 0 served it and was lost) only keeps joiners out. */
+static void ddp__ft_publish(ddp__ft *ft) {
+    ddp_group *g = ft->g;
+    ddp__ft_record *rec;
+    size_t bytes = sizeof *rec + (size_t)ft->m.view.n * sizeof(ddp__ft_addr);
+    int i;
+    if (!g->member.store || g->rank != 0 || !(rec = (ddp__ft_record *)ddp__calloc(1, bytes))) return;
+    rec->magic = DDP__FT_VIEW_MAGIC;
+    rec->cap = ft->cap;
+    rec->gen = ft->m.view.gen;
+    rec->hash = ft->hash;
+    rec->n = (uint32_t)ft->m.view.n;
+    for (i = 0; i < ft->m.view.n; i++) {
+        ddp__ft_addr *a = (ddp__ft_addr *)(rec + 1) + i;
+        const ddp__ft_peer *p = &ft->peers[ft->m.view.members[i]];
+        a->id = ft->m.view.members[i];
+        if (a->id == ft->m.id) {
+            *a = ft->me;
+            a->id = ft->m.id;
+        } else {
+            memcpy(a->addr, p->addr, sizeof a->addr);
+            a->ctl_port = p->ctl_port, a->store_port = p->store_port;
+        }
+    }
+    if (ddp_store_set(g->member.store, "ddp_ft/view", rec, bytes) != DDP_SUCCESS)
+        ddp__log(g, DDP_LOG_DEBUG, "fault tolerance: the view's record is not in the store (%s): joiners cannot find "
+                 "the job", ddp_store_last_error(g->member.store));
+    ddp__free(rec);
+}
+
+/* The first ddp_ft_begin: every member's listener and store, all-gathered; a connection between every pair. */
+static ddp_result ddp__ft_start(ddp_group *g) {
+    ddp__ft_addr *all = NULL;
+    char err[DDP__ERR_MAX];
+    double deadline;
+    int i;
+    ddp__ft *ft = ddp__ft_state(g);
+    ddp_result r = ft ? DDP_SUCCESS : DDP_ERR_OUT_OF_MEMORY;
+    /* ids of joiners come after the first view's; the cap bounds how many the job admits in its life */
+    if (r == DDP_SUCCESS) r = ddp__ft_arrays(ft, (uint32_t)g->world_size * 2 + 62);
+    if (r == DDP_SUCCESS && !(all = (ddp__ft_addr *)ddp__calloc((size_t)g->world_size, sizeof *all))) r = DDP_ERR_OUT_OF_MEMORY;
     if (r == DDP_SUCCESS)
-        r = ddp__ft_member_init(&ft->m, (uint32_t)g->rank, g->world_size, cap, ddp__ft_send, ddp__ft_act, ft);
+        r = ddp__ft_member_init(&ft->m, (uint32_t)g->rank, g->world_size, ft->cap, ddp__ft_send, ddp__ft_act, ft);
     if (r != DDP_SUCCESS) {
         ddp__free(all);
         return ddp__fail(g, r, "ddp_ft_begin: out of memory setting up fault tolerance");
     }
-    memset(&mine, 0, sizeof mine);
-    snprintf(mine.addr, sizeof mine.addr, "%s", g->member.address[0] ? g->member.address : "127.0.0.1");
-    if (g->world_size > 1) {
-        r = ddp__net_listen(mine.addr, 0, &ft->listen_fd, &port, err);
-        mine.ctl_port = port;
-        if (r == DDP_SUCCESS) r = ddp__store_server_start(mine.addr, 0, g->log_level, &ft->server, err);
-        if (r == DDP_SUCCESS) mine.store_port = ddp__store_server_port(ft->server);
-        else mine.ctl_port = 0; /* says "failed" to the others */
-    }
+    ft->hash = ddp__link_group_hash(g);
+    if (g->world_size > 1 && (r = ddp__ft_listen(ft, &ft->me, err)) != DDP_SUCCESS) ft->me.ctl_port = 0; /* "failed" */
+    ft->me.id = (uint32_t)g->rank;
     /* every member takes part, so that one failure fails all */
     if (g->world_size > 1) {
         ddp_result mine_r = r;
-        r = ddp_all_gather(g, &mine, all, sizeof mine, DDP_U8);
-        if (mine_r != DDP_SUCCESS) r = ddp__fail(g, mine_r, "ddp_ft_begin: cannot listen for fault tolerance on %s: %s", mine.addr, err);
-        for (i = 0; r == DDP_SUCCESS && i < (int)cap; i++)
+        r = ddp_all_gather(g, &ft->me, all, sizeof ft->me, DDP_U8);
+        if (mine_r != DDP_SUCCESS) r = ddp__fail(g, mine_r, "ddp_ft_begin: cannot listen for fault tolerance on %s: %s", ft->me.addr, err);
+        for (i = 0; r == DDP_SUCCESS && i < g->world_size; i++)
             if (all[i].ctl_port == 0)
                 r = ddp__fail(g, DDP_ERR_INIT, "ddp_ft_begin: rank %d could not listen for fault tolerance (its message says why)", i);
     }
-    for (i = 0; r == DDP_SUCCESS && i < (int)cap && g->world_size > 1; i++) {
+    for (i = 0; r == DDP_SUCCESS && i < g->world_size && g->world_size > 1; i++) {
         memcpy(ft->peers[i].addr, all[i].addr, sizeof ft->peers[i].addr);
         ft->peers[i].addr[sizeof ft->peers[i].addr - 1] = 0;
         ft->peers[i].ctl_port = all[i].ctl_port;
@@ -17846,7 +18108,7 @@ static ddp_result ddp__ft_start(ddp_group *g) {
     /* dial the lower ids, accept the higher ones: dependencies point down, so nobody waits in a circle */
     deadline = ddp__now() + g->timeout;
     for (i = 0; r == DDP_SUCCESS && i < g->rank; i++)
-        if ((r = ddp__ft_dial(ft, (uint32_t)i, deadline, err)) != DDP_SUCCESS)
+        if ((r = ddp__ft_dial(ft, (uint32_t)i, DDP__FT_HELLO_MAGIC, deadline, err)) != DDP_SUCCESS)
             r = ddp__fail(g, r, "ddp_ft_begin: the control connection to rank %d (%s:%d): %s", i, ft->peers[i].addr,
                           ft->peers[i].ctl_port, err);
     for (i = g->rank + 1; r == DDP_SUCCESS && i < g->world_size; i++)
@@ -17854,10 +18116,51 @@ static ddp_result ddp__ft_start(ddp_group *g) {
             r = ddp__fail(g, r, "ddp_ft_begin: accepting the control connections of higher ranks: %s", err);
     if (g->world_size > 1) r = ddp__agree_outcome(g, r, "ddp_ft_begin (fault tolerance's control connections)");
     g->ft_running = r == DDP_SUCCESS;
-    if (r == DDP_SUCCESS)
+    if (r == DDP_SUCCESS) {
+        ddp__ft_publish(ft);
         ddp__log(g, DDP_LOG_INFO, "fault tolerance: %d members connected; suspect_seconds %g, min_world_size %d",
                  g->world_size, g->ft_suspect, g->ft_min_world);
+    }
     return r;
+}
+
+/* The view's first member, before each vote: joiners waiting on its listener are accepted, given the
+   ids the next view change will admit them with (next_id, next_id + 1, ...), and counted in the vote. */
+static void ddp__ft_intake(ddp__ft *ft) {
+    struct pollfd pfd;
+    if (ft->listen_fd < 0 || ft->g->rank != 0) return;
+    pfd.fd = ft->listen_fd, pfd.events = POLLIN, pfd.revents = 0;
+    while (poll(&pfd, 1, 0) > 0 && (pfd.revents & POLLIN)) {
+        char err[DDP__ERR_MAX];
+        ddp__ft_hello h;
+        uint32_t welcome[4], id = ft->m.view.next_id + (uint32_t)ft->pending;
+        int fd = -1;
+        if (ddp__ft_accept_hello(ft, ddp__now() + 1.0, &fd, &h, err) != DDP_SUCCESS) {
+            ddp__log(ft->g, DDP_LOG_WARN, "fault tolerance: a connection to the control listener was refused: %s", err);
+            continue;
+        }
+        if (h.magic != DDP__FT_JOIN_MAGIC || id >= ft->cap || ft->peers[id].fd >= 0) {
+            ddp__log(ft->g, DDP_LOG_WARN, "fault tolerance: %s; its connection is closed", id >= ft->cap ?
+                     "a joiner asked to be admitted, but the job has used every id it can (twice its first size + 62)" :
+                     "a member's hello came outside a view change");
+            close(fd);
+            continue;
+        }
+        welcome[0] = DDP__FT_JOIN_MAGIC, welcome[1] = id, welcome[2] = (uint32_t)ft->m.view.gen, welcome[3] = 0;
+        if (ddp__net_send(fd, welcome, sizeof welcome, ddp__now() + 1.0, err) != DDP_SUCCESS) {
+            close(fd);
+            continue;
+        }
+        ft->peers[id].fd = fd;
+        ft->peers[id].hung_up = 0;
+        ft->peers[id].have = 0;
+        memcpy(ft->peers[id].addr, h.where.addr, sizeof h.where.addr);
+        ft->peers[id].ctl_port = h.where.ctl_port;
+        ft->peers[id].store_port = h.where.store_port;
+        ft->pending++;
+        ddp__log(ft->g, DDP_LOG_INFO, "fault tolerance: a joiner from %s asks to be admitted; it will be member %u",
+                 h.where.addr, id);
+    }
 }
 
 /* ---- the view change ---- */
@@ -17921,22 +18224,18 @@ static ddp_result ddp__ft_reap(ddp__ft *ft) {
 /* Read every control connection once (waiting up to wait_ms for the first message), then report the
    connections found closed. Stops early once a GO was acted on: what follows belongs to the new view. */
 static ddp_result ddp__ft_pump(ddp__ft *ft, int wait_ms) {
-    struct pollfd fds[64];
-    uint32_t ids[64], i, start = 0;
     ddp_result r = DDP_SUCCESS;
-    int n, k;
-    while (start < ft->cap && r == DDP_SUCCESS && !ft->acted) { /* 64 at a time: a larger job polls in turns */
-        for (n = 0, i = start; i < ft->cap && n < 64; i++)
-            if (ft->peers[i].fd >= 0 && !ft->peers[i].hung_up) {
-                fds[n].fd = ft->peers[i].fd, fds[n].events = POLLIN, fds[n].revents = 0;
-                ids[n++] = i;
-            }
-        start = i;
-        if (n > 0 && poll(fds, (nfds_t)n, ft->cap > 64 ? 0 : wait_ms) > 0)
-            for (k = 0; k < n && r == DDP_SUCCESS && !ft->acted; k++)
-                if (fds[k].revents) r = ddp__ft_read(ft, ids[k]);
-        if (n == 0 && wait_ms > 0) ddp__sleep(wait_ms * 1e-3);
-    }
+    uint32_t i;
+    int n = 0, k;
+    for (i = 0; i < ft->cap; i++)
+        if (ft->peers[i].fd >= 0 && !ft->peers[i].hung_up) {
+            ft->pfds[n].fd = ft->peers[i].fd, ft->pfds[n].events = POLLIN, ft->pfds[n].revents = 0;
+            ft->pids[n++] = i;
+        }
+    if (n == 0 && wait_ms > 0) ddp__sleep(wait_ms * 1e-3);
+    if (n > 0 && poll(ft->pfds, (nfds_t)n, wait_ms) > 0)
+        for (k = 0; k < n && r == DDP_SUCCESS && !ft->acted; k++)
+            if (ft->pfds[k].revents) r = ddp__ft_read(ft, ft->pids[k]);
     if (r == DDP_SUCCESS && !ft->acted) r = ddp__ft_reap(ft);
     return r;
 }
@@ -17975,18 +18274,101 @@ static const char *ddp__ft_members_text(const ddp__ft_view *v, char *buf, size_t
     return buf;
 }
 
-/* Run a view change to its end: the decree acted on and the new view's data plane adopted. *applied: the
-   steps it committed here (0 or 1). Fails only when this member cannot go on: left out of the view, too
-   few members left (min_world_size), or no quorum within the group's timeout. */
-static ddp_result ddp__ft_change(ddp__ft *ft, int *applied) {
+/* After a GO that admitted joiners (ids from `first_new` on): the members accept the control connection of
+   each joiner they have none with (the joiner dials them all; the view's first member took its hello). */
+static ddp_result ddp__ft_meet_joiners(ddp__ft *ft, uint32_t first_new) {
+    char err[DDP__ERR_MAX];
+    double deadline = ddp__now() + DDP__MAX(2 * ft->g->ft_suspect, 1.0);
+    int i, missing = 0;
+    ddp_result r = DDP_SUCCESS;
+    if (ft->m.id >= first_new) return DDP_SUCCESS; /* a joiner itself dials (ddp__ft_join) */
+    for (i = 0; i < ft->m.view.n; i++)
+        if (ft->m.view.members[i] >= first_new && ft->peers[ft->m.view.members[i]].fd < 0) missing++;
+    while (missing-- > 0 && r == DDP_SUCCESS)
+        if ((r = ddp__ft_accept(ft, deadline, err)) != DDP_SUCCESS)
+            r = ddp__fail(ft->g, r, "fault tolerance: a joiner's control connection: %s", err);
+    return r;
+}
+
+/* A joiner's state, from the view's rank 0 (a member before the change: joiners have the highest ids):
+   the step counters, then every ddp_ft_register'ed buffer, then their CRC-32Cs, which the joiners check.
+   Collective over the view, in ddp_ft_begin: there every member has applied every committed step (a
+   change inside ddp_ft_commit may commit a step the program applies after it), so the members' own
+   buffers, which the broadcast rewrites, already hold what rank 0 sends. */
+static ddp_result ddp__ft_transfer(ddp__ft *ft, ddp_ft_step *st, uint32_t first_new) {
+    ddp_group *g = ft->g;
+    uint64_t head[6], names = 1469598103934665603ull;
+    uint32_t *crc = NULL;
+    int i, joiner = ft->m.id >= first_new;
+    ddp_result r = DDP_SUCCESS;
+    double t0 = ddp__now();
+    size_t total = 0;
+    for (i = 0; i < ft->m.view.n && ft->m.view.members[i] < first_new; i++) {
+    }
+    if (i == ft->m.view.n) return DDP_SUCCESS; /* the joiners were lost again */
+    if (ft->m.view.members[0] >= first_new)
+        return ddp__fail(g, DDP_ERR_PEER_LOST, "fault tolerance: every member that held the state was lost; the "
+                         "joiners have nothing to start from");
+    for (i = 0; i < ft->nregs; i++) {
+        const char *c;
+        for (c = ft->regs[i].name; *c; c++) names = (names ^ (unsigned char)*c) * 1099511628211ull;
+        names = (names ^ (uint64_t)ft->regs[i].bytes) * 1099511628211ull;
+        total += ft->regs[i].bytes;
+    }
+    head[0] = DDP__FT_VIEW_MAGIC, head[1] = ft->gstep, head[2] = st->epoch, head[3] = st->step;
+    head[4] = (uint64_t)ft->nregs, head[5] = names;
+    if ((r = ddp_broadcast(g, head, 6, DDP_I64, 0)) != DDP_SUCCESS) return r;
+    if (joiner && (head[4] != (uint64_t)ft->nregs || head[5] != names))
+        return ddp__fail(g, DDP_ERR_MISMATCH, "fault tolerance: this joiner registered other state than the members "
+                         "(%llu buffers there, %d here, or other names or sizes): call ddp_ft_register with the same "
+                         "names and sizes, in the same order, on every process", (unsigned long long)head[4], ft->nregs);
+    if (!(crc = (uint32_t *)ddp__calloc((size_t)ft->nregs + 1, sizeof *crc)))
+        return ddp__fail(g, DDP_ERR_OUT_OF_MEMORY, "fault tolerance: out of memory");
+    for (i = 0; i < ft->nregs && r == DDP_SUCCESS; i++) {
+        r = ddp_broadcast(g, ft->regs[i].data, ft->regs[i].bytes, DDP_U8, 0);
+        crc[i] = ddp__ck_crc32c(ft->regs[i].data, ft->regs[i].bytes, 1);
+    }
+    if (r == DDP_SUCCESS) {
+        uint32_t *mine = (uint32_t *)ddp__calloc((size_t)ft->nregs + 1, sizeof *mine);
+        if (!mine) r = ddp__fail(g, DDP_ERR_OUT_OF_MEMORY, "fault tolerance: out of memory");
+        if (mine) memcpy(mine, crc, (size_t)ft->nregs * sizeof *mine);
+        if (r == DDP_SUCCESS) r = ddp_broadcast(g, crc, (size_t)ft->nregs, DDP_I32, 0); /* rank 0's */
+        for (i = 0; r == DDP_SUCCESS && i < ft->nregs; i++)
+            if (mine[i] != crc[i])
+                r = ddp__fail(g, DDP_ERR_FORMAT, "fault tolerance: the state \"%s\" arrived with CRC-32C %08x, sent with "
+                              "%08x", ft->regs[i].name, (unsigned)mine[i], (unsigned)crc[i]);
+        ddp__free(mine);
+    }
+    ddp__free(crc);
+    if (r != DDP_SUCCESS) return r;
+    if (joiner) {
+        st->epoch = head[2], st->step = head[3];
+        ddp__log(g, DDP_LOG_WARN, "fault tolerance: admitted as member %u: %zu bytes of state in %d buffers, CRC-32C "
+                 "checked, in %.1f ms; epoch %llu, step %llu", ft->m.id, total, ft->nregs, (ddp__now() - t0) * 1e3,
+                 (unsigned long long)st->epoch, (unsigned long long)st->step);
+    }
+    return DDP_SUCCESS;
+}
+
+static ddp_result ddp__ft_join_dial(ddp__ft *ft);
+
+/* Run a view change to its end: the decree acted on and the new view's data plane adopted (joiners met
+   and given the state). st->step moves on when it committed the step here (*applied: 0 or 1). Fails only
+   when this member cannot go on: left out of the view, too few members left (min_world_size), or no
+   quorum within max(the group's timeout, 10 x suspect_seconds). */
+static ddp_result ddp__ft_change(ddp__ft *ft, ddp_ft_step *st, int *applied) {
     ddp_group *g = ft->g;
     uint64_t step0 = ft->gstep;
+    uint32_t first_new = ft->m.joiner ? ft->m.id : ft->m.view.next_id; /* ids from here on: joiners it admits */
     double t0 = ddp__now(), next_timeout, limit = DDP__MAX(g->timeout, 10 * g->ft_suspect);
     char members[256];
+    int i, admitted;
     ddp_result r;
     *applied = 0;
+    if (g->rank == 0 && ft->pending && !ft->m.joiner) ddp__ft_admit(&ft->m, ft->pending); /* it gave them ids */
     ddp__drain(g);
-    if (!g->broken) ddp__group_break(g, DDP_ERR_VIEW_CHANGED, "fault tolerance: this member entered a view change");
+    if (!g->broken && g->world_size > 1)
+        ddp__group_break(g, DDP_ERR_VIEW_CHANGED, "fault tolerance: this member entered a view change");
     for (;;) {
         ft->acted = 0;
         r = ddp__ft_data_failed(&ft->m);
@@ -17994,6 +18376,9 @@ static ddp_result ddp__ft_change(ddp__ft *ft, int *applied) {
         while (r == DDP_SUCCESS && !ft->acted) {
             double now;
             if ((r = ddp__ft_pump(ft, 20)) != DDP_SUCCESS || ft->acted) break;
+            if (ft->m.joiner && ft->join_via < ft->cap && ft->peers[ft->join_via].fd < 0)
+                return ddp__fail(g, DDP_ERR_PEER_LOST, "fault tolerance: member %u, which this joiner asked to be "
+                                 "admitted, closed the connection (lost, or it passed the joiner over)", ft->join_via);
             now = ddp__now();
             if (now >= next_timeout) {
                 r = ddp__ft_timeout(&ft->m);
@@ -18027,18 +18412,155 @@ static ddp_result ddp__ft_change(ddp__ft *ft, int *applied) {
                              g->ft_min_world);
         }
         if (ft->m.changing) continue;
-        if ((r = ddp__ft_rebuild(ft)) == DDP_SUCCESS) break;
+        for (admitted = 0, i = 0; i < ft->m.view.n; i++) admitted += ft->m.view.members[i] >= first_new;
+        if (admitted && ft->m.id >= first_new && (r = ddp__ft_join_dial(ft)) != DDP_SUCCESS) return r;
+        if ((!admitted || (r = ddp__ft_meet_joiners(ft, first_new)) == DDP_SUCCESS) && (r = ddp__ft_rebuild(ft)) == DDP_SUCCESS)
+            break;
+        if (ft->m.id >= first_new) return r; /* a joiner that failed to come in: its caller may try again */
         ddp__log(g, DDP_LOG_WARN, "fault tolerance: view %llu's data plane failed to form (%s); changing the view again",
                  (unsigned long long)ft->m.view.gen, g->error);
         ddp__ft_set_step(&ft->m, ft->gstep, DDP__FT_RUNNING);
     }
+    if (ft->m.id < first_new) st->step += (uint64_t)*applied;
+    for (i = 0; i < ft->pending; i++) { /* joiners it gave ids to and the decree passed over: they ask again */
+        uint32_t id = first_new + (uint32_t)i;
+        if (id < ft->cap && ddp__ft_rank_of(&ft->m.view, id) < 0 && ft->peers[id].fd >= 0) {
+            close(ft->peers[id].fd);
+            ft->peers[id].fd = -1;
+        }
+    }
+    ft->pending = 0;
+    for (admitted = 0, i = 0; i < ft->m.view.n; i++) admitted += ft->m.view.members[i] >= first_new;
+    if (admitted && (ft->transfer_from == DDP__FT_NONE || first_new < ft->transfer_from)) ft->transfer_from = first_new;
     ft->changes++;
     ft->change_seconds = ddp__now() - t0;
+    ddp__ft_publish(ft);
     ddp__log(g, DDP_LOG_WARN, "fault tolerance: view %llu: members %s (this one rank %d of %d); step %llu %s; %.1f ms",
              (unsigned long long)ft->m.view.gen, ddp__ft_members_text(&ft->m.view, members, sizeof members), g->rank,
              g->world_size, (unsigned long long)ft->m.made.step, ft->m.made.verdict == DDP__FT_COMMIT ? "committed" : "redone",
              ft->change_seconds * 1e3);
     return DDP_SUCCESS;
+}
+
+/* ---- a joiner ---- */
+
+/* After the GO that admitted it: a control connection to every other member of the view. */
+static ddp_result ddp__ft_join_dial(ddp__ft *ft) {
+    char err[DDP__ERR_MAX];
+    double deadline = ddp__now() + DDP__MAX(2 * ft->g->ft_suspect, 1.0);
+    int i;
+    for (i = 0; i < ft->m.view.n; i++) {
+        uint32_t id = ft->m.view.members[i];
+        if (id == ft->m.id || ft->peers[id].fd >= 0) continue;
+        if (ddp__ft_dial(ft, id, DDP__FT_HELLO_MAGIC, deadline, err) != DDP_SUCCESS)
+            return ddp__fail(ft->g, DDP_ERR_PEER_LOST, "fault tolerance: this joiner could not reach member %u (%s:%d): %s",
+                             id, ft->peers[id].addr, ft->peers[id].ctl_port, err);
+    }
+    return DDP_SUCCESS;
+}
+
+/* The job's view record from the program's store (a joiner's first step). */
+static ddp_result ddp__ft_read_record(ddp_group *g, ddp__ft_record **out, double deadline) {
+    const char *key = "ddp_ft/view";
+    size_t cap = 1 << 20, size = 0;
+    ddp__ft_record *rec = (ddp__ft_record *)ddp__malloc(cap);
+    ddp_result r;
+    *out = NULL;
+    if (!rec) return ddp__fail(g, DDP_ERR_OUT_OF_MEMORY, "ddp_ft_begin: out of memory");
+    r = ddp_store_wait(g->member.store, &key, 1, DDP__MAX(deadline - ddp__now(), 0.1));
+    if (r == DDP_SUCCESS) r = ddp_store_get(g->member.store, key, rec, cap, &size);
+    if (r == DDP_SUCCESS && (size < sizeof *rec || rec->magic != DDP__FT_VIEW_MAGIC ||
+                             size != sizeof *rec + (size_t)rec->n * sizeof(ddp__ft_addr) || rec->n == 0 || rec->cap == 0))
+        r = ddp__fail(g, DDP_ERR_FORMAT, "ddp_ft_begin: the job's view record in the store is malformed");
+    else if (r != DDP_SUCCESS)
+        r = ddp__fail(g, r, "ddp_ft_begin: this joiner found no fault-tolerant job's view in the store: %s (is the job "
+                      "running in fault-tolerant mode, and is its store still up?)", ddp_store_last_error(g->member.store));
+    if (r != DDP_SUCCESS) {
+        ddp__free(rec);
+        return r;
+    }
+    *out = rec;
+    return DDP_SUCCESS;
+}
+
+/* One attempt of a joiner: find the view's first member through the store, ask it for an id, wait in the
+   view change that admits it (the members start it after the vote that counts it), meet the other
+   members, build the data plane, receive the state. *again: the attempt failed in a way worth another. */
+static ddp_result ddp__ft_join_once(ddp__ft *ft, ddp_ft_step *st, double deadline, int *again) {
+    ddp_group *g = ft->g;
+    ddp__ft_record *rec = NULL;
+    ddp__ft_addr *list;
+    char err[DDP__ERR_MAX];
+    uint32_t welcome[4], i, first;
+    int applied;
+    ddp_result r;
+    *again = 0;
+    if ((r = ddp__ft_read_record(g, &rec, deadline)) != DDP_SUCCESS) return r;
+    if (!ft->cap && (r = ddp__ft_arrays(ft, rec->cap)) != DDP_SUCCESS) {
+        ddp__free(rec);
+        return ddp__fail(g, r, "ddp_ft_begin: out of memory");
+    }
+    if (ft->listen_fd < 0 && (r = ddp__ft_listen(ft, &ft->me, err)) != DDP_SUCCESS) {
+        ddp__free(rec);
+        return ddp__fail(g, r, "ddp_ft_begin: this joiner cannot listen: %s", err);
+    }
+    ft->hash = rec->hash;
+    list = (ddp__ft_addr *)(rec + 1);
+    for (i = 0; i < rec->n; i++)
+        if (list[i].id < ft->cap) {
+            memcpy(ft->peers[list[i].id].addr, list[i].addr, sizeof list[i].addr);
+            ft->peers[list[i].id].addr[sizeof list[i].addr - 1] = 0;
+            ft->peers[list[i].id].ctl_port = list[i].ctl_port;
+            ft->peers[list[i].id].store_port = list[i].store_port;
+        }
+    first = list[0].id;
+    ddp__free(rec);
+    for (i = 0; i < ft->cap; i++) /* a connection left from an attempt before */
+        if (ft->peers[i].fd >= 0) close(ft->peers[i].fd), ft->peers[i].fd = -1;
+    /* ask the view's first member for an id (the hello carries this joiner's listener) */
+    ddp__ft_member_free(&ft->m);
+    ft->m.id = DDP__FT_NONE;
+    r = first < ft->cap ? ddp__ft_dial(ft, first, DDP__FT_JOIN_MAGIC, deadline, err) : DDP_ERR_FORMAT;
+    if (r == DDP_SUCCESS) r = ddp__net_recv(ft->peers[first].fd, welcome, sizeof welcome, deadline, err);
+    if (r == DDP_SUCCESS && (welcome[0] != DDP__FT_JOIN_MAGIC || welcome[1] >= ft->cap)) r = DDP_ERR_FORMAT;
+    if (r != DDP_SUCCESS) {
+        *again = 1; /* the record named a member lost since: the next record names another */
+        return ddp__fail(g, DDP_ERR_PEER_LOST, "ddp_ft_begin: this joiner could not ask member %u to be admitted: %s",
+                         first, r == DDP_ERR_FORMAT ? "a malformed answer" : err);
+    }
+    if ((r = ddp__ft_member_init(&ft->m, welcome[1], 0, ft->cap, ddp__ft_send, ddp__ft_act, ft)) != DDP_SUCCESS)
+        return ddp__fail(g, r, "ddp_ft_begin: out of memory");
+    ft->join_via = first;
+    ddp__log(g, DDP_LOG_INFO, "fault tolerance: member %u gave this joiner id %u; waiting to be admitted", first, welcome[1]);
+    g->ft_running = 1; /* its view change is the members' next */
+    r = ddp__ft_change(ft, st, &applied);
+    if (r == DDP_SUCCESS) r = ddp__ft_transfer(ft, st, ft->m.id);
+    if (r == DDP_SUCCESS) ft->transfer_from = DDP__FT_NONE;
+    if (r != DDP_SUCCESS) {
+        g->ft_running = 0;
+        *again = ft->m.joiner; /* not admitted yet: ask again */
+    }
+    return r;
+}
+
+/* A joiner's first ddp_ft_begin: attempts until one admits it, or the group's timeout passes. */
+static ddp_result ddp__ft_join(ddp_group *g, ddp_ft_step *st) {
+    ddp__ft *ft = ddp__ft_state(g);
+    double deadline = ddp__now() + g->timeout;
+    int again = 1;
+    ddp_result r = DDP_ERR_TIMEOUT;
+    if (!ft) return ddp__fail(g, DDP_ERR_OUT_OF_MEMORY, "ddp_ft_begin: out of memory");
+    while (again && ddp__now() < deadline) {
+        if ((r = ddp__ft_join_once(ft, st, deadline, &again)) == DDP_SUCCESS) {
+            g->ft_join = 0;
+            return DDP_SUCCESS;
+        }
+        if (again) {
+            ddp__log(g, DDP_LOG_INFO, "fault tolerance: %s; asking again", g->error);
+            ddp__sleep(0.05);
+        }
+    }
+    return r;
 }
 
 /* ---- the public calls ---- */
@@ -18054,54 +18576,97 @@ static ddp_result ddp__ft_check(ddp_group *g, ddp_ft_step *st, const char *fn) {
     return DDP_SUCCESS;
 }
 
-static void ddp__ft_fill(ddp__ft *ft, ddp_ft_step *st) {
+static void ddp__ft_fill(ddp__ft *ft, ddp_ft_step *st, int joined) {
     st->gen = ft->m.view.gen;
     st->rank = ft->g->rank;
     st->world_size = ft->g->world_size;
-    st->joined = 0;
+    st->joined = joined;
+}
+
+DDP_API ddp_result ddp_ft_register(ddp_group *g, const char *name, void *data, size_t bytes) {
+    ddp_result r = ddp__group_check(g, "ddp_ft_register");
+    ddp__ft *ft;
+    int i;
+    if (r) return r;
+    if (!g->ft_mode)
+        return ddp__fail(g, DDP_ERR_STATE, "ddp_ft_register: fault tolerance is off; set ddp_init_desc.fault_tolerant = 1 or DDP_FT=1");
+    if (!name || !*name || strlen(name) >= sizeof ft->regs->name || (!data && bytes))
+        return ddp__fail(g, DDP_ERR_INVALID_ARGUMENT, "ddp_ft_register: give a name of 1-63 bytes and the buffer (NULL only "
+                         "with 0 bytes)");
+    if (g->ft_running || (g->ft && g->ft->cap))
+        return ddp__fail(g, DDP_ERR_STATE, "ddp_ft_register(\"%s\"): register the state before the first ddp_ft_begin", name);
+    if (!(ft = ddp__ft_state(g))) return ddp__fail(g, DDP_ERR_OUT_OF_MEMORY, "ddp_ft_register: out of memory");
+    for (i = 0; i < ft->nregs; i++)
+        if (strcmp(ft->regs[i].name, name) == 0)
+            return ddp__fail(g, DDP_ERR_INVALID_ARGUMENT, "ddp_ft_register: \"%s\" is registered already", name);
+    if (ft->nregs == ft->regs_cap) {
+        int cap = ft->regs_cap ? 2 * ft->regs_cap : 16;
+        ddp__ft_reg *more = (ddp__ft_reg *)DDP_REALLOC(ft->regs, (size_t)cap * sizeof *more);
+        if (!more) return ddp__fail(g, DDP_ERR_OUT_OF_MEMORY, "ddp_ft_register: out of memory");
+        ft->regs = more, ft->regs_cap = cap;
+    }
+    snprintf(ft->regs[ft->nregs].name, sizeof ft->regs[ft->nregs].name, "%s", name);
+    ft->regs[ft->nregs].data = data;
+    ft->regs[ft->nregs].bytes = bytes;
+    ft->nregs++;
+    return DDP_SUCCESS;
 }
 
 DDP_API ddp_result ddp_ft_begin(ddp_group *g, ddp_ft_step *st) {
     ddp_result r = ddp__ft_check(g, st, "ddp_ft_begin");
     int applied = 0;
+    ddp__ft *ft;
     if (r) return r;
-    if (!g->ft_running && g->ft)
-        return ddp__fail(g, DDP_ERR_STATE, "ddp_ft_begin: fault tolerance failed to start on this group (the first "
-                         "ddp_ft_begin said why); destroy the group");
-    if (!g->ft && (r = ddp__ft_start(g)) != DDP_SUCCESS) return r;
-    ddp__ft_kill_at(g->ft, "begin");
-    if (g->broken && (r = ddp__ft_change(g->ft, &applied)) != DDP_SUCCESS) return r;
-    if (applied) st->step++; /* cannot come from a RUNNING member (ft_view.c leaves it out), but say it as it is */
-    ddp__ft_set_step(&g->ft->m, g->ft->gstep, DDP__FT_RUNNING);
-    ddp__ft_fill(g->ft, st);
+    if (!g->ft_running && g->ft && g->ft->cap)
+        return ddp__fail(g, DDP_ERR_STATE, "ddp_ft_begin: fault tolerance failed on this group (an earlier call said why); "
+                         "destroy the group");
+    if (g->ft_join) {
+        if ((r = ddp__ft_join(g, st)) != DDP_SUCCESS) return r;
+        ddp__ft_fill(g->ft, st, 1);
+        return DDP_SUCCESS;
+    }
+    if (!g->ft_running && (r = ddp__ft_start(g)) != DDP_SUCCESS) return r;
+    ft = g->ft;
+    ddp__ft_kill_at(ft, "begin");
+    if (ft->admit > 0 && !g->broken) ddp__ft_admit(&ft->m, ft->admit); /* the vote counted joiners: admit them now */
+    for (;;) {
+        if ((g->broken || ft->admit > 0) && (r = ddp__ft_change(ft, st, &applied)) != DDP_SUCCESS) return r;
+        ft->admit = 0;
+        if (ft->transfer_from == DDP__FT_NONE) break;
+        r = ddp__ft_transfer(ft, st, ft->transfer_from); /* every committed step applied here: joiners' state */
+        if (r == DDP_SUCCESS) ft->transfer_from = DDP__FT_NONE;
+        else if (r != DDP_ERR_VIEW_CHANGED) return r;
+    }
+    ddp__ft_set_step(&ft->m, ft->gstep, DDP__FT_RUNNING);
+    ddp__ft_fill(ft, st, 0);
     return DDP_SUCCESS;
 }
 
 DDP_API ddp_result ddp_ft_commit(ddp_group *g, ddp_ft_step *st) {
     ddp_result r = ddp__ft_check(g, st, "ddp_ft_commit");
-    int64_t ok = 1;
+    int64_t vote[2];
     int applied = 0;
     ddp__ft *ft;
     if (r) return r;
     if (!(ft = g->ft) || !g->ft_running) return ddp__fail(g, DDP_ERR_STATE, "ddp_ft_commit: call ddp_ft_begin first");
     ddp__ft_kill_at(ft, "vote");
-    if (!g->broken) { /* the step's reduction finished here: COMPLETE, then the vote */
+    if (!g->broken) { /* the step's reduction finished here: COMPLETE, then the vote {finished, -joiners waiting} */
         ddp__ft_set_step(&ft->m, ft->gstep, DDP__FT_COMPLETE);
-        r = ddp_all_reduce(g, &ok, 1, DDP_I64, DDP_MIN);
+        ddp__ft_intake(ft);
+        vote[0] = 1, vote[1] = -(int64_t)ft->pending;
+        r = ddp_all_reduce(g, vote, 2, DDP_I64, DDP_MIN);
         if (r == DDP_SUCCESS) {
             ft->gstep++;
+            ft->admit = (int)-vote[1];
             ddp__ft_set_step(&ft->m, ft->gstep, DDP__FT_RUNNING);
             st->step++;
             return DDP_SUCCESS;
         }
         if (r != DDP_ERR_VIEW_CHANGED) return r;
     }
-    if ((r = ddp__ft_change(ft, &applied)) != DDP_SUCCESS) return r;
-    ddp__ft_fill(ft, st);
-    if (applied) {
-        st->step++;
-        return DDP_SUCCESS;
-    }
+    if ((r = ddp__ft_change(ft, st, &applied)) != DDP_SUCCESS) return r;
+    ddp__ft_fill(ft, st, 0);
+    if (applied) return DDP_SUCCESS;
     return ddp__fail(g, DDP_ERR_VIEW_CHANGED, "ddp_ft_commit: the view changed (view %llu, %d member%s) before every member "
                      "finished the step; redo it: call ddp_ft_begin and run step %llu again", (unsigned long long)st->gen,
                      st->world_size, st->world_size == 1 ? "" : "s", (unsigned long long)st->step);
@@ -19920,6 +20485,8 @@ struct ddp_reducer {
     /* timing: see "straggler or transfer" below */
     int64_t *ready_ns;    /* world + 1: every rank's ready time (wall clock, ns), then this rank's own */
     void *ready_comm;     /* the same in the backend's memory, for the all_gather */
+    int ready_world;      /* the world size they are sized for (fault tolerance's joiners make it grow) */
+    int ready_gathered;   /* the world size of the all_gather in flight (ready_work) */
     ddp_work *ready_work; /* that all_gather, in flight from end_backward until the pass's timing is done */
     int ready_discard;    /* the pass in flight was a joined rank's shadow: nothing to account */
     double t_ready;       /* this pass: the last bucket started (this rank's gradients all there) */
@@ -20616,18 +21183,32 @@ static ddp_result ddp__timing_start(ddp_reducer *r, int shadow) {
         if (!shadow) ddp__timing_account(r, world == 1 ? r->t_ready : r->t_enter, world == 1 ? 0 : -1);
         return DDP_SUCCESS;
     }
+    if (world > r->ready_world) { /* a view that admitted joiners (fault tolerance) */
+        int64_t *ns = (int64_t *)ddp__calloc((size_t)world + 1, sizeof *ns);
+        void *c = r->ops->alloc(r->g, ((size_t)world + 1) * sizeof(int64_t));
+        if (!ns || !c) {
+            ddp__free(ns);
+            if (c) r->ops->release(r->g, c);
+            return ddp__reducer_stop(r, ddp__fail(r->g, DDP_ERR_OUT_OF_MEMORY, "ddp_reducer_end_backward: out of memory"));
+        }
+        ddp__free(r->ready_ns);
+        r->ops->release(r->g, r->ready_comm);
+        r->ready_ns = ns, r->ready_comm = c, r->ready_world = world;
+        comm = (char *)c;
+    }
     r->ready_ns[world] = shadow ? 0 : (int64_t)((r->t_ready + r->wall_minus_mono) * 1e9);
     r->ops->copy_out(r->g, comm + (size_t)world * 8, DDP_I64, &r->ready_ns[world], DDP_I64, 1);
     if ((res = ddp_all_gather_async(r->g, comm + (size_t)world * 8, comm, 1, DDP_I64, &r->ready_work)) != DDP_SUCCESS)
         return ddp__reducer_stop(r, res);
     r->ready_discard = shadow;
+    r->ready_gathered = world;
     return DDP_SUCCESS;
 }
 
 /* Wait for the last pass's all_gather and split its wait. A failure is the group's (its next collective
    says so); that pass's split is then left out. */
 static void ddp__timing_finish(ddp_reducer *r) {
-    int world = ddp_world_size(r->g), k, last = 0;
+    int world = r->ready_gathered, k, last = 0; /* (the world of the pass it timed: a view change may follow) */
     ddp_result res;
     if (!r->ready_work) return;
     res = ddp_wait(r->ready_work);
@@ -21542,6 +22123,7 @@ DDP_API ddp_result ddp_reducer_finalize(ddp_reducer *r) {
     if (!r->ready_ns) r->ready_ns = (int64_t *)ddp__calloc((size_t)ddp_world_size(r->g) + 1, sizeof(int64_t));
     if (!r->ready_comm) r->ready_comm = r->ops->alloc(r->g, ((size_t)ddp_world_size(r->g) + 1) * sizeof(int64_t));
     if (!r->ready_ns || !r->ready_comm) return ddp__fail(r->g, DDP_ERR_OUT_OF_MEMORY, "ddp_reducer_finalize: out of memory");
+    r->ready_world = ddp_world_size(r->g);
     r->finalized = 1;
     if ((res = ddp__reducer_sync_states(r, 0, "ddp_reducer_finalize")) != DDP_SUCCESS) {
         r->finalized = 0;
@@ -24297,18 +24879,17 @@ DDP_API ddp_result ddp_syncbn_backward(ddp_syncbn *bn, const float *x, const flo
 /* ==================== end src/syncbn.c ==================== */
 
 /* ==================== begin src/safetensors.c ==================== */
-/* [SECTION] safetensors: the file format (Hugging Face safetensors), CRC32C, UTF-8, ddp_meta
+/* [SECTION] safetensors: the file format (Hugging Face safetensors), UTF-8, ddp_meta
    The format of the safetensors crate, which torch users read with safetensors.torch.load_file:
        | N: uint64 little-endian | N bytes of JSON header | data: the tensors' bytes, back to back |
        {"__metadata__": {"key": "value", ...},
         "name": {"dtype": "F32", "shape": [2, 3], "data_offsets": [begin, end]}, ...}
    Offsets count from the start of the data section. ddp.h's writer adds a CRC32C of every tensor's
-   bytes to __metadata__ ("ddp.crc32c.<name>": 8 hex digits) and pads the header with spaces so that the
+   bytes to __metadata__ ("ddp.crc32c.<name>": 8 hex digits, crc32c.c) and pads the header with spaces so that the
    data starts at a multiple of 8; "ddp.crc32c." and "ddp.shard." keys are the library's. This file is
    the format only, with no group: errors go to a char buffer of DDP__ERR_MAX bytes (the public
    ddp_meta_* functions to this thread's last error); saving and loading it across ranks is
    checkpoint.c's. Layout of this file:
-     crc32c        Castagnoli CRC, SSE4.2 instruction when the CPU has it, else slicing-by-8 tables
      UTF-8         strict RFC 3629 validation (names, keys and values must be UTF-8)
      meta          the caller's key/value map and its typed helpers
      parser        a strict, bounded parser for the safetensors JSON header (the only JSON we accept:
@@ -24324,122 +24905,6 @@ static int ddp__ck_little_endian(void) {
     memcpy(&b, &one, 1);
     return b == 1;
 }
-
-/* ---- crc32c ----
-   CRC-32C, reflected polynomial 0x82F63B78, initial value and final xor 0xFFFFFFFF; "123456789" gives
-   0xE3069283. Portable path: slicing-by-8 (eight 256-entry tables, eight bytes per step). */
-
-static uint32_t ddp__ck_crc_table[8][256];
-static pthread_once_t ddp__ck_crc_once = PTHREAD_ONCE_INIT;
-
-static void ddp__ck_crc_init(void) {
-    uint32_t i, k;
-    for (i = 0; i < 256; i++) {
-        uint32_t c = i;
-        for (k = 0; k < 8; k++) c = (c >> 1) ^ (0x82F63B78u & (0u - (c & 1u)));
-        ddp__ck_crc_table[0][i] = c;
-    }
-    for (i = 0; i < 256; i++)
-        for (k = 1; k < 8; k++)
-            ddp__ck_crc_table[k][i] = (ddp__ck_crc_table[k - 1][i] >> 8) ^ ddp__ck_crc_table[0][ddp__ck_crc_table[k - 1][i] & 0xffu];
-}
-
-/* crc is the running value without the final xor (start with 0xFFFFFFFF). */
-static uint32_t ddp__ck_crc_soft(uint32_t crc, const unsigned char *p, size_t n) {
-    pthread_once(&ddp__ck_crc_once, ddp__ck_crc_init);
-    while (n >= 8) {
-        uint32_t lo, hi;
-        memcpy(&lo, p, 4);
-        memcpy(&hi, p + 4, 4);
-        lo ^= crc;
-        crc = ddp__ck_crc_table[7][lo & 0xffu] ^ ddp__ck_crc_table[6][(lo >> 8) & 0xffu] ^
-              ddp__ck_crc_table[5][(lo >> 16) & 0xffu] ^ ddp__ck_crc_table[4][lo >> 24] ^
-              ddp__ck_crc_table[3][hi & 0xffu] ^ ddp__ck_crc_table[2][(hi >> 8) & 0xffu] ^
-              ddp__ck_crc_table[1][(hi >> 16) & 0xffu] ^ ddp__ck_crc_table[0][hi >> 24];
-        p += 8;
-        n -= 8;
-    }
-    while (n--) crc = (crc >> 8) ^ ddp__ck_crc_table[0][(crc ^ *p++) & 0xffu];
-    return crc;
-}
-
-#if defined(__x86_64__) && (defined(__GNUC__) || defined(__clang__))
-#define DDP__CK_HAVE_HW_CRC 1
-/* The SSE4.2 crc32 instruction computes exactly this CRC, eight bytes at a time. It takes 3 cycles but
-   can start every cycle, so three independent streams run over three adjacent lanes of
-   DDP__CK_LANE bytes and are then joined: crc(A B) = shift(crc(A)) ^ crc0(B), where crc0 starts from
-   0 and shift appends DDP__CK_LANE zero bytes. shift is linear over GF(2): it is four table lookups,
-   built once from its values on the 32 unit vectors. */
-#define DDP__CK_LANE 4096
-static uint32_t ddp__ck_shift_table[4][256];
-static pthread_once_t ddp__ck_shift_once = PTHREAD_ONCE_INIT;
-
-__attribute__((target("sse4.2"))) static void ddp__ck_shift_init(void) {
-    uint32_t basis[32];
-    int b, k, i;
-    for (b = 0; b < 32; b++) {
-        unsigned long long c = 1ull << b;
-        for (i = 0; i < DDP__CK_LANE / 8; i++) c = __builtin_ia32_crc32di(c, 0);
-        basis[b] = (uint32_t)c;
-    }
-    for (k = 0; k < 4; k++)
-        for (i = 0; i < 256; i++) {
-            uint32_t v = 0;
-            for (b = 0; b < 8; b++)
-                if ((i >> b) & 1) v ^= basis[8 * k + b];
-            ddp__ck_shift_table[k][i] = v;
-        }
-}
-
-static uint32_t ddp__ck_shift(uint32_t c) {
-    return ddp__ck_shift_table[0][c & 0xffu] ^ ddp__ck_shift_table[1][(c >> 8) & 0xffu] ^ ddp__ck_shift_table[2][(c >> 16) & 0xffu] ^
-           ddp__ck_shift_table[3][c >> 24];
-}
-
-__attribute__((target("sse4.2"))) static uint32_t ddp__ck_crc_hw(uint32_t crc, const unsigned char *p, size_t n) {
-    unsigned long long c = crc;
-    if (n >= 3 * DDP__CK_LANE) pthread_once(&ddp__ck_shift_once, ddp__ck_shift_init);
-    while (n >= 3 * DDP__CK_LANE) {
-        unsigned long long c1 = 0, c2 = 0, v0, v1, v2;
-        size_t j;
-        for (j = 0; j < DDP__CK_LANE; j += 8) {
-            memcpy(&v0, p + j, 8);
-            memcpy(&v1, p + DDP__CK_LANE + j, 8);
-            memcpy(&v2, p + 2 * DDP__CK_LANE + j, 8);
-            c = __builtin_ia32_crc32di(c, v0);
-            c1 = __builtin_ia32_crc32di(c1, v1);
-            c2 = __builtin_ia32_crc32di(c2, v2);
-        }
-        c = ddp__ck_shift(ddp__ck_shift((uint32_t)c) ^ (uint32_t)c1) ^ (uint32_t)c2;
-        p += 3 * DDP__CK_LANE;
-        n -= 3 * DDP__CK_LANE;
-    }
-    while (n >= 8) {
-        unsigned long long v;
-        memcpy(&v, p, 8);
-        c = __builtin_ia32_crc32di(c, v);
-        p += 8;
-        n -= 8;
-    }
-    crc = (uint32_t)c;
-    while (n--) crc = __builtin_ia32_crc32qi(crc, *p++);
-    return crc;
-}
-#endif
-
-/* Running CRC32C register (start with 0xFFFFFFFF, finish with ~) over n more bytes. use_hw: 1 to take
-   the instruction when the CPU has it (0 is for the tests). */
-static uint32_t ddp__ck_crc_update(uint32_t reg, const void *data, size_t n, int use_hw) {
-    const unsigned char *p = (const unsigned char *)data;
-#ifdef DDP__CK_HAVE_HW_CRC
-    if (use_hw && __builtin_cpu_supports("sse4.2")) return ddp__ck_crc_hw(reg, p, n);
-#else
-    (void)use_hw;
-#endif
-    return ddp__ck_crc_soft(reg, p, n);
-}
-
-static uint32_t ddp__ck_crc32c(const void *data, size_t n, int use_hw) { return ~ddp__ck_crc_update(0xFFFFFFFFu, data, n, use_hw); }
 
 /* ---- UTF-8 ----
    Strict RFC 3629: no overlong forms, no surrogates, nothing above U+10FFFF. Returns the length of the

@@ -25,9 +25,16 @@
            else if (res != DDP_ERR_VIEW_CHANGED) fail;           DDP_ERR_VIEW_CHANGED: redo st.step
        }
 
-   Built: the calls below on the cpu backend (shm, tcp, hier), survivors going on after a member is lost.
-   Not built yet: ddp_ft_register and joiners (a replacement admitted with live state), ddprun --ft; the
-   mpi and nccl backends answer DDP_ERR_UNSUPPORTED at ddp_init; zero_stage > 0 is refused in this mode.
+   A replacement joins at a step boundary: a process started with DDP_FT_JOIN=1 (ddprun --ft restarts a
+   lost worker so) makes its reducer as the members did (ddp_reducer_finalize is local on it), registers
+   the same state with ddp_ft_register, and its first ddp_ft_begin asks the view's first member for an
+   id (found through the job's store); the next vote counts it, the view change after it admits it, and
+   the new view's rank 0 sends it every registered buffer (CRC-32C checked) with the epoch and step: its
+   ddp_ft_begin returns with st->joined = 1 and the step the members run next.
+
+   Built: the calls below on the cpu backend (shm, tcp, hier). The mpi and nccl backends answer
+   DDP_ERR_UNSUPPORTED at ddp_init; zero_stage > 0 is refused in this mode. A joiner needs the job's store
+   (rank 0's, or ddprun's under --ft) and a view with a member from before it (the state's donor).
    Limits: every pair of members holds a control connection (n - 1 sockets per member); ddp_alloc gives
    heap memory (each view maps its own shared segment); subgroups made before a view change are broken by
    it; the reducer keeps its registration order (no bucket rebuild) so every view has the same layout. */
@@ -59,6 +66,10 @@ typedef struct ddp_ft_step {
     int joined;
 } ddp_ft_step;
 
+/* Name state a joiner must receive (the parameters, the optimizer's moments, counters): `bytes` bytes at
+   `data`, sent as they are when a joiner is admitted (after the step's optimizer update). Every process
+   registers the same names and sizes in the same order, before its first ddp_ft_begin. */
+DDP_API ddp_result ddp_ft_register(ddp_group *g, const char *name, void *data, size_t bytes);
 /* Begin a step: returns the view it runs in (st->gen, rank, world_size, joined), keeping st->epoch and
    st->step. The first call on a group is collective (it connects the members' control connections).
    After a pass or a vote that met DDP_ERR_VIEW_CHANGED it runs the view change first (it waits until the

@@ -529,7 +529,7 @@ DDP_API ddp_result ddp_init(const ddp_init_desc *desc, ddp_group **out) {
     const char *backend;
     char early_msg[DDP__ERR_MAX];
     double timeout;
-    int nccl, foreign = 0, told = 0;
+    int nccl, foreign = 0, told = 0, joining;
     ddp_result r, early = DDP_SUCCESS;
     if (!out) return ddp__fail(NULL, DDP_ERR_INVALID_ARGUMENT, "ddp_init: the out argument is NULL");
     *out = NULL;
@@ -557,10 +557,13 @@ DDP_API ddp_result ddp_init(const ddp_init_desc *desc, ddp_group **out) {
         timeout = DDP__EARLY_PUBLISH_SECONDS;
     }
 
-    g = ddp__group_alloc(L.rank, L.world_size);
+    joining = ft.fault_tolerant && ddp__env("DDP_FT_JOIN") && strcmp(ddp__env("DDP_FT_JOIN"), "1") == 0;
+    /* a joiner (ddprun --ft restarting a lost worker) is a group of its own until ddp_ft_begin admits it */
+    g = joining ? ddp__group_alloc(0, 1) : ddp__group_alloc(L.rank, L.world_size);
     if (!g) return ddp__fail(NULL, DDP_ERR_OUT_OF_MEMORY, "ddp_init: out of memory");
     g->timeout = timeout;
     g->ft_mode = ft.fault_tolerant;
+    g->ft_join = joining;
     g->ft_min_world = ft.min_world_size;
     g->ft_suspect = ft.suspect_seconds;
     g->log_level = desc->log_level != DDP_LOG_DEFAULT ? desc->log_level : ddp__env_log_level();
@@ -592,10 +595,11 @@ DDP_API ddp_result ddp_init(const ddp_init_desc *desc, ddp_group **out) {
            pauses accepting for 0.1 s, in which the client takes the one given back). That narrows the
            window without closing it (the server may take the descriptor back first): what then follows
            is ddp__rank0_cannot_connect. */
-        int spare = L.rank == 0 ? open("/dev/null", O_RDONLY | O_CLOEXEC) : -1;
-        if (L.rank == 0) r = ddp__store_server_start(L.master_addr, L.master_port, g->log_level, &g->member.store_server, err);
-        if (L.rank == 0 && r != DDP_SUCCESS) r = ddp__rank0_port_taken(g, &L, r, err);
-        if (L.rank == 0 && r == DDP_SUCCESS) { /* where its server says that it cannot accept a rank: */
+        int serve = L.rank == 0 && !joining; /* a joiner finds the job's store, whatever its RANK */
+        int spare = serve ? open("/dev/null", O_RDONLY | O_CLOEXEC) : -1;
+        if (serve) r = ddp__store_server_start(L.master_addr, L.master_port, g->log_level, &g->member.store_server, err);
+        if (serve && r != DDP_SUCCESS) r = ddp__rank0_port_taken(g, &L, r, err);
+        if (serve && r == DDP_SUCCESS) { /* where its server says that it cannot accept a rank: */
             char abort_key[256], table_key[256], ready_key[256]; /* as ddp__rdzv_abort publishes it */
             ddp__key(g, abort_key, sizeof abort_key, "abort", -1);
             ddp__key(g, table_key, sizeof table_key, "table", -1);
@@ -615,6 +619,12 @@ DDP_API ddp_result ddp_init(const ddp_init_desc *desc, ddp_group **out) {
         return ddp__fail(NULL, r, "ddp_init (rank %d of %d, from %s): %s", L.rank, L.world_size, L.source, err);
     }
     g->member.owns_store = 1;
+    if (joining) { /* no rendezvous: the job runs; ddp_ft_begin asks to be admitted (ft.c) */
+        g->local_rank = 0;
+        g->local_world_size = 1;
+        ddp__log(g, DDP_LOG_INFO, "fault tolerance: a joiner (DDP_FT_JOIN=1), through %s", where);
+        return ddp__init_done(g, nccl, desc->timeline, out);
+    }
     ddp__log(g, DDP_LOG_INFO, "joining: rank %d of %d from %s, through %s", L.rank, L.world_size, L.source, where);
     if ((r = ddp__rdzv_job(g, where, L.file_path != NULL, &foreign)) != DDP_SUCCESS ||
         (early && (told = 1, r = ddp__init_failed_locally(g, early, early_msg)) != DDP_SUCCESS) ||

@@ -10,6 +10,7 @@
 
        util, registry           errors, logging, environment, time; which groups and work handles are live
        dtype, alloc             element types, reduction, conversions; ddp_alloc's arenas and heap blocks
+       crc32c                   CRC-32C of a buffer (checkpoints, fault tolerance's state transfer)
        net, auth, store         sockets with deadlines; DDP_AUTH_TOKEN; the rendezvous key-value store
        trace                    the flight recorder, and the names of collectives in every message
        timeline                 Chrome trace events (DDP_TIMELINE): collectives, reducer passes, saves, ranges
@@ -675,6 +676,7 @@ struct ddp_group {
        failure is what it would be without fault tolerance. */
     int ft_mode, ft_min_world;
     int ft_running;     /* ft.c's control connections are up (the first ddp_ft_begin succeeded) */
+    int ft_join;        /* a joiner (DDP_FT_JOIN=1): alone until the first ddp_ft_begin admits it */
     uint64_t ft_views;  /* data planes adopted so far (view changes): a reducer pass begun in an older one is void */
     double ft_suspect;
     struct ddp__ft *ft;

@@ -632,18 +632,32 @@ static ddp_result ddp__timing_start(ddp_reducer *r, int shadow) {
         if (!shadow) ddp__timing_account(r, world == 1 ? r->t_ready : r->t_enter, world == 1 ? 0 : -1);
         return DDP_SUCCESS;
     }
+    if (world > r->ready_world) { /* a view that admitted joiners (fault tolerance) */
+        int64_t *ns = (int64_t *)ddp__calloc((size_t)world + 1, sizeof *ns);
+        void *c = r->ops->alloc(r->g, ((size_t)world + 1) * sizeof(int64_t));
+        if (!ns || !c) {
+            ddp__free(ns);
+            if (c) r->ops->release(r->g, c);
+            return ddp__reducer_stop(r, ddp__fail(r->g, DDP_ERR_OUT_OF_MEMORY, "ddp_reducer_end_backward: out of memory"));
+        }
+        ddp__free(r->ready_ns);
+        r->ops->release(r->g, r->ready_comm);
+        r->ready_ns = ns, r->ready_comm = c, r->ready_world = world;
+        comm = (char *)c;
+    }
     r->ready_ns[world] = shadow ? 0 : (int64_t)((r->t_ready + r->wall_minus_mono) * 1e9);
     r->ops->copy_out(r->g, comm + (size_t)world * 8, DDP_I64, &r->ready_ns[world], DDP_I64, 1);
     if ((res = ddp_all_gather_async(r->g, comm + (size_t)world * 8, comm, 1, DDP_I64, &r->ready_work)) != DDP_SUCCESS)
         return ddp__reducer_stop(r, res);
     r->ready_discard = shadow;
+    r->ready_gathered = world;
     return DDP_SUCCESS;
 }
 
 /* Wait for the last pass's all_gather and split its wait. A failure is the group's (its next collective
    says so); that pass's split is then left out. */
 static void ddp__timing_finish(ddp_reducer *r) {
-    int world = ddp_world_size(r->g), k, last = 0;
+    int world = r->ready_gathered, k, last = 0; /* (the world of the pass it timed: a view change may follow) */
     ddp_result res;
     if (!r->ready_work) return;
     res = ddp_wait(r->ready_work);

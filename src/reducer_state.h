@@ -155,6 +155,8 @@ struct ddp_reducer {
     /* timing: see "straggler or transfer" below */
     int64_t *ready_ns;    /* world + 1: every rank's ready time (wall clock, ns), then this rank's own */
     void *ready_comm;     /* the same in the backend's memory, for the all_gather */
+    int ready_world;      /* the world size they are sized for (fault tolerance's joiners make it grow) */
+    int ready_gathered;   /* the world size of the all_gather in flight (ready_work) */
     ddp_work *ready_work; /* that all_gather, in flight from end_backward until the pass's timing is done */
     int ready_discard;    /* the pass in flight was a joined rank's shadow: nothing to account */
     double t_ready;       /* this pass: the last bucket started (this rank's gradients all there) */

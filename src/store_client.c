@@ -293,7 +293,7 @@ static ddp_result ddp__tcp_recv_status(ddp_store *s, double deadline, double sec
         memcpy(&code, head, 4);
         memcpy(&len, head + 4, 8);
     }
-    if (status != DDP__STATUS_REFUSED || len >= sizeof why || code >= 0 || code < (int32_t)DDP_ERR_UNEVEN_INPUTS) {
+    if (status != DDP__STATUS_REFUSED || len >= sizeof why || code >= 0 || code < (int32_t)DDP_ERR_VIEW_CHANGED) {
         ddp__tcp_disconnect(s);
         return ddp__store_fail(s, DDP_ERR_FORMAT, "%s answered status %u while %s (expected 0, 1 or a refusal); is it a "
                                                   "torch 1.13, torch 2.x or ddp.h store?", s->where, status, doing);

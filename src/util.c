@@ -196,7 +196,7 @@ static uint64_t ddp__hash(const char *s) { /* FNV-1a */
 }
 
 static ddp_result ddp__peer_code(long code, ddp_result fallback) {
-    return code <= DDP_ERR_INVALID_ARGUMENT && code >= DDP_ERR_UNEVEN_INPUTS ? (ddp_result)code : fallback;
+    return code <= DDP_ERR_INVALID_ARGUMENT && code >= DDP_ERR_VIEW_CHANGED ? (ddp_result)code : fallback; /* the last code */
 }
 
 /* ---- open files ----

@@ -75,6 +75,7 @@ static int worker(int rank, int n, void *arg) {
     char path[512];
     ddp_result res;
     (void)arg;
+    if (getenv("FT_TEST_LOG")) rank = atoi(getenv("FT_TEST_LOG")); /* a joiner's own log */
     snprintf(path, sizeof path, "%s/log.%d", g_dir, rank);
     fd = open(path, O_WRONLY | O_CREAT | O_TRUNC | O_APPEND, 0644);
     CHECK(fd >= 0, "open %s", path);
@@ -96,7 +97,12 @@ static int worker(int rank, int n, void *arg) {
         snprintf(name, sizeof name, "w%d", t);
         CHECK_OK(ddp_reducer_add_param(r, name, w[t], gr[t], COUNT[t], DDP_F32, NULL), g);
     }
-    CHECK_OK(ddp_reducer_finalize(r), g);
+    CHECK_OK(ddp_reducer_finalize(r), g); /* (local on a joiner: its state comes with its admission) */
+    for (t = 0; t < NT; t++) {
+        char name[16];
+        snprintf(name, sizeof name, "w%d", t);
+        CHECK_OK(ddp_ft_register(g, name, w[t], COUNT[t] * sizeof(float)), g);
+    }
     CHECK_OK(ddp_sampler_init(&s, &sd), NULL);
     memset(&st, 0, sizeof st);
     for (;;) {
@@ -114,6 +120,8 @@ static int worker(int rank, int n, void *arg) {
             st.step = 0;
             continue;
         }
+        if (st.joined) log_line(fd, "J %llu %llu %llu %d %d\n", (unsigned long long)st.epoch, (unsigned long long)st.step,
+                                (unsigned long long)st.gen, st.world_size, st.rank);
         pass_gen = st.gen, pass_world = st.world_size, pass_rank = st.rank;
         if (g_compute_us) usleep(g_compute_us);
         /* forward and backward: the mean over this rank's samples of w - t(i) */
@@ -219,7 +227,7 @@ static int cmp_i64(const void *a, const void *b) {
 }
 
 /* Check one run's logs; returns the worst kill-to-commit latency in seconds (-1: no kill). */
-static double check_run(const char *dir, int n, const int *codes, const char *what, double killed_at) {
+static double check_run(const char *dir, int n, int nlogs, const int *codes, const char *what, double killed_at) {
     static commit c[MAX_EPOCHS][128];
     double *ref[NT], worst = -1;
     float *final0 = NULL;
@@ -231,7 +239,7 @@ static double check_run(const char *dir, int n, const int *codes, const char *wh
     memset(c, 0, sizeof c);
     for (t = 0; t < NT; t++) total += COUNT[t];
     CHECK_OK(ddp_sampler_init(&s, &sd), NULL);
-    for (i = 0; i < n; i++) {
+    for (i = 0; i < nlogs; i++) {
         char path[600], line[8192];
         FILE *f;
         snprintf(path, sizeof path, "%s/log.%d", dir, i);
@@ -431,7 +439,7 @@ static void random_rounds(int rounds, unsigned seed) {
         run_with_signal(n, victim, 3, delay, SIGKILL, 0, codes, &killed_at);
         for (i = 0; i < n; i++) killed += codes[i] == -SIGKILL;
         CHECK(killed == (killed_at > 0), "%s: %d rank(s) died by SIGKILL", what, killed);
-        worst = check_run(g_dir, n, codes, what, killed_at);
+        worst = check_run(g_dir, n, n, codes, what, killed_at);
         if (worst >= 0) lat[nlat++] = worst;
         printf("ok: %s; next commit %.1f ms after the kill (%.1f s)\n", what, worst * 1e3, tl_now() - t0);
         fflush(stdout);
@@ -459,12 +467,92 @@ static void stopped_member(void) {
         g_epochs = 20, g_compute_us = 1000, g_out = 2;
         run_with_signal(4, 2, 3, 0.05, SIGSTOP, 5.0, codes, &when);
         CHECK(codes[2] == 3, "%s: the stopped member exited with %d, not 3 (left out)", what, codes[2]);
-        check_run(g_dir, 4, codes, what, when);
+        check_run(g_dir, 4, 4, codes, what, when);
         printf("ok: %s: the others went on without it, and it stopped saying so (%.1f s)\n", what, tl_now() - t0);
         fflush(stdout);
     }
     unsetenv("FT_TEST_TIMEOUT");
     g_epochs = 2, g_compute_us = 0, g_out = -1;
+}
+
+/* A replacement: member 1 is killed at step 3; once it is gone a new process starts with DDP_FT_JOIN=1
+   (as ddprun --ft restarts one) and must be admitted with the members' state, bit for bit: the checks of
+   check_run then hold over 3 logs of members and the joiner's, whose final weights equal theirs. */
+static void join_case(int t) {
+    pid_t pids[4];
+    int status[4], codes[4], i, done = 0, n = 3;
+    char port[16], what[160], path[600];
+    double t0 = tl_now(), deadline = tl_now() + 120;
+    snprintf(what, sizeof what, "3 ranks over %s, member 1 killed at step 3 and replaced by a joiner", tl_transport_name(t));
+    snprintf(port, sizeof port, "%d", tl_free_port());
+    setenv("DDP_TRANSPORT", tl_transport(t), 1);
+    setenv("DDP_FT_TEST_KILL", "1:3:begin", 1);
+    g_epochs = 20, g_compute_us = 1000;
+    for (i = 0; i <= n; i++) {
+        snprintf(path, sizeof path, "%s/log.%d", g_dir, i);
+        unlink(path);
+    }
+    fflush(stdout);
+    fflush(stderr);
+    for (i = 0; i <= n; i++) {
+        if (i == n) { /* the replacement, once the victim is gone */
+            CHECK(waitpid(pids[1], &status[1], 0) == pids[1], "waitpid");
+            done++;
+        }
+        pids[i] = fork();
+        if (pids[i] == 0) {
+            char v[16];
+            snprintf(v, sizeof v, "%d", i == n ? 1 : i);
+            setenv("RANK", v, 1);
+            setenv("LOCAL_RANK", v, 1);
+            snprintf(v, sizeof v, "%d", n);
+            setenv("WORLD_SIZE", v, 1);
+            setenv("LOCAL_WORLD_SIZE", v, 1);
+            setenv("MASTER_ADDR", "127.0.0.1", 1);
+            setenv("MASTER_PORT", port, 1);
+            if (i == n) {
+                setenv("DDP_FT_JOIN", "1", 1);
+                setenv("FT_TEST_LOG", "3", 1);
+                unsetenv("DDP_FT_TEST_KILL");
+            }
+            exit(worker(i == n ? 1 : i, n, NULL));
+        }
+        status[i] = -1;
+    }
+    while (done <= n) {
+        int st;
+        pid_t p = waitpid(-1, &st, WNOHANG);
+        if (p > 0) {
+            for (i = 0; i <= n; i++)
+                if (pids[i] == p) status[i] = st;
+            done++;
+            continue;
+        }
+        if (tl_now() > deadline) {
+            for (i = 0; i <= n; i++)
+                if (status[i] == -1) kill(pids[i], SIGKILL);
+            deadline = tl_now() + 1e9;
+        }
+        usleep(2000);
+    }
+    for (i = 0; i <= n; i++)
+        codes[i] = WIFEXITED(status[i]) ? WEXITSTATUS(status[i]) : WIFSIGNALED(status[i]) ? -WTERMSIG(status[i]) : -1000;
+    CHECK(codes[1] == -SIGKILL && codes[n] == 0, "%s: the victim ended with %d, the joiner with %d", what, codes[1], codes[n]);
+    check_run(g_dir, n, n + 1, codes, what, -1);
+    {
+        FILE *f;
+        char line[512];
+        int joined = 0;
+        snprintf(path, sizeof path, "%s/log.%d", g_dir, n);
+        CHECK((f = fopen(path, "r")) != NULL, "the joiner's log");
+        while (fgets(line, sizeof line, f)) joined += line[0] == 'J';
+        fclose(f);
+        CHECK(joined == 1, "%s: the joiner said %d times that it joined", what, joined);
+    }
+    unsetenv("DDP_FT_TEST_KILL");
+    g_epochs = 2, g_compute_us = 0;
+    printf("ok: %s (%.1f s)\n", what, tl_now() - t0);
+    fflush(stdout);
 }
 
 /* Misuse: the calls without fault tolerance; backends and stages it refuses. */
@@ -533,6 +621,12 @@ int main(int argc, char **argv) {
     signal(SIGPIPE, SIG_IGN);
     CHECK(mkdtemp(dir), "mkdtemp");
     g_dir = dir;
+    if (argc >= 2 && strcmp(argv[1], "--join") == 0) { /* only the replacement cases */
+        join_case(0);
+        join_case(1);
+        tl_rm_dir(dir);
+        return 0;
+    }
     if (argc >= 3 && strcmp(argv[1], "--random") == 0) { /* FT_ROUNDS: tests/README.md */
         random_rounds(atoi(argv[2]), argc >= 4 ? (unsigned)atoi(argv[3]) : (unsigned)time(NULL));
         tl_rm_dir(dir);
@@ -553,11 +647,13 @@ int main(int argc, char **argv) {
                 tl_run_ranks_status(n, worker, NULL, 120, codes);
                 for (i = 0; i < n; i++) killed += codes[i] == -SIGKILL;
                 CHECK(killed == fc->victims, "%s: %d rank(s) died by SIGKILL, expected %d", what, killed, fc->victims);
-                worst = check_run(dir, n, codes, what, -1);
+                worst = check_run(dir, n, n, codes, what, -1);
                 (void)worst;
                 printf("ok: %s (%.1f s)\n", what, tl_now() - t0);
                 fflush(stdout);
             }
+    join_case(0);
+    join_case(1);
     stopped_member();
     errors();
     random_rounds(getenv("FT_ROUNDS") ? atoi(getenv("FT_ROUNDS")) : getenv("TEST_QUICK") ? 2 : 6, (unsigned)time(NULL));
