@@ -59,7 +59,11 @@ static ddp_sampler_desc sampler_desc(int r0) {
     return d;
 }
 
+static size_t g_big = 0; /* bytes of extra registered state (the G5 case: 64 MiB) */
+
 static int worker(int rank, int n, void *arg) {
+    double started = wall();
+    unsigned char *big = NULL;
     ddp_init_desc desc;
     ddp_group *g;
     ddp_reducer_desc rd;
@@ -103,6 +107,13 @@ static int worker(int rank, int n, void *arg) {
         snprintf(name, sizeof name, "w%d", t);
         CHECK_OK(ddp_ft_register(g, name, w[t], COUNT[t] * sizeof(float)), g);
     }
+    if (g_big) { /* the members' pattern; a joiner starts from zeros and must receive it */
+        size_t i;
+        CHECK((big = (unsigned char *)calloc(g_big, 1)) != NULL, "calloc");
+        if (!getenv("DDP_FT_JOIN"))
+            for (i = 0; i < g_big; i++) big[i] = (unsigned char)(i * 2654435761u >> 13);
+        CHECK_OK(ddp_ft_register(g, "big", big, g_big), g);
+    }
     CHECK_OK(ddp_sampler_init(&s, &sd), NULL);
     memset(&st, 0, sizeof st);
     for (;;) {
@@ -120,8 +131,13 @@ static int worker(int rank, int n, void *arg) {
             st.step = 0;
             continue;
         }
-        if (st.joined) log_line(fd, "J %llu %llu %llu %d %d\n", (unsigned long long)st.epoch, (unsigned long long)st.step,
-                                (unsigned long long)st.gen, st.world_size, st.rank);
+        if (st.joined) {
+            size_t i;
+            log_line(fd, "J %llu %llu %llu %d %d %.6f\n", (unsigned long long)st.epoch, (unsigned long long)st.step,
+                     (unsigned long long)st.gen, st.world_size, st.rank, wall() - started);
+            for (i = 0; i < g_big; i++)
+                CHECK(big[i] == (unsigned char)(i * 2654435761u >> 13), "the joiner's state differs at byte %zu", i);
+        }
         pass_gen = st.gen, pass_world = st.world_size, pass_rank = st.rank;
         if (g_compute_us) usleep(g_compute_us);
         /* forward and backward: the mean over this rank's samples of w - t(i) */
@@ -170,6 +186,7 @@ static int worker(int rank, int n, void *arg) {
     ddp_reducer_destroy(r);
     CHECK_OK(ddp_destroy(g), NULL);
     for (t = 0; t < NT; t++) free(w[t]), free(gr[t]);
+    free(big);
     return 0;
 }
 
@@ -478,12 +495,15 @@ static void stopped_member(void) {
 /* A replacement: member 1 is killed at step 3; once it is gone a new process starts with DDP_FT_JOIN=1
    (as ddprun --ft restarts one) and must be admitted with the members' state, bit for bit: the checks of
    check_run then hold over 3 logs of members and the joiner's, whose final weights equal theirs. */
-static void join_case(int t) {
+static void join_case(int t, size_t big) {
     pid_t pids[4];
     int status[4], codes[4], i, done = 0, n = 3;
     char port[16], what[160], path[600];
     double t0 = tl_now(), deadline = tl_now() + 120;
-    snprintf(what, sizeof what, "3 ranks over %s, member 1 killed at step 3 and replaced by a joiner", tl_transport_name(t));
+    double admitted_after = -1;
+    snprintf(what, sizeof what, "3 ranks over %s, member 1 killed at step 3 and replaced by a joiner%s", tl_transport_name(t),
+             big ? " (64 MiB of state)" : "");
+    g_big = big;
     snprintf(port, sizeof port, "%d", tl_free_port());
     setenv("DDP_TRANSPORT", tl_transport(t), 1);
     setenv("DDP_FT_TEST_KILL", "1:3:begin", 1);
@@ -545,13 +565,18 @@ static void join_case(int t) {
         int joined = 0;
         snprintf(path, sizeof path, "%s/log.%d", g_dir, n);
         CHECK((f = fopen(path, "r")) != NULL, "the joiner's log");
-        while (fgets(line, sizeof line, f)) joined += line[0] == 'J';
+        while (fgets(line, sizeof line, f))
+            if (line[0] == 'J') {
+                const char *last = strrchr(line, ' ');
+                joined++;
+                admitted_after = last ? atof(last + 1) : -1;
+            }
         fclose(f);
         CHECK(joined == 1, "%s: the joiner said %d times that it joined", what, joined);
     }
     unsetenv("DDP_FT_TEST_KILL");
-    g_epochs = 2, g_compute_us = 0;
-    printf("ok: %s (%.1f s)\n", what, tl_now() - t0);
+    g_epochs = 2, g_compute_us = 0, g_big = 0;
+    printf("ok: %s; admitted %.0f ms after the joiner's start (%.1f s)\n", what, admitted_after * 1e3, tl_now() - t0);
     fflush(stdout);
 }
 
@@ -622,8 +647,10 @@ int main(int argc, char **argv) {
     CHECK(mkdtemp(dir), "mkdtemp");
     g_dir = dir;
     if (argc >= 2 && strcmp(argv[1], "--join") == 0) { /* only the replacement cases */
-        join_case(0);
-        join_case(1);
+        join_case(0, 0);
+        join_case(1, 0);
+        join_case(0, (size_t)64 << 20);
+        join_case(1, (size_t)64 << 20);
         tl_rm_dir(dir);
         return 0;
     }
@@ -652,8 +679,9 @@ int main(int argc, char **argv) {
                 printf("ok: %s (%.1f s)\n", what, tl_now() - t0);
                 fflush(stdout);
             }
-    join_case(0);
-    join_case(1);
+    join_case(0, 0);
+    join_case(1, 0);
+    join_case(0, getenv("TEST_QUICK") ? 0 : (size_t)64 << 20);
     stopped_member();
     errors();
     random_rounds(getenv("FT_ROUNDS") ? atoi(getenv("FT_ROUNDS")) : getenv("TEST_QUICK") ? 2 : 6, (unsigned)time(NULL));
