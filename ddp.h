@@ -77,8 +77,8 @@
        DDP_FT_SUSPECT_SECONDS  fault-tolerant mode: a member silent this long in a view change is
                          suspected (default 10)
        DDP_FT_MIN_WORLD_SIZE  fault-tolerant mode: fewer live members than this fail (default 1)
-       DDP_FT_TEST_KILL  tests: id:step:point[,...]: member `id` SIGKILLs itself at committed step `step`,
-                         point begin | bucket | vote | report | decide | go
+       DDP_FT_TEST_KILL  tests: id:step:point[,...]: member `id` SIGKILLs itself at committed step `step`
+                         (* any), point begin | bucket | vote | report | decide | go | transfer
        DDP_TRACE_DIR     when a group breaks (timeout, lost peer, abort, mismatch), each rank writes its
                          recorders to DIR/ddp_trace_rank<R>_pid<P>.txt (unset: its last 10 into the error
                          log); ddprun summarises the files, one line per rank, when a job fails (unset:
@@ -17662,9 +17662,10 @@ DDP_API ddp_store *ddp_group_store(ddp_group *g) {
    its own shared segment.
 
    TESTS' KILL POINTS: DDP_FT_TEST_KILL=id:step:point SIGKILLs the member of stable id `id` when it
-   reaches `point` at committed step `step` (steps counted over all epochs): begin (in ddp_ft_begin),
+   reaches `point` at committed step `step` (steps counted over all epochs; * for any): begin (in ddp_ft_begin),
    bucket (the reducer, after its first bucket's all-reduce started), vote (before the vote), report
-   (after sending a REPORT), decide (after the first DECIDE of a proposal), go (after the first GO). */
+   (after sending a REPORT), decide (after the first DECIDE of a proposal), go (after the first GO),
+   transfer (donor or joiner, once the state's header went out). */
 
 #define DDP__FT_FRAME_MAGIC 0x31544644u /* "DFT1": a control frame: magic, payload bytes, payload */
 #define DDP__FT_HELLO_MAGIC 0x48544644u /* "DFTH": a dialer's hello: magic, id, group hash */
@@ -17747,16 +17748,19 @@ typedef struct ddp__ft {
 static void ddp__ft_kill_at(ddp__ft *ft, const char *point) {
     const char *v = ft->kill, *at;
     for (at = v; at && *at; at = strchr(at, ',') ? strchr(at, ',') + 1 : NULL) {
-        unsigned long long step;
+        unsigned long long step = 0;
         char name[16];
         int id, used = 0;
-        if (sscanf(at, "%d:%llu:%15[a-z]%n", &id, &step, name, &used) != 3 || (at[used] && at[used] != ',')) {
+        int any = sscanf(at, "%d:*:%15[a-z]%n", &id, name, &used) == 2; /* step *: whatever the step */
+        if (!any && (sscanf(at, "%d:%llu:%15[a-z]%n", &id, &step, name, &used) != 3 || (at[used] && at[used] != ','))) {
             ddp__log(ft->g, DDP_LOG_WARN, "DDP_FT_TEST_KILL=\"%s\" is not a list of id:step:point; ignored", v);
             ft->kill = NULL;
             return;
         }
-        if ((uint32_t)id != ft->m.id || step != ft->gstep || strcmp(point, name) != 0) continue;
-        fprintf(stderr, "[ddp] DDP_FT_TEST_KILL: member %d kills itself at step %llu, point %s\n", id, step, point);
+        if (any && at[used] && at[used] != ',') continue;
+        if ((uint32_t)id != ft->m.id || (!any && step != ft->gstep) || strcmp(point, name) != 0) continue;
+        fprintf(stderr, "[ddp] DDP_FT_TEST_KILL: member %d kills itself at step %llu, point %s\n", id,
+                (unsigned long long)ft->gstep, point);
         fflush(stderr);
         kill(getpid(), SIGKILL);
     }
@@ -18318,6 +18322,7 @@ static ddp_result ddp__ft_transfer(ddp__ft *ft, ddp_ft_step *st, uint32_t first_
     head[0] = DDP__FT_VIEW_MAGIC, head[1] = ft->gstep, head[2] = st->epoch, head[3] = st->step;
     head[4] = (uint64_t)ft->nregs, head[5] = names;
     if ((r = ddp_broadcast(g, head, 6, DDP_I64, 0)) != DDP_SUCCESS) return r;
+    ddp__ft_kill_at(ft, "transfer"); /* DDP_FT_TEST_KILL: donor or joiner mid-transfer */
     if (joiner && (head[4] != (uint64_t)ft->nregs || head[5] != names))
         return ddp__fail(g, DDP_ERR_MISMATCH, "fault tolerance: this joiner registered other state than the members "
                          "(%llu buffers there, %d here, or other names or sizes): call ddp_ft_register with the same "
@@ -18534,7 +18539,11 @@ static ddp_result ddp__ft_join_once(ddp__ft *ft, ddp_ft_step *st, double deadlin
     ddp__log(g, DDP_LOG_INFO, "fault tolerance: member %u gave this joiner id %u; waiting to be admitted", first, welcome[1]);
     g->ft_running = 1; /* its view change is the members' next */
     r = ddp__ft_change(ft, st, &applied);
-    if (r == DDP_SUCCESS) r = ddp__ft_transfer(ft, st, ft->m.id);
+    while (r == DDP_SUCCESS) { /* admitted; a member lost during the transfer: the next view sends it again */
+        r = ddp__ft_transfer(ft, st, ft->m.id);
+        if (r != DDP_ERR_VIEW_CHANGED) break;
+        r = ddp__ft_change(ft, st, &applied);
+    }
     if (r == DDP_SUCCESS) ft->transfer_from = DDP__FT_NONE;
     if (r != DDP_SUCCESS) {
         g->ft_running = 0;

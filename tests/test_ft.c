@@ -495,18 +495,20 @@ static void stopped_member(void) {
 /* A replacement: member 1 is killed at step 3; once it is gone a new process starts with DDP_FT_JOIN=1
    (as ddprun --ft restarts one) and must be admitted with the members' state, bit for bit: the checks of
    check_run then hold over 3 logs of members and the joiner's, whose final weights equal theirs. */
-static void join_case(int t, size_t big) {
+static void join_case(int t, size_t big, const char *also_kill, int joiner_killed) {
     pid_t pids[4];
     int status[4], codes[4], i, done = 0, n = 3;
     char port[16], what[160], path[600];
     double t0 = tl_now(), deadline = tl_now() + 120;
     double admitted_after = -1;
-    snprintf(what, sizeof what, "3 ranks over %s, member 1 killed at step 3 and replaced by a joiner%s", tl_transport_name(t),
-             big ? " (64 MiB of state)" : "");
+    char spec[128];
+    snprintf(what, sizeof what, "3 ranks over %s, member 1 killed at step 3 and replaced by a joiner%s%s%s", tl_transport_name(t),
+             big ? " (64 MiB of state)" : "", also_kill ? ", then killed: " : "", also_kill ? also_kill : "");
+    snprintf(spec, sizeof spec, "1:3:begin%s%s", also_kill ? "," : "", also_kill ? also_kill : "");
     g_big = big;
     snprintf(port, sizeof port, "%d", tl_free_port());
     setenv("DDP_TRANSPORT", tl_transport(t), 1);
-    setenv("DDP_FT_TEST_KILL", "1:3:begin", 1);
+    setenv("DDP_FT_TEST_KILL", spec, 1);
     g_epochs = 20, g_compute_us = 1000;
     for (i = 0; i <= n; i++) {
         snprintf(path, sizeof path, "%s/log.%d", g_dir, i);
@@ -533,7 +535,7 @@ static void join_case(int t, size_t big) {
             if (i == n) {
                 setenv("DDP_FT_JOIN", "1", 1);
                 setenv("FT_TEST_LOG", "3", 1);
-                unsetenv("DDP_FT_TEST_KILL");
+                if (!joiner_killed) unsetenv("DDP_FT_TEST_KILL"); /* (the spec names the joiner's id, 3) */
             }
             exit(worker(i == n ? 1 : i, n, NULL));
         }
@@ -557,9 +559,13 @@ static void join_case(int t, size_t big) {
     }
     for (i = 0; i <= n; i++)
         codes[i] = WIFEXITED(status[i]) ? WEXITSTATUS(status[i]) : WIFSIGNALED(status[i]) ? -WTERMSIG(status[i]) : -1000;
-    CHECK(codes[1] == -SIGKILL && codes[n] == 0, "%s: the victim ended with %d, the joiner with %d", what, codes[1], codes[n]);
+    CHECK(codes[1] == -SIGKILL && codes[n] == (joiner_killed ? -SIGKILL : 0), "%s: the victim ended with %d, the joiner "
+          "with %d", what, codes[1], codes[n]);
+    for (i = 0; i < n; i++)
+        CHECK(codes[i] == 0 || i == 1 || (also_kill && codes[i] == -SIGKILL && also_kill[0] == '0' + i), "%s: rank %d ended "
+              "with %d", what, i, codes[i]);
     check_run(g_dir, n, n + 1, codes, what, -1);
-    {
+    if (!joiner_killed) {
         FILE *f;
         char line[512];
         int joined = 0;
@@ -576,7 +582,8 @@ static void join_case(int t, size_t big) {
     }
     unsetenv("DDP_FT_TEST_KILL");
     g_epochs = 2, g_compute_us = 0, g_big = 0;
-    printf("ok: %s; admitted %.0f ms after the joiner's start (%.1f s)\n", what, admitted_after * 1e3, tl_now() - t0);
+    if (joiner_killed) printf("ok: %s (%.1f s)\n", what, tl_now() - t0);
+    else printf("ok: %s; admitted %.0f ms after the joiner's start (%.1f s)\n", what, admitted_after * 1e3, tl_now() - t0);
     fflush(stdout);
 }
 
@@ -647,10 +654,12 @@ int main(int argc, char **argv) {
     CHECK(mkdtemp(dir), "mkdtemp");
     g_dir = dir;
     if (argc >= 2 && strcmp(argv[1], "--join") == 0) { /* only the replacement cases */
-        join_case(0, 0);
-        join_case(1, 0);
-        join_case(0, (size_t)64 << 20);
-        join_case(1, (size_t)64 << 20);
+        join_case(0, 0, NULL, 0);
+        join_case(1, 0, NULL, 0);
+        join_case(0, 0, "0:*:transfer", 0);
+        join_case(1, 0, "3:*:transfer", 1);
+        join_case(0, (size_t)64 << 20, NULL, 0);
+        join_case(1, (size_t)64 << 20, NULL, 0);
         tl_rm_dir(dir);
         return 0;
     }
@@ -679,9 +688,11 @@ int main(int argc, char **argv) {
                 printf("ok: %s (%.1f s)\n", what, tl_now() - t0);
                 fflush(stdout);
             }
-    join_case(0, 0);
-    join_case(1, 0);
-    join_case(0, getenv("TEST_QUICK") ? 0 : (size_t)64 << 20);
+    join_case(0, 0, NULL, 0);
+    join_case(1, 0, NULL, 0);
+    join_case(1, 0, "0:*:transfer", 0);
+    join_case(0, 0, "3:*:transfer", 1);
+    join_case(0, getenv("TEST_QUICK") ? 0 : (size_t)64 << 20, NULL, 0);
     stopped_member();
     errors();
     random_rounds(getenv("FT_ROUNDS") ? atoi(getenv("FT_ROUNDS")) : getenv("TEST_QUICK") ? 2 : 6, (unsigned)time(NULL));
