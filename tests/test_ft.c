@@ -124,6 +124,10 @@ static int worker(int rank, int n, void *arg) {
             log_line(fd, "O %s\n", ddp_last_error(g));
             exit(3);
         }
+        if (res == DDP_ERR_PEER_LOST && strstr(ddp_last_error(g), "fewer than min_world_size")) {
+            log_line(fd, "M %s\n", ddp_last_error(g));
+            exit(4);
+        }
         CHECK(res == DDP_SUCCESS, "rank %d: ddp_ft_begin: %s", rank, ddp_last_error(g));
         CHECK_OK(ddp_sampler_step_batch(&s, &st, G, idx, &got), NULL);
         if (got == 0 && st.step > 0) { /* past the epoch's end */
@@ -165,6 +169,10 @@ static int worker(int rank, int n, void *arg) {
         if (res == DDP_ERR_PEER_LOST && strstr(ddp_last_error(g), "without this one")) {
             log_line(fd, "O %s\n", ddp_last_error(g));
             exit(3);
+        }
+        if (res == DDP_ERR_PEER_LOST && strstr(ddp_last_error(g), "fewer than min_world_size")) {
+            log_line(fd, "M %s\n", ddp_last_error(g));
+            exit(4);
         }
         CHECK(res == DDP_SUCCESS, "rank %d: ddp_ft_commit: %s", rank, ddp_last_error(g));
         log_line(fd, "K %llu %llu %llu %d %.6f\n", (unsigned long long)st.epoch, (unsigned long long)(st.step - 1),
@@ -625,6 +633,20 @@ static int errors_main(int rank, int n, void *arg) {
     return 0;
 }
 
+/* min_world_size 3 on 3 ranks: a loss leaves too few, and the survivors fail saying so (exit 4 here). */
+static void min_world_case(void) {
+    int codes[8];
+    setenv("DDP_TRANSPORT", "auto", 1);
+    setenv("DDP_FT_TEST_KILL", "1:2:bucket", 1);
+    setenv("DDP_FT_MIN_WORLD_SIZE", "3", 1);
+    tl_run_ranks_status(3, worker, NULL, 60, codes);
+    CHECK(codes[0] == 4 && codes[1] == -SIGKILL && codes[2] == 4, "min_world_size 3: the ranks ended with %d, %d, %d",
+          codes[0], codes[1], codes[2]);
+    unsetenv("DDP_FT_MIN_WORLD_SIZE");
+    unsetenv("DDP_FT_TEST_KILL");
+    printf("ok: min_world_size 3 on 3 ranks, one killed: the survivors fail with DDP_ERR_PEER_LOST saying so\n");
+}
+
 static void errors(void) {
     setenv("DDP_TRANSPORT", "auto", 1);
     unsetenv("DDP_FT_TEST_KILL");
@@ -694,6 +716,7 @@ int main(int argc, char **argv) {
     join_case(0, 0, "3:*:transfer", 1);
     join_case(0, getenv("TEST_QUICK") ? 0 : (size_t)64 << 20, NULL, 0);
     stopped_member();
+    min_world_case();
     errors();
     random_rounds(getenv("FT_ROUNDS") ? atoi(getenv("FT_ROUNDS")) : getenv("TEST_QUICK") ? 2 : 6, (unsigned)time(NULL));
     tl_rm_dir(dir);
