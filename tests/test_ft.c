@@ -59,6 +59,20 @@ static ddp_sampler_desc sampler_desc(int r0) {
     return d;
 }
 
+/* The ends a case may expect of a member, each with its exit code: left out of the view (3), too few
+   members left (4). */
+static void expected_end(int fd, ddp_group *g, ddp_result res) {
+    if (res != DDP_ERR_PEER_LOST) return;
+    if (strstr(ddp_last_error(g), "without this one")) {
+        log_line(fd, "O %s\n", ddp_last_error(g));
+        exit(3);
+    }
+    if (strstr(ddp_last_error(g), "fewer than min_world_size")) {
+        log_line(fd, "M %s\n", ddp_last_error(g));
+        exit(4);
+    }
+}
+
 static size_t g_big = 0; /* bytes of extra registered state (the G5 case: 64 MiB) */
 
 static int worker(int rank, int n, void *arg) {
@@ -120,14 +134,7 @@ static int worker(int rank, int n, void *arg) {
         uint64_t pass_gen;
         int pass_world, pass_rank;
         res = ddp_ft_begin(g, &st);
-        if (res == DDP_ERR_PEER_LOST && strstr(ddp_last_error(g), "without this one")) { /* left out */
-            log_line(fd, "O %s\n", ddp_last_error(g));
-            exit(3);
-        }
-        if (res == DDP_ERR_PEER_LOST && strstr(ddp_last_error(g), "fewer than min_world_size")) {
-            log_line(fd, "M %s\n", ddp_last_error(g));
-            exit(4);
-        }
+        expected_end(fd, g, res);
         CHECK(res == DDP_SUCCESS, "rank %d: ddp_ft_begin: %s", rank, ddp_last_error(g));
         CHECK_OK(ddp_sampler_step_batch(&s, &st, G, idx, &got), NULL);
         if (got == 0 && st.step > 0) { /* past the epoch's end */
@@ -166,14 +173,7 @@ static int worker(int rank, int n, void *arg) {
         }
         res = ddp_ft_commit(g, &st);
         if (res == DDP_ERR_VIEW_CHANGED) continue;
-        if (res == DDP_ERR_PEER_LOST && strstr(ddp_last_error(g), "without this one")) {
-            log_line(fd, "O %s\n", ddp_last_error(g));
-            exit(3);
-        }
-        if (res == DDP_ERR_PEER_LOST && strstr(ddp_last_error(g), "fewer than min_world_size")) {
-            log_line(fd, "M %s\n", ddp_last_error(g));
-            exit(4);
-        }
+        expected_end(fd, g, res);
         CHECK(res == DDP_SUCCESS, "rank %d: ddp_ft_commit: %s", rank, ddp_last_error(g));
         log_line(fd, "K %llu %llu %llu %d %.6f\n", (unsigned long long)st.epoch, (unsigned long long)(st.step - 1),
                  (unsigned long long)pass_gen, pass_world, wall());
@@ -370,7 +370,7 @@ static double check_run(const char *dir, int n, int nlogs, const int *codes, con
 static void run_with_signal(int n, int victim, int after, double delay, int sig, double cont_after, int *codes,
                             double *killed_at) {
     pid_t pids[8];
-    int status[8], done = 0, i;
+    int status[8], i;
     char port[16], path[600];
     double deadline = tl_now() + 120;
     snprintf(port, sizeof port, "%d", tl_free_port());
@@ -378,22 +378,8 @@ static void run_with_signal(int n, int victim, int after, double delay, int sig,
         snprintf(path, sizeof path, "%s/log.%d", g_dir, i);
         unlink(path);
     }
-    fflush(stdout);
-    fflush(stderr);
     for (i = 0; i < n; i++) {
-        pids[i] = fork();
-        if (pids[i] == 0) {
-            char v[16];
-            snprintf(v, sizeof v, "%d", i);
-            setenv("RANK", v, 1);
-            setenv("LOCAL_RANK", v, 1);
-            snprintf(v, sizeof v, "%d", n);
-            setenv("WORLD_SIZE", v, 1);
-            setenv("LOCAL_WORLD_SIZE", v, 1);
-            setenv("MASTER_ADDR", "127.0.0.1", 1);
-            setenv("MASTER_PORT", port, 1);
-            exit(worker(i, n, NULL));
-        }
+        pids[i] = tl_fork_rank(i, n, port, worker, NULL);
         status[i] = -1;
     }
     *killed_at = 0;
@@ -410,33 +396,16 @@ static void run_with_signal(int n, int victim, int after, double delay, int sig,
     }
     usleep((useconds_t)(delay * 1e6));
     if (waitpid(pids[victim], &status[victim], WNOHANG) == 0) {
+        status[victim] = -1;
         *killed_at = wall();
         kill(pids[victim], sig);
         if (sig == SIGSTOP) { /* resumed once the others went on without it */
             usleep((useconds_t)(cont_after * 1e6));
             kill(pids[victim], SIGCONT);
         }
-    } else {
-        done++;
     }
-    while (done < n) {
-        int st;
-        pid_t p = waitpid(-1, &st, WNOHANG);
-        if (p > 0) {
-            for (i = 0; i < n; i++)
-                if (pids[i] == p) status[i] = st;
-            done++;
-            continue;
-        }
-        if (tl_now() > deadline) {
-            for (i = 0; i < n; i++)
-                if (status[i] == -1) kill(pids[i], SIGKILL);
-            deadline = tl_now() + 1e9;
-        }
-        usleep(2000);
-    }
-    for (i = 0; i < n; i++)
-        codes[i] = WIFEXITED(status[i]) ? WEXITSTATUS(status[i]) : WIFSIGNALED(status[i]) ? -WTERMSIG(status[i]) : -1000;
+    tl_wait_ranks(pids, n, deadline, status, NULL);
+    for (i = 0; i < n; i++) codes[i] = tl_exit_code(status[i]);
 }
 
 static int cmp_double(const void *a, const void *b) {
@@ -505,7 +474,7 @@ static void stopped_member(void) {
    check_run then hold over 3 logs of members and the joiner's, whose final weights equal theirs. */
 static void join_case(int t, size_t big, const char *also_kill, int joiner_killed) {
     pid_t pids[4];
-    int status[4], codes[4], i, done = 0, n = 3;
+    int status[4], codes[4], i, n = 3;
     char port[16], what[160], path[600];
     double t0 = tl_now(), deadline = tl_now() + 120;
     double admitted_after = -1;
@@ -522,51 +491,22 @@ static void join_case(int t, size_t big, const char *also_kill, int joiner_kille
         snprintf(path, sizeof path, "%s/log.%d", g_dir, i);
         unlink(path);
     }
-    fflush(stdout);
-    fflush(stderr);
     for (i = 0; i <= n; i++) {
-        if (i == n) { /* the replacement, once the victim is gone */
-            CHECK(waitpid(pids[1], &status[1], 0) == pids[1], "waitpid");
-            done++;
-        }
-        pids[i] = fork();
-        if (pids[i] == 0) {
-            char v[16];
-            snprintf(v, sizeof v, "%d", i == n ? 1 : i);
-            setenv("RANK", v, 1);
-            setenv("LOCAL_RANK", v, 1);
-            snprintf(v, sizeof v, "%d", n);
-            setenv("WORLD_SIZE", v, 1);
-            setenv("LOCAL_WORLD_SIZE", v, 1);
-            setenv("MASTER_ADDR", "127.0.0.1", 1);
-            setenv("MASTER_PORT", port, 1);
-            if (i == n) {
-                setenv("DDP_FT_JOIN", "1", 1);
-                setenv("FT_TEST_LOG", "3", 1);
-                if (!joiner_killed) unsetenv("DDP_FT_TEST_KILL"); /* (the spec names the joiner's id, 3) */
-            }
-            exit(worker(i == n ? 1 : i, n, NULL));
-        }
         status[i] = -1;
-    }
-    while (done <= n) {
-        int st;
-        pid_t p = waitpid(-1, &st, WNOHANG);
-        if (p > 0) {
-            for (i = 0; i <= n; i++)
-                if (pids[i] == p) status[i] = st;
-            done++;
+        if (i < n) {
+            pids[i] = tl_fork_rank(i, n, port, worker, NULL);
             continue;
         }
-        if (tl_now() > deadline) {
-            for (i = 0; i <= n; i++)
-                if (status[i] == -1) kill(pids[i], SIGKILL);
-            deadline = tl_now() + 1e9;
-        }
-        usleep(2000);
+        CHECK(waitpid(pids[1], &status[1], 0) == pids[1], "waitpid"); /* the replacement, once the victim is gone */
+        setenv("DDP_FT_JOIN", "1", 1); /* (its stable id will be 3: the spec may name it) */
+        setenv("FT_TEST_LOG", "3", 1);
+        if (!joiner_killed) unsetenv("DDP_FT_TEST_KILL");
+        pids[n] = tl_fork_rank(1, n, port, worker, NULL);
+        unsetenv("DDP_FT_JOIN");
+        unsetenv("FT_TEST_LOG");
     }
-    for (i = 0; i <= n; i++)
-        codes[i] = WIFEXITED(status[i]) ? WEXITSTATUS(status[i]) : WIFSIGNALED(status[i]) ? -WTERMSIG(status[i]) : -1000;
+    tl_wait_ranks(pids, n + 1, deadline, status, NULL);
+    for (i = 0; i <= n; i++) codes[i] = tl_exit_code(status[i]);
     CHECK(codes[1] == -SIGKILL && codes[n] == (joiner_killed ? -SIGKILL : 0), "%s: the victim ended with %d, the joiner "
           "with %d", what, codes[1], codes[n]);
     for (i = 0; i < n; i++)

@@ -149,70 +149,88 @@ TL_FN int tl_run_ranks(int n, int (*fn)(int rank, int n, void *arg), void *arg, 
     return tl_run_ranks_status(n, fn, arg, timeout_s, NULL);
 }
 
-/* The same, and codes[i] (when codes is not NULL) gets rank i's exit code, or -signal when killed,
-   or -1000 when it was still running at the timeout. */
-TL_FN int tl_run_ranks_status(int n, int (*fn)(int rank, int n, void *arg), void *arg, double timeout_s, int *codes) {
-    pid_t pids[TL_MAX_RANKS];
-    int status[TL_MAX_RANKS], done = 0, failed = 0, i;
-    char port[16];
-    double deadline = tl_now() + timeout_s;
-    if (n > TL_MAX_RANKS) return 1;
-    snprintf(port, sizeof port, "%d", tl_free_port());
+/* Fork rank i of n running fn(i, n, arg) with torchrun's variables (MASTER_PORT port); the child exits with
+   fn's code. Returns the child's pid. */
+TL_FN pid_t tl_fork_rank(int i, int n, const char *port, int (*fn)(int rank, int n, void *arg), void *arg) {
+    pid_t pid;
     fflush(stdout);
     fflush(stderr);
-    for (i = 0; i < n; i++) {
-        pids[i] = fork();
-        if (pids[i] == 0) {
-            char v[16];
-            snprintf(v, sizeof v, "%d", i);
-            setenv("RANK", v, 1);
-            setenv("LOCAL_RANK", v, 1);
-            snprintf(v, sizeof v, "%d", n);
-            setenv("WORLD_SIZE", v, 1);
-            setenv("LOCAL_WORLD_SIZE", v, 1);
-            setenv("MASTER_ADDR", "127.0.0.1", 1);
-            setenv("MASTER_PORT", port, 1);
-            {
-                int code = fn(i, n, arg);
-                exit(code); /* not _exit: LeakSanitizer checks at exit (stdio was flushed before fork) */
-            }
-        }
-        status[i] = -1;
+    pid = fork();
+    if (pid == 0) {
+        char v[16];
+        snprintf(v, sizeof v, "%d", i);
+        setenv("RANK", v, 1);
+        setenv("LOCAL_RANK", v, 1);
+        snprintf(v, sizeof v, "%d", n);
+        setenv("WORLD_SIZE", v, 1);
+        setenv("LOCAL_WORLD_SIZE", v, 1);
+        setenv("MASTER_ADDR", "127.0.0.1", 1);
+        setenv("MASTER_PORT", port, 1);
+        exit(fn(i, n, arg)); /* not _exit: LeakSanitizer checks at exit (stdio was flushed before fork) */
     }
+    return pid;
+}
+
+/* Wait for the n children in pids (status[i] -1 for one already reaped: it is not waited for again);
+   at the deadline (tl_now() seconds) the ones still running are SIGKILLed and named (late[i] = 1 when late
+   is not NULL). Fills status with waitpid's; returns 1 when the deadline passed. */
+TL_FN int tl_wait_ranks(const pid_t *pids, int n, double deadline, int *status, int *late_rank) {
+    int done = 0, late = 0, i;
+    for (i = 0; i < n; i++) done += status[i] != -1;
     while (done < n) {
         int st;
         pid_t p = waitpid(-1, &st, WNOHANG);
         if (p > 0) {
             for (i = 0; i < n; i++)
-                if (pids[i] == p) status[i] = st;
-            done++;
+                if (pids[i] == p && status[i] == -1) status[i] = st, done++;
             continue;
         }
         if (tl_now() > deadline) {
-            fprintf(stderr, "tl_run_ranks: timed out after %.0f s; killing the ranks still running:", timeout_s);
+            fprintf(stderr, "tl_wait_ranks: timed out; killing the ranks still running:");
             for (i = 0; i < n; i++)
                 if (status[i] == -1) {
                     fprintf(stderr, " %d", i);
                     kill(pids[i], SIGKILL);
+                    if (late_rank) late_rank[i] = 1;
                 }
             fprintf(stderr, "\n");
             deadline = tl_now() + 1e9;
-            failed = 1;
+            late = 1;
             continue;
         }
         usleep(2000);
     }
-    for (i = 0; i < n && codes; i++)
-        codes[i] = failed && status[i] == -1 ? -1000 : WIFEXITED(status[i]) ? WEXITSTATUS(status[i]) : -WTERMSIG(status[i]);
+    return late;
+}
+
+/* A child's end as one number: its exit code, or -signal when killed. */
+TL_FN int tl_exit_code(int status) { return WIFEXITED(status) ? WEXITSTATUS(status) : WIFSIGNALED(status) ? -WTERMSIG(status) : -1000; }
+
+/* The same, and codes[i] (when codes is not NULL) gets rank i's exit code, or -signal when killed,
+   or -1000 when it was still running at the timeout. */
+TL_FN int tl_run_ranks_status(int n, int (*fn)(int rank, int n, void *arg), void *arg, double timeout_s, int *codes) {
+    pid_t pids[TL_MAX_RANKS] = {0};
+    int status[TL_MAX_RANKS], late_rank[TL_MAX_RANKS], failed = 0, late, i;
+    char port[16];
+    double deadline = tl_now() + timeout_s;
+    if (n > TL_MAX_RANKS) return 1;
+    snprintf(port, sizeof port, "%d", tl_free_port());
     for (i = 0; i < n; i++) {
-        if (WIFEXITED(status[i]) && WEXITSTATUS(status[i]) == 0) continue;
+        pids[i] = tl_fork_rank(i, n, port, fn, arg);
+        status[i] = -1;
+        late_rank[i] = 0;
+    }
+    late = tl_wait_ranks(pids, n, deadline, status, late_rank);
+    for (i = 0; i < n && codes; i++) codes[i] = late_rank[i] ? -1000 : tl_exit_code(status[i]);
+    for (i = 0; i < n; i++) {
+        if ((WIFEXITED(status[i]) && WEXITSTATUS(status[i]) == 0) || late_rank[i]) continue;
         failed = 1;
         if (WIFEXITED(status[i]))
             fprintf(stderr, "tl_run_ranks: rank %d exited with code %d\n", i, WEXITSTATUS(status[i]));
         else if (WIFSIGNALED(status[i]))
             fprintf(stderr, "tl_run_ranks: rank %d killed by signal %d\n", i, WTERMSIG(status[i]));
     }
-    return failed;
+    return failed || late;
 }
 
 /* The two transports a multi-process test runs over: DDP_TRANSPORT's value (t = 0: "auto", shared memory
