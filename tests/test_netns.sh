@@ -8,7 +8,9 @@
 #     the collectives test (small counts) still matches the serial reference;
 #  3. a cut link: 4 ranks run all_reduce + barrier in a loop (tests/netem/collective_loop.c, DDP_TIMEOUT
 #     10 s); the link is cut mid-run and every rank must exit non-zero within DDP_TIMEOUT + 20 s with a
-#     timeout or lost-peer message naming a rank. The times to detect are printed.
+#     timeout or lost-peer message naming a rank. The times to detect are printed;
+#  4. fault-tolerant mode across a cut link, 3|1 and 2|2 (tests/netem/ft_loop.c): the side with a majority
+#     (or half with rank 0) goes on, the other never commits after the cut and fails cut off.
 # Runs 2 and 3 use `tc netem` (and `ip link set down` for the cut) where the kernel has sch_netem; else
 # each namespace gets a TUN device instead of the veth end, and tests/netem/netem_relay.py forwards the
 # packets between the two with the same impairments (seeded) and cuts the link on SIGUSR1.
@@ -63,13 +65,14 @@ ip -n "$a" link set "v$tag" up && ip -n "$b" link set "w$tag" up
 
 # start_hosts OUT PROGRAM ARGS...: 4 ranks, 0,1 on host a (the master), 2,3 on host b, in the background;
 # rank r's output goes to OUT.r and its pid to PIDS. Extra variables for the ranks come from $RANK_ENV.
+# (ON_A=3: ranks 0-2 on host a, rank 3 on host b)
 start_hosts() {
-  local out=$1 port=$((20000 + RANDOM % 20000)) r ns
+  local out=$1 port=$((20000 + RANDOM % 20000)) r ns on_a=${ON_A:-2} lr lw
   shift
   PIDS=""
   for r in 0 1 2 3; do
-    ns=$a; [ $r -ge 2 ] && ns=$b
-    ip netns exec "$ns" env RANK=$r WORLD_SIZE=4 LOCAL_RANK=$((r % 2)) LOCAL_WORLD_SIZE=2 MASTER_ADDR=10.77.0.1 \
+    ns=$a lr=$r lw=$on_a; [ $r -ge $on_a ] && ns=$b lr=$((r - on_a)) lw=$((4 - on_a))
+    ip netns exec "$ns" env RANK=$r WORLD_SIZE=4 LOCAL_RANK=$lr LOCAL_WORLD_SIZE=$lw MASTER_ADDR=10.77.0.1 \
       MASTER_PORT=$port TEST_EXTERNAL_LAUNCH=1 ${RANK_ENV:-} "$@" >"$out.$r" 2>&1 &
     PIDS="$PIDS $!"
   done
@@ -170,4 +173,61 @@ if [ -n "$RELAY" ]; then
   kill -TERM "$RELAY"; wait "$RELAY" 2>/dev/null; RELAY=""
   sed 's/^/  /' "$T/relay.err"
 fi
+
+# ---- fault-tolerant mode (DDP_FT=1) across a partition (FT.md G6) ----
+# 4 ranks of tests/netem/ft_loop.c commit steps; once all loop the link is cut. The side holding a
+# majority, or exactly half with rank 0 (the view's first member), must go on: its next commit after the
+# cut in a view of its own members only, and it finishes its steps; the other side must never commit after
+# the cut and fail saying it is cut off from the majority. 3|1 and 2|2, each on a fresh, unimpaired link.
+ftl=$BUILD/netem_ft_loop
+${CC:-cc} -std=c99 -Wall -Wextra -Werror -pedantic -O2 -g -pthread $SANFLAGS -I. -o "$ftl" tests/netem/ft_loop.c -lm ||
+  fail "cannot build tests/netem/ft_loop.c"
+fresh_link() {
+  if [ "$how" = "tc netem" ]; then
+    ip -n "$a" link set "v$tag" up && ip -n "$b" link set "w$tag" up
+    ip netns exec "$a" tc qdisc del dev "v$tag" root 2>/dev/null; ip netns exec "$b" tc qdisc del dev "w$tag" root 2>/dev/null
+  else
+    "$PY" tests/netem/netem_relay.py --delay 0 --loss 0 --reorder 0 --seed 1 "$a" "t$tag" "$b" "u$tag" \
+      >"$T/relay.out" 2>"$T/relay.err" &
+    RELAY=$!
+    for i in $(seq 500); do grep -q ready "$T/relay.out" 2>/dev/null && break; sleep 0.01; done
+    grep -q ready "$T/relay.out" || fail "the relay did not start again: $(cat "$T/relay.err")"
+  fi
+}
+for on_a in 3 2; do
+  fresh_link
+  FT_TIMEOUT=2 FT_SUSPECT=1
+  ON_A=$on_a RANK_ENV="DDP_FT=1 DDP_TIMEOUT=$FT_TIMEOUT DDP_FT_SUSPECT_SECONDS=$FT_SUSPECT" start_hosts "$T/ft" "$ftl" 2500
+  for i in $(seq 6000); do
+    [ "$(cat "$T"/ft.* 2>/dev/null | grep -c looping)" = 4 ] && break
+    sleep 0.01
+  done
+  [ "$(cat "$T"/ft.* | grep -c looping)" = 4 ] || { tail -n 3 "$T"/ft.*; fail "the FT ranks never all started looping"; }
+  sleep 1
+  cut_link
+  cut_at=$(date +%s.%N)
+  r=0
+  for p in $PIDS; do
+    wait "$p"; rc=$?
+    if [ $r -lt $on_a ]; then
+      [ $rc = 0 ] && grep -q "done after 2500 steps in a view of $on_a members" "$T/ft.$r" ||
+        { tail -n 5 "$T/ft.$r"; fail "FT $on_a|$((4 - on_a)): rank $r (the side that must go on) did not finish"; }
+    else
+      [ $rc = 1 ] && grep -q "FAILED.*cut off from the majority" "$T/ft.$r" ||
+        { tail -n 5 "$T/ft.$r"; fail "FT $on_a|$((4 - on_a)): rank $r (the minority) did not fail saying it was cut off"; }
+    fi
+    r=$((r + 1))
+  done
+  PIDS=""
+  # the minority's last commit, the majority's first after the cut (views with only its members)
+  read -r late first < <(awk -v cut="$cut_at" -v on_a=$on_a '
+    /: commit / { split(FILENAME, f, "."); rank = f[length(f)] + 0; t = $NF
+                  if (rank >= on_a && t > cut + 0.5) late = late " " rank
+                  if (rank < on_a && t > cut && $8 == on_a && (first == "" || t < first)) first = t }
+    END { print (late == "" ? "none" : late), (first == "" ? -1 : first - cut) }' "$T"/ft.*)
+  [ "$late" = none ] || fail "FT $on_a|$((4 - on_a)): the minority committed after the cut (ranks$late)"
+  [ "$first" != -1 ] || fail "FT $on_a|$((4 - on_a)): the majority never committed in a view of its own"
+  ok "FT partition $on_a|$((4 - on_a)) ($how): ranks 0-$((on_a - 1)) committed again $(printf '%.2f' "$first") s after the cut (DDP_TIMEOUT=$FT_TIMEOUT, suspect_seconds=$FT_SUSPECT) and finished; the other side never committed after it and failed, cut off"
+  if [ -n "$RELAY" ]; then kill -TERM "$RELAY"; wait "$RELAY" 2>/dev/null; RELAY=""; fi
+done
 exit 0
