@@ -10,8 +10,8 @@
    process is gone (the kernel closes a killed process's sockets): ddp__ft_lost(id, dead).
 
    ONE STEP. ddp_ft_begin fills the step's view (gen, rank, world_size); the program runs forward and
-   backward; ddp_ft_commit votes: an 8-byte MIN all-reduce of "this rank finished the step's reduction".
-   When it passes, every member finished, so every member applies the step. When anything fails -- a
+   backward; ddp_ft_commit votes: a MIN all-reduce of {this rank finished the step's reduction, -joiners
+   waiting} (16 bytes). When it passes, every member finished, so every member applies the step. When anything fails -- a
    collective of the step, the reducer, the vote -- the group breaks as it always does (an ABORT flood,
    the shared segment's abort word: every member blocked anywhere wakes), but in fault-tolerant mode the
    calls answer DDP_ERR_VIEW_CHANGED (util.c's ddp__ft_code) and the next ddp_ft_begin or ddp_ft_commit
@@ -29,6 +29,14 @@
    another view change follows, from the new gen. The program's ddp_group pointer, its reducer and its
    work handles stay valid; ddp_alloc hands out heap memory in fault-tolerant mode, since every view maps
    its own shared segment.
+
+   JOINERS (FT.md 2.6). A process started with DDP_FT_JOIN=1 reads the view's record from the program's
+   store ("ddp_ft/view": every member's address, written by the view's first member after each change),
+   dials that member's control listener and is given an id (next_id, next_id + 1, ...: ddp__ft_intake,
+   before each vote); the vote tells every member how many wait, the next ddp_ft_begin runs a view change
+   that admits them (ft_view.c's parties), the joiners dial every member, all build the data plane, and in
+   ddp_ft_begin -- where every member has applied every committed step -- rank 0 broadcasts the registered
+   state (ddp__ft_transfer). A joiner passed over, or whose member was lost, asks again.
 
    TESTS' KILL POINTS: DDP_FT_TEST_KILL=id:step:point SIGKILLs the member of stable id `id` when it
    reaches `point` at committed step `step` (steps counted over all epochs; * for any): begin (in ddp_ft_begin),
