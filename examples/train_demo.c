@@ -16,19 +16,35 @@
      ddp_checkpoint_*            torch.save(state) on rank 0 + barrier, every epoch; --resume continues
                                  from the newest one and ends with the same weights, bit for bit
      DDP_SAMPLER_EVAL            evaluation on a held-out set, every sample exactly once over the ranks
+     ddp_ft_begin / _commit      with --ft: training goes on without a rank that dies (below; no PyTorch
+                                 equivalent in torch itself: torchft's fault-tolerant DDP is the nearest)
 
    Run it:
        make demo          (= build/ddprun --standalone --nproc-per-node 4 build/train_demo; 20-60 s on 2 cores)
        build/ddprun --standalone --nproc-per-node 4 build/train_demo --quick --stop-at-step 50
        build/ddprun --standalone --nproc-per-node 4 build/train_demo --quick --resume
+       make demo-ft       (twice with --ft under ddprun --ft: uninterrupted, and with a rank killed mid-run)
    Stop it (Ctrl-C, SIGKILL a rank, or --stop-at-step N) and start it again with --resume: it continues
    from the newest checkpoint in --dir and ends with exactly the weights an uninterrupted run ends with.
+
+   --ft: fault-tolerant training (src/ft.h), under ddprun --ft, which lets the others go on when a rank
+   dies. The loop becomes ddp_ft_begin / ddp_ft_commit's: step s of an epoch is one global batch of
+   batch x (the first number of ranks) samples, split over the ranks alive (ddp_sampler_step_batch).
+   When a rank dies the others get DDP_ERR_VIEW_CHANGED from whatever they were in (SyncBatchNorm, the
+   reducer, the vote, the log's all-reduce), agree on a view without it, and run the same step again on
+   the same batch; the optimizer (and BatchNorm's running statistics) change only for a committed step.
+   With no rank lost, --ft ends with the same weights as a plain run, bit for bit; with one lost, the
+   weights of an uninterrupted run up to float rounding (the survivors add in another order). It does
+   not: write checkpoints other than the final weights (rank 0 of the last view writes them; --resume,
+   --save-every and --stop-at-step are refused), replace a lost rank (joiners are not built), count the
+   lost ranks' samples in the epoch's loss line, or survive a rank lost before the first step.
 
    Flags: --epochs N (20)  --samples N (16000 training points)  --batch N (32 per rank)
           --hidden N (128)  --lr X (0.1)  --dir DIR (build/demo_ckpt)  --resume  --quick (4 epochs of
           4000 points)  --save-every N (also checkpoint every N steps inside an epoch; 0 = only at the end
           of each epoch)  --keep N (the newest N checkpoints are kept, 2; 0 = all)  --stop-at-step N (after
           step N, save its checkpoint and exit 0, as if stopped there: a resume test that needs no timing)
+          --ft (fault-tolerant training, above)
    Output: DIR/ckpt_<step>.safetensors (the newest --keep) and DIR/final.safetensors, the trained weights
    under torch's state_dict names (fc1.weight, bn1.running_mean, ...): safetensors loads them in Python.
 
@@ -53,7 +69,7 @@ static const char *const param_names[NPARAM] = {"fc1.weight", "bn1.weight", "bn1
                                                 "bn2.weight", "bn2.bias",   "fc3.weight", "fc3.bias"};
 
 typedef struct config {
-    int epochs, samples, batch, hidden, save_every, keep, stop_at_step, resume;
+    int epochs, samples, batch, hidden, save_every, keep, stop_at_step, resume, ft;
     double lr, momentum, weight_decay;
     const char *dir;
 } config;
@@ -110,6 +126,8 @@ static float *alloc_floats(size_t n) { return (float *)calloc(n ? n : 1, sizeof(
 
 /* torch's defaults: Linear weights and biases uniform in +-1/sqrt(fan_in); BatchNorm weight 1, bias 0,
    running mean 0, running variance 1. `bn_group` NULL makes plain BatchNorm layers (one process). */
+static ddp_result bn_create(net *m, ddp_group *bn_group);
+
 static ddp_result net_create(net *m, int hidden, int cap, ddp_group *bn_group) {
     const int rows[NPARAM] = {hidden, hidden, hidden, hidden, hidden, hidden, CLASSES, CLASSES};
     const int cols[NPARAM] = {IN, 0, 0, hidden, 0, 0, hidden, 0};
@@ -137,16 +155,28 @@ static ddp_result net_create(net *m, int hidden, int cap, ddp_group *bn_group) {
         !m->dh || !m->dz)
         return DDP_ERR_OUT_OF_MEMORY;
     for (k = 0; k < NBN; k++) {
-        ddp_syncbn_desc d;
-        ddp_result r;
         m->running_mean[k] = alloc_floats((size_t)hidden), m->running_var[k] = alloc_floats((size_t)hidden);
         if (!m->running_mean[k] || !m->running_var[k]) return DDP_ERR_OUT_OF_MEMORY;
         for (i = 0; i < (size_t)hidden; i++) m->running_var[k][i] = 1.0f;
-        memset(&d, 0, sizeof d); /* eps 1e-5, momentum 0.1: BatchNorm1d's defaults */
-        d.num_features = hidden;
+    }
+    return bn_create(m, bn_group);
+}
+
+/* The (Sync)BatchNorm layers over m's weights and running statistics; eps 1e-5, momentum 0.1: BatchNorm1d's
+   defaults. Layers made before keep their num_batches_tracked. */
+static ddp_result bn_create(net *m, ddp_group *bn_group) {
+    int k;
+    for (k = 0; k < NBN; k++) {
+        ddp_syncbn_desc d;
+        int64_t tracked = m->bn[k] ? ddp_syncbn_num_batches_tracked(m->bn[k]) : 0;
+        ddp_result r;
+        ddp_syncbn_destroy(m->bn[k]);
+        memset(&d, 0, sizeof d);
+        d.num_features = m->hidden;
         d.weight = m->p[k == 0 ? BN1_W : BN2_W].w, d.bias = m->p[k == 0 ? BN1_B : BN2_B].w;
         d.running_mean = m->running_mean[k], d.running_var = m->running_var[k];
         if ((r = ddp_syncbn_create(bn_group, &d, &m->bn[k])) != DDP_SUCCESS) return r;
+        ddp_syncbn_set_num_batches_tracked(m->bn[k], tracked);
     }
     return DDP_SUCCESS;
 }
@@ -219,7 +249,7 @@ static ddp_result net_forward(net *m, const float *x, int n, int training) {
 
 /* Softmax cross-entropy of the logits against y: adds the summed loss and the number of correct predictions
    to sums[0] and sums[1]; dlogits = the gradient of (summed loss / denom). */
-static void cross_entropy(net *m, const int *y, int n, int denom, double sums[2]) {
+static void cross_entropy(net *m, const int *y, int n, double denom, double sums[2]) {
     int s, k;
     for (s = 0; s < n; s++) {
         const float *z = m->logits + s * CLASSES;
@@ -526,6 +556,7 @@ static int parse_args(int argc, char **argv, config *c) {
     for (i = 1; i < argc; i++) {
         const char *a = argv[i], *v = i + 1 < argc ? argv[i + 1] : NULL;
         if (!strcmp(a, "--resume")) c->resume = 1;
+        else if (!strcmp(a, "--ft")) c->ft = 1;
         else if (!strcmp(a, "--quick")) c->epochs = 4, c->samples = 4000;
         else if (v && !strcmp(a, "--epochs")) c->epochs = atoi(v), i++;
         else if (v && !strcmp(a, "--samples")) c->samples = atoi(v), i++;
@@ -538,7 +569,7 @@ static int parse_args(int argc, char **argv, config *c) {
         else if (v && !strcmp(a, "--dir")) c->dir = v, i++;
         else {
             fprintf(stderr, "train_demo: unknown flag or missing value: %s\nflags: --epochs N --samples N --batch N "
-                    "--hidden N --lr X --dir DIR --save-every N --keep N --stop-at-step N --resume --quick\n", a);
+                    "--hidden N --lr X --dir DIR --save-every N --keep N --stop-at-step N --resume --quick --ft\n", a);
             return 1;
         }
     }
@@ -546,6 +577,11 @@ static int parse_args(int argc, char **argv, config *c) {
         c->keep < 0 || c->stop_at_step < 0) {
         fprintf(stderr, "train_demo: --epochs, --samples (>= 2), --batch, --hidden and --lr must be positive; "
                 "--save-every, --keep and --stop-at-step at least 0\n");
+        return 1;
+    }
+    if (c->ft && (c->resume || c->save_every || c->stop_at_step)) {
+        fprintf(stderr, "train_demo: --ft writes no checkpoint but the final weights: --resume, --save-every and "
+                "--stop-at-step do not go with it\n");
         return 1;
     }
     return 0;
@@ -595,6 +631,7 @@ typedef struct run {
     config c;
     ddp_group *g;
     int rank, world, tty;
+    int cap;                 /* the largest batch of one rank: --batch; with --ft a step's global batch */
     ddp_reducer *red;
     ddp_sampler sampler;
     net m;
@@ -602,6 +639,12 @@ typedef struct run {
     int *y, *ey, *by, n_eval;
     int64_t *idx, step;      /* the batch's indices; optimizer steps taken */
     double samples_seen;
+    /* --ft: the first view's size (the sampler's num_replicas), the current view, and the running
+       statistics as they were before the step's forward (put back when the step is redone) */
+    int first_world;
+    uint64_t gen;
+    float *bn_saved;
+    int64_t bn_tracked[NBN];
 } run;
 
 #define TRY(g, call)                                                            \
@@ -615,8 +658,8 @@ static int make_data(run *R) {
     R->n_eval = c->samples / 4 > 0 ? c->samples / 4 : 1;
     R->x = alloc_floats((size_t)c->samples * IN), R->y = (int *)malloc(sizeof(int) * (size_t)c->samples);
     R->ex = alloc_floats((size_t)R->n_eval * IN), R->ey = (int *)malloc(sizeof(int) * (size_t)R->n_eval);
-    R->bx = alloc_floats((size_t)c->batch * IN), R->by = (int *)malloc(sizeof(int) * (size_t)c->batch);
-    R->idx = (int64_t *)malloc(sizeof(int64_t) * (size_t)c->batch);
+    R->bx = alloc_floats((size_t)R->cap * IN), R->by = (int *)malloc(sizeof(int) * (size_t)R->cap);
+    R->idx = (int64_t *)malloc(sizeof(int64_t) * (size_t)R->cap);
     if (!R->x || !R->y || !R->ex || !R->ey || !R->bx || !R->by || !R->idx) return fail(R->rank, "malloc", "out of memory");
     make_spirals(1234, c->samples, R->x, R->y);
     make_spirals(5678, R->n_eval, R->ex, R->ey);
@@ -633,7 +676,7 @@ static int make_model(run *R) {
     ddp_reducer_desc rd;
     ddp_group *g = R->g;
     int k, rank = R->rank;
-    TRY(NULL, net_create(&R->m, R->c.hidden, R->c.batch, g));
+    TRY(NULL, net_create(&R->m, R->c.hidden, R->cap, g));
     memset(&rd, 0, sizeof rd);
     rd.bucket_cap_bytes = rd.first_bucket_bytes = 16 << 10;
     TRY(NULL, ddp_reducer_create(g, &rd, &R->red));
@@ -647,6 +690,15 @@ static int make_model(run *R) {
 }
 
 enum { STOPPED = 2 }; /* train_epoch's return value when --stop-at-step was reached */
+
+/* Rank 0's line at the end of an epoch; sums: the epoch's loss, correct predictions and samples, over every rank. */
+static void epoch_line(const run *R, int epoch, const double sums[3], double accuracy, double seconds) {
+    if (R->rank != 0) return;
+    printf("%sepoch %3d/%d  loss %.4f  train acc %5.1f%%  eval acc %5.1f%%  lr %.4f  %.2f s\n", R->tty ? "\r\033[K" : "",
+           epoch + 1, R->c.epochs, sums[0] / sums[2], 100.0 * sums[1] / sums[2], 100.0 * accuracy,
+           epoch_lr(&R->c, epoch), seconds);
+    fflush(stdout);
+}
 
 /* One epoch from sampler position `position`; sums starts as the epoch's loss sums so far. Returns 0, 1
    after printing an error, or STOPPED: --stop-at-step's step is taken and its checkpoint saved. */
@@ -672,44 +724,174 @@ static int train_epoch(run *R, int epoch, uint64_t position, double sums[3]) {
     TRY(g, ddp_all_reduce(g, sums, 3, DDP_F64, DDP_SUM)); /* the epoch's loss over every rank */
     TRY(g, evaluate(g, &R->m, c, R->ex, R->ey, R->n_eval, &accuracy));
     TRY(g, save_checkpoint(g, &R->m, c, R->step, epoch, total, sums));
-    if (rank == 0) {
-        printf("%sepoch %3d/%d  loss %.4f  train acc %5.1f%%  eval acc %5.1f%%  lr %.4f  %.2f s\n",
-               R->tty ? "\r\033[K" : "", epoch + 1, c->epochs, sums[0] / sums[2], 100.0 * sums[1] / sums[2],
-               100.0 * accuracy, lr, now() - t0);
-        fflush(stdout);
-    }
+    epoch_line(R, epoch, sums, accuracy, now() - t0);
     return R->step == c->stop_at_step ? STOPPED : 0;
 }
 
-/* Save the trained weights (torch state_dict names) for cmp and for Python, and report. */
-static int finish(run *R, double seconds) {
+/* The end of the run, collective: rank 0 saves the trained weights (torch state_dict names) for cmp and for
+   Python; the reducer's statistics; whether the ranks' weights are all alike (*same). */
+static ddp_result save_final(run *R, ddp_reducer_statistics *st, int *same) {
     ddp_tensor t[NPARAM + 3 * NBN];
-    ddp_reducer_statistics st;
     char names[NPARAM][64], path[4096];
-    ddp_group *g = R->g;
-    int rank = R->rank, n = state_tensors(&R->m, 0, t, names);
+    int64_t mine = weights_hash(&R->m), *all;
+    int k, n = state_tensors(&R->m, 0, t, names);
+    ddp_result r;
     snprintf(path, sizeof path, "%s/final.safetensors", R->c.dir);
-    TRY(g, ddp_checkpoint_save(g, path, t, n, NULL));
-    memset(&st, 0, sizeof st);
-    TRY(g, ddp_reducer_get_statistics(R->red, &st));
-    if (rank == 0) {
-        printf("done: %.0f samples/s over %d ranks; weights in %s\n", R->samples_seen / seconds, R->world, path);
+    CHECK_R(ddp_checkpoint_save(R->g, path, t, n, NULL));
+    memset(st, 0, sizeof *st);
+    CHECK_R(ddp_reducer_get_statistics(R->red, st));
+    /* DDP's promise: the replicas never drift apart, so every rank's weights hash alike */
+    if (!(all = (int64_t *)malloc(sizeof(int64_t) * (size_t)R->world))) return DDP_ERR_OUT_OF_MEMORY;
+    r = ddp_all_gather(R->g, &mine, all, 1, DDP_I64);
+    for (*same = 1, k = 0; k < R->world; k++) *same &= all[k] == mine;
+    free(all);
+    return r;
+}
+
+/* Rank 0 reports on the run; 1 when the ranks' weights differ. */
+static int report(const run *R, double seconds, const ddp_reducer_statistics *st, int same) {
+    if (R->rank == 0) {
+        printf("done: %.0f samples/s over %d ranks; weights in %s/final.safetensors\n", R->samples_seen / seconds,
+               R->world, R->c.dir);
         printf("gradient all-reduce: %d bucket(s), %llu bytes a step; %.0f%% of its time hidden behind backward\n",
-               st.buckets, (unsigned long long)st.bytes_reduced,
-               st.total_comm_seconds > 0 ? 100.0 * (1.0 - st.total_wait_seconds / st.total_comm_seconds) : 0.0);
+               st->buckets, (unsigned long long)st->bytes_reduced,
+               st->total_comm_seconds > 0 ? 100.0 * (1.0 - st->total_wait_seconds / st->total_comm_seconds) : 0.0);
+        printf("the weights are %s on every rank\n", same ? "identical" : "NOT identical");
+        fflush(stdout);
     }
-    { /* DDP's promise: the replicas never drift apart, so every rank's weights hash alike */
-        int64_t mine = weights_hash(&R->m), *all = (int64_t *)malloc(sizeof(int64_t) * (size_t)R->world);
-        int k, same = 1;
-        if (!all) return fail(rank, "malloc", "out of memory");
-        TRY(g, ddp_all_gather(g, &mine, all, 1, DDP_I64));
-        for (k = 0; k < R->world; k++) same &= all[k] == mine;
-        free(all);
-        if (rank == 0) printf("the weights are %s on every rank\n", same ? "identical" : "NOT identical");
-        if (!same) return 1;
+    return !same;
+}
+
+static int finish(run *R, double seconds) {
+    ddp_reducer_statistics st;
+    int rank = R->rank, same = 0;
+    TRY(R->g, save_final(R, &st, &same));
+    return report(R, seconds, &st, same);
+}
+
+/* ---- --ft: fault-tolerant training (src/ft.h) ---------------------------------------------------- */
+
+/* The samples of step st over every rank: the global batch G, or what the epoch has left in its last step;
+   0 past it. The epoch's list is padded for the first view, as DistributedSampler pads it. */
+static uint64_t ft_step_samples(const run *R, const ddp_ft_step *st, uint64_t G) {
+    uint64_t padded = ddp_sampler_num_samples(&R->sampler) * (uint64_t)R->first_world, begin = st->step * G;
+    return begin >= padded ? 0 : padded - begin < G ? padded - begin : G;
+}
+
+/* A training forward moves BatchNorm's running statistics before the step is committed: bn_keep keeps them
+   as they were, bn_put_back puts them back when the step is redone (on every member: a member that got
+   through a forward another did not has moved them). */
+static void bn_keep(run *R) {
+    size_t h = (size_t)R->c.hidden;
+    int k;
+    for (k = 0; k < NBN; k++) {
+        memcpy(R->bn_saved + 2 * k * h, R->m.running_mean[k], h * sizeof(float));
+        memcpy(R->bn_saved + (2 * k + 1) * h, R->m.running_var[k], h * sizeof(float));
+        R->bn_tracked[k] = ddp_syncbn_num_batches_tracked(R->m.bn[k]);
     }
-    fflush(stdout);
-    return 0;
+}
+static void bn_put_back(run *R) {
+    size_t h = (size_t)R->c.hidden;
+    int k;
+    for (k = 0; k < NBN; k++) {
+        memcpy(R->m.running_mean[k], R->bn_saved + 2 * k * h, h * sizeof(float));
+        memcpy(R->m.running_var[k], R->bn_saved + (2 * k + 1) * h, h * sizeof(float));
+        ddp_syncbn_set_num_batches_tracked(R->m.bn[k], R->bn_tracked[k]);
+    }
+}
+
+/* This process's place in a new view; after a view change also SyncBatchNorm layers made for it (a layer
+   keeps the rank and world size of the group when it was made). */
+static ddp_result ft_new_view(run *R, const ddp_ft_step *st, int changed) {
+    R->rank = st->rank, R->world = st->world_size, R->gen = st->gen;
+    if (!changed) return DDP_SUCCESS;
+    if (R->rank == 0) {
+        printf("%strain_demo: view %llu: %d ranks go on, from step %llu of epoch %d\n", R->tty ? "\r\033[K" : "",
+               (unsigned long long)st->gen, st->world_size, (unsigned long long)st->step, (int)st->epoch + 1);
+        fflush(stdout);
+    }
+    return bn_create(&R->m, R->g);
+}
+
+/* One pass of a step on this rank's n samples (R->idx) of the step's N: forward, then backward through the
+   reducer. SyncBatchNorm's statistics join the ranks' samples, so its backward mixes every rank's loss
+   gradient: every rank scales its loss alike, by world_size / N, and DDP's average over the ranks is then
+   the gradient of the mean loss over all N samples, whatever the shares (a view of 3 splits 128 samples
+   43/43/42). ddp_reducer_set_local_samples (each rank's own mean, weighted by n / N) suits samples that do
+   not interact; with SyncBatchNorm and unequal shares it would weigh the statistics' terms wrongly. */
+static ddp_result ft_pass(run *R, size_t n, uint64_t N, double sums[2]) {
+    zero_grad(&R->m); /* a redone pass starts again from zero */
+    gather(R->x, R->y, R->idx, (int)n, R->bx, R->by);
+    CHECK_R(net_forward(&R->m, R->bx, (int)n, 1));
+    cross_entropy(&R->m, R->by, (int)n, (double)N / R->world, sums);
+    CHECK_R(ddp_reducer_begin_backward(R->red));
+    CHECK_R(net_backward(&R->m, (int)n, R->red));
+    return ddp_reducer_end_backward(R->red);
+}
+
+/* The end of an epoch: the epoch's loss over the ranks (total) and the held-out accuracy. */
+static ddp_result ft_epoch_end(run *R, const double sums[3], double total[3], double *accuracy) {
+    memcpy(total, sums, 3 * sizeof(double));
+    CHECK_R(ddp_all_reduce(R->g, total, 3, DDP_F64, DDP_SUM));
+    return evaluate(R->g, &R->m, &R->c, R->ex, R->ey, R->n_eval, accuracy);
+}
+
+/* --ft: the loop of src/ft.h. Each step runs in a view (the members alive) and ends in one verdict for all:
+   COMMIT (apply the optimizer) or REDO (a member was lost: the survivors run the same step again, on the
+   same global batch). Every collective of the run is inside a step, so a loss anywhere means a redo: an
+   epoch's end (loss over the ranks, evaluation) and the final save are steps of their own. */
+static int train_ft(run *R) {
+    enum { PASS, EPOCH_END, FINAL } kind;
+    ddp_group *g = R->g;
+    const config *c = &R->c;
+    ddp_ft_step st;
+    ddp_reducer_statistics stats;
+    uint64_t G = (uint64_t)c->batch * (uint64_t)R->first_world, N = 0; /* the global batch, this step's */
+    uint64_t padded = ddp_sampler_num_samples(&R->sampler) * (uint64_t)R->first_world; /* an epoch's samples */
+    double sums[3] = {0, 0, 0}, pass[2], total[3], accuracy = 0, start = now(), t0 = start;
+    size_t got = 0;
+    int rank = R->rank, views = 0, redo = 0, same = 0;
+    if (!(R->bn_saved = alloc_floats(2 * NBN * (size_t)c->hidden))) return fail(rank, "malloc", "out of memory");
+    memset(&st, 0, sizeof st);
+    for (;;) {
+        ddp_result r;
+        if (ddp_ft_begin(g, &st) != DDP_SUCCESS) return fail(rank, "ddp_ft_begin", ddp_last_error(g));
+        if (redo) bn_put_back(R), redo = 0;
+        if (!views++ || st.gen != R->gen) TRY(g, ft_new_view(R, &st, views > 1));
+        rank = R->rank;
+        kind = st.epoch == (uint64_t)c->epochs ? FINAL : (N = ft_step_samples(R, &st, G)) == 0 ? EPOCH_END : PASS;
+        if (kind == FINAL) {
+            r = save_final(R, &stats, &same);
+        } else if (kind == EPOCH_END) {
+            r = ft_epoch_end(R, sums, total, &accuracy);
+        } else {
+            TRY(NULL, ddp_sampler_step_batch(&R->sampler, &st, G, R->idx, &got)); /* this rank's share */
+            bn_keep(R), redo = 1;
+            pass[0] = pass[1] = 0;
+            r = ft_pass(R, got, N, pass);
+        }
+        if (r == DDP_SUCCESS) r = ddp_ft_commit(g, &st); /* the vote: did every member finish the step? */
+        if (r == DDP_ERR_VIEW_CHANGED) continue;          /* the step is void on every member: run it again */
+        if (r != DDP_SUCCESS) return fail(rank, "fault-tolerant step", ddp_last_error(g));
+        redo = 0;
+        if (kind == FINAL) break;
+        if (kind == EPOCH_END) {
+            epoch_line(R, (int)st.epoch, total, accuracy, now() - t0);
+            if (rank == 0 && total[2] < (double)padded)
+                printf("    (the loss and train acc above leave out the %.0f samples of the epoch that lost ranks "
+                       "trained on)\n", (double)padded - total[2]);
+            st.epoch++, st.step = 0, t0 = now();
+            sums[0] = sums[1] = sums[2] = 0;
+            continue;
+        }
+        sgd_step(&R->m, epoch_lr(c, (int)st.epoch), c);
+        sums[0] += pass[0], sums[1] += pass[1], sums[2] += (double)got;
+        R->samples_seen += (double)N, R->step++;
+        if (rank == 0 && R->tty && R->step % 8 == 0)
+            progress((int)st.epoch, c, st.step * G < padded ? st.step * G : padded, padded, sums);
+    }
+    free(R->bn_saved);
+    return report(R, now() - start, &stats, same);
 }
 
 static void free_run(run *R) {
@@ -721,6 +903,7 @@ static void free_run(run *R) {
 
 int main(int argc, char **argv) {
     run R;
+    ddp_init_desc desc;
     ddp_sampler_desc sd;
     resume_point rp;
     ddp_group *g;
@@ -728,8 +911,11 @@ int main(int argc, char **argv) {
     int rank, epoch, status = 0;
     memset(&R, 0, sizeof R);
     if (parse_args(argc, argv, &R.c)) return 2;
-    if (ddp_init(NULL, &R.g) != DDP_SUCCESS) return fail(-1, "ddp_init", ddp_last_error(NULL));
-    g = R.g, rank = R.rank = ddp_rank(g), R.world = ddp_world_size(g), R.tty = isatty(STDOUT_FILENO);
+    memset(&desc, 0, sizeof desc); /* everything from the launcher's environment */
+    desc.fault_tolerant = R.c.ft;  /* --ft (DDP_FT=1, which ddprun --ft sets, turns it on as well) */
+    if (ddp_init(&desc, &R.g) != DDP_SUCCESS) return fail(-1, "ddp_init", ddp_last_error(NULL));
+    g = R.g, rank = R.rank = ddp_rank(g), R.world = R.first_world = ddp_world_size(g), R.tty = isatty(STDOUT_FILENO);
+    R.cap = R.c.ft ? R.c.batch * R.world : R.c.batch; /* with --ft one rank may be left with a step's whole batch */
     if (make_data(&R) || make_model(&R)) return 1;
 
     memset(&rp, 0, sizeof rp);
@@ -742,9 +928,9 @@ int main(int argc, char **argv) {
     if (R.c.resume && rp.position >= ddp_sampler_num_samples(&R.sampler)) /* saved at the end of an epoch */
         epoch++, rp.position = 0, rp.sums[0] = rp.sums[1] = rp.sums[2] = 0.0;
     if (rank == 0) {
-        printf("train_demo: %d ranks (%s backend), %d samples, batch %d x %d ranks = %d, %d epochs, hidden %d\n",
+        printf("train_demo: %d ranks (%s backend), %d samples, batch %d x %d ranks = %d, %d epochs, hidden %d%s\n",
                R.world, ddp_backend_name(g), R.c.samples, R.c.batch, R.world, R.c.batch * R.world, R.c.epochs,
-               R.c.hidden);
+               R.c.hidden, R.c.ft ? ", fault-tolerant (--ft)" : "");
         if (R.c.resume)
             printf("resumed from %s: epoch %d, step %lld, %llu samples of the epoch done on each rank\n", rp.path,
                    epoch + 1, (long long)R.step, (unsigned long long)rp.position);
@@ -752,14 +938,19 @@ int main(int argc, char **argv) {
     }
 
     start = now();
-    for (; epoch < R.c.epochs && !status; epoch++, rp.position = 0, memset(rp.sums, 0, sizeof rp.sums))
-        if ((status = train_epoch(&R, epoch, rp.position, rp.sums)) == 1) return 1;
-    if (status == STOPPED) { /* as if killed there, but on purpose: the checkpoint is the one to resume from */
-        if (rank == 0)
-            printf("stopped after step %lld (--stop-at-step), saved in %s/ckpt_%08lld.safetensors: run again with "
-                   "--resume to continue\n", (long long)R.step, R.c.dir, (long long)R.step);
-    } else if (finish(&R, now() - start))
-        return 1;
+    if (R.c.ft) {
+        if (train_ft(&R)) return 1;
+        rank = R.rank; /* this process's rank in the last view */
+    } else {
+        for (; epoch < R.c.epochs && !status; epoch++, rp.position = 0, memset(rp.sums, 0, sizeof rp.sums))
+            if ((status = train_epoch(&R, epoch, rp.position, rp.sums)) == 1) return 1;
+        if (status == STOPPED) { /* as if killed there, but on purpose: the checkpoint is the one to resume from */
+            if (rank == 0)
+                printf("stopped after step %lld (--stop-at-step), saved in %s/ckpt_%08lld.safetensors: run again with "
+                       "--resume to continue\n", (long long)R.step, R.c.dir, (long long)R.step);
+        } else if (finish(&R, now() - start))
+            return 1;
+    }
     free_run(&R);
     if (ddp_destroy(g) != DDP_SUCCESS) return fail(rank, "ddp_destroy", ddp_last_error(NULL));
     return 0;

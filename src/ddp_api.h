@@ -437,17 +437,23 @@ DDP_API ddp_result ddp_spawn(int nprocs, int (*fn)(int rank, int world_size, voi
 /* ddp_launcher_main: the whole of ddprun (tools/ddprun.c is a main() around it); `ddprun --help`
    lists the flags. torchrun's flags, with dashes or underscores, `--flag value` or `--flag=value`:
    --nproc-per-node (a number, or "cpu"), --nnodes, --node-rank, --master-addr, --master-port,
-   --standalone, --max-restarts, --rdzv-id, --role, --no-python (ignored). Rendezvous is static (each
-   node runs ddprun with its own --node-rank); elastic rendezvous is refused with a clear message.
+   --standalone, --max-restarts, --rdzv-id, --role, --no-python (ignored); and its own --ft, --cpu-bind,
+   --timeline. Rendezvous is static (each node runs ddprun with its own --node-rank); elastic
+   rendezvous is refused with a clear message.
    Each worker runs the program with torchrun's environment (TORCHELASTIC_USE_AGENT_STORE=False: rank 0
    serves the store) plus DDP_RESTART_COUNT. When a worker fails, ddprun names the rank and how,
    stops the others (SIGTERM, SIGKILL after 3 s) and, with --max-restarts, starts the group again.
+   --ft (fault-tolerant training, ddp_ft_begin): every worker gets DDP_FT=1, and a worker killed by a
+   signal is a lost member: ddprun prints one line (its rank, the signal, "the others went on without
+   it") and keeps waiting for the others; a worker that exits non-zero still fails the job. A lost
+   worker is not restarted (joiners are not built yet): --ft with --max-restarts > 0 is refused.
    It forwards SIGINT, SIGTERM, SIGHUP and SIGQUIT to the workers. A worker that exits 0 while others
    run is waited for, as torchrun does, and mentioned once on stderr. No orphans, as for ddp_spawn:
    when the group ends, or when ddprun is killed (SIGKILL included), whatever the workers started
    that still runs is killed; ddprun names what it killed when it can.
-   Return: the exit code for main: 0 when all workers exited 0; 2 for a bad command line; the failed
-   worker's exit code (128 + signal number when it was killed) after the last attempt; 128 + the
-   signal ddprun received when it was interrupted; 1 when it could not start the workers.
+   Return: the exit code for main: 0 when all workers exited 0 (--ft: all but the lost ones, and at
+   least one); 2 for a bad command line; the failed worker's exit code (128 + signal number when it
+   was killed) after the last attempt; 128 + the signal ddprun received when it was interrupted; 1
+   when it could not start the workers.
    Thread safety: call from main; it installs signal handlers for its duration. */
 DDP_API int ddp_launcher_main(int argc, char **argv);

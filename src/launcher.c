@@ -19,6 +19,13 @@
    (--rdzv-backend, a range in --nnodes) is not supported. The workers' rank 0 serves the store
    (TORCHELASTIC_USE_AGENT_STORE=False), as under torchrun --standalone.
 
+   ddprun --ft (fault-tolerant training, src/ft.h): every worker gets DDP_FT=1, and a worker killed by a
+   signal is a lost member, not a failure: ddprun says so (one line: its rank, the signal, "the others
+   went on without it") and keeps watching the others, whose next ddp_ft_begin / ddp_ft_commit goes on
+   without it. The job succeeds (exit 0) when every worker that exited did so with 0 and at least one
+   did; a worker that exits non-zero fails the job as without --ft. A lost worker is not restarted (a
+   joiner is not built yet), so --ft refuses --max-restarts > 0.
+
    No orphans. The launcher (ddprun, or the program calling ddp_spawn) may itself be killed with
    SIGKILL, and then it can clean up nothing. So the workers are not its children but the children of
    the guardian, a process forked for the purpose (ddp__launch_guard):
@@ -66,6 +73,7 @@ typedef struct ddp__launch_env {
     char role[64];
     int set_omp; /* OMP_NUM_THREADS=1, as torchrun does when it is unset and nproc > 1 */
     int cpu_bind; /* 1: give each worker its own slice of the launcher's CPUs (ddp__launch_bind) */
+    int ft;       /* --ft: DDP_FT=1 for every worker; a worker killed by a signal is a lost member */
 } ddp__launch_env;
 
 /* One worker process; rank is the global rank. */
@@ -77,6 +85,7 @@ typedef struct ddp__launch_worker {
     int lost;   /* the guardian ended before reporting it: its status is unknown, counted as a failure */
     int pidfd;  /* in the guardian: readable once the process has ended (Linux 5.3+); -1 when unavailable */
     int pass;   /* the look (ddp__launch_reap) that found it failed; 0 = not failed */
+    int ft_lost; /* --ft: killed by a signal while the others went on (a lost member, not a failure) */
     double ended; /* ddp__now() when it was seen to have ended */
 } ddp__launch_worker;
 
@@ -92,6 +101,7 @@ typedef struct ddp__launch_group {
     int from_guard;  /* the launcher reads the guardian's reports here; -1 = closed */
     int to_guard;    /* only the launcher holds this write end; closing it tells the guardian to finish */
     int early_noted; /* ddprun has said that a worker exited 0 while others still ran */
+    int ft;          /* ddprun --ft: a worker killed by a signal is a lost member (ddp__launch_ft_lost) */
 } ddp__launch_group;
 
 /* What the guardian tells the launcher, one whole write() each (atomic: smaller than PIPE_BUF). */
@@ -382,13 +392,45 @@ static void ddp__launch_note_early_exit(ddp__launch_group *lg) {
                         name, running, lg->w[first].rank);
 }
 
+/* ddprun --ft: of the workers found failed in this look, those killed by a signal are lost members: say so,
+   one line each, and take them off the failures (the others go on without them). Returns how many. */
+static int ddp__launch_ft_lost(ddp__launch_group *lg) {
+    int i, n = 0;
+    for (i = 0; i < lg->n; i++) {
+        ddp__launch_worker *w = &lg->w[i];
+        char name[96], how[128];
+        if (w->pass != lg->pass || w->lost || !WIFSIGNALED(w->status)) continue;
+        w->pass = 0;
+        w->ft_lost = 1;
+        n++;
+        ddp__launch_name(w, name, sizeof name);
+        ddp__launch_describe(w, how, sizeof how);
+        ddp__launch_say(lg, "%s %s%s (--ft: a lost member)", name, how,
+                        ddp__launch_running(lg) > 0 ? "; the others went on without it" : "");
+    }
+    return n;
+}
+
+/* ddprun --ft, once every worker has ended without a failure: 0 when at least one exited 0; else every
+   worker was lost, which fails the job with the first lost worker's code (msg says so). */
+static int ddp__launch_ft_end(const ddp__launch_group *lg, char *msg) {
+    int i, first = -1;
+    for (i = 0; i < lg->n; i++) {
+        if (!lg->w[i].ft_lost) return 0;
+        if (first < 0 || lg->w[i].ended < lg->w[first].ended) first = i;
+    }
+    snprintf(msg, DDP__ERR_MAX, "every one of the %d workers was lost (killed by a signal); none finished", lg->n);
+    return ddp__launch_exit_code(lg->w[first].status);
+}
+
 /* Watch the workers until all exited 0 (returns 0), one failed, or ddprun received a signal; in the
    last two cases stop the others, write what happened to msg (DDP__ERR_MAX bytes) and return the
    exit code for ddprun: the failed worker's (128 + signal when it was killed), or 128 + the signal
-   ddprun received. */
+   ddprun received. With --ft a worker killed by a signal is not a failure (ddp__launch_ft_lost). */
 static int ddp__launch_monitor(ddp__launch_group *lg, char *msg) {
     for (;;) {
         int failed = ddp__launch_reap(lg), running, sig;
+        if (failed > 0 && lg->ft) failed -= ddp__launch_ft_lost(lg);
         if (failed > 0) {
             char name[96], how[128], also[512];
             const ddp__launch_worker *w;
@@ -414,7 +456,7 @@ static int ddp__launch_monitor(ddp__launch_group *lg, char *msg) {
             return ddp__launch_exit_code(w->status);
         }
         running = ddp__launch_running(lg);
-        if (running == 0) return 0;
+        if (running == 0) return lg->ft ? ddp__launch_ft_end(lg, msg) : 0;
         sig = lg->signals ? (int)ddp__launch_signal_got : 0;
         if (sig) {
             ddp__launch_say(lg, "received %s; forwarding it to the %d running worker%s", ddp__launch_signame(sig),
@@ -471,6 +513,7 @@ static void ddp__launch_export(const ddp__launch_env *e, int local_rank) {
     setenv("TORCHELASTIC_RUN_ID", e->run_id, 1);
     setenv("TORCHELASTIC_USE_AGENT_STORE", "False", 1);
     ddp__launch_setenv_int("DDP_RESTART_COUNT", e->restart_count);
+    if (e->ft) setenv("DDP_FT", "1", 1);
     if (e->set_omp) setenv("OMP_NUM_THREADS", "1", 0);
 }
 
@@ -810,6 +853,7 @@ static ddp__launch_group ddp__launch_group_make(int is_ddprun, int n, int first_
     lg.from_guard = -1;
     lg.to_guard = -1;
     lg.early_noted = 0;
+    lg.ft = 0;
     for (i = 0; i < n; i++) {
         memset(&w[i], 0, sizeof w[i]);
         w[i].rank = first_rank + i;
@@ -916,6 +960,10 @@ static const char ddp__launch_usage[] =
     "  --max-restarts R      when a worker fails, stop all and start the whole group again, at most R\n"
     "                        times (default 0); TORCHELASTIC_RESTART_COUNT and DDP_RESTART_COUNT tell\n"
     "                        the program which attempt it is, so it can resume from its checkpoint\n"
+    "  --ft                  fault-tolerant training (ddp.h's ddp_ft_begin / ddp_ft_commit): DDP_FT=1 for\n"
+    "                        every worker, and a worker killed by a signal is a lost member: ddprun\n"
+    "                        says so and the others go on without it (see below). Not with\n"
+    "                        --max-restarts > 0: restarting a lost worker as a joiner is not built yet\n"
     "  --rdzv-id ID          TORCHELASTIC_RUN_ID, the job's name in the store: give every node the same\n"
     "                        one (default: a random UUID per launch on one node, \"none\" across nodes;\n"
     "                        a rank that reaches the store of a job with another run id says so)\n"
@@ -932,12 +980,15 @@ static const char ddp__launch_usage[] =
     "  -h, --help            this text\n"
     "\n"
     "ddprun --merge-timeline OUT IN...   merge timeline files (each rank's, or each node's) into OUT.\n"
-    "\n"
+    "\n";
+/* the rest of --help (C99 promises string literals of 4095 bytes only) */
+static const char ddp__launch_usage_more[] =
     "Each worker gets RANK, LOCAL_RANK, WORLD_SIZE, LOCAL_WORLD_SIZE, GROUP_RANK (= node rank),\n"
     "GROUP_WORLD_SIZE (= nnodes), ROLE_RANK, ROLE_WORLD_SIZE, ROLE_NAME, MASTER_ADDR, MASTER_PORT,\n"
     "TORCHELASTIC_RESTART_COUNT, TORCHELASTIC_MAX_RESTARTS, TORCHELASTIC_RUN_ID,\n"
-    "TORCHELASTIC_USE_AGENT_STORE=False (rank 0 serves the store), DDP_RESTART_COUNT, and\n"
-    "OMP_NUM_THREADS=1 when it is unset and N > 1. Each worker runs in its own process group.\n"
+    "TORCHELASTIC_USE_AGENT_STORE=False (rank 0 serves the store), DDP_RESTART_COUNT, DDP_FT=1\n"
+    "with --ft, and OMP_NUM_THREADS=1 when it is unset and N > 1. Each worker runs in its own\n"
+    "process group.\n"
     "No orphans: when the group ends, or when ddprun is killed (even with SIGKILL), every process\n"
     "the workers started that still runs (children, daemons) is killed with SIGKILL.\n"
     "\n"
@@ -946,6 +997,9 @@ static const char ddp__launch_usage[] =
     "number when it was killed). SIGINT, SIGTERM, SIGHUP and SIGQUIT sent to ddprun are forwarded to\n"
     "the workers, which are then stopped the same way; ddprun then exits with 128 + that signal.\n"
     "A worker that exits 0 while others still run is waited for, as torchrun does; ddprun says so.\n"
+    "With --ft a worker killed by a signal does not stop the others: ddprun prints one line for it\n"
+    "(rank, signal, \"the others went on without it\") and waits for the rest; it exits 0 when every\n"
+    "other worker exited 0 (and one at least did). A non-zero exit code fails the job as without --ft.\n"
     "Rendezvous is static: torchrun's elastic rendezvous (--rdzv-backend, --rdzv-endpoint, a range\n"
     "in --nnodes) is not supported.\n";
 
@@ -1069,7 +1123,7 @@ static ddp_result ddp__launch_apply(ddp__launch_args *a, const char *name, const
 }
 
 static int ddp__launch_is_switch(const char *name) {
-    return !strcmp(name, "standalone") || !strcmp(name, "no-python") || !strcmp(name, "help");
+    return !strcmp(name, "standalone") || !strcmp(name, "no-python") || !strcmp(name, "help") || !strcmp(name, "ft");
 }
 
 static int ddp__launch_takes_value(const char *name) {
@@ -1094,6 +1148,7 @@ static ddp_result ddp__launch_parse_flag(ddp__launch_args *a, int argc, char **a
         if (value) return ddp__fail_to(err, DDP_ERR_INVALID_ARGUMENT, "--%s takes no value (got \"%s\")", name, value);
         if (!strcmp(name, "standalone")) a->standalone = 1;
         if (!strcmp(name, "help")) a->help = 1;
+        if (!strcmp(name, "ft")) a->env.ft = 1;
         return DDP_SUCCESS; /* --no-python: we always run the program itself */
     }
     refused = ddp__launch_refused(name);
@@ -1142,6 +1197,9 @@ static ddp_result ddp__launch_validate(ddp__launch_args *a, char *err) {
     if (a->standalone && a->port_given)
         return ddp__fail_to(err, DDP_ERR_INVALID_ARGUMENT, "--standalone picks a free port itself; drop --master-port "
                             "or --standalone");
+    if (e->ft && e->max_restarts > 0)
+        return ddp__fail_to(err, DDP_ERR_UNSUPPORTED, "--ft with --max-restarts %d: restarting a lost worker as a joiner "
+                            "is not built yet; with --ft the others go on without it (drop --max-restarts)", e->max_restarts);
     if (e->node_rank >= e->nnodes)
         return ddp__fail_to(err, DDP_ERR_INVALID_ARGUMENT, "--node-rank %d must be smaller than --nnodes %d (node ranks "
                             "are 0 .. nnodes-1)", e->node_rank, e->nnodes);
@@ -1409,6 +1467,7 @@ static int ddp__launch_run(ddp__launch_args *a, ddp__launch_group *lg) {
             return 1;
         }
         *lg = ddp__launch_group_make(1, a->env.nproc, a->env.node_rank * a->env.nproc, lg->w);
+        lg->ft = a->env.ft;
         if (ddp__launch_start(lg, &a->env, a->program, NULL, NULL, err) != DDP_SUCCESS) {
             fprintf(stderr, "%s\n", err);
             return 1;
@@ -1439,6 +1498,7 @@ DDP_API int ddp_launcher_main(int argc, char **argv) {
     }
     if (a.help) {
         fputs(ddp__launch_usage, stdout);
+        fputs(ddp__launch_usage_more, stdout);
         return 0;
     }
     if (!ddp__launch_findable(a.program[0])) {

@@ -24,7 +24,11 @@
    Each step starts from the DDP run's own state, which separates DDP's semantics from that chaos.
 
    The demo's model, data, training step and checkpoint reader are used as they are: its file is included
-   here, its main renamed. */
+   here, its main renamed.
+
+   demo_check --compare A B [the demo's flags]: the largest differences between two final weight files of
+   the demo (final.safetensors: weights and running statistics), for make demo-ft, which compares a run
+   that lost a rank (--ft) with one that did not. */
 #define main train_demo_main
 #include "../examples/train_demo.c"
 #undef main
@@ -68,6 +72,26 @@ static int fail_check(const char *what, const char *path) {
     return 1;
 }
 
+/* --compare A B: prints the largest differences between the final weights in A and in B. */
+static int compare_final(const config *c, const char *a, const char *b) {
+    net m[2];
+    ddp_tensor t[2][NPARAM + 3 * NBN];
+    char names[NPARAM][64];
+    double worst[3] = {0, 0, 0};
+    int i;
+    for (i = 0; i < 2; i++) {
+        int n;
+        if (net_create(&m[i], c->hidden, 1, NULL) != DDP_SUCCESS) return fail_check("out of memory", NULL);
+        n = state_tensors(&m[i], 0, t[i], names);
+        if (ddp_checkpoint_load(NULL, i ? b : a, t[i], n, NULL) != DDP_SUCCESS) return fail_check(ddp_last_error(NULL), NULL);
+    }
+    compare(&m[0], &m[1], worst); /* worst[1] compares momentum buffers, which final weights do not hold */
+    printf("compare: largest difference between %s and %s: weights %.3g, running statistics %.3g\n", a, b, worst[0],
+           worst[2]);
+    net_free(&m[0]), net_free(&m[1]);
+    return 0;
+}
+
 int main(int argc, char **argv) {
     config c;
     net ref, ddp; /* ref: plain BatchNorm, batch of every rank; ddp: the states the DDP run saved */
@@ -81,6 +105,11 @@ int main(int argc, char **argv) {
     char pattern[4096];
     size_t got, got_r;
 
+    if (argc >= 4 && !strcmp(argv[1], "--compare")) {
+        const char *a = argv[2], *b = argv[3];
+        argv[3] = argv[0]; /* parse the demo's flags after A and B */
+        return parse_args(argc - 3, argv + 3, &c) ? 2 : compare_final(&c, a, b);
+    }
     if (parse_args(argc, argv, &c)) return 2;
     /* the run's last step, and its world size (from the first checkpoint) */
     memset(&after, 0, sizeof after);

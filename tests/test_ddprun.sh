@@ -3,8 +3,8 @@
 # offsets, --standalone's free port), flag validation, fail-fast (a worker that exits non-zero, that
 # is killed by a signal, that is SIGKILLed from outside, workers that ignore SIGTERM, workers' own
 # children), signal forwarding, --max-restarts, no orphans (SIGKILL of ddprun; children left by
-# workers that succeed), the notice for a worker that exits 0 while others run, and the flight-recorder
-# summary of a failed job. The 5 s limits are the issue's functional deadline for stopping a failed
+# workers that succeed), the notice for a worker that exits 0 while others run, the flight-recorder
+# summary of a failed job, and --ft (a worker killed by a signal is a lost member; the others go on). The 5 s limits are the issue's functional deadline for stopping a failed
 # group, not performance thresholds.
 # The comparison with torchrun's own environment is tests/test_interop_ddprun.sh.
 set -u
@@ -13,12 +13,12 @@ BUILD=${BUILD:-build}
 DDPRUN=$BUILD/ddprun
 ulimit -c 0
 make -s BUILD="$BUILD" SAN="${SAN:-}" "$DDPRUN" || { echo "cannot build $DDPRUN"; exit 1; }
-for p in print_env sleeper exit_with allreduce; do
+for p in print_env sleeper exit_with allreduce ft_steps; do
   ${CC:-cc} -std=c99 -Wall -Wextra -Werror -pedantic -O2 -g -pthread -I. -Itests -o "$BUILD/progs_$p" \
     "tests/progs/$p.c" -lm || { echo "cannot build tests/progs/$p.c"; exit 1; }
 done
 PRINT_ENV=$BUILD/progs_print_env SLEEPER=$BUILD/progs_sleeper EXIT_WITH=$BUILD/progs_exit_with
-ALLREDUCE=$BUILD/progs_allreduce
+ALLREDUCE=$BUILD/progs_allreduce FT_STEPS=$BUILD/progs_ft_steps
 T=$(mktemp -d /tmp/test_ddprun.XXXXXX)
 BG=""
 # on the way out, whatever the outcome: no launcher and no worker (or worker's child) left behind
@@ -181,6 +181,7 @@ bad 'missing the program' --nproc-per-node 2 --
 bad 'cannot run ./does/not/exist' ./does/not/exist
 bad 'no executable file of that name in PATH' ddprun-test-no-such-program
 bad 'does not redirect worker output' --redirects 1 "$PRINT_ENV" "$T"
+bad '--ft with --max-restarts 1: restarting a lost worker as a joiner is not built yet' --ft --max-restarts 1 "$PRINT_ENV" "$T"
 out=$("$DDPRUN" --help) || fail "--help exited $?"
 [[ "$out" == *"usage: ddprun"* && "$out" == *"--max-restarts"* ]] || fail "--help: $out"
 out=$("$DDPRUN" -h) || fail "-h exited $?"
@@ -375,6 +376,40 @@ kill_marked "$MARK"
 grep -q "the workers left 2 processes running when the group ended (pids [0-9]*, [0-9]*); killed them" "$D/err" ||
   fail "no notice of the processes left running: $(cat "$D/err")"
 ok "workers that exit 0 leaving children: ddprun kills the children, says so, and exits 0"
+
+# ---- --ft: a worker killed by a signal is a lost member, the others go on (src/ft.h) ----
+# tests/progs/ft_steps.c trains 20 steps in the fault-tolerant loop; DDP_FT_TEST_KILL makes member 1
+# SIGKILL itself in step 5 while its first bucket is in flight. Under --ft the other two redo step 5 in a
+# view of 2 and finish; without --ft (DDP_FT=1 given by hand) ddprun fails the job as it always did.
+newdir ft
+[ "$("$DDPRUN" --ft --nproc-per-node 1 sh -c 'echo "$DDP_FT"')" = 1 ] || fail "--ft: the worker has no DDP_FT=1"
+DDP_FT_TEST_KILL=1:5:bucket timeout -s KILL 60 "$DDPRUN" --ft --standalone --nproc-per-node 3 "$FT_STEPS" \
+  >"$D/out" 2>"$D/err"; rc=$?
+[ $rc = 0 ] || fail "--ft, member 1 killed: ddprun exited $rc: $(cat "$D/out" "$D/err")"
+grep -q "^ddprun: rank 1 (pid [0-9]*) was killed by signal 9 (SIGKILL); the others went on without it" "$D/err" ||
+  fail "--ft: no line for the lost rank 1: $(cat "$D/err")"
+[ "$(grep -c "went on without it" "$D/err")" = 1 ] || fail "--ft: not one line per lost rank: $(cat "$D/err")"
+[ "$(sort "$D/out")" = "$(printf 'member %d: rank %d of 2 at the end, 20 steps committed\n' 0 0 2 1)" ] ||
+  fail "--ft: the survivors' output: $(cat "$D/out")"
+newdir ft_off
+DDP_FT=1 DDP_FT_TEST_KILL=1:5:bucket timeout -s KILL 60 "$DDPRUN" --standalone --nproc-per-node 3 "$FT_STEPS" \
+  >"$D/out" 2>"$D/err"; rc=$?
+[ $rc = 137 ] || fail "without --ft, member 1 killed: ddprun exited $rc, want 137"
+grep -q "^ddprun: failed: rank 1 (pid [0-9]*) of 3 was killed by signal 9 (SIGKILL)" "$D/err" ||
+  fail "without --ft: rank 1 not named as the failure: $(cat "$D/err")"
+! grep -q "went on without it" "$D/err" || fail "without --ft, ddprun let the others go on"
+newdir ft_exit
+timeout -s KILL 30 "$DDPRUN" --ft --nproc-per-node 3 bash -c '[ $RANK = 1 ] && kill -9 $$; sleep 1
+  [ $RANK = 2 ] && exit 3; sleep 30' >"$D/out" 2>"$D/err"; rc=$?
+[ $rc = 3 ] || fail "--ft, rank 1 killed, then rank 2 exiting 3: ddprun exited $rc, want 3: $(cat "$D/err")"
+grep -q "^ddprun: rank 1 (pid [0-9]*) was killed by signal 9 (SIGKILL); the others went on" "$D/err" &&
+  grep -q "^ddprun: failed: rank 2 (pid [0-9]*) of 3 exited with code 3; 1 other running worker was stopped" "$D/err" ||
+  fail "--ft: rank 1 not lost, or the non-zero exit not named as the failure: $(cat "$D/err")"
+newdir ft_all
+timeout -s KILL 30 "$DDPRUN" --ft --nproc-per-node 2 bash -c 'kill -9 $$' >"$D/out" 2>"$D/err"; rc=$?
+[ $rc = 137 ] || fail "--ft, every worker killed: ddprun exited $rc, want 137"
+grep -q "every one of the 2 workers was lost" "$D/err" || fail "--ft, every worker killed: $(cat "$D/err")"
+ok "--ft: DDP_FT=1; rank 1 SIGKILLed at step 5: the other 2 finish, ddprun exits 0 with one line for it (137 without --ft); an exit code 3 or no survivor still fails"
 
 # ---- a worker that exits 0 while the others run: ddprun waits (as torchrun), but says so once ----
 newdir early

@@ -9,7 +9,13 @@
 #     --resume: the final weights file is byte-identical (cmp) to the uninterrupted run's;
 #  3. the same inside an epoch (--save-every 5 --stop-at-step 47): resume from a mid-epoch sampler position;
 #  4. --resume with another world size is refused with a message that says what to do;
-#  5. when /usr/bin/python3 has torch: the final weights file loads into the same model written in torch
+#  5. --ft under ddprun --ft (fault-tolerant training, src/ft.h): uninterrupted, the final weights file is
+#     byte-identical to the plain run's (4 ranks split every step evenly); with rank 2 SIGKILLed in step 115
+#     of 198 (DDP_FT_TEST_KILL, its first bucket in flight) the other 3 redo that step and finish: ddprun
+#     exits 0 with one line for rank 2, the survivors say so, and the final weights are within 1e-5 of the
+#     uninterrupted run's (float rounding of the last 80 steps on 3 ranks; kills at steps 20 to 190 end
+#     6e-8 to 7e-7 from it); --ft with --resume is refused;
+#  6. when /usr/bin/python3 has torch: the final weights file loads into the same model written in torch
 #     (load_state_dict(strict=True): torch's names and shapes), whose accuracy on the held-out points
 #     (regenerated here in Python) is the demo's own last "eval acc".
 set -u
@@ -104,7 +110,30 @@ fi
 grep -q "on 4 ranks; resume with the same" "$T/two.log" || { cat "$T/two.log"; fail "no clear message for the world size"; }
 ok "--resume with another world size is refused"
 
-# 5. the weights in torch
+# 5. --ft, uninterrupted and with a rank lost
+"$DDPRUN" --ft --standalone --nproc-per-node 4 "$DEMO" --ft $ARGS --dir "$T/ft" >"$T/ft.log" 2>&1 ||
+  { cat "$T/ft.log"; fail "ft: the demo with --ft exited $?"; }
+cmp "$T/full/final.safetensors" "$T/ft/final.safetensors" || fail "ft: --ft's weights differ from the plain run's"
+ok "--ft with no rank lost: the final weights are the plain run's, byte for byte"
+DDP_FT_TEST_KILL=2:115:bucket "$DDPRUN" --ft --standalone --nproc-per-node 4 "$DEMO" --ft $ARGS --dir "$T/ftkill" \
+  >"$T/ftkill.log" 2>&1; rc=$?
+cat "$T/ftkill.log"
+[ $rc -eq 0 ] || fail "ftkill: the run that lost rank 2 exited $rc"
+grep -q "^ddprun: rank 2 (pid [0-9]*) was killed by signal 9 (SIGKILL); the others went on without it" "$T/ftkill.log" ||
+  fail "ftkill: ddprun did not report rank 2 as lost"
+grep -q "^train_demo: view [0-9]*: 3 ranks go on, from step 16 of epoch 4" "$T/ftkill.log" ||
+  fail "ftkill: the survivors did not say that 3 ranks go on"
+grep -q "^the weights are identical on every rank" "$T/ftkill.log" || fail "ftkill: weights differ between the survivors"
+"$CHECK" --compare "$T/ft/final.safetensors" "$T/ftkill/final.safetensors" $ARGS >"$T/ftkill.check" 2>&1 ||
+  { cat "$T/ftkill.check"; fail "ftkill: demo_check --compare failed"; }
+cat "$T/ftkill.check"
+grep -oE "(weights|statistics) [0-9.e+-]+" "$T/ftkill.check" | awk '$2 + 0 <= 1e-5 { n++ } END { exit n != 2 }' ||
+  fail "ftkill: the final weights are more than 1e-5 from the uninterrupted run's (or the numbers are missing)"
+if "$DEMO" --ft --resume --dir "$T/ft" >"$T/ftresume.log" 2>&1; then fail "--ft --resume was accepted"; fi
+grep -q "do not go with it" "$T/ftresume.log" || { cat "$T/ftresume.log"; fail "--ft --resume: no clear message"; }
+ok "--ft, rank 2 SIGKILLed in step 115: the 3 others finish within 1e-5 of the uninterrupted run; --ft --resume refused"
+
+# 6. the weights in torch
 if "$PY" -c "import torch, numpy" 2>/dev/null; then
   want=$(grep "^epoch   6/6" "$T/full.log" | sed 's/.*eval acc *\([0-9.]*\)%.*/\1/')
   "$PY" - "$T/full/final.safetensors" "$want" <<'PY' || fail "the weights in torch"
