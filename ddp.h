@@ -1495,10 +1495,20 @@ DDP_API void ddp_reducer_destroy(ddp_reducer *r);
            else if (res != DDP_ERR_VIEW_CHANGED) fail;           DDP_ERR_VIEW_CHANGED: redo st.step
        }
 
+   Every collective of the step (the program's own, SyncBatchNorm's) may answer DDP_ERR_VIEW_CHANGED: redo
+   the step then, never exit. A redone step must start from the state the step started from: what forward
+   changes before the commit (BatchNorm's running statistics) the program puts back. Uneven shares: with
+   ddp_reducer_set_local_samples each rank's gradient is the mean over its own n samples; that is right
+   when the ranks meet only in the reducer. When a layer couples them in backward (SyncBatchNorm all-reduces
+   sums of the output gradients), scale each rank's loss by world_size / N instead (N = the step's samples
+   over the view: the sum of the shares, min(G, padded length - step G)) and leave the reducer unweighted:
+   every rank's output gradients then carry the same 1 / N, and the average is over the step's samples.
+
    A replacement joins at a step boundary: a process started with DDP_FT_JOIN=1 (ddprun --ft restarts a
    lost worker so) makes its reducer as the members did (ddp_reducer_finalize is local on it), registers
    the same state with ddp_ft_register, and its first ddp_ft_begin asks the view's first member for an
-   id (found through the job's store); the next vote counts it, the view change after it admits it, and
+   id (found through the job's store: rank 0's, or ddprun's under --ft); the next vote counts it, the view
+   change after it admits it, and
    the new view's rank 0 sends it every registered buffer (CRC-32C checked) with the epoch and step: its
    ddp_ft_begin returns with st->joined = 1 and the step the members run next.
 
@@ -10335,11 +10345,13 @@ static ddp_result ddp__group_break(ddp_group *g, ddp_result code, const char *ms
    rank's reason says so in its own message ("reported by rank 3; this rank was in ...") but passes the
    reason on as it came, so that the message does not grow at each hop of the flood. */
 static ddp_result ddp__group_break_relaying(ddp_group *g, ddp_result code, const char *msg, const char *wire) {
-    int i;
+    int i, repaired;
     if (g->broken) return g->broken;
     g->broken = code;
     snprintf(g->broken_msg, sizeof g->broken_msg, "%s", msg);
-    ddp__log(g, DDP_LOG_ERROR, "%s", msg);
+    /* fault-tolerant mode repairs such a break (a view change): a warning, and no flight-recorder dump */
+    repaired = g->ft_running && ddp__ft_code(g, code) == DDP_ERR_VIEW_CHANGED;
+    ddp__log(g, repaired ? DDP_LOG_WARN : DDP_LOG_ERROR, "%s", msg);
     ddp__backends_abort(g);
     for (i = 0; i < g->mesh.nlinked; i++) {
         ddp__peer *p = &g->mesh.peers[g->mesh.linked[i]];
@@ -10372,7 +10384,7 @@ static ddp_result ddp__group_break_relaying(ddp_group *g, ddp_result code, const
            throws away the ABORT frame queued at the peer before the peer reads it. */
         shutdown(p->fd, SHUT_WR);
     }
-    ddp__trace_break(g, code); /* after the ABORTs: peers learn first, then this rank writes its recorder */
+    if (!repaired) ddp__trace_break(g, code); /* after the ABORTs: peers learn first, then this rank writes its recorder */
     ddp__timeline_flush();  /* and its timeline: the events up to the break are on disk */
     return code;
 }
@@ -17752,6 +17764,8 @@ typedef struct ddp__ft {
     int admit;                 /* joiners the last vote announced: the next ddp_ft_begin admits them */
     uint32_t transfer_from;    /* joiners from this id on wait for the state (ddp_ft_begin sends it); NONE: none */
     uint32_t join_via;         /* a joiner: the member it asked (its connection closing means: ask again) */
+    uint64_t join_gen;         /* a joiner: the view its last try found, and how often in a row its first member */
+    int join_refused;          /* refused (the job has ended when that goes on) */
     ddp__ft_reg *regs;         /* ddp_ft_register's buffers, in the order registered */
     int nregs, regs_cap;
 } ddp__ft;
@@ -18511,6 +18525,7 @@ static ddp_result ddp__ft_join_once(ddp__ft *ft, ddp_ft_step *st, double deadlin
     ddp__ft_addr *list;
     char err[DDP__ERR_MAX];
     uint32_t welcome[4], i, first;
+    uint64_t gen;
     int applied;
     ddp_result r;
     *again = 0;
@@ -18533,13 +18548,23 @@ static ddp_result ddp__ft_join_once(ddp__ft *ft, ddp_ft_step *st, double deadlin
             ft->peers[list[i].id].store_port = list[i].store_port;
         }
     first = list[0].id;
+    gen = rec->gen;
     ddp__free(rec);
     for (i = 0; i < ft->cap; i++) /* a connection left from an attempt before */
         if (ft->peers[i].fd >= 0) close(ft->peers[i].fd), ft->peers[i].fd = -1;
     /* ask the view's first member for an id (the hello carries this joiner's listener) */
     ddp__ft_member_free(&ft->m);
     ft->m.id = DDP__FT_NONE;
-    r = first < ft->cap ? ddp__ft_dial(ft, first, DDP__FT_JOIN_MAGIC, deadline, err) : DDP_ERR_FORMAT;
+    /* briefly: a record written before a view change may name a member lost since (the next one will not) */
+    r = first < ft->cap ? ddp__ft_dial(ft, first, DDP__FT_JOIN_MAGIC, DDP__MIN(deadline, ddp__now() + 0.2), err)
+                        : DDP_ERR_FORMAT;
+    if (r != DDP_SUCCESS && r != DDP_ERR_FORMAT && gen == ft->join_gen && ++ft->join_refused >= 25) {
+        *again = 0; /* 25 tries over 5 s, the same view's first member away: the job has ended */
+        return ddp__fail(g, DDP_ERR_PEER_LOST, "ddp_ft_begin: this joiner found no member of the job answering (member "
+                         "%u of view %llu refused for 5 s): the job has ended, or its members are unreachable from here",
+                         first, (unsigned long long)gen);
+    }
+    if (gen != ft->join_gen) ft->join_gen = gen, ft->join_refused = 0;
     if (r == DDP_SUCCESS) r = ddp__net_recv(ft->peers[first].fd, welcome, sizeof welcome, deadline, err);
     if (r == DDP_SUCCESS && (welcome[0] != DDP__FT_JOIN_MAGIC || welcome[1] >= ft->cap)) r = DDP_ERR_FORMAT;
     if (r != DDP_SUCCESS) {
@@ -18727,8 +18752,11 @@ static void ddp__ft_test_kill(ddp_group *g, const char *point) {
    signal is a lost member, not a failure: ddprun says so (one line: its rank, the signal, "the others
    went on without it") and keeps watching the others, whose next ddp_ft_begin / ddp_ft_commit goes on
    without it. The job succeeds (exit 0) when every worker that exited did so with 0 and at least one
-   did; a worker that exits non-zero fails the job as without --ft. A lost worker is not restarted (a
-   joiner is not built yet), so --ft refuses --max-restarts > 0.
+   did; a worker that exits non-zero fails the job as without --ft. With --max-restarts R a lost worker
+   is started again alone, at most R times per rank, with DDP_FT_JOIN=1: its ddp_ft_begin joins the
+   running job with the members' state (the whole group is never restarted under --ft). On node 0 ddprun
+   serves the store itself (TORCHELASTIC_USE_AGENT_STORE=True, as torchrun's agent), so that losing the
+   workers' rank 0 loses no store and a joiner finds the job there.
 
    No orphans. The launcher (ddprun, or the program calling ddp_spawn) may itself be killed with
    SIGKILL, and then it can clean up nothing. So the workers are not its children but the children of
@@ -18789,6 +18817,7 @@ typedef struct ddp__launch_worker {
     int pidfd;  /* in the guardian: readable once the process has ended (Linux 5.3+); -1 when unavailable */
     int pass;   /* the look (ddp__launch_reap) that found it failed; 0 = not failed */
     int ft_lost; /* --ft: killed by a signal while the others went on (a lost member, not a failure) */
+    int restarts; /* --ft: started again as a joiner so many times */
     double ended; /* ddp__now() when it was seen to have ended */
 } ddp__launch_worker;
 
@@ -18805,6 +18834,7 @@ typedef struct ddp__launch_group {
     int to_guard;    /* only the launcher holds this write end; closing it tells the guardian to finish */
     int early_noted; /* ddprun has said that a worker exited 0 while others still ran */
     int ft;          /* ddprun --ft: a worker killed by a signal is a lost member (ddp__launch_ft_lost) */
+    int ft_restarts; /* ddprun --ft --max-restarts: how often each worker may be started again as a joiner */
 } ddp__launch_group;
 
 /* What the guardian tells the launcher, one whole write() each (atomic: smaller than PIPE_BUF). */
@@ -18952,6 +18982,11 @@ static int ddp__launch_reap(ddp__launch_group *lg) {
     lg->pass++;
     while ((got = ddp__launch_next_report(lg, &r, 0)) == 1) {
         ddp__launch_worker *w;
+        if (r.kind == DDP__GUARD_STARTED && r.index >= 0 && r.index < lg->n) { /* a replacement (ddprun --ft) */
+            w = &lg->w[r.index];
+            w->pid = (pid_t)r.pid, w->reaped = 0, w->pass = 0, w->ft_lost = 0, w->status = 0;
+            continue;
+        }
         if (r.kind != DDP__GUARD_ENDED || r.index < 0 || r.index >= lg->n || lg->w[r.index].reaped) continue;
         w = &lg->w[r.index];
         ddp__launch_mark_reaped(w, r.value);
@@ -19108,6 +19143,16 @@ static int ddp__launch_ft_lost(ddp__launch_group *lg) {
         n++;
         ddp__launch_name(w, name, sizeof name);
         ddp__launch_describe(w, how, sizeof how);
+        if (w->restarts < lg->ft_restarts && ddp__launch_running(lg) > 0) { /* a replacement joins the others */
+            int32_t index = i;
+            if (write(lg->to_guard, &index, sizeof index) == (ssize_t)sizeof index) {
+                w->restarts++;
+                w->reaped = 0, w->ft_lost = 0; /* running again once the guardian reports it */
+                ddp__launch_say(lg, "%s %s (--ft: a lost member); starting it again as a joiner (DDP_FT_JOIN=1, "
+                                "restart %d of at most %d)", name, how, w->restarts, lg->ft_restarts);
+                continue;
+            }
+        }
         ddp__launch_say(lg, "%s %s%s (--ft: a lost member)", name, how,
                         ddp__launch_running(lg) > 0 ? "; the others went on without it" : "");
     }
@@ -19214,7 +19259,7 @@ static void ddp__launch_export(const ddp__launch_env *e, int local_rank) {
     ddp__launch_setenv_int("TORCHELASTIC_RESTART_COUNT", e->restart_count);
     ddp__launch_setenv_int("TORCHELASTIC_MAX_RESTARTS", e->max_restarts);
     setenv("TORCHELASTIC_RUN_ID", e->run_id, 1);
-    setenv("TORCHELASTIC_USE_AGENT_STORE", "False", 1);
+    setenv("TORCHELASTIC_USE_AGENT_STORE", e->ft ? "True" : "False", 1); /* --ft: ddprun serves it */
     ddp__launch_setenv_int("DDP_RESTART_COUNT", e->restart_count);
     if (e->ft) setenv("DDP_FT", "1", 1);
     if (e->set_omp) setenv("OMP_NUM_THREADS", "1", 0);
@@ -19318,42 +19363,52 @@ static void ddp__guard_child(const ddp__launch_group *lg, int upto, const struct
     for (k = 0; k < DDP__GUARD_NSIGNALS; k++) sigaction(ddp__guard_signals[k], &saved[k], NULL);
 }
 
-/* In the guardian: fork the workers: exec argv (ddprun) or run fn (ddp_spawn) in each; report each
-   pid, or the first fork() that failed (then lg->n becomes the number started). */
+/* In the guardian: fork worker i: exec argv (ddprun) or run fn (ddp_spawn); join: a replacement of a lost
+   member (ddprun --ft), told so by DDP_FT_JOIN=1. Reports its pid, or the fork() that failed (returns -1). */
+static int ddp__guard_fork_one(ddp__launch_group *lg, const ddp__launch_env *e, char **argv, int (*fn)(int, int, void *),
+                               void *arg, const struct sigaction *saved, int from_launcher, int to_launcher, int i, int join) {
+    ddp__launch_worker *w = &lg->w[i];
+    pid_t self = getpid(), pid = fork();
+    if (pid < 0) {
+        ddp__guard_report(to_launcher, DDP__GUARD_FORK_FAILED, i, 0, errno);
+        return -1;
+    }
+    if (pid == 0) {
+        ddp__guard_child(lg, lg->n, saved, from_launcher, to_launcher);
+        ddp__launch_child_setup(self);
+        ddp__launch_export(e, i);
+        if (join) setenv("DDP_FT_JOIN", "1", 1);
+        ddp__launch_bind(e, i);
+        if (argv) {
+            execvp(argv[0], argv);
+            fprintf(stderr, "%s: cannot run %s: %s\n", lg->who, argv[0], strerror(errno));
+            _exit(127);
+        } else {
+            int rc = fn(w->rank, lg->n, arg);
+            fflush(NULL);
+            /* exit codes are 8 bits: keep a failure a failure (256 would read as 0) */
+            _exit(rc == 0 ? 0 : ((rc & 0xff) ? (rc & 0xff) : 1));
+        }
+    }
+    setpgid(pid, pid); /* also here: the group must exist before anyone signals it */
+    if (w->pidfd >= 0) close(w->pidfd);
+    w->pid = pid;
+    w->pidfd = ddp__launch_pidfd(pid);
+    w->reaped = 0;
+    ddp__guard_report(to_launcher, DDP__GUARD_STARTED, i, pid, 0);
+    return 0;
+}
+
+/* In the guardian: fork every worker; at the first fork() that failed lg->n becomes the number started. */
 static void ddp__guard_fork_workers(ddp__launch_group *lg, const ddp__launch_env *e, char **argv,
                                     int (*fn)(int, int, void *), void *arg, const struct sigaction *saved,
                                     int from_launcher, int to_launcher) {
-    pid_t self = getpid();
     int i;
-    for (i = 0; i < lg->n; i++) {
-        ddp__launch_worker *w = &lg->w[i];
-        pid_t pid = fork();
-        if (pid < 0) {
-            ddp__guard_report(to_launcher, DDP__GUARD_FORK_FAILED, i, 0, errno);
+    for (i = 0; i < lg->n; i++)
+        if (ddp__guard_fork_one(lg, e, argv, fn, arg, saved, from_launcher, to_launcher, i, 0) < 0) {
             lg->n = i;
             return;
         }
-        if (pid == 0) {
-            ddp__guard_child(lg, i, saved, from_launcher, to_launcher);
-            ddp__launch_child_setup(self);
-            ddp__launch_export(e, i);
-            ddp__launch_bind(e, i);
-            if (argv) {
-                execvp(argv[0], argv);
-                fprintf(stderr, "%s: cannot run %s: %s\n", lg->who, argv[0], strerror(errno));
-                _exit(127);
-            } else {
-                int rc = fn(w->rank, lg->n, arg);
-                fflush(NULL);
-                /* exit codes are 8 bits: keep a failure a failure (256 would read as 0) */
-                _exit(rc == 0 ? 0 : ((rc & 0xff) ? (rc & 0xff) : 1));
-            }
-        }
-        setpgid(pid, pid); /* also here: the group must exist before anyone signals it */
-        w->pid = pid;
-        w->pidfd = ddp__launch_pidfd(pid);
-        ddp__guard_report(to_launcher, DDP__GUARD_STARTED, i, pid, 0);
-    }
 }
 
 static int ddp__guard_worker_index(const ddp__launch_group *lg, pid_t pid) {
@@ -19376,13 +19431,18 @@ static void ddp__guard_reap(ddp__launch_group *lg, int to_launcher) {
     }
 }
 
-/* 1 once the launcher has closed its end of the pipe (it never writes: readable means end of file). */
-static int ddp__guard_launcher_done(int from_launcher) {
+/* What the launcher said on its pipe: -2 once it closed it (done), the index of a worker to start again
+   (ddprun --ft), or -1 when it said nothing. */
+static int ddp__guard_launcher_says(int from_launcher) {
     struct pollfd pfd;
+    int32_t index;
+    ssize_t k;
     pfd.fd = from_launcher;
     pfd.events = POLLIN;
     pfd.revents = 0;
-    return poll(&pfd, 1, 0) > 0;
+    if (poll(&pfd, 1, 0) <= 0) return -1;
+    k = read(from_launcher, &index, sizeof index);
+    return k == (ssize_t)sizeof index && index >= 0 ? (int)index : k < 0 && errno == EINTR ? -1 : -2;
 }
 
 /* SIGKILL each running child of this process (from /proc: the parent is the 4th field of
@@ -19433,9 +19493,12 @@ static void ddp__guard_sweep(const ddp__launch_group *lg, int to_launcher) {
 static void ddp__launch_guard(ddp__launch_group *lg, const ddp__launch_env *e, char **argv,
                               int (*fn)(int, int, void *), void *arg, int from_launcher, int to_launcher) {
     struct sigaction saved[DDP__GUARD_NSIGNALS];
+    int restart;
     ddp__guard_setup(saved);
     ddp__guard_fork_workers(lg, e, argv, fn, arg, saved, from_launcher, to_launcher);
-    while (!ddp__guard_launcher_done(from_launcher)) {
+    while ((restart = ddp__guard_launcher_says(from_launcher)) != -2) {
+        if (restart >= 0 && restart < lg->n) /* ddprun --ft: worker `restart` again, as a joiner */
+            ddp__guard_fork_one(lg, e, argv, fn, arg, saved, from_launcher, to_launcher, restart, 1);
         ddp__guard_reap(lg, to_launcher);
         ddp__launch_nap(lg, from_launcher);
     }
@@ -19557,6 +19620,7 @@ static ddp__launch_group ddp__launch_group_make(int is_ddprun, int n, int first_
     lg.to_guard = -1;
     lg.early_noted = 0;
     lg.ft = 0;
+    lg.ft_restarts = 0;
     for (i = 0; i < n; i++) {
         memset(&w[i], 0, sizeof w[i]);
         w[i].rank = first_rank + i;
@@ -19665,8 +19729,9 @@ static const char ddp__launch_usage[] =
     "                        the program which attempt it is, so it can resume from its checkpoint\n"
     "  --ft                  fault-tolerant training (ddp.h's ddp_ft_begin / ddp_ft_commit): DDP_FT=1 for\n"
     "                        every worker, and a worker killed by a signal is a lost member: ddprun\n"
-    "                        says so and the others go on without it (see below). Not with\n"
-    "                        --max-restarts > 0: restarting a lost worker as a joiner is not built yet\n"
+    "                        says so and the others go on without it (see below); with\n"
+    "                        --max-restarts R it starts it again alone (DDP_FT_JOIN=1), at most R\n"
+    "                        times per rank, and it serves the store itself\n"
     "  --rdzv-id ID          TORCHELASTIC_RUN_ID, the job's name in the store: give every node the same\n"
     "                        one (default: a random UUID per launch on one node, \"none\" across nodes;\n"
     "                        a rank that reaches the store of a job with another run id says so)\n"
@@ -19703,6 +19768,7 @@ static const char ddp__launch_usage_more[] =
     "With --ft a worker killed by a signal does not stop the others: ddprun prints one line for it\n"
     "(rank, signal, \"the others went on without it\") and waits for the rest; it exits 0 when every\n"
     "other worker exited 0 (and one at least did). A non-zero exit code fails the job as without --ft.\n"
+    "With --ft --max-restarts R the lost worker is started again as a joiner of the running job.\n"
     "Rendezvous is static: torchrun's elastic rendezvous (--rdzv-backend, --rdzv-endpoint, a range\n"
     "in --nnodes) is not supported.\n";
 
@@ -19900,9 +19966,6 @@ static ddp_result ddp__launch_validate(ddp__launch_args *a, char *err) {
     if (a->standalone && a->port_given)
         return ddp__fail_to(err, DDP_ERR_INVALID_ARGUMENT, "--standalone picks a free port itself; drop --master-port "
                             "or --standalone");
-    if (e->ft && e->max_restarts > 0)
-        return ddp__fail_to(err, DDP_ERR_UNSUPPORTED, "--ft with --max-restarts %d: restarting a lost worker as a joiner "
-                            "is not built yet; with --ft the others go on without it (drop --max-restarts)", e->max_restarts);
     if (e->node_rank >= e->nnodes)
         return ddp__fail_to(err, DDP_ERR_INVALID_ARGUMENT, "--node-rank %d must be smaller than --nnodes %d (node ranks "
                             "are 0 .. nnodes-1)", e->node_rank, e->nnodes);
@@ -20163,28 +20226,40 @@ static int ddp__launch_merge_main(int argc, char **argv) {
 static int ddp__launch_run(ddp__launch_args *a, ddp__launch_group *lg) {
     char err[DDP__ERR_MAX], msg[DDP__ERR_MAX];
     int attempt, code = 1;
-    for (attempt = 0; attempt <= a->env.max_restarts; attempt++) {
+    int group_restarts = a->env.ft ? 0 : a->env.max_restarts; /* --ft restarts lost workers alone, as joiners */
+    for (attempt = 0; attempt <= group_restarts; attempt++) {
+        ddp__store_server *store = NULL;
         a->env.restart_count = attempt;
         if (a->standalone && (a->env.master_port = ddp__launch_free_port(err)) < 0) {
             fprintf(stderr, "ddprun: %s\n", err);
             return 1;
         }
+        /* --ft on node 0: ddprun serves the store (as torchrun's agent does), so that losing rank 0 loses no
+           store and a joiner finds the job there */
+        if (a->env.ft && a->env.node_rank == 0 &&
+            ddp__store_server_start(a->env.master_addr, a->env.master_port, DDP_LOG_DEFAULT, &store, err) != DDP_SUCCESS) {
+            fprintf(stderr, "ddprun: --ft: cannot serve the store on %s:%d: %s\n", a->env.master_addr, a->env.master_port, err);
+            return 1;
+        }
         *lg = ddp__launch_group_make(1, a->env.nproc, a->env.node_rank * a->env.nproc, lg->w);
         lg->ft = a->env.ft;
+        lg->ft_restarts = a->env.ft ? a->env.max_restarts : 0;
         if (ddp__launch_start(lg, &a->env, a->program, NULL, NULL, err) != DDP_SUCCESS) {
             fprintf(stderr, "%s\n", err);
+            ddp__store_server_stop(store);
             return 1;
         }
         code = ddp__launch_monitor(lg, msg);
         ddp__launch_finish(lg);
+        ddp__store_server_stop(store);
         if (code == 0) return 0;
         ddp__launch_trace_summary(lg, attempt);
         if (ddp__launch_signal_got) return code; /* the user asked to stop: no restart */
-        if (attempt < a->env.max_restarts)
+        if (attempt < group_restarts)
             fprintf(stderr, "ddprun: restarting the worker group (restart %d of at most %d)\n", attempt + 1,
-                    a->env.max_restarts);
+                    group_restarts);
     }
-    fprintf(stderr, "ddprun: failed: %s%s\n", msg, a->env.max_restarts ? " (no restarts left)" : "");
+    fprintf(stderr, "ddprun: failed: %s%s\n", msg, group_restarts ? " (no restarts left)" : "");
     return code;
 }
 
@@ -24228,6 +24303,7 @@ struct ddp_syncbn {
     float *mean, *invstd; /* C each: what the last forward normalised with */
 
     double *records; /* nranks * (2C + 1): the all-gathered [mean, M2, count] of every rank */
+    int records_ranks; /* how many ranks' records it holds room for */
     double *sums;    /* 2C: per-channel accumulators of the current pass */
     double *shift;   /* C: per-channel shift of the statistics pass; then mean in f64 for backward */
     float *coef;     /* 3C: per-channel factors of the element-wise passes */
@@ -24562,6 +24638,7 @@ DDP_API ddp_result ddp_syncbn_create(ddp_group *g, const ddp_syncbn_desc *d, ddp
     bn->shift = (double *)ddp__calloc(C, sizeof(double));
     if (bn->nranks >= 1 && (size_t)bn->nranks <= SIZE_MAX / sizeof(double) / (2 * C + 1))
         bn->records = (double *)ddp__calloc((size_t)bn->nranks * (2 * C + 1), sizeof(double));
+    bn->records_ranks = bn->nranks;
     if (!bn->mean || !bn->invstd || !bn->coef || !bn->sums || !bn->shift || !bn->records) {
         const int nranks = bn->nranks;
         ddp_syncbn_destroy(bn);
@@ -24803,6 +24880,28 @@ static void ddp__bn_dev_release(ddp_syncbn *bn) {
 }
 #endif /* DDP_CUDA */
 
+/* The group's size and this rank's place as they are now: a fault-tolerant group (src/ft.h) changes
+   both at a view change. The records grow with the group (on the device: the scratch is made again). */
+static ddp_result ddp__bn_follow_group(ddp_syncbn *bn) {
+    int world, C = bn->channels;
+    if (!bn->group) return DDP_SUCCESS;
+    world = ddp_world_size(bn->group);
+    if (world > bn->records_ranks) {
+        double *more = (double *)ddp__calloc((size_t)world * (2 * (size_t)C + 1), sizeof(double));
+        if (!more) return ddp__fail(bn->errors, DDP_ERR_OUT_OF_MEMORY, "ddp_syncbn_forward: out of memory for %d ranks' "
+                                    "statistics", world);
+        ddp__free(bn->records);
+        bn->records = more, bn->records_ranks = world;
+#ifdef DDP_CUDA
+        ddp__bn_dev_release(bn);
+        bn->dev.ready = 0;
+#endif
+    }
+    bn->nranks = world;
+    bn->rank = ddp_rank(bn->group);
+    return DDP_SUCCESS;
+}
+
 /* This rank's record [mean(C), M2(C), count] from one pass over x. */
 static void ddp__bn_local_stats(ddp_syncbn *bn, const float *x, int64_t batch, int64_t spatial, double *record) {
     const int C = bn->channels;
@@ -24870,6 +24969,7 @@ DDP_API ddp_result ddp_syncbn_forward(ddp_syncbn *bn, const float *x, float *y, 
                          "%s: num_batches_tracked is %lld; it counts batches, so it is >= 0 (nothing changed)", fn,
                          (long long)*bn->num_batches_tracked);
     bn->saved = DDP__BN_SAVED_NONE;
+    if ((r = ddp__bn_follow_group(bn)) != DDP_SUCCESS) return r;
 #ifdef DDP_CUDA
     bn->dev.mode = 0;
     if (ddp__bn_dev_wanted(bn, x, count)) {

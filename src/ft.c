@@ -117,6 +117,8 @@ typedef struct ddp__ft {
     int admit;                 /* joiners the last vote announced: the next ddp_ft_begin admits them */
     uint32_t transfer_from;    /* joiners from this id on wait for the state (ddp_ft_begin sends it); NONE: none */
     uint32_t join_via;         /* a joiner: the member it asked (its connection closing means: ask again) */
+    uint64_t join_gen;         /* a joiner: the view its last try found, and how often in a row its first member */
+    int join_refused;          /* refused (the job has ended when that goes on) */
     ddp__ft_reg *regs;         /* ddp_ft_register's buffers, in the order registered */
     int nregs, regs_cap;
 } ddp__ft;
@@ -876,6 +878,7 @@ static ddp_result ddp__ft_join_once(ddp__ft *ft, ddp_ft_step *st, double deadlin
     ddp__ft_addr *list;
     char err[DDP__ERR_MAX];
     uint32_t welcome[4], i, first;
+    uint64_t gen;
     int applied;
     ddp_result r;
     *again = 0;
@@ -898,13 +901,23 @@ static ddp_result ddp__ft_join_once(ddp__ft *ft, ddp_ft_step *st, double deadlin
             ft->peers[list[i].id].store_port = list[i].store_port;
         }
     first = list[0].id;
+    gen = rec->gen;
     ddp__free(rec);
     for (i = 0; i < ft->cap; i++) /* a connection left from an attempt before */
         if (ft->peers[i].fd >= 0) close(ft->peers[i].fd), ft->peers[i].fd = -1;
     /* ask the view's first member for an id (the hello carries this joiner's listener) */
     ddp__ft_member_free(&ft->m);
     ft->m.id = DDP__FT_NONE;
-    r = first < ft->cap ? ddp__ft_dial(ft, first, DDP__FT_JOIN_MAGIC, deadline, err) : DDP_ERR_FORMAT;
+    /* briefly: a record written before a view change may name a member lost since (the next one will not) */
+    r = first < ft->cap ? ddp__ft_dial(ft, first, DDP__FT_JOIN_MAGIC, DDP__MIN(deadline, ddp__now() + 0.2), err)
+                        : DDP_ERR_FORMAT;
+    if (r != DDP_SUCCESS && r != DDP_ERR_FORMAT && gen == ft->join_gen && ++ft->join_refused >= 25) {
+        *again = 0; /* 25 tries over 5 s, the same view's first member away: the job has ended */
+        return ddp__fail(g, DDP_ERR_PEER_LOST, "ddp_ft_begin: this joiner found no member of the job answering (member "
+                         "%u of view %llu refused for 5 s): the job has ended, or its members are unreachable from here",
+                         first, (unsigned long long)gen);
+    }
+    if (gen != ft->join_gen) ft->join_gen = gen, ft->join_refused = 0;
     if (r == DDP_SUCCESS) r = ddp__net_recv(ft->peers[first].fd, welcome, sizeof welcome, deadline, err);
     if (r == DDP_SUCCESS && (welcome[0] != DDP__FT_JOIN_MAGIC || welcome[1] >= ft->cap)) r = DDP_ERR_FORMAT;
     if (r != DDP_SUCCESS) {

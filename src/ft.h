@@ -25,10 +25,20 @@
            else if (res != DDP_ERR_VIEW_CHANGED) fail;           DDP_ERR_VIEW_CHANGED: redo st.step
        }
 
+   Every collective of the step (the program's own, SyncBatchNorm's) may answer DDP_ERR_VIEW_CHANGED: redo
+   the step then, never exit. A redone step must start from the state the step started from: what forward
+   changes before the commit (BatchNorm's running statistics) the program puts back. Uneven shares: with
+   ddp_reducer_set_local_samples each rank's gradient is the mean over its own n samples; that is right
+   when the ranks meet only in the reducer. When a layer couples them in backward (SyncBatchNorm all-reduces
+   sums of the output gradients), scale each rank's loss by world_size / N instead (N = the step's samples
+   over the view: the sum of the shares, min(G, padded length - step G)) and leave the reducer unweighted:
+   every rank's output gradients then carry the same 1 / N, and the average is over the step's samples.
+
    A replacement joins at a step boundary: a process started with DDP_FT_JOIN=1 (ddprun --ft restarts a
    lost worker so) makes its reducer as the members did (ddp_reducer_finalize is local on it), registers
    the same state with ddp_ft_register, and its first ddp_ft_begin asks the view's first member for an
-   id (found through the job's store); the next vote counts it, the view change after it admits it, and
+   id (found through the job's store: rank 0's, or ddprun's under --ft); the next vote counts it, the view
+   change after it admits it, and
    the new view's rank 0 sends it every registered buffer (CRC-32C checked) with the epoch and step: its
    ddp_ft_begin returns with st->joined = 1 and the step the members run next.
 

@@ -23,8 +23,11 @@
    signal is a lost member, not a failure: ddprun says so (one line: its rank, the signal, "the others
    went on without it") and keeps watching the others, whose next ddp_ft_begin / ddp_ft_commit goes on
    without it. The job succeeds (exit 0) when every worker that exited did so with 0 and at least one
-   did; a worker that exits non-zero fails the job as without --ft. A lost worker is not restarted (a
-   joiner is not built yet), so --ft refuses --max-restarts > 0.
+   did; a worker that exits non-zero fails the job as without --ft. With --max-restarts R a lost worker
+   is started again alone, at most R times per rank, with DDP_FT_JOIN=1: its ddp_ft_begin joins the
+   running job with the members' state (the whole group is never restarted under --ft). On node 0 ddprun
+   serves the store itself (TORCHELASTIC_USE_AGENT_STORE=True, as torchrun's agent), so that losing the
+   workers' rank 0 loses no store and a joiner finds the job there.
 
    No orphans. The launcher (ddprun, or the program calling ddp_spawn) may itself be killed with
    SIGKILL, and then it can clean up nothing. So the workers are not its children but the children of
@@ -86,6 +89,7 @@ typedef struct ddp__launch_worker {
     int pidfd;  /* in the guardian: readable once the process has ended (Linux 5.3+); -1 when unavailable */
     int pass;   /* the look (ddp__launch_reap) that found it failed; 0 = not failed */
     int ft_lost; /* --ft: killed by a signal while the others went on (a lost member, not a failure) */
+    int restarts; /* --ft: started again as a joiner so many times */
     double ended; /* ddp__now() when it was seen to have ended */
 } ddp__launch_worker;
 
@@ -102,6 +106,7 @@ typedef struct ddp__launch_group {
     int to_guard;    /* only the launcher holds this write end; closing it tells the guardian to finish */
     int early_noted; /* ddprun has said that a worker exited 0 while others still ran */
     int ft;          /* ddprun --ft: a worker killed by a signal is a lost member (ddp__launch_ft_lost) */
+    int ft_restarts; /* ddprun --ft --max-restarts: how often each worker may be started again as a joiner */
 } ddp__launch_group;
 
 /* What the guardian tells the launcher, one whole write() each (atomic: smaller than PIPE_BUF). */
@@ -249,6 +254,11 @@ static int ddp__launch_reap(ddp__launch_group *lg) {
     lg->pass++;
     while ((got = ddp__launch_next_report(lg, &r, 0)) == 1) {
         ddp__launch_worker *w;
+        if (r.kind == DDP__GUARD_STARTED && r.index >= 0 && r.index < lg->n) { /* a replacement (ddprun --ft) */
+            w = &lg->w[r.index];
+            w->pid = (pid_t)r.pid, w->reaped = 0, w->pass = 0, w->ft_lost = 0, w->status = 0;
+            continue;
+        }
         if (r.kind != DDP__GUARD_ENDED || r.index < 0 || r.index >= lg->n || lg->w[r.index].reaped) continue;
         w = &lg->w[r.index];
         ddp__launch_mark_reaped(w, r.value);
@@ -405,6 +415,16 @@ static int ddp__launch_ft_lost(ddp__launch_group *lg) {
         n++;
         ddp__launch_name(w, name, sizeof name);
         ddp__launch_describe(w, how, sizeof how);
+        if (w->restarts < lg->ft_restarts && ddp__launch_running(lg) > 0) { /* a replacement joins the others */
+            int32_t index = i;
+            if (write(lg->to_guard, &index, sizeof index) == (ssize_t)sizeof index) {
+                w->restarts++;
+                w->reaped = 0, w->ft_lost = 0; /* running again once the guardian reports it */
+                ddp__launch_say(lg, "%s %s (--ft: a lost member); starting it again as a joiner (DDP_FT_JOIN=1, "
+                                "restart %d of at most %d)", name, how, w->restarts, lg->ft_restarts);
+                continue;
+            }
+        }
         ddp__launch_say(lg, "%s %s%s (--ft: a lost member)", name, how,
                         ddp__launch_running(lg) > 0 ? "; the others went on without it" : "");
     }
@@ -511,7 +531,7 @@ static void ddp__launch_export(const ddp__launch_env *e, int local_rank) {
     ddp__launch_setenv_int("TORCHELASTIC_RESTART_COUNT", e->restart_count);
     ddp__launch_setenv_int("TORCHELASTIC_MAX_RESTARTS", e->max_restarts);
     setenv("TORCHELASTIC_RUN_ID", e->run_id, 1);
-    setenv("TORCHELASTIC_USE_AGENT_STORE", "False", 1);
+    setenv("TORCHELASTIC_USE_AGENT_STORE", e->ft ? "True" : "False", 1); /* --ft: ddprun serves it */
     ddp__launch_setenv_int("DDP_RESTART_COUNT", e->restart_count);
     if (e->ft) setenv("DDP_FT", "1", 1);
     if (e->set_omp) setenv("OMP_NUM_THREADS", "1", 0);
@@ -615,42 +635,52 @@ static void ddp__guard_child(const ddp__launch_group *lg, int upto, const struct
     for (k = 0; k < DDP__GUARD_NSIGNALS; k++) sigaction(ddp__guard_signals[k], &saved[k], NULL);
 }
 
-/* In the guardian: fork the workers: exec argv (ddprun) or run fn (ddp_spawn) in each; report each
-   pid, or the first fork() that failed (then lg->n becomes the number started). */
+/* In the guardian: fork worker i: exec argv (ddprun) or run fn (ddp_spawn); join: a replacement of a lost
+   member (ddprun --ft), told so by DDP_FT_JOIN=1. Reports its pid, or the fork() that failed (returns -1). */
+static int ddp__guard_fork_one(ddp__launch_group *lg, const ddp__launch_env *e, char **argv, int (*fn)(int, int, void *),
+                               void *arg, const struct sigaction *saved, int from_launcher, int to_launcher, int i, int join) {
+    ddp__launch_worker *w = &lg->w[i];
+    pid_t self = getpid(), pid = fork();
+    if (pid < 0) {
+        ddp__guard_report(to_launcher, DDP__GUARD_FORK_FAILED, i, 0, errno);
+        return -1;
+    }
+    if (pid == 0) {
+        ddp__guard_child(lg, lg->n, saved, from_launcher, to_launcher);
+        ddp__launch_child_setup(self);
+        ddp__launch_export(e, i);
+        if (join) setenv("DDP_FT_JOIN", "1", 1);
+        ddp__launch_bind(e, i);
+        if (argv) {
+            execvp(argv[0], argv);
+            fprintf(stderr, "%s: cannot run %s: %s\n", lg->who, argv[0], strerror(errno));
+            _exit(127);
+        } else {
+            int rc = fn(w->rank, lg->n, arg);
+            fflush(NULL);
+            /* exit codes are 8 bits: keep a failure a failure (256 would read as 0) */
+            _exit(rc == 0 ? 0 : ((rc & 0xff) ? (rc & 0xff) : 1));
+        }
+    }
+    setpgid(pid, pid); /* also here: the group must exist before anyone signals it */
+    if (w->pidfd >= 0) close(w->pidfd);
+    w->pid = pid;
+    w->pidfd = ddp__launch_pidfd(pid);
+    w->reaped = 0;
+    ddp__guard_report(to_launcher, DDP__GUARD_STARTED, i, pid, 0);
+    return 0;
+}
+
+/* In the guardian: fork every worker; at the first fork() that failed lg->n becomes the number started. */
 static void ddp__guard_fork_workers(ddp__launch_group *lg, const ddp__launch_env *e, char **argv,
                                     int (*fn)(int, int, void *), void *arg, const struct sigaction *saved,
                                     int from_launcher, int to_launcher) {
-    pid_t self = getpid();
     int i;
-    for (i = 0; i < lg->n; i++) {
-        ddp__launch_worker *w = &lg->w[i];
-        pid_t pid = fork();
-        if (pid < 0) {
-            ddp__guard_report(to_launcher, DDP__GUARD_FORK_FAILED, i, 0, errno);
+    for (i = 0; i < lg->n; i++)
+        if (ddp__guard_fork_one(lg, e, argv, fn, arg, saved, from_launcher, to_launcher, i, 0) < 0) {
             lg->n = i;
             return;
         }
-        if (pid == 0) {
-            ddp__guard_child(lg, i, saved, from_launcher, to_launcher);
-            ddp__launch_child_setup(self);
-            ddp__launch_export(e, i);
-            ddp__launch_bind(e, i);
-            if (argv) {
-                execvp(argv[0], argv);
-                fprintf(stderr, "%s: cannot run %s: %s\n", lg->who, argv[0], strerror(errno));
-                _exit(127);
-            } else {
-                int rc = fn(w->rank, lg->n, arg);
-                fflush(NULL);
-                /* exit codes are 8 bits: keep a failure a failure (256 would read as 0) */
-                _exit(rc == 0 ? 0 : ((rc & 0xff) ? (rc & 0xff) : 1));
-            }
-        }
-        setpgid(pid, pid); /* also here: the group must exist before anyone signals it */
-        w->pid = pid;
-        w->pidfd = ddp__launch_pidfd(pid);
-        ddp__guard_report(to_launcher, DDP__GUARD_STARTED, i, pid, 0);
-    }
 }
 
 static int ddp__guard_worker_index(const ddp__launch_group *lg, pid_t pid) {
@@ -673,13 +703,18 @@ static void ddp__guard_reap(ddp__launch_group *lg, int to_launcher) {
     }
 }
 
-/* 1 once the launcher has closed its end of the pipe (it never writes: readable means end of file). */
-static int ddp__guard_launcher_done(int from_launcher) {
+/* What the launcher said on its pipe: -2 once it closed it (done), the index of a worker to start again
+   (ddprun --ft), or -1 when it said nothing. */
+static int ddp__guard_launcher_says(int from_launcher) {
     struct pollfd pfd;
+    int32_t index;
+    ssize_t k;
     pfd.fd = from_launcher;
     pfd.events = POLLIN;
     pfd.revents = 0;
-    return poll(&pfd, 1, 0) > 0;
+    if (poll(&pfd, 1, 0) <= 0) return -1;
+    k = read(from_launcher, &index, sizeof index);
+    return k == (ssize_t)sizeof index && index >= 0 ? (int)index : k < 0 && errno == EINTR ? -1 : -2;
 }
 
 /* SIGKILL each running child of this process (from /proc: the parent is the 4th field of
@@ -730,9 +765,12 @@ static void ddp__guard_sweep(const ddp__launch_group *lg, int to_launcher) {
 static void ddp__launch_guard(ddp__launch_group *lg, const ddp__launch_env *e, char **argv,
                               int (*fn)(int, int, void *), void *arg, int from_launcher, int to_launcher) {
     struct sigaction saved[DDP__GUARD_NSIGNALS];
+    int restart;
     ddp__guard_setup(saved);
     ddp__guard_fork_workers(lg, e, argv, fn, arg, saved, from_launcher, to_launcher);
-    while (!ddp__guard_launcher_done(from_launcher)) {
+    while ((restart = ddp__guard_launcher_says(from_launcher)) != -2) {
+        if (restart >= 0 && restart < lg->n) /* ddprun --ft: worker `restart` again, as a joiner */
+            ddp__guard_fork_one(lg, e, argv, fn, arg, saved, from_launcher, to_launcher, restart, 1);
         ddp__guard_reap(lg, to_launcher);
         ddp__launch_nap(lg, from_launcher);
     }
@@ -854,6 +892,7 @@ static ddp__launch_group ddp__launch_group_make(int is_ddprun, int n, int first_
     lg.to_guard = -1;
     lg.early_noted = 0;
     lg.ft = 0;
+    lg.ft_restarts = 0;
     for (i = 0; i < n; i++) {
         memset(&w[i], 0, sizeof w[i]);
         w[i].rank = first_rank + i;
@@ -962,8 +1001,9 @@ static const char ddp__launch_usage[] =
     "                        the program which attempt it is, so it can resume from its checkpoint\n"
     "  --ft                  fault-tolerant training (ddp.h's ddp_ft_begin / ddp_ft_commit): DDP_FT=1 for\n"
     "                        every worker, and a worker killed by a signal is a lost member: ddprun\n"
-    "                        says so and the others go on without it (see below). Not with\n"
-    "                        --max-restarts > 0: restarting a lost worker as a joiner is not built yet\n"
+    "                        says so and the others go on without it (see below); with\n"
+    "                        --max-restarts R it starts it again alone (DDP_FT_JOIN=1), at most R\n"
+    "                        times per rank, and it serves the store itself\n"
     "  --rdzv-id ID          TORCHELASTIC_RUN_ID, the job's name in the store: give every node the same\n"
     "                        one (default: a random UUID per launch on one node, \"none\" across nodes;\n"
     "                        a rank that reaches the store of a job with another run id says so)\n"
@@ -1000,6 +1040,7 @@ static const char ddp__launch_usage_more[] =
     "With --ft a worker killed by a signal does not stop the others: ddprun prints one line for it\n"
     "(rank, signal, \"the others went on without it\") and waits for the rest; it exits 0 when every\n"
     "other worker exited 0 (and one at least did). A non-zero exit code fails the job as without --ft.\n"
+    "With --ft --max-restarts R the lost worker is started again as a joiner of the running job.\n"
     "Rendezvous is static: torchrun's elastic rendezvous (--rdzv-backend, --rdzv-endpoint, a range\n"
     "in --nnodes) is not supported.\n";
 
@@ -1197,9 +1238,6 @@ static ddp_result ddp__launch_validate(ddp__launch_args *a, char *err) {
     if (a->standalone && a->port_given)
         return ddp__fail_to(err, DDP_ERR_INVALID_ARGUMENT, "--standalone picks a free port itself; drop --master-port "
                             "or --standalone");
-    if (e->ft && e->max_restarts > 0)
-        return ddp__fail_to(err, DDP_ERR_UNSUPPORTED, "--ft with --max-restarts %d: restarting a lost worker as a joiner "
-                            "is not built yet; with --ft the others go on without it (drop --max-restarts)", e->max_restarts);
     if (e->node_rank >= e->nnodes)
         return ddp__fail_to(err, DDP_ERR_INVALID_ARGUMENT, "--node-rank %d must be smaller than --nnodes %d (node ranks "
                             "are 0 .. nnodes-1)", e->node_rank, e->nnodes);
@@ -1460,28 +1498,40 @@ static int ddp__launch_merge_main(int argc, char **argv) {
 static int ddp__launch_run(ddp__launch_args *a, ddp__launch_group *lg) {
     char err[DDP__ERR_MAX], msg[DDP__ERR_MAX];
     int attempt, code = 1;
-    for (attempt = 0; attempt <= a->env.max_restarts; attempt++) {
+    int group_restarts = a->env.ft ? 0 : a->env.max_restarts; /* --ft restarts lost workers alone, as joiners */
+    for (attempt = 0; attempt <= group_restarts; attempt++) {
+        ddp__store_server *store = NULL;
         a->env.restart_count = attempt;
         if (a->standalone && (a->env.master_port = ddp__launch_free_port(err)) < 0) {
             fprintf(stderr, "ddprun: %s\n", err);
             return 1;
         }
+        /* --ft on node 0: ddprun serves the store (as torchrun's agent does), so that losing rank 0 loses no
+           store and a joiner finds the job there */
+        if (a->env.ft && a->env.node_rank == 0 &&
+            ddp__store_server_start(a->env.master_addr, a->env.master_port, DDP_LOG_DEFAULT, &store, err) != DDP_SUCCESS) {
+            fprintf(stderr, "ddprun: --ft: cannot serve the store on %s:%d: %s\n", a->env.master_addr, a->env.master_port, err);
+            return 1;
+        }
         *lg = ddp__launch_group_make(1, a->env.nproc, a->env.node_rank * a->env.nproc, lg->w);
         lg->ft = a->env.ft;
+        lg->ft_restarts = a->env.ft ? a->env.max_restarts : 0;
         if (ddp__launch_start(lg, &a->env, a->program, NULL, NULL, err) != DDP_SUCCESS) {
             fprintf(stderr, "%s\n", err);
+            ddp__store_server_stop(store);
             return 1;
         }
         code = ddp__launch_monitor(lg, msg);
         ddp__launch_finish(lg);
+        ddp__store_server_stop(store);
         if (code == 0) return 0;
         ddp__launch_trace_summary(lg, attempt);
         if (ddp__launch_signal_got) return code; /* the user asked to stop: no restart */
-        if (attempt < a->env.max_restarts)
+        if (attempt < group_restarts)
             fprintf(stderr, "ddprun: restarting the worker group (restart %d of at most %d)\n", attempt + 1,
-                    a->env.max_restarts);
+                    group_restarts);
     }
-    fprintf(stderr, "ddprun: failed: %s%s\n", msg, a->env.max_restarts ? " (no restarts left)" : "");
+    fprintf(stderr, "ddprun: failed: %s%s\n", msg, group_restarts ? " (no restarts left)" : "");
     return code;
 }
 

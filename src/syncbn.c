@@ -61,6 +61,7 @@ struct ddp_syncbn {
     float *mean, *invstd; /* C each: what the last forward normalised with */
 
     double *records; /* nranks * (2C + 1): the all-gathered [mean, M2, count] of every rank */
+    int records_ranks; /* how many ranks' records it holds room for */
     double *sums;    /* 2C: per-channel accumulators of the current pass */
     double *shift;   /* C: per-channel shift of the statistics pass; then mean in f64 for backward */
     float *coef;     /* 3C: per-channel factors of the element-wise passes */
@@ -395,6 +396,7 @@ DDP_API ddp_result ddp_syncbn_create(ddp_group *g, const ddp_syncbn_desc *d, ddp
     bn->shift = (double *)ddp__calloc(C, sizeof(double));
     if (bn->nranks >= 1 && (size_t)bn->nranks <= SIZE_MAX / sizeof(double) / (2 * C + 1))
         bn->records = (double *)ddp__calloc((size_t)bn->nranks * (2 * C + 1), sizeof(double));
+    bn->records_ranks = bn->nranks;
     if (!bn->mean || !bn->invstd || !bn->coef || !bn->sums || !bn->shift || !bn->records) {
         const int nranks = bn->nranks;
         ddp_syncbn_destroy(bn);
@@ -636,6 +638,28 @@ static void ddp__bn_dev_release(ddp_syncbn *bn) {
 }
 #endif /* DDP_CUDA */
 
+/* The group's size and this rank's place as they are now: a fault-tolerant group (src/ft.h) changes
+   both at a view change. The records grow with the group (on the device: the scratch is made again). */
+static ddp_result ddp__bn_follow_group(ddp_syncbn *bn) {
+    int world, C = bn->channels;
+    if (!bn->group) return DDP_SUCCESS;
+    world = ddp_world_size(bn->group);
+    if (world > bn->records_ranks) {
+        double *more = (double *)ddp__calloc((size_t)world * (2 * (size_t)C + 1), sizeof(double));
+        if (!more) return ddp__fail(bn->errors, DDP_ERR_OUT_OF_MEMORY, "ddp_syncbn_forward: out of memory for %d ranks' "
+                                    "statistics", world);
+        ddp__free(bn->records);
+        bn->records = more, bn->records_ranks = world;
+#ifdef DDP_CUDA
+        ddp__bn_dev_release(bn);
+        bn->dev.ready = 0;
+#endif
+    }
+    bn->nranks = world;
+    bn->rank = ddp_rank(bn->group);
+    return DDP_SUCCESS;
+}
+
 /* This rank's record [mean(C), M2(C), count] from one pass over x. */
 static void ddp__bn_local_stats(ddp_syncbn *bn, const float *x, int64_t batch, int64_t spatial, double *record) {
     const int C = bn->channels;
@@ -703,6 +727,7 @@ DDP_API ddp_result ddp_syncbn_forward(ddp_syncbn *bn, const float *x, float *y, 
                          "%s: num_batches_tracked is %lld; it counts batches, so it is >= 0 (nothing changed)", fn,
                          (long long)*bn->num_batches_tracked);
     bn->saved = DDP__BN_SAVED_NONE;
+    if ((r = ddp__bn_follow_group(bn)) != DDP_SUCCESS) return r;
 #ifdef DDP_CUDA
     bn->dev.mode = 0;
     if (ddp__bn_dev_wanted(bn, x, count)) {

@@ -77,11 +77,13 @@ static ddp_result ddp__group_break(ddp_group *g, ddp_result code, const char *ms
    rank's reason says so in its own message ("reported by rank 3; this rank was in ...") but passes the
    reason on as it came, so that the message does not grow at each hop of the flood. */
 static ddp_result ddp__group_break_relaying(ddp_group *g, ddp_result code, const char *msg, const char *wire) {
-    int i;
+    int i, repaired;
     if (g->broken) return g->broken;
     g->broken = code;
     snprintf(g->broken_msg, sizeof g->broken_msg, "%s", msg);
-    ddp__log(g, DDP_LOG_ERROR, "%s", msg);
+    /* fault-tolerant mode repairs such a break (a view change): a warning, and no flight-recorder dump */
+    repaired = g->ft_running && ddp__ft_code(g, code) == DDP_ERR_VIEW_CHANGED;
+    ddp__log(g, repaired ? DDP_LOG_WARN : DDP_LOG_ERROR, "%s", msg);
     ddp__backends_abort(g);
     for (i = 0; i < g->mesh.nlinked; i++) {
         ddp__peer *p = &g->mesh.peers[g->mesh.linked[i]];
@@ -114,7 +116,7 @@ static ddp_result ddp__group_break_relaying(ddp_group *g, ddp_result code, const
            throws away the ABORT frame queued at the peer before the peer reads it. */
         shutdown(p->fd, SHUT_WR);
     }
-    ddp__trace_break(g, code); /* after the ABORTs: peers learn first, then this rank writes its recorder */
+    if (!repaired) ddp__trace_break(g, code); /* after the ABORTs: peers learn first, then this rank writes its recorder */
     ddp__timeline_flush();  /* and its timeline: the events up to the break are on disk */
     return code;
 }
