@@ -234,6 +234,8 @@ extern int getnameinfo(const struct sockaddr *restrict sa, socklen_t salen, char
 static DDP__UNUSED ddp_result ddp__fail_to(char *buf, ddp_result code, const char *fmt, ...) DDP__PRINTF(3, 4);
 /* The same, into g's last-error message (this thread's when g is NULL). */
 static DDP__UNUSED ddp_result ddp__fail(ddp_group *g, ddp_result code, const char *fmt, ...) DDP__PRINTF(3, 4);
+/* Fault-tolerant mode: the code a failure of g's answers (DDP_ERR_VIEW_CHANGED where a view change repairs it). */
+static DDP__UNUSED ddp_result ddp__ft_code(const ddp_group *g, ddp_result code);
 static DDP__UNUSED char *ddp__error_buffer(ddp_group *g); /* where ddp__fail(g, ...) writes */
 static DDP__UNUSED void ddp__note_thread_error(const char *msg); /* copy msg to this thread's last error */
 static DDP__UNUSED void ddp__log(const ddp_group *g, ddp_log_level level, const char *fmt, ...) DDP__PRINTF(3, 4);
