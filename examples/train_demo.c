@@ -800,8 +800,7 @@ static void bn_put_back(run *R) {
     }
 }
 
-/* This process's place in a new view; after a view change also SyncBatchNorm layers made for it (a layer
-   keeps the rank and world size of the group when it was made). */
+/* This process's place in a new view (SyncBatchNorm follows the group's view by itself). */
 static ddp_result ft_new_view(run *R, const ddp_ft_step *st, int changed) {
     R->rank = st->rank, R->world = st->world_size, R->gen = st->gen;
     if (!changed) return DDP_SUCCESS;
@@ -810,7 +809,7 @@ static ddp_result ft_new_view(run *R, const ddp_ft_step *st, int changed) {
                (unsigned long long)st->gen, st->world_size, (unsigned long long)st->step, (int)st->epoch + 1);
         fflush(stdout);
     }
-    return bn_create(&R->m, R->g);
+    return DDP_SUCCESS;
 }
 
 /* One pass of a step on this rank's n samples (R->idx) of the step's N: forward, then backward through the
