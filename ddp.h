@@ -18678,6 +18678,7 @@ DDP_API ddp_result ddp_ft_begin(ddp_group *g, ddp_ft_step *st) {
     if (!g->ft_running && (r = ddp__ft_start(g)) != DDP_SUCCESS) return r;
     ft = g->ft;
     ddp__ft_kill_at(ft, "begin");
+    ddp__drain(g); /* the progress thread's last work (the reducer's timing) may still break the group */
     if (ft->admit > 0 && !g->broken) ddp__ft_admit(&ft->m, ft->admit); /* the vote counted joiners: admit them now */
     for (;;) {
         if ((g->broken || ft->admit > 0) && (r = ddp__ft_change(ft, st, &applied)) != DDP_SUCCESS) return r;
@@ -18700,6 +18701,7 @@ DDP_API ddp_result ddp_ft_commit(ddp_group *g, ddp_ft_step *st) {
     if (r) return r;
     if (!(ft = g->ft) || !g->ft_running) return ddp__fail(g, DDP_ERR_STATE, "ddp_ft_commit: call ddp_ft_begin first");
     ddp__ft_kill_at(ft, "vote");
+    ddp__drain(g); /* (g->broken is the progress thread's to write while it runs) */
     if (!g->broken) { /* the step's reduction finished here: COMPLETE, then the vote {finished, -joiners waiting} */
         ddp__ft_set_step(&ft->m, ft->gstep, DDP__FT_COMPLETE);
         ddp__ft_intake(ft);
