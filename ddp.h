@@ -1508,16 +1508,18 @@ DDP_API void ddp_reducer_destroy(ddp_reducer *r);
    lost worker so) makes its reducer as the members did (ddp_reducer_finalize is local on it), registers
    the same state with ddp_ft_register, and its first ddp_ft_begin asks the view's first member for an
    id (found through the job's store: rank 0's, or ddprun's under --ft); the next vote counts it, the view
-   change after it admits it, and
-   the new view's rank 0 sends it every registered buffer (CRC-32C checked) with the epoch and step: its
-   ddp_ft_begin returns with st->joined = 1 and the step the members run next.
+   change after it admits it, and the new view's rank 0 sends it every registered buffer (CRC-32C
+   checked) with the epoch and step: its ddp_ft_begin returns with st->joined = 1 and the step the members
+   run next. Its sampler takes num_replicas = the first view's size (WORLD_SIZE from the launcher).
 
    Built: the calls below on the cpu backend (shm, tcp, hier). The mpi and nccl backends answer
    DDP_ERR_UNSUPPORTED at ddp_init; zero_stage > 0 is refused in this mode. A joiner needs the job's store
    (rank 0's, or ddprun's under --ft) and a view with a member from before it (the state's donor).
    Limits: every pair of members holds a control connection (n - 1 sockets per member); ddp_alloc gives
    heap memory (each view maps its own shared segment); subgroups made before a view change are broken by
-   it; the reducer keeps its registration order (no bucket rebuild) so every view has the same layout. */
+   it; the reducer keeps its registration order (no bucket rebuild) so every view has the same layout; a
+   silent (not dead) member is suspected at the group's timeout (DDP_TIMEOUT) in a collective, then
+   suspect_seconds in the view change; a job admits at most twice its first size + 62 members in its life. */
 
 /* One step of fault-tolerant training: which view runs it, which step of which epoch, and this process's
    place in the view. The program owns it (zero it before the first ddp_ft_begin); ddp_ft_begin fills the
@@ -18051,24 +18053,29 @@ static ddp_result ddp__ft_accept_hello(ddp__ft *ft, double deadline, int *fd, dd
     return r;
 }
 
-/* Accept a member's connection (id above this member's at the start; a joiner admitted since). */
+/* Accept a member's connection (id above this member's at the start; a joiner admitted since). A stray
+   one (a joiner's request that a stale record sent here, a member saying hello twice) is closed, and the
+   next one accepted, until the deadline. */
 static ddp_result ddp__ft_accept(ddp__ft *ft, double deadline, char *err) {
-    ddp__ft_hello h;
-    int fd = -1;
-    ddp_result r = ddp__ft_accept_hello(ft, deadline, &fd, &h, err);
-    if (r == DDP_SUCCESS && (h.magic != DDP__FT_HELLO_MAGIC || h.id == ft->m.id || h.id >= ft->cap || ft->peers[h.id].fd >= 0)) {
-        snprintf(err, DDP__ERR_MAX, "a control connection said hello as member %u twice, or out of turn", h.id);
-        close(fd);
-        return DDP_ERR_INIT;
+    for (;;) {
+        ddp__ft_hello h;
+        int fd = -1;
+        ddp_result r = ddp__ft_accept_hello(ft, deadline, &fd, &h, err);
+        if (r != DDP_SUCCESS) return r;
+        if (h.magic != DDP__FT_HELLO_MAGIC || h.id == ft->m.id || h.id >= ft->cap || ft->peers[h.id].fd >= 0) {
+            ddp__log(ft->g, DDP_LOG_INFO, "fault tolerance: a control connection said hello as %s %u out of turn; "
+                     "closed", h.magic == DDP__FT_JOIN_MAGIC ? "a joiner asking" : "member", h.id);
+            close(fd);
+            continue;
+        }
+        ft->peers[h.id].fd = fd;
+        ft->peers[h.id].hung_up = 0;
+        ft->peers[h.id].have = 0;
+        memcpy(ft->peers[h.id].addr, h.where.addr, sizeof h.where.addr);
+        ft->peers[h.id].ctl_port = h.where.ctl_port;
+        ft->peers[h.id].store_port = h.where.store_port;
+        return DDP_SUCCESS;
     }
-    if (r != DDP_SUCCESS) return r;
-    ft->peers[h.id].fd = fd;
-    ft->peers[h.id].hung_up = 0;
-    ft->peers[h.id].have = 0;
-    memcpy(ft->peers[h.id].addr, h.where.addr, sizeof h.where.addr);
-    ft->peers[h.id].ctl_port = h.where.ctl_port;
-    ft->peers[h.id].store_port = h.where.store_port;
-    return DDP_SUCCESS;
 }
 
 /* The job's record of its view in the program's store ("ddp_ft/view"), where a joiner finds the members:
@@ -18217,7 +18224,6 @@ static ddp_result ddp__ft_read(ddp__ft *ft, uint32_t id) {
         }
         if (p->have == want && want > 8) {
             ddp__ft_msg msg;
-            ddp_result r;
             p->have = 0;
             if (!ddp__ft_decode(p->in + 8, want - 8, ft->cap, ft->dec_dead, ft->dec_members, &msg) || msg.from != id) {
                 ddp__log(ft->g, DDP_LOG_ERROR, "fault tolerance: member %u sent a malformed message; its connection is "
@@ -18225,7 +18231,7 @@ static ddp_result ddp__ft_read(ddp__ft *ft, uint32_t id) {
                 p->hung_up = 1;
                 return DDP_SUCCESS;
             }
-            if ((r = ddp__ft_receive(&ft->m, &msg)) == DDP_ERR_STATE)
+            if (ddp__ft_receive(&ft->m, &msg) == DDP_ERR_STATE)
                 return ddp__fail(ft->g, DDP_ERR_STATE, "fault tolerance: member %u sent a decision this member cannot "
                                  "act on (it would undo a step applied here); stopping", id);
             continue;

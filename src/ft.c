@@ -402,24 +402,29 @@ static ddp_result ddp__ft_accept_hello(ddp__ft *ft, double deadline, int *fd, dd
     return r;
 }
 
-/* Accept a member's connection (id above this member's at the start; a joiner admitted since). */
+/* Accept a member's connection (id above this member's at the start; a joiner admitted since). A stray
+   one (a joiner's request that a stale record sent here, a member saying hello twice) is closed, and the
+   next one accepted, until the deadline. */
 static ddp_result ddp__ft_accept(ddp__ft *ft, double deadline, char *err) {
-    ddp__ft_hello h;
-    int fd = -1;
-    ddp_result r = ddp__ft_accept_hello(ft, deadline, &fd, &h, err);
-    if (r == DDP_SUCCESS && (h.magic != DDP__FT_HELLO_MAGIC || h.id == ft->m.id || h.id >= ft->cap || ft->peers[h.id].fd >= 0)) {
-        snprintf(err, DDP__ERR_MAX, "a control connection said hello as member %u twice, or out of turn", h.id);
-        close(fd);
-        return DDP_ERR_INIT;
+    for (;;) {
+        ddp__ft_hello h;
+        int fd = -1;
+        ddp_result r = ddp__ft_accept_hello(ft, deadline, &fd, &h, err);
+        if (r != DDP_SUCCESS) return r;
+        if (h.magic != DDP__FT_HELLO_MAGIC || h.id == ft->m.id || h.id >= ft->cap || ft->peers[h.id].fd >= 0) {
+            ddp__log(ft->g, DDP_LOG_INFO, "fault tolerance: a control connection said hello as %s %u out of turn; "
+                     "closed", h.magic == DDP__FT_JOIN_MAGIC ? "a joiner asking" : "member", h.id);
+            close(fd);
+            continue;
+        }
+        ft->peers[h.id].fd = fd;
+        ft->peers[h.id].hung_up = 0;
+        ft->peers[h.id].have = 0;
+        memcpy(ft->peers[h.id].addr, h.where.addr, sizeof h.where.addr);
+        ft->peers[h.id].ctl_port = h.where.ctl_port;
+        ft->peers[h.id].store_port = h.where.store_port;
+        return DDP_SUCCESS;
     }
-    if (r != DDP_SUCCESS) return r;
-    ft->peers[h.id].fd = fd;
-    ft->peers[h.id].hung_up = 0;
-    ft->peers[h.id].have = 0;
-    memcpy(ft->peers[h.id].addr, h.where.addr, sizeof h.where.addr);
-    ft->peers[h.id].ctl_port = h.where.ctl_port;
-    ft->peers[h.id].store_port = h.where.store_port;
-    return DDP_SUCCESS;
 }
 
 /* The job's record of its view in the program's store ("ddp_ft/view"), where a joiner finds the members:
@@ -568,7 +573,6 @@ static ddp_result ddp__ft_read(ddp__ft *ft, uint32_t id) {
         }
         if (p->have == want && want > 8) {
             ddp__ft_msg msg;
-            ddp_result r;
             p->have = 0;
             if (!ddp__ft_decode(p->in + 8, want - 8, ft->cap, ft->dec_dead, ft->dec_members, &msg) || msg.from != id) {
                 ddp__log(ft->g, DDP_LOG_ERROR, "fault tolerance: member %u sent a malformed message; its connection is "
@@ -576,7 +580,7 @@ static ddp_result ddp__ft_read(ddp__ft *ft, uint32_t id) {
                 p->hung_up = 1;
                 return DDP_SUCCESS;
             }
-            if ((r = ddp__ft_receive(&ft->m, &msg)) == DDP_ERR_STATE)
+            if (ddp__ft_receive(&ft->m, &msg) == DDP_ERR_STATE)
                 return ddp__fail(ft->g, DDP_ERR_STATE, "fault tolerance: member %u sent a decision this member cannot "
                                  "act on (it would undo a step applied here); stopping", id);
             continue;

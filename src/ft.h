@@ -38,16 +38,18 @@
    lost worker so) makes its reducer as the members did (ddp_reducer_finalize is local on it), registers
    the same state with ddp_ft_register, and its first ddp_ft_begin asks the view's first member for an
    id (found through the job's store: rank 0's, or ddprun's under --ft); the next vote counts it, the view
-   change after it admits it, and
-   the new view's rank 0 sends it every registered buffer (CRC-32C checked) with the epoch and step: its
-   ddp_ft_begin returns with st->joined = 1 and the step the members run next.
+   change after it admits it, and the new view's rank 0 sends it every registered buffer (CRC-32C
+   checked) with the epoch and step: its ddp_ft_begin returns with st->joined = 1 and the step the members
+   run next. Its sampler takes num_replicas = the first view's size (WORLD_SIZE from the launcher).
 
    Built: the calls below on the cpu backend (shm, tcp, hier). The mpi and nccl backends answer
    DDP_ERR_UNSUPPORTED at ddp_init; zero_stage > 0 is refused in this mode. A joiner needs the job's store
    (rank 0's, or ddprun's under --ft) and a view with a member from before it (the state's donor).
    Limits: every pair of members holds a control connection (n - 1 sockets per member); ddp_alloc gives
    heap memory (each view maps its own shared segment); subgroups made before a view change are broken by
-   it; the reducer keeps its registration order (no bucket rebuild) so every view has the same layout. */
+   it; the reducer keeps its registration order (no bucket rebuild) so every view has the same layout; a
+   silent (not dead) member is suspected at the group's timeout (DDP_TIMEOUT) in a collective, then
+   suspect_seconds in the view change; a job admits at most twice its first size + 62 members in its life. */
 
 /* One step of fault-tolerant training: which view runs it, which step of which epoch, and this process's
    place in the view. The program owns it (zero it before the first ddp_ft_begin); ddp_ft_begin fills the
