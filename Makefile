@@ -127,4 +127,4 @@ test-quick: $(TOOLS) $(TEST_PROGS) $(EXAMPLES) $(BUILD)/demo_check
 	BUILD=$(BUILD) SAN=$(SAN) SANFLAGS="$(SANFLAGS)" TIER=quick tests/run_tests.sh
 
 clean:
-	rm -rf build build-address build-thread
+	rm -rf build build-address build-address-scripts build-thread

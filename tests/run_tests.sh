@@ -31,7 +31,7 @@ QUICK="
   test_nccl_harness test_nccl_fsdp
 "
 FULL="
-  test_compile test_faults test_cuda_kernels test_sanitizers test_sanitizers_thread test_valgrind test_fuzz
+  test_compile test_faults test_cuda_kernels test_sanitizers test_sanitizers_thread test_sanitizers_scripts test_valgrind test_fuzz
   test_interop_checkpoint test_interop_ddprun test_interop_reducer test_interop_sampler test_interop_store
   test_interop_syncbn test_interop_torch_current test_launchers test_mpi test_cmake test_cuda_compile test_nccl
   test_netns test_scale test_scale_table
@@ -65,11 +65,12 @@ children_cpu_ms() {  # children_cpu_ms NAME (the file it goes through is NAME's:
 # each). A group starts when the runner reaches its first member; the others wait for it. CPU seconds
 # printed for a test are its own processes' either way.
 # Each line runs its slots side by side; a slot "a+b" runs a, then b (the shorter runs of a line chained so
-# that the slots take about as long: the ASan run ~740 s against TSan's ~530 s + gpu_check's ~145 s; current
-# torch's ~340 s against mpi's ~75 s + nccl's ~95 s + the fake NCCL's two ~30 s, on the 2-core CI machine).
+# that the slots take about as long: the ASan run ~660 s + its scripts' ~230 s against TSan's ~580 s +
+# gpu_check's ~135 s; current torch's ~360 s against mpi's ~80 s + nccl's ~120 s + the fake NCCL's two ~35 s
+# + the namespaces' ~120 s, on the 2-core CI machine).
 TOGETHER="
-  test_sanitizers test_sanitizers_thread+test_gpu_check
-  test_interop_torch_current test_mpi+test_nccl+test_nccl_harness+test_nccl_fsdp
+  test_sanitizers+test_sanitizers_scripts test_sanitizers_thread+test_gpu_check
+  test_interop_torch_current test_mpi+test_nccl+test_nccl_harness+test_nccl_fsdp+test_netns
 "
 # selected NAME: does NAME run in this invocation (TESTS, TIER)? Says so when it is in no tier.
 selected() {

@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
 # The multi-process tests again, built with AddressSanitizer + UndefinedBehaviorSanitizer (and
 # LeakSanitizer, which runs at each rank's exit) and with ThreadSanitizer (the progress thread and
-# the store server thread); under ASan also the single-process tests below and two scripts (test_ddprun,
-# test_examples) with their programs built with the sanitizer. Any report fails the run
+# the store server thread); under ASan also the single-process tests below; with SANITIZER_SCRIPTS_ONLY=1
+# only two scripts (test_ddprun, test_examples) with their programs built with ASan. Any report fails the run
 # (-fno-sanitize-recover, halt_on_error). Two of the programs run again with DDP_TIMELINE set.
 # The large-count collective cases are skipped (TEST_QUICK): they run the same code as small ones.
 # SANITIZERS="address thread" picks which; this script runs ASan+UBSan by default, and
@@ -15,9 +15,19 @@ threaded="test_errors test_init test_collectives test_more_collectives test_tcp_
 # (test_checkpoint is single-process, but its async saves run a background thread)
 # single-process tests: no threads for ThreadSanitizer to watch, but parsers and allocation paths for ASan
 single="test_checkpoint_fault test_sampler test_sampler_step test_ft_view test_syncbn test_reducer_buckets test_dtype"
-# script tests whose programs (ddprun, the examples) are built with the sanitizer through BUILD/SAN; the
-# rest of the scripts pass too (`make test SAN=address|thread`, see docs/RELIABILITY.md) but take longer
+# script tests whose programs (ddprun, the examples) are built with ASan through BUILD/SAN: run by
+# SANITIZER_SCRIPTS_ONLY=1 alone (tests/test_sanitizers_scripts.sh, which the suite runs beside the TSan
+# run; ASan only: their threads are TSan's already in the programs above). The rest of the scripts pass
+# too (`make test SAN=address|thread`, see docs/RELIABILITY.md) but take longer
 scripts="test_ddprun test_examples"
+if [ "${SANITIZER_SCRIPTS_ONLY:-0}" = 1 ]; then
+  for t in $scripts; do
+    echo "== $t (its programs under address sanitizer)"
+    BUILD=build-address-scripts SAN=address bash tests/$t.sh # (its own folder: the ASan run may be building in build-address)
+  done
+  echo "sanitizers (address, the scripts' programs): no reports"
+  exit 0
+fi
 for san in ${SANITIZERS:-address}; do
   tests=$threaded
   if [ $san = address ]; then tests="$tests $single"; fi
@@ -38,12 +48,5 @@ for san in ${SANITIZERS:-address}; do
     python3 tests/timeline_check.py "$tl/$t.0.json"
   done
   rm -rf "$tl"
-  # the scripts under ASan only: their programs' threads (the progress thread, the async saver) are
-  # ThreadSanitizer's already in the programs above, and building them again for TSan took minutes
-  for t in $scripts; do
-    [ $san = address ] || continue
-    echo "== $t (its programs under $san sanitizer)"
-    BUILD=build-$san SAN=$san bash tests/$t.sh
-  done
 done
 echo "sanitizers (${SANITIZERS:-address}): no reports"
