@@ -549,6 +549,7 @@ static int errors_main(int rank, int n, void *arg) {
     CHECK(ddp_ft_begin(g, &st) == DDP_ERR_STATE && strstr(ddp_last_error(g), "fault tolerance is off"),
           "ddp_ft_begin without fault tolerance: %s", ddp_last_error(g));
     CHECK(ddp_ft_commit(g, &st) == DDP_ERR_STATE, "ddp_ft_commit without fault tolerance");
+    CHECK(ddp_ft_register(g, "w", &st, sizeof st) == DDP_ERR_STATE, "ddp_ft_register without fault tolerance");
     CHECK_OK(ddp_destroy(g), NULL);
     desc.fault_tolerant = 1;
     desc.backend = "mpi";
@@ -565,7 +566,13 @@ static int errors_main(int rank, int n, void *arg) {
     rd.zero_stage = 1;
     CHECK(ddp_reducer_create(g, &rd, &r) == DDP_ERR_UNSUPPORTED && strstr(ddp_last_error(g), "fault-tolerant"),
           "zero_stage 1 in fault-tolerant mode: %s", ddp_last_error(g));
+    CHECK(ddp_ft_register(g, "", &st, sizeof st) == DDP_ERR_INVALID_ARGUMENT, "an empty name");
+    CHECK(ddp_ft_register(g, "w", NULL, 8) == DDP_ERR_INVALID_ARGUMENT, "NULL data");
+    CHECK_OK(ddp_ft_register(g, "w", &st, sizeof st), g);
+    CHECK(ddp_ft_register(g, "w", &st, sizeof st) == DDP_ERR_INVALID_ARGUMENT, "a name twice");
     CHECK_OK(ddp_ft_begin(g, &st), g);
+    CHECK(ddp_ft_register(g, "late", &st, sizeof st) == DDP_ERR_STATE && strstr(ddp_last_error(g), "before the first"),
+          "registration after the first ddp_ft_begin: %s", ddp_last_error(g));
     CHECK(st.rank == rank && st.world_size == 2 && st.gen == 0 && !st.joined, "the first view");
     CHECK_OK(ddp_ft_commit(g, &st), g);
     CHECK(st.step == 1, "the step moved on");
