@@ -37,6 +37,9 @@ all: $(TOOLS) $(TEST_PROGS) $(EXAMPLES) $(BENCHES) $(BUILD)/demo_check
 # (CI's first step) fails when it differs from what src/ gives.
 header:
 	python3 amalgamate.py
+# (ddp.h is generated from src/: a build after an edit there regenerates it first)
+ddp.h: $(wildcard src/*.c src/*.h src/*.txt) amalgamate.py
+	python3 amalgamate.py
 check:
 	python3 amalgamate.py --check
 

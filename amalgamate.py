@@ -13,6 +13,7 @@ the file. A piece may say `#include "internal.h"` (or any other src/ file) so th
 linters understand it on its own; such local includes are dropped here, since the manifest already
 orders the pieces.
 """
+import os
 import re
 import sys
 from pathlib import Path
@@ -316,7 +317,13 @@ def main():
         print("ddp.h is up to date; its ENVIRONMENT block lists every variable the code reads; every piece "
               "compiles on its own and calls only the pieces before it")
         return 0
-    target.write_text(fresh)
+    if target.exists() and target.read_text() == fresh:  # (a build that finds it fresh leaves it alone)
+        os.utime(target)
+        print("ddp.h is up to date")
+        return 0
+    partial = target.with_name(f".ddp.h.{os.getpid()}")  # whole or not at all: a compiler may be reading it
+    partial.write_text(fresh)
+    os.replace(partial, target)
     print(f"wrote ddp.h ({fresh.count(chr(10))} lines)")
     return 0
 

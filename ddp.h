@@ -1476,7 +1476,7 @@ DDP_API void ddp_reducer_destroy(ddp_reducer *r);
    the new view, on the same global batch). The data follows the step, not the rank:
    ddp_sampler_step_batch gives a rank its share of a step's global batch for any number of members.
 
-   Turn it on with ddp_init_desc.fault_tolerant = 1 (or DDP_FT=1) on the cpu backend; then a lost member
+   Turn it on with ddp_init_desc.fault_tolerant = 1 (or DDP_FT=1) on the cpu or nccl backend; then a lost member
    no longer breaks the group: every call that meets the loss answers DDP_ERR_VIEW_CHANGED, and the next
    ddp_ft_begin / ddp_ft_commit runs a view change among the survivors (src/ft.c, src/ft_view.c: a
    majority of the view decides, so a network partition never lets both sides go on) and rebuilds the
@@ -1512,8 +1512,12 @@ DDP_API void ddp_reducer_destroy(ddp_reducer *r);
    checked) with the epoch and step: its ddp_ft_begin returns with st->joined = 1 and the step the members
    run next. Its sampler takes num_replicas = the first view's size (WORLD_SIZE from the launcher).
 
-   Built: the calls below on the cpu backend (shm, tcp, hier). The mpi and nccl backends answer
-   DDP_ERR_UNSUPPORTED at ddp_init; zero_stage > 0 is refused in this mode. A joiner needs the job's store
+   Built: the calls below on the cpu backend (shm, tcp, hier) and on nccl (src/nccl.c, "fault tolerance":
+   non-blocking communicators; a new view's is shrunk from the old one with ncclCommShrink where NCCL has
+   it (2.27+; on a failure the communicator is revoked, 2.28+, not aborted) and the view only lost members,
+   else made anew after an abort; registered state in device memory goes to joiners through NCCL, checked
+   on a host copy. Tested on the CPU harness's fake NCCL playing 2.18 and 2.28; not yet run on GPUs). The
+   mpi backend answers DDP_ERR_UNSUPPORTED at ddp_init; zero_stage > 0 is refused in this mode. A joiner needs the job's store
    (rank 0's, or ddprun's under --ft) and a view with a member from before it (the state's donor).
    Limits: every pair of members holds a control connection (n - 1 sockets per member); ddp_alloc gives
    heap memory (each view maps its own shared segment); subgroups made before a view change are broken by
@@ -2623,10 +2627,23 @@ DDP_API ddp_result ddp__cuda_nccl_unique_id(unsigned char *id, char *err, size_t
 
 /* ddp__cuda_nccl_create: ncclCommInitRank(nranks, id, rank) on device; collective over the nranks ranks
    that share id (it returns once all have joined). The stream starts as NULL (the legacy default
-   stream). Return: DDP_SUCCESS; DDP_ERR_SYSTEM (CUDA or NCCL failed: the message has their text);
-   DDP_ERR_OUT_OF_MEMORY; DDP_ERR_INVALID_ARGUMENT. */
-DDP_API ddp_result ddp__cuda_nccl_create(const unsigned char *id, int rank, int nranks, int device,
-                                        ddp__cuda_nccl **out, char *err, size_t err_size);
+   stream). fault_tolerant: a non-blocking communicator (ncclCommInitRankConfig, blocking = 0, NCCL 2.14+)
+   whose calls may stay in progress at most timeout seconds, and which a failure leaves for
+   ddp__cuda_nccl_shrink (revoked where NCCL has ncclCommRevoke) instead of aborting it. Return:
+   DDP_SUCCESS; DDP_ERR_SYSTEM (CUDA or NCCL failed: the message has their text); DDP_ERR_PEER_LOST (NCCL
+   said ncclRemoteError); DDP_ERR_OUT_OF_MEMORY; DDP_ERR_INVALID_ARGUMENT. */
+DDP_API ddp_result ddp__cuda_nccl_create(const unsigned char *id, int rank, int nranks, int device, int fault_tolerant,
+                                        double timeout, ddp__cuda_nccl **out, char *err, size_t err_size);
+
+/* ddp__cuda_nccl_shrink: ncclCommShrink (NCCL 2.27+): the ranks of parent not in exclude (parent's rank
+   numbers) make a communicator of their own, in parent's order, on parent's device and stream, without a
+   unique id; collective over them. parent stays (destroy it with abort). Return: as create;
+   DDP_ERR_UNSUPPORTED where NCCL has no shrink or parent was aborted (then abort and create anew). */
+/* ddp__cuda_nccl_can_shrink: nonzero when c can be shrunk: this NCCL has ncclCommShrink, c is
+   fault-tolerant and was not aborted. */
+DDP_API int ddp__cuda_nccl_can_shrink(const ddp__cuda_nccl *c);
+DDP_API ddp_result ddp__cuda_nccl_shrink(ddp__cuda_nccl *parent, const int *exclude, int nexclude, ddp__cuda_nccl **out,
+                                        char *err, size_t err_size);
 
 /* ddp__cuda_nccl_destroy: ncclCommDestroy (which first completes the communicator's operations), or
    ncclCommAbort when abort is nonzero (after an error: nothing is waited for); frees c. NULL: no-op. */
@@ -3680,6 +3697,12 @@ static DDP__UNUSED ddp_result ddp__nccl_built(char *err); /* can backend "nccl" 
 /* Give the connected group g an NCCL communicator (a subgroup: parent's device and stream) and install
    the nccl backend; host-memory calls keep going to the backend g had. Collective over g. */
 static DDP__UNUSED ddp_result ddp__nccl_attach(ddp_group *g, const struct ddp__nccl *parent);
+/* Fault tolerance: view v's communicator made from g's (shrunk, or anew; lost: g's ranks not in v, grown: v
+   has members g had not), before g adopts v; then ddp__nccl_retire aborts g's old one (v holds it). */
+static DDP__UNUSED ddp_result ddp__nccl_renew(ddp_group *g, ddp_group *v, const int *lost, int nlost, int grown);
+static DDP__UNUSED void ddp__nccl_retire(ddp_group *v);
+/* The stream g's device copies go on (NCCL's, or the device staging's; NULL: the legacy default stream). */
+static DDP__UNUSED void *ddp__group_stream(ddp_group *g);
 
 /* ---- devbuf.c: device buffers on the cpu and mpi backends, staged through pinned host memory ---- */
 /* What one staged call copies: up to two regions of device memory (a call's send and recv buffers, or
@@ -3813,6 +3836,7 @@ static DDP__UNUSED int ddp__ck_little_endian(void);
    the instruction when the CPU has it (0 is for the tests). */
 static DDP__UNUSED uint32_t ddp__ck_crc_update(uint32_t reg, const void *data, size_t n, int use_hw);
 static DDP__UNUSED uint32_t ddp__ck_crc32c(const void *data, size_t n, int use_hw);
+static DDP__UNUSED ddp_result ddp__crc32c_anywhere(const void *p, size_t bytes, void *stream, uint32_t *crc, char *err);
 static DDP__UNUSED int ddp__ck_utf8_valid(const char *s); /* strict RFC 3629 */
 /* Append key and value (taken over) to m without looking for an existing key. */
 static DDP__UNUSED ddp_result ddp__ck_meta_append(ddp_meta *m, char *key, char *value);
@@ -4980,6 +5004,27 @@ static uint32_t ddp__ck_crc_update(uint32_t reg, const void *data, size_t n, int
 }
 
 static uint32_t ddp__ck_crc32c(const void *data, size_t n, int use_hw) { return ~ddp__ck_crc_update(0xFFFFFFFFu, data, n, use_hw); }
+
+/* The CRC-32C of bytes at p, host memory or (DDP_CUDA) device memory: a device buffer is copied to pinned
+   host memory on stream (NULL: the legacy default stream) and checked there. err: why it failed. */
+static ddp_result ddp__crc32c_anywhere(const void *p, size_t bytes, void *stream, uint32_t *crc, char *err) {
+#ifdef DDP_CUDA
+    if (bytes && p && ddp__cuda_is_device_pointer(p) == 1) {
+        ddp__cuda_stage *stage = NULL;
+        void *host = NULL;
+        ddp_result r = ddp__cuda_stage_host(&stage, bytes, &host, err, DDP__ERR_MAX);
+        if (r == DDP_SUCCESS) r = ddp__cuda_stage_copy(host, p, bytes, stream, err, DDP__ERR_MAX);
+        if (r == DDP_SUCCESS) r = ddp__cuda_stage_sync(stream, err, DDP__ERR_MAX);
+        if (r == DDP_SUCCESS) *crc = ddp__ck_crc32c(host, bytes, 1);
+        ddp__cuda_stage_free(stage);
+        return r;
+    }
+#else
+    (void)stream, (void)err;
+#endif
+    *crc = ddp__ck_crc32c(p, bytes, 1);
+    return DDP_SUCCESS;
+}
 /* ==================== end src/crc32c.c ==================== */
 
 /* ==================== begin src/net.c ==================== */
@@ -15441,11 +15486,11 @@ static ddp_result ddp__nccl_share_id(ddp_group *g, unsigned char *id) {
 }
 
 static void ddp__nccl_close(ddp_group *g, int orderly) {
-    (void)orderly;
-    if (!g->nccl) return;
-    ddp__cuda_nccl_destroy(g->nccl->comm, g->broken != DDP_SUCCESS);
-    ddp__free(g->nccl);
-    g->nccl = NULL;
+    if (g->nccl) { /* (a view's old data plane has none left: ddp__nccl_retire aborted it) */
+        ddp__cuda_nccl_destroy(g->nccl->comm, g->broken != DDP_SUCCESS);
+        ddp__free(g->nccl);
+        g->nccl = NULL;
+    }
     if (g->host_backend->close) g->host_backend->close(g, orderly); /* the transport under it */
 }
 
@@ -15859,7 +15904,7 @@ static ddp_result ddp__nccl_attach(ddp_group *g, const struct ddp__nccl *parent)
     if (!parent) r = ddp__cuda_nccl_device(g->local_rank, &device, err, sizeof err);
     if ((r = ddp__nccl_agree(g, r, err, "use a GPU")) != DDP_SUCCESS) return r;
     if ((r = ddp__nccl_share_id(g, id)) != DDP_SUCCESS) return r;
-    r = ddp__cuda_nccl_create(id, g->rank, g->world_size, device, &comm, err, sizeof err);
+    r = ddp__cuda_nccl_create(id, g->rank, g->world_size, device, g->ft_mode, g->timeout, &comm, err, sizeof err);
     if ((r = ddp__nccl_agree(g, r, err, "create its NCCL communicator")) != DDP_SUCCESS) {
         ddp__cuda_nccl_destroy(comm, 1);
         return r;
@@ -15881,6 +15926,71 @@ static ddp_result ddp__nccl_attach(ddp_group *g, const struct ddp__nccl *parent)
     return DDP_SUCCESS;
 }
 
+/* ---- fault tolerance (ft.c): the communicator of a new view ----
+   A view change builds the new view's data plane as a fresh group v (group.c ddp__group_open_view); before
+   the program's handle g adopts it, v gets its communicator, one of two ways, the same on every member
+   (they agree over v's mesh first, so none waits in a call the others do not make):
+   - shrink: the view only lost members, and every member's NCCL has ncclCommShrink (2.27+) and kept its
+     communicator (a fault-tolerant one is revoked, not aborted, on a failure: ddp_cuda.cu): the old one,
+     minus the lost ranks, without a unique id or a store round;
+   - re-init: otherwise (joiners came, an older NCCL, a communicator aborted): a new unique id through the
+     view's store and a non-blocking ncclCommInitRankConfig, as ddp_init's, on the device and stream the
+     member had (its local rank in the new view may differ: the device does not).
+   lost: the old communicator's ranks that are not in v; grown: v has members the old one did not. The old
+   communicator is aborted when g adopts v (ddp__nccl_retire). */
+static ddp_result ddp__nccl_renew(ddp_group *g, ddp_group *v, const int *lost, int nlost, int grown) {
+    char err[DDP__ERR_MAX] = "";
+    ddp__cuda_nccl *comm = NULL;
+    struct ddp__nccl *n;
+    uint8_t mine, *all;
+    int i, shrink;
+    ddp_result r = DDP_SUCCESS;
+    if (!g->nccl) return DDP_SUCCESS;
+    mine = (uint8_t)(!grown && ddp__cuda_nccl_can_shrink(g->nccl->comm));
+    shrink = mine;
+    if (v->world_size > 1) {
+        if (!(all = (uint8_t *)ddp__calloc((size_t)v->world_size, 1))) return ddp__fail(g, DDP_ERR_OUT_OF_MEMORY, "out of memory");
+        r = ddp__mesh_all_gather(v, &mine, all, 1, DDP_U8);
+        for (i = 0; i < v->world_size; i++) shrink &= all[i];
+        ddp__free(all);
+        if (r != DDP_SUCCESS) return ddp__fail(g, r, "nccl: agreeing how to make the new view's communicator: %s", v->error);
+    }
+    if (!shrink) {
+        if ((r = ddp__nccl_attach(v, g->nccl)) != DDP_SUCCESS) return ddp__fail(g, r, "%s", v->error);
+        ddp__log(g, DDP_LOG_INFO, "nccl: the new view's communicator made anew (ncclCommInitRankConfig)");
+        return DDP_SUCCESS;
+    }
+    r = ddp__cuda_nccl_shrink(g->nccl->comm, lost, nlost, &comm, err, sizeof err);
+    if ((r = ddp__nccl_agree(v, r, err, "shrink the NCCL communicator")) != DDP_SUCCESS) {
+        ddp__cuda_nccl_destroy(comm, 1);
+        return ddp__fail(g, r, "%s", v->error);
+    }
+    if (!(n = (struct ddp__nccl *)ddp__calloc(1, sizeof *n))) {
+        ddp__cuda_nccl_destroy(comm, 1);
+        return ddp__fail(g, DDP_ERR_OUT_OF_MEMORY, "backend nccl: out of memory");
+    }
+    n->comm = comm;
+    n->device = g->nccl->device;
+    v->nccl = n;
+    v->backend = &ddp__backend_nccl;
+    ddp__log(g, DDP_LOG_INFO, "nccl: the new view's communicator shrunk from the old one (ncclCommShrink, %d lost)", nlost);
+    return DDP_SUCCESS;
+}
+
+/* After g adopted a view: its old communicator (now v's) is aborted, never destroyed in order: its lost
+   members would never answer. */
+static void ddp__nccl_retire(ddp_group *v) {
+    if (!v->nccl) return;
+    ddp__cuda_nccl_destroy(v->nccl->comm, 1);
+    ddp__free(v->nccl);
+    v->nccl = NULL;
+}
+
+/* The stream a group's device copies go on: NCCL's, else the device staging's (NULL: legacy default). */
+static void *ddp__group_stream(ddp_group *g) {
+    return g->nccl ? ddp__cuda_nccl_stream(g->nccl->comm) : ddp__devbuf_stream(g);
+}
+
 #else /* !DDP_CUDA: the backend is not in this build */
 
 struct ddp__nccl {
@@ -15896,6 +16006,18 @@ static ddp_result ddp__nccl_built(char *err) {
 static ddp_result ddp__nccl_attach(ddp_group *g, const struct ddp__nccl *parent) {
     (void)parent;
     return ddp__fail(g, DDP_ERR_STATE, "internal error: an nccl group in a build without DDP_CUDA");
+}
+
+static ddp_result ddp__nccl_renew(ddp_group *g, ddp_group *v, const int *lost, int nlost, int grown) {
+    (void)g, (void)v, (void)lost, (void)nlost, (void)grown;
+    return DDP_SUCCESS; /* no communicator without DDP_CUDA */
+}
+
+static void ddp__nccl_retire(ddp_group *v) { (void)v; }
+
+static void *ddp__group_stream(ddp_group *g) {
+    (void)g;
+    return NULL;
 }
 
 DDP_API ddp_result ddp_set_stream(ddp_group *g, void *cuda_stream) {
@@ -17068,6 +17190,7 @@ static void ddp__group_adopt(ddp_group *g, ddp_group *v) {
     DDP__SWAP(int *, g->world_ranks, v->world_ranks);
     DDP__SWAP(const ddp__backend *, g->backend, v->backend);
     DDP__SWAP(const ddp__backend *, g->host_backend, v->host_backend);
+    DDP__SWAP(struct ddp__nccl *, g->nccl, v->nccl);
     g->ft_views++;
     g->seq = g->seq_base = v->seq;
     g->running_seq = 0;
@@ -17095,6 +17218,7 @@ static void ddp__group_adopt(ddp_group *g, ddp_group *v) {
     g->mesh.posted = v->mesh.posted, v->mesh.posted = m.posted;
     g->mesh.p2p_calls = v->mesh.p2p_calls;
     memcpy(g->member.prefix, v->member.prefix, sizeof g->member.prefix); /* connections made later hash it */
+    ddp__nccl_retire(v); /* the old communicator: aborted (its lost members would never answer) */
     ddp__group_free(v);
 }
 
@@ -17304,9 +17428,9 @@ static ddp_result ddp__read_ft(const ddp_init_desc *d, const char *backend, ddp_
         out->fault_tolerant = (int)n;
     }
     if (!out->fault_tolerant) return DDP_SUCCESS;
-    if (strcmp(backend, "mpi") == 0 || strcmp(backend, "nccl") == 0)
-        return ddp__fail_to(err, DDP_ERR_UNSUPPORTED, "fault-tolerant mode (%s) runs on the cpu backend only, not on "
-                            "\"%s\"; use backend cpu, or turn fault tolerance off",
+    if (strcmp(backend, "mpi") == 0)
+        return ddp__fail_to(err, DDP_ERR_UNSUPPORTED, "fault-tolerant mode (%s) runs on the cpu and nccl backends, not on "
+                            "\"%s\" (MPI cannot drop a member and go on); use backend cpu or nccl, or turn fault tolerance off",
                             d->fault_tolerant ? "ddp_init_desc.fault_tolerant" : "DDP_FT=1", backend);
     out->min_world_size = d->min_world_size ? d->min_world_size : 1;
     if (!d->min_world_size && (k = ddp__env_int("DDP_FT_MIN_WORLD_SIZE", 1, 1 << 30, &n, err)) != 0) {
@@ -17772,6 +17896,9 @@ typedef struct ddp__ft {
     int join_refused;          /* refused (the job has ended when that goes on) */
     ddp__ft_reg *regs;         /* ddp_ft_register's buffers, in the order registered */
     int nregs, regs_cap;
+    uint32_t *plane;           /* the ids of the adopted data plane's members, by rank (nccl: its communicator's) */
+    int plane_n;               /* how many (0 for a joiner until admitted) */
+    int *lost;                 /* ddp__ft_rebuild's scratch: the plane's ranks a new view lost */
 } ddp__ft;
 
 /* ---- test kill points ---- */
@@ -17967,6 +18094,8 @@ static void ddp__ft_free(ddp_group *g) {
     ddp__free(ft->pfds);
     ddp__free(ft->pids);
     ddp__free(ft->regs);
+    ddp__free(ft->plane);
+    ddp__free(ft->lost);
     ddp__free(ft);
 }
 
@@ -17994,7 +18123,10 @@ static ddp_result ddp__ft_arrays(ddp__ft *ft, uint32_t cap) {
     ft->dec_members = (uint32_t *)ddp__calloc(cap, sizeof(uint32_t));
     ft->pfds = (struct pollfd *)ddp__calloc(cap, sizeof *ft->pfds);
     ft->pids = (uint32_t *)ddp__calloc(cap, sizeof *ft->pids);
-    if (!ft->peers || !ft->out || !ft->dec_dead || !ft->dec_members || !ft->pfds || !ft->pids) return DDP_ERR_OUT_OF_MEMORY;
+    ft->plane = (uint32_t *)ddp__calloc(cap, sizeof *ft->plane);
+    ft->lost = (int *)ddp__calloc(cap, sizeof *ft->lost);
+    if (!ft->peers || !ft->out || !ft->dec_dead || !ft->dec_members || !ft->pfds || !ft->pids || !ft->plane || !ft->lost)
+        return DDP_ERR_OUT_OF_MEMORY;
     for (i = 0; i < cap; i++) ft->peers[i].fd = -1;
     for (i = 0; i < cap; i++)
         if (!(ft->peers[i].in = (unsigned char *)ddp__malloc(ft->msg_max + 8))) return DDP_ERR_OUT_OF_MEMORY;
@@ -18128,6 +18260,8 @@ static ddp_result ddp__ft_start(ddp_group *g) {
         return ddp__fail(g, r, "ddp_ft_begin: out of memory setting up fault tolerance");
     }
     ft->hash = ddp__link_group_hash(g);
+    for (i = 0; i < g->world_size; i++) ft->plane[i] = (uint32_t)i; /* the first view: id = rank */
+    ft->plane_n = g->world_size;
     if (g->world_size > 1 && (r = ddp__ft_listen(ft, &ft->me, err)) != DDP_SUCCESS) ft->me.ctl_port = 0; /* "failed" */
     ft->me.id = (uint32_t)g->rank;
     /* every member takes part, so that one failure fails all */
@@ -18288,6 +18422,7 @@ static ddp_result ddp__ft_rebuild(ddp__ft *ft) {
     int rank = ddp__ft_rank_of(view, ft->m.id);
     char err[DDP__ERR_MAX], prefix[48];
     double timeout = DDP__MAX(2 * g->ft_suspect, 1.0);
+    int i, nlost, grown;
     ddp_result r;
     if (view->n > 1 && ft->store_of != first) {
         ddp__store_free(ft->store);
@@ -18299,8 +18434,18 @@ static ddp_result ddp__ft_rebuild(ddp__ft *ft) {
     }
     snprintf(prefix, sizeof prefix, "ft/%llu/", (unsigned long long)view->gen);
     if ((r = ddp__group_open_view(g, rank, view->n, ft->store, prefix, timeout, &v)) != DDP_SUCCESS) return r;
+    /* nccl: the view's communicator, from the adopted plane's (the ranks it lost; members it gained) */
+    for (nlost = 0, i = 0; i < ft->plane_n; i++)
+        if (ddp__ft_rank_of(view, ft->plane[i]) < 0) ft->lost[nlost++] = i;
+    grown = view->n > ft->plane_n - nlost;
+    if ((r = ddp__nccl_renew(g, v, ft->lost, nlost, grown)) != DDP_SUCCESS) {
+        ddp__group_free(v);
+        return r;
+    }
     ddp__drain(g);
     ddp__group_adopt(g, v);
+    memcpy(ft->plane, view->members, (size_t)view->n * sizeof *ft->plane);
+    ft->plane_n = view->n;
     return DDP_SUCCESS;
 }
 
@@ -18365,9 +18510,11 @@ static ddp_result ddp__ft_transfer(ddp__ft *ft, ddp_ft_step *st, uint32_t first_
                          "names and sizes, in the same order, on every process", (unsigned long long)head[4], ft->nregs);
     if (!(crc = (uint32_t *)ddp__calloc((size_t)ft->nregs + 1, sizeof *crc)))
         return ddp__fail(g, DDP_ERR_OUT_OF_MEMORY, "fault tolerance: out of memory");
-    for (i = 0; i < ft->nregs && r == DDP_SUCCESS; i++) {
-        r = ddp_broadcast(g, ft->regs[i].data, ft->regs[i].bytes, DDP_U8, 0);
-        crc[i] = ddp__ck_crc32c(ft->regs[i].data, ft->regs[i].bytes, 1);
+    for (i = 0; i < ft->nregs && r == DDP_SUCCESS; i++) { /* (device memory: NCCL's, or staged; checked on a host copy) */
+        char err[DDP__ERR_MAX];
+        if ((r = ddp_broadcast(g, ft->regs[i].data, ft->regs[i].bytes, DDP_U8, 0)) == DDP_SUCCESS &&
+            (r = ddp__crc32c_anywhere(ft->regs[i].data, ft->regs[i].bytes, ddp__group_stream(g), &crc[i], err)) != DDP_SUCCESS)
+            r = ddp__fail(g, r, "fault tolerance: copying the state \"%s\" from device memory to check it: %s", ft->regs[i].name, err);
     }
     if (r == DDP_SUCCESS) {
         uint32_t *mine = (uint32_t *)ddp__calloc((size_t)ft->nregs + 1, sizeof *mine);
@@ -26239,15 +26386,10 @@ static ddp_result ddp__ck_read_to_device(ddp_group *g, int fd, void *dst, uint64
 
 /* The CRC32C of bytes of device memory (a broadcast load's arrival check), on a pinned host copy. */
 static ddp_result ddp__ck_device_crc(ddp_group *g, const void *src, uint64_t bytes, const char *path, uint32_t *crc) {
-    ddp__cuda_stage *stage = NULL;
     char err[DDP__ERR_MAX];
-    void *host = NULL, *stream = ddp__ck_stream(g);
-    ddp_result r = ddp__cuda_stage_host(&stage, (size_t)bytes, &host, err, sizeof err);
-    if (r == DDP_SUCCESS) r = ddp__cuda_stage_copy(host, src, (size_t)bytes, stream, err, sizeof err);
-    if (r == DDP_SUCCESS) r = ddp__cuda_stage_sync(stream, err, sizeof err);
-    if (r == DDP_SUCCESS) *crc = ddp__ck_crc32c(host, (size_t)bytes, 1);
-    else ddp__fail(g, r, "checkpoint load of %s: copying a tensor from device memory to check its checksum failed: %s", path, err);
-    ddp__cuda_stage_free(stage);
+    ddp_result r = ddp__crc32c_anywhere(src, (size_t)bytes, ddp__ck_stream(g), crc, err);
+    if (r != DDP_SUCCESS)
+        ddp__fail(g, r, "checkpoint load of %s: copying a tensor from device memory to check its checksum failed: %s", path, err);
     return r;
 }
 #else

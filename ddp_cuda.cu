@@ -995,11 +995,33 @@ DDP_API ddp_result ddp_cuda_non_finite_check_and_unscale(const ddp_cuda_grads_ar
 #error "ddp_cuda.cu needs NCCL 2.10 or newer (ncclAvg, ncclBfloat16)"
 #endif
 
+/* What this NCCL line offers fault tolerance (src/nccl.c, "fault tolerance"): ncclCommShrink (2.27) makes
+   the survivors' communicator from the old one without a new unique id; ncclCommRevoke (2.28) stops a
+   failed communicator's in-flight work while keeping it for the shrink. Older lines abort and re-init. */
+#if NCCL_VERSION_CODE >= NCCL_VERSION(2, 14, 0) /* ncclConfig_t: non-blocking communicators */
+#define DDP__CU_CAN_CONFIG 1
+#else
+#define DDP__CU_CAN_CONFIG 0
+#endif
+#if NCCL_VERSION_CODE >= NCCL_VERSION(2, 27, 0)
+#define DDP__CU_CAN_SHRINK 1
+#else
+#define DDP__CU_CAN_SHRINK 0
+#endif
+#if NCCL_VERSION_CODE >= NCCL_VERSION(2, 28, 0)
+#define DDP__CU_CAN_REVOKE 1
+#else
+#define DDP__CU_CAN_REVOKE 0
+#endif
+
 struct ddp__cuda_nccl {
     ncclComm_t comm; /* NULL once aborted */
     int device, rank, nranks;
     cudaStream_t stream;
-    float *one; /* the barrier's element */
+    float *one;     /* the barrier's element */
+    bool ft;        /* fault-tolerant: a non-blocking communicator, kept after a failure where it can be shrunk */
+    bool failed;    /* kept after a failure (ft): refuses work; ncclCommShrink or ncclCommAbort ends it */
+    double timeout; /* ft: how long a non-blocking call may stay in progress */
 };
 
 /* The event of one queued operation and when it was queued (the watchdog's deadline counts from it). */
@@ -1086,13 +1108,48 @@ static void ddp__cu_nccl_abort(ddp__cuda_nccl *c) {
     c->comm = NULL;
 }
 
+/* A non-blocking communicator's call (ft) may answer ncclInProgress: it is done when ncclCommGetAsyncError
+   says so. Waits for that, at most c->timeout seconds (then ncclSystemError, and the caller aborts). */
+static ncclResult_t ddp__cu_nccl_settle(ddp__cuda_nccl *c, ncclResult_t rc) {
+    double deadline = ddp__cu_now() + c->timeout, nap = 1e-6;
+    while (rc == ncclInProgress && c->comm) {
+        if (ncclCommGetAsyncError(c->comm, &rc) != ncclSuccess) return ncclSystemError;
+        if (rc != ncclInProgress) break;
+        if (ddp__cu_now() > deadline) return ncclSystemError;
+        ddp__cu_sleep(nap);
+        nap = nap < 1e-3 ? nap * 2 : 1e-3;
+    }
+    return rc;
+}
+
+/* After an error: no operation of c may block anyone again. Aborted, unless c is fault-tolerant and this
+   NCCL can shrink it: then it is kept (failed) for ncclCommShrink, revoked first where NCCL can (its
+   in-flight work stops; 2.27 leaves that to the shrink's NCCL_SHRINK_ABORT). */
+static void ddp__cu_nccl_stop(ddp__cuda_nccl *c) {
+    if (!c->comm || c->failed) return;
+#if DDP__CU_CAN_SHRINK
+    if (c->ft) {
+        c->failed = true;
+#if DDP__CU_CAN_REVOKE
+        if (ddp__cu_nccl_settle(c, ncclCommRevoke(c->comm, NCCL_REVOKE_DEFAULT)) != ncclSuccess) ddp__cu_nccl_abort(c);
+#endif
+        return;
+    }
+#endif
+    ddp__cu_nccl_abort(c);
+}
+
+/* What an NCCL failure is: a remote process gone or a network error is a lost peer, the rest a system error. */
+static ddp_result ddp__cu_nccl_code(ncclResult_t rc) { return rc == ncclRemoteError ? DDP_ERR_PEER_LOST : DDP_ERR_SYSTEM; }
+
 /* An NCCL call failed: the message (with NCCL's last error text) and the abort. */
 static ddp_result ddp__cu_nccl_failed(ddp__cuda_nccl *c, const ddp__cu_msg *m, ncclResult_t rc, const char *call) {
     const char *detail = c->comm ? ncclGetLastError(c->comm) : "";
-    ddp__cu_fail(m, DDP_ERR_SYSTEM, "%s failed: %s%s%s; the NCCL communicator was aborted", call, ncclGetErrorString(rc),
+    ddp_result code = ddp__cu_nccl_code(rc);
+    ddp__cu_fail(m, code, "%s failed: %s%s%s; the NCCL communicator was stopped", call, ncclGetErrorString(rc),
                  detail && *detail ? ": " : "", detail ? detail : "");
-    ddp__cu_nccl_abort(c);
-    return DDP_ERR_SYSTEM;
+    ddp__cu_nccl_stop(c);
+    return code;
 }
 
 /* ---- data movement (gather, scatter, all_to_all, all_to_all_v, all_gather_v), as torch's
@@ -1264,9 +1321,10 @@ static ddp_result ddp__cu_record(ddp__cuda_nccl *c, const ddp__cu_msg *m, void *
 
 /* After queueing (rc: how it went): the event, or the failure (the communicator is then aborted). */
 static ddp_result ddp__cu_queued(ddp__cuda_nccl *c, const ddp__cu_msg *m, ncclResult_t rc, void **event) {
+    if (rc == ncclInProgress) rc = ddp__cu_nccl_settle(c, rc); /* non-blocking (ft): queued once it settles */
     if (rc != ncclSuccess) return ddp__cu_nccl_failed(c, m, rc, "queueing the NCCL collective");
     if (ddp__cu_record(c, m, event) != DDP_SUCCESS) {
-        ddp__cu_nccl_abort(c); /* the collective is queued but cannot be waited for: nobody may rely on it */
+        ddp__cu_nccl_stop(c); /* the collective is queued but cannot be waited for: nobody may rely on it */
         return DDP_ERR_SYSTEM;
     }
     return DDP_SUCCESS;
@@ -1310,41 +1368,106 @@ DDP_API ddp_result ddp__cuda_nccl_unique_id(unsigned char *id, char *err, size_t
     return DDP_SUCCESS;
 }
 
-DDP_API ddp_result ddp__cuda_nccl_create(const unsigned char *id, int rank, int nranks, int device, ddp__cuda_nccl **out,
-                                        char *err, size_t err_size) {
-    ddp__cu_msg m = {err, err_size};
-    ncclUniqueId u;
-    ncclResult_t rc;
-    cudaError_t ce;
+/* A communicator's host side, before NCCL makes it: device, rank, the barrier's element. */
+static ddp_result ddp__cu_nccl_new(const ddp__cu_msg *m, int rank, int nranks, int device, int fault_tolerant,
+                                   double timeout, ddp__cuda_nccl **out) {
     ddp__cuda_nccl *c;
-    if (!id || !out || nranks < 1 || rank < 0 || rank >= nranks || device < 0)
-        return ddp__cu_fail(&m, DDP_ERR_INVALID_ARGUMENT, "ddp__cuda_nccl_create: bad arguments (rank %d of %d, device %d)",
-                            rank, nranks, device);
-    *out = NULL;
-    ddp__cu_device_scope scope(device);
-    if (!(c = new (std::nothrow) ddp__cuda_nccl))
-        return ddp__cu_fail(&m, DDP_ERR_OUT_OF_MEMORY, "out of memory for an NCCL communicator");
+    cudaError_t ce;
+    if (!(*out = c = new (std::nothrow) ddp__cuda_nccl))
+        return ddp__cu_fail(m, DDP_ERR_OUT_OF_MEMORY, "out of memory for an NCCL communicator");
     c->comm = NULL;
     c->device = device;
     c->rank = rank;
     c->nranks = nranks;
     c->stream = NULL;
     c->one = NULL;
+    c->ft = fault_tolerant != 0;
+    c->failed = false;
+    c->timeout = timeout > 0 ? timeout : 600;
     if ((ce = cudaMalloc((void **)&c->one, sizeof(float))) != cudaSuccess ||
         (ce = cudaMemset(c->one, 0, sizeof(float))) != cudaSuccess) {
         cudaFree(c->one);
         delete c;
-        return ddp__cu_fail(&m, DDP_ERR_SYSTEM, "cudaMalloc of 4 bytes on device %d failed: %s", device, cudaGetErrorString(ce));
+        *out = NULL;
+        return ddp__cu_fail(m, DDP_ERR_SYSTEM, "cudaMalloc of 4 bytes on device %d failed: %s", device, cudaGetErrorString(ce));
     }
+    return DDP_SUCCESS;
+}
+
+/* NCCL could not make c's communicator: c goes, with the message. */
+static ddp_result ddp__cu_nccl_unmade(ddp__cuda_nccl *c, const ddp__cu_msg *m, ncclResult_t rc, const char *call) {
+    ddp_result code = ddp__cu_nccl_code(rc);
+    ddp__cu_fail(m, code, "%s(rank %d of %d, device %d) failed: %s%s", call, c->rank, c->nranks, c->device,
+                 ncclGetErrorString(rc), rc == ncclSystemError && c->ft ? " (or it stayed in progress past the timeout)" : "");
+    if (c->comm) ncclCommAbort(c->comm);
+    cudaFree(c->one);
+    delete c;
+    return code;
+}
+
+DDP_API ddp_result ddp__cuda_nccl_create(const unsigned char *id, int rank, int nranks, int device, int fault_tolerant,
+                                        double timeout, ddp__cuda_nccl **out, char *err, size_t err_size) {
+    ddp__cu_msg m = {err, err_size};
+    ncclUniqueId u;
+    ncclResult_t rc;
+    ddp_result r;
+    ddp__cuda_nccl *c;
+    if (!id || !out || nranks < 1 || rank < 0 || rank >= nranks || device < 0)
+        return ddp__cu_fail(&m, DDP_ERR_INVALID_ARGUMENT, "ddp__cuda_nccl_create: bad arguments (rank %d of %d, device %d)",
+                            rank, nranks, device);
+    *out = NULL;
+    ddp__cu_device_scope scope(device);
+    if ((r = ddp__cu_nccl_new(&m, rank, nranks, device, fault_tolerant, timeout, &c)) != DDP_SUCCESS) return r;
     memcpy(&u, id, sizeof u);
-    if ((rc = ncclCommInitRank(&c->comm, nranks, u, rank)) != ncclSuccess) {
-        cudaFree(c->one);
-        delete c;
-        return ddp__cu_fail(&m, DDP_ERR_SYSTEM, "ncclCommInitRank(rank %d of %d, device %d) failed: %s", rank, nranks,
-                            device, ncclGetErrorString(rc));
+#if DDP__CU_CAN_CONFIG
+    if (c->ft) { /* non-blocking: a member lost while it forms cannot hold the others past the timeout */
+        ncclConfig_t config = NCCL_CONFIG_INITIALIZER;
+        config.blocking = 0;
+        rc = ddp__cu_nccl_settle(c, ncclCommInitRankConfig(&c->comm, nranks, u, rank, &config));
+        if (rc != ncclSuccess) return ddp__cu_nccl_unmade(c, &m, rc, "ncclCommInitRankConfig");
+        *out = c;
+        return DDP_SUCCESS;
     }
+#endif
+    if ((rc = ncclCommInitRank(&c->comm, nranks, u, rank)) != ncclSuccess) return ddp__cu_nccl_unmade(c, &m, rc, "ncclCommInitRank");
     *out = c;
     return DDP_SUCCESS;
+}
+
+DDP_API int ddp__cuda_nccl_can_shrink(const ddp__cuda_nccl *c) { return DDP__CU_CAN_SHRINK && c && c->comm && c->ft; }
+
+DDP_API ddp_result ddp__cuda_nccl_shrink(ddp__cuda_nccl *parent, const int *exclude, int nexclude, ddp__cuda_nccl **out,
+                                        char *err, size_t err_size) {
+    ddp__cu_msg m = {err, err_size};
+    if (!parent || !out || nexclude < 0 || nexclude >= parent->nranks)
+        return ddp__cu_fail(&m, DDP_ERR_INVALID_ARGUMENT, "ddp__cuda_nccl_shrink: bad arguments");
+    *out = NULL;
+#if DDP__CU_CAN_SHRINK
+    {
+        ncclConfig_t config = NCCL_CONFIG_INITIALIZER;
+        int below = 0, i;
+        ncclResult_t rc;
+        ddp_result r;
+        ddp__cuda_nccl *c;
+        if (!parent->comm) return ddp__cu_fail(&m, DDP_ERR_UNSUPPORTED, "the old NCCL communicator was aborted: nothing to shrink");
+        for (i = 0; i < nexclude; i++) below += exclude[i] < parent->rank;
+        ddp__cu_device_scope scope(parent->device);
+        if ((r = ddp__cu_nccl_new(&m, parent->rank - below, parent->nranks - nexclude, parent->device, parent->ft,
+                                  parent->timeout, &c)) != DDP_SUCCESS)
+            return r;
+        config.blocking = 0;
+        /* a revoked parent is quiescent (ddp__cu_nccl_stop); otherwise the shrink stops its work first */
+        rc = ncclCommShrink(parent->comm, const_cast<int *>(exclude), nexclude, &c->comm, &config,
+                            parent->failed && DDP__CU_CAN_REVOKE ? NCCL_SHRINK_DEFAULT : NCCL_SHRINK_ABORT);
+        if ((rc = ddp__cu_nccl_settle(c, rc)) != ncclSuccess) return ddp__cu_nccl_unmade(c, &m, rc, "ncclCommShrink");
+        c->stream = parent->stream;
+        *out = c;
+        return DDP_SUCCESS;
+    }
+#else
+    (void)exclude;
+    return ddp__cu_fail(&m, DDP_ERR_UNSUPPORTED, "NCCL %d.%d has no ncclCommShrink (2.27 or newer)", NCCL_MAJOR, NCCL_MINOR);
+#endif
 }
 
 DDP_API void ddp__cuda_nccl_destroy(ddp__cuda_nccl *c, int abort) {
@@ -1376,7 +1499,7 @@ DDP_API ddp_result ddp__cuda_nccl_enqueue(ddp__cuda_nccl *c, ddp__cuda_coll kind
     if (kind == DDP__CUDA_ALL_TO_ALL_V || kind == DDP__CUDA_ALL_GATHER_V)
         return ddp__cu_fail(&m, DDP_ERR_INVALID_ARGUMENT, "ddp__cuda_nccl_enqueue: kind %d takes counts per rank "
                             "(ddp__cuda_nccl_enqueue_v)", (int)kind);
-    if (!c->comm) return ddp__cu_fail(&m, DDP_ERR_STATE, "the NCCL communicator was aborted by an earlier error");
+    if (!c->comm || c->failed) return ddp__cu_fail(&m, DDP_ERR_STATE, "the NCCL communicator was stopped by an earlier error");
     if (kind != DDP__CUDA_BARRIER && !type_ok)
         return ddp__cu_fail(&m, DDP_ERR_UNSUPPORTED, "dtype %d has no NCCL type", (int)dtype);
     if ((kind == DDP__CUDA_ALL_REDUCE || kind == DDP__CUDA_REDUCE || kind == DDP__CUDA_REDUCE_SCATTER) && !op_ok)
@@ -1399,7 +1522,7 @@ DDP_API ddp_result ddp__cuda_nccl_enqueue_v(ddp__cuda_nccl *c, ddp__cuda_coll ki
     if (!recv_counts || (kind == DDP__CUDA_ALL_TO_ALL_V && !send_counts))
         return ddp__cu_fail(&m, DDP_ERR_INVALID_ARGUMENT, "ddp__cuda_nccl_enqueue_v: %s is NULL",
                             !recv_counts ? "recv_counts" : "send_counts");
-    if (!c->comm) return ddp__cu_fail(&m, DDP_ERR_STATE, "the NCCL communicator was aborted by an earlier error");
+    if (!c->comm || c->failed) return ddp__cu_fail(&m, DDP_ERR_STATE, "the NCCL communicator was stopped by an earlier error");
     ddp__cu_device_scope scope(c->device);
     rc = ddp__cu_nccl_blocks_v(c, kind, send, send_counts, recv, recv_counts, ddp__cu_dtype_size(dtype));
     return ddp__cu_queued(c, &m, rc, event);
@@ -1466,32 +1589,32 @@ DDP_API ddp_result ddp__cuda_nccl_wait(ddp__cuda_nccl *c, void *event, double ti
         if (ce == cudaSuccess) break;
         if (ce != cudaErrorNotReady) {
             r = ddp__cu_fail(&m, DDP_ERR_SYSTEM, "%s: CUDA error while waiting for it: %s (%s); the NCCL communicator "
-                             "was aborted", what, cudaGetErrorName(ce), cudaGetErrorString(ce));
+                             "was stopped", what, cudaGetErrorName(ce), cudaGetErrorString(ce));
             break;
         }
-        if (!c->comm) {
-            r = ddp__cu_fail(&m, DDP_ERR_STATE, "%s: the NCCL communicator was aborted by an earlier error", what);
+        if (!c->comm || c->failed) {
+            r = ddp__cu_fail(&m, DDP_ERR_STATE, "%s: the NCCL communicator was stopped by an earlier error", what);
             break;
         }
         if (ncclCommGetAsyncError(c->comm, &async) != ncclSuccess || (async != ncclSuccess && async != ncclInProgress)) {
             const char *detail = ncclGetLastError(c->comm);
-            r = ddp__cu_fail(&m, DDP_ERR_SYSTEM, "%s: NCCL reported an error: %s%s%s; the NCCL communicator was aborted",
+            r = ddp__cu_fail(&m, ddp__cu_nccl_code(async), "%s: NCCL reported an error: %s%s%s; the NCCL communicator was stopped",
                              what, ncclGetErrorString(async), detail && *detail ? ": " : "", detail ? detail : "");
             break;
         }
         if (ddp__cu_now() - e->queued > timeout) {
             r = ddp__cu_fail(&m, DDP_ERR_TIMEOUT, "%s did not complete within %.0f s (watchdog): a rank did not make the "
-                             "same call, or is stuck or gone; the NCCL communicator was aborted", what, timeout);
+                             "same call, or is stuck or gone; the NCCL communicator was stopped", what, timeout);
             break;
         }
         if (watch && (r = watch(user)) != DDP_SUCCESS) {
-            ddp__cu_fail(&m, r, "%s: another rank failed; the NCCL communicator was aborted", what);
+            ddp__cu_fail(&m, r, "%s: another rank failed; the NCCL communicator was stopped", what);
             break;
         }
         ddp__cu_sleep(nap);
         nap = nap < 1e-3 ? nap * 2 : 1e-3;
     }
-    if (r != DDP_SUCCESS) ddp__cu_nccl_abort(c);
+    if (r != DDP_SUCCESS) ddp__cu_nccl_stop(c);
     cudaEventDestroy(e->ev);
     delete e;
     return r;
@@ -1499,7 +1622,7 @@ DDP_API ddp_result ddp__cuda_nccl_wait(ddp__cuda_nccl *c, void *event, double ti
 
 DDP_API int ddp__cuda_nccl_test(ddp__cuda_nccl *c, void *event) {
     ddp__cu_event *e = (ddp__cu_event *)event;
-    if (!c || !e || !c->comm) return 1;
+    if (!c || !e || !c->comm || c->failed) return 1;
     ddp__cu_device_scope scope(c->device);
     return cudaEventQuery(e->ev) != cudaErrorNotReady;
 }

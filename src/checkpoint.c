@@ -273,15 +273,10 @@ static ddp_result ddp__ck_read_to_device(ddp_group *g, int fd, void *dst, uint64
 
 /* The CRC32C of bytes of device memory (a broadcast load's arrival check), on a pinned host copy. */
 static ddp_result ddp__ck_device_crc(ddp_group *g, const void *src, uint64_t bytes, const char *path, uint32_t *crc) {
-    ddp__cuda_stage *stage = NULL;
     char err[DDP__ERR_MAX];
-    void *host = NULL, *stream = ddp__ck_stream(g);
-    ddp_result r = ddp__cuda_stage_host(&stage, (size_t)bytes, &host, err, sizeof err);
-    if (r == DDP_SUCCESS) r = ddp__cuda_stage_copy(host, src, (size_t)bytes, stream, err, sizeof err);
-    if (r == DDP_SUCCESS) r = ddp__cuda_stage_sync(stream, err, sizeof err);
-    if (r == DDP_SUCCESS) *crc = ddp__ck_crc32c(host, (size_t)bytes, 1);
-    else ddp__fail(g, r, "checkpoint load of %s: copying a tensor from device memory to check its checksum failed: %s", path, err);
-    ddp__cuda_stage_free(stage);
+    ddp_result r = ddp__crc32c_anywhere(src, (size_t)bytes, ddp__ck_stream(g), crc, err);
+    if (r != DDP_SUCCESS)
+        ddp__fail(g, r, "checkpoint load of %s: copying a tensor from device memory to check its checksum failed: %s", path, err);
     return r;
 }
 #else

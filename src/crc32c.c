@@ -115,3 +115,24 @@ static uint32_t ddp__ck_crc_update(uint32_t reg, const void *data, size_t n, int
 }
 
 static uint32_t ddp__ck_crc32c(const void *data, size_t n, int use_hw) { return ~ddp__ck_crc_update(0xFFFFFFFFu, data, n, use_hw); }
+
+/* The CRC-32C of bytes at p, host memory or (DDP_CUDA) device memory: a device buffer is copied to pinned
+   host memory on stream (NULL: the legacy default stream) and checked there. err: why it failed. */
+static ddp_result ddp__crc32c_anywhere(const void *p, size_t bytes, void *stream, uint32_t *crc, char *err) {
+#ifdef DDP_CUDA
+    if (bytes && p && ddp__cuda_is_device_pointer(p) == 1) {
+        ddp__cuda_stage *stage = NULL;
+        void *host = NULL;
+        ddp_result r = ddp__cuda_stage_host(&stage, bytes, &host, err, DDP__ERR_MAX);
+        if (r == DDP_SUCCESS) r = ddp__cuda_stage_copy(host, p, bytes, stream, err, DDP__ERR_MAX);
+        if (r == DDP_SUCCESS) r = ddp__cuda_stage_sync(stream, err, DDP__ERR_MAX);
+        if (r == DDP_SUCCESS) *crc = ddp__ck_crc32c(host, bytes, 1);
+        ddp__cuda_stage_free(stage);
+        return r;
+    }
+#else
+    (void)stream, (void)err;
+#endif
+    *crc = ddp__ck_crc32c(p, bytes, 1);
+    return DDP_SUCCESS;
+}

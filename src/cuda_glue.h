@@ -43,10 +43,23 @@ DDP_API ddp_result ddp__cuda_nccl_unique_id(unsigned char *id, char *err, size_t
 
 /* ddp__cuda_nccl_create: ncclCommInitRank(nranks, id, rank) on device; collective over the nranks ranks
    that share id (it returns once all have joined). The stream starts as NULL (the legacy default
-   stream). Return: DDP_SUCCESS; DDP_ERR_SYSTEM (CUDA or NCCL failed: the message has their text);
-   DDP_ERR_OUT_OF_MEMORY; DDP_ERR_INVALID_ARGUMENT. */
-DDP_API ddp_result ddp__cuda_nccl_create(const unsigned char *id, int rank, int nranks, int device,
-                                        ddp__cuda_nccl **out, char *err, size_t err_size);
+   stream). fault_tolerant: a non-blocking communicator (ncclCommInitRankConfig, blocking = 0, NCCL 2.14+)
+   whose calls may stay in progress at most timeout seconds, and which a failure leaves for
+   ddp__cuda_nccl_shrink (revoked where NCCL has ncclCommRevoke) instead of aborting it. Return:
+   DDP_SUCCESS; DDP_ERR_SYSTEM (CUDA or NCCL failed: the message has their text); DDP_ERR_PEER_LOST (NCCL
+   said ncclRemoteError); DDP_ERR_OUT_OF_MEMORY; DDP_ERR_INVALID_ARGUMENT. */
+DDP_API ddp_result ddp__cuda_nccl_create(const unsigned char *id, int rank, int nranks, int device, int fault_tolerant,
+                                        double timeout, ddp__cuda_nccl **out, char *err, size_t err_size);
+
+/* ddp__cuda_nccl_shrink: ncclCommShrink (NCCL 2.27+): the ranks of parent not in exclude (parent's rank
+   numbers) make a communicator of their own, in parent's order, on parent's device and stream, without a
+   unique id; collective over them. parent stays (destroy it with abort). Return: as create;
+   DDP_ERR_UNSUPPORTED where NCCL has no shrink or parent was aborted (then abort and create anew). */
+/* ddp__cuda_nccl_can_shrink: nonzero when c can be shrunk: this NCCL has ncclCommShrink, c is
+   fault-tolerant and was not aborted. */
+DDP_API int ddp__cuda_nccl_can_shrink(const ddp__cuda_nccl *c);
+DDP_API ddp_result ddp__cuda_nccl_shrink(ddp__cuda_nccl *parent, const int *exclude, int nexclude, ddp__cuda_nccl **out,
+                                        char *err, size_t err_size);
 
 /* ddp__cuda_nccl_destroy: ncclCommDestroy (which first completes the communicator's operations), or
    ncclCommAbort when abort is nonzero (after an error: nothing is waited for); frees c. NULL: no-op. */

@@ -121,6 +121,9 @@ typedef struct ddp__ft {
     int join_refused;          /* refused (the job has ended when that goes on) */
     ddp__ft_reg *regs;         /* ddp_ft_register's buffers, in the order registered */
     int nregs, regs_cap;
+    uint32_t *plane;           /* the ids of the adopted data plane's members, by rank (nccl: its communicator's) */
+    int plane_n;               /* how many (0 for a joiner until admitted) */
+    int *lost;                 /* ddp__ft_rebuild's scratch: the plane's ranks a new view lost */
 } ddp__ft;
 
 /* ---- test kill points ---- */
@@ -316,6 +319,8 @@ static void ddp__ft_free(ddp_group *g) {
     ddp__free(ft->pfds);
     ddp__free(ft->pids);
     ddp__free(ft->regs);
+    ddp__free(ft->plane);
+    ddp__free(ft->lost);
     ddp__free(ft);
 }
 
@@ -343,7 +348,10 @@ static ddp_result ddp__ft_arrays(ddp__ft *ft, uint32_t cap) {
     ft->dec_members = (uint32_t *)ddp__calloc(cap, sizeof(uint32_t));
     ft->pfds = (struct pollfd *)ddp__calloc(cap, sizeof *ft->pfds);
     ft->pids = (uint32_t *)ddp__calloc(cap, sizeof *ft->pids);
-    if (!ft->peers || !ft->out || !ft->dec_dead || !ft->dec_members || !ft->pfds || !ft->pids) return DDP_ERR_OUT_OF_MEMORY;
+    ft->plane = (uint32_t *)ddp__calloc(cap, sizeof *ft->plane);
+    ft->lost = (int *)ddp__calloc(cap, sizeof *ft->lost);
+    if (!ft->peers || !ft->out || !ft->dec_dead || !ft->dec_members || !ft->pfds || !ft->pids || !ft->plane || !ft->lost)
+        return DDP_ERR_OUT_OF_MEMORY;
     for (i = 0; i < cap; i++) ft->peers[i].fd = -1;
     for (i = 0; i < cap; i++)
         if (!(ft->peers[i].in = (unsigned char *)ddp__malloc(ft->msg_max + 8))) return DDP_ERR_OUT_OF_MEMORY;
@@ -477,6 +485,8 @@ static ddp_result ddp__ft_start(ddp_group *g) {
         return ddp__fail(g, r, "ddp_ft_begin: out of memory setting up fault tolerance");
     }
     ft->hash = ddp__link_group_hash(g);
+    for (i = 0; i < g->world_size; i++) ft->plane[i] = (uint32_t)i; /* the first view: id = rank */
+    ft->plane_n = g->world_size;
     if (g->world_size > 1 && (r = ddp__ft_listen(ft, &ft->me, err)) != DDP_SUCCESS) ft->me.ctl_port = 0; /* "failed" */
     ft->me.id = (uint32_t)g->rank;
     /* every member takes part, so that one failure fails all */
@@ -637,6 +647,7 @@ static ddp_result ddp__ft_rebuild(ddp__ft *ft) {
     int rank = ddp__ft_rank_of(view, ft->m.id);
     char err[DDP__ERR_MAX], prefix[48];
     double timeout = DDP__MAX(2 * g->ft_suspect, 1.0);
+    int i, nlost, grown;
     ddp_result r;
     if (view->n > 1 && ft->store_of != first) {
         ddp__store_free(ft->store);
@@ -648,8 +659,18 @@ static ddp_result ddp__ft_rebuild(ddp__ft *ft) {
     }
     snprintf(prefix, sizeof prefix, "ft/%llu/", (unsigned long long)view->gen);
     if ((r = ddp__group_open_view(g, rank, view->n, ft->store, prefix, timeout, &v)) != DDP_SUCCESS) return r;
+    /* nccl: the view's communicator, from the adopted plane's (the ranks it lost; members it gained) */
+    for (nlost = 0, i = 0; i < ft->plane_n; i++)
+        if (ddp__ft_rank_of(view, ft->plane[i]) < 0) ft->lost[nlost++] = i;
+    grown = view->n > ft->plane_n - nlost;
+    if ((r = ddp__nccl_renew(g, v, ft->lost, nlost, grown)) != DDP_SUCCESS) {
+        ddp__group_free(v);
+        return r;
+    }
     ddp__drain(g);
     ddp__group_adopt(g, v);
+    memcpy(ft->plane, view->members, (size_t)view->n * sizeof *ft->plane);
+    ft->plane_n = view->n;
     return DDP_SUCCESS;
 }
 
@@ -714,9 +735,11 @@ static ddp_result ddp__ft_transfer(ddp__ft *ft, ddp_ft_step *st, uint32_t first_
                          "names and sizes, in the same order, on every process", (unsigned long long)head[4], ft->nregs);
     if (!(crc = (uint32_t *)ddp__calloc((size_t)ft->nregs + 1, sizeof *crc)))
         return ddp__fail(g, DDP_ERR_OUT_OF_MEMORY, "fault tolerance: out of memory");
-    for (i = 0; i < ft->nregs && r == DDP_SUCCESS; i++) {
-        r = ddp_broadcast(g, ft->regs[i].data, ft->regs[i].bytes, DDP_U8, 0);
-        crc[i] = ddp__ck_crc32c(ft->regs[i].data, ft->regs[i].bytes, 1);
+    for (i = 0; i < ft->nregs && r == DDP_SUCCESS; i++) { /* (device memory: NCCL's, or staged; checked on a host copy) */
+        char err[DDP__ERR_MAX];
+        if ((r = ddp_broadcast(g, ft->regs[i].data, ft->regs[i].bytes, DDP_U8, 0)) == DDP_SUCCESS &&
+            (r = ddp__crc32c_anywhere(ft->regs[i].data, ft->regs[i].bytes, ddp__group_stream(g), &crc[i], err)) != DDP_SUCCESS)
+            r = ddp__fail(g, r, "fault tolerance: copying the state \"%s\" from device memory to check it: %s", ft->regs[i].name, err);
     }
     if (r == DDP_SUCCESS) {
         uint32_t *mine = (uint32_t *)ddp__calloc((size_t)ft->nregs + 1, sizeof *mine);

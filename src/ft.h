@@ -6,7 +6,7 @@
    the new view, on the same global batch). The data follows the step, not the rank:
    ddp_sampler_step_batch gives a rank its share of a step's global batch for any number of members.
 
-   Turn it on with ddp_init_desc.fault_tolerant = 1 (or DDP_FT=1) on the cpu backend; then a lost member
+   Turn it on with ddp_init_desc.fault_tolerant = 1 (or DDP_FT=1) on the cpu or nccl backend; then a lost member
    no longer breaks the group: every call that meets the loss answers DDP_ERR_VIEW_CHANGED, and the next
    ddp_ft_begin / ddp_ft_commit runs a view change among the survivors (src/ft.c, src/ft_view.c: a
    majority of the view decides, so a network partition never lets both sides go on) and rebuilds the
@@ -42,8 +42,12 @@
    checked) with the epoch and step: its ddp_ft_begin returns with st->joined = 1 and the step the members
    run next. Its sampler takes num_replicas = the first view's size (WORLD_SIZE from the launcher).
 
-   Built: the calls below on the cpu backend (shm, tcp, hier). The mpi and nccl backends answer
-   DDP_ERR_UNSUPPORTED at ddp_init; zero_stage > 0 is refused in this mode. A joiner needs the job's store
+   Built: the calls below on the cpu backend (shm, tcp, hier) and on nccl (src/nccl.c, "fault tolerance":
+   non-blocking communicators; a new view's is shrunk from the old one with ncclCommShrink where NCCL has
+   it (2.27+; on a failure the communicator is revoked, 2.28+, not aborted) and the view only lost members,
+   else made anew after an abort; registered state in device memory goes to joiners through NCCL, checked
+   on a host copy. Tested on the CPU harness's fake NCCL playing 2.18 and 2.28; not yet run on GPUs). The
+   mpi backend answers DDP_ERR_UNSUPPORTED at ddp_init; zero_stage > 0 is refused in this mode. A joiner needs the job's store
    (rank 0's, or ddprun's under --ft) and a view with a member from before it (the state's donor).
    Limits: every pair of members holds a control connection (n - 1 sockets per member); ddp_alloc gives
    heap memory (each view maps its own shared segment); subgroups made before a view change are broken by

@@ -265,6 +265,7 @@ static void ddp__group_adopt(ddp_group *g, ddp_group *v) {
     DDP__SWAP(int *, g->world_ranks, v->world_ranks);
     DDP__SWAP(const ddp__backend *, g->backend, v->backend);
     DDP__SWAP(const ddp__backend *, g->host_backend, v->host_backend);
+    DDP__SWAP(struct ddp__nccl *, g->nccl, v->nccl);
     g->ft_views++;
     g->seq = g->seq_base = v->seq;
     g->running_seq = 0;
@@ -292,6 +293,7 @@ static void ddp__group_adopt(ddp_group *g, ddp_group *v) {
     g->mesh.posted = v->mesh.posted, v->mesh.posted = m.posted;
     g->mesh.p2p_calls = v->mesh.p2p_calls;
     memcpy(g->member.prefix, v->member.prefix, sizeof g->member.prefix); /* connections made later hash it */
+    ddp__nccl_retire(v); /* the old communicator: aborted (its lost members would never answer) */
     ddp__group_free(v);
 }
 
@@ -501,9 +503,9 @@ static ddp_result ddp__read_ft(const ddp_init_desc *d, const char *backend, ddp_
         out->fault_tolerant = (int)n;
     }
     if (!out->fault_tolerant) return DDP_SUCCESS;
-    if (strcmp(backend, "mpi") == 0 || strcmp(backend, "nccl") == 0)
-        return ddp__fail_to(err, DDP_ERR_UNSUPPORTED, "fault-tolerant mode (%s) runs on the cpu backend only, not on "
-                            "\"%s\"; use backend cpu, or turn fault tolerance off",
+    if (strcmp(backend, "mpi") == 0)
+        return ddp__fail_to(err, DDP_ERR_UNSUPPORTED, "fault-tolerant mode (%s) runs on the cpu and nccl backends, not on "
+                            "\"%s\" (MPI cannot drop a member and go on); use backend cpu or nccl, or turn fault tolerance off",
                             d->fault_tolerant ? "ddp_init_desc.fault_tolerant" : "DDP_FT=1", backend);
     out->min_world_size = d->min_world_size ? d->min_world_size : 1;
     if (!d->min_world_size && (k = ddp__env_int("DDP_FT_MIN_WORLD_SIZE", 1, 1 << 30, &n, err)) != 0) {

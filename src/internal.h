@@ -895,6 +895,12 @@ static DDP__UNUSED ddp_result ddp__nccl_built(char *err); /* can backend "nccl" 
 /* Give the connected group g an NCCL communicator (a subgroup: parent's device and stream) and install
    the nccl backend; host-memory calls keep going to the backend g had. Collective over g. */
 static DDP__UNUSED ddp_result ddp__nccl_attach(ddp_group *g, const struct ddp__nccl *parent);
+/* Fault tolerance: view v's communicator made from g's (shrunk, or anew; lost: g's ranks not in v, grown: v
+   has members g had not), before g adopts v; then ddp__nccl_retire aborts g's old one (v holds it). */
+static DDP__UNUSED ddp_result ddp__nccl_renew(ddp_group *g, ddp_group *v, const int *lost, int nlost, int grown);
+static DDP__UNUSED void ddp__nccl_retire(ddp_group *v);
+/* The stream g's device copies go on (NCCL's, or the device staging's; NULL: the legacy default stream). */
+static DDP__UNUSED void *ddp__group_stream(ddp_group *g);
 
 /* ---- devbuf.c: device buffers on the cpu and mpi backends, staged through pinned host memory ---- */
 /* What one staged call copies: up to two regions of device memory (a call's send and recv buffers, or
@@ -1028,6 +1034,7 @@ static DDP__UNUSED int ddp__ck_little_endian(void);
    the instruction when the CPU has it (0 is for the tests). */
 static DDP__UNUSED uint32_t ddp__ck_crc_update(uint32_t reg, const void *data, size_t n, int use_hw);
 static DDP__UNUSED uint32_t ddp__ck_crc32c(const void *data, size_t n, int use_hw);
+static DDP__UNUSED ddp_result ddp__crc32c_anywhere(const void *p, size_t bytes, void *stream, uint32_t *crc, char *err);
 static DDP__UNUSED int ddp__ck_utf8_valid(const char *s); /* strict RFC 3629 */
 /* Append key and value (taken over) to m without looking for an existing key. */
 static DDP__UNUSED ddp_result ddp__ck_meta_append(ddp_meta *m, char *key, char *value);

@@ -103,11 +103,11 @@ static ddp_result ddp__nccl_share_id(ddp_group *g, unsigned char *id) {
 }
 
 static void ddp__nccl_close(ddp_group *g, int orderly) {
-    (void)orderly;
-    if (!g->nccl) return;
-    ddp__cuda_nccl_destroy(g->nccl->comm, g->broken != DDP_SUCCESS);
-    ddp__free(g->nccl);
-    g->nccl = NULL;
+    if (g->nccl) { /* (a view's old data plane has none left: ddp__nccl_retire aborted it) */
+        ddp__cuda_nccl_destroy(g->nccl->comm, g->broken != DDP_SUCCESS);
+        ddp__free(g->nccl);
+        g->nccl = NULL;
+    }
     if (g->host_backend->close) g->host_backend->close(g, orderly); /* the transport under it */
 }
 
@@ -521,7 +521,7 @@ static ddp_result ddp__nccl_attach(ddp_group *g, const struct ddp__nccl *parent)
     if (!parent) r = ddp__cuda_nccl_device(g->local_rank, &device, err, sizeof err);
     if ((r = ddp__nccl_agree(g, r, err, "use a GPU")) != DDP_SUCCESS) return r;
     if ((r = ddp__nccl_share_id(g, id)) != DDP_SUCCESS) return r;
-    r = ddp__cuda_nccl_create(id, g->rank, g->world_size, device, &comm, err, sizeof err);
+    r = ddp__cuda_nccl_create(id, g->rank, g->world_size, device, g->ft_mode, g->timeout, &comm, err, sizeof err);
     if ((r = ddp__nccl_agree(g, r, err, "create its NCCL communicator")) != DDP_SUCCESS) {
         ddp__cuda_nccl_destroy(comm, 1);
         return r;
@@ -543,6 +543,71 @@ static ddp_result ddp__nccl_attach(ddp_group *g, const struct ddp__nccl *parent)
     return DDP_SUCCESS;
 }
 
+/* ---- fault tolerance (ft.c): the communicator of a new view ----
+   A view change builds the new view's data plane as a fresh group v (group.c ddp__group_open_view); before
+   the program's handle g adopts it, v gets its communicator, one of two ways, the same on every member
+   (they agree over v's mesh first, so none waits in a call the others do not make):
+   - shrink: the view only lost members, and every member's NCCL has ncclCommShrink (2.27+) and kept its
+     communicator (a fault-tolerant one is revoked, not aborted, on a failure: ddp_cuda.cu): the old one,
+     minus the lost ranks, without a unique id or a store round;
+   - re-init: otherwise (joiners came, an older NCCL, a communicator aborted): a new unique id through the
+     view's store and a non-blocking ncclCommInitRankConfig, as ddp_init's, on the device and stream the
+     member had (its local rank in the new view may differ: the device does not).
+   lost: the old communicator's ranks that are not in v; grown: v has members the old one did not. The old
+   communicator is aborted when g adopts v (ddp__nccl_retire). */
+static ddp_result ddp__nccl_renew(ddp_group *g, ddp_group *v, const int *lost, int nlost, int grown) {
+    char err[DDP__ERR_MAX] = "";
+    ddp__cuda_nccl *comm = NULL;
+    struct ddp__nccl *n;
+    uint8_t mine, *all;
+    int i, shrink;
+    ddp_result r = DDP_SUCCESS;
+    if (!g->nccl) return DDP_SUCCESS;
+    mine = (uint8_t)(!grown && ddp__cuda_nccl_can_shrink(g->nccl->comm));
+    shrink = mine;
+    if (v->world_size > 1) {
+        if (!(all = (uint8_t *)ddp__calloc((size_t)v->world_size, 1))) return ddp__fail(g, DDP_ERR_OUT_OF_MEMORY, "out of memory");
+        r = ddp__mesh_all_gather(v, &mine, all, 1, DDP_U8);
+        for (i = 0; i < v->world_size; i++) shrink &= all[i];
+        ddp__free(all);
+        if (r != DDP_SUCCESS) return ddp__fail(g, r, "nccl: agreeing how to make the new view's communicator: %s", v->error);
+    }
+    if (!shrink) {
+        if ((r = ddp__nccl_attach(v, g->nccl)) != DDP_SUCCESS) return ddp__fail(g, r, "%s", v->error);
+        ddp__log(g, DDP_LOG_INFO, "nccl: the new view's communicator made anew (ncclCommInitRankConfig)");
+        return DDP_SUCCESS;
+    }
+    r = ddp__cuda_nccl_shrink(g->nccl->comm, lost, nlost, &comm, err, sizeof err);
+    if ((r = ddp__nccl_agree(v, r, err, "shrink the NCCL communicator")) != DDP_SUCCESS) {
+        ddp__cuda_nccl_destroy(comm, 1);
+        return ddp__fail(g, r, "%s", v->error);
+    }
+    if (!(n = (struct ddp__nccl *)ddp__calloc(1, sizeof *n))) {
+        ddp__cuda_nccl_destroy(comm, 1);
+        return ddp__fail(g, DDP_ERR_OUT_OF_MEMORY, "backend nccl: out of memory");
+    }
+    n->comm = comm;
+    n->device = g->nccl->device;
+    v->nccl = n;
+    v->backend = &ddp__backend_nccl;
+    ddp__log(g, DDP_LOG_INFO, "nccl: the new view's communicator shrunk from the old one (ncclCommShrink, %d lost)", nlost);
+    return DDP_SUCCESS;
+}
+
+/* After g adopted a view: its old communicator (now v's) is aborted, never destroyed in order: its lost
+   members would never answer. */
+static void ddp__nccl_retire(ddp_group *v) {
+    if (!v->nccl) return;
+    ddp__cuda_nccl_destroy(v->nccl->comm, 1);
+    ddp__free(v->nccl);
+    v->nccl = NULL;
+}
+
+/* The stream a group's device copies go on: NCCL's, else the device staging's (NULL: legacy default). */
+static void *ddp__group_stream(ddp_group *g) {
+    return g->nccl ? ddp__cuda_nccl_stream(g->nccl->comm) : ddp__devbuf_stream(g);
+}
+
 #else /* !DDP_CUDA: the backend is not in this build */
 
 struct ddp__nccl {
@@ -558,6 +623,18 @@ static ddp_result ddp__nccl_built(char *err) {
 static ddp_result ddp__nccl_attach(ddp_group *g, const struct ddp__nccl *parent) {
     (void)parent;
     return ddp__fail(g, DDP_ERR_STATE, "internal error: an nccl group in a build without DDP_CUDA");
+}
+
+static ddp_result ddp__nccl_renew(ddp_group *g, ddp_group *v, const int *lost, int nlost, int grown) {
+    (void)g, (void)v, (void)lost, (void)nlost, (void)grown;
+    return DDP_SUCCESS; /* no communicator without DDP_CUDA */
+}
+
+static void ddp__nccl_retire(ddp_group *v) { (void)v; }
+
+static void *ddp__group_stream(ddp_group *g) {
+    (void)g;
+    return NULL;
 }
 
 DDP_API ddp_result ddp_set_stream(ddp_group *g, void *cuda_stream) {

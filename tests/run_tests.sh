@@ -65,12 +65,18 @@ children_cpu_ms() {  # children_cpu_ms NAME (the file it goes through is NAME's:
 # each). A group starts when the runner reaches its first member; the others wait for it. CPU seconds
 # printed for a test are its own processes' either way.
 # Each line runs its slots side by side; a slot "a+b" runs a, then b (the shorter runs of a line chained so
-# that the slots take about as long: the ASan run ~660 s + its scripts' ~230 s against TSan's ~580 s +
-# gpu_check's ~135 s; current torch's ~360 s against mpi's ~80 s + nccl's ~120 s + the fake NCCL's two ~35 s
-# + the namespaces' ~120 s, on the 2-core CI machine).
+# that the slots take about as long). Measured on the 2-core CI machine (wall s, CPU s): ASan ~660 (~700) +
+# gpu_check's ~75 against TSan's ~580 (500) + the ASan scripts' ~230; current torch's ~360 against mpi's ~80
+# + nccl's ~55 + the fake NCCL's ~25 and ~15 + the namespaces' ~120 + the harness kernels' ~57; and three
+# pairs of a test that keeps about one core busy with tests that mostly wait (timeouts, peers, launchers):
+# cuda_compile ~52 beside init, auth, trace and more_collectives (~75 together, ~12 CPU s); cmake ~35
+# beside ft and launchers (~46, ~20 CPU s); ddprun ~57 (47) beside timeline ~43 (41).
 TOGETHER="
-  test_sanitizers+test_sanitizers_scripts test_sanitizers_thread+test_gpu_check
-  test_interop_torch_current test_mpi+test_nccl+test_nccl_harness+test_nccl_fsdp+test_netns
+  test_sanitizers+test_gpu_check test_sanitizers_thread+test_sanitizers_scripts
+  test_interop_torch_current test_mpi+test_nccl+test_nccl_harness+test_nccl_fsdp+test_netns+test_cuda_kernels
+  test_cuda_compile test_init+test_auth+test_trace+test_more_collectives
+  test_cmake test_ft+test_launchers
+  test_ddprun test_timeline
 "
 # selected NAME: does NAME run in this invocation (TESTS, TIER)? Says so when it is in no tier.
 selected() {

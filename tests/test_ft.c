@@ -553,7 +553,7 @@ static int errors_main(int rank, int n, void *arg) {
     CHECK_OK(ddp_destroy(g), NULL);
     desc.fault_tolerant = 1;
     desc.backend = "mpi";
-    CHECK(ddp_init(&desc, &g) == DDP_ERR_UNSUPPORTED && strstr(ddp_last_error(NULL), "cpu backend only"),
+    CHECK(ddp_init(&desc, &g) == DDP_ERR_UNSUPPORTED && strstr(ddp_last_error(NULL), "cpu and nccl backends"),
           "fault tolerance on mpi: %s", ddp_last_error(NULL));
     desc.backend = NULL;
     desc.min_world_size = -1;

@@ -10,8 +10,10 @@
 # CUDA device visible: every collective and dtype through NCCL at world size 1, and 2 when there are 2
 # GPUs (gather, scatter, all_to_all(_v), all_gather_v through grouped ncclSend/ncclRecv included, and
 # their split sizes / counts that differ), checked against host math (passed on an H200 at 1 rank,
-# docs/GPU.md; the 2-GPU part not run there); without one the script passes for (1) and (2) and prints
-# "SKIP-PART gpu part: ...", which tests/run_tests.sh counts as a skipped entry (likewise the 2-GPU part).
+# docs/GPU.md; the 2-GPU part not run there); fault tolerance (tests/nccl/test_nccl_ft.c: members killed,
+# a joiner) with 4 GPUs (not run on GPUs so far; tests/test_nccl_harness.sh runs it on the fake NCCL);
+# without one the script passes for (1) and (2) and prints "SKIP-PART gpu part: ...", which
+# tests/run_tests.sh counts as a skipped entry (likewise the 2-GPU and fault-tolerance parts).
 # Skips (77) when nvcc or nccl.h is absent (tools/nccl-env.sh looks for NCCL, a pip wheel's too).
 # PREBUILT=1: use the test program already in $BUILD/nccl when it loads (built on another machine with
 # BUILD_ONLY=1, which builds part (1) and runs nothing): tools/gpu-check.sh --build-only / --prebuilt.
@@ -52,7 +54,10 @@ else
     -o "$out/test_nccl_cpp.o" || { echo "FAIL: tests/nccl/test_nccl.c as C++17 with -DDDP_CUDA"; exit 1; }
   "$NVCC" "${gencode[@]}" -Xcompiler -pthread -o "$out/test_nccl" "$out/test_nccl.o" "$out/ddp_cuda.o" -lnccl -lm ||
     { echo "FAIL: linking with nvcc, ddp_cuda.o and -lnccl"; exit 1; }
-  echo "test program: C99 and C++17 with -DDDP_CUDA, linked by nvcc with ddp_cuda.o -lnccl"
+  "$CC" -std=c99 -Wall -Wextra -Werror -pedantic -O2 -pthread "${inc[@]}" -DDDP_CUDA -c tests/nccl/test_nccl_ft.c \
+    -o "$out/test_nccl_ft.o" && "$NVCC" "${gencode[@]}" -Xcompiler -pthread -o "$out/test_nccl_ft" "$out/test_nccl_ft.o" \
+    "$out/ddp_cuda.o" -lnccl -lm || { echo "FAIL: tests/nccl/test_nccl_ft.c (C99, -DDDP_CUDA, linked with -lnccl)"; exit 1; }
+  echo "test programs: C99 and C++17 with -DDDP_CUDA, linked by nvcc with ddp_cuda.o -lnccl (fault tolerance's too)"
   if ! make -s GPU=1 BUILD="$BUILD/gpu" NVCC="$NVCC" "$BUILD/gpu/train_gpu" >"$out/make_gpu.log" 2>&1; then
     cat "$out/make_gpu.log"; echo "FAIL: make GPU=1 cannot build examples/gpu/train_gpu.cu"; exit 1
   fi
@@ -75,6 +80,7 @@ if [ "$devices" = 0 ]; then
   "$out/test_nccl_san" check >/dev/null || { echo "FAIL: the call check under ASan + UBSan"; exit 1; }
   echo "the same under AddressSanitizer + UBSan: ok"
   echo "SKIP-PART gpu part: no CUDA device visible (NCCL collectives on device memory not run)"
+  echo "SKIP-PART fault tolerance on GPUs: no CUDA device visible (tests/nccl/test_nccl_ft.c needs 4; the harness runs it)"
   echo "ok (the GPU part did not run)"
   exit 0
 fi
@@ -83,5 +89,10 @@ if [ "$devices" -ge 2 ]; then
   "$out/test_nccl" gpu 2 || { echo "FAIL: nccl with 2 ranks"; exit 1; }
 else
   echo "SKIP-PART 2-GPU part: one CUDA device visible (NCCL with 2 ranks not run)"
+fi
+if [ "$devices" -ge 4 ]; then
+  "$out/test_nccl_ft" all || { echo "FAIL: fault tolerance on the nccl backend"; exit 1; }
+else
+  echo "SKIP-PART fault tolerance on GPUs: $devices CUDA device(s) visible, tests/nccl/test_nccl_ft.c needs 4"
 fi
 echo "ok"

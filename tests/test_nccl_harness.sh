@@ -9,7 +9,9 @@
 # rounds, the send rings wrapping), gpu 2 over TCP, nogpu with DDP_HARNESS_DEVICES=0 (the "no CUDA device
 # visible" error from ddp_cuda.cu itself); then the fake's own test (tests/cuda_harness/fake_nccl_test.cpp:
 # every collective, type and op against references, send/receive, failures); no segment may be left in
-# /dev/shm. Each run is timed. Needs neither a GPU, nor the CUDA toolkit, nor NCCL.
+# /dev/shm. Then tests/nccl/test_nccl_ft.c (fault tolerance on nccl: members killed mid-step, a joiner
+# receiving device state) with the fake playing NCCL 2.18 (a new view's communicator made anew) and 2.28
+# (revoked, then shrunk). Each run is timed. Needs neither a GPU, nor the CUDA toolkit, nor NCCL.
 # SAN=1 builds and runs it all under AddressSanitizer + UndefinedBehaviorSanitizer instead.
 set -u
 cd "$(dirname "$0")/.." || exit 1
@@ -60,6 +62,11 @@ run "gpu 3, 256-byte chunks and rings" env DDP_FAKE_NCCL_CHUNK=256 "$prog" gpu 3
 run "gpu 2 over TCP" env DDP_TRANSPORT=tcp "$prog" gpu 2
 run "nogpu (DDP_HARNESS_DEVICES=0)" env DDP_HARNESS_DEVICES=0 "$prog" nogpu
 run "the fake NCCL's own test" "$out/fake_nccl_test$suffix"
+# fault tolerance on nccl, the fake playing both NCCL lines: 2.18 (abort + re-init), 2.28 (revoke, shrink)
+for line in 1 2.28; do
+  ft=$(NCCL=$line BUILD_ONLY=1 tests/cuda_harness/run_test.sh tests/nccl/test_nccl_ft.c "test_nccl_ft") || { echo "$ft"; exit 1; }
+  run "fault tolerance, fake NCCL ${line/1/2.18}" "$ft" all
+done
 
 left=$(find /dev/shm -maxdepth 1 -name 'ddp-fake-nccl-*' -newer "$marker" 2>/dev/null)
 [ -z "$left" ] || { echo "FAIL: segments left in /dev/shm: $left"; exit 1; }

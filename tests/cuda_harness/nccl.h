@@ -2,7 +2,7 @@
    -DDDP_HARNESS_NCCL (in every translation unit), ddp_cuda.cu's [SECTION] cuda-nccl compiles against
    this file, and a program's ranks run the nccl backend of ddp.h on the CPU (tests/test_nccl_harness.sh;
    tests/cuda_harness/run_test.sh builds any test that way with NCCL=1). It declares what ddp_cuda.cu
-   uses of <nccl.h> (types, constants, NCCL_VERSION_CODE 2.18.5) and a few neighbours; an NCCL call that
+   uses of <nccl.h> (types, constants, NCCL_VERSION_CODE 2.18.5 or 2.28.0) and a few neighbours; an NCCL call that
    is not here is a compile error, not a silent mistake.
 
    Execution model:
@@ -58,7 +58,8 @@
    before each NCCL call, a lost or stuck rank is mostly caught there; one lost between that agreement
    and the NCCL call is DDP_ERR_SYSTEM "queueing the NCCL collective failed: remote process exited ..."
    here where a GPU run would report DDP_ERR_PEER_LOST from the watchdog), collectives inside ncclGroupStart/End
-   (ncclInvalidUsage), non-blocking communicators and ncclCommInitRankConfig, ncclCommSplit,
+   (ncclInvalidUsage), non-blocking communicators (ncclCommInitRankConfig takes blocking = 0 but its calls
+   still complete inside; ncclCommShrink and ncclCommRevoke, with -DDDP_FAKE_NCCL_2_28, below), ncclCommSplit,
    user-defined reduction ops (ncclRedOpCreatePreMulSum), ncclMemAlloc / buffer registration, NCCL_*
    environment variables, multiple threads (one thread at a time per process, as the harness).
    ddp_harness::nccl_stats counts the calls and remembers the last stream. */
@@ -82,12 +83,19 @@
 #error "the fake NCCL (tests/cuda_harness/nccl.h) needs -DDDP_HARNESS_NCCL in every translation unit of the program"
 #endif
 
+/* The NCCL line the fake plays: 2.18.5 (no shrink, no revoke) unless -DDDP_FAKE_NCCL_2_28 asks for 2.28.0,
+   which adds ncclCommShrink and ncclCommRevoke (fault tolerance's two paths, tests/test_nccl_harness.sh). */
 #define NCCL_MAJOR 2
+#ifdef DDP_FAKE_NCCL_2_28
+#define NCCL_MINOR 28
+#define NCCL_PATCH 0
+#else
 #define NCCL_MINOR 18
 #define NCCL_PATCH 5
+#endif
 #define NCCL_SUFFIX ""
 #define NCCL_VERSION(X, Y, Z) (((X) <= 2 && (Y) <= 8) ? (X) * 1000 + (Y) * 100 + (Z) : (X) * 10000 + (Y) * 100 + (Z))
-#define NCCL_VERSION_CODE 21805
+#define NCCL_VERSION_CODE NCCL_VERSION(NCCL_MAJOR, NCCL_MINOR, NCCL_PATCH)
 #define NCCL_UNIQUE_ID_BYTES 128
 
 typedef struct ncclComm *ncclComm_t;
@@ -240,7 +248,7 @@ inline int group_depth;
 inline ncclResult_t group_error; /* a call inside the group failed: ncclGroupEnd drops the group */
 
 struct stats_t {
-    uint64_t inits, collectives, sends, recvs, groups;
+    uint64_t inits, collectives, sends, recvs, groups, shrinks; /* (inits: also the shrinks' children) */
     cudaStream_t last_stream; /* of the last collective, send or receive */
 };
 
@@ -259,6 +267,9 @@ struct ncclComm {
     uint64_t round; /* rounds done: the half of the slots is round % 2 */
     ncclResult_t async; /* the first failure, kept */
     char error[1024];
+    char name[96];    /* the segment's name when made: ncclCommShrink names its child's after it */
+    unsigned shrinks; /* children made by ncclCommShrink */
+    bool revoked;     /* ncclCommRevoke: collectives fail, shrink and destroy still work */
 };
 
 namespace ddp_fake_nccl {
@@ -425,6 +436,7 @@ inline ncclResult_t check_comm(ncclComm_t c, const char *call) {
         snprintf(last_error, sizeof last_error, "%s: the communicator failed earlier: %.900s", call, c->error);
         return c->async;
     }
+    if (c->revoked) return fail(nullptr, ncclInvalidUsage, false, "%s: the communicator was revoked (ncclCommRevoke)", call);
     return check_aborted(c, call);
 }
 
@@ -883,6 +895,7 @@ inline ncclResult_t ncclCommInitRank(ncclComm_t *comm, int nranks, ncclUniqueId 
     c->l = l;
     c->rank = rank;
     c->nranks = nranks;
+    snprintf(c->name, sizeof c->name, "%s", id.name);
     cudaGetDevice(&c->device);
     header_t *h = hdr(c);
     uint32_t expected = 0;
@@ -954,6 +967,72 @@ inline ncclResult_t ncclCommGetAsyncError(ncclComm_t comm, ncclResult_t *asyncEr
     *asyncError = comm->async;
     return ncclSuccess;
 }
+
+/* ncclConfig_t: the fields ddp_cuda.cu sets. A non-blocking communicator (blocking = 0) is accepted, but
+   every call still runs to completion inside it and returns its result, never ncclInProgress (which a
+   caller of a real non-blocking communicator must be ready for). */
+typedef struct ncclConfig_v21400 {
+    size_t size;
+    unsigned int magic;
+    unsigned int version;
+    int blocking;
+} ncclConfig_t;
+#define NCCL_CONFIG_UNDEF_INT INT_MIN
+#define NCCL_CONFIG_INITIALIZER {sizeof(ncclConfig_t), 0xcafebeef, NCCL_VERSION(NCCL_MAJOR, NCCL_MINOR, NCCL_PATCH), NCCL_CONFIG_UNDEF_INT}
+
+inline ncclResult_t ncclCommInitRankConfig(ncclComm_t *comm, int nranks, ncclUniqueId commId, int rank, ncclConfig_t *config) {
+    if (config && (config->size != sizeof(ncclConfig_t) || config->magic != 0xcafebeef))
+        return ddp_fake_nccl::fail(nullptr, ncclInvalidArgument, false, "ncclCommInitRankConfig: the config was not made "
+                                   "with NCCL_CONFIG_INITIALIZER");
+    return ncclCommInitRank(comm, nranks, commId, rank);
+}
+
+#if NCCL_VERSION_CODE >= NCCL_VERSION(2, 27, 0)
+#define NCCL_SHRINK_DEFAULT 0x00
+#define NCCL_SHRINK_ABORT 0x01
+/* The ranks not excluded make a child communicator without a unique id: its segment is named after the
+   parent's (each rank counts its parent's shrinks alike) and ranks keep their order. The excluded ranks do
+   not call it (they may be gone). NCCL_SHRINK_ABORT first revokes the parent (its collectives fail). */
+inline ncclResult_t ncclCommShrink(ncclComm_t comm, int *excludeRanksList, int excludeRanksCount, ncclComm_t *newcomm,
+                                   ncclConfig_t *config, int shrinkFlags) {
+    using namespace ddp_fake_nccl;
+    unique_t id;
+    ncclUniqueId u;
+    int below = 0;
+    (void)config;
+    if (!comm || !newcomm || excludeRanksCount < 0 || (excludeRanksCount && !excludeRanksList))
+        return fail(nullptr, ncclInvalidArgument, false, "ncclCommShrink: bad arguments");
+    *newcomm = nullptr;
+    for (int i = 0; i < excludeRanksCount; i++) {
+        if (excludeRanksList[i] < 0 || excludeRanksList[i] >= comm->nranks || excludeRanksList[i] == comm->rank)
+            return fail(nullptr, ncclInvalidArgument, false, "ncclCommShrink: rank %d of %d excludes rank %d", comm->rank,
+                        comm->nranks, excludeRanksList[i]);
+        for (int j = 0; j < i; j++)
+            if (excludeRanksList[j] == excludeRanksList[i])
+                return fail(nullptr, ncclInvalidArgument, false, "ncclCommShrink: rank %d excluded twice", excludeRanksList[i]);
+        below += excludeRanksList[i] < comm->rank;
+    }
+    if (shrinkFlags & NCCL_SHRINK_ABORT) comm->revoked = true;
+    memset(&id, 0, sizeof id);
+    id.magic = id_magic;
+    id.chunk = __atomic_load_n(&hdr(comm)->chunk, __ATOMIC_ACQUIRE);
+    snprintf(id.name, sizeof id.name, "%.80s-s%u", comm->name, comm->shrinks++);
+    memset(&u, 0, sizeof u);
+    memcpy(u.internal, &id, sizeof id);
+    ddp_harness::nccl_stats.shrinks++;
+    return ncclCommInitRank(newcomm, comm->nranks - excludeRanksCount, u, comm->rank - below);
+}
+#endif
+
+#if NCCL_VERSION_CODE >= NCCL_VERSION(2, 28, 0)
+#define NCCL_REVOKE_DEFAULT 0x00
+/* Stops the communicator's work: later collectives fail; shrink and destroy still work. Local. */
+inline ncclResult_t ncclCommRevoke(ncclComm_t comm, int revokeFlags) {
+    if (!comm || revokeFlags != NCCL_REVOKE_DEFAULT) return ncclInvalidArgument;
+    comm->revoked = true;
+    return ncclSuccess;
+}
+#endif
 inline ncclResult_t ncclCommCount(const ncclComm_t comm, int *count) {
     if (!comm || !count) return ncclInvalidArgument;
     *count = comm->nranks;

@@ -7,7 +7,8 @@
 #   SAN=1         build and run it under AddressSanitizer + UndefinedBehaviorSanitizer instead
 #   NCCL=1        with the harness's fake NCCL (tests/cuda_harness/nccl.h): -DDDP_HARNESS_NCCL in both
 #                 translation units, so ddp_cuda.cu's NCCL glue is compiled and backend "nccl" runs on the
-#                 ranks tl_run_ranks forks (cudaGetDeviceCount: 4; nccl_absent.h then defines nothing)
+#                 ranks tl_run_ranks forks (cudaGetDeviceCount: 4; nccl_absent.h then defines nothing); the
+#                 fake plays NCCL 2.18.5. NCCL=2.28: the same, the fake playing 2.28.0 (shrink, revoke)
 #   BUILD_ONLY=1  build, print the program's path, run nothing
 # The program is $BUILD/cuda_harness/<name>[-nccl][-san]. Used by tests/test_cuda_devbuf.sh,
 # tests/test_cuda_checkpoint.sh and tests/test_nccl_harness.sh. E.g. a ZeRO-3 test on the nccl backend:
@@ -30,6 +31,9 @@ esac
 if [ "${NCCL:-0}" = 1 ]; then
   name=$name-nccl
   flags+=(-DDDP_HARNESS_NCCL)
+elif [ "${NCCL:-0}" = 2.28 ]; then # the fake playing NCCL 2.28: ncclCommShrink and ncclCommRevoke
+  name=$name-nccl228
+  flags+=(-DDDP_HARNESS_NCCL -DDDP_FAKE_NCCL_2_28)
 fi
 opt=(-O1) lflags=()
 if [ "${SAN:-0}" = 1 ]; then
