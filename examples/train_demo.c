@@ -34,10 +34,13 @@
    reducer, the vote, the log's all-reduce), agree on a view without it, and run the same step again on
    the same batch; the optimizer (and BatchNorm's running statistics) change only for a committed step.
    With no rank lost, --ft ends with the same weights as a plain run, bit for bit; with one lost, the
-   weights of an uninterrupted run up to float rounding (the survivors add in another order). It does
-   not: write checkpoints other than the final weights (rank 0 of the last view writes them; --resume,
-   --save-every and --stop-at-step are refused), replace a lost rank (joiners are not built), count the
-   lost ranks' samples in the epoch's loss line, or survive a rank lost before the first step.
+   weights of an uninterrupted run up to float rounding (the survivors add in another order). Under
+   ddprun --ft --max-restarts 1 a lost rank is started again as a joiner (DDP_FT_JOIN=1): it registers the
+   same state (ddp_ft_register: weights, momentum, BatchNorm's statistics, the step counters), is admitted
+   at a step boundary with the members' state, and trains on. It does not: write checkpoints other than
+   the final weights (rank 0 of the last view writes them; --resume, --save-every and --stop-at-step are
+   refused), count the lost ranks' samples in the epoch's loss line, or survive a rank lost before the
+   first step.
 
    Flags: --epochs N (20)  --samples N (16000 training points)  --batch N (32 per rank)
           --hidden N (128)  --lr X (0.1)  --dir DIR (build/demo_ckpt)  --resume  --quick (4 epochs of
@@ -835,6 +838,42 @@ static ddp_result ft_epoch_end(run *R, const double sums[3], double total[3], do
     return evaluate(R->g, &R->m, &R->c, R->ex, R->ey, R->n_eval, accuracy);
 }
 
+/* What a replacement receives when it is admitted (every member registers the same, in the same order):
+   the weights, the momentum, BatchNorm's running statistics and counters, and the run's counters. */
+static int ft_register(run *R) {
+    ddp_group *g = R->g;
+    size_t h = (size_t)R->c.hidden * sizeof(float);
+    char name[64];
+    int k, rank = R->rank;
+    for (k = 0; k < NPARAM; k++) {
+        size_t bytes = param_size(&R->m.p[k]) * sizeof(float);
+        TRY(g, ddp_ft_register(g, param_names[k], R->m.p[k].w, bytes));
+        snprintf(name, sizeof name, "%s.momentum", param_names[k]);
+        TRY(g, ddp_ft_register(g, name, R->m.p[k].momentum, bytes));
+    }
+    for (k = 0; k < NBN; k++) {
+        snprintf(name, sizeof name, "bn%d.running_mean", k + 1);
+        TRY(g, ddp_ft_register(g, name, R->m.running_mean[k], h));
+        snprintf(name, sizeof name, "bn%d.running_var", k + 1);
+        TRY(g, ddp_ft_register(g, name, R->m.running_var[k], h));
+        snprintf(name, sizeof name, "bn%d.num_batches_tracked", k + 1);
+        TRY(g, ddp_ft_register(g, name, &R->m.batches_tracked[k], sizeof R->m.batches_tracked[k]));
+    }
+    TRY(g, ddp_ft_register(g, "step", &R->step, sizeof R->step));
+    TRY(g, ddp_ft_register(g, "samples_seen", &R->samples_seen, sizeof R->samples_seen));
+    return 0;
+}
+
+/* BatchNorm's counters live in the layers: the registered copies follow them before each step (a joiner
+   may be admitted there), and a joiner's layers take what it received. */
+static void ft_counters(run *R, int to_layers) {
+    int k;
+    for (k = 0; k < NBN; k++) {
+        if (to_layers) ddp_syncbn_set_num_batches_tracked(R->m.bn[k], R->m.batches_tracked[k]);
+        else R->m.batches_tracked[k] = ddp_syncbn_num_batches_tracked(R->m.bn[k]);
+    }
+}
+
 /* --ft: the loop of src/ft.h. Each step runs in a view (the members alive) and ends in one verdict for all:
    COMMIT (apply the optimizer) or REDO (a member was lost: the survivors run the same step again, on the
    same global batch). Every collective of the run is inside a step, so a loss anywhere means a redo: an
@@ -851,11 +890,19 @@ static int train_ft(run *R) {
     size_t got = 0;
     int rank = R->rank, views = 0, redo = 0, same = 0;
     if (!(R->bn_saved = alloc_floats(2 * NBN * (size_t)c->hidden))) return fail(rank, "malloc", "out of memory");
+    if (ft_register(R)) return 1;
     memset(&st, 0, sizeof st);
     for (;;) {
         ddp_result r;
-        if (ddp_ft_begin(g, &st) != DDP_SUCCESS) return fail(rank, "ddp_ft_begin", ddp_last_error(g));
         if (redo) bn_put_back(R), redo = 0;
+        ft_counters(R, 0);
+        if (ddp_ft_begin(g, &st) != DDP_SUCCESS) return fail(rank, "ddp_ft_begin", ddp_last_error(g));
+        if (st.joined) {
+            ft_counters(R, 1);
+            printf("train_demo: a replacement admitted as rank %d of %d at step %llu of epoch %d, with the members' "
+                   "state\n", st.rank, st.world_size, (unsigned long long)st.step, (int)st.epoch + 1);
+            fflush(stdout);
+        }
         if (!views++ || st.gen != R->gen) TRY(g, ft_new_view(R, &st, views > 1));
         rank = R->rank;
         kind = st.epoch == (uint64_t)c->epochs ? FINAL : (N = ft_step_samples(R, &st, G)) == 0 ? EPOCH_END : PASS;
@@ -907,18 +954,23 @@ int main(int argc, char **argv) {
     resume_point rp;
     ddp_group *g;
     double start;
-    int rank, epoch, status = 0;
+    int rank, epoch, status = 0, joiner;
     memset(&R, 0, sizeof R);
     if (parse_args(argc, argv, &R.c)) return 2;
     memset(&desc, 0, sizeof desc); /* everything from the launcher's environment */
     desc.fault_tolerant = R.c.ft;  /* --ft (DDP_FT=1, which ddprun --ft sets, turns it on as well) */
     if (ddp_init(&desc, &R.g) != DDP_SUCCESS) return fail(-1, "ddp_init", ddp_last_error(NULL));
     g = R.g, rank = R.rank = ddp_rank(g), R.world = R.first_world = ddp_world_size(g), R.tty = isatty(STDOUT_FILENO);
+    joiner = R.c.ft && getenv("DDP_FT_JOIN") && strcmp(getenv("DDP_FT_JOIN"), "1") == 0;
+    if (joiner) { /* a replacement: a group of one until admitted; the job's first size is the launcher's */
+        R.world = R.first_world = getenv("WORLD_SIZE") ? atoi(getenv("WORLD_SIZE")) : 0;
+        if (R.first_world < 1) return fail(rank, "DDP_FT_JOIN=1", "WORLD_SIZE (the job's first size) is not set");
+    }
     R.cap = R.c.ft ? R.c.batch * R.world : R.c.batch; /* with --ft one rank may be left with a step's whole batch */
     if (make_data(&R) || make_model(&R)) return 1;
 
     memset(&rp, 0, sizeof rp);
-    if (R.c.resume ? load_checkpoint(g, &R.m, &R.c, &rp) : clear_checkpoints(g, &R.c)) return 1;
+    if (R.c.resume ? load_checkpoint(g, &R.m, &R.c, &rp) : !joiner && clear_checkpoints(g, &R.c)) return 1;
     TRY(g, ddp_reducer_finalize(R.red)); /* same model everywhere? then rank 0's weights on every rank */
     memset(&sd, 0, sizeof sd);           /* DistributedSampler(shuffle=True, seed=0, drop_last=False) */
     sd.dataset_size = (uint64_t)R.c.samples, sd.num_replicas = R.world, sd.rank = rank;
@@ -926,7 +978,10 @@ int main(int argc, char **argv) {
     R.step = rp.step, epoch = (int)rp.epoch;
     if (R.c.resume && rp.position >= ddp_sampler_num_samples(&R.sampler)) /* saved at the end of an epoch */
         epoch++, rp.position = 0, rp.sums[0] = rp.sums[1] = rp.sums[2] = 0.0;
-    if (rank == 0) {
+    if (joiner) {
+        printf("train_demo: a replacement (DDP_FT_JOIN=1) asks to join the running job\n");
+        fflush(stdout);
+    } else if (rank == 0) {
         printf("train_demo: %d ranks (%s backend), %d samples, batch %d x %d ranks = %d, %d epochs, hidden %d%s\n",
                R.world, ddp_backend_name(g), R.c.samples, R.c.batch, R.world, R.c.batch * R.world, R.c.epochs,
                R.c.hidden, R.c.ft ? ", fault-tolerant (--ft)" : "");

@@ -10,11 +10,13 @@
 #  3. the same inside an epoch (--save-every 5 --stop-at-step 47): resume from a mid-epoch sampler position;
 #  4. --resume with another world size is refused with a message that says what to do;
 #  5. --ft under ddprun --ft (fault-tolerant training, src/ft.h): uninterrupted, the final weights file is
-#     byte-identical to the plain run's (4 ranks split every step evenly); with rank 2 SIGKILLed in step 115
-#     of 198 (DDP_FT_TEST_KILL, its first bucket in flight) the other 3 redo that step and finish: ddprun
-#     exits 0 with one line for rank 2, the survivors say so, and the final weights are within 1e-5 of the
-#     uninterrupted run's (float rounding of the last 80 steps on 3 ranks; kills at steps 20 to 190 end
-#     6e-8 to 7e-7 from it); --ft with --resume is refused;
+#     byte-identical to the plain run's (4 ranks split every step evenly); with rank 2 SIGKILLed in step 30
+#     of 198 (DDP_FT_TEST_KILL, its first bucket in flight) under --max-restarts 1 the other 3 redo that
+#     step and go on, ddprun starts rank 2 again as a joiner, which is admitted with the members' state and
+#     trains to the end with them: ddprun exits 0 with one line for rank 2, the survivors say that 3 and
+#     then 4 ranks go on, the 4 final weights are identical, and within 1e-5 of the uninterrupted run's
+#     (float rounding of the steps on 3 ranks; kills at steps 20 to 190 end 6e-8 to 7e-7 from it); --ft
+#     with --resume is refused;
 #  6. when /usr/bin/python3 has torch: the final weights file loads into the same model written in torch
 #     (load_state_dict(strict=True): torch's names and shapes), whose accuracy on the held-out points
 #     (regenerated here in Python) is the demo's own last "eval acc".
@@ -115,14 +117,16 @@ ok "--resume with another world size is refused"
   { cat "$T/ft.log"; fail "ft: the demo with --ft exited $?"; }
 cmp "$T/full/final.safetensors" "$T/ft/final.safetensors" || fail "ft: --ft's weights differ from the plain run's"
 ok "--ft with no rank lost: the final weights are the plain run's, byte for byte"
-DDP_FT_TEST_KILL=2:115:bucket "$DDPRUN" --ft --standalone --nproc-per-node 4 "$DEMO" --ft $ARGS --dir "$T/ftkill" \
-  >"$T/ftkill.log" 2>&1; rc=$?
+DDP_FT_TEST_KILL=2:30:bucket "$DDPRUN" --ft --max-restarts 1 --standalone --nproc-per-node 4 "$DEMO" --ft $ARGS \
+  --dir "$T/ftkill" >"$T/ftkill.log" 2>&1; rc=$?
 cat "$T/ftkill.log"
 [ $rc -eq 0 ] || fail "ftkill: the run that lost rank 2 exited $rc"
-grep -q "^ddprun: rank 2 (pid [0-9]*) was killed by signal 9 (SIGKILL); the others went on without it" "$T/ftkill.log" ||
-  fail "ftkill: ddprun did not report rank 2 as lost"
-grep -q "^train_demo: view [0-9]*: 3 ranks go on, from step 16 of epoch 4" "$T/ftkill.log" ||
+grep -q "^ddprun: rank 2 (pid [0-9]*) was killed by signal 9 (SIGKILL) (--ft: a lost member); starting it again as a joiner" \
+  "$T/ftkill.log" || fail "ftkill: ddprun did not report rank 2 as lost and restarted"
+grep -q "^train_demo: view [0-9]*: 3 ranks go on, from step 30 of epoch 1" "$T/ftkill.log" ||
   fail "ftkill: the survivors did not say that 3 ranks go on"
+grep -q "^train_demo: a replacement admitted as rank 3 of 4" "$T/ftkill.log" || fail "ftkill: the replacement was not admitted"
+grep -q "^train_demo: view [0-9]*: 4 ranks go on" "$T/ftkill.log" || fail "ftkill: the members did not say that 4 ranks go on"
 grep -q "^the weights are identical on every rank" "$T/ftkill.log" || fail "ftkill: weights differ between the survivors"
 "$CHECK" --compare "$T/ft/final.safetensors" "$T/ftkill/final.safetensors" $ARGS >"$T/ftkill.check" 2>&1 ||
   { cat "$T/ftkill.check"; fail "ftkill: demo_check --compare failed"; }
@@ -131,7 +135,7 @@ grep -oE "(weights|statistics) [0-9.e+-]+" "$T/ftkill.check" | awk '$2 + 0 <= 1e
   fail "ftkill: the final weights are more than 1e-5 from the uninterrupted run's (or the numbers are missing)"
 if "$DEMO" --ft --resume --dir "$T/ft" >"$T/ftresume.log" 2>&1; then fail "--ft --resume was accepted"; fi
 grep -q "do not go with it" "$T/ftresume.log" || { cat "$T/ftresume.log"; fail "--ft --resume: no clear message"; }
-ok "--ft, rank 2 SIGKILLed in step 115: the 3 others finish within 1e-5 of the uninterrupted run; --ft --resume refused"
+ok "--ft, rank 2 SIGKILLed in step 30 and replaced: the 4 finish within 1e-5 of the uninterrupted run; --ft --resume refused"
 
 # 6. the weights in torch
 if "$PY" -c "import torch, numpy" 2>/dev/null; then
