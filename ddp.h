@@ -17899,6 +17899,7 @@ typedef struct ddp__ft {
     uint32_t *plane;           /* the ids of the adopted data plane's members, by rank (nccl: its communicator's) */
     int plane_n;               /* how many (0 for a joiner until admitted) */
     int *lost;                 /* ddp__ft_rebuild's scratch: the plane's ranks a new view lost */
+    char rejoin_why[160];      /* a member rejoining (left out, cut off): why; "" for a joiner ddprun started */
 } ddp__ft;
 
 /* ---- test kill points ---- */
@@ -18303,9 +18304,11 @@ static ddp_result ddp__ft_start(ddp_group *g) {
    ids the next view change will admit them with (next_id, next_id + 1, ...), and counted in the vote. */
 static void ddp__ft_intake(ddp__ft *ft) {
     struct pollfd pfd;
-    if (ft->listen_fd < 0 || ft->g->rank != 0) return;
+    /* one joiner a view change: a joiner learns the members' addresses from the view's record, which the
+       change that admits another would not have published yet */
+    if (ft->listen_fd < 0 || ft->g->rank != 0 || ft->pending > 0) return;
     pfd.fd = ft->listen_fd, pfd.events = POLLIN, pfd.revents = 0;
-    while (poll(&pfd, 1, 0) > 0 && (pfd.revents & POLLIN)) {
+    while (ft->pending == 0 && poll(&pfd, 1, 0) > 0 && (pfd.revents & POLLIN)) {
         char err[DDP__ERR_MAX];
         ddp__ft_hello h;
         uint32_t welcome[4], id = ft->m.view.next_id + (uint32_t)ft->pending;
@@ -18539,6 +18542,46 @@ static ddp_result ddp__ft_transfer(ddp__ft *ft, ddp_ft_step *st, uint32_t first_
 }
 
 static ddp_result ddp__ft_join_dial(ddp__ft *ft);
+static ddp_result ddp__ft_read_record(ddp_group *g, ddp__ft_record **out, double deadline);
+static void ddp__ft_learn(ddp__ft *ft, const ddp__ft_record *rec);
+
+/* ---- a member left out of the view, or cut off from the majority, comes back as a joiner ----
+   (FT.md G6: a partition healed, the minority rejoins; a member that was stopped and resumed does too.) It
+   drops what it held of the job: the control connections, the view change's state, the view's store, and
+   the data plane (a group of one from here on; nccl: a communicator of one). Its next ddp_ft_begin asks to
+   be admitted as a new member, as a joiner that ddprun started would (new id, the members' state sent to
+   it: its own is behind), for at most max(DDP_TIMEOUT, 10 x suspect_seconds); if nobody admits it by then
+   (the partition lasts, the job ended) that ddp_ft_begin fails with both reasons. Returns
+   DDP_ERR_VIEW_CHANGED: the step is void here (ddp_ft_begin goes on to the rejoin itself). */
+static ddp_result ddp__ft_rejoin(ddp__ft *ft, const char *why) {
+    ddp_group *g = ft->g, *v = NULL;
+    uint32_t i;
+    ddp_result r;
+    for (i = 0; i < ft->cap; i++) {
+        if (ft->peers[i].fd >= 0) close(ft->peers[i].fd);
+        ft->peers[i].fd = -1, ft->peers[i].hung_up = 0, ft->peers[i].have = 0;
+    }
+    ddp__store_free(ft->store);
+    ft->store = NULL;
+    ft->store_of = DDP__FT_NONE;
+    ft->pending = ft->admit = 0;
+    ft->transfer_from = ft->join_via = DDP__FT_NONE;
+    ft->join_gen = 0, ft->join_refused = 0;
+    ft->plane_n = 0; /* nothing in common with the view that admits it: nccl makes its communicator anew */
+    g->ft_running = 0;
+    ddp__drain(g);
+    if ((r = ddp__group_open_view(g, 0, 1, NULL, "ft/alone/", g->timeout, &v)) == DDP_SUCCESS &&
+        (r = ddp__nccl_renew(g, v, NULL, 0, 1)) != DDP_SUCCESS)
+        ddp__group_free(v);
+    if (r != DDP_SUCCESS)
+        return ddp__fail(g, r, "fault tolerance: %s; this member could not drop to a group of one to rejoin: %s", why, g->error);
+    ddp__group_adopt(g, v);
+    g->ft_join = 1;
+    snprintf(ft->rejoin_why, sizeof ft->rejoin_why, "%s", why);
+    ddp__log(g, DDP_LOG_WARN, "fault tolerance: %s; this process asks to be admitted again as a new member", why);
+    return ddp__fail(g, DDP_ERR_VIEW_CHANGED, "fault tolerance: %s; this process rejoins the job as a new member at its "
+                     "next ddp_ft_begin (redo the step there)", why);
+}
 
 /* Run a view change to its end: the decree acted on and the new view's data plane adopted (joiners met
    and given the state). st->step moves on when it committed the step here (*applied: 0 or 1). Fails only
@@ -18574,9 +18617,12 @@ static ddp_result ddp__ft_change(ddp__ft *ft, ddp_ft_step *st, int *applied) {
                                          (ddp__ft_coordinator(&ft->m.view, ft->m.dead, ft->m.suspected) == ft->m.id ? 1 : 2);
             }
             if (r == DDP_SUCCESS && now - t0 > limit) {
-                g->ft_running = 0; /* the end here: plain errors from now on */
-                r = ddp__fail(g, DDP_ERR_PEER_LOST, "fault tolerance: no view with a quorum of the members formed within "
-                              "%g s: this member is cut off from the majority, or too many were lost", limit);
+                char why[160];
+                snprintf(why, sizeof why, "no view with a quorum of the members formed within %g s: this member is cut "
+                         "off from the majority, or too many were lost", limit);
+                if (!ft->m.joiner) return ddp__ft_rejoin(ft, why); /* (a joiner's own loop asks again) */
+                g->ft_running = 0;
+                r = ddp__fail(g, DDP_ERR_PEER_LOST, "fault tolerance: %s", why);
             }
         }
         /* what arrived meanwhile: a later GO (others moved on), or a member of the new view found dead
@@ -18589,9 +18635,10 @@ static ddp_result ddp__ft_change(ddp__ft *ft, ddp_ft_step *st, int *applied) {
         *applied = (int)(ft->m.step - step0);
         ft->gstep = ft->m.step;
         if (ft->m.out) {
-            g->ft_running = 0; /* the end here: plain errors from now on */
-            return ddp__fail(g, DDP_ERR_PEER_LOST, "fault tolerance: the other members formed view %llu without this one "
-                             "(they lost it); it stops here", (unsigned long long)ft->m.view.gen);
+            char why[160];
+            snprintf(why, sizeof why, "the other members formed view %llu without this one (they lost it)",
+                     (unsigned long long)ft->m.view.gen);
+            return ddp__ft_rejoin(ft, why);
         }
         if (ft->m.view.n < g->ft_min_world) {
             g->ft_running = 0; /* the end here: plain errors from now on */
@@ -18636,7 +18683,13 @@ static ddp_result ddp__ft_change(ddp__ft *ft, ddp_ft_step *st, int *applied) {
 static ddp_result ddp__ft_join_dial(ddp__ft *ft) {
     char err[DDP__ERR_MAX];
     double deadline = ddp__now() + DDP__MAX(2 * ft->g->ft_suspect, 1.0);
-    int i;
+    int i, unknown = 0;
+    for (i = 0; i < ft->m.view.n; i++) unknown += ft->m.view.members[i] != ft->m.id && !ft->peers[ft->m.view.members[i]].ctl_port;
+    if (unknown) { /* admitted after the record it read (a joiner admitted meanwhile): the record is newer now */
+        ddp__ft_record *rec = NULL;
+        if (ddp__ft_read_record(ft->g, &rec, deadline) == DDP_SUCCESS) ddp__ft_learn(ft, rec);
+        ddp__free(rec);
+    }
     for (i = 0; i < ft->m.view.n; i++) {
         uint32_t id = ft->m.view.members[i];
         if (id == ft->m.id || ft->peers[id].fd >= 0) continue;
@@ -18645,6 +18698,19 @@ static ddp_result ddp__ft_join_dial(ddp__ft *ft) {
                              id, ft->peers[id].addr, ft->peers[id].ctl_port, err);
     }
     return DDP_SUCCESS;
+}
+
+/* Where the members of a view record listen. */
+static void ddp__ft_learn(ddp__ft *ft, const ddp__ft_record *rec) {
+    const ddp__ft_addr *list = (const ddp__ft_addr *)(rec + 1);
+    uint32_t i;
+    for (i = 0; i < rec->n; i++)
+        if (list[i].id < ft->cap) {
+            memcpy(ft->peers[list[i].id].addr, list[i].addr, sizeof list[i].addr);
+            ft->peers[list[i].id].addr[sizeof list[i].addr - 1] = 0;
+            ft->peers[list[i].id].ctl_port = list[i].ctl_port;
+            ft->peers[list[i].id].store_port = list[i].store_port;
+        }
 }
 
 /* The job's view record from the program's store (a joiner's first step). */
@@ -18684,7 +18750,10 @@ static ddp_result ddp__ft_join_once(ddp__ft *ft, ddp_ft_step *st, double deadlin
     int applied;
     ddp_result r;
     *again = 0;
-    if ((r = ddp__ft_read_record(g, &rec, deadline)) != DDP_SUCCESS) return r;
+    if ((r = ddp__ft_read_record(g, &rec, deadline)) != DDP_SUCCESS) {
+        *again = ft->rejoin_why[0] != 0; /* a member rejoining: the store may be across a partition that heals */
+        return r;
+    }
     if (!ft->cap && (r = ddp__ft_arrays(ft, rec->cap)) != DDP_SUCCESS) {
         ddp__free(rec);
         return ddp__fail(g, r, "ddp_ft_begin: out of memory");
@@ -18695,13 +18764,7 @@ static ddp_result ddp__ft_join_once(ddp__ft *ft, ddp_ft_step *st, double deadlin
     }
     ft->hash = rec->hash;
     list = (ddp__ft_addr *)(rec + 1);
-    for (i = 0; i < rec->n; i++)
-        if (list[i].id < ft->cap) {
-            memcpy(ft->peers[list[i].id].addr, list[i].addr, sizeof list[i].addr);
-            ft->peers[list[i].id].addr[sizeof list[i].addr - 1] = 0;
-            ft->peers[list[i].id].ctl_port = list[i].ctl_port;
-            ft->peers[list[i].id].store_port = list[i].store_port;
-        }
+    ddp__ft_learn(ft, rec);
     first = list[0].id;
     gen = rec->gen;
     ddp__free(rec);
@@ -18713,7 +18776,7 @@ static ddp_result ddp__ft_join_once(ddp__ft *ft, ddp_ft_step *st, double deadlin
     /* briefly: a record written before a view change may name a member lost since (the next one will not) */
     r = first < ft->cap ? ddp__ft_dial(ft, first, DDP__FT_JOIN_MAGIC, DDP__MIN(deadline, ddp__now() + 0.2), err)
                         : DDP_ERR_FORMAT;
-    if (r != DDP_SUCCESS && r != DDP_ERR_FORMAT && gen == ft->join_gen && ++ft->join_refused >= 25) {
+    if (r != DDP_SUCCESS && r != DDP_ERR_FORMAT && gen == ft->join_gen && ++ft->join_refused >= 25 && !ft->rejoin_why[0]) {
         *again = 0; /* 25 tries over 5 s, the same view's first member away: the job has ended */
         return ddp__fail(g, DDP_ERR_PEER_LOST, "ddp_ft_begin: this joiner found no member of the job answering (member "
                          "%u of view %llu refused for 5 s): the job has ended, or its members are unreachable from here",
@@ -18746,22 +18809,35 @@ static ddp_result ddp__ft_join_once(ddp__ft *ft, ddp_ft_step *st, double deadlin
     return r;
 }
 
-/* A joiner's first ddp_ft_begin: attempts until one admits it, or the group's timeout passes. */
+/* A joiner's first ddp_ft_begin (or a member's that rejoins): attempts until one admits it, or the group's
+   timeout passes (a member rejoining: max(the timeout, 10 x suspect_seconds)). */
 static ddp_result ddp__ft_join(ddp_group *g, ddp_ft_step *st) {
     ddp__ft *ft = ddp__ft_state(g);
-    double deadline = ddp__now() + g->timeout;
+    double patience, deadline;
     int again = 1;
     ddp_result r = DDP_ERR_TIMEOUT;
     if (!ft) return ddp__fail(g, DDP_ERR_OUT_OF_MEMORY, "ddp_ft_begin: out of memory");
+    patience = ft->rejoin_why[0] ? DDP__MAX(g->timeout, 10 * g->ft_suspect) : g->timeout;
+    deadline = ddp__now() + patience;
     while (again && ddp__now() < deadline) {
         if ((r = ddp__ft_join_once(ft, st, deadline, &again)) == DDP_SUCCESS) {
+            if (ft->rejoin_why[0])
+                ddp__log(g, DDP_LOG_WARN, "fault tolerance: rejoined as member %u (rank %d of %d) after: %s", ft->m.id, g->rank,
+                         g->world_size, ft->rejoin_why);
+            ft->rejoin_why[0] = 0;
             g->ft_join = 0;
             return DDP_SUCCESS;
         }
         if (again) {
             ddp__log(g, DDP_LOG_INFO, "fault tolerance: %s; asking again", g->error);
-            ddp__sleep(0.05);
+            ddp__sleep(ft->rejoin_why[0] ? 0.2 : 0.05);
         }
+    }
+    if (ft->rejoin_why[0]) {
+        char cause[DDP__ERR_MAX];
+        snprintf(cause, sizeof cause, "%s", g->error);
+        r = ddp__fail(g, r == DDP_ERR_VIEW_CHANGED ? DDP_ERR_PEER_LOST : r, "fault tolerance: %s; rejoining the job "
+                      "failed within %g s: %.700s", ft->rejoin_why, patience, cause);
     }
     return r;
 }
@@ -18815,19 +18891,14 @@ DDP_API ddp_result ddp_ft_register(ddp_group *g, const char *name, void *data, s
     return DDP_SUCCESS;
 }
 
-DDP_API ddp_result ddp_ft_begin(ddp_group *g, ddp_ft_step *st) {
-    ddp_result r = ddp__ft_check(g, st, "ddp_ft_begin");
+/* ddp_ft_begin of a member: the view change when one is due, joiners' state, the step begins. */
+static ddp_result ddp__ft_begin_member(ddp_group *g, ddp_ft_step *st) {
     int applied = 0;
     ddp__ft *ft;
-    if (r) return r;
+    ddp_result r;
     if (!g->ft_running && g->ft && g->ft->cap)
         return ddp__fail(g, DDP_ERR_STATE, "ddp_ft_begin: fault tolerance failed on this group (an earlier call said why); "
                          "destroy the group");
-    if (g->ft_join) {
-        if ((r = ddp__ft_join(g, st)) != DDP_SUCCESS) return r;
-        ddp__ft_fill(g->ft, st, 1);
-        return DDP_SUCCESS;
-    }
     if (!g->ft_running && (r = ddp__ft_start(g)) != DDP_SUCCESS) return r;
     ft = g->ft;
     ddp__ft_kill_at(ft, "begin");
@@ -18843,6 +18914,18 @@ DDP_API ddp_result ddp_ft_begin(ddp_group *g, ddp_ft_step *st) {
     }
     ddp__ft_set_step(&ft->m, ft->gstep, DDP__FT_RUNNING);
     ddp__ft_fill(ft, st, 0);
+    return DDP_SUCCESS;
+}
+
+DDP_API ddp_result ddp_ft_begin(ddp_group *g, ddp_ft_step *st) {
+    ddp_result r = ddp__ft_check(g, st, "ddp_ft_begin");
+    if (r) return r;
+    if (!g->ft_join) { /* a member; left out or cut off in a view change here, it rejoins at once (below) */
+        r = ddp__ft_begin_member(g, st);
+        if (r != DDP_ERR_VIEW_CHANGED || !g->ft_join) return r;
+    }
+    if ((r = ddp__ft_join(g, st)) != DDP_SUCCESS) return r;
+    ddp__ft_fill(g->ft, st, 1);
     return DDP_SUCCESS;
 }
 

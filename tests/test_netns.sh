@@ -10,7 +10,8 @@
 #     10 s); the link is cut mid-run and every rank must exit non-zero within DDP_TIMEOUT + 20 s with a
 #     timeout or lost-peer message naming a rank. The times to detect are printed;
 #  4. fault-tolerant mode across a cut link, 3|1 and 2|2 (tests/netem/ft_loop.c): the side with a majority
-#     (or half with rank 0) goes on, the other never commits after the cut and fails cut off.
+#     (or half with rank 0) goes on, the other commits nothing alone; the link healed, it rejoins and all
+#     four finish.
 # Runs 2 and 3 use `tc netem` (and `ip link set down` for the cut) where the kernel has sch_netem; else
 # each namespace gets a TUN device instead of the veth end, and tests/netem/netem_relay.py forwards the
 # packets between the two with the same impairments (seeded) and cuts the link on SIGUSR1.
@@ -174,11 +175,15 @@ if [ -n "$RELAY" ]; then
   sed 's/^/  /' "$T/relay.err"
 fi
 
-# ---- fault-tolerant mode (DDP_FT=1) across a partition (FT.md G6) ----
+# ---- fault-tolerant mode (DDP_FT=1) across a partition that heals (FT.md G6) ----
 # 4 ranks of tests/netem/ft_loop.c commit steps; once all loop the link is cut. The side holding a
 # majority, or exactly half with rank 0 (the view's first member), must go on: its next commit after the
-# cut in a view of its own members only, and it finishes its steps; the other side must never commit after
-# the cut and fail saying it is cut off from the majority. 3|1 and 2|2, each on a fresh, unimpaired link.
+# cut in a view of its own members only. The other side must commit nothing until it is back in the job.
+# Once the majority has committed alone the link is healed: the cut-off side learns that it was left out
+# (or, cut off for longer, finds no quorum within max(DDP_TIMEOUT, 10 x suspect_seconds)), rejoins as new
+# members, is admitted with the members' state, and every rank finishes its steps in a view of 4 (the
+# library's side: src/ft.c, "a member left out ... comes back as a joiner"). 3|1 and 2|2, each on a fresh,
+# unimpaired link.
 ftl=$BUILD/netem_ft_loop
 ${CC:-cc} -std=c99 -Wall -Wextra -Werror -pedantic -O2 -g -pthread $SANFLAGS -I. -o "$ftl" tests/netem/ft_loop.c -lm ||
   fail "cannot build tests/netem/ft_loop.c"
@@ -194,10 +199,19 @@ fresh_link() {
     grep -q ready "$T/relay.out" || fail "the relay did not start again: $(cat "$T/relay.err")"
   fi
 }
+heal_link() {
+  if [ "$how" = "tc netem" ]; then ip -n "$a" link set "v$tag" up && ip -n "$b" link set "w$tag" up
+  else kill -USR2 "$RELAY"; fi
+}
+# majority_alone ON_A CUT: has a rank of the majority committed, after CUT, in a view of ON_A members?
+majority_alone() {
+  awk -v cut="$2" -v on_a="$1" '/: commit / { split(FILENAME, f, "."); if (f[length(f)] + 0 < on_a && $NF > cut && $8 == on_a) ok = 1 }
+    END { exit !ok }' "$T"/ft.*
+}
+FT_STEPS=4000 FT_TIMEOUT=2 FT_SUSPECT=0.5
 for on_a in 3 2; do
   fresh_link
-  FT_TIMEOUT=2 FT_SUSPECT=1
-  ON_A=$on_a RANK_ENV="DDP_FT=1 DDP_TIMEOUT=$FT_TIMEOUT DDP_FT_SUSPECT_SECONDS=$FT_SUSPECT" start_hosts "$T/ft" "$ftl" 2500
+  ON_A=$on_a RANK_ENV="DDP_FT=1 DDP_TIMEOUT=$FT_TIMEOUT DDP_FT_SUSPECT_SECONDS=$FT_SUSPECT" start_hosts "$T/ft" "$ftl" $FT_STEPS
   for i in $(seq 6000); do
     [ "$(cat "$T"/ft.* 2>/dev/null | grep -c looping)" = 4 ] && break
     sleep 0.01
@@ -206,28 +220,33 @@ for on_a in 3 2; do
   sleep 1
   cut_link
   cut_at=$(date +%s.%N)
+  for i in $(seq 2000); do majority_alone $on_a "$cut_at" && break; sleep 0.01; done
+  majority_alone $on_a "$cut_at" || { tail -n 5 "$T"/ft.*; fail "FT $on_a|$((4 - on_a)): the majority never committed alone"; }
+  heal_link
+  healed_at=$(date +%s.%N)
   r=0
   for p in $PIDS; do
     wait "$p"; rc=$?
-    if [ $r -lt $on_a ]; then
-      [ $rc = 0 ] && grep -q "done after 2500 steps in a view of $on_a members" "$T/ft.$r" ||
-        { tail -n 5 "$T/ft.$r"; fail "FT $on_a|$((4 - on_a)): rank $r (the side that must go on) did not finish"; }
-    else
-      [ $rc = 1 ] && grep -q "FAILED.*cut off from the majority" "$T/ft.$r" ||
-        { tail -n 5 "$T/ft.$r"; fail "FT $on_a|$((4 - on_a)): rank $r (the minority) did not fail saying it was cut off"; }
+    [ $rc = 0 ] && grep -q "done after $FT_STEPS steps in a view of 4 members" "$T/ft.$r" ||
+      { tail -n 8 "$T/ft.$r"; fail "FT $on_a|$((4 - on_a)): rank $r did not finish in a view of 4 members (exit $rc)"; }
+    if [ $r -ge $on_a ]; then
+      grep -q "rejoined at step" "$T/ft.$r" ||
+        { tail -n 8 "$T/ft.$r"; fail "FT $on_a|$((4 - on_a)): rank $r (cut off) did not rejoin"; }
     fi
     r=$((r + 1))
   done
   PIDS=""
-  # the minority's last commit, the majority's first after the cut (views with only its members)
-  read -r late first < <(awk -v cut="$cut_at" -v on_a=$on_a '
+  # the cut-off side's commits between the cut and its rejoin (none may be in a view without the others),
+  # the majority's first commit alone, the cut-off side's first commit after the heal
+  read -r late first back < <(awk -v cut="$cut_at" -v healed="$healed_at" -v on_a=$on_a '
     /: commit / { split(FILENAME, f, "."); rank = f[length(f)] + 0; t = $NF
-                  if (rank >= on_a && t > cut + 0.5) late = late " " rank
+                  if (rank >= on_a && t > cut + 0.5 && $8 <= 4 - on_a) late = late " " rank
+                  if (rank >= on_a && t > healed && $8 == 4 && (back == "" || t < back)) back = t
                   if (rank < on_a && t > cut && $8 == on_a && (first == "" || t < first)) first = t }
-    END { print (late == "" ? "none" : late), (first == "" ? -1 : first - cut) }' "$T"/ft.*)
-  [ "$late" = none ] || fail "FT $on_a|$((4 - on_a)): the minority committed after the cut (ranks$late)"
+    END { print (late == "" ? "none" : late), (first == "" ? -1 : first - cut), (back == "" ? -1 : back - healed) }' "$T"/ft.*)
+  [ "$late" = none ] || fail "FT $on_a|$((4 - on_a)): the cut-off side committed in a view of its own (ranks$late)"
   [ "$first" != -1 ] || fail "FT $on_a|$((4 - on_a)): the majority never committed in a view of its own"
-  ok "FT partition $on_a|$((4 - on_a)) ($how): ranks 0-$((on_a - 1)) committed again $(printf '%.2f' "$first") s after the cut (DDP_TIMEOUT=$FT_TIMEOUT, suspect_seconds=$FT_SUSPECT) and finished; the other side never committed after it and failed, cut off"
+  ok "FT partition $on_a|$((4 - on_a)) ($how): ranks 0-$((on_a - 1)) committed again $(printf '%.2f' "$first") s after the cut (DDP_TIMEOUT=$FT_TIMEOUT, suspect_seconds=$FT_SUSPECT), the other side never alone; healed, it committed again in a view of 4 after $(printf '%.2f' "$back") s (it rejoined) and all 4 finished"
   if [ -n "$RELAY" ]; then kill -TERM "$RELAY"; wait "$RELAY" 2>/dev/null; RELAY=""; fi
 done
 exit 0

@@ -6,7 +6,8 @@
    the step and the view (checked against the sum worked out here), ddp_ft_commit; STEPS of them (the
    members stop together: a step count, not a clock). It prints "rank R: looping" after its
    first commit, "rank R: commit S view G members W at T" (T: wall-clock seconds) for each commit,
-   "rank R: view change ..." when the view changed, and at the
+   "rank R: view change ..." when the view changed, "rank R: rejoined at step S ..." when it came back as a
+   new member (cut off, then the partition healed), and at the
    end "rank R: done after S steps in a view of W members" (exit 0) or "rank R: FAILED
    after S steps: MESSAGE" (exit 1). Exit 2 on a wrong sum. */
 #define DDP_IMPLEMENTATION
@@ -42,8 +43,10 @@ int main(int argc, char **argv) {
     memset(&st, 0, sizeof st);
     while (st.step < steps) {
         if ((r = ddp_ft_begin(g, &st)) != DDP_SUCCESS) break;
-        if (st.gen != last_gen) printf("rank %d: view change to view %llu: %d members, rank %d\n", rank,
-                                       (unsigned long long)st.gen, st.world_size, st.rank);
+        if (st.joined) printf("rank %d: rejoined at step %llu in view %llu of %d members\n", rank,
+                              (unsigned long long)st.step, (unsigned long long)st.gen, st.world_size);
+        else if (st.gen != last_gen) printf("rank %d: view change to view %llu: %d members, rank %d\n", rank,
+                                            (unsigned long long)st.gen, st.world_size, st.rank);
         nanosleep(&compute, NULL);
         for (i = 0; i < N; i++) x[i] = (float)((st.step + (uint64_t)i) % 7) + (float)st.rank;
         r = ddp_all_reduce(g, x, N, DDP_F32, DDP_SUM);

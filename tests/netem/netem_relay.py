@@ -11,6 +11,7 @@ on the way like netem would:
   --extra LO,HI  the extra hold of a reordered packet, uniform in [LO, HI] ms (default 1,2)
   --cut-after S  cut the link S seconds after start; SIGUSR1 cuts it at once. A cut link drops every
                  packet, those already queued included, like an interface going down mid-flight.
+                 SIGUSR2 heals it: packets pass again (TCP's retransmissions then get through).
   --seed N       seed of the loss / reorder draws (one generator per direction), so the same packet
                  sequence meets the same fate on every run (default 1)
 usage: netem_relay.py [options] NS_A TUN_A NS_B TUN_B
@@ -93,16 +94,21 @@ def main():
     fd_a = attach_tun(a.ns_a, a.tun_a)
     fd_b = attach_tun(a.ns_b, a.tun_b)
     links = {fd_a: Link("a->b", fd_a, fd_b, a.seed * 2), fd_b: Link("b->a", fd_b, fd_a, a.seed * 2 + 1)}
-    state = {"cut": False, "stop": False, "cut_at": None}
+    state = {"cut": False, "stop": False, "cut_at": None, "healed_at": None}
     start = time.monotonic()
 
     def on_cut(_sig, _frame):
         state["cut"] = True
 
+    def on_heal(_sig, _frame):
+        state["cut"] = False
+        state["healed_at"] = time.monotonic()
+
     def on_stop(_sig, _frame):
         state["stop"] = True
 
     signal.signal(signal.SIGUSR1, on_cut)
+    signal.signal(signal.SIGUSR2, on_heal)
     signal.signal(signal.SIGTERM, on_stop)
     signal.signal(signal.SIGINT, on_stop)
     wake_r, wake_w = os.pipe()  # a signal wakes select() at once (PEP 475 would just resume the wait)
@@ -115,7 +121,7 @@ def main():
     seq = 0
     while not state["stop"]:
         now = time.monotonic()
-        if a.cut_after > 0 and now - start >= a.cut_after:
+        if a.cut_after > 0 and now - start >= a.cut_after and state["healed_at"] is None:
             state["cut"] = True
         if state["cut"] and state["cut_at"] is None:
             state["cut_at"] = now
@@ -130,7 +136,7 @@ def main():
             except OSError:
                 link.refused += 1
         timeout = max(0.0, heap[0][0] - now) if heap else 0.5
-        if a.cut_after > 0 and not state["cut"]:
+        if a.cut_after > 0 and not state["cut"] and state["healed_at"] is None:
             timeout = min(timeout, max(0.0, start + a.cut_after - now))
         try:
             ready, _, _ = select.select([fd_a, fd_b, wake_r], [], [], timeout)
@@ -172,6 +178,8 @@ def main():
                          % (link.name, link.forwarded, link.lost, link.reordered, link.cut, link.refused))
     if state["cut_at"] is not None:
         sys.stderr.write("netem_relay: link cut %.3f s after start\n" % (state["cut_at"] - start))
+    if state["healed_at"] is not None:
+        sys.stderr.write("netem_relay: link healed %.3f s after start\n" % (state["healed_at"] - start))
     return 0
 
 
