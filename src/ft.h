@@ -40,15 +40,23 @@
    id (found through the job's store: rank 0's, or ddprun's under --ft); the next vote counts it, the view
    change after it admits it, and the new view's rank 0 sends it every registered buffer (CRC-32C
    checked) with the epoch and step: its ddp_ft_begin returns with st->joined = 1 and the step the members
-   run next. Its sampler takes num_replicas = the first view's size (WORLD_SIZE from the launcher).
+   run next. Its sampler takes num_replicas = the first view's size (WORLD_SIZE from the launcher). A view
+   change admits one joiner (several wait their turn, one change each).
+
+   A member that the others left out of a view (it was stopped, or on the far side of a partition), or that
+   finds no quorum (cut off from the majority), does not stop: it drops to a group of one and its next
+   ddp_ft_begin (the same call, when the change ran there) rejoins as a joiner would: a new id, admitted
+   by the members, their state sent to it (st->joined = 1). It tries for max(DDP_TIMEOUT, 10 x
+   suspect_seconds), then fails with DDP_ERR_PEER_LOST naming why it left and why it could not come back.
 
    Built: the calls below on the cpu backend (shm, tcp, hier) and on nccl (src/nccl.c, "fault tolerance":
    non-blocking communicators; a new view's is shrunk from the old one with ncclCommShrink where NCCL has
    it (2.27+; on a failure the communicator is revoked, 2.28+, not aborted) and the view only lost members,
    else made anew after an abort; registered state in device memory goes to joiners through NCCL, checked
    on a host copy. Tested on the CPU harness's fake NCCL playing 2.18 and 2.28; not yet run on GPUs). The
-   mpi backend answers DDP_ERR_UNSUPPORTED at ddp_init; zero_stage > 0 is refused in this mode. A joiner needs the job's store
-   (rank 0's, or ddprun's under --ft) and a view with a member from before it (the state's donor).
+   mpi backend answers DDP_ERR_UNSUPPORTED at ddp_init; zero_stage > 0 is refused in this mode. A joiner
+   needs the job's store (rank 0's, or ddprun's under --ft) and a view with a member from before it (the
+   state's donor).
    Limits: every pair of members holds a control connection (n - 1 sockets per member); ddp_alloc gives
    heap memory (each view maps its own shared segment); subgroups made before a view change are broken by
    it; the reducer keeps its registration order (no bucket rebuild) so every view has the same layout; a
