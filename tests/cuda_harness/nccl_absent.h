@@ -12,7 +12,12 @@ static ddp_result nccl_absent(char *err, size_t err_size) {
 }
 ddp_result ddp__cuda_nccl_device(int, int *, char *err, size_t err_size) { return nccl_absent(err, err_size); }
 ddp_result ddp__cuda_nccl_unique_id(unsigned char *, char *err, size_t err_size) { return nccl_absent(err, err_size); }
-ddp_result ddp__cuda_nccl_create(const unsigned char *, int, int, int, ddp__cuda_nccl **, char *err, size_t err_size) {
+ddp_result ddp__cuda_nccl_create(const unsigned char *, int, int, int, int, double, ddp__cuda_nccl **, char *err,
+                                 size_t err_size) {
+    return nccl_absent(err, err_size);
+}
+int ddp__cuda_nccl_can_shrink(const ddp__cuda_nccl *) { return 0; }
+ddp_result ddp__cuda_nccl_shrink(ddp__cuda_nccl *, const int *, int, ddp__cuda_nccl **, char *err, size_t err_size) {
     return nccl_absent(err, err_size);
 }
 void ddp__cuda_nccl_destroy(ddp__cuda_nccl *, int) {}
