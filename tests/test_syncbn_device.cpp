@@ -43,40 +43,8 @@ static size_t device_blocks(void) {
     return n;
 }
 
-extern "C" {
-/* The nccl backend's glue: never called on cpu groups. */
-static ddp_result no_nccl(char *err, size_t n) {
-    if (err && n) snprintf(err, n, "no NCCL in this test");
-    return DDP_ERR_UNSUPPORTED;
-}
-DDP_API ddp_result ddp__cuda_nccl_device(int, int *, char *err, size_t n) { return no_nccl(err, n); }
-DDP_API ddp_result ddp__cuda_nccl_unique_id(unsigned char *, char *err, size_t n) { return no_nccl(err, n); }
-DDP_API ddp_result ddp__cuda_nccl_create(const unsigned char *, int, int, int, ddp__cuda_nccl **, char *err, size_t n) {
-    return no_nccl(err, n);
-}
-DDP_API void ddp__cuda_nccl_destroy(ddp__cuda_nccl *, int) {}
-DDP_API void ddp__cuda_nccl_set_stream(ddp__cuda_nccl *, void *) {}
-DDP_API void *ddp__cuda_nccl_stream(const ddp__cuda_nccl *) { return NULL; }
-DDP_API ddp_result ddp__cuda_nccl_enqueue(ddp__cuda_nccl *, ddp__cuda_coll, const void *, void *, size_t, ddp_dtype, ddp_op,
-                                         int, void **, char *err, size_t n) {
-    return no_nccl(err, n);
-}
-DDP_API ddp_result ddp__cuda_nccl_enqueue_v(ddp__cuda_nccl *, ddp__cuda_coll, const void *, const size_t *, void *,
-                                           const size_t *, ddp_dtype, void **, char *err, size_t n) {
-    return no_nccl(err, n);
-}
-DDP_API ddp_result ddp__cuda_nccl_copy(ddp__cuda_nccl *, void *, const void *, size_t, void **, char *err, size_t n) {
-    return no_nccl(err, n);
-}
-DDP_API ddp_result ddp__cuda_nccl_alloc(ddp__cuda_nccl *, size_t, void **, char *err, size_t n) { return no_nccl(err, n); }
-DDP_API ddp_result ddp__cuda_nccl_zero(ddp__cuda_nccl *, void *, size_t, char *err, size_t n) { return no_nccl(err, n); }
-DDP_API void ddp__cuda_nccl_free(ddp__cuda_nccl *, void *) {}
-DDP_API ddp_result ddp__cuda_nccl_wait(ddp__cuda_nccl *, void *, double, const char *, ddp_result (*)(void *), void *,
-                                      char *err, size_t n) {
-    return no_nccl(err, n);
-}
-DDP_API int ddp__cuda_nccl_test(ddp__cuda_nccl *, void *) { return 1; }
-} /* extern "C" */
+/* The nccl backend's glue: never called on cpu groups (the harness builds ddp_cuda.cu without NCCL). */
+#include "nccl_absent.h"
 
 /* ---- the device path against the host path ---- */
 
