@@ -130,18 +130,18 @@ static int worker(int rank, int n, void *arg) {
         res = ddp_ft_begin(g, &st);
         expected_end(fd, g, res);
         CHECK(res == DDP_SUCCESS, "rank %d: ddp_ft_begin: %s", rank, ddp_last_error(g));
-        CHECK_OK(ddp_sampler_step_batch(&s, &st, G, idx, &got), NULL);
-        if (got == 0 && st.step > 0) { /* past the epoch's end */
-            if (++st.epoch == (uint64_t)g_epochs) break;
-            st.step = 0;
-            continue;
-        }
-        if (st.joined) {
+        if (st.joined) { /* (before the epoch check: it may be admitted at an epoch's end) */
             size_t i;
             log_line(fd, "J %llu %llu %llu %d %d %.6f\n", (unsigned long long)st.epoch, (unsigned long long)st.step,
                      (unsigned long long)st.gen, st.world_size, st.rank, wall() - started);
             for (i = 0; i < g_big; i++)
                 CHECK(big[i] == (unsigned char)(i * 2654435761u >> 13), "the joiner's state differs at byte %zu", i);
+        }
+        CHECK_OK(ddp_sampler_step_batch(&s, &st, G, idx, &got), NULL);
+        if (got == 0 && st.step > 0) { /* past the epoch's end */
+            if (++st.epoch == (uint64_t)g_epochs) break;
+            st.step = 0;
+            continue;
         }
         pass_gen = st.gen, pass_world = st.world_size, pass_rank = st.rank;
         if (g_compute_us) usleep(g_compute_us);
