@@ -65,12 +65,13 @@ children_cpu_ms() {  # children_cpu_ms NAME (the file it goes through is NAME's:
 # each). A group starts when the runner reaches its first member; the others wait for it. CPU seconds
 # printed for a test are its own processes' either way.
 # Each line runs its slots side by side; a slot "a+b" runs a, then b (the shorter runs of a line chained so
-# that the slots take about as long). Measured on the 2-core CI machine (wall s, CPU s): ASan ~660 (~700) +
-# gpu_check's ~75 against TSan's ~580 (500) + the ASan scripts' ~230; current torch's ~360 against mpi's ~80
-# + nccl's ~55 + the fake NCCL's ~25 and ~15 + the namespaces' ~120 + the harness kernels' ~57; and three
-# pairs of a test that keeps about one core busy with tests that mostly wait (timeouts, peers, launchers):
-# cuda_compile ~52 beside init, auth, trace and more_collectives (~75 together, ~12 CPU s); cmake ~35
-# beside ft and launchers (~46, ~20 CPU s); ddprun ~57 (47) beside timeline ~43 (41).
+# that the slots take about as long). Measured in a clean clone on the 2-core machine (wall s, CPU s): ASan
+# 662 (632) + gpu_check 221 (168) against TSan 603 (523) + the ASan scripts 322 (352); current torch 383
+# (381) against mpi 78 + nccl 122 + the fake NCCL's 55 and 21 + the namespaces' 140 + the harness kernels'
+# 62; and three pairs of a test that keeps about one core busy with tests that mostly wait (timeouts, peers,
+# launchers): cuda_compile 52 beside init, auth, trace and more_collectives (74 together, 14 CPU s); cmake
+# 35 beside ft and launchers (63, 21 CPU s); ddprun 58 (48) beside timeline 46 (44). The two sanitizer
+# lanes and the torch lane keep both cores busy: the suite's length is its CPU time now, not its packing.
 TOGETHER="
   test_sanitizers+test_gpu_check test_sanitizers_thread+test_sanitizers_scripts
   test_interop_torch_current test_mpi+test_nccl+test_nccl_harness+test_nccl_fsdp+test_netns+test_cuda_kernels
