@@ -775,8 +775,9 @@ static void ddp__ft_learn(ddp__ft *ft, const ddp__ft_record *rec);
    drops what it held of the job: the control connections, the view change's state, the view's store, and
    the data plane (a group of one from here on; nccl: a communicator of one). Its next ddp_ft_begin asks to
    be admitted as a new member, as a joiner that ddprun started would (new id, the members' state sent to
-   it: its own is behind), for at most max(DDP_TIMEOUT, 10 x suspect_seconds); if nobody admits it by then
-   (the partition lasts, the job ended) that ddp_ft_begin fails with both reasons. Returns
+   it: its own is behind), for at most 10 x suspect_seconds (sooner when the view's first member refuses
+   its connections for 5 s: the job has ended); if nobody admits it by then (the partition lasts, the job
+   ended) that ddp_ft_begin fails with both reasons. Returns
    DDP_ERR_VIEW_CHANGED: the step is void here (ddp_ft_begin goes on to the rejoin itself). */
 static ddp_result ddp__ft_rejoin(ddp__ft *ft, const char *why) {
     ddp_group *g = ft->g, *v = NULL;
@@ -1001,7 +1002,7 @@ static ddp_result ddp__ft_join_once(ddp__ft *ft, ddp_ft_step *st, double deadlin
     /* briefly: a record written before a view change may name a member lost since (the next one will not) */
     r = first < ft->cap ? ddp__ft_dial(ft, first, DDP__FT_JOIN_MAGIC, DDP__MIN(deadline, ddp__now() + 0.2), err)
                         : DDP_ERR_FORMAT;
-    if (r != DDP_SUCCESS && r != DDP_ERR_FORMAT && gen == ft->join_gen && ++ft->join_refused >= 25 && !ft->rejoin_why[0]) {
+    if (r != DDP_SUCCESS && r != DDP_ERR_FORMAT && gen == ft->join_gen && ++ft->join_refused >= 25) {
         *again = 0; /* 25 tries over 5 s, the same view's first member away: the job has ended */
         return ddp__fail(g, DDP_ERR_PEER_LOST, "ddp_ft_begin: this joiner found no member of the job answering (member "
                          "%u of view %llu refused for 5 s): the job has ended, or its members are unreachable from here",
@@ -1035,14 +1036,14 @@ static ddp_result ddp__ft_join_once(ddp__ft *ft, ddp_ft_step *st, double deadlin
 }
 
 /* A joiner's first ddp_ft_begin (or a member's that rejoins): attempts until one admits it, or the group's
-   timeout passes (a member rejoining: max(the timeout, 10 x suspect_seconds)). */
+   timeout passes (a member rejoining: 10 x suspect_seconds, as long as the view change waits for a quorum). */
 static ddp_result ddp__ft_join(ddp_group *g, ddp_ft_step *st) {
     ddp__ft *ft = ddp__ft_state(g);
     double patience, deadline;
     int again = 1;
     ddp_result r = DDP_ERR_TIMEOUT;
     if (!ft) return ddp__fail(g, DDP_ERR_OUT_OF_MEMORY, "ddp_ft_begin: out of memory");
-    patience = ft->rejoin_why[0] ? DDP__MAX(g->timeout, 10 * g->ft_suspect) : g->timeout;
+    patience = ft->rejoin_why[0] ? 10 * g->ft_suspect : g->timeout;
     deadline = ddp__now() + patience;
     while (again && ddp__now() < deadline) {
         if ((r = ddp__ft_join_once(ft, st, deadline, &again)) == DDP_SUCCESS) {

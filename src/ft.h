@@ -46,8 +46,9 @@
    A member that the others left out of a view (it was stopped, or on the far side of a partition), or that
    finds no quorum (cut off from the majority), does not stop: it drops to a group of one and its next
    ddp_ft_begin (the same call, when the change ran there) rejoins as a joiner would: a new id, admitted
-   by the members, their state sent to it (st->joined = 1). It tries for max(DDP_TIMEOUT, 10 x
-   suspect_seconds), then fails with DDP_ERR_PEER_LOST naming why it left and why it could not come back.
+   by the members, their state sent to it (st->joined = 1). It tries for 10 x suspect_seconds (5 s when
+   the view's first member refuses it: the job has ended), then fails with DDP_ERR_PEER_LOST naming why it
+   left and why it could not come back.
 
    Built: the calls below on the cpu backend (shm, tcp, hier) and on nccl (src/nccl.c, "fault tolerance":
    non-blocking communicators; a new view's is shrunk from the old one with ncclCommShrink where NCCL has
