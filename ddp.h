@@ -356,7 +356,7 @@ typedef struct ddp_init_desc {
        The cpu backend only (shm, tcp, hier); mpi and nccl answer DDP_ERR_UNSUPPORTED. */
     int fault_tolerant;
     int min_world_size;      /* FT: fewer live members than this fail with DDP_ERR_PEER_LOST (0: DDP_FT_MIN_WORLD_SIZE, else 1) */
-    double suspect_seconds;  /* FT: a member silent this long in a view change is suspected (0: DDP_FT_SUSPECT_SECONDS, else 10) */
+    double suspect_seconds;  /* FT: a member silent this long (in a collective, in a view change) is suspected (0: DDP_FT_SUSPECT_SECONDS, else 10) */
 } ddp_init_desc;
 
 /* ddp_init: join the process group. Collective: every rank of the world calls it.
@@ -1531,8 +1531,10 @@ DDP_API void ddp_reducer_destroy(ddp_reducer *r);
    Limits: every pair of members holds a control connection (n - 1 sockets per member); ddp_alloc gives
    heap memory (each view maps its own shared segment); subgroups made before a view change are broken by
    it; the reducer keeps its registration order (no bucket rebuild) so every view has the same layout; a
-   silent (not dead) member is suspected at the group's timeout (DDP_TIMEOUT) in a collective, then
-   suspect_seconds in the view change; a job admits at most twice its first size + 62 members in its life. */
+   silent (not dead) member is suspected after suspect_seconds without progress in a collective (while
+   fault tolerance runs, collectives wait that long on a silent peer, not DDP_TIMEOUT: suspect_seconds must
+   exceed the longest wait of one rank for another in a step -- compute skew, a checkpoint's write), then
+   suspect_seconds more in the view change; a job admits at most twice its first size + 62 members in its life. */
 
 /* One step of fault-tolerant training: which view runs it, which step of which epoch, and this process's
    place in the view. The program owns it (zero it before the first ddp_ft_begin); ddp_ft_begin fills the
@@ -3057,6 +3059,10 @@ static DDP__UNUSED int ddp__env_int(const char *name, long lo, long hi, long *va
 static DDP__UNUSED const char *ddp__env(const char *name); /* NULL when unset or empty */
 static DDP__UNUSED double ddp__now(void);                  /* monotonic seconds */
 static DDP__UNUSED double ddp__wall_seconds(void);         /* CLOCK_REALTIME seconds */
+/* How long a collective waits on a peer that makes no progress (g->quiet when set and shorter, else the
+   group's timeout), and what sets it, for messages ("DDP_TIMEOUT", or fault tolerance's suspect_seconds). */
+static DDP__UNUSED double ddp__quiet_limit(const ddp_group *g);
+static DDP__UNUSED const char *ddp__quiet_limit_name(const ddp_group *g);
 static DDP__UNUSED void *ddp__malloc(size_t size);         /* NULL on failure; size 0 allowed */
 static DDP__UNUSED void *ddp__calloc(size_t n, size_t size);
 static DDP__UNUSED void ddp__free(void *p);
@@ -3450,6 +3456,8 @@ struct ddp_group {
     int local_rank, local_world_size; /* among this group's ranks on this host */
     int *world_ranks;                 /* world_ranks[i]: member i's rank in the world group */
     double timeout;                   /* seconds a blocked operation waits */
+    double quiet;                     /* when > 0 and shorter: seconds a collective waits on a silent peer
+                                         (suspect_seconds while fault tolerance runs: ddp__group_set_quiet) */
     ddp_log_level log_level;
     ddp_log_fn log_fn;
     void *log_user;
@@ -3517,6 +3525,8 @@ static DDP__UNUSED ddp_result ddp__group_open_view(ddp_group *g, int rank, int n
                                                   double timeout, ddp_group **out);
 /* g (its progress thread idle) takes v's data plane; g's old one is freed with v. */
 static DDP__UNUSED void ddp__group_adopt(ddp_group *g, ddp_group *v);
+/* g's (and its stage groups') limit on a silent peer in collectives: seconds, 0 for the group's timeout. */
+static DDP__UNUSED void ddp__group_set_quiet(ddp_group *g, double seconds);
 /* ---- ft.c ---- */
 static DDP__UNUSED void ddp__ft_test_kill(ddp_group *g, const char *point); /* DDP_FT_TEST_KILL's points in other layers */
 
@@ -4091,6 +4101,15 @@ static double ddp__now(void) {
     struct timespec ts;
     clock_gettime(CLOCK_MONOTONIC, &ts);
     return (double)ts.tv_sec + (double)ts.tv_nsec * 1e-9;
+}
+
+/* A collective gives up on a peer that made no progress for this long. Fault tolerance sets g->quiet to
+   suspect_seconds while it runs (FT.md 2.3: "no progress for suspect_seconds = suspected"), so that a silent
+   member -- stopped, or behind a cut link -- starts the view change then, not at the group's timeout. */
+static double ddp__quiet_limit(const ddp_group *g) { return g->quiet > 0 && g->quiet < g->timeout ? g->quiet : g->timeout; }
+
+static const char *ddp__quiet_limit_name(const ddp_group *g) {
+    return g->quiet > 0 && g->quiet < g->timeout ? "fault tolerance's suspect_seconds sets the limit" : "DDP_TIMEOUT sets the limit";
 }
 
 /* CLOCK_REALTIME in seconds: comparable between processes (between machines as far as NTP keeps them) */
@@ -10521,13 +10540,14 @@ static ddp_result ddp__peer_timed_out(ddp_group *g, int peer, const ddp__coll *c
     char desc[160], name[DDP__PEER_NAME_MAX];
     ddp__coll_describe(g, c, desc, sizeof desc);
     if (g->mesh.peers[peer].fd < 0)
-        return ddp__coll_fail(g, DDP_ERR_TIMEOUT, "timed out after %.0f s in %s waiting for rank %d (%s), which never "
+        return ddp__coll_fail(g, DDP_ERR_TIMEOUT, "timed out after %g s in %s waiting for rank %d (%s), which never "
                               "connected to this rank: is it stuck, stopped, in a different collective, or is the network "
-                              "to it down? (DDP_TIMEOUT sets the limit)", g->timeout, desc, peer,
-                              ddp__peer_name(g, peer, name, sizeof name));
-    return ddp__coll_fail(g, DDP_ERR_TIMEOUT, "timed out after %.0f s in %s waiting for rank %d (%s), which is alive but "
+                              "to it down? (%s)", ddp__quiet_limit(g), desc, peer,
+                              ddp__peer_name(g, peer, name, sizeof name), ddp__quiet_limit_name(g));
+    return ddp__coll_fail(g, DDP_ERR_TIMEOUT, "timed out after %g s in %s waiting for rank %d (%s), which is alive but "
                           "not taking part: is it stuck, stopped, in a different collective, or is the network to it "
-                          "down? (DDP_TIMEOUT sets the limit)", g->timeout, desc, peer, ddp__peer_name(g, peer, name, sizeof name));
+                          "down? (%s)", ddp__quiet_limit(g), desc, peer, ddp__peer_name(g, peer, name, sizeof name),
+                          ddp__quiet_limit_name(g));
 }
 
 /* The first peer whose connection hung up (exited, or aborted the group), looking only at peer `only`
@@ -10862,7 +10882,7 @@ static ddp_result ddp__exchange(ddp_group *g, const ddp__coll *c, const ddp__ste
     int *owner = g->mesh.poll_owner;
     int spin = s->send_bytes <= DDP__TCP_SPIN_MAX_BYTES && s->recv_bytes <= DDP__TCP_SPIN_MAX_BYTES;
     double spin_for = ddp__oversubscribed(g->local_world_size) ? 0 : DDP__TCP_SPIN_SECONDS;
-    double deadline = s->deadline > 0 ? s->deadline : ddp__now() + g->timeout, spin_until = spin ? ddp__now() + spin_for : 0;
+    double deadline = s->deadline > 0 ? s->deadline : ddp__now() + ddp__quiet_limit(g), spin_until = spin ? ddp__now() + spin_for : 0;
     double watch_every = DDP__WATCH_PERIOD, next_watch = ddp__now() + watch_every;
     if (g->broken) return g->broken;
     if (s->send_peer >= 0) ddp__frame_init(&out, g, c, s->p2p ? DDP__FRAME_P2P : DDP__FRAME_DATA, s->send_bytes);
@@ -10978,7 +10998,7 @@ static ddp_result ddp__exchange(ddp_group *g, const ddp__coll *c, const ddp__ste
         }
         if (progressed && (s->deadline <= 0 || sent > 0 || received > 0)) { /* a handshake's progress does not
                                                                                move a step's own deadline */
-            deadline = ddp__now() + g->timeout;
+            deadline = ddp__now() + ddp__quiet_limit(g);
             if (spin) spin_until = ddp__now() + spin_for;
         } else if (ddp__now() > deadline) {
             if (s->soft && sent == 0 && received == 0) return DDP_ERR_TIMEOUT;
@@ -11040,7 +11060,7 @@ static ddp_result ddp__p2p_look(ddp_group *g, const ddp__coll *c, const ddp__pos
 static ddp_result ddp__p2p_wait(ddp_group *g, const ddp__coll *c, ddp__posted *p, int once) {
     struct pollfd *fds = g->mesh.pollfds;
     int *owner = g->mesh.poll_owner;
-    double deadline = ddp__now() + g->timeout, ahead_since = 0;
+    double deadline = ddp__now() + ddp__quiet_limit(g), ahead_since = 0;
     for (;;) {
         int n = 0, npeers, i, rc, progressed = 0, soon = 0;
         double wake = deadline;
@@ -11081,7 +11101,7 @@ static ddp_result ddp__p2p_wait(ddp_group *g, const ddp__coll *c, ddp__posted *p
             return ddp__p2p_went_on(g, p, theirs);
         }
         if (once) return DDP_SUCCESS;
-        if (progressed) deadline = ddp__now() + g->timeout;
+        if (progressed) deadline = ddp__now() + ddp__quiet_limit(g);
         else if (ddp__now() > deadline) return ddp__peer_timed_out(g, p->src, c);
     }
 }
@@ -13441,7 +13461,7 @@ static ddp_result ddp__shm_wait(ddp_group *g, const ddp__coll *c, int which, uin
             g->mesh.waiting_for = j;
             if ((lost = ddp__hung_up_peer(g, j)) >= 0 && !ddp__shm_posted(s, j, c, which, step, check))
                 return ddp__peer_failed(g, lost, c);
-            if (deadline == 0) deadline = ddp__now() + g->timeout;
+            if (deadline == 0) deadline = ddp__now() + ddp__quiet_limit(g);
             if (ddp__now() > deadline) return ddp__peer_timed_out(g, j, c);
         }
         if (check) {
@@ -15716,7 +15736,7 @@ static ddp_result ddp__nccl_wait_described(ddp_group *g, const ddp__coll *c, con
     ddp_result r;
     w.g = g;
     w.c = c;
-    r = ddp__cuda_nccl_wait(g->nccl->comm, event, g->timeout, desc, ddp__nccl_watch, &w, err, sizeof err);
+    r = ddp__cuda_nccl_wait(g->nccl->comm, event, ddp__quiet_limit(g), desc, ddp__nccl_watch, &w, err, sizeof err);
     if (r == DDP_SUCCESS) return r;
     if (g->broken) return g->broken; /* the watch broke the group with the other rank's reason */
     return ddp__coll_fail(g, r, "rank %d: %s", g->rank, err);
@@ -17183,6 +17203,14 @@ static ddp_result ddp__group_open_view(ddp_group *g, int rank, int n, ddp_store 
     return DDP_SUCCESS;
 }
 
+/* g's limit on a silent peer in collectives (ddp__quiet_limit), on its hierarchical stage groups too:
+   fault tolerance sets suspect_seconds while it runs, 0 (the group's timeout) otherwise. */
+static void ddp__group_set_quiet(ddp_group *g, double seconds) {
+    g->quiet = seconds;
+    if (g->hier.host) g->hier.host->quiet = seconds;
+    if (g->hier.leaders) g->hier.leaders->quiet = seconds;
+}
+
 #define DDP__SWAP(T, a, b) do { T swap_ = (a); (a) = (b); (b) = swap_; } while (0)
 /* g (the program's handle, its progress thread idle) takes view v's data plane; v, holding g's old one, is
    freed. Subgroups made before stop working: they are broken with a message that says why. */
@@ -17227,6 +17255,7 @@ static void ddp__group_adopt(ddp_group *g, ddp_group *v) {
     g->mesh.posted = v->mesh.posted, v->mesh.posted = m.posted;
     g->mesh.p2p_calls = v->mesh.p2p_calls;
     memcpy(g->member.prefix, v->member.prefix, sizeof g->member.prefix); /* connections made later hash it */
+    ddp__group_set_quiet(g, g->quiet); /* the new view's stage groups */
     ddp__nccl_retire(v); /* the old communicator: aborted (its lost members would never answer) */
     ddp__group_free(v);
 }
@@ -17801,7 +17830,8 @@ DDP_API ddp_store *ddp_group_store(ddp_group *g) {
    collective of the step, the reducer, the vote -- the group breaks as it always does (an ABORT flood,
    the shared segment's abort word: every member blocked anywhere wakes), but in fault-tolerant mode the
    calls answer DDP_ERR_VIEW_CHANGED (util.c's ddp__ft_code) and the next ddp_ft_begin or ddp_ft_commit
-   runs the view change.
+   runs the view change. A silent peer (stopped, or behind a cut link: nothing closes) fails a collective
+   after suspect_seconds without progress, not the group's timeout (ddp__ft_quiet).
 
    THE VIEW CHANGE (ddp__ft_change). The member tells ft_view.c that its data plane failed and its step's
    status (RUNNING, or COMPLETE in the vote); then it polls its control connections, feeding every message
@@ -18927,9 +18957,17 @@ static ddp_result ddp__ft_begin_member(ddp_group *g, ddp_ft_step *st) {
     return DDP_SUCCESS;
 }
 
-DDP_API ddp_result ddp_ft_begin(ddp_group *g, ddp_ft_step *st) {
-    ddp_result r = ddp__ft_check(g, st, "ddp_ft_begin");
-    if (r) return r;
+/* While fault tolerance runs, a collective gives up on a peer silent for suspect_seconds (FT.md 2.3, "no
+   progress for suspect_seconds = suspected"), not the group's timeout: a stopped member or a cut link then
+   starts the view change after suspect_seconds, and the coordinator waits at most as long again for the
+   reports (ddp__ft_change). Once it stops (the job's end, a failure), the timeout again. */
+static ddp_result ddp__ft_quiet(ddp_group *g, ddp_result r) {
+    ddp__group_set_quiet(g, g->ft_running ? g->ft_suspect : 0);
+    return r;
+}
+
+static ddp_result ddp__ft_begin_checked(ddp_group *g, ddp_ft_step *st) {
+    ddp_result r;
     if (!g->ft_join) { /* a member; left out or cut off in a view change here, it rejoins at once (below) */
         r = ddp__ft_begin_member(g, st);
         if (r != DDP_ERR_VIEW_CHANGED || !g->ft_join) return r;
@@ -18939,12 +18977,16 @@ DDP_API ddp_result ddp_ft_begin(ddp_group *g, ddp_ft_step *st) {
     return DDP_SUCCESS;
 }
 
-DDP_API ddp_result ddp_ft_commit(ddp_group *g, ddp_ft_step *st) {
-    ddp_result r = ddp__ft_check(g, st, "ddp_ft_commit");
+DDP_API ddp_result ddp_ft_begin(ddp_group *g, ddp_ft_step *st) {
+    ddp_result r = ddp__ft_check(g, st, "ddp_ft_begin");
+    return r ? r : ddp__ft_quiet(g, ddp__ft_begin_checked(g, st));
+}
+
+static ddp_result ddp__ft_commit_checked(ddp_group *g, ddp_ft_step *st) {
     int64_t vote[2];
     int applied = 0;
     ddp__ft *ft;
-    if (r) return r;
+    ddp_result r;
     if (!(ft = g->ft) || !g->ft_running) return ddp__fail(g, DDP_ERR_STATE, "ddp_ft_commit: call ddp_ft_begin first");
     ddp__ft_kill_at(ft, "vote");
     ddp__drain(g); /* (g->broken is the progress thread's to write while it runs) */
@@ -18968,6 +19010,11 @@ DDP_API ddp_result ddp_ft_commit(ddp_group *g, ddp_ft_step *st) {
     return ddp__fail(g, DDP_ERR_VIEW_CHANGED, "ddp_ft_commit: the view changed (view %llu, %d member%s) before every member "
                      "finished the step; redo it: call ddp_ft_begin and run step %llu again", (unsigned long long)st->gen,
                      st->world_size, st->world_size == 1 ? "" : "s", (unsigned long long)st->step);
+}
+
+DDP_API ddp_result ddp_ft_commit(ddp_group *g, ddp_ft_step *st) {
+    ddp_result r = ddp__ft_check(g, st, "ddp_ft_commit");
+    return r ? r : ddp__ft_quiet(g, ddp__ft_commit_checked(g, st));
 }
 
 /* A kill point inside another layer (the reducer's "bucket"), for DDP_FT_TEST_KILL. */

@@ -117,7 +117,7 @@ typedef struct ddp_init_desc {
        The cpu backend only (shm, tcp, hier); mpi and nccl answer DDP_ERR_UNSUPPORTED. */
     int fault_tolerant;
     int min_world_size;      /* FT: fewer live members than this fail with DDP_ERR_PEER_LOST (0: DDP_FT_MIN_WORLD_SIZE, else 1) */
-    double suspect_seconds;  /* FT: a member silent this long in a view change is suspected (0: DDP_FT_SUSPECT_SECONDS, else 10) */
+    double suspect_seconds;  /* FT: a member silent this long (in a collective, in a view change) is suspected (0: DDP_FT_SUSPECT_SECONDS, else 10) */
 } ddp_init_desc;
 
 /* ddp_init: join the process group. Collective: every rank of the world calls it.

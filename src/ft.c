@@ -15,7 +15,8 @@
    collective of the step, the reducer, the vote -- the group breaks as it always does (an ABORT flood,
    the shared segment's abort word: every member blocked anywhere wakes), but in fault-tolerant mode the
    calls answer DDP_ERR_VIEW_CHANGED (util.c's ddp__ft_code) and the next ddp_ft_begin or ddp_ft_commit
-   runs the view change.
+   runs the view change. A silent peer (stopped, or behind a cut link: nothing closes) fails a collective
+   after suspect_seconds without progress, not the group's timeout (ddp__ft_quiet).
 
    THE VIEW CHANGE (ddp__ft_change). The member tells ft_view.c that its data plane failed and its step's
    status (RUNNING, or COMPLETE in the vote); then it polls its control connections, feeding every message
@@ -1143,9 +1144,17 @@ static ddp_result ddp__ft_begin_member(ddp_group *g, ddp_ft_step *st) {
     return DDP_SUCCESS;
 }
 
-DDP_API ddp_result ddp_ft_begin(ddp_group *g, ddp_ft_step *st) {
-    ddp_result r = ddp__ft_check(g, st, "ddp_ft_begin");
-    if (r) return r;
+/* While fault tolerance runs, a collective gives up on a peer silent for suspect_seconds (FT.md 2.3, "no
+   progress for suspect_seconds = suspected"), not the group's timeout: a stopped member or a cut link then
+   starts the view change after suspect_seconds, and the coordinator waits at most as long again for the
+   reports (ddp__ft_change). Once it stops (the job's end, a failure), the timeout again. */
+static ddp_result ddp__ft_quiet(ddp_group *g, ddp_result r) {
+    ddp__group_set_quiet(g, g->ft_running ? g->ft_suspect : 0);
+    return r;
+}
+
+static ddp_result ddp__ft_begin_checked(ddp_group *g, ddp_ft_step *st) {
+    ddp_result r;
     if (!g->ft_join) { /* a member; left out or cut off in a view change here, it rejoins at once (below) */
         r = ddp__ft_begin_member(g, st);
         if (r != DDP_ERR_VIEW_CHANGED || !g->ft_join) return r;
@@ -1155,12 +1164,16 @@ DDP_API ddp_result ddp_ft_begin(ddp_group *g, ddp_ft_step *st) {
     return DDP_SUCCESS;
 }
 
-DDP_API ddp_result ddp_ft_commit(ddp_group *g, ddp_ft_step *st) {
-    ddp_result r = ddp__ft_check(g, st, "ddp_ft_commit");
+DDP_API ddp_result ddp_ft_begin(ddp_group *g, ddp_ft_step *st) {
+    ddp_result r = ddp__ft_check(g, st, "ddp_ft_begin");
+    return r ? r : ddp__ft_quiet(g, ddp__ft_begin_checked(g, st));
+}
+
+static ddp_result ddp__ft_commit_checked(ddp_group *g, ddp_ft_step *st) {
     int64_t vote[2];
     int applied = 0;
     ddp__ft *ft;
-    if (r) return r;
+    ddp_result r;
     if (!(ft = g->ft) || !g->ft_running) return ddp__fail(g, DDP_ERR_STATE, "ddp_ft_commit: call ddp_ft_begin first");
     ddp__ft_kill_at(ft, "vote");
     ddp__drain(g); /* (g->broken is the progress thread's to write while it runs) */
@@ -1184,6 +1197,11 @@ DDP_API ddp_result ddp_ft_commit(ddp_group *g, ddp_ft_step *st) {
     return ddp__fail(g, DDP_ERR_VIEW_CHANGED, "ddp_ft_commit: the view changed (view %llu, %d member%s) before every member "
                      "finished the step; redo it: call ddp_ft_begin and run step %llu again", (unsigned long long)st->gen,
                      st->world_size, st->world_size == 1 ? "" : "s", (unsigned long long)st->step);
+}
+
+DDP_API ddp_result ddp_ft_commit(ddp_group *g, ddp_ft_step *st) {
+    ddp_result r = ddp__ft_check(g, st, "ddp_ft_commit");
+    return r ? r : ddp__ft_quiet(g, ddp__ft_commit_checked(g, st));
 }
 
 /* A kill point inside another layer (the reducer's "bucket"), for DDP_FT_TEST_KILL. */

@@ -61,8 +61,10 @@
    Limits: every pair of members holds a control connection (n - 1 sockets per member); ddp_alloc gives
    heap memory (each view maps its own shared segment); subgroups made before a view change are broken by
    it; the reducer keeps its registration order (no bucket rebuild) so every view has the same layout; a
-   silent (not dead) member is suspected at the group's timeout (DDP_TIMEOUT) in a collective, then
-   suspect_seconds in the view change; a job admits at most twice its first size + 62 members in its life. */
+   silent (not dead) member is suspected after suspect_seconds without progress in a collective (while
+   fault tolerance runs, collectives wait that long on a silent peer, not DDP_TIMEOUT: suspect_seconds must
+   exceed the longest wait of one rank for another in a step -- compute skew, a checkpoint's write), then
+   suspect_seconds more in the view change; a job admits at most twice its first size + 62 members in its life. */
 
 /* One step of fault-tolerant training: which view runs it, which step of which epoch, and this process's
    place in the view. The program owns it (zero it before the first ddp_ft_begin); ddp_ft_begin fills the

@@ -249,6 +249,14 @@ static ddp_result ddp__group_open_view(ddp_group *g, int rank, int n, ddp_store 
     return DDP_SUCCESS;
 }
 
+/* g's limit on a silent peer in collectives (ddp__quiet_limit), on its hierarchical stage groups too:
+   fault tolerance sets suspect_seconds while it runs, 0 (the group's timeout) otherwise. */
+static void ddp__group_set_quiet(ddp_group *g, double seconds) {
+    g->quiet = seconds;
+    if (g->hier.host) g->hier.host->quiet = seconds;
+    if (g->hier.leaders) g->hier.leaders->quiet = seconds;
+}
+
 #define DDP__SWAP(T, a, b) do { T swap_ = (a); (a) = (b); (b) = swap_; } while (0)
 /* g (the program's handle, its progress thread idle) takes view v's data plane; v, holding g's old one, is
    freed. Subgroups made before stop working: they are broken with a message that says why. */
@@ -293,6 +301,7 @@ static void ddp__group_adopt(ddp_group *g, ddp_group *v) {
     g->mesh.posted = v->mesh.posted, v->mesh.posted = m.posted;
     g->mesh.p2p_calls = v->mesh.p2p_calls;
     memcpy(g->member.prefix, v->member.prefix, sizeof g->member.prefix); /* connections made later hash it */
+    ddp__group_set_quiet(g, g->quiet); /* the new view's stage groups */
     ddp__nccl_retire(v); /* the old communicator: aborted (its lost members would never answer) */
     ddp__group_free(v);
 }

@@ -246,6 +246,10 @@ static DDP__UNUSED int ddp__env_int(const char *name, long lo, long hi, long *va
 static DDP__UNUSED const char *ddp__env(const char *name); /* NULL when unset or empty */
 static DDP__UNUSED double ddp__now(void);                  /* monotonic seconds */
 static DDP__UNUSED double ddp__wall_seconds(void);         /* CLOCK_REALTIME seconds */
+/* How long a collective waits on a peer that makes no progress (g->quiet when set and shorter, else the
+   group's timeout), and what sets it, for messages ("DDP_TIMEOUT", or fault tolerance's suspect_seconds). */
+static DDP__UNUSED double ddp__quiet_limit(const ddp_group *g);
+static DDP__UNUSED const char *ddp__quiet_limit_name(const ddp_group *g);
 static DDP__UNUSED void *ddp__malloc(size_t size);         /* NULL on failure; size 0 allowed */
 static DDP__UNUSED void *ddp__calloc(size_t n, size_t size);
 static DDP__UNUSED void ddp__free(void *p);
@@ -639,6 +643,8 @@ struct ddp_group {
     int local_rank, local_world_size; /* among this group's ranks on this host */
     int *world_ranks;                 /* world_ranks[i]: member i's rank in the world group */
     double timeout;                   /* seconds a blocked operation waits */
+    double quiet;                     /* when > 0 and shorter: seconds a collective waits on a silent peer
+                                         (suspect_seconds while fault tolerance runs: ddp__group_set_quiet) */
     ddp_log_level log_level;
     ddp_log_fn log_fn;
     void *log_user;
@@ -706,6 +712,8 @@ static DDP__UNUSED ddp_result ddp__group_open_view(ddp_group *g, int rank, int n
                                                   double timeout, ddp_group **out);
 /* g (its progress thread idle) takes v's data plane; g's old one is freed with v. */
 static DDP__UNUSED void ddp__group_adopt(ddp_group *g, ddp_group *v);
+/* g's (and its stage groups') limit on a silent peer in collectives: seconds, 0 for the group's timeout. */
+static DDP__UNUSED void ddp__group_set_quiet(ddp_group *g, double seconds);
 /* ---- ft.c ---- */
 static DDP__UNUSED void ddp__ft_test_kill(ddp_group *g, const char *point); /* DDP_FT_TEST_KILL's points in other layers */
 

@@ -324,7 +324,7 @@ static ddp_result ddp__nccl_wait_described(ddp_group *g, const ddp__coll *c, con
     ddp_result r;
     w.g = g;
     w.c = c;
-    r = ddp__cuda_nccl_wait(g->nccl->comm, event, g->timeout, desc, ddp__nccl_watch, &w, err, sizeof err);
+    r = ddp__cuda_nccl_wait(g->nccl->comm, event, ddp__quiet_limit(g), desc, ddp__nccl_watch, &w, err, sizeof err);
     if (r == DDP_SUCCESS) return r;
     if (g->broken) return g->broken; /* the watch broke the group with the other rank's reason */
     return ddp__coll_fail(g, r, "rank %d: %s", g->rank, err);

@@ -321,7 +321,7 @@ static ddp_result ddp__shm_wait(ddp_group *g, const ddp__coll *c, int which, uin
             g->mesh.waiting_for = j;
             if ((lost = ddp__hung_up_peer(g, j)) >= 0 && !ddp__shm_posted(s, j, c, which, step, check))
                 return ddp__peer_failed(g, lost, c);
-            if (deadline == 0) deadline = ddp__now() + g->timeout;
+            if (deadline == 0) deadline = ddp__now() + ddp__quiet_limit(g);
             if (ddp__now() > deadline) return ddp__peer_timed_out(g, j, c);
         }
         if (check) {

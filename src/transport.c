@@ -195,13 +195,14 @@ static ddp_result ddp__peer_timed_out(ddp_group *g, int peer, const ddp__coll *c
     char desc[160], name[DDP__PEER_NAME_MAX];
     ddp__coll_describe(g, c, desc, sizeof desc);
     if (g->mesh.peers[peer].fd < 0)
-        return ddp__coll_fail(g, DDP_ERR_TIMEOUT, "timed out after %.0f s in %s waiting for rank %d (%s), which never "
+        return ddp__coll_fail(g, DDP_ERR_TIMEOUT, "timed out after %g s in %s waiting for rank %d (%s), which never "
                               "connected to this rank: is it stuck, stopped, in a different collective, or is the network "
-                              "to it down? (DDP_TIMEOUT sets the limit)", g->timeout, desc, peer,
-                              ddp__peer_name(g, peer, name, sizeof name));
-    return ddp__coll_fail(g, DDP_ERR_TIMEOUT, "timed out after %.0f s in %s waiting for rank %d (%s), which is alive but "
+                              "to it down? (%s)", ddp__quiet_limit(g), desc, peer,
+                              ddp__peer_name(g, peer, name, sizeof name), ddp__quiet_limit_name(g));
+    return ddp__coll_fail(g, DDP_ERR_TIMEOUT, "timed out after %g s in %s waiting for rank %d (%s), which is alive but "
                           "not taking part: is it stuck, stopped, in a different collective, or is the network to it "
-                          "down? (DDP_TIMEOUT sets the limit)", g->timeout, desc, peer, ddp__peer_name(g, peer, name, sizeof name));
+                          "down? (%s)", ddp__quiet_limit(g), desc, peer, ddp__peer_name(g, peer, name, sizeof name),
+                          ddp__quiet_limit_name(g));
 }
 
 /* The first peer whose connection hung up (exited, or aborted the group), looking only at peer `only`
@@ -536,7 +537,7 @@ static ddp_result ddp__exchange(ddp_group *g, const ddp__coll *c, const ddp__ste
     int *owner = g->mesh.poll_owner;
     int spin = s->send_bytes <= DDP__TCP_SPIN_MAX_BYTES && s->recv_bytes <= DDP__TCP_SPIN_MAX_BYTES;
     double spin_for = ddp__oversubscribed(g->local_world_size) ? 0 : DDP__TCP_SPIN_SECONDS;
-    double deadline = s->deadline > 0 ? s->deadline : ddp__now() + g->timeout, spin_until = spin ? ddp__now() + spin_for : 0;
+    double deadline = s->deadline > 0 ? s->deadline : ddp__now() + ddp__quiet_limit(g), spin_until = spin ? ddp__now() + spin_for : 0;
     double watch_every = DDP__WATCH_PERIOD, next_watch = ddp__now() + watch_every;
     if (g->broken) return g->broken;
     if (s->send_peer >= 0) ddp__frame_init(&out, g, c, s->p2p ? DDP__FRAME_P2P : DDP__FRAME_DATA, s->send_bytes);
@@ -652,7 +653,7 @@ static ddp_result ddp__exchange(ddp_group *g, const ddp__coll *c, const ddp__ste
         }
         if (progressed && (s->deadline <= 0 || sent > 0 || received > 0)) { /* a handshake's progress does not
                                                                                move a step's own deadline */
-            deadline = ddp__now() + g->timeout;
+            deadline = ddp__now() + ddp__quiet_limit(g);
             if (spin) spin_until = ddp__now() + spin_for;
         } else if (ddp__now() > deadline) {
             if (s->soft && sent == 0 && received == 0) return DDP_ERR_TIMEOUT;
@@ -714,7 +715,7 @@ static ddp_result ddp__p2p_look(ddp_group *g, const ddp__coll *c, const ddp__pos
 static ddp_result ddp__p2p_wait(ddp_group *g, const ddp__coll *c, ddp__posted *p, int once) {
     struct pollfd *fds = g->mesh.pollfds;
     int *owner = g->mesh.poll_owner;
-    double deadline = ddp__now() + g->timeout, ahead_since = 0;
+    double deadline = ddp__now() + ddp__quiet_limit(g), ahead_since = 0;
     for (;;) {
         int n = 0, npeers, i, rc, progressed = 0, soon = 0;
         double wake = deadline;
@@ -755,7 +756,7 @@ static ddp_result ddp__p2p_wait(ddp_group *g, const ddp__coll *c, ddp__posted *p
             return ddp__p2p_went_on(g, p, theirs);
         }
         if (once) return DDP_SUCCESS;
-        if (progressed) deadline = ddp__now() + g->timeout;
+        if (progressed) deadline = ddp__now() + ddp__quiet_limit(g);
         else if (ddp__now() > deadline) return ddp__peer_timed_out(g, p->src, c);
     }
 }

@@ -142,6 +142,15 @@ static double ddp__now(void) {
     return (double)ts.tv_sec + (double)ts.tv_nsec * 1e-9;
 }
 
+/* A collective gives up on a peer that made no progress for this long. Fault tolerance sets g->quiet to
+   suspect_seconds while it runs (FT.md 2.3: "no progress for suspect_seconds = suspected"), so that a silent
+   member -- stopped, or behind a cut link -- starts the view change then, not at the group's timeout. */
+static double ddp__quiet_limit(const ddp_group *g) { return g->quiet > 0 && g->quiet < g->timeout ? g->quiet : g->timeout; }
+
+static const char *ddp__quiet_limit_name(const ddp_group *g) {
+    return g->quiet > 0 && g->quiet < g->timeout ? "fault tolerance's suspect_seconds sets the limit" : "DDP_TIMEOUT sets the limit";
+}
+
 /* CLOCK_REALTIME in seconds: comparable between processes (between machines as far as NTP keeps them) */
 static double ddp__wall_seconds(void) {
     struct timespec ts;

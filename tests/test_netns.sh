@@ -208,7 +208,7 @@ majority_alone() {
   awk -v cut="$2" -v on_a="$1" '/: commit / { split(FILENAME, f, "."); if (f[length(f)] + 0 < on_a && $NF > cut && $8 == on_a) ok = 1 }
     END { exit !ok }' "$T"/ft.*
 }
-FT_STEPS=4000 FT_TIMEOUT=2 FT_SUSPECT=0.5
+FT_STEPS=4000 FT_TIMEOUT=30 FT_SUSPECT=0.5 # the timeout far above: a silent peer must be caught by suspect_seconds
 for on_a in 3 2; do
   fresh_link
   ON_A=$on_a RANK_ENV="DDP_FT=1 DDP_TIMEOUT=$FT_TIMEOUT DDP_FT_SUSPECT_SECONDS=$FT_SUSPECT" start_hosts "$T/ft" "$ftl" $FT_STEPS
