@@ -4,14 +4,20 @@
    index i, in three tensors of 301, 41 and 7 floats, so the reducer runs three buckets) with SGD, for two
    epochs of a shuffled dataset through ddp_sampler_step_batch and ddp_reducer_set_local_samples, looping
    as src/ft.h says. Each rank writes a log line per pass it finished (the indices it used) and per step it
-   committed (the view that ran it), and its final weights. The parent checks, independently of the
-   library's code:
+   committed (the view that ran it, and a hash of its weights after the step's update), and its final
+   weights. The parent checks, independently of the library's code:
    - every survivor exits 0 and the victims die by SIGKILL;
    - per epoch, the committed steps are 0 .. S-1, each once, and each step's samples (every rank's share
      in the view that committed it, from the sampler's position rule) are the epoch's padded list
      (G2: every sample once); each logged pass used exactly its rank's share;
-   - the survivors' final weights are equal bit for bit, and equal a serial f64 replay of the failure-free
-     run (the mean gradient of each step's global batch) within 1e-5 (G3);
+   - G3: the weights after each committed step are the same bits on every member that committed it, and
+     the same bits as a serial f32 replay of the membership log (membership_replay: per committed step
+     the view's size, each view rank's share, the reducer's n / N weights and the transport's order of
+     f32 adds: rank order over shared memory, recursive doubling over TCP; bit for bit on both, since
+     neither order depends on timing); the survivors' final weights are equal bit for bit, equal the
+     replay's, and equal a serial f64 replay of the failure-free run (the mean gradient of each step's
+     global batch) within 1e-5. (The per-step hashes matter: SGD here contracts, so a difference early in
+     a run would be gone from the final weights.)
    - from a kill to the survivors' next committed step (printed; not a pass/fail threshold: machines are
      noisy; the closing numbers are measured by bench, not asserted here).
    Cases: no kill; a member killed at begin, mid-bucket, in the vote (its vote lost: every survivor has
@@ -22,6 +28,7 @@
 
 #define NT 3
 static const size_t COUNT[NT] = {301, 41, 7};
+#define COUNT_MAX 301
 #define DATASET 203
 #define BATCH 4    /* per rank of the first view: G = BATCH * R0 */
 #define MAX_EPOCHS 64
@@ -33,6 +40,33 @@ static double wall(void) {
     struct timespec ts;
     clock_gettime(CLOCK_REALTIME, &ts);
     return (double)ts.tv_sec + (double)ts.tv_nsec * 1e-9;
+}
+
+/* The model's f32 arithmetic, shared by the workers and membership_replay: tensor t's gradient on a rank,
+   the mean over its samples of w - t(i) (summed in f64, rounded once; 0 without samples) ... */
+static void local_grad(const float *w, int t, const int64_t *idx, size_t got, float *gr) {
+    size_t e, k;
+    for (e = 0; e < COUNT[t]; e++) {
+        double sum = 0;
+        for (k = 0; k < got; k++) sum += (double)w[e] - target(idx[k], t, e);
+        gr[e] = got ? (float)(sum / (double)got) : 0.0f;
+    }
+}
+
+/* ... and SGD with the averaged gradient. */
+static void sgd(float *w, const float *gr, size_t count) {
+    size_t e;
+    for (e = 0; e < count; e++) w[e] -= (float)LR * gr[e];
+}
+
+/* The weights' bytes, hashed (FNV-1a 64): each K line carries them after its step's update. */
+static uint64_t weights_hash(float *const *w) {
+    uint64_t h = 0xcbf29ce484222325ull;
+    size_t i;
+    int t;
+    for (t = 0; t < NT; t++)
+        for (i = 0; i < COUNT[t] * sizeof(float); i++) h = (h ^ ((const unsigned char *)w[t])[i]) * 0x100000001b3ull;
+    return h;
 }
 
 static const char *g_dir;
@@ -145,13 +179,10 @@ static int worker(int rank, int n, void *arg) {
         }
         pass_gen = st.gen, pass_world = st.world_size, pass_rank = st.rank;
         if (g_compute_us) usleep(g_compute_us);
-        /* forward and backward: the mean over this rank's samples of w - t(i) */
-        for (t = 0; t < NT; t++)
-            for (e = 0; e < COUNT[t]; e++) {
-                double sum = 0;
-                for (k = 0; k < got; k++) sum += (double)w[t][e] - target(idx[k], t, e);
-                gr[t][e] = got ? (float)(sum / (double)got) : 0.0f;
-            }
+        /* the summation order of the reduction (membership_replay) follows the data plane's ranks */
+        CHECK(pass_rank == ddp_rank(g) && pass_world == ddp_world_size(g), "rank %d: the step's view (rank %d of %d) is "
+              "not the group's (rank %d of %d)", rank, pass_rank, pass_world, ddp_rank(g), ddp_world_size(g));
+        for (t = 0; t < NT; t++) local_grad(w[t], t, idx, got, gr[t]); /* forward and backward */
         CHECK_OK(ddp_reducer_begin_backward(r), g);
         res = ddp_reducer_set_local_samples(r, got);
         for (t = NT - 1; t >= 0 && res == DDP_SUCCESS; t--) res = ddp_reducer_grad_ready(r, t);
@@ -169,10 +200,12 @@ static int worker(int rank, int n, void *arg) {
         if (res == DDP_ERR_VIEW_CHANGED) continue;
         expected_end(fd, g, res);
         CHECK(res == DDP_SUCCESS, "rank %d: ddp_ft_commit: %s", rank, ddp_last_error(g));
-        log_line(fd, "K %llu %llu %llu %d %.6f\n", (unsigned long long)st.epoch, (unsigned long long)(st.step - 1),
-                 (unsigned long long)pass_gen, pass_world, wall());
-        for (t = 0; t < NT; t++) /* SGD with the averaged gradient */
-            for (e = 0; e < COUNT[t]; e++) w[t][e] -= (float)LR * gr[t][e];
+        {
+            double when = wall();
+            for (t = 0; t < NT; t++) sgd(w[t], gr[t], COUNT[t]); /* with the averaged gradient */
+            log_line(fd, "K %llu %llu %llu %d %.6f %016llx\n", (unsigned long long)st.epoch, (unsigned long long)(st.step - 1),
+                     (unsigned long long)pass_gen, pass_world, when, (unsigned long long)weights_hash(w));
+        }
         steps++;
     }
     snprintf(path, sizeof path, "%s/weights.%d", g_dir, rank);
@@ -199,6 +232,7 @@ typedef struct commit {
     uint64_t gen;
     int world;
     double when;
+    uint64_t hash; /* of the weights after the step's update */
 } commit;
 
 /* The serial failure-free run in f64: each step's update is the mean of w - t(i) over its global batch. */
@@ -240,6 +274,105 @@ static size_t share_of(ddp_sampler *s, uint64_t epoch, uint64_t step, int rank, 
     return got;
 }
 
+/* ---- G3 bit for bit: a serial f32 replay of the membership log ----
+   The run's arithmetic is the same on every member, so one serial program can redo it operation for
+   operation. Per committed step (the K lines: epoch, step, the view's gen and member count W; ranks are
+   the members' indices in the view, checked against the data plane's in the worker):
+   1. each view rank r's gradient, local_grad over its share (the sampler's position rule, which every
+      logged P line is checked to equal; a member killed after its reduction but before its P line, whose
+      step commits on the survivors' COMPLETE, has none) from the same f32 weights;
+   2. the reducer's weight: set_local_samples all-reduces n_r exactly (i64) and sets
+      grad_scale = (double)n_r / (double)N (src/reducer_pass.c:119); take_from copies the gradient into
+      the bucket through copy_in_scaled (src/reducer_pass.c:153-157): zeros when the scale is 0.0, else
+      (f32 -> f32) d = x * (float)scale in f32, a plain copy when the scale is 1.0 (src/dtype.c:211-222);
+   3. the SUM all-reduce of each bucket (one per tensor: 1204, 164 and 28 bytes), whose order of f32 adds
+      depends only on the transport and W, not on timing:
+      - shared memory (DDP_TRANSPORT=auto: every view of this test is on one host; were /dev/shm
+        unusable, ddp_init would warn and use TCP, and a view of 4 would fail here): at most 64 KiB
+        (shm.c's one-shot size) the one-shot path, where every rank adds the ranks' inputs in rank
+        order, ((c0 + c1) + c2) + c3 (src/shm.c:584-587);
+      - TCP: at most 32 KiB (internal.h's RD_MAX_BYTES) recursive doubling (src/tcp.c:143-168): the first 2(W-p)
+        ranks fold in pairs (p the largest power of two <= W), then log2(p) rounds combine (lower rank's
+        block) + (higher rank's block): W = 4 gives (c0 + c1) + (c2 + c3), W = 3 (c0 + c1) + c2;
+      the result is copied back unchanged (f32, no scaling after the sum: reducer_pass.c's give_back);
+   4. sgd.
+   The victims' weights are not needed: a joiner receives the members' bytes, and a member that dies
+   contributed from the same weights as the others. The bucket sizes stay under both thresholds (a
+   larger model would take shm's two-shot / single-copy paths, which start each slice at its owner, or
+   TCP's ring, whose order is per chunk: also deterministic, but not replayed here). */
+typedef char ft_buckets_are_small[COUNT_MAX * sizeof(float) <= ((size_t)32 << 10) ? 1 : -1];
+
+/* TCP's recursive doubling on one element of W ranks' inputs, as src/tcp.c:143-168 runs it. */
+static float rd_sum(const float *in, int W) {
+    float buf[8], next[8];
+    int p = 1, extra, r, me, mask;
+    while (p * 2 <= W) p *= 2;
+    extra = W - p;
+    for (r = 0; r < W; r++) buf[r] = in[r];
+    for (r = 1; r < 2 * extra; r += 2) buf[r] = buf[r - 1] + buf[r]; /* the fold: 2i -> 2i+1 */
+    for (mask = 1; mask < p; mask <<= 1) {
+        for (me = 0; me < p; me++) {
+            int a = me < extra ? 2 * me + 1 : me + extra, b = (me ^ mask) < extra ? 2 * (me ^ mask) + 1 : (me ^ mask) + extra;
+            next[a] = a < b ? buf[a] + buf[b] : buf[b] + buf[a];
+        }
+        for (me = 0; me < p; me++) {
+            r = me < extra ? 2 * me + 1 : me + extra;
+            buf[r] = next[r];
+        }
+    }
+    return buf[extra ? 1 : 0]; /* (new rank 0's, which every rank ends with) */
+}
+
+/* The replay of check_run's committed steps c (every one of them seen: G2 checked it) into out (the
+   tensors one after the other, as the weights files hold them); after each step its weights must hash as
+   every member's did after that step (their K lines). tcp: the run's transport. */
+static void membership_replay(commit (*c)[128], int n, int tcp, float *out, const char *what) {
+    static float contrib[8][COUNT_MAX];
+    ddp_sampler s;
+    ddp_sampler_desc sd = sampler_desc(n);
+    int64_t idx[8][64];
+    size_t got[8], e, off;
+    uint64_t G = (uint64_t)BATCH * (uint64_t)n, ep, stp;
+    int t, r;
+    float *w[NT];
+    CHECK_OK(ddp_sampler_init(&s, &sd), NULL);
+    for (t = 0, off = 0; t < NT; off += COUNT[t], t++) {
+        w[t] = out + off;
+        for (e = 0; e < COUNT[t]; e++) w[t][e] = (float)(0.1 * (double)e / (double)COUNT[t]);
+    }
+    for (ep = 0; ep < (uint64_t)g_epochs; ep++)
+        for (stp = 0; stp < 128 && c[ep][stp].seen; stp++) {
+            int W = c[ep][stp].world;
+            int64_t N = 0;
+            CHECK(W >= 1 && W <= 8, "a view of %d members", W);
+            for (r = 0; r < W; r++) N += (int64_t)(got[r] = share_of(&s, ep, stp, r, W, G, idx[r]));
+            for (t = 0; t < NT; t++) {
+                float gsum[COUNT_MAX];
+                for (r = 0; r < W; r++) { /* 1 and 2: the rank's gradient, weighted into its bucket */
+                    double scale = (double)got[r] / (double)N;
+                    local_grad(w[t], t, idx[r], got[r], contrib[r]);
+                    for (e = 0; e < COUNT[t]; e++) contrib[r][e] = scale == 0.0 ? 0.0f : contrib[r][e] * (float)scale;
+                }
+                for (e = 0; e < COUNT[t]; e++) { /* 3: the all-reduce's order */
+                    float in[8];
+                    for (r = 0; r < W; r++) in[r] = contrib[r][e];
+                    if (tcp) {
+                        gsum[e] = rd_sum(in, W);
+                    } else {
+                        gsum[e] = in[0];
+                        for (r = 1; r < W; r++) gsum[e] += in[r];
+                    }
+                }
+                sgd(w[t], gsum, COUNT[t]); /* 4 */
+            }
+            CHECK(weights_hash(w) == c[ep][stp].hash, "%s: the weights after epoch %llu step %llu (view %llu, %d members) "
+                  "differ from the membership log's f32 replay (%s order)", what, (unsigned long long)ep,
+                  (unsigned long long)stp, (unsigned long long)c[ep][stp].gen, W, tcp ? "recursive doubling" : "shared "
+                  "memory's rank");
+        }
+    ddp_sampler_free(&s);
+}
+
 static int cmp_i64(const void *a, const void *b) {
     int64_t x = *(const int64_t *)a, y = *(const int64_t *)b;
     return x < y ? -1 : x > y;
@@ -265,17 +398,19 @@ static double check_run(const char *dir, int n, int nlogs, const int *codes, con
         f = fopen(path, "r");
         CHECK(f, "%s: no log from rank %d", what, i);
         while (fgets(line, sizeof line, f)) {
-            unsigned long long a, b, gen;
+            unsigned long long a, b, gen, hash;
             int world, r, off = 0;
             size_t got, k;
             double when;
-            if (sscanf(line, "K %llu %llu %llu %d %lf", &a, &b, &gen, &world, &when) == 5) {
+            if (sscanf(line, "K %llu %llu %llu %d %lf %llx", &a, &b, &gen, &world, &when, &hash) == 6) {
                 commit *x;
                 CHECK(a < (unsigned long long)g_epochs && b < 128, "%s: rank %d committed epoch %llu step %llu", what, i, a, b);
                 x = &c[a][b];
                 CHECK(!x->seen || (x->gen == gen && x->world == world), "%s: epoch %llu step %llu committed in view %llu "
                       "(%d members) and in view %llu (%d members)", what, a, b, (unsigned long long)x->gen, x->world, gen, world);
-                x->seen = 1, x->gen = gen, x->world = world;
+                CHECK(!x->seen || x->hash == hash, "%s: rank %d's weights after epoch %llu step %llu differ from another "
+                      "member's", what, i, a, b);
+                x->seen = 1, x->gen = gen, x->world = world, x->hash = hash;
                 if (!x->when || when < x->when) x->when = when;
             } else if (sscanf(line, "P %llu %llu %llu %d %d %zu%n", &a, &b, &gen, &world, &r, &got, &off) == 6) {
                 int64_t want[64], used[64];
@@ -352,6 +487,22 @@ static double check_run(const char *dir, int n, int nlogs, const int *codes, con
             }
         CHECK(maxd <= 1e-5, "%s: the final weights differ from the serial replay by %.3g", what, maxd);
         for (t = 0; t < NT; t++) free(ref[t]);
+    }
+    /* G3 bit for bit: the membership log's replay (DDP_TRANSPORT, as the parent set it for the run: tcp,
+       or auto, which puts these ranks of one host on shared memory) */
+    {
+        const char *tr = getenv("DDP_TRANSPORT");
+        int tcp = tr && strcmp(tr, "tcp") == 0;
+        float *rep = (float *)malloc(total * sizeof(float));
+        size_t diff = 0, first = 0;
+        CHECK(rep != NULL, "malloc");
+        membership_replay(c, n, tcp, rep, what);
+        for (e = 0; e < total; e++)
+            if (memcmp(&rep[e], &final0[e], sizeof(float)) != 0 && !diff++) first = e;
+        CHECK(diff == 0, "%s: the final weights differ from the membership log's f32 replay (%s order) in %zu of %zu "
+              "elements, first at %zu: %.9g, the replay %.9g", what, tcp ? "recursive doubling" : "shared memory's rank",
+              diff, total, first, (double)final0[first], (double)rep[first]);
+        free(rep);
     }
     free(final0);
     ddp_sampler_free(&s);
