@@ -139,6 +139,10 @@ def banners_inside():
 def build():
     preamble = (ROOT / "src" / "preamble.txt").read_text().rstrip("\n")
     out = [preamble.replace("@SECTIONS@", sections()), ""]
+    out.append("/* DDP_NO_IMPLEMENTATION (COMPILE-TIME OPTIONS): this file's DDP_IMPLEMENTATION is ignored; the rest of\n"
+               "   the file compiles as it would with it (_GNU_SOURCE, which ddp_api.h defines for the implementation) */\n"
+               "#if defined(DDP_NO_IMPLEMENTATION) && defined(DDP_IMPLEMENTATION)\n#undef DDP_IMPLEMENTATION\n"
+               "#ifndef _GNU_SOURCE\n#define _GNU_SOURCE\n#endif\n#endif\n")
     out.append("#ifndef DDP_H_INCLUDED\n#define DDP_H_INCLUDED\n")
     out.append("#ifdef __cplusplus\nextern \"C\" {\n#endif\n")
     out += [piece(p) for p in PUBLIC]

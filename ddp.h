@@ -34,6 +34,9 @@
 
    COMPILE-TIME OPTIONS (define before the include that has DDP_IMPLEMENTATION)
        DDP_STATIC              every function is static (private copy per translation unit)
+       DDP_NO_IMPLEMENTATION   DDP_IMPLEMENTATION is ignored: the program links the implementation from an
+                               object compiled once for many programs (as the Makefile links build/ddp_impl.o
+                               into the examples), while each program's source stays one file
        DDP_MALLOC(sz) DDP_REALLOC(p,sz) DDP_FREE(p)
                                allocator hooks; define all three or none
        DDP_ASSERT(x)           internal invariant checks (default: assert from <assert.h>)
@@ -228,6 +231,15 @@
    [SECTION] fsdp-checkpoint: the full model of a zero_stage 3 reducer in one safetensors file, unit by unit
                src/fsdp_checkpoint.c
 */
+
+/* DDP_NO_IMPLEMENTATION (COMPILE-TIME OPTIONS): this file's DDP_IMPLEMENTATION is ignored; the rest of
+   the file compiles as it would with it (_GNU_SOURCE, which ddp_api.h defines for the implementation) */
+#if defined(DDP_NO_IMPLEMENTATION) && defined(DDP_IMPLEMENTATION)
+#undef DDP_IMPLEMENTATION
+#ifndef _GNU_SOURCE
+#define _GNU_SOURCE
+#endif
+#endif
 
 #ifndef DDP_H_INCLUDED
 #define DDP_H_INCLUDED

@@ -23,7 +23,9 @@ scripts="test_ddprun test_examples"
 if [ "${SANITIZER_SCRIPTS_ONLY:-0}" = 1 ]; then
   for t in $scripts; do
     echo "== $t (its programs under address sanitizer)"
+    started=$SECONDS
     BUILD=build-address-scripts SAN=address bash tests/$t.sh # (its own folder: the ASan run may be building in build-address)
+    echo "== $t: $((SECONDS - started)) s, its build included"
   done
   echo "sanitizers (address, the scripts' programs): no reports"
   exit 0
@@ -33,10 +35,14 @@ for san in ${SANITIZERS:-address}; do
   if [ $san = address ]; then tests="$tests $single"; fi
   targets=""
   for t in $tests; do targets="$targets build-$san/$t"; done
+  started=$SECONDS
   make -s -j"$(nproc)" SAN=$san BUILD=build-$san $targets
+  echo "== built under $san sanitizer in $((SECONDS - started)) s"
   for t in $tests; do
     echo "== $t under $san sanitizer"
+    started=$SECONDS
     if [ "$t" = test_collectives ]; then build-$san/$t 1 2 3 4; else build-$san/$t; fi
+    echo "== $t: $((SECONDS - started)) s"
   done
   # the timeline (its buffer is shared by the program's thread, the progress thread and the saver) on the
   # async collectives and the reducer's passes; each rank's last file must be valid
