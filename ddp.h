@@ -3415,6 +3415,11 @@ typedef struct ddp__membership {
     ddp_group *subgroups;    /* ddp_new_group's subgroups not yet destroyed, in the order made */
     ddp_group *next_sibling; /* the next of the parent's subgroups */
     uint64_t subgroups_made; /* names the next subgroup's key prefix */
+    /* A fault-tolerant view's set-up (ft.c ddp__ft_rebuild): asked every DDP__WATCH_PERIOD while the
+       rendezvous or the first connections wait, it answers the rank of a member known gone (its control
+       connection closed), or -1, so that the set-up fails at once instead of at its timeout. NULL: none. */
+    int (*gone)(void *arg);
+    void *gone_arg;
 } ddp__membership;
 
 /* Async work: a FIFO run by one progress thread (collectives.c). */
@@ -3532,9 +3537,10 @@ struct ddp_work {
 
 /* ---- group.c: a view's data plane (fault tolerance, ft.c) ---- */
 /* A fresh group of n members, this one rank `rank`, connected through `store` under `prefix` (as ddp_init
-   connects one); g carries the error. */
+   connects one); g carries the error. gone (may be NULL): ddp__membership.gone while it connects. */
 static DDP__UNUSED ddp_result ddp__group_open_view(ddp_group *g, int rank, int n, ddp_store *store, const char *prefix,
-                                                  double timeout, ddp_group **out);
+                                                  double timeout, int (*gone)(void *arg), void *gone_arg,
+                                                  ddp_group **out);
 /* g (its progress thread idle) takes v's data plane; g's old one is freed with v. */
 static DDP__UNUSED void ddp__group_adopt(ddp_group *g, ddp_group *v);
 /* g's (and its stage groups') limit on a silent peer in collectives: seconds, 0 for the group's timeout. */
@@ -16545,6 +16551,9 @@ static ddp_result ddp__rdzv_gather_watch(ddp_group *g, ddp__record *rec, unsigne
     int i, k, aborted = 0;
     ddp_result r = ddp__rdzv_check_abort(g, &aborted);
     if (r != DDP_SUCCESS || aborted) return r ? r : DDP_ERR_INIT;
+    if (g->member.gone && (k = g->member.gone(g->member.gone_arg)) >= 0) /* a fault-tolerant view's member */
+        return ddp__fail(g, DDP_ERR_PEER_LOST, "rank %d of the view is gone (its fault-tolerance control connection "
+                         "closed) before it joined the view's rendezvous", k);
     for (k = 0; k < DDP__RDZV_SCAN && *have < g->world_size; k++) {
         for (i = 0; i < g->world_size && known[*scan]; i++) *scan = (*scan + 1) % g->world_size;
         if (ddp__rdzv_read_record(g, *scan, rec, &r)) known[*scan] = 1, ++*have;
@@ -17190,7 +17199,7 @@ static ddp_result ddp__group_connect(ddp_group *g, const char *where) {
    the handle keeps what the program holds: its store, its ddp_alloc blocks (heap memory in FT mode), the
    progress thread and its work handles, the flight recorder, the device staging, the view change's state. */
 static ddp_result ddp__group_open_view(ddp_group *g, int rank, int n, ddp_store *store, const char *prefix,
-                                       double timeout, ddp_group **out) {
+                                       double timeout, int (*gone)(void *arg), void *gone_arg, ddp_group **out) {
     char where[160];
     ddp_group *v;
     ddp_result r;
@@ -17202,10 +17211,13 @@ static ddp_result ddp__group_open_view(ddp_group *g, int rank, int n, ddp_store 
     v->log_user = g->log_user;
     v->ft_mode = 1;
     v->member.store = store;
+    v->member.gone = gone, v->member.gone_arg = gone_arg;
     memcpy(v->member.address, g->member.address, sizeof v->member.address);
     snprintf(v->member.prefix, sizeof v->member.prefix, "%s", prefix);
     snprintf(where, sizeof where, "the view's store (%s)", prefix);
-    if (n > 1 && (r = ddp__group_connect(v, where)) != DDP_SUCCESS) {
+    r = n > 1 ? ddp__group_connect(v, where) : DDP_SUCCESS;
+    v->member.gone = NULL, v->member.gone_arg = NULL; /* (its control connections are ft.c's, busy from here) */
+    if (r != DDP_SUCCESS) {
         ddp__fail(g, r, "%s", v->error);
         ddp__group_free(v);
         return r;
@@ -17282,6 +17294,8 @@ static ddp_result ddp__setup_watch(ddp_group *g, int peer) {
         snprintf(how, sizeof how, "its process no longer exists");
         return ddp__setup_lost(g, peer, how);
     }
+    if (g->member.gone && g->mesh.dir && (peer = g->member.gone(g->member.gone_arg)) >= 0)
+        return ddp__setup_lost(g, peer, "its fault-tolerance control connection closed");
     return DDP_SUCCESS;
 }
 
@@ -17853,8 +17867,10 @@ DDP_API ddp_store *ddp_group_store(ddp_group *g) {
    Then the members build the new view's data plane: a fresh group of the view's members (rank = index in
    the view) through the store of the view's first member, under the key prefix "ft/<gen>/"
    (group.c ddp__group_open_view: listener, rendezvous, mesh, shm / tcp / hier as ddp_init chooses), which
-   the program's handle adopts (ddp__group_adopt). A member lost while that runs makes the build fail:
-   another view change follows, from the new gen. The program's ddp_group pointer, its reducer and its
+   the program's handle adopts (ddp__group_adopt). A member lost while that runs makes the build fail --
+   at once when its control connection closed (the set-up asks ddp__ft_view_member_gone every 0.25 s while
+   it waits), else at the set-up's timeout (2 x suspect_seconds) --: another view change follows, from the
+   new gen. The program's ddp_group pointer, its reducer and its
    work handles stay valid; ddp_alloc hands out heap memory in fault-tolerant mode, since every view maps
    its own shared segment.
 
@@ -18468,6 +18484,23 @@ static ddp_result ddp__ft_pump(ddp__ft *ft, int wait_ms) {
     return r;
 }
 
+/* While a new view's data plane forms (ddp__ft_rebuild): the rank in that view of a member whose control
+   connection closed (the process is gone: the set-up fails at once, not after its timeout), else -1. Only
+   a look: nothing is read, so the view change that follows still gets every message. */
+static int ddp__ft_view_member_gone(void *arg) {
+    ddp__ft *ft = (ddp__ft *)arg;
+    const ddp__ft_view *view = &ft->m.view;
+    struct pollfd p;
+    int i;
+    for (i = 0; i < view->n; i++) {
+        uint32_t id = view->members[i];
+        if (id == ft->m.id || ft->peers[id].fd < 0) continue;
+        p.fd = ft->peers[id].fd, p.events = POLLRDHUP, p.revents = 0;
+        if (poll(&p, 1, 0) > 0 && (p.revents & (POLLRDHUP | POLLHUP | POLLERR))) return i;
+    }
+    return -1;
+}
+
 /* The data plane of the view ft_view.c just installed: a fresh group through its first member's store. */
 static ddp_result ddp__ft_rebuild(ddp__ft *ft) {
     ddp_group *g = ft->g, *v = NULL;
@@ -18487,7 +18520,8 @@ static ddp_result ddp__ft_rebuild(ddp__ft *ft) {
         ft->store_of = first;
     }
     snprintf(prefix, sizeof prefix, "ft/%llu/", (unsigned long long)view->gen);
-    if ((r = ddp__group_open_view(g, rank, view->n, ft->store, prefix, timeout, &v)) != DDP_SUCCESS) return r;
+    if ((r = ddp__group_open_view(g, rank, view->n, ft->store, prefix, timeout, ddp__ft_view_member_gone, ft, &v)) != DDP_SUCCESS)
+        return r;
     /* nccl: the view's communicator, from the adopted plane's (the ranks it lost; members it gained) */
     for (nlost = 0, i = 0; i < ft->plane_n; i++)
         if (ddp__ft_rank_of(view, ft->plane[i]) < 0) ft->lost[nlost++] = i;
@@ -18622,7 +18656,7 @@ static ddp_result ddp__ft_rejoin(ddp__ft *ft, const char *why) {
     ft->plane_n = 0; /* nothing in common with the view that admits it: nccl makes its communicator anew */
     g->ft_running = 0;
     ddp__drain(g);
-    if ((r = ddp__group_open_view(g, 0, 1, NULL, "ft/alone/", g->timeout, &v)) == DDP_SUCCESS &&
+    if ((r = ddp__group_open_view(g, 0, 1, NULL, "ft/alone/", g->timeout, NULL, NULL, &v)) == DDP_SUCCESS &&
         (r = ddp__nccl_renew(g, v, NULL, 0, 1)) != DDP_SUCCESS)
         ddp__group_free(v);
     if (r != DDP_SUCCESS)

@@ -26,8 +26,10 @@
    Then the members build the new view's data plane: a fresh group of the view's members (rank = index in
    the view) through the store of the view's first member, under the key prefix "ft/<gen>/"
    (group.c ddp__group_open_view: listener, rendezvous, mesh, shm / tcp / hier as ddp_init chooses), which
-   the program's handle adopts (ddp__group_adopt). A member lost while that runs makes the build fail:
-   another view change follows, from the new gen. The program's ddp_group pointer, its reducer and its
+   the program's handle adopts (ddp__group_adopt). A member lost while that runs makes the build fail --
+   at once when its control connection closed (the set-up asks ddp__ft_view_member_gone every 0.25 s while
+   it waits), else at the set-up's timeout (2 x suspect_seconds) --: another view change follows, from the
+   new gen. The program's ddp_group pointer, its reducer and its
    work handles stay valid; ddp_alloc hands out heap memory in fault-tolerant mode, since every view maps
    its own shared segment.
 
@@ -643,6 +645,23 @@ static ddp_result ddp__ft_pump(ddp__ft *ft, int wait_ms) {
     return r;
 }
 
+/* While a new view's data plane forms (ddp__ft_rebuild): the rank in that view of a member whose control
+   connection closed (the process is gone: the set-up fails at once, not after its timeout), else -1. Only
+   a look: nothing is read, so the view change that follows still gets every message. */
+static int ddp__ft_view_member_gone(void *arg) {
+    ddp__ft *ft = (ddp__ft *)arg;
+    const ddp__ft_view *view = &ft->m.view;
+    struct pollfd p;
+    int i;
+    for (i = 0; i < view->n; i++) {
+        uint32_t id = view->members[i];
+        if (id == ft->m.id || ft->peers[id].fd < 0) continue;
+        p.fd = ft->peers[id].fd, p.events = POLLRDHUP, p.revents = 0;
+        if (poll(&p, 1, 0) > 0 && (p.revents & (POLLRDHUP | POLLHUP | POLLERR))) return i;
+    }
+    return -1;
+}
+
 /* The data plane of the view ft_view.c just installed: a fresh group through its first member's store. */
 static ddp_result ddp__ft_rebuild(ddp__ft *ft) {
     ddp_group *g = ft->g, *v = NULL;
@@ -662,7 +681,8 @@ static ddp_result ddp__ft_rebuild(ddp__ft *ft) {
         ft->store_of = first;
     }
     snprintf(prefix, sizeof prefix, "ft/%llu/", (unsigned long long)view->gen);
-    if ((r = ddp__group_open_view(g, rank, view->n, ft->store, prefix, timeout, &v)) != DDP_SUCCESS) return r;
+    if ((r = ddp__group_open_view(g, rank, view->n, ft->store, prefix, timeout, ddp__ft_view_member_gone, ft, &v)) != DDP_SUCCESS)
+        return r;
     /* nccl: the view's communicator, from the adopted plane's (the ranks it lost; members it gained) */
     for (nlost = 0, i = 0; i < ft->plane_n; i++)
         if (ddp__ft_rank_of(view, ft->plane[i]) < 0) ft->lost[nlost++] = i;
@@ -797,7 +817,7 @@ static ddp_result ddp__ft_rejoin(ddp__ft *ft, const char *why) {
     ft->plane_n = 0; /* nothing in common with the view that admits it: nccl makes its communicator anew */
     g->ft_running = 0;
     ddp__drain(g);
-    if ((r = ddp__group_open_view(g, 0, 1, NULL, "ft/alone/", g->timeout, &v)) == DDP_SUCCESS &&
+    if ((r = ddp__group_open_view(g, 0, 1, NULL, "ft/alone/", g->timeout, NULL, NULL, &v)) == DDP_SUCCESS &&
         (r = ddp__nccl_renew(g, v, NULL, 0, 1)) != DDP_SUCCESS)
         ddp__group_free(v);
     if (r != DDP_SUCCESS)

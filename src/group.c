@@ -224,7 +224,7 @@ static ddp_result ddp__group_connect(ddp_group *g, const char *where) {
    the handle keeps what the program holds: its store, its ddp_alloc blocks (heap memory in FT mode), the
    progress thread and its work handles, the flight recorder, the device staging, the view change's state. */
 static ddp_result ddp__group_open_view(ddp_group *g, int rank, int n, ddp_store *store, const char *prefix,
-                                       double timeout, ddp_group **out) {
+                                       double timeout, int (*gone)(void *arg), void *gone_arg, ddp_group **out) {
     char where[160];
     ddp_group *v;
     ddp_result r;
@@ -236,10 +236,13 @@ static ddp_result ddp__group_open_view(ddp_group *g, int rank, int n, ddp_store 
     v->log_user = g->log_user;
     v->ft_mode = 1;
     v->member.store = store;
+    v->member.gone = gone, v->member.gone_arg = gone_arg;
     memcpy(v->member.address, g->member.address, sizeof v->member.address);
     snprintf(v->member.prefix, sizeof v->member.prefix, "%s", prefix);
     snprintf(where, sizeof where, "the view's store (%s)", prefix);
-    if (n > 1 && (r = ddp__group_connect(v, where)) != DDP_SUCCESS) {
+    r = n > 1 ? ddp__group_connect(v, where) : DDP_SUCCESS;
+    v->member.gone = NULL, v->member.gone_arg = NULL; /* (its control connections are ft.c's, busy from here) */
+    if (r != DDP_SUCCESS) {
         ddp__fail(g, r, "%s", v->error);
         ddp__group_free(v);
         return r;
@@ -316,6 +319,8 @@ static ddp_result ddp__setup_watch(ddp_group *g, int peer) {
         snprintf(how, sizeof how, "its process no longer exists");
         return ddp__setup_lost(g, peer, how);
     }
+    if (g->member.gone && g->mesh.dir && (peer = g->member.gone(g->member.gone_arg)) >= 0)
+        return ddp__setup_lost(g, peer, "its fault-tolerance control connection closed");
     return DDP_SUCCESS;
 }
 

@@ -590,6 +590,11 @@ typedef struct ddp__membership {
     ddp_group *subgroups;    /* ddp_new_group's subgroups not yet destroyed, in the order made */
     ddp_group *next_sibling; /* the next of the parent's subgroups */
     uint64_t subgroups_made; /* names the next subgroup's key prefix */
+    /* A fault-tolerant view's set-up (ft.c ddp__ft_rebuild): asked every DDP__WATCH_PERIOD while the
+       rendezvous or the first connections wait, it answers the rank of a member known gone (its control
+       connection closed), or -1, so that the set-up fails at once instead of at its timeout. NULL: none. */
+    int (*gone)(void *arg);
+    void *gone_arg;
 } ddp__membership;
 
 /* Async work: a FIFO run by one progress thread (collectives.c). */
@@ -707,9 +712,10 @@ struct ddp_work {
 
 /* ---- group.c: a view's data plane (fault tolerance, ft.c) ---- */
 /* A fresh group of n members, this one rank `rank`, connected through `store` under `prefix` (as ddp_init
-   connects one); g carries the error. */
+   connects one); g carries the error. gone (may be NULL): ddp__membership.gone while it connects. */
 static DDP__UNUSED ddp_result ddp__group_open_view(ddp_group *g, int rank, int n, ddp_store *store, const char *prefix,
-                                                  double timeout, ddp_group **out);
+                                                  double timeout, int (*gone)(void *arg), void *gone_arg,
+                                                  ddp_group **out);
 /* g (its progress thread idle) takes v's data plane; g's old one is freed with v. */
 static DDP__UNUSED void ddp__group_adopt(ddp_group *g, ddp_group *v);
 /* g's (and its stage groups') limit on a silent peer in collectives: seconds, 0 for the group's timeout. */

@@ -275,6 +275,9 @@ static ddp_result ddp__rdzv_gather_watch(ddp_group *g, ddp__record *rec, unsigne
     int i, k, aborted = 0;
     ddp_result r = ddp__rdzv_check_abort(g, &aborted);
     if (r != DDP_SUCCESS || aborted) return r ? r : DDP_ERR_INIT;
+    if (g->member.gone && (k = g->member.gone(g->member.gone_arg)) >= 0) /* a fault-tolerant view's member */
+        return ddp__fail(g, DDP_ERR_PEER_LOST, "rank %d of the view is gone (its fault-tolerance control connection "
+                         "closed) before it joined the view's rendezvous", k);
     for (k = 0; k < DDP__RDZV_SCAN && *have < g->world_size; k++) {
         for (i = 0; i < g->world_size && known[*scan]; i++) *scan = (*scan + 1) % g->world_size;
         if (ddp__rdzv_read_record(g, *scan, rec, &r)) known[*scan] = 1, ++*have;

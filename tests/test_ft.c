@@ -127,7 +127,7 @@ static int worker(int rank, int n, void *arg) {
     CHECK(fd >= 0, "open %s", path);
     memset(&desc, 0, sizeof desc);
     desc.fault_tolerant = 1;
-    desc.suspect_seconds = 1; /* (a member lost while a view forms costs 2 x this) */
+    desc.suspect_seconds = 1; /* (a silent member costs 2 x this) */
     desc.timeout_seconds = 30; /* a silent member must be caught by suspect_seconds, long before this */
     CHECK_OK(ddp_init(&desc, &g), NULL);
     memset(&rd, 0, sizeof rd);
