@@ -66,18 +66,18 @@ children_cpu_ms() {  # children_cpu_ms NAME (the file it goes through is NAME's:
 # printed for a test are its own processes' either way.
 # Each line runs its slots side by side; a slot "a+b" runs a, then b (the shorter runs of a line chained so
 # that the slots take about as long). Measured in a clean clone on the 2-core machine (wall s, CPU s): ASan
-# 662 (632) + gpu_check 221 (168) against TSan 603 (523) + the ASan scripts 322 (352); current torch 383
-# (381) against mpi 78 + nccl 122 + the fake NCCL's 55 and 21 + the namespaces' 140 + the harness kernels'
-# 62; and three pairs of a test that keeps about one core busy with tests that mostly wait (timeouts, peers,
-# launchers): cuda_compile 52 beside init, auth, trace and more_collectives (74 together, 14 CPU s); cmake
-# 35 beside ft and launchers (63, 21 CPU s); ddprun 58 (48) beside timeline 46 (44). The two sanitizer
-# lanes and the torch lane keep both cores busy: the suite's length is its CPU time now, not its packing.
+# 639 (596) + gpu_check 142 (149) against TSan 573 (502) + the ASan scripts 139 (114) + the harness kernels
+# 57 (62); current torch 382 (381) against mpi 79 + nccl 127 + the fake NCCL's 58 + the namespaces' 134; and
+# three pairs of a test that keeps about one core busy with tests that mostly wait (timeouts, peers,
+# launchers): cuda_compile 46 beside init, auth, trace and more_collectives (76 together); cmake 35 beside
+# ft and launchers (59); ddprun 54 beside timeline 44 and the fake NCCL's FSDP 22. The two sanitizer lanes
+# and the torch lane keep both cores busy: the suite's length is its CPU time now, not its packing.
 TOGETHER="
-  test_sanitizers+test_gpu_check test_sanitizers_thread+test_sanitizers_scripts
-  test_interop_torch_current test_mpi+test_nccl+test_nccl_harness+test_nccl_fsdp+test_netns+test_cuda_kernels
+  test_sanitizers+test_gpu_check test_sanitizers_thread+test_sanitizers_scripts+test_cuda_kernels
+  test_interop_torch_current test_mpi+test_nccl+test_nccl_harness+test_netns
   test_cuda_compile test_init+test_auth+test_trace+test_more_collectives
   test_cmake test_ft+test_launchers
-  test_ddprun test_timeline
+  test_ddprun test_timeline+test_nccl_fsdp
 "
 # selected NAME: does NAME run in this invocation (TESTS, TIER)? Says so when it is in no tier.
 selected() {
