@@ -51,7 +51,8 @@ $(BUILD)/ddprun: tools/ddprun.c ddp.h | $(BUILD)
 # every test that includes testlib.h and uses only the public API; the others (private ddp__ names,
 # their own DDP_MALLOC or testlib.h's allocation hooks, TL_ALLOC_HOOKS) compile it themselves. The
 # sanitizer runs build ~20 tests: this saves minutes.
-SHARED_IMPL_TESTS := $(patsubst tests/%.c,$(BUILD)/%,$(shell grep -l 'testlib.h' tests/test_*.c | xargs grep -L 'ddp__\|DDP__\|DDP_MALLOC\|TL_ALLOC_HOOKS'))
+PRIVATE_NAMES := ddp__\|DDP__
+SHARED_IMPL_TESTS := $(patsubst tests/%.c,$(BUILD)/%,$(shell grep -l 'testlib.h' tests/test_*.c | xargs grep -L '$(PRIVATE_NAMES)\|DDP_MALLOC\|TL_ALLOC_HOOKS'))
 $(BUILD)/ddp_impl.o: ddp.h | $(BUILD)
 	printf '#define DDP_IMPLEMENTATION\n#include "ddp.h"\n' | $(CC) $(CFLAGS) $(SANFLAGS) -x c -c - -o $@
 $(SHARED_IMPL_TESTS): $(BUILD)/test_%: tests/test_%.c $(wildcard tests/*.h) ddp.h $(BUILD)/ddp_impl.o | $(BUILD)
@@ -90,7 +91,7 @@ endif
 # bench/*.h: helpers the bench programs share (bench_util.h)
 $(BUILD)/%: bench/%.c $(wildcard bench/*.h) ddp.h $(BUILD)/ddp_impl.o | $(BUILD)
 	$(CC) $(CFLAGS) $(SANFLAGS) -DDDP_NO_IMPLEMENTATION -o $@ $< $(BUILD)/ddp_impl.o $(LDLIBS)
-BENCHES_PRIVATE := $(patsubst bench/%.c,$(BUILD)/%,$(shell grep -l 'ddp__\|DDP__' bench/*.c))
+BENCHES_PRIVATE := $(patsubst bench/%.c,$(BUILD)/%,$(shell grep -l '$(PRIVATE_NAMES)' bench/*.c))
 $(BENCHES_PRIVATE): $(BUILD)/%: bench/%.c $(wildcard bench/*.h) ddp.h | $(BUILD)
 	$(CC) $(CFLAGS) $(SANFLAGS) -o $@ $< $(LDLIBS)
 

@@ -4127,7 +4127,7 @@ static double ddp__now(void) {
 static double ddp__quiet_limit(const ddp_group *g) { return g->quiet > 0 && g->quiet < g->timeout ? g->quiet : g->timeout; }
 
 static const char *ddp__quiet_limit_name(const ddp_group *g) {
-    return g->quiet > 0 && g->quiet < g->timeout ? "fault tolerance's suspect_seconds sets the limit" : "DDP_TIMEOUT sets the limit";
+    return ddp__quiet_limit(g) < g->timeout ? "fault tolerance's suspect_seconds sets the limit" : "DDP_TIMEOUT sets the limit";
 }
 
 /* CLOCK_REALTIME in seconds: comparable between processes (between machines as far as NTP keeps them) */

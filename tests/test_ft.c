@@ -592,9 +592,9 @@ static void random_rounds(int rounds, unsigned seed) {
 
 /* A member stopped (SIGSTOP), not killed: nothing closes. The others' collective gives up on it after
    suspect_seconds (1 s; the group's timeout is 30 s), the coordinator suspects it after suspect_seconds
-   more and the rest go on
-   without it; resumed (after 4 s, the others still training), it learns that it was left out and rejoins
-   as a new member: admitted with the members' state (its log's J line), it finishes with their weights. */
+   more and the rest go on without it; resumed (after 4 s, the others still training), it learns that it
+   was left out and rejoins as a new member: admitted with the members' state (its log's J line), it
+   finishes with their weights. */
 static void stopped_member(void) {
     int codes[8], t;
     double when;
